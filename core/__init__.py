@@ -1,0 +1,10 @@
+"""nereid: a Triton-compatible model server (KServe V2 / Open Inference Protocol over gRPC)."""
+
+from importlib.metadata import PackageNotFoundError, version
+
+try:
+    __version__ = version("nereid")
+except PackageNotFoundError:  # running from a source tree that was never installed
+    __version__ = "0.0.0"
+
+__all__ = ["__version__"]
