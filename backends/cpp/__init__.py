@@ -1,0 +1,1 @@
+"""The ``cpp`` backend: a folder with ``main.cpp``, compiled once at load into ``.cache/``."""

@@ -1,0 +1,1 @@
+"""The language-agnostic subprocess tensor contract, shared by the python and cpp backends."""

@@ -1,0 +1,84 @@
+"""Framed tensors: a UTF-8 header line ``"<dtype> d0,d1,...\\n"`` then raw little-endian bytes.
+
+This is the subprocess contract's output format, and the input format of
+multi-tensor models (one frame per tensor, in textproto order). BYTES tensors
+carry KServe's serialization after the header: each element a 4-byte
+little-endian length followed by its bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import BinaryIO
+
+import numpy as np
+
+from nereid.dtypes import DType
+from nereid.errors import ModelFailure
+from nereid.tensors import NamedTensor, tensor_bytes
+
+MAX_HEADER_BYTES = 4096
+MAX_RANK = 32
+
+
+def encode_frame(tensor: NamedTensor) -> bytes:
+    """One framed tensor: header line then its bytes."""
+    header = f"{tensor.dtype.contract} {','.join(str(d) for d in tensor.shape)}\n".encode("utf-8")
+    return header + tensor_bytes(tensor)
+
+
+def read_header(stream: BinaryIO, where: str) -> tuple[DType, tuple[int, ...]]:
+    """Read and parse one header line; ModelFailure says what is wrong with it."""
+    line = stream.readline(MAX_HEADER_BYTES + 1)
+    if not line:
+        raise ModelFailure(f"{where}: no header line (expected \"<dtype> d0,d1,...\\n\")")
+    if not line.endswith(b"\n"):
+        if len(line) > MAX_HEADER_BYTES:
+            raise ModelFailure(f"{where}: header line longer than {MAX_HEADER_BYTES} bytes")
+        raise ModelFailure(f"{where}: header line is not terminated by a newline: {line[:80]!r}")
+    try:
+        text = line[:-1].decode("utf-8")
+    except UnicodeDecodeError:
+        raise ModelFailure(f"{where}: header line is not UTF-8: {line[:80]!r}") from None
+    parts = text.split(" ")
+    if len(parts) > 2 or not parts[0]:
+        raise ModelFailure(f"{where}: malformed header {text[:80]!r} (expected \"<dtype> d0,d1,...\")")
+    try:
+        dtype = DType.from_contract(parts[0])
+    except ValueError as err:
+        raise ModelFailure(f"{where}: header {text[:80]!r}: {err}") from None
+    dims_text = parts[1] if len(parts) == 2 else ""
+    try:
+        shape = tuple(int(d) for d in dims_text.split(",")) if dims_text else ()
+    except ValueError:
+        raise ModelFailure(f"{where}: header {text[:80]!r}: dimensions must be comma-separated integers") from None
+    if len(shape) > MAX_RANK or any(d < 0 for d in shape):
+        raise ModelFailure(f"{where}: header {text[:80]!r}: bad shape (negative, or rank over {MAX_RANK})")
+    return dtype, shape
+
+
+def read_body(stream: BinaryIO, dtype: DType, shape: tuple[int, ...], where: str) -> np.ndarray:
+    """Read the data of a frame whose header was already read and checked."""
+    count = math.prod(shape)
+    if dtype is DType.BYTES:
+        return _read_bytes_body(stream, count, shape, where)
+    size = count * dtype.itemsize
+    data = stream.read(size)
+    if len(data) != size:
+        raise ModelFailure(f"{where}: header promises {size} bytes of {dtype.contract} {list(shape)}, "
+                           f"file holds {len(data)}")
+    return np.frombuffer(data, dtype=dtype.numpy.newbyteorder("<")).reshape(shape)
+
+
+def _read_bytes_body(stream: BinaryIO, count: int, shape: tuple[int, ...], where: str) -> np.ndarray:
+    array = np.empty(count, dtype=object)
+    for index in range(count):
+        prefix = stream.read(4)
+        if len(prefix) != 4:
+            raise ModelFailure(f"{where}: BYTES data ends before element {index} of {count}")
+        length = int.from_bytes(prefix, "little")
+        element = stream.read(length)
+        if len(element) != length:
+            raise ModelFailure(f"{where}: BYTES element {index} is truncated")
+        array[index] = element
+    return array.reshape(shape)

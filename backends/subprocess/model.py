@@ -1,0 +1,144 @@
+"""A model served by running a program per batch, speaking the subprocess tensor contract.
+
+Input: the single-tensor form sends the raw bytes on stdin with
+``NEREID_INPUT_SHAPE`` / ``NEREID_INPUT_DTYPE``; the multi-tensor form sends one
+framed tensor per input, in textproto order, and names them in
+``NEREID_INPUT_NAMES``. Output: one framed tensor per declared output, in
+textproto order, in the file ``NEREID_OUTPUT_PATH``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+from nereid.backend import ModelContext
+from nereid.errors import ConfigError, ModelFailure
+from nereid.signature import TEXTPROTO_NAME, ModelSignature, TensorSpec, dims_match, load_textproto_signature
+from nereid.tensors import NamedTensor, tensor_bytes
+
+from nereid.backends.subprocess.framing import encode_frame, read_body, read_header
+from nereid.backends.subprocess.runner import run_model_process
+
+# Inherited by children from the server's environment; everything else is dropped.
+INHERITED_ENV = ("PATH", "LANG", "LC_ALL", "HOME", "SYSTEMROOT", "LD_LIBRARY_PATH")
+
+
+class SubprocessModel:
+    """Shared machinery of the python and cpp backends; subclasses say what to run."""
+
+    platform = "nereid_subprocess"
+
+    def __init__(self, context: ModelContext) -> None:
+        self.context = context
+        self._signature: ModelSignature | None = None
+
+    # -- Backend protocol -------------------------------------------------
+    def load(self) -> None:
+        """Read the textproto (output_shape is required) and prepare the program."""
+        path = self.context.folder / TEXTPROTO_NAME
+        if not path.is_file():
+            raise ConfigError(f"model '{self.context.name}': missing {TEXTPROTO_NAME} in {self.context.folder}")
+        signature = load_textproto_signature(path)
+        if not signature.outputs:
+            raise ConfigError(f"{path}: a subprocess model must declare its output "
+                              "(output_shape, or output {} blocks)")
+        self._signature = signature
+        self.prepare()
+
+    def signature(self) -> ModelSignature:
+        assert self._signature is not None, "load() first"
+        return self._signature
+
+    def infer(self, inputs: list[NamedTensor]) -> list[NamedTensor]:
+        """Run the program once for this batch and read back its framed outputs."""
+        signature = self.signature()
+        batch = inputs[0].shape[0] if inputs and signature.batches else 1
+        work_dir = self.context.scratch_dir / f"run-{uuid.uuid4().hex}"
+        work_dir.mkdir()
+        try:
+            output_path = work_dir / "output"
+            env = self._environment(inputs, output_path, work_dir)
+            result = run_model_process(self.command(), cwd=self.context.folder, env=env,
+                                       stdin=self._stdin(inputs), timeout_s=self.context.settings.timeout_s,
+                                       log_path=work_dir / "log")
+            name = self.context.name
+            if result.timed_out:
+                raise ModelFailure(f"model '{name}' timed out after {self.context.settings.timeout_s:g} s "
+                                   "(timeout_s in nereid.yaml); its process group was killed")
+            if result.returncode != 0:
+                tail = f"; output tail: {result.output_tail}" if result.output_tail else ""
+                raise ModelFailure(f"model '{name}' {result.describe()}{tail}")
+            if not output_path.is_file():
+                raise ModelFailure(f"model '{name}' exited 0 without writing its output tensor to "
+                                   "NEREID_OUTPUT_PATH")
+            return self._read_outputs(output_path, batch)
+        finally:
+            shutil.rmtree(work_dir, ignore_errors=True)
+
+    def unload(self) -> None:
+        """Nothing stays running between requests."""
+
+    # -- for subclasses ---------------------------------------------------
+    def prepare(self) -> None:
+        """Check or build the program (called by ``load``)."""
+
+    def command(self) -> list[str]:
+        """The argv to run, with the model folder as working directory."""
+        raise NotImplementedError
+
+    # -- contract ---------------------------------------------------------
+    def _environment(self, inputs: list[NamedTensor], output_path: Path, work_dir: Path) -> dict[str, str]:
+        env = {key: os.environ[key] for key in INHERITED_ENV if key in os.environ}
+        env.setdefault("PATH", "/usr/local/bin:/usr/bin:/bin")
+        env["TMPDIR"] = str(work_dir)
+        env["NEREID_OUTPUT_PATH"] = str(output_path)
+        env["NEREID_MODEL_NAME"] = self.context.name
+        device = self.context.device
+        # A CPU model sees no GPU; a GPU model sees exactly its own.
+        env["CUDA_VISIBLE_DEVICES"] = str(device.index) if device.is_gpu else ""
+        signature = self.signature()
+        env["NEREID_OUTPUT_NAMES"] = ",".join(spec.name for spec in signature.outputs)
+        if signature.single_tensor_form:
+            if inputs:
+                env["NEREID_INPUT_SHAPE"] = ",".join(str(d) for d in inputs[0].shape)
+                env["NEREID_INPUT_DTYPE"] = inputs[0].dtype.contract
+        else:
+            env["NEREID_INPUT_NAMES"] = ",".join(t.name for t in inputs)
+        return env
+
+    def _stdin(self, inputs: list[NamedTensor]) -> bytes:
+        if self.signature().single_tensor_form:
+            return tensor_bytes(inputs[0]) if inputs else b""
+        return b"".join(encode_frame(tensor) for tensor in inputs)
+
+    def _read_outputs(self, path: Path, batch: int) -> list[NamedTensor]:
+        signature = self.signature()
+        outputs: list[NamedTensor] = []
+        with open(path, "rb") as stream:
+            for spec in signature.outputs:
+                where = f"model '{self.context.name}': output '{spec.name}'"
+                dtype, shape = read_header(stream, where)
+                if dtype is not spec.dtype:
+                    raise ModelFailure(f"{where}: the model wrote {dtype.contract}, expected {spec.dtype.contract}")
+                shape = self._check_shape(where, spec, shape, batch)
+                data = read_body(stream, dtype, shape, where)
+                outputs.append(NamedTensor(spec.name, dtype, data))
+            if stream.read(1):
+                raise ModelFailure(f"model '{self.context.name}': output file has data after the last "
+                                   f"declared output ({len(signature.outputs)} expected)")
+        return outputs
+
+    def _check_shape(self, where: str, spec: TensorSpec, shape: tuple[int, ...], batch: int) -> tuple[int, ...]:
+        if not self.signature().batches:
+            if dims_match(shape, spec.dims):
+                return shape
+            raise ModelFailure(f"{where}: the model wrote shape {list(shape)}, expected {list(spec.dims)}")
+        if len(shape) == len(spec.dims) + 1 and shape[0] == batch and dims_match(shape[1:], spec.dims):
+            return shape
+        if batch == 1 and dims_match(shape, spec.dims):
+            return (1, *shape)  # a batch-1 result written without its batch axis
+        raise ModelFailure(f"{where}: the model wrote shape {list(shape)}, expected {[batch, *spec.dims]} "
+                           f"(batch size {batch})")

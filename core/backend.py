@@ -1,0 +1,74 @@
+"""What a backend is once it has claimed a model folder: plain typed objects.
+
+The plugin hook (:mod:`nereid.hookspecs`) is only how a backend *claims* a
+folder. The claim carries a factory; the core calls it once per load and from
+then on talks to the returned :class:`Backend` directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Protocol, runtime_checkable
+
+from nereid.settings import Device, ModelSettings
+from nereid.signature import ModelSignature
+from nereid.tensors import NamedTensor
+
+
+@dataclass(frozen=True)
+class ModelContext:
+    """Everything a backend needs to build one model.
+
+    ``scratch_dir`` is a private, server-owned folder for temporary files
+    (emptied and removed when the server stops).
+    """
+
+    name: str
+    folder: Path
+    settings: ModelSettings
+    scratch_dir: Path
+
+    @property
+    def device(self) -> Device:
+        """The device nereid.yaml assigned to the model."""
+        return self.settings.device
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """One loaded model, as the core sees it. Calls come from worker threads.
+
+    ``infer`` receives inputs in the signature's order, each with its batch axis
+    when the signature batches, and returns the declared outputs (all of them,
+    in order, each with the same batch size). Raise
+    :class:`~nereid.errors.ModelFailure` with a reason for a model fault; any
+    other exception is reported as an internal error of the model too.
+    ``infer`` is called by at most ``instances`` threads at once.
+    """
+
+    platform: str
+
+    def load(self) -> None:
+        """Prepare the model (compile, read weights); raise with a reason to refuse it."""
+
+    def signature(self) -> ModelSignature:
+        """The tensors the model takes and returns (valid after ``load``)."""
+
+    def infer(self, inputs: list[NamedTensor]) -> list[NamedTensor]:
+        """Run one batch."""
+
+    def unload(self) -> None:
+        """Release everything ``load`` acquired; called once no request is running."""
+
+
+@dataclass(frozen=True)
+class BackendClaim:
+    """A backend's answer to "is this folder yours?".
+
+    ``backend`` is the backend's name (what ``backend:`` in nereid.yaml selects);
+    ``create`` builds the (not yet loaded) model.
+    """
+
+    backend: str
+    create: Callable[[ModelContext], Backend]

@@ -1,0 +1,94 @@
+"""The ``nereid`` command: ``serve`` and ``check``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from nereid.backend import ModelContext
+from nereid.errors import ConfigError
+from nereid.plugins import make_plugin_manager
+from nereid.repository import build_model, list_model_folders
+from nereid.settings import ModelSettings, Settings, load_settings
+
+DEFAULT_CONFIG = Path("nereid.yaml")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``nereid`` console script."""
+    parser = argparse.ArgumentParser(prog="nereid", description="A Triton-compatible model server.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    for name, help_text in (("serve", "serve the models over gRPC until SIGTERM/SIGINT"),
+                            ("check", "validate nereid.yaml and load every model folder once")):
+        command = commands.add_parser(name, help=help_text)
+        command.add_argument("--config", type=Path, default=DEFAULT_CONFIG,
+                             help="path to nereid.yaml (default: ./nereid.yaml)")
+    serve = commands.choices["serve"]
+    serve.add_argument("--bind", default=None, help="override server.bind_addr")
+    serve.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    args = parser.parse_args(argv)
+
+    try:
+        settings = load_settings(args.config)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if args.command == "check":
+        return check(settings)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return serve_command(settings, args.bind)
+
+
+def serve_command(settings: Settings, bind_addr: str | None) -> int:
+    """Run the server until a signal; 0 after a graceful stop."""
+    from nereid.server import NereidServer  # grpc is only needed to serve
+
+    async def run() -> None:
+        await NereidServer(settings, bind_addr=bind_addr).serve_until_signalled()
+
+    try:
+        asyncio.run(run())
+    except OSError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def check(settings: Settings) -> int:
+    """Load every model folder once and print one line per model; 1 if any has a problem."""
+    manager = make_plugin_manager()
+    root = settings.server.ml_backends_path
+    problems = 0
+    scratch = Path(tempfile.mkdtemp(prefix="nereid-check-"))
+    try:
+        for name in list_model_folders(root):
+            listed = settings.model(name)
+            model_settings = listed or ModelSettings(name)
+            suffix = "" if listed or not settings.models_listed else " (not listed in nereid.yaml)"
+            context = ModelContext(name, root / name, model_settings, scratch)
+            try:
+                backend_name, backend, signature = build_model(manager, context)
+            except Exception as err:
+                problems += 1
+                print(f"{name}: UNAVAILABLE: {str(err).strip() or type(err).__name__}{suffix}")
+                continue
+            try:
+                backend.unload()
+            finally:
+                inputs = ", ".join(f"{s.name} {s.dtype.kserve}{list(s.dims)}" for s in signature.inputs)
+                outputs = ", ".join(f"{s.name} {s.dtype.kserve}{list(s.dims)}" for s in signature.outputs)
+                print(f"{name}: OK backend={backend_name} device={model_settings.device} "
+                      f"max_batch_size={signature.max_batch_size} inputs=[{inputs}] outputs=[{outputs}]{suffix}")
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    print(f"{settings.source}: {'OK' if not problems else f'{problems} model(s) with problems'}")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""The protocol-neutral data plane shared by every protocol surface.
+
+It answers liveness, readiness and metadata questions and runs inference:
+validate against the signature, queue on the model's scheduler, select the
+requested outputs. Protocol modules only translate messages to and from it.
+"""
+
+from __future__ import annotations
+
+import time
+
+from nereid import __version__
+from nereid.errors import InvalidArgument, NereidError
+from nereid.repository import LoadedModel, ModelRepository
+from nereid.settings import Settings
+from nereid.signature import validate_inputs
+from nereid.tensors import InferRequest, InferResponse, NamedTensor
+
+SERVER_NAME = "nereid"
+
+# Triton protocol extensions nereid implements (ServerMetadata lists them).
+EXTENSIONS: tuple[str, ...] = ("model_repository", "model_configuration", "statistics")
+
+
+class DataPlane:
+    """Inference and introspection over a :class:`ModelRepository`."""
+
+    def __init__(self, repository: ModelRepository, settings: Settings) -> None:
+        self.repository = repository
+        self.settings = settings
+        self.shutting_down = False
+
+    def live(self) -> bool:
+        """The server process is up and answering."""
+        return True
+
+    def ready(self) -> bool:
+        """Ready to serve: not shutting down and, under strict readiness, every exposed model READY."""
+        if self.shutting_down:
+            return False
+        return self.repository.server_ready() if self.settings.server.strict_readiness else True
+
+    def model_ready(self, name: str) -> bool:
+        """True when the model is loaded and accepting requests (NotFound for an unknown name)."""
+        return self.repository.entry(name).state.value == "READY"
+
+    def server_metadata(self) -> tuple[str, str, tuple[str, ...]]:
+        """Name, version and implemented extensions."""
+        return SERVER_NAME, __version__, EXTENSIONS
+
+    def model(self, name: str) -> LoadedModel:
+        """The ready model behind ``name`` (NotFound / Unavailable otherwise)."""
+        return self.repository.ready_model(name)
+
+    async def infer(self, request: InferRequest) -> InferResponse:
+        """Run one request; every accepted request gets exactly one answer, success or error."""
+        received_ns = time.monotonic_ns()
+        model = self.repository.ready_model(request.model_name)
+        try:
+            validated = validate_inputs(request.model_name, model.signature, request.inputs)
+            wanted = self._requested_outputs(request, model)
+            outputs = await model.scheduler.submit(validated.tensors, validated.batch_size, request.deadline_ns)
+        except NereidError:
+            model.stats.record_failure(time.monotonic_ns() - received_ns)
+            raise
+        selected = [_strip_batch_axis(t) if validated.batch_axis_added else t for t in outputs if t.name in wanted]
+        model.stats.record_success(time.monotonic_ns() - received_ns, validated.batch_size)
+        return InferResponse(request.model_name, selected, request.id)
+
+    @staticmethod
+    def _requested_outputs(request: InferRequest, model: LoadedModel) -> set[str]:
+        declared = [spec.name for spec in model.signature.outputs]
+        for name in request.requested_outputs:
+            if name not in declared:
+                raise InvalidArgument(
+                    f"model '{request.model_name}': unknown requested output '{name}' "
+                    f"(outputs: {', '.join(repr(n) for n in declared) or 'none'})")
+        return set(request.requested_outputs or declared)
+
+
+def _strip_batch_axis(tensor: NamedTensor) -> NamedTensor:
+    # The client sent no batch axis, so it gets none back: the response mirrors the request.
+    return NamedTensor(tensor.name, tensor.dtype, tensor.data.reshape(tensor.shape[1:]))

@@ -1,0 +1,35 @@
+"""The one plugin hook through which backends claim model folders."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pluggy
+
+from nereid.backend import BackendClaim
+
+PROJECT_NAME = "nereid"
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+
+@hookspec
+def nereid_claim_model(folder: Path, declared: bool) -> BackendClaim | None:
+    """Claim a model folder for this backend, or decline it.
+
+    Every registered backend is asked about every model folder; the core
+    collects the claims. One claim selects the backend; none, or several, make
+    the model unavailable with the candidates named, unless ``backend:`` in
+    nereid.yaml names one, in which case only that backend is asked.
+
+    :param folder: the model folder, ``<ml_backends_path>/<model name>``. Look
+        only at its files: return quickly and do not load anything here.
+    :param declared: True when ``backend:`` in nereid.yaml names this backend
+        for the folder (only this backend is asked then). Claim the folder even
+        if your files are missing, so that loading reports exactly which file
+        is missing; a backend whose folders carry no signature of their own
+        claims only declared folders.
+    :return: a :class:`~nereid.backend.BackendClaim` whose ``backend`` is this
+        backend's name, or None when the folder is not this backend's.
+    """

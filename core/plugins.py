@@ -1,0 +1,76 @@
+"""Building the plugin manager and asking backends to claim a folder."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import pluggy
+
+from nereid import hookspecs
+from nereid.backend import BackendClaim
+
+ENTRY_POINT_GROUP = "nereid.backends"
+
+# Built-in backends, registered exactly like third-party ones: each module is a
+# plugin whose ``BACKEND_NAME`` is its registration name.
+BUILTIN_BACKENDS: tuple[str, ...] = (
+    "nereid.backends.python.plugin",
+    "nereid.backends.cpp.plugin",
+)
+
+
+@dataclass(frozen=True)
+class ClaimResult:
+    """The outcome of asking the backends about one folder: a claim or a reason."""
+
+    claim: BackendClaim | None
+    reason: str = ""
+
+
+def make_plugin_manager(*, load_entry_points: bool = True, extra_plugins: tuple[object, ...] = ()) -> pluggy.PluginManager:
+    """A plugin manager with the built-in backends, installed plugins and ``extra_plugins``.
+
+    Installed packages register backends under the ``nereid.backends``
+    entry-point group; the entry-point name becomes the backend's plugin name.
+    """
+    manager = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+    manager.add_hookspecs(hookspecs)
+    for module_name in BUILTIN_BACKENDS:
+        module = importlib.import_module(module_name)
+        manager.register(module, name=module.BACKEND_NAME)
+    if load_entry_points:
+        manager.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
+    for plugin in extra_plugins:
+        manager.register(plugin, name=getattr(plugin, "BACKEND_NAME", None))
+    return manager
+
+
+def backend_names(manager: pluggy.PluginManager) -> list[str]:
+    """Names of every registered backend plugin, sorted."""
+    return sorted(name for name, plugin in manager.list_name_plugin() if plugin is not None)
+
+
+def claim_folder(manager: pluggy.PluginManager, folder: Path, backend: str | None = None) -> ClaimResult:
+    """Ask the backends about ``folder``; with ``backend`` set, ask only that one."""
+    if backend is not None:
+        plugin = manager.get_plugin(backend)
+        if plugin is None:
+            return ClaimResult(None, f"backend '{backend}' (from nereid.yaml) is not installed; "
+                                     f"installed backends: {', '.join(backend_names(manager))}")
+        others = [p for p in manager.get_plugins() if p is not plugin]
+        claims = manager.subset_hook_caller("nereid_claim_model", remove_plugins=others)(folder=folder, declared=True)
+        if not claims:
+            return ClaimResult(None, f"backend '{backend}' does not recognise the folder {folder}")
+        return ClaimResult(claims[0])
+    claims = manager.hook.nereid_claim_model(folder=folder, declared=False)
+    if len(claims) == 1:
+        return ClaimResult(claims[0])
+    if not claims:
+        return ClaimResult(None, f"no backend claims the folder {folder} "
+                                 f"(installed backends: {', '.join(backend_names(manager))}); "
+                                 "add the backend's files or set backend: in nereid.yaml")
+    names = ", ".join(sorted(c.backend for c in claims))
+    return ClaimResult(None, f"several backends claim the folder {folder} ({names}); "
+                             "set backend: in nereid.yaml to choose one")

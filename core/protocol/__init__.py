@@ -1,0 +1,1 @@
+"""Protocol surfaces: each translates wire messages to and from the data plane."""

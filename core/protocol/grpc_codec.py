@@ -1,0 +1,119 @@
+"""KServe V2 messages <-> protocol-neutral tensors and requests."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+
+from nereid._proto import grpc_service_pb2 as pb
+from nereid.dtypes import DType
+from nereid.errors import InvalidArgument
+from nereid.signature import expected_byte_size
+from nereid.tensors import InferRequest, InferResponse, NamedTensor, split_bytes_elements, tensor_bytes
+
+# The request parameter Triton clients use for a per-request timeout, in microseconds.
+TIMEOUT_PARAMETER = "timeout"
+
+
+def decode_infer_request(msg: pb.ModelInferRequest, time_remaining_s: float | None) -> InferRequest:
+    """Decode a ModelInferRequest; ``time_remaining_s`` is the gRPC deadline's remaining budget.
+
+    The earlier of the gRPC deadline and the ``timeout`` parameter becomes an
+    absolute monotonic deadline here, at decode time.
+    """
+    model = msg.model_name
+    if msg.raw_input_contents and len(msg.raw_input_contents) != len(msg.inputs):
+        raise InvalidArgument(
+            f"model '{model}': {len(msg.raw_input_contents)} raw_input_contents for {len(msg.inputs)} "
+            "inputs; send raw contents for every input or for none")
+    inputs = [
+        _decode_tensor(model, tensor, msg.raw_input_contents[i] if msg.raw_input_contents else None)
+        for i, tensor in enumerate(msg.inputs)
+    ]
+    now = time.monotonic_ns()
+    budgets: list[int] = []
+    if time_remaining_s is not None:
+        budgets.append(int(time_remaining_s * 1e9))
+    if TIMEOUT_PARAMETER in msg.parameters:
+        timeout_us = msg.parameters[TIMEOUT_PARAMETER].int64_param
+        if timeout_us < 0:
+            raise InvalidArgument(f"model '{model}': parameter 'timeout' must be >= 0 microseconds, got {timeout_us}")
+        if timeout_us > 0:
+            budgets.append(timeout_us * 1000)
+    deadline = now + min(budgets) if budgets else 0
+    return InferRequest(
+        model_name=model,
+        inputs=inputs,
+        id=msg.id,
+        requested_outputs=[out.name for out in msg.outputs],
+        deadline_ns=deadline,
+    )
+
+
+def _decode_tensor(model: str, tensor: pb.ModelInferRequest.InferInputTensor, raw: bytes | None) -> NamedTensor:
+    where = f"model '{model}': input '{tensor.name}'"
+    try:
+        dtype = DType.from_kserve(tensor.datatype)
+    except ValueError as err:
+        raise InvalidArgument(f"{where}: {err}") from None
+    shape = tuple(tensor.shape)
+    if any(d < 0 for d in shape):
+        raise InvalidArgument(f"{where}: shape {list(shape)} has a negative dimension")
+    count = math.prod(shape)
+    if raw is not None:
+        data = _decode_raw(where, dtype, shape, count, raw)
+    else:
+        data = _decode_contents(where, dtype, shape, count, tensor.contents)
+    return NamedTensor(tensor.name, dtype, data)
+
+
+def _decode_raw(where: str, dtype: DType, shape: tuple[int, ...], count: int, raw: bytes) -> np.ndarray:
+    if dtype is DType.BYTES:
+        try:
+            elements = split_bytes_elements(raw)
+        except ValueError as err:
+            raise InvalidArgument(f"{where}: {err}") from None
+        if len(elements) != count:
+            raise InvalidArgument(
+                f"{where}: raw contents hold {len(elements)} BYTES elements, expected {count} for shape {list(shape)}")
+        array = np.empty(count, dtype=object)
+        array[:] = elements
+        return array.reshape(shape)
+    expected = expected_byte_size(dtype, shape)
+    if len(raw) != expected:
+        raise InvalidArgument(
+            f"{where}: raw contents are {len(raw)} bytes, expected {expected} "
+            f"({dtype.kserve} {list(shape)} = {count} x {dtype.itemsize} bytes)")
+    # A read-only view of the message's bytes: no copy.
+    return np.frombuffer(raw, dtype=dtype.numpy.newbyteorder("<")).reshape(shape)
+
+
+def _decode_contents(where: str, dtype: DType, shape: tuple[int, ...], count: int,
+                     contents: pb.InferTensorContents) -> np.ndarray:
+    field = dtype.contents_field
+    if field is None:
+        raise InvalidArgument(f"{where}: {dtype.kserve} data must be sent in raw_input_contents "
+                              "(the typed contents message has no field for it)")
+    values = getattr(contents, field)
+    if len(values) != count:
+        raise InvalidArgument(
+            f"{where}: contents.{field} holds {len(values)} elements, expected {count} for shape {list(shape)}")
+    if dtype is DType.BYTES:
+        array = np.empty(count, dtype=object)
+        array[:] = list(values)
+        return array.reshape(shape)
+    try:
+        return np.array(values, dtype=dtype.numpy).reshape(shape)
+    except (OverflowError, ValueError) as err:
+        raise InvalidArgument(f"{where}: contents.{field} does not fit {dtype.kserve}: {err}") from None
+
+
+def encode_infer_response(response: InferResponse) -> pb.ModelInferResponse:
+    """A ModelInferResponse with every output in ``raw_output_contents``."""
+    msg = pb.ModelInferResponse(model_name=response.model_name, model_version="1", id=response.id)
+    for tensor in response.outputs:
+        msg.outputs.add(name=tensor.name, datatype=tensor.dtype.kserve, shape=tensor.shape)
+        msg.raw_output_contents.append(tensor_bytes(tensor))
+    return msg

@@ -1,0 +1,276 @@
+"""``inference.GRPCInferenceService``: the KServe V2 RPCs and nereid's Triton extensions.
+
+Handlers only translate: messages in, data-plane calls, messages out, and
+protocol-neutral errors mapped to gRPC status codes in one place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+import grpc
+
+from nereid._proto import grpc_service_pb2 as pb
+from nereid._proto import model_config_pb2 as mc
+from nereid.dataplane import DataPlane
+from nereid.errors import (ConfigError, DeadlineExceeded, InvalidArgument, ModelFailure, NereidError,
+                           NotFound, Unavailable)
+from nereid.protocol.grpc_codec import decode_infer_request, encode_infer_response
+from nereid.repository import LoadedModel, ModelState
+from nereid.signature import TensorSpec
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "inference.GRPCInferenceService"
+
+STATUS_OF_ERROR: dict[type[NereidError], grpc.StatusCode] = {
+    NotFound: grpc.StatusCode.NOT_FOUND,
+    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    ConfigError: grpc.StatusCode.INVALID_ARGUMENT,
+    Unavailable: grpc.StatusCode.UNAVAILABLE,
+    DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
+    ModelFailure: grpc.StatusCode.INTERNAL,
+}
+
+MODEL_VERSION = "1"
+
+
+def status_of(error: NereidError) -> grpc.StatusCode:
+    """The gRPC status code for a nereid error (INTERNAL for anything unmapped)."""
+    for kind in type(error).__mro__:
+        if kind in STATUS_OF_ERROR:
+            return STATUS_OF_ERROR[kind]
+    return grpc.StatusCode.INTERNAL
+
+
+Handler = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
+
+
+def _maps_errors(handler: Handler) -> Handler:
+    @functools.wraps(handler)
+    async def wrapper(self: "InferenceServicer", request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await handler(self, request, context)
+        except NereidError as err:
+            await context.abort(status_of(err), str(err))
+    return wrapper
+
+
+def _check_version(name: str, version: str) -> None:
+    if version not in ("", MODEL_VERSION):
+        raise NotFound(f"model '{name}' has no version '{version}' (nereid serves version {MODEL_VERSION})")
+
+
+class InferenceServicer:
+    """The RPC implementations over one :class:`DataPlane`.
+
+    ``on_repository_change`` is awaited after a load or unload (the server uses
+    it to update the health service).
+    """
+
+    def __init__(self, dataplane: DataPlane,
+                 on_repository_change: Callable[[], Awaitable[None]] | None = None) -> None:
+        self.dataplane = dataplane
+        self._on_change = on_repository_change
+
+    @_maps_errors
+    async def ServerLive(self, request: pb.ServerLiveRequest, context) -> pb.ServerLiveResponse:
+        return pb.ServerLiveResponse(live=self.dataplane.live())
+
+    @_maps_errors
+    async def ServerReady(self, request: pb.ServerReadyRequest, context) -> pb.ServerReadyResponse:
+        return pb.ServerReadyResponse(ready=self.dataplane.ready())
+
+    @_maps_errors
+    async def ModelReady(self, request: pb.ModelReadyRequest, context) -> pb.ModelReadyResponse:
+        _check_version(request.name, request.version)
+        return pb.ModelReadyResponse(ready=self.dataplane.model_ready(request.name))
+
+    @_maps_errors
+    async def ServerMetadata(self, request: pb.ServerMetadataRequest, context) -> pb.ServerMetadataResponse:
+        name, version, extensions = self.dataplane.server_metadata()
+        return pb.ServerMetadataResponse(name=name, version=version, extensions=extensions)
+
+    @_maps_errors
+    async def ModelMetadata(self, request: pb.ModelMetadataRequest, context) -> pb.ModelMetadataResponse:
+        _check_version(request.name, request.version)
+        model = self.dataplane.model(request.name)
+        batch = (-1,) if model.signature.batches else ()
+        response = pb.ModelMetadataResponse(name=request.name, versions=[MODEL_VERSION],
+                                            platform=model.backend.platform)
+        for spec in model.signature.inputs:
+            response.inputs.add(name=spec.name, datatype=spec.dtype.kserve, shape=batch + spec.dims)
+        for spec in model.signature.outputs:
+            response.outputs.add(name=spec.name, datatype=spec.dtype.kserve, shape=batch + spec.dims)
+        return response
+
+    @_maps_errors
+    async def ModelConfig(self, request: pb.ModelConfigRequest, context) -> pb.ModelConfigResponse:
+        _check_version(request.name, request.version)
+        entry = self.dataplane.repository.entry(request.name)
+        model = self.dataplane.model(request.name)
+        return pb.ModelConfigResponse(config=model_config(request.name, model, entry.settings))
+
+    @_maps_errors
+    async def ModelInfer(self, request: pb.ModelInferRequest, context) -> pb.ModelInferResponse:
+        _check_version(request.model_name, request.model_version)
+        decoded = decode_infer_request(request, context.time_remaining())
+        return encode_infer_response(await self.dataplane.infer(decoded))
+
+    async def ModelStreamInfer(self, requests: AsyncIterator[pb.ModelInferRequest],
+                               context) -> AsyncIterator[pb.ModelStreamInferResponse]:
+        """Requests run concurrently; each answer (or error) is sent as soon as it is ready."""
+        answers: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
+        pending: set[asyncio.Task] = set()
+
+        async def answer(request: pb.ModelInferRequest) -> None:
+            try:
+                _check_version(request.model_name, request.model_version)
+                decoded = decode_infer_request(request, context.time_remaining())
+                result = encode_infer_response(await self.dataplane.infer(decoded))
+                await answers.put(pb.ModelStreamInferResponse(infer_response=result))
+            except NereidError as err:
+                # The error answers this request only; the stream stays open.
+                stub = pb.ModelInferResponse(model_name=request.model_name, id=request.id)
+                await answers.put(pb.ModelStreamInferResponse(error_message=str(err), infer_response=stub))
+
+        async def read() -> None:
+            async for request in requests:
+                task = asyncio.create_task(answer(request))
+                pending.add(task)
+                task.add_done_callback(pending.discard)
+            while pending:
+                await asyncio.gather(*list(pending), return_exceptions=True)
+            await answers.put(None)
+
+        reader = asyncio.create_task(read())
+        try:
+            while (item := await answers.get()) is not None:
+                yield item
+        finally:
+            reader.cancel()
+            for task in list(pending):
+                task.cancel()
+
+    @_maps_errors
+    async def ModelStatistics(self, request: pb.ModelStatisticsRequest, context) -> pb.ModelStatisticsResponse:
+        repository = self.dataplane.repository
+        if request.name:
+            _check_version(request.name, request.version)
+            entry = repository.entry(request.name)
+            if entry.loaded is None:
+                raise Unavailable(f"model '{request.name}' is not loaded ({entry.state.value}); no statistics")
+            entries = [entry]
+        else:
+            entries = [e for e in repository.entries() if e.loaded is not None]
+        response = pb.ModelStatisticsResponse()
+        for entry in entries:
+            _fill_statistics(response.model_stats.add(name=entry.name, version=MODEL_VERSION), entry.loaded)
+        return response
+
+    @_maps_errors
+    async def RepositoryIndex(self, request: pb.RepositoryIndexRequest, context) -> pb.RepositoryIndexResponse:
+        repository = self.dataplane.repository
+        repository.rescan()
+        response = pb.RepositoryIndexResponse()
+        for entry in repository.entries():
+            if request.ready and entry.state is not ModelState.READY:
+                continue
+            response.models.add(name=entry.name, version=MODEL_VERSION, state=entry.state.value, reason=entry.reason)
+        return response
+
+    @_maps_errors
+    async def RepositoryModelLoad(self, request: pb.RepositoryModelLoadRequest,
+                                  context) -> pb.RepositoryModelLoadResponse:
+        entry = await self.dataplane.repository.load(request.model_name)
+        if self._on_change:
+            await self._on_change()
+        if entry.state is not ModelState.READY:
+            raise ModelFailure(f"failed to load model '{request.model_name}': {entry.reason}")
+        return pb.RepositoryModelLoadResponse()
+
+    @_maps_errors
+    async def RepositoryModelUnload(self, request: pb.RepositoryModelUnloadRequest,
+                                    context) -> pb.RepositoryModelUnloadResponse:
+        await self.dataplane.repository.unload(request.model_name)
+        if self._on_change:
+            await self._on_change()
+        return pb.RepositoryModelUnloadResponse()
+
+
+# (RPC name, request type, response type, streaming)
+_RPCS: tuple[tuple[str, type, type, bool], ...] = (
+    ("ServerLive", pb.ServerLiveRequest, pb.ServerLiveResponse, False),
+    ("ServerReady", pb.ServerReadyRequest, pb.ServerReadyResponse, False),
+    ("ModelReady", pb.ModelReadyRequest, pb.ModelReadyResponse, False),
+    ("ServerMetadata", pb.ServerMetadataRequest, pb.ServerMetadataResponse, False),
+    ("ModelMetadata", pb.ModelMetadataRequest, pb.ModelMetadataResponse, False),
+    ("ModelInfer", pb.ModelInferRequest, pb.ModelInferResponse, False),
+    ("ModelStreamInfer", pb.ModelInferRequest, pb.ModelStreamInferResponse, True),
+    ("ModelConfig", pb.ModelConfigRequest, pb.ModelConfigResponse, False),
+    ("ModelStatistics", pb.ModelStatisticsRequest, pb.ModelStatisticsResponse, False),
+    ("RepositoryIndex", pb.RepositoryIndexRequest, pb.RepositoryIndexResponse, False),
+    ("RepositoryModelLoad", pb.RepositoryModelLoadRequest, pb.RepositoryModelLoadResponse, False),
+    ("RepositoryModelUnload", pb.RepositoryModelUnloadRequest, pb.RepositoryModelUnloadResponse, False),
+)
+
+
+def generic_handler(servicer: InferenceServicer) -> grpc.GenericRpcHandler:
+    """Register the servicer's methods under the wire service name ``inference.GRPCInferenceService``."""
+    handlers = {}
+    for name, request_type, response_type, streaming in _RPCS:
+        make = grpc.stream_stream_rpc_method_handler if streaming else grpc.unary_unary_rpc_method_handler
+        handlers[name] = make(getattr(servicer, name), request_deserializer=request_type.FromString,
+                              response_serializer=response_type.SerializeToString)
+    return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
+
+
+_CONFIG_TYPE = {spec: getattr(mc, "TYPE_STRING" if spec == "BYTES" else f"TYPE_{spec}")
+                for spec in ("BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32",
+                             "INT64", "FP16", "FP32", "FP64", "BF16", "BYTES")}
+
+
+def model_config(name: str, model: LoadedModel, settings) -> mc.ModelConfig:
+    """A Triton ModelConfig derived from the model's contract (dims exclude the batch axis)."""
+    signature = model.signature
+    config = mc.ModelConfig(name=name, platform=model.backend.platform, backend=model.backend_name,
+                            max_batch_size=signature.max_batch_size)
+
+    def add(collection, spec: TensorSpec) -> None:
+        collection.add(name=spec.name, data_type=_CONFIG_TYPE[spec.dtype.kserve], dims=spec.dims)
+
+    for spec in signature.inputs:
+        add(config.input, spec)
+    for spec in signature.outputs:
+        add(config.output, spec)
+    if signature.batches:
+        config.dynamic_batching.SetInParent()
+    device = settings.device
+    group = config.instance_group.add(name=name, count=settings.instances,
+                                      kind=mc.ModelInstanceGroup.KIND_GPU if device.is_gpu
+                                      else mc.ModelInstanceGroup.KIND_CPU)
+    if device.is_gpu:
+        group.gpus.append(device.index)
+    return config
+
+
+def _fill_statistics(stats_msg: pb.ModelStatistics, model: LoadedModel) -> None:
+    stats = model.stats
+    stats_msg.last_inference = stats.last_inference_ms
+    stats_msg.inference_count = stats.inference_count
+    stats_msg.execution_count = stats.execution_count
+    infer = stats_msg.inference_stats
+    for field in ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output"):
+        duration = getattr(stats, field)
+        target = getattr(infer, field)
+        target.count, target.ns = duration.count, duration.ns
+    for size in sorted(stats.batches):
+        per_size = stats.batches[size]
+        batch = stats_msg.batch_stats.add(batch_size=size)
+        for field in ("compute_input", "compute_infer", "compute_output"):
+            duration = getattr(per_size, field)
+            target = getattr(batch, field)
+            target.count, target.ns = duration.count, duration.ns

@@ -1,0 +1,203 @@
+"""The model repository: which folders exist, who owns them, and their state.
+
+Folders under ``ml_backends_path`` are models (the folder name is the model
+name). The repository claims each through the plugins, loads it on a worker
+thread, and keeps its state (LOADING, READY, UNLOADING, UNAVAILABLE) and the
+reason when it is not ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pluggy
+
+from nereid.backend import Backend, ModelContext
+from nereid.errors import ConfigError, NotFound, Unavailable
+from nereid.plugins import claim_folder
+from nereid.scheduler import ModelScheduler
+from nereid.settings import ModelSettings, Settings
+from nereid.signature import ModelSignature
+from nereid.stats import ModelStats
+
+log = logging.getLogger(__name__)
+
+NOT_LISTED_REASON = "not listed in nereid.yaml; load it with RepositoryModelLoad"
+
+
+class ModelState(str, enum.Enum):
+    """Triton's model states, as RepositoryIndex reports them."""
+
+    LOADING = "LOADING"
+    READY = "READY"
+    UNLOADING = "UNLOADING"
+    UNAVAILABLE = "UNAVAILABLE"
+
+
+@dataclass
+class LoadedModel:
+    """A model that loaded: its backend, signature, scheduler and statistics."""
+
+    backend_name: str
+    backend: Backend
+    signature: ModelSignature
+    scheduler: ModelScheduler
+    stats: ModelStats
+    load_seconds: float
+
+
+@dataclass
+class ModelEntry:
+    """One model folder and where it stands."""
+
+    name: str
+    folder: Path
+    settings: ModelSettings
+    state: ModelState = ModelState.UNAVAILABLE
+    reason: str = NOT_LISTED_REASON
+    loaded: LoadedModel | None = None
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+def build_model(manager: pluggy.PluginManager, context: ModelContext) -> tuple[str, Backend, ModelSignature]:
+    """Claim, create and load one model; raise with the reason when it cannot be served.
+
+    Blocking (backends compile and read files here): call it on a worker thread.
+    """
+    result = claim_folder(manager, context.folder, context.settings.backend)
+    if result.claim is None:
+        raise ConfigError(result.reason)
+    backend = result.claim.create(context)
+    backend.load()
+    return result.claim.backend, backend, backend.signature()
+
+
+def list_model_folders(root: Path) -> list[str]:
+    """Names of the model folders under ``root`` (hidden folders such as ``.cache`` skipped)."""
+    return sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+
+class ModelRepository:
+    """All model folders of one server, and the loaded models among them."""
+
+    def __init__(self, settings: Settings, manager: pluggy.PluginManager, scratch_dir: Path) -> None:
+        self.settings = settings
+        self.manager = manager
+        self.scratch_dir = scratch_dir
+        self.root = settings.server.ml_backends_path
+        self._entries: dict[str, ModelEntry] = {}
+        # Models the server is expected to keep ready: ServerReady looks at these.
+        self._exposed: set[str] = set()
+        self.rescan()
+
+    def startup_models(self) -> list[str]:
+        """The models to load at start: the listed ones, or every folder when none are listed."""
+        if self.settings.models_listed:
+            return [m.name for m in self.settings.models]
+        return list(self._entries)
+
+    def rescan(self) -> None:
+        """Pick up folders added since the last scan (a removed folder keeps its entry until unloaded)."""
+        for name in list_model_folders(self.root):
+            if name not in self._entries:
+                settings = self.settings.model(name) or ModelSettings(name)
+                self._entries[name] = ModelEntry(name, self.root / name, settings)
+
+    def entries(self) -> list[ModelEntry]:
+        """Every known model folder, by name."""
+        return [self._entries[name] for name in sorted(self._entries)]
+
+    def entry(self, name: str) -> ModelEntry:
+        """The entry for ``name``; NotFound when no such folder exists."""
+        entry = self._entries.get(name)
+        if entry is None:
+            self.rescan()
+            entry = self._entries.get(name)
+        if entry is None:
+            raise NotFound(f"unknown model '{name}' (no folder {self.root / name})")
+        return entry
+
+    def ready_model(self, name: str) -> LoadedModel:
+        """The loaded model behind ``name``; NotFound or Unavailable with the reason otherwise."""
+        entry = self._entries.get(name)
+        if entry is None:
+            raise NotFound(f"unknown model '{name}'")
+        if entry.state is not ModelState.READY or entry.loaded is None:
+            detail = f": {entry.reason}" if entry.reason else ""
+            raise Unavailable(f"model '{name}' is not ready ({entry.state.value}{detail})")
+        return entry.loaded
+
+    def server_ready(self) -> bool:
+        """True when every exposed model is READY (Triton's strict readiness)."""
+        return all(self._entries[name].state is ModelState.READY for name in self._exposed if name in self._entries)
+
+    async def load(self, name: str) -> ModelEntry:
+        """(Re)load a model folder. A failure leaves it UNAVAILABLE with the reason; never raises for it."""
+        entry = self.entry(name)
+        self._exposed.add(name)
+        async with entry.lock:
+            if entry.loaded is not None:
+                await self._unload_locked(entry)
+            if not entry.folder.is_dir():
+                entry.state, entry.reason = ModelState.UNAVAILABLE, f"folder {entry.folder} no longer exists"
+                return entry
+            entry.state, entry.reason = ModelState.LOADING, ""
+            context = ModelContext(name, entry.folder, entry.settings, self._scratch_for(name))
+            started = time.monotonic()
+            try:
+                backend_name, backend, signature = await asyncio.to_thread(build_model, self.manager, context)
+            except Exception as err:  # any load failure is the model's, reported with its reason
+                entry.state, entry.reason = ModelState.UNAVAILABLE, _reason(err)
+                log.error("model '%s' is UNAVAILABLE: %s", name, entry.reason)
+                return entry
+            stats = ModelStats()
+            scheduler = ModelScheduler(name, backend, signature, entry.settings.queue_capacity,
+                                       entry.settings.instances, stats)
+            entry.loaded = LoadedModel(backend_name, backend, signature, scheduler, stats,
+                                       time.monotonic() - started)
+            entry.state, entry.reason = ModelState.READY, ""
+            log.info("model '%s' is READY (backend %s, device %s, %.2f s)", name, backend_name,
+                     entry.settings.device, entry.loaded.load_seconds)
+        return entry
+
+    async def unload(self, name: str) -> ModelEntry:
+        """Finish the model's queued and running requests, then release it."""
+        entry = self.entry(name)
+        self._exposed.discard(name)
+        async with entry.lock:
+            if entry.loaded is not None:
+                await self._unload_locked(entry)
+            entry.reason = "unloaded"
+        return entry
+
+    async def unload_all(self) -> None:
+        """Unload every loaded model (server shutdown)."""
+        await asyncio.gather(*(self.unload(e.name) for e in self.entries() if e.loaded is not None))
+
+    async def _unload_locked(self, entry: ModelEntry) -> None:
+        loaded = entry.loaded
+        assert loaded is not None
+        entry.state, entry.reason = ModelState.UNLOADING, ""
+        await loaded.scheduler.drain()
+        try:
+            await asyncio.to_thread(loaded.backend.unload)
+        except Exception:
+            log.exception("model '%s': unload failed", entry.name)
+        entry.loaded = None
+        entry.state = ModelState.UNAVAILABLE
+        log.info("model '%s' unloaded", entry.name)
+
+    def _scratch_for(self, name: str) -> Path:
+        path = self.scratch_dir / name
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+
+def _reason(err: BaseException) -> str:
+    text = str(err).strip()
+    return text if text else type(err).__name__

@@ -1,0 +1,98 @@
+"""The nereid server: repository + data plane + gRPC surface on one asyncio loop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import signal
+import tempfile
+from pathlib import Path
+
+import grpc
+import pluggy
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from nereid.dataplane import DataPlane
+from nereid.plugins import make_plugin_manager
+from nereid.protocol.grpc_service import SERVICE_NAME, InferenceServicer, generic_handler
+from nereid.repository import ModelRepository
+from nereid.settings import Settings
+
+log = logging.getLogger(__name__)
+
+# gRPC's default 4 MiB message limit is too small for real tensors.
+MAX_MESSAGE_BYTES = 1 << 30
+
+
+class NereidServer:
+    """One running server. ``start`` binds and begins loading models; ``stop`` drains and exits."""
+
+    def __init__(self, settings: Settings, manager: pluggy.PluginManager | None = None,
+                 bind_addr: str | None = None) -> None:
+        self.settings = settings
+        self.bind_addr = bind_addr or settings.server.bind_addr
+        self.manager = manager or make_plugin_manager()
+        self.scratch_dir = Path(tempfile.mkdtemp(prefix="nereid-"))
+        self.repository = ModelRepository(settings, self.manager, self.scratch_dir)
+        self.dataplane = DataPlane(self.repository, settings)
+        self.port: int | None = None
+        self._grpc: grpc.aio.Server | None = None
+        self._health = health.aio.HealthServicer()
+        self._stopped = asyncio.Event()
+
+    async def start(self) -> int:
+        """Bind the port and start serving; returns the bound port. Models load in :meth:`load_models`."""
+        server = grpc.aio.server(options=[
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ])
+        server.add_generic_rpc_handlers((generic_handler(InferenceServicer(self.dataplane, self.update_health)),))
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        port = server.add_insecure_port(self.bind_addr)
+        if port == 0:
+            raise OSError(f"cannot bind {self.bind_addr}")
+        await server.start()
+        self._grpc, self.port = server, port
+        await self.update_health()
+        log.info("nereid listening on %s (port %d)", self.bind_addr, port)
+        return port
+
+    async def load_models(self) -> None:
+        """Load the start-up models concurrently; failures leave them UNAVAILABLE with a reason."""
+        await asyncio.gather(*(self.repository.load(name) for name in self.repository.startup_models()))
+        await self.update_health()
+
+    async def update_health(self) -> None:
+        """Mirror readiness into grpc.health.v1 (what Kubernetes probes call)."""
+        status = (health_pb2.HealthCheckResponse.SERVING if self.dataplane.ready()
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for service in ("", SERVICE_NAME):
+            await self._health.set(service, status)
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Stop accepting, let accepted requests finish (bounded by the grace), unload models."""
+        if self._stopped.is_set():
+            return
+        grace = self.settings.server.shutdown_grace_s if grace_s is None else grace_s
+        self.dataplane.shutting_down = True
+        if self._grpc is not None:
+            await self.update_health()
+            await self._grpc.stop(grace)
+        await self.repository.unload_all()
+        shutil.rmtree(self.scratch_dir, ignore_errors=True)
+        self._stopped.set()
+        log.info("nereid stopped")
+
+    async def serve_until_signalled(self) -> None:
+        """Start, load, and run until SIGTERM or SIGINT, then stop gracefully."""
+        loop = asyncio.get_running_loop()
+        stop_requested = asyncio.Event()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stop_requested.set)
+        await self.start()
+        loader = asyncio.create_task(self.load_models())
+        await stop_requested.wait()
+        log.info("signal received: draining (grace %.0f s)", self.settings.server.shutdown_grace_s)
+        loader.cancel()
+        await self.stop()

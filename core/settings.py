@@ -1,0 +1,207 @@
+"""``nereid.yaml``: typed settings, parsed and checked once at start-up.
+
+Every mistake raises :class:`~nereid.errors.ConfigError` with a message of the
+form ``<file>: <key path>: <problem>, got <value>``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from nereid.errors import ConfigError
+
+DEFAULT_BIND_ADDR = "[::1]:50051"
+DEFAULT_QUEUE_CAPACITY = 128
+DEFAULT_TIMEOUT_S = 60.0
+DEFAULT_SHUTDOWN_GRACE_S = 30.0
+
+_DEVICE_PATTERN = re.compile(r"^(cpu|cuda)(?::(\d+))?$")
+
+
+@dataclass(frozen=True)
+class Device:
+    """Where a model runs: ``cpu``, or ``cuda`` with a GPU index."""
+
+    kind: str
+    index: int = 0
+
+    @classmethod
+    def parse(cls, text: str) -> Device:
+        """Parse ``cpu``, ``cuda`` (GPU 0) or ``cuda:<index>``; ValueError otherwise."""
+        match = _DEVICE_PATTERN.match(text)
+        if match is None or (match.group(1) == "cpu" and match.group(2) is not None):
+            raise ValueError("expected 'cpu', 'cuda' or 'cuda:<index>'")
+        return cls(match.group(1), int(match.group(2) or 0))
+
+    @property
+    def is_gpu(self) -> bool:
+        """True for a CUDA device."""
+        return self.kind == "cuda"
+
+    def __str__(self) -> str:
+        return "cpu" if self.kind == "cpu" else f"cuda:{self.index}"
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """One model's entry under ``models:`` (or the defaults for an unlisted folder)."""
+
+    name: str
+    device: Device = Device("cpu")
+    queue_capacity: int = DEFAULT_QUEUE_CAPACITY
+    backend: str | None = None
+    instances: int = 1
+    timeout_s: float | None = DEFAULT_TIMEOUT_S
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """The ``server:`` section."""
+
+    bind_addr: str = DEFAULT_BIND_ADDR
+    ml_backends_path: Path = Path("ml-backends")
+    strict_readiness: bool = True
+    shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The whole of ``nereid.yaml``.
+
+    ``models_listed`` is False when the file has no ``models:`` key; every folder
+    under ``ml_backends_path`` is then served with default settings.
+    """
+
+    source: Path
+    server: ServerSettings = field(default_factory=ServerSettings)
+    models: tuple[ModelSettings, ...] = ()
+    models_listed: bool = False
+
+    def model(self, name: str) -> ModelSettings | None:
+        """The listed settings for ``name``, or None when nereid.yaml does not list it."""
+        return next((m for m in self.models if m.name == name), None)
+
+
+def load_settings(path: Path) -> Settings:
+    """Read and check ``nereid.yaml``; relative paths resolve against its folder."""
+    path = Path(path)
+    try:
+        document = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read: {err.strerror or err}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+    return parse_settings(document if document is not None else {}, path)
+
+
+def parse_settings(document: Any, path: Path) -> Settings:
+    """Check an already-loaded YAML document as if it came from ``path``."""
+    reader = _Reader(path)
+    top = reader.mapping(document, "", {"server", "models"})
+    server = _parse_server(reader, top.get("server", {}), path)
+    models: list[ModelSettings] = []
+    raw_models = top.get("models")
+    if "models" in top:
+        if raw_models is None:
+            raw_models = []
+        if not isinstance(raw_models, list):
+            reader.fail("models", "must be a list of model entries", raw_models)
+        for index, entry in enumerate(raw_models):
+            models.append(_parse_model(reader, entry, f"models[{index}]", server.ml_backends_path))
+        seen: set[str] = set()
+        for index, model in enumerate(models):
+            if model.name in seen:
+                reader.fail(f"models[{index}].name", "is listed twice", model.name)
+            seen.add(model.name)
+    return Settings(path, server, tuple(models), models_listed="models" in top)
+
+
+def _parse_server(reader: _Reader, raw: Any, path: Path) -> ServerSettings:
+    section = reader.mapping(raw, "server", {"bind_addr", "ml_backends_path", "strict_readiness", "shutdown_grace_s"})
+    bind_addr = reader.string(section, "server.bind_addr", DEFAULT_BIND_ADDR)
+    if ":" not in bind_addr:
+        reader.fail("server.bind_addr", "must be host:port", bind_addr)
+    backends = Path(reader.string(section, "server.ml_backends_path", "ml-backends"))
+    if not backends.is_absolute():
+        backends = path.resolve().parent / backends
+    if not backends.is_dir():
+        reader.fail("server.ml_backends_path", f"is not a folder ({backends})", section.get("ml_backends_path", "ml-backends"))
+    strict = section.get("strict_readiness", True)
+    if not isinstance(strict, bool):
+        reader.fail("server.strict_readiness", "must be true or false", strict)
+    grace = reader.number(section, "server.shutdown_grace_s", DEFAULT_SHUTDOWN_GRACE_S, minimum=0)
+    return ServerSettings(bind_addr, backends, strict, grace)
+
+
+def _parse_model(reader: _Reader, raw: Any, where: str, backends_path: Path) -> ModelSettings:
+    entry = reader.mapping(raw, where, {"name", "device", "queue_capacity", "backend", "instances", "timeout_s"})
+    if "name" not in entry:
+        reader.fail(f"{where}.name", "is required", None)
+    name = reader.string(entry, f"{where}.name", "")
+    if not name or "/" in name or name.startswith("."):
+        reader.fail(f"{where}.name", "must be a folder name", name)
+    if not (backends_path / name).is_dir():
+        reader.fail(f"{where}.name", f"has no model folder {backends_path / name}", name)
+    device_text = reader.string(entry, f"{where}.device", "cpu")
+    try:
+        device = Device.parse(device_text)
+    except ValueError as err:
+        reader.fail(f"{where}.device", str(err), device_text)
+    capacity = reader.integer(entry, f"{where}.queue_capacity", DEFAULT_QUEUE_CAPACITY, minimum=1)
+    instances = reader.integer(entry, f"{where}.instances", 1, minimum=1)
+    backend = entry.get("backend")
+    if backend is not None and (not isinstance(backend, str) or not backend):
+        reader.fail(f"{where}.backend", "must be a backend name", backend)
+    timeout: float | None = DEFAULT_TIMEOUT_S
+    if "timeout_s" in entry and entry["timeout_s"] is None:
+        timeout = None
+    else:
+        timeout = reader.number(entry, f"{where}.timeout_s", DEFAULT_TIMEOUT_S, minimum=0, exclusive=True)
+    return ModelSettings(name, device, capacity, backend, instances, timeout)
+
+
+class _Reader:
+    """Typed getters that fail with the file, the key path and the bad value."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def fail(self, key: str, problem: str, value: Any) -> None:
+        where = f"{self.path}: {key}" if key else str(self.path)
+        raise ConfigError(f"{where}: {problem}, got {value!r}")
+
+    def mapping(self, raw: Any, key: str, allowed: set[str]) -> dict[str, Any]:
+        if not isinstance(raw, dict):
+            self.fail(key or "top level", "must be a mapping", raw)
+        for name in raw:
+            if name not in allowed:
+                path = f"{key}.{name}" if key else str(name)
+                self.fail(path, f"unknown key (allowed: {', '.join(sorted(allowed))})", raw[name])
+        return raw
+
+    def string(self, section: dict[str, Any], key: str, default: str) -> str:
+        value = section.get(key.rsplit(".", 1)[-1], default)
+        if not isinstance(value, str):
+            self.fail(key, "must be a string", value)
+        return value
+
+    def integer(self, section: dict[str, Any], key: str, default: int, *, minimum: int) -> int:
+        value = section.get(key.rsplit(".", 1)[-1], default)
+        if isinstance(value, bool) or not isinstance(value, int):
+            self.fail(key, "must be an integer", value)
+        if value < minimum:
+            self.fail(key, f"must be >= {minimum}" if minimum != 1 else "must be > 0", value)
+        return value
+
+    def number(self, section: dict[str, Any], key: str, default: float, *, minimum: float, exclusive: bool = False) -> float:
+        value = section.get(key.rsplit(".", 1)[-1], default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            self.fail(key, "must be a number", value)
+        if value < minimum or (exclusive and value == minimum):
+            self.fail(key, f"must be {'>' if exclusive else '>='} {minimum}", value)
+        return float(value)

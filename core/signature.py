@@ -1,0 +1,224 @@
+"""A model's tensor signature and the rules that check requests against it.
+
+The signature comes from ``model_inference.textproto`` (see
+:func:`load_textproto_signature`) or from a backend's own metadata (a bundle
+manifest); either way the core validates every request against it before the
+request is queued.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from google.protobuf import text_format
+
+from nereid._proto import model_inference_pb2
+from nereid.dtypes import DType
+from nereid.errors import ConfigError, InvalidArgument
+from nereid.tensors import NamedTensor
+
+TEXTPROTO_NAME = "model_inference.textproto"
+
+# Tensor names of the single-tensor textproto form, which declares no names.
+SINGLE_INPUT_NAME = "input"
+SINGLE_OUTPUT_NAME = "output"
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One declared tensor: name, datatype and dims without the batch axis (-1: any size)."""
+
+    name: str
+    dtype: DType
+    dims: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ModelSignature:
+    """What a model takes and returns.
+
+    ``max_batch_size`` > 0: requests carry a leading batch axis of at most that
+    size (or omit it and are expanded to batch 1); 0: no batch axis.
+    ``single_tensor_form`` records that the textproto used ``input_shape`` /
+    ``output_shape`` (subprocess backends frame their I/O differently then).
+    """
+
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    max_batch_size: int = 0
+    single_tensor_form: bool = False
+
+    @property
+    def batches(self) -> bool:
+        """True when requests carry a batch axis."""
+        return self.max_batch_size > 0
+
+    def output(self, name: str) -> TensorSpec | None:
+        """The declared output called ``name``, or None."""
+        return next((spec for spec in self.outputs if spec.name == name), None)
+
+
+@dataclass(frozen=True)
+class ValidatedInputs:
+    """Request inputs in the signature's order, each with its batch axis present.
+
+    ``batch_size`` is the rows along the batch axis (1 for models without one);
+    ``batch_axis_added`` records that the client omitted it, so the response
+    omits it too.
+    """
+
+    tensors: list[NamedTensor]
+    batch_size: int
+    batch_axis_added: bool
+
+
+def load_textproto_signature(path: Path) -> ModelSignature:
+    """Parse and check a ``model_inference.textproto``; ConfigError names the file and problem."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read: {err.strerror or err}") from None
+    message = model_inference_pb2.ModelInference()
+    try:
+        text_format.Parse(text, message)
+    except text_format.ParseError as err:
+        # ParseError's message already starts with "line:column :".
+        raise ConfigError(f"{path}:{err}") from None
+    return _signature_from_message(message, path)
+
+
+def _signature_from_message(msg: model_inference_pb2.ModelInference, path: Path) -> ModelSignature:
+    single = bool(msg.input_shape or msg.output_shape or msg.data_type)
+    multi = bool(msg.input or msg.output)
+    if single and multi:
+        raise ConfigError(
+            f"{path}: use either input_shape/output_shape/data_type or input {{}}/output {{}} "
+            "blocks, not both"
+        )
+    if msg.max_batch_size < 0:
+        raise ConfigError(f"{path}: max_batch_size must be >= 0, got {msg.max_batch_size}")
+    if multi:
+        inputs = tuple(_tensor_spec(d.name, d.data_type, d.dims, f"input {i}", path) for i, d in enumerate(msg.input))
+        outputs = tuple(_tensor_spec(d.name, d.data_type, d.dims, f"output {i}", path) for i, d in enumerate(msg.output))
+        for kind, specs in (("input", inputs), ("output", outputs)):
+            names = [spec.name for spec in specs]
+            duplicates = sorted({n for n in names if names.count(n) > 1})
+            if duplicates:
+                raise ConfigError(f"{path}: duplicate {kind} name(s) {', '.join(duplicates)}")
+    else:
+        data_type = msg.data_type or "FP32"
+        inputs = (
+            (_tensor_spec(SINGLE_INPUT_NAME, data_type, msg.input_shape, "input_shape", path),)
+            if msg.input_shape
+            else ()
+        )
+        outputs = (
+            (_tensor_spec(SINGLE_OUTPUT_NAME, data_type, msg.output_shape, "output_shape", path),)
+            if msg.output_shape
+            else ()
+        )
+    return ModelSignature(inputs, outputs, msg.max_batch_size, single_tensor_form=not multi)
+
+
+def _tensor_spec(name: str, data_type: str, dims, where: str, path: Path) -> TensorSpec:
+    if not name:
+        raise ConfigError(f"{path}: {where} has no name")
+    try:
+        dtype = DType.from_kserve(data_type)
+    except ValueError as err:
+        raise ConfigError(f"{path}: {where} ({name}): data_type: {err}") from None
+    for dim in dims:
+        if dim == 0 or dim < -1:
+            raise ConfigError(
+                f"{path}: {where} ({name}): dims must be positive or -1 (any size), got {list(dims)}"
+            )
+    return TensorSpec(name, dtype, tuple(int(d) for d in dims))
+
+
+def dims_match(actual: tuple[int, ...], declared: tuple[int, ...]) -> bool:
+    """True when ``actual`` has the declared rank and every fixed dim matches (-1: any)."""
+    return len(actual) == len(declared) and all(d == -1 or d == a for a, d in zip(actual, declared))
+
+
+def expected_byte_size(dtype: DType, shape: tuple[int, ...]) -> int | None:
+    """Bytes a raw tensor of this type and shape must have (None for BYTES)."""
+    if dtype.itemsize is None:
+        return None
+    return math.prod(shape) * dtype.itemsize
+
+
+def validate_inputs(model: str, signature: ModelSignature, tensors: list[NamedTensor]) -> ValidatedInputs:
+    """Check request tensors against the signature and return them in declared order.
+
+    Raises InvalidArgument naming the model, the tensor, what was expected and
+    what was received, for a missing, unexpected, mistyped or misshapen input or
+    a batch over ``max_batch_size``.
+    """
+    by_name: dict[str, NamedTensor] = {}
+    for tensor in tensors:
+        if tensor.name in by_name:
+            raise InvalidArgument(f"model '{model}': input '{tensor.name}' is given more than once")
+        by_name[tensor.name] = tensor
+    declared = {spec.name for spec in signature.inputs}
+    unexpected = sorted(set(by_name) - declared)
+    if unexpected:
+        raise InvalidArgument(
+            f"model '{model}': unexpected input '{unexpected[0]}' "
+            f"(expected inputs: {_names(signature.inputs)})"
+        )
+    ordered: list[NamedTensor] = []
+    batch_sizes: dict[str, int] = {}
+    omitted: dict[str, bool] = {}
+    for spec in signature.inputs:
+        tensor = by_name.get(spec.name)
+        if tensor is None:
+            raise InvalidArgument(
+                f"model '{model}': missing input '{spec.name}' (expected inputs: {_names(signature.inputs)})"
+            )
+        if tensor.dtype is not spec.dtype:
+            raise InvalidArgument(
+                f"model '{model}': input '{spec.name}' has datatype {tensor.dtype.kserve}, "
+                f"expected {spec.dtype.kserve}"
+            )
+        shape = tensor.shape
+        if signature.batches and dims_match(shape, spec.dims):
+            tensor = NamedTensor(tensor.name, tensor.dtype, tensor.data.reshape((1, *shape)))
+            omitted[spec.name] = True
+            batch_sizes[spec.name] = 1
+        elif signature.batches:
+            if not (len(shape) == len(spec.dims) + 1 and dims_match(shape[1:], spec.dims)):
+                raise InvalidArgument(
+                    f"model '{model}': input '{spec.name}' has shape {list(shape)}, expected "
+                    f"{_shape_text(spec.dims, batched=True)} or {_shape_text(spec.dims, batched=False)}"
+                )
+            if not 1 <= shape[0] <= signature.max_batch_size:
+                raise InvalidArgument(
+                    f"model '{model}': input '{spec.name}' has batch size {shape[0]}, "
+                    f"expected 1 to max_batch_size {signature.max_batch_size}"
+                )
+            omitted[spec.name] = False
+            batch_sizes[spec.name] = shape[0]
+        elif not dims_match(shape, spec.dims):
+            raise InvalidArgument(
+                f"model '{model}': input '{spec.name}' has shape {list(shape)}, "
+                f"expected {_shape_text(spec.dims, batched=False)}"
+            )
+        ordered.append(tensor)
+    if len(set(batch_sizes.values())) > 1 or len(set(omitted.values())) > 1:
+        described = ", ".join(
+            f"'{name}': {'no batch axis' if omitted[name] else size}" for name, size in batch_sizes.items()
+        )
+        raise InvalidArgument(f"model '{model}': inputs disagree on the batch size ({described})")
+    batch_size = next(iter(batch_sizes.values()), 1)
+    return ValidatedInputs(ordered, batch_size, any(omitted.values()) or not batch_sizes and signature.batches)
+
+
+def _names(specs: tuple[TensorSpec, ...]) -> str:
+    return ", ".join(f"'{spec.name}'" for spec in specs) or "none"
+
+
+def _shape_text(dims: tuple[int, ...], *, batched: bool) -> str:
+    text = ", ".join("-1" if d == -1 else str(d) for d in dims)
+    return f"[batch, {text}]" if batched and dims else ("[batch]" if batched else f"[{text}]")

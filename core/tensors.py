@@ -1,0 +1,94 @@
+"""Protocol-neutral request and response types shared by every layer."""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from nereid.dtypes import DType
+
+_LENGTH = struct.Struct("<I")
+
+
+@dataclass(frozen=True)
+class NamedTensor:
+    """A named host tensor: its datatype and a numpy array holding the data.
+
+    BYTES tensors hold a numpy object array whose elements are ``bytes``.
+    """
+
+    name: str
+    dtype: DType
+    data: np.ndarray
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The row-major shape of ``data``."""
+        return tuple(self.data.shape)
+
+    @classmethod
+    def from_array(cls, name: str, data: np.ndarray) -> NamedTensor:
+        """Build a tensor whose datatype is derived from the array's dtype."""
+        return cls(name, DType.of(data), data)
+
+
+@dataclass
+class InferRequest:
+    """A decoded inference request, the scheduler's unit of work.
+
+    ``deadline_ns`` is an absolute ``time.monotonic_ns()`` deadline (0: none); a
+    remaining-time budget from the wire is converted to it when the request is
+    decoded, so clock differences between processes never matter.
+    ``requested_outputs`` empty means every output.
+    """
+
+    model_name: str
+    inputs: list[NamedTensor]
+    id: str = ""
+    requested_outputs: list[str] = field(default_factory=list)
+    deadline_ns: int = 0
+
+
+@dataclass
+class InferResponse:
+    """The result of one request: its outputs, in the model's declared order."""
+
+    model_name: str
+    outputs: list[NamedTensor]
+    id: str = ""
+
+
+def split_bytes_elements(raw: bytes) -> list[bytes]:
+    """Split KServe's BYTES serialization: each element a 4-byte little-endian length, then the bytes."""
+    elements: list[bytes] = []
+    offset, view = 0, memoryview(raw)
+    while offset < len(raw):
+        if offset + 4 > len(raw):
+            raise ValueError("BYTES contents end inside a 4-byte length prefix")
+        (length,) = _LENGTH.unpack_from(raw, offset)
+        offset += 4
+        if offset + length > len(raw):
+            raise ValueError(f"BYTES element of {length} bytes runs past the end of the contents")
+        elements.append(bytes(view[offset:offset + length]))
+        offset += length
+    return elements
+
+
+def join_bytes_elements(array: np.ndarray) -> bytes:
+    """KServe's BYTES serialization of an object array of ``bytes`` (str is UTF-8 encoded)."""
+    parts: list[bytes] = []
+    for element in array.reshape(-1):
+        data = element.encode("utf-8") if isinstance(element, str) else bytes(element)
+        parts.append(_LENGTH.pack(len(data)))
+        parts.append(data)
+    return b"".join(parts)
+
+
+def tensor_bytes(tensor: NamedTensor) -> bytes:
+    """The raw little-endian row-major bytes of a tensor (KServe framing for BYTES)."""
+    if tensor.dtype is DType.BYTES:
+        return join_bytes_elements(tensor.data)
+    little = tensor.dtype.numpy.newbyteorder("<")
+    return np.ascontiguousarray(tensor.data, dtype=little).tobytes()
