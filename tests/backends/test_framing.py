@@ -1,0 +1,250 @@
+"""Unit tests of the subprocess contract's framed tensors (backends/subprocess/framing.py).
+
+Frames are written by ``encode_frame`` and read back by ``read_header`` +
+``read_body`` both from memory and from real files (the server reads model
+outputs from a file), so the round trip is checked the way the backends use it.
+"""
+
+from __future__ import annotations
+
+import io
+import struct
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from nereid.backends.subprocess.framing import MAX_HEADER_BYTES, MAX_RANK, encode_frame, read_body, read_header
+from nereid.dtypes import DType
+from nereid.errors import ModelFailure
+from nereid.tensors import NamedTensor
+
+WHERE = "model 'm': output 'out'"
+
+
+def sample(dtype: DType, shape: tuple[int, ...]) -> np.ndarray:
+    """Distinct, exactly representable values of ``dtype`` in ``shape``."""
+    count = int(np.prod(shape))
+    if dtype is DType.BYTES:
+        # Empty, binary (NUL, 0xff), and multi-byte UTF-8 elements.
+        pool = [b"", b"a", b"\x00\xff\x00", "h\u00e9llo".encode(), b"x" * 300]
+        return np.array([pool[i % len(pool)] for i in range(count)], dtype=object).reshape(shape)
+    if dtype is DType.BOOL:
+        return (np.arange(count) % 3 == 0).reshape(shape)
+    values = np.arange(count) - (count // 2 if np.issubdtype(dtype.numpy, np.signedinteger) else 0)
+    if dtype in (DType.FP16, DType.FP32, DType.FP64, DType.BF16, DType.F8E5M2, DType.F8E4M3):
+        values = values * 0.5
+    return values.astype(dtype.numpy).reshape(shape)
+
+
+def read_frame(data: bytes, where: str = WHERE) -> tuple[DType, tuple[int, ...], np.ndarray]:
+    stream = io.BytesIO(data)
+    dtype, shape = read_header(stream, where)
+    return dtype, shape, read_body(stream, dtype, shape, where)
+
+
+def failure(data: bytes) -> str:
+    """The ModelFailure message of reading one frame from ``data``."""
+    with pytest.raises(ModelFailure) as caught:
+        read_frame(data)
+    message = str(caught.value)
+    assert message.startswith(WHERE), message  # always says whose output is broken
+    return message
+
+
+# -- round trips -----------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", list(DType), ids=lambda d: d.name)
+@pytest.mark.parametrize("shape", [(2, 3), (5,), (1, 1, 2), ()], ids=str)
+def test_round_trip_every_dtype(dtype: DType, shape: tuple[int, ...]) -> None:
+    array = sample(dtype, shape)
+    frame = encode_frame(NamedTensor("t", dtype, array))
+    header = frame.split(b"\n", 1)[0].decode()
+    assert header == f"{dtype.contract} {','.join(str(d) for d in shape)}"
+    read_dtype, read_shape, read_array = read_frame(frame)
+    assert read_dtype is dtype
+    assert read_shape == shape
+    assert read_array.shape == shape
+    if dtype is DType.BYTES:
+        assert read_array.dtype == object
+        assert read_array.tolist() == array.tolist()
+    else:
+        assert read_array.dtype == dtype.numpy
+        # Compare bit patterns: exact for every type, NaN-safe for the float ones.
+        assert read_array.tobytes() == array.tobytes()
+
+
+def test_bfloat16_body_is_raw_little_endian_bits() -> None:
+    array = np.array([1.0, -2.0, 0.5], dtype=ml_dtypes.bfloat16)
+    frame = encode_frame(NamedTensor("t", DType.BF16, array))
+    # bfloat16 1.0 is 0x3f80, -2.0 is 0xc000, 0.5 is 0x3f00; little-endian on the wire.
+    assert frame == b"bfloat16 3\n" + b"\x80\x3f" + b"\x00\xc0" + b"\x00\x3f"
+    _, _, back = read_frame(frame)
+    assert back.astype(np.float32).tolist() == [1.0, -2.0, 0.5]
+
+
+def test_bytes_body_is_kserve_length_prefixed() -> None:
+    array = np.array([b"ab", b"", b"\xffz"], dtype=object)
+    frame = encode_frame(NamedTensor("t", DType.BYTES, array))
+    assert frame == (b"bytes 3\n" + struct.pack("<I", 2) + b"ab" + struct.pack("<I", 0)
+                     + struct.pack("<I", 2) + b"\xffz")
+    # str elements are sent as their UTF-8 encoding
+    text = np.array(["\u00e9t\u00e9"], dtype=object)
+    assert read_frame(encode_frame(NamedTensor("t", DType.BYTES, text)))[2].tolist() == ["\u00e9t\u00e9".encode()]
+
+
+def test_big_endian_arrays_are_written_little_endian() -> None:
+    array = np.array([1, 256], dtype=">i4")
+    frame = encode_frame(NamedTensor("t", DType.INT32, array))
+    assert frame == b"int32 2\n" + struct.pack("<2i", 1, 256)
+    assert read_frame(frame)[2].tolist() == [1, 256]
+
+
+def test_several_frames_in_one_real_file(tmp_path: Path) -> None:
+    """How multi-output models reply: frames back to back, read in order from a file."""
+    tensors = [NamedTensor("a", DType.FP32, sample(DType.FP32, (2, 4))),
+               NamedTensor("b", DType.BYTES, sample(DType.BYTES, (2, 3))),
+               NamedTensor("c", DType.BF16, sample(DType.BF16, (2,))),
+               NamedTensor("d", DType.BOOL, sample(DType.BOOL, (1, 3)))]
+    path = tmp_path / "output"
+    path.write_bytes(b"".join(encode_frame(t) for t in tensors))
+    with open(path, "rb") as stream:
+        for tensor in tensors:
+            dtype, shape = read_header(stream, WHERE)
+            assert (dtype, shape) == (tensor.dtype, tensor.shape)
+            data = read_body(stream, dtype, shape, WHERE)
+            assert data.tolist() == tensor.data.tolist()
+        assert stream.read() == b""  # every byte consumed, nothing more
+
+
+def test_zero_sized_tensor_round_trips() -> None:
+    for dtype in (DType.FP32, DType.BYTES):
+        array = np.empty((0, 4), dtype=dtype.numpy)
+        dtype_read, shape, back = read_frame(encode_frame(NamedTensor("t", dtype, array)))
+        assert (dtype_read, shape, back.shape) == (dtype, (0, 4), (0, 4))
+
+
+def test_scalar_header_without_dims() -> None:
+    # "<dtype>\n" and "<dtype> \n" both declare a scalar (rank 0).
+    for header in (b"int16\n", b"int16 \n"):
+        dtype, shape, array = read_frame(header + struct.pack("<h", -7))
+        assert (dtype, shape, array.tolist()) == (DType.INT16, (), -7)
+
+
+def test_header_at_the_size_limit_is_accepted() -> None:
+    # Leading zeros pad the header to exactly MAX_HEADER_BYTES before its newline.
+    prefix = b"uint8 "
+    dims = b"0" * (MAX_HEADER_BYTES - len(prefix) - 1) + b"3"
+    header = prefix + dims
+    assert len(header) == MAX_HEADER_BYTES
+    dtype, shape, array = read_frame(header + b"\n" + b"\x01\x02\x03")
+    assert (dtype, shape, array.tolist()) == (DType.UINT8, (3,), [1, 2, 3])
+
+
+# -- malformed headers -----------------------------------------------------
+
+def test_empty_output_has_no_header() -> None:
+    assert "no header line" in failure(b"")
+
+
+def test_header_without_newline() -> None:
+    message = failure(b"float32 4")
+    assert "not terminated by a newline" in message and "float32 4" in message
+
+
+@pytest.mark.parametrize("size", [MAX_HEADER_BYTES + 1, 5000, 100_000])
+def test_oversized_header(size: int) -> None:
+    message = failure(b"f" * size + b"\nmore")
+    assert f"header line longer than {MAX_HEADER_BYTES} bytes" in message
+    assert len(message) < 300  # the junk itself is not echoed back
+
+
+def test_oversized_header_does_not_read_past_the_limit() -> None:
+    stream = io.BytesIO(b"9" * 100_000)
+    with pytest.raises(ModelFailure):
+        read_header(stream, WHERE)
+    assert stream.tell() <= MAX_HEADER_BYTES + 1
+
+
+@pytest.mark.parametrize("header", [b"float32 4 4\n", b" 4\n", b"\n", b"float32  4\n"], ids=repr)
+def test_malformed_header(header: bytes) -> None:
+    message = failure(header + b"\x00" * 16)
+    assert "malformed header" in message
+
+
+def test_bad_dtype() -> None:
+    message = failure(b"float33 4\n" + b"\x00" * 16)
+    assert "unknown dtype 'float33'" in message
+    assert "float32" in message  # lists the valid names
+
+
+def test_kserve_spelling_is_not_a_contract_dtype() -> None:
+    assert "unknown dtype 'FP32'" in failure(b"FP32 4\n" + b"\x00" * 16)
+
+
+@pytest.mark.parametrize("dims", [b"4,x", b"4,", b"1.5", b",4", b"4;4"], ids=repr)
+def test_non_integer_dims(dims: bytes) -> None:
+    assert "dimensions must be comma-separated integers" in failure(b"float32 " + dims + b"\n")
+
+
+@pytest.mark.parametrize("dims", [b"-1", b"2,-4", b"-0,-3"], ids=repr)
+def test_negative_dims(dims: bytes) -> None:
+    assert "bad shape" in failure(b"float32 " + dims + b"\n" + b"\x00" * 64)
+
+
+def test_rank_over_limit() -> None:
+    # rank MAX_RANK itself is fine, one more is refused
+    dtype, shape, _ = read_frame(b"float32 " + b",".join([b"1"] * MAX_RANK) + b"\n" + b"\x00" * 4)
+    assert len(shape) == MAX_RANK
+    assert "bad shape" in failure(b"float32 " + b",".join([b"1"] * (MAX_RANK + 1)) + b"\n" + b"\x00" * 4)
+
+
+def test_header_not_utf8() -> None:
+    assert "not UTF-8" in failure(b"\xff\xfe 4\n")
+
+
+# -- truncated bodies ------------------------------------------------------
+
+def test_truncated_body() -> None:
+    message = failure(b"float32 2,2\n" + b"\x00" * 8)
+    assert "header promises 16 bytes of float32 [2, 2], file holds 8" in message
+
+
+def test_missing_body() -> None:
+    assert "file holds 0" in failure(b"int64 3\n")
+
+
+def test_truncated_bytes_length_prefix() -> None:
+    message = failure(b"bytes 2\n" + struct.pack("<I", 1) + b"a" + b"\x01\x00")
+    assert "BYTES data ends before element 1 of 2" in message
+
+
+def test_truncated_bytes_element() -> None:
+    message = failure(b"bytes 1\n" + struct.pack("<I", 10) + b"abc")
+    assert "BYTES element 0 is truncated" in message
+
+
+def test_huge_declared_shape_with_little_data(tmp_path: Path) -> None:
+    """A header promising gigabytes fails on the data actually there, without allocating it."""
+    path = tmp_path / "output"
+    path.write_bytes(b"float32 1000000000\n" + b"\x00" * 8)
+    with open(path, "rb") as stream, pytest.raises(ModelFailure) as caught:
+        dtype, shape = read_header(stream, WHERE)
+        read_body(stream, dtype, shape, WHERE)
+    assert "header promises 4000000000 bytes" in str(caught.value)
+    assert "file holds 8" in str(caught.value)
+
+
+def test_huge_bytes_count_or_length_with_little_data(tmp_path: Path) -> None:
+    path = tmp_path / "output"
+    path.write_bytes(b"bytes 4000000000\n" + struct.pack("<I", 1) + b"a")
+    with open(path, "rb") as stream, pytest.raises(ModelFailure) as caught:
+        dtype, shape = read_header(stream, WHERE)
+        read_body(stream, dtype, shape, WHERE)
+    assert "BYTES data ends before element 1 of 4000000000" in str(caught.value)
+    path.write_bytes(b"bytes 1\n" + struct.pack("<I", 0xFFFFFFF0) + b"abc")
+    with open(path, "rb") as stream, pytest.raises(ModelFailure) as caught:
+        dtype, shape = read_header(stream, WHERE)
+        read_body(stream, dtype, shape, WHERE)
+    assert "BYTES element 0 is truncated" in str(caught.value)

@@ -1,0 +1,101 @@
+"""The nereid command: `check` and `serve` (with a graceful SIGTERM), as real processes."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import tritonclient.grpc as triton
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+NEREID = [sys.executable, "-m", "nereid.cli"]
+
+SLOW_MAIN = '''
+import os, sys, time
+time.sleep(1.0)
+data = sys.stdin.buffer.read()
+with open(os.environ["NEREID_OUTPUT_PATH"], "wb") as out:
+    out.write(("float32 %s\\n" % os.environ["NEREID_INPUT_SHAPE"]).encode())
+    out.write(data)
+'''
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_check_passes_on_the_shipped_examples() -> None:
+    result = subprocess.run([*NEREID, "check", "--config", str(REPO_ROOT / "nereid.yaml")],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    for model in ("python_rowsum", "cpp_scale", "multi_sumprod"):
+        assert any(line.startswith(f"{model}: OK") for line in lines), result.stdout
+
+
+def test_check_reports_each_broken_model_and_fails(repo) -> None:
+    repo.python("good")
+    repo.add("no_textproto", None, main_py="print()")
+    repo.add("bad_textproto", "input_shape: [4\n", main_py="print()")
+    repo.add("unclaimed", "input_shape: [4]\noutput_shape: [4]\n")
+    config = repo.write_config()
+    result = subprocess.run([*NEREID, "check", "--config", str(config)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    out = result.stdout
+    assert "good: OK backend=python" in out
+    assert "no_textproto: UNAVAILABLE: model 'no_textproto': missing model_inference.textproto" in out
+    assert "bad_textproto: UNAVAILABLE:" in out and "model_inference.textproto:2:1" in out
+    assert "unclaimed: UNAVAILABLE: no backend claims the folder" in out
+    assert "3 model(s) with problems" in out
+
+
+def test_check_rejects_a_bad_config_with_its_key(repo) -> None:
+    repo.python("a")
+    config = repo.write_config("- name: a\n  queue_capacity: 0\n")
+    result = subprocess.run([*NEREID, "check", "--config", str(config)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert f"{config}: models[0].queue_capacity: must be > 0, got 0" in result.stderr
+
+
+def test_serve_finishes_accepted_requests_on_sigterm_and_exits_zero(repo) -> None:
+    repo.python("slow", main=SLOW_MAIN)
+    config = repo.write_config()
+    port = free_port()
+    process = subprocess.Popen([*NEREID, "serve", "--config", str(config), "--bind", f"127.0.0.1:{port}"],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        client = triton.InferenceServerClient(f"127.0.0.1:{port}")
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if client.is_server_ready():
+                    break
+            except Exception:
+                pass
+            assert time.monotonic() < deadline, "server did not become ready"
+            time.sleep(0.1)
+        x = np.ones((1, 4), dtype=np.float32)
+        tensor = triton.InferInput("input", [1, 4], "FP32")
+        tensor.set_data_from_numpy(x)
+        results: list = []
+        worker = threading.Thread(target=lambda: results.append(client.infer("slow", [tensor]).as_numpy("output")))
+        worker.start()
+        time.sleep(0.4)  # the request is now running inside the 1 s model
+        process.send_signal(signal.SIGTERM)
+        worker.join(30)
+        assert process.wait(30) == 0
+        assert len(results) == 1 and np.array_equal(results[0], x)
+        output = process.stdout.read()
+        assert "signal received: draining" in output and "nereid stopped" in output
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()

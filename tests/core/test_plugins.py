@@ -1,0 +1,137 @@
+"""Backend discovery through the pluggy hook: built-ins, entry points, conflicts, and the docs."""
+
+from __future__ import annotations
+
+import inspect
+import re
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as triton
+from tritonclient.utils import InferenceServerException
+
+from nereid import hookspecs
+from nereid.plugins import backend_names, claim_folder, make_plugin_manager
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+# A complete third-party backend, as a package author would ship it: an
+# in-process model that adds one to its FP32 input, claiming folders that hold
+# an `addone.txt`.
+THIRD_PARTY_MODULE = '''
+from pathlib import Path
+
+from nereid.backend import BackendClaim
+from nereid.hookspecs import hookimpl
+from nereid.signature import TEXTPROTO_NAME, load_textproto_signature
+from nereid.tensors import NamedTensor
+
+
+class AddOne:
+    platform = "addone_platform"
+
+    def __init__(self, context):
+        self.context = context
+        self.unloaded = False
+
+    def load(self):
+        self._signature = load_textproto_signature(self.context.folder / TEXTPROTO_NAME)
+
+    def signature(self):
+        return self._signature
+
+    def infer(self, inputs):
+        return [NamedTensor("output", inputs[0].dtype, inputs[0].data + 1)]
+
+    def unload(self):
+        self.unloaded = True
+
+
+@hookimpl
+def nereid_claim_model(folder: Path, declared: bool):
+    if declared or (folder / "addone.txt").is_file():
+        return BackendClaim("addone", AddOne)
+    return None
+'''
+
+
+@pytest.fixture
+def installed_addone(tmp_path: Path):
+    """Install the third-party backend the way pip lays it out: a module plus dist-info with an entry point."""
+    site = tmp_path / "site"
+    (site / "nereid_addone-1.0.dist-info").mkdir(parents=True)
+    (site / "nereid_addone.py").write_text(THIRD_PARTY_MODULE)
+    (site / "nereid_addone-1.0.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: nereid-addone\nVersion: 1.0\n")
+    (site / "nereid_addone-1.0.dist-info" / "entry_points.txt").write_text(
+        "[nereid.backends]\naddone = nereid_addone\n")
+    sys.path.insert(0, str(site))
+    yield
+    sys.path.remove(str(site))
+    sys.modules.pop("nereid_addone", None)
+
+
+def test_builtin_backends_are_registered_like_plugins() -> None:
+    assert backend_names(make_plugin_manager(load_entry_points=False)) == ["cpp", "python"]
+
+
+def test_installed_backend_serves_a_model(installed_addone, repo, serve) -> None:
+    manager = make_plugin_manager()
+    assert "addone" in backend_names(manager)
+    folder = repo.add("plus", "input_shape: [3]\noutput_shape: [3]\nmax_batch_size: 4\n")
+    (folder / "addone.txt").write_text("")
+    server = serve(repo.write_config(), manager=manager)
+    x = np.array([[1, 2, 3]], dtype=np.float32)
+    tensor = triton.InferInput("input", [1, 3], "FP32")
+    tensor.set_data_from_numpy(x)
+    assert np.array_equal(server.client.infer("plus", [tensor]).as_numpy("output"), x + 1)
+    assert server.client.get_model_metadata("plus").platform == "addone_platform"
+    assert server.client.get_model_config("plus").config.backend == "addone"
+
+
+def test_unclaimed_and_doubly_claimed_folders_name_the_candidates(installed_addone, repo, serve) -> None:
+    repo.add("nobody", "input_shape: [1]\noutput_shape: [1]\n")
+    both = repo.python("both")
+    (both / "addone.txt").write_text("")
+    settled = repo.python("settled")
+    (settled / "addone.txt").write_text("")
+    server = serve(repo.write_config("""
+        - name: nobody
+        - name: both
+        - name: settled
+          backend: addone
+    """), manager=make_plugin_manager())
+    index = {m.name: m for m in server.client.get_model_repository_index().models}
+    assert index["nobody"].state == "UNAVAILABLE"
+    assert "no backend claims" in index["nobody"].reason and "addone, cpp, python" in index["nobody"].reason
+    assert index["both"].state == "UNAVAILABLE"
+    assert "several backends claim" in index["both"].reason and "(addone, python)" in index["both"].reason
+    assert index["settled"].state == "READY"
+    assert server.client.get_model_config("settled").config.backend == "addone"
+    with pytest.raises(InferenceServerException) as caught:
+        server.client.get_model_metadata("both")
+    assert caught.value.status() == "StatusCode.UNAVAILABLE" and "several backends" in caught.value.message()
+
+
+def test_declared_backend_checks_only_its_own_files(repo) -> None:
+    folder = repo.add("cpp_only", "input_shape: [1]\noutput_shape: [1]\n", main_py="print()")
+    manager = make_plugin_manager(load_entry_points=False)
+    assert claim_folder(manager, folder).claim.backend == "python"
+    assert claim_folder(manager, folder, "cpp").claim.backend == "cpp"
+    missing = claim_folder(manager, folder, "tensorflow")
+    assert missing.claim is None and "backend 'tensorflow' (from nereid.yaml) is not installed" in missing.reason
+
+
+def test_readme_documents_every_hook_and_argument() -> None:
+    """The README's plugin section lists each hook with exactly the hookspec's arguments."""
+    documented = dict(re.findall(r"^def (nereid_\w+)\(([^)]*)\)", README.read_text(), flags=re.M))
+    specs = {name: fn for name, fn in vars(hookspecs).items() if name.startswith("nereid_") and callable(fn)}
+    assert set(documented) == set(specs)
+    for name, fn in specs.items():
+        params = [p.strip().split(":")[0] for p in documented[name].split(",") if p.strip()]
+        assert params == list(inspect.signature(fn).parameters), name
+        for param in params:
+            assert f":param {param}:" in textwrap.dedent(fn.__doc__), f"{name}: {param} undocumented"

@@ -1,0 +1,99 @@
+"""nereid.yaml parsing: defaults, every documented key, and errors naming file, key path and value."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from nereid.errors import ConfigError
+from nereid.settings import DEFAULT_BIND_ADDR, Device, load_settings
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    for name in ("a", "b", ".cache"):
+        (tmp_path / "ml-backends" / name).mkdir(parents=True)
+    return tmp_path
+
+
+def write(root: Path, text: str) -> Path:
+    path = root / "nereid.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_and_relative_backends_path(root: Path) -> None:
+    settings = load_settings(write(root, "server:\n  ml_backends_path: ml-backends\n"))
+    assert settings.server.bind_addr == DEFAULT_BIND_ADDR == "[::1]:50051"
+    assert settings.server.ml_backends_path == (root / "ml-backends").resolve()
+    assert settings.server.strict_readiness is True
+    assert settings.models == () and settings.models_listed is False
+
+
+def test_every_model_key(root: Path) -> None:
+    settings = load_settings(write(root, """
+server:
+  bind_addr: "127.0.0.1:7000"
+  ml_backends_path: "ml-backends"
+  strict_readiness: false
+  shutdown_grace_s: 5
+models:
+  - name: a
+    device: "cuda:3"
+    queue_capacity: 4
+    backend: python
+    instances: 2
+    timeout_s: 1.5
+  - name: b
+    device: cuda
+    timeout_s: null
+"""))
+    a, b = settings.models
+    assert (a.device, a.queue_capacity, a.backend, a.instances, a.timeout_s) == (Device("cuda", 3), 4, "python", 2, 1.5)
+    assert b.device == Device("cuda", 0) and str(b.device) == "cuda:0" and b.timeout_s is None
+    assert settings.server.bind_addr == "127.0.0.1:7000" and settings.server.shutdown_grace_s == 5
+    assert settings.model("a") is a and settings.model("missing") is None
+
+
+@pytest.mark.parametrize("body, key, value", [
+    ("server:\n  bind_adr: x\n", "server.bind_adr", "'x'"),
+    ("models:\n  - name: a\n    devcie: cpu\n", "models[0].devcie", "'cpu'"),
+    ("models:\n  - name: a\n    device: gpu\n", "models[0].device", "'gpu'"),
+    ("models:\n  - name: a\n    device: 'cpu:1'\n", "models[0].device", "'cpu:1'"),
+    ("models:\n  - name: a\n    device: 'cuda:x'\n", "models[0].device", "'cuda:x'"),
+    ("models:\n  - name: a\n    queue_capacity: 0\n", "models[0].queue_capacity", "0"),
+    ("models:\n  - name: a\n    queue_capacity: many\n", "models[0].queue_capacity", "'many'"),
+    ("models:\n  - name: a\n    instances: 0\n", "models[0].instances", "0"),
+    ("models:\n  - name: a\n    timeout_s: 0\n", "models[0].timeout_s", "0"),
+    ("models:\n  - name: nope\n", "models[0].name", "'nope'"),
+    ("models:\n  - device: cpu\n", "models[0].name", "None"),
+    ("models:\n  - name: a\n  - name: a\n", "models[1].name", "'a'"),
+    ("models: {a: 1}\n", "models", "{'a': 1}"),
+    ("server:\n  ml_backends_path: elsewhere\n", "server.ml_backends_path", "'elsewhere'"),
+    ("server:\n  strict_readiness: maybe\n", "server.strict_readiness", "'maybe'"),
+    ("unknown: 1\n", "unknown", "1"),
+])
+def test_mistakes_name_file_key_and_value(root: Path, body: str, key: str, value: str) -> None:
+    if "ml_backends_path" not in body:
+        body = "server:\n  ml_backends_path: ml-backends\n" + body if not body.startswith("server:") else \
+            body.replace("server:\n", "server:\n  ml_backends_path: ml-backends\n", 1)
+    path = write(root, body)
+    with pytest.raises(ConfigError) as caught:
+        load_settings(path)
+    message = str(caught.value)
+    assert message.startswith(f"{path}: {key}:"), message
+    assert message.endswith(f"got {value}"), message
+
+
+def test_unreadable_and_invalid_yaml(root: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_settings(root / "missing.yaml")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_settings(write(root, "server: [unclosed\n"))
+
+
+@pytest.mark.parametrize("text, expected", [("cpu", Device("cpu")), ("cuda", Device("cuda", 0)),
+                                            ("cuda:7", Device("cuda", 7))])
+def test_device_strings(text: str, expected: Device) -> None:
+    assert Device.parse(text) == expected
