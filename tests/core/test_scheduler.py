@@ -1,0 +1,163 @@
+"""The per-model scheduler: bounded admission, deadlines, cancellation, draining, output checks."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from nereid.dtypes import DType
+from nereid.errors import DeadlineExceeded, ModelFailure, Unavailable
+from nereid.scheduler import ModelScheduler
+from nereid.signature import ModelSignature, TensorSpec
+from nereid.stats import ModelStats
+from nereid.tensors import NamedTensor
+
+SIGNATURE = ModelSignature((TensorSpec("x", DType.FP32, (2,)),), (TensorSpec("y", DType.FP32, (2,)),), 4)
+
+
+class GatedDouble:
+    """An in-process backend that doubles its input once its gate opens; records what it ran."""
+
+    platform = "test"
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.ran: list[float] = []
+        self.fail_next = False
+
+    def infer(self, inputs: list[NamedTensor]) -> list[NamedTensor]:
+        self.gate.wait(10)
+        self.ran.append(float(inputs[0].data[0, 0]))
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError("boom")
+        return [NamedTensor("y", DType.FP32, inputs[0].data * 2)]
+
+
+def rows(value: float) -> list[NamedTensor]:
+    return [NamedTensor("x", DType.FP32, np.full((1, 2), value, dtype=np.float32))]
+
+
+async def until(predicate, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.005)
+
+
+def run(coroutine):
+    return asyncio.run(asyncio.wait_for(coroutine, 30))
+
+
+def test_full_queue_refuses_at_once_and_memory_stays_bounded() -> None:
+    async def scenario() -> None:
+        backend = GatedDouble()
+        scheduler = ModelScheduler("m", backend, SIGNATURE, capacity=3, instances=1, stats=ModelStats())
+        first = asyncio.create_task(scheduler.submit(rows(0), 1, 0))
+        await until(lambda: scheduler.queue_depth == 0 and len(backend.ran) == 0 and first is not None)
+        await asyncio.sleep(0.05)  # the first request is now running (blocked at the gate)
+        waiting = [asyncio.create_task(scheduler.submit(rows(i), 1, 0)) for i in range(1, 4)]
+        await until(lambda: scheduler.queue_depth == 3)
+        refused = 0
+        for i in range(40):  # offer many times the capacity: each is refused at once
+            with pytest.raises(Unavailable, match=r"model 'm': queue is full \(3 requests waiting"):
+                await scheduler.submit(rows(100 + i), 1, 0)
+            refused += 1
+        assert scheduler.queue_depth == 3 and refused == 40
+        backend.gate.set()
+        results = await asyncio.gather(first, *waiting)
+        assert [float(r[0].data[0, 0]) for r in results] == [0, 2, 4, 6]
+        assert backend.ran == [0, 1, 2, 3]  # arrival order; nothing refused ever ran
+        await scheduler.drain()
+    run(scenario())
+
+
+def test_expired_request_is_answered_and_never_runs() -> None:
+    async def scenario() -> None:
+        backend = GatedDouble()
+        stats = ModelStats()
+        scheduler = ModelScheduler("m", backend, SIGNATURE, capacity=4, instances=1, stats=stats)
+        blocker = asyncio.create_task(scheduler.submit(rows(1), 1, 0))
+        await asyncio.sleep(0.05)
+        expiring = asyncio.create_task(scheduler.submit(rows(2), 1, time.monotonic_ns() + 20_000_000))
+        keeps = asyncio.create_task(scheduler.submit(rows(3), 1, time.monotonic_ns() + 60_000_000_000))
+        await asyncio.sleep(0.1)  # the 20 ms deadline passes while it waits
+        backend.gate.set()
+        await blocker
+        with pytest.raises(DeadlineExceeded, match="model 'm': deadline passed .* it was not run"):
+            await expiring
+        assert float((await keeps)[0].data[0, 0]) == 6
+        assert backend.ran == [1, 3]
+        assert stats.queue.count == 3 and stats.execution_count == 2
+        await scheduler.drain()
+    run(scenario())
+
+
+def test_cancelled_queued_request_is_dropped() -> None:
+    async def scenario() -> None:
+        backend = GatedDouble()
+        scheduler = ModelScheduler("m", backend, SIGNATURE, capacity=4, instances=1, stats=ModelStats())
+        blocker = asyncio.create_task(scheduler.submit(rows(1), 1, 0))
+        await asyncio.sleep(0.05)
+        cancelled = asyncio.create_task(scheduler.submit(rows(2), 1, 0))
+        await asyncio.sleep(0.01)
+        cancelled.cancel()
+        backend.gate.set()
+        await blocker
+        await scheduler.drain()
+        assert cancelled.cancelled() and backend.ran == [1]
+    run(scenario())
+
+
+def test_drain_finishes_queued_work_then_refuses() -> None:
+    async def scenario() -> None:
+        backend = GatedDouble()
+        scheduler = ModelScheduler("m", backend, SIGNATURE, capacity=8, instances=2, stats=ModelStats())
+        pending = [asyncio.create_task(scheduler.submit(rows(i), 1, 0)) for i in range(5)]
+        await asyncio.sleep(0.05)
+        drained = asyncio.create_task(scheduler.drain())
+        await asyncio.sleep(0.05)
+        with pytest.raises(Unavailable, match="being unloaded"):
+            await scheduler.submit(rows(9), 1, 0)
+        assert not drained.done()
+        backend.gate.set()
+        await drained
+        assert sorted(float(p.result()[0].data[0, 0]) for p in pending) == [0, 2, 4, 6, 8]
+    run(scenario())
+
+
+def test_backend_exception_fails_only_its_request() -> None:
+    async def scenario() -> None:
+        backend = GatedDouble()
+        backend.gate.set()
+        backend.fail_next = True
+        scheduler = ModelScheduler("m", backend, SIGNATURE, capacity=4, instances=1, stats=ModelStats())
+        with pytest.raises(ModelFailure, match="model 'm' failed: RuntimeError: boom"):
+            await scheduler.submit(rows(1), 1, 0)
+        assert float((await scheduler.submit(rows(2), 1, 0))[0].data[0, 0]) == 4
+        await scheduler.drain()
+    run(scenario())
+
+
+@pytest.mark.parametrize("outputs, message", [
+    ([], r"returned outputs \[\], expected \['y'\]"),
+    ([NamedTensor("y", DType.FP64, np.zeros((1, 2)))], "as FP64, expected FP32"),
+    ([NamedTensor("y", DType.FP32, np.zeros((2, 2), np.float32))], r"shape \[2, 2\], expected \[1, 2\]"),
+])
+def test_outputs_are_held_to_the_signature(outputs, message) -> None:
+    class Wrong:
+        platform = "test"
+
+        def infer(self, inputs):
+            return outputs
+
+    async def scenario() -> None:
+        scheduler = ModelScheduler("m", Wrong(), SIGNATURE, capacity=4, instances=1, stats=ModelStats())
+        with pytest.raises(ModelFailure, match=message):
+            await scheduler.submit(rows(1), 1, 0)
+        await scheduler.drain()
+    run(scenario())
