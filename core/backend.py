@@ -21,13 +21,16 @@ class ModelContext:
     """Everything a backend needs to build one model.
 
     ``scratch_dir`` is a private, server-owned folder for temporary files
-    (emptied and removed when the server stops).
+    (emptied and removed when the server stops). ``settings_origin`` says where
+    ``settings`` came from (``"<file>: models[2]"``), for error messages about
+    backend-specific ``runtime`` options.
     """
 
     name: str
     folder: Path
     settings: ModelSettings
     scratch_dir: Path
+    settings_origin: str = ""
 
     @property
     def device(self) -> Device:
@@ -60,6 +63,22 @@ class Backend(Protocol):
 
     def unload(self) -> None:
         """Release everything ``load`` acquired; called once no request is running."""
+
+
+# Optional Backend methods, looked up with getattr so simple backends need none:
+#
+#   batch_signature() -> ModelSignature
+#       What ``infer`` takes and returns when it differs from the client-facing
+#       ``signature()`` (a bundle whose model.py transforms its I/O). Default:
+#       ``signature()``.
+#   preprocess(inputs: list[NamedTensor]) -> list[NamedTensor]
+#       Runs on a worker thread for each request, after validation against
+#       ``signature()`` and before the request is queued; returns tensors in
+#       ``batch_signature()`` order and form. Hooks of different requests overlap.
+#   postprocess(outputs: list[NamedTensor]) -> list[NamedTensor]
+#       Runs on a worker thread on each request's own rows of the batch result;
+#       returns the client-facing outputs of ``signature()``.
+OPTIONAL_METHODS = ("batch_signature", "preprocess", "postprocess")
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from nereid.backend import ModelContext
 from nereid.errors import ConfigError
 from nereid.plugins import make_plugin_manager
 from nereid.repository import build_model, list_model_folders
-from nereid.settings import ModelSettings, Settings, load_settings
+from nereid.settings import Settings, load_settings
 
 DEFAULT_CONFIG = Path("nereid.yaml")
 
@@ -67,12 +67,12 @@ def check(settings: Settings) -> int:
     scratch = Path(tempfile.mkdtemp(prefix="nereid-check-"))
     try:
         for name in list_model_folders(root):
-            listed = settings.model(name)
-            model_settings = listed or ModelSettings(name)
+            model_settings, origin = settings.model_or_default(name)
+            listed = settings.model(name) is not None
             suffix = "" if listed or not settings.models_listed else " (not listed in nereid.yaml)"
-            context = ModelContext(name, root / name, model_settings, scratch)
+            context = ModelContext(name, root / name, model_settings, scratch, origin)
             try:
-                backend_name, backend, signature = build_model(manager, context)
+                backend_name, backend, signature, _ = build_model(manager, context)
             except Exception as err:
                 problems += 1
                 print(f"{name}: UNAVAILABLE: {str(err).strip() or type(err).__name__}{suffix}")

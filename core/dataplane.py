@@ -7,13 +7,14 @@ requested outputs. Protocol modules only translate messages to and from it.
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from nereid import __version__
-from nereid.errors import InvalidArgument, NereidError
+from nereid.errors import InvalidArgument, ModelFailure, NereidError
 from nereid.repository import LoadedModel, ModelRepository
 from nereid.settings import Settings
-from nereid.signature import validate_inputs
+from nereid.signature import check_outputs, validate_inputs
 from nereid.tensors import InferRequest, InferResponse, NamedTensor
 
 SERVER_NAME = "nereid"
@@ -59,13 +60,31 @@ class DataPlane:
         try:
             validated = validate_inputs(request.model_name, model.signature, request.inputs)
             wanted = self._requested_outputs(request, model)
-            outputs = await model.scheduler.submit(validated.tensors, validated.batch_size, request.deadline_ns)
+            outputs = await self._run(request, model, validated.tensors, validated.batch_size)
         except NereidError:
             model.stats.record_failure(time.monotonic_ns() - received_ns)
             raise
         selected = [_strip_batch_axis(t) if validated.batch_axis_added else t for t in outputs if t.name in wanted]
         model.stats.record_success(time.monotonic_ns() - received_ns, validated.batch_size)
         return InferResponse(request.model_name, selected, request.id)
+
+    @staticmethod
+    async def _run(request: InferRequest, model: LoadedModel, inputs: list[NamedTensor],
+                   batch_size: int) -> list[NamedTensor]:
+        """Queue the request, through the backend's pre/postprocess hooks when it has them."""
+        name = request.model_name
+        preprocess = getattr(model.backend, "preprocess", None)
+        postprocess = getattr(model.backend, "postprocess", None)
+        if preprocess is not None:
+            inputs = await _call_hook(name, "preprocess", preprocess, inputs)
+            inputs = validate_inputs(name, model.batch_signature, inputs).tensors
+            if model.batch_signature.batches and inputs:
+                batch_size = inputs[0].shape[0]
+        outputs = await model.scheduler.submit(inputs, batch_size, request.deadline_ns)
+        if postprocess is not None:
+            outputs = await _call_hook(name, "postprocess", postprocess, outputs)
+            check_outputs(name, model.signature, outputs, batch_size)
+        return outputs
 
     @staticmethod
     def _requested_outputs(request: InferRequest, model: LoadedModel) -> set[str]:
@@ -76,6 +95,16 @@ class DataPlane:
                     f"model '{request.model_name}': unknown requested output '{name}' "
                     f"(outputs: {', '.join(repr(n) for n in declared) or 'none'})")
         return set(request.requested_outputs or declared)
+
+
+async def _call_hook(model: str, hook: str, function, tensors: list[NamedTensor]) -> list[NamedTensor]:
+    # Hooks run on worker threads, so hooks of different requests overlap.
+    try:
+        return await asyncio.to_thread(function, tensors)
+    except NereidError:
+        raise
+    except Exception as err:
+        raise ModelFailure(f"model '{model}': {hook} hook failed: {type(err).__name__}: {err}") from err
 
 
 def _strip_batch_axis(tensor: NamedTensor) -> NamedTensor:

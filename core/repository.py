@@ -41,11 +41,16 @@ class ModelState(str, enum.Enum):
 
 @dataclass
 class LoadedModel:
-    """A model that loaded: its backend, signature, scheduler and statistics."""
+    """A model that loaded: its backend, signatures, scheduler and statistics.
+
+    ``signature`` is client-facing; ``batch_signature`` is what the backend's
+    ``infer`` takes and returns (the same unless the backend has hooks).
+    """
 
     backend_name: str
     backend: Backend
     signature: ModelSignature
+    batch_signature: ModelSignature
     scheduler: ModelScheduler
     stats: ModelStats
     load_seconds: float
@@ -58,23 +63,29 @@ class ModelEntry:
     name: str
     folder: Path
     settings: ModelSettings
+    settings_origin: str
     state: ModelState = ModelState.UNAVAILABLE
     reason: str = NOT_LISTED_REASON
     loaded: LoadedModel | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
-def build_model(manager: pluggy.PluginManager, context: ModelContext) -> tuple[str, Backend, ModelSignature]:
+def build_model(manager: pluggy.PluginManager,
+                context: ModelContext) -> tuple[str, Backend, ModelSignature, ModelSignature]:
     """Claim, create and load one model; raise with the reason when it cannot be served.
 
-    Blocking (backends compile and read files here): call it on a worker thread.
+    Returns the backend's name, the backend, its client-facing signature and its
+    batch signature. Blocking (backends compile and read files here): call it on
+    a worker thread.
     """
     result = claim_folder(manager, context.folder, context.settings.backend)
     if result.claim is None:
         raise ConfigError(result.reason)
     backend = result.claim.create(context)
     backend.load()
-    return result.claim.backend, backend, backend.signature()
+    signature = backend.signature()
+    batch_signature = getattr(backend, "batch_signature", backend.signature)()
+    return result.claim.backend, backend, signature, batch_signature
 
 
 def list_model_folders(root: Path) -> list[str]:
@@ -91,9 +102,13 @@ class ModelRepository:
         self.scratch_dir = scratch_dir
         self.root = settings.server.ml_backends_path
         self._entries: dict[str, ModelEntry] = {}
-        # Models the server is expected to keep ready: ServerReady looks at these.
-        self._exposed: set[str] = set()
         self.rescan()
+        # Models the server is expected to keep ready: ServerReady looks at these.
+        # Start-up models count from the first moment, so the server never
+        # reports ready before they have loaded.
+        self._exposed: set[str] = set(self.startup_models())
+        for name in self._exposed:
+            self._entries[name].state, self._entries[name].reason = ModelState.LOADING, "waiting to load"
 
     def startup_models(self) -> list[str]:
         """The models to load at start: the listed ones, or every folder when none are listed."""
@@ -105,8 +120,8 @@ class ModelRepository:
         """Pick up folders added since the last scan (a removed folder keeps its entry until unloaded)."""
         for name in list_model_folders(self.root):
             if name not in self._entries:
-                settings = self.settings.model(name) or ModelSettings(name)
-                self._entries[name] = ModelEntry(name, self.root / name, settings)
+                settings, origin = self.settings.model_or_default(name)
+                self._entries[name] = ModelEntry(name, self.root / name, settings, origin)
 
     def entries(self) -> list[ModelEntry]:
         """Every known model folder, by name."""
@@ -147,18 +162,19 @@ class ModelRepository:
                 entry.state, entry.reason = ModelState.UNAVAILABLE, f"folder {entry.folder} no longer exists"
                 return entry
             entry.state, entry.reason = ModelState.LOADING, ""
-            context = ModelContext(name, entry.folder, entry.settings, self._scratch_for(name))
+            context = ModelContext(name, entry.folder, entry.settings, self._scratch_for(name), entry.settings_origin)
             started = time.monotonic()
             try:
-                backend_name, backend, signature = await asyncio.to_thread(build_model, self.manager, context)
+                backend_name, backend, signature, batch_signature = await asyncio.to_thread(
+                    build_model, self.manager, context)
             except Exception as err:  # any load failure is the model's, reported with its reason
                 entry.state, entry.reason = ModelState.UNAVAILABLE, _reason(err)
                 log.error("model '%s' is UNAVAILABLE: %s", name, entry.reason)
                 return entry
             stats = ModelStats()
-            scheduler = ModelScheduler(name, backend, signature, entry.settings.queue_capacity,
+            scheduler = ModelScheduler(name, backend, batch_signature, entry.settings.queue_capacity,
                                        entry.settings.instances, stats)
-            entry.loaded = LoadedModel(backend_name, backend, signature, scheduler, stats,
+            entry.loaded = LoadedModel(backend_name, backend, signature, batch_signature, scheduler, stats,
                                        time.monotonic() - started)
             entry.state, entry.reason = ModelState.READY, ""
             log.info("model '%s' is READY (backend %s, device %s, %.2f s)", name, backend_name,

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from nereid.backend import Backend
 from nereid.errors import DeadlineExceeded, ModelFailure, NereidError, Unavailable
-from nereid.signature import ModelSignature, dims_match
+from nereid.signature import ModelSignature, check_outputs
 from nereid.stats import ModelStats
 from nereid.tensors import NamedTensor
 
@@ -108,7 +108,7 @@ class ModelScheduler:
             return
         try:
             outputs = await loop.run_in_executor(self._executor, self._backend.infer, work.inputs)
-            self._check_outputs(outputs, work.batch_size)
+            check_outputs(self.name, self._signature, outputs, work.batch_size)
         except NereidError as err:
             outputs, error = None, err
         except Exception as err:  # a model fault, whatever the backend raised
@@ -122,25 +122,3 @@ class ModelScheduler:
             work.future.set_exception(error)
         else:
             work.future.set_result(outputs)
-
-    def _check_outputs(self, outputs: list[NamedTensor], batch_size: int) -> None:
-        """Hold any backend to its declared outputs, so a bad one fails loudly, not on the wire."""
-        expected = self._signature.outputs
-        names = [getattr(t, "name", None) for t in outputs] if isinstance(outputs, list) else None
-        if names != [spec.name for spec in expected]:
-            raise ModelFailure(
-                f"model '{self.name}' returned outputs {names}, expected {[s.name for s in expected]}")
-        for tensor, spec in zip(outputs, expected):
-            shape = tensor.shape
-            if tensor.dtype is not spec.dtype:
-                raise ModelFailure(f"model '{self.name}' returned output '{spec.name}' as "
-                                   f"{tensor.dtype.kserve}, expected {spec.dtype.kserve}")
-            if self._signature.batches:
-                ok = len(shape) == len(spec.dims) + 1 and shape[0] == batch_size and dims_match(shape[1:], spec.dims)
-                expected_shape = [batch_size, *spec.dims]
-            else:
-                ok = dims_match(shape, spec.dims)
-                expected_shape = list(spec.dims)
-            if not ok:
-                raise ModelFailure(f"model '{self.name}' returned output '{spec.name}' with shape "
-                                   f"{list(shape)}, expected {expected_shape}")

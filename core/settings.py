@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import yaml
 
@@ -57,6 +57,8 @@ class ModelSettings:
     backend: str | None = None
     instances: int = 1
     timeout_s: float | None = DEFAULT_TIMEOUT_S
+    # Backend-specific options, passed through unchecked; each backend checks its own.
+    runtime: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,13 @@ class Settings:
     def model(self, name: str) -> ModelSettings | None:
         """The listed settings for ``name``, or None when nereid.yaml does not list it."""
         return next((m for m in self.models if m.name == name), None)
+
+    def model_or_default(self, name: str) -> tuple[ModelSettings, str]:
+        """The settings for ``name`` (defaults when unlisted) and where they come from."""
+        for index, model in enumerate(self.models):
+            if model.name == name:
+                return model, f"{self.source}: models[{index}]"
+        return ModelSettings(name), f"{self.source}: (defaults; '{name}' is not listed)"
 
 
 def load_settings(path: Path) -> Settings:
@@ -139,7 +148,8 @@ def _parse_server(reader: _Reader, raw: Any, path: Path) -> ServerSettings:
 
 
 def _parse_model(reader: _Reader, raw: Any, where: str, backends_path: Path) -> ModelSettings:
-    entry = reader.mapping(raw, where, {"name", "device", "queue_capacity", "backend", "instances", "timeout_s"})
+    entry = reader.mapping(raw, where, {"name", "device", "queue_capacity", "backend", "instances", "timeout_s",
+                                        "runtime"})
     if "name" not in entry:
         reader.fail(f"{where}.name", "is required", None)
     name = reader.string(entry, f"{where}.name", "")
@@ -162,7 +172,10 @@ def _parse_model(reader: _Reader, raw: Any, where: str, backends_path: Path) -> 
         timeout = None
     else:
         timeout = reader.number(entry, f"{where}.timeout_s", DEFAULT_TIMEOUT_S, minimum=0, exclusive=True)
-    return ModelSettings(name, device, capacity, backend, instances, timeout)
+    runtime = entry.get("runtime", {})
+    if not isinstance(runtime, dict):
+        reader.fail(f"{where}.runtime", "must be a mapping of backend options", runtime)
+    return ModelSettings(name, device, capacity, backend, instances, timeout, runtime)
 
 
 class _Reader:

@@ -16,7 +16,7 @@ from google.protobuf import text_format
 
 from nereid._proto import model_inference_pb2
 from nereid.dtypes import DType
-from nereid.errors import ConfigError, InvalidArgument
+from nereid.errors import ConfigError, InvalidArgument, ModelFailure
 from nereid.tensors import NamedTensor
 
 TEXTPROTO_NAME = "model_inference.textproto"
@@ -213,6 +213,31 @@ def validate_inputs(model: str, signature: ModelSignature, tensors: list[NamedTe
         raise InvalidArgument(f"model '{model}': inputs disagree on the batch size ({described})")
     batch_size = next(iter(batch_sizes.values()), 1)
     return ValidatedInputs(ordered, batch_size, any(omitted.values()) or not batch_sizes and signature.batches)
+
+
+def check_outputs(model: str, signature: ModelSignature, outputs: list[NamedTensor], batch_size: int) -> None:
+    """Hold a backend (or hook) to the declared outputs, so a bad one fails loudly, not on the wire.
+
+    Raises ModelFailure naming the model, the output, and what was expected.
+    """
+    expected = signature.outputs
+    names = [getattr(t, "name", None) for t in outputs] if isinstance(outputs, list) else None
+    if names != [spec.name for spec in expected]:
+        raise ModelFailure(f"model '{model}' returned outputs {names}, expected {[s.name for s in expected]}")
+    for tensor, spec in zip(outputs, expected):
+        shape = tensor.shape
+        if tensor.dtype is not spec.dtype:
+            raise ModelFailure(f"model '{model}' returned output '{spec.name}' as "
+                               f"{tensor.dtype.kserve}, expected {spec.dtype.kserve}")
+        if signature.batches:
+            ok = len(shape) == len(spec.dims) + 1 and shape[0] == batch_size and dims_match(shape[1:], spec.dims)
+            expected_shape = [batch_size, *spec.dims]
+        else:
+            ok = dims_match(shape, spec.dims)
+            expected_shape = list(spec.dims)
+        if not ok:
+            raise ModelFailure(f"model '{model}' returned output '{spec.name}' with shape "
+                               f"{list(shape)}, expected {expected_shape}")
 
 
 def _names(specs: tuple[TensorSpec, ...]) -> str:
