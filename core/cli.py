@@ -72,18 +72,21 @@ def check(settings: Settings) -> int:
             suffix = "" if listed or not settings.models_listed else " (not listed in nereid.yaml)"
             context = ModelContext(name, root / name, model_settings, scratch, origin)
             try:
-                backend_name, backend, signature, _ = build_model(manager, context)
+                built = build_model(manager, context)
             except Exception as err:
                 problems += 1
                 print(f"{name}: UNAVAILABLE: {str(err).strip() or type(err).__name__}{suffix}")
                 continue
             try:
-                backend.unload()
+                built.backend.unload()
             finally:
+                signature = built.signature
                 inputs = ", ".join(f"{s.name} {s.dtype.kserve}{list(s.dims)}" for s in signature.inputs)
                 outputs = ", ".join(f"{s.name} {s.dtype.kserve}{list(s.dims)}" for s in signature.outputs)
-                print(f"{name}: OK backend={backend_name} device={model_settings.device} "
-                      f"max_batch_size={signature.max_batch_size} inputs=[{inputs}] outputs=[{outputs}]{suffix}")
+                batching = "on" if built.policy.enabled else "off"
+                print(f"{name}: OK backend={built.backend_name} device={model_settings.device} "
+                      f"max_batch_size={signature.max_batch_size} batching={batching} "
+                      f"inputs=[{inputs}] outputs=[{outputs}]{suffix}")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     print(f"{settings.source}: {'OK' if not problems else f'{problems} model(s) with problems'}")

@@ -61,8 +61,8 @@ class DataPlane:
             validated = validate_inputs(request.model_name, model.signature, request.inputs)
             wanted = self._requested_outputs(request, model)
             outputs = await self._run(request, model, validated.tensors, validated.batch_size)
-        except NereidError:
-            model.stats.record_failure(time.monotonic_ns() - received_ns)
+        except NereidError as err:
+            model.stats.record_failure(time.monotonic_ns() - received_ns, err.reason)
             raise
         selected = [_strip_batch_axis(t) if validated.batch_axis_added else t for t in outputs if t.name in wanted]
         model.stats.record_success(time.monotonic_ns() - received_ns, validated.batch_size)

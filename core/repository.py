@@ -18,7 +18,9 @@ from pathlib import Path
 import pluggy
 
 from nereid.backend import Backend, ModelContext
+from nereid.batching import BatchPolicy
 from nereid.errors import ConfigError, NotFound, Unavailable
+from nereid.metrics import ServerMetrics
 from nereid.plugins import claim_folder
 from nereid.scheduler import ModelScheduler
 from nereid.settings import ModelSettings, Settings
@@ -70,22 +72,35 @@ class ModelEntry:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
-def build_model(manager: pluggy.PluginManager,
-                context: ModelContext) -> tuple[str, Backend, ModelSignature, ModelSignature]:
+@dataclass(frozen=True)
+class BuiltModel:
+    """A loaded backend with what the core derived from it."""
+
+    backend_name: str
+    backend: Backend
+    signature: ModelSignature
+    batch_signature: ModelSignature
+    policy: BatchPolicy
+
+
+def build_model(manager: pluggy.PluginManager, context: ModelContext) -> BuiltModel:
     """Claim, create and load one model; raise with the reason when it cannot be served.
 
-    Returns the backend's name, the backend, its client-facing signature and its
-    batch signature. Blocking (backends compile and read files here): call it on
-    a worker thread.
+    Blocking (backends compile and read files here): call it on a worker thread.
     """
     result = claim_folder(manager, context.folder, context.settings.backend)
     if result.claim is None:
         raise ConfigError(result.reason)
     backend = result.claim.create(context)
     backend.load()
-    signature = backend.signature()
-    batch_signature = getattr(backend, "batch_signature", backend.signature)()
-    return result.claim.backend, backend, signature, batch_signature
+    try:
+        signature = backend.signature()
+        batch_signature = getattr(backend, "batch_signature", backend.signature)()
+        policy = BatchPolicy.resolve(context.settings.batching, batch_signature, context.settings_origin)
+    except BaseException:
+        backend.unload()
+        raise
+    return BuiltModel(result.claim.backend, backend, signature, batch_signature, policy)
 
 
 def list_model_folders(root: Path) -> list[str]:
@@ -96,8 +111,10 @@ def list_model_folders(root: Path) -> list[str]:
 class ModelRepository:
     """All model folders of one server, and the loaded models among them."""
 
-    def __init__(self, settings: Settings, manager: pluggy.PluginManager, scratch_dir: Path) -> None:
+    def __init__(self, settings: Settings, manager: pluggy.PluginManager, scratch_dir: Path,
+                 metrics: ServerMetrics | None = None) -> None:
         self.settings = settings
+        self.metrics = metrics
         self.manager = manager
         self.scratch_dir = scratch_dir
         self.root = settings.server.ml_backends_path
@@ -125,7 +142,8 @@ class ModelRepository:
 
     def entries(self) -> list[ModelEntry]:
         """Every known model folder, by name."""
-        return [self._entries[name] for name in sorted(self._entries)]
+        entries = dict(self._entries)  # a copy: the metrics thread reads this too
+        return [entries[name] for name in sorted(entries)]
 
     def entry(self, name: str) -> ModelEntry:
         """The entry for ``name``; NotFound when no such folder exists."""
@@ -165,20 +183,23 @@ class ModelRepository:
             context = ModelContext(name, entry.folder, entry.settings, self._scratch_for(name), entry.settings_origin)
             started = time.monotonic()
             try:
-                backend_name, backend, signature, batch_signature = await asyncio.to_thread(
-                    build_model, self.manager, context)
+                built = await asyncio.to_thread(build_model, self.manager, context)
             except Exception as err:  # any load failure is the model's, reported with its reason
                 entry.state, entry.reason = ModelState.UNAVAILABLE, _reason(err)
                 log.error("model '%s' is UNAVAILABLE: %s", name, entry.reason)
                 return entry
-            stats = ModelStats()
-            scheduler = ModelScheduler(name, backend, batch_signature, entry.settings.queue_capacity,
-                                       entry.settings.instances, stats)
-            entry.loaded = LoadedModel(backend_name, backend, signature, batch_signature, scheduler, stats,
-                                       time.monotonic() - started)
+            load_seconds = time.monotonic() - started
+            sink = self.metrics.model(name) if self.metrics is not None else None
+            if sink is not None:
+                sink.loaded(load_seconds)
+            stats = ModelStats(sink)
+            scheduler = ModelScheduler(name, built.backend, built.batch_signature, entry.settings.queue_capacity,
+                                       entry.settings.instances, stats, built.policy)
+            entry.loaded = LoadedModel(built.backend_name, built.backend, built.signature, built.batch_signature,
+                                       scheduler, stats, load_seconds)
             entry.state, entry.reason = ModelState.READY, ""
-            log.info("model '%s' is READY (backend %s, device %s, %.2f s)", name, backend_name,
-                     entry.settings.device, entry.loaded.load_seconds)
+            log.info("model '%s' is READY (backend %s, device %s, %.2f s)", name, built.backend_name,
+                     entry.settings.device, load_seconds)
         return entry
 
     async def unload(self, name: str) -> ModelEntry:

@@ -1,20 +1,27 @@
-"""Each model's bounded queue and the workers that run its requests.
+"""Each model's bounded queue, its dynamic batcher and its executions.
 
-The scheduler owns admission (a full queue refuses at once), deadlines (an
-expired request never starts) and concurrency (``instances`` executions at
-once). Backends only ever see one batch at a time, on a worker thread.
+The scheduler owns admission (a full queue refuses at once), batching (see
+:mod:`nereid.batching`), deadlines (an expired request never starts) and
+concurrency (at most ``instances`` executions at once). Backends only ever see
+one batch at a time: on a worker thread, or on the event loop when their
+``infer`` is a coroutine function.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import inspect
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from nereid.backend import Backend
-from nereid.errors import DeadlineExceeded, ModelFailure, NereidError, Unavailable
+from nereid.batching import BatchPolicy, batch_key, request_cost
+from nereid.errors import DeadlineExceeded, ModelFailure, NereidError, QueueFull, Unavailable
 from nereid.signature import ModelSignature, check_outputs
 from nereid.stats import ModelStats
 from nereid.tensors import NamedTensor
@@ -27,98 +34,240 @@ class Work:
     """One admitted request waiting for, or in, an execution."""
 
     inputs: list[NamedTensor]
-    batch_size: int
+    rows: int
+    cost: int
+    key: tuple
     deadline_ns: int
     future: asyncio.Future[list[NamedTensor]]
     enqueued_ns: int = field(default_factory=time.monotonic_ns)
 
+    def expired(self, now_ns: int) -> bool:
+        return bool(self.deadline_ns) and now_ns >= self.deadline_ns
+
 
 class ModelScheduler:
-    """Queue and workers of one loaded model."""
+    """Queue, batcher and executions of one loaded model. Create it on the server's event loop."""
 
-    def __init__(self, name: str, backend: Backend, signature: ModelSignature,
-                 capacity: int, instances: int, stats: ModelStats) -> None:
+    def __init__(self, name: str, backend: Backend, signature: ModelSignature, capacity: int, instances: int,
+                 stats: ModelStats, policy: BatchPolicy | None = None) -> None:
         self.name = name
         self.capacity = capacity
+        self.policy = policy or BatchPolicy(enabled=False)
         self._backend = backend
         self._signature = signature
         self._stats = stats
-        self._queue: asyncio.Queue[Work] = asyncio.Queue(maxsize=capacity)
-        self._executor = ThreadPoolExecutor(max_workers=instances, thread_name_prefix=f"nereid-{name}")
-        self._workers = [asyncio.create_task(self._worker(), name=f"nereid-{name}-{i}") for i in range(instances)]
+        self._pending: collections.deque[Work] = collections.deque()
+        self._arrived = asyncio.Event()
+        self._slots = asyncio.Semaphore(instances)
+        self._running: set[asyncio.Task] = set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._forming = False  # a batch has left the queue but not yet started
         self._accepting = True
+        self._inline = inspect.iscoroutinefunction(backend.infer)
+        self._executor = None if self._inline else ThreadPoolExecutor(max_workers=instances,
+                                                                      thread_name_prefix=f"nereid-{name}")
+        self._batcher = asyncio.create_task(self._batch_loop(), name=f"nereid-{name}-batcher")
 
     @property
     def queue_depth(self) -> int:
-        """Requests waiting (not yet running)."""
-        return self._queue.qsize()
+        """Requests waiting (not yet in an execution)."""
+        return len(self._pending)
 
-    async def submit(self, inputs: list[NamedTensor], batch_size: int, deadline_ns: int) -> list[NamedTensor]:
-        """Queue one validated request and wait for its outputs.
+    async def submit(self, inputs: list[NamedTensor], rows: int, deadline_ns: int) -> list[NamedTensor]:
+        """Queue one validated request and wait for its own rows of the result.
 
         Raises Unavailable at once when the queue is full or the model is being
         unloaded. Cancelling the caller drops the request if it has not started.
         """
         if not self._accepting:
             raise Unavailable(f"model '{self.name}' is being unloaded")
-        work = Work(inputs, batch_size, deadline_ns, asyncio.get_running_loop().create_future())
-        try:
-            self._queue.put_nowait(work)
-        except asyncio.QueueFull:
-            raise Unavailable(
-                f"model '{self.name}': queue is full ({self.capacity} requests waiting, "
-                "queue_capacity in nereid.yaml); retry later"
-            ) from None
+        if len(self._pending) >= self.capacity:
+            raise QueueFull(f"model '{self.name}': queue is full ({self.capacity} requests waiting, "
+                              "queue_capacity in nereid.yaml); retry later")
+        work = Work(inputs, rows, request_cost(self._signature, inputs, rows), batch_key(inputs), deadline_ns,
+                    asyncio.get_running_loop().create_future())
+        self._pending.append(work)
+        self._idle.clear()
+        self._stats.record_submitted()
+        self._arrived.set()
         return await work.future
 
     async def drain(self) -> None:
-        """Refuse new requests, finish the queued and running ones, stop the workers."""
+        """Refuse new requests, finish the queued and running ones, stop the batcher."""
         self._accepting = False
-        await self._queue.join()
-        for worker in self._workers:
-            worker.cancel()
-        await asyncio.gather(*self._workers, return_exceptions=True)
-        self._executor.shutdown(wait=True)
+        await self._idle.wait()
+        self._batcher.cancel()
+        await asyncio.gather(self._batcher, return_exceptions=True)
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
 
-    async def _worker(self) -> None:
-        loop = asyncio.get_running_loop()
+    # -- batch formation ----------------------------------------------------
+    async def _batch_loop(self) -> None:
         while True:
-            work = await self._queue.get()
+            await self._slots.acquire()  # form a batch only when an execution can start
             try:
-                await self._run(loop, work)
-            except Exception:  # never let one request kill the worker
-                log.exception("model '%s': unexpected scheduler error", self.name)
-                if not work.future.done():
-                    work.future.set_exception(ModelFailure(f"model '{self.name}': internal scheduler error"))
-            finally:
-                self._queue.task_done()
+                batch = await self._next_batch()
+            except BaseException:
+                self._slots.release()
+                raise
+            task = asyncio.create_task(self._execute(batch))
+            self._running.add(task)
+            task.add_done_callback(self._execution_done)
 
-    async def _run(self, loop: asyncio.AbstractEventLoop, work: Work) -> None:
-        start_ns = time.monotonic_ns()
-        queue_ns = start_ns - work.enqueued_ns
-        if work.future.cancelled():
-            self._stats.record_queue_only(queue_ns)
-            return
-        if work.deadline_ns and start_ns >= work.deadline_ns:
-            self._stats.record_queue_only(queue_ns)
-            late_ms = (start_ns - work.deadline_ns) / 1e6
-            work.future.set_exception(DeadlineExceeded(
-                f"model '{self.name}': deadline passed {late_ms:.1f} ms before the request reached "
-                f"the front of the queue (waited {queue_ns / 1e6:.1f} ms); it was not run"))
-            return
+    def _execution_done(self, task: asyncio.Task) -> None:
+        self._running.discard(task)
+        self._slots.release()
+        self._update_idle()
+
+    def _update_idle(self) -> None:
+        if not self._pending and not self._running and not self._forming:
+            self._idle.set()
+
+    async def _next_batch(self) -> list[Work]:
+        first = await self._pop_live()
+        self._forming = True
         try:
-            outputs = await loop.run_in_executor(self._executor, self._backend.infer, work.inputs)
-            check_outputs(self.name, self._signature, outputs, work.batch_size)
+            return await self._grow(first)
+        finally:
+            self._forming = False
+
+    async def _grow(self, first: Work) -> list[Work]:
+        batch, rows, cost = [first], first.rows, first.cost
+        if not self.policy.enabled:
+            return batch
+        window_end = first.enqueued_ns + self.policy.max_delay_ns
+        while True:
+            rows, cost, blocked = self._fill(batch, rows, cost)
+            full = blocked or rows >= self.policy.max_rows or self._over_budget(cost)
+            if full or self._preferred_prefix(batch):
+                break
+            remaining = window_end - time.monotonic_ns()
+            if remaining <= 0:
+                break
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), remaining / 1e9)
+            except asyncio.TimeoutError:
+                pass
+        return self._cut_to_preferred(batch)
+
+    async def _pop_live(self) -> Work:
+        """The oldest request that is neither cancelled nor expired (those are answered here)."""
+        while True:
+            while not self._pending:
+                self._update_idle()
+                self._arrived.clear()
+                await self._arrived.wait()
+            work = self._pending.popleft()
+            if self._still_wanted(work):
+                return work
+
+    def _fill(self, batch: list[Work], rows: int, cost: int) -> tuple[int, int, bool]:
+        """Move compatible requests from the queue's front into ``batch``; True when blocked."""
+        key = batch[0].key
+        while self._pending and rows < self.policy.max_rows and not self._over_budget(cost):
+            candidate = self._pending[0]
+            if not self._still_wanted(candidate, pop=True):
+                continue
+            if candidate.key != key or rows + candidate.rows > self.policy.max_rows:
+                return rows, cost, True  # it starts the next batch, keeping arrival order
+            batch.append(self._pending.popleft())
+            rows += candidate.rows
+            cost += candidate.cost
+        return rows, cost, False
+
+    def _over_budget(self, cost: int) -> bool:
+        return self.policy.max_cost is not None and cost >= self.policy.max_cost
+
+    def _preferred_prefix(self, batch: list[Work]) -> int:
+        """How many requests form the longest prefix of ``batch`` whose rows are a preferred size (0: none)."""
+        rows, keep = 0, 0
+        for index, work in enumerate(batch):
+            rows += work.rows
+            if rows in self.policy.preferred_sizes:
+                keep = index + 1
+        return keep
+
+    def _cut_to_preferred(self, batch: list[Work]) -> list[Work]:
+        """Keep the longest prefix whose rows are a preferred size; return the rest to the queue's front."""
+        keep = self._preferred_prefix(batch)
+        if keep == 0 or keep == len(batch):
+            return batch
+        self._pending.extendleft(reversed(batch[keep:]))
+        return batch[:keep]
+
+    def _still_wanted(self, work: Work, pop: bool = False) -> bool:
+        """False (after answering it) for a cancelled or expired request; pops it when ``pop``."""
+        now = time.monotonic_ns()
+        if not work.future.cancelled() and not work.expired(now):
+            return True
+        if pop:
+            self._pending.popleft()
+        self._stats.record_dropped(now - work.enqueued_ns)
+        if not work.future.cancelled():
+            self._answer_expired(work, now)
+        return False
+
+    def _answer_expired(self, work: Work, now: int) -> None:
+        late_ms = (now - work.deadline_ns) / 1e6
+        waited_ms = (now - work.enqueued_ns) / 1e6
+        work.future.set_exception(DeadlineExceeded(
+            f"model '{self.name}': deadline passed {late_ms:.1f} ms before the request could start "
+            f"(waited {waited_ms:.1f} ms in the queue); it was not run"))
+
+    # -- execution ----------------------------------------------------------
+    async def _execute(self, batch: list[Work]) -> None:
+        now = time.monotonic_ns()
+        live = [w for w in batch if self._still_wanted(w)]
+        if not live:
+            return
+        rows = sum(w.rows for w in live)
+        cost = sum(w.cost for w in live)
+        queue_ns = [now - w.enqueued_ns for w in live]
+        self._stats.execution_started()
+        input_ns = infer_ns = output_ns = 0
+        results: list[list[NamedTensor]] | None = None
+        error: NereidError | None = None
+        try:
+            start = time.monotonic_ns()
+            inputs = live[0].inputs if len(live) == 1 else _concatenate([w.inputs for w in live])
+            input_ns = time.monotonic_ns() - start
+            outputs = await self._infer(inputs)
+            infer_ns = time.monotonic_ns() - start - input_ns
+            check_outputs(self.name, self._signature, outputs, rows)
+            results = [outputs] if len(live) == 1 else _split(outputs, [w.rows for w in live])
+            output_ns = time.monotonic_ns() - start - input_ns - infer_ns
         except NereidError as err:
-            outputs, error = None, err
+            error = err
         except Exception as err:  # a model fault, whatever the backend raised
             log.exception("model '%s' raised", self.name)
-            outputs, error = None, ModelFailure(f"model '{self.name}' failed: {type(err).__name__}: {err}")
-        infer_ns = time.monotonic_ns() - start_ns
-        self._stats.record_execution(work.batch_size, 1, [queue_ns], 0, infer_ns, 0)
-        if work.future.cancelled():
-            return
-        if outputs is None:
-            work.future.set_exception(error)
-        else:
-            work.future.set_result(outputs)
+            error = ModelFailure(f"model '{self.name}' failed: {type(err).__name__}: {err}")
+        finally:
+            self._stats.execution_finished()
+        self._stats.record_execution(rows, cost, queue_ns, input_ns, infer_ns, output_ns, error is None)
+        for index, work in enumerate(live):
+            if work.future.cancelled():
+                continue
+            if error is not None:
+                work.future.set_exception(error)
+            else:
+                work.future.set_result(results[index])
+
+    async def _infer(self, inputs: list[NamedTensor]) -> list[NamedTensor]:
+        if self._inline:
+            return await self._backend.infer(inputs)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self._backend.infer, inputs)
+
+
+def _concatenate(requests: list[list[NamedTensor]]) -> list[NamedTensor]:
+    """One tensor per input, the requests' rows stacked along the batch axis in order."""
+    return [NamedTensor(tensors[0].name, tensors[0].dtype, np.concatenate([t.data for t in tensors]))
+            for tensors in zip(*requests)]
+
+
+def _split(outputs: list[NamedTensor], rows: list[int]) -> list[list[NamedTensor]]:
+    """Each request's own rows of every output (views, no copies)."""
+    bounds = np.cumsum([0, *rows])
+    return [[NamedTensor(t.name, t.dtype, t.data[bounds[i]:bounds[i + 1]]) for t in outputs]
+            for i in range(len(rows))]

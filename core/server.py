@@ -14,6 +14,7 @@ import pluggy
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from nereid.dataplane import DataPlane
+from nereid.metrics import ServerMetrics
 from nereid.plugins import make_plugin_manager
 from nereid.protocol.grpc_service import SERVICE_NAME, InferenceServicer, generic_handler
 from nereid.repository import ModelRepository
@@ -35,6 +36,9 @@ class NereidServer:
         self.manager = manager or make_plugin_manager()
         self.scratch_dir = Path(tempfile.mkdtemp(prefix="nereid-"))
         self.repository = ModelRepository(settings, self.manager, self.scratch_dir)
+        self.metrics = ServerMetrics(self.repository)
+        self.repository.metrics = self.metrics
+        self.metrics_port: int | None = None
         self.dataplane = DataPlane(self.repository, settings)
         self.port: int | None = None
         self._grpc: grpc.aio.Server | None = None
@@ -54,6 +58,9 @@ class NereidServer:
             raise OSError(f"cannot bind {self.bind_addr}")
         await server.start()
         self._grpc, self.port = server, port
+        if self.settings.server.metrics_addr:
+            self.metrics_port = self.metrics.serve(self.settings.server.metrics_addr)
+            log.info("metrics at http://%s/metrics", self.settings.server.metrics_addr)
         await self.update_health()
         log.info("nereid listening on %s (port %d)", self.bind_addr, port)
         return port
@@ -80,6 +87,7 @@ class NereidServer:
             await self.update_health()
             await self._grpc.stop(grace)
         await self.repository.unload_all()
+        self.metrics.close()
         shutil.rmtree(self.scratch_dir, ignore_errors=True)
         self._stopped.set()
         log.info("nereid stopped")

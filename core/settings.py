@@ -19,6 +19,7 @@ DEFAULT_BIND_ADDR = "[::1]:50051"
 DEFAULT_QUEUE_CAPACITY = 128
 DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_SHUTDOWN_GRACE_S = 30.0
+DEFAULT_METRICS_ADDR = "127.0.0.1:8002"
 
 _DEVICE_PATTERN = re.compile(r"^(cpu|cuda)(?::(\d+))?$")
 
@@ -48,6 +49,22 @@ class Device:
 
 
 @dataclass(frozen=True)
+class BatchingSettings:
+    """A model's ``batching:`` section (dynamic batching; see the scheduler).
+
+    ``max_batch_size`` None means the model's own cap (the textproto's
+    ``max_batch_size`` or a bundle's largest compiled size); ``max_batch_cost``
+    None means no cost budget.
+    """
+
+    enabled: bool = True
+    max_queue_delay_ms: float = 0.0
+    preferred_batch_sizes: tuple[int, ...] = ()
+    max_batch_size: int | None = None
+    max_batch_cost: int | None = None
+
+
+@dataclass(frozen=True)
 class ModelSettings:
     """One model's entry under ``models:`` (or the defaults for an unlisted folder)."""
 
@@ -59,6 +76,7 @@ class ModelSettings:
     timeout_s: float | None = DEFAULT_TIMEOUT_S
     # Backend-specific options, passed through unchecked; each backend checks its own.
     runtime: Mapping[str, Any] = field(default_factory=dict)
+    batching: BatchingSettings = BatchingSettings()
 
 
 @dataclass(frozen=True)
@@ -69,6 +87,7 @@ class ServerSettings:
     ml_backends_path: Path = Path("ml-backends")
     strict_readiness: bool = True
     shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S
+    metrics_addr: str = DEFAULT_METRICS_ADDR
 
 
 @dataclass(frozen=True)
@@ -131,7 +150,8 @@ def parse_settings(document: Any, path: Path) -> Settings:
 
 
 def _parse_server(reader: _Reader, raw: Any, path: Path) -> ServerSettings:
-    section = reader.mapping(raw, "server", {"bind_addr", "ml_backends_path", "strict_readiness", "shutdown_grace_s"})
+    section = reader.mapping(raw, "server", {"bind_addr", "ml_backends_path", "strict_readiness", "shutdown_grace_s",
+                                             "metrics_addr"})
     bind_addr = reader.string(section, "server.bind_addr", DEFAULT_BIND_ADDR)
     if ":" not in bind_addr:
         reader.fail("server.bind_addr", "must be host:port", bind_addr)
@@ -144,12 +164,15 @@ def _parse_server(reader: _Reader, raw: Any, path: Path) -> ServerSettings:
     if not isinstance(strict, bool):
         reader.fail("server.strict_readiness", "must be true or false", strict)
     grace = reader.number(section, "server.shutdown_grace_s", DEFAULT_SHUTDOWN_GRACE_S, minimum=0)
-    return ServerSettings(bind_addr, backends, strict, grace)
+    metrics_addr = reader.string(section, "server.metrics_addr", DEFAULT_METRICS_ADDR)
+    if metrics_addr and not re.match(r"^(\[[^\]]+\]|[^:\[\]]*):\d+$", metrics_addr):
+        reader.fail("server.metrics_addr", "must be host:port, or empty to turn metrics off", metrics_addr)
+    return ServerSettings(bind_addr, backends, strict, grace, metrics_addr)
 
 
 def _parse_model(reader: _Reader, raw: Any, where: str, backends_path: Path) -> ModelSettings:
     entry = reader.mapping(raw, where, {"name", "device", "queue_capacity", "backend", "instances", "timeout_s",
-                                        "runtime"})
+                                        "runtime", "batching"})
     if "name" not in entry:
         reader.fail(f"{where}.name", "is required", None)
     name = reader.string(entry, f"{where}.name", "")
@@ -175,7 +198,26 @@ def _parse_model(reader: _Reader, raw: Any, where: str, backends_path: Path) -> 
     runtime = entry.get("runtime", {})
     if not isinstance(runtime, dict):
         reader.fail(f"{where}.runtime", "must be a mapping of backend options", runtime)
-    return ModelSettings(name, device, capacity, backend, instances, timeout, runtime)
+    batching = _parse_batching(reader, entry.get("batching", {}), f"{where}.batching")
+    return ModelSettings(name, device, capacity, backend, instances, timeout, runtime, batching)
+
+
+def _parse_batching(reader: _Reader, raw: Any, where: str) -> BatchingSettings:
+    section = reader.mapping(raw, where, {"enabled", "max_queue_delay_ms", "preferred_batch_sizes",
+                                          "max_batch_size", "max_batch_cost"})
+    enabled = section.get("enabled", True)
+    if not isinstance(enabled, bool):
+        reader.fail(f"{where}.enabled", "must be true or false", enabled)
+    delay = reader.number(section, f"{where}.max_queue_delay_ms", 0.0, minimum=0)
+    preferred = section.get("preferred_batch_sizes", [])
+    if not isinstance(preferred, list) or any(isinstance(p, bool) or not isinstance(p, int) or p < 1
+                                              for p in preferred):
+        reader.fail(f"{where}.preferred_batch_sizes", "must be a list of positive integers", preferred)
+    cap = reader.integer(section, f"{where}.max_batch_size", 1, minimum=1) if "max_batch_size" in section else None
+    if cap is not None and any(p > cap for p in preferred):
+        reader.fail(f"{where}.preferred_batch_sizes", f"must not exceed max_batch_size {cap}", preferred)
+    cost = reader.integer(section, f"{where}.max_batch_cost", 1, minimum=1) if "max_batch_cost" in section else None
+    return BatchingSettings(enabled, delay, tuple(sorted(set(preferred))), cap, cost)
 
 
 class _Reader:

@@ -69,7 +69,8 @@ class ModelRepo:
 
     def write_config(self, models_yaml: str | None = None, server_extra: str = "") -> Path:
         """Write nereid.yaml; ``models_yaml`` is the ``models:`` list body (None: no models key)."""
-        text = f"server:\n  bind_addr: \"127.0.0.1:0\"\n  ml_backends_path: \"ml-backends\"\n{server_extra}"
+        text = (f"server:\n  bind_addr: \"127.0.0.1:0\"\n  ml_backends_path: \"ml-backends\"\n"
+                f"  metrics_addr: \"127.0.0.1:0\"\n{server_extra}")
         if models_yaml is not None:
             text += "models:\n" + textwrap.indent(textwrap.dedent(models_yaml), "  ")
         path = self.root / "nereid.yaml"
