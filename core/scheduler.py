@@ -53,13 +53,15 @@ class ModelScheduler:
         self.name = name
         self.capacity = capacity
         self.policy = policy or BatchPolicy(enabled=False)
+        self._instances = instances
         self._backend = backend
         self._signature = signature
         self._stats = stats
         self._pending: collections.deque[Work] = collections.deque()
         self._arrived = asyncio.Event()
-        self._slots = asyncio.Semaphore(instances)
-        self._running: set[asyncio.Task] = set()
+        self._free_slots = instances  # executions that may start now
+        self._slot_freed = asyncio.Event()
+        self._running: set[asyncio.Task] = set()  # executions started by the batcher
         self._idle = asyncio.Event()
         self._idle.set()
         self._forming = False  # a batch has left the queue but not yet started
@@ -87,11 +89,24 @@ class ModelScheduler:
                               "queue_capacity in nereid.yaml); retry later")
         work = Work(inputs, rows, request_cost(self._signature, inputs, rows), batch_key(inputs), deadline_ns,
                     asyncio.get_running_loop().create_future())
-        self._pending.append(work)
-        self._idle.clear()
         self._stats.record_submitted()
+        self._idle.clear()
+        if self._can_start_at_once():
+            # Nothing waits and an instance is free: batching could add no company, so run
+            # here and spare the hand-offs to the batcher task.
+            self._free_slots -= 1
+            try:
+                await self._execute([work])
+            finally:
+                self._release_slot()
+            return work.future.result()
+        self._pending.append(work)
         self._arrived.set()
         return await work.future
+
+    def _can_start_at_once(self) -> bool:
+        return (self._free_slots > 0 and not self._pending and not self._forming
+                and (not self.policy.enabled or self.policy.max_delay_ns == 0))
 
     async def drain(self) -> None:
         """Refuse new requests, finish the queued and running ones, stop the batcher."""
@@ -105,27 +120,44 @@ class ModelScheduler:
     # -- batch formation ----------------------------------------------------
     async def _batch_loop(self) -> None:
         while True:
-            await self._slots.acquire()  # form a batch only when an execution can start
+            while not self._pending:
+                self._update_idle()
+                self._arrived.clear()
+                await self._arrived.wait()
+            while self._free_slots == 0:  # form a batch only when an execution can start
+                self._slot_freed.clear()
+                await self._slot_freed.wait()
+            self._free_slots -= 1
             try:
                 batch = await self._next_batch()
             except BaseException:
-                self._slots.release()
+                self._release_slot()
                 raise
+            if not batch:
+                self._release_slot()
+                continue
             task = asyncio.create_task(self._execute(batch))
             self._running.add(task)
             task.add_done_callback(self._execution_done)
 
     def _execution_done(self, task: asyncio.Task) -> None:
         self._running.discard(task)
-        self._slots.release()
+        self._release_slot()
+
+    def _release_slot(self) -> None:
+        self._free_slots += 1
+        self._slot_freed.set()
         self._update_idle()
 
     def _update_idle(self) -> None:
-        if not self._pending and not self._running and not self._forming:
+        if not self._pending and not self._running and not self._forming and self._free_slots == self._instances:
             self._idle.set()
 
     async def _next_batch(self) -> list[Work]:
-        first = await self._pop_live()
+        """The next batch to run, or [] when every waiting request was cancelled or expired."""
+        first = self._pop_live()
+        if first is None:
+            return []
         self._forming = True
         try:
             return await self._grow(first)
@@ -152,16 +184,13 @@ class ModelScheduler:
                 pass
         return self._cut_to_preferred(batch)
 
-    async def _pop_live(self) -> Work:
+    def _pop_live(self) -> Work | None:
         """The oldest request that is neither cancelled nor expired (those are answered here)."""
-        while True:
-            while not self._pending:
-                self._update_idle()
-                self._arrived.clear()
-                await self._arrived.wait()
+        while self._pending:
             work = self._pending.popleft()
             if self._still_wanted(work):
                 return work
+        return None
 
     def _fill(self, batch: list[Work], rows: int, cost: int) -> tuple[int, int, bool]:
         """Move compatible requests from the queue's front into ``batch``; True when blocked."""

@@ -156,18 +156,10 @@ def validate_inputs(model: str, signature: ModelSignature, tensors: list[NamedTe
     what was received, for a missing, unexpected, mistyped or misshapen input or
     a batch over ``max_batch_size``.
     """
-    by_name: dict[str, NamedTensor] = {}
-    for tensor in tensors:
-        if tensor.name in by_name:
-            raise InvalidArgument(f"model '{model}': input '{tensor.name}' is given more than once")
-        by_name[tensor.name] = tensor
-    declared = {spec.name for spec in signature.inputs}
-    unexpected = sorted(set(by_name) - declared)
-    if unexpected:
-        raise InvalidArgument(
-            f"model '{model}': unexpected input '{unexpected[0]}' "
-            f"(expected inputs: {_names(signature.inputs)})"
-        )
+    if [t.name for t in tensors] == [spec.name for spec in signature.inputs]:
+        by_name = {t.name: t for t in tensors}  # the common case: exactly the declared inputs, in order
+    else:
+        by_name = _index_by_name(model, signature, tensors)
     ordered: list[NamedTensor] = []
     batch_sizes: dict[str, int] = {}
     omitted: dict[str, bool] = {}
@@ -238,6 +230,22 @@ def check_outputs(model: str, signature: ModelSignature, outputs: list[NamedTens
         if not ok:
             raise ModelFailure(f"model '{model}' returned output '{spec.name}' with shape "
                                f"{list(shape)}, expected {expected_shape}")
+
+
+def _index_by_name(model: str, signature: ModelSignature, tensors: list[NamedTensor]) -> dict[str, NamedTensor]:
+    by_name: dict[str, NamedTensor] = {}
+    for tensor in tensors:
+        if tensor.name in by_name:
+            raise InvalidArgument(f"model '{model}': input '{tensor.name}' is given more than once")
+        by_name[tensor.name] = tensor
+    declared = {spec.name for spec in signature.inputs}
+    unexpected = sorted(set(by_name) - declared)
+    if unexpected:
+        raise InvalidArgument(
+            f"model '{model}': unexpected input '{unexpected[0]}' "
+            f"(expected inputs: {_names(signature.inputs)})"
+        )
+    return by_name
 
 
 def _names(specs: tuple[TensorSpec, ...]) -> str:

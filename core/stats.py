@@ -24,6 +24,10 @@ class Duration:
         self.count += 1
         self.ns += max(ns, 0)
 
+    def add_many(self, count: int, total_ns: int) -> None:
+        self.count += count
+        self.ns += max(total_ns, 0)
+
 
 @dataclass
 class BatchDurations:
@@ -145,13 +149,14 @@ class ModelStats:
     def record_execution(self, rows: int, cost: int, queue_ns: list[int], input_ns: int, infer_ns: int,
                          output_ns: int, succeeded: bool) -> None:
         """One backend execution of ``rows`` rows serving ``len(queue_ns)`` requests."""
+        requests = len(queue_ns)
         with self._lock:
             self.execution_count += 1
-            for ns in queue_ns:
-                self.queue.add(ns)
-                self.compute_input.add(input_ns)
-                self.compute_infer.add(infer_ns)
-                self.compute_output.add(output_ns)
+            # Triton's convention: each request of a batch is charged the whole batch's compute time.
+            self.queue.add_many(requests, sum(queue_ns))
+            self.compute_input.add_many(requests, input_ns * requests)
+            self.compute_infer.add_many(requests, infer_ns * requests)
+            self.compute_output.add_many(requests, output_ns * requests)
             per_size = self.batches.setdefault(rows, BatchDurations())
             per_size.compute_input.add(input_ns)
             per_size.compute_infer.add(infer_ns)
@@ -160,7 +165,7 @@ class ModelStats:
             self.batcher.total_batch_size += rows
             self.batcher.total_batch_cost += cost
             if succeeded:
-                self.batcher.total_completed += len(queue_ns)
+                self.batcher.total_completed += requests
         if self._sink:
             self._sink.execution(rows, cost, [ns / 1e9 for ns in queue_ns], (input_ns + infer_ns + output_ns) / 1e9)
 

@@ -1,0 +1,123 @@
+"""Shared bench plumbing: free ports, servers in subprocesses, perf_analyzer runs, tables."""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import importlib.util
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import grpc
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO_ROOT = BENCH_DIR.parent
+
+# Settings that let perf_analyzer report on a noisy, shared 2-core machine.
+PERF_ANALYZER_FLAGS = ("--measurement-interval", "2000", "--max-trials", "3", "--stability-percentage", "999")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def perf_analyzer_command() -> tuple[str, dict[str, str]]:
+    """The perf_analyzer binary and an environment in which it starts."""
+    binary = Path(sys.executable).with_name("perf_analyzer")
+    if not binary.exists():
+        found = shutil.which("perf_analyzer")
+        if found is None:
+            sys.exit("perf_analyzer not found: python3 -m pip install -e '.[bench]' (see bench/README.md)")
+        binary = Path(found)
+    env = dict(os.environ)
+    spec = importlib.util.find_spec("nvidia.cuda_runtime")
+    if spec is not None and spec.submodule_search_locations:
+        lib = Path(list(spec.submodule_search_locations)[0]) / "lib"
+        env["LD_LIBRARY_PATH"] = f"{lib}:{env.get('LD_LIBRARY_PATH', '')}"
+    return str(binary), env
+
+
+def wait_until_serving(address: str, timeout_s: float = 120) -> None:
+    """Block until a gRPC server answers at ``address`` (any RPC reply counts)."""
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as channel:
+        while True:
+            try:
+                grpc.channel_ready_future(channel).result(timeout=1)
+                return
+            except grpc.FutureTimeoutError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"nothing serving at {address}")
+
+
+@contextlib.contextmanager
+def running(argv: Sequence[str], address: str, ready_check=None) -> Iterator[subprocess.Popen]:
+    """Run a server process for the duration of the block; it is stopped with SIGTERM."""
+    log = tempfile.TemporaryFile()
+    process = subprocess.Popen(list(argv), stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
+    try:
+        wait_until_serving(address)
+        if ready_check is not None:
+            ready_check(address)
+        yield process
+    except BaseException:
+        log.seek(0)
+        sys.stderr.write(log.read().decode(errors="replace")[-4000:])
+        raise
+    finally:
+        process.terminate()
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        log.close()
+
+
+def wait_model_ready(address: str, model: str, timeout_s: float = 300) -> None:
+    """Block until ``model`` is READY on a nereid server."""
+    import tritonclient.grpc as triton
+
+    client = triton.InferenceServerClient(address)
+    deadline = time.monotonic() + timeout_s
+    while not client.is_model_ready(model):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"model {model} not ready at {address}")
+        time.sleep(0.2)
+    client.close()
+
+
+def perf_analyzer(address: str, model: str, concurrency: int, *extra: str) -> dict[str, float]:
+    """One perf_analyzer run; returns throughput (infer/s) and latencies (µs) from its CSV."""
+    binary, env = perf_analyzer_command()
+    with tempfile.TemporaryDirectory() as out:
+        report = Path(out) / "report.csv"
+        argv = [binary, "-m", model, "-u", address, "-i", "grpc", "--concurrency-range", str(concurrency),
+                *PERF_ANALYZER_FLAGS, "-f", str(report), *extra]
+        completed = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600)
+        if completed.returncode != 0 or not report.exists():
+            raise RuntimeError(f"perf_analyzer failed ({completed.returncode}):\n{completed.stdout[-3000:]}"
+                               f"\n{completed.stderr[-3000:]}")
+        row = next(csv.DictReader(report.open()))
+    return {"throughput": float(row["Inferences/Second"]), "p50_us": float(row["p50 latency"]),
+            "p99_us": float(row["p99 latency"])}
+
+
+def print_table(title: str, header: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
+    """A plain aligned table."""
+    cells = [list(map(str, header))] + [[f"{c:.3f}" if isinstance(c, float) else str(c) for c in r] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    print(f"\n{title}")
+    for index, row in enumerate(cells):
+        print("  ".join(cell.rjust(width) for cell, width in zip(row, widths)))
+        if index == 0:
+            print("  ".join("-" * width for width in widths))
