@@ -8,6 +8,7 @@ little-endian length followed by its bytes.
 
 from __future__ import annotations
 
+import io
 import math
 from typing import BinaryIO
 
@@ -19,6 +20,7 @@ from nereid.tensors import NamedTensor, tensor_bytes
 
 MAX_HEADER_BYTES = 4096
 MAX_RANK = 32
+_CHUNK_BYTES = 1 << 24  # reads above this size are bounded by what the stream holds
 
 
 def encode_frame(tensor: NamedTensor) -> bytes:
@@ -63,7 +65,7 @@ def read_body(stream: BinaryIO, dtype: DType, shape: tuple[int, ...], where: str
     if dtype is DType.BYTES:
         return _read_bytes_body(stream, count, shape, where)
     size = count * dtype.itemsize
-    data = stream.read(size)
+    data = _read_at_most(stream, size)
     if len(data) != size:
         raise ModelFailure(f"{where}: header promises {size} bytes of {dtype.contract} {list(shape)}, "
                            f"file holds {len(data)}")
@@ -71,14 +73,55 @@ def read_body(stream: BinaryIO, dtype: DType, shape: tuple[int, ...], where: str
 
 
 def _read_bytes_body(stream: BinaryIO, count: int, shape: tuple[int, ...], where: str) -> np.ndarray:
-    array = np.empty(count, dtype=object)
+    # Elements are collected as they are read: a header promising billions of
+    # elements fails on the first missing one instead of allocating them all.
+    elements: list[bytes] = []
     for index in range(count):
         prefix = stream.read(4)
         if len(prefix) != 4:
             raise ModelFailure(f"{where}: BYTES data ends before element {index} of {count}")
         length = int.from_bytes(prefix, "little")
-        element = stream.read(length)
+        element = _read_at_most(stream, length)
         if len(element) != length:
             raise ModelFailure(f"{where}: BYTES element {index} is truncated")
+        elements.append(element)
+    array = np.empty(count, dtype=object)
+    for index, element in enumerate(elements):
         array[index] = element
     return array.reshape(shape)
+
+
+def _read_at_most(stream: BinaryIO, size: int) -> bytes:
+    """Up to ``size`` bytes, never allocating much more than the stream actually holds.
+
+    ``stream.read(size)`` allocates ``size`` bytes up front, so a header that
+    promises gigabytes over a short file would fail with MemoryError instead of
+    a clear "file holds N bytes".
+    """
+    if size <= _CHUNK_BYTES:
+        return stream.read(size)
+    remaining = _remaining(stream)
+    if remaining is not None:
+        return stream.read(min(size, remaining))
+    chunks: list[bytes] = []
+    left = size
+    while left > 0:
+        chunk = stream.read(min(left, _CHUNK_BYTES))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+def _remaining(stream: BinaryIO) -> int | None:
+    """Bytes left in a seekable stream, None when it cannot tell."""
+    try:
+        if not stream.seekable():
+            return None
+        here = stream.tell()
+        end = stream.seek(0, io.SEEK_END)
+        stream.seek(here)
+    except (OSError, ValueError):
+        return None
+    return max(0, end - here)

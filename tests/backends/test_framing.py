@@ -8,7 +8,9 @@ outputs from a file), so the round trip is checked the way the backends use it.
 from __future__ import annotations
 
 import io
+import os
 import struct
+import threading
 from pathlib import Path
 
 import ml_dtypes
@@ -228,11 +230,11 @@ def test_truncated_bytes_element() -> None:
 def test_huge_declared_shape_with_little_data(tmp_path: Path) -> None:
     """A header promising gigabytes fails on the data actually there, without allocating it."""
     path = tmp_path / "output"
-    path.write_bytes(b"float32 1000000000\n" + b"\x00" * 8)
+    path.write_bytes(b"float32 10000000000\n" + b"\x00" * 8)
     with open(path, "rb") as stream, pytest.raises(ModelFailure) as caught:
         dtype, shape = read_header(stream, WHERE)
         read_body(stream, dtype, shape, WHERE)
-    assert "header promises 4000000000 bytes" in str(caught.value)
+    assert "header promises 40000000000 bytes" in str(caught.value)
     assert "file holds 8" in str(caught.value)
 
 
@@ -248,3 +250,35 @@ def test_huge_bytes_count_or_length_with_little_data(tmp_path: Path) -> None:
         dtype, shape = read_header(stream, WHERE)
         read_body(stream, dtype, shape, WHERE)
     assert "BYTES element 0 is truncated" in str(caught.value)
+
+
+def test_huge_declared_shape_on_a_pipe() -> None:
+    """A stream that cannot say how much it holds is read in bounded chunks."""
+    read_fd, write_fd = os.pipe()
+    with open(write_fd, "wb") as writer:
+        writer.write(b"float64 10000000000\n" + b"\x00" * 24)
+    with open(read_fd, "rb") as stream:
+        assert not stream.seekable()
+        with pytest.raises(ModelFailure) as caught:
+            dtype, shape = read_header(stream, WHERE)
+            read_body(stream, dtype, shape, WHERE)
+    assert "header promises 80000000000 bytes of float64 [10000000000], file holds 24" in str(caught.value)
+
+
+def test_large_frame_on_a_pipe_round_trips() -> None:
+    """A frame bigger than one read chunk arrives whole through a non-seekable stream."""
+    array = np.arange(5 * 1024 * 1024, dtype=np.float32)  # 20 MiB
+    frame = encode_frame(NamedTensor("t", DType.FP32, array))
+    read_fd, write_fd = os.pipe()
+
+    def write() -> None:
+        with open(write_fd, "wb") as writer:
+            writer.write(frame)
+
+    writer_thread = threading.Thread(target=write)
+    writer_thread.start()
+    with open(read_fd, "rb") as stream:
+        dtype, shape = read_header(stream, WHERE)
+        back = read_body(stream, dtype, shape, WHERE)
+    writer_thread.join()
+    assert shape == array.shape and np.array_equal(back, array)

@@ -1,0 +1,246 @@
+"""The cpp backend end to end: main.cpp compiled once into .cache/, then run per batch.
+
+Real g++ builds, real servers and tritonclient over gRPC.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as triton
+from tritonclient.utils import InferenceServerException
+
+from tests.conftest import ECHO_MAIN, textproto_single, zombie_children
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "ml-backends"
+
+pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None, reason="no C++ compiler")
+
+
+def infer(server, model: str, array: np.ndarray, datatype: str = "FP32"):
+    tensor = triton.InferInput("input", list(array.shape), datatype)
+    tensor.set_data_from_numpy(array)
+    return server.client.infer(model, [tensor])
+
+
+def expect_error(server, model: str, array: np.ndarray, status: str = "StatusCode.INTERNAL") -> str:
+    with pytest.raises(InferenceServerException) as caught:
+        infer(server, model, array)
+    assert caught.value.status() == status, (caught.value.status(), caught.value.message())
+    assert f"'{model}'" in caught.value.message()
+    return caught.value.message()
+
+
+def index_of(server) -> dict[str, tuple[str, str]]:
+    return {m.name: (m.state, m.reason) for m in server.client.get_model_repository_index().models}
+
+
+def copy_example(repo, name: str, as_name: str | None = None) -> Path:
+    folder = repo.models_dir / (as_name or name)
+    shutil.copytree(EXAMPLES / name, folder)
+    return folder
+
+
+def cache_files(folder: Path) -> list[str]:
+    cache = folder / ".cache"
+    return sorted(p.name for p in cache.iterdir()) if cache.is_dir() else []
+
+
+ROWS = np.arange(-8, 16, dtype=np.float32).reshape(3, 8) * 0.25
+
+# cpp_scale with its factor in a header, to show headers are part of the cache key.
+SCALE_WITH_HEADER = (EXAMPLES / "cpp_scale" / "main.cpp").read_text().replace(
+    "#include <vector>", '#include <vector>\n#include "factor.h"').replace("v *= 2.0f", "v *= kFactor")
+
+
+def test_compiles_once_reuses_the_binary_and_rebuilds_on_edit(repo, serve):
+    folder = copy_example(repo, "cpp_scale", "scale")
+    config = repo.write_config()
+
+    first = serve(config)
+    assert index_of(first)["scale"] == ("READY", "")
+    assert infer(first, "scale", ROWS).as_numpy("output").tolist() == (ROWS * 2).tolist()
+    [binary_name] = cache_files(folder)  # one binary, no partial build left over
+    assert binary_name.startswith("main-")
+    binary = folder / ".cache" / binary_name
+    assert binary.stat().st_mode & stat.S_IXUSR
+    before = binary.stat()
+
+    # A second server on the same folder reuses the cached binary: not rebuilt, not rewritten.
+    second = serve(config)
+    assert infer(second, "scale", ROWS).as_numpy("output").tolist() == (ROWS * 2).tolist()
+    after = binary.stat()
+    assert (after.st_ino, after.st_mtime_ns, after.st_size) == (before.st_ino, before.st_mtime_ns, before.st_size)
+    assert cache_files(folder) == [binary_name]
+
+    # Editing main.cpp builds a new binary under a new name and removes the old one.
+    source = folder / "main.cpp"
+    source.write_text(source.read_text().replace("v *= 2.0f", "v *= 3.0f"))
+    third = serve(config)
+    assert infer(third, "scale", ROWS).as_numpy("output").tolist() == (ROWS * 3).tolist()
+    [rebuilt_name] = cache_files(folder)
+    assert rebuilt_name.startswith("main-") and rebuilt_name != binary_name
+    assert not binary.exists()
+
+
+def test_editing_an_included_header_rebuilds(repo, serve):
+    folder = repo.add("scale_h", (EXAMPLES / "cpp_scale" / "model_inference.textproto").read_text(),
+                      main_cpp=SCALE_WITH_HEADER)
+    (folder / "factor.h").write_text("constexpr float kFactor = 4.0f;\n")
+    config = repo.write_config()
+    server = serve(config)
+    assert infer(server, "scale_h", ROWS).as_numpy("output").tolist() == (ROWS * 4).tolist()
+    [old] = cache_files(folder)
+    (folder / "factor.h").write_text("constexpr float kFactor = -1.0f;\n")
+    server = serve(config)
+    assert infer(server, "scale_h", ROWS).as_numpy("output").tolist() == (-ROWS).tolist()
+    [new] = cache_files(folder)
+    assert new != old
+
+
+def test_compile_error_is_unavailable_with_the_compiler_message(repo, serve, no_zombies):
+    broken = repo.add("broken", textproto_single(), main_cpp='''
+        int main() {
+            return undefined_identifier_xyz + 1;
+        }
+    ''')
+    copy_example(repo, "cpp_scale")
+    repo.python("echo", main=ECHO_MAIN)
+    server = serve(repo.write_config())
+    index = index_of(server)
+    state, reason = index["broken"]
+    assert state == "UNAVAILABLE"
+    assert "compilation failed" in reason
+    assert "undefined_identifier_xyz" in reason  # the compiler's own diagnostic
+    assert str(broken / "main.cpp") in reason  # names the model's source
+    assert cache_files(broken) == []  # no binary, no partial build left behind
+    # requests to it say why; the other models serve
+    message = expect_error(server, "broken", np.zeros(4, dtype=np.float32), status="StatusCode.UNAVAILABLE")
+    assert "undefined_identifier_xyz" in message
+    assert index["cpp_scale"] == ("READY", "") and index["echo"] == ("READY", "")
+    assert infer(server, "cpp_scale", ROWS).as_numpy("output").tolist() == (ROWS * 2).tolist()
+    row = np.array([1, 2, 3, 4], dtype=np.float32)
+    assert infer(server, "echo", row).as_numpy("output").tolist() == row.tolist()
+    assert zombie_children() == []
+
+
+def test_cpp_scale_example_doubles_its_input(repo, serve):
+    copy_example(repo, "cpp_scale")
+    server = serve(repo.write_config())
+    metadata = server.client.get_model_metadata("cpp_scale")
+    assert metadata.platform == "nereid_cpp"
+    batch = np.linspace(-3, 3, 16 * 8, dtype=np.float32).reshape(16, 8)
+    result = infer(server, "cpp_scale", batch)
+    assert result.as_numpy("output").shape == (16, 8)
+    assert result.as_numpy("output").tolist() == (batch * 2).tolist()
+    one = np.arange(8, dtype=np.float32)
+    result = infer(server, "cpp_scale", one)
+    assert result.as_numpy("output").shape == (8,)
+    assert result.as_numpy("output").tolist() == (one * 2).tolist()
+    # over max_batch_size 16: refused before the program runs
+    message = expect_error(server, "cpp_scale", np.zeros((17, 8), dtype=np.float32),
+                           status="StatusCode.INVALID_ARGUMENT")
+    assert "max_batch_size 16" in message
+
+
+# The first input element picks the behaviour; 0 answers like cpp_scale.
+FAULTY_CPP = r'''
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <iostream>
+#include <iterator>
+#include <string>
+#include <vector>
+
+int main() {
+    std::string shape = std::getenv("NEREID_INPUT_SHAPE");
+    std::vector<char> raw((std::istreambuf_iterator<char>(std::cin)), std::istreambuf_iterator<char>());
+    std::vector<float> values(raw.size() / sizeof(float));
+    std::copy(raw.begin(), raw.end(), reinterpret_cast<char*>(values.data()));
+    int mode = values.empty() ? 0 : static_cast<int>(values[0]);
+    if (mode == 1) {
+        std::cerr << "cpp model: refusing input " << values[0] << std::endl;
+        return 7;
+    }
+    if (mode == 2) std::abort();
+    std::FILE* out = std::fopen(std::getenv("NEREID_OUTPUT_PATH"), "wb");
+    std::string header = (mode == 3 ? "int32 " : "float32 ") + shape + "\n";
+    std::fwrite(header.data(), 1, header.size(), out);
+    std::fwrite(values.data(), sizeof(float), values.size(), out);
+    std::fclose(out);
+    return 0;
+}
+'''
+
+
+@pytest.mark.parametrize("mode,expected", [
+    (1, ["model 'faulty_cpp' exited with code 7", "cpp model: refusing input 1"]),
+    (2, ["model 'faulty_cpp' was killed by signal SIGABRT"]),
+    (3, ["model 'faulty_cpp': output 'output': the model wrote int32, expected float32"]),
+], ids=["nonzero_exit", "abort", "wrong_dtype"])
+def test_cpp_model_fault_is_internal(repo, serve, no_zombies, mode, expected):
+    repo.add("faulty_cpp", textproto_single(), main_cpp=FAULTY_CPP)
+    server = serve(repo.write_config())
+    assert index_of(server)["faulty_cpp"] == ("READY", "")
+    message = expect_error(server, "faulty_cpp", np.array([[mode, 5, 6, 7]], dtype=np.float32))
+    for text in expected:
+        assert text in message, (text, message)
+    # the same model serves the next good request
+    good = np.array([[0, 5, 6, 7], [8, 9, 10, 11]], dtype=np.float32)
+    assert infer(server, "faulty_cpp", good).as_numpy("output").tolist() == good.tolist()
+    assert not list((server.server.scratch_dir / "faulty_cpp").glob("run-*"))
+    assert zombie_children() == []
+
+
+def test_folders_the_cpp_backend_cannot_serve(repo, serve):
+    repo.add("declared_no_source", textproto_single())
+    repo.add("both", textproto_single(), main_py=ECHO_MAIN, main_cpp="int main() { return 0; }\n")
+    repo.add("cpp_no_textproto", None, main_cpp="int main() { return 0; }\n")
+    repo.python("echo")
+    server = serve(repo.write_config('''
+        - name: "declared_no_source"
+          backend: "cpp"
+        - name: "both"
+        - name: "cpp_no_textproto"
+        - name: "echo"
+    '''))
+    index = index_of(server)
+    state, reason = index["declared_no_source"]
+    assert state == "UNAVAILABLE" and "model 'declared_no_source': missing main.cpp" in reason
+    state, reason = index["both"]
+    assert state == "UNAVAILABLE" and "several backends claim" in reason and "cpp, python" in reason
+    state, reason = index["cpp_no_textproto"]
+    assert state == "UNAVAILABLE" and "model 'cpp_no_textproto': missing model_inference.textproto" in reason
+    row = np.array([1, 2, 3, 4], dtype=np.float32)
+    assert infer(server, "echo", row).as_numpy("output").tolist() == row.tolist()
+
+
+def test_declared_backend_settles_an_ambiguous_folder(repo, serve):
+    folder = repo.add("both", (EXAMPLES / "cpp_scale" / "model_inference.textproto").read_text(),
+                      main_py="raise SystemExit('the python file must not run')\n",
+                      main_cpp=(EXAMPLES / "cpp_scale" / "main.cpp").read_text())
+    server = serve(repo.write_config('''
+        - name: "both"
+          backend: "cpp"
+    '''))
+    assert infer(server, "both", ROWS).as_numpy("output").tolist() == (ROWS * 2).tolist()
+    assert server.client.get_model_metadata("both").platform == "nereid_cpp"
+    assert len(cache_files(folder)) == 1
+
+
+def test_missing_compiler_is_reported(repo, serve, monkeypatch):
+    monkeypatch.setenv("CXX", "no-such-compiler-xyz")
+    copy_example(repo, "cpp_scale")
+    repo.python("echo")
+    server = serve(repo.write_config())
+    state, reason = index_of(server)["cpp_scale"]
+    assert state == "UNAVAILABLE"
+    assert "no C++ compiler" in reason and "no-such-compiler-xyz" in reason
+    row = np.array([1, 2, 3, 4], dtype=np.float32)
+    assert infer(server, "echo", row).as_numpy("output").tolist() == row.tolist()

@@ -1,0 +1,643 @@
+"""The python backend end to end: real servers, real model processes, tritonclient over gRPC.
+
+Covers the subprocess tensor contract (stdin, environment, working directory,
+framed outputs), batching, every kind of model fault (each INTERNAL with the
+model's name and the reason, the server serving on afterwards), timeouts that
+kill the whole process group, clean-up of processes and scratch files, and
+folders that cannot be served.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as triton
+from tritonclient.utils import InferenceServerException
+
+from tests.conftest import ECHO_MAIN, FRAMED_ECHO_MAIN, textproto_single, zombie_children
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "ml-backends"
+
+
+# -- helpers ---------------------------------------------------------------
+
+def make_input(name: str, array: np.ndarray, datatype: str) -> triton.InferInput:
+    tensor = triton.InferInput(name, list(array.shape), datatype)
+    tensor.set_data_from_numpy(array)
+    return tensor
+
+
+def infer(server, model: str, array: np.ndarray, datatype: str = "FP32", name: str = "input"):
+    return server.client.infer(model, [make_input(name, array, datatype)])
+
+
+def expect_error(server, model: str, array: np.ndarray, datatype: str = "FP32",
+                 status: str = "StatusCode.INTERNAL") -> str:
+    """Send a request that must fail with ``status``; the message must name the model."""
+    with pytest.raises(InferenceServerException) as caught:
+        infer(server, model, array, datatype)
+    error = caught.value
+    assert error.status() == status, (error.status(), error.message())
+    assert f"'{model}'" in error.message(), error.message()
+    return error.message()
+
+
+def index_of(server) -> dict[str, tuple[str, str]]:
+    """RepositoryIndex as {name: (state, reason)}."""
+    return {m.name: (m.state, m.reason) for m in server.client.get_model_repository_index().models}
+
+
+def run_dirs(server, model: str) -> list[Path]:
+    """Per-request scratch folders left behind for ``model``."""
+    scratch = server.server.scratch_dir / model
+    return sorted(scratch.glob("run-*")) if scratch.exists() else []
+
+
+def process_gone(pid: int) -> bool:
+    """True when ``pid`` no longer runs (absent, or a zombie waiting for its reaper)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+FOUR = np.array([[1.5, -2.0, 3.25, 4.0]], dtype=np.float32)
+
+
+# -- the single-tensor contract ---------------------------------------------
+
+# Reports everything it was given: its environment, working directory and stdin.
+REPORT_MAIN = '''
+import json, os, sys
+raw = sys.stdin.buffer.read()
+report = json.dumps({"env": dict(os.environ), "cwd": os.getcwd(), "stdin": raw.hex()}).encode()
+batch = int(os.environ["NEREID_INPUT_SHAPE"].split(",")[0])
+with open(os.environ["NEREID_OUTPUT_PATH"], "wb") as out:  # one copy of the report per batch row
+    out.write(b"bytes %d,1\\n" % batch + (len(report).to_bytes(4, "little") + report) * batch)
+'''
+
+# Besides the variables the contract names, only these may reach a model.
+ALLOWED_ENV = {"PATH", "LANG", "LC_ALL", "HOME", "SYSTEMROOT", "LD_LIBRARY_PATH", "TMPDIR", "CUDA_VISIBLE_DEVICES",
+               "NEREID_OUTPUT_PATH", "NEREID_OUTPUT_NAMES", "NEREID_MODEL_NAME", "NEREID_INPUT_SHAPE",
+               "NEREID_INPUT_DTYPE",
+               "LC_CTYPE"}  # set by the child's own interpreter (PEP 538 locale coercion), not inherited
+
+
+def report_of(result) -> dict:
+    report = result.as_numpy("output")
+    assert report.shape == (1,)  # batch axis omitted by the client, so omitted in the reply
+    return json.loads(report[0])
+
+
+def test_single_tensor_contract_environment_and_cwd(repo, serve, monkeypatch, no_zombies):
+    monkeypatch.setenv("NEREID_TEST_SECRET", "do-not-leak")
+    textproto = textproto_single("BYTES", input_shape="[4]", output_shape="[1]", max_batch_size=8)
+    cpu_folder = repo.python("report_cpu", main=REPORT_MAIN, textproto=textproto)
+    gpu_folder = repo.python("report_gpu", main=REPORT_MAIN, textproto=textproto)
+    repo.python("report_cuda", main=REPORT_MAIN, textproto=textproto)
+    server = serve(repo.write_config('''
+        - name: "report_cpu"
+        - name: "report_gpu"
+          device: "cuda:1"
+        - name: "report_cuda"
+          device: "cuda"
+    '''))
+    elements = np.array([b"ab", b"", b"\x00\xff", "\u00e9".encode()], dtype=object)
+
+    cpu = report_of(infer(server, "report_cpu", elements, "BYTES"))
+    env = cpu["env"]
+    # stdin: the raw tensor bytes (KServe's length-prefixed form for BYTES)
+    assert bytes.fromhex(cpu["stdin"]) == b"".join(struct.pack("<I", len(e)) + e for e in elements)
+    # shape batch-normalized: [4] with max_batch_size 8 is [1, 4]
+    assert env["NEREID_INPUT_SHAPE"] == "1,4"
+    assert env["NEREID_INPUT_DTYPE"] == "bytes"
+    assert env["NEREID_MODEL_NAME"] == "report_cpu"
+    assert env["NEREID_OUTPUT_NAMES"] == "output"
+    # the output file and TMPDIR live in a private per-request scratch folder
+    scratch = os.path.realpath(server.server.scratch_dir / "report_cpu")
+    assert os.path.dirname(os.path.realpath(env["NEREID_OUTPUT_PATH"])) == os.path.realpath(env["TMPDIR"])
+    assert os.path.dirname(os.path.realpath(env["TMPDIR"])) == scratch
+    assert os.path.basename(env["TMPDIR"]).startswith("run-")
+    # working directory: the model folder
+    assert os.path.realpath(cpu["cwd"]) == os.path.realpath(cpu_folder)
+    # a minimal environment: nothing arbitrary from the server's
+    assert "NEREID_TEST_SECRET" not in env
+    assert set(env) <= ALLOWED_ENV, set(env) - ALLOWED_ENV
+    assert env["PATH"]
+    # a CPU model sees no GPU
+    assert env["CUDA_VISIBLE_DEVICES"] == ""
+
+    gpu = report_of(infer(server, "report_gpu", elements, "BYTES"))
+    assert gpu["env"]["CUDA_VISIBLE_DEVICES"] == "1"
+    assert gpu["env"]["NEREID_MODEL_NAME"] == "report_gpu"
+    assert "NEREID_TEST_SECRET" not in gpu["env"]
+    assert os.path.realpath(gpu["cwd"]) == os.path.realpath(gpu_folder)
+
+    # the device "cuda" alone is GPU 0
+    assert report_of(infer(server, "report_cuda", elements, "BYTES"))["env"]["CUDA_VISIBLE_DEVICES"] == "0"
+
+    # a batched request: the shape arrives as sent, the data row-major
+    batched = np.array([[b"a", b"b", b"c", b"d"], [b"e", b"f", b"g", b"h"], [b"", b"", b"", b"i"]], dtype=object)
+    result = infer(server, "report_cpu", batched, "BYTES").as_numpy("output")
+    assert result.shape == (3, 1)
+    report = json.loads(result[2, 0])
+    assert report["env"]["NEREID_INPUT_SHAPE"] == "3,4"
+    assert bytes.fromhex(report["stdin"]) == b"".join(struct.pack("<I", len(e)) + e for e in batched.reshape(-1))
+    assert run_dirs(server, "report_cpu") == [] and run_dirs(server, "report_gpu") == []
+
+
+CASES = [  # (datatype, request array)
+    ("FP32", np.array([0.5, -1.0, 3.0e38, np.inf], dtype=np.float32)),
+    ("FP64", np.array([[1e-300, -2.0, 3.5, 4.0]], dtype=np.float64)),
+    ("FP16", np.array([[0.5, 1.0, -2.0, 65504.0], [1, 2, 3, 4]], dtype=np.float16)),
+    ("BF16", np.array([1.0, -2.0, 0.5, 256.0], dtype=np.float32)),  # tritonclient sends float32 as bf16
+    ("INT8", np.array([[-128, 0, 1, 127]], dtype=np.int8)),
+    ("UINT16", np.array([0, 1, 2, 65535], dtype=np.uint16)),
+    ("INT64", np.array([[-(2 ** 62), 0, 1, 2 ** 62]] * 3, dtype=np.int64)),
+    ("BOOL", np.array([True, False, False, True], dtype=np.bool_)),
+    ("BYTES", np.array([b"x", b"", b"\x00\x01", b"long" * 50], dtype=object)),
+]
+
+
+def test_stdin_is_raw_bytes_and_echo_round_trips_every_dtype(repo, serve):
+    """ECHO_MAIN replies with NEREID_INPUT_DTYPE / NEREID_INPUT_SHAPE as its header and stdin as its data:
+    the reply only validates if all three follow the contract, and must equal the request."""
+    for datatype, _ in CASES:
+        repo.python(f"echo_{datatype.lower()}", textproto=textproto_single(datatype))
+    server = serve(repo.write_config())
+    for datatype, array in CASES:
+        model = f"echo_{datatype.lower()}"
+        result = infer(server, model, array, datatype)
+        back = result.as_numpy("output")
+        assert back.shape == array.shape, (datatype, back.shape)
+        if datatype == "BF16":
+            assert back.dtype == np.float32 and back.tolist() == array.tolist()
+        elif datatype == "BYTES":
+            assert back.tolist() == array.tolist()
+        else:
+            assert back.dtype == array.dtype and back.tobytes() == array.tobytes(), datatype
+        output = result.get_output("output")
+        assert output.datatype == datatype
+
+
+def test_batched_and_unbatched_requests(repo, serve):
+    repo.python("echo")
+    server = serve(repo.write_config())
+    batch = np.arange(12, dtype=np.float32).reshape(3, 4)
+    result = infer(server, "echo", batch)
+    assert result.as_numpy("output").shape == (3, 4)
+    assert np.array_equal(result.as_numpy("output"), batch)
+    single = np.array([9.0, 8.0, 7.0, 6.0], dtype=np.float32)
+    result = infer(server, "echo", single)
+    assert result.as_numpy("output").shape == (4,)  # no batch axis sent, none returned
+    assert np.array_equal(result.as_numpy("output"), single)
+    result = infer(server, "echo", single.reshape(1, 4))
+    assert result.as_numpy("output").shape == (1, 4)
+    # over max_batch_size (8) never reaches the model
+    message = expect_error(server, "echo", np.zeros((9, 4), dtype=np.float32), status="StatusCode.INVALID_ARGUMENT")
+    assert "max_batch_size 8" in message
+
+
+def test_batch_one_output_without_batch_axis_is_accepted(repo, serve):
+    # Writes "float32 4" whatever the batch: right for batch 1 (axis implied), wrong for more.
+    main = '''
+    import os, sys
+    data = sys.stdin.buffer.read()
+    with open(os.environ["NEREID_OUTPUT_PATH"], "wb") as out:
+        out.write(b"float32 4\\n" + data[:16])
+    '''
+    repo.python("noaxis", main=main)
+    server = serve(repo.write_config())
+    row = np.array([1.0, 2.0, 3.0, 4.0], dtype=np.float32)
+    assert infer(server, "noaxis", row).as_numpy("output").tolist() == row.tolist()
+    result = infer(server, "noaxis", row.reshape(1, 4))
+    assert result.as_numpy("output").shape == (1, 4)
+    assert result.as_numpy("output").tolist() == [row.tolist()]
+    message = expect_error(server, "noaxis", np.zeros((2, 4), dtype=np.float32))
+    assert "wrote shape [4], expected [2, 4] (batch size 2)" in message
+
+
+def test_model_without_batching(repo, serve):
+    """max_batch_size 0: the shape is passed as is and the output has no batch axis."""
+    repo.python("flat", textproto=textproto_single("INT32", "[2,3]", max_batch_size=0))
+    server = serve(repo.write_config())
+    array = np.arange(6, dtype=np.int32).reshape(2, 3)
+    result = infer(server, "flat", array, "INT32")
+    assert result.as_numpy("output").tolist() == array.tolist()
+    message = expect_error(server, "flat", array.reshape(1, 2, 3), "INT32", status="StatusCode.INVALID_ARGUMENT")
+    assert "[2, 3]" in message
+
+
+def test_variable_dims(repo, serve):
+    repo.python("var", textproto=textproto_single("FP32", "[-1]"))
+    server = serve(repo.write_config())
+    for width in (1, 7):
+        array = np.arange(2 * width, dtype=np.float32).reshape(2, width)
+        assert infer(server, "var", array).as_numpy("output").tolist() == array.tolist()
+
+
+# -- the multi-tensor framing ----------------------------------------------
+
+MULTI_TEXTPROTO = '''
+input  { name: "b" data_type: "INT32" dims: [2] }
+input  { name: "a" data_type: "FP32" dims: [4] }
+input  { name: "s" data_type: "BYTES" dims: [1] }
+output { name: "b_out" data_type: "INT32" dims: [2] }
+output { name: "a_out" data_type: "FP32" dims: [4] }
+output { name: "s_out" data_type: "BYTES" dims: [1] }
+max_batch_size: 4
+'''
+
+# Reports its stdin's frame headers and environment in a BYTES output (multi-tensor form).
+MULTI_REPORT_MAIN = '''
+import json, os, struct, sys
+stdin = sys.stdin.buffer
+headers = []
+while True:
+    line = stdin.readline()
+    if not line:
+        break
+    dtype, dims = line.decode().rstrip("\\n").split(" ")
+    shape = [int(d) for d in dims.split(",")]
+    count = 1
+    for d in shape:
+        count *= d
+    if dtype == "bytes":
+        for _ in range(count):
+            stdin.read(int.from_bytes(stdin.read(4), "little"))
+    else:
+        stdin.read(count * {"float32": 4, "int32": 4}[dtype])
+    headers.append(line.decode().rstrip("\\n"))
+batch = int(headers[0].split(" ")[1].split(",")[0])
+report = json.dumps({"headers": headers, "names": os.environ.get("NEREID_INPUT_NAMES"),
+                     "outputs": os.environ.get("NEREID_OUTPUT_NAMES"),
+                     "shape": os.environ.get("NEREID_INPUT_SHAPE")}).encode()
+with open(os.environ["NEREID_OUTPUT_PATH"], "wb") as out:
+    out.write(b"float32 %d,1\\n" % batch + struct.pack("<f", 1.0) * batch)
+    out.write(b"bytes %d,1\\n" % batch + (len(report).to_bytes(4, "little") + report) * batch)
+'''
+
+
+def test_multi_tensor_framing_both_ways(repo, serve):
+    repo.python("multi", main=FRAMED_ECHO_MAIN, textproto=MULTI_TEXTPROTO)
+    repo.python("multi_report", main=MULTI_REPORT_MAIN, textproto='''
+        input  { name: "b" data_type: "INT32" dims: [2] }
+        input  { name: "a" data_type: "FP32" dims: [4] }
+        input  { name: "s" data_type: "BYTES" dims: [1] }
+        output { name: "one" data_type: "FP32" dims: [1] }
+        output { name: "report" data_type: "BYTES" dims: [1] }
+        max_batch_size: 4
+    ''')
+    server = serve(repo.write_config())
+    a = np.arange(8, dtype=np.float32).reshape(2, 4)
+    b = np.array([[1, 2], [3, 4]], dtype=np.int32)
+    s = np.array([[b"first"], [b"second\x00"]], dtype=object)
+    # the request lists its inputs in another order than the textproto
+    inputs = [make_input("s", s, "BYTES"), make_input("a", a, "FP32"), make_input("b", b, "INT32")]
+
+    result = server.client.infer("multi", inputs)
+    # the echo copies input frame i to output i: bound in textproto order both ways
+    assert result.as_numpy("b_out").tolist() == b.tolist()
+    assert result.as_numpy("a_out").tolist() == a.tolist()
+    assert result.as_numpy("s_out").tolist() == s.tolist()
+    assert [o.name for o in result.get_response().outputs] == ["b_out", "a_out", "s_out"]
+
+    report_result = server.client.infer("multi_report", inputs)
+    assert report_result.as_numpy("one").tolist() == [[1.0], [1.0]]
+    report = json.loads(report_result.as_numpy("report").reshape(-1)[0])
+    assert report["headers"] == ["int32 2,2", "float32 2,4", "bytes 2,1"]
+    assert report["names"] == "b,a,s"
+    assert report["outputs"] == "one,report"
+    assert report["shape"] is None  # single-tensor variables are not set in this form
+
+    # unbatched: every input without its batch axis, framed as batch 1, replied without it
+    result = server.client.infer("multi", [make_input("a", a[0], "FP32"), make_input("b", b[0], "INT32"),
+                                           make_input("s", s[0], "BYTES")])
+    assert result.as_numpy("a_out").shape == (4,) and result.as_numpy("a_out").tolist() == a[0].tolist()
+    assert result.as_numpy("b_out").tolist() == b[0].tolist()
+    assert result.as_numpy("s_out").tolist() == [b"first"]
+    # requesting one output returns just it
+    only = server.client.infer("multi", inputs, outputs=[triton.InferRequestedOutput("a_out")])
+    assert [o.name for o in only.get_response().outputs] == ["a_out"]
+
+
+def test_multi_tensor_missing_output_frame(repo, serve):
+    main = '''
+    import os, sys
+    sys.stdin.buffer.read()
+    with open(os.environ["NEREID_OUTPUT_PATH"], "wb") as out:
+        out.write(b"int32 1,2\\n" + bytes(8))
+    '''
+    repo.python("short", main=main, textproto=MULTI_TEXTPROTO)
+    server = serve(repo.write_config())
+    inputs = [make_input("a", np.zeros(4, dtype=np.float32), "FP32"),
+              make_input("b", np.zeros(2, dtype=np.int32), "INT32"),
+              make_input("s", np.array([b"x"], dtype=object), "BYTES")]
+    with pytest.raises(InferenceServerException) as caught:
+        server.client.infer("short", inputs)
+    assert caught.value.status() == "StatusCode.INTERNAL"
+    assert "model 'short': output 'a_out': no header line" in caught.value.message()
+
+
+def test_multi_sumprod_example(repo, serve):
+    folder = repo.models_dir / "multi_sumprod"
+    shutil.copytree(EXAMPLES / "multi_sumprod", folder)
+    server = serve(repo.write_config())
+    assert index_of(server)["multi_sumprod"][0] == "READY"
+    a = np.linspace(-2, 2, 32, dtype=np.float32).reshape(2, 16)
+    b = np.linspace(3, 5, 32, dtype=np.float32).reshape(2, 16)
+    result = server.client.infer("multi_sumprod", [make_input("a", a, "FP32"), make_input("b", b, "FP32")])
+    np.testing.assert_allclose(result.as_numpy("sum"), a + b, rtol=1e-6)
+    np.testing.assert_allclose(result.as_numpy("prod"), a * b, rtol=1e-6)
+    result = server.client.infer("multi_sumprod", [make_input("b", b[1], "FP32"), make_input("a", a[1], "FP32")])
+    assert result.as_numpy("sum").shape == (16,)
+    np.testing.assert_allclose(result.as_numpy("prod"), a[1] * b[1], rtol=1e-6)
+
+
+def test_python_rowsum_example(repo, serve):
+    shutil.copytree(EXAMPLES / "python_rowsum", repo.models_dir / "python_rowsum")
+    server = serve(repo.write_config())
+    rows = np.arange(48, dtype=np.float32).reshape(3, 16)
+    result = infer(server, "python_rowsum", rows)
+    assert result.as_numpy("output").shape == (3, 1)
+    assert result.as_numpy("output")[:, 0].tolist() == rows.sum(axis=1).tolist()
+
+
+# -- faults ----------------------------------------------------------------
+
+# One model, many ways to break the contract: the first element of a row picks
+# the behaviour (0 answers correctly), so the same model serves right after a
+# fault. Under dynamic batching one faulty row spoils its whole batch.
+FAULTY_MAIN = '''
+import os, signal, struct, subprocess, sys, time
+raw = sys.stdin.buffer.read()
+shape = os.environ["NEREID_INPUT_SHAPE"]
+rows, width = (int(d) for d in shape.split(","))
+modes = [int(struct.unpack_from("<f", raw, 4 * width * row)[0]) for row in range(rows)]
+mode = next((m for m in modes if m), 0)
+path = os.environ["NEREID_OUTPUT_PATH"]
+good = ("float32 %s\\n" % shape).encode() + raw
+if mode == 0:
+    open(path, "wb").write(good)
+elif mode == 1:  # clean exit, no output
+    pass
+elif mode == 2:  # non-zero exit after a lot of stderr
+    sys.stderr.write("HEAD-OF-STDERR\\n" + "noise line\\n" * 500 + "fatal: the model gave up\\n")
+    sys.exit(3)
+elif mode == 3:
+    sys.stdout.flush()
+    os.kill(os.getpid(), signal.SIGSEGV)
+elif mode == 4:
+    open(path, "wb").write(b"float32 1 4\\n" + raw)
+elif mode == 5:
+    open(path, "wb").write(b"7" * 5000)
+elif mode == 6:
+    open(path, "wb").write(b"float32 1,5\\n" + raw + bytes(4))
+elif mode == 7:
+    open(path, "wb").write(("int32 %s\\n" % shape).encode() + raw)
+elif mode == 8:
+    open(path, "wb").write(good + b"trailing garbage")
+elif mode == 9:
+    open(path, "wb").write(("float32 %s\\n" % shape).encode() + raw[:6])
+elif mode == 10:
+    open(path, "wb").write(b"")
+elif mode == 11:
+    open(path, "wb").write(b"float99 1,4\\n" + raw)
+elif mode == 12:
+    open(path, "wb").write(b"float32 1,-4\\n" + raw)
+elif mode == 13:  # a hang, with a grandchild in the same process group
+    child = subprocess.Popen(["sleep", "30"])
+    with open("grandchild.pid", "w") as f:
+        f.write(str(child.pid))
+    time.sleep(30)
+elif mode == 14:  # a correct answer, leaving a background process behind
+    child = subprocess.Popen(["sleep", "30"])
+    with open("orphan.pid", "w") as f:
+        f.write(str(child.pid))
+    open(path, "wb").write(good)
+'''
+
+FAULTS = [  # (id, mode, substrings the INTERNAL message must contain)
+    ("exit0_without_output", 1, ["exited 0 without writing its output tensor", "NEREID_OUTPUT_PATH"]),
+    ("nonzero_exit", 2, ["exited with code 3", "fatal: the model gave up"]),
+    ("killed_by_signal", 3, ["was killed by signal SIGSEGV"]),
+    ("malformed_header", 4, ["malformed header", "float32 1 4"]),
+    ("oversized_header", 5, ["header line longer than 4096 bytes"]),
+    ("wrong_shape", 6, ["wrote shape [1, 5], expected [1, 4]"]),
+    ("wrong_dtype", 7, ["output 'output'", "wrote int32, expected float32"]),
+    ("trailing_garbage", 8, ["data after the last declared output"]),
+    ("truncated_body", 9, ["header promises 16 bytes of float32 [1, 4], file holds 6"]),
+    ("empty_output", 10, ["no header line"]),
+    ("unknown_dtype", 11, ["unknown dtype 'float99'"]),
+    ("negative_dim", 12, ["bad shape"]),
+]
+
+
+def good_row(mode: int) -> np.ndarray:
+    return np.array([[mode, 1.0, 2.0, 3.0]], dtype=np.float32)
+
+
+@pytest.fixture
+def faulty_server(repo, serve):
+    """``faulty`` (default timeout), ``hang`` (the same program, timeout_s 1) and a plain echo."""
+    repo.python("faulty", main=FAULTY_MAIN)
+    repo.python("hang", main=FAULTY_MAIN)
+    repo.python("bystander")
+    return serve(repo.write_config('''
+        - name: "faulty"
+        - name: "bystander"
+        - name: "hang"
+          timeout_s: 1
+    '''))
+
+
+@pytest.mark.parametrize("mode,expected", [(mode, expected) for _, mode, expected in FAULTS],
+                         ids=[name for name, _, _ in FAULTS])
+def test_fault_is_internal_with_reason(faulty_server, no_zombies, mode, expected):
+    server = faulty_server
+    message = expect_error(server, "faulty", good_row(mode))
+    assert message.startswith("model 'faulty'"), message
+    for text in expected:
+        assert text in message, (text, message)
+    # the server keeps serving: the same model, and another one
+    assert infer(server, "faulty", good_row(0)).as_numpy("output").tolist() == good_row(0).tolist()
+    assert infer(server, "bystander", FOUR).as_numpy("output").tolist() == FOUR.tolist()
+    assert server.client.is_server_live() and server.client.is_model_ready("faulty")
+    # nothing left behind: no per-request folder (of any model), no unreaped child
+    assert run_dirs(server, "faulty") == []
+    assert list(server.server.scratch_dir.rglob("run-*")) == []
+    assert zombie_children() == []
+
+
+def test_nonzero_exit_reports_only_the_tail_of_stderr(faulty_server):
+    message = expect_error(faulty_server, "faulty", good_row(2))
+    assert "fatal: the model gave up" in message
+    assert "HEAD-OF-STDERR" not in message  # 5 KB of stderr: only its tail is kept
+    assert len(message) < 3000
+
+
+def test_hang_past_timeout_kills_the_process_group(faulty_server, repo, no_zombies):
+    server = faulty_server
+    pid_file = repo.models_dir / "hang" / "grandchild.pid"
+    started = time.monotonic()
+    message = expect_error(server, "hang", good_row(13))
+    elapsed = time.monotonic() - started
+    assert "model 'hang' timed out after 1 s" in message
+    assert "timeout_s" in message  # says where the limit comes from
+    assert elapsed < 10  # the 30 s sleep was cut short
+    # the grandchild wrote its pid in the model folder (the working directory) and died with its group
+    grandchild = int(pid_file.read_text())
+    deadline = time.monotonic() + 5
+    while not process_gone(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert process_gone(grandchild), f"grandchild {grandchild} survived the timeout"
+    # the same model answers promptly afterwards, and nothing was left behind
+    assert infer(server, "hang", good_row(0)).as_numpy("output").tolist() == good_row(0).tolist()
+    assert run_dirs(server, "hang") == []
+    assert zombie_children() == []
+
+
+def test_background_process_of_a_successful_request_is_killed(faulty_server, repo, no_zombies):
+    """Nothing a model starts outlives its request, even when the request succeeds."""
+    server = faulty_server
+    assert infer(server, "faulty", good_row(14)).as_numpy("output").tolist() == good_row(14).tolist()
+    orphan = int((repo.models_dir / "faulty" / "orphan.pid").read_text())
+    deadline = time.monotonic() + 5
+    while not process_gone(orphan) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert process_gone(orphan), f"background process {orphan} outlived its request"
+    assert zombie_children() == []
+
+
+def test_concurrent_requests_and_faults(faulty_server, no_zombies):
+    """Requests from many threads at once (which the server may batch together): every request gets
+    exactly one answer, its own rows or an INTERNAL error; a faulty request always fails."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    server = faulty_server
+
+    def request(index: int, mode: int) -> np.ndarray:
+        rows = 1 + index % 3
+        array = np.arange(rows * 4, dtype=np.float32).reshape(rows, 4) + 100 * index
+        array[:, 0] = 0
+        array[index % rows, 0] = mode
+        return array[0] if rows == 1 and index % 2 else array  # some without a batch axis
+
+    def one(args: tuple[int, int]) -> str:
+        index, mode = args
+        array = request(index, mode)
+        try:
+            back = infer(server, "faulty", array).as_numpy("output")
+        except InferenceServerException as err:
+            assert err.message().startswith("model 'faulty'"), err.message()
+            return err.status()
+        return "ok" if back.shape == array.shape and back.tolist() == array.tolist() else f"wrong {back}"
+
+    with ThreadPoolExecutor(8) as pool:
+        good = list(pool.map(one, [(i, 0) for i in range(24)]))
+    assert good == ["ok"] * 24
+
+    modes = [0, 1, 0, 3, 0, 8, 0, 2, 0, 0, 6, 0] * 2
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(one, enumerate(modes)))
+    for mode, answer in zip(modes, answers):
+        assert answer in (("ok", "StatusCode.INTERNAL") if mode == 0 else ("StatusCode.INTERNAL",)), (mode, answer)
+    assert run_dirs(server, "faulty") == []
+    assert zombie_children() == []
+    assert infer(server, "faulty", good_row(0)).as_numpy("output").tolist() == good_row(0).tolist()
+
+
+def test_huge_output_header_fails_cleanly(repo, serve):
+    """A -1 output dimension lets a header promise any size: reported, not a MemoryError."""
+    main = '''
+    import os, sys
+    sys.stdin.buffer.read()
+    with open(os.environ["NEREID_OUTPUT_PATH"], "wb") as out:
+        out.write(b"float32 1,10000000000\\n" + bytes(8))
+    '''
+    repo.python("huge", main=main, textproto=textproto_single("FP32", "[4]", "[-1]"))
+    repo.python("bystander")
+    server = serve(repo.write_config())
+    message = expect_error(server, "huge", FOUR)
+    assert "header promises 40000000000 bytes of float32 [1, 10000000000], file holds 8" in message
+    assert infer(server, "bystander", FOUR).as_numpy("output").tolist() == FOUR.tolist()
+
+
+def test_model_without_input(repo, serve):
+    """input_shape is optional: the program gets empty stdin and no input variables."""
+    main = '''
+    import os, struct, sys
+    assert sys.stdin.buffer.read() == b""
+    assert "NEREID_INPUT_SHAPE" not in os.environ and "NEREID_INPUT_DTYPE" not in os.environ
+    with open(os.environ["NEREID_OUTPUT_PATH"], "wb") as out:
+        out.write(b"float64 2\\n" + struct.pack("<2d", 2.5, -1.0))
+    '''
+    repo.python("constant", main=main, textproto='output_shape: [2]\ndata_type: "FP64"\n')
+    server = serve(repo.write_config())
+    result = server.client.infer("constant", [])
+    assert result.as_numpy("output").tolist() == [2.5, -1.0]
+
+
+def test_model_that_ignores_stdin(repo, serve, no_zombies):
+    """A model that never reads its (large) stdin still answers; the server does not block on the pipe."""
+    main = '''
+    import os
+    with open(os.environ["NEREID_OUTPUT_PATH"], "wb") as out:
+        out.write(b"uint8 1,1\\n\\x2a")
+    '''
+    repo.python("deaf", main=main, textproto=textproto_single("UINT8", "[-1]", "[1]"))
+    server = serve(repo.write_config())
+    big = np.zeros((1, 4 << 20), dtype=np.uint8)  # far more than a pipe buffer
+    assert infer(server, "deaf", big, "UINT8").as_numpy("output").tolist() == [[42]]
+    assert run_dirs(server, "deaf") == []
+
+
+# -- folders that cannot be served -------------------------------------------
+
+def test_unservable_folders_are_unavailable_with_reason(repo, serve):
+    repo.add("no_textproto", None, main_py=ECHO_MAIN)
+    repo.python("no_output", textproto="input_shape: [4]\nmax_batch_size: 8\n")
+    repo.python("bad_textproto", textproto="input_shape: [4]\noutput_shape: [4]\nbogus_field: 1\n")
+    repo.add("no_main", textproto_single())
+    repo.python("good")
+    server = serve(repo.write_config())
+    index = index_of(server)
+    state, reason = index["no_textproto"]
+    assert state == "UNAVAILABLE"
+    assert "model 'no_textproto'" in reason and "missing model_inference.textproto" in reason
+    state, reason = index["no_output"]
+    assert state == "UNAVAILABLE"
+    assert "no_output" in reason and "must declare its output" in reason and "output_shape" in reason
+    state, reason = index["bad_textproto"]
+    assert state == "UNAVAILABLE" and "bad_textproto" in reason and "bogus_field" in reason
+    state, reason = index["no_main"]
+    assert state == "UNAVAILABLE" and "no_main" in reason and "no backend claims" in reason
+    assert index["good"] == ("READY", "")
+    # the others still serve
+    assert infer(server, "good", FOUR).as_numpy("output").tolist() == FOUR.tolist()
+    # a request to an unavailable model says why
+    message = expect_error(server, "no_output", FOUR, status="StatusCode.UNAVAILABLE")
+    assert "must declare its output" in message
+    assert not server.client.is_model_ready("no_textproto")
+    assert server.client.is_model_ready("good")
+
+
+def test_declared_python_backend_needs_main_py(repo, serve):
+    repo.add("declared", textproto_single())
+    repo.python("good")
+    server = serve(repo.write_config('''
+        - name: "declared"
+          backend: "python"
+        - name: "good"
+    '''))
+    state, reason = index_of(server)["declared"]
+    assert state == "UNAVAILABLE" and "model 'declared': missing main.py" in reason
+    assert infer(server, "good", FOUR).as_numpy("output").tolist() == FOUR.tolist()
