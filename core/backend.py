@@ -78,7 +78,11 @@ class Backend(Protocol):
 #   postprocess(outputs: list[NamedTensor]) -> list[NamedTensor]
 #       Runs on a worker thread on each request's own rows of the batch result;
 #       returns the client-facing outputs of ``signature()``.
-OPTIONAL_METHODS = ("batch_signature", "preprocess", "postprocess")
+#   terminate_running() -> None
+#       Called when the server stops and its shutdown grace has passed while
+#       executions still run: end them now (the subprocess backends kill their
+#       children's process groups), so that shutdown stays bounded.
+OPTIONAL_METHODS = ("batch_signature", "preprocess", "postprocess", "terminate_running")
 
 
 @dataclass(frozen=True)

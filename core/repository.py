@@ -212,6 +212,13 @@ class ModelRepository:
             entry.reason = "unloaded"
         return entry
 
+    async def terminate_running(self) -> None:
+        """Ask every loaded backend that can to end its running executions now."""
+        for entry in self.entries():
+            terminate = getattr(entry.loaded.backend, "terminate_running", None) if entry.loaded else None
+            if terminate is not None:
+                await asyncio.to_thread(terminate)
+
     async def unload_all(self) -> None:
         """Unload every loaded model (server shutdown)."""
         await asyncio.gather(*(self.unload(e.name) for e in self.entries() if e.loaded is not None))

@@ -86,6 +86,8 @@ class NereidServer:
         if self._grpc is not None:
             await self.update_health()
             await self._grpc.stop(grace)
+        # Past the grace, what still runs belongs to cancelled calls: end it rather than wait.
+        await self.repository.terminate_running()
         await self.repository.unload_all()
         self.metrics.close()
         shutil.rmtree(self.scratch_dir, ignore_errors=True)

@@ -20,7 +20,7 @@ from nereid.signature import TEXTPROTO_NAME, ModelSignature, TensorSpec, dims_ma
 from nereid.tensors import NamedTensor, tensor_bytes
 
 from nereid.backends.subprocess.framing import encode_frame, read_body, read_header
-from nereid.backends.subprocess.runner import run_model_process
+from nereid.backends.subprocess.runner import ProcessGroups, run_model_process
 
 # Inherited by children from the server's environment; everything else is dropped.
 INHERITED_ENV = ("PATH", "LANG", "LC_ALL", "HOME", "SYSTEMROOT", "LD_LIBRARY_PATH")
@@ -34,6 +34,7 @@ class SubprocessModel:
     def __init__(self, context: ModelContext) -> None:
         self.context = context
         self._signature: ModelSignature | None = None
+        self._groups = ProcessGroups()
 
     # -- Backend protocol -------------------------------------------------
     def load(self) -> None:
@@ -63,7 +64,7 @@ class SubprocessModel:
             env = self._environment(inputs, output_path, work_dir)
             result = run_model_process(self.command(), cwd=self.context.folder, env=env,
                                        stdin=self._stdin(inputs), timeout_s=self.context.settings.timeout_s,
-                                       log_path=work_dir / "log")
+                                       log_path=work_dir / "log", groups=self._groups)
             name = self.context.name
             if result.timed_out:
                 raise ModelFailure(f"model '{name}' timed out after {self.context.settings.timeout_s:g} s "
@@ -80,6 +81,10 @@ class SubprocessModel:
 
     def unload(self) -> None:
         """Nothing stays running between requests."""
+
+    def terminate_running(self) -> None:
+        """End every running program now (the server is stopping and its grace has passed)."""
+        self._groups.kill_all()
 
     # -- for subclasses ---------------------------------------------------
     def prepare(self) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -11,6 +12,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 import tritonclient.grpc as triton
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -99,3 +101,60 @@ def test_serve_finishes_accepted_requests_on_sigterm_and_exits_zero(repo) -> Non
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+HANGING_MAIN = '''
+import os, time
+with open("child.pid", "w") as f:
+    f.write(str(os.getpid()))
+time.sleep(120)
+'''
+
+
+def test_serve_ends_running_children_once_the_grace_has_passed(repo) -> None:
+    folder = repo.python("hang", main=HANGING_MAIN)
+    config = repo.write_config("- name: hang\n  timeout_s: 300\n", server_extra="  shutdown_grace_s: 1\n")
+    port = free_port()
+    process = subprocess.Popen([*NEREID, "serve", "--config", str(config), "--bind", f"127.0.0.1:{port}"],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        client = triton.InferenceServerClient(f"127.0.0.1:{port}")
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if client.is_server_ready():
+                    break
+            except Exception:
+                pass
+            assert time.monotonic() < deadline, "server did not become ready"
+            time.sleep(0.1)
+        tensor = triton.InferInput("input", [1, 4], "FP32")
+        tensor.set_data_from_numpy(np.ones((1, 4), dtype=np.float32))
+        errors: list = []
+        worker = threading.Thread(target=lambda: errors.append(_infer_error(client, tensor)))
+        worker.start()
+        pid_file = folder / "child.pid"
+        while not pid_file.exists():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        child = int(pid_file.read_text())
+        stopped_at = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == 0
+        assert time.monotonic() - stopped_at < 15  # bounded by the 1 s grace, not the 120 s model
+        worker.join(30)
+        assert errors and errors[0] is not None  # the cancelled call got an error, not a hang
+        with pytest.raises(ProcessLookupError):
+            os.kill(child, 0)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def _infer_error(client, tensor):
+    try:
+        client.infer("hang", [tensor])
+    except Exception as err:  # the server went away mid-call
+        return err
+    return None
