@@ -10,7 +10,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+import socket
+import threading
+from wsgiref.simple_server import WSGIRequestHandler, make_server
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -56,7 +61,15 @@ class ServerMetrics:
     def serve(self, addr: str) -> int:
         """Start the HTTP endpoint on ``host:port``; returns the bound port."""
         host, _, port = addr.rpartition(":")
-        self._http, _thread = start_http_server(int(port), addr=host.strip("[]"), registry=self.registry)
+        host = host.strip("[]")
+
+        class Server(ThreadingWSGIServer):
+            address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+        self._http = make_server(host, int(port), make_wsgi_app(self.registry), Server, handler_class=_QuietHandler)
+        # A short poll interval keeps shutdown quick (the default waits up to 0.5 s).
+        threading.Thread(target=self._http.serve_forever, kwargs={"poll_interval": 0.05},
+                         name="nereid-metrics", daemon=True).start()
         return self._http.server_port
 
     def close(self) -> None:
@@ -96,6 +109,13 @@ class ModelMetrics:
 
     def loaded(self, seconds: float) -> None:
         self._metrics.load_duration.labels(self._model).observe(seconds)
+
+
+class _QuietHandler(WSGIRequestHandler):
+    """No access log on stderr for every scrape."""
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
 
 
 class _RepositoryCollector(Collector):

@@ -85,8 +85,8 @@ class ModelScheduler:
         if not self._accepting:
             raise Unavailable(f"model '{self.name}' is being unloaded")
         if len(self._pending) >= self.capacity:
-            raise QueueFull(f"model '{self.name}': queue is full ({self.capacity} requests waiting, "
-                              "queue_capacity in nereid.yaml); retry later")
+            raise QueueFull(f"model '{self.name}': queue is full (queue_capacity {self.capacity} in nereid.yaml); "
+                            "retry later")
         work = Work(inputs, rows, request_cost(self._signature, inputs, rows), batch_key(inputs), deadline_ns,
                     asyncio.get_running_loop().create_future())
         self._stats.record_submitted()

@@ -167,7 +167,8 @@ def validate_inputs(model: str, signature: ModelSignature, tensors: list[NamedTe
         tensor = by_name.get(spec.name)
         if tensor is None:
             raise InvalidArgument(
-                f"model '{model}': missing input '{spec.name}' (expected inputs: {_names(signature.inputs)})"
+                f"model '{model}': missing input '{spec.name}' (expected inputs: {_names(signature.inputs)}; "
+                f"received: {', '.join(repr(n) for n in by_name) or 'none'})"
             )
         if tensor.dtype is not spec.dtype:
             raise InvalidArgument(

@@ -37,9 +37,7 @@ def decode_infer_request(msg: pb.ModelInferRequest, time_remaining_s: float | No
     if time_remaining_s is not None:
         budgets.append(int(time_remaining_s * 1e9))
     if TIMEOUT_PARAMETER in msg.parameters:
-        timeout_us = msg.parameters[TIMEOUT_PARAMETER].int64_param
-        if timeout_us < 0:
-            raise InvalidArgument(f"model '{model}': parameter 'timeout' must be >= 0 microseconds, got {timeout_us}")
+        timeout_us = _timeout_us(model, msg.parameters[TIMEOUT_PARAMETER])
         if timeout_us > 0:
             budgets.append(timeout_us * 1000)
     deadline = now + min(budgets) if budgets else 0
@@ -52,6 +50,18 @@ def decode_infer_request(msg: pb.ModelInferRequest, time_remaining_s: float | No
     )
 
 
+def _timeout_us(model: str, parameter: pb.InferParameter) -> int:
+    """The ``timeout`` parameter in microseconds (0: none); Triton clients send it as int64 or uint64."""
+    kind = parameter.WhichOneof("parameter_choice")
+    if kind not in ("int64_param", "uint64_param"):
+        raise InvalidArgument(f"model '{model}': parameter 'timeout' must be an integer number of microseconds "
+                              f"(int64_param or uint64_param), got {kind or 'no value'}")
+    timeout_us = getattr(parameter, kind)
+    if timeout_us < 0:
+        raise InvalidArgument(f"model '{model}': parameter 'timeout' must be >= 0 microseconds, got {timeout_us}")
+    return timeout_us
+
+
 def _decode_tensor(model: str, tensor: pb.ModelInferRequest.InferInputTensor, raw: bytes | None) -> NamedTensor:
     where = f"model '{model}': input '{tensor.name}'"
     try:
@@ -59,10 +69,15 @@ def _decode_tensor(model: str, tensor: pb.ModelInferRequest.InferInputTensor, ra
     except ValueError as err:
         raise InvalidArgument(f"{where}: {err}") from None
     shape = tuple(tensor.shape)
-    if any(d < 0 for d in shape):
-        raise InvalidArgument(f"{where}: shape {list(shape)} has a negative dimension")
+    if any(d < 1 for d in shape):
+        # No model accepts them (fixed dims, -1 dims and batch sizes are all positive), and a zero
+        # next to huge dims would otherwise reach numpy as an unrepresentable shape.
+        raise InvalidArgument(f"{where}: shape {list(shape)} has a dimension < 1; dimensions must be positive")
     count = math.prod(shape)
     if raw is not None:
+        if tensor.contents.ListFields():
+            raise InvalidArgument(f"{where}: data sent both in contents and in raw_input_contents; "
+                                  "send it in one of them")
         data = _decode_raw(where, dtype, shape, count, raw)
     else:
         data = _decode_contents(where, dtype, shape, count, tensor.contents)
@@ -104,10 +119,17 @@ def _decode_contents(where: str, dtype: DType, shape: tuple[int, ...], count: in
         array = np.empty(count, dtype=object)
         array[:] = list(values)
         return array.reshape(shape)
-    try:
-        return np.array(values, dtype=dtype.numpy).reshape(shape)
-    except (OverflowError, ValueError) as err:
-        raise InvalidArgument(f"{where}: contents.{field} does not fit {dtype.kserve}: {err}") from None
+    # Read in the field's own width first: numpy's cast to a narrower type would silently wrap
+    # (int_contents 200 as INT8 becoming -56), so the range is checked before narrowing.
+    source = np.array(values)
+    if dtype.numpy.kind in "iu" and source.size:
+        info = np.iinfo(dtype.numpy)
+        outside = (source < info.min) | (source > info.max)
+        if outside.any():
+            bad = source[outside][0]
+            raise InvalidArgument(f"{where}: contents.{field} value {bad} does not fit {dtype.kserve} "
+                                  f"(range {info.min} to {info.max})")
+    return source.astype(dtype.numpy).reshape(shape)
 
 
 def encode_infer_response(response: InferResponse) -> pb.ModelInferResponse:

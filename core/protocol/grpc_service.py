@@ -56,6 +56,10 @@ def _maps_errors(handler: Handler) -> Handler:
             return await handler(self, request, context)
         except NereidError as err:
             await context.abort(status_of(err), str(err))
+        except Exception as err:  # a bug, not the client's fault: say so instead of grpc's bare UNKNOWN
+            log.exception("%s failed", handler.__name__)
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {handler.__name__}: "
+                                f"{type(err).__name__}: {err}")
     return wrapper
 
 
@@ -132,19 +136,28 @@ class InferenceServicer:
                 decoded = decode_infer_request(request, context.time_remaining())
                 result = encode_infer_response(await self.dataplane.infer(decoded))
                 await answers.put(pb.ModelStreamInferResponse(infer_response=result))
-            except NereidError as err:
-                # The error answers this request only; the stream stays open.
+            except Exception as err:
+                # The error answers this request only; the stream stays open. Every request gets
+                # exactly one answer, even when the failure is a bug rather than a NereidError.
+                if isinstance(err, NereidError):
+                    message = str(err)
+                else:
+                    log.exception("ModelStreamInfer: request '%s' failed", request.id)
+                    message = f"internal error: {type(err).__name__}: {err}"
                 stub = pb.ModelInferResponse(model_name=request.model_name, id=request.id)
-                await answers.put(pb.ModelStreamInferResponse(error_message=str(err), infer_response=stub))
+                await answers.put(pb.ModelStreamInferResponse(error_message=message, infer_response=stub))
 
         async def read() -> None:
-            async for request in requests:
-                task = asyncio.create_task(answer(request))
-                pending.add(task)
-                task.add_done_callback(pending.discard)
-            while pending:
-                await asyncio.gather(*list(pending), return_exceptions=True)
-            await answers.put(None)
+            try:
+                async for request in requests:
+                    task = asyncio.create_task(answer(request))
+                    pending.add(task)
+                    task.add_done_callback(pending.discard)
+                while pending:
+                    await asyncio.gather(*list(pending), return_exceptions=True)
+            finally:
+                # However reading ends, the response side must end too rather than wait forever.
+                answers.put_nowait(None)
 
         reader = asyncio.create_task(read())
         try:
@@ -246,8 +259,12 @@ def model_config(name: str, model: LoadedModel, settings) -> mc.ModelConfig:
         add(config.input, spec)
     for spec in signature.outputs:
         add(config.output, spec)
-    if signature.batches:
-        config.dynamic_batching.SetInParent()
+    policy = model.scheduler.policy
+    if policy.enabled:  # what the scheduler really does: off for max_batch_size 0 or `batching: enabled: false`
+        batching = config.dynamic_batching
+        batching.SetInParent()
+        batching.max_queue_delay_microseconds = policy.max_delay_ns // 1000
+        batching.preferred_batch_size.extend(policy.preferred_sizes)
     device = settings.device
     group = config.instance_group.add(name=name, count=settings.instances,
                                       kind=mc.ModelInstanceGroup.KIND_GPU if device.is_gpu
@@ -258,7 +275,7 @@ def model_config(name: str, model: LoadedModel, settings) -> mc.ModelConfig:
 
 
 def _fill_statistics(stats_msg: pb.ModelStatistics, model: LoadedModel) -> None:
-    stats = model.stats
+    stats = model.stats.snapshot()  # consistent while requests keep running
     stats_msg.last_inference = stats.last_inference_ms
     stats_msg.inference_count = stats.inference_count
     stats_msg.execution_count = stats.execution_count

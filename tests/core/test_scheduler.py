@@ -64,7 +64,7 @@ def test_full_queue_refuses_at_once_and_memory_stays_bounded() -> None:
         await until(lambda: scheduler.queue_depth == 3)
         refused = 0
         for i in range(40):  # offer many times the capacity: each is refused at once
-            with pytest.raises(Unavailable, match=r"model 'm': queue is full \(3 requests waiting"):
+            with pytest.raises(Unavailable, match=r"model 'm': queue is full \(queue_capacity 3 in nereid.yaml\)"):
                 await scheduler.submit(rows(100 + i), 1, 0)
             refused += 1
         assert scheduler.queue_depth == 3 and refused == 40

@@ -1,0 +1,474 @@
+"""ModelInfer messages end to end: datatypes, typed and raw contents, outputs, validation errors.
+
+The tests share one real server (see the ``server`` fixture) and talk to it
+over gRPC: with tritonclient where it can build the request, and with the raw
+KServe V2 stub where the request has to be shaped by hand (typed ``contents``,
+malformed raw bytes).
+"""
+
+from __future__ import annotations
+
+import struct
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+import grpc
+import ml_dtypes
+import numpy as np
+import pytest
+import tritonclient.grpc as triton
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+from tritonclient.utils import InferenceServerException
+
+from tests.conftest import ECHO_MAIN, FRAMED_ECHO_MAIN, ModelRepo, RunningServer, textproto_single
+
+# --------------------------------------------------------------------------- helpers
+
+# One value set per datatype, chosen to hit the edges of each type (shape [2, 4]).
+ROUND_TRIP_VALUES: dict[str, np.ndarray] = {
+    "BOOL": np.array([[True, False, True, True], [False, False, True, False]], dtype=np.bool_),
+    "UINT8": np.array([[0, 1, 127, 128], [200, 253, 254, 255]], dtype=np.uint8),
+    "UINT16": np.array([[0, 1, 255, 256], [32768, 40000, 65534, 65535]], dtype=np.uint16),
+    "UINT32": np.array([[0, 1, 65536, 2**31], [2**31 + 1, 3_000_000_000, 2**32 - 2, 2**32 - 1]], dtype=np.uint32),
+    "UINT64": np.array([[0, 1, 2**32, 2**53 + 1], [2**63, 2**63 + 1, 2**64 - 2, 2**64 - 1]], dtype=np.uint64),
+    "INT8": np.array([[-128, -127, -1, 0], [1, 64, 126, 127]], dtype=np.int8),
+    "INT16": np.array([[-32768, -32767, -1, 0], [1, 255, 32766, 32767]], dtype=np.int16),
+    "INT32": np.array([[-2**31, -2**31 + 1, -1, 0], [1, 2**24 + 1, 2**31 - 2, 2**31 - 1]], dtype=np.int32),
+    "INT64": np.array([[-2**63, -2**63 + 1, -1, 0], [1, 2**53 + 1, 2**63 - 2, 2**63 - 1]], dtype=np.int64),
+    "FP16": np.array([[-65504.0, -0.0, 0.0, 2**-24], [6.1035e-05, 0.333, np.inf, np.nan]], dtype=np.float16),
+    "FP32": np.array([[-3.4028235e38, -0.0, 1e-45, 1.17549435e-38],
+                      [0.1, 16777217.0, -np.inf, np.nan]], dtype=np.float32),
+    "FP64": np.array([[-1.7976931348623157e308, -0.0, 5e-324, 2.2250738585072014e-308],
+                      [0.1, 2.0**53 + 2, np.inf, np.nan]], dtype=np.float64),
+    # BF16 values exactly representable in bfloat16 (tritonclient sends float32 and keeps the top 16 bits).
+    "BF16": np.array([[1.0, -2.5, 0.15625, -0.0], [3.3895314e38, 9.18355e-41, -np.inf, 65280.0]],
+                     dtype=np.float32).astype(ml_dtypes.bfloat16),
+    "BYTES": np.array([[b"", b"a", b"\x00\x01\xff", "üñï©ødé".encode()],
+                       [b"x" * 300, b"\n", b"two words", b"\x00"]], dtype=np.object_),
+}
+
+# The InferTensorContents field each datatype travels in when sent typed.
+CONTENTS_FIELD = {
+    "BOOL": "bool_contents", "UINT8": "uint_contents", "UINT16": "uint_contents", "UINT32": "uint_contents",
+    "UINT64": "uint64_contents", "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
+    "INT64": "int64_contents", "FP32": "fp32_contents", "FP64": "fp64_contents", "BYTES": "bytes_contents",
+}
+
+PAIR_TEXTPROTO = '''
+input  { name: "a" data_type: "INT32" dims: [2] }
+input  { name: "b" data_type: "FP32" dims: [3] }
+output { name: "x" data_type: "INT32" dims: [2] }
+output { name: "y" data_type: "FP32" dims: [3] }
+max_batch_size: 4
+'''
+
+# Echoes its input like ECHO_MAIN, and records the shape it was given in seen_shape.txt.
+SHAPE_RECORDING_MAIN = ECHO_MAIN + '''
+with open("seen_shape.txt", "w") as seen:
+    seen.write(os.environ["NEREID_INPUT_SHAPE"])
+'''
+
+
+def serialize_bytes(elements) -> bytes:
+    """KServe's BYTES serialization: a 4-byte little-endian length before each element."""
+    return b"".join(struct.pack("<I", len(e)) + e for e in elements)
+
+
+def wire_bytes(dtype: str, array: np.ndarray) -> bytes:
+    """The exact raw bytes of ``array`` as a KServe ``dtype`` tensor."""
+    if dtype == "BYTES":
+        return serialize_bytes(array.reshape(-1))
+    return np.ascontiguousarray(array).astype(array.dtype.newbyteorder("<")).tobytes()
+
+
+def expect_error(status: str, call: Callable[[], object], *fragments: str) -> str:
+    """Run ``call``; it must fail with gRPC ``status`` and a message containing every fragment."""
+    with pytest.raises(InferenceServerException) as info:
+        call()
+    assert info.value.status() == f"StatusCode.{status}", info.value
+    message = info.value.message()
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} not in {message!r}"
+    return message
+
+
+@contextmanager
+def raw_stub(server) -> Iterator[service_pb2_grpc.GRPCInferenceServiceStub]:
+    """The generated KServe V2 stub on a plain channel to ``server``."""
+    with grpc.insecure_channel(server.url) as channel:
+        yield service_pb2_grpc.GRPCInferenceServiceStub(channel)
+
+
+def raw_infer(server, request: service_pb2.ModelInferRequest) -> service_pb2.ModelInferResponse:
+    """ModelInfer over the raw stub; an RPC error is raised as tritonclient's InferenceServerException."""
+    with raw_stub(server) as stub:
+        try:
+            return stub.ModelInfer(request, timeout=30)
+        except grpc.RpcError as err:
+            raise InferenceServerException(msg=err.details(), status=str(err.code())) from None
+
+
+def raw_request(model: str, *tensors: tuple[str, str, list[int], bytes | None],
+                **fields) -> service_pb2.ModelInferRequest:
+    """A ModelInferRequest with inputs (name, datatype, shape, raw bytes or None for no raw contents)."""
+    request = service_pb2.ModelInferRequest(model_name=model, **fields)
+    for name, datatype, shape, raw in tensors:
+        request.inputs.add(name=name, datatype=datatype, shape=shape)
+        if raw is not None:
+            request.raw_input_contents.append(raw)
+    return request
+
+
+def triton_input(name: str, array: np.ndarray, datatype: str) -> triton.InferInput:
+    tensor = triton.InferInput(name, list(array.shape), datatype)
+    tensor.set_data_from_numpy(array)
+    return tensor
+
+
+def models_of(repo: ModelRepo) -> None:
+    """Every model the tests of this module use, each test on its own model(s)."""
+    for dtype in ROUND_TRIP_VALUES:
+        repo.python(f"echo_{dtype}", textproto=textproto_single(dtype, "[4]"))
+    repo.python("pair", main=FRAMED_ECHO_MAIN, textproto=PAIR_TEXTPROTO)
+    repo.python("bytes2", textproto=textproto_single("BYTES", "[2]"))
+    repo.python("bf16_3", textproto=textproto_single("BF16", "[3]"))
+    repo.python("big", textproto=textproto_single("FP32", "[-1]", max_batch_size=0))
+    repo.python("var", textproto=textproto_single("FP64", "[-1, 3]", max_batch_size=4))
+    repo.python("unbatched", main=SHAPE_RECORDING_MAIN, textproto=textproto_single("INT8", max_batch_size=0))
+    for name in ("expand", "batched"):
+        repo.python(name, main=SHAPE_RECORDING_MAIN, textproto=textproto_single("INT16"))
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """One server for the whole module (starting one per test would dominate the run time).
+
+    Built exactly as the ``repo`` and ``serve`` fixtures build theirs. Tests that
+    look at what a model saw (seen_shape.txt) have a model of their own; the
+    others only ever get echoes or errors, which leave nothing behind.
+    """
+    repo = ModelRepo(tmp_path_factory.mktemp("codec"))
+    models_of(repo)
+    running = RunningServer(repo.write_config())
+    running.repo = repo
+    yield running
+    running.stop()
+
+
+def pair_inputs(batch: int = 2) -> tuple[np.ndarray, np.ndarray]:
+    a = np.arange(batch * 2, dtype=np.int32).reshape(batch, 2) - 3
+    b = np.linspace(-1.5, 2.5, batch * 3, dtype=np.float32).reshape(batch, 3)
+    return a, b
+
+
+# --------------------------------------------------------------------------- datatypes
+
+
+@pytest.mark.parametrize("dtype", sorted(ROUND_TRIP_VALUES))
+def test_every_datatype_round_trips_exactly_through_raw_contents(server, dtype):
+    values = ROUND_TRIP_VALUES[dtype]
+    # tritonclient takes BF16 as float32 and sends the top 16 bits of each value.
+    sent = values.astype(np.float32) if dtype == "BF16" else values
+
+    result = server.client.infer(f"echo_{dtype}", [triton_input("input", sent, dtype)], request_id=f"rt-{dtype}")
+
+    response = result.get_response()
+    assert response.id == f"rt-{dtype}"
+    assert (response.model_name, response.model_version) == (f"echo_{dtype}", "1")
+    assert [(o.name, o.datatype, list(o.shape)) for o in response.outputs] == [("output", dtype, [2, 4])]
+    # Outputs always travel as raw_output_contents, never typed contents.
+    assert len(response.raw_output_contents) == 1
+    assert not response.outputs[0].HasField("contents")
+    assert response.raw_output_contents[0] == wire_bytes(dtype, values)
+    returned = result.as_numpy("output")
+    if dtype == "BYTES":
+        assert returned.tolist() == values.tolist()
+    else:
+        assert returned.dtype == sent.dtype
+        assert returned.tobytes() == sent.tobytes()  # bitwise: NaN, -0.0 and denormals included
+
+
+@pytest.mark.parametrize("dtype", sorted(CONTENTS_FIELD))
+def test_every_typed_datatype_round_trips_exactly_through_typed_contents(server, dtype):
+    values = ROUND_TRIP_VALUES[dtype]
+    request = service_pb2.ModelInferRequest(model_name=f"echo_{dtype}", id=f"typed-{dtype}")
+    tensor = request.inputs.add(name="input", datatype=dtype, shape=list(values.shape))
+    getattr(tensor.contents, CONTENTS_FIELD[dtype]).extend(values.reshape(-1).tolist())
+
+    response = raw_infer(server, request)
+
+    assert response.id == f"typed-{dtype}"
+    assert [(o.name, o.datatype, list(o.shape)) for o in response.outputs] == [("output", dtype, [2, 4])]
+    assert not response.outputs[0].HasField("contents")
+    assert list(response.raw_output_contents) == [wire_bytes(dtype, values)]
+
+
+def test_bf16_raw_bytes_round_trip_bit_for_bit(server):
+    # NaN payloads and denormals that tritonclient's float32 path cannot express, sent as raw bytes.
+    bits = np.array([0x7FC1, 0xFF81, 0x0001, 0x8000, 0x7F7F, 0x3F80], dtype="<u2")
+    raw = bits.tobytes()
+
+    response = raw_infer(server, raw_request("bf16_3", ("input", "BF16", [2, 3], raw)))
+
+    assert [(o.datatype, list(o.shape)) for o in response.outputs] == [("BF16", [2, 3])]
+    assert response.raw_output_contents[0] == raw
+    assert np.frombuffer(response.raw_output_contents[0], ml_dtypes.bfloat16).view("<u2").tolist() == bits.tolist()
+
+
+@pytest.mark.parametrize("dtype", ["FP16", "BF16"])
+def test_half_precision_in_typed_contents_is_invalid_argument(server, dtype):
+    request = service_pb2.ModelInferRequest(model_name=f"echo_{dtype}")
+    request.inputs.add(name="input", datatype=dtype, shape=[4]).contents.fp32_contents.extend([1.0, 2.0, 3.0, 4.0])
+
+    expect_error("INVALID_ARGUMENT", lambda: raw_infer(server, request),
+                 f"model 'echo_{dtype}'", "input 'input'", dtype, "raw_input_contents")
+
+
+@pytest.mark.parametrize(("dtype", "field", "value"), [
+    ("INT8", "int_contents", 200), ("UINT8", "uint_contents", 256), ("INT16", "int_contents", -40000)])
+def test_typed_contents_out_of_the_datatype_range_are_invalid_argument(server, dtype, field, value):
+    request = service_pb2.ModelInferRequest(model_name=f"echo_{dtype}")
+    getattr(request.inputs.add(name="input", datatype=dtype, shape=[4]).contents, field).extend([1, 2, 3, value])
+
+    expect_error("INVALID_ARGUMENT", lambda: raw_infer(server, request),
+                 f"model 'echo_{dtype}'", "input 'input'", f"contents.{field}", dtype, str(value))
+
+
+def test_typed_contents_in_the_wrong_field_or_count_are_invalid_argument(server):
+    wrong_field = service_pb2.ModelInferRequest(model_name="echo_INT32")
+    wrong_field.inputs.add(name="input", datatype="INT32", shape=[4]).contents.fp32_contents.extend([1, 2, 3, 4])
+    short = service_pb2.ModelInferRequest(model_name="echo_INT32")
+    short.inputs.add(name="input", datatype="INT32", shape=[2, 4]).contents.int_contents.extend(range(7))
+
+    expect_error("INVALID_ARGUMENT", lambda: raw_infer(server, wrong_field),
+                 "model 'echo_INT32'", "input 'input'", "contents.int_contents holds 0 elements, expected 4")
+    expect_error("INVALID_ARGUMENT", lambda: raw_infer(server, short),
+                 "model 'echo_INT32'", "input 'input'", "holds 7 elements, expected 8", "[2, 4]")
+
+
+def test_typed_contents_alongside_raw_contents_are_invalid_argument(server):
+    request = raw_request("echo_INT8", ("input", "INT8", [4], bytes([1, 2, 3, 4])))
+    request.inputs[0].contents.int_contents.extend([5, 6, 7, 8])
+
+    expect_error("INVALID_ARGUMENT", lambda: raw_infer(server, request),
+                 "model 'echo_INT8'", "input 'input'", "contents", "raw_input_contents")
+
+
+def test_large_tensor_over_the_default_grpc_message_limit_round_trips(server):
+    values = np.random.default_rng(7).standard_normal(3_000_000).astype(np.float32)  # 12 MB
+
+    result = server.client.infer("big", [triton_input("input", values, "FP32")], client_timeout=60)
+
+    assert result.as_numpy("output").tobytes() == values.tobytes()
+
+
+# --------------------------------------------------------------------------- response, id, outputs
+
+
+def test_request_id_and_model_are_echoed_and_outputs_are_raw(server):
+    a, b = pair_inputs()
+
+    result = server.client.infer("pair", [triton_input("a", a, "INT32"), triton_input("b", b, "FP32")],
+                                 request_id="request-7f3a")
+
+    response = result.get_response()
+    assert (response.id, response.model_name, response.model_version) == ("request-7f3a", "pair", "1")
+    assert [(o.name, o.datatype, list(o.shape)) for o in response.outputs] == [
+        ("x", "INT32", [2, 2]), ("y", "FP32", [2, 3])]
+    assert list(response.raw_output_contents) == [a.tobytes(), b.tobytes()]
+    assert all(not o.HasField("contents") for o in response.outputs)
+
+
+def test_requested_outputs_select_the_returned_outputs(server):
+    a, b = pair_inputs()
+    inputs = [triton_input("a", a, "INT32"), triton_input("b", b, "FP32")]
+
+    only_y = server.client.infer("pair", inputs, outputs=[triton.InferRequestedOutput("y")])
+    only_x = server.client.infer("pair", inputs, outputs=[triton.InferRequestedOutput("x")])
+
+    assert [o.name for o in only_y.get_response().outputs] == ["y"]
+    assert only_y.as_numpy("x") is None
+    np.testing.assert_array_equal(only_y.as_numpy("y"), b)
+    assert [o.name for o in only_x.get_response().outputs] == ["x"]
+    assert list(only_x.get_response().raw_output_contents) == [a.tobytes()]
+
+
+def test_unknown_requested_output_is_invalid_argument(server):
+    a, b = pair_inputs()
+
+    expect_error("INVALID_ARGUMENT",
+                 lambda: server.client.infer("pair", [triton_input("a", a, "INT32"), triton_input("b", b, "FP32")],
+                                             outputs=[triton.InferRequestedOutput("z")]),
+                 "model 'pair'", "output 'z'", "'x'", "'y'")
+
+
+# --------------------------------------------------------------------------- shapes and batching
+
+
+def test_request_without_batch_axis_is_expanded_to_batch_one_and_answered_without_it(server):
+    values = np.array([7, -8, 9, -10], dtype=np.int16)
+
+    result = server.client.infer("expand", [triton_input("input", values, "INT16")])
+
+    assert (server.repo.models_dir / "expand" / "seen_shape.txt").read_text() == "1,4"  # the model saw batch 1
+    assert list(result.get_response().outputs[0].shape) == [4]  # the client gets no batch axis back
+    np.testing.assert_array_equal(result.as_numpy("output"), values)
+
+
+def test_batched_request_keeps_its_batch_axis(server):
+    values = np.arange(32, dtype=np.int16).reshape(8, 4)  # exactly max_batch_size
+
+    result = server.client.infer("batched", [triton_input("input", values, "INT16")])
+
+    assert (server.repo.models_dir / "batched" / "seen_shape.txt").read_text() == "8,4"
+    np.testing.assert_array_equal(result.as_numpy("output"), values)
+
+
+def test_multi_tensor_request_without_batch_axis_is_answered_without_it(server):
+    a, b = pair_inputs(batch=1)
+
+    result = server.client.infer("pair", [triton_input("a", a[0], "INT32"), triton_input("b", b[0], "FP32")])
+
+    assert [list(o.shape) for o in result.get_response().outputs] == [[2], [3]]
+    np.testing.assert_array_equal(result.as_numpy("x"), a[0])
+    np.testing.assert_array_equal(result.as_numpy("y"), b[0])
+
+
+def test_model_without_batching_must_match_the_rank_exactly(server):
+    values = np.array([1, 2, 3, 4], dtype=np.int8)
+
+    result = server.client.infer("unbatched", [triton_input("input", values, "INT8")])
+    assert (server.repo.models_dir / "unbatched" / "seen_shape.txt").read_text() == "4"
+    assert list(result.get_response().outputs[0].shape) == [4]
+    np.testing.assert_array_equal(result.as_numpy("output"), values)
+
+    expect_error("INVALID_ARGUMENT",
+                 lambda: server.client.infer("unbatched", [triton_input("input", values[None], "INT8")]),
+                 "model 'unbatched'", "input 'input'", "[1, 4]", "expected [4]")
+
+
+def test_variable_dims_accept_any_size(server):
+    for shape in [(2, 5, 3), (4, 1, 3), (7, 3), (1, 3)]:
+        values = np.arange(np.prod(shape), dtype=np.float64).reshape(shape) / 3
+        result = server.client.infer("var", [triton_input("input", values, "FP64")])
+        assert list(result.get_response().outputs[0].shape) == list(shape)
+        assert result.as_numpy("output").tobytes() == values.tobytes()
+
+    bad = np.zeros((2, 5, 4), dtype=np.float64)
+    expect_error("INVALID_ARGUMENT", lambda: server.client.infer("var", [triton_input("input", bad, "FP64")]),
+                 "model 'var'", "input 'input'", "[2, 5, 4]", "[batch, -1, 3]", "[-1, 3]")
+
+
+# --------------------------------------------------------------------------- validation errors
+
+
+def test_wrong_rank_is_invalid_argument(server):
+    values = np.zeros((2, 2, 4), dtype=np.int8)
+
+    expect_error("INVALID_ARGUMENT", lambda: server.client.infer("echo_INT8", [triton_input("input", values, "INT8")]),
+                 "model 'echo_INT8'", "input 'input'", "has shape [2, 2, 4]", "expected [batch, 4] or [4]")
+
+
+def test_wrong_fixed_dimension_is_invalid_argument(server):
+    values = np.zeros((2, 5), dtype=np.int8)
+
+    expect_error("INVALID_ARGUMENT", lambda: server.client.infer("echo_INT8", [triton_input("input", values, "INT8")]),
+                 "model 'echo_INT8'", "input 'input'", "has shape [2, 5]", "expected [batch, 4] or [4]")
+
+
+def test_batch_over_max_batch_size_is_invalid_argument(server):
+    values = np.zeros((9, 4), dtype=np.int8)
+
+    expect_error("INVALID_ARGUMENT", lambda: server.client.infer("echo_INT8", [triton_input("input", values, "INT8")]),
+                 "model 'echo_INT8'", "input 'input'", "batch size 9", "max_batch_size 8")
+
+
+def test_datatype_mismatch_is_invalid_argument(server):
+    values = np.zeros(4, dtype=np.int16)
+
+    expect_error("INVALID_ARGUMENT", lambda: server.client.infer("echo_INT8", [triton_input("input", values, "INT16")]),
+                 "model 'echo_INT8'", "input 'input'", "datatype INT16", "expected INT8")
+
+
+def test_raw_byte_size_not_matching_the_shape_is_invalid_argument(server):
+    tensor = triton_input("input", np.zeros((2, 4), dtype=np.float32), "FP32")
+    tensor.set_shape([3, 4])  # 32 bytes of data declared as 48
+
+    expect_error("INVALID_ARGUMENT", lambda: server.client.infer("echo_FP32", [tensor]),
+                 "model 'echo_FP32'", "input 'input'", "32 bytes", "expected 48", "FP32 [3, 4]")
+
+
+def test_missing_input_is_invalid_argument(server):
+    a, _ = pair_inputs()
+
+    expect_error("INVALID_ARGUMENT", lambda: server.client.infer("pair", [triton_input("a", a, "INT32")]),
+                 "model 'pair'", "missing input 'b'", "expected inputs: 'a', 'b'")
+
+
+def test_unexpected_input_is_invalid_argument(server):
+    a, b = pair_inputs()
+    inputs = [triton_input("a", a, "INT32"), triton_input("b", b, "FP32"), triton_input("c", a, "INT32")]
+
+    expect_error("INVALID_ARGUMENT", lambda: server.client.infer("pair", inputs),
+                 "model 'pair'", "unexpected input 'c'", "expected inputs: 'a', 'b'")
+
+
+def test_inputs_disagreeing_on_batch_size_are_invalid_argument(server):
+    a, _ = pair_inputs(batch=2)
+    _, b = pair_inputs(batch=3)
+
+    expect_error("INVALID_ARGUMENT",
+                 lambda: server.client.infer("pair", [triton_input("a", a, "INT32"), triton_input("b", b, "FP32")]),
+                 "model 'pair'", "batch size", "'a': 2", "'b': 3")
+
+
+def test_unknown_datatype_string_is_invalid_argument(server):
+    message = expect_error("INVALID_ARGUMENT",
+                           lambda: raw_infer(server, raw_request("echo_INT8", ("input", "FP8", [4], b"\0" * 4))),
+                           "model 'echo_INT8'", "input 'input'", "'FP8'")
+    assert "INT8" in message and "BYTES" in message  # the valid datatypes are listed
+
+
+@pytest.mark.parametrize(("shape", "problem"), [([-1, 4], "[-1, 4]"), ([0, 4], "[0, 4]"),
+                                                ([2**62, 2**62, 0], "[4611686018427387904, 4611686018427387904, 0]")])
+def test_non_positive_request_dimensions_are_invalid_argument(server, shape, problem):
+    expect_error("INVALID_ARGUMENT",
+                 lambda: raw_infer(server, raw_request("echo_INT8", ("input", "INT8", shape, b""))),
+                 "model 'echo_INT8'", "input 'input'", problem, "positive")
+
+
+@pytest.mark.parametrize(("raw", "problem"), [
+    (b"\x02\x00", "inside a 4-byte length prefix"),
+    (struct.pack("<I", 10) + b"abc", "runs past the end"),
+    (serialize_bytes([b"only one"]), "1 BYTES elements, expected 2"),
+    (serialize_bytes([b"a", b"b", b"c"]), "3 BYTES elements, expected 2"),
+])
+def test_malformed_bytes_raw_contents_are_invalid_argument(server, raw, problem):
+    expect_error("INVALID_ARGUMENT",
+                 lambda: raw_infer(server, raw_request("bytes2", ("input", "BYTES", [2], raw))),
+                 "model 'bytes2'", "input 'input'", problem)
+
+
+def test_raw_input_contents_count_mismatch_is_invalid_argument(server):
+    request = raw_request("pair", ("a", "INT32", [2], np.zeros(2, np.int32).tobytes()), ("b", "FP32", [3], None))
+
+    expect_error("INVALID_ARGUMENT", lambda: raw_infer(server, request),
+                 "model 'pair'", "1 raw_input_contents for 2 inputs")
+
+
+@pytest.mark.parametrize(("parameter", "problem"), [
+    (service_pb2.InferParameter(int64_param=-5), "-5"),
+    (service_pb2.InferParameter(string_param="soon"), "string_param"),
+])
+def test_bad_timeout_parameter_is_invalid_argument(server, parameter, problem):
+    request = raw_request("echo_INT8", ("input", "INT8", [4], bytes(4)))
+    request.parameters["timeout"].CopyFrom(parameter)
+
+    expect_error("INVALID_ARGUMENT", lambda: raw_infer(server, request), "model 'echo_INT8'", "'timeout'", problem)
+
+
+def test_timeout_parameter_as_uint64_is_accepted(server):
+    request = raw_request("echo_INT8", ("input", "INT8", [4], bytes([1, 2, 3, 4])))
+    request.parameters["timeout"].uint64_param = 30_000_000
+
+    assert raw_infer(server, request).raw_output_contents[0] == bytes([1, 2, 3, 4])

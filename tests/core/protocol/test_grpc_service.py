@@ -1,0 +1,557 @@
+"""Every RPC of inference.GRPCInferenceService and grpc.health.v1, against a real server.
+
+Liveness/readiness, metadata and config, statistics, the model repository
+extension (index, load, unload), streaming, deadlines and queue capacity.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+import grpc
+import numpy as np
+import pytest
+import tritonclient.grpc as triton
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tritonclient.grpc import model_config_pb2 as mc
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+from tritonclient.utils import InferenceServerException
+
+import nereid
+from tests.conftest import ECHO_MAIN, FRAMED_ECHO_MAIN, textproto_single
+
+NOT_LISTED = "not listed in nereid.yaml"
+
+PAIR_TEXTPROTO = '''
+input  { name: "a" data_type: "INT32" dims: [2] }
+input  { name: "b" data_type: "FP32" dims: [-1] }
+output { name: "x" data_type: "INT32" dims: [2] }
+output { name: "y" data_type: "FP32" dims: [-1] }
+max_batch_size: 4
+'''
+
+# An echo that logs each run to runs.log in its folder, then takes half a second.
+SLOW_MAIN = '''
+import os, sys, time
+with open("runs.log", "a") as log:
+    log.write("run\\n")
+time.sleep(0.5)
+data = sys.stdin.buffer.read()
+with open(os.environ["NEREID_OUTPUT_PATH"], "wb") as out:
+    out.write(("%s %s\\n" % (os.environ["NEREID_INPUT_DTYPE"], os.environ["NEREID_INPUT_SHAPE"])).encode())
+    out.write(data)
+'''
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def expect_error(status: str, call: Callable[[], object], *fragments: str) -> str:
+    """Run ``call``; it must fail with gRPC ``status`` and a message containing every fragment."""
+    with pytest.raises(InferenceServerException) as info:
+        call()
+    assert info.value.status() == f"StatusCode.{status}", info.value
+    message = info.value.message()
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} not in {message!r}"
+    return message
+
+
+@contextmanager
+def channel_to(server) -> Iterator[grpc.Channel]:
+    with grpc.insecure_channel(server.url) as channel:
+        yield channel
+
+
+def int8_input(values, name: str = "input") -> triton.InferInput:
+    array = np.asarray(values, dtype=np.int8)
+    tensor = triton.InferInput(name, list(array.shape), "INT8")
+    tensor.set_data_from_numpy(array)
+    return tensor
+
+
+def echo(server, model: str, values, **kwargs) -> np.ndarray:
+    """Infer on an INT8 echo model and check that the values came back."""
+    result = server.client.infer(model, [int8_input(values)], **kwargs)
+    returned = result.as_numpy("output")
+    np.testing.assert_array_equal(returned, np.asarray(values, dtype=np.int8))
+    return returned
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def runs(folder) -> int:
+    """How many times a SLOW_MAIN model has started."""
+    log = folder / "runs.log"
+    return len(log.read_text().splitlines()) if log.exists() else 0
+
+
+class Answers:
+    """Collects async_infer callbacks by key."""
+
+    def __init__(self) -> None:
+        self._queue: queue.Queue = queue.Queue()
+
+    def callback(self, key: str) -> Callable:
+        return lambda result, error: self._queue.put((key, result, error))
+
+    def collect(self, count: int, timeout: float = 20.0) -> dict[str, tuple]:
+        answers = {}
+        for _ in range(count):
+            key, result, error = self._queue.get(timeout=timeout)
+            answers[key] = (result, error)
+        return answers
+
+
+def start_slow(repo, serve, extra: str = ""):
+    # max_batch_size 0: no dynamic batching, so every request is its own run of main.py.
+    folder = repo.python("slow", main=SLOW_MAIN, textproto=textproto_single("INT8", max_batch_size=0))
+    server = serve(repo.write_config(f'- name: "slow"\n  instances: 1\n{extra}'))
+    return server, folder
+
+
+def queued(server, model: str) -> int:
+    """Requests waiting in the model's queue (read from the running server, not over gRPC)."""
+    return server.server.repository.entry(model).loaded.scheduler.queue_depth
+
+
+def health_status(server, service: str = "") -> int:
+    with channel_to(server) as channel:
+        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
+                                                          timeout=10).status
+
+
+def start_with_broken(repo, serve, server_extra: str = ""):
+    """A server listing a good model and one that fails to load (no textproto)."""
+    repo.python("good", textproto=textproto_single("INT8"))
+    repo.add("broken", None, main_py=ECHO_MAIN)
+    return serve(repo.write_config('- name: "good"\n- name: "broken"\n', server_extra=server_extra))
+
+
+# --------------------------------------------------------------------------- liveness, readiness, health
+
+
+def test_server_live_and_ready_with_every_model_loaded(repo, serve):
+    repo.python("m", textproto=textproto_single("INT8"))
+    server = serve(repo.write_config('- name: "m"\n'))
+
+    assert server.client.is_server_live() is True
+    assert server.client.is_server_ready() is True
+    assert server.client.is_model_ready("m") is True
+    assert server.client.is_model_ready("m", model_version="1") is True
+
+
+def test_server_not_ready_while_a_listed_model_is_unavailable(repo, serve):
+    server = start_with_broken(repo, serve)
+
+    assert server.client.is_server_live() is True
+    assert server.client.is_server_ready() is False
+    assert server.client.is_model_ready("good") is True
+    assert server.client.is_model_ready("broken") is False
+    echo(server, "good", [1, 2, 3, 4])  # the good model serves regardless
+
+
+def test_server_ready_despite_unavailable_model_without_strict_readiness(repo, serve):
+    server = start_with_broken(repo, serve, server_extra="  strict_readiness: false\n")
+
+    assert server.client.is_server_ready() is True
+    assert server.client.is_model_ready("broken") is False
+
+
+def test_health_check_serving_when_ready(repo, serve):
+    repo.python("m", textproto=textproto_single("INT8"))
+    server = serve(repo.write_config('- name: "m"\n'))
+
+    assert health_status(server) == health_pb2.HealthCheckResponse.SERVING
+    assert health_status(server, "inference.GRPCInferenceService") == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_health_check_not_serving_when_a_listed_model_failed_until_it_loads(repo, serve):
+    server = start_with_broken(repo, serve)
+
+    assert health_status(server) == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert health_status(server, "inference.GRPCInferenceService") == health_pb2.HealthCheckResponse.NOT_SERVING
+
+    (repo.models_dir / "broken" / "model_inference.textproto").write_text(textproto_single("INT8"))
+    server.client.load_model("broken")
+
+    assert health_status(server) == health_pb2.HealthCheckResponse.SERVING
+    assert server.client.is_server_ready() is True
+    echo(server, "broken", [4, 3, 2, 1])
+
+
+# --------------------------------------------------------------------------- metadata and config
+
+
+def test_server_metadata_lists_exactly_the_implemented_extensions(repo, serve):
+    repo.python("m", textproto=textproto_single("INT8"))
+    server = serve(repo.write_config())
+
+    metadata = server.client.get_server_metadata()
+
+    assert metadata.name == "nereid"
+    assert metadata.version == nereid.__version__
+    assert list(metadata.extensions) == ["model_repository", "model_configuration", "statistics"]
+
+
+def test_model_metadata_has_the_batch_dim_and_platform(repo, serve):
+    repo.python("batched", textproto=textproto_single("UINT16", "[3, 5]", "[7]", max_batch_size=8))
+    repo.python("plain", textproto=textproto_single("BYTES", "[-1]", max_batch_size=0))
+    repo.python("pair", main=FRAMED_ECHO_MAIN, textproto=PAIR_TEXTPROTO)
+    server = serve(repo.write_config())
+
+    batched = server.client.get_model_metadata("batched")
+    plain = server.client.get_model_metadata("plain", model_version="1")
+    pair = server.client.get_model_metadata("pair")
+
+    assert (batched.name, list(batched.versions), batched.platform) == ("batched", ["1"], "nereid_python")
+    assert [(t.name, t.datatype, list(t.shape)) for t in batched.inputs] == [("input", "UINT16", [-1, 3, 5])]
+    assert [(t.name, t.datatype, list(t.shape)) for t in batched.outputs] == [("output", "UINT16", [-1, 7])]
+    assert [(t.name, t.datatype, list(t.shape)) for t in plain.inputs] == [("input", "BYTES", [-1])]
+    assert [(t.name, t.datatype, list(t.shape)) for t in plain.outputs] == [("output", "BYTES", [-1])]
+    assert [(t.name, t.datatype, list(t.shape)) for t in pair.inputs] == [
+        ("a", "INT32", [-1, 2]), ("b", "FP32", [-1, -1])]
+    assert [(t.name, t.datatype, list(t.shape)) for t in pair.outputs] == [
+        ("x", "INT32", [-1, 2]), ("y", "FP32", [-1, -1])]
+
+
+def test_model_config_reflects_the_textproto_and_nereid_yaml(repo, serve):
+    repo.python("batched", textproto=textproto_single("FP16", "[3, 5]", "[7]", max_batch_size=6))
+    repo.python("plain", textproto=textproto_single("BYTES", "[-1]", max_batch_size=0))
+    repo.python("pair", main=FRAMED_ECHO_MAIN, textproto=PAIR_TEXTPROTO)
+    server = serve(repo.write_config('- name: "batched"\n  instances: 3\n- name: "plain"\n- name: "pair"\n'))
+
+    batched = server.client.get_model_config("batched").config
+    plain = server.client.get_model_config("plain").config
+    pair = server.client.get_model_config("pair").config
+
+    assert (batched.name, batched.platform, batched.backend) == ("batched", "nereid_python", "python")
+    assert batched.max_batch_size == 6
+    assert [(t.name, t.data_type, list(t.dims)) for t in batched.input] == [("input", mc.TYPE_FP16, [3, 5])]
+    assert [(t.name, t.data_type, list(t.dims)) for t in batched.output] == [("output", mc.TYPE_FP16, [7])]
+    assert batched.HasField("dynamic_batching")
+    assert batched.dynamic_batching.max_queue_delay_microseconds == 0
+    assert list(batched.dynamic_batching.preferred_batch_size) == []
+    assert [(g.count, g.kind) for g in batched.instance_group] == [(3, mc.ModelInstanceGroup.KIND_CPU)]
+
+    assert plain.max_batch_size == 0
+    assert [(t.data_type, list(t.dims)) for t in plain.input] == [(mc.TYPE_STRING, [-1])]
+    assert not plain.HasField("dynamic_batching")
+    assert [g.count for g in plain.instance_group] == [1]
+
+    assert [(t.name, t.data_type, list(t.dims)) for t in pair.input] == [
+        ("a", mc.TYPE_INT32, [2]), ("b", mc.TYPE_FP32, [-1])]
+    assert [(t.name, t.data_type, list(t.dims)) for t in pair.output] == [
+        ("x", mc.TYPE_INT32, [2]), ("y", mc.TYPE_FP32, [-1])]
+    assert pair.HasField("dynamic_batching")
+
+
+def test_model_config_dynamic_batching_follows_the_batching_settings(repo, serve):
+    repo.python("tuned", textproto=textproto_single("INT8", max_batch_size=8))
+    repo.python("off", textproto=textproto_single("INT8", max_batch_size=8))
+    server = serve(repo.write_config(
+        '- name: "tuned"\n  batching:\n    max_queue_delay_ms: 2.5\n    preferred_batch_sizes: [4, 2]\n'
+        '- name: "off"\n  batching:\n    enabled: false\n'))
+
+    tuned = server.client.get_model_config("tuned").config
+    off = server.client.get_model_config("off").config
+
+    assert tuned.HasField("dynamic_batching")
+    assert tuned.dynamic_batching.max_queue_delay_microseconds == 2500
+    assert list(tuned.dynamic_batching.preferred_batch_size) == [2, 4]
+    # Batching switched off: the model still takes a batch axis, but requests are never coalesced.
+    assert off.max_batch_size == 8
+    assert not off.HasField("dynamic_batching")
+
+
+# --------------------------------------------------------------------------- unknown models and versions
+
+
+def test_unknown_model_is_not_found_everywhere(repo, serve):
+    repo.python("m", textproto=textproto_single("INT8"))
+    server = serve(repo.write_config())
+    client = server.client
+
+    for call in (lambda: client.infer("nope", [int8_input([1, 2, 3, 4])]),
+                 lambda: client.get_model_metadata("nope"),
+                 lambda: client.get_model_config("nope"),
+                 lambda: client.is_model_ready("nope"),
+                 lambda: client.get_inference_statistics("nope"),
+                 lambda: client.load_model("nope"),
+                 lambda: client.unload_model("nope")):
+        expect_error("NOT_FOUND", call, "'nope'")
+    echo(server, "m", [1, 2, 3, 4])
+
+
+def test_model_version_other_than_1_is_not_found(repo, serve):
+    repo.python("m", textproto=textproto_single("INT8"))
+    server = serve(repo.write_config())
+    client = server.client
+
+    for call in (lambda: client.infer("m", [int8_input([1, 2, 3, 4])], model_version="2"),
+                 lambda: client.get_model_metadata("m", model_version="2"),
+                 lambda: client.get_model_config("m", model_version="2"),
+                 lambda: client.is_model_ready("m", model_version="2"),
+                 lambda: client.get_inference_statistics("m", model_version="2")):
+        expect_error("NOT_FOUND", call, "model 'm'", "version '2'")
+    echo(server, "m", [1, 2, 3, 4], model_version="1")
+
+
+# --------------------------------------------------------------------------- statistics
+
+
+def test_model_statistics_count_successes_failures_and_durations(repo, serve):
+    repo.python("m", textproto=textproto_single("INT8"))
+    repo.python("other", textproto=textproto_single("INT8"))
+    repo.add("broken", None, main_py=ECHO_MAIN)
+    server = serve(repo.write_config(server_extra="  strict_readiness: false\n"))
+    client = server.client
+
+    before = client.get_inference_statistics("m").model_stats
+    assert [(s.name, s.version) for s in before] == [("m", "1")]
+    assert before[0].inference_stats.success.count == 0 and before[0].inference_count == 0
+
+    echo(server, "m", [[1, 2, 3, 4], [5, 6, 7, 8]])
+    echo(server, "m", [9, 10, 11, 12])
+    expect_error("INVALID_ARGUMENT", lambda: client.infer("m", [int8_input([1, 2, 3])]), "model 'm'")
+
+    (stats,) = client.get_inference_statistics("m").model_stats
+    infer = stats.inference_stats
+    assert (infer.success.count, infer.fail.count) == (2, 1)
+    assert infer.success.ns > 0 and infer.fail.ns > 0
+    assert infer.queue.count == 2 and infer.queue.ns > 0
+    assert infer.compute_infer.count == 2 and infer.compute_infer.ns > 0
+    assert infer.success.ns >= infer.compute_infer.ns  # a request's total includes its execution
+    assert (stats.inference_count, stats.execution_count) == (3, 2)  # rows vs executions
+    assert stats.last_inference > 0
+    assert sorted(b.batch_size for b in stats.batch_stats) == [1, 2]
+
+    everything = client.get_inference_statistics("").model_stats
+    assert sorted(s.name for s in everything) == ["m", "other"]  # loaded models only
+    assert {s.name: s.inference_stats.success.count for s in everything} == {"m": 2, "other": 0}
+
+
+# --------------------------------------------------------------------------- model repository extension
+
+
+def test_repository_index_lists_every_folder_with_state_and_reason(repo, serve):
+    repo.python("good", textproto=textproto_single("INT8"))
+    repo.add("broken", None, main_py=ECHO_MAIN)
+    repo.python("unlisted", textproto=textproto_single("INT8"))
+    server = serve(repo.write_config('- name: "good"\n- name: "broken"\n'))
+
+    index = {m.name: m for m in server.client.get_model_repository_index().models}
+
+    assert sorted(index) == ["broken", "good", "unlisted"]
+    assert (index["good"].state, index["good"].reason, index["good"].version) == ("READY", "", "1")
+    assert index["broken"].state == "UNAVAILABLE"
+    assert "model_inference.textproto" in index["broken"].reason
+    assert index["unlisted"].state == "UNAVAILABLE"
+    assert NOT_LISTED in index["unlisted"].reason
+    with channel_to(server) as channel:
+        ready_only = service_pb2_grpc.GRPCInferenceServiceStub(channel).RepositoryIndex(
+            service_pb2.RepositoryIndexRequest(ready=True), timeout=10)
+    assert [m.name for m in ready_only.models] == ["good"]
+
+
+def test_load_of_a_folder_added_after_start_serves_it(repo, serve):
+    repo.python("first", textproto=textproto_single("INT8"))
+    server = serve(repo.write_config('- name: "first"\n'))
+    repo.python("late", textproto=textproto_single("INT8", "[2]"))
+
+    index = {m.name: m for m in server.client.get_model_repository_index().models}
+    assert (index["late"].state, NOT_LISTED in index["late"].reason) == ("UNAVAILABLE", True)
+    expect_error("UNAVAILABLE", lambda: server.client.infer("late", [int8_input([1, 2])]), "model 'late'")
+
+    server.client.load_model("late")
+
+    assert server.client.is_model_ready("late") is True
+    echo(server, "late", [[5, -6], [7, -8]])
+    index = {m.name: m for m in server.client.get_model_repository_index().models}
+    assert (index["late"].state, index["late"].reason) == ("READY", "")
+    assert server.client.get_model_metadata("late").inputs[0].shape == [-1, 2]
+
+
+def test_load_of_a_broken_folder_reports_the_reason_and_the_server_keeps_serving(repo, serve):
+    repo.python("good", textproto=textproto_single("INT8"))
+    server = serve(repo.write_config('- name: "good"\n'))
+    repo.add("bad", 'input_shape: [4]\noutput_shape: [4]\ndata_type: "INT9"\n', main_py=ECHO_MAIN)
+
+    expect_error("INTERNAL", lambda: server.client.load_model("bad"), "model 'bad'", "INT9")
+
+    assert server.client.is_server_live() is True
+    assert server.client.is_model_ready("bad") is False
+    index = {m.name: m for m in server.client.get_model_repository_index().models}
+    assert index["bad"].state == "UNAVAILABLE" and "INT9" in index["bad"].reason
+    echo(server, "good", [1, 2, 3, 4])
+
+
+def test_unload_makes_the_model_unavailable_until_loaded_again(repo, serve):
+    repo.python("m", textproto=textproto_single("INT8"))
+    server = serve(repo.write_config('- name: "m"\n'))
+    echo(server, "m", [1, 2, 3, 4])
+
+    server.client.unload_model("m")
+
+    assert server.client.is_model_ready("m") is False
+    expect_error("UNAVAILABLE", lambda: server.client.infer("m", [int8_input([1, 2, 3, 4])]),
+                 "model 'm'", "not ready", "unloaded")
+    index = {m.name: m for m in server.client.get_model_repository_index().models}
+    assert (index["m"].state, index["m"].reason) == ("UNAVAILABLE", "unloaded")
+
+    server.client.load_model("m")
+    echo(server, "m", [4, 3, 2, 1])
+
+
+def test_unload_lets_running_and_queued_requests_finish_first(repo, serve):
+    server, folder = start_slow(repo, serve)
+    answers = Answers()
+    for key in range(3):
+        server.client.async_infer("slow", [int8_input([key] * 4)], callback=answers.callback(str(key)))
+    wait_for(lambda: runs(folder) == 1 and queued(server, "slow") == 2, "one running and two queued requests")
+
+    unloader = threading.Thread(target=server.client.unload_model, args=("slow",))
+    unloader.start()
+    wait_for(lambda: not server.client.is_model_ready("slow"), "the model to start unloading")
+    # While it drains, new requests are refused.
+    expect_error("UNAVAILABLE", lambda: server.client.infer("slow", [int8_input([9] * 4)]), "model 'slow'")
+    unloader.join(15)
+    assert not unloader.is_alive()
+
+    got = answers.collect(3)
+    for key in range(3):
+        result, error = got[str(key)]
+        assert error is None, error
+        np.testing.assert_array_equal(result.as_numpy("output"), np.full(4, key, np.int8))
+    assert runs(folder) == 3
+    expect_error("UNAVAILABLE", lambda: server.client.infer("slow", [int8_input([1] * 4)]), "model 'slow'")
+
+
+# --------------------------------------------------------------------------- streaming
+
+
+def test_stream_answers_each_request_and_survives_errors(repo, serve):
+    repo.python("m", textproto=textproto_single("INT8"))
+    server = serve(repo.write_config())
+    client = server.client
+    responses: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    try:
+        client.async_stream_infer("m", [int8_input([1, 2, 3, 4])], request_id="first")
+        client.async_stream_infer("m", [int8_input([1, 2, 3])], request_id="bad-shape")
+        client.async_stream_infer("nope", [int8_input([1, 2, 3, 4])], request_id="unknown-model")
+        client.async_stream_infer("m", [int8_input([[5, 6, 7, 8]])], request_id="second")
+        early = [responses.get(timeout=20) for _ in range(4)]
+        # The stream still works after the errors.
+        client.async_stream_infer("m", [int8_input([9, 9, 9, 9])], request_id="after-errors")
+        late = responses.get(timeout=20)
+    finally:
+        client.stop_stream()
+
+    results = {r.get_response().id: r for r, e in early + [late] if e is None}
+    errors = sorted(e.message() for r, e in early if e is not None)
+    assert sorted(results) == ["after-errors", "first", "second"]
+    np.testing.assert_array_equal(results["first"].as_numpy("output"), [1, 2, 3, 4])
+    np.testing.assert_array_equal(results["second"].as_numpy("output"), [[5, 6, 7, 8]])
+    np.testing.assert_array_equal(results["after-errors"].as_numpy("output"), [9, 9, 9, 9])
+    assert late[1] is None and late[0].get_response().id == "after-errors"
+    assert len(errors) == 2
+    assert "model 'm'" in errors[0] and "input 'input'" in errors[0] and "[3]" in errors[0]
+    assert "unknown model 'nope'" in errors[1]
+
+
+def test_stream_error_responses_carry_the_request_id(repo, serve):
+    repo.python("m", textproto=textproto_single("INT8"))
+    server = serve(repo.write_config())
+
+    def request(model: str, request_id: str, raw: bytes) -> service_pb2.ModelInferRequest:
+        message = service_pb2.ModelInferRequest(model_name=model, id=request_id)
+        message.inputs.add(name="input", datatype="INT8", shape=[len(raw)])
+        message.raw_input_contents.append(raw)
+        return message
+
+    requests = [request("m", "ok", bytes([1, 2, 3, 4])), request("m", "short", bytes([1, 2])),
+                request("m", "v2", bytes(4)), request("m", "ok-again", bytes([4, 3, 2, 1]))]
+    requests[2].model_version = "2"
+    with channel_to(server) as channel:
+        responses = list(service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(iter(requests),
+                                                                                             timeout=30))
+
+    by_id = {r.infer_response.id: r for r in responses}
+    assert sorted(by_id) == ["ok", "ok-again", "short", "v2"]
+    assert by_id["ok"].error_message == "" and by_id["ok"].infer_response.raw_output_contents == [bytes([1, 2, 3, 4])]
+    assert by_id["ok-again"].error_message == ""
+    assert by_id["ok-again"].infer_response.raw_output_contents == [bytes([4, 3, 2, 1])]
+    assert "model 'm'" in by_id["short"].error_message and "[2]" in by_id["short"].error_message
+    assert by_id["short"].infer_response.model_name == "m"
+    assert "version '2'" in by_id["v2"].error_message
+
+
+# --------------------------------------------------------------------------- deadlines
+
+
+def test_client_deadline_passing_in_the_queue_is_deadline_exceeded_and_never_runs(repo, serve):
+    server, folder = start_slow(repo, serve)
+    answers = Answers()
+    server.client.async_infer("slow", [int8_input([1] * 4)], callback=answers.callback("first"))
+    wait_for(lambda: runs(folder) == 1, "the first request to start")
+
+    expect_error("DEADLINE_EXCEEDED",
+                 lambda: server.client.infer("slow", [int8_input([2] * 4)], client_timeout=0.2))
+
+    assert answers.collect(1)["first"][1] is None
+    echo(server, "slow", [3] * 4)  # queued behind where the expired request was
+    assert runs(folder) == 2  # the expired request never ran
+
+
+def test_timeout_parameter_passing_in_the_queue_is_deadline_exceeded_and_never_runs(repo, serve):
+    server, folder = start_slow(repo, serve)
+    answers = Answers()
+    server.client.async_infer("slow", [int8_input([1] * 4)], callback=answers.callback("first"))
+    wait_for(lambda: runs(folder) == 1, "the first request to start")
+
+    expect_error("DEADLINE_EXCEEDED",
+                 lambda: server.client.infer("slow", [int8_input([2] * 4)], timeout=200_000),  # microseconds
+                 "model 'slow'", "deadline", "not run")
+
+    assert answers.collect(1)["first"][1] is None
+    echo(server, "slow", [3] * 4, timeout=30_000_000)  # a generous timeout does not get in the way
+    assert runs(folder) == 2
+    (stats,) = server.client.get_inference_statistics("slow").model_stats
+    assert (stats.inference_stats.success.count, stats.execution_count) == (2, 2)
+    assert stats.inference_stats.fail.count == 1
+
+
+# --------------------------------------------------------------------------- queue capacity
+
+
+def test_requests_beyond_queue_capacity_are_unavailable_and_the_rest_succeed(repo, serve):
+    server, folder = start_slow(repo, serve, extra="  queue_capacity: 1\n")
+    answers = Answers()
+    server.client.async_infer("slow", [int8_input([0] * 4)], callback=answers.callback("0"))
+    wait_for(lambda: runs(folder) == 1, "the first request to start")
+    for key in range(1, 5):  # one fits in the queue, three do not
+        server.client.async_infer("slow", [int8_input([key] * 4)], callback=answers.callback(str(key)))
+
+    got = answers.collect(5)
+
+    succeeded = {key for key, (result, error) in got.items() if error is None}
+    refused = {key: error for key, (result, error) in got.items() if error is not None}
+    assert "0" in succeeded and len(succeeded) == 2 and len(refused) == 3
+    for key in succeeded:
+        np.testing.assert_array_equal(got[key][0].as_numpy("output"), np.full(4, int(key), np.int8))
+    for error in refused.values():
+        assert error.status() == "StatusCode.UNAVAILABLE"
+        assert "model 'slow'" in error.message() and "queue_capacity" in error.message()
+        assert "1" in error.message()
+    assert runs(folder) == 2
+    echo(server, "slow", [7] * 4)  # capacity frees up again once the queue drains
