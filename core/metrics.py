@@ -1,30 +1,36 @@
 """Prometheus metrics at ``/metrics`` on ``server.metrics_addr``, with prometheus_client.
 
 Each server has its own registry (several servers can share a process, as in
-the tests). Counters and histograms are fed by :class:`~nereid.stats.ModelStats`
-through a per-model :class:`ModelMetrics`; gauges that describe the present
-(queue depth, models by state, batcher utilization) are read at scrape time.
+the tests). Request and batch figures are not observed a second time: a
+collector reads each model's :class:`~nereid.stats.ModelStats` snapshot at
+scrape time, which keeps the request path free of metric locks.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator
-
 import socket
 import threading
+from typing import TYPE_CHECKING, Iterator
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
+from prometheus_client import CollectorRegistry, Histogram, make_wsgi_app
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import ThreadingWSGIServer
-from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from nereid.repository import ModelRepository
+    from nereid.stats import Histogram as StatsHistogram
 
-# Latency buckets from 100 µs to 60 s: gRPC overhead to slow subprocess models.
-LATENCY_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
-SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384)
+# (metric name, help, ModelStats attribute)
+_HISTOGRAMS = (
+    ("nereid_request_duration_seconds", "Time from arrival to answer.", "request_seconds"),
+    ("nereid_queue_duration_seconds", "Time a request waited in the queue.", "queue_seconds"),
+    ("nereid_compute_duration_seconds", "Time of one execution (batch assembly, inference, split).",
+     "compute_seconds"),
+    ("nereid_batch_size", "Rows per execution.", "batch_rows"),
+    ("nereid_batch_cost", "Summed request cost per execution.", "batch_cost"),
+)
 
 
 class ServerMetrics:
@@ -32,31 +38,15 @@ class ServerMetrics:
 
     def __init__(self, repository: ModelRepository) -> None:
         self.registry = CollectorRegistry()
-        labels = ["model"]
-        self.success = Counter("nereid_request_success", "Requests answered with outputs.", labels,
-                               registry=self.registry)
-        self.failure = Counter("nereid_request_failure", "Requests answered with an error, by reason.",
-                               ["model", "reason"], registry=self.registry)
-        self.request_duration = Histogram("nereid_request_duration_seconds", "Time from arrival to answer.",
-                                          labels, buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.queue_duration = Histogram("nereid_queue_duration_seconds", "Time a request waited in the queue.",
-                                        labels, buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.compute_duration = Histogram("nereid_compute_duration_seconds",
-                                          "Time of one execution (batch assembly, inference, split).",
-                                          labels, buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.batch_size = Histogram("nereid_batch_size", "Rows per execution.", labels, buckets=SIZE_BUCKETS,
-                                    registry=self.registry)
-        self.batch_cost = Histogram("nereid_batch_cost", "Summed request cost per execution.", labels,
-                                    buckets=SIZE_BUCKETS, registry=self.registry)
-        self.load_duration = Histogram("nereid_model_load_duration_seconds", "Time to load a model.", labels,
+        self.load_duration = Histogram("nereid_model_load_duration_seconds", "Time to load a model.", ["model"],
                                        buckets=(0.01, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
                                        registry=self.registry)
         self.registry.register(_RepositoryCollector(repository))
         self._http = None
 
-    def model(self, name: str) -> ModelMetrics:
-        """The label-bound metrics of one model."""
-        return ModelMetrics(self, name)
+    def model_loaded(self, model: str, seconds: float) -> None:
+        """Record one model load."""
+        self.load_duration.labels(model).observe(seconds)
 
     def serve(self, addr: str) -> int:
         """Start the HTTP endpoint on ``host:port``; returns the bound port."""
@@ -80,37 +70,6 @@ class ServerMetrics:
             self._http = None
 
 
-class ModelMetrics:
-    """One model's Prometheus children; implements nereid.stats.MetricsSink."""
-
-    def __init__(self, metrics: ServerMetrics, model: str) -> None:
-        self._metrics = metrics
-        self._model = model
-        self._success = metrics.success.labels(model)
-        self._request = metrics.request_duration.labels(model)
-        self._queue = metrics.queue_duration.labels(model)
-        self._compute = metrics.compute_duration.labels(model)
-        self._rows = metrics.batch_size.labels(model)
-        self._cost = metrics.batch_cost.labels(model)
-
-    def request_done(self, seconds: float, failure_reason: str | None) -> None:
-        self._request.observe(seconds)
-        if failure_reason is None:
-            self._success.inc()
-        else:
-            self._metrics.failure.labels(self._model, failure_reason).inc()
-
-    def execution(self, rows: int, cost: int, queue_s: list[float], compute_s: float) -> None:
-        for seconds in queue_s:
-            self._queue.observe(seconds)
-        self._compute.observe(compute_s)
-        self._rows.observe(rows)
-        self._cost.observe(cost)
-
-    def loaded(self, seconds: float) -> None:
-        self._metrics.load_duration.labels(self._model).observe(seconds)
-
-
 class _QuietHandler(WSGIRequestHandler):
     """No access log on stderr for every scrape."""
 
@@ -119,24 +78,37 @@ class _QuietHandler(WSGIRequestHandler):
 
 
 class _RepositoryCollector(Collector):
-    """Gauges read from the repository at scrape time."""
+    """Every per-model figure, read from the repository at scrape time."""
 
     def __init__(self, repository: ModelRepository) -> None:
         self._repository = repository
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         from nereid.repository import ModelState
 
+        success = CounterMetricFamily("nereid_request_success", "Requests answered with outputs.", labels=["model"])
+        failure = CounterMetricFamily("nereid_request_failure", "Requests answered with an error, by reason.",
+                                      labels=["model", "reason"])
+        histograms = {attr: HistogramMetricFamily(name, text, labels=["model"]) for name, text, attr in _HISTOGRAMS}
         depth = GaugeMetricFamily("nereid_queue_depth", "Requests waiting in the model's queue.", labels=["model"])
         utilization = GaugeMetricFamily("nereid_batch_utilization",
-                                        "Batcher busy / (busy + idle) since the model loaded.", labels=["model"])
+                                        "Busy / (busy + idle) of the model's executions since it loaded.",
+                                        labels=["model"])
         states = GaugeMetricFamily("nereid_models", "Model folders by state.", labels=["state"])
         counts = {state.value: 0 for state in ModelState}
         for entry in self._repository.entries():
             counts[entry.state.value] += 1
-            if entry.loaded is not None:
-                depth.add_metric([entry.name], entry.loaded.scheduler.queue_depth)
-                utilization.add_metric([entry.name], entry.loaded.stats.snapshot().batcher.utilization)
+            if entry.loaded is None:
+                continue
+            stats = entry.loaded.stats.snapshot()
+            success.add_metric([entry.name], stats.success.count)
+            for reason, count in sorted(stats.failures_by_reason.items()):
+                failure.add_metric([entry.name, reason], count)
+            for attr, family in histograms.items():
+                histogram: StatsHistogram = getattr(stats, attr)
+                family.add_metric([entry.name], histogram.cumulative(), histogram.sum)
+            depth.add_metric([entry.name], entry.loaded.scheduler.queue_depth)
+            utilization.add_metric([entry.name], stats.batcher.utilization)
         for state, count in counts.items():
             states.add_metric([state], count)
-        yield from (depth, utilization, states)
+        yield from (success, failure, *histograms.values(), depth, utilization, states)

@@ -189,10 +189,9 @@ class ModelRepository:
                 log.error("model '%s' is UNAVAILABLE: %s", name, entry.reason)
                 return entry
             load_seconds = time.monotonic() - started
-            sink = self.metrics.model(name) if self.metrics is not None else None
-            if sink is not None:
-                sink.loaded(load_seconds)
-            stats = ModelStats(sink)
+            if self.metrics is not None:
+                self.metrics.model_loaded(name, load_seconds)
+            stats = ModelStats()
             scheduler = ModelScheduler(name, built.backend, built.batch_signature, entry.settings.queue_capacity,
                                        entry.settings.instances, stats, built.policy)
             entry.loaded = LoadedModel(built.backend_name, built.backend, built.signature, built.batch_signature,

@@ -1,16 +1,21 @@
-"""Per-model statistics: Triton's ModelStatistics counters and the batcher's BatchStats.
+"""Per-model statistics: Triton's ModelStatistics counters, the batcher's BatchStats,
+and the histograms behind the Prometheus metrics.
 
-Every figure is recorded once, here; Prometheus metrics (when enabled) are fed
-from the same calls through the optional :class:`MetricsSink`.
+Every figure is recorded once, here, under one lock; the ModelStatistics RPC
+and the ``/metrics`` endpoint both read a :meth:`ModelStats.snapshot`.
 """
 
 from __future__ import annotations
 
+import bisect
 import copy
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+
+# Latency buckets from 100 µs to 60 s: gRPC overhead to slow subprocess models.
+LATENCY_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384)
 
 
 @dataclass
@@ -68,11 +73,29 @@ class BatchStats:
         return self.busy_time_s / total if total > 0 else 0.0
 
 
-class MetricsSink(Protocol):
-    """Where observations go besides the counters (Prometheus, see nereid.metrics)."""
+class Histogram:
+    """Counts per bucket (upper bounds, inclusive, as Prometheus's ``le``) and the sum.
 
-    def request_done(self, seconds: float, failure_reason: str | None) -> None: ...
-    def execution(self, rows: int, cost: int, queue_s: list[float], compute_s: float) -> None: ...
+    Cheaper than a prometheus_client Histogram per observation; exported at
+    scrape time by nereid.metrics.
+    """
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last one is +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        """``(le, count)`` pairs, cumulative, ending with ``+Inf``."""
+        total, buckets = 0, []
+        for bound, count in zip([*map(str, map(float, self.bounds)), "+Inf"], self.counts):
+            total += count
+            buckets.append((bound, total))
+        return buckets
 
 
 class ModelStats:
@@ -82,9 +105,8 @@ class ModelStats:
     ``execution_count`` and ``batches`` count backend executions.
     """
 
-    def __init__(self, sink: MetricsSink | None = None) -> None:
+    def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._sink = sink
         self.success = Duration()
         self.fail = Duration()
         self.queue = Duration()
@@ -96,6 +118,12 @@ class ModelStats:
         self.last_inference_ms = 0
         self.batches: dict[int, BatchDurations] = {}
         self.batcher = BatchStats()
+        self.failures_by_reason: dict[str, int] = {}
+        self.request_seconds = Histogram(LATENCY_BUCKETS)
+        self.queue_seconds = Histogram(LATENCY_BUCKETS)
+        self.compute_seconds = Histogram(LATENCY_BUCKETS)  # per execution
+        self.batch_rows = Histogram(SIZE_BUCKETS)
+        self.batch_cost = Histogram(SIZE_BUCKETS)
         self._running = 0
         self._since = time.monotonic()
 
@@ -105,7 +133,8 @@ class ModelStats:
             self._advance_busy_idle(time.monotonic())
             clone = copy.copy(self)
             for name in ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output",
-                         "batches", "batcher"):
+                         "batches", "batcher", "failures_by_reason", "request_seconds", "queue_seconds",
+                         "compute_seconds", "batch_rows", "batch_cost"):
                 setattr(clone, name, copy.deepcopy(getattr(self, name)))
             return clone
 
@@ -120,21 +149,21 @@ class ModelStats:
             self.success.add(total_ns)
             self.inference_count += rows
             self.last_inference_ms = time.time_ns() // 1_000_000
-        if self._sink:
-            self._sink.request_done(total_ns / 1e9, None)
+            self.request_seconds.observe(total_ns / 1e9)
 
     def record_failure(self, total_ns: int, reason: str) -> None:
         """A request answered with an error; ``reason`` is a short label (``deadline_exceeded``)."""
         with self._lock:
             self.fail.add(total_ns)
             self.last_inference_ms = time.time_ns() // 1_000_000
-        if self._sink:
-            self._sink.request_done(total_ns / 1e9, reason)
+            self.request_seconds.observe(total_ns / 1e9)
+            self.failures_by_reason[reason] = self.failures_by_reason.get(reason, 0) + 1
 
     def record_dropped(self, queue_ns: int) -> None:
         """Queue time of a request that never ran (expired or cancelled)."""
         with self._lock:
             self.queue.add(queue_ns)
+            self.queue_seconds.observe(queue_ns / 1e9)
 
     def execution_started(self) -> None:
         with self._lock:
@@ -166,8 +195,11 @@ class ModelStats:
             self.batcher.total_batch_cost += cost
             if succeeded:
                 self.batcher.total_completed += requests
-        if self._sink:
-            self._sink.execution(rows, cost, [ns / 1e9 for ns in queue_ns], (input_ns + infer_ns + output_ns) / 1e9)
+            for ns in queue_ns:
+                self.queue_seconds.observe(ns / 1e9)
+            self.compute_seconds.observe((input_ns + infer_ns + output_ns) / 1e9)
+            self.batch_rows.observe(rows)
+            self.batch_cost.observe(cost)
 
     def _advance_busy_idle(self, now: float) -> None:
         elapsed = now - self._since
