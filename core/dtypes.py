@@ -62,6 +62,11 @@ class DType(enum.Enum):
         return self.value.numpy
 
     @property
+    def little_endian(self) -> np.dtype:
+        """The numpy dtype of this type's wire bytes (little-endian, whatever the host)."""
+        return _LITTLE_ENDIAN[self]
+
+    @property
     def token(self) -> str:
         """The bundle manifest token, e.g. ``f32``."""
         return self.value.token
@@ -117,3 +122,4 @@ _BY_KSERVE = {d.value.kserve: d for d in DType if d.value.kserve is not None}
 _BY_TOKEN = {d.token: d for d in DType}
 _BY_CONTRACT = {d.contract: d for d in DType}
 _BY_NUMPY = {d.numpy: d for d in DType}
+_LITTLE_ENDIAN = {d: d.numpy.newbyteorder("<") for d in DType}

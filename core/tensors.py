@@ -90,5 +90,16 @@ def tensor_bytes(tensor: NamedTensor) -> bytes:
     """The raw little-endian row-major bytes of a tensor (KServe framing for BYTES)."""
     if tensor.dtype is DType.BYTES:
         return join_bytes_elements(tensor.data)
-    little = tensor.dtype.numpy.newbyteorder("<")
-    return np.ascontiguousarray(tensor.data, dtype=little).tobytes()
+    data = tensor.data
+    root = _root_bytes(data)
+    if root is not None and len(root) == data.nbytes and data.flags.c_contiguous and data.dtype.byteorder != ">":
+        return root  # the array is exactly a bytes object it views (an echoed input): no copy
+    return np.ascontiguousarray(data, dtype=tensor.dtype.little_endian).tobytes()
+
+
+def _root_bytes(array: np.ndarray) -> bytes | None:
+    """The bytes object at the bottom of a chain of numpy views, if that is what it is."""
+    base = array.base
+    while isinstance(base, np.ndarray):
+        base = base.base
+    return base if isinstance(base, bytes) else None

@@ -69,7 +69,7 @@ def read_body(stream: BinaryIO, dtype: DType, shape: tuple[int, ...], where: str
     if len(data) != size:
         raise ModelFailure(f"{where}: header promises {size} bytes of {dtype.contract} {list(shape)}, "
                            f"file holds {len(data)}")
-    return np.frombuffer(data, dtype=dtype.numpy.newbyteorder("<")).reshape(shape)
+    return np.frombuffer(data, dtype=dtype.little_endian).reshape(shape)
 
 
 def _read_bytes_body(stream: BinaryIO, count: int, shape: tuple[int, ...], where: str) -> np.ndarray:

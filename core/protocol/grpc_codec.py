@@ -75,7 +75,7 @@ def _decode_tensor(model: str, tensor: pb.ModelInferRequest.InferInputTensor, ra
         raise InvalidArgument(f"{where}: shape {list(shape)} has a dimension < 1; dimensions must be positive")
     count = math.prod(shape)
     if raw is not None:
-        if tensor.contents.ListFields():
+        if tensor.HasField("contents") and tensor.contents.ListFields():
             raise InvalidArgument(f"{where}: data sent both in contents and in raw_input_contents; "
                                   "send it in one of them")
         data = _decode_raw(where, dtype, shape, count, raw)
@@ -102,7 +102,7 @@ def _decode_raw(where: str, dtype: DType, shape: tuple[int, ...], count: int, ra
             f"{where}: raw contents are {len(raw)} bytes, expected {expected} "
             f"({dtype.kserve} {list(shape)} = {count} x {dtype.itemsize} bytes)")
     # A read-only view of the message's bytes: no copy.
-    return np.frombuffer(raw, dtype=dtype.numpy.newbyteorder("<")).reshape(shape)
+    return np.frombuffer(raw, dtype=dtype.little_endian).reshape(shape)
 
 
 def _decode_contents(where: str, dtype: DType, shape: tuple[int, ...], count: int,
