@@ -1,111 +1,13 @@
-"""Shared fixtures: toy model folders written to tmp_path, and real servers on free ports.
-
-Servers run in this process on their own asyncio loop thread and are reached
-over real gRPC on 127.0.0.1 with tritonclient, exactly as a user would.
-"""
+"""Fixtures: an empty model repository in tmp_path, servers that stop after the test, zombie checks."""
 
 from __future__ import annotations
 
-import asyncio
-import os
-import textwrap
-import threading
 from pathlib import Path
-from typing import Any, Callable, Coroutine
+from typing import Any, Callable
 
 import pytest
-import tritonclient.grpc as triton
 
-from nereid.server import NereidServer
-from nereid.settings import load_settings
-
-# A main.py that echoes its single input tensor, whatever its datatype and shape.
-ECHO_MAIN = '''
-import os, sys
-data = sys.stdin.buffer.read()
-with open(os.environ["NEREID_OUTPUT_PATH"], "wb") as out:
-    out.write(("%s %s\\n" % (os.environ["NEREID_INPUT_DTYPE"], os.environ["NEREID_INPUT_SHAPE"])).encode())
-    out.write(data)
-'''
-
-# A main.py that copies its framed inputs to its outputs, one for one (multi-tensor form).
-FRAMED_ECHO_MAIN = '''
-import os, sys
-data = sys.stdin.buffer.read()
-with open(os.environ["NEREID_OUTPUT_PATH"], "wb") as out:
-    out.write(data)
-'''
-
-
-def textproto_single(dtype: str = "FP32", input_shape: str = "[4]", output_shape: str | None = None,
-                     max_batch_size: int = 8) -> str:
-    """A single-tensor model_inference.textproto."""
-    return (f'input_shape: {input_shape}\noutput_shape: {output_shape or input_shape}\n'
-            f'max_batch_size: {max_batch_size}\ndata_type: "{dtype}"\n')
-
-
-class ModelRepo:
-    """Writes model folders and a nereid.yaml into a temporary directory."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.models_dir = root / "ml-backends"
-        self.models_dir.mkdir()
-
-    def add(self, name: str, textproto: str | None, **files: str) -> Path:
-        """A model folder with a textproto (None: none) and the given files (``main_py`` -> main.py)."""
-        folder = self.models_dir / name
-        folder.mkdir()
-        if textproto is not None:
-            (folder / "model_inference.textproto").write_text(textproto)
-        for key, content in files.items():
-            (folder / key.replace("_", ".", 1) if key in ("main_py", "main_cpp") else folder / key).write_text(
-                textwrap.dedent(content))
-        return folder
-
-    def python(self, name: str, main: str = ECHO_MAIN, textproto: str | None = None) -> Path:
-        """A python-backend model (an echo of one FP32 [4] tensor by default)."""
-        return self.add(name, textproto if textproto is not None else textproto_single(), main_py=main)
-
-    def write_config(self, models_yaml: str | None = None, server_extra: str = "") -> Path:
-        """Write nereid.yaml; ``models_yaml`` is the ``models:`` list body (None: no models key)."""
-        text = (f"server:\n  bind_addr: \"127.0.0.1:0\"\n  ml_backends_path: \"ml-backends\"\n"
-                f"  metrics_addr: \"127.0.0.1:0\"\n{server_extra}")
-        if models_yaml is not None:
-            text += "models:\n" + textwrap.indent(textwrap.dedent(models_yaml), "  ")
-        path = self.root / "nereid.yaml"
-        path.write_text(text)
-        return path
-
-
-class RunningServer:
-    """A NereidServer on a background event loop, with a tritonclient connected to it."""
-
-    def __init__(self, config: Path, **server_kwargs: Any) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="nereid-test-loop", daemon=True)
-        self._thread.start()
-        settings = load_settings(config)
-
-        async def create() -> NereidServer:
-            return NereidServer(settings, **server_kwargs)
-
-        self.server: NereidServer = self.call(create())
-        port = self.call(self.server.start())
-        self.call(self.server.load_models())
-        self.url = f"127.0.0.1:{port}"
-        self.client = triton.InferenceServerClient(self.url)
-
-    def call(self, coroutine: Coroutine, timeout: float = 120) -> Any:
-        """Run a coroutine on the server's loop and return its result."""
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
-
-    def stop(self) -> None:
-        self.client.close()
-        self.call(self.server.stop(grace_s=5))
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(10)
-        self.loop.close()
+from support import ModelRepo, RunningServer, zombie_children
 
 
 @pytest.fixture
@@ -127,22 +29,6 @@ def serve() -> Callable[..., RunningServer]:
     yield start
     for server in started:
         server.stop()
-
-
-def zombie_children() -> list[int]:
-    """PIDs of this process's children that exited but were never reaped."""
-    zombies = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] == "Z" and int(fields[1]) == os.getpid():
-            zombies.append(int(entry))
-    return zombies
 
 
 @pytest.fixture

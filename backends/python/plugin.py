@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from nereid.backend import BackendClaim, ModelContext
+from nereid.backend import BackendClaim
 from nereid.backends.subprocess.model import SubprocessModel
 from nereid.errors import ConfigError
 from nereid.hookspecs import hookimpl

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -32,6 +33,30 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def nereid_serve(config: Path):
+    """``nereid serve`` in its own process, ready; yields (process, client). Killed if still running."""
+    port = free_port()
+    process = subprocess.Popen([*NEREID, "serve", "--config", str(config), "--bind", f"127.0.0.1:{port}"],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        client = triton.InferenceServerClient(f"127.0.0.1:{port}")
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if client.is_server_ready():
+                    break
+            except Exception:
+                pass
+            assert time.monotonic() < deadline, "server did not become ready"
+            time.sleep(0.1)
+        yield process, client
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
 
 
 def test_check_passes_on_the_shipped_examples() -> None:
@@ -69,21 +94,7 @@ def test_check_rejects_a_bad_config_with_its_key(repo) -> None:
 
 def test_serve_finishes_accepted_requests_on_sigterm_and_exits_zero(repo) -> None:
     repo.python("slow", main=SLOW_MAIN)
-    config = repo.write_config()
-    port = free_port()
-    process = subprocess.Popen([*NEREID, "serve", "--config", str(config), "--bind", f"127.0.0.1:{port}"],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        client = triton.InferenceServerClient(f"127.0.0.1:{port}")
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if client.is_server_ready():
-                    break
-            except Exception:
-                pass
-            assert time.monotonic() < deadline, "server did not become ready"
-            time.sleep(0.1)
+    with nereid_serve(repo.write_config()) as (process, client):
         x = np.ones((1, 4), dtype=np.float32)
         tensor = triton.InferInput("input", [1, 4], "FP32")
         tensor.set_data_from_numpy(x)
@@ -97,10 +108,6 @@ def test_serve_finishes_accepted_requests_on_sigterm_and_exits_zero(repo) -> Non
         assert len(results) == 1 and np.array_equal(results[0], x)
         output = process.stdout.read()
         assert "signal received: draining" in output and "nereid stopped" in output
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
 
 
 HANGING_MAIN = '''
@@ -114,26 +121,14 @@ time.sleep(120)
 def test_serve_ends_running_children_once_the_grace_has_passed(repo) -> None:
     folder = repo.python("hang", main=HANGING_MAIN)
     config = repo.write_config("- name: hang\n  timeout_s: 300\n", server_extra="  shutdown_grace_s: 1\n")
-    port = free_port()
-    process = subprocess.Popen([*NEREID, "serve", "--config", str(config), "--bind", f"127.0.0.1:{port}"],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        client = triton.InferenceServerClient(f"127.0.0.1:{port}")
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if client.is_server_ready():
-                    break
-            except Exception:
-                pass
-            assert time.monotonic() < deadline, "server did not become ready"
-            time.sleep(0.1)
+    with nereid_serve(config) as (process, client):
         tensor = triton.InferInput("input", [1, 4], "FP32")
         tensor.set_data_from_numpy(np.ones((1, 4), dtype=np.float32))
         errors: list = []
         worker = threading.Thread(target=lambda: errors.append(_infer_error(client, tensor)))
         worker.start()
         pid_file = folder / "child.pid"
+        deadline = time.monotonic() + 30
         while not pid_file.exists():
             assert time.monotonic() < deadline
             time.sleep(0.05)
@@ -146,10 +141,6 @@ def test_serve_ends_running_children_once_the_grace_has_passed(repo) -> None:
         assert errors and errors[0] is not None  # the cancelled call got an error, not a hang
         with pytest.raises(ProcessLookupError):
             os.kill(child, 0)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
 
 
 def _infer_error(client, tensor):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import struct
 from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import Iterator
 
 import grpc
 import ml_dtypes
@@ -20,7 +20,7 @@ import tritonclient.grpc as triton
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
-from tests.conftest import ECHO_MAIN, FRAMED_ECHO_MAIN, ModelRepo, RunningServer, textproto_single
+from support import ECHO_MAIN, FRAMED_ECHO_MAIN, ModelRepo, RunningServer, expect_grpc_error, textproto_single
 
 # --------------------------------------------------------------------------- helpers
 
@@ -79,17 +79,6 @@ def wire_bytes(dtype: str, array: np.ndarray) -> bytes:
     if dtype == "BYTES":
         return serialize_bytes(array.reshape(-1))
     return np.ascontiguousarray(array).astype(array.dtype.newbyteorder("<")).tobytes()
-
-
-def expect_error(status: str, call: Callable[[], object], *fragments: str) -> str:
-    """Run ``call``; it must fail with gRPC ``status`` and a message containing every fragment."""
-    with pytest.raises(InferenceServerException) as info:
-        call()
-    assert info.value.status() == f"StatusCode.{status}", info.value
-    message = info.value.message()
-    for fragment in fragments:
-        assert fragment in message, f"{fragment!r} not in {message!r}"
-    return message
 
 
 @contextmanager
@@ -220,7 +209,7 @@ def test_half_precision_in_typed_contents_is_invalid_argument(server, dtype):
     request = service_pb2.ModelInferRequest(model_name=f"echo_{dtype}")
     request.inputs.add(name="input", datatype=dtype, shape=[4]).contents.fp32_contents.extend([1.0, 2.0, 3.0, 4.0])
 
-    expect_error("INVALID_ARGUMENT", lambda: raw_infer(server, request),
+    expect_grpc_error("INVALID_ARGUMENT", lambda: raw_infer(server, request),
                  f"model 'echo_{dtype}'", "input 'input'", dtype, "raw_input_contents")
 
 
@@ -230,7 +219,7 @@ def test_typed_contents_out_of_the_datatype_range_are_invalid_argument(server, d
     request = service_pb2.ModelInferRequest(model_name=f"echo_{dtype}")
     getattr(request.inputs.add(name="input", datatype=dtype, shape=[4]).contents, field).extend([1, 2, 3, value])
 
-    expect_error("INVALID_ARGUMENT", lambda: raw_infer(server, request),
+    expect_grpc_error("INVALID_ARGUMENT", lambda: raw_infer(server, request),
                  f"model 'echo_{dtype}'", "input 'input'", f"contents.{field}", dtype, str(value))
 
 
@@ -240,9 +229,9 @@ def test_typed_contents_in_the_wrong_field_or_count_are_invalid_argument(server)
     short = service_pb2.ModelInferRequest(model_name="echo_INT32")
     short.inputs.add(name="input", datatype="INT32", shape=[2, 4]).contents.int_contents.extend(range(7))
 
-    expect_error("INVALID_ARGUMENT", lambda: raw_infer(server, wrong_field),
+    expect_grpc_error("INVALID_ARGUMENT", lambda: raw_infer(server, wrong_field),
                  "model 'echo_INT32'", "input 'input'", "contents.int_contents holds 0 elements, expected 4")
-    expect_error("INVALID_ARGUMENT", lambda: raw_infer(server, short),
+    expect_grpc_error("INVALID_ARGUMENT", lambda: raw_infer(server, short),
                  "model 'echo_INT32'", "input 'input'", "holds 7 elements, expected 8", "[2, 4]")
 
 
@@ -250,7 +239,7 @@ def test_typed_contents_alongside_raw_contents_are_invalid_argument(server):
     request = raw_request("echo_INT8", ("input", "INT8", [4], bytes([1, 2, 3, 4])))
     request.inputs[0].contents.int_contents.extend([5, 6, 7, 8])
 
-    expect_error("INVALID_ARGUMENT", lambda: raw_infer(server, request),
+    expect_grpc_error("INVALID_ARGUMENT", lambda: raw_infer(server, request),
                  "model 'echo_INT8'", "input 'input'", "contents", "raw_input_contents")
 
 
@@ -296,7 +285,7 @@ def test_requested_outputs_select_the_returned_outputs(server):
 def test_unknown_requested_output_is_invalid_argument(server):
     a, b = pair_inputs()
 
-    expect_error("INVALID_ARGUMENT",
+    expect_grpc_error("INVALID_ARGUMENT",
                  lambda: server.client.infer("pair", [triton_input("a", a, "INT32"), triton_input("b", b, "FP32")],
                                              outputs=[triton.InferRequestedOutput("z")]),
                  "model 'pair'", "output 'z'", "'x'", "'y'")
@@ -342,7 +331,7 @@ def test_model_without_batching_must_match_the_rank_exactly(server):
     assert list(result.get_response().outputs[0].shape) == [4]
     np.testing.assert_array_equal(result.as_numpy("output"), values)
 
-    expect_error("INVALID_ARGUMENT",
+    expect_grpc_error("INVALID_ARGUMENT",
                  lambda: server.client.infer("unbatched", [triton_input("input", values[None], "INT8")]),
                  "model 'unbatched'", "input 'input'", "[1, 4]", "expected [4]")
 
@@ -355,7 +344,7 @@ def test_variable_dims_accept_any_size(server):
         assert result.as_numpy("output").tobytes() == values.tobytes()
 
     bad = np.zeros((2, 5, 4), dtype=np.float64)
-    expect_error("INVALID_ARGUMENT", lambda: server.client.infer("var", [triton_input("input", bad, "FP64")]),
+    expect_grpc_error("INVALID_ARGUMENT", lambda: server.client.infer("var", [triton_input("input", bad, "FP64")]),
                  "model 'var'", "input 'input'", "[2, 5, 4]", "[batch, -1, 3]", "[-1, 3]")
 
 
@@ -365,28 +354,28 @@ def test_variable_dims_accept_any_size(server):
 def test_wrong_rank_is_invalid_argument(server):
     values = np.zeros((2, 2, 4), dtype=np.int8)
 
-    expect_error("INVALID_ARGUMENT", lambda: server.client.infer("echo_INT8", [triton_input("input", values, "INT8")]),
+    expect_grpc_error("INVALID_ARGUMENT", lambda: server.client.infer("echo_INT8", [triton_input("input", values, "INT8")]),
                  "model 'echo_INT8'", "input 'input'", "has shape [2, 2, 4]", "expected [batch, 4] or [4]")
 
 
 def test_wrong_fixed_dimension_is_invalid_argument(server):
     values = np.zeros((2, 5), dtype=np.int8)
 
-    expect_error("INVALID_ARGUMENT", lambda: server.client.infer("echo_INT8", [triton_input("input", values, "INT8")]),
+    expect_grpc_error("INVALID_ARGUMENT", lambda: server.client.infer("echo_INT8", [triton_input("input", values, "INT8")]),
                  "model 'echo_INT8'", "input 'input'", "has shape [2, 5]", "expected [batch, 4] or [4]")
 
 
 def test_batch_over_max_batch_size_is_invalid_argument(server):
     values = np.zeros((9, 4), dtype=np.int8)
 
-    expect_error("INVALID_ARGUMENT", lambda: server.client.infer("echo_INT8", [triton_input("input", values, "INT8")]),
+    expect_grpc_error("INVALID_ARGUMENT", lambda: server.client.infer("echo_INT8", [triton_input("input", values, "INT8")]),
                  "model 'echo_INT8'", "input 'input'", "batch size 9", "max_batch_size 8")
 
 
 def test_datatype_mismatch_is_invalid_argument(server):
     values = np.zeros(4, dtype=np.int16)
 
-    expect_error("INVALID_ARGUMENT", lambda: server.client.infer("echo_INT8", [triton_input("input", values, "INT16")]),
+    expect_grpc_error("INVALID_ARGUMENT", lambda: server.client.infer("echo_INT8", [triton_input("input", values, "INT16")]),
                  "model 'echo_INT8'", "input 'input'", "datatype INT16", "expected INT8")
 
 
@@ -394,14 +383,14 @@ def test_raw_byte_size_not_matching_the_shape_is_invalid_argument(server):
     tensor = triton_input("input", np.zeros((2, 4), dtype=np.float32), "FP32")
     tensor.set_shape([3, 4])  # 32 bytes of data declared as 48
 
-    expect_error("INVALID_ARGUMENT", lambda: server.client.infer("echo_FP32", [tensor]),
+    expect_grpc_error("INVALID_ARGUMENT", lambda: server.client.infer("echo_FP32", [tensor]),
                  "model 'echo_FP32'", "input 'input'", "32 bytes", "expected 48", "FP32 [3, 4]")
 
 
 def test_missing_input_is_invalid_argument(server):
     a, _ = pair_inputs()
 
-    expect_error("INVALID_ARGUMENT", lambda: server.client.infer("pair", [triton_input("a", a, "INT32")]),
+    expect_grpc_error("INVALID_ARGUMENT", lambda: server.client.infer("pair", [triton_input("a", a, "INT32")]),
                  "model 'pair'", "missing input 'b'", "expected inputs: 'a', 'b'")
 
 
@@ -409,7 +398,7 @@ def test_unexpected_input_is_invalid_argument(server):
     a, b = pair_inputs()
     inputs = [triton_input("a", a, "INT32"), triton_input("b", b, "FP32"), triton_input("c", a, "INT32")]
 
-    expect_error("INVALID_ARGUMENT", lambda: server.client.infer("pair", inputs),
+    expect_grpc_error("INVALID_ARGUMENT", lambda: server.client.infer("pair", inputs),
                  "model 'pair'", "unexpected input 'c'", "expected inputs: 'a', 'b'")
 
 
@@ -417,13 +406,13 @@ def test_inputs_disagreeing_on_batch_size_are_invalid_argument(server):
     a, _ = pair_inputs(batch=2)
     _, b = pair_inputs(batch=3)
 
-    expect_error("INVALID_ARGUMENT",
+    expect_grpc_error("INVALID_ARGUMENT",
                  lambda: server.client.infer("pair", [triton_input("a", a, "INT32"), triton_input("b", b, "FP32")]),
                  "model 'pair'", "batch size", "'a': 2", "'b': 3")
 
 
 def test_unknown_datatype_string_is_invalid_argument(server):
-    message = expect_error("INVALID_ARGUMENT",
+    message = expect_grpc_error("INVALID_ARGUMENT",
                            lambda: raw_infer(server, raw_request("echo_INT8", ("input", "FP8", [4], b"\0" * 4))),
                            "model 'echo_INT8'", "input 'input'", "'FP8'")
     assert "INT8" in message and "BYTES" in message  # the valid datatypes are listed
@@ -432,7 +421,7 @@ def test_unknown_datatype_string_is_invalid_argument(server):
 @pytest.mark.parametrize(("shape", "problem"), [([-1, 4], "[-1, 4]"), ([0, 4], "[0, 4]"),
                                                 ([2**62, 2**62, 0], "[4611686018427387904, 4611686018427387904, 0]")])
 def test_non_positive_request_dimensions_are_invalid_argument(server, shape, problem):
-    expect_error("INVALID_ARGUMENT",
+    expect_grpc_error("INVALID_ARGUMENT",
                  lambda: raw_infer(server, raw_request("echo_INT8", ("input", "INT8", shape, b""))),
                  "model 'echo_INT8'", "input 'input'", problem, "positive")
 
@@ -444,7 +433,7 @@ def test_non_positive_request_dimensions_are_invalid_argument(server, shape, pro
     (serialize_bytes([b"a", b"b", b"c"]), "3 BYTES elements, expected 2"),
 ])
 def test_malformed_bytes_raw_contents_are_invalid_argument(server, raw, problem):
-    expect_error("INVALID_ARGUMENT",
+    expect_grpc_error("INVALID_ARGUMENT",
                  lambda: raw_infer(server, raw_request("bytes2", ("input", "BYTES", [2], raw))),
                  "model 'bytes2'", "input 'input'", problem)
 
@@ -452,7 +441,7 @@ def test_malformed_bytes_raw_contents_are_invalid_argument(server, raw, problem)
 def test_raw_input_contents_count_mismatch_is_invalid_argument(server):
     request = raw_request("pair", ("a", "INT32", [2], np.zeros(2, np.int32).tobytes()), ("b", "FP32", [3], None))
 
-    expect_error("INVALID_ARGUMENT", lambda: raw_infer(server, request),
+    expect_grpc_error("INVALID_ARGUMENT", lambda: raw_infer(server, request),
                  "model 'pair'", "1 raw_input_contents for 2 inputs")
 
 
@@ -464,7 +453,7 @@ def test_bad_timeout_parameter_is_invalid_argument(server, parameter, problem):
     request = raw_request("echo_INT8", ("input", "INT8", [4], bytes(4)))
     request.parameters["timeout"].CopyFrom(parameter)
 
-    expect_error("INVALID_ARGUMENT", lambda: raw_infer(server, request), "model 'echo_INT8'", "'timeout'", problem)
+    expect_grpc_error("INVALID_ARGUMENT", lambda: raw_infer(server, request), "model 'echo_INT8'", "'timeout'", problem)
 
 
 def test_timeout_parameter_as_uint64_is_accepted(server):

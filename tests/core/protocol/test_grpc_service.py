@@ -14,15 +14,13 @@ from typing import Callable, Iterator
 
 import grpc
 import numpy as np
-import pytest
 import tritonclient.grpc as triton
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
-from tritonclient.utils import InferenceServerException
 
 import nereid
-from tests.conftest import ECHO_MAIN, FRAMED_ECHO_MAIN, textproto_single
+from support import ECHO_MAIN, FRAMED_ECHO_MAIN, expect_grpc_error, textproto_single
 
 NOT_LISTED = "not listed in nereid.yaml"
 
@@ -48,17 +46,6 @@ with open(os.environ["NEREID_OUTPUT_PATH"], "wb") as out:
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def expect_error(status: str, call: Callable[[], object], *fragments: str) -> str:
-    """Run ``call``; it must fail with gRPC ``status`` and a message containing every fragment."""
-    with pytest.raises(InferenceServerException) as info:
-        call()
-    assert info.value.status() == f"StatusCode.{status}", info.value
-    message = info.value.message()
-    for fragment in fragments:
-        assert fragment in message, f"{fragment!r} not in {message!r}"
-    return message
 
 
 @contextmanager
@@ -288,7 +275,7 @@ def test_unknown_model_is_not_found_everywhere(repo, serve):
                  lambda: client.get_inference_statistics("nope"),
                  lambda: client.load_model("nope"),
                  lambda: client.unload_model("nope")):
-        expect_error("NOT_FOUND", call, "'nope'")
+        expect_grpc_error("NOT_FOUND", call, "'nope'")
     echo(server, "m", [1, 2, 3, 4])
 
 
@@ -302,7 +289,7 @@ def test_model_version_other_than_1_is_not_found(repo, serve):
                  lambda: client.get_model_config("m", model_version="2"),
                  lambda: client.is_model_ready("m", model_version="2"),
                  lambda: client.get_inference_statistics("m", model_version="2")):
-        expect_error("NOT_FOUND", call, "model 'm'", "version '2'")
+        expect_grpc_error("NOT_FOUND", call, "model 'm'", "version '2'")
     echo(server, "m", [1, 2, 3, 4], model_version="1")
 
 
@@ -322,7 +309,7 @@ def test_model_statistics_count_successes_failures_and_durations(repo, serve):
 
     echo(server, "m", [[1, 2, 3, 4], [5, 6, 7, 8]])
     echo(server, "m", [9, 10, 11, 12])
-    expect_error("INVALID_ARGUMENT", lambda: client.infer("m", [int8_input([1, 2, 3])]), "model 'm'")
+    expect_grpc_error("INVALID_ARGUMENT", lambda: client.infer("m", [int8_input([1, 2, 3])]), "model 'm'")
 
     (stats,) = client.get_inference_statistics("m").model_stats
     infer = stats.inference_stats
@@ -370,7 +357,7 @@ def test_load_of_a_folder_added_after_start_serves_it(repo, serve):
 
     index = {m.name: m for m in server.client.get_model_repository_index().models}
     assert (index["late"].state, NOT_LISTED in index["late"].reason) == ("UNAVAILABLE", True)
-    expect_error("UNAVAILABLE", lambda: server.client.infer("late", [int8_input([1, 2])]), "model 'late'")
+    expect_grpc_error("UNAVAILABLE", lambda: server.client.infer("late", [int8_input([1, 2])]), "model 'late'")
 
     server.client.load_model("late")
 
@@ -386,7 +373,7 @@ def test_load_of_a_broken_folder_reports_the_reason_and_the_server_keeps_serving
     server = serve(repo.write_config('- name: "good"\n'))
     repo.add("bad", 'input_shape: [4]\noutput_shape: [4]\ndata_type: "INT9"\n', main_py=ECHO_MAIN)
 
-    expect_error("INTERNAL", lambda: server.client.load_model("bad"), "model 'bad'", "INT9")
+    expect_grpc_error("INTERNAL", lambda: server.client.load_model("bad"), "model 'bad'", "INT9")
 
     assert server.client.is_server_live() is True
     assert server.client.is_model_ready("bad") is False
@@ -403,7 +390,7 @@ def test_unload_makes_the_model_unavailable_until_loaded_again(repo, serve):
     server.client.unload_model("m")
 
     assert server.client.is_model_ready("m") is False
-    expect_error("UNAVAILABLE", lambda: server.client.infer("m", [int8_input([1, 2, 3, 4])]),
+    expect_grpc_error("UNAVAILABLE", lambda: server.client.infer("m", [int8_input([1, 2, 3, 4])]),
                  "model 'm'", "not ready", "unloaded")
     index = {m.name: m for m in server.client.get_model_repository_index().models}
     assert (index["m"].state, index["m"].reason) == ("UNAVAILABLE", "unloaded")
@@ -423,7 +410,7 @@ def test_unload_lets_running_and_queued_requests_finish_first(repo, serve):
     unloader.start()
     wait_for(lambda: not server.client.is_model_ready("slow"), "the model to start unloading")
     # While it drains, new requests are refused.
-    expect_error("UNAVAILABLE", lambda: server.client.infer("slow", [int8_input([9] * 4)]), "model 'slow'")
+    expect_grpc_error("UNAVAILABLE", lambda: server.client.infer("slow", [int8_input([9] * 4)]), "model 'slow'")
     unloader.join(15)
     assert not unloader.is_alive()
 
@@ -433,7 +420,7 @@ def test_unload_lets_running_and_queued_requests_finish_first(repo, serve):
         assert error is None, error
         np.testing.assert_array_equal(result.as_numpy("output"), np.full(4, key, np.int8))
     assert runs(folder) == 3
-    expect_error("UNAVAILABLE", lambda: server.client.infer("slow", [int8_input([1] * 4)]), "model 'slow'")
+    expect_grpc_error("UNAVAILABLE", lambda: server.client.infer("slow", [int8_input([1] * 4)]), "model 'slow'")
 
 
 # --------------------------------------------------------------------------- streaming
@@ -505,7 +492,7 @@ def test_client_deadline_passing_in_the_queue_is_deadline_exceeded_and_never_run
     server.client.async_infer("slow", [int8_input([1] * 4)], callback=answers.callback("first"))
     wait_for(lambda: runs(folder) == 1, "the first request to start")
 
-    expect_error("DEADLINE_EXCEEDED",
+    expect_grpc_error("DEADLINE_EXCEEDED",
                  lambda: server.client.infer("slow", [int8_input([2] * 4)], client_timeout=0.2))
 
     assert answers.collect(1)["first"][1] is None
@@ -519,7 +506,7 @@ def test_timeout_parameter_passing_in_the_queue_is_deadline_exceeded_and_never_r
     server.client.async_infer("slow", [int8_input([1] * 4)], callback=answers.callback("first"))
     wait_for(lambda: runs(folder) == 1, "the first request to start")
 
-    expect_error("DEADLINE_EXCEEDED",
+    expect_grpc_error("DEADLINE_EXCEEDED",
                  lambda: server.client.infer("slow", [int8_input([2] * 4)], timeout=200_000),  # microseconds
                  "model 'slow'", "deadline", "not run")
 
