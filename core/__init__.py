@@ -7,4 +7,6 @@ try:
 except PackageNotFoundError:  # running from a source tree that was never installed
     __version__ = "0.0.0"
 
-__all__ = ["__version__"]
+from nereid.model_hooks import register_model  # noqa: E402  (stdlib only: keeps `import nereid` light)
+
+__all__ = ["__version__", "register_model"]

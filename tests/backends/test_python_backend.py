@@ -21,7 +21,7 @@ import pytest
 import tritonclient.grpc as triton
 from tritonclient.utils import InferenceServerException
 
-from tests.conftest import ECHO_MAIN, FRAMED_ECHO_MAIN, textproto_single, zombie_children
+from support import ECHO_MAIN, FRAMED_ECHO_MAIN, textproto_single, zombie_children
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "ml-backends"
 

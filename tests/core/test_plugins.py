@@ -75,7 +75,7 @@ def installed_addone(tmp_path: Path):
 
 
 def test_builtin_backends_are_registered_like_plugins() -> None:
-    assert backend_names(make_plugin_manager(load_entry_points=False)) == ["cpp", "python"]
+    assert backend_names(make_plugin_manager(load_entry_points=False)) == ["cpp", "python", "xla"]
 
 
 def test_installed_backend_serves_a_model(installed_addone, repo, serve) -> None:

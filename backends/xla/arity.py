@@ -1,0 +1,124 @@
+"""The bundle arity check: does each program take exactly inputs + weights arguments?
+
+A bundle is served as ``executable(inputs..., weights...)``. The manifest says
+how many inputs there are and the weights file how many tensors, but the number
+the program actually wants lives only in the serialized artifact, so a bundle
+can look right in every readable part and still fail every request with
+"Execution supplied N arguments but compiled program expected N+1". These
+functions read all three numbers back out of the files, whoever wrote them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from nereid.backends.xla.bundle import DEFAULT_WEIGHTS_FILE, open_bundle
+from nereid.backends.xla.program import ProgramSignature, read_program
+from nereid.backends.xla.safetensors import read_header
+from nereid.errors import ConfigError
+
+_SHOWN_PARAMETERS = 6
+
+
+@dataclass(frozen=True)
+class ModuleArity:
+    """One program file and the number of arguments it takes (None when unreadable)."""
+
+    file: str
+    expected: int | None
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class BundleArity:
+    """The arity report of one bundle; ``error`` says why it is not servable."""
+
+    bundle: Path
+    servable: bool
+    n_inputs: int | None
+    n_weights: int | None
+    expected: int | None
+    modules: tuple[ModuleArity, ...] = ()
+    error: str = ""
+
+    def line(self) -> str:
+        """One report line, as ``nereid bundle check`` prints it."""
+        if not self.servable:
+            return f"{self.bundle}: UNSERVABLE: {self.error}"
+        files = ", ".join(m.file for m in self.modules)
+        return (f"{self.bundle}: servable: {self.n_inputs} input(s) + {self.n_weights} weight(s) = "
+                f"{self.expected} argument(s), taken by {files}")
+
+
+def arity_mismatch(where: str, program: ProgramSignature, n_inputs: int, n_weights: int,
+                   weights_name: str = DEFAULT_WEIGHTS_FILE) -> str | None:
+    """The explanation of an arity mismatch, or None when the numbers agree."""
+    supplied = n_inputs + n_weights
+    if program.arity == supplied:
+        return None
+    shown = ", ".join(p.describe() for p in program.parameters[:_SHOWN_PARAMETERS])
+    if program.arity > _SHOWN_PARAMETERS:
+        shown += ", ..."
+    if program.arity > supplied:
+        cause = ("The usual cause is a value the traced function captured from outside its arguments, such as "
+                 "an RNG key in layer state (a leading tensor<2xui32> or tensor<2xui64>) or a device-resident "
+                 "configuration array: tracing lifts each into a parameter that no client can supply. Read "
+                 "such values back to the host before tracing so they become constants.")
+    else:
+        cause = ("The usual cause is an argument the program never reads being dropped at export (jax.export "
+                 "drops unused arguments unless the function is jitted with keep_unused=True), or a weights "
+                 "file holding tensors the program does not take.")
+    return (f"{where}: the program takes {program.arity} argument(s) ({shown or 'none'}) but the bundle supplies "
+            f"{supplied}: {n_inputs} input(s) from the manifest + {n_weights} tensor(s) in {weights_name}. "
+            f"{cause}")
+
+
+def bundle_entry_arity(module_path: Path | str) -> int:
+    """How many arguments one program file takes; ConfigError when it cannot be read."""
+    path = Path(module_path)
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read: {err.strerror or err}") from None
+    return read_program(data, str(path)).arity
+
+
+def bundle_arity_report(folder: Path | str) -> BundleArity:
+    """The three numbers of a bundle (inputs, weights, what each program takes). Never raises."""
+    folder = Path(folder)
+    try:
+        return _report(folder)
+    except Exception as err:  # a report, not a check: every failure becomes the reason
+        return BundleArity(folder, False, None, None, None, (), str(err).strip() or type(err).__name__)
+
+
+def assert_bundle_arity(folder: Path | str) -> BundleArity:
+    """The report of a servable bundle; ConfigError with the reason otherwise."""
+    report = bundle_arity_report(folder)
+    if not report.servable:
+        raise ConfigError(report.error)
+    return report
+
+
+def _report(folder: Path) -> BundleArity:
+    layout = open_bundle(folder)
+    n_inputs = len(layout.manifest.executable_inputs)
+    n_weights = len(read_header(layout.weights_path).tensors) if layout.weights_path else 0
+    weights_name = layout.weights_path.name if layout.weights_path else DEFAULT_WEIGHTS_FILE
+    modules: list[ModuleArity] = []
+    problems: list[str] = []
+    for path in dict.fromkeys(layout.modules.values()):  # a file serving several keys is read once
+        try:
+            program = read_program(path.read_bytes(), str(path))
+        except (ConfigError, OSError) as err:
+            modules.append(ModuleArity(path.name, None, str(err)))
+            problems.append(str(err))
+            continue
+        modules.append(ModuleArity(path.name, program.arity))
+        mismatch = arity_mismatch(path.name, program, n_inputs, n_weights, weights_name)
+        if mismatch:
+            problems.append(mismatch)
+    expected = {m.expected for m in modules}
+    common = expected.pop() if len(expected) == 1 else None
+    return BundleArity(folder, not problems, n_inputs, n_weights, common, tuple(modules), "; ".join(problems))

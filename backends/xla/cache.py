@@ -1,0 +1,190 @@
+"""``<bundle>/.cache/``: compiled executables, so a restart skips compilation.
+
+Each entry is one serialized executable, keyed by the program file's content
+hash, the jaxlib version, and the device (platform, platform version, device
+kind). An entry carries its key and a checksum of its payload; one that does
+not match (corrupt, truncated, stale, or refused by jaxlib) is ignored and
+rebuilt. ``mlirhashes.json`` records the content hash each program file had
+when it was last compiled, so that entries of a program file that has since
+changed are removed rather than left to pile up. Deleting ``.cache/`` is always
+safe, and a bundle directory that cannot be written still loads (uncached).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import secrets
+import struct
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Generic, TypeVar
+
+log = logging.getLogger(__name__)
+
+HASHES_FILE = "mlirhashes.json"
+ENTRY_SUFFIX = ".xlaexe"
+_MAGIC = b"NEREID-XLA-EXECUTABLE 1\n"
+_LENGTH = struct.Struct("<Q")
+
+Executable = TypeVar("Executable")
+
+
+@dataclass(frozen=True)
+class CacheKey:
+    """What a compiled executable depends on."""
+
+    module_sha256: str
+    jaxlib_version: str
+    platform: str
+    platform_version: str
+    device_kind: str
+
+    @property
+    def digest(self) -> str:
+        """A short hex digest of the whole key, used in the entry's file name."""
+        text = json.dumps(asdict(self), sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+@dataclass
+class CacheStats:
+    """What happened to the programs of one load: reused, compiled, or rebuilt over a bad entry."""
+
+    hits: int = 0
+    compiled: int = 0
+    rebuilt: int = 0
+
+
+@dataclass(frozen=True)
+class CompileFunctions(Generic[Executable]):
+    """How to compile, serialize and deserialize executables (the PJRT client's methods)."""
+
+    compile: Callable[[], Executable]
+    serialize: Callable[[Executable], bytes]
+    deserialize: Callable[[bytes], Executable]
+
+
+class ExecutableCache:
+    """The executable cache of one bundle directory (``enabled=False``: always compile)."""
+
+    def __init__(self, directory: Path, enabled: bool = True) -> None:
+        self.directory = Path(directory)
+        self.enabled = enabled
+        self.stats = CacheStats()
+
+    def entry_path(self, module_name: str, key: CacheKey) -> Path:
+        """Where the entry for a program file and key lives."""
+        return self.directory / f"{module_name}.{key.digest}{ENTRY_SUFFIX}"
+
+    def load_or_compile(self, module_name: str, key: CacheKey,
+                        functions: CompileFunctions[Executable]) -> Executable:
+        """The executable for ``key``: from the cache when a valid entry exists, else compiled and stored."""
+        if not self.enabled:
+            self.stats.compiled += 1
+            return functions.compile()
+        path = self.entry_path(module_name, key)
+        payload, problem = self._read_entry(path, key)
+        if payload is not None:
+            try:
+                executable = functions.deserialize(payload)
+            except Exception as err:  # jaxlib refuses entries from other builds in many ways
+                problem = f"jaxlib could not deserialize it ({type(err).__name__}: {err})"
+            else:
+                self.stats.hits += 1
+                log.debug("%s: executable for %s loaded from the cache", self.directory.parent.name, module_name)
+                return executable
+        if problem:
+            log.warning("%s: ignoring cache entry %s: %s; recompiling", self.directory.parent.name, path.name,
+                        problem)
+            self.stats.rebuilt += 1
+        self.stats.compiled += 1
+        executable = functions.compile()
+        try:
+            self._store(module_name, key, path, functions.serialize(executable))
+        except Exception as err:  # a read-only bundle still serves, it just recompiles next time
+            log.warning("%s: cannot write the executable cache (%s: %s); it will be compiled again next time",
+                        self.directory.parent.name, type(err).__name__, err)
+        return executable
+
+    def _read_entry(self, path: Path, key: CacheKey) -> tuple[bytes | None, str]:
+        """The payload of a valid entry, or None and what is wrong with it ("" when there is none)."""
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return None, ""
+        except OSError as err:
+            return None, f"cannot read it: {err.strerror or err}"
+        if not data.startswith(_MAGIC) or len(data) < len(_MAGIC) + _LENGTH.size:
+            return None, "not a cache entry (bad magic)"
+        start = len(_MAGIC) + _LENGTH.size
+        (length,) = _LENGTH.unpack_from(data, len(_MAGIC))
+        try:
+            header = json.loads(data[start:start + length])
+        except ValueError:
+            return None, "corrupt header"
+        if not isinstance(header, dict) or header.get("key") != asdict(key):
+            return None, "stale (written for another program, jaxlib or device)"
+        payload = data[start + length:]
+        if len(payload) != header.get("payload_bytes") or hashlib.sha256(payload).hexdigest() != header.get(
+                "payload_sha256"):
+            return None, "corrupt payload (size or checksum mismatch)"
+        return payload, ""
+
+    def _store(self, module_name: str, key: CacheKey, path: Path, payload: bytes) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        header = json.dumps({"key": asdict(key), "module": module_name, "payload_bytes": len(payload),
+                             "payload_sha256": hashlib.sha256(payload).hexdigest()}).encode()
+        _atomic_write(path, [_MAGIC, _LENGTH.pack(len(header)), header, payload])
+        self._record_hash(module_name, key.module_sha256)
+
+    def _record_hash(self, module_name: str, sha256: str) -> None:
+        """Note the program's new hash; drop entries compiled from an older version of the file."""
+        hashes_path = self.directory / HASHES_FILE
+        try:
+            document = json.loads(hashes_path.read_text())
+            modules = document["modules"] if isinstance(document, dict) else {}
+            if not isinstance(modules, dict):
+                modules = {}
+        except (OSError, ValueError, KeyError):
+            modules = {}  # missing or corrupt: rebuilt from this compile on
+        previous = modules.get(module_name)
+        modules[module_name] = sha256
+        _atomic_write(hashes_path, [json.dumps({"modules": modules}, indent=1, sort_keys=True).encode()])
+        if previous and previous != sha256:
+            self._remove_entries(module_name, previous)
+
+    def _remove_entries(self, module_name: str, sha256: str) -> None:
+        for path in self.directory.glob(f"{module_name}.*{ENTRY_SUFFIX}"):
+            try:
+                with open(path, "rb") as f:
+                    head = f.read(len(_MAGIC) + _LENGTH.size)
+                    (length,) = _LENGTH.unpack_from(head, len(_MAGIC))
+                    header = json.loads(f.read(min(length, 1 << 16)))
+                if header["key"]["module_sha256"] == sha256:
+                    path.unlink()
+            except (OSError, ValueError, KeyError, TypeError, struct.error):
+                continue  # not ours to judge; a bad entry is rebuilt when it is next needed
+
+
+def file_sha256(data: bytes) -> str:
+    """Hex SHA-256 of a program file's contents."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def _atomic_write(path: Path, parts: list[bytes]) -> None:
+    # Write beside the target and rename: a reader never sees a half-written
+    # file, and two processes compiling the same bundle cannot interleave.
+    # Mode 0o666 lets the umask decide, as for any other file the server writes.
+    temporary = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}"
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for part in parts:
+                f.write(part)
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise

@@ -1,0 +1,69 @@
+"""Does a program take and return what the manifest and the weights file say?
+
+Checked once per program before the model is ready, so a bundle whose manifest
+disagrees with its program fails to load with the tensor, the position and both
+types named, rather than failing every request later.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from nereid.backends.xla.bundle import ProgramKey
+from nereid.backends.xla.manifest import DimKind, Manifest, ManifestTensor
+from nereid.backends.xla.program import ELEMENT_TYPES, ProgramSignature, ProgramTensor
+from nereid.dtypes import DType
+from nereid.errors import ConfigError
+
+
+def check_program_types(where: str, program: ProgramSignature, key: ProgramKey, manifest: Manifest,
+                        weights: Sequence[tuple[str, tuple[int, ...], DType]]) -> None:
+    """Raise ConfigError at the first parameter or result that disagrees (arity is checked before)."""
+    variant = manifest.input_shapes[key.variant - 1] if key.variant is not None and manifest.input_shapes else ()
+    per_input = manifest.variant_sizes(variant) if variant else tuple(() for _ in manifest.executable_inputs)
+    for index, (tensor, sizes) in enumerate(zip(manifest.executable_inputs, per_input)):
+        expected = tensor.program_shape(key.batch_size, sizes)
+        _compare(where, f"parameter {index} (input '{tensor.name}', manifest shape {tensor.shape_string!r})",
+                 program.parameters[index], expected, tensor.dtype, manifest_order=tuple(reversed(expected)))
+    offset = len(manifest.executable_inputs)
+    for index, (name, shape, dtype) in enumerate(weights):
+        _compare(where, f"parameter {offset + index} (weight '{name}')", program.parameters[offset + index],
+                 shape, dtype, manifest_order=tuple(reversed(shape)))
+    outputs = manifest.executable_outputs
+    if len(program.results) != len(outputs):
+        raise ConfigError(f"{where}: the program returns {len(program.results)} result(s) but the manifest "
+                          f"declares {len(outputs)} executable output(s) ({', '.join(t.name for t in outputs)})")
+    for index, tensor in enumerate(outputs):
+        expected = _output_shape(tensor, key.batch_size)
+        _compare(where, f"result {index} (output '{tensor.name}', manifest shape {tensor.shape_string!r})",
+                 program.results[index], expected, tensor.dtype,
+                 manifest_order=tuple(reversed(expected)))
+
+
+def _output_shape(tensor: ManifestTensor, batch_size: int | None) -> tuple[int, ...]:
+    # -1 for a variable axis: its size follows from the variant's input sizes.
+    sizes = [d.size if d.kind is DimKind.FIXED else (batch_size if d.kind is DimKind.BATCH else -1)
+             for d in tensor.shape]
+    return tuple(reversed(sizes))
+
+
+def _compare(where: str, what: str, actual: ProgramTensor, expected: tuple[int, ...], dtype: DType,
+             manifest_order: tuple[int, ...]) -> None:
+    if any(d < 0 for d in actual.shape):
+        raise ConfigError(f"{where}: {what} has a dynamic shape {actual.describe()}; bundles need static "
+                          "shapes (export one program per size)")
+    shape_ok = len(actual.shape) == len(expected) and all(e == -1 or a == e for a, e in zip(actual.shape,
+                                                                                            expected))
+    if shape_ok and actual.dtype is dtype:
+        return
+    wanted = ProgramTensor(expected, _element_type(dtype)).describe()
+    hint = ""
+    if not shape_ok and actual.shape == manifest_order and expected != manifest_order:
+        hint = (" (the shapes are reversed: manifest shapes are column-major, batch axis last, and the "
+                "program sees them reversed)")
+    raise ConfigError(f"{where}: {what} is {actual.describe()} in the program but the bundle declares "
+                      f"{wanted}{hint}")
+
+
+def _element_type(dtype: DType) -> str:
+    return next((name for name, d in ELEMENT_TYPES.items() if d is dtype), dtype.token)

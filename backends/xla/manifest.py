@@ -1,0 +1,435 @@
+"""``manifest.yaml``: the parsed and validated description of a bundle.
+
+Shapes keep the bundle format's column-major convention: an einsum-style string
+of single ASCII letters, one per axis, batch axis last (``"chwn"``), with a
+``dims`` map giving the size of every non-batch letter. The row-major shape that
+clients and the XLA program see is that shape reversed; :class:`ManifestTensor`
+offers both views.
+
+:func:`load_manifest` only parses and checks the file's own contents, so it is
+usable without a bundle directory (a client deriving a model's I/O offline); the
+checks that need the bundle's other files live in :mod:`.bundle`.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any, Mapping
+
+import yaml
+
+from nereid.dtypes import DType
+from nereid.errors import ConfigError
+
+MANIFEST_NAME = "manifest.yaml"
+
+# The writer stamps "2.1" ("2.0" for the legacy weights layout). 2.1 exists so
+# that servers which would misread program-order weights refuse such bundles.
+FORMAT_VERSIONS: tuple[str, ...] = ("2.1", "2.0", "2")
+CURRENT_FORMAT_VERSION = "2.1"
+LEGACY_FORMAT_VERSION = "2.0"
+
+BATCH_MARKERS = frozenset("nb")
+
+_TOP_KEYS = frozenset({
+    "format_version", "name", "description", "executable_inputs", "executable_outputs",
+    "client_inputs", "client_outputs", "batching", "input_shapes", "weights_file", "provenance",
+})
+_TENSOR_KEYS = frozenset({"name", "dtype", "shape", "dims"})
+_BATCHING_KEYS = frozenset({"compiled_batch_sizes"})
+
+
+class DimKind(enum.Enum):
+    """What one axis is: a fixed size, the batch axis, or a variable (data-dependent) axis."""
+
+    FIXED = "fixed"
+    BATCH = "batch"
+    VARIABLE = "variable"
+
+
+@dataclass(frozen=True)
+class Dim:
+    """One axis. ``size`` is meaningful only for FIXED dims (0 otherwise)."""
+
+    kind: DimKind
+    size: int = 0
+    letter: str = ""
+
+    @property
+    def client_size(self) -> int:
+        """The size as a signature reports it: FIXED sizes, -1 for batch and variable axes."""
+        return self.size if self.kind is DimKind.FIXED else -1
+
+
+@dataclass(frozen=True)
+class ManifestTensor:
+    """One tensor of a manifest: name, element type and its axes in manifest (column-major) order."""
+
+    name: str
+    dtype: DType
+    shape: tuple[Dim, ...]
+
+    @property
+    def batch_axis(self) -> int | None:
+        """0-based position of the batch axis in manifest order, or None when unbatched."""
+        return next((i for i, d in enumerate(self.shape) if d.kind is DimKind.BATCH), None)
+
+    @property
+    def row_major(self) -> tuple[Dim, ...]:
+        """The axes as clients and the program see them: manifest order reversed."""
+        return tuple(reversed(self.shape))
+
+    @property
+    def row_major_batch_axis(self) -> int | None:
+        """Position of the batch axis in the row-major shape (0 when the manifest puts it last)."""
+        axis = self.batch_axis
+        return None if axis is None else len(self.shape) - 1 - axis
+
+    @property
+    def shape_string(self) -> str:
+        """The manifest's einsum-style shape string."""
+        return "".join(d.letter for d in self.shape)
+
+    def program_shape(self, batch_size: int | None, variable_sizes: tuple[int, ...] = ()) -> tuple[int, ...]:
+        """The concrete row-major shape for a batch size and this tensor's variable sizes.
+
+        ``variable_sizes`` lists this tensor's variable axes in manifest order.
+        """
+        sizes = iter(variable_sizes)
+        concrete: list[int] = []
+        for dim in self.shape:
+            if dim.kind is DimKind.FIXED:
+                concrete.append(dim.size)
+            elif dim.kind is DimKind.BATCH:
+                if batch_size is None:
+                    raise ValueError(f"tensor '{self.name}' has a batch axis but no batch size was given")
+                concrete.append(batch_size)
+            else:
+                try:
+                    concrete.append(next(sizes))
+                except StopIteration:
+                    raise ValueError(f"tensor '{self.name}': too few variable-axis sizes") from None
+        return tuple(reversed(concrete))
+
+    @property
+    def variable_axes(self) -> tuple[int, ...]:
+        """Manifest-order positions of the variable (-1) axes."""
+        return tuple(i for i, d in enumerate(self.shape) if d.kind is DimKind.VARIABLE)
+
+
+@dataclass(frozen=True)
+class BatchingSpec:
+    """The batch sizes the bundle was compiled for, ascending."""
+
+    compiled_batch_sizes: tuple[int, ...]
+
+    @property
+    def largest(self) -> int:
+        """The largest compiled size."""
+        return self.compiled_batch_sizes[-1]
+
+    def smallest_fitting(self, rows: int) -> int | None:
+        """The smallest compiled size that holds ``rows`` rows, or None when none does."""
+        return next((size for size in self.compiled_batch_sizes if size >= rows), None)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A parsed, structurally valid ``manifest.yaml``.
+
+    ``client_inputs`` / ``client_outputs`` are None unless the manifest declares
+    them (allowed only with a ``model.py``). ``input_shapes`` enumerates the
+    compiled variants of the executable inputs' variable axes: each variant lists
+    the sizes in (input, manifest axis) order. ``name`` is informational: the
+    bundle directory's name is the model name.
+    """
+
+    path: Path
+    format_version: str
+    executable_inputs: tuple[ManifestTensor, ...]
+    executable_outputs: tuple[ManifestTensor, ...]
+    client_inputs: tuple[ManifestTensor, ...] | None = None
+    client_outputs: tuple[ManifestTensor, ...] | None = None
+    batching: BatchingSpec | None = None
+    input_shapes: tuple[tuple[int, ...], ...] | None = None
+    weights_file: str | None = None
+    name: str | None = None
+    description: str = ""
+    provenance: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def input_batch_dim(self) -> int | None:
+        """0-based manifest-order batch axis of the first batched executable input (None: unbatched)."""
+        return next((t.batch_axis for t in self.executable_inputs if t.batch_axis is not None), None)
+
+    @property
+    def variable_input_axes(self) -> tuple[tuple[int, int], ...]:
+        """(input index, manifest axis) of every variable executable-input axis, in variant order."""
+        return tuple((i, axis) for i, t in enumerate(self.executable_inputs) for axis in t.variable_axes)
+
+    @property
+    def has_client_specs(self) -> bool:
+        """True when the manifest declares client_inputs or client_outputs."""
+        return self.client_inputs is not None or self.client_outputs is not None
+
+    def variant_sizes(self, variant: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+        """Split one ``input_shapes`` variant into per-input variable sizes (manifest order)."""
+        sizes = iter(variant)
+        return tuple(tuple(next(sizes) for _ in t.variable_axes) for t in self.executable_inputs)
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """A SafeLoader that refuses duplicate mapping keys (PyYAML silently keeps the last)."""
+
+
+def _construct_unique_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    loader.flatten_mapping(node)
+    seen: set[Any] = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+        seen.add(key)
+    return loader.construct_mapping(node, deep)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_unique_mapping)
+
+
+def load_manifest(path: Path | str) -> Manifest:
+    """Parse and check a manifest file; ConfigError names the file, the key and the value.
+
+    Only the manifest's own contents are checked (no bundle directory needed).
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read: {err.strerror or err}") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not UTF-8 text: {err}") from None
+    return parse_manifest_text(text, path)
+
+
+def parse_manifest_text(text: str, path: Path) -> Manifest:
+    """Parse manifest YAML text as if it were the file at ``path``."""
+    try:
+        document = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+    return parse_manifest(document, path)
+
+
+def parse_manifest(document: Any, path: Path) -> Manifest:
+    """Check an already-loaded YAML document as if it came from ``path``."""
+    reader = _Reader(path)
+    top = reader.mapping(document, "", _TOP_KEYS)
+    version = _format_version(reader, top)
+    executable_inputs = _tensors(reader, top, "executable_inputs", required=True, executable=True)
+    executable_outputs = _tensors(reader, top, "executable_outputs", required=True, executable=True)
+    if not executable_outputs:
+        reader.fail("executable_outputs", "must list at least one tensor", top.get("executable_outputs"))
+    client_inputs = _tensors(reader, top, "client_inputs", required=False, executable=False)
+    client_outputs = _tensors(reader, top, "client_outputs", required=False, executable=False)
+    batching = _batching(reader, top, executable_inputs + executable_outputs)
+    input_shapes = _input_shapes(reader, top, executable_inputs, executable_outputs)
+    weights_file = _weights_file(reader, top)
+    name = top.get("name")
+    if name is not None and not isinstance(name, str):
+        reader.fail("name", "must be a string", name)
+    description = top.get("description", "")
+    if description is None:
+        description = ""
+    if not isinstance(description, str):
+        reader.fail("description", "must be a string", description)
+    provenance = top.get("provenance", {}) or {}
+    if not isinstance(provenance, dict):
+        reader.fail("provenance", "must be a mapping", provenance)
+    return Manifest(path, version, executable_inputs, executable_outputs, client_inputs, client_outputs,
+                    batching, input_shapes, weights_file, name, description, provenance)
+
+
+def _parse_shape(text: Any, dims: Any, where: str, reader: _Reader) -> tuple[Dim, ...]:
+    """Parse an einsum-style shape string and its ``dims`` map into Dims."""
+    if not isinstance(text, str):
+        reader.fail(f"{where}.shape", "must be a string of axis letters such as \"chwn\"", text)
+    seen: set[str] = set()
+    markers = [c for c in text if c in BATCH_MARKERS]
+    for letter in text:
+        if not (letter.isascii() and letter.isalpha()):
+            reader.fail(f"{where}.shape", f"axes must be single ASCII letters, found {letter!r}", text)
+        if letter in seen:
+            reader.fail(f"{where}.shape", f"letter {letter!r} appears twice (letters are unique within a shape)",
+                        text)
+        seen.add(letter)
+    if len(markers) > 1:
+        reader.fail(f"{where}.shape", "has more than one batch marker (n or b; at most one per tensor)", text)
+    if dims is None:
+        dims = {}
+    if not isinstance(dims, dict):
+        reader.fail(f"{where}.dims", "must be a mapping from axis letter to size", dims)
+    for letter, size in dims.items():
+        if letter in BATCH_MARKERS and isinstance(letter, str) and letter in text:
+            reader.fail(f"{where}.dims.{letter}", f"'{letter}' is the batch axis; its size comes from "
+                                                  "batching.compiled_batch_sizes", size)
+        if not isinstance(letter, str) or letter not in text:
+            reader.fail(f"{where}.dims.{letter}", f"names no axis of shape {text!r}", size)
+        if isinstance(size, bool) or not isinstance(size, int) or (size < 1 and size != -1):
+            reader.fail(f"{where}.dims.{letter}", "must be a positive integer or -1 (variable)", size)
+    result: list[Dim] = []
+    for letter in text:
+        if letter in BATCH_MARKERS:
+            result.append(Dim(DimKind.BATCH, 0, letter))
+        elif letter not in dims:
+            reader.fail(f"{where}.dims", f"has no size for axis {letter!r} of shape {text!r}", dims)
+        elif dims[letter] == -1:
+            result.append(Dim(DimKind.VARIABLE, 0, letter))
+        else:
+            result.append(Dim(DimKind.FIXED, dims[letter], letter))
+    return tuple(result)
+
+
+def _format_version(reader: _Reader, top: dict[str, Any]) -> str:
+    if "format_version" not in top:
+        reader.fail("format_version", f"is required (one of {', '.join(FORMAT_VERSIONS)})", None)
+    raw = top["format_version"]
+    # YAML reads an unquoted 2.1 as a float and 2 as an int; both spellings are accepted.
+    text = raw if isinstance(raw, str) else (repr(raw) if isinstance(raw, (int, float)) and
+                                             not isinstance(raw, bool) else None)
+    if text not in FORMAT_VERSIONS:
+        reader.fail("format_version", f"unsupported bundle format (this server reads {', '.join(FORMAT_VERSIONS)})",
+                    raw)
+    return text
+
+
+def _tensors(reader: _Reader, top: dict[str, Any], key: str, *, required: bool,
+             executable: bool) -> tuple[ManifestTensor, ...] | None:
+    if key not in top:
+        if required:
+            reader.fail(key, "is required", None)
+        return None
+    raw = top[key]
+    if raw is None:
+        raw = []
+    if not isinstance(raw, list):
+        reader.fail(key, "must be a list of tensors", raw)
+    tensors: list[ManifestTensor] = []
+    for index, entry in enumerate(raw):
+        where = f"{key}[{index}]"
+        entry = reader.mapping(entry, where, _TENSOR_KEYS)
+        for needed in ("name", "dtype", "shape"):
+            if needed not in entry:
+                reader.fail(f"{where}.{needed}", "is required", None)
+        name = entry["name"]
+        if not isinstance(name, str) or not name:
+            reader.fail(f"{where}.name", "must be a non-empty string", name)
+        if any(t.name == name for t in tensors):
+            reader.fail(f"{where}.name", f"is used twice in {key}", name)
+        dtype = _dtype(reader, entry["dtype"], f"{where}.dtype", executable)
+        shape = _parse_shape(entry["shape"], entry.get("dims"), where, reader)
+        tensors.append(ManifestTensor(name, dtype, shape))
+    return tuple(tensors)
+
+
+def _dtype(reader: _Reader, token: Any, where: str, executable: bool) -> DType:
+    if not isinstance(token, str):
+        reader.fail(where, "must be a dtype token such as f32", token)
+    try:
+        dtype = DType.from_token(token)
+    except ValueError as err:
+        reader.fail(where, str(err), token)
+    if executable and dtype is DType.BYTES:
+        reader.fail(where, "XLA programs have no string type; BYTES is allowed only on client tensors", token)
+    if not executable and dtype.value.kserve is None:
+        reader.fail(where, f"{dtype.name} has no KServe wire datatype, so it may appear only on "
+                           "executable tensors", token)
+    return dtype
+
+
+def _batching(reader: _Reader, top: dict[str, Any], tensors: tuple[ManifestTensor, ...]) -> BatchingSpec | None:
+    batched = [t for t in tensors if t.batch_axis is not None]
+    if "batching" not in top or top["batching"] is None:
+        if batched:
+            reader.fail("batching", f"is required: tensor '{batched[0].name}' has a batch axis "
+                                    f"({batched[0].shape_string!r}) but no compiled batch sizes are listed", None)
+        return None
+    section = reader.mapping(top["batching"], "batching", _BATCHING_KEYS)
+    sizes = section.get("compiled_batch_sizes")
+    if not isinstance(sizes, list) or not sizes:
+        reader.fail("batching.compiled_batch_sizes", "must be a non-empty list of positive integers", sizes)
+    for size in sizes:
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            reader.fail("batching.compiled_batch_sizes", f"must hold positive integers, found {size!r}", sizes)
+    if len(set(sizes)) != len(sizes):
+        reader.fail("batching.compiled_batch_sizes", "lists a size twice", sizes)
+    if not batched:
+        reader.fail("batching.compiled_batch_sizes", "no executable tensor has a batch axis (n or b)", sizes)
+    return BatchingSpec(tuple(sorted(sizes)))
+
+
+def _input_shapes(reader: _Reader, top: dict[str, Any], inputs: tuple[ManifestTensor, ...],
+                  outputs: tuple[ManifestTensor, ...]) -> tuple[tuple[int, ...], ...] | None:
+    variable = [(i, t, axis) for i, t in enumerate(inputs) for axis in t.variable_axes]
+    raw = top.get("input_shapes")
+    if raw is None:
+        for kind, tensors in (("executable_inputs", inputs), ("executable_outputs", outputs)):
+            for i, tensor in enumerate(tensors):
+                if tensor.variable_axes:
+                    letter = tensor.shape[tensor.variable_axes[0]].letter
+                    reader.fail(f"{kind}[{i}].dims.{letter}",
+                                "a variable (-1) axis on an executable tensor needs an input_shapes block "
+                                "enumerating the compiled variants (a program's shapes are static; declare "
+                                "data-dependent results under client_outputs with a model.py)", -1)
+        return None
+    if not variable:
+        reader.fail("input_shapes", "no executable input has a variable (-1) axis", raw)
+    if not isinstance(raw, list) or not raw:
+        reader.fail("input_shapes", "must be a non-empty list of variants (lists of sizes)", raw)
+    described = ", ".join(f"{t.name}.{t.shape[axis].letter}" for _, t, axis in variable)
+    variants: list[tuple[int, ...]] = []
+    for index, variant in enumerate(raw):
+        where = f"input_shapes[{index}]"
+        if not isinstance(variant, list) or len(variant) != len(variable):
+            reader.fail(where, f"must list {len(variable)} size(s), one per variable input axis ({described})",
+                        variant)
+        for size in variant:
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                reader.fail(where, f"sizes must be positive integers, found {size!r}", variant)
+        if tuple(variant) in variants:
+            reader.fail(where, "repeats an earlier variant", variant)
+        variants.append(tuple(variant))
+    return tuple(variants)
+
+
+def _weights_file(reader: _Reader, top: dict[str, Any]) -> str | None:
+    raw = top.get("weights_file")
+    if raw is None:
+        return None
+    if not isinstance(raw, str) or not raw:
+        reader.fail("weights_file", "must be a file name inside the bundle", raw)
+    relative = PurePosixPath(raw)
+    if relative.is_absolute() or ".." in relative.parts or raw.startswith("\\"):
+        reader.fail("weights_file", "must name a file inside the bundle (no absolute path, no '..')", raw)
+    return raw
+
+
+class _Reader:
+    """Fails with the manifest path, the key path and the bad value."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def fail(self, key: str, problem: str, value: Any) -> None:
+        where = f"{self.path}: {key}" if key else str(self.path)
+        raise ConfigError(f"{where}: {problem}, got {value!r}")
+
+    def mapping(self, raw: Any, key: str, allowed: frozenset[str]) -> dict[str, Any]:
+        if not isinstance(raw, dict):
+            self.fail(key or "top level", "must be a mapping", raw)
+        for name in raw:
+            if name not in allowed:
+                path = f"{key}.{name}" if key else str(name)
+                self.fail(path, f"unknown key (allowed: {', '.join(sorted(allowed))})", raw[name])
+        return raw

@@ -1,0 +1,386 @@
+"""Migrating legacy weights to the program's axis order (``runtime.weights_migration``).
+
+Legacy weights files hold each tensor column-major, so every load transposes
+every tensor. Migration writes them once in the program's axis order:
+
+* ``copy``: write ``weights.T.safetensors`` (``axis_order: xla``) beside the
+  untouched ``weights.safetensors`` and add ``weights_file:
+  weights.T.safetensors`` to manifest.yaml, so rolling back to a server that
+  cannot read the copy needs nothing;
+* ``replace``: the copy first, then ``format_version: "2.1"``, the copy swapped
+  in under ``weights.safetensors`` in one rename, and the ``weights_file`` line
+  and the extra name removed.
+
+Nothing is accepted without proof: a copy must hold the original's tensor
+names, dtypes, byte counts, argument order and metadata, each header shape
+reversed, and every tensor equal byte for byte (NaN payloads and signed zeros
+count) to the array the legacy path reads, which is read twice, by the
+server's pread loader and independently through a memory map. The copy records
+the original's size, modification time and SHA-256. Before the swap the copy
+is proved again against the original, and after it the file under the
+original's name is proved against the original, still open, before anything
+else is removed.
+
+Files are written under temporary names, fsynced, proved from disk and renamed
+into place, and manifest edits change only the ``weights_file`` and
+``format_version`` lines, so a crash at any point leaves a bundle that loads
+correctly, and the migration resumes at the next load. Workers take turns on a
+lock in ``.cache/``. A migration that cannot run (no space, a read-only folder,
+a copy that fails its proof) is logged and the bundle loads as it was.
+
+A copy whose original has changed since (a redeployed ``weights.safetensors``)
+is stale: the server loads the original instead and, with migration on,
+rebuilds the copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import mmap
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from nereid.backends.xla.bundle import CACHE_DIR, DEFAULT_WEIGHTS_FILE, BundleLayout, open_bundle
+from nereid.backends.xla.manifest import CURRENT_FORMAT_VERSION, MANIFEST_NAME, parse_manifest_text
+from nereid.backends.xla.safetensors import (AXIS_ORDER_KEY, AXIS_ORDER_XLA, SafetensorsHeader, TensorEntry,
+                                             encode_header, read_entry, read_header, read_header_fd)
+from nereid.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+MIGRATION_MODES = ("off", "copy", "replace")
+COPY_FILE = "weights.T.safetensors"
+LOCK_FILE = "weights-migration.lock"
+FROM_SIZE = "migrated_from_size"
+FROM_MTIME = "migrated_from_mtime_ns"
+FROM_SHA256 = "migrated_from_sha256"
+_ADDED_KEYS = frozenset({AXIS_ORDER_KEY, FROM_SIZE, FROM_MTIME, FROM_SHA256})
+_HASH_CHUNK = 8 * 1024 * 1024
+_KEEP = object()
+
+
+class MigrationError(Exception):
+    """A migration step that could not be done or proved; the bundle is left loadable."""
+
+
+@dataclass(frozen=True)
+class FileStamp:
+    """What a copy records about its original."""
+
+    size: int
+    mtime_ns: int
+    sha256: str
+
+
+def weights_to_load(layout: BundleLayout) -> Path | None:
+    """The weights file to serve: the manifest's, unless it is a migrated copy whose original changed since."""
+    path = layout.weights_path
+    original = layout.folder / DEFAULT_WEIGHTS_FILE
+    if path is None or layout.manifest.weights_file is None or not original.is_file() or _same(path, original):
+        return path
+    header = read_header(path)
+    if FROM_SHA256 in header.metadata and _is_stale(header, original):
+        log.warning("%s: %s was made from an earlier %s; loading %s", layout.folder.name, path.name,
+                    DEFAULT_WEIGHTS_FILE, DEFAULT_WEIGHTS_FILE)
+        return original
+    return path
+
+
+def migrate_for_load(folder: Path, mode: str, model: str) -> bool:
+    """Run the migration at load; log instead of raising. True when the bundle's files changed."""
+    if mode == "off":
+        return False
+    try:
+        outcome = migrate_bundle(folder, mode)
+    except (MigrationError, ConfigError, OSError) as err:
+        log.error("model '%s': weights migration (%s) did not run: %s; the bundle loads as it is", model, mode, err)
+        return True  # a step may have completed before the failure: re-read the bundle
+    if outcome.changed:
+        log.info("model '%s': weights migration (%s): %s", model, mode, outcome.what)
+    return outcome.changed
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a migration did."""
+
+    what: str
+    changed: bool
+
+
+def migrate_bundle(folder: Path | str, mode: str) -> Outcome:
+    """Migrate one bundle's legacy weights (``mode``: copy or replace), resuming an interrupted run.
+
+    Raises MigrationError, ConfigError or OSError when a step cannot be done;
+    the bundle loads correctly whatever step it stopped at.
+    """
+    folder = Path(folder)
+    if mode not in ("copy", "replace"):
+        raise ValueError(f"mode must be copy or replace, got {mode!r}")
+    with _lock(folder / CACHE_DIR / LOCK_FILE):
+        # Read under the lock: another worker may have just migrated the bundle.
+        layout = open_bundle(folder)
+        manifest_path = folder / MANIFEST_NAME
+        original, copy = folder / DEFAULT_WEIGHTS_FILE, folder / COPY_FILE
+        declared = layout.manifest.weights_file
+        if declared is None:
+            if copy.is_file() and original.is_file() and _same(copy, original):
+                copy.unlink()  # a replace that stopped just before removing the extra name
+                _fsync_dir(folder)
+                return Outcome("finished an interrupted replace", True)
+            if not original.is_file():
+                return Outcome("no weights file", False)
+            if not read_header(original).legacy:
+                return Outcome("weights already in the program's axis order", False)
+            make_copy(original, copy)
+            _edit_manifest(manifest_path, weights_file=COPY_FILE)
+            what = f"wrote {COPY_FILE}"
+        elif declared == COPY_FILE:
+            if original.is_file() and _same(copy, original):
+                _finish_replace(folder, manifest_path, copy)
+                return Outcome("finished an interrupted replace", True)
+            header = read_header(copy)
+            if FROM_SHA256 not in header.metadata:
+                return Outcome(f"{COPY_FILE} is not a migration copy; left alone", False)
+            if not original.is_file():
+                return Outcome(f"{DEFAULT_WEIGHTS_FILE} is gone; {COPY_FILE} kept", False)
+            if _is_stale(header, original):
+                make_copy(original, copy)
+                what = f"rebuilt the stale {COPY_FILE}"
+            elif mode == "copy":
+                return Outcome(f"{COPY_FILE} is up to date", False)
+            else:
+                what = f"{COPY_FILE} is up to date"
+        else:
+            return Outcome(f"weights_file {declared} is not a migration copy; left alone", False)
+        if mode == "replace":
+            _replace(folder, manifest_path, original, copy)
+            what += f", swapped in as {DEFAULT_WEIGHTS_FILE}"
+        return Outcome(what, True)
+
+
+def make_copy(original: Path, copy: Path) -> None:
+    """Write the program-order copy of a legacy file under a temporary name, prove it, rename it into place."""
+    folder = copy.parent
+    size = original.stat().st_size
+    stats = os.statvfs(folder)
+    free = stats.f_bavail * stats.f_frsize
+    if free < size + (1 << 20):
+        raise MigrationError(f"not enough free space in {folder} for {copy.name}: need {size} bytes, {free} free")
+    fd = os.open(original, os.O_RDONLY)
+    try:
+        header = read_header_fd(fd, original)
+        if not header.legacy:
+            raise MigrationError(f"{original} is not in the legacy layout")
+        stamp = _stamp(fd)
+        metadata = {**header.metadata, AXIS_ORDER_KEY: AXIS_ORDER_XLA, FROM_SIZE: str(stamp.size),
+                    FROM_MTIME: str(stamp.mtime_ns), FROM_SHA256: stamp.sha256}
+        in_file_order = sorted(header.tensors, key=lambda e: e.start)  # keeps the argument order without the key
+        temporary = folder / f".{copy.name}.{os.getpid()}.partial"
+        try:
+            with open(temporary, "wb") as out:
+                out.write(encode_header([(e.name, e.dtype, tuple(reversed(e.shape)), e.nbytes)
+                                         for e in in_file_order], metadata))
+                for entry in in_file_order:
+                    program = np.asarray(read_entry(fd, entry, original).transpose(), order="C")
+                    out.write(memoryview(program.reshape(-1).view(np.uint8)))
+                out.flush()
+                os.fsync(out.fileno())
+            prove_copy(fd, original, temporary)
+            os.replace(temporary, copy)
+        finally:
+            temporary.unlink(missing_ok=True)
+        _fsync_dir(folder)
+    finally:
+        os.close(fd)
+
+
+def prove_copy(original_fd: int, original: Path, copy: Path) -> None:
+    """Raise MigrationError unless ``copy`` is exactly the program-order form of the open original."""
+    source = read_header_fd(original_fd, original)
+    target = read_header(copy)
+    stamp = _stamp(original_fd)
+
+    def fail(problem: str) -> None:
+        raise MigrationError(f"{copy} is not a faithful copy of {original}: {problem}")
+
+    if [e.name for e in target.tensors] != [e.name for e in source.tensors]:
+        fail(f"tensors (in argument order) {[e.name for e in target.tensors]}, expected "
+             f"{[e.name for e in source.tensors]}")
+    if target.metadata.get(AXIS_ORDER_KEY) != AXIS_ORDER_XLA:
+        fail(f"{AXIS_ORDER_KEY} is {target.metadata.get(AXIS_ORDER_KEY)!r}")
+    kept = {k: v for k, v in target.metadata.items() if k not in _ADDED_KEYS}
+    if kept != {k: v for k, v in source.metadata.items() if k != AXIS_ORDER_KEY}:
+        fail(f"metadata {kept}, expected {dict(source.metadata)}")
+    recorded = (target.metadata.get(FROM_SIZE), target.metadata.get(FROM_MTIME), target.metadata.get(FROM_SHA256))
+    if recorded != (str(stamp.size), str(stamp.mtime_ns), stamp.sha256):
+        fail(f"it records the original as {recorded}, but the original is {stamp}")
+    copy_fd = os.open(copy, os.O_RDONLY)
+    try:
+        with mmap.mmap(original_fd, 0, access=mmap.ACCESS_READ) as mapped:
+            for s, t in zip(source.tensors, target.tensors):
+                if s.dtype is not t.dtype or s.nbytes != t.nbytes or t.shape != tuple(reversed(s.shape)):
+                    fail(f"tensor '{s.name}' is {t.dtype.name}{list(t.shape)} ({t.nbytes} bytes), expected "
+                         f"{s.dtype.name}{list(reversed(s.shape))} ({s.nbytes} bytes)")
+                served = read_entry(original_fd, s, original).transpose()  # the server's legacy read
+                expected = np.asarray(served, order="C").tobytes()
+                if _mapped_program_bytes(mapped, s, served.dtype) != expected:
+                    fail(f"the two reads of the original's tensor '{s.name}' disagree")
+                if read_entry(copy_fd, t, copy).tobytes() != expected:
+                    fail(f"tensor '{s.name}' differs from the original")
+    finally:
+        os.close(copy_fd)
+
+
+def _mapped_program_bytes(mapped: mmap.mmap, entry: TensorEntry, dtype: np.dtype) -> bytes:
+    """The independent read: the legacy tensor through a memory map, transposed, as bytes.
+
+    Returning bytes (a copy) means no view into the map outlives this call, so
+    the map can always be closed.
+    """
+    view = np.frombuffer(mapped, dtype=dtype, count=int(np.prod(entry.shape)), offset=entry.start)
+    return np.asarray(view.reshape(entry.shape).transpose(), order="C").tobytes()
+
+
+def _replace(folder: Path, manifest_path: Path, original: Path, copy: Path) -> None:
+    fd = os.open(original, os.O_RDONLY)  # kept open: the original stays readable after the swap
+    try:
+        prove_copy(fd, original, copy)
+        _edit_manifest(manifest_path, format_version=CURRENT_FORMAT_VERSION)
+        swap = folder / f".{original.name}.{os.getpid()}.swap"
+        swap.unlink(missing_ok=True)
+        os.link(copy, swap)  # the copy keeps its own name (the manifest's weights_file) until the end
+        os.replace(swap, original)
+        _fsync_dir(folder)
+        try:
+            prove_copy(fd, original, original)
+        except MigrationError:
+            _restore(fd, original)
+            raise
+        _finish_replace(folder, manifest_path, copy)
+    finally:
+        os.close(fd)
+
+
+def _finish_replace(folder: Path, manifest_path: Path, copy: Path) -> None:
+    _edit_manifest(manifest_path, weights_file=None)
+    copy.unlink()
+    _fsync_dir(folder)
+
+
+def _restore(fd: int, original: Path) -> None:
+    """Put the original's bytes back under its name (the manifest still points at the proved copy)."""
+    temporary = original.with_name(f".{original.name}.{os.getpid()}.restore")
+    with open(temporary, "wb") as out:
+        offset, size = 0, os.fstat(fd).st_size
+        while offset < size:
+            chunk = os.pread(fd, min(_HASH_CHUNK, size - offset), offset)
+            if not chunk:
+                break
+            out.write(chunk)
+            offset += len(chunk)
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(temporary, original)
+    _fsync_dir(original.parent)
+
+
+def _edit_manifest(path: Path, *, weights_file: object = _KEEP, format_version: object = _KEEP) -> None:
+    """Change only the weights_file / format_version lines; comments and formatting stay."""
+    text = path.read_text(encoding="utf-8")
+    edited = text
+    if format_version is not _KEEP:
+        edited, count = re.subn(r"^format_version:[ \t]*(\"[^\"\n]*\"|'[^'\n]*'|[^\s#]+)",
+                                f'format_version: "{format_version}"', edited, count=1, flags=re.M)
+        if count != 1:
+            raise MigrationError(f"{path}: no top-level format_version line to change")
+    if weights_file is not _KEEP:
+        pattern = re.compile(r"^weights_file:.*(?:\n|$)", flags=re.M)
+        if weights_file is None:
+            edited = pattern.sub("", edited, count=1)
+        elif pattern.search(edited):
+            edited = pattern.sub(f"weights_file: {weights_file}\n", edited, count=1)
+        else:
+            edited = edited + ("" if edited.endswith("\n") or not edited else "\n") + f"weights_file: {weights_file}\n"
+    # Proof before the rename: the edited text parses to the same manifest with just these fields changed.
+    try:
+        before = parse_manifest_text(text, path)
+        after = parse_manifest_text(edited, path)
+    except ConfigError as err:
+        raise MigrationError(f"the edited manifest does not parse: {err}") from None
+    expected_weights = before.weights_file if weights_file is _KEEP else weights_file
+    expected_version = before.format_version if format_version is _KEEP else format_version
+    if (after.weights_file, after.format_version) != (expected_weights, expected_version) or (
+            after.executable_inputs, after.executable_outputs, after.batching) != (
+            before.executable_inputs, before.executable_outputs, before.batching):
+        raise MigrationError(f"{path}: could not change only the weights_file / format_version lines")
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.edit")
+    with open(temporary, "w", encoding="utf-8") as out:
+        out.write(edited)
+        out.flush()
+        os.fsync(out.fileno())
+    os.chmod(temporary, path.stat().st_mode & 0o7777)
+    os.replace(temporary, path)
+    _fsync_dir(path.parent)
+
+
+def _is_stale(copy_header: SafetensorsHeader, original: Path) -> bool:
+    """True when the original no longer is the file the copy was made from."""
+    stat = original.stat()
+    metadata = copy_header.metadata
+    if (str(stat.st_size), str(stat.st_mtime_ns)) == (metadata.get(FROM_SIZE), metadata.get(FROM_MTIME)):
+        return False
+    fd = os.open(original, os.O_RDONLY)
+    try:
+        return _stamp(fd).sha256 != metadata.get(FROM_SHA256)  # touched but unchanged is not stale
+    finally:
+        os.close(fd)
+
+
+def _stamp(fd: int) -> FileStamp:
+    stat = os.fstat(fd)
+    digest = hashlib.sha256()
+    offset = 0
+    while True:
+        chunk = os.pread(fd, _HASH_CHUNK, offset)
+        if not chunk:
+            break
+        digest.update(chunk)
+        offset += len(chunk)
+    return FileStamp(stat.st_size, stat.st_mtime_ns, digest.hexdigest())
+
+
+def _same(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def _lock(path: Path) -> Iterator[None]:
+    """Workers on one machine take turns migrating a bundle."""
+    import fcntl
+
+    path.parent.mkdir(exist_ok=True)
+    with open(path, "a") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

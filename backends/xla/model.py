@@ -1,0 +1,299 @@
+"""The xla Backend: one loaded bundle, its compiled programs and its device-resident weights.
+
+``load`` reads the manifest, checks each program's arity and types against the
+manifest and the weights header, compiles (or takes from ``.cache/``) one
+executable per (variant, batch size), then reads the weights with ``pread`` and
+places them on the device once. ``infer`` runs ``executable(inputs...,
+weights...)``: in LEADING batch mode it pads the rows with zeros up to the
+smallest compiled size that fits and slices the outputs back.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from nereid.backend import ModelContext
+from nereid.backends.xla.arity import arity_mismatch
+from nereid.backends.xla.bundle import CACHE_DIR, DEFAULT_WEIGHTS_FILE, BundleLayout, ProgramKey, open_bundle
+from nereid.backends.xla.cache import CacheKey, CacheStats, CompileFunctions, ExecutableCache, file_sha256
+from nereid.backends.xla.conformance import check_program_types
+from nereid.backends.xla.device import PjrtTarget, resolve_device
+from nereid.backends.xla.manifest import Manifest
+from nereid.backends.xla.migration import migrate_for_load, weights_to_load
+from nereid.backends.xla.options import parse_options
+from nereid.backends.xla.program import read_program
+from nereid.backends.xla.safetensors import read_header, read_tensors
+from nereid.backends.xla.signatures import BatchMode, batch_mode, build_signature
+from nereid.errors import ConfigError, InvalidArgument, ModelFailure
+from nereid.model_hooks import ModelHooks, load_model_hooks
+from nereid.signature import ModelSignature
+from nereid.tensors import NamedTensor
+
+log = logging.getLogger(__name__)
+
+PLATFORM = "nereid_xla"
+
+
+@dataclass(frozen=True)
+class _InputAxes:
+    """Where one executable input keeps its batch and variable axes, row-major."""
+
+    batch: int | None
+    variable: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What one load did: programs from the cache or compiled, and how long it took."""
+
+    programs: tuple[str, ...]
+    cache: CacheStats
+    weights_bytes: int
+    seconds: float
+
+
+class XlaModel:
+    """A bundle without ``model.py``: the executable tensors are the client-facing tensors."""
+
+    platform = PLATFORM
+
+    def __init__(self, context: ModelContext) -> None:
+        self.context = context
+        self.report: LoadReport | None = None
+        self._manifest: Manifest | None = None
+        self._target: PjrtTarget | None = None
+        self._programs: dict[ProgramKey, Any] = {}
+        self._weights: list[Any] = []
+        self._sizes: tuple[int, ...] = ()
+        self._variants: dict[tuple[int, ...], int] = {}
+        self._axes: tuple[_InputAxes, ...] = ()
+        self._mode = BatchMode.NONE
+        self._batch_signature: ModelSignature | None = None
+
+    # -- Backend protocol ---------------------------------------------------------------------------
+
+    def load(self) -> None:
+        """Compile (or reuse) every program and place the weights on the device; raise with the reason."""
+        started = time.monotonic()
+        context = self.context
+        options = parse_options(context.settings.runtime, context.settings_origin)
+        migrate_for_load(context.folder, options.weights_migration, context.name)
+        layout = open_bundle(context.folder, options.largest_batch_only)
+        manifest = layout.manifest
+        weights_path = weights_to_load(layout)
+        header = read_header(weights_path) if weights_path else None
+        weight_types = [(e.name, header.program_shape(e), e.dtype) for e in header.tensors] if header else []
+        self._load_hooks(layout)
+        target = resolve_device(context.device, context.name, context.settings_origin)
+        cache = ExecutableCache(context.folder / CACHE_DIR, options.executable_cache)
+        weights_name = weights_path.name if weights_path else DEFAULT_WEIGHTS_FILE
+        programs = {key: self._program(key, path, layout.manifest, weight_types, weights_name, target, cache)
+                    for key, path in layout.modules.items()}
+        arrays = read_tensors(header, threads=options.weights_read_threads) if header else []
+        import jax
+
+        # x64 only for this transfer: without it jax narrows 64-bit arrays to 32 bits.
+        with jax.enable_x64(True):
+            weights = jax.device_put([array for _, array in arrays], target.device)
+        self._manifest, self._target, self._programs, self._weights = manifest, target, programs, weights
+        self._sizes = layout.batch_sizes
+        self._variants = {v: i + 1 for i, v in enumerate(manifest.input_shapes or ())}
+        self._axes = tuple(_InputAxes(t.row_major_batch_axis,
+                                      tuple(len(t.shape) - 1 - a for a in t.variable_axes))
+                           for t in manifest.executable_inputs)
+        self._mode = batch_mode(manifest.executable_inputs + manifest.executable_outputs, bool(self._sizes))
+        self._batch_signature = build_signature(manifest.executable_inputs, manifest.executable_outputs,
+                                                self._mode, self._sizes[-1] if self._sizes else 0)
+        self.report = LoadReport(tuple(p.name for p in dict.fromkeys(layout.modules.values())), cache.stats,
+                                 sum(a.nbytes for _, a in arrays), time.monotonic() - started)
+        log.info("model '%s': %d program(s) on %s (%d from cache, %d compiled), %d weight(s), %.2f s",
+                 context.name, len(programs), target.describe(), cache.stats.hits, cache.stats.compiled,
+                 len(weights), self.report.seconds)
+
+    def signature(self) -> ModelSignature:
+        """The client-facing tensors (the executable tensors for a bundle without model.py)."""
+        return self._loaded_signature()
+
+    def infer(self, inputs: list[NamedTensor]) -> list[NamedTensor]:
+        """Run one batch of executable inputs (signature order) and return the executable outputs."""
+        manifest, target = self._manifest, self._target
+        assert manifest is not None and target is not None, "load() first"
+        key, rows = self._select(inputs)
+        arrays = [t.data for t in inputs]
+        if self._mode is BatchMode.LEADING and rows != key.batch_size:
+            arrays = [_pad_rows(a, key.batch_size) for a in arrays]
+        import jax
+
+        try:
+            with jax.enable_x64(True):
+                arguments = jax.device_put(arrays, target.device)
+            results = self._programs[key].execute([*arguments, *self._weights])
+        except Exception as err:  # XLA runtime errors: the model's fault, reported with XLA's reason
+            raise ModelFailure(f"model '{self.context.name}': execution failed ({key.describe()}): "
+                               f"{type(err).__name__}: {err}") from err
+        outputs: list[NamedTensor] = []
+        for spec, result in zip(manifest.executable_outputs, results):
+            array = np.asarray(result)
+            if self._mode is BatchMode.LEADING and rows != key.batch_size:
+                array = array[:rows]
+            outputs.append(NamedTensor(spec.name, spec.dtype, array))
+        return outputs
+
+    def unload(self) -> None:
+        """Free the device buffers and executables."""
+        for array in self._weights:
+            try:
+                array.delete()
+            except Exception:  # already deleted or the client is gone: nothing left to free
+                pass
+        self._weights, self._programs = [], {}
+
+    # -- helpers ------------------------------------------------------------------------------------
+
+    def _load_hooks(self, layout: BundleLayout) -> None:
+        """Nothing to load without model.py (see HookedXlaModel)."""
+
+    def _loaded_signature(self) -> ModelSignature:
+        if self._batch_signature is None:
+            raise RuntimeError("load() first")
+        return self._batch_signature
+
+    def _program(self, key: ProgramKey, path: Path, manifest: Manifest,
+                 weight_types: Sequence[tuple[str, tuple[int, ...], Any]], weights_name: str, target: PjrtTarget,
+                 cache: ExecutableCache) -> Any:
+        import jaxlib
+
+        name = self.context.name
+        try:
+            data = path.read_bytes()
+        except OSError as err:
+            raise ConfigError(f"model '{name}': {path}: cannot read: {err.strerror or err}") from None
+        program = read_program(data, str(path))
+        mismatch = arity_mismatch(path.name, program, len(manifest.executable_inputs), len(weight_types),
+                                  weights_name)
+        if mismatch:
+            raise ConfigError(f"model '{name}' cannot be served: {mismatch}")
+        check_program_types(f"model '{name}': {path.name}", program, key, manifest, weight_types)
+        key_fields = CacheKey(file_sha256(data), jaxlib.__version__, target.platform,
+                              target.client.platform_version, target.device.device_kind)
+        client, devices, options = target.client, [target.device], target.compile_options
+
+        def compile_program() -> Any:
+            try:
+                return client.compile_and_load(data, devices, options)
+            except Exception as err:
+                raise ConfigError(f"model '{name}': {path.name}: XLA could not compile the program for "
+                                  f"{target.describe()}: {err}") from None
+
+        return cache.load_or_compile(path.name, key_fields, CompileFunctions(
+            compile_program, client.serialize_executable,
+            lambda payload: client.deserialize_executable(payload, devices, options)))
+
+    def _select(self, inputs: list[NamedTensor]) -> tuple[ProgramKey, int]:
+        """The program for these inputs and the request's row count (LEADING mode)."""
+        name = self.context.name
+        variant = None
+        if self._variants:
+            sizes = tuple(t.data.shape[axis] for t, axes in zip(inputs, self._axes) for axis in axes.variable)
+            variant = self._variants.get(sizes)
+            if variant is None:
+                known = ", ".join(str(list(v)) for v in self._variants)
+                raise InvalidArgument(f"model '{name}': the inputs' variable axes have sizes {list(sizes)}, but "
+                                      f"the bundle is compiled only for {known} (input_shapes in manifest.yaml)")
+        if self._mode is BatchMode.NONE:
+            return ProgramKey(variant, None), 1
+        if self._mode is BatchMode.LEADING:
+            rows = inputs[0].data.shape[0] if inputs else self._sizes[0]
+            size = next((s for s in self._sizes if s >= rows), None)
+            if size is None:
+                raise InvalidArgument(f"model '{name}': batch of {rows} rows exceeds the largest compiled batch "
+                                      f"size {self._sizes[-1]}")
+            return ProgramKey(variant, size), rows
+        batch = None
+        for tensor, axes in zip(inputs, self._axes):
+            if axes.batch is None:
+                continue
+            size = tensor.data.shape[axes.batch]
+            if size not in self._sizes:
+                raise InvalidArgument(
+                    f"model '{name}': input '{tensor.name}' has batch size {size} (axis {axes.batch}), but this "
+                    f"bundle runs only at its compiled batch sizes {list(self._sizes)}: not every tensor has a "
+                    "leading batch axis, so requests are not padded")
+            if batch is not None and size != batch:
+                raise InvalidArgument(f"model '{name}': inputs disagree on the batch size ({batch} and {size} "
+                                      f"for '{tensor.name}')")
+            batch = size
+        if batch is None:  # only outputs are batched: the one compiled size serves
+            batch = self._sizes[0]
+        return ProgramKey(variant, batch), batch
+
+
+class HookedXlaModel(XlaModel):
+    """A bundle with ``model.py``: client-facing tensors differ from the executable's.
+
+    ``signature()`` is the client spec (``client_inputs`` / ``client_outputs``,
+    defaulting to the executable's), ``batch_signature()`` the executable spec;
+    ``preprocess`` / ``postprocess`` call the hooks model.py registered.
+    """
+
+    _hooks: ModelHooks | None = None
+    _client_signature: ModelSignature | None = None
+
+    def _load_hooks(self, layout: BundleLayout) -> None:
+        assert layout.model_py is not None
+        self._hooks = load_model_hooks(layout.model_py, self.context.name)
+
+    def load(self) -> None:
+        """Load as a plain bundle, then derive the client signature."""
+        super().load()
+        manifest = self._manifest
+        assert manifest is not None
+        inputs = manifest.client_inputs if manifest.client_inputs is not None else manifest.executable_inputs
+        outputs = manifest.client_outputs if manifest.client_outputs is not None else manifest.executable_outputs
+        mode = batch_mode(inputs + outputs, bool(self._sizes))
+        self._client_signature = build_signature(inputs, outputs, mode, self._sizes[-1] if self._sizes else 0)
+
+    def signature(self) -> ModelSignature:
+        """The client-facing tensors of model.py."""
+        if self._client_signature is None:
+            raise RuntimeError("load() first")
+        return self._client_signature
+
+    def batch_signature(self) -> ModelSignature:
+        """The executable's tensors: what ``infer`` takes and returns."""
+        return self._loaded_signature()
+
+    def preprocess(self, inputs: list[NamedTensor]) -> list[NamedTensor]:
+        """model.py's preprocess hook (identity when it registered none)."""
+        assert self._hooks is not None
+        return self._checked("preprocess", self._hooks.preprocess(inputs))
+
+    def postprocess(self, outputs: list[NamedTensor]) -> list[NamedTensor]:
+        """model.py's postprocess hook (identity when it registered none)."""
+        assert self._hooks is not None
+        return self._checked("postprocess", self._hooks.postprocess(outputs))
+
+    def _checked(self, hook: str, result: Any) -> list[NamedTensor]:
+        if not isinstance(result, list) or not all(isinstance(t, NamedTensor) for t in result):
+            raise ModelFailure(f"model '{self.context.name}': the {hook} hook of model.py must return a list of "
+                               f"nereid.tensors.NamedTensor, got {type(result).__name__}")
+        return result
+
+
+def create_model(context: ModelContext) -> XlaModel:
+    """The backend object for a bundle: with hooks when the bundle has a model.py."""
+    from nereid.backends.xla.bundle import MODEL_PY
+
+    return HookedXlaModel(context) if (context.folder / MODEL_PY).is_file() else XlaModel(context)
+
+
+def _pad_rows(array: np.ndarray, rows: int) -> np.ndarray:
+    padded = np.zeros((rows, *array.shape[1:]), dtype=array.dtype)
+    padded[:array.shape[0]] = array
+    return padded

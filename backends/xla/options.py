@@ -1,0 +1,61 @@
+"""The xla backend's ``runtime:`` options from nereid.yaml, checked once at load.
+
+```yaml
+models:
+  - name: mlp_bundle
+    runtime:
+      batch_sizes: largest      # all (default) | largest: compile and serve only the largest size
+      executable_cache: true    # default true: reuse and write <bundle>/.cache/
+      weights_read_threads: 8   # parallel pread workers for the weights file (default 8)
+      weights_migration: off    # off (default) | copy | replace: rewrite legacy weights in program order
+```
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from nereid.backends.xla.migration import MIGRATION_MODES
+from nereid.backends.xla.safetensors import DEFAULT_READ_THREADS
+from nereid.errors import ConfigError
+
+BATCH_SIZES_CHOICES = ("all", "largest")
+
+
+@dataclass(frozen=True)
+class XlaOptions:
+    """Parsed ``runtime:`` options of one xla model."""
+
+    largest_batch_only: bool = False
+    executable_cache: bool = True
+    weights_read_threads: int = DEFAULT_READ_THREADS
+    weights_migration: str = "off"
+
+
+def parse_options(runtime: Mapping[str, Any], origin: str) -> XlaOptions:
+    """Check ``runtime`` options; ConfigError names ``<origin>.runtime.<key>`` and the value."""
+    allowed = {"batch_sizes", "executable_cache", "weights_read_threads", "weights_migration"}
+    where = f"{origin}.runtime" if origin else "runtime"
+
+    def fail(key: str, problem: str, value: Any) -> None:
+        raise ConfigError(f"{where}.{key}: {problem}, got {value!r}")
+
+    for key, value in runtime.items():
+        if key not in allowed:
+            fail(key, f"unknown option of the xla backend (allowed: {', '.join(sorted(allowed))})", value)
+    batch_sizes = runtime.get("batch_sizes", "all")
+    if batch_sizes not in BATCH_SIZES_CHOICES:
+        fail("batch_sizes", f"must be one of {', '.join(BATCH_SIZES_CHOICES)}", batch_sizes)
+    cache = runtime.get("executable_cache", True)
+    if not isinstance(cache, bool):
+        fail("executable_cache", "must be true or false", cache)
+    threads = runtime.get("weights_read_threads", DEFAULT_READ_THREADS)
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        fail("weights_read_threads", "must be a positive integer", threads)
+    migration = runtime.get("weights_migration", "off")
+    if migration is False:  # YAML reads a bare `off` as false
+        migration = "off"
+    if migration not in MIGRATION_MODES:
+        fail("weights_migration", f"must be one of {', '.join(MIGRATION_MODES)}", migration)
+    return XlaOptions(batch_sizes == "largest", cache, threads, migration)

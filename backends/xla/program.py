@@ -1,0 +1,132 @@
+"""What a StableHLO portable artifact's entry function takes and returns.
+
+The number of arguments a bundle's program wants lives only inside
+``model*.mlir``, a serialized VHLO artifact rather than text, so it is read by
+deserializing the artifact with jaxlib's MLIR bindings (no compilation). This
+is also where the mapping between XLA element types and nereid's DType lives:
+it is the backend's business, not the core table's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+from nereid.dtypes import DType
+from nereid.errors import ConfigError
+
+# MLIR bytecode starts with these bytes; anything else is treated as MLIR text.
+BYTECODE_MAGIC = b"ML\xefR"
+ENTRY_FUNCTION = "main"
+
+ELEMENT_TYPES: Mapping[str, DType] = {
+    "i1": DType.BOOL, "ui8": DType.UINT8, "ui16": DType.UINT16, "ui32": DType.UINT32, "ui64": DType.UINT64,
+    "i8": DType.INT8, "i16": DType.INT16, "i32": DType.INT32, "i64": DType.INT64,
+    "f16": DType.FP16, "f32": DType.FP32, "f64": DType.FP64, "bf16": DType.BF16,
+    "f8E5M2": DType.F8E5M2, "f8E4M3FN": DType.F8E4M3,
+}
+
+
+@dataclass(frozen=True)
+class ProgramTensor:
+    """One parameter or result: row-major shape (-1 for a dynamic axis) and element type."""
+
+    shape: tuple[int, ...]
+    element_type: str
+
+    @property
+    def dtype(self) -> DType | None:
+        """nereid's DType for the element type, None when it has none."""
+        return ELEMENT_TYPES.get(self.element_type)
+
+    def describe(self) -> str:
+        """``tensor<8x16xf32>``-style text for messages."""
+        dims = "x".join("?" if d < 0 else str(d) for d in self.shape)
+        return f"tensor<{dims + 'x' if dims else ''}{self.element_type}>"
+
+
+@dataclass(frozen=True)
+class ProgramSignature:
+    """The entry function's parameters and results, in order."""
+
+    parameters: tuple[ProgramTensor, ...]
+    results: tuple[ProgramTensor, ...]
+
+    @property
+    def arity(self) -> int:
+        """How many arguments the program takes."""
+        return len(self.parameters)
+
+
+def is_bytecode(module: bytes) -> bool:
+    """True when ``module`` is MLIR bytecode (a portable artifact) rather than text."""
+    return module[:4] == BYTECODE_MAGIC
+
+
+def _stablehlo():
+    try:
+        from jaxlib.mlir.dialects import stablehlo
+    except ImportError as err:
+        raise ConfigError(f"reading StableHLO needs jaxlib, which cannot be imported ({err}); pip install jax") \
+            from None
+    return stablehlo
+
+
+def to_portable_artifact(module: bytes | str) -> bytes:
+    """A StableHLO portable artifact from MLIR text, or the artifact itself when already one."""
+    if isinstance(module, bytes) and is_bytecode(module):
+        return module
+    stablehlo = _stablehlo()
+    text = module.decode("utf-8") if isinstance(module, bytes) else module
+    try:
+        return stablehlo.serialize_portable_artifact_str(text, stablehlo.get_current_version())
+    except Exception as err:  # jaxlib raises ValueError / MLIRError with the parser's message
+        raise ValueError(f"not a StableHLO module: {err}") from None
+
+
+def read_program(module: bytes | str, where: str) -> ProgramSignature:
+    """The entry function's signature; ConfigError naming ``where`` when it cannot be read."""
+    stablehlo = _stablehlo()
+    from jaxlib.mlir import ir
+
+    try:
+        artifact = to_portable_artifact(module)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{where}: {err}") from None
+    context = ir.Context()  # one per call: MLIR contexts are not shared across threads
+    stablehlo.register_dialect(context)
+    try:
+        with context:
+            parsed = stablehlo.deserialize_portable_artifact(context, artifact)
+            return _entry_signature(parsed, where, ir)
+    except ConfigError:
+        raise
+    except Exception as err:
+        raise ConfigError(f"{where}: not a readable StableHLO portable artifact "
+                          f"({type(err).__name__}: {err}); was it written by a newer StableHLO "
+                          f"than this jaxlib reads ({stablehlo.get_current_version()})?") from None
+
+
+def _entry_signature(module, where: str, ir) -> ProgramSignature:
+    functions = {}
+    for op in module.body.operations:
+        if op.operation.name == "func.func":
+            functions[ir.StringAttr(op.attributes["sym_name"]).value] = op
+    entry = functions.get(ENTRY_FUNCTION)
+    if entry is None:
+        raise ConfigError(f"{where}: the module has no '{ENTRY_FUNCTION}' function "
+                          f"(functions: {', '.join(sorted(functions)) or 'none'})")
+    function_type = ir.FunctionType(ir.TypeAttr(entry.attributes["function_type"]).value)
+    parameters = tuple(_tensor(t, where, f"parameter {i}", ir) for i, t in enumerate(function_type.inputs))
+    results = tuple(_tensor(t, where, f"result {i}", ir) for i, t in enumerate(function_type.results))
+    return ProgramSignature(parameters, results)
+
+
+def _tensor(mlir_type, where: str, what: str, ir) -> ProgramTensor:
+    try:
+        ranked = ir.RankedTensorType(mlir_type)
+    except ValueError:  # the binding refuses the cast for tokens, tuples and unranked tensors
+        raise ConfigError(f"{where}: {what} is {mlir_type}, not a ranked tensor (a program with side "
+                          "effects or tokens cannot be served)") from None
+    shape = tuple(-1 if ranked.is_dynamic_dim(i) else ranked.shape[i] for i in range(ranked.rank))
+    return ProgramTensor(shape, str(ranked.element_type))

@@ -1,0 +1,154 @@
+"""``export_bundle``: trace a JAX function with ``jax.export`` at each batch size and write a bundle.
+
+The function is called as ``fn(*inputs, *weights)`` and returns one array or a
+tuple of arrays, exactly the calling convention the server uses
+(``executable(inputs..., weights...)``). It is jitted with ``keep_unused=True``
+so that an argument the program never reads still counts (jax would otherwise
+drop it and the bundle would be unservable).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import numpy as np
+
+from nereid.export.iospec import IOSpec, as_dtype
+from nereid.export.provenance import Provenance, collect_provenance
+from nereid.export.writer import ExportError, write_bundle
+
+
+def export_bundle(fn: Callable[..., Any], example_inputs: Sequence[Any],
+                  weights: Mapping[str, Any] | Iterable[tuple[str, Any]], *, directory: Path | str,
+                  name: str | None = None, batch_sizes: Sequence[int] | None = None,
+                  input_names: Sequence[str] | None = None, output_names: Sequence[str] | None = None,
+                  input_batch_axes: Sequence[int | None] | None = None,
+                  output_batch_axes: Sequence[int | None] | None = None, platform: str = "cpu",
+                  client_inputs: Sequence[IOSpec] | None = None, client_outputs: Sequence[IOSpec] | None = None,
+                  model_py: str | Path | None = None, layout: str = "xla",
+                  provenance: Provenance | Mapping[str, Any] | bool | None = True, description: str = "",
+                  x64: bool | None = None) -> Path:
+    """Export ``fn(*inputs, *weights)`` as a bundle at ``directory``; returns the directory.
+
+    ``example_inputs`` give each input's dtype and row-major shape; with
+    ``batch_sizes``, each batched input's batch axis (``input_batch_axes``,
+    default 0 for every input; None opts one out) is resized to every size in
+    turn and the function traced once per size. Outputs are batched along
+    ``output_batch_axes`` (default 0 when batching; None opts one out).
+    ``weights`` are ``name -> array`` in the order ``fn`` takes them.
+    ``platform`` is the PJRT platform the artifact is lowered for (``cpu``,
+    ``cuda``). ``provenance=True`` records :func:`collect_provenance` of the
+    working directory. ``x64`` enables 64-bit types while tracing (default:
+    when any input or weight is 64-bit).
+    """
+    import jax
+    from jax import export as jax_export
+
+    directory = Path(directory)
+    name = name or directory.name
+    examples = [_shape_dtype(x) for x in example_inputs]
+    weight_items = [(str(n), np.asarray(a)) for n, a in (weights.items() if isinstance(weights, Mapping)
+                                                        else weights)]
+    sizes: list[int | None] = sorted(int(s) for s in batch_sizes) if batch_sizes else [None]
+    in_axes = _axes(input_batch_axes, len(examples), batch_sizes is not None, "input_batch_axes")
+    if x64 is None:
+        x64 = any(np.dtype(d).itemsize == 8 and np.dtype(d).kind in "iuf"
+                  for _, d in [*examples, *((a.shape, a.dtype) for _, a in weight_items)])
+    weight_structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for _, a in weight_items]
+    jitted = jax.jit(fn, keep_unused=True)
+    modules: dict[int | None, bytes] = {}
+    out_avals_by_size: dict[int | None, Sequence[Any]] = {}
+    with jax.enable_x64(x64):
+        for size in sizes:
+            structs = [jax.ShapeDtypeStruct(_resized(shape, axis, size), dtype)
+                       for (shape, dtype), axis in zip(examples, in_axes)]
+            exported = jax_export.export(jitted, platforms=[platform])(*structs, *weight_structs)
+            _check_exported(exported, len(structs) + len(weight_structs), size)
+            modules[size] = exported.mlir_module_serialized
+            out_avals_by_size[size] = exported.out_avals
+    n_outputs = len(next(iter(out_avals_by_size.values())))
+    out_axes = _axes(output_batch_axes, n_outputs, batch_sizes is not None, "output_batch_axes")
+    inputs = [IOSpec(n, as_dtype(d), _without(shape, axis), axis)
+              for n, (shape, d), axis in zip(_names(input_names, len(examples), "input"), examples, in_axes)]
+    outputs = _output_specs(_names(output_names, n_outputs, "output"), out_avals_by_size, out_axes)
+    if provenance is True:
+        provenance = collect_provenance()
+    elif provenance is False:
+        provenance = None
+    module_arg: Any = modules[None] if batch_sizes is None else modules
+    return write_bundle(directory, name, inputs, outputs, module_arg, weight_items,
+                        batch_sizes=None if batch_sizes is None else [s for s in sizes if s is not None],
+                        client_inputs=client_inputs, client_outputs=client_outputs, layout=layout,
+                        model_py=model_py, provenance=provenance, description=description)
+
+
+def _shape_dtype(value: Any) -> tuple[tuple[int, ...], Any]:
+    if hasattr(value, "shape") and hasattr(value, "dtype"):
+        return tuple(int(d) for d in value.shape), value.dtype
+    array = np.asarray(value)
+    return array.shape, array.dtype
+
+
+def _axes(axes: Sequence[int | None] | None, count: int, batched: bool, what: str) -> list[int | None]:
+    if axes is None:
+        return [0 if batched else None] * count
+    axes = list(axes)
+    if len(axes) != count:
+        raise ExportError(f"{what} has {len(axes)} entries for {count} tensor(s)")
+    if not batched and any(a is not None for a in axes):
+        raise ExportError(f"{what} is given but batch_sizes is not")
+    return axes
+
+
+def _resized(shape: tuple[int, ...], axis: int | None, size: int | None) -> tuple[int, ...]:
+    if axis is None or size is None:
+        return shape
+    if not 0 <= axis < len(shape):
+        raise ExportError(f"batch axis {axis} is outside an input of shape {shape}")
+    return (*shape[:axis], size, *shape[axis + 1:])
+
+
+def _without(shape: tuple[int, ...], axis: int | None) -> tuple[int, ...]:
+    return shape if axis is None else (*shape[:axis], *shape[axis + 1:])
+
+
+def _names(names: Sequence[str] | None, count: int, stem: str) -> list[str]:
+    if names is not None:
+        if len(names) != count:
+            raise ExportError(f"{stem}_names has {len(names)} names for {count} {stem}(s)")
+        return list(names)
+    return [stem] if count == 1 else [f"{stem}_{i}" for i in range(count)]
+
+
+def _check_exported(exported: Any, n_arguments: int, size: int | None) -> None:
+    where = f"batch size {size}" if size is not None else "the program"
+    if exported.nr_devices != 1:
+        raise ExportError(f"{where}: the function is sharded over {exported.nr_devices} devices; bundles run on one")
+    if exported.ordered_effects or exported.unordered_effects:
+        raise ExportError(f"{where}: the function has side effects ({exported.ordered_effects or ''}"
+                          f"{exported.unordered_effects or ''}), which a bundle cannot serve")
+    if len(exported.module_kept_var_idx) != n_arguments:
+        dropped = sorted(set(range(n_arguments)) - set(exported.module_kept_var_idx))
+        raise ExportError(f"{where}: jax dropped unused argument(s) {dropped} from the program")
+
+
+def _output_specs(names: list[str], avals_by_size: Mapping[int | None, Sequence[Any]],
+                  axes: list[int | None]) -> list[IOSpec]:
+    specs: list[IOSpec] = []
+    for index, (name, axis) in enumerate(zip(names, axes)):
+        shapes = {}
+        for size, avals in avals_by_size.items():
+            shape = tuple(int(d) for d in avals[index].shape)
+            if axis is not None:
+                if axis >= len(shape) or shape[axis] != size:
+                    raise ExportError(f"output {index} ({name}) has shape {shape} at batch size {size}: axis {axis} "
+                                      "is not its batch axis; pass output_batch_axes (None for an unbatched output)")
+                shape = _without(shape, axis)
+            shapes[size] = shape
+        if len(set(shapes.values())) != 1:
+            raise ExportError(f"output {index} ({name}) changes shape with the batch size beyond its batch axis: "
+                              f"{shapes}")
+        dtype = as_dtype(np.dtype(avals_by_size[next(iter(avals_by_size))][index].dtype))
+        specs.append(IOSpec(name, dtype, next(iter(shapes.values())), axis))
+    return specs

@@ -1,0 +1,41 @@
+"""Offline weights migration, for bundles the server cannot write or to convert ahead of a deploy.
+
+    python -m nereid.export.migrate [--mode copy|replace] BUNDLE...
+
+The same migration as ``runtime.weights_migration`` (see
+:mod:`nereid.backends.xla.migration`): legacy weights rewritten in the
+program's axis order, proved byte for byte, crash-safe. Prints one line per
+bundle; exits 1 if any could not be migrated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from nereid.backends.xla.migration import MigrationError, migrate_bundle
+from nereid.errors import ConfigError
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Migrate each bundle named on the command line."""
+    parser = argparse.ArgumentParser(prog="python -m nereid.export.migrate", description=__doc__.split("\n")[0])
+    parser.add_argument("--mode", choices=("copy", "replace"), default="copy",
+                        help="copy: add weights.T.safetensors (default); replace: swap it in")
+    parser.add_argument("bundles", nargs="+", type=Path, metavar="BUNDLE")
+    args = parser.parse_args(argv)
+    failures = 0
+    for bundle in args.bundles:
+        try:
+            outcome = migrate_bundle(bundle, args.mode)
+        except (MigrationError, ConfigError, OSError) as err:
+            failures += 1
+            print(f"{bundle}: FAILED: {err}")
+            continue
+        print(f"{bundle}: {outcome.what}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

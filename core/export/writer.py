@@ -1,0 +1,251 @@
+"""``write_bundle``: the low-level bundle writer.
+
+It takes the executable IOSpecs, the StableHLO modules (one per batch size,
+optionally one set per ``input_shapes`` variant; MLIR text or serialized
+portable artifacts) and the weights in program order, checks that every
+program takes exactly inputs + weights arguments of the declared types, and
+only then writes ``manifest.yaml``, ``model[.v{i}][.b{N}].mlir``,
+``weights.safetensors`` (``axis_order: xla``, or the legacy layout on request),
+an optional ``model.py`` and, for a dirty work tree, ``working_tree.patch``.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence, Union
+
+import numpy as np
+import yaml
+
+from nereid.backends.xla.arity import arity_mismatch
+from nereid.backends.xla.bundle import DEFAULT_WEIGHTS_FILE, MODEL_PY, ProgramKey, module_candidates
+from nereid.backends.xla.conformance import check_program_types
+from nereid.backends.xla.manifest import (CURRENT_FORMAT_VERSION, LEGACY_FORMAT_VERSION, MANIFEST_NAME,
+                                          parse_manifest)
+from nereid.backends.xla.program import read_program, to_portable_artifact
+from nereid.backends.xla.safetensors import write_safetensors
+from nereid.errors import ConfigError
+from nereid.export.iospec import IOSpec, as_dtype
+from nereid.export.provenance import PATCH_FILE, Provenance
+
+Module = Union[bytes, str]
+Modules = Union[Module, Mapping[int, Module]]
+LAYOUTS = ("xla", "legacy")
+
+
+class ExportError(ValueError):
+    """The exporter refused to write a bundle; the message says why."""
+
+
+def write_bundle(directory: Path | str, name: str, inputs: Sequence[IOSpec], outputs: Sequence[IOSpec],
+                 modules: Modules | Sequence[Modules], weights: Mapping[str, Any] | Iterable[tuple[str, Any]],
+                 *, batch_sizes: Sequence[int] | None = None,
+                 input_shapes: Sequence[Sequence[int]] | None = None,
+                 client_inputs: Sequence[IOSpec] | None = None, client_outputs: Sequence[IOSpec] | None = None,
+                 layout: str = "xla", model_py: str | Path | None = None,
+                 provenance: Provenance | Mapping[str, Any] | None = None, description: str = "") -> Path:
+    """Check and write a bundle; returns its directory.
+
+    ``modules`` is one module (an unbatched program, or the single size in
+    ``batch_sizes``), a mapping batch size -> module, or, with ``input_shapes``,
+    a sequence of those, one per variant (variant ``i`` is written as
+    ``model.v{i+1}...``). ``weights`` are in program order (that order becomes
+    the safetensors ``argument_order``). ``model_py`` is the source text (or a
+    path) of the bundle's hooks file. The directory's basename must equal
+    ``name``: the directory name is the model name.
+
+    Raises ExportError before writing anything when the bundle would not be
+    servable: a program whose argument count disagrees with inputs + weights
+    (both numbers named), or whose types disagree with the specs.
+    """
+    directory = Path(directory)
+    if directory.name != name:
+        raise ExportError(f"the bundle directory's name must be the model name: {directory} is not named {name!r}")
+    if layout not in LAYOUTS:
+        raise ExportError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    ordered_weights = [(str(n), np.asarray(a)) for n, a in (weights.items() if isinstance(weights, Mapping)
+                                                           else weights)]
+    programs = _programs(modules, batch_sizes, input_shapes)
+    sizes = sorted({k.batch_size for k in programs if k.batch_size is not None})
+    has_model_py = model_py is not None or (directory / MODEL_PY).is_file()
+    if (client_inputs is not None or client_outputs is not None) and not has_model_py:
+        raise ExportError("client_inputs / client_outputs need a model.py (pass model_py=...) that transforms "
+                          "between client and executable tensors")
+    document = _manifest_document(name, inputs, outputs, sizes, input_shapes, client_inputs, client_outputs,
+                                  layout, provenance, description)
+    manifest_path = directory / MANIFEST_NAME
+    try:
+        manifest = parse_manifest(document, manifest_path)
+    except ConfigError as err:
+        raise ExportError(f"the specs do not make a valid manifest: {err}") from None
+    single = len(sizes) <= 1
+    files: dict[str, bytes] = {}
+    weight_types = [(n, a.shape, as_dtype(a.dtype)) for n, a in ordered_weights]
+    for key, module in sorted(programs.items()):
+        file_name = module_candidates(key, single)[-1 if single and key.batch_size is not None else 0]
+        artifact = _artifact(module, file_name)
+        program = _read(artifact, file_name)
+        mismatch = arity_mismatch(file_name, program, len(inputs), len(ordered_weights), DEFAULT_WEIGHTS_FILE)
+        if mismatch:
+            raise ExportError(f"refusing to write {directory}: {mismatch}")
+        try:
+            check_program_types(file_name, program, key, manifest, weight_types)
+        except ConfigError as err:
+            raise ExportError(f"refusing to write {directory}: {err}") from None
+        files[file_name] = artifact
+    _write_files(directory, files, ordered_weights, layout, model_py, provenance, document)
+    return directory
+
+
+def _programs(modules: Modules | Sequence[Modules], batch_sizes: Sequence[int] | None,
+              input_shapes: Sequence[Sequence[int]] | None) -> dict[ProgramKey, Module]:
+    if input_shapes is not None:
+        if isinstance(modules, (bytes, str, Mapping)) or len(modules) != len(input_shapes):
+            raise ExportError(f"with input_shapes, modules must be a sequence of {len(input_shapes)} module "
+                              "set(s), one per variant")
+        variants = list(modules)
+    else:
+        variants = [modules]
+    programs: dict[ProgramKey, Module] = {}
+    shared_sizes: set[int] | None = None
+    for index, entry in enumerate(variants):
+        variant = index + 1 if input_shapes is not None else None
+        if isinstance(entry, (bytes, str)):
+            sizes = list(batch_sizes) if batch_sizes else [None]
+            if len(sizes) != 1:
+                raise ExportError(f"one module was given for batch sizes {list(batch_sizes or [])}: give a "
+                                  "mapping batch size -> module")
+            per_size: dict[int | None, Module] = {sizes[0]: entry}
+        elif isinstance(entry, Mapping):
+            per_size = {int(k): v for k, v in entry.items()}
+            if batch_sizes is not None and sorted(per_size) != sorted(batch_sizes):
+                raise ExportError(f"modules are given for batch sizes {sorted(per_size)} but batch_sizes is "
+                                  f"{sorted(batch_sizes)}")
+        else:
+            raise ExportError(f"modules: expected bytes, str or a mapping batch size -> module, got "
+                              f"{type(entry).__name__}")
+        these = {s for s in per_size if s is not None}
+        if shared_sizes is not None and these != shared_sizes:
+            raise ExportError("every input_shapes variant must be compiled for the same batch sizes")
+        shared_sizes = these
+        for size, module in per_size.items():
+            if size is not None and size < 1:
+                raise ExportError(f"batch sizes must be positive, got {size}")
+            programs[ProgramKey(variant, size)] = module
+    return programs
+
+
+def _manifest_document(name: str, inputs: Sequence[IOSpec], outputs: Sequence[IOSpec], sizes: list[int],
+                       input_shapes: Sequence[Sequence[int]] | None, client_inputs: Sequence[IOSpec] | None,
+                       client_outputs: Sequence[IOSpec] | None, layout: str,
+                       provenance: Provenance | Mapping[str, Any] | None, description: str) -> dict[str, Any]:
+    document: dict[str, Any] = {
+        "format_version": CURRENT_FORMAT_VERSION if layout == "xla" else LEGACY_FORMAT_VERSION,
+        "name": name,
+    }
+    if description:
+        document["description"] = description
+    document["executable_inputs"] = [s.manifest_entry() for s in inputs]
+    document["executable_outputs"] = [s.manifest_entry() for s in outputs]
+    if client_inputs is not None:
+        document["client_inputs"] = [s.manifest_entry() for s in client_inputs]
+    if client_outputs is not None:
+        document["client_outputs"] = [s.manifest_entry() for s in client_outputs]
+    if sizes:
+        document["batching"] = {"compiled_batch_sizes": sizes}
+    if input_shapes is not None:
+        document["input_shapes"] = [[int(v) for v in variant] for variant in input_shapes]
+    fields = provenance.fields if isinstance(provenance, Provenance) else dict(provenance or {})
+    if fields:
+        document["provenance"] = fields
+    return document
+
+
+def _artifact(module: Module, file_name: str) -> bytes:
+    try:
+        return to_portable_artifact(module)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ExportError(f"{file_name}: {err}") from None
+
+
+def _read(artifact: bytes, file_name: str):
+    try:
+        return read_program(artifact, file_name)
+    except ConfigError as err:
+        raise ExportError(str(err)) from None
+
+
+def _write_files(directory: Path, files: Mapping[str, bytes], weights: list[tuple[str, np.ndarray]], layout: str,
+                 model_py: str | Path | None, provenance: Provenance | Mapping[str, Any] | None,
+                 document: dict[str, Any]) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    # Program files and the patch of an earlier export would otherwise linger
+    # beside the new ones and be served or misread.
+    for stale in [*directory.glob("model*.mlir"), directory / PATCH_FILE]:
+        if stale.name not in files:
+            stale.unlink(missing_ok=True)
+    for file_name, artifact in files.items():
+        _atomic_write(directory / file_name, artifact)
+    temporary = directory / f".{DEFAULT_WEIGHTS_FILE}.{os.getpid()}.partial"
+    write_safetensors(temporary, weights, legacy=layout == "legacy")
+    os.replace(temporary, directory / DEFAULT_WEIGHTS_FILE)
+    if model_py is not None:
+        source = Path(model_py).read_text() if isinstance(model_py, Path) else model_py
+        _atomic_write(directory / MODEL_PY, source.encode())
+    if isinstance(provenance, Provenance) and provenance.patch:
+        _atomic_write(directory / PATCH_FILE, provenance.patch)
+    header = ("# Written by nereid.export. Shapes are column-major (batch axis last);\n"
+              "# clients and the program see them reversed (row-major).\n")
+    text = header + _yaml_text(document)
+    # The manifest goes last: a bundle interrupted mid-write has no new manifest.
+    _atomic_write(directory / MANIFEST_NAME, text.encode())
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    # Written beside the target and renamed, created with mode 0o666 so the
+    # umask applies as for any other file (mkstemp would make it 0600).
+    temporary = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}"
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+
+
+class _FlowList(list):
+    """A list the manifest writes on one line (sizes)."""
+
+
+class _FlowDict(dict):
+    """A mapping the manifest writes on one line (dims)."""
+
+
+class _ManifestDumper(yaml.SafeDumper):
+    """Block style overall, flow style for the short leaf collections (``dims: {c: 3}``)."""
+
+
+_ManifestDumper.add_representer(_FlowList, lambda d, v: d.represent_sequence(
+    "tag:yaml.org,2002:seq", v, flow_style=True))
+_ManifestDumper.add_representer(_FlowDict, lambda d, v: d.represent_mapping(
+    "tag:yaml.org,2002:map", v.items(), flow_style=True))
+
+
+def _yaml_text(document: dict[str, Any]) -> str:
+    def leafy(value: Any, key: str = "") -> Any:
+        if isinstance(value, dict):
+            if key == "dims":
+                return _FlowDict(value)
+            return {k: leafy(v, k) for k, v in value.items()}
+        if isinstance(value, list):
+            if all(isinstance(v, (int, float, str)) for v in value):
+                return _FlowList(value)
+            return [leafy(v) for v in value]
+        return value
+
+    return yaml.dump(leafy(document), Dumper=_ManifestDumper, sort_keys=False, default_flow_style=False,
+                     width=100)

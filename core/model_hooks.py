@@ -1,0 +1,120 @@
+"""``nereid.register_model``: how a bundle's ``model.py`` attaches pre/post-processing.
+
+A bundle may hold a ``model.py`` that calls::
+
+    import nereid
+
+    def to_classes(outputs):          # list[NamedTensor] -> list[NamedTensor]
+        ...
+
+    nereid.register_model(postprocess=to_classes)
+
+nereid runs the file once when it loads the bundle (:func:`load_model_hooks`)
+and keeps what it registered. The registration is collected through a context
+variable that is set only while that one file runs, so nothing leaks from one
+bundle to another, and loads on different threads never see each other's.
+Hooks run on worker threads, and hooks of different requests overlap: keep
+them free of shared mutable state, or guard it.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import hashlib
+import importlib.util
+import sys
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Optional
+
+from nereid.errors import ConfigError
+
+if TYPE_CHECKING:
+    from nereid.tensors import NamedTensor
+
+Hook = Callable[["list[NamedTensor]"], "list[NamedTensor]"]
+
+# Set only while one model.py runs: the list its register_model call appends to.
+_registrations: contextvars.ContextVar[Optional[list["ModelHooks"]]] = contextvars.ContextVar(
+    "nereid_model_registrations", default=None)
+
+
+def identity(tensors: list[NamedTensor]) -> list[NamedTensor]:
+    """The hook used when model.py registers none: returns its argument."""
+    return tensors
+
+
+@dataclass(frozen=True)
+class ModelHooks:
+    """What one ``model.py`` registered (omitted hooks are :func:`identity`)."""
+
+    preprocess: Hook = identity
+    postprocess: Hook = identity
+    declared_name: str | None = None  # informational: the bundle directory names the model
+
+
+def register_model(name: str | None = None, *, preprocess: Hook | None = None,
+                   postprocess: Hook | None = None) -> None:
+    """Attach pre/post-processing hooks to the bundle whose ``model.py`` is running.
+
+    Each hook takes and returns a ``list[NamedTensor]``; an omitted hook is the
+    identity. ``preprocess`` receives the client's inputs (validated against
+    ``client_inputs``) and returns the executable inputs; ``postprocess``
+    receives the request's rows of the executable outputs and returns the
+    ``client_outputs``. ``name`` is informational and ignored: the bundle's
+    directory name is the model name. Call it exactly once, from ``model.py``.
+    """
+    collected = _registrations.get()
+    if collected is None:
+        raise RuntimeError("nereid.register_model() attaches hooks to a bundle: call it from the bundle's "
+                           "model.py, which nereid runs when it loads the bundle")
+    for label, hook in (("preprocess", preprocess), ("postprocess", postprocess)):
+        if hook is not None and not callable(hook):
+            raise TypeError(f"register_model: {label} must be a callable taking and returning a list of "
+                            f"NamedTensor, got {hook!r}")
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"register_model: name must be a string, got {name!r}")
+    collected.append(ModelHooks(preprocess or identity, postprocess or identity, name))
+
+
+def load_model_hooks(path: Path, model: str) -> ModelHooks:
+    """Run a bundle's ``model.py`` and return what it registered.
+
+    Raises ConfigError naming the file when it fails to run or does not call
+    ``register_model`` exactly once.
+    """
+    path = Path(path)
+    digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
+    # A unique name per file: two bundles' model.py never share a module object.
+    module_name = f"nereid_bundle_{digest}"
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        raise ConfigError(f"model '{model}': cannot load {path} as a Python module")
+    module = importlib.util.module_from_spec(spec)
+    collected: list[ModelHooks] = []
+    token = _registrations.set(collected)
+    # Present in sys.modules only while it runs (dataclasses and typing look the
+    # module up there); removed afterwards so nothing outlives the load.
+    sys.modules[module_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as err:
+        raise ConfigError(f"model '{model}': {path}{_line_of(err, path)} failed: {type(err).__name__}: {err}") \
+            from err
+    finally:
+        _registrations.reset(token)
+        sys.modules.pop(module_name, None)
+    if len(collected) != 1:
+        problem = "did not call nereid.register_model(...)" if not collected else \
+            f"called nereid.register_model {len(collected)} times (once per bundle)"
+        raise ConfigError(f"model '{model}': {path} {problem}")
+    return collected[0]
+
+
+def _line_of(err: BaseException, path: Path) -> str:
+    """``:<line>`` of the innermost frame inside ``path``, for the error message."""
+    frames = [f for f in traceback.extract_tb(err.__traceback__) if Path(f.filename) == path]
+    if isinstance(err, SyntaxError) and err.lineno:
+        return f":{err.lineno}"
+    return f":{frames[-1].lineno}" if frames else ""

@@ -1,0 +1,70 @@
+"""The bundle directory: program files per batch size and variant, the weights file, the plugin's claim."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from nereid.backends.xla.bundle import ProgramKey, open_bundle
+from nereid.errors import ConfigError
+from nereid.plugins import claim_folder, make_plugin_manager
+
+
+def test_program_files_per_batch_size(tmp_path, add_bundle) -> None:
+    layout = open_bundle(add_bundle(tmp_path, "mlp_bundle"))
+    assert {k: p.name for k, p in layout.modules.items()} == {
+        ProgramKey(None, 1): "model.b1.mlir", ProgramKey(None, 8): "model.b8.mlir",
+        ProgramKey(None, 32): "model.b32.mlir"}
+    assert layout.weights_path.name == "weights.safetensors" and layout.model_py is None
+    largest = open_bundle(layout.folder, largest_only=True)
+    assert list(largest.modules) == [ProgramKey(None, 32)] and largest.batch_sizes == (32,)
+
+
+def test_variant_files(tmp_path, add_bundle) -> None:
+    layout = open_bundle(add_bundle(tmp_path, "variants"))
+    assert sorted(p.name for p in layout.modules.values()) == [
+        "model.v1.b1.mlir", "model.v1.b2.mlir", "model.v2.b1.mlir", "model.v2.b2.mlir"]
+
+
+def test_missing_program_file_is_named(tmp_path, add_bundle) -> None:
+    folder = add_bundle(tmp_path, "mlp_bundle")
+    (folder / "model.b8.mlir").unlink()
+    with pytest.raises(ConfigError, match=r"missing model.b8.mlir, the program for batch size 8 "
+                                          r"\(program files present: model.b1.mlir, model.b32.mlir\)"):
+        open_bundle(folder)
+    assert open_bundle(folder, largest_only=True).batch_sizes == (32,)  # only the largest is needed then
+
+
+def test_single_size_may_use_model_mlir(tmp_path, add_bundle) -> None:
+    folder = add_bundle(tmp_path, "mlp_bundle")
+    manifest = folder / "manifest.yaml"
+    manifest.write_text(manifest.read_text().replace("[1, 8, 32]", "[8]"))
+    (folder / "model.b8.mlir").rename(folder / "model.mlir")
+    assert open_bundle(folder).modules == {ProgramKey(None, 8): folder / "model.mlir"}
+
+
+def test_weights_file_key(tmp_path, add_bundle) -> None:
+    folder = add_bundle(tmp_path, "mlp_bundle")
+    shutil.move(folder / "weights.safetensors", folder / "weights.T.safetensors")
+    manifest = folder / "manifest.yaml"
+    assert open_bundle(folder).weights_path is None  # no weights: the arity check will say so
+    manifest.write_text(manifest.read_text() + "weights_file: weights.T.safetensors\n")
+    assert open_bundle(folder).weights_path == folder / "weights.T.safetensors"
+    manifest.write_text(manifest.read_text().replace("weights.T.safetensors", "other.safetensors"))
+    with pytest.raises(ConfigError, match=r"manifest.yaml: weights_file: no such file .*got 'other.safetensors'"):
+        open_bundle(folder)
+
+
+def test_the_plugin_claims_folders_with_a_manifest(tmp_path, add_bundle) -> None:
+    manager = make_plugin_manager(load_entry_points=False)
+    bundle = add_bundle(tmp_path, "mlp_bundle")
+    assert claim_folder(manager, bundle).claim.backend == "xla"
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "main.py").write_text("")
+    assert claim_folder(manager, other).claim.backend == "python"
+    declared = claim_folder(manager, other, "xla")
+    assert declared.claim.backend == "xla"
+    with pytest.raises(ConfigError, match="missing manifest.yaml"):
+        open_bundle(other)

@@ -1,0 +1,89 @@
+"""The executable cache: a warm restart compiles nothing; bad or stale entries are rebuilt."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from nereid.backend import ModelContext
+from nereid.backends.xla.cache import HASHES_FILE
+from nereid.backends.xla.model import XlaModel
+from nereid.export import examples, export_bundle
+from nereid.settings import ModelSettings
+
+
+def load(folder: Path, tmp_path: Path, **runtime) -> XlaModel:
+    context = ModelContext(folder.name, folder, ModelSettings(folder.name, runtime=runtime), tmp_path, "test")
+    model = XlaModel(context)
+    model.load()
+    return model
+
+
+def entries(folder: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_mtime_ns for p in (folder / ".cache").glob("*.xlaexe")}
+
+
+def test_warm_cache_skips_compilation(tmp_path, add_bundle) -> None:
+    folder = add_bundle(tmp_path, "mlp_bundle")
+    cold = load(folder, tmp_path)
+    assert (cold.report.cache.hits, cold.report.cache.compiled) == (0, 3)
+    written = entries(folder)
+    assert len(written) == 3
+    hashes = json.loads((folder / ".cache" / HASHES_FILE).read_text())["modules"]
+    assert sorted(hashes) == ["model.b1.mlir", "model.b32.mlir", "model.b8.mlir"]
+    warm = load(folder, tmp_path)
+    assert (warm.report.cache.hits, warm.report.cache.compiled, warm.report.cache.rebuilt) == (3, 0, 0)
+    assert entries(folder) == written  # nothing rewritten
+    x = np.ones((2, 16), np.float32)
+    from nereid.tensors import NamedTensor
+
+    assert np.array_equal(cold.infer([NamedTensor.from_array("input", x)])[0].data,
+                          warm.infer([NamedTensor.from_array("input", x)])[0].data)
+
+
+def test_corrupt_entries_are_rebuilt(tmp_path, add_bundle) -> None:
+    folder = add_bundle(tmp_path, "mlp_bundle")
+    load(folder, tmp_path)
+    paths = sorted((folder / ".cache").glob("*.xlaexe"))
+    flipped = bytearray(paths[0].read_bytes())
+    flipped[-10] ^= 0xFF  # a payload byte: the checksum catches it
+    paths[0].write_bytes(bytes(flipped))
+    paths[1].write_bytes(b"garbage")
+    reloaded = load(folder, tmp_path)
+    assert (reloaded.report.cache.hits, reloaded.report.cache.rebuilt, reloaded.report.cache.compiled) == (1, 2, 2)
+    again = load(folder, tmp_path)  # the rebuilt entries are good again
+    assert (again.report.cache.hits, again.report.cache.compiled) == (3, 0)
+
+
+def test_stale_entries_are_rebuilt_and_old_ones_removed(tmp_path, add_bundle) -> None:
+    folder = add_bundle(tmp_path, "mlp_bundle")
+    load(folder, tmp_path)
+    entry = sorted((folder / ".cache").glob("model.b1.mlir.*.xlaexe"))[0]
+    data = entry.read_bytes()
+    magic_end = data.index(b"\n") + 1
+    (length,) = struct.unpack_from("<Q", data, magic_end)
+    header = json.loads(data[magic_end + 8:magic_end + 8 + length])
+    header["key"]["jaxlib_version"] = "0.0.1"  # as if written by another jaxlib
+    encoded = json.dumps(header).encode()
+    entry.write_bytes(data[:magic_end] + struct.pack("<Q", len(encoded)) + encoded + data[magic_end + 8 + length:])
+    assert load(folder, tmp_path).report.cache.rebuilt == 1
+    # A re-exported program (different contents) gets a new entry; the old one is removed.
+    before = set(entries(folder))
+    export_bundle(lambda x, w1, b1, w2, b2: (x @ w1 + b1) @ w2 + b2, [np.zeros((1, 16), np.float32)],
+                  examples.mlp_weights(), directory=folder, batch_sizes=(1, 8, 32), input_names=["input"], output_names=["output"],
+                  provenance=False)
+    model = load(folder, tmp_path)
+    assert model.report.cache.compiled == 3
+    after = set(entries(folder))
+    assert len(after) == 3 and not (after & before)
+
+
+def test_disabled_or_unwritable_cache_still_loads(tmp_path, add_bundle) -> None:
+    folder = add_bundle(tmp_path, "mlp_bundle")
+    model = load(folder, tmp_path, executable_cache=False)
+    assert model.report.cache.compiled == 3 and not (folder / ".cache").exists()
+    (folder / ".cache").write_text("a file where the cache folder should be")
+    assert load(folder, tmp_path).report.cache.compiled == 3  # warned, served uncached

@@ -1,0 +1,124 @@
+"""Bundles that must not become READY: each is UNAVAILABLE with a reason that says what to fix."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from nereid.backends.xla.safetensors import load_weights, write_safetensors
+
+
+def reasons(server) -> dict[str, tuple[str, str]]:
+    return {m.name: (m.state, m.reason) for m in server.client.get_model_repository_index().models}
+
+
+def test_wrong_arity_bundles_are_refused_with_both_numbers(repo, serve, add_bundle) -> None:
+    short = add_bundle(repo.models_dir, "mlp_bundle", "too_few_weights")
+    weights = load_weights(short / "weights.safetensors")
+    write_safetensors(short / "weights.safetensors", weights[:3])
+    extra = add_bundle(repo.models_dir, "mlp_bundle", "too_many_weights")
+    write_safetensors(extra / "weights.safetensors", [*weights, ("rng", np.zeros(2, np.uint32))])
+    server = serve(repo.write_config("- name: too_few_weights\n- name: too_many_weights\n"))
+    state, reason = reasons(server)["too_few_weights"]
+    assert state == "UNAVAILABLE"
+    for part in ("takes 5 argument(s)", "supplies 4", "1 input(s)", "3 tensor(s) in weights.safetensors",
+                 "captured"):
+        assert part in reason, reason
+    state, reason = reasons(server)["too_many_weights"]
+    assert state == "UNAVAILABLE"
+    for part in ("takes 5 argument(s)", "supplies 6", "keep_unused=True"):
+        assert part in reason, reason
+
+
+def test_missing_gpu_makes_the_model_unavailable(repo, serve, add_bundle) -> None:
+    import jax
+
+    if any(d.platform == "gpu" for d in jax.devices()) or jax.default_backend() != "cpu":
+        import pytest
+
+        pytest.skip("a GPU is present: this test covers a machine without one")
+    add_bundle(repo.models_dir, "mlp_bundle")
+    server = serve(repo.write_config("- name: mlp_bundle\n  device: cuda:1\n"))
+    state, reason = reasons(server)["mlp_bundle"]
+    assert state == "UNAVAILABLE"
+    assert "cuda:1" in reason and "no CUDA GPU backend" in reason and "models[0]" in reason
+
+
+def test_bad_runtime_options_name_the_setting(repo, serve, add_bundle) -> None:
+    add_bundle(repo.models_dir, "mlp_bundle", "a")
+    add_bundle(repo.models_dir, "mlp_bundle", "b")
+    add_bundle(repo.models_dir, "mlp_bundle", "c")
+    server = serve(repo.write_config("""
+        - name: a
+          runtime: {batch_sizes: smallest}
+        - name: b
+          runtime: {compile_everything: true}
+        - name: c
+          runtime: {executable_cache: "yes"}
+    """))
+    index = reasons(server)
+    assert "models[0].runtime.batch_sizes: must be one of all, largest, got 'smallest'" in index["a"][1]
+    assert "models[1].runtime.compile_everything: unknown option of the xla backend" in index["b"][1]
+    assert "models[2].runtime.executable_cache: must be true or false, got 'yes'" in index["c"][1]
+
+
+def test_manifest_type_mismatch_is_named(repo, serve, add_bundle) -> None:
+    bundle = add_bundle(repo.models_dir, "mlp_bundle")
+    manifest = bundle / "manifest.yaml"
+    manifest.write_text(manifest.read_text().replace("dims: {a: 16}", "dims: {a: 15}"))
+    server = serve(repo.write_config("- name: mlp_bundle\n"))
+    state, reason = reasons(server)["mlp_bundle"]
+    assert state == "UNAVAILABLE"
+    assert "parameter 0 (input 'input'" in reason and "tensor<1x16xf32>" in reason and "tensor<1x15xf32>" in reason
+
+
+def test_reversed_shapes_get_a_hint(repo, serve, add_bundle) -> None:
+    bundle = add_bundle(repo.models_dir, "embedding")
+    manifest = bundle / "manifest.yaml"
+    # ids is row-major [batch, 3], so the manifest says "an" with a: 3; writing it row-major is the classic slip.
+    manifest.write_text(manifest.read_text().replace("shape: an\n  dims: {a: 3}", "shape: na\n  dims: {a: 3}", 1))
+    server = serve(repo.write_config("- name: embedding\n"))
+    state, reason = reasons(server)["embedding"]
+    assert state == "UNAVAILABLE" and "column-major" in reason, reason
+
+
+def test_broken_model_py_is_reported_with_its_line(repo, serve, add_bundle) -> None:
+    raises = add_bundle(repo.models_dir, "mlp_hooks", "raises")
+    (raises / "model.py").write_text("import nereid\n\nraise RuntimeError('boom')\n")
+    silent = add_bundle(repo.models_dir, "mlp_hooks", "silent")
+    (silent / "model.py").write_text("x = 1\n")
+    twice = add_bundle(repo.models_dir, "mlp_hooks", "twice")
+    (twice / "model.py").write_text("import nereid\nnereid.register_model()\nnereid.register_model()\n")
+    server = serve(repo.write_config("- name: raises\n- name: silent\n- name: twice\n"))
+    index = reasons(server)
+    assert "model.py:3 failed: RuntimeError: boom" in index["raises"][1]
+    assert "did not call nereid.register_model" in index["silent"][1]
+    assert "called nereid.register_model 2 times" in index["twice"][1]
+
+
+def test_client_specs_without_model_py_are_refused(repo, serve, add_bundle) -> None:
+    bundle = add_bundle(repo.models_dir, "mlp_hooks")
+    (bundle / "model.py").unlink()
+    server = serve(repo.write_config("- name: mlp_hooks\n"))
+    state, reason = reasons(server)["mlp_hooks"]
+    assert state == "UNAVAILABLE"
+    assert "manifest.yaml: client_inputs: allowed only in a bundle with a model.py" in reason
+    assert "['pixels']" in reason
+
+
+def test_hook_returning_the_wrong_type_is_an_internal_error(repo, serve, add_bundle) -> None:
+    import pytest
+    import tritonclient.grpc as triton
+    from tritonclient.utils import InferenceServerException
+
+    bundle = add_bundle(repo.models_dir, "mlp_hooks")
+    text = (bundle / "model.py").read_text()
+    (bundle / "model.py").write_text(text.replace("return [NamedTensor.from_array(\"input\"",
+                                                  "return (NamedTensor.from_array(\"input\"").replace(
+        "/ 255.0)]", "/ 255.0),)"))
+    server = serve(repo.write_config("- name: mlp_hooks\n"))
+    tensor = triton.InferInput("pixels", [1, 16], "UINT8")
+    tensor.set_data_from_numpy(np.zeros((1, 16), np.uint8))
+    with pytest.raises(InferenceServerException) as caught:
+        server.client.infer("mlp_hooks", [tensor])
+    assert caught.value.status() == "StatusCode.INTERNAL"
+    assert "preprocess hook of model.py must return a list" in caught.value.message()

@@ -1,0 +1,191 @@
+"""manifest.yaml parsing: the shape encoding, and an error naming manifest, key and value for each mistake."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import yaml
+
+from nereid.backends.xla.manifest import DimKind, load_manifest
+from nereid.dtypes import DType
+from nereid.errors import ConfigError
+
+BASE: dict[str, Any] = {
+    "format_version": "2.1",
+    "name": "net",
+    "executable_inputs": [{"name": "image", "dtype": "f32", "shape": "chwn", "dims": {"c": 3, "h": 4, "w": 5}}],
+    "executable_outputs": [{"name": "logits", "dtype": "bf16", "shape": "kn", "dims": {"k": 10}}],
+    "batching": {"compiled_batch_sizes": [8, 1]},
+}
+
+
+def write(tmp_path: Path, document: Any, raw: str | None = None) -> Path:
+    path = tmp_path / "manifest.yaml"
+    path.write_text(raw if raw is not None else yaml.safe_dump(document))
+    return path
+
+
+def test_parses_the_column_major_encoding(tmp_path) -> None:
+    manifest = load_manifest(write(tmp_path, BASE))
+    assert manifest.format_version == "2.1" and manifest.name == "net"
+    image = manifest.executable_inputs[0]
+    assert image.dtype is DType.FP32 and image.shape_string == "chwn"
+    assert [d.kind for d in image.shape] == [DimKind.FIXED] * 3 + [DimKind.BATCH]
+    assert image.batch_axis == 3 and image.row_major_batch_axis == 0
+    assert image.program_shape(8) == (8, 5, 4, 3)  # reversed: row-major for clients and the program
+    assert manifest.input_batch_dim == 3
+    assert manifest.batching.compiled_batch_sizes == (1, 8) and manifest.batching.smallest_fitting(3) == 8
+    assert manifest.executable_outputs[0].dtype is DType.BF16
+    assert manifest.client_inputs is None and manifest.client_outputs is None
+
+
+@pytest.mark.parametrize("version", ["2.1", "2.0", "2", 2.1, 2.0, 2])
+def test_accepted_format_versions(tmp_path, version) -> None:
+    document = {**BASE, "format_version": version}
+    assert load_manifest(write(tmp_path, document)).format_version in ("2.1", "2.0", "2")
+
+
+def test_variable_axes_and_variants(tmp_path) -> None:
+    document = copy.deepcopy(BASE)
+    document["executable_inputs"][0]["dims"] = {"c": 3, "h": -1, "w": -1}
+    document["input_shapes"] = [[224, 224], [320, 240]]
+    manifest = load_manifest(write(tmp_path, document))
+    image = manifest.executable_inputs[0]
+    assert [d.kind for d in image.shape][1:3] == [DimKind.VARIABLE, DimKind.VARIABLE]
+    assert manifest.variable_input_axes == ((0, 1), (0, 2))
+    assert manifest.variant_sizes((320, 240)) == ((320, 240),)
+    assert image.program_shape(1, (320, 240)) == (1, 240, 320, 3)
+
+
+def test_client_specs_allow_bytes_and_variable_axes(tmp_path) -> None:
+    document = {**BASE, "client_inputs": [{"name": "jpeg", "dtype": "bytes", "shape": "n"}],
+                "client_outputs": [{"name": "boxes", "dtype": "f32", "shape": "cd", "dims": {"c": 4, "d": -1}}]}
+    manifest = load_manifest(write(tmp_path, document))
+    assert manifest.client_inputs[0].dtype is DType.BYTES
+    assert manifest.client_outputs[0].row_major[0].client_size == -1
+
+
+def _set(path: str, value: Any) -> Callable[[dict], None]:
+    def mutate(document: dict) -> None:
+        *parents, last = path.split(".")
+        target = document
+        for part in parents:
+            target = target[int(part)] if part.isdigit() else target[part]
+        if value is _DELETE:
+            del target[last]
+        else:
+            target[int(last) if last.isdigit() else last] = value
+    return mutate
+
+
+_DELETE = object()
+
+
+def _both(*mutations: Callable[[dict], None]) -> Callable[[dict], None]:
+    def mutate(document: dict) -> None:
+        for mutation in mutations:
+            mutation(document)
+    return mutate
+
+# (mutation, key named in the message, fragment of the problem)
+MISTAKES = [
+    (_set("format_version", "3.0"), "format_version", "unsupported bundle format"),
+    (_set("format_version", _DELETE), "format_version", "is required"),
+    (_set("surprise", 1), "surprise", "unknown key"),
+    (_set("executable_inputs", _DELETE), "executable_inputs", "is required"),
+    (_set("executable_inputs", {"name": "x"}), "executable_inputs", "must be a list"),
+    (_set("executable_outputs", []), "executable_outputs", "at least one tensor"),
+    (_set("executable_inputs.0.name", ""), "executable_inputs[0].name", "non-empty string"),
+    (_set("executable_inputs.0.dtype", "f33"), "executable_inputs[0].dtype", "unknown dtype token 'f33'"),
+    (_set("executable_inputs.0.dtype", "bytes"), "executable_inputs[0].dtype", "no string type"),
+    (_set("executable_inputs.0.shape", ["c", "n"]), "executable_inputs[0].shape", "string of axis letters"),
+    (_set("executable_inputs.0.shape", "chw1"), "executable_inputs[0].shape", "single ASCII letters"),
+    (_set("executable_inputs.0.shape", "chcn"), "executable_inputs[0].shape", "appears twice"),
+    (_set("executable_inputs.0.shape", "chwnb"), "executable_inputs[0].shape", "more than one batch marker"),
+    (_set("executable_inputs.0.dims", {"c": 3, "h": 4}), "executable_inputs[0].dims", "no size for axis 'w'"),
+    (_set("executable_inputs.0.dims.z", 2), "executable_inputs[0].dims.z", "names no axis"),
+    (_set("executable_inputs.0.dims.n", 2), "executable_inputs[0].dims.n", "is the batch axis"),
+    (_set("executable_inputs.0.dims.c", 0), "executable_inputs[0].dims.c", "positive integer or -1"),
+    (_set("executable_inputs.0.dims.c", "3"), "executable_inputs[0].dims.c", "positive integer or -1"),
+    (_set("executable_inputs.0.dims.c", -1), "executable_inputs[0].dims.c", "needs an input_shapes block"),
+    (_set("executable_outputs.0.dims.k", -1), "executable_outputs[0].dims.k", "needs an input_shapes block"),
+    (_set("executable_inputs.0.extra", 1), "executable_inputs[0].extra", "unknown key"),
+    (_set("executable_outputs.0.name", _DELETE), "executable_outputs[0].name", "is required"),
+    (_set("client_outputs", [{"name": "a", "dtype": "f8e4m3", "shape": "x", "dims": {"x": 1}}]),
+     "client_outputs[0].dtype", "no KServe wire datatype"),
+    (_set("client_inputs", [{"name": "a", "dtype": "f32", "shape": "x", "dims": {"x": 1}},
+                            {"name": "a", "dtype": "f32", "shape": "x", "dims": {"x": 1}}]),
+     "client_inputs[1].name", "used twice"),
+    (_set("batching", _DELETE), "batching", "is required"),
+    (_set("batching.compiled_batch_sizes", []), "batching.compiled_batch_sizes", "non-empty list"),
+    (_set("batching.compiled_batch_sizes", [1, 0]), "batching.compiled_batch_sizes", "positive integers"),
+    (_set("batching.compiled_batch_sizes", [2, 2]), "batching.compiled_batch_sizes", "lists a size twice"),
+    (_set("batching.max", 4), "batching.max", "unknown key"),
+    (_set("input_shapes", [[2]]), "input_shapes", "no executable input has a variable"),
+    (_set("weights_file", "../weights.safetensors"), "weights_file", "inside the bundle"),
+    (_set("weights_file", "/abs/weights.safetensors"), "weights_file", "inside the bundle"),
+    (_set("weights_file", 3), "weights_file", "file name"),
+    (_set("description", ["x"]), "description", "must be a string"),
+    (_set("name", 3), "name", "must be a string"),
+    (_set("executable_inputs.0", "image"), "executable_inputs[0]", "must be a mapping"),
+    (_set("executable_inputs.0.dims", [3, 4, 5]), "executable_inputs[0].dims", "must be a mapping"),
+    (_set("executable_inputs.0.dtype", 32), "executable_inputs[0].dtype", "dtype token such as f32"),
+    (_set("batching", [1, 8]), "batching", "must be a mapping"),
+    (_both(_set("executable_inputs.0.dims.c", -1), _set("input_shapes", {"c": 3})), "input_shapes",
+     "must be a non-empty list of variants"),
+    (_both(_set("executable_inputs.0.dims.c", -1), _set("input_shapes", [[1.5]])), "input_shapes[0]",
+     "sizes must be positive integers"),
+    (_set("provenance", "git"), "provenance", "must be a mapping"),
+]
+
+
+@pytest.mark.parametrize("mutate, key, problem", MISTAKES, ids=[f"{m[1]}:{m[2]}" for m in MISTAKES])
+def test_each_mistake_names_the_manifest_key_and_value(tmp_path, mutate, key, problem) -> None:
+    document = copy.deepcopy(BASE)
+    mutate(document)
+    path = write(tmp_path, document)
+    with pytest.raises(ConfigError) as caught:
+        load_manifest(path)
+    message = str(caught.value)
+    assert message.startswith(f"{path}: {key}: "), message
+    assert problem in message and ", got " in message, message
+
+
+def test_batch_sizes_without_any_batch_axis(tmp_path) -> None:
+    document = copy.deepcopy(BASE)
+    document["executable_inputs"][0]["shape"] = "chw"
+    document["executable_outputs"][0]["shape"] = "k"
+    with pytest.raises(ConfigError, match=r"batching.compiled_batch_sizes: no executable tensor has a batch axis"):
+        load_manifest(write(tmp_path, document))
+
+
+def test_variant_length_must_match_the_variable_axes(tmp_path) -> None:
+    document = copy.deepcopy(BASE)
+    document["executable_inputs"][0]["dims"]["h"] = -1
+    document["input_shapes"] = [[224], [224, 1]]
+    with pytest.raises(ConfigError, match=r"input_shapes\[1\]: must list 1 size\(s\).*image.h.*got \[224, 1\]"):
+        load_manifest(write(tmp_path, document))
+    document["input_shapes"] = [[224], [224]]
+    with pytest.raises(ConfigError, match=r"input_shapes\[1\]: repeats an earlier variant"):
+        load_manifest(write(tmp_path, document))
+
+
+def test_file_level_mistakes(tmp_path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_manifest(tmp_path / "absent.yaml")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_manifest(write(tmp_path, None, raw="format_version: [\n"))
+    with pytest.raises(ConfigError, match="duplicate key 'name'"):
+        load_manifest(write(tmp_path, None, raw="name: a\nname: b\n"))
+    with pytest.raises(ConfigError, match="top level: must be a mapping"):
+        load_manifest(write(tmp_path, None, raw="- 1\n"))
+
+
+def test_load_manifest_needs_no_bundle_directory(tmp_path) -> None:
+    # Only the file: no program, no weights, a client spec without model.py.
+    document = {**BASE, "client_outputs": [{"name": "label", "dtype": "i64", "shape": "n"}]}
+    manifest = load_manifest(write(tmp_path, document))
+    assert manifest.client_outputs[0].name == "label"

@@ -1,0 +1,151 @@
+"""Weights migration: legacy files rewritten in program order, proved, crash-safe, stale copies noticed."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from nereid.backend import ModelContext
+from nereid.backends.xla.manifest import load_manifest
+from nereid.backends.xla.migration import COPY_FILE, MigrationError, make_copy, migrate_bundle, prove_copy
+from nereid.backends.xla.model import XlaModel
+from nereid.backends.xla.safetensors import load_weights, read_header, write_safetensors
+from nereid.export import examples
+from nereid.settings import ModelSettings
+from nereid.tensors import NamedTensor
+
+X = np.random.default_rng(9).standard_normal((3, 16)).astype(np.float32)
+
+
+def serve_once(folder: Path, tmp_path: Path, **runtime) -> np.ndarray:
+    model = XlaModel(ModelContext(folder.name, folder, ModelSettings(folder.name, runtime=runtime), tmp_path, "t"))
+    model.load()
+    try:
+        return model.infer([NamedTensor.from_array("input", X)])[0].data
+    finally:
+        model.unload()
+
+
+@pytest.fixture
+def legacy(tmp_path, add_bundle) -> Path:
+    folder = add_bundle(tmp_path, "mlp_legacy")
+    manifest = folder / "manifest.yaml"
+    manifest.write_text("# hand-written note: keep me\n" + manifest.read_text() + "# trailing note\n")
+    return folder
+
+
+def test_copy_mode_leaves_the_original_untouched(legacy, tmp_path) -> None:
+    original = legacy / "weights.safetensors"
+    before_bytes, before_mtime = original.read_bytes(), original.stat().st_mtime_ns
+    manifest_before = (legacy / "manifest.yaml").read_text()
+    expected = serve_once(legacy, tmp_path)
+    assert np.array_equal(serve_once(legacy, tmp_path, weights_migration="copy"), expected)
+    assert original.read_bytes() == before_bytes and original.stat().st_mtime_ns == before_mtime
+    copy = read_header(legacy / COPY_FILE)
+    assert not copy.legacy and copy.metadata["migrated_from_sha256"]
+    manifest_after = (legacy / "manifest.yaml").read_text()
+    assert manifest_after == manifest_before + "weights_file: weights.T.safetensors\n"  # only that line added
+    assert load_manifest(legacy / "manifest.yaml").format_version == "2.0"
+    for (n1, a1), (n2, a2) in zip(load_weights(original), load_weights(legacy / COPY_FILE)):
+        assert n1 == n2 and a1.tobytes() == a2.tobytes()
+    assert migrate_bundle(legacy, "copy").changed is False  # done once
+
+
+def test_replace_mode_swaps_the_copy_in(legacy, tmp_path) -> None:
+    expected = serve_once(legacy, tmp_path)
+    arrays = load_weights(legacy / "weights.safetensors")
+    assert np.array_equal(serve_once(legacy, tmp_path, weights_migration="replace"), expected)
+    assert not (legacy / COPY_FILE).exists()
+    assert not read_header(legacy / "weights.safetensors").legacy
+    text = (legacy / "manifest.yaml").read_text()
+    assert "weights_file" not in text and 'format_version: "2.1"' in text
+    assert text.startswith("# hand-written note: keep me\n") and text.endswith("# trailing note\n")
+    for (_, a1), (_, a2) in zip(arrays, load_weights(legacy / "weights.safetensors")):
+        assert a1.tobytes() == a2.tobytes()
+    assert not [p for p in legacy.iterdir() if p.name.startswith(".") and p.name != ".cache"]  # no temporaries
+
+
+def test_a_copy_then_replace_resumes_from_the_copy(legacy) -> None:
+    assert migrate_bundle(legacy, "copy").what == f"wrote {COPY_FILE}"
+    outcome = migrate_bundle(legacy, "replace")
+    assert outcome.changed and "swapped in" in outcome.what
+    assert not (legacy / COPY_FILE).exists()
+
+
+def test_an_interrupted_replace_still_loads_and_is_finished(legacy, tmp_path) -> None:
+    expected = serve_once(legacy, tmp_path)
+    migrate_bundle(legacy, "copy")
+    # Stop the replace right after the swap: the copy is under both names, the manifest still names the copy.
+    os.link(legacy / COPY_FILE, legacy / ".swap")
+    os.replace(legacy / ".swap", legacy / "weights.safetensors")
+    assert np.array_equal(serve_once(legacy, tmp_path), expected)  # migration off: loads as it stands
+    outcome = migrate_bundle(legacy, "replace")
+    assert outcome.what == "finished an interrupted replace"
+    assert not (legacy / COPY_FILE).exists() and "weights_file" not in (legacy / "manifest.yaml").read_text()
+    assert np.array_equal(serve_once(legacy, tmp_path), expected)
+
+
+def test_a_stale_copy_is_noticed_and_rebuilt(legacy, tmp_path, caplog) -> None:
+    migrate_bundle(legacy, "copy")
+    redeployed = [(n, a * 2) for n, a in load_weights(legacy / "weights.safetensors")]
+    write_safetensors(legacy / "weights.safetensors", redeployed, legacy=True)
+    w1, b1, w2, b2 = (a for _, a in redeployed)
+    expected = np.maximum(X @ w1 + b1, 0) @ w2 + b2
+    with caplog.at_level(logging.WARNING):
+        served = serve_once(legacy, tmp_path)  # migration off: the original, not the stale copy
+    np.testing.assert_allclose(served, expected, rtol=1e-5, atol=1e-5)
+    assert "was made from an earlier weights.safetensors" in caplog.text
+    assert migrate_bundle(legacy, "copy").what == f"rebuilt the stale {COPY_FILE}"
+    np.testing.assert_allclose(serve_once(legacy, tmp_path), expected, rtol=1e-5, atol=1e-5)
+    assert [a.tobytes() for _, a in load_weights(legacy / COPY_FILE)] == [a.tobytes() for _, a in redeployed]
+
+
+def test_a_copy_that_differs_is_refused(legacy) -> None:
+    original = legacy / "weights.safetensors"
+    make_copy(original, legacy / COPY_FILE)
+    data = bytearray((legacy / COPY_FILE).read_bytes())
+    data[-1] ^= 0x01
+    (legacy / "bad.safetensors").write_bytes(bytes(data))
+    fd = os.open(original, os.O_RDONLY)
+    try:
+        prove_copy(fd, original, legacy / COPY_FILE)
+        with pytest.raises(MigrationError, match="tensor 'b2' differs from the original"):
+            prove_copy(fd, original, legacy / "bad.safetensors")
+        with pytest.raises(MigrationError, match="records the original as"):
+            write_safetensors(legacy / "other.safetensors", load_weights(original))
+            prove_copy(fd, original, legacy / "other.safetensors")
+    finally:
+        os.close(fd)
+
+
+def test_a_migration_that_cannot_run_leaves_the_bundle_loading(legacy, tmp_path, caplog) -> None:
+    (legacy / ".cache").write_text("not a folder: the migration lock cannot be taken")
+    expected = np.asarray(examples.mlp(X, *examples.mlp_weights().values()))
+    with caplog.at_level(logging.ERROR):
+        served = serve_once(legacy, tmp_path, weights_migration="replace", executable_cache=False)
+    np.testing.assert_allclose(served, expected, rtol=1e-5, atol=1e-5)
+    assert "weights migration (replace) did not run" in caplog.text
+    assert read_header(legacy / "weights.safetensors").legacy and not (legacy / COPY_FILE).exists()
+
+
+def test_bad_option_value(legacy, tmp_path) -> None:
+    from nereid.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"runtime.weights_migration: must be one of off, copy, replace, got 'y'"):
+        serve_once(legacy, tmp_path, weights_migration="y")
+    assert serve_once(legacy, tmp_path, weights_migration=False).shape == (3, 4)  # YAML's bare `off`
+
+
+def test_offline_tool(legacy, tmp_path, capsys) -> None:
+    from nereid.export.migrate import main
+
+    assert main(["--mode", "replace", str(legacy), str(tmp_path / "absent")]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"{legacy}: wrote {COPY_FILE}, swapped in as weights.safetensors"
+    assert lines[1].startswith(f"{tmp_path / 'absent'}: FAILED:")
+    assert main([str(legacy)]) == 0
+    assert capsys.readouterr().out.strip() == f"{legacy}: weights already in the program's axis order"

@@ -1,0 +1,87 @@
+"""nereid.register_model: what a bundle's model.py registers, isolated per bundle and per load."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+import nereid
+from nereid.errors import ConfigError
+from nereid.model_hooks import identity, load_model_hooks
+from nereid.tensors import NamedTensor
+
+DOUBLING = '''
+import nereid
+from nereid.tensors import NamedTensor
+
+def double(tensors):
+    return [NamedTensor(t.name, t.dtype, t.data * 2) for t in tensors]
+
+nereid.register_model(preprocess=double)
+'''
+
+NEGATING = '''
+import nereid
+from nereid.tensors import NamedTensor
+
+def negate(tensors):
+    return [NamedTensor(t.name, t.dtype, -t.data) for t in tensors]
+
+nereid.register_model(postprocess=negate)
+'''
+
+
+def tensor() -> list[NamedTensor]:
+    return [NamedTensor.from_array("x", np.array([1.0, 2.0], np.float32))]
+
+
+def test_each_bundle_keeps_its_own_hooks(tmp_path) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "a" / "model.py").write_text(DOUBLING)
+    (tmp_path / "b" / "model.py").write_text(NEGATING)
+    a = load_model_hooks(tmp_path / "a" / "model.py", "a")
+    b = load_model_hooks(tmp_path / "b" / "model.py", "b")
+    assert a.postprocess is identity and b.preprocess is identity
+    assert a.preprocess(tensor())[0].data.tolist() == [2.0, 4.0]
+    assert b.postprocess(tensor())[0].data.tolist() == [-1.0, -2.0]
+    # Nothing outlives the load: no module left behind, and no registration possible outside one.
+    import sys
+
+    assert not [name for name in sys.modules if name.startswith("nereid_bundle_")]
+    with pytest.raises(RuntimeError, match="call it from the bundle's model.py"):
+        nereid.register_model(preprocess=identity)
+
+
+def test_concurrent_loads_do_not_see_each_other(tmp_path) -> None:
+    results: dict[int, object] = {}
+    for i in range(8):
+        folder = tmp_path / f"m{i}"
+        folder.mkdir()
+        (folder / "model.py").write_text(DOUBLING if i % 2 else NEGATING)
+
+    def load(i: int) -> None:
+        results[i] = load_model_hooks(tmp_path / f"m{i}" / "model.py", f"m{i}")
+
+    threads = [threading.Thread(target=load, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for i, hooks in results.items():
+        assert (hooks.preprocess is identity) == (i % 2 == 0) and (hooks.postprocess is identity) == (i % 2 == 1)
+
+
+def test_mistakes_name_the_file(tmp_path) -> None:
+    path = tmp_path / "model.py"
+    path.write_text("import nereid\nnereid.register_model(preprocess=3)\n")
+    with pytest.raises(ConfigError, match=r"model.py:2 failed: TypeError: register_model: preprocess must be"):
+        load_model_hooks(path, "m")
+    path.write_text("def broken(:\n")
+    with pytest.raises(ConfigError, match=r"model.py:1 failed: SyntaxError"):
+        load_model_hooks(path, "m")
+    path.write_text("import nereid\n")
+    with pytest.raises(ConfigError, match="did not call nereid.register_model"):
+        load_model_hooks(path, "m")

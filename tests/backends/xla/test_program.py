@@ -1,0 +1,59 @@
+"""Reading a program's parameters and results out of a StableHLO portable artifact (no compiling)."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from jax import export as jax_export
+
+from nereid.backends.xla.arity import bundle_entry_arity
+from nereid.backends.xla.program import is_bytecode, read_program, to_portable_artifact
+from nereid.dtypes import DType
+from nereid.errors import ConfigError
+
+
+def exported_artifact() -> bytes:
+    def f(x, w, flags):
+        return (x @ w).astype(jax.numpy.bfloat16), flags.sum()
+
+    exported = jax_export.export(jax.jit(f, keep_unused=True), platforms=["cpu"])(
+        jax.ShapeDtypeStruct((8, 3), np.float32), jax.ShapeDtypeStruct((3, 2), np.float32),
+        jax.ShapeDtypeStruct((4,), np.int32))
+    return exported.mlir_module_serialized
+
+
+def test_reads_parameters_and_results() -> None:
+    artifact = exported_artifact()
+    assert is_bytecode(artifact)
+    program = read_program(artifact, "model.mlir")
+    assert program.arity == 3
+    assert [(p.shape, p.dtype) for p in program.parameters] == [
+        ((8, 3), DType.FP32), ((3, 2), DType.FP32), ((4,), DType.INT32)]
+    assert [(r.shape, r.dtype) for r in program.results] == [((8, 2), DType.BF16), ((), DType.INT32)]
+    assert program.parameters[0].describe() == "tensor<8x3xf32>" and program.results[1].describe() == "tensor<i32>"
+
+
+def test_text_modules_are_read_and_converted() -> None:
+    text = """
+    func.func @main(%arg0: tensor<2xf32>, %arg1: tensor<2xui64>) -> tensor<2xf32> {
+      return %arg0 : tensor<2xf32>
+    }
+    """
+    assert read_program(text, "model.mlir").arity == 2
+    artifact = to_portable_artifact(text)
+    assert is_bytecode(artifact) and read_program(artifact, "x").parameters[1].dtype is DType.UINT64
+
+
+def test_unreadable_modules_name_the_file(tmp_path) -> None:
+    with pytest.raises(ConfigError, match="model.b8.mlir: not a StableHLO module"):
+        read_program(b"this is not mlir", "model.b8.mlir")
+    with pytest.raises(ConfigError, match="model.mlir: not a readable StableHLO portable artifact"):
+        read_program(b"ML\xefR" + b"\x00" * 20, "model.mlir")
+    with pytest.raises(ConfigError, match="has no 'main' function .*functions: other"):
+        read_program("func.func @other() -> () { return }", "model.mlir")
+    path = tmp_path / "model.mlir"
+    path.write_bytes(exported_artifact())
+    assert bundle_entry_arity(path) == 3
+    with pytest.raises(ConfigError, match="cannot read"):
+        bundle_entry_arity(tmp_path / "absent.mlir")

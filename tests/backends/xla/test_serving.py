@@ -1,0 +1,173 @@
+"""Bundles served over real gRPC: outputs equal jax.jit of the same function on the same inputs."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import jax
+import numpy as np
+import pytest
+import tritonclient.grpc as triton
+from tritonclient.utils import InferenceServerException
+
+from nereid.export import examples
+
+# Same function, same inputs, but a padded batch may take another XLA kernel
+# path than jax.jit at the request's own size: compare to float rounding.
+RTOL, ATOL = 1e-6, 1e-6
+
+
+def infer(client, model: str, name: str, array: np.ndarray, datatype: str, outputs: list[str] | None = None):
+    tensor = triton.InferInput(name, list(array.shape), datatype)
+    tensor.set_data_from_numpy(array)
+    requested = [triton.InferRequestedOutput(o) for o in outputs] if outputs else None
+    return client.infer(model, [tensor], outputs=requested)
+
+
+def index_of(client) -> dict:
+    return {m.name: m for m in client.get_model_repository_index().models}
+
+
+def mlp_reference(x: np.ndarray) -> np.ndarray:
+    return np.asarray(jax.jit(examples.mlp)(x, *examples.mlp_weights().values()))
+
+
+@pytest.fixture
+def mlp_server(repo, serve, add_bundle):
+    add_bundle(repo.models_dir, "mlp_bundle")
+    return serve(repo.write_config("- name: mlp_bundle\n"))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 20, 32])
+def test_mlp_serves_any_batch_up_to_the_largest_compiled_size(mlp_server, rows) -> None:
+    x = np.random.default_rng(rows).standard_normal((rows, 16)).astype(np.float32)
+    served = infer(mlp_server.client, "mlp_bundle", "input", x, "FP32").as_numpy("output")
+    assert served.shape == (rows, 4) and served.dtype == np.float32
+    np.testing.assert_allclose(served, mlp_reference(x), rtol=RTOL, atol=ATOL)
+
+
+def test_concurrent_requests_are_batched_and_each_gets_its_own_rows(mlp_server) -> None:
+    rng = np.random.default_rng(42)
+    requests = [rng.standard_normal((int(rng.integers(1, 9)), 16)).astype(np.float32) for _ in range(24)]
+    with ThreadPoolExecutor(max_workers=12) as pool:
+        served = list(pool.map(
+            lambda x: infer(mlp_server.client, "mlp_bundle", "input", x, "FP32").as_numpy("output"), requests))
+    for x, y in zip(requests, served):
+        np.testing.assert_allclose(y, mlp_reference(x), rtol=RTOL, atol=ATOL)
+
+
+def test_mlp_metadata_config_and_limits(mlp_server) -> None:
+    client = mlp_server.client
+    metadata = client.get_model_metadata("mlp_bundle")
+    assert metadata.platform == "nereid_xla"
+    assert [(t.name, t.datatype, list(t.shape)) for t in metadata.inputs] == [("input", "FP32", [-1, 16])]
+    assert [(t.name, t.datatype, list(t.shape)) for t in metadata.outputs] == [("output", "FP32", [-1, 4])]
+    config = client.get_model_config("mlp_bundle").config
+    assert config.backend == "xla" and config.max_batch_size == 32 and list(config.input[0].dims) == [16]
+    single = np.ones(16, np.float32)  # no batch axis: served as batch 1, answered without one
+    served = infer(client, "mlp_bundle", "input", single, "FP32").as_numpy("output")
+    np.testing.assert_allclose(served, mlp_reference(single[None])[0], rtol=RTOL, atol=ATOL)
+    with pytest.raises(InferenceServerException) as caught:
+        infer(client, "mlp_bundle", "input", np.zeros((33, 16), np.float32), "FP32")
+    assert caught.value.status() == "StatusCode.INVALID_ARGUMENT" and "32" in caught.value.message()
+
+
+def test_both_weight_layouts_serve_the_same_outputs(repo, serve, add_bundle) -> None:
+    add_bundle(repo.models_dir, "mlp_bundle")
+    add_bundle(repo.models_dir, "mlp_legacy")
+    server = serve(repo.write_config("- name: mlp_bundle\n- name: mlp_legacy\n"))
+    x = np.random.default_rng(7).standard_normal((5, 16)).astype(np.float32)
+    xla = infer(server.client, "mlp_bundle", "input", x, "FP32").as_numpy("output")
+    legacy = infer(server.client, "mlp_legacy", "input", x, "FP32").as_numpy("output")
+    np.testing.assert_array_equal(xla, legacy)
+
+
+def test_largest_batch_size_only(repo, serve, add_bundle) -> None:
+    add_bundle(repo.models_dir, "mlp_bundle")
+    server = serve(repo.write_config("- name: mlp_bundle\n  runtime: {batch_sizes: largest}\n"))
+    backend = server.server.repository.ready_model("mlp_bundle").backend
+    assert backend.report.programs == ("model.b32.mlir",)
+    assert server.client.get_model_config("mlp_bundle").config.max_batch_size == 32
+    x = np.random.default_rng(3).standard_normal((3, 16)).astype(np.float32)
+    served = infer(server.client, "mlp_bundle", "input", x, "FP32").as_numpy("output")
+    np.testing.assert_allclose(served, mlp_reference(x), rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("scale, offset, found", [(0.5, 0.0, "all"), (2.0, 0.0, "some"), (0.1, 5.0, "none")])
+def test_variable_length_result_is_trimmed_by_model_py(repo, serve, add_bundle, scale, offset, found) -> None:
+    add_bundle(repo.models_dir, "circle_select")
+    server = serve(repo.write_config("- name: circle_select\n"))
+    rng = np.random.default_rng(11)
+    points = (rng.uniform(-1, 1, (examples.CIRCLE_POINTS, 2)) * scale + offset).astype(np.float32)
+    served = infer(server.client, "circle_select", "points", points, "FP32").as_numpy("OUTPUT__0")
+    with jax.enable_x64(True):
+        buffer, count = jax.jit(examples.circle_select)(points, examples.circle_weights()["radius"])
+    expected = np.asarray(buffer)[:int(count[0])]
+    np.testing.assert_array_equal(served, expected)
+    inside = points[(points ** 2).sum(axis=1) <= examples.CIRCLE_RADIUS ** 2]
+    np.testing.assert_array_equal(served, inside)  # and it is what the example promises
+    assert {"all": len(points), "none": 0}.get(found, len(inside)) == len(served) and (
+        found != "some" or 0 < len(served) < len(points))
+    metadata = server.client.get_model_metadata("circle_select")
+    assert [(t.name, list(t.shape)) for t in metadata.inputs] == [("points", [64, 2])]
+    assert [(t.name, t.datatype, list(t.shape)) for t in metadata.outputs] == [("OUTPUT__0", "FP32", [-1, 2])]
+
+
+def test_model_py_hooks_transform_client_tensors(repo, serve, add_bundle) -> None:
+    add_bundle(repo.models_dir, "mlp_hooks")
+    server = serve(repo.write_config("- name: mlp_hooks\n"))
+    metadata = server.client.get_model_metadata("mlp_hooks")
+    assert [(t.name, t.datatype, list(t.shape)) for t in metadata.inputs] == [("pixels", "UINT8", [-1, 16])]
+    assert [(t.name, t.datatype, list(t.shape)) for t in metadata.outputs] == [
+        ("class", "INT64", [-1]), ("logits", "FP32", [-1, 4])]
+    pixels = np.random.default_rng(5).integers(0, 256, (6, 16), dtype=np.uint8)
+    result = infer(server.client, "mlp_hooks", "pixels", pixels, "UINT8")
+    expected = mlp_reference(pixels.astype(np.float32) / 255.0)
+    np.testing.assert_allclose(result.as_numpy("logits"), expected, rtol=RTOL, atol=ATOL)
+    np.testing.assert_array_equal(result.as_numpy("class"), np.argmax(expected, axis=1))
+
+
+def test_batch_must_be_a_compiled_size_when_a_tensor_has_no_batch_axis(repo, serve, add_bundle) -> None:
+    add_bundle(repo.models_dir, "exact_batch")
+    server = serve(repo.write_config("- name: exact_batch\n"))
+    config = server.client.get_model_config("exact_batch").config
+    assert config.max_batch_size == 0 and list(config.input[0].dims) == [-1, 4]
+    w = np.arange(4, dtype=np.float32)
+    x = np.random.default_rng(1).standard_normal((2, 4)).astype(np.float32)
+    result = infer(server.client, "exact_batch", "x", x, "FP32")
+    np.testing.assert_allclose(result.as_numpy("y"), x * w, rtol=RTOL)
+    np.testing.assert_allclose(result.as_numpy("total"), (x * w).sum(axis=0), rtol=RTOL, atol=ATOL)
+    with pytest.raises(InferenceServerException) as caught:
+        infer(server.client, "exact_batch", "x", np.zeros((3, 4), np.float32), "FP32")
+    message = caught.value.message()
+    assert caught.value.status() == "StatusCode.INVALID_ARGUMENT"
+    for part in ("exact_batch", "'x'", "batch size 3", "[2, 4]"):
+        assert part in message
+
+
+def test_input_shape_variants(repo, serve, add_bundle) -> None:
+    add_bundle(repo.models_dir, "variants")
+    server = serve(repo.write_config("- name: variants\n"))
+    assert list(server.client.get_model_metadata("variants").inputs[0].shape) == [-1, -1]
+    for rows, length in ((1, 4), (2, 8), (1, 8)):
+        x = np.random.default_rng(length).standard_normal((rows, length)).astype(np.float32)
+        np.testing.assert_array_equal(infer(server.client, "variants", "x", x, "FP32").as_numpy("y"), x * 3)
+    with pytest.raises(InferenceServerException) as caught:
+        infer(server.client, "variants", "x", np.zeros((1, 5), np.float32), "FP32")
+    assert caught.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert "[5]" in caught.value.message() and "[4], [8]" in caught.value.message()
+
+
+def test_int64_inputs_and_bf16_weights(repo, serve, add_bundle) -> None:
+    add_bundle(repo.models_dir, "embedding")
+    server = serve(repo.write_config("- name: embedding\n"))
+    ids = np.array([[0, 9, 3], [2, 2, 7]], dtype=np.int64)
+    served = infer(server.client, "embedding", "ids", ids, "INT64").as_numpy("vectors")
+    table = (np.arange(40).reshape(10, 4) / 8).astype("bfloat16")
+    with jax.enable_x64(True):
+        expected = np.asarray(jax.jit(embed_reference)(ids, table))
+    np.testing.assert_array_equal(served, expected)
+
+
+def embed_reference(ids, table):
+    return table[ids].astype("float32")

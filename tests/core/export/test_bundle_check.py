@@ -1,0 +1,54 @@
+"""``nereid bundle check DIR...``: one arity line per bundle, never raising, non-zero if any is unservable."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from nereid.backends.xla.safetensors import load_weights, write_safetensors
+from nereid.cli import main
+from nereid.export import assert_bundle_arity, bundle_arity_report, examples
+
+SHIPPED = Path(__file__).resolve().parents[3] / "ml-backends"
+
+
+def test_the_shipped_bundles_are_servable(capsys) -> None:
+    assert main(["bundle", "check", str(SHIPPED)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1].endswith(" bundle(s), 0 unservable")
+    assert any(line.startswith(f"{SHIPPED / 'mlp_bundle'}: servable: 1 input(s) + 4 weight(s) = 5 argument(s)")
+               for line in lines)
+
+
+def test_triage_of_a_directory_of_bundles(tmp_path, capsys) -> None:
+    good = examples.write_mlp(tmp_path, provenance=False)
+    broken = tmp_path / "broken"
+    shutil.copytree(good, broken)
+    write_safetensors(broken / "weights.safetensors", load_weights(broken / "weights.safetensors")[:2])
+    garbage = tmp_path / "garbage"
+    garbage.mkdir()
+    (garbage / "manifest.yaml").write_text("format_version: 9\n")
+    not_a_bundle = tmp_path / "empty"
+    not_a_bundle.mkdir()
+    assert main(["bundle", "check", str(tmp_path), str(not_a_bundle)]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 5 and lines[-1] == "4 bundle(s), 3 unservable"
+    by_bundle = {line.split(": ", 1)[0]: line for line in lines[:-1]}
+    assert "UNSERVABLE" in by_bundle[str(broken)] and "takes 5 argument(s)" in by_bundle[str(broken)]
+    assert "supplies 3" in by_bundle[str(broken)]
+    assert "format_version: unsupported bundle format" in by_bundle[str(garbage)]
+    assert "missing manifest.yaml" in by_bundle[str(not_a_bundle)]
+    assert ": servable:" in by_bundle[str(good)]
+
+
+def test_report_api(tmp_path) -> None:
+    good = examples.write_mlp(tmp_path, provenance=False)
+    report = assert_bundle_arity(good)
+    assert (report.n_inputs, report.n_weights, report.expected) == (1, 4, 5)
+    assert [m.file for m in report.modules] == ["model.b1.mlir", "model.b8.mlir", "model.b32.mlir"]
+    write_safetensors(good / "weights.safetensors", [*load_weights(good / "weights.safetensors"),
+                                                     ("extra", np.zeros(1, np.float32))])
+    report = bundle_arity_report(good)
+    assert not report.servable and report.n_weights == 5 and report.expected == 5

@@ -1,0 +1,85 @@
+"""export_bundle: tracing a JAX function at each batch size into a servable bundle."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from nereid.backend import ModelContext
+from nereid.backends.xla.arity import bundle_arity_report
+from nereid.backends.xla.manifest import load_manifest
+from nereid.backends.xla.model import XlaModel
+from nereid.export import ExportError, export_bundle
+from nereid.settings import ModelSettings
+from nereid.tensors import NamedTensor
+
+
+def serve_once(directory, inputs: list[NamedTensor]) -> list[NamedTensor]:
+    model = XlaModel(ModelContext(directory.name, directory, ModelSettings(directory.name), directory, "test"))
+    model.load()
+    try:
+        return model.infer(inputs)
+    finally:
+        model.unload()
+
+
+def test_batched_export_round_trips(tmp_path) -> None:
+    def f(x, w):
+        return jnp.tanh(x @ w), x.sum(axis=1)
+
+    w = np.random.default_rng(0).standard_normal((5, 3)).astype(np.float32)
+    directory = export_bundle(f, [np.zeros((1, 5), np.float32)], {"w": w}, directory=tmp_path / "f",
+                              batch_sizes=[4, 2], output_names=["h", "s"], provenance=False)
+    manifest = load_manifest(directory / "manifest.yaml")
+    assert manifest.batching.compiled_batch_sizes == (2, 4)
+    assert [(t.name, t.shape_string) for t in manifest.executable_outputs] == [("h", "an"), ("s", "n")]
+    assert manifest.executable_inputs[0].name == "input"
+    x = np.random.default_rng(1).standard_normal((3, 5)).astype(np.float32)
+    h, s = serve_once(directory, [NamedTensor.from_array("input", x)])
+    expected_h, expected_s = jax.jit(f)(x, w)
+    np.testing.assert_allclose(h.data, expected_h, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(s.data, expected_s, rtol=1e-6, atol=1e-6)
+
+
+def test_unused_weights_still_count(tmp_path) -> None:
+    # jax.export drops arguments the program never reads unless jitted with keep_unused.
+    def f(x, used, unused):
+        return x * used
+
+    directory = export_bundle(f, [np.zeros(3, np.float32)], {"used": np.float32(2), "unused": np.zeros(4, np.int8)},
+                              directory=tmp_path / "f", provenance=False)
+    report = bundle_arity_report(directory)
+    assert report.servable and (report.n_inputs, report.n_weights, report.expected) == (1, 2, 3)
+
+
+def test_output_batch_axes_must_really_be_batch_axes(tmp_path) -> None:
+    def f(x):
+        return x.sum(axis=0)  # no batch axis left
+
+    with pytest.raises(ExportError, match=r"axis 0 is not its batch axis; pass output_batch_axes"):
+        export_bundle(f, [np.zeros((1, 3), np.float32)], {}, directory=tmp_path / "f", batch_sizes=[1, 2],
+                      provenance=False)
+    directory = export_bundle(f, [np.zeros((1, 3), np.float32)], {}, directory=tmp_path / "f", batch_sizes=[1, 2],
+                              output_batch_axes=[None], provenance=False)
+    assert load_manifest(directory / "manifest.yaml").executable_outputs[0].batch_axis is None
+
+
+def test_64_bit_types_are_kept(tmp_path) -> None:
+    def f(ids, offset):
+        return ids + offset
+
+    directory = export_bundle(f, [np.zeros((1, 2), np.int64)], {"offset": np.int64(2 ** 40)},
+                              directory=tmp_path / "f", batch_sizes=[1], provenance=False)
+    out, = serve_once(directory, [NamedTensor.from_array("input", np.array([[1, 2]], np.int64))])
+    assert out.data.dtype == np.int64 and out.data.tolist() == [[2 ** 40 + 1, 2 ** 40 + 2]]
+
+
+def test_argument_mistakes(tmp_path) -> None:
+    with pytest.raises(ExportError, match="input_batch_axes has 2 entries for 1 tensor"):
+        export_bundle(lambda x: x, [np.zeros((1, 2))], {}, directory=tmp_path / "f", batch_sizes=[1],
+                      input_batch_axes=[0, 0], provenance=False)
+    with pytest.raises(ExportError, match="output_names has 2 names for 1 output"):
+        export_bundle(lambda x: x, [np.zeros((1, 2), np.float32)], {}, directory=tmp_path / "f",
+                      output_names=["a", "b"], provenance=False)

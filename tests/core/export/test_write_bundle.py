@@ -1,0 +1,120 @@
+"""write_bundle: the manifest it writes, the layouts, and what it refuses to write."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+import yaml
+from jax import export as jax_export
+
+from nereid.backends.xla.manifest import load_manifest
+from nereid.backends.xla.safetensors import read_header
+from nereid.export import ExportError, IOSpec, read_bundle_weights, write_bundle
+
+
+def affine(x, w, b):
+    return x @ w + b
+
+
+def module(batch: int, fn=affine, n_weights: int = 2) -> bytes:
+    structs = [jax.ShapeDtypeStruct((batch, 3), np.float32), jax.ShapeDtypeStruct((3, 2), np.float32),
+               jax.ShapeDtypeStruct((2,), np.float32)][:1 + n_weights]
+    return jax_export.export(jax.jit(fn, keep_unused=True), platforms=["cpu"])(*structs).mlir_module_serialized
+
+
+WEIGHTS = {"w": np.arange(6, dtype=np.float32).reshape(3, 2), "b": np.array([1.0, -1.0], np.float32)}
+INPUTS = [IOSpec("x", "f32", (3,), batch_axis=0)]
+OUTPUTS = [IOSpec("y", "f32", (2,), batch_axis=0)]
+
+
+def test_writes_a_column_major_manifest(tmp_path) -> None:
+    directory = write_bundle(tmp_path / "affine", "affine", INPUTS, OUTPUTS, {1: module(1), 4: module(4)}, WEIGHTS,
+                             description="x @ w + b")
+    assert sorted(p.name for p in directory.iterdir()) == [
+        "manifest.yaml", "model.b1.mlir", "model.b4.mlir", "weights.safetensors"]
+    document = yaml.safe_load((directory / "manifest.yaml").read_text())
+    assert document["format_version"] == "2.1"
+    assert document["executable_inputs"] == [{"name": "x", "dtype": "f32", "shape": "an", "dims": {"a": 3}}]
+    assert document["batching"] == {"compiled_batch_sizes": [1, 4]}
+    manifest = load_manifest(directory / "manifest.yaml")
+    assert manifest.executable_inputs[0].program_shape(4) == (4, 3)
+    header = read_header(directory / "weights.safetensors")
+    assert header.metadata["axis_order"] == "xla" and [t.name for t in header.tensors] == ["w", "b"]
+    assert [(n, a.tolist()) for n, a in read_bundle_weights(directory)] == [
+        (n, a.tolist()) for n, a in WEIGHTS.items()]
+
+
+def test_legacy_layout(tmp_path) -> None:
+    directory = write_bundle(tmp_path / "affine", "affine", INPUTS, OUTPUTS, {2: module(2)}, WEIGHTS,
+                             layout="legacy")
+    assert load_manifest(directory / "manifest.yaml").format_version == "2.0"
+    header = read_header(directory / "weights.safetensors")
+    assert header.legacy and header.tensors[0].shape == (2, 3)  # the reversed (column-major) shape
+    assert (directory / "model.mlir").is_file()  # one batch size: model.mlir
+    assert all(np.array_equal(a, WEIGHTS[n]) for n, a in read_bundle_weights(directory))
+
+
+def test_letters_and_explicit_batch_axis() -> None:
+    spec = IOSpec("image", "f32", (224, 224, 3), batch_axis=0, letters="hwc")
+    assert spec.manifest_entry() == {"name": "image", "dtype": "f32", "shape": "cwhn",
+                                     "dims": {"c": 3, "w": 224, "h": 224}}
+    assert IOSpec("t", "i64", (5,), batch_axis=1).manifest_entry()["shape"] == "na"
+    with pytest.raises(ValueError, match="batch markers"):
+        IOSpec("bad", "f32", (3,), letters="n")
+
+
+def test_refuses_a_program_whose_arity_disagrees(tmp_path) -> None:
+    target = tmp_path / "affine"
+    with pytest.raises(ExportError) as caught:
+        write_bundle(target, "affine", INPUTS, OUTPUTS, {1: module(1)}, {"w": WEIGHTS["w"]})
+    message = str(caught.value)
+    assert "takes 3 argument(s)" in message and "supplies 2" in message and "1 input(s)" in message
+    assert not target.exists()  # nothing written
+    extra = {**WEIGHTS, "unused": np.zeros(2, np.float32)}
+    with pytest.raises(ExportError, match=r"takes 3 argument\(s\).*supplies 4.*keep_unused=True"):
+        write_bundle(target, "affine", INPUTS, OUTPUTS, {1: module(1)}, extra)
+
+
+def test_refuses_types_that_disagree(tmp_path) -> None:
+    with pytest.raises(ExportError, match=r"parameter 0 \(input 'x'.*tensor<1x3xf32> in the program but the "
+                                          r"bundle declares tensor<1x4xf32>"):
+        write_bundle(tmp_path / "affine", "affine", [IOSpec("x", "f32", (4,), batch_axis=0)], OUTPUTS,
+                     {1: module(1)}, WEIGHTS)
+    with pytest.raises(ExportError, match=r"result 0 \(output 'y'.*declares tensor<1x2xi32>"):
+        write_bundle(tmp_path / "affine", "affine", INPUTS, [IOSpec("y", "i32", (2,), batch_axis=0)],
+                     {1: module(1)}, WEIGHTS)
+
+
+def test_identity_and_model_py_rules(tmp_path) -> None:
+    with pytest.raises(ExportError, match="must be the model name"):
+        write_bundle(tmp_path / "folder", "other", INPUTS, OUTPUTS, {1: module(1)}, WEIGHTS)
+    with pytest.raises(ExportError, match="need a model.py"):
+        write_bundle(tmp_path / "affine", "affine", INPUTS, OUTPUTS, {1: module(1)}, WEIGHTS,
+                     client_outputs=[IOSpec("label", "i64", (), batch_axis=0)])
+    directory = write_bundle(tmp_path / "affine", "affine", INPUTS, OUTPUTS, {1: module(1)}, WEIGHTS,
+                             client_outputs=[IOSpec("label", "i64", (), batch_axis=0)],
+                             model_py="import nereid\nnereid.register_model()\n")
+    assert (directory / "model.py").is_file()
+    assert load_manifest(directory / "manifest.yaml").client_outputs[0].shape_string == "n"
+
+
+def test_rewriting_removes_stale_program_files(tmp_path) -> None:
+    directory = write_bundle(tmp_path / "affine", "affine", INPUTS, OUTPUTS, {1: module(1), 4: module(4)}, WEIGHTS)
+    write_bundle(directory, "affine", INPUTS, OUTPUTS, {2: module(2)}, WEIGHTS)
+    assert sorted(p.name for p in directory.glob("model*.mlir")) == ["model.mlir"]
+
+
+def test_text_modules_are_stored_as_portable_artifacts(tmp_path) -> None:
+    text = """
+    func.func @main(%x: tensor<3xf32>, %w: tensor<3xf32>) -> tensor<3xf32> {
+      %0 = stablehlo.multiply %x, %w : tensor<3xf32>
+      return %0 : tensor<3xf32>
+    }
+    """
+    directory = write_bundle(tmp_path / "mul", "mul", [IOSpec("x", "f32", (3,))], [IOSpec("y", "f32", (3,))],
+                             text, {"w": np.ones(3, np.float32)})
+    assert (directory / "model.mlir").read_bytes()[:4] == b"ML\xefR"
+    with pytest.raises(ExportError, match="not a StableHLO module"):
+        write_bundle(tmp_path / "mul", "mul", [IOSpec("x", "f32", (3,))], [IOSpec("y", "f32", (3,))],
+                     "not mlir", {"w": np.ones(3, np.float32)})
