@@ -67,6 +67,7 @@ class ModelScheduler:
         self._forming = False  # a batch has left the queue but not yet started
         self._accepting = True
         self._inline = inspect.iscoroutinefunction(backend.infer)
+        self._variable_axes = any(-1 in spec.dims for spec in signature.inputs)  # else a request costs its rows
         self._executor = None if self._inline else ThreadPoolExecutor(max_workers=instances,
                                                                       thread_name_prefix=f"nereid-{name}")
         self._batcher = asyncio.create_task(self._batch_loop(), name=f"nereid-{name}-batcher")
@@ -87,8 +88,8 @@ class ModelScheduler:
         if len(self._pending) >= self.capacity:
             raise QueueFull(f"model '{self.name}': queue is full (queue_capacity {self.capacity} in nereid.yaml); "
                             "retry later")
-        work = Work(inputs, rows, request_cost(self._signature, inputs, rows), batch_key(inputs), deadline_ns,
-                    asyncio.get_running_loop().create_future())
+        cost = request_cost(self._signature, inputs, rows) if self._variable_axes else rows
+        work = Work(inputs, rows, cost, batch_key(inputs), deadline_ns, asyncio.get_running_loop().create_future())
         self._stats.record_submitted()
         self._idle.clear()
         if self._can_start_at_once():
@@ -169,19 +170,24 @@ class ModelScheduler:
         if not self.policy.enabled:
             return batch
         window_end = first.enqueued_ns + self.policy.max_delay_ns
-        while True:
-            rows, cost, blocked = self._fill(batch, rows, cost)
-            full = blocked or rows >= self.policy.max_rows or self._over_budget(cost)
-            if full or self._preferred_prefix(batch):
-                break
-            remaining = window_end - time.monotonic_ns()
-            if remaining <= 0:
-                break
-            self._arrived.clear()
-            try:
-                await asyncio.wait_for(self._arrived.wait(), remaining / 1e9)
-            except asyncio.TimeoutError:
-                pass
+        timer: asyncio.TimerHandle | None = None
+        try:
+            while True:
+                rows, cost, blocked = self._fill(batch, rows, cost)
+                full = blocked or rows >= self.policy.max_rows or self._over_budget(cost)
+                if full or self._preferred_prefix(batch):
+                    break
+                remaining = window_end - time.monotonic_ns()
+                if remaining <= 0:
+                    break
+                if timer is None:
+                    # One wake-up at the window's end; arrivals wake the loop in between.
+                    timer = asyncio.get_running_loop().call_later(remaining / 1e9, self._arrived.set)
+                self._arrived.clear()
+                await self._arrived.wait()
+        finally:
+            if timer is not None:
+                timer.cancel()
         return self._cut_to_preferred(batch)
 
     def _pop_live(self) -> Work | None:
