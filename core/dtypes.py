@@ -49,42 +49,29 @@ class DType(enum.Enum):
     F8E5M2 = _DTypeInfo(None, "f8e5m2", np.dtype(ml_dtypes.float8_e5m2), "float8_e5m2", None)
     F8E4M3 = _DTypeInfo(None, "f8e4m3", np.dtype(ml_dtypes.float8_e4m3fn), "float8_e4m3", None)
 
+    # Each member copies its row into plain attributes once, at class creation:
+    # dtype lookups sit on every request's path, and enum's ``value`` is slow.
+    def __init__(self, info: _DTypeInfo) -> None:
+        self._kserve = info.kserve
+        self.numpy: np.dtype = info.numpy
+        """The numpy dtype of host arrays of this type (object for BYTES)."""
+        self.little_endian: np.dtype = info.numpy.newbyteorder("<")
+        """The numpy dtype of this type's wire bytes (little-endian, whatever the host)."""
+        self.token: str = info.token
+        """The bundle manifest token, e.g. ``f32``."""
+        self.contract: str = info.contract
+        """The subprocess-contract name, e.g. ``float32``."""
+        self.itemsize: int | None = None if info.numpy == np.dtype(object) else info.numpy.itemsize
+        """Bytes per element, or None for variable-size BYTES."""
+        self.contents_field: str | None = info.contents_field
+        """The ``InferTensorContents`` field for typed contents, None if raw only."""
+
     @property
     def kserve(self) -> str:
         """The wire string; raises ValueError for types that have none (fp8)."""
-        if self.value.kserve is None:
+        if self._kserve is None:
             raise ValueError(f"{self.name} has no KServe wire datatype")
-        return self.value.kserve
-
-    @property
-    def numpy(self) -> np.dtype:
-        """The numpy dtype of host arrays of this type (object for BYTES)."""
-        return self.value.numpy
-
-    @property
-    def little_endian(self) -> np.dtype:
-        """The numpy dtype of this type's wire bytes (little-endian, whatever the host)."""
-        return _LITTLE_ENDIAN[self]
-
-    @property
-    def token(self) -> str:
-        """The bundle manifest token, e.g. ``f32``."""
-        return self.value.token
-
-    @property
-    def contract(self) -> str:
-        """The subprocess-contract name, e.g. ``float32``."""
-        return self.value.contract
-
-    @property
-    def itemsize(self) -> int | None:
-        """Bytes per element, or None for variable-size BYTES."""
-        return None if self is DType.BYTES else self.value.numpy.itemsize
-
-    @property
-    def contents_field(self) -> str | None:
-        """The ``InferTensorContents`` field for typed contents, None if raw only."""
-        return self.value.contents_field
+        return self._kserve
 
     @classmethod
     def from_kserve(cls, name: str) -> DType:
@@ -122,4 +109,3 @@ _BY_KSERVE = {d.value.kserve: d for d in DType if d.value.kserve is not None}
 _BY_TOKEN = {d.token: d for d in DType}
 _BY_CONTRACT = {d.contract: d for d in DType}
 _BY_NUMPY = {d.numpy: d for d in DType}
-_LITTLE_ENDIAN = {d: d.numpy.newbyteorder("<") for d in DType}

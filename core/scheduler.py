@@ -279,8 +279,8 @@ class ModelScheduler:
             log.exception("model '%s' raised", self.name)
             error = ModelFailure(f"model '{self.name}' failed: {type(err).__name__}: {err}")
         finally:
-            self._stats.execution_finished()
-        self._stats.record_execution(rows, cost, queue_ns, input_ns, infer_ns, output_ns, error is None)
+            self._stats.execution_finished(rows, cost, queue_ns, input_ns, infer_ns, output_ns,
+                                           results is not None)
         for index, work in enumerate(live):
             if work.future.cancelled():
                 continue

@@ -8,6 +8,7 @@ request is queued.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,6 +55,16 @@ class ModelSignature:
     def batches(self) -> bool:
         """True when requests carry a batch axis."""
         return self.max_batch_size > 0
+
+    @functools.cached_property
+    def input_names(self) -> list[str]:
+        """The declared input names, in order."""
+        return [spec.name for spec in self.inputs]
+
+    @functools.cached_property
+    def output_names(self) -> list[str]:
+        """The declared output names, in order."""
+        return [spec.name for spec in self.outputs]
 
     def output(self, name: str) -> TensorSpec | None:
         """The declared output called ``name``, or None."""
@@ -156,56 +167,54 @@ def validate_inputs(model: str, signature: ModelSignature, tensors: list[NamedTe
     what was received, for a missing, unexpected, mistyped or misshapen input or
     a batch over ``max_batch_size``.
     """
-    if [t.name for t in tensors] == [spec.name for spec in signature.inputs]:
-        by_name = {t.name: t for t in tensors}  # the common case: exactly the declared inputs, in order
+    specs = signature.inputs
+    if [t.name for t in tensors] == signature.input_names:
+        in_order = tensors  # the common case: exactly the declared inputs, in order
     else:
         by_name = _index_by_name(model, signature, tensors)
+        in_order = [by_name.get(spec.name) for spec in specs]
     ordered: list[NamedTensor] = []
-    batch_sizes: dict[str, int] = {}
-    omitted: dict[str, bool] = {}
-    for spec in signature.inputs:
-        tensor = by_name.get(spec.name)
+    sizes: list[int | None] = []  # each input's batch size; None where the client omitted the axis
+    for spec, tensor in zip(specs, in_order):
         if tensor is None:
             raise InvalidArgument(
-                f"model '{model}': missing input '{spec.name}' (expected inputs: {_names(signature.inputs)}; "
-                f"received: {', '.join(repr(n) for n in by_name) or 'none'})"
+                f"model '{model}': missing input '{spec.name}' (expected inputs: {_names(specs)}; "
+                f"received: {', '.join(repr(t.name) for t in tensors) or 'none'})"
             )
         if tensor.dtype is not spec.dtype:
             raise InvalidArgument(
                 f"model '{model}': input '{spec.name}' has datatype {tensor.dtype.kserve}, "
                 f"expected {spec.dtype.kserve}"
             )
-        shape = tensor.shape
-        if signature.batches and dims_match(shape, spec.dims):
-            tensor = NamedTensor(tensor.name, tensor.dtype, tensor.data.reshape((1, *shape)))
-            omitted[spec.name] = True
-            batch_sizes[spec.name] = 1
-        elif signature.batches:
-            if not (len(shape) == len(spec.dims) + 1 and dims_match(shape[1:], spec.dims)):
+        shape = tensor.data.shape
+        if not signature.batches:
+            if not dims_match(shape, spec.dims):
                 raise InvalidArgument(
-                    f"model '{model}': input '{spec.name}' has shape {list(shape)}, expected "
-                    f"{_shape_text(spec.dims, batched=True)} or {_shape_text(spec.dims, batched=False)}"
+                    f"model '{model}': input '{spec.name}' has shape {list(shape)}, "
+                    f"expected {_shape_text(spec.dims, batched=False)}"
                 )
+        elif dims_match(shape, spec.dims):
+            tensor = NamedTensor(tensor.name, tensor.dtype, tensor.data.reshape((1, *shape)))
+            sizes.append(None)
+        elif len(shape) == len(spec.dims) + 1 and dims_match(shape[1:], spec.dims):
             if not 1 <= shape[0] <= signature.max_batch_size:
                 raise InvalidArgument(
                     f"model '{model}': input '{spec.name}' has batch size {shape[0]}, "
                     f"expected 1 to max_batch_size {signature.max_batch_size}"
                 )
-            omitted[spec.name] = False
-            batch_sizes[spec.name] = shape[0]
-        elif not dims_match(shape, spec.dims):
+            sizes.append(shape[0])
+        else:
             raise InvalidArgument(
-                f"model '{model}': input '{spec.name}' has shape {list(shape)}, "
-                f"expected {_shape_text(spec.dims, batched=False)}"
+                f"model '{model}': input '{spec.name}' has shape {list(shape)}, expected "
+                f"{_shape_text(spec.dims, batched=True)} or {_shape_text(spec.dims, batched=False)}"
             )
         ordered.append(tensor)
-    if len(set(batch_sizes.values())) > 1 or len(set(omitted.values())) > 1:
-        described = ", ".join(
-            f"'{name}': {'no batch axis' if omitted[name] else size}" for name, size in batch_sizes.items()
-        )
+    if len(set(sizes)) > 1:
+        described = ", ".join(f"'{spec.name}': {'no batch axis' if size is None else size}"
+                              for spec, size in zip(specs, sizes))
         raise InvalidArgument(f"model '{model}': inputs disagree on the batch size ({described})")
-    batch_size = next(iter(batch_sizes.values()), 1)
-    return ValidatedInputs(ordered, batch_size, any(omitted.values()) or not batch_sizes and signature.batches)
+    first = sizes[0] if sizes else None
+    return ValidatedInputs(ordered, first or 1, signature.batches and first is None)
 
 
 def check_outputs(model: str, signature: ModelSignature, outputs: list[NamedTensor], batch_size: int) -> None:
@@ -215,8 +224,8 @@ def check_outputs(model: str, signature: ModelSignature, outputs: list[NamedTens
     """
     expected = signature.outputs
     names = [getattr(t, "name", None) for t in outputs] if isinstance(outputs, list) else None
-    if names != [spec.name for spec in expected]:
-        raise ModelFailure(f"model '{model}' returned outputs {names}, expected {[s.name for s in expected]}")
+    if names != signature.output_names:
+        raise ModelFailure(f"model '{model}' returned outputs {names}, expected {signature.output_names}")
     for tensor, spec in zip(outputs, expected):
         shape = tensor.shape
         if tensor.dtype is not spec.dtype:

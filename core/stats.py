@@ -170,16 +170,13 @@ class ModelStats:
             self._advance_busy_idle(time.monotonic())
             self._running += 1
 
-    def execution_finished(self) -> None:
+    def execution_finished(self, rows: int, cost: int, queue_ns: list[int], input_ns: int, infer_ns: int,
+                           output_ns: int, succeeded: bool) -> None:
+        """An execution of ``rows`` rows serving ``len(queue_ns)`` requests ended (after ``execution_started``)."""
+        requests = len(queue_ns)
         with self._lock:
             self._advance_busy_idle(time.monotonic())
             self._running -= 1
-
-    def record_execution(self, rows: int, cost: int, queue_ns: list[int], input_ns: int, infer_ns: int,
-                         output_ns: int, succeeded: bool) -> None:
-        """One backend execution of ``rows`` rows serving ``len(queue_ns)`` requests."""
-        requests = len(queue_ns)
-        with self._lock:
             self.execution_count += 1
             # Triton's convention: each request of a batch is charged the whole batch's compute time.
             self.queue.add_many(requests, sum(queue_ns))
