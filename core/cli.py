@@ -50,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "check":
         return check(settings)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # jax reports at INFO that it found no TPU; that is no news to a CPU or GPU server.
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
     return serve_command(settings, args.bind)
 
 
