@@ -11,8 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-import yaml
-
+from nereid.config_document import KeyedReader, load_yaml
 from nereid.errors import ConfigError
 
 DEFAULT_BIND_ADDR = "[::1]:50051"
@@ -119,17 +118,16 @@ def load_settings(path: Path) -> Settings:
     """Read and check ``nereid.yaml``; relative paths resolve against its folder."""
     path = Path(path)
     try:
-        document = yaml.safe_load(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
     except OSError as err:
         raise ConfigError(f"{path}: cannot read: {err.strerror or err}") from None
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+    document = load_yaml(text, path)
     return parse_settings(document if document is not None else {}, path)
 
 
 def parse_settings(document: Any, path: Path) -> Settings:
     """Check an already-loaded YAML document as if it came from ``path``."""
-    reader = _Reader(path)
+    reader = KeyedReader(path)
     top = reader.mapping(document, "", {"server", "models"})
     server = _parse_server(reader, top.get("server", {}), path)
     models: list[ModelSettings] = []
@@ -149,7 +147,7 @@ def parse_settings(document: Any, path: Path) -> Settings:
     return Settings(path, server, tuple(models), models_listed="models" in top)
 
 
-def _parse_server(reader: _Reader, raw: Any, path: Path) -> ServerSettings:
+def _parse_server(reader: KeyedReader, raw: Any, path: Path) -> ServerSettings:
     section = reader.mapping(raw, "server", {"bind_addr", "ml_backends_path", "strict_readiness", "shutdown_grace_s",
                                              "metrics_addr"})
     bind_addr = reader.string(section, "server.bind_addr", DEFAULT_BIND_ADDR)
@@ -170,7 +168,7 @@ def _parse_server(reader: _Reader, raw: Any, path: Path) -> ServerSettings:
     return ServerSettings(bind_addr, backends, strict, grace, metrics_addr)
 
 
-def _parse_model(reader: _Reader, raw: Any, where: str, backends_path: Path) -> ModelSettings:
+def _parse_model(reader: KeyedReader, raw: Any, where: str, backends_path: Path) -> ModelSettings:
     entry = reader.mapping(raw, where, {"name", "device", "queue_capacity", "backend", "instances", "timeout_s",
                                         "runtime", "batching"})
     if "name" not in entry:
@@ -202,7 +200,7 @@ def _parse_model(reader: _Reader, raw: Any, where: str, backends_path: Path) -> 
     return ModelSettings(name, device, capacity, backend, instances, timeout, runtime, batching)
 
 
-def _parse_batching(reader: _Reader, raw: Any, where: str) -> BatchingSettings:
+def _parse_batching(reader: KeyedReader, raw: Any, where: str) -> BatchingSettings:
     section = reader.mapping(raw, where, {"enabled", "max_queue_delay_ms", "preferred_batch_sizes",
                                           "max_batch_size", "max_batch_cost"})
     enabled = section.get("enabled", True)
@@ -218,45 +216,3 @@ def _parse_batching(reader: _Reader, raw: Any, where: str) -> BatchingSettings:
         reader.fail(f"{where}.preferred_batch_sizes", f"must not exceed max_batch_size {cap}", preferred)
     cost = reader.integer(section, f"{where}.max_batch_cost", 1, minimum=1) if "max_batch_cost" in section else None
     return BatchingSettings(enabled, delay, tuple(sorted(set(preferred))), cap, cost)
-
-
-class _Reader:
-    """Typed getters that fail with the file, the key path and the bad value."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def fail(self, key: str, problem: str, value: Any) -> None:
-        where = f"{self.path}: {key}" if key else str(self.path)
-        raise ConfigError(f"{where}: {problem}, got {value!r}")
-
-    def mapping(self, raw: Any, key: str, allowed: set[str]) -> dict[str, Any]:
-        if not isinstance(raw, dict):
-            self.fail(key or "top level", "must be a mapping", raw)
-        for name in raw:
-            if name not in allowed:
-                path = f"{key}.{name}" if key else str(name)
-                self.fail(path, f"unknown key (allowed: {', '.join(sorted(allowed))})", raw[name])
-        return raw
-
-    def string(self, section: dict[str, Any], key: str, default: str) -> str:
-        value = section.get(key.rsplit(".", 1)[-1], default)
-        if not isinstance(value, str):
-            self.fail(key, "must be a string", value)
-        return value
-
-    def integer(self, section: dict[str, Any], key: str, default: int, *, minimum: int) -> int:
-        value = section.get(key.rsplit(".", 1)[-1], default)
-        if isinstance(value, bool) or not isinstance(value, int):
-            self.fail(key, "must be an integer", value)
-        if value < minimum:
-            self.fail(key, f"must be >= {minimum}" if minimum != 1 else "must be > 0", value)
-        return value
-
-    def number(self, section: dict[str, Any], key: str, default: float, *, minimum: float, exclusive: bool = False) -> float:
-        value = section.get(key.rsplit(".", 1)[-1], default)
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            self.fail(key, "must be a number", value)
-        if value < minimum or (exclusive and value == minimum):
-            self.fail(key, f"must be {'>' if exclusive else '>='} {minimum}", value)
-        return float(value)

@@ -69,10 +69,11 @@ class ModelRepo:
         """A python-backend model (an echo of one FP32 [4] tensor by default)."""
         return self.add(name, textproto if textproto is not None else textproto_single(), main_py=main)
 
-    def write_config(self, models_yaml: str | None = None, server_extra: str = "") -> Path:
+    def write_config(self, models_yaml: str | None = None, server_extra: str = "",
+                     metrics_addr: str = "127.0.0.1:0") -> Path:
         """Write nereid.yaml; ``models_yaml`` is the ``models:`` list body (None: no models key)."""
         text = (f"server:\n  bind_addr: \"127.0.0.1:0\"\n  ml_backends_path: \"ml-backends\"\n"
-                f"  metrics_addr: \"127.0.0.1:0\"\n{server_extra}")
+                f"  metrics_addr: \"{metrics_addr}\"\n{server_extra}")
         if models_yaml is not None:
             text += "models:\n" + textwrap.indent(textwrap.dedent(models_yaml), "  ")
         path = self.root / "nereid.yaml"

@@ -18,8 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, Mapping
 
-import yaml
-
+from nereid.config_document import KeyedReader, load_yaml
 from nereid.dtypes import DType
 from nereid.errors import ConfigError
 
@@ -180,24 +179,6 @@ class Manifest:
         return tuple(tuple(next(sizes) for _ in t.variable_axes) for t in self.executable_inputs)
 
 
-class _StrictLoader(yaml.SafeLoader):
-    """A SafeLoader that refuses duplicate mapping keys (PyYAML silently keeps the last)."""
-
-
-def _construct_unique_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
-    loader.flatten_mapping(node)
-    seen: set[Any] = set()
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=deep)
-        if key in seen:
-            raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
-        seen.add(key)
-    return loader.construct_mapping(node, deep)
-
-
-_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_unique_mapping)
-
-
 def load_manifest(path: Path | str) -> Manifest:
     """Parse and check a manifest file; ConfigError names the file, the key and the value.
 
@@ -215,16 +196,12 @@ def load_manifest(path: Path | str) -> Manifest:
 
 def parse_manifest_text(text: str, path: Path) -> Manifest:
     """Parse manifest YAML text as if it were the file at ``path``."""
-    try:
-        document = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: not valid YAML: {err}") from None
-    return parse_manifest(document, path)
+    return parse_manifest(load_yaml(text, path), path)
 
 
 def parse_manifest(document: Any, path: Path) -> Manifest:
     """Check an already-loaded YAML document as if it came from ``path``."""
-    reader = _Reader(path)
+    reader = KeyedReader(path)
     top = reader.mapping(document, "", _TOP_KEYS)
     version = _format_version(reader, top)
     executable_inputs = _tensors(reader, top, "executable_inputs", required=True, executable=True)
@@ -251,7 +228,7 @@ def parse_manifest(document: Any, path: Path) -> Manifest:
                     batching, input_shapes, weights_file, name, description, provenance)
 
 
-def _parse_shape(text: Any, dims: Any, where: str, reader: _Reader) -> tuple[Dim, ...]:
+def _parse_shape(text: Any, dims: Any, where: str, reader: KeyedReader) -> tuple[Dim, ...]:
     """Parse an einsum-style shape string and its ``dims`` map into Dims."""
     if not isinstance(text, str):
         reader.fail(f"{where}.shape", "must be a string of axis letters such as \"chwn\"", text)
@@ -291,7 +268,7 @@ def _parse_shape(text: Any, dims: Any, where: str, reader: _Reader) -> tuple[Dim
     return tuple(result)
 
 
-def _format_version(reader: _Reader, top: dict[str, Any]) -> str:
+def _format_version(reader: KeyedReader, top: dict[str, Any]) -> str:
     if "format_version" not in top:
         reader.fail("format_version", f"is required (one of {', '.join(FORMAT_VERSIONS)})", None)
     raw = top["format_version"]
@@ -304,7 +281,7 @@ def _format_version(reader: _Reader, top: dict[str, Any]) -> str:
     return text
 
 
-def _tensors(reader: _Reader, top: dict[str, Any], key: str, *, required: bool,
+def _tensors(reader: KeyedReader, top: dict[str, Any], key: str, *, required: bool,
              executable: bool) -> tuple[ManifestTensor, ...] | None:
     if key not in top:
         if required:
@@ -333,7 +310,7 @@ def _tensors(reader: _Reader, top: dict[str, Any], key: str, *, required: bool,
     return tuple(tensors)
 
 
-def _dtype(reader: _Reader, token: Any, where: str, executable: bool) -> DType:
+def _dtype(reader: KeyedReader, token: Any, where: str, executable: bool) -> DType:
     if not isinstance(token, str):
         reader.fail(where, "must be a dtype token such as f32", token)
     try:
@@ -348,7 +325,7 @@ def _dtype(reader: _Reader, token: Any, where: str, executable: bool) -> DType:
     return dtype
 
 
-def _batching(reader: _Reader, top: dict[str, Any], tensors: tuple[ManifestTensor, ...]) -> BatchingSpec | None:
+def _batching(reader: KeyedReader, top: dict[str, Any], tensors: tuple[ManifestTensor, ...]) -> BatchingSpec | None:
     batched = [t for t in tensors if t.batch_axis is not None]
     if "batching" not in top or top["batching"] is None:
         if batched:
@@ -369,7 +346,7 @@ def _batching(reader: _Reader, top: dict[str, Any], tensors: tuple[ManifestTenso
     return BatchingSpec(tuple(sorted(sizes)))
 
 
-def _input_shapes(reader: _Reader, top: dict[str, Any], inputs: tuple[ManifestTensor, ...],
+def _input_shapes(reader: KeyedReader, top: dict[str, Any], inputs: tuple[ManifestTensor, ...],
                   outputs: tuple[ManifestTensor, ...]) -> tuple[tuple[int, ...], ...] | None:
     variable = [(i, t, axis) for i, t in enumerate(inputs) for axis in t.variable_axes]
     raw = top.get("input_shapes")
@@ -403,7 +380,7 @@ def _input_shapes(reader: _Reader, top: dict[str, Any], inputs: tuple[ManifestTe
     return tuple(variants)
 
 
-def _weights_file(reader: _Reader, top: dict[str, Any]) -> str | None:
+def _weights_file(reader: KeyedReader, top: dict[str, Any]) -> str | None:
     raw = top.get("weights_file")
     if raw is None:
         return None
@@ -413,23 +390,3 @@ def _weights_file(reader: _Reader, top: dict[str, Any]) -> str | None:
     if relative.is_absolute() or ".." in relative.parts or raw.startswith("\\"):
         reader.fail("weights_file", "must name a file inside the bundle (no absolute path, no '..')", raw)
     return raw
-
-
-class _Reader:
-    """Fails with the manifest path, the key path and the bad value."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def fail(self, key: str, problem: str, value: Any) -> None:
-        where = f"{self.path}: {key}" if key else str(self.path)
-        raise ConfigError(f"{where}: {problem}, got {value!r}")
-
-    def mapping(self, raw: Any, key: str, allowed: frozenset[str]) -> dict[str, Any]:
-        if not isinstance(raw, dict):
-            self.fail(key or "top level", "must be a mapping", raw)
-        for name in raw:
-            if name not in allowed:
-                path = f"{key}.{name}" if key else str(name)
-                self.fail(path, f"unknown key (allowed: {', '.join(sorted(allowed))})", raw[name])
-        return raw

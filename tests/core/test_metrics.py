@@ -53,5 +53,5 @@ def test_metrics_describe_requests_batches_and_models(repo, serve) -> None:
 
 def test_metrics_can_be_turned_off(repo, serve) -> None:
     repo.python("echo")
-    server = serve(repo.write_config(server_extra='  metrics_addr: ""\n'))
+    server = serve(repo.write_config(metrics_addr=""))
     assert server.server.metrics_port is None

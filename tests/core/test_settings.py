@@ -91,6 +91,8 @@ def test_unreadable_and_invalid_yaml(root: Path) -> None:
         load_settings(root / "missing.yaml")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_settings(write(root, "server: [unclosed\n"))
+    with pytest.raises(ConfigError, match=r"(?s)duplicate key 'bind_addr'.*nereid.yaml\", line 3, column 3"):
+        load_settings(write(root, "server:\n  bind_addr: a:1\n  bind_addr: b:2\n"))
 
 
 @pytest.mark.parametrize("text, expected", [("cpu", Device("cpu")), ("cuda", Device("cuda", 0)),

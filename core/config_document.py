@@ -1,0 +1,97 @@
+"""Reading YAML configuration documents (nereid.yaml, bundle manifests) with exact errors.
+
+:func:`load_yaml` refuses duplicate keys (PyYAML silently keeps the last);
+:class:`KeyedReader` checks values and fails with ``<file>: <key path>:
+<problem>, got <value>``.
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import AbstractSet, Any
+
+import yaml
+
+from nereid.errors import ConfigError
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """A SafeLoader that refuses duplicate mapping keys."""
+
+
+def _construct_unique_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    loader.flatten_mapping(node)
+    seen: set[Any] = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+        seen.add(key)
+    return loader.construct_mapping(node, deep)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_unique_mapping)
+
+
+def load_yaml(text: str, path: Path) -> Any:
+    """Parse YAML text from ``path`` safely; ConfigError (with line and column) when it is not valid."""
+    stream = io.StringIO(text)
+    stream.name = str(path)  # PyYAML names the file in its line/column marks
+    try:
+        return yaml.load(stream, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+
+
+class KeyedReader:
+    """Typed getters over a loaded document that fail with the file, the key path and the bad value.
+
+    ``key`` arguments are full dotted key paths (``models[0].queue_capacity``);
+    the getters read the path's last component from ``section``.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def fail(self, key: str, problem: str, value: Any) -> None:
+        """Raise ConfigError for ``key``."""
+        where = f"{self.path}: {key}" if key else str(self.path)
+        raise ConfigError(f"{where}: {problem}, got {value!r}")
+
+    def mapping(self, raw: Any, key: str, allowed: AbstractSet[str]) -> dict[str, Any]:
+        """``raw`` as a mapping whose keys are all in ``allowed``."""
+        if not isinstance(raw, dict):
+            self.fail(key or "top level", "must be a mapping", raw)
+        for name in raw:
+            if name not in allowed:
+                path = f"{key}.{name}" if key else str(name)
+                self.fail(path, f"unknown key (allowed: {', '.join(sorted(allowed))})", raw[name])
+        return raw
+
+    def string(self, section: dict[str, Any], key: str, default: str) -> str:
+        value = section.get(_last(key), default)
+        if not isinstance(value, str):
+            self.fail(key, "must be a string", value)
+        return value
+
+    def integer(self, section: dict[str, Any], key: str, default: int, *, minimum: int) -> int:
+        value = section.get(_last(key), default)
+        if isinstance(value, bool) or not isinstance(value, int):
+            self.fail(key, "must be an integer", value)
+        if value < minimum:
+            self.fail(key, f"must be >= {minimum}" if minimum != 1 else "must be > 0", value)
+        return value
+
+    def number(self, section: dict[str, Any], key: str, default: float, *, minimum: float,
+               exclusive: bool = False) -> float:
+        value = section.get(_last(key), default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            self.fail(key, "must be a number", value)
+        if value < minimum or (exclusive and value == minimum):
+            self.fail(key, f"must be {'>' if exclusive else '>='} {minimum}", value)
+        return float(value)
+
+
+def _last(key: str) -> str:
+    return key.rsplit(".", 1)[-1]
