@@ -89,6 +89,10 @@ class _RepositoryCollector(Collector):
         success = CounterMetricFamily("nereid_request_success", "Requests answered with outputs.", labels=["model"])
         failure = CounterMetricFamily("nereid_request_failure", "Requests answered with an error, by reason.",
                                       labels=["model", "reason"])
+        submitted = CounterMetricFamily("nereid_batcher_submitted", "Requests admitted to the model's queue.",
+                                        labels=["model"])
+        completed = CounterMetricFamily("nereid_batcher_completed", "Requests whose execution succeeded.",
+                                        labels=["model"])
         histograms = {attr: HistogramMetricFamily(name, text, labels=["model"]) for name, text, attr in _HISTOGRAMS}
         depth = GaugeMetricFamily("nereid_queue_depth", "Requests waiting in the model's queue.", labels=["model"])
         utilization = GaugeMetricFamily("nereid_batch_utilization",
@@ -102,6 +106,8 @@ class _RepositoryCollector(Collector):
                 continue
             stats = entry.loaded.stats.snapshot()
             success.add_metric([entry.name], stats.success.count)
+            submitted.add_metric([entry.name], stats.batcher.total_submitted)
+            completed.add_metric([entry.name], stats.batcher.total_completed)
             for reason, count in sorted(stats.failures_by_reason.items()):
                 failure.add_metric([entry.name, reason], count)
             for attr, family in histograms.items():
@@ -111,4 +117,4 @@ class _RepositoryCollector(Collector):
             utilization.add_metric([entry.name], stats.batcher.utilization)
         for state, count in counts.items():
             states.add_metric([state], count)
-        yield from (success, failure, *histograms.values(), depth, utilization, states)
+        yield from (success, failure, submitted, completed, *histograms.values(), depth, utilization, states)

@@ -44,6 +44,9 @@ def test_metrics_describe_requests_batches_and_models(repo, serve) -> None:
     assert samples[("nereid_compute_duration_seconds_sum", model)] > 0
     assert samples[("nereid_batch_size_sum", model)] == 6  # three executions of two rows
     assert samples[("nereid_batch_size_bucket", (("le", "2.0"), ("model", "echo")))] == 3
+    assert samples[("nereid_batcher_submitted_total", model)] == 3  # the invalid one never reached the queue
+    assert samples[("nereid_batcher_completed_total", model)] == 3
+    assert samples[("nereid_batch_size_count", model)] == 3  # batches; avg size = sum / count
     assert samples[("nereid_queue_depth", model)] == 0
     assert 0 < samples[("nereid_batch_utilization", model)] <= 1
     assert samples[("nereid_model_load_duration_seconds_count", model)] == 1

@@ -500,6 +500,24 @@ def test_client_deadline_passing_in_the_queue_is_deadline_exceeded_and_never_run
     assert runs(folder) == 2  # the expired request never ran
 
 
+def test_a_queued_request_whose_client_cancels_is_dropped_and_never_runs(repo, serve):
+    server, folder = start_slow(repo, serve)
+    answers = Answers()
+    server.client.async_infer("slow", [int8_input([1] * 4)], callback=answers.callback("first"))
+    wait_for(lambda: runs(folder) == 1, "the first request to start")
+    call = server.client.async_infer("slow", [int8_input([2] * 4)], callback=answers.callback("cancelled"))
+    wait_for(lambda: queued(server, "slow") == 1, "the second request to queue")
+    call.cancel()
+
+    got = answers.collect(2)
+    assert got["first"][1] is None and got["cancelled"][1] is not None  # the client saw its cancellation
+    wait_for(lambda: queued(server, "slow") == 0, "the cancelled request to leave the queue")
+    echo(server, "slow", [3] * 4)  # runs after the first: the cancelled one was skipped, not run
+    assert runs(folder) == 2
+    (stats,) = server.client.get_inference_statistics("slow").model_stats
+    assert stats.execution_count == 2
+
+
 def test_timeout_parameter_passing_in_the_queue_is_deadline_exceeded_and_never_runs(repo, serve):
     server, folder = start_slow(repo, serve)
     answers = Answers()
