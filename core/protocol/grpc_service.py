@@ -120,6 +120,9 @@ class InferenceServicer:
 
     @_maps_errors
     async def ModelInfer(self, request: pb.ModelInferRequest, context) -> pb.ModelInferResponse:
+        return await self._infer(request, context)
+
+    async def _infer(self, request: pb.ModelInferRequest, context) -> pb.ModelInferResponse:
         _check_version(request.model_name, request.model_version)
         decoded = decode_infer_request(request, context.time_remaining())
         return encode_infer_response(await self.dataplane.infer(decoded))
