@@ -88,19 +88,23 @@ class ModelScheduler:
         if len(self._pending) >= self.capacity:
             raise QueueFull(f"model '{self.name}': queue is full (queue_capacity {self.capacity} in nereid.yaml); "
                             "retry later")
+        arrived_ns = time.monotonic_ns()
         cost = request_cost(self._signature, inputs, rows) if self._variable_axes else rows
-        work = Work(inputs, rows, cost, batch_key(inputs), deadline_ns, asyncio.get_running_loop().create_future())
         self._stats.record_submitted()
         self._idle.clear()
         if self._can_start_at_once():
             # Nothing waits and an instance is free: batching could add no company, so run
             # here and spare the hand-offs to the batcher task.
+            if deadline_ns and arrived_ns >= deadline_ns:
+                raise DeadlineExceeded(f"model '{self.name}': deadline passed before the request could start; "
+                                       "it was not run")
             self._free_slots -= 1
             try:
-                await self._execute([work])
+                (outputs,) = await self._run(inputs, [rows], cost, [time.monotonic_ns() - arrived_ns], 0)
+                return outputs
             finally:
                 self._release_slot()
-            return work.future.result()
+        work = Work(inputs, rows, cost, batch_key(inputs), deadline_ns, asyncio.get_running_loop().create_future())
         self._pending.append(work)
         self._arrived.set()
         return await work.future
@@ -253,41 +257,51 @@ class ModelScheduler:
 
     # -- execution ----------------------------------------------------------
     async def _execute(self, batch: list[Work]) -> None:
+        """Run a batch formed by the batcher and answer each of its requests."""
         now = time.monotonic_ns()
         live = [w for w in batch if self._still_wanted(w)]
         if not live:
             return
-        rows = sum(w.rows for w in live)
-        cost = sum(w.cost for w in live)
-        queue_ns = [now - w.enqueued_ns for w in live]
+        try:
+            inputs = live[0].inputs if len(live) == 1 else _concatenate([w.inputs for w in live])
+            results = await self._run(inputs, [w.rows for w in live], sum(w.cost for w in live),
+                                      [now - w.enqueued_ns for w in live], time.monotonic_ns() - now)
+        except NereidError as error:
+            for work in live:
+                if not work.future.cancelled():
+                    work.future.set_exception(error)
+            return
+        for work, result in zip(live, results):
+            if not work.future.cancelled():
+                work.future.set_result(result)
+
+    async def _run(self, inputs: list[NamedTensor], rows: list[int], cost: int, queue_ns: list[int],
+                   input_ns: int) -> list[list[NamedTensor]]:
+        """One execution for requests of ``rows`` rows each; returns each one's rows of the outputs.
+
+        ``input_ns`` is the time it took to assemble ``inputs``. Any failure is
+        raised as a NereidError naming the model.
+        """
         self._stats.execution_started()
-        input_ns = infer_ns = output_ns = 0
-        results: list[list[NamedTensor]] | None = None
-        error: NereidError | None = None
+        total = sum(rows)
+        infer_ns = output_ns = 0
+        succeeded = False
         try:
             start = time.monotonic_ns()
-            inputs = live[0].inputs if len(live) == 1 else _concatenate([w.inputs for w in live])
-            input_ns = time.monotonic_ns() - start
             outputs = await self._infer(inputs)
-            infer_ns = time.monotonic_ns() - start - input_ns
-            check_outputs(self.name, self._signature, outputs, rows)
-            results = [outputs] if len(live) == 1 else _split(outputs, [w.rows for w in live])
-            output_ns = time.monotonic_ns() - start - input_ns - infer_ns
-        except NereidError as err:
-            error = err
+            infer_ns = time.monotonic_ns() - start
+            check_outputs(self.name, self._signature, outputs, total)
+            results = [outputs] if len(rows) == 1 else _split(outputs, rows)
+            output_ns = time.monotonic_ns() - start - infer_ns
+            succeeded = True
+            return results
+        except NereidError:
+            raise
         except Exception as err:  # a model fault, whatever the backend raised
             log.exception("model '%s' raised", self.name)
-            error = ModelFailure(f"model '{self.name}' failed: {type(err).__name__}: {err}")
+            raise ModelFailure(f"model '{self.name}' failed: {type(err).__name__}: {err}") from err
         finally:
-            self._stats.execution_finished(rows, cost, queue_ns, input_ns, infer_ns, output_ns,
-                                           results is not None)
-        for index, work in enumerate(live):
-            if work.future.cancelled():
-                continue
-            if error is not None:
-                work.future.set_exception(error)
-            else:
-                work.future.set_result(results[index])
+            self._stats.execution_finished(total, cost, queue_ns, input_ns, infer_ns, output_ns, succeeded)
 
     async def _infer(self, inputs: list[NamedTensor]) -> list[NamedTensor]:
         if self._inline:

@@ -24,14 +24,16 @@ def decode_infer_request(msg: pb.ModelInferRequest, time_remaining_s: float | No
     absolute monotonic deadline here, at decode time.
     """
     model = msg.model_name
-    if msg.raw_input_contents and len(msg.raw_input_contents) != len(msg.inputs):
+    tensors = msg.inputs
+    raws = list(msg.raw_input_contents)
+    if raws and len(raws) != len(tensors):
         raise InvalidArgument(
-            f"model '{model}': {len(msg.raw_input_contents)} raw_input_contents for {len(msg.inputs)} "
+            f"model '{model}': {len(raws)} raw_input_contents for {len(tensors)} "
             "inputs; send raw contents for every input or for none")
-    inputs = [
-        _decode_tensor(model, tensor, msg.raw_input_contents[i] if msg.raw_input_contents else None)
-        for i, tensor in enumerate(msg.inputs)
-    ]
+    if raws:
+        inputs = [_decode_tensor(model, tensor, raw) for tensor, raw in zip(tensors, raws)]
+    else:
+        inputs = [_decode_tensor(model, tensor, None) for tensor in tensors]
     now = time.monotonic_ns()
     budgets: list[int] = []
     if time_remaining_s is not None:
@@ -69,7 +71,7 @@ def _decode_tensor(model: str, tensor: pb.ModelInferRequest.InferInputTensor, ra
     except ValueError as err:
         raise InvalidArgument(f"{where}: {err}") from None
     shape = tuple(tensor.shape)
-    if any(d < 1 for d in shape):
+    if shape and min(shape) < 1:
         # No model accepts them (fixed dims, -1 dims and batch sizes are all positive), and a zero
         # next to huge dims would otherwise reach numpy as an unrepresentable shape.
         raise InvalidArgument(f"{where}: shape {list(shape)} has a dimension < 1; dimensions must be positive")
