@@ -73,16 +73,14 @@ class DataPlane:
                    batch_size: int) -> list[NamedTensor]:
         """Queue the request, through the backend's pre/postprocess hooks when it has them."""
         name = request.model_name
-        preprocess = getattr(model.backend, "preprocess", None)
-        postprocess = getattr(model.backend, "postprocess", None)
-        if preprocess is not None:
-            inputs = await _call_hook(name, "preprocess", preprocess, inputs)
+        if model.preprocess is not None:
+            inputs = await _call_hook(name, "preprocess", model.preprocess, inputs)
             inputs = validate_inputs(name, model.batch_signature, inputs).tensors
             if model.batch_signature.batches and inputs:
                 batch_size = inputs[0].shape[0]
         outputs = await model.scheduler.submit(inputs, batch_size, request.deadline_ns)
-        if postprocess is not None:
-            outputs = await _call_hook(name, "postprocess", postprocess, outputs)
+        if model.postprocess is not None:
+            outputs = await _call_hook(name, "postprocess", model.postprocess, outputs)
             check_outputs(name, model.signature, outputs, batch_size)
         return outputs
 

@@ -14,6 +14,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import pluggy
 
@@ -26,6 +27,7 @@ from nereid.scheduler import ModelScheduler
 from nereid.settings import ModelSettings, Settings
 from nereid.signature import ModelSignature
 from nereid.stats import ModelStats
+from nereid.tensors import NamedTensor
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +49,7 @@ class LoadedModel:
 
     ``signature`` is client-facing; ``batch_signature`` is what the backend's
     ``infer`` takes and returns (the same unless the backend has hooks).
+    ``preprocess`` / ``postprocess`` are the backend's hooks, looked up once.
     """
 
     backend_name: str
@@ -56,6 +59,8 @@ class LoadedModel:
     scheduler: ModelScheduler
     stats: ModelStats
     load_seconds: float
+    preprocess: Callable[[list[NamedTensor]], list[NamedTensor]] | None = None
+    postprocess: Callable[[list[NamedTensor]], list[NamedTensor]] | None = None
 
 
 @dataclass
@@ -195,7 +200,9 @@ class ModelRepository:
             scheduler = ModelScheduler(name, built.backend, built.batch_signature, entry.settings.queue_capacity,
                                        entry.settings.instances, stats, built.policy)
             entry.loaded = LoadedModel(built.backend_name, built.backend, built.signature, built.batch_signature,
-                                       scheduler, stats, load_seconds)
+                                       scheduler, stats, load_seconds,
+                                       getattr(built.backend, "preprocess", None),
+                                       getattr(built.backend, "postprocess", None))
             entry.state, entry.reason = ModelState.READY, ""
             log.info("model '%s' is READY (backend %s, device %s, %.2f s)", name, built.backend_name,
                      entry.settings.device, load_seconds)
