@@ -1,0 +1,24 @@
+"""The wheel holds every subpackage under `nereid`, and nothing installs top-level `core` or `backends`."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_wheel_maps_core_and_backends_under_nereid(tmp_path: Path) -> None:
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q",
+                    "-w", str(tmp_path), str(REPO_ROOT)], check=True, timeout=300, cwd=tmp_path)
+    (wheel,) = tmp_path.glob("nereid-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    packages = {name.rsplit("/", 1)[0] for name in names if name.endswith("/__init__.py")}
+    expected = {str(p.parent.relative_to(REPO_ROOT)).replace("core", "nereid", 1).replace(
+        "backends", "nereid/backends", 1) for p in [*REPO_ROOT.glob("core/**/__init__.py"),
+                                                     *REPO_ROOT.glob("backends/**/__init__.py")]}
+    assert packages == expected
+    assert not [name for name in names if name.startswith(("core/", "backends/"))]
+    assert "nereid/_proto/grpc_service_pb2.py" in names
