@@ -56,7 +56,11 @@ class ServerMetrics:
         class Server(ThreadingWSGIServer):
             address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
 
-        self._http = make_server(host, int(port), make_wsgi_app(self.registry), Server, handler_class=_QuietHandler)
+        try:
+            self._http = make_server(host, int(port), make_wsgi_app(self.registry), Server,
+                                     handler_class=_QuietHandler)
+        except OSError as err:
+            raise OSError(f"cannot serve metrics on {addr} (server.metrics_addr): {err.strerror or err}") from err
         # A short poll interval keeps shutdown quick (the default waits up to 0.5 s).
         threading.Thread(target=self._http.serve_forever, kwargs={"poll_interval": 0.05},
                          name="nereid-metrics", daemon=True).start()

@@ -50,17 +50,22 @@ class NereidServer:
         server = grpc.aio.server(options=[
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            # Without this a second server on the same port starts silently and steals half the calls.
+            ("grpc.so_reuseport", 0),
         ])
         server.add_generic_rpc_handlers((generic_handler(InferenceServicer(self.dataplane, self.update_health)),))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        port = server.add_insecure_port(self.bind_addr)
+        try:
+            port = server.add_insecure_port(self.bind_addr)
+        except RuntimeError as err:  # grpc raises when the address cannot be bound
+            raise OSError(f"cannot listen on {self.bind_addr} (server.bind_addr): {err}") from None
         if port == 0:
-            raise OSError(f"cannot bind {self.bind_addr}")
-        await server.start()
-        self._grpc, self.port = server, port
+            raise OSError(f"cannot listen on {self.bind_addr} (server.bind_addr)")
         if self.settings.server.metrics_addr:
             self.metrics_port = self.metrics.serve(self.settings.server.metrics_addr)
             log.info("metrics at http://%s/metrics", self.settings.server.metrics_addr)
+        await server.start()
+        self._grpc, self.port = server, port
         await self.update_health()
         log.info("nereid listening on %s (port %d)", self.bind_addr, port)
         return port

@@ -110,6 +110,26 @@ def test_serve_finishes_accepted_requests_on_sigterm_and_exits_zero(repo) -> Non
         assert "signal received: draining" in output and "nereid stopped" in output
 
 
+def test_serve_reports_an_address_in_use_and_exits_non_zero(repo) -> None:
+    repo.python("echo")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = repo.write_config(metrics_addr=f"127.0.0.1:{port}")
+        result = subprocess.run([*NEREID, "serve", "--config", str(config), "--bind", f"127.0.0.1:{free_port()}"],
+                                capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert f"cannot serve metrics on 127.0.0.1:{port} (server.metrics_addr)" in result.stderr
+
+    with nereid_serve(repo.write_config(metrics_addr="")) as (first, _client):
+        taken_port = int(first.args[first.args.index("--bind") + 1].rsplit(":", 1)[1])
+        second = subprocess.run([*NEREID, "serve", "--config", str(repo.root / "nereid.yaml"),
+                                 "--bind", f"127.0.0.1:{taken_port}"], capture_output=True, text=True, timeout=60)
+        assert second.returncode == 1
+        assert f"cannot listen on 127.0.0.1:{taken_port} (server.bind_addr)" in second.stderr
+
+
 HANGING_MAIN = '''
 import os, time
 with open("child.pid", "w") as f:
