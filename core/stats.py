@@ -27,11 +27,11 @@ class Duration:
 
     def add(self, ns: int) -> None:
         self.count += 1
-        self.ns += max(ns, 0)
+        self.ns += ns
 
     def add_many(self, count: int, total_ns: int) -> None:
         self.count += count
-        self.ns += max(total_ns, 0)
+        self.ns += total_ns
 
 
 @dataclass
@@ -41,6 +41,11 @@ class BatchDurations:
     compute_input: Duration = field(default_factory=Duration)
     compute_infer: Duration = field(default_factory=Duration)
     compute_output: Duration = field(default_factory=Duration)
+
+    def add(self, input_ns: int, infer_ns: int, output_ns: int) -> None:
+        self.compute_input.add(input_ns)
+        self.compute_infer.add(infer_ns)
+        self.compute_output.add(output_ns)
 
 
 @dataclass
@@ -183,15 +188,16 @@ class ModelStats:
             self.compute_input.add_many(requests, input_ns * requests)
             self.compute_infer.add_many(requests, infer_ns * requests)
             self.compute_output.add_many(requests, output_ns * requests)
-            per_size = self.batches.setdefault(rows, BatchDurations())
-            per_size.compute_input.add(input_ns)
-            per_size.compute_infer.add(infer_ns)
-            per_size.compute_output.add(output_ns)
-            self.batcher.total_batches += 1
-            self.batcher.total_batch_size += rows
-            self.batcher.total_batch_cost += cost
+            per_size = self.batches.get(rows)
+            if per_size is None:
+                per_size = self.batches[rows] = BatchDurations()
+            per_size.add(input_ns, infer_ns, output_ns)
+            batcher = self.batcher
+            batcher.total_batches += 1
+            batcher.total_batch_size += rows
+            batcher.total_batch_cost += cost
             if succeeded:
-                self.batcher.total_completed += requests
+                batcher.total_completed += requests
             for ns in queue_ns:
                 self.queue_seconds.observe(ns / 1e9)
             self.compute_seconds.observe((input_ns + infer_ns + output_ns) / 1e9)
