@@ -64,9 +64,12 @@ class DataPlane:
         except NereidError as err:
             model.stats.record_failure(time.monotonic_ns() - received_ns, err.reason)
             raise
-        selected = [_strip_batch_axis(t) if validated.batch_axis_added else t for t in outputs if t.name in wanted]
+        if wanted is not None:
+            outputs = [t for t in outputs if t.name in wanted]
+        if validated.batch_axis_added:
+            outputs = [_strip_batch_axis(t) for t in outputs]
         model.stats.record_success(time.monotonic_ns() - received_ns, validated.batch_size)
-        return InferResponse(request.model_name, selected, request.id)
+        return InferResponse(request.model_name, outputs, request.id)
 
     @staticmethod
     async def _run(request: InferRequest, model: LoadedModel, inputs: list[NamedTensor],
@@ -85,14 +88,17 @@ class DataPlane:
         return outputs
 
     @staticmethod
-    def _requested_outputs(request: InferRequest, model: LoadedModel) -> set[str]:
-        declared = [spec.name for spec in model.signature.outputs]
+    def _requested_outputs(request: InferRequest, model: LoadedModel) -> set[str] | None:
+        """The outputs the request asked for; None when it asked for none, meaning all of them."""
+        if not request.requested_outputs:
+            return None
+        declared = model.signature.output_names
         for name in request.requested_outputs:
             if name not in declared:
                 raise InvalidArgument(
                     f"model '{request.model_name}': unknown requested output '{name}' "
                     f"(outputs: {', '.join(repr(n) for n in declared) or 'none'})")
-        return set(request.requested_outputs or declared)
+        return set(request.requested_outputs)
 
 
 async def _call_hook(model: str, hook: str, function, tensors: list[NamedTensor]) -> list[NamedTensor]:
