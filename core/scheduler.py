@@ -61,7 +61,7 @@ class ModelScheduler:
         self._arrived = asyncio.Event()
         self._free_slots = instances  # executions that may start now
         self._slot_freed = asyncio.Event()
-        self._running: set[asyncio.Task] = set()  # executions started by the batcher
+        self._running: set[asyncio.Task] = set()  # the batcher's execution tasks, kept referenced
         self._idle = asyncio.Event()
         self._idle.set()
         self._forming = False  # a batch has left the queue but not yet started
@@ -91,20 +91,22 @@ class ModelScheduler:
         arrived_ns = time.monotonic_ns()
         cost = request_cost(self._signature, inputs, rows) if self._variable_axes else rows
         self._stats.record_submitted()
-        self._idle.clear()
         if self._can_start_at_once():
             # Nothing waits and an instance is free: batching could add no company, so run
             # here and spare the hand-offs to the batcher task.
             if deadline_ns and arrived_ns >= deadline_ns:
-                raise DeadlineExceeded(f"model '{self.name}': deadline passed before the request could start; "
-                                       "it was not run")
+                self._stats.record_dropped(0)
+                raise self._deadline_error(deadline_ns, arrived_ns, arrived_ns)
+            self._idle.clear()
             self._free_slots -= 1
             try:
                 (outputs,) = await self._run(inputs, [rows], cost, [time.monotonic_ns() - arrived_ns], 0)
                 return outputs
             finally:
                 self._release_slot()
-        work = Work(inputs, rows, cost, batch_key(inputs), deadline_ns, asyncio.get_running_loop().create_future())
+        work = Work(inputs, rows, cost, batch_key(inputs), deadline_ns, asyncio.get_running_loop().create_future(),
+                    arrived_ns)
+        self._idle.clear()
         self._pending.append(work)
         self._arrived.set()
         return await work.future
@@ -155,7 +157,8 @@ class ModelScheduler:
         self._update_idle()
 
     def _update_idle(self) -> None:
-        if not self._pending and not self._running and not self._forming and self._free_slots == self._instances:
+        # Every execution, and a batch being formed, holds a slot: all slots free means none.
+        if not self._pending and self._free_slots == self._instances:
             self._idle.set()
 
     async def _next_batch(self) -> list[Work]:
@@ -245,15 +248,15 @@ class ModelScheduler:
             self._pending.popleft()
         self._stats.record_dropped(now - work.enqueued_ns)
         if not work.future.cancelled():
-            self._answer_expired(work, now)
+            work.future.set_exception(self._deadline_error(work.deadline_ns, work.enqueued_ns, now))
         return False
 
-    def _answer_expired(self, work: Work, now: int) -> None:
-        late_ms = (now - work.deadline_ns) / 1e6
-        waited_ms = (now - work.enqueued_ns) / 1e6
-        work.future.set_exception(DeadlineExceeded(
+    def _deadline_error(self, deadline_ns: int, enqueued_ns: int, now: int) -> DeadlineExceeded:
+        late_ms = (now - deadline_ns) / 1e6
+        waited_ms = (now - enqueued_ns) / 1e6
+        return DeadlineExceeded(
             f"model '{self.name}': deadline passed {late_ms:.1f} ms before the request could start "
-            f"(waited {waited_ms:.1f} ms in the queue); it was not run"))
+            f"(waited {waited_ms:.1f} ms in the queue); it was not run")
 
     # -- execution ----------------------------------------------------------
     async def _execute(self, batch: list[Work]) -> None:

@@ -161,3 +161,16 @@ def test_outputs_are_held_to_the_signature(outputs, message) -> None:
             await scheduler.submit(rows(1), 1, 0)
         await scheduler.drain()
     run(scenario())
+
+
+def test_a_request_expired_on_arrival_is_refused_and_leaves_the_scheduler_idle() -> None:
+    async def scenario() -> None:
+        backend = GatedDouble()
+        backend.gate.set()
+        stats = ModelStats()
+        scheduler = ModelScheduler("m", backend, SIGNATURE, capacity=4, instances=1, stats=stats)
+        with pytest.raises(DeadlineExceeded, match="model 'm': deadline passed .* it was not run"):
+            await scheduler.submit(rows(1), 1, time.monotonic_ns() - 1)
+        assert backend.ran == [] and stats.queue.count == 1
+        await asyncio.wait_for(scheduler.drain(), 5)  # nothing runs, so unloading must not wait
+    run(scenario())
