@@ -82,7 +82,6 @@ class Backend(Protocol):
 #       Called when the server stops and its shutdown grace has passed while
 #       executions still run: end them now (the subprocess backends kill their
 #       children's process groups), so that shutdown stays bounded.
-OPTIONAL_METHODS = ("batch_signature", "preprocess", "postprocess", "terminate_running")
 
 
 @dataclass(frozen=True)

@@ -66,9 +66,6 @@ class ModelSignature:
         """The declared output names, in order."""
         return [spec.name for spec in self.outputs]
 
-    def output(self, name: str) -> TensorSpec | None:
-        """The declared output called ``name``, or None."""
-        return next((spec for spec in self.outputs if spec.name == name), None)
 
 
 @dataclass(frozen=True)

@@ -137,10 +137,8 @@ class ModelStats:
         with self._lock:
             self._advance_busy_idle(time.monotonic())
             clone = copy.copy(self)
-            for name in ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output",
-                         "batches", "batcher", "failures_by_reason", "request_seconds", "queue_seconds",
-                         "compute_seconds", "batch_rows", "batch_cost"):
-                setattr(clone, name, copy.deepcopy(getattr(self, name)))
+            clone.__dict__ = copy.deepcopy({k: v for k, v in self.__dict__.items() if k != "_lock"})
+            clone._lock = threading.Lock()
             return clone
 
     def record_submitted(self) -> None:

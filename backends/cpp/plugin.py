@@ -7,7 +7,6 @@ from pathlib import Path
 from nereid.backend import BackendClaim
 from nereid.backends.cpp.compiler import build_binary
 from nereid.backends.subprocess.model import SubprocessModel
-from nereid.errors import ConfigError
 from nereid.hookspecs import hookimpl
 
 BACKEND_NAME = "cpp"
@@ -18,11 +17,10 @@ class CppModel(SubprocessModel):
     """A compiled ``main.cpp`` speaking the subprocess tensor contract."""
 
     platform = "nereid_cpp"
+    entry_file = SOURCE_FILE
     _binary: Path | None = None
 
     def prepare(self) -> None:
-        if not (self.context.folder / SOURCE_FILE).is_file():
-            raise ConfigError(f"model '{self.context.name}': missing {SOURCE_FILE} in {self.context.folder}")
         self._binary = build_binary(self.context.folder, SOURCE_FILE)
 
     def command(self) -> list[str]:

@@ -7,7 +7,6 @@ from pathlib import Path
 
 from nereid.backend import BackendClaim
 from nereid.backends.subprocess.model import SubprocessModel
-from nereid.errors import ConfigError
 from nereid.hookspecs import hookimpl
 
 BACKEND_NAME = "python"
@@ -18,10 +17,7 @@ class PythonModel(SubprocessModel):
     """``main.py`` run with the interpreter that runs the server."""
 
     platform = "nereid_python"
-
-    def prepare(self) -> None:
-        if not (self.context.folder / ENTRY_FILE).is_file():
-            raise ConfigError(f"model '{self.context.name}': missing {ENTRY_FILE} in {self.context.folder}")
+    entry_file = ENTRY_FILE
 
     def command(self) -> list[str]:
         return [sys.executable, ENTRY_FILE]

@@ -30,6 +30,7 @@ class SubprocessModel:
     """Shared machinery of the python and cpp backends; subclasses say what to run."""
 
     platform = "nereid_subprocess"
+    entry_file: str = ""  # the program's file in the model folder (main.py, main.cpp)
 
     def __init__(self, context: ModelContext) -> None:
         self.context = context
@@ -46,6 +47,8 @@ class SubprocessModel:
         if not signature.outputs:
             raise ConfigError(f"{path}: a subprocess model must declare its output "
                               "(output_shape, or output {} blocks)")
+        if not (self.context.folder / self.entry_file).is_file():
+            raise ConfigError(f"model '{self.context.name}': missing {self.entry_file} in {self.context.folder}")
         self._signature = signature
         self.prepare()
 
@@ -88,7 +91,7 @@ class SubprocessModel:
 
     # -- for subclasses ---------------------------------------------------
     def prepare(self) -> None:
-        """Check or build the program (called by ``load``)."""
+        """Build the program if it needs building (called by ``load``, once ``entry_file`` is there)."""
 
     def command(self) -> list[str]:
         """The argv to run, with the model folder as working directory."""
