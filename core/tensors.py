@@ -60,6 +60,13 @@ class InferResponse:
     id: str = ""
 
 
+def bytes_array(elements: list[bytes], shape: tuple[int, ...]) -> np.ndarray:
+    """A BYTES tensor's object array (``np.array`` would make a fixed-width ``S`` array and pad it)."""
+    array = np.empty(len(elements), dtype=object)
+    array[:] = elements
+    return array.reshape(shape)
+
+
 def split_bytes_elements(raw: bytes) -> list[bytes]:
     """Split KServe's BYTES serialization: each element a 4-byte little-endian length, then the bytes."""
     elements: list[bytes] = []

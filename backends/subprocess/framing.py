@@ -16,7 +16,7 @@ import numpy as np
 
 from nereid.dtypes import DType
 from nereid.errors import ModelFailure
-from nereid.tensors import NamedTensor, tensor_bytes
+from nereid.tensors import NamedTensor, bytes_array, tensor_bytes
 
 MAX_HEADER_BYTES = 4096
 MAX_RANK = 32
@@ -85,10 +85,7 @@ def _read_bytes_body(stream: BinaryIO, count: int, shape: tuple[int, ...], where
         if len(element) != length:
             raise ModelFailure(f"{where}: BYTES element {index} is truncated")
         elements.append(element)
-    array = np.empty(count, dtype=object)
-    for index, element in enumerate(elements):
-        array[index] = element
-    return array.reshape(shape)
+    return bytes_array(elements, shape)
 
 
 def _read_at_most(stream: BinaryIO, size: int) -> bytes:

@@ -11,7 +11,8 @@ from nereid._proto import grpc_service_pb2 as pb
 from nereid.dtypes import DType
 from nereid.errors import InvalidArgument
 from nereid.signature import expected_byte_size
-from nereid.tensors import InferRequest, InferResponse, NamedTensor, split_bytes_elements, tensor_bytes
+from nereid.tensors import (InferRequest, InferResponse, NamedTensor, bytes_array, split_bytes_elements,
+                            tensor_bytes)
 
 # The request parameter Triton clients use for a per-request timeout, in microseconds.
 TIMEOUT_PARAMETER = "timeout"
@@ -95,9 +96,7 @@ def _decode_raw(where: str, dtype: DType, shape: tuple[int, ...], count: int, ra
         if len(elements) != count:
             raise InvalidArgument(
                 f"{where}: raw contents hold {len(elements)} BYTES elements, expected {count} for shape {list(shape)}")
-        array = np.empty(count, dtype=object)
-        array[:] = elements
-        return array.reshape(shape)
+        return bytes_array(elements, shape)
     expected = expected_byte_size(dtype, shape)
     if len(raw) != expected:
         raise InvalidArgument(
@@ -118,9 +117,7 @@ def _decode_contents(where: str, dtype: DType, shape: tuple[int, ...], count: in
         raise InvalidArgument(
             f"{where}: contents.{field} holds {len(values)} elements, expected {count} for shape {list(shape)}")
     if dtype is DType.BYTES:
-        array = np.empty(count, dtype=object)
-        array[:] = list(values)
-        return array.reshape(shape)
+        return bytes_array(list(values), shape)
     # Read in the field's own width first: numpy's cast to a narrower type would silently wrap
     # (int_contents 200 as INT8 becoming -56), so the range is checked before narrowing.
     source = np.array(values)
