@@ -233,7 +233,14 @@ class ModelRepository:
         loaded = entry.loaded
         assert loaded is not None
         entry.state, entry.reason = ModelState.UNLOADING, ""
-        await loaded.scheduler.drain()
+        terminate = getattr(loaded.backend, "terminate_running", None)
+
+        async def end_running() -> None:
+            if terminate is not None:
+                await asyncio.to_thread(terminate)
+
+        # Bounded by the grace: an abandoned request's thread must not hold the unload (or the loop).
+        await loaded.scheduler.drain(self.settings.server.shutdown_grace_s, end_running)
         try:
             await asyncio.to_thread(loaded.backend.unload)
         except Exception:

@@ -16,6 +16,7 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Awaitable, Callable
 
 import numpy as np
 
@@ -27,6 +28,9 @@ from nereid.stats import ModelStats
 from nereid.tensors import NamedTensor
 
 log = logging.getLogger(__name__)
+
+# After the grace and a termination request, how long drain() still waits before abandoning work.
+TERMINATE_WAIT_S = 5.0
 
 
 @dataclass
@@ -70,6 +74,7 @@ class ModelScheduler:
         self._variable_axes = any(-1 in spec.dims for spec in signature.inputs)  # else a request costs its rows
         self._executor = None if self._inline else ThreadPoolExecutor(max_workers=instances,
                                                                       thread_name_prefix=f"nereid-{name}")
+        self._threads: set[asyncio.Future] = set()  # backend calls running on worker threads
         self._batcher = asyncio.create_task(self._batch_loop(), name=f"nereid-{name}-batcher")
 
     @property
@@ -115,14 +120,41 @@ class ModelScheduler:
         return (self._free_slots > 0 and not self._pending and not self._forming
                 and (not self.policy.enabled or self.policy.max_delay_ns == 0))
 
-    async def drain(self) -> None:
-        """Refuse new requests, finish the queued and running ones, stop the batcher."""
+    @property
+    def running_threads(self) -> int:
+        """Backend calls still running on worker threads, including those whose caller went away."""
+        return len(self._threads)
+
+    async def drain(self, grace_s: float | None = None,
+                    terminate: Callable[[], Awaitable[None]] | None = None,
+                    terminate_wait_s: float = TERMINATE_WAIT_S) -> bool:
+        """Refuse new requests, finish the queued and running ones, stop the batcher.
+
+        Never blocks the event loop. With ``grace_s``, waits at most that long;
+        then awaits ``terminate`` (the backend ending its running work), waits
+        up to ``terminate_wait_s`` more, and abandons what still runs.
+        Returns True when everything finished, False when work was abandoned.
+        """
         self._accepting = False
-        await self._idle.wait()
+        finished = await _wait_event(self._idle, grace_s)
+        if not finished:
+            log.warning("model '%s': %d execution(s) still running after the %.1f s grace; ending them",
+                        self.name, len(self._threads) or 1, grace_s)
+            if terminate is not None:
+                await terminate()
+            finished = await _wait_event(self._idle, terminate_wait_s)
+            if not finished:
+                log.error("model '%s': %d execution(s) did not end; abandoning them", self.name, len(self._threads))
+                for work in self._pending:
+                    if not work.future.done():
+                        work.future.set_exception(Unavailable(f"model '{self.name}' was unloaded"))
+                self._pending.clear()
         self._batcher.cancel()
         await asyncio.gather(self._batcher, return_exceptions=True)
         if self._executor is not None:
-            self._executor.shutdown(wait=True)
+            # wait=False: a thread that ignored termination must not freeze the loop (it ends on its own).
+            self._executor.shutdown(wait=False, cancel_futures=True)
+        return finished
 
     # -- batch formation ----------------------------------------------------
     async def _batch_loop(self) -> None:
@@ -131,7 +163,7 @@ class ModelScheduler:
                 self._update_idle()
                 self._arrived.clear()
                 await self._arrived.wait()
-            while self._free_slots == 0:  # form a batch only when an execution can start
+            while self._free_slots <= 0:  # form a batch only when an execution can start
                 self._slot_freed.clear()
                 await self._slot_freed.wait()
             self._free_slots -= 1
@@ -309,7 +341,38 @@ class ModelScheduler:
     async def _infer(self, inputs: list[NamedTensor]) -> list[NamedTensor]:
         if self._inline:
             return await self._backend.infer(inputs)
-        return await asyncio.get_running_loop().run_in_executor(self._executor, self._backend.infer, inputs)
+        future = asyncio.get_running_loop().run_in_executor(self._executor, self._backend.infer, inputs)
+        self._threads.add(future)
+        future.add_done_callback(self._threads.discard)
+        try:
+            # shield: cancelling the caller must not mark the thread's future done while it still runs.
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            if not future.done():
+                # A thread cannot be stopped. Its caller will give its slot back, so take the slot
+                # again until the thread really ends: otherwise drain() would see an idle model and
+                # more executions than ``instances`` could start.
+                self._free_slots -= 1
+                self._idle.clear()
+                future.add_done_callback(self._orphan_done)
+            raise
+
+    def _orphan_done(self, future: asyncio.Future) -> None:
+        if not future.cancelled():
+            future.exception()  # retrieved, so asyncio does not log "exception never retrieved"
+        self._release_slot()
+
+
+async def _wait_event(event: asyncio.Event, timeout_s: float | None) -> bool:
+    """Wait for ``event`` (at most ``timeout_s``; None: no bound); True when it is set."""
+    if timeout_s is None:
+        await event.wait()
+        return True
+    try:
+        await asyncio.wait_for(event.wait(), timeout_s)
+    except TimeoutError:
+        return False
+    return True
 
 
 def _concatenate(requests: list[list[NamedTensor]]) -> list[NamedTensor]:

@@ -174,3 +174,60 @@ def test_a_request_expired_on_arrival_is_refused_and_leaves_the_scheduler_idle()
         assert backend.ran == [] and stats.queue.count == 1
         await asyncio.wait_for(scheduler.drain(), 5)  # nothing runs, so unloading must not wait
     run(scenario())
+
+
+def test_drain_after_an_abandoned_request_never_blocks_the_loop_and_is_bounded_by_the_grace() -> None:
+    """Defect: a cancelled caller freed its slot while its thread ran on, and drain() then joined
+    the thread on the event loop, freezing every other coroutine until the backend returned."""
+    async def scenario() -> None:
+        backend = GatedDouble()
+        scheduler = ModelScheduler("m", backend, SIGNATURE, capacity=4, instances=1, stats=ModelStats())
+        caller = asyncio.create_task(scheduler.submit(rows(1), 1, 0))
+        await until(lambda: scheduler.running_threads == 1)
+        caller.cancel()  # the client's deadline passed; the thread cannot be stopped
+        await asyncio.gather(caller, return_exceptions=True)
+        assert scheduler.running_threads == 1
+        # The slot stays taken while the thread runs: a new request queues instead of overcommitting.
+        queued = asyncio.create_task(scheduler.submit(rows(2), 1, 0))
+        await until(lambda: scheduler.queue_depth == 1)
+        ticks = 0
+
+        async def heartbeat() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        beating = asyncio.create_task(heartbeat())
+        terminated: list[float] = []
+
+        async def terminate() -> None:
+            terminated.append(time.monotonic())
+            backend.gate.set()  # what terminate_running does for a real backend: end the work
+
+        started = time.monotonic()
+        finished = await scheduler.drain(0.3, terminate)
+        elapsed = time.monotonic() - started
+        beating.cancel()
+        assert finished
+        assert terminated and terminated[0] - started >= 0.29  # ended only once the grace had passed
+        assert elapsed < 3
+        assert ticks >= 15  # the loop kept running the whole time
+        assert float((await queued)[0].data[0, 0]) == 4  # the queued request was still answered
+    run(scenario())
+
+
+def test_drain_abandons_work_that_ignores_termination() -> None:
+    async def scenario() -> None:
+        backend = GatedDouble()
+        scheduler = ModelScheduler("m", backend, SIGNATURE, capacity=4, instances=1, stats=ModelStats())
+        caller = asyncio.create_task(scheduler.submit(rows(1), 1, 0))
+        await until(lambda: scheduler.running_threads == 1)
+        caller.cancel()
+        started = time.monotonic()
+        # Nothing can end the thread: give up after the grace and the wait, do not hang.
+        finished = await scheduler.drain(0.1, terminate_wait_s=0.2)
+        assert not finished
+        assert time.monotonic() - started < 1.5
+        backend.gate.set()
+    run(scenario())
