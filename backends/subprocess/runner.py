@@ -1,11 +1,21 @@
-"""Running one model process: its own process group, a minimal environment, a hard timeout."""
+"""Running one model process: its own process group, a minimal environment, a hard timeout.
+
+Waiting never polls. CPython's ``Popen.wait(timeout)`` loops on
+``waitpid(WNOHANG)`` with a sleep that doubles up to 50 ms, so a child that
+exits is noticed up to 50 ms late. Here the child's exit is a file descriptor
+that becomes readable (a pidfd for a child we spawned, a socket for one forked
+by a warm parent), waited on with ``poll`` together with the stdin pipe and the
+deadline: the wait ends the moment the child exits or the timeout passes.
+"""
 
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,7 +61,7 @@ class ProcessGroups:
         with self._lock:
             groups = list(self._groups)
         for pgid in groups:
-            _kill_group(pgid)
+            kill_group(pgid)
         return len(groups)
 
 
@@ -65,35 +75,98 @@ def run_model_process(argv: list[str], *, cwd: Path, env: dict[str, str], stdin:
     model started outlives the request, and the child is always reaped. While
     it runs, its group is listed in ``groups``.
     """
-    with open(log_path, "wb") as log_file:
-        process = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.PIPE, stdout=log_file,
-                                   stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    # Our own pipe rather than Popen's file object: feed_and_wait owns and closes the write end.
+    read_end, write_end = os.pipe2(os.O_CLOEXEC)
+    try:
+        with open(log_path, "wb") as log_file:
+            process = subprocess.Popen(argv, cwd=cwd, env=env, stdin=read_end, stdout=log_file,
+                                       stderr=subprocess.STDOUT, start_new_session=True)
+    except BaseException:
+        os.close(write_end)
+        raise
+    finally:
+        os.close(read_end)
+    exit_fd = os.pidfd_open(process.pid)
+    if groups is not None:
+        groups.add(process.pid)
+    try:
+        exited = feed_and_wait(write_end, stdin, exit_fd, deadline)
+    finally:
         if groups is not None:
-            groups.add(process.pid)
-        timed_out = False
-        try:
-            process.communicate(stdin, timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-        except BrokenPipeError:
-            # The model exited without reading all of stdin; its exit status tells the story.
-            pass
-        finally:
-            if groups is not None:
-                groups.discard(process.pid)
-            _kill_group(process.pid)
-            process.wait()
-    return ProcessResult(process.returncode, timed_out, _tail(log_path))
+            groups.discard(process.pid)
+        # The child is not reaped yet (a zombie at worst), so its pid, the group's id, cannot be reused.
+        kill_group(process.pid)
+        os.close(exit_fd)
+        process.wait()  # returns at once: the child has exited or was just killed
+    return ProcessResult(process.returncode, not exited, read_tail(log_path))
 
 
-def _kill_group(pgid: int) -> None:
+def feed_and_wait(stdin_fd: int, data: bytes, exit_fd: int, deadline: float | None) -> bool:
+    """Write ``data`` to the child's stdin, close it, and wait until ``exit_fd`` is readable.
+
+    ``exit_fd`` becomes readable when the child has exited (a pidfd, or a socket
+    on which its warm parent reports the exit). Returns True when the child
+    exited, False when ``deadline`` (``time.monotonic()``; None: none) passed
+    first. A child that exits or closes stdin before reading everything ends the
+    writing: its exit status tells the story. ``stdin_fd`` is closed on return.
+    """
+    view = memoryview(data)
+    poller = select.poll()
+    poller.register(exit_fd, select.POLLIN)
+    stdin_open = True
+    try:
+        if view:
+            os.set_blocking(stdin_fd, False)
+            view = _write_some(stdin_fd, view)  # a small input fits in the pipe at once
+        if view:
+            poller.register(stdin_fd, select.POLLOUT)
+        else:
+            stdin_open = False
+            os.close(stdin_fd)
+        while True:
+            timeout_ms = -1 if deadline is None else max(0, int((deadline - time.monotonic()) * 1000 + 0.999))
+            events = poller.poll(timeout_ms)
+            if not events:
+                return False
+            for fd, event in events:
+                if fd == exit_fd:
+                    return True
+                if event & (select.POLLERR | select.POLLHUP):
+                    view = memoryview(b"")  # the child closed its stdin
+                else:
+                    view = _write_some(stdin_fd, view)
+                if not view:
+                    poller.unregister(stdin_fd)
+                    stdin_open = False
+                    os.close(stdin_fd)
+    finally:
+        if stdin_open:  # closed exactly once: a second close could hit a descriptor another thread reuses
+            os.close(stdin_fd)
+
+
+def _write_some(fd: int, view: memoryview) -> memoryview:
+    """Write what the pipe takes now; the rest of ``view`` (empty when done or the reader is gone)."""
+    try:
+        while view:
+            view = view[os.write(fd, view):]
+    except BlockingIOError:
+        pass
+    except BrokenPipeError:
+        return memoryview(b"")
+    return view
+
+
+def kill_group(pgid: int) -> None:
+    """SIGKILL a process group, if it still exists."""
     try:
         os.killpg(pgid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass  # the group is already gone
 
 
-def _tail(path: Path) -> str:
+def read_tail(path: Path) -> str:
+    """The last ``STDERR_TAIL_BYTES`` of a model's output log, decoded leniently."""
     with open(path, "rb") as f:
         f.seek(0, os.SEEK_END)
         size = f.tell()

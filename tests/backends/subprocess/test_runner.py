@@ -1,0 +1,117 @@
+"""The process runner on its own: exit noticed at once, timeouts kill the group, nothing leaks."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from nereid.backends.subprocess.runner import ProcessGroups, run_model_process
+
+from support import zombie_children
+
+PYTHON = [sys.executable, "-S", "-c"]
+
+
+def run(tmp_path: Path, code: str, stdin: bytes = b"", timeout_s: float | None = 30, **kwargs):
+    return run_model_process([*PYTHON, code], cwd=tmp_path, env={}, stdin=stdin, timeout_s=timeout_s,
+                             log_path=tmp_path / "log", **kwargs)
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_exit_code_signal_and_output_tail(tmp_path):
+    result = run(tmp_path, "import sys; sys.stderr.write('x' * 5000 + 'the end'); sys.exit(3)")
+    assert (result.returncode, result.timed_out) == (3, False)
+    assert result.describe() == "exited with code 3"
+    assert result.output_tail.endswith("the end") and len(result.output_tail) <= 2000
+    killed = run(tmp_path, "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
+    assert killed.describe() == "was killed by signal SIGSEGV"
+
+
+def test_large_stdin_is_delivered_whole(tmp_path):
+    payload = os.urandom(3 << 20)  # many times a pipe's capacity
+    code = ("import sys, hashlib; data = sys.stdin.buffer.read(); "
+            "sys.stdout.write(hashlib.sha256(data).hexdigest())")
+    result = run(tmp_path, code, stdin=payload)
+    import hashlib
+    assert result.returncode == 0 and result.output_tail == hashlib.sha256(payload).hexdigest()
+
+
+def test_child_that_ignores_stdin_does_not_hang_the_writer(tmp_path):
+    started = time.monotonic()
+    result = run(tmp_path, "import sys; sys.exit(0)", stdin=b"\0" * (8 << 20))
+    assert result.returncode == 0 and time.monotonic() - started < 10
+    closes_stdin = run(tmp_path, "import os, time; os.close(0); time.sleep(0.2)", stdin=b"\0" * (8 << 20))
+    assert closes_stdin.returncode == 0
+
+
+def test_exit_is_noticed_without_polling_delay(tmp_path):
+    """Popen.wait(timeout) notices an exit up to 50 ms late; here the wait ends with the child."""
+    code = "import time; time.sleep(0.065)"
+    for _ in range(3):  # best of three: the machine is shared
+        started = time.perf_counter()
+        run(tmp_path, code, timeout_s=60)
+        served = time.perf_counter() - started
+        started = time.perf_counter()
+        run(tmp_path, code, timeout_s=None)
+        unbounded = time.perf_counter() - started
+        if served < unbounded + 0.02:
+            break
+    assert served < unbounded + 0.02, (served, unbounded)
+
+
+def test_timeout_kills_the_whole_group(tmp_path):
+    code = ("import subprocess, sys, time; "
+            "p = subprocess.Popen(['sleep', '300']); print(p.pid, flush=True); time.sleep(300)")
+    started = time.monotonic()
+    result = run(tmp_path, code, timeout_s=1)
+    assert result.timed_out and result.returncode == -9
+    assert time.monotonic() - started < 10
+    grandchild = int(result.output_tail.split()[0])
+    deadline = time.monotonic() + 5
+    while alive(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not alive(grandchild)
+
+
+def test_kill_all_ends_running_groups(tmp_path):
+    groups = ProcessGroups()
+    results = []
+    thread = threading.Thread(target=lambda: results.append(
+        run(tmp_path, "import time; time.sleep(300)", timeout_s=None, groups=groups)))
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not groups.kill_all() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    thread.join(10)
+    assert not thread.is_alive() and results[0].returncode == -9
+
+
+def test_hundreds_of_children_leave_no_zombie_and_no_thread(tmp_path):
+    threads_before = threading.active_count()
+    fds_before = len(os.listdir("/proc/self/fd"))
+    for _ in range(300):
+        result = run_model_process(["/bin/true"], cwd=tmp_path, env={}, stdin=b"abc", timeout_s=30,
+                                   log_path=tmp_path / "log")
+        assert result.returncode == 0
+    assert zombie_children() == []
+    assert threading.active_count() == threads_before
+    assert len(os.listdir("/proc/self/fd")) == fds_before
+
+
+@pytest.mark.parametrize("timeout_s", [None, 30])
+def test_both_wait_modes_agree(tmp_path, timeout_s):
+    result = run(tmp_path, "import sys; sys.stdout.write(sys.stdin.read()[::-1])", stdin=b"abc",
+                 timeout_s=timeout_s)
+    assert (result.returncode, result.output_tail, result.timed_out) == (0, "cba", False)
