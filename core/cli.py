@@ -1,9 +1,10 @@
-"""The ``nereid`` command: ``serve``, ``check`` and ``bundle check``."""
+"""The ``nereid`` command: ``serve``, ``check``, ``bundle check`` and ``cxx-header``."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.resources
 import logging
 import shutil
 import sys
@@ -37,10 +38,14 @@ def main(argv: list[str] | None = None) -> int:
         "check", help="report whether each bundle's programs take inputs + weights arguments")
     bundle_check.add_argument("dirs", nargs="+", type=Path, metavar="DIR",
                               help="a bundle, or a folder whose sub-folders are bundles")
+    commands.add_parser("cxx-header", help="print the path of nereid_cxx.h, the C header of the cxx backend")
     args = parser.parse_args(argv)
 
     if args.command == "bundle":
         return check_bundles(args.dirs)
+    if args.command == "cxx-header":
+        print(cxx_header_path())
+        return 0
 
     try:
         settings = load_settings(args.config)
@@ -102,6 +107,11 @@ def check(settings: Settings) -> int:
         shutil.rmtree(scratch, ignore_errors=True)
     print(f"{settings.source}: {'OK' if not problems else f'{problems} model(s) with problems'}")
     return 1 if problems else 0
+
+
+def cxx_header_path() -> Path:
+    """Where the cxx backend's C header is installed: package data, found without importing the backend's modules."""
+    return Path(str(importlib.resources.files("nereid.backends.cxx").joinpath("nereid_cxx.h")))
 
 
 def check_bundles(dirs: list[Path]) -> int:

@@ -18,6 +18,7 @@ ENTRY_POINT_GROUP = "nereid.backends"
 BUILTIN_BACKENDS: tuple[str, ...] = (
     "nereid.backends.python.plugin",
     "nereid.backends.cpp.plugin",
+    "nereid.backends.cxx.plugin",
     "nereid.backends.xla.plugin",
 )
 

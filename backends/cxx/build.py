@@ -1,0 +1,78 @@
+"""Building a model's shared library from ``runtime.sources``, cached like the cpp backend's binaries.
+
+The library goes to ``<model folder>/.cache/lib-<hash>.so`` (the cpp backend's
+cache folder, compiler, flags, time limit and error reporting), where the hash
+covers the compiler, the flags, nereid's header, every listed source and every
+header beside them: a restart reuses the library, an edit rebuilds it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+from importlib import resources
+from pathlib import Path
+
+from nereid.backends.cpp.compiler import (CACHE_DIR, COMPILE_TIMEOUT_S, CXX_FLAGS, MESSAGE_TAIL_CHARS,
+                                          SOURCE_SUFFIXES, find_compiler)
+from nereid.backends.cxx import HEADER_NAME
+from nereid.errors import ConfigError
+
+# Position-independent code, linked as a shared object; only what the header
+# marks NEREID_EXPORT (and anything else left default) is visible.
+SHARED_FLAGS = ("-shared", "-fPIC")
+HEADER_SUFFIXES = tuple(s for s in SOURCE_SUFFIXES if s.startswith(".h"))
+
+
+def header_dir() -> Path:
+    """The folder holding ``nereid_cxx.h`` (passed to the compiler with ``-I``)."""
+    return Path(str(resources.files("nereid.backends.cxx").joinpath(HEADER_NAME))).parent
+
+
+def library_hash(sources: tuple[Path, ...], compiler: str) -> str:
+    """A key over the compiler, the flags, nereid's header, the sources and the headers beside them."""
+    digest = hashlib.sha256()
+    digest.update(compiler.encode() + b"\0" + " ".join((*CXX_FLAGS, *SHARED_FLAGS)).encode() + b"\0")
+    digest.update((header_dir() / HEADER_NAME).read_bytes() + b"\0")
+    headers = {p for folder in {s.parent for s in sources} for p in folder.iterdir()
+               if p.is_file() and p.suffix in HEADER_SUFFIXES}
+    for path in (*sources, *sorted(headers - set(sources))):
+        digest.update(str(path).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:20]
+
+
+def build_library(model: str, folder: Path, sources: tuple[Path, ...]) -> Path:
+    """The shared library built from ``sources``, compiling only when they changed.
+
+    Builds into a temporary name and renames it into place, so an interrupted or
+    concurrent build never leaves a half-written library under the final name.
+    ConfigError carries the compiler's message on failure.
+    """
+    for source in sources:
+        if not source.is_file():
+            raise ConfigError(f"model '{model}': runtime.sources: no such file {source}")
+    compiler = find_compiler()
+    cache = folder / CACHE_DIR
+    cache.mkdir(exist_ok=True)
+    library = cache / f"lib-{library_hash(sources, compiler)}.so"
+    if library.is_file():
+        return library
+    partial = cache / f".{library.name}.{os.getpid()}.partial"
+    argv = [compiler, *CXX_FLAGS, *SHARED_FLAGS, f"-I{header_dir()}", "-o", str(partial), *map(str, sources)]
+    names = ", ".join(map(str, sources))
+    try:
+        completed = subprocess.run(argv, cwd=folder, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        partial.unlink(missing_ok=True)
+        raise ConfigError(f"model '{model}': {names}: compilation took longer than {COMPILE_TIMEOUT_S} s") from None
+    if completed.returncode != 0:
+        partial.unlink(missing_ok=True)
+        message = (completed.stderr or completed.stdout).strip()[-MESSAGE_TAIL_CHARS:]
+        raise ConfigError(f"model '{model}': {names}: compilation failed ({os.path.basename(compiler)} exited "
+                          f"{completed.returncode}):\n{message}")
+    os.replace(partial, library)
+    for stale in cache.glob("lib-*.so"):
+        if stale != library:
+            stale.unlink(missing_ok=True)  # loaded models run private copies: removing this is safe
+    return library

@@ -1,0 +1,107 @@
+"""One dlopened copy of a cxx model's shared library, and the C types of its ABI.
+
+The dynamic loader is driven directly (``dlopen`` / ``dlsym`` / ``dlclose``
+from the C library) rather than through :class:`ctypes.CDLL`, which offers no
+public way to close a library: a model's unload must unmap its code so that a
+changed library can be loaded in its place. Functions are called through
+:func:`ctypes.CFUNCTYPE` prototypes, which release the GIL for the call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+from nereid.errors import ConfigError
+
+
+class CTensor(ctypes.Structure):
+    """``nereid_tensor`` from nereid_cxx.h."""
+
+    _fields_ = [
+        ("name", ctypes.c_char_p),
+        ("dtype", ctypes.c_char_p),
+        ("rank", ctypes.c_int64),
+        ("shape", ctypes.POINTER(ctypes.c_int64)),
+        ("data", ctypes.c_void_p),
+        ("byte_size", ctypes.c_uint64),
+    ]
+
+
+INFER_FUNCTION = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(CTensor), ctypes.c_size_t,
+                                  ctypes.POINTER(CTensor), ctypes.c_size_t, ctypes.c_char_p, ctypes.c_size_t)
+LOAD_FUNCTION = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_char_p, ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p),
+                                 ctypes.c_char_p, ctypes.c_size_t)
+UNLOAD_FUNCTION = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+
+_RTLD_NOW = getattr(os, "RTLD_NOW", 2)
+_RTLD_LOCAL = getattr(os, "RTLD_LOCAL", 0)  # each model's symbols stay its own
+
+
+@functools.cache
+def _loader() -> ctypes.CDLL:
+    """The dynamic loader's functions, with their C signatures (set up once per process)."""
+    libc = ctypes.CDLL(None)
+    libc.dlopen.argtypes, libc.dlopen.restype = [ctypes.c_char_p, ctypes.c_int], ctypes.c_void_p
+    libc.dlsym.argtypes, libc.dlsym.restype = [ctypes.c_void_p, ctypes.c_char_p], ctypes.c_void_p
+    libc.dlclose.argtypes, libc.dlclose.restype = [ctypes.c_void_p], ctypes.c_int
+    libc.dlerror.argtypes, libc.dlerror.restype = [], ctypes.c_char_p
+    return libc
+
+
+class NativeLibrary:
+    """A private copy of a shared library, dlopened with its nereid symbols looked up.
+
+    ``dlopen`` returns the already-loaded object for a path it has seen, so a
+    rebuilt library would never be picked up by a reload; loading a fresh copy
+    under a unique name makes every load see the file as it is now (and makes
+    rewriting the original in place harmless to the running copy).
+    """
+
+    def __init__(self, model: str, path: Path, scratch_dir: Path) -> None:
+        self.path = path
+        if not path.is_file():
+            raise ConfigError(f"model '{model}': shared library {path} does not exist")
+        self._copy = scratch_dir / f"{path.stem}-{uuid.uuid4().hex[:12]}{path.suffix}"
+        try:
+            shutil.copyfile(path, self._copy)
+        except OSError as err:
+            raise ConfigError(f"model '{model}': cannot read shared library {path}: {err.strerror or err}") from None
+        self._libc = _loader()
+        self._handle: int | None = self._libc.dlopen(str(self._copy).encode(), _RTLD_NOW | _RTLD_LOCAL)
+        if not self._handle:
+            message = self._dlerror().replace(str(self._copy), str(path))
+            self._copy.unlink(missing_ok=True)
+            raise ConfigError(f"model '{model}': cannot load shared library {path}: {message}")
+        try:
+            infer = self._symbol("nereid_infer")
+            if infer is None:
+                raise ConfigError(f"model '{model}': shared library {path} does not export nereid_infer "
+                                  "(declare it extern \"C\"; see `nereid cxx-header`)")
+            self.infer = INFER_FUNCTION(infer)
+            load, unload = self._symbol("nereid_load"), self._symbol("nereid_unload")
+            self.load = LOAD_FUNCTION(load) if load is not None else None
+            self.unload = UNLOAD_FUNCTION(unload) if unload is not None else None
+        except BaseException:
+            self.close()
+            raise
+
+    def _symbol(self, name: str) -> int | None:
+        assert self._handle, "library closed"
+        return self._libc.dlsym(self._handle, name.encode()) or None
+
+    def _dlerror(self) -> str:
+        message = self._libc.dlerror()
+        return message.decode("utf-8", "replace") if message else "unknown dynamic loader error"
+
+    def close(self) -> None:
+        """dlclose the copy and delete it; the function pointers must not be called afterwards."""
+        self.infer = self.load = self.unload = None  # type: ignore[assignment]
+        if self._handle:
+            self._libc.dlclose(self._handle)
+            self._handle = None
+        self._copy.unlink(missing_ok=True)

@@ -1,0 +1,172 @@
+"""A cxx model: the library's ``nereid_infer`` called in-process on numpy buffers.
+
+Inputs are passed as the request's own numpy memory and outputs as arrays the
+server preallocates, so a call copies nothing; ctypes releases the GIL for the
+call, so ``instances`` calls really run at once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from nereid.backend import ModelContext
+from nereid.dtypes import DType
+from nereid.errors import ConfigError, ModelFailure
+from nereid.signature import TEXTPROTO_NAME, ModelSignature, TensorSpec, load_textproto_signature
+from nereid.tensors import NamedTensor
+
+from nereid.backends.cxx.build import build_library
+from nereid.backends.cxx.library import CTensor, NativeLibrary
+from nereid.backends.cxx.options import parse_options
+
+# The error buffer handed to the library, and how much of its text is echoed
+# (the library's text is untrusted input to the server's replies and logs).
+ERROR_BUFFER_SIZE = 4096
+ERROR_ECHO_CHARS = 1024
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """What a call needs of one declared tensor, encoded once at load."""
+
+    spec: TensorSpec
+    name: bytes
+    dtype: bytes
+
+
+class CxxModel:
+    """A shared library exporting ``nereid_infer`` (see nereid_cxx.h), called in-process."""
+
+    platform = "nereid_cxx"
+
+    def __init__(self, context: ModelContext) -> None:
+        self.context = context
+        self._signature: ModelSignature | None = None
+        self._library: NativeLibrary | None = None
+        self._state = ctypes.c_void_p()
+        self._inputs: tuple[_Slot, ...] = ()
+        self._outputs: tuple[_Slot, ...] = ()
+
+    # -- Backend protocol -------------------------------------------------
+    def load(self) -> None:
+        """Check the textproto and options, build or find the library, dlopen a copy, call nereid_load."""
+        name, folder = self.context.name, self.context.folder
+        if self.context.device.is_gpu:
+            raise ConfigError(f"model '{name}': the cxx backend runs on the CPU (its ABI passes no device), "
+                              f"got device {self.context.device} in {self.context.settings_origin or 'nereid.yaml'}")
+        signature = self._load_signature()
+        options = parse_options(name, self.context.settings.runtime, self.context.settings_origin)
+        path = options.library if options.library is not None else build_library(name, folder, options.sources)
+        library = NativeLibrary(name, path, self.context.scratch_dir)
+        try:
+            if library.load is not None:
+                error = ctypes.create_string_buffer(ERROR_BUFFER_SIZE)
+                status = library.load(name.encode(), str(folder.resolve()).encode(), ctypes.byref(self._state),
+                                      error, ERROR_BUFFER_SIZE - 1)
+                if status != 0:
+                    raise ConfigError(f"model '{name}': nereid_load in {path} returned {status}: "
+                                      f"{_error_text(error)}")
+        except BaseException:
+            library.close()
+            raise
+        self._library, self._signature = library, signature
+        self._inputs = tuple(_Slot(s, s.name.encode(), s.dtype.contract.encode()) for s in signature.inputs)
+        self._outputs = tuple(_Slot(s, s.name.encode(), s.dtype.contract.encode()) for s in signature.outputs)
+
+    def signature(self) -> ModelSignature:
+        assert self._signature is not None, "load() first"
+        return self._signature
+
+    def infer(self, inputs: list[NamedTensor]) -> list[NamedTensor]:
+        """One call of ``nereid_infer`` on this batch (runs on a worker thread, GIL released)."""
+        library, signature = self._library, self._signature
+        assert library is not None and signature is not None, "load() first"
+        batch = inputs[0].data.shape[0] if inputs and signature.batches else 1
+        c_inputs = (CTensor * len(self._inputs))()
+        c_outputs = (CTensor * len(self._outputs))()
+        keep: list[object] = []  # shape arrays and contiguous copies, alive until the call returns
+        for c_tensor, slot, tensor in zip(c_inputs, self._inputs, inputs):
+            # Already C-ordered, aligned, native-endian arrays (the usual case) pass as they are.
+            data = np.require(tensor.data, slot.spec.dtype.numpy, ("C", "A"))
+            keep.append(data)
+            _describe(c_tensor, slot, data, keep)
+        outputs: list[NamedTensor] = []
+        for c_tensor, slot in zip(c_outputs, self._outputs):
+            # Zero-filled, so a library that skips an element leaks no stale server memory.
+            data = np.zeros((batch, *slot.spec.dims) if signature.batches else slot.spec.dims, slot.spec.dtype.numpy)
+            outputs.append(NamedTensor(slot.spec.name, slot.spec.dtype, data))
+            _describe(c_tensor, slot, data, keep)
+        error = ctypes.create_string_buffer(ERROR_BUFFER_SIZE)
+        # One byte short of the buffer: a library that fills it without a NUL still leaves one.
+        status = library.infer(self._state, c_inputs, len(c_inputs), c_outputs, len(c_outputs),
+                               error, ERROR_BUFFER_SIZE - 1)
+        if status != 0:
+            raise ModelFailure(f"model '{self.context.name}': nereid_infer returned {status}: {_error_text(error)}")
+        self._check_outputs_untouched(c_outputs, outputs)
+        return outputs
+
+    def unload(self) -> None:
+        """Call nereid_unload (the scheduler has drained every call), then dlclose the copy."""
+        library, self._library = self._library, None
+        if library is None:
+            return
+        try:
+            if library.unload is not None:
+                library.unload(self._state)
+        finally:
+            self._state = ctypes.c_void_p()
+            library.close()
+
+    # -- helpers ----------------------------------------------------------
+    def _load_signature(self) -> ModelSignature:
+        name, folder = self.context.name, self.context.folder
+        path = folder / TEXTPROTO_NAME
+        if not path.is_file():
+            raise ConfigError(f"model '{name}': missing {TEXTPROTO_NAME} in {folder}")
+        signature = load_textproto_signature(path)
+        if not signature.outputs:
+            raise ConfigError(f"{path}: a cxx model must declare its outputs (output_shape, or output {{}} blocks)")
+        for kind, specs in (("input", signature.inputs), ("output", signature.outputs)):
+            for spec in specs:
+                if spec.dtype is DType.BYTES:
+                    raise ConfigError(f"model '{name}': {kind} '{spec.name}' is BYTES, which the cxx backend "
+                                      "does not support (fixed-size datatypes only); use the python or cpp backend")
+        for spec in signature.outputs:
+            if -1 in spec.dims:
+                raise ConfigError(f"model '{name}': output '{spec.name}' has a -1 dimension {list(spec.dims)}; "
+                                  "the cxx backend preallocates outputs, so their dims must be fixed")
+        return signature
+
+    def _check_outputs_untouched(self, c_outputs: ctypes.Array, outputs: list[NamedTensor]) -> None:
+        """The library may only fill the buffers: a swapped pointer or size would be silently lost."""
+        for c_tensor, tensor in zip(c_outputs, outputs):
+            data = tensor.data
+            if c_tensor.data != data.ctypes.data or c_tensor.byte_size != data.nbytes or \
+                    c_tensor.rank != data.ndim or c_tensor.dtype != tensor.dtype.contract.encode():
+                raise ModelFailure(f"model '{self.context.name}': nereid_infer changed the description of output "
+                                   f"'{tensor.name}' (data, byte_size, rank or dtype); it must fill the "
+                                   f"preallocated buffer of {data.nbytes} bytes, shape {list(data.shape)}")
+
+
+def _describe(c_tensor: CTensor, slot: _Slot, data: np.ndarray, keep: list[object]) -> None:
+    """Point a ``nereid_tensor`` at an array's memory, without copying it."""
+    shape = (ctypes.c_int64 * data.ndim)(*data.shape)
+    keep.append(shape)
+    c_tensor.name = slot.name
+    c_tensor.dtype = slot.dtype
+    c_tensor.rank = data.ndim
+    c_tensor.shape = shape
+    c_tensor.data = data.ctypes.data
+    c_tensor.byte_size = data.nbytes
+
+
+def _error_text(buffer: ctypes.Array) -> str:
+    """The library's NUL-terminated error text, decoded leniently and capped."""
+    text = buffer.value.decode("utf-8", "replace").strip()
+    if not text:
+        return "(no error text)"
+    return text if len(text) <= ERROR_ECHO_CHARS else text[:ERROR_ECHO_CHARS] + "... (truncated)"

@@ -1,0 +1,83 @@
+"""The cxx backend's ``runtime:`` options from nereid.yaml, checked once at load.
+
+```yaml
+models:
+  - name: my_model
+    backend: cxx
+    runtime:
+      library: build/libmy_model.so            # a shared library, or:
+      # sources: [ml-backends/my_model/my_model.cpp]   # compiled at load into <model>/.cache/
+```
+
+Exactly one of ``library`` and ``sources``. Paths are absolute or relative to
+the nereid.yaml that lists the model.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from nereid.errors import ConfigError
+
+ALLOWED_KEYS = ("library", "sources")
+
+# ModelContext.settings_origin of a listed model: "<nereid.yaml path>: models[<index>]".
+_LISTED_ORIGIN = re.compile(r"^(?P<file>.+): models\[\d+\]$", re.S)
+
+
+@dataclass(frozen=True)
+class CxxOptions:
+    """Parsed ``runtime:`` options: a prebuilt ``library``, or ``sources`` to build one from."""
+
+    library: Path | None = None
+    sources: tuple[Path, ...] = ()
+
+
+def config_dir(origin: str) -> Path | None:
+    """The folder of the nereid.yaml named by a settings origin, or None if it names none.
+
+    The core passes where a model's settings came from only as text; a listed
+    model's origin starts with the file's path (relative to the working directory
+    the server started in, like every path nereid.yaml itself resolves).
+    """
+    match = _LISTED_ORIGIN.match(origin)
+    return Path(match.group("file")).resolve().parent if match else None
+
+
+def parse_options(model: str, runtime: Mapping[str, Any], origin: str) -> CxxOptions:
+    """Check ``runtime``; ConfigError names the model, ``<origin>.runtime.<key>`` and the value."""
+    where = f"{origin}.runtime" if origin else "runtime"
+
+    def fail(key: str, problem: str, value: Any) -> None:
+        raise ConfigError(f"model '{model}': {where}.{key}: {problem}, got {value!r}")
+
+    for key, value in runtime.items():
+        if key not in ALLOWED_KEYS:
+            fail(key, f"unknown option of the cxx backend (allowed: {', '.join(ALLOWED_KEYS)})", value)
+    if ("library" in runtime) == ("sources" in runtime):
+        raise ConfigError(
+            f"model '{model}': backend cxx needs exactly one of runtime.library (a shared library) or "
+            f"runtime.sources (C++ files to build one from) in {origin or 'nereid.yaml'}, e.g. "
+            "runtime: {library: build/libmodel.so}")
+    base = config_dir(origin)
+
+    def resolve(key: str, value: Any) -> Path:
+        if not isinstance(value, str) or not value:
+            fail(key, "must be a path (absolute, or relative to nereid.yaml)", value)
+        path = Path(value)
+        if not path.is_absolute():
+            if base is None:
+                fail(key, "is relative, but the model's settings come from no nereid.yaml; use an absolute path",
+                     value)
+            path = base / path
+        return path
+
+    if "library" in runtime:
+        return CxxOptions(library=resolve("library", runtime["library"]))
+    sources = runtime["sources"]
+    if not isinstance(sources, list) or not sources:
+        fail("sources", "must be a non-empty list of C++ source files", sources)
+    return CxxOptions(sources=tuple(resolve("sources", item) for item in sources))
