@@ -74,7 +74,8 @@ class NativeLibrary:
         self._libc = _loader()
         self._handle: int | None = self._libc.dlopen(str(self._copy).encode(), _RTLD_NOW | _RTLD_LOCAL)
         if not self._handle:
-            message = self._dlerror().replace(str(self._copy), str(path))
+            # The loader names the file it was given: name the user's instead, once.
+            message = self._dlerror().removeprefix(f"{self._copy}: ").replace(str(self._copy), str(path))
             self._copy.unlink(missing_ok=True)
             raise ConfigError(f"model '{model}': cannot load shared library {path}: {message}")
         try:

@@ -1,0 +1,448 @@
+"""The cxx backend end to end: real shared libraries built with c++, dlopened in a real server.
+
+The libraries are compiled once per module; each test serves them through
+nereid.yaml and talks to the server with tritonclient over gRPC.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as triton
+from tritonclient.utils import InferenceServerException
+
+from nereid.cli import main as nereid_main
+from nereid.backends.cxx.build import header_dir
+from support import expect_grpc_error
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "ml-backends"
+CXX = shutil.which(os.environ.get("CXX", "c++"))
+
+pytestmark = pytest.mark.skipif(CXX is None, reason="no C++ compiler")
+
+# One library, several models: nereid_load picks a behaviour from the model name's
+# prefix and logs "load <name>" / "unload <name>" to events.log in the model folder.
+TEST_LIBRARY = r'''
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <thread>
+#include "nereid_cxx.h"
+
+namespace {
+struct State {
+    std::string name, folder;
+    std::atomic<int> in_flight{0}, max_in_flight{0};
+};
+
+bool starts_with(const std::string& s, const char* prefix) { return s.rfind(prefix, 0) == 0; }
+
+void log_event(const State* s, const char* what) {
+    std::FILE* f = std::fopen((s->folder + "/events.log").c_str(), "a");
+    if (f) { std::fprintf(f, "%s %s\n", what, s->name.c_str()); std::fclose(f); }
+}
+
+int echo(const nereid_tensor* in, size_t n_in, nereid_tensor* out, size_t n_out, char* error, size_t size) {
+    if (n_in != n_out) { nereid_set_error(error, size, "echo: %zu inputs, %zu outputs", n_in, n_out); return 1; }
+    for (size_t i = 0; i < n_in; ++i) {
+        bool same_shape = in[i].rank == out[i].rank;
+        for (int64_t d = 0; same_shape && d < in[i].rank; ++d) same_shape = in[i].shape[d] == out[i].shape[d];
+        if (std::strcmp(in[i].dtype, out[i].dtype) != 0 || in[i].byte_size != out[i].byte_size || !same_shape ||
+            std::strcmp(in[i].name + 3, out[i].name + 4) != 0) {
+            nereid_set_error(error, size, "echo: %s (%s) does not match %s (%s)", in[i].name, in[i].dtype,
+                             out[i].name, out[i].dtype);
+            return 1;
+        }
+        std::memcpy(out[i].data, in[i].data, in[i].byte_size);
+    }
+    return 0;
+}
+
+int doubled(const nereid_tensor& in, nereid_tensor& out) {
+    const float* x = static_cast<const float*>(in.data);
+    float* y = static_cast<float*>(out.data);
+    for (size_t i = 0; i < in.byte_size / sizeof(float); ++i) y[i] = 2 * x[i];
+    return 0;
+}
+}  // namespace
+
+extern "C" int nereid_load(const char* model_name, const char* model_folder, void** state,
+                           char* error, size_t error_size) {
+    std::string name(model_name);
+    if (starts_with(name, "refuse")) {
+        nereid_set_error(error, error_size, "cannot open %s/weights.bin", model_folder);
+        return 3;
+    }
+    State* s = new State;
+    s->name = name;
+    s->folder = model_folder;
+    log_event(s, "load");
+    *state = s;
+    return 0;
+}
+
+extern "C" void nereid_unload(void* state) {
+    State* s = static_cast<State*>(state);
+    log_event(s, "unload");
+    delete s;
+}
+
+extern "C" int nereid_infer(void* state, const nereid_tensor* in, size_t n_in, nereid_tensor* out, size_t n_out,
+                            char* error, size_t error_size) {
+    State* s = static_cast<State*>(state);
+    if (starts_with(s->name, "echo")) return echo(in, n_in, out, n_out, error, error_size);
+    if (starts_with(s->name, "sumdiff")) {  // inputs a, b -> outputs sum, diff (a - b: order matters)
+        const float* a = static_cast<const float*>(in[0].data);
+        const float* b = static_cast<const float*>(in[1].data);
+        float* sum = static_cast<float*>(out[0].data);
+        float* diff = static_cast<float*>(out[1].data);
+        for (size_t i = 0; i < in[0].byte_size / sizeof(float); ++i) { sum[i] = a[i] + b[i]; diff[i] = a[i] - b[i]; }
+        return 0;
+    }
+    if (starts_with(s->name, "slow")) {  // reports how many calls it has seen running at once
+        int now = ++s->in_flight;
+        int seen = s->max_in_flight.load();
+        while (now > seen && !s->max_in_flight.compare_exchange_weak(seen, now)) {}
+        std::this_thread::sleep_for(std::chrono::milliseconds(150));
+        *static_cast<int64_t*>(out[0].data) = s->max_in_flight.load();
+        --s->in_flight;
+        return 0;
+    }
+    if (starts_with(s->name, "batched")) {  // doubles, and reports the batch it was called with
+        doubled(in[0], out[0]);
+        for (int64_t row = 0; row < out[1].shape[0]; ++row) static_cast<int64_t*>(out[1].data)[row] = in[0].shape[0];
+        return 0;
+    }
+    if (starts_with(s->name, "faulty")) {  // the first element picks the fault; 0 doubles
+        int mode = static_cast<int>(static_cast<const float*>(in[0].data)[0]);
+        if (mode == 1) { nereid_set_error(error, error_size, "refusing input %d", mode); return 1; }
+        if (mode == 2) { std::string long_text(100000, 'x'); nereid_set_error(error, error_size, "%s", long_text.c_str()); return 2; }
+        if (mode == 3) { std::memset(error, 'y', error_size); return 3; }  // fills the buffer, no NUL
+        if (mode == 4) return 4;  // no text
+        if (mode == 5) { static float elsewhere[64]; out[0].data = elsewhere; return 0; }
+        return doubled(in[0], out[0]);
+    }
+    nereid_set_error(error, error_size, "unknown test model %s", s->name.c_str());
+    return 9;
+}
+'''
+
+# Plain C, no nereid_load: the header must work from C, and state must be NULL.
+NO_LOAD_C = r'''
+#include "nereid_cxx.h"
+
+int nereid_infer(void *state, const nereid_tensor *inputs, size_t n_inputs,
+                 nereid_tensor *outputs, size_t n_outputs, char *error, size_t error_size) {
+    if (state != NULL) { nereid_set_error(error, error_size, "state is not NULL"); return 1; }
+    const float *x = (const float *)inputs[0].data;
+    float *y = (float *)outputs[0].data;
+    for (uint64_t i = 0; i < inputs[0].byte_size / sizeof(float); ++i) y[i] = 2 * x[i];
+    (void)n_inputs; (void)n_outputs;
+    return 0;
+}
+'''
+
+NO_INFER = '#include <cstddef>\nextern "C" int nereid_load(const char*, const char*, void**, char*, size_t) { return 0; }\n'
+
+UNDEFINED_SYMBOL = r'''
+#include "nereid_cxx.h"
+extern "C" int nereid_missing_dependency_xyz(void);
+extern "C" int nereid_infer(void*, const nereid_tensor*, size_t, nereid_tensor*, size_t, char*, size_t) {
+    return nereid_missing_dependency_xyz();
+}
+'''
+
+TRIPLE = (EXAMPLES / "cxx_scale" / "scale.cpp").read_text().replace("* 2.0f", "* 3.0f")
+
+SCALE_TEXTPROTO = (EXAMPLES / "cxx_scale" / "model_inference.textproto").read_text()
+ROWS = np.arange(-8, 16, dtype=np.float32).reshape(3, 8) * 0.25
+
+# Every fixed-size datatype, with values that survive the wire (BF16 travels as float32 in tritonclient).
+DTYPES = {
+    "BOOL": np.array([True, False, True]), "UINT8": np.array([0, 7, 255], np.uint8),
+    "UINT16": np.array([0, 9, 65535], np.uint16), "UINT32": np.array([0, 11, 2**32 - 1], np.uint32),
+    "UINT64": np.array([0, 13, 2**64 - 1], np.uint64), "INT8": np.array([-128, 0, 127], np.int8),
+    "INT16": np.array([-32768, 1, 32767], np.int16), "INT32": np.array([-2**31, 2, 2**31 - 1], np.int32),
+    "INT64": np.array([-2**63, 3, 2**63 - 1], np.int64), "FP16": np.array([-1.5, 0.25, 65504], np.float16),
+    "FP32": np.array([-1.5, 3.25, 1e30], np.float32), "FP64": np.array([-1e300, 0.1, 2.5], np.float64),
+    "BF16": np.array([-2.0, 0.5, 384.0], np.float32),
+}
+
+
+@pytest.fixture(scope="module")
+def libs(tmp_path_factory) -> dict[str, Path]:
+    """Every test library, compiled once, in parallel."""
+    root = tmp_path_factory.mktemp("cxx-libs")
+    sources = {"multi": ("cpp", TEST_LIBRARY), "noload": ("c", NO_LOAD_C), "noinfer": ("cpp", NO_INFER),
+               "undefined": ("cpp", UNDEFINED_SYMBOL), "triple": ("cpp", TRIPLE)}
+    builds = {}
+    for name, (language, text) in sources.items():
+        source = root / f"{name}.{language}"
+        source.write_text(text)
+        argv = [CXX, "-O1", "-shared", "-fPIC", f"-I{header_dir()}", "-o", str(root / f"lib{name}.so"),
+                *(["-x", "c"] if language == "c" else ["-std=c++17"]), str(source)]
+        builds[name] = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
+    for name, build in builds.items():
+        _, err = build.communicate(timeout=120)
+        assert build.returncode == 0, f"{name}: {err}"
+    (root / "libgarbage.so").write_text("this is not an ELF file\n" * 10)
+    return {name: root / f"lib{name}.so" for name in (*sources, "garbage")}
+
+
+def index_of(server) -> dict[str, tuple[str, str]]:
+    return {m.name: (m.state, m.reason) for m in server.client.get_model_repository_index().models}
+
+
+def tensor(name: str, array: np.ndarray, datatype: str = "FP32") -> triton.InferInput:
+    value = triton.InferInput(name, list(array.shape), datatype)
+    value.set_data_from_numpy(array)
+    return value
+
+
+def scale_model(repo, name: str, textproto: str = SCALE_TEXTPROTO) -> Path:
+    return repo.add(name, textproto)
+
+
+def entry(name: str, runtime: str, extra: str = "") -> str:
+    return f'- name: "{name}"\n  backend: "cxx"\n  runtime: {runtime}\n{extra}'
+
+
+def test_multi_tensor_model_round_trips_every_fixed_size_dtype(repo, serve, libs):
+    blocks = "".join(f'input {{ name: "in_{t.lower()}" data_type: "{t}" dims: [3] }}\n'
+                     f'output {{ name: "out_{t.lower()}" data_type: "{t}" dims: [3] }}\n' for t in DTYPES)
+    folder = repo.add("echo_all", blocks + "max_batch_size: 4\n")
+    repo.add("sumdiff", 'input { name: "a" data_type: "FP32" dims: [4] }\n'
+                        'input { name: "b" data_type: "FP32" dims: [4] }\n'
+                        'output { name: "sum" data_type: "FP32" dims: [4] }\n'
+                        'output { name: "diff" data_type: "FP32" dims: [4] }\nmax_batch_size: 2\n')
+    server = serve(repo.write_config(entry("echo_all", f'{{library: "{libs["multi"]}"}}') +
+                                     entry("sumdiff", f'{{library: "{libs["multi"]}"}}')))
+    assert server.client.get_model_metadata("echo_all").platform == "nereid_cxx"
+    batch = {t: np.stack([v, v[::-1]]) for t, v in DTYPES.items()}  # batch of 2 rows
+    result = server.client.infer("echo_all", [tensor(f"in_{t.lower()}", batch[t], t) for t in DTYPES])
+    for t, sent in batch.items():
+        received = result.as_numpy(f"out_{t.lower()}")
+        assert received.shape == (2, 3), t
+        assert received.tolist() == sent.tolist(), t
+    # no batch axis in the request: batch 1 for the library, none in the reply
+    result = server.client.infer("echo_all", [tensor(f"in_{t.lower()}", v, t) for t, v in DTYPES.items()])
+    assert result.as_numpy("out_int64").tolist() == DTYPES["INT64"].tolist()
+    assert (folder / "events.log").read_text() == "load echo_all\n"  # nereid_load got the name and folder
+
+    a, b = np.array([[1, 2, 3, 4]], np.float32), np.array([[10, 20, 30, 40]], np.float32)
+    result = server.client.infer("sumdiff", [tensor("b", b), tensor("a", a)])  # sent out of order
+    assert result.as_numpy("sum").tolist() == (a + b).tolist()
+    assert result.as_numpy("diff").tolist() == (a - b).tolist()  # the library got textproto order
+
+
+def test_library_without_nereid_load_gets_null_state_and_c_works(repo, serve, libs):
+    scale_model(repo, "plain_c")
+    server = serve(repo.write_config(entry("plain_c", f'{{library: "{libs["noload"]}"}}')))
+    assert server.client.infer("plain_c", [tensor("input", ROWS)]).as_numpy("output").tolist() == (ROWS * 2).tolist()
+
+
+def test_model_faults_are_internal_with_the_library_text(repo, serve, libs):
+    scale_model(repo, "faulty")
+    server = serve(repo.write_config(entry("faulty", f'{{library: "{libs["multi"]}"}}')))
+
+    def fail(mode: int, *fragments: str) -> str:
+        row = np.array([[mode, 5, 6, 7, 8, 9, 10, 11]], np.float32)
+        return expect_grpc_error("INTERNAL", lambda: server.client.infer("faulty", [tensor("input", row)]),
+                                 "model 'faulty'", *fragments)
+
+    fail(1, "nereid_infer returned 1: refusing input 1")
+    long_text = fail(2, "nereid_infer returned 2: xxxx", "(truncated)")
+    assert len(long_text) < 1200  # capped, though the library wrote 100000 characters
+    unterminated = fail(3, "nereid_infer returned 3: yyyy", "(truncated)")
+    assert len(unterminated) < 1200  # no NUL from the library: the server's own last byte ends the text
+    fail(4, "nereid_infer returned 4: (no error text)")
+    fail(5, "changed the description of output 'output'", "preallocated buffer of 32 bytes")
+    # the model still serves
+    assert server.client.infer("faulty", [tensor("input", ROWS)]).as_numpy("output").tolist() == (ROWS * 2).tolist()
+
+
+def test_models_the_cxx_backend_refuses_are_unavailable_with_a_reason(repo, serve, libs, tmp_path):
+    for name in ("missing", "garbage", "undefined", "noinfer", "refuse_load", "no_runtime", "both_options",
+                 "unknown_option", "on_gpu", "textproto_only", "broken_source"):
+        scale_model(repo, name)
+    repo.add("no_textproto", None)
+    repo.add("bytes_input", 'input_shape: [4]\noutput_shape: [4]\ndata_type: "BYTES"\n')
+    repo.add("dynamic_output", 'input { name: "x" data_type: "FP32" dims: [-1] }\n'
+                               'output { name: "y" data_type: "FP32" dims: [-1] }\n')
+    broken = tmp_path / "broken.cpp"
+    broken.write_text("int nereid_infer() { return undefined_identifier_xyz; }\n")
+    multi = f'{{library: "{libs["multi"]}"}}'
+    server = serve(repo.write_config(
+        entry("missing", '{library: "build/libmissing.so"}') +
+        entry("garbage", f'{{library: "{libs["garbage"]}"}}') +
+        entry("undefined", f'{{library: "{libs["undefined"]}"}}') +
+        entry("noinfer", f'{{library: "{libs["noinfer"]}"}}') +
+        entry("refuse_load", multi) +
+        '- name: "no_runtime"\n  backend: "cxx"\n' +
+        entry("both_options", f'{{library: "{libs["multi"]}", sources: ["x.cpp"]}}') +
+        entry("unknown_option", f'{{library: "{libs["multi"]}", flavour: 1}}') +
+        entry("on_gpu", multi, '  device: "cuda:0"\n') +
+        '- name: "textproto_only"\n' +
+        entry("broken_source", f'{{sources: ["{broken}"]}}') +
+        entry("no_textproto", multi) + entry("bytes_input", multi) + entry("dynamic_output", multi)))
+    index = index_of(server)
+    expected = {
+        "missing": [f"shared library {repo.root / 'build' / 'libmissing.so'} does not exist"],
+        "garbage": [f"cannot load shared library {libs['garbage']}: ", "invalid ELF header"],
+        "undefined": [f"cannot load shared library {libs['undefined']}: ",
+                      "undefined symbol: nereid_missing_dependency_xyz"],
+        "noinfer": [f"shared library {libs['noinfer']} does not export nereid_infer"],
+        "refuse_load": [f"nereid_load in {libs['multi']} returned 3: cannot open {repo.models_dir / 'refuse_load'}"
+                        "/weights.bin"],
+        "no_runtime": ["needs exactly one of runtime.library", "runtime.sources"],
+        "both_options": ["needs exactly one of runtime.library"],
+        "unknown_option": ["models[7].runtime.flavour: unknown option of the cxx backend", "got 1"],
+        "on_gpu": ["runs on the CPU", "cuda:0"],
+        "textproto_only": ["no backend claims", "cxx", "set backend: in nereid.yaml"],
+        "broken_source": [f"{broken}: compilation failed", "undefined_identifier_xyz"],
+        "no_textproto": ["missing model_inference.textproto"],
+        "bytes_input": ["input 'input' is BYTES", "fixed-size datatypes only"],
+        "dynamic_output": ["output 'y' has a -1 dimension", "preallocates outputs"],
+    }
+    for name, fragments in expected.items():
+        state, reason = index[name]
+        assert state == "UNAVAILABLE", (name, reason)
+        for fragment in fragments:
+            assert fragment in reason, (name, fragment, reason)
+        if name not in ("textproto_only",):
+            assert f"model '{name}'" in reason or name in reason, (name, reason)
+    assert not list((repo.models_dir / "broken_source").glob(".cache/*"))  # no library, no partial build
+    # nothing stays loaded or copied for a model that failed
+    assert not list(server.server.scratch_dir.glob("*/*.so"))
+    expect_grpc_error("UNAVAILABLE", lambda: server.client.infer("refuse_load", [tensor("input", ROWS)]),
+                      "cannot open")
+
+
+def test_instances_calls_run_at_once_with_the_gil_released(repo, serve, libs):
+    repo.add("slow", 'input { name: "x" data_type: "INT64" dims: [1] }\n'
+                     'output { name: "max_in_flight" data_type: "INT64" dims: [1] }\n')
+    server = serve(repo.write_config(entry("slow", f'{{library: "{libs["multi"]}"}}', "  instances: 2\n")))
+    results: list[int] = []
+    done = threading.Semaphore(0)
+
+    def answered(result, error) -> None:
+        results.append(int(error is None and result.as_numpy("max_in_flight")[0]))
+        done.release()
+
+    started = time.monotonic()
+    for _ in range(4):
+        server.client.async_infer("slow", [tensor("x", np.array([1], np.int64), "INT64")], answered)
+    for _ in range(4):
+        assert done.acquire(timeout=30)
+    elapsed = time.monotonic() - started
+    assert max(results) == 2 and min(results) >= 1, results  # two native calls overlapped, never three
+    assert elapsed < 0.55, elapsed  # 4 calls of 150 ms on 2 instances: two rounds, not four
+
+
+def test_coalesced_requests_make_one_call(repo, serve, libs):
+    repo.add("batched", 'input { name: "x" data_type: "FP32" dims: [2] }\n'
+                        'output { name: "doubled" data_type: "FP32" dims: [2] }\n'
+                        'output { name: "batch" data_type: "INT64" dims: [1] }\nmax_batch_size: 4\n')
+    server = serve(repo.write_config(entry("batched", f'{{library: "{libs["multi"]}"}}',
+                                           "  batching:\n    max_queue_delay_ms: 2000\n")))
+    results: dict[int, object] = {}
+    done = threading.Semaphore(0)
+    rows = [np.array([[i, -i]], np.float32) for i in range(1, 5)]
+    for i, row in enumerate(rows):
+        def answered(result, error, i=i) -> None:
+            results[i] = error or result
+            done.release()
+        server.client.async_infer("batched", [tensor("x", row)], answered)
+    for _ in rows:
+        assert done.acquire(timeout=30)
+    for i, row in enumerate(rows):
+        assert not isinstance(results[i], InferenceServerException), results[i]
+        assert results[i].as_numpy("doubled").tolist() == (row * 2).tolist()  # each gets its own rows back
+        assert results[i].as_numpy("batch").tolist() == [[4]]  # from one call on a batch of 4
+
+
+def test_unload_calls_nereid_unload_and_load_again_works(repo, serve, libs):
+    folder = scale_model(repo, "faulty_reloaded")
+    server = serve(repo.write_config(entry("faulty_reloaded", f'{{library: "{libs["multi"]}"}}')))
+    scratch = server.server.scratch_dir / "faulty_reloaded"
+    assert len(list(scratch.glob("*.so"))) == 1  # the private copy
+    server.client.unload_model("faulty_reloaded")
+    assert (folder / "events.log").read_text() == "load faulty_reloaded\nunload faulty_reloaded\n"
+    assert list(scratch.glob("*.so")) == []  # dlclosed and deleted
+    expect_grpc_error("UNAVAILABLE", lambda: server.client.infer("faulty_reloaded", [tensor("input", ROWS)]))
+    server.client.load_model("faulty_reloaded")
+    assert server.client.infer("faulty_reloaded", [tensor("input", ROWS)]).as_numpy("output").tolist() == \
+        (ROWS * 2).tolist()
+    assert (folder / "events.log").read_text().splitlines() == ["load faulty_reloaded", "unload faulty_reloaded",
+                                                                "load faulty_reloaded"]
+
+
+def test_a_changed_library_is_picked_up_on_reload(repo, serve, libs):
+    scale_model(repo, "scale")
+    library = repo.root / "build" / "libscale.so"
+    library.parent.mkdir()
+    shutil.copyfile(libs["noload"], library)
+    server = serve(repo.write_config(entry("scale", '{library: "build/libscale.so"}')))  # relative to nereid.yaml
+    assert server.client.infer("scale", [tensor("input", ROWS)]).as_numpy("output").tolist() == (ROWS * 2).tolist()
+    # Rewritten in place: harmless to the loaded copy, and the next load sees it.
+    shutil.copyfile(libs["triple"], library)
+    assert server.client.infer("scale", [tensor("input", ROWS)]).as_numpy("output").tolist() == (ROWS * 2).tolist()
+    server.client.load_model("scale")
+    assert server.client.infer("scale", [tensor("input", ROWS)]).as_numpy("output").tolist() == (ROWS * 3).tolist()
+
+
+def test_cxx_scale_example_builds_from_sources_once_and_serves(repo, serve):
+    folder = repo.models_dir / "cxx_scale"
+    shutil.copytree(EXAMPLES / "cxx_scale", folder)
+    config = repo.write_config(entry("cxx_scale", '{sources: ["ml-backends/cxx_scale/scale.cpp"]}',
+                                     "  instances: 2\n"))
+    server = serve(config)
+    batch = np.linspace(-3, 3, 16 * 8, dtype=np.float32).reshape(16, 8)
+    assert server.client.infer("cxx_scale", [tensor("input", batch)]).as_numpy("output").tolist() == \
+        (batch * 2).tolist()
+    one = np.arange(8, dtype=np.float32)
+    result = server.client.infer("cxx_scale", [tensor("input", one)]).as_numpy("output")
+    assert result.shape == (8,) and result.tolist() == (one * 2).tolist()
+    expect_grpc_error("INVALID_ARGUMENT",
+                      lambda: server.client.infer("cxx_scale", [tensor("input", np.zeros((17, 8), np.float32))]),
+                      "model 'cxx_scale'", "max_batch_size 16")
+    [built] = (folder / ".cache").iterdir()
+    before = built.stat()
+    # nereid check loads it through the same cache (no rebuild) and reports it
+    assert nereid_main(["check", "--config", str(config)]) == 0
+    after = built.stat()
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+    # an edited source is rebuilt under a new name; the old library is removed
+    source = folder / "scale.cpp"
+    source.write_text(source.read_text().replace("* 2.0f", "* 4.0f"))
+    server.client.load_model("cxx_scale")
+    assert server.client.infer("cxx_scale", [tensor("input", ROWS)]).as_numpy("output").tolist() == \
+        (ROWS * 4).tolist()
+    [rebuilt] = (folder / ".cache").iterdir()
+    assert rebuilt.name != built.name and rebuilt.name.startswith("lib-")
+
+
+def test_check_reports_cxx_models_and_cxx_header_prints_the_header(repo, libs, capsys):
+    scale_model(repo, "plain_c")
+    scale_model(repo, "noinfer")
+    config = repo.write_config(entry("plain_c", f'{{library: "{libs["noload"]}"}}') +
+                               entry("noinfer", f'{{library: "{libs["noinfer"]}"}}'))
+    assert nereid_main(["check", "--config", str(config)]) == 1
+    out = capsys.readouterr().out
+    assert "plain_c: OK backend=cxx device=cpu max_batch_size=16 batching=on inputs=[input FP32[8]]" in out
+    assert "noinfer: UNAVAILABLE: model 'noinfer': shared library" in out and "nereid_infer" in out
+    assert nereid_main(["cxx-header"]) == 0
+    header = Path(capsys.readouterr().out.strip())
+    assert header.name == "nereid_cxx.h" and header.parent == header_dir()
+    text = header.read_text()
+    for declaration in ("int nereid_infer(", "int nereid_load(", "void nereid_unload(", "typedef struct nereid_tensor"):
+        assert declaration in text
