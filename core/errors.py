@@ -52,3 +52,17 @@ class ConfigError(NereidError):
     """A mistake in nereid.yaml or a model folder, raised at load or check time."""
 
     reason = "invalid_config"
+
+
+# What any message built from untrusted input (a client's names, a file's contents, a
+# parser's reason) may grow to before it is cut: it goes into logs, RepositoryIndex
+# and gRPC trailers (whose metadata limit is 16 KiB).
+MESSAGE_LIMIT = 4096
+
+
+def cap_message(text: str, limit: int = MESSAGE_LIMIT) -> str:
+    """``text`` cut to ``limit`` characters, saying how much was cut when it was."""
+    if len(text) <= limit:
+        return text
+    keep = max(limit - 64, 0)  # room for the note, so the result stays within ``limit``
+    return text[:keep] + f" ... [{len(text) - keep} more characters cut]"

@@ -12,9 +12,9 @@ import asyncio
 import enum
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Mapping
 
 import pluggy
 
@@ -88,14 +88,21 @@ class BuiltModel:
     policy: BatchPolicy
 
 
-def build_model(manager: pluggy.PluginManager, context: ModelContext) -> BuiltModel:
+def build_model(manager: pluggy.PluginManager, context: ModelContext,
+                backend_defaults: Mapping[str, Mapping[str, Any]] | None = None) -> BuiltModel:
     """Claim, create and load one model; raise with the reason when it cannot be served.
 
+    ``backend_defaults`` (nereid.yaml's ``backends:``) gives runtime options for
+    every model of the claiming backend; the model's own ``runtime:`` wins.
     Blocking (backends compile and read files here): call it on a worker thread.
     """
     result = claim_folder(manager, context.folder, context.settings.backend)
     if result.claim is None:
         raise ConfigError(result.reason)
+    defaults = (backend_defaults or {}).get(result.claim.backend)
+    if defaults:
+        context = replace(context, settings=replace(context.settings,
+                                                     runtime={**defaults, **context.settings.runtime}))
     backend = result.claim.create(context)
     backend.load()
     try:
@@ -157,7 +164,8 @@ class ModelRepository:
             self.rescan()
             entry = self._entries.get(name)
         if entry is None:
-            raise NotFound(f"unknown model '{name}' (no folder {self.root / name})")
+            # The folder relative to ml_backends_path: clients never see the server's absolute paths.
+            raise NotFound(f"unknown model '{name}' (no folder '{name}' under ml_backends_path)")
         return entry
 
     def ready_model(self, name: str) -> LoadedModel:
@@ -188,7 +196,7 @@ class ModelRepository:
             context = ModelContext(name, entry.folder, entry.settings, self._scratch_for(name), entry.settings_origin)
             started = time.monotonic()
             try:
-                built = await asyncio.to_thread(build_model, self.manager, context)
+                built = await asyncio.to_thread(build_model, self.manager, context, self.settings.backend_defaults)
             except Exception as err:  # any load failure is the model's, reported with its reason
                 entry.state, entry.reason = ModelState.UNAVAILABLE, _reason(err)
                 log.error("model '%s' is UNAVAILABLE: %s", name, entry.reason)

@@ -67,16 +67,23 @@ def bytes_array(elements: list[bytes], shape: tuple[int, ...]) -> np.ndarray:
     return array.reshape(shape)
 
 
-def split_bytes_elements(raw: bytes) -> list[bytes]:
-    """Split KServe's BYTES serialization: each element a 4-byte little-endian length, then the bytes."""
+def split_bytes_elements(raw: bytes | memoryview, limit: int | None = None) -> list[bytes]:
+    """Split KServe's BYTES serialization: each element a 4-byte little-endian length, then the bytes.
+
+    With ``limit``, raises ValueError at the first element beyond it, so surplus
+    elements are never materialized.
+    """
     elements: list[bytes] = []
     offset, view = 0, memoryview(raw)
-    while offset < len(raw):
-        if offset + 4 > len(raw):
+    size = len(view)
+    while offset < size:
+        if limit is not None and len(elements) >= limit:
+            raise ValueError(f"raw contents hold more than the {limit} BYTES element(s) the shape allows")
+        if offset + 4 > size:
             raise ValueError("BYTES contents end inside a 4-byte length prefix")
-        (length,) = _LENGTH.unpack_from(raw, offset)
+        (length,) = _LENGTH.unpack_from(view, offset)
         offset += 4
-        if offset + length > len(raw):
+        if offset + length > size:
             raise ValueError(f"BYTES element of {length} bytes runs past the end of the contents")
         elements.append(bytes(view[offset:offset + length]))
         offset += length
@@ -105,8 +112,10 @@ def tensor_bytes(tensor: NamedTensor) -> bytes:
 
 
 def _root_bytes(array: np.ndarray) -> bytes | None:
-    """The bytes object at the bottom of a chain of numpy views, if that is what it is."""
+    """The bytes object at the bottom of a chain of numpy views (or of a memoryview), if that is what it is."""
     base = array.base
     while isinstance(base, np.ndarray):
         base = base.base
+    if isinstance(base, memoryview):
+        base = base.obj
     return base if isinstance(base, bytes) else None

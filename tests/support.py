@@ -8,7 +8,12 @@ Import it as ``support`` (pyproject puts tests/ on the path).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import socket
+import subprocess
+import sys
+import time
 import textwrap
 import threading
 from pathlib import Path
@@ -137,3 +142,38 @@ def expect_grpc_error(status: str, call: Callable[[], object], *fragments: str) 
     for fragment in fragments:
         assert fragment in message, f"{fragment!r} not in {message!r}"
     return message
+
+
+# The nereid command, run as its own process.
+NEREID = [sys.executable, "-m", "nereid.cli"]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def nereid_serve(config: Path):
+    """``nereid serve`` in its own process, ready; yields (process, client). Killed if still running."""
+    port = free_port()
+    process = subprocess.Popen([*NEREID, "serve", "--config", str(config), "--bind", f"127.0.0.1:{port}"],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        client = triton.InferenceServerClient(f"127.0.0.1:{port}")
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if client.is_server_ready():
+                    break
+            except Exception:
+                pass
+            assert time.monotonic() < deadline, "server did not become ready"
+            time.sleep(0.1)
+        yield process, client
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()

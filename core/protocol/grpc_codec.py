@@ -6,6 +6,7 @@ import math
 import time
 
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from nereid._proto import grpc_service_pb2 as pb
 from nereid.dtypes import DType
@@ -17,16 +18,85 @@ from nereid.tensors import (InferRequest, InferResponse, NamedTensor, bytes_arra
 # The request parameter Triton clients use for a per-request timeout, in microseconds.
 TIMEOUT_PARAMETER = "timeout"
 
+# The most dimensions a request tensor may have (numpy's own limit is 64; no model declares more
+# than MAX_RANK either, see nereid.signature).
+MAX_RANK = 32
 
-def decode_infer_request(msg: pb.ModelInferRequest, time_remaining_s: float | None) -> InferRequest:
+# ModelInferRequest.raw_input_contents: field 7, length-delimited.
+_RAW_FIELD = 7
+_LENGTH_DELIMITED = 2
+# A valid request has a handful of top-level fields per input; this bounds the Python-level scan.
+MAX_TOP_LEVEL_FIELDS = 16384
+
+
+def parse_infer_request(data: bytes) -> tuple[pb.ModelInferRequest, list[memoryview]]:
+    """Parse a serialized ModelInferRequest, keeping ``raw_input_contents`` as views of ``data``.
+
+    protobuf copies every bytes field into its arena when parsing, and again into a
+    new ``bytes`` object on each access, so a 1 GiB request cost 3 GiB more. Here
+    only the small rest of the message is parsed; each raw input stays a zero-copy
+    view of the received bytes. Raises ValueError when ``data`` is not a valid message.
+    """
+    view = memoryview(data)
+    raws: list[memoryview] = []
+    rest: list[memoryview] = []
+    position, end, fields = 0, len(data), 0
+    while position < end:
+        fields += 1
+        if fields > MAX_TOP_LEVEL_FIELDS:
+            raise ValueError(f"more than {MAX_TOP_LEVEL_FIELDS} top-level fields")
+        start = position
+        key, position = _varint(data, position)
+        wire = key & 7
+        if wire == 0:
+            _, position = _varint(data, position)
+        elif wire == 1:
+            position += 8
+        elif wire == 5:
+            position += 4
+        elif wire == _LENGTH_DELIMITED:
+            length, position = _varint(data, position)
+            value_start, position = position, position + length
+            if position <= end and key >> 3 == _RAW_FIELD:
+                raws.append(view[value_start:position])
+                continue
+        else:
+            raise ValueError(f"unsupported wire type {wire} at byte {start}")
+        if position > end:
+            raise ValueError(f"field at byte {start} runs past the end of the message")
+        rest.append(view[start:position])
+    try:
+        message = pb.ModelInferRequest.FromString(b"".join(rest))
+    except DecodeError as err:
+        raise ValueError(str(err) or "not a valid ModelInferRequest") from None
+    return message, raws
+
+
+def _varint(data: bytes, position: int) -> tuple[int, int]:
+    """Decode a protobuf varint at ``position``; returns (value, next position)."""
+    value = shift = 0
+    for index in range(position, min(position + 10, len(data))):
+        byte = data[index]
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, index + 1
+        shift += 7
+    raise ValueError(f"bad varint at byte {position}")
+
+
+def decode_infer_request(msg: pb.ModelInferRequest, time_remaining_s: float | None,
+                         raws: list[memoryview] | None = None) -> InferRequest:
     """Decode a ModelInferRequest; ``time_remaining_s`` is the gRPC deadline's remaining budget.
 
-    The earlier of the gRPC deadline and the ``timeout`` parameter becomes an
-    absolute monotonic deadline here, at decode time.
+    ``raws`` are the raw input contents when :func:`parse_infer_request` kept
+    them out of ``msg`` (None: read them from ``msg``). The earlier of the gRPC
+    deadline and the ``timeout`` parameter becomes an absolute monotonic
+    deadline here, at decode time.
     """
     model = msg.model_name
     tensors = msg.inputs
-    raws = list(msg.raw_input_contents)
+    if raws is None:
+        raws = list(msg.raw_input_contents)
     if raws and len(raws) != len(tensors):
         raise InvalidArgument(
             f"model '{model}': {len(raws)} raw_input_contents for {len(tensors)} "
@@ -65,12 +135,15 @@ def _timeout_us(model: str, parameter: pb.InferParameter) -> int:
     return timeout_us
 
 
-def _decode_tensor(model: str, tensor: pb.ModelInferRequest.InferInputTensor, raw: bytes | None) -> NamedTensor:
+def _decode_tensor(model: str, tensor: pb.ModelInferRequest.InferInputTensor,
+                   raw: bytes | memoryview | None) -> NamedTensor:
     where = f"model '{model}': input '{tensor.name}'"
     try:
         dtype = DType.from_kserve(tensor.datatype)
     except ValueError as err:
         raise InvalidArgument(f"{where}: {err}") from None
+    if len(tensor.shape) > MAX_RANK:
+        raise InvalidArgument(f"{where}: shape has {len(tensor.shape)} dimensions; at most {MAX_RANK} are supported")
     shape = tuple(tensor.shape)
     if shape and min(shape) < 1:
         # No model accepts them (fixed dims, -1 dims and batch sizes are all positive), and a zero
@@ -87,10 +160,13 @@ def _decode_tensor(model: str, tensor: pb.ModelInferRequest.InferInputTensor, ra
     return NamedTensor(tensor.name, dtype, data)
 
 
-def _decode_raw(where: str, dtype: DType, shape: tuple[int, ...], count: int, raw: bytes) -> np.ndarray:
+def _decode_raw(where: str, dtype: DType, shape: tuple[int, ...], count: int,
+                raw: bytes | memoryview) -> np.ndarray:
     if dtype is DType.BYTES:
         try:
-            elements = split_bytes_elements(raw)
+            # Stops at the first element past ``count``: megabytes of 1-byte elements for a [1, 1]
+            # input are refused after two, not split into millions of objects first.
+            elements = split_bytes_elements(raw, count)
         except ValueError as err:
             raise InvalidArgument(f"{where}: {err}") from None
         if len(elements) != count:

@@ -16,9 +16,10 @@ import grpc
 from nereid._proto import grpc_service_pb2 as pb
 from nereid._proto import model_config_pb2 as mc
 from nereid.dataplane import DataPlane
+from nereid.memory import TRIM_AFTER_BYTES, release_free_heap
 from nereid.errors import (ConfigError, DeadlineExceeded, InvalidArgument, ModelFailure, NereidError,
-                           NotFound, Unavailable)
-from nereid.protocol.grpc_codec import decode_infer_request, encode_infer_response
+                           NotFound, Unavailable, cap_message)
+from nereid.protocol.grpc_codec import decode_infer_request, encode_infer_response, parse_infer_request
 from nereid.repository import LoadedModel, ModelState
 from nereid.signature import TensorSpec
 
@@ -48,18 +49,85 @@ def status_of(error: NereidError) -> grpc.StatusCode:
 
 Handler = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
 
+# Requests at least this large are decoded on a worker thread, so that splitting many
+# BYTES elements or converting typed contents never stalls the event loop.
+DECODE_OFF_LOOP_BYTES = 256 << 10
+
+
+class Unreadable:
+    """What a handler receives in place of a request whose bytes are not a valid message."""
+
+    __slots__ = ("message_type", "size", "problem")
+
+    def __init__(self, message_type: str, size: int, problem: str) -> None:
+        self.message_type = message_type
+        self.size = size
+        self.problem = problem
+
+    def describe(self) -> str:
+        """The client-facing reason (one line, capped)."""
+        return cap_message(f"cannot parse the {self.size}-byte request as {self.message_type}: {self.problem}", 512)
+
+
+class Received:
+    """A parsed inference request, its raw input contents (views of the wire bytes) and its size."""
+
+    __slots__ = ("message", "raws", "size")
+
+    def __init__(self, message: pb.ModelInferRequest, raws: list[memoryview], size: int) -> None:
+        self.message = message
+        self.raws = raws
+        self.size = size
+
+
+def _parse(message_type: type, data: bytes) -> Any:
+    try:
+        return message_type.FromString(data)
+    except Exception as err:  # DecodeError, or any other failure of the parser on hostile bytes
+        return Unreadable(message_type.DESCRIPTOR.name, len(data), str(err) or type(err).__name__)
+
+
+def _parse_infer(data: bytes) -> Received | Unreadable:
+    try:
+        message, raws = parse_infer_request(data)
+    except Exception as err:
+        return Unreadable(pb.ModelInferRequest.DESCRIPTOR.name, len(data), str(err) or type(err).__name__)
+    return Received(message, raws, len(data))
+
+
+def request_parser(message_type: type) -> Callable[[bytes], Any]:
+    """A gRPC request deserializer that never raises: bad bytes become an :class:`Unreadable`.
+
+    grpc's own handling of a deserializer failure is UNKNOWN with a logged
+    traceback, and on a stream it silently ends the call, dropping the answers
+    of requests already accepted. Inference requests keep their raw contents as
+    views of the received bytes (see :func:`parse_infer_request`).
+    """
+    if message_type is pb.ModelInferRequest:
+        return _parse_infer
+    return functools.partial(_parse, message_type)
+
 
 def _maps_errors(handler: Handler) -> Handler:
     @functools.wraps(handler)
     async def wrapper(self: "InferenceServicer", request: Any, context: grpc.aio.ServicerContext) -> Any:
-        try:
-            return await handler(self, request, context)
-        except NereidError as err:
-            await context.abort(status_of(err), str(err))
-        except Exception as err:  # a bug, not the client's fault: say so instead of grpc's bare UNKNOWN
-            log.exception("%s failed", handler.__name__)
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {handler.__name__}: "
-                                f"{type(err).__name__}: {err}")
+        if isinstance(request, Unreadable):
+            code, message = grpc.StatusCode.INVALID_ARGUMENT, request.describe()
+            log.warning("%s: %s", handler.__name__, message)
+        else:
+            try:
+                return await handler(self, request, context)
+            except NereidError as err:
+                code, message = status_of(err), str(err)
+            except Exception as err:  # a bug, not the client's fault: say so instead of grpc's bare UNKNOWN
+                log.exception("%s failed", handler.__name__)
+                code, message = grpc.StatusCode.INTERNAL, (f"internal error in {handler.__name__}: "
+                                                           f"{type(err).__name__}: {err}")
+        # Abort outside the except blocks: an exception raised inside one chains to the caught error,
+        # whose traceback holds the frames holding the request, and that reference cycle kept rejected
+        # gigabyte requests alive until the garbage collector happened to run.
+        del request
+        await context.abort(code, cap_message(message))
     return wrapper
 
 
@@ -119,43 +187,67 @@ class InferenceServicer:
         return pb.ModelConfigResponse(config=model_config(request.name, model, entry.settings))
 
     @_maps_errors
-    async def ModelInfer(self, request: pb.ModelInferRequest, context) -> pb.ModelInferResponse:
+    async def ModelInfer(self, request: Received, context) -> pb.ModelInferResponse:
         return await self._infer(request, context)
 
-    async def _infer(self, request: pb.ModelInferRequest, context) -> pb.ModelInferResponse:
+    async def _infer(self, received: Received, context) -> pb.ModelInferResponse:
+        request = received.message
+        if received.size >= TRIM_AFTER_BYTES:
+            # gRPC's copies of this message are freed by now: give their pages back, off the loop.
+            asyncio.get_running_loop().run_in_executor(None, release_free_heap)
         _check_version(request.model_name, request.model_version)
-        decoded = decode_infer_request(request, context.time_remaining())
+        if received.size >= DECODE_OFF_LOOP_BYTES:
+            decoded = await asyncio.to_thread(decode_infer_request, request, context.time_remaining(),
+                                              received.raws)
+        else:
+            decoded = decode_infer_request(request, context.time_remaining(), received.raws)
+        del request, received  # the decoded tensors are all that is needed from here on
         return encode_infer_response(await self.dataplane.infer(decoded))
 
-    async def ModelStreamInfer(self, requests: AsyncIterator[pb.ModelInferRequest],
+    async def ModelStreamInfer(self, requests: AsyncIterator[Received | Unreadable],
                                context) -> AsyncIterator[pb.ModelStreamInferResponse]:
-        """Requests run concurrently; each answer (or error) is sent as soon as it is ready."""
+        """Requests run concurrently; each answer (or error) is sent as soon as it is ready.
+
+        Every request read gets exactly one answer, even when a later message is
+        unreadable or the client's side of the stream fails: the stream ends
+        only once all of them are answered.
+        """
         answers: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
         pending: set[asyncio.Task] = set()
 
-        async def answer(request: pb.ModelInferRequest) -> None:
+        async def answer(received: Received | Unreadable) -> None:
+            if isinstance(received, Unreadable):
+                message = received.describe()
+                log.warning("ModelStreamInfer: %s", message)
+                await answers.put(pb.ModelStreamInferResponse(error_message=message,
+                                                              infer_response=pb.ModelInferResponse()))
+                return
+            model, request_id = received.message.model_name, received.message.id
             try:
-                _check_version(request.model_name, request.model_version)
-                decoded = decode_infer_request(request, context.time_remaining())
-                result = encode_infer_response(await self.dataplane.infer(decoded))
-                await answers.put(pb.ModelStreamInferResponse(infer_response=result))
+                result = await self._infer(received, context)
+            except NereidError as err:
+                message = str(err)
             except Exception as err:
-                # The error answers this request only; the stream stays open. Every request gets
-                # exactly one answer, even when the failure is a bug rather than a NereidError.
-                if isinstance(err, NereidError):
-                    message = str(err)
-                else:
-                    log.exception("ModelStreamInfer: request '%s' failed", request.id)
-                    message = f"internal error: {type(err).__name__}: {err}"
-                stub = pb.ModelInferResponse(model_name=request.model_name, id=request.id)
-                await answers.put(pb.ModelStreamInferResponse(error_message=message, infer_response=stub))
+                # Every request gets exactly one answer, even when the failure is a bug.
+                log.exception("ModelStreamInfer: request '%s' failed", cap_message(request_id, 256))
+                message = f"internal error: {type(err).__name__}: {err}"
+            else:
+                await answers.put(pb.ModelStreamInferResponse(infer_response=result))
+                return
+            # The error answers this request only; the stream stays open.
+            stub = pb.ModelInferResponse(model_name=model, id=request_id)
+            await answers.put(pb.ModelStreamInferResponse(error_message=cap_message(message), infer_response=stub))
 
         async def read() -> None:
             try:
-                async for request in requests:
-                    task = asyncio.create_task(answer(request))
+                async for received in requests:
+                    task = asyncio.create_task(answer(received))
                     pending.add(task)
                     task.add_done_callback(pending.discard)
+            except Exception as err:  # the client's side broke off: still answer what was accepted
+                log.warning("ModelStreamInfer: reading the stream failed (%s); answering the %d accepted "
+                            "request(s)", cap_message(f"{type(err).__name__}: {err}", 256), len(pending))
+            try:
                 while pending:
                     await asyncio.gather(*list(pending), return_exceptions=True)
             finally:
@@ -239,7 +331,7 @@ def generic_handler(servicer: InferenceServicer) -> grpc.GenericRpcHandler:
     handlers = {}
     for name, request_type, response_type, streaming in _RPCS:
         make = grpc.stream_stream_rpc_method_handler if streaming else grpc.unary_unary_rpc_method_handler
-        handlers[name] = make(getattr(servicer, name), request_deserializer=request_type.FromString,
+        handlers[name] = make(getattr(servicer, name), request_deserializer=request_parser(request_type),
                               response_serializer=response_type.SerializeToString)
     return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
 

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -16,8 +14,9 @@ import numpy as np
 import pytest
 import tritonclient.grpc as triton
 
+from support import NEREID, free_port, nereid_serve
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
-NEREID = [sys.executable, "-m", "nereid.cli"]
 
 SLOW_MAIN = '''
 import os, sys, time
@@ -27,36 +26,6 @@ with open(os.environ["NEREID_OUTPUT_PATH"], "wb") as out:
     out.write(("float32 %s\\n" % os.environ["NEREID_INPUT_SHAPE"]).encode())
     out.write(data)
 '''
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def nereid_serve(config: Path):
-    """``nereid serve`` in its own process, ready; yields (process, client). Killed if still running."""
-    port = free_port()
-    process = subprocess.Popen([*NEREID, "serve", "--config", str(config), "--bind", f"127.0.0.1:{port}"],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        client = triton.InferenceServerClient(f"127.0.0.1:{port}")
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if client.is_server_ready():
-                    break
-            except Exception:
-                pass
-            assert time.monotonic() < deadline, "server did not become ready"
-            time.sleep(0.1)
-        yield process, client
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
 
 
 def test_check_passes_on_the_shipped_examples() -> None:

@@ -6,12 +6,16 @@ freeze the server, lose another request's answer, or get a wrong status code.
 
 from __future__ import annotations
 
+import struct
 import threading
 import time
 
 import grpc
 import numpy as np
+import pytest
 import tritonclient.grpc as triton
+from tritonclient.grpc import service_pb2
+from tritonclient.utils import InferenceServerException
 
 from support import expect_grpc_error, textproto_single
 
@@ -61,3 +65,125 @@ def test_unload_after_an_abandoned_request_keeps_the_server_answering(repo, serv
     assert took < 5, took  # grace 1 s, then the running program was killed (not 10 s)
     index = {m.name: m for m in server.client.get_model_repository_index().models}
     assert (index["sleepy"].state, index["sleepy"].reason) == ("UNAVAILABLE", "unloaded")
+
+
+# --------------------------------------------------------------------------- helpers for raw wire traffic
+
+MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
+MODEL_STREAM_INFER = "/inference.GRPCInferenceService/ModelStreamInfer"
+
+
+def raw_channel(server) -> grpc.Channel:
+    """A plain grpc channel that sends bytes as given (no serializer), as a hostile client would."""
+    return grpc.insecure_channel(server.url, options=[("grpc.max_send_message_length", -1),
+                                                      ("grpc.max_receive_message_length", -1)])
+
+
+def infer_request(model: str, name: str, datatype: str, shape: list[int], raw: bytes,
+                  request_id: str = "") -> bytes:
+    request = service_pb2.ModelInferRequest(model_name=model, id=request_id)
+    request.inputs.add(name=name, datatype=datatype, shape=shape)
+    request.raw_input_contents.append(raw)
+    return request.SerializeToString()
+
+
+def call_raw(server, method: str, payload: bytes, timeout: float = 30) -> tuple[grpc.StatusCode, str]:
+    with raw_channel(server) as channel:
+        try:
+            channel.unary_unary(method)(payload, timeout=timeout)
+        except grpc.RpcError as err:
+            return err.code(), err.details()
+    return grpc.StatusCode.OK, ""
+
+
+@pytest.fixture
+def echo_server(repo, serve):
+    repo.python("echo", textproto=textproto_single("INT8"))
+    repo.python("tiny_bytes", textproto=textproto_single("BYTES", "[1]", max_batch_size=1))
+    return serve(repo.write_config())
+
+
+# --------------------------------------------------------------------------- defect 4: stream garbage
+
+
+def test_garbage_on_a_stream_is_answered_in_stream_after_every_accepted_request(echo_server, caplog):
+    """Defect 4: 5 valid requests then 16 bytes of garbage gave 0 or 1 answers, silently."""
+    valid = [infer_request("echo", "input", "INT8", [4], bytes([i] * 4), request_id=f"r{i}") for i in range(5)]
+    with raw_channel(echo_server) as channel:
+        call = channel.stream_stream(MODEL_STREAM_INFER)
+        answers = [service_pb2.ModelStreamInferResponse.FromString(answer)
+                   for answer in call(iter([*valid, b"\xff" * 16]), timeout=30)]
+    assert len(answers) == 6
+    ok = {a.infer_response.id: a for a in answers if not a.error_message}
+    assert sorted(ok) == [f"r{i}" for i in range(5)]
+    for i in range(5):
+        assert ok[f"r{i}"].infer_response.raw_output_contents[0] == bytes([i] * 4)
+    (garbage,) = [a for a in answers if a.error_message]
+    assert "cannot parse the 16-byte request as ModelInferRequest" in garbage.error_message
+    logged = [r for r in caplog.records if "cannot parse the 16-byte request" in r.getMessage()]
+    assert len(logged) == 1 and logged[0].exc_info is None  # logged, on one line
+
+
+# --------------------------------------------------------------------------- defect 9: status codes, echoes
+
+
+def test_unparseable_request_is_invalid_argument_and_logs_one_line(echo_server, caplog):
+    code, details = call_raw(echo_server, MODEL_INFER, b"\xff" * 16)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "cannot parse the 16-byte request as ModelInferRequest" in details
+    logged = [r for r in caplog.records if "cannot parse" in r.getMessage()]
+    assert len(logged) == 1 and logged[0].exc_info is None and "\n" not in logged[0].getMessage()
+    # Every other RPC too, not only inference.
+    code, _ = call_raw(echo_server, "/inference.GRPCInferenceService/ModelMetadata", b"\x0a\xff")
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_rank_above_the_limit_is_invalid_argument(echo_server):
+    """A rank above numpy's 64 dimensions gave INTERNAL."""
+    payload = infer_request("echo", "input", "INT8", [1] * 65, b"\x01")
+    code, details = call_raw(echo_server, MODEL_INFER, payload)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "65 dimensions; at most 32" in details
+
+
+def test_a_huge_model_name_is_not_found_with_a_capped_message(echo_server):
+    """A 9,000-character name gave RESOURCE_EXHAUSTED: its echo overflowed gRPC's 16 KiB metadata."""
+    name = "m" * 9000
+    expect_grpc_error("NOT_FOUND", lambda: echo_server.client.get_model_metadata(name), "unknown model")
+    code, details = call_raw(echo_server, MODEL_INFER, infer_request(name, "input", "INT8", [4], b"\0" * 4))
+    assert code == grpc.StatusCode.NOT_FOUND
+    assert len(details) <= 4096 and "characters cut" in details
+    code, details = call_raw(echo_server, MODEL_INFER, infer_request("echo", "i" * 20000, "INT8", [4], b"\0" * 4))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and len(details) <= 4096
+
+
+def test_error_messages_do_not_reveal_server_paths(echo_server):
+    expect_grpc_error("NOT_FOUND", lambda: echo_server.client.get_model_metadata("nope"), "unknown model 'nope'")
+    with pytest.raises(InferenceServerException) as info:
+        echo_server.client.load_model("nope")
+    assert str(echo_server.server.repository.root) not in info.value.message()
+
+
+# --------------------------------------------------------------------------- defect 3: tiny BYTES elements
+
+
+def test_surplus_tiny_bytes_elements_are_refused_at_once_without_stalling_others(echo_server):
+    """Defect 3: 64 MiB of 1-byte elements for a [1, 1] input stalled the loop for 6.5 s."""
+    element = struct.pack("<I", 1) + b"x"
+    raw = element * ((32 << 20) // len(element))
+    payload = infer_request("tiny_bytes", "input", "BYTES", [1, 1], raw)
+    del raw
+    result: list = []
+    sender = threading.Thread(target=lambda: result.append(call_raw(echo_server, MODEL_INFER, payload)))
+    started = time.monotonic()
+    sender.start()
+    latencies = []
+    while sender.is_alive():
+        latencies.append(live_latency(echo_server.url))
+    sender.join()
+    took = time.monotonic() - started
+    (code, details), = result
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "more than the 1 BYTES element(s) the shape allows" in details
+    assert took < 2.5, took
+    assert max(latencies) < 0.5, latencies
