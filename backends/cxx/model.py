@@ -95,18 +95,19 @@ class CxxModel:
             keep.append(data)
             _describe(c_tensor, slot, data, keep)
         outputs: list[NamedTensor] = []
+        addresses: list[int] = []
         for c_tensor, slot in zip(c_outputs, self._outputs):
             # Zero-filled, so a library that skips an element leaks no stale server memory.
             data = np.zeros((batch, *slot.spec.dims) if signature.batches else slot.spec.dims, slot.spec.dtype.numpy)
             outputs.append(NamedTensor(slot.spec.name, slot.spec.dtype, data))
-            _describe(c_tensor, slot, data, keep)
+            addresses.append(_describe(c_tensor, slot, data, keep))
         error = ctypes.create_string_buffer(ERROR_BUFFER_SIZE)
         # One byte short of the buffer: a library that fills it without a NUL still leaves one.
         status = library.infer(self._state, c_inputs, len(c_inputs), c_outputs, len(c_outputs),
                                error, ERROR_BUFFER_SIZE - 1)
         if status != 0:
             raise ModelFailure(f"model '{self.context.name}': nereid_infer returned {status}: {_error_text(error)}")
-        self._check_outputs_untouched(c_outputs, outputs)
+        self._check_outputs_untouched(c_outputs, outputs, addresses)
         return outputs
 
     def unload(self) -> None:
@@ -141,27 +142,29 @@ class CxxModel:
                                   "the cxx backend preallocates outputs, so their dims must be fixed")
         return signature
 
-    def _check_outputs_untouched(self, c_outputs: ctypes.Array, outputs: list[NamedTensor]) -> None:
+    def _check_outputs_untouched(self, c_outputs: ctypes.Array, outputs: list[NamedTensor],
+                                 addresses: list[int]) -> None:
         """The library may only fill the buffers: a swapped pointer or size would be silently lost."""
-        for c_tensor, tensor in zip(c_outputs, outputs):
+        for c_tensor, tensor, address in zip(c_outputs, outputs, addresses):
             data = tensor.data
-            if c_tensor.data != data.ctypes.data or c_tensor.byte_size != data.nbytes or \
-                    c_tensor.rank != data.ndim or c_tensor.dtype != tensor.dtype.contract.encode():
+            if c_tensor.data != address or c_tensor.byte_size != data.nbytes or c_tensor.rank != data.ndim:
                 raise ModelFailure(f"model '{self.context.name}': nereid_infer changed the description of output "
-                                   f"'{tensor.name}' (data, byte_size, rank or dtype); it must fill the "
+                                   f"'{tensor.name}' (data, byte_size or rank); it must fill the "
                                    f"preallocated buffer of {data.nbytes} bytes, shape {list(data.shape)}")
 
 
-def _describe(c_tensor: CTensor, slot: _Slot, data: np.ndarray, keep: list[object]) -> None:
-    """Point a ``nereid_tensor`` at an array's memory, without copying it."""
+def _describe(c_tensor: CTensor, slot: _Slot, data: np.ndarray, keep: list[object]) -> int:
+    """Point a ``nereid_tensor`` at an array's memory, without copying it; returns the address."""
     shape = (ctypes.c_int64 * data.ndim)(*data.shape)
     keep.append(shape)
+    address: int = data.ctypes.data
     c_tensor.name = slot.name
     c_tensor.dtype = slot.dtype
     c_tensor.rank = data.ndim
     c_tensor.shape = shape
-    c_tensor.data = data.ctypes.data
+    c_tensor.data = address
     c_tensor.byte_size = data.nbytes
+    return address
 
 
 def _error_text(buffer: ctypes.Array) -> str:

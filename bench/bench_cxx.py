@@ -1,0 +1,135 @@
+"""The cxx backend: cpp_scale's computation in-process (cxx) vs as a subprocess (cpp) vs an identity.
+
+One server serves four models with the same signature ([batch, 8] FP32,
+max_batch_size 16, the shipped settings): ``cxx_scale`` (the example library,
+built at load), ``cpp_scale`` (one child process per batch), and two bare
+Python in-process identities that do no work at all: ``identity`` (the bench's
+``async def infer``, run on the event loop: the floor of nereid's own
+per-request cost) and ``identity_thread`` (a plain ``def infer``, run on the
+scheduler's worker threads like every blocking backend, cxx included).
+perf_analyzer drives each at every concurrency, alternating models
+``--repeat`` times so that a slow spell of this shared machine hits all
+alike; medians are reported with the ratios the issue sets targets for
+(cxx >= 20x cpp at concurrency 1; cxx within 10% of the identity).
+
+    python3 bench/bench_cxx.py [--concurrency 1 16] [--repeat 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import shutil
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+from common import REPO_ROOT, free_port, perf_analyzer, print_table, running, wait_model_ready
+
+MODELS = ("cxx_scale", "cpp_scale", "identity", "identity_thread")
+THREADED_MARKER = "identity_thread.txt"
+
+
+class ThreadedIdentityPlugin:
+    """Claims folders holding ``identity_thread.txt``: the bench identity with a blocking ``infer``."""
+
+    BACKEND_NAME = "bench_identity_thread"
+
+    def __init__(self) -> None:
+        from identity_backend import Identity
+        from nereid.hookspecs import hookimpl
+        from nereid.backend import BackendClaim
+        from nereid.tensors import NamedTensor
+
+        class ThreadedIdentity(Identity):
+            platform = "bench_identity_thread"
+
+            def infer(self, inputs: list[NamedTensor]) -> list[NamedTensor]:  # type: ignore[override]
+                return [NamedTensor("output", inputs[0].dtype, inputs[0].data)]
+
+        def claim(folder: Path, declared: bool) -> BackendClaim | None:
+            if declared or (folder / THREADED_MARKER).is_file():
+                return BackendClaim(self.BACKEND_NAME, ThreadedIdentity)
+            return None
+
+        self.nereid_claim_model = hookimpl(claim)
+
+
+def serve(config_path: Path, bind: str) -> None:
+    """``nereid serve`` with both bench identity backends registered (bench use only)."""
+    import identity_backend
+    from nereid.plugins import make_plugin_manager
+    from nereid.server import NereidServer
+    from nereid.settings import load_settings
+
+    logging.basicConfig(level=logging.WARNING)
+    manager = make_plugin_manager(extra_plugins=(identity_backend, ThreadedIdentityPlugin()))
+    asyncio.run(NereidServer(load_settings(config_path), manager=manager, bind_addr=bind).serve_until_signalled())
+
+
+def config(root: Path) -> Path:
+    """A repository with the two shipped examples and an identity model of the same signature."""
+    models = root / "ml-backends"
+    for name in ("cxx_scale", "cpp_scale"):
+        shutil.copytree(REPO_ROOT / "ml-backends" / name, models / name,
+                        ignore=shutil.ignore_patterns(".cache"))  # build here, timed out of the runs
+    for name, marker in (("identity", "identity.txt"), ("identity_thread", THREADED_MARKER)):
+        folder = models / name
+        folder.mkdir()
+        (folder / marker).write_text("")
+        shutil.copy(REPO_ROOT / "ml-backends" / "cpp_scale" / "model_inference.textproto", folder)
+    path = root / "nereid.yaml"
+    path.write_text('server:\n  ml_backends_path: ml-backends\n  metrics_addr: ""\nmodels:\n'
+                    '  - {name: cxx_scale, backend: cxx, instances: 1, queue_capacity: 64,\n'
+                    '     runtime: {sources: [ml-backends/cxx_scale/scale.cpp]}}\n'
+                    '  - {name: cpp_scale, instances: 2, queue_capacity: 64}\n'
+                    '  - {name: identity, queue_capacity: 64}\n'
+                    '  - {name: identity_thread, queue_capacity: 64}\n')
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--repeat", type=int, default=3, help="runs per model and concurrency; medians reported")
+    parser.add_argument("--serve", nargs=2, metavar=("CONFIG", "ADDRESS"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve:  # the server process this script starts for itself
+        serve(Path(args.serve[0]), args.serve[1])
+        return
+    runs: dict[tuple[str, int], list[dict[str, float]]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = config(Path(tmp))
+        address = f"127.0.0.1:{free_port()}"
+        argv = [sys.executable, __file__, "--serve", str(path), address]
+
+        def ready(a: str) -> None:
+            for model in MODELS:
+                wait_model_ready(a, model)
+
+        with running(argv, address, ready):
+            for concurrency in args.concurrency:
+                for _ in range(args.repeat):
+                    for model in MODELS:
+                        runs.setdefault((model, concurrency), []).append(perf_analyzer(address, model, concurrency))
+    median = {key: {k: statistics.median(r[k] for r in results) for k in results[0]} for key, results in runs.items()}
+    rows = []
+    for concurrency in args.concurrency:
+        cxx, cpp, identity, threaded = (median[(model, concurrency)] for model in MODELS)
+        rows.append([concurrency, cxx["throughput"], cpp["throughput"], identity["throughput"],
+                     threaded["throughput"], cxx["p50_us"], cpp["p50_us"], identity["p50_us"], threaded["p50_us"],
+                     f"{cxx['throughput'] / cpp['throughput']:.1f}x",
+                     f"{cxx['throughput'] / identity['throughput']:.0%}",
+                     f"{cxx['throughput'] / threaded['throughput']:.0%}"])
+    print_table("cpp_scale ([batch, 8] FP32): cxx in-process, cpp subprocess, Python identity on the loop / "
+                "on a thread (perf_analyzer, one server)",
+                ["conc.", "cxx infer/s", "cpp infer/s", "id infer/s", "id-thread infer/s", "cxx p50 us",
+                 "cpp p50 us", "id p50 us", "id-thread p50 us", "cxx / cpp", "cxx / id", "cxx / id-thread"], rows)
+    print(f"(medians of {args.repeat} runs each, models alternating; targets: cxx / cpp >= 20x at concurrency 1, "
+          "cxx / id >= 90%)")
+
+
+if __name__ == "__main__":
+    main()
