@@ -10,17 +10,26 @@ from __future__ import annotations
 
 import functools
 import math
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable
 
 from google.protobuf import text_format
 
 from nereid._proto import model_inference_pb2
 from nereid.dtypes import DType
-from nereid.errors import ConfigError, InvalidArgument, ModelFailure
+from nereid.errors import ConfigError, InvalidArgument, ModelFailure, cap_message
+from nereid.files import read_text_file
 from nereid.tensors import NamedTensor
 
 TEXTPROTO_NAME = "model_inference.textproto"
+
+# What a model may declare: more is refused at load with a clear error (a 100k-input textproto
+# once took 85 s to check). Requests are held to the same rank (nereid.protocol.grpc_codec).
+MAX_DECLARED_TENSORS = 4096  # inputs, and outputs, each
+MAX_RANK = 32
+MAX_TEXTPROTO_BYTES = 1 << 20
 
 # Tensor names of the single-tensor textproto form, which declares no names.
 SINGLE_INPUT_NAME = "input"
@@ -84,16 +93,15 @@ class ValidatedInputs:
 
 def load_textproto_signature(path: Path) -> ModelSignature:
     """Parse and check a ``model_inference.textproto``; ConfigError names the file and problem."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as err:
-        raise ConfigError(f"{path}: cannot read: {err.strerror or err}") from None
+    text = read_text_file(path, MAX_TEXTPROTO_BYTES)
     message = model_inference_pb2.ModelInference()
     try:
         text_format.Parse(text, message)
     except text_format.ParseError as err:
         # ParseError's message already starts with "line:column :".
-        raise ConfigError(f"{path}:{err}") from None
+        raise ConfigError(cap_message(f"{path}:{err}")) from None
+    except RecursionError:
+        raise ConfigError(f"{path}: nested too deeply to parse") from None
     return _signature_from_message(message, path)
 
 
@@ -108,13 +116,16 @@ def _signature_from_message(msg: model_inference_pb2.ModelInference, path: Path)
     if msg.max_batch_size < 0:
         raise ConfigError(f"{path}: max_batch_size must be >= 0, got {msg.max_batch_size}")
     if multi:
+        for kind, declared in (("input", msg.input), ("output", msg.output)):
+            if len(declared) > MAX_DECLARED_TENSORS:
+                raise ConfigError(f"{path}: declares {len(declared)} {kind}s; at most {MAX_DECLARED_TENSORS} "
+                                  "are supported")
         inputs = tuple(_tensor_spec(d.name, d.data_type, d.dims, f"input {i}", path) for i, d in enumerate(msg.input))
         outputs = tuple(_tensor_spec(d.name, d.data_type, d.dims, f"output {i}", path) for i, d in enumerate(msg.output))
         for kind, specs in (("input", inputs), ("output", outputs)):
-            names = [spec.name for spec in specs]
-            duplicates = sorted({n for n in names if names.count(n) > 1})
+            duplicates = duplicated(spec.name for spec in specs)
             if duplicates:
-                raise ConfigError(f"{path}: duplicate {kind} name(s) {', '.join(duplicates)}")
+                raise ConfigError(cap_message(f"{path}: duplicate {kind} name(s) {', '.join(duplicates)}"))
     else:
         data_type = msg.data_type or "FP32"
         inputs = (
@@ -130,9 +141,17 @@ def _signature_from_message(msg: model_inference_pb2.ModelInference, path: Path)
     return ModelSignature(inputs, outputs, msg.max_batch_size, single_tensor_form=not multi)
 
 
+def duplicated(names: Iterable[str]) -> list[str]:
+    """The names that occur more than once, sorted (one pass: linear in the number of names)."""
+    return sorted(name for name, count in Counter(names).items() if count > 1)
+
+
 def _tensor_spec(name: str, data_type: str, dims, where: str, path: Path) -> TensorSpec:
     if not name:
         raise ConfigError(f"{path}: {where} has no name")
+    if len(dims) > MAX_RANK:
+        raise ConfigError(cap_message(f"{path}: {where} ({name}): declares {len(dims)} dims; at most {MAX_RANK} "
+                                      "are supported"))
     try:
         dtype = DType.from_kserve(data_type)
     except ValueError as err:

@@ -15,6 +15,7 @@ from typing import Mapping
 
 from nereid.backends.xla.manifest import MANIFEST_NAME, Manifest, load_manifest
 from nereid.errors import ConfigError
+from nereid.files import not_regular_reason
 
 MODEL_PY = "model.py"
 DEFAULT_WEIGHTS_FILE = "weights.safetensors"
@@ -89,6 +90,8 @@ def open_bundle(folder: Path, largest_only: bool = False) -> BundleLayout:
     """
     folder = Path(folder)
     manifest_path = folder / MANIFEST_NAME
+    if (reason := not_regular_reason(manifest_path)) is not None:
+        raise ConfigError(reason)
     if not manifest_path.is_file():
         raise ConfigError(f"{folder}: missing {MANIFEST_NAME} (a bundle holds {MANIFEST_NAME}, model*.mlir and "
                           "usually weights.safetensors)")
@@ -107,6 +110,9 @@ def open_bundle(folder: Path, largest_only: bool = False) -> BundleLayout:
         candidates = module_candidates(key, single_size)
         found = next((folder / name for name in candidates if (folder / name).is_file()), None)
         if found is None:
+            for name in candidates:  # present but not a file (a FIFO, a folder): say so, not "missing"
+                if (reason := not_regular_reason(folder / name)) is not None:
+                    raise ConfigError(f"{reason} (the program for {key.describe()})")
             present = sorted(p.name for p in folder.glob("model*.mlir"))
             raise ConfigError(f"{folder}: missing {' or '.join(candidates)}, the program for {key.describe()} "
                               f"(program files present: {', '.join(present) or 'none'})")
@@ -118,8 +124,12 @@ def open_bundle(folder: Path, largest_only: bool = False) -> BundleLayout:
 def _weights_path(folder: Path, manifest: Manifest, manifest_path: Path) -> Path | None:
     if manifest.weights_file is not None:
         path = folder / manifest.weights_file
+        if (reason := not_regular_reason(path)) is not None:
+            raise ConfigError(f"{manifest_path}: weights_file: {reason}")
         if not path.is_file():
             raise ConfigError(f"{manifest_path}: weights_file: no such file {path}, got {manifest.weights_file!r}")
         return path
     path = folder / DEFAULT_WEIGHTS_FILE
+    if (reason := not_regular_reason(path)) is not None:
+        raise ConfigError(reason)
     return path if path.is_file() else None

@@ -21,8 +21,12 @@ from typing import Any, Mapping
 from nereid.config_document import KeyedReader, load_yaml
 from nereid.dtypes import DType
 from nereid.errors import ConfigError
+from nereid.files import read_text_file
+from nereid.signature import MAX_DECLARED_TENSORS
 
 MANIFEST_NAME = "manifest.yaml"
+# A manifest is a few kilobytes; provenance included, far below this.
+MAX_MANIFEST_BYTES = 1 << 20
 
 # The writer stamps "2.1" ("2.0" for the legacy weights layout). 2.1 exists so
 # that servers which would misread program-order weights refuse such bundles.
@@ -185,13 +189,7 @@ def load_manifest(path: Path | str) -> Manifest:
     Only the manifest's own contents are checked (no bundle directory needed).
     """
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as err:
-        raise ConfigError(f"{path}: cannot read: {err.strerror or err}") from None
-    except UnicodeDecodeError as err:
-        raise ConfigError(f"{path}: not UTF-8 text: {err}") from None
-    return parse_manifest_text(text, path)
+    return parse_manifest_text(read_text_file(path, MAX_MANIFEST_BYTES), path)
 
 
 def parse_manifest_text(text: str, path: Path) -> Manifest:
@@ -292,7 +290,10 @@ def _tensors(reader: KeyedReader, top: dict[str, Any], key: str, *, required: bo
         raw = []
     if not isinstance(raw, list):
         reader.fail(key, "must be a list of tensors", raw)
+    if len(raw) > MAX_DECLARED_TENSORS:
+        reader.fail(key, f"lists {len(raw)} tensors; at most {MAX_DECLARED_TENSORS} are supported", len(raw))
     tensors: list[ManifestTensor] = []
+    names: set[str] = set()  # a set, not a scan of the list per tensor: linear in the tensors
     for index, entry in enumerate(raw):
         where = f"{key}[{index}]"
         entry = reader.mapping(entry, where, _TENSOR_KEYS)
@@ -302,8 +303,9 @@ def _tensors(reader: KeyedReader, top: dict[str, Any], key: str, *, required: bo
         name = entry["name"]
         if not isinstance(name, str) or not name:
             reader.fail(f"{where}.name", "must be a non-empty string", name)
-        if any(t.name == name for t in tensors):
+        if name in names:
             reader.fail(f"{where}.name", f"is used twice in {key}", name)
+        names.add(name)
         dtype = _dtype(reader, entry["dtype"], f"{where}.dtype", executable)
         shape = _parse_shape(entry["shape"], entry.get("dims"), where, reader)
         tensors.append(ManifestTensor(name, dtype, shape))

@@ -11,16 +11,12 @@ from google.protobuf.message import DecodeError
 from nereid._proto import grpc_service_pb2 as pb
 from nereid.dtypes import DType
 from nereid.errors import InvalidArgument
-from nereid.signature import expected_byte_size
+from nereid.signature import MAX_RANK, expected_byte_size
 from nereid.tensors import (InferRequest, InferResponse, NamedTensor, bytes_array, split_bytes_elements,
                             tensor_bytes)
 
 # The request parameter Triton clients use for a per-request timeout, in microseconds.
 TIMEOUT_PARAMETER = "timeout"
-
-# The most dimensions a request tensor may have (numpy's own limit is 64; no model declares more
-# than MAX_RANK either, see nereid.signature).
-MAX_RANK = 32
 
 # ModelInferRequest.raw_input_contents: field 7, length-delimited.
 _RAW_FIELD = 7

@@ -1,0 +1,109 @@
+"""Reading files from model folders, which nereid does not trust.
+
+A model folder may hold a FIFO where a file should be (opening it would block a
+load forever), a symlink leading out of the repository (to ``/etc/passwd``), a
+multi-gigabyte "textproto", or bytes that are not UTF-8. Every reader here
+fails with a :class:`~nereid.errors.ConfigError` naming the file and the
+problem, and never quotes the file's contents.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+from nereid.errors import ConfigError
+
+# How many entries of a model folder the symlink check looks at before giving up on the folder.
+MAX_FOLDER_ENTRIES = 100_000
+
+
+def kind_of(mode: int) -> str:
+    """What a file of this ``st_mode`` is, for messages (``a FIFO``, ``a directory``...)."""
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISREG, "a regular file")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def not_regular_reason(path: Path) -> str | None:
+    """Why ``path`` cannot be read as a file (``None`` when it is a regular file, or is absent)."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return None
+    return None if stat.S_ISREG(mode) else f"{path}: is {kind_of(mode)}, not a regular file"
+
+
+def read_regular_file(path: Path, limit: int) -> bytes:
+    """The bytes of ``path``, which must be a regular file of at most ``limit`` bytes.
+
+    Opened without blocking, so a FIFO is refused rather than waited on.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read: {err.strerror or err}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ConfigError(f"{path}: is {kind_of(info.st_mode)}, not a regular file")
+        if info.st_size > limit:
+            raise ConfigError(f"{path}: is {info.st_size} bytes, more than the {limit}-byte limit for this file")
+        chunks: list[bytes] = []
+        remaining = limit + 1  # the file may have grown since fstat
+        while remaining > 0 and (chunk := os.read(fd, min(remaining, 1 << 20))):
+            chunks.append(chunk)
+            remaining -= len(chunk)
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read: {err.strerror or err}") from None
+    finally:
+        os.close(fd)
+    data = b"".join(chunks)
+    if len(data) > limit:
+        raise ConfigError(f"{path}: is more than the {limit}-byte limit for this file")
+    return data
+
+
+def decode_text(data: bytes, path: Path) -> str:
+    """``data`` as UTF-8; ConfigError with the offset of the first bad byte (not the byte) otherwise."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not UTF-8 text (invalid byte at offset {err.start}); "
+                          "is it a binary file?") from None
+
+
+def read_text_file(path: Path, limit: int) -> str:
+    """:func:`read_regular_file` decoded as UTF-8."""
+    return decode_text(read_regular_file(path, limit), path)
+
+
+def escaping_link(folder: Path, root: Path) -> tuple[Path, Path] | None:
+    """The first symlink in ``folder`` (the folder itself included) that leads outside ``root``.
+
+    Returns (the link, where it leads), or None when every link stays inside.
+    Raises ConfigError when the folder has more than :data:`MAX_FOLDER_ENTRIES`.
+    """
+    root = root.resolve()
+    if folder.is_symlink() and not _inside(folder.resolve(), root):
+        return folder, folder.resolve()
+    seen = 0
+    for directory, subdirs, files in os.walk(folder):  # os.walk does not descend into symlinked folders
+        for name in (*subdirs, *files):
+            seen += 1
+            if seen > MAX_FOLDER_ENTRIES:
+                raise ConfigError(f"{folder}: holds more than {MAX_FOLDER_ENTRIES} files and folders")
+            path = Path(directory, name)
+            if path.is_symlink():
+                target = path.resolve()
+                if not _inside(target, root):
+                    return path, target
+    return None
+
+
+def _inside(path: Path, root: Path) -> bool:
+    return path == root or root in path.parents
