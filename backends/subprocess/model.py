@@ -20,7 +20,7 @@ from nereid.signature import TEXTPROTO_NAME, ModelSignature, TensorSpec, dims_ma
 from nereid.tensors import NamedTensor, tensor_bytes
 
 from nereid.backends.subprocess.framing import encode_frame, read_body, read_header
-from nereid.backends.subprocess.runner import ProcessGroups, run_model_process
+from nereid.backends.subprocess.runner import ProcessGroups, ProcessResult, run_model_process
 
 # Inherited by children from the server's environment; everything else is dropped.
 INHERITED_ENV = ("PATH", "LANG", "LC_ALL", "HOME", "SYSTEMROOT", "LD_LIBRARY_PATH")
@@ -65,9 +65,7 @@ class SubprocessModel:
         try:
             output_path = work_dir / "output"
             env = self._environment(inputs, output_path, work_dir)
-            result = run_model_process(self.command(), cwd=self.context.folder, env=env,
-                                       stdin=self._stdin(inputs), timeout_s=self.context.settings.timeout_s,
-                                       log_path=work_dir / "log", groups=self._groups)
+            result = self.launch(env=env, stdin=self._stdin(inputs))
             name = self.context.name
             if result.timed_out:
                 raise ModelFailure(f"model '{name}' timed out after {self.context.settings.timeout_s:g} s "
@@ -97,16 +95,26 @@ class SubprocessModel:
         """The argv to run, with the model folder as working directory."""
         raise NotImplementedError
 
-    # -- contract ---------------------------------------------------------
-    def _environment(self, inputs: list[NamedTensor], output_path: Path, work_dir: Path) -> dict[str, str]:
+    def launch(self, *, env: dict[str, str], stdin: bytes) -> ProcessResult:
+        """Run the program once for a batch: by default a fresh process running ``command()``."""
+        return run_model_process(self.command(), cwd=self.context.folder, env=env, stdin=stdin,
+                                 timeout_s=self.context.settings.timeout_s, groups=self._groups)
+
+    def base_environment(self) -> dict[str, str]:
+        """What every run of this model sees: the inherited few variables, the model name, its GPU."""
         env = {key: os.environ[key] for key in INHERITED_ENV if key in os.environ}
         env.setdefault("PATH", "/usr/local/bin:/usr/bin:/bin")
-        env["TMPDIR"] = str(work_dir)
-        env["NEREID_OUTPUT_PATH"] = str(output_path)
         env["NEREID_MODEL_NAME"] = self.context.name
         device = self.context.device
         # A CPU model sees no GPU; a GPU model sees exactly its own.
         env["CUDA_VISIBLE_DEVICES"] = str(device.index) if device.is_gpu else ""
+        return env
+
+    # -- contract ---------------------------------------------------------
+    def _environment(self, inputs: list[NamedTensor], output_path: Path, work_dir: Path) -> dict[str, str]:
+        env = self.base_environment()
+        env["TMPDIR"] = str(work_dir)
+        env["NEREID_OUTPUT_PATH"] = str(output_path)
         signature = self.signature()
         env["NEREID_OUTPUT_NAMES"] = ",".join(spec.name for spec in signature.outputs)
         if signature.single_tensor_form:

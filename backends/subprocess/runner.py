@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 STDERR_TAIL_BYTES = 2000
+DRAIN_MAX_READS = 64  # after the exit: at most 4 MiB more, so a chatty leftover process cannot hold the run
 
 
 @dataclass(frozen=True)
@@ -66,32 +67,34 @@ class ProcessGroups:
 
 
 def run_model_process(argv: list[str], *, cwd: Path, env: dict[str, str], stdin: bytes,
-                      timeout_s: float | None, log_path: Path,
-                      groups: ProcessGroups | None = None) -> ProcessResult:
+                      timeout_s: float | None, groups: ProcessGroups | None = None) -> ProcessResult:
     """Run ``argv`` to completion; on timeout kill its whole process group.
 
-    The child's stdout and stderr go to ``log_path`` (its tail is reported on
-    failure). The process group is always killed at the end, so nothing the
-    model started outlives the request, and the child is always reaped. While
-    it runs, its group is listed in ``groups``.
+    The child's stdout and stderr go to a pipe of which only the last
+    ``STDERR_TAIL_BYTES`` are kept (reported on failure). The process group is
+    always killed at the end, so nothing the model started outlives the
+    request, and the child is always reaped. While it runs, its group is listed
+    in ``groups``.
     """
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    # Our own pipe rather than Popen's file object: feed_and_wait owns and closes the write end.
-    read_end, write_end = os.pipe2(os.O_CLOEXEC)
+    # Our own pipes rather than Popen's file objects: feed_and_wait owns and closes their parent ends.
+    stdin_read, stdin_write = os.pipe2(os.O_CLOEXEC)
+    output_read, output_write = os.pipe2(os.O_CLOEXEC)
     try:
-        with open(log_path, "wb") as log_file:
-            process = subprocess.Popen(argv, cwd=cwd, env=env, stdin=read_end, stdout=log_file,
-                                       stderr=subprocess.STDOUT, start_new_session=True)
+        process = subprocess.Popen(argv, cwd=cwd, env=env, stdin=stdin_read, stdout=output_write,
+                                   stderr=subprocess.STDOUT, start_new_session=True)
     except BaseException:
-        os.close(write_end)
+        os.close(stdin_write)
+        os.close(output_read)
         raise
     finally:
-        os.close(read_end)
+        os.close(stdin_read)
+        os.close(output_write)
     exit_fd = os.pidfd_open(process.pid)
     if groups is not None:
         groups.add(process.pid)
     try:
-        exited = feed_and_wait(write_end, stdin, exit_fd, deadline)
+        exited, tail = feed_and_wait(stdin_write, stdin, exit_fd, deadline, output_read)
     finally:
         if groups is not None:
             groups.discard(process.pid)
@@ -99,21 +102,25 @@ def run_model_process(argv: list[str], *, cwd: Path, env: dict[str, str], stdin:
         kill_group(process.pid)
         os.close(exit_fd)
         process.wait()  # returns at once: the child has exited or was just killed
-    return ProcessResult(process.returncode, not exited, read_tail(log_path))
+    return ProcessResult(process.returncode, not exited, tail)
 
 
-def feed_and_wait(stdin_fd: int, data: bytes, exit_fd: int, deadline: float | None) -> bool:
-    """Write ``data`` to the child's stdin, close it, and wait until ``exit_fd`` is readable.
+def feed_and_wait(stdin_fd: int, data: bytes, exit_fd: int, deadline: float | None,
+                  output_fd: int) -> tuple[bool, str]:
+    """Write ``data`` to the child's stdin, keep the tail of its output, wait until ``exit_fd`` is readable.
 
     ``exit_fd`` becomes readable when the child has exited (a pidfd, or a socket
-    on which its warm parent reports the exit). Returns True when the child
-    exited, False when ``deadline`` (``time.monotonic()``; None: none) passed
-    first. A child that exits or closes stdin before reading everything ends the
-    writing: its exit status tells the story. ``stdin_fd`` is closed on return.
+    on which its warm parent reports the exit). Returns whether the child exited
+    (False: ``deadline``, a ``time.monotonic()`` value, passed first; None: no
+    deadline) and the last ``STDERR_TAIL_BYTES`` of its output, decoded. A child
+    that exits or closes stdin before reading everything ends the writing: its
+    exit status tells the story. ``stdin_fd`` and ``output_fd`` are closed on return.
     """
     view = memoryview(data)
+    tail = _Tail(output_fd)
     poller = select.poll()
     poller.register(exit_fd, select.POLLIN)
+    poller.register(output_fd, select.POLLIN)
     stdin_open = True
     try:
         if view:
@@ -128,10 +135,15 @@ def feed_and_wait(stdin_fd: int, data: bytes, exit_fd: int, deadline: float | No
             timeout_ms = -1 if deadline is None else max(0, int((deadline - time.monotonic()) * 1000 + 0.999))
             events = poller.poll(timeout_ms)
             if not events:
-                return False
+                return False, tail.text()
             for fd, event in events:
                 if fd == exit_fd:
-                    return True
+                    tail.drain()
+                    return True, tail.text()
+                if fd == output_fd:
+                    if not tail.read():
+                        poller.unregister(output_fd)  # every writer closed it: no more events
+                    continue
                 if event & (select.POLLERR | select.POLLHUP):
                     view = memoryview(b"")  # the child closed its stdin
                 else:
@@ -143,6 +155,39 @@ def feed_and_wait(stdin_fd: int, data: bytes, exit_fd: int, deadline: float | No
     finally:
         if stdin_open:  # closed exactly once: a second close could hit a descriptor another thread reuses
             os.close(stdin_fd)
+        os.close(output_fd)
+
+
+class _Tail:
+    """The last ``STDERR_TAIL_BYTES`` read from a child's output pipe; the rest is dropped as it arrives."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.data = b""
+        os.set_blocking(fd, False)
+
+    def read(self) -> bool:
+        """Read what is there; False at end of file."""
+        try:
+            chunk = os.read(self.fd, 65536)
+        except BlockingIOError:
+            return True
+        self.data = (self.data + chunk)[-STDERR_TAIL_BYTES:]
+        return bool(chunk)
+
+    def drain(self) -> None:
+        """Read until the pipe is empty (a process the child left behind may still hold it open and write)."""
+        try:
+            for _ in range(DRAIN_MAX_READS):
+                chunk = os.read(self.fd, 65536)
+                if not chunk:
+                    return
+                self.data = (self.data + chunk)[-STDERR_TAIL_BYTES:]
+        except BlockingIOError:
+            pass
+
+    def text(self) -> str:
+        return self.data.decode("utf-8", errors="replace").strip()
 
 
 def _write_some(fd: int, view: memoryview) -> memoryview:
@@ -163,12 +208,3 @@ def kill_group(pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass  # the group is already gone
-
-
-def read_tail(path: Path) -> str:
-    """The last ``STDERR_TAIL_BYTES`` of a model's output log, decoded leniently."""
-    with open(path, "rb") as f:
-        f.seek(0, os.SEEK_END)
-        size = f.tell()
-        f.seek(max(0, size - STDERR_TAIL_BYTES))
-        return f.read().decode("utf-8", errors="replace").strip()

@@ -19,7 +19,7 @@ PYTHON = [sys.executable, "-S", "-c"]
 
 def run(tmp_path: Path, code: str, stdin: bytes = b"", timeout_s: float | None = 30, **kwargs):
     return run_model_process([*PYTHON, code], cwd=tmp_path, env={}, stdin=stdin, timeout_s=timeout_s,
-                             log_path=tmp_path / "log", **kwargs)
+                             **kwargs)
 
 
 def alive(pid: int) -> bool:
@@ -46,6 +46,14 @@ def test_large_stdin_is_delivered_whole(tmp_path):
     result = run(tmp_path, code, stdin=payload)
     import hashlib
     assert result.returncode == 0 and result.output_tail == hashlib.sha256(payload).hexdigest()
+
+
+def test_output_is_kept_only_as_a_bounded_tail(tmp_path):
+    """A chatty model's output is never spooled whole: only the tail that errors report is kept."""
+    code = "import sys\nfor i in range(20000): sys.stdout.write('line %06d ' % i * 10 + '\\n')\nsys.exit(1)"
+    result = run(tmp_path, code)
+    assert result.returncode == 1 and len(result.output_tail.encode()) <= 2000
+    assert result.output_tail.endswith("line 019999")
 
 
 def test_child_that_ignores_stdin_does_not_hang_the_writer(tmp_path):
@@ -102,8 +110,7 @@ def test_hundreds_of_children_leave_no_zombie_and_no_thread(tmp_path):
     threads_before = threading.active_count()
     fds_before = len(os.listdir("/proc/self/fd"))
     for _ in range(300):
-        result = run_model_process(["/bin/true"], cwd=tmp_path, env={}, stdin=b"abc", timeout_s=30,
-                                   log_path=tmp_path / "log")
+        result = run_model_process(["/bin/true"], cwd=tmp_path, env={}, stdin=b"abc", timeout_s=30)
         assert result.returncode == 0
     assert zombie_children() == []
     assert threading.active_count() == threads_before
