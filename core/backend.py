@@ -85,6 +85,27 @@ class Backend(Protocol):
 
 
 @dataclass(frozen=True)
+class RuntimeReport:
+    """How a backend runs one model, beyond its signature (``nereid check`` and ``/metrics`` show it).
+
+    ``summary`` is one ``key=value`` phrase for the check line (``warm_start=on``);
+    ``warm_parent_resident_bytes`` is the memory of a process kept warm between
+    requests (None: there is none).
+    """
+
+    summary: str = ""
+    warm_parent_resident_bytes: int | None = None
+
+
+@runtime_checkable
+class ReportsRuntime(Protocol):
+    """Optional: a model that describes how it runs (checked once with ``isinstance``)."""
+
+    def runtime_report(self) -> RuntimeReport:
+        """The current report; cheap enough to call at every metrics scrape."""
+
+
+@dataclass(frozen=True)
 class BackendClaim:
     """A backend's answer to "is this folder yours?".
 

@@ -11,7 +11,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from nereid.backend import ModelContext
+from nereid.backend import ModelContext, ReportsRuntime
 from nereid.errors import ConfigError
 from nereid.plugins import make_plugin_manager
 from nereid.repository import build_model, list_model_folders
@@ -88,11 +88,17 @@ def check(settings: Settings) -> int:
             suffix = "" if listed or not settings.models_listed else " (not listed in nereid.yaml)"
             context = ModelContext(name, root / name, model_settings, scratch, origin)
             try:
-                built = build_model(manager, context)
+                built = build_model(manager, context, settings.backend_defaults)
             except Exception as err:
                 problems += 1
                 print(f"{name}: UNAVAILABLE: {str(err).strip() or type(err).__name__}{suffix}")
                 continue
+            runtime = ""
+            if isinstance(built.backend, ReportsRuntime):
+                report = built.backend.runtime_report()
+                runtime = f" {report.summary}" if report.summary else ""
+                if report.warm_parent_resident_bytes is not None:
+                    runtime += f" warm_parent_rss={report.warm_parent_resident_bytes / 2**20:.1f}MiB"
             try:
                 built.backend.unload()
             finally:
@@ -102,7 +108,7 @@ def check(settings: Settings) -> int:
                 batching = "on" if built.policy.enabled else "off"
                 print(f"{name}: OK backend={built.backend_name} device={model_settings.device} "
                       f"max_batch_size={signature.max_batch_size} batching={batching} "
-                      f"inputs=[{inputs}] outputs=[{outputs}]{suffix}")
+                      f"inputs=[{inputs}] outputs=[{outputs}]{runtime}{suffix}")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     print(f"{settings.source}: {'OK' if not problems else f'{problems} model(s) with problems'}")

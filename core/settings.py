@@ -101,6 +101,8 @@ class Settings:
     server: ServerSettings = field(default_factory=ServerSettings)
     models: tuple[ModelSettings, ...] = ()
     models_listed: bool = False
+    # ``backends: {<backend>: {<runtime option>: value}}``: runtime defaults for every model of a backend.
+    backend_defaults: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
     def model(self, name: str) -> ModelSettings | None:
         """The listed settings for ``name``, or None when nereid.yaml does not list it."""
@@ -128,7 +130,7 @@ def load_settings(path: Path) -> Settings:
 def parse_settings(document: Any, path: Path) -> Settings:
     """Check an already-loaded YAML document as if it came from ``path``."""
     reader = KeyedReader(path)
-    top = reader.mapping(document, "", {"server", "models"})
+    top = reader.mapping(document, "", {"server", "models", "backends"})
     server = _parse_server(reader, top.get("server", {}), path)
     models: list[ModelSettings] = []
     raw_models = top.get("models")
@@ -144,7 +146,13 @@ def parse_settings(document: Any, path: Path) -> Settings:
             if model.name in seen:
                 reader.fail(f"models[{index}].name", "is listed twice", model.name)
             seen.add(model.name)
-    return Settings(path, server, tuple(models), models_listed="models" in top)
+    backend_defaults = top.get("backends") or {}
+    if not isinstance(backend_defaults, dict):
+        reader.fail("backends", "must map backend names to their runtime defaults", backend_defaults)
+    for backend, defaults in backend_defaults.items():
+        if not isinstance(defaults, dict):
+            reader.fail(f"backends.{backend}", "must be a mapping of runtime options", defaults)
+    return Settings(path, server, tuple(models), models_listed="models" in top, backend_defaults=backend_defaults)
 
 
 def _parse_server(reader: KeyedReader, raw: Any, path: Path) -> ServerSettings:

@@ -58,6 +58,8 @@ class ModelRepo:
         self.root = root
         self.models_dir = root / "ml-backends"
         self.models_dir.mkdir()
+        # False writes ``backends: {python: {warm_start: false}}``: every python model starts cold.
+        self.python_warm_start = True
 
     def add(self, name: str, textproto: str | None, **files: str) -> Path:
         """A model folder with a textproto (None: none) and the given files (``main_py`` -> main.py)."""
@@ -79,6 +81,8 @@ class ModelRepo:
         """Write nereid.yaml; ``models_yaml`` is the ``models:`` list body (None: no models key)."""
         text = (f"server:\n  bind_addr: \"127.0.0.1:0\"\n  ml_backends_path: \"ml-backends\"\n"
                 f"  metrics_addr: \"{metrics_addr}\"\n{server_extra}")
+        if not self.python_warm_start:
+            text += "backends:\n  python:\n    warm_start: false\n"
         if models_yaml is not None:
             text += "models:\n" + textwrap.indent(textwrap.dedent(models_yaml), "  ")
         path = self.root / "nereid.yaml"

@@ -1,26 +1,86 @@
-"""Plugin: claims folders with a ``main.py`` and runs it once per batch."""
+"""Plugin: claims folders with a ``main.py`` and runs it once per batch, forked from a warm parent."""
 
 from __future__ import annotations
 
+import logging
+import shutil
 import sys
 from pathlib import Path
 
-from nereid.backend import BackendClaim
+from nereid.backend import BackendClaim, ModelContext, RuntimeReport
+from nereid.backends.python.options import PythonOptions, parse_options
+from nereid.backends.python.preload import modules_to_preload
+from nereid.backends.python.warm import WarmParent, WarmStartUnavailable
 from nereid.backends.subprocess.model import SubprocessModel
+from nereid.backends.subprocess.runner import ProcessResult
 from nereid.hookspecs import hookimpl
+
+log = logging.getLogger(__name__)
 
 BACKEND_NAME = "python"
 ENTRY_FILE = "main.py"
 
 
 class PythonModel(SubprocessModel):
-    """``main.py`` run with the interpreter that runs the server."""
+    """``main.py`` run with the interpreter that runs the server.
+
+    With ``warm_start`` (the default) each batch is a child forked from a warm
+    parent that has already imported what ``main.py`` imports; otherwise, or
+    when the parent cannot be used, each batch starts a fresh interpreter.
+    """
 
     platform = "nereid_python"
     entry_file = ENTRY_FILE
 
+    def __init__(self, context: ModelContext) -> None:
+        super().__init__(context)
+        self.options = PythonOptions()
+        self._warm: WarmParent | None = None
+        self._cold_reason = ""
+
+    def prepare(self) -> None:
+        self.options = parse_options(self.context.settings.runtime, self.context.settings_origin)
+        if not self.options.warm_start:
+            self._cold_reason = "runtime.warm_start is false"
+            return
+        parent_dir = self.context.scratch_dir / "warm-parent"
+        parent_dir.mkdir(parents=True, exist_ok=True)
+        env = self.base_environment()
+        env["TMPDIR"] = str(parent_dir)
+        warm = WarmParent(name=self.context.name, folder=self.context.folder, env=env,
+                          modules=modules_to_preload(self.context.folder, ENTRY_FILE, self.options.preload),
+                          log_path=parent_dir / "log")
+        try:
+            warm.start()
+        except WarmStartUnavailable as err:
+            self._cold_reason = str(err)
+            log.warning("model '%s': warm start is off, every batch starts a fresh interpreter: %s",
+                        self.context.name, err)
+            shutil.rmtree(parent_dir, ignore_errors=True)
+            return
+        self._warm = warm
+
     def command(self) -> list[str]:
         return [sys.executable, ENTRY_FILE]
+
+    def launch(self, *, env: dict[str, str], stdin: bytes) -> ProcessResult:
+        if self._warm is None:
+            return super().launch(env=env, stdin=stdin)
+        return self._warm.run(env=env, stdin=stdin, timeout_s=self.context.settings.timeout_s, groups=self._groups)
+
+    def unload(self) -> None:
+        """End the warm parent (and any child it still runs) and remove its folder."""
+        if self._warm is not None:
+            self._warm.stop()
+            shutil.rmtree(self._warm.log_path.parent, ignore_errors=True)
+            self._warm = None
+
+    def runtime_report(self) -> RuntimeReport:
+        """``warm_start=on``, or ``warm_start=off (<reason>)``, and the warm parent's memory."""
+        warm = self._warm
+        if warm is None:
+            return RuntimeReport(f"warm_start=off ({self._cold_reason})")
+        return RuntimeReport("warm_start=on", warm.resident_bytes())
 
 
 @hookimpl

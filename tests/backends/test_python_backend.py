@@ -69,6 +69,13 @@ def process_gone(pid: int) -> bool:
         return True
 
 
+@pytest.fixture(autouse=True, params=["warm", "cold"])
+def start_mode(request, repo) -> str:
+    """Every test runs twice: main.py forked from a warm parent, and in a fresh interpreter."""
+    repo.python_warm_start = request.param == "warm"
+    return request.param
+
+
 FOUR = np.array([[1.5, -2.0, 3.25, 4.0]], dtype=np.float32)
 
 

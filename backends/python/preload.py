@@ -1,0 +1,46 @@
+"""Which modules a python model's warm parent imports: read from ``main.py``, never run."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from nereid.errors import ConfigError
+
+
+def imported_modules(main_py: Path) -> list[str]:
+    """The modules that ``main.py``'s top-level ``import`` and ``from`` statements name, in order.
+
+    Only statements directly in the module body count (not those inside
+    functions, ``if`` or ``try`` blocks: those may be conditional on purpose).
+    Relative imports and ``__future__`` are skipped.
+    """
+    try:
+        tree = ast.parse(main_py.read_bytes(), filename=str(main_py))
+    except SyntaxError as err:
+        raise ConfigError(f"{main_py}: not valid Python (line {err.lineno}: {err.msg})") from None
+    except ValueError as err:  # null bytes
+        raise ConfigError(f"{main_py}: not valid Python ({err})") from None
+    names: list[str] = []
+    for statement in tree.body:
+        if isinstance(statement, ast.Import):
+            names.extend(alias.name for alias in statement.names)
+        elif isinstance(statement, ast.ImportFrom) and statement.level == 0 and statement.module:
+            names.append(statement.module)
+    return [name for name in dict.fromkeys(names) if name != "__future__"]
+
+
+def lives_in_folder(module: str, folder: Path) -> bool:
+    """True when ``module``'s top-level package is a file or package in the model folder.
+
+    Those are the model's own helpers: a child imports them fresh, so an edit
+    takes effect on the next request, exactly as with a cold start.
+    """
+    top = module.split(".", 1)[0]
+    return (folder / f"{top}.py").is_file() or (folder / top).is_dir()
+
+
+def modules_to_preload(folder: Path, entry_file: str, extra: tuple[str, ...]) -> list[str]:
+    """``main.py``'s installed and standard-library imports, then ``extra``, minus the folder's own."""
+    names = imported_modules(folder / entry_file) + list(extra)
+    return [name for name in dict.fromkeys(names) if not lives_in_folder(name, folder)]

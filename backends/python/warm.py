@@ -1,0 +1,232 @@
+"""The server's side of a python model's warm parent (see ``warm_parent.py`` for the protocol).
+
+One :class:`WarmParent` per loaded model. ``run`` is called from worker
+threads, any number at once: each run has its own stdin pipe and reply socket,
+and the control socket is SOCK_SEQPACKET, so each request is one atomic message.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import select
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from nereid.errors import ModelFailure
+
+from nereid.backends.subprocess.runner import ProcessGroups, ProcessResult, feed_and_wait, kill_group
+
+log = logging.getLogger(__name__)
+
+WARM_PARENT_SCRIPT = Path(__file__).with_name("warm_parent.py")
+START_TIMEOUT_S = 300.0   # preloading torch on a slow disk takes seconds, never minutes
+REPLY_TIMEOUT_S = 30.0    # the parent answers a fork at once; this only bounds a wedged parent
+STOP_GRACE_S = 5.0
+MAX_REPLY_BYTES = 4096
+STARTUP_TAIL_BYTES = 2000
+
+
+class WarmStartUnavailable(Exception):
+    """The warm parent cannot serve this model (an import failed, threads started): run cold."""
+
+
+class WarmParent:
+    """A running warm parent: started with the model's environment, imports preloaded."""
+
+    def __init__(self, *, name: str, folder: Path, env: dict[str, str], modules: list[str], log_path: Path) -> None:
+        self.name = name
+        self.folder = folder
+        self.env = env
+        self.modules = modules
+        self.log_path = log_path
+        self._lock = threading.Lock()
+        self._process: subprocess.Popen | None = None
+        self._control: socket.socket | None = None
+
+    # -- life cycle -------------------------------------------------------
+    def start(self) -> None:
+        """Start the parent and wait until its imports are done; WarmStartUnavailable if it cannot serve."""
+        with self._lock:
+            self._start()
+
+    def _start(self) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            with open(self.log_path, "ab") as log_file:
+                process = subprocess.Popen(
+                    [sys.executable, "-P", str(WARM_PARENT_SCRIPT), str(theirs.fileno()), json.dumps(self.modules)],
+                    cwd=self.folder, env=self.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_file,
+                    pass_fds=(theirs.fileno(),), start_new_session=True)
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        assert process.stdout is not None
+        line = _read_line(process.stdout.fileno(), time.monotonic() + START_TIMEOUT_S)
+        process.stdout.close()
+        if line != "ready":
+            ours.close()
+            _end(process)
+            if line.startswith("fallback "):
+                raise WarmStartUnavailable(line.removeprefix("fallback "))
+            tail = self.log_path.read_bytes()[-STARTUP_TAIL_BYTES:].decode("utf-8", errors="replace").strip()
+            raise WarmStartUnavailable(f"the warm parent did not start ({line or 'no answer'})"
+                                       + (f"; output tail: {tail}" if tail else ""))
+        self._process, self._control = process, ours
+
+    def stop(self) -> None:
+        """End the parent and every child it runs; the parent is reaped."""
+        with self._lock:
+            process, control = self._process, self._control
+            self._process = self._control = None
+        if process is None:
+            return
+        assert control is not None
+        control.close()
+        _end(process)
+
+    @property
+    def pid(self) -> int | None:
+        """The parent's process id while it runs."""
+        process = self._process
+        return process.pid if process is not None else None
+
+    def resident_bytes(self) -> int | None:
+        """The parent's resident memory (VmRSS), or None when it is not running."""
+        pid = self.pid
+        if pid is None:
+            return None
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            return None
+        return None
+
+    # -- runs ---------------------------------------------------------------
+    def run(self, *, env: dict[str, str], stdin: bytes, timeout_s: float | None,
+            groups: ProcessGroups) -> ProcessResult:
+        """Fork one child that runs ``main.py`` for this batch; as ``run_model_process`` for a cold one.
+
+        A parent found dead is restarted first. If it dies during the run, the
+        run fails with ModelFailure giving the reason; the next run restarts it.
+        """
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        control = self._running_control()
+        stdin_read, stdin_write = os.pipe2(os.O_CLOEXEC)
+        output_read, output_write = os.pipe2(os.O_CLOEXEC)
+        reply, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        with reply:
+            try:
+                socket.send_fds(control, [json.dumps({"env": env}).encode()],
+                                [stdin_read, output_write, theirs.fileno()])
+            except OSError as err:
+                os.close(stdin_write)
+                os.close(output_read)
+                raise self._died(f"sending it the run failed: {err.strerror or err}") from None
+            finally:
+                os.close(stdin_read)
+                os.close(output_write)
+                theirs.close()
+            reply.settimeout(REPLY_TIMEOUT_S)
+            started = _receive(reply)
+            if "pid" not in started:
+                os.close(stdin_write)
+                os.close(output_read)
+                raise self._died("it did not fork the run")
+            pid = started["pid"]
+            groups.add(pid)
+            try:
+                exited, tail = feed_and_wait(stdin_write, stdin, reply.fileno(), deadline, output_read)
+                if not exited:
+                    kill_group(pid)  # still running, so not reaped: the group id is still its own
+                ended = _receive(reply)
+            finally:
+                groups.discard(pid)
+        if "status" not in ended:
+            raise self._died("it ended while the run was in progress")
+        return ProcessResult(ended["status"], not exited, tail)
+
+    def _running_control(self) -> socket.socket:
+        with self._lock:
+            if self._process is not None and self._process.poll() is not None:
+                log.warning("model '%s': warm parent (pid %d) %s; starting a new one", self.name,
+                            self._process.pid, _describe_exit(self._process.returncode))
+                assert self._control is not None
+                self._control.close()
+                self._process = self._control = None
+            if self._process is None:
+                try:
+                    self._start()
+                except WarmStartUnavailable as err:
+                    raise ModelFailure(f"model '{self.name}': its warm parent could not be restarted: {err}") from None
+            assert self._control is not None
+            return self._control
+
+    def _died(self, what: str) -> ModelFailure:
+        """The failure of a run whose parent died; the parent is reaped so the reason is known."""
+        process = self._process
+        reason = "is not running"
+        if process is not None:
+            try:
+                process.wait(STOP_GRACE_S)  # the socket closed, so the parent is exiting right now
+                reason = _describe_exit(process.returncode)
+            except subprocess.TimeoutExpired:
+                reason = "stopped answering"
+        return ModelFailure(f"model '{self.name}': its warm parent process {reason} ({what}); "
+                            "it is restarted for the next request")
+
+
+def _read_line(fd: int, deadline: float) -> str:
+    """One line from ``fd`` (the parent's stdout), waiting at most until ``deadline``."""
+    data = b""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    while b"\n" not in data:
+        remaining_ms = int((deadline - time.monotonic()) * 1000)
+        if remaining_ms <= 0 or not poller.poll(remaining_ms):
+            return f"no answer within {START_TIMEOUT_S:g} s"
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            break
+        data += chunk
+    return data.split(b"\n", 1)[0].decode("utf-8", errors="replace").strip()
+
+
+def _receive(reply: socket.socket) -> dict:
+    """One message from the parent; {} when the parent is gone or silent."""
+    try:
+        message = reply.recv(MAX_REPLY_BYTES)
+    except (TimeoutError, OSError):
+        return {}
+    return json.loads(message) if message else {}
+
+
+def _end(process: subprocess.Popen) -> None:
+    """Close the lifeline (the parent then kills its children and exits), kill it if it lingers, reap it."""
+    if process.stdin is not None:
+        process.stdin.close()
+    if process.poll() is not None:
+        return  # already ended and reaped
+    pidfd = os.pidfd_open(process.pid)
+    try:
+        poller = select.poll()
+        poller.register(pidfd, select.POLLIN)
+        if not poller.poll(int(STOP_GRACE_S * 1000)):
+            kill_group(process.pid)
+    finally:
+        os.close(pidfd)
+    process.wait()
+
+
+def _describe_exit(returncode: int) -> str:
+    return ProcessResult(returncode, False, "").describe()

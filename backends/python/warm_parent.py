@@ -1,0 +1,268 @@
+"""The warm parent of one python model: imports once, then forks one child per batch.
+
+Run by the server as ``python -P warm_parent.py CONTROL_FD MODULES_JSON`` with
+the model folder as working directory and the model's minimal environment. It
+is a program of its own, standard library only, so that a child inherits
+nothing but what the model imports: not nereid, not grpc.
+
+Protocol (``CONTROL_FD`` is an AF_UNIX SOCK_SEQPACKET socket to the server):
+
+1. Import every module in ``MODULES_JSON``, then write one line to stdout:
+   ``ready``, or ``fallback <reason>`` and exit (an import failed, or imports
+   started Python threads: forking a threaded process is unsafe).
+2. Each message on the control socket asks for one run: a JSON object
+   ``{"env": {...}}`` with three descriptors attached: the read end of the
+   child's stdin pipe, its log file (stdout and stderr), and a reply socket.
+3. On the reply socket the parent sends ``{"pid": N}`` once the child is
+   forked and ``{"status": S}`` once it has ended (S as ``Popen.returncode``:
+   negative for a signal). Before reaping the child it SIGKILLs the child's
+   process group, so nothing the model started outlives the run. If the server
+   closes the reply socket first (a timeout), the group is killed.
+4. End of stdin (the server's lifeline) or of the control socket: kill every
+   running child's group, reap them, exit.
+
+A child starts its own session (process group), takes the pipe as stdin and
+the log as stdout/stderr, gets exactly the environment of the request and runs
+``main.py`` as ``__main__`` the way ``python main.py`` would.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import gc
+import importlib
+import json
+import os
+import select
+import signal
+import socket
+import sys
+import threading
+import traceback
+
+ENTRY_FILE = "main.py"
+MAX_REQUEST_BYTES = 1 << 20
+PR_SET_PDEATHSIG = 1
+
+
+def preload(modules: list[str]) -> str | None:
+    """Import ``modules``; None when forking is safe afterwards, else why not."""
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except BaseException as err:  # noqa: BLE001 - any failure means: run cold
+            text = f"{type(err).__name__}: {err}".replace("\n", " ")[:500]
+            return f"preloading '{name}' failed ({text})"
+    extra = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
+    if extra:
+        return f"preloading started threads ({', '.join(extra[:5])}); forking a threaded process is unsafe"
+    return None
+
+
+class Runs:
+    """The running children: their pidfds and reply sockets, and every descriptor the parent owns."""
+
+    def __init__(self, poller: select.poll, owned: set[int]) -> None:
+        self.poller = poller
+        self.owned = owned
+        self.by_pidfd: dict[int, tuple[int, socket.socket]] = {}
+        self.by_reply: dict[int, int] = {}  # reply socket fd -> pid
+
+    def start(self, control: socket.socket) -> bool:
+        """Receive one run request and fork its child; False when the server is gone."""
+        try:
+            message, fds, _, _ = socket.recv_fds(control, MAX_REQUEST_BYTES, 3)
+        except OSError:
+            return False
+        if not message:
+            return False
+        if len(fds) != 3:
+            for fd in fds:
+                os.close(fd)
+            return True
+        stdin_fd, log_fd, reply_fd = fds
+        reply = socket.socket(fileno=reply_fd)
+        env = json.loads(message)["env"]
+        sys.stdout.flush()
+        sys.stderr.flush()
+        parent = os.getpid()
+        pid = os.fork()
+        if pid == 0:
+            run_child(env, stdin_fd, log_fd, self.owned | {reply_fd}, parent)
+        os.close(stdin_fd)
+        os.close(log_fd)
+        pidfd = os.pidfd_open(pid)
+        self.owned.update((pidfd, reply_fd))
+        self.by_pidfd[pidfd] = (pid, reply)
+        self.by_reply[reply_fd] = pid
+        self.poller.register(pidfd, select.POLLIN)
+        self.poller.register(reply_fd, select.POLLIN)
+        _send(reply, {"pid": pid})
+        return True
+
+    def ended(self, pidfd: int) -> None:
+        """A child exited: end its group, reap it, report its status."""
+        pid, reply = self.by_pidfd.pop(pidfd)
+        _kill_group(pid)
+        _, wait_status = os.waitpid(pid, 0)
+        self._forget(pidfd, reply)
+        _send(reply, {"status": os.waitstatus_to_exitcode(wait_status)})
+        reply.close()
+
+    def abandoned(self, reply_fd: int) -> None:
+        """The server closed a reply socket before the child ended (its timeout): kill the group."""
+        pid = self.by_reply.pop(reply_fd)
+        self.poller.unregister(reply_fd)
+        _kill_group(pid)  # its pidfd fires next; the reply then fails quietly
+
+    def end_all(self) -> None:
+        """Kill and reap every running child."""
+        for pidfd, (pid, reply) in list(self.by_pidfd.items()):
+            _kill_group(pid)
+            os.waitpid(pid, 0)
+            self._forget(pidfd, reply)
+            reply.close()
+
+    def _forget(self, pidfd: int, reply: socket.socket) -> None:
+        self.poller.unregister(pidfd)
+        os.close(pidfd)
+        self.owned.discard(pidfd)
+        self.owned.discard(reply.fileno())
+        if self.by_reply.pop(reply.fileno(), None) is not None:
+            self.poller.unregister(reply.fileno())
+
+
+def serve(control: socket.socket) -> None:
+    """Fork a child per request until the server goes away."""
+    poller = select.poll()
+    lifeline = sys.stdin.fileno()
+    poller.register(lifeline, select.POLLIN)
+    poller.register(control.fileno(), select.POLLIN)
+    runs = Runs(poller, {lifeline, control.fileno()})
+    try:
+        while True:
+            for fd, event in poller.poll():
+                if fd == lifeline or (fd == control.fileno() and not runs.start(control)):
+                    return
+                if fd in runs.by_pidfd:
+                    runs.ended(fd)
+                elif fd in runs.by_reply:
+                    runs.abandoned(fd)
+    finally:
+        runs.end_all()
+
+
+def run_child(env: dict[str, str], stdin_fd: int, log_fd: int, parent_fds: set[int], parent: int) -> None:
+    """In the forked child: become the model process and run ``main.py``; never returns."""
+    code = 1
+    try:
+        os.setsid()
+        _die_with_parent(parent)
+        os.dup2(stdin_fd, 0)
+        os.dup2(log_fd, 1)
+        os.dup2(log_fd, 2)
+        for fd in parent_fds | {stdin_fd, log_fd}:
+            if fd > 2:
+                os.close(fd)
+        os.environ.clear()
+        os.environ.update(env)
+        if "tempfile" in sys.modules:
+            sys.modules["tempfile"].tempdir = None  # computed again from this child's TMPDIR
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        code = run_main(os.path.join(os.getcwd(), ENTRY_FILE))
+    except BaseException:  # noqa: BLE001 - nothing may escape into the parent's loop
+        traceback.print_exc()
+    finally:
+        os._exit(code)
+
+
+def run_main(path: str) -> int:
+    """Run ``path`` as ``__main__``, as ``python main.py`` would; returns the exit code."""
+    sys.argv = [ENTRY_FILE]
+    sys.path.insert(0, os.path.dirname(path))
+    module = type(sys)("__main__")
+    module.__file__ = path
+    module.__builtins__ = __builtins__
+    sys.modules["__main__"] = module
+    try:
+        with open(path, "rb") as f:
+            code_object = compile(f.read(), path, "exec")
+        exec(code_object, module.__dict__)
+        code = 0
+    except SystemExit as exit_request:
+        code = _exit_code(exit_request.code)
+    except BaseException:  # noqa: BLE001 - reported like the interpreter does
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    for thread in threading.enumerate():  # the interpreter waits for non-daemon threads at exit
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    return code
+
+
+def _exit_code(value: object) -> int:
+    if value is None:
+        return 0
+    if isinstance(value, int):
+        return value & 0xFF
+    print(value, file=sys.stderr)
+    return 1
+
+
+def _die_with_parent(parent: int) -> None:
+    """SIGKILL this child when the warm parent dies (a crash or OOM kill must not orphan it)."""
+    if _prctl is not None:
+        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def _find_prctl():
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None  # not Linux: the server still kills the group on timeout and unload
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _send(reply: socket.socket, message: dict) -> None:
+    try:
+        reply.send(json.dumps(message).encode())
+    except OSError:
+        pass  # the server stopped waiting for this run
+
+
+_prctl = None
+
+
+def main() -> int:
+    global _prctl
+    _prctl = _find_prctl()  # looked up once, not in every child
+    control = socket.socket(fileno=int(sys.argv[1]))
+    modules = json.loads(sys.argv[2])
+    reason = preload(modules)
+    if reason is not None:
+        print(f"fallback {reason}", flush=True)
+        return 0
+    gc.freeze()  # the preloaded objects stay out of the collector's reach, so children share their pages
+    print("ready", flush=True)
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # the server reads no more from stdout
+    serve(control)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

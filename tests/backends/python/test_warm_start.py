@@ -1,0 +1,239 @@
+"""Warm start: what is preloaded, what a child sees, and every safety rule (real servers, real forks)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as triton
+from tritonclient.utils import InferenceServerException
+
+from nereid.backends.python.preload import imported_modules, modules_to_preload
+from nereid.cli import main as cli_main
+
+from support import textproto_single, zombie_children
+
+REPORT = textproto_single("BYTES", input_shape="[1]", output_shape="[1]", max_batch_size=8)
+
+
+def reply_main(expression: str, prelude: str = "") -> str:
+    """A main.py that answers one BYTES element: the JSON of ``expression``."""
+    return f'''
+import json, os, sys
+{prelude}
+sys.stdin.buffer.read()
+answer = json.dumps({expression}).encode()
+with open(os.environ["NEREID_OUTPUT_PATH"], "wb") as out:
+    out.write(b"bytes 1,1\\n" + len(answer).to_bytes(4, "little") + answer)
+'''
+
+
+def ask(server, model: str):
+    tensor = triton.InferInput("input", [1, 1], "BYTES")
+    tensor.set_data_from_numpy(np.array([[b"x"]], dtype=object))
+    return json.loads(server.client.infer(model, [tensor]).as_numpy("output")[0, 0])
+
+
+def backend_of(server, model: str):
+    return server.server.repository.entry(model).loaded.backend
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def wait_until(condition, timeout_s: float = 10) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+# -- what is preloaded --------------------------------------------------------
+
+def test_preload_reads_top_level_imports_only(tmp_path):
+    (tmp_path / "helper.py").write_text("X = 1\n")
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "main.py").write_text(
+        "from __future__ import annotations\nimport os, json as j\nimport xml.dom\nfrom numpy import linalg\n"
+        "from . import sibling\nimport helper\nfrom pkg.sub import thing\n"
+        "try:\n    import torch\nexcept ImportError:\n    pass\n"
+        "def f():\n    import csv\n"
+        "if True:\n    import zlib\n")
+    assert imported_modules(tmp_path / "main.py") == ["os", "json", "xml.dom", "numpy", "helper", "pkg.sub"]
+    assert modules_to_preload(tmp_path, "main.py", ("sqlite3", "os", "helper")) == [
+        "os", "json", "xml.dom", "numpy", "sqlite3"]
+
+
+def test_child_runs_main_as_a_fresh_script_would(repo, serve):
+    folder = repo.python("script", textproto=REPORT, main=reply_main(
+        '{"argv": sys.argv, "name": __name__, "file": __file__, "path0": sys.path[0], "cwd": os.getcwd(), '
+        '"pid": os.getpid(), "pgid": os.getpgid(0), "sid": os.getsid(0), '
+        '"nereid": sorted(m for m in sys.modules if m.startswith("nereid"))}'))
+    server = serve(repo.write_config())
+    assert backend_of(server, "script").runtime_report().summary == "warm_start=on"
+    first, second = ask(server, "script"), ask(server, "script")
+    assert first["argv"] == ["main.py"] and first["name"] == "__main__"
+    assert first["file"] == str(folder / "main.py")
+    assert os.path.realpath(first["path0"]) == os.path.realpath(folder) == os.path.realpath(first["cwd"])
+    assert first["pid"] == first["pgid"] == first["sid"]  # its own session and process group
+    assert first["pid"] != second["pid"]  # a fresh process per batch
+    assert first["nereid"] == []  # the warm parent imports nothing of the server's
+
+
+def test_child_state_leaves_no_trace_and_helpers_are_fresh(repo, serve):
+    folder = repo.python("stateful", textproto=REPORT, main=reply_main(
+        '{"count": json.count, "helper": helper.VALUE}',
+        prelude="import helper\njson.count = getattr(json, 'count', 0) + 1"))
+    (folder / "helper.py").write_text("VALUE = 'first'\n")
+    server = serve(repo.write_config())
+    assert ask(server, "stateful") == {"count": 1, "helper": "first"}
+    assert ask(server, "stateful") == {"count": 1, "helper": "first"}  # json is preloaded, yet untouched
+    (folder / "helper.py").write_text("VALUE = 'edited'\n")
+    assert ask(server, "stateful") == {"count": 1, "helper": "edited"}  # the folder's own modules: never preloaded
+
+
+def test_preloaded_modules_are_already_imported_in_the_child(repo, serve):
+    repo.python("preloaded", textproto=REPORT, main=reply_main(
+        '{"before": before}', prelude='before = sorted(m for m in ("decimal", "fractions") if m in sys.modules)'))
+    server = serve(repo.write_config('- name: preloaded\n  runtime: {preload: [decimal, fractions]}\n'))
+    assert ask(server, "preloaded") == {"before": ["decimal", "fractions"]}
+
+
+# -- falling back to cold starts ------------------------------------------------
+
+@pytest.fixture
+def user_site(tmp_path, monkeypatch) -> Path:
+    """A user site-packages folder that the model's interpreters see (through the inherited HOME)."""
+    home = tmp_path / "home"
+    site = home / ".local" / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "site-packages"
+    site.mkdir(parents=True)
+    monkeypatch.setenv("HOME", str(home))
+    (site / "starts_a_thread.py").write_text(
+        "import threading, time\nthreading.Thread(target=time.sleep, args=(60,), name='busy', daemon=True).start()\n")
+    (site / "fails_on_import.py").write_text("raise RuntimeError('cannot import me')\n")
+    return site
+
+
+@pytest.mark.parametrize("module, reason", [
+    ("starts_a_thread", "preloading started threads (busy); forking a threaded process is unsafe"),
+    ("fails_on_import", "preloading 'fails_on_import' failed (RuntimeError: cannot import me)"),
+])
+def test_unsafe_preload_falls_back_to_cold_starts(repo, serve, user_site, caplog, module, reason):
+    repo.python("fallback", textproto=REPORT, main=reply_main('{"ok": True}'))
+    config = repo.write_config(f"- name: fallback\n  runtime: {{preload: [{module}]}}\n")
+    server = serve(config)
+    assert backend_of(server, "fallback").runtime_report().summary == f"warm_start=off ({reason})"
+    assert backend_of(server, "fallback").runtime_report().warm_parent_resident_bytes is None
+    assert [r.message for r in caplog.records if "warm start is off" in r.message] != []
+    assert ask(server, "fallback") == {"ok": True}  # served, cold
+
+
+def test_check_reports_warm_start(repo, user_site, capsys):
+    repo.python("warm", textproto=REPORT, main=reply_main("1"))
+    repo.python("cold", textproto=REPORT, main=reply_main("1"))
+    repo.python("unsafe", textproto=REPORT, main=reply_main("1"))
+    config = repo.write_config("- name: warm\n- name: cold\n  runtime: {warm_start: false}\n"
+                               "- name: unsafe\n  runtime: {preload: [starts_a_thread]}\n")
+    assert cli_main(["check", "--config", str(config)]) == 0
+    lines = {line.split(":")[0]: line for line in capsys.readouterr().out.splitlines()}
+    assert " warm_start=on warm_parent_rss=" in lines["warm"]
+    assert lines["cold"].endswith(" warm_start=off (runtime.warm_start is false)")
+    assert " warm_start=off (preloading started threads (busy)" in lines["unsafe"]
+
+
+def test_bad_runtime_options_make_the_model_unavailable(repo, serve):
+    repo.python("typo", textproto=REPORT, main=reply_main("1"))
+    repo.python("notbool", textproto=REPORT, main=reply_main("1"))
+    server = serve(repo.write_config("- name: typo\n  runtime: {warmstart: false}\n"
+                                     "- name: notbool\n  runtime: {warm_start: 'no', preload: [1]}\n"))
+    index = {m.name: m.reason for m in server.client.get_model_repository_index().models}
+    assert "runtime.warmstart: unknown option of the python backend (allowed: preload, warm_start)" in index["typo"]
+    assert "runtime.warm_start: must be true or false, got 'no'" in index["notbool"]
+
+
+# -- a warm parent that dies, unload, memory ---------------------------------------
+
+def test_dead_warm_parent_fails_the_running_request_and_is_restarted(repo, serve, no_zombies):
+    folder = repo.python("fragile", textproto=REPORT, main=reply_main(
+        "os.getppid()", prelude="import time\nif os.path.exists('slow'): time.sleep(30)"))
+    server = serve(repo.write_config())
+    warm = backend_of(server, "fragile")._warm
+    # Killed while idle: the next request is served by a new parent.
+    parent = warm.pid
+    assert ask(server, "fragile") == parent
+    os.kill(parent, signal.SIGKILL)
+    assert wait_until(lambda: not alive(parent))
+    parent = ask(server, "fragile")
+    assert parent == warm.pid and alive(parent)
+    # Killed while a request runs in it: that request fails INTERNAL with the reason, the next succeeds.
+    (folder / "slow").write_text("")
+    errors = []
+    thread = threading.Thread(target=lambda: errors.append(_error_of(lambda: ask(server, "fragile"))))
+    thread.start()
+    assert wait_until(lambda: _children_of(parent) != [])
+    child = _children_of(parent)[0]
+    os.kill(parent, signal.SIGKILL)
+    thread.join(20)
+    assert errors and errors[0] is not None and errors[0].status() == "StatusCode.INTERNAL"
+    assert "model 'fragile': its warm parent process was killed by signal SIGKILL" in errors[0].message()
+    assert wait_until(lambda: not alive(child))  # the running child died with its parent
+    (folder / "slow").unlink()
+    assert ask(server, "fragile") == warm.pid != parent
+
+
+def test_unload_ends_the_parent_and_its_children_and_removes_its_folder(repo, serve, no_zombies):
+    repo.python("longrun", textproto=REPORT, main=reply_main("1", prelude="import time\ntime.sleep(30)"))
+    server = serve(repo.write_config("- name: longrun\n  timeout_s: null\n", server_extra="  shutdown_grace_s: 1\n"))
+    warm = backend_of(server, "longrun")._warm
+    parent, parent_dir = warm.pid, warm.log_path.parent
+    assert parent_dir.is_dir()
+    caller = threading.Thread(target=lambda: _error_of(lambda: ask(server, "longrun")))
+    caller.start()
+    assert wait_until(lambda: _children_of(parent) != [])
+    child = _children_of(parent)[0]
+    server.client.unload_model("longrun")
+    caller.join(30)
+    assert not caller.is_alive()
+    assert wait_until(lambda: not alive(parent) and not alive(child))
+    assert not parent_dir.exists()
+    assert zombie_children() == []
+
+
+def test_warm_parent_memory_is_a_metric(repo, serve):
+    repo.python("measured", textproto=REPORT, main=reply_main("1"))
+    server = serve(repo.write_config())
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.server.metrics_port}/metrics", timeout=10).read()
+    lines = [line for line in text.decode().splitlines()
+             if line.startswith('nereid_warm_parent_resident_bytes{model="measured"}')]
+    assert len(lines) == 1 and float(lines[0].split()[-1]) > 1 << 20
+
+
+def _error_of(call) -> InferenceServerException | None:
+    try:
+        call()
+    except InferenceServerException as err:
+        return err
+    return None
+
+
+def _children_of(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(p) for p in f.read().split()]
+    except FileNotFoundError:
+        return []
