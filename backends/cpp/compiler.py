@@ -5,10 +5,11 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
 from nereid.errors import ConfigError
+
+from nereid.backends.subprocess.runner import run_model_process
 
 SOURCE_SUFFIXES = (".cpp", ".cc", ".cxx", ".h", ".hpp", ".hh")
 CXX_FLAGS = ("-O2", "-std=c++17")
@@ -51,17 +52,17 @@ def build_binary(folder: Path, source: str) -> Path:
     if binary.is_file() and os.access(binary, os.X_OK):
         return binary
     partial = cache / f".main-{key}.{os.getpid()}.partial"
-    try:
-        completed = subprocess.run([compiler, *CXX_FLAGS, "-o", str(partial), source], cwd=folder,
-                                   capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
+    # The model runner's wait: the compiler's exit is noticed at once, its group killed on timeout.
+    completed = run_model_process([compiler, *CXX_FLAGS, "-o", str(partial), source], cwd=folder,
+                                  env=dict(os.environ), stdin=b"", timeout_s=COMPILE_TIMEOUT_S,
+                                  tail_bytes=MESSAGE_TAIL_CHARS)
+    if completed.timed_out:
         partial.unlink(missing_ok=True)
-        raise ConfigError(f"{folder / source}: compilation took longer than {COMPILE_TIMEOUT_S} s") from None
+        raise ConfigError(f"{folder / source}: compilation took longer than {COMPILE_TIMEOUT_S} s")
     if completed.returncode != 0:
         partial.unlink(missing_ok=True)
-        message = (completed.stderr or completed.stdout).strip()[-MESSAGE_TAIL_CHARS:]
-        raise ConfigError(f"{folder / source}: compilation failed ({os.path.basename(compiler)} exited "
-                          f"{completed.returncode}):\n{message}")
+        raise ConfigError(f"{folder / source}: compilation failed ({os.path.basename(compiler)} "
+                          f"{completed.describe()}):\n{completed.output_tail}")
     os.replace(partial, binary)
     for stale in cache.glob("main-*"):
         if stale != binary:

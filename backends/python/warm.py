@@ -20,7 +20,8 @@ from pathlib import Path
 
 from nereid.errors import ModelFailure
 
-from nereid.backends.subprocess.runner import ProcessGroups, ProcessResult, feed_and_wait, kill_group
+from nereid.backends.subprocess.runner import (ProcessGroups, ProcessResult, feed_and_wait, kill_group,
+                                               wait_for_exit)
 
 log = logging.getLogger(__name__)
 
@@ -177,11 +178,8 @@ class WarmParent:
         process = self._process
         reason = "is not running"
         if process is not None:
-            try:
-                process.wait(STOP_GRACE_S)  # the socket closed, so the parent is exiting right now
-                reason = _describe_exit(process.returncode)
-            except subprocess.TimeoutExpired:
-                reason = "stopped answering"
+            # The socket closed, so the parent is exiting right now.
+            reason = _describe_exit(process.returncode) if wait_for_exit(process, STOP_GRACE_S) else "stopped answering"
         return ModelFailure(f"model '{self.name}': its warm parent process {reason} ({what}); "
                             "it is restarted for the next request")
 
@@ -215,17 +213,9 @@ def _end(process: subprocess.Popen) -> None:
     """Close the lifeline (the parent then kills its children and exits), kill it if it lingers, reap it."""
     if process.stdin is not None:
         process.stdin.close()
-    if process.poll() is not None:
-        return  # already ended and reaped
-    pidfd = os.pidfd_open(process.pid)
-    try:
-        poller = select.poll()
-        poller.register(pidfd, select.POLLIN)
-        if not poller.poll(int(STOP_GRACE_S * 1000)):
-            kill_group(process.pid)
-    finally:
-        os.close(pidfd)
-    process.wait()
+    if not wait_for_exit(process, STOP_GRACE_S):
+        kill_group(process.pid)
+        process.wait()
 
 
 def _describe_exit(returncode: int) -> str:

@@ -67,11 +67,12 @@ class ProcessGroups:
 
 
 def run_model_process(argv: list[str], *, cwd: Path, env: dict[str, str], stdin: bytes,
-                      timeout_s: float | None, groups: ProcessGroups | None = None) -> ProcessResult:
+                      timeout_s: float | None, groups: ProcessGroups | None = None,
+                      tail_bytes: int = STDERR_TAIL_BYTES) -> ProcessResult:
     """Run ``argv`` to completion; on timeout kill its whole process group.
 
     The child's stdout and stderr go to a pipe of which only the last
-    ``STDERR_TAIL_BYTES`` are kept (reported on failure). The process group is
+    ``tail_bytes`` are kept (reported on failure). The process group is
     always killed at the end, so nothing the model started outlives the
     request, and the child is always reaped. While it runs, its group is listed
     in ``groups``.
@@ -94,7 +95,7 @@ def run_model_process(argv: list[str], *, cwd: Path, env: dict[str, str], stdin:
     if groups is not None:
         groups.add(process.pid)
     try:
-        exited, tail = feed_and_wait(stdin_write, stdin, exit_fd, deadline, output_read)
+        exited, tail = feed_and_wait(stdin_write, stdin, exit_fd, deadline, output_read, tail_bytes)
     finally:
         if groups is not None:
             groups.discard(process.pid)
@@ -106,18 +107,18 @@ def run_model_process(argv: list[str], *, cwd: Path, env: dict[str, str], stdin:
 
 
 def feed_and_wait(stdin_fd: int, data: bytes, exit_fd: int, deadline: float | None,
-                  output_fd: int) -> tuple[bool, str]:
+                  output_fd: int, tail_bytes: int = STDERR_TAIL_BYTES) -> tuple[bool, str]:
     """Write ``data`` to the child's stdin, keep the tail of its output, wait until ``exit_fd`` is readable.
 
     ``exit_fd`` becomes readable when the child has exited (a pidfd, or a socket
     on which its warm parent reports the exit). Returns whether the child exited
     (False: ``deadline``, a ``time.monotonic()`` value, passed first; None: no
-    deadline) and the last ``STDERR_TAIL_BYTES`` of its output, decoded. A child
+    deadline) and the last ``tail_bytes`` of its output, decoded. A child
     that exits or closes stdin before reading everything ends the writing: its
     exit status tells the story. ``stdin_fd`` and ``output_fd`` are closed on return.
     """
     view = memoryview(data)
-    tail = _Tail(output_fd)
+    tail = _Tail(output_fd, tail_bytes)
     poller = select.poll()
     poller.register(exit_fd, select.POLLIN)
     poller.register(output_fd, select.POLLIN)
@@ -159,10 +160,11 @@ def feed_and_wait(stdin_fd: int, data: bytes, exit_fd: int, deadline: float | No
 
 
 class _Tail:
-    """The last ``STDERR_TAIL_BYTES`` read from a child's output pipe; the rest is dropped as it arrives."""
+    """The last ``size`` bytes read from a child's output pipe; the rest is dropped as it arrives."""
 
-    def __init__(self, fd: int) -> None:
+    def __init__(self, fd: int, size: int) -> None:
         self.fd = fd
+        self.size = size
         self.data = b""
         os.set_blocking(fd, False)
 
@@ -172,7 +174,7 @@ class _Tail:
             chunk = os.read(self.fd, 65536)
         except BlockingIOError:
             return True
-        self.data = (self.data + chunk)[-STDERR_TAIL_BYTES:]
+        self.data = (self.data + chunk)[-self.size:]
         return bool(chunk)
 
     def drain(self) -> None:
@@ -182,7 +184,7 @@ class _Tail:
                 chunk = os.read(self.fd, 65536)
                 if not chunk:
                     return
-                self.data = (self.data + chunk)[-STDERR_TAIL_BYTES:]
+                self.data = (self.data + chunk)[-self.size:]
         except BlockingIOError:
             pass
 
@@ -200,6 +202,26 @@ def _write_some(fd: int, view: memoryview) -> memoryview:
     except BrokenPipeError:
         return memoryview(b"")
     return view
+
+
+def wait_for_exit(process: subprocess.Popen, timeout_s: float) -> bool:
+    """Wait until ``process`` (our child) has exited, at most ``timeout_s``, and reap it; False on timeout.
+
+    The exit is a pidfd becoming readable, so the wait ends the moment the
+    process does (``Popen.wait(timeout)`` would poll with growing sleeps).
+    """
+    if process.poll() is not None:
+        return True
+    pidfd = os.pidfd_open(process.pid)
+    try:
+        poller = select.poll()
+        poller.register(pidfd, select.POLLIN)
+        if not poller.poll(max(0, int(timeout_s * 1000))):
+            return False
+    finally:
+        os.close(pidfd)
+    process.wait()  # returns at once: it has exited
+    return True
 
 
 def kill_group(pgid: int) -> None:
