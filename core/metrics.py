@@ -8,6 +8,7 @@ scrape time, which keeps the request path free of metric locks.
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 from typing import TYPE_CHECKING, Iterator
@@ -21,6 +22,12 @@ from prometheus_client.registry import Collector
 if TYPE_CHECKING:
     from nereid.repository import ModelRepository
     from nereid.stats import Histogram as StatsHistogram
+
+log = logging.getLogger(__name__)
+
+# A scrape connection idle this long is closed; at most this many are served at once.
+IDLE_TIMEOUT_S = 5.0
+MAX_CONNECTIONS = 64
 
 # (metric name, help, ModelStats attribute)
 _HISTOGRAMS = (
@@ -48,17 +55,20 @@ class ServerMetrics:
         """Record one model load."""
         self.load_duration.labels(model).observe(seconds)
 
-    def serve(self, addr: str) -> int:
-        """Start the HTTP endpoint on ``host:port``; returns the bound port."""
+    def serve(self, addr: str, idle_timeout_s: float = IDLE_TIMEOUT_S) -> int:
+        """Start the HTTP endpoint on ``host:port``; returns the bound port.
+
+        A connection that sends no complete request within ``idle_timeout_s`` is closed.
+        """
         host, _, port = addr.rpartition(":")
         host = host.strip("[]")
 
-        class Server(ThreadingWSGIServer):
+        class Server(_BoundedThreadingServer):
             address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
 
         try:
             self._http = make_server(host, int(port), make_wsgi_app(self.registry), Server,
-                                     handler_class=_QuietHandler)
+                                     handler_class=type("Handler", (_QuietHandler,), {"timeout": idle_timeout_s}))
         except OSError as err:
             raise OSError(f"cannot serve metrics on {addr} (server.metrics_addr): {err.strerror or err}") from err
         # A short poll interval keeps shutdown quick (the default waits up to 0.5 s).
@@ -75,10 +85,46 @@ class ServerMetrics:
 
 
 class _QuietHandler(WSGIRequestHandler):
-    """No access log on stderr for every scrape."""
+    """No access log on stderr for every scrape; idle connections are dropped after ``timeout``.
+
+    Without a timeout each idle connection held its thread forever (1,200
+    connections: 1,227 threads).
+    """
+
+    timeout = IDLE_TIMEOUT_S
 
     def log_message(self, format: str, *args: object) -> None:
         pass
+
+
+class _BoundedThreadingServer(ThreadingWSGIServer):
+    """A thread per connection, but at most :data:`MAX_CONNECTIONS` at once; more are closed at once."""
+
+    request_queue_size = 128  # listen backlog: a burst of connections is accepted, then judged
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request: socket.socket, client_address: object) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: socket.socket, client_address: object) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def handle_error(self, request: socket.socket, client_address: object) -> None:
+        # A client that timed out or vanished is not worth a traceback on stderr.
+        log.debug("metrics connection from %s failed", client_address, exc_info=True)
 
 
 class _RepositoryCollector(Collector):
@@ -106,9 +152,10 @@ class _RepositoryCollector(Collector):
         counts = {state.value: 0 for state in ModelState}
         for entry in self._repository.entries():
             counts[entry.state.value] += 1
-            if entry.loaded is None:
+            loaded = entry.loaded  # read once: an unload may set it to None between two reads
+            if loaded is None:
                 continue
-            stats = entry.loaded.stats.snapshot()
+            stats = loaded.stats.snapshot()
             success.add_metric([entry.name], stats.success.count)
             submitted.add_metric([entry.name], stats.batcher.total_submitted)
             completed.add_metric([entry.name], stats.batcher.total_completed)
@@ -117,7 +164,7 @@ class _RepositoryCollector(Collector):
             for attr, family in histograms.items():
                 histogram: StatsHistogram = getattr(stats, attr)
                 family.add_metric([entry.name], histogram.cumulative(), histogram.sum)
-            depth.add_metric([entry.name], entry.loaded.scheduler.queue_depth)
+            depth.add_metric([entry.name], loaded.scheduler.queue_depth)
             utilization.add_metric([entry.name], stats.batcher.utilization)
         for state, count in counts.items():
             states.add_metric([state], count)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import socket
+import sys
+import threading
+import time
 import urllib.request
 
 import numpy as np
@@ -58,3 +62,65 @@ def test_metrics_can_be_turned_off(repo, serve) -> None:
     repo.python("echo")
     server = serve(repo.write_config(metrics_addr=""))
     assert server.server.metrics_port is None
+
+
+def test_scrapes_during_loads_and_unloads_never_fail(repo, serve) -> None:
+    """Defect: collect() read ``entry.loaded`` twice, so an unload in between gave a 500."""
+    repo.python("echo")
+    server = serve(repo.write_config("- name: echo\n"))
+    port = server.server.metrics_port
+    failures: list[str] = []
+    scrapes = 0
+    stop = threading.Event()
+
+    def scrape_forever() -> None:
+        nonlocal scrapes
+        while not stop.is_set():
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+            except Exception as err:  # an HTTP 500 is raised as HTTPError
+                failures.append(repr(err))
+            scrapes += 1
+
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible: the window is a few bytecodes
+    scrapers = [threading.Thread(target=scrape_forever) for _ in range(2)]
+    try:
+        for thread in scrapers:
+            thread.start()
+        for _ in range(60):
+            server.client.unload_model("echo")
+            server.client.load_model("echo")
+    finally:
+        stop.set()
+        for thread in scrapers:
+            thread.join(10)
+        sys.setswitchinterval(previous)
+    assert scrapes > 20
+    assert failures == []
+
+
+def test_idle_metrics_connections_are_bounded_and_timed_out(repo, serve) -> None:
+    """Each idle connection to /metrics held a thread forever (1,200 connections: 1,227 threads)."""
+    from nereid.metrics import MAX_CONNECTIONS, ServerMetrics
+
+    repo.python("echo")
+    server = serve(repo.write_config("- name: echo\n"))
+    metrics = ServerMetrics(server.server.repository)
+    port = metrics.serve("127.0.0.1:0", idle_timeout_s=0.5)
+    threads_before = threading.active_count()
+    idle: list[socket.socket] = []
+    try:
+        for _ in range(300):
+            idle.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+        time.sleep(0.2)
+        assert threading.active_count() - threads_before <= MAX_CONNECTIONS + 2
+        time.sleep(1.0)  # past the idle timeout: every connection has been closed by the server
+        for connection in idle:
+            assert connection.recv(1) == b""
+        assert threading.active_count() - threads_before <= 2
+        assert b"nereid_models" in urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+    finally:
+        for connection in idle:
+            connection.close()
+        metrics.close()
