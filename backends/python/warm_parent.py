@@ -12,7 +12,8 @@ Protocol (``CONTROL_FD`` is an AF_UNIX SOCK_SEQPACKET socket to the server):
    started Python threads: forking a threaded process is unsafe).
 2. Each message on the control socket asks for one run: a JSON object
    ``{"env": {...}}`` with three descriptors attached: the read end of the
-   child's stdin pipe, its log file (stdout and stderr), and a reply socket.
+   child's stdin pipe, the write end of its output pipe (stdout and stderr),
+   and a reply socket. A child forked ahead of time (the spare) takes the run.
 3. On the reply socket the parent sends ``{"pid": N}`` once the child is
    forked and ``{"status": S}`` once it has ended (S as ``Popen.returncode``:
    negative for a signal). Before reaping the child it SIGKILLs the child's
@@ -21,8 +22,8 @@ Protocol (``CONTROL_FD`` is an AF_UNIX SOCK_SEQPACKET socket to the server):
 4. End of stdin (the server's lifeline) or of the control socket: kill every
    running child's group, reap them, exit.
 
-A child starts its own session (process group), takes the pipe as stdin and
-the log as stdout/stderr, gets exactly the environment of the request and runs
+A child starts its own session (process group), takes the pipes as stdin and
+stdout/stderr, gets exactly the environment of the request and runs
 ``main.py`` as ``__main__`` the way ``python main.py`` would.
 """
 
@@ -61,16 +62,38 @@ def preload(modules: list[str]) -> str | None:
 
 
 class Runs:
-    """The running children: their pidfds and reply sockets, and every descriptor the parent owns."""
+    """The running children and the spare: their pidfds and sockets, and every descriptor the parent owns.
+
+    One child is always forked ahead (the spare) and waits for its assignment,
+    so that a request does not wait for ``fork``: the parent hands the request
+    to the spare, answers with its pid, and only then forks the next spare.
+    Each child still serves exactly one run.
+    """
 
     def __init__(self, poller: select.poll, owned: set[int]) -> None:
         self.poller = poller
         self.owned = owned
         self.by_pidfd: dict[int, tuple[int, socket.socket]] = {}
         self.by_reply: dict[int, int] = {}  # reply socket fd -> pid
+        self.spare: tuple[int, int, socket.socket] | None = None  # pid, pidfd, assignment socket
+
+    def fork_spare(self) -> None:
+        """Fork the next child; it waits for a run on its assignment socket."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        parent = os.getpid()
+        pid = os.fork()
+        if pid == 0:
+            run_spare(theirs, self.owned | {ours.fileno()}, parent)
+        theirs.close()
+        pidfd = os.pidfd_open(pid)
+        self.owned.update((pidfd, ours.fileno()))
+        self.poller.register(pidfd, select.POLLIN)
+        self.spare = (pid, pidfd, ours)
 
     def start(self, control: socket.socket) -> bool:
-        """Receive one run request and fork its child; False when the server is gone."""
+        """Receive one run request and hand it to the spare; False when the server is gone."""
         try:
             message, fds, _, _ = socket.recv_fds(control, MAX_REQUEST_BYTES, 3)
         except OSError:
@@ -81,28 +104,57 @@ class Runs:
             for fd in fds:
                 os.close(fd)
             return True
-        stdin_fd, log_fd, reply_fd = fds
+        stdin_fd, output_fd, reply_fd = fds
         reply = socket.socket(fileno=reply_fd)
-        env = json.loads(message)["env"]
-        sys.stdout.flush()
-        sys.stderr.flush()
-        parent = os.getpid()
-        pid = os.fork()
-        if pid == 0:
-            run_child(env, stdin_fd, log_fd, self.owned | {reply_fd}, parent)
-        os.close(stdin_fd)
-        os.close(log_fd)
-        pidfd = os.pidfd_open(pid)
-        self.owned.update((pidfd, reply_fd))
+        try:
+            pid, pidfd = self._assign(message, [stdin_fd, output_fd])
+        finally:
+            os.close(stdin_fd)
+            os.close(output_fd)
+        self.owned.add(reply_fd)
         self.by_pidfd[pidfd] = (pid, reply)
         self.by_reply[reply_fd] = pid
-        self.poller.register(pidfd, select.POLLIN)
         self.poller.register(reply_fd, select.POLLIN)
         _send(reply, {"pid": pid})
+        self.fork_spare()  # while the run goes on
         return True
 
-    def ended(self, pidfd: int) -> None:
-        """A child exited: end its group, reap it, report its status."""
+    def _assign(self, message: bytes, fds: list[int]) -> tuple[int, int]:
+        """Give the run to the spare (forking one if there is none or it died); its pid and pidfd."""
+        for _ in range(2):
+            if self.spare is None:
+                self.fork_spare()
+            assert self.spare is not None
+            pid, pidfd, assignments = self.spare
+            self.spare = None
+            self.owned.discard(assignments.fileno())
+            try:
+                socket.send_fds(assignments, [message], fds)
+                return pid, pidfd
+            except OSError:
+                self.retire(pid, pidfd)  # the spare died (killed from outside): fork another
+            finally:
+                assignments.close()
+        raise RuntimeError("no child could be forked for the run")
+
+    def retire(self, pid: int, pidfd: int) -> None:
+        """End and reap a child that has no run (a dead spare, or the spare at shutdown)."""
+        _kill_group(pid)
+        os.waitpid(pid, 0)
+        self.poller.unregister(pidfd)
+        os.close(pidfd)
+        self.owned.discard(pidfd)
+
+    def exited(self, pidfd: int) -> None:
+        """A child's pidfd fired: report a run's end, or replace a spare that died."""
+        if self.spare is not None and pidfd == self.spare[1]:
+            pid, _, assignments = self.spare
+            self.spare = None
+            self.owned.discard(assignments.fileno())
+            assignments.close()
+            self.retire(pid, pidfd)
+            self.fork_spare()
+            return
         pid, reply = self.by_pidfd.pop(pidfd)
         _kill_group(pid)
         _, wait_status = os.waitpid(pid, 0)
@@ -117,12 +169,17 @@ class Runs:
         _kill_group(pid)  # its pidfd fires next; the reply then fails quietly
 
     def end_all(self) -> None:
-        """Kill and reap every running child."""
+        """Kill and reap every child, the spare included."""
         for pidfd, (pid, reply) in list(self.by_pidfd.items()):
             _kill_group(pid)
             os.waitpid(pid, 0)
             self._forget(pidfd, reply)
             reply.close()
+        if self.spare is not None:
+            pid, pidfd, assignments = self.spare
+            self.spare = None
+            assignments.close()
+            self.retire(pid, pidfd)
 
     def _forget(self, pidfd: int, reply: socket.socket) -> None:
         self.poller.unregister(pidfd)
@@ -134,47 +191,59 @@ class Runs:
 
 
 def serve(control: socket.socket) -> None:
-    """Fork a child per request until the server goes away."""
+    """Hand each request to a fresh child until the server goes away."""
     poller = select.poll()
     lifeline = sys.stdin.fileno()
     poller.register(lifeline, select.POLLIN)
     poller.register(control.fileno(), select.POLLIN)
     runs = Runs(poller, {lifeline, control.fileno()})
+    runs.fork_spare()
     try:
         while True:
             for fd, event in poller.poll():
                 if fd == lifeline or (fd == control.fileno() and not runs.start(control)):
                     return
-                if fd in runs.by_pidfd:
-                    runs.ended(fd)
+                if fd in runs.by_pidfd or (runs.spare is not None and fd == runs.spare[1]):
+                    runs.exited(fd)
                 elif fd in runs.by_reply:
                     runs.abandoned(fd)
     finally:
         runs.end_all()
 
 
-def run_child(env: dict[str, str], stdin_fd: int, log_fd: int, parent_fds: set[int], parent: int) -> None:
-    """In the forked child: become the model process and run ``main.py``; never returns."""
+def run_spare(assignments: socket.socket, parent_fds: set[int], parent: int) -> None:
+    """In a forked spare: become a session leader, wait for a run, then run it; never returns."""
     code = 1
     try:
         os.setsid()
         _die_with_parent(parent)
-        os.dup2(stdin_fd, 0)
-        os.dup2(log_fd, 1)
-        os.dup2(log_fd, 2)
-        for fd in parent_fds | {stdin_fd, log_fd}:
+        for fd in parent_fds:
             if fd > 2:
                 os.close(fd)
-        os.environ.clear()
-        os.environ.update(env)
-        if "tempfile" in sys.modules:
-            sys.modules["tempfile"].tempdir = None  # computed again from this child's TMPDIR
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        code = run_main(os.path.join(os.getcwd(), ENTRY_FILE))
-    except BaseException:  # noqa: BLE001 - nothing may escape into the parent's loop
+        message, fds, _, _ = socket.recv_fds(assignments, MAX_REQUEST_BYTES, 2)
+        if not message or len(fds) != 2:
+            os._exit(0)  # retired before it got a run
+        assignments.close()
+        code = run_child(json.loads(message)["env"], *fds)
+    except BaseException:  # noqa: BLE001 - nothing may escape into a copy of the parent's loop
         traceback.print_exc()
     finally:
         os._exit(code)
+
+
+def run_child(env: dict[str, str], stdin_fd: int, output_fd: int) -> int:
+    """Become the model process for one run: take its stdin, output and environment, run ``main.py``."""
+    os.dup2(stdin_fd, 0)
+    os.dup2(output_fd, 1)
+    os.dup2(output_fd, 2)
+    for fd in (stdin_fd, output_fd):
+        if fd > 2:
+            os.close(fd)
+    os.environ.clear()
+    os.environ.update(env)
+    if "tempfile" in sys.modules:
+        sys.modules["tempfile"].tempdir = None  # computed again from this run's TMPDIR
+    return run_main(os.path.join(os.getcwd(), ENTRY_FILE))
 
 
 def run_main(path: str) -> int:

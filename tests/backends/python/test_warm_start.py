@@ -36,6 +36,11 @@ with open(os.environ["NEREID_OUTPUT_PATH"], "wb") as out:
 '''
 
 
+# With a file "slow" in the model folder: write the pid to running.pid, then sleep.
+SLOW_IF_ASKED = ("import time\nif os.path.exists('slow'):\n"
+                 "    open('running.pid', 'w').write(str(os.getpid()))\n    time.sleep(30)")
+
+
 def ask(server, model: str):
     tensor = triton.InferInput("input", [1, 1], "BYTES")
     tensor.set_data_from_numpy(np.array([[b"x"]], dtype=object))
@@ -169,8 +174,7 @@ def test_bad_runtime_options_make_the_model_unavailable(repo, serve):
 # -- a warm parent that dies, unload, memory ---------------------------------------
 
 def test_dead_warm_parent_fails_the_running_request_and_is_restarted(repo, serve, no_zombies):
-    folder = repo.python("fragile", textproto=REPORT, main=reply_main(
-        "os.getppid()", prelude="import time\nif os.path.exists('slow'): time.sleep(30)"))
+    folder = repo.python("fragile", textproto=REPORT, main=reply_main("os.getppid()", prelude=SLOW_IF_ASKED))
     server = serve(repo.write_config())
     warm = backend_of(server, "fragile")._warm
     # Killed while idle: the next request is served by a new parent.
@@ -185,8 +189,8 @@ def test_dead_warm_parent_fails_the_running_request_and_is_restarted(repo, serve
     errors = []
     thread = threading.Thread(target=lambda: errors.append(_error_of(lambda: ask(server, "fragile"))))
     thread.start()
-    assert wait_until(lambda: _children_of(parent) != [])
-    child = _children_of(parent)[0]
+    child = running_child(folder)
+    assert child in _children_of(parent)
     os.kill(parent, signal.SIGKILL)
     thread.join(20)
     assert errors and errors[0] is not None and errors[0].status() == "StatusCode.INTERNAL"
@@ -197,19 +201,21 @@ def test_dead_warm_parent_fails_the_running_request_and_is_restarted(repo, serve
 
 
 def test_unload_ends_the_parent_and_its_children_and_removes_its_folder(repo, serve, no_zombies):
-    repo.python("longrun", textproto=REPORT, main=reply_main("1", prelude="import time\ntime.sleep(30)"))
+    folder = repo.python("longrun", textproto=REPORT, main=reply_main("1", prelude=SLOW_IF_ASKED))
+    (folder / "slow").write_text("")
     server = serve(repo.write_config("- name: longrun\n  timeout_s: null\n", server_extra="  shutdown_grace_s: 1\n"))
     warm = backend_of(server, "longrun")._warm
     parent, parent_dir = warm.pid, warm.log_path.parent
     assert parent_dir.is_dir()
     caller = threading.Thread(target=lambda: _error_of(lambda: ask(server, "longrun")))
     caller.start()
-    assert wait_until(lambda: _children_of(parent) != [])
-    child = _children_of(parent)[0]
+    child = running_child(folder)
+    spare = [pid for pid in _children_of(parent) if pid != child]
+    assert len(spare) == 1  # the next child, forked ahead and waiting for a run
     server.client.unload_model("longrun")
     caller.join(30)
     assert not caller.is_alive()
-    assert wait_until(lambda: not alive(parent) and not alive(child))
+    assert wait_until(lambda: not alive(parent) and not alive(child) and not alive(spare[0]))
     assert not parent_dir.exists()
     assert zombie_children() == []
 
@@ -221,6 +227,12 @@ def test_warm_parent_memory_is_a_metric(repo, serve):
     lines = [line for line in text.decode().splitlines()
              if line.startswith('nereid_warm_parent_resident_bytes{model="measured"}')]
     assert len(lines) == 1 and float(lines[0].split()[-1]) > 1 << 20
+
+
+def running_child(folder: Path) -> int:
+    """The pid of the model process now sleeping in SLOW_IF_ASKED."""
+    assert wait_until(lambda: (folder / "running.pid").exists() and (folder / "running.pid").read_text())
+    return int((folder / "running.pid").read_text())
 
 
 def _error_of(call) -> InferenceServerException | None:
