@@ -1,16 +1,21 @@
 """The cxx backend: cpp_scale's computation in-process (cxx) vs as a subprocess (cpp) vs an identity.
 
 One server serves four models with the same signature ([batch, 8] FP32,
-max_batch_size 16, the shipped settings): ``cxx_scale`` (the example library,
-built at load), ``cpp_scale`` (one child process per batch), and two bare
-Python in-process identities that do no work at all: ``identity`` (the bench's
-``async def infer``, run on the event loop: the floor of nereid's own
-per-request cost) and ``identity_thread`` (a plain ``def infer``, run on the
-scheduler's worker threads like every blocking backend, cxx included).
+max_batch_size 16, dynamic batching on):
+
+- ``cxx_scale``: the example library, built at load; ``instances: 1`` like the
+  identities (for a 1 us computation a second instance only adds thread
+  hand-offs on a 2-core machine);
+- ``cpp_scale``: one child process per batch; ``instances: 2`` as shipped;
+- ``identity``: the bench's bare Python identity, ``async def infer`` run on
+  the event loop: the floor of nereid's own per-request cost;
+- ``identity_thread``: the same with a plain ``def infer``, run on the
+  scheduler's worker threads like every blocking backend, cxx included.
+
 perf_analyzer drives each at every concurrency, alternating models
-``--repeat`` times so that a slow spell of this shared machine hits all
-alike; medians are reported with the ratios the issue sets targets for
-(cxx >= 20x cpp at concurrency 1; cxx within 10% of the identity).
+``--repeat`` times so that a slow spell of this shared machine hits all alike;
+medians are reported with the ratios the issue sets targets for (cxx >= 20x
+cpp at concurrency 1; cxx within 10% of the identity).
 
     python3 bench/bench_cxx.py [--concurrency 1 16] [--repeat 3]
 """
