@@ -104,7 +104,7 @@ def report_of(result) -> dict:
     return json.loads(report[0])
 
 
-def test_single_tensor_contract_environment_and_cwd(repo, serve, monkeypatch, no_zombies):
+def test_single_tensor_contract_environment_and_cwd(repo, serve, monkeypatch, no_zombies, start_mode):
     monkeypatch.setenv("NEREID_TEST_SECRET", "do-not-leak")
     textproto = textproto_single("BYTES", input_shape="[4]", output_shape="[1]", max_batch_size=8)
     cpu_folder = repo.python("report_cpu", main=REPORT_MAIN, textproto=textproto)
@@ -119,6 +119,8 @@ def test_single_tensor_contract_environment_and_cwd(repo, serve, monkeypatch, no
     '''))
     elements = np.array([b"ab", b"", b"\x00\xff", "\u00e9".encode()], dtype=object)
 
+    expected_mode = "warm_start=on" if start_mode == "warm" else "warm_start=off (runtime.warm_start is false)"
+    assert server.server.repository.entry("report_cpu").loaded.backend.runtime_report().summary == expected_mode
     cpu = report_of(infer(server, "report_cpu", elements, "BYTES"))
     env = cpu["env"]
     # stdin: the raw tensor bytes (KServe's length-prefixed form for BYTES)

@@ -99,3 +99,18 @@ def test_unreadable_and_invalid_yaml(root: Path) -> None:
                                             ("cuda:7", Device("cuda", 7))])
 def test_device_strings(text: str, expected: Device) -> None:
     assert Device.parse(text) == expected
+
+
+def test_backend_defaults(root: Path) -> None:
+    settings = load_settings(write(root, "backends:\n  python: {warm_start: false}\n  xla: {}\n"))
+    assert settings.backend_defaults == {"python": {"warm_start": False}, "xla": {}}
+    assert load_settings(write(root, "server: {}\n")).backend_defaults == {}
+
+
+@pytest.mark.parametrize("text, message", [
+    ("backends: [python]\n", "backends: must map backend names to their runtime defaults"),
+    ("backends:\n  python: true\n", "backends.python: must be a mapping of runtime options"),
+])
+def test_backend_defaults_errors(root: Path, text: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_settings(write(root, text))
