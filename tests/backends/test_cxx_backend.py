@@ -296,19 +296,18 @@ def test_models_the_cxx_backend_refuses_are_unavailable_with_a_reason(repo, serv
         entry("no_textproto", multi) + entry("bytes_input", multi) + entry("dynamic_output", multi)))
     index = index_of(server)
     expected = {
-        "missing": [f"shared library {repo.root / 'build' / 'libmissing.so'} does not exist"],
+        "missing": ["build/libmissing.so does not exist"],  # resolved against nereid.yaml's folder
         "garbage": [f"cannot load shared library {libs['garbage']}: ", "invalid ELF header"],
         "undefined": [f"cannot load shared library {libs['undefined']}: ",
                       "undefined symbol: nereid_missing_dependency_xyz"],
         "noinfer": [f"shared library {libs['noinfer']} does not export nereid_infer"],
-        "refuse_load": [f"nereid_load in {libs['multi']} returned 3: cannot open {repo.models_dir / 'refuse_load'}"
-                        "/weights.bin"],
+        "refuse_load": [f"nereid_load in {libs['multi']} returned 3: cannot open ", "refuse_load/weights.bin"],
         "no_runtime": ["needs exactly one of runtime.library", "runtime.sources"],
         "both_options": ["needs exactly one of runtime.library"],
         "unknown_option": ["models[7].runtime.flavour: unknown option of the cxx backend", "got 1"],
         "on_gpu": ["runs on the CPU", "cuda:0"],
         "textproto_only": ["no backend claims", "cxx", "set backend: in nereid.yaml"],
-        "broken_source": [f"{broken}: compilation failed", "undefined_identifier_xyz"],
+        "broken_source": [f"{broken.name}: compilation failed", "undefined_identifier_xyz"],
         "no_textproto": ["missing model_inference.textproto"],
         "bytes_input": ["input 'input' is BYTES", "fixed-size datatypes only"],
         "dynamic_output": ["output 'y' has a -1 dimension", "preallocates outputs"],
