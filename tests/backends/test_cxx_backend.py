@@ -18,8 +18,13 @@ import pytest
 import tritonclient.grpc as triton
 from tritonclient.utils import InferenceServerException
 
-from nereid.cli import main as nereid_main
+from nereid.backend import ModelContext
 from nereid.backends.cxx.build import header_dir
+from nereid.backends.cxx.model import CxxModel
+from nereid.cli import main as nereid_main
+from nereid.dtypes import DType
+from nereid.settings import ModelSettings
+from nereid.tensors import NamedTensor
 from support import expect_grpc_error
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "ml-backends"
@@ -33,6 +38,7 @@ TEST_LIBRARY = r'''
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <cstdint>
 #include <cstring>
 #include <string>
 #include <thread>
@@ -106,6 +112,12 @@ extern "C" int nereid_infer(void* state, const nereid_tensor* in, size_t n_in, n
         float* sum = static_cast<float*>(out[0].data);
         float* diff = static_cast<float*>(out[1].data);
         for (size_t i = 0; i < in[0].byte_size / sizeof(float); ++i) { sum[i] = a[i] + b[i]; diff[i] = a[i] - b[i]; }
+        return 0;
+    }
+    if (starts_with(s->name, "address")) {  // where the buffers it was handed live
+        uint64_t* out0 = static_cast<uint64_t*>(out[0].data);
+        out0[0] = reinterpret_cast<uintptr_t>(in[0].data);
+        out0[1] = reinterpret_cast<uintptr_t>(out[0].data);
         return 0;
     }
     if (starts_with(s->name, "slow")) {  // reports how many calls it has seen running at once
@@ -242,6 +254,22 @@ def test_multi_tensor_model_round_trips_every_fixed_size_dtype(repo, serve, libs
     result = server.client.infer("sumdiff", [tensor("b", b), tensor("a", a)])  # sent out of order
     assert result.as_numpy("sum").tolist() == (a + b).tolist()
     assert result.as_numpy("diff").tolist() == (a - b).tolist()  # the library got textproto order
+
+
+def test_buffers_are_passed_without_copies(repo, libs, tmp_path):
+    """In-process (the wire plays no part): the library sees the request array's memory and writes the reply's."""
+    folder = repo.add("address", 'input { name: "x" data_type: "INT32" dims: [4] }\n'
+                                 'output { name: "where" data_type: "UINT64" dims: [2] }\n')
+    settings = ModelSettings("address", runtime={"library": str(libs["multi"])})
+    model = CxxModel(ModelContext("address", folder, settings, tmp_path, "test"))
+    model.load()
+    try:
+        x = np.arange(4, dtype=np.int32)
+        [where] = model.infer([NamedTensor("x", DType.INT32, x)])
+        assert where.data.tolist() == [x.ctypes.data, where.data.ctypes.data]
+    finally:
+        model.unload()
+    assert list(tmp_path.glob("*.so")) == []  # the private copy went with the unload
 
 
 def test_library_without_nereid_load_gets_null_state_and_c_works(repo, serve, libs):
