@@ -9,7 +9,7 @@
  *   nereid.yaml:   - name: my_model
  *                    backend: cxx
  *                    runtime: {library: build/libmy_model.so}   # or {sources: [my_model.cpp]}
- *   build:         c++ -O2 -std=c++17 -shared -fPIC -I"$(nereid cxx-header | xargs dirname)" \
+ *   build:         c++ -O2 -std=c++17 -shared -fPIC -I"$(dirname "$(nereid cxx-header)")" \
  *                      -o build/libmy_model.so my_model.cpp
  *
  * LIFETIMES
@@ -18,7 +18,9 @@
  *     and to nereid_unload. Without nereid_load, state is NULL.
  *   - nereid_unload is called once, after the last nereid_infer has returned and
  *     before the library is dlclosed. Free everything nereid_load acquired; stop
- *     any thread the library started (the code is unmapped right afterwards).
+ *     any thread the library started and leave no callback registered anywhere
+ *     (atexit, signal handlers, thread-local destructors): the code is unmapped
+ *     right afterwards.
  *     It is NOT called when nereid_load failed: clean up before returning the error.
  *   - Every load dlopens a fresh private copy of the library file, so rebuilding
  *     the library and reloading the model (RepositoryModelLoad, a restart) picks up
