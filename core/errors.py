@@ -48,6 +48,12 @@ class ModelFailure(NereidError):
     reason = "internal"
 
 
+class PermissionDenied(NereidError):
+    """An RPC this server is configured to refuse (gRPC PERMISSION_DENIED)."""
+
+    reason = "permission_denied"
+
+
 class ConfigError(NereidError):
     """A mistake in nereid.yaml or a model folder, raised at load or check time."""
 

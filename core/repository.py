@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import os
+import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -20,7 +22,8 @@ import pluggy
 
 from nereid.backend import Backend, ModelContext
 from nereid.batching import BatchPolicy
-from nereid.errors import ConfigError, NotFound, Unavailable
+from nereid.errors import ConfigError, NotFound, Unavailable, cap_message
+from nereid.files import escaping_link
 from nereid.metrics import ServerMetrics
 from nereid.plugins import claim_folder
 from nereid.scheduler import ModelScheduler
@@ -130,6 +133,12 @@ class ModelRepository:
         self.manager = manager
         self.scratch_dir = scratch_dir
         self.root = settings.server.ml_backends_path
+        # Longest first, so that ml_backends_path wins over nereid.yaml's folder holding it.
+        self._private_prefixes = sorted({
+            (f"{self.root.resolve()}{os.sep}", ""), (f"{self.root}{os.sep}", ""),
+            (f"{scratch_dir}{os.sep}", "<scratch>/"),
+            (f"{Path(settings.source).resolve().parent}{os.sep}", ""),
+        }, key=lambda pair: -len(pair[0]))
         self._entries: dict[str, ModelEntry] = {}
         self.rescan()
         # Models the server is expected to keep ready: ServerReady looks at these.
@@ -178,6 +187,10 @@ class ModelRepository:
             raise Unavailable(f"model '{name}' is not ready ({entry.state.value}{detail})")
         return entry.loaded
 
+    def loading(self) -> bool:
+        """True while some model is LOADING."""
+        return any(entry.state is ModelState.LOADING for entry in self.entries())
+
     def server_ready(self) -> bool:
         """True when every exposed model is READY (Triton's strict readiness)."""
         return all(self._entries[name].state is ModelState.READY for name in self._exposed if name in self._entries)
@@ -190,17 +203,21 @@ class ModelRepository:
             if entry.loaded is not None:
                 await self._unload_locked(entry)
             if not entry.folder.is_dir():
-                entry.state, entry.reason = ModelState.UNAVAILABLE, f"folder {entry.folder} no longer exists"
+                entry.state, entry.reason = ModelState.UNAVAILABLE, f"folder '{name}' no longer exists"
                 return entry
             entry.state, entry.reason = ModelState.LOADING, ""
             context = ModelContext(name, entry.folder, entry.settings, self._scratch_for(name), entry.settings_origin)
             started = time.monotonic()
             try:
-                built = await asyncio.to_thread(build_model, self.manager, context, self.settings.backend_defaults)
+                built = await _in_daemon_thread(self._build, context)
             except Exception as err:  # any load failure is the model's, reported with its reason
-                entry.state, entry.reason = ModelState.UNAVAILABLE, _reason(err)
-                log.error("model '%s' is UNAVAILABLE: %s", name, entry.reason)
+                reason = _reason(err)
+                log.error("model '%s' is UNAVAILABLE: %s", name, reason)  # the log keeps absolute paths
+                entry.state, entry.reason = ModelState.UNAVAILABLE, self.public_text(reason)
                 return entry
+            except asyncio.CancelledError:
+                entry.state, entry.reason = ModelState.UNAVAILABLE, "load abandoned (the server is stopping)"
+                raise
             load_seconds = time.monotonic() - started
             if self.metrics is not None:
                 self.metrics.model_loaded(name, load_seconds)
@@ -216,13 +233,36 @@ class ModelRepository:
                      entry.settings.device, load_seconds)
         return entry
 
-    async def unload(self, name: str) -> ModelEntry:
-        """Finish the model's queued and running requests, then release it."""
+    def _build(self, context: ModelContext) -> BuiltModel:
+        """Check the folder stays inside the repository, then build the model (blocking)."""
+        if not self.settings.server.follow_symlinks:
+            escape = escaping_link(context.folder, self.root)
+            if escape is not None:
+                link, target = escape
+                raise ConfigError(f"{link} is a symlink to {target}, outside ml_backends_path; set "
+                                  "server.follow_symlinks: true in nereid.yaml to allow it")
+        return build_model(self.manager, context, self.settings.backend_defaults)
+
+    def public_text(self, text: str) -> str:
+        """``text`` fit for clients: paths relative to ml_backends_path (or nereid.yaml's folder), capped.
+
+        The log keeps absolute paths; RepositoryIndex and error messages never
+        reveal where the server keeps its files.
+        """
+        for prefix, replacement in self._private_prefixes:
+            text = text.replace(prefix, replacement)
+        return cap_message(text)
+
+    async def unload(self, name: str, grace_s: float | None = None) -> ModelEntry:
+        """Finish the model's queued and running requests, then release it.
+
+        Running work gets ``grace_s`` (default ``shutdown_grace_s``) before it is ended.
+        """
         entry = self.entry(name)
         self._exposed.discard(name)
         async with entry.lock:
             if entry.loaded is not None:
-                await self._unload_locked(entry)
+                await self._unload_locked(entry, grace_s)
             entry.reason = "unloaded"
         return entry
 
@@ -233,11 +273,11 @@ class ModelRepository:
             if terminate is not None:
                 await asyncio.to_thread(terminate)
 
-    async def unload_all(self) -> None:
+    async def unload_all(self, grace_s: float | None = None) -> None:
         """Unload every loaded model (server shutdown)."""
-        await asyncio.gather(*(self.unload(e.name) for e in self.entries() if e.loaded is not None))
+        await asyncio.gather(*(self.unload(e.name, grace_s) for e in self.entries() if e.loaded is not None))
 
-    async def _unload_locked(self, entry: ModelEntry) -> None:
+    async def _unload_locked(self, entry: ModelEntry, grace_s: float | None = None) -> None:
         loaded = entry.loaded
         assert loaded is not None
         entry.state, entry.reason = ModelState.UNLOADING, ""
@@ -248,7 +288,8 @@ class ModelRepository:
                 await asyncio.to_thread(terminate)
 
         # Bounded by the grace: an abandoned request's thread must not hold the unload (or the loop).
-        await loaded.scheduler.drain(self.settings.server.shutdown_grace_s, end_running)
+        await loaded.scheduler.drain(self.settings.server.shutdown_grace_s if grace_s is None else grace_s,
+                                     end_running)
         try:
             await asyncio.to_thread(loaded.backend.unload)
         except Exception:
@@ -261,6 +302,49 @@ class ModelRepository:
         path = self.scratch_dir / name
         path.mkdir(parents=True, exist_ok=True)
         return path
+
+
+def _in_daemon_thread(function: Callable[[ModelContext], BuiltModel], context: ModelContext) -> asyncio.Future:
+    """Run a model build on a daemon thread; the returned future carries its result.
+
+    Not the default executor: asyncio.run() and the interpreter both wait for
+    executor threads at exit, so a 66 s load delayed SIGTERM by 71 s. A build
+    abandoned by a cancelled caller finishes alone, and its model is unloaded.
+    """
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future = loop.create_future()
+
+    def deliver(result: BuiltModel | None, error: BaseException | None) -> None:
+        if future.cancelled():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    def run() -> None:
+        result, error = None, None
+        try:
+            result = function(context)
+        except BaseException as err:  # handed to the caller, whatever it is
+            error = err
+        if future.cancelled():
+            if result is not None:
+                log.info("model '%s': load finished after it was abandoned; unloading it", context.name)
+                try:
+                    result.backend.unload()
+                except Exception:
+                    log.exception("model '%s': unload after an abandoned load failed", context.name)
+            return
+        try:
+            loop.call_soon_threadsafe(deliver, result, error)
+        except RuntimeError:  # the loop has closed: nobody waits any more
+            if result is not None:
+                result.backend.unload()
+        del error  # no traceback cycle through this frame
+
+    threading.Thread(target=run, name=f"nereid-load-{context.name}", daemon=True).start()
+    return future
 
 
 def _reason(err: BaseException) -> str:

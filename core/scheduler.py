@@ -365,6 +365,8 @@ class ModelScheduler:
 
 async def _wait_event(event: asyncio.Event, timeout_s: float | None) -> bool:
     """Wait for ``event`` (at most ``timeout_s``; None: no bound); True when it is set."""
+    if event.is_set():
+        return True  # (wait_for with a zero timeout would say False without looking)
     if timeout_s is None:
         await event.wait()
         return True

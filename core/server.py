@@ -18,12 +18,14 @@ from nereid.metrics import ServerMetrics
 from nereid.plugins import make_plugin_manager
 from nereid.protocol.grpc_service import SERVICE_NAME, InferenceServicer, generic_handler
 from nereid.repository import ModelRepository
-from nereid.settings import Settings
+from nereid.processes import kill_children
+from nereid.settings import Settings, repository_control_allowed
+from nereid.tls import server_credentials
 
 log = logging.getLogger(__name__)
 
-# gRPC's default 4 MiB message limit is too small for real tensors.
-MAX_MESSAGE_BYTES = 1 << 30
+# Responses are not capped by server.max_message_bytes (that bounds what clients send).
+MAX_SEND_MESSAGE_BYTES = (1 << 31) - 1
 
 
 class NereidServer:
@@ -47,16 +49,24 @@ class NereidServer:
 
     async def start(self) -> int:
         """Bind the port and start serving; returns the bound port. Models load in :meth:`load_models`."""
+        config = self.settings.server
         server = grpc.aio.server(options=[
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_SEND_MESSAGE_BYTES),
+            # gRPC refuses a larger request with RESOURCE_EXHAUSTED from its length prefix, before
+            # buffering it ("received message larger than max (N vs. LIMIT)").
+            ("grpc.max_receive_message_length", config.max_message_bytes),
             # Without this a second server on the same port starts silently and steals half the calls.
             ("grpc.so_reuseport", 0),
         ])
-        server.add_generic_rpc_handlers((generic_handler(InferenceServicer(self.dataplane, self.update_health)),))
+        control = repository_control_allowed(config, self.bind_addr)
+        servicer = InferenceServicer(self.dataplane, self.update_health, repository_control=control)
+        server.add_generic_rpc_handlers((generic_handler(servicer),))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         try:
-            port = server.add_insecure_port(self.bind_addr)
+            if config.tls is not None:
+                port = server.add_secure_port(self.bind_addr, server_credentials(config.tls))
+            else:
+                port = server.add_insecure_port(self.bind_addr)
         except RuntimeError as err:  # grpc raises when the address cannot be bound
             raise OSError(f"cannot listen on {self.bind_addr} (server.bind_addr): {err}") from None
         if port == 0:
@@ -67,7 +77,9 @@ class NereidServer:
         await server.start()
         self._grpc, self.port = server, port
         await self.update_health()
-        log.info("nereid listening on %s (port %d)", self.bind_addr, port)
+        log.info("nereid listening on %s (port %d, %s, repository control %s)", self.bind_addr, port,
+                 "mutual TLS" if config.tls and config.tls.client_ca else "TLS" if config.tls else "plaintext",
+                 "on" if control else "off")
         return port
 
     async def load_models(self) -> None:
@@ -93,7 +105,7 @@ class NereidServer:
             await self._grpc.stop(grace)
         # Past the grace, what still runs belongs to cancelled calls: end it rather than wait.
         await self.repository.terminate_running()
-        await self.repository.unload_all()
+        await self.repository.unload_all(grace_s=0)
         self.metrics.close()
         shutil.rmtree(self.scratch_dir, ignore_errors=True)
         self._stopped.set()
@@ -109,5 +121,13 @@ class NereidServer:
         loader = asyncio.create_task(self.load_models())
         await stop_requested.wait()
         log.info("signal received: draining (grace %.0f s)", self.settings.server.shutdown_grace_s)
+        # Loads still running are abandoned (their threads are daemons and never delay the exit).
+        loading = not loader.done()
         loader.cancel()
         await self.stop()
+        if loading or self.repository.loading():
+            # A load may have started programs (a compiler, a warm process) that nothing will stop:
+            # this process is the server, so whatever it still has as children goes with it.
+            killed = kill_children()
+            if killed:
+                log.info("ended %d process(es) started by abandoned loads", killed)

@@ -6,6 +6,7 @@ form ``<file>: <key path>: <problem>, got <value>``.
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,12 +14,16 @@ from typing import Any, Mapping
 
 from nereid.config_document import KeyedReader, load_yaml
 from nereid.errors import ConfigError
+from nereid.tls import TlsFileError, TlsSettings, read_tls_material
 
 DEFAULT_BIND_ADDR = "[::1]:50051"
 DEFAULT_QUEUE_CAPACITY = 128
 DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_SHUTDOWN_GRACE_S = 30.0
 DEFAULT_METRICS_ADDR = "127.0.0.1:8002"
+# Like Triton's default; up to 2 GiB - 1 (gRPC's own ceiling) may be configured.
+DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
+MAX_MESSAGE_BYTES_CEILING = (1 << 31) - 1
 
 _DEVICE_PATTERN = re.compile(r"^(cpu|cuda)(?::(\d+))?$")
 
@@ -80,13 +85,45 @@ class ModelSettings:
 
 @dataclass(frozen=True)
 class ServerSettings:
-    """The ``server:`` section."""
+    """The ``server:`` section.
+
+    ``repository_control`` None means automatic: allowed on a loopback bind
+    only (see :func:`repository_control_allowed`).
+    """
 
     bind_addr: str = DEFAULT_BIND_ADDR
     ml_backends_path: Path = Path("ml-backends")
     strict_readiness: bool = True
     shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S
     metrics_addr: str = DEFAULT_METRICS_ADDR
+    follow_symlinks: bool = False
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    repository_control: bool | None = None
+    tls: TlsSettings | None = None
+
+
+def is_loopback(bind_addr: str) -> bool:
+    """True when ``host:port`` listens on the loopback interface only."""
+    host = bind_addr.rpartition(":")[0].strip("[]").lower()
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def repository_control_allowed(server: ServerSettings, bind_addr: str) -> bool:
+    """Whether RepositoryModelLoad/Unload are served on ``bind_addr``.
+
+    Unset, they are on a loopback bind and off elsewhere: whoever reaches the
+    port could otherwise unload every model, or load any folder that appears
+    under ml_backends_path. Triton's default (model control mode none) is
+    likewise closed.
+    """
+    if server.repository_control is not None:
+        return server.repository_control
+    return is_loopback(bind_addr)
 
 
 @dataclass(frozen=True)
@@ -157,7 +194,8 @@ def parse_settings(document: Any, path: Path) -> Settings:
 
 def _parse_server(reader: KeyedReader, raw: Any, path: Path) -> ServerSettings:
     section = reader.mapping(raw, "server", {"bind_addr", "ml_backends_path", "strict_readiness", "shutdown_grace_s",
-                                             "metrics_addr"})
+                                             "metrics_addr", "follow_symlinks", "max_message_bytes",
+                                             "repository_control", "tls"})
     bind_addr = reader.string(section, "server.bind_addr", DEFAULT_BIND_ADDR)
     if ":" not in bind_addr:
         reader.fail("server.bind_addr", "must be host:port", bind_addr)
@@ -173,7 +211,40 @@ def _parse_server(reader: KeyedReader, raw: Any, path: Path) -> ServerSettings:
     metrics_addr = reader.string(section, "server.metrics_addr", DEFAULT_METRICS_ADDR)
     if metrics_addr and not re.match(r"^(\[[^\]]+\]|[^:\[\]]*):\d+$", metrics_addr):
         reader.fail("server.metrics_addr", "must be host:port, or empty to turn metrics off", metrics_addr)
-    return ServerSettings(bind_addr, backends, strict, grace, metrics_addr)
+    follow = section.get("follow_symlinks", False)
+    if not isinstance(follow, bool):
+        reader.fail("server.follow_symlinks", "must be true or false", follow)
+    max_message = reader.integer(section, "server.max_message_bytes", DEFAULT_MAX_MESSAGE_BYTES, minimum=4096)
+    if max_message > MAX_MESSAGE_BYTES_CEILING:
+        reader.fail("server.max_message_bytes", f"must be at most {MAX_MESSAGE_BYTES_CEILING} (gRPC's limit)",
+                    max_message)
+    control = section.get("repository_control")
+    if control is not None and not isinstance(control, bool):
+        reader.fail("server.repository_control", "must be true or false (unset: true on loopback only)", control)
+    tls = _parse_tls(reader, section.get("tls"), path) if "tls" in section else None
+    return ServerSettings(bind_addr, backends, strict, grace, metrics_addr, follow, max_message, control, tls)
+
+
+def _parse_tls(reader: KeyedReader, raw: Any, path: Path) -> TlsSettings:
+    section = reader.mapping(raw, "server.tls", {"cert", "key", "client_ca"})
+    files: dict[str, Path | None] = {}
+    for key in ("cert", "key", "client_ca"):
+        if key not in section:
+            if key != "client_ca":
+                reader.fail(f"server.tls.{key}", "is required (a PEM file)", None)
+            files[key] = None
+            continue
+        text = reader.string(section, f"server.tls.{key}", "")
+        if not text:
+            reader.fail(f"server.tls.{key}", "must be a file path", text)
+        file = Path(text)
+        files[key] = file if file.is_absolute() else path.resolve().parent / file
+    tls = TlsSettings(files["cert"], files["key"], files["client_ca"])
+    try:
+        read_tls_material(tls)
+    except TlsFileError as err:
+        reader.fail(f"server.tls.{err.key}", str(err), section.get(err.key))
+    return tls
 
 
 def _parse_model(reader: KeyedReader, raw: Any, where: str, backends_path: Path) -> ModelSettings:

@@ -18,7 +18,7 @@ from nereid._proto import model_config_pb2 as mc
 from nereid.dataplane import DataPlane
 from nereid.memory import TRIM_AFTER_BYTES, release_free_heap
 from nereid.errors import (ConfigError, DeadlineExceeded, InvalidArgument, ModelFailure, NereidError,
-                           NotFound, Unavailable, cap_message)
+                           NotFound, PermissionDenied, Unavailable, cap_message)
 from nereid.protocol.grpc_codec import decode_infer_request, encode_infer_response, parse_infer_request
 from nereid.repository import LoadedModel, ModelState
 from nereid.signature import TensorSpec
@@ -34,6 +34,7 @@ STATUS_OF_ERROR: dict[type[NereidError], grpc.StatusCode] = {
     Unavailable: grpc.StatusCode.UNAVAILABLE,
     DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
     ModelFailure: grpc.StatusCode.INTERNAL,
+    PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
 }
 
 MODEL_VERSION = "1"
@@ -118,11 +119,11 @@ def _maps_errors(handler: Handler) -> Handler:
             try:
                 return await handler(self, request, context)
             except NereidError as err:
-                code, message = status_of(err), str(err)
+                code, message = status_of(err), self.dataplane.repository.public_text(str(err))
             except Exception as err:  # a bug, not the client's fault: say so instead of grpc's bare UNKNOWN
                 log.exception("%s failed", handler.__name__)
-                code, message = grpc.StatusCode.INTERNAL, (f"internal error in {handler.__name__}: "
-                                                           f"{type(err).__name__}: {err}")
+                code, message = grpc.StatusCode.INTERNAL, self.dataplane.repository.public_text(
+                    f"internal error in {handler.__name__}: {type(err).__name__}: {err}")
         # Abort outside the except blocks: an exception raised inside one chains to the caught error,
         # whose traceback holds the frames holding the request, and that reference cycle kept rejected
         # gigabyte requests alive until the garbage collector happened to run.
@@ -144,9 +145,16 @@ class InferenceServicer:
     """
 
     def __init__(self, dataplane: DataPlane,
-                 on_repository_change: Callable[[], Awaitable[None]] | None = None) -> None:
+                 on_repository_change: Callable[[], Awaitable[None]] | None = None,
+                 repository_control: bool = True) -> None:
         self.dataplane = dataplane
         self._on_change = on_repository_change
+        self._repository_control = repository_control
+
+    def _check_repository_control(self, rpc: str) -> None:
+        if not self._repository_control:
+            raise PermissionDenied(f"{rpc} is turned off on this server (server.repository_control: false, "
+                                   "the default when not bound to loopback)")
 
     @_maps_errors
     async def ServerLive(self, request: pb.ServerLiveRequest, context) -> pb.ServerLiveResponse:
@@ -226,11 +234,11 @@ class InferenceServicer:
             try:
                 result = await self._infer(received, context)
             except NereidError as err:
-                message = str(err)
+                message = self.dataplane.repository.public_text(str(err))
             except Exception as err:
                 # Every request gets exactly one answer, even when the failure is a bug.
                 log.exception("ModelStreamInfer: request '%s' failed", cap_message(request_id, 256))
-                message = f"internal error: {type(err).__name__}: {err}"
+                message = self.dataplane.repository.public_text(f"internal error: {type(err).__name__}: {err}")
             else:
                 await answers.put(pb.ModelStreamInferResponse(infer_response=result))
                 return
@@ -293,6 +301,7 @@ class InferenceServicer:
     @_maps_errors
     async def RepositoryModelLoad(self, request: pb.RepositoryModelLoadRequest,
                                   context) -> pb.RepositoryModelLoadResponse:
+        self._check_repository_control("RepositoryModelLoad")
         entry = await self.dataplane.repository.load(request.model_name)
         if self._on_change:
             await self._on_change()
@@ -303,6 +312,7 @@ class InferenceServicer:
     @_maps_errors
     async def RepositoryModelUnload(self, request: pb.RepositoryModelUnloadRequest,
                                     context) -> pb.RepositoryModelUnloadResponse:
+        self._check_repository_control("RepositoryModelUnload")
         await self.dataplane.repository.unload(request.model_name)
         if self._on_change:
             await self._on_change()

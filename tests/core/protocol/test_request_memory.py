@@ -34,7 +34,8 @@ def memory_mib(pid: int) -> tuple[float, float]:
 def test_rejected_large_requests_return_memory_at_once_and_peak_is_bounded(repo):
     """Defect 2: three rejected 1000 MiB requests grew RSS by 4.5 GB until a gc ran; one peaked at 4x."""
     repo.python("big", textproto=textproto_single("FP32", "[-1]", max_batch_size=0))
-    with nereid_serve(repo.write_config(metrics_addr="")) as (process, client):
+    config = repo.write_config(metrics_addr="", server_extra="  max_message_bytes: 1073741824\n")
+    with nereid_serve(config) as (process, client):
         port = process.args[process.args.index("--bind") + 1]
         # One byte short of the declared shape: rejected with INVALID_ARGUMENT after decoding.
         request = service_pb2.ModelInferRequest(model_name="big")

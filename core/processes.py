@@ -1,0 +1,49 @@
+"""Ending the child processes a stopping server leaves behind.
+
+Only for a process that *is* the server (``nereid serve``): a model load
+abandoned at SIGTERM may have started a program (a compiler, a warm process)
+whose owner never got a chance to stop it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+
+def child_pids(parent: int | None = None) -> list[int]:
+    """PIDs of the live (not zombie) children of ``parent`` (default: this process), from /proc."""
+    parent = os.getpid() if parent is None else parent
+    children = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as stat:
+                fields = stat.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == parent and fields[0] != b"Z":
+            children.append(int(entry))
+    return children
+
+
+def kill_children() -> int:
+    """SIGKILL every child of this process, with its process group when it leads its own; the count."""
+    own_group = os.getpgrp()
+    killed = 0
+    for pid in child_pids():
+        try:
+            group = os.getpgid(pid)
+            if group == pid and group != own_group:
+                os.killpg(group, signal.SIGKILL)  # a child that leads a group: its descendants too
+            else:
+                os.kill(pid, signal.SIGKILL)
+            killed += 1
+        except (ProcessLookupError, PermissionError):
+            continue
+    return killed

@@ -1,0 +1,132 @@
+"""TLS for the gRPC listener: ``server.tls: {cert, key, client_ca}`` in nereid.yaml.
+
+The files are checked when nereid.yaml is read (``nereid serve`` and ``nereid
+check`` stop with the key path when one is missing or unusable), with Python's
+own ``ssl`` module: the certificate chain must parse, the key must match it,
+the client CA must parse. The gRPC credentials re-read the files when they
+change on disk: gRPC asks before each new TLS handshake, so a renewed
+certificate is served to new connections without a restart (connections
+already open keep the one they started with).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import ssl
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import grpc
+
+log = logging.getLogger(__name__)
+
+# Certificates and keys are a few kilobytes; a CA bundle can be a few hundred.
+MAX_PEM_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class TlsSettings:
+    """Where the server's certificate chain, its key, and (for mutual TLS) the client CA are."""
+
+    cert: Path
+    key: Path
+    client_ca: Path | None = None
+
+    def files(self) -> dict[str, Path]:
+        """Each configured file by its key under ``server.tls``."""
+        named = {"cert": self.cert, "key": self.key}
+        if self.client_ca is not None:
+            named["client_ca"] = self.client_ca
+        return named
+
+
+class TlsFileError(ValueError):
+    """A TLS file that cannot be used; ``key`` is its key under ``server.tls``."""
+
+    def __init__(self, key: str, problem: str) -> None:
+        super().__init__(problem)
+        self.key = key
+
+
+@dataclass(frozen=True)
+class TlsMaterial:
+    """The PEM bytes of a checked :class:`TlsSettings`."""
+
+    cert: bytes
+    key: bytes
+    client_ca: bytes | None
+
+
+def read_tls_material(tls: TlsSettings) -> TlsMaterial:
+    """Read and check the files; TlsFileError names the key of the first bad one."""
+    contents: dict[str, bytes] = {}
+    for name, path in tls.files().items():
+        try:
+            if not path.is_file():
+                raise TlsFileError(name, f"no such file {path}" if not path.exists() else f"{path} is not a file")
+            if path.stat().st_size > MAX_PEM_BYTES:
+                raise TlsFileError(name, f"{path} is larger than {MAX_PEM_BYTES} bytes")
+            contents[name] = path.read_bytes()
+        except OSError as err:
+            raise TlsFileError(name, f"cannot read {path}: {err.strerror or err}") from None
+    if b"-----BEGIN CERTIFICATE-----" not in contents["cert"]:
+        raise TlsFileError("cert", f"{tls.cert} holds no PEM certificate")
+    if b"PRIVATE KEY-----" not in contents["key"]:
+        raise TlsFileError("key", f"{tls.key} holds no PEM private key")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(tls.cert, tls.key)
+    except (ssl.SSLError, OSError) as err:
+        raise TlsFileError("key", f"{tls.key} is not the private key of {tls.cert}, or one of them does not "
+                                  f"parse: {getattr(err, 'reason', None) or err}") from None
+    if tls.client_ca is not None:
+        try:
+            context.load_verify_locations(cafile=str(tls.client_ca))
+        except (ssl.SSLError, OSError) as err:
+            raise TlsFileError("client_ca", f"{tls.client_ca} is not a PEM CA certificate: "
+                                            f"{getattr(err, 'reason', None) or err}") from None
+    return TlsMaterial(contents["cert"], contents["key"], contents.get("client_ca"))
+
+
+def server_credentials(tls: TlsSettings) -> "grpc.ServerCredentials":
+    """gRPC server credentials that reload the files when they change (mutual TLS with ``client_ca``)."""
+    import grpc
+
+    def configuration(material: TlsMaterial) -> "grpc.ServerCertificateConfiguration":
+        return grpc.ssl_server_certificate_configuration([(material.key, material.cert)],
+                                                         root_certificates=material.client_ca)
+
+    state = {"stamp": _stamp(tls)}
+    initial = configuration(read_tls_material(tls))
+
+    def fetch() -> "grpc.ServerCertificateConfiguration | None":
+        # Called by gRPC before each new handshake: cheap when nothing changed (a stat per file).
+        stamp = _stamp(tls)
+        if stamp == state["stamp"]:
+            return None
+        try:
+            material = read_tls_material(tls)
+        except TlsFileError as err:
+            log.error("server.tls.%s changed but cannot be used (keeping the previous certificate): %s", err.key, err)
+            return None
+        finally:
+            state["stamp"] = stamp
+        log.info("server.tls: certificate files changed on disk; new connections use them")
+        return configuration(material)
+
+    return grpc.dynamic_ssl_server_credentials(initial, fetch,
+                                               require_client_authentication=tls.client_ca is not None)
+
+
+def _stamp(tls: TlsSettings) -> tuple:
+    stamp = []
+    for path in tls.files().values():
+        try:
+            info = os.stat(path)
+            stamp.append((info.st_mtime_ns, info.st_size, info.st_ino))
+        except OSError:
+            stamp.append(None)
+    return tuple(stamp)

@@ -1,0 +1,323 @@
+"""The security settings, against real servers: TLS and mutual TLS (certificates made here with
+``cryptography``), server.repository_control, server.max_message_bytes, symlinks leaving the
+repository, server paths kept off the wire, and SIGTERM while a model loads."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as triton
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+from tritonclient.utils import InferenceServerException
+
+from nereid.errors import ConfigError
+from nereid.settings import DEFAULT_MAX_MESSAGE_BYTES, ServerSettings, load_settings, repository_control_allowed
+from support import expect_grpc_error, free_port, textproto_single
+
+
+# --------------------------------------------------------------------------- certificates
+
+
+def _name(common_name: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+
+
+def make_ca(folder: Path, name: str) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate, Path]:
+    """A self-signed CA; returns its key, certificate and the certificate's PEM path."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(_name(name)).issuer_name(_name(name))
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))
+    path = folder / f"{name}.pem"
+    path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    return key, cert, path
+
+
+def make_leaf(folder: Path, name: str, ca_key, ca_cert: x509.Certificate) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 / localhost signed by the CA; returns (cert path, key path)."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(_name(name)).issuer_name(ca_cert.subject)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
+                                                        x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                           critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    cert_path, key_path = folder / f"{name}.crt", folder / f"{name}.key"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return cert_path, key_path
+
+
+@pytest.fixture
+def pki(tmp_path):
+    """A CA, a server certificate, a client certificate from that CA, and one from another CA."""
+    folder = tmp_path / "pki"
+    folder.mkdir()
+    ca_key, ca_cert, ca_path = make_ca(folder, "nereid-test-ca")
+    server_cert, server_key = make_leaf(folder, "server", ca_key, ca_cert)
+    client_cert, client_key = make_leaf(folder, "client", ca_key, ca_cert)
+    other_key, other_cert, _ = make_ca(folder, "other-ca")
+    rogue_cert, rogue_key = make_leaf(folder, "rogue", other_key, other_cert)
+    return {"ca": ca_path, "server_cert": server_cert, "server_key": server_key, "client_cert": client_cert,
+            "client_key": client_key, "rogue_cert": rogue_cert, "rogue_key": rogue_key, "folder": folder,
+            "ca_key": ca_key, "ca_cert": ca_cert}
+
+
+def tls_client(server, pki, cert: str | None = None) -> triton.InferenceServerClient:
+    kwargs = {}
+    if cert is not None:
+        kwargs = {"certificate_chain": str(pki[f"{cert}_cert"]), "private_key": str(pki[f"{cert}_key"])}
+    return triton.InferenceServerClient(server.url, ssl=True, root_certificates=str(pki["ca"]), **kwargs)
+
+
+def tls_yaml(pki, client_ca: bool = False) -> str:
+    text = f'  tls:\n    cert: "{pki["server_cert"]}"\n    key: "{pki["server_key"]}"\n'
+    return text + (f'    client_ca: "{pki["ca"]}"\n' if client_ca else "")
+
+
+def live(client: triton.InferenceServerClient) -> bool:
+    try:
+        return client.is_server_live(client_timeout=5)
+    finally:
+        client.close()
+
+
+# --------------------------------------------------------------------------- TLS
+
+
+def test_tls_serves_tls_clients_and_refuses_plaintext(repo, serve, pki):
+    repo.python("echo")
+    server = serve(repo.write_config(server_extra=tls_yaml(pki)))
+    server.client.close()
+    assert live(tls_client(server, pki))
+    with pytest.raises(InferenceServerException):
+        live(triton.InferenceServerClient(server.url))  # plaintext to a TLS port
+
+
+def test_mutual_tls_refuses_clients_without_a_certificate_from_the_client_ca(repo, serve, pki):
+    repo.python("echo")
+    server = serve(repo.write_config(server_extra=tls_yaml(pki, client_ca=True)))
+    server.client.close()
+    assert live(tls_client(server, pki, cert="client"))
+    with pytest.raises(InferenceServerException):
+        live(tls_client(server, pki))  # no client certificate
+    with pytest.raises(InferenceServerException):
+        live(tls_client(server, pki, cert="rogue"))  # signed by another CA
+
+
+def test_a_renewed_certificate_on_disk_is_served_to_new_connections(repo, serve, pki):
+    repo.python("echo")
+    server = serve(repo.write_config(server_extra=tls_yaml(pki)))
+    server.client.close()
+    assert live(tls_client(server, pki))
+    # Renew: a new CA and a server certificate from it, written over the configured files.
+    new_key, new_cert, new_ca = make_ca(pki["folder"], "renewed-ca")
+    renewed_cert, renewed_key = make_leaf(pki["folder"], "renewed", new_key, new_cert)
+    os.replace(renewed_key, pki["server_key"])
+    os.replace(renewed_cert, pki["server_cert"])
+    renewed_client = triton.InferenceServerClient(server.url, ssl=True, root_certificates=str(new_ca))
+    assert live(renewed_client)
+
+
+@pytest.mark.parametrize("broken, key", [("missing_cert", "cert"), ("garbage_key", "key"),
+                                         ("mismatched_key", "key"), ("garbage_ca", "client_ca")])
+def test_bad_tls_files_stop_serve_and_check_naming_the_key(repo, pki, broken, key):
+    repo.python("echo")
+    files = {"cert": pki["server_cert"], "key": pki["server_key"], "client_ca": pki["ca"]}
+    if broken == "missing_cert":
+        files["cert"] = pki["folder"] / "nope.crt"
+    elif broken == "garbage_key":
+        files["key"] = pki["folder"] / "garbage.key"
+        files["key"].write_text("not a key\n")
+    elif broken == "mismatched_key":
+        files["key"] = pki["client_key"]
+    else:
+        files["client_ca"] = pki["folder"] / "garbage.pem"
+        files["client_ca"].write_text("-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n")
+    extra = "  tls:\n" + "".join(f'    {k}: "{v}"\n' for k, v in files.items())
+    config = repo.write_config(server_extra=extra)
+    with pytest.raises(ConfigError, match=rf"nereid.yaml: server.tls.{key}: "):
+        load_settings(config)
+    for command in ("check", "serve"):
+        result = subprocess.run([sys.executable, "-m", "nereid.cli", command, "--config", str(config)],
+                                capture_output=True, text=True, timeout=60)
+        assert result.returncode == 2
+        assert f"server.tls.{key}:" in result.stderr
+
+
+# --------------------------------------------------------------------------- repository control, limits
+
+
+def test_repository_control_off_refuses_load_and_unload(repo, serve):
+    repo.python("echo")
+    server = serve(repo.write_config(server_extra="  repository_control: false\n"))
+    for call, rpc in ((server.client.unload_model, "RepositoryModelUnload"),
+                      (server.client.load_model, "RepositoryModelLoad")):
+        expect_grpc_error("PERMISSION_DENIED", lambda: call("echo"), f"{rpc} is turned off",
+                          "server.repository_control: false")
+    assert server.client.is_model_ready("echo")  # nothing was unloaded
+
+
+def test_repository_control_defaults_to_on_for_loopback_only():
+    automatic = ServerSettings()
+    assert repository_control_allowed(automatic, "127.0.0.1:8001")
+    assert repository_control_allowed(automatic, "[::1]:8001")
+    assert repository_control_allowed(automatic, "localhost:8001")
+    assert not repository_control_allowed(automatic, "0.0.0.0:8001")
+    assert not repository_control_allowed(automatic, "[::]:8001")
+    assert not repository_control_allowed(automatic, "10.1.2.3:8001")
+    assert repository_control_allowed(ServerSettings(repository_control=True), "0.0.0.0:8001")
+    assert not repository_control_allowed(ServerSettings(repository_control=False), "127.0.0.1:8001")
+
+
+def test_requests_over_max_message_bytes_are_resource_exhausted_naming_the_limit(repo, serve):
+    assert DEFAULT_MAX_MESSAGE_BYTES == 64 << 20
+    repo.python("big", textproto=textproto_single("FP32", "[-1]", max_batch_size=0))
+    server = serve(repo.write_config(server_extra="  max_message_bytes: 1048576\n"))
+    small = triton.InferInput("input", [1000], "FP32")
+    small.set_data_from_numpy(np.ones(1000, np.float32))
+    assert server.client.infer("big", [small]).as_numpy("output").shape == (1000,)
+    large = triton.InferInput("input", [300_000], "FP32")
+    large.set_data_from_numpy(np.ones(300_000, np.float32))
+    expect_grpc_error("RESOURCE_EXHAUSTED", lambda: server.client.infer("big", [large]), "1048576")
+
+
+# --------------------------------------------------------------------------- symlinks and paths
+
+
+def test_a_symlinked_model_folder_outside_the_repository_is_refused_unless_allowed(repo, serve, tmp_path):
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "model_inference.textproto").write_text(textproto_single())
+    (outside / "main.py").write_text("print()\n")
+    (repo.models_dir / "linked").symlink_to(outside)
+    server = serve(repo.write_config())
+    index = {m.name: m for m in server.client.get_model_repository_index().models}
+    assert index["linked"].state == "UNAVAILABLE"
+    assert "linked is a symlink to" in index["linked"].reason
+    assert "server.follow_symlinks: true" in index["linked"].reason
+
+    allowed = serve(repo.write_config(server_extra="  follow_symlinks: true\n"))
+    assert allowed.client.is_model_ready("linked")
+
+
+def test_a_symlinked_file_leading_out_of_the_repository_is_refused(repo, serve, tmp_path):
+    secret = tmp_path / "secret.txt"
+    secret.write_text("input_shape: [4]\noutput_shape: [4]\n")
+    folder = repo.add("sneaky", None, main_py="print()\n")
+    (folder / "model_inference.textproto").symlink_to(secret)
+    server = serve(repo.write_config())
+    index = {m.name: m for m in server.client.get_model_repository_index().models}
+    assert index["sneaky"].state == "UNAVAILABLE"
+    assert "sneaky/model_inference.textproto is a symlink to" in index["sneaky"].reason
+
+
+def test_load_failures_on_the_wire_name_files_relative_to_the_repository(repo, serve):
+    repo.add("broken", "input_shape: [4\n", main_py="print()")
+    server = serve(repo.write_config("- name: broken\n"))
+    absolute = str(repo.models_dir.resolve())
+    index = {m.name: m for m in server.client.get_model_repository_index().models}
+    assert index["broken"].reason.startswith("broken/model_inference.textproto:"), index["broken"].reason
+    assert absolute not in index["broken"].reason
+    message = expect_grpc_error("INTERNAL", lambda: server.client.load_model("broken"),
+                                "broken/model_inference.textproto")
+    assert absolute not in message and str(repo.root) not in message
+
+
+# --------------------------------------------------------------------------- SIGTERM while loading
+
+SLOW_LOAD_SERVER = '''
+import asyncio, logging, subprocess, sys, time
+from pathlib import Path
+
+from nereid.backend import BackendClaim
+from nereid.hookspecs import hookimpl
+from nereid.plugins import make_plugin_manager
+from nereid.server import NereidServer
+from nereid.settings import load_settings
+
+
+class SlowLoad:
+    """A model whose load starts a program and then takes 60 s."""
+
+    platform = "slow_load"
+
+    def __init__(self, context):
+        self.context = context
+
+    def load(self):
+        child = subprocess.Popen(["sleep", "300"])
+        Path(sys.argv[3]).write_text(str(child.pid))
+        time.sleep(60)
+
+
+@hookimpl
+def nereid_claim_model(folder, declared):
+    return BackendClaim("slow_load", SlowLoad) if (folder / "slow.txt").is_file() else None
+
+
+logging.basicConfig(level=logging.INFO)
+manager = make_plugin_manager(extra_plugins=(sys.modules[__name__],))
+asyncio.run(NereidServer(load_settings(Path(sys.argv[1])), manager=manager,
+                         bind_addr=sys.argv[2]).serve_until_signalled())
+'''
+
+
+def test_sigterm_during_a_slow_load_exits_within_the_grace_and_kills_what_the_load_started(repo, tmp_path):
+    """A load that took 66 s delayed exit by 71 s with a 5 s grace; its programs lived on."""
+    folder = repo.models_dir / "slow"
+    folder.mkdir()
+    (folder / "slow.txt").write_text("")
+    config = repo.write_config(server_extra="  shutdown_grace_s: 1\n", metrics_addr="")
+    script = tmp_path / "slow_load_server.py"
+    script.write_text(textwrap.dedent(SLOW_LOAD_SERVER))
+    pid_file = tmp_path / "child.pid"
+    process = subprocess.Popen([sys.executable, str(script), str(config), f"127.0.0.1:{free_port()}",
+                                str(pid_file)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not (pid_file.exists() and pid_file.read_text()):
+            assert time.monotonic() < deadline and process.poll() is None, "the load never started"
+            time.sleep(0.05)
+        child = int(pid_file.read_text())
+        started = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(15) == 0
+        took = time.monotonic() - started
+        assert took < 5, f"exit took {took:.1f} s with a 1 s grace"
+        output = process.stderr.read()
+        assert "ended 1 process(es) started by abandoned loads" in output, output
+        deadline = time.monotonic() + 5
+        while Path(f"/proc/{child}").exists() and _state(child) != "Z":
+            assert time.monotonic() < deadline, "the program the load started is still running"
+            time.sleep(0.05)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "Z"
