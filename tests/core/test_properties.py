@@ -1,0 +1,173 @@
+"""Property-based tests (hypothesis) of every parser that reads untrusted bytes.
+
+The property is the same for each: whatever the input, the parser either
+returns a result or raises its own error type (gRPC status / ConfigError /
+ModelFailure) — never an unexpected exception, never a hang. Examples are
+bounded (count and size) so the whole module runs in a few seconds.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import struct
+import tempfile
+from pathlib import Path
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from nereid._proto import grpc_service_pb2 as pb
+from nereid.backends.subprocess.framing import read_body, read_header
+from nereid.backends.xla.manifest import parse_manifest, parse_manifest_text
+from nereid.backends.xla.safetensors import read_header as read_safetensors_header
+from nereid.errors import ConfigError, InvalidArgument, ModelFailure
+from nereid.protocol.grpc_codec import decode_infer_request
+from nereid.protocol.grpc_service import Received, Unreadable, request_parser
+from nereid.signature import load_textproto_signature
+
+BOUNDED = settings(max_examples=150, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+DATATYPES = ["BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64", "FP16", "FP32",
+             "FP64", "BF16", "BYTES", "", "NOPE"]
+parse_infer = request_parser(pb.ModelInferRequest)
+
+
+def decode(data: bytes) -> None:
+    """The server's path for one message: parse, then decode; only the expected outcomes pass."""
+    received = parse_infer(data)
+    if isinstance(received, Unreadable):
+        assert received.describe().startswith("cannot parse the")
+        return
+    assert isinstance(received, Received)
+    try:
+        decode_infer_request(received.message, None, received.raws)
+    except InvalidArgument:
+        pass
+
+
+@BOUNDED
+@given(st.binary(max_size=512))
+def test_any_bytes_are_a_request_or_an_invalid_argument(data: bytes) -> None:
+    decode(data)
+
+
+@st.composite
+def infer_requests(draw) -> bytes:
+    """Structurally valid messages with arbitrary (mostly inconsistent) tensors."""
+    request = pb.ModelInferRequest(model_name=draw(st.text(max_size=20)), id=draw(st.text(max_size=8)))
+    with_raw = draw(st.booleans())
+    for index in range(draw(st.integers(0, 3))):
+        tensor = request.inputs.add(name=draw(st.text(max_size=8)), datatype=draw(st.sampled_from(DATATYPES)),
+                                    shape=draw(st.lists(st.integers(-3, 2 ** 40), max_size=6)))
+        if with_raw:
+            request.raw_input_contents.append(draw(st.binary(max_size=64)))
+        elif draw(st.booleans()):
+            tensor.contents.int_contents.extend(draw(st.lists(st.integers(-2 ** 31, 2 ** 31 - 1), max_size=8)))
+            tensor.contents.bytes_contents.extend(draw(st.lists(st.binary(max_size=4), max_size=4)))
+            tensor.contents.fp32_contents.extend(draw(st.lists(st.floats(width=32), max_size=4)))
+    if draw(st.booleans()):
+        request.parameters["timeout"].int64_param = draw(st.integers(-10, 10 ** 6))
+    data = request.SerializeToString()
+    if draw(st.booleans()) and data:  # and damaged ones
+        cut = draw(st.integers(0, len(data)))
+        data = data[:cut] + draw(st.binary(max_size=8))
+    return data
+
+
+@BOUNDED
+@given(infer_requests())
+def test_any_tensor_description_is_decoded_or_invalid_argument(data: bytes) -> None:
+    decode(data)
+
+
+def _textproto_file(content: bytes) -> ConfigError | None:
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "model_inference.textproto"
+        path.write_bytes(content)
+        try:
+            load_textproto_signature(path)
+        except ConfigError as err:
+            assert str(err).startswith(str(path))  # every failure names the file
+            return err
+    return None
+
+
+TEXTPROTO_WORDS = ["input", "output", "{", "}", "name:", "data_type:", "dims:", "[", "]", ",", "-1", "0", "3",
+                   '"x"', '"FP32"', '"BYTES"', "max_batch_size:", "input_shape:", "output_shape:", "\n", "#"]
+
+
+@BOUNDED
+@given(st.one_of(st.binary(max_size=256),
+                 st.lists(st.sampled_from(TEXTPROTO_WORDS), max_size=40).map(lambda w: " ".join(w).encode())))
+def test_any_textproto_loads_or_names_the_file(content: bytes) -> None:
+    _textproto_file(content)
+
+
+yaml_scalars = st.one_of(st.none(), st.booleans(), st.integers(-5, 100), st.text(max_size=6),
+                         st.sampled_from(["f32", "n", "chwn", "2.1", "xn"]))
+yaml_documents = st.recursive(
+    yaml_scalars,
+    lambda inner: st.one_of(st.lists(inner, max_size=4),
+                            st.dictionaries(st.sampled_from(["format_version", "executable_inputs",
+                                                             "executable_outputs", "name", "dtype", "shape",
+                                                             "dims", "batching", "compiled_batch_sizes",
+                                                             "input_shapes", "weights_file", "n", "c"]),
+                                            inner, max_size=5)),
+    max_leaves=20)
+
+
+@BOUNDED
+@given(yaml_documents)
+def test_any_manifest_document_parses_or_is_a_config_error(document) -> None:
+    try:
+        parse_manifest(document, Path("manifest.yaml"))
+    except ConfigError as err:
+        assert str(err).startswith("manifest.yaml")
+
+
+@BOUNDED
+@given(st.text(alphabet=st.sampled_from(list("ab:-[]{}&*!|>'\"\n #0123,.n")), max_size=200))
+def test_any_manifest_text_parses_or_is_a_config_error(text: str) -> None:
+    try:
+        parse_manifest_text(text, Path("manifest.yaml"))
+    except ConfigError as err:
+        assert str(err).startswith("manifest.yaml") and len(str(err)) <= 4096
+
+
+header_values = st.recursive(st.one_of(st.none(), st.integers(-2, 2 ** 40), st.text(max_size=5),
+                                       st.sampled_from(["F32", "U8", "BF16", "argument_order", "axis_order"])),
+                             lambda inner: st.one_of(st.lists(inner, max_size=3),
+                                                     st.dictionaries(st.sampled_from(
+                                                         ["dtype", "shape", "data_offsets", "__metadata__",
+                                                          "w", "argument_order"]), inner, max_size=4)),
+                             max_leaves=15)
+
+
+@BOUNDED
+@given(st.one_of(st.binary(max_size=128), header_values.map(lambda v: json.dumps(v).encode())),
+       st.binary(max_size=32), st.booleans())
+def test_any_safetensors_header_is_read_or_a_config_error(header: bytes, data: bytes, honest_length: bool) -> None:
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "weights.safetensors"
+        length = len(header) if honest_length else struct.unpack("<Q", (header + bytes(8))[:8])[0]
+        path.write_bytes(struct.pack("<Q", length) + header + data)
+        try:
+            read_safetensors_header(path)
+        except ConfigError as err:
+            assert str(err).startswith(str(path)) and len(str(err)) <= 4096
+
+
+@BOUNDED
+@given(st.one_of(st.binary(max_size=256),
+                 st.tuples(st.sampled_from(["float32", "int8", "uint16", "bytes", "bfloat16", "nope", ""]),
+                           st.lists(st.integers(-1, 2 ** 33), max_size=4), st.binary(max_size=64))
+                 .map(lambda t: f"{t[0]} {','.join(map(str, t[1]))}\n".encode() + t[2])))
+def test_any_frame_is_read_or_a_model_failure(frame: bytes) -> None:
+    stream = io.BytesIO(frame)
+    try:
+        dtype, shape = read_header(stream, "output 'y'")
+        array = read_body(stream, dtype, shape, "output 'y'")
+        assert isinstance(array, np.ndarray) and array.shape == shape
+    except ModelFailure as err:
+        assert str(err).startswith("output 'y'")
