@@ -15,7 +15,8 @@ Nothing is accepted without proof: a copy must hold the original's tensor
 names, dtypes, byte counts, argument order and metadata, each header shape
 reversed, and every tensor equal byte for byte (NaN payloads and signed zeros
 count) to the array the legacy path reads, which is read twice, by the
-server's pread loader and independently through a memory map. The copy records
+server's pread loader and independently by the safetensors library (its own
+header parser and reader). The copy records
 the original's size, modification time and SHA-256. Before the swap the copy
 is proved again against the original, and after it the file under the
 original's name is proved against the original, still open, before anything
@@ -38,7 +39,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
-import mmap
 import os
 import re
 from dataclasses import dataclass
@@ -49,7 +49,8 @@ import numpy as np
 
 from nereid.backends.xla.bundle import CACHE_DIR, DEFAULT_WEIGHTS_FILE, BundleLayout, open_bundle
 from nereid.backends.xla.manifest import CURRENT_FORMAT_VERSION, MANIFEST_NAME, parse_manifest_text
-from nereid.backends.xla.safetensors import (AXIS_ORDER_KEY, AXIS_ORDER_XLA, SafetensorsHeader, TensorEntry,
+from nereid.backends.xla.safetensors import (AXIS_ORDER_KEY, AXIS_ORDER_XLA, SAFETENSORS_DTYPES,
+                                             SafetensorsHeader, TensorEntry,
                                              encode_header, read_entry, read_header, read_header_fd)
 from nereid.errors import ConfigError
 
@@ -224,29 +225,82 @@ def prove_copy(original_fd: int, original: Path, copy: Path) -> None:
         fail(f"it records the original as {recorded}, but the original is {stamp}")
     copy_fd = os.open(copy, os.O_RDONLY)
     try:
-        with mmap.mmap(original_fd, 0, access=mmap.ACCESS_READ) as mapped:
+        with _ReferenceRead(original_fd, original) as reference:
             for s, t in zip(source.tensors, target.tensors):
                 if s.dtype is not t.dtype or s.nbytes != t.nbytes or t.shape != tuple(reversed(s.shape)):
                     fail(f"tensor '{s.name}' is {t.dtype.name}{list(t.shape)} ({t.nbytes} bytes), expected "
                          f"{s.dtype.name}{list(reversed(s.shape))} ({s.nbytes} bytes)")
                 served = read_entry(original_fd, s, original).transpose()  # the server's legacy read
                 expected = np.asarray(served, order="C").tobytes()
-                if _mapped_program_bytes(mapped, s, served.dtype) != expected:
-                    fail(f"the two reads of the original's tensor '{s.name}' disagree")
+                if reference.program_bytes(s) != expected:
+                    fail(f"the two reads of the original's tensor '{s.name}' disagree (nereid's reader and the "
+                         "safetensors library)")
                 if read_entry(copy_fd, t, copy).tobytes() != expected:
                     fail(f"tensor '{s.name}' differs from the original")
     finally:
         os.close(copy_fd)
 
 
-def _mapped_program_bytes(mapped: mmap.mmap, entry: TensorEntry, dtype: np.dtype) -> bytes:
-    """The independent read: the legacy tensor through a memory map, transposed, as bytes.
+class _ReferenceRead:
+    """The independent read of the original: the safetensors library's own parser and reader.
 
-    Returning bytes (a copy) means no view into the map outlives this call, so
-    the map can always be closed.
+    It opens the file through ``/proc/self/fd``, so it reads the open original
+    even after a new file took its name. Names, dtypes and header shapes come
+    from the library's parse and must match nereid's; tensor data comes from
+    the library's numpy reader, or, for the dtypes numpy lacks (bf16, fp8),
+    from its raw deserializer (which reads the whole file into memory once).
     """
-    view = np.frombuffer(mapped, dtype=dtype, count=int(np.prod(entry.shape)), offset=entry.start)
-    return np.asarray(view.reshape(entry.shape).transpose(), order="C").tobytes()
+
+    def __init__(self, fd: int, path: Path) -> None:
+        try:
+            import safetensors
+        except ImportError:
+            raise MigrationError("the migration proves every copy against a second read by the safetensors "
+                                 "library, which is not installed (pip install safetensors)") from None
+        self._library = safetensors
+        self._path = path
+        self._fd_path = f"/proc/self/fd/{fd}"
+        self._opened = None
+        self._handle = None
+        self._raw: dict[str, bytes] | None = None
+
+    def __enter__(self) -> "_ReferenceRead":
+        try:
+            self._opened = self._library.safe_open(self._fd_path, "np")
+            self._handle = self._opened.__enter__()
+        except Exception as err:  # the library refuses the file: no second read, no proof
+            raise MigrationError(f"the safetensors library cannot read {self._path}: {err}") from None
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._opened is not None:
+            self._opened.__exit__(*exc_info)
+
+    def program_bytes(self, entry: TensorEntry) -> bytes:
+        """The legacy tensor as the library reads it, transposed to the program's shape, as bytes."""
+        assert self._handle is not None
+        try:
+            view = self._handle.get_slice(entry.name)
+            token, shape = view.get_dtype(), tuple(view.get_shape())
+        except Exception as err:
+            raise MigrationError(f"the safetensors library finds no tensor '{entry.name}' in {self._path}: "
+                                 f"{err}") from None
+        if SAFETENSORS_DTYPES.get(token) is not entry.dtype or shape != entry.shape:
+            raise MigrationError(f"{self._path}: the safetensors library reads tensor '{entry.name}' as {token} "
+                                 f"{list(shape)}, nereid as {entry.dtype.name} {list(entry.shape)}")
+        if entry.dtype.numpy.name in _LIBRARY_NUMPY_DTYPES:
+            array = np.asarray(self._handle.get_tensor(entry.name))
+        else:
+            if self._raw is None:
+                with open(self._fd_path, "rb") as f:
+                    self._raw = {name: bytes(info["data"]) for name, info in self._library.deserialize(f.read())}
+            array = np.frombuffer(self._raw[entry.name], dtype=entry.dtype.numpy.newbyteorder("<")).reshape(shape)
+        return np.asarray(array.transpose(), order="C").tobytes()
+
+
+# What the library's numpy reader returns as numpy arrays (numpy has no bf16 or fp8).
+_LIBRARY_NUMPY_DTYPES = frozenset({"bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
+                                   "uint64", "float16", "float32", "float64"})
 
 
 def _replace(folder: Path, manifest_path: Path, original: Path, copy: Path) -> None:

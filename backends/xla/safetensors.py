@@ -1,9 +1,11 @@
 """Reading (and writing) bundle weights in the safetensors format.
 
 A file is an 8-byte little-endian header length, a JSON header, then the data.
-The header is validated in full before a byte of data is read: a sane header
-length, offsets inside the data region, byte sizes matching dtype and shape, no
-overlapping tensors. Data is read with ``os.preadv`` straight into preallocated
+The header is validated in full before a byte of data is read, accepting
+exactly the files the safetensors library (the reference) accepts, within
+nereid's limits: a sane header length, the tensors tiling the data region from
+byte 0 to the end of the file, byte sizes matching dtype and shape, and
+``__metadata__.format`` ``pt`` or ``nereid`` when present. Data is read with ``os.preadv`` straight into preallocated
 numpy arrays (large tensors in parallel chunks), never through one Python
 ``bytes`` object holding the whole file.
 
@@ -30,7 +32,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -47,16 +49,24 @@ SAFETENSORS_DTYPES: Mapping[str, DType] = {
     "F8_E5M2": DType.F8E5M2, "F8_E4M3": DType.F8E4M3,
 }
 _NAME_OF = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
+# Valid in the format (the library reads them) but with no numpy type nereid can hold.
+REFERENCE_ONLY_DTYPES = frozenset({"F4", "F6_E2M3", "F6_E3M2", "F8_E8M0", "F8_E4M3FNUZ", "F8_E5M2FNUZ", "C64"})
 
 AXIS_ORDER_KEY = "axis_order"
 AXIS_ORDER_XLA = "xla"
 ARGUMENT_ORDER_KEY = "argument_order"
 METADATA_KEY = "__metadata__"
 
-# The safetensors reference implementation refuses headers over 100 MB; nereid
-# stops at 16 MiB (about 150,000 tensors), which bounds what parsing a hostile
-# header can cost. A longer one is a corrupt length field, not a real header.
+# The safetensors library refuses headers over 100,000,000 bytes; nereid stops
+# at 16 MiB (about 150,000 tensors), which bounds what parsing a hostile header
+# can cost. A longer one is a corrupt length field, not a real header.
 MAX_HEADER_BYTES = 16 * 1024 * 1024
+REFERENCE_MAX_HEADER_BYTES = 100_000_000
+# ``__metadata__.format``, when present: PyTorch's "pt" (the only value the
+# streaming loaders accept) or nereid's own, which nereid's writer records.
+FORMAT_KEY = "format"
+NEREID_FORMAT = "nereid"
+ACCEPTED_FORMATS = ("pt", NEREID_FORMAT)
 _LENGTH = struct.Struct("<Q")
 # Linux caps one read at just under 2 GiB; tensors are read in chunks this size,
 # in parallel, which also keeps several reads in flight on fast storage.
@@ -84,7 +94,7 @@ class TensorEntry:
 class SafetensorsHeader:
     """A validated header. ``tensors`` is in argument order; ``legacy`` is True without ``axis_order``."""
 
-    path: Path
+    path: Path | str  # a local path, or the URL of an object in a store
     data_start: int
     tensors: tuple[TensorEntry, ...]
     metadata: Mapping[str, str]
@@ -119,50 +129,156 @@ def read_header_fd(fd: int, path: Path) -> SafetensorsHeader:
     """:func:`read_header` of an open file (``path`` names it in messages and in the result)."""
     try:
         size = os.fstat(fd).st_size
-        prefix = os.pread(fd, _LENGTH.size, 0)
-        if len(prefix) < _LENGTH.size:
-            raise ConfigError(f"{path}: file is {size} bytes, shorter than the 8-byte header length")
-        (length,) = _LENGTH.unpack(prefix)
-        if length == 0 or length > MAX_HEADER_BYTES or length > size - _LENGTH.size:
-            # The length field is not quoted: for a file that is not safetensors at all (a symlink
-            # to /etc/passwd) it is the file's first 8 bytes.
-            raise ConfigError(f"{path}: not a safetensors file: its 8-byte header length field does not give "
-                              f"a length from 1 to {min(MAX_HEADER_BYTES, max(size - 8, 0))} bytes "
-                              f"(the file is {size} bytes)")
-        raw = os.pread(fd, length, _LENGTH.size)
     except OSError as err:
         raise ConfigError(f"{path}: cannot read: {err.strerror or err}") from None
+
+    def pread(offset: int, length: int) -> bytes:
+        try:
+            return os.pread(fd, length, offset)
+        except OSError as err:
+            raise ConfigError(f"{path}: cannot read: {err.strerror or err}") from None
+
+    return parse_header(path, size, pread)
+
+
+def header_length(where: object, size: int, prefix: bytes) -> int:
+    """The JSON header's length from a file's first 8 bytes; ConfigError unless it is sane for ``size``."""
+    if len(prefix) < _LENGTH.size:
+        raise ConfigError(f"{where}: file is {size} bytes, shorter than the 8-byte header length")
+    (length,) = _LENGTH.unpack_from(prefix)
+    if length == 0 or length > MAX_HEADER_BYTES or length > size - _LENGTH.size:
+        # The length field is not quoted: for a file that is not safetensors at all (a symlink
+        # to /etc/passwd) it is the file's first 8 bytes.
+        raise ConfigError(f"{where}: not a safetensors file: its 8-byte header length field does not give "
+                          f"a length from 1 to {min(MAX_HEADER_BYTES, max(size - 8, 0))} bytes "
+                          f"(the file is {size} bytes; nereid reads headers of up to {MAX_HEADER_BYTES} bytes, "
+                          f"the safetensors library up to {REFERENCE_MAX_HEADER_BYTES:,})")
+    return length
+
+
+def parse_header(where: Path | str, size: int, pread: Callable[[int, int], bytes]) -> SafetensorsHeader:
+    """Read (through ``pread(offset, length)``) and validate the header of a ``size``-byte file.
+
+    ``where`` is the file's path, or its URL for an object in a store; it names
+    the file in every message and is kept as the header's ``path``.
+    """
+    length = header_length(where, size, pread(0, _LENGTH.size))
+    raw = pread(_LENGTH.size, length)
+    if len(raw) != length:
+        raise ConfigError(f"{where}: file ended inside its {length}-byte header (the file is {size} bytes)")
+    return parse_header_bytes(where, raw, size)
+
+
+def parse_header_bytes(where: Path | str, raw: bytes, size: int) -> SafetensorsHeader:
+    """Validate the JSON header ``raw`` of a ``size``-byte file, exactly as the safetensors library does.
+
+    The library parses the header with serde_json into a typed struct, so its
+    rules are serde's, and these are emulated here: a duplicate ``__metadata__``
+    or a duplicate field inside a tensor entry is refused, a duplicate tensor
+    name or metadata key is won by its last occurrence, unknown fields of an
+    entry are ignored, an entry may be a 3-element array, NaN, infinities,
+    ``-0``, lone surrogates and nesting deeper than 127 are refused. Then the
+    tensors, sorted by offset, must cover the data region exactly: contiguous
+    from byte 0, each the size its dtype and shape need, and nothing after the
+    last. nereid's own limits on top: a header of at most
+    ``MAX_HEADER_BYTES``, at most ``MAX_RANK`` dimensions, the dtypes nereid
+    can hold, and ``__metadata__.format`` ``pt`` or ``nereid`` when present.
+    """
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as err:
-        raise ConfigError(f"{path}: header: not UTF-8 text (invalid byte at offset {8 + err.start})") from None
+        raise ConfigError(f"{where}: header: not UTF-8 text (invalid byte at offset {8 + err.start})") from None
     try:
-        document = json.loads(text, object_pairs_hook=_unique_keys)
+        document = json.loads(text, object_pairs_hook=_JsonObject.of, parse_constant=_refuse_constant,
+                              parse_float=_finite_float, parse_int=_json_int)
     except RecursionError:
-        raise ConfigError(f"{path}: header: JSON nested too deeply") from None
+        raise ConfigError(f"{where}: header: JSON nested too deeply") from None
     except ValueError as err:
-        raise ConfigError(cap_message(f"{path}: header: not valid JSON: {err}")) from None
+        raise ConfigError(cap_message(f"{where}: header: not valid JSON: {err}")) from None
+    problem = _serde_problem(document)
+    if problem:
+        raise ConfigError(f"{where}: header: not valid JSON for safetensors: {problem}")
     if not isinstance(document, dict):
-        raise ConfigError(f"{path}: header: must be a JSON object, got {type(document).__name__}")
-    data_start = _LENGTH.size + length
-    return _parse_header(path, document, data_start, size - data_start)
+        raise ConfigError(f"{where}: header: must be a JSON object, got {type(document).__name__}")
+    if METADATA_KEY in document.duplicates:
+        raise ConfigError(f"{where}: header: {METADATA_KEY} appears twice")
+    data_start = _LENGTH.size + len(raw)
+    return _parse_header(where, document, data_start, size - data_start)
 
 
-def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
-    result: dict[str, object] = {}
-    for key, value in pairs:
-        if key in result:
-            raise ValueError(f"duplicate key {key!r}")
-        result[key] = value
-    return result
+class _JsonObject(dict):
+    """A JSON object with the keys that appeared more than once (the last occurrence is kept)."""
+
+    duplicates: frozenset = frozenset()
+
+    @classmethod
+    def of(cls, pairs: list[tuple[str, object]]) -> "_JsonObject":
+        result = cls(pairs)
+        if len(result) != len(pairs):
+            seen: set[str] = set()
+            result.duplicates = frozenset(k for k, _ in pairs if k in seen or seen.add(k))
+        return result
 
 
-def _parse_header(path: Path, document: dict, data_start: int, data_len: int) -> SafetensorsHeader:
+class _NegativeZero:
+    """JSON ``-0``: serde_json reads it as a float, so it is no unsigned integer."""
+
+    def __repr__(self) -> str:
+        return "-0"
+
+
+def _refuse_constant(name: str) -> object:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number out of range: {text[:40]}")
+    return value
+
+
+def _json_int(text: str) -> object:
+    return _NegativeZero() if text.startswith("-") and not text.strip("-0") else int(text)
+
+
+# serde_json's recursion limit: 128 levels, the outermost object included, are refused.
+_MAX_JSON_DEPTH = 127
+
+
+def _serde_problem(document: object) -> str:
+    """What serde_json refuses that Python's json accepted: lone surrogates, nesting too deep."""
+    stack: list[tuple[object, int]] = [(document, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, dict):
+            if depth > _MAX_JSON_DEPTH:
+                return f"nested deeper than {_MAX_JSON_DEPTH} levels"
+            for key, item in value.items():
+                stack.append((key, depth))
+                stack.append((item, depth + 1))
+        elif isinstance(value, list):
+            if depth > _MAX_JSON_DEPTH:
+                return f"nested deeper than {_MAX_JSON_DEPTH} levels"
+            stack.extend((item, depth + 1) for item in value)
+        elif isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return f"a string holds a lone UTF-16 surrogate escape: {_shown(value)}"
+    return ""
+
+
+def _parse_header(path: Path | str, document: dict, data_start: int, data_len: int) -> SafetensorsHeader:
     metadata = document.get(METADATA_KEY, {})
     if metadata is None:
         metadata = {}
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise ConfigError(f"{path}: {METADATA_KEY}: must map names to strings, got {_shown(metadata)}")
+    file_format = metadata.get(FORMAT_KEY)
+    if file_format is not None and file_format not in ACCEPTED_FORMATS:
+        raise ConfigError(f"{path}: {METADATA_KEY}.{FORMAT_KEY}: must be {' or '.join(map(repr, ACCEPTED_FORMATS))} "
+                          f"when present, got {_shown(file_format)}")
     axis_order = metadata.get(AXIS_ORDER_KEY)
     if axis_order is not None and axis_order != AXIS_ORDER_XLA:
         raise ConfigError(f"{path}: {METADATA_KEY}.{AXIS_ORDER_KEY}: unknown weights layout (expected "
@@ -172,40 +288,74 @@ def _parse_header(path: Path, document: dict, data_start: int, data_len: int) ->
         if name == METADATA_KEY:
             continue
         entries.append(_parse_entry(path, name, spec, data_start, data_len))
-    by_offset = sorted(entries, key=lambda e: (e.start, e.end))
-    for before, after in zip(by_offset, by_offset[1:]):
-        if after.start < before.end:
-            raise ConfigError(f"{path}: {after.name}.data_offsets: overlaps tensor '{before.name}' "
-                              f"(which ends at {before.end - data_start}), got "
-                              f"{[after.start - data_start, after.end - data_start]}")
+    # The library's rule: sorted by offsets, the tensors tile the data region from byte 0 to its end.
+    by_offset = sorted(entries, key=lambda e: (e.start, e.end, e.name))
+    covered, previous = data_start, None
+    for entry in by_offset:
+        if entry.start != covered:
+            offsets = [entry.start - data_start, entry.end - data_start]
+            if previous is not None and entry.start < covered:
+                raise ConfigError(f"{path}: {entry.name}.data_offsets: overlaps tensor '{previous.name}' "
+                                  f"(which ends at {covered - data_start}), got {offsets}")
+            after = f"tensor '{previous.name}' ends" if previous is not None else "the data region starts"
+            raise ConfigError(f"{path}: {entry.name}.data_offsets: must begin at {covered - data_start}, where "
+                              f"{after} (safetensors data is contiguous from byte 0), got {offsets}")
+        covered, previous = entry.end, entry
+    if covered != data_start + data_len:
+        raise ConfigError(f"{path}: the tensors end at byte {covered - data_start} of the {data_len}-byte data "
+                          f"region: {data_start + data_len - covered} byte(s) after the last tensor belong to none "
+                          "(a safetensors file ends with its last tensor)")
     ordered = _argument_order(path, metadata, by_offset)
     return SafetensorsHeader(path, data_start, tuple(ordered), dict(metadata))
 
 
-def _parse_entry(path: Path, name: str, spec: object, data_start: int, data_len: int) -> TensorEntry:
+_ENTRY_FIELDS = ("dtype", "shape", "data_offsets")
+_USIZE_LIMIT = 1 << 64
+
+
+def _is_usize(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < _USIZE_LIMIT
+
+
+def _parse_entry(path: Path | str, name: str, spec: object, data_start: int, data_len: int) -> TensorEntry:
     where = f"{path}: {name}"
-    if not isinstance(spec, dict) or set(spec) != {"dtype", "shape", "data_offsets"}:
+    if isinstance(spec, list) and len(spec) == len(_ENTRY_FIELDS):  # serde reads a struct from a sequence too
+        spec = dict(zip(_ENTRY_FIELDS, spec))
+    elif isinstance(spec, dict):
+        repeated = sorted(set(_ENTRY_FIELDS) & getattr(spec, "duplicates", frozenset()))
+        if repeated:
+            raise ConfigError(f"{where}: field {repeated[0]!r} appears twice")
+    if not isinstance(spec, dict) or not all(f in spec for f in _ENTRY_FIELDS):
         raise ConfigError(f"{where}: must be an object with dtype, shape and data_offsets, got {_shown(spec)}")
     token = spec["dtype"]
+    if isinstance(token, dict) and len(token) == 1 and next(iter(token.values())) is None:
+        token = next(iter(token))  # serde's other spelling of a unit variant: {"F32": null}
     dtype = SAFETENSORS_DTYPES.get(token) if isinstance(token, str) else None
     if dtype is None:
-        raise ConfigError(f"{where}.dtype: unknown safetensors dtype (expected one of "
-                          f"{', '.join(SAFETENSORS_DTYPES)}), got {_shown(token)}")
+        known = isinstance(token, str) and token in REFERENCE_ONLY_DTYPES
+        raise ConfigError(f"{where}.dtype: {'a safetensors dtype nereid cannot load' if known else 'unknown safetensors dtype'} "
+                          f"(expected one of {', '.join(SAFETENSORS_DTYPES)}), got {_shown(token)}")
     shape = spec["shape"]
-    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
-                                               for d in shape):
+    if not isinstance(shape, list) or not all(_is_usize(d) for d in shape):
         raise ConfigError(f"{where}.shape: must be a list of non-negative integers, got {_shown(shape)}")
     if len(shape) > MAX_RANK:
         raise ConfigError(f"{where}.shape: has {len(shape)} dims; at most {MAX_RANK} are supported")
     offsets = spec["data_offsets"]
-    if (not isinstance(offsets, list) or len(offsets) != 2
-            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)):
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_usize(o) for o in offsets):
         raise ConfigError(f"{where}.data_offsets: must be [begin, end], got {_shown(offsets)}")
     begin, end = offsets
     if not 0 <= begin <= end <= data_len:
         raise ConfigError(f"{where}.data_offsets: must lie inside the {data_len}-byte data region "
                           f"(0 <= begin <= end), got {offsets!r}")
-    expected = math.prod(shape) * dtype.numpy.itemsize
+    # The library multiplies in 64-bit unsigned arithmetic and refuses an overflow, even when a 0 follows.
+    elements = 1
+    for dim in shape:
+        elements *= dim
+        if elements >= _USIZE_LIMIT:
+            raise ConfigError(f"{where}.shape: the element count of {_shown(shape)} overflows 64 bits")
+    if elements * dtype.numpy.itemsize * 8 >= _USIZE_LIMIT:
+        raise ConfigError(f"{where}.shape: the bit count of {token} {_shown(shape)} overflows 64 bits")
+    expected = elements * dtype.numpy.itemsize
     if end - begin != expected:
         raise ConfigError(f"{where}.data_offsets: holds {end - begin} bytes but {token} {shape} needs "
                           f"{expected}, got {offsets!r}")
@@ -336,6 +486,7 @@ def write_safetensors(path: Path | str, tensors: Iterable[tuple[str, np.ndarray]
     if len(set(names)) != len(names):
         raise ValueError(f"duplicate weight names in {names}")
     meta: dict[str, str] = dict(metadata or {})
+    meta.setdefault(FORMAT_KEY, NEREID_FORMAT)
     meta[ARGUMENT_ORDER_KEY] = json.dumps(names)
     if legacy:
         meta.pop(AXIS_ORDER_KEY, None)

@@ -130,10 +130,9 @@ def test_file_level_mistakes(tmp_path) -> None:
     with pytest.raises(ConfigError, match="header: not valid JSON"):
         read_header(bad_json)
     duplicate = tmp_path / "dup.safetensors"
-    text = b'{"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, "w": {"dtype": "F32", "shape": [1], ' \
-           b'"data_offsets": [0, 4]}}'
+    text = b'{"__metadata__": {}, "w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, "__metadata__": {}}'
     duplicate.write_bytes(struct.pack("<Q", len(text)) + text + bytes(4))
-    with pytest.raises(ConfigError, match="duplicate key 'w'"):
+    with pytest.raises(ConfigError, match="__metadata__ appears twice"):
         read_header(duplicate)
     with pytest.raises(ConfigError, match="must be a JSON object"):
         read_header(raw_file(tmp_path / "list.safetensors", [1, 2]))  # type: ignore[arg-type]
