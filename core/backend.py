@@ -105,6 +105,20 @@ class ReportsRuntime(Protocol):
         """The current report; cheap enough to call at every metrics scrape."""
 
 
+@runtime_checkable
+class Relocatable(Protocol):
+    """Optional: a loaded model that can follow its folder to a new name without loading again.
+
+    Called when a folder is renamed (or copied, then the original deleted) with
+    its files unchanged, after the new folder exists. Keep what was compiled
+    and read; serve from ``context`` (the new name, folder and settings) from
+    now on. Raise to refuse: the model is then loaded anew under the new name.
+    """
+
+    def relocate(self, context: ModelContext) -> None:
+        """Take the new name and folder."""
+
+
 @dataclass(frozen=True)
 class BackendClaim:
     """A backend's answer to "is this folder yours?".

@@ -11,7 +11,7 @@ import asyncio
 import time
 
 from nereid import __version__
-from nereid.errors import InvalidArgument, ModelFailure, NereidError
+from nereid.errors import InvalidArgument, ModelFailure, NereidError, Unavailable
 from nereid.repository import LoadedModel, ModelRepository
 from nereid.settings import Settings
 from nereid.signature import check_outputs, validate_inputs
@@ -57,13 +57,23 @@ class DataPlane:
         """Run one request; every accepted request gets exactly one answer, success or error."""
         received_ns = time.monotonic_ns()
         model = self.repository.ready_model(request.model_name)
-        try:
-            validated = validate_inputs(request.model_name, model.signature, request.inputs)
-            wanted = self._requested_outputs(request, model)
-            outputs = await self._run(request, model, validated.tensors, validated.batch_size)
-        except NereidError as err:
-            model.stats.record_failure(time.monotonic_ns() - received_ns, err.reason)
-            raise
+        for attempt in (1, 2):
+            try:
+                validated = validate_inputs(request.model_name, model.signature, request.inputs)
+                wanted = self._requested_outputs(request, model)
+                outputs = await self._run(request, model, validated.tensors, validated.batch_size)
+                break
+            except Unavailable as err:
+                # A reload may have swapped versions while this request ran a hook: the old version
+                # no longer accepts, so the request goes to the new one (once).
+                current = self.repository.ready_model(request.model_name) if attempt == 1 else model
+                if current is model:
+                    model.stats.record_failure(time.monotonic_ns() - received_ns, err.reason)
+                    raise
+                model = current
+            except NereidError as err:
+                model.stats.record_failure(time.monotonic_ns() - received_ns, err.reason)
+                raise
         if wanted is not None:
             outputs = [t for t in outputs if t.name in wanted]
         if validated.batch_axis_added:

@@ -14,10 +14,12 @@ import threading
 from typing import TYPE_CHECKING, Iterator
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import CollectorRegistry, Histogram, make_wsgi_app
+from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
+
+from nereid.backend import ReportsRuntime
 
 if TYPE_CHECKING:
     from nereid.repository import ModelRepository
@@ -48,12 +50,19 @@ class ServerMetrics:
         self.load_duration = Histogram("nereid_model_load_duration_seconds", "Time to load a model.", ["model"],
                                        buckets=(0.01, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
                                        registry=self.registry)
+        self.repository_events = Counter(
+            "nereid_repository_events", "Dynamic repository events by model: reload, reload_failed, rename, remove.",
+            ["model", "event"], registry=self.registry)
         self.registry.register(_RepositoryCollector(repository))
         self._http = None
 
     def model_loaded(self, model: str, seconds: float) -> None:
         """Record one model load."""
         self.load_duration.labels(model).observe(seconds)
+
+    def repository_event(self, model: str, event: str) -> None:
+        """Count one reload, failed reload, rename or removal."""
+        self.repository_events.labels(model, event).inc()
 
     def serve(self, addr: str, idle_timeout_s: float = IDLE_TIMEOUT_S) -> int:
         """Start the HTTP endpoint on ``host:port``; returns the bound port.
@@ -148,10 +157,18 @@ class _RepositoryCollector(Collector):
         utilization = GaugeMetricFamily("nereid_batch_utilization",
                                         "Busy / (busy + idle) of the model's executions since it loaded.",
                                         labels=["model"])
+        warm_parent = GaugeMetricFamily("nereid_warm_parent_resident_bytes",
+                                        "Resident memory of the model's warm parent process (python backend).",
+                                        labels=["model"])
+        generation = GaugeMetricFamily("nereid_model_version",
+                                       "Versions of the model loaded so far (every load and reload adds one).",
+                                       labels=["model"])
         states = GaugeMetricFamily("nereid_models", "Model folders by state.", labels=["state"])
         counts = {state.value: 0 for state in ModelState}
         for entry in self._repository.entries():
             counts[entry.state.value] += 1
+            if entry.generation:
+                generation.add_metric([entry.name], entry.generation)
             loaded = entry.loaded  # read once: an unload may set it to None between two reads
             if loaded is None:
                 continue
@@ -166,6 +183,12 @@ class _RepositoryCollector(Collector):
                 family.add_metric([entry.name], histogram.cumulative(), histogram.sum)
             depth.add_metric([entry.name], loaded.scheduler.queue_depth)
             utilization.add_metric([entry.name], stats.batcher.utilization)
+            backend = loaded.backend
+            if isinstance(backend, ReportsRuntime):
+                resident = backend.runtime_report().warm_parent_resident_bytes
+                if resident is not None:
+                    warm_parent.add_metric([entry.name], resident)
         for state, count in counts.items():
             states.add_metric([state], count)
-        yield from (success, failure, submitted, completed, *histograms.values(), depth, utilization, states)
+        yield from (success, failure, submitted, completed, *histograms.values(), depth, utilization, warm_parent,
+                    generation, states)

@@ -20,7 +20,7 @@ from typing import Any, Callable, Mapping
 
 import pluggy
 
-from nereid.backend import Backend, ModelContext
+from nereid.backend import Backend, ModelContext, Relocatable
 from nereid.batching import BatchPolicy
 from nereid.errors import ConfigError, NotFound, Unavailable, cap_message
 from nereid.files import escaping_link
@@ -78,6 +78,7 @@ class ModelEntry:
     reason: str = NOT_LISTED_REASON
     loaded: LoadedModel | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    generation: int = 0  # versions loaded so far: every load and reload adds one
 
 
 @dataclass(frozen=True)
@@ -155,11 +156,20 @@ class ModelRepository:
         return list(self._entries)
 
     def rescan(self) -> None:
-        """Pick up folders added since the last scan (a removed folder keeps its entry until unloaded)."""
+        """Pick up folders added since the last scan (a removed folder keeps its entry until unloaded).
+
+        A model listed in nereid.yaml whose folder does not exist yet (allowed in
+        dynamic mode) has an entry too, UNAVAILABLE until its folder lands.
+        """
         for name in list_model_folders(self.root):
             if name not in self._entries:
                 settings, origin = self.settings.model_or_default(name)
                 self._entries[name] = ModelEntry(name, self.root / name, settings, origin)
+        for index, settings in enumerate(self.settings.models):
+            if settings.name not in self._entries:
+                self._entries[settings.name] = ModelEntry(
+                    settings.name, self.root / settings.name, settings, f"{self.settings.source}: models[{index}]",
+                    reason=f"waiting for its folder '{settings.name}' in ml_backends_path")
 
     def entries(self) -> list[ModelEntry]:
         """Every known model folder, by name."""
@@ -203,13 +213,11 @@ class ModelRepository:
             if entry.loaded is not None:
                 await self._unload_locked(entry)
             if not entry.folder.is_dir():
-                entry.state, entry.reason = ModelState.UNAVAILABLE, f"folder '{name}' no longer exists"
+                entry.state, entry.reason = ModelState.UNAVAILABLE, f"no folder '{name}' in ml_backends_path (yet)"
                 return entry
             entry.state, entry.reason = ModelState.LOADING, ""
-            context = ModelContext(name, entry.folder, entry.settings, self._scratch_for(name), entry.settings_origin)
-            started = time.monotonic()
             try:
-                built = await _in_daemon_thread(self._build, context)
+                entry.loaded = await self._load_version(entry, ModelStats())
             except Exception as err:  # any load failure is the model's, reported with its reason
                 reason = _reason(err)
                 log.error("model '%s' is UNAVAILABLE: %s", name, reason)  # the log keeps absolute paths
@@ -218,20 +226,133 @@ class ModelRepository:
             except asyncio.CancelledError:
                 entry.state, entry.reason = ModelState.UNAVAILABLE, "load abandoned (the server is stopping)"
                 raise
-            load_seconds = time.monotonic() - started
-            if self.metrics is not None:
-                self.metrics.model_loaded(name, load_seconds)
-            stats = ModelStats()
-            scheduler = ModelScheduler(name, built.backend, built.batch_signature, entry.settings.queue_capacity,
-                                       entry.settings.instances, stats, built.policy)
-            entry.loaded = LoadedModel(built.backend_name, built.backend, built.signature, built.batch_signature,
-                                       scheduler, stats, load_seconds,
-                                       getattr(built.backend, "preprocess", None),
-                                       getattr(built.backend, "postprocess", None))
             entry.state, entry.reason = ModelState.READY, ""
-            log.info("model '%s' is READY (backend %s, device %s, %.2f s)", name, built.backend_name,
-                     entry.settings.device, load_seconds)
         return entry
+
+    async def _load_version(self, entry: ModelEntry, stats: ModelStats) -> LoadedModel:
+        """Build the folder's model as it is now into a new LoadedModel (raises with the reason)."""
+        name = entry.name
+        context = ModelContext(name, entry.folder, entry.settings, self._scratch_for(name), entry.settings_origin)
+        started = time.monotonic()
+        built = await _in_daemon_thread(self._build, context)
+        load_seconds = time.monotonic() - started
+        if self.metrics is not None:
+            self.metrics.model_loaded(name, load_seconds)
+        scheduler = ModelScheduler(name, built.backend, built.batch_signature, entry.settings.queue_capacity,
+                                   entry.settings.instances, stats, built.policy)
+        entry.generation += 1
+        log.info("model '%s' is READY (version %d, backend %s, device %s, %.2f s)", name, entry.generation,
+                 built.backend_name, entry.settings.device, load_seconds)
+        return LoadedModel(built.backend_name, built.backend, built.signature, built.batch_signature,
+                           scheduler, stats, load_seconds,
+                           getattr(built.backend, "preprocess", None), getattr(built.backend, "postprocess", None))
+
+    async def reload(self, name: str) -> ModelEntry:
+        """Load the folder again without downtime; a model that is not loaded is simply loaded.
+
+        The running version serves until the new one is READY, then requests
+        switch over and the old one drains and unloads. If the new version
+        fails, the running one keeps serving and the reason shows in
+        RepositoryIndex (the state stays READY) and in the log.
+        """
+        entry = self.entry(name)
+        if entry.loaded is None:
+            return await self.load(name)
+        async with entry.lock:
+            old = entry.loaded
+            if old is None:  # unloaded while we waited for the lock
+                return entry
+            try:
+                new = await self._load_version(entry, old.stats)
+            except Exception as err:
+                reason = _reason(err)
+                log.error("model '%s': reload failed, version %d keeps serving: %s", name, entry.generation, reason)
+                entry.reason = self.public_text(f"reload failed, version {entry.generation} keeps serving: {reason}")
+                self._record(name, "reload_failed")
+                return entry
+            entry.loaded, entry.reason = new, ""
+            self._record(name, "reload")
+        await self._retire(name, old)
+        return entry
+
+    async def rename(self, old: str, new: str) -> ModelEntry:
+        """Move a loaded model to a renamed folder with the same files, keeping everything it loaded.
+
+        The old name answers NOT_FOUND at once; requests already running under
+        it finish. When the backend cannot move (or the new name has other
+        settings in nereid.yaml), the new folder is loaded anew and the old
+        model unloaded.
+        """
+        entry = self._entries.get(old)
+        settings, origin = self.settings.model_or_default(new)
+        loaded = entry.loaded if entry is not None else None
+        if entry is None or loaded is None or settings != replace(entry.settings, name=new):
+            await self.remove(old)
+            return await self.load(new)
+        async with entry.lock:
+            context = ModelContext(new, self.root / new, settings, self._scratch_for(new), origin)
+            try:
+                if not isinstance(loaded.backend, Relocatable):
+                    raise ConfigError(f"backend '{loaded.backend_name}' cannot move a loaded model")
+                await asyncio.to_thread(loaded.backend.relocate, context)
+            except Exception as err:
+                log.warning("model '%s': cannot be renamed in place (%s); loading '%s' anew", old, _reason(err), new)
+                moved = False
+            else:
+                moved = True
+            if moved:
+                del self._entries[old]
+                entry.name, entry.folder, entry.settings, entry.settings_origin = new, context.folder, settings, origin
+                self._entries[new] = entry  # replaces an entry a rescan may have made for the new folder
+                if old in self._exposed:
+                    self._exposed.discard(old)
+                    self._exposed.add(new)
+                loaded.scheduler.name = new
+                self._record(new, "rename")
+                log.info("model '%s' renamed to '%s' in place (version %d, nothing reloaded)", old, new,
+                         entry.generation)
+        if not moved:
+            await self.remove(old)
+            return await self.load(new)
+        return entry
+
+    async def remove(self, name: str) -> None:
+        """A folder that is gone: unload its model once its requests have finished, then forget it."""
+        entry = self._entries.get(name)
+        if entry is None:
+            return
+        await self.unload(name)
+        if not entry.folder.is_dir():  # unless it came back meanwhile
+            self._entries.pop(name, None)
+        self._record(name, "remove")
+
+    async def apply_settings(self, settings: Settings) -> None:
+        """Follow an edited nereid.yaml: reload changed entries, load added ones, unload removed ones."""
+        old = self.settings
+        self.settings = settings
+        changed_backends = {name for name in set(old.backend_defaults) | set(settings.backend_defaults)
+                            if old.backend_defaults.get(name) != settings.backend_defaults.get(name)}
+        work = []
+        for entry in self.entries():
+            model, origin = settings.model_or_default(entry.name)
+            was_listed, listed = old.model(entry.name) is not None, settings.model(entry.name) is not None
+            changed = model != entry.settings
+            entry.settings, entry.settings_origin = model, origin
+            if settings.models_listed and was_listed and not listed:
+                log.info("model '%s' is no longer listed in nereid.yaml; unloading it", entry.name)
+                work.append(self.unload(entry.name))
+            elif entry.loaded is None:
+                if listed and not was_listed:
+                    log.info("model '%s' is now listed in nereid.yaml; loading it", entry.name)
+                    work.append(self.load(entry.name))
+            elif changed or entry.loaded.backend_name in changed_backends:
+                log.info("model '%s': its settings in nereid.yaml changed; reloading it", entry.name)
+                work.append(self.reload(entry.name))
+        await asyncio.gather(*work)
+
+    def _record(self, name: str, event: str) -> None:
+        if self.metrics is not None:
+            self.metrics.repository_event(name, event)
 
     def _build(self, context: ModelContext) -> BuiltModel:
         """Check the folder stays inside the repository, then build the model (blocking)."""
@@ -281,6 +402,13 @@ class ModelRepository:
         loaded = entry.loaded
         assert loaded is not None
         entry.state, entry.reason = ModelState.UNLOADING, ""
+        await self._retire(entry.name, loaded, grace_s)
+        entry.loaded = None
+        entry.state = ModelState.UNAVAILABLE
+        log.info("model '%s' unloaded", entry.name)
+
+    async def _retire(self, name: str, loaded: LoadedModel, grace_s: float | None = None) -> None:
+        """Let one version's queued and running requests finish, then release it."""
         terminate = getattr(loaded.backend, "terminate_running", None)
 
         async def end_running() -> None:
@@ -293,10 +421,7 @@ class ModelRepository:
         try:
             await asyncio.to_thread(loaded.backend.unload)
         except Exception:
-            log.exception("model '%s': unload failed", entry.name)
-        entry.loaded = None
-        entry.state = ModelState.UNAVAILABLE
-        log.info("model '%s' unloaded", entry.name)
+            log.exception("model '%s': unload failed", name)
 
     def _scratch_for(self, name: str) -> Path:
         path = self.scratch_dir / name

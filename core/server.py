@@ -21,6 +21,7 @@ from nereid.repository import ModelRepository
 from nereid.processes import kill_children
 from nereid.settings import Settings, repository_control_allowed
 from nereid.tls import server_credentials
+from nereid.watch import RepositoryWatcher
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,8 @@ class NereidServer:
         self._grpc: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()
         self._stopped = asyncio.Event()
+        self.watcher: RepositoryWatcher | None = None
+        self._watching: asyncio.Task | None = None
 
     async def start(self) -> int:
         """Bind the port and start serving; returns the bound port. Models load in :meth:`load_models`."""
@@ -83,7 +86,16 @@ class NereidServer:
         return port
 
     async def load_models(self) -> None:
-        """Load the start-up models concurrently; failures leave them UNAVAILABLE with a reason."""
+        """Load the start-up models concurrently; failures leave them UNAVAILABLE with a reason.
+
+        With ``server.watch``, the repository is followed from here on (see :mod:`nereid.watch`).
+        """
+        if self.settings.server.watch and self.watcher is None:
+            self.watcher = RepositoryWatcher(self.repository, self.settings, after_apply=self.update_health)
+            await self.watcher.prime()  # before loading: a change made during the loads is seen
+            self._watching = asyncio.create_task(self.watcher.run())
+            log.info("dynamic repository: watching %s and %s (settle %g ms)", self.settings.server.ml_backends_path,
+                     self.settings.source, self.settings.server.watch_settle_ms)
         await asyncio.gather(*(self.repository.load(name) for name in self.repository.startup_models()))
         await self.update_health()
 
@@ -104,6 +116,10 @@ class NereidServer:
             await self.update_health()
             await self._grpc.stop(grace)
         # Past the grace, what still runs belongs to cancelled calls: end it rather than wait.
+        if self.watcher is not None and self._watching is not None:
+            self.watcher.stop()
+            self._watching.cancel()
+            await asyncio.gather(self._watching, return_exceptions=True)
         await self.repository.terminate_running()
         await self.repository.unload_all(grace_s=0)
         self.metrics.close()

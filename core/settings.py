@@ -21,6 +21,7 @@ DEFAULT_QUEUE_CAPACITY = 128
 DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_SHUTDOWN_GRACE_S = 30.0
 DEFAULT_METRICS_ADDR = "127.0.0.1:8002"
+DEFAULT_WATCH_SETTLE_MS = 1000.0
 # Like Triton's default; up to 2 GiB - 1 (gRPC's own ceiling) may be configured.
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
 MAX_MESSAGE_BYTES_CEILING = (1 << 31) - 1
@@ -100,6 +101,9 @@ class ServerSettings:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     repository_control: bool | None = None
     tls: TlsSettings | None = None
+    # Dynamic mode: follow ml_backends_path and nereid.yaml (see nereid.watch).
+    watch: bool = False
+    watch_settle_ms: float = DEFAULT_WATCH_SETTLE_MS
 
 
 def is_loopback(bind_addr: str) -> bool:
@@ -177,7 +181,9 @@ def parse_settings(document: Any, path: Path) -> Settings:
         if not isinstance(raw_models, list):
             reader.fail("models", "must be a list of model entries", raw_models)
         for index, entry in enumerate(raw_models):
-            models.append(_parse_model(reader, entry, f"models[{index}]", server.ml_backends_path))
+            # In dynamic mode a listed model may come before its folder: it loads when the folder lands.
+            models.append(_parse_model(reader, entry, f"models[{index}]", server.ml_backends_path,
+                                       require_folder=not server.watch))
         seen: set[str] = set()
         for index, model in enumerate(models):
             if model.name in seen:
@@ -195,7 +201,7 @@ def parse_settings(document: Any, path: Path) -> Settings:
 def _parse_server(reader: KeyedReader, raw: Any, path: Path) -> ServerSettings:
     section = reader.mapping(raw, "server", {"bind_addr", "ml_backends_path", "strict_readiness", "shutdown_grace_s",
                                              "metrics_addr", "follow_symlinks", "max_message_bytes",
-                                             "repository_control", "tls"})
+                                             "repository_control", "tls", "watch", "watch_settle_ms"})
     bind_addr = reader.string(section, "server.bind_addr", DEFAULT_BIND_ADDR)
     if ":" not in bind_addr:
         reader.fail("server.bind_addr", "must be host:port", bind_addr)
@@ -222,7 +228,12 @@ def _parse_server(reader: KeyedReader, raw: Any, path: Path) -> ServerSettings:
     if control is not None and not isinstance(control, bool):
         reader.fail("server.repository_control", "must be true or false (unset: true on loopback only)", control)
     tls = _parse_tls(reader, section.get("tls"), path) if "tls" in section else None
-    return ServerSettings(bind_addr, backends, strict, grace, metrics_addr, follow, max_message, control, tls)
+    watch = section.get("watch", False)
+    if not isinstance(watch, bool):
+        reader.fail("server.watch", "must be true or false", watch)
+    settle = reader.number(section, "server.watch_settle_ms", DEFAULT_WATCH_SETTLE_MS, minimum=0)
+    return ServerSettings(bind_addr, backends, strict, grace, metrics_addr, follow, max_message, control, tls,
+                          watch, settle)
 
 
 def _parse_tls(reader: KeyedReader, raw: Any, path: Path) -> TlsSettings:
@@ -247,7 +258,8 @@ def _parse_tls(reader: KeyedReader, raw: Any, path: Path) -> TlsSettings:
     return tls
 
 
-def _parse_model(reader: KeyedReader, raw: Any, where: str, backends_path: Path) -> ModelSettings:
+def _parse_model(reader: KeyedReader, raw: Any, where: str, backends_path: Path,
+                 require_folder: bool = True) -> ModelSettings:
     entry = reader.mapping(raw, where, {"name", "device", "queue_capacity", "backend", "instances", "timeout_s",
                                         "runtime", "batching"})
     if "name" not in entry:
@@ -255,7 +267,7 @@ def _parse_model(reader: KeyedReader, raw: Any, where: str, backends_path: Path)
     name = reader.string(entry, f"{where}.name", "")
     if not name or "/" in name or name.startswith("."):
         reader.fail(f"{where}.name", "must be a folder name", name)
-    if not (backends_path / name).is_dir():
+    if require_folder and not (backends_path / name).is_dir():
         reader.fail(f"{where}.name", f"has no model folder {backends_path / name}", name)
     device_text = reader.string(entry, f"{where}.device", "cpu")
     try:

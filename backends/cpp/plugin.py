@@ -23,6 +23,10 @@ class CppModel(SubprocessModel):
     def prepare(self) -> None:
         self._binary = build_binary(self.context.folder, SOURCE_FILE)
 
+    def prepare_relocated(self) -> None:
+        # The binary lives in the folder's .cache/: found again there (a copy without it compiles).
+        self.prepare()
+
     def command(self) -> list[str]:
         assert self._binary is not None, "load() first"
         return [str(self._binary)]

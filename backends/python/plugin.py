@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 from nereid.backend import BackendClaim, ModelContext, RuntimeReport
@@ -43,8 +44,8 @@ class PythonModel(SubprocessModel):
         if not self.options.warm_start:
             self._cold_reason = "runtime.warm_start is false"
             return
-        parent_dir = self.context.scratch_dir / "warm-parent"
-        parent_dir.mkdir(parents=True, exist_ok=True)
+        # A folder of its own: while a changed model reloads, two versions' parents run side by side.
+        parent_dir = Path(tempfile.mkdtemp(prefix="warm-parent-", dir=self.context.scratch_dir))
         env = self.base_environment()
         env["TMPDIR"] = str(parent_dir)
         warm = WarmParent(name=self.context.name, folder=self.context.folder, env=env,
@@ -67,6 +68,12 @@ class PythonModel(SubprocessModel):
         if self._warm is None:
             return super().launch(env=env, stdin=stdin)
         return self._warm.run(env=env, stdin=stdin, timeout_s=self.context.settings.timeout_s, groups=self._groups)
+
+    def relocate(self, context: ModelContext) -> None:
+        """Serve on from a renamed folder: the warm parent stays, each child runs in the new folder."""
+        super().relocate(context)
+        if self._warm is not None:
+            self._warm.name, self._warm.folder = context.name, context.folder
 
     def unload(self) -> None:
         """End the warm parent (and any child it still runs) and remove its folder."""

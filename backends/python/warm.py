@@ -128,7 +128,7 @@ class WarmParent:
         reply, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         with reply:
             try:
-                socket.send_fds(control, [json.dumps({"env": env}).encode()],
+                socket.send_fds(control, [json.dumps({"env": env, "cwd": str(self.folder)}).encode()],
                                 [stdin_read, output_write, theirs.fileno()])
             except OSError as err:
                 os.close(stdin_write)

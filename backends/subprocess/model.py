@@ -80,6 +80,11 @@ class SubprocessModel:
         finally:
             shutil.rmtree(work_dir, ignore_errors=True)
 
+    def relocate(self, context: ModelContext) -> None:
+        """Serve on from a renamed folder with the same files (``nereid.backend.Relocatable``)."""
+        self.context = context
+        self.prepare_relocated()
+
     def unload(self) -> None:
         """Nothing stays running between requests."""
 
@@ -90,6 +95,9 @@ class SubprocessModel:
     # -- for subclasses ---------------------------------------------------
     def prepare(self) -> None:
         """Build the program if it needs building (called by ``load``, once ``entry_file`` is there)."""
+
+    def prepare_relocated(self) -> None:
+        """Point what ``prepare`` made at the new folder (``context`` is already the new one)."""
 
     def command(self) -> list[str]:
         """The argv to run, with the model folder as working directory."""

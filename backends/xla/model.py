@@ -25,10 +25,10 @@ from nereid.backends.xla.cache import CacheKey, CacheStats, CompileFunctions, Ex
 from nereid.backends.xla.conformance import check_program_types
 from nereid.backends.xla.device import PjrtTarget, resolve_device
 from nereid.backends.xla.manifest import Manifest
-from nereid.backends.xla.migration import migrate_for_load, weights_to_load
+from nereid.backends.xla.migration import local_weight_set, migrate_for_load
 from nereid.backends.xla.options import parse_options
 from nereid.backends.xla.program import read_program
-from nereid.backends.xla.safetensors import read_header, read_tensors
+from nereid.backends.xla.weights import read_local_weights
 from nereid.backends.xla.signatures import BatchMode, batch_mode, build_signature
 from nereid.errors import ConfigError, InvalidArgument, ModelFailure
 from nereid.model_hooks import ModelHooks, load_model_hooks
@@ -86,16 +86,16 @@ class XlaModel:
         migrate_for_load(context.folder, options.weights_migration, context.name)
         layout = open_bundle(context.folder, options.largest_batch_only)
         manifest = layout.manifest
-        weights_path = weights_to_load(layout)
-        header = read_header(weights_path) if weights_path else None
-        weight_types = [(e.name, header.program_shape(e), e.dtype) for e in header.tensors] if header else []
+        weight_set = local_weight_set(layout)
+        weight_types = [(w.entry.name, w.program_shape, w.entry.dtype) for w in weight_set.weights] if weight_set else []
         self._load_hooks(layout)
         target = resolve_device(context.device, context.name, context.settings_origin)
         cache = ExecutableCache(context.folder / CACHE_DIR, options.executable_cache)
-        weights_name = weights_path.name if weights_path else DEFAULT_WEIGHTS_FILE
+        weights_name = weight_set.describe() if weight_set else DEFAULT_WEIGHTS_FILE
         programs = {key: self._program(key, path, layout.manifest, weight_types, weights_name, target, cache)
                     for key, path in layout.modules.items()}
-        arrays = read_tensors(header, threads=options.weights_read_threads) if header else []
+        arrays = (read_local_weights(layout.folder, weight_set, threads=options.weights_read_threads)
+                  if weight_set else [])
         import jax
 
         # x64 only for this transfer: without it jax narrows 64-bit arrays to 32 bits.
@@ -144,6 +144,10 @@ class XlaModel:
                 array = array[:rows]
             outputs.append(NamedTensor(spec.name, spec.dtype, array))
         return outputs
+
+    def relocate(self, context: ModelContext) -> None:
+        """Serve on under a renamed folder: the executables and weights stay resident."""
+        self.context = context
 
     def unload(self) -> None:
         """Free the device buffers and executables."""

@@ -1,0 +1,234 @@
+"""Dynamic mode (``server.watch: true``): the repository follows its folder and nereid.yaml.
+
+watchfiles reports file events; they are only a trigger. Once the repository
+has been quiet for ``server.watch_settle_ms``, the watcher scans every model
+folder and compares what it finds with what it last saw:
+
+- a new folder is loaded (with its nereid.yaml entry, or default settings);
+- a folder whose files changed is reloaded without downtime (the old version
+  serves until the new one is READY; a failed reload keeps the old one);
+- a folder that vanished while another with the same contents appeared is a
+  rename: the loaded model moves to the new name in place, nothing re-read;
+- a folder that vanished is unloaded once its requests have finished;
+- a changed nereid.yaml reloads the models whose entries changed, loads added
+  ones and unloads removed ones.
+
+Files the server or an editor writes (hidden files and folders such as
+``.cache/``, ``*.swp``, ``*~``, ``#*#``) never count as a change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Awaitable, Callable
+
+import watchfiles
+
+from nereid.errors import ConfigError
+from nereid.settings import Settings, load_settings
+
+if TYPE_CHECKING:
+    from nereid.repository import ModelRepository
+
+log = logging.getLogger(__name__)
+
+SAMPLE_BYTES = 64 * 1024  # hashed from each end of a file for the content identity
+MAX_GROUPING_FACTOR = 20  # changes that never stop are still acted on after this many settle times
+
+
+def ignored_name(name: str) -> bool:
+    """Files and folders that never make a model change: hidden ones and editor leftovers."""
+    return (name.startswith(".") or name.startswith("#") or name.endswith("~")
+            or name.endswith((".swp", ".swx", ".tmp")) or name == "__pycache__" or name.endswith(".pyc"))
+
+
+@dataclass(frozen=True)
+class FolderState:
+    """What a scan saw of one model folder.
+
+    ``stamp`` changes whenever a file is written (names, sizes, mtimes);
+    ``identity`` is the same for two copies of the same files (names, sizes and
+    a hash of each file's first and last bytes), so that a ``mv`` and a
+    copy-then-delete are both recognised as a rename.
+    """
+
+    stamp: tuple[tuple[str, int, int], ...]
+    identity: str
+
+
+def scan_folder(folder: Path) -> FolderState | None:
+    """The state of one model folder (None when it vanished during the scan)."""
+    files: list[tuple[str, int, int]] = []
+    try:
+        for directory, subdirs, names in os.walk(folder):
+            subdirs[:] = sorted(d for d in subdirs if not ignored_name(d))
+            for name in sorted(names):
+                if ignored_name(name):
+                    continue
+                path = os.path.join(directory, name)
+                info = os.stat(path)
+                files.append((os.path.relpath(path, folder), info.st_size, info.st_mtime_ns))
+    except FileNotFoundError:
+        return None
+    digest = hashlib.sha256()
+    for relative, size, _ in files:
+        digest.update(f"{relative}\0{size}\0".encode())
+        try:
+            with open(folder / relative, "rb") as f:
+                digest.update(f.read(SAMPLE_BYTES))
+                if size > 2 * SAMPLE_BYTES:
+                    f.seek(size - SAMPLE_BYTES)
+                    digest.update(f.read(SAMPLE_BYTES))
+                elif size > SAMPLE_BYTES:
+                    digest.update(f.read())
+        except OSError:
+            return None
+    return FolderState(tuple(files), digest.hexdigest())
+
+
+def scan_repository(root: Path) -> dict[str, FolderState]:
+    """Every model folder under ``root`` (hidden ones skipped) and its state."""
+    states = {}
+    for entry in sorted(os.scandir(root), key=lambda e: e.name):
+        if entry.is_dir() and not entry.name.startswith("."):
+            state = scan_folder(Path(entry.path))
+            if state is not None:
+                states[entry.name] = state
+    return states
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one scan asks of the repository, in the order it is carried out."""
+
+    renames: tuple[tuple[str, str], ...] = ()
+    removed: tuple[str, ...] = ()
+    added: tuple[str, ...] = ()
+    changed: tuple[str, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.renames or self.removed or self.added or self.changed)
+
+
+def plan_changes(before: dict[str, FolderState], after: dict[str, FolderState]) -> Plan:
+    """Compare two scans: renames (same identity, one name gone, one new), removals, additions, edits."""
+    gone = [name for name in before if name not in after]
+    new = [name for name in after if name not in before]
+    renames = []
+    for old in list(gone):
+        match = next((name for name in new if after[name].identity == before[old].identity), None)
+        if match is not None:
+            renames.append((old, match))
+            gone.remove(old)
+            new.remove(match)
+    changed = [name for name in after if name in before and after[name].stamp != before[name].stamp]
+    return Plan(tuple(renames), tuple(gone), tuple(new), tuple(changed))
+
+
+class RepositoryWatcher:
+    """Watches ``ml_backends_path`` and nereid.yaml and brings the repository in line after each quiet spell."""
+
+    def __init__(self, repository: ModelRepository, settings: Settings,
+                 after_apply: Callable[[], Awaitable[None]] | None = None) -> None:
+        self.repository = repository
+        self.settings = settings
+        self.root = settings.server.ml_backends_path
+        self.config_path = Path(settings.source).resolve()
+        self.settle_ms = settings.server.watch_settle_ms
+        self._folders: dict[str, FolderState] = {}
+        self._config_text = self._read_config()
+        self._stop = asyncio.Event()
+        self._applying = asyncio.Lock()  # the two watches never apply at once
+        self.scans = 0  # completed scans, for tests and logs
+        self._after_apply = after_apply
+
+    async def prime(self) -> None:
+        """Remember the repository as it is now (call once the start-up models are loaded)."""
+        self._folders = await asyncio.to_thread(scan_repository, self.root)
+
+    async def run(self) -> None:
+        """Follow changes until :meth:`stop`.
+
+        The model folders are watched recursively; nereid.yaml through its
+        folder, not recursively (editors replace the file, which a watch on the
+        file itself would lose, and that folder may hold a whole project).
+        """
+        await asyncio.gather(self._follow(self.root, recursive=True),
+                             self._follow(self.config_path.parent, recursive=False))
+
+    async def _follow(self, path: Path, recursive: bool) -> None:
+        async for _ in watchfiles.awatch(path, watch_filter=self._relevant, step=max(1, int(self.settle_ms)),
+                                         debounce=max(1600, int(self.settle_ms * MAX_GROUPING_FACTOR)),
+                                         stop_event=self._stop, recursive=recursive):
+            async with self._applying:
+                try:
+                    await self.apply()
+                except Exception:  # the watcher must outlive any one bad change
+                    log.exception("dynamic repository: applying a change failed")
+
+    def stop(self) -> None:
+        """End :meth:`run` at its next wake-up."""
+        self._stop.set()
+
+    async def apply(self) -> None:
+        """Scan once and carry out what changed (nereid.yaml first, then the folders)."""
+        await self._apply_config()
+        after = await asyncio.to_thread(scan_repository, self.root)
+        plan = plan_changes(self._folders, after)
+        self._folders = after
+        repository = self.repository
+        for old, new in plan.renames:
+            log.info("dynamic repository: folder '%s' renamed to '%s'", old, new)
+            await repository.rename(old, new)
+        for name in plan.removed:
+            log.info("dynamic repository: folder '%s' removed; unloading it", name)
+            await repository.remove(name)
+        for name in plan.added:
+            log.info("dynamic repository: new folder '%s'; loading it", name)
+        for name in plan.changed:
+            log.info("dynamic repository: folder '%s' changed; reloading it", name)
+        await asyncio.gather(*(repository.load(name) for name in plan.added),
+                             *(repository.reload(name) for name in plan.changed))
+        self.scans += 1
+        if self._after_apply is not None:
+            await self._after_apply()
+
+    async def _apply_config(self) -> None:
+        text = self._read_config()
+        if text == self._config_text:
+            return
+        self._config_text = text
+        try:
+            new = await asyncio.to_thread(load_settings, self.config_path)
+        except ConfigError as err:
+            log.error("dynamic repository: %s; keeping the running configuration", err)
+            return
+        old = self.settings
+        if new.server != old.server:
+            changed = [key for key in new.server.__dataclass_fields__
+                       if getattr(new.server, key) != getattr(old.server, key)]
+            log.warning("dynamic repository: nereid.yaml changed server.%s: needs a restart; ignored",
+                        ", server.".join(changed))
+        new = replace(new, server=old.server)
+        self.settings = new
+        await self.repository.apply_settings(new)
+
+    def _read_config(self) -> str | None:
+        try:
+            return self.config_path.read_text(encoding="utf-8")
+        except OSError:
+            return None
+
+    def _relevant(self, change: watchfiles.Change, path: str) -> bool:
+        if Path(path) == self.config_path:
+            return True
+        try:
+            relative = Path(path).relative_to(self.root)
+        except ValueError:
+            return False  # another file next to nereid.yaml
+        return not any(ignored_name(part) for part in relative.parts)

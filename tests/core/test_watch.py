@@ -1,0 +1,271 @@
+"""Dynamic mode: folders dropped, edited, renamed and deleted, and nereid.yaml edited, while serving."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as triton
+from tritonclient.utils import InferenceServerException
+
+from nereid.watch import plan_changes, scan_folder, scan_repository
+
+from support import textproto_single
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "ml-backends"
+SETTLE = "  watch: true\n  watch_settle_ms: 100\n"
+REPORT = textproto_single("BYTES", input_shape="[1]", output_shape="[1]", max_batch_size=8)
+
+
+def version_main(version: str) -> str:
+    """A main.py that answers with ``version`` and its parent's pid (the warm parent)."""
+    return f'''
+import json, os, sys
+sys.stdin.buffer.read()
+answer = json.dumps({{"version": "{version}", "parent": os.getppid()}}).encode()
+with open(os.environ["NEREID_OUTPUT_PATH"], "wb") as out:
+    out.write(b"bytes 1,1\\n" + len(answer).to_bytes(4, "little") + answer)
+'''
+
+
+def ask(client, model: str) -> dict:
+    tensor = triton.InferInput("input", [1, 1], "BYTES")
+    tensor.set_data_from_numpy(np.array([[b"x"]], dtype=object))
+    return json.loads(client.infer(model, [tensor]).as_numpy("output")[0, 0])
+
+
+def index(server) -> dict[str, tuple[str, str]]:
+    return {m.name: (m.state, m.reason) for m in server.client.get_model_repository_index().models}
+
+
+def wait_for(condition, timeout_s: float = 20):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
+
+
+def generation(server, name: str) -> int:
+    return server.server.repository.entry(name).generation
+
+
+def write_model(folder: Path, version: str) -> None:
+    folder.mkdir()
+    (folder / "model_inference.textproto").write_text(REPORT)
+    (folder / "main.py").write_text(version_main(version))
+
+
+class Load:
+    """Requests sent back to back from a thread; every failure is kept."""
+
+    def __init__(self, url: str, model: str) -> None:
+        self.client = triton.InferenceServerClient(url)
+        self.model = model
+        self.answers: list[dict] = []
+        self.failures: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.answers.append(ask(self.client, self.model))
+            except InferenceServerException as err:
+                self.failures.append(err.message())
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(30)
+        self.client.close()
+
+
+# -- scanning, without a server ------------------------------------------------------
+
+def test_scan_ignores_server_and_editor_files_and_sees_copies_as_the_same(tmp_path):
+    folder = tmp_path / "a"
+    folder.mkdir()
+    (folder / "main.py").write_text("print(1)\n")
+    (folder / "weights.bin").write_bytes(os.urandom(300_000))
+    before = scan_folder(folder)
+    for junk in (".cache/main-1", ".main.py.swp", "main.py~", "#main.py#", "x.tmp", "__pycache__/m.pyc"):
+        (folder / junk).parent.mkdir(exist_ok=True)
+        (folder / junk).write_text("junk")
+    assert scan_folder(folder) == before
+    shutil.copytree(folder, tmp_path / "b", copy_function=shutil.copy)  # like cp -r: new mtimes, same files
+    copy = scan_folder(tmp_path / "b")
+    assert copy.identity == before.identity and copy.stamp != before.stamp
+    (tmp_path / "b" / "weights.bin").write_bytes(os.urandom(300_000))
+    assert scan_folder(tmp_path / "b").identity != before.identity
+
+
+def test_plan_finds_renames_removals_additions_and_edits(tmp_path):
+    for name in ("keep", "edit", "gone", "moved"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "main.py").write_text(f"# {name}\n")
+    before = scan_repository(tmp_path)
+    os.rename(tmp_path / "moved", tmp_path / "renamed")
+    shutil.rmtree(tmp_path / "gone")
+    (tmp_path / "new").mkdir()
+    (tmp_path / "new" / "main.py").write_text("# brand new\n")
+    time.sleep(0.01)
+    (tmp_path / "edit" / "main.py").write_text("# edited\n")
+    plan = plan_changes(before, scan_repository(tmp_path))
+    assert plan.renames == (("moved", "renamed"),)
+    assert plan.removed == ("gone",) and plan.added == ("new",) and plan.changed == ("edit",)
+
+
+# -- a served repository ----------------------------------------------------------------
+
+def test_dropped_folder_loads_and_a_half_copy_is_retried(repo, serve):
+    server = serve(repo.write_config("- name: first\n", server_extra=SETTLE))
+    write_model(repo.models_dir / "first", "1")
+    wait_for(lambda: index(server).get("first", ("",))[0] == "READY")  # listed, so loaded at start
+    # Half a copy: the textproto without main.py. Never READY; when the rest lands, it loads.
+    half = repo.models_dir / "dropped"
+    half.mkdir()
+    (half / "model_inference.textproto").write_text(REPORT)
+    wait_for(lambda: index(server).get("dropped", ("", ""))[1].startswith("no backend claims the folder"))
+    assert index(server)["dropped"][0] == "UNAVAILABLE"
+    (half / "main.py").write_text(version_main("dropped"))
+    wait_for(lambda: index(server)["dropped"][0] == "READY")
+    assert ask(server.client, "dropped")["version"] == "dropped"
+
+
+def test_edit_under_load_swaps_versions_without_a_failed_request(repo, serve):
+    folder = repo.models_dir / "live"
+    write_model(folder, "1")
+    server = serve(repo.write_config(server_extra=SETTLE))
+    first = ask(server.client, "live")
+    load = Load(server.url, "live")
+    try:
+        wait_for(lambda: len(load.answers) > 5)
+        (folder / "main.py").write_text(version_main("2"))
+        wait_for(lambda: generation(server, "live") == 2)
+        count = len(load.answers)
+        wait_for(lambda: len(load.answers) > count + 5)
+    finally:
+        load.stop()
+    assert load.failures == []
+    second = load.answers[-1]
+    assert second["version"] == "2"
+    assert second["parent"] != first["parent"]  # a new warm parent for the new version...
+    wait_for(lambda: not os.path.exists(f"/proc/{first['parent']}"))  # ...and the old one is gone
+
+
+def test_failed_reload_keeps_the_running_version(repo, serve, caplog):
+    folder = repo.models_dir / "steady"
+    write_model(folder, "1")
+    server = serve(repo.write_config(server_extra=SETTLE))
+    (folder / "model_inference.textproto").write_text("input_shape: [1\n")
+    state, reason = wait_for(lambda: index(server)["steady"] if "reload failed" in index(server)["steady"][1]
+                             else None)
+    assert state == "READY" and "version 1 keeps serving" in reason and "model_inference.textproto" in reason
+    assert ask(server.client, "steady")["version"] == "1"
+    (folder / "model_inference.textproto").write_text(REPORT)  # fixed: the next reload succeeds
+    wait_for(lambda: index(server)["steady"] == ("READY", ""))
+    metrics = _scrape(server)
+    assert metrics['nereid_repository_events_total{event="reload_failed",model="steady"}'] == 1
+    assert metrics['nereid_model_version{model="steady"}'] == 2
+
+
+@pytest.mark.parametrize("how", ["mv", "copy then delete"])
+def test_rename_moves_the_loaded_model_in_place(repo, serve, how):
+    write_model(repo.models_dir / "before", "1")
+    server = serve(repo.write_config(server_extra=SETTLE))
+    parent = ask(server.client, "before")["parent"]
+    backend = server.server.repository.entry("before").loaded.backend
+    if how == "mv":
+        os.rename(repo.models_dir / "before", repo.models_dir / "after")
+    else:
+        shutil.copytree(repo.models_dir / "before", repo.models_dir / "after", copy_function=shutil.copy)
+        shutil.rmtree(repo.models_dir / "before")
+    wait_for(lambda: index(server).get("after", ("",))[0] == "READY")
+    assert "before" not in index(server)
+    with pytest.raises(InferenceServerException) as caught:
+        ask(server.client, "before")
+    assert caught.value.status() == "StatusCode.NOT_FOUND"
+    assert ask(server.client, "after") == {"version": "1", "parent": parent}  # the same warm parent
+    assert server.server.repository.entry("after").loaded.backend is backend
+    assert generation(server, "after") == 1
+    assert _scrape(server)['nereid_repository_events_total{event="rename",model="after"}'] == 1
+
+
+def test_renamed_bundle_is_not_compiled_or_read_again(repo, serve):
+    shutil.copytree(EXAMPLES / "mlp_bundle", repo.models_dir / "mlp", ignore=shutil.ignore_patterns(".cache"))
+    server = serve(repo.write_config(server_extra=SETTLE))
+    tensor = triton.InferInput("input", [1, 16], "FP32")
+    tensor.set_data_from_numpy(np.ones((1, 16), np.float32))
+    expected = server.client.infer("mlp", [tensor]).as_numpy("output")
+    loads = _scrape(server)['nereid_model_load_duration_seconds_count{model="mlp"}']
+    os.rename(repo.models_dir / "mlp", repo.models_dir / "mlp2")
+    wait_for(lambda: index(server).get("mlp2", ("",))[0] == "READY")
+    np.testing.assert_array_equal(server.client.infer("mlp2", [tensor]).as_numpy("output"), expected)
+    metrics = _scrape(server)
+    assert metrics.get('nereid_model_load_duration_seconds_count{model="mlp2"}', 0) == 0 and loads == 1
+    assert generation(server, "mlp2") == 1
+
+
+def test_deleted_folder_finishes_its_requests_then_is_gone(repo, serve):
+    folder = repo.models_dir / "doomed"
+    write_model(folder, "1")
+    (folder / "main.py").write_text("import time\ntime.sleep(1)\n" + version_main("1"))
+    server = serve(repo.write_config(server_extra=SETTLE))
+    results = []
+    caller = threading.Thread(target=lambda: results.append(ask(triton.InferenceServerClient(server.url), "doomed")))
+    caller.start()
+    time.sleep(0.3)  # the request is running
+    shutil.rmtree(folder)
+    caller.join(30)
+    assert results and results[0]["version"] == "1"  # in flight: answered
+    wait_for(lambda: "doomed" not in index(server))
+    with pytest.raises(InferenceServerException) as caught:
+        ask(server.client, "doomed")
+    assert caught.value.status() == "StatusCode.NOT_FOUND"
+
+
+def test_nereid_yaml_edits(repo, serve, caplog):
+    for name in ("a", "b", "c"):
+        write_model(repo.models_dir / name, name)
+    config = repo.write_config("- name: a\n- name: b\n", server_extra=SETTLE)
+    server = serve(config)
+    assert index(server)["c"][0] == "UNAVAILABLE"
+    caplog.set_level(logging.INFO)
+    text = config.read_text()
+    # a changed entry reloads, an added one loads, a removed one unloads
+    edited = text.replace("  - name: a\n  - name: b\n", "  - name: a\n    queue_capacity: 7\n  - name: c\n")
+    assert edited != text
+    config.write_text(edited)
+    wait_for(lambda: index(server)["c"][0] == "READY" and index(server)["b"][0] == "UNAVAILABLE")
+    wait_for(lambda: generation(server, "a") == 2)
+    assert server.server.repository.entry("a").loaded.scheduler.capacity == 7
+    # a nereid.yaml that no longer parses is refused; the running configuration stays
+    config.write_text("models: [\n")
+    wait_for(lambda: any("keeping the running configuration" in r.message for r in caplog.records))
+    assert ask(server.client, "c")["version"] == "c"
+    # server keys are logged as needing a restart, and otherwise ignored
+    config.write_text(text.replace('bind_addr: "127.0.0.1:0"', 'bind_addr: "127.0.0.1:1"'))
+    wait_for(lambda: any("server.bind_addr: needs a restart" in r.message for r in caplog.records))
+    assert ask(server.client, "a")["version"] == "a"
+
+
+def _scrape(server) -> dict[str, float]:
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.server.metrics_port}/metrics", timeout=10).read()
+    samples = {}
+    for line in text.decode().splitlines():
+        if line and not line.startswith("#"):
+            key, value = line.rsplit(" ", 1)
+            samples[key] = float(value)
+    return samples
