@@ -111,6 +111,20 @@ def tensor_bytes(tensor: NamedTensor) -> bytes:
     return np.ascontiguousarray(data, dtype=tensor.dtype.little_endian).tobytes()
 
 
+def tensor_buffer(tensor: NamedTensor) -> bytes | memoryview:
+    """:func:`tensor_bytes` without a copy where the array already holds exactly those bytes.
+
+    A C-contiguous little-endian array is returned as a byte view of itself;
+    anything else is converted (BYTES, big-endian or strided arrays).
+    """
+    data = tensor.data
+    if (tensor.dtype is not DType.BYTES and data.flags.c_contiguous and data.dtype.byteorder != ">"
+            and data.dtype == tensor.dtype.little_endian):
+        # A uint8 view first: extension dtypes (bfloat16) have no buffer format of their own.
+        return memoryview(data.reshape(-1).view(np.uint8))
+    return tensor_bytes(tensor)
+
+
 def _root_bytes(array: np.ndarray) -> bytes | None:
     """The bytes object at the bottom of a chain of numpy views (or of a memoryview), if that is what it is."""
     base = array.base

@@ -13,7 +13,7 @@ from nereid.dtypes import DType
 from nereid.errors import InvalidArgument
 from nereid.signature import MAX_RANK, expected_byte_size
 from nereid.tensors import (InferRequest, InferResponse, NamedTensor, bytes_array, split_bytes_elements,
-                            tensor_bytes)
+                            tensor_buffer, tensor_bytes)
 
 # The request parameter Triton clients use for a per-request timeout, in microseconds.
 TIMEOUT_PARAMETER = "timeout"
@@ -201,6 +201,48 @@ def _decode_contents(where: str, dtype: DType, shape: tuple[int, ...], count: in
             raise InvalidArgument(f"{where}: contents.{field} value {bad} does not fit {dtype.kserve} "
                                   f"(range {info.min} to {info.max})")
     return source.astype(dtype.numpy).reshape(shape)
+
+
+def serialize_infer_response(response: InferResponse, *, streamed: bool = False) -> bytes:
+    """The wire bytes of a ModelInferResponse (``streamed``: of a ModelStreamInferResponse holding it).
+
+    Equal to serializing :func:`encode_infer_response`, with one copy of the
+    output data instead of three: protobuf would copy each output into its
+    arena, then into the serialized message, before gRPC copies it once more.
+    Here the small rest of the message is serialized by protobuf and the raw
+    outputs are appended as ``raw_output_contents`` fields, joined once.
+    """
+    head = pb.ModelInferResponse(model_name=response.model_name, model_version="1", id=response.id)
+    buffers = []
+    for tensor in response.outputs:
+        head.outputs.add(name=tensor.name, datatype=tensor.dtype.kserve, shape=tensor.shape)
+        buffers.append(tensor_buffer(tensor))
+    parts: list[bytes | memoryview] = [head.SerializeToString()]
+    for buffer in buffers:
+        parts.append(_RAW_OUTPUT_KEY + _encode_varint(len(buffer)))
+        parts.append(buffer)
+    if streamed:
+        size = sum(len(part) for part in parts)
+        parts.insert(0, _STREAM_RESPONSE_KEY + _encode_varint(size))
+    return b"".join(parts)
+
+
+def _encode_varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+# ModelInferResponse.raw_output_contents (field 6) and ModelStreamInferResponse.infer_response
+# (field 2), both length-delimited.
+_RAW_OUTPUT_KEY = bytes([6 << 3 | _LENGTH_DELIMITED])
+_STREAM_RESPONSE_KEY = bytes([2 << 3 | _LENGTH_DELIMITED])
 
 
 def encode_infer_response(response: InferResponse) -> pb.ModelInferResponse:

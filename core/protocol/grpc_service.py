@@ -16,12 +16,13 @@ import grpc
 from nereid._proto import grpc_service_pb2 as pb
 from nereid._proto import model_config_pb2 as mc
 from nereid.dataplane import DataPlane
-from nereid.memory import TRIM_AFTER_BYTES, release_free_heap
 from nereid.errors import (ConfigError, DeadlineExceeded, InvalidArgument, ModelFailure, NereidError,
                            NotFound, PermissionDenied, Unavailable, cap_message)
-from nereid.protocol.grpc_codec import decode_infer_request, encode_infer_response, parse_infer_request
+from nereid.memory import TRIM_AFTER_BYTES, release_free_heap
+from nereid.protocol.grpc_codec import decode_infer_request, parse_infer_request, serialize_infer_response
 from nereid.repository import LoadedModel, ModelState
 from nereid.signature import TensorSpec
+from nereid.tensors import InferResponse
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,9 @@ def status_of(error: NereidError) -> grpc.StatusCode:
 
 
 Handler = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
+
+# Requests of one ModelStreamInfer call that may be read but not yet answered on the wire.
+STREAM_IN_FLIGHT = 256
 
 # Requests at least this large are decoded on a worker thread, so that splitting many
 # BYTES elements or converting typed contents never stalls the event loop.
@@ -195,10 +199,11 @@ class InferenceServicer:
         return pb.ModelConfigResponse(config=model_config(request.name, model, entry.settings))
 
     @_maps_errors
-    async def ModelInfer(self, request: Received, context) -> pb.ModelInferResponse:
-        return await self._infer(request, context)
+    async def ModelInfer(self, request: Received, context) -> bytes:
+        # Serialized here, with one copy of the outputs (see serialize_infer_response).
+        return serialize_infer_response(await self._infer(request, context))
 
-    async def _infer(self, received: Received, context) -> pb.ModelInferResponse:
+    async def _infer(self, received: Received, context) -> InferResponse:
         request = received.message
         if received.size >= TRIM_AFTER_BYTES:
             # gRPC's copies of this message are freed by now: give their pages back, off the loop.
@@ -210,18 +215,21 @@ class InferenceServicer:
         else:
             decoded = decode_infer_request(request, context.time_remaining(), received.raws)
         del request, received  # the decoded tensors are all that is needed from here on
-        return encode_infer_response(await self.dataplane.infer(decoded))
+        return await self.dataplane.infer(decoded)
 
     async def ModelStreamInfer(self, requests: AsyncIterator[Received | Unreadable],
-                               context) -> AsyncIterator[pb.ModelStreamInferResponse]:
+                               context) -> AsyncIterator[pb.ModelStreamInferResponse | bytes]:
         """Requests run concurrently; each answer (or error) is sent as soon as it is ready.
 
         Every request read gets exactly one answer, even when a later message is
         unreadable or the client's side of the stream fails: the stream ends
         only once all of them are answered.
         """
-        answers: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
+        answers: asyncio.Queue[pb.ModelStreamInferResponse | bytes | None] = asyncio.Queue()
         pending: set[asyncio.Task] = set()
+        # Requests read but not yet answered on the wire. At the cap, reading pauses until the client
+        # takes answers, so a client that sends without reading cannot pile up answers in memory.
+        in_flight = asyncio.Semaphore(STREAM_IN_FLIGHT)
 
         async def answer(received: Received | Unreadable) -> None:
             if isinstance(received, Unreadable):
@@ -240,7 +248,7 @@ class InferenceServicer:
                 log.exception("ModelStreamInfer: request '%s' failed", cap_message(request_id, 256))
                 message = self.dataplane.repository.public_text(f"internal error: {type(err).__name__}: {err}")
             else:
-                await answers.put(pb.ModelStreamInferResponse(infer_response=result))
+                await answers.put(serialize_infer_response(result, streamed=True))
                 return
             # The error answers this request only; the stream stays open.
             stub = pb.ModelInferResponse(model_name=model, id=request_id)
@@ -249,6 +257,7 @@ class InferenceServicer:
         async def read() -> None:
             try:
                 async for received in requests:
+                    await in_flight.acquire()
                     task = asyncio.create_task(answer(received))
                     pending.add(task)
                     task.add_done_callback(pending.discard)
@@ -266,6 +275,7 @@ class InferenceServicer:
         try:
             while (item := await answers.get()) is not None:
                 yield item
+                in_flight.release()
         finally:
             reader.cancel()
             for task in list(pending):
@@ -342,8 +352,13 @@ def generic_handler(servicer: InferenceServicer) -> grpc.GenericRpcHandler:
     for name, request_type, response_type, streaming in _RPCS:
         make = grpc.stream_stream_rpc_method_handler if streaming else grpc.unary_unary_rpc_method_handler
         handlers[name] = make(getattr(servicer, name), request_deserializer=request_parser(request_type),
-                              response_serializer=response_type.SerializeToString)
+                              response_serializer=_serialize)
     return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
+
+
+def _serialize(response: Any) -> bytes:
+    """A response message's wire bytes; inference responses arrive already serialized."""
+    return response if isinstance(response, bytes) else response.SerializeToString()
 
 
 _CONFIG_TYPE = {spec: getattr(mc, "TYPE_STRING" if spec == "BYTES" else f"TYPE_{spec}")

@@ -461,3 +461,29 @@ def test_timeout_parameter_as_uint64_is_accepted(server):
     request.parameters["timeout"].uint64_param = 30_000_000
 
     assert raw_infer(server, request).raw_output_contents[0] == bytes([1, 2, 3, 4])
+
+
+@pytest.mark.parametrize("array", [
+    np.arange(12, dtype=np.float32).reshape(3, 4),
+    np.arange(12, dtype=np.float32).reshape(3, 4)[:, ::2],  # strided: converted
+    np.arange(6, dtype=">i4"),  # big-endian: converted
+    np.array(7, dtype=np.int64),  # 0-d
+    np.zeros((0, 3), dtype=np.uint8),
+    np.array([1.5, -2.25], dtype=ml_dtypes.bfloat16),
+    np.array([True, False, True]),
+    np.array([b"", b"abc", "\u00e9"], dtype=object),  # BYTES
+])
+def test_serialized_responses_equal_protobuf_serialization(array):
+    """serialize_infer_response writes outputs with one copy; the bytes must mean the same message."""
+    from nereid._proto import grpc_service_pb2 as pb
+    from nereid.dtypes import DType
+    from nereid.protocol.grpc_codec import encode_infer_response, serialize_infer_response
+    from nereid.tensors import InferResponse, NamedTensor
+
+    dtype = DType.BYTES if array.dtype == object else DType.of(array.astype(array.dtype.newbyteorder("=")))
+    response = InferResponse("m", [NamedTensor("y", dtype, array), NamedTensor("z", DType.INT8, np.ones(3, np.int8))],
+                             "id-1")
+    expected = encode_infer_response(response)
+    assert pb.ModelInferResponse.FromString(serialize_infer_response(response)) == expected
+    streamed = pb.ModelStreamInferResponse.FromString(serialize_infer_response(response, streamed=True))
+    assert streamed.infer_response == expected and not streamed.error_message

@@ -187,3 +187,20 @@ def test_surplus_tiny_bytes_elements_are_refused_at_once_without_stalling_others
     assert "more than the 1 BYTES element(s) the shape allows" in details
     assert took < 2.5, took
     assert max(latencies) < 0.5, latencies
+
+
+def test_a_stream_with_more_requests_than_the_in_flight_cap_answers_them_all(echo_server):
+    """Reading pauses at STREAM_IN_FLIGHT unanswered requests; it must resume, not deadlock."""
+    from nereid.protocol.grpc_service import STREAM_IN_FLIGHT
+
+    count = STREAM_IN_FLIGHT + 44
+    requests = [infer_request("echo", "input", "INT8", [4], bytes([i % 128] * 4), request_id=str(i))
+                for i in range(count)]
+    with raw_channel(echo_server) as channel:
+        answers = [service_pb2.ModelStreamInferResponse.FromString(answer)
+                   for answer in channel.stream_stream(MODEL_STREAM_INFER)(iter(requests), timeout=60)]
+    assert len(answers) == count
+    ok = {a.infer_response.id: a.infer_response.raw_output_contents[0] for a in answers if not a.error_message}
+    queue_full = [a for a in answers if "queue is full" in a.error_message]
+    assert len(ok) + len(queue_full) == count  # the echo model's queue holds 128: the rest are refused at once
+    assert all(raw == bytes([int(i) % 128] * 4) for i, raw in ok.items())
