@@ -33,3 +33,19 @@ def nereid_claim_model(folder: Path, declared: bool) -> BackendClaim | None:
     :return: a :class:`~nereid.backend.BackendClaim` whose ``backend`` is this
         backend's name, or None when the folder is not this backend's.
     """
+
+
+@hookspec
+def nereid_declaration_hint(folder: Path) -> str | None:
+    """Say how to declare a folder that no backend claimed, when it looks like this backend's.
+
+    Asked only when no backend claimed ``folder`` and nereid.yaml names no
+    backend for it. A backend whose folders carry no signature of their own
+    (the cxx backend's hold only a textproto) answers with a sentence such as
+    "a folder holding only model_inference.textproto is a cxx model: declare
+    it with backend: cxx and runtime: {library: PATH}"; it becomes part of the
+    model's UNAVAILABLE reason.
+
+    :param folder: the model folder; look only at its files.
+    :return: one sentence, or None when the folder is not this backend's kind.
+    """

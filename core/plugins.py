@@ -70,9 +70,10 @@ def claim_folder(manager: pluggy.PluginManager, folder: Path, backend: str | Non
     if len(claims) == 1:
         return ClaimResult(claims[0])
     if not claims:
+        hints = "".join(f"; {hint}" for hint in manager.hook.nereid_declaration_hint(folder=folder))
         return ClaimResult(None, f"no backend claims the folder {folder} "
                                  f"(installed backends: {', '.join(backend_names(manager))}); "
-                                 "add the backend's files or set backend: in nereid.yaml")
+                                 f"add the backend's files or set backend: in nereid.yaml{hints}")
     names = ", ".join(sorted(c.backend for c in claims))
     return ClaimResult(None, f"several backends claim the folder {folder} ({names}); "
                              "set backend: in nereid.yaml to choose one")

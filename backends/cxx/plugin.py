@@ -11,6 +11,7 @@ from pathlib import Path
 from nereid.backend import BackendClaim
 from nereid.backends.cxx.model import CxxModel
 from nereid.hookspecs import hookimpl
+from nereid.signature import TEXTPROTO_NAME
 
 BACKEND_NAME = "cxx"
 
@@ -19,3 +20,13 @@ BACKEND_NAME = "cxx"
 def nereid_claim_model(folder: Path, declared: bool) -> BackendClaim | None:
     """Claim the folder when nereid.yaml declares it ``backend: cxx``; decline every other."""
     return BackendClaim(BACKEND_NAME, CxxModel) if declared else None
+
+
+@hookimpl
+def nereid_declaration_hint(folder: Path) -> str | None:
+    """A folder holding a textproto and nothing else a backend recognises looks like a cxx model."""
+    visible = [p.name for p in folder.iterdir() if not p.name.startswith(".")]
+    if visible == [TEXTPROTO_NAME]:
+        return (f"a folder holding only {TEXTPROTO_NAME} is a cxx model: declare it in nereid.yaml with "
+                "backend: cxx and runtime: {library: PATH} (or runtime: {sources: [...]})")
+    return None
