@@ -179,7 +179,9 @@ class ModelRepository:
     def entry(self, name: str) -> ModelEntry:
         """The entry for ``name``; NotFound when no such folder exists."""
         entry = self._entries.get(name)
-        if entry is None:
+        if entry is None and _is_folder_name(name) and (self.root / name).is_dir():
+            # One stat, and a full rescan only when the folder is really there: a flood of
+            # made-up names must not list the repository once per request on the event loop.
             self.rescan()
             entry = self._entries.get(name)
         if entry is None:
@@ -427,6 +429,11 @@ class ModelRepository:
         path = self.scratch_dir / name
         path.mkdir(parents=True, exist_ok=True)
         return path
+
+
+def _is_folder_name(name: str) -> bool:
+    """True for a name that could be a model folder directly under ml_backends_path."""
+    return bool(name) and len(name) <= 255 and "/" not in name and "\0" not in name and not name.startswith(".")
 
 
 def _in_daemon_thread(function: Callable[[ModelContext], BuiltModel], context: ModelContext) -> asyncio.Future:

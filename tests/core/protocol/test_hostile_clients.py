@@ -204,3 +204,18 @@ def test_a_stream_with_more_requests_than_the_in_flight_cap_answers_them_all(ech
     queue_full = [a for a in answers if "queue is full" in a.error_message]
     assert len(ok) + len(queue_full) == count  # the echo model's queue holds 128: the rest are refused at once
     assert all(raw == bytes([int(i) % 128] * 4) for i, raw in ok.items())
+
+
+def test_made_up_model_names_are_not_found_without_rescanning_the_repository(echo_server):
+    """Every unknown name listed the whole repository on the event loop."""
+    repository = echo_server.server.repository
+    late = repository.root / "late"
+    late.mkdir()
+    (late / "model_inference.textproto").write_text(textproto_single("INT8"))
+    (late / "main.py").write_text("print()\n")
+    for name in ("nope", "../../etc", "a\0b", "x" * 300, ".cache"):
+        expect_grpc_error("NOT_FOUND", lambda: echo_server.client.is_model_ready(name), "unknown model")
+    # No lookup above scanned the repository: the folder added meanwhile is not known yet...
+    assert "late" not in [entry.name for entry in repository.entries()]
+    echo_server.client.load_model("late")  # ...and is found as soon as it is asked for by name
+    assert echo_server.client.is_model_ready("late")
