@@ -15,7 +15,7 @@ from pathlib import Path
 
 from nereid.backends.xla.bundle import DEFAULT_WEIGHTS_FILE, open_bundle
 from nereid.backends.xla.program import ProgramSignature, read_program
-from nereid.backends.xla.safetensors import read_header
+from nereid.backends.xla.migration import local_weight_set
 from nereid.errors import ConfigError
 
 _SHOWN_PARAMETERS = 6
@@ -41,13 +41,15 @@ class BundleArity:
     expected: int | None
     modules: tuple[ModuleArity, ...] = ()
     error: str = ""
+    weights_source: str = DEFAULT_WEIGHTS_FILE  # the weights file, or its shards
 
     def line(self) -> str:
         """One report line, as ``nereid bundle check`` prints it."""
         if not self.servable:
             return f"{self.bundle}: UNSERVABLE: {self.error}"
         files = ", ".join(m.file for m in self.modules)
-        return (f"{self.bundle}: servable: {self.n_inputs} input(s) + {self.n_weights} weight(s) = "
+        shards = "" if self.weights_source == DEFAULT_WEIGHTS_FILE else f" in {self.weights_source}"
+        return (f"{self.bundle}: servable: {self.n_inputs} input(s) + {self.n_weights} weight(s){shards} = "
                 f"{self.expected} argument(s), taken by {files}")
 
 
@@ -104,8 +106,9 @@ def assert_bundle_arity(folder: Path | str) -> BundleArity:
 def _report(folder: Path) -> BundleArity:
     layout = open_bundle(folder)
     n_inputs = len(layout.manifest.executable_inputs)
-    n_weights = len(read_header(layout.weights_path).tensors) if layout.weights_path else 0
-    weights_name = layout.weights_path.name if layout.weights_path else DEFAULT_WEIGHTS_FILE
+    weight_set = local_weight_set(layout)
+    n_weights = len(weight_set.weights) if weight_set else 0
+    weights_name = weight_set.describe() if weight_set else DEFAULT_WEIGHTS_FILE
     modules: list[ModuleArity] = []
     problems: list[str] = []
     for path in dict.fromkeys(layout.modules.values()):  # a file serving several keys is read once
@@ -121,4 +124,5 @@ def _report(folder: Path) -> BundleArity:
             problems.append(mismatch)
     expected = {m.expected for m in modules}
     common = expected.pop() if len(expected) == 1 else None
-    return BundleArity(folder, not problems, n_inputs, n_weights, common, tuple(modules), "; ".join(problems))
+    return BundleArity(folder, not problems, n_inputs, n_weights, common, tuple(modules), "; ".join(problems),
+                       weights_name)

@@ -52,6 +52,7 @@ from nereid.backends.xla.manifest import CURRENT_FORMAT_VERSION, MANIFEST_NAME, 
 from nereid.backends.xla.safetensors import (AXIS_ORDER_KEY, AXIS_ORDER_XLA, SAFETENSORS_DTYPES,
                                              SafetensorsHeader, TensorEntry,
                                              encode_header, read_entry, read_header, read_header_fd)
+from nereid.backends.xla.weights import LocalBundleFiles, WeightSet, resolve_weights
 from nereid.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -92,6 +93,12 @@ def weights_to_load(layout: BundleLayout) -> Path | None:
                     DEFAULT_WEIGHTS_FILE, DEFAULT_WEIGHTS_FILE)
         return original
     return path
+
+
+def local_weight_set(layout: BundleLayout) -> WeightSet | None:
+    """The weights a local bundle serves: its one file (see :func:`weights_to_load`), or its shards."""
+    chosen = weights_to_load(layout) if layout.manifest.weights_file is not None else None
+    return resolve_weights(LocalBundleFiles(layout.folder), chosen.name if chosen is not None else None)
 
 
 def migrate_for_load(folder: Path, mode: str, model: str) -> bool:

@@ -409,18 +409,25 @@ def load_weights(path: Path | str, *, threads: int = DEFAULT_READ_THREADS,
 def read_tensors(header: SafetensorsHeader, *, threads: int = DEFAULT_READ_THREADS,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> list[tuple[str, np.ndarray]]:
     """Read the tensors of a validated header with ``pread`` into fresh arrays, in argument order."""
-    arrays = [np.empty(entry.shape, dtype=_little_endian(entry.dtype.numpy)) for entry in header.tensors]
+    arrays = [empty_for(entry) for entry in header.tensors]
     read_into(header, arrays, threads=threads, chunk_bytes=chunk_bytes)
-    result: list[tuple[str, np.ndarray]] = []
-    for entry, array in zip(header.tensors, arrays):
-        if not array.dtype.isnative:  # only on big-endian hosts: the file is little-endian
-            array = array.astype(array.dtype.newbyteorder("="))
-        if header.legacy:
-            # Legacy files hold the column-major (Julia) array row-major in its own
-            # shape: the program's array is its transpose, copied into place.
-            array = np.asarray(array.transpose(), order="C")  # (ascontiguousarray would make 0-d 1-d)
-        result.append((entry.name, array))
-    return result
+    return [(entry.name, to_program_array(array, header.legacy)) for entry, array in zip(header.tensors, arrays)]
+
+
+def empty_for(entry: TensorEntry) -> np.ndarray:
+    """A fresh array to read ``entry``'s data into: its header shape, its dtype, little-endian."""
+    return np.empty(entry.shape, dtype=_little_endian(entry.dtype.numpy))
+
+
+def to_program_array(array: np.ndarray, legacy: bool) -> np.ndarray:
+    """A tensor read in its header shape, as the program takes it (native byte order, transposed if legacy)."""
+    if not array.dtype.isnative:  # only on big-endian hosts: the file is little-endian
+        array = array.astype(array.dtype.newbyteorder("="))
+    if legacy:
+        # Legacy files hold the column-major (Julia) array row-major in its own
+        # shape: the program's array is its transpose, copied into place.
+        array = np.asarray(array.transpose(), order="C")  # (ascontiguousarray would make 0-d 1-d)
+    return array
 
 
 def read_into(header: SafetensorsHeader, arrays: Sequence[np.ndarray], *, threads: int = DEFAULT_READ_THREADS,
@@ -430,29 +437,49 @@ def read_into(header: SafetensorsHeader, arrays: Sequence[np.ndarray], *, thread
     Large tensors are read in ``chunk_bytes`` pieces by up to ``threads``
     threads, so several reads are in flight at once.
     """
+    read_entries_into([(Path(header.path), list(header.tensors), list(arrays))], threads=threads,
+                      chunk_bytes=chunk_bytes)
+
+
+def chunk_jobs(entries: Sequence[TensorEntry], arrays: Sequence[np.ndarray],
+               chunk_bytes: int) -> list[tuple[memoryview, int]]:
+    """(destination view, absolute file offset) pieces of at most ``chunk_bytes`` covering every tensor."""
     if chunk_bytes < 1:
         raise ValueError("chunk_bytes must be positive")
     jobs: list[tuple[memoryview, int]] = []
-    for entry, array in zip(header.tensors, arrays, strict=True):
+    for entry, array in zip(entries, arrays, strict=True):
         if array.nbytes != entry.nbytes or not array.flags.c_contiguous:
             raise ValueError(f"array for '{entry.name}' must be C-contiguous with {entry.nbytes} bytes")
         view = memoryview(array.reshape(-1).view(np.uint8))
         for offset in range(0, entry.nbytes, chunk_bytes):
             jobs.append((view[offset:offset + chunk_bytes], entry.start + offset))
+    return jobs
+
+
+def read_entries_into(files: Sequence[tuple[Path, Sequence[TensorEntry], Sequence[np.ndarray]]], *,
+                      threads: int = DEFAULT_READ_THREADS, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+    """:func:`read_into` for tensors of several files (shards) at once, sharing one pool of readers."""
+    jobs: list[tuple[int, Path, memoryview, int]] = []
+    fds: list[int] = []
     try:
-        fd = os.open(header.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    except OSError as err:
-        raise ConfigError(f"{header.path}: cannot open: {err.strerror or err}") from None
-    try:
+        for path, entries, arrays in files:
+            pieces = chunk_jobs(entries, arrays, chunk_bytes)
+            try:
+                fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            except OSError as err:
+                raise ConfigError(f"{path}: cannot open: {err.strerror or err}") from None
+            fds.append(fd)
+            jobs.extend((fd, path, view, offset) for view, offset in pieces)
         if threads > 1 and len(jobs) > 1:
             with ThreadPoolExecutor(max_workers=min(threads, len(jobs)), thread_name_prefix="nereid-weights") as pool:
                 # list() re-raises the first failure.
-                list(pool.map(lambda job: _pread_exactly(fd, job[0], job[1], header.path), jobs))
+                list(pool.map(lambda job: _pread_exactly(job[0], job[2], job[3], job[1]), jobs))
         else:
-            for view, offset in jobs:
-                _pread_exactly(fd, view, offset, header.path)
+            for fd, path, view, offset in jobs:
+                _pread_exactly(fd, view, offset, path)
     finally:
-        os.close(fd)
+        for fd in fds:
+            os.close(fd)
 
 
 def _little_endian(dtype: np.dtype) -> np.dtype:

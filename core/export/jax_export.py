@@ -28,7 +28,7 @@ def export_bundle(fn: Callable[..., Any], example_inputs: Sequence[Any],
                   client_inputs: Sequence[IOSpec] | None = None, client_outputs: Sequence[IOSpec] | None = None,
                   model_py: str | Path | None = None, layout: str = "xla",
                   provenance: Provenance | Mapping[str, Any] | bool | None = True, description: str = "",
-                  x64: bool | None = None) -> Path:
+                  x64: bool | None = None, shard_bytes: int | None = None) -> Path:
     """Export ``fn(*inputs, *weights)`` as a bundle at ``directory``; returns the directory.
 
     ``example_inputs`` give each input's dtype and row-major shape; with
@@ -40,7 +40,8 @@ def export_bundle(fn: Callable[..., Any], example_inputs: Sequence[Any],
     ``platform`` is the PJRT platform the artifact is lowered for (``cpu``,
     ``cuda``). ``provenance=True`` records :func:`collect_provenance` of the
     working directory. ``x64`` enables 64-bit types while tracing (default:
-    when any input or weight is 64-bit).
+    when any input or weight is 64-bit). ``shard_bytes`` splits the weights
+    into shards of about that size (see :func:`write_bundle`).
     """
     import jax
     from jax import export as jax_export
@@ -80,7 +81,8 @@ def export_bundle(fn: Callable[..., Any], example_inputs: Sequence[Any],
     return write_bundle(directory, name, inputs, outputs, module_arg, weight_items,
                         batch_sizes=None if batch_sizes is None else [s for s in sizes if s is not None],
                         client_inputs=client_inputs, client_outputs=client_outputs, layout=layout,
-                        model_py=model_py, provenance=provenance, description=description)
+                        model_py=model_py, provenance=provenance, description=description,
+                        shard_bytes=shard_bytes)
 
 
 def _shape_dtype(value: Any) -> tuple[tuple[int, ...], Any]:

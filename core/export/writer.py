@@ -11,6 +11,7 @@ an optional ``model.py`` and, for a dirty work tree, ``working_tree.patch``.
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 from pathlib import Path
@@ -26,6 +27,7 @@ from nereid.backends.xla.manifest import (CURRENT_FORMAT_VERSION, LEGACY_FORMAT_
                                           parse_manifest)
 from nereid.backends.xla.program import read_program, to_portable_artifact
 from nereid.backends.xla.safetensors import write_safetensors
+from nereid.backends.xla.weights import INDEX_FILE
 from nereid.errors import ConfigError
 from nereid.export.iospec import IOSpec, as_dtype
 from nereid.export.provenance import PATCH_FILE, Provenance
@@ -45,7 +47,8 @@ def write_bundle(directory: Path | str, name: str, inputs: Sequence[IOSpec], out
                  input_shapes: Sequence[Sequence[int]] | None = None,
                  client_inputs: Sequence[IOSpec] | None = None, client_outputs: Sequence[IOSpec] | None = None,
                  layout: str = "xla", model_py: str | Path | None = None,
-                 provenance: Provenance | Mapping[str, Any] | None = None, description: str = "") -> Path:
+                 provenance: Provenance | Mapping[str, Any] | None = None, description: str = "",
+                 shard_bytes: int | None = None) -> Path:
     """Check and write a bundle; returns its directory.
 
     ``modules`` is one module (an unbatched program, or the single size in
@@ -56,6 +59,12 @@ def write_bundle(directory: Path | str, name: str, inputs: Sequence[IOSpec], out
     path) of the bundle's hooks file. The directory's basename must equal
     ``name``: the directory name is the model name.
 
+    ``shard_bytes`` writes the weights as shards instead of one file:
+    ``weights-00001-of-0000N.safetensors``, each closed once it holds at
+    least that many bytes (a tensor is never split), and
+    ``weights.safetensors.index.json`` with the ``weight_map`` and the whole
+    ``argument_order``.
+
     Raises ExportError before writing anything when the bundle would not be
     servable: a program whose argument count disagrees with inputs + weights
     (both numbers named), or whose types disagree with the specs.
@@ -65,6 +74,9 @@ def write_bundle(directory: Path | str, name: str, inputs: Sequence[IOSpec], out
         raise ExportError(f"the bundle directory's name must be the model name: {directory} is not named {name!r}")
     if layout not in LAYOUTS:
         raise ExportError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    if shard_bytes is not None and (isinstance(shard_bytes, bool) or not isinstance(shard_bytes, int)
+                                    or shard_bytes < 1):
+        raise ExportError(f"shard_bytes must be a positive number of bytes, got {shard_bytes!r}")
     ordered_weights = [(str(n), np.asarray(a)) for n, a in (weights.items() if isinstance(weights, Mapping)
                                                            else weights)]
     programs = _programs(modules, batch_sizes, input_shapes)
@@ -95,7 +107,7 @@ def write_bundle(directory: Path | str, name: str, inputs: Sequence[IOSpec], out
         except ConfigError as err:
             raise ExportError(f"refusing to write {directory}: {err}") from None
         files[file_name] = artifact
-    _write_files(directory, files, ordered_weights, layout, model_py, provenance, document)
+    _write_files(directory, files, ordered_weights, layout, model_py, provenance, document, shard_bytes)
     return directory
 
 
@@ -179,7 +191,7 @@ def _read(artifact: bytes, file_name: str):
 
 def _write_files(directory: Path, files: Mapping[str, bytes], weights: list[tuple[str, np.ndarray]], layout: str,
                  model_py: str | Path | None, provenance: Provenance | Mapping[str, Any] | None,
-                 document: dict[str, Any]) -> None:
+                 document: dict[str, Any], shard_bytes: int | None = None) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     # Program files and the patch of an earlier export would otherwise linger
     # beside the new ones and be served or misread.
@@ -188,9 +200,20 @@ def _write_files(directory: Path, files: Mapping[str, bytes], weights: list[tupl
             stale.unlink(missing_ok=True)
     for file_name, artifact in files.items():
         _atomic_write(directory / file_name, artifact)
-    temporary = directory / f".{DEFAULT_WEIGHTS_FILE}.{os.getpid()}.partial"
-    write_safetensors(temporary, weights, legacy=layout == "legacy")
-    os.replace(temporary, directory / DEFAULT_WEIGHTS_FILE)
+    shards = _shards(weights, shard_bytes) if shard_bytes is not None else {DEFAULT_WEIGHTS_FILE: weights}
+    # Weights of an earlier export (one file, or other shards) would otherwise be read with the new ones.
+    for stale in [*directory.glob("*.safetensors"), directory / INDEX_FILE]:
+        if stale.name not in shards:
+            stale.unlink(missing_ok=True)
+    for file_name, part in shards.items():
+        temporary = directory / f".{file_name}.{os.getpid()}.partial"
+        write_safetensors(temporary, part, legacy=layout == "legacy")
+        os.replace(temporary, directory / file_name)
+    if shard_bytes is not None:
+        index = {"metadata": {"total_size": sum(a.nbytes for _, a in weights),
+                              "argument_order": [n for n, _ in weights]},
+                 "weight_map": {n: file_name for file_name, part in shards.items() for n, _ in part}}
+        _atomic_write(directory / INDEX_FILE, (json.dumps(index, indent=1) + "\n").encode())
     if model_py is not None:
         source = Path(model_py).read_text() if isinstance(model_py, Path) else model_py
         _atomic_write(directory / MODEL_PY, source.encode())
@@ -201,6 +224,20 @@ def _write_files(directory: Path, files: Mapping[str, bytes], weights: list[tupl
     text = header + _yaml_text(document)
     # The manifest goes last: a bundle interrupted mid-write has no new manifest.
     _atomic_write(directory / MANIFEST_NAME, text.encode())
+
+
+def _shards(weights: list[tuple[str, np.ndarray]], shard_bytes: int) -> dict[str, list[tuple[str, np.ndarray]]]:
+    """Consecutive runs of weights (program order), each closed once it holds ``shard_bytes`` or more."""
+    parts: list[list[tuple[str, np.ndarray]]] = [[]]
+    size = 0
+    for name, array in weights:
+        if size >= shard_bytes:
+            parts.append([])
+            size = 0
+        parts[-1].append((name, array))
+        size += array.nbytes
+    count = len(parts)
+    return {f"weights-{i + 1:05d}-of-{count:05d}.safetensors": part for i, part in enumerate(parts)}
 
 
 def _atomic_write(path: Path, data: bytes) -> None:

@@ -98,6 +98,10 @@ BUILDERS: dict[str, Callable[[Path], Path]] = {
                                          directory=d, batch_sizes=(1, 4), input_names=["ids"],
                                          output_names=["vectors"], provenance=False),
     "variants": _export_variants,
+    # The MLP's 4 weights (2048, 128, 512, 16 bytes) in 3 shards: w1 | b1 w2 | b2.
+    "mlp_sharded": lambda d: export_bundle(examples.mlp, [np.zeros((1, 16), np.float32)], examples.mlp_weights(),
+                                           directory=d, batch_sizes=(1, 8), input_names=["input"],
+                                           output_names=["output"], provenance=False, shard_bytes=600),
     "mlp_hooks": lambda d: export_bundle(examples.mlp, [np.zeros((1, 16), np.float32)], examples.mlp_weights(),
                                          directory=d, batch_sizes=(1, 8), input_names=["input"],
                                          output_names=["logits"],

@@ -1,0 +1,156 @@
+"""Sharded weights in a local bundle: the index's weight map, the fallback rules, bundle check, the exporter."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import safetensors.numpy
+
+from nereid.backend import ModelContext
+from nereid.backends.xla.model import create_model
+from nereid.backends.xla.safetensors import write_safetensors
+from nereid.backends.xla.weights import INDEX_FILE, LocalBundleFiles, resolve_weights
+from nereid.cli import main
+from nereid.errors import ConfigError
+from nereid.export import bundle_arity_report, examples, read_bundle_weights
+from nereid.settings import ModelSettings
+from nereid.tensors import NamedTensor
+from nereid.dtypes import DType
+
+SHARDS = ["weights-00001-of-00003.safetensors", "weights-00002-of-00003.safetensors",
+          "weights-00003-of-00003.safetensors"]
+
+
+@pytest.fixture
+def sharded(pristine, tmp_path) -> Path:
+    return shutil.copytree(pristine("mlp_sharded"), tmp_path / "mlp_sharded")
+
+
+def _serve_once(folder: Path, rows: int = 3) -> np.ndarray:
+    model = create_model(ModelContext(folder.name, folder, ModelSettings(folder.name), folder.parent))
+    model.load()
+    try:
+        x = np.random.default_rng(rows).standard_normal((rows, 16)).astype(np.float32)
+        (out,) = model.infer([NamedTensor("input", DType.FP32, x)])
+        return x, out.data
+    finally:
+        model.unload()
+
+
+def test_the_exporter_writes_shards_and_an_index(sharded) -> None:
+    assert sorted(p.name for p in sharded.glob("*.safetensors")) == SHARDS
+    assert not (sharded / "weights.safetensors").exists()
+    index = json.loads((sharded / INDEX_FILE).read_text())
+    assert index["weight_map"] == {"w1": SHARDS[0], "b1": SHARDS[1], "w2": SHARDS[1], "b2": SHARDS[2]}
+    assert index["metadata"] == {"total_size": 2048 + 128 + 512 + 16, "argument_order": ["w1", "b1", "w2", "b2"]}
+    # Each shard is a plain safetensors file the reference library reads.
+    merged = {}
+    for shard in SHARDS:
+        merged.update(safetensors.numpy.load_file(str(sharded / shard)))
+    assert {n: a.tobytes() for n, a in merged.items()} == {n: a.tobytes() for n, a in examples.mlp_weights().items()}
+    assert [n for n, _ in read_bundle_weights(sharded)] == ["w1", "b1", "w2", "b2"]
+
+
+def test_a_sharded_bundle_serves_exactly_as_the_single_file_one(sharded) -> None:
+    import jax
+
+    x, served = _serve_once(sharded)
+    expected = np.asarray(jax.jit(examples.mlp)(x, *examples.mlp_weights().values()))
+    np.testing.assert_allclose(served, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_bundle_check_understands_shards(sharded, capsys) -> None:
+    report = bundle_arity_report(sharded)
+    assert report.servable and report.n_weights == 4, report.error
+    assert main(["bundle", "check", str(sharded)]) == 0
+    line = capsys.readouterr().out.splitlines()[0]
+    assert line.startswith(f"{sharded}: servable: 1 input(s) + 4 weight(s) in 3 shard(s) ({INDEX_FILE}) = 5 "
+                           "argument(s)"), line
+
+
+def test_a_tensor_the_map_names_but_its_file_lacks_fails_naming_both(sharded) -> None:
+    index = json.loads((sharded / INDEX_FILE).read_text())
+    index["weight_map"]["b2"] = SHARDS[0]
+    (sharded / INDEX_FILE).write_text(json.dumps(index))
+    with pytest.raises(ConfigError) as caught:
+        resolve_weights(LocalBundleFiles(sharded))
+    assert str(caught.value) == (f"{sharded / SHARDS[0]}: has no tensor 'b2', which {INDEX_FILE} places in it "
+                                 "(the file holds 1 tensor(s))")
+    report = bundle_arity_report(sharded)
+    assert not report.servable and "has no tensor 'b2'" in report.error
+    with pytest.raises(ConfigError, match="has no tensor 'b2'"):
+        _serve_once(sharded)
+
+
+def test_a_shard_the_map_names_that_is_not_there_fails(sharded) -> None:
+    (sharded / SHARDS[2]).unlink()
+    with pytest.raises(ConfigError, match=rf"weight_map: tensor 'b2' is in '{SHARDS[2]}', which is not a file"):
+        resolve_weights(LocalBundleFiles(sharded))
+
+
+@pytest.mark.parametrize("index_text", ["{not json", '{"metadata": {}}', "\xff"],
+                         ids=["undecodable", "no weight_map", "not UTF-8"])
+def test_an_undecodable_index_falls_back_to_the_files_in_name_order(sharded, caplog, index_text) -> None:
+    (sharded / INDEX_FILE).write_bytes(index_text.encode("latin-1"))
+    with caplog.at_level(logging.WARNING):
+        weight_set = resolve_weights(LocalBundleFiles(sharded))
+    assert [w.entry.name for w in weight_set.weights] == ["w1", "b1", "w2", "b2"]
+    assert weight_set.files == tuple(SHARDS) and weight_set.index is None
+    assert "reading every *.safetensors file in name order instead" in caplog.text
+    _serve_once(sharded)
+
+
+def test_without_an_index_the_first_occurrence_of_a_name_wins(sharded) -> None:
+    (sharded / INDEX_FILE).unlink()
+    weights = examples.mlp_weights()
+    # A later file repeating b2 with other values: the first occurrence (in the third shard) is kept.
+    write_safetensors(sharded / "weights-00004-extra.safetensors", [("b2", weights["b2"] * 100)])
+    weight_set = resolve_weights(LocalBundleFiles(sharded))
+    assert [w.entry.name for w in weight_set.weights] == ["w1", "b1", "w2", "b2"]
+    assert weight_set.weights[-1].file == SHARDS[2]
+    loaded = dict(read_bundle_weights(sharded))
+    assert loaded["b2"].tobytes() == weights["b2"].tobytes()
+
+
+def test_the_index_argument_order_decides_the_program_order(sharded) -> None:
+    index = json.loads((sharded / INDEX_FILE).read_text())
+    index["metadata"]["argument_order"] = ["b2", "w1", "b1", "w2"]
+    (sharded / INDEX_FILE).write_text(json.dumps(index))
+    assert [w.entry.name for w in resolve_weights(LocalBundleFiles(sharded)).weights] == ["b2", "w1", "b1", "w2"]
+    # The program takes w1 first: a wrong order is caught before serving, naming the tensor.
+    with pytest.raises(ConfigError, match="b2"):
+        _serve_once(sharded)
+    index["metadata"]["argument_order"] = ["w1", "b1", "w2"]
+    (sharded / INDEX_FILE).write_text(json.dumps(index))
+    with pytest.raises(ConfigError, match=r"metadata.argument_order: must name every tensor .* omitted: \['b2'\]"):
+        resolve_weights(LocalBundleFiles(sharded))
+
+
+def test_shards_must_share_one_layout(sharded) -> None:
+    weights = examples.mlp_weights()
+    write_safetensors(sharded / SHARDS[2], [("b2", weights["b2"])], legacy=True)
+    with pytest.raises(ConfigError, match="the weight files mix layouts"):
+        resolve_weights(LocalBundleFiles(sharded))
+
+
+def test_a_single_weights_file_still_wins_over_stray_files_without_an_index(tmp_path) -> None:
+    bundle = examples.write_mlp(tmp_path, provenance=False)
+    write_safetensors(bundle / "a-stray.safetensors", [("zz", np.zeros(1, np.float32))])
+    weight_set = resolve_weights(LocalBundleFiles(bundle))
+    assert weight_set.files == ("weights.safetensors",) and weight_set.describe() == "weights.safetensors"
+
+
+def test_re_exporting_removes_the_other_form(sharded) -> None:
+    """Shards over a single file, and back: no stale weights are left to be read."""
+    examples_weights = examples.mlp_weights()
+    from nereid.export import export_bundle
+
+    export_bundle(examples.mlp, [np.zeros((1, 16), np.float32)], examples_weights, directory=sharded,
+                  batch_sizes=(1, 8), input_names=["input"], output_names=["output"], provenance=False)
+    assert sorted(p.name for p in sharded.glob("*.safetensors")) == ["weights.safetensors"]
+    assert not (sharded / INDEX_FILE).exists()
