@@ -13,6 +13,7 @@ from pathlib import Path
 
 from nereid.backend import ModelContext, ReportsRuntime
 from nereid.errors import ConfigError
+from nereid.files import check_confined
 from nereid.plugins import make_plugin_manager
 from nereid.repository import build_model, list_model_folders
 from nereid.settings import Settings, load_settings
@@ -88,6 +89,7 @@ def check(settings: Settings) -> int:
             suffix = "" if listed or not settings.models_listed else " (not listed in nereid.yaml)"
             context = ModelContext(name, root / name, model_settings, scratch, origin)
             try:
+                check_confined(root / name, root, settings.server.follow_symlinks)
                 built = build_model(manager, context, settings.backend_defaults)
             except Exception as err:
                 problems += 1

@@ -105,5 +105,19 @@ def escaping_link(folder: Path, root: Path) -> tuple[Path, Path] | None:
     return None
 
 
+def check_confined(folder: Path, root: Path, follow_symlinks: bool) -> None:
+    """ConfigError when ``folder`` (or a file in it) is a symlink leading outside ``root``.
+
+    ``follow_symlinks`` (``server.follow_symlinks``) turns the check off.
+    """
+    if follow_symlinks:
+        return
+    escape = escaping_link(folder, root)
+    if escape is not None:
+        link, target = escape
+        raise ConfigError(f"{link} is a symlink to {target}, outside ml_backends_path; set "
+                          "server.follow_symlinks: true in nereid.yaml to allow it")
+
+
 def _inside(path: Path, root: Path) -> bool:
     return path == root or root in path.parents

@@ -23,7 +23,7 @@ import pluggy
 from nereid.backend import Backend, ModelContext, Relocatable
 from nereid.batching import BatchPolicy
 from nereid.errors import ConfigError, NotFound, Unavailable, cap_message
-from nereid.files import escaping_link
+from nereid.files import check_confined
 from nereid.metrics import ServerMetrics
 from nereid.plugins import claim_folder
 from nereid.scheduler import ModelScheduler
@@ -358,12 +358,7 @@ class ModelRepository:
 
     def _build(self, context: ModelContext) -> BuiltModel:
         """Check the folder stays inside the repository, then build the model (blocking)."""
-        if not self.settings.server.follow_symlinks:
-            escape = escaping_link(context.folder, self.root)
-            if escape is not None:
-                link, target = escape
-                raise ConfigError(f"{link} is a symlink to {target}, outside ml_backends_path; set "
-                                  "server.follow_symlinks: true in nereid.yaml to allow it")
+        check_confined(context.folder, self.root, self.settings.server.follow_symlinks)
         return build_model(self.manager, context, self.settings.backend_defaults)
 
     def public_text(self, text: str) -> str:

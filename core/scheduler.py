@@ -14,7 +14,6 @@ import collections
 import inspect
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
@@ -22,6 +21,7 @@ import numpy as np
 
 from nereid.backend import Backend
 from nereid.batching import BatchPolicy, batch_key, request_cost
+from nereid.daemon_pool import DaemonThreadPool
 from nereid.errors import DeadlineExceeded, ModelFailure, NereidError, QueueFull, Unavailable
 from nereid.signature import ModelSignature, check_outputs
 from nereid.stats import ModelStats
@@ -72,8 +72,8 @@ class ModelScheduler:
         self._accepting = True
         self._inline = inspect.iscoroutinefunction(backend.infer)
         self._variable_axes = any(-1 in spec.dims for spec in signature.inputs)  # else a request costs its rows
-        self._executor = None if self._inline else ThreadPoolExecutor(max_workers=instances,
-                                                                      thread_name_prefix=f"nereid-{name}")
+        # Daemon threads: a backend call that never returns must not keep the process from exiting.
+        self._executor = None if self._inline else DaemonThreadPool(instances, thread_name_prefix=f"nereid-{name}")
         self._threads: set[asyncio.Future] = set()  # backend calls running on worker threads
         self._batcher = asyncio.create_task(self._batch_loop(), name=f"nereid-{name}-batcher")
 

@@ -231,3 +231,35 @@ def test_drain_abandons_work_that_ignores_termination() -> None:
         assert time.monotonic() - started < 1.5
         backend.gate.set()
     run(scenario())
+
+
+def test_a_stuck_backend_call_does_not_keep_the_process_from_exiting() -> None:
+    """ThreadPoolExecutor joins its threads at exit: one call that never returned made exit hang."""
+    import subprocess
+    import sys
+
+    script = ("import threading\nfrom nereid.daemon_pool import DaemonThreadPool\n"
+              "pool = DaemonThreadPool(1)\npool.submit(threading.Event().wait)\n"
+              "pool.shutdown(wait=False, cancel_futures=True)\nprint('exiting')\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0 and result.stdout.strip() == "exiting", result.stderr
+
+
+def test_the_daemon_pool_runs_calls_reuses_threads_and_cancels_queued_ones() -> None:
+    from nereid.daemon_pool import DaemonThreadPool
+
+    pool = DaemonThreadPool(2, thread_name_prefix="t")
+    assert [pool.submit(pow, 2, n).result(5) for n in range(5)] == [1, 2, 4, 8, 16]
+    assert pool.submit(threading.current_thread).result(5).name.startswith("t_")
+    assert sum(t.name.startswith("t_") for t in threading.enumerate()) == 1  # one idle thread, reused
+    with pytest.raises(ZeroDivisionError):
+        pool.submit(lambda: 1 / 0).result(5)
+    gate = threading.Event()
+    blocked = [pool.submit(gate.wait, 5) for _ in range(2)]
+    queued = pool.submit(pow, 3, 2)  # both threads are busy: this one waits in the queue
+    pool.shutdown(wait=False, cancel_futures=True)
+    assert queued.cancelled()
+    gate.set()
+    assert all(f.result(5) for f in blocked)
+    with pytest.raises(RuntimeError, match="after shutdown"):
+        pool.submit(pow, 1, 1)

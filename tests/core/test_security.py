@@ -321,3 +321,104 @@ def _state(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except OSError:
         return "Z"
+
+
+STUCK_MODEL_SERVER = '''
+import asyncio, logging, sys, threading
+from pathlib import Path
+
+from nereid.backend import BackendClaim
+from nereid.hookspecs import hookimpl
+from nereid.plugins import make_plugin_manager
+from nereid.server import NereidServer
+from nereid.signature import ModelSignature, TensorSpec
+from nereid.dtypes import DType
+
+
+class Stuck:
+    """An in-process model whose every call blocks forever (native code that never returns)."""
+
+    platform = "stuck"
+
+    def __init__(self, context):
+        pass
+
+    def load(self):
+        pass
+
+    def signature(self):
+        spec = TensorSpec("input", DType.INT8, (4,))
+        return ModelSignature((spec,), (TensorSpec("output", DType.INT8, (4,)),), 0)
+
+    def infer(self, inputs):
+        Path(sys.argv[3]).write_text("running")
+        threading.Event().wait()
+
+    def unload(self):
+        pass
+
+
+@hookimpl
+def nereid_claim_model(folder, declared):
+    return BackendClaim("stuck", Stuck) if (folder / "stuck.txt").is_file() else None
+
+
+logging.basicConfig(level=logging.INFO)
+manager = make_plugin_manager(extra_plugins=(sys.modules[__name__],))
+from nereid.settings import load_settings
+asyncio.run(NereidServer(load_settings(Path(sys.argv[1])), manager=manager,
+                         bind_addr=sys.argv[2]).serve_until_signalled())
+'''
+
+
+def test_sigterm_with_an_in_process_call_that_never_returns_still_exits(repo, tmp_path):
+    """Worker threads were joined at exit: a stuck backend call made SIGTERM hang forever."""
+    folder = repo.models_dir / "stuck"
+    folder.mkdir()
+    (folder / "stuck.txt").write_text("")
+    config = repo.write_config(server_extra="  shutdown_grace_s: 1\n", metrics_addr="")
+    script = tmp_path / "stuck_server.py"
+    script.write_text(textwrap.dedent(STUCK_MODEL_SERVER))
+    marker = tmp_path / "running"
+    port = free_port()
+    process = subprocess.Popen([sys.executable, str(script), str(config), f"127.0.0.1:{port}", str(marker)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        client = triton.InferenceServerClient(f"127.0.0.1:{port}")
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if client.is_model_ready("stuck"):
+                    break
+            except InferenceServerException:
+                pass
+            assert time.monotonic() < deadline and process.poll() is None, "the server never became ready"
+            time.sleep(0.1)
+        tensor = triton.InferInput("input", [4], "INT8")
+        tensor.set_data_from_numpy(np.zeros(4, np.int8))
+        with pytest.raises(InferenceServerException):
+            client.infer("stuck", [tensor], client_timeout=0.5)  # abandoned: the call runs on, forever
+        client.close()
+        assert marker.exists()
+        started = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == 0
+        assert time.monotonic() - started < 12  # grace 1 s + 5 s for termination + unload
+        assert "did not end; abandoning them" in process.stderr.read()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_nereid_check_refuses_a_folder_symlinked_outside_the_repository(repo, tmp_path):
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "model_inference.textproto").write_text(textproto_single())
+    (outside / "main.py").write_text("print()\n")
+    (repo.models_dir / "linked").symlink_to(outside)
+    config = repo.write_config()
+    result = subprocess.run([sys.executable, "-m", "nereid.cli", "check", "--config", str(config)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert "linked: UNAVAILABLE:" in result.stdout and "server.follow_symlinks: true" in result.stdout

@@ -1,0 +1,80 @@
+"""A thread pool whose threads never hold the process open.
+
+``ThreadPoolExecutor`` joins its threads when the interpreter exits, so one
+backend call that never returns (an in-process model stuck in native code)
+made SIGTERM hang forever, even after the unload had given up on it. This pool
+runs the same way (threads started on demand up to ``max_workers``, idle ones
+reused) on daemon threads: what is abandoned stays abandoned.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from concurrent.futures import Executor, Future
+from typing import Any, Callable
+
+_STOP = None
+
+
+class DaemonThreadPool(Executor):
+    """An :class:`~concurrent.futures.Executor` of at most ``max_workers`` daemon threads."""
+
+    def __init__(self, max_workers: int, thread_name_prefix: str = "nereid-pool") -> None:
+        if max_workers < 1:
+            raise ValueError("max_workers must be at least 1")
+        self._max_workers = max_workers
+        self._prefix = thread_name_prefix
+        self._work: queue.SimpleQueue = queue.SimpleQueue()
+        self._idle = threading.Semaphore(0)
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self._shut_down = False
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
+        """Schedule ``fn(*args, **kwargs)``; its future."""
+        with self._lock:
+            if self._shut_down:
+                raise RuntimeError("cannot schedule new calls after shutdown")
+            future: Future = Future()
+            self._work.put((future, fn, args, kwargs))
+            if not self._idle.acquire(blocking=False) and len(self._threads) < self._max_workers:
+                thread = threading.Thread(target=self._run, name=f"{self._prefix}_{len(self._threads)}",
+                                          daemon=True)
+                thread.start()
+                self._threads.append(thread)
+        return future
+
+    def _run(self) -> None:
+        while (item := self._work.get()) is not _STOP:
+            future, fn, args, kwargs = item
+            del item
+            if future.set_running_or_notify_cancel():
+                try:
+                    result = fn(*args, **kwargs)
+                except BaseException as error:  # handed to the future, whatever it is
+                    future.set_exception(error)
+                    del error  # no cycle through this frame's traceback
+                else:
+                    future.set_result(result)
+                    del result
+            del future, fn, args, kwargs
+            self._idle.release()
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """Refuse new calls; with ``cancel_futures`` drop the queued ones; with ``wait`` join the threads."""
+        with self._lock:
+            self._shut_down = True
+            if cancel_futures:
+                while True:
+                    try:
+                        item = self._work.get_nowait()
+                    except queue.Empty:
+                        break
+                    if item is not _STOP:
+                        item[0].cancel()
+            for _ in self._threads:
+                self._work.put(_STOP)
+        if wait:
+            for thread in self._threads:
+                thread.join()
