@@ -1,8 +1,10 @@
 """Dynamic mode (``server.watch: true``): the repository follows its folder and nereid.yaml.
 
-watchfiles reports file events; they are only a trigger. Once the repository
-has been quiet for ``server.watch_settle_ms``, the watcher scans every model
-folder and compares what it finds with what it last saw:
+watchfiles reports file events; they are only a trigger for a scan of every
+model folder, compared with what the watcher last acted on. A folder is acted
+on once it has looked the same for ``server.watch_settle_ms`` (files are
+copied one by one), except a rename, whose files are those of a complete
+folder already loaded:
 
 - a new folder is loaded (with its nereid.yaml entry, or default settings);
 - a folder whose files changed is reloaded without downtime (the old version
@@ -23,6 +25,7 @@ import asyncio
 import hashlib
 import logging
 import os
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Awaitable, Callable
@@ -39,6 +42,7 @@ log = logging.getLogger(__name__)
 
 SAMPLE_BYTES = 64 * 1024  # hashed from each end of a file for the content identity
 MAX_GROUPING_FACTOR = 20  # changes that never stop are still acted on after this many settle times
+EVENT_STEP_MS = 20  # events are grouped this long before a scan; the settle time is applied per folder
 
 
 def ignored_name(name: str) -> bool:
@@ -145,6 +149,9 @@ class RepositoryWatcher:
         self._stop = asyncio.Event()
         self._applying = asyncio.Lock()  # the two watches never apply at once
         self.scans = 0  # completed scans, for tests and logs
+        self._pending: dict[str, tuple[FolderState | None, float]] = {}  # changed, not yet settled: state, since
+        self._timer: asyncio.TimerHandle | None = None
+        self._scheduled: asyncio.Task | None = None
         self._after_apply = after_apply
 
     async def prime(self) -> None:
@@ -162,41 +169,92 @@ class RepositoryWatcher:
                              self._follow(self.config_path.parent, recursive=False))
 
     async def _follow(self, path: Path, recursive: bool) -> None:
-        async for _ in watchfiles.awatch(path, watch_filter=self._relevant, step=max(1, int(self.settle_ms)),
+        async for _ in watchfiles.awatch(path, watch_filter=self._relevant, step=EVENT_STEP_MS,
                                          debounce=max(1600, int(self.settle_ms * MAX_GROUPING_FACTOR)),
                                          stop_event=self._stop, recursive=recursive):
-            async with self._applying:
-                try:
-                    await self.apply()
-                except Exception:  # the watcher must outlive any one bad change
-                    log.exception("dynamic repository: applying a change failed")
+            await self._apply_serialized()
 
     def stop(self) -> None:
-        """End :meth:`run` at its next wake-up."""
+        """End :meth:`run` at its next wake-up, and any scan still scheduled."""
         self._stop.set()
+        if self._timer is not None:
+            self._timer.cancel()
+        if self._scheduled is not None:
+            self._scheduled.cancel()
 
     async def apply(self) -> None:
-        """Scan once and carry out what changed (nereid.yaml first, then the folders)."""
+        """Scan once and carry out what changed (nereid.yaml first, then the folders).
+
+        A rename is carried out at once: its files are known to be those of a
+        complete, loaded folder. Any other change waits until the folder has
+        looked the same for the settle time (a copy in progress keeps changing),
+        and a scan is scheduled for when that time is up.
+        """
         await self._apply_config()
-        after = await asyncio.to_thread(scan_repository, self.root)
-        plan = plan_changes(self._folders, after)
-        self._folders = after
+        now = time.monotonic()
+        current = await asyncio.to_thread(scan_repository, self.root)
+        plan = plan_changes(self._folders, current)
         repository = self.repository
         for old, new in plan.renames:
             log.info("dynamic repository: folder '%s' renamed to '%s'", old, new)
+            self._accept(old, None)
+            self._accept(new, current[new])
             await repository.rename(old, new)
-        for name in plan.removed:
+        due: dict[str, list[str]] = {"removed": [], "added": [], "changed": []}
+        for kind in due:
+            for name in getattr(plan, kind):
+                state = current.get(name)
+                seen = self._pending.get(name)
+                if seen is None or seen[0] != state:
+                    self._pending[name] = (state, now)  # changed since the last scan: not settled
+                elif now - seen[1] >= self.settle_ms / 1000:
+                    due[kind].append(name)
+                    self._accept(name, state)
+        for name in [n for n in self._pending if self._folders.get(n) == current.get(n)]:
+            del self._pending[name]  # back as it was (a change undone before it settled)
+        for name in due["removed"]:
             log.info("dynamic repository: folder '%s' removed; unloading it", name)
             await repository.remove(name)
-        for name in plan.added:
+        for name in due["added"]:
             log.info("dynamic repository: new folder '%s'; loading it", name)
-        for name in plan.changed:
+        for name in due["changed"]:
             log.info("dynamic repository: folder '%s' changed; reloading it", name)
-        await asyncio.gather(*(repository.load(name) for name in plan.added),
-                             *(repository.reload(name) for name in plan.changed))
+        await asyncio.gather(*(repository.load(name) for name in due["added"]),
+                             *(repository.reload(name) for name in due["changed"]))
         self.scans += 1
+        self._schedule_settled_scan()
         if self._after_apply is not None:
             await self._after_apply()
+
+    def _accept(self, name: str, state: FolderState | None) -> None:
+        """Make ``state`` the folder's known state (None: gone); it is no longer pending."""
+        self._pending.pop(name, None)
+        if state is None:
+            self._folders.pop(name, None)
+        else:
+            self._folders[name] = state
+
+    def _schedule_settled_scan(self) -> None:
+        """Scan again when the first pending folder has had its settle time (no event may come)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if not self._pending:
+            return
+        due = min(since for _, since in self._pending.values()) + self.settle_ms / 1000
+
+        def scan() -> None:
+            self._timer = None
+            self._scheduled = asyncio.get_running_loop().create_task(self._apply_serialized())
+
+        self._timer = asyncio.get_running_loop().call_later(max(0.0, due - time.monotonic()) + 0.001, scan)
+
+    async def _apply_serialized(self) -> None:
+        async with self._applying:
+            try:
+                await self.apply()
+            except Exception:  # the watcher must outlive any one bad change
+                log.exception("dynamic repository: applying a change failed")
 
     async def _apply_config(self) -> None:
         text = self._read_config()
