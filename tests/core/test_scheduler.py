@@ -256,6 +256,10 @@ def test_the_daemon_pool_runs_calls_reuses_threads_and_cancels_queued_ones() -> 
         pool.submit(lambda: 1 / 0).result(5)
     gate = threading.Event()
     blocked = [pool.submit(gate.wait, 5) for _ in range(2)]
+    deadline = time.monotonic() + 5
+    while not all(f.running() for f in blocked):
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
     queued = pool.submit(pow, 3, 2)  # both threads are busy: this one waits in the queue
     pool.shutdown(wait=False, cancel_futures=True)
     assert queued.cancelled()
