@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import time
 
 import numpy as np
@@ -11,12 +10,9 @@ from google.protobuf.message import DecodeError
 from nereid._proto import grpc_service_pb2 as pb
 from nereid.dtypes import DType
 from nereid.errors import InvalidArgument
-from nereid.signature import MAX_RANK, expected_byte_size
-from nereid.tensors import (InferRequest, InferResponse, NamedTensor, bytes_array, split_bytes_elements,
-                            tensor_buffer, tensor_bytes)
+from nereid.protocol.wire import TIMEOUT_PARAMETER, decode_raw, timeout_deadline_ns, wire_dtype, wire_shape
+from nereid.tensors import InferRequest, InferResponse, NamedTensor, bytes_array, tensor_buffer, tensor_bytes
 
-# The request parameter Triton clients use for a per-request timeout, in microseconds.
-TIMEOUT_PARAMETER = "timeout"
 
 # ModelInferRequest.raw_input_contents: field 7, length-delimited.
 _RAW_FIELD = 7
@@ -109,7 +105,7 @@ def decode_infer_request(msg: pb.ModelInferRequest, time_remaining_s: float | No
         timeout_us = _timeout_us(model, msg.parameters[TIMEOUT_PARAMETER])
         if timeout_us > 0:
             budgets.append(timeout_us * 1000)
-    deadline = now + min(budgets) if budgets else 0
+    deadline = timeout_deadline_ns(now, budgets)
     return InferRequest(
         model_name=model,
         inputs=inputs,
@@ -134,48 +130,17 @@ def _timeout_us(model: str, parameter: pb.InferParameter) -> int:
 def _decode_tensor(model: str, tensor: pb.ModelInferRequest.InferInputTensor,
                    raw: bytes | memoryview | None) -> NamedTensor:
     where = f"model '{model}': input '{tensor.name}'"
-    try:
-        dtype = DType.from_kserve(tensor.datatype)
-    except ValueError as err:
-        raise InvalidArgument(f"{where}: {err}") from None
-    if len(tensor.shape) > MAX_RANK:
-        raise InvalidArgument(f"{where}: shape has {len(tensor.shape)} dimensions; at most {MAX_RANK} are supported")
+    dtype = wire_dtype(where, tensor.datatype)
     shape = tuple(tensor.shape)
-    if shape and min(shape) < 1:
-        # No model accepts them (fixed dims, -1 dims and batch sizes are all positive), and a zero
-        # next to huge dims would otherwise reach numpy as an unrepresentable shape.
-        raise InvalidArgument(f"{where}: shape {list(shape)} has a dimension < 1; dimensions must be positive")
-    count = math.prod(shape)
+    count = wire_shape(where, shape)
     if raw is not None:
         if tensor.HasField("contents") and tensor.contents.ListFields():
             raise InvalidArgument(f"{where}: data sent both in contents and in raw_input_contents; "
                                   "send it in one of them")
-        data = _decode_raw(where, dtype, shape, count, raw)
+        data = decode_raw(where, dtype, shape, raw)
     else:
         data = _decode_contents(where, dtype, shape, count, tensor.contents)
     return NamedTensor(tensor.name, dtype, data)
-
-
-def _decode_raw(where: str, dtype: DType, shape: tuple[int, ...], count: int,
-                raw: bytes | memoryview) -> np.ndarray:
-    if dtype is DType.BYTES:
-        try:
-            # Stops at the first element past ``count``: megabytes of 1-byte elements for a [1, 1]
-            # input are refused after two, not split into millions of objects first.
-            elements = split_bytes_elements(raw, count)
-        except ValueError as err:
-            raise InvalidArgument(f"{where}: {err}") from None
-        if len(elements) != count:
-            raise InvalidArgument(
-                f"{where}: raw contents hold {len(elements)} BYTES elements, expected {count} for shape {list(shape)}")
-        return bytes_array(elements, shape)
-    expected = expected_byte_size(dtype, shape)
-    if len(raw) != expected:
-        raise InvalidArgument(
-            f"{where}: raw contents are {len(raw)} bytes, expected {expected} "
-            f"({dtype.kserve} {list(shape)} = {count} x {dtype.itemsize} bytes)")
-    # A read-only view of the message's bytes: no copy.
-    return np.frombuffer(raw, dtype=dtype.little_endian).reshape(shape)
 
 
 def _decode_contents(where: str, dtype: DType, shape: tuple[int, ...], count: int,

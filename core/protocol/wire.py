@@ -1,0 +1,66 @@
+"""Tensors as every protocol sends them: datatype names, shapes and raw bytes, checked the same way.
+
+The gRPC and HTTP codecs both decode a tensor from a datatype string, a shape
+and (usually) its raw little-endian bytes; the checks and their messages live
+here once.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from nereid.dtypes import DType
+from nereid.errors import InvalidArgument
+from nereid.signature import MAX_RANK, expected_byte_size
+from nereid.tensors import bytes_array, split_bytes_elements
+
+# The request parameter Triton clients use for a per-request timeout, in microseconds.
+TIMEOUT_PARAMETER = "timeout"
+
+
+def wire_dtype(where: str, datatype: str) -> DType:
+    """The DType of a wire datatype string; InvalidArgument naming the valid ones otherwise."""
+    try:
+        return DType.from_kserve(datatype)
+    except ValueError as err:
+        raise InvalidArgument(f"{where}: {err}") from None
+
+
+def wire_shape(where: str, shape: tuple[int, ...]) -> int:
+    """Check a request tensor's shape (rank, positive dimensions); returns its element count."""
+    if len(shape) > MAX_RANK:
+        raise InvalidArgument(f"{where}: shape has {len(shape)} dimensions; at most {MAX_RANK} are supported")
+    if shape and min(shape) < 1:
+        # No model accepts them (fixed dims, -1 dims and batch sizes are all positive), and a zero
+        # next to huge dims would otherwise reach numpy as an unrepresentable shape.
+        raise InvalidArgument(f"{where}: shape {list(shape)} has a dimension < 1; dimensions must be positive")
+    return math.prod(shape)
+
+
+def decode_raw(where: str, dtype: DType, shape: tuple[int, ...], raw: bytes | memoryview) -> np.ndarray:
+    """The array held by a tensor's raw bytes (a read-only view, no copy); BYTES in KServe's framing."""
+    count = math.prod(shape)
+    if dtype is DType.BYTES:
+        try:
+            # Stops at the first element past ``count``: megabytes of 1-byte elements for a [1, 1]
+            # input are refused after two, not split into millions of objects first.
+            elements = split_bytes_elements(raw, count)
+        except ValueError as err:
+            raise InvalidArgument(f"{where}: {err}") from None
+        if len(elements) != count:
+            raise InvalidArgument(
+                f"{where}: raw contents hold {len(elements)} BYTES elements, expected {count} for shape {list(shape)}")
+        return bytes_array(elements, shape)
+    expected = expected_byte_size(dtype, shape)
+    if len(raw) != expected:
+        raise InvalidArgument(
+            f"{where}: raw contents are {len(raw)} bytes, expected {expected} "
+            f"({dtype.kserve} {list(shape)} = {count} x {dtype.itemsize} bytes)")
+    return np.frombuffer(raw, dtype=dtype.little_endian).reshape(shape)
+
+
+def timeout_deadline_ns(now_ns: int, budgets_ns: list[int]) -> int:
+    """The absolute monotonic deadline of the earliest budget (0: none)."""
+    return now_ns + min(budgets_ns) if budgets_ns else 0
