@@ -30,7 +30,7 @@ from nereid.tensors import NamedTensor
 log = logging.getLogger(__name__)
 
 # After the grace and a termination request, how long drain() still waits before abandoning work.
-TERMINATE_WAIT_S = 5.0
+TERMINATE_WAIT_S = 2.0
 
 
 @dataclass
