@@ -475,5 +475,6 @@ def _in_daemon_thread(function: Callable[[ModelContext], BuiltModel], context: M
 
 
 def _reason(err: BaseException) -> str:
+    # Capped: the reason is logged and kept in RepositoryIndex (an alias bomb's was 312 MB).
     text = str(err).strip()
-    return text if text else type(err).__name__
+    return cap_message(text) if text else type(err).__name__
