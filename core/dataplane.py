@@ -1,18 +1,24 @@
 """The protocol-neutral data plane shared by every protocol surface.
 
-It answers liveness, readiness and metadata questions and runs inference:
-validate against the signature, queue on the model's scheduler, select the
-requested outputs. Protocol modules only translate messages to and from it.
+It answers liveness, readiness, metadata, configuration, statistics and index
+questions, loads and unloads models, and runs inference: validate against the
+signature, queue on the model's scheduler, select the requested outputs.
+Protocol modules (gRPC, HTTP) only translate messages to and from it and map
+its errors to their status codes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from typing import Awaitable, Callable
 
 from nereid import __version__
-from nereid.errors import InvalidArgument, ModelFailure, NereidError, Unavailable
-from nereid.repository import LoadedModel, ModelRepository
+from nereid.errors import InvalidArgument, ModelFailure, NereidError, NotFound, PermissionDenied, Unavailable
+from nereid.model_info import (MODEL_VERSION, IndexEntry, ModelConfig, ModelMetadata, describe_config,
+                               describe_metadata)
+from nereid.repository import LoadedModel, ModelRepository, ModelState
+from nereid.stats import ModelStats
 from nereid.settings import Settings
 from nereid.signature import check_outputs, validate_inputs
 from nereid.tensors import InferRequest, InferResponse, NamedTensor
@@ -24,12 +30,20 @@ EXTENSIONS: tuple[str, ...] = ("model_repository", "model_configuration", "stati
 
 
 class DataPlane:
-    """Inference and introspection over a :class:`ModelRepository`."""
+    """Inference, introspection and repository control over a :class:`ModelRepository`.
 
-    def __init__(self, repository: ModelRepository, settings: Settings) -> None:
+    ``repository_control`` False refuses load and unload (PermissionDenied);
+    ``on_repository_change`` is awaited after each (the server updates its
+    health service there).
+    """
+
+    def __init__(self, repository: ModelRepository, settings: Settings, *, repository_control: bool = True,
+                 on_repository_change: Callable[[], Awaitable[None]] | None = None) -> None:
         self.repository = repository
         self.settings = settings
         self.shutting_down = False
+        self.repository_control = repository_control
+        self._on_change = on_repository_change
 
     def live(self) -> bool:
         """The server process is up and answering."""
@@ -43,7 +57,7 @@ class DataPlane:
 
     def model_ready(self, name: str) -> bool:
         """True when the model is loaded and accepting requests (NotFound for an unknown name)."""
-        return self.repository.entry(name).state.value == "READY"
+        return self.repository.entry(name).state is ModelState.READY
 
     def server_metadata(self) -> tuple[str, str, tuple[str, ...]]:
         """Name, version and implemented extensions."""
@@ -52,6 +66,61 @@ class DataPlane:
     def model(self, name: str) -> LoadedModel:
         """The ready model behind ``name`` (NotFound / Unavailable otherwise)."""
         return self.repository.ready_model(name)
+
+    @staticmethod
+    def check_version(name: str, version: str) -> None:
+        """NotFound unless ``version`` is empty or the one version nereid serves."""
+        if version not in ("", MODEL_VERSION):
+            raise NotFound(f"model '{name}' has no version '{version}' (nereid serves version {MODEL_VERSION})")
+
+    def model_metadata(self, name: str, version: str = "") -> ModelMetadata:
+        """The ready model's metadata (shapes with a leading -1 when it batches)."""
+        self.check_version(name, version)
+        return describe_metadata(name, self.model(name))
+
+    def model_config(self, name: str, version: str = "") -> ModelConfig:
+        """The ready model's configuration."""
+        self.check_version(name, version)
+        return describe_config(name, self.model(name), self.repository.entry(name).settings)
+
+    def statistics(self, name: str = "", version: str = "") -> list[tuple[str, ModelStats]]:
+        """Snapshots of one loaded model's statistics, or of every loaded model's (``name`` empty)."""
+        if name:
+            self.check_version(name, version)
+            entry = self.repository.entry(name)
+            loaded = entry.loaded
+            if loaded is None:
+                raise Unavailable(f"model '{name}' is not loaded ({entry.state.value}); no statistics")
+            return [(name, loaded.stats.snapshot())]
+        return [(entry.name, loaded.stats.snapshot()) for entry in self.repository.entries()
+                if (loaded := entry.loaded) is not None]
+
+    def repository_index(self, ready_only: bool = False) -> list[IndexEntry]:
+        """Every model folder (picking up new ones) with its state and reason."""
+        self.repository.rescan()
+        return [IndexEntry(entry.name, MODEL_VERSION, entry.state.value, entry.reason)
+                for entry in self.repository.entries() if not ready_only or entry.state is ModelState.READY]
+
+    async def load(self, name: str, rpc: str = "RepositoryModelLoad") -> None:
+        """(Re)load a model; ModelFailure with the reason when it does not become READY."""
+        self._check_repository_control(rpc)
+        entry = await self.repository.load(name)
+        if self._on_change is not None:
+            await self._on_change()
+        if entry.state is not ModelState.READY:
+            raise ModelFailure(f"failed to load model '{name}': {entry.reason}")
+
+    async def unload(self, name: str, rpc: str = "RepositoryModelUnload") -> None:
+        """Unload a model once its queued and running requests have finished."""
+        self._check_repository_control(rpc)
+        await self.repository.unload(name)
+        if self._on_change is not None:
+            await self._on_change()
+
+    def _check_repository_control(self, rpc: str) -> None:
+        if not self.repository_control:
+            raise PermissionDenied(f"{rpc} is turned off on this server (server.repository_control: false, "
+                                   "the default when not bound to loopback)")
 
     async def infer(self, request: InferRequest) -> InferResponse:
         """Run one request; every accepted request gets exactly one answer, success or error."""

@@ -42,7 +42,9 @@ class NereidServer:
         self.metrics = ServerMetrics(self.repository)
         self.repository.metrics = self.metrics
         self.metrics_port: int | None = None
-        self.dataplane = DataPlane(self.repository, settings)
+        self.repository_control = repository_control_allowed(settings.server, self.bind_addr)
+        self.dataplane = DataPlane(self.repository, settings, repository_control=self.repository_control,
+                                   on_repository_change=self.update_health)
         self.port: int | None = None
         self._grpc: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()
@@ -61,8 +63,8 @@ class NereidServer:
             # Without this a second server on the same port starts silently and steals half the calls.
             ("grpc.so_reuseport", 0),
         ])
-        control = repository_control_allowed(config, self.bind_addr)
-        servicer = InferenceServicer(self.dataplane, self.update_health, repository_control=control)
+        control = self.repository_control
+        servicer = InferenceServicer(self.dataplane)
         server.add_generic_rpc_handlers((generic_handler(servicer),))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         try:

@@ -19,9 +19,9 @@ from nereid.dataplane import DataPlane
 from nereid.errors import (ConfigError, DeadlineExceeded, InvalidArgument, ModelFailure, NereidError,
                            NotFound, PermissionDenied, Unavailable, cap_message)
 from nereid.memory import TRIM_AFTER_BYTES, release_free_heap
+from nereid.model_info import MODEL_VERSION, ModelConfig
 from nereid.protocol.grpc_codec import decode_infer_request, parse_infer_request, serialize_infer_response
-from nereid.repository import LoadedModel, ModelState
-from nereid.signature import TensorSpec
+from nereid.stats import ModelStats
 from nereid.tensors import InferResponse
 
 log = logging.getLogger(__name__)
@@ -37,9 +37,6 @@ STATUS_OF_ERROR: dict[type[NereidError], grpc.StatusCode] = {
     ModelFailure: grpc.StatusCode.INTERNAL,
     PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
 }
-
-MODEL_VERSION = "1"
-
 
 def status_of(error: NereidError) -> grpc.StatusCode:
     """The gRPC status code for a nereid error (INTERNAL for anything unmapped)."""
@@ -136,29 +133,11 @@ def _maps_errors(handler: Handler) -> Handler:
     return wrapper
 
 
-def _check_version(name: str, version: str) -> None:
-    if version not in ("", MODEL_VERSION):
-        raise NotFound(f"model '{name}' has no version '{version}' (nereid serves version {MODEL_VERSION})")
-
-
 class InferenceServicer:
-    """The RPC implementations over one :class:`DataPlane`.
+    """The RPC implementations over one :class:`DataPlane`: each converts messages and nothing more."""
 
-    ``on_repository_change`` is awaited after a load or unload (the server uses
-    it to update the health service).
-    """
-
-    def __init__(self, dataplane: DataPlane,
-                 on_repository_change: Callable[[], Awaitable[None]] | None = None,
-                 repository_control: bool = True) -> None:
+    def __init__(self, dataplane: DataPlane) -> None:
         self.dataplane = dataplane
-        self._on_change = on_repository_change
-        self._repository_control = repository_control
-
-    def _check_repository_control(self, rpc: str) -> None:
-        if not self._repository_control:
-            raise PermissionDenied(f"{rpc} is turned off on this server (server.repository_control: false, "
-                                   "the default when not bound to loopback)")
 
     @_maps_errors
     async def ServerLive(self, request: pb.ServerLiveRequest, context) -> pb.ServerLiveResponse:
@@ -170,7 +149,7 @@ class InferenceServicer:
 
     @_maps_errors
     async def ModelReady(self, request: pb.ModelReadyRequest, context) -> pb.ModelReadyResponse:
-        _check_version(request.name, request.version)
+        self.dataplane.check_version(request.name, request.version)
         return pb.ModelReadyResponse(ready=self.dataplane.model_ready(request.name))
 
     @_maps_errors
@@ -180,23 +159,18 @@ class InferenceServicer:
 
     @_maps_errors
     async def ModelMetadata(self, request: pb.ModelMetadataRequest, context) -> pb.ModelMetadataResponse:
-        _check_version(request.name, request.version)
-        model = self.dataplane.model(request.name)
-        batch = (-1,) if model.signature.batches else ()
-        response = pb.ModelMetadataResponse(name=request.name, versions=[MODEL_VERSION],
-                                            platform=model.backend.platform)
-        for spec in model.signature.inputs:
-            response.inputs.add(name=spec.name, datatype=spec.dtype.kserve, shape=batch + spec.dims)
-        for spec in model.signature.outputs:
-            response.outputs.add(name=spec.name, datatype=spec.dtype.kserve, shape=batch + spec.dims)
+        metadata = self.dataplane.model_metadata(request.name, request.version)
+        response = pb.ModelMetadataResponse(name=metadata.name, versions=metadata.versions,
+                                            platform=metadata.platform)
+        for collection, tensors in ((response.inputs, metadata.inputs), (response.outputs, metadata.outputs)):
+            for tensor in tensors:
+                collection.add(name=tensor.name, datatype=tensor.datatype, shape=tensor.shape)
         return response
 
     @_maps_errors
     async def ModelConfig(self, request: pb.ModelConfigRequest, context) -> pb.ModelConfigResponse:
-        _check_version(request.name, request.version)
-        entry = self.dataplane.repository.entry(request.name)
-        model = self.dataplane.model(request.name)
-        return pb.ModelConfigResponse(config=model_config(request.name, model, entry.settings))
+        return pb.ModelConfigResponse(config=config_message(self.dataplane.model_config(request.name,
+                                                                                        request.version)))
 
     @_maps_errors
     async def ModelInfer(self, request: Received, context) -> bytes:
@@ -208,7 +182,7 @@ class InferenceServicer:
         if received.size >= TRIM_AFTER_BYTES:
             # gRPC's copies of this message are freed by now: give their pages back, off the loop.
             asyncio.get_running_loop().run_in_executor(None, release_free_heap)
-        _check_version(request.model_name, request.model_version)
+        self.dataplane.check_version(request.model_name, request.model_version)
         if received.size >= DECODE_OFF_LOOP_BYTES:
             decoded = await asyncio.to_thread(decode_infer_request, request, context.time_remaining(),
                                               received.raws)
@@ -283,49 +257,28 @@ class InferenceServicer:
 
     @_maps_errors
     async def ModelStatistics(self, request: pb.ModelStatisticsRequest, context) -> pb.ModelStatisticsResponse:
-        repository = self.dataplane.repository
-        if request.name:
-            _check_version(request.name, request.version)
-            entry = repository.entry(request.name)
-            if entry.loaded is None:
-                raise Unavailable(f"model '{request.name}' is not loaded ({entry.state.value}); no statistics")
-            entries = [entry]
-        else:
-            entries = [e for e in repository.entries() if e.loaded is not None]
         response = pb.ModelStatisticsResponse()
-        for entry in entries:
-            _fill_statistics(response.model_stats.add(name=entry.name, version=MODEL_VERSION), entry.loaded)
+        for name, stats in self.dataplane.statistics(request.name, request.version):
+            _fill_statistics(response.model_stats.add(name=name, version=MODEL_VERSION), stats)
         return response
 
     @_maps_errors
     async def RepositoryIndex(self, request: pb.RepositoryIndexRequest, context) -> pb.RepositoryIndexResponse:
-        repository = self.dataplane.repository
-        repository.rescan()
         response = pb.RepositoryIndexResponse()
-        for entry in repository.entries():
-            if request.ready and entry.state is not ModelState.READY:
-                continue
-            response.models.add(name=entry.name, version=MODEL_VERSION, state=entry.state.value, reason=entry.reason)
+        for entry in self.dataplane.repository_index(request.ready):
+            response.models.add(name=entry.name, version=entry.version, state=entry.state, reason=entry.reason)
         return response
 
     @_maps_errors
     async def RepositoryModelLoad(self, request: pb.RepositoryModelLoadRequest,
                                   context) -> pb.RepositoryModelLoadResponse:
-        self._check_repository_control("RepositoryModelLoad")
-        entry = await self.dataplane.repository.load(request.model_name)
-        if self._on_change:
-            await self._on_change()
-        if entry.state is not ModelState.READY:
-            raise ModelFailure(f"failed to load model '{request.model_name}': {entry.reason}")
+        await self.dataplane.load(request.model_name)
         return pb.RepositoryModelLoadResponse()
 
     @_maps_errors
     async def RepositoryModelUnload(self, request: pb.RepositoryModelUnloadRequest,
                                     context) -> pb.RepositoryModelUnloadResponse:
-        self._check_repository_control("RepositoryModelUnload")
-        await self.dataplane.repository.unload(request.model_name)
-        if self._on_change:
-            await self._on_change()
+        await self.dataplane.unload(request.model_name)
         return pb.RepositoryModelUnloadResponse()
 
 
@@ -366,36 +319,25 @@ _CONFIG_TYPE = {spec: getattr(mc, "TYPE_STRING" if spec == "BYTES" else f"TYPE_{
                              "INT64", "FP16", "FP32", "FP64", "BF16", "BYTES")}
 
 
-def model_config(name: str, model: LoadedModel, settings) -> mc.ModelConfig:
-    """A Triton ModelConfig derived from the model's contract (dims exclude the batch axis)."""
-    signature = model.signature
-    config = mc.ModelConfig(name=name, platform=model.backend.platform, backend=model.backend_name,
-                            max_batch_size=signature.max_batch_size)
-
-    def add(collection, spec: TensorSpec) -> None:
-        collection.add(name=spec.name, data_type=_CONFIG_TYPE[spec.dtype.kserve], dims=spec.dims)
-
-    for spec in signature.inputs:
-        add(config.input, spec)
-    for spec in signature.outputs:
-        add(config.output, spec)
-    policy = model.scheduler.policy
-    if policy.enabled:  # what the scheduler really does: off for max_batch_size 0 or `batching: enabled: false`
-        batching = config.dynamic_batching
+def config_message(config: ModelConfig) -> mc.ModelConfig:
+    """The ModelConfig message of a model's neutral configuration."""
+    message = mc.ModelConfig(name=config.name, platform=config.platform, backend=config.backend,
+                             max_batch_size=config.max_batch_size)
+    for collection, tensors in ((message.input, config.inputs), (message.output, config.outputs)):
+        for tensor in tensors:
+            collection.add(name=tensor.name, data_type=_CONFIG_TYPE[tensor.datatype], dims=tensor.shape)
+    if config.dynamic_batching is not None:
+        batching = message.dynamic_batching
         batching.SetInParent()
-        batching.max_queue_delay_microseconds = policy.max_delay_ns // 1000
-        batching.preferred_batch_size.extend(policy.preferred_sizes)
-    device = settings.device
-    group = config.instance_group.add(name=name, count=settings.instances,
-                                      kind=mc.ModelInstanceGroup.KIND_GPU if device.is_gpu
-                                      else mc.ModelInstanceGroup.KIND_CPU)
-    if device.is_gpu:
-        group.gpus.append(device.index)
-    return config
+        batching.max_queue_delay_microseconds = config.dynamic_batching.max_queue_delay_us
+        batching.preferred_batch_size.extend(config.dynamic_batching.preferred_batch_sizes)
+    group = config.instance_group
+    message.instance_group.add(name=config.name, count=group.count, kind=mc.ModelInstanceGroup.Kind.Value(group.kind),
+                               gpus=group.gpus)
+    return message
 
 
-def _fill_statistics(stats_msg: pb.ModelStatistics, model: LoadedModel) -> None:
-    stats = model.stats.snapshot()  # consistent while requests keep running
+def _fill_statistics(stats_msg: pb.ModelStatistics, stats: ModelStats) -> None:
     stats_msg.last_inference = stats.last_inference_ms
     stats_msg.inference_count = stats.inference_count
     stats_msg.execution_count = stats.execution_count
