@@ -7,13 +7,33 @@ then on talks to the returned :class:`Backend` directly.
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Protocol, runtime_checkable
 
 from nereid.settings import Device, ModelSettings
 from nereid.signature import ModelSignature
-from nereid.tensors import NamedTensor
+from nereid.tensors import InferRequest, InferResponse, NamedTensor
+
+# The deadline (``time.monotonic_ns()``; 0: none) of the request an execution serves; for a batch,
+# the earliest in it. The scheduler sets it around each execution, so a coroutine ``infer`` (which
+# runs in the execution's own task) sees it; a thread-run ``infer`` does not. Meta models read it to
+# bound their sub-calls.
+REQUEST_DEADLINE_NS: ContextVar[int] = ContextVar("nereid_request_deadline_ns", default=0)
+
+
+class ModelCaller(Protocol):
+    """How a model calls another model of the same server (the server's data plane).
+
+    A call is an ordinary request: it is validated, queued and batched with the
+    target model's other traffic, counted in its statistics, and refused
+    without running once ``request.deadline_ns`` has passed. Errors are the
+    :mod:`nereid.errors` exceptions a client would get as a status.
+    """
+
+    async def infer(self, request: InferRequest) -> InferResponse:
+        """Run one request on the event loop; every call gets exactly one answer."""
 
 
 @dataclass(frozen=True)
@@ -23,7 +43,8 @@ class ModelContext:
     ``scratch_dir`` is a private, server-owned folder for temporary files
     (emptied and removed when the server stops). ``settings_origin`` says where
     ``settings`` came from (``"<file>: models[2]"``), for error messages about
-    backend-specific ``runtime`` options.
+    backend-specific ``runtime`` options. ``models`` calls the server's other
+    models (None where there is no server, as in ``nereid check``).
     """
 
     name: str
@@ -31,6 +52,7 @@ class ModelContext:
     settings: ModelSettings
     scratch_dir: Path
     settings_origin: str = ""
+    models: ModelCaller | None = None
 
     @property
     def device(self) -> Device:
@@ -117,6 +139,25 @@ class Relocatable(Protocol):
 
     def relocate(self, context: ModelContext) -> None:
         """Take the new name and folder."""
+
+
+@runtime_checkable
+class CallsModels(Protocol):
+    """Optional: a model that calls other models of the server (a meta model; checked once at load).
+
+    The repository keeps it READY only while every model of ``dependencies()``
+    is READY (with the reason otherwise). The scheduler runs each of its
+    requests as an execution of its own, never batched with others (each
+    carries its own deadline and gets its own errors), and up to
+    ``concurrent_executions()`` at once instead of ``instances``: such an
+    execution mostly waits on other models' queues.
+    """
+
+    def dependencies(self) -> tuple[str, ...]:
+        """The names of the models it may call (valid after ``load``)."""
+
+    def concurrent_executions(self) -> int:
+        """How many of its executions may run at once."""
 
 
 @dataclass(frozen=True)

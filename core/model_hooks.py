@@ -26,7 +26,7 @@ import sys
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from nereid.errors import ConfigError
 
@@ -52,10 +52,12 @@ class ModelHooks:
     preprocess: Hook = identity
     postprocess: Hook = identity
     declared_name: str | None = None  # informational: the bundle directory names the model
+    # A meta model's orchestration (``fn(inputs, ctx) -> outputs``, async or not); None for a bundle.
+    orchestrate: Callable[..., Any] | None = None
 
 
 def register_model(name: str | None = None, *, preprocess: Hook | None = None,
-                   postprocess: Hook | None = None) -> None:
+                   postprocess: Hook | None = None, orchestrate: Callable[..., Any] | None = None) -> None:
     """Attach pre/post-processing hooks to the bundle whose ``model.py`` is running.
 
     Each hook takes and returns a ``list[NamedTensor]``; an omitted hook is the
@@ -64,6 +66,10 @@ def register_model(name: str | None = None, *, preprocess: Hook | None = None,
     receives the request's rows of the executable outputs and returns the
     ``client_outputs``. ``name`` is informational and ignored: the bundle's
     directory name is the model name. Call it exactly once, from ``model.py``.
+
+    A meta model (``meta: true`` in manifest.yaml) registers ``orchestrate``
+    instead: ``[async] def fn(inputs, ctx) -> list[NamedTensor]``, which calls
+    other models with ``ctx.infer`` (see nereid.backends.meta).
     """
     collected = _registrations.get()
     if collected is None:
@@ -73,9 +79,15 @@ def register_model(name: str | None = None, *, preprocess: Hook | None = None,
         if hook is not None and not callable(hook):
             raise TypeError(f"register_model: {label} must be a callable taking and returning a list of "
                             f"NamedTensor, got {hook!r}")
+    if orchestrate is not None and not callable(orchestrate):
+        raise TypeError(f"register_model: orchestrate must be a function fn(inputs, ctx) returning a list of "
+                        f"NamedTensor, got {orchestrate!r}")
+    if orchestrate is not None and (preprocess is not None or postprocess is not None):
+        raise TypeError("register_model: orchestrate (a meta model) takes no preprocess or postprocess: "
+                        "do that work inside the orchestration")
     if name is not None and not isinstance(name, str):
         raise TypeError(f"register_model: name must be a string, got {name!r}")
-    collected.append(ModelHooks(preprocess or identity, postprocess or identity, name))
+    collected.append(ModelHooks(preprocess or identity, postprocess or identity, name, orchestrate))
 
 
 def load_model_hooks(path: Path, model: str) -> ModelHooks:

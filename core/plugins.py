@@ -20,6 +20,7 @@ BUILTIN_BACKENDS: tuple[str, ...] = (
     "nereid.backends.cpp.plugin",
     "nereid.backends.cxx.plugin",
     "nereid.backends.xla.plugin",
+    "nereid.backends.meta.plugin",
 )
 
 

@@ -19,7 +19,7 @@ from typing import Awaitable, Callable
 
 import numpy as np
 
-from nereid.backend import Backend
+from nereid.backend import REQUEST_DEADLINE_NS, Backend
 from nereid.batching import BatchPolicy, batch_key, request_cost
 from nereid.daemon_pool import DaemonThreadPool
 from nereid.errors import DeadlineExceeded, ModelFailure, NereidError, QueueFull, Unavailable
@@ -104,10 +104,12 @@ class ModelScheduler:
                 raise self._deadline_error(deadline_ns, arrived_ns, arrived_ns)
             self._idle.clear()
             self._free_slots -= 1
+            deadline = REQUEST_DEADLINE_NS.set(deadline_ns)  # for a coroutine infer, in this very task
             try:
                 (outputs,) = await self._run(inputs, [rows], cost, [time.monotonic_ns() - arrived_ns], 0)
                 return outputs
             finally:
+                REQUEST_DEADLINE_NS.reset(deadline)
                 self._release_slot()
         work = Work(inputs, rows, cost, batch_key(inputs), deadline_ns, asyncio.get_running_loop().create_future(),
                     arrived_ns)
@@ -297,6 +299,8 @@ class ModelScheduler:
         live = [w for w in batch if self._still_wanted(w)]
         if not live:
             return
+        # This task's own context: the batch's earliest deadline, for a coroutine infer.
+        REQUEST_DEADLINE_NS.set(min((w.deadline_ns for w in live if w.deadline_ns), default=0))
         try:
             inputs = live[0].inputs if len(live) == 1 else _concatenate([w.inputs for w in live])
             results = await self._run(inputs, [w.rows for w in live], sum(w.cost for w in live),

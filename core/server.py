@@ -20,6 +20,7 @@ from nereid.protocol.grpc_service import SERVICE_NAME, InferenceServicer, generi
 from nereid.repository import ModelRepository
 from nereid.processes import kill_children
 from nereid.settings import Settings, repository_control_allowed
+from nereid.tensors import InferRequest, InferResponse
 from nereid.tls import server_credentials
 from nereid.watch import RepositoryWatcher
 
@@ -38,7 +39,8 @@ class NereidServer:
         self.bind_addr = bind_addr or settings.server.bind_addr
         self.manager = manager or make_plugin_manager()
         self.scratch_dir = Path(tempfile.mkdtemp(prefix="nereid-"))
-        self.repository = ModelRepository(settings, self.manager, self.scratch_dir)
+        # The server is the models' ModelCaller: a meta model's sub-calls go through the data plane.
+        self.repository = ModelRepository(settings, self.manager, self.scratch_dir, models=self)
         self.metrics = ServerMetrics(self.repository)
         self.repository.metrics = self.metrics
         self.metrics_port: int | None = None
@@ -51,6 +53,10 @@ class NereidServer:
         self._stopped = asyncio.Event()
         self.watcher: RepositoryWatcher | None = None
         self._watching: asyncio.Task | None = None
+
+    async def infer(self, request: InferRequest) -> InferResponse:
+        """Run a request from inside the server (a meta model's sub-call), exactly as a client's would run."""
+        return await self.dataplane.infer(request)
 
     async def start(self) -> int:
         """Bind the port and start serving; returns the bound port. Models load in :meth:`load_models`."""

@@ -39,7 +39,10 @@ BATCH_MARKERS = frozenset("nb")
 _TOP_KEYS = frozenset({
     "format_version", "name", "description", "executable_inputs", "executable_outputs",
     "client_inputs", "client_outputs", "batching", "input_shapes", "weights_file", "provenance",
+    "meta", "depends_on",  # a meta model: a model.py orchestrating other models (nereid.backends.meta)
 })
+# What only a bundle with a program has: a meta model declaring one of these is refused.
+_PROGRAM_KEYS = ("executable_inputs", "executable_outputs", "input_shapes", "weights_file")
 _TENSOR_KEYS = frozenset({"name", "dtype", "shape", "dims"})
 _BATCHING_KEYS = frozenset({"compiled_batch_sizes"})
 
@@ -161,6 +164,13 @@ class Manifest:
     name: str | None = None
     description: str = ""
     provenance: Mapping[str, Any] = field(default_factory=dict)
+    meta: bool = False
+    depends_on: tuple[str, ...] = ()
+
+    @property
+    def is_meta(self) -> bool:
+        """True for a meta model (``meta: true``): a model.py orchestrating other models, no program."""
+        return self.meta
 
     @property
     def input_batch_dim(self) -> int | None:
@@ -202,13 +212,17 @@ def parse_manifest(document: Any, path: Path) -> Manifest:
     reader = KeyedReader(path)
     top = reader.mapping(document, "", _TOP_KEYS)
     version = _format_version(reader, top)
-    executable_inputs = _tensors(reader, top, "executable_inputs", required=True, executable=True)
-    executable_outputs = _tensors(reader, top, "executable_outputs", required=True, executable=True)
-    if not executable_outputs:
+    meta, depends_on = _meta(reader, top)
+    executable_inputs = _tensors(reader, top, "executable_inputs", required=not meta, executable=True) or ()
+    executable_outputs = _tensors(reader, top, "executable_outputs", required=not meta, executable=True) or ()
+    if not executable_outputs and not meta:
         reader.fail("executable_outputs", "must list at least one tensor", top.get("executable_outputs"))
-    client_inputs = _tensors(reader, top, "client_inputs", required=False, executable=False)
-    client_outputs = _tensors(reader, top, "client_outputs", required=False, executable=False)
-    batching = _batching(reader, top, executable_inputs + executable_outputs)
+    client_inputs = _tensors(reader, top, "client_inputs", required=meta, executable=False)
+    client_outputs = _tensors(reader, top, "client_outputs", required=meta, executable=False)
+    if meta:
+        batching = _meta_batching(reader, top, (client_inputs or ()) + (client_outputs or ()))
+    else:
+        batching = _batching(reader, top, executable_inputs + executable_outputs)
     input_shapes = _input_shapes(reader, top, executable_inputs, executable_outputs)
     weights_file = _weights_file(reader, top)
     name = top.get("name")
@@ -223,7 +237,66 @@ def parse_manifest(document: Any, path: Path) -> Manifest:
     if not isinstance(provenance, dict):
         reader.fail("provenance", "must be a mapping", provenance)
     return Manifest(path, version, executable_inputs, executable_outputs, client_inputs, client_outputs,
-                    batching, input_shapes, weights_file, name, description, provenance)
+                    batching, input_shapes, weights_file, name, description, provenance, meta, depends_on)
+
+
+def declares_meta(path: Path) -> bool:
+    """True when the manifest at ``path`` says ``meta: true`` (False when it cannot be read or parsed).
+
+    For claiming folders: the backend that claims the folder reports any error in full when it loads.
+    """
+    try:
+        document = load_yaml(read_text_file(path, MAX_MANIFEST_BYTES), path)
+    except Exception:  # reported by whichever backend claims the folder, when it loads it
+        return False
+    return isinstance(document, dict) and document.get("meta") is True
+
+
+def _meta(reader: KeyedReader, top: dict[str, Any]) -> tuple[bool, tuple[str, ...]]:
+    """``meta`` and ``depends_on``, and the keys a meta model must and must not have."""
+    meta = top.get("meta", False)
+    if not isinstance(meta, bool):
+        reader.fail("meta", "must be true or false", meta)
+    raw = top.get("depends_on")
+    if raw is not None and not meta:
+        reader.fail("depends_on", "lists the models a meta model calls; only a manifest with meta: true has it", raw)
+    if not meta:
+        return False, ()
+    for key in _PROGRAM_KEYS:
+        if key in top:
+            reader.fail(key, "a meta model runs no program of its own (its model.py calls other models); "
+                             "declare its wire tensors under client_inputs / client_outputs", top[key])
+    if raw is None:
+        raw = []
+    if not isinstance(raw, list) or len(raw) > MAX_DECLARED_TENSORS:
+        reader.fail("depends_on", "must be a list of model names", raw)
+    names: list[str] = []
+    for index, name in enumerate(raw):
+        if not isinstance(name, str) or not name or "/" in name or name.startswith("."):
+            reader.fail(f"depends_on[{index}]", "must be a model name (a folder name in ml_backends_path)", name)
+        if name in names:
+            reader.fail(f"depends_on[{index}]", "is listed twice", name)
+        names.append(name)
+    return True, tuple(names)
+
+
+def _meta_batching(reader: KeyedReader, top: dict[str, Any],
+                   tensors: tuple[ManifestTensor, ...]) -> BatchingSpec | None:
+    """A meta model's ``batching: {max_batch_size: N}``: the most rows a request may carry."""
+    batched = [t for t in tensors if t.batch_axis is not None]
+    if "batching" not in top or top["batching"] is None:
+        if batched:
+            reader.fail("batching", f"is required: tensor '{batched[0].name}' has a batch axis "
+                                    f"({batched[0].shape_string!r}); give batching: {{max_batch_size: N}}", None)
+        return None
+    section = reader.mapping(top["batching"], "batching", frozenset({"max_batch_size"}))
+    size = section.get("max_batch_size")
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        reader.fail("batching.max_batch_size", "must be a positive integer (a meta model compiles nothing, so it "
+                                               "has no compiled_batch_sizes)", size)
+    if not batched:
+        reader.fail("batching.max_batch_size", "no client tensor has a batch axis (n or b)", size)
+    return BatchingSpec((size,))
 
 
 def _parse_shape(text: Any, dims: Any, where: str, reader: KeyedReader) -> tuple[Dim, ...]:

@@ -1,0 +1,330 @@
+"""A meta model: ``model.py`` orchestrates other models of the server with data-dependent logic.
+
+The folder holds ``manifest.yaml`` (``meta: true``, ``depends_on``, the wire
+tensors under ``client_inputs`` / ``client_outputs``) and a ``model.py`` that
+calls ``nereid.register_model(orchestrate=fn)``. Each client request runs
+``fn(inputs, ctx)`` once; ``ctx.infer(model, inputs)`` is a sub-call through
+the server's data plane, so it queues, batches and counts in the sub-model's
+statistics exactly like a client's request, and carries the caller's deadline.
+
+The deadline rule: once the request's deadline has passed, ``ctx.infer``
+raises :class:`~nereid.errors.DeadlineExceeded` without issuing the call. A
+sub-call already running is never interrupted; the rule only declines to start
+new work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from nereid.backend import REQUEST_DEADLINE_NS, ModelContext, RuntimeReport
+from nereid.backends.xla.manifest import MANIFEST_NAME, Manifest, declares_meta, load_manifest
+from nereid.backends.xla.signatures import batch_mode, build_signature
+from nereid.daemon_pool import DaemonThreadPool
+from nereid.dependencies import describe_cycle, find_cycle
+from nereid.errors import ConfigError, DeadlineExceeded, ModelFailure, NereidError, Unavailable
+from nereid.files import not_regular_reason
+from nereid.model_hooks import load_model_hooks
+from nereid.signature import ModelSignature
+from nereid.tensors import InferRequest, NamedTensor
+
+log = logging.getLogger(__name__)
+
+PLATFORM = "nereid_meta"
+MODEL_PY = "model.py"
+
+
+class MetaContext:
+    """What an ``async def`` orchestration gets as ``ctx``: one client request's handle on the server.
+
+    ``await ctx.infer(model, inputs, outputs=None)`` calls another model and
+    returns its outputs; ``asyncio.gather`` over several calls runs them at
+    once. ``deadline_ns`` is the request's deadline (``time.monotonic_ns()``;
+    0: none) and :meth:`time_remaining` what is left of it.
+    """
+
+    def __init__(self, model: MetaModel, deadline_ns: int) -> None:
+        self._model = model
+        self.model_name = model.context.name
+        self.deadline_ns = deadline_ns
+        self.depends_on = model.depends_on
+
+    def time_remaining(self) -> float | None:
+        """Seconds left before the request's deadline (negative once past; None: no deadline)."""
+        if not self.deadline_ns:
+            return None
+        return (self.deadline_ns - time.monotonic_ns()) / 1e9
+
+    async def infer(self, model_name: str, inputs: Sequence[NamedTensor],
+                    outputs: Sequence[str] | None = None) -> list[NamedTensor]:
+        """Run ``model_name`` on ``inputs``; its outputs (only ``outputs``, when given), in its declared order.
+
+        Raises DeadlineExceeded without calling when the deadline has passed,
+        and the sub-call's own error (a :mod:`nereid.errors` exception, naming
+        this model and the sub-model) when it fails.
+        """
+        request = self._model.sub_request(model_name, inputs, outputs, self.deadline_ns)
+        return await self._model.call(request)
+
+
+class BlockingMetaContext(MetaContext):
+    """``ctx`` of a plain ``def`` orchestration, which runs on a worker thread: ``ctx.infer`` blocks."""
+
+    def __init__(self, model: MetaModel, deadline_ns: int, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(model, deadline_ns)
+        self._loop = loop
+        self.abandoned = False  # set when the client's request went away: no further sub-calls
+
+    def infer(self, model_name: str, inputs: Sequence[NamedTensor],  # type: ignore[override]
+              outputs: Sequence[str] | None = None) -> list[NamedTensor]:
+        """Run ``model_name`` on ``inputs`` and wait for its outputs (see :meth:`MetaContext.infer`)."""
+        if _on_event_loop():
+            raise RuntimeError(f"meta model '{self.model_name}': this ctx belongs to a plain-def orchestration, "
+                               "whose ctx.infer blocks; it cannot be called on the event loop (make the "
+                               "orchestration async def and await ctx.infer instead)")
+        if self.abandoned:
+            raise Unavailable(f"meta model '{self.model_name}': the request was cancelled; the sub-call to "
+                              f"'{model_name}' was not issued")
+        request = self._model.sub_request(model_name, inputs, outputs, self.deadline_ns)
+        return asyncio.run_coroutine_threadsafe(self._model.call(request), self._loop).result()
+
+
+class MetaModel:
+    """The Backend of a meta model: its ``infer`` is a coroutine run on the event loop.
+
+    Implements :class:`~nereid.backend.CallsModels`: the repository keeps it
+    READY only while its ``depends_on`` are READY, and runs each request as an
+    execution of its own, up to ``queue_capacity`` at once (orchestrations wait
+    on other models; they hold no thread unless they are plain functions).
+    """
+
+    platform = PLATFORM
+
+    def __init__(self, context: ModelContext) -> None:
+        self.context = context
+        self.depends_on: tuple[str, ...] = ()
+        self._manifest: Manifest | None = None
+        self._signature: ModelSignature | None = None
+        self._orchestrate: Callable[..., Any] | None = None
+        self._is_async = True
+        self._model_py: Path | None = None
+        self._pool: DaemonThreadPool | None = None
+
+    # -- Backend protocol ---------------------------------------------------------------------------
+
+    def load(self) -> None:
+        """Read the manifest and model.py; refuse program files, a missing orchestration and cycles."""
+        name, folder = self.context.name, self.context.folder
+        manifest_path = folder / MANIFEST_NAME
+        if (reason := not_regular_reason(manifest_path)) is not None:
+            raise ConfigError(reason)
+        if not manifest_path.is_file():
+            raise ConfigError(f"model '{name}': {folder} has no {MANIFEST_NAME} (a meta model holds {MANIFEST_NAME} "
+                              f"with meta: true and a {MODEL_PY})")
+        manifest = load_manifest(manifest_path)
+        if not manifest.is_meta:
+            raise ConfigError(f"model '{name}': {manifest_path}: meta: the meta backend serves manifests with "
+                              "meta: true; this one describes a bundle (serve it with backend: xla)")
+        program_files = sorted(p.name for p in folder.iterdir()
+                               if p.name.endswith((".mlir", ".safetensors")) and not p.name.startswith("."))
+        if program_files:
+            raise ConfigError(f"model '{name}': {manifest_path} says meta: true, but the folder holds program or "
+                              f"weights files ({', '.join(program_files)}): a meta model runs no program of its "
+                              "own. Remove them, or remove meta: true to serve the folder as a bundle")
+        model_py = folder / MODEL_PY
+        if (reason := not_regular_reason(model_py)) is not None:
+            raise ConfigError(reason)
+        if not model_py.is_file():
+            raise ConfigError(f"model '{name}': {manifest_path} says meta: true, but {folder} has no {MODEL_PY}: "
+                              f"a meta model's {MODEL_PY} calls nereid.register_model(orchestrate=fn)")
+        self.depends_on = manifest.depends_on
+        cycle = find_cycle(name, self._declared_dependencies)
+        if cycle is not None:
+            raise ConfigError(f"model '{name}': depends_on forms a cycle {describe_cycle(cycle)} "
+                              f"({manifest_path}): a meta model must not reach itself through depends_on")
+        hooks = load_model_hooks(model_py, name)
+        if hooks.orchestrate is None:
+            raise ConfigError(f"model '{name}': {model_py} registered no orchestration: a meta model's "
+                              f"{MODEL_PY} calls nereid.register_model(orchestrate=fn), with "
+                              "[async] def fn(inputs, ctx) -> list[NamedTensor]")
+        _check_arity(name, model_py, hooks.orchestrate)
+        inputs, outputs = manifest.client_inputs or (), manifest.client_outputs or ()
+        mode = batch_mode(inputs + outputs, manifest.batching is not None)
+        self._signature = build_signature(inputs, outputs, mode,
+                                          manifest.batching.largest if manifest.batching else 0)
+        self._manifest, self._model_py, self._orchestrate = manifest, model_py, hooks.orchestrate
+        self._is_async = inspect.iscoroutinefunction(hooks.orchestrate)
+        if not self._is_async:
+            # Plain functions block in ctx.infer: one daemon thread per running orchestration.
+            self._pool = DaemonThreadPool(self.concurrent_executions(), thread_name_prefix=f"nereid-meta-{name}")
+        log.info("meta model '%s': %s orchestration over %s", name, "async" if self._is_async else "threaded",
+                 ", ".join(self.depends_on) or "no models")
+
+    def signature(self) -> ModelSignature:
+        """The wire tensors of ``client_inputs`` / ``client_outputs``."""
+        if self._signature is None:
+            raise RuntimeError("load() first")
+        return self._signature
+
+    async def infer(self, inputs: list[NamedTensor]) -> list[NamedTensor]:
+        """Run the orchestration for one request (validated inputs, batch axis present when it batches)."""
+        orchestrate = self._orchestrate
+        assert orchestrate is not None, "load() first"
+        deadline_ns = REQUEST_DEADLINE_NS.get()  # the request's, set by the scheduler
+        try:
+            if self._is_async:
+                result = await orchestrate(inputs, MetaContext(self, deadline_ns))
+            else:
+                result = await self._run_blocking(orchestrate, inputs, deadline_ns)
+        except NereidError:
+            raise  # a sub-call's error (or the orchestration's own), with its status
+        except Exception as err:
+            raise ModelFailure(f"meta model '{self.context.name}': orchestrate failed{self._line_of(err)}: "
+                               f"{type(err).__name__}: {err}") from err
+        return self._in_declared_order(result)
+
+    def unload(self) -> None:
+        """Release the worker threads of a plain-def orchestration."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+    # -- CallsModels, ReportsRuntime ------------------------------------------------------------------
+
+    def dependencies(self) -> tuple[str, ...]:
+        """The models of ``depends_on``: the only ones ``ctx.infer`` may call."""
+        return self.depends_on
+
+    def concurrent_executions(self) -> int:
+        """Orchestrations that may run at once: ``queue_capacity`` (they wait on other models' queues)."""
+        return self.context.settings.queue_capacity
+
+    def runtime_report(self) -> RuntimeReport:
+        """``depends_on=a,b orchestrate=async`` for ``nereid check``."""
+        kind = "async" if self._is_async else "thread"
+        return RuntimeReport(f"depends_on={','.join(self.depends_on) or '-'} orchestrate={kind}")
+
+    # -- sub-calls ----------------------------------------------------------------------------------
+
+    def sub_request(self, model_name: str, inputs: Sequence[NamedTensor], outputs: Sequence[str] | None,
+                    deadline_ns: int) -> InferRequest:
+        """The request for one sub-call; refuses an unlisted model and a passed deadline before anything runs."""
+        name = self.context.name
+        if model_name not in self.depends_on:
+            listed = ", ".join(self.depends_on) or "none"
+            raise ModelFailure(f"meta model '{name}': ctx.infer('{model_name}') refused: '{model_name}' is not in "
+                               f"depends_on of its {MANIFEST_NAME} (depends_on: {listed}); list every model it calls")
+        if not isinstance(inputs, (list, tuple)) or not all(isinstance(t, NamedTensor) for t in inputs):
+            raise TypeError(f"ctx.infer('{model_name}', inputs): inputs must be a list of nereid.tensors.NamedTensor, "
+                            f"got {type(inputs).__name__}")
+        if outputs is not None and (isinstance(outputs, str) or not all(isinstance(o, str) for o in outputs)):
+            raise TypeError(f"ctx.infer('{model_name}', inputs, outputs): outputs must be a list of output names, "
+                            f"got {outputs!r}")
+        now = time.monotonic_ns()
+        if deadline_ns and now >= deadline_ns:
+            raise DeadlineExceeded(f"meta model '{name}': the request's deadline passed "
+                                   f"{(now - deadline_ns) / 1e6:.1f} ms before its sub-call to '{model_name}', "
+                                   "which was not issued")
+        return InferRequest(model_name, list(inputs), requested_outputs=list(outputs or ()), deadline_ns=deadline_ns)
+
+    async def call(self, request: InferRequest) -> list[NamedTensor]:
+        """Run a sub-call through the server's data plane; its errors keep their type and name both models."""
+        name, sub = self.context.name, request.model_name
+        caller = self.context.models
+        if caller is None:
+            raise Unavailable(f"meta model '{name}': cannot call '{sub}': the model was loaded outside a server "
+                              "(as by nereid check)")
+        try:
+            response = await caller.infer(request)
+        except NereidError as err:
+            raise _same_kind(err, f"meta model '{name}': sub-call to '{sub}' failed: {err}") from err
+        return response.outputs
+
+    # -- helpers ------------------------------------------------------------------------------------
+
+    async def _run_blocking(self, orchestrate: Callable[..., Any], inputs: list[NamedTensor],
+                            deadline_ns: int) -> Any:
+        pool = self._pool
+        if pool is None:
+            raise Unavailable(f"model '{self.context.name}' is being unloaded")
+        context = BlockingMetaContext(self, deadline_ns, asyncio.get_running_loop())
+        future = asyncio.wrap_future(pool.submit(orchestrate, inputs, context))
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            # A thread cannot be stopped; it may finish its running sub-call but issues no new one.
+            context.abandoned = True
+            future.add_done_callback(_retrieve)
+            raise
+
+    def _in_declared_order(self, result: Any) -> list[NamedTensor]:
+        """The orchestration's outputs in the manifest's order (it may return them in any order)."""
+        name = self.context.name
+        declared = self.signature().output_names
+        if not isinstance(result, (list, tuple)) or not all(isinstance(t, NamedTensor) for t in result):
+            raise ModelFailure(f"meta model '{name}': orchestrate must return a list of nereid.tensors.NamedTensor "
+                               f"(outputs {declared}), got {type(result).__name__}")
+        by_name = {t.name: t for t in result}
+        if len(by_name) != len(result) or set(by_name) != set(declared):
+            raise ModelFailure(f"meta model '{name}': orchestrate returned outputs {[t.name for t in result]}, "
+                               f"expected {declared} (client_outputs in {MANIFEST_NAME})")
+        return [by_name[output] for output in declared]
+
+    def _declared_dependencies(self, model: str) -> tuple[str, ...]:
+        """``depends_on`` of a model as its folder declares it (empty for a bundle, or a manifest in error)."""
+        if model == self.context.name:
+            return self.depends_on
+        path = self.context.folder.parent / model / MANIFEST_NAME
+        if not path.is_file() or not declares_meta(path):
+            return ()
+        try:
+            return load_manifest(path).depends_on
+        except ConfigError:  # that model reports its own manifest's error when it loads
+            return ()
+
+    def _line_of(self, err: BaseException) -> str:
+        """`` at model.py:<line>`` of the innermost frame in model.py, for the error message."""
+        frames = [f for f in traceback.extract_tb(err.__traceback__) if Path(f.filename) == self._model_py]
+        return f" at {MODEL_PY}:{frames[-1].lineno}" if frames else ""
+
+
+def _same_kind(error: NereidError, message: str) -> NereidError:
+    """A new error of ``error``'s type (so its gRPC status stays the same) carrying ``message``."""
+    try:
+        return type(error)(message)
+    except Exception:  # a subclass with another constructor: keep the status family at least
+        for family in (DeadlineExceeded, Unavailable, ModelFailure):
+            if isinstance(error, family):
+                return family(message)
+        return ModelFailure(message)
+
+
+def _check_arity(model: str, model_py: Path, orchestrate: Callable[..., Any]) -> None:
+    """Refuse at load an orchestration that cannot be called as ``fn(inputs, ctx)``."""
+    try:
+        inspect.signature(orchestrate).bind(None, None)
+    except TypeError:
+        raise ConfigError(f"model '{model}': {model_py}: orchestrate must take two arguments (inputs, ctx), "
+                          f"got {getattr(orchestrate, '__name__', orchestrate)!r} with signature "
+                          f"{inspect.signature(orchestrate)}") from None
+    except ValueError:  # a builtin without a signature: found out at the first call instead
+        pass
+
+
+def _on_event_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+def _retrieve(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()  # retrieved, so asyncio does not log "exception never retrieved"
