@@ -20,8 +20,9 @@ from typing import Any, Callable, Mapping
 
 import pluggy
 
-from nereid.backend import Backend, ModelContext, Relocatable
+from nereid.backend import Backend, CallsModels, ModelCaller, ModelContext, Relocatable
 from nereid.batching import BatchPolicy
+from nereid.dependencies import describe_cycle, find_cycle, waiting_for
 from nereid.errors import ConfigError, NotFound, Unavailable, cap_message
 from nereid.files import check_confined
 from nereid.metrics import ServerMetrics
@@ -64,6 +65,7 @@ class LoadedModel:
     load_seconds: float
     preprocess: Callable[[list[NamedTensor]], list[NamedTensor]] | None = None
     postprocess: Callable[[list[NamedTensor]], list[NamedTensor]] | None = None
+    depends_on: tuple[str, ...] = ()  # models it calls (a meta model): READY only while they are
 
 
 @dataclass
@@ -113,6 +115,8 @@ def build_model(manager: pluggy.PluginManager, context: ModelContext,
         signature = backend.signature()
         batch_signature = getattr(backend, "batch_signature", backend.signature)()
         policy = BatchPolicy.resolve(context.settings.batching, batch_signature, context.settings_origin)
+        if isinstance(backend, CallsModels):  # each request is an orchestration with its own deadline
+            policy = BatchPolicy(enabled=False)
     except BaseException:
         backend.unload()
         raise
@@ -128,9 +132,10 @@ class ModelRepository:
     """All model folders of one server, and the loaded models among them."""
 
     def __init__(self, settings: Settings, manager: pluggy.PluginManager, scratch_dir: Path,
-                 metrics: ServerMetrics | None = None) -> None:
+                 metrics: ServerMetrics | None = None, models: ModelCaller | None = None) -> None:
         self.settings = settings
         self.metrics = metrics
+        self.models = models  # handed to every model's context: how meta models call the others
         self.manager = manager
         self.scratch_dir = scratch_dir
         self.root = settings.server.ml_backends_path
@@ -216,38 +221,46 @@ class ModelRepository:
                 await self._unload_locked(entry)
             if not entry.folder.is_dir():
                 entry.state, entry.reason = ModelState.UNAVAILABLE, f"no folder '{name}' in ml_backends_path (yet)"
+                self._refresh_dependents()
                 return entry
             entry.state, entry.reason = ModelState.LOADING, ""
+            self._refresh_dependents()
             try:
                 entry.loaded = await self._load_version(entry, ModelStats())
             except Exception as err:  # any load failure is the model's, reported with its reason
                 reason = _reason(err)
                 log.error("model '%s' is UNAVAILABLE: %s", name, reason)  # the log keeps absolute paths
                 entry.state, entry.reason = ModelState.UNAVAILABLE, self.public_text(reason)
+                self._refresh_dependents()
                 return entry
             except asyncio.CancelledError:
                 entry.state, entry.reason = ModelState.UNAVAILABLE, "load abandoned (the server is stopping)"
                 raise
             entry.state, entry.reason = ModelState.READY, ""
+            self._refresh_dependents()  # its dependents, and itself when it has dependencies
         return entry
 
     async def _load_version(self, entry: ModelEntry, stats: ModelStats) -> LoadedModel:
         """Build the folder's model as it is now into a new LoadedModel (raises with the reason)."""
         name = entry.name
-        context = ModelContext(name, entry.folder, entry.settings, self._scratch_for(name), entry.settings_origin)
+        context = ModelContext(name, entry.folder, entry.settings, self._scratch_for(name), entry.settings_origin,
+                               self.models)
         started = time.monotonic()
         built = await _in_daemon_thread(self._build, context)
         load_seconds = time.monotonic() - started
         if self.metrics is not None:
             self.metrics.model_loaded(name, load_seconds)
+        calls_models = isinstance(built.backend, CallsModels)
+        instances = built.backend.concurrent_executions() if calls_models else entry.settings.instances
         scheduler = ModelScheduler(name, built.backend, built.batch_signature, entry.settings.queue_capacity,
-                                   entry.settings.instances, stats, built.policy)
+                                   instances, stats, built.policy)
         entry.generation += 1
         log.info("model '%s' is READY (version %d, backend %s, device %s, %.2f s)", name, entry.generation,
                  built.backend_name, entry.settings.device, load_seconds)
         return LoadedModel(built.backend_name, built.backend, built.signature, built.batch_signature,
                            scheduler, stats, load_seconds,
-                           getattr(built.backend, "preprocess", None), getattr(built.backend, "postprocess", None))
+                           getattr(built.backend, "preprocess", None), getattr(built.backend, "postprocess", None),
+                           built.backend.dependencies() if calls_models else ())
 
     async def reload(self, name: str) -> ModelEntry:
         """Load the folder again without downtime; a model that is not loaded is simply loaded.
@@ -273,6 +286,7 @@ class ModelRepository:
                 self._record(name, "reload_failed")
                 return entry
             entry.loaded, entry.reason = new, ""
+            self._refresh_dependents()  # the new version may call other models
             self._record(name, "reload")
         await self._retire(name, old)
         return entry
@@ -292,7 +306,7 @@ class ModelRepository:
             await self.remove(old)
             return await self.load(new)
         async with entry.lock:
-            context = ModelContext(new, self.root / new, settings, self._scratch_for(new), origin)
+            context = ModelContext(new, self.root / new, settings, self._scratch_for(new), origin, self.models)
             try:
                 if not isinstance(loaded.backend, Relocatable):
                     raise ConfigError(f"backend '{loaded.backend_name}' cannot move a loaded model")
@@ -311,6 +325,7 @@ class ModelRepository:
                     self._exposed.add(new)
                 loaded.scheduler.name = new
                 self._record(new, "rename")
+                self._refresh_dependents()  # models calling the old name wait for it again
                 log.info("model '%s' renamed to '%s' in place (version %d, nothing reloaded)", old, new,
                          entry.generation)
         if not moved:
@@ -326,6 +341,7 @@ class ModelRepository:
         await self.unload(name)
         if not entry.folder.is_dir():  # unless it came back meanwhile
             self._entries.pop(name, None)
+            self._refresh_dependents()
         self._record(name, "remove")
 
     async def apply_settings(self, settings: Settings) -> None:
@@ -382,6 +398,7 @@ class ModelRepository:
             if entry.loaded is not None:
                 await self._unload_locked(entry, grace_s)
             entry.reason = "unloaded"
+            self._refresh_dependents()
         return entry
 
     async def terminate_running(self) -> None:
@@ -399,6 +416,7 @@ class ModelRepository:
         loaded = entry.loaded
         assert loaded is not None
         entry.state, entry.reason = ModelState.UNLOADING, ""
+        self._refresh_dependents()  # a model being unloaded takes no new requests: its callers stop too
         await self._retire(entry.name, loaded, grace_s)
         entry.loaded = None
         entry.state = ModelState.UNAVAILABLE
@@ -419,6 +437,36 @@ class ModelRepository:
             await asyncio.to_thread(loaded.backend.unload)
         except Exception:
             log.exception("model '%s': unload failed", name)
+
+    def _refresh_dependents(self) -> None:
+        """Keep models that call other models READY exactly while those are READY (issue 14).
+
+        Called after every state change. A model calling itself through
+        ``depends_on`` (which a backend refuses at load when it can see the
+        cycle) never becomes READY. Repeats until nothing changes, so that a
+        chain of such models settles in one call.
+        """
+        for _ in range(len(self._entries) + 1):
+            changed = False
+            states = {e.name: (e.state.value, e.reason) for e in self._entries.values()}
+            for entry in list(self._entries.values()):
+                loaded = entry.loaded
+                if loaded is None or not loaded.depends_on or entry.state is ModelState.UNLOADING:
+                    continue
+                cycle = find_cycle(entry.name, self._loaded_dependencies)
+                why = (f"depends_on cycle {describe_cycle(cycle)}" if cycle
+                       else waiting_for(loaded.depends_on, states))
+                if why is None:
+                    if entry.state is not ModelState.READY:
+                        entry.state, entry.reason, changed = ModelState.READY, "", True
+                elif (entry.state, entry.reason) != (ModelState.UNAVAILABLE, why):
+                    entry.state, entry.reason, changed = ModelState.UNAVAILABLE, why, True
+            if not changed:
+                return
+
+    def _loaded_dependencies(self, name: str) -> tuple[str, ...]:
+        entry = self._entries.get(name)
+        return entry.loaded.depends_on if entry is not None and entry.loaded is not None else ()
 
     def _scratch_for(self, name: str) -> Path:
         path = self.scratch_dir / name
