@@ -19,16 +19,23 @@ _RAW_FIELD = 7
 _LENGTH_DELIMITED = 2
 # A valid request has a handful of top-level fields per input; this bounds the Python-level scan.
 MAX_TOP_LEVEL_FIELDS = 16384
+# Below this size a request is parsed whole by protobuf (copies are cheaper than the scan).
+ZERO_COPY_MIN_BYTES = 64 << 10
 
 
-def parse_infer_request(data: bytes) -> tuple[pb.ModelInferRequest, list[memoryview]]:
+def parse_infer_request(data: bytes, zero_copy_min_bytes: int = ZERO_COPY_MIN_BYTES,
+                        ) -> tuple[pb.ModelInferRequest, list[bytes | memoryview]]:
     """Parse a serialized ModelInferRequest, keeping ``raw_input_contents`` as views of ``data``.
 
     protobuf copies every bytes field into its arena when parsing, and again into a
     new ``bytes`` object on each access, so a 1 GiB request cost 3 GiB more. Here
     only the small rest of the message is parsed; each raw input stays a zero-copy
-    view of the received bytes. Raises ValueError when ``data`` is not a valid message.
+    view of the received bytes. Small messages, where copies cost less than the
+    scan (below ``zero_copy_min_bytes``), are parsed whole. Raises ValueError when
+    ``data`` is not a valid message.
     """
+    if len(data) < zero_copy_min_bytes:
+        return _parse_whole(data)
     view = memoryview(data)
     raws: list[memoryview] = []
     rest: list[memoryview] = []
@@ -53,7 +60,9 @@ def parse_infer_request(data: bytes) -> tuple[pb.ModelInferRequest, list[memoryv
                 raws.append(view[value_start:position])
                 continue
         else:
-            raise ValueError(f"unsupported wire type {wire} at byte {start}")
+            # Groups (wire types 3 and 4; no client sends them) or an invalid wire type: let
+            # protobuf judge the whole message, as it would have without this scan.
+            return _parse_whole(data)
         if position > end:
             raise ValueError(f"field at byte {start} runs past the end of the message")
         rest.append(view[start:position])
@@ -62,6 +71,14 @@ def parse_infer_request(data: bytes) -> tuple[pb.ModelInferRequest, list[memoryv
     except DecodeError as err:
         raise ValueError(str(err) or "not a valid ModelInferRequest") from None
     return message, raws
+
+
+def _parse_whole(data: bytes) -> tuple[pb.ModelInferRequest, list[bytes | memoryview]]:
+    try:
+        message = pb.ModelInferRequest.FromString(data)
+    except DecodeError as err:
+        raise ValueError(str(err) or "not a valid ModelInferRequest") from None
+    return message, list(message.raw_input_contents)
 
 
 def _varint(data: bytes, position: int) -> tuple[int, int]:
@@ -77,7 +94,7 @@ def _varint(data: bytes, position: int) -> tuple[int, int]:
 
 
 def decode_infer_request(msg: pb.ModelInferRequest, time_remaining_s: float | None,
-                         raws: list[memoryview] | None = None) -> InferRequest:
+                         raws: list[bytes | memoryview] | None = None) -> InferRequest:
     """Decode a ModelInferRequest; ``time_remaining_s`` is the gRPC deadline's remaining budget.
 
     ``raws`` are the raw input contents when :func:`parse_infer_request` kept

@@ -76,7 +76,7 @@ class Received:
 
     __slots__ = ("message", "raws", "size")
 
-    def __init__(self, message: pb.ModelInferRequest, raws: list[memoryview], size: int) -> None:
+    def __init__(self, message: pb.ModelInferRequest, raws: list[bytes | memoryview], size: int) -> None:
         self.message = message
         self.raws = raws
         self.size = size
@@ -136,8 +136,9 @@ def _maps_errors(handler: Handler) -> Handler:
 class InferenceServicer:
     """The RPC implementations over one :class:`DataPlane`: each converts messages and nothing more."""
 
-    def __init__(self, dataplane: DataPlane) -> None:
+    def __init__(self, dataplane: DataPlane, count_request: Callable[[str, str], None] | None = None) -> None:
         self.dataplane = dataplane
+        self._count = count_request
 
     @_maps_errors
     async def ServerLive(self, request: pb.ServerLiveRequest, context) -> pb.ServerLiveResponse:
@@ -189,7 +190,15 @@ class InferenceServicer:
         else:
             decoded = decode_infer_request(request, context.time_remaining(), received.raws)
         del request, received  # the decoded tensors are all that is needed from here on
-        return await self.dataplane.infer(decoded)
+        try:
+            response = await self.dataplane.infer(decoded)
+        except NereidError as err:
+            if self._count is not None:
+                self._count(decoded.model_name, err.reason)
+            raise
+        if self._count is not None:
+            self._count(decoded.model_name, "success")
+        return response
 
     async def ModelStreamInfer(self, requests: AsyncIterator[Received | Unreadable],
                                context) -> AsyncIterator[pb.ModelStreamInferResponse | bytes]:

@@ -23,7 +23,7 @@ from nereid.backends.subprocess.framing import read_body, read_header
 from nereid.backends.xla.manifest import parse_manifest, parse_manifest_text
 from nereid.backends.xla.safetensors import read_header as read_safetensors_header
 from nereid.errors import ConfigError, InvalidArgument, ModelFailure
-from nereid.protocol.grpc_codec import decode_infer_request
+from nereid.protocol.grpc_codec import decode_infer_request, parse_infer_request
 from nereid.protocol.grpc_service import Received, Unreadable, request_parser
 from nereid.signature import load_textproto_signature
 
@@ -35,6 +35,16 @@ parse_infer = request_parser(pb.ModelInferRequest)
 
 def decode(data: bytes) -> None:
     """The server's path for one message: parse, then decode; only the expected outcomes pass."""
+    if data.startswith(b"scan:"):
+        try:
+            message, raws = parse_infer_request(data[5:], zero_copy_min_bytes=0)
+        except ValueError:
+            return
+        try:
+            decode_infer_request(message, None, raws)
+        except InvalidArgument:
+            pass
+        return
     received = parse_infer(data)
     if isinstance(received, Unreadable):
         assert received.describe().startswith("cannot parse the")
@@ -50,6 +60,26 @@ def decode(data: bytes) -> None:
 @given(st.binary(max_size=512))
 def test_any_bytes_are_a_request_or_an_invalid_argument(data: bytes) -> None:
     decode(data)
+
+
+@BOUNDED
+@given(st.binary(max_size=512))
+def test_the_zero_copy_scan_agrees_with_protobuf_on_any_bytes(data: bytes) -> None:
+    """Large requests are split by nereid's own field scan: it must read exactly what protobuf reads."""
+    try:
+        whole, whole_raws = parse_infer_request(data)
+    except ValueError:
+        whole = None
+    try:
+        scanned, scanned_raws = parse_infer_request(data, zero_copy_min_bytes=0)
+    except ValueError:
+        scanned = None
+    assert (scanned is None) == (whole is None)
+    if whole is None:
+        return
+    assert [bytes(raw) for raw in scanned_raws] == [bytes(raw) for raw in whole_raws]
+    whole.ClearField("raw_input_contents")
+    assert scanned == whole
 
 
 @st.composite
@@ -69,6 +99,8 @@ def infer_requests(draw) -> bytes:
     if draw(st.booleans()):
         request.parameters["timeout"].int64_param = draw(st.integers(-10, 10 ** 6))
     data = request.SerializeToString()
+    if draw(st.booleans()):  # as large requests are parsed: by the zero-copy scan
+        return b"scan:" + data
     if draw(st.booleans()) and data:  # and damaged ones
         cut = draw(st.integers(0, len(data)))
         data = data[:cut] + draw(st.binary(max_size=8))
