@@ -1,0 +1,310 @@
+"""Meta models over real gRPC: fan-out, the deadline rule, error mapping, depends_on, batching with direct traffic.
+
+The sub-models are real python-backend models (a child process per batch)
+that append a line to a counter file in their folder each time they run, so
+a test can prove which of them ran.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import shutil
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as triton
+
+from support import ModelRepo, expect_grpc_error
+
+SHIPPED = Path(__file__).resolve().parents[3] / "ml-backends"
+
+# An echo of one FP32 tensor that sleeps SLEEP_S first and counts its runs in calls.txt.
+COUNTING_MAIN = '''
+import os, sys, time
+time.sleep({sleep_s})
+with open("calls.txt", "a") as calls:
+    calls.write("1\\n")
+data = sys.stdin.buffer.read()
+with open(os.environ["NEREID_OUTPUT_PATH"], "wb") as out:
+    out.write(("%s %s\\n" % (os.environ["NEREID_INPUT_DTYPE"], os.environ["NEREID_INPUT_SHAPE"])).encode())
+    out.write(data)
+'''
+
+FAILING_MAIN = '''
+import sys
+sys.stderr.write("boom: the sub-model broke\\n")
+sys.exit(3)
+'''
+
+
+def add_counting(repo: ModelRepo, name: str, sleep_s: float = 0.0) -> Path:
+    return repo.python(name, main=COUNTING_MAIN.format(sleep_s=sleep_s))
+
+
+def add_meta(repo: ModelRepo, name: str, model_py: str, depends_on: list[str], tensors: str | None = None) -> Path:
+    """A meta model folder; by default its wire tensors are one FP32 [4] input ``input`` and output ``output``."""
+    folder = repo.models_dir / name
+    folder.mkdir()
+    tensors = tensors or ("client_inputs: [{name: input, dtype: f32, shape: a, dims: {a: 4}}]\n"
+                          "client_outputs: [{name: output, dtype: f32, shape: a, dims: {a: 4}}]\n")
+    (folder / "manifest.yaml").write_text(f'format_version: "2.1"\nmeta: true\ndepends_on: {depends_on}\n{tensors}')
+    (folder / "model.py").write_text(textwrap.dedent(model_py))
+    return folder
+
+
+def add_shipped(repo: ModelRepo, *names: str) -> None:
+    """Copy shipped example folders into the test repository (their .cache/ left behind)."""
+    for name in names:
+        shutil.copytree(SHIPPED / name, repo.models_dir / name, ignore=shutil.ignore_patterns(".cache"))
+
+
+def statistics(client: triton.InferenceServerClient, model: str):
+    return client.get_inference_statistics(model, as_json=False).model_stats[0]
+
+
+def calls(folder: Path) -> int:
+    """How many times the counting model in ``folder`` ran."""
+    path = folder / "calls.txt"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def infer(client: triton.InferenceServerClient, model: str, array: np.ndarray, **kwargs) -> np.ndarray:
+    tensor = triton.InferInput("input", list(array.shape), "FP32")
+    tensor.set_data_from_numpy(array)
+    return client.infer(model, [tensor], **kwargs).as_numpy("output")
+
+
+X = np.arange(4, dtype=np.float32)
+
+FAN_OUT = '''
+import asyncio
+import nereid
+
+async def orchestrate(inputs, ctx):
+    (a,), (b,) = await asyncio.gather(ctx.infer("slow_a", inputs), ctx.infer("slow_b", inputs))
+    return [type(a)("output", a.dtype, a.data + b.data)]
+
+nereid.register_model(orchestrate=orchestrate)
+'''
+
+
+def test_fan_out_runs_sub_calls_concurrently(repo, serve) -> None:
+    slow_s = 0.8
+    add_counting(repo, "slow_a", slow_s)
+    add_counting(repo, "slow_b", slow_s)
+    add_meta(repo, "fan", FAN_OUT, ["slow_a", "slow_b"])
+    server = serve(repo.write_config())
+    infer(server.client, "fan", X)  # warm: the first fork of each warm parent
+    started = time.monotonic()
+    np.testing.assert_array_equal(infer(server.client, "fan", X), 2 * X)
+    elapsed = time.monotonic() - started
+    # One after the other would take 2 x 0.8 s; together they take one sleep plus the overheads.
+    assert slow_s <= elapsed < 2 * slow_s - 0.2, elapsed
+
+
+# The deadline rule, for both kinds of orchestration: async def, and a plain def on a worker thread.
+TWO_STEPS = {
+    "async": '''
+import nereid
+from nereid.tensors import NamedTensor
+
+async def orchestrate(inputs, ctx):
+    (first,) = await ctx.infer("slow", inputs)
+    (second,) = await ctx.infer("counted", [NamedTensor("input", first.dtype, first.data)])
+    return [NamedTensor("output", second.dtype, second.data)]
+
+nereid.register_model(orchestrate=orchestrate)
+''',
+    "thread": '''
+import nereid
+from nereid.tensors import NamedTensor
+
+def orchestrate(inputs, ctx):
+    (first,) = ctx.infer("slow", inputs)
+    (second,) = ctx.infer("counted", [NamedTensor("input", first.dtype, first.data)])
+    return [NamedTensor("output", second.dtype, second.data)]
+
+nereid.register_model(orchestrate=orchestrate)
+''',
+}
+
+
+@pytest.mark.parametrize("kind", sorted(TWO_STEPS))
+def test_no_sub_call_starts_after_the_deadline(repo, serve, kind: str) -> None:
+    slow = add_counting(repo, "slow", 0.6)
+    counted = add_counting(repo, "counted")
+    add_meta(repo, "two_steps", TWO_STEPS[kind], ["slow", "counted"])
+    server = serve(repo.write_config())
+    client = server.client
+
+    np.testing.assert_array_equal(infer(client, "two_steps", X), X)  # no deadline: both run
+    assert (calls(slow), calls(counted)) == (1, 1)
+
+    # A 300 ms budget (Triton's timeout parameter, in µs) runs out during the first, 600 ms sub-call:
+    # that call is not interrupted, and the second is never issued.
+    expect_grpc_error("DEADLINE_EXCEEDED", lambda: infer(client, "two_steps", X, timeout=300_000),
+                      "meta model 'two_steps'", "sub-call to 'counted'", "was not issued")
+    assert calls(slow) == 2, "the running sub-call must finish"
+    assert calls(counted) == 1, "the second sub-call must not run"
+    counted_stats = statistics(client, "counted")
+    assert counted_stats.inference_count == 1 and counted_stats.inference_stats.fail.count == 0
+    assert statistics(client, "two_steps").inference_stats.fail.count == 1
+
+
+ERRORS = '''
+import numpy as np
+import nereid
+from nereid.errors import ModelFailure
+from nereid.tensors import NamedTensor
+
+async def orchestrate(inputs, ctx):
+    (x,) = inputs
+    mode = int(x.data[0])
+    if mode == 0:    # the failure is not caught: the client gets the sub-call's status
+        return await ctx.infer("failing", inputs)
+    if mode == 1:    # caught: the orchestration answers anyway
+        try:
+            await ctx.infer("failing", inputs)
+        except ModelFailure:
+            return [NamedTensor.from_array("output", np.full_like(x.data, -1))]
+    if mode == 2:    # a wrong shape for the sub-model: INVALID_ARGUMENT, naming both models
+        return await ctx.infer("echo", [NamedTensor.from_array("input", np.zeros((1, 3), np.float32))])
+    if mode == 3:    # a model missing from depends_on
+        return await ctx.infer("unlisted", inputs)
+    raise ValueError(f"no mode {mode}")
+
+nereid.register_model(orchestrate=orchestrate)
+'''
+
+
+def test_sub_call_errors_keep_their_status_and_name_both_models(repo, serve) -> None:
+    repo.python("failing", main=FAILING_MAIN)
+    repo.python("echo")
+    repo.python("unlisted")
+    add_meta(repo, "errors", ERRORS, ["failing", "echo"])
+    server = serve(repo.write_config())
+    client = server.client
+
+    def call(mode: int):
+        return lambda: infer(client, "errors", np.array([mode, 0, 0, 0], np.float32))
+
+    expect_grpc_error("INTERNAL", call(0), "meta model 'errors'", "sub-call to 'failing' failed", "boom")
+    np.testing.assert_array_equal(call(1)(), np.full(4, -1, np.float32))
+    expect_grpc_error("INVALID_ARGUMENT", call(2), "meta model 'errors'", "sub-call to 'echo'", "shape [1, 3]")
+    expect_grpc_error("INTERNAL", call(3), "meta model 'errors'", "ctx.infer('unlisted') refused",
+                      "not in depends_on")
+    assert statistics(client, "unlisted").inference_count == 0
+    expect_grpc_error("INTERNAL", call(7), "meta model 'errors': orchestrate failed at model.py:",
+                      "ValueError: no mode 7")
+
+
+RELAY = '''
+import nereid
+
+async def orchestrate(inputs, ctx):
+    return await ctx.infer("{target}", inputs)
+
+nereid.register_model(orchestrate=orchestrate)
+'''
+
+
+def index(client: triton.InferenceServerClient) -> dict[str, dict]:
+    return {m["name"]: m for m in client.get_model_repository_index(as_json=True)["models"]}
+
+
+def test_depends_on_readiness_cycles_and_bad_folders(repo, serve) -> None:
+    repo.python("echo")
+    add_meta(repo, "relay", RELAY.format(target="echo"), ["echo"])
+    add_meta(repo, "relay2", RELAY.format(target="relay"), ["relay"])  # a meta model calling a meta model
+    add_meta(repo, "cycle_a", RELAY.format(target="cycle_b"), ["cycle_b"])
+    add_meta(repo, "cycle_b", RELAY.format(target="cycle_a"), ["cycle_a"])
+    add_meta(repo, "with_program", RELAY.format(target="echo"), ["echo"])
+    (repo.models_dir / "with_program" / "model.mlir").write_bytes(b"not a program")
+    add_meta(repo, "without_model_py", RELAY.format(target="echo"), ["echo"])
+    (repo.models_dir / "without_model_py" / "model.py").unlink()
+    server = serve(repo.write_config(server_extra="  strict_readiness: false\n"))
+    client = server.client
+
+    assert client.is_model_ready("relay") and client.is_model_ready("relay2")
+    np.testing.assert_array_equal(infer(client, "relay2", X), X)
+    models = index(client)
+    for name in ("cycle_a", "cycle_b"):
+        assert models[name]["state"] == "UNAVAILABLE"
+        assert "depends_on forms a cycle" in models[name]["reason"]
+    assert "'cycle_a' -> 'cycle_b' -> 'cycle_a'" in models["cycle_a"]["reason"]
+    assert "holds program or weights files (model.mlir)" in models["with_program"]["reason"]
+    assert "has no model.py" in models["without_model_py"]["reason"]
+
+    # Unloading a dependency: its callers (and theirs) are not ready, with the reason.
+    client.unload_model("echo")
+    assert not client.is_model_ready("relay") and not client.is_model_ready("relay2")
+    models = index(client)
+    assert models["relay"]["state"] == "UNAVAILABLE"
+    assert "dependency 'echo' is not ready (UNAVAILABLE: unloaded)" in models["relay"]["reason"]
+    assert "dependency 'relay' is not ready" in models["relay2"]["reason"]
+    expect_grpc_error("UNAVAILABLE", lambda: infer(client, "relay2", X), "model 'relay2' is not ready",
+                      "dependency 'relay'")
+    # Loading it again makes them ready again.
+    client.load_model("echo")
+    assert client.is_model_ready("relay") and client.is_model_ready("relay2")
+    np.testing.assert_array_equal(infer(client, "relay2", X), X)
+
+
+MLP_RELAY = '''
+import nereid
+
+async def orchestrate(inputs, ctx):
+    return await ctx.infer("mlp_bundle", inputs)
+
+nereid.register_model(orchestrate=orchestrate)
+'''
+
+MLP_TENSORS = ("client_inputs: [{name: input, dtype: f32, shape: an, dims: {a: 16}}]\n"
+               "client_outputs: [{name: output, dtype: f32, shape: an, dims: {a: 4}}]\n"
+               "batching: {max_batch_size: 32}\n")
+
+
+def test_sub_calls_batch_with_direct_traffic(repo, serve) -> None:
+    add_shipped(repo, "mlp_bundle")
+    add_meta(repo, "mlp_relay", MLP_RELAY, ["mlp_bundle"], tensors=MLP_TENSORS)
+    # mlp_bundle waits up to 10 s for company, and runs as soon as 8 rows are queued.
+    server = serve(repo.write_config("""
+        - {name: mlp_bundle, batching: {max_queue_delay_ms: 10000, preferred_batch_sizes: [8]}}
+        - {name: mlp_relay}
+    """))
+    rows = np.random.default_rng(3).normal(size=(8, 16)).astype(np.float32)
+
+    def one(index: int) -> np.ndarray:
+        client = triton.InferenceServerClient(server.url)
+        try:
+            tensor = triton.InferInput("input", [1, 16], "FP32")
+            tensor.set_data_from_numpy(rows[index:index + 1])
+            return client.infer("mlp_relay" if index % 2 else "mlp_bundle", [tensor]).as_numpy("output")
+        finally:
+            client.close()
+
+    # 4 requests through the meta model and 4 direct ones, at once.
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(one, range(8)))
+    direct = server.client
+    tensor = triton.InferInput("input", [8, 16], "FP32")
+    tensor.set_data_from_numpy(rows)
+    expected = direct.infer("mlp_bundle", [tensor]).as_numpy("output")
+    np.testing.assert_allclose(np.concatenate(results), expected, rtol=1e-5, atol=1e-6)
+
+    # The 8 rows ran as one execution of 8 (then the check's own batch of 8): a batch of 8 from
+    # 4 + 4 single-row requests holds both kinds.
+    mlp = statistics(direct, "mlp_bundle")
+    assert {b.batch_size: b.compute_infer.count for b in mlp.batch_stats} == {8: 2}
+    assert mlp.inference_count == 16
+    meta = statistics(direct, "mlp_relay")
+    assert (meta.inference_count, meta.execution_count) == (4, 4)  # the meta model's own requests never batch
+
+    # Under load: 64 requests from 16 clients at once through the meta model, each answered correctly.
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(lambda i: one(2 * (i % 4) + 1), range(64)))
+    for i, result in enumerate(results):
+        np.testing.assert_allclose(result, expected[2 * (i % 4) + 1:2 * (i % 4) + 2], rtol=1e-5, atol=1e-6)
