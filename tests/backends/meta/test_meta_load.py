@@ -1,0 +1,168 @@
+"""Meta models without a server: the manifest keys, claims, load refusals, cycles, nereid check."""
+
+from __future__ import annotations
+
+import asyncio
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import nereid
+from nereid.backend import ModelContext
+from nereid.backends.xla.manifest import parse_manifest_text
+from nereid.cli import check
+from nereid.dependencies import describe_cycle, find_cycle
+from nereid.errors import ConfigError, ModelFailure, Unavailable
+from nereid.model_hooks import identity
+from nereid.plugins import claim_folder, make_plugin_manager
+from nereid.repository import build_model
+from nereid.settings import ModelSettings, load_settings
+from nereid.tensors import NamedTensor
+
+TENSORS = ("client_inputs: [{name: x, dtype: f32, shape: an, dims: {a: 4}}]\n"
+           "client_outputs: [{name: y, dtype: f32, shape: an, dims: {a: 4}}]\n")
+META = f'format_version: "2.1"\nmeta: true\ndepends_on: [a, b]\n{TENSORS}batching: {{max_batch_size: 8}}\n'
+
+
+def parse(text: str):
+    return parse_manifest_text(text, Path("/m/manifest.yaml"))
+
+
+def test_a_meta_manifest_is_parsed_like_any_other() -> None:
+    manifest = parse(META)
+    assert manifest.is_meta and manifest.depends_on == ("a", "b")
+    assert manifest.executable_inputs == () and manifest.batching.largest == 8
+    assert [t.name for t in manifest.client_inputs] == ["x"]
+    assert not parse(META.replace("meta: true\ndepends_on: [a, b]\n", "")
+                     .replace(TENSORS, "executable_inputs: [{name: x, dtype: f32, shape: an, dims: {a: 4}}]\n"
+                                       "executable_outputs: [{name: y, dtype: f32, shape: an, dims: {a: 4}}]\n")
+                     .replace("max_batch_size: 8", "compiled_batch_sizes: [8]")).is_meta
+
+
+@pytest.mark.parametrize("text, fragment", [
+    (META.replace("meta: true", "meta: 1"), "meta: must be true or false"),
+    (META.replace("meta: true", "meta: false"), "depends_on: lists the models a meta model calls"),
+    (META + "executable_inputs: []\n", "executable_inputs: a meta model runs no program of its own"),
+    (META + "weights_file: w.safetensors\n", "weights_file: a meta model runs no program"),
+    (META.replace("client_outputs", "other_outputs"), "unknown key"),
+    (META.replace("depends_on: [a, b]", "depends_on: [a, a]"), "depends_on[1]: is listed twice"),
+    (META.replace("depends_on: [a, b]", "depends_on: [../x]"), "depends_on[0]: must be a model name"),
+    (META.replace("max_batch_size: 8", "compiled_batch_sizes: [8]"), "batching.compiled_batch_sizes: unknown key (allowed: max_batch_size)"),
+    (META.replace("batching: {max_batch_size: 8}\n", ""), "give batching: {max_batch_size: N}"),
+])
+def test_meta_manifest_mistakes_name_the_key(text: str, fragment: str) -> None:
+    with pytest.raises(ConfigError, match="manifest.yaml") as info:
+        parse(text)
+    assert fragment in str(info.value)
+
+
+def test_missing_client_outputs_is_refused() -> None:
+    text = META.replace("client_outputs: [{name: y, dtype: f32, shape: an, dims: {a: 4}}]\n", "")
+    with pytest.raises(ConfigError, match="client_outputs: is required"):
+        parse(text)
+
+
+def test_find_cycle() -> None:
+    graph = {"a": ["b"], "b": ["c", "d"], "c": ["a"], "d": [], "e": ["e"], "f": ["e"]}
+    assert find_cycle("a", lambda n: graph.get(n, [])) == ["a", "b", "c", "a"]
+    assert find_cycle("d", lambda n: graph.get(n, [])) is None
+    assert find_cycle("e", lambda n: graph.get(n, [])) == ["e", "e"]
+    assert find_cycle("f", lambda n: graph.get(n, [])) is None  # e's cycle is e's to report
+    assert describe_cycle(["a", "b", "a"]) == "'a' -> 'b' -> 'a'"
+
+
+ECHO = '''
+import nereid
+
+async def orchestrate(inputs, ctx):
+    return await ctx.infer("a", inputs)
+
+nereid.register_model(orchestrate=orchestrate)
+'''
+
+
+def meta_folder(root: Path, name: str, model_py: str | None = ECHO, manifest: str = META) -> Path:
+    folder = root / name
+    folder.mkdir()
+    (folder / "manifest.yaml").write_text(manifest)
+    if model_py is not None:
+        (folder / "model.py").write_text(textwrap.dedent(model_py))
+    return folder
+
+
+def build(folder: Path):
+    return build_model(make_plugin_manager(load_entry_points=False),
+                       ModelContext(folder.name, folder, ModelSettings(folder.name), folder.parent))
+
+
+def test_the_meta_backend_claims_meta_manifests_and_xla_declines_them(tmp_path: Path) -> None:
+    manager = make_plugin_manager(load_entry_points=False)
+    meta = meta_folder(tmp_path, "m")
+    assert claim_folder(manager, meta).claim.backend == "meta"
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    (bundle / "manifest.yaml").write_text("format_version: '2.1'\n")
+    assert claim_folder(manager, bundle).claim.backend == "xla"
+    built = build(meta)
+    assert built.backend.platform == "nereid_meta" and built.backend_name == "meta"
+    assert not built.policy.enabled and built.backend.concurrent_executions() == 128
+    assert built.signature.max_batch_size == 8
+
+
+@pytest.mark.parametrize("model_py, fragment", [
+    (None, "has no model.py: a meta model's model.py calls nereid.register_model(orchestrate=fn)"),
+    ("import nereid\nnereid.register_model(postprocess=lambda t: t)\n", "registered no orchestration"),
+    ("import nereid\nasync def f(inputs):\n    return inputs\nnereid.register_model(orchestrate=f)\n",
+     "orchestrate must take two arguments (inputs, ctx)"),
+    ("import nereid\nnereid.register_model(orchestrate=lambda i, c: i, preprocess=lambda t: t)\n",
+     "orchestrate (a meta model) takes no preprocess or postprocess"),
+])
+def test_load_refusals_name_the_model_and_the_problem(tmp_path: Path, model_py: str | None, fragment: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        build(meta_folder(tmp_path, "m", model_py))
+    assert "'m'" in str(info.value) and fragment in str(info.value)
+
+
+def test_weights_next_to_a_meta_manifest_are_refused(tmp_path: Path) -> None:
+    folder = meta_folder(tmp_path, "m")
+    (folder / "weights.safetensors").write_bytes(b"")
+    with pytest.raises(ConfigError, match=r"holds program or weights files \(weights.safetensors\)"):
+        build(folder)
+
+
+def test_a_cycle_is_refused_at_load_naming_it(tmp_path: Path) -> None:
+    meta_folder(tmp_path, "a", manifest=META.replace("[a, b]", "[b]"))
+    meta_folder(tmp_path, "b", manifest=META.replace("[a, b]", "[c]"))
+    meta_folder(tmp_path, "c", manifest=META.replace("[a, b]", "[a]"))
+    with pytest.raises(ConfigError, match="depends_on forms a cycle 'b' -> 'c' -> 'a' -> 'b'"):
+        build(tmp_path / "b")
+    with pytest.raises(ConfigError, match="cycle 'm' -> 'm'"):
+        build(meta_folder(tmp_path, "m", manifest=META.replace("[a, b]", "[m]")))
+
+
+def test_outside_a_server_sub_calls_are_unavailable_and_outputs_are_checked(tmp_path: Path) -> None:
+    x = [NamedTensor.from_array("x", np.ones((2, 4), np.float32))]
+    built = build(meta_folder(tmp_path, "m"))
+    with pytest.raises(Unavailable, match="meta model 'm': cannot call 'a': the model was loaded outside a server"):
+        asyncio.run(built.backend.infer(x))
+    wrong = "import nereid\nasync def f(inputs, ctx):\n    return inputs\nnereid.register_model(orchestrate=f)\n"
+    built = build(meta_folder(tmp_path, "w", wrong))
+    with pytest.raises(ModelFailure, match=r"meta model 'w': orchestrate returned outputs \['x'\], expected \['y'\]"):
+        asyncio.run(built.backend.infer(x))
+    with pytest.raises(RuntimeError, match="call it from the bundle's model.py"):
+        nereid.register_model(orchestrate=identity)
+
+
+def test_nereid_check_shows_meta_models(tmp_path: Path, capsys) -> None:
+    root = tmp_path / "ml-backends"
+    root.mkdir()
+    meta_folder(root, "a", manifest=META.replace("[a, b]", "[]"))
+    meta_folder(root, "loop", manifest=META.replace("[a, b]", "[loop]"))
+    (tmp_path / "nereid.yaml").write_text('server:\n  ml_backends_path: "ml-backends"\n')
+    assert check(load_settings(tmp_path / "nereid.yaml")) == 1
+    out = capsys.readouterr().out
+    assert "a: OK backend=meta device=cpu max_batch_size=8 batching=off inputs=[x FP32[4]] outputs=[y FP32[4]] " \
+           "depends_on=- orchestrate=async" in out
+    assert "loop: UNAVAILABLE: model 'loop': depends_on forms a cycle 'loop' -> 'loop'" in out
