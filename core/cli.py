@@ -15,7 +15,8 @@ from nereid.backend import ModelContext, ReportsRuntime
 from nereid.errors import ConfigError
 from nereid.files import check_confined
 from nereid.plugins import make_plugin_manager
-from nereid.repository import build_model, list_model_folders
+from nereid.repository import build_model
+from nereid.storage import list_model_folders, materialize_model_folder
 from nereid.settings import Settings, load_settings
 
 DEFAULT_CONFIG = Path("nereid.yaml")
@@ -83,12 +84,16 @@ def check(settings: Settings) -> int:
     problems = 0
     scratch = Path(tempfile.mkdtemp(prefix="nereid-check-"))
     try:
-        for name in list_model_folders(root):
+        names = list_model_folders(settings.server)
+        if settings.server.ml_backends_url is not None:  # a store that cannot be listed: check the listed models
+            names = sorted({*names, *(m.name for m in settings.models)})
+        for name in names:
             model_settings, origin = settings.model_or_default(name)
             listed = settings.model(name) is not None
             suffix = "" if listed or not settings.models_listed else " (not listed in nereid.yaml)"
             context = ModelContext(name, root / name, model_settings, scratch, origin)
             try:
+                materialize_model_folder(settings.server, name)  # from an object store: fetch it first
                 check_confined(root / name, root, settings.server.follow_symlinks)
                 built = build_model(manager, context, settings.backend_defaults)
             except Exception as err:

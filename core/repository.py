@@ -31,6 +31,8 @@ from nereid.scheduler import ModelScheduler
 from nereid.settings import ModelSettings, Settings
 from nereid.signature import ModelSignature
 from nereid.stats import ModelStats
+from nereid.storage import list_model_folders as list_repository_folders
+from nereid.storage import materialize_model_folder, model_folder_exists
 from nereid.tensors import NamedTensor
 
 log = logging.getLogger(__name__)
@@ -166,7 +168,7 @@ class ModelRepository:
         A model listed in nereid.yaml whose folder does not exist yet (allowed in
         dynamic mode) has an entry too, UNAVAILABLE until its folder lands.
         """
-        for name in list_model_folders(self.root):
+        for name in list_repository_folders(self.settings.server):  # a local folder or an object store
             if name not in self._entries:
                 settings, origin = self.settings.model_or_default(name)
                 self._entries[name] = ModelEntry(name, self.root / name, settings, origin)
@@ -184,7 +186,7 @@ class ModelRepository:
     def entry(self, name: str) -> ModelEntry:
         """The entry for ``name``; NotFound when no such folder exists."""
         entry = self._entries.get(name)
-        if entry is None and _is_folder_name(name) and (self.root / name).is_dir():
+        if entry is None and _is_folder_name(name) and model_folder_exists(self.settings.server, name):
             # One stat, and a full rescan only when the folder is really there: a flood of
             # made-up names must not list the repository once per request on the event loop.
             self.rescan()
@@ -219,7 +221,8 @@ class ModelRepository:
         async with entry.lock:
             if entry.loaded is not None:
                 await self._unload_locked(entry)
-            if not entry.folder.is_dir():
+            # (A folder in an object store is fetched by _build, which reports the store's error.)
+            if self.settings.server.ml_backends_url is None and not entry.folder.is_dir():
                 entry.state, entry.reason = ModelState.UNAVAILABLE, f"no folder '{name}' in ml_backends_path (yet)"
                 self._refresh_dependents()
                 return entry
@@ -374,6 +377,7 @@ class ModelRepository:
 
     def _build(self, context: ModelContext) -> BuiltModel:
         """Check the folder stays inside the repository, then build the model (blocking)."""
+        materialize_model_folder(self.settings.server, context.name)  # from an object store: fetch it first
         check_confined(context.folder, self.root, self.settings.server.follow_symlinks)
         return build_model(self.manager, context, self.settings.backend_defaults)
 

@@ -7,6 +7,7 @@ form ``<file>: <key path>: <problem>, got <value>``.
 from __future__ import annotations
 
 import ipaddress
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,6 +15,8 @@ from typing import Any, Mapping
 
 from nereid.config_document import KeyedReader, load_yaml
 from nereid.errors import ConfigError
+from nereid.storage.mirror import mirror_root
+from nereid.storage.url import parse_store_url
 from nereid.tls import TlsFileError, TlsSettings, read_tls_material
 
 DEFAULT_BIND_ADDR = "[::1]:50051"
@@ -21,6 +24,7 @@ DEFAULT_QUEUE_CAPACITY = 128
 DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_SHUTDOWN_GRACE_S = 30.0
 DEFAULT_METRICS_ADDR = "127.0.0.1:8002"
+DEFAULT_HTTP_ADDR = "[::1]:8000"
 DEFAULT_WATCH_SETTLE_MS = 1000.0
 # Like Triton's default; up to 2 GiB - 1 (gRPC's own ceiling) may be configured.
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
@@ -104,6 +108,12 @@ class ServerSettings:
     # Dynamic mode: follow ml_backends_path and nereid.yaml (see nereid.watch).
     watch: bool = False
     watch_settle_ms: float = DEFAULT_WATCH_SETTLE_MS
+    # An object-store ml_backends_path (s3://, gs://, az://; see nereid.storage): then
+    # ml_backends_path is its local mirror under cache_dir, where model folders are materialized.
+    ml_backends_url: str | None = None
+    cache_dir: Path | None = None
+    # The KServe V2 REST listener, beside gRPC; "" turns it off.
+    http_addr: str = DEFAULT_HTTP_ADDR
 
 
 def is_loopback(bind_addr: str) -> bool:
@@ -183,7 +193,7 @@ def parse_settings(document: Any, path: Path) -> Settings:
         for index, entry in enumerate(raw_models):
             # In dynamic mode a listed model may come before its folder: it loads when the folder lands.
             models.append(_parse_model(reader, entry, f"models[{index}]", server.ml_backends_path,
-                                       require_folder=not server.watch))
+                                       require_folder=not server.watch and server.ml_backends_url is None))
         seen: set[str] = set()
         for index, model in enumerate(models):
             if model.name in seen:
@@ -200,16 +210,25 @@ def parse_settings(document: Any, path: Path) -> Settings:
 
 def _parse_server(reader: KeyedReader, raw: Any, path: Path) -> ServerSettings:
     section = reader.mapping(raw, "server", {"bind_addr", "ml_backends_path", "strict_readiness", "shutdown_grace_s",
-                                             "metrics_addr", "follow_symlinks", "max_message_bytes",
-                                             "repository_control", "tls", "watch", "watch_settle_ms"})
+                                             "metrics_addr", "http_addr", "follow_symlinks", "max_message_bytes",
+                                             "repository_control", "tls", "watch", "watch_settle_ms", "cache_dir"})
     bind_addr = reader.string(section, "server.bind_addr", DEFAULT_BIND_ADDR)
     if ":" not in bind_addr:
         reader.fail("server.bind_addr", "must be host:port", bind_addr)
-    backends = Path(reader.string(section, "server.ml_backends_path", "ml-backends"))
-    if not backends.is_absolute():
-        backends = path.resolve().parent / backends
-    if not backends.is_dir():
-        reader.fail("server.ml_backends_path", f"is not a folder ({backends})", section.get("ml_backends_path", "ml-backends"))
+    backends_text = reader.string(section, "server.ml_backends_path", "ml-backends")
+    cache_dir = _cache_dir(reader, section, path)
+    try:
+        location = parse_store_url(backends_text)
+    except ValueError as err:
+        reader.fail("server.ml_backends_path", str(err), backends_text)
+    if location is not None:  # the model folders are materialized in a local mirror
+        backends = mirror_root(cache_dir, location)
+    else:
+        backends = Path(backends_text)
+        if not backends.is_absolute():
+            backends = path.resolve().parent / backends
+        if not backends.is_dir():
+            reader.fail("server.ml_backends_path", f"is not a folder ({backends})", section.get("ml_backends_path", "ml-backends"))
     strict = section.get("strict_readiness", True)
     if not isinstance(strict, bool):
         reader.fail("server.strict_readiness", "must be true or false", strict)
@@ -217,6 +236,9 @@ def _parse_server(reader: KeyedReader, raw: Any, path: Path) -> ServerSettings:
     metrics_addr = reader.string(section, "server.metrics_addr", DEFAULT_METRICS_ADDR)
     if metrics_addr and not re.match(r"^(\[[^\]]+\]|[^:\[\]]*):\d+$", metrics_addr):
         reader.fail("server.metrics_addr", "must be host:port, or empty to turn metrics off", metrics_addr)
+    http_addr = reader.string(section, "server.http_addr", DEFAULT_HTTP_ADDR)
+    if http_addr and not re.match(r"^(\[[^\]]+\]|[^:\[\]]*):\d+$", http_addr):
+        reader.fail("server.http_addr", "must be host:port, or empty to turn HTTP off", http_addr)
     follow = section.get("follow_symlinks", False)
     if not isinstance(follow, bool):
         reader.fail("server.follow_symlinks", "must be true or false", follow)
@@ -232,8 +254,23 @@ def _parse_server(reader: KeyedReader, raw: Any, path: Path) -> ServerSettings:
     if not isinstance(watch, bool):
         reader.fail("server.watch", "must be true or false", watch)
     settle = reader.number(section, "server.watch_settle_ms", DEFAULT_WATCH_SETTLE_MS, minimum=0)
+    if watch and location is not None:
+        reader.fail("server.watch", "follows local folders only, not an object-store ml_backends_path", watch)
     return ServerSettings(bind_addr, backends, strict, grace, metrics_addr, follow, max_message, control, tls,
-                          watch, settle)
+                          watch, settle, ml_backends_url=str(location) if location else None, cache_dir=cache_dir,
+                          http_addr=http_addr)
+
+
+def _cache_dir(reader: KeyedReader, section: Mapping[str, Any], path: Path) -> Path:
+    """``server.cache_dir``: relative to nereid.yaml; default ``$XDG_CACHE_HOME/nereid`` (``~/.cache/nereid``)."""
+    if "cache_dir" in section:
+        text = reader.string(section, "server.cache_dir", "")
+        if not text:
+            reader.fail("server.cache_dir", "must be a folder path", text)
+        folder = Path(text).expanduser()
+        return folder if folder.is_absolute() else path.resolve().parent / folder
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "nereid"
 
 
 def _parse_tls(reader: KeyedReader, raw: Any, path: Path) -> TlsSettings:

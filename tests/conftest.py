@@ -36,3 +36,27 @@ def no_zombies():
     """Fails the test if it leaves unreaped child processes behind."""
     yield
     assert zombie_children() == []
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """moto's S3 API on 127.0.0.1 (a free port), for the whole session, with the bucket ``models``."""
+    from moto_s3 import start_server
+
+    state, server, thread = start_server()
+    yield state
+    server.shutdown()
+    thread.join(5)
+
+
+@pytest.fixture
+def s3(s3_server, monkeypatch, request):
+    """The S3 server with obstore's environment variables set for this test and a fresh ``s3.prefix``."""
+    import re
+
+    for key, value in s3_server.env().items():
+        monkeypatch.setenv(key, value)
+    s3_server.prefix = "t/" + re.sub(r"[^A-Za-z0-9_-]+", "-", request.node.name)[:60]
+    with s3_server.lock:
+        s3_server.faults.clear()
+    return s3_server

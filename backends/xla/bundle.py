@@ -81,12 +81,14 @@ def program_keys(manifest: Manifest, largest_only: bool = False) -> list[Program
     return [ProgramKey(v, s) for v in variants for s in sizes]
 
 
-def open_bundle(folder: Path, largest_only: bool = False) -> BundleLayout:
+def open_bundle(folder: Path, largest_only: bool = False, weights_elsewhere: bool = False) -> BundleLayout:
     """Read the manifest and find every file the bundle is served from.
 
     ``largest_only`` selects only the largest compiled batch size (the
     ``runtime.batch_sizes: largest`` option), whose program file alone is then
-    required. Raises ConfigError naming the manifest key or the missing file.
+    required. ``weights_elsewhere``: the weights files are not in the folder
+    (they stream from an object store), so ``weights_path`` is None. Raises
+    ConfigError naming the manifest key or the missing file.
     """
     folder = Path(folder)
     manifest_path = folder / MANIFEST_NAME
@@ -117,7 +119,7 @@ def open_bundle(folder: Path, largest_only: bool = False) -> BundleLayout:
             raise ConfigError(f"{folder}: missing {' or '.join(candidates)}, the program for {key.describe()} "
                               f"(program files present: {', '.join(present) or 'none'})")
         modules[key] = found
-    weights_path = _weights_path(folder, manifest, manifest_path)
+    weights_path = None if weights_elsewhere else _weights_path(folder, manifest, manifest_path)
     return BundleLayout(folder, manifest, modules, weights_path, model_py if has_model_py else None)
 
 

@@ -28,7 +28,8 @@ from nereid.backends.xla.manifest import Manifest
 from nereid.backends.xla.migration import local_weight_set, migrate_for_load
 from nereid.backends.xla.options import parse_options
 from nereid.backends.xla.program import read_program
-from nereid.backends.xla.weights import read_local_weights
+from nereid.backends.xla.remote import RemoteBundle
+from nereid.backends.xla.weights import read_local_weights, resolve_weights
 from nereid.backends.xla.signatures import BatchMode, batch_mode, build_signature
 from nereid.errors import ConfigError, InvalidArgument, ModelFailure
 from nereid.model_hooks import ModelHooks, load_model_hooks
@@ -83,10 +84,16 @@ class XlaModel:
         started = time.monotonic()
         context = self.context
         options = parse_options(context.settings.runtime, context.settings_origin)
-        migrate_for_load(context.folder, options.weights_migration, context.name)
-        layout = open_bundle(context.folder, options.largest_batch_only)
+        remote = RemoteBundle.of(context.folder, retries=options.weights_read_retries)
+        if remote is None:
+            migrate_for_load(context.folder, options.weights_migration, context.name)
+        elif options.weights_migration != "off":  # nothing is ever written into the bucket
+            log.warning("model '%s': weights_migration does not run for a bundle in object storage (%s)",
+                        context.name, remote.location)
+        layout = open_bundle(context.folder, options.largest_batch_only, weights_elsewhere=remote is not None)
         manifest = layout.manifest
-        weight_set = local_weight_set(layout)
+        weight_set = (resolve_weights(remote, manifest.weights_file) if remote is not None
+                      else local_weight_set(layout))
         weight_types = [(w.entry.name, w.program_shape, w.entry.dtype) for w in weight_set.weights] if weight_set else []
         self._load_hooks(layout)
         target = resolve_device(context.device, context.name, context.settings_origin)
@@ -94,8 +101,13 @@ class XlaModel:
         weights_name = weight_set.describe() if weight_set else DEFAULT_WEIGHTS_FILE
         programs = {key: self._program(key, path, layout.manifest, weight_types, weights_name, target, cache)
                     for key, path in layout.modules.items()}
-        arrays = (read_local_weights(layout.folder, weight_set, threads=options.weights_read_threads)
-                  if weight_set else [])
+        if weight_set is None:
+            arrays = []
+        elif remote is not None:  # streamed from the store into the arrays; no weights file on local disk
+            arrays = remote.read_weights(weight_set, chunk_bytes=options.weights_chunk_bytes,
+                                         concurrency=options.weights_concurrency)
+        else:
+            arrays = read_local_weights(layout.folder, weight_set, threads=options.weights_read_threads)
         import jax
 
         # x64 only for this transfer: without it jax narrows 64-bit arrays to 32 bits.

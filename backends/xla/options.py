@@ -8,6 +8,10 @@ models:
       executable_cache: true    # default true: reuse and write <bundle>/.cache/
       weights_read_threads: 8   # parallel pread workers for the weights file (default 8)
       weights_migration: off    # off (default) | copy | replace: rewrite legacy weights in program order
+      # Bundles in an object store (weights streamed with ranged GETs):
+      weights_chunk_bytes: 16777216   # bytes per ranged GET (default 16 MiB)
+      weights_concurrency: 32         # ranged GETs in flight (default 32)
+      weights_read_retries: 3         # further tries of a failed or short range (default 3)
 ```
 """
 
@@ -17,10 +21,13 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from nereid.backends.xla.migration import MIGRATION_MODES
-from nereid.backends.xla.safetensors import DEFAULT_READ_THREADS
+from nereid.backends.xla.safetensors import DEFAULT_CHUNK_BYTES, DEFAULT_READ_THREADS
 from nereid.errors import ConfigError
 
 BATCH_SIZES_CHOICES = ("all", "largest")
+# Ranged GETs of a bundle in an object store: the seed's streaming loader's defaults.
+DEFAULT_REMOTE_CONCURRENCY = 32
+DEFAULT_REMOTE_RETRIES = 3
 
 
 @dataclass(frozen=True)
@@ -31,11 +38,15 @@ class XlaOptions:
     executable_cache: bool = True
     weights_read_threads: int = DEFAULT_READ_THREADS
     weights_migration: str = "off"
+    weights_chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    weights_concurrency: int = DEFAULT_REMOTE_CONCURRENCY
+    weights_read_retries: int = DEFAULT_REMOTE_RETRIES
 
 
 def parse_options(runtime: Mapping[str, Any], origin: str) -> XlaOptions:
     """Check ``runtime`` options; ConfigError names ``<origin>.runtime.<key>`` and the value."""
-    allowed = {"batch_sizes", "executable_cache", "weights_read_threads", "weights_migration"}
+    allowed = {"batch_sizes", "executable_cache", "weights_read_threads", "weights_migration", "weights_chunk_bytes",
+               "weights_concurrency", "weights_read_retries"}
     where = f"{origin}.runtime" if origin else "runtime"
 
     def fail(key: str, problem: str, value: Any) -> None:
@@ -58,4 +69,12 @@ def parse_options(runtime: Mapping[str, Any], origin: str) -> XlaOptions:
         migration = "off"
     if migration not in MIGRATION_MODES:
         fail("weights_migration", f"must be one of {', '.join(MIGRATION_MODES)}", migration)
-    return XlaOptions(batch_sizes == "largest", cache, threads, migration)
+    numbers = {}
+    for key, default, minimum in (("weights_chunk_bytes", DEFAULT_CHUNK_BYTES, 1),
+                                  ("weights_concurrency", DEFAULT_REMOTE_CONCURRENCY, 1),
+                                  ("weights_read_retries", DEFAULT_REMOTE_RETRIES, 0)):
+        value = runtime.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            fail(key, f"must be an integer >= {minimum}", value)
+        numbers[key] = value
+    return XlaOptions(batch_sizes == "largest", cache, threads, migration, **numbers)

@@ -1,0 +1,106 @@
+"""Bundles served from an object store: the weights are streamed, never written to local disk.
+
+The repository materialized the bundle's small files (manifest, programs,
+model.py, the shard index) into the local cache; its ``*.safetensors`` objects
+stayed in the store (see :mod:`nereid.storage.mirror`). Here each weights
+file's header is fetched first (one ranged GET of its first 64 KiB, a second
+one when the header is longer) and validated in full by the same parser as a
+local file. Then the tensors are read with parallel ranged GETs of
+``weights_chunk_bytes`` each, at most ``weights_concurrency`` in flight,
+straight into preallocated arrays (in either layout; legacy tensors are then
+transposed as locally). Every read is conditional on the object's ETag from
+the listing, so a file replaced mid-load fails the load instead of mixing
+versions; a failed or short range is retried ``weights_read_retries`` times,
+then the load fails naming the URL, the byte range and the cause.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from nereid.backends.xla.safetensors import (SafetensorsHeader, empty_for, header_length, parse_header_bytes,
+                                             to_program_array)
+from nereid.backends.xla.weights import LocalBundleFiles, WeightSet
+from nereid.errors import ConfigError
+from nereid.storage import MARKER_FILE, RangeRead, RemoteFolder, StoreURL, open_store, read_marker, read_ranges
+
+# The first ranged GET of a weights file: the length field and, usually, the whole header.
+HEAD_BYTES = 64 * 1024
+
+
+class RemoteBundle:
+    """A materialized bundle folder whose weights live in the store (a :class:`BundleFiles`)."""
+
+    def __init__(self, folder: Path, remote: RemoteFolder, *, retries: int) -> None:
+        self.folder = Path(folder)
+        self.remote = remote
+        self.location: StoreURL = remote.location
+        self.retries = retries
+        self._local = LocalBundleFiles(folder)
+        self._store: Any = None
+
+    @classmethod
+    def of(cls, folder: Path, *, retries: int) -> RemoteBundle | None:
+        """The remote bundle materialized at ``folder``; None for a local bundle."""
+        remote = read_marker(folder)
+        return cls(folder, remote, retries=retries) if remote is not None else None
+
+    @property
+    def store(self) -> Any:
+        """The store, built once per load from the environment."""
+        if self._store is None:
+            self._store = open_store(self.location)
+        return self._store
+
+    # -- BundleFiles ----------------------------------------------------------------------------------
+
+    def names(self) -> list[str]:
+        local = [n for n in self._local.names() if n != MARKER_FILE]
+        return sorted({*local, *(n for n in self.remote.streamed if "/" not in n)})
+
+    def where(self, name: str) -> str:
+        return str(self.location.child(name)) if name in self.remote.streamed else self._local.where(name)
+
+    def read_small(self, name: str, limit: int) -> bytes:
+        return self._local.read_small(name, limit)
+
+    def header(self, name: str) -> SafetensorsHeader:
+        item = self.remote.streamed.get(name)
+        if item is None:
+            raise ConfigError(f"{self.location}: no weights file {name!r} in the model folder (files: "
+                              f"{', '.join(sorted(self.remote.streamed)) or 'none'})")
+        url = self.where(name)
+        head = bytearray(min(item.size, HEAD_BYTES))
+        self._read([RangeRead(item.key, 0, memoryview(head), "the safetensors header")], item.key)
+        length = header_length(url, item.size, bytes(head[:8]))
+        if 8 + length <= len(head):
+            raw = bytes(head[8:8 + length])
+        else:
+            rest = bytearray(length)
+            self._read([RangeRead(item.key, 8, memoryview(rest), "the safetensors header")], item.key)
+            raw = bytes(rest)
+        return parse_header_bytes(url, raw, item.size)
+
+    # -- weights --------------------------------------------------------------------------------------
+
+    def read_weights(self, weight_set: WeightSet, *, chunk_bytes: int,
+                     concurrency: int) -> list[tuple[str, np.ndarray]]:
+        """Every weight in argument order, streamed with parallel ranged GETs into fresh arrays."""
+        arrays = [empty_for(w.entry) for w in weight_set.weights]
+        reads: list[RangeRead] = []
+        for weight, array in zip(weight_set.weights, arrays):
+            key = self.remote.streamed[weight.file].key
+            view = memoryview(array.reshape(-1).view(np.uint8))
+            for offset in range(0, weight.entry.nbytes, chunk_bytes):
+                reads.append(RangeRead(key, weight.entry.start + offset, view[offset:offset + chunk_bytes],
+                                       f"tensor '{weight.entry.name}'"))
+        etags = {item.key: item.etag for item in self.remote.streamed.values()}
+        read_ranges(self.store, self.location, reads, concurrency=concurrency, retries=self.retries, etags=etags)
+        return [(w.entry.name, to_program_array(a, w.header.legacy)) for w, a in zip(weight_set.weights, arrays)]
+
+    def _read(self, reads: list[RangeRead], key: str) -> None:
+        etag = next((i.etag for i in self.remote.streamed.values() if i.key == key), None)
+        read_ranges(self.store, self.location, reads, concurrency=1, retries=self.retries, etags={key: etag})

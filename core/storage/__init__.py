@@ -1,0 +1,104 @@
+"""Where model folders come from: a local folder, or an object store (``s3://``, ``gs://``, ``az://``).
+
+The repository asks this module two things, whatever ``server.ml_backends_path`` is:
+
+* :func:`list_model_folders`: the names of the model folders;
+* :func:`materialize_model_folder`: make a model folder ready to load, and
+  return its local path.
+
+For a local folder both are what they always were (a directory listing; the
+folder itself). For an object store, the folders are the prefixes one level
+below the URL, and materializing fetches the folder's small files into the
+local cache (see :mod:`nereid.storage.mirror`); its weights stay in the store,
+streamed by the backend at load (:mod:`nereid.storage.client`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from nereid.storage.client import StorageError, describe_error, open_store, read_ranges, RangeRead
+from nereid.storage.mirror import MARKER_FILE, RemoteFolder, RemoteObject, materialize, mirror_root, read_marker
+from nereid.storage.url import SCHEMES, StoreURL, parse_store_url
+
+if TYPE_CHECKING:
+    from nereid.settings import ServerSettings
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "MARKER_FILE", "RangeRead", "RemoteFolder", "RemoteObject", "SCHEMES", "StorageError", "StoreURL",
+    "describe_error", "list_model_folders", "materialize_model_folder", "mirror_root", "model_folder_exists",
+    "open_store", "parse_store_url", "read_marker", "read_ranges",
+]
+
+# An unknown model name asks the store at most this often (it runs on the event loop).
+_LISTING_TTL_S = 5.0
+_listings: dict[str, tuple[float, list[str]]] = {}
+_listings_lock = threading.Lock()
+
+
+def _location(server: ServerSettings) -> StoreURL | None:
+    url = getattr(server, "ml_backends_url", None)
+    return parse_store_url(url) if url else None
+
+
+def list_model_folders(server: ServerSettings) -> list[str]:
+    """The names of the model folders under ``server.ml_backends_path`` (or its URL).
+
+    For a store, each listed folder also gets its (empty until materialized)
+    local mirror folder. A store that cannot be listed is logged and lists
+    nothing: the models nereid.yaml lists still get entries, and their loads
+    report the store's error.
+    """
+    location = _location(server)
+    root = Path(server.ml_backends_path)
+    if location is None:
+        return sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    try:
+        names = _list_remote(location)
+    except StorageError as err:
+        log.error("%s", err)
+        return []
+    for name in names:
+        (root / name).mkdir(parents=True, exist_ok=True)
+    return names
+
+
+def model_folder_exists(server: ServerSettings, name: str) -> bool:
+    """Whether ``name`` is a model folder now (one stat locally; a listing at most every 5 s for a store)."""
+    location = _location(server)
+    if location is None:
+        return (Path(server.ml_backends_path) / name).is_dir()
+    with _listings_lock:
+        cached = _listings.get(str(location))
+    if cached is not None and time.monotonic() - cached[0] < _LISTING_TTL_S:
+        return name in cached[1]
+    return name in list_model_folders(server)
+
+
+def materialize_model_folder(server: ServerSettings, name: str) -> Path:
+    """Make the model folder ``name`` ready to load and return its local path (blocking: call off the loop).
+
+    Local: the folder itself. Store: its small files fetched or refreshed in
+    the mirror, its weights left to stream; StorageError names the URL.
+    """
+    location = _location(server)
+    folder = Path(server.ml_backends_path) / name
+    if location is None:
+        return folder
+    materialize(location, name, folder)
+    return folder
+
+
+def _list_remote(location: StoreURL) -> list[str]:
+    from nereid.storage.mirror import list_remote_folders
+
+    names = list_remote_folders(location)
+    with _listings_lock:
+        _listings[str(location)] = (time.monotonic(), names)
+    return names

@@ -1,0 +1,175 @@
+"""obstore stores, their errors in words, and bounded-retry parallel ranged reads.
+
+Credentials and endpoints come from the environment variables obstore reads
+(``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_REGION``,
+``AWS_ENDPOINT_URL``, ``AWS_ALLOW_HTTP``, ``GOOGLE_*``, ``AZURE_*``). The store
+is built anew for each load, so a fixed variable takes effect at the next one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import threading
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Coroutine, Mapping, Sequence
+
+from nereid.errors import ConfigError, cap_message
+from nereid.storage.url import StoreURL
+
+# Listing and small files: obstore's own retries, bounded in count and time, so
+# an unreachable store fails a load in seconds rather than minutes.
+DEFAULT_RETRIES = 3
+_RETRY_TIMEOUT = timedelta(seconds=20)
+_CREDENTIAL_HINT = {
+    "s3": "check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (and AWS_ENDPOINT_URL, AWS_REGION)",
+    "gs": "check GOOGLE_SERVICE_ACCOUNT / GOOGLE_APPLICATION_CREDENTIALS",
+    "az": "check AZURE_STORAGE_ACCOUNT_NAME / AZURE_STORAGE_ACCOUNT_KEY (or another AZURE_* credential)",
+}
+
+
+class StorageError(ConfigError):
+    """An object-store operation failed; the message names the URL and the cause."""
+
+
+def open_store(location: StoreURL, *, max_retries: int = DEFAULT_RETRIES) -> Any:
+    """An obstore store for ``location``'s bucket (keys are then full object keys)."""
+    try:
+        from obstore.store import from_url
+    except ImportError:  # a dependency, but say so plainly if it is missing
+        raise StorageError(f"{location}: reading models from object storage needs obstore "
+                           "(pip install obstore)") from None
+    try:
+        # No client_options: passing any replaces those obstore reads from the environment
+        # (AWS_ALLOW_HTTP among them); its defaults bound a request to 30 s, a connection to 5 s.
+        return from_url(location.bucket_url,
+                        retry_config={"max_retries": max_retries, "retry_timeout": _RETRY_TIMEOUT,
+                                      "backoff": {"init_backoff": timedelta(milliseconds=100),
+                                                  "max_backoff": timedelta(seconds=2), "base": 2.0}})
+    except Exception as err:  # a bad configuration variable, an unsupported option
+        raise StorageError(f"{location}: cannot set up the store: {describe_error(err, location.scheme)}") from None
+
+
+def describe_error(err: BaseException, scheme: str = "s3") -> str:
+    """obstore's error in one line: the HTTP status and the store's error code, a hint for credentials.
+
+    obstore's messages carry the whole response body and a multi-line debug
+    dump; only the first line's facts are kept.
+    """
+    text = str(err).split("\n\nDebug source:", 1)[0].strip()
+    status = re.search(r"status code: (\d{3})( [A-Za-z ]+)?", text)
+    code = re.search(r"<Code>([^<]{1,80})</Code>", text)
+    message = re.search(r"<Message>([^<]{1,300})</Message>", text)
+    kind = type(err).__name__
+    if status is not None:
+        number = int(status.group(1))
+        words = f"HTTP {number}{(status.group(2) or '').rstrip()}"
+        if code is not None:
+            words += f" {code.group(1)}"
+        if message is not None:
+            words += f": {message.group(1).rstrip('.')}"
+        if number in (401, 403) or kind in ("PermissionDeniedError", "UnauthenticatedError"):
+            words += f"; the store refused the credentials or their rights: {_CREDENTIAL_HINT.get(scheme, '')}"
+        return cap_message(words, 600)
+    if kind in ("PermissionDeniedError", "UnauthenticatedError"):
+        return cap_message(f"{text.splitlines()[0]}; {_CREDENTIAL_HINT.get(scheme, '')}", 600)
+    if re.search(r"[Cc]onnection refused|error sending request|dns error|timed out", text):
+        return cap_message(f"cannot reach the store ({text.splitlines()[0][:300]}); check the endpoint "
+                           "(AWS_ENDPOINT_URL, and AWS_ALLOW_HTTP for http://)", 600)
+    first = text.splitlines()[0] if text else kind
+    return cap_message(f"{kind}: {first}", 600)
+
+
+@dataclass(frozen=True)
+class RangeRead:
+    """One ranged GET: bytes ``start`` to ``start + len(view)`` of ``key``, copied into ``view``."""
+
+    key: str
+    start: int
+    view: memoryview
+    what: str  # what the bytes are, for messages (a tensor's name)
+
+
+def read_ranges(store: Any, location: StoreURL, reads: Sequence[RangeRead], *, concurrency: int, retries: int,
+                etags: Mapping[str, str | None] | None = None) -> None:
+    """Run ``reads`` with at most ``concurrency`` in flight, each copied straight into its view.
+
+    A read that fails or comes back short is tried again, up to ``retries``
+    more times; then StorageError names the object's URL, the byte range, what
+    it holds and the cause. With ``etags``, every read is conditional on the
+    object still having that ETag, so a file replaced during the load fails it
+    rather than mixing two versions.
+    """
+    if not reads:
+        return
+    _run(_read_all(store, location, reads, max(1, concurrency), max(0, retries), etags or {}))
+
+
+async def _read_all(store: Any, location: StoreURL, reads: Sequence[RangeRead], concurrency: int, retries: int,
+                    etags: Mapping[str, str | None]) -> None:
+    import obstore
+
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(read: RangeRead) -> None:
+        end = read.start + len(read.view)
+        options: dict[str, Any] = {"range": (read.start, end)}
+        if etags.get(read.key):
+            options["if_match"] = etags[read.key]
+        cause = ""
+        for attempt in range(retries + 1):
+            if attempt:
+                await asyncio.sleep(min(0.05 * 2 ** attempt, 1.0))
+            async with gate:
+                try:
+                    result = await obstore.get_async(store, read.key, options=options)
+                    data = await result.bytes_async()
+                except Exception as err:  # any failure of this range: tried again, then reported
+                    cause = describe_error(err, location.scheme)
+                    if type(err).__name__ in ("PreconditionError", "NotFoundError", "PermissionDeniedError",
+                                              "UnauthenticatedError"):
+                        break  # changed, gone or forbidden: another try cannot help
+                    continue
+            if len(data) != len(read.view):
+                cause = f"the store returned {len(data)} bytes"
+                continue
+            read.view[:] = memoryview(data).cast("B")
+            return
+        url = f"{location.bucket_url}/{read.key}"
+        raise StorageError(f"{url}: bytes {read.start}-{end - 1} ({len(read.view)} bytes of {read.what}): "
+                           f"read failed after {attempt + 1} attempt(s): {cause}")
+
+    tasks = [asyncio.ensure_future(one(read)) for read in reads]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _run(coroutine: Coroutine[Any, Any, None]) -> None:
+    """Run a coroutine to completion from synchronous code, on a private loop.
+
+    Loads run on worker threads without a loop; should one be running in
+    this thread, the coroutine runs on a thread of its own instead.
+    """
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        asyncio.run(coroutine)
+        return
+    failure: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            asyncio.run(coroutine)
+        except BaseException as err:  # handed back to the caller
+            failure.append(err)
+
+    thread = threading.Thread(target=target, name="nereid-storage-reads", daemon=True)
+    thread.start()
+    thread.join()
+    if failure:
+        raise failure[0]

@@ -1,0 +1,165 @@
+"""Model repositories in object storage, against a real S3 API on the loopback (moto; see tests/moto_s3.py).
+
+The python model here is served from ``s3://``: its folder is materialized
+into the cache folder, refreshed by ETag, and nothing is written to the bucket.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import obstore
+import pytest
+import tritonclient.grpc as triton
+
+from moto_s3 import bucket_state, iter_files, upload_folder
+from nereid.errors import ConfigError
+from nereid.settings import load_settings
+from nereid.storage import StoreURL, mirror_root, parse_store_url
+from nereid.storage.mirror import MARKER_FILE, read_marker
+from support import ECHO_MAIN, textproto_single
+
+DOUBLE_MAIN = ECHO_MAIN.replace("out.write(data)", "import array; a = array.array('f', data); "
+                                                   "out.write(array.array('f', [2 * v for v in a]).tobytes())")
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("s3://bucket/a/b/", StoreURL("s3", "bucket", "a/b")),
+    ("s3://bucket", StoreURL("s3", "bucket", "")),
+    ("gs://bucket/models", StoreURL("gs", "bucket", "models")),
+    ("az://container//x/y", StoreURL("az", "container", "x/y")),
+    ("ml-backends", None),
+    ("/srv/models", None),
+])
+def test_urls_parse_the_same_way_for_every_scheme(text, expected) -> None:
+    assert parse_store_url(text) == expected
+    if expected is not None:
+        assert str(expected.child("m", "weights.safetensors")).startswith(f"{expected.scheme}://{expected.bucket}/")
+
+
+@pytest.mark.parametrize("text, problem", [
+    ("ftp://host/x", "unknown scheme 'ftp'"),
+    ("s3:///prefix", "names no bucket"),
+    ("s3://bucket/a/../b", "'..'"),
+])
+def test_bad_urls_are_refused_in_settings_with_the_key(tmp_path, text, problem) -> None:
+    config = tmp_path / "nereid.yaml"
+    config.write_text(f'server:\n  ml_backends_path: "{text}"\n')
+    with pytest.raises(ConfigError) as caught:
+        load_settings(config)
+    assert "server.ml_backends_path" in str(caught.value) and problem in str(caught.value)
+
+
+def test_a_url_repository_mirrors_into_the_cache_folder(tmp_path) -> None:
+    config = tmp_path / "nereid.yaml"
+    config.write_text('server:\n  ml_backends_path: "s3://models/prod"\n  cache_dir: "cache"\n'
+                      'models:\n  - name: not_checked_locally\n')
+    settings = load_settings(config)
+    assert settings.server.ml_backends_url == "s3://models/prod"
+    assert settings.server.cache_dir == tmp_path / "cache"
+    assert settings.server.ml_backends_path == mirror_root(tmp_path / "cache", StoreURL("s3", "models", "prod"))
+    config.write_text('server:\n  ml_backends_path: "s3://models/prod"\n  watch: true\n')
+    with pytest.raises(ConfigError, match="server.watch: follows local folders only"):
+        load_settings(config)
+
+
+def _python_folder(root: Path, name: str, main: str = ECHO_MAIN) -> Path:
+    folder = root / name
+    folder.mkdir(parents=True)
+    (folder / "model_inference.textproto").write_text(textproto_single())
+    (folder / "main.py").write_text(textwrap.dedent(main))
+    (folder / "helpers").mkdir()
+    (folder / "helpers" / "note.txt").write_text("a helper file in a sub-folder")
+    return folder
+
+
+def _config(tmp_path: Path, url: str, models: str | None = None) -> Path:
+    text = (f'server:\n  bind_addr: "127.0.0.1:0"\n  metrics_addr: ""\n  ml_backends_path: "{url}"\n'
+            f'  cache_dir: "{tmp_path / "cache"}"\n')
+    if models is not None:
+        text += "models:\n" + textwrap.indent(textwrap.dedent(models), "  ")
+    config = tmp_path / "nereid.yaml"
+    config.write_text(text)
+    return config
+
+
+def _echo(client, model: str, x: np.ndarray) -> np.ndarray:
+    tensor = triton.InferInput("input", list(x.shape), "FP32")
+    tensor.set_data_from_numpy(x)
+    return client.infer(model, [tensor]).as_numpy("output")
+
+
+def test_a_python_model_is_served_from_s3_and_refreshed_by_etag(s3, serve, tmp_path) -> None:
+    source = tmp_path / "source"
+    _python_folder(source, "echo")
+    _python_folder(source, ".hidden")  # hidden folders are skipped, as locally
+    upload_folder(s3.store, source, s3.prefix)
+    before = bucket_state(s3.store, s3.prefix)
+    server = serve(_config(tmp_path, s3.url()))
+    index = {m.name: m.state for m in server.client.get_model_repository_index().models}
+    assert index == {"echo": "READY"}
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    np.testing.assert_array_equal(_echo(server.client, "echo", x), x)
+    folder = server.server.settings.server.ml_backends_path / "echo"
+    assert folder.is_relative_to(tmp_path / "cache")
+    assert (folder / "helpers" / "note.txt").read_text() == "a helper file in a sub-folder"
+    fetched = read_marker(folder).fetched
+    assert set(fetched) == {"main.py", "model_inference.textproto", "helpers/note.txt"}
+    # A new main.py in the bucket (a new ETag) is fetched at the next load; unchanged files are not.
+    gets_before = len(s3.gets("/echo/model_inference.textproto"))
+    obstore.put(s3.store, f"{s3.prefix}/echo/main.py", textwrap.dedent(DOUBLE_MAIN).encode())
+    server.client.load_model("echo")
+    np.testing.assert_array_equal(_echo(server.client, "echo", x), 2 * x)
+    assert len(s3.gets("/echo/model_inference.textproto")) == gets_before
+    assert read_marker(folder).fetched["main.py"].etag != fetched["main.py"].etag
+    # A file removed from the bucket is removed from the cache at the next load.
+    obstore.delete(s3.store, f"{s3.prefix}/echo/helpers/note.txt")
+    server.client.load_model("echo")
+    assert not (folder / "helpers").exists() and (folder / MARKER_FILE).is_file()
+    # Nothing was ever written into the bucket by the server.
+    after = bucket_state(s3.store, s3.prefix)
+    del before[f"{s3.prefix}/echo/main.py"], before[f"{s3.prefix}/echo/helpers/note.txt"]
+    assert {k: v for k, v in after.items() if not k.endswith("/echo/main.py")} == before
+
+
+def test_wrong_credentials_give_a_clear_unavailable_reason(s3, serve, tmp_path, monkeypatch) -> None:
+    source = tmp_path / "source"
+    _python_folder(source, "echo")
+    upload_folder(s3.store, source, s3.prefix)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAWRONGKEY")
+    server = serve(_config(tmp_path, s3.url(), "- name: echo\n"))
+    (model,) = server.client.get_model_repository_index().models
+    assert model.state == "UNAVAILABLE"
+    assert model.reason.startswith(f"{s3.url('echo')}: cannot list the model folder: HTTP 403 Forbidden "
+                                   "InvalidAccessKeyId"), model.reason
+    assert "check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY" in model.reason
+    with pytest.raises(Exception) as caught:
+        _echo(server.client, "echo", np.zeros((1, 4), np.float32))
+    assert "UNAVAILABLE" in str(caught.value) and "InvalidAccessKeyId" in str(caught.value)
+    # Fixed credentials take effect at the next load.
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3.env()["AWS_ACCESS_KEY_ID"])
+    server.client.load_model("echo")
+    assert server.client.is_model_ready("echo")
+
+
+def test_a_listed_folder_missing_from_the_bucket_names_its_url(s3, serve, tmp_path) -> None:
+    source = tmp_path / "source"
+    _python_folder(source, "echo")
+    upload_folder(s3.store, source, s3.prefix)
+    server = serve(_config(tmp_path, s3.url(), "- name: echo\n- name: absent\n"))
+    index = {m.name: (m.state, m.reason) for m in server.client.get_model_repository_index().models}
+    assert index["echo"][0] == "READY"
+    assert index["absent"] == ("UNAVAILABLE", f"{s3.url('absent')}: no such model folder (no objects under it)")
+
+
+def test_nereid_check_reads_an_s3_repository(s3, tmp_path, capsys) -> None:
+    from nereid.cli import main
+
+    source = tmp_path / "source"
+    _python_folder(source, "echo")
+    upload_folder(s3.store, source, s3.prefix)
+    assert main(["check", "--config", str(_config(tmp_path, s3.url()))]) == 0
+    assert capsys.readouterr().out.splitlines()[0].startswith("echo: OK backend=python")
+    assert not any(p.suffix == ".safetensors" for p in iter_files(tmp_path / "cache"))
