@@ -15,6 +15,7 @@ from typing import Any, Mapping
 
 from nereid.config_document import KeyedReader, load_yaml
 from nereid.errors import ConfigError
+from nereid.files import read_text_file
 from nereid.storage.mirror import mirror_root
 from nereid.storage.url import parse_store_url
 from nereid.tls import TlsFileError, TlsSettings, read_tls_material
@@ -27,6 +28,8 @@ DEFAULT_METRICS_ADDR = "127.0.0.1:8002"
 DEFAULT_HTTP_ADDR = "[::1]:8000"
 DEFAULT_WATCH_SETTLE_MS = 1000.0
 # Like Triton's default; up to 2 GiB - 1 (gRPC's own ceiling) may be configured.
+# nereid.yaml is written by an operator, but a mistake (a binary file, a FIFO) must still be an error.
+MAX_CONFIG_BYTES = 4 << 20
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
 MAX_MESSAGE_BYTES_CEILING = (1 << 31) - 1
 
@@ -170,10 +173,8 @@ class Settings:
 def load_settings(path: Path) -> Settings:
     """Read and check ``nereid.yaml``; relative paths resolve against its folder."""
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as err:
-        raise ConfigError(f"{path}: cannot read: {err.strerror or err}") from None
+    # A FIFO, a binary file or a huge one fails with a ConfigError naming the file (never a traceback).
+    text = read_text_file(path, MAX_CONFIG_BYTES)
     document = load_yaml(text, path)
     return parse_settings(document if document is not None else {}, path)
 

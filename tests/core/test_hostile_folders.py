@@ -139,3 +139,16 @@ def test_a_deeply_nested_textproto_names_the_file(tmp_path):
     with pytest.raises(ConfigError) as info:
         load_textproto_signature(path)
     assert str(info.value).startswith(f"{path}") and len(str(info.value)) < 4096
+
+
+def test_a_binary_or_fifo_nereid_yaml_is_a_config_error(tmp_path):
+    from nereid.settings import load_settings
+
+    config = tmp_path / "nereid.yaml"
+    config.write_bytes(b"server:\n  bind_addr: \xff\xfe\n")
+    with pytest.raises(ConfigError, match=r"nereid.yaml: not UTF-8 text \(invalid byte at offset 21\)"):
+        load_settings(config)
+    config.unlink()
+    os.mkfifo(config)
+    with pytest.raises(ConfigError, match="nereid.yaml: is a FIFO, not a regular file"):
+        load_settings(config)
