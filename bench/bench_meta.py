@@ -1,0 +1,108 @@
+"""Meta models: a meta model that calls one in-process bundle, against calling the bundle directly.
+
+One server serves the shipped ``mlp_bundle`` (xla, [batch, 16] FP32 ->
+[batch, 4], dynamic batching on) and ``mlp_meta``, a meta model with the same
+wire tensors whose ``async def`` orchestration is one ``await
+ctx.infer("mlp_bundle", inputs)``. A request to ``mlp_meta`` therefore pays
+everything a direct one does (gRPC, validation, mlp_bundle's queue and batch)
+plus the meta model's own path: its validation and scheduler, the
+orchestration coroutine, and a second pass through the data plane.
+
+perf_analyzer drives each model at every concurrency, alternating the models
+``--repeat`` times so that a slow spell of this shared machine hits both
+alike; medians are reported with the overhead per request and the ratio the
+issue sets a target for (meta >= 85% of direct throughput at concurrency 16).
+
+    python3 bench/bench_meta.py [--concurrency 1 16] [--repeat 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+from common import REPO_ROOT, free_port, perf_analyzer, print_table, running, wait_model_ready
+
+MODELS = ("mlp_meta", "mlp_bundle")
+
+META_MANIFEST = """\
+format_version: "2.1"
+meta: true
+depends_on: [mlp_bundle]
+client_inputs: [{name: input, dtype: f32, shape: an, dims: {a: 16}}]
+client_outputs: [{name: output, dtype: f32, shape: an, dims: {a: 4}}]
+batching: {max_batch_size: 32}
+"""
+
+META_MODEL_PY = """\
+import nereid
+
+
+async def orchestrate(inputs, ctx):
+    return await ctx.infer("mlp_bundle", inputs)
+
+
+nereid.register_model(orchestrate=orchestrate)
+"""
+
+
+def config(root: Path) -> Path:
+    """A repository with the shipped mlp_bundle and a meta model relaying to it."""
+    models = root / "ml-backends"
+    shutil.copytree(REPO_ROOT / "ml-backends" / "mlp_bundle", models / "mlp_bundle",
+                    ignore=shutil.ignore_patterns(".cache"))  # compiled at load, out of the timed runs
+    meta = models / "mlp_meta"
+    meta.mkdir()
+    (meta / "manifest.yaml").write_text(META_MANIFEST)
+    (meta / "model.py").write_text(META_MODEL_PY)
+    path = root / "nereid.yaml"
+    path.write_text('server:\n  ml_backends_path: ml-backends\n  metrics_addr: ""\nmodels:\n'
+                    '  - {name: mlp_bundle, queue_capacity: 64}\n'
+                    '  - {name: mlp_meta, queue_capacity: 64}\n')
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--repeat", type=int, default=3, help="runs per model and concurrency; medians reported")
+    args = parser.parse_args()
+    runs: dict[tuple[str, int], list[dict[str, float]]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = config(Path(tmp))
+        address = f"127.0.0.1:{free_port()}"
+        argv = [sys.executable, "-m", "nereid.cli", "serve", "--config", str(path), "--bind", address,
+                "--log-level", "WARNING"]
+
+        def ready(a: str) -> None:
+            for model in MODELS:
+                wait_model_ready(a, model)
+
+        with running(argv, address, ready):
+            for concurrency in args.concurrency:
+                for _ in range(args.repeat):
+                    for model in MODELS:
+                        runs.setdefault((model, concurrency), []).append(perf_analyzer(address, model, concurrency))
+    median = {key: {k: statistics.median(r[k] for r in results) for k in results[0]} for key, results in runs.items()}
+    rows = []
+    for concurrency in args.concurrency:
+        meta, direct = (median[(model, concurrency)] for model in MODELS)
+        # Server time per request at this concurrency: what one more pass through the meta model costs.
+        overhead_us = 1e6 / meta["throughput"] - 1e6 / direct["throughput"]
+        rows.append([concurrency, meta["throughput"], direct["throughput"], meta["p50_us"], direct["p50_us"],
+                     f"{meta['p50_us'] - direct['p50_us']:.0f}", f"{overhead_us:.0f}",
+                     f"{meta['throughput'] / direct['throughput']:.0%}"])
+    print_table("mlp_bundle ([batch, 16] FP32, batch 1 requests): through a meta model vs direct "
+                "(perf_analyzer, one server)",
+                ["conc.", "meta infer/s", "direct infer/s", "meta p50 us", "direct p50 us", "p50 overhead us",
+                 "overhead us/request", "meta / direct"], rows)
+    print(f"(medians of {args.repeat} runs each, models alternating; overhead us/request = 1e6/meta - 1e6/direct "
+          "throughput; target: meta / direct >= 85% at concurrency 16)")
+
+
+if __name__ == "__main__":
+    main()
