@@ -146,12 +146,11 @@ class NereidServer:
         await stop_requested.wait()
         log.info("signal received: draining (grace %.0f s)", self.settings.server.shutdown_grace_s)
         # Loads still running are abandoned (their threads are daemons and never delay the exit).
-        loading = not loader.done()
         loader.cancel()
         await self.stop()
-        if loading or self.repository.loading():
-            # A load may have started programs (a compiler, a warm process) that nothing will stop:
-            # this process is the server, so whatever it still has as children goes with it.
-            killed = kill_children()
-            if killed:
-                log.info("ended %d process(es) started by abandoned loads", killed)
+        # Every model is unloaded now. An abandoned load (at start-up or through RepositoryModelLoad)
+        # may have started programs (a compiler, a warm process) that nothing will stop: this
+        # process is the server, so whatever it still has as children goes with it.
+        killed = kill_children()
+        if killed:
+            log.info("ended %d process(es) left by abandoned loads or calls", killed)
