@@ -109,6 +109,7 @@ class MetaModel:
     def __init__(self, context: ModelContext) -> None:
         self.context = context
         self.depends_on: tuple[str, ...] = ()
+        self._callable: frozenset[str] = frozenset()
         self._manifest: Manifest | None = None
         self._signature: ModelSignature | None = None
         self._orchestrate: Callable[..., Any] | None = None
@@ -144,6 +145,7 @@ class MetaModel:
             raise ConfigError(f"model '{name}': {manifest_path} says meta: true, but {folder} has no {MODEL_PY}: "
                               f"a meta model's {MODEL_PY} calls nereid.register_model(orchestrate=fn)")
         self.depends_on = manifest.depends_on
+        self._callable = frozenset(self.depends_on)
         cycle = find_cycle(name, self._declared_dependencies)
         if cycle is not None:
             raise ConfigError(f"model '{name}': depends_on forms a cycle {describe_cycle(cycle)} "
@@ -216,7 +218,7 @@ class MetaModel:
                     deadline_ns: int) -> InferRequest:
         """The request for one sub-call; refuses an unlisted model and a passed deadline before anything runs."""
         name = self.context.name
-        if model_name not in self.depends_on:
+        if model_name not in self._callable:
             listed = ", ".join(self.depends_on) or "none"
             raise ModelFailure(f"meta model '{name}': ctx.infer('{model_name}') refused: '{model_name}' is not in "
                                f"depends_on of its {MANIFEST_NAME} (depends_on: {listed}); list every model it calls")
@@ -267,6 +269,8 @@ class MetaModel:
         """The orchestration's outputs in the manifest's order (it may return them in any order)."""
         name = self.context.name
         declared = self.signature().output_names
+        if isinstance(result, list) and [getattr(t, "name", None) for t in result] == declared:
+            return result  # the usual case; the scheduler checks each output's type and shape next
         if not isinstance(result, (list, tuple)) or not all(isinstance(t, NamedTensor) for t in result):
             raise ModelFailure(f"meta model '{name}': orchestrate must return a list of nereid.tensors.NamedTensor "
                                f"(outputs {declared}), got {type(result).__name__}")
