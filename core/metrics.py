@@ -53,8 +53,15 @@ class ServerMetrics:
         self.repository_events = Counter(
             "nereid_repository_events", "Dynamic repository events by model: reload, reload_failed, rename, remove.",
             ["model", "event"], registry=self.registry)
+        self.protocol_requests = Counter(
+            "nereid_protocol_requests", "Inference requests answered, by model, protocol (grpc, http) and outcome.",
+            ["model", "protocol", "outcome"], registry=self.registry)
         self.registry.register(_RepositoryCollector(repository))
         self._http = None
+
+    def count_request(self, protocol: str, model: str, outcome: str) -> None:
+        """Count one inference request answered over ``protocol`` (``success`` or the error's reason)."""
+        self.protocol_requests.labels(model, protocol, outcome).inc()
 
     def model_loaded(self, model: str, seconds: float) -> None:
         """Record one model load."""

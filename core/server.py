@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import shutil
 import signal
@@ -17,11 +18,12 @@ from nereid.dataplane import DataPlane
 from nereid.metrics import ServerMetrics
 from nereid.plugins import make_plugin_manager
 from nereid.protocol.grpc_service import SERVICE_NAME, InferenceServicer, generic_handler
+from nereid.protocol.http_service import HttpListener, HttpSurface
 from nereid.repository import ModelRepository
 from nereid.processes import kill_children
 from nereid.settings import Settings, repository_control_allowed
 from nereid.tensors import InferRequest, InferResponse
-from nereid.tls import server_credentials
+from nereid.tls import server_credentials, ssl_context
 from nereid.watch import RepositoryWatcher
 
 log = logging.getLogger(__name__)
@@ -48,6 +50,8 @@ class NereidServer:
         self.dataplane = DataPlane(self.repository, settings, repository_control=self.repository_control,
                                    on_repository_change=self.update_health)
         self.port: int | None = None
+        self.http_port: int | None = None
+        self._http: HttpListener | None = None
         self._grpc: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()
         self._stopped = asyncio.Event()
@@ -70,7 +74,7 @@ class NereidServer:
             ("grpc.so_reuseport", 0),
         ])
         control = self.repository_control
-        servicer = InferenceServicer(self.dataplane)
+        servicer = InferenceServicer(self.dataplane, functools.partial(self.metrics.count_request, "grpc"))
         server.add_generic_rpc_handlers((generic_handler(servicer),))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         try:
@@ -85,6 +89,13 @@ class NereidServer:
         if self.settings.server.metrics_addr:
             self.metrics_port = self.metrics.serve(self.settings.server.metrics_addr)
             log.info("metrics at http://%s/metrics", self.settings.server.metrics_addr)
+        if config.http_addr:
+            surface = HttpSurface(self.dataplane, config.max_message_bytes,
+                                  functools.partial(self.metrics.count_request, "http"))
+            self._http = HttpListener(surface, ssl_context(config.tls) if config.tls else None,
+                                      config.shutdown_grace_s)
+            self.http_port = await self._http.start(config.http_addr)
+            log.info("KServe V2 REST on %s (port %d)", config.http_addr, self.http_port)
         await server.start()
         self._grpc, self.port = server, port
         await self.update_health()
@@ -122,7 +133,7 @@ class NereidServer:
         self.dataplane.shutting_down = True
         if self._grpc is not None:
             await self.update_health()
-            await self._grpc.stop(grace)
+            await asyncio.gather(self._grpc.stop(grace), *([self._http.stop()] if self._http is not None else []))
         # Past the grace, what still runs belongs to cancelled calls: end it rather than wait.
         if self.watcher is not None and self._watching is not None:
             self.watcher.stop()

@@ -130,3 +130,16 @@ def _stamp(tls: TlsSettings) -> tuple:
         except OSError:
             stamp.append(None)
     return tuple(stamp)
+
+
+def ssl_context(tls: TlsSettings) -> ssl.SSLContext:
+    """A server-side SSLContext for the HTTP listener (mutual TLS when ``client_ca`` is set).
+
+    Read once at start: unlike gRPC's credentials, a renewed certificate needs a restart here.
+    """
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(tls.cert, tls.key)
+    if tls.client_ca is not None:
+        context.load_verify_locations(cafile=tls.client_ca)
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context

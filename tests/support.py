@@ -80,7 +80,7 @@ class ModelRepo:
                      metrics_addr: str = "127.0.0.1:0") -> Path:
         """Write nereid.yaml; ``models_yaml`` is the ``models:`` list body (None: no models key)."""
         text = (f"server:\n  bind_addr: \"127.0.0.1:0\"\n  ml_backends_path: \"ml-backends\"\n"
-                f"  metrics_addr: \"{metrics_addr}\"\n{server_extra}")
+                f"  metrics_addr: \"{metrics_addr}\"\n  http_addr: \"127.0.0.1:0\"\n{server_extra}")
         if not self.python_warm_start:
             text += "backends:\n  python:\n    warm_start: false\n"
         if models_yaml is not None:

@@ -1,0 +1,222 @@
+"""KServe V2 REST inference bodies <-> protocol-neutral requests and responses.
+
+Two encodings, as Triton's HTTP endpoint speaks them:
+
+* JSON tensors: ``data`` as a nested or flat list (BYTES elements as strings);
+* Triton's binary tensor extension: the body is a JSON header of
+  ``Inference-Header-Content-Length`` bytes followed by the tensors' raw bytes,
+  in input order; an input says how many with ``parameters.binary_data_size``.
+  The client asks for binary outputs with ``binary_data_output`` (request
+  parameter) or an output's ``binary_data`` parameter.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from nereid.dtypes import DType
+from nereid.errors import InvalidArgument
+from nereid.model_info import MODEL_VERSION
+from nereid.protocol.wire import TIMEOUT_PARAMETER, decode_raw, timeout_deadline_ns, wire_dtype, wire_shape
+from nereid.tensors import InferRequest, InferResponse, NamedTensor, bytes_array, tensor_buffer
+
+HEADER_LENGTH = "inference-header-content-length"
+
+
+@dataclass(frozen=True)
+class OutputChoice:
+    """How the client wants the outputs: which ones (empty: all) and which of them as binary."""
+
+    names: tuple[str, ...]
+    binary: frozenset[str]
+    binary_by_default: bool
+
+    def is_binary(self, name: str) -> bool:
+        return self.binary_by_default or name in self.binary
+
+
+def decode_infer(model: str, body: bytes, header_length: int | None) -> tuple[InferRequest, OutputChoice]:
+    """Decode an infer body; InvalidArgument naming the problem for anything malformed."""
+    if header_length is None:
+        header_bytes, binary = body, memoryview(b"")
+    else:
+        if header_length < 0 or header_length > len(body):
+            raise InvalidArgument(f"model '{model}': Inference-Header-Content-Length is {header_length}, "
+                                  f"but the body has {len(body)} bytes")
+        view = memoryview(body)
+        header_bytes, binary = view[:header_length], view[header_length:]
+    try:
+        document = json.loads(bytes(header_bytes) if isinstance(header_bytes, memoryview) else header_bytes)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise InvalidArgument(f"model '{model}': the request body is not valid JSON ({err})") from None
+    except RecursionError:
+        raise InvalidArgument(f"model '{model}': the request body's JSON is nested too deeply") from None
+    if not isinstance(document, dict):
+        raise InvalidArgument(f"model '{model}': the request body must be a JSON object")
+    parameters = _object(model, document.get("parameters", {}), "parameters")
+    raw_inputs = document.get("inputs")
+    if not isinstance(raw_inputs, list) or not raw_inputs:
+        raise InvalidArgument(f"model '{model}': 'inputs' must be a non-empty list of tensors")
+    inputs, offset = [], 0
+    for index, raw in enumerate(raw_inputs):
+        tensor, used = _decode_input(model, index, raw, binary, offset)
+        inputs.append(tensor)
+        offset += used
+    if offset != len(binary):
+        raise InvalidArgument(f"model '{model}': the body carries {len(binary)} bytes of binary data after its "
+                              f"JSON header, but the inputs' binary_data_size add up to {offset}")
+    request_id = document.get("id", "")
+    if not isinstance(request_id, str):
+        raise InvalidArgument(f"model '{model}': 'id' must be a string")
+    choice = _output_choice(model, document.get("outputs", []), parameters)
+    budgets = []
+    if TIMEOUT_PARAMETER in parameters:
+        timeout_us = parameters[TIMEOUT_PARAMETER]
+        if isinstance(timeout_us, bool) or not isinstance(timeout_us, int) or timeout_us < 0:
+            raise InvalidArgument(f"model '{model}': parameter 'timeout' must be a non-negative integer number "
+                                  f"of microseconds, got {json.dumps(timeout_us)[:64]}")
+        if timeout_us:
+            budgets.append(timeout_us * 1000)
+    request = InferRequest(model, inputs, request_id, list(choice.names),
+                           timeout_deadline_ns(time.monotonic_ns(), budgets))
+    return request, choice
+
+
+def _decode_input(model: str, index: int, raw: Any, binary: memoryview, offset: int) -> tuple[NamedTensor, int]:
+    """One input tensor and how many bytes of the binary section it took."""
+    if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
+        raise InvalidArgument(f"model '{model}': inputs[{index}] must be an object with a 'name'")
+    where = f"model '{model}': input '{raw['name'][:256]}'"
+    datatype = raw.get("datatype")
+    if not isinstance(datatype, str):
+        raise InvalidArgument(f"{where}: 'datatype' must be a string such as \"FP32\"")
+    dtype = wire_dtype(where, datatype)
+    shape_value = raw.get("shape")
+    if not isinstance(shape_value, list) or not all(isinstance(d, int) and not isinstance(d, bool)
+                                                    for d in shape_value):
+        raise InvalidArgument(f"{where}: 'shape' must be a list of integers")
+    shape = tuple(shape_value)
+    count = wire_shape(where, shape)
+    parameters = _object(model, raw.get("parameters", {}), f"inputs[{index}].parameters")
+    size = parameters.get("binary_data_size")
+    if size is not None:
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise InvalidArgument(f"{where}: binary_data_size must be a non-negative integer")
+        if "data" in raw:
+            raise InvalidArgument(f"{where}: data sent both as JSON 'data' and as binary data; send one")
+        if offset + size > len(binary):
+            raise InvalidArgument(f"{where}: binary_data_size is {size}, but only {len(binary) - offset} bytes "
+                                  "of binary data are left in the body")
+        return NamedTensor(raw["name"], dtype, decode_raw(where, dtype, shape, binary[offset:offset + size])), size
+    if "data" not in raw:
+        raise InvalidArgument(f"{where}: no 'data' and no binary_data_size parameter")
+    return NamedTensor(raw["name"], dtype, _json_array(where, dtype, shape, count, raw["data"])), 0
+
+
+def _json_array(where: str, dtype: DType, shape: tuple[int, ...], count: int, data: Any) -> np.ndarray:
+    """A tensor from JSON ``data`` (nested or flat), checked element by element for its datatype."""
+    flat = _flatten(where, data)
+    if len(flat) != count:
+        raise InvalidArgument(f"{where}: 'data' holds {len(flat)} elements, expected {count} for shape {list(shape)}")
+    if dtype is DType.BYTES:
+        if not all(isinstance(e, str) for e in flat):
+            raise InvalidArgument(f"{where}: BYTES data must be a list of strings")
+        return bytes_array([e.encode("utf-8") for e in flat], shape)
+    if dtype is DType.BOOL:
+        if not all(isinstance(e, bool) for e in flat):
+            raise InvalidArgument(f"{where}: BOOL data must be a list of true/false")
+        return np.array(flat, dtype=np.bool_).reshape(shape)
+    if any(isinstance(e, bool) or not isinstance(e, (int, float)) for e in flat):
+        raise InvalidArgument(f"{where}: {dtype.kserve} data must be a list of numbers")
+    if dtype.numpy.kind in "iu":
+        if not all(isinstance(e, int) for e in flat):
+            raise InvalidArgument(f"{where}: {dtype.kserve} data must be integers")
+        info = np.iinfo(dtype.numpy)
+        bad = next((e for e in flat if e < info.min or e > info.max), None)
+        if bad is not None:
+            raise InvalidArgument(f"{where}: value {bad} does not fit {dtype.kserve} (range {info.min} to {info.max})")
+    return np.array(flat, dtype=dtype.numpy).reshape(shape)
+
+
+def _flatten(where: str, data: Any) -> list:
+    if not isinstance(data, list):
+        raise InvalidArgument(f"{where}: 'data' must be a list")
+    if not any(isinstance(e, list) for e in data):
+        return data
+    flat: list = []
+    stack = [iter(data)]
+    while stack:  # iterative: a deeply nested body must not exhaust the recursion limit
+        for element in stack[-1]:
+            if isinstance(element, list):
+                stack.append(iter(element))
+                break
+            flat.append(element)
+        else:
+            stack.pop()
+    return flat
+
+
+def _output_choice(model: str, outputs: Any, parameters: dict) -> OutputChoice:
+    if not isinstance(outputs, list):
+        raise InvalidArgument(f"model '{model}': 'outputs' must be a list")
+    names, binary = [], set()
+    for index, output in enumerate(outputs):
+        if not isinstance(output, dict) or not isinstance(output.get("name"), str):
+            raise InvalidArgument(f"model '{model}': outputs[{index}] must be an object with a 'name'")
+        names.append(output["name"])
+        options = _object(model, output.get("parameters", {}), f"outputs[{index}].parameters")
+        if options.get("binary_data") is True:
+            binary.add(output["name"])
+    by_default = parameters.get("binary_data_output") is True
+    return OutputChoice(tuple(names), frozenset(binary), by_default)
+
+
+def _object(model: str, value: Any, what: str) -> dict:
+    if not isinstance(value, dict):
+        raise InvalidArgument(f"model '{model}': '{what}' must be a JSON object")
+    return value
+
+
+def encode_infer(response: InferResponse, choice: OutputChoice) -> tuple[list[bytes | memoryview], int | None]:
+    """The response body's parts and, when any output is binary, the JSON header's length."""
+    outputs, binaries = [], []
+    for tensor in response.outputs:
+        entry: dict[str, Any] = {"name": tensor.name, "datatype": tensor.dtype.kserve, "shape": list(tensor.shape)}
+        if choice.is_binary(tensor.name):
+            raw = tensor_buffer(tensor)
+            entry["parameters"] = {"binary_data_size": len(raw)}
+            binaries.append(raw)
+        else:
+            entry["data"] = _json_data(response.model_name, tensor)
+        outputs.append(entry)
+    document: dict[str, Any] = {"model_name": response.model_name, "model_version": MODEL_VERSION,
+                                "outputs": outputs}
+    if response.id:
+        document["id"] = response.id
+    header = json.dumps(document, separators=(",", ":")).encode()
+    if not binaries:
+        return [header], None
+    return [header, *binaries], len(header)
+
+
+def _json_data(model: str, tensor: NamedTensor) -> list:
+    flat = tensor.data.reshape(-1)
+    if tensor.dtype is DType.BYTES:
+        try:
+            return [bytes(e).decode("utf-8") if not isinstance(e, str) else e for e in flat]
+        except UnicodeDecodeError:
+            raise InvalidArgument(f"model '{model}': output '{tensor.name}' holds bytes that are not UTF-8 text; "
+                                  "ask for it as binary data (binary_data: true)") from None
+    if tensor.dtype in (DType.FP16, DType.BF16):
+        flat = flat.astype(np.float32)
+    values = flat.tolist()
+    if tensor.dtype.numpy.kind == "f" and not all(math.isfinite(v) for v in values):
+        raise InvalidArgument(f"model '{model}': output '{tensor.name}' holds NaN or infinity, which JSON cannot "
+                              "carry; ask for it as binary data (binary_data: true)")
+    return values

@@ -1,0 +1,378 @@
+"""The KServe V2 REST protocol (and Triton's HTTP extensions) over the same data plane as gRPC.
+
+A plain ASGI application, served by uvicorn with httptools on the server's
+own event loop (measured against aiohttp in bench/README.md). Handlers only
+convert: JSON and binary bodies in, data-plane calls, JSON out, and errors
+mapped to HTTP statuses in one table, as Triton's endpoint answers them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+import ssl
+from typing import Any, Awaitable, Callable, Iterator
+
+import uvicorn
+
+from nereid.dataplane import DataPlane
+from nereid.errors import (ConfigError, DeadlineExceeded, InvalidArgument, ModelFailure, NereidError, NotFound,
+                           PermissionDenied, QueueFull, Unavailable, cap_message)
+from nereid.model_info import MODEL_VERSION, ModelConfig
+from nereid.protocol.http_codec import HEADER_LENGTH, decode_infer, encode_infer
+from nereid.stats import ModelStats
+
+log = logging.getLogger(__name__)
+
+STATUS_OF_ERROR: dict[type[NereidError], int] = {
+    InvalidArgument: 400,
+    ConfigError: 400,
+    PermissionDenied: 403,
+    NotFound: 404,
+    QueueFull: 503,
+    Unavailable: 503,
+    DeadlineExceeded: 504,
+    ModelFailure: 500,
+}
+
+# Bodies at least this large are decoded on a worker thread, so the event loop never stalls on one.
+DECODE_OFF_LOOP_BYTES = 256 << 10
+# curl -d sends application/x-www-form-urlencoded unless told otherwise: accepted as JSON, as Triton does.
+JSON_TYPES = (b"application/json", b"", b"application/x-www-form-urlencoded")
+BODY_TYPES = JSON_TYPES + (b"application/octet-stream",)
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict]]
+Send = Callable[[dict], Awaitable[None]]
+
+
+def status_of(error: NereidError) -> int:
+    """The HTTP status for a nereid error (500 for anything unmapped)."""
+    for kind in type(error).__mro__:
+        if kind in STATUS_OF_ERROR:
+            return STATUS_OF_ERROR[kind]
+    return 500
+
+
+class HttpError(Exception):
+    """A request the HTTP layer itself refuses (before any model is involved)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class Disconnected(Exception):
+    """The client went away before its body arrived: there is no one to answer."""
+
+
+class HttpSurface:
+    """The ASGI application: routes, body limits, and conversions to and from the data plane."""
+
+    def __init__(self, dataplane: DataPlane, max_body_bytes: int,
+                 count_request: Callable[[str, str], None] | None = None) -> None:
+        self.dataplane = dataplane
+        self.max_body_bytes = max_body_bytes
+        self._count = count_request
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return  # lifespan and websocket scopes: nothing to do
+        try:
+            status, body, headers = await self._route(scope, receive)
+        except Disconnected:
+            log.info("HTTP %s %s: the client disconnected before sending its whole body", scope["method"],
+                     cap_message(scope["path"], 256))
+            return
+        except HttpError as err:
+            status, body, headers = err.status, _error_body(str(err)), []
+        except NereidError as err:
+            status = status_of(err)
+            body, headers = _error_body(self.dataplane.repository.public_text(str(err))), []
+        except Exception as err:  # a bug, not the client's fault: say so rather than drop the connection
+            log.exception("HTTP %s %s failed", scope["method"], cap_message(scope["path"], 256))
+            status, headers = 500, []
+            body = _error_body(self.dataplane.repository.public_text(f"internal error: {type(err).__name__}: {err}"))
+        await _respond(send, status, body, headers)
+
+    async def _route(self, scope: Scope, receive: Receive) -> tuple[int, list[bytes | memoryview], list]:
+        method, parts = scope["method"], scope["path"].strip("/").split("/")
+        if not parts or parts[0] != "v2":
+            raise HttpError(404, f"no such endpoint: {cap_message(scope['path'], 256)} (the API is under /v2)")
+        parts = parts[1:]
+        if parts == [] and method == "GET":
+            name, version, extensions = self.dataplane.server_metadata()
+            return _json({"name": name, "version": version, "extensions": list(extensions)})
+        if parts[:1] == ["health"] and len(parts) == 2 and method == "GET":
+            if parts[1] == "live":
+                return _health(self.dataplane.live())
+            if parts[1] == "ready":
+                return _health(self.dataplane.ready())
+        if parts == ["models", "stats"] and method == "GET":
+            return _json(_statistics(self.dataplane.statistics()))
+        if parts[:1] == ["repository"] and method == "POST":
+            return await self._repository(scope, receive, parts[1:])
+        if parts[:1] == ["models"] and len(parts) >= 2:
+            return await self._model(scope, receive, parts[1], parts[2:])
+        raise HttpError(404, f"no such endpoint: {method} {cap_message(scope['path'], 256)}")
+
+    async def _model(self, scope: Scope, receive: Receive, model: str,
+                     rest: list[str]) -> tuple[int, list[bytes | memoryview], list]:
+        method = scope["method"]
+        version = ""
+        if rest[:1] == ["versions"] and len(rest) >= 2:
+            version, rest = rest[1], rest[2:]
+        action = rest[0] if len(rest) == 1 else "" if not rest else None
+        if action == "" and method == "GET":
+            metadata = self.dataplane.model_metadata(model, version)
+            return _json({"name": metadata.name, "versions": list(metadata.versions), "platform": metadata.platform,
+                          "inputs": [_tensor_json(t) for t in metadata.inputs],
+                          "outputs": [_tensor_json(t) for t in metadata.outputs]})
+        if action == "ready" and method == "GET":
+            self.dataplane.check_version(model, version)
+            return _health(self.dataplane.model_ready(model))
+        if action == "config" and method == "GET":
+            return _json(_config_json(self.dataplane.model_config(model, version)))
+        if action == "stats" and method == "GET":
+            return _json(_statistics(self.dataplane.statistics(model, version)))
+        if action == "infer" and method == "POST":
+            return await self._infer(scope, receive, model, version)
+        raise HttpError(404, f"no such endpoint: {method} {cap_message(scope['path'], 256)}")
+
+    async def _infer(self, scope: Scope, receive: Receive, model: str,
+                     version: str) -> tuple[int, list[bytes | memoryview], list]:
+        self.dataplane.check_version(model, version)
+        headers = dict(scope["headers"])
+        if headers.get(b"content-encoding", b"identity") not in (b"identity", b""):
+            raise HttpError(400, f"model '{model}': compressed request bodies are not supported "
+                                 f"(Content-Encoding: {headers[b'content-encoding'].decode('latin-1')[:64]}); "
+                                 "send it uncompressed")
+        header_length = headers.get(HEADER_LENGTH.encode())
+        content_type = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
+        if content_type not in (BODY_TYPES if header_length is not None else JSON_TYPES):
+            raise HttpError(400, f"model '{model}': Content-Type {content_type.decode('latin-1')[:64]!r} is not "
+                                 "accepted (application/json, or application/octet-stream with "
+                                 "Inference-Header-Content-Length)")
+        length = None
+        if header_length is not None:
+            try:
+                length = int(header_length)
+            except ValueError:
+                raise HttpError(400, f"model '{model}': Inference-Header-Content-Length must be an integer, got "
+                                     f"{header_length.decode('latin-1')[:64]!r}") from None
+        body = await self._read_body(scope, receive, model)
+        if len(body) >= DECODE_OFF_LOOP_BYTES:
+            request, choice = await asyncio.to_thread(decode_infer, model, body, length)
+        else:
+            request, choice = decode_infer(model, body, length)
+        del body
+        try:
+            response = await self.dataplane.infer(request)
+        except NereidError as err:
+            self._counted(model, err.reason)
+            raise
+        self._counted(model, "success")
+        parts, binary_header = encode_infer(response, choice)
+        if binary_header is None:
+            return 200, parts, [(b"content-type", b"application/json")]
+        return 200, parts, [(b"content-type", b"application/octet-stream"),
+                            (HEADER_LENGTH.encode(), str(binary_header).encode())]
+
+    async def _repository(self, scope: Scope, receive: Receive,
+                          rest: list[str]) -> tuple[int, list[bytes | memoryview], list]:
+        if rest == ["index"]:
+            body = await self._read_body(scope, receive, "")
+            options = _json_object(body, "the repository index request") if body.strip() else {}
+            ready = options.get("ready", False)
+            return _json([{"name": e.name, "version": e.version, "state": e.state, "reason": e.reason}
+                          for e in self.dataplane.repository_index(ready is True)])
+        if len(rest) == 3 and rest[0] == "models" and rest[2] in ("load", "unload"):
+            await self._read_body(scope, receive, rest[1])  # parameters are accepted and not used
+            if rest[2] == "load":
+                await self.dataplane.load(rest[1])
+            else:
+                await self.dataplane.unload(rest[1])
+            return 200, [], [(b"content-type", b"application/json")]
+        raise HttpError(404, f"no such endpoint: POST {cap_message(scope['path'], 256)}")
+
+    async def _read_body(self, scope: Scope, receive: Receive, model: str) -> bytes:
+        """The whole body, refused with 413 past the limit (before reading it, when its length is declared)."""
+        declared = dict(scope["headers"]).get(b"content-length")
+        limit = self.max_body_bytes
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise HttpError(413, f"{_who(model)}the request body is {int(declared)} bytes; the limit is {limit} "
+                                 "(server.max_message_bytes)")
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise Disconnected()
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise HttpError(413, f"{_who(model)}the request body exceeds the limit of {limit} bytes "
+                                     "(server.max_message_bytes)")
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        if declared is not None and declared.isdigit() and size != int(declared):
+            raise HttpError(400, f"{_who(model)}the body is {size} bytes, but Content-Length says {int(declared)}")
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    def _counted(self, model: str, outcome: str) -> None:
+        if self._count is not None:
+            self._count(model, outcome)
+
+
+def _who(model: str) -> str:
+    return f"model '{model}': " if model else ""
+
+
+def _json(document: Any, status: int = 200) -> tuple[int, list[bytes | memoryview], list]:
+    return status, [json.dumps(document, separators=(",", ":")).encode()], [(b"content-type", b"application/json")]
+
+
+def _json_object(body: bytes, what: str) -> dict:
+    try:
+        document = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise HttpError(400, f"{what} is not valid JSON ({err})") from None
+    except RecursionError:
+        raise HttpError(400, f"{what} is nested too deeply") from None
+    if not isinstance(document, dict):
+        raise HttpError(400, f"{what} must be a JSON object")
+    return document
+
+
+def _health(ok: bool) -> tuple[int, list[bytes | memoryview], list]:
+    # Triton answers health checks with an empty 200, or 400 when not live / not ready.
+    return (200 if ok else 400), [], []
+
+
+def _error_body(message: str) -> list[bytes]:
+    return [json.dumps({"error": cap_message(message)}).encode()]
+
+
+def _tensor_json(tensor) -> dict:
+    return {"name": tensor.name, "datatype": tensor.datatype, "shape": list(tensor.shape)}
+
+
+def _config_json(config: ModelConfig) -> dict:
+    """Triton's JSON form of the model configuration (proto field names, integers as numbers)."""
+    def tensor(t) -> dict:
+        return {"name": t.name, "data_type": f"TYPE_{'STRING' if t.datatype == 'BYTES' else t.datatype}",
+                "dims": list(t.shape)}
+
+    document: dict[str, Any] = {
+        "name": config.name, "platform": config.platform, "backend": config.backend,
+        "max_batch_size": config.max_batch_size,
+        "input": [tensor(t) for t in config.inputs], "output": [tensor(t) for t in config.outputs],
+        "instance_group": [{"name": config.name, "count": config.instance_group.count,
+                            "kind": config.instance_group.kind, "gpus": list(config.instance_group.gpus)}],
+    }
+    if config.dynamic_batching is not None:
+        document["dynamic_batching"] = {
+            "max_queue_delay_microseconds": config.dynamic_batching.max_queue_delay_us,
+            "preferred_batch_size": list(config.dynamic_batching.preferred_batch_sizes)}
+    return document
+
+
+def _duration(duration) -> dict:
+    return {"count": duration.count, "ns": duration.ns}
+
+
+def _statistics(models: list[tuple[str, ModelStats]]) -> dict:
+    """Triton's ``/stats`` document."""
+    stats_json = []
+    for name, stats in models:
+        stats_json.append({
+            "name": name, "version": MODEL_VERSION, "last_inference": stats.last_inference_ms,
+            "inference_count": stats.inference_count, "execution_count": stats.execution_count,
+            "inference_stats": {field: _duration(getattr(stats, field)) for field in
+                                ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output")},
+            "batch_stats": [{"batch_size": size,
+                             **{field: _duration(getattr(stats.batches[size], field))
+                                for field in ("compute_input", "compute_infer", "compute_output")}}
+                            for size in sorted(stats.batches)],
+        })
+    return {"model_stats": stats_json}
+
+
+async def _respond(send: Send, status: int, body: list[bytes | memoryview], headers: list) -> None:
+    length = sum(len(part) for part in body)
+    await send({"type": "http.response.start", "status": status,
+                "headers": [*headers, (b"content-length", str(length).encode())]})
+    if not body:
+        await send({"type": "http.response.body", "body": b""})
+        return
+    for index, part in enumerate(body):
+        await send({"type": "http.response.body", "body": part, "more_body": index < len(body) - 1})
+
+
+class HttpListener:
+    """uvicorn (httptools) serving an :class:`HttpSurface` on the running event loop.
+
+    The socket is bound here, so that an address in use is reported with the
+    settings key, and uvicorn installs no signal handlers: the nereid server
+    decides when to stop.
+    """
+
+    def __init__(self, app: HttpSurface, tls: ssl.SSLContext | None = None, grace_s: float | None = None) -> None:
+        self.app = app
+        self.tls = tls
+        self.grace_s = grace_s
+        self._server: _EmbeddedServer | None = None
+        self._task: asyncio.Task | None = None
+
+    async def start(self, addr: str) -> int:
+        """Listen on ``host:port`` (``[::1]:8000``); returns the bound port."""
+        host, _, port = addr.rpartition(":")
+        host = host.strip("[]")
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, int(port)))
+        except OSError as err:
+            sock.close()
+            raise OSError(f"cannot listen on {addr} (server.http_addr): {err.strerror or err}") from None
+        config = uvicorn.Config(self.app, http="httptools", lifespan="off", log_level="warning", access_log=False,
+                                server_header=False, date_header=False, ws="none",
+                                timeout_graceful_shutdown=self.grace_s)
+        config.load()
+        if self.tls is not None:
+            config.ssl = self.tls
+        self._server = server = _EmbeddedServer(config)
+        self._task = asyncio.create_task(server.serve(sockets=[sock]))
+        started = asyncio.create_task(server.started_event.wait())
+        await asyncio.wait({self._task, started}, return_when=asyncio.FIRST_COMPLETED)
+        if not server.started_event.is_set():
+            started.cancel()
+            await self._task  # raises what stopped it
+            raise OSError(f"the HTTP listener on {addr} (server.http_addr) did not start")
+        return sock.getsockname()[1]
+
+    async def stop(self) -> None:
+        """Stop accepting, let requests in progress finish (bounded by the grace), close."""
+        if self._server is not None and self._task is not None:
+            self._server.should_exit = True
+            await self._task
+            self._server = self._task = None
+
+
+class _EmbeddedServer(uvicorn.Server):
+    """uvicorn's server without its signal handling, telling when it has started."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.started_event = asyncio.Event()
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield  # SIGTERM and SIGINT belong to the nereid server, which stops this listener itself
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        self.started_event.set()

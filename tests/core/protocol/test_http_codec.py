@@ -1,0 +1,93 @@
+"""The REST codec on its own: JSON and binary bodies to neutral requests and back."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from nereid.dtypes import DType
+from nereid.errors import InvalidArgument
+from nereid.protocol.http_codec import OutputChoice, decode_infer, encode_infer
+from nereid.tensors import InferResponse, NamedTensor, bytes_array
+
+
+def body(*inputs, **extra) -> bytes:
+    return json.dumps({"inputs": list(inputs), **extra}).encode()
+
+
+def test_json_nested_and_flat_lists_give_the_same_tensor():
+    flat, _ = decode_infer("m", body({"name": "x", "shape": [2, 2], "datatype": "INT32", "data": [1, 2, 3, 4]}), None)
+    nested, _ = decode_infer("m", body({"name": "x", "shape": [2, 2], "datatype": "INT32",
+                                        "data": [[1, 2], [3, 4]]}), None)
+    assert flat.inputs[0].data.tolist() == nested.inputs[0].data.tolist() == [[1, 2], [3, 4]]
+    assert flat.inputs[0].dtype is DType.INT32
+
+
+def test_binary_inputs_are_views_of_the_body_and_json_mixes_in():
+    header = body({"name": "a", "shape": [1, 2], "datatype": "FP32", "parameters": {"binary_data_size": 8}},
+                  {"name": "b", "shape": [1], "datatype": "BYTES", "data": ["hi"]},
+                  {"name": "c", "shape": [1, 1], "datatype": "BYTES", "parameters": {"binary_data_size": 7}},
+                  id="7", outputs=[{"name": "y", "parameters": {"binary_data": True}}],
+                  parameters={"timeout": 5_000_000})
+    raw = header + np.array([1.5, 2.5], np.float32).tobytes() + (3).to_bytes(4, "little") + b"abc"
+    request, choice = decode_infer("m", raw, len(header))
+    a, b, c = request.inputs
+    assert a.data.tolist() == [[1.5, 2.5]] and not a.data.flags.writeable  # a view, not a copy
+    assert b.data.tolist() == [b"hi"] and c.data.tolist() == [[b"abc"]]
+    assert request.id == "7" and request.requested_outputs == ["y"] and request.deadline_ns > 0
+    assert choice.is_binary("y") and not choice.is_binary("z")
+
+
+@pytest.mark.parametrize("raw, length, message", [
+    (b"[1, 2]", None, "the request body must be a JSON object"),
+    (body(), None, "'inputs' must be a non-empty list"),
+    (body({"name": "x", "shape": [1], "datatype": "FP32", "data": "1"}), None, "'data' must be a list"),
+    (body({"name": "x", "shape": [1], "datatype": "BOOL", "data": [1]}), None, "BOOL data must be a list of true"),
+    (body({"name": "x", "shape": [1], "datatype": "INT32", "data": [1.5]}), None, "INT32 data must be integers"),
+    (body({"name": "x", "shape": [1], "datatype": "FP32", "data": ["a"]}), None, "FP32 data must be a list of num"),
+    (body({"name": "x", "shape": [1], "datatype": "BYTES", "data": [1]}), None, "BYTES data must be a list of str"),
+    (body({"name": "x", "shape": [1], "datatype": "FP99", "data": [1]}), None, "unknown datatype 'FP99'"),
+    (body({"name": "x", "shape": [0], "datatype": "FP32", "data": []}), None, "has a dimension < 1"),
+    (body({"name": "x", "shape": [1], "datatype": "FP32"}), None, "no 'data' and no binary_data_size"),
+    (body({"name": "x", "shape": [1], "datatype": "FP32", "data": [1]}, parameters={"timeout": -1}), None,
+     "parameter 'timeout' must be a non-negative integer"),
+    (b"{}", 99, "Inference-Header-Content-Length is 99, but the body has 2 bytes"),
+])
+def test_malformed_bodies_are_invalid_arguments(raw, length, message):
+    with pytest.raises(InvalidArgument, match=message.replace("(", r"\(").replace("[", r"\[")):
+        decode_infer("m", raw, length)
+
+
+def test_deep_nesting_is_flattened_without_recursion():
+    for depth in (500, 100_000):
+        data = b"[" * depth + b"1.0" + b"]" * depth
+        raw = b'{"inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": ' + data + b"}]}"
+        try:
+            request, _ = decode_infer("m", raw, None)
+        except InvalidArgument as err:  # the JSON parser itself refuses such depth: a 400, never a crash
+            assert depth > 500 and "nested too deeply" in str(err)
+        else:
+            assert request.inputs[0].data.tolist() == [1.0]
+
+
+def test_encode_json_and_binary_outputs():
+    response = InferResponse("m", [NamedTensor("y", DType.FP16, np.array([[0.5, 1.0]], np.float16)),
+                                   NamedTensor("s", DType.BYTES, bytes_array([b"ok"], (1,)))], "id-1")
+    parts, length = encode_infer(response, OutputChoice((), frozenset({"s"}), False))
+    header = json.loads(parts[0])
+    assert header["id"] == "id-1" and header["outputs"][0]["data"] == [0.5, 1.0]
+    assert header["outputs"][1]["parameters"] == {"binary_data_size": 6} and length == len(parts[0])
+    assert b"".join(bytes(p) for p in parts[1:]) == (2).to_bytes(4, "little") + b"ok"
+
+
+@pytest.mark.parametrize("tensor, message", [
+    (NamedTensor("y", DType.FP32, np.array([np.nan], np.float32)), "NaN or infinity"),
+    (NamedTensor("y", DType.BYTES, bytes_array([b"\xff"], (1,))), "not UTF-8 text"),
+])
+def test_outputs_json_cannot_carry_ask_for_binary(tensor, message):
+    with pytest.raises(InvalidArgument, match=message):
+        encode_infer(InferResponse("m", [tensor]), OutputChoice((), frozenset(), False))
+    parts, length = encode_infer(InferResponse("m", [tensor]), OutputChoice((), frozenset(), True))
+    assert length is not None

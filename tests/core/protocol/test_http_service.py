@@ -1,0 +1,259 @@
+"""The KServe V2 REST endpoints against a real server: tritonclient.http (binary and JSON) and plain urllib."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+import numpy as np
+import pytest
+import tritonclient.http as http
+from tritonclient.utils import InferenceServerException
+
+from support import ECHO_MAIN, free_port, textproto_single
+
+NEREID = [sys.executable, "-m", "nereid.cli"]
+
+SLOW_MAIN = '''
+import os, sys, time
+data = sys.stdin.buffer.read()
+time.sleep(1)
+with open(os.environ["NEREID_OUTPUT_PATH"], "wb") as out:
+    out.write(("%s %s\\n" % (os.environ["NEREID_INPUT_DTYPE"], os.environ["NEREID_INPUT_SHAPE"])).encode() + data)
+'''
+
+FAILING_MAIN = "import sys\nsys.stderr.write('broken on purpose')\nsys.exit(3)\n"
+
+
+@pytest.fixture
+def served(repo, serve):
+    """A server with an FP32 echo, a BYTES echo, a slow echo and a failing model; its HTTP base URL."""
+    repo.python("echo")
+    repo.python("words", main=ECHO_MAIN, textproto=textproto_single("BYTES", input_shape="[2]"))
+    repo.python("slow", main=SLOW_MAIN)
+    repo.python("failing", main=FAILING_MAIN)
+    server = serve(repo.write_config())
+    return server, f"127.0.0.1:{server.server.http_port}"
+
+
+def call(base: str, method: str, path: str, body: bytes | None = None,
+         headers: dict[str, str] | None = None) -> tuple[int, bytes, Any]:
+    """A plain HTTP request, as curl would send it; (status, body, headers)."""
+    request = urllib.request.Request(f"http://{base}{path}", data=body, method=method, headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, response.read(), response.headers  # case-insensitive
+    except urllib.error.HTTPError as err:
+        return err.code, err.read(), err.headers
+
+
+def error_of(status_body: tuple[int, bytes, dict]) -> tuple[int, str]:
+    status, body, _ = status_body
+    return status, json.loads(body)["error"]
+
+
+def test_health_metadata_config_with_tritonclient(served):
+    server, base = served
+    client = http.InferenceServerClient(base)
+    assert client.is_server_live() and client.is_server_ready() and client.is_model_ready("echo")
+    metadata = client.get_server_metadata()
+    assert metadata["name"] == "nereid" and "model_repository" in metadata["extensions"]
+    model = client.get_model_metadata("echo")
+    assert model["inputs"] == [{"name": "input", "datatype": "FP32", "shape": [-1, 4]}]
+    assert model["versions"] == ["1"] and model["platform"] == "nereid_python"
+    config = client.get_model_config("echo")
+    assert config["max_batch_size"] == 8 and config["input"][0] == {"name": "input", "data_type": "TYPE_FP32",
+                                                                      "dims": [4]}
+    assert config["dynamic_batching"]["max_queue_delay_microseconds"] == 0
+    assert config["instance_group"][0]["kind"] == "KIND_CPU"
+    assert call(base, "GET", "/v2/models/echo/versions/1/ready")[0] == 200
+    assert error_of(call(base, "GET", "/v2/models/echo/versions/2")) == (
+        404, "model 'echo' has no version '2' (nereid serves version 1)")
+    assert error_of(call(base, "GET", "/v2/models/nope/ready"))[0] == 404
+
+
+@pytest.mark.parametrize("binary", [True, False])
+def test_infer_binary_and_json(served, binary):
+    _, base = served
+    client = http.InferenceServerClient(base)
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    tensor = http.InferInput("input", [2, 4], "FP32")
+    tensor.set_data_from_numpy(x, binary_data=binary)
+    result = client.infer("echo", [tensor], outputs=[http.InferRequestedOutput("output", binary_data=binary)],
+                          request_id="abc")
+    np.testing.assert_array_equal(result.as_numpy("output"), x)
+    assert result.get_response()["id"] == "abc"
+    words = http.InferInput("input", [1, 2], "BYTES")
+    words.set_data_from_numpy(np.array([["héllo", "wörld"]], dtype=object), binary_data=binary)
+    answer = client.infer("words", [words], outputs=[http.InferRequestedOutput("output", binary_data=binary)])
+    got = [e.decode() if isinstance(e, bytes) else e for e in answer.as_numpy("output").reshape(-1)]
+    assert got == ["héllo", "wörld"]  # binary: bytes; JSON: strings, as tritonclient gives them
+
+
+JSON_VALUES = {
+    "BOOL": [True, False, True, False], "INT8": [-128, 0, 1, 127], "UINT8": [0, 1, 2, 255],
+    "INT16": [-3, 0, 3, 32767], "UINT16": [0, 1, 2, 65535], "INT32": [-1, 0, 1, 2147483647],
+    "UINT32": [0, 1, 2, 4294967295], "INT64": [-(2**62), 0, 1, 2**62], "UINT64": [0, 1, 2, 2**63],
+    "FP16": [0.5, -1.0, 2.0, 1024.0], "FP32": [0.25, -1.5, 3.0, 65536.0], "FP64": [1e-300, -2.0, 3.5, 1e300],
+}
+
+
+def test_every_json_datatype_round_trips_as_plain_json(repo, serve):
+    for datatype in JSON_VALUES:
+        repo.python(datatype.lower(), textproto=textproto_single(datatype))
+    server = serve(repo.write_config())
+    base = f"127.0.0.1:{server.server.http_port}"
+    for datatype, values in JSON_VALUES.items():
+        nested = [[values[0], values[1]], [values[2], values[3]]]  # nested lists, as numpy's tolist() gives
+        body = json.dumps({"inputs": [{"name": "input", "shape": [1, 4], "datatype": datatype, "data": nested}]})
+        status, raw, headers = call(base, "POST", f"/v2/models/{datatype.lower()}/infer", body.encode(),
+                                    {"Content-Type": "application/json"})
+        assert status == 200, raw
+        output = json.loads(raw)["outputs"][0]
+        assert output == {"name": "output", "datatype": datatype, "shape": [1, 4], "data": values}
+        assert headers["Content-Type"] == "application/json"
+
+
+def test_outputs_selection_binary_data_output_and_timeout(served):
+    _, base = served
+    header = json.dumps({"inputs": [{"name": "input", "shape": [1, 4], "datatype": "FP32",
+                                     "parameters": {"binary_data_size": 16}}],
+                         "parameters": {"binary_data_output": True}}).encode()
+    body = header + np.ones(4, np.float32).tobytes()
+    status, raw, headers = call(base, "POST", "/v2/models/echo/infer", body,
+                                {"Inference-Header-Content-Length": str(len(header)),
+                                 "Content-Type": "application/octet-stream"})
+    assert status == 200
+    length = int(headers["Inference-Header-Content-Length"])
+    response = json.loads(raw[:length])
+    assert response["outputs"][0]["parameters"] == {"binary_data_size": 16}
+    assert np.frombuffer(raw[length:], np.float32).tolist() == [1.0] * 4
+    # a request whose timeout passes while it waits behind a running one: 504, as for a gRPC deadline
+    plain = {"inputs": [{"name": "input", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}]}
+    busy = threading.Thread(target=call, args=(base, "POST", "/v2/models/slow/infer", json.dumps(plain).encode()))
+    busy.start()
+    time.sleep(0.3)
+    timed = json.dumps({**plain, "parameters": {"timeout": 100_000}}).encode()
+    status, message = error_of(call(base, "POST", "/v2/models/slow/infer", timed))
+    busy.join()
+    assert status == 504 and "deadline" in message.lower(), message
+    unknown = json.dumps({"inputs": [{"name": "input", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}],
+                          "outputs": [{"name": "nope"}]}).encode()
+    assert error_of(call(base, "POST", "/v2/models/echo/infer", unknown)) == (
+        400, "model 'echo': unknown requested output 'nope' (outputs: 'output')")
+
+
+BAD_REQUESTS = [
+    ("malformed JSON", b"{not json", {}, 400, "the request body is not valid JSON"),
+    ("wrong content type", b"{}", {"Content-Type": "text/plain"}, 400, "Content-Type 'text/plain' is not accepted"),
+    ("compressed", b"{}", {"Content-Encoding": "gzip"}, 400, "compressed request bodies are not supported"),
+    ("binary size that does not add up",
+     json.dumps({"inputs": [{"name": "input", "shape": [1, 4], "datatype": "FP32",
+                             "parameters": {"binary_data_size": 64}}]}).encode() + b"\0" * 16,
+     {"binary": "1"}, 400, "binary_data_size is 64, but only 16 bytes of binary data are left"),
+    ("binary bytes left over",
+     json.dumps({"inputs": [{"name": "input", "shape": [1, 4], "datatype": "FP32",
+                             "parameters": {"binary_data_size": 16}}]}).encode() + b"\0" * 20,
+     {"binary": "1"}, 400, "carries 20 bytes of binary data after its JSON header"),
+    ("wrong element count", json.dumps({"inputs": [{"name": "input", "shape": [1, 4], "datatype": "FP32",
+                                                     "data": [1, 2, 3]}]}).encode(), {}, 400,
+     "'data' holds 3 elements, expected 4 for shape [1, 4]"),
+    ("integer out of range", json.dumps({"inputs": [{"name": "input", "shape": [1, 4], "datatype": "INT8",
+                                                      "data": [1, 2, 3, 300]}]}).encode(), {}, 400,
+     "value 300 does not fit INT8"),
+    ("wrong shape for the model", json.dumps({"inputs": [{"name": "input", "shape": [1, 5], "datatype": "FP32",
+                                                           "data": [1, 2, 3, 4, 5]}]}).encode(), {}, 400,
+     "model 'echo'"),
+]
+
+
+def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(served):
+    _, base = served
+    for case, body, headers, status, fragment in BAD_REQUESTS:
+        if "binary" in headers:
+            header_length = body.index(b"}]}") + 3
+            headers = {"Inference-Header-Content-Length": str(header_length),
+                       "Content-Type": "application/octet-stream"}
+        got_status, message = error_of(call(base, "POST", "/v2/models/echo/infer", body, headers))
+        assert got_status == status and fragment in message, (case, message)
+        assert call(base, "GET", "/v2/health/live")[0] == 200
+
+
+def test_statuses_of_model_errors(served):
+    server, base = served
+    body = json.dumps({"inputs": [{"name": "input", "shape": [1, 4], "datatype": "FP32",
+                                   "data": [1, 2, 3, 4]}]}).encode()
+    status, message = error_of(call(base, "POST", "/v2/models/failing/infer", body))
+    assert status == 500 and "model 'failing' exited with code 3" in message and "broken on purpose" in message
+    assert error_of(call(base, "POST", "/v2/models/nope/infer", body))[0] == 404
+    assert call(base, "POST", "/v2/repository/models/echo/unload", b"")[0] == 200
+    status, message = error_of(call(base, "POST", "/v2/models/echo/infer", body))
+    assert status == 503 and "model 'echo' is not ready" in message
+    assert call(base, "GET", "/v2/models/echo/ready")[0] == 400
+    assert call(base, "POST", "/v2/repository/models/echo/load", b"")[0] == 200
+    assert call(base, "POST", "/v2/models/echo/infer", body)[0] == 200
+
+
+def test_oversized_and_truncated_bodies(repo, serve):
+    repo.python("echo")
+    server = serve(repo.write_config(server_extra="  max_message_bytes: 4096\n"))
+    base = f"127.0.0.1:{server.server.http_port}"
+    status, message = error_of(call(base, "POST", "/v2/models/echo/infer", b" " * 5000,
+                                    {"Content-Type": "application/json"}))
+    assert status == 413 and "the request body is 5000 bytes; the limit is 4096 (server.max_message_bytes)" in message
+    # A client that promises 1000 bytes, sends 10 and goes away: nothing to answer, and the server goes on.
+    with socket.create_connection(("127.0.0.1", server.server.http_port)) as raw:
+        raw.sendall(b"POST /v2/models/echo/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n0123456789")
+    assert call(base, "GET", "/v2/health/live")[0] == 200
+
+
+def test_stats_index_and_repository_control(repo, serve):
+    repo.python("echo")
+    repo.python("other")
+    server = serve(repo.write_config("- name: echo\n"))
+    base = f"127.0.0.1:{server.server.http_port}"
+    client = http.InferenceServerClient(base)
+    tensor = http.InferInput("input", [1, 4], "FP32")
+    tensor.set_data_from_numpy(np.ones((1, 4), np.float32))
+    client.infer("echo", [tensor])
+    stats = client.get_inference_statistics("echo")["model_stats"][0]
+    assert stats["name"] == "echo" and stats["inference_count"] == 1 and stats["inference_stats"]["success"]["count"]
+    assert [s["name"] for s in client.get_inference_statistics()["model_stats"]] == ["echo"]
+    index = {m["name"]: m["state"] for m in client.get_model_repository_index()}
+    assert index == {"echo": "READY", "other": "UNAVAILABLE"}
+    client.load_model("other")
+    assert client.is_model_ready("other")
+    client.unload_model("other")
+    assert not client.is_model_ready("other")
+    samples = urllib.request.urlopen(f"http://127.0.0.1:{server.server.metrics_port}/metrics").read().decode()
+    assert 'nereid_protocol_requests_total{model="echo",outcome="success",protocol="http"} 1.0' in samples
+
+
+def test_repository_control_off_is_403(repo, serve):
+    repo.python("echo")
+    server = serve(repo.write_config(server_extra="  repository_control: false\n"))
+    client = http.InferenceServerClient(f"127.0.0.1:{server.server.http_port}")
+    with pytest.raises(InferenceServerException) as caught:
+        client.unload_model("echo")
+    assert caught.value.status() == "403" and "RepositoryModelUnload is turned off" in caught.value.message()
+
+
+def test_serve_reports_an_http_address_in_use(repo):
+    repo.python("echo")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = repo.write_config(metrics_addr="")
+        config.write_text(config.read_text().replace('http_addr: "127.0.0.1:0"', f'http_addr: "127.0.0.1:{port}"'))
+        result = subprocess.run([*NEREID, "serve", "--config", str(config), "--bind", f"127.0.0.1:{free_port()}"],
+                                capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port} (server.http_addr)" in result.stderr
