@@ -75,7 +75,7 @@ def installed_addone(tmp_path: Path):
 
 
 def test_builtin_backends_are_registered_like_plugins() -> None:
-    assert backend_names(make_plugin_manager(load_entry_points=False)) == ["cpp", "cxx", "python", "xla"]
+    assert backend_names(make_plugin_manager(load_entry_points=False)) == ["cpp", "cxx", "meta", "python", "xla"]
 
 
 def test_installed_backend_serves_a_model(installed_addone, repo, serve) -> None:
@@ -106,7 +106,7 @@ def test_unclaimed_and_doubly_claimed_folders_name_the_candidates(installed_addo
     """), manager=make_plugin_manager())
     index = {m.name: m for m in server.client.get_model_repository_index().models}
     assert index["nobody"].state == "UNAVAILABLE"
-    assert "no backend claims" in index["nobody"].reason and "addone, cpp, cxx, python" in index["nobody"].reason
+    assert "no backend claims" in index["nobody"].reason and "addone, cpp, cxx, meta, python" in index["nobody"].reason
     assert index["both"].state == "UNAVAILABLE"
     assert "several backends claim" in index["both"].reason and "(addone, python)" in index["both"].reason
     assert index["settled"].state == "READY"
