@@ -187,6 +187,7 @@ class MetaModel:
         except NereidError:
             raise  # a sub-call's error (or the orchestration's own), with its status
         except Exception as err:
+            log.exception("meta model '%s': orchestrate raised", self.context.name)  # the author's traceback
             raise ModelFailure(f"meta model '{self.context.name}': orchestrate failed{self._line_of(err)}: "
                                f"{type(err).__name__}: {err}") from err
         return self._in_declared_order(result)

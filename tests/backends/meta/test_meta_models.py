@@ -225,6 +225,7 @@ def test_depends_on_readiness_cycles_and_bad_folders(repo, serve) -> None:
     (repo.models_dir / "with_program" / "model.mlir").write_bytes(b"not a program")
     add_meta(repo, "without_model_py", RELAY.format(target="echo"), ["echo"])
     (repo.models_dir / "without_model_py" / "model.py").unlink()
+    add_meta(repo, "orphan", RELAY.format(target="ghost"), ["ghost"])
     server = serve(repo.write_config(server_extra="  strict_readiness: false\n"))
     client = server.client
 
@@ -237,6 +238,8 @@ def test_depends_on_readiness_cycles_and_bad_folders(repo, serve) -> None:
     assert "'cycle_a' -> 'cycle_b' -> 'cycle_a'" in models["cycle_a"]["reason"]
     assert "holds program or weights files (model.mlir)" in models["with_program"]["reason"]
     assert "has no model.py" in models["without_model_py"]["reason"]
+    assert models["orphan"]["state"] == "UNAVAILABLE"
+    assert "dependency 'ghost' is not a model of this server" in models["orphan"]["reason"]
 
     # Unloading a dependency: its callers (and theirs) are not ready, with the reason.
     client.unload_model("echo")
