@@ -130,12 +130,14 @@ def cxx_header_path() -> Path:
 def check_bundles(dirs: list[Path]) -> int:
     """Print one arity report line per bundle (never raising); 1 if any is unservable."""
     from nereid.backends.xla.arity import bundle_arity_report
-    from nereid.backends.xla.manifest import MANIFEST_NAME
+    from nereid.backends.xla.manifest import MANIFEST_NAME, declares_meta
 
     bundles: list[Path] = []
     for directory in dirs:
         if directory.is_dir() and not (directory / MANIFEST_NAME).is_file():
-            found = sorted(p for p in directory.iterdir() if p.is_dir() and (p / MANIFEST_NAME).is_file())
+            # A meta model's manifest (meta: true) describes no program: it is not a bundle to check.
+            found = sorted(p for p in directory.iterdir() if p.is_dir() and (p / MANIFEST_NAME).is_file()
+                           and not declares_meta(p / MANIFEST_NAME))
             bundles.extend(found or [directory])  # no bundle inside: report the folder itself
         else:
             bundles.append(directory)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nereid.backends.xla.bundle import DEFAULT_WEIGHTS_FILE, open_bundle
+from nereid.backends.xla.manifest import MANIFEST_NAME, declares_meta
 from nereid.backends.xla.program import ProgramSignature, read_program
 from nereid.backends.xla.migration import local_weight_set
 from nereid.errors import ConfigError
@@ -104,6 +105,9 @@ def assert_bundle_arity(folder: Path | str) -> BundleArity:
 
 
 def _report(folder: Path) -> BundleArity:
+    if declares_meta(folder / MANIFEST_NAME):
+        raise ConfigError(f"{folder}: a meta model (meta: true in {MANIFEST_NAME}), not a bundle: it has no "
+                          "program to check (nereid check loads it)")
     layout = open_bundle(folder)
     n_inputs = len(layout.manifest.executable_inputs)
     weight_set = local_weight_set(layout)
