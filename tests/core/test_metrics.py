@@ -67,6 +67,7 @@ def test_metrics_can_be_turned_off(repo, serve) -> None:
 def test_scrapes_during_loads_and_unloads_never_fail(repo, serve) -> None:
     """Defect: collect() read ``entry.loaded`` twice, so an unload in between gave a 500."""
     repo.python("echo")
+    repo.python_warm_start = False  # loads and unloads start and stop no process: more cycles per second
     server = serve(repo.write_config("- name: echo\n"))
     port = server.server.metrics_port
     failures: list[str] = []

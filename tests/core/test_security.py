@@ -157,6 +157,8 @@ def test_bad_tls_files_stop_serve_and_check_naming_the_key(repo, pki, broken, ke
     config = repo.write_config(server_extra=extra)
     with pytest.raises(ConfigError, match=rf"nereid.yaml: server.tls.{key}: "):
         load_settings(config)
+    if broken != "missing_cert":
+        return  # the commands report any ConfigError alike: one case runs them
     for command in ("check", "serve"):
         result = subprocess.run([sys.executable, "-m", "nereid.cli", command, "--config", str(config)],
                                 capture_output=True, text=True, timeout=60)
