@@ -18,6 +18,7 @@ from nereid._proto import model_config_pb2 as mc
 from nereid.dataplane import DataPlane
 from nereid.errors import (ConfigError, DeadlineExceeded, InvalidArgument, ModelFailure, NereidError,
                            NotFound, PermissionDenied, Unavailable, cap_message)
+from nereid.log_limit import RateLimitedLog
 from nereid.memory import TRIM_AFTER_BYTES, release_free_heap
 from nereid.model_info import MODEL_VERSION, ModelConfig
 from nereid.protocol.grpc_codec import decode_infer_request, parse_infer_request, serialize_infer_response
@@ -25,6 +26,8 @@ from nereid.stats import ModelStats
 from nereid.tensors import InferResponse
 
 log = logging.getLogger(__name__)
+# What clients can trigger at will (unreadable messages) is logged at a bounded rate.
+client_log = RateLimitedLog(log)
 
 SERVICE_NAME = "inference.GRPCInferenceService"
 
@@ -115,7 +118,7 @@ def _maps_errors(handler: Handler) -> Handler:
     async def wrapper(self: "InferenceServicer", request: Any, context: grpc.aio.ServicerContext) -> Any:
         if isinstance(request, Unreadable):
             code, message = grpc.StatusCode.INVALID_ARGUMENT, request.describe()
-            log.warning("%s: %s", handler.__name__, message)
+            client_log.warning("%s: %s", handler.__name__, message)
         else:
             try:
                 return await handler(self, request, context)
@@ -217,7 +220,7 @@ class InferenceServicer:
         async def answer(received: Received | Unreadable) -> None:
             if isinstance(received, Unreadable):
                 message = received.describe()
-                log.warning("ModelStreamInfer: %s", message)
+                client_log.warning("ModelStreamInfer: %s", message)
                 await answers.put(pb.ModelStreamInferResponse(error_message=message,
                                                               infer_response=pb.ModelInferResponse()))
                 return
@@ -245,8 +248,8 @@ class InferenceServicer:
                     pending.add(task)
                     task.add_done_callback(pending.discard)
             except Exception as err:  # the client's side broke off: still answer what was accepted
-                log.warning("ModelStreamInfer: reading the stream failed (%s); answering the %d accepted "
-                            "request(s)", cap_message(f"{type(err).__name__}: {err}", 256), len(pending))
+                client_log.warning("ModelStreamInfer: reading the stream failed (%s); answering the %d accepted "
+                                   "request(s)", cap_message(f"{type(err).__name__}: {err}", 256), len(pending))
             try:
                 while pending:
                     await asyncio.gather(*list(pending), return_exceptions=True)

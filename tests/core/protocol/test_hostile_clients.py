@@ -219,3 +219,20 @@ def test_made_up_model_names_are_not_found_without_rescanning_the_repository(ech
     assert "late" not in [entry.name for entry in repository.entries()]
     echo_server.client.load_model("late")  # ...and is found as soon as it is asked for by name
     assert echo_server.client.is_model_ready("late")
+
+
+def test_client_triggered_warnings_are_rate_limited(caplog):
+    """One warning per garbage message let a client fill the disk as fast as it could send."""
+    import logging
+
+    from nereid.log_limit import RateLimitedLog
+
+    limited = RateLimitedLog(logging.getLogger("nereid.test_limit"), burst=10, window_s=0.3)
+    with caplog.at_level(logging.WARNING, logger="nereid.test_limit"):
+        written = [limited.warning("garbage %d", i) for i in range(25)]
+        assert written.count(True) == 10
+        time.sleep(0.35)
+        assert limited.warning("garbage %d", 25)
+    lines = [r.getMessage() for r in caplog.records if r.name == "nereid.test_limit"]
+    assert lines[:10] == [f"garbage {i}" for i in range(10)]
+    assert lines[10] == "garbage 25 (15 similar message(s) suppressed before this one)"

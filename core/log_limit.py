@@ -1,0 +1,41 @@
+"""Log lines that a client can trigger at will, rate-limited.
+
+A client sending garbage as fast as it can must not fill the disk with one
+warning per message: at most ``burst`` lines per ``window_s`` are written, and
+the next line written says how many were suppressed in between.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+
+class RateLimitedLog:
+    """``warning()`` that writes at most ``burst`` lines per ``window_s`` seconds."""
+
+    def __init__(self, logger: logging.Logger, burst: int = 10, window_s: float = 10.0) -> None:
+        self._logger = logger
+        self._burst = burst
+        self._window_s = window_s
+        self._window_start = time.monotonic()
+        self._written = 0
+        self._suppressed = 0
+        self._lock = threading.Lock()
+
+    def warning(self, message: str, *args: object) -> bool:
+        """Log ``message % args`` at WARNING unless over the limit; True when it was written."""
+        with self._lock:
+            now = time.monotonic()
+            if now - self._window_start >= self._window_s:
+                self._window_start, self._written = now, 0
+            if self._written >= self._burst:
+                self._suppressed += 1
+                return False
+            self._written += 1
+            suppressed, self._suppressed = self._suppressed, 0
+        if suppressed:
+            message += f" ({suppressed} similar message(s) suppressed before this one)"
+        self._logger.warning(message, *args)
+        return True
