@@ -92,8 +92,15 @@ def serve_uvicorn(host: str, port: int, shape: list[int], max_batch_size: int) -
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 
-    uvicorn.run(app, host=host, port=port, http="httptools", loop="asyncio", lifespan="off", log_level="warning",
-                access_log=False)
+    import socket
+
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # as nereid's listener (and aiohttp) do
+    sock.bind((host, port))
+    settings = uvicorn.Config(app, http="httptools", loop="asyncio", lifespan="off", log_level="warning",
+                              access_log=False, proxy_headers=False, server_header=False, date_header=False)
+    uvicorn.Server(settings).run(sockets=[sock])
 
 
 if __name__ == "__main__":

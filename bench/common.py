@@ -60,12 +60,17 @@ def wait_until_serving(address: str, timeout_s: float = 120) -> None:
 
 
 @contextlib.contextmanager
-def running(argv: Sequence[str], address: str, ready_check=None) -> Iterator[subprocess.Popen]:
-    """Run a server process for the duration of the block; it is stopped with SIGTERM."""
+def running(argv: Sequence[str], address: str, ready_check=None, grpc_check: bool = True) -> Iterator[subprocess.Popen]:
+    """Run a server process for the duration of the block; it is stopped with SIGTERM.
+
+    It is ready once a gRPC server answers at ``address`` (unless ``grpc_check`` is False) and
+    ``ready_check(address)`` returns.
+    """
     log = tempfile.TemporaryFile()
     process = subprocess.Popen(list(argv), stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
     try:
-        wait_until_serving(address)
+        if grpc_check:
+            wait_until_serving(address)
         if ready_check is not None:
             ready_check(address)
         yield process
@@ -96,12 +101,12 @@ def wait_model_ready(address: str, model: str, timeout_s: float = 300) -> None:
     client.close()
 
 
-def perf_analyzer(address: str, model: str, concurrency: int, *extra: str) -> dict[str, float]:
-    """One perf_analyzer run; returns throughput (infer/s) and latencies (µs) from its CSV."""
+def perf_analyzer(address: str, model: str, concurrency: int, *extra: str, protocol: str = "grpc") -> dict[str, float]:
+    """One perf_analyzer run (``protocol`` grpc or http); returns throughput (infer/s) and latencies (µs)."""
     binary, env = perf_analyzer_command()
     with tempfile.TemporaryDirectory() as out:
         report = Path(out) / "report.csv"
-        argv = [binary, "-m", model, "-u", address, "-i", "grpc", "--concurrency-range", str(concurrency),
+        argv = [binary, "-m", model, "-u", address, "-i", protocol, "--concurrency-range", str(concurrency),
                 *PERF_ANALYZER_FLAGS, "-f", str(report), *extra]
         completed = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600)
         if completed.returncode != 0 or not report.exists():

@@ -40,6 +40,8 @@ STATUS_OF_ERROR: dict[type[NereidError], int] = {
 
 # Bodies at least this large are decoded on a worker thread, so the event loop never stalls on one.
 DECODE_OFF_LOOP_BYTES = 256 << 10
+# Responses up to this size are joined into one write (a copy costs less than a second write).
+JOIN_BELOW_BYTES = 64 << 10
 # curl -d sends application/x-www-form-urlencoded unless told otherwise: accepted as JSON, as Triton does.
 JSON_TYPES = (b"application/json", b"", b"application/x-www-form-urlencoded")
 BODY_TYPES = JSON_TYPES + (b"application/octet-stream",)
@@ -305,9 +307,8 @@ async def _respond(send: Send, status: int, body: list[bytes | memoryview], head
     length = sum(len(part) for part in body)
     await send({"type": "http.response.start", "status": status,
                 "headers": [*headers, (b"content-length", str(length).encode())]})
-    if not body:
-        await send({"type": "http.response.body", "body": b""})
-        return
+    if length <= JOIN_BELOW_BYTES:  # one write for a small response; large parts go out as they are, uncopied
+        body = [b"".join(body)]
     for index, part in enumerate(body):
         await send({"type": "http.response.body", "body": part, "more_body": index < len(body) - 1})
 
@@ -334,12 +335,15 @@ class HttpListener:
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            # Accepted connections inherit it: without it, a response written in two parts waits for
+            # the client's delayed ACK (40 ms) before its second part leaves (Nagle's algorithm).
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.bind((host, int(port)))
         except OSError as err:
             sock.close()
             raise OSError(f"cannot listen on {addr} (server.http_addr): {err.strerror or err}") from None
         config = uvicorn.Config(self.app, http="httptools", lifespan="off", log_level="warning", access_log=False,
-                                server_header=False, date_header=False, ws="none",
+                                server_header=False, date_header=False, ws="none", proxy_headers=False,
                                 timeout_graceful_shutdown=self.grace_s)
         config.load()
         if self.tls is not None:
