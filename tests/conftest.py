@@ -59,4 +59,5 @@ def s3(s3_server, monkeypatch, request):
     s3_server.prefix = "t/" + re.sub(r"[^A-Za-z0-9_-]+", "-", request.node.name)[:60]
     with s3_server.lock:
         s3_server.faults.clear()
+        s3_server.requests.clear()
     return s3_server

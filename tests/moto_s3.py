@@ -73,10 +73,11 @@ class S3Server:
             self.faults.append(fault)
         return fault
 
-    def gets(self, key_suffix: str) -> list[str | None]:
-        """The Range headers of the GETs of objects whose key ends with ``key_suffix``."""
+    def gets(self, key: str) -> list[str | None]:
+        """The Range headers of this test's GETs of ``<prefix>/<key>``, in order."""
+        path = f"/{BUCKET}/{self.prefix}/{key.lstrip('/')}"
         with self.lock:
-            return [r for method, path, r in self.requests if method == "GET" and path.endswith(key_suffix)]
+            return [r for method, p, r in self.requests if method == "GET" and p == path]
 
     def _take_fault(self, method: str, path: str, range_header: str | None) -> Fault | None:
         with self.lock:

@@ -30,7 +30,7 @@ from nereid.backends.xla.options import parse_options
 from nereid.backends.xla.program import read_program
 from nereid.backends.xla.remote import RemoteBundle
 from nereid.backends.xla.weights import read_local_weights, resolve_weights
-from nereid.backends.xla.signatures import BatchMode, batch_mode, build_signature
+from nereid.backends.xla.signatures import BatchMode, batch_mode, build_signature, client_axis
 from nereid.errors import ConfigError, InvalidArgument, ModelFailure
 from nereid.model_hooks import ModelHooks, load_model_hooks
 from nereid.signature import ModelSignature
@@ -74,6 +74,7 @@ class XlaModel:
         self._sizes: tuple[int, ...] = ()
         self._variants: dict[tuple[int, ...], int] = {}
         self._axes: tuple[_InputAxes, ...] = ()
+        self._output_axes: tuple[int | None, ...] = ()
         self._mode = BatchMode.NONE
         self._batch_signature: ModelSignature | None = None
 
@@ -116,10 +117,14 @@ class XlaModel:
         self._manifest, self._target, self._programs, self._weights = manifest, target, programs, weights
         self._sizes = layout.batch_sizes
         self._variants = {v: i + 1 for i, v in enumerate(manifest.input_shapes or ())}
-        self._axes = tuple(_InputAxes(t.row_major_batch_axis,
-                                      tuple(len(t.shape) - 1 - a for a in t.variable_axes))
-                           for t in manifest.executable_inputs)
         self._mode = batch_mode(manifest.executable_inputs + manifest.executable_outputs, bool(self._sizes))
+        # Variable axes where the request has them: moved one on when the batch axis moved in front of them.
+        self._axes = tuple(_InputAxes(t.row_major_batch_axis,
+                                      tuple(client_axis(len(t.shape) - 1 - a, t.row_major_batch_axis)
+                                            if self._mode.coalesces else len(t.shape) - 1 - a
+                                            for a in t.variable_axes))
+                           for t in manifest.executable_inputs)
+        self._output_axes = tuple(t.row_major_batch_axis for t in manifest.executable_outputs)
         self._batch_signature = build_signature(manifest.executable_inputs, manifest.executable_outputs,
                                                 self._mode, self._sizes[-1] if self._sizes else 0)
         self.report = LoadReport(tuple(p.name for p in dict.fromkeys(layout.modules.values())), cache.stats,
@@ -138,8 +143,11 @@ class XlaModel:
         assert manifest is not None and target is not None, "load() first"
         key, rows = self._select(inputs)
         arrays = [t.data for t in inputs]
-        if self._mode is BatchMode.LEADING and rows != key.batch_size:
+        if self._mode.coalesces and rows != key.batch_size:
             arrays = [_pad_rows(a, key.batch_size) for a in arrays]
+        if self._mode is BatchMode.MOVED:  # the wire's leading batch axis to where the program has it
+            arrays = [np.ascontiguousarray(np.moveaxis(a, 0, axes.batch)) if axes.batch else a
+                      for a, axes in zip(arrays, self._axes)]
         import jax
 
         try:
@@ -150,9 +158,11 @@ class XlaModel:
             raise ModelFailure(f"model '{self.context.name}': execution failed ({key.describe()}): "
                                f"{type(err).__name__}: {err}") from err
         outputs: list[NamedTensor] = []
-        for spec, result in zip(manifest.executable_outputs, results):
+        for spec, result, axis in zip(manifest.executable_outputs, results, self._output_axes):
             array = np.asarray(result)
-            if self._mode is BatchMode.LEADING and rows != key.batch_size:
+            if self._mode is BatchMode.MOVED and axis:
+                array = np.ascontiguousarray(np.moveaxis(array, axis, 0))
+            if self._mode.coalesces and rows != key.batch_size:
                 array = array[:rows]
             outputs.append(NamedTensor(spec.name, spec.dtype, array))
         return outputs
@@ -224,7 +234,7 @@ class XlaModel:
                                       f"the bundle is compiled only for {known} (input_shapes in manifest.yaml)")
         if self._mode is BatchMode.NONE:
             return ProgramKey(variant, None), 1
-        if self._mode is BatchMode.LEADING:
+        if self._mode.coalesces:
             rows = inputs[0].data.shape[0] if inputs else self._sizes[0]
             size = next((s for s in self._sizes if s >= rows), None)
             if size is None:

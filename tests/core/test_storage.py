@@ -109,6 +109,7 @@ def test_a_python_model_is_served_from_s3_and_refreshed_by_etag(s3, serve, tmp_p
     assert set(fetched) == {"main.py", "model_inference.textproto", "helpers/note.txt"}
     # A new main.py in the bucket (a new ETag) is fetched at the next load; unchanged files are not.
     gets_before = len(s3.gets("/echo/model_inference.textproto"))
+    assert gets_before == 1  # fetched once, at the first load
     obstore.put(s3.store, f"{s3.prefix}/echo/main.py", textwrap.dedent(DOUBLE_MAIN).encode())
     server.client.load_model("echo")
     np.testing.assert_array_equal(_echo(server.client, "echo", x), 2 * x)

@@ -26,6 +26,12 @@ def scale_rows(x, w):
     return x * w, (x * w).sum(axis=0)
 
 
+def columns(x, w):
+    """x is [4, batch] (its batch axis last, row-major): scaled per row, and the same transposed."""
+    y = x * w[:, None]
+    return y, y.T
+
+
 def embed(ids, table):
     """Rows of a bf16 table picked by int64 ids, as float32."""
     return table[ids].astype("float32")
@@ -98,6 +104,11 @@ BUILDERS: dict[str, Callable[[Path], Path]] = {
                                          directory=d, batch_sizes=(1, 4), input_names=["ids"],
                                          output_names=["vectors"], provenance=False),
     "variants": _export_variants,
+    # Every tensor batched, the input's and one output's batch axis not leading (manifest "nc" -> "cn").
+    "moved_batch": lambda d: export_bundle(columns, [np.zeros((4, 2), np.float32)],
+                                           {"w": np.arange(1, 5, dtype=np.float32)}, directory=d,
+                                           batch_sizes=(2, 4), input_names=["x"], output_names=["y", "yt"],
+                                           input_batch_axes=[1], output_batch_axes=[1, 0], provenance=False),
     # The MLP's 4 weights (2048, 128, 512, 16 bytes) in 3 shards: w1 | b1 w2 | b2.
     "mlp_sharded": lambda d: export_bundle(examples.mlp, [np.zeros((1, 16), np.float32)], examples.mlp_weights(),
                                            directory=d, batch_sizes=(1, 8), input_names=["input"],
