@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import importlib.util
 import logging
 import os
 import threading
@@ -20,6 +21,7 @@ from typing import Any, Callable, Mapping
 
 import pluggy
 
+import nereid
 from nereid.backend import Backend, CallsModels, ModelCaller, ModelContext, Relocatable
 from nereid.batching import BatchPolicy
 from nereid.dependencies import describe_cycle, find_cycle, waiting_for
@@ -146,6 +148,9 @@ class ModelRepository:
             (f"{self.root.resolve()}{os.sep}", ""), (f"{self.root}{os.sep}", ""),
             (f"{scratch_dir}{os.sep}", "<scratch>/"),
             (f"{Path(settings.source).resolve().parent}{os.sep}", ""),
+            # Where nereid itself is installed (a traceback through a backend names its files).
+            (f"{Path(nereid.__file__).resolve().parent}{os.sep}", "<nereid>/"),
+            (f"{_backends_folder()}{os.sep}", "<nereid.backends>/"),
         }, key=lambda pair: -len(pair[0]))
         self._entries: dict[str, ModelEntry] = {}
         self.rescan()
@@ -476,6 +481,13 @@ class ModelRepository:
         path = self.scratch_dir / name
         path.mkdir(parents=True, exist_ok=True)
         return path
+
+
+def _backends_folder() -> Path:
+    """Where ``nereid.backends`` is installed, found without importing it (core never imports a backend)."""
+    spec = importlib.util.find_spec("nereid.backends")
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    return Path(locations[0]).resolve() if locations else Path(nereid.__file__).resolve().parent
 
 
 def _is_folder_name(name: str) -> bool:

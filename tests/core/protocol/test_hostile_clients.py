@@ -9,6 +9,7 @@ from __future__ import annotations
 import struct
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -236,3 +237,15 @@ def test_client_triggered_warnings_are_rate_limited(caplog):
     lines = [r.getMessage() for r in caplog.records if r.name == "nereid.test_limit"]
     assert lines[:10] == [f"garbage {i}" for i in range(10)]
     assert lines[10] == "garbage 25 (15 similar message(s) suppressed before this one)"
+
+
+def test_runtime_errors_show_paths_relative_to_the_repository(repo, serve):
+    """A model's traceback named the server's absolute paths to every client."""
+    repo.python("crash", main="raise RuntimeError('boom')\n", textproto=textproto_single("INT8"))
+    server = serve(repo.write_config())
+    message = expect_grpc_error("INTERNAL", lambda: server.client.infer("crash", [int8_input([1] * 4)]),
+                                "boom")
+    assert str(repo.models_dir.resolve()) not in message and str(server.server.scratch_dir) not in message
+    import nereid.backends
+
+    assert str(Path(nereid.backends.__file__).resolve().parent) not in message  # where nereid is installed
