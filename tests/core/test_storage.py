@@ -76,7 +76,7 @@ def _python_folder(root: Path, name: str, main: str = ECHO_MAIN) -> Path:
 
 
 def _config(tmp_path: Path, url: str, models: str | None = None) -> Path:
-    text = (f'server:\n  bind_addr: "127.0.0.1:0"\n  metrics_addr: ""\n  ml_backends_path: "{url}"\n'
+    text = (f'server:\n  bind_addr: "127.0.0.1:0"\n  metrics_addr: ""\n  http_addr: ""\n  ml_backends_path: "{url}"\n'
             f'  cache_dir: "{tmp_path / "cache"}"\n')
     if models is not None:
         text += "models:\n" + textwrap.indent(textwrap.dedent(models), "  ")

@@ -34,6 +34,7 @@ def _settings(tmp_path: Path, url: str):
         server:
           bind_addr: "127.0.0.1:0"
           metrics_addr: ""
+          http_addr: ""
           ml_backends_path: "{url}"
           cache_dir: "{tmp_path / 'cache'}"
         '''))
