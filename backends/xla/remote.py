@@ -74,13 +74,13 @@ class RemoteBundle:
                               f"{', '.join(sorted(self.remote.streamed)) or 'none'})")
         url = self.where(name)
         head = bytearray(min(item.size, HEAD_BYTES))
-        self._read([RangeRead(item.key, 0, memoryview(head), "the safetensors header")], item.key)
+        self._read([RangeRead(item.key, 0, (memoryview(head),), "the safetensors header")], item.key)
         length = header_length(url, item.size, bytes(head[:8]))
         if 8 + length <= len(head):
             raw = bytes(head[8:8 + length])
         else:
             rest = bytearray(length)
-            self._read([RangeRead(item.key, 8, memoryview(rest), "the safetensors header")], item.key)
+            self._read([RangeRead(item.key, 8, (memoryview(rest),), "the safetensors header")], item.key)
             raw = bytes(rest)
         return parse_header_bytes(url, raw, item.size)
 
@@ -90,17 +90,47 @@ class RemoteBundle:
                      concurrency: int) -> list[tuple[str, np.ndarray]]:
         """Every weight in argument order, streamed with parallel ranged GETs into fresh arrays."""
         arrays = [empty_for(w.entry) for w in weight_set.weights]
-        reads: list[RangeRead] = []
-        for weight, array in zip(weight_set.weights, arrays):
-            key = self.remote.streamed[weight.file].key
-            view = memoryview(array.reshape(-1).view(np.uint8))
-            for offset in range(0, weight.entry.nbytes, chunk_bytes):
-                reads.append(RangeRead(key, weight.entry.start + offset, view[offset:offset + chunk_bytes],
-                                       f"tensor '{weight.entry.name}'"))
         etags = {item.key: item.etag for item in self.remote.streamed.values()}
+        reads = plan_reads([(self.remote.streamed[w.file].key, w.entry.start, w.entry.name, a)
+                            for w, a in zip(weight_set.weights, arrays)], chunk_bytes)
         read_ranges(self.store, self.location, reads, concurrency=concurrency, retries=self.retries, etags=etags)
         return [(w.entry.name, to_program_array(a, w.header.legacy)) for w, a in zip(weight_set.weights, arrays)]
 
     def _read(self, reads: list[RangeRead], key: str) -> None:
         etag = next((i.etag for i in self.remote.streamed.values() if i.key == key), None)
         read_ranges(self.store, self.location, reads, concurrency=1, retries=self.retries, etags={key: etag})
+
+
+def plan_reads(tensors: list[tuple[str, int, str, np.ndarray]], chunk_bytes: int) -> list[RangeRead]:
+    """Ranged GETs of at most ``chunk_bytes`` covering (key, file offset, name, destination) tensors.
+
+    A large tensor is split into ``chunk_bytes`` pieces; small tensors that lie
+    next to each other in one file share a GET up to ``chunk_bytes``, so a file
+    of many small tensors costs a few requests, not one per tensor.
+    """
+    pieces: list[tuple[str, int, memoryview, str]] = []
+    for key, start, name, array in tensors:
+        view = memoryview(array.reshape(-1).view(np.uint8))
+        for offset in range(0, len(view), chunk_bytes):
+            pieces.append((key, start + offset, view[offset:offset + chunk_bytes], name))
+    pieces.sort(key=lambda piece: (piece[0], piece[1]))
+    reads: list[RangeRead] = []
+    run: list[tuple[str, int, memoryview, str]] = []
+
+    def close() -> None:
+        if run:
+            names = list(dict.fromkeys(name for *_, name in run))
+            what = f"tensor '{names[0]}'" if len(names) == 1 else (
+                f"{len(names)} tensors, '{names[0]}' to '{names[-1]}'")
+            reads.append(RangeRead(run[0][0], run[0][1], tuple(view for _, _, view, _ in run), what))
+            run.clear()
+
+    for piece in pieces:
+        if run:
+            key, start, _, _ = run[0]
+            end = run[-1][1] + len(run[-1][2])
+            if piece[0] != key or piece[1] != end or end - start + len(piece[2]) > chunk_bytes:
+                close()
+        run.append(piece)
+    close()
+    return reads

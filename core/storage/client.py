@@ -83,12 +83,21 @@ def describe_error(err: BaseException, scheme: str = "s3") -> str:
 
 @dataclass(frozen=True)
 class RangeRead:
-    """One ranged GET: bytes ``start`` to ``start + len(view)`` of ``key``, copied into ``view``."""
+    """One ranged GET of ``key`` from byte ``start``, copied in order into ``views`` (consecutive destinations).
+
+    Several views let one GET fill several small tensors that lie next to
+    each other in the file: one request instead of many, and still one copy.
+    """
 
     key: str
     start: int
-    view: memoryview
+    views: tuple[memoryview, ...]
     what: str  # what the bytes are, for messages (a tensor's name)
+
+    @property
+    def length(self) -> int:
+        """Bytes this read covers."""
+        return sum(len(v) for v in self.views)
 
 
 def read_ranges(store: Any, location: StoreURL, reads: Sequence[RangeRead], *, concurrency: int, retries: int,
@@ -113,7 +122,7 @@ async def _read_all(store: Any, location: StoreURL, reads: Sequence[RangeRead], 
     gate = asyncio.Semaphore(concurrency)
 
     async def one(read: RangeRead) -> None:
-        end = read.start + len(read.view)
+        end = read.start + read.length
         options: dict[str, Any] = {"range": (read.start, end)}
         if etags.get(read.key):
             options["if_match"] = etags[read.key]
@@ -131,13 +140,16 @@ async def _read_all(store: Any, location: StoreURL, reads: Sequence[RangeRead], 
                                               "UnauthenticatedError"):
                         break  # changed, gone or forbidden: another try cannot help
                     continue
-            if len(data) != len(read.view):
+            if len(data) != read.length:
                 cause = f"the store returned {len(data)} bytes"
                 continue
-            read.view[:] = memoryview(data).cast("B")
+            received, position = memoryview(data).cast("B"), 0
+            for view in read.views:
+                view[:] = received[position:position + len(view)]
+                position += len(view)
             return
         url = f"{location.bucket_url}/{read.key}"
-        raise StorageError(f"{url}: bytes {read.start}-{end - 1} ({len(read.view)} bytes of {read.what}): "
+        raise StorageError(f"{url}: bytes {read.start}-{end - 1} ({read.length} bytes of {read.what}): "
                            f"read failed after {attempt + 1} attempt(s): {cause}")
 
     tasks = [asyncio.ensure_future(one(read)) for read in reads]
