@@ -12,6 +12,9 @@ perf_analyzer drives each model at every concurrency, alternating the models
 ``--repeat`` times so that a slow spell of this shared machine hits both
 alike; medians are reported with the overhead per request and the ratio the
 issue sets a target for (meta >= 85% of direct throughput at concurrency 16).
+The server's own CPU time per request (its /proc stat over the requests its
+ModelStatistics counted) is reported too: other processes' load on a shared
+machine moves throughput a lot and CPU time per request little.
 
     python3 bench/bench_meta.py [--concurrency 1 16] [--repeat 3]
 """
@@ -19,11 +22,14 @@ issue sets a target for (meta >= 85% of direct throughput at concurrency 16).
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
 import sys
 import tempfile
 from pathlib import Path
+
+import tritonclient.grpc as triton
 
 from common import REPO_ROOT, free_port, perf_analyzer, print_table, running, wait_model_ready
 
@@ -66,6 +72,21 @@ def config(root: Path) -> Path:
     return path
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process, all its threads (from /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def served(address: str, model: str) -> int:
+    """Requests the model has answered successfully (ModelStatistics)."""
+    client = triton.InferenceServerClient(address)
+    try:
+        return client.get_inference_statistics(model, as_json=False).model_stats[0].inference_count
+    finally:
+        client.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
@@ -82,11 +103,15 @@ def main() -> None:
             for model in MODELS:
                 wait_model_ready(a, model)
 
-        with running(argv, address, ready):
+        with running(argv, address, ready) as server:
             for concurrency in args.concurrency:
                 for _ in range(args.repeat):
                     for model in MODELS:
-                        runs.setdefault((model, concurrency), []).append(perf_analyzer(address, model, concurrency))
+                        cpu, count = cpu_seconds(server.pid), served(address, model)
+                        result = perf_analyzer(address, model, concurrency)
+                        requests = served(address, model) - count
+                        result["cpu_us"] = (cpu_seconds(server.pid) - cpu) * 1e6 / max(requests, 1)
+                        runs.setdefault((model, concurrency), []).append(result)
     median = {key: {k: statistics.median(r[k] for r in results) for k in results[0]} for key, results in runs.items()}
     rows = []
     for concurrency in args.concurrency:
@@ -95,13 +120,16 @@ def main() -> None:
         overhead_us = 1e6 / meta["throughput"] - 1e6 / direct["throughput"]
         rows.append([concurrency, meta["throughput"], direct["throughput"], meta["p50_us"], direct["p50_us"],
                      f"{meta['p50_us'] - direct['p50_us']:.0f}", f"{overhead_us:.0f}",
-                     f"{meta['throughput'] / direct['throughput']:.0%}"])
+                     f"{meta['cpu_us']:.0f}", f"{direct['cpu_us']:.0f}",
+                     f"{meta['throughput'] / direct['throughput']:.0%}", f"{direct['cpu_us'] / meta['cpu_us']:.0%}"])
     print_table("mlp_bundle ([batch, 16] FP32, batch 1 requests): through a meta model vs direct "
                 "(perf_analyzer, one server)",
                 ["conc.", "meta infer/s", "direct infer/s", "meta p50 us", "direct p50 us", "p50 overhead us",
-                 "overhead us/request", "meta / direct"], rows)
+                 "overhead us/request", "meta cpu us/req", "direct cpu us/req", "meta / direct",
+                 "cpu direct / meta"], rows)
     print(f"(medians of {args.repeat} runs each, models alternating; overhead us/request = 1e6/meta - 1e6/direct "
-          "throughput; target: meta / direct >= 85% at concurrency 16)")
+          "throughput; cpu us/req: the server process's CPU time per request answered; "
+          "target: meta / direct >= 85% at concurrency 16)")
 
 
 if __name__ == "__main__":
