@@ -116,7 +116,7 @@ def test_a_sharded_bundle_and_a_legacy_one_are_served_from_s3(s3, pristine, tmp_
     _uploaded(s3, pristine, "mlp_sharded", "mlp_legacy")
     _, server = _settings(tmp_path, s3.url())
     for name in ("mlp_sharded", "mlp_legacy"):
-        model = _load(server, name)
+        model = _load(server, name, batch_sizes="largest")
         _mlp_check(model)
         model.unload()
     for shard in SHARDS:
@@ -161,7 +161,7 @@ def test_a_range_that_fails_once_is_retried(s3, pristine, tmp_path) -> None:
     start = 8 + struct.unpack("<Q", bytes(data[:8]))[0]  # w1, the first tensor, starts the data
     error = s3.fail("mlp_bundle/weights.safetensors", f"bytes={start}-{start + 1023}", times=1)
     short = s3.fail("mlp_bundle/weights.safetensors", f"bytes={start + 1024}-{start + 2047}", times=1, kind="short")
-    model = _load(server, "mlp_bundle", weights_chunk_bytes=1024)
+    model = _load(server, "mlp_bundle", weights_chunk_bytes=1024, batch_sizes="largest")
     assert error.times == 0 and short.times == 0  # both faults were met, and survived
     _mlp_check(model)
     model.unload()
@@ -176,7 +176,7 @@ def test_a_range_that_keeps_failing_fails_the_load_naming_url_range_and_cause(s3
     start = 8 + struct.unpack("<Q", bytes(data[:8]))[0]
     s3.fail("mlp_bundle/weights.safetensors", f"bytes={start}-{start + 1023}", times=100)
     with pytest.raises(ConfigError) as caught:
-        _load(server, "mlp_bundle", weights_chunk_bytes=1024, weights_read_retries=2)
+        _load(server, "mlp_bundle", weights_chunk_bytes=1024, weights_read_retries=2, batch_sizes="largest")
     assert str(caught.value) == (
         f"{s3.url('mlp_bundle', 'weights.safetensors')}: bytes {start}-{start + 1023} (1024 bytes of tensor 'w1'): "
         "read failed after 3 attempt(s): HTTP 500 Internal Server Error InternalError: injected by the test")
