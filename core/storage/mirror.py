@@ -2,9 +2,9 @@
 
 The model folders are the prefixes one level below the repository URL, as
 locally. Loading a model *materializes* its folder: every object under it is
-fetched into ``<cache_dir>/repositories/<repository>/<model>/``, except the
-weights (``*.safetensors``), which stay in the store and are streamed by the
-backend that reads them. A file is fetched again only when its ETag (or
+fetched into ``<cache_dir>/repositories/<repository>/<model>/``, except, in a
+bundle (a folder with a ``manifest.yaml``), the weights (``*.safetensors``),
+which stay in the store and are streamed by the bundle's loader. A file is fetched again only when its ETag (or
 version) changed since it was last fetched; the folder's ``.nereid-remote.json``
 records them, and the weights the backend must stream. Files are written under
 temporary names and renamed into place, so a running model never sees a half
@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 
 MARKER_FILE = ".nereid-remote.json"
 STREAMED_SUFFIX = ".safetensors"
+BUNDLE_MARKER = "manifest.yaml"  # a folder holding one is a bundle, whose loader streams its weights
 CACHE_SUBFOLDER = ".cache"  # the executable cache: local, never mirrored or removed
 
 
@@ -108,6 +109,9 @@ def materialize(location: StoreURL, name: str, folder: Path) -> RemoteFolder:
         previous = read_marker(folder)
         fetched: dict[str, RemoteObject] = {}
         streamed: dict[str, RemoteObject] = {}
+        # Only a bundle's loader streams weights; any other model (a main.py reading its own
+        # .safetensors) gets every file on disk.
+        streams = f"{folder_url.key()}/{BUNDLE_MARKER}" in {o["path"] for o in objects}
         for meta in objects:
             relative = meta["path"][len(folder_url.key()) + 1:]
             parts = relative.split("/")
@@ -116,7 +120,7 @@ def materialize(location: StoreURL, name: str, folder: Path) -> RemoteFolder:
             if any(p.startswith(".") for p in parts):
                 continue  # hidden, as locally (a .cache/ uploaded by mistake)
             item = RemoteObject(meta["path"], int(meta["size"]), meta.get("e_tag"), meta.get("version"))
-            if relative.endswith(STREAMED_SUFFIX):
+            if streams and relative.endswith(STREAMED_SUFFIX):
                 streamed[relative] = item
                 continue
             old = previous.fetched.get(relative) if previous is not None else None

@@ -155,6 +155,20 @@ def test_a_listed_folder_missing_from_the_bucket_names_its_url(s3, serve, tmp_pa
     assert index["absent"] == ("UNAVAILABLE", f"{s3.url('absent')}: no such model folder (no objects under it)")
 
 
+def test_a_python_model_gets_its_own_safetensors_files_on_disk(s3, tmp_path) -> None:
+    """Only a bundle's loader streams weights; a main.py that reads a .safetensors file needs it locally."""
+    from nereid.storage import materialize_model_folder
+
+    source = tmp_path / "source"
+    folder = _python_folder(source, "reader")
+    (folder / "table.safetensors").write_bytes(b"not really, but a file")
+    upload_folder(s3.store, source, s3.prefix)
+    config = _config(tmp_path, s3.url())
+    local = materialize_model_folder(load_settings(config).server, "reader")
+    assert (local / "table.safetensors").read_bytes() == b"not really, but a file"
+    assert read_marker(local).streamed == {}
+
+
 def test_nereid_check_reads_an_s3_repository(s3, tmp_path, capsys) -> None:
     from nereid.cli import main
 
