@@ -45,6 +45,8 @@ import traceback
 ENTRY_FILE = "main.py"
 MAX_REQUEST_BYTES = 1 << 20
 PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+MAX_SWEEPS = 16  # rounds of killing orphans (an orphan's own children become orphans in turn)
 
 
 def preload(modules: list[str]) -> str | None:
@@ -159,8 +161,35 @@ class Runs:
         _kill_group(pid)
         _, wait_status = os.waitpid(pid, 0)
         self._forget(pidfd, reply)
+        self.sweep_orphans()
         _send(reply, {"status": os.waitstatus_to_exitcode(wait_status)})
         reply.close()
+
+    def sweep_orphans(self) -> None:
+        """Kill and reap every child that is neither a run nor the spare.
+
+        This process is a child subreaper: a process a model detached from its
+        group (``setsid`` then fork) is reparented here when its parent exits,
+        instead of to init, and ends here with the run that left it behind.
+        """
+        known = {pid for pid, _ in self.by_pidfd.values()}
+        if self.spare is not None:
+            known.add(self.spare[0])
+        for _ in range(MAX_SWEEPS):
+            orphans = [pid for pid in _children() if pid not in known]
+            if not orphans:
+                return
+            for pid in orphans:
+                _kill_group(pid)
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            for pid in orphans:
+                try:
+                    os.waitpid(pid, 0)
+                except ChildProcessError:
+                    pass
 
     def abandoned(self, reply_fd: int) -> None:
         """The server closed a reply socket before the child ended (its timeout): kill the group."""
@@ -169,7 +198,7 @@ class Runs:
         _kill_group(pid)  # its pidfd fires next; the reply then fails quietly
 
     def end_all(self) -> None:
-        """Kill and reap every child, the spare included."""
+        """Kill and reap every child, the spare and orphans included."""
         for pidfd, (pid, reply) in list(self.by_pidfd.items()):
             _kill_group(pid)
             os.waitpid(pid, 0)
@@ -180,6 +209,7 @@ class Runs:
             self.spare = None
             assignments.close()
             self.retire(pid, pidfd)
+        self.sweep_orphans()
 
     def _forget(self, pidfd: int, reply: socket.socket) -> None:
         self.poller.unregister(pidfd)
@@ -302,6 +332,15 @@ def _find_prctl():
         return None  # not Linux: the server still kills the group on timeout and unload
 
 
+def _children() -> list[int]:
+    """This process's children (its only thread's), from /proc; [] where /proc cannot tell."""
+    try:
+        with open(f"/proc/self/task/{os.getpid()}/children") as f:
+            return [int(pid) for pid in f.read().split()]
+    except OSError:
+        return []
+
+
 def _kill_group(pgid: int) -> None:
     try:
         os.killpg(pgid, signal.SIGKILL)
@@ -322,6 +361,8 @@ _prctl = None
 def main() -> int:
     global _prctl
     _prctl = _find_prctl()  # looked up once, not in every child
+    if _prctl is not None:
+        _prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # orphans of model processes come here, not to init
     control = socket.socket(fileno=int(sys.argv[1]))
     modules = json.loads(sys.argv[2])
     reason = preload(modules)

@@ -19,7 +19,7 @@ from tritonclient.utils import InferenceServerException
 from nereid.backends.python.preload import imported_modules, modules_to_preload
 from nereid.cli import main as cli_main
 
-from support import textproto_single, zombie_children
+from support import nereid_serve, textproto_single, zombie_children
 
 REPORT = textproto_single("BYTES", input_shape="[1]", output_shape="[1]", max_batch_size=8)
 
@@ -249,3 +249,30 @@ def _children_of(pid: int) -> list[int]:
             return [int(p) for p in f.read().split()]
     except FileNotFoundError:
         return []
+
+
+DETACHING_MAIN = reply_main("1", prelude='''import subprocess
+daemon = subprocess.Popen(["sleep", "300"], start_new_session=True)  # leaves the run's process group
+open("detached.pid", "w").write(str(daemon.pid))''')
+
+
+def test_a_process_the_model_detaches_ends_with_its_run(repo, serve, no_zombies):
+    folder = repo.python("detaching", textproto=REPORT, main=DETACHING_MAIN)
+    server = serve(repo.write_config())
+    assert ask(server, "detaching") == 1
+    detached = int((folder / "detached.pid").read_text())
+    assert wait_until(lambda: not alive(detached))
+
+
+def test_killing_the_server_ends_the_running_model_process(repo):
+    """SIGKILL leaves no cleanup to the server: the warm parent sees its lifeline close and ends its runs."""
+    folder = repo.python("orphaned", textproto=REPORT, main=reply_main("1", prelude=SLOW_IF_ASKED))
+    (folder / "slow").write_text("")
+    with nereid_serve(repo.write_config(metrics_addr="")) as (process, client):
+        tensor = triton.InferInput("input", [1, 1], "BYTES")
+        tensor.set_data_from_numpy(np.array([[b"x"]], dtype=object))
+        client.async_infer("orphaned", [tensor], callback=lambda result, error: None)
+        child = running_child(folder)
+        process.kill()
+        process.wait()
+    assert wait_until(lambda: not alive(child))
