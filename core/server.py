@@ -15,6 +15,7 @@ import pluggy
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from nereid.dataplane import DataPlane
+from nereid.leftovers import remove_stale_scratch, scratch_prefix
 from nereid.metrics import ServerMetrics
 from nereid.plugins import make_plugin_manager
 from nereid.protocol.grpc_service import SERVICE_NAME, InferenceServicer, generic_handler
@@ -40,7 +41,8 @@ class NereidServer:
         self.settings = settings
         self.bind_addr = bind_addr or settings.server.bind_addr
         self.manager = manager or make_plugin_manager()
-        self.scratch_dir = Path(tempfile.mkdtemp(prefix="nereid-"))
+        remove_stale_scratch(Path(tempfile.gettempdir()))
+        self.scratch_dir = Path(tempfile.mkdtemp(prefix=scratch_prefix()))
         # The server is the models' ModelCaller: a meta model's sub-calls go through the data plane.
         self.repository = ModelRepository(settings, self.manager, self.scratch_dir, models=self)
         self.metrics = ServerMetrics(self.repository)

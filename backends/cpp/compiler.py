@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 from nereid.errors import ConfigError
+from nereid.leftovers import remove_stale_partials
 
 from nereid.backends.subprocess.runner import run_model_process
 
@@ -37,6 +38,28 @@ def source_hash(folder: Path, compiler: str) -> str:
     return digest.hexdigest()[:20]
 
 
+def compile_to(compiler: str, arguments: list[str], target: Path, cwd: Path, what: str) -> None:
+    """Run ``compiler arguments -o TARGET`` through a temporary name renamed into place.
+
+    An interrupted or concurrent build never leaves a half-written file under
+    the final name (and a killed one's ``.partial`` is removed next time). The
+    compiler's exit is noticed at once and its group killed past
+    COMPILE_TIMEOUT_S. A failure raises ConfigError naming ``what`` with the
+    compiler's message.
+    """
+    remove_stale_partials(target.parent)
+    partial = target.parent / f".{target.name}.{os.getpid()}.partial"
+    completed = run_model_process([compiler, *arguments, "-o", str(partial)], cwd=cwd, env=dict(os.environ),
+                                  stdin=b"", timeout_s=COMPILE_TIMEOUT_S, tail_bytes=MESSAGE_TAIL_CHARS)
+    if completed.timed_out or completed.returncode != 0:
+        partial.unlink(missing_ok=True)
+        if completed.timed_out:
+            raise ConfigError(f"{what}: compilation took longer than {COMPILE_TIMEOUT_S} s")
+        raise ConfigError(f"{what}: compilation failed ({os.path.basename(compiler)} {completed.describe()}):\n"
+                          f"{completed.output_tail}")
+    os.replace(partial, target)
+
+
 def build_binary(folder: Path, source: str) -> Path:
     """The compiled program for ``folder/source``, compiling it only when the sources changed.
 
@@ -51,19 +74,7 @@ def build_binary(folder: Path, source: str) -> Path:
     binary = cache / f"main-{key}"
     if binary.is_file() and os.access(binary, os.X_OK):
         return binary
-    partial = cache / f".main-{key}.{os.getpid()}.partial"
-    # The model runner's wait: the compiler's exit is noticed at once, its group killed on timeout.
-    completed = run_model_process([compiler, *CXX_FLAGS, "-o", str(partial), source], cwd=folder,
-                                  env=dict(os.environ), stdin=b"", timeout_s=COMPILE_TIMEOUT_S,
-                                  tail_bytes=MESSAGE_TAIL_CHARS)
-    if completed.timed_out:
-        partial.unlink(missing_ok=True)
-        raise ConfigError(f"{folder / source}: compilation took longer than {COMPILE_TIMEOUT_S} s")
-    if completed.returncode != 0:
-        partial.unlink(missing_ok=True)
-        raise ConfigError(f"{folder / source}: compilation failed ({os.path.basename(compiler)} "
-                          f"{completed.describe()}):\n{completed.output_tail}")
-    os.replace(partial, binary)
+    compile_to(compiler, [*CXX_FLAGS, source], binary, folder, str(folder / source))
     for stale in cache.glob("main-*"):
         if stale != binary:
             stale.unlink(missing_ok=True)

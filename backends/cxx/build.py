@@ -9,13 +9,10 @@ header beside them: a restart reuses the library, an edit rebuilds it.
 from __future__ import annotations
 
 import hashlib
-import os
-import subprocess
 from importlib import resources
 from pathlib import Path
 
-from nereid.backends.cpp.compiler import (CACHE_DIR, COMPILE_TIMEOUT_S, CXX_FLAGS, MESSAGE_TAIL_CHARS,
-                                          SOURCE_SUFFIXES, find_compiler)
+from nereid.backends.cpp.compiler import CACHE_DIR, CXX_FLAGS, SOURCE_SUFFIXES, compile_to, find_compiler
 from nereid.backends.cxx import HEADER_NAME
 from nereid.errors import ConfigError
 
@@ -58,20 +55,8 @@ def build_library(model: str, folder: Path, sources: tuple[Path, ...]) -> Path:
     library = cache / f"lib-{library_hash(sources, compiler)}.so"
     if library.is_file():
         return library
-    partial = cache / f".{library.name}.{os.getpid()}.partial"
-    argv = [compiler, *CXX_FLAGS, *SHARED_FLAGS, f"-I{header_dir()}", "-o", str(partial), *map(str, sources)]
-    names = ", ".join(map(str, sources))
-    try:
-        completed = subprocess.run(argv, cwd=folder, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        partial.unlink(missing_ok=True)
-        raise ConfigError(f"model '{model}': {names}: compilation took longer than {COMPILE_TIMEOUT_S} s") from None
-    if completed.returncode != 0:
-        partial.unlink(missing_ok=True)
-        message = (completed.stderr or completed.stdout).strip()[-MESSAGE_TAIL_CHARS:]
-        raise ConfigError(f"model '{model}': {names}: compilation failed ({os.path.basename(compiler)} exited "
-                          f"{completed.returncode}):\n{message}")
-    os.replace(partial, library)
+    compile_to(compiler, [*CXX_FLAGS, *SHARED_FLAGS, f"-I{header_dir()}", *map(str, sources)], library, folder,
+               f"model '{model}': {', '.join(map(str, sources))}")
     for stale in cache.glob("lib-*.so"):
         if stale != library:
             stale.unlink(missing_ok=True)  # loaded models run private copies: removing this is safe
