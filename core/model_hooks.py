@@ -90,11 +90,12 @@ def register_model(name: str | None = None, *, preprocess: Hook | None = None,
     collected.append(ModelHooks(preprocess or identity, postprocess or identity, name, orchestrate))
 
 
-def load_model_hooks(path: Path, model: str) -> ModelHooks:
+def load_model_hooks(path: Path, model: str, meta: bool = False) -> ModelHooks:
     """Run a bundle's ``model.py`` and return what it registered.
 
     Raises ConfigError naming the file when it fails to run or does not call
-    ``register_model`` exactly once.
+    ``register_model`` exactly once, or when a bundle's registers
+    ``orchestrate``, which only a meta model (``meta``) has.
     """
     path = Path(path)
     digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
@@ -121,6 +122,9 @@ def load_model_hooks(path: Path, model: str) -> ModelHooks:
         problem = "did not call nereid.register_model(...)" if not collected else \
             f"called nereid.register_model {len(collected)} times (once per bundle)"
         raise ConfigError(f"model '{model}': {path} {problem}")
+    if collected[0].orchestrate is not None and not meta:
+        raise ConfigError(f"model '{model}': {path} registers orchestrate, which only a meta model has: add "
+                          "meta: true (and depends_on) to its manifest.yaml, or register preprocess / postprocess")
     return collected[0]
 
 

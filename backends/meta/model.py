@@ -150,7 +150,7 @@ class MetaModel:
         if cycle is not None:
             raise ConfigError(f"model '{name}': depends_on forms a cycle {describe_cycle(cycle)} "
                               f"({manifest_path}): a meta model must not reach itself through depends_on")
-        hooks = load_model_hooks(model_py, name)
+        hooks = load_model_hooks(model_py, name, meta=True)
         if hooks.orchestrate is None:
             raise ConfigError(f"model '{name}': {model_py} registered no orchestration: a meta model's "
                               f"{MODEL_PY} calls nereid.register_model(orchestrate=fn), with "

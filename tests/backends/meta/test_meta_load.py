@@ -125,6 +125,14 @@ def test_load_refusals_name_the_model_and_the_problem(tmp_path: Path, model_py: 
     assert "'m'" in str(info.value) and fragment in str(info.value)
 
 
+def test_a_bundle_model_py_may_not_orchestrate(tmp_path: Path) -> None:
+    from nereid.model_hooks import load_model_hooks
+
+    (tmp_path / "model.py").write_text(ECHO)
+    with pytest.raises(ConfigError, match="registers orchestrate, which only a meta model has: add meta: true"):
+        load_model_hooks(tmp_path / "model.py", "bundle")
+
+
 def test_weights_next_to_a_meta_manifest_are_refused(tmp_path: Path) -> None:
     folder = meta_folder(tmp_path, "m")
     (folder / "weights.safetensors").write_bytes(b"")
