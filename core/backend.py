@@ -87,23 +87,45 @@ class Backend(Protocol):
         """Release everything ``load`` acquired; called once no request is running."""
 
 
-# Optional Backend methods, looked up with getattr so simple backends need none:
-#
-#   batch_signature() -> ModelSignature
-#       What ``infer`` takes and returns when it differs from the client-facing
-#       ``signature()`` (a bundle whose model.py transforms its I/O). Default:
-#       ``signature()``.
-#   preprocess(inputs: list[NamedTensor]) -> list[NamedTensor]
-#       Runs on a worker thread for each request, after validation against
-#       ``signature()`` and before the request is queued; returns tensors in
-#       ``batch_signature()`` order and form. Hooks of different requests overlap.
-#   postprocess(outputs: list[NamedTensor]) -> list[NamedTensor]
-#       Runs on a worker thread on each request's own rows of the batch result;
-#       returns the client-facing outputs of ``signature()``.
-#   terminate_running() -> None
-#       Called when the server stops and its shutdown grace has passed while
-#       executions still run: end them now (the subprocess backends kill their
-#       children's process groups), so that shutdown stays bounded.
+# Optional capabilities: small Protocols that a backend's model object may also
+# satisfy. Each is checked once, with isinstance, when the model loads; simple
+# backends need none of them.
+
+
+@runtime_checkable
+class HasBatchSignature(Protocol):
+    """A model whose ``infer`` takes and returns other tensors than its clients send and get."""
+
+    def batch_signature(self) -> ModelSignature:
+        """What ``infer`` takes and returns (a bundle whose model.py transforms its I/O)."""
+
+
+@runtime_checkable
+class Preprocesses(Protocol):
+    """A model with a per-request hook before queueing."""
+
+    def preprocess(self, inputs: list[NamedTensor]) -> list[NamedTensor]:
+        """Runs on a worker thread for each request, after validation against ``signature()`` and
+        before the request is queued; returns tensors in ``batch_signature()`` order and form.
+        Hooks of different requests overlap."""
+
+
+@runtime_checkable
+class Postprocesses(Protocol):
+    """A model with a per-request hook on its own rows of the batch result."""
+
+    def postprocess(self, outputs: list[NamedTensor]) -> list[NamedTensor]:
+        """Runs on a worker thread on each request's own rows; returns the client-facing outputs."""
+
+
+@runtime_checkable
+class Terminable(Protocol):
+    """A model whose running executions can be ended from outside."""
+
+    def terminate_running(self) -> None:
+        """Called when the server stops, or a version is retired, and the grace has passed while
+        executions still run: end them now (the subprocess backends kill their children's process
+        groups), so that shutdown stays bounded."""
 
 
 @dataclass(frozen=True)

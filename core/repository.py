@@ -22,7 +22,8 @@ from typing import Any, Callable, Mapping
 import pluggy
 
 import nereid
-from nereid.backend import Backend, CallsModels, ModelCaller, ModelContext, Relocatable
+from nereid.backend import (Backend, CallsModels, HasBatchSignature, ModelCaller, ModelContext, Postprocesses,
+                            Preprocesses, Relocatable, Terminable)
 from nereid.batching import BatchPolicy
 from nereid.dependencies import describe_cycle, find_cycle, waiting_for
 from nereid.errors import ConfigError, NotFound, Unavailable, cap_message
@@ -117,7 +118,7 @@ def build_model(manager: pluggy.PluginManager, context: ModelContext,
     backend.load()
     try:
         signature = backend.signature()
-        batch_signature = getattr(backend, "batch_signature", backend.signature)()
+        batch_signature = backend.batch_signature() if isinstance(backend, HasBatchSignature) else signature
         policy = BatchPolicy.resolve(context.settings.batching, batch_signature, context.settings_origin)
         if isinstance(backend, CallsModels):  # each request is an orchestration with its own deadline
             policy = BatchPolicy(enabled=False)
@@ -267,7 +268,8 @@ class ModelRepository:
                  built.backend_name, entry.settings.device, load_seconds)
         return LoadedModel(built.backend_name, built.backend, built.signature, built.batch_signature,
                            scheduler, stats, load_seconds,
-                           getattr(built.backend, "preprocess", None), getattr(built.backend, "postprocess", None),
+                           built.backend.preprocess if isinstance(built.backend, Preprocesses) else None,
+                           built.backend.postprocess if isinstance(built.backend, Postprocesses) else None,
                            built.backend.dependencies() if calls_models else ())
 
     async def reload(self, name: str) -> ModelEntry:
@@ -413,9 +415,9 @@ class ModelRepository:
     async def terminate_running(self) -> None:
         """Ask every loaded backend that can to end its running executions now."""
         for entry in self.entries():
-            terminate = getattr(entry.loaded.backend, "terminate_running", None) if entry.loaded else None
-            if terminate is not None:
-                await asyncio.to_thread(terminate)
+            loaded = entry.loaded
+            if loaded is not None and isinstance(loaded.backend, Terminable):
+                await asyncio.to_thread(loaded.backend.terminate_running)
 
     async def unload_all(self, grace_s: float | None = None) -> None:
         """Unload every loaded model (server shutdown)."""
@@ -433,11 +435,11 @@ class ModelRepository:
 
     async def _retire(self, name: str, loaded: LoadedModel, grace_s: float | None = None) -> None:
         """Let one version's queued and running requests finish, then release it."""
-        terminate = getattr(loaded.backend, "terminate_running", None)
+        backend = loaded.backend
 
         async def end_running() -> None:
-            if terminate is not None:
-                await asyncio.to_thread(terminate)
+            if isinstance(backend, Terminable):
+                await asyncio.to_thread(backend.terminate_running)
 
         # Bounded by the grace: an abandoned request's thread must not hold the unload (or the loop).
         await loaded.scheduler.drain(self.settings.server.shutdown_grace_s if grace_s is None else grace_s,
