@@ -21,8 +21,9 @@ from prometheus_client.registry import Collector
 
 from nereid.backend import ReportsRuntime
 
+from nereid.repository import ModelRepository, ModelState
+
 if TYPE_CHECKING:
-    from nereid.repository import ModelRepository
     from nereid.stats import Histogram as StatsHistogram
 
 log = logging.getLogger(__name__)
@@ -45,7 +46,7 @@ _HISTOGRAMS = (
 class ServerMetrics:
     """All metrics of one server."""
 
-    def __init__(self, repository: ModelRepository) -> None:
+    def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self.load_duration = Histogram("nereid_model_load_duration_seconds", "Time to load a model.", ["model"],
                                        buckets=(0.01, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
@@ -56,8 +57,11 @@ class ServerMetrics:
         self.protocol_requests = Counter(
             "nereid_protocol_requests", "Inference requests answered, by model, protocol (grpc, http) and outcome.",
             ["model", "protocol", "outcome"], registry=self.registry)
-        self.registry.register(_RepositoryCollector(repository))
         self._http = None
+
+    def collect_from(self, repository: ModelRepository) -> None:
+        """Report every model of ``repository``, read from it at each scrape (no per-request metric work)."""
+        self.registry.register(_RepositoryCollector(repository))
 
     def count_request(self, protocol: str, model: str, outcome: str) -> None:
         """Count one inference request answered over ``protocol`` (``success`` or the error's reason)."""
@@ -150,8 +154,6 @@ class _RepositoryCollector(Collector):
         self._repository = repository
 
     def collect(self) -> Iterator[Metric]:
-        from nereid.repository import ModelState
-
         success = CounterMetricFamily("nereid_request_success", "Requests answered with outputs.", labels=["model"])
         failure = CounterMetricFamily("nereid_request_failure", "Requests answered with an error, by reason.",
                                       labels=["model", "reason"])

@@ -17,7 +17,7 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Protocol
 
 import pluggy
 
@@ -28,7 +28,6 @@ from nereid.batching import BatchPolicy
 from nereid.dependencies import describe_cycle, find_cycle, waiting_for
 from nereid.errors import ConfigError, NotFound, Unavailable, cap_message
 from nereid.files import check_confined
-from nereid.metrics import ServerMetrics
 from nereid.plugins import claim_folder
 from nereid.scheduler import ModelScheduler
 from nereid.settings import ModelSettings, Settings
@@ -133,14 +132,28 @@ def list_model_folders(root: Path) -> list[str]:
     return sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
 
 
+class RepositoryEvents(Protocol):
+    """Who hears of loads and dynamic-repository events (the server's metrics)."""
+
+    def model_loaded(self, model: str, seconds: float) -> None:
+        """One model version loaded in ``seconds``."""
+
+    def repository_event(self, model: str, event: str) -> None:
+        """A ``reload``, ``reload_failed``, ``rename`` or ``remove``."""
+
+
 class ModelRepository:
-    """All model folders of one server, and the loaded models among them."""
+    """All model folders of one server, and the loaded models among them.
+
+    ``events`` hears of loads and reloads; ``models`` is handed to every
+    model's context (how meta models call the others).
+    """
 
     def __init__(self, settings: Settings, manager: pluggy.PluginManager, scratch_dir: Path,
-                 metrics: ServerMetrics | None = None, models: ModelCaller | None = None) -> None:
+                 events: RepositoryEvents | None = None, models: ModelCaller | None = None) -> None:
         self.settings = settings
-        self.metrics = metrics
-        self.models = models  # handed to every model's context: how meta models call the others
+        self.events = events
+        self.models = models
         self.manager = manager
         self.scratch_dir = scratch_dir
         self.root = settings.server.ml_backends_path
@@ -257,8 +270,8 @@ class ModelRepository:
         started = time.monotonic()
         built = await _in_daemon_thread(self._build, context)
         load_seconds = time.monotonic() - started
-        if self.metrics is not None:
-            self.metrics.model_loaded(name, load_seconds)
+        if self.events is not None:
+            self.events.model_loaded(name, load_seconds)
         calls_models = isinstance(built.backend, CallsModels)
         instances = built.backend.concurrent_executions() if calls_models else entry.settings.instances
         scheduler = ModelScheduler(name, built.backend, built.batch_signature, entry.settings.queue_capacity,
@@ -379,8 +392,8 @@ class ModelRepository:
         await asyncio.gather(*work)
 
     def _record(self, name: str, event: str) -> None:
-        if self.metrics is not None:
-            self.metrics.repository_event(name, event)
+        if self.events is not None:
+            self.events.repository_event(name, event)
 
     def _build(self, context: ModelContext) -> BuiltModel:
         """Check the folder stays inside the repository, then build the model (blocking)."""

@@ -43,10 +43,10 @@ class NereidServer:
         self.manager = manager or make_plugin_manager()
         remove_stale_scratch(Path(tempfile.gettempdir()))
         self.scratch_dir = Path(tempfile.mkdtemp(prefix=scratch_prefix()))
+        self.metrics = ServerMetrics()
         # The server is the models' ModelCaller: a meta model's sub-calls go through the data plane.
-        self.repository = ModelRepository(settings, self.manager, self.scratch_dir, models=self)
-        self.metrics = ServerMetrics(self.repository)
-        self.repository.metrics = self.metrics
+        self.repository = ModelRepository(settings, self.manager, self.scratch_dir, events=self.metrics, models=self)
+        self.metrics.collect_from(self.repository)
         self.metrics_port: int | None = None
         self.repository_control = repository_control_allowed(settings.server, self.bind_addr)
         self.dataplane = DataPlane(self.repository, settings, repository_control=self.repository_control,

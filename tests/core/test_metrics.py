@@ -107,7 +107,8 @@ def test_idle_metrics_connections_are_bounded_and_timed_out(repo, serve) -> None
 
     repo.python("echo")
     server = serve(repo.write_config("- name: echo\n"))
-    metrics = ServerMetrics(server.server.repository)
+    metrics = ServerMetrics()
+    metrics.collect_from(server.server.repository)
     port = metrics.serve("127.0.0.1:0", idle_timeout_s=0.5)
     threads_before = threading.active_count()
     idle: list[socket.socket] = []
