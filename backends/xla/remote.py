@@ -50,9 +50,13 @@ class RemoteBundle:
 
     @property
     def store(self) -> Any:
-        """The store, built once per load from the environment."""
+        """The store, built once per load from the environment.
+
+        Without obstore's own retries: the ranged reads retry themselves, so
+        ``weights_read_retries`` is the real count and the error says how many.
+        """
         if self._store is None:
-            self._store = open_store(self.location)
+            self._store = open_store(self.location, max_retries=0)
         return self._store
 
     # -- BundleFiles ----------------------------------------------------------------------------------

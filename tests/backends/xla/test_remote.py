@@ -180,6 +180,7 @@ def test_a_range_that_keeps_failing_fails_the_load_naming_url_range_and_cause(s3
     assert str(caught.value) == (
         f"{s3.url('mlp_bundle', 'weights.safetensors')}: bytes {start}-{start + 1023} (1024 bytes of tensor 'w1'): "
         "read failed after 3 attempt(s): HTTP 500 Internal Server Error InternalError: injected by the test")
+    assert s3.gets("/mlp_bundle/weights.safetensors").count(f"bytes={start}-{start + 1023}") == 3  # no hidden retries
 
 
 def test_a_weights_file_replaced_during_the_load_fails_it(s3, pristine, tmp_path) -> None:
