@@ -178,3 +178,15 @@ def test_nereid_check_reads_an_s3_repository(s3, tmp_path, capsys) -> None:
     assert main(["check", "--config", str(_config(tmp_path, s3.url()))]) == 0
     assert capsys.readouterr().out.splitlines()[0].startswith("echo: OK backend=python")
     assert not any(p.suffix == ".safetensors" for p in iter_files(tmp_path / "cache"))
+
+
+def test_an_unreachable_endpoint_names_the_variable_to_check(s3, tmp_path, monkeypatch, capsys) -> None:
+    from nereid.cli import main
+    from support import free_port
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    assert main(["check", "--config", str(_config(tmp_path, s3.url(), "- name: echo\n"))]) == 1
+    line = capsys.readouterr().out.splitlines()[0]
+    assert line.startswith(f"echo: UNAVAILABLE: {s3.url('echo')}: cannot list the model folder: cannot reach the "
+                           "store ("), line
+    assert line.endswith("check the endpoint (AWS_ENDPOINT_URL, and AWS_ALLOW_HTTP for http://)")
