@@ -23,8 +23,8 @@ import safetensors
 import safetensors.numpy
 
 from nereid.backends.xla.migration import migrate_bundle
-from nereid.backends.xla.safetensors import (MAX_HEADER_BYTES, NEREID_FORMAT, load_weights, read_header,
-                                             write_safetensors)
+from nereid.backends.xla.safetensors import (MAX_HEADER_BYTES, NEREID_FORMAT, SAFETENSORS_DTYPES, load_weights,
+                                             read_header, write_safetensors)
 from nereid.errors import ConfigError
 
 NUMPY_DTYPES = [np.float16, np.float32, np.float64, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16,
@@ -203,10 +203,9 @@ def _same_tensors(path: Path, blob: bytes) -> None:
     got = {}
     with open(path, "rb") as f:
         data = f.read()
+    token_of = {dtype: token for token, dtype in SAFETENSORS_DTYPES.items()}
     for entry in header.tensors:
-        token = {v: k for k, v in __import__("nereid.backends.xla.safetensors",
-                                             fromlist=["SAFETENSORS_DTYPES"]).SAFETENSORS_DTYPES.items()}[entry.dtype]
-        got[entry.name] = (token, list(entry.shape), data[entry.start:entry.end])
+        got[entry.name] = (token_of[entry.dtype], list(entry.shape), data[entry.start:entry.end])
     assert got == expected
 
 
