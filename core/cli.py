@@ -1,10 +1,9 @@
-"""The ``nereid`` command: ``serve``, ``check``, ``bundle check`` and ``cxx-header``."""
+"""The ``nereid`` command: ``serve`` and ``check``, and the subcommands backends add (``bundle check``, ...)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.resources
 import logging
 import shutil
 import sys
@@ -34,20 +33,10 @@ def main(argv: list[str] | None = None) -> int:
     serve = commands.choices["serve"]
     serve.add_argument("--bind", default=None, help="override server.bind_addr")
     serve.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
-    bundle = commands.add_parser("bundle", help="StableHLO/XLA bundle tools")
-    bundle_commands = bundle.add_subparsers(dest="bundle_command", required=True)
-    bundle_check = bundle_commands.add_parser(
-        "check", help="report whether each bundle's programs take inputs + weights arguments")
-    bundle_check.add_argument("dirs", nargs="+", type=Path, metavar="DIR",
-                              help="a bundle, or a folder whose sub-folders are bundles")
-    commands.add_parser("cxx-header", help="print the path of nereid_cxx.h, the C header of the cxx backend")
+    make_plugin_manager().hook.nereid_add_commands(commands=commands)  # backends' own tooling
     args = parser.parse_args(argv)
-
-    if args.command == "bundle":
-        return check_bundles(args.dirs)
-    if args.command == "cxx-header":
-        print(cxx_header_path())
-        return 0
+    if "run" in args:
+        return args.run(args)
 
     try:
         settings = load_settings(args.config)
@@ -120,34 +109,6 @@ def check(settings: Settings) -> int:
         shutil.rmtree(scratch, ignore_errors=True)
     print(f"{settings.source}: {'OK' if not problems else f'{problems} model(s) with problems'}")
     return 1 if problems else 0
-
-
-def cxx_header_path() -> Path:
-    """Where the cxx backend's C header is installed: package data, found without importing the backend's modules."""
-    return Path(str(importlib.resources.files("nereid.backends.cxx").joinpath("nereid_cxx.h")))
-
-
-def check_bundles(dirs: list[Path]) -> int:
-    """Print one arity report line per bundle (never raising); 1 if any is unservable."""
-    from nereid.backends.xla.arity import bundle_arity_report
-    from nereid.backends.xla.manifest import MANIFEST_NAME, declares_meta
-
-    bundles: list[Path] = []
-    for directory in dirs:
-        if directory.is_dir() and not (directory / MANIFEST_NAME).is_file():
-            # A meta model's manifest (meta: true) describes no program: it is not a bundle to check.
-            found = sorted(p for p in directory.iterdir() if p.is_dir() and (p / MANIFEST_NAME).is_file()
-                           and not declares_meta(p / MANIFEST_NAME))
-            bundles.extend(found or [directory])  # no bundle inside: report the folder itself
-        else:
-            bundles.append(directory)
-    unservable = 0
-    for path in bundles:
-        report = bundle_arity_report(path)
-        unservable += not report.servable
-        print(report.line())
-    print(f"{len(bundles)} bundle(s), {unservable} unservable")
-    return 1 if unservable else 0
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pluggy
 
@@ -48,4 +49,19 @@ def nereid_declaration_hint(folder: Path) -> str | None:
 
     :param folder: the model folder; look only at its files.
     :return: one sentence, or None when the folder is not this backend's kind.
+    """
+
+
+@hookspec
+def nereid_add_commands(commands: Any) -> None:
+    """Add this backend's own subcommands to the ``nereid`` command line.
+
+    Core knows no backend's tooling: the xla backend contributes ``nereid
+    bundle check`` and the cxx backend ``nereid cxx-header`` through this hook.
+
+    :param commands: the ``nereid`` parser's subcommands (what argparse's
+        ``add_subparsers()`` returns). Add a parser with
+        ``commands.add_parser(name, help=...)`` and give it
+        ``set_defaults(run=fn)``, where ``fn(args) -> int`` runs the command
+        and returns the exit code.
     """

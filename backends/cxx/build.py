@@ -22,9 +22,14 @@ SHARED_FLAGS = ("-shared", "-fPIC")
 HEADER_SUFFIXES = tuple(s for s in SOURCE_SUFFIXES if s.startswith(".h"))
 
 
+def header_path() -> Path:
+    """Where ``nereid_cxx.h`` is installed (package data)."""
+    return Path(str(resources.files("nereid.backends.cxx").joinpath(HEADER_NAME)))
+
+
 def header_dir() -> Path:
     """The folder holding ``nereid_cxx.h`` (passed to the compiler with ``-I``)."""
-    return Path(str(resources.files("nereid.backends.cxx").joinpath(HEADER_NAME))).parent
+    return header_path().parent
 
 
 def library_hash(sources: tuple[Path, ...], compiler: str) -> str:

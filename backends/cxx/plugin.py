@@ -7,8 +7,10 @@ Its folders hold just a ``model_inference.textproto``: nothing in them says
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from nereid.backend import BackendClaim
+from nereid.backends.cxx.build import header_path
 from nereid.backends.cxx.model import CxxModel
 from nereid.hookspecs import hookimpl
 from nereid.signature import TEXTPROTO_NAME
@@ -30,3 +32,10 @@ def nereid_declaration_hint(folder: Path) -> str | None:
         return (f"a folder holding only {TEXTPROTO_NAME} is a cxx model: declare it in nereid.yaml with "
                 "backend: cxx and runtime: {library: PATH} (or runtime: {sources: [...]})")
     return None
+
+
+@hookimpl
+def nereid_add_commands(commands: Any) -> None:
+    """``nereid cxx-header``: print where the cxx backend's C header is installed."""
+    command = commands.add_parser("cxx-header", help="print the path of nereid_cxx.h, the C header of the cxx backend")
+    command.set_defaults(run=lambda args: print(header_path()) or 0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from nereid.backend import BackendClaim
 from nereid.backends.xla.manifest import MANIFEST_NAME, declares_meta
@@ -24,3 +25,37 @@ def nereid_claim_model(folder: Path, declared: bool) -> BackendClaim | None:
     if manifest.is_file() and not declares_meta(manifest):
         return BackendClaim(BACKEND_NAME, create_model)
     return None
+
+
+@hookimpl
+def nereid_add_commands(commands: Any) -> None:
+    """``nereid bundle check DIR...``: whether each bundle's programs take inputs + weights arguments."""
+    bundle = commands.add_parser("bundle", help="StableHLO/XLA bundle tools")
+    bundle_commands = bundle.add_subparsers(dest="bundle_command", required=True)
+    check = bundle_commands.add_parser(
+        "check", help="report whether each bundle's programs take inputs + weights arguments")
+    check.add_argument("dirs", nargs="+", type=Path, metavar="DIR",
+                       help="a bundle, or a folder whose sub-folders are bundles")
+    check.set_defaults(run=lambda args: check_bundles(args.dirs))
+
+
+def check_bundles(dirs: list[Path]) -> int:
+    """Print one arity report line per bundle (never raising); 1 if any is unservable."""
+    from nereid.backends.xla.arity import bundle_arity_report
+
+    bundles: list[Path] = []
+    for directory in dirs:
+        if directory.is_dir() and not (directory / MANIFEST_NAME).is_file():
+            # A meta model's manifest (meta: true) describes no program: it is not a bundle to check.
+            found = sorted(p for p in directory.iterdir() if p.is_dir() and (p / MANIFEST_NAME).is_file()
+                           and not declares_meta(p / MANIFEST_NAME))
+            bundles.extend(found or [directory])  # no bundle inside: report the folder itself
+        else:
+            bundles.append(directory)
+    unservable = 0
+    for path in bundles:
+        report = bundle_arity_report(path)
+        unservable += not report.servable
+        print(report.line())
+    print(f"{len(bundles)} bundle(s), {unservable} unservable")
+    return 1 if unservable else 0

@@ -138,3 +138,16 @@ def _infer_error(client, tensor):
     except Exception as err:  # the server went away mid-call
         return err
     return None
+
+
+def test_backends_contribute_their_commands_and_core_names_none() -> None:
+    """`bundle check` and `cxx-header` come from the xla and cxx plugins; core/cli.py imports no backend."""
+    from nereid.cli import main
+    from nereid.plugins import make_plugin_manager
+
+    manager = make_plugin_manager(load_entry_points=False)
+    implementers = {impl.plugin_name for impl in manager.hook.nereid_add_commands.get_hookimpls()}
+    assert {"xla", "cxx"} <= implementers
+    source = (Path(__file__).resolve().parents[2] / "core" / "cli.py").read_text()
+    assert "nereid.backends" not in source
+    assert main(["bundle", "check", str(Path(__file__).resolve().parents[2] / "ml-backends" / "mlp_bundle")]) == 0
