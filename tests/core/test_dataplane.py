@@ -1,0 +1,96 @@
+"""The data plane on its own: every question and command the protocol surfaces forward, without a wire."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import toy_backends
+from nereid.dataplane import DataPlane
+from nereid.dtypes import DType
+from nereid.errors import InvalidArgument, ModelFailure, NotFound, PermissionDenied, Unavailable
+from nereid.plugins import make_plugin_manager
+from nereid.repository import ModelRepository
+from nereid.settings import load_settings
+from nereid.tensors import InferRequest, NamedTensor
+from toy_backends import write_toy
+
+
+def dataplane(tmp_path: Path, control: bool = True) -> DataPlane:
+    root = tmp_path / "ml-backends"
+    write_toy(root, "toy")
+    write_toy(root, "spare")
+    (tmp_path / "nereid.yaml").write_text('server:\n  ml_backends_path: "ml-backends"\nmodels:\n  - name: toy\n'
+                                          "    instances: 2\n")
+    settings = load_settings(tmp_path / "nereid.yaml")
+    manager = make_plugin_manager(load_entry_points=False, extra_plugins=(toy_backends,))
+    (tmp_path / "scratch").mkdir()
+    repository = ModelRepository(settings, manager, tmp_path / "scratch")
+    changes: list[str] = []
+
+    async def changed() -> None:
+        changes.append("changed")
+    plane = DataPlane(repository, settings, repository_control=control, on_repository_change=changed)
+    plane.changes = changes
+    return plane
+
+
+def request(name: str = "toy", **kwargs) -> InferRequest:
+    return InferRequest(name, [NamedTensor("input", DType.FP32, np.ones((2, 4), np.float32))], **kwargs)
+
+
+def test_infer_metadata_config_statistics_and_index(tmp_path):
+    plane = dataplane(tmp_path)
+
+    async def scenario():
+        await plane.load("toy")
+        response = await plane.infer(request(id="r"))
+        assert response.id == "r" and response.outputs[0].data.tolist() == [[2.0] * 4] * 2
+        metadata = plane.model_metadata("toy")
+        assert (metadata.platform, metadata.inputs[0].shape, metadata.versions) == ("toy_platform", (-1, 4), ("1",))
+        config = plane.model_config("toy", "1")
+        assert (config.backend, config.max_batch_size, config.instance_group.count) == ("toy", 8, 2)
+        assert config.dynamic_batching is not None and config.inputs[0].shape == (4,)
+        ((name, stats),) = plane.statistics("toy")
+        assert name == "toy" and stats.inference_count == 2 and stats.success.count == 1
+        index = {e.name: e.state for e in plane.repository_index()}
+        assert index == {"spare": "UNAVAILABLE", "toy": "READY"}
+        assert [e.name for e in plane.repository_index(ready_only=True)] == ["toy"]
+        assert plane.ready() and plane.model_ready("toy") and not plane.model_ready("spare")
+        await plane.unload("toy")
+        assert plane.changes == ["changed", "changed"]
+    asyncio.run(scenario())
+
+
+def test_errors_carry_their_meaning(tmp_path):
+    plane = dataplane(tmp_path)
+
+    async def scenario():
+        await plane.load("toy")
+        with pytest.raises(NotFound, match="model 'toy' has no version '2'"):
+            plane.model_metadata("toy", "2")
+        with pytest.raises(NotFound, match="unknown model 'nope'"):
+            await plane.infer(request("nope"))
+        with pytest.raises(Unavailable, match="model 'spare' is not ready"):
+            await plane.infer(request("spare"))
+        with pytest.raises(InvalidArgument, match="unknown requested output 'z'"):
+            await plane.infer(request(requested_outputs=["z"]))
+        (tmp_path / "ml-backends" / "spare" / "fail.txt").write_text("no")
+        with pytest.raises(ModelFailure, match="failed to load model 'spare'"):
+            await plane.load("spare")
+        await plane.unload("toy")
+    asyncio.run(scenario())
+
+
+def test_repository_control_off_refuses_load_and_unload(tmp_path):
+    plane = dataplane(tmp_path, control=False)
+
+    async def scenario():
+        with pytest.raises(PermissionDenied, match="RepositoryModelLoad is turned off"):
+            await plane.load("toy")
+        with pytest.raises(PermissionDenied, match="RepositoryModelUnload is turned off"):
+            await plane.unload("toy")
+    asyncio.run(scenario())

@@ -1,0 +1,132 @@
+"""The model repository without any protocol: loads, failures, zero-downtime reloads, renames, removals."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import toy_backends
+from nereid.plugins import make_plugin_manager
+from nereid.repository import ModelRepository, ModelState
+from nereid.settings import load_settings
+from nereid.tensors import NamedTensor
+from nereid.dtypes import DType
+from toy_backends import LOADS, write_toy
+
+
+class Events:
+    """A RepositoryEvents observer that keeps what it heard."""
+
+    def __init__(self) -> None:
+        self.heard: list[tuple[str, str]] = []
+
+    def model_loaded(self, model: str, seconds: float) -> None:
+        self.heard.append((model, "loaded"))
+
+    def repository_event(self, model: str, event: str) -> None:
+        self.heard.append((model, event))
+
+
+def repository(tmp_path: Path, models_yaml: str = "", events: Events | None = None) -> ModelRepository:
+    config = tmp_path / "nereid.yaml"
+    config.write_text('server:\n  ml_backends_path: "ml-backends"\n  metrics_addr: ""\n  http_addr: ""\n'
+                      + (f"models:\n{models_yaml}" if models_yaml else ""))
+    manager = make_plugin_manager(load_entry_points=False, extra_plugins=(toy_backends,))
+    scratch = tmp_path / "scratch"
+    scratch.mkdir(exist_ok=True)
+    return ModelRepository(load_settings(config), manager, scratch, events=events)
+
+
+async def run_one(repo: ModelRepository, name: str) -> list[int]:
+    model = repo.ready_model(name)
+    x = NamedTensor("input", DType.FP32, np.zeros((1, 4), np.float32))
+    (out,) = await model.scheduler.submit([x], 1, 0)
+    return out.data.tolist()[0]
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    (tmp_path / "ml-backends").mkdir()
+    return tmp_path / "ml-backends"
+
+
+def test_load_failure_reload_and_its_failure(tmp_path, root):
+    folder = write_toy(root, "m")
+    events = Events()
+    repo = repository(tmp_path, events=events)
+
+    async def scenario():
+        entry = await repo.load("m")
+        assert entry.state is ModelState.READY and entry.generation == 1 and await run_one(repo, "m") == [1] * 4
+        (folder / "fail.txt").write_text("weights are corrupt")
+        entry = await repo.reload("m")
+        assert entry.state is ModelState.READY and entry.generation == 1  # the running version keeps serving
+        assert "reload failed, version 1 keeps serving" in entry.reason and "weights are corrupt" in entry.reason
+        assert await run_one(repo, "m") == [1] * 4
+        (folder / "fail.txt").unlink()
+        entry = await repo.reload("m")
+        assert (entry.state, entry.generation, entry.reason) == (ModelState.READY, 2, "")
+        await repo.unload_all()
+    asyncio.run(scenario())
+    assert ("m", "reload_failed") in events.heard and ("m", "reload") in events.heard
+
+
+def test_a_first_load_failure_is_unavailable_with_the_reason(tmp_path, root):
+    folder = write_toy(root, "bad")
+    (folder / "fail.txt").write_text("cannot read")
+    entry = asyncio.run(repository(tmp_path).load("bad"))  # one call: the repository lives on one loop
+    assert entry.state is ModelState.UNAVAILABLE and entry.reason.endswith("fail.txt: cannot read")
+
+
+def test_rename_moves_the_loaded_model_without_loading_again(tmp_path, root):
+    write_toy(root, "before")
+    repo = repository(tmp_path)
+
+    async def scenario():
+        await repo.load("before")
+        loads = LOADS["before"]
+        backend = repo.ready_model("before").backend
+        (root / "before").rename(root / "after")
+        await repo.rename("before", "after")
+        assert repo.ready_model("after").backend is backend and backend.context.name == "after"
+        assert LOADS["before"] == loads and LOADS["after"] == 0
+        assert "before" not in [e.name for e in repo.entries()]
+        assert await run_one(repo, "after") == [1] * 4
+        await repo.unload_all()
+    asyncio.run(scenario())
+
+
+def test_remove_unloads_and_forgets_a_vanished_folder(tmp_path, root):
+    folder = write_toy(root, "gone")
+    repo = repository(tmp_path)
+
+    async def scenario():
+        await repo.load("gone")
+        for path in folder.iterdir():
+            path.unlink()
+        folder.rmdir()
+        await repo.remove("gone")
+        assert [e.name for e in repo.entries()] == []
+    asyncio.run(scenario())
+
+
+def test_settings_changes_reload_load_and_unload(tmp_path, root):
+    for name in ("a", "b", "c"):
+        write_toy(root, name)
+    repo = repository(tmp_path, "  - name: a\n  - name: b\n")
+    changed = tmp_path / "nereid.yaml"
+
+    async def scenario():
+        for name in ("a", "b"):
+            await repo.load(name)
+        changed.write_text(changed.read_text().replace("  - name: b\n", "  - name: c\n").replace(
+            "  - name: a\n", "  - name: a\n    queue_capacity: 3\n"))
+        await repo.apply_settings(load_settings(changed))
+        states = {e.name: e.state for e in repo.entries()}
+        assert states == {"a": ModelState.READY, "b": ModelState.UNAVAILABLE, "c": ModelState.READY}
+        assert repo.ready_model("a").scheduler.capacity == 3 and repo.entry("a").generation == 2
+        await repo.unload_all()
+    asyncio.run(scenario())
