@@ -4,7 +4,7 @@ next to the gain the compiled program itself shows between batch 1 and batch 16.
     python3 bench/bench_batching.py [--concurrency 16] [--seconds 3]
 
 The bundle is one 2048x2048 float32 layer (16 MiB of weights read per call),
-compiled for batch sizes 1, 4 and 16 by nereid.export. Direct: the loaded
+compiled for batch sizes 1, 4 and 16 by nereid.backends.xla.export. Direct: the loaded
 bundle's ``infer`` called in a loop at batch 1 and at batch 16, in this process
 (rows per second). Served: perf_analyzer at the given concurrency, one row per
 request, against `nereid serve` with batching off and on. "On" is tuned as one
@@ -38,7 +38,7 @@ def layer(x, w):
 
 
 def export(models: Path) -> Path:
-    from nereid.export import export_bundle
+    from nereid.backends.xla.export import export_bundle
 
     weights = np.random.default_rng(0).standard_normal((WIDTH, WIDTH), dtype=np.float32) / np.sqrt(WIDTH)
     return export_bundle(layer, [np.zeros((1, WIDTH), np.float32)], {"w": weights}, directory=models / MODEL,

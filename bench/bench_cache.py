@@ -65,7 +65,7 @@ def deep_mlp(x, *weights):
 
 
 def export(root: Path, layers: int, width: int) -> Path:
-    from nereid.export import export_bundle
+    from nereid.backends.xla.export import export_bundle
 
     rng = np.random.default_rng(0)
     weights = {}

@@ -40,7 +40,7 @@ def slice_add(x, w):
 
 
 def export(root: Path, weights_mib: int) -> Path:
-    from nereid.export import export_bundle
+    from nereid.backends.xla.export import export_bundle
 
     columns = 16384
     rows = max(1, weights_mib * (1 << 20) // (columns * 4))

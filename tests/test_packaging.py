@@ -22,3 +22,17 @@ def test_wheel_maps_core_and_backends_under_nereid(tmp_path: Path) -> None:
     assert packages == expected
     assert not [name for name in names if name.startswith(("core/", "backends/"))]
     assert "nereid/_proto/grpc_service_pb2.py" in names
+
+
+def test_core_imports_no_backend() -> None:
+    """Backends own their code: nothing under core/ imports nereid.backends (built-ins are registered by name)."""
+    import ast
+
+    core = Path(__file__).resolve().parents[1] / "core"
+    offenders = []
+    for path in core.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            offenders += [f"{path.relative_to(core)}: {name}" for name in names if name.startswith("nereid.backends")]
+    assert offenders == []

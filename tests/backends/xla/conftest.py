@@ -14,7 +14,7 @@ from typing import Callable
 import numpy as np
 import pytest
 
-from nereid.export import IOSpec, examples, export_bundle, write_bundle
+from nereid.backends.xla.export import IOSpec, examples, export_bundle, write_bundle
 
 EXACT_SIZES = (2, 4)
 VARIANT_LENGTHS = (4, 8)

@@ -11,7 +11,7 @@ import numpy as np
 from nereid.backend import ModelContext
 from nereid.backends.xla.cache import HASHES_FILE
 from nereid.backends.xla.model import XlaModel
-from nereid.export import examples, export_bundle
+from nereid.backends.xla.export import examples, export_bundle
 from nereid.settings import ModelSettings
 
 

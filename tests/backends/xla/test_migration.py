@@ -14,7 +14,7 @@ from nereid.backends.xla.manifest import load_manifest
 from nereid.backends.xla.migration import COPY_FILE, MigrationError, make_copy, migrate_bundle, prove_copy
 from nereid.backends.xla.model import XlaModel
 from nereid.backends.xla.safetensors import load_weights, read_header, write_safetensors
-from nereid.export import examples
+from nereid.backends.xla.export import examples
 from nereid.settings import ModelSettings
 from nereid.tensors import NamedTensor
 
@@ -141,7 +141,7 @@ def test_bad_option_value(legacy, tmp_path) -> None:
 
 
 def test_offline_tool(legacy, tmp_path, capsys) -> None:
-    from nereid.export.migrate import main
+    from nereid.backends.xla.export.migrate import main
 
     assert main(["--mode", "replace", str(legacy), str(tmp_path / "absent")]) == 1
     lines = capsys.readouterr().out.splitlines()

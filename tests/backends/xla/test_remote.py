@@ -18,7 +18,7 @@ from moto_s3 import bucket_state, iter_files, upload_folder
 from nereid.backend import ModelContext
 from nereid.backends.xla.model import create_model
 from nereid.errors import ConfigError
-from nereid.export import examples
+from nereid.backends.xla.export import examples
 from nereid.settings import ModelSettings, load_settings
 from nereid.storage import materialize_model_folder
 from nereid.dtypes import DType

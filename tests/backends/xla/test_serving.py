@@ -10,7 +10,7 @@ import pytest
 import tritonclient.grpc as triton
 from tritonclient.utils import InferenceServerException
 
-from nereid.export import examples
+from nereid.backends.xla.export import examples
 
 # Same function, same inputs, but a padded batch may take another XLA kernel
 # path than jax.jit at the request's own size: compare to float rounding.

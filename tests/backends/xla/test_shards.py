@@ -17,7 +17,7 @@ from nereid.backends.xla.safetensors import write_safetensors
 from nereid.backends.xla.weights import INDEX_FILE, LocalBundleFiles, resolve_weights
 from nereid.cli import main
 from nereid.errors import ConfigError
-from nereid.export import bundle_arity_report, examples, read_bundle_weights
+from nereid.backends.xla.export import bundle_arity_report, examples, read_bundle_weights
 from nereid.settings import ModelSettings
 from nereid.tensors import NamedTensor
 from nereid.dtypes import DType
@@ -148,7 +148,7 @@ def test_a_single_weights_file_still_wins_over_stray_files_without_an_index(tmp_
 def test_re_exporting_removes_the_other_form(sharded) -> None:
     """Shards over a single file, and back: no stale weights are left to be read."""
     examples_weights = examples.mlp_weights()
-    from nereid.export import export_bundle
+    from nereid.backends.xla.export import export_bundle
 
     export_bundle(examples.mlp, [np.zeros((1, 16), np.float32)], examples_weights, directory=sharded,
                   batch_sizes=(1, 8), input_names=["input"], output_names=["output"], provenance=False)

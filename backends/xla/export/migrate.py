@@ -1,6 +1,6 @@
 """Offline weights migration, for bundles the server cannot write or to convert ahead of a deploy.
 
-    python -m nereid.export.migrate [--mode copy|replace] BUNDLE...
+    python -m nereid.backends.xla.export.migrate [--mode copy|replace] BUNDLE...
 
 The same migration as ``runtime.weights_migration`` (see
 :mod:`nereid.backends.xla.migration`): legacy weights rewritten in the
@@ -20,7 +20,7 @@ from nereid.errors import ConfigError
 
 def main(argv: list[str] | None = None) -> int:
     """Migrate each bundle named on the command line."""
-    parser = argparse.ArgumentParser(prog="python -m nereid.export.migrate", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m nereid.backends.xla.export.migrate", description=__doc__.split("\n")[0])
     parser.add_argument("--mode", choices=("copy", "replace"), default="copy",
                         help="copy: add weights.T.safetensors (default); replace: swap it in")
     parser.add_argument("bundles", nargs="+", type=Path, metavar="BUNDLE")

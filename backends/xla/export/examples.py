@@ -1,6 +1,6 @@
 """The example bundles shipped in ``ml-backends/``, and the command that regenerates them.
 
-    python -m nereid.export.examples [ML_BACKENDS_DIR]     # default: ./ml-backends
+    python -m nereid.backends.xla.export.examples [ML_BACKENDS_DIR]     # default: ./ml-backends
 
 * ``mlp_bundle``: a two-layer MLP, ``input`` FP32 [batch, 16] -> ``output`` FP32
   [batch, 4], compiled for batch sizes 1, 8 and 32 (any batch up to 32 is
@@ -24,9 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from nereid.export.iospec import IOSpec
-from nereid.export.jax_export import export_bundle
-from nereid.export.provenance import collect_provenance
+from nereid.backends.xla.export.iospec import IOSpec
+from nereid.backends.xla.export.jax_export import export_bundle
+from nereid.backends.xla.export.provenance import collect_provenance
 
 MLP_NAME = "mlp_bundle"
 MLP_BATCH_SIZES = (1, 8, 32)
@@ -114,8 +114,8 @@ def write_examples(root: Path, provenance: Any = True) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Regenerate the example bundles (``python -m nereid.export.examples``)."""
-    parser = argparse.ArgumentParser(prog="python -m nereid.export.examples", description=__doc__.split("\n")[0])
+    """Regenerate the example bundles (``python -m nereid.backends.xla.export.examples``)."""
+    parser = argparse.ArgumentParser(prog="python -m nereid.backends.xla.export.examples", description=__doc__.split("\n")[0])
     parser.add_argument("root", nargs="?", type=Path, default=Path("ml-backends"),
                         help="the model repository to write into (default: ./ml-backends)")
     args = parser.parse_args(argv)

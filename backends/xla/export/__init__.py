@@ -1,4 +1,4 @@
-"""nereid.export: offline tooling that writes StableHLO/XLA bundles (never imported by the server).
+"""nereid.backends.xla.export: offline tooling that writes StableHLO/XLA bundles (never imported by the server).
 
 * :func:`export_bundle` traces a JAX function with ``jax.export`` at each batch
   size and writes a servable bundle;
@@ -15,11 +15,11 @@ jax is imported only when a function that needs it is called.
 
 from nereid.backends.xla.arity import (BundleArity, ModuleArity, assert_bundle_arity, bundle_arity_report,
                                        bundle_entry_arity)
-from nereid.export.iospec import IOSpec
-from nereid.export.jax_export import export_bundle
-from nereid.export.provenance import Provenance, collect_provenance
-from nereid.export.weights import read_bundle_weights
-from nereid.export.writer import ExportError, write_bundle
+from nereid.backends.xla.export.iospec import IOSpec
+from nereid.backends.xla.export.jax_export import export_bundle
+from nereid.backends.xla.export.provenance import Provenance, collect_provenance
+from nereid.backends.xla.export.weights import read_bundle_weights
+from nereid.backends.xla.export.writer import ExportError, write_bundle
 
 __all__ = [
     "BundleArity", "ExportError", "IOSpec", "ModuleArity", "Provenance", "assert_bundle_arity",

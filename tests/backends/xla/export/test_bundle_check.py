@@ -9,9 +9,9 @@ import numpy as np
 
 from nereid.backends.xla.safetensors import load_weights, write_safetensors
 from nereid.cli import main
-from nereid.export import assert_bundle_arity, bundle_arity_report, examples
+from nereid.backends.xla.export import assert_bundle_arity, bundle_arity_report, examples
 
-SHIPPED = Path(__file__).resolve().parents[3] / "ml-backends"
+SHIPPED = Path(__file__).resolve().parents[4] / "ml-backends"
 
 
 def test_the_shipped_bundles_are_servable(capsys) -> None:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import yaml
 
-from nereid.export import collect_provenance, export_bundle
+from nereid.backends.xla.export import collect_provenance, export_bundle
 
 pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
 

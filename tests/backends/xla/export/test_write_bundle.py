@@ -10,7 +10,7 @@ from jax import export as jax_export
 
 from nereid.backends.xla.manifest import load_manifest
 from nereid.backends.xla.safetensors import read_header
-from nereid.export import ExportError, IOSpec, read_bundle_weights, write_bundle
+from nereid.backends.xla.export import ExportError, IOSpec, read_bundle_weights, write_bundle
 
 
 def affine(x, w, b):

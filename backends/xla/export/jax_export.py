@@ -14,9 +14,9 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from nereid.export.iospec import IOSpec, as_dtype
-from nereid.export.provenance import Provenance, collect_provenance
-from nereid.export.writer import ExportError, write_bundle
+from nereid.backends.xla.export.iospec import IOSpec, as_dtype
+from nereid.backends.xla.export.provenance import Provenance, collect_provenance
+from nereid.backends.xla.export.writer import ExportError, write_bundle
 
 
 def export_bundle(fn: Callable[..., Any], example_inputs: Sequence[Any],

@@ -63,7 +63,7 @@ def collect_provenance(repo_dir: Path | str | None = None, *, include_patch: boo
             fields[package] = metadata.version(package)
         except metadata.PackageNotFoundError:
             continue
-    fields["exporter"] = "nereid.export"
+    fields["exporter"] = "nereid.backends.xla.export"
     fields["exported_at"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     return Provenance(fields, patch)
 

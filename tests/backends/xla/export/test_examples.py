@@ -1,4 +1,4 @@
-"""The shipped example bundles are what ``python -m nereid.export.examples`` writes today."""
+"""The shipped example bundles are what ``python -m nereid.backends.xla.export.examples`` writes today."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from nereid.export import read_bundle_weights
-from nereid.export.examples import main
+from nereid.backends.xla.export import read_bundle_weights
+from nereid.backends.xla.export.examples import main
 
-SHIPPED = Path(__file__).resolve().parents[3] / "ml-backends"
+SHIPPED = Path(__file__).resolve().parents[4] / "ml-backends"
 
 
 def test_regeneration_matches_the_shipped_bundles(tmp_path, capsys) -> None:

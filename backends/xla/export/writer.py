@@ -29,8 +29,8 @@ from nereid.backends.xla.program import read_program, to_portable_artifact
 from nereid.backends.xla.safetensors import write_safetensors
 from nereid.backends.xla.weights import INDEX_FILE
 from nereid.errors import ConfigError
-from nereid.export.iospec import IOSpec, as_dtype
-from nereid.export.provenance import PATCH_FILE, Provenance
+from nereid.backends.xla.export.iospec import IOSpec, as_dtype
+from nereid.backends.xla.export.provenance import PATCH_FILE, Provenance
 
 Module = Union[bytes, str]
 Modules = Union[Module, Mapping[int, Module]]
@@ -219,7 +219,7 @@ def _write_files(directory: Path, files: Mapping[str, bytes], weights: list[tupl
         _atomic_write(directory / MODEL_PY, source.encode())
     if isinstance(provenance, Provenance) and provenance.patch:
         _atomic_write(directory / PATCH_FILE, provenance.patch)
-    header = ("# Written by nereid.export. Shapes are column-major (batch axis last);\n"
+    header = ("# Written by nereid.backends.xla.export. Shapes are column-major (batch axis last);\n"
               "# clients and the program see them reversed (row-major).\n")
     text = header + _yaml_text(document)
     # The manifest goes last: a bundle interrupted mid-write has no new manifest.

@@ -11,7 +11,7 @@ from nereid.backend import ModelContext
 from nereid.backends.xla.arity import bundle_arity_report
 from nereid.backends.xla.manifest import load_manifest
 from nereid.backends.xla.model import XlaModel
-from nereid.export import ExportError, export_bundle
+from nereid.backends.xla.export import ExportError, export_bundle
 from nereid.settings import ModelSettings
 from nereid.tensors import NamedTensor
 
