@@ -10,8 +10,10 @@ problem, and never quotes the file's contents.
 from __future__ import annotations
 
 import os
+import secrets
 import stat
 from pathlib import Path
+from typing import Callable, Iterable
 
 from nereid.errors import ConfigError
 
@@ -121,3 +123,45 @@ def check_confined(folder: Path, root: Path, follow_symlinks: bool) -> None:
 
 def _inside(path: Path, root: Path) -> bool:
     return path == root or root in path.parents
+
+
+def atomic_write(path: Path, parts: Iterable[bytes | memoryview], *, durable: bool = False, mode: int | None = None,
+                 check: Callable[[Path], None] | None = None) -> None:
+    """Write ``parts`` to ``path`` so that no reader ever sees a half-written file.
+
+    The data goes to ``.<name>.<token>.<pid>.partial`` beside the target (a
+    killed writer's leftover is removed at the next start, see
+    :mod:`nereid.leftovers`) and is renamed over ``path``; two writers never
+    interleave. The file is created with mode 0o666, so the umask applies as
+    for any file (or with ``mode``). ``durable`` fsyncs the file before the
+    rename and the folder after it. ``check(temporary)`` runs before the
+    rename; raising there leaves ``path`` untouched.
+    """
+    temporary = path.parent / f".{path.name}.{secrets.token_hex(4)}.{os.getpid()}.partial"
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for part in parts:
+                f.write(part)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        if mode is not None:
+            os.chmod(temporary, mode)
+        if check is not None:
+            check(temporary)
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+    if durable:
+        fsync_folder(path.parent)
+
+
+def fsync_folder(folder: Path) -> None:
+    """Make a rename in ``folder`` durable."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -15,12 +15,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import secrets
 import struct
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Generic, TypeVar
+
+from nereid.files import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +137,7 @@ class ExecutableCache:
         self.directory.mkdir(parents=True, exist_ok=True)
         header = json.dumps({"key": asdict(key), "module": module_name, "payload_bytes": len(payload),
                              "payload_sha256": hashlib.sha256(payload).hexdigest()}).encode()
-        _atomic_write(path, [_MAGIC, _LENGTH.pack(len(header)), header, payload])
+        atomic_write(path, [_MAGIC, _LENGTH.pack(len(header)), header, payload])
         self._record_hash(module_name, key.module_sha256)
 
     def _record_hash(self, module_name: str, sha256: str) -> None:
@@ -152,7 +152,7 @@ class ExecutableCache:
             modules = {}  # missing or corrupt: rebuilt from this compile on
         previous = modules.get(module_name)
         modules[module_name] = sha256
-        _atomic_write(hashes_path, [json.dumps({"modules": modules}, indent=1, sort_keys=True).encode()])
+        atomic_write(hashes_path, [json.dumps({"modules": modules}, indent=1, sort_keys=True).encode()])
         if previous and previous != sha256:
             self._remove_entries(module_name, previous)
 
@@ -172,19 +172,3 @@ class ExecutableCache:
 def file_sha256(data: bytes) -> str:
     """Hex SHA-256 of a program file's contents."""
     return hashlib.sha256(data).hexdigest()
-
-
-def _atomic_write(path: Path, parts: list[bytes]) -> None:
-    # Write beside the target and rename: a reader never sees a half-written
-    # file, and two processes compiling the same bundle cannot interleave.
-    # Mode 0o666 lets the umask decide, as for any other file the server writes.
-    temporary = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}"
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            for part in parts:
-                f.write(part)
-        os.replace(temporary, path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise

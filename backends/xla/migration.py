@@ -54,6 +54,7 @@ from nereid.backends.xla.safetensors import (AXIS_ORDER_KEY, AXIS_ORDER_XLA, SAF
                                              encode_header, read_entry, read_header, read_header_fd)
 from nereid.backends.xla.weights import LocalBundleFiles, WeightSet, resolve_weights
 from nereid.errors import ConfigError
+from nereid.files import atomic_write, fsync_folder
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +142,7 @@ def migrate_bundle(folder: Path | str, mode: str) -> Outcome:
         if declared is None:
             if copy.is_file() and original.is_file() and _same(copy, original):
                 copy.unlink()  # a replace that stopped just before removing the extra name
-                _fsync_dir(folder)
+                fsync_folder(folder)
                 return Outcome("finished an interrupted replace", True)
             if not original.is_file():
                 return Outcome("no weights file", False)
@@ -191,21 +192,16 @@ def make_copy(original: Path, copy: Path) -> None:
         metadata = {**header.metadata, AXIS_ORDER_KEY: AXIS_ORDER_XLA, FROM_SIZE: str(stamp.size),
                     FROM_MTIME: str(stamp.mtime_ns), FROM_SHA256: stamp.sha256}
         in_file_order = sorted(header.tensors, key=lambda e: e.start)  # keeps the argument order without the key
-        temporary = folder / f".{copy.name}.{os.getpid()}.partial"
-        try:
-            with open(temporary, "wb") as out:
-                out.write(encode_header([(e.name, e.dtype, tuple(reversed(e.shape)), e.nbytes)
-                                         for e in in_file_order], metadata))
-                for entry in in_file_order:
-                    program = np.asarray(read_entry(fd, entry, original).transpose(), order="C")
-                    out.write(memoryview(program.reshape(-1).view(np.uint8)))
-                out.flush()
-                os.fsync(out.fileno())
-            prove_copy(fd, original, temporary)
-            os.replace(temporary, copy)
-        finally:
-            temporary.unlink(missing_ok=True)
-        _fsync_dir(folder)
+
+        def parts():
+            yield encode_header([(e.name, e.dtype, tuple(reversed(e.shape)), e.nbytes) for e in in_file_order],
+                                metadata)
+            for entry in in_file_order:
+                program = np.asarray(read_entry(fd, entry, original).transpose(), order="C")
+                yield memoryview(program.reshape(-1).view(np.uint8))
+
+        # Proved against the original before it takes its name: a wrong copy never appears.
+        atomic_write(copy, parts(), durable=True, check=lambda temporary: prove_copy(fd, original, temporary))
     finally:
         os.close(fd)
 
@@ -319,7 +315,7 @@ def _replace(folder: Path, manifest_path: Path, original: Path, copy: Path) -> N
         swap.unlink(missing_ok=True)
         os.link(copy, swap)  # the copy keeps its own name (the manifest's weights_file) until the end
         os.replace(swap, original)
-        _fsync_dir(folder)
+        fsync_folder(folder)
         try:
             prove_copy(fd, original, original)
         except MigrationError:
@@ -333,24 +329,21 @@ def _replace(folder: Path, manifest_path: Path, original: Path, copy: Path) -> N
 def _finish_replace(folder: Path, manifest_path: Path, copy: Path) -> None:
     _edit_manifest(manifest_path, weights_file=None)
     copy.unlink()
-    _fsync_dir(folder)
+    fsync_folder(folder)
 
 
 def _restore(fd: int, original: Path) -> None:
     """Put the original's bytes back under its name (the manifest still points at the proved copy)."""
-    temporary = original.with_name(f".{original.name}.{os.getpid()}.restore")
-    with open(temporary, "wb") as out:
+    def chunks():
         offset, size = 0, os.fstat(fd).st_size
         while offset < size:
             chunk = os.pread(fd, min(_HASH_CHUNK, size - offset), offset)
             if not chunk:
                 break
-            out.write(chunk)
+            yield chunk
             offset += len(chunk)
-        out.flush()
-        os.fsync(out.fileno())
-    os.replace(temporary, original)
-    _fsync_dir(original.parent)
+
+    atomic_write(original, chunks(), durable=True)
 
 
 def _edit_manifest(path: Path, *, weights_file: object = _KEEP, format_version: object = _KEEP) -> None:
@@ -382,14 +375,7 @@ def _edit_manifest(path: Path, *, weights_file: object = _KEEP, format_version: 
             after.executable_inputs, after.executable_outputs, after.batching) != (
             before.executable_inputs, before.executable_outputs, before.batching):
         raise MigrationError(f"{path}: could not change only the weights_file / format_version lines")
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.edit")
-    with open(temporary, "w", encoding="utf-8") as out:
-        out.write(edited)
-        out.flush()
-        os.fsync(out.fileno())
-    os.chmod(temporary, path.stat().st_mode & 0o7777)
-    os.replace(temporary, path)
-    _fsync_dir(path.parent)
+    atomic_write(path, [edited.encode("utf-8")], durable=True, mode=path.stat().st_mode & 0o7777)
 
 
 def _is_stale(copy_header: SafetensorsHeader, original: Path) -> bool:
@@ -439,9 +425,3 @@ def _lock(path: Path) -> Iterator[None]:
             fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
 
 
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -17,12 +17,11 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
-import secrets
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
+from nereid.files import atomic_write
 from nereid.storage.client import StorageError, describe_error, open_store
 from nereid.storage.url import StoreURL
 
@@ -131,9 +130,9 @@ def materialize(location: StoreURL, name: str, folder: Path) -> RemoteFolder:
             fetched[relative] = _fetch(store, folder_url, item, target)
         _remove_others(folder, set(fetched))
         result = RemoteFolder(str(folder_url), fetched, streamed)
-        _write_atomically(folder / MARKER_FILE, json.dumps(
+        atomic_write(folder / MARKER_FILE, [json.dumps(
             {"url": result.url, "fetched": {k: asdict(v) for k, v in fetched.items()},
-             "streamed": {k: asdict(v) for k, v in streamed.items()}}, indent=1, sort_keys=True).encode())
+             "streamed": {k: asdict(v) for k, v in streamed.items()}}, indent=1, sort_keys=True).encode()])
     log.info("%s: %d file(s) fetched or current in %s, %d weights file(s) left to stream", folder_url, len(fetched),
              folder, len(streamed))
     return result
@@ -166,7 +165,7 @@ def _fetch(store: Any, folder_url: StoreURL, item: RemoteObject, target: Path) -
     if len(data) != item.size:
         raise StorageError(f"{url}: fetched {len(data)} bytes, but the listing says {item.size}")
     target.parent.mkdir(parents=True, exist_ok=True)
-    _write_atomically(target, memoryview(data))
+    atomic_write(target, [memoryview(data)])
     meta = result.meta
     return RemoteObject(item.key, item.size, meta.get("e_tag") or item.etag, meta.get("version") or item.version)
 
@@ -189,18 +188,6 @@ def _remove_others(folder: Path, keep: set[str]) -> None:
                 path.rmdir()  # only when empty
         elif relative.as_posix() not in keep:
             path.unlink(missing_ok=True)
-
-
-def _write_atomically(path: Path, data: bytes | memoryview) -> None:
-    temporary = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.partial"
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(temporary, path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
 
 
 @contextlib.contextmanager

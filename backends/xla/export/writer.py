@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence, Union
 
@@ -31,6 +30,7 @@ from nereid.backends.xla.weights import INDEX_FILE
 from nereid.errors import ConfigError
 from nereid.backends.xla.export.iospec import IOSpec, as_dtype
 from nereid.backends.xla.export.provenance import PATCH_FILE, Provenance
+from nereid.files import atomic_write
 
 Module = Union[bytes, str]
 Modules = Union[Module, Mapping[int, Module]]
@@ -199,7 +199,7 @@ def _write_files(directory: Path, files: Mapping[str, bytes], weights: list[tupl
         if stale.name not in files:
             stale.unlink(missing_ok=True)
     for file_name, artifact in files.items():
-        _atomic_write(directory / file_name, artifact)
+        atomic_write(directory / file_name, [artifact])
     shards = _shards(weights, shard_bytes) if shard_bytes is not None else {DEFAULT_WEIGHTS_FILE: weights}
     # Weights of an earlier export (one file, or other shards) would otherwise be read with the new ones.
     for stale in [*directory.glob("*.safetensors"), directory / INDEX_FILE]:
@@ -213,17 +213,17 @@ def _write_files(directory: Path, files: Mapping[str, bytes], weights: list[tupl
         index = {"metadata": {"total_size": sum(a.nbytes for _, a in weights),
                               "argument_order": [n for n, _ in weights]},
                  "weight_map": {n: file_name for file_name, part in shards.items() for n, _ in part}}
-        _atomic_write(directory / INDEX_FILE, (json.dumps(index, indent=1) + "\n").encode())
+        atomic_write(directory / INDEX_FILE, [(json.dumps(index, indent=1) + "\n").encode()])
     if model_py is not None:
         source = Path(model_py).read_text() if isinstance(model_py, Path) else model_py
-        _atomic_write(directory / MODEL_PY, source.encode())
+        atomic_write(directory / MODEL_PY, [source.encode()])
     if isinstance(provenance, Provenance) and provenance.patch:
-        _atomic_write(directory / PATCH_FILE, provenance.patch)
+        atomic_write(directory / PATCH_FILE, [provenance.patch])
     header = ("# Written by nereid.backends.xla.export. Shapes are column-major (batch axis last);\n"
               "# clients and the program see them reversed (row-major).\n")
     text = header + _yaml_text(document)
     # The manifest goes last: a bundle interrupted mid-write has no new manifest.
-    _atomic_write(directory / MANIFEST_NAME, text.encode())
+    atomic_write(directory / MANIFEST_NAME, [text.encode()])
 
 
 def _shards(weights: list[tuple[str, np.ndarray]], shard_bytes: int) -> dict[str, list[tuple[str, np.ndarray]]]:
@@ -238,20 +238,6 @@ def _shards(weights: list[tuple[str, np.ndarray]], shard_bytes: int) -> dict[str
         size += array.nbytes
     count = len(parts)
     return {f"weights-{i + 1:05d}-of-{count:05d}.safetensors": part for i, part in enumerate(parts)}
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    # Written beside the target and renamed, created with mode 0o666 so the
-    # umask applies as for any other file (mkstemp would make it 0600).
-    temporary = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}"
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(temporary, path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
 
 
 class _FlowList(list):
