@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from nereid.errors import ConfigError
+from nereid.runtime_options import RuntimeOptions
 
 ALLOWED_KEYS = ("library", "sources")
 
@@ -49,14 +50,8 @@ def config_dir(origin: str) -> Path | None:
 
 def parse_options(model: str, runtime: Mapping[str, Any], origin: str) -> CxxOptions:
     """Check ``runtime``; ConfigError names the model, ``<origin>.runtime.<key>`` and the value."""
-    where = f"{origin}.runtime" if origin else "runtime"
-
-    def fail(key: str, problem: str, value: Any) -> None:
-        raise ConfigError(f"model '{model}': {where}.{key}: {problem}, got {value!r}")
-
-    for key, value in runtime.items():
-        if key not in ALLOWED_KEYS:
-            fail(key, f"unknown option of the cxx backend (allowed: {', '.join(ALLOWED_KEYS)})", value)
+    options = RuntimeOptions(runtime, origin, "cxx", ALLOWED_KEYS, prefix=f"model '{model}': ")
+    fail = options.fail
     if ("library" in runtime) == ("sources" in runtime):
         raise ConfigError(
             f"model '{model}': backend cxx needs exactly one of runtime.library (a shared library) or "

@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from nereid.errors import ConfigError
+from nereid.runtime_options import RuntimeOptions
 
 _MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
@@ -30,19 +30,9 @@ class PythonOptions:
 
 def parse_options(runtime: Mapping[str, Any], origin: str) -> PythonOptions:
     """Check ``runtime`` options; ConfigError names ``<origin>.runtime.<key>`` and the value."""
-    allowed = {"warm_start", "preload"}
-    where = f"{origin}.runtime" if origin else "runtime"
-
-    def fail(key: str, problem: str, value: Any) -> None:
-        raise ConfigError(f"{where}.{key}: {problem}, got {str(value)[:200]!r}")
-
-    for key, value in runtime.items():
-        if key not in allowed:
-            fail(key, f"unknown option of the python backend (allowed: {', '.join(sorted(allowed))})", value)
-    warm_start = runtime.get("warm_start", True)
-    if not isinstance(warm_start, bool):
-        fail("warm_start", "must be true or false", warm_start)
-    preload = runtime.get("preload", [])
+    options = RuntimeOptions(runtime, origin, "python", ("warm_start", "preload"))
+    warm_start = options.boolean("warm_start", True)
+    preload = options.get("preload", [])
     if not isinstance(preload, list) or not all(isinstance(m, str) and _MODULE_NAME.match(m) for m in preload):
-        fail("preload", "must be a list of module names", preload)
+        options.fail("preload", "must be a list of module names", preload)
     return PythonOptions(warm_start, tuple(preload))

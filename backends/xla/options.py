@@ -22,7 +22,7 @@ from typing import Any, Mapping
 
 from nereid.backends.xla.migration import MIGRATION_MODES
 from nereid.backends.xla.safetensors import DEFAULT_CHUNK_BYTES, DEFAULT_READ_THREADS
-from nereid.errors import ConfigError
+from nereid.runtime_options import RuntimeOptions
 
 BATCH_SIZES_CHOICES = ("all", "largest")
 # Ranged GETs of a bundle in an object store: the seed's streaming loader's defaults.
@@ -45,36 +45,19 @@ class XlaOptions:
 
 def parse_options(runtime: Mapping[str, Any], origin: str) -> XlaOptions:
     """Check ``runtime`` options; ConfigError names ``<origin>.runtime.<key>`` and the value."""
-    allowed = {"batch_sizes", "executable_cache", "weights_read_threads", "weights_migration", "weights_chunk_bytes",
-               "weights_concurrency", "weights_read_retries"}
-    where = f"{origin}.runtime" if origin else "runtime"
-
-    def fail(key: str, problem: str, value: Any) -> None:
-        raise ConfigError(f"{where}.{key}: {problem}, got {value!r}")
-
-    for key, value in runtime.items():
-        if key not in allowed:
-            fail(key, f"unknown option of the xla backend (allowed: {', '.join(sorted(allowed))})", value)
-    batch_sizes = runtime.get("batch_sizes", "all")
+    options = RuntimeOptions(runtime, origin, "xla", ("batch_sizes", "executable_cache", "weights_read_threads",
+                                                      "weights_migration", "weights_chunk_bytes",
+                                                      "weights_concurrency", "weights_read_retries"))
+    batch_sizes = options.get("batch_sizes", "all")
     if batch_sizes not in BATCH_SIZES_CHOICES:
-        fail("batch_sizes", f"must be one of {', '.join(BATCH_SIZES_CHOICES)}", batch_sizes)
-    cache = runtime.get("executable_cache", True)
-    if not isinstance(cache, bool):
-        fail("executable_cache", "must be true or false", cache)
-    threads = runtime.get("weights_read_threads", DEFAULT_READ_THREADS)
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        fail("weights_read_threads", "must be a positive integer", threads)
-    migration = runtime.get("weights_migration", "off")
+        options.fail("batch_sizes", f"must be one of {', '.join(BATCH_SIZES_CHOICES)}", batch_sizes)
+    migration = options.get("weights_migration", "off")
     if migration is False:  # YAML reads a bare `off` as false
         migration = "off"
     if migration not in MIGRATION_MODES:
-        fail("weights_migration", f"must be one of {', '.join(MIGRATION_MODES)}", migration)
-    numbers = {}
-    for key, default, minimum in (("weights_chunk_bytes", DEFAULT_CHUNK_BYTES, 1),
-                                  ("weights_concurrency", DEFAULT_REMOTE_CONCURRENCY, 1),
-                                  ("weights_read_retries", DEFAULT_REMOTE_RETRIES, 0)):
-        value = runtime.get(key, default)
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            fail(key, f"must be an integer >= {minimum}", value)
-        numbers[key] = value
-    return XlaOptions(batch_sizes == "largest", cache, threads, migration, **numbers)
+        options.fail("weights_migration", f"must be one of {', '.join(MIGRATION_MODES)}", migration)
+    return XlaOptions(batch_sizes == "largest", options.boolean("executable_cache", True),
+                      options.integer("weights_read_threads", DEFAULT_READ_THREADS), migration,
+                      weights_chunk_bytes=options.integer("weights_chunk_bytes", DEFAULT_CHUNK_BYTES),
+                      weights_concurrency=options.integer("weights_concurrency", DEFAULT_REMOTE_CONCURRENCY),
+                      weights_read_retries=options.integer("weights_read_retries", DEFAULT_REMOTE_RETRIES, 0))

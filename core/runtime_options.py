@@ -1,0 +1,49 @@
+"""A backend's ``runtime:`` options from nereid.yaml, checked the same way by every backend.
+
+The core passes ``runtime`` through unchecked: only the backend knows its
+options. Each backend reads them through :class:`RuntimeOptions`, so an unknown
+key, a wrong type or a bad value is refused with the same message shape:
+``<file>: models[N].runtime.<key>: <problem>, got <value>``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping, NoReturn
+
+from nereid.errors import ConfigError, cap_message
+
+
+class RuntimeOptions:
+    """The ``runtime`` mapping of one model, with unknown keys already refused."""
+
+    def __init__(self, runtime: Mapping[str, Any], origin: str, backend: str, allowed: Iterable[str],
+                 prefix: str = "") -> None:
+        self.runtime = runtime
+        self.where = f"{origin}.runtime" if origin else "runtime"
+        self.prefix = prefix
+        allowed = sorted(allowed)
+        for key, value in runtime.items():
+            if key not in allowed:
+                self.fail(key, f"unknown option of the {backend} backend (allowed: {', '.join(allowed)})", value)
+
+    def fail(self, key: str, problem: str, value: Any) -> NoReturn:
+        """Raise ConfigError naming ``runtime.<key>``, the problem and the (capped) value."""
+        raise ConfigError(f"{self.prefix}{self.where}.{key}: {problem}, got {cap_message(repr(value), 200)}")
+
+    def get(self, key: str, default: Any) -> Any:
+        """The raw value of ``key``, or ``default``."""
+        return self.runtime.get(key, default)
+
+    def boolean(self, key: str, default: bool) -> bool:
+        """A true/false option."""
+        value = self.runtime.get(key, default)
+        if not isinstance(value, bool):
+            self.fail(key, "must be true or false", value)
+        return value
+
+    def integer(self, key: str, default: int, minimum: int = 1) -> int:
+        """An integer option of at least ``minimum``."""
+        value = self.runtime.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            self.fail(key, f"must be an integer >= {minimum}", value)
+        return value
