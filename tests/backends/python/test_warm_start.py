@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sys
+import sysconfig
 import threading
 import time
 import urllib.request
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -122,16 +123,23 @@ def test_preloaded_modules_are_already_imported_in_the_child(repo, serve):
 # -- falling back to cold starts ------------------------------------------------
 
 @pytest.fixture
-def user_site(tmp_path, monkeypatch) -> Path:
-    """A user site-packages folder that the model's interpreters see (through the inherited HOME)."""
-    home = tmp_path / "home"
-    site = home / ".local" / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "site-packages"
-    site.mkdir(parents=True)
-    monkeypatch.setenv("HOME", str(home))
+def user_site(tmp_path) -> Path:
+    """Two installed-looking modules that every interpreter of this Python sees, for this test only.
+
+    A ``.pth`` file in the interpreter's site-packages adds a temporary folder to
+    ``sys.path`` (the model's processes inherit no PYTHONPATH), and is removed after.
+    """
+    site = tmp_path / "site"
+    site.mkdir()
     (site / "starts_a_thread.py").write_text(
         "import threading, time\nthreading.Thread(target=time.sleep, args=(60,), name='busy', daemon=True).start()\n")
     (site / "fails_on_import.py").write_text("raise RuntimeError('cannot import me')\n")
-    return site
+    pth = Path(sysconfig.get_paths()["purelib"]) / f"nereid-test-{uuid.uuid4().hex}.pth"
+    pth.write_text(f"{site}\n")
+    try:
+        yield site
+    finally:
+        pth.unlink(missing_ok=True)
 
 
 @pytest.mark.parametrize("module, reason", [
