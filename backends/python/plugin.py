@@ -36,58 +36,73 @@ class PythonModel(SubprocessModel):
     def __init__(self, context: ModelContext) -> None:
         super().__init__(context)
         self.options = PythonOptions()
-        self._warm: WarmParent | None = None
+        self._parent: WarmParent | None = None  # forks every run; warm when it preloaded the imports
+        self._warm = False
         self._cold_reason = ""
 
     def prepare(self) -> None:
         self.options = parse_options(self.context.settings.runtime, self.context.settings_origin)
+        modules = modules_to_preload(self.context.folder, ENTRY_FILE, self.options.preload)
         if not self.options.warm_start:
             self._cold_reason = "runtime.warm_start is false"
-            return
+        else:
+            try:
+                self._parent = self._start_parent(modules)
+                self._warm = True
+                return
+            except WarmStartUnavailable as err:
+                self._cold_reason = str(err)
+                log.warning("model '%s': warm start is off, every batch starts a fresh interpreter: %s",
+                            self.context.name, err)
+        # Cold: a parent that imports nothing forks each run, which execs a fresh interpreter, so cold runs
+        # too die with the server and leave no detached process behind.
+        try:
+            self._parent = self._start_parent([])
+        except WarmStartUnavailable as err:
+            log.warning("model '%s': no parent process (%s); runs are spawned directly", self.context.name, err)
+
+    def _start_parent(self, modules: list[str]) -> WarmParent:
         # A folder of its own: while a changed model reloads, two versions' parents run side by side.
         parent_dir = Path(tempfile.mkdtemp(prefix="warm-parent-", dir=self.context.scratch_dir))
         env = self.base_environment()
         env["TMPDIR"] = str(parent_dir)
-        warm = WarmParent(name=self.context.name, folder=self.context.folder, env=env,
-                          modules=modules_to_preload(self.context.folder, ENTRY_FILE, self.options.preload),
-                          log_path=parent_dir / "log")
+        parent = WarmParent(name=self.context.name, folder=self.context.folder, env=env, modules=modules,
+                            log_path=parent_dir / "log")
         try:
-            warm.start()
-        except WarmStartUnavailable as err:
-            self._cold_reason = str(err)
-            log.warning("model '%s': warm start is off, every batch starts a fresh interpreter: %s",
-                        self.context.name, err)
+            parent.start()
+        except BaseException:
             shutil.rmtree(parent_dir, ignore_errors=True)
-            return
-        self._warm = warm
+            raise
+        return parent
 
     def command(self) -> list[str]:
         return [sys.executable, ENTRY_FILE]
 
     def launch(self, *, env: dict[str, str], stdin: bytes) -> ProcessResult:
-        if self._warm is None:
+        if self._parent is None:
             return super().launch(env=env, stdin=stdin)
-        return self._warm.run(env=env, stdin=stdin, timeout_s=self.context.settings.timeout_s, groups=self._groups)
+        return self._parent.run(env=env, stdin=stdin, timeout_s=self.context.settings.timeout_s,
+                                groups=self._groups, exec_argv=None if self._warm else self.command())
 
     def relocate(self, context: ModelContext) -> None:
-        """Serve on from a renamed folder: the warm parent stays, each child runs in the new folder."""
+        """Serve on from a renamed folder: the parent stays, each child runs in the new folder."""
         super().relocate(context)
-        if self._warm is not None:
-            self._warm.name, self._warm.folder = context.name, context.folder
+        if self._parent is not None:
+            self._parent.name, self._parent.folder = context.name, context.folder
 
     def unload(self) -> None:
-        """End the warm parent (and any child it still runs) and remove its folder."""
-        if self._warm is not None:
-            self._warm.stop()
-            shutil.rmtree(self._warm.log_path.parent, ignore_errors=True)
-            self._warm = None
+        """End the parent (and any child it still runs) and remove its folder."""
+        parent, self._parent = self._parent, None
+        if parent is not None:
+            parent.stop()
+            shutil.rmtree(parent.log_path.parent, ignore_errors=True)
 
     def runtime_report(self) -> RuntimeReport:
         """``warm_start=on``, or ``warm_start=off (<reason>)``, and the warm parent's memory."""
-        warm = self._warm
-        if warm is None:
+        parent = self._parent
+        if not self._warm or parent is None:
             return RuntimeReport(f"warm_start=off ({self._cold_reason})")
-        return RuntimeReport("warm_start=on", warm.resident_bytes())
+        return RuntimeReport("warm_start=on", parent.resident_bytes())
 
 
 @hookimpl

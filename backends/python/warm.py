@@ -115,9 +115,10 @@ class WarmParent:
 
     # -- runs ---------------------------------------------------------------
     def run(self, *, env: dict[str, str], stdin: bytes, timeout_s: float | None,
-            groups: ProcessGroups) -> ProcessResult:
+            groups: ProcessGroups, exec_argv: list[str] | None = None) -> ProcessResult:
         """Fork one child that runs ``main.py`` for this batch; as ``run_model_process`` for a cold one.
 
+        With ``exec_argv`` the child execs that program (a cold run) instead.
         A parent found dead is restarted first. If it dies during the run, the
         run fails with ModelFailure giving the reason; the next run restarts it.
         """
@@ -128,7 +129,10 @@ class WarmParent:
         reply, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         with reply:
             try:
-                socket.send_fds(control, [json.dumps({"env": env, "cwd": str(self.folder)}).encode()],
+                request = {"env": env, "cwd": str(self.folder)}
+                if exec_argv:
+                    request["exec"] = exec_argv
+                socket.send_fds(control, [json.dumps(request).encode()],
                                 [stdin_read, output_write, theirs.fileno()])
             except OSError as err:
                 os.close(stdin_write)

@@ -11,7 +11,8 @@ Protocol (``CONTROL_FD`` is an AF_UNIX SOCK_SEQPACKET socket to the server):
    ``ready``, or ``fallback <reason>`` and exit (an import failed, or imports
    started Python threads: forking a threaded process is unsafe).
 2. Each message on the control socket asks for one run: a JSON object
-   ``{"env": {...}, "cwd": FOLDER}`` with three descriptors attached: the read end of the
+   ``{"env": {...}, "cwd": FOLDER}`` (and ``"exec": ARGV`` for a cold run,
+   which execs a fresh interpreter instead) with three descriptors attached: the read end of the
    child's stdin pipe, the write end of its output pipe (stdout and stderr),
    and a reply socket. A child forked ahead of time (the spare) takes the run.
 3. On the reply socket the parent sends ``{"pid": N}`` once the child is
@@ -255,15 +256,21 @@ def run_spare(assignments: socket.socket, parent_fds: set[int], parent: int) -> 
             os._exit(0)  # retired before it got a run
         assignments.close()
         request = json.loads(message)
-        code = run_child(request["env"], request["cwd"], *fds)
+        code = run_child(request["env"], request["cwd"], *fds, exec_argv=request.get("exec"))
     except BaseException:  # noqa: BLE001 - nothing may escape into a copy of the parent's loop
         traceback.print_exc()
     finally:
         os._exit(code)
 
 
-def run_child(env: dict[str, str], cwd: str, stdin_fd: int, output_fd: int) -> int:
-    """Become the model process for one run: take its folder, stdin, output and environment, run ``main.py``."""
+def run_child(env: dict[str, str], cwd: str, stdin_fd: int, output_fd: int,
+              exec_argv: list[str] | None = None) -> int:
+    """Become the model process for one run: take its folder, stdin, output and environment, run ``main.py``.
+
+    With ``exec_argv`` (a cold run) the child execs that program instead: a
+    fresh interpreter that still dies with this parent and whose detached
+    processes still come back to it.
+    """
     os.dup2(stdin_fd, 0)
     os.dup2(output_fd, 1)
     os.dup2(output_fd, 2)
@@ -275,6 +282,8 @@ def run_child(env: dict[str, str], cwd: str, stdin_fd: int, output_fd: int) -> i
     if "tempfile" in sys.modules:
         sys.modules["tempfile"].tempdir = None  # computed again from this run's TMPDIR
     os.chdir(cwd)  # the model folder of this run (a renamed folder moves on without a new parent)
+    if exec_argv:
+        os.execv(exec_argv[0], exec_argv)  # keeps the process, its session and its parent-death signal
     return run_main(os.path.join(cwd, ENTRY_FILE))
 
 

@@ -184,7 +184,7 @@ def test_bad_runtime_options_make_the_model_unavailable(repo, serve):
 def test_dead_warm_parent_fails_the_running_request_and_is_restarted(repo, serve, no_zombies):
     folder = repo.python("fragile", textproto=REPORT, main=reply_main("os.getppid()", prelude=SLOW_IF_ASKED))
     server = serve(repo.write_config())
-    warm = backend_of(server, "fragile")._warm
+    warm = backend_of(server, "fragile")._parent
     # Killed while idle: the next request is served by a new parent.
     parent = warm.pid
     assert ask(server, "fragile") == parent
@@ -212,7 +212,7 @@ def test_unload_ends_the_parent_and_its_children_and_removes_its_folder(repo, se
     folder = repo.python("longrun", textproto=REPORT, main=reply_main("1", prelude=SLOW_IF_ASKED))
     (folder / "slow").write_text("")
     server = serve(repo.write_config("- name: longrun\n  timeout_s: null\n", server_extra="  shutdown_grace_s: 1\n"))
-    warm = backend_of(server, "longrun")._warm
+    warm = backend_of(server, "longrun")._parent
     parent, parent_dir = warm.pid, warm.log_path.parent
     assert parent_dir.is_dir()
     caller = threading.Thread(target=lambda: _error_of(lambda: ask(server, "longrun")))
@@ -264,7 +264,9 @@ daemon = subprocess.Popen(["sleep", "300"], start_new_session=True)  # leaves th
 open("detached.pid", "w").write(str(daemon.pid))''')
 
 
-def test_a_process_the_model_detaches_ends_with_its_run(repo, serve, no_zombies):
+@pytest.mark.parametrize("warm", [True, False], ids=["warm", "cold"])
+def test_a_process_the_model_detaches_ends_with_its_run(repo, serve, no_zombies, warm):
+    repo.python_warm_start = warm  # a cold run execs a fresh interpreter, forked by the same parent
     folder = repo.python("detaching", textproto=REPORT, main=DETACHING_MAIN)
     server = serve(repo.write_config())
     assert ask(server, "detaching") == 1
@@ -272,8 +274,10 @@ def test_a_process_the_model_detaches_ends_with_its_run(repo, serve, no_zombies)
     assert wait_until(lambda: not alive(detached))
 
 
-def test_killing_the_server_ends_the_running_model_process(repo):
-    """SIGKILL leaves no cleanup to the server: the warm parent sees its lifeline close and ends its runs."""
+@pytest.mark.parametrize("warm", [True, False], ids=["warm", "cold"])
+def test_killing_the_server_ends_the_running_model_process(repo, warm):
+    """SIGKILL leaves no cleanup to the server: the parent sees its lifeline close and ends its runs."""
+    repo.python_warm_start = warm
     folder = repo.python("orphaned", textproto=REPORT, main=reply_main("1", prelude=SLOW_IF_ASKED))
     (folder / "slow").write_text("")
     with nereid_serve(repo.write_config(metrics_addr="")) as (process, client):
