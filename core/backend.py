@@ -2,7 +2,7 @@
 
 The plugin hook (:mod:`nereid.hookspecs`) is only how a backend *claims* a
 folder. The claim carries a factory; the core calls it once per load and from
-then on talks to the returned :class:`Backend` directly.
+then on talks to the returned :class:`Model` directly.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ class ModelContext:
 
 
 @runtime_checkable
-class Backend(Protocol):
+class Model(Protocol):
     """One loaded model, as the core sees it. Calls come from worker threads.
 
     ``infer`` receives inputs in the signature's order, each with its batch axis
@@ -186,9 +186,9 @@ class CallsModels(Protocol):
 class BackendClaim:
     """A backend's answer to "is this folder yours?".
 
-    ``backend`` is the backend's name (what ``backend:`` in nereid.yaml selects);
-    ``create`` builds the (not yet loaded) model.
+    ``backend_name`` is the backend's name (what ``backend:`` in nereid.yaml
+    selects); ``create`` builds the (not yet loaded) model.
     """
 
-    backend: str
-    create: Callable[[ModelContext], Backend]
+    backend_name: str
+    create: Callable[[ModelContext], Model]

@@ -75,6 +75,6 @@ def claim_folder(manager: pluggy.PluginManager, folder: Path, backend: str | Non
         return ClaimResult(None, f"no backend claims the folder {folder} "
                                  f"(installed backends: {', '.join(backend_names(manager))}); "
                                  f"add the backend's files or set backend: in nereid.yaml{hints}")
-    names = ", ".join(sorted(c.backend for c in claims))
+    names = ", ".join(sorted(c.backend_name for c in claims))
     return ClaimResult(None, f"several backends claim the folder {folder} ({names}); "
                              "set backend: in nereid.yaml to choose one")

@@ -22,7 +22,7 @@ from typing import Any, Callable, Mapping, Protocol
 import pluggy
 
 import nereid
-from nereid.backend import (Backend, CallsModels, HasBatchSignature, ModelCaller, ModelContext, Postprocesses,
+from nereid.backend import (CallsModels, HasBatchSignature, Model, ModelCaller, ModelContext, Postprocesses,
                             Preprocesses, Relocatable, Terminable)
 from nereid.batching import BatchPolicy
 from nereid.dependencies import describe_cycle, find_cycle, waiting_for
@@ -61,7 +61,7 @@ class LoadedModel:
     """
 
     backend_name: str
-    backend: Backend
+    backend: Model
     signature: ModelSignature
     batch_signature: ModelSignature
     scheduler: ModelScheduler
@@ -92,7 +92,7 @@ class BuiltModel:
     """A loaded backend with what the core derived from it."""
 
     backend_name: str
-    backend: Backend
+    backend: Model
     signature: ModelSignature
     batch_signature: ModelSignature
     policy: BatchPolicy
@@ -109,7 +109,7 @@ def build_model(manager: pluggy.PluginManager, context: ModelContext,
     result = claim_folder(manager, context.folder, context.settings.backend)
     if result.claim is None:
         raise ConfigError(result.reason)
-    defaults = (backend_defaults or {}).get(result.claim.backend)
+    defaults = (backend_defaults or {}).get(result.claim.backend_name)
     if defaults:
         context = replace(context, settings=replace(context.settings,
                                                      runtime={**defaults, **context.settings.runtime}))
@@ -124,7 +124,7 @@ def build_model(manager: pluggy.PluginManager, context: ModelContext,
     except BaseException:
         backend.unload()
         raise
-    return BuiltModel(result.claim.backend, backend, signature, batch_signature, policy)
+    return BuiltModel(result.claim.backend_name, backend, signature, batch_signature, policy)
 
 
 def list_model_folders(root: Path) -> list[str]:

@@ -19,7 +19,7 @@ from typing import Awaitable, Callable
 
 import numpy as np
 
-from nereid.backend import REQUEST_DEADLINE_NS, Backend
+from nereid.backend import REQUEST_DEADLINE_NS, Model
 from nereid.batching import BatchPolicy, batch_key, request_cost
 from nereid.daemon_pool import DaemonThreadPool
 from nereid.errors import DeadlineExceeded, ModelFailure, NereidError, QueueFull, Unavailable
@@ -52,7 +52,7 @@ class Work:
 class ModelScheduler:
     """Queue, batcher and executions of one loaded model. Create it on the server's event loop."""
 
-    def __init__(self, name: str, backend: Backend, signature: ModelSignature, capacity: int, instances: int,
+    def __init__(self, name: str, backend: Model, signature: ModelSignature, capacity: int, instances: int,
                  stats: ModelStats, policy: BatchPolicy | None = None) -> None:
         self.name = name
         self.capacity = capacity
@@ -124,7 +124,7 @@ class ModelScheduler:
 
     @property
     def running_threads(self) -> int:
-        """Backend calls still running on worker threads, including those whose caller went away."""
+        """Model calls still running on worker threads, including those whose caller went away."""
         return len(self._threads)
 
     async def drain(self, grace_s: float | None = None,

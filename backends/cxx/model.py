@@ -50,7 +50,7 @@ class CxxModel:
         self._inputs: tuple[_Slot, ...] = ()
         self._outputs: tuple[_Slot, ...] = ()
 
-    # -- Backend protocol -------------------------------------------------
+    # -- Model protocol -------------------------------------------------
     def load(self) -> None:
         """Check the textproto and options, build or find the library, dlopen a copy, call nereid_load."""
         name, folder = self.context.name, self.context.folder

@@ -96,7 +96,7 @@ class BlockingMetaContext(MetaContext):
 
 
 class MetaModel:
-    """The Backend of a meta model: its ``infer`` is a coroutine run on the event loop.
+    """A meta model (a ``nereid.backend.Model``): its ``infer`` is a coroutine run on the event loop.
 
     Implements :class:`~nereid.backend.CallsModels`: the repository keeps it
     READY only while its ``depends_on`` are READY, and runs each request as an
@@ -117,7 +117,7 @@ class MetaModel:
         self._model_py: Path | None = None
         self._pool: DaemonThreadPool | None = None
 
-    # -- Backend protocol ---------------------------------------------------------------------------
+    # -- Model protocol ---------------------------------------------------------------------------
 
     def load(self) -> None:
         """Read the manifest and model.py; refuse program files, a missing orchestration and cycles."""

@@ -37,7 +37,7 @@ class SubprocessModel:
         self._signature: ModelSignature | None = None
         self._groups = ProcessGroups()
 
-    # -- Backend protocol -------------------------------------------------
+    # -- Model protocol -------------------------------------------------
     def load(self) -> None:
         """Read the textproto (output_shape is required) and prepare the program."""
         path = self.context.folder / TEXTPROTO_NAME

@@ -1,4 +1,4 @@
-"""The xla Backend: one loaded bundle, its compiled programs and its device-resident weights.
+"""The xla Model: one loaded bundle, its compiled programs and its device-resident weights.
 
 ``load`` reads the manifest, checks each program's arity and types against the
 manifest and the weights header, compiles (or takes from ``.cache/``) one
@@ -78,7 +78,7 @@ class XlaModel:
         self._mode = BatchMode.NONE
         self._batch_signature: ModelSignature | None = None
 
-    # -- Backend protocol ---------------------------------------------------------------------------
+    # -- Model protocol ---------------------------------------------------------------------------
 
     def load(self) -> None:
         """Compile (or reuse) every program and place the weights on the device; raise with the reason."""
