@@ -1,0 +1,60 @@
+"""Per-model statistics on their own: Triton's counters, batch sizes, histograms and snapshots."""
+
+from __future__ import annotations
+
+import threading
+
+from nereid.stats import Histogram, ModelStats
+
+
+def test_an_execution_charges_each_request_the_whole_batch():
+    stats = ModelStats()
+    for _ in range(3):
+        stats.record_submitted()
+    stats.execution_started()
+    stats.execution_finished(rows=5, cost=5, queue_ns=[100, 200, 300], input_ns=10, infer_ns=1000, output_ns=20,
+                             succeeded=True)
+    for rows in (2, 1, 2):
+        stats.record_success(5_000, rows)
+    stats.record_failure(7_000, "deadline_exceeded")
+    stats.record_dropped(400)
+    assert (stats.execution_count, stats.inference_count) == (1, 5)
+    assert (stats.queue.count, stats.queue.ns) == (4, 1000)  # three executed, one dropped
+    assert (stats.compute_infer.count, stats.compute_infer.ns) == (3, 3000)  # Triton's convention
+    assert stats.batches[5].compute_infer.count == 1 and stats.batches[5].compute_infer.ns == 1000
+    assert (stats.success.count, stats.fail.count) == (3, 1)
+    assert stats.failures_by_reason == {"deadline_exceeded": 1}
+    batcher = stats.batcher
+    assert (batcher.total_submitted, batcher.total_completed, batcher.avg_batch_size) == (3, 3, 5.0)
+
+
+def test_histograms_are_cumulative_with_inclusive_bounds():
+    histogram = Histogram((1.0, 2.0))
+    for value in (0.5, 1.0, 1.5, 3.0):
+        histogram.observe(value)
+    assert histogram.cumulative() == [("1.0", 2), ("2.0", 3), ("+Inf", 4)]
+    assert histogram.sum == 6.0
+
+
+def test_a_snapshot_is_consistent_and_independent():
+    stats = ModelStats()
+    stats.record_success(1_000, 2)
+    snapshot = stats.snapshot()
+    stats.record_success(1_000, 2)
+    assert snapshot.success.count == 1 and stats.success.count == 2
+    assert snapshot.request_seconds.counts != stats.request_seconds.counts
+
+
+def test_concurrent_recording_loses_nothing():
+    stats = ModelStats()
+
+    def record() -> None:
+        for _ in range(2000):
+            stats.record_success(10, 1)
+
+    threads = [threading.Thread(target=record) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert stats.success.count == stats.inference_count == 8000
