@@ -181,3 +181,22 @@ def nereid_serve(config: Path):
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def process_alive(pid: int) -> bool:
+    """True while ``pid`` runs (False when it is gone, or a zombie waiting for its reaper)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def wait_until(condition: Callable[[], Any], timeout_s: float = 10) -> Any:
+    """Poll ``condition`` (a test's way to wait for another process) until it is truthy; its value, or False."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := condition()):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return value

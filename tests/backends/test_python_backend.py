@@ -21,7 +21,7 @@ import pytest
 import tritonclient.grpc as triton
 from tritonclient.utils import InferenceServerException
 
-from support import ECHO_MAIN, FRAMED_ECHO_MAIN, textproto_single, zombie_children
+from support import ECHO_MAIN, FRAMED_ECHO_MAIN, process_alive, textproto_single, zombie_children
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "ml-backends"
 
@@ -58,15 +58,6 @@ def run_dirs(server, model: str) -> list[Path]:
     """Per-request scratch folders left behind for ``model``."""
     scratch = server.server.scratch_dir / model
     return sorted(scratch.glob("run-*")) if scratch.exists() else []
-
-
-def process_gone(pid: int) -> bool:
-    """True when ``pid`` no longer runs (absent, or a zombie waiting for its reaper)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
 
 
 @pytest.fixture(autouse=True, params=["warm", "cold"])
@@ -505,9 +496,9 @@ def test_hang_past_timeout_kills_the_process_group(faulty_server, repo, no_zombi
     # the grandchild wrote its pid in the model folder (the working directory) and died with its group
     grandchild = int(pid_file.read_text())
     deadline = time.monotonic() + 5
-    while not process_gone(grandchild) and time.monotonic() < deadline:
+    while process_alive(grandchild) and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert process_gone(grandchild), f"grandchild {grandchild} survived the timeout"
+    assert not process_alive(grandchild), f"grandchild {grandchild} survived the timeout"
     # the same model answers promptly afterwards, and nothing was left behind
     assert infer(server, "hang", good_row(0)).as_numpy("output").tolist() == good_row(0).tolist()
     assert run_dirs(server, "hang") == []
@@ -520,9 +511,9 @@ def test_background_process_of_a_successful_request_is_killed(faulty_server, rep
     assert infer(server, "faulty", good_row(14)).as_numpy("output").tolist() == good_row(14).tolist()
     orphan = int((repo.models_dir / "faulty" / "orphan.pid").read_text())
     deadline = time.monotonic() + 5
-    while not process_gone(orphan) and time.monotonic() < deadline:
+    while process_alive(orphan) and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert process_gone(orphan), f"background process {orphan} outlived its request"
+    assert not process_alive(orphan), f"background process {orphan} outlived its request"
     assert zombie_children() == []
 
 

@@ -7,7 +7,6 @@ import os
 import signal
 import sysconfig
 import threading
-import time
 import urllib.request
 import uuid
 from pathlib import Path
@@ -20,7 +19,7 @@ from tritonclient.utils import InferenceServerException
 from nereid.backends.python.preload import imported_modules, modules_to_preload
 from nereid.cli import main as cli_main
 
-from support import nereid_serve, textproto_single, zombie_children
+from support import nereid_serve, process_alive, textproto_single, wait_until, zombie_children
 
 REPORT = textproto_single("BYTES", input_shape="[1]", output_shape="[1]", max_batch_size=8)
 
@@ -50,23 +49,6 @@ def ask(server, model: str):
 
 def backend_of(server, model: str):
     return server.server.repository.entry(model).loaded.backend
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def wait_until(condition, timeout_s: float = 10) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 # -- what is preloaded --------------------------------------------------------
@@ -189,9 +171,9 @@ def test_dead_warm_parent_fails_the_running_request_and_is_restarted(repo, serve
     parent = warm.pid
     assert ask(server, "fragile") == parent
     os.kill(parent, signal.SIGKILL)
-    assert wait_until(lambda: not alive(parent))
+    assert wait_until(lambda: not process_alive(parent))
     parent = ask(server, "fragile")
-    assert parent == warm.pid and alive(parent)
+    assert parent == warm.pid and process_alive(parent)
     # Killed while a request runs in it: that request fails INTERNAL with the reason, the next succeeds.
     (folder / "slow").write_text("")
     errors = []
@@ -203,7 +185,7 @@ def test_dead_warm_parent_fails_the_running_request_and_is_restarted(repo, serve
     thread.join(20)
     assert errors and errors[0] is not None and errors[0].status() == "StatusCode.INTERNAL"
     assert "model 'fragile': its warm parent process was killed by signal SIGKILL" in errors[0].message()
-    assert wait_until(lambda: not alive(child))  # the running child died with its parent
+    assert wait_until(lambda: not process_alive(child))  # the running child died with its parent
     (folder / "slow").unlink()
     assert ask(server, "fragile") == warm.pid != parent
 
@@ -223,7 +205,7 @@ def test_unload_ends_the_parent_and_its_children_and_removes_its_folder(repo, se
     server.client.unload_model("longrun")
     caller.join(30)
     assert not caller.is_alive()
-    assert wait_until(lambda: not alive(parent) and not alive(child) and not alive(spare[0]))
+    assert wait_until(lambda: not process_alive(parent) and not process_alive(child) and not process_alive(spare[0]))
     assert not parent_dir.exists()
     assert zombie_children() == []
 
@@ -271,7 +253,7 @@ def test_a_process_the_model_detaches_ends_with_its_run(repo, serve, no_zombies,
     server = serve(repo.write_config())
     assert ask(server, "detaching") == 1
     detached = int((folder / "detached.pid").read_text())
-    assert wait_until(lambda: not alive(detached))
+    assert wait_until(lambda: not process_alive(detached))
 
 
 @pytest.mark.parametrize("warm", [True, False], ids=["warm", "cold"])
@@ -287,4 +269,4 @@ def test_killing_the_server_ends_the_running_model_process(repo, warm):
         child = running_child(folder)
         process.kill()
         process.wait()
-    assert wait_until(lambda: not alive(child))
+    assert wait_until(lambda: not process_alive(child))

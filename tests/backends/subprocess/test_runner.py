@@ -12,7 +12,7 @@ import pytest
 
 from nereid.backends.subprocess.runner import ProcessGroups, run_model_process
 
-from support import zombie_children
+from support import process_alive, zombie_children
 
 PYTHON = [sys.executable, "-S", "-c"]
 
@@ -20,14 +20,6 @@ PYTHON = [sys.executable, "-S", "-c"]
 def run(tmp_path: Path, code: str, stdin: bytes = b"", timeout_s: float | None = 30, **kwargs):
     return run_model_process([*PYTHON, code], cwd=tmp_path, env={}, stdin=stdin, timeout_s=timeout_s,
                              **kwargs)
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_exit_code_signal_and_output_tail(tmp_path):
@@ -88,9 +80,9 @@ def test_timeout_kills_the_whole_group(tmp_path):
     assert time.monotonic() - started < 10
     grandchild = int(result.output_tail.split()[0])
     deadline = time.monotonic() + 5
-    while alive(grandchild) and time.monotonic() < deadline:
+    while process_alive(grandchild) and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert not alive(grandchild)
+    assert not process_alive(grandchild)
 
 
 def test_kill_all_ends_running_groups(tmp_path):
