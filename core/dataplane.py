@@ -9,7 +9,6 @@ its errors to their status codes.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Awaitable, Callable
 
@@ -20,7 +19,7 @@ from nereid.model_info import (MODEL_VERSION, IndexEntry, ModelConfig, ModelMeta
 from nereid.repository import LoadedModel, ModelRepository, ModelState
 from nereid.stats import ModelStats
 from nereid.settings import Settings
-from nereid.signature import check_outputs, validate_inputs
+from nereid.signature import validate_inputs
 from nereid.tensors import InferRequest, InferResponse, NamedTensor
 
 SERVER_NAME = "nereid"
@@ -130,7 +129,7 @@ class DataPlane:
             try:
                 validated = validate_inputs(request.model_name, model.signature, request.inputs)
                 wanted = self._requested_outputs(request, model)
-                outputs = await self._run(request, model, validated.tensors, validated.batch_size)
+                outputs = await model.run(validated.tensors, validated.batch_size, request.deadline_ns)
                 break
             except Unavailable as err:
                 # A reload may have swapped versions while this request ran a hook: the old version
@@ -151,22 +150,6 @@ class DataPlane:
         return InferResponse(request.model_name, outputs, request.id)
 
     @staticmethod
-    async def _run(request: InferRequest, model: LoadedModel, inputs: list[NamedTensor],
-                   batch_size: int) -> list[NamedTensor]:
-        """Queue the request, through the backend's pre/postprocess hooks when it has them."""
-        name = request.model_name
-        if model.preprocess is not None:
-            inputs = await _call_hook(name, "preprocess", model.preprocess, inputs)
-            inputs = validate_inputs(name, model.batch_signature, inputs).tensors
-            if model.batch_signature.batches and inputs:
-                batch_size = inputs[0].shape[0]
-        outputs = await model.scheduler.submit(inputs, batch_size, request.deadline_ns)
-        if model.postprocess is not None:
-            outputs = await _call_hook(name, "postprocess", model.postprocess, outputs)
-            check_outputs(name, model.signature, outputs, batch_size)
-        return outputs
-
-    @staticmethod
     def _requested_outputs(request: InferRequest, model: LoadedModel) -> set[str] | None:
         """The outputs the request asked for; None when it asked for none, meaning all of them."""
         if not request.requested_outputs:
@@ -178,16 +161,6 @@ class DataPlane:
                     f"model '{request.model_name}': unknown requested output '{name}' "
                     f"(outputs: {', '.join(repr(n) for n in declared) or 'none'})")
         return set(request.requested_outputs)
-
-
-async def _call_hook(model: str, hook: str, function, tensors: list[NamedTensor]) -> list[NamedTensor]:
-    # Hooks run on worker threads, so hooks of different requests overlap.
-    try:
-        return await asyncio.to_thread(function, tensors)
-    except NereidError:
-        raise
-    except Exception as err:
-        raise ModelFailure(f"model '{model}': {hook} hook failed: {type(err).__name__}: {err}") from err
 
 
 def _strip_batch_axis(tensor: NamedTensor) -> NamedTensor:

@@ -22,12 +22,12 @@ from typing import Any, Callable, Mapping, Protocol
 import pluggy
 
 import nereid
-from nereid.backend import (CallsModels, HasBatchSignature, Model, ModelCaller, ModelContext, Postprocesses,
-                            Preprocesses, Relocatable, Terminable)
+from nereid.backend import CallsModels, HasBatchSignature, Model, ModelCaller, ModelContext, Relocatable, Terminable
 from nereid.batching import BatchPolicy
 from nereid.dependencies import describe_cycle, find_cycle, waiting_for
 from nereid.errors import ConfigError, NotFound, Unavailable, cap_message
 from nereid.files import check_confined
+from nereid.model_runner import Runner, make_runner
 from nereid.plugins import claim_folder
 from nereid.scheduler import ModelScheduler
 from nereid.settings import ModelSettings, Settings
@@ -35,7 +35,6 @@ from nereid.signature import ModelSignature
 from nereid.stats import ModelStats
 from nereid.storage import list_model_folders as list_repository_folders
 from nereid.storage import materialize_model_folder, model_folder_exists
-from nereid.tensors import NamedTensor
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +56,7 @@ class LoadedModel:
 
     ``signature`` is client-facing; ``batch_signature`` is what the backend's
     ``infer`` takes and returns (the same unless the backend has hooks).
-    ``preprocess`` / ``postprocess`` are the backend's hooks, looked up once.
+    ``run`` is its request path ([preprocess →] queue [→ postprocess]), built once at load.
     """
 
     backend_name: str
@@ -67,8 +66,7 @@ class LoadedModel:
     scheduler: ModelScheduler
     stats: ModelStats
     load_seconds: float
-    preprocess: Callable[[list[NamedTensor]], list[NamedTensor]] | None = None
-    postprocess: Callable[[list[NamedTensor]], list[NamedTensor]] | None = None
+    run: Runner
     depends_on: tuple[str, ...] = ()  # models it calls (a meta model): READY only while they are
 
 
@@ -281,8 +279,7 @@ class ModelRepository:
                  built.backend_name, entry.settings.device, load_seconds)
         return LoadedModel(built.backend_name, built.backend, built.signature, built.batch_signature,
                            scheduler, stats, load_seconds,
-                           built.backend.preprocess if isinstance(built.backend, Preprocesses) else None,
-                           built.backend.postprocess if isinstance(built.backend, Postprocesses) else None,
+                           make_runner(built.backend, built.signature, built.batch_signature, scheduler),
                            built.backend.dependencies() if calls_models else ())
 
     async def reload(self, name: str) -> ModelEntry:
