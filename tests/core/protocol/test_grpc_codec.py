@@ -487,3 +487,66 @@ def test_serialized_responses_equal_protobuf_serialization(array):
     assert pb.ModelInferResponse.FromString(serialize_infer_response(response)) == expected
     streamed = pb.ModelStreamInferResponse.FromString(serialize_infer_response(response, streamed=True))
     assert streamed.infer_response == expected and not streamed.error_message
+
+
+# -- the codec functions on their own (no server) ------------------------------------------------
+
+def _request(**fields):
+    from nereid._proto import grpc_service_pb2 as pb
+
+    message = pb.ModelInferRequest(model_name="m", id="r1", **fields)
+    return message
+
+
+def test_decode_raw_and_typed_contents_directly():
+    import time
+
+    from nereid.dtypes import DType
+    from nereid.protocol.grpc_codec import decode_infer_request
+
+    raw = _request()
+    raw.inputs.add(name="x", datatype="FP32", shape=[1, 2])
+    raw.raw_input_contents.append(np.array([1.5, 2.5], "<f4").tobytes())
+    raw.outputs.add(name="y")
+    raw.parameters["timeout"].int64_param = 5_000_000
+    decoded = decode_infer_request(raw, time_remaining_s=0.5)
+    (x,) = decoded.inputs
+    assert (x.dtype, x.data.tolist(), decoded.id, decoded.requested_outputs) == (DType.FP32, [[1.5, 2.5]], "r1", ["y"])
+    budget_ns = decoded.deadline_ns - time.monotonic_ns()
+    assert 0 < budget_ns <= 500_000_000  # the earlier of the gRPC deadline and the timeout parameter
+    typed = _request()
+    typed.inputs.add(name="x", datatype="INT8", shape=[2]).contents.int_contents.extend([1, -2])
+    assert decode_infer_request(typed, None).inputs[0].data.tolist() == [1, -2]
+
+
+@pytest.mark.parametrize("build, message", [
+    (lambda r: (r.inputs.add(name="x", datatype="INT8", shape=[1]).contents.int_contents.append(300)),
+     "contents.int_contents value 300 does not fit INT8"),
+    (lambda r: (r.inputs.add(name="x", datatype="FP32", shape=[2]), r.raw_input_contents.append(b"\0" * 4)),
+     "raw contents are 4 bytes, expected 8"),
+    (lambda r: (r.inputs.add(name="x", datatype="FP16", shape=[1]).contents.fp32_contents.append(1.0)),
+     "FP16 data must be sent in raw_input_contents"),
+    (lambda r: (r.inputs.add(name="x", datatype="FP32", shape=[0])), "has a dimension < 1"),
+    (lambda r: (r.inputs.add(name="x", datatype="FP32", shape=[1]), r.inputs.add(name="z", datatype="FP32", shape=[1]),
+                r.raw_input_contents.append(b"\0" * 4)), "1 raw_input_contents for 2 inputs"),
+])
+def test_decode_refusals_directly(build, message):
+    from nereid.errors import InvalidArgument
+    from nereid.protocol.grpc_codec import decode_infer_request
+
+    request = _request()
+    build(request)
+    with pytest.raises(InvalidArgument, match=message.replace("[", r"\[")):
+        decode_infer_request(request, None)
+
+
+def test_large_requests_keep_raw_inputs_as_views_of_the_wire_bytes():
+    from nereid.protocol.grpc_codec import parse_infer_request
+
+    request = _request()
+    request.inputs.add(name="x", datatype="UINT8", shape=[1 << 20])
+    request.raw_input_contents.append(b"\x07" * (1 << 20))
+    wire = request.SerializeToString()
+    message, raws = parse_infer_request(wire)
+    assert isinstance(raws[0], memoryview) and raws[0].obj is wire and len(raws[0]) == 1 << 20
+    assert message.inputs[0].name == "x" and not message.raw_input_contents
