@@ -36,14 +36,12 @@ rebuilds the copy.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 
@@ -54,7 +52,7 @@ from nereid.backends.xla.safetensors import (AXIS_ORDER_KEY, AXIS_ORDER_XLA, SAF
                                              encode_header, read_entry, read_header, read_header_fd)
 from nereid.backends.xla.weights import LocalBundleFiles, WeightSet, resolve_weights
 from nereid.errors import ConfigError
-from nereid.files import atomic_write, fsync_folder
+from nereid.files import atomic_write, locked, fsync_folder
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +131,7 @@ def migrate_bundle(folder: Path | str, mode: str) -> Outcome:
     folder = Path(folder)
     if mode not in ("copy", "replace"):
         raise ValueError(f"mode must be copy or replace, got {mode!r}")
-    with _lock(folder / CACHE_DIR / LOCK_FILE):
+    with locked(folder / CACHE_DIR / LOCK_FILE):
         # Read under the lock: another worker may have just migrated the bundle.
         layout = open_bundle(folder)
         manifest_path = folder / MANIFEST_NAME
@@ -409,19 +407,5 @@ def _same(a: Path, b: Path) -> bool:
         return os.path.samefile(a, b)
     except OSError:
         return False
-
-
-@contextlib.contextmanager
-def _lock(path: Path) -> Iterator[None]:
-    """Workers on one machine take turns migrating a bundle."""
-    import fcntl
-
-    path.parent.mkdir(exist_ok=True)
-    with open(path, "a") as handle:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
 
 

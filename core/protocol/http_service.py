@@ -165,7 +165,7 @@ class HttpSurface:
             except ValueError:
                 raise HttpError(400, f"model '{model}': Inference-Header-Content-Length must be an integer, got "
                                      f"{header_length.decode('latin-1')[:64]!r}") from None
-        body = await self._read_body(scope, receive, model)
+        body = await self._read_body(headers, receive, model)
         if len(body) >= DECODE_OFF_LOOP_BYTES:
             request, choice = await asyncio.to_thread(decode_infer, model, body, length)
         else:
@@ -186,13 +186,13 @@ class HttpSurface:
     async def _repository(self, scope: Scope, receive: Receive,
                           rest: list[str]) -> tuple[int, list[bytes | memoryview], list]:
         if rest == ["index"]:
-            body = await self._read_body(scope, receive, "")
+            body = await self._read_body(dict(scope["headers"]), receive, "")
             options = _json_object(body, "the repository index request") if body.strip() else {}
             ready = options.get("ready", False)
             return _json([{"name": e.name, "version": e.version, "state": e.state, "reason": e.reason}
                           for e in self.dataplane.repository_index(ready is True)])
         if len(rest) == 3 and rest[0] == "models" and rest[2] in ("load", "unload"):
-            await self._read_body(scope, receive, rest[1])  # parameters are accepted and not used
+            await self._read_body(dict(scope["headers"]), receive, rest[1])  # parameters: accepted, not used
             if rest[2] == "load":
                 await self.dataplane.load(rest[1])
             else:
@@ -200,9 +200,9 @@ class HttpSurface:
             return 200, [], [(b"content-type", b"application/json")]
         raise HttpError(404, f"no such endpoint: POST {cap_message(scope['path'], 256)}")
 
-    async def _read_body(self, scope: Scope, receive: Receive, model: str) -> bytes:
+    async def _read_body(self, headers: dict[bytes, bytes], receive: Receive, model: str) -> bytes:
         """The whole body, refused with 413 past the limit (before reading it, when its length is declared)."""
-        declared = dict(scope["headers"]).get(b"content-length")
+        declared = headers.get(b"content-length")
         limit = self.max_body_bytes
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise HttpError(413, f"{_who(model)}the request body is {int(declared)} bytes; the limit is {limit} "

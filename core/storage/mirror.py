@@ -19,9 +19,9 @@ import json
 import logging
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Mapping
 
-from nereid.files import atomic_write
+from nereid.files import atomic_write, locked
 from nereid.storage.client import StorageError, describe_error, open_store
 from nereid.storage.url import StoreURL
 
@@ -104,7 +104,7 @@ def materialize(location: StoreURL, name: str, folder: Path) -> RemoteFolder:
     if not objects:
         raise StorageError(f"{folder_url}: no such model folder (no objects under it)")
     folder.mkdir(parents=True, exist_ok=True)
-    with _locked(folder.parent / f".{name}.lock"):
+    with locked(folder.parent / f".{name}.lock"):
         previous = read_marker(folder)
         fetched: dict[str, RemoteObject] = {}
         streamed: dict[str, RemoteObject] = {}
@@ -188,16 +188,3 @@ def _remove_others(folder: Path, keep: set[str]) -> None:
                 path.rmdir()  # only when empty
         elif relative.as_posix() not in keep:
             path.unlink(missing_ok=True)
-
-
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    """Servers sharing one cache folder take turns updating a model folder."""
-    import fcntl
-
-    with open(path, "a") as handle:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)

@@ -25,7 +25,7 @@ from tritonclient.utils import InferenceServerException
 
 from nereid.errors import ConfigError
 from nereid.settings import DEFAULT_MAX_MESSAGE_BYTES, ServerSettings, load_settings, repository_control_allowed
-from support import expect_grpc_error, free_port, textproto_single
+from support import expect_grpc_error, free_port, process_alive, textproto_single
 
 
 # --------------------------------------------------------------------------- certificates
@@ -309,20 +309,13 @@ def test_sigterm_during_a_slow_load_exits_within_the_grace_and_kills_what_the_lo
         output = process.stderr.read()
         assert "ended 1 process(es) left by abandoned loads or calls" in output, output
         deadline = time.monotonic() + 5
-        while Path(f"/proc/{child}").exists() and _state(child) != "Z":
+        while process_alive(child):
             assert time.monotonic() < deadline, "the program the load started is still running"
             time.sleep(0.05)
     finally:
         if process.poll() is None:
             process.kill()
             process.wait()
-
-
-def _state(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return "Z"
 
 
 STUCK_MODEL_SERVER = '''
