@@ -257,7 +257,7 @@ class RepositoryWatcher:
                 log.exception("dynamic repository: applying a change failed")
 
     async def _apply_config(self) -> None:
-        text = self._read_config()
+        text = await asyncio.to_thread(self._read_config)  # never read a file on the loop
         if text == self._config_text:
             return
         self._config_text = text
