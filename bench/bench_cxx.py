@@ -23,55 +23,16 @@ cpp at concurrency 1; cxx within 10% of the identity).
 from __future__ import annotations
 
 import argparse
-import asyncio
-import logging
 import shutil
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
-from common import REPO_ROOT, free_port, perf_analyzer, print_table, running, wait_model_ready
+from common import BENCH_DIR, REPO_ROOT, free_port, perf_analyzer, print_table, running, wait_model_ready
+from identity_backend import ON_LOOP_MARKER, THREADED_MARKER
 
 MODELS = ("cxx_scale", "cpp_scale", "identity", "identity_thread")
-THREADED_MARKER = "identity_thread.txt"
-
-
-class ThreadedIdentityPlugin:
-    """Claims folders holding ``identity_thread.txt``: the bench identity with a blocking ``infer``."""
-
-    BACKEND_NAME = "bench_identity_thread"
-
-    def __init__(self) -> None:
-        from identity_backend import Identity
-        from nereid.hookspecs import hookimpl
-        from nereid.backend import BackendClaim
-        from nereid.tensors import NamedTensor
-
-        class ThreadedIdentity(Identity):
-            platform = "bench_identity_thread"
-
-            def infer(self, inputs: list[NamedTensor]) -> list[NamedTensor]:  # type: ignore[override]
-                return [NamedTensor("output", inputs[0].dtype, inputs[0].data)]
-
-        def claim(folder: Path, declared: bool) -> BackendClaim | None:
-            if declared or (folder / THREADED_MARKER).is_file():
-                return BackendClaim(self.BACKEND_NAME, ThreadedIdentity)
-            return None
-
-        self.nereid_claim_model = hookimpl(claim)
-
-
-def serve(config_path: Path, bind: str) -> None:
-    """``nereid serve`` with both bench identity backends registered (bench use only)."""
-    import identity_backend
-    from nereid.plugins import make_plugin_manager
-    from nereid.server import NereidServer
-    from nereid.settings import load_settings
-
-    logging.basicConfig(level=logging.WARNING)
-    manager = make_plugin_manager(extra_plugins=(identity_backend, ThreadedIdentityPlugin()))
-    asyncio.run(NereidServer(load_settings(config_path), manager=manager, bind_addr=bind).serve_until_signalled())
 
 
 def config(root: Path) -> Path:
@@ -80,7 +41,7 @@ def config(root: Path) -> Path:
     for name in ("cxx_scale", "cpp_scale"):
         shutil.copytree(REPO_ROOT / "ml-backends" / name, models / name,
                         ignore=shutil.ignore_patterns(".cache"))  # build here, timed out of the runs
-    for name, marker in (("identity", "identity.txt"), ("identity_thread", THREADED_MARKER)):
+    for name, marker in (("identity", ON_LOOP_MARKER), ("identity_thread", THREADED_MARKER)):
         folder = models / name
         folder.mkdir()
         (folder / marker).write_text("")
@@ -99,16 +60,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--repeat", type=int, default=3, help="runs per model and concurrency; medians reported")
-    parser.add_argument("--serve", nargs=2, metavar=("CONFIG", "ADDRESS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.serve:  # the server process this script starts for itself
-        serve(Path(args.serve[0]), args.serve[1])
-        return
     runs: dict[tuple[str, int], list[dict[str, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         path = config(Path(tmp))
         address = f"127.0.0.1:{free_port()}"
-        argv = [sys.executable, __file__, "--serve", str(path), address]
+        argv = [sys.executable, str(BENCH_DIR / "serve_with_plugin.py"), str(path), address]
 
         def ready(a: str) -> None:
             for model in MODELS:

@@ -1,6 +1,8 @@
 """HTTP/REST overhead: nereid over HTTP (binary tensors) vs nereid over gRPC vs bare HTTP servers.
 
-The same in-process identity model behind both of nereid's protocols; the
+The same in-process identity model behind both of nereid's protocols (its
+``async def infer`` on the event loop; over HTTP also the identity with a plain
+``def infer`` on worker threads, the way blocking backends run); the
 baselines are bare servers of the two HTTP stacks considered (uvicorn with
 httptools, which nereid uses, and aiohttp) echoing the same binary requests
 (bench/bare_http.py). perf_analyzer drives each at concurrency 1, 8 and 32,
@@ -19,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench_protocol import CASES, MAX_BATCH_SIZE, nereid_config
+from bench_protocol import CASES, MAX_BATCH_SIZE, MODELS, nereid_config
 from common import BENCH_DIR, free_port, perf_analyzer, print_table, running, wait_model_ready
 
 
@@ -47,12 +49,12 @@ def main() -> None:
     for case, shape in CASES.items():
         dims = ",".join(map(str, shape))
         with tempfile.TemporaryDirectory() as tmp:
-            config = nereid_config(Path(tmp), shape)
             http_port = free_port()
-            config.write_text(config.read_text().replace("server:\n", f'server:\n  http_addr: "127.0.0.1:{http_port}"\n'))
+            config = nereid_config(Path(tmp), shape, f"127.0.0.1:{http_port}")
             # 32 clients of 4 MiB each do not give perf_analyzer a stable 2 s window on 2 cores.
             for concurrency in [c for c in args.concurrency if shape == CASES["small (16 x FP32)"] or c <= 8]:
-                runs: dict[str, list[float]] = {"uvicorn": [], "aiohttp": [], "nereid http": [], "nereid grpc": []}
+                runs: dict[str, list[float]] = {"uvicorn": [], "aiohttp": [], "nereid http": [], "nereid http thread": [],
+                                             "nereid grpc": []}
                 for _ in range(args.repeat):
                     for stack in ("uvicorn", "aiohttp"):
                         address = f"127.0.0.1:{free_port()}"
@@ -63,17 +65,20 @@ def main() -> None:
                                                              protocol="http")["throughput"])
                     address = f"127.0.0.1:{free_port()}"
                     nereid = [sys.executable, str(BENCH_DIR / "serve_with_plugin.py"), str(config), address]
-                    with running(nereid, address, lambda a: wait_model_ready(a, "identity")):
-                        runs["nereid http"].append(perf_analyzer(f"127.0.0.1:{http_port}", "identity", concurrency,
-                                                                 protocol="http")["throughput"])
-                        runs["nereid grpc"].append(perf_analyzer(address, "identity", concurrency)["throughput"])
+                    with running(nereid, address, lambda a: [wait_model_ready(a, m) for m in MODELS.values()]):
+                        for side, model in (("nereid http", MODELS["loop"]), ("nereid http thread", MODELS["thread"])):
+                            runs[side].append(perf_analyzer(f"127.0.0.1:{http_port}", model, concurrency,
+                                                            protocol="http")["throughput"])
+                        runs["nereid grpc"].append(perf_analyzer(address, MODELS["loop"], concurrency)["throughput"])
                 median = {side: statistics.median(values) for side, values in runs.items()}
                 rows.append([case, concurrency, median["uvicorn"], median["aiohttp"], median["nereid http"],
-                             median["nereid grpc"], f"{median['nereid http'] / median['uvicorn']:.1%}",
+                             median["nereid http thread"], median["nereid grpc"],
+                             f"{median['nereid http'] / median['uvicorn']:.1%}",
+                             f"{median['nereid http thread'] / median['uvicorn']:.1%}",
                              f"{median['nereid http'] / median['nereid grpc']:.2f}x"])
     print_table("HTTP: nereid (identity model, binary tensors) vs bare HTTP servers and nereid's gRPC (infer/s)",
-                ["case", "concurrency", "bare uvicorn", "bare aiohttp", "nereid http", "nereid grpc",
-                 "http / bare uvicorn", "http / grpc"], rows)
+                ["case", "conc.", "bare uvicorn", "bare aiohttp", "nereid http", "http thread", "nereid grpc",
+                 "http / bare uvicorn", "thread / bare uvicorn", "http / grpc"], rows)
     print(f"(medians of {args.repeat} alternating runs each)")
 
 

@@ -3,8 +3,11 @@
 Both get the same perf_analyzer load at concurrency 1, 8 and 32, with a small
 tensor and with 4 MiB requests, alternating bare / nereid ``--repeat`` times
 in one run (so that a slow spell of this shared machine hits both alike).
-Prints the median throughputs side by side and nereid's share of the bare
-servicer's.
+nereid serves the identity twice: with a plain ``def infer`` run on the
+scheduler's worker threads, the way real blocking backends run (python, xla,
+cxx), and with ``async def infer`` on the event loop, the way the meta
+backend's models run. Prints the median throughputs side by side and each
+one's share of the bare servicer's.
 
     python3 bench/bench_protocol.py [--concurrency 1 8 32] [--repeat 3]
 """
@@ -18,35 +21,40 @@ import tempfile
 from pathlib import Path
 
 from common import BENCH_DIR, free_port, perf_analyzer, print_table, running, wait_model_ready
+from identity_backend import ON_LOOP_MARKER, THREADED_MARKER
 
 CASES = {"small (16 x FP32)": [16], "large (4 MiB FP32)": [1 << 20]}
 MAX_BATCH_SIZE = 8
+# The model served for each side of the comparison (the bare servicer answers any name).
+MODELS = {"thread": "identity_thread", "loop": "identity"}
 
 
-def nereid_config(root: Path, shape: list[int]) -> Path:
-    folder = root / "ml-backends" / "identity"
-    folder.mkdir(parents=True)
-    (folder / "identity.txt").write_text("")
+def nereid_config(root: Path, shape: list[int], http_addr: str = "") -> Path:
+    """Both identity models with ``shape``; HTTP off unless ``http_addr`` is given."""
     dims = ", ".join(map(str, shape))
-    (folder / "model_inference.textproto").write_text(
-        f"input_shape: [{dims}]\noutput_shape: [{dims}]\nmax_batch_size: {MAX_BATCH_SIZE}\n")
+    for name, marker in ((MODELS["thread"], THREADED_MARKER), (MODELS["loop"], ON_LOOP_MARKER)):
+        folder = root / "ml-backends" / name
+        folder.mkdir(parents=True)
+        (folder / marker).write_text("")
+        (folder / "model_inference.textproto").write_text(
+            f"input_shape: [{dims}]\noutput_shape: [{dims}]\nmax_batch_size: {MAX_BATCH_SIZE}\n")
     config = root / "nereid.yaml"
-    config.write_text('server:\n  ml_backends_path: ml-backends\n  metrics_addr: ""\n'
-                      "models:\n  - name: identity\n    queue_capacity: 256\n")
+    config.write_text(f'server:\n  ml_backends_path: ml-backends\n  metrics_addr: ""\n  http_addr: "{http_addr}"\n'
+                      "models:\n" + "".join(f"  - name: {name}\n    queue_capacity: 256\n" for name in MODELS.values()))
     return config
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
-    parser.add_argument("--repeat", type=int, default=3, help="bare/nereid pairs per row; medians are reported")
+    parser.add_argument("--repeat", type=int, default=3, help="bare/nereid rounds per row; medians are reported")
     args = parser.parse_args()
     rows = []
     for case, shape in CASES.items():
         with tempfile.TemporaryDirectory() as tmp:
             config = nereid_config(Path(tmp), shape)
             for concurrency in args.concurrency:
-                runs = {"bare": [], "nereid": []}
+                runs: dict[str, list[dict[str, float]]] = {"bare": [], **{side: [] for side in MODELS}}
                 for _ in range(args.repeat):
                     address = f"127.0.0.1:{free_port()}"
                     bare = [sys.executable, str(BENCH_DIR / "bare_servicer.py"), address,
@@ -55,17 +63,21 @@ def main() -> None:
                         runs["bare"].append(perf_analyzer(address, "identity", concurrency))
                     address = f"127.0.0.1:{free_port()}"
                     nereid = [sys.executable, str(BENCH_DIR / "serve_with_plugin.py"), str(config), address]
-                    with running(nereid, address, lambda a: wait_model_ready(a, "identity")):
-                        runs["nereid"].append(perf_analyzer(address, "identity", concurrency))
+                    with running(nereid, address, lambda a: [wait_model_ready(a, m) for m in MODELS.values()]):
+                        for side, model in MODELS.items():
+                            runs[side].append(perf_analyzer(address, model, concurrency))
                 median = {side: {key: statistics.median(r[key] for r in results) for key in results[0]}
                           for side, results in runs.items()}
-                ratio = median["nereid"]["throughput"] / median["bare"]["throughput"]
-                rows.append([case, concurrency, median["bare"]["throughput"], median["nereid"]["throughput"],
-                             median["bare"]["p50_us"], median["nereid"]["p50_us"], f"{ratio:.1%}"])
-    print_table("Protocol overhead: nereid (identity model) vs bare grpcio servicer, perf_analyzer",
-                ["case", "concurrency", "bare infer/s", "nereid infer/s", "bare p50 us", "nereid p50 us",
-                 "nereid / bare"], rows)
-    print(f"(medians of {args.repeat} alternating runs each)")
+                bare_rate = median["bare"]["throughput"]
+                rows.append([case, concurrency, bare_rate, median["thread"]["throughput"],
+                             median["loop"]["throughput"], median["bare"]["p50_us"], median["thread"]["p50_us"],
+                             median["loop"]["p50_us"], f"{median['thread']['throughput'] / bare_rate:.1%}",
+                             f"{median['loop']['throughput'] / bare_rate:.1%}"])
+    print_table("Protocol overhead: nereid (identity model) vs bare grpcio servicer, perf_analyzer (infer/s)",
+                ["case", "conc.", "bare", "nereid thread", "nereid loop", "bare p50 us", "thread p50 us",
+                 "loop p50 us", "thread / bare", "loop / bare"], rows)
+    print(f"(medians of {args.repeat} alternating rounds each; thread: a plain def infer on worker threads, "
+          "as real blocking models run; loop: async def infer on the event loop)")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,14 @@
-"""A tiny in-process backend plugin for the protocol-overhead benchmark.
+"""A tiny in-process backend plugin for the protocol-overhead benchmarks.
 
-It claims folders holding an ``identity.txt`` and returns its input unchanged,
-with an ``async def infer`` so that it runs on the event loop: what is left to
-measure is nereid's own path (decode, validate, queue, batch, encode).
+It claims folders holding ``identity.txt`` or ``identity_thread.txt`` and returns
+the input unchanged, so what is left to measure is nereid's own path (decode,
+validate, queue, batch, encode):
+
+- ``identity.txt``: ``async def infer``, run on the event loop (as the meta
+  backend's models run): the floor of nereid's per-request cost;
+- ``identity_thread.txt``: a plain ``def infer``, run on the scheduler's
+  worker threads, the way every blocking backend (python warm start, xla, cxx)
+  runs.
 """
 
 from __future__ import annotations
@@ -15,6 +21,8 @@ from nereid.signature import TEXTPROTO_NAME, ModelSignature, load_textproto_sign
 from nereid.tensors import NamedTensor
 
 BACKEND_NAME = "bench_identity"
+ON_LOOP_MARKER = "identity.txt"
+THREADED_MARKER = "identity_thread.txt"
 
 
 class Identity:
@@ -38,8 +46,17 @@ class Identity:
         pass
 
 
+class ThreadedIdentity(Identity):
+    platform = "bench_identity_thread"
+
+    def infer(self, inputs: list[NamedTensor]) -> list[NamedTensor]:  # type: ignore[override]
+        return [NamedTensor("output", inputs[0].dtype, inputs[0].data)]
+
+
 @hookimpl
 def nereid_claim_model(folder: Path, declared: bool) -> BackendClaim | None:
-    if declared or (folder / "identity.txt").is_file():
-        return BackendClaim(BACKEND_NAME, Identity)
+    if (folder / THREADED_MARKER).is_file():
+        return BackendClaim(ThreadedIdentity)
+    if declared or (folder / ON_LOOP_MARKER).is_file():
+        return BackendClaim(Identity)
     return None

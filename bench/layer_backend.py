@@ -53,5 +53,5 @@ class NumpyLayer:
 @hookimpl
 def nereid_claim_model(folder: Path, declared: bool) -> BackendClaim | None:
     if declared or (folder / "layer.txt").is_file():
-        return BackendClaim(BACKEND_NAME, NumpyLayer)
+        return BackendClaim(NumpyLayer)
     return None

@@ -62,7 +62,12 @@ class ModelContext:
 
 @runtime_checkable
 class Model(Protocol):
-    """One loaded model, as the core sees it. Calls come from worker threads.
+    """One loaded model, as the core sees it.
+
+    A plain ``infer`` is called on worker threads. A model that only awaits
+    other work (the meta backend awaits the models it calls) may define
+    ``async def infer`` instead: it then runs on the server's event loop and
+    must never block it.
 
     ``infer`` receives inputs in the signature's order, each with its batch axis
     when the signature batches, and returns the declared outputs (all of them,
@@ -98,6 +103,18 @@ class HasBatchSignature(Protocol):
 
     def batch_signature(self) -> ModelSignature:
         """What ``infer`` takes and returns (a bundle whose model.py transforms its I/O)."""
+
+
+@runtime_checkable
+class PadsBatches(Protocol):
+    """A model that runs only at a few fixed batch sizes, padding a batch up to the next one."""
+
+    def padded_rows(self, rows: int) -> int:
+        """The rows a batch of ``rows`` runs at (``rows`` itself when it runs as it is).
+
+        When the scheduler coalesces several requests, it assembles them straight
+        into a zero-padded buffer of that many rows (one copy, not a concatenation
+        and then a pad), and keeps the first ``rows`` rows of each output."""
 
 
 @runtime_checkable
@@ -184,11 +201,10 @@ class CallsModels(Protocol):
 
 @dataclass(frozen=True)
 class BackendClaim:
-    """A backend's answer to "is this folder yours?".
+    """A backend's answer to "is this folder yours?": ``create`` builds the (not yet loaded) model.
 
-    ``backend_name`` is the backend's name (what ``backend:`` in nereid.yaml
-    selects); ``create`` builds the (not yet loaded) model.
+    The backend's name (what ``backend:`` in nereid.yaml selects) is the name
+    its plugin was registered under, never something a claim says.
     """
 
-    backend_name: str
     create: Callable[[ModelContext], Model]

@@ -10,14 +10,28 @@ The rules (Triton's dynamic batcher, with the cost budget of a token batcher):
 * a batch is dispatched as soon as it is full (the row cap, the cost budget,
   or an incompatible request next in line), or as soon as the requests waiting
   can form a preferred size (it is then cut back to the largest preferred
-  size it reached, the rest staying first in line); otherwise when its first
-  request has waited ``max_delay_ns``.
+  size it reached, the rest staying first in line); otherwise once its first
+  request has waited ``max_delay_ns`` for company, counted from its arrival or
+  from the moment an execution slot last came free, whichever is later. Time
+  spent waiting because every instance was busy is not time spent waiting for
+  company: without this rule, under load, the requests that queued during one
+  execution would leave at once as the next batch, while the clients answered
+  by that execution could never join it, and a saturated model would alternate
+  between two half batches;
+* a request whose caller went away, or whose deadline passed, never runs: it
+  leaves the queue at the next decision and is handed back to be answered.
+
+:func:`take_batch` applies these rules to a queue at one instant. It reads no
+clock and awaits nothing, so the scheduler owns only the waiting and the
+rules are tested on plain lists.
 """
 
 from __future__ import annotations
 
+import collections
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Generic, Protocol, TypeVar
 
 from nereid.errors import ConfigError
 from nereid.settings import BatchingSettings
@@ -51,6 +65,10 @@ class BatchPolicy:
         return cls(True, cap, int(settings.max_queue_delay_ms * 1_000_000), settings.preferred_batch_sizes,
                    settings.max_batch_cost)
 
+    def over_budget(self, cost: int) -> bool:
+        """True once a batch's summed cost has reached the cost budget (never without one)."""
+        return self.max_cost is not None and cost >= self.max_cost
+
 
 def batch_key(inputs: list[NamedTensor]) -> tuple:
     """Requests with equal keys may share a batch: same datatypes and non-batch shapes."""
@@ -70,3 +88,89 @@ def request_cost(signature: ModelSignature, inputs: list[NamedTensor], rows: int
         if variable:
             per_row = max(per_row, math.prod(variable))
     return rows * per_row
+
+
+class Queued(Protocol):
+    """What batch formation reads of a waiting request."""
+
+    rows: int
+    cost: int
+    key: tuple
+    enqueued_ns: int
+    deadline_ns: int  # 0: none
+
+    def abandoned(self) -> bool:
+        """True once its caller no longer waits for the answer."""
+        ...
+
+
+Q = TypeVar("Q", bound=Queued)
+
+
+@dataclass
+class Decision(Generic[Q]):
+    """What :func:`take_batch` decided.
+
+    ``batch``: requests to run now, in arrival order (empty: none yet).
+    ``dropped``: abandoned or expired requests it took off the queue; answer them.
+    ``wake_ns``: with no batch and a non-empty queue, the instant at which the
+    first request's delay ends; decide again then, or at the next arrival.
+    """
+
+    batch: list[Q] = field(default_factory=list)
+    dropped: list[Q] = field(default_factory=list)
+    wake_ns: int | None = None
+
+
+def take_batch(queue: collections.deque[Q], policy: BatchPolicy, now_ns: int, free_since_ns: int = 0) -> Decision[Q]:
+    """Take the next batch off the front of ``queue`` if the rules say it goes at ``now_ns``.
+
+    ``free_since_ns``: when the execution slot the batch would use came free
+    (the delay window starts no earlier). Removes from ``queue`` exactly the
+    returned batch and dropped requests.
+    """
+    decision: Decision[Q] = Decision()
+    while queue and _gone(queue[0], now_ns):
+        decision.dropped.append(queue.popleft())
+    if not queue:
+        return decision
+    if not policy.enabled:
+        decision.batch.append(queue.popleft())
+        return decision
+    first = queue[0]
+    count, rows, cost, blocked = 1, first.rows, first.cost, False
+    while count < len(queue) and rows < policy.max_rows and not policy.over_budget(cost):
+        candidate = queue[count]
+        if _gone(candidate, now_ns):
+            decision.dropped.append(candidate)
+            del queue[count]
+            continue
+        if candidate.key != first.key or rows + candidate.rows > policy.max_rows:
+            blocked = True  # it starts the next batch, keeping arrival order
+            break
+        count, rows, cost = count + 1, rows + candidate.rows, cost + candidate.cost
+    preferred = _preferred_prefix(queue, count, policy.preferred_sizes)
+    full = blocked or rows >= policy.max_rows or policy.over_budget(cost)
+    window_end = max(first.enqueued_ns, free_since_ns) + policy.max_delay_ns
+    if full or preferred or now_ns >= window_end:
+        # Cut back to the longest prefix that is a preferred size; the rest stays first in line.
+        decision.batch.extend(queue.popleft() for _ in range(preferred or count))
+    else:
+        decision.wake_ns = window_end
+    return decision
+
+
+def _gone(request: Queued, now_ns: int) -> bool:
+    return request.abandoned() or (request.deadline_ns != 0 and now_ns >= request.deadline_ns)
+
+
+def _preferred_prefix(queue: collections.deque[Q], count: int, preferred_sizes: tuple[int, ...]) -> int:
+    """How many of the first ``count`` requests form the longest prefix whose rows are a preferred size (0: none)."""
+    if not preferred_sizes:
+        return 0
+    rows, keep = 0, 0
+    for index in range(count):
+        rows += queue[index].rows
+        if rows in preferred_sizes:
+            keep = index + 1
+    return keep

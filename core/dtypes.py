@@ -1,14 +1,15 @@
-"""The one table of element types: wire string, numpy dtype, manifest token, contract name.
+"""The core's table of element types: wire string, numpy dtype, typed-contents field.
 
-Every translation between representations goes through :class:`DType`, so a
-datatype is spelled in exactly one place:
+Every translation the core makes goes through :class:`DType`:
 
 * ``kserve`` — the KServe V2 / Triton wire string (``"FP32"``), also the spelling
   of ``data_type`` in ``model_inference.textproto``;
 * ``numpy`` — the numpy dtype of host arrays (``ml_dtypes`` for bfloat16 / fp8);
-* ``token`` — the bundle manifest token (``"f32"``);
-* ``contract`` — the name used by the subprocess tensor contract
-  (``NEREID_INPUT_DTYPE`` and output headers, e.g. ``"float32"``).
+* ``contents_field`` — the ``InferTensorContents`` field that carries it.
+
+Backends keep their own spellings beside their code: the bundle manifest's
+tokens in ``nereid.backends.xla.dtype_tokens``, the subprocess contract's names
+in ``nereid.backends.subprocess.dtype_names``.
 """
 
 from __future__ import annotations
@@ -23,31 +24,29 @@ import numpy as np
 @dataclass(frozen=True)
 class _DTypeInfo:
     kserve: str | None  # None: not allowed on the wire (fp8)
-    token: str
     numpy: np.dtype
-    contract: str
     contents_field: str | None  # InferTensorContents field carrying it, None: raw only
 
 
 class DType(enum.Enum):
     """An element type; ``value`` is its row of the translation table."""
 
-    BOOL = _DTypeInfo("BOOL", "bool", np.dtype(np.bool_), "bool", "bool_contents")
-    UINT8 = _DTypeInfo("UINT8", "u8", np.dtype(np.uint8), "uint8", "uint_contents")
-    UINT16 = _DTypeInfo("UINT16", "u16", np.dtype(np.uint16), "uint16", "uint_contents")
-    UINT32 = _DTypeInfo("UINT32", "u32", np.dtype(np.uint32), "uint32", "uint_contents")
-    UINT64 = _DTypeInfo("UINT64", "u64", np.dtype(np.uint64), "uint64", "uint64_contents")
-    INT8 = _DTypeInfo("INT8", "i8", np.dtype(np.int8), "int8", "int_contents")
-    INT16 = _DTypeInfo("INT16", "i16", np.dtype(np.int16), "int16", "int_contents")
-    INT32 = _DTypeInfo("INT32", "i32", np.dtype(np.int32), "int32", "int_contents")
-    INT64 = _DTypeInfo("INT64", "i64", np.dtype(np.int64), "int64", "int64_contents")
-    FP16 = _DTypeInfo("FP16", "f16", np.dtype(np.float16), "float16", None)
-    FP32 = _DTypeInfo("FP32", "f32", np.dtype(np.float32), "float32", "fp32_contents")
-    FP64 = _DTypeInfo("FP64", "f64", np.dtype(np.float64), "float64", "fp64_contents")
-    BF16 = _DTypeInfo("BF16", "bf16", np.dtype(ml_dtypes.bfloat16), "bfloat16", None)
-    BYTES = _DTypeInfo("BYTES", "bytes", np.dtype(object), "bytes", "bytes_contents")
-    F8E5M2 = _DTypeInfo(None, "f8e5m2", np.dtype(ml_dtypes.float8_e5m2), "float8_e5m2", None)
-    F8E4M3 = _DTypeInfo(None, "f8e4m3", np.dtype(ml_dtypes.float8_e4m3fn), "float8_e4m3", None)
+    BOOL = _DTypeInfo("BOOL", np.dtype(np.bool_), "bool_contents")
+    UINT8 = _DTypeInfo("UINT8", np.dtype(np.uint8), "uint_contents")
+    UINT16 = _DTypeInfo("UINT16", np.dtype(np.uint16), "uint_contents")
+    UINT32 = _DTypeInfo("UINT32", np.dtype(np.uint32), "uint_contents")
+    UINT64 = _DTypeInfo("UINT64", np.dtype(np.uint64), "uint64_contents")
+    INT8 = _DTypeInfo("INT8", np.dtype(np.int8), "int_contents")
+    INT16 = _DTypeInfo("INT16", np.dtype(np.int16), "int_contents")
+    INT32 = _DTypeInfo("INT32", np.dtype(np.int32), "int_contents")
+    INT64 = _DTypeInfo("INT64", np.dtype(np.int64), "int64_contents")
+    FP16 = _DTypeInfo("FP16", np.dtype(np.float16), None)
+    FP32 = _DTypeInfo("FP32", np.dtype(np.float32), "fp32_contents")
+    FP64 = _DTypeInfo("FP64", np.dtype(np.float64), "fp64_contents")
+    BF16 = _DTypeInfo("BF16", np.dtype(ml_dtypes.bfloat16), None)
+    BYTES = _DTypeInfo("BYTES", np.dtype(object), "bytes_contents")
+    F8E5M2 = _DTypeInfo(None, np.dtype(ml_dtypes.float8_e5m2), None)
+    F8E4M3 = _DTypeInfo(None, np.dtype(ml_dtypes.float8_e4m3fn), None)
 
     # Each member copies its row into plain attributes once, at class creation:
     # dtype lookups sit on every request's path, and enum's ``value`` is slow.
@@ -57,10 +56,6 @@ class DType(enum.Enum):
         """The numpy dtype of host arrays of this type (object for BYTES)."""
         self.little_endian: np.dtype = info.numpy.newbyteorder("<")
         """The numpy dtype of this type's wire bytes (little-endian, whatever the host)."""
-        self.token: str = info.token
-        """The bundle manifest token, e.g. ``f32``."""
-        self.contract: str = info.contract
-        """The subprocess-contract name, e.g. ``float32``."""
         self.itemsize: int | None = None if info.numpy == np.dtype(object) else info.numpy.itemsize
         """Bytes per element, or None for variable-size BYTES."""
         self.contents_field: str | None = info.contents_field
@@ -77,16 +72,6 @@ class DType(enum.Enum):
     def from_kserve(cls, name: str) -> DType:
         """Look up a wire string (``"FP32"``); ValueError names the valid ones."""
         return _lookup(_BY_KSERVE, name, "datatype")
-
-    @classmethod
-    def from_token(cls, token: str) -> DType:
-        """Look up a manifest token (``"f32"``)."""
-        return _lookup(_BY_TOKEN, token, "dtype token")
-
-    @classmethod
-    def from_contract(cls, name: str) -> DType:
-        """Look up a subprocess-contract name (``"float32"``)."""
-        return _lookup(_BY_CONTRACT, name, "dtype")
 
     @classmethod
     def of(cls, array: np.ndarray) -> DType:
@@ -106,6 +91,4 @@ def _lookup(table: dict[str, DType], key: str, what: str) -> DType:
 
 
 _BY_KSERVE = {d.value.kserve: d for d in DType if d.value.kserve is not None}
-_BY_TOKEN = {d.token: d for d in DType}
-_BY_CONTRACT = {d.contract: d for d in DType}
 _BY_NUMPY = {d.numpy: d for d in DType}

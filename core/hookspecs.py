@@ -31,8 +31,9 @@ def nereid_claim_model(folder: Path, declared: bool) -> BackendClaim | None:
         if your files are missing, so that loading reports exactly which file
         is missing; a backend whose folders carry no signature of their own
         claims only declared folders.
-    :return: a :class:`~nereid.backend.BackendClaim` whose ``backend_name`` is this
-        backend's name, or None when the folder is not this backend's.
+    :return: a :class:`~nereid.backend.BackendClaim`, or None when the folder is
+        not this backend's. The backend's name is its registration name (the
+        entry-point name).
     """
 
 

@@ -26,10 +26,11 @@ BUILTIN_BACKENDS: tuple[str, ...] = (
 
 @dataclass(frozen=True)
 class ClaimResult:
-    """The outcome of asking the backends about one folder: a claim or a reason."""
+    """The outcome of asking the backends about one folder: a claim and its backend's name, or a reason."""
 
     claim: BackendClaim | None
     reason: str = ""
+    backend_name: str = ""
 
 
 def make_plugin_manager(*, load_entry_points: bool = True, extra_plugins: tuple[object, ...] = ()) -> pluggy.PluginManager:
@@ -56,25 +57,41 @@ def backend_names(manager: pluggy.PluginManager) -> list[str]:
 
 
 def claim_folder(manager: pluggy.PluginManager, folder: Path, backend: str | None = None) -> ClaimResult:
-    """Ask the backends about ``folder``; with ``backend`` set, ask only that one."""
+    """Ask the backends about ``folder``; with ``backend`` set, ask only that one.
+
+    Each claim is attributed to the plugin that made it, by its registration name.
+    """
     if backend is not None:
-        plugin = manager.get_plugin(backend)
-        if plugin is None:
+        if manager.get_plugin(backend) is None:
             return ClaimResult(None, f"backend '{backend}' (from nereid.yaml) is not installed; "
                                      f"installed backends: {', '.join(backend_names(manager))}")
-        others = [p for p in manager.get_plugins() if p is not plugin]
-        claims = manager.subset_hook_caller("nereid_claim_model", remove_plugins=others)(folder=folder, declared=True)
+        claims = _ask(manager, folder, declared=True, only=backend)
         if not claims:
             return ClaimResult(None, f"backend '{backend}' does not recognise the folder {folder}")
-        return ClaimResult(claims[0])
-    claims = manager.hook.nereid_claim_model(folder=folder, declared=False)
+        return ClaimResult(claims[0][1], backend_name=backend)
+    claims = _ask(manager, folder, declared=False)
     if len(claims) == 1:
-        return ClaimResult(claims[0])
+        name, claim = claims[0]
+        return ClaimResult(claim, backend_name=name)
     if not claims:
         hints = "".join(f"; {hint}" for hint in manager.hook.nereid_declaration_hint(folder=folder))
         return ClaimResult(None, f"no backend claims the folder {folder} "
                                  f"(installed backends: {', '.join(backend_names(manager))}); "
                                  f"add the backend's files or set backend: in nereid.yaml{hints}")
-    names = ", ".join(sorted(c.backend_name for c in claims))
+    names = ", ".join(sorted(name for name, _ in claims))
     return ClaimResult(None, f"several backends claim the folder {folder} ({names}); "
                              "set backend: in nereid.yaml to choose one")
+
+
+def _ask(manager: pluggy.PluginManager, folder: Path, declared: bool,
+         only: str | None = None) -> list[tuple[str, BackendClaim]]:
+    """Each claiming plugin's registration name and claim (of plugin ``only``, when given)."""
+    arguments = {"folder": folder, "declared": declared}
+    claims = []
+    for impl in manager.hook.nereid_claim_model.get_hookimpls():
+        if only is not None and impl.plugin_name != only:
+            continue
+        claim = impl.function(*(arguments[name] for name in impl.argnames))
+        if claim is not None:
+            claims.append((impl.plugin_name, claim))
+    return claims

@@ -107,7 +107,7 @@ def build_model(manager: pluggy.PluginManager, context: ModelContext,
     result = claim_folder(manager, context.folder, context.settings.backend)
     if result.claim is None:
         raise ConfigError(result.reason)
-    defaults = (backend_defaults or {}).get(result.claim.backend_name)
+    defaults = (backend_defaults or {}).get(result.backend_name)
     if defaults:
         context = replace(context, settings=replace(context.settings,
                                                      runtime={**defaults, **context.settings.runtime}))
@@ -122,7 +122,7 @@ def build_model(manager: pluggy.PluginManager, context: ModelContext,
     except BaseException:
         backend.unload()
         raise
-    return BuiltModel(result.claim.backend_name, backend, signature, batch_signature, policy)
+    return BuiltModel(result.backend_name, backend, signature, batch_signature, policy)
 
 
 def list_model_folders(root: Path) -> list[str]:

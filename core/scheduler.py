@@ -19,8 +19,8 @@ from typing import Awaitable, Callable
 
 import numpy as np
 
-from nereid.backend import REQUEST_DEADLINE_NS, Model
-from nereid.batching import BatchPolicy, batch_key, request_cost
+from nereid.backend import REQUEST_DEADLINE_NS, Model, PadsBatches
+from nereid.batching import BatchPolicy, batch_key, request_cost, take_batch
 from nereid.daemon_pool import DaemonThreadPool
 from nereid.errors import DeadlineExceeded, ModelFailure, NereidError, QueueFull, Unavailable
 from nereid.signature import ModelSignature, check_outputs
@@ -45,6 +45,9 @@ class Work:
     future: asyncio.Future[list[NamedTensor]]
     enqueued_ns: int = field(default_factory=time.monotonic_ns)
 
+    def abandoned(self) -> bool:
+        return self.future.cancelled()
+
     def expired(self, now_ns: int) -> bool:
         return bool(self.deadline_ns) and now_ns >= self.deadline_ns
 
@@ -64,13 +67,14 @@ class ModelScheduler:
         self._pending: collections.deque[Work] = collections.deque()
         self._arrived = asyncio.Event()
         self._free_slots = instances  # executions that may start now
+        self._freed_ns = 0  # when an execution slot was last given back
         self._slot_freed = asyncio.Event()
         self._running: set[asyncio.Task] = set()  # the batcher's execution tasks, kept referenced
         self._idle = asyncio.Event()
         self._idle.set()
-        self._forming = False  # a batch has left the queue but not yet started
         self._accepting = True
         self._inline = inspect.iscoroutinefunction(backend.infer)
+        self._pads = isinstance(backend, PadsBatches)
         self._variable_axes = any(-1 in spec.dims for spec in signature.inputs)  # else a request costs its rows
         # Daemon threads: a backend call that never returns must not keep the process from exiting.
         self._executor = None if self._inline else DaemonThreadPool(instances, thread_name_prefix=f"nereid-{name}")
@@ -119,7 +123,7 @@ class ModelScheduler:
         return await work.future
 
     def _can_start_at_once(self) -> bool:
-        return (self._free_slots > 0 and not self._pending and not self._forming
+        return (self._free_slots > 0 and not self._pending
                 and (not self.policy.enabled or self.policy.max_delay_ns == 0))
 
     @property
@@ -160,6 +164,8 @@ class ModelScheduler:
 
     # -- batch formation ----------------------------------------------------
     async def _batch_loop(self) -> None:
+        """Start a batch whenever :func:`take_batch` releases one and an execution slot is free."""
+        loop = asyncio.get_running_loop()
         while True:
             while not self._pending:
                 self._update_idle()
@@ -168,122 +174,44 @@ class ModelScheduler:
             while self._free_slots <= 0:  # form a batch only when an execution can start
                 self._slot_freed.clear()
                 await self._slot_freed.wait()
-            self._free_slots -= 1
-            try:
-                batch = await self._next_batch()
-            except BaseException:
-                self._release_slot()
-                raise
-            if not batch:
-                self._release_slot()
-                continue
-            task = asyncio.create_task(self._execute(batch))
-            self._running.add(task)
-            task.add_done_callback(self._execution_done)
+            self._arrived.clear()  # before deciding: an arrival from here on wakes the wait below
+            decision = take_batch(self._pending, self.policy, time.monotonic_ns(), self._freed_ns)
+            for work in decision.dropped:
+                self._answer_dropped(work)
+            if decision.batch:
+                self._free_slots -= 1
+                task = asyncio.create_task(self._execute(decision.batch))
+                self._running.add(task)
+                task.add_done_callback(self._execution_done)
+            elif decision.wake_ns is not None:
+                # One wake-up at the first request's window end; arrivals wake the loop in between.
+                timer = loop.call_later(max(0, decision.wake_ns - time.monotonic_ns()) / 1e9, self._arrived.set)
+                try:
+                    await self._arrived.wait()
+                finally:
+                    timer.cancel()
 
     def _execution_done(self, task: asyncio.Task) -> None:
         self._running.discard(task)
         self._release_slot()
 
     def _release_slot(self) -> None:
+        self._freed_ns = time.monotonic_ns()
         self._free_slots += 1
         self._slot_freed.set()
         self._update_idle()
 
     def _update_idle(self) -> None:
-        # Every execution, and a batch being formed, holds a slot: all slots free means none.
+        # Every execution holds a slot: all slots free and nothing queued means idle.
         if not self._pending and self._free_slots == self._instances:
             self._idle.set()
 
-    async def _next_batch(self) -> list[Work]:
-        """The next batch to run, or [] when every waiting request was cancelled or expired."""
-        first = self._pop_live()
-        if first is None:
-            return []
-        self._forming = True
-        try:
-            return await self._grow(first)
-        finally:
-            self._forming = False
-
-    async def _grow(self, first: Work) -> list[Work]:
-        batch, rows, cost = [first], first.rows, first.cost
-        if not self.policy.enabled:
-            return batch
-        window_end = first.enqueued_ns + self.policy.max_delay_ns
-        timer: asyncio.TimerHandle | None = None
-        try:
-            while True:
-                rows, cost, blocked = self._fill(batch, rows, cost)
-                full = blocked or rows >= self.policy.max_rows or self._over_budget(cost)
-                if full or self._preferred_prefix(batch):
-                    break
-                remaining = window_end - time.monotonic_ns()
-                if remaining <= 0:
-                    break
-                if timer is None:
-                    # One wake-up at the window's end; arrivals wake the loop in between.
-                    timer = asyncio.get_running_loop().call_later(remaining / 1e9, self._arrived.set)
-                self._arrived.clear()
-                await self._arrived.wait()
-        finally:
-            if timer is not None:
-                timer.cancel()
-        return self._cut_to_preferred(batch)
-
-    def _pop_live(self) -> Work | None:
-        """The oldest request that is neither cancelled nor expired (those are answered here)."""
-        while self._pending:
-            work = self._pending.popleft()
-            if self._still_wanted(work):
-                return work
-        return None
-
-    def _fill(self, batch: list[Work], rows: int, cost: int) -> tuple[int, int, bool]:
-        """Move compatible requests from the queue's front into ``batch``; True when blocked."""
-        key = batch[0].key
-        while self._pending and rows < self.policy.max_rows and not self._over_budget(cost):
-            candidate = self._pending[0]
-            if not self._still_wanted(candidate, pop=True):
-                continue
-            if candidate.key != key or rows + candidate.rows > self.policy.max_rows:
-                return rows, cost, True  # it starts the next batch, keeping arrival order
-            batch.append(self._pending.popleft())
-            rows += candidate.rows
-            cost += candidate.cost
-        return rows, cost, False
-
-    def _over_budget(self, cost: int) -> bool:
-        return self.policy.max_cost is not None and cost >= self.policy.max_cost
-
-    def _preferred_prefix(self, batch: list[Work]) -> int:
-        """How many requests form the longest prefix of ``batch`` whose rows are a preferred size (0: none)."""
-        rows, keep = 0, 0
-        for index, work in enumerate(batch):
-            rows += work.rows
-            if rows in self.policy.preferred_sizes:
-                keep = index + 1
-        return keep
-
-    def _cut_to_preferred(self, batch: list[Work]) -> list[Work]:
-        """Keep the longest prefix whose rows are a preferred size; return the rest to the queue's front."""
-        keep = self._preferred_prefix(batch)
-        if keep == 0 or keep == len(batch):
-            return batch
-        self._pending.extendleft(reversed(batch[keep:]))
-        return batch[:keep]
-
-    def _still_wanted(self, work: Work, pop: bool = False) -> bool:
-        """False (after answering it) for a cancelled or expired request; pops it when ``pop``."""
+    def _answer_dropped(self, work: Work) -> None:
+        """Count a request that will never run; an expired one (its caller still waits) gets DeadlineExceeded."""
         now = time.monotonic_ns()
-        if not work.future.cancelled() and not work.expired(now):
-            return True
-        if pop:
-            self._pending.popleft()
         self._stats.record_dropped(now - work.enqueued_ns)
-        if not work.future.cancelled():
+        if not work.future.done():
             work.future.set_exception(self._deadline_error(work.deadline_ns, work.enqueued_ns, now))
-        return False
 
     def _deadline_error(self, deadline_ns: int, enqueued_ns: int, now: int) -> DeadlineExceeded:
         late_ms = (now - deadline_ns) / 1e6
@@ -296,15 +224,26 @@ class ModelScheduler:
     async def _execute(self, batch: list[Work]) -> None:
         """Run a batch formed by the batcher and answer each of its requests."""
         now = time.monotonic_ns()
-        live = [w for w in batch if self._still_wanted(w)]
+        live = []
+        for work in batch:  # the batch left the queue one loop turn ago: look again
+            if work.abandoned() or work.expired(now):
+                self._answer_dropped(work)
+            else:
+                live.append(work)
         if not live:
             return
         # This task's own context: the batch's earliest deadline, for a coroutine infer.
         REQUEST_DEADLINE_NS.set(min((w.deadline_ns for w in live if w.deadline_ns), default=0))
         try:
-            inputs = live[0].inputs if len(live) == 1 else _concatenate([w.inputs for w in live])
+            padded = False
+            if len(live) == 1:
+                inputs = live[0].inputs  # a lone request: the model pads it itself if it must
+            else:
+                total = sum(w.rows for w in live)
+                run_rows = self._backend.padded_rows(total) if self._pads else total
+                inputs, padded = _concatenate([w.inputs for w in live], run_rows), run_rows > total
             results = await self._run(inputs, [w.rows for w in live], sum(w.cost for w in live),
-                                      [now - w.enqueued_ns for w in live], time.monotonic_ns() - now)
+                                      [now - w.enqueued_ns for w in live], time.monotonic_ns() - now, padded)
         except NereidError as error:
             for work in live:
                 if not work.future.cancelled():
@@ -315,11 +254,12 @@ class ModelScheduler:
                 work.future.set_result(result)
 
     async def _run(self, inputs: list[NamedTensor], rows: list[int], cost: int, queue_ns: list[int],
-                   input_ns: int) -> list[list[NamedTensor]]:
+                   input_ns: int, padded: bool = False) -> list[list[NamedTensor]]:
         """One execution for requests of ``rows`` rows each; returns each one's rows of the outputs.
 
-        ``input_ns`` is the time it took to assemble ``inputs``. Any failure is
-        raised as a NereidError naming the model.
+        ``input_ns`` is the time it took to assemble ``inputs``; ``padded``: they
+        end in padding rows, whose results are dropped. Any failure is raised as
+        a NereidError naming the model.
         """
         self._stats.execution_started()
         total = sum(rows)
@@ -329,6 +269,8 @@ class ModelScheduler:
             start = time.monotonic_ns()
             outputs = await self._infer(inputs)
             infer_ns = time.monotonic_ns() - start
+            if padded:
+                outputs = [NamedTensor(t.name, t.dtype, t.data[:total]) for t in outputs]
             check_outputs(self.name, self._signature, outputs, total)
             results = [outputs] if len(rows) == 1 else _split(outputs, rows)
             output_ns = time.monotonic_ns() - start - infer_ns
@@ -381,10 +323,17 @@ async def _wait_event(event: asyncio.Event, timeout_s: float | None) -> bool:
     return True
 
 
-def _concatenate(requests: list[list[NamedTensor]]) -> list[NamedTensor]:
-    """One tensor per input, the requests' rows stacked along the batch axis in order."""
-    return [NamedTensor(tensors[0].name, tensors[0].dtype, np.concatenate([t.data for t in tensors]))
-            for tensors in zip(*requests)]
+def _concatenate(requests: list[list[NamedTensor]], rows: int) -> list[NamedTensor]:
+    """One tensor of ``rows`` rows per input: the requests' rows stacked in order, then zero rows."""
+    stacked = []
+    for tensors in zip(*requests):
+        first = tensors[0].data
+        buffer = np.empty((rows, *first.shape[1:]), first.dtype)
+        filled = sum(len(t.data) for t in tensors)
+        np.concatenate([t.data for t in tensors], out=buffer[:filled])
+        buffer[filled:] = 0
+        stacked.append(NamedTensor(tensors[0].name, tensors[0].dtype, buffer))
+    return stacked
 
 
 def _split(outputs: list[NamedTensor], rows: list[int]) -> list[list[NamedTensor]]:

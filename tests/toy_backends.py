@@ -54,7 +54,7 @@ class ToyModel:
 @hookimpl
 def nereid_claim_model(folder: Path, declared: bool) -> BackendClaim | None:
     if declared or (folder / "toy.txt").is_file():
-        return BackendClaim(BACKEND_NAME, ToyModel)
+        return BackendClaim(ToyModel)
     return None
 
 

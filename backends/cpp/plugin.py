@@ -36,5 +36,5 @@ class CppModel(SubprocessModel):
 def nereid_claim_model(folder: Path, declared: bool) -> BackendClaim | None:
     """Claim folders that contain ``main.cpp`` (or any folder declared ``backend: cpp``)."""
     if declared or (folder / SOURCE_FILE).is_file():
-        return BackendClaim(BACKEND_NAME, CppModel)
+        return BackendClaim(CppModel)
     return None

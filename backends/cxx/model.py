@@ -18,6 +18,7 @@ from nereid.errors import ConfigError, ModelFailure
 from nereid.signature import TEXTPROTO_NAME, ModelSignature, TensorSpec, load_textproto_signature
 from nereid.tensors import NamedTensor
 
+from nereid.backends.subprocess.dtype_names import contract_name
 from nereid.backends.cxx.build import build_library
 from nereid.backends.cxx.library import CTensor, NativeLibrary
 from nereid.backends.cxx.options import parse_options
@@ -73,8 +74,8 @@ class CxxModel:
             library.close()
             raise
         self._library, self._signature = library, signature
-        self._inputs = tuple(_Slot(s, s.name.encode(), s.dtype.contract.encode()) for s in signature.inputs)
-        self._outputs = tuple(_Slot(s, s.name.encode(), s.dtype.contract.encode()) for s in signature.outputs)
+        self._inputs = tuple(_Slot(s, s.name.encode(), contract_name(s.dtype).encode()) for s in signature.inputs)
+        self._outputs = tuple(_Slot(s, s.name.encode(), contract_name(s.dtype).encode()) for s in signature.outputs)
 
     def signature(self) -> ModelSignature:
         assert self._signature is not None, "load() first"

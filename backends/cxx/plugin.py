@@ -21,7 +21,7 @@ BACKEND_NAME = "cxx"
 @hookimpl
 def nereid_claim_model(folder: Path, declared: bool) -> BackendClaim | None:
     """Claim the folder when nereid.yaml declares it ``backend: cxx``; decline every other."""
-    return BackendClaim(BACKEND_NAME, CxxModel) if declared else None
+    return BackendClaim(CxxModel) if declared else None
 
 
 @hookimpl

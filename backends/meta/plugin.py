@@ -20,5 +20,5 @@ def nereid_claim_model(folder: Path, declared: bool) -> BackendClaim | None:
     """
     manifest = folder / MANIFEST_NAME
     if declared or (manifest.is_file() and declares_meta(manifest)):
-        return BackendClaim(BACKEND_NAME, MetaModel)
+        return BackendClaim(MetaModel)
     return None

@@ -109,5 +109,5 @@ class PythonModel(SubprocessModel):
 def nereid_claim_model(folder: Path, declared: bool) -> BackendClaim | None:
     """Claim folders that contain ``main.py`` (or any folder declared ``backend: python``)."""
     if declared or (folder / ENTRY_FILE).is_file():
-        return BackendClaim(BACKEND_NAME, PythonModel)
+        return BackendClaim(PythonModel)
     return None

@@ -15,6 +15,7 @@ from typing import BinaryIO
 import numpy as np
 
 from nereid.dtypes import DType
+from nereid.backends.subprocess.dtype_names import contract_name, dtype_of_contract_name
 from nereid.errors import ModelFailure
 from nereid.tensors import NamedTensor, bytes_array, tensor_bytes
 
@@ -25,7 +26,7 @@ _CHUNK_BYTES = 1 << 24  # reads above this size are bounded by what the stream h
 
 def encode_frame(tensor: NamedTensor) -> bytes:
     """One framed tensor: header line then its bytes."""
-    header = f"{tensor.dtype.contract} {','.join(str(d) for d in tensor.shape)}\n".encode("utf-8")
+    header = f"{contract_name(tensor.dtype)} {','.join(str(d) for d in tensor.shape)}\n".encode("utf-8")
     return header + tensor_bytes(tensor)
 
 
@@ -46,7 +47,7 @@ def read_header(stream: BinaryIO, where: str) -> tuple[DType, tuple[int, ...]]:
     if len(parts) > 2 or not parts[0]:
         raise ModelFailure(f"{where}: malformed header {text[:80]!r} (expected \"<dtype> d0,d1,...\")")
     try:
-        dtype = DType.from_contract(parts[0])
+        dtype = dtype_of_contract_name(parts[0])
     except ValueError as err:
         raise ModelFailure(f"{where}: header {text[:80]!r}: {err}") from None
     dims_text = parts[1] if len(parts) == 2 else ""
@@ -67,7 +68,7 @@ def read_body(stream: BinaryIO, dtype: DType, shape: tuple[int, ...], where: str
     size = count * dtype.itemsize
     data = _read_at_most(stream, size)
     if len(data) != size:
-        raise ModelFailure(f"{where}: header promises {size} bytes of {dtype.contract} {list(shape)}, "
+        raise ModelFailure(f"{where}: header promises {size} bytes of {contract_name(dtype)} {list(shape)}, "
                            f"file holds {len(data)}")
     return np.frombuffer(data, dtype=dtype.little_endian).reshape(shape)
 

@@ -19,6 +19,7 @@ from nereid.errors import ConfigError, ModelFailure
 from nereid.signature import TEXTPROTO_NAME, ModelSignature, TensorSpec, dims_match, load_textproto_signature
 from nereid.tensors import NamedTensor, tensor_bytes
 
+from nereid.backends.subprocess.dtype_names import contract_name
 from nereid.backends.subprocess.framing import encode_frame, read_body, read_header
 from nereid.backends.subprocess.runner import ProcessGroups, ProcessResult, run_model_process
 
@@ -128,7 +129,7 @@ class SubprocessModel:
         if signature.single_tensor_form:
             if inputs:
                 env["NEREID_INPUT_SHAPE"] = ",".join(str(d) for d in inputs[0].shape)
-                env["NEREID_INPUT_DTYPE"] = inputs[0].dtype.contract
+                env["NEREID_INPUT_DTYPE"] = contract_name(inputs[0].dtype)
         else:
             env["NEREID_INPUT_NAMES"] = ",".join(t.name for t in inputs)
         return env
@@ -146,7 +147,7 @@ class SubprocessModel:
                 where = f"model '{self.context.name}': output '{spec.name}'"
                 dtype, shape = read_header(stream, where)
                 if dtype is not spec.dtype:
-                    raise ModelFailure(f"{where}: the model wrote {dtype.contract}, expected {spec.dtype.contract}")
+                    raise ModelFailure(f"{where}: the model wrote {contract_name(dtype)}, expected {contract_name(spec.dtype)}")
                 shape = self._check_shape(where, spec, shape, batch)
                 data = read_body(stream, dtype, shape, where)
                 outputs.append(NamedTensor(spec.name, dtype, data))

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from nereid.backends.xla.bundle import ProgramKey
+from nereid.backends.xla.dtype_tokens import token_of
 from nereid.backends.xla.manifest import DimKind, Manifest, ManifestTensor
 from nereid.backends.xla.program import ELEMENT_TYPES, ProgramSignature, ProgramTensor
 from nereid.dtypes import DType
@@ -66,4 +67,4 @@ def _compare(where: str, what: str, actual: ProgramTensor, expected: tuple[int, 
 
 
 def _element_type(dtype: DType) -> str:
-    return next((name for name, d in ELEMENT_TYPES.items() if d is dtype), dtype.token)
+    return next((name for name, d in ELEMENT_TYPES.items() if d is dtype), token_of(dtype))

@@ -24,6 +24,8 @@ from nereid.errors import ConfigError
 from nereid.files import read_text_file
 from nereid.signature import MAX_DECLARED_TENSORS
 
+from nereid.backends.xla.dtype_tokens import dtype_of_token
+
 MANIFEST_NAME = "manifest.yaml"
 # A manifest is a few kilobytes; provenance included, far below this.
 MAX_MANIFEST_BYTES = 1 << 20
@@ -389,7 +391,7 @@ def _dtype(reader: KeyedReader, token: Any, where: str, executable: bool) -> DTy
     if not isinstance(token, str):
         reader.fail(where, "must be a dtype token such as f32", token)
     try:
-        dtype = DType.from_token(token)
+        dtype = dtype_of_token(token)
     except ValueError as err:
         reader.fail(where, str(err), token)
     if executable and dtype is DType.BYTES:

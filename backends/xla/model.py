@@ -167,6 +167,13 @@ class XlaModel:
             outputs.append(NamedTensor(spec.name, spec.dtype, array))
         return outputs
 
+    def padded_rows(self, rows: int) -> int:
+        """The compiled batch size a batch of ``rows`` runs at (PadsBatches): the scheduler then
+        assembles coalesced requests straight into the padded buffer."""
+        if self._mode.coalesces:
+            return next((size for size in self._sizes if size >= rows), rows)
+        return rows
+
     def relocate(self, context: ModelContext) -> None:
         """Serve on under a renamed folder: the executables and weights stay resident."""
         self.context = context

@@ -20,10 +20,10 @@ def nereid_claim_model(folder: Path, declared: bool) -> BackendClaim | None:
     A manifest saying ``meta: true`` is a meta model's (the meta backend claims it), not a bundle.
     """
     if declared:
-        return BackendClaim(BACKEND_NAME, create_model)
+        return BackendClaim(create_model)
     manifest = folder / MANIFEST_NAME
     if manifest.is_file() and not declares_meta(manifest):
-        return BackendClaim(BACKEND_NAME, create_model)
+        return BackendClaim(create_model)
     return None
 
 

@@ -1,232 +1,151 @@
-"""Dynamic batching: coalescing, caps, cost budgets, preferred sizes, delays, deadlines, failures."""
+"""Batch formation as a pure function: take_batch over plain queues, with no clock and no asyncio."""
 
 from __future__ import annotations
 
-import asyncio
-import threading
-import time
+import collections
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
 
-from nereid.batching import BatchPolicy, request_cost
+from nereid.batching import BatchPolicy, take_batch, request_cost
 from nereid.dtypes import DType
-from nereid.errors import ConfigError, DeadlineExceeded, ModelFailure
-from nereid.scheduler import ModelScheduler
+from nereid.errors import ConfigError
 from nereid.settings import BatchingSettings
 from nereid.signature import ModelSignature, TensorSpec
-from nereid.stats import ModelStats
 from nereid.tensors import NamedTensor
 
 FIXED = ModelSignature((TensorSpec("x", DType.FP32, (2,)),), (TensorSpec("y", DType.FP32, (2,)),), 16)
 VARIABLE = ModelSignature((TensorSpec("x", DType.FP32, (-1,)),), (TensorSpec("y", DType.FP32, (-1,)),), 16)
+MS = 1_000_000
 
 
-class RecordingBackend:
-    """Doubles its input; records each batch's rows; holds executions until ``gate`` opens."""
+@dataclass
+class Req:
+    label: str
+    rows: int = 1
+    enqueued_ns: int = 0
+    key: tuple = ("fp32", (2,))
+    cost: int = 0
+    deadline_ns: int = 0
+    cancelled: bool = False
 
-    platform = "test"
+    def __post_init__(self) -> None:
+        self.cost = self.cost or self.rows
 
-    def __init__(self, fail_when=None) -> None:
-        self.gate = threading.Event()
-        self.batches: list[list[float]] = []
-        self.fail_when = fail_when
-
-    def infer(self, inputs: list[NamedTensor]) -> list[NamedTensor]:
-        self.gate.wait(10)
-        self.batches.append([float(v) for v in inputs[0].data[:, 0]])
-        if self.fail_when is not None and self.fail_when(inputs[0].data):
-            raise RuntimeError("bad row in batch")
-        return [NamedTensor("y", DType.FP32, inputs[0].data * 2)]
-
-
-def request(value: float, rows: int = 1, width: int = 2) -> list[NamedTensor]:
-    return [NamedTensor("x", DType.FP32, np.full((rows, width), value, dtype=np.float32))]
+    def abandoned(self) -> bool:
+        return self.cancelled
 
 
 def policy(**settings) -> BatchPolicy:
     return BatchPolicy.resolve(BatchingSettings(**settings), FIXED, "nereid.yaml: models[0]")
 
 
-async def start_blocked(scheduler: ModelScheduler, backend: RecordingBackend) -> asyncio.Task:
-    """Occupy the only instance so that what follows queues up behind it."""
-    blocker = asyncio.create_task(scheduler.submit(request(-1), 1, 0))
-    await asyncio.sleep(0.05)
-    return blocker
+def queue(*requests: Req) -> collections.deque[Req]:
+    return collections.deque(requests)
 
 
-def run(coroutine):
-    return asyncio.run(asyncio.wait_for(coroutine, 30))
+def labels(requests) -> list[str]:
+    return [r.label for r in requests]
 
 
-def test_queued_requests_are_coalesced_up_to_the_cap_and_split_back_by_rows() -> None:
-    async def scenario() -> None:
-        backend = RecordingBackend()
-        scheduler = ModelScheduler("m", backend, FIXED, 64, 1, ModelStats(), policy(max_batch_size=6))
-        blocker = await start_blocked(scheduler, backend)
-        sizes = [1, 2, 3, 1, 4]
-        tasks = [asyncio.create_task(scheduler.submit(request(i, rows), rows, 0)) for i, rows in enumerate(sizes)]
-        await asyncio.sleep(0.05)
-        backend.gate.set()
-        await blocker
-        results = await asyncio.gather(*tasks)
-        for i, (rows, result) in enumerate(zip(sizes, results)):
-            assert result[0].shape == (rows, 2)
-            assert np.all(result[0].data == 2 * i)  # each request gets exactly its own rows
-        # arrival order, never past 6 rows: [0,1,1,2,2,2] then [3,4,4,4,4]
-        assert backend.batches[1:] == [[0, 1, 1, 2, 2, 2], [3, 4, 4, 4, 4]]
-        await scheduler.drain()
-    run(scenario())
+def test_within_the_delay_nothing_goes_and_the_wake_up_is_the_first_requests_window_end() -> None:
+    waiting = queue(Req("a", enqueued_ns=10 * MS), Req("b", enqueued_ns=11 * MS))
+    decision = take_batch(waiting, policy(max_queue_delay_ms=5), now_ns=12 * MS)
+    assert decision.batch == [] and decision.dropped == [] and decision.wake_ns == 15 * MS
+    assert labels(waiting) == ["a", "b"]  # nothing left the queue
+    decision = take_batch(waiting, policy(max_queue_delay_ms=5), now_ns=15 * MS)
+    assert labels(decision.batch) == ["a", "b"] and not waiting and decision.wake_ns is None
 
 
-def test_requests_with_different_non_batch_shapes_are_never_mixed() -> None:
-    async def scenario() -> None:
-        backend = RecordingBackend()
-        scheduler = ModelScheduler("m", backend, VARIABLE, 64, 1, ModelStats(),
-                                   BatchPolicy.resolve(BatchingSettings(), VARIABLE, "x"))
-        blocker = asyncio.create_task(scheduler.submit(request(-1, 1, 3), 1, 0))
-        await asyncio.sleep(0.05)
-        widths = [3, 3, 5, 3, 5]
-        tasks = [asyncio.create_task(scheduler.submit(request(i, 1, w), 1, 0)) for i, w in enumerate(widths)]
-        await asyncio.sleep(0.05)
-        backend.gate.set()
-        await blocker
-        results = await asyncio.gather(*tasks)
-        assert [r[0].shape for r in results] == [(1, w) for w in widths]
-        assert backend.batches[1:] == [[0, 1], [2], [3], [4]]  # a different shape starts the next batch
-        await scheduler.drain()
-    run(scenario())
+def test_time_spent_waiting_for_a_busy_model_does_not_count_as_waiting_for_company() -> None:
+    waiting = queue(Req("a", enqueued_ns=0), Req("b", enqueued_ns=1 * MS))
+    rules = policy(max_queue_delay_ms=2)
+    # the model was busy until 10 ms: the window runs from then, not from a's arrival
+    decision = take_batch(waiting, rules, now_ns=10 * MS, free_since_ns=10 * MS)
+    assert decision.batch == [] and decision.wake_ns == 12 * MS
+    assert labels(take_batch(waiting, rules, now_ns=12 * MS, free_since_ns=10 * MS).batch) == ["a", "b"]
+    # a slot that came free before the request arrived does not shorten its window either
+    waiting = queue(Req("a", enqueued_ns=20 * MS))
+    assert take_batch(waiting, rules, now_ns=21 * MS, free_since_ns=10 * MS).wake_ns == 22 * MS
 
 
-def test_cost_budget_closes_the_batch_and_first_request_is_always_accepted() -> None:
-    async def scenario() -> None:
-        backend = RecordingBackend()
-        budget = BatchPolicy.resolve(BatchingSettings(max_batch_cost=10), VARIABLE, "x")
-        scheduler = ModelScheduler("m", backend, VARIABLE, 64, 1, ModelStats(), budget)
-        blocker = asyncio.create_task(scheduler.submit(request(-1, 1, 4), 1, 0))
-        await asyncio.sleep(0.05)
-        # costs (rows x width): 12 (over budget alone), then 4 + 4 + 4 (closes at 12 >= 10), then 4
-        specs = [(0, 3), (1, 1), (2, 1), (3, 1), (4, 1)]
-        tasks = [asyncio.create_task(scheduler.submit(request(v, rows, 4), rows, 0)) for v, rows in specs]
-        await asyncio.sleep(0.05)
-        backend.gate.set()
-        await blocker
-        await asyncio.gather(*tasks)
-        assert backend.batches[1:] == [[0, 0, 0], [1, 2, 3], [4]]
-        await scheduler.drain()
-    run(scenario())
+def test_zero_delay_takes_what_waits_at_once() -> None:
+    decision = take_batch(queue(Req("a"), Req("b")), policy(), now_ns=0)
+    assert labels(decision.batch) == ["a", "b"]
+
+
+def test_the_row_cap_closes_a_batch_without_waiting_and_never_splits_a_request() -> None:
+    waiting = queue(*(Req(str(i), rows) for i, rows in enumerate([1, 2, 3, 1, 4])))
+    rules = policy(max_batch_size=6, max_queue_delay_ms=1000)
+    assert labels(take_batch(waiting, rules, now_ns=0).batch) == ["0", "1", "2"]  # 6 rows: full
+    decision = take_batch(waiting, rules, now_ns=0)
+    assert decision.batch == [] and decision.wake_ns == 1000 * MS  # 5 rows: may still grow
+    assert labels(take_batch(waiting, rules, now_ns=1000 * MS).batch) == ["3", "4"]
+
+
+def test_a_request_that_would_pass_the_cap_or_differs_in_shape_starts_the_next_batch() -> None:
+    rules = policy(max_batch_size=4, max_queue_delay_ms=1000)
+    waiting = queue(Req("a", 3), Req("b", 2), Req("c", 1))
+    assert labels(take_batch(waiting, rules, now_ns=0).batch) == ["a"]  # blocked by b: full, goes now
+    other = queue(Req("a"), Req("b", key=("fp32", (3,))), Req("c"))
+    assert labels(take_batch(other, rules, now_ns=0).batch) == ["a"]  # c never jumps over b
+    assert labels(other) == ["b", "c"]
+
+
+def test_cost_budget_closes_the_batch_and_the_first_request_is_always_taken() -> None:
+    rules = BatchPolicy(True, max_rows=16, max_delay_ns=10**12, max_cost=100)
+    waiting = queue(Req("huge", cost=500), Req("a", cost=40), Req("b", cost=40), Req("c", cost=40), Req("d", cost=10))
+    assert labels(take_batch(waiting, rules, now_ns=0).batch) == ["huge"]
+    assert labels(take_batch(waiting, rules, now_ns=0).batch) == ["a", "b", "c"]  # 120 reached the budget
+    assert take_batch(waiting, rules, now_ns=0).batch == []  # 10 is below it: wait for company
+
+
+def test_a_preferred_size_goes_early_and_an_oversized_run_is_cut_back_to_it() -> None:
+    rules = policy(preferred_batch_sizes=[4], max_queue_delay_ms=5000)
+    waiting = queue(*(Req(str(i)) for i in range(6)))
+    decision = take_batch(waiting, rules, now_ns=0)
+    assert labels(decision.batch) == ["0", "1", "2", "3"]
+    assert labels(waiting) == ["4", "5"]  # the rest stays first in line
+    assert take_batch(waiting, rules, now_ns=0).wake_ns == 5000 * MS
+    rules = policy(preferred_batch_sizes=[2, 3], max_batch_size=4, max_queue_delay_ms=5000)
+    # the longest preferred prefix wins: rows 1, 2(+1), 3(+1) -> 3 requests
+    assert labels(take_batch(queue(Req("a"), Req("b"), Req("c"), Req("d", 2)), rules, now_ns=0).batch) == \
+        ["a", "b", "c"]
+
+
+def test_abandoned_and_expired_requests_are_dropped_wherever_they_wait() -> None:
+    rules = policy(max_queue_delay_ms=1)
+    waiting = queue(Req("gone", cancelled=True), Req("a"), Req("late", deadline_ns=5), Req("b", deadline_ns=50),
+                    Req("left", cancelled=True), Req("c"))
+    decision = take_batch(waiting, rules, now_ns=10 * MS)
+    assert labels(decision.batch) == ["a", "c"]
+    assert labels(decision.dropped) == ["gone", "late", "b", "left"]
+    assert not waiting
+
+
+def test_an_expired_first_request_does_not_hold_the_window_of_the_next() -> None:
+    rules = policy(max_queue_delay_ms=10)
+    waiting = queue(Req("late", enqueued_ns=0, deadline_ns=1 * MS), Req("a", enqueued_ns=5 * MS))
+    decision = take_batch(waiting, rules, now_ns=11 * MS)
+    assert labels(decision.dropped) == ["late"] and decision.batch == [] and decision.wake_ns == 15 * MS
+
+
+def test_without_batching_each_request_goes_alone() -> None:
+    waiting = queue(Req("a"), Req("b"))
+    assert labels(take_batch(waiting, BatchPolicy(enabled=False), now_ns=0).batch) == ["a"]
+    assert labels(waiting) == ["b"]
+
+
+def test_an_empty_queue_decides_nothing() -> None:
+    decision = take_batch(queue(), policy(), now_ns=0)
+    assert decision.batch == [] and decision.dropped == [] and decision.wake_ns is None
 
 
 def test_request_cost_counts_elements_along_variable_axes() -> None:
     tokens = [NamedTensor("x", DType.FP32, np.zeros((2, 37), np.float32))]
     assert request_cost(VARIABLE, tokens, 2) == 74
     assert request_cost(FIXED, [NamedTensor("x", DType.FP32, np.zeros((3, 2), np.float32))], 3) == 3
-
-
-def test_delay_window_waits_for_company_and_zero_delay_dispatches_at_once() -> None:
-    async def scenario(delay_ms: float) -> list[list[float]]:
-        backend = RecordingBackend()
-        backend.gate.set()
-        scheduler = ModelScheduler("m", backend, FIXED, 64, 1, ModelStats(), policy(max_queue_delay_ms=delay_ms))
-        first = asyncio.create_task(scheduler.submit(request(0), 1, 0))
-        await asyncio.sleep(0.05)
-        second = asyncio.create_task(scheduler.submit(request(1), 1, 0))
-        await asyncio.gather(first, second)
-        await scheduler.drain()
-        return backend.batches
-
-    assert run(scenario(400)) == [[0, 1]]
-    assert run(scenario(0)) == [[0], [1]]
-
-
-def test_preferred_size_dispatches_early_and_cuts_an_oversized_batch() -> None:
-    async def scenario() -> None:
-        backend = RecordingBackend()
-        backend.gate.set()
-        scheduler = ModelScheduler("m", backend, FIXED, 64, 1, ModelStats(),
-                                   policy(preferred_batch_sizes=[4], max_queue_delay_ms=5000))
-        started = time.monotonic()
-        tasks = [asyncio.create_task(scheduler.submit(request(i), 1, 0)) for i in range(6)]
-        await asyncio.gather(*tasks[:4])
-        assert time.monotonic() - started < 2  # the preferred size did not wait out the 5 s window
-        assert backend.batches == [[0, 1, 2, 3]]  # cut back from 6 to the preferred 4
-        more = [asyncio.create_task(scheduler.submit(request(i), 1, 0)) for i in (6, 7)]
-        await asyncio.gather(*tasks[4:], *more)
-        assert backend.batches[1] == [4, 5, 6, 7]  # the rest stayed first in line
-        await scheduler.drain()
-    run(scenario())
-
-
-def test_expired_request_is_answered_when_its_batch_forms_and_the_others_run() -> None:
-    async def scenario() -> None:
-        backend = RecordingBackend()
-        scheduler = ModelScheduler("m", backend, FIXED, 64, 1, ModelStats(), policy())
-        blocker = await start_blocked(scheduler, backend)
-        keep = asyncio.create_task(scheduler.submit(request(1), 1, 0))
-        expire = asyncio.create_task(scheduler.submit(request(2), 1, time.monotonic_ns() + 10_000_000))
-        keep2 = asyncio.create_task(scheduler.submit(request(3), 1, 0))
-        await asyncio.sleep(0.1)
-        backend.gate.set()
-        await blocker
-        with pytest.raises(DeadlineExceeded, match="it was not run"):
-            await expire
-        await asyncio.gather(keep, keep2)
-        assert backend.batches[1:] == [[1, 3]]
-        await scheduler.drain()
-    run(scenario())
-
-
-def test_a_failing_batch_fails_each_of_its_requests_and_the_scheduler_carries_on() -> None:
-    async def scenario() -> None:
-        backend = RecordingBackend(fail_when=lambda data: bool((data == 13).any()))
-        scheduler = ModelScheduler("m", backend, FIXED, 64, 1, ModelStats(), policy())
-        blocker = await start_blocked(scheduler, backend)
-        doomed = [asyncio.create_task(scheduler.submit(request(v), 1, 0)) for v in (12, 13, 14)]
-        await asyncio.sleep(0.05)
-        backend.gate.set()
-        await blocker
-        for task in doomed:
-            with pytest.raises(ModelFailure, match="model 'm' failed: RuntimeError: bad row in batch"):
-                await task
-        assert float((await scheduler.submit(request(5), 1, 0))[0].data[0, 0]) == 10
-        await scheduler.drain()
-    run(scenario())
-
-
-def test_instances_run_batches_concurrently_and_stats_count_them() -> None:
-    async def scenario() -> None:
-        backend = RecordingBackend()
-        stats = ModelStats()
-        scheduler = ModelScheduler("m", backend, FIXED, 64, 2, stats, policy(max_batch_size=2))
-        tasks = [asyncio.create_task(scheduler.submit(request(i), 1, 0)) for i in range(6)]
-        await asyncio.sleep(0.1)
-        # the first two found an idle instance each and started at once; the rest wait
-        assert scheduler.queue_depth == 4
-        backend.gate.set()
-        await asyncio.gather(*tasks)
-        assert sorted(backend.batches) == [[0], [1], [2, 3], [4, 5]]
-        await scheduler.drain()
-        snapshot = stats.snapshot()
-        assert snapshot.batcher.total_submitted == 6 and snapshot.batcher.total_completed == 6
-        assert snapshot.execution_count == snapshot.batcher.total_batches == len(backend.batches)
-        assert snapshot.batcher.avg_batch_size == 6 / len(backend.batches)
-        assert sorted(snapshot.batches) == sorted({len(b) for b in backend.batches})
-        assert 0 < snapshot.batcher.utilization <= 1
-    run(scenario())
-
-
-def test_disabled_batching_runs_one_request_per_execution() -> None:
-    async def scenario() -> None:
-        backend = RecordingBackend()
-        scheduler = ModelScheduler("m", backend, FIXED, 64, 1, ModelStats(), policy(enabled=False))
-        blocker = await start_blocked(scheduler, backend)
-        tasks = [asyncio.create_task(scheduler.submit(request(i), 1, 0)) for i in range(3)]
-        await asyncio.sleep(0.05)
-        backend.gate.set()
-        await asyncio.gather(blocker, *tasks)
-        assert backend.batches == [[-1], [0], [1], [2]]
-        await scheduler.drain()
-    run(scenario())
 
 
 def test_policy_is_checked_against_the_model() -> None:
@@ -236,50 +155,3 @@ def test_policy_is_checked_against_the_model() -> None:
         policy(max_batch_size=32)
     unbatched = ModelSignature(FIXED.inputs, FIXED.outputs, 0)
     assert not BatchPolicy.resolve(BatchingSettings(), unbatched, "x").enabled
-
-
-LOGGING_ECHO_MAIN = '''
-import os, sys
-with open("runs.log", "a") as log:
-    log.write(os.environ["NEREID_INPUT_SHAPE"] + "\\n")
-data = sys.stdin.buffer.read()
-with open(os.environ["NEREID_OUTPUT_PATH"], "wb") as out:
-    out.write(("float32 %s\\n" % os.environ["NEREID_INPUT_SHAPE"]).encode())
-    out.write(data)
-'''
-
-
-def test_served_subprocess_model_runs_one_process_per_batch(repo, serve) -> None:
-    import tritonclient.grpc as triton
-
-    folder = repo.python("echo", main=LOGGING_ECHO_MAIN)
-    server = serve(repo.write_config("""
-        - name: echo
-          batching:
-            max_queue_delay_ms: 300
-            max_batch_size: 8
-    """))
-    results: dict[int, np.ndarray] = {}
-    done = threading.Event()
-
-    def callback(index):
-        def handle(result, error):
-            results[index] = error if error is not None else result.as_numpy("output")
-            if len(results) == 6:
-                done.set()
-        return handle
-
-    for index in range(6):
-        x = np.full((1, 4), index, dtype=np.float32)
-        tensor = triton.InferInput("input", [1, 4], "FP32")
-        tensor.set_data_from_numpy(x)
-        server.client.async_infer("echo", [tensor], callback(index))
-    assert done.wait(30)
-    for index in range(6):
-        assert np.array_equal(results[index], np.full((1, 4), index, dtype=np.float32)), results[index]
-    shapes = (folder / "runs.log").read_text().split()
-    assert sum(int(s.split(",")[0]) for s in shapes) == 6
-    assert len(shapes) < 6  # requests shared processes: the batch's inputs were concatenated
-    stats = server.client.get_inference_statistics("echo").model_stats[0]
-    assert stats.execution_count == len(shapes) and stats.inference_count == 6
-    assert sum(b.compute_infer.count * b.batch_size for b in stats.batch_stats) == 6

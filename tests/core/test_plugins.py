@@ -53,7 +53,7 @@ class AddOne:
 @hookimpl
 def nereid_claim_model(folder: Path, declared: bool):
     if declared or (folder / "addone.txt").is_file():
-        return BackendClaim("addone", AddOne)
+        return BackendClaim(AddOne)
     return None
 '''
 
@@ -119,8 +119,8 @@ def test_unclaimed_and_doubly_claimed_folders_name_the_candidates(installed_addo
 def test_declared_backend_checks_only_its_own_files(repo) -> None:
     folder = repo.add("cpp_only", "input_shape: [1]\noutput_shape: [1]\n", main_py="print()")
     manager = make_plugin_manager(load_entry_points=False)
-    assert claim_folder(manager, folder).claim.backend_name == "python"
-    assert claim_folder(manager, folder, "cpp").claim.backend_name == "cpp"
+    assert claim_folder(manager, folder).backend_name == "python"
+    assert claim_folder(manager, folder, "cpp").backend_name == "cpp"
     missing = claim_folder(manager, folder, "tensorflow")
     assert missing.claim is None and "backend 'tensorflow' (from nereid.yaml) is not installed" in missing.reason
 

@@ -274,7 +274,7 @@ class SlowLoad:
 
 @hookimpl
 def nereid_claim_model(folder, declared):
-    return BackendClaim("slow_load", SlowLoad) if (folder / "slow.txt").is_file() else None
+    return BackendClaim(SlowLoad) if (folder / "slow.txt").is_file() else None
 
 
 logging.basicConfig(level=logging.INFO)
@@ -355,7 +355,7 @@ class Stuck:
 
 @hookimpl
 def nereid_claim_model(folder, declared):
-    return BackendClaim("stuck", Stuck) if (folder / "stuck.txt").is_file() else None
+    return BackendClaim(Stuck) if (folder / "stuck.txt").is_file() else None
 
 
 logging.basicConfig(level=logging.INFO)

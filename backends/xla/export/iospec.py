@@ -7,6 +7,8 @@ from typing import Any
 
 import numpy as np
 
+from nereid.backends.xla.dtype_tokens import dtype_of_token, token_of
+
 from nereid.dtypes import DType
 
 BATCH_LETTER = "n"
@@ -75,7 +77,7 @@ class IOSpec:
         manifest_axes = list(reversed(axes))
         return {
             "name": self.name,
-            "dtype": self.dtype.token,
+            "dtype": token_of(self.dtype),
             "shape": "".join(letter for letter, _ in manifest_axes),
             "dims": {letter: size for letter, size in manifest_axes if size is not None},
         }
@@ -86,7 +88,7 @@ def as_dtype(value: Any) -> DType:
     if isinstance(value, DType):
         return value
     if isinstance(value, str):
-        for lookup in (DType.from_token, DType.from_kserve):
+        for lookup in (dtype_of_token, DType.from_kserve):
             try:
                 return lookup(value)
             except ValueError:

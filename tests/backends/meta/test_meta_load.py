@@ -100,11 +100,11 @@ def build(folder: Path):
 def test_the_meta_backend_claims_meta_manifests_and_xla_declines_them(tmp_path: Path) -> None:
     manager = make_plugin_manager(load_entry_points=False)
     meta = meta_folder(tmp_path, "m")
-    assert claim_folder(manager, meta).claim.backend_name == "meta"
+    assert claim_folder(manager, meta).backend_name == "meta"
     bundle = tmp_path / "bundle"
     bundle.mkdir()
     (bundle / "manifest.yaml").write_text("format_version: '2.1'\n")
-    assert claim_folder(manager, bundle).claim.backend_name == "xla"
+    assert claim_folder(manager, bundle).backend_name == "xla"
     built = build(meta)
     assert built.backend.platform == "nereid_meta" and built.backend_name == "meta"
     assert not built.policy.enabled and built.backend.concurrent_executions() == 128

@@ -59,12 +59,12 @@ def test_weights_file_key(tmp_path, add_bundle) -> None:
 def test_the_plugin_claims_folders_with_a_manifest(tmp_path, add_bundle) -> None:
     manager = make_plugin_manager(load_entry_points=False)
     bundle = add_bundle(tmp_path, "mlp_bundle")
-    assert claim_folder(manager, bundle).claim.backend_name == "xla"
+    assert claim_folder(manager, bundle).backend_name == "xla"
     other = tmp_path / "other"
     other.mkdir()
     (other / "main.py").write_text("")
-    assert claim_folder(manager, other).claim.backend_name == "python"
+    assert claim_folder(manager, other).backend_name == "python"
     declared = claim_folder(manager, other, "xla")
-    assert declared.claim.backend_name == "xla"
+    assert declared.backend_name == "xla"
     with pytest.raises(ConfigError, match="missing manifest.yaml"):
         open_bundle(other)

@@ -17,6 +17,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from nereid.backends.subprocess.dtype_names import contract_name
 from nereid.backends.subprocess.framing import MAX_HEADER_BYTES, MAX_RANK, encode_frame, read_body, read_header
 from nereid.dtypes import DType
 from nereid.errors import ModelFailure
@@ -63,7 +64,7 @@ def test_round_trip_every_dtype(dtype: DType, shape: tuple[int, ...]) -> None:
     array = sample(dtype, shape)
     frame = encode_frame(NamedTensor("t", dtype, array))
     header = frame.split(b"\n", 1)[0].decode()
-    assert header == f"{dtype.contract} {','.join(str(d) for d in shape)}"
+    assert header == f"{contract_name(dtype)} {','.join(str(d) for d in shape)}"
     read_dtype, read_shape, read_array = read_frame(frame)
     assert read_dtype is dtype
     assert read_shape == shape

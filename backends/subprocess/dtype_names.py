@@ -1,0 +1,30 @@
+"""The subprocess tensor contract's element-type names (``NEREID_INPUT_DTYPE`` and frame headers).
+
+The seed's contract spells types as numpy does (``float32``); the cxx backend's
+C ABI uses the same names.
+"""
+
+from __future__ import annotations
+
+from nereid.dtypes import DType
+
+CONTRACT_NAMES: dict[DType, str] = {
+    DType.BOOL: "bool", DType.UINT8: "uint8", DType.UINT16: "uint16", DType.UINT32: "uint32",
+    DType.UINT64: "uint64", DType.INT8: "int8", DType.INT16: "int16", DType.INT32: "int32", DType.INT64: "int64",
+    DType.FP16: "float16", DType.FP32: "float32", DType.FP64: "float64", DType.BF16: "bfloat16",
+    DType.BYTES: "bytes", DType.F8E5M2: "float8_e5m2", DType.F8E4M3: "float8_e4m3",
+}
+_BY_NAME = {name: dtype for dtype, name in CONTRACT_NAMES.items()}
+
+
+def contract_name(dtype: DType) -> str:
+    """The contract's name for ``dtype``, e.g. ``float32``."""
+    return CONTRACT_NAMES[dtype]
+
+
+def dtype_of_contract_name(name: str) -> DType:
+    """The element type a contract name names; ValueError lists the valid names."""
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r} (expected one of {', '.join(sorted(_BY_NAME))})") from None

@@ -1,0 +1,20 @@
+"""The subprocess contract's dtype names: every element type has one, and it reads back."""
+
+from __future__ import annotations
+
+import pytest
+
+from nereid.dtypes import DType
+
+from nereid.backends.subprocess.dtype_names import contract_name, dtype_of_contract_name
+
+
+@pytest.mark.parametrize("dtype", list(DType))
+def test_every_type_has_a_name_that_reads_back(dtype: DType) -> None:
+    assert dtype_of_contract_name(contract_name(dtype)) is dtype
+
+
+def test_names_follow_numpy_and_unknown_names_list_the_valid_ones() -> None:
+    assert [contract_name(d) for d in (DType.FP32, DType.BF16, DType.BYTES)] == ["float32", "bfloat16", "bytes"]
+    with pytest.raises(ValueError, match=r"unknown dtype 'f32' \(expected one of bfloat16, bool, bytes"):
+        dtype_of_contract_name("f32")

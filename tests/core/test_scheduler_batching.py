@@ -1,0 +1,304 @@
+"""The scheduler's dynamic batching end to end (asyncio, worker threads): coalescing, splitting, delays,
+deadlines, failures, instances. The rules themselves are tested purely in test_batching.py."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from nereid.batching import BatchPolicy
+from nereid.dtypes import DType
+from nereid.errors import DeadlineExceeded, ModelFailure
+from nereid.scheduler import ModelScheduler
+from nereid.settings import BatchingSettings
+from nereid.signature import ModelSignature, TensorSpec
+from nereid.stats import ModelStats
+from nereid.tensors import NamedTensor
+
+FIXED = ModelSignature((TensorSpec("x", DType.FP32, (2,)),), (TensorSpec("y", DType.FP32, (2,)),), 16)
+VARIABLE = ModelSignature((TensorSpec("x", DType.FP32, (-1,)),), (TensorSpec("y", DType.FP32, (-1,)),), 16)
+
+
+class RecordingBackend:
+    """Doubles its input; records each batch's rows; holds executions until ``gate`` opens."""
+
+    platform = "test"
+
+    def __init__(self, fail_when=None) -> None:
+        self.gate = threading.Event()
+        self.batches: list[list[float]] = []
+        self.fail_when = fail_when
+
+    def infer(self, inputs: list[NamedTensor]) -> list[NamedTensor]:
+        self.gate.wait(10)
+        self.batches.append([float(v) for v in inputs[0].data[:, 0]])
+        if self.fail_when is not None and self.fail_when(inputs[0].data):
+            raise RuntimeError("bad row in batch")
+        return [NamedTensor("y", DType.FP32, inputs[0].data * 2)]
+
+
+def request(value: float, rows: int = 1, width: int = 2) -> list[NamedTensor]:
+    return [NamedTensor("x", DType.FP32, np.full((rows, width), value, dtype=np.float32))]
+
+
+def policy(**settings) -> BatchPolicy:
+    return BatchPolicy.resolve(BatchingSettings(**settings), FIXED, "nereid.yaml: models[0]")
+
+
+async def start_blocked(scheduler: ModelScheduler, backend: RecordingBackend) -> asyncio.Task:
+    """Occupy the only instance so that what follows queues up behind it."""
+    blocker = asyncio.create_task(scheduler.submit(request(-1), 1, 0))
+    await asyncio.sleep(0.05)
+    return blocker
+
+
+def run(coroutine):
+    return asyncio.run(asyncio.wait_for(coroutine, 30))
+
+
+def test_queued_requests_are_coalesced_up_to_the_cap_and_split_back_by_rows() -> None:
+    async def scenario() -> None:
+        backend = RecordingBackend()
+        scheduler = ModelScheduler("m", backend, FIXED, 64, 1, ModelStats(), policy(max_batch_size=6))
+        blocker = await start_blocked(scheduler, backend)
+        sizes = [1, 2, 3, 1, 4]
+        tasks = [asyncio.create_task(scheduler.submit(request(i, rows), rows, 0)) for i, rows in enumerate(sizes)]
+        await asyncio.sleep(0.05)
+        backend.gate.set()
+        await blocker
+        results = await asyncio.gather(*tasks)
+        for i, (rows, result) in enumerate(zip(sizes, results)):
+            assert result[0].shape == (rows, 2)
+            assert np.all(result[0].data == 2 * i)  # each request gets exactly its own rows
+        # arrival order, never past 6 rows: [0,1,1,2,2,2] then [3,4,4,4,4]
+        assert backend.batches[1:] == [[0, 1, 1, 2, 2, 2], [3, 4, 4, 4, 4]]
+        await scheduler.drain()
+    run(scenario())
+
+
+def test_requests_with_different_non_batch_shapes_are_never_mixed() -> None:
+    async def scenario() -> None:
+        backend = RecordingBackend()
+        scheduler = ModelScheduler("m", backend, VARIABLE, 64, 1, ModelStats(),
+                                   BatchPolicy.resolve(BatchingSettings(), VARIABLE, "x"))
+        blocker = asyncio.create_task(scheduler.submit(request(-1, 1, 3), 1, 0))
+        await asyncio.sleep(0.05)
+        widths = [3, 3, 5, 3, 5]
+        tasks = [asyncio.create_task(scheduler.submit(request(i, 1, w), 1, 0)) for i, w in enumerate(widths)]
+        await asyncio.sleep(0.05)
+        backend.gate.set()
+        await blocker
+        results = await asyncio.gather(*tasks)
+        assert [r[0].shape for r in results] == [(1, w) for w in widths]
+        assert backend.batches[1:] == [[0, 1], [2], [3], [4]]  # a different shape starts the next batch
+        await scheduler.drain()
+    run(scenario())
+
+
+def test_cost_budget_closes_the_batch_and_first_request_is_always_accepted() -> None:
+    async def scenario() -> None:
+        backend = RecordingBackend()
+        budget = BatchPolicy.resolve(BatchingSettings(max_batch_cost=10), VARIABLE, "x")
+        scheduler = ModelScheduler("m", backend, VARIABLE, 64, 1, ModelStats(), budget)
+        blocker = asyncio.create_task(scheduler.submit(request(-1, 1, 4), 1, 0))
+        await asyncio.sleep(0.05)
+        # costs (rows x width): 12 (over budget alone), then 4 + 4 + 4 (closes at 12 >= 10), then 4
+        specs = [(0, 3), (1, 1), (2, 1), (3, 1), (4, 1)]
+        tasks = [asyncio.create_task(scheduler.submit(request(v, rows, 4), rows, 0)) for v, rows in specs]
+        await asyncio.sleep(0.05)
+        backend.gate.set()
+        await blocker
+        await asyncio.gather(*tasks)
+        assert backend.batches[1:] == [[0, 0, 0], [1, 2, 3], [4]]
+        await scheduler.drain()
+    run(scenario())
+
+
+def test_delay_window_waits_for_company_and_zero_delay_dispatches_at_once() -> None:
+    async def scenario(delay_ms: float) -> list[list[float]]:
+        backend = RecordingBackend()
+        backend.gate.set()
+        scheduler = ModelScheduler("m", backend, FIXED, 64, 1, ModelStats(), policy(max_queue_delay_ms=delay_ms))
+        first = asyncio.create_task(scheduler.submit(request(0), 1, 0))
+        await asyncio.sleep(0.05)
+        second = asyncio.create_task(scheduler.submit(request(1), 1, 0))
+        await asyncio.gather(first, second)
+        await scheduler.drain()
+        return backend.batches
+
+    assert run(scenario(400)) == [[0, 1]]
+    assert run(scenario(0)) == [[0], [1]]
+
+
+def test_preferred_size_dispatches_early_and_cuts_an_oversized_batch() -> None:
+    async def scenario() -> None:
+        backend = RecordingBackend()
+        backend.gate.set()
+        scheduler = ModelScheduler("m", backend, FIXED, 64, 1, ModelStats(),
+                                   policy(preferred_batch_sizes=[4], max_queue_delay_ms=5000))
+        started = time.monotonic()
+        tasks = [asyncio.create_task(scheduler.submit(request(i), 1, 0)) for i in range(6)]
+        await asyncio.gather(*tasks[:4])
+        assert time.monotonic() - started < 2  # the preferred size did not wait out the 5 s window
+        assert backend.batches == [[0, 1, 2, 3]]  # cut back from 6 to the preferred 4
+        more = [asyncio.create_task(scheduler.submit(request(i), 1, 0)) for i in (6, 7)]
+        await asyncio.gather(*tasks[4:], *more)
+        assert backend.batches[1] == [4, 5, 6, 7]  # the rest stayed first in line
+        await scheduler.drain()
+    run(scenario())
+
+
+def test_expired_request_is_answered_when_its_batch_forms_and_the_others_run() -> None:
+    async def scenario() -> None:
+        backend = RecordingBackend()
+        scheduler = ModelScheduler("m", backend, FIXED, 64, 1, ModelStats(), policy())
+        blocker = await start_blocked(scheduler, backend)
+        keep = asyncio.create_task(scheduler.submit(request(1), 1, 0))
+        expire = asyncio.create_task(scheduler.submit(request(2), 1, time.monotonic_ns() + 10_000_000))
+        keep2 = asyncio.create_task(scheduler.submit(request(3), 1, 0))
+        await asyncio.sleep(0.1)
+        backend.gate.set()
+        await blocker
+        with pytest.raises(DeadlineExceeded, match="it was not run"):
+            await expire
+        await asyncio.gather(keep, keep2)
+        assert backend.batches[1:] == [[1, 3]]
+        await scheduler.drain()
+    run(scenario())
+
+
+class PaddingBackend(RecordingBackend):
+    """Runs only at 4 or 8 rows (PadsBatches): records the arrays it was given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.arrays: list[np.ndarray] = []
+
+    def padded_rows(self, rows: int) -> int:
+        return 4 if rows <= 4 else 8
+
+    def infer(self, inputs: list[NamedTensor]) -> list[NamedTensor]:
+        self.arrays.append(inputs[0].data)
+        return super().infer(inputs)
+
+
+def test_a_padding_model_gets_coalesced_requests_in_one_zero_padded_buffer() -> None:
+    async def scenario() -> None:
+        backend = PaddingBackend()
+        scheduler = ModelScheduler("m", backend, FIXED, 64, 1, ModelStats(), policy())
+        blocker = await start_blocked(scheduler, backend)
+        tasks = [asyncio.create_task(scheduler.submit(request(v, rows), rows, 0)) for v, rows in ((1, 2), (2, 3))]
+        await asyncio.sleep(0.05)
+        backend.gate.set()
+        await blocker
+        first, second = await asyncio.gather(*tasks)
+        batch = backend.arrays[1]
+        assert batch.shape == (8, 2)  # 5 rows assembled straight into the 8-row size
+        assert batch[:, 0].tolist() == [1, 1, 2, 2, 2, 0, 0, 0]
+        assert first[0].data.tolist() == [[2, 2]] * 2 and second[0].data.tolist() == [[4, 4]] * 3
+        await scheduler.drain()
+    run(scenario())
+
+
+def test_a_failing_batch_fails_each_of_its_requests_and_the_scheduler_carries_on() -> None:
+    async def scenario() -> None:
+        backend = RecordingBackend(fail_when=lambda data: bool((data == 13).any()))
+        scheduler = ModelScheduler("m", backend, FIXED, 64, 1, ModelStats(), policy())
+        blocker = await start_blocked(scheduler, backend)
+        doomed = [asyncio.create_task(scheduler.submit(request(v), 1, 0)) for v in (12, 13, 14)]
+        await asyncio.sleep(0.05)
+        backend.gate.set()
+        await blocker
+        for task in doomed:
+            with pytest.raises(ModelFailure, match="model 'm' failed: RuntimeError: bad row in batch"):
+                await task
+        assert float((await scheduler.submit(request(5), 1, 0))[0].data[0, 0]) == 10
+        await scheduler.drain()
+    run(scenario())
+
+
+def test_instances_run_batches_concurrently_and_stats_count_them() -> None:
+    async def scenario() -> None:
+        backend = RecordingBackend()
+        stats = ModelStats()
+        scheduler = ModelScheduler("m", backend, FIXED, 64, 2, stats, policy(max_batch_size=2))
+        tasks = [asyncio.create_task(scheduler.submit(request(i), 1, 0)) for i in range(6)]
+        await asyncio.sleep(0.1)
+        # the first two found an idle instance each and started at once; the rest wait
+        assert scheduler.queue_depth == 4
+        backend.gate.set()
+        await asyncio.gather(*tasks)
+        assert sorted(backend.batches) == [[0], [1], [2, 3], [4, 5]]
+        await scheduler.drain()
+        snapshot = stats.snapshot()
+        assert snapshot.batcher.total_submitted == 6 and snapshot.batcher.total_completed == 6
+        assert snapshot.execution_count == snapshot.batcher.total_batches == len(backend.batches)
+        assert snapshot.batcher.avg_batch_size == 6 / len(backend.batches)
+        assert sorted(snapshot.batches) == sorted({len(b) for b in backend.batches})
+        assert 0 < snapshot.batcher.utilization <= 1
+    run(scenario())
+
+
+def test_disabled_batching_runs_one_request_per_execution() -> None:
+    async def scenario() -> None:
+        backend = RecordingBackend()
+        scheduler = ModelScheduler("m", backend, FIXED, 64, 1, ModelStats(), policy(enabled=False))
+        blocker = await start_blocked(scheduler, backend)
+        tasks = [asyncio.create_task(scheduler.submit(request(i), 1, 0)) for i in range(3)]
+        await asyncio.sleep(0.05)
+        backend.gate.set()
+        await asyncio.gather(blocker, *tasks)
+        assert backend.batches == [[-1], [0], [1], [2]]
+        await scheduler.drain()
+    run(scenario())
+
+
+LOGGING_ECHO_MAIN = '''
+import os, sys
+with open("runs.log", "a") as log:
+    log.write(os.environ["NEREID_INPUT_SHAPE"] + "\\n")
+data = sys.stdin.buffer.read()
+with open(os.environ["NEREID_OUTPUT_PATH"], "wb") as out:
+    out.write(("float32 %s\\n" % os.environ["NEREID_INPUT_SHAPE"]).encode())
+    out.write(data)
+'''
+
+
+def test_served_subprocess_model_runs_one_process_per_batch(repo, serve) -> None:
+    import tritonclient.grpc as triton
+
+    folder = repo.python("echo", main=LOGGING_ECHO_MAIN)
+    server = serve(repo.write_config("""
+        - name: echo
+          batching:
+            max_queue_delay_ms: 300
+            max_batch_size: 8
+    """))
+    results: dict[int, np.ndarray] = {}
+    done = threading.Event()
+
+    def callback(index):
+        def handle(result, error):
+            results[index] = error if error is not None else result.as_numpy("output")
+            if len(results) == 6:
+                done.set()
+        return handle
+
+    for index in range(6):
+        x = np.full((1, 4), index, dtype=np.float32)
+        tensor = triton.InferInput("input", [1, 4], "FP32")
+        tensor.set_data_from_numpy(x)
+        server.client.async_infer("echo", [tensor], callback(index))
+    assert done.wait(30)
+    for index in range(6):
+        assert np.array_equal(results[index], np.full((1, 4), index, dtype=np.float32)), results[index]
+    shapes = (folder / "runs.log").read_text().split()
+    assert sum(int(s.split(",")[0]) for s in shapes) == 6
+    assert len(shapes) < 6  # requests shared processes: the batch's inputs were concatenated
+    stats = server.client.get_inference_statistics("echo").model_stats[0]
+    assert stats.execution_count == len(shapes) and stats.inference_count == 6
+    assert sum(b.compute_infer.count * b.batch_size for b in stats.batch_stats) == 6
