@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
@@ -57,6 +57,7 @@ class ServerMetrics:
         self.protocol_requests = Counter(
             "nereid_protocol_requests", "Inference requests answered, by model, protocol (grpc, http) and outcome.",
             ["model", "protocol", "outcome"], registry=self.registry)
+        self._request_counters: dict[tuple[str, str, str], Any] = {}
         self._http = None
 
     def collect_from(self, repository: ModelRepository) -> None:
@@ -65,7 +66,11 @@ class ServerMetrics:
 
     def count_request(self, protocol: str, model: str, outcome: str) -> None:
         """Count one inference request answered over ``protocol`` (``success`` or the error's reason)."""
-        self.protocol_requests.labels(model, protocol, outcome).inc()
+        key = (model, protocol, outcome)
+        counter = self._request_counters.get(key)
+        if counter is None:  # labels() costs more than the increment: look each child up once
+            counter = self._request_counters[key] = self.protocol_requests.labels(model, protocol, outcome)
+        counter.inc()
 
     def model_loaded(self, model: str, seconds: float) -> None:
         """Record one model load."""

@@ -108,12 +108,14 @@ class ModelScheduler:
                 raise self._deadline_error(deadline_ns, arrived_ns, arrived_ns)
             self._idle.clear()
             self._free_slots -= 1
-            deadline = REQUEST_DEADLINE_NS.set(deadline_ns)  # for a coroutine infer, in this very task
+            # A coroutine infer runs in this very task and reads its deadline from the context.
+            deadline = REQUEST_DEADLINE_NS.set(deadline_ns) if self._inline else None
             try:
                 (outputs,) = await self._run(inputs, [rows], cost, [time.monotonic_ns() - arrived_ns], 0)
                 return outputs
             finally:
-                REQUEST_DEADLINE_NS.reset(deadline)
+                if deadline is not None:
+                    REQUEST_DEADLINE_NS.reset(deadline)
                 self._release_slot()
         work = Work(inputs, rows, cost, batch_key(inputs), deadline_ns, asyncio.get_running_loop().create_future(),
                     arrived_ns)

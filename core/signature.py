@@ -166,6 +166,8 @@ def _tensor_spec(name: str, data_type: str, dims, where: str, path: Path) -> Ten
 
 def dims_match(actual: tuple[int, ...], declared: tuple[int, ...]) -> bool:
     """True when ``actual`` has the declared rank and every fixed dim matches (-1: any)."""
+    if actual == declared:
+        return True  # the common case on every request: a fixed shape, sent as declared
     return len(actual) == len(declared) and all(d == -1 or d == a for a, d in zip(actual, declared))
 
 
@@ -209,16 +211,16 @@ def validate_inputs(model: str, signature: ModelSignature, tensors: list[NamedTe
                     f"model '{model}': input '{spec.name}' has shape {list(shape)}, "
                     f"expected {_shape_text(spec.dims, batched=False)}"
                 )
-        elif dims_match(shape, spec.dims):
-            tensor = NamedTensor(tensor.name, tensor.dtype, tensor.data.reshape((1, *shape)))
-            sizes.append(None)
-        elif len(shape) == len(spec.dims) + 1 and dims_match(shape[1:], spec.dims):
+        elif len(shape) == len(spec.dims) + 1 and dims_match(shape[1:], spec.dims):  # the usual form
             if not 1 <= shape[0] <= signature.max_batch_size:
                 raise InvalidArgument(
                     f"model '{model}': input '{spec.name}' has batch size {shape[0]}, "
                     f"expected 1 to max_batch_size {signature.max_batch_size}"
                 )
             sizes.append(shape[0])
+        elif dims_match(shape, spec.dims):
+            tensor = NamedTensor(tensor.name, tensor.dtype, tensor.data.reshape((1, *shape)))
+            sizes.append(None)
         else:
             raise InvalidArgument(
                 f"model '{model}': input '{spec.name}' has shape {list(shape)}, expected "

@@ -16,6 +16,7 @@ import socket
 import ssl
 from typing import Any, Awaitable, Callable, Iterator
 
+import orjson
 import uvicorn
 
 from nereid.dataplane import DataPlane
@@ -234,16 +235,14 @@ def _who(model: str) -> str:
 
 
 def _json(document: Any, status: int = 200) -> tuple[int, list[bytes | memoryview], list]:
-    return status, [json.dumps(document, separators=(",", ":")).encode()], [(b"content-type", b"application/json")]
+    return status, [orjson.dumps(document)], [(b"content-type", b"application/json")]
 
 
 def _json_object(body: bytes, what: str) -> dict:
     try:
-        document = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        document = orjson.loads(body)
+    except orjson.JSONDecodeError as err:
         raise HttpError(400, f"{what} is not valid JSON ({err})") from None
-    except RecursionError:
-        raise HttpError(400, f"{what} is nested too deeply") from None
     if not isinstance(document, dict):
         raise HttpError(400, f"{what} must be a JSON object")
     return document
@@ -255,7 +254,10 @@ def _health(ok: bool) -> tuple[int, list[bytes | memoryview], list]:
 
 
 def _error_body(message: str) -> list[bytes]:
-    return [json.dumps({"error": cap_message(message)}).encode()]
+    try:
+        return [orjson.dumps({"error": cap_message(message)})]
+    except orjson.JSONEncodeError:  # a lone surrogate (from a name the client sent): escape it instead
+        return [json.dumps({"error": cap_message(message)}).encode()]
 
 
 def _tensor_json(tensor) -> dict:
