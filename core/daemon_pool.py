@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from concurrent.futures import Executor, Future
+from concurrent.futures import CancelledError, Executor, Future
 from typing import Any, Callable
 
 _STOP = None
@@ -33,28 +33,49 @@ class DaemonThreadPool(Executor):
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
         """Schedule ``fn(*args, **kwargs)``; its future."""
+        future: Future = Future()
+        self._put((future, fn, args, kwargs))
+        return future
+
+    def call(self, fn: Callable[[Any], Any], argument: Any, done: Callable[[Any, BaseException | None], None]) -> None:
+        """Schedule ``fn(argument)``; then call ``done(result, None)`` or ``done(None, error)`` on the worker thread.
+
+        The lean form of :meth:`submit` for a caller that hands the outcome on itself
+        (the scheduler wakes its event loop once), with no Future in between. A call
+        dropped by ``shutdown(cancel_futures=True)`` gets ``done(None, CancelledError())``.
+        """
+        self._put((None, fn, argument, done))
+
+    def _put(self, item: tuple) -> None:
         with self._lock:
             if self._shut_down:
                 raise RuntimeError("cannot schedule new calls after shutdown")
-            future: Future = Future()
-            self._work.put((future, fn, args, kwargs))
+            self._work.put(item)
             if not self._idle.acquire(blocking=False) and len(self._threads) < self._max_workers:
                 thread = threading.Thread(target=self._run, name=f"{self._prefix}_{len(self._threads)}",
                                           daemon=True)
                 thread.start()
                 self._threads.append(thread)
-        return future
 
     def _run(self) -> None:
         while (item := self._work.get()) is not _STOP:
             future, fn, args, kwargs = item
             del item
-            if future.set_running_or_notify_cancel():
+            if future is None:  # call(): args is the argument, kwargs the done callback
+                try:
+                    result = fn(args)
+                except BaseException as error:  # handed on, whatever it is
+                    kwargs(None, error)
+                    del error  # no cycle through this frame's traceback
+                else:
+                    kwargs(result, None)
+                    del result
+            elif future.set_running_or_notify_cancel():
                 try:
                     result = fn(*args, **kwargs)
                 except BaseException as error:  # handed to the future, whatever it is
                     future.set_exception(error)
-                    del error  # no cycle through this frame's traceback
+                    del error
                 else:
                     future.set_result(result)
                     del result
@@ -71,7 +92,11 @@ class DaemonThreadPool(Executor):
                         item = self._work.get_nowait()
                     except queue.Empty:
                         break
-                    if item is not _STOP:
+                    if item is _STOP:
+                        continue
+                    if item[0] is None:
+                        item[3](None, CancelledError())
+                    else:
                         item[0].cancel()
             for _ in self._threads:
                 self._work.put(_STOP)

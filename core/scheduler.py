@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import inspect
 import logging
 import time
@@ -78,7 +79,7 @@ class ModelScheduler:
         self._variable_axes = any(-1 in spec.dims for spec in signature.inputs)  # else a request costs its rows
         # Daemon threads: a backend call that never returns must not keep the process from exiting.
         self._executor = None if self._inline else DaemonThreadPool(instances, thread_name_prefix=f"nereid-{name}")
-        self._threads: set[asyncio.Future] = set()  # backend calls running on worker threads
+        self._threads = 0  # backend calls running on worker threads, including abandoned ones
         self._batcher = asyncio.create_task(self._batch_loop(), name=f"nereid-{name}-batcher")
 
     @property
@@ -131,7 +132,7 @@ class ModelScheduler:
     @property
     def running_threads(self) -> int:
         """Model calls still running on worker threads, including those whose caller went away."""
-        return len(self._threads)
+        return self._threads
 
     async def drain(self, grace_s: float | None = None,
                     terminate: Callable[[], Awaitable[None]] | None = None,
@@ -147,12 +148,12 @@ class ModelScheduler:
         finished = await _wait_event(self._idle, grace_s)
         if not finished:
             log.warning("model '%s': %d execution(s) still running after the %.1f s grace; ending them",
-                        self.name, len(self._threads) or 1, grace_s)
+                        self.name, self._threads or 1, grace_s)
             if terminate is not None:
                 await terminate()
             finished = await _wait_event(self._idle, terminate_wait_s)
             if not finished:
-                log.error("model '%s': %d execution(s) did not end; abandoning them", self.name, len(self._threads))
+                log.error("model '%s': %d execution(s) did not end; abandoning them", self.name, self._threads)
                 for work in self._pending:
                     if not work.future.done():
                         work.future.set_exception(Unavailable(f"model '{self.name}' was unloaded"))
@@ -289,26 +290,39 @@ class ModelScheduler:
     async def _infer(self, inputs: list[NamedTensor]) -> list[NamedTensor]:
         if self._inline:
             return await self._backend.infer(inputs)
-        future = asyncio.get_running_loop().run_in_executor(self._executor, self._backend.infer, inputs)
-        self._threads.add(future)
-        future.add_done_callback(self._threads.discard)
+        loop = asyncio.get_running_loop()
+        waiter = loop.create_future()
+
+        def done(result: list[NamedTensor] | None, error: BaseException | None) -> None:  # on the worker thread
+            if not loop.is_closed():  # closed: the server is gone and nobody waits
+                loop.call_soon_threadsafe(self._thread_done, waiter, result, error)
+
+        self._executor.call(self._backend.infer, inputs, done)
+        self._threads += 1
         try:
-            # shield: cancelling the caller must not mark the thread's future done while it still runs.
-            return await asyncio.shield(future)
+            return await waiter
         except asyncio.CancelledError:
-            if not future.done():
-                # A thread cannot be stopped. Its caller will give its slot back, so take the slot
-                # again until the thread really ends: otherwise drain() would see an idle model and
-                # more executions than ``instances`` could start.
+            if waiter.cancelled():
+                # The caller went away while the thread runs, and a thread cannot be stopped. The
+                # caller gives its slot back, so take the slot again until the thread really ends:
+                # otherwise drain() would see an idle model and more executions than ``instances``
+                # could start.
                 self._free_slots -= 1
                 self._idle.clear()
-                future.add_done_callback(self._orphan_done)
             raise
 
-    def _orphan_done(self, future: asyncio.Future) -> None:
-        if not future.cancelled():
-            future.exception()  # retrieved, so asyncio does not log "exception never retrieved"
-        self._release_slot()
+    def _thread_done(self, waiter: asyncio.Future, result: list[NamedTensor] | None,
+                     error: BaseException | None) -> None:
+        """On the loop: a worker thread's call ended; answer its caller, or free the slot it kept."""
+        self._threads -= 1
+        if waiter.cancelled():
+            self._release_slot()  # the slot _infer took back when its caller went away
+        elif isinstance(error, concurrent.futures.CancelledError):
+            waiter.cancel()  # dropped unstarted by the pool's shutdown
+        elif error is not None:
+            waiter.set_exception(error)
+        else:
+            waiter.set_result(result)
 
 
 async def _wait_event(event: asyncio.Event, timeout_s: float | None) -> bool:

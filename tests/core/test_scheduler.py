@@ -1,4 +1,4 @@
-"""The per-model scheduler: bounded admission, deadlines, cancellation, draining, output checks."""
+"""The per-model scheduler: bounded admission, deadlines, cancellation, draining, output checks, coroutine backends."""
 
 from __future__ import annotations
 
@@ -9,9 +9,12 @@ import time
 import numpy as np
 import pytest
 
+from nereid.backend import REQUEST_DEADLINE_NS
+from nereid.batching import BatchPolicy
 from nereid.dtypes import DType
 from nereid.errors import DeadlineExceeded, ModelFailure, Unavailable
 from nereid.scheduler import ModelScheduler
+from nereid.settings import BatchingSettings
 from nereid.signature import ModelSignature, TensorSpec
 from nereid.stats import ModelStats
 from nereid.tensors import NamedTensor
@@ -245,25 +248,36 @@ def test_a_stuck_backend_call_does_not_keep_the_process_from_exiting() -> None:
     assert result.returncode == 0 and result.stdout.strip() == "exiting", result.stderr
 
 
-def test_the_daemon_pool_runs_calls_reuses_threads_and_cancels_queued_ones() -> None:
-    from nereid.daemon_pool import DaemonThreadPool
+class AwaitingDouble:
+    """A coroutine backend (as the meta backend's models are): records its thread, deadline and batches."""
 
-    pool = DaemonThreadPool(2, thread_name_prefix="t")
-    assert [pool.submit(pow, 2, n).result(5) for n in range(5)] == [1, 2, 4, 8, 16]
-    assert pool.submit(threading.current_thread).result(5).name.startswith("t_")
-    assert sum(t.name.startswith("t_") for t in threading.enumerate()) == 1  # one idle thread, reused
-    with pytest.raises(ZeroDivisionError):
-        pool.submit(lambda: 1 / 0).result(5)
-    gate = threading.Event()
-    blocked = [pool.submit(gate.wait, 5) for _ in range(2)]
-    deadline = time.monotonic() + 5
-    while not all(f.running() for f in blocked):
-        assert time.monotonic() < deadline
-        time.sleep(0.005)
-    queued = pool.submit(pow, 3, 2)  # both threads are busy: this one waits in the queue
-    pool.shutdown(wait=False, cancel_futures=True)
-    assert queued.cancelled()
-    gate.set()
-    assert all(f.result(5) for f in blocked)
-    with pytest.raises(RuntimeError, match="after shutdown"):
-        pool.submit(pow, 1, 1)
+    platform = "test"
+
+    def __init__(self) -> None:
+        self.gate = asyncio.Event()
+        self.seen: list[tuple[int, int, list[float]]] = []  # (thread id, deadline, first column)
+
+    async def infer(self, inputs: list[NamedTensor]) -> list[NamedTensor]:
+        await self.gate.wait()
+        self.seen.append((threading.get_ident(), REQUEST_DEADLINE_NS.get(), inputs[0].data[:, 0].tolist()))
+        return [NamedTensor("y", DType.FP32, inputs[0].data * 2)]
+
+
+def test_a_coroutine_infer_runs_on_the_loop_with_its_batch_s_earliest_deadline() -> None:
+    async def scenario() -> None:
+        backend = AwaitingDouble()
+        policy = BatchPolicy.resolve(BatchingSettings(), SIGNATURE, "test")
+        scheduler = ModelScheduler("m", backend, SIGNATURE, capacity=8, instances=1, stats=ModelStats(),
+                                   policy=policy)
+        soon, later = time.monotonic_ns() + 10 * 10**9, time.monotonic_ns() + 20 * 10**9
+        first = asyncio.create_task(scheduler.submit(rows(1), 1, later))  # runs alone, at once
+        await asyncio.sleep(0.02)
+        queued = [asyncio.create_task(scheduler.submit(rows(v), 1, d)) for v, d in ((2, later), (3, soon))]
+        await asyncio.sleep(0.02)
+        backend.gate.set()
+        results = await asyncio.gather(first, *queued)
+        assert [float(r[0].data[0, 0]) for r in results] == [2, 4, 6]
+        loop_thread = threading.get_ident()
+        assert backend.seen == [(loop_thread, later, [1.0]), (loop_thread, soon, [2.0, 3.0])]
+        await scheduler.drain()
+    run(scenario())
