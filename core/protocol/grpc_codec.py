@@ -10,6 +10,7 @@ from google.protobuf.message import DecodeError
 from nereid._proto import grpc_service_pb2 as pb
 from nereid.dtypes import DType
 from nereid.errors import InvalidArgument
+from nereid.model_info import MODEL_VERSION
 from nereid.protocol.wire import TIMEOUT_PARAMETER, decode_raw, timeout_deadline_ns, wire_dtype, wire_shape
 from nereid.tensors import InferRequest, InferResponse, NamedTensor, bytes_array, tensor_buffer, tensor_bytes
 
@@ -194,7 +195,7 @@ def serialize_infer_response(response: InferResponse, *, streamed: bool = False)
     Here the small rest of the message is serialized by protobuf and the raw
     outputs are appended as ``raw_output_contents`` fields, joined once.
     """
-    head = pb.ModelInferResponse(model_name=response.model_name, model_version="1", id=response.id)
+    head = pb.ModelInferResponse(model_name=response.model_name, model_version=MODEL_VERSION, id=response.id)
     buffers = []
     for tensor in response.outputs:
         head.outputs.add(name=tensor.name, datatype=tensor.dtype.kserve, shape=tensor.shape)
@@ -229,7 +230,7 @@ _STREAM_RESPONSE_KEY = bytes([2 << 3 | _LENGTH_DELIMITED])
 
 def encode_infer_response(response: InferResponse) -> pb.ModelInferResponse:
     """A ModelInferResponse with every output in ``raw_output_contents``."""
-    msg = pb.ModelInferResponse(model_name=response.model_name, model_version="1", id=response.id)
+    msg = pb.ModelInferResponse(model_name=response.model_name, model_version=MODEL_VERSION, id=response.id)
     for tensor in response.outputs:
         msg.outputs.add(name=tensor.name, datatype=tensor.dtype.kserve, shape=tensor.shape)
         msg.raw_output_contents.append(tensor_bytes(tensor))
