@@ -53,8 +53,8 @@ def main() -> None:
             config = nereid_config(Path(tmp), shape, f"127.0.0.1:{http_port}")
             # 32 clients of 4 MiB each do not give perf_analyzer a stable 2 s window on 2 cores.
             for concurrency in [c for c in args.concurrency if shape == CASES["small (16 x FP32)"] or c <= 8]:
-                runs: dict[str, list[float]] = {"uvicorn": [], "aiohttp": [], "nereid http": [], "nereid http thread": [],
-                                             "nereid grpc": []}
+                sides = ("uvicorn", "aiohttp", "nereid http", "nereid http thread", "nereid grpc")
+                runs: dict[str, list[float]] = {side: [] for side in sides}
                 for _ in range(args.repeat):
                     for stack in ("uvicorn", "aiohttp"):
                         address = f"127.0.0.1:{free_port()}"

@@ -147,7 +147,8 @@ class SubprocessModel:
                 where = f"model '{self.context.name}': output '{spec.name}'"
                 dtype, shape = read_header(stream, where)
                 if dtype is not spec.dtype:
-                    raise ModelFailure(f"{where}: the model wrote {contract_name(dtype)}, expected {contract_name(spec.dtype)}")
+                    raise ModelFailure(f"{where}: the model wrote {contract_name(dtype)}, "
+                                       f"expected {contract_name(spec.dtype)}")
                 shape = self._check_shape(where, spec, shape, batch)
                 data = read_body(stream, dtype, shape, where)
                 outputs.append(NamedTensor(spec.name, dtype, data))
