@@ -71,7 +71,7 @@ class DType(enum.Enum):
     @classmethod
     def from_kserve(cls, name: str) -> DType:
         """Look up a wire string (``"FP32"``); ValueError names the valid ones."""
-        return _lookup(_BY_KSERVE, name, "datatype")
+        return lookup_spelling(_BY_KSERVE, name, "datatype")
 
     @classmethod
     def of(cls, array: np.ndarray) -> DType:
@@ -82,7 +82,12 @@ class DType(enum.Enum):
             raise ValueError(f"numpy dtype {array.dtype} has no nereid datatype") from None
 
 
-def _lookup(table: dict[str, DType], key: str, what: str) -> DType:
+def lookup_spelling(table: dict[str, DType], key: str, what: str) -> DType:
+    """``table[key]``; ValueError naming ``what`` and listing the valid spellings otherwise.
+
+    For every spelling table of element types: the wire's here, and the ones
+    backends keep beside their code (manifest tokens, contract names).
+    """
     try:
         return table[key]
     except KeyError:

@@ -6,7 +6,7 @@ C ABI uses the same names.
 
 from __future__ import annotations
 
-from nereid.dtypes import DType
+from nereid.dtypes import DType, lookup_spelling
 
 CONTRACT_NAMES: dict[DType, str] = {
     DType.BOOL: "bool", DType.UINT8: "uint8", DType.UINT16: "uint16", DType.UINT32: "uint32",
@@ -24,7 +24,4 @@ def contract_name(dtype: DType) -> str:
 
 def dtype_of_contract_name(name: str) -> DType:
     """The element type a contract name names; ValueError lists the valid names."""
-    try:
-        return _BY_NAME[name]
-    except KeyError:
-        raise ValueError(f"unknown dtype {name!r} (expected one of {', '.join(sorted(_BY_NAME))})") from None
+    return lookup_spelling(_BY_NAME, name, "dtype")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from nereid.dtypes import DType
+from nereid.dtypes import DType, lookup_spelling
 
 TOKENS: dict[DType, str] = {
     DType.BOOL: "bool", DType.UINT8: "u8", DType.UINT16: "u16", DType.UINT32: "u32", DType.UINT64: "u64",
@@ -20,7 +20,4 @@ def token_of(dtype: DType) -> str:
 
 def dtype_of_token(token: str) -> DType:
     """The element type a manifest token names; ValueError lists the valid tokens."""
-    try:
-        return _BY_TOKEN[token]
-    except KeyError:
-        raise ValueError(f"unknown dtype token {token!r} (expected one of {', '.join(sorted(_BY_TOKEN))})") from None
+    return lookup_spelling(_BY_TOKEN, token, "dtype token")
