@@ -130,7 +130,7 @@ def take_batch(queue: collections.deque[Q], policy: BatchPolicy, now_ns: int, fr
     returned batch and dropped requests.
     """
     decision: Decision[Q] = Decision()
-    while queue and _gone(queue[0], now_ns):
+    while queue and will_not_run(queue[0], now_ns):
         decision.dropped.append(queue.popleft())
     if not queue:
         return decision
@@ -141,7 +141,7 @@ def take_batch(queue: collections.deque[Q], policy: BatchPolicy, now_ns: int, fr
     count, rows, cost, blocked = 1, first.rows, first.cost, False
     while count < len(queue) and rows < policy.max_rows and not policy.over_budget(cost):
         candidate = queue[count]
-        if _gone(candidate, now_ns):
+        if will_not_run(candidate, now_ns):
             decision.dropped.append(candidate)
             del queue[count]
             continue
@@ -160,7 +160,8 @@ def take_batch(queue: collections.deque[Q], policy: BatchPolicy, now_ns: int, fr
     return decision
 
 
-def _gone(request: Queued, now_ns: int) -> bool:
+def will_not_run(request: Queued, now_ns: int) -> bool:
+    """True for a request whose caller went away or whose deadline has passed at ``now_ns``."""
     return request.abandoned() or (request.deadline_ns != 0 and now_ns >= request.deadline_ns)
 
 

@@ -21,7 +21,7 @@ from typing import Awaitable, Callable
 import numpy as np
 
 from nereid.backend import REQUEST_DEADLINE_NS, Model, PadsBatches
-from nereid.batching import BatchPolicy, batch_key, request_cost, take_batch
+from nereid.batching import BatchPolicy, batch_key, request_cost, take_batch, will_not_run
 from nereid.daemon_pool import DaemonThreadPool
 from nereid.errors import DeadlineExceeded, ModelFailure, NereidError, QueueFull, Unavailable
 from nereid.signature import ModelSignature, check_outputs
@@ -48,9 +48,6 @@ class Work:
 
     def abandoned(self) -> bool:
         return self.future.cancelled()
-
-    def expired(self, now_ns: int) -> bool:
-        return bool(self.deadline_ns) and now_ns >= self.deadline_ns
 
 
 class ModelScheduler:
@@ -229,7 +226,7 @@ class ModelScheduler:
         now = time.monotonic_ns()
         live = []
         for work in batch:  # the batch left the queue one loop turn ago: look again
-            if work.abandoned() or work.expired(now):
+            if will_not_run(work, now):
                 self._answer_dropped(work)
             else:
                 live.append(work)
