@@ -59,27 +59,11 @@ class DaemonThreadPool(Executor):
 
     def _run(self) -> None:
         while (item := self._work.get()) is not _STOP:
-            future, fn, args, kwargs = item
-            del item
-            if future is None:  # call(): args is the argument, kwargs the done callback
-                try:
-                    result = fn(args)
-                except BaseException as error:  # handed on, whatever it is
-                    kwargs(None, error)
-                    del error  # no cycle through this frame's traceback
-                else:
-                    kwargs(result, None)
-                    del result
-            elif future.set_running_or_notify_cancel():
-                try:
-                    result = fn(*args, **kwargs)
-                except BaseException as error:  # handed to the future, whatever it is
-                    future.set_exception(error)
-                    del error
-                else:
-                    future.set_result(result)
-                    del result
-            del future, fn, args, kwargs
+            if item[0] is None:
+                _run_call(*item[1:])
+            else:
+                _run_submitted(*item)
+            del item  # the call's arguments and result are not kept alive while this thread idles
             self._idle.release()
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
@@ -103,3 +87,25 @@ class DaemonThreadPool(Executor):
         if wait:
             for thread in self._threads:
                 thread.join()
+
+
+def _run_call(fn: Callable[[Any], Any], argument: Any, done: Callable[[Any, BaseException | None], None]) -> None:
+    try:
+        result = fn(argument)
+    except BaseException as error:  # handed on, whatever it is
+        done(None, error)
+        del error  # no cycle through this frame's traceback
+    else:
+        done(result, None)
+
+
+def _run_submitted(future: Future, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+    if not future.set_running_or_notify_cancel():
+        return
+    try:
+        result = fn(*args, **kwargs)
+    except BaseException as error:  # handed to the future, whatever it is
+        future.set_exception(error)
+        del error  # no cycle through this frame's traceback
+    else:
+        future.set_result(result)
