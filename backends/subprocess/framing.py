@@ -22,6 +22,8 @@ from nereid.tensors import NamedTensor, bytes_array, tensor_bytes
 MAX_HEADER_BYTES = 4096
 MAX_RANK = 32
 _CHUNK_BYTES = 1 << 24  # reads above this size are bounded by what the stream holds
+_MAX_ARRAY_BYTES = int(np.iinfo(np.intp).max)
+_OBJECT_ITEMSIZE = np.dtype(object).itemsize  # a BYTES element is held as an object reference
 
 
 def encode_frame(tensor: NamedTensor) -> bytes:
@@ -57,7 +59,16 @@ def read_header(stream: BinaryIO, where: str) -> tuple[DType, tuple[int, ...]]:
         raise ModelFailure(f"{where}: header {text[:80]!r}: dimensions must be comma-separated integers") from None
     if len(shape) > MAX_RANK or any(d < 0 for d in shape):
         raise ModelFailure(f"{where}: header {text[:80]!r}: bad shape (negative, or rank over {MAX_RANK})")
+    if not _representable(dtype, shape):
+        # A zero dimension makes the body empty, so only numpy itself would notice the other
+        # dimensions, with a ValueError instead of the model's failure.
+        raise ModelFailure(f"{where}: header {text[:80]!r}: shape {list(shape)} is too large for any array")
     return dtype, shape
+
+
+def _representable(dtype: DType, shape: tuple[int, ...]) -> bool:
+    # numpy's own rule: the non-zero dimensions times the item size must fit in a signed 64-bit size.
+    return math.prod(d for d in shape if d) * (dtype.itemsize or _OBJECT_ITEMSIZE) <= _MAX_ARRAY_BYTES
 
 
 def read_body(stream: BinaryIO, dtype: DType, shape: tuple[int, ...], where: str) -> np.ndarray:

@@ -128,6 +128,19 @@ def test_zero_sized_tensor_round_trips() -> None:
         assert (dtype_read, shape, back.shape) == (dtype, (0, 4), (0, 4))
 
 
+@pytest.mark.parametrize("header", [b"float32 0,1402,3551724,463065592\n", b"bytes 0,4294967296,4294967296\n"])
+def test_empty_tensor_with_unrepresentable_dims_is_a_model_failure(header: bytes) -> None:
+    # No body bytes are needed for a zero-sized tensor, so only the dims' product can be refused
+    # (found by the property test in tests/core/test_properties.py).
+    with pytest.raises(ModelFailure, match="too large for any array"):
+        read_frame(header)
+
+
+def test_largest_representable_empty_tensor_is_read() -> None:
+    dtype, shape, array = read_frame(f"int8 0,{2 ** 63 - 1}\n".encode())  # numpy's exact limit
+    assert (dtype, shape, array.size) == (DType.INT8, (0, 2 ** 63 - 1), 0)
+
+
 def test_scalar_header_without_dims() -> None:
     # "<dtype>\n" and "<dtype> \n" both declare a scalar (rank 0).
     for header in (b"int16\n", b"int16 \n"):
