@@ -1,13 +1,14 @@
 """The warm parent of one python model: imports once, then forks one child per batch.
 
-Run by the server as ``python -P warm_parent.py CONTROL_FD MODULES_JSON`` with
-the model folder as working directory and the model's minimal environment. It
+Run by the server as ``python -P warm_parent.py CONTROL_FD MODULES_JSON FOLDER``
+with the model folder as working directory and the model's minimal environment. It
 is a program of its own, standard library only, so that a child inherits
 nothing but what the model imports: not nereid, not grpc.
 
 Protocol (``CONTROL_FD`` is an AF_UNIX SOCK_SEQPACKET socket to the server):
 
-1. Import every module in ``MODULES_JSON``, then write one line to stdout:
+1. Import every module in ``MODULES_JSON`` and compile ``FOLDER/main.py`` (each
+   run executes that code, not the file as it is then), then write one line to stdout:
    ``ready``, or ``fallback <reason>`` and exit (an import failed, or imports
    started Python threads: forking a threaded process is unsafe).
 2. Each message on the control socket asks for one run: a JSON object
@@ -287,6 +288,22 @@ def run_child(env: dict[str, str], cwd: str, stdin_fd: int, output_fd: int,
     return run_main(os.path.join(cwd, ENTRY_FILE))
 
 
+def compile_entry(path: str) -> None:
+    """Compile ``path`` once, before any fork: every run of this parent executes that code.
+
+    A loaded version is what runs, as long as it serves: a run that starts while
+    ``main.py`` is being rewritten in place (an edit, before the repository
+    watcher swaps in the new version) must not execute a half-written file.
+    A compile error is kept too, and reported by every run as ``python main.py``
+    would report it.
+    """
+    try:
+        with open(path, "rb") as f:
+            _compiled[path] = compile(f.read(), path, "exec")
+    except BaseException as err:  # noqa: BLE001 - reported by each run, like the interpreter does
+        _compiled[path] = err
+
+
 def run_main(path: str) -> int:
     """Run ``path`` as ``__main__``, as ``python main.py`` would; returns the exit code."""
     sys.argv = [ENTRY_FILE]
@@ -296,8 +313,11 @@ def run_main(path: str) -> int:
     module.__builtins__ = __builtins__
     sys.modules["__main__"] = module
     try:
-        with open(path, "rb") as f:
-            code_object = compile(f.read(), path, "exec")
+        if path not in _compiled:  # a renamed folder: the same files under another path
+            compile_entry(path)
+        code_object = _compiled[path]
+        if isinstance(code_object, BaseException):
+            raise code_object
         exec(code_object, module.__dict__)
         code = 0
     except SystemExit as exit_request:
@@ -365,6 +385,7 @@ def _send(reply: socket.socket, message: dict) -> None:
 
 
 _prctl = None
+_compiled: dict[str, object] = {}  # main.py path -> its code object, or the error compiling it raised
 
 
 def main() -> int:
@@ -378,6 +399,7 @@ def main() -> int:
     if reason is not None:
         print(f"fallback {reason}", flush=True)
         return 0
+    compile_entry(os.path.join(sys.argv[3], ENTRY_FILE))  # the path each run's "cwd" names
     gc.freeze()  # the preloaded objects stay out of the collector's reach, so children share their pages
     print("ready", flush=True)
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # the server reads no more from stdout

@@ -95,6 +95,32 @@ def test_child_state_leaves_no_trace_and_helpers_are_fresh(repo, serve):
     assert ask(server, "stateful") == {"count": 1, "helper": "edited"}  # the folder's own modules: never preloaded
 
 
+def test_main_py_runs_as_loaded_while_the_file_is_rewritten(repo, serve):
+    # An edit in place truncates main.py before writing it: runs that start meanwhile must run the
+    # loaded version (with watch on, the new one is swapped in once it has loaded).
+    folder = repo.python("pinned", textproto=REPORT, main=reply_main('"loaded"'))
+    server = serve(repo.write_config())
+    assert ask(server, "pinned") == "loaded"
+    (folder / "main.py").write_text("")
+    assert ask(server, "pinned") == "loaded"
+    (folder / "main.py").write_text(reply_main('"edited"'))
+    assert ask(server, "pinned") == "loaded"
+    server.client.load_model("pinned")  # an explicit reload runs the file as it is now
+    assert ask(server, "pinned") == "edited"
+
+
+def test_main_py_that_does_not_compile_fails_each_run_as_python_would(repo, serve):
+    # It parses, so it loads; the compiler, not the parser, refuses it.
+    repo.python("broken", textproto=REPORT, main="import json\nreturn 1\n")
+    server = serve(repo.write_config())
+    assert backend_of(server, "broken").runtime_report().summary == "warm_start=on"
+    for _ in range(2):  # the compile error is kept, and every run reports it
+        error = _error_of(lambda: ask(server, "broken"))
+        assert error is not None and error.status() == "StatusCode.INTERNAL"
+        assert "model 'broken' exited with code 1" in error.message()
+        assert "SyntaxError" in error.message() and "main.py" in error.message()
+
+
 def test_preloaded_modules_are_already_imported_in_the_child(repo, serve):
     repo.python("preloaded", textproto=REPORT, main=reply_main(
         '{"before": before}', prelude='before = sorted(m for m in ("decimal", "fractions") if m in sys.modules)'))
