@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import struct
 import tempfile
 from pathlib import Path
@@ -22,12 +23,16 @@ from nereid._proto import grpc_service_pb2 as pb
 from nereid.backends.subprocess.framing import read_body, read_header
 from nereid.backends.xla.manifest import parse_manifest, parse_manifest_text
 from nereid.backends.xla.safetensors import read_header as read_safetensors_header
+from nereid.dtypes import DType
 from nereid.errors import ConfigError, InvalidArgument, ModelFailure
 from nereid.protocol.grpc_codec import decode_infer_request, parse_infer_request
+from nereid.protocol.http_codec import decode_infer
 from nereid.protocol.grpc_service import Received, Unreadable, request_parser
 from nereid.signature import load_textproto_signature
 
-BOUNDED = settings(max_examples=150, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+# NEREID_HYPOTHESIS_EXAMPLES=5000 searches deeper (about 90 s) than the suite does by default.
+BOUNDED = settings(max_examples=int(os.environ.get("NEREID_HYPOTHESIS_EXAMPLES", 150)), deadline=None, database=None,
+                   suppress_health_check=[HealthCheck.too_slow])
 DATATYPES = ["BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64", "FP16", "FP32",
              "FP64", "BF16", "BYTES", "", "NOPE"]
 parse_infer = request_parser(pb.ModelInferRequest)
@@ -111,6 +116,78 @@ def infer_requests(draw) -> bytes:
 @given(infer_requests())
 def test_any_tensor_description_is_decoded_or_invalid_argument(data: bytes) -> None:
     decode(data)
+
+
+JSON_SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-2 ** 70, 2 ** 70),
+                        st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=4))
+JSON_DATA = st.recursive(JSON_SCALARS, lambda inner: st.lists(inner, max_size=4), max_leaves=12)
+
+
+def _well_formed_rest_input(draw, binary: bytearray) -> dict:
+    dims = draw(st.lists(st.integers(1, 3), min_size=1, max_size=3))
+    count = int(np.prod(dims))
+    datatype = draw(st.sampled_from(["FP32", "INT64", "BOOL", "BYTES", "UINT8"]))
+    if draw(st.booleans()) and datatype != "BYTES":
+        raw = np.zeros(count, DType.from_kserve(datatype).numpy).tobytes()
+        binary += raw
+        return {"name": "x", "datatype": datatype, "shape": dims, "parameters": {"binary_data_size": len(raw)}}
+    element = {"FP32": 1.5, "INT64": -3, "BOOL": True, "BYTES": "a", "UINT8": 7}[datatype]
+    return {"name": "x", "datatype": datatype, "shape": dims, "data": [element] * count}
+
+
+def _hostile_rest_input(draw) -> dict:
+    tensor = {"name": draw(st.one_of(st.sampled_from(["x", "y"]), JSON_SCALARS)),
+              "datatype": draw(st.one_of(st.sampled_from(DATATYPES), JSON_SCALARS)),
+              "shape": draw(st.one_of(st.lists(st.integers(-2, 2 ** 40), max_size=5), JSON_SCALARS))}
+    if draw(st.booleans()):
+        tensor["data"] = draw(JSON_DATA)
+    if draw(st.booleans()):
+        tensor["parameters"] = {"binary_data_size": draw(st.one_of(st.integers(-1, 80), JSON_SCALARS))}
+    return tensor
+
+
+@st.composite
+def http_infer_bodies(draw) -> tuple[bytes, int | None]:
+    """REST infer bodies: well-formed ones, and plausible JSON headers with hostile fields, some damaged."""
+    hostile = draw(st.booleans())
+    binary = bytearray()
+    inputs = [_hostile_rest_input(draw) if hostile and draw(st.booleans()) else _well_formed_rest_input(draw, binary)
+              for _ in range(draw(st.integers(0 if hostile else 1, 3)))]
+    document: dict = {"inputs": inputs if not hostile or draw(st.booleans()) else draw(JSON_DATA)}
+    if draw(st.booleans()):
+        document["outputs"] = draw(st.one_of(
+            st.lists(st.fixed_dictionaries({"name": st.sampled_from(["x", "y"])},
+                                           optional={"parameters": st.fixed_dictionaries(
+                                               {"binary_data": st.booleans()})}), max_size=2),
+            *([JSON_DATA] if hostile else [])))
+    if draw(st.booleans()):
+        document["parameters"] = draw(st.fixed_dictionaries(
+            {}, optional={"timeout": st.integers(0, 10 ** 6) if not hostile else JSON_SCALARS,
+                          "binary_data_output": st.booleans() if not hostile else JSON_SCALARS}))
+    if draw(st.booleans()):
+        document["id"] = draw(st.text(max_size=4) if not hostile else JSON_SCALARS)
+    header = json.dumps(document).encode()
+    if hostile and draw(st.booleans()):  # damaged
+        header = header[:draw(st.integers(0, len(header)))] + draw(st.binary(max_size=6))
+        binary += draw(st.binary(max_size=96))
+    if not binary and draw(st.booleans()):
+        return header, None  # a JSON body
+    length = draw(st.integers(-2, len(header) + len(binary) + 2)) if hostile else len(header)
+    return header + bytes(binary), length
+
+
+@BOUNDED
+@given(http_infer_bodies())
+def test_any_rest_infer_body_is_decoded_or_invalid_argument(case: tuple[bytes, int | None]) -> None:
+    body, header_length = case
+    try:
+        request, _ = decode_infer("m", body, header_length)
+    except InvalidArgument as err:
+        assert str(err).startswith("model 'm'") and len(str(err)) <= 4096, str(err)[:300]
+    else:
+        assert request.model_name == "m" and request.inputs
+        for tensor in request.inputs:
+            assert isinstance(tensor.data, np.ndarray) and min(tensor.data.shape, default=1) >= 1
 
 
 def _textproto_file(content: bytes) -> ConfigError | None:
