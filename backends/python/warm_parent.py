@@ -43,6 +43,7 @@ import socket
 import sys
 import threading
 import traceback
+import types
 
 ENTRY_FILE = "main.py"
 MAX_REQUEST_BYTES = 1 << 20
@@ -385,7 +386,7 @@ def _send(reply: socket.socket, message: dict) -> None:
 
 
 _prctl = None
-_compiled: dict[str, object] = {}  # main.py path -> its code object, or the error compiling it raised
+_compiled: dict[str, types.CodeType | BaseException] = {}  # main.py path -> its code, or why it did not compile
 
 
 def main() -> int:
