@@ -97,6 +97,24 @@ def test_infer_binary_and_json(served, binary):
     assert got == ["héllo", "wörld"]  # binary: bytes; JSON: strings, as tritonclient gives them
 
 
+@pytest.mark.parametrize("algorithm", ["gzip", "deflate"])
+def test_tritonclient_compression_options(served, algorithm):
+    # A compressed request body is refused by name; a compressed response is only a preference
+    # (Accept-Encoding), so the answer comes back uncompressed and tritonclient reads it as such.
+    _, base = served
+    client = http.InferenceServerClient(base)
+    x = np.arange(4, dtype=np.float32).reshape(1, 4)
+    tensor = http.InferInput("input", [1, 4], "FP32")
+    tensor.set_data_from_numpy(x)
+    with pytest.raises(InferenceServerException) as refused:
+        client.infer("echo", [tensor], request_compression_algorithm=algorithm)
+    assert refused.value.status() == "400"
+    assert refused.value.message() == (f"model 'echo': compressed request bodies are not supported "
+                                       f"(Content-Encoding: {algorithm}); send it uncompressed")
+    result = client.infer("echo", [tensor], response_compression_algorithm=algorithm)
+    np.testing.assert_array_equal(result.as_numpy("output"), x)
+
+
 JSON_VALUES = {
     "BOOL": [True, False, True, False], "INT8": [-128, 0, 1, 127], "UINT8": [0, 1, 2, 255],
     "INT16": [-3, 0, 3, 32767], "UINT16": [0, 1, 2, 65535], "INT32": [-1, 0, 1, 2147483647],
