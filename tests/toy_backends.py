@@ -11,9 +11,15 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
+import sys
+
 from nereid.backend import BackendClaim, ModelContext
+from nereid.dataplane import DataPlane
 from nereid.errors import ConfigError
 from nereid.hookspecs import hookimpl
+from nereid.plugins import make_plugin_manager
+from nereid.repository import ModelRepository
+from nereid.settings import load_settings
 from nereid.signature import TEXTPROTO_NAME, ModelSignature, load_textproto_signature
 from nereid.tensors import NamedTensor
 
@@ -66,3 +72,26 @@ def write_toy(root: Path, name: str, textproto: str = 'input_shape: [4]\noutput_
     (folder / "toy.txt").write_text("")
     (folder / TEXTPROTO_NAME).write_text(textproto)
     return folder
+
+
+def toy_dataplane(root: Path, control: bool = True) -> DataPlane:
+    """A data plane over ``root/ml-backends`` holding two toy models: ``toy`` (2 instances) and ``spare``.
+
+    Nothing is loaded yet. ``plane.changes`` lists one "changed" per repository
+    change the plane reported.
+    """
+    write_toy(root / "ml-backends", "toy")
+    write_toy(root / "ml-backends", "spare")
+    (root / "nereid.yaml").write_text('server:\n  ml_backends_path: "ml-backends"\nmodels:\n  - name: toy\n'
+                                      "    instances: 2\n")
+    settings = load_settings(root / "nereid.yaml")
+    manager = make_plugin_manager(load_entry_points=False, extra_plugins=(sys.modules[__name__],))
+    (root / "scratch").mkdir()
+    repository = ModelRepository(settings, manager, root / "scratch")
+    changes: list[str] = []
+
+    async def changed() -> None:
+        changes.append("changed")
+    plane = DataPlane(repository, settings, repository_control=control, on_repository_change=changed)
+    plane.changes = changes
+    return plane

@@ -3,39 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-import toy_backends
-from nereid.dataplane import DataPlane
 from nereid.dtypes import DType
 from nereid.errors import InvalidArgument, ModelFailure, NotFound, PermissionDenied, Unavailable
-from nereid.plugins import make_plugin_manager
-from nereid.repository import ModelRepository
-from nereid.settings import load_settings
 from nereid.tensors import InferRequest, NamedTensor
-from toy_backends import write_toy
-
-
-def dataplane(tmp_path: Path, control: bool = True) -> DataPlane:
-    root = tmp_path / "ml-backends"
-    write_toy(root, "toy")
-    write_toy(root, "spare")
-    (tmp_path / "nereid.yaml").write_text('server:\n  ml_backends_path: "ml-backends"\nmodels:\n  - name: toy\n'
-                                          "    instances: 2\n")
-    settings = load_settings(tmp_path / "nereid.yaml")
-    manager = make_plugin_manager(load_entry_points=False, extra_plugins=(toy_backends,))
-    (tmp_path / "scratch").mkdir()
-    repository = ModelRepository(settings, manager, tmp_path / "scratch")
-    changes: list[str] = []
-
-    async def changed() -> None:
-        changes.append("changed")
-    plane = DataPlane(repository, settings, repository_control=control, on_repository_change=changed)
-    plane.changes = changes
-    return plane
+from toy_backends import toy_dataplane
 
 
 def request(name: str = "toy", **kwargs) -> InferRequest:
@@ -43,7 +18,7 @@ def request(name: str = "toy", **kwargs) -> InferRequest:
 
 
 def test_infer_metadata_config_statistics_and_index(tmp_path):
-    plane = dataplane(tmp_path)
+    plane = toy_dataplane(tmp_path)
 
     async def scenario():
         await plane.load("toy")
@@ -66,7 +41,7 @@ def test_infer_metadata_config_statistics_and_index(tmp_path):
 
 
 def test_errors_carry_their_meaning(tmp_path):
-    plane = dataplane(tmp_path)
+    plane = toy_dataplane(tmp_path)
 
     async def scenario():
         await plane.load("toy")
@@ -86,7 +61,7 @@ def test_errors_carry_their_meaning(tmp_path):
 
 
 def test_repository_control_off_refuses_load_and_unload(tmp_path):
-    plane = dataplane(tmp_path, control=False)
+    plane = toy_dataplane(tmp_path, control=False)
 
     async def scenario():
         with pytest.raises(PermissionDenied, match="RepositoryModelLoad is turned off"):

@@ -8,6 +8,7 @@ bounded (count and size) so the whole module runs in a few seconds.
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import os
@@ -16,6 +17,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -27,8 +29,10 @@ from nereid.dtypes import DType
 from nereid.errors import ConfigError, InvalidArgument, ModelFailure
 from nereid.protocol.grpc_codec import decode_infer_request, parse_infer_request
 from nereid.protocol.http_codec import decode_infer
+from nereid.protocol.http_service import HttpSurface
 from nereid.protocol.grpc_service import Received, Unreadable, request_parser
 from nereid.signature import load_textproto_signature
+from toy_backends import toy_dataplane
 
 # NEREID_HYPOTHESIS_EXAMPLES=5000 searches deeper (about 90 s) than the suite does by default.
 BOUNDED = settings(max_examples=int(os.environ.get("NEREID_HYPOTHESIS_EXAMPLES", 150)), deadline=None, database=None,
@@ -188,6 +192,96 @@ def test_any_rest_infer_body_is_decoded_or_invalid_argument(case: tuple[bytes, i
         assert request.model_name == "m" and request.inputs
         for tensor in request.inputs:
             assert isinstance(tensor.data, np.ndarray) and min(tensor.data.shape, default=1) >= 1
+
+
+# -- the REST surface as a whole ----------------------------------------------------------
+
+PATH_SEGMENTS = ["v2", "models", "toy", "spare", "nope", "versions", "1", "2", "infer", "ready", "config", "stats",
+                 "repository", "index", "load", "unload", "health", "live", "", "..", "%00", "\u00e9", "x" * 300]
+HEADER_VALUES = st.one_of(st.none(), st.sampled_from(["0", "12", "-1", "abc", "99999999999999999999", ""]),
+                          st.binary(max_size=8).map(lambda b: b.decode("latin-1")))
+# What the surface may answer client input with; 500 (a server fault) is not among them.
+CLIENT_STATUSES = {200, 400, 403, 404, 413, 503, 504}
+
+
+@pytest.fixture(scope="module")
+def rest_surface(tmp_path_factory):
+    """The REST application over a toy data plane (``toy`` loaded, ``spare`` not), and its event loop."""
+    loop = asyncio.new_event_loop()
+    plane = toy_dataplane(tmp_path_factory.mktemp("rest"), control=False)
+    loop.run_until_complete(plane.repository.load("toy"))
+    yield loop, HttpSurface(plane, max_body_bytes=2048)
+    loop.run_until_complete(plane.repository.unload("toy"))
+    loop.close()
+
+
+@st.composite
+def toy_infer_bodies(draw) -> tuple[bytes, int | None]:
+    """Requests the toy model accepts (FP32 [n, 4] "input"), as JSON or binary; most of them succeed."""
+    rows = draw(st.integers(1, 9))  # 9: one past the toy's max_batch_size
+    values = np.arange(rows * 4, dtype=np.float32)
+    tensor: dict = {"name": "input", "datatype": "FP32", "shape": [rows, 4]}
+    if draw(st.booleans()):
+        tensor["parameters"] = {"binary_data_size": values.nbytes}
+        header = json.dumps({"inputs": [tensor], "parameters": {"binary_data_output": draw(st.booleans())}}).encode()
+        return header + values.tobytes(), len(header)
+    tensor["data"] = values.tolist()
+    return json.dumps({"inputs": [tensor]}).encode(), None
+
+
+@st.composite
+def rest_calls(draw) -> tuple[dict, list[bytes], bool]:
+    """An ASGI scope, the body's chunks, and whether the client disconnects after them."""
+    method = draw(st.sampled_from(["GET", "POST", "PUT", "DELETE"]))
+    segments = draw(st.lists(st.sampled_from(PATH_SEGMENTS), max_size=6))
+    if draw(st.booleans()):
+        method, segments = "POST", ["v2", "models", draw(st.sampled_from(["toy", "toy", "spare", "nope"])), "infer"]
+    body, header_length = draw(st.one_of(toy_infer_bodies(), http_infer_bodies(),
+                                         st.tuples(st.binary(max_size=64), st.none())))
+    headers = []
+    for name, value in (("content-type", draw(st.one_of(st.sampled_from(
+                            ["application/json", "application/octet-stream", "text/plain",
+                             "application/json; charset=utf-8"]), HEADER_VALUES))),
+                        ("inference-header-content-length",
+                         str(header_length) if header_length is not None else draw(HEADER_VALUES)),
+                        ("content-length", draw(st.one_of(st.just(str(len(body))), HEADER_VALUES))),
+                        ("content-encoding", draw(st.one_of(st.none(), st.sampled_from(["gzip", "identity"]))))):
+        if value is not None:
+            headers.append((name.encode(), value.encode("latin-1")))
+    scope = {"type": "http", "method": method, "path": "/" + "/".join(segments), "headers": headers}
+    cuts = sorted(draw(st.lists(st.integers(0, len(body)), max_size=3)))
+    chunks = [body[a:b] for a, b in zip([0, *cuts], [*cuts, len(body)])]
+    return scope, chunks, draw(st.integers(0, 9)) == 0
+
+
+@BOUNDED
+@given(rest_calls())
+def test_no_client_input_is_a_server_error(rest_surface, call: tuple[dict, list[bytes], bool]) -> None:
+    loop, surface = rest_surface
+    scope, chunks, disconnects = call
+    incoming = [{"type": "http.request", "body": chunk, "more_body": index < len(chunks) - 1}
+                for index, chunk in enumerate(chunks)]
+    if disconnects:
+        incoming[-1]["more_body"] = True
+        incoming.append({"type": "http.disconnect"})
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return incoming.pop(0) if incoming else {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    loop.run_until_complete(surface(scope, receive, send))
+    if disconnects and not sent:
+        return  # the client went away before its body was whole: nobody to answer
+    starts = [m for m in sent if m["type"] == "http.response.start"]
+    assert len(starts) == 1 and starts[0]["status"] in CLIENT_STATUSES, (starts, sent[-1:])
+    body = b"".join(bytes(m["body"]) for m in sent if m["type"] == "http.response.body")
+    assert int(dict(starts[0]["headers"])[b"content-length"]) == len(body)
+    if starts[0]["status"] >= 400:
+        message = json.loads(body)["error"]
+        assert message and not message.startswith("internal error"), message
 
 
 def _textproto_file(content: bytes) -> ConfigError | None:
