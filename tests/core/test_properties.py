@@ -16,6 +16,7 @@ import struct
 import tempfile
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -32,7 +33,10 @@ from nereid.protocol.http_codec import decode_infer
 from nereid.protocol.http_service import HttpSurface
 from nereid.protocol.grpc_service import Received, Unreadable, request_parser
 from nereid.signature import load_textproto_signature
-from toy_backends import toy_dataplane
+import toy_backends
+from nereid.plugins import make_plugin_manager
+from support import ModelRepo, RunningServer
+from toy_backends import toy_dataplane, write_toy
 
 # NEREID_HYPOTHESIS_EXAMPLES=5000 searches deeper (about 90 s) than the suite does by default.
 BOUNDED = settings(max_examples=int(os.environ.get("NEREID_HYPOTHESIS_EXAMPLES", 150)), deadline=None, database=None,
@@ -120,6 +124,68 @@ def infer_requests(draw) -> bytes:
 @given(infer_requests())
 def test_any_tensor_description_is_decoded_or_invalid_argument(data: bytes) -> None:
     decode(data)
+
+
+# -- ModelInfer over the wire ------------------------------------------------------------
+
+# What a server answers client input with; INTERNAL and UNKNOWN (a server fault) are not among them.
+CLIENT_CODES = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE,
+                grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}
+
+
+@pytest.fixture(scope="module")
+def toy_grpc(tmp_path_factory):
+    """A real server (gRPC on a free port) serving the toy model, and a raw-bytes ModelInfer call to it."""
+    repo = ModelRepo(tmp_path_factory.mktemp("grpc"))
+    write_toy(repo.models_dir, "toy")
+    server = RunningServer(repo.write_config(metrics_addr=""),
+                           manager=make_plugin_manager(load_entry_points=False, extra_plugins=(toy_backends,)))
+    channel = grpc.insecure_channel(server.url)
+    yield channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+    channel.close()
+    server.stop()
+
+
+@st.composite
+def toy_infer_messages(draw) -> bytes:
+    """ModelInfer requests for the toy model (FP32 [n, 4] "input"): well-formed, inconsistent or damaged."""
+    hostile = draw(st.booleans())
+
+    def pick(usual, *others):
+        return draw(st.sampled_from([usual, *others])) if hostile else usual
+
+    request = pb.ModelInferRequest(model_name=pick("toy", "nope", ""), model_version=pick("", "1", "2"))
+    for _ in range(draw(st.integers(0, 2)) if hostile else 1):
+        rows = draw(st.integers(0, 9) if hostile else st.integers(1, 8))
+        tensor = request.inputs.add(name=pick("input", "other"), datatype=pick("FP32", "INT8", "BYTES", "nope"),
+                                    shape=pick([rows, 4], [4], [rows, 3], [rows]))
+        values = [float(v) for v in range(pick(rows * 4, 3))]
+        if draw(st.booleans()):
+            request.raw_input_contents.append(np.array(values, np.float32).tobytes())
+        else:
+            tensor.contents.fp32_contents.extend(values)
+    if draw(st.booleans()):
+        request.outputs.add(name=pick("output", "nope"))
+    if draw(st.booleans()):
+        request.parameters["timeout"].int64_param = draw(st.integers(-10, 10 ** 6) if hostile
+                                                         else st.integers(10 ** 6, 10 ** 7))
+    data = request.SerializeToString()
+    if hostile and draw(st.booleans()) and data:  # damaged
+        data = data[:draw(st.integers(0, len(data)))] + draw(st.binary(max_size=8))
+    return data
+
+
+@BOUNDED
+@given(toy_infer_messages())
+def test_no_infer_request_is_a_server_error(toy_grpc, message: bytes) -> None:
+    try:
+        answer = toy_grpc(message, timeout=30)
+    except grpc.RpcError as err:
+        assert err.code() in CLIENT_CODES, (err.code(), err.details())
+        assert err.details()
+    else:
+        response = pb.ModelInferResponse.FromString(answer)
+        assert response.model_name == "toy" and response.outputs[0].name == "output"
 
 
 JSON_SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-2 ** 70, 2 ** 70),
