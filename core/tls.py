@@ -1,12 +1,12 @@
-"""TLS for the gRPC listener: ``server.tls: {cert, key, client_ca}`` in nereid.yaml.
+"""TLS for the gRPC and HTTP listeners: ``server.tls: {cert, key, client_ca}`` in nereid.yaml.
 
 The files are checked when nereid.yaml is read (``nereid serve`` and ``nereid
 check`` stop with the key path when one is missing or unusable), with Python's
 own ``ssl`` module: the certificate chain must parse, the key must match it,
-the client CA must parse. The gRPC credentials re-read the files when they
-change on disk: gRPC asks before each new TLS handshake, so a renewed
-certificate is served to new connections without a restart (connections
-already open keep the one they started with).
+the client CA must parse. Both listeners re-read the files when they change
+on disk: they look before each new TLS handshake, so a renewed certificate is
+served to new connections without a restart (connections already open keep
+the one they started with).
 """
 
 from __future__ import annotations
@@ -99,26 +99,78 @@ def server_credentials(tls: TlsSettings) -> "grpc.ServerCredentials":
         return grpc.ssl_server_certificate_configuration([(material.key, material.cert)],
                                                          root_certificates=material.client_ca)
 
-    state = {"stamp": _stamp(tls)}
+    files = _WatchedFiles(tls, "gRPC")
     initial = configuration(read_tls_material(tls))
 
     def fetch() -> "grpc.ServerCertificateConfiguration | None":
         # Called by gRPC before each new handshake: cheap when nothing changed (a stat per file).
-        stamp = _stamp(tls)
-        if stamp == state["stamp"]:
-            return None
-        try:
-            material = read_tls_material(tls)
-        except TlsFileError as err:
-            log.error("server.tls.%s changed but cannot be used (keeping the previous certificate): %s", err.key, err)
-            return None
-        finally:
-            state["stamp"] = stamp
-        log.info("server.tls: certificate files changed on disk; new connections use them")
-        return configuration(material)
+        material = files.changed()
+        return None if material is None else configuration(material)
 
     return grpc.dynamic_ssl_server_credentials(initial, fetch,
                                                require_client_authentication=tls.client_ca is not None)
+
+
+def ssl_context(tls: TlsSettings) -> ssl.SSLContext:
+    """A server-side SSLContext for the HTTP listener that follows the files, as the gRPC credentials do.
+
+    Before each new handshake (its ``sni_callback``, which OpenSSL calls for every
+    ClientHello, with or without a server name) the files are stat-ed; when they
+    changed and still make a usable certificate, the handshake and every later
+    one get a context built from them. Open connections keep the one they
+    started with. Mutual TLS when ``client_ca`` is set.
+    """
+    listening = _http_context(tls)
+    files = _WatchedFiles(tls, "HTTP")
+    current = [listening]
+
+    def follow_files(connection: ssl.SSLObject, server_name: str | None, context: ssl.SSLContext) -> None:
+        if files.changed() is not None:
+            try:
+                current[0] = _http_context(tls)
+            except (ssl.SSLError, OSError) as err:  # changed again since they were checked
+                log.error("server.tls: the changed files cannot be used (keeping the previous certificate): %s", err)
+        if current[0] is not context:
+            connection.context = current[0]
+
+    listening.sni_callback = follow_files
+    return listening
+
+
+def _http_context(tls: TlsSettings) -> ssl.SSLContext:
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(tls.cert, tls.key)
+    if tls.client_ca is not None:
+        context.load_verify_locations(cafile=tls.client_ca)
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context
+
+
+class _WatchedFiles:
+    """The TLS files as one listener last saw them: it acts once per change, before a handshake."""
+
+    def __init__(self, tls: TlsSettings, listener: str) -> None:
+        self.tls = tls
+        self.listener = listener
+        self.stamp = _stamp(tls)
+
+    def changed(self) -> TlsMaterial | None:
+        """The files' checked contents when they changed since the last look; None otherwise.
+
+        Costs a stat per file when nothing changed. Unusable new files are logged
+        (naming the key) and skipped: the previous certificate stays in use.
+        """
+        stamp = _stamp(self.tls)
+        if stamp == self.stamp:
+            return None
+        self.stamp = stamp
+        try:
+            material = read_tls_material(self.tls)
+        except TlsFileError as err:
+            log.error("server.tls.%s changed but cannot be used (keeping the previous certificate): %s", err.key, err)
+            return None
+        log.info("server.tls: certificate files changed on disk; new %s connections use them", self.listener)
+        return material
 
 
 def _stamp(tls: TlsSettings) -> tuple:
@@ -130,16 +182,3 @@ def _stamp(tls: TlsSettings) -> tuple:
         except OSError:
             stamp.append(None)
     return tuple(stamp)
-
-
-def ssl_context(tls: TlsSettings) -> ssl.SSLContext:
-    """A server-side SSLContext for the HTTP listener (mutual TLS when ``client_ca`` is set).
-
-    Read once at start: unlike gRPC's credentials, a renewed certificate needs a restart here.
-    """
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    context.load_cert_chain(tls.cert, tls.key)
-    if tls.client_ca is not None:
-        context.load_verify_locations(cafile=tls.client_ca)
-        context.verify_mode = ssl.CERT_REQUIRED
-    return context

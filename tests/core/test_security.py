@@ -1,4 +1,4 @@
-"""The security settings, against real servers: TLS and mutual TLS (certificates made here with
+"""The security settings, against real servers: TLS and mutual TLS on both listeners (certificates made here with
 ``cryptography``), server.repository_control, server.max_message_bytes, symlinks leaving the
 repository, server paths kept off the wire, and SIGTERM while a model loads."""
 
@@ -8,15 +8,20 @@ import datetime
 import ipaddress
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import textwrap
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
+import gevent.ssl
 import numpy as np
 import pytest
 import tritonclient.grpc as triton
+import tritonclient.http as triton_http
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -136,6 +141,67 @@ def test_a_renewed_certificate_on_disk_is_served_to_new_connections(repo, serve,
     os.replace(renewed_cert, pki["server_cert"])
     renewed_client = triton.InferenceServerClient(server.url, ssl=True, root_certificates=str(new_ca))
     assert live(renewed_client)
+
+
+def https_live(server, ca: Path, cert: tuple[Path, Path] | None = None) -> bool:
+    """GET /v2/health/live over HTTPS on a new connection, trusting ``ca`` (urllib, as curl would)."""
+    context = ssl.create_default_context(cafile=str(ca))
+    if cert is not None:
+        context.load_cert_chain(*cert)
+    url = f"https://127.0.0.1:{server.server.http_port}/v2/health/live"
+    with urllib.request.urlopen(url, context=context, timeout=10) as response:
+        return response.status == 200
+
+
+@pytest.mark.filterwarnings("ignore:ssl.match_hostname:DeprecationWarning")  # geventhttpclient's own call
+def test_https_serves_tritonclient_and_refuses_plaintext(repo, serve, pki):
+    repo.python("echo")
+    server = serve(repo.write_config(server_extra=tls_yaml(pki)))
+    client = triton_http.InferenceServerClient(
+        f"localhost:{server.server.http_port}", ssl=True,
+        ssl_context_factory=lambda: gevent.ssl.create_default_context(cafile=str(pki["ca"])))
+    x = np.arange(4, dtype=np.float32).reshape(1, 4)
+    tensor = triton_http.InferInput("input", [1, 4], "FP32")
+    tensor.set_data_from_numpy(x)
+    np.testing.assert_array_equal(client.infer("echo", [tensor]).as_numpy("output"), x)
+    client.close()
+    with pytest.raises((urllib.error.URLError, ConnectionError)):
+        urllib.request.urlopen(f"http://127.0.0.1:{server.server.http_port}/v2/health/live", timeout=10)
+
+
+def test_https_mutual_tls_refuses_clients_without_a_certificate_from_the_client_ca(repo, serve, pki):
+    repo.python("echo")
+    server = serve(repo.write_config(server_extra=tls_yaml(pki, client_ca=True)))
+    assert https_live(server, pki["ca"], (pki["client_cert"], pki["client_key"]))
+    for cert in (None, (pki["rogue_cert"], pki["rogue_key"])):  # none, or one signed by another CA
+        with pytest.raises((urllib.error.URLError, ssl.SSLError, ConnectionError)):
+            https_live(server, pki["ca"], cert)
+
+
+def test_https_serves_a_renewed_certificate_to_new_connections_and_keeps_it_through_a_bad_one(
+        repo, serve, pki, caplog):
+    repo.python("echo")
+    server = serve(repo.write_config(server_extra=tls_yaml(pki, client_ca=True)))
+    client = (pki["client_cert"], pki["client_key"])
+    assert https_live(server, pki["ca"], client)
+    old_ca = pki["folder"] / "old-ca.pem"
+    old_ca.write_bytes(pki["ca"].read_bytes())
+    # Renewed by a new CA, which now also signs the clients: all three files are replaced on disk.
+    new_key, new_cert, new_ca = make_ca(pki["folder"], "renewed-ca")
+    renewed_cert, renewed_key = make_leaf(pki["folder"], "renewed", new_key, new_cert)
+    new_client = make_leaf(pki["folder"], "new-client", new_key, new_cert)
+    os.replace(renewed_key, pki["server_key"])
+    os.replace(renewed_cert, pki["server_cert"])
+    os.replace(new_ca, pki["ca"])
+    assert https_live(server, pki["ca"], new_client)
+    with pytest.raises(urllib.error.URLError):
+        https_live(server, old_ca, new_client)  # the old certificate is no longer served...
+    with pytest.raises((urllib.error.URLError, ssl.SSLError, ConnectionError)):
+        https_live(server, pki["ca"], client)  # ...and clients of the old CA are no longer let in
+    # A key that does not parse is refused by name, and the renewed certificate stays in use.
+    pki["server_key"].write_text("not a key\n")
+    assert https_live(server, pki["ca"], new_client)
+    assert "server.tls.key changed but cannot be used" in caplog.text
 
 
 @pytest.mark.parametrize("broken, key", [("missing_cert", "cert"), ("garbage_key", "key"),
