@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 import ast
+import threading
 from pathlib import Path
 
 from nereid.errors import ConfigError
+
+
+# CPython 3.11 counts the AST constructor's recursion in interpreter-wide state, so two threads
+# parsing at once can fail with "SystemError: AST constructor recursion depth mismatch"
+# (python/cpython#106905). Models load on worker threads, side by side: parse one at a time.
+_PARSING = threading.Lock()
 
 
 def imported_modules(main_py: Path) -> list[str]:
@@ -15,8 +22,10 @@ def imported_modules(main_py: Path) -> list[str]:
     functions, ``if`` or ``try`` blocks: those may be conditional on purpose).
     Relative imports and ``__future__`` are skipped.
     """
+    source = main_py.read_bytes()
     try:
-        tree = ast.parse(main_py.read_bytes(), filename=str(main_py))
+        with _PARSING:
+            tree = ast.parse(source, filename=str(main_py))
     except SyntaxError as err:
         raise ConfigError(f"{main_py}: not valid Python (line {err.lineno}: {err.msg})") from None
     except ValueError as err:  # null bytes
