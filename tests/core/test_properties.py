@@ -135,13 +135,13 @@ CLIENT_CODES = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grp
 
 @pytest.fixture(scope="module")
 def toy_grpc(tmp_path_factory):
-    """A real server (gRPC on a free port) serving the toy model, and a raw-bytes ModelInfer call to it."""
+    """A real server (gRPC on a free port) serving the toy model, and a channel to it."""
     repo = ModelRepo(tmp_path_factory.mktemp("grpc"))
     write_toy(repo.models_dir, "toy")
     server = RunningServer(repo.write_config(metrics_addr=""),
                            manager=make_plugin_manager(load_entry_points=False, extra_plugins=(toy_backends,)))
     channel = grpc.insecure_channel(server.url)
-    yield channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+    yield channel
     channel.close()
     server.stop()
 
@@ -179,13 +179,26 @@ def toy_infer_messages(draw) -> bytes:
 @given(toy_infer_messages())
 def test_no_infer_request_is_a_server_error(toy_grpc, message: bytes) -> None:
     try:
-        answer = toy_grpc(message, timeout=30)
+        answer = toy_grpc.unary_unary("/inference.GRPCInferenceService/ModelInfer")(message, timeout=30)
     except grpc.RpcError as err:
         assert err.code() in CLIENT_CODES, (err.code(), err.details())
         assert err.details()
     else:
         response = pb.ModelInferResponse.FromString(answer)
         assert response.model_name == "toy" and response.outputs[0].name == "output"
+
+
+@BOUNDED
+@given(st.lists(toy_infer_messages(), min_size=1, max_size=6))
+def test_a_stream_answers_every_message_once(toy_grpc, messages: list[bytes]) -> None:
+    stream = toy_grpc.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer")
+    answers = [pb.ModelStreamInferResponse.FromString(answer) for answer in stream(iter(messages), timeout=30)]
+    assert len(answers) == len(messages)
+    for answer in answers:  # an error in the stream names the model, or says what could not be parsed
+        if answer.error_message:
+            assert answer.error_message.startswith(("model '", "unknown model", "cannot parse")), answer.error_message
+        else:
+            assert answer.infer_response.model_name == "toy"
 
 
 JSON_SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-2 ** 70, 2 ** 70),
