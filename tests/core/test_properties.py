@@ -1,9 +1,11 @@
-"""Property-based tests (hypothesis) of every parser that reads untrusted bytes.
+"""Property-based tests (hypothesis) of every parser that reads untrusted bytes, and of both surfaces.
 
-The property is the same for each: whatever the input, the parser either
+The property is the same for each parser: whatever the input, it either
 returns a result or raises its own error type (gRPC status / ConfigError /
-ModelFailure) — never an unexpected exception, never a hang. Examples are
-bounded (count and size) so the whole module runs in a few seconds.
+ModelFailure) — never an unexpected exception, never a hang. For the REST
+application and the gRPC service as a whole: every request gets exactly one
+answer, and none is a server error. Examples are bounded (count and size) so
+the whole module runs in a few seconds.
 """
 
 from __future__ import annotations
@@ -28,17 +30,18 @@ from nereid.backends.xla.manifest import parse_manifest, parse_manifest_text
 from nereid.backends.xla.safetensors import read_header as read_safetensors_header
 from nereid.dtypes import DType
 from nereid.errors import ConfigError, InvalidArgument, ModelFailure
+from nereid.plugins import make_plugin_manager
 from nereid.protocol.grpc_codec import decode_infer_request, parse_infer_request
+from nereid.protocol.grpc_service import Received, Unreadable, request_parser
 from nereid.protocol.http_codec import decode_infer
 from nereid.protocol.http_service import HttpSurface
-from nereid.protocol.grpc_service import Received, Unreadable, request_parser
 from nereid.signature import load_textproto_signature
+
 import toy_backends
-from nereid.plugins import make_plugin_manager
 from support import ModelRepo, RunningServer
 from toy_backends import toy_dataplane, write_toy
 
-# NEREID_HYPOTHESIS_EXAMPLES=5000 searches deeper (about 90 s) than the suite does by default.
+# NEREID_HYPOTHESIS_EXAMPLES=5000 searches deeper (a few minutes) than the suite does by default.
 BOUNDED = settings(max_examples=int(os.environ.get("NEREID_HYPOTHESIS_EXAMPLES", 150)), deadline=None, database=None,
                    suppress_health_check=[HealthCheck.too_slow])
 DATATYPES = ["BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64", "FP16", "FP32",
