@@ -26,8 +26,6 @@ from nereid.stats import ModelStats
 from nereid.tensors import InferResponse
 
 log = logging.getLogger(__name__)
-# What clients can trigger at will (unreadable messages) is logged at a bounded rate.
-client_log = RateLimitedLog(log)
 
 SERVICE_NAME = "inference.GRPCInferenceService"
 
@@ -118,7 +116,7 @@ def _maps_errors(handler: Handler) -> Handler:
     async def wrapper(self: "InferenceServicer", request: Any, context: grpc.aio.ServicerContext) -> Any:
         if isinstance(request, Unreadable):
             code, message = grpc.StatusCode.INVALID_ARGUMENT, request.describe()
-            client_log.warning("%s: %s", handler.__name__, message)
+            self.client_log.warning("%s: %s", handler.__name__, message)
         else:
             try:
                 return await handler(self, request, context)
@@ -142,6 +140,8 @@ class InferenceServicer:
     def __init__(self, dataplane: DataPlane, count_request: Callable[[str, str], None] | None = None) -> None:
         self.dataplane = dataplane
         self._count = count_request
+        # What a client can trigger at will (unreadable messages) is logged at a bounded rate, per server.
+        self.client_log = RateLimitedLog(log)
 
     @_maps_errors
     async def ServerLive(self, request: pb.ServerLiveRequest, context) -> pb.ServerLiveResponse:
@@ -220,7 +220,7 @@ class InferenceServicer:
         async def answer(received: Received | Unreadable) -> None:
             if isinstance(received, Unreadable):
                 message = received.describe()
-                client_log.warning("ModelStreamInfer: %s", message)
+                self.client_log.warning("ModelStreamInfer: %s", message)
                 await answers.put(pb.ModelStreamInferResponse(error_message=message,
                                                               infer_response=pb.ModelInferResponse()))
                 return
@@ -248,8 +248,9 @@ class InferenceServicer:
                     pending.add(task)
                     task.add_done_callback(pending.discard)
             except Exception as err:  # the client's side broke off: still answer what was accepted
-                client_log.warning("ModelStreamInfer: reading the stream failed (%s); answering the %d accepted "
-                                   "request(s)", cap_message(f"{type(err).__name__}: {err}", 256), len(pending))
+                self.client_log.warning("ModelStreamInfer: reading the stream failed (%s); answering the %d "
+                                        "accepted request(s)", cap_message(f"{type(err).__name__}: {err}", 256),
+                                        len(pending))
             try:
                 while pending:
                     await asyncio.gather(*list(pending), return_exceptions=True)
