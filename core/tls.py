@@ -120,18 +120,19 @@ def ssl_context(tls: TlsSettings) -> ssl.SSLContext:
     one get a context built from them. Open connections keep the one they
     started with. Mutual TLS when ``client_ca`` is set.
     """
-    listening = _http_context(tls)
+    listening = current = _http_context(tls)
     files = _WatchedFiles(tls, "HTTP")
-    current = [listening]
 
     def follow_files(connection: ssl.SSLObject, server_name: str | None, context: ssl.SSLContext) -> None:
+        nonlocal current
         if files.changed() is not None:
             try:
-                current[0] = _http_context(tls)
+                current = _http_context(tls)
             except (ssl.SSLError, OSError) as err:  # changed again since they were checked
-                log.error("server.tls: the changed files cannot be used (keeping the previous certificate): %s", err)
-        if current[0] is not context:
-            connection.context = current[0]
+                log.error("server.tls: the changed files cannot be used by the HTTP listener (keeping the "
+                          "previous certificate): %s", err)
+        if current is not context:
+            connection.context = current
 
     listening.sni_callback = follow_files
     return listening
@@ -167,7 +168,8 @@ class _WatchedFiles:
         try:
             material = read_tls_material(self.tls)
         except TlsFileError as err:
-            log.error("server.tls.%s changed but cannot be used (keeping the previous certificate): %s", err.key, err)
+            log.error("server.tls.%s changed but cannot be used by the %s listener (keeping the previous "
+                      "certificate): %s", err.key, self.listener, err)
             return None
         log.info("server.tls: certificate files changed on disk; new %s connections use them", self.listener)
         return material

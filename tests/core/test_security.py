@@ -1,6 +1,6 @@
-"""The security settings, against real servers: TLS and mutual TLS on both listeners (certificates made here with
-``cryptography``), server.repository_control, server.max_message_bytes, symlinks leaving the
-repository, server paths kept off the wire, and SIGTERM while a model loads."""
+"""The security settings, against real servers: TLS and mutual TLS on the gRPC and HTTP listeners
+(certificates made here with ``cryptography``), server.repository_control, server.max_message_bytes,
+symlinks leaving the repository, server paths kept off the wire, and SIGTERM while a model loads."""
 
 from __future__ import annotations
 
