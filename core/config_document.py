@@ -40,7 +40,12 @@ def _construct_unique_mapping(loader: _StrictLoader, node: yaml.MappingNode, dee
     seen: set[Any] = set()
     for key_node, _ in node.value:
         key = loader.construct_object(key_node, deep=deep)
-        if key in seen:
+        try:
+            duplicate = key in seen
+        except TypeError:  # a list or a mapping as a key (``{[]: 1}``): PyYAML's own words for it
+            raise yaml.constructor.ConstructorError("while constructing a mapping", node.start_mark,
+                                                    "found unhashable key", key_node.start_mark) from None
+        if duplicate:
             raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
         seen.add(key)
     return loader.construct_mapping(node, deep)

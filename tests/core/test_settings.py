@@ -93,6 +93,9 @@ def test_unreadable_and_invalid_yaml(root: Path) -> None:
         load_settings(write(root, "server: [unclosed\n"))
     with pytest.raises(ConfigError, match=r"(?s)duplicate key 'bind_addr'.*nereid.yaml\", line 3, column 3"):
         load_settings(write(root, "server:\n  bind_addr: a:1\n  bind_addr: b:2\n"))
+    # A list as a key (found by tests/core/test_properties.py in a manifest): the file's error, not a TypeError.
+    with pytest.raises(ConfigError, match=r"(?s)not valid YAML: while constructing a mapping.*found unhashable key"):
+        load_settings(write(root, "server: {[ml_backends_path]: x}\n"))
 
 
 @pytest.mark.parametrize("text, expected", [("cpu", Device("cpu")), ("cuda", Device("cuda", 0)),
