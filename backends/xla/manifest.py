@@ -140,7 +140,12 @@ class BatchingSpec:
 
     def smallest_fitting(self, rows: int) -> int | None:
         """The smallest compiled size that holds ``rows`` rows, or None when none does."""
-        return next((size for size in self.compiled_batch_sizes if size >= rows), None)
+        return smallest_fitting(self.compiled_batch_sizes, rows)
+
+
+def smallest_fitting(sizes: tuple[int, ...], rows: int) -> int | None:
+    """The smallest of the ascending batch ``sizes`` that holds ``rows`` rows, or None when none does."""
+    return next((size for size in sizes if size >= rows), None)
 
 
 @dataclass(frozen=True)

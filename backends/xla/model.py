@@ -24,7 +24,7 @@ from nereid.backends.xla.bundle import CACHE_DIR, DEFAULT_WEIGHTS_FILE, BundleLa
 from nereid.backends.xla.cache import CacheKey, CacheStats, CompileFunctions, ExecutableCache, file_sha256
 from nereid.backends.xla.conformance import check_program_types
 from nereid.backends.xla.device import PjrtTarget, resolve_device
-from nereid.backends.xla.manifest import Manifest
+from nereid.backends.xla.manifest import Manifest, smallest_fitting
 from nereid.backends.xla.migration import local_weight_set, migrate_for_load
 from nereid.backends.xla.options import parse_options
 from nereid.backends.xla.program import read_program
@@ -171,7 +171,7 @@ class XlaModel:
         """The compiled batch size a batch of ``rows`` runs at (PadsBatches): the scheduler then
         assembles coalesced requests straight into the padded buffer."""
         if self._mode.coalesces:
-            return next((size for size in self._sizes if size >= rows), rows)
+            return smallest_fitting(self._sizes, rows) or rows
         return rows
 
     def relocate(self, context: ModelContext) -> None:
@@ -243,7 +243,7 @@ class XlaModel:
             return ProgramKey(variant, None), 1
         if self._mode.coalesces:
             rows = inputs[0].data.shape[0] if inputs else self._sizes[0]
-            size = next((s for s in self._sizes if s >= rows), None)
+            size = smallest_fitting(self._sizes, rows)
             if size is None:
                 raise InvalidArgument(f"model '{name}': batch of {rows} rows exceeds the largest compiled batch "
                                       f"size {self._sizes[-1]}")
