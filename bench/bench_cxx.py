@@ -30,7 +30,7 @@ import tempfile
 from pathlib import Path
 
 from common import BENCH_DIR, REPO_ROOT, free_port, perf_analyzer, print_table, running, wait_model_ready
-from identity_backend import ON_LOOP_MARKER, THREADED_MARKER
+from identity_backend import write_identity_models
 
 MODELS = ("cxx_scale", "cpp_scale", "identity", "identity_thread")
 
@@ -41,11 +41,8 @@ def config(root: Path) -> Path:
     for name in ("cxx_scale", "cpp_scale"):
         shutil.copytree(REPO_ROOT / "ml-backends" / name, models / name,
                         ignore=shutil.ignore_patterns(".cache"))  # build here, timed out of the runs
-    for name, marker in (("identity", ON_LOOP_MARKER), ("identity_thread", THREADED_MARKER)):
-        folder = models / name
-        folder.mkdir()
-        (folder / marker).write_text("")
-        shutil.copy(REPO_ROOT / "ml-backends" / "cpp_scale" / "model_inference.textproto", folder)
+    write_identity_models(models, (REPO_ROOT / "ml-backends" / "cpp_scale" / "model_inference.textproto").read_text(),
+                          {"loop": "identity", "thread": "identity_thread"})
     path = root / "nereid.yaml"
     path.write_text('server:\n  ml_backends_path: ml-backends\n  metrics_addr: ""\nmodels:\n'
                     '  - {name: cxx_scale, backend: cxx, instances: 1, queue_capacity: 64,\n'

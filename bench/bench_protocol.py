@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 from common import BENCH_DIR, free_port, perf_analyzer, print_table, running, wait_model_ready
-from identity_backend import ON_LOOP_MARKER, THREADED_MARKER
+from identity_backend import write_identity_models
 
 CASES = {"small (16 x FP32)": [16], "large (4 MiB FP32)": [1 << 20]}
 MAX_BATCH_SIZE = 8
@@ -32,12 +32,8 @@ MODELS = {"thread": "identity_thread", "loop": "identity"}
 def nereid_config(root: Path, shape: list[int], http_addr: str = "") -> Path:
     """Both identity models with ``shape``; HTTP off unless ``http_addr`` is given."""
     dims = ", ".join(map(str, shape))
-    for name, marker in ((MODELS["thread"], THREADED_MARKER), (MODELS["loop"], ON_LOOP_MARKER)):
-        folder = root / "ml-backends" / name
-        folder.mkdir(parents=True)
-        (folder / marker).write_text("")
-        (folder / "model_inference.textproto").write_text(
-            f"input_shape: [{dims}]\noutput_shape: [{dims}]\nmax_batch_size: {MAX_BATCH_SIZE}\n")
+    write_identity_models(root / "ml-backends",
+                          f"input_shape: [{dims}]\noutput_shape: [{dims}]\nmax_batch_size: {MAX_BATCH_SIZE}\n", MODELS)
     config = root / "nereid.yaml"
     config.write_text(f'server:\n  ml_backends_path: ml-backends\n  metrics_addr: ""\n  http_addr: "{http_addr}"\n'
                       "models:\n" + "".join(f"  - name: {name}\n    queue_capacity: 256\n" for name in MODELS.values()))

@@ -60,3 +60,12 @@ def nereid_claim_model(folder: Path, declared: bool) -> BackendClaim | None:
     if declared or (folder / ON_LOOP_MARKER).is_file():
         return BackendClaim(Identity)
     return None
+
+
+def write_identity_models(models: Path, textproto: str, names: dict[str, str]) -> None:
+    """Identity model folders under ``models``: ``names`` maps ``"loop"`` and ``"thread"`` to folder names."""
+    for side, marker in (("thread", THREADED_MARKER), ("loop", ON_LOOP_MARKER)):
+        folder = models / names[side]
+        folder.mkdir(parents=True)
+        (folder / marker).write_text("")
+        (folder / TEXTPROTO_NAME).write_text(textproto)
