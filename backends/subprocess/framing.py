@@ -62,7 +62,7 @@ def read_header(stream: BinaryIO, where: str) -> tuple[DType, tuple[int, ...]]:
     if not _representable(dtype, shape):
         # A zero dimension makes the body empty, so only numpy itself would notice the other
         # dimensions, with a ValueError instead of the model's failure.
-        raise ModelFailure(f"{where}: header {text[:80]!r}: shape {list(shape)} is too large for any array")
+        raise ModelFailure(f"{where}: header {text[:80]!r}: the shape is too large for any array")
     return dtype, shape
 
 
