@@ -31,6 +31,7 @@ from nereid.backends.xla.program import read_program
 from nereid.backends.xla.remote import RemoteBundle
 from nereid.backends.xla.weights import read_local_weights, resolve_weights
 from nereid.backends.xla.signatures import BatchMode, batch_mode, build_signature, client_axis
+from nereid.backends.xla.transfer import DeviceTransfer
 from nereid.errors import ConfigError, InvalidArgument, ModelFailure
 from nereid.model_hooks import ModelHooks, load_model_hooks
 from nereid.signature import ModelSignature
@@ -68,7 +69,7 @@ class XlaModel:
         self.context = context
         self.report: LoadReport | None = None
         self._manifest: Manifest | None = None
-        self._target: PjrtTarget | None = None
+        self._transfer: DeviceTransfer | None = None
         self._programs: dict[ProgramKey, Any] = {}
         self._weights: list[Any] = []
         self._sizes: tuple[int, ...] = ()
@@ -109,12 +110,10 @@ class XlaModel:
                                          concurrency=options.weights_concurrency)
         else:
             arrays = read_local_weights(layout.folder, weight_set, threads=options.weights_read_threads)
-        import jax
-
-        # x64 only for this transfer: without it jax narrows 64-bit arrays to 32 bits.
-        with jax.enable_x64(True):
-            weights = jax.device_put([array for _, array in arrays], target.device)
-        self._manifest, self._target, self._programs, self._weights = manifest, target, programs, weights
+        transfer = DeviceTransfer(target.device)
+        weights = transfer.put([array for _, array in arrays])
+        self._manifest, self._programs, self._weights = manifest, programs, weights
+        self._transfer = transfer
         self._sizes = layout.batch_sizes
         self._variants = {v: i + 1 for i, v in enumerate(manifest.input_shapes or ())}
         self._mode = batch_mode(manifest.executable_inputs + manifest.executable_outputs, bool(self._sizes))
@@ -139,8 +138,8 @@ class XlaModel:
 
     def infer(self, inputs: list[NamedTensor]) -> list[NamedTensor]:
         """Run one batch of executable inputs (signature order) and return the executable outputs."""
-        manifest, target = self._manifest, self._target
-        assert manifest is not None and target is not None, "load() first"
+        manifest, transfer = self._manifest, self._transfer
+        assert manifest is not None and transfer is not None, "load() first"
         key, rows = self._select(inputs)
         arrays = [t.data for t in inputs]
         if self._mode.coalesces and rows != key.batch_size:
@@ -148,11 +147,8 @@ class XlaModel:
         if self._mode is BatchMode.MOVED:  # the wire's leading batch axis to where the program has it
             arrays = [np.ascontiguousarray(np.moveaxis(a, 0, axes.batch)) if axes.batch else a
                       for a, axes in zip(arrays, self._axes)]
-        import jax
-
         try:
-            with jax.enable_x64(True):
-                arguments = jax.device_put(arrays, target.device)
+            arguments = transfer.put(arrays)
             results = self._programs[key].execute([*arguments, *self._weights])
         except Exception as err:  # XLA runtime errors: the model's fault, reported with XLA's reason
             raise ModelFailure(f"model '{self.context.name}': execution failed ({key.describe()}): "
