@@ -24,6 +24,9 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
+# Shapes and dtypes whose jax abstract value is kept; a model serves one per compiled program input.
+_MAX_AVALS = 256
+
 
 class DeviceTransfer:
     """Copies numpy arrays to one PJRT device as jax arrays (64-bit dtypes kept)."""
@@ -73,7 +76,9 @@ def _direct_put(device: Any) -> Callable[[np.ndarray], Any] | None:
         def put_one(array: np.ndarray) -> Any:
             key = (array.shape, array.dtype)
             aval = avals.get(key)
-            if aval is None:  # one per shape and dtype served: a handful per model
+            if aval is None:  # 4 µs to build; the compiled programs' static shapes make them few
+                if len(avals) >= _MAX_AVALS:
+                    avals.clear()
                 aval = avals[key] = core.ShapedArray(array.shape, array.dtype)
             return batched_device_put(aval, sharding, [array], [device], True, False, enable_x64=True)
 

@@ -79,3 +79,10 @@ def test_both_paths_give_arrays_a_program_accepts(direct, monkeypatch) -> None:
     assert transfer.direct is direct
     x, w = transfer.put([np.ones((2, 3), np.float32), np.full((3, 4), 2, np.float32)])
     np.testing.assert_array_equal(np.asarray(jax.jit(jnp.matmul)(x, w)), np.full((2, 4), 6, np.float32))
+
+
+def test_many_shapes_keep_arriving_past_the_cache_of_abstract_values() -> None:
+    transfer = DeviceTransfer(cpu_device())
+    arrays = [np.full((rows,), rows, np.int32) for rows in range(1, transfer_module._MAX_AVALS + 40)]
+    for array, result in zip(arrays, transfer.put(arrays)):
+        np.testing.assert_array_equal(np.asarray(result), array)
