@@ -185,10 +185,14 @@ class ModelRepository:
         A model listed in nereid.yaml whose folder does not exist yet (allowed in
         dynamic mode) has an entry too, UNAVAILABLE until its folder lands.
         """
-        for name in list_repository_folders(self.settings.server):  # a local folder or an object store
+        server = self.settings.server
+        # In dynamic mode the watcher loads every folder once it has settled; say so rather than ask for a load.
+        unlisted = (f"new folder: it loads once it has been unchanged for server.watch_settle_ms "
+                    f"({server.watch_settle_ms:g} ms)" if server.watch else NOT_LISTED_REASON)
+        for name in list_repository_folders(server):  # a local folder or an object store
             if name not in self._entries:
                 settings, origin = self.settings.model_or_default(name)
-                self._entries[name] = ModelEntry(name, self.root / name, settings, origin)
+                self._entries[name] = ModelEntry(name, self.root / name, settings, origin, reason=unlisted)
         for index, settings in enumerate(self.settings.models):
             if settings.name not in self._entries:
                 self._entries[settings.name] = ModelEntry(

@@ -20,6 +20,7 @@ log = logging.getLogger(__name__)
 
 BACKEND_NAME = "python"
 ENTRY_FILE = "main.py"
+LOADED_ENTRY_FILE = "main.py.loaded"  # in the parent's own folder: the bytes this version loaded
 
 
 class PythonModel(SubprocessModel):
@@ -42,12 +43,15 @@ class PythonModel(SubprocessModel):
 
     def prepare(self) -> None:
         self.options = parse_options(self.context.settings.runtime, self.context.settings_origin)
-        modules = modules_to_preload(self.context.folder, ENTRY_FILE, self.options.preload)
+        # Read once: the imports are scanned from these bytes and the warm parent compiles these
+        # same bytes, even if main.py is rewritten while the model loads.
+        source = (self.context.folder / ENTRY_FILE).read_bytes()
+        modules = modules_to_preload(self.context.folder, ENTRY_FILE, self.options.preload, source)
         if not self.options.warm_start:
             self._cold_reason = "runtime.warm_start is false"
         else:
             try:
-                self._parent = self._start_parent(modules)
+                self._parent = self._start_parent(modules, source)
                 self._warm = True
                 return
             except WarmStartUnavailable as err:
@@ -57,18 +61,19 @@ class PythonModel(SubprocessModel):
         # Cold: a parent that imports nothing forks each run, which execs a fresh interpreter, so cold runs
         # too die with the server and leave no detached process behind.
         try:
-            self._parent = self._start_parent([])
+            self._parent = self._start_parent([], source)
         except WarmStartUnavailable as err:
             log.warning("model '%s': no parent process (%s); runs are spawned directly", self.context.name, err)
 
-    def _start_parent(self, modules: list[str]) -> WarmParent:
+    def _start_parent(self, modules: list[str], source: bytes) -> WarmParent:
         # A folder of its own: while a changed model reloads, two versions' parents run side by side.
         parent_dir = Path(tempfile.mkdtemp(prefix="warm-parent-", dir=self.context.scratch_dir))
         env = self.base_environment()
         env["TMPDIR"] = str(parent_dir)
         parent = WarmParent(name=self.context.name, folder=self.context.folder, env=env, modules=modules,
-                            log_path=parent_dir / "log")
+                            log_path=parent_dir / "log", entry_source=parent_dir / LOADED_ENTRY_FILE)
         try:
+            parent.entry_source.write_bytes(source)
             parent.start()
         except BaseException:
             shutil.rmtree(parent_dir, ignore_errors=True)

@@ -40,9 +40,11 @@ class WarmStartUnavailable(Exception):
 class WarmParent:
     """A running warm parent: started with the model's environment, imports preloaded."""
 
-    def __init__(self, *, name: str, folder: Path, env: dict[str, str], modules: list[str], log_path: Path) -> None:
+    def __init__(self, *, name: str, folder: Path, env: dict[str, str], modules: list[str], log_path: Path,
+                 entry_source: Path) -> None:
         self.name = name
         self.folder = folder
+        self.entry_source = entry_source  # the main.py bytes to compile, named FOLDER/main.py
         self.env = env
         self.modules = modules
         self.log_path = log_path
@@ -62,7 +64,7 @@ class WarmParent:
             with open(self.log_path, "ab") as log_file:
                 process = subprocess.Popen(
                     [sys.executable, "-P", str(WARM_PARENT_SCRIPT), str(theirs.fileno()), json.dumps(self.modules),
-                     str(self.folder)],
+                     str(self.folder), str(self.entry_source)],
                     cwd=self.folder, env=self.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_file,
                     pass_fds=(theirs.fileno(),), start_new_session=True)
         except BaseException:

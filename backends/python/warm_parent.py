@@ -1,14 +1,15 @@
 """The warm parent of one python model: imports once, then forks one child per batch.
 
-Run by the server as ``python -P warm_parent.py CONTROL_FD MODULES_JSON FOLDER``
-with the model folder as working directory and the model's minimal environment. It
+Run by the server as ``python -P warm_parent.py CONTROL_FD MODULES_JSON FOLDER SOURCE``
+with the model folder as working directory and the model's minimal environment
+(``SOURCE``: the bytes of ``main.py`` the server read when it loaded the model). It
 is a program of its own, standard library only, so that a child inherits
 nothing but what the model imports: not nereid, not grpc.
 
 Protocol (``CONTROL_FD`` is an AF_UNIX SOCK_SEQPACKET socket to the server):
 
-1. Import every module in ``MODULES_JSON`` and compile ``FOLDER/main.py`` (each
-   run executes that code, not the file as it is then), then write one line to stdout:
+1. Import every module in ``MODULES_JSON`` and compile ``SOURCE`` as ``FOLDER/main.py``
+   (each run executes that code, not the file as it is then), then write one line to stdout:
    ``ready``, or ``fallback <reason>`` and exit (an import failed, or imports
    started Python threads: forking a threaded process is unsafe).
 2. Each message on the control socket asks for one run: a JSON object
@@ -283,26 +284,62 @@ def run_child(env: dict[str, str], cwd: str, stdin_fd: int, output_fd: int,
     os.environ.update(env)
     if "tempfile" in sys.modules:
         sys.modules["tempfile"].tempdir = None  # computed again from this run's TMPDIR
-    os.chdir(cwd)  # the model folder of this run (a renamed folder moves on without a new parent)
+    cwd = enter_folder(cwd)
     if exec_argv:
         os.execv(exec_argv[0], exec_argv)  # keeps the process, its session and its parent-death signal
     return run_main(os.path.join(cwd, ENTRY_FILE))
 
 
-def compile_entry(path: str) -> None:
-    """Compile ``path`` once, before any fork: every run of this parent executes that code.
+def enter_folder(path: str) -> str:
+    """Make the model folder this process's working directory; returns the path it has now.
+
+    ``path`` is where the server last saw the folder (a renamed folder moves on
+    without a new parent). A run queued just before the folder was renamed or
+    deleted finds nothing there: it stays in the working directory inherited
+    from the parent, which is the loaded folder itself, wherever it now is, and
+    so still serves (a deleted folder's files are gone, but main.py's code was
+    compiled at load).
+    """
+    try:
+        os.chdir(path)
+        return path
+    except OSError:
+        try:
+            return os.getcwd()  # the renamed folder's new path
+        except OSError:
+            return path  # deleted: only the loaded code remains
+
+
+def compile_entry(path: str, source_file: str) -> None:
+    """Compile ``source_file``'s bytes as ``path``, once, before any fork: every run executes that code.
 
     A loaded version is what runs, as long as it serves: a run that starts while
     ``main.py`` is being rewritten in place (an edit, before the repository
-    watcher swaps in the new version) must not execute a half-written file.
-    A compile error is kept too, and reported by every run as ``python main.py``
-    would report it.
+    watcher swaps in the new version), or after its folder was renamed and
+    then edited, must not execute what is on disk now. A compile error is kept
+    too, and reported by every run as ``python main.py`` would report it.
     """
+    global _entry
     try:
-        with open(path, "rb") as f:
-            _compiled[path] = compile(f.read(), path, "exec")
+        with open(source_file, "rb") as f:
+            _entry = (path, compile(f.read(), path, "exec"))
     except BaseException as err:  # noqa: BLE001 - reported by each run, like the interpreter does
-        _compiled[path] = err
+        _entry = (path, err)
+
+
+def entry_code(path: str) -> types.CodeType | BaseException:
+    """The loaded ``main.py``'s code (or why it did not compile), its tracebacks naming ``path``."""
+    assert _entry is not None, "compile_entry() first"
+    loaded_path, code = _entry
+    if isinstance(code, BaseException) or path == loaded_path:
+        return code
+    return _renamed(code, path)  # the folder was renamed since: same code, new file name
+
+
+def _renamed(code: types.CodeType, filename: str) -> types.CodeType:
+    """``code`` and every function body in it with ``co_filename`` set to ``filename``."""
+    consts = tuple(_renamed(c, filename) if isinstance(c, types.CodeType) else c for c in code.co_consts)
+    return code.replace(co_filename=filename, co_consts=consts)
 
 
 def run_main(path: str) -> int:
@@ -314,9 +351,7 @@ def run_main(path: str) -> int:
     module.__builtins__ = __builtins__
     sys.modules["__main__"] = module
     try:
-        if path not in _compiled:  # a renamed folder: the same files under another path
-            compile_entry(path)
-        code_object = _compiled[path]
+        code_object = entry_code(path)
         if isinstance(code_object, BaseException):
             raise code_object
         exec(code_object, module.__dict__)
@@ -386,7 +421,7 @@ def _send(reply: socket.socket, message: dict) -> None:
 
 
 _prctl = None
-_compiled: dict[str, types.CodeType | BaseException] = {}  # main.py path -> its code, or why it did not compile
+_entry: tuple[str, types.CodeType | BaseException] | None = None  # main.py's path at load, its code or why not
 
 
 def main() -> int:
@@ -400,7 +435,7 @@ def main() -> int:
     if reason is not None:
         print(f"fallback {reason}", flush=True)
         return 0
-    compile_entry(os.path.join(sys.argv[3], ENTRY_FILE))  # the path each run's "cwd" names
+    compile_entry(os.path.join(sys.argv[3], ENTRY_FILE), sys.argv[4])  # named as each run's "cwd" names it
     gc.freeze()  # the preloaded objects stay out of the collector's reach, so children share their pages
     print("ready", flush=True)
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # the server reads no more from stdout

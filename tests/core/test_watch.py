@@ -142,6 +142,19 @@ def test_dropped_folder_loads_and_a_half_copy_is_retried(repo, serve):
     assert ask(server.client, "dropped")["version"] == "dropped"
 
 
+def test_a_new_folder_asked_for_before_it_settles_says_when_it_will_load(repo, serve):
+    # A request (or an index) can see a folder before the watcher has acted on it: the reason says
+    # it will load by itself, not that someone must load it.
+    server = serve(repo.write_config(server_extra="  watch: true\n  watch_settle_ms: 60000\n"))
+    write_model(repo.models_dir / "early", "1")
+    expected = "new folder: it loads once it has been unchanged for server.watch_settle_ms (60000 ms)"
+    assert index(server)["early"] == ("UNAVAILABLE", expected)  # the index lists the folder at once
+    with pytest.raises(InferenceServerException) as raised:
+        ask(server.client, "early")
+    assert raised.value.status() == "StatusCode.UNAVAILABLE"
+    assert expected in raised.value.message() and "RepositoryModelLoad" not in raised.value.message()
+
+
 def test_edit_under_load_swaps_versions_without_a_failed_request(repo, serve):
     folder = repo.models_dir / "live"
     write_model(folder, "1")

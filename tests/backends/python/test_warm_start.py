@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import sysconfig
 import threading
@@ -121,6 +122,42 @@ def test_main_py_that_does_not_compile_fails_each_run_as_python_would(repo, serv
         assert "SyntaxError" in error.message() and "main.py" in error.message()
 
 
+def test_a_renamed_folder_runs_the_loaded_code_under_its_new_name(repo, serve):
+    # After a rename the server passes the new path; the code is still the version that loaded,
+    # even when the renamed folder's main.py is edited before a reload, and tracebacks name the new path.
+    folder = repo.python("before", textproto=REPORT,
+                         main=reply_main('[os.getcwd(), __file__, open("main.py").read().count("raise")]',
+                                         prelude='if os.path.exists("fail"):\n    raise RuntimeError("asked to")'))
+    server = serve(repo.write_config())
+    ask(server, "before")
+    moved = folder.with_name("after")
+    folder.rename(moved)
+    server.call(server.server.repository.rename("before", "after"))
+    (moved / "main.py").write_text(reply_main('"edited"'))
+    cwd, file, raises = ask(server, "after")
+    assert (cwd, file, raises) == (str(moved), str(moved / "main.py"), 0)  # the edited file on disk, the loaded code
+    (moved / "fail").write_text("")
+    error = _error_of(lambda: ask(server, "after"))
+    assert error is not None and "RuntimeError: asked to" in error.message()
+    assert 'after/main.py", line' in error.message() and "before/" not in error.message()
+
+
+@pytest.mark.parametrize("change", ["renamed", "deleted"])
+def test_a_run_that_finds_its_folder_gone_still_runs_the_loaded_code(repo, serve, change):
+    # A request queued just before its folder moved or went away is run by a child that finds no
+    # folder at the path it was given: it runs in the loaded folder, wherever that is now.
+    where = "try:\n    where = os.getcwd()\nexcept FileNotFoundError:\n    where = None  # a deleted folder"
+    folder = repo.python("moving", textproto=REPORT, main=reply_main("[where, 'loaded']", prelude=where))
+    server = serve(repo.write_config())  # no watch: the server never hears of the change
+    assert ask(server, "moving") == [str(folder), "loaded"]
+    if change == "renamed":
+        folder.rename(folder.with_name("elsewhere"))
+        assert ask(server, "moving") == [str(folder.with_name("elsewhere")), "loaded"]
+    else:
+        shutil.rmtree(folder)
+        assert ask(server, "moving") == [None, "loaded"]  # in the deleted folder, as any process left in it
+
+
 def test_preloaded_modules_are_already_imported_in_the_child(repo, serve):
     repo.python("preloaded", textproto=REPORT, main=reply_main(
         '{"before": before}', prelude='before = sorted(m for m in ("decimal", "fractions") if m in sys.modules)'))
@@ -132,7 +169,7 @@ def test_preloaded_modules_are_already_imported_in_the_child(repo, serve):
 
 @pytest.fixture
 def user_site(tmp_path) -> Path:
-    """Two installed-looking modules that every interpreter of this Python sees, for this test only.
+    """Installed-looking modules that every interpreter of this Python sees, for this test only.
 
     A ``.pth`` file in the interpreter's site-packages adds a temporary folder to
     ``sys.path`` (the model's processes inherit no PYTHONPATH), and is removed after.
@@ -142,12 +179,23 @@ def user_site(tmp_path) -> Path:
     (site / "starts_a_thread.py").write_text(
         "import threading, time\nthreading.Thread(target=time.sleep, args=(60,), name='busy', daemon=True).start()\n")
     (site / "fails_on_import.py").write_text("raise RuntimeError('cannot import me')\n")
+    # Imported by a warm parent (whose working directory is the model folder) before it compiles main.py.
+    (site / "rewrites_main.py").write_text("open('main.py', 'w').write('def broken(:\\n')\n")
     pth = Path(sysconfig.get_paths()["purelib"]) / f"nereid-test-{uuid.uuid4().hex}.pth"
     pth.write_text(f"{site}\n")
     try:
         yield site
     finally:
         pth.unlink(missing_ok=True)
+
+
+def test_the_parent_compiles_the_main_py_the_server_read_at_load(repo, serve, user_site):
+    # main.py rewritten while the model loads (here by a preloaded module, after the server has read
+    # and checked the file): the version serves what was checked, not what is on disk by then.
+    repo.python("raced", textproto=REPORT, main=reply_main('"as read"'))
+    server = serve(repo.write_config("- name: raced\n  runtime: {preload: [rewrites_main]}\n"))
+    assert (repo.models_dir / "raced" / "main.py").read_text() == "def broken(:\n"
+    assert ask(server, "raced") == "as read"
 
 
 @pytest.mark.parametrize("module, reason", [
