@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 from nereid.backend import BackendClaim
@@ -21,15 +24,29 @@ class CppModel(SubprocessModel):
     _binary: Path | None = None
 
     def prepare(self) -> None:
-        self._binary = build_binary(self.context.folder, SOURCE_FILE)
+        built = build_binary(self.context.folder, SOURCE_FILE)
+        # Runs use this version's own link to the binary: the next version's build removes stale
+        # binaries from .cache/ while this one still serves, and the folder may be renamed or
+        # deleted while requests are queued.
+        run_dir = Path(tempfile.mkdtemp(prefix="cpp-", dir=self.context.scratch_dir))
+        self._binary = run_dir / built.name
+        try:
+            os.link(built, self._binary)
+        except OSError:  # another file system, or no hard links there
+            shutil.copy2(built, self._binary)
 
     def prepare_relocated(self) -> None:
-        # The binary lives in the folder's .cache/: found again there (a copy without it compiles).
-        self.prepare()
+        """Nothing to find again: the binary is this version's own link, outside the folder."""
 
     def command(self) -> list[str]:
         assert self._binary is not None, "load() first"
         return [str(self._binary)]
+
+    def unload(self) -> None:
+        """Remove this version's link to the binary (the compiled one stays in .cache/)."""
+        if self._binary is not None:
+            shutil.rmtree(self._binary.parent, ignore_errors=True)
+        super().unload()
 
 
 @hookimpl

@@ -101,6 +101,7 @@ class PythonModel(SubprocessModel):
         if parent is not None:
             parent.stop()
             shutil.rmtree(parent.log_path.parent, ignore_errors=True)
+        super().unload()
 
     def runtime_report(self) -> RuntimeReport:
         """``warm_start=on``, or ``warm_start=off (<reason>)``, and the warm parent's memory."""

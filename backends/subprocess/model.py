@@ -37,6 +37,9 @@ class SubprocessModel:
         self.context = context
         self._signature: ModelSignature | None = None
         self._groups = ProcessGroups()
+        # Descriptors of the loaded folder (one more per rename), closed at unload: runs use the
+        # newest as their working directory (see run_folder).
+        self._folder_fds: list[int] = []
 
     # -- Model protocol -------------------------------------------------
     def load(self) -> None:
@@ -52,6 +55,7 @@ class SubprocessModel:
             raise ConfigError(f"model '{self.context.name}': missing {self.entry_file} in {self.context.folder}")
         self._signature = signature
         self.prepare()
+        self._hold_folder()
 
     def signature(self) -> ModelSignature:
         assert self._signature is not None, "load() first"
@@ -85,9 +89,34 @@ class SubprocessModel:
         """Serve on from a renamed folder with the same files (``nereid.backend.Relocatable``)."""
         self.context = context
         self.prepare_relocated()
+        self._hold_folder()
 
     def unload(self) -> None:
-        """Nothing stays running between requests."""
+        """Nothing stays running between requests; the folder is let go."""
+        fds, self._folder_fds = self._folder_fds, []
+        for fd in fds:
+            os.close(fd)
+
+    def run_folder(self) -> str:
+        """The working directory of a run: the loaded folder, wherever it is now.
+
+        A run queued just before its folder was renamed or deleted (the server
+        hears of it a moment later) still starts there: the path goes through a
+        descriptor of the folder, which follows a rename and outlives a delete.
+        """
+        if self._folder_fds:
+            return f"/proc/self/fd/{self._folder_fds[-1]}"  # resolved by the child, before it execs
+        return str(self.context.folder)
+
+    def _hold_folder(self) -> None:
+        try:
+            fd = os.open(self.context.folder, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        except (OSError, AttributeError):  # gone already, or no O_PATH (not Linux): runs use the path
+            return
+        if os.path.isdir(f"/proc/self/fd/{fd}"):
+            self._folder_fds.append(fd)  # older ones stay open: a run may be starting with one right now
+        else:  # no /proc here
+            os.close(fd)
 
     def terminate_running(self) -> None:
         """End every running program now (the server is stopping and its grace has passed)."""
@@ -106,7 +135,7 @@ class SubprocessModel:
 
     def launch(self, *, env: dict[str, str], stdin: bytes) -> ProcessResult:
         """Run the program once for a batch: by default a fresh process running ``command()``."""
-        return run_model_process(self.command(), cwd=self.context.folder, env=env, stdin=stdin,
+        return run_model_process(self.command(), cwd=self.run_folder(), env=env, stdin=stdin,
                                  timeout_s=self.context.settings.timeout_s, groups=self._groups)
 
     def base_environment(self) -> dict[str, str]:

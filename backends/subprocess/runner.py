@@ -66,7 +66,7 @@ class ProcessGroups:
         return len(groups)
 
 
-def run_model_process(argv: list[str], *, cwd: Path, env: dict[str, str], stdin: bytes,
+def run_model_process(argv: list[str], *, cwd: Path | str, env: dict[str, str], stdin: bytes,
                       timeout_s: float | None, groups: ProcessGroups | None = None,
                       tail_bytes: int = STDERR_TAIL_BYTES) -> ProcessResult:
     """Run ``argv`` to completion; on timeout kill its whole process group.

@@ -86,6 +86,23 @@ def test_compiles_once_reuses_the_binary_and_rebuilds_on_edit(repo, serve):
     [rebuilt_name] = cache_files(folder)
     assert rebuilt_name.startswith("main-") and rebuilt_name != binary_name
     assert not binary.exists()
+    # The servers that loaded the old version still run it (their own link to it), as a version being
+    # replaced by a reload keeps serving while the new one builds.
+    assert infer(first, "scale", ROWS).as_numpy("output").tolist() == (ROWS * 2).tolist()
+
+
+@pytest.mark.parametrize("change", ["renamed", "deleted"])
+def test_a_run_that_finds_its_folder_gone_still_runs(repo, serve, change):
+    # A request queued just before its folder moved or went away (the server hears of it a moment
+    # later; here never, without watch) runs in the loaded folder, wherever it is now.
+    folder = copy_example(repo, "cpp_scale", "moving")
+    server = serve(repo.write_config())
+    assert infer(server, "moving", ROWS).as_numpy("output").tolist() == (ROWS * 2).tolist()
+    if change == "renamed":
+        folder.rename(folder.with_name("elsewhere"))
+    else:
+        shutil.rmtree(folder)
+    assert infer(server, "moving", ROWS).as_numpy("output").tolist() == (ROWS * 2).tolist()
 
 
 def test_editing_an_included_header_rebuilds(repo, serve):
