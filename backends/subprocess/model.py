@@ -23,6 +23,9 @@ from nereid.backends.subprocess.dtype_names import contract_name
 from nereid.backends.subprocess.framing import encode_frame, read_body, read_header
 from nereid.backends.subprocess.runner import ProcessGroups, ProcessResult, run_model_process
 
+# Descriptors of the model folder kept across renames (the oldest is closed past this).
+MAX_FOLDER_FDS = 8
+
 # Inherited by children from the server's environment; everything else is dropped.
 INHERITED_ENV = ("PATH", "LANG", "LC_ALL", "HOME", "SYSTEMROOT", "LD_LIBRARY_PATH")
 
@@ -113,10 +116,13 @@ class SubprocessModel:
             fd = os.open(self.context.folder, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         except (OSError, AttributeError):  # gone already, or no O_PATH (not Linux): runs use the path
             return
-        if os.path.isdir(f"/proc/self/fd/{fd}"):
-            self._folder_fds.append(fd)  # older ones stay open: a run may be starting with one right now
-        else:  # no /proc here
+        if not os.path.isdir(f"/proc/self/fd/{fd}"):  # no /proc here
             os.close(fd)
+            return
+        # Older ones stay open a while: a run may be starting with one right now.
+        self._folder_fds.append(fd)
+        while len(self._folder_fds) > MAX_FOLDER_FDS:
+            os.close(self._folder_fds.pop(0))
 
     def terminate_running(self) -> None:
         """End every running program now (the server is stopping and its grace has passed)."""

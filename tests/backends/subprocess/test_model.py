@@ -12,7 +12,7 @@ from nereid.backend import ModelContext
 from nereid.settings import ModelSettings
 from nereid.tensors import NamedTensor
 
-from nereid.backends.subprocess.model import SubprocessModel
+from nereid.backends.subprocess.model import MAX_FOLDER_FDS, SubprocessModel
 
 from support import textproto_single
 
@@ -84,3 +84,17 @@ def test_each_rename_holds_one_more_descriptor_and_unload_closes_them_all(tmp_pa
         with pytest.raises(OSError):
             os.fstat(fd)
     assert model.run_folder() == str(moved)  # nothing held any more: the path itself
+
+
+def test_a_model_renamed_again_and_again_keeps_a_bounded_number_of_descriptors(tmp_path) -> None:
+    model = loaded(tmp_path)
+    try:
+        for index in range(MAX_FOLDER_FDS + 5):
+            moved = model.context.folder.with_name(f"name{index}")
+            model.context.folder.rename(moved)
+            model.relocate(ModelContext(moved.name, moved, ModelSettings(moved.name), model.context.scratch_dir))
+        assert len(model._folder_fds) == MAX_FOLDER_FDS
+        echo(model)
+        assert (moved / "ran.txt").read_text().splitlines() == [str(moved.resolve())]
+    finally:
+        model.unload()
