@@ -391,6 +391,16 @@ class ModelRepository:
                 log.info("model '%s': its settings in nereid.yaml changed; reloading it", entry.name)
                 work.append(self.reload(entry.name))
         await asyncio.gather(*work)
+        self._forget_unlisted_without_folders()
+
+    def _forget_unlisted_without_folders(self) -> None:
+        """Drop entries that only a nereid.yaml entry kept (listed before their folder landed) once unlisted."""
+        for entry in self.entries():
+            if (entry.loaded is None and self.settings.model(entry.name) is None and not entry.lock.locked()
+                    and not model_folder_exists(self.settings.server, entry.name)):
+                self._entries.pop(entry.name, None)
+                self._exposed.discard(entry.name)
+        self._refresh_dependents()
 
     def _record(self, name: str, event: str) -> None:
         if self.events is not None:

@@ -272,6 +272,18 @@ def test_nereid_yaml_edits(repo, serve, caplog):
     assert ask(server.client, "a")["version"] == "a"
 
 
+@pytest.mark.parametrize("edit", ["unlisted", "no models key"])
+def test_a_model_listed_before_its_folder_is_forgotten_once_unlisted(repo, serve, edit):
+    write_model(repo.models_dir / "real", "real")
+    config = repo.write_config("- name: real\n- name: ghost\n", server_extra=SETTLE)
+    server = serve(config)
+    assert index(server)["ghost"] == ("UNAVAILABLE", "no folder 'ghost' in ml_backends_path (yet)")
+    text = config.read_text()
+    config.write_text(text.replace("  - name: ghost\n", "") if edit == "unlisted" else text.split("models:")[0])
+    wait_for(lambda: "ghost" not in index(server))
+    assert index(server)["real"][0] == "READY"
+
+
 def _scrape(server) -> dict[str, float]:
     import urllib.request
 
