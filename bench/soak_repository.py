@@ -1,0 +1,313 @@
+"""Soak: a watched repository churned under load; every request must get an answer that fits.
+
+One ``nereid serve`` with ``watch: true`` serves python echo models, ``cpp_scale``
+copies and ``mlp_bundle`` copies while four clients call random names, and the
+repository is churned every 0.05-0.6 s (seeded):
+
+- folders added, copied, renamed, swapped, deleted; ``main.py`` edited, broken
+  and fixed; textprotos broken and fixed; bundle manifests touched, weights and
+  programs truncated and restored;
+- nereid.yaml rewritten (entries with other instances, queues and batching,
+  entries for folders that do not exist, no models key, invalid YAML);
+- RepositoryModelLoad / Unload on random names.
+
+A request may be answered OK (checked: echoes echo, cpp doubles, the MLP has
+4 outputs a row), NOT_FOUND (the name just went), or UNAVAILABLE (loading,
+unloaded, or its folder is broken). Anything else is a failure: INTERNAL from
+a model that loaded, INVALID_ARGUMENT for a well-formed request, a call over
+20 s. At the end every folder is repaired; after they settle each must be
+READY, RepositoryIndex must list no folder that is gone, and the server must
+have no zombie children and stop cleanly on SIGTERM.
+
+    python3 bench/soak_repository.py [--seconds 60] [--seed 1]
+
+Exits 1 on a failure, printing each kind once. Found, while it was being
+written: runs failing after their folder moved, the wrong code running after
+a rename, a file rewritten during a load slipping in unchecked, a rebuild
+removing the binary of the version still serving, and ghost index entries.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import tritonclient.grpc as triton
+from tritonclient.utils import InferenceServerException
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import REPO_ROOT, free_port, wait_until_serving  # noqa: E402
+
+EXAMPLES = REPO_ROOT / "ml-backends"
+TEXTPROTO = "input_shape: [4]\noutput_shape: [4]\nmax_batch_size: 8\n"
+ECHO_MAIN = '''import os, sys
+data = sys.stdin.buffer.read()
+with open(os.environ["NEREID_OUTPUT_PATH"], "wb") as out:
+    out.write(("%s %s\\n" % (os.environ["NEREID_INPUT_DTYPE"], os.environ["NEREID_INPUT_SHAPE"])).encode() + data)
+'''
+NUMPY_MAIN = '''import os, sys
+import numpy as np
+x = np.frombuffer(sys.stdin.buffer.read(), np.float32)
+with open(os.environ["NEREID_OUTPUT_PATH"], "wb") as out:
+    out.write(("%s %s\\n" % (os.environ["NEREID_INPUT_DTYPE"], os.environ["NEREID_INPUT_SHAPE"])).encode() + x.tobytes())
+'''
+BROKEN_MAIN = "def broken(:\n"
+SERVER_YAML = ('server:\n  ml_backends_path: ml-backends\n  metrics_addr: ""\n  http_addr: ""\n'
+               "  watch: true\n  watch_settle_ms: 300\n")
+EXPECTED = {"StatusCode.NOT_FOUND", "StatusCode.UNAVAILABLE"}
+
+
+class Soak:
+    def __init__(self, root: Path, seed: int) -> None:
+        self.root = root
+        self.models = root / "ml-backends"
+        self.rng = random.Random(seed)
+        self.address = f"127.0.0.1:{free_port()}"
+        self.outcomes: collections.Counter[str] = collections.Counter()
+        self.failures: list[str] = []
+        self.actions: collections.Counter[str] = collections.Counter()
+        self.stop = threading.Event()
+
+    # -- the repository ---------------------------------------------------------------------------
+    def write_echo(self, folder: Path, main: str = ECHO_MAIN) -> None:
+        staging = folder.with_name(f".{folder.name}.tmp")  # hidden from the watcher until renamed in
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir()
+        (staging / "model_inference.textproto").write_text(TEXTPROTO)
+        (staging / "main.py").write_text(main)
+        os.rename(staging, folder)
+
+    def populate(self) -> None:
+        self.models.mkdir()
+        for index in range(3):
+            self.write_echo(self.models / f"echo{index}")
+        for index in range(2):
+            shutil.copytree(EXAMPLES / "cpp_scale", self.models / f"cpp{index}")
+        shutil.copytree(EXAMPLES / "mlp_bundle", self.models / "mlp0", ignore=shutil.ignore_patterns(".cache"))
+        (self.root / "nereid.yaml").write_text(SERVER_YAML)
+
+    def live(self, kind: str = "") -> list[Path]:
+        marker = {"echo": "main.py", "cpp": "main.cpp", "mlp": "manifest.yaml"}.get(kind)
+        return [p for p in self.models.iterdir()
+                if not p.name.startswith(".") and (marker is None or (p / marker).exists())]
+
+    def churn_once(self) -> str:
+        rng = self.rng
+        kind = rng.choice(["add", "rename", "swap", "delete", "edit", "break", "fix", "numpy", "textproto",
+                           "cpp_copy", "cpp_rename", "cpp_delete", "mlp_copy", "mlp_touch", "mlp_break",
+                           "mlp_fix", "yaml", "yaml", "api_load", "api_unload", "none"])
+        echoes, cpps, mlps = self.live("echo"), self.live("cpp"), self.live("mlp")
+        try:
+            if kind == "add":
+                target = self.models / f"echo{rng.randint(0, 9)}"
+                if not target.exists():
+                    self.write_echo(target)
+            elif kind == "rename" and echoes + mlps:
+                folder = rng.choice(echoes + mlps)
+                target = self.models / f"{folder.name.rstrip('0123456789')}{rng.randint(0, 9)}"
+                if not target.exists():
+                    os.rename(folder, target)
+            elif kind == "swap" and len(echoes) >= 2:
+                first, second = rng.sample(echoes, 2)
+                hold = self.models / ".swap"
+                os.rename(first, hold)
+                os.rename(second, first)
+                os.rename(hold, second)
+            elif kind == "delete" and len(echoes) > 1:
+                shutil.rmtree(rng.choice(echoes))
+            elif kind in ("edit", "break", "fix", "numpy") and echoes:
+                main = {"edit": ECHO_MAIN + f"# {rng.random()}\n", "break": BROKEN_MAIN, "fix": ECHO_MAIN,
+                        "numpy": NUMPY_MAIN}[kind]
+                (rng.choice(echoes) / "main.py").write_text(main)
+            elif kind == "textproto" and echoes:
+                text = "input_shape: [oops\n" if rng.random() < 0.5 else TEXTPROTO
+                (rng.choice(echoes) / "model_inference.textproto").write_text(text)
+            elif kind == "cpp_copy":
+                target = self.models / f"cpp{rng.randint(0, 5)}"
+                if not target.exists():
+                    shutil.copytree(EXAMPLES / "cpp_scale", target)
+            elif kind == "cpp_rename" and cpps:
+                target = self.models / f"cpp{rng.randint(0, 5)}"
+                if not target.exists():
+                    os.rename(rng.choice(cpps), target)
+            elif kind == "cpp_delete" and len(cpps) > 1:
+                shutil.rmtree(rng.choice(cpps))
+            elif kind == "mlp_copy":
+                target = self.models / f"mlp{rng.randint(0, 3)}"
+                if not target.exists():
+                    shutil.copytree(EXAMPLES / "mlp_bundle", target, ignore=shutil.ignore_patterns(".cache"))
+            elif kind == "mlp_touch" and mlps:
+                manifest = rng.choice(mlps) / "manifest.yaml"
+                manifest.write_text(manifest.read_text() + f"\n# {rng.random()}\n")
+            elif kind == "mlp_break" and mlps:
+                folder = rng.choice(mlps)
+                victim = rng.choice([folder / "weights.safetensors", *folder.glob("*.mlir")])
+                data = victim.read_bytes()
+                victim.write_bytes(data[:rng.randint(0, len(data))])
+            elif kind == "mlp_fix" and mlps:
+                self.restore_bundle(rng.choice(mlps))
+            elif kind == "yaml":
+                (self.root / "nereid.yaml").write_text(self.random_yaml())
+            elif kind in ("api_load", "api_unload"):
+                name = rng.choice([p.name for p in self.live()] + ["nonexistent"])
+                client = triton.InferenceServerClient(self.address)
+                try:
+                    (client.load_model if kind == "api_load" else client.unload_model)(name)
+                except InferenceServerException:
+                    pass  # a broken folder fails to load, an unknown name is NOT_FOUND: both fine here
+                finally:
+                    client.close()
+        except OSError:
+            pass  # the folder went meanwhile (a client's rescan, our own earlier step)
+        return kind
+
+    def random_yaml(self) -> str:
+        roll = self.rng.random()
+        if roll < 0.15:
+            return SERVER_YAML + "models:\n  - name: [oops\n"
+        if roll < 0.3:
+            return SERVER_YAML
+        entries = "".join(f"  - name: echo{n}\n    instances: {self.rng.randint(1, 3)}\n"
+                          f"    queue_capacity: {self.rng.choice([4, 16, 64])}\n"
+                          f"    batching: {{max_queue_delay_ms: {self.rng.choice([0, 1, 5])}}}\n"
+                          for n in self.rng.sample(range(10), self.rng.randint(1, 4)))
+        return SERVER_YAML + "models:\n" + entries
+
+    @staticmethod
+    def restore_bundle(folder: Path) -> None:
+        shutil.copy(EXAMPLES / "mlp_bundle" / "weights.safetensors", folder / "weights.safetensors")
+        for program in (EXAMPLES / "mlp_bundle").glob("*.mlir"):
+            shutil.copy(program, folder / program.name)
+
+    def repair(self) -> None:
+        (self.root / "nereid.yaml").write_text(SERVER_YAML)
+        for folder in self.live("echo"):
+            (folder / "main.py").write_text(ECHO_MAIN)
+            (folder / "model_inference.textproto").write_text(TEXTPROTO)
+        for folder in self.live("mlp"):
+            self.restore_bundle(folder)
+        client = triton.InferenceServerClient(self.address)
+        for folder in self.live():  # unloaded by the API: loaded again
+            try:
+                client.load_model(folder.name)
+            except InferenceServerException:
+                pass
+        client.close()
+
+    # -- the clients ------------------------------------------------------------------------------
+    def client(self, seed: int) -> None:
+        rng = random.Random(seed)
+        client = triton.InferenceServerClient(self.address)
+        while not self.stop.is_set():
+            name = rng.choice([p.name for p in self.live()] + ["nonexistent"])
+            rows = rng.randint(1, 3)
+            width = 16 if name.startswith("mlp") else 8 if name.startswith("cpp") else 4
+            x = np.arange(rows * width, dtype=np.float32).reshape(rows, width) + seed
+            tensor = triton.InferInput("input", list(x.shape), "FP32")
+            tensor.set_data_from_numpy(x)
+            started = time.monotonic()
+            try:
+                out = client.infer(name, [tensor], client_timeout=60).as_numpy("output")
+                expected_shape = (rows, 4) if name.startswith("mlp") else x.shape
+                if out.shape != expected_shape or (name.startswith("cpp") and not np.array_equal(out, 2 * x)) or (
+                        name.startswith("echo") and not np.array_equal(out, x)):
+                    self.failures.append(f"{name}: wrong answer {out.tolist()} for {x.tolist()}")
+                self.outcomes["OK"] += 1
+            except InferenceServerException as err:
+                status = str(err.status())
+                self.outcomes[status] += 1
+                if status not in EXPECTED:
+                    self.failures.append(f"{name}: {status} {err.message()}")
+            if time.monotonic() - started > 20:
+                self.failures.append(f"{name}: a call took {time.monotonic() - started:.1f} s")
+        client.close()
+
+    # -- the run ----------------------------------------------------------------------------------
+    def run(self, seconds: float) -> int:
+        self.populate()
+        log_path = self.root / "server.log"
+        with open(log_path, "w") as log_file:
+            server = subprocess.Popen([sys.executable, "-m", "nereid.cli", "serve", "--config",
+                                       str(self.root / "nereid.yaml"), "--bind", self.address],
+                                      stdout=log_file, stderr=subprocess.STDOUT)
+        try:
+            wait_until_serving(self.address)
+            time.sleep(5)  # the cpp examples compile
+            clients = [threading.Thread(target=self.client, args=(seed,)) for seed in range(4)]
+            for thread in clients:
+                thread.start()
+            started = time.monotonic()
+            while time.monotonic() - started < seconds and server.poll() is None:
+                self.actions[self.churn_once()] += 1
+                time.sleep(self.rng.uniform(0.05, 0.6))
+            self.repair()
+            time.sleep(4)
+            self.stop.set()
+            for thread in clients:
+                thread.join(90)
+            self.check_settled(server)
+        finally:
+            server.send_signal(signal.SIGTERM)
+            try:
+                server.wait(60)
+            except subprocess.TimeoutExpired:
+                self.failures.append("the server did not stop within 60 s of SIGTERM")
+                server.kill()
+        print("churn:", dict(self.actions))
+        print("answers:", dict(self.outcomes))
+        print(f"server exit status {server.returncode}; its log: {log_path}")
+        if server.returncode != 0:
+            self.failures.append(f"the server exited {server.returncode}")
+        seen = set()
+        for failure in self.failures:
+            kind = re.sub(r"(echo|cpp|mlp)\d", r"\1N", failure)[:160]
+            if kind not in seen:
+                seen.add(kind)
+                print("FAILURE", failure)
+        print(f"{len(self.failures)} failure(s)")
+        return 1 if self.failures else 0
+
+    def check_settled(self, server: subprocess.Popen) -> None:
+        if server.poll() is not None:
+            self.failures.append(f"the server exited {server.returncode} during the soak")
+            return
+        client = triton.InferenceServerClient(self.address)
+        index = {m.name: (m.state, m.reason) for m in client.get_model_repository_index().models}
+        client.close()
+        for folder in self.live():
+            if index.get(folder.name, ("",))[0] != "READY":
+                self.failures.append(f"after settling, {folder.name} is {index.get(folder.name)}")
+        for name, state in index.items():
+            if not (self.models / name).exists():
+                self.failures.append(f"after settling, RepositoryIndex lists {name} {state}, whose folder is gone")
+        children = subprocess.run(["ps", "--ppid", str(server.pid), "-o", "stat=", "-o", "pid="],
+                                  capture_output=True, text=True).stdout.split("\n")
+        zombies = [line for line in children if line.strip().startswith("Z")]
+        if zombies:
+            self.failures.append(f"zombie children of the server: {zombies}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=60)
+    parser.add_argument("--seed", type=int, default=1)
+    args = parser.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="nereid-soak-"))
+    sys.exit(Soak(root, args.seed).run(args.seconds))
+
+
+if __name__ == "__main__":
+    main()
