@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,10 +28,8 @@ from typing import Callable
 
 import numpy as np
 
+from bench_batching import export  # the dense 2048 x 2048 bundle
 from common import BENCH_DIR, print_table
-
-sys.path.insert(0, str(BENCH_DIR))
-from bench_batching import export  # noqa: E402  (the dense 2048 x 2048 bundle)
 
 
 def timed_us(call: Callable[[], object], seconds: float) -> float:

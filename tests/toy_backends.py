@@ -8,10 +8,9 @@ that moved from one that loaded again.
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 from pathlib import Path
-
-import sys
 
 from nereid.backend import BackendClaim, ModelContext
 from nereid.dataplane import DataPlane
