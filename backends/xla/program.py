@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from nereid.dtypes import DType
-from nereid.errors import ConfigError
+from nereid.errors import ConfigError, cap_message
 
 # MLIR bytecode starts with these bytes; anything else is treated as MLIR text.
 BYTECODE_MAGIC = b"ML\xefR"
@@ -76,8 +76,14 @@ def to_portable_artifact(module: bytes | str) -> bytes:
     """A StableHLO portable artifact from MLIR text, or the artifact itself when already one."""
     if isinstance(module, bytes) and is_bytecode(module):
         return module
+    if not module.strip():
+        raise ValueError("the module is empty")
     stablehlo = _stablehlo()
-    text = module.decode("utf-8") if isinstance(module, bytes) else module
+    try:
+        text = module.decode("utf-8") if isinstance(module, bytes) else module
+    except UnicodeDecodeError as err:
+        raise ValueError(f"neither MLIR bytecode (which starts with {BYTECODE_MAGIC!r}) nor UTF-8 MLIR text "
+                         f"({err})") from None
     try:
         return stablehlo.serialize_portable_artifact_str(text, stablehlo.get_current_version())
     except Exception as err:  # jaxlib raises ValueError / MLIRError with the parser's message
@@ -91,10 +97,14 @@ def read_program(module: bytes | str, where: str) -> ProgramSignature:
 
     try:
         artifact = to_portable_artifact(module)
-    except (ValueError, UnicodeDecodeError) as err:
+    except ValueError as err:
         raise ConfigError(f"{where}: {err}") from None
     context = ir.Context()  # one per call: MLIR contexts are not shared across threads
     stablehlo.register_dialect(context)
+    # The reader's own reasons ("attempting to parse 130 bytes when only 5 remain") go into the
+    # error instead of to the server's stderr, where MLIR would print them.
+    diagnostics: list[str] = []
+    handler = context.attach_diagnostic_handler(lambda diagnostic: _collect(diagnostic, diagnostics, ir))
     try:
         with context:
             parsed = stablehlo.deserialize_portable_artifact(context, artifact)
@@ -102,9 +112,18 @@ def read_program(module: bytes | str, where: str) -> ProgramSignature:
     except ConfigError:
         raise
     except Exception as err:
-        raise ConfigError(f"{where}: not a readable StableHLO portable artifact "
-                          f"({type(err).__name__}: {err}); was it written by a newer StableHLO "
-                          f"than this jaxlib reads ({stablehlo.get_current_version()})?") from None
+        reasons = "; ".join(diagnostics) or f"{type(err).__name__}: {err}"
+        raise ConfigError(f"{where}: not a readable StableHLO portable artifact ({cap_message(reasons, 512)}): "
+                          "the file is damaged or cut short, or was written by a newer StableHLO than this "
+                          f"jaxlib reads ({stablehlo.get_current_version()})") from None
+    finally:
+        handler.detach()
+
+
+def _collect(diagnostic, into: list[str], ir) -> bool:
+    if diagnostic.severity == ir.DiagnosticSeverity.ERROR:
+        into.append(str(diagnostic.message))
+    return True  # handled: not printed
 
 
 def _entry_signature(module, where: str, ir) -> ProgramSignature:

@@ -50,6 +50,10 @@ def test_unreadable_modules_name_the_file(tmp_path) -> None:
         read_program(b"this is not mlir", "model.b8.mlir")
     with pytest.raises(ConfigError, match="model.mlir: not a readable StableHLO portable artifact"):
         read_program(b"ML\xefR" + b"\x00" * 20, "model.mlir")
+    with pytest.raises(ConfigError, match="model.mlir: the module is empty"):
+        read_program(b"", "model.mlir")
+    with pytest.raises(ConfigError, match=r"model.mlir: neither MLIR bytecode .* nor UTF-8 MLIR text"):
+        read_program(b"ML\xef", "model.mlir")  # bytecode cut inside its magic number
     with pytest.raises(ConfigError, match="has no 'main' function .*functions: other"):
         read_program("func.func @other() -> () { return }", "model.mlir")
     path = tmp_path / "model.mlir"
@@ -57,3 +61,16 @@ def test_unreadable_modules_name_the_file(tmp_path) -> None:
     assert bundle_entry_arity(path) == 3
     with pytest.raises(ConfigError, match="cannot read"):
         bundle_entry_arity(tmp_path / "absent.mlir")
+
+
+def test_a_cut_short_artifact_says_why_and_prints_nothing(capfd) -> None:
+    # MLIR's reader reports its reason as a diagnostic, which it would print to the server's stderr.
+    artifact = exported_artifact()
+    for length in (40, len(artifact) // 2, len(artifact) - 3):
+        with pytest.raises(ConfigError) as caught:
+            read_program(artifact[:length], "model.b8.mlir")
+        message = str(caught.value)
+        assert message.startswith("model.b8.mlir: not a readable StableHLO portable artifact (")
+        assert "failed to deserialize portable artifact" in message  # the reader's own words
+        assert "damaged or cut short" in message
+    assert capfd.readouterr().err == ""
