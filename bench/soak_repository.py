@@ -1,21 +1,24 @@
 """Soak: a watched repository churned under load; every request must get an answer that fits.
 
 One ``nereid serve`` with ``watch: true`` serves python echo models, ``cpp_scale``
-copies and ``mlp_bundle`` copies while four clients call random names, and the
+and ``cxx_scale`` copies, ``mlp_bundle`` copies and meta models that call an
+echo, while four gRPC clients and two HTTP clients call random names, and the
 repository is churned every 0.05-0.6 s (seeded):
 
 - folders added, copied, renamed, swapped, deleted; ``main.py`` edited, broken
   and fixed; textprotos broken and fixed; bundle manifests touched, weights and
-  programs truncated and restored;
+  programs truncated and restored; cxx sources edited (a rebuild), broken and
+  fixed; meta ``model.py`` broken and fixed (and the echoes a meta model
+  depends on churned under it);
 - nereid.yaml rewritten (entries with other instances, queues and batching,
   entries for folders that do not exist, no models key, invalid YAML);
 - RepositoryModelLoad / Unload on random names.
 
-A request may be answered OK (checked: echoes echo, cpp doubles, the MLP has
-4 outputs a row), NOT_FOUND (the name just went), or UNAVAILABLE (loading,
-unloaded, or its folder is broken). Anything else is a failure: INTERNAL from
-a model that loaded, INVALID_ARGUMENT for a well-formed request, a call over
-20 s. At the end every folder is repaired; after they settle each must be
+A request may be answered OK (checked: echoes and meta models echo, cpp and
+cxx double, the MLP has 4 outputs a row), NOT_FOUND (the name just went), or
+UNAVAILABLE (loading, unloaded, or its folder is broken); over HTTP, 200, 404
+or 503. Anything else is a failure: INTERNAL from a model that loaded,
+INVALID_ARGUMENT for a well-formed request, a call over 20 s. At the end every folder is repaired; after they settle each must be
 READY, RepositoryIndex must list no folder that is gone, and the server must
 have no zombie children and stop cleanly on SIGTERM.
 
@@ -45,6 +48,7 @@ from pathlib import Path
 
 import numpy as np
 import tritonclient.grpc as triton
+import tritonclient.http as triton_http
 from tritonclient.utils import InferenceServerException
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -65,9 +69,38 @@ with open(os.environ["NEREID_OUTPUT_PATH"], "wb") as out:
     out.write(("%s %s\\n" % (os.environ["NEREID_INPUT_DTYPE"], os.environ["NEREID_INPUT_SHAPE"])).encode() + x.tobytes())
 '''
 BROKEN_MAIN = "def broken(:\n"
-SERVER_YAML = ('server:\n  ml_backends_path: ml-backends\n  metrics_addr: ""\n  http_addr: ""\n'
+META_MANIFEST = ('format_version: "2.1"\nmeta: true\ndepends_on: [{echo}]\nbatching: {{max_batch_size: 8}}\n'
+                 "client_inputs: [{{name: input, dtype: f32, shape: an, dims: {{a: 4}}}}]\n"
+                 "client_outputs: [{{name: output, dtype: f32, shape: an, dims: {{a: 4}}}}]\n")
+# An async orchestration (on the event loop) and a plain one (on a worker thread), both echoing through an echo.
+META_MODEL = {
+    "async": """import nereid
+from nereid.tensors import NamedTensor
+
+async def orchestrate(inputs, ctx):
+    (out,) = await ctx.infer("{echo}", [NamedTensor.from_array("input", inputs[0].data)])
+    return [NamedTensor.from_array("output", out.data)]
+
+nereid.register_model(orchestrate=orchestrate)
+""",
+    "sync": """import nereid
+from nereid.tensors import NamedTensor
+
+def orchestrate(inputs, ctx):
+    (out,) = ctx.infer("{echo}", [NamedTensor.from_array("input", inputs[0].data)])
+    return [NamedTensor.from_array("output", out.data)]
+
+nereid.register_model(orchestrate=orchestrate)
+"""}
+BROKEN_CXX = "int nereid_infer(  // cut short\n"
+# A cxx folder says nothing of its backend: nereid.yaml names cxx0-cxx3, whichever of them exist.
+CXX_ENTRIES = "".join(f"  - name: cxx{n}\n    backend: cxx\n    instances: 2\n"
+                      f"    runtime: {{sources: [ml-backends/cxx{n}/scale.cpp]}}\n" for n in range(4))
+SERVER_YAML = ('server:\n  ml_backends_path: ml-backends\n  metrics_addr: ""\n  http_addr: "127.0.0.1:{http_port}"\n'
                "  watch: true\n  watch_settle_ms: 300\n")
-EXPECTED = {"StatusCode.NOT_FOUND", "StatusCode.UNAVAILABLE"}
+EXPECTED = {"StatusCode.NOT_FOUND", "StatusCode.UNAVAILABLE", "404", "503"}
+# Each folder's kind is its name without the trailing digits; renames keep it.
+WIDTH = {"echo": 4, "meta": 4, "cpp": 8, "cxx": 8, "mlp": 16}
 
 
 class Soak:
@@ -76,6 +109,8 @@ class Soak:
         self.models = root / "ml-backends"
         self.rng = random.Random(seed)
         self.address = f"127.0.0.1:{free_port()}"
+        self.http_address = f"127.0.0.1:{free_port()}"
+        self.server_yaml = SERVER_YAML.format(http_port=self.http_address.rpartition(":")[2])
         self.outcomes: collections.Counter[str] = collections.Counter()
         self.failures: list[str] = []
         self.actions: collections.Counter[str] = collections.Counter()
@@ -96,28 +131,45 @@ class Soak:
             self.write_echo(self.models / f"echo{index}")
         for index in range(2):
             shutil.copytree(EXAMPLES / "cpp_scale", self.models / f"cpp{index}")
+            shutil.copytree(EXAMPLES / "cxx_scale", self.models / f"cxx{index}")
+            self.write_meta(self.models / f"meta{index}", f"echo{index}", ("async", "sync")[index])
         shutil.copytree(EXAMPLES / "mlp_bundle", self.models / "mlp0", ignore=shutil.ignore_patterns(".cache"))
-        (self.root / "nereid.yaml").write_text(SERVER_YAML)
+        (self.root / "nereid.yaml").write_text(self.base_yaml())
+
+    def write_meta(self, folder: Path, echo: str, style: str) -> None:
+        staging = folder.with_name(f".{folder.name}.tmp")
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir()
+        (staging / "manifest.yaml").write_text(META_MANIFEST.format(echo=echo))
+        (staging / "model.py").write_text(META_MODEL[style].replace("{echo}", echo))
+        os.rename(staging, folder)
+
+    def base_yaml(self) -> str:
+        return self.server_yaml + "models:\n" + CXX_ENTRIES
 
     def live(self, kind: str = "") -> list[Path]:
-        marker = {"echo": "main.py", "cpp": "main.cpp", "mlp": "manifest.yaml"}.get(kind)
         return [p for p in self.models.iterdir()
-                if not p.name.startswith(".") and (marker is None or (p / marker).exists())]
+                if not p.name.startswith(".") and (not kind or p.name.rstrip("0123456789") == kind)]
 
     def churn_once(self) -> str:
         rng = self.rng
         kind = rng.choice(["add", "rename", "swap", "delete", "edit", "break", "fix", "numpy", "textproto",
                            "cpp_copy", "cpp_rename", "cpp_delete", "mlp_copy", "mlp_touch", "mlp_break",
-                           "mlp_fix", "yaml", "yaml", "api_load", "api_unload", "none"])
+                           "mlp_fix", "cxx_copy", "cxx_rename", "cxx_edit", "cxx_break", "cxx_fix",
+                           "meta_add", "meta_rename", "meta_break", "meta_fix",
+                           "yaml", "yaml", "api_load", "api_unload", "none"])
         echoes, cpps, mlps = self.live("echo"), self.live("cpp"), self.live("mlp")
+        cxxs, metas = self.live("cxx"), self.live("meta")
         try:
             if kind == "add":
                 target = self.models / f"echo{rng.randint(0, 9)}"
                 if not target.exists():
                     self.write_echo(target)
-            elif kind == "rename" and echoes + mlps:
-                folder = rng.choice(echoes + mlps)
-                target = self.models / f"{folder.name.rstrip('0123456789')}{rng.randint(0, 9)}"
+            elif kind in ("rename", "cxx_rename", "meta_rename") and (echoes + mlps if kind == "rename"
+                                                                       else cxxs if kind == "cxx_rename" else metas):
+                folder = rng.choice(echoes + mlps if kind == "rename" else cxxs if kind == "cxx_rename" else metas)
+                limit = 3 if kind == "cxx_rename" else 9  # only cxx0-cxx3 have entries
+                target = self.models / f"{folder.name.rstrip('0123456789')}{rng.randint(0, limit)}"
                 if not target.exists():
                     os.rename(folder, target)
             elif kind == "swap" and len(echoes) >= 2:
@@ -159,6 +211,26 @@ class Soak:
                 victim.write_bytes(data[:rng.randint(0, len(data))])
             elif kind == "mlp_fix" and mlps:
                 self.restore_bundle(rng.choice(mlps))
+            elif kind == "cxx_copy":
+                target = self.models / f"cxx{rng.randint(0, 3)}"
+                if not target.exists():
+                    shutil.copytree(EXAMPLES / "cxx_scale", target)
+            elif kind in ("cxx_edit", "cxx_break", "cxx_fix") and cxxs:
+                source = (EXAMPLES / "cxx_scale" / "scale.cpp").read_text()
+                text = {"cxx_edit": source + f"// {rng.random()}\n", "cxx_break": BROKEN_CXX,
+                        "cxx_fix": source}[kind]
+                (rng.choice(cxxs) / "scale.cpp").write_text(text)
+            elif kind == "meta_add":
+                index = rng.randint(0, 9)
+                target = self.models / f"meta{index}"
+                if not target.exists():
+                    self.write_meta(target, f"echo{rng.randint(0, 9)}", rng.choice(["async", "sync"]))
+            elif kind in ("meta_break", "meta_fix") and metas:
+                folder = rng.choice(metas)
+                if kind == "meta_break":
+                    (folder / "model.py").write_text(BROKEN_MAIN)
+                else:
+                    self.fix_meta(folder)
             elif kind == "yaml":
                 (self.root / "nereid.yaml").write_text(self.random_yaml())
             elif kind in ("api_load", "api_unload"):
@@ -177,14 +249,19 @@ class Soak:
     def random_yaml(self) -> str:
         roll = self.rng.random()
         if roll < 0.15:
-            return SERVER_YAML + "models:\n  - name: [oops\n"
+            return self.server_yaml + "models:\n  - name: [oops\n"
         if roll < 0.3:
-            return SERVER_YAML
+            return self.server_yaml
         entries = "".join(f"  - name: echo{n}\n    instances: {self.rng.randint(1, 3)}\n"
                           f"    queue_capacity: {self.rng.choice([4, 16, 64])}\n"
                           f"    batching: {{max_queue_delay_ms: {self.rng.choice([0, 1, 5])}}}\n"
                           for n in self.rng.sample(range(10), self.rng.randint(1, 4)))
-        return SERVER_YAML + "models:\n" + entries
+        return self.base_yaml() + entries
+
+    @staticmethod
+    def fix_meta(folder: Path) -> None:
+        echo = re.search(r"depends_on: \[(\w+)\]", (folder / "manifest.yaml").read_text()).group(1)
+        (folder / "model.py").write_text(META_MODEL["async"].replace("{echo}", echo))
 
     @staticmethod
     def restore_bundle(folder: Path) -> None:
@@ -193,12 +270,19 @@ class Soak:
             shutil.copy(program, folder / program.name)
 
     def repair(self) -> None:
-        (self.root / "nereid.yaml").write_text(SERVER_YAML)
+        (self.root / "nereid.yaml").write_text(self.base_yaml())
         for folder in self.live("echo"):
             (folder / "main.py").write_text(ECHO_MAIN)
             (folder / "model_inference.textproto").write_text(TEXTPROTO)
         for folder in self.live("mlp"):
             self.restore_bundle(folder)
+        for folder in self.live("cxx"):
+            shutil.copy(EXAMPLES / "cxx_scale" / "scale.cpp", folder / "scale.cpp")
+        for folder in self.live("meta"):  # a meta model whose echo is gone stays UNAVAILABLE: give it its echo
+            self.fix_meta(folder)
+            echo = self.models / re.search(r"depends_on: \[(\w+)\]", (folder / "manifest.yaml").read_text()).group(1)
+            if not echo.exists():
+                self.write_echo(echo)
         client = triton.InferenceServerClient(self.address)
         for folder in self.live():  # unloaded by the API: loaded again
             try:
@@ -208,22 +292,27 @@ class Soak:
         client.close()
 
     # -- the clients ------------------------------------------------------------------------------
-    def client(self, seed: int) -> None:
+    def client(self, seed: int, http: bool = False) -> None:
         rng = random.Random(seed)
-        client = triton.InferenceServerClient(self.address)
+        module = triton_http if http else triton
+        client = (triton_http.InferenceServerClient(self.http_address, network_timeout=60.0) if http
+                  else triton.InferenceServerClient(self.address))
+        options = {} if http else {"client_timeout": 60}
         while not self.stop.is_set():
             name = rng.choice([p.name for p in self.live()] + ["nonexistent"])
+            kind = name.rstrip("0123456789")
             rows = rng.randint(1, 3)
-            width = 16 if name.startswith("mlp") else 8 if name.startswith("cpp") else 4
-            x = np.arange(rows * width, dtype=np.float32).reshape(rows, width) + seed
-            tensor = triton.InferInput("input", list(x.shape), "FP32")
+            x = np.arange(rows * WIDTH.get(kind, 4), dtype=np.float32).reshape(rows, -1) + seed
+            tensor = module.InferInput("input", list(x.shape), "FP32")
             tensor.set_data_from_numpy(x)
             started = time.monotonic()
             try:
-                out = client.infer(name, [tensor], client_timeout=60).as_numpy("output")
-                expected_shape = (rows, 4) if name.startswith("mlp") else x.shape
-                if out.shape != expected_shape or (name.startswith("cpp") and not np.array_equal(out, 2 * x)) or (
-                        name.startswith("echo") and not np.array_equal(out, x)):
+                out = client.infer(name, [tensor], **options).as_numpy("output")
+                if kind == "mlp":
+                    right = out.shape == (rows, 4)
+                else:
+                    right = np.array_equal(out, 2 * x if kind in ("cpp", "cxx") else x)
+                if not right:
                     self.failures.append(f"{name}: wrong answer {out.tolist()} for {x.tolist()}")
                 self.outcomes["OK"] += 1
             except InferenceServerException as err:
@@ -234,6 +323,7 @@ class Soak:
             if time.monotonic() - started > 20:
                 self.failures.append(f"{name}: a call took {time.monotonic() - started:.1f} s")
         client.close()
+        del client  # finalized on this thread: tritonclient.http's gevent hub cannot be reached from another
 
     # -- the run ----------------------------------------------------------------------------------
     def run(self, seconds: float) -> int:
@@ -246,7 +336,7 @@ class Soak:
         try:
             wait_until_serving(self.address)
             time.sleep(5)  # the cpp examples compile
-            clients = [threading.Thread(target=self.client, args=(seed,)) for seed in range(4)]
+            clients = [threading.Thread(target=self.client, args=(seed, seed >= 4)) for seed in range(6)]
             for thread in clients:
                 thread.start()
             started = time.monotonic()
@@ -273,7 +363,7 @@ class Soak:
             self.failures.append(f"the server exited {server.returncode}")
         seen = set()
         for failure in self.failures:
-            kind = re.sub(r"(echo|cpp|mlp)\d", r"\1N", failure)[:160]
+            kind = re.sub(r"(echo|cpp|cxx|meta|mlp)\d", r"\1N", failure)[:160]
             if kind not in seen:
                 seen.add(kind)
                 print("FAILURE", failure)
@@ -291,7 +381,8 @@ class Soak:
             if index.get(folder.name, ("",))[0] != "READY":
                 self.failures.append(f"after settling, {folder.name} is {index.get(folder.name)}")
         for name, state in index.items():
-            if not (self.models / name).exists():
+            listed = re.fullmatch(r"cxx[0-3]", name) and "folder" in state[1]  # nereid.yaml names it
+            if not (self.models / name).exists() and not listed:
                 self.failures.append(f"after settling, RepositoryIndex lists {name} {state}, whose folder is gone")
         children = subprocess.run(["ps", "--ppid", str(server.pid), "-o", "stat=", "-o", "pid="],
                                   capture_output=True, text=True).stdout.split("\n")
