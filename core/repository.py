@@ -9,6 +9,7 @@ reason when it is not ready.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import importlib.util
 import logging
@@ -17,7 +18,7 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any, AsyncIterator, Callable, Mapping, Protocol
 
 import pluggy
 
@@ -33,8 +34,7 @@ from nereid.scheduler import ModelScheduler
 from nereid.settings import ModelSettings, Settings
 from nereid.signature import ModelSignature
 from nereid.stats import ModelStats
-from nereid.storage import list_model_folders as list_repository_folders
-from nereid.storage import materialize_model_folder, model_folder_exists
+from nereid.storage import StorageError, materialize_model_folder, model_folder_exists, scan_model_folders
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +83,22 @@ class ModelEntry:
     loaded: LoadedModel | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     generation: int = 0  # versions loaded so far: every load and reload adds one
+    holders: int = 0  # operations holding the lock or waiting for it
+
+    @contextlib.asynccontextmanager
+    async def held(self) -> AsyncIterator[None]:
+        """Hold the entry's lock (loads, unloads, renames take turns). The entry counts as in use
+        from the moment the caller starts waiting, so a rescan never forgets it under a waiter."""
+        self.holders += 1
+        try:
+            async with self.lock:
+                yield
+        finally:
+            self.holders -= 1
+
+    def in_use(self) -> bool:
+        """A model is loaded, or an operation holds or awaits the lock."""
+        return self.loaded is not None or self.holders > 0
 
 
 @dataclass(frozen=True)
@@ -123,11 +139,6 @@ def build_model(manager: pluggy.PluginManager, context: ModelContext,
         backend.unload()
         raise
     return BuiltModel(result.backend_name, backend, signature, batch_signature, policy)
-
-
-def list_model_folders(root: Path) -> list[str]:
-    """Names of the model folders under ``root`` (hidden folders such as ``.cache`` skipped)."""
-    return sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
 
 
 class RepositoryEvents(Protocol):
@@ -180,16 +191,20 @@ class ModelRepository:
         return list(self._entries)
 
     def rescan(self) -> None:
-        """Pick up folders added since the last scan (a removed folder keeps its entry until unloaded).
+        """Pick up folders added since the last scan, and forget the ones gone that nothing keeps.
 
-        A model listed in nereid.yaml whose folder does not exist yet (allowed in
-        dynamic mode) has an entry too, UNAVAILABLE until its folder lands.
+        A removed folder keeps its entry while its model is loaded (it serves
+        until unloaded) or an operation on it runs, and while nereid.yaml lists
+        it. A model listed in nereid.yaml whose folder does not exist yet
+        (allowed in dynamic mode) has an entry too, UNAVAILABLE until its
+        folder lands. A store that cannot be listed forgets nothing.
         """
         server = self.settings.server
         # In dynamic mode the watcher loads every folder once it has settled; say so rather than ask for a load.
         unlisted = (f"new folder: it loads once it has been unchanged for server.watch_settle_ms "
                     f"({server.watch_settle_ms:g} ms)" if server.watch else NOT_LISTED_REASON)
-        for name in list_repository_folders(server):  # a local folder or an object store
+        present = self._scan()
+        for name in present or ():  # a local folder or an object store
             if name not in self._entries:
                 settings, origin = self.settings.model_or_default(name)
                 self._entries[name] = ModelEntry(name, self.root / name, settings, origin, reason=unlisted)
@@ -198,18 +213,43 @@ class ModelRepository:
                 self._entries[settings.name] = ModelEntry(
                     settings.name, self.root / settings.name, settings, f"{self.settings.source}: models[{index}]",
                     reason=f"waiting for its folder '{settings.name}' in ml_backends_path")
+        if present is not None:
+            self._forget_gone(set(present))
+
+    def _scan(self) -> list[str] | None:
+        """The model folders now; None when the store cannot be listed (logged)."""
+        try:
+            return scan_model_folders(self.settings.server)
+        except StorageError as err:
+            log.error("%s", err)
+            return None
+
+    def _forget_gone(self, present: set[str]) -> None:
+        """Drop the entries of folders that are gone, unless loaded, in use or listed in nereid.yaml."""
+        gone = [entry for entry in self.entries() if entry.name not in present and not entry.in_use()
+                and self.settings.model(entry.name) is None]
+        for entry in gone:
+            self._entries.pop(entry.name, None)
+            self._exposed.discard(entry.name)
+        if gone:
+            self._refresh_dependents()
 
     def entries(self) -> list[ModelEntry]:
         """Every known model folder, by name."""
         entries = dict(self._entries)  # a copy: the metrics thread reads this too
         return [entries[name] for name in sorted(entries)]
 
-    def entry(self, name: str) -> ModelEntry:
-        """The entry for ``name``; NotFound when no such folder exists."""
+    def entry(self, name: str, look_again: bool = False) -> ModelEntry:
+        """The entry for ``name``; NotFound when no such folder exists.
+
+        ``look_again`` rescans for an unknown name at once: a store's listing is
+        otherwise reused for a few seconds, and a model just uploaded must load.
+        """
         entry = self._entries.get(name)
-        if entry is None and _is_folder_name(name) and model_folder_exists(self.settings.server, name):
-            # One stat, and a full rescan only when the folder is really there: a flood of
-            # made-up names must not list the repository once per request on the event loop.
+        if entry is None and _is_folder_name(name) and (
+                look_again or model_folder_exists(self.settings.server, name)):
+            # One stat (or a listing reused for a few seconds), and a full rescan only when the folder is
+            # really there: a flood of made-up names must not list the repository per request on the loop.
             self.rescan()
             entry = self._entries.get(name)
         if entry is None:
@@ -237,9 +277,9 @@ class ModelRepository:
 
     async def load(self, name: str) -> ModelEntry:
         """(Re)load a model folder. A failure leaves it UNAVAILABLE with the reason; never raises for it."""
-        entry = self.entry(name)
+        entry = self.entry(name, look_again=True)
         self._exposed.add(name)
-        async with entry.lock:
+        async with entry.held():
             if entry.loaded is not None:
                 await self._unload_locked(entry)
             # (A folder in an object store is fetched by _build, which reports the store's error.)
@@ -297,7 +337,7 @@ class ModelRepository:
         entry = self.entry(name)
         if entry.loaded is None:
             return await self.load(name)
-        async with entry.lock:
+        async with entry.held():
             old = entry.loaded
             if old is None:  # unloaded while we waited for the lock
                 return entry
@@ -329,7 +369,7 @@ class ModelRepository:
         if entry is None or loaded is None or settings != replace(entry.settings, name=new):
             await self.remove(old)
             return await self.load(new)
-        async with entry.lock:
+        async with entry.held():
             context = ModelContext(new, self.root / new, settings, self._scratch_for(new), origin, self.models)
             try:
                 if not isinstance(loaded.backend, Relocatable):
@@ -391,16 +431,9 @@ class ModelRepository:
                 log.info("model '%s': its settings in nereid.yaml changed; reloading it", entry.name)
                 work.append(self.reload(entry.name))
         await asyncio.gather(*work)
-        self._forget_unlisted_without_folders()
-
-    def _forget_unlisted_without_folders(self) -> None:
-        """Drop entries that only a nereid.yaml entry kept (listed before their folder landed) once unlisted."""
-        for entry in self.entries():
-            if (entry.loaded is None and self.settings.model(entry.name) is None and not entry.lock.locked()
-                    and not model_folder_exists(self.settings.server, entry.name)):
-                self._entries.pop(entry.name, None)
-                self._exposed.discard(entry.name)
-        self._refresh_dependents()
+        present = self._scan()  # entries only the old nereid.yaml kept (listed, folder never landed)
+        if present is not None:
+            self._forget_gone(set(present))
 
     def _record(self, name: str, event: str) -> None:
         if self.events is not None:
@@ -429,7 +462,7 @@ class ModelRepository:
         """
         entry = self.entry(name)
         self._exposed.discard(name)
-        async with entry.lock:
+        async with entry.held():
             if entry.loaded is not None:
                 await self._unload_locked(entry, grace_s)
             entry.reason = "unloaded"

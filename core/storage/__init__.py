@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 __all__ = [
     "MARKER_FILE", "RangeRead", "RemoteFolder", "RemoteObject", "SCHEMES", "StorageError", "StoreURL",
     "describe_error", "list_model_folders", "materialize_model_folder", "mirror_root", "model_folder_exists",
-    "open_store", "parse_store_url", "read_marker", "read_ranges",
+    "open_store", "parse_store_url", "read_marker", "read_ranges", "scan_model_folders",
 ]
 
 # An unknown model name asks the store at most this often (it runs on the event loop).
@@ -50,20 +50,28 @@ def _location(server: ServerSettings) -> StoreURL | None:
 def list_model_folders(server: ServerSettings) -> list[str]:
     """The names of the model folders under ``server.ml_backends_path`` (or its URL).
 
+    A store that cannot be listed is logged and lists nothing: the models
+    nereid.yaml lists still get entries, and their loads report the store's
+    error.
+    """
+    try:
+        return scan_model_folders(server)
+    except StorageError as err:
+        log.error("%s", err)
+        return []
+
+
+def scan_model_folders(server: ServerSettings) -> list[str]:
+    """:func:`list_model_folders`, raising StorageError when the store cannot be listed.
+
     For a store, each listed folder also gets its (empty until materialized)
-    local mirror folder. A store that cannot be listed is logged and lists
-    nothing: the models nereid.yaml lists still get entries, and their loads
-    report the store's error.
+    local mirror folder.
     """
     location = _location(server)
     root = Path(server.ml_backends_path)
     if location is None:
         return sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
-    try:
-        names = _list_remote(location)
-    except StorageError as err:
-        log.error("%s", err)
-        return []
+    names = _list_remote(location)
     for name in names:
         (root / name).mkdir(parents=True, exist_ok=True)
     return names

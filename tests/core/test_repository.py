@@ -130,3 +130,55 @@ def test_settings_changes_reload_load_and_unload(tmp_path, root):
         assert repo.ready_model("a").scheduler.capacity == 3 and repo.entry("a").generation == 2
         await repo.unload_all()
     asyncio.run(scenario())
+
+
+def test_a_rescan_forgets_gone_folders_that_nothing_keeps(tmp_path, root):
+    # Without a watcher: a deleted folder whose load failed, or whose model was unloaded, leaves the index
+    # at the next rescan (RepositoryIndex); a loaded one keeps serving (and its entry) until unloaded.
+    import shutil
+
+    failed, served, listed = write_toy(root, "failed"), write_toy(root, "served"), write_toy(root, "listed")
+    (failed / "fail.txt").write_text("broken")
+    repo = repository(tmp_path, "  - name: listed\n")
+
+    async def scenario():
+        for name in ("failed", "served", "listed"):
+            await repo.load(name)
+        assert not repo.server_ready()  # 'failed' was asked for and is UNAVAILABLE
+        for folder in (failed, served, listed):
+            shutil.rmtree(folder)
+        repo.rescan()
+        assert [e.name for e in repo.entries()] == ["listed", "served"]
+        assert repo.server_ready()  # the folder asked for is gone, and so is its entry
+        assert await run_one(repo, "served") == [1] * 4
+        await repo.unload("served")
+        await repo.unload("listed")
+        repo.rescan()
+        # nereid.yaml still lists 'listed': it waits for its folder, as at start
+        assert [(e.name, e.state) for e in repo.entries()] == [("listed", ModelState.UNAVAILABLE)]
+    asyncio.run(scenario())
+
+
+def test_a_rescan_never_forgets_an_entry_an_operation_waits_for(tmp_path, root):
+    folder = write_toy(root, "m")
+    repo = repository(tmp_path)
+
+    async def scenario():
+        entry = repo.entry("m")
+        async with entry.held():  # say, a load in progress
+            waiting = asyncio.create_task(repo.load("m"))  # queued behind it
+            await asyncio.sleep(0)
+            (folder / "toy.txt").unlink()
+            (folder / "model_inference.textproto").unlink()
+            folder.rmdir()
+            repo.rescan()
+            assert repo.entries() == [entry]
+        # The lock is free, and the queued load has not run yet: it still counts.
+        assert not entry.lock.locked()
+        repo.rescan()
+        assert repo.entries() == [entry]
+        await waiting  # it found no folder, on the entry the index still has
+        assert repo.entries() == [entry] and entry.state is ModelState.UNAVAILABLE
+        repo.rescan()
+        assert repo.entries() == []
+    asyncio.run(scenario())

@@ -13,6 +13,7 @@ import numpy as np
 import obstore
 import pytest
 import tritonclient.grpc as triton
+from tritonclient.utils import InferenceServerException
 
 from moto_s3 import bucket_state, iter_files, upload_folder
 from nereid.errors import ConfigError
@@ -123,6 +124,28 @@ def test_a_python_model_is_served_from_s3_and_refreshed_by_etag(s3, serve, tmp_p
     after = bucket_state(s3.store, s3.prefix)
     del before[f"{s3.prefix}/echo/main.py"], before[f"{s3.prefix}/echo/helpers/note.txt"]
     assert {k: v for k, v in after.items() if not k.endswith("/echo/main.py")} == before
+
+
+def test_a_model_uploaded_late_loads_at_once_and_one_deleted_leaves_once_unloaded(s3, serve, tmp_path) -> None:
+    source = tmp_path / "source"
+    _python_folder(source, "echo")
+    upload_folder(s3.store, source, s3.prefix)
+    server = serve(_config(tmp_path, s3.url()))
+    x = np.arange(4, dtype=np.float32).reshape(1, 4)
+    with pytest.raises(InferenceServerException, match="unknown model 'late'"):
+        _echo(server.client, "late", x)  # the server has just listed the bucket, without 'late'
+    _python_folder(source, "late")
+    upload_folder(s3.store, source / "late", f"{s3.prefix}/late")
+    server.client.load_model("late")  # at once: the load looks at the bucket again
+    np.testing.assert_array_equal(_echo(server.client, "late", x), x)
+    # Deleted from the bucket, a loaded model serves until it is unloaded; then it leaves the index.
+    for key in bucket_state(s3.store, f"{s3.prefix}/echo/"):
+        obstore.delete(s3.store, key)
+    index = {m.name: m.state for m in server.client.get_model_repository_index().models}
+    assert index == {"echo": "READY", "late": "READY"}
+    np.testing.assert_array_equal(_echo(server.client, "echo", x), x)
+    server.client.unload_model("echo")
+    assert [m.name for m in server.client.get_model_repository_index().models] == ["late"]
 
 
 def test_wrong_credentials_give_a_clear_unavailable_reason(s3, serve, tmp_path, monkeypatch) -> None:
