@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from nereid.config_document import KeyedReader, load_yaml
-from nereid.errors import ConfigError
 from nereid.files import read_text_file
 from nereid.storage.mirror import mirror_root
 from nereid.storage.url import parse_store_url

@@ -20,7 +20,6 @@ from typing import Any, Mapping
 
 from nereid.config_document import KeyedReader, load_yaml
 from nereid.dtypes import DType
-from nereid.errors import ConfigError
 from nereid.files import read_text_file
 from nereid.signature import MAX_DECLARED_TENSORS
 
