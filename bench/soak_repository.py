@@ -45,6 +45,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 import tritonclient.grpc as triton
@@ -300,28 +301,7 @@ class Soak:
         options = {} if http else {"client_timeout": 60}
         while not self.stop.is_set():
             name = rng.choice([p.name for p in self.live()] + ["nonexistent"])
-            kind = name.rstrip("0123456789")
-            rows = rng.randint(1, 3)
-            x = np.arange(rows * WIDTH.get(kind, 4), dtype=np.float32).reshape(rows, -1) + seed
-            tensor = module.InferInput("input", list(x.shape), "FP32")
-            tensor.set_data_from_numpy(x)
-            started = time.monotonic()
-            try:
-                out = client.infer(name, [tensor], **options).as_numpy("output")
-                if kind == "mlp":
-                    right = out.shape == (rows, 4)
-                else:
-                    right = np.array_equal(out, 2 * x if kind in ("cpp", "cxx") else x)
-                if not right:
-                    self.failures.append(f"{name}: wrong answer {out.tolist()} for {x.tolist()}")
-                self.outcomes["OK"] += 1
-            except InferenceServerException as err:
-                status = str(err.status())
-                self.outcomes[status] += 1
-                if status not in EXPECTED:
-                    self.failures.append(f"{name}: {status} {err.message()}")
-            if time.monotonic() - started > 20:
-                self.failures.append(f"{name}: a call took {time.monotonic() - started:.1f} s")
+            infer_and_check(client, module, name, rng.randint(1, 3), seed, options, self.outcomes, self.failures)
         client.close()
         del client  # finalized on this thread: tritonclient.http's gevent hub cannot be reached from another
 
@@ -350,25 +330,8 @@ class Soak:
                 thread.join(90)
             self.check_settled(server)
         finally:
-            server.send_signal(signal.SIGTERM)
-            try:
-                server.wait(60)
-            except subprocess.TimeoutExpired:
-                self.failures.append("the server did not stop within 60 s of SIGTERM")
-                server.kill()
-        print("churn:", dict(self.actions))
-        print("answers:", dict(self.outcomes))
-        print(f"server exit status {server.returncode}; its log: {log_path}")
-        if server.returncode != 0:
-            self.failures.append(f"the server exited {server.returncode}")
-        seen = set()
-        for failure in self.failures:
-            kind = re.sub(r"(echo|cpp|cxx|meta|mlp)\d", r"\1N", failure)[:160]
-            if kind not in seen:
-                seen.add(kind)
-                print("FAILURE", failure)
-        print(f"{len(self.failures)} failure(s)")
-        return 1 if self.failures else 0
+            stop_server(server, self.failures)
+        return report({"churn": self.actions, "answers": self.outcomes}, self.failures, server, log_path)
 
     def check_settled(self, server: subprocess.Popen) -> None:
         if server.poll() is not None:
@@ -391,13 +354,72 @@ class Soak:
             self.failures.append(f"zombie children of the server: {zombies}")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def infer_and_check(client, module, name: str, rows: int, seed: int, options: dict,
+                    outcomes: collections.Counter, failures: list[str]) -> None:
+    """One request of ``rows`` rows to ``name`` (its kind from the name), its answer checked and counted."""
+    kind = name.rstrip("0123456789")
+    x = np.arange(rows * WIDTH.get(kind, 4), dtype=np.float32).reshape(rows, -1) + seed
+    tensor = module.InferInput("input", list(x.shape), "FP32")
+    tensor.set_data_from_numpy(x)
+    started = time.monotonic()
+    try:
+        out = client.infer(name, [tensor], **options).as_numpy("output")
+        if kind == "mlp":
+            right = out.shape == (rows, 4)
+        else:
+            right = np.array_equal(out, 2 * x if kind in ("cpp", "cxx") else x)
+        if not right:
+            failures.append(f"{name}: wrong answer {out.tolist()} for {x.tolist()}")
+        outcomes["OK"] += 1
+    except InferenceServerException as err:
+        status = str(err.status())
+        outcomes[status] += 1
+        if status not in EXPECTED:
+            failures.append(f"{name}: {status} {err.message()}")
+    if time.monotonic() - started > 20:
+        failures.append(f"{name}: a call took {time.monotonic() - started:.1f} s")
+
+
+def stop_server(server: subprocess.Popen, failures: list[str]) -> None:
+    """SIGTERM, and at most 60 s for the server to stop (a failure when it does not)."""
+    server.send_signal(signal.SIGTERM)
+    try:
+        server.wait(60)
+    except subprocess.TimeoutExpired:
+        failures.append("the server did not stop within 60 s of SIGTERM")
+        server.kill()
+
+
+def report(counters: dict[str, collections.Counter], failures: list[str], server: subprocess.Popen,
+           log_path: Path) -> int:
+    """Print the counts and each kind of failure once; the exit status (1 on any failure)."""
+    for title, counts in counters.items():
+        print(f"{title}:", dict(counts))
+    print(f"server exit status {server.returncode}; its log: {log_path}")
+    if server.returncode != 0:
+        failures.append(f"the server exited {server.returncode}")
+    seen = set()
+    for failure in failures:
+        kind = re.sub(r"(echo|cpp|cxx|meta|mlp)\d", r"\1N", failure)[:160]
+        if kind not in seen:
+            seen.add(kind)
+            print("FAILURE", failure)
+    print(f"{len(failures)} failure(s)")
+    return 1 if failures else 0
+
+
+def soak_main(soak: Callable[[Path, int], Any], description: str, prefix: str) -> None:
+    """Parse ``--seconds`` and ``--seed``, run ``soak(root, seed).run(seconds)`` in a new folder, exit with it."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--seconds", type=float, default=60)
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args()
-    root = Path(tempfile.mkdtemp(prefix="nereid-soak-"))
-    sys.exit(Soak(root, args.seed).run(args.seconds))
+    root = Path(tempfile.mkdtemp(prefix=prefix))
+    sys.exit(soak(root, args.seed).run(args.seconds))
+
+
+def main() -> None:
+    soak_main(Soak, __doc__.splitlines()[0], "nereid-soak-")
 
 
 if __name__ == "__main__":

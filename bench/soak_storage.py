@@ -29,20 +29,16 @@ Exits 1 on a failure, printing each kind once.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import os
 import random
 import re
-import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import tritonclient.grpc as triton
 from tritonclient.utils import InferenceServerException
 
@@ -54,7 +50,7 @@ import obstore  # noqa: E402
 from common import free_port, wait_until_serving  # noqa: E402
 from moto_s3 import BUCKET, bucket_state, start_server, upload_folder  # noqa: E402
 from soak_repository import (BROKEN_MAIN, ECHO_MAIN, EXAMPLES, EXPECTED, META_MANIFEST, META_MODEL,  # noqa: E402
-                             TEXTPROTO, WIDTH)
+                             TEXTPROTO, infer_and_check, report, soak_main, stop_server)
 
 PREFIX = "soak"
 SERVER_YAML = (f'server:\n  ml_backends_path: "s3://{BUCKET}/{PREFIX}"\n  cache_dir: "{{cache}}"\n'
@@ -199,26 +195,8 @@ class StorageSoak:
         while not self.stop.is_set():
             if rng.random() < 0.05 or not names:
                 names = self.models() + ["nonexistent"]  # listing the bucket every call would load moto
-            name = rng.choice(names)
-            kind = name.rstrip("0123456789")
-            rows = rng.randint(1, 3)
-            x = np.arange(rows * WIDTH.get(kind, 4), dtype=np.float32).reshape(rows, -1) + seed
-            tensor = triton.InferInput("input", list(x.shape), "FP32")
-            tensor.set_data_from_numpy(x)
-            started = time.monotonic()
-            try:
-                out = client.infer(name, [tensor], client_timeout=60).as_numpy("output")
-                right = out.shape == (rows, 4) if kind == "mlp" else np.array_equal(out, x)
-                if not right:
-                    self.failures.append(f"{name}: wrong answer {out.tolist()} for {x.tolist()}")
-                self.outcomes["OK"] += 1
-            except InferenceServerException as err:
-                status = str(err.status())
-                self.outcomes[status] += 1
-                if status not in EXPECTED:
-                    self.failures.append(f"{name}: {status} {err.message()}")
-            if time.monotonic() - started > 20:
-                self.failures.append(f"{name}: a call took {time.monotonic() - started:.1f} s")
+            infer_and_check(client, triton, rng.choice(names), rng.randint(1, 3), seed, {"client_timeout": 60},
+                            self.outcomes, self.failures)
         client.close()
 
     # -- the run ----------------------------------------------------------------------------------
@@ -250,27 +228,10 @@ class StorageSoak:
             self.check_settled(server, cache)
         finally:
             self.stop.set()
-            server.send_signal(signal.SIGTERM)
-            try:
-                server.wait(60)
-            except subprocess.TimeoutExpired:
-                self.failures.append("the server did not stop within 60 s of SIGTERM")
-                server.kill()
+            stop_server(server, self.failures)
             self.moto.shutdown()
-        print("churn:", dict(self.actions))
-        print("answers:", dict(self.outcomes))
-        print("repository control:", dict(self.loads))
-        print(f"server exit status {server.returncode}; its log: {log_path}")
-        if server.returncode != 0:
-            self.failures.append(f"the server exited {server.returncode}")
-        seen = set()
-        for failure in self.failures:
-            kind = re.sub(r"(echo|meta|mlp)\d", r"\1N", failure)[:160]
-            if kind not in seen:
-                seen.add(kind)
-                print("FAILURE", failure)
-        print(f"{len(self.failures)} failure(s)")
-        return 1 if self.failures else 0
+        return report({"churn": self.actions, "answers": self.outcomes, "repository control": self.loads},
+                      self.failures, server, log_path)
 
     def check_settled(self, server: subprocess.Popen, cache: Path) -> None:
         if server.poll() is not None:
@@ -312,13 +273,9 @@ class StorageSoak:
             if (folders[0] / relative).read_bytes() != remote:
                 self.failures.append(f"after the repair, {name}/{relative} in the cache differs from the bucket's")
 
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=60)
-    parser.add_argument("--seed", type=int, default=1)
-    args = parser.parse_args()
-    root = Path(tempfile.mkdtemp(prefix="nereid-soak-storage-"))
-    sys.exit(StorageSoak(root, args.seed).run(args.seconds))
+    soak_main(StorageSoak, __doc__.splitlines()[0], "nereid-soak-storage-")
 
 
 if __name__ == "__main__":
