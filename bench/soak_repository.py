@@ -2,8 +2,9 @@
 
 One ``nereid serve`` with ``watch: true`` serves python echo models, ``cpp_scale``
 and ``cxx_scale`` copies, ``mlp_bundle`` copies and meta models that call an
-echo, while four gRPC clients and two HTTP clients call random names, and the
-repository is churned every 0.05-0.6 s (seeded):
+echo, while four gRPC clients and two HTTP clients call random names and
+``/metrics`` is scraped every 50 ms, and the repository is churned every
+0.05-0.6 s (seeded):
 
 - folders added, copied, renamed, swapped, deleted; ``main.py`` edited, broken
   and fixed; textprotos broken and fixed; bundle manifests touched, weights and
@@ -44,12 +45,14 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 import tritonclient.grpc as triton
 import tritonclient.http as triton_http
+from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.utils import InferenceServerException
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -97,7 +100,8 @@ BROKEN_CXX = "int nereid_infer(  // cut short\n"
 # A cxx folder says nothing of its backend: nereid.yaml names cxx0-cxx3, whichever of them exist.
 CXX_ENTRIES = "".join(f"  - name: cxx{n}\n    backend: cxx\n    instances: 2\n"
                       f"    runtime: {{sources: [ml-backends/cxx{n}/scale.cpp]}}\n" for n in range(4))
-SERVER_YAML = ('server:\n  ml_backends_path: ml-backends\n  metrics_addr: ""\n  http_addr: "127.0.0.1:{http_port}"\n'
+SERVER_YAML = ('server:\n  ml_backends_path: ml-backends\n  metrics_addr: "127.0.0.1:{metrics_port}"\n'
+               '  http_addr: "127.0.0.1:{http_port}"\n'
                "  watch: true\n  watch_settle_ms: 300\n")
 EXPECTED = {"StatusCode.NOT_FOUND", "StatusCode.UNAVAILABLE", "404", "503"}
 # Each folder's kind is its name without the trailing digits; renames keep it.
@@ -111,7 +115,9 @@ class Soak:
         self.rng = random.Random(seed)
         self.address = f"127.0.0.1:{free_port()}"
         self.http_address = f"127.0.0.1:{free_port()}"
-        self.server_yaml = SERVER_YAML.format(http_port=self.http_address.rpartition(":")[2])
+        self.metrics_address = f"127.0.0.1:{free_port()}"
+        self.server_yaml = SERVER_YAML.format(http_port=self.http_address.rpartition(":")[2],
+                                              metrics_port=self.metrics_address.rpartition(":")[2])
         self.outcomes: collections.Counter[str] = collections.Counter()
         self.failures: list[str] = []
         self.actions: collections.Counter[str] = collections.Counter()
@@ -305,6 +311,19 @@ class Soak:
         client.close()
         del client  # finalized on this thread: tritonclient.http's gevent hub cannot be reached from another
 
+    def scrape(self) -> None:
+        """Read /metrics every 50 ms while models come and go: always 200 and valid Prometheus text."""
+        while not self.stop.is_set():
+            try:
+                with urllib.request.urlopen(f"http://{self.metrics_address}/metrics", timeout=20) as response:
+                    families = list(text_string_to_metric_families(response.read().decode()))
+                if not any(f.name.startswith("nereid") for f in families):
+                    self.failures.append("/metrics: no nereid metrics")
+                self.outcomes["metrics scraped"] += 1
+            except (OSError, ValueError) as err:
+                self.failures.append(f"/metrics: {type(err).__name__}: {err}")
+            time.sleep(0.05)
+
     # -- the run ----------------------------------------------------------------------------------
     def run(self, seconds: float) -> int:
         self.populate()
@@ -317,6 +336,7 @@ class Soak:
             wait_until_serving(self.address)
             time.sleep(5)  # the cpp examples compile
             clients = [threading.Thread(target=self.client, args=(seed, seed >= 4)) for seed in range(6)]
+            clients.append(threading.Thread(target=self.scrape))
             for thread in clients:
                 thread.start()
             started = time.monotonic()
