@@ -398,14 +398,16 @@ class ModelRepository:
         return entry
 
     async def remove(self, name: str) -> None:
-        """A folder that is gone: unload its model once its requests have finished, then forget it."""
+        """A folder that is gone: unload its model once its requests have finished, then forget it.
+
+        The removal is counted even when a rescan forgot the entry first (its model was not loaded).
+        """
         entry = self._entries.get(name)
-        if entry is None:
-            return
-        await self.unload(name)
-        if not entry.folder.is_dir():  # unless it came back meanwhile
-            self._entries.pop(name, None)
-            self._refresh_dependents()
+        if entry is not None:
+            await self.unload(name)
+            if not entry.folder.is_dir():  # unless it came back meanwhile
+                self._entries.pop(name, None)
+                self._refresh_dependents()
         self._record(name, "remove")
 
     async def apply_settings(self, settings: Settings) -> None:

@@ -113,6 +113,24 @@ def test_remove_unloads_and_forgets_a_vanished_folder(tmp_path, root):
     asyncio.run(scenario())
 
 
+def test_a_removal_is_counted_even_after_a_rescan_forgot_the_folder(tmp_path, root):
+    folder = write_toy(root, "broken")
+    (folder / "fail.txt").write_text("no")
+    events = Events()
+    repo = repository(tmp_path, events=events)
+
+    async def scenario():
+        await repo.load("broken")
+        for path in folder.iterdir():
+            path.unlink()
+        folder.rmdir()
+        repo.rescan()  # say, a RepositoryIndex before the watcher's settle time: the entry goes
+        assert repo.entries() == []
+        await repo.remove("broken")  # the watcher, once the removal settled
+    asyncio.run(scenario())
+    assert ("broken", "remove") in events.heard
+
+
 def test_settings_changes_reload_load_and_unload(tmp_path, root):
     for name in ("a", "b", "c"):
         write_toy(root, name)
