@@ -94,9 +94,9 @@ class DataPlane:
         return [(entry.name, loaded.stats.snapshot()) for entry in self.repository.entries()
                 if (loaded := entry.loaded) is not None]
 
-    def repository_index(self, ready_only: bool = False) -> list[IndexEntry]:
-        """Every model folder (picking up new ones) with its state and reason."""
-        self.repository.rescan()
+    async def repository_index(self, ready_only: bool = False) -> list[IndexEntry]:
+        """Every model folder (picking up new ones, forgetting gone ones) with its state and reason."""
+        await self.repository.refresh()
         return [IndexEntry(entry.name, MODEL_VERSION, entry.state.value, entry.reason)
                 for entry in self.repository.entries() if not ready_only or entry.state is ModelState.READY]
 

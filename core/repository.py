@@ -199,11 +199,17 @@ class ModelRepository:
         (allowed in dynamic mode) has an entry too, UNAVAILABLE until its
         folder lands. A store that cannot be listed forgets nothing.
         """
+        self._apply_scan(self._scan())
+
+    async def refresh(self) -> None:
+        """:meth:`rescan`, with the listing (a directory, or a store's paged listing) off the event loop."""
+        self._apply_scan(await asyncio.to_thread(self._scan))
+
+    def _apply_scan(self, present: list[str] | None) -> None:
         server = self.settings.server
         # In dynamic mode the watcher loads every folder once it has settled; say so rather than ask for a load.
         unlisted = (f"new folder: it loads once it has been unchanged for server.watch_settle_ms "
                     f"({server.watch_settle_ms:g} ms)" if server.watch else NOT_LISTED_REASON)
-        present = self._scan()
         for name in present or ():  # a local folder or an object store
             if name not in self._entries:
                 settings, origin = self.settings.model_or_default(name)
@@ -239,17 +245,12 @@ class ModelRepository:
         entries = dict(self._entries)  # a copy: the metrics thread reads this too
         return [entries[name] for name in sorted(entries)]
 
-    def entry(self, name: str, look_again: bool = False) -> ModelEntry:
-        """The entry for ``name``; NotFound when no such folder exists.
-
-        ``look_again`` rescans for an unknown name at once: a store's listing is
-        otherwise reused for a few seconds, and a model just uploaded must load.
-        """
+    def entry(self, name: str) -> ModelEntry:
+        """The entry for ``name``; NotFound when no such folder exists."""
         entry = self._entries.get(name)
-        if entry is None and _is_folder_name(name) and (
-                look_again or model_folder_exists(self.settings.server, name)):
-            # One stat (or a listing reused for a few seconds), and a full rescan only when the folder is
-            # really there: a flood of made-up names must not list the repository per request on the loop.
+        if entry is None and _is_folder_name(name) and model_folder_exists(self.settings.server, name):
+            # One stat (or a store's listing reused for a few seconds), and a full rescan only when the folder
+            # is really there: a flood of made-up names must not list the repository per request on the loop.
             self.rescan()
             entry = self._entries.get(name)
         if entry is None:
@@ -277,7 +278,11 @@ class ModelRepository:
 
     async def load(self, name: str) -> ModelEntry:
         """(Re)load a model folder. A failure leaves it UNAVAILABLE with the reason; never raises for it."""
-        entry = self.entry(name, look_again=True)
+        if name not in self._entries and _is_folder_name(name):
+            # Look again now (off the loop): a store's listing is otherwise reused for a few seconds,
+            # and a model just uploaded must load.
+            await self.refresh()
+        entry = self.entry(name)
         self._exposed.add(name)
         async with entry.held():
             if entry.loaded is not None:

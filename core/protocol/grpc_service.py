@@ -278,7 +278,7 @@ class InferenceServicer:
     @_maps_errors
     async def RepositoryIndex(self, request: pb.RepositoryIndexRequest, context) -> pb.RepositoryIndexResponse:
         response = pb.RepositoryIndexResponse()
-        for entry in self.dataplane.repository_index(request.ready):
+        for entry in await self.dataplane.repository_index(request.ready):
             response.models.add(name=entry.name, version=entry.version, state=entry.state, reason=entry.reason)
         return response
 

@@ -191,7 +191,7 @@ class HttpSurface:
             options = _json_object(body, "the repository index request") if body.strip() else {}
             ready = options.get("ready", False)
             return _json([{"name": e.name, "version": e.version, "state": e.state, "reason": e.reason}
-                          for e in self.dataplane.repository_index(ready is True)])
+                          for e in await self.dataplane.repository_index(ready is True)])
         if len(rest) == 3 and rest[0] == "models" and rest[2] in ("load", "unload"):
             await self._read_body(dict(scope["headers"]), receive, rest[1])  # parameters: accepted, not used
             if rest[2] == "load":

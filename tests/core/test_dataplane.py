@@ -31,9 +31,9 @@ def test_infer_metadata_config_statistics_and_index(tmp_path):
         assert config.dynamic_batching is not None and config.inputs[0].shape == (4,)
         ((name, stats),) = plane.statistics("toy")
         assert name == "toy" and stats.inference_count == 2 and stats.success.count == 1
-        index = {e.name: e.state for e in plane.repository_index()}
+        index = {e.name: e.state for e in await plane.repository_index()}
         assert index == {"spare": "UNAVAILABLE", "toy": "READY"}
-        assert [e.name for e in plane.repository_index(ready_only=True)] == ["toy"]
+        assert [e.name for e in await plane.repository_index(ready_only=True)] == ["toy"]
         assert plane.ready() and plane.model_ready("toy") and not plane.model_ready("spare")
         await plane.unload("toy")
         assert plane.changes == ["changed", "changed"]

@@ -200,3 +200,32 @@ def test_a_rescan_never_forgets_an_entry_an_operation_waits_for(tmp_path, root):
         repo.rescan()
         assert repo.entries() == []
     asyncio.run(scenario())
+
+
+def test_refresh_lists_the_repository_off_the_event_loop(tmp_path, root, monkeypatch):
+    # A store's listing can take a while: RepositoryIndex and loads of unknown names must not stall serving.
+    import threading
+
+    import nereid.repository as repository_module
+
+    listed_on: list[threading.Thread] = []
+    real_scan = repository_module.scan_model_folders
+
+    def recording_scan(server):
+        listed_on.append(threading.current_thread())
+        return real_scan(server)
+
+    monkeypatch.setattr(repository_module, "scan_model_folders", recording_scan)
+    repo = repository(tmp_path)
+    write_toy(root, "late")
+
+    async def scenario():
+        await repo.refresh()
+        assert [e.name for e in repo.entries()] == ["late"]
+        write_toy(root, "fresh")  # unknown to the repository until the load looks again
+        await repo.load("fresh")
+        assert repo.entry("fresh").state is ModelState.READY
+        await repo.unload_all()
+    asyncio.run(scenario())
+    assert listed_on[0] is threading.main_thread()  # the constructor's own scan, before serving
+    assert len(listed_on) == 3 and all(thread is not threading.main_thread() for thread in listed_on[1:])
