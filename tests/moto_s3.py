@@ -34,7 +34,7 @@ class Fault:
     key: str
     range: str | None
     times: int
-    kind: str = "error"  # "error": 500 InternalError; "short": a valid answer with half of the range
+    kind: str = "error"  # "error": 500 InternalError; "short": a valid answer with half of the range (ranged GETs only)
 
 
 @dataclass
@@ -84,7 +84,8 @@ class S3Server:
             self.requests.append((method, path, range_header))
             for fault in self.faults:
                 if (method == "GET" and fault.times > 0 and path.endswith("/" + fault.key)
-                        and fault.range in (None, range_header)):
+                        and fault.range in (None, range_header)
+                        and (fault.kind != "short" or range_header is not None)):  # half of a range: needs one
                     fault.times -= 1
                     return fault
         return None
