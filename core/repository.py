@@ -438,9 +438,7 @@ class ModelRepository:
                 log.info("model '%s': its settings in nereid.yaml changed; reloading it", entry.name)
                 work.append(self.reload(entry.name))
         await asyncio.gather(*work)
-        present = self._scan()  # entries only the old nereid.yaml kept (listed, folder never landed)
-        if present is not None:
-            self._forget_gone(set(present))
+        await self.refresh()  # entries only the old nereid.yaml kept (listed, folder never landed) go
 
     def _record(self, name: str, event: str) -> None:
         if self.events is not None:
