@@ -101,6 +101,7 @@ def materialize(location: StoreURL, name: str, folder: Path) -> RemoteFolder:
     except Exception as err:
         raise StorageError(f"{folder_url}: cannot list the model folder: {describe_error(err, location.scheme)}") \
             from None
+    objects = _without_folder_markers(str(folder_url), folder_url.key(), objects)
     if not objects:
         raise StorageError(f"{folder_url}: no such model folder (no objects under it)")
     folder.mkdir(parents=True, exist_ok=True)
@@ -136,6 +137,27 @@ def materialize(location: StoreURL, name: str, folder: Path) -> RemoteFolder:
     log.info("%s: %d file(s) fetched or current in %s, %d weights file(s) left to stream", folder_url, len(fetched),
              folder, len(streamed))
     return result
+
+
+def _without_folder_markers(url: str, folder_key: str, objects: list[dict]) -> list[dict]:
+    """The listing without folder markers: the zero-byte objects a console's "Create folder" makes.
+
+    Their keys end in ``/``, which the listing drops, so a marker shows as an
+    object named like the folder it marks. One with bytes in it is a real
+    file that clashes with a folder of the same name: StorageError.
+    """
+    folders = {folder_key}
+    for meta in objects:
+        parts = meta["path"][len(folder_key) + 1:].split("/")
+        folders.update(f"{folder_key}/{'/'.join(parts[:depth])}" for depth in range(1, len(parts)))
+    kept = []
+    for meta in objects:
+        if meta["path"] not in folders:
+            kept.append(meta)
+        elif int(meta["size"]):
+            raise StorageError(f"{url}: object key {meta['path']!r} is both a file ({int(meta['size'])} bytes) and "
+                               "the folder of other objects; a model folder cannot hold both")
+    return kept
 
 
 def read_marker(folder: Path) -> RemoteFolder | None:

@@ -192,6 +192,29 @@ def test_a_python_model_gets_its_own_safetensors_files_on_disk(s3, tmp_path) -> 
     assert read_marker(local).streamed == {}
 
 
+def test_console_folder_markers_are_skipped_and_a_file_folder_clash_is_named(s3, tmp_path) -> None:
+    # The AWS console's "Create folder" (and `aws s3api put-object --key dir/`) stores a zero-byte object
+    # whose key ends in "/"; the listing shows it without the slash, named like the folder itself.
+    import boto3
+
+    from moto_s3 import ACCESS_KEY, BUCKET, REGION, SECRET_KEY
+    from nereid.storage import StorageError, materialize_model_folder
+
+    client = boto3.client("s3", endpoint_url=s3.endpoint, region_name=REGION, aws_access_key_id=ACCESS_KEY,
+                          aws_secret_access_key=SECRET_KEY)
+    for key, body in [("", b""), ("echo/", b""), ("echo/helpers/", b""), ("echo/helpers/note.txt", b"a note"),
+                      ("echo/main.py", b"print()"), ("clash/main.py", b"print()"), ("clash/main.py/x", b"y")]:
+        client.put_object(Bucket=BUCKET, Key=f"{s3.prefix}/{key}", Body=body)
+    server = load_settings(_config(tmp_path, s3.url())).server
+    local = materialize_model_folder(server, "echo")
+    assert sorted(p.relative_to(local).as_posix() for p in local.rglob("*") if p.name != MARKER_FILE) == [
+        "helpers", "helpers/note.txt", "main.py"]
+    assert set(read_marker(local).fetched) == {"helpers/note.txt", "main.py"}
+    with pytest.raises(StorageError, match=r"clash: object key '.*clash/main.py' is both a file \(7 bytes\) and the "
+                                           "folder of other objects"):
+        materialize_model_folder(server, "clash")
+
+
 def test_nereid_check_reads_an_s3_repository(s3, tmp_path, capsys) -> None:
     from nereid.cli import main
 
