@@ -19,6 +19,11 @@
    parallel ranges are for. The cap is an emulation and is labelled so.
 3. **local**: nereid's pread loader vs ``safetensors.numpy.load_file`` on the
    same file, warm page cache.
+4. **small files**: a python model folder of ``--small-files`` files (a
+   vendored package) fetched into an empty cache from moto, each GET answered
+   after ``--get-latency-ms`` (an emulated first-byte latency of a remote
+   store, labelled so): nereid's fetches, FETCH_CONCURRENCY at a time, vs the
+   same code one at a time.
 
 Each row is the median of ``--repeat`` runs, measured side by side in one run.
 Bytes are checked equal between the two reads of each pair.
@@ -205,6 +210,46 @@ def bench_local(path: Path, size: int, repeat: int) -> list[tuple[str, float, fl
             ("local: safetensors.numpy.load_file", library_s, size)]
 
 
+# -- 4. small files -------------------------------------------------------------------------------------------------
+
+def bench_small_files(count: int, latency_s: float, repeat: int) -> list[tuple[str, float, float]]:
+    import obstore
+
+    from moto_s3 import BUCKET, start_server
+    from nereid.storage import mirror, parse_store_url
+
+    state, server, _ = start_server()
+    try:
+        for key, value in state.env().items():
+            os.environ[key] = value
+        files = {f"pkg/mod{i}.py": f"VALUE = {i}\n".encode() * 50 for i in range(count)}
+        files["main.py"] = b"import pkg\n"
+        for relative, data in files.items():
+            obstore.put(state.store, f"small/model/{relative}", data)
+        state.get_latency_s = latency_s
+        location = parse_store_url(f"s3://{BUCKET}/small")
+
+        def fetch(concurrency: int) -> Callable[[], object]:
+            def run() -> object:
+                mirror.FETCH_CONCURRENCY = concurrency
+                return mirror.materialize(location, "model", Path(tempfile.mkdtemp(prefix="nereid-bench-mirror-")))
+            return run
+
+        default = mirror.FETCH_CONCURRENCY
+        try:
+            parallel_s, result = timed(fetch(default), repeat)
+            sequential_s, _ = timed(fetch(1), repeat)
+        finally:
+            mirror.FETCH_CONCURRENCY = default
+        assert set(result.fetched) == set(files), "not every file was fetched"
+        size = sum(map(len, files.values()))
+        label = f"{count + 1} files, {latency_s * 1000:g} ms per GET (emulated)"
+        return [(f"small files: nereid, {default} at a time ({label})", parallel_s, size),
+                (f"small files: one at a time ({label})", sequential_s, size)]
+    finally:
+        server.shutdown()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size-mib", type=int, default=1024)
@@ -213,7 +258,9 @@ def main() -> int:
     parser.add_argument("--moto-chunk-mib", type=int, default=128)
     parser.add_argument("--moto-concurrency", type=int, default=4)
     parser.add_argument("--per-connection-mib", type=float, default=100.0)
-    parser.add_argument("--skip", nargs="*", default=[], choices=["moto", "range", "capped", "local"])
+    parser.add_argument("--small-files", type=int, default=200)
+    parser.add_argument("--get-latency-ms", type=float, default=20.0)
+    parser.add_argument("--skip", nargs="*", default=[], choices=["moto", "range", "capped", "local", "small"])
     args = parser.parse_args()
     folder = Path(tempfile.mkdtemp(prefix="nereid-bench-storage-"))
     path = folder / "weights.safetensors"
@@ -228,12 +275,14 @@ def main() -> int:
             rows += bench_range_server(path, size, args.repeat, args.per_connection_mib)
         if "moto" not in args.skip:
             rows += bench_moto(path, size, args.repeat, args.moto_chunk_mib * MIB, args.moto_concurrency)
+        if "small" not in args.skip:
+            rows += bench_small_files(args.small_files, args.get_latency_ms / 1000, args.repeat)
     finally:
         path.unlink(missing_ok=True)
     print(f"\n{size / MIB:.0f} MiB, {args.tensors} tensors, median of {args.repeat}")
     print(f"{'what':<84} {'seconds':>8} {'MiB/s':>8}")
     for label, seconds, nbytes in rows:
-        print(f"{label:<84} {seconds:8.3f} {nbytes / MIB / seconds:8.0f}")
+        print(f"{label:<84} {seconds:8.3f} {nbytes / MIB / seconds:8.1f}")
     print()
     for first, second in zip(rows[0::2], rows[1::2]):
         print(f"{first[0].split(':')[0]}: {first[0].split(': ', 1)[1]} is {second[1] / first[1]:.2f}x "

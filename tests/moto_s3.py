@@ -9,7 +9,8 @@ path against it. Around moto's WSGI application sit two test-only layers:
   (moto's own IAM signature checking refuses obstore's list requests);
 * faults: ``S3Server.fail(key, range, times, kind)`` makes the next ``times``
   GETs of that object (and Range header) fail with a 500, or answer only
-  the first half of the range asked for.
+  the first half of the range asked for; ``S3Server.get_latency_s`` delays
+  every GET's answer, as a remote store's first byte is (for benchmarks).
 
 Every request's method, path and Range header is recorded (``requests``).
 The server binds 127.0.0.1 on a free port, never another address.
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -46,6 +48,7 @@ class S3Server:
     requests: list[tuple[str, str, str | None]] = field(default_factory=list)
     faults: list[Fault] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    get_latency_s: float = 0.0  # added before every GET's answer (a remote store's first-byte latency)
 
     def env(self, **overrides: str) -> dict[str, str]:
         """The environment variables obstore reads to reach this server."""
@@ -117,6 +120,8 @@ def start_server() -> tuple[S3Server, object, threading.Thread]:
             return _error(start_response, "403 Forbidden", "InvalidAccessKeyId",
                           "The AWS Access Key Id you provided does not exist in our records.")
         fault = state._take_fault(method, path, environ.get("HTTP_RANGE"))
+        if method == "GET" and state.get_latency_s:
+            time.sleep(state.get_latency_s)
         if fault is not None and fault.kind == "error":
             return _error(start_response, "500 Internal Server Error", "InternalError", "injected by the test")
         if fault is not None and fault.kind == "short":  # a well-formed answer with half the bytes asked for

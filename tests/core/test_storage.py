@@ -215,6 +215,30 @@ def test_console_folder_markers_are_skipped_and_a_file_folder_clash_is_named(s3,
         materialize_model_folder(server, "clash")
 
 
+def test_many_small_files_are_fetched_at_once_and_a_failed_one_is_named(s3, tmp_path) -> None:
+    from nereid.storage import StorageError, materialize_model_folder
+    from nereid.storage.mirror import FETCH_CONCURRENCY
+
+    files = {f"pkg/mod{i}.py": f"VALUE = {i}\n".encode() for i in range(3 * FETCH_CONCURRENCY)}
+    files["main.py"] = b"import pkg\n"
+    for relative, data in files.items():
+        obstore.put(s3.store, f"{s3.prefix}/vendored/{relative}", data)
+    server = load_settings(_config(tmp_path, s3.url())).server
+    local = materialize_model_folder(server, "vendored")
+    assert {p.relative_to(local).as_posix(): p.read_bytes() for p in local.rglob("*")
+            if p.is_file() and p.name != MARKER_FILE} == files
+    # Changed in the bucket and failing to download: the load fails naming the object.
+    obstore.put(s3.store, f"{s3.prefix}/vendored/pkg/mod7.py", b"VALUE = 'new'\n")
+    s3.fail("vendored/pkg/mod7.py", times=100)  # past the store client's own retries
+    with pytest.raises(StorageError, match=r"vendored/pkg/mod7.py: cannot fetch: .*500"):
+        materialize_model_folder(server, "vendored")
+    assert (local / "pkg" / "mod7.py").read_bytes() == b"VALUE = 7\n"  # never half-written
+    with s3.lock:
+        s3.faults.clear()
+    local = materialize_model_folder(server, "vendored")  # the store answers again: the next load fetches it
+    assert (local / "pkg" / "mod7.py").read_bytes() == b"VALUE = 'new'\n"
+
+
 def test_nereid_check_reads_an_s3_repository(s3, tmp_path, capsys) -> None:
     from nereid.cli import main
 
