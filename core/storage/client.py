@@ -71,6 +71,9 @@ def describe_error(err: BaseException, scheme: str = "s3") -> str:
             words += f": {message.group(1).rstrip('.')}"
         if number in (401, 403) or kind in ("PermissionDeniedError", "UnauthenticatedError"):
             words += f"; the store refused the credentials or their rights: {_CREDENTIAL_HINT.get(scheme, '')}"
+        elif number == 412:  # every GET is conditional on the ETag the listing gave
+            words += ("; the object changed in the store during the load (an upload in progress?): "
+                      "load the model again once it is complete")
         return cap_message(words, 600)
     if kind in ("PermissionDeniedError", "UnauthenticatedError"):
         return cap_message(f"{text.splitlines()[0]}; {_CREDENTIAL_HINT.get(scheme, '')}", 600)

@@ -196,3 +196,4 @@ def test_a_weights_file_replaced_during_the_load_fails_it(s3, pristine, tmp_path
         model.load()
     assert str(caught.value).startswith(f"{s3.url('mlp_bundle', 'weights.safetensors')}: bytes 0-")
     assert "read failed after 1 attempt(s): HTTP 412 Precondition Failed" in str(caught.value)
+    assert "the object changed in the store during the load" in str(caught.value)
