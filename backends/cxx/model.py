@@ -59,7 +59,7 @@ class CxxModel:
             raise ConfigError(f"model '{name}': the cxx backend runs on the CPU (its ABI passes no device), "
                               f"got device {self.context.device} in {self.context.settings_origin or 'nereid.yaml'}")
         signature = self._load_signature()
-        options = parse_options(name, self.context.settings.runtime, self.context.settings_origin)
+        options = parse_options(name, self.context.settings.runtime, self.context.settings_origin, folder)
         path = options.library if options.library is not None else build_library(name, folder, options.sources)
         library = NativeLibrary(name, path, self.context.scratch_dir)
         try:

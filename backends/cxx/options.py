@@ -9,8 +9,10 @@ models:
       # sources: [ml-backends/my_model/my_model.cpp]   # compiled at load into <model>/.cache/
 ```
 
-Exactly one of ``library`` and ``sources``. Paths are absolute or relative to
-the nereid.yaml that lists the model.
+Exactly one of ``library`` and ``sources``. Paths are absolute, relative to
+the nereid.yaml that lists the model, or start with ``$MODEL_FOLDER/``: the
+model's own folder, wherever it is (a bucket's model runs from its local
+mirror, whose path nereid.yaml cannot know).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from nereid.errors import ConfigError
 from nereid.runtime_options import RuntimeOptions
 
 ALLOWED_KEYS = ("library", "sources")
+MODEL_FOLDER = "$MODEL_FOLDER"
 
 # ModelContext.settings_origin of a listed model: "<nereid.yaml path>: models[<index>]".
 _LISTED_ORIGIN = re.compile(r"^(?P<file>.+): models\[\d+\]$", re.S)
@@ -48,8 +51,11 @@ def config_dir(origin: str) -> Path | None:
     return Path(match.group("file")).resolve().parent if match else None
 
 
-def parse_options(model: str, runtime: Mapping[str, Any], origin: str) -> CxxOptions:
-    """Check ``runtime``; ConfigError names the model, ``<origin>.runtime.<key>`` and the value."""
+def parse_options(model: str, runtime: Mapping[str, Any], origin: str, folder: Path | None = None) -> CxxOptions:
+    """Check ``runtime``; ConfigError names the model, ``<origin>.runtime.<key>`` and the value.
+
+    ``folder`` (the model's folder) is what ``$MODEL_FOLDER/`` at the start of a path stands for.
+    """
     options = RuntimeOptions(runtime, origin, "cxx", ALLOWED_KEYS, prefix=f"model '{model}': ")
     fail = options.fail
     if ("library" in runtime) == ("sources" in runtime):
@@ -61,7 +67,11 @@ def parse_options(model: str, runtime: Mapping[str, Any], origin: str) -> CxxOpt
 
     def resolve(key: str, value: Any) -> Path:
         if not isinstance(value, str) or not value:
-            fail(key, "must be a path (absolute, or relative to nereid.yaml)", value)
+            fail(key, f"must be a path (absolute, relative to nereid.yaml, or under {MODEL_FOLDER}/)", value)
+        if value.startswith(MODEL_FOLDER + "/"):
+            if folder is None:
+                fail(key, f"uses {MODEL_FOLDER}, but no model folder is known here", value)
+            return folder / value[len(MODEL_FOLDER) + 1:]
         path = Path(value)
         if not path.is_absolute():
             if base is None:

@@ -428,6 +428,32 @@ def test_a_changed_library_is_picked_up_on_reload(repo, serve, libs):
     assert server.client.infer("scale", [tensor("input", ROWS)]).as_numpy("output").tolist() == (ROWS * 3).tolist()
 
 
+def test_a_model_folder_in_a_bucket_brings_its_own_library(s3, serve, libs, tmp_path):
+    # A bucket's model runs from a local mirror whose path nereid.yaml cannot know: $MODEL_FOLDER names it.
+    import obstore
+
+    obstore.put(s3.store, f"{s3.prefix}/tripler/model_inference.textproto", SCALE_TEXTPROTO.encode())
+    obstore.put(s3.store, f"{s3.prefix}/tripler/libtriple.so", libs["triple"].read_bytes())
+    config = tmp_path / "nereid.yaml"
+    config.write_text(f'server:\n  bind_addr: "127.0.0.1:0"\n  metrics_addr: ""\n  http_addr: ""\n'
+                      f'  ml_backends_path: "{s3.url()}"\n  cache_dir: "{tmp_path / "cache"}"\nmodels:\n'
+                      + "".join(f"  {line}\n" for line in
+                                entry("tripler", '{library: "$MODEL_FOLDER/libtriple.so"}').splitlines()))
+    server = serve(config)
+    assert server.client.infer("tripler", [tensor("input", ROWS)]).as_numpy("output").tolist() == \
+        (ROWS * 3).tolist()
+
+
+def test_model_folder_paths_resolve_per_model_and_need_a_folder(tmp_path):
+    from nereid.backends.cxx.options import parse_options
+    from nereid.errors import ConfigError
+
+    options = parse_options("m", {"sources": ["$MODEL_FOLDER/src/a.cpp", "/abs/b.cpp"]}, "", tmp_path / "m")
+    assert options.sources == (tmp_path / "m" / "src" / "a.cpp", Path("/abs/b.cpp"))
+    with pytest.raises(ConfigError, match=r"runtime.library: uses \$MODEL_FOLDER, but no model folder is known"):
+        parse_options("m", {"library": "$MODEL_FOLDER/lib.so"}, "")
+
+
 def test_cxx_scale_example_builds_from_sources_once_and_serves(repo, serve):
     folder = repo.models_dir / "cxx_scale"
     shutil.copytree(EXAMPLES / "cxx_scale", folder)
