@@ -250,6 +250,23 @@ def test_nereid_check_reads_an_s3_repository(s3, tmp_path, capsys) -> None:
     assert not any(p.suffix == ".safetensors" for p in iter_files(tmp_path / "cache"))
 
 
+def test_the_shipped_examples_and_config_serve_from_a_bucket(s3, tmp_path, capsys) -> None:
+    # The README's MinIO recipe: `aws s3 sync ml-backends s3://.../prod`, then only ml_backends_path changes.
+    from nereid.cli import main
+
+    shipped = Path(__file__).resolve().parents[2]
+    for folder in sorted((shipped / "ml-backends").iterdir()):
+        upload_folder(s3.store, folder, f"{s3.prefix}/{folder.name}")  # (.cache/ is left out)
+    config = (shipped / "nereid.yaml").read_text()
+    assert 'ml_backends_path: "ml-backends"' in config
+    config = config.replace('ml_backends_path: "ml-backends"',
+                            f'ml_backends_path: "{s3.url()}"\n  cache_dir: "{tmp_path / "cache"}"')
+    (tmp_path / "nereid.yaml").write_text(config)
+    assert main(["check", "--config", str(tmp_path / "nereid.yaml")]) == 0, capsys.readouterr().out
+    ok = [line.split(":")[0] for line in capsys.readouterr().out.splitlines() if ": OK backend=" in line]
+    assert sorted(ok) == sorted(p.name for p in (shipped / "ml-backends").iterdir() if not p.name.startswith("."))
+
+
 def test_an_unreachable_endpoint_names_the_variable_to_check(s3, tmp_path, monkeypatch, capsys) -> None:
     from nereid.cli import main
     from support import free_port
