@@ -26,6 +26,7 @@ DEFAULT_SHUTDOWN_GRACE_S = 30.0
 DEFAULT_METRICS_ADDR = "127.0.0.1:8002"
 DEFAULT_HTTP_ADDR = "[::1]:8000"
 DEFAULT_WATCH_SETTLE_MS = 1000.0
+DEFAULT_WATCH_POLL_S = 10.0  # how often a watched object store is listed (it sends no events)
 # Like Triton's default; up to 2 GiB - 1 (gRPC's own ceiling) may be configured.
 # nereid.yaml is written by an operator, but a mistake (a binary file, a FIFO) must still be an error.
 MAX_CONFIG_BYTES = 4 << 20
@@ -110,6 +111,7 @@ class ServerSettings:
     # Dynamic mode: follow ml_backends_path and nereid.yaml (see nereid.watch).
     watch: bool = False
     watch_settle_ms: float = DEFAULT_WATCH_SETTLE_MS
+    watch_poll_s: float = DEFAULT_WATCH_POLL_S
     # An object-store ml_backends_path (s3://, gs://, az://; see nereid.storage): then
     # ml_backends_path is its local mirror under cache_dir, where model folders are materialized.
     ml_backends_url: str | None = None
@@ -211,7 +213,8 @@ def parse_settings(document: Any, path: Path) -> Settings:
 def _parse_server(reader: KeyedReader, raw: Any, path: Path) -> ServerSettings:
     section = reader.mapping(raw, "server", {"bind_addr", "ml_backends_path", "strict_readiness", "shutdown_grace_s",
                                              "metrics_addr", "http_addr", "follow_symlinks", "max_message_bytes",
-                                             "repository_control", "tls", "watch", "watch_settle_ms", "cache_dir"})
+                                             "repository_control", "tls", "watch", "watch_settle_ms", "watch_poll_s",
+                                             "cache_dir"})
     bind_addr = reader.string(section, "server.bind_addr", DEFAULT_BIND_ADDR)
     if ":" not in bind_addr:
         reader.fail("server.bind_addr", "must be host:port", bind_addr)
@@ -254,11 +257,10 @@ def _parse_server(reader: KeyedReader, raw: Any, path: Path) -> ServerSettings:
     if not isinstance(watch, bool):
         reader.fail("server.watch", "must be true or false", watch)
     settle = reader.number(section, "server.watch_settle_ms", DEFAULT_WATCH_SETTLE_MS, minimum=0)
-    if watch and location is not None:
-        reader.fail("server.watch", "follows local folders only, not an object-store ml_backends_path", watch)
+    poll = reader.number(section, "server.watch_poll_s", DEFAULT_WATCH_POLL_S, minimum=0.1)
     return ServerSettings(bind_addr, backends, strict, grace, metrics_addr, follow, max_message, control, tls,
-                          watch, settle, ml_backends_url=str(location) if location else None, cache_dir=cache_dir,
-                          http_addr=http_addr)
+                          watch, settle, poll, ml_backends_url=str(location) if location else None,
+                          cache_dir=cache_dir, http_addr=http_addr)
 
 
 def _cache_dir(reader: KeyedReader, section: Mapping[str, Any], path: Path) -> Path:

@@ -17,6 +17,11 @@ folder already loaded:
 
 Files the server or an editor writes (hidden files and folders such as
 ``.cache/``, ``*.swp``, ``*~``, ``#*#``) never count as a change.
+
+An object store sends no events: its listing is polled every
+``server.watch_poll_s`` instead, each folder's state made of its objects'
+names, sizes and ETags, and the same rules apply, except that a rename is an
+unload and a load (the renamed folder's files are not on local disk yet).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import watchfiles
 
 from nereid.errors import ConfigError
 from nereid.settings import Settings, load_settings
+from nereid.storage import StorageError, StoreURL, parse_store_url
 
 if TYPE_CHECKING:
     from nereid.repository import ModelRepository
@@ -61,7 +67,7 @@ class FolderState:
     copy-then-delete are both recognised as a rename.
     """
 
-    stamp: tuple[tuple[str, int, int], ...]
+    stamp: tuple[tuple[str, int, int | str], ...]
     identity: str
 
 
@@ -106,6 +112,26 @@ def scan_repository(root: Path) -> dict[str, FolderState]:
     return states
 
 
+def scan_store(location: StoreURL) -> dict[str, FolderState]:
+    """Every model folder under ``location`` and its state, from one listing (StorageError on failure).
+
+    A folder's stamp is its objects' names, sizes and ETags (no mtimes: a store
+    has none worth comparing), and that is also its identity.
+    """
+    from nereid.storage.mirror import list_objects
+
+    objects: dict[str, list[tuple[str, int, int | str]]] = {}
+    for relative, size, etag in list_objects(location):
+        name, _, rest = relative.partition("/")
+        if rest and not name.startswith(".") and not any(ignored_name(part) for part in rest.split("/")):
+            objects.setdefault(name, []).append((rest, size, etag))
+    states = {}
+    for name, files in sorted(objects.items()):
+        stamp = tuple(sorted(files))
+        states[name] = FolderState(stamp, hashlib.sha256(repr(stamp).encode()).hexdigest())
+    return states
+
+
 @dataclass(frozen=True)
 class Plan:
     """What one scan asks of the repository, in the order it is carried out."""
@@ -119,12 +145,12 @@ class Plan:
         return bool(self.renames or self.removed or self.added or self.changed)
 
 
-def plan_changes(before: dict[str, FolderState], after: dict[str, FolderState]) -> Plan:
+def plan_changes(before: dict[str, FolderState], after: dict[str, FolderState], renames_too: bool = True) -> Plan:
     """Compare two scans: renames (same identity, one name gone, one new), removals, additions, edits."""
     gone = [name for name in before if name not in after]
     new = [name for name in after if name not in before]
     renames = []
-    for old in list(gone):
+    for old in list(gone) if renames_too else ():
         match = next((name for name in new if after[name].identity == before[old].identity), None)
         if match is not None:
             renames.append((old, match))
@@ -142,8 +168,11 @@ class RepositoryWatcher:
         self.repository = repository
         self.settings = settings
         self.root = settings.server.ml_backends_path
+        url = settings.server.ml_backends_url
+        self.location = parse_store_url(url) if url else None  # a store: polled, not watched
         self.config_path = Path(settings.source).resolve()
         self.settle_ms = settings.server.watch_settle_ms
+        self.poll_s = settings.server.watch_poll_s
         self._folders: dict[str, FolderState] = {}
         self._config_text = self._read_config()
         self._stop = asyncio.Event()
@@ -156,7 +185,13 @@ class RepositoryWatcher:
 
     async def prime(self) -> None:
         """Remember the repository as it is now (call once the start-up models are loaded)."""
-        self._folders = await asyncio.to_thread(scan_repository, self.root)
+        try:
+            self._folders = await asyncio.to_thread(self._scan)
+        except StorageError as err:  # the first poll that can list the store catches up
+            log.error("dynamic repository: %s", err)
+
+    def _scan(self) -> dict[str, FolderState]:
+        return scan_repository(self.root) if self.location is None else scan_store(self.location)
 
     async def run(self) -> None:
         """Follow changes until :meth:`stop`.
@@ -165,8 +200,15 @@ class RepositoryWatcher:
         folder, not recursively (editors replace the file, which a watch on the
         file itself would lose, and that folder may hold a whole project).
         """
-        await asyncio.gather(self._follow(self.root, recursive=True),
-                             self._follow(self.config_path.parent, recursive=False))
+        models = self._follow(self.root, recursive=True) if self.location is None else self._poll()
+        await asyncio.gather(models, self._follow(self.config_path.parent, recursive=False))
+
+    async def _poll(self) -> None:
+        while not self._stop.is_set():
+            try:
+                await asyncio.wait_for(self._stop.wait(), self.poll_s)
+            except TimeoutError:
+                await self._apply_serialized()
 
     async def _follow(self, path: Path, recursive: bool) -> None:
         async for _ in watchfiles.awatch(path, watch_filter=self._relevant, step=EVENT_STEP_MS,
@@ -192,8 +234,12 @@ class RepositoryWatcher:
         """
         await self._apply_config()
         now = time.monotonic()
-        current = await asyncio.to_thread(scan_repository, self.root)
-        plan = plan_changes(self._folders, current)
+        try:
+            current = await asyncio.to_thread(self._scan)
+        except StorageError as err:  # never read as "every folder is gone"
+            log.warning("dynamic repository: %s; trying again in %g s", err, self.poll_s)
+            return
+        plan = plan_changes(self._folders, current, renames_too=self.location is None)
         repository = self.repository
         for old, new in plan.renames:
             log.info("dynamic repository: folder '%s' renamed to '%s'", old, new)
@@ -219,7 +265,9 @@ class RepositoryWatcher:
             log.info("dynamic repository: new folder '%s'; loading it", name)
         for name in due["changed"]:
             log.info("dynamic repository: folder '%s' changed; reloading it", name)
-        await asyncio.gather(*(repository.load(name) for name in due["added"]),
+        # (A store's folder seen "added" may already be loaded: when the first listing failed.)
+        load = repository.load if self.location is None else repository.reload
+        await asyncio.gather(*(load(name) for name in due["added"]),
                              *(repository.reload(name) for name in due["changed"]))
         self.scans += 1
         self._schedule_settled_scan()

@@ -90,6 +90,20 @@ def list_remote_folders(location: StoreURL) -> list[str]:
     return [n for n in names if n and not n.startswith(".")]
 
 
+def list_objects(location: StoreURL) -> list[tuple[str, int, str]]:
+    """Every object under ``location``: its key relative to it, its size and ETag; StorageError on failure."""
+    import obstore
+
+    store = open_store(location)
+    prefix = location.key() + "/" if location.key() else ""
+    try:
+        return [(meta["path"][len(prefix):], int(meta["size"]), meta.get("e_tag") or "")
+                for chunk in obstore.list(store, prefix or None) for meta in chunk]
+    except Exception as err:
+        raise StorageError(f"{location}: cannot list the model folders: {describe_error(err, location.scheme)}") \
+            from None
+
+
 def materialize(location: StoreURL, name: str, folder: Path) -> RemoteFolder:
     """Bring ``folder`` up to date with the model folder ``location/name``; returns what it holds.
 

@@ -7,6 +7,7 @@ into the cache folder, refreshed by ETag, and nothing is written to the bucket.
 from __future__ import annotations
 
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -61,8 +62,10 @@ def test_a_url_repository_mirrors_into_the_cache_folder(tmp_path) -> None:
     assert settings.server.ml_backends_url == "s3://models/prod"
     assert settings.server.cache_dir == tmp_path / "cache"
     assert settings.server.ml_backends_path == mirror_root(tmp_path / "cache", StoreURL("s3", "models", "prod"))
-    config.write_text('server:\n  ml_backends_path: "s3://models/prod"\n  watch: true\n')
-    with pytest.raises(ConfigError, match="server.watch: follows local folders only"):
+    config.write_text('server:\n  ml_backends_path: "s3://models/prod"\n  watch: true\n  watch_poll_s: 2.5\n')
+    assert (load_settings(config).server.watch, load_settings(config).server.watch_poll_s) == (True, 2.5)
+    config.write_text('server:\n  ml_backends_path: "s3://models/prod"\n  watch: true\n  watch_poll_s: 0\n')
+    with pytest.raises(ConfigError, match="server.watch_poll_s"):
         load_settings(config)
 
 
@@ -146,6 +149,42 @@ def test_a_model_uploaded_late_loads_at_once_and_one_deleted_leaves_once_unloade
     np.testing.assert_array_equal(_echo(server.client, "echo", x), x)
     server.client.unload_model("echo")
     assert [m.name for m in server.client.get_model_repository_index().models] == ["late"]
+
+
+def test_a_watched_bucket_is_polled_models_appear_change_and_go(s3, serve, tmp_path) -> None:
+    source = tmp_path / "source"
+    _python_folder(source, "first")
+    upload_folder(s3.store, source, s3.prefix)
+    config = _config(tmp_path, s3.url())
+    config.write_text(config.read_text().replace("server:\n", "server:\n  watch: true\n  watch_poll_s: 0.2\n"
+                                                                 "  watch_settle_ms: 300\n"))
+    server = serve(config)
+    x = np.arange(4, dtype=np.float32).reshape(1, 4)
+    np.testing.assert_array_equal(_echo(server.client, "first", x), x)
+
+    def until(check, what: str) -> None:
+        deadline = time.monotonic() + 20
+        while not check():
+            assert time.monotonic() < deadline, f"not within 20 s: {what}"
+            time.sleep(0.1)
+
+    def states() -> dict[str, str]:
+        return {m.name: m.state for m in server.client.get_model_repository_index().models}
+
+    # A folder uploaded to the bucket appears by itself.
+    _python_folder(source, "second")
+    upload_folder(s3.store, source / "second", f"{s3.prefix}/second")
+    until(lambda: states().get("second") == "READY", "the uploaded folder is READY")
+    np.testing.assert_array_equal(_echo(server.client, "second", x), x)
+    # A changed main.py is reloaded (with no downtime: the old version answers until then).
+    obstore.put(s3.store, f"{s3.prefix}/first/main.py", textwrap.dedent(DOUBLE_MAIN).encode())
+    until(lambda: _echo(server.client, "first", x).tolist() == (2 * x).tolist(), "the new main.py answers")
+    # A folder deleted from the bucket is unloaded and leaves the index.
+    for key in bucket_state(s3.store, f"{s3.prefix}/second/"):
+        obstore.delete(s3.store, key)
+    until(lambda: "second" not in states(), "the deleted folder leaves the index")
+    with pytest.raises(InferenceServerException, match="second"):
+        _echo(server.client, "second", x)
 
 
 def test_wrong_credentials_give_a_clear_unavailable_reason(s3, serve, tmp_path, monkeypatch) -> None:
