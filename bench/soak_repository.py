@@ -428,14 +428,17 @@ def report(counters: dict[str, collections.Counter], failures: list[str], server
     return 1 if failures else 0
 
 
-def soak_main(soak: Callable[[Path, int], Any], description: str, prefix: str) -> None:
-    """Parse ``--seconds`` and ``--seed``, run ``soak(root, seed).run(seconds)`` in a new folder, exit with it."""
+def soak_main(soak: Callable[..., Any], description: str, prefix: str, **switches: str) -> None:
+    """Parse ``--seconds``, ``--seed`` and each ``--<switch>`` (help text given), run
+    ``soak(root, seed, **switches).run(seconds)`` in a new folder, and exit with its status."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--seconds", type=float, default=60)
     parser.add_argument("--seed", type=int, default=1)
+    for switch, help_text in switches.items():
+        parser.add_argument(f"--{switch}", action="store_true", help=help_text)
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix=prefix))
-    sys.exit(soak(root, args.seed).run(args.seconds))
+    sys.exit(soak(root, args.seed, **{switch: getattr(args, switch) for switch in switches}).run(args.seconds))
 
 
 def main() -> None:

@@ -22,7 +22,11 @@ the prefixes in the bucket; each model's cached folder must hold exactly its sma
 objects as the bucket has them (no weights), and the server must stop cleanly
 on SIGTERM.
 
-    python3 bench/soak_storage.py [--seconds 60] [--seed 1]
+    python3 bench/soak_storage.py [--seconds 60] [--seed 1] [--watch]
+
+With ``--watch`` the server also follows the bucket by itself (``server.watch``,
+polled every 0.3 s): then models whose prefix went must have left the index
+without being unloaded through the API.
 
 Exits 1 on a failure, printing each kind once.
 """
@@ -53,13 +57,15 @@ from soak_repository import (BROKEN_MAIN, ECHO_MAIN, EXAMPLES, EXPECTED, META_MA
                              TEXTPROTO, infer_and_check, report, soak_main, stop_server)
 
 PREFIX = "soak"
+WATCH_YAML = "  watch: true\n  watch_poll_s: 0.3\n  watch_settle_ms: 300\n"
 SERVER_YAML = (f'server:\n  ml_backends_path: "s3://{BUCKET}/{PREFIX}"\n  cache_dir: "{{cache}}"\n'
                '  metrics_addr: ""\n  http_addr: ""\n  repository_control: true\n')
 
 
 class StorageSoak:
-    def __init__(self, root: Path, seed: int) -> None:
+    def __init__(self, root: Path, seed: int, watch: bool = False) -> None:
         self.root = root
+        self.watch = watch
         self.rng = random.Random(seed)
         self.address = f"127.0.0.1:{free_port()}"
         self.outcomes: collections.Counter[str] = collections.Counter()
@@ -204,7 +210,7 @@ class StorageSoak:
         self.populate()
         cache = self.root / "cache"
         config = self.root / "nereid.yaml"
-        config.write_text(SERVER_YAML.format(cache=cache))
+        config.write_text(SERVER_YAML.format(cache=cache) + (WATCH_YAML if self.watch else ""))
         log_path = self.root / "server.log"
         with open(log_path, "w") as log_file:
             server = subprocess.Popen([sys.executable, "-m", "nereid.cli", "serve", "--config", str(config),
@@ -225,6 +231,8 @@ class StorageSoak:
             self.repair()
             for name in self.models():
                 self.control("load", name)
+            if self.watch:
+                time.sleep(3)  # the watcher's polls catch up with the repair
             self.check_settled(server, cache)
         finally:
             self.stop.set()
@@ -239,9 +247,10 @@ class StorageSoak:
             return
         client = triton.InferenceServerClient(self.address)
         present = set(self.models())
-        # A loaded model whose prefix went keeps serving (and its entry) until it is unloaded.
+        # A loaded model whose prefix went keeps serving (and its entry) until it is unloaded, unless the
+        # server follows the bucket: then it is gone already.
         for model in client.get_model_repository_index().models:
-            if model.name not in present and model.state == "READY":
+            if model.name not in present and model.state == "READY" and not self.watch:
                 client.unload_model(model.name)
         index = {m.name: (m.state, m.reason) for m in client.get_model_repository_index().models}
         client.close()
@@ -275,7 +284,8 @@ class StorageSoak:
 
 
 def main() -> None:
-    soak_main(StorageSoak, __doc__.splitlines()[0], "nereid-soak-storage-")
+    soak_main(StorageSoak, __doc__.splitlines()[0], "nereid-soak-storage-",
+              watch="the server follows the bucket by itself (server.watch, polled every 0.3 s)")
 
 
 if __name__ == "__main__":

@@ -339,9 +339,9 @@ class ModelRepository:
         fails, the running one keeps serving and the reason shows in
         RepositoryIndex (the state stays READY) and in the log.
         """
-        entry = self.entry(name)
-        if entry.loaded is None:
-            return await self.load(name)
+        entry = self._entries.get(name)
+        if entry is None or entry.loaded is None:
+            return await self.load(name)  # (which looks for a folder it does not know yet)
         async with entry.held():
             old = entry.loaded
             if old is None:  # unloaded while we waited for the lock

@@ -160,6 +160,14 @@ def plan_changes(before: dict[str, FolderState], after: dict[str, FolderState], 
     return Plan(tuple(renames), tuple(gone), tuple(new), tuple(changed))
 
 
+async def _logged(name: str, step: Awaitable[object]) -> None:
+    """Carry out one folder's step; a failure is logged and leaves the other folders' steps alone."""
+    try:
+        await step
+    except Exception as err:
+        log.error("dynamic repository: model '%s': %s: %s", name, type(err).__name__, err)
+
+
 class RepositoryWatcher:
     """Watches ``ml_backends_path`` and nereid.yaml and brings the repository in line after each quiet spell."""
 
@@ -260,15 +268,15 @@ class RepositoryWatcher:
             del self._pending[name]  # back as it was (a change undone before it settled)
         for name in due["removed"]:
             log.info("dynamic repository: folder '%s' removed; unloading it", name)
-            await repository.remove(name)
+            await _logged(name, repository.remove(name))
         for name in due["added"]:
             log.info("dynamic repository: new folder '%s'; loading it", name)
         for name in due["changed"]:
             log.info("dynamic repository: folder '%s' changed; reloading it", name)
         # (A store's folder seen "added" may already be loaded: when the first listing failed.)
         load = repository.load if self.location is None else repository.reload
-        await asyncio.gather(*(load(name) for name in due["added"]),
-                             *(repository.reload(name) for name in due["changed"]))
+        await asyncio.gather(*(_logged(name, load(name)) for name in due["added"]),
+                             *(_logged(name, repository.reload(name)) for name in due["changed"]))
         self.scans += 1
         self._schedule_settled_scan()
         if self._after_apply is not None:

@@ -187,6 +187,32 @@ def test_a_watched_bucket_is_polled_models_appear_change_and_go(s3, serve, tmp_p
         _echo(server.client, "second", x)
 
 
+def test_a_reload_finds_a_folder_the_cached_listing_does_not_know(s3, tmp_path) -> None:
+    # The watcher asks for a reload of a folder its own poll saw; the listing kept for unknown request
+    # names may be seconds older. The reload must look again, not answer NOT_FOUND.
+    import asyncio
+
+    from nereid.plugins import make_plugin_manager
+    from nereid.repository import ModelRepository, ModelState
+    from nereid.storage import model_folder_exists
+
+    source = tmp_path / "source"
+    _python_folder(source, "early")
+    upload_folder(s3.store, source, s3.prefix)
+    settings = load_settings(_config(tmp_path, s3.url()))
+    (tmp_path / "scratch").mkdir()
+    repo = ModelRepository(settings, make_plugin_manager(), tmp_path / "scratch")
+    assert not model_folder_exists(settings.server, "late")  # a fresh listing, kept for a few seconds
+    _python_folder(source, "late")
+    upload_folder(s3.store, source / "late", f"{s3.prefix}/late")
+
+    async def scenario():
+        entry = await repo.reload("late")
+        assert entry.state is ModelState.READY, entry.reason
+        await repo.unload_all()
+    asyncio.run(scenario())
+
+
 def test_wrong_credentials_give_a_clear_unavailable_reason(s3, serve, tmp_path, monkeypatch) -> None:
     source = tmp_path / "source"
     _python_folder(source, "echo")
