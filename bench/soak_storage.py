@@ -179,7 +179,7 @@ class StorageSoak:
             client.close()
 
     def repair(self) -> None:
-        for name in self.models("echo"):
+        for name in self.models("echo"):  # half-deleted ones too: any object left lists the folder
             self.write_echo(name)
         for name in self.models("mlp"):
             self.write_mlp(name)
@@ -187,9 +187,6 @@ class StorageSoak:
             echo = self.meta_echo(name)
             self.write_meta(name, echo)
             self.write_echo(echo)
-        for name in self.models():  # half-deleted echoes: whole again
-            if name.startswith("echo"):
-                self.write_echo(name)
         with self.s3.lock:
             self.s3.faults.clear()
 
