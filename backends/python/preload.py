@@ -15,16 +15,14 @@ from nereid.errors import ConfigError
 _PARSING = threading.Lock()
 
 
-def imported_modules(main_py: Path, source: bytes | None = None) -> list[str]:
+def imported_modules(main_py: Path, source: bytes) -> list[str]:
     """The modules that ``main.py``'s top-level ``import`` and ``from`` statements name, in order.
 
     Only statements directly in the module body count (not those inside
     functions, ``if`` or ``try`` blocks: those may be conditional on purpose).
     Relative imports and ``__future__`` are skipped. ``source``: the file's
-    bytes as already read (None: read them now).
+    bytes, as the caller read them once (``main_py`` names them in errors).
     """
-    if source is None:
-        source = main_py.read_bytes()
     try:
         with _PARSING:
             tree = ast.parse(source, filename=str(main_py))
@@ -51,10 +49,10 @@ def lives_in_folder(module: str, folder: Path) -> bool:
     return (folder / f"{top}.py").is_file() or (folder / top).is_dir()
 
 
-def modules_to_preload(folder: Path, entry_file: str, extra: tuple[str, ...], source: bytes | None = None) -> list[str]:
+def modules_to_preload(folder: Path, entry_file: str, extra: tuple[str, ...], source: bytes) -> list[str]:
     """``main.py``'s installed and standard-library imports, then ``extra``, minus the folder's own.
 
-    ``source``: ``main.py``'s bytes as already read (None: read them now).
+    ``source``: ``main.py``'s bytes, as the caller read them once.
     """
     names = imported_modules(folder / entry_file, source) + list(extra)
     return [name for name in dict.fromkeys(names) if not lives_in_folder(name, folder)]

@@ -35,7 +35,7 @@ def test_concurrent_loads_read_imports_without_a_system_error(tmp_path: Path) ->
             for _ in range(60):
                 for _ in range(200):
                     _Cycle()
-                found = imported_modules(main_py)
+                found = imported_modules(main_py, main_py.read_bytes())
             results.append(found)
         except BaseException as err:  # noqa: BLE001 - reported by the assertion below
             results.append(err)

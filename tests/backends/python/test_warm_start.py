@@ -63,8 +63,9 @@ def test_preload_reads_top_level_imports_only(tmp_path):
         "try:\n    import torch\nexcept ImportError:\n    pass\n"
         "def f():\n    import csv\n"
         "if True:\n    import zlib\n")
-    assert imported_modules(tmp_path / "main.py") == ["os", "json", "xml.dom", "numpy", "helper", "pkg.sub"]
-    assert modules_to_preload(tmp_path, "main.py", ("sqlite3", "os", "helper")) == [
+    source = (tmp_path / "main.py").read_bytes()
+    assert imported_modules(tmp_path / "main.py", source) == ["os", "json", "xml.dom", "numpy", "helper", "pkg.sub"]
+    assert modules_to_preload(tmp_path, "main.py", ("sqlite3", "os", "helper"), source) == [
         "os", "json", "xml.dom", "numpy", "sqlite3"]
 
 
