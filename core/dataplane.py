@@ -10,10 +10,11 @@ its errors to their status codes.
 from __future__ import annotations
 
 import time
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Iterable
 
 from nereid import __version__
-from nereid.errors import InvalidArgument, ModelFailure, NereidError, NotFound, PermissionDenied, Unavailable
+from nereid.errors import (InvalidArgument, ModelFailure, NereidError, NotFound, PermissionDenied, Unavailable,
+                           cap_message)
 from nereid.model_info import (MODEL_VERSION, IndexEntry, ModelConfig, ModelMetadata, describe_config,
                                describe_metadata)
 from nereid.repository import LoadedModel, ModelRepository, ModelState
@@ -100,18 +101,38 @@ class DataPlane:
         return [IndexEntry(entry.name, MODEL_VERSION, entry.state.value, entry.reason)
                 for entry in self.repository.entries() if not ready_only or entry.state is ModelState.READY]
 
-    async def load(self, name: str, rpc: str = "RepositoryModelLoad") -> None:
-        """(Re)load a model; ModelFailure with the reason when it does not become READY."""
+    async def load(self, name: str, parameters: Iterable[str] = (), rpc: str = "RepositoryModelLoad") -> None:
+        """(Re)load a model; ModelFailure with the reason when it does not become READY.
+
+        ``parameters``: the names of the load request's parameters. Triton's
+        ``config`` (a configuration override) and ``file:...`` (model files
+        sent with the request) are refused, since nereid loads only from the
+        repository: succeeding without applying them would mislead.
+        """
         self._check_repository_control(rpc)
+        overrides = sorted(key for key in parameters if key == "config" or key.startswith("file:"))
+        if overrides:
+            raise InvalidArgument(
+                f"model '{name}': load parameters {', '.join(repr(cap_message(k, 64)) for k in overrides[:4])} are "
+                "not supported (nereid loads a model only from its folder in ml_backends_path and nereid.yaml); "
+                "change those and load again without parameters")
         entry = await self.repository.load(name)
         if self._on_change is not None:
             await self._on_change()
         if entry.state is not ModelState.READY:
             raise ModelFailure(f"failed to load model '{name}': {entry.reason}")
 
-    async def unload(self, name: str, rpc: str = "RepositoryModelUnload") -> None:
-        """Unload a model once its queued and running requests have finished."""
+    async def unload(self, name: str, unload_dependents: bool = False, rpc: str = "RepositoryModelUnload") -> None:
+        """Unload a model once its queued and running requests have finished.
+
+        ``unload_dependents`` True is refused (InvalidArgument): the server does
+        not list Triton's ``model_repository(unload_dependents)`` extension.
+        """
         self._check_repository_control(rpc)
+        if unload_dependents:
+            raise InvalidArgument(f"model '{name}': unload_dependents is not supported (the server does not list "
+                                  "the model_repository(unload_dependents) extension); nothing was unloaded: "
+                                  "unload the model and each model it calls one by one")
         await self.repository.unload(name)
         if self._on_change is not None:
             await self._on_change()

@@ -285,14 +285,25 @@ class InferenceServicer:
     @_maps_errors
     async def RepositoryModelLoad(self, request: pb.RepositoryModelLoadRequest,
                                   context) -> pb.RepositoryModelLoadResponse:
-        await self.dataplane.load(request.model_name)
+        await self.dataplane.load(request.model_name, request.parameters.keys())
         return pb.RepositoryModelLoadResponse()
 
     @_maps_errors
     async def RepositoryModelUnload(self, request: pb.RepositoryModelUnloadRequest,
                                     context) -> pb.RepositoryModelUnloadResponse:
-        await self.dataplane.unload(request.model_name)
+        await self.dataplane.unload(request.model_name, _unload_dependents(request))
         return pb.RepositoryModelUnloadResponse()
+
+
+def _unload_dependents(request: pb.RepositoryModelUnloadRequest) -> bool:
+    """The ``unload_dependents`` parameter (tritonclient always sends it); False when absent."""
+    if "unload_dependents" not in request.parameters:  # (indexing a map would add the key)
+        return False
+    value = request.parameters["unload_dependents"]
+    if value.WhichOneof("parameter_choice") != "bool_param":
+        raise InvalidArgument(f"model '{request.model_name}': parameter 'unload_dependents' must be a bool_param, "
+                              f"got {value.WhichOneof('parameter_choice')}")
+    return value.bool_param
 
 
 # (RPC name, request type, response type, streaming)

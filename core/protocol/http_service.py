@@ -193,11 +193,17 @@ class HttpSurface:
             return _json([{"name": e.name, "version": e.version, "state": e.state, "reason": e.reason}
                           for e in await self.dataplane.repository_index(ready is True)])
         if len(rest) == 3 and rest[0] == "models" and rest[2] in ("load", "unload"):
-            await self._read_body(dict(scope["headers"]), receive, rest[1])  # parameters: accepted, not used
-            if rest[2] == "load":
-                await self.dataplane.load(rest[1])
+            model, action = rest[1], rest[2]
+            body = await self._read_body(dict(scope["headers"]), receive, model)
+            parameters = _parameters(body, f"model '{model}': the {action} request")
+            if action == "load":
+                await self.dataplane.load(model, parameters.keys())
             else:
-                await self.dataplane.unload(rest[1])
+                unload_dependents = parameters.get("unload_dependents", False)
+                if not isinstance(unload_dependents, bool):
+                    raise HttpError(400, f"model '{model}': parameter 'unload_dependents' must be true or false, "
+                                         f"got {cap_message(json.dumps(unload_dependents), 64)}")
+                await self.dataplane.unload(model, unload_dependents)
             return 200, [], [(b"content-type", b"application/json")]
         raise HttpError(404, f"no such endpoint: POST {cap_message(scope['path'], 256)}")
 
@@ -246,6 +252,16 @@ def _json_object(body: bytes, what: str) -> dict:
     if not isinstance(document, dict):
         raise HttpError(400, f"{what} must be a JSON object")
     return document
+
+
+def _parameters(body: bytes, what: str) -> dict:
+    """The ``parameters`` object of a repository request's optional JSON body (empty without one)."""
+    if not body.strip():
+        return {}
+    parameters = _json_object(body, what).get("parameters", {})
+    if not isinstance(parameters, dict):
+        raise HttpError(400, f"{what}: 'parameters' must be a JSON object")
+    return parameters
 
 
 def _health(ok: bool) -> tuple[int, list[bytes | memoryview], list]:

@@ -69,3 +69,20 @@ def test_repository_control_off_refuses_load_and_unload(tmp_path):
         with pytest.raises(PermissionDenied, match="RepositoryModelUnload is turned off"):
             await plane.unload("toy")
     asyncio.run(scenario())
+
+
+def test_load_overrides_and_unload_dependents_are_refused_not_ignored(tmp_path):
+    plane = toy_dataplane(tmp_path)
+
+    async def scenario():
+        await plane.load("toy", ["some_future_key"])  # a parameter nereid does not know is let through
+        with pytest.raises(InvalidArgument, match=r"model 'spare': load parameters 'config', 'file:1/model.onnx' "
+                                                  r"are not supported"):
+            await plane.load("spare", ["file:1/model.onnx", "config"])
+        assert not plane.model_ready("spare")  # refused before anything was loaded
+        with pytest.raises(InvalidArgument, match="model 'toy': unload_dependents is not supported"):
+            await plane.unload("toy", unload_dependents=True)
+        assert plane.model_ready("toy")  # nothing was unloaded
+        await plane.unload("toy", unload_dependents=False)
+        assert not plane.model_ready("toy")
+    asyncio.run(scenario())

@@ -14,6 +14,7 @@ from typing import Callable, Iterator
 
 import grpc
 import numpy as np
+import pytest
 import tritonclient.grpc as triton
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.grpc import model_config_pb2 as mc
@@ -397,6 +398,21 @@ def test_unload_makes_the_model_unavailable_until_loaded_again(repo, serve):
 
     server.client.load_model("m")
     echo(server, "m", [4, 3, 2, 1])
+
+    # Triton's load overrides and unload_dependents are refused with the reason, not silently ignored.
+    expect_grpc_error("INVALID_ARGUMENT", lambda: server.client.load_model("m", config='{"max_batch_size": 4}'),
+                      "model 'm': load parameters 'config' are not supported")
+    expect_grpc_error("INVALID_ARGUMENT", lambda: server.client.unload_model("m", unload_dependents=True),
+                      "model 'm': unload_dependents is not supported")
+    wrong = service_pb2.RepositoryModelUnloadRequest(model_name="m")
+    wrong.parameters["unload_dependents"].string_param = "true"
+    with channel_to(server) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.RepositoryModelUnload(wrong, timeout=10)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "parameter 'unload_dependents' must be a bool_param, got string_param" in caught.value.details()
+    echo(server, "m", [5, 6, 7, 8])  # still loaded
 
 
 def test_unload_lets_running_and_queued_requests_finish_first(repo, serve):

@@ -250,6 +250,19 @@ def test_stats_index_and_repository_control(repo, serve):
     assert client.is_model_ready("other")
     client.unload_model("other")
     assert not client.is_model_ready("other")
+    # Triton's load overrides and unload_dependents are refused with the reason, not silently ignored.
+    with pytest.raises(InferenceServerException) as caught:
+        client.load_model("other", config='{"max_batch_size": 4}')
+    assert caught.value.status() == "400" and "load parameters 'config' are not supported" in caught.value.message()
+    with pytest.raises(InferenceServerException) as caught:
+        client.unload_model("echo", unload_dependents=True)
+    assert caught.value.status() == "400" and "unload_dependents is not supported" in caught.value.message()
+    status, message = error_of(call(base, "POST", "/v2/repository/models/echo/unload",
+                                    b'{"parameters": {"unload_dependents": "yes"}}'))
+    assert status == 400 and "'unload_dependents' must be true or false, got \"yes\"" in message
+    status, message = error_of(call(base, "POST", "/v2/repository/models/echo/load", b'{"parameters": [1]}'))
+    assert status == 400 and "model 'echo': the load request: 'parameters' must be a JSON object" in message
+    assert client.is_model_ready("echo") and not client.is_model_ready("other")
     samples = urllib.request.urlopen(f"http://127.0.0.1:{server.server.metrics_port}/metrics").read().decode()
     assert 'nereid_protocol_requests_total{model="echo",outcome="success",protocol="http"} 1.0' in samples
 
