@@ -13,6 +13,7 @@ import time
 from typing import Awaitable, Callable, Iterable
 
 from nereid import __version__
+from nereid.classification import check_classifiable, classify
 from nereid.errors import (InvalidArgument, ModelFailure, NereidError, NotFound, PermissionDenied, Unavailable,
                            cap_message)
 from nereid.model_info import (MODEL_VERSION, IndexEntry, ModelConfig, ModelMetadata, describe_config,
@@ -26,7 +27,7 @@ from nereid.tensors import InferRequest, InferResponse, NamedTensor
 SERVER_NAME = "nereid"
 
 # Triton protocol extensions nereid implements (ServerMetadata lists them).
-EXTENSIONS: tuple[str, ...] = ("model_repository", "model_configuration", "statistics")
+EXTENSIONS: tuple[str, ...] = ("classification", "model_repository", "model_configuration", "statistics")
 
 
 class DataPlane:
@@ -167,21 +168,25 @@ class DataPlane:
             outputs = [t for t in outputs if t.name in wanted]
         if validated.batch_axis_added:
             outputs = [_strip_batch_axis(t) for t in outputs]
+        if request.classifications:
+            batched = model.signature.batches and not validated.batch_axis_added
+            outputs = [classify(t, request.classifications[t.name], batched) if t.name in request.classifications
+                       else t for t in outputs]
         model.stats.record_success(time.monotonic_ns() - received_ns, validated.batch_size)
         return InferResponse(request.model_name, outputs, request.id)
 
     @staticmethod
     def _requested_outputs(request: InferRequest, model: LoadedModel) -> set[str] | None:
         """The outputs the request asked for; None when it asked for none, meaning all of them."""
-        if not request.requested_outputs:
-            return None
-        declared = model.signature.output_names
+        declared = {spec.name: spec for spec in model.signature.outputs}
         for name in request.requested_outputs:
             if name not in declared:
                 raise InvalidArgument(
                     f"model '{request.model_name}': unknown requested output '{name}' "
                     f"(outputs: {', '.join(repr(n) for n in declared) or 'none'})")
-        return set(request.requested_outputs)
+        for name in request.classifications:  # (the codecs classify requested outputs only)
+            check_classifiable(request.model_name, name, declared[name].dtype)
+        return set(request.requested_outputs) or None
 
 
 def _strip_batch_axis(tensor: NamedTensor) -> NamedTensor:

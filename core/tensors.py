@@ -41,7 +41,9 @@ class InferRequest:
     ``deadline_ns`` is an absolute ``time.monotonic_ns()`` deadline (0: none); a
     remaining-time budget from the wire is converted to it when the request is
     decoded, so clock differences between processes never matter.
-    ``requested_outputs`` empty means every output.
+    ``requested_outputs`` empty means every output. ``classifications`` maps
+    a requested output to how many of its top classes to return instead of
+    its values (Triton's classification extension).
     """
 
     model_name: str
@@ -49,6 +51,7 @@ class InferRequest:
     id: str = ""
     requested_outputs: list[str] = field(default_factory=list)
     deadline_ns: int = 0
+    classifications: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

@@ -8,10 +8,12 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from nereid._proto import grpc_service_pb2 as pb
+from nereid.classification import CLASSIFICATION_PARAMETER
 from nereid.dtypes import DType
 from nereid.errors import InvalidArgument
 from nereid.model_info import MODEL_VERSION
-from nereid.protocol.wire import TIMEOUT_PARAMETER, decode_raw, timeout_deadline_ns, wire_dtype, wire_shape
+from nereid.protocol.wire import (TIMEOUT_PARAMETER, class_count, decode_raw, timeout_deadline_ns, wire_dtype,
+                                  wire_shape)
 from nereid.tensors import InferRequest, InferResponse, NamedTensor, bytes_array, tensor_buffer, tensor_bytes
 
 
@@ -124,13 +126,27 @@ def decode_infer_request(msg: pb.ModelInferRequest, time_remaining_s: float | No
         if timeout_us > 0:
             budgets.append(timeout_us * 1000)
     deadline = timeout_deadline_ns(now, budgets)
+    classifications = {}
+    for out in msg.outputs:
+        if CLASSIFICATION_PARAMETER in out.parameters:
+            count = _class_count(model, out.name, out.parameters[CLASSIFICATION_PARAMETER])
+            if count:
+                classifications[out.name] = count
     return InferRequest(
         model_name=model,
         inputs=inputs,
         id=msg.id,
         requested_outputs=[out.name for out in msg.outputs],
         deadline_ns=deadline,
+        classifications=classifications,
     )
+
+
+def _class_count(model: str, output: str, parameter: pb.InferParameter) -> int:
+    """An output's ``classification`` parameter; tritonclient sends it as int64."""
+    kind = parameter.WhichOneof("parameter_choice")
+    value = getattr(parameter, kind) if kind in ("int64_param", "uint64_param") else f"a {kind}"
+    return class_count(f"model '{model}': output '{output[:256]}'", value)
 
 
 def _timeout_us(model: str, parameter: pb.InferParameter) -> int:

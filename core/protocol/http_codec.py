@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -24,7 +24,9 @@ import orjson
 from nereid.dtypes import DType
 from nereid.errors import InvalidArgument
 from nereid.model_info import MODEL_VERSION
-from nereid.protocol.wire import TIMEOUT_PARAMETER, decode_raw, timeout_deadline_ns, wire_dtype, wire_shape
+from nereid.classification import CLASSIFICATION_PARAMETER
+from nereid.protocol.wire import (TIMEOUT_PARAMETER, class_count, decode_raw, timeout_deadline_ns, wire_dtype,
+                                  wire_shape)
 from nereid.tensors import InferRequest, InferResponse, NamedTensor, bytes_array, tensor_buffer
 
 HEADER_LENGTH = "inference-header-content-length"
@@ -32,11 +34,12 @@ HEADER_LENGTH = "inference-header-content-length"
 
 @dataclass(frozen=True)
 class OutputChoice:
-    """How the client wants the outputs: which ones (empty: all) and which of them as binary."""
+    """How the client wants the outputs: which ones (empty: all), which of them as binary, which classified."""
 
     names: tuple[str, ...]
     binary: frozenset[str]
     binary_by_default: bool
+    classifications: dict[str, int] = field(default_factory=dict)
 
     def is_binary(self, name: str) -> bool:
         return self.binary_by_default or name in self.binary
@@ -85,7 +88,7 @@ def decode_infer(model: str, body: bytes, header_length: int | None) -> tuple[In
         if timeout_us:
             budgets.append(timeout_us * 1000)
     request = InferRequest(model, inputs, request_id, list(choice.names),
-                           timeout_deadline_ns(time.monotonic_ns(), budgets))
+                           timeout_deadline_ns(time.monotonic_ns(), budgets), choice.classifications)
     return request, choice
 
 
@@ -166,7 +169,7 @@ def _flatten(where: str, data: Any) -> list:
 def _output_choice(model: str, outputs: Any, parameters: dict) -> OutputChoice:
     if not isinstance(outputs, list):
         raise InvalidArgument(f"model '{model}': 'outputs' must be a list")
-    names, binary = [], set()
+    names, binary, classifications = [], set(), {}
     for index, output in enumerate(outputs):
         if not isinstance(output, dict) or not isinstance(output.get("name"), str):
             raise InvalidArgument(f"model '{model}': outputs[{index}] must be an object with a 'name'")
@@ -174,8 +177,12 @@ def _output_choice(model: str, outputs: Any, parameters: dict) -> OutputChoice:
         options = _object(model, output.get("parameters", {}), f"outputs[{index}].parameters")
         if options.get("binary_data") is True:
             binary.add(output["name"])
+        if CLASSIFICATION_PARAMETER in options:
+            count = class_count(f"model '{model}': output '{output['name'][:256]}'", options[CLASSIFICATION_PARAMETER])
+            if count:
+                classifications[output["name"]] = count
     by_default = parameters.get("binary_data_output") is True
-    return OutputChoice(tuple(names), frozenset(binary), by_default)
+    return OutputChoice(tuple(names), frozenset(binary), by_default, classifications)
 
 
 def _object(model: str, value: Any, what: str) -> dict:

@@ -64,3 +64,11 @@ def decode_raw(where: str, dtype: DType, shape: tuple[int, ...], raw: bytes | me
 def timeout_deadline_ns(now_ns: int, budgets_ns: list[int]) -> int:
     """The absolute monotonic deadline of the earliest budget (0: none)."""
     return now_ns + min(budgets_ns) if budgets_ns else 0
+
+
+def class_count(where: str, value: object) -> int:
+    """A ``classification`` parameter's count of top classes (0: none); InvalidArgument unless a count."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidArgument(f"{where}: parameter 'classification' must be a non-negative integer count of "
+                              f"classes, got {str(value)[:64]!r}")
+    return value

@@ -188,7 +188,33 @@ def test_server_metadata_lists_exactly_the_implemented_extensions(repo, serve):
 
     assert metadata.name == "nereid"
     assert metadata.version == nereid.__version__
-    assert list(metadata.extensions) == ["model_repository", "model_configuration", "statistics"]
+    assert list(metadata.extensions) == ["classification", "model_repository", "model_configuration", "statistics"]
+
+
+def test_classification_returns_each_items_top_classes_as_strings(repo, serve):
+    repo.python("m", textproto=textproto_single("INT8"))
+    repo.python("h", textproto=textproto_single("FP16"))
+    server = serve(repo.write_config())
+    top2 = [triton.InferRequestedOutput("output", class_count=2)]
+    batched = server.client.infer("m", [int8_input([[3, -7, 9, 1], [0, 5, 5, -1]])], outputs=top2)
+    assert batched.as_numpy("output").tolist() == [[b"9:2", b"3:0"], [b"5:1", b"5:2"]]
+    unbatched = server.client.infer("m", [int8_input([3, -7, 9, 1])], outputs=top2)  # no batch axis sent
+    assert unbatched.as_numpy("output").tolist() == [b"9:2", b"3:0"]
+    half = triton.InferInput("input", [1, 4], "FP16")
+    half.set_data_from_numpy(np.ones((1, 4), np.float16))
+    expect_grpc_error("INVALID_ARGUMENT", lambda: server.client.infer("h", [half], outputs=top2),
+                      "model 'h': output 'output' is FP16; classification needs one of FP32, FP64, INT16")
+    wrong = service_pb2.ModelInferRequest(model_name="m")
+    wrong.inputs.add(name="input", datatype="INT8", shape=[4])
+    wrong.raw_input_contents.append(bytes(4))
+    wrong.outputs.add(name="output").parameters["classification"].string_param = "2"
+    with channel_to(server) as channel:
+        with pytest.raises(grpc.RpcError) as caught:
+            service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer(wrong, timeout=10)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert ("model 'm': output 'output': parameter 'classification' must be a non-negative integer count of "
+            "classes, got 'a string_param'") in caught.value.details()
+    assert server.client.get_inference_statistics("h").model_stats[0].execution_count == 0  # refused before running
 
 
 def test_model_metadata_has_the_batch_dim_and_platform(repo, serve):

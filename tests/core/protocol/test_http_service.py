@@ -162,6 +162,18 @@ def test_outputs_selection_binary_data_output_and_timeout(served):
     status, message = error_of(call(base, "POST", "/v2/models/slow/infer", timed))
     busy.join()
     assert status == 504 and "deadline" in message.lower(), message
+    # Triton's classification extension, as tritonclient asks for it, in binary and in JSON
+    client = http.InferenceServerClient(base)
+    tensor = http.InferInput("input", [2, 4], "FP32")
+    tensor.set_data_from_numpy(np.array([[0.5, 0.25, 0.125, 2.0], [1, 2, 3, 4]], np.float32))
+    for binary in (True, False):
+        result = client.infer("echo", [tensor], outputs=[http.InferRequestedOutput("output", binary, class_count=3)])
+        classes = [[e.decode() if binary else e for e in row] for row in result.as_numpy("output").tolist()]
+        assert classes == [["2.000000:3", "0.500000:0", "0.250000:1"], ["4.000000:3", "3.000000:2", "2.000000:1"]]
+    negative = json.dumps({**plain, "outputs": [{"name": "output", "parameters": {"classification": -1}}]}).encode()
+    assert error_of(call(base, "POST", "/v2/models/echo/infer", negative)) == (
+        400, "model 'echo': output 'output': parameter 'classification' must be a non-negative integer count of "
+             "classes, got '-1'")
     unknown = json.dumps({"inputs": [{"name": "input", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}],
                           "outputs": [{"name": "nope"}]}).encode()
     assert error_of(call(base, "POST", "/v2/models/echo/infer", unknown)) == (
