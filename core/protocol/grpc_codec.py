@@ -12,8 +12,8 @@ from nereid.classification import CLASSIFICATION_PARAMETER
 from nereid.dtypes import DType
 from nereid.errors import InvalidArgument
 from nereid.model_info import MODEL_VERSION
-from nereid.protocol.wire import (TIMEOUT_PARAMETER, class_count, decode_raw, timeout_deadline_ns, wire_dtype,
-                                  wire_shape)
+from nereid.protocol.wire import (SHARED_MEMORY_PARAMETER, TIMEOUT_PARAMETER, class_count, decode_raw,
+                                  refuse_shared_memory, timeout_deadline_ns, wire_dtype, wire_shape)
 from nereid.tensors import InferRequest, InferResponse, NamedTensor, bytes_array, tensor_buffer, tensor_bytes
 
 
@@ -128,6 +128,8 @@ def decode_infer_request(msg: pb.ModelInferRequest, time_remaining_s: float | No
     deadline = timeout_deadline_ns(now, budgets)
     classifications = {}
     for out in msg.outputs:
+        if SHARED_MEMORY_PARAMETER in out.parameters:
+            raise refuse_shared_memory(f"model '{model}': output '{out.name[:256]}'")
         if CLASSIFICATION_PARAMETER in out.parameters:
             count = _class_count(model, out.name, out.parameters[CLASSIFICATION_PARAMETER])
             if count:
@@ -164,6 +166,8 @@ def _timeout_us(model: str, parameter: pb.InferParameter) -> int:
 def _decode_tensor(model: str, tensor: pb.ModelInferRequest.InferInputTensor,
                    raw: bytes | memoryview | None) -> NamedTensor:
     where = f"model '{model}': input '{tensor.name}'"
+    if SHARED_MEMORY_PARAMETER in tensor.parameters:
+        raise refuse_shared_memory(where)
     dtype = wire_dtype(where, tensor.datatype)
     shape = tuple(tensor.shape)
     count = wire_shape(where, shape)

@@ -25,8 +25,8 @@ from nereid.dtypes import DType
 from nereid.errors import InvalidArgument
 from nereid.model_info import MODEL_VERSION
 from nereid.classification import CLASSIFICATION_PARAMETER
-from nereid.protocol.wire import (TIMEOUT_PARAMETER, class_count, decode_raw, timeout_deadline_ns, wire_dtype,
-                                  wire_shape)
+from nereid.protocol.wire import (SHARED_MEMORY_PARAMETER, TIMEOUT_PARAMETER, class_count, decode_raw,
+                                  refuse_shared_memory, timeout_deadline_ns, wire_dtype, wire_shape)
 from nereid.tensors import InferRequest, InferResponse, NamedTensor, bytes_array, tensor_buffer
 
 HEADER_LENGTH = "inference-header-content-length"
@@ -108,6 +108,8 @@ def _decode_input(model: str, index: int, raw: Any, binary: memoryview, offset: 
     shape = tuple(shape_value)
     count = wire_shape(where, shape)
     parameters = _object(model, raw.get("parameters", {}), f"inputs[{index}].parameters")
+    if SHARED_MEMORY_PARAMETER in parameters:
+        raise refuse_shared_memory(where)
     size = parameters.get("binary_data_size")
     if size is not None:
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
@@ -175,6 +177,8 @@ def _output_choice(model: str, outputs: Any, parameters: dict) -> OutputChoice:
             raise InvalidArgument(f"model '{model}': outputs[{index}] must be an object with a 'name'")
         names.append(output["name"])
         options = _object(model, output.get("parameters", {}), f"outputs[{index}].parameters")
+        if SHARED_MEMORY_PARAMETER in options:
+            raise refuse_shared_memory(f"model '{model}': output '{output['name'][:256]}'")
         if options.get("binary_data") is True:
             binary.add(output["name"])
         if CLASSIFICATION_PARAMETER in options:

@@ -18,6 +18,8 @@ from nereid.tensors import bytes_array, split_bytes_elements
 
 # The request parameter Triton clients use for a per-request timeout, in microseconds.
 TIMEOUT_PARAMETER = "timeout"
+# The tensor parameter that points Triton at a registered shared-memory region instead of inline data.
+SHARED_MEMORY_PARAMETER = "shared_memory_region"
 
 
 def wire_dtype(where: str, datatype: str) -> DType:
@@ -72,3 +74,14 @@ def class_count(where: str, value: object) -> int:
         raise InvalidArgument(f"{where}: parameter 'classification' must be a non-negative integer count of "
                               f"classes, got {str(value)[:64]!r}")
     return value
+
+
+def refuse_shared_memory(where: str) -> InvalidArgument:
+    """The error for a tensor placed in shared memory: nereid lists no shared-memory extension.
+
+    Answering with the data inline instead would leave a client reading stale
+    bytes from its region, so the request is refused.
+    """
+    return InvalidArgument(f"{where}: names a shared-memory region, but nereid does not support Triton's "
+                           "shared-memory extensions; send the tensor in the request (and take it from the "
+                           "response) instead")

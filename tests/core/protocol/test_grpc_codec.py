@@ -540,6 +540,36 @@ def test_decode_refusals_directly(build, message):
         decode_infer_request(request, None)
 
 
+def test_shared_memory_tensors_and_bad_classification_counts_are_refused_directly():
+    from nereid.errors import InvalidArgument
+    from nereid.protocol.grpc_codec import decode_infer_request
+
+    def request_with(tensor) -> object:  # tritonclient's own message for one input or output
+        request = _request()
+        kind = request.inputs if isinstance(tensor, triton.InferInput) else request.outputs
+        kind.add().ParseFromString(tensor._get_tensor().SerializeToString())
+        if isinstance(tensor, triton.InferRequestedOutput):
+            request.inputs.add(name="x", datatype="INT8", shape=[1]).contents.int_contents.append(1)
+        return request
+
+    placed = triton.InferInput("x", [1, 4], "FP32")
+    placed.set_shared_memory("region0", 16)
+    returned = triton.InferRequestedOutput("y")
+    returned.set_shared_memory("region1", 16)
+    for tensor, where in ((placed, "input 'x'"), (returned, "output 'y'")):
+        with pytest.raises(InvalidArgument, match=f"model 'm': {where}: names a shared-memory region, but nereid "
+                                                  "does not support Triton's shared-memory extensions"):
+            decode_infer_request(request_with(tensor), None)
+    assert decode_infer_request(request_with(triton.InferRequestedOutput("y", class_count=3)),
+                                None).classifications == {"y": 3}
+    assert decode_infer_request(request_with(triton.InferRequestedOutput("y")), None).classifications == {}
+    negative = request_with(triton.InferRequestedOutput("y"))
+    negative.outputs[0].parameters["classification"].int64_param = -2
+    with pytest.raises(InvalidArgument, match="output 'y': parameter 'classification' must be a non-negative "
+                                              "integer count of classes, got '-2'"):
+        decode_infer_request(negative, None)
+
+
 def test_large_requests_keep_raw_inputs_as_views_of_the_wire_bytes():
     from nereid.protocol.grpc_codec import parse_infer_request
 

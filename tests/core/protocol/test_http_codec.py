@@ -54,6 +54,15 @@ def test_binary_inputs_are_views_of_the_body_and_json_mixes_in():
     (body({"name": "x", "shape": [1], "datatype": "FP32", "data": [1]}, parameters={"timeout": -1}), None,
      "parameter 'timeout' must be a non-negative integer"),
     (b"{}", 99, "Inference-Header-Content-Length is 99, but the body has 2 bytes"),
+    (body({"name": "x", "shape": [1], "datatype": "FP32", "parameters": {"shared_memory_region": "r0",
+                                                                          "shared_memory_byte_size": 4}}),
+     None, "input 'x': names a shared-memory region, but nereid does not support"),
+    (body({"name": "x", "shape": [1], "datatype": "FP32", "data": [1]},
+          outputs=[{"name": "y", "parameters": {"shared_memory_region": "r1"}}]),
+     None, "output 'y': names a shared-memory region"),
+    (body({"name": "x", "shape": [1], "datatype": "FP32", "data": [1]},
+          outputs=[{"name": "y", "parameters": {"classification": True}}]),
+     None, "output 'y': parameter 'classification' must be a non-negative integer count of classes, got 'True'"),
 ])
 def test_malformed_bodies_are_invalid_arguments(raw, length, message):
     with pytest.raises(InvalidArgument, match=message.replace("(", r"\(").replace("[", r"\[")):
