@@ -46,6 +46,8 @@ JOIN_BELOW_BYTES = 64 << 10
 # curl -d sends application/x-www-form-urlencoded unless told otherwise: accepted as JSON, as Triton does.
 JSON_TYPES = (b"application/json", b"", b"application/x-www-form-urlencoded")
 BODY_TYPES = JSON_TYPES + (b"application/octet-stream",)
+# Every JSON answer says so, errors included: the KServe SDK reads an error's message only then.
+JSON_HEADERS = [(b"content-type", b"application/json")]
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict]]
@@ -91,13 +93,13 @@ class HttpSurface:
                      cap_message(scope["path"], 256))
             return
         except HttpError as err:
-            status, body, headers = err.status, _error_body(str(err)), []
+            status, body, headers = err.status, _error_body(str(err)), JSON_HEADERS
         except NereidError as err:
             status = status_of(err)
-            body, headers = _error_body(self.dataplane.repository.public_text(str(err))), []
+            body, headers = _error_body(self.dataplane.repository.public_text(str(err))), JSON_HEADERS
         except Exception as err:  # a bug, not the client's fault: say so rather than drop the connection
             log.exception("HTTP %s %s failed", scope["method"], cap_message(scope["path"], 256))
-            status, headers = 500, []
+            status, headers = 500, JSON_HEADERS
             body = _error_body(self.dataplane.repository.public_text(f"internal error: {type(err).__name__}: {err}"))
         await _respond(send, status, body, headers)
 
@@ -111,9 +113,9 @@ class HttpSurface:
             return _json({"name": name, "version": version, "extensions": list(extensions)})
         if parts[:1] == ["health"] and len(parts) == 2 and method == "GET":
             if parts[1] == "live":
-                return _health(self.dataplane.live())
+                return _health("live", self.dataplane.live())
             if parts[1] == "ready":
-                return _health(self.dataplane.ready())
+                return _health("ready", self.dataplane.ready())
         if parts == ["models", "stats"] and method == "GET":
             return _json(_statistics(self.dataplane.statistics()))
         if parts[:1] == ["repository"] and method == "POST":
@@ -136,7 +138,7 @@ class HttpSurface:
                           "outputs": [_tensor_json(t) for t in metadata.outputs]})
         if action == "ready" and method == "GET":
             self.dataplane.check_version(model, version)
-            return _health(self.dataplane.model_ready(model))
+            return _health("ready", self.dataplane.model_ready(model), name=model)
         if action == "config" and method == "GET":
             return _json(_config_json(self.dataplane.model_config(model, version)))
         if action == "stats" and method == "GET":
@@ -180,7 +182,7 @@ class HttpSurface:
         self._counted(model, "success")
         parts, binary_header = encode_infer(response, choice)
         if binary_header is None:
-            return 200, parts, [(b"content-type", b"application/json")]
+            return 200, parts, JSON_HEADERS
         return 200, parts, [(b"content-type", b"application/octet-stream"),
                             (HEADER_LENGTH.encode(), str(binary_header).encode())]
 
@@ -204,7 +206,7 @@ class HttpSurface:
                     raise HttpError(400, f"model '{model}': parameter 'unload_dependents' must be true or false, "
                                          f"got {cap_message(json.dumps(unload_dependents), 64)}")
                 await self.dataplane.unload(model, unload_dependents)
-            return 200, [], [(b"content-type", b"application/json")]
+            return 200, [], JSON_HEADERS
         raise HttpError(404, f"no such endpoint: POST {cap_message(scope['path'], 256)}")
 
     async def _read_body(self, headers: dict[bytes, bytes], receive: Receive, model: str) -> bytes:
@@ -241,7 +243,7 @@ def _who(model: str) -> str:
 
 
 def _json(document: Any, status: int = 200) -> tuple[int, list[bytes | memoryview], list]:
-    return status, [orjson.dumps(document)], [(b"content-type", b"application/json")]
+    return status, [orjson.dumps(document)], JSON_HEADERS
 
 
 def _json_object(body: bytes, what: str) -> dict:
@@ -264,9 +266,13 @@ def _parameters(body: bytes, what: str) -> dict:
     return parameters
 
 
-def _health(ok: bool) -> tuple[int, list[bytes | memoryview], list]:
-    # Triton answers health checks with an empty 200, or 400 when not live / not ready.
-    return (200 if ok else 400), [], []
+def _health(field: str, ok: bool, **context: str) -> tuple[int, list[bytes | memoryview], list]:
+    """A health answer: Triton's status (200, or 400 when not live / not ready) and KServe's JSON body.
+
+    Triton's clients read only the status; the KServe SDK's REST client reads
+    ``live`` / ``ready`` from the body (KServe's own server sends it).
+    """
+    return _json({**context, field: ok}, 200 if ok else 400)
 
 
 def _error_body(message: str) -> list[bytes]:

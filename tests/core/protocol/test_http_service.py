@@ -74,9 +74,15 @@ def test_health_metadata_config_with_tritonclient(served):
     assert config["dynamic_batching"]["max_queue_delay_microseconds"] == 0
     assert config["instance_group"][0]["kind"] == "KIND_CPU"
     assert call(base, "GET", "/v2/models/echo/versions/1/ready")[0] == 200
+    # Triton's statuses with KServe's JSON bodies, which the KServe SDK's REST client reads
+    for path, answer in (("/v2/health/live", {"live": True}), ("/v2/health/ready", {"ready": True}),
+                         ("/v2/models/echo/ready", {"name": "echo", "ready": True})):
+        status, raw, headers = call(base, "GET", path)
+        assert (status, json.loads(raw), headers["Content-Type"]) == (200, answer, "application/json"), path
     assert error_of(call(base, "GET", "/v2/models/echo/versions/2")) == (
         404, "model 'echo' has no version '2' (nereid serves version 1)")
     assert error_of(call(base, "GET", "/v2/models/nope/ready"))[0] == 404
+    assert call(base, "GET", "/v2/models/nope/ready")[2]["Content-Type"] == "application/json"  # errors too
 
 
 @pytest.mark.parametrize("binary", [True, False])
@@ -226,7 +232,8 @@ def test_statuses_of_model_errors(served):
     assert call(base, "POST", "/v2/repository/models/echo/unload", b"")[0] == 200
     status, message = error_of(call(base, "POST", "/v2/models/echo/infer", body))
     assert status == 503 and "model 'echo' is not ready" in message
-    assert call(base, "GET", "/v2/models/echo/ready")[0] == 400
+    status, raw, _ = call(base, "GET", "/v2/models/echo/ready")
+    assert (status, json.loads(raw)) == (400, {"name": "echo", "ready": False})
     assert call(base, "POST", "/v2/repository/models/echo/load", b"")[0] == 200
     assert call(base, "POST", "/v2/models/echo/infer", body)[0] == 200
 
