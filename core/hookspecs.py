@@ -34,6 +34,9 @@ def nereid_claim_model(folder: Path, declared: bool) -> BackendClaim | None:
     :return: a :class:`~nereid.backend.BackendClaim`, or None when the folder is
         not this backend's. The backend's name is its registration name (the
         entry-point name).
+
+    Each backend is asked on its own; a wrapper of this hook is not a backend
+    and runs around each backend's answer (a list of zero or one claim).
     """
 
 

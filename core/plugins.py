@@ -52,8 +52,14 @@ def make_plugin_manager(*, load_entry_points: bool = True, extra_plugins: tuple[
 
 
 def backend_names(manager: pluggy.PluginManager) -> list[str]:
-    """Names of every registered backend plugin, sorted."""
-    return sorted(name for name, plugin in manager.list_name_plugin() if plugin is not None)
+    """Names of every registered backend plugin (one that claims folders), sorted."""
+    return sorted(impl.plugin_name for impl in _claim_impls(manager))
+
+
+def _claim_impls(manager: pluggy.PluginManager) -> list[pluggy.HookImpl]:
+    # A plugin that only wraps the claim hook (tracing, say) is not a backend and makes no claim.
+    return [impl for impl in manager.hook.nereid_claim_model.get_hookimpls()
+            if not (impl.wrapper or impl.hookwrapper)]
 
 
 def claim_folder(manager: pluggy.PluginManager, folder: Path, backend: str | None = None) -> ClaimResult:
@@ -62,8 +68,9 @@ def claim_folder(manager: pluggy.PluginManager, folder: Path, backend: str | Non
     Each claim is attributed to the plugin that made it, by its registration name.
     """
     if backend is not None:
-        if manager.get_plugin(backend) is None:
-            return ClaimResult(None, f"backend '{backend}' (from nereid.yaml) is not installed; "
+        if backend not in backend_names(manager):
+            return ClaimResult(None, f"backend '{backend}' (from nereid.yaml) is not installed (no plugin of that "
+                                     "name claims model folders); "
                                      f"installed backends: {', '.join(backend_names(manager))}")
         claims = _ask(manager, folder, declared=True, only=backend)
         if not claims:
@@ -85,13 +92,19 @@ def claim_folder(manager: pluggy.PluginManager, folder: Path, backend: str | Non
 
 def _ask(manager: pluggy.PluginManager, folder: Path, declared: bool,
          only: str | None = None) -> list[tuple[str, BackendClaim]]:
-    """Each claiming plugin's registration name and claim (of plugin ``only``, when given)."""
-    arguments = {"folder": folder, "declared": declared}
+    """Each claiming plugin's registration name and claim (of plugin ``only``, when given).
+
+    Each backend is asked through pluggy on its own, the other backends left
+    out, so that its claim is attributed to it and the hook's wrappers run
+    around every question.
+    """
+    backends = _claim_impls(manager)
     claims = []
-    for impl in manager.hook.nereid_claim_model.get_hookimpls():
+    for impl in backends:
         if only is not None and impl.plugin_name != only:
             continue
-        claim = impl.function(*(arguments[name] for name in impl.argnames))
-        if claim is not None:
+        others = [other.plugin for other in backends if other is not impl]
+        asked = manager.subset_hook_caller("nereid_claim_model", remove_plugins=others)
+        for claim in asked(folder=folder, declared=declared):  # (pluggy drops None: no claim)
             claims.append((impl.plugin_name, claim))
     return claims

@@ -125,6 +125,40 @@ def test_declared_backend_checks_only_its_own_files(repo) -> None:
     assert missing.claim is None and "backend 'tensorflow' (from nereid.yaml) is not installed" in missing.reason
 
 
+class ClaimTracer:
+    """A plugin that only observes claims, through both of pluggy's wrapper styles: not a backend."""
+
+    def __init__(self) -> None:
+        self.answers: list[list] = []
+
+    @hookspecs.hookimpl(wrapper=True)
+    def nereid_claim_model(self, folder, declared):
+        answer = yield
+        self.answers.append(list(answer))
+        return answer
+
+
+class OldStyleClaimTracer:
+    @hookspecs.hookimpl(hookwrapper=True)
+    def nereid_claim_model(self, folder, declared):
+        yield
+
+
+def test_a_plugin_that_wraps_the_claim_hook_runs_and_claims_nothing(repo) -> None:
+    folder = repo.python("traced")
+    manager = make_plugin_manager(load_entry_points=False)
+    tracer = ClaimTracer()
+    manager.register(tracer, name="tracer")
+    manager.register(OldStyleClaimTracer(), name="oldtracer")
+    # Before, each wrapper was called as if it were a backend, and its generator counted as a claim.
+    claim = claim_folder(manager, folder)
+    assert (claim.backend_name, claim.reason) == ("python", "")
+    assert sorted(len(answer) for answer in tracer.answers) == [0, 0, 0, 0, 1]  # around each backend's answer
+    assert backend_names(manager) == ["cpp", "cxx", "meta", "python", "xla"]
+    assert "backend 'tracer' (from nereid.yaml) is not installed" in claim_folder(manager, folder, "tracer").reason
+    assert claim_folder(manager, folder, "python").backend_name == "python"
+
+
 def test_readme_documents_every_hook_and_argument() -> None:
     """The README's plugin section lists each hook with exactly the hookspec's arguments."""
     documented = dict(re.findall(r"^def (nereid_\w+)\(([^)]*)\)", README.read_text(), flags=re.M))
