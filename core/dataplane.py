@@ -178,15 +178,17 @@ class DataPlane:
     @staticmethod
     def _requested_outputs(request: InferRequest, model: LoadedModel) -> set[str] | None:
         """The outputs the request asked for; None when it asked for none, meaning all of them."""
+        if not request.requested_outputs:
+            return None  # (the codecs classify requested outputs only)
         declared = {spec.name: spec for spec in model.signature.outputs}
         for name in request.requested_outputs:
             if name not in declared:
                 raise InvalidArgument(
                     f"model '{request.model_name}': unknown requested output '{name}' "
                     f"(outputs: {', '.join(repr(n) for n in declared) or 'none'})")
-        for name in request.classifications:  # (the codecs classify requested outputs only)
+        for name in request.classifications:
             check_classifiable(request.model_name, name, declared[name].dtype)
-        return set(request.requested_outputs) or None
+        return set(request.requested_outputs)
 
 
 def _strip_batch_axis(tensor: NamedTensor) -> NamedTensor:

@@ -21,10 +21,10 @@ from typing import Any
 import numpy as np
 import orjson
 
+from nereid.classification import CLASSIFICATION_PARAMETER
 from nereid.dtypes import DType
 from nereid.errors import InvalidArgument
 from nereid.model_info import MODEL_VERSION
-from nereid.classification import CLASSIFICATION_PARAMETER
 from nereid.protocol.wire import (SHARED_MEMORY_PARAMETER, TIMEOUT_PARAMETER, class_count, decode_raw,
                                   refuse_shared_memory, timeout_deadline_ns, wire_dtype, wire_shape)
 from nereid.tensors import InferRequest, InferResponse, NamedTensor, bytes_array, tensor_buffer
