@@ -10,12 +10,12 @@ its errors to their status codes.
 from __future__ import annotations
 
 import time
-from typing import Awaitable, Callable, Iterable
+from typing import Awaitable, Callable, Iterable, NoReturn
 
 from nereid import __version__
 from nereid.classification import check_classifiable, classify
 from nereid.errors import (InvalidArgument, ModelFailure, NereidError, NotFound, PermissionDenied, Unavailable,
-                           cap_message)
+                           Unimplemented, cap_message)
 from nereid.model_info import (MODEL_VERSION, IndexEntry, ModelConfig, ModelMetadata, describe_config,
                                describe_metadata)
 from nereid.repository import LoadedModel, ModelRepository, ModelState
@@ -55,6 +55,12 @@ class DataPlane:
         if self.shutting_down:
             return False
         return self.repository.server_ready() if self.settings.server.strict_readiness else True
+
+    @staticmethod
+    def refuse_extension(extension: str) -> NoReturn:
+        """Answer a call of a Triton extension nereid does not implement (shared memory, trace, logging)."""
+        raise Unimplemented(f"nereid does not implement Triton's {extension} extension (it implements: "
+                            f"{', '.join(EXTENSIONS)})")
 
     def model_ready(self, name: str) -> bool:
         """True when the model is loaded and accepting requests (NotFound for an unknown name)."""

@@ -54,6 +54,12 @@ class PermissionDenied(NereidError):
     reason = "permission_denied"
 
 
+class Unimplemented(NereidError):
+    """A Triton protocol extension nereid does not implement (gRPC UNIMPLEMENTED, HTTP 501)."""
+
+    reason = "unimplemented"
+
+
 class ConfigError(NereidError):
     """A mistake in nereid.yaml or a model folder, raised at load or check time."""
 

@@ -17,7 +17,7 @@ from nereid._proto import grpc_service_pb2 as pb
 from nereid._proto import model_config_pb2 as mc
 from nereid.dataplane import DataPlane
 from nereid.errors import (ConfigError, DeadlineExceeded, InvalidArgument, ModelFailure, NereidError,
-                           NotFound, PermissionDenied, Unavailable, cap_message)
+                           NotFound, PermissionDenied, Unavailable, Unimplemented, cap_message)
 from nereid.log_limit import RateLimitedLog
 from nereid.memory import TRIM_AFTER_BYTES, release_free_heap
 from nereid.model_info import MODEL_VERSION, ModelConfig
@@ -37,6 +37,7 @@ STATUS_OF_ERROR: dict[type[NereidError], grpc.StatusCode] = {
     DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
     ModelFailure: grpc.StatusCode.INTERNAL,
     PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
+    Unimplemented: grpc.StatusCode.UNIMPLEMENTED,
 }
 
 def status_of(error: NereidError) -> grpc.StatusCode:
@@ -295,6 +296,16 @@ class InferenceServicer:
         return pb.RepositoryModelUnloadResponse()
 
 
+    def refusal(self, extension: str) -> Handler:
+        """The handler of a Triton RPC of an unimplemented ``extension`` (its request bytes unread)."""
+        async def refuse(request: bytes, context: grpc.aio.ServicerContext) -> None:
+            try:
+                self.dataplane.refuse_extension(extension)
+            except NereidError as err:
+                await context.abort(status_of(err), str(err))
+        return refuse
+
+
 def _unload_dependents(request: pb.RepositoryModelUnloadRequest) -> bool:
     """The ``unload_dependents`` parameter (tritonclient always sends it); False when absent."""
     if "unload_dependents" not in request.parameters:  # (indexing a map would add the key)
@@ -323,13 +334,28 @@ _RPCS: tuple[tuple[str, type, type, bool], ...] = (
 )
 
 
+# Triton's RPCs for the extensions nereid does not implement, and their extension.
+_REFUSED_RPCS: dict[str, str] = {
+    **{f"SystemSharedMemory{verb}": "system_shared_memory" for verb in ("Status", "Register", "Unregister")},
+    **{f"CudaSharedMemory{verb}": "cuda_shared_memory" for verb in ("Status", "Register", "Unregister")},
+    "TraceSetting": "trace",
+    "LogSettings": "logging",
+}
+
+
 def generic_handler(servicer: InferenceServicer) -> grpc.GenericRpcHandler:
-    """Register the servicer's methods under the wire service name ``inference.GRPCInferenceService``."""
+    """Register the servicer's methods under the wire service name ``inference.GRPCInferenceService``.
+
+    Triton's RPCs of extensions nereid does not implement answer UNIMPLEMENTED
+    naming the extension (rather than grpc's bare "Method not found!").
+    """
     handlers = {}
     for name, request_type, response_type, streaming in _RPCS:
         make = grpc.stream_stream_rpc_method_handler if streaming else grpc.unary_unary_rpc_method_handler
         handlers[name] = make(getattr(servicer, name), request_deserializer=request_parser(request_type),
                               response_serializer=_serialize)
+    for name, extension in _REFUSED_RPCS.items():
+        handlers[name] = grpc.unary_unary_rpc_method_handler(servicer.refusal(extension))
     return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
 
 

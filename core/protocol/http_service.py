@@ -21,7 +21,7 @@ import uvicorn
 
 from nereid.dataplane import DataPlane
 from nereid.errors import (ConfigError, DeadlineExceeded, InvalidArgument, ModelFailure, NereidError, NotFound,
-                           PermissionDenied, QueueFull, Unavailable, cap_message)
+                           PermissionDenied, QueueFull, Unavailable, Unimplemented, cap_message)
 from nereid.model_info import MODEL_VERSION, ModelConfig
 from nereid.protocol.http_codec import HEADER_LENGTH, decode_infer, encode_infer
 from nereid.stats import ModelStats
@@ -37,7 +37,12 @@ STATUS_OF_ERROR: dict[type[NereidError], int] = {
     Unavailable: 503,
     DeadlineExceeded: 504,
     ModelFailure: 500,
+    Unimplemented: 501,
 }
+# Triton's endpoints of extensions nereid does not implement: a path's first parts after /v2, and the extension.
+REFUSED_ENDPOINTS: dict[str, str] = {"systemsharedmemory": "system_shared_memory",
+                                     "cudasharedmemory": "cuda_shared_memory", "trace": "trace",
+                                     "logging": "logging"}
 
 # Bodies at least this large are decoded on a worker thread, so the event loop never stalls on one.
 DECODE_OFF_LOOP_BYTES = 256 << 10
@@ -122,6 +127,8 @@ class HttpSurface:
             return await self._repository(scope, receive, parts[1:])
         if parts[:1] == ["models"] and len(parts) >= 2:
             return await self._model(scope, receive, parts[1], parts[2:])
+        if parts[:1] and parts[0] in REFUSED_ENDPOINTS:
+            self.dataplane.refuse_extension(REFUSED_ENDPOINTS[parts[0]])
         raise HttpError(404, f"no such endpoint: {method} {cap_message(scope['path'], 256)}")
 
     async def _model(self, scope: Scope, receive: Receive, model: str,
@@ -145,6 +152,8 @@ class HttpSurface:
             return _json(_statistics(self.dataplane.statistics(model, version)))
         if action == "infer" and method == "POST":
             return await self._infer(scope, receive, model, version)
+        if rest == ["trace", "setting"]:  # Triton's per-model trace settings
+            self.dataplane.refuse_extension("trace")
         raise HttpError(404, f"no such endpoint: {method} {cap_message(scope['path'], 256)}")
 
     async def _infer(self, scope: Scope, receive: Receive, model: str,

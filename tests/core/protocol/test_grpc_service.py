@@ -191,6 +191,18 @@ def test_server_metadata_lists_exactly_the_implemented_extensions(repo, serve):
     assert list(metadata.extensions) == ["classification", "model_repository", "model_configuration", "statistics"]
 
 
+def test_extensions_nereid_does_not_implement_are_unimplemented_by_name(repo, serve):
+    repo.python("m", textproto=textproto_single("INT8"))
+    server = serve(repo.write_config())
+    for call, extension in ((server.client.get_system_shared_memory_status, "system_shared_memory"),
+                            (lambda: server.client.register_cuda_shared_memory("r", b"\0" * 64, 0, 64),
+                             "cuda_shared_memory"),
+                            (server.client.get_trace_settings, "trace"), (server.client.get_log_settings, "logging")):
+        expect_grpc_error("UNIMPLEMENTED", call, f"nereid does not implement Triton's {extension} extension "
+                                                 "(it implements: classification, model_repository")
+    echo(server, "m", [1, 2, 3, 4])  # and it goes on serving
+
+
 def test_classification_returns_each_items_top_classes_as_strings(repo, serve):
     repo.python("m", textproto=textproto_single("INT8"))
     repo.python("h", textproto=textproto_single("FP16"))

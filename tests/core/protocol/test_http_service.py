@@ -222,6 +222,20 @@ def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(served):
         assert call(base, "GET", "/v2/health/live")[0] == 200
 
 
+def test_extensions_nereid_does_not_implement_are_501_by_name(served):
+    _, base = served
+    client = http.InferenceServerClient(base)
+    for call, extension in ((client.get_system_shared_memory_status, "system_shared_memory"),
+                            (lambda: client.unregister_cuda_shared_memory("r"), "cuda_shared_memory"),
+                            (client.get_trace_settings, "trace"), (lambda: client.get_trace_settings("echo"), "trace"),
+                            (client.get_log_settings, "logging")):
+        with pytest.raises(InferenceServerException) as caught:
+            call()
+        assert caught.value.status() == "501", caught.value
+        assert f"nereid does not implement Triton's {extension} extension" in caught.value.message()
+    assert client.is_server_live()
+
+
 def test_statuses_of_model_errors(served):
     server, base = served
     body = json.dumps({"inputs": [{"name": "input", "shape": [1, 4], "datatype": "FP32",
