@@ -9,6 +9,7 @@ it is the backend's business, not the core table's.
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -84,10 +85,64 @@ def to_portable_artifact(module: bytes | str) -> bytes:
     except UnicodeDecodeError as err:
         raise ValueError(f"neither MLIR bytecode (which starts with {BYTECODE_MAGIC!r}) nor UTF-8 MLIR text "
                          f"({err})") from None
+    context = _text_context(stablehlo)
+    if context is None:
+        try:
+            return stablehlo.serialize_portable_artifact_str(text, stablehlo.get_current_version())
+        except Exception as err:  # jaxlib raises ValueError / MLIRError
+            raise ValueError(f"not a StableHLO module: {err}") from None
+    from jaxlib.mlir import ir
+
+    # Parsed and serialized here rather than by serialize_portable_artifact_str, which prints the
+    # reason ("3:31: use of undeclared SSA value name") to stderr and raises only "failed to
+    # serialize module": here the reasons are collected and quoted.
+    diagnostics: list[str] = []
+    handler = context.attach_diagnostic_handler(lambda diagnostic: _collect(diagnostic, diagnostics, ir))
+    parsed = None
     try:
-        return stablehlo.serialize_portable_artifact_str(text, stablehlo.get_current_version())
-    except Exception as err:  # jaxlib raises ValueError / MLIRError with the parser's message
-        raise ValueError(f"not a StableHLO module: {err}") from None
+        with context:
+            parsed = ir.Module.parse(text)
+            return stablehlo.serialize_portable_artifact(parsed, stablehlo.get_current_version())
+    except Exception as err:
+        reason = "; ".join(diagnostics) or str(err).replace("Unable to parse module assembly:", "")
+        reason = cap_message(" ".join(reason.replace('"-":', "line ").split()), 512)
+        if parsed is not None:  # it parsed: the serialization to a portable artifact failed
+            raise ValueError(f"not a portable StableHLO module ({reason}): it holds operations outside "
+                             "StableHLO (chlo or mhlo ones, say); lower them to StableHLO first, as "
+                             "nereid.backends.xla.export does") from None
+        raise ValueError(f"not a StableHLO module: {reason}") from None
+    finally:
+        handler.detach()
+
+
+def _text_context(stablehlo):
+    """An MLIR context that parses what JAX writes (func, stablehlo, chlo, ...), or None without one.
+
+    It registers the dialects through jaxlib's ``_jax_mlir_ext``, which is not a
+    stable API: when it is missing, text goes through
+    ``serialize_portable_artifact_str`` instead, whose parse errors only say
+    that serialization failed.
+    """
+    try:
+        from jaxlib.mlir import ir
+        from jaxlib.mlir._mlir_libs import _jax_mlir_ext
+
+        registry = ir.DialectRegistry()
+        _jax_mlir_ext.register_dialects(registry)
+        context = ir.Context()
+        context.append_dialect_registry(registry)
+        context.load_all_available_dialects()
+        stablehlo.register_dialect(context)
+    except Exception:  # (ImportError, or a changed signature)
+        return None
+    # What JAX's own contexts register besides, so that any module JAX writes parses here too.
+    for module, register in (("chlo", "register_dialect"), ("mhlo", "register_mhlo_dialect"),
+                             ("sdy", "register_dialect")):
+        try:
+            getattr(importlib.import_module(f"jaxlib.mlir.dialects.{module}"), register)(context)
+        except Exception:  # absent from this jaxlib: modules using it fail to parse, naming it
+            pass
+    return context
 
 
 def read_program(module: bytes | str, where: str) -> ProgramSignature:
@@ -122,7 +177,9 @@ def read_program(module: bytes | str, where: str) -> ProgramSignature:
 
 def _collect(diagnostic, into: list[str], ir) -> bool:
     if diagnostic.severity == ir.DiagnosticSeverity.ERROR:
-        into.append(str(diagnostic.message))
+        location = str(diagnostic.location)  # loc("-":3:31) for text; nothing useful for bytecode
+        where = location[4:-1].replace('"-":', "line ") + ": " if location.startswith('loc("-":') else ""
+        into.append(f"{where}{diagnostic.message}")
     return True  # handled: not printed
 
 

@@ -45,6 +45,28 @@ def test_text_modules_are_read_and_converted() -> None:
     assert is_bytecode(artifact) and read_program(artifact, "x").parameters[1].dtype is DType.UINT64
 
 
+def test_text_that_does_not_parse_or_serialize_says_why_and_prints_nothing(capfd) -> None:
+    undeclared = """
+    func.func @main(%arg0: tensor<2xf32>) -> tensor<2xf32> {
+      %0 = stablehlo.add %arg0, %arg1 : tensor<2xf32>
+      return %0 : tensor<2xf32>
+    }
+    """
+    with pytest.raises(ConfigError, match="model.mlir: not a StableHLO module: error: line 3:33: use of undeclared "
+                                          "SSA value name"):
+        read_program(undeclared, "model.mlir")
+    chlo = """
+    func.func @main(%arg0: tensor<2xf32>) -> tensor<2xf32> {
+      %0 = chlo.erf_inv %arg0 : tensor<2xf32> -> tensor<2xf32>
+      return %0 : tensor<2xf32>
+    }
+    """
+    with pytest.raises(ConfigError, match=r"model.mlir: not a portable StableHLO module \(line \d+:\d+: .*\): it "
+                                          "holds operations outside StableHLO"):
+        read_program(chlo, "model.mlir")
+    assert capfd.readouterr().err == ""  # the reasons are in the errors, not on the server's stderr
+
+
 def test_unreadable_modules_name_the_file(tmp_path) -> None:
     with pytest.raises(ConfigError, match="model.b8.mlir: not a StableHLO module"):
         read_program(b"this is not mlir", "model.b8.mlir")
