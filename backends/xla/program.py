@@ -9,9 +9,10 @@ it is the backend's business, not the core table's.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Iterator, Mapping
 
 from nereid.dtypes import DType
 from nereid.errors import ConfigError, cap_message
@@ -96,23 +97,20 @@ def to_portable_artifact(module: bytes | str) -> bytes:
     # Parsed and serialized here rather than by serialize_portable_artifact_str, which prints the
     # reason ("3:31: use of undeclared SSA value name") to stderr and raises only "failed to
     # serialize module": here the reasons are collected and quoted.
-    diagnostics: list[str] = []
-    handler = context.attach_diagnostic_handler(lambda diagnostic: _collect(diagnostic, diagnostics, ir))
     parsed = None
-    try:
-        with context:
-            parsed = ir.Module.parse(text)
-            return stablehlo.serialize_portable_artifact(parsed, stablehlo.get_current_version())
-    except Exception as err:
-        reason = "; ".join(diagnostics) or str(err).replace("Unable to parse module assembly:", "")
-        reason = cap_message(" ".join(reason.replace('"-":', "line ").split()), 512)
-        if parsed is not None:  # it parsed: the serialization to a portable artifact failed
-            raise ValueError(f"not a portable StableHLO module ({reason}): it holds operations outside "
-                             "StableHLO (chlo or mhlo ones, say); lower them to StableHLO first, as "
-                             "nereid.backends.xla.export does") from None
-        raise ValueError(f"not a StableHLO module: {reason}") from None
-    finally:
-        handler.detach()
+    with _collected_diagnostics(context, ir) as diagnostics:
+        try:
+            with context:
+                parsed = ir.Module.parse(text)
+                return stablehlo.serialize_portable_artifact(parsed, stablehlo.get_current_version())
+        except Exception as err:
+            reason = "; ".join(diagnostics) or str(err).replace("Unable to parse module assembly:", "")
+            reason = cap_message(" ".join(reason.replace('"-":', "line ").split()), 512)
+            if parsed is not None:  # it parsed: the serialization to a portable artifact failed
+                raise ValueError(f"not a portable StableHLO module ({reason}): it holds operations outside "
+                                 "StableHLO (chlo or mhlo ones, say); lower them to StableHLO first, as "
+                                 "nereid.backends.xla.export does") from None
+            raise ValueError(f"not a StableHLO module: {reason}") from None
 
 
 def _text_context(stablehlo):
@@ -158,29 +156,37 @@ def read_program(module: bytes | str, where: str) -> ProgramSignature:
     stablehlo.register_dialect(context)
     # The reader's own reasons ("attempting to parse 130 bytes when only 5 remain") go into the
     # error instead of to the server's stderr, where MLIR would print them.
+    with _collected_diagnostics(context, ir) as diagnostics:
+        try:
+            with context:
+                parsed = stablehlo.deserialize_portable_artifact(context, artifact)
+                return _entry_signature(parsed, where, ir)
+        except ConfigError:
+            raise
+        except Exception as err:
+            reasons = "; ".join(diagnostics) or f"{type(err).__name__}: {err}"
+            raise ConfigError(f"{where}: not a readable StableHLO portable artifact ({cap_message(reasons, 512)}): "
+                              "the file is damaged or cut short, or was written by a newer StableHLO than this "
+                              f"jaxlib reads ({stablehlo.get_current_version()})") from None
+
+
+@contextlib.contextmanager
+def _collected_diagnostics(context, ir) -> Iterator[list[str]]:
+    """The error diagnostics ``context`` emits meanwhile, collected instead of printed to stderr."""
     diagnostics: list[str] = []
-    handler = context.attach_diagnostic_handler(lambda diagnostic: _collect(diagnostic, diagnostics, ir))
+
+    def collect(diagnostic) -> bool:
+        if diagnostic.severity == ir.DiagnosticSeverity.ERROR:
+            location = str(diagnostic.location)  # loc("-":3:31) for text; nothing useful for bytecode
+            where = location[4:-1].replace('"-":', "line ") + ": " if location.startswith('loc("-":') else ""
+            diagnostics.append(f"{where}{diagnostic.message}")
+        return True  # handled: not printed
+
+    handler = context.attach_diagnostic_handler(collect)
     try:
-        with context:
-            parsed = stablehlo.deserialize_portable_artifact(context, artifact)
-            return _entry_signature(parsed, where, ir)
-    except ConfigError:
-        raise
-    except Exception as err:
-        reasons = "; ".join(diagnostics) or f"{type(err).__name__}: {err}"
-        raise ConfigError(f"{where}: not a readable StableHLO portable artifact ({cap_message(reasons, 512)}): "
-                          "the file is damaged or cut short, or was written by a newer StableHLO than this "
-                          f"jaxlib reads ({stablehlo.get_current_version()})") from None
+        yield diagnostics
     finally:
         handler.detach()
-
-
-def _collect(diagnostic, into: list[str], ir) -> bool:
-    if diagnostic.severity == ir.DiagnosticSeverity.ERROR:
-        location = str(diagnostic.location)  # loc("-":3:31) for text; nothing useful for bytecode
-        where = location[4:-1].replace('"-":', "line ") + ": " if location.startswith('loc("-":') else ""
-        into.append(f"{where}{diagnostic.message}")
-    return True  # handled: not printed
 
 
 def _entry_signature(module, where: str, ir) -> ProgramSignature:
