@@ -298,12 +298,10 @@ class InferenceServicer:
 
     def refusal(self, extension: str) -> Handler:
         """The handler of a Triton RPC of an unimplemented ``extension`` (its request bytes unread)."""
-        async def refuse(request: bytes, context: grpc.aio.ServicerContext) -> None:
-            try:
-                self.dataplane.refuse_extension(extension)
-            except NereidError as err:
-                await context.abort(status_of(err), str(err))
-        return refuse
+        @_maps_errors
+        async def refuse(servicer: InferenceServicer, request: bytes, context: grpc.aio.ServicerContext) -> None:
+            servicer.dataplane.refuse_extension(extension)
+        return functools.partial(refuse, self)
 
 
 def _unload_dependents(request: pb.RepositoryModelUnloadRequest) -> bool:
