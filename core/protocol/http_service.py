@@ -215,7 +215,7 @@ class HttpSurface:
                     raise HttpError(400, f"model '{model}': parameter 'unload_dependents' must be true or false, "
                                          f"got {cap_message(json.dumps(unload_dependents), 64)}")
                 await self.dataplane.unload(model, unload_dependents)
-            return 200, [], JSON_HEADERS
+            return 200, [], []  # Triton's empty answer: no body, so no JSON Content-Type either
         raise HttpError(404, f"no such endpoint: POST {cap_message(scope['path'], 256)}")
 
     async def _read_body(self, headers: dict[bytes, bytes], receive: Receive, model: str) -> bytes:
