@@ -27,7 +27,8 @@ from nereid.tensors import InferRequest, InferResponse, NamedTensor
 SERVER_NAME = "nereid"
 
 # Triton protocol extensions nereid implements (ServerMetadata lists them).
-EXTENSIONS: tuple[str, ...] = ("classification", "model_repository", "model_configuration", "statistics")
+EXTENSIONS: tuple[str, ...] = ("classification", "model_repository", "model_repository(unload_dependents)",
+                               "model_configuration", "statistics")
 
 
 class DataPlane:
@@ -132,14 +133,14 @@ class DataPlane:
     async def unload(self, name: str, unload_dependents: bool = False, rpc: str = "RepositoryModelUnload") -> None:
         """Unload a model once its queued and running requests have finished.
 
-        ``unload_dependents`` True is refused (InvalidArgument): the server does
-        not list Triton's ``model_repository(unload_dependents)`` extension.
+        ``unload_dependents`` (Triton's ``model_repository(unload_dependents)``):
+        Triton then also unloads the models it loaded only along with this one,
+        the composing models an ensemble's load pulled in, unless they were
+        loaded explicitly or another model still uses them. nereid loads a
+        model only when asked (nereid.yaml, the folder, a load request), never
+        along with a meta model, so by that rule no other model is unloaded.
         """
         self._check_repository_control(rpc)
-        if unload_dependents:
-            raise InvalidArgument(f"model '{name}': unload_dependents is not supported (the server does not list "
-                                  "the model_repository(unload_dependents) extension); nothing was unloaded: "
-                                  "unload the model and each model it calls one by one")
         await self.repository.unload(name)
         if self._on_change is not None:
             await self._on_change()

@@ -71,7 +71,7 @@ def test_repository_control_off_refuses_load_and_unload(tmp_path):
     asyncio.run(scenario())
 
 
-def test_load_overrides_and_unload_dependents_are_refused_not_ignored(tmp_path):
+def test_load_overrides_are_refused_not_ignored_and_unload_dependents_is_accepted(tmp_path):
     plane = toy_dataplane(tmp_path)
 
     async def scenario():
@@ -80,9 +80,6 @@ def test_load_overrides_and_unload_dependents_are_refused_not_ignored(tmp_path):
                                                   r"are not supported"):
             await plane.load("spare", ["file:1/model.onnx", "config"])
         assert not plane.model_ready("spare")  # refused before anything was loaded
-        with pytest.raises(InvalidArgument, match="model 'toy': unload_dependents is not supported"):
-            await plane.unload("toy", unload_dependents=True)
-        assert plane.model_ready("toy")  # nothing was unloaded
-        await plane.unload("toy", unload_dependents=False)
+        await plane.unload("toy", unload_dependents=True)
         assert not plane.model_ready("toy")
     asyncio.run(scenario())

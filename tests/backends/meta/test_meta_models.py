@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tritonclient.grpc as triton
+import tritonclient.http as triton_http
 
 from support import ModelRepo, expect_grpc_error
 
@@ -254,6 +255,15 @@ def test_depends_on_readiness_cycles_and_bad_folders(repo, serve) -> None:
     client.load_model("echo")
     assert client.is_model_ready("relay") and client.is_model_ready("relay2")
     np.testing.assert_array_equal(infer(client, "relay2", X), X)
+
+    # unload_dependents, by Triton's rule: the models a meta model calls were loaded on their own
+    # (nereid never loads one along with its caller), so they stay; over HTTP as well.
+    assert "model_repository(unload_dependents)" in client.get_server_metadata().extensions
+    client.unload_model("relay2", unload_dependents=True)
+    assert not client.is_model_ready("relay2") and client.is_model_ready("relay") and client.is_model_ready("echo")
+    http = triton_http.InferenceServerClient(f"127.0.0.1:{server.server.http_port}")
+    http.unload_model("relay", unload_dependents=True)
+    assert not client.is_model_ready("relay") and client.is_model_ready("echo")
 
 
 MLP_RELAY = '''

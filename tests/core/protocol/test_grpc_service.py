@@ -188,7 +188,8 @@ def test_server_metadata_lists_exactly_the_implemented_extensions(repo, serve):
 
     assert metadata.name == "nereid"
     assert metadata.version == nereid.__version__
-    assert list(metadata.extensions) == ["classification", "model_repository", "model_configuration", "statistics"]
+    assert list(metadata.extensions) == ["classification", "model_repository", "model_repository(unload_dependents)",
+                                         "model_configuration", "statistics"]
 
 
 def test_extensions_nereid_does_not_implement_are_unimplemented_by_name(repo, serve):
@@ -437,11 +438,9 @@ def test_unload_makes_the_model_unavailable_until_loaded_again(repo, serve):
     server.client.load_model("m")
     echo(server, "m", [4, 3, 2, 1])
 
-    # Triton's load overrides and unload_dependents are refused with the reason, not silently ignored.
+    # Triton's load overrides are refused with the reason, not silently ignored.
     expect_grpc_error("INVALID_ARGUMENT", lambda: server.client.load_model("m", config='{"max_batch_size": 4}'),
                       "model 'm': load parameters 'config' are not supported")
-    expect_grpc_error("INVALID_ARGUMENT", lambda: server.client.unload_model("m", unload_dependents=True),
-                      "model 'm': unload_dependents is not supported")
     wrong = service_pb2.RepositoryModelUnloadRequest(model_name="m")
     wrong.parameters["unload_dependents"].string_param = "true"
     with channel_to(server) as channel:

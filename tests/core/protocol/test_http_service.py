@@ -285,13 +285,10 @@ def test_stats_index_and_repository_control(repo, serve):
     assert client.is_model_ready("other")
     client.unload_model("other")
     assert not client.is_model_ready("other")
-    # Triton's load overrides and unload_dependents are refused with the reason, not silently ignored.
+    # Triton's load overrides are refused with the reason, not silently ignored.
     with pytest.raises(InferenceServerException) as caught:
         client.load_model("other", config='{"max_batch_size": 4}')
     assert caught.value.status() == "400" and "load parameters 'config' are not supported" in caught.value.message()
-    with pytest.raises(InferenceServerException) as caught:
-        client.unload_model("echo", unload_dependents=True)
-    assert caught.value.status() == "400" and "unload_dependents is not supported" in caught.value.message()
     status, message = error_of(call(base, "POST", "/v2/repository/models/echo/unload",
                                     b'{"parameters": {"unload_dependents": "yes"}}'))
     assert status == 400 and "'unload_dependents' must be true or false, got \"yes\"" in message
