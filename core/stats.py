@@ -180,9 +180,23 @@ class ModelStats:
         with self._lock:
             self._advance_busy_idle(time.monotonic())
             self._running -= 1
+            # Every request that left the queue waited in it, whatever came of its execution.
+            self.queue.add_many(requests, sum(queue_ns))
+            for ns in queue_ns:
+                self.queue_seconds.observe(ns / 1e9)
+            batcher = self.batcher
+            batcher.total_batches += 1
+            batcher.total_batch_size += rows
+            batcher.total_batch_cost += cost
+            self.batch_rows.observe(rows)
+            self.batch_cost.observe(cost)
+            if not succeeded:
+                # Triton counts executions, compute times and batch statistics of successful
+                # executions only: a failed one (a fault partway through) would skew the averages.
+                return
+            batcher.total_completed += requests
             self.execution_count += 1
             # Triton's convention: each request of a batch is charged the whole batch's compute time.
-            self.queue.add_many(requests, sum(queue_ns))
             self.compute_input.add_many(requests, input_ns * requests)
             self.compute_infer.add_many(requests, infer_ns * requests)
             self.compute_output.add_many(requests, output_ns * requests)
@@ -190,17 +204,7 @@ class ModelStats:
             if per_size is None:
                 per_size = self.batches[rows] = BatchDurations()
             per_size.add(input_ns, infer_ns, output_ns)
-            batcher = self.batcher
-            batcher.total_batches += 1
-            batcher.total_batch_size += rows
-            batcher.total_batch_cost += cost
-            if succeeded:
-                batcher.total_completed += requests
-            for ns in queue_ns:
-                self.queue_seconds.observe(ns / 1e9)
             self.compute_seconds.observe((input_ns + infer_ns + output_ns) / 1e9)
-            self.batch_rows.observe(rows)
-            self.batch_cost.observe(cost)
 
     def _advance_busy_idle(self, now: float) -> None:
         elapsed = now - self._since

@@ -28,6 +28,19 @@ def test_an_execution_charges_each_request_the_whole_batch():
     assert (batcher.total_submitted, batcher.total_completed, batcher.avg_batch_size) == (3, 3, 5.0)
 
 
+def test_a_failed_execution_counts_its_queue_time_and_batch_but_no_execution_or_compute():
+    stats = ModelStats()
+    stats.execution_started()
+    stats.execution_finished(rows=3, cost=3, queue_ns=[100, 200], input_ns=10, infer_ns=0, output_ns=0,
+                             succeeded=False)
+    # Triton's execution_count, compute times and batch_stats count successful executions only.
+    assert (stats.execution_count, stats.compute_infer.count, stats.batches, sum(stats.compute_seconds.counts)) == (0, 0, {}, 0)
+    assert (stats.queue.count, stats.queue.ns, sum(stats.queue_seconds.counts)) == (2, 300, 2)
+    batcher = stats.batcher
+    assert (batcher.total_batches, batcher.total_batch_size, batcher.total_completed) == (1, 3, 0)
+    assert sum(stats.batch_rows.counts) == 1
+
+
 def test_histograms_are_cumulative_with_inclusive_bounds():
     histogram = Histogram((1.0, 2.0))
     for value in (0.5, 1.0, 1.5, 3.0):
