@@ -50,7 +50,7 @@ from nereid.backends.xla.manifest import CURRENT_FORMAT_VERSION, MANIFEST_NAME, 
 from nereid.backends.xla.safetensors import (AXIS_ORDER_KEY, AXIS_ORDER_XLA, SAFETENSORS_DTYPES,
                                              SafetensorsHeader, TensorEntry,
                                              encode_header, read_entry, read_header, read_header_fd)
-from nereid.backends.xla.weights import LocalBundleFiles, WeightSet, resolve_weights
+from nereid.backends.xla.weights import INDEX_FILE, LocalBundleFiles, WeightSet, resolve_weights
 from nereid.errors import ConfigError
 from nereid.files import atomic_write, locked, fsync_folder
 
@@ -138,6 +138,10 @@ def migrate_bundle(folder: Path | str, mode: str) -> Outcome:
         original, copy = folder / DEFAULT_WEIGHTS_FILE, folder / COPY_FILE
         declared = layout.manifest.weights_file
         if declared is None:
+            if (folder / INDEX_FILE).exists():
+                # The index picks the weights, not a weights.safetensors beside it: the copy's
+                # weights_file line would win over the index and serve that file's tensors instead.
+                return Outcome(f"a sharded bundle ({INDEX_FILE}); left alone", False)
             if copy.is_file() and original.is_file() and _same(copy, original):
                 copy.unlink()  # a replace that stopped just before removing the extra name
                 fsync_folder(folder)

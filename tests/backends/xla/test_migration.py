@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
@@ -67,6 +68,24 @@ def test_replace_mode_swaps_the_copy_in(legacy, tmp_path) -> None:
     for (_, a1), (_, a2) in zip(arrays, load_weights(legacy / "weights.safetensors")):
         assert a1.tobytes() == a2.tobytes()
     assert not [p for p in legacy.iterdir() if p.name.startswith(".") and p.name != ".cache"]  # no temporaries
+
+
+def test_a_sharded_bundle_is_left_alone_even_beside_a_legacy_weights_file(legacy, tmp_path) -> None:
+    # The index picks the shards; a leftover legacy weights.safetensors (zeros here) must not be
+    # migrated, since the copy's weights_file line would then win over the index.
+    arrays = load_weights(legacy / "weights.safetensors")
+    write_safetensors(legacy / "shard.safetensors", arrays)
+    (legacy / "weights.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {name: "shard.safetensors" for name, _ in arrays}}))
+    write_safetensors(legacy / "weights.safetensors", [(n, np.zeros_like(a)) for n, a in arrays], legacy=True)
+    manifest_before = (legacy / "manifest.yaml").read_text()
+    expected = serve_once(legacy, tmp_path)
+    assert expected.any()  # the shard's weights, not the zeros
+    for mode in ("copy", "replace"):
+        assert np.array_equal(serve_once(legacy, tmp_path, weights_migration=mode), expected)
+        outcome = migrate_bundle(legacy, mode)
+        assert (outcome.changed, outcome.what) == (False, "a sharded bundle (weights.safetensors.index.json); left alone")
+    assert not (legacy / COPY_FILE).exists() and (legacy / "manifest.yaml").read_text() == manifest_before
 
 
 def test_a_copy_then_replace_resumes_from_the_copy(legacy) -> None:
