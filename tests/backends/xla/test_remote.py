@@ -152,6 +152,17 @@ def test_a_corrupt_header_names_the_url(s3, pristine, tmp_path) -> None:
     assert str(caught.value).startswith(f"{s3.url('mlp_bundle', 'weights.safetensors')}: header: not valid JSON")
 
 
+@pytest.mark.parametrize("content, problem", [(b"", "file is 0 bytes, shorter than the 8-byte header length"),
+                                              (b"12345", "file is 5 bytes, shorter than the 8-byte header length")])
+def test_a_file_too_short_for_a_header_is_named_as_on_disk(s3, pristine, tmp_path, content, problem) -> None:
+    # An empty object used to be asked for the range 0 to -1, retried and reported as "bytes 0--1".
+    _uploaded(s3, pristine, "mlp_bundle", edit=lambda folder: (folder / "weights.safetensors").write_bytes(content))
+    _, server = _settings(tmp_path, s3.url())
+    with pytest.raises(ConfigError) as caught:
+        _load(server, "mlp_bundle")
+    assert str(caught.value) == f"{s3.url('mlp_bundle', 'weights.safetensors')}: {problem}"
+
+
 def test_a_range_that_fails_once_is_retried(s3, pristine, tmp_path) -> None:
     _uploaded(s3, pristine, "mlp_bundle")
     _, server = _settings(tmp_path, s3.url())
