@@ -23,7 +23,7 @@ from nereid.dtypes import DType
 from nereid.files import read_text_file
 from nereid.signature import MAX_DECLARED_TENSORS
 
-from nereid.backends.xla.dtype_tokens import dtype_of_token
+from nereid.backends.xla.dtype_tokens import dtype_of_token, token_of
 
 MANIFEST_NAME = "manifest.yaml"
 # A manifest is a few kilobytes; provenance included, far below this.
@@ -225,6 +225,8 @@ def parse_manifest(document: Any, path: Path) -> Manifest:
         reader.fail("executable_outputs", "must list at least one tensor", top.get("executable_outputs"))
     client_inputs = _tensors(reader, top, "client_inputs", required=meta, executable=False)
     client_outputs = _tensors(reader, top, "client_outputs", required=meta, executable=False)
+    _check_wire_dtypes(reader, "executable_inputs", executable_inputs, client_inputs, "client_inputs")
+    _check_wire_dtypes(reader, "executable_outputs", executable_outputs, client_outputs, "client_outputs")
     if meta:
         batching = _meta_batching(reader, top, (client_inputs or ()) + (client_outputs or ()))
     else:
@@ -404,6 +406,19 @@ def _dtype(reader: KeyedReader, token: Any, where: str, executable: bool) -> DTy
         reader.fail(where, f"{dtype.name} has no KServe wire datatype, so it may appear only on "
                            "executable tensors", token)
     return dtype
+
+
+def _check_wire_dtypes(reader: KeyedReader, key: str, executable: tuple[ManifestTensor, ...],
+                       client: tuple[ManifestTensor, ...] | None, client_key: str) -> None:
+    """Without ``client_key`` the executable tensors are the client's too, so each needs a wire datatype."""
+    if client is not None:
+        return
+    for index, tensor in enumerate(executable):
+        if tensor.dtype.value.kserve is None:
+            reader.fail(f"{key}[{index}].dtype", f"{tensor.dtype.name} has no KServe wire datatype, and without "
+                                                 f"{client_key} this tensor is also the client's: declare "
+                                                 f"{client_key} with a wire dtype and convert in model.py",
+                        token_of(tensor.dtype))
 
 
 def _batching(reader: KeyedReader, top: dict[str, Any], tensors: tuple[ManifestTensor, ...]) -> BatchingSpec | None:

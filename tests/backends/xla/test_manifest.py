@@ -116,6 +116,10 @@ MISTAKES = [
     (_set("executable_outputs.0.name", _DELETE), "executable_outputs[0].name", "is required"),
     (_set("client_outputs", [{"name": "a", "dtype": "f8e4m3", "shape": "x", "dims": {"x": 1}}]),
      "client_outputs[0].dtype", "no KServe wire datatype"),
+    # Without client_* the executable tensors are the client's: FP8 has no wire datatype there either.
+    (_set("executable_outputs.0.dtype", "f8e5m2"), "executable_outputs[0].dtype",
+     "F8E5M2 has no KServe wire datatype, and without client_outputs this tensor is also the client's"),
+    (_set("executable_inputs.0.dtype", "f8e4m3"), "executable_inputs[0].dtype", "declare client_inputs"),
     (_set("client_inputs", [{"name": "a", "dtype": "f32", "shape": "x", "dims": {"x": 1}},
                             {"name": "a", "dtype": "f32", "shape": "x", "dims": {"x": 1}}]),
      "client_inputs[1].name", "used twice"),
@@ -140,6 +144,13 @@ MISTAKES = [
      "sizes must be positive integers"),
     (_set("provenance", "git"), "provenance", "must be a mapping"),
 ]
+
+
+def test_fp8_executable_tensors_are_fine_behind_client_specs(tmp_path) -> None:
+    document = copy.deepcopy(BASE)
+    document["executable_outputs"][0]["dtype"] = "f8e5m2"
+    document["client_outputs"] = [{"name": "logits", "dtype": "f32", "shape": "kn", "dims": {"k": 10}}]
+    assert load_manifest(write(tmp_path, document)).executable_outputs[0].dtype.name == "F8E5M2"
 
 
 @pytest.mark.parametrize("mutate, key, problem", MISTAKES, ids=[f"{m[1]}:{m[2]}" for m in MISTAKES])
