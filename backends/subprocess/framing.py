@@ -53,12 +53,14 @@ def read_header(stream: BinaryIO, where: str) -> tuple[DType, tuple[int, ...]]:
     except ValueError as err:
         raise ModelFailure(f"{where}: header {text[:80]!r}: {err}") from None
     dims_text = parts[1] if len(parts) == 2 else ""
-    try:
-        shape = tuple(int(d) for d in dims_text.split(",")) if dims_text else ()
-    except ValueError:
-        raise ModelFailure(f"{where}: header {text[:80]!r}: dimensions must be comma-separated integers") from None
-    if len(shape) > MAX_RANK or any(d < 0 for d in shape):
-        raise ModelFailure(f"{where}: header {text[:80]!r}: bad shape (negative, or rank over {MAX_RANK})")
+    dims = dims_text.split(",") if dims_text else []
+    # ASCII digits only: int() alone would also take '+4', '0_4', '4\r' and non-ASCII digits.
+    if not all(d.isascii() and d.isdigit() for d in dims):
+        raise ModelFailure(f"{where}: header {text[:80]!r}: dimensions must be comma-separated decimal integers "
+                           "(ASCII digits)")
+    shape = tuple(int(d) for d in dims)
+    if len(shape) > MAX_RANK:
+        raise ModelFailure(f"{where}: header {text[:80]!r}: bad shape (rank over {MAX_RANK})")
     if not _representable(dtype, shape):
         # A zero dimension makes the body empty, so only numpy itself would notice the other
         # dimensions, with a ValueError instead of the model's failure.

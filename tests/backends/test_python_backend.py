@@ -437,7 +437,7 @@ FAULTS = [  # (id, mode, substrings the INTERNAL message must contain)
     ("truncated_body", 9, ["header promises 16 bytes of float32 [1, 4], file holds 6"]),
     ("empty_output", 10, ["no header line"]),
     ("unknown_dtype", 11, ["unknown dtype 'float99'"]),
-    ("negative_dim", 12, ["bad shape"]),
+    ("negative_dim", 12, ["dimensions must be comma-separated decimal integers"]),
 ]
 
 
