@@ -52,7 +52,8 @@ class BatchPolicy:
     @classmethod
     def resolve(cls, settings: BatchingSettings, signature: ModelSignature, origin: str) -> BatchPolicy:
         """Combine settings with the model's contract; ConfigError names the setting and value."""
-        if not settings.enabled or not signature.batches:
+        if not settings.enabled or not signature.batches or not signature.inputs:
+            # Without inputs nothing would tell the model how many requests a batch holds.
             return cls(enabled=False)
         cap = settings.max_batch_size or signature.max_batch_size
         if cap > signature.max_batch_size:

@@ -9,10 +9,12 @@ folders that cannot be served.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import shutil
 import struct
+import textwrap
 import time
 from pathlib import Path
 
@@ -581,9 +583,17 @@ def test_model_without_input(repo, serve):
         out.write(b"float64 2\\n" + struct.pack("<2d", 2.5, -1.0))
     '''
     repo.python("constant", main=main, textproto='output_shape: [2]\ndata_type: "FP64"\n')
+    # With a batch axis allowed, concurrent requests are still never merged: nothing would tell the
+    # program how many rows to answer, so each runs alone and gets its batch-1 result.
+    repo.python("batchable_constant", main="import time; time.sleep(0.1)\n" + textwrap.dedent(main),
+                textproto='output_shape: [2]\ndata_type: "FP64"\nmax_batch_size: 4\n')
     server = serve(repo.write_config())
     result = server.client.infer("constant", [])
     assert result.as_numpy("output").tolist() == [2.5, -1.0]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda _: server.client.infer("batchable_constant", []), range(4)))
+    assert [r.as_numpy("output").tolist() for r in results] == [[2.5, -1.0]] * 4
+    assert server.client.get_model_config("batchable_constant").config.dynamic_batching.ByteSize() == 0
 
 
 def test_model_that_ignores_stdin(repo, serve, no_zombies):

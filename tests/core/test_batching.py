@@ -155,3 +155,6 @@ def test_policy_is_checked_against_the_model() -> None:
         policy(max_batch_size=32)
     unbatched = ModelSignature(FIXED.inputs, FIXED.outputs, 0)
     assert not BatchPolicy.resolve(BatchingSettings(), unbatched, "x").enabled
+    # Requests without inputs are never merged: the model could not tell how many rows to answer.
+    no_inputs = ModelSignature((), FIXED.outputs, 16)
+    assert not BatchPolicy.resolve(BatchingSettings(), no_inputs, "x").enabled
