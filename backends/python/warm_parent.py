@@ -36,6 +36,7 @@ import atexit
 import ctypes
 import gc
 import importlib
+import itertools
 import json
 import os
 import select
@@ -350,6 +351,7 @@ def run_main(path: str) -> int:
     module.__file__ = path
     module.__builtins__ = __builtins__
     sys.modules["__main__"] = module
+    preloaded = len(sys.modules)  # modules imported from here on come after these (dicts keep order)
     try:
         code_object = entry_code(path)
         if isinstance(code_object, BaseException):
@@ -365,12 +367,35 @@ def run_main(path: str) -> int:
         if thread is not threading.main_thread() and not thread.daemon:
             thread.join()
     atexit._run_exitfuncs()
+    _release_model_modules(os.path.dirname(path), [module, *itertools.islice(sys.modules.values(), preloaded, None)])
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError):
             pass
     return code
+
+
+def _release_model_modules(folder: str, run_modules: list[types.ModuleType]) -> None:
+    """Clear the globals of ``__main__`` and of the model's own modules, as the interpreter's shutdown does.
+
+    The child leaves through ``os._exit``, which finalizes nothing: without
+    this, an output file that ``main.py`` opened into a global and never
+    closed would lose its buffered bytes, where ``python main.py`` flushes and
+    closes it at exit. ``run_modules``: ``__main__`` and the modules imported
+    during the run; of those, only the model folder's own are cleared.
+    """
+    prefix = os.path.join(folder, "")
+    for module in reversed(run_modules):
+        if module is not run_modules[0] and not str(getattr(module, "__file__", None) or "").startswith(prefix):
+            continue
+        namespace = getattr(module, "__dict__", None)
+        if isinstance(namespace, dict):
+            # As CPython clears a module: its objects' finalizers may still read builtins.
+            builtins = namespace.get("__builtins__")
+            namespace.clear()
+            if builtins is not None:
+                namespace["__builtins__"] = builtins
 
 
 def _exit_code(value: object) -> int:

@@ -596,6 +596,21 @@ def test_model_without_input(repo, serve):
     assert server.client.get_model_config("batchable_constant").config.dynamic_batching.ByteSize() == 0
 
 
+def test_output_files_left_open_are_flushed_at_exit_as_python_does(repo, serve):
+    """An output file opened into a global (of main.py or of its helper module) and never closed still counts."""
+    repo.python("in_main", main=textwrap.dedent('''\
+        import os, sys
+        raw = sys.stdin.buffer.read()
+        out = open(os.environ["NEREID_OUTPUT_PATH"], "wb")
+        out.write(b"float32 1,4\\n" + raw)
+    '''))
+    folder = repo.python("in_helper", main="import sys, helper\nhelper.out.write(b'float32 1,4\\n' + sys.stdin.buffer.read())\n")
+    (folder / "helper.py").write_text("import os\nout = open(os.environ['NEREID_OUTPUT_PATH'], 'wb')\n")
+    server = serve(repo.write_config())
+    for model in ("in_main", "in_helper", "in_main"):
+        assert infer(server, model, FOUR).as_numpy("output").tolist() == FOUR.tolist()
+
+
 def test_model_that_ignores_stdin(repo, serve, no_zombies):
     """A model that never reads its (large) stdin still answers; the server does not block on the pipe."""
     main = '''
