@@ -27,8 +27,8 @@ from nereid.tensors import InferRequest, InferResponse, NamedTensor
 SERVER_NAME = "nereid"
 
 # Triton protocol extensions nereid implements (ServerMetadata lists them).
-EXTENSIONS: tuple[str, ...] = ("classification", "model_repository", "model_repository(unload_dependents)",
-                               "model_configuration", "statistics")
+EXTENSIONS: tuple[str, ...] = ("binary_tensor_data", "classification", "model_repository",
+                               "model_repository(unload_dependents)", "model_configuration", "statistics")
 
 
 class DataPlane:

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 import orjson
 
@@ -34,15 +35,20 @@ HEADER_LENGTH = "inference-header-content-length"
 
 @dataclass(frozen=True)
 class OutputChoice:
-    """How the client wants the outputs: which ones (empty: all), which of them as binary, which classified."""
+    """How the client wants the outputs: which ones (empty: all), which of them as binary, which classified.
+
+    An output's own ``binary_data`` (true: ``binary``, false: ``json``) overrides
+    the request's ``binary_data_output`` (``binary_by_default``).
+    """
 
     names: tuple[str, ...]
     binary: frozenset[str]
     binary_by_default: bool
     classifications: dict[str, int] = field(default_factory=dict)
+    json: frozenset[str] = frozenset()
 
     def is_binary(self, name: str) -> bool:
-        return self.binary_by_default or name in self.binary
+        return name in self.binary or (self.binary_by_default and name not in self.json)
 
 
 def decode_infer(model: str, body: bytes, header_length: int | None) -> tuple[InferRequest, OutputChoice]:
@@ -147,7 +153,14 @@ def _json_array(where: str, dtype: DType, shape: tuple[int, ...], count: int, da
         bad = next((e for e in flat if e < info.min or e > info.max), None)
         if bad is not None:
             raise InvalidArgument(f"{where}: value {bad} does not fit {dtype.kserve} (range {info.min} to {info.max})")
-    return np.array(flat, dtype=dtype.numpy).reshape(shape)
+        return np.array(flat, dtype=dtype.numpy).reshape(shape)
+    with np.errstate(over="ignore"):  # an overflow is refused just below, with the value
+        array = np.array(flat, dtype=dtype.numpy).reshape(shape)
+    if not np.isfinite(array).all():  # JSON holds no infinity: a finite number overflowed the datatype
+        bad = flat[int(np.argmin(np.isfinite(array).reshape(-1)))]
+        raise InvalidArgument(f"{where}: value {bad} does not fit {dtype.kserve} "
+                              f"(largest magnitude {float(ml_dtypes.finfo(dtype.numpy).max)})")
+    return array
 
 
 def _flatten(where: str, data: Any) -> list:
@@ -171,7 +184,7 @@ def _flatten(where: str, data: Any) -> list:
 def _output_choice(model: str, outputs: Any, parameters: dict) -> OutputChoice:
     if not isinstance(outputs, list):
         raise InvalidArgument(f"model '{model}': 'outputs' must be a list")
-    names, binary, classifications = [], set(), {}
+    names, binary, json_outputs, classifications = [], set(), set(), {}
     for index, output in enumerate(outputs):
         if not isinstance(output, dict) or not isinstance(output.get("name"), str):
             raise InvalidArgument(f"model '{model}': outputs[{index}] must be an object with a 'name'")
@@ -181,12 +194,14 @@ def _output_choice(model: str, outputs: Any, parameters: dict) -> OutputChoice:
             raise refuse_shared_memory(f"model '{model}': output '{output['name'][:256]}'")
         if options.get("binary_data") is True:
             binary.add(output["name"])
+        elif options.get("binary_data") is False:
+            json_outputs.add(output["name"])
         if CLASSIFICATION_PARAMETER in options:
             count = class_count(f"model '{model}': output '{output['name'][:256]}'", options[CLASSIFICATION_PARAMETER])
             if count:
                 classifications[output["name"]] = count
     by_default = parameters.get("binary_data_output") is True
-    return OutputChoice(tuple(names), frozenset(binary), by_default, classifications)
+    return OutputChoice(tuple(names), frozenset(binary), by_default, classifications, frozenset(json_outputs))
 
 
 def _object(model: str, value: Any, what: str) -> dict:

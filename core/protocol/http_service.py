@@ -49,8 +49,9 @@ DECODE_OFF_LOOP_BYTES = 256 << 10
 # Responses up to this size are joined into one write (a copy costs less than a second write).
 JOIN_BELOW_BYTES = 64 << 10
 # curl -d sends application/x-www-form-urlencoded unless told otherwise: accepted as JSON, as Triton does.
-JSON_TYPES = (b"application/json", b"", b"application/x-www-form-urlencoded")
-BODY_TYPES = JSON_TYPES + (b"application/octet-stream",)
+# So is application/octet-stream without Inference-Header-Content-Length (the whole body is the JSON
+# header): tritonclient.http.aio labels every body so, even one whose tensors are all JSON.
+BODY_TYPES = (b"application/json", b"", b"application/x-www-form-urlencoded", b"application/octet-stream")
 # Every JSON answer says so, errors included: the KServe SDK reads an error's message only then.
 JSON_HEADERS = [(b"content-type", b"application/json")]
 
@@ -166,10 +167,9 @@ class HttpSurface:
                                  "send it uncompressed")
         header_length = headers.get(HEADER_LENGTH.encode())
         content_type = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
-        if content_type not in (BODY_TYPES if header_length is not None else JSON_TYPES):
+        if content_type not in BODY_TYPES:
             raise HttpError(400, f"model '{model}': Content-Type {content_type.decode('latin-1')[:64]!r} is not "
-                                 "accepted (application/json, or application/octet-stream with "
-                                 "Inference-Header-Content-Length)")
+                                 "accepted (application/json, or application/octet-stream)")
         length = None
         if header_length is not None:
             try:

@@ -188,8 +188,8 @@ def test_server_metadata_lists_exactly_the_implemented_extensions(repo, serve):
 
     assert metadata.name == "nereid"
     assert metadata.version == nereid.__version__
-    assert list(metadata.extensions) == ["classification", "model_repository", "model_repository(unload_dependents)",
-                                         "model_configuration", "statistics"]
+    assert list(metadata.extensions) == ["binary_tensor_data", "classification", "model_repository",
+                                         "model_repository(unload_dependents)", "model_configuration", "statistics"]
 
 
 def test_extensions_nereid_does_not_implement_are_unimplemented_by_name(repo, serve):
@@ -200,7 +200,7 @@ def test_extensions_nereid_does_not_implement_are_unimplemented_by_name(repo, se
                              "cuda_shared_memory"),
                             (server.client.get_trace_settings, "trace"), (server.client.get_log_settings, "logging")):
         expect_grpc_error("UNIMPLEMENTED", call, f"nereid does not implement Triton's {extension} extension "
-                                                 "(it implements: classification, model_repository")
+                                                 "(it implements: binary_tensor_data, classification, model_repository")
     echo(server, "m", [1, 2, 3, 4])  # and it goes on serving
 
 

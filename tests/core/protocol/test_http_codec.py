@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -63,9 +64,16 @@ def test_binary_inputs_are_views_of_the_body_and_json_mixes_in():
     (body({"name": "x", "shape": [1], "datatype": "FP32", "data": [1]},
           outputs=[{"name": "y", "parameters": {"classification": True}}]),
      None, "output 'y': parameter 'classification' must be a non-negative integer count of classes, got 'True'"),
+    # JSON has no infinity: a finite number too large for the datatype is the client's mistake.
+    (body({"name": "x", "shape": [2], "datatype": "FP16", "data": [1, 70000]}), None,
+     "input 'x': value 70000 does not fit FP16 (largest magnitude 65504.0)"),
+    (body({"name": "x", "shape": [1], "datatype": "BF16", "data": [1e39]}), None,
+     "input 'x': value 1e+39 does not fit BF16 (largest magnitude 3.3895313892515355e+38)"),
+    (body({"name": "x", "shape": [1], "datatype": "FP32", "data": [-1e39]}), None,
+     "input 'x': value -1e+39 does not fit FP32 (largest magnitude 3.4028234663852886e+38)"),
 ])
 def test_malformed_bodies_are_invalid_arguments(raw, length, message):
-    with pytest.raises(InvalidArgument, match=message.replace("(", r"\(").replace("[", r"\[")):
+    with pytest.raises(InvalidArgument, match=re.escape(message)):
         decode_infer("m", raw, length)
 
 
@@ -89,6 +97,18 @@ def test_encode_json_and_binary_outputs():
     assert header["id"] == "id-1" and header["outputs"][0]["data"] == [0.5, 1.0]
     assert header["outputs"][1]["parameters"] == {"binary_data_size": 6} and length == len(parts[0])
     assert b"".join(bytes(p) for p in parts[1:]) == (2).to_bytes(4, "little") + b"ok"
+
+
+def test_an_outputs_own_binary_data_overrides_binary_data_output():
+    raw = body({"name": "x", "shape": [1], "datatype": "FP32", "data": [1]}, parameters={"binary_data_output": True},
+               outputs=[{"name": "a", "parameters": {"binary_data": False}}, {"name": "b"},
+                        {"name": "c", "parameters": {"binary_data": True}}])
+    _, choice = decode_infer("m", raw, None)
+    assert [choice.is_binary(n) for n in "abc"] == [False, True, True]
+    _, choice = decode_infer("m", body({"name": "x", "shape": [1], "datatype": "FP32", "data": [1]},
+                                       outputs=[{"name": "a", "parameters": {"binary_data": False}}, {"name": "c",
+                                                "parameters": {"binary_data": True}}]), None)
+    assert [choice.is_binary(n) for n in "abc"] == [False, False, True]
 
 
 @pytest.mark.parametrize("tensor, message", [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import subprocess
@@ -15,6 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 import tritonclient.http as http
+import tritonclient.http.aio as http_aio
 from tritonclient.utils import InferenceServerException
 
 from support import ECHO_MAIN, free_port, textproto_single
@@ -119,6 +121,26 @@ def test_tritonclient_compression_options(served, algorithm):
                                        f"(Content-Encoding: {algorithm}); send it uncompressed")
     result = client.infer("echo", [tensor], response_compression_algorithm=algorithm)
     np.testing.assert_array_equal(result.as_numpy("output"), x)
+
+
+@pytest.mark.parametrize("binary_input", [False, True])
+def test_tritonclient_http_aio_with_json_and_binary_inputs(served, binary_input):
+    # The aio client labels every body application/octet-stream, also one whose tensors are all JSON
+    # (then without Inference-Header-Content-Length): the body is the JSON document.
+    _, base = served
+    x = np.arange(4, dtype=np.float32).reshape(1, 4)
+
+    async def scenario():
+        client = http_aio.InferenceServerClient(base)
+        try:
+            tensor = http_aio.InferInput("input", [1, 4], "FP32")
+            tensor.set_data_from_numpy(x, binary_data=binary_input)
+            result = await client.infer("echo", [tensor], outputs=[http_aio.InferRequestedOutput("output",
+                                                                                                 binary_data=False)])
+            return result.as_numpy("output")
+        finally:
+            await client.close()
+    np.testing.assert_array_equal(asyncio.run(scenario()), x)
 
 
 JSON_VALUES = {
