@@ -11,7 +11,7 @@ import asyncio
 from typing import Awaitable, Callable
 
 from nereid.backend import Model, Postprocesses, Preprocesses
-from nereid.errors import ModelFailure, NereidError
+from nereid.errors import InvalidArgument, ModelFailure, NereidError
 from nereid.scheduler import ModelScheduler
 from nereid.signature import ModelSignature, check_outputs, validate_inputs
 from nereid.tensors import NamedTensor
@@ -32,7 +32,7 @@ def make_runner(backend: Model, signature: ModelSignature, batch_signature: Mode
         name = scheduler.name  # a renamed model reports its new name
         if preprocess is not None:
             inputs = await _call_hook(name, "preprocess", preprocess, inputs)
-            inputs = validate_inputs(name, batch_signature, inputs).tensors
+            inputs = _program_inputs(name, batch_signature, inputs)
             if batch_signature.batches and inputs:
                 batch_size = inputs[0].shape[0]
         outputs = await scheduler.submit(inputs, batch_size, deadline_ns)
@@ -44,12 +44,30 @@ def make_runner(backend: Model, signature: ModelSignature, batch_signature: Mode
     return run
 
 
+def _program_inputs(model: str, batch_signature: ModelSignature, tensors: list[NamedTensor]) -> list[NamedTensor]:
+    """The preprocess hook's result checked against the program's inputs.
+
+    The client's request was valid (it was checked against the client tensors),
+    so a result that does not fit is the model's fault: INTERNAL, naming the
+    hook, never INVALID_ARGUMENT about a tensor the client never sent.
+    """
+    try:
+        return validate_inputs(model, batch_signature, tensors).tensors
+    except InvalidArgument as err:
+        detail = str(err).removeprefix(f"model '{model}': ")
+        raise ModelFailure(f"model '{model}': the preprocess hook returned tensors the program cannot take: "
+                           f"{detail}") from None
+
+
 async def _call_hook(model: str, hook: str, function: Callable[[list[NamedTensor]], list[NamedTensor]],
                      tensors: list[NamedTensor]) -> list[NamedTensor]:
     # Hooks run on worker threads, so hooks of different requests overlap.
     try:
         return await asyncio.to_thread(function, tensors)
-    except NereidError:
-        raise
+    except NereidError as err:
+        if str(err).startswith(f"model '{model}'"):
+            raise
+        # A hook's own refusal (InvalidArgument, ...): same kind, naming the model as every message does.
+        raise type(err)(f"model '{model}': {err}") from err
     except Exception as err:
         raise ModelFailure(f"model '{model}': {hook} hook failed: {type(err).__name__}: {err}") from err

@@ -127,6 +127,31 @@ def test_model_py_hooks_transform_client_tensors(repo, serve, add_bundle) -> Non
     np.testing.assert_array_equal(result.as_numpy("class"), np.argmax(expected, axis=1))
 
 
+def test_a_preprocess_result_that_misfits_is_internal_and_a_hook_refusal_names_the_model(repo, serve,
+                                                                                         add_bundle) -> None:
+    bundle = add_bundle(repo.models_dir, "mlp_hooks")
+    text = (bundle / "model.py").read_text()
+    (bundle / "model.py").write_text(text.replace("    (pixels,) = inputs\n", '''    (pixels,) = inputs
+    if pixels.data[0, 0] == 1:
+        raise nereid.errors.InvalidArgument("pixels[0, 0] = 1 is not allowed")
+    if pixels.data[0, 0] == 2:
+        return [NamedTensor.from_array("input", pixels.data.astype(np.float64))]
+''', 1))
+    server = serve(repo.write_config("- name: mlp_hooks\n"))
+    pixels = np.zeros((1, 16), np.uint8)
+    for first, status, message in [
+        (1, "INVALID_ARGUMENT", "model 'mlp_hooks': pixels[0, 0] = 1 is not allowed"),
+        # The client's valid request is not blamed for what the hook made of it.
+        (2, "INTERNAL", "model 'mlp_hooks': the preprocess hook returned tensors the program cannot take: "
+                        "input 'input' has datatype FP64, expected FP32")]:
+        pixels[0, 0] = first
+        with pytest.raises(InferenceServerException) as caught:
+            infer(server.client, "mlp_hooks", "pixels", pixels, "UINT8")
+        assert (caught.value.status(), caught.value.message()) == (f"StatusCode.{status}", message)
+    pixels[0, 0] = 0
+    assert infer(server.client, "mlp_hooks", "pixels", pixels, "UINT8").as_numpy("class").shape == (1,)
+
+
 def test_batch_must_be_a_compiled_size_when_a_tensor_has_no_batch_axis(repo, serve, add_bundle) -> None:
     add_bundle(repo.models_dir, "exact_batch")
     server = serve(repo.write_config("- name: exact_batch\n"))
