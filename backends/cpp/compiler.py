@@ -12,7 +12,9 @@ from nereid.leftovers import remove_stale_partials
 
 from nereid.backends.subprocess.runner import run_model_process
 
-SOURCE_SUFFIXES = (".cpp", ".cc", ".cxx", ".h", ".hpp", ".hh")
+# What an #include can reach: sources, headers, and the inline and template files some projects include.
+HEADER_SUFFIXES = (".h", ".hh", ".hpp", ".hxx", ".h++", ".H", ".inl", ".ipp", ".tpp", ".tcc", ".inc")
+SOURCE_SUFFIXES = (".cpp", ".cc", ".cxx", ".c++", ".C", ".c", *HEADER_SUFFIXES)
 CXX_FLAGS = ("-O2", "-std=c++17")
 COMPILE_TIMEOUT_S = 600
 CACHE_DIR = ".cache"
@@ -29,13 +31,27 @@ def find_compiler() -> str:
 
 
 def source_hash(folder: Path, compiler: str) -> str:
-    """A key over every C++ source and header in the folder, the compiler and the flags."""
+    """A key over every C++ source and header in the folder and its subfolders, the compiler and the flags."""
     digest = hashlib.sha256()
     digest.update(compiler.encode())
     digest.update(" ".join(CXX_FLAGS).encode())
-    for path in sorted(p for p in folder.iterdir() if p.is_file() and p.suffix in SOURCE_SUFFIXES):
-        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    for path in code_files(folder, SOURCE_SUFFIXES):
+        digest.update(str(path.relative_to(folder)).encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()[:20]
+
+
+def code_files(folder: Path, suffixes: tuple[str, ...]) -> list[Path]:
+    """The files under ``folder`` (subfolders too, but not hidden ones such as ``.cache``) with these suffixes.
+
+    An #include may reach into a subfolder (``include/factor.h``), so an edit
+    there must change the key as much as one beside ``main.cpp``.
+    """
+    found = []
+    for root, folders, files in os.walk(folder):
+        folders[:] = sorted(f for f in folders if not f.startswith("."))
+        found.extend(Path(root) / name for name in sorted(files)
+                     if name.endswith(suffixes) and not name.startswith(".") and (Path(root) / name).is_file())
+    return found
 
 
 def compile_to(compiler: str, arguments: list[str], target: Path, cwd: Path, what: str) -> None:

@@ -8,18 +8,36 @@ header beside them: a restart reuses the library, an edit rebuilds it.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import subprocess
 from importlib import resources
 from pathlib import Path
 
-from nereid.backends.cpp.compiler import CACHE_DIR, CXX_FLAGS, SOURCE_SUFFIXES, compile_to, find_compiler
+from nereid.backends.cpp.compiler import CACHE_DIR, CXX_FLAGS, HEADER_SUFFIXES, code_files, compile_to, find_compiler
 from nereid.backends.cxx import HEADER_NAME
 from nereid.errors import ConfigError
 
 # Position-independent code, linked as a shared object; only what the header
 # marks NEREID_EXPORT (and anything else left default) is visible.
 SHARED_FLAGS = ("-shared", "-fPIC")
-HEADER_SUFFIXES = tuple(s for s in SOURCE_SUFFIXES if s.startswith(".h"))
+
+
+@functools.lru_cache(maxsize=8)
+def shared_flags(compiler: str) -> tuple[str, ...]:
+    """The flags that make a shared library of the sources, for this compiler.
+
+    GCC marks function-local statics of inline functions and templates
+    STB_GNU_UNIQUE, which glibc binds process-wide whatever RTLD_LOCAL says and
+    which keeps the library from ever being unloaded: they would outlive a
+    reload and be shared by two models. ``-fno-gnu-unique`` keeps them private.
+    Clang emits no such symbols (and has no such flag).
+    """
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        version = ""
+    return SHARED_FLAGS if "clang" in version.lower() else (*SHARED_FLAGS, "-fno-gnu-unique")
 
 
 def header_path() -> Path:
@@ -33,12 +51,11 @@ def header_dir() -> Path:
 
 
 def library_hash(sources: tuple[Path, ...], compiler: str) -> str:
-    """A key over the compiler, the flags, nereid's header, the sources and the headers beside them."""
+    """A key over the compiler, the flags, nereid's header, the sources and the headers beside and below them."""
     digest = hashlib.sha256()
-    digest.update(compiler.encode() + b"\0" + " ".join((*CXX_FLAGS, *SHARED_FLAGS)).encode() + b"\0")
+    digest.update(compiler.encode() + b"\0" + " ".join((*CXX_FLAGS, *shared_flags(compiler))).encode() + b"\0")
     digest.update((header_dir() / HEADER_NAME).read_bytes() + b"\0")
-    headers = {p for folder in {s.parent for s in sources} for p in folder.iterdir()
-               if p.is_file() and p.suffix in HEADER_SUFFIXES}
+    headers = {p for folder in {s.parent for s in sources} for p in code_files(folder, HEADER_SUFFIXES)}
     for path in (*sources, *sorted(headers - set(sources))):
         digest.update(str(path).encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()[:20]
@@ -60,8 +77,8 @@ def build_library(model: str, folder: Path, sources: tuple[Path, ...]) -> Path:
     library = cache / f"lib-{library_hash(sources, compiler)}.so"
     if library.is_file():
         return library
-    compile_to(compiler, [*CXX_FLAGS, *SHARED_FLAGS, f"-I{header_dir()}", *map(str, sources)], library, folder,
-               f"model '{model}': {', '.join(map(str, sources))}")
+    arguments = [*CXX_FLAGS, *shared_flags(compiler), f"-I{header_dir()}", *map(str, sources)]
+    compile_to(compiler, arguments, library, folder, f"model '{model}': {', '.join(map(str, sources))}")
     for stale in cache.glob("lib-*.so"):
         if stale != library:
             stale.unlink(missing_ok=True)  # loaded models run private copies: removing this is safe

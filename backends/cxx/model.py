@@ -8,6 +8,8 @@ call, so ``instances`` calls really run at once.
 from __future__ import annotations
 
 import ctypes
+import logging
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,6 +24,8 @@ from nereid.backends.subprocess.dtype_names import contract_name
 from nereid.backends.cxx.build import build_library
 from nereid.backends.cxx.library import CTensor, NativeLibrary
 from nereid.backends.cxx.options import parse_options
+
+log = logging.getLogger(__name__)
 
 # The error buffer handed to the library, and how much of its text is echoed
 # (the library's text is untrusted input to the server's replies and logs).
@@ -50,6 +54,11 @@ class CxxModel:
         self._state = ctypes.c_void_p()
         self._inputs: tuple[_Slot, ...] = ()
         self._outputs: tuple[_Slot, ...] = ()
+        # Calls in nereid_infer now. A call cannot be stopped, so an unload that finds some running
+        # (abandoned past the drain's grace) leaves nereid_unload and dlclose to the last one to return.
+        self._calls_lock = threading.Lock()
+        self._running_calls = 0
+        self._retired: tuple[NativeLibrary, ctypes.c_void_p] | None = None
 
     # -- Model protocol -------------------------------------------------
     def load(self) -> None:
@@ -83,8 +92,25 @@ class CxxModel:
 
     def infer(self, inputs: list[NamedTensor]) -> list[NamedTensor]:
         """One call of ``nereid_infer`` on this batch (runs on a worker thread, GIL released)."""
-        library, signature = self._library, self._signature
-        assert library is not None and signature is not None, "load() first"
+        with self._calls_lock:
+            library, signature, state = self._library, self._signature, self._state
+            assert library is not None and signature is not None, "load() first"
+            self._running_calls += 1
+        try:
+            return self._call(library, signature, state, inputs)
+        finally:
+            with self._calls_lock:
+                self._running_calls -= 1
+                retired = self._retired if self._running_calls == 0 else None
+                if retired is not None:
+                    self._retired = None
+            if retired is not None:
+                log.warning("model '%s': its last abandoned call returned; unloading the library now",
+                            self.context.name)
+                _close(*retired)
+
+    def _call(self, library: NativeLibrary, signature: ModelSignature, state: ctypes.c_void_p,
+              inputs: list[NamedTensor]) -> list[NamedTensor]:
         batch = inputs[0].data.shape[0] if inputs and signature.batches else 1
         c_inputs = (CTensor * len(self._inputs))()
         c_outputs = (CTensor * len(self._outputs))()
@@ -95,32 +121,39 @@ class CxxModel:
             keep.append(data)
             _describe(c_tensor, slot, data, keep)
         outputs: list[NamedTensor] = []
-        addresses: list[int] = []
+        described: list[tuple[int, ctypes.Array]] = []
         for c_tensor, slot in zip(c_outputs, self._outputs):
             # Zero-filled, so a library that skips an element leaks no stale server memory.
             data = np.zeros((batch, *slot.spec.dims) if signature.batches else slot.spec.dims, slot.spec.dtype.numpy)
             outputs.append(NamedTensor(slot.spec.name, slot.spec.dtype, data))
-            addresses.append(_describe(c_tensor, slot, data, keep))
+            described.append(_describe(c_tensor, slot, data, keep))
         error = ctypes.create_string_buffer(ERROR_BUFFER_SIZE)
         # One byte short of the buffer: a library that fills it without a NUL still leaves one.
-        status = library.infer(self._state, c_inputs, len(c_inputs), c_outputs, len(c_outputs),
+        status = library.infer(state, c_inputs, len(c_inputs), c_outputs, len(c_outputs),
                                error, ERROR_BUFFER_SIZE - 1)
         if status != 0:
             raise ModelFailure(f"model '{self.context.name}': nereid_infer returned {status}: {_error_text(error)}")
-        self._check_outputs_untouched(c_outputs, outputs, addresses)
+        self._check_outputs_untouched(c_outputs, outputs, described)
         return outputs
 
     def unload(self) -> None:
-        """Call nereid_unload (the scheduler has drained every call), then dlclose the copy."""
-        library, self._library = self._library, None
-        if library is None:
-            return
-        try:
-            if library.unload is not None:
-                library.unload(self._state)
-        finally:
-            self._state = ctypes.c_void_p()
-            library.close()
+        """Call nereid_unload, then dlclose the copy: now, or when the last running call returns.
+
+        The scheduler drains every call first, but one still running past the
+        drain's grace cannot be stopped: unmapping its code under it would crash
+        the server, so the library stays loaded until that call returns.
+        """
+        with self._calls_lock:
+            library, state = self._library, self._state
+            self._library, self._state = None, ctypes.c_void_p()
+            if library is None:
+                return
+            if self._running_calls:
+                self._retired = (library, state)
+                log.warning("model '%s': %d call(s) still in nereid_infer; nereid_unload and dlclose wait until "
+                            "they return", self.context.name, self._running_calls)
+                return
+        _close(library, state)
 
     # -- helpers ----------------------------------------------------------
     def _load_signature(self) -> ModelSignature:
@@ -143,18 +176,29 @@ class CxxModel:
         return signature
 
     def _check_outputs_untouched(self, c_outputs: ctypes.Array, outputs: list[NamedTensor],
-                                 addresses: list[int]) -> None:
-        """The library may only fill the buffers: a swapped pointer or size would be silently lost."""
-        for c_tensor, tensor, address in zip(c_outputs, outputs, addresses):
+                                 described: list[tuple[int, ctypes.Array]]) -> None:
+        """The library may only fill the buffers: a swapped pointer, size or shape would be silently lost."""
+        for c_tensor, tensor, (address, shape) in zip(c_outputs, outputs, described):
             data = tensor.data
-            if c_tensor.data != address or c_tensor.byte_size != data.nbytes or c_tensor.rank != data.ndim:
+            if (c_tensor.data != address or c_tensor.byte_size != data.nbytes or c_tensor.rank != data.ndim
+                    or ctypes.cast(c_tensor.shape, ctypes.c_void_p).value != ctypes.addressof(shape)
+                    or tuple(shape) != data.shape):
                 raise ModelFailure(f"model '{self.context.name}': nereid_infer changed the description of output "
-                                   f"'{tensor.name}' (data, byte_size or rank); it must fill the "
+                                   f"'{tensor.name}' (data, byte_size, rank or shape); it must fill the "
                                    f"preallocated buffer of {data.nbytes} bytes, shape {list(data.shape)}")
 
 
-def _describe(c_tensor: CTensor, slot: _Slot, data: np.ndarray, keep: list[object]) -> int:
-    """Point a ``nereid_tensor`` at an array's memory, without copying it; returns the address."""
+def _close(library: NativeLibrary, state: ctypes.c_void_p) -> None:
+    """nereid_unload (when the library has one), then dlclose its private copy."""
+    try:
+        if library.unload is not None:
+            library.unload(state)
+    finally:
+        library.close()
+
+
+def _describe(c_tensor: CTensor, slot: _Slot, data: np.ndarray, keep: list[object]) -> tuple[int, ctypes.Array]:
+    """Point a ``nereid_tensor`` at an array's memory, without copying it; returns the address and shape array."""
     shape = (ctypes.c_int64 * data.ndim)(*data.shape)
     keep.append(shape)
     address: int = data.ctypes.data
@@ -164,7 +208,7 @@ def _describe(c_tensor: CTensor, slot: _Slot, data: np.ndarray, keep: list[objec
     c_tensor.shape = shape
     c_tensor.data = address
     c_tensor.byte_size = data.nbytes
-    return address
+    return address, shape
 
 
 def _error_text(buffer: ctypes.Array) -> str:

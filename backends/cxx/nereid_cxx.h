@@ -24,7 +24,10 @@
  *     It is NOT called when nereid_load failed: clean up before returning the error.
  *   - Every load dlopens a fresh private copy of the library file, so rebuilding
  *     the library and reloading the model (RepositoryModelLoad, a restart) picks up
- *     the new code. Static variables therefore start afresh with each load.
+ *     the new code. Static variables therefore start afresh with each load;
+ *     build with GCC's -fno-gnu-unique (nereid does when it builds from
+ *     runtime.sources), or the function-local statics of inline functions and
+ *     templates are bound process-wide (STB_GNU_UNIQUE) and outlive a reload.
  *   - Tensor memory belongs to the server and is valid only during the call:
  *     copy what you need to keep. Do not free it, do not store the pointers.
  *
@@ -32,7 +35,9 @@
  *   - nereid_infer is called from server worker threads with the Python GIL
  *     released, by at most `instances` threads at once (nereid.yaml, default 1).
  *     With instances > 1 it MUST be thread-safe: concurrent calls share `state`.
- *   - The server never calls nereid_unload while a nereid_infer is running.
+ *   - The server never calls nereid_unload while a nereid_infer is running: a
+ *     call still running when its model is unloaded (past the drain's grace)
+ *     delays nereid_unload and the dlclose until it returns.
  *   - There is no time limit (timeout_s does not apply) and no way to cancel a
  *     call: a call that never returns holds its instance forever.
  *

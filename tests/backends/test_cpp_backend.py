@@ -15,6 +15,7 @@ import pytest
 import tritonclient.grpc as triton
 from tritonclient.utils import InferenceServerException
 
+from nereid.backends.cpp.compiler import source_hash
 from support import ECHO_MAIN, textproto_single, zombie_children
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "ml-backends"
@@ -118,6 +119,22 @@ def test_editing_an_included_header_rebuilds(repo, serve):
     assert infer(server, "scale_h", ROWS).as_numpy("output").tolist() == (-ROWS).tolist()
     [new] = cache_files(folder)
     assert new != old
+
+
+def test_every_header_an_include_can_reach_is_in_the_key_and_the_cache_is_not(tmp_path):
+    """Headers in subfolders and with any header suffix change the key; the cache folder and data files do not."""
+    (tmp_path / "main.cpp").write_text('#include "include/factor.h"\n#include "more.hxx"\nint main() {}\n')
+    for name in ("include/factor.h", "more.hxx", "detail/impl.inl", ".cache/main-old", "weights.bin"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("1\n")
+    key = source_hash(tmp_path, "c++")
+    for name in ("include/factor.h", "more.hxx", "detail/impl.inl"):
+        (tmp_path / name).write_text("2\n")
+        assert source_hash(tmp_path, "c++") != key, name
+        key = source_hash(tmp_path, "c++")
+    for name in (".cache/main-old", "weights.bin"):
+        (tmp_path / name).write_text("2\n")
+    assert source_hash(tmp_path, "c++") == key
 
 
 def test_compile_error_is_unavailable_with_the_compiler_message(repo, serve, no_zombies):

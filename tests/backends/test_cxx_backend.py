@@ -141,6 +141,8 @@ extern "C" int nereid_infer(void* state, const nereid_tensor* in, size_t n_in, n
         if (mode == 3) { std::memset(error, 'y', error_size); return 3; }  // fills the buffer, no NUL
         if (mode == 4) return 4;  // no text
         if (mode == 5) { static float elsewhere[64]; out[0].data = elsewhere; return 0; }
+        if (mode == 6) { static int64_t other[2] = {1, 99}; out[0].shape = other; return 0; }
+        if (mode == 7) { const_cast<int64_t*>(out[0].shape)[1] = 99; return 0; }  // writes through its shape
         return doubled(in[0], out[0]);
     }
     nereid_set_error(error, error_size, "unknown test model %s", s->name.c_str());
@@ -272,6 +274,60 @@ def test_buffers_are_passed_without_copies(repo, libs, tmp_path):
     assert list(tmp_path.glob("*.so")) == []  # the private copy went with the unload
 
 
+def test_an_unload_during_a_running_call_waits_for_it_to_return(repo, libs, tmp_path):
+    """A call abandoned past the drain's grace cannot be stopped: its code must stay mapped until it returns."""
+    folder = repo.add("slow", 'input { name: "x" data_type: "INT64" dims: [1] }\n'
+                              'output { name: "max_in_flight" data_type: "INT64" dims: [1] }\n')
+    model = CxxModel(ModelContext("slow", folder, ModelSettings("slow", runtime={"library": str(libs["multi"])}),
+                                  tmp_path, "test"))
+    model.load()
+    results = []
+    call = threading.Thread(target=lambda: results.append(model.infer([NamedTensor("x", DType.INT64,
+                                                                                   np.array([1], np.int64))])))
+    call.start()
+    time.sleep(0.1)  # inside its 300 ms nereid_infer
+    model.unload()  # returns at once; nereid_unload and dlclose wait for the call
+    assert (folder / "events.log").read_text() == "load slow\n" and len(list(tmp_path.glob("*.so"))) == 1
+    call.join(timeout=10)
+    assert results[0][0].data.tolist() == [1]  # the call finished normally
+    assert (folder / "events.log").read_text() == "load slow\nunload slow\n"
+    assert list(tmp_path.glob("*.so")) == []
+
+
+COUNTER_SOURCE = r'''
+#include <cstdint>
+#include "nereid_cxx.h"
+inline int64_t& calls() { static int64_t count = 0; return count; }  // GCC would make it STB_GNU_UNIQUE
+extern "C" int nereid_infer(void*, const nereid_tensor*, size_t, nereid_tensor* out, size_t, char*, size_t) {
+    *static_cast<int64_t*>(out[0].data) = ++calls();
+    return 0;
+}
+'''
+
+
+def test_statics_start_afresh_with_each_load_and_are_never_shared_between_models(repo, tmp_path):
+    """Even a function-local static of an inline function (GCC binds those process-wide unless told not to)."""
+    models = []
+    for name in ("counter_a", "counter_b"):
+        folder = repo.add(name, 'output { name: "calls" data_type: "INT64" dims: [1] }\n')
+        (folder / "counter.cpp").write_text(COUNTER_SOURCE)
+        settings = ModelSettings(name, runtime={"sources": [str(folder / "counter.cpp")]})
+        models.append(CxxModel(ModelContext(name, folder, settings, tmp_path, "test")))
+
+    def calls(model) -> list[int]:
+        return [int(model.infer([])[0].data[0]) for _ in range(2)]
+
+    a, b = models
+    a.load()
+    b.load()
+    assert (calls(a), calls(b)) == ([1, 2], [1, 2])
+    a.unload()
+    a.load()
+    assert calls(a) == [1, 2]
+    a.unload()
+    b.unload()
+
+
 def test_library_without_nereid_load_gets_null_state_and_c_works(repo, serve, libs):
     scale_model(repo, "plain_c")
     server = serve(repo.write_config(entry("plain_c", f'{{library: "{libs["noload"]}"}}')))
@@ -293,7 +349,9 @@ def test_model_faults_are_internal_with_the_library_text(repo, serve, libs):
     unterminated = fail(3, "nereid_infer returned 3: yyyy", "(truncated)")
     assert len(unterminated) < 1200  # no NUL from the library: the server's own last byte ends the text
     fail(4, "nereid_infer returned 4: (no error text)")
-    fail(5, "changed the description of output 'output'", "preallocated buffer of 32 bytes")
+    for mode in (5, 6, 7):
+        fail(mode, "changed the description of output 'output' (data, byte_size, rank or shape)",
+             "preallocated buffer of 32 bytes")
     # the model still serves
     assert server.client.infer("faulty", [tensor("input", ROWS)]).as_numpy("output").tolist() == (ROWS * 2).tolist()
 
