@@ -60,6 +60,14 @@ def decode_raw(where: str, dtype: DType, shape: tuple[int, ...], raw: bytes | me
         raise InvalidArgument(
             f"{where}: raw contents are {len(raw)} bytes, expected {expected} "
             f"({dtype.kserve} {list(shape)} = {count} x {dtype.itemsize} bytes)")
+    if dtype is DType.BOOL:
+        # One byte each, 0 or 1: any other byte is no bool (numpy compares it unequal to True, and a
+        # C++ model reading it as bool is undefined behaviour).
+        octets = np.frombuffer(raw, dtype=np.uint8)
+        if count and octets.max() > 1:
+            index = int(np.argmax(octets > 1))
+            raise InvalidArgument(f"{where}: BOOL raw contents hold byte {int(octets[index])} at element {index}; "
+                                  "each element must be 0 (false) or 1 (true)")
     return np.frombuffer(raw, dtype=dtype.little_endian).reshape(shape)
 
 

@@ -64,6 +64,9 @@ def test_binary_inputs_are_views_of_the_body_and_json_mixes_in():
     (body({"name": "x", "shape": [1], "datatype": "FP32", "data": [1]},
           outputs=[{"name": "y", "parameters": {"classification": True}}]),
      None, "output 'y': parameter 'classification' must be a non-negative integer count of classes, got 'True'"),
+    (body({"name": "x", "shape": [2], "datatype": "BOOL", "parameters": {"binary_data_size": 2}}) + b"\x01\x07",
+     len(body({"name": "x", "shape": [2], "datatype": "BOOL", "parameters": {"binary_data_size": 2}})),
+     "input 'x': BOOL raw contents hold byte 7 at element 1; each element must be 0 (false) or 1 (true)"),
     # JSON has no infinity: a finite number too large for the datatype is the client's mistake.
     (body({"name": "x", "shape": [2], "datatype": "FP16", "data": [1, 70000]}), None,
      "input 'x': value 70000 does not fit FP16 (largest magnitude 65504.0)"),
