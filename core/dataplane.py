@@ -14,8 +14,8 @@ from typing import Awaitable, Callable, Iterable, NoReturn
 
 from nereid import __version__
 from nereid.classification import check_classifiable, classify
-from nereid.errors import (InvalidArgument, ModelFailure, NereidError, NotFound, PermissionDenied, Unavailable,
-                           Unimplemented, cap_message)
+from nereid.errors import (InvalidArgument, ModelFailure, ModelRetired, NereidError, NotFound, PermissionDenied,
+                           Unavailable, Unimplemented, cap_message)
 from nereid.model_info import (MODEL_VERSION, IndexEntry, ModelConfig, ModelMetadata, describe_config,
                                describe_metadata)
 from nereid.repository import LoadedModel, ModelRepository, ModelState
@@ -160,15 +160,15 @@ class DataPlane:
                 wanted = self._requested_outputs(request, model)
                 outputs = await model.run(validated.tensors, validated.batch_size, request.deadline_ns)
                 break
-            except Unavailable as err:
-                # A reload may have swapped versions while this request ran a hook: the old version
-                # no longer accepts, so the request goes to the new one (once).
-                current = self.repository.ready_model(request.model_name) if attempt == 1 else model
-                if current is model:
-                    model.stats.record_failure(time.monotonic_ns() - received_ns, err.reason)
-                    raise
-                model = current
             except NereidError as err:
+                # A reload may have swapped versions while this request ran a hook: the old version
+                # refused it at admission, so it goes to the new one (once). Only that refusal: an
+                # error from work that ran (a meta model's sub-call) must not run that work again.
+                if attempt == 1 and isinstance(err, ModelRetired) and err.scheduler is model.scheduler:
+                    current = self._serving(request.model_name)
+                    if current is not None and current is not model:
+                        model = current
+                        continue
                 model.stats.record_failure(time.monotonic_ns() - received_ns, err.reason)
                 raise
         if wanted is not None:
@@ -181,6 +181,13 @@ class DataPlane:
                        else t for t in outputs]
         model.stats.record_success(time.monotonic_ns() - received_ns, validated.batch_size)
         return InferResponse(request.model_name, outputs, request.id)
+
+    def _serving(self, name: str) -> LoadedModel | None:
+        """The version of ``name`` serving now; None when none is READY."""
+        try:
+            return self.repository.ready_model(name)
+        except NereidError:
+            return None
 
     @staticmethod
     def _requested_outputs(request: InferRequest, model: LoadedModel) -> set[str] | None:

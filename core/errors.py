@@ -30,6 +30,20 @@ class Unavailable(NereidError):
     reason = "unavailable"
 
 
+class ModelRetired(Unavailable):
+    """A model version that no longer takes requests refused one at admission (it is being unloaded or replaced).
+
+    ``scheduler`` is the refusing version's scheduler: the data plane resends
+    a request refused by the very version it had chosen, once, to the version
+    now serving. A copy of this error made elsewhere (a meta model passing on
+    a sub-call's error) has none, so nothing that already ran is run again.
+    """
+
+    def __init__(self, message: str, scheduler: object = None) -> None:
+        super().__init__(message)
+        self.scheduler = scheduler
+
+
 class QueueFull(Unavailable):
     """A request refused because the model's queue is at capacity (gRPC UNAVAILABLE)."""
 

@@ -23,7 +23,7 @@ import numpy as np
 from nereid.backend import REQUEST_DEADLINE_NS, Model, PadsBatches
 from nereid.batching import BatchPolicy, batch_key, request_cost, take_batch, will_not_run
 from nereid.daemon_pool import DaemonThreadPool
-from nereid.errors import DeadlineExceeded, ModelFailure, NereidError, QueueFull, Unavailable
+from nereid.errors import DeadlineExceeded, ModelFailure, ModelRetired, NereidError, QueueFull, Unavailable
 from nereid.signature import ModelSignature, check_outputs
 from nereid.stats import ModelStats
 from nereid.tensors import NamedTensor
@@ -91,7 +91,7 @@ class ModelScheduler:
         unloaded. Cancelling the caller drops the request if it has not started.
         """
         if not self._accepting:
-            raise Unavailable(f"model '{self.name}' is being unloaded")
+            raise ModelRetired(f"model '{self.name}' is being unloaded", self)
         if len(self._pending) >= self.capacity:
             raise QueueFull(f"model '{self.name}': queue is full (queue_capacity {self.capacity} in nereid.yaml); "
                             "retry later")

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as triton
 import tritonclient.http as triton_http
+from tritonclient.utils import InferenceServerException
 
 from support import ModelRepo, expect_grpc_error
 
@@ -321,3 +322,46 @@ def test_sub_calls_batch_with_direct_traffic(repo, serve) -> None:
         results = list(pool.map(lambda i: one(2 * (i % 4) + 1), range(64)))
     for i, result in enumerate(results):
         np.testing.assert_allclose(result, expected[2 * (i % 4) + 1:2 * (i % 4) + 2], rtol=1e-5, atol=1e-6)
+
+
+ONCE = '''
+import asyncio
+from pathlib import Path
+import nereid
+import nereid.errors
+
+async def orchestrate(inputs, ctx):
+    with open(Path(__file__).parent / "runs.txt", "a") as runs:
+        runs.write("run\\n")
+    await asyncio.sleep(0.6)
+    if inputs[0].data[0] == 0:
+        raise nereid.errors.Unavailable("the orchestration gave up")
+    return await ctx.infer("echo", inputs)
+
+nereid.register_model(orchestrate=orchestrate)
+'''
+
+
+def test_an_orchestration_runs_once_and_its_failure_counts_across_reloads_and_unloads(repo, serve) -> None:
+    repo.python("echo")
+    folder = add_meta(repo, "once", ONCE, ["echo"])
+    server = serve(repo.write_config())
+    client = server.client
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        # Its Unavailable while a reload made a new version READY: the request is not run again there.
+        running = pool.submit(infer, client, "once", np.zeros(4, np.float32))
+        time.sleep(0.2)
+        client.load_model("once")
+        with pytest.raises(InferenceServerException, match="the orchestration gave up"):
+            running.result(timeout=30)
+        assert (folder / "runs.txt").read_text() == "run\n"
+        # Its sub-call failing because the dependency was unloaded meanwhile (the meta model then is not
+        # READY either): still one answer, and one failure in its statistics.
+        running = pool.submit(infer, client, "once", X + 1)
+        time.sleep(0.2)
+        client.unload_model("echo")
+        with pytest.raises(InferenceServerException, match="sub-call to 'echo' failed"):
+            running.result(timeout=30)
+    assert (folder / "runs.txt").read_text() == "run\nrun\n"
+    # Statistics are per loaded version: the first failure went with the version the reload replaced.
+    assert statistics(client, "once").inference_stats.fail.count == 1
