@@ -232,6 +232,11 @@ class ModelScheduler:
                 live.append(work)
         if not live:
             return
+        if self._inline and len(live) == 1:
+            # A lone request run by a coroutine infer (a meta model's orchestration) stops when its
+            # caller goes away, as it does when it started at once in the caller's own task.
+            execution = asyncio.current_task()
+            live[0].future.add_done_callback(lambda future: future.cancelled() and execution.cancel())
         # This task's own context: the batch's earliest deadline, for a coroutine infer.
         REQUEST_DEADLINE_NS.set(min((w.deadline_ns for w in live if w.deadline_ns), default=0))
         try:

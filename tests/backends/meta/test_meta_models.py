@@ -365,3 +365,37 @@ def test_an_orchestration_runs_once_and_its_failure_counts_across_reloads_and_un
     assert (folder / "runs.txt").read_text() == "run\nrun\n"
     # Statistics are per loaded version: the first failure went with the version the reload replaced.
     assert statistics(client, "once").inference_stats.fail.count == 1
+
+
+THREE_STEPS = '''
+import nereid
+from nereid.tensors import NamedTensor
+
+async def orchestrate(inputs, ctx):
+    (x,) = inputs
+    for _ in range(3):
+        (x,) = await ctx.infer("step", [NamedTensor("input", x.dtype, x.data)])
+    return [NamedTensor("output", x.dtype, x.data)]
+
+nereid.register_model(orchestrate=orchestrate)
+'''
+
+
+def test_a_client_that_goes_away_stops_its_orchestration_whether_it_queued_or_not(repo, serve) -> None:
+    step = add_counting(repo, "step", 0.3)
+    add_meta(repo, "three_steps", THREE_STEPS, ["step"])
+    # queue_capacity 1: one orchestration at a time, so the second request waits in the queue first.
+    server = serve(repo.write_config("- name: three_steps\n  queue_capacity: 1\n- name: step\n"))
+    client = server.client
+    tensor = triton.InferInput("input", [4], "FP32")
+    tensor.set_data_from_numpy(X)
+    first = client.async_infer("three_steps", [tensor], lambda result, error: None)
+    second = client.async_infer("three_steps", [tensor], lambda result, error: None)
+    time.sleep(0.15)
+    first.cancel()  # started at once, in its caller's task
+    time.sleep(0.3)
+    second.cancel()  # started by the batcher once the first stopped
+    time.sleep(1.5)  # what a forgotten orchestration would use to issue its other steps
+    assert calls(step) <= 2, "each cancelled orchestration may finish the step it was in, and issue no other"
+    np.testing.assert_array_equal(infer(client, "three_steps", X), X)  # and the model serves on
+    assert calls(step) <= 5
