@@ -184,8 +184,11 @@ class MetaModel:
                 result = await orchestrate(inputs, MetaContext(self, deadline_ns))
             else:
                 result = await self._run_blocking(orchestrate, inputs, deadline_ns)
-        except NereidError:
-            raise  # a sub-call's error (or the orchestration's own), with its status
+        except NereidError as err:
+            if str(err).startswith(f"meta model '{self.context.name}'"):
+                raise  # a sub-call's error, already naming both models, with its status
+            # The orchestration's own refusal (raise InvalidArgument(...)): its status, naming the model.
+            raise _same_kind(err, f"meta model '{self.context.name}': {err}") from err
         except Exception as err:
             log.exception("meta model '%s': orchestrate raised", self.context.name)  # the author's traceback
             raise ModelFailure(f"meta model '{self.context.name}': orchestrate failed{self._line_of(err)}: "

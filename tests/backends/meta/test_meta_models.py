@@ -352,7 +352,7 @@ def test_an_orchestration_runs_once_and_its_failure_counts_across_reloads_and_un
         running = pool.submit(infer, client, "once", np.zeros(4, np.float32))
         time.sleep(0.2)
         client.load_model("once")
-        with pytest.raises(InferenceServerException, match="the orchestration gave up"):
+        with pytest.raises(InferenceServerException, match="meta model .once.: the orchestration gave up"):
             running.result(timeout=30)
         assert (folder / "runs.txt").read_text() == "run\n"
         # Its sub-call failing because the dependency was unloaded meanwhile (the meta model then is not
