@@ -227,6 +227,9 @@ def parse_manifest(document: Any, path: Path) -> Manifest:
     client_outputs = _tensors(reader, top, "client_outputs", required=meta, executable=False)
     _check_wire_dtypes(reader, "executable_inputs", executable_inputs, client_inputs, "client_inputs")
     _check_wire_dtypes(reader, "executable_outputs", executable_outputs, client_outputs, "client_outputs")
+    if meta and not client_outputs:
+        reader.fail("client_outputs", "must list at least one tensor (what the meta model answers)",
+                    top.get("client_outputs"))
     if meta:
         batching = _meta_batching(reader, top, (client_inputs or ()) + (client_outputs or ()))
     else:

@@ -62,6 +62,9 @@ def test_missing_client_outputs_is_refused() -> None:
     text = META.replace("client_outputs: [{name: y, dtype: f32, shape: an, dims: {a: 4}}]\n", "")
     with pytest.raises(ConfigError, match="client_outputs: is required"):
         parse(text)
+    empty = META.replace("client_outputs: [{name: y, dtype: f32, shape: an, dims: {a: 4}}]", "client_outputs: []")
+    with pytest.raises(ConfigError, match=r"client_outputs: must list at least one tensor .*, got \[\]"):
+        parse(empty)
 
 
 def test_find_cycle() -> None:
