@@ -20,7 +20,7 @@ from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from nereid.backend import ReportsRuntime
-
+from nereid.errors import NereidError, NotFound
 from nereid.repository import ModelRepository, ModelState
 
 if TYPE_CHECKING:
@@ -31,6 +31,10 @@ log = logging.getLogger(__name__)
 # A scrape connection idle this long is closed; at most this many are served at once.
 IDLE_TIMEOUT_S = 5.0
 MAX_CONNECTIONS = 64
+# The model label of requests for names the repository does not know. No model folder can be named so
+# (a folder name has no "/"), and one label for all of them keeps the series bounded by the folders:
+# a client inventing names must not add a series (and memory, and scrape time) per name.
+UNKNOWN_MODEL = "/unknown"
 
 # (metric name, help, ModelStats attribute)
 _HISTOGRAMS = (
@@ -57,20 +61,49 @@ class ServerMetrics:
         self.protocol_requests = Counter(
             "nereid_protocol_requests", "Inference requests answered, by model, protocol (grpc, http) and outcome.",
             ["model", "protocol", "outcome"], registry=self.registry)
+        # Children by labels; keys name only models the repository knew when first counted, so this
+        # stays as small as the label sets themselves.
         self._request_counters: dict[tuple[str, str, str], Any] = {}
+        self._repository: ModelRepository | None = None
         self._http = None
 
     def collect_from(self, repository: ModelRepository) -> None:
-        """Report every model of ``repository``, read from it at each scrape (no per-request metric work)."""
+        """Report every model of ``repository``, read from it at each scrape (no per-request metric work).
+
+        Requests are then counted by model only for names ``repository`` knows (see :data:`UNKNOWN_MODEL`).
+        """
+        self._repository = repository
         self.registry.register(_RepositoryCollector(repository))
 
     def count_request(self, protocol: str, model: str, outcome: str) -> None:
-        """Count one inference request answered over ``protocol`` (``success`` or the error's reason)."""
+        """Count one inference request answered over ``protocol`` (``success`` or the error's reason).
+
+        A name the repository does not know is counted as :data:`UNKNOWN_MODEL`. A name it knew once
+        keeps its series after the folder is gone: those are bounded by the folders that ever existed.
+        """
         key = (model, protocol, outcome)
         counter = self._request_counters.get(key)
         if counter is None:  # labels() costs more than the increment: look each child up once
-            counter = self._request_counters[key] = self.protocol_requests.labels(model, protocol, outcome)
+            if not self._knows(model):
+                model = UNKNOWN_MODEL
+                key = (model, protocol, outcome)
+            counter = self._request_counters.get(key)
+            if counter is None:
+                counter = self._request_counters[key] = self.protocol_requests.labels(model, protocol, outcome)
         counter.inc()
+
+    def _knows(self, model: str) -> bool:
+        """Whether the repository has a folder (or nereid.yaml entry) named ``model``; True without one."""
+        if self._repository is None:
+            return True
+        try:
+            # A dict lookup, not entry(): that one may stat the folder, and the data plane just did.
+            self._repository.ready_model(model)
+        except NotFound:
+            return False
+        except NereidError:  # known, but not ready
+            return True
+        return True
 
     def model_loaded(self, model: str, seconds: float) -> None:
         """Record one model load."""

@@ -6,6 +6,7 @@ import socket
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 
 import numpy as np
@@ -126,3 +127,37 @@ def test_idle_metrics_connections_are_bounded_and_timed_out(repo, serve) -> None
         for connection in idle:
             connection.close()
         metrics.close()
+
+
+def test_made_up_model_names_add_no_series(repo, serve) -> None:
+    """Every request to an invented name made a permanent nereid_protocol_requests_total series of its own."""
+    from nereid.metrics import UNKNOWN_MODEL
+
+    repo.python("echo")
+    repo.python("other")  # a folder, not loaded: its requests keep its name
+    server = serve(repo.write_config("- name: echo\n"))
+    tensor = triton.InferInput("input", [1, 4], "FP32")
+    tensor.set_data_from_numpy(np.ones((1, 4), np.float32))
+    for index in range(30):
+        with pytest.raises(InferenceServerException):
+            server.client.infer(f"made-up-{index}-" + "x" * 200, [tensor])
+    with pytest.raises(InferenceServerException):
+        server.client.infer("other", [tensor])
+    server.client.infer("echo", [tensor])
+    base = f"http://127.0.0.1:{server.server.http_port}"
+    body = b'{"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 4], "data": [1, 2, 3, 4]}]}'
+    for index in range(20):
+        request = urllib.request.Request(f"{base}/v2/models/invented-{index}/infer", method="POST",
+                                         data=body, headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as caught:
+            urllib.request.urlopen(request, timeout=10)
+        assert caught.value.code == 404
+
+    requests = {labels: value for (name, labels), value in scrape(server.server.metrics_port).items()
+                if name == "nereid_protocol_requests_total"}
+    assert requests == {
+        (("model", UNKNOWN_MODEL), ("outcome", "not_found"), ("protocol", "grpc")): 30,
+        (("model", UNKNOWN_MODEL), ("outcome", "not_found"), ("protocol", "http")): 20,
+        (("model", "other"), ("outcome", "unavailable"), ("protocol", "grpc")): 1,
+        (("model", "echo"), ("outcome", "success"), ("protocol", "grpc")): 1,
+    }
