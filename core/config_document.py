@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import io
+import math
 from pathlib import Path
 from typing import AbstractSet, Any
 
@@ -110,12 +111,21 @@ class KeyedReader:
 
     def number(self, section: dict[str, Any], key: str, default: float, *, minimum: float,
                exclusive: bool = False) -> float:
+        """A finite number (an int or a float) of at least ``minimum`` (more than it with ``exclusive``)."""
         value = section.get(_last(key), default)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             self.fail(key, "must be a number", value)
-        if value < minimum or (exclusive and value == minimum):
+        try:
+            number = float(value)
+        except OverflowError:  # an integer of hundreds of digits
+            self.fail(key, "must be a finite number", value)
+        # YAML spells NaN and infinity .nan and .inf; neither is a timeout or a delay (NaN compares
+        # false with everything, so it would pass the minimum check below and break every later wait).
+        if not math.isfinite(number):
+            self.fail(key, "must be a finite number", value)
+        if number < minimum or (exclusive and number == minimum):
             self.fail(key, f"must be {'>' if exclusive else '>='} {minimum}", value)
-        return float(value)
+        return number
 
 
 def _last(key: str) -> str:

@@ -117,3 +117,28 @@ def test_backend_defaults(root: Path) -> None:
 def test_backend_defaults_errors(root: Path, text: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         load_settings(write(root, text))
+
+
+@pytest.mark.parametrize("body, key, value", [
+    ("models:\n  - name: a\n    timeout_s: .nan\n", "models[0].timeout_s", "nan"),
+    ("models:\n  - name: a\n    timeout_s: .inf\n", "models[0].timeout_s", "inf"),
+    ("models:\n  - name: a\n    batching: {max_queue_delay_ms: .nan}\n", "models[0].batching.max_queue_delay_ms",
+     "nan"),
+    ("server:\n  shutdown_grace_s: .nan\n", "server.shutdown_grace_s", "nan"),
+    ("server:\n  shutdown_grace_s: .inf\n", "server.shutdown_grace_s", "inf"),
+    ("server:\n  watch_settle_ms: .nan\n", "server.watch_settle_ms", "nan"),
+    ("server:\n  watch_settle_ms: .inf\n", "server.watch_settle_ms", "inf"),
+    ("server:\n  watch_poll_s: .NaN\n", "server.watch_poll_s", "nan"),
+    ("server:\n  watch_poll_s: 1" + "0" * 400 + "\n", "server.watch_poll_s", "1" + "0" * 400),
+], ids=["timeout-nan", "timeout-inf", "delay-nan", "grace-nan", "grace-inf", "settle-nan", "settle-inf", "poll-nan",
+        "poll-huge-int"])
+def test_nan_and_infinity_are_refused_like_a_wrong_type(root: Path, body: str, key: str, value: str) -> None:
+    # NaN passes every "< minimum" check; it used to load, then fail inference, never drain, never settle.
+    body = body.replace("server:\n", "server:\n  ml_backends_path: ml-backends\n", 1) if body.startswith("server:") \
+        else "server:\n  ml_backends_path: ml-backends\n" + body
+    path = write(root, body)
+    with pytest.raises(ConfigError) as caught:
+        load_settings(path)
+    message = str(caught.value)
+    assert message.startswith(f"{path}: {key}: must be a finite number, got "), message
+    assert message.endswith(f"got {value}"), message
