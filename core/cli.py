@@ -16,7 +16,7 @@ from nereid.files import check_confined
 from nereid.plugins import make_plugin_manager
 from nereid.repository import build_model
 from nereid.storage import list_model_folders, materialize_model_folder
-from nereid.settings import Settings, load_settings
+from nereid.settings import Settings, address_problem, load_settings
 
 DEFAULT_CONFIG = Path("nereid.yaml")
 
@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
         command.add_argument("--config", type=Path, default=DEFAULT_CONFIG,
                              help="path to nereid.yaml (default: ./nereid.yaml)")
     serve = commands.choices["serve"]
-    serve.add_argument("--bind", default=None, help="override server.bind_addr")
+    serve.add_argument("--bind", default=None, type=_bind_address, help="override server.bind_addr (host:port)")
     serve.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     make_plugin_manager().hook.nereid_add_commands(commands=commands)  # backends' own tooling
     args = parser.parse_args(argv)
@@ -49,6 +49,14 @@ def main(argv: list[str] | None = None) -> int:
     # jax reports at INFO that it found no TPU; that is no news to a CPU or GPU server.
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
     return serve_command(settings, args.bind)
+
+
+def _bind_address(text: str) -> str:
+    """``--bind``, checked as ``server.bind_addr`` is (a usage error otherwise, exit 2)."""
+    problem = address_problem(text)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(f"{problem}, got {text!r}")
+    return text
 
 
 def serve_command(settings: Settings, bind_addr: str | None) -> int:

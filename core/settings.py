@@ -34,6 +34,23 @@ DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
 MAX_MESSAGE_BYTES_CEILING = (1 << 31) - 1
 
 _DEVICE_PATTERN = re.compile(r"^(cpu|cuda)(?::(\d+))?$")
+_ADDRESS_PATTERN = re.compile(r"^(\[[^\]]+\]|[^:\[\]]*):([0-9]+)$")  # host:port, [v6 host]:port
+MAX_PORT = 65535
+
+
+def address_problem(address: str) -> str | None:
+    """Why ``address`` is not ``host:port`` with a port of 0-65535; None when it is.
+
+    gRPC wraps a larger port silently (99999 listens on 34463) and the HTTP and
+    metrics listeners fail with an OverflowError, so the range is checked here.
+    """
+    match = _ADDRESS_PATTERN.match(address)
+    if match is None:
+        return "must be host:port"
+    port = match.group(2).lstrip("0")
+    if len(port) > len(str(MAX_PORT)) or int(port or "0") > MAX_PORT:  # (int() refuses 4300+ digits)
+        return f"port must be 0-{MAX_PORT}"
+    return None
 
 
 @dataclass(frozen=True)
@@ -215,9 +232,7 @@ def _parse_server(reader: KeyedReader, raw: Any, path: Path) -> ServerSettings:
                                              "metrics_addr", "http_addr", "follow_symlinks", "max_message_bytes",
                                              "repository_control", "tls", "watch", "watch_settle_ms", "watch_poll_s",
                                              "cache_dir"})
-    bind_addr = reader.string(section, "server.bind_addr", DEFAULT_BIND_ADDR)
-    if ":" not in bind_addr:
-        reader.fail("server.bind_addr", "must be host:port", bind_addr)
+    bind_addr = _address(reader, section, "server.bind_addr", DEFAULT_BIND_ADDR, off=None)
     backends_text = reader.string(section, "server.ml_backends_path", "ml-backends")
     cache_dir = _cache_dir(reader, section, path)
     try:
@@ -236,12 +251,8 @@ def _parse_server(reader: KeyedReader, raw: Any, path: Path) -> ServerSettings:
     if not isinstance(strict, bool):
         reader.fail("server.strict_readiness", "must be true or false", strict)
     grace = reader.number(section, "server.shutdown_grace_s", DEFAULT_SHUTDOWN_GRACE_S, minimum=0)
-    metrics_addr = reader.string(section, "server.metrics_addr", DEFAULT_METRICS_ADDR)
-    if metrics_addr and not re.match(r"^(\[[^\]]+\]|[^:\[\]]*):\d+$", metrics_addr):
-        reader.fail("server.metrics_addr", "must be host:port, or empty to turn metrics off", metrics_addr)
-    http_addr = reader.string(section, "server.http_addr", DEFAULT_HTTP_ADDR)
-    if http_addr and not re.match(r"^(\[[^\]]+\]|[^:\[\]]*):\d+$", http_addr):
-        reader.fail("server.http_addr", "must be host:port, or empty to turn HTTP off", http_addr)
+    metrics_addr = _address(reader, section, "server.metrics_addr", DEFAULT_METRICS_ADDR, off="metrics")
+    http_addr = _address(reader, section, "server.http_addr", DEFAULT_HTTP_ADDR, off="HTTP")
     follow = section.get("follow_symlinks", False)
     if not isinstance(follow, bool):
         reader.fail("server.follow_symlinks", "must be true or false", follow)
@@ -261,6 +272,18 @@ def _parse_server(reader: KeyedReader, raw: Any, path: Path) -> ServerSettings:
     return ServerSettings(bind_addr, backends, strict, grace, metrics_addr, follow, max_message, control, tls,
                           watch, settle, poll, ml_backends_url=str(location) if location else None,
                           cache_dir=cache_dir, http_addr=http_addr)
+
+
+def _address(reader: KeyedReader, section: Mapping[str, Any], key: str, default: str, *, off: str | None) -> str:
+    """A listener's ``host:port`` (port 0-65535); ``off`` names what ``""`` turns off (None: it must be set)."""
+    address = reader.string(section, key, default)
+    if off is not None and not address:
+        return address
+    problem = address_problem(address)
+    if problem is not None:
+        reader.fail(key, problem if off is None or problem != "must be host:port"
+                    else f"must be host:port, or empty to turn {off} off", address)
+    return address
 
 
 def _cache_dir(reader: KeyedReader, section: Mapping[str, Any], path: Path) -> Path:

@@ -151,3 +151,18 @@ def test_backends_contribute_their_commands_and_core_names_none() -> None:
     source = (Path(__file__).resolve().parents[2] / "core" / "cli.py").read_text()
     assert "nereid.backends" not in source
     assert main(["bundle", "check", str(Path(__file__).resolve().parents[2] / "ml-backends" / "mlp_bundle")]) == 0
+
+
+def test_serve_refuses_a_port_out_of_range_naming_the_key(repo) -> None:
+    # metrics_addr 99999 used to end `nereid serve` in an OverflowError traceback.
+    repo.python("echo")
+    config = repo.write_config(metrics_addr="127.0.0.1:99999")
+    result = subprocess.run([*NEREID, "serve", "--config", str(config), "--bind", f"127.0.0.1:{free_port()}"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert f"{config}: server.metrics_addr: port must be 0-65535, got '127.0.0.1:99999'" in result.stderr
+    assert "Traceback" not in result.stderr
+    result = subprocess.run([*NEREID, "serve", "--config", str(repo.write_config()), "--bind", "127.0.0.1:99999"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2  # gRPC would have wrapped it to port 34463
+    assert "argument --bind: port must be 0-65535, got '127.0.0.1:99999'" in result.stderr

@@ -142,3 +142,27 @@ def test_nan_and_infinity_are_refused_like_a_wrong_type(root: Path, body: str, k
     message = str(caught.value)
     assert message.startswith(f"{path}: {key}: must be a finite number, got "), message
     assert message.endswith(f"got {value}"), message
+
+
+@pytest.mark.parametrize("key", ["bind_addr", "metrics_addr", "http_addr"])
+@pytest.mark.parametrize("address, problem", [
+    ("[::1]:99999", "port must be 0-65535"),
+    ("127.0.0.1:65536", "port must be 0-65535"),
+    ("127.0.0.1:" + "9" * 5000, "port must be 0-65535"),
+    ("127.0.0.1", "must be host:port"),
+], ids=["99999", "65536", "5000-digits", "no-port"])
+def test_listener_addresses_need_a_port_of_0_to_65535(root: Path, key: str, address: str, problem: str) -> None:
+    # gRPC used to wrap 99999 to another port silently; metrics and HTTP died with an OverflowError.
+    path = write(root, f"server:\n  ml_backends_path: ml-backends\n  {key}: \"{address}\"\n")
+    with pytest.raises(ConfigError) as caught:
+        load_settings(path)
+    assert str(caught.value).startswith(f"{path}: server.{key}: {problem}"), caught.value
+    assert f"got '{address[:30]}" in str(caught.value)  # (a 5000-digit value is quoted cut short)
+
+
+@pytest.mark.parametrize("address", ["[::1]:0", "127.0.0.1:65535", "localhost:8000", "[::]:00080", ":50051"])
+def test_listener_addresses_in_range_are_kept(root: Path, address: str) -> None:
+    path = write(root, f"server:\n  ml_backends_path: ml-backends\n  bind_addr: \"{address}\"\n"
+                       f"  metrics_addr: \"{address}\"\n  http_addr: \"{address}\"\n")
+    server = load_settings(path).server
+    assert (server.bind_addr, server.metrics_addr, server.http_addr) == (address, address, address)
