@@ -431,8 +431,13 @@ class ModelRepository:
                 log.info("model '%s' is no longer listed in nereid.yaml; unloading it", entry.name)
                 work.append(self.unload(entry.name))
             elif entry.loaded is None:
+                # A model that is not loaded loads when its entry is new or changed: a fix to the entry of
+                # one that failed (an unknown backend, a bad runtime option) must not wait for a restart.
                 if listed and not was_listed:
                     log.info("model '%s' is now listed in nereid.yaml; loading it", entry.name)
+                    work.append(self.load(entry.name))
+                elif listed and changed:
+                    log.info("model '%s': its settings in nereid.yaml changed; loading it", entry.name)
                     work.append(self.load(entry.name))
             elif changed or entry.loaded.backend_name in changed_backends:
                 log.info("model '%s': its settings in nereid.yaml changed; reloading it", entry.name)

@@ -229,3 +229,23 @@ def test_refresh_lists_the_repository_off_the_event_loop(tmp_path, root, monkeyp
     asyncio.run(scenario())
     assert listed_on[0] is threading.main_thread()  # the constructor's own scan, before serving
     assert len(listed_on) == 3 and all(thread is not threading.main_thread() for thread in listed_on[1:])
+
+
+def test_a_changed_entry_loads_a_model_that_is_not_loaded(tmp_path, root):
+    # Fixing a failed model's nereid.yaml entry must load it: the edit used to be ignored for a model that was
+    # not loaded, which stayed UNAVAILABLE with the stale reason (and ServerReady false).
+    write_toy(root, "third")
+    repo = repository(tmp_path, "  - name: third\n    backend: nosuch\n")
+    config = tmp_path / "nereid.yaml"
+
+    async def scenario():
+        entry = await repo.load("third")
+        assert entry.state is ModelState.UNAVAILABLE and "backend 'nosuch'" in entry.reason
+        assert not repo.server_ready()
+        config.write_text(config.read_text().replace("backend: nosuch", "queue_capacity: 7"))
+        await repo.apply_settings(load_settings(config))
+        assert (entry.state, entry.reason) == (ModelState.READY, "") and repo.server_ready()
+        assert repo.ready_model("third").scheduler.capacity == 7
+        await repo.unload_all()
+    asyncio.run(scenario())
+
