@@ -84,6 +84,7 @@ class ModelEntry:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     generation: int = 0  # versions loaded so far: every load and reload adds one
     holders: int = 0  # operations holding the lock or waiting for it
+    folder_seen: bool = False  # a scan found its folder (a listed model may be waiting for its first)
 
     @contextlib.asynccontextmanager
     async def held(self) -> AsyncIterator[None]:
@@ -195,7 +196,7 @@ class ModelRepository:
 
         A removed folder keeps its entry while its model is loaded (it serves
         until unloaded) or an operation on it runs, and while nereid.yaml lists
-        it. A model listed in nereid.yaml whose folder does not exist yet
+        it (then it waits for its folder again). A model listed in nereid.yaml whose folder does not exist yet
         (allowed in dynamic mode) has an entry too, UNAVAILABLE until its
         folder lands. A store that cannot be listed forgets nothing.
         """
@@ -214,11 +215,12 @@ class ModelRepository:
             if name not in self._entries:
                 settings, origin = self.settings.model_or_default(name)
                 self._entries[name] = ModelEntry(name, self.root / name, settings, origin, reason=unlisted)
+            self._entries[name].folder_seen = True
         for index, settings in enumerate(self.settings.models):
             if settings.name not in self._entries:
                 self._entries[settings.name] = ModelEntry(
                     settings.name, self.root / settings.name, settings, f"{self.settings.source}: models[{index}]",
-                    reason=f"waiting for its folder '{settings.name}' in ml_backends_path")
+                    reason=_waiting_for_folder(settings.name))
         if present is not None:
             self._forget_gone(set(present))
 
@@ -231,13 +233,25 @@ class ModelRepository:
             return None
 
     def _forget_gone(self, present: set[str]) -> None:
-        """Drop the entries of folders that are gone, unless loaded, in use or listed in nereid.yaml."""
-        gone = [entry for entry in self.entries() if entry.name not in present and not entry.in_use()
-                and self.settings.model(entry.name) is None]
+        """Drop the entries of folders that are gone, unless loaded or in use.
+
+        An entry nereid.yaml lists stays, waiting for its folder again as at
+        start. Either way a model whose folder went while it was not loaded is
+        no longer one the server must keep READY (ServerReady).
+        """
+        gone = [entry for entry in self.entries() if entry.name not in present and not entry.in_use()]
+        changed = False
         for entry in gone:
-            self._entries.pop(entry.name, None)
+            if self.settings.model(entry.name) is None:
+                self._entries.pop(entry.name, None)
+            elif entry.folder_seen:
+                entry.folder_seen = False
+                entry.state, entry.reason = ModelState.UNAVAILABLE, _waiting_for_folder(entry.name)
+            else:
+                continue  # listed, its folder never seen yet: it still waits for it, as it did at start
             self._exposed.discard(entry.name)
-        if gone:
+            changed = True
+        if changed:
             self._refresh_dependents()
 
     def entries(self) -> list[ModelEntry]:
@@ -557,6 +571,11 @@ def _backends_folder() -> Path:
     spec = importlib.util.find_spec("nereid.backends")
     locations = list(spec.submodule_search_locations or []) if spec is not None else []
     return Path(locations[0]).resolve() if locations else Path(nereid.__file__).resolve().parent
+
+
+def _waiting_for_folder(name: str) -> str:
+    """The reason of a listed model whose folder is not in the repository."""
+    return f"waiting for its folder '{name}' in ml_backends_path"
 
 
 def _is_folder_name(name: str) -> bool:

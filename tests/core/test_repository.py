@@ -249,3 +249,27 @@ def test_a_changed_entry_loads_a_model_that_is_not_loaded(tmp_path, root):
         await repo.unload_all()
     asyncio.run(scenario())
 
+
+def test_a_listed_model_whose_folder_went_while_not_loaded_no_longer_holds_readiness(tmp_path, root):
+    # README: ServerReady counts no model "since its folder went while it was not loaded", listed or not.
+    import shutil
+
+    write_toy(root, "good")
+    bad = write_toy(root, "bad")
+    (bad / "fail.txt").write_text("a bad textproto")
+    repo = repository(tmp_path, "  - name: good\n  - name: bad\n")
+
+    async def scenario():
+        for name in repo.startup_models():
+            await repo.load(name)
+        assert not repo.server_ready()
+        shutil.rmtree(bad)
+        await repo.refresh()  # what RepositoryIndex does
+        assert repo.server_ready()
+        entry = repo.entry("bad")  # still listed: it waits for its folder, as at start
+        assert (entry.state, entry.reason) == (ModelState.UNAVAILABLE,
+                                               "waiting for its folder 'bad' in ml_backends_path")
+        write_toy(root, "bad")  # back, fixed: a load asks for it again
+        assert (await repo.load("bad")).state is ModelState.READY and repo.server_ready()
+        await repo.unload_all()
+    asyncio.run(scenario())
