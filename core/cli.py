@@ -19,6 +19,7 @@ from nereid.storage import list_model_folders, materialize_model_folder
 from nereid.settings import Settings, address_problem, load_settings
 
 DEFAULT_CONFIG = Path("nereid.yaml")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,7 +33,9 @@ def main(argv: list[str] | None = None) -> int:
                              help="path to nereid.yaml (default: ./nereid.yaml)")
     serve = commands.choices["serve"]
     serve.add_argument("--bind", default=None, type=_bind_address, help="override server.bind_addr (host:port)")
-    serve.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    # Checked here, so that a misspelt level is a usage error listing the levels, not a traceback from logging.
+    serve.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, metavar="LEVEL",
+                       help=f"logging level: {', '.join(LOG_LEVELS)} (any case; default INFO)")
     make_plugin_manager().hook.nereid_add_commands(commands=commands)  # backends' own tooling
     args = parser.parse_args(argv)
     if "run" in args:
@@ -45,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.command == "check":
         return check(settings)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # jax reports at INFO that it found no TPU; that is no news to a CPU or GPU server.
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
     return serve_command(settings, args.bind)

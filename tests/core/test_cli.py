@@ -166,3 +166,15 @@ def test_serve_refuses_a_port_out_of_range_naming_the_key(repo) -> None:
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2  # gRPC would have wrapped it to port 34463
     assert "argument --bind: port must be 0-65535, got '127.0.0.1:99999'" in result.stderr
+
+
+def test_serve_refuses_an_unknown_log_level_with_a_usage_error(repo, capsys) -> None:
+    from nereid.cli import main
+
+    repo.python("echo")
+    config = repo.write_config()
+    with pytest.raises(SystemExit) as exited:  # it used to be a ValueError traceback from logging
+        main(["serve", "--config", str(config), "--log-level", "bogus"])
+    assert exited.value.code == 2
+    assert ("argument --log-level: invalid choice: 'BOGUS' (choose from 'DEBUG', 'INFO', 'WARNING', 'ERROR', "
+            "'CRITICAL')") in capsys.readouterr().err
