@@ -304,6 +304,7 @@ class ModelRepository:
             # (A folder in an object store is fetched by _build, which reports the store's error.)
             if self.settings.server.ml_backends_url is None and not entry.folder.is_dir():
                 entry.state, entry.reason = ModelState.UNAVAILABLE, f"no folder '{name}' in ml_backends_path (yet)"
+                log.warning("model '%s' is UNAVAILABLE: %s", name, entry.reason)
                 self._refresh_dependents()
                 return entry
             entry.state, entry.reason = ModelState.LOADING, ""
@@ -319,8 +320,7 @@ class ModelRepository:
             except asyncio.CancelledError:
                 entry.state, entry.reason = ModelState.UNAVAILABLE, "load abandoned (the server is stopping)"
                 raise
-            entry.state, entry.reason = ModelState.READY, ""
-            self._refresh_dependents()  # its dependents, and itself when it has dependencies
+            self._enter_loaded_version(entry)
         return entry
 
     async def _load_version(self, entry: ModelEntry, stats: ModelStats) -> LoadedModel:
@@ -338,8 +338,6 @@ class ModelRepository:
         scheduler = ModelScheduler(name, built.backend, built.batch_signature, entry.settings.queue_capacity,
                                    instances, stats, built.policy)
         entry.generation += 1
-        log.info("model '%s' is READY (version %d, backend %s, device %s, %.2f s)", name, entry.generation,
-                 built.backend_name, entry.settings.device, load_seconds)
         return LoadedModel(built.backend_name, built.backend, built.signature, built.batch_signature,
                            scheduler, stats, load_seconds,
                            make_runner(built.backend, built.signature, built.batch_signature, scheduler),
@@ -368,8 +366,8 @@ class ModelRepository:
                 entry.reason = self.public_text(f"reload failed, version {entry.generation} keeps serving: {reason}")
                 self._record(name, "reload_failed")
                 return entry
-            entry.loaded, entry.reason = new, ""
-            self._refresh_dependents()  # the new version may call other models
+            entry.loaded = new
+            self._enter_loaded_version(entry)  # the new version may call other models
             self._record(name, "reload")
         await self._retire(name, old)
         return entry
@@ -530,28 +528,61 @@ class ModelRepository:
         except Exception:
             log.exception("model '%s': unload failed", name)
 
+    def _enter_loaded_version(self, entry: ModelEntry) -> None:
+        """Make a version just loaded (or reloaded) serve, and log that in one line.
+
+        It is READY unless it calls models that are not: then UNAVAILABLE with
+        the reason (never logged READY first), until they are.
+        """
+        loaded = entry.loaded
+        assert loaded is not None
+        why = self._dependency_problem(entry, self._states())
+        done = (f"version {entry.generation}, backend {loaded.backend_name}, device {entry.settings.device}, "
+                f"{loaded.load_seconds:.2f} s")
+        if why is None:
+            entry.state, entry.reason = ModelState.READY, ""
+            log.info("model '%s' is READY (%s)", entry.name, done)
+        else:
+            entry.state, entry.reason = ModelState.UNAVAILABLE, why
+            log.warning("model '%s' is UNAVAILABLE: %s (loaded: %s)", entry.name, why, done)
+        self._refresh_dependents()  # the models calling it
+
+    def _states(self) -> dict[str, tuple[str, str]]:
+        """Every model's (state, reason), as RepositoryIndex shows them."""
+        return {e.name: (e.state.value, e.reason) for e in self._entries.values()}
+
+    def _dependency_problem(self, entry: ModelEntry, states: Mapping[str, tuple[str, str]]) -> str | None:
+        """Why a loaded model that calls other models cannot serve now; None when it can."""
+        loaded = entry.loaded
+        if loaded is None or not loaded.depends_on:
+            return None
+        cycle = find_cycle(entry.name, self._loaded_dependencies)
+        return f"depends_on cycle {describe_cycle(cycle)}" if cycle else waiting_for(loaded.depends_on, states)
+
     def _refresh_dependents(self) -> None:
         """Keep models that call other models READY exactly while those are READY (issue 14).
 
         Called after every state change. A model calling itself through
         ``depends_on`` (which a backend refuses at load when it can see the
         cycle) never becomes READY. Repeats until nothing changes, so that a
-        chain of such models settles in one call.
+        chain of such models settles in one call. Each change of state is
+        logged (a changed reason alone is not a transition).
         """
         for _ in range(len(self._entries) + 1):
             changed = False
-            states = {e.name: (e.state.value, e.reason) for e in self._entries.values()}
+            states = self._states()
             for entry in list(self._entries.values()):
                 loaded = entry.loaded
                 if loaded is None or not loaded.depends_on or entry.state is ModelState.UNLOADING:
                     continue
-                cycle = find_cycle(entry.name, self._loaded_dependencies)
-                why = (f"depends_on cycle {describe_cycle(cycle)}" if cycle
-                       else waiting_for(loaded.depends_on, states))
+                why = self._dependency_problem(entry, states)
                 if why is None:
                     if entry.state is not ModelState.READY:
                         entry.state, entry.reason, changed = ModelState.READY, "", True
+                        log.info("model '%s' is READY (every model it calls is READY)", entry.name)
                 elif (entry.state, entry.reason) != (ModelState.UNAVAILABLE, why):
+                    if entry.state is not ModelState.UNAVAILABLE:
+                        log.warning("model '%s' is UNAVAILABLE: %s", entry.name, why)
                     entry.state, entry.reason, changed = ModelState.UNAVAILABLE, why, True
             if not changed:
                 return

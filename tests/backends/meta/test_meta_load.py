@@ -177,3 +177,38 @@ def test_nereid_check_shows_meta_models(tmp_path: Path, capsys) -> None:
     assert "a: OK backend=meta device=cpu max_batch_size=8 batching=off inputs=[x FP32[4]] outputs=[y FP32[4]] " \
            "depends_on=- orchestrate=async" in out
     assert "loop: UNAVAILABLE: model 'loop': depends_on forms a cycle 'loop' -> 'loop'" in out
+
+
+def test_readiness_changes_caused_by_dependencies_are_logged_once_each(tmp_path: Path, caplog) -> None:
+    # A meta model loaded before what it calls was logged "is READY" while UNAVAILABLE, and its later
+    # transitions (its dependency loading, unloading, loading again) were never logged at all.
+    import logging
+
+    from nereid.repository import ModelRepository, ModelState
+
+    root = tmp_path / "ml-backends"
+    root.mkdir()
+    meta_folder(root, "a", manifest=META.replace("[a, b]", "[]"))
+    meta_folder(root, "misc", manifest=META.replace("[a, b]", "[a]"))
+    (tmp_path / "nereid.yaml").write_text('server:\n  ml_backends_path: "ml-backends"\n  metrics_addr: ""\n'
+                                          '  http_addr: ""\nmodels:\n  - name: misc\n')
+    (tmp_path / "scratch").mkdir()
+    repo = ModelRepository(load_settings(tmp_path / "nereid.yaml"), make_plugin_manager(load_entry_points=False),
+                           tmp_path / "scratch")
+    caplog.set_level(logging.INFO, logger="nereid.repository")
+
+    def lines() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.getMessage().startswith("model 'misc' is ")]
+
+    async def scenario() -> None:
+        misc = await repo.load("misc")
+        assert misc.state is ModelState.UNAVAILABLE and "dependency 'a' is not ready" in misc.reason
+        assert len(lines()) == 1 and lines()[0].startswith("model 'misc' is UNAVAILABLE: dependency 'a' is not ready")
+        for step, expected in ((repo.load, "READY"), (repo.unload, "UNAVAILABLE"), (repo.load, "READY")):
+            seen = len(lines())
+            await step("a")
+            assert misc.state.value == expected
+            assert [line.split(" ")[3].rstrip(":") for line in lines()[seen:]] == [expected], lines()
+        await repo.unload_all()
+
+    asyncio.run(scenario())
