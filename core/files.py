@@ -10,6 +10,7 @@ problem, and never quotes the file's contents.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import secrets
 import stat
@@ -17,6 +18,8 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 from nereid.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 # How many entries of a model folder the symlink check looks at before giving up on the folder.
 MAX_FOLDER_ENTRIES = 100_000
@@ -118,7 +121,10 @@ def check_confined(folder: Path, root: Path, follow_symlinks: bool) -> None:
     escape = escaping_link(folder, root)
     if escape is not None:
         link, target = escape
-        raise ConfigError(f"{link} is a symlink to {target}, outside ml_backends_path; set "
+        # The target is for the operator's log only: the error reaches clients (RepositoryIndex, load
+        # replies), where only paths relative to ml_backends_path may appear.
+        log.info("%s leads to %s, outside ml_backends_path %s", link, target, root)
+        raise ConfigError(f"{link} is a symlink to a path outside ml_backends_path; set "
                           "server.follow_symlinks: true in nereid.yaml to allow it")
 
 

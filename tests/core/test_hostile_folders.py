@@ -152,3 +152,28 @@ def test_a_binary_or_fifo_nereid_yaml_is_a_config_error(tmp_path):
     os.mkfifo(config)
     with pytest.raises(ConfigError, match="nereid.yaml: is a FIFO, not a regular file"):
         load_settings(config)
+
+
+def test_a_symlink_leading_outside_is_refused_without_revealing_its_target(repo, serve, tmp_path_factory):
+    """The refusal used to print the link's absolute target ("... is a symlink to /srv/secret/slow")."""
+    import subprocess
+
+    from support import NEREID, textproto_single
+
+    outside = tmp_path_factory.mktemp("private-place")  # neither in ml_backends_path nor beside nereid.yaml
+    (outside / "model_inference.textproto").write_text(textproto_single())
+    (outside / "main.py").write_text("print()\n")
+    (repo.models_dir / "outlink").symlink_to(outside)
+    folder = repo.add("inlink", None, main_py="print()\n")
+    (folder / "model_inference.textproto").symlink_to(outside / "model_inference.textproto")
+    server = serve(repo.write_config())
+    reasons = {m.name: m.reason for m in server.client.get_model_repository_index().models}
+    assert reasons["outlink"].startswith("outlink is a symlink to a path outside ml_backends_path; set "
+                                         "server.follow_symlinks: true"), reasons["outlink"]
+    assert reasons["inlink"].startswith("inlink/model_inference.textproto is a symlink to a path outside "
+                                        "ml_backends_path"), reasons["inlink"]
+    result = subprocess.run([*NEREID, "check", "--config", str(repo.root / "nereid.yaml")], capture_output=True,
+                            text=True, timeout=60)
+    assert "outlink: UNAVAILABLE:" in result.stdout and "inlink: UNAVAILABLE:" in result.stdout
+    for text in (*reasons.values(), result.stdout):
+        assert "private-place" not in text, text
