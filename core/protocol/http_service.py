@@ -18,6 +18,7 @@ from typing import Any, Awaitable, Callable, Iterator
 
 import orjson
 import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from nereid.dataplane import DataPlane
 from nereid.errors import (ConfigError, DeadlineExceeded, InvalidArgument, ModelFailure, NereidError, NotFound,
@@ -46,6 +47,10 @@ REFUSED_ENDPOINTS: dict[str, str] = {"systemsharedmemory": "system_shared_memory
 
 # Bodies at least this large are decoded on a worker thread, so the event loop never stalls on one.
 DECODE_OFF_LOOP_BYTES = 256 << 10
+# A request's head (request line and headers) larger than this is refused with 431, as nginx and Triton
+# bound theirs: httptools buffers a header value whole until it ends, so an endless header grew memory
+# without limit (max_message_bytes bounds bodies only).
+MAX_HEAD_BYTES = 64 << 10
 # Responses up to this size are joined into one write (a copy costs less than a second write).
 JOIN_BELOW_BYTES = 64 << 10
 # curl -d sends application/x-www-form-urlencoded unless told otherwise: accepted as JSON, as Triton does.
@@ -375,7 +380,7 @@ class HttpListener:
         except OSError as err:
             sock.close()
             raise OSError(f"cannot listen on {addr} (server.http_addr): {err.strerror or err}") from None
-        config = uvicorn.Config(self.app, http="httptools", lifespan="off", log_level="warning", access_log=False,
+        config = uvicorn.Config(self.app, http=_BoundedHeadProtocol, lifespan="off", log_level="warning", access_log=False,
                                 server_header=False, date_header=False, ws="none", proxy_headers=False,
                                 timeout_graceful_shutdown=self.grace_s)
         config.load()
@@ -413,3 +418,54 @@ class _EmbeddedServer(uvicorn.Server):
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets=sockets)
         self.started_event.set()
+
+
+class _BoundedHeadProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol, answering 431 to a request whose head passes :data:`MAX_HEAD_BYTES`.
+
+    Bytes are counted as they arrive, not in the parser's callbacks: httptools
+    reports a header only once its value has ended, and buffers it until then.
+    A read that holds the end of one message and the start of the next counts
+    toward neither head (the parser does not say where the next one began), so
+    a head can pass the bound by at most one read.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._head_left: int | None = MAX_HEAD_BYTES  # what the current head may still take; None in a body
+
+    def data_received(self, data: bytes) -> None:
+        while self._head_left is not None and len(data) > self._head_left:
+            # Headers and body often come in one read: feed the head's allowance first (the parser
+            # takes a stream cut anywhere), and refuse only when the head did not end within it.
+            allowed = self._head_left
+            self._head_left = 0  # the callbacks below replace it when the head ends
+            super().data_received(data[:allowed])
+            if self.transport.is_closing():
+                return
+            if self._head_left == 0:
+                self._refuse_head()
+                return
+            data = data[allowed:]
+        if self._head_left is not None:
+            self._head_left -= len(data)
+        super().data_received(data)
+
+    def on_headers_complete(self) -> None:
+        self._head_left = None
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._head_left = MAX_HEAD_BYTES
+        super().on_message_complete()
+
+    def _refuse_head(self) -> None:
+        """Answer 431 and close; only close when an earlier pipelined answer is still being written."""
+        log.info("HTTP request from %s refused: its request line and headers pass %d bytes", self.client,
+                 MAX_HEAD_BYTES)
+        if self.cycle is None or self.cycle.response_complete:
+            body = orjson.dumps({"error": f"the request line and headers exceed {MAX_HEAD_BYTES} bytes"})
+            self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
+                                 b"content-type: application/json\r\nconnection: close\r\n"
+                                 b"content-length: %d\r\n\r\n%s" % (len(body), body))
+        self.transport.close()

@@ -342,3 +342,56 @@ def test_serve_reports_an_http_address_in_use(repo):
                                 capture_output=True, text=True, timeout=60)
     assert result.returncode == 1
     assert f"cannot listen on 127.0.0.1:{port} (server.http_addr)" in result.stderr
+
+
+def read_response(connection: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection (fails after 10 s)."""
+    connection.settimeout(10)
+    received = b""
+    while chunk := connection.recv(65536):
+        received += chunk
+    return received
+
+
+def test_headers_past_the_head_limit_are_431_and_the_server_keeps_serving(served):
+    """One endless header was buffered whole (256 MiB sent 1 MiB at a time: RSS 269 -> 728 MiB)."""
+    from nereid.protocol.http_service import MAX_HEAD_BYTES
+
+    server, base = served
+    start = b"POST /v2/models/echo/infer HTTP/1.1\r\nHost: x\r\nX-Big: "
+    with socket.create_connection(("127.0.0.1", server.server.http_port)) as raw:
+        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        raw.sendall(start)
+        sent = len(start)
+        while sent <= MAX_HEAD_BYTES:  # in pieces read one by one: the bound counts across reads
+            piece = b"a" * min(4096, MAX_HEAD_BYTES + 1 - sent)
+            raw.sendall(piece)
+            sent += len(piece)
+            time.sleep(0.002)
+        answer = read_response(raw)
+    assert answer.startswith(b"HTTP/1.1 431 Request Header Fields Too Large\r\n")
+    assert answer.endswith(b'{"error":"the request line and headers exceed 65536 bytes"}')
+    assert call(base, "GET", "/v2/health/live")[0] == 200
+
+
+def test_heads_within_the_limit_are_served_when_they_share_reads_with_bodies(served):
+    """Heads near the bound, and a head whose read also carries a large body, are not mistaken for long heads."""
+    from nereid.protocol.http_service import MAX_HEAD_BYTES
+
+    server, _ = served
+    document = b'{"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 4], "data": [1, 2, 3, 4]}]}'
+    body = document + b" " * (1 << 20)  # one sendall: the head and 256 KiB reads of body arrive together
+    head = (b"POST /v2/models/echo/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n" % len(body))
+    padding = b"X-Pad: " + b"p" * (MAX_HEAD_BYTES - len(head) - len(b"X-Pad: \r\n\r\n")) + b"\r\n"
+    request = head + padding + b"\r\n"
+    assert len(request) == MAX_HEAD_BYTES
+    with socket.create_connection(("127.0.0.1", server.server.http_port)) as raw:
+        for _ in range(2):  # two on one connection: the bound starts again with each request
+            raw.sendall(request + body)
+            status, rest = raw.recv(65536).split(b"\r\n", 1)
+            assert status == b"HTTP/1.1 200 OK", rest
+            while b'"data":[1.0,2.0,3.0,4.0]' not in rest:
+                rest += raw.recv(65536)
+        raw.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        assert read_response(raw).startswith(b"HTTP/1.1 200 OK\r\n")
