@@ -112,8 +112,9 @@ class ModelSettings:
 class ServerSettings:
     """The ``server:`` section.
 
-    ``repository_control`` None means automatic: allowed on a loopback bind
-    only (see :func:`repository_control_allowed`).
+    ``repository_control`` None means automatic: allowed when ``bind_addr``
+    and ``http_addr`` (when set) are both loopback (see
+    :func:`repository_control_allowed`).
     """
 
     bind_addr: str = DEFAULT_BIND_ADDR
@@ -149,16 +150,18 @@ def is_loopback(bind_addr: str) -> bool:
 
 
 def repository_control_allowed(server: ServerSettings, bind_addr: str) -> bool:
-    """Whether RepositoryModelLoad/Unload are served on ``bind_addr``.
+    """Whether RepositoryModelLoad/Unload are served (over gRPC on ``bind_addr``, and over HTTP).
 
-    Unset, they are on a loopback bind and off elsewhere: whoever reaches the
-    port could otherwise unload every model, or load any folder that appears
-    under ml_backends_path. Triton's default (model control mode none) is
-    likewise closed.
+    Unset, they are on only when every listener that serves them is on
+    loopback: ``bind_addr`` and, unless HTTP is off, ``http_addr`` (the REST
+    port offers the same load and unload). Whoever reaches a public port could
+    otherwise unload every model, or load any folder that appears under
+    ml_backends_path. Triton's default (model control mode none) is likewise
+    closed.
     """
     if server.repository_control is not None:
         return server.repository_control
-    return is_loopback(bind_addr)
+    return is_loopback(bind_addr) and (not server.http_addr or is_loopback(server.http_addr))
 
 
 @dataclass(frozen=True)
@@ -262,7 +265,8 @@ def _parse_server(reader: KeyedReader, raw: Any, path: Path) -> ServerSettings:
                     max_message)
     control = section.get("repository_control")
     if control is not None and not isinstance(control, bool):
-        reader.fail("server.repository_control", "must be true or false (unset: true on loopback only)", control)
+        reader.fail("server.repository_control",
+                    "must be true or false (unset: true when bind_addr and http_addr are loopback)", control)
     tls = _parse_tls(reader, section.get("tls"), path) if "tls" in section else None
     watch = section.get("watch", False)
     if not isinstance(watch, bool):

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from nereid.errors import ConfigError
-from nereid.settings import DEFAULT_BIND_ADDR, Device, load_settings
+from nereid.settings import DEFAULT_BIND_ADDR, Device, load_settings, repository_control_allowed
 
 
 @pytest.fixture
@@ -166,3 +166,40 @@ def test_listener_addresses_in_range_are_kept(root: Path, address: str) -> None:
                        f"  metrics_addr: \"{address}\"\n  http_addr: \"{address}\"\n")
     server = load_settings(path).server
     assert (server.bind_addr, server.metrics_addr, server.http_addr) == (address, address, address)
+
+
+@pytest.mark.parametrize("lines, allowed", [
+    ('  bind_addr: "[::1]:50051"\n  http_addr: "127.0.0.1:8000"\n', True),
+    ('  bind_addr: "localhost:50051"\n  http_addr: ""\n', True),
+    ('  bind_addr: "0.0.0.0:50051"\n  http_addr: "127.0.0.1:8000"\n', False),
+    ('  bind_addr: "127.0.0.1:50051"\n  http_addr: "0.0.0.0:8233"\n', False),  # the REST port is public
+    ('  bind_addr: "127.0.0.1:50051"\n  http_addr: "[::]:8233"\n', False),
+    ('  bind_addr: "127.0.0.1:50051"\n  http_addr: "0.0.0.0:8233"\n  repository_control: true\n', True),
+    ('  bind_addr: "127.0.0.1:50051"\n  repository_control: false\n', False),
+])
+def test_repository_control_unset_is_on_only_when_every_control_port_is_loopback(root: Path, lines: str,
+                                                                                  allowed: bool) -> None:
+    server = load_settings(write(root, "server:\n  ml_backends_path: ml-backends\n" + lines)).server
+    assert repository_control_allowed(server, server.bind_addr) is allowed
+
+
+def test_a_public_http_port_refuses_unload_when_repository_control_is_unset(repo, serve) -> None:
+    import json
+    import urllib.error
+    import urllib.request
+
+    from tritonclient.utils import InferenceServerException
+
+    repo.python("kept")
+    config = repo.write_config()
+    config.write_text(config.read_text().replace('http_addr: "127.0.0.1:0"', 'http_addr: "0.0.0.0:0"'))
+    server = serve(config)
+    request = urllib.request.Request(f"http://127.0.0.1:{server.server.http_port}/v2/repository/models/kept/unload",
+                                     data=b"{}", method="POST")
+    with pytest.raises(urllib.error.HTTPError) as refused:  # it used to unload the model
+        urllib.request.urlopen(request, timeout=10)
+    assert refused.value.code == 403, json.loads(refused.value.read())
+    with pytest.raises(InferenceServerException) as denied:
+        server.client.unload_model("kept")
+    assert denied.value.status() == "StatusCode.PERMISSION_DENIED"
+    assert server.client.is_model_ready("kept")
