@@ -105,7 +105,11 @@ class DataPlane:
 
     async def repository_index(self, ready_only: bool = False) -> list[IndexEntry]:
         """Every model folder (picking up new ones, forgetting gone ones) with its state and reason."""
+        ready = self.ready()
         await self.repository.refresh()
+        # Forgetting a gone folder can make the server ready: the health service must say so before we answer.
+        if self._on_change is not None and self.ready() != ready:
+            await self._on_change()
         return [IndexEntry(entry.name, MODEL_VERSION, entry.state.value, entry.reason)
                 for entry in self.repository.entries() if not ready_only or entry.state is ModelState.READY]
 

@@ -156,13 +156,17 @@ class ModelRepository:
     """All model folders of one server, and the loaded models among them.
 
     ``events`` hears of loads and reloads; ``models`` is handed to every
-    model's context (how meta models call the others).
+    model's context (how meta models call the others). ``on_state_change``
+    is called (on the event loop, never awaited) after every change that can
+    move :meth:`server_ready`: a state, or the models it counts.
     """
 
     def __init__(self, settings: Settings, manager: pluggy.PluginManager, scratch_dir: Path,
-                 events: RepositoryEvents | None = None, models: ModelCaller | None = None) -> None:
+                 events: RepositoryEvents | None = None, models: ModelCaller | None = None,
+                 on_state_change: Callable[[], None] | None = None) -> None:
         self.settings = settings
         self.events = events
+        self.on_state_change = on_state_change
         self.models = models
         self.manager = manager
         self.scratch_dir = scratch_dir
@@ -298,6 +302,7 @@ class ModelRepository:
             await self.refresh()
         entry = self.entry(name)
         self._exposed.add(name)
+        self._state_changed()  # counted from now on: ServerReady is false until it is READY
         async with entry.held():
             if entry.loaded is not None:
                 await self._unload_locked(entry)
@@ -484,6 +489,7 @@ class ModelRepository:
         """
         entry = self.entry(name)
         self._exposed.discard(name)
+        self._state_changed()  # no longer counted, even while it waits for a load to finish
         async with entry.held():
             if entry.loaded is not None:
                 await self._unload_locked(entry, grace_s)
@@ -566,8 +572,13 @@ class ModelRepository:
         ``depends_on`` (which a backend refuses at load when it can see the
         cycle) never becomes READY. Repeats until nothing changes, so that a
         chain of such models settles in one call. Each change of state is
-        logged (a changed reason alone is not a transition).
+        logged (a changed reason alone is not a transition), and the server
+        hears of it (:meth:`_state_changed`).
         """
+        self._settle_dependents()
+        self._state_changed()
+
+    def _settle_dependents(self) -> None:
         for _ in range(len(self._entries) + 1):
             changed = False
             states = self._states()
@@ -586,6 +597,11 @@ class ModelRepository:
                     entry.state, entry.reason, changed = ModelState.UNAVAILABLE, why, True
             if not changed:
                 return
+
+    def _state_changed(self) -> None:
+        """Tell ``on_state_change`` that ServerReady may have moved (the health service follows it)."""
+        if self.on_state_change is not None:
+            self.on_state_change()
 
     def _loaded_dependencies(self, name: str) -> tuple[str, ...]:
         entry = self._entries.get(name)

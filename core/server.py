@@ -45,7 +45,8 @@ class NereidServer:
         self.scratch_dir = Path(tempfile.mkdtemp(prefix=scratch_prefix()))
         self.metrics = ServerMetrics()
         # The server is the models' ModelCaller: a meta model's sub-calls go through the data plane.
-        self.repository = ModelRepository(settings, self.manager, self.scratch_dir, events=self.metrics, models=self)
+        self.repository = ModelRepository(settings, self.manager, self.scratch_dir, events=self.metrics, models=self,
+                                          on_state_change=self._readiness_may_have_changed)
         self.metrics.collect_from(self.repository)
         self.metrics_port: int | None = None
         self.repository_control = repository_control_allowed(settings.server, self.bind_addr)
@@ -56,6 +57,9 @@ class NereidServer:
         self._http: HttpListener | None = None
         self._grpc: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()
+        self._health_lock = asyncio.Lock()  # one update at a time: each publishes readiness as it is then
+        self._published: int | None = None  # the status the health service has (None: not set yet)
+        self._health_updates: set[asyncio.Task] = set()  # scheduled updates, kept until done
         self._stopped = asyncio.Event()
         self.watcher: RepositoryWatcher | None = None
         self._watching: asyncio.Task | None = None
@@ -121,11 +125,31 @@ class NereidServer:
         await self.update_health()
 
     async def update_health(self) -> None:
-        """Mirror readiness into grpc.health.v1 (what Kubernetes probes call)."""
-        status = (health_pb2.HealthCheckResponse.SERVING if self.dataplane.ready()
-                  else health_pb2.HealthCheckResponse.NOT_SERVING)
-        for service in ("", SERVICE_NAME):
-            await self._health.set(service, status)
+        """Mirror readiness into grpc.health.v1 (what Kubernetes probes call); a status already published is not
+        sent again, so Watch streams hear only changes."""
+        async with self._health_lock:  # (a set awaits its watchers: an older update must not land last)
+            status = self._health_status()
+            if status == self._published:
+                return
+            for service in ("", SERVICE_NAME):
+                await self._health.set(service, status)
+            self._published = status
+
+    def _health_status(self) -> int:
+        return (health_pb2.HealthCheckResponse.SERVING if self.dataplane.ready()
+                else health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    def _readiness_may_have_changed(self) -> None:
+        """The repository changed a state (a load starting, a rescan forgetting a folder, ...): publish readiness.
+
+        Called synchronously, on the loop, in the middle of repository operations; the health service's set is
+        a coroutine, so the update runs as a task of its own, and only when the status would change.
+        """
+        if self._grpc is None or self._health_status() == self._published:
+            return  # before start (start publishes), or nothing to say
+        task = asyncio.get_running_loop().create_task(self.update_health())
+        self._health_updates.add(task)
+        task.add_done_callback(self._health_updates.discard)
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Stop accepting, let accepted requests finish (bounded by the grace), unload models."""

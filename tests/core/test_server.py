@@ -1,0 +1,111 @@
+"""The server over the wire: the health service against ServerReady.
+
+Models are toy models (tests/toy_backends.py) and a gated toy whose load
+waits until the test lets it finish, so a slow load is held exactly as long
+as a test needs, with no sleeps.
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+import toy_backends
+from nereid.backend import BackendClaim, ModelContext
+from nereid.hookspecs import hookimpl
+from nereid.plugins import make_plugin_manager
+from support import RunningServer, expect_grpc_error, wait_until
+from toy_backends import ToyModel, write_toy
+
+HEALTH_SERVICES = ("", "inference.GRPCInferenceService")
+
+
+class GatedLoads:
+    """A backend (plugin name ``gated``) for folders holding ``gate.txt``: each load waits for ``gate``."""
+
+    BACKEND_NAME = "gated"
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.started = threading.Event()
+
+    @hookimpl
+    def nereid_claim_model(self, folder: Path, declared: bool) -> BackendClaim | None:
+        if declared or (folder / "gate.txt").is_file():
+            return BackendClaim(self._create)
+        return None
+
+    def _create(self, context: ModelContext) -> ToyModel:
+        plugins = self
+
+        class GatedModel(ToyModel):
+            def load(self) -> None:
+                plugins.started.set()
+                plugins.gate.wait(60)
+                super().load()
+
+        return GatedModel(context)
+
+
+def manager(*plugins: object):
+    """The built-in backends, the toy backend and ``plugins``."""
+    return make_plugin_manager(load_entry_points=False, extra_plugins=(toy_backends, *plugins))
+
+
+def health(server: RunningServer) -> set[str]:
+    """What grpc.health.v1 answers for both services nereid registers (one value when they agree)."""
+    with grpc.insecure_channel(server.url) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        return {health_pb2.HealthCheckResponse.ServingStatus.Name(
+            stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10).status)
+            for service in HEALTH_SERVICES}
+
+
+def agrees(server: RunningServer, ready: bool) -> bool:
+    """ServerReady is ``ready`` and the health service says the same."""
+    return server.client.is_server_ready() is ready and health(server) == {"SERVING" if ready else "NOT_SERVING"}
+
+
+def index(server: RunningServer) -> dict[str, tuple[str, str]]:
+    return {m.name: (m.state, m.reason) for m in server.client.get_model_repository_index().models}
+
+
+def test_health_is_not_serving_while_a_requested_load_runs(repo, serve):
+    # The health service was updated only once a RepositoryModelLoad finished: during a slow load it said
+    # SERVING while ServerReady was false.
+    write_toy(repo.models_dir, "steady")
+    (repo.models_dir / "slow").mkdir()
+    (repo.models_dir / "slow" / "gate.txt").write_text("")
+    (repo.models_dir / "slow" / "model_inference.textproto").write_text(
+        "input_shape: [4]\noutput_shape: [4]\nmax_batch_size: 8\n")
+    plugin = GatedLoads()
+    server = serve(repo.write_config("- name: steady\n"), manager=manager(plugin))
+    assert agrees(server, True)
+    loading = threading.Thread(target=server.client.load_model, args=("slow",))
+    try:
+        loading.start()
+        assert plugin.started.wait(30)
+        assert wait_until(lambda: agrees(server, False), 5), (server.client.is_server_ready(), health(server))
+    finally:
+        plugin.gate.set()
+        loading.join(30)
+    assert agrees(server, True)
+
+
+def test_health_follows_a_rescan_that_forgets_a_failed_model(repo, serve):
+    # A failed load of an unlisted folder, then the folder deleted: the next RepositoryIndex forgets it and
+    # ServerReady is true again, but the health service stayed NOT_SERVING.
+    write_toy(repo.models_dir, "steady")
+    broken = write_toy(repo.models_dir, "broken")
+    (broken / "fail.txt").write_text("weights are corrupt")
+    server = serve(repo.write_config("- name: steady\n"), manager=manager())
+    expect_grpc_error("INTERNAL", lambda: server.client.load_model("broken"), "weights are corrupt")
+    assert agrees(server, False)
+    shutil.rmtree(broken)
+    assert "broken" not in index(server)
+    assert agrees(server, True)
+
