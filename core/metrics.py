@@ -8,9 +8,11 @@ scrape time, which keeps the request path free of metric locks.
 
 from __future__ import annotations
 
+import io
 import logging
 import socket
 import threading
+import time
 from typing import TYPE_CHECKING, Any, Iterator
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
@@ -28,7 +30,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# A scrape connection idle this long is closed; at most this many are served at once.
+# A scrape connection that has not sent its whole request this long after connecting is closed;
+# at most this many are served at once.
 IDLE_TIMEOUT_S = 5.0
 MAX_CONNECTIONS = 64
 # The model label of requests for names the repository does not know. No model folder can be named so
@@ -143,16 +146,49 @@ class ServerMetrics:
 
 
 class _QuietHandler(WSGIRequestHandler):
-    """No access log on stderr for every scrape; idle connections are dropped after ``timeout``.
+    """No access log on stderr for every scrape; a connection gets ``timeout`` seconds to send its request.
 
     Without a timeout each idle connection held its thread forever (1,200
-    connections: 1,227 threads).
+    connections: 1,227 threads). The socket's own timeout is not enough: it
+    starts again with every byte, so a header line every few seconds held a
+    thread for good, and 64 such connections turned real scrapes away.
     """
 
     timeout = IDLE_TIMEOUT_S
 
+    def setup(self) -> None:
+        super().setup()
+        # wsgiref serves one request per connection: its deadline is counted from the connection's start.
+        self.rfile = io.BufferedReader(_DeadlineReader(self.connection, time.monotonic() + self.timeout,
+                                                       self.timeout))
+
     def log_message(self, format: str, *args: object) -> None:
         pass
+
+
+class _DeadlineReader(io.RawIOBase):
+    """A socket's reads, all of them together bounded by one deadline rather than each by a timeout."""
+
+    def __init__(self, sock: socket.socket, deadline: float, write_timeout_s: float) -> None:
+        super().__init__()
+        self._sock = sock
+        self._deadline = deadline
+        self._write_timeout_s = write_timeout_s
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        """Receive into ``buffer`` within the time left; TimeoutError once the deadline has passed."""
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the metrics request did not arrive in time")
+        self._sock.settimeout(left)
+        try:
+            return self._sock.recv_into(buffer)
+        finally:
+            # The answer's writes get the whole timeout again, not what was left of the reading's.
+            self._sock.settimeout(self._write_timeout_s)
 
 
 class _BoundedThreadingServer(ThreadingWSGIServer):

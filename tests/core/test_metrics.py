@@ -161,3 +161,35 @@ def test_made_up_model_names_add_no_series(repo, serve) -> None:
         (("model", "other"), ("outcome", "unavailable"), ("protocol", "grpc")): 1,
         (("model", "echo"), ("outcome", "success"), ("protocol", "grpc")): 1,
     }
+
+
+def test_metrics_connections_trickling_a_request_are_closed_at_the_deadline(repo, serve) -> None:
+    """The idle timeout was per recv: a header line every 2 s kept each of 64 connections, and scrapes failed."""
+    from nereid.metrics import MAX_CONNECTIONS, ServerMetrics
+
+    repo.python("echo")
+    server = serve(repo.write_config("- name: echo\n"))
+    metrics = ServerMetrics()
+    metrics.collect_from(server.server.repository)
+    port = metrics.serve("127.0.0.1:0", idle_timeout_s=1.0)
+    trickling = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(MAX_CONNECTIONS)]
+    closed_after: dict[int, float] = {}
+    started = time.monotonic()
+    try:
+        for connection in trickling:
+            connection.sendall(b"GET /metrics HTTP/1.1\r\n")
+        while len(closed_after) < len(trickling) and time.monotonic() - started < 4:
+            time.sleep(0.1)  # far less than the timeout between lines, far more than it in all
+            for index, connection in enumerate(trickling):
+                if index not in closed_after:
+                    try:
+                        connection.sendall(b"X-a: b\r\n")
+                    except OSError:  # the server closed it and answered the next line with a reset
+                        closed_after[index] = time.monotonic() - started
+        assert len(closed_after) == len(trickling)
+        assert max(closed_after.values()) < 2.5
+        assert b"nereid_models" in urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+    finally:
+        for connection in trickling:
+            connection.close()
+        metrics.close()
