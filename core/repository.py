@@ -181,6 +181,9 @@ class ModelRepository:
             (f"{_backends_folder()}{os.sep}", "<nereid.backends>/"),
         }, key=lambda pair: -len(pair[0]))
         self._entries: dict[str, ModelEntry] = {}
+        # Whether a watcher loads folders that appear from now on (dynamic mode, once it knows the folders
+        # there at start: those are not loaded unless listed, exactly as without it).
+        self._watched = False
         self.rescan()
         # Models the server is expected to keep ready: ServerReady looks at these.
         # Start-up models count from the first moment, so the server never
@@ -188,6 +191,13 @@ class ModelRepository:
         self._exposed: set[str] = set(self.startup_models())
         for name in self._exposed:
             self._entries[name].state, self._entries[name].reason = ModelState.LOADING, "waiting to load"
+
+    def watch_started(self) -> None:
+        """A watcher has taken note of the folders there now and loads every folder added from here on.
+
+        Folders found before keep "not listed": nothing loads them by itself.
+        """
+        self._watched = True
 
     def startup_models(self) -> list[str]:
         """The models to load at start: the listed ones, or every folder when none are listed."""
@@ -212,9 +222,10 @@ class ModelRepository:
 
     def _apply_scan(self, present: list[str] | None) -> None:
         server = self.settings.server
-        # In dynamic mode the watcher loads every folder once it has settled; say so rather than ask for a load.
+        # In dynamic mode the watcher loads every folder added once it has settled; say so rather than ask for
+        # a load. Not for a folder there before it started watching: it never loads that one by itself.
         unlisted = (f"new folder: it loads once it has been unchanged for server.watch_settle_ms "
-                    f"({server.watch_settle_ms:g} ms)" if server.watch else NOT_LISTED_REASON)
+                    f"({server.watch_settle_ms:g} ms)" if server.watch and self._watched else NOT_LISTED_REASON)
         for name in present or ():  # a local folder or an object store
             if name not in self._entries:
                 settings, origin = self.settings.model_or_default(name)

@@ -118,6 +118,8 @@ class NereidServer:
         if self.settings.server.watch and self.watcher is None:
             self.watcher = RepositoryWatcher(self.repository, self.settings, after_apply=self.update_health)
             await self.watcher.prime()  # before loading: a change made during the loads is seen
+            # Folders found from here on are the watcher's to load; unlisted ones seen so far wait for a load.
+            self.repository.watch_started()
             self._watching = asyncio.create_task(self.watcher.run())
             log.info("dynamic repository: watching %s and %s (settle %g ms)", self.settings.server.ml_backends_path,
                      self.settings.source, self.settings.server.watch_settle_ms)

@@ -1,4 +1,4 @@
-"""The server over the wire: the health service against ServerReady.
+"""The server over the wire: the health service against ServerReady, dynamic mode at start.
 
 Models are toy models (tests/toy_backends.py) and a gated toy whose load
 waits until the test lets it finish, so a slow load is held exactly as long
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import shutil
 import threading
+import time
 from pathlib import Path
 
 import grpc
@@ -18,6 +19,7 @@ import toy_backends
 from nereid.backend import BackendClaim, ModelContext
 from nereid.hookspecs import hookimpl
 from nereid.plugins import make_plugin_manager
+from nereid.repository import NOT_LISTED_REASON
 from support import RunningServer, expect_grpc_error, wait_until
 from toy_backends import ToyModel, write_toy
 
@@ -108,4 +110,21 @@ def test_health_follows_a_rescan_that_forgets_a_failed_model(repo, serve):
     shutil.rmtree(broken)
     assert "broken" not in index(server)
     assert agrees(server, True)
+
+
+def test_an_unlisted_folder_present_at_start_waits_for_a_load_in_dynamic_mode(repo, serve):
+    # Dynamic mode loads folders dropped in while serving; an unlisted folder that was there at start is
+    # not loaded (exactly the listed models load at start). It claimed "it loads once it has been
+    # unchanged for server.watch_settle_ms" and never did.
+    write_toy(repo.models_dir, "steady")
+    write_toy(repo.models_dir, "extra")
+    server = serve(repo.write_config("- name: steady\n", server_extra="  watch: true\n  watch_settle_ms: 50\n"),
+                   manager=manager())
+    time.sleep(0.5)  # ten settle times: had the watcher been going to load it, it would have
+    assert index(server)["extra"] == ("UNAVAILABLE", NOT_LISTED_REASON)
+    assert agrees(server, True)
+    server.client.load_model("extra")
+    assert index(server)["extra"] == ("READY", "")
+    write_toy(repo.models_dir, "dropped")  # dropped in while serving: it loads by itself
+    assert wait_until(lambda: index(server).get("dropped", ("",))[0] == "READY", 20)
 
