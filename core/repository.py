@@ -41,6 +41,25 @@ log = logging.getLogger(__name__)
 NOT_LISTED_REASON = "not listed in nereid.yaml; load it with RepositoryModelLoad"
 
 
+class PublicText(str):
+    """A message already fit for clients: :meth:`ModelRepository.public_text` leaves it as it is.
+
+    For messages made only of what the client sent (a model name) and
+    server-relative text: scrubbing paths in them rewrote the client's own
+    name, so that a name starting with ml_backends_path answered for another,
+    existing model, and a client could tell which absolute paths are real.
+    """
+
+    __slots__ = ()
+
+    def __str__(self) -> str:
+        return self  # str(err) keeps the mark (str() of a str subclass otherwise makes a plain copy)
+
+    def plain(self) -> str:
+        """The text as a plain ``str`` (gRPC takes no subclass)."""
+        return str.__str__(self)
+
+
 class ModelState(str, enum.Enum):
     """Triton's model states, as RepositoryIndex reports them."""
 
@@ -284,14 +303,14 @@ class ModelRepository:
             entry = self._entries.get(name)
         if entry is None:
             # The folder relative to ml_backends_path: clients never see the server's absolute paths.
-            raise NotFound(f"unknown model '{name}' (no folder '{name}' under ml_backends_path)")
+            raise NotFound(PublicText(f"unknown model '{name}' (no folder '{name}' under ml_backends_path)"))
         return entry
 
     def ready_model(self, name: str) -> LoadedModel:
         """The loaded model behind ``name``; NotFound or Unavailable with the reason otherwise."""
         entry = self._entries.get(name)
         if entry is None:
-            raise NotFound(f"unknown model '{name}'")
+            raise NotFound(PublicText(f"unknown model '{name}'"))  # echoed as sent
         if entry.state is not ModelState.READY or entry.loaded is None:
             detail = f": {entry.reason}" if entry.reason else ""
             raise Unavailable(f"model '{name}' is not ready ({entry.state.value}{detail})")
@@ -487,8 +506,11 @@ class ModelRepository:
         """``text`` fit for clients: paths relative to ml_backends_path (or nereid.yaml's folder), capped.
 
         The log keeps absolute paths; RepositoryIndex and error messages never
-        reveal where the server keeps its files.
+        reveal where the server keeps its files. A :class:`PublicText` (what
+        the client sent, echoed) is only capped.
         """
+        if isinstance(text, PublicText):
+            return cap_message(text.plain())
         for prefix, replacement in self._private_prefixes:
             text = text.replace(prefix, replacement)
         return cap_message(text)

@@ -1,4 +1,4 @@
-"""The server over the wire: the health service against ServerReady, dynamic mode at start.
+"""The server over the wire: the health service against ServerReady, dynamic mode at start, errors echoing names.
 
 Models are toy models (tests/toy_backends.py) and a gated toy whose load
 waits until the test lets it finish, so a slow load is held exactly as long
@@ -15,6 +15,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+import nereid
 import toy_backends
 from nereid.backend import BackendClaim, ModelContext
 from nereid.hookspecs import hookimpl
@@ -128,3 +129,21 @@ def test_an_unlisted_folder_present_at_start_waits_for_a_load_in_dynamic_mode(re
     write_toy(repo.models_dir, "dropped")  # dropped in while serving: it loads by itself
     assert wait_until(lambda: index(server).get("dropped", ("",))[0] == "READY", 20)
 
+
+def test_not_found_echoes_the_clients_name_as_sent(repo, serve):
+    # The path scrubbing of error messages rewrote the client's own name: a name starting with
+    # ml_backends_path answered "unknown model 'python_rowsum'" (another, existing model), and one under
+    # nereid's install folder "<nereid>/...", which told a client which absolute paths were real.
+    write_toy(repo.models_dir, "python_rowsum")
+    broken = write_toy(repo.models_dir, "broken")
+    (broken / "fail.txt").write_text("weights are corrupt")
+    server = serve(repo.write_config("- name: python_rowsum\n"), manager=manager())
+    names = [f"{repo.models_dir}/python_rowsum", f"{repo.models_dir.resolve()}/python_rowsum",
+             f"{Path(nereid.__file__).resolve().parent}/anything", f"{server.server.scratch_dir}/x"]
+    for name in names:
+        expect_grpc_error("NOT_FOUND", lambda: server.client.get_model_metadata(name), f"unknown model '{name}'")
+        expect_grpc_error("NOT_FOUND", lambda: server.client.is_model_ready(name), f"unknown model '{name}'")
+    # Text the server writes is still scrubbed (the toy names its fail.txt by its absolute path).
+    message = expect_grpc_error("INTERNAL", lambda: server.client.load_model("broken"),
+                                "failed to load model 'broken': broken/fail.txt: weights are corrupt")
+    assert str(repo.models_dir) not in message and str(repo.models_dir.resolve()) not in message
