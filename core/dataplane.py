@@ -35,8 +35,9 @@ class DataPlane:
     """Inference, introspection and repository control over a :class:`ModelRepository`.
 
     ``repository_control`` False refuses load and unload (PermissionDenied);
-    ``on_repository_change`` is awaited after each (the server updates its
-    health service there).
+    ``on_repository_change`` is awaited after each, and after a repository
+    index whose rescan changed readiness (the server updates its health
+    service there; the repository also reports changes as they happen).
     """
 
     def __init__(self, repository: ModelRepository, settings: Settings, *, repository_control: bool = True,
