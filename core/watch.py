@@ -39,7 +39,7 @@ import watchfiles
 
 from nereid.errors import ConfigError
 from nereid.settings import Settings, load_settings
-from nereid.storage import StorageError, StoreURL, parse_store_url
+from nereid.storage import StorageError, StoreURL, decodable_name, parse_store_url
 
 if TYPE_CHECKING:
     from nereid.repository import ModelRepository
@@ -87,7 +87,8 @@ def scan_folder(folder: Path) -> FolderState | None:
         return None
     digest = hashlib.sha256()
     for relative, size, _ in files:
-        digest.update(f"{relative}\0{size}\0".encode())
+        # (A file name that is not UTF-8 is read with surrogate escapes; its own bytes go into the digest.)
+        digest.update(f"{relative}\0{size}\0".encode("utf-8", "surrogateescape"))
         try:
             with open(folder / relative, "rb") as f:
                 digest.update(f.read(SAMPLE_BYTES))
@@ -102,10 +103,23 @@ def scan_folder(folder: Path) -> FolderState | None:
 
 
 def scan_repository(root: Path) -> dict[str, FolderState]:
-    """Every model folder under ``root`` (hidden ones skipped) and its state."""
+    """Every model folder under ``root`` and its state (StorageError when ``root`` cannot be listed).
+
+    Hidden folders are skipped, and so are folders whose names are not UTF-8
+    (logged once): they cannot be model names.
+    """
+    try:
+        with os.scandir(root) as listing:
+            entries = sorted(listing, key=lambda e: e.name)
+    except OSError as err:  # never read as "every folder is gone"
+        raise StorageError(f"ml_backends_path {root}: cannot list it: {err.strerror or err}") from None
     states = {}
-    for entry in sorted(os.scandir(root), key=lambda e: e.name):
-        if entry.is_dir() and not entry.name.startswith("."):
+    for entry in entries:
+        try:
+            is_folder = entry.is_dir()
+        except OSError:
+            continue  # gone since the listing
+        if is_folder and not entry.name.startswith(".") and decodable_name(entry.name, root):
             state = scan_folder(Path(entry.path))
             if state is not None:
                 states[entry.name] = state
@@ -160,6 +174,13 @@ def plan_changes(before: dict[str, FolderState], after: dict[str, FolderState], 
     return Plan(tuple(renames), tuple(gone), tuple(new), tuple(changed))
 
 
+def _describe(err: BaseException) -> str:
+    """``Type: message`` for an error, each one for an ExceptionGroup (watchfiles raises those)."""
+    if isinstance(err, BaseExceptionGroup):
+        return "; ".join(_describe(inner) for inner in err.exceptions)
+    return f"{type(err).__name__}: {err}"
+
+
 async def _logged(name: str, step: Awaitable[object]) -> None:
     """Carry out one folder's step; a failure is logged and leaves the other folders' steps alone."""
     try:
@@ -209,20 +230,55 @@ class RepositoryWatcher:
         file itself would lose, and that folder may hold a whole project).
         """
         models = self._follow(self.root, recursive=True) if self.location is None else self._poll()
-        await asyncio.gather(models, self._follow(self.config_path.parent, recursive=False))
+        await asyncio.gather(self._guarded(models, self.root if self.location is None else self.location),
+                             self._guarded(self._follow(self.config_path.parent, recursive=False), self.config_path))
+
+    async def _guarded(self, watch: Awaitable[None], what: object) -> None:
+        """Run one watch; if it ever ends in an error, say so (it used to end without a word)."""
+        try:
+            await watch
+        except Exception as err:
+            log.error("dynamic repository: following %s stopped: %s; its changes are no longer acted on "
+                      "until a restart", what, _describe(err))
+
+    async def _stopped_within(self, seconds: float) -> bool:
+        """Wait ``seconds``; True if :meth:`stop` was called meanwhile."""
+        try:
+            await asyncio.wait_for(self._stop.wait(), seconds)
+        except TimeoutError:
+            return False
+        return True
 
     async def _poll(self) -> None:
-        while not self._stop.is_set():
-            try:
-                await asyncio.wait_for(self._stop.wait(), self.poll_s)
-            except TimeoutError:
-                await self._apply_serialized()
+        while not await self._stopped_within(self.poll_s):
+            await self._apply_serialized()
 
     async def _follow(self, path: Path, recursive: bool) -> None:
-        async for _ in watchfiles.awatch(path, watch_filter=self._relevant, step=EVENT_STEP_MS,
-                                         debounce=max(1600, int(self.settle_ms * MAX_GROUPING_FACTOR)),
-                                         stop_event=self._stop, recursive=recursive):
-            await self._apply_serialized()
+        """Act on each batch of file events under ``path`` until :meth:`stop`.
+
+        When the watch cannot run (watchfiles gives up on any path that is not
+        UTF-8, or ``path`` went away), ``path`` is looked at every
+        ``watch_poll_s`` instead, and the watch is tried again after each look.
+        The failure is logged once (and again if it changes).
+        """
+        failure: str | None = None
+        while not self._stop.is_set():
+            try:
+                async for _ in watchfiles.awatch(path, watch_filter=self._relevant, step=EVENT_STEP_MS,
+                                                 debounce=max(1600, int(self.settle_ms * MAX_GROUPING_FACTOR)),
+                                                 stop_event=self._stop, recursive=recursive):
+                    failure = None  # events arrive: the watch works
+                    await self._apply_serialized()
+                return  # stopped
+            except Exception as err:
+                text = _describe(err)
+                if text != failure:
+                    log.error("dynamic repository: cannot follow %s with file events (%s); looking at it every "
+                              "%g s (server.watch_poll_s) instead, until it can", path, text, self.poll_s)
+                failure = text
+            if await self._stopped_within(self.poll_s):
+                return
+            await self._apply_serialized()  # what changed while no events came
 
     def stop(self) -> None:
         """End :meth:`run` at its next wake-up, and any scan still scheduled."""
@@ -245,7 +301,7 @@ class RepositoryWatcher:
         try:
             current = await asyncio.to_thread(self._scan)
         except StorageError as err:  # never read as "every folder is gone"
-            log.warning("dynamic repository: %s; trying again in %g s", err, self.poll_s)
+            log.warning("dynamic repository: %s; nothing changes until it can be listed", err)
             return
         plan = plan_changes(self._folders, current, renames_too=self.location is None)
         repository = self.repository
@@ -313,6 +369,7 @@ class RepositoryWatcher:
                 log.exception("dynamic repository: applying a change failed")
 
     async def _apply_config(self) -> None:
+        """Apply nereid.yaml if its content changed; one that does not load is logged and changes nothing."""
         text = await asyncio.to_thread(self._read_config)  # never read a file on the loop
         if text == self._config_text:
             return

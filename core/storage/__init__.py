@@ -16,6 +16,7 @@ streamed by the backend at load (:mod:`nereid.storage.client`).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from pathlib import Path
@@ -32,7 +33,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "MARKER_FILE", "RangeRead", "RemoteFolder", "RemoteObject", "SCHEMES", "StorageError", "StoreURL",
-    "describe_error", "list_model_folders", "materialize_model_folder", "mirror_root", "model_folder_exists",
+    "decodable_name", "describe_error", "list_model_folders", "materialize_model_folder", "mirror_root", "model_folder_exists",
     "open_store", "parse_store_url", "read_marker", "read_ranges", "scan_model_folders",
 ]
 
@@ -40,6 +41,9 @@ __all__ = [
 _LISTING_TTL_S = 5.0
 _listings: dict[str, tuple[float, list[str]]] = {}
 _listings_lock = threading.Lock()
+# Folders whose names are not UTF-8, already warned about (each scan would otherwise warn again).
+_undecodable_reported: set[str] = set()
+_MAX_REPORTED = 10_000
 
 
 def _location(server: ServerSettings) -> StoreURL | None:
@@ -50,9 +54,9 @@ def _location(server: ServerSettings) -> StoreURL | None:
 def list_model_folders(server: ServerSettings) -> list[str]:
     """The names of the model folders under ``server.ml_backends_path`` (or its URL).
 
-    A store that cannot be listed is logged and lists nothing: the models
-    nereid.yaml lists still get entries, and their loads report the store's
-    error.
+    A store (or local folder) that cannot be listed is logged and lists
+    nothing: the models nereid.yaml lists still get entries, and their loads
+    report the error.
     """
     try:
         return scan_model_folders(server)
@@ -62,7 +66,7 @@ def list_model_folders(server: ServerSettings) -> list[str]:
 
 
 def scan_model_folders(server: ServerSettings) -> list[str]:
-    """:func:`list_model_folders`, raising StorageError when the store cannot be listed.
+    """:func:`list_model_folders`, raising StorageError when the store or folder cannot be listed.
 
     For a store, each listed folder also gets its (empty until materialized)
     local mirror folder.
@@ -70,11 +74,57 @@ def scan_model_folders(server: ServerSettings) -> list[str]:
     location = _location(server)
     root = Path(server.ml_backends_path)
     if location is None:
-        return sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+        return _local_folders(root)
     names = _list_remote(location)
     for name in names:
         (root / name).mkdir(parents=True, exist_ok=True)
     return names
+
+
+def decodable_name(name: str, root: Path) -> bool:
+    """Whether ``name``, a folder name read from ``root``, is UTF-8 text.
+
+    Python reads a name that is not UTF-8 with surrogate escapes ('odd\\udcffname'),
+    which no protobuf or JSON string can carry: such a folder cannot be a model,
+    and one in a listing made every RepositoryIndex fail. The first time a
+    name is met it is logged with its bytes escaped ('odd\\xffname').
+    """
+    try:
+        name.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        pass
+    shown = os.fsencode(name).decode("utf-8", "backslashreplace")
+    key = f"{root}/{shown}"
+    if key not in _undecodable_reported:
+        if len(_undecodable_reported) >= _MAX_REPORTED:  # a folder made and removed in a loop: stay bounded
+            _undecodable_reported.clear()
+        _undecodable_reported.add(key)
+        log.warning("ml_backends_path %s: skipping the folder '%s': its name is not UTF-8, so it cannot be a "
+                    "model name (rename it to serve it)", root, shown)
+    return False
+
+
+def _local_folders(root: Path) -> list[str]:
+    """The model folders in the local folder ``root`` (hidden ones and names that are not UTF-8 skipped).
+
+    StorageError when ``root`` cannot be listed (removed while serving, say): like
+    a store that cannot be listed, that is never "every folder is gone".
+    """
+    try:
+        with os.scandir(root) as listing:
+            entries = list(listing)
+    except OSError as err:
+        raise StorageError(f"ml_backends_path {root}: cannot list it: {err.strerror or err}") from None
+    names = []
+    for entry in entries:
+        try:
+            is_folder = entry.is_dir()  # follows a symlink, as a model folder may be one
+        except OSError:
+            continue  # gone since the listing
+        if is_folder and not entry.name.startswith(".") and decodable_name(entry.name, root):
+            names.append(entry.name)
+    return sorted(names)
 
 
 def model_folder_exists(server: ServerSettings, name: str) -> bool:

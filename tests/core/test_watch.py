@@ -294,3 +294,66 @@ def _scrape(server) -> dict[str, float]:
             key, value = line.rsplit(" ", 1)
             samples[key] = float(value)
     return samples
+
+
+# -- hostile names, a vanished repository, a bad or symlinked nereid.yaml -----------------
+
+ODD = b"odd\xffname"  # a folder name that is not UTF-8
+
+
+def _odd_folder(repo) -> bytes:
+    """A copy of a working model under a name that is not UTF-8 (``mkdir $'odd\\xffname'``)."""
+    path = os.path.join(os.fsencode(repo.models_dir), ODD)
+    os.mkdir(path)
+    for name in ("model_inference.textproto", "main.py"):
+        shutil.copy(repo.models_dir / "first" / name, os.fsdecode(os.path.join(path, os.fsencode(name))))
+    return path
+
+
+def _messages(caplog, text: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records if text in r.getMessage()]
+
+
+def test_a_folder_name_that_is_not_utf8_is_skipped_and_the_watch_goes_on(repo, serve, caplog):
+    # It used to end the watch without a word (watchfiles raised) and make RepositoryIndex INTERNAL.
+    caplog.set_level(logging.INFO)
+    write_model(repo.models_dir / "first", "1")
+    config = repo.write_config("- name: first\n", server_extra=SETTLE + "  watch_poll_s: 0.2\n")
+    server = serve(config)
+    _odd_folder(repo)
+    write_model(repo.models_dir / "later", "later")  # dropped after the bad one: still loads
+    wait_for(lambda: index(server).get("later", ("",))[0] == "READY")
+    assert set(index(server)) == {"first", "later"}
+    assert ask(server.client, "later")["version"] == "later"
+    config.write_text(config.read_text().replace("  - name: first\n", "  - name: first\n    queue_capacity: 7\n"))
+    wait_for(lambda: server.server.repository.entry("first").loaded.scheduler.capacity == 7)  # nereid.yaml too
+    skipped = _messages(caplog, "skipping the folder 'odd\\xffname': its name is not UTF-8")
+    assert len(skipped) == 1, skipped  # once, however many scans
+    assert _messages(caplog, "cannot follow") and not _messages(caplog, "applying a change failed")
+    assert not server.server._watching.done()
+    # Once the bad folder is gone, events are followed again.
+    shutil.rmtree(os.path.join(os.fsencode(repo.models_dir), ODD))
+    write_model(repo.models_dir / "last", "last")
+    wait_for(lambda: index(server).get("last", ("",))[0] == "READY")
+
+
+def test_without_watch_a_folder_name_that_is_not_utf8_leaves_the_index_working(repo, serve, caplog):
+    write_model(repo.models_dir / "first", "1")
+    server = serve(repo.write_config())
+    _odd_folder(repo)
+    for _ in range(3):
+        assert index(server) == {"first": ("READY", "")}
+    assert len(_messages(caplog, "skipping the folder 'odd\\xffname'")) == 1
+
+
+def test_a_removed_ml_backends_path_forgets_nothing(repo, serve, caplog):
+    # RepositoryIndex used to answer INTERNAL (FileNotFoundError) once the folder was gone.
+    write_model(repo.models_dir / "first", "1")
+    server = serve(repo.write_config())
+    moved = repo.root / "moved-away"
+    os.rename(repo.models_dir, moved)
+    assert index(server) == {"first": ("READY", "")}
+    assert _messages(caplog, "cannot list it: No such file or directory")
+    assert ask(server.client, "first")["version"] == "1"
+    os.rename(moved, repo.models_dir)
+
