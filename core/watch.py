@@ -296,7 +296,10 @@ class RepositoryWatcher:
         looked the same for the settle time (a copy in progress keeps changing),
         and a scan is scheduled for when that time is up.
         """
-        await self._apply_config()
+        try:
+            await self._apply_config()
+        except Exception:  # the folders are still handled
+            log.exception("dynamic repository: applying the changed %s failed", self.config_path)
         now = time.monotonic()
         try:
             current = await asyncio.to_thread(self._scan)
@@ -374,7 +377,7 @@ class RepositoryWatcher:
         if text == self._config_text:
             return
         self._config_text = text
-        try:
+        try:  # (load_settings explains bytes that are not UTF-8, as `nereid check` does)
             new = await asyncio.to_thread(load_settings, self.config_path)
         except ConfigError as err:
             log.error("dynamic repository: %s; keeping the running configuration", err)
@@ -389,9 +392,10 @@ class RepositoryWatcher:
         self.settings = new
         await self.repository.apply_settings(new)
 
-    def _read_config(self) -> str | None:
+    def _read_config(self) -> bytes | None:
+        """nereid.yaml's bytes, compared as bytes: one that is not UTF-8 is load_settings' to explain."""
         try:
-            return self.config_path.read_text(encoding="utf-8")
+            return self.config_path.read_bytes()
         except OSError:
             return None
 

@@ -357,3 +357,18 @@ def test_a_removed_ml_backends_path_forgets_nothing(repo, serve, caplog):
     assert ask(server.client, "first")["version"] == "1"
     os.rename(moved, repo.models_dir)
 
+
+def test_a_nereid_yaml_that_is_not_utf8_is_refused_and_folders_are_still_handled(repo, serve, caplog):
+    # Every later change used to log a traceback ("applying a change failed") and folders stopped loading.
+    write_model(repo.models_dir / "first", "1")
+    config = repo.write_config(server_extra=SETTLE)
+    server = serve(config)
+    config.write_bytes(b'server:\n  bind_addr: "\xff"\n')
+    wait_for(lambda: _messages(caplog, "keeping the running configuration"))
+    refused = _messages(caplog, "keeping the running configuration")[0]
+    assert f"{config}: not UTF-8 text (invalid byte at offset 22)" in refused, refused
+    write_model(repo.models_dir / "later", "later")
+    wait_for(lambda: index(server).get("later", ("",))[0] == "READY")
+    assert ask(server.client, "first")["version"] == "1"
+    assert not _messages(caplog, "applying")
+
