@@ -174,6 +174,32 @@ def plan_changes(before: dict[str, FolderState], after: dict[str, FolderState], 
     return Plan(tuple(renames), tuple(gone), tuple(new), tuple(changed))
 
 
+def links_on_the_way(path: Path) -> set[str]:
+    """The symlinks met while resolving the absolute ``path`` (unresolved, as strings).
+
+    For a ConfigMap's ``cfg/nereid.yaml -> ..data/nereid.yaml`` with ``..data ->
+    ..v1``, that is ``cfg/nereid.yaml`` and ``cfg/..data``: replacing either
+    changes what the path reads.
+    """
+    links: set[str] = set()
+    pending = list(path.parts[1:])
+    current = Path(path.anchor)
+    hops = 0
+    while pending and hops < 40:  # the kernel's own limit on links in one path (a loop ends here too)
+        part = pending.pop(0)
+        current = current.parent if part == ".." else current / part
+        try:
+            target = os.readlink(current)
+        except OSError:  # not a link (or not there): go on
+            continue
+        hops += 1
+        links.add(str(current))
+        target_path = Path(target)
+        pending = list(target_path.parts[1:] if target_path.is_absolute() else target_path.parts) + pending
+        current = Path(target_path.anchor) if target_path.is_absolute() else current.parent
+    return links
+
+
 def _describe(err: BaseException) -> str:
     """``Type: message`` for an error, each one for an ExceptionGroup (watchfiles raises those)."""
     if isinstance(err, BaseExceptionGroup):
@@ -199,7 +225,9 @@ class RepositoryWatcher:
         self.root = settings.server.ml_backends_path
         url = settings.server.ml_backends_url
         self.location = parse_store_url(url) if url else None  # a store: polled, not watched
-        self.config_path = Path(settings.source).resolve()
+        # The path as given, never resolved: a symlinked nereid.yaml (a Kubernetes ConfigMap's
+        # nereid.yaml -> ..data/nereid.yaml, ..data -> ..v1) is re-read through the link after a swap.
+        self.config_path = Path(os.path.abspath(settings.source))
         self.settle_ms = settings.server.watch_settle_ms
         self.poll_s = settings.server.watch_poll_s
         self._folders: dict[str, FolderState] = {}
@@ -402,6 +430,8 @@ class RepositoryWatcher:
     def _relevant(self, change: watchfiles.Change, path: str) -> bool:
         if Path(path) == self.config_path:
             return True
+        if Path(path).parent == self.config_path.parent and path in links_on_the_way(self.config_path):
+            return True  # a symlink nereid.yaml goes through was replaced (a ConfigMap's ..data swap)
         try:
             relative = Path(path).relative_to(self.root)
         except ValueError:

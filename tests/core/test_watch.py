@@ -372,3 +372,25 @@ def test_a_nereid_yaml_that_is_not_utf8_is_refused_and_folders_are_still_handled
     assert ask(server.client, "first")["version"] == "1"
     assert not _messages(caplog, "applying")
 
+
+def test_a_symlinked_nereid_yaml_is_read_again_through_its_links(repo, serve, caplog):
+    # A Kubernetes ConfigMap: nereid.yaml -> ..data/nereid.yaml, ..data -> ..v1; an update swaps ..data to
+    # ..v2 and removes ..v1. The resolved path used to be kept ("..v1/nereid.yaml: cannot read" forever).
+    write_model(repo.models_dir / "first", "1")
+    text = repo.write_config("- name: first\n", server_extra=SETTLE).read_text().replace(
+        'ml_backends_path: "ml-backends"', f'ml_backends_path: "{repo.models_dir}"')
+    cfg = repo.root / "cfg"
+    (cfg / "..v1").mkdir(parents=True)
+    (cfg / "..v1" / "nereid.yaml").write_text(text)
+    os.symlink("..v1", cfg / "..data")
+    os.symlink("..data/nereid.yaml", cfg / "nereid.yaml")
+    server = serve(cfg / "nereid.yaml")
+    assert server.server.repository.entry("first").loaded.scheduler.capacity == 128
+    (cfg / "..v2").mkdir()
+    (cfg / "..v2" / "nereid.yaml").write_text(text.replace("  - name: first\n", "  - name: first\n"
+                                                                                  "    queue_capacity: 7\n"))
+    os.symlink("..v2", cfg / "..data_tmp")
+    os.rename(cfg / "..data_tmp", cfg / "..data")  # what kubelet does: an atomic swap of the link
+    shutil.rmtree(cfg / "..v1")
+    wait_for(lambda: server.server.repository.entry("first").loaded.scheduler.capacity == 7)
+    assert not _messages(caplog, "cannot read")
