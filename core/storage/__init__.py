@@ -33,8 +33,8 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "MARKER_FILE", "RangeRead", "RemoteFolder", "RemoteObject", "SCHEMES", "StorageError", "StoreURL",
-    "decodable_name", "describe_error", "list_model_folders", "materialize_model_folder", "mirror_root", "model_folder_exists",
-    "open_store", "parse_store_url", "read_marker", "read_ranges", "scan_model_folders",
+    "decodable_name", "describe_error", "list_model_folders", "materialize_model_folder", "mirror_root",
+    "model_folder_exists", "open_store", "parse_store_url", "read_marker", "read_ranges", "scan_model_folders",
 ]
 
 # An unknown model name asks the store at most this often (it runs on the event loop).
