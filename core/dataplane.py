@@ -153,7 +153,7 @@ class DataPlane:
     def _check_repository_control(self, rpc: str) -> None:
         if not self.repository_control:
             raise PermissionDenied(f"{rpc} is turned off on this server (server.repository_control: false, "
-                                   "the default when not bound to loopback)")
+                                   "the default when bind_addr or http_addr is not loopback)")
 
     async def infer(self, request: InferRequest) -> InferResponse:
         """Run one request; every accepted request gets exactly one answer, success or error."""
