@@ -26,6 +26,14 @@ class RateLimitedLog:
 
     def warning(self, message: str, *args: object) -> bool:
         """Log ``message % args`` at WARNING unless over the limit; True when it was written."""
+        return self.log(logging.WARNING, message, *args)
+
+    def error(self, message: str, *args: object) -> bool:
+        """Log ``message % args`` at ERROR unless over the limit; True when it was written."""
+        return self.log(logging.ERROR, message, *args)
+
+    def log(self, level: int, message: str, *args: object) -> bool:
+        """Log ``message % args`` at ``level`` unless over the limit; True when it was written."""
         with self._lock:
             now = time.monotonic()
             if now - self._window_start >= self._window_s:
@@ -37,5 +45,5 @@ class RateLimitedLog:
             suppressed, self._suppressed = self._suppressed, 0
         if suppressed:
             message += f" ({suppressed} similar message(s) suppressed before this one)"
-        self._logger.warning(message, *args)
+        self._logger.log(level, message, *args)
         return True

@@ -28,6 +28,7 @@ from nereid.batching import BatchPolicy
 from nereid.dependencies import describe_cycle, find_cycle, waiting_for
 from nereid.errors import ConfigError, NotFound, Unavailable, cap_message
 from nereid.files import check_confined
+from nereid.log_limit import RateLimitedLog
 from nereid.model_runner import Runner, make_runner
 from nereid.plugins import claim_folder
 from nereid.scheduler import ModelScheduler
@@ -200,6 +201,7 @@ class ModelRepository:
             (f"{_backends_folder()}{os.sep}", "<nereid.backends>/"),
         }, key=lambda pair: -len(pair[0]))
         self._entries: dict[str, ModelEntry] = {}
+        self._scan_errors = RateLimitedLog(log)
         # Whether a watcher loads folders that appear from now on (dynamic mode, once it knows the folders
         # there at start: those are not loaded unless listed, exactly as without it).
         self._watched = False
@@ -263,7 +265,8 @@ class ModelRepository:
         try:
             return scan_model_folders(self.settings.server)
         except StorageError as err:
-            log.error("%s", err)
+            # Rate-limited: RepositoryIndex rescans, so a client can ask for this line at will.
+            self._scan_errors.error("%s", err)
             return None
 
     def _forget_gone(self, present: set[str]) -> None:
