@@ -71,7 +71,8 @@ class PythonModel(SubprocessModel):
         env = self.base_environment()
         env["TMPDIR"] = str(parent_dir)
         parent = WarmParent(name=self.context.name, folder=self.context.folder, env=env, modules=modules,
-                            log_path=parent_dir / "log", entry_source=parent_dir / LOADED_ENTRY_FILE)
+                            log_path=parent_dir / "log", entry_source=parent_dir / LOADED_ENTRY_FILE,
+                            cold_argv=self.command())
         try:
             parent.entry_source.write_bytes(source)
             parent.start()
@@ -108,6 +109,8 @@ class PythonModel(SubprocessModel):
         parent = self._parent
         if not self._warm or parent is None:
             return RuntimeReport(f"warm_start=off ({self._cold_reason})")
+        if parent.cold_reason is not None:
+            return RuntimeReport(f"warm_start=off since a restart ({parent.cold_reason})")
         return RuntimeReport("warm_start=on", parent.resident_bytes())
 
 

@@ -41,8 +41,11 @@ class WarmParent:
     """A running warm parent: started with the model's environment, imports preloaded."""
 
     def __init__(self, *, name: str, folder: Path, env: dict[str, str], modules: list[str], log_path: Path,
-                 entry_source: Path) -> None:
+                 entry_source: Path, cold_argv: list[str] | None = None) -> None:
         self.name = name
+        # What a cold run execs, should a restarted parent find it can no longer preload.
+        self.cold_argv = cold_argv
+        self.cold_reason: str | None = None  # why runs went cold after a restart (None: they did not)
         self.folder = folder
         self.entry_source = entry_source  # the main.py bytes to compile, named FOLDER/main.py
         self.env = env
@@ -127,6 +130,8 @@ class WarmParent:
         """
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         control = self._running_control()
+        if exec_argv is None and self.cold_reason is not None:
+            exec_argv = self.cold_argv
         stdin_read, stdin_write = os.pipe2(os.O_CLOEXEC)
         output_read, output_write = os.pipe2(os.O_CLOEXEC)
         reply, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -176,7 +181,19 @@ class WarmParent:
                 try:
                     self._start()
                 except WarmStartUnavailable as err:
-                    raise ModelFailure(f"model '{self.name}': its warm parent could not be restarted: {err}") from None
+                    if not self.modules or self.cold_argv is None:
+                        raise ModelFailure(f"model '{self.name}': its warm parent could not be restarted: "
+                                           f"{err}") from None
+                    # Its imports changed under it (one now fails, or starts a thread): run cold from
+                    # now on, as a load finding the same would.
+                    log.warning("model '%s': its restarted warm parent cannot preload (%s); from now on every "
+                                "batch starts a fresh interpreter", self.name, err)
+                    self.modules, self.cold_reason = [], str(err)
+                    try:
+                        self._start()
+                    except WarmStartUnavailable as again:
+                        raise ModelFailure(f"model '{self.name}': its warm parent could not be restarted: "
+                                           f"{again}") from None
             assert self._control is not None
             return self._control
 

@@ -32,7 +32,13 @@ stdout/stderr, gets exactly the environment of the request and runs
 
 from __future__ import annotations
 
-import atexit
+import sys
+
+# What `python main.py` has imported before main.py runs. Anything else this program imports
+# for itself (json, socket, ...) must not hide a same-named module in the model folder.
+INTERPRETER_MODULES = frozenset(sys.modules)
+
+import atexit  # noqa: E402 - after the snapshot above
 import ctypes
 import gc
 import importlib
@@ -42,7 +48,6 @@ import os
 import select
 import signal
 import socket
-import sys
 import threading
 import traceback
 import types
@@ -252,6 +257,10 @@ def run_spare(assignments: socket.socket, parent_fds: set[int], parent: int) -> 
     try:
         os.setsid()
         _die_with_parent(parent)
+        if _prctl is not None:
+            # Orphans of this run's detached processes come to this run, not to the warm parent, whose
+            # sweep after another run ends would kill them; they come on to it when this run ends.
+            _prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
         for fd in parent_fds:
             if fd > 2:
                 os.close(fd)
@@ -264,7 +273,17 @@ def run_spare(assignments: socket.socket, parent_fds: set[int], parent: int) -> 
     except BaseException:  # noqa: BLE001 - nothing may escape into a copy of the parent's loop
         traceback.print_exc()
     finally:
-        os._exit(code)
+        _exit(code)
+
+
+def _exit(code: int) -> None:
+    """Leave as the interpreter would: C stdio flushed; a negative code dies of that signal."""
+    if _fflush is not None:
+        _fflush(None)  # os._exit skips libc's exit(), which flushes what C code printf'd or fwrite'd
+    if code < 0:
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    os._exit(code & 0xFF)
 
 
 def run_child(env: dict[str, str], cwd: str, stdin_fd: int, output_fd: int,
@@ -283,6 +302,10 @@ def run_child(env: dict[str, str], cwd: str, stdin_fd: int, output_fd: int,
             os.close(fd)
     os.environ.clear()
     os.environ.update(env)
+    # What the preloaded imports did to the environment, as importing them in main.py would.
+    os.environ.update(_preload_environ[0])
+    for name in _preload_environ[1]:
+        os.environ.pop(name, None)
     if "tempfile" in sys.modules:
         sys.modules["tempfile"].tempdir = None  # computed again from this run's TMPDIR
     cwd = enter_folder(cwd)
@@ -351,6 +374,7 @@ def run_main(path: str) -> int:
     module.__file__ = path
     module.__builtins__ = __builtins__
     sys.modules["__main__"] = module
+    _unshadow(os.path.dirname(path))
     preloaded = len(sys.modules)  # modules imported from here on come after these (dicts keep order)
     try:
         code_object = entry_code(path)
@@ -360,9 +384,14 @@ def run_main(path: str) -> int:
         code = 0
     except SystemExit as exit_request:
         code = _exit_code(exit_request.code)
-    except BaseException:  # noqa: BLE001 - reported like the interpreter does
-        sys.excepthook(*sys.exc_info())
-        code = 1
+    except BaseException as err:  # noqa: BLE001 - reported like the interpreter does
+        # Without this function's own frame: the traceback starts in main.py, as python main.py's does
+        # (the hook prints the exception's own __traceback__, so that is what is trimmed).
+        if err.__traceback__ is not None:
+            err.__traceback__ = err.__traceback__.tb_next
+        sys.excepthook(type(err), err, err.__traceback__)
+        # An uncaught KeyboardInterrupt ends CPython by SIGINT, which the server reports as such.
+        code = -signal.SIGINT if isinstance(err, KeyboardInterrupt) else 1
     for thread in threading.enumerate():  # the interpreter waits for non-daemon threads at exit
         if thread is not threading.main_thread() and not thread.daemon:
             thread.join()
@@ -374,6 +403,27 @@ def run_main(path: str) -> int:
         except (OSError, ValueError):
             pass
     return code
+
+
+def _unshadow(folder: str) -> None:
+    """Forget the modules this parent imported that a module in the model folder would hide.
+
+    ``python main.py`` puts the folder first on ``sys.path``, so its ``json.py``
+    is what ``import json`` finds, unless the interpreter itself had imported
+    ``json`` before main.py ran. Here the parent imported it (for itself, or as
+    a preload): the child drops it, and main.py's import finds the folder's.
+    """
+    try:
+        with os.scandir(folder) as entries:
+            local = {entry.name.removesuffix(".py") for entry in entries
+                     if (entry.name.endswith(".py") and entry.is_file())
+                     or (entry.is_dir() and os.path.exists(os.path.join(entry.path, "__init__.py")))}
+    except OSError:
+        return
+    hidden = [name for name in sys.modules
+              if name.partition(".")[0] in local and name not in INTERPRETER_MODULES and name != "__main__"]
+    for name in hidden:
+        del sys.modules[name]
 
 
 def _release_model_modules(folder: str, run_modules: list[types.ModuleType]) -> None:
@@ -422,6 +472,15 @@ def _find_prctl():
         return None  # not Linux: the server still kills the group on timeout and unload
 
 
+def _find_fflush():
+    try:
+        fflush = ctypes.CDLL(None).fflush
+    except (OSError, AttributeError):
+        return None
+    fflush.argtypes = [ctypes.c_void_p]
+    return fflush
+
+
 def _children() -> list[int]:
     """This process's children (its only thread's), from /proc; [] where /proc cannot tell."""
     try:
@@ -446,17 +505,24 @@ def _send(reply: socket.socket, message: dict) -> None:
 
 
 _prctl = None
+_fflush = None
+# (variables set or changed, variables removed) by the preloaded imports.
+_preload_environ: tuple[dict[str, str], list[str]] = ({}, [])
 _entry: tuple[str, types.CodeType | BaseException] | None = None  # main.py's path at load, its code or why not
 
 
 def main() -> int:
-    global _prctl
+    global _prctl, _fflush, _preload_environ
     _prctl = _find_prctl()  # looked up once, not in every child
+    _fflush = _find_fflush()
     if _prctl is not None:
         _prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # orphans of model processes come here, not to init
     control = socket.socket(fileno=int(sys.argv[1]))
     modules = json.loads(sys.argv[2])
+    before = dict(os.environ)
     reason = preload(modules)
+    after = dict(os.environ)
+    _preload_environ = ({k: v for k, v in after.items() if before.get(k) != v}, [k for k in before if k not in after])
     if reason is not None:
         print(f"fallback {reason}", flush=True)
         return 0

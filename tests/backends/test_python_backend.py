@@ -13,7 +13,9 @@ import concurrent.futures
 import json
 import os
 import shutil
+import signal
 import struct
+import sys
 import textwrap
 import time
 from pathlib import Path
@@ -666,3 +668,92 @@ def test_declared_python_backend_needs_main_py(repo, serve):
     state, reason = index_of(server)["declared"]
     assert state == "UNAVAILABLE" and "model 'declared': missing main.py" in reason
     assert infer(server, "good", FOUR).as_numpy("output").tolist() == FOUR.tolist()
+
+
+# Each mode of this main.py is one way `python main.py` behaves that a forked child must too.
+AS_PYTHON_DOES_MAIN = '''
+import ctypes, os, struct, sys, time
+mode = int(struct.unpack("<f", sys.stdin.buffer.read(16)[:4])[0])
+path = os.environ["NEREID_OUTPUT_PATH"]
+row = struct.pack("<4f", mode, 0, 0, 0)
+if mode == 1:  # written with C stdio and never fclose'd: exit() flushes it
+    libc = ctypes.CDLL(None)
+    libc.fopen.restype = ctypes.c_void_p
+    libc.fwrite.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_void_p]
+    data = b"float32 1,4\\n" + row
+    libc.fwrite(data, 1, len(data), libc.fopen(path.encode(), b"wb"))
+elif mode == 2:  # printf'd by C code, then a failure: the tail shows it
+    ctypes.CDLL(None).printf(b"said-by-printf\\n")
+    sys.exit(3)
+elif mode == 4:  # an uncaught KeyboardInterrupt: CPython dies of SIGINT
+    raise KeyboardInterrupt
+elif mode == 5:  # the traceback starts in main.py
+    raise ValueError("raised in main.py")
+elif mode == 6:  # the folder's json.py, not the json module the warm parent imported for itself
+    import json
+    open(path, "wb").write(b"float32 1,4\\n" + struct.pack("<4f", json.VALUE, 0, 0, 0))
+elif mode == 7:  # detached (setsid, double fork): lives on while its own run does
+    marker = os.path.join(os.environ["TMPDIR"], "marker")
+    if os.fork() == 0:
+        os.setsid()
+        if os.fork() == 0:
+            time.sleep(0.8)
+            open(marker, "w").close()
+        os._exit(0)
+    for _ in range(60):
+        if os.path.exists(marker):
+            break
+        time.sleep(0.05)
+    open(path, "wb").write(b"float32 1,4\\n" + struct.pack("<4f", os.path.exists(marker), 0, 0, 0))
+else:  # a run that ends while mode 7's detached process still waits
+    time.sleep(0.2)
+    open(path, "wb").write(b"float32 1,4\\n" + row)
+'''
+
+
+def test_a_run_ends_as_python_main_py_ends(repo, serve):
+    folder = repo.python("like_python", main=AS_PYTHON_DOES_MAIN)
+    (folder / "json.py").write_text("VALUE = 42.0\n")
+    server = serve(repo.write_config('- name: "like_python"\n  instances: 2\n'))
+
+    def row(mode: float) -> np.ndarray:
+        return np.array([[mode, 0, 0, 0]], np.float32)
+
+    assert infer(server, "like_python", row(1)).as_numpy("output").tolist() == row(1).tolist()
+    assert "said-by-printf" in expect_error(server, "like_python", row(2))
+    assert "killed by signal SIGINT" in expect_error(server, "like_python", row(4))
+    tail = expect_error(server, "like_python", row(5))
+    assert "ValueError: raised in main.py" in tail and "warm_parent" not in tail
+    assert infer(server, "like_python", row(6)).as_numpy("output")[0, 0] == 42.0
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        detaching = pool.submit(infer, server, "like_python", row(7))
+        time.sleep(0.2)
+        assert infer(server, "like_python", row(8)).as_numpy("output")[0, 0] == 8  # ends first
+        assert detaching.result(timeout=30).as_numpy("output")[0, 0] == 1, "its detached process was killed"
+
+
+def test_a_restarted_warm_parent_that_cannot_preload_runs_cold(repo, serve, monkeypatch, start_mode):
+    if start_mode == "cold":
+        pytest.skip("about warm parents")
+    home = repo.models_dir.parent / "home"
+    site = home / ".local" / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "site-packages"
+    site.mkdir(parents=True)
+    (site / "preloaded_probe.py").write_text("import os\nos.environ['SET_BY_PROBE'] = 'yes'\n")
+    monkeypatch.setenv("HOME", str(home))
+    main = ('import os, struct, sys, preloaded_probe\nsys.stdin.buffer.read()\n'
+            'open(os.environ["NEREID_OUTPUT_PATH"], "wb").write(b"float32 1,4\\n" + '
+            'struct.pack("<4f", os.environ.get("SET_BY_PROBE") == "yes", 0, 0, 0))\n')
+    repo.python("preloads", main=main)
+    server = serve(repo.write_config())
+    backend = server.server.repository.entry("preloads").loaded.backend
+    assert backend.runtime_report().summary == "warm_start=on"
+    # What the preloaded import did to the environment is there, as after `import` in python main.py.
+    assert infer(server, "preloads", FOUR).as_numpy("output")[0, 0] == 1
+    (site / "preloaded_probe.py").write_text(
+        "import os, threading, time\nos.environ['SET_BY_PROBE'] = 'yes'\n"
+        "threading.Thread(target=time.sleep, args=(60,), daemon=True, name='probe-thread').start()\n")
+    os.kill(backend._parent.pid, signal.SIGKILL)
+    # The next request finds the parent dead; its replacement cannot preload, so runs go cold.
+    assert infer(server, "preloads", FOUR).as_numpy("output")[0, 0] == 1
+    assert backend.runtime_report().summary.startswith("warm_start=off since a restart (preloading started "
+                                                      "threads (probe-thread)")
