@@ -93,6 +93,8 @@ class ModelScheduler:
         if not self._accepting:
             raise ModelRetired(f"model '{self.name}' is being unloaded", self)
         if len(self._pending) >= self.capacity:
+            self._drop_dead()
+        if len(self._pending) >= self.capacity:
             raise QueueFull(f"model '{self.name}': queue is full (queue_capacity {self.capacity} in nereid.yaml); "
                             "retry later")
         arrived_ns = time.monotonic_ns()
@@ -120,7 +122,24 @@ class ModelScheduler:
         self._idle.clear()
         self._pending.append(work)
         self._arrived.set()
-        return await work.future
+        try:
+            return await work.future
+        except asyncio.CancelledError:
+            # The caller went away: its place in the queue is free at once, not at the next decision.
+            if work.future.cancelled() and work in self._pending:
+                self._pending.remove(work)
+                self._answer_dropped(work)
+                self._update_idle()
+            raise
+
+    def _drop_dead(self) -> None:
+        """Answer and remove the queued requests whose deadline passed (a full queue takes no dead weight)."""
+        now = time.monotonic_ns()
+        dead = [work for work in self._pending if will_not_run(work, now)]
+        for work in dead:
+            self._pending.remove(work)
+            self._answer_dropped(work)
+        self._update_idle()
 
     def _can_start_at_once(self) -> bool:
         return (self._free_slots > 0 and not self._pending

@@ -116,6 +116,29 @@ def test_cancelled_queued_request_is_dropped() -> None:
     run(scenario())
 
 
+def test_cancelled_and_expired_requests_free_their_places_in_a_full_queue() -> None:
+    async def scenario() -> None:
+        backend = GatedDouble()
+        scheduler = ModelScheduler("m", backend, SIGNATURE, capacity=2, instances=1, stats=ModelStats())
+        blocker = asyncio.create_task(scheduler.submit(rows(1), 1, 0))
+        await asyncio.sleep(0.05)  # running, blocked at the gate
+        leaving = asyncio.create_task(scheduler.submit(rows(2), 1, 0))
+        expiring = asyncio.create_task(scheduler.submit(rows(3), 1, time.monotonic_ns() + 20_000_000))
+        await until(lambda: scheduler.queue_depth == 2)
+        leaving.cancel()
+        await until(lambda: scheduler.queue_depth == 1)  # a caller that left frees its place at once
+        await asyncio.sleep(0.05)  # the other's deadline passes while the instance is still busy
+        # The queue holds nothing live: a new request is admitted, and the expired one is answered now.
+        admitted = asyncio.create_task(scheduler.submit(rows(4), 1, 0))
+        with pytest.raises(DeadlineExceeded):
+            await expiring
+        backend.gate.set()
+        await blocker
+        assert float((await admitted)[0].data[0, 0]) == 8 and backend.ran == [1, 4]
+        await scheduler.drain()
+    run(scenario())
+
+
 def test_drain_finishes_queued_work_then_refuses() -> None:
     async def scenario() -> None:
         backend = GatedDouble()
