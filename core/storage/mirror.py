@@ -148,7 +148,8 @@ def materialize(location: StoreURL, name: str, folder: Path) -> RemoteFolder:
                 fetched[relative] = old
                 continue
             stale.append((relative, item, target))
-        fetched.update(_fetch_all(store, folder_url, stale))
+        fetched.update((relative, item) for relative, item in _fetch_all(store, folder_url, stale).items()
+                       if item is not None)  # (None: an empty folder's marker, skipped)
         _remove_others(folder, set(fetched))
         result = RemoteFolder(str(folder_url), fetched, streamed)
         atomic_write(folder / MARKER_FILE, [json.dumps(
@@ -160,18 +161,24 @@ def materialize(location: StoreURL, name: str, folder: Path) -> RemoteFolder:
 
 
 def _without_folder_markers(url: str, folder_key: str, objects: list[dict]) -> list[dict]:
-    """The listing without folder markers: the zero-byte objects a console's "Create folder" makes.
+    """The listing without the folder markers it can recognise: the zero-byte objects a console's "Create folder" makes.
 
     Their keys end in ``/``, which the listing drops, so a marker shows as an
     object named like the folder it marks. One with bytes in it is a real
-    file that clashes with a folder of the same name: StorageError.
+    file that clashes with a folder of the same name: StorageError. A zero-byte
+    entry beside a file of the same name is that file's marker twin. The marker
+    of an empty folder looks like an empty file here; :func:`_fetch` tells them
+    apart (the key without the ``/`` does not exist).
     """
     folders = {folder_key}
     for meta in objects:
         parts = meta["path"][len(folder_key) + 1:].split("/")
         folders.update(f"{folder_key}/{'/'.join(parts[:depth])}" for depth in range(1, len(parts)))
+    sized = {meta["path"] for meta in objects if int(meta["size"])}
     kept = []
     for meta in objects:
+        if not int(meta["size"]) and meta["path"] in sized:
+            continue  # "x/" listed as "x" next to the real file "x"
         if meta["path"] not in folders:
             kept.append(meta)
         elif int(meta["size"]):
@@ -195,8 +202,11 @@ def read_marker(folder: Path) -> RemoteFolder | None:
 
 
 def _fetch_all(store: Any, folder_url: StoreURL,
-               jobs: list[tuple[str, RemoteObject, Path]]) -> dict[str, RemoteObject]:
-    """Fetch each ``(relative, item, target)``, FETCH_CONCURRENCY at a time; the first failure is raised."""
+               jobs: list[tuple[str, RemoteObject, Path]]) -> dict[str, RemoteObject | None]:
+    """Fetch each ``(relative, item, target)``, FETCH_CONCURRENCY at a time; the first failure is raised.
+
+    An item maps to None when it was an empty folder's marker (nothing written).
+    """
     if len(jobs) <= 1:
         return {relative: _fetch(store, folder_url, item, target) for relative, item, target in jobs}
     with concurrent.futures.ThreadPoolExecutor(min(FETCH_CONCURRENCY, len(jobs)),
@@ -205,7 +215,8 @@ def _fetch_all(store: Any, folder_url: StoreURL,
         return {relative: result for (relative, _, _), result in zip(jobs, results)}
 
 
-def _fetch(store: Any, folder_url: StoreURL, item: RemoteObject, target: Path) -> RemoteObject:
+def _fetch(store: Any, folder_url: StoreURL, item: RemoteObject, target: Path) -> RemoteObject | None:
+    """Fetch ``item`` into ``target``; None when it is the marker of an empty folder (nothing to write)."""
     import obstore
 
     url = f"{folder_url.bucket_url}/{item.key}"
@@ -214,6 +225,10 @@ def _fetch(store: Any, folder_url: StoreURL, item: RemoteObject, target: Path) -
         result = obstore.get(store, item.key, options=options)
         data = result.bytes()
     except Exception as err:
+        if not item.size and _is_not_found(err):
+            # The listing drops a key's trailing "/", so an empty folder's marker "empty/" shows as a
+            # zero-byte "empty" that does not exist: a folder marker, skipped as the others are.
+            return None
         raise StorageError(f"{url}: cannot fetch: {describe_error(err, folder_url.scheme)}") from None
     if len(data) != item.size:
         raise StorageError(f"{url}: fetched {len(data)} bytes, but the listing says {item.size}")
@@ -221,6 +236,11 @@ def _fetch(store: Any, folder_url: StoreURL, item: RemoteObject, target: Path) -
     atomic_write(target, [memoryview(data)])
     meta = result.meta
     return RemoteObject(item.key, item.size, meta.get("e_tag") or item.etag, meta.get("version") or item.version)
+
+
+def _is_not_found(err: BaseException) -> bool:
+    """Whether obstore's ``err`` says the object does not exist (it raises FileNotFoundError or NotFoundError)."""
+    return isinstance(err, FileNotFoundError) or type(err).__name__ == "NotFoundError"
 
 
 def _has_size(path: Path, size: int) -> bool:

@@ -342,3 +342,32 @@ def test_an_unreachable_endpoint_names_the_variable_to_check(s3, tmp_path, monke
     assert line.startswith(f"echo: UNAVAILABLE: {s3.url('echo')}: cannot list the model folder: cannot reach the "
                            "store ("), line
     assert line.endswith("check the endpoint (AWS_ENDPOINT_URL, and AWS_ALLOW_HTTP for http://)")
+
+
+def _boto(s3):
+    """A boto3 client on the moto server: it can store the keys obstore refuses to (``dir/``, ``a//b``, tabs)."""
+    import boto3
+
+    from moto_s3 import ACCESS_KEY, REGION, SECRET_KEY
+
+    return boto3.client("s3", endpoint_url=s3.endpoint, region_name=REGION, aws_access_key_id=ACCESS_KEY,
+                        aws_secret_access_key=SECRET_KEY)
+
+
+def test_the_marker_of_an_empty_folder_is_skipped_and_empty_files_are_kept(s3, tmp_path) -> None:
+    # "Create folder" on an empty folder stores "m3/empty/" with nothing under it; obstore lists it as a
+    # zero-byte "m3/empty", exactly like an empty file (an __init__.py), but it cannot be fetched by that name.
+    from moto_s3 import BUCKET
+    from nereid.storage import materialize_model_folder
+
+    client = _boto(s3)
+    for key, body in [("m3/", b""), ("m3/empty/", b""), ("m3/pkg/__init__.py", b""), ("m3/main.py", b"print()"),
+                      ("m3/data", b"bytes"), ("m3/data/", b"")]:  # a file and a marker of the same name
+        client.put_object(Bucket=BUCKET, Key=f"{s3.prefix}/{key}", Body=body)
+    server = load_settings(_config(tmp_path, s3.url())).server
+    local = materialize_model_folder(server, "m3")
+    assert {p.relative_to(local).as_posix(): p.read_bytes() for p in iter_files(local) if p.name != MARKER_FILE} == {
+        "pkg/__init__.py": b"", "main.py": b"print()", "data": b"bytes"}
+    assert not (local / "empty").exists()
+    assert set(read_marker(local).fetched) == {"pkg/__init__.py", "main.py", "data"}
+    assert materialize_model_folder(server, "m3") == local  # and again, from the cache
