@@ -82,7 +82,7 @@ class HttpError(Exception):
 
 
 class Disconnected(Exception):
-    """The client went away before its body arrived: there is no one to answer."""
+    """The client went away (before its body arrived, or before its answer): there is no one to answer."""
 
 
 class HttpSurface:
@@ -99,9 +99,8 @@ class HttpSurface:
             return  # lifespan and websocket scopes: nothing to do
         try:
             status, body, headers = await self._route(scope, receive)
-        except Disconnected:
-            log.info("HTTP %s %s: the client disconnected before sending its whole body", scope["method"],
-                     cap_message(scope["path"], 256))
+        except Disconnected as gone:
+            log.info("HTTP %s %s: the client disconnected %s", scope["method"], cap_message(scope["path"], 256), gone)
             return
         except HttpError as err:
             status, body, headers = err.status, _error_body(str(err)), JSON_HEADERS
@@ -189,7 +188,7 @@ class HttpSurface:
             request, choice = decode_infer(model, body, length)
         del body
         try:
-            response = await self.dataplane.infer(request)
+            response = await _unless_disconnected(self.dataplane.infer(request), receive)
         except NereidError as err:
             self._counted(model, err.reason)
             raise
@@ -234,7 +233,7 @@ class HttpSurface:
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                raise Disconnected()
+                raise Disconnected("before sending its whole body")
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
@@ -250,6 +249,31 @@ class HttpSurface:
     def _counted(self, model: str, outcome: str) -> None:
         if self._count is not None:
             self._count(model, outcome)
+
+
+async def _unless_disconnected(call: Awaitable[Any], receive: Receive) -> Any:
+    """Await ``call``; if the client's connection is lost meanwhile, cancel it and raise Disconnected.
+
+    Over gRPC a client that goes away cancels its handler, which drops its
+    request from the model's queue. uvicorn cancels nothing: the handler's task
+    is left on its request cycle (``receive``'s owner) for the listener's
+    protocol to cancel when the connection is lost (see
+    :class:`_BoundedHeadProtocol`), which costs a request nothing until then.
+    """
+    cycle = getattr(receive, "__self__", None)  # uvicorn's cycle; absent when the app is called directly
+    if cycle is None:
+        return await call
+    cycle.nereid_handler = asyncio.current_task()
+    try:
+        return await call
+    except asyncio.CancelledError:
+        if getattr(cycle, "disconnected", False):
+            cycle.nereid_handler.uncancel()
+            raise Disconnected("before its answer: a queued request was dropped, a running one's answer "
+                               "is discarded") from None
+        raise
+    finally:
+        cycle.nereid_handler = None
 
 
 def _who(model: str) -> str:
@@ -421,9 +445,13 @@ class _EmbeddedServer(uvicorn.Server):
 
 
 class _BoundedHeadProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol, answering 431 to a request whose head passes :data:`MAX_HEAD_BYTES`.
+    """uvicorn's httptools protocol, bounding request heads and cancelling requests whose client left.
 
-    Bytes are counted as they arrive, not in the parser's callbacks: httptools
+    A request whose head passes :data:`MAX_HEAD_BYTES` is answered 431. A
+    request whose connection is lost before its answer has its handler
+    cancelled (see :func:`_unless_disconnected`).
+
+    Head bytes are counted as they arrive, not in the parser's callbacks: httptools
     reports a header only once its value has ended, and buffers it until then.
     A read that holds the end of one message and the start of the next counts
     toward neither head (the parser does not say where the next one began), so
@@ -458,6 +486,15 @@ class _BoundedHeadProtocol(HttpToolsProtocol):
     def on_message_complete(self) -> None:
         self._head_left = MAX_HEAD_BYTES
         super().on_message_complete()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        cycle = self.cycle
+        super().connection_lost(exc)
+        # A request still waiting for its answer has no one to answer: cancel its handler, as gRPC
+        # does, so a queued request never runs (see _unless_disconnected).
+        handler = getattr(cycle, "nereid_handler", None) if cycle is not None and cycle.disconnected else None
+        if handler is not None and not handler.done():
+            handler.cancel()
 
     def _refuse_head(self) -> None:
         """Answer 431 and close; only close when an earlier pipelined answer is still being written."""

@@ -395,3 +395,44 @@ def test_heads_within_the_limit_are_served_when_they_share_reads_with_bodies(ser
                 rest += raw.recv(65536)
         raw.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
         assert read_response(raw).startswith(b"HTTP/1.1 200 OK\r\n")
+
+
+RUN_LOGGING_MAIN = '''
+import os, struct, sys, time
+data = sys.stdin.buffer.read()
+with open("runs.log", "a") as runs:
+    runs.write("%g\\n" % struct.unpack("<f", data[:4]))
+time.sleep(0.5)
+with open(os.environ["NEREID_OUTPUT_PATH"], "wb") as out:
+    out.write(("%s %s\\n" % (os.environ["NEREID_INPUT_DTYPE"], os.environ["NEREID_INPUT_SHAPE"])).encode() + data)
+'''
+
+
+def test_a_client_that_disconnects_while_queued_has_its_request_dropped(repo, serve):
+    # As over gRPC, where the client's cancellation reaches its queued request.
+    folder = repo.python("logged", main=RUN_LOGGING_MAIN)
+    server = serve(repo.write_config('- name: "logged"\n  batching: {enabled: false}\n'))
+    port = server.server.http_port
+
+    def body(value: float) -> bytes:
+        return json.dumps({"inputs": [{"name": "input", "shape": [1, 4], "datatype": "FP32",
+                                       "data": [value, 0, 0, 0]}]}).encode()
+
+    def post(value: float) -> socket.socket:
+        raw = socket.create_connection(("127.0.0.1", port))
+        payload = body(value)
+        raw.sendall(b"POST /v2/models/logged/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: %d\r\n\r\n" % len(payload) + payload)
+        return raw
+
+    running = post(1)
+    time.sleep(0.2)  # running now
+    queued = post(2)
+    time.sleep(0.1)
+    queued.close()  # gone while queued
+    assert running.recv(65536).startswith(b"HTTP/1.1 200")
+    running.close()
+    time.sleep(0.8)  # the instance has been free long enough to have run it
+    assert (folder / "runs.log").read_text().split() == ["1"]
+    stats = http.InferenceServerClient(f"127.0.0.1:{port}").get_inference_statistics("logged")["model_stats"][0]
+    assert stats["inference_stats"]["success"]["count"] == 1  # the dropped request is no success
