@@ -58,6 +58,21 @@ class DataPlane:
             return False
         return self.repository.server_ready() if self.settings.server.strict_readiness else True
 
+    def admit(self, model_name: str) -> None:
+        """Refuse a client's new request once the server is shutting down (accepted ones still drain).
+
+        The protocols call it as a request arrives, never for a meta model's
+        sub-calls: those belong to a request already accepted.
+        """
+        if self.shutting_down:
+            raise Unavailable(f"model '{model_name}': the server is shutting down; the request was not run")
+
+    def refused(self, model_name: str, error: NereidError) -> None:
+        """Count against its model a request its protocol refused before :meth:`infer` (unreadable, ...)."""
+        model = self._serving(model_name)
+        if model is not None:
+            model.stats.record_failure(0, error.reason)
+
     @staticmethod
     def refuse_extension(extension: str) -> NoReturn:
         """Answer a call of a Triton extension nereid does not implement (shared memory, trace, logging)."""

@@ -187,12 +187,20 @@ class InferenceServicer:
         if received.size >= TRIM_AFTER_BYTES:
             # gRPC's copies of this message are freed by now: give their pages back, off the loop.
             asyncio.get_running_loop().run_in_executor(None, release_free_heap)
-        self.dataplane.check_version(request.model_name, request.model_version)
-        if received.size >= DECODE_OFF_LOOP_BYTES:
-            decoded = await asyncio.to_thread(decode_infer_request, request, context.time_remaining(),
-                                              received.raws)
-        else:
-            decoded = decode_infer_request(request, context.time_remaining(), received.raws)
+        model_name = request.model_name
+        try:
+            self.dataplane.admit(model_name)
+            self.dataplane.check_version(model_name, request.model_version)
+            if received.size >= DECODE_OFF_LOOP_BYTES:
+                decoded = await asyncio.to_thread(decode_infer_request, request, context.time_remaining(),
+                                                  received.raws)
+            else:
+                decoded = decode_infer_request(request, context.time_remaining(), received.raws)
+        except NereidError as err:  # refused before the data plane: counted like its own refusals
+            self.dataplane.refused(model_name, err)
+            if self._count is not None:
+                self._count(model_name, err.reason)
+            raise
         del request, received  # the decoded tensors are all that is needed from here on
         try:
             response = await self.dataplane.infer(decoded)

@@ -163,7 +163,12 @@ class HttpSurface:
 
     async def _infer(self, scope: Scope, receive: Receive, model: str,
                      version: str) -> tuple[int, list[bytes | memoryview], list]:
-        self.dataplane.check_version(model, version)
+        try:
+            self.dataplane.admit(model)
+            self.dataplane.check_version(model, version)
+        except NereidError as err:
+            self._refused(model, err)
+            raise
         headers = dict(scope["headers"])
         if headers.get(b"content-encoding", b"identity") not in (b"identity", b""):
             raise HttpError(400, f"model '{model}': compressed request bodies are not supported "
@@ -182,10 +187,14 @@ class HttpSurface:
                 raise HttpError(400, f"model '{model}': Inference-Header-Content-Length must be an integer, got "
                                      f"{header_length.decode('latin-1')[:64]!r}") from None
         body = await self._read_body(headers, receive, model)
-        if len(body) >= DECODE_OFF_LOOP_BYTES:
-            request, choice = await asyncio.to_thread(decode_infer, model, body, length)
-        else:
-            request, choice = decode_infer(model, body, length)
+        try:
+            if len(body) >= DECODE_OFF_LOOP_BYTES:
+                request, choice = await asyncio.to_thread(decode_infer, model, body, length)
+            else:
+                request, choice = decode_infer(model, body, length)
+        except NereidError as err:
+            self._refused(model, err)
+            raise
         del body
         try:
             response = await _unless_disconnected(self.dataplane.infer(request), receive)
@@ -249,6 +258,11 @@ class HttpSurface:
     def _counted(self, model: str, outcome: str) -> None:
         if self._count is not None:
             self._count(model, outcome)
+
+    def _refused(self, model: str, error: NereidError) -> None:
+        """Count a request refused before the data plane (unreadable, ...) like one the data plane refused."""
+        self.dataplane.refused(model, error)
+        self._counted(model, error.reason)
 
 
 async def _unless_disconnected(call: Awaitable[Any], receive: Receive) -> Any:

@@ -536,6 +536,43 @@ def test_stream_error_responses_carry_the_request_id(repo, serve):
     assert "version '2'" in by_id["v2"].error_message
 
 
+def test_requests_refused_while_decoding_are_counted_and_a_stream_refuses_new_ones_at_shutdown(repo, serve):
+    repo.python("m", textproto=textproto_single("INT8"))
+    server = serve(repo.write_config())
+
+    def request(request_id: str, raw: bytes, shape: list[int], version: str = "") -> service_pb2.ModelInferRequest:
+        message = service_pb2.ModelInferRequest(model_name="m", id=request_id, model_version=version)
+        message.inputs.add(name="input", datatype="INT8", shape=shape)
+        message.raw_input_contents.append(raw)
+        return message
+
+    # Refused before the data plane (raw bytes that do not fit the shape, a version nereid does not have):
+    # each still counts as the model's failure, as a refusal by validation does.
+    requests = [request("short", bytes(2), [4]), request("v2", bytes(4), [4], "2"), request("ok", bytes(4), [4])]
+    with channel_to(server) as channel:
+        responses = list(service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(iter(requests),
+                                                                                             timeout=30))
+    assert sorted(r.infer_response.id for r in responses if r.error_message) == ["short", "v2"]
+    stats = server.client.get_inference_statistics("m").model_stats[0].inference_stats
+    assert (stats.success.count, stats.fail.count) == (1, 2)
+
+    # Once the server is shutting down, a stream that stays open takes no new request: each is answered
+    # inside the stream, and only what was accepted before drains.
+    answers: queue.Queue = queue.Queue()
+    server.client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    try:
+        server.client.async_stream_infer("m", [int8_input([1, 2, 3, 4])], request_id="before")
+        assert answers.get(timeout=20)[1] is None
+        server.server.dataplane.shutting_down = True  # what SIGTERM sets before gRPC's graceful stop
+        server.client.async_stream_infer("m", [int8_input([1, 2, 3, 4])], request_id="after")
+        _, error = answers.get(timeout=20)
+    finally:
+        server.client.stop_stream()
+        server.server.dataplane.shutting_down = False
+    # (A stream carries an error as text only: tritonclient gives it without a status.)
+    assert error.message() == "model 'm': the server is shutting down; the request was not run"
+
+
 # --------------------------------------------------------------------------- deadlines
 
 

@@ -436,3 +436,12 @@ def test_a_client_that_disconnects_while_queued_has_its_request_dropped(repo, se
     assert (folder / "runs.log").read_text().split() == ["1"]
     stats = http.InferenceServerClient(f"127.0.0.1:{port}").get_inference_statistics("logged")["model_stats"][0]
     assert stats["inference_stats"]["success"]["count"] == 1  # the dropped request is no success
+
+
+def test_a_body_refused_while_decoding_counts_as_the_models_failure(served):
+    server, base = served
+    wrong = json.dumps({"inputs": [{"name": "input", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3]}]})
+    status, message = error_of(call(base, "POST", "/v2/models/echo/infer", wrong.encode()))
+    assert status == 400 and "'data' holds 3 elements, expected 4" in message
+    stats = http.InferenceServerClient(base).get_inference_statistics("echo")["model_stats"][0]
+    assert stats["inference_stats"]["fail"]["count"] == 1
