@@ -75,7 +75,7 @@ def scan_model_folders(server: ServerSettings) -> list[str]:
     root = Path(server.ml_backends_path)
     if location is None:
         return _local_folders(root)
-    names = _list_remote(location)
+    names = _list_remote(location, root)
     for name in names:
         (root / name).mkdir(parents=True, exist_ok=True)
     return names
@@ -127,6 +127,15 @@ def _local_folders(root: Path) -> list[str]:
     return sorted(names)
 
 
+def _mirrored_folders(root: Path) -> list[str]:
+    """The folders of the local mirror ``root``: every model folder listed before, even by an earlier server."""
+    try:
+        with os.scandir(root) as listing:
+            return [entry.name for entry in listing if not entry.name.startswith(".") and entry.is_dir()]
+    except OSError:  # no mirror yet
+        return []
+
+
 def model_folder_exists(server: ServerSettings, name: str) -> bool:
     """Whether ``name`` is a model folder now (one stat locally; a listing at most every 5 s for a store)."""
     location = _location(server)
@@ -153,10 +162,10 @@ def materialize_model_folder(server: ServerSettings, name: str) -> Path:
     return folder
 
 
-def _list_remote(location: StoreURL) -> list[str]:
+def _list_remote(location: StoreURL, root: Path) -> list[str]:
     from nereid.storage.mirror import list_remote_folders
 
-    names = list_remote_folders(location)
+    names = list_remote_folders(location, _mirrored_folders(root))
     with _listings_lock:
         _listings[str(location)] = (time.monotonic(), names)
     return names

@@ -18,9 +18,10 @@ import concurrent.futures
 import contextlib
 import json
 import logging
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 from nereid.files import atomic_write, locked
 from nereid.storage.client import StorageError, describe_error, open_store
@@ -75,8 +76,15 @@ def mirror_root(cache_dir: Path, location: StoreURL) -> Path:
     return Path(cache_dir) / "repositories" / location.cache_name()
 
 
-def list_remote_folders(location: StoreURL) -> list[str]:
-    """Names of the model folders under ``location`` (hidden ones skipped); StorageError on failure."""
+def list_remote_folders(location: StoreURL, known: Iterable[str] = ()) -> list[str]:
+    """Names of the model folders under ``location`` (hidden ones skipped); StorageError on failure.
+
+    A key obstore cannot read (see :func:`unreadable_key`) fails only what
+    holds it: a folder with one inside is listed (its load fails naming the
+    key); one directly under ``location``, or a folder named so, is skipped
+    with a warning. ``known``: folders seen before (the local mirror's), looked
+    at one by one should the listing be incomplete for such a key.
+    """
     import obstore
 
     store = open_store(location)
@@ -84,24 +92,194 @@ def list_remote_folders(location: StoreURL) -> list[str]:
     try:
         listing = obstore.list_with_delimiter(store, prefix or None)
     except Exception as err:
-        raise StorageError(f"{location}: cannot list the model folders: {describe_error(err, location.scheme)}") \
-            from None
+        if unreadable_key(err) is None:
+            raise StorageError(f"{location}: cannot list the model folders: "
+                               f"{describe_error(err, location.scheme)}") from None
+        _known_folders.setdefault(str(location), set()).update(known)
+        return _folders_from_keys(location, store, prefix)  # a key obstore refuses at this level: walk it
     names = sorted({p.rstrip("/").rsplit("/", 1)[-1] for p in listing["common_prefixes"]})
-    return [n for n in names if n and not n.startswith(".")]
+    names = [n for n in names if n and not n.startswith(".")]
+    _known_folders[str(location)] = set(names)
+    return names
 
 
 def list_objects(location: StoreURL) -> list[tuple[str, int, str]]:
-    """Every object under ``location``: its key relative to it, its size and ETag; StorageError on failure."""
+    """Every object under ``location``: its key relative to it, its size and ETag; StorageError on failure.
+
+    A folder holding a key obstore cannot read gets one entry for it instead
+    (named after the key, size -1), so that it is still there, changes when the
+    key does, and its load names the key; the other folders are listed in full.
+    """
     import obstore
 
     store = open_store(location)
     prefix = location.key() + "/" if location.key() else ""
     try:
-        return [(meta["path"][len(prefix):], int(meta["size"]), meta.get("e_tag") or "")
-                for chunk in obstore.list(store, prefix or None) for meta in chunk]
+        entries = [(meta["path"][len(prefix):], int(meta["size"]), meta.get("e_tag") or "")
+                   for chunk in obstore.list(store, prefix or None) for meta in chunk]
+        _known_folders[str(location)] = {folder for relative, _, _ in entries
+                                         for folder, slash, _ in [relative.partition("/")] if slash}
+        return entries
     except Exception as err:
+        if unreadable_key(err) is None:
+            raise StorageError(f"{location}: cannot list the model folders: "
+                               f"{describe_error(err, location.scheme)}") from None
+    # obstore drops the whole page holding such a key, so the keys listed before it in that page are
+    # unknown: list folder by folder, and only the folders holding one lose their other entries.
+    entries = []
+    for name in list_remote_folders(location):
+        objects, unreadable = _list_keys(location.child(name), store, f"{prefix}{name}/")
+        entries.extend((meta["path"][len(prefix):], int(meta["size"]), meta.get("e_tag") or "") for meta in objects)
+        entries.extend((f"{name}/{_stamp_name(key[len(prefix) + len(name) + 1:])}", -1, "unreadable key")
+                       for key in unreadable)
+    return entries
+
+
+# obstore (the Rust object_store under it) refuses keys with an empty segment ('a//b'), a '.' or '..'
+# segment, or an ASCII control character, all legal in S3; its error names the key.
+_UNREADABLE = re.compile(r'Path "(.*?)"(?: contained empty path segment|: Encountered illegal character sequence)',
+                         re.S)
+_UNREADABLE_HINT = ("obstore, nereid's store client, cannot read a key with an empty segment ('//'), a '.' or '..' "
+                    "segment or a control character: rename it")
+# The most unreadable keys one listing steps over before giving up (each costs a listing request).
+_MAX_UNREADABLE = 100
+# Keys already warned about (each scan would otherwise warn again), bounded.
+_reported_keys: set[str] = set()
+# The folders of each repository's last complete listing: looked at one by one when a listing is not complete.
+_known_folders: dict[str, set[str]] = {}
+
+
+def unreadable_key(err: BaseException) -> str | None:
+    """The key named by obstore's InvalidPathError ``err``; None for any other error."""
+    if type(err).__name__ != "InvalidPathError":
+        return None
+    match = _UNREADABLE.search(str(err).split("\n\nDebug source:", 1)[0])
+    return match.group(1) if match else None
+
+
+def _is_bad_segment(segment: str) -> bool:
+    """Whether obstore refuses a key with this path segment (empty, '.', '..', an ASCII control character)."""
+    return segment in ("", ".", "..") or any(ord(c) < 0x20 or c == "\x7f" for c in segment)
+
+
+def _offset_past(key: str) -> str:
+    """A key obstore accepts as a listing offset, past every key that shares ``key``'s unreadable part.
+
+    The keys stepped over are all unreadable too, but for at most one: the
+    offset itself, at the depth of the bad part, so in the same folder.
+    """
+    segments = key.split("/")
+    kept: list[str] = []
+    for depth, segment in enumerate(segments):
+        last = depth == len(segments) - 1
+        if segment in ("", ".", "..") and not last:
+            return "/".join([*kept, segment]) + "0"  # past '<segment>/...': '0' follows '/'
+        if segment in (".", ".."):
+            return key + " "  # the smallest readable key after it
+        for position, char in enumerate(segment):
+            if ord(char) < 0x20:
+                return "/".join([*kept, segment[:position]]) + " "  # ' ' follows the control characters
+            if char == "\x7f":
+                return "/".join([*kept, segment[:position]]) + "\x80"
+        kept.append(segment)
+    return key + " "
+
+
+def _list_keys(url: StoreURL, store: Any, prefix: str) -> tuple[list[dict], list[str]]:
+    """Every object under ``prefix`` obstore can read, and the keys it cannot (stepped over); StorageError otherwise.
+
+    obstore fails the whole page (up to 1,000 keys) holding an unreadable key,
+    so the readable keys listed before it in that page are missing: callers
+    only trust a prefix without unreadable keys.
+    """
+    import obstore
+
+    objects: list[dict] = []
+    unreadable: list[str] = []
+    offset: str | None = None
+    while True:
+        try:
+            for chunk in obstore.list(store, prefix or None, offset=offset):
+                objects.extend(chunk)
+            return objects, unreadable
+        except Exception as err:
+            key = unreadable_key(err)
+            if key is None:
+                raise StorageError(f"{url}: cannot list it: {describe_error(err, url.scheme)}") from None
+            if len(unreadable) >= _MAX_UNREADABLE:
+                raise StorageError(f"{url}: cannot list it: more than {_MAX_UNREADABLE} keys like "
+                                   f"{key!r} that {_UNREADABLE_HINT}") from None
+            unreadable.append(key)
+            offset = _offset_past(key)
+
+
+def _folders_from_keys(location: StoreURL, store: Any, prefix: str) -> list[str]:
+    """The model folders under ``prefix`` when listing them by folder fails on an unreadable key there.
+
+    A full listing, stepping over each unreadable key and past the rest of a
+    folder holding one (listed: its load names the key); an unreadable key
+    directly under ``prefix``, or in a folder whose own name is unreadable, is
+    skipped and logged once. obstore drops the page holding an unreadable
+    key, so the folders found before are each looked at again by themselves:
+    a folder is never lost for it, though one added since may wait until the
+    key is renamed.
+    """
+    import obstore
+
+    names: set[str] = set()
+    offset: str | None = None
+    for _ in range(_MAX_UNREADABLE):
+        try:
+            for chunk in obstore.list(store, prefix or None, offset=offset):
+                names.update(folder for meta in chunk
+                             for folder, slash, _ in [meta["path"][len(prefix):].partition("/")] if slash)
+            break
+        except Exception as err:
+            key = unreadable_key(err)
+            if key is None:
+                raise StorageError(f"{location}: cannot list the model folders: "
+                                   f"{describe_error(err, location.scheme)}") from None
+            folder, slash, _ = key[len(prefix):].partition("/")
+            if slash and not _is_bad_segment(folder):
+                names.add(folder)
+                offset = f"{prefix}{folder}/\U0010ffff"  # past the folder: it fails to load anyway, naming a key
+            else:
+                _warn_once(key, f"{location}: skipping the object key {key!r}: {_UNREADABLE_HINT}")
+                offset = _offset_past(key)
+    else:
+        raise StorageError(f"{location}: cannot list the model folders: more than {_MAX_UNREADABLE} keys that "
+                           f"{_UNREADABLE_HINT}")
+    names.update(n for n in _known_folders.get(str(location), ()) if n not in names
+                 and _folder_exists(location, store, f"{prefix}{n}/"))
+    return sorted(n for n in names if n and not n.startswith("."))
+
+
+def _folder_exists(location: StoreURL, store: Any, prefix: str) -> bool:
+    """Whether any key lies under ``prefix`` (an unreadable one counts); StorageError when it cannot be listed."""
+    import obstore
+
+    try:
+        return any(len(chunk) for chunk in obstore.list(store, prefix, chunk_size=1))
+    except Exception as err:
+        if unreadable_key(err) is not None:
+            return True
         raise StorageError(f"{location}: cannot list the model folders: {describe_error(err, location.scheme)}") \
             from None
+
+
+def _warn_once(key: str, message: str) -> None:
+    """Log ``message`` about ``key`` the first time only: every scan would otherwise log it again."""
+    if key in _reported_keys:
+        return
+    if len(_reported_keys) >= 10_000:  # keys made and removed in a loop: stay bounded
+        _reported_keys.clear()
+    _reported_keys.add(key)
+    log.warning("%s", message)
+
+
+def _stamp_name(relative: str) -> str:
+    """``relative``, an unreadable key below its folder, as one readable, non-hidden name for a folder's state."""
+    return "<unreadable key " + relative.encode("unicode_escape").decode("ascii").replace("/", "\\x2f") + ">"
 
 
 def materialize(location: StoreURL, name: str, folder: Path) -> RemoteFolder:
@@ -117,6 +295,9 @@ def materialize(location: StoreURL, name: str, folder: Path) -> RemoteFolder:
     try:
         objects = [o for chunk in obstore.list(store, folder_url.key() + "/") for o in chunk]
     except Exception as err:
+        key = unreadable_key(err)
+        if key is not None:
+            raise StorageError(f"{folder_url}: object key {key!r} cannot be read: {_UNREADABLE_HINT}") from None
         raise StorageError(f"{folder_url}: cannot list the model folder: {describe_error(err, location.scheme)}") \
             from None
     objects = _without_folder_markers(str(folder_url), folder_url.key(), objects)

@@ -371,3 +371,45 @@ def test_the_marker_of_an_empty_folder_is_skipped_and_empty_files_are_kept(s3, t
     assert not (local / "empty").exists()
     assert set(read_marker(local).fetched) == {"pkg/__init__.py", "main.py", "data"}
     assert materialize_model_folder(server, "m3") == local  # and again, from the cache
+
+
+def test_a_key_obstore_cannot_read_fails_only_its_folder(s3, serve, tmp_path, caplog) -> None:
+    # S3 takes keys with a tab, '//' or '..' segments; obstore refuses them and drops the whole listing page
+    # holding one. Only the folder holding one may fail (naming the key); a stray one is skipped with a warning.
+    from moto_s3 import BUCKET
+    from nereid.storage import StoreURL
+    from nereid.watch import scan_store
+
+    source = tmp_path / "source"
+    _python_folder(source, "echo")
+    _python_folder(source, "new1")
+    upload_folder(s3.store, source, s3.prefix)
+    client = _boto(s3)
+    client.put_object(Bucket=BUCKET, Key=f"{s3.prefix}/new1/notes/a\tb.txt", Body=b"a tab in its name")
+    server = serve(_config(tmp_path, s3.url()))
+    x = np.arange(4, dtype=np.float32).reshape(1, 4)
+
+    def index() -> dict[str, tuple[str, str]]:
+        return {m.name: (m.state, m.reason) for m in server.client.get_model_repository_index().models}
+
+    assert index()["echo"] == ("READY", "")
+    assert index()["new1"][0] == "UNAVAILABLE" and "new1/notes/a\\tb.txt" in index()["new1"][1], index()
+    # Keys that break the listing of the folders themselves: the other folders still list, load and serve.
+    for key in ("/x", "stray\tkey", "echo/../x"):
+        client.put_object(Bucket=BUCKET, Key=f"{s3.prefix}/{key}", Body=b"bad")
+    _python_folder(source, "zz")
+    upload_folder(s3.store, source / "zz", f"{s3.prefix}/zz")
+    assert set(index()) == {"echo", "new1", "zz"}
+    server.client.load_model("zz")
+    with pytest.raises(InferenceServerException, match=r"echo/\.\./x' cannot be read"):
+        server.client.load_model("echo")
+    assert index()["echo"][0] == "UNAVAILABLE" and "echo/../x" in index()["echo"][1]
+    client.delete_object(Bucket=BUCKET, Key=f"{s3.prefix}/echo/../x")
+    server.client.load_model("echo")
+    for model in ("echo", "zz"):
+        np.testing.assert_array_equal(_echo(server.client, model, x), x)
+    assert "skipping the object key" in caplog.text and "stray\\tkey" in caplog.text
+    # Watch mode's poll lists every folder: the one holding a bad key is there, with a state naming the key.
+    states = scan_store(StoreURL("s3", BUCKET, s3.prefix))
+    assert set(states) == {"echo", "new1", "zz"}
+    assert any("unreadable key" in str(stamp) for stamp in states["new1"].stamp)
