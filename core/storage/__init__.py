@@ -41,7 +41,8 @@ __all__ = [
 _LISTING_TTL_S = 5.0
 _listings: dict[str, tuple[float, list[str]]] = {}
 _listings_lock = threading.Lock()
-# Folders whose names are not UTF-8, already warned about (each scan would otherwise warn again).
+# Folders whose names are not UTF-8 or too long for a local folder, already warned about (each scan would
+# otherwise warn again).
 _undecodable_reported: set[str] = set()
 _MAX_REPORTED = 10_000
 
@@ -77,8 +78,27 @@ def scan_model_folders(server: ServerSettings) -> list[str]:
         return _local_folders(root)
     names = _list_remote(location, root)
     for name in names:
-        (root / name).mkdir(parents=True, exist_ok=True)
+        _make_mirror_folder(root, name)
     return names
+
+
+def _make_mirror_folder(root: Path, name: str) -> None:
+    """Make the (empty until materialized) mirror folder of ``name``; a failure is logged once, never raised.
+
+    A bucket takes folder names the local file system refuses (longer than 255
+    bytes, say): such a folder stays listed, and its load reports why.
+    """
+    try:
+        (root / name).mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        shown = name if len(name) <= 80 else f"{name[:80]}..."
+        key = f"{root}/{name}"
+        if key not in _undecodable_reported:
+            if len(_undecodable_reported) >= _MAX_REPORTED:
+                _undecodable_reported.clear()
+            _undecodable_reported.add(key)
+            log.warning("model folder '%s' (%d characters): cannot make its local mirror folder: %s; it cannot "
+                        "load", shown, len(name), err.strerror or err)
 
 
 def decodable_name(name: str, root: Path) -> bool:

@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import errno
+import hashlib
 import json
 import logging
+import os
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -303,8 +306,13 @@ def materialize(location: StoreURL, name: str, folder: Path) -> RemoteFolder:
     objects = _without_folder_markers(str(folder_url), folder_url.key(), objects)
     if not objects:
         raise StorageError(f"{folder_url}: no such model folder (no objects under it)")
-    folder.mkdir(parents=True, exist_ok=True)
-    with locked(folder.parent / f".{name}.lock"):
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:  # a name the bucket takes but the local file system refuses (over 255 bytes)
+        hint = " (a local file system allows 255 bytes per name)" if err.errno == errno.ENAMETOOLONG else ""
+        raise StorageError(f"{folder_url}: cannot make its folder in the local cache: {err.strerror or err}{hint}") \
+            from None
+    with locked(folder.parent / _lock_name(name)):
         previous = read_marker(folder)
         fetched: dict[str, RemoteObject] = {}
         streamed: dict[str, RemoteObject] = {}
@@ -339,6 +347,13 @@ def materialize(location: StoreURL, name: str, folder: Path) -> RemoteFolder:
     log.info("%s: %d file(s) fetched or current in %s, %d weights file(s) left to stream", folder_url, len(fetched),
              folder, len(streamed))
     return result
+
+
+def _lock_name(name: str) -> str:
+    """The name of the lock file of the model folder ``name``, kept short enough for any folder name that fits."""
+    if len(os.fsencode(name)) <= 240:
+        return f".{name}.lock"
+    return f".{hashlib.sha256(os.fsencode(name)).hexdigest()}.lock"
 
 
 def _without_folder_markers(url: str, folder_key: str, objects: list[dict]) -> list[dict]:

@@ -413,3 +413,24 @@ def test_a_key_obstore_cannot_read_fails_only_its_folder(s3, serve, tmp_path, ca
     states = scan_store(StoreURL("s3", BUCKET, s3.prefix))
     assert set(states) == {"echo", "new1", "zz"}
     assert any("unreadable key" in str(stamp) for stamp in states["new1"].stamp)
+
+
+def test_a_folder_name_too_long_for_the_local_disk_fails_only_its_own_load(s3, serve, tmp_path) -> None:
+    # S3 takes a 300-character folder name; a local file system takes 255 bytes per name.
+    long_name = "m" * 300
+    source = tmp_path / "source"
+    _python_folder(source, "echo")
+    upload_folder(s3.store, source, s3.prefix)
+    upload_folder(s3.store, source / "echo", f"{s3.prefix}/{long_name}")
+    server = serve(_config(tmp_path, s3.url()))  # it starts
+    index = {m.name: (m.state, m.reason) for m in server.client.get_model_repository_index().models}
+    assert index["echo"] == ("READY", "")
+    assert index[long_name][0] == "UNAVAILABLE" and "File name too long" in index[long_name][1], index[long_name]
+    x = np.arange(4, dtype=np.float32).reshape(1, 4)
+    np.testing.assert_array_equal(_echo(server.client, "echo", x), x)
+    from nereid.storage import StorageError, materialize_model_folder
+
+    with pytest.raises(StorageError) as caught:
+        materialize_model_folder(server.server.settings.server, long_name)
+    assert str(caught.value) == (f"{s3.url(long_name)}: cannot make its folder in the local cache: File name too "
+                                 "long (a local file system allows 255 bytes per name)")
