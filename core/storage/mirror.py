@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import re
+import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -337,6 +338,8 @@ def materialize(location: StoreURL, name: str, folder: Path) -> RemoteFolder:
                 fetched[relative] = old
                 continue
             stale.append((relative, item, target))
+        # A path that changed between a file and a folder in the store: the stale one in the cache is in the way.
+        _clear_conflicts(folder, [*fetched, *(relative for relative, _, _ in stale)])
         fetched.update((relative, item) for relative, item in _fetch_all(store, folder_url, stale).items()
                        if item is not None)  # (None: an empty folder's marker, skipped)
         _remove_others(folder, set(fetched))
@@ -444,6 +447,24 @@ def _has_size(path: Path, size: int) -> bool:
         return path.is_file() and path.stat().st_size == size
     except OSError:
         return False
+
+
+def _clear_conflicts(folder: Path, relatives: Iterable[str]) -> None:
+    """Remove what the cache holds in the way of the files ``relatives`` (paths relative to ``folder``).
+
+    That is a file where one of their folders goes, or a folder where one of
+    them goes: ``data`` a file, then ``data/x.txt`` in the store, or the reverse.
+    """
+    for relative in relatives:
+        parts = relative.split("/")
+        path = folder
+        for part in parts[:-1]:
+            path = path / part
+            if os.path.lexists(path) and (path.is_symlink() or not path.is_dir()):
+                path.unlink()
+        target = folder.joinpath(*parts)
+        if target.is_dir() and not target.is_symlink():
+            shutil.rmtree(target)
 
 
 def _remove_others(folder: Path, keep: set[str]) -> None:

@@ -434,3 +434,22 @@ def test_a_folder_name_too_long_for_the_local_disk_fails_only_its_own_load(s3, s
         materialize_model_folder(server.server.settings.server, long_name)
     assert str(caught.value) == (f"{s3.url(long_name)}: cannot make its folder in the local cache: File name too "
                                  "long (a local file system allows 255 bytes per name)")
+
+
+def test_a_path_that_turns_from_a_file_into_a_folder_and_back_is_fetched(s3, tmp_path) -> None:
+    from nereid.storage import materialize_model_folder
+
+    server = load_settings(_config(tmp_path, s3.url())).server
+    obstore.put(s3.store, f"{s3.prefix}/flip/main.py", b"print()")
+    obstore.put(s3.store, f"{s3.prefix}/flip/data", b"a file")
+    local = materialize_model_folder(server, "flip")
+    assert (local / "data").read_bytes() == b"a file"
+    obstore.delete(s3.store, f"{s3.prefix}/flip/data")
+    obstore.put(s3.store, f"{s3.prefix}/flip/data/x.txt", b"now a folder")
+    materialize_model_folder(server, "flip")
+    assert (local / "data" / "x.txt").read_bytes() == b"now a folder"
+    obstore.delete(s3.store, f"{s3.prefix}/flip/data/x.txt")
+    obstore.put(s3.store, f"{s3.prefix}/flip/data", b"a file again")
+    materialize_model_folder(server, "flip")
+    assert (local / "data").read_bytes() == b"a file again"
+    assert set(read_marker(local).fetched) == {"main.py", "data"}
