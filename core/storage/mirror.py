@@ -433,8 +433,9 @@ def _fetch(store: Any, folder_url: StoreURL, item: RemoteObject, target: Path) -
         raise StorageError(f"{url}: fetched {len(data)} bytes, but the listing says {item.size}")
     target.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(target, [memoryview(data)])
-    meta = result.meta
-    return RemoteObject(item.key, item.size, meta.get("e_tag") or item.etag, meta.get("version") or item.version)
+    # Recorded as the listing gave it, since the next load compares it with the next listing: a GET also says
+    # the version (a versioned bucket) where a listing says none, and the file would never match again.
+    return item
 
 
 def _is_not_found(err: BaseException) -> bool:

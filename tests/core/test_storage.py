@@ -453,3 +453,28 @@ def test_a_path_that_turns_from_a_file_into_a_folder_and_back_is_fetched(s3, tmp
     materialize_model_folder(server, "flip")
     assert (local / "data").read_bytes() == b"a file again"
     assert set(read_marker(local).fetched) == {"main.py", "data"}
+
+
+def test_a_versioned_bucket_fetches_only_the_files_that_changed(s3, tmp_path) -> None:
+    # A GET in a versioned bucket answers the object's version; the listing has none.
+    from nereid.storage import materialize_model_folder
+
+    client, bucket = _boto(s3), "nereid-versioned"
+    if bucket not in {b["Name"] for b in client.list_buckets()["Buckets"]}:
+        client.create_bucket(Bucket=bucket)
+        client.put_bucket_versioning(Bucket=bucket, VersioningConfiguration={"Status": "Enabled"})
+    for relative, body in [("main.py", b"print()"), ("helpers/note.txt", b"a note")]:
+        client.put_object(Bucket=bucket, Key=f"{s3.prefix}/v/{relative}", Body=body)
+    server = load_settings(_config(tmp_path, f"s3://{bucket}/{s3.prefix}")).server
+
+    def gets(relative: str) -> int:
+        with s3.lock:
+            return sum(1 for method, path, _ in s3.requests
+                       if method == "GET" and path == f"/{bucket}/{s3.prefix}/v/{relative}")
+
+    local = materialize_model_folder(server, "v")
+    assert (gets("main.py"), gets("helpers/note.txt")) == (1, 1)
+    client.put_object(Bucket=bucket, Key=f"{s3.prefix}/v/main.py", Body=b"print('new')")
+    materialize_model_folder(server, "v")
+    assert (local / "main.py").read_bytes() == b"print('new')"
+    assert (gets("main.py"), gets("helpers/note.txt")) == (2, 1)  # the unchanged file is not fetched again
