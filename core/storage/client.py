@@ -28,6 +28,8 @@ _CREDENTIAL_HINT = {
     "az": "check AZURE_STORAGE_ACCOUNT_NAME / AZURE_STORAGE_ACCOUNT_KEY (or another AZURE_* credential)",
 }
 
+_ALLOW_HTTP_HINT = {"s3": "set AWS_ALLOW_HTTP=true for a plain-http endpoint (AWS_ENDPOINT_URL=http://...)"}
+
 
 class StorageError(ConfigError):
     """An object-store operation failed; the message names the URL and the cause."""
@@ -77,6 +79,11 @@ def describe_error(err: BaseException, scheme: str = "s3") -> str:
         return cap_message(words, 600)
     if kind in ("PermissionDeniedError", "UnauthenticatedError"):
         return cap_message(f"{text.splitlines()[0]}; {_CREDENTIAL_HINT.get(scheme, '')}", 600)
+    if "builder error" in text and "http://" in text:
+        # The client refuses a plain-http URL before sending anything, and says only "builder error".
+        hint = _ALLOW_HTTP_HINT.get(scheme, "allow plain http for the store, or use https")
+        return cap_message(f"the store's endpoint is plain http://, which the client refuses "
+                           f"({text.splitlines()[0][:300]}); {hint}", 600)
     if re.search(r"[Cc]onnection refused|error sending request|dns error|timed out", text):
         return cap_message(f"cannot reach the store ({text.splitlines()[0][:300]}); check the endpoint "
                            "(AWS_ENDPOINT_URL, and AWS_ALLOW_HTTP for http://)", 600)

@@ -478,3 +478,14 @@ def test_a_versioned_bucket_fetches_only_the_files_that_changed(s3, tmp_path) ->
     materialize_model_folder(server, "v")
     assert (local / "main.py").read_bytes() == b"print('new')"
     assert (gets("main.py"), gets("helpers/note.txt")) == (2, 1)  # the unchanged file is not fetched again
+
+
+def test_a_plain_http_endpoint_without_allow_http_says_to_set_it(s3, tmp_path, monkeypatch, capsys) -> None:
+    from nereid.cli import main
+
+    monkeypatch.delenv("AWS_ALLOW_HTTP")  # the endpoint is moto's http://127.0.0.1:<port>
+    assert main(["check", "--config", str(_config(tmp_path, s3.url(), "- name: echo\n"))]) == 1
+    line = capsys.readouterr().out.splitlines()[0]
+    assert line.startswith(f"echo: UNAVAILABLE: {s3.url('echo')}: cannot list the model folder: the store's "
+                           "endpoint is plain http://, which the client refuses ("), line
+    assert line.endswith("set AWS_ALLOW_HTTP=true for a plain-http endpoint (AWS_ENDPOINT_URL=http://...)"), line
