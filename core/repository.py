@@ -242,16 +242,8 @@ class ModelRepository:
         self._apply_scan(await asyncio.to_thread(self._scan))
 
     def _apply_scan(self, present: list[str] | None) -> None:
-        server = self.settings.server
-        # In dynamic mode the watcher loads every folder added once it has settled; say so rather than ask for
-        # a load. Not for a folder there before it started watching: it never loads that one by itself.
-        unlisted = (f"new folder: it loads once it has been unchanged for server.watch_settle_ms "
-                    f"({server.watch_settle_ms:g} ms)" if server.watch and self._watched else NOT_LISTED_REASON)
         for name in present or ():  # a local folder or an object store
-            if name not in self._entries:
-                settings, origin = self.settings.model_or_default(name)
-                self._entries[name] = ModelEntry(name, self.root / name, settings, origin, reason=unlisted)
-            self._entries[name].folder_seen = True
+            self._folder_found(name)
         for index, settings in enumerate(self.settings.models):
             if settings.name not in self._entries:
                 self._entries[settings.name] = ModelEntry(
@@ -259,6 +251,18 @@ class ModelRepository:
                     reason=_waiting_for_folder(settings.name))
         if present is not None:
             self._forget_gone(set(present))
+
+    def _folder_found(self, name: str) -> None:
+        """Give the folder ``name``, just seen, an entry unless it has one."""
+        if name not in self._entries:
+            server = self.settings.server
+            # In dynamic mode the watcher loads every folder added once it has settled; say so rather than ask
+            # for a load. Not for a folder there before it started watching: it never loads that one by itself.
+            unlisted = (f"new folder: it loads once it has been unchanged for server.watch_settle_ms "
+                        f"({server.watch_settle_ms:g} ms)" if server.watch and self._watched else NOT_LISTED_REASON)
+            settings, origin = self.settings.model_or_default(name)
+            self._entries[name] = ModelEntry(name, self.root / name, settings, origin, reason=unlisted)
+        self._entries[name].folder_seen = True
 
     def _scan(self) -> list[str] | None:
         """The model folders now; None when the store cannot be listed (logged)."""
@@ -300,9 +304,13 @@ class ModelRepository:
         """The entry for ``name``; NotFound when no such folder exists."""
         entry = self._entries.get(name)
         if entry is None and _is_folder_name(name) and model_folder_exists(self.settings.server, name):
-            # One stat (or a store's listing reused for a few seconds), and a full rescan only when the folder
-            # is really there: a flood of made-up names must not list the repository per request on the loop.
-            self.rescan()
+            # One stat, or a store's last listing (refreshed off the loop, at most every 5 s), and a full
+            # rescan only when the folder is really there: a flood of made-up names must not list the
+            # repository per request on the loop.
+            if self.settings.server.ml_backends_url is None:
+                self.rescan()  # a local directory listing
+            else:
+                self._folder_found(name)  # the store was just listed: listing it here would stall the loop
             entry = self._entries.get(name)
         if entry is None:
             # The folder relative to ml_backends_path: clients never see the server's absolute paths.

@@ -19,6 +19,7 @@ import logging
 import os
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -37,9 +38,21 @@ __all__ = [
     "model_folder_exists", "open_store", "parse_store_url", "read_marker", "read_ranges", "scan_model_folders",
 ]
 
-# An unknown model name asks the store at most this often (it runs on the event loop).
+# An unknown model name has the store listed at most this often, on a thread of its own (never on the
+# event loop, where a hanging store would stall every request); a failed listing counts too.
 _LISTING_TTL_S = 5.0
-_listings: dict[str, tuple[float, list[str]]] = {}
+
+
+@dataclass
+class _Listing:
+    """A store's last listing of model folders: when it ended, and the names (None when it failed)."""
+
+    ended: float = float("-inf")
+    names: frozenset[str] | None = None
+    running: bool = False  # a refresh for unknown names is under way
+
+
+_listings: dict[str, _Listing] = {}
 _listings_lock = threading.Lock()
 # Folders whose names are not UTF-8 or too long for a local folder, already warned about (each scan would
 # otherwise warn again).
@@ -157,15 +170,35 @@ def _mirrored_folders(root: Path) -> list[str]:
 
 
 def model_folder_exists(server: ServerSettings, name: str) -> bool:
-    """Whether ``name`` is a model folder now (one stat locally; a listing at most every 5 s for a store)."""
+    """Whether ``name`` is a model folder now; never waits for a store, so it may be called on the event loop.
+
+    Locally one stat. For a store, the answer of its last listing; when that
+    is 5 s old or more (or failed that long ago), a new one starts on a
+    thread, for the calls that follow. A load lists the store itself first.
+    """
     location = _location(server)
     if location is None:
         return (Path(server.ml_backends_path) / name).is_dir()
     with _listings_lock:
-        cached = _listings.get(str(location))
-    if cached is not None and time.monotonic() - cached[0] < _LISTING_TTL_S:
-        return name in cached[1]
-    return name in list_model_folders(server)
+        listing = _listings.setdefault(str(location), _Listing())
+        if not listing.running and time.monotonic() - listing.ended >= _LISTING_TTL_S:
+            listing.running = True
+            threading.Thread(target=_refresh_listing, args=(location, Path(server.ml_backends_path)),
+                             name="nereid-store-listing", daemon=True).start()
+        return listing.names is not None and name in listing.names
+
+
+def _refresh_listing(location: StoreURL, root: Path) -> None:
+    """List the store for :func:`model_folder_exists` (on its own thread); a failure is logged and kept."""
+    try:
+        _list_remote(location, root)
+    except StorageError as err:
+        log.warning("%s", err)
+    except Exception:  # a thread of its own: nothing above it would report it
+        log.exception("%s: listing the model folders failed", location)
+    finally:
+        with _listings_lock:
+            _listings[str(location)].running = False
 
 
 def materialize_model_folder(server: ServerSettings, name: str) -> Path:
@@ -185,7 +218,17 @@ def materialize_model_folder(server: ServerSettings, name: str) -> Path:
 def _list_remote(location: StoreURL, root: Path) -> list[str]:
     from nereid.storage.mirror import list_remote_folders
 
-    names = list_remote_folders(location, _mirrored_folders(root))
-    with _listings_lock:
-        _listings[str(location)] = (time.monotonic(), names)
+    try:
+        names = list_remote_folders(location, _mirrored_folders(root))
+    except Exception:
+        _record_listing(location, None)  # a failure is kept as long as an answer, so it is not retried at once
+        raise
+    _record_listing(location, frozenset(names))
     return names
+
+
+def _record_listing(location: StoreURL, names: frozenset[str] | None) -> None:
+    """Keep a listing's outcome (the names, or None when it failed) for :func:`model_folder_exists`."""
+    with _listings_lock:
+        listing = _listings.setdefault(str(location), _Listing())
+        listing.ended, listing.names = time.monotonic(), names

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +15,7 @@ from nereid.repository import ModelRepository, ModelState
 from nereid.settings import load_settings
 from nereid.tensors import NamedTensor
 from nereid.dtypes import DType
+from moto_s3 import upload_folder
 from toy_backends import LOADS, write_toy
 
 
@@ -273,3 +275,66 @@ def test_a_listed_model_whose_folder_went_while_not_loaded_no_longer_holds_readi
         assert (await repo.load("bad")).state is ModelState.READY and repo.server_ready()
         await repo.unload_all()
     asyncio.run(scenario())
+
+
+def _bucket_repository(tmp_path: Path, url: str) -> ModelRepository:
+    """A repository on the bucket ``url`` (an s3:// URL on the moto server), with the toy backends."""
+    config = tmp_path / "nereid.yaml"
+    config.write_text(f'server:\n  ml_backends_path: "{url}"\n  cache_dir: "{tmp_path / "cache"}"\n'
+                      '  metrics_addr: ""\n  http_addr: ""\n')
+    manager = make_plugin_manager(load_entry_points=False, extra_plugins=(toy_backends,))
+    (tmp_path / "scratch").mkdir(exist_ok=True)
+    return ModelRepository(load_settings(config), manager, tmp_path / "scratch")
+
+
+def _lists(s3, bucket: str) -> int:
+    """How many listings of ``bucket`` the moto server has answered so far."""
+    with s3.lock:
+        return sum(1 for method, path, _ in s3.requests if method == "GET" and path.rstrip("/") == f"/{bucket}")
+
+
+def test_an_unknown_name_never_waits_for_the_store_listing(s3, tmp_path, monkeypatch):
+    # A readiness, metadata or statistics call runs entry() on the event loop: with a slow store, listing
+    # there stalled every other request for as long as the listing took.
+    import time
+
+    import nereid.storage
+    from nereid.errors import NotFound
+
+    write_toy(tmp_path / "source", "toy")
+    upload_folder(s3.store, tmp_path / "source", s3.prefix)
+    repo = _bucket_repository(tmp_path, s3.url())
+    monkeypatch.setattr(nereid.storage, "_LISTING_TTL_S", 0.5)
+    s3.get_latency_s = 2.0  # every GET, listings included
+    try:
+        time.sleep(0.6)  # the listing made at start is stale: the next unknown name asks for another
+        started = time.monotonic()
+        for _ in range(5):
+            with pytest.raises(NotFound, match="unknown model 'madeup'"):
+                repo.entry("madeup")
+        assert time.monotonic() - started < 0.5
+        # Meanwhile a folder lands; the listing refreshed in the background finds it for a later call.
+        write_toy(tmp_path / "late", "late")
+        upload_folder(s3.store, tmp_path / "late", s3.prefix)
+        deadline = time.monotonic() + 20
+        while "late" not in {e.name for e in repo.entries()}:
+            assert time.monotonic() < deadline, "the background listing never found 'late'"
+            with contextlib.suppress(NotFound):
+                repo.entry("late")
+            time.sleep(0.1)
+    finally:
+        s3.get_latency_s = 0.0
+    assert repo.entry("late").folder == repo.root / "late"
+
+
+def test_a_failed_listing_is_kept_for_unknown_names_like_a_good_one(s3, tmp_path):
+    # Unknown names against a missing bucket: one listing, not one per call.
+    from nereid.errors import NotFound
+
+    repo = _bucket_repository(tmp_path, f"s3://nereid-no-such-bucket/{s3.prefix}")
+    before = _lists(s3, "nereid-no-such-bucket")
+    assert before >= 1  # the listing at start, failed
+    for _ in range(20):
+        with pytest.raises(NotFound):
+            repo.entry("madeup")
+    assert _lists(s3, "nereid-no-such-bucket") == before
