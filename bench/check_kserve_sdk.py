@@ -13,11 +13,26 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 
-import httpx
-import numpy as np
-from kserve import InferenceGRPCClient, InferenceRESTClient, InferInput, InferRequest, RESTConfig
-from kserve.protocol.infer_type import RequestedOutput
+
+def parse_arguments(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--http", default="http://[::1]:8000")
+    parser.add_argument("--grpc", default="[::1]:50051")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    ARGUMENTS = parse_arguments(sys.argv[1:])
+    # Importing kserve parses the process's arguments (kserve/model_server.py), taking --http for an
+    # abbreviation of its --http_port: it must find none.
+    del sys.argv[1:]
+
+import httpx  # noqa: E402 - after the arguments are taken (see above)
+import numpy as np  # noqa: E402
+from kserve import InferenceGRPCClient, InferenceRESTClient, InferInput, InferRequest, RESTConfig  # noqa: E402
+from kserve.protocol.infer_type import RequestedOutput  # noqa: E402
 
 ROWS = np.arange(32, dtype=np.float32).reshape(2, 16)
 
@@ -64,14 +79,10 @@ async def check_grpc(address: str) -> None:
     await client.close()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--http", default="http://[::1]:8000")
-    parser.add_argument("--grpc", default="[::1]:50051")
-    args = parser.parse_args()
+def main(args: argparse.Namespace) -> None:
     asyncio.run(check_rest(args.http))
     asyncio.run(check_grpc(args.grpc))
 
 
 if __name__ == "__main__":
-    main()
+    main(ARGUMENTS)
