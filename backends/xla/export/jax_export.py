@@ -16,7 +16,7 @@ import numpy as np
 
 from nereid.backends.xla.export.iospec import IOSpec, as_dtype
 from nereid.backends.xla.export.provenance import Provenance, collect_provenance
-from nereid.backends.xla.export.writer import ExportError, write_bundle
+from nereid.backends.xla.export.writer import ExportError, weight_pairs, write_bundle
 
 
 def export_bundle(fn: Callable[..., Any], example_inputs: Sequence[Any],
@@ -49,8 +49,7 @@ def export_bundle(fn: Callable[..., Any], example_inputs: Sequence[Any],
     directory = Path(directory)
     name = name or directory.name
     examples = [_shape_dtype(x) for x in example_inputs]
-    weight_items = [(str(n), np.asarray(a)) for n, a in (weights.items() if isinstance(weights, Mapping)
-                                                        else weights)]
+    weight_items = weight_pairs(weights)
     sizes: list[int | None] = sorted(int(s) for s in batch_sizes) if batch_sizes else [None]
     in_axes = _axes(input_batch_axes, len(examples), batch_sizes is not None, "input_batch_axes")
     if x64 is None:

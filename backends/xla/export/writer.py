@@ -65,9 +65,12 @@ def write_bundle(directory: Path | str, name: str, inputs: Sequence[IOSpec], out
     ``weights.safetensors.index.json`` with the ``weight_map`` and the whole
     ``argument_order``.
 
-    Raises ExportError before writing anything when the bundle would not be
-    servable: a program whose argument count disagrees with inputs + weights
-    (both numbers named), or whose types disagree with the specs.
+    Raises ExportError before writing or removing anything when the bundle
+    would not be servable: a program whose argument count disagrees with
+    inputs + weights (both numbers named), or whose types disagree with the
+    specs, a weight name given twice, or a ``model_py`` path that cannot be
+    read. The weights are written to temporary files before the earlier
+    export's files are replaced, so a failed write leaves them as they were.
     """
     directory = Path(directory)
     if directory.name != name:
@@ -77,8 +80,8 @@ def write_bundle(directory: Path | str, name: str, inputs: Sequence[IOSpec], out
     if shard_bytes is not None and (isinstance(shard_bytes, bool) or not isinstance(shard_bytes, int)
                                     or shard_bytes < 1):
         raise ExportError(f"shard_bytes must be a positive number of bytes, got {shard_bytes!r}")
-    ordered_weights = [(str(n), np.asarray(a)) for n, a in (weights.items() if isinstance(weights, Mapping)
-                                                           else weights)]
+    ordered_weights = weight_pairs(weights)
+    model_py_source = _model_py_source(model_py)
     programs = _programs(modules, batch_sizes, input_shapes)
     sizes = sorted({k.batch_size for k in programs if k.batch_size is not None})
     has_model_py = model_py is not None or (directory / MODEL_PY).is_file()
@@ -107,8 +110,42 @@ def write_bundle(directory: Path | str, name: str, inputs: Sequence[IOSpec], out
         except ConfigError as err:
             raise ExportError(f"refusing to write {directory}: {err}") from None
         files[file_name] = artifact
-    _write_files(directory, files, ordered_weights, layout, model_py, provenance, document, shard_bytes)
+    manifest_text = _manifest_text(document)
+    _write_files(directory, files, ordered_weights, layout, model_py_source, provenance, manifest_text, shard_bytes)
     return directory
+
+
+def weight_pairs(weights: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> list[tuple[str, np.ndarray]]:
+    """The weights as (name, array) pairs in program order; raises ExportError for names no bundle can hold.
+
+    Checked here, before anything is written: a name that fails only when the
+    safetensors file is written would leave a half-replaced bundle behind.
+    """
+    pairs = [(str(n), np.asarray(a)) for n, a in (weights.items() if isinstance(weights, Mapping) else weights)]
+    _check_weight_names([name for name, _ in pairs])
+    return pairs
+
+
+def _check_weight_names(names: Sequence[str]) -> None:
+    """Raise ExportError for a weight name given twice (safetensors keys are unique)."""
+    first: dict[str, int] = {}
+    for index, name in enumerate(names):
+        if name in first:
+            raise ExportError(f"weights: duplicate weight name {name!r} (weights {first[name]} and {index}); "
+                              "each weight needs a name of its own")
+        first[name] = index
+
+
+def _model_py_source(model_py: str | Path | None) -> str | None:
+    """The hooks file's source text: ``model_py`` itself, or the file a Path names, read now so a bad path is
+    refused before the bundle is touched."""
+    if not isinstance(model_py, Path):
+        return model_py
+    try:
+        return model_py.read_text()
+    except (OSError, UnicodeDecodeError) as err:
+        reason = err.strerror if isinstance(err, OSError) and err.strerror else err
+        raise ExportError(f"model_py: cannot read {str(model_py)!r}: {reason}") from None
 
 
 def _programs(modules: Modules | Sequence[Modules], batch_sizes: Sequence[int] | None,
@@ -190,9 +227,20 @@ def _read(artifact: bytes, file_name: str):
 
 
 def _write_files(directory: Path, files: Mapping[str, bytes], weights: list[tuple[str, np.ndarray]], layout: str,
-                 model_py: str | Path | None, provenance: Provenance | Mapping[str, Any] | None,
-                 document: dict[str, Any], shard_bytes: int | None = None) -> None:
+                 model_py: str | None, provenance: Provenance | Mapping[str, Any] | None,
+                 manifest_text: str, shard_bytes: int | None = None) -> None:
+    """Write a checked bundle: the weights first to temporary files (the step most likely to fail, on a full
+    disk), and only then replace the earlier export's files; the manifest goes last."""
     directory.mkdir(parents=True, exist_ok=True)
+    shards = _shards(weights, shard_bytes) if shard_bytes is not None else {DEFAULT_WEIGHTS_FILE: weights}
+    partials = {file_name: directory / f".{file_name}.{os.getpid()}.partial" for file_name in shards}
+    try:
+        for file_name, part in shards.items():
+            write_safetensors(partials[file_name], part, legacy=layout == "legacy")
+    except BaseException:
+        for temporary in partials.values():
+            temporary.unlink(missing_ok=True)
+        raise
     # Program files and the patch of an earlier export would otherwise linger
     # beside the new ones and be served or misread.
     for stale in [*directory.glob("model*.mlir"), directory / PATCH_FILE]:
@@ -200,14 +248,11 @@ def _write_files(directory: Path, files: Mapping[str, bytes], weights: list[tupl
             stale.unlink(missing_ok=True)
     for file_name, artifact in files.items():
         atomic_write(directory / file_name, [artifact])
-    shards = _shards(weights, shard_bytes) if shard_bytes is not None else {DEFAULT_WEIGHTS_FILE: weights}
     # Weights of an earlier export (one file, or other shards) would otherwise be read with the new ones.
     for stale in [*directory.glob("*.safetensors"), directory / INDEX_FILE]:
         if stale.name not in shards:
             stale.unlink(missing_ok=True)
-    for file_name, part in shards.items():
-        temporary = directory / f".{file_name}.{os.getpid()}.partial"
-        write_safetensors(temporary, part, legacy=layout == "legacy")
+    for file_name, temporary in partials.items():
         os.replace(temporary, directory / file_name)
     if shard_bytes is not None:
         index = {"metadata": {"total_size": sum(a.nbytes for _, a in weights),
@@ -215,15 +260,21 @@ def _write_files(directory: Path, files: Mapping[str, bytes], weights: list[tupl
                  "weight_map": {n: file_name for file_name, part in shards.items() for n, _ in part}}
         atomic_write(directory / INDEX_FILE, [(json.dumps(index, indent=1) + "\n").encode()])
     if model_py is not None:
-        source = Path(model_py).read_text() if isinstance(model_py, Path) else model_py
-        atomic_write(directory / MODEL_PY, [source.encode()])
+        atomic_write(directory / MODEL_PY, [model_py.encode()])
     if isinstance(provenance, Provenance) and provenance.patch:
         atomic_write(directory / PATCH_FILE, [provenance.patch])
+    # The manifest goes last: a bundle interrupted mid-write has no new manifest.
+    atomic_write(directory / MANIFEST_NAME, [manifest_text.encode()])
+
+
+def _manifest_text(document: dict[str, Any]) -> str:
+    """The manifest file's text; rendered before writing so a value YAML cannot represent fails first."""
     header = ("# Written by nereid.backends.xla.export. Shapes are column-major (batch axis last);\n"
               "# clients and the program see them reversed (row-major).\n")
-    text = header + _yaml_text(document)
-    # The manifest goes last: a bundle interrupted mid-write has no new manifest.
-    atomic_write(directory / MANIFEST_NAME, [text.encode()])
+    try:
+        return header + _yaml_text(document)
+    except yaml.YAMLError as err:
+        raise ExportError(f"the manifest cannot be written as YAML (provenance or description?): {err}") from None
 
 
 def _shards(weights: list[tuple[str, np.ndarray]], shard_bytes: int) -> dict[str, list[tuple[str, np.ndarray]]]:

@@ -83,3 +83,18 @@ def test_argument_mistakes(tmp_path) -> None:
     with pytest.raises(ExportError, match="output_names has 2 names for 1 output"):
         export_bundle(lambda x: x, [np.zeros((1, 2), np.float32)], {}, directory=tmp_path / "f",
                       output_names=["a", "b"], provenance=False)
+
+
+def test_a_refused_re_export_leaves_the_bundle_servable(tmp_path) -> None:
+    w = np.ones(3, np.float32)
+    directory = export_bundle(lambda x, a: x * a, [np.zeros((1, 3), np.float32)], {"a": w},
+                              directory=tmp_path / "f", batch_sizes=[1, 2], provenance=False)
+    before = {p.name: p.read_bytes() for p in directory.iterdir()}
+    with pytest.raises(ExportError, match="weights: duplicate weight name 'a'"):
+        export_bundle(lambda x, a, b: x * a, [np.zeros((1, 3), np.float32)], [("a", w), ("a", w)],
+                      directory=directory, batch_sizes=[4], provenance=False)
+    with pytest.raises(ExportError, match="model_py: cannot read"):
+        export_bundle(lambda x, a: x * a, [np.zeros((1, 3), np.float32)], {"a": w}, directory=directory,
+                      batch_sizes=[4], model_py=tmp_path / "missing.py", provenance=False)
+    assert {p.name: p.read_bytes() for p in directory.iterdir()} == before
+    assert bundle_arity_report(directory).servable

@@ -118,3 +118,43 @@ def test_text_modules_are_stored_as_portable_artifacts(tmp_path) -> None:
     with pytest.raises(ExportError, match="not a StableHLO module"):
         write_bundle(tmp_path / "mul", "mul", [IOSpec("x", "f32", (3,))], [IOSpec("y", "f32", (3,))],
                      "not mlir", {"w": np.ones(3, np.float32)})
+
+
+def snapshot(directory) -> dict[str, bytes]:
+    """Every file of a folder (hidden ones too), by name."""
+    return {p.name: p.read_bytes() for p in directory.iterdir()}
+
+
+def test_a_refused_rewrite_leaves_the_bundle_as_it_was(tmp_path) -> None:
+    directory = write_bundle(tmp_path / "affine", "affine", INPUTS, OUTPUTS, {1: module(1), 2: module(2)}, WEIGHTS)
+    before = snapshot(directory)
+    three = [("a", WEIGHTS["w"]), ("a", WEIGHTS["b"])]
+    with pytest.raises(ExportError, match=r"weights: duplicate weight name 'a' \(weights 0 and 1\)"):
+        write_bundle(directory, "affine", INPUTS, OUTPUTS, {4: module(4)}, three)
+    assert snapshot(directory) == before
+    with pytest.raises(ExportError, match=r"model_py: cannot read '.*missing\.py': No such file"):
+        write_bundle(directory, "affine", INPUTS, OUTPUTS, {4: module(4)}, WEIGHTS, model_py=tmp_path / "missing.py")
+    assert snapshot(directory) == before
+    with pytest.raises(ExportError, match="cannot be written as YAML"):
+        write_bundle(directory, "affine", INPUTS, OUTPUTS, {4: module(4)}, WEIGHTS, provenance={"when": object()})
+    assert snapshot(directory) == before
+    # Nor is a new folder created for a refused bundle.
+    with pytest.raises(ExportError, match="duplicate weight name"):
+        write_bundle(tmp_path / "fresh", "fresh", INPUTS, OUTPUTS, {4: module(4)}, three)
+    assert not (tmp_path / "fresh").exists()
+
+
+def test_weights_that_fail_to_write_leave_the_bundle_as_it_was(tmp_path, monkeypatch) -> None:
+    from nereid.backends.xla.export import writer
+
+    directory = write_bundle(tmp_path / "affine", "affine", INPUTS, OUTPUTS, {1: module(1), 2: module(2)}, WEIGHTS)
+    before = snapshot(directory)
+
+    def disk_full(path, tensors, **kwargs) -> None:
+        path.write_bytes(b"half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(writer, "write_safetensors", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        write_bundle(directory, "affine", INPUTS, OUTPUTS, {4: module(4)}, WEIGHTS)
+    assert snapshot(directory) == before  # the partial file is gone too
