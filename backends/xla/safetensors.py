@@ -512,6 +512,7 @@ def write_safetensors(path: Path | str, tensors: Iterable[tuple[str, np.ndarray]
     names = [name for name, _ in items]
     if len(set(names)) != len(names):
         raise ValueError(f"duplicate weight names in {names}")
+    _refuse_metadata_name(names)
     meta: dict[str, str] = dict(metadata or {})
     meta.setdefault(FORMAT_KEY, NEREID_FORMAT)
     meta[ARGUMENT_ORDER_KEY] = json.dumps(names)
@@ -531,6 +532,7 @@ def write_safetensors(path: Path | str, tensors: Iterable[tuple[str, np.ndarray]
 def encode_header(tensors: Sequence[tuple[str, DType, Sequence[int], int]], metadata: Mapping[str, str]) -> bytes:
     """The length prefix and JSON header of a file holding (name, dtype, shape, nbytes) in this data order."""
     header: dict[str, object] = {METADATA_KEY: dict(metadata)} if metadata else {}
+    _refuse_metadata_name([name for name, _, _, _ in tensors])
     offset = 0
     for name, dtype, shape, nbytes in tensors:
         if dtype not in _NAME_OF:
@@ -541,6 +543,12 @@ def encode_header(tensors: Sequence[tuple[str, DType, Sequence[int], int]], meta
     encoded = json.dumps(header, separators=(",", ":")).encode("utf-8")
     encoded += b" " * (-len(encoded) % 8)  # the format pads the header to 8 bytes with spaces
     return _LENGTH.pack(len(encoded)) + encoded
+
+
+def _refuse_metadata_name(names: Sequence[str]) -> None:
+    """Raise ValueError for a tensor named ``__metadata__``: its header entry would replace the file's metadata."""
+    if METADATA_KEY in names:
+        raise ValueError(f"a tensor cannot be named {METADATA_KEY!r}, the header key of the file's metadata")
 
 
 def read_entry(fd: int, entry: TensorEntry, path: Path) -> np.ndarray:

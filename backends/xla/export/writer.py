@@ -25,7 +25,7 @@ from nereid.backends.xla.conformance import check_program_types
 from nereid.backends.xla.manifest import (CURRENT_FORMAT_VERSION, LEGACY_FORMAT_VERSION, MANIFEST_NAME,
                                           parse_manifest)
 from nereid.backends.xla.program import read_program, to_portable_artifact
-from nereid.backends.xla.safetensors import write_safetensors
+from nereid.backends.xla.safetensors import METADATA_KEY, write_safetensors
 from nereid.backends.xla.weights import INDEX_FILE
 from nereid.errors import ConfigError
 from nereid.backends.xla.export.iospec import IOSpec, as_dtype
@@ -68,7 +68,7 @@ def write_bundle(directory: Path | str, name: str, inputs: Sequence[IOSpec], out
     Raises ExportError before writing or removing anything when the bundle
     would not be servable: a program whose argument count disagrees with
     inputs + weights (both numbers named), or whose types disagree with the
-    specs, a weight name given twice, or a ``model_py`` path that cannot be
+    specs, a weight name given twice or named ``__metadata__``, or a ``model_py`` path that cannot be
     read. The weights are written to temporary files before the earlier
     export's files are replaced, so a failed write leaves them as they were.
     """
@@ -127,9 +127,14 @@ def weight_pairs(weights: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> list
 
 
 def _check_weight_names(names: Sequence[str]) -> None:
-    """Raise ExportError for a weight name given twice (safetensors keys are unique)."""
+    """Raise ExportError for a weight name given twice (safetensors keys are unique) or named ``__metadata__``."""
     first: dict[str, int] = {}
     for index, name in enumerate(names):
+        if name == METADATA_KEY:
+            # The safetensors header keeps the file's metadata under this key: the
+            # weight's entry would replace it and the bundle would not load.
+            raise ExportError(f"weights: weight {index} is named {name!r}, the key safetensors reserves for the "
+                              "file's metadata; rename it")
         if name in first:
             raise ExportError(f"weights: duplicate weight name {name!r} (weights {first[name]} and {index}); "
                               "each weight needs a name of its own")

@@ -11,7 +11,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from nereid.backends.xla.safetensors import load_weights, read_header, read_tensors, write_safetensors
+from nereid.backends.xla.safetensors import (encode_header, load_weights, read_header, read_tensors,
+                                             write_safetensors)
+from nereid.dtypes import DType
 from nereid.errors import ConfigError
 
 
@@ -182,3 +184,13 @@ def test_a_long_argument_order_is_checked_in_linear_time(tmp_path) -> None:
         read_header(path)
     assert time.monotonic() - started < 5
     assert len(str(info.value)) <= 4096
+
+
+def test_a_tensor_named_metadata_is_refused(tmp_path) -> None:
+    # Its header entry would replace the file's metadata (argument order, axis order).
+    path = tmp_path / "meta.safetensors"
+    with pytest.raises(ValueError, match="cannot be named '__metadata__'"):
+        write_safetensors(path, [("w", np.ones(2, np.float32)), ("__metadata__", np.ones(2, np.float32))])
+    assert not path.exists()
+    with pytest.raises(ValueError, match="cannot be named '__metadata__'"):
+        encode_header([("__metadata__", DType.FP32, (2,), 8)], {})

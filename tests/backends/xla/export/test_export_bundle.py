@@ -98,3 +98,10 @@ def test_a_refused_re_export_leaves_the_bundle_servable(tmp_path) -> None:
                       batch_sizes=[4], model_py=tmp_path / "missing.py", provenance=False)
     assert {p.name: p.read_bytes() for p in directory.iterdir()} == before
     assert bundle_arity_report(directory).servable
+
+
+def test_a_weight_named_metadata_is_refused(tmp_path) -> None:
+    with pytest.raises(ExportError, match="weights: weight 0 is named '__metadata__'"):
+        export_bundle(lambda x, a: x * a, [np.zeros(3, np.float32)], {"__metadata__": np.ones(3, np.float32)},
+                      directory=tmp_path / "f", provenance=False)
+    assert not (tmp_path / "f").exists()

@@ -158,3 +158,10 @@ def test_weights_that_fail_to_write_leave_the_bundle_as_it_was(tmp_path, monkeyp
     with pytest.raises(OSError, match="No space left"):
         write_bundle(directory, "affine", INPUTS, OUTPUTS, {4: module(4)}, WEIGHTS)
     assert snapshot(directory) == before  # the partial file is gone too
+
+
+def test_a_weight_named_metadata_is_refused(tmp_path) -> None:
+    weights = {"__metadata__": WEIGHTS["w"], "b": WEIGHTS["b"]}
+    with pytest.raises(ExportError, match=r"weights: weight 0 is named '__metadata__', the key safetensors reserves"):
+        write_bundle(tmp_path / "affine", "affine", INPUTS, OUTPUTS, {1: module(1)}, weights)
+    assert not (tmp_path / "affine").exists()
