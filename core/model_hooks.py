@@ -112,6 +112,10 @@ def load_model_hooks(path: Path, model: str, meta: bool = False) -> ModelHooks:
     sys.modules[module_name] = module
     try:
         spec.loader.exec_module(module)
+    except SystemExit as err:
+        # Not the server's exit: a model.py that calls sys.exit() while loading is a model that fails to load.
+        raise ConfigError(f"model '{model}': {path}{_line_of(err, path)} called sys.exit({err.code!r}) while "
+                          "loading; a model.py must register its hooks and return") from None
     except Exception as err:
         raise ConfigError(f"model '{model}': {path}{_line_of(err, path)} failed: {type(err).__name__}: {err}") \
             from err

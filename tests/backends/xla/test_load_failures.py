@@ -122,3 +122,13 @@ def test_hook_returning_the_wrong_type_is_an_internal_error(repo, serve, add_bun
         server.client.infer("mlp_hooks", [tensor])
     assert caught.value.status() == "StatusCode.INTERNAL"
     assert "preprocess hook of model.py must return a list" in caught.value.message()
+
+
+def test_a_model_py_that_calls_sys_exit_fails_its_load_and_the_server_serves_on(repo, serve, add_bundle) -> None:
+    bundle = add_bundle(repo.models_dir, "mlp_hooks")
+    (bundle / "model.py").write_text("import sys\nsys.exit(0)\n")
+    add_bundle(repo.models_dir, "mlp_bundle")
+    server = serve(repo.write_config("- name: mlp_hooks\n- name: mlp_bundle\n"))
+    state, reason = reasons(server)["mlp_hooks"]
+    assert state == "UNAVAILABLE" and "model.py:2 called sys.exit(0) while loading" in reason
+    assert server.client.is_model_ready("mlp_bundle") and server.client.is_server_live()

@@ -85,3 +85,6 @@ def test_mistakes_name_the_file(tmp_path) -> None:
     path.write_text("import nereid\n")
     with pytest.raises(ConfigError, match="did not call nereid.register_model"):
         load_model_hooks(path, "m")
+    path.write_text("import sys\nsys.exit(0)\n")  # a SystemExit must not end the server (or nereid check)
+    with pytest.raises(ConfigError, match=r"model.py:2 called sys.exit\(0\) while loading"):
+        load_model_hooks(path, "m")
