@@ -16,7 +16,7 @@ import numpy as np
 
 from nereid.backends.xla.export.iospec import IOSpec, as_dtype
 from nereid.backends.xla.export.provenance import Provenance, collect_provenance
-from nereid.backends.xla.export.writer import ExportError, weight_pairs, write_bundle
+from nereid.backends.xla.export.writer import ExportError, checked_batch_sizes, weight_pairs, write_bundle
 
 
 def export_bundle(fn: Callable[..., Any], example_inputs: Sequence[Any],
@@ -46,11 +46,13 @@ def export_bundle(fn: Callable[..., Any], example_inputs: Sequence[Any],
     import jax
     from jax import export as jax_export
 
+    # Checked before tracing: jax would fail on a bad size with an error that names no argument.
+    batch_sizes = checked_batch_sizes(batch_sizes)
     directory = Path(directory)
     name = name or directory.name
     examples = [_shape_dtype(x) for x in example_inputs]
     weight_items = weight_pairs(weights)
-    sizes: list[int | None] = sorted(int(s) for s in batch_sizes) if batch_sizes else [None]
+    sizes: list[int | None] = list(batch_sizes) if batch_sizes is not None else [None]
     in_axes = _axes(input_batch_axes, len(examples), batch_sizes is not None, "input_batch_axes")
     if x64 is None:
         x64 = any(np.dtype(d).itemsize == 8 and np.dtype(d).kind in "iuf"
@@ -78,7 +80,7 @@ def export_bundle(fn: Callable[..., Any], example_inputs: Sequence[Any],
         provenance = None
     module_arg: Any = modules[None] if batch_sizes is None else modules
     return write_bundle(directory, name, inputs, outputs, module_arg, weight_items,
-                        batch_sizes=None if batch_sizes is None else [s for s in sizes if s is not None],
+                        batch_sizes=batch_sizes,
                         client_inputs=client_inputs, client_outputs=client_outputs, layout=layout,
                         model_py=model_py, provenance=provenance, description=description,
                         shard_bytes=shard_bytes)

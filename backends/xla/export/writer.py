@@ -12,6 +12,7 @@ an optional ``model.py`` and, for a dirty work tree, ``working_tree.patch``.
 from __future__ import annotations
 
 import json
+import numbers
 import os
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence, Union
@@ -153,8 +154,38 @@ def _model_py_source(model_py: str | Path | None) -> str | None:
         raise ExportError(f"model_py: cannot read {str(model_py)!r}: {reason}") from None
 
 
+def checked_batch_sizes(batch_sizes: Sequence[int] | None) -> list[int] | None:
+    """``batch_sizes`` as a sorted list of ints, or None when not given; raises ExportError naming a bad value.
+
+    Each size must be a positive integer (a bool is not one, and a float is
+    refused rather than truncated), given once, and the list must not be
+    empty: an empty list would otherwise read as an unbatched program.
+    """
+    if batch_sizes is None:
+        return None
+    if isinstance(batch_sizes, (str, bytes, Mapping)) or not isinstance(batch_sizes, Iterable):
+        raise ExportError(f"batch_sizes must be a list of positive integers, got {batch_sizes!r}")
+    given = list(batch_sizes)
+    if not given:
+        raise ExportError("batch_sizes is empty: give at least one batch size, or leave batch_sizes out (None) "
+                          "for an unbatched program")
+    sizes = [_batch_size(value, f"batch_sizes {given!r}") for value in given]
+    repeated = sorted({size for size in sizes if sizes.count(size) > 1})
+    if repeated:
+        raise ExportError(f"batch_sizes lists {', '.join(map(str, repeated))} more than once: {given!r}")
+    return sorted(sizes)
+
+
+def _batch_size(value: Any, where: str) -> int:
+    """One batch size as an int; raises ExportError unless it is a positive integer (numpy integers included)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ExportError(f"{where}: batch sizes must be positive integers, got {value!r}")
+    return int(value)
+
+
 def _programs(modules: Modules | Sequence[Modules], batch_sizes: Sequence[int] | None,
               input_shapes: Sequence[Sequence[int]] | None) -> dict[ProgramKey, Module]:
+    batch_sizes = checked_batch_sizes(batch_sizes)
     if input_shapes is not None:
         if isinstance(modules, (bytes, str, Mapping)) or len(modules) != len(input_shapes):
             raise ExportError(f"with input_shapes, modules must be a sequence of {len(input_shapes)} module "
@@ -167,16 +198,16 @@ def _programs(modules: Modules | Sequence[Modules], batch_sizes: Sequence[int] |
     for index, entry in enumerate(variants):
         variant = index + 1 if input_shapes is not None else None
         if isinstance(entry, (bytes, str)):
-            sizes = list(batch_sizes) if batch_sizes else [None]
+            sizes = list(batch_sizes) if batch_sizes is not None else [None]
             if len(sizes) != 1:
                 raise ExportError(f"one module was given for batch sizes {list(batch_sizes or [])}: give a "
                                   "mapping batch size -> module")
             per_size: dict[int | None, Module] = {sizes[0]: entry}
         elif isinstance(entry, Mapping):
-            per_size = {int(k): v for k, v in entry.items()}
-            if batch_sizes is not None and sorted(per_size) != sorted(batch_sizes):
+            per_size = {_batch_size(k, "modules"): v for k, v in entry.items()}
+            if batch_sizes is not None and sorted(per_size) != batch_sizes:
                 raise ExportError(f"modules are given for batch sizes {sorted(per_size)} but batch_sizes is "
-                                  f"{sorted(batch_sizes)}")
+                                  f"{batch_sizes}")
         else:
             raise ExportError(f"modules: expected bytes, str or a mapping batch size -> module, got "
                               f"{type(entry).__name__}")
@@ -185,8 +216,6 @@ def _programs(modules: Modules | Sequence[Modules], batch_sizes: Sequence[int] |
             raise ExportError("every input_shapes variant must be compiled for the same batch sizes")
         shared_sizes = these
         for size, module in per_size.items():
-            if size is not None and size < 1:
-                raise ExportError(f"batch sizes must be positive, got {size}")
             programs[ProgramKey(variant, size)] = module
     return programs
 

@@ -105,3 +105,31 @@ def test_a_weight_named_metadata_is_refused(tmp_path) -> None:
         export_bundle(lambda x, a: x * a, [np.zeros(3, np.float32)], {"__metadata__": np.ones(3, np.float32)},
                       directory=tmp_path / "f", provenance=False)
     assert not (tmp_path / "f").exists()
+
+
+@pytest.mark.parametrize("batch_sizes, problem", [
+    ([-1, 2], r"batch_sizes \[-1, 2\]: batch sizes must be positive integers, got -1"),
+    ([0], r"batch_sizes \[0\]: batch sizes must be positive integers, got 0"),
+    ([1.5, 2], r"batch_sizes \[1.5, 2\]: batch sizes must be positive integers, got 1.5"),
+    ([True], r"batch_sizes \[True\]: batch sizes must be positive integers, got True"),
+    ([], r"batch_sizes is empty: give at least one batch size, or leave batch_sizes out"),
+    ([1, 2, 2], r"batch_sizes lists 2 more than once: \[1, 2, 2\]"),
+    (4, r"batch_sizes must be a list of positive integers, got 4"),
+])
+def test_batch_size_mistakes_are_refused_before_tracing(tmp_path, batch_sizes, problem) -> None:
+    traced = []
+
+    def f(x):
+        traced.append(x.shape)
+        return x
+
+    with pytest.raises(ExportError, match=problem):
+        export_bundle(f, [np.zeros((1, 3), np.float32)], {}, directory=tmp_path / "f", batch_sizes=batch_sizes,
+                      provenance=False)
+    assert traced == [] and not (tmp_path / "f").exists()
+
+
+def test_numpy_integer_batch_sizes_are_taken(tmp_path) -> None:
+    directory = export_bundle(lambda x: x, [np.zeros((1, 3), np.float32)], {}, directory=tmp_path / "f",
+                              batch_sizes=np.array([4, 2]), provenance=False)
+    assert load_manifest(directory / "manifest.yaml").batching.compiled_batch_sizes == (2, 4)

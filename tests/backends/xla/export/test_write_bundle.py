@@ -165,3 +165,16 @@ def test_a_weight_named_metadata_is_refused(tmp_path) -> None:
     with pytest.raises(ExportError, match=r"weights: weight 0 is named '__metadata__', the key safetensors reserves"):
         write_bundle(tmp_path / "affine", "affine", INPUTS, OUTPUTS, {1: module(1)}, weights)
     assert not (tmp_path / "affine").exists()
+
+
+def test_batch_size_mistakes_are_refused(tmp_path) -> None:
+    target = tmp_path / "affine"
+    with pytest.raises(ExportError, match=r"batch_sizes lists 1 more than once: \[1, 1\]"):
+        write_bundle(target, "affine", INPUTS, OUTPUTS, {1: module(1)}, WEIGHTS, batch_sizes=[1, 1])
+    with pytest.raises(ExportError, match="batch_sizes is empty"):
+        write_bundle(target, "affine", INPUTS, OUTPUTS, module(1), WEIGHTS, batch_sizes=[])
+    with pytest.raises(ExportError, match=r"modules: batch sizes must be positive integers, got 1.5"):
+        write_bundle(target, "affine", INPUTS, OUTPUTS, {1.5: module(1)}, WEIGHTS)
+    with pytest.raises(ExportError, match=r"modules: batch sizes must be positive integers, got 0"):
+        write_bundle(target, "affine", INPUTS, OUTPUTS, {0: module(1)}, WEIGHTS)
+    assert not target.exists()
