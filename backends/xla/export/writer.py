@@ -122,9 +122,45 @@ def weight_pairs(weights: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> list
     Checked here, before anything is written: a name that fails only when the
     safetensors file is written would leave a half-replaced bundle behind.
     """
-    pairs = [(str(n), np.asarray(a)) for n, a in (weights.items() if isinstance(weights, Mapping) else weights)]
+    items = list(weights.items()) if isinstance(weights, Mapping) else _listed_pairs(weights)
+    for index, (name, _) in enumerate(items):
+        if not isinstance(name, str):
+            raise ExportError(f"weights: weight {index}'s name must be a string, got {_described(name)}")
+    pairs = [(str(name), np.asarray(array)) for name, array in items]
     _check_weight_names([name for name, _ in pairs])
     return pairs
+
+
+_WEIGHTS_FORM = "weights must be a mapping of names to arrays or a list of (name, array) pairs"
+
+
+def _listed_pairs(weights: Any) -> list[tuple[Any, Any]]:
+    """The (name, array) pairs of a non-mapping ``weights``; raises ExportError for anything else.
+
+    Checked item by item because unpacking would otherwise accept a bare
+    2-element array as a pair (a scalar weight named after its first value).
+    """
+    if _is_array(weights) or isinstance(weights, (str, bytes)) or not isinstance(weights, Iterable):
+        raise ExportError(f"{_WEIGHTS_FORM}; got {_described(weights)}")
+    items = list(weights)
+    for index, item in enumerate(items):
+        if _is_array(item) or not isinstance(item, (tuple, list)) or len(item) != 2:
+            raise ExportError(f"{_WEIGHTS_FORM}; got a {type(weights).__name__} whose item {index} is "
+                              f"{_described(item)}")
+    return [(name, array) for name, array in items]
+
+
+def _is_array(value: Any) -> bool:
+    """Whether ``value`` is an array (numpy, jax or alike), which is never a (name, array) pair."""
+    return isinstance(value, np.ndarray) or (hasattr(value, "shape") and hasattr(value, "dtype"))
+
+
+def _described(value: Any) -> str:
+    """A short description of a value for a message: an array by dtype and shape, anything else by type and repr."""
+    if _is_array(value):
+        return f"a {value.dtype} array of shape {tuple(value.shape)}"
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 80 else text[:77] + '...'}"
 
 
 def _check_weight_names(names: Sequence[str]) -> None:

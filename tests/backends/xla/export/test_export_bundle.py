@@ -133,3 +133,15 @@ def test_numpy_integer_batch_sizes_are_taken(tmp_path) -> None:
     directory = export_bundle(lambda x: x, [np.zeros((1, 3), np.float32)], {}, directory=tmp_path / "f",
                               batch_sizes=np.array([4, 2]), provenance=False)
     assert load_manifest(directory / "manifest.yaml").batching.compiled_batch_sizes == (2, 4)
+
+
+def test_a_list_of_bare_arrays_is_refused(tmp_path) -> None:
+    # A 2-element array used to unpack as a pair: a scalar weight named '1.0'.
+    with pytest.raises(ExportError, match=r"weights must be a mapping of names to arrays or a list of \(name, array\) "
+                                          r"pairs; got a list whose item 0 is a float32 array of shape \(2,\)"):
+        export_bundle(lambda x, a: x * a, [np.zeros(2, np.float32)], [np.array([1.0, 2.0], np.float32)],
+                      directory=tmp_path / "f", provenance=False)
+    with pytest.raises(ExportError, match=r"item 0 is a float32 array of shape \(3,\)"):
+        export_bundle(lambda x, a: x * a, [np.zeros(3, np.float32)], [np.ones(3, np.float32)],
+                      directory=tmp_path / "f", provenance=False)
+    assert not (tmp_path / "f").exists()

@@ -178,3 +178,31 @@ def test_batch_size_mistakes_are_refused(tmp_path) -> None:
     with pytest.raises(ExportError, match=r"modules: batch sizes must be positive integers, got 0"):
         write_bundle(target, "affine", INPUTS, OUTPUTS, {0: module(1)}, WEIGHTS)
     assert not target.exists()
+
+
+@pytest.mark.parametrize("weights, problem", [
+    # A 2-element array used to unpack as a pair: a scalar weight named '0.0'.
+    ([np.array([0.0, 1.0], np.float32)], "got a list whose item 0 is a float32 array of shape (2,)"),
+    ([WEIGHTS["w"], WEIGHTS["b"]], "got a list whose item 0 is a float32 array of shape (3, 2)"),
+    (WEIGHTS["w"], "got a float32 array of shape (3, 2)"),
+    ([("w", WEIGHTS["w"], "extra")], "got a list whose item 0 is tuple ('w', array("),
+    ("wb", "got str 'wb'"),
+    ([(0, WEIGHTS["w"])], "weights: weight 0's name must be a string, got int 0"),
+])
+def test_weights_in_another_form_are_refused(tmp_path, weights, problem) -> None:
+    with pytest.raises(ExportError) as caught:
+        write_bundle(tmp_path / "affine", "affine", INPUTS, OUTPUTS, {1: module(1)}, weights)
+    message = str(caught.value)
+    assert problem in message
+    if "name must be a string" not in problem:
+        assert message.startswith("weights must be a mapping of names to arrays or a list of (name, array) pairs; ")
+    assert not (tmp_path / "affine").exists()
+
+
+def test_weights_as_pairs_from_any_iterable(tmp_path) -> None:
+    directory = write_bundle(tmp_path / "affine", "affine", INPUTS, OUTPUTS, {1: module(1)},
+                             ((name, array) for name, array in WEIGHTS.items()))
+    assert [n for n, _ in read_bundle_weights(directory)] == ["w", "b"]
+    directory = write_bundle(tmp_path / "affine", "affine", INPUTS, OUTPUTS, {1: module(1)},
+                             [["w", WEIGHTS["w"]], ["b", WEIGHTS["b"]]])
+    assert [n for n, _ in read_bundle_weights(directory)] == ["w", "b"]
