@@ -13,7 +13,7 @@ from pathlib import Path
 from nereid.backend import ModelContext, ReportsRuntime
 from nereid.errors import ConfigError
 from nereid.files import check_confined
-from nereid.plugins import make_plugin_manager
+from nereid.plugins import check_backend_defaults, make_plugin_manager
 from nereid.repository import build_model
 from nereid.storage import list_model_folders, materialize_model_folder
 from nereid.settings import Settings, address_problem, load_settings
@@ -66,6 +66,12 @@ def serve_command(settings: Settings, bind_addr: str | None) -> int:
     """Run the server until a signal; 0 after a graceful stop."""
     from nereid.server import NereidServer  # grpc is only needed to serve
 
+    try:
+        check_backend_defaults(make_plugin_manager(), settings.backend_defaults, settings.source)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
     async def run() -> None:
         await NereidServer(settings, bind_addr=bind_addr).serve_until_signalled()
 
@@ -82,6 +88,11 @@ def check(settings: Settings) -> int:
     manager = make_plugin_manager()
     root = settings.server.ml_backends_path
     problems = 0
+    try:
+        check_backend_defaults(manager, settings.backend_defaults, settings.source)
+    except ConfigError as err:
+        problems += 1
+        print(err)
     scratch = Path(tempfile.mkdtemp(prefix="nereid-check-"))
     try:
         names = list_model_folders(settings.server)
@@ -95,7 +106,7 @@ def check(settings: Settings) -> int:
             try:
                 materialize_model_folder(settings.server, name)  # from an object store: fetch it first
                 check_confined(root / name, root, settings.server.follow_symlinks)
-                built = build_model(manager, context, settings.backend_defaults)
+                built = build_model(manager, context, settings.backend_defaults, settings.source)
             except Exception as err:
                 problems += 1
                 print(f"{name}: UNAVAILABLE: {str(err).strip() or type(err).__name__}{suffix}")

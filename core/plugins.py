@@ -5,11 +5,13 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable
 
 import pluggy
 
 from nereid import hookspecs
 from nereid.backend import BackendClaim
+from nereid.errors import ConfigError
 
 ENTRY_POINT_GROUP = "nereid.backends"
 
@@ -54,6 +56,19 @@ def make_plugin_manager(*, load_entry_points: bool = True, extra_plugins: tuple[
 def backend_names(manager: pluggy.PluginManager) -> list[str]:
     """Names of every registered backend plugin (one that claims folders), sorted."""
     return sorted(impl.plugin_name for impl in _claim_impls(manager))
+
+
+def check_backend_defaults(manager: pluggy.PluginManager, defaults: Iterable[str], source: object) -> None:
+    """ConfigError naming ``backends.<name>`` in ``source`` for defaults given to a backend that is not installed.
+
+    nereid.yaml is read before plugins are known, so a misspelt backend name
+    there would otherwise be taken silently and apply to nothing.
+    """
+    installed = backend_names(manager)
+    for name in defaults:
+        if name not in installed:
+            raise ConfigError(f"{source}: backends.{name}: no such backend is installed "
+                              f"(installed: {', '.join(installed)})")
 
 
 def _claim_impls(manager: pluggy.PluginManager) -> list[pluggy.HookImpl]:

@@ -30,7 +30,8 @@ from nereid.errors import ConfigError, NotFound, Unavailable, cap_message
 from nereid.files import check_confined
 from nereid.log_limit import RateLimitedLog
 from nereid.model_runner import Runner, make_runner
-from nereid.plugins import claim_folder
+from nereid.plugins import check_backend_defaults, claim_folder
+from nereid.runtime_options import LayeredRuntime
 from nereid.scheduler import ModelScheduler
 from nereid.settings import ModelSettings, Settings
 from nereid.signature import ModelSignature
@@ -134,11 +135,13 @@ class BuiltModel:
 
 
 def build_model(manager: pluggy.PluginManager, context: ModelContext,
-                backend_defaults: Mapping[str, Mapping[str, Any]] | None = None) -> BuiltModel:
+                backend_defaults: Mapping[str, Mapping[str, Any]] | None = None,
+                defaults_source: Path | str = "") -> BuiltModel:
     """Claim, create and load one model; raise with the reason when it cannot be served.
 
-    ``backend_defaults`` (nereid.yaml's ``backends:``) gives runtime options for
-    every model of the claiming backend; the model's own ``runtime:`` wins.
+    ``backend_defaults`` (nereid.yaml's ``backends:``, from the file
+    ``defaults_source``) gives runtime options for every model of the claiming
+    backend; the model's own ``runtime:`` wins.
     Blocking (backends compile and read files here): call it on a worker thread.
     """
     result = claim_folder(manager, context.folder, context.settings.backend)
@@ -146,8 +149,10 @@ def build_model(manager: pluggy.PluginManager, context: ModelContext,
         raise ConfigError(result.reason)
     defaults = (backend_defaults or {}).get(result.backend_name)
     if defaults:
-        context = replace(context, settings=replace(context.settings,
-                                                     runtime={**defaults, **context.settings.runtime}))
+        runtime = LayeredRuntime(context.settings.runtime, defaults,
+                                 f"{defaults_source}: backends.{result.backend_name}" if defaults_source
+                                 else f"backends.{result.backend_name}")
+        context = replace(context, settings=replace(context.settings, runtime=runtime))
     backend = result.claim.create(context)
     backend.load()
     try:
@@ -475,6 +480,11 @@ class ModelRepository:
 
     async def apply_settings(self, settings: Settings) -> None:
         """Follow an edited nereid.yaml: reload changed entries, load added ones, unload removed ones."""
+        try:
+            check_backend_defaults(self.manager, settings.backend_defaults, settings.source)
+        except ConfigError as err:
+            log.error("%s; keeping the running configuration", err)
+            return
         old = self.settings
         self.settings = settings
         changed_backends = {name for name in set(old.backend_defaults) | set(settings.backend_defaults)
@@ -511,7 +521,7 @@ class ModelRepository:
         """Check the folder stays inside the repository, then build the model (blocking)."""
         materialize_model_folder(self.settings.server, context.name)  # from an object store: fetch it first
         check_confined(context.folder, self.root, self.settings.server.follow_symlinks)
-        return build_model(self.manager, context, self.settings.backend_defaults)
+        return build_model(self.manager, context, self.settings.backend_defaults, self.settings.source)
 
     def public_text(self, text: str) -> str:
         """``text`` fit for clients: paths relative to ml_backends_path (or nereid.yaml's folder), capped.

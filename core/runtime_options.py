@@ -13,6 +13,19 @@ from typing import Any, Iterable, Mapping, NoReturn
 from nereid.errors import ConfigError, cap_message
 
 
+class LayeredRuntime(dict):
+    """A model's ``runtime`` with nereid.yaml's ``backends:`` defaults under it, knowing where each key came from.
+
+    ``origins`` names the place of each key taken from the defaults (e.g.
+    ``nereid.yaml: backends.xla``), so a mistake there is reported there, not
+    under a model that never wrote the key.
+    """
+
+    def __init__(self, own: Mapping[str, Any], defaults: Mapping[str, Any], defaults_origin: str) -> None:
+        super().__init__({**defaults, **own})
+        self.origins = {key: defaults_origin for key in defaults if key not in own}
+
+
 class RuntimeOptions:
     """The ``runtime`` mapping of one model, with unknown keys already refused."""
 
@@ -20,6 +33,7 @@ class RuntimeOptions:
                  prefix: str = "") -> None:
         self.runtime = runtime
         self.where = f"{origin}.runtime" if origin else "runtime"
+        self.origins: Mapping[str, str] = getattr(runtime, "origins", {})
         self.prefix = prefix
         allowed = sorted(allowed)
         for key, value in runtime.items():
@@ -28,7 +42,8 @@ class RuntimeOptions:
 
     def fail(self, key: str, problem: str, value: Any) -> NoReturn:
         """Raise ConfigError naming ``runtime.<key>``, the problem and the (capped) value."""
-        raise ConfigError(f"{self.prefix}{self.where}.{key}: {problem}, got {cap_message(repr(value), 200)}")
+        where = self.origins.get(key, self.where)
+        raise ConfigError(f"{self.prefix}{where}.{key}: {problem}, got {cap_message(repr(value), 200)}")
 
     def get(self, key: str, default: Any) -> Any:
         """The raw value of ``key``, or ``default``."""

@@ -178,3 +178,21 @@ def test_serve_refuses_an_unknown_log_level_with_a_usage_error(repo, capsys) -> 
     assert exited.value.code == 2
     assert ("argument --log-level: invalid choice: 'BOGUS' (choose from 'DEBUG', 'INFO', 'WARNING', 'ERROR', "
             "'CRITICAL')") in capsys.readouterr().err
+
+
+def test_backend_defaults_are_blamed_where_they_are_written(repo) -> None:
+    repo.python("a")
+    config = repo.write_config("- name: a\n")
+    text = config.read_text()
+    # A bad option under backends: is named there, not under a model that never wrote it.
+    config.write_text(text + "backends:\n  python: {warm_sart: false}\n")
+    result = subprocess.run([*NEREID, "check", "--config", str(config)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert f"a: UNAVAILABLE: {config}: backends.python.warm_sart: unknown option of the python backend" in result.stdout
+    # A backend name no plugin has is refused rather than taken silently.
+    config.write_text(text + "backends:\n  pyhton: {warm_start: false}\n")
+    result = subprocess.run([*NEREID, "check", "--config", str(config)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and f"{config}: backends.pyhton: no such backend is installed" in result.stdout
+    result = subprocess.run([*NEREID, "serve", "--config", str(config), "--bind", f"127.0.0.1:{free_port()}"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and f"{config}: backends.pyhton: no such backend is installed" in result.stderr
