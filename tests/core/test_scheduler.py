@@ -127,14 +127,17 @@ def test_cancelled_and_expired_requests_free_their_places_in_a_full_queue() -> N
         await until(lambda: scheduler.queue_depth == 2)
         leaving.cancel()
         await until(lambda: scheduler.queue_depth == 1)  # a caller that left frees its place at once
-        await asyncio.sleep(0.05)  # the other's deadline passes while the instance is still busy
-        # The queue holds nothing live: a new request is admitted, and the expired one is answered now.
+        filler = asyncio.create_task(scheduler.submit(rows(5), 1, 0))  # the queue is full again
+        await until(lambda: scheduler.queue_depth == 2)
+        await asyncio.sleep(0.05)  # the expiring one's deadline passes while the instance is still busy
+        # Only one live request waits: a new one is admitted, and the expired one is answered at once.
         admitted = asyncio.create_task(scheduler.submit(rows(4), 1, 0))
         with pytest.raises(DeadlineExceeded):
-            await expiring
+            await asyncio.wait_for(expiring, 1)
         backend.gate.set()
         await blocker
-        assert float((await admitted)[0].data[0, 0]) == 8 and backend.ran == [1, 4]
+        assert float((await admitted)[0].data[0, 0]) == 8 and float((await filler)[0].data[0, 0]) == 10
+        assert backend.ran == [1, 5, 4]
         await scheduler.drain()
     run(scenario())
 
