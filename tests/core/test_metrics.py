@@ -102,15 +102,22 @@ def test_scrapes_during_loads_and_unloads_never_fail(repo, serve) -> None:
     assert failures == []
 
 
-def test_idle_metrics_connections_are_bounded_and_timed_out(repo, serve) -> None:
-    """Each idle connection to /metrics held a thread forever (1,200 connections: 1,227 threads)."""
-    from nereid.metrics import MAX_CONNECTIONS, ServerMetrics
+def metrics_endpoint(repo, serve, idle_timeout_s: float):
+    """A metrics endpoint of its own (with this idle timeout) over a server with one echo model; (metrics, port)."""
+    from nereid.metrics import ServerMetrics
 
     repo.python("echo")
     server = serve(repo.write_config("- name: echo\n"))
     metrics = ServerMetrics()
     metrics.collect_from(server.server.repository)
-    port = metrics.serve("127.0.0.1:0", idle_timeout_s=0.5)
+    return metrics, metrics.serve("127.0.0.1:0", idle_timeout_s=idle_timeout_s)
+
+
+def test_idle_metrics_connections_are_bounded_and_timed_out(repo, serve) -> None:
+    """Each idle connection to /metrics held a thread forever (1,200 connections: 1,227 threads)."""
+    from nereid.metrics import MAX_CONNECTIONS
+
+    metrics, port = metrics_endpoint(repo, serve, idle_timeout_s=0.5)
     threads_before = threading.active_count()
     idle: list[socket.socket] = []
     try:
@@ -165,13 +172,9 @@ def test_made_up_model_names_add_no_series(repo, serve) -> None:
 
 def test_metrics_connections_trickling_a_request_are_closed_at_the_deadline(repo, serve) -> None:
     """The idle timeout was per recv: a header line every 2 s kept each of 64 connections, and scrapes failed."""
-    from nereid.metrics import MAX_CONNECTIONS, ServerMetrics
+    from nereid.metrics import MAX_CONNECTIONS
 
-    repo.python("echo")
-    server = serve(repo.write_config("- name: echo\n"))
-    metrics = ServerMetrics()
-    metrics.collect_from(server.server.repository)
-    port = metrics.serve("127.0.0.1:0", idle_timeout_s=1.0)
+    metrics, port = metrics_endpoint(repo, serve, idle_timeout_s=1.0)
     trickling = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(MAX_CONNECTIONS)]
     closed_after: dict[int, float] = {}
     started = time.monotonic()

@@ -56,6 +56,17 @@ models:
     assert settings.model("a") is a and settings.model("missing") is None
 
 
+def refusal(root: Path, body: str) -> tuple[Path, str]:
+    """The ConfigError message for ``body`` as nereid.yaml (given an ml_backends_path when it has none)."""
+    if "ml_backends_path" not in body:
+        body = "server:\n  ml_backends_path: ml-backends\n" + body if not body.startswith("server:") else \
+            body.replace("server:\n", "server:\n  ml_backends_path: ml-backends\n", 1)
+    path = write(root, body)
+    with pytest.raises(ConfigError) as caught:
+        load_settings(path)
+    return path, str(caught.value)
+
+
 @pytest.mark.parametrize("body, key, value", [
     ("server:\n  bind_adr: x\n", "server.bind_adr", "'x'"),
     ("models:\n  - name: a\n    devcie: cpu\n", "models[0].devcie", "'cpu'"),
@@ -75,13 +86,7 @@ models:
     ("unknown: 1\n", "unknown", "1"),
 ])
 def test_mistakes_name_file_key_and_value(root: Path, body: str, key: str, value: str) -> None:
-    if "ml_backends_path" not in body:
-        body = "server:\n  ml_backends_path: ml-backends\n" + body if not body.startswith("server:") else \
-            body.replace("server:\n", "server:\n  ml_backends_path: ml-backends\n", 1)
-    path = write(root, body)
-    with pytest.raises(ConfigError) as caught:
-        load_settings(path)
-    message = str(caught.value)
+    path, message = refusal(root, body)
     assert message.startswith(f"{path}: {key}:"), message
     assert message.endswith(f"got {value}"), message
 
@@ -134,12 +139,7 @@ def test_backend_defaults_errors(root: Path, text: str, message: str) -> None:
         "poll-huge-int"])
 def test_nan_and_infinity_are_refused_like_a_wrong_type(root: Path, body: str, key: str, value: str) -> None:
     # NaN passes every "< minimum" check; it used to load, then fail inference, never drain, never settle.
-    body = body.replace("server:\n", "server:\n  ml_backends_path: ml-backends\n", 1) if body.startswith("server:") \
-        else "server:\n  ml_backends_path: ml-backends\n" + body
-    path = write(root, body)
-    with pytest.raises(ConfigError) as caught:
-        load_settings(path)
-    message = str(caught.value)
+    path, message = refusal(root, body)
     assert message.startswith(f"{path}: {key}: must be a finite number, got "), message
     assert message.endswith(f"got {value}"), message
 
