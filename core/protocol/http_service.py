@@ -418,9 +418,9 @@ class HttpListener:
         except OSError as err:
             sock.close()
             raise OSError(f"cannot listen on {addr} (server.http_addr): {err.strerror or err}") from None
-        config = uvicorn.Config(self.app, http=_BoundedHeadProtocol, lifespan="off", log_level="warning", access_log=False,
-                                server_header=False, date_header=False, ws="none", proxy_headers=False,
-                                timeout_graceful_shutdown=self.grace_s)
+        config = uvicorn.Config(self.app, http=_BoundedHeadProtocol, lifespan="off", log_level="warning",
+                                access_log=False, server_header=False, date_header=False, ws="none",
+                                proxy_headers=False, timeout_graceful_shutdown=self.grace_s)
         config.load()
         if self.tls is not None:
             config.ssl = self.tls

@@ -614,7 +614,8 @@ def test_output_files_left_open_are_flushed_at_exit_as_python_does(repo, serve):
         out = open(os.environ["NEREID_OUTPUT_PATH"], "wb")
         out.write(b"float32 1,4\\n" + raw)
     '''))
-    folder = repo.python("in_helper", main="import sys, helper\nhelper.out.write(b'float32 1,4\\n' + sys.stdin.buffer.read())\n")
+    folder = repo.python("in_helper",
+                         main="import sys, helper\nhelper.out.write(b'float32 1,4\\n' + sys.stdin.buffer.read())\n")
     (folder / "helper.py").write_text("import os\nout = open(os.environ['NEREID_OUTPUT_PATH'], 'wb')\n")
     server = serve(repo.write_config())
     for model in ("in_main", "in_helper", "in_main"):
