@@ -9,13 +9,14 @@ its errors to their status codes.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Awaitable, Callable, Iterable, NoReturn
 
 from nereid import __version__
 from nereid.classification import check_classifiable, classify
-from nereid.errors import (InvalidArgument, ModelFailure, ModelRetired, NereidError, NotFound, PermissionDenied,
-                           Unavailable, Unimplemented, cap_message)
+from nereid.errors import (DeadlineExceeded, InvalidArgument, ModelFailure, ModelRetired, NereidError, NotFound,
+                           PermissionDenied, Unavailable, Unimplemented, cap_message)
 from nereid.model_info import (MODEL_VERSION, IndexEntry, ModelConfig, ModelMetadata, describe_config,
                                describe_metadata)
 from nereid.repository import LoadedModel, ModelRepository, ModelState
@@ -191,6 +192,12 @@ class DataPlane:
                         continue
                 model.stats.record_failure(time.monotonic_ns() - received_ns, err.reason)
                 raise
+            except asyncio.CancelledError:
+                # gRPC ends a call whose deadline passed by cancelling it, before the scheduler could
+                # answer DEADLINE_EXCEEDED itself: count it as that answer would have been.
+                if past_deadline(request.deadline_ns):
+                    model.stats.record_failure(time.monotonic_ns() - received_ns, DeadlineExceeded.reason)
+                raise
         if wanted is not None:
             outputs = [t for t in outputs if t.name in wanted]
         if validated.batch_axis_added:
@@ -223,6 +230,11 @@ class DataPlane:
         for name in request.classifications:
             check_classifiable(request.model_name, name, declared[name].dtype)
         return set(request.requested_outputs)
+
+
+def past_deadline(deadline_ns: int) -> bool:
+    """True when an absolute monotonic deadline (0: none) has passed."""
+    return deadline_ns != 0 and time.monotonic_ns() >= deadline_ns
 
 
 def _strip_batch_axis(tensor: NamedTensor) -> NamedTensor:

@@ -15,7 +15,7 @@ import grpc
 
 from nereid._proto import grpc_service_pb2 as pb
 from nereid._proto import model_config_pb2 as mc
-from nereid.dataplane import DataPlane
+from nereid.dataplane import DataPlane, past_deadline
 from nereid.errors import (ConfigError, DeadlineExceeded, InvalidArgument, ModelFailure, NereidError,
                            NotFound, PermissionDenied, Unavailable, Unimplemented, cap_message)
 from nereid.log_limit import RateLimitedLog
@@ -207,6 +207,10 @@ class InferenceServicer:
         except NereidError as err:
             if self._count is not None:
                 self._count(decoded.model_name, err.reason)
+            raise
+        except asyncio.CancelledError:
+            if self._count is not None and past_deadline(decoded.deadline_ns):  # gRPC's own deadline ended it
+                self._count(decoded.model_name, DeadlineExceeded.reason)
             raise
         if self._count is not None:
             self._count(decoded.model_name, "success")

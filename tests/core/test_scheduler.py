@@ -122,8 +122,10 @@ def test_cancelled_and_expired_requests_free_their_places_in_a_full_queue() -> N
         scheduler = ModelScheduler("m", backend, SIGNATURE, capacity=2, instances=1, stats=ModelStats())
         blocker = asyncio.create_task(scheduler.submit(rows(1), 1, 0))
         await asyncio.sleep(0.05)  # running, blocked at the gate
-        leaving = asyncio.create_task(scheduler.submit(rows(2), 1, 0))
         expiring = asyncio.create_task(scheduler.submit(rows(3), 1, time.monotonic_ns() + 20_000_000))
+        await until(lambda: scheduler.queue_depth == 1)
+        # Second in line, so finding it compares it with the first (their inputs are arrays of 2 rows).
+        leaving = asyncio.create_task(scheduler.submit(rows(2), 1, 0))
         await until(lambda: scheduler.queue_depth == 2)
         leaving.cancel()
         await until(lambda: scheduler.queue_depth == 1)  # a caller that left frees its place at once

@@ -588,6 +588,9 @@ def test_client_deadline_passing_in_the_queue_is_deadline_exceeded_and_never_run
     assert answers.collect(1)["first"][1] is None
     echo(server, "slow", [3] * 4)  # queued behind where the expired request was
     assert runs(folder) == 2  # the expired request never ran
+    # gRPC ends the call itself at its deadline; it still counts as the model's deadline failure.
+    stats = server.client.get_inference_statistics("slow").model_stats[0].inference_stats
+    assert (stats.success.count, stats.fail.count) == (2, 1)
 
 
 def test_a_queued_request_whose_client_cancels_is_dropped_and_never_runs(repo, serve):
