@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Generic, TypeVar
 
-from nereid.files import atomic_write
+from nereid.files import atomic_write, not_regular_reason
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +111,9 @@ class ExecutableCache:
 
     def _read_entry(self, path: Path, key: CacheKey) -> tuple[bytes | None, str]:
         """The payload of a valid entry, or None and what is wrong with it ("" when there is none)."""
+        if (reason := not_regular_reason(path)) is not None:
+            # A FIFO would block the load for ever, /dev/zero fill memory: never opened, rebuilt over.
+            return None, reason.removeprefix(f"{path}: ")
         try:
             data = path.read_bytes()
         except FileNotFoundError:
@@ -123,7 +126,7 @@ class ExecutableCache:
         (length,) = _LENGTH.unpack_from(data, len(_MAGIC))
         try:
             header = json.loads(data[start:start + length])
-        except ValueError:
+        except (ValueError, RecursionError):  # (deeply nested JSON exhausts the parser's recursion)
             return None, "corrupt header"
         if not isinstance(header, dict) or header.get("key") != asdict(key):
             return None, "stale (written for another program, jaxlib or device)"
@@ -144,11 +147,13 @@ class ExecutableCache:
         """Note the program's new hash; drop entries compiled from an older version of the file."""
         hashes_path = self.directory / HASHES_FILE
         try:
+            if not_regular_reason(hashes_path) is not None:
+                raise ValueError("not a regular file")  # never opened: rewritten below
             document = json.loads(hashes_path.read_text())
             modules = document["modules"] if isinstance(document, dict) else {}
             if not isinstance(modules, dict):
                 modules = {}
-        except (OSError, ValueError, KeyError):
+        except (OSError, ValueError, KeyError, RecursionError):
             modules = {}  # missing or corrupt: rebuilt from this compile on
         previous = modules.get(module_name)
         modules[module_name] = sha256
@@ -158,6 +163,8 @@ class ExecutableCache:
 
     def _remove_entries(self, module_name: str, sha256: str) -> None:
         for path in self.directory.glob(f"{module_name}.*{ENTRY_SUFFIX}"):
+            if not_regular_reason(path) is not None:
+                continue  # opening a FIFO would block; it is replaced when that entry is next needed
             try:
                 with open(path, "rb") as f:
                     head = f.read(len(_MAGIC) + _LENGTH.size)
@@ -165,7 +172,7 @@ class ExecutableCache:
                     header = json.loads(f.read(min(length, 1 << 16)))
                 if header["key"]["module_sha256"] == sha256:
                     path.unlink()
-            except (OSError, ValueError, KeyError, TypeError, struct.error):
+            except (OSError, ValueError, KeyError, TypeError, RecursionError, struct.error):
                 continue  # not ours to judge; a bad entry is rebuilt when it is next needed
 
 

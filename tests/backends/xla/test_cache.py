@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import struct
 from pathlib import Path
 
@@ -56,6 +57,25 @@ def test_corrupt_entries_are_rebuilt(tmp_path, add_bundle) -> None:
     assert (reloaded.report.cache.hits, reloaded.report.cache.rebuilt, reloaded.report.cache.compiled) == (1, 2, 2)
     again = load(folder, tmp_path)  # the rebuilt entries are good again
     assert (again.report.cache.hits, again.report.cache.compiled) == (3, 0)
+
+
+def test_entries_that_are_no_files_or_nest_their_header_deeply_are_rebuilt(tmp_path, add_bundle) -> None:
+    # A FIFO blocked the load for ever (/dev/zero would fill memory); a header nested 10,000 deep raised
+    # RecursionError, which made the model UNAVAILABLE with a reason naming nothing.
+    folder = add_bundle(tmp_path, "mlp_bundle")
+    load(folder, tmp_path)
+    paths = sorted((folder / ".cache").glob("*.xlaexe"))
+    paths[0].unlink()
+    os.mkfifo(paths[0])
+    original = paths[1].read_bytes()
+    nested = b"[" * 10_000 + b"]" * 10_000
+    paths[1].write_bytes(original[:24] + struct.pack("<Q", len(nested)) + nested + b"payload")
+    (folder / ".cache" / "mlirhashes.json").unlink()
+    os.mkfifo(folder / ".cache" / "mlirhashes.json")
+    reloaded = load(folder, tmp_path)
+    assert (reloaded.report.cache.hits, reloaded.report.cache.rebuilt, reloaded.report.cache.compiled) == (1, 2, 2)
+    assert all(path.is_file() for path in paths)  # rebuilt over
+    assert load(folder, tmp_path).report.cache.hits == 3
 
 
 def test_stale_entries_are_rebuilt_and_old_ones_removed(tmp_path, add_bundle) -> None:
