@@ -47,3 +47,28 @@ class RateLimitedLog:
             message += f" ({suppressed} similar message(s) suppressed before this one)"
         self._logger.log(level, message, *args)
         return True
+
+
+class OnceLog:
+    """``warning()`` that writes each key's line the first time only (a scan would otherwise repeat it).
+
+    Bounded: past ``capacity`` keys (names made and removed in a loop) it
+    forgets them all and starts afresh.
+    """
+
+    def __init__(self, logger: logging.Logger, capacity: int = 10_000) -> None:
+        self._logger = logger
+        self._capacity = capacity
+        self._seen: set[str] = set()
+        self._lock = threading.Lock()
+
+    def warning(self, key: str, message: str, *args: object) -> bool:
+        """Log ``message % args`` at WARNING unless ``key``'s was logged before; True when it was written."""
+        with self._lock:
+            if key in self._seen:
+                return False
+            if len(self._seen) >= self._capacity:
+                self._seen.clear()
+            self._seen.add(key)
+        self._logger.warning(message, *args)
+        return True

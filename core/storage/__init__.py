@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from nereid.log_limit import OnceLog
 from nereid.storage.client import StorageError, describe_error, open_store, read_ranges, RangeRead
 from nereid.storage.mirror import MARKER_FILE, RemoteFolder, RemoteObject, materialize, mirror_root, read_marker
 from nereid.storage.url import SCHEMES, StoreURL, parse_store_url
@@ -54,10 +55,8 @@ class _Listing:
 
 _listings: dict[str, _Listing] = {}
 _listings_lock = threading.Lock()
-# Folders whose names are not UTF-8 or too long for a local folder, already warned about (each scan would
-# otherwise warn again).
-_undecodable_reported: set[str] = set()
-_MAX_REPORTED = 10_000
+# Folders whose names are not UTF-8 or too long for a local folder: warned about once (each scan meets them).
+_folder_warnings = OnceLog(log)
 
 
 def _location(server: ServerSettings) -> StoreURL | None:
@@ -105,13 +104,8 @@ def _make_mirror_folder(root: Path, name: str) -> None:
         (root / name).mkdir(parents=True, exist_ok=True)
     except OSError as err:
         shown = name if len(name) <= 80 else f"{name[:80]}..."
-        key = f"{root}/{name}"
-        if key not in _undecodable_reported:
-            if len(_undecodable_reported) >= _MAX_REPORTED:
-                _undecodable_reported.clear()
-            _undecodable_reported.add(key)
-            log.warning("model folder '%s' (%d characters): cannot make its local mirror folder: %s; it cannot "
-                        "load", shown, len(name), err.strerror or err)
+        _folder_warnings.warning(f"{root}/{name}", "model folder '%s' (%d characters): cannot make its local mirror "
+                                 "folder: %s; it cannot load", shown, len(name), err.strerror or err)
 
 
 def decodable_name(name: str, root: Path) -> bool:
@@ -128,13 +122,8 @@ def decodable_name(name: str, root: Path) -> bool:
     except UnicodeEncodeError:
         pass
     shown = os.fsencode(name).decode("utf-8", "backslashreplace")
-    key = f"{root}/{shown}"
-    if key not in _undecodable_reported:
-        if len(_undecodable_reported) >= _MAX_REPORTED:  # a folder made and removed in a loop: stay bounded
-            _undecodable_reported.clear()
-        _undecodable_reported.add(key)
-        log.warning("ml_backends_path %s: skipping the folder '%s': its name is not UTF-8, so it cannot be a "
-                    "model name (rename it to serve it)", root, shown)
+    _folder_warnings.warning(f"{root}/{shown}", "ml_backends_path %s: skipping the folder '%s': its name is not "
+                             "UTF-8, so it cannot be a model name (rename it to serve it)", root, shown)
     return False
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from nereid.files import atomic_write, locked
+from nereid.log_limit import OnceLog
 from nereid.storage.client import StorageError, describe_error, open_store
 from nereid.storage.url import StoreURL
 
@@ -97,8 +98,7 @@ def list_remote_folders(location: StoreURL, known: Iterable[str] = ()) -> list[s
         listing = obstore.list_with_delimiter(store, prefix or None)
     except Exception as err:
         if unreadable_key(err) is None:
-            raise StorageError(f"{location}: cannot list the model folders: "
-                               f"{describe_error(err, location.scheme)}") from None
+            raise _listing_failed(location, err) from None
         _known_folders.setdefault(str(location), set()).update(known)
         return _folders_from_keys(location, store, prefix)  # a key obstore refuses at this level: walk it
     names = sorted({p.rstrip("/").rsplit("/", 1)[-1] for p in listing["common_prefixes"]})
@@ -126,8 +126,7 @@ def list_objects(location: StoreURL) -> list[tuple[str, int, str]]:
         return entries
     except Exception as err:
         if unreadable_key(err) is None:
-            raise StorageError(f"{location}: cannot list the model folders: "
-                               f"{describe_error(err, location.scheme)}") from None
+            raise _listing_failed(location, err) from None
     # obstore drops the whole page holding such a key, so the keys listed before it in that page are
     # unknown: list folder by folder, and only the folders holding one lose their other entries.
     entries = []
@@ -147,8 +146,8 @@ _UNREADABLE_HINT = ("obstore, nereid's store client, cannot read a key with an e
                     "segment or a control character: rename it")
 # The most unreadable keys one listing steps over before giving up (each costs a listing request).
 _MAX_UNREADABLE = 100
-# Keys already warned about (each scan would otherwise warn again), bounded.
-_reported_keys: set[str] = set()
+# Unreadable keys skipped: warned about once (each scan meets them).
+_key_warnings = OnceLog(log)
 # The folders of each repository's last complete listing: looked at one by one when a listing is not complete.
 _known_folders: dict[str, set[str]] = {}
 
@@ -241,14 +240,13 @@ def _folders_from_keys(location: StoreURL, store: Any, prefix: str) -> list[str]
         except Exception as err:
             key = unreadable_key(err)
             if key is None:
-                raise StorageError(f"{location}: cannot list the model folders: "
-                                   f"{describe_error(err, location.scheme)}") from None
+                raise _listing_failed(location, err) from None
             folder, slash, _ = key[len(prefix):].partition("/")
             if slash and not _is_bad_segment(folder):
                 names.add(folder)
                 offset = f"{prefix}{folder}/\U0010ffff"  # past the folder: it fails to load anyway, naming a key
             else:
-                _warn_once(key, f"{location}: skipping the object key {key!r}: {_UNREADABLE_HINT}")
+                _key_warnings.warning(key, "%s: skipping the object key %r: %s", location, key, _UNREADABLE_HINT)
                 offset = _offset_past(key)
     else:
         raise StorageError(f"{location}: cannot list the model folders: more than {_MAX_UNREADABLE} keys that "
@@ -267,18 +265,12 @@ def _folder_exists(location: StoreURL, store: Any, prefix: str) -> bool:
     except Exception as err:
         if unreadable_key(err) is not None:
             return True
-        raise StorageError(f"{location}: cannot list the model folders: {describe_error(err, location.scheme)}") \
-            from None
+        raise _listing_failed(location, err) from None
 
 
-def _warn_once(key: str, message: str) -> None:
-    """Log ``message`` about ``key`` the first time only: every scan would otherwise log it again."""
-    if key in _reported_keys:
-        return
-    if len(_reported_keys) >= 10_000:  # keys made and removed in a loop: stay bounded
-        _reported_keys.clear()
-    _reported_keys.add(key)
-    log.warning("%s", message)
+def _listing_failed(location: StoreURL, err: BaseException) -> StorageError:
+    """The error of a listing of ``location``'s model folders that the store refused."""
+    return StorageError(f"{location}: cannot list the model folders: {describe_error(err, location.scheme)}")
 
 
 def _stamp_name(relative: str) -> str:
