@@ -1,8 +1,10 @@
-"""Log lines that a client can trigger at will, rate-limited.
+"""Log lines that can repeat without end, limited.
 
 A client sending garbage as fast as it can must not fill the disk with one
-warning per message: at most ``burst`` lines per ``window_s`` are written, and
-the next line written says how many were suppressed in between.
+warning per message: :class:`RateLimitedLog` writes at most ``burst`` lines per
+``window_s``, and the next line written says how many were suppressed in
+between. A scan that meets the same bad name every time says so once
+(:class:`OnceLog`).
 """
 
 from __future__ import annotations
