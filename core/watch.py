@@ -39,7 +39,7 @@ import watchfiles
 
 from nereid.errors import ConfigError
 from nereid.settings import Settings, load_settings
-from nereid.storage import StorageError, StoreURL, decodable_name, parse_store_url
+from nereid.storage import StorageError, StoreURL, local_model_folders, parse_store_url
 
 if TYPE_CHECKING:
     from nereid.repository import ModelRepository
@@ -108,21 +108,11 @@ def scan_repository(root: Path) -> dict[str, FolderState]:
     Hidden folders are skipped, and so are folders whose names are not UTF-8
     (logged once): they cannot be model names.
     """
-    try:
-        with os.scandir(root) as listing:
-            entries = sorted(listing, key=lambda e: e.name)
-    except OSError as err:  # never read as "every folder is gone"
-        raise StorageError(f"ml_backends_path {root}: cannot list it: {err.strerror or err}") from None
     states = {}
-    for entry in entries:
-        try:
-            is_folder = entry.is_dir()
-        except OSError:
-            continue  # gone since the listing
-        if is_folder and not entry.name.startswith(".") and decodable_name(entry.name, root):
-            state = scan_folder(Path(entry.path))
-            if state is not None:
-                states[entry.name] = state
+    for name in local_model_folders(root):
+        state = scan_folder(root / name)
+        if state is not None:
+            states[name] = state
     return states
 
 

@@ -35,8 +35,9 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "MARKER_FILE", "RangeRead", "RemoteFolder", "RemoteObject", "SCHEMES", "StorageError", "StoreURL",
-    "decodable_name", "describe_error", "list_model_folders", "materialize_model_folder", "mirror_root",
-    "model_folder_exists", "open_store", "parse_store_url", "read_marker", "read_ranges", "scan_model_folders",
+    "decodable_name", "describe_error", "list_model_folders", "local_model_folders", "materialize_model_folder",
+    "mirror_root", "model_folder_exists", "open_store", "parse_store_url", "read_marker", "read_ranges",
+    "scan_model_folders",
 ]
 
 # An unknown model name has the store listed at most this often, on a thread of its own (never on the
@@ -87,7 +88,7 @@ def scan_model_folders(server: ServerSettings) -> list[str]:
     location = _location(server)
     root = Path(server.ml_backends_path)
     if location is None:
-        return _local_folders(root)
+        return local_model_folders(root)
     names = _list_remote(location, root)
     for name in names:
         _make_mirror_folder(root, name)
@@ -127,7 +128,7 @@ def decodable_name(name: str, root: Path) -> bool:
     return False
 
 
-def _local_folders(root: Path) -> list[str]:
+def local_model_folders(root: Path) -> list[str]:
     """The model folders in the local folder ``root`` (hidden ones and names that are not UTF-8 skipped).
 
     StorageError when ``root`` cannot be listed (removed while serving, say): like
