@@ -163,7 +163,12 @@ def take_batch(queue: collections.deque[Q], policy: BatchPolicy, now_ns: int, fr
 
 def will_not_run(request: Queued, now_ns: int) -> bool:
     """True for a request whose caller went away or whose deadline has passed at ``now_ns``."""
-    return request.abandoned() or (request.deadline_ns != 0 and now_ns >= request.deadline_ns)
+    return request.abandoned() or deadline_passed(request.deadline_ns, now_ns)
+
+
+def deadline_passed(deadline_ns: int, now_ns: int) -> bool:
+    """True when the absolute monotonic deadline ``deadline_ns`` (0: none) has passed at ``now_ns``."""
+    return deadline_ns != 0 and now_ns >= deadline_ns
 
 
 def _preferred_prefix(queue: collections.deque[Q], count: int, preferred_sizes: tuple[int, ...]) -> int:

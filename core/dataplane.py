@@ -14,6 +14,7 @@ import time
 from typing import Awaitable, Callable, Iterable, NoReturn
 
 from nereid import __version__
+from nereid.batching import deadline_passed
 from nereid.classification import check_classifiable, classify
 from nereid.errors import (DeadlineExceeded, InvalidArgument, ModelFailure, ModelRetired, NereidError, NotFound,
                            PermissionDenied, Unavailable, Unimplemented, cap_message)
@@ -195,7 +196,7 @@ class DataPlane:
             except asyncio.CancelledError:
                 # gRPC ends a call whose deadline passed by cancelling it, before the scheduler could
                 # answer DEADLINE_EXCEEDED itself: count it as that answer would have been.
-                if past_deadline(request.deadline_ns):
+                if deadline_passed(request.deadline_ns, time.monotonic_ns()):
                     model.stats.record_failure(time.monotonic_ns() - received_ns, DeadlineExceeded.reason)
                 raise
         if wanted is not None:
@@ -230,11 +231,6 @@ class DataPlane:
         for name in request.classifications:
             check_classifiable(request.model_name, name, declared[name].dtype)
         return set(request.requested_outputs)
-
-
-def past_deadline(deadline_ns: int) -> bool:
-    """True when an absolute monotonic deadline (0: none) has passed."""
-    return deadline_ns != 0 and time.monotonic_ns() >= deadline_ns
 
 
 def _strip_batch_axis(tensor: NamedTensor) -> NamedTensor:

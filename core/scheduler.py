@@ -21,7 +21,7 @@ from typing import Awaitable, Callable
 import numpy as np
 
 from nereid.backend import REQUEST_DEADLINE_NS, Model, PadsBatches
-from nereid.batching import BatchPolicy, batch_key, request_cost, take_batch, will_not_run
+from nereid.batching import BatchPolicy, batch_key, deadline_passed, request_cost, take_batch, will_not_run
 from nereid.daemon_pool import DaemonThreadPool
 from nereid.errors import DeadlineExceeded, ModelFailure, ModelRetired, NereidError, QueueFull, Unavailable
 from nereid.signature import ModelSignature, check_outputs
@@ -103,7 +103,7 @@ class ModelScheduler:
         if self._can_start_at_once():
             # Nothing waits and an instance is free: batching could add no company, so run
             # here and spare the hand-offs to the batcher task.
-            if deadline_ns and arrived_ns >= deadline_ns:
+            if deadline_passed(deadline_ns, arrived_ns):
                 self._stats.record_dropped(0)
                 raise self._deadline_error(deadline_ns, arrived_ns, arrived_ns)
             self._idle.clear()

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from nereid.backend import REQUEST_DEADLINE_NS, ModelContext, RuntimeReport
+from nereid.batching import deadline_passed
 from nereid.backends.xla.manifest import MANIFEST_NAME, Manifest, declares_meta, load_manifest
 from nereid.backends.xla.signatures import batch_mode, build_signature
 from nereid.daemon_pool import DaemonThreadPool
@@ -233,7 +234,7 @@ class MetaModel:
             raise TypeError(f"ctx.infer('{model_name}', inputs, outputs): outputs must be a list of output names, "
                             f"got {outputs!r}")
         now = time.monotonic_ns()
-        if deadline_ns and now >= deadline_ns:
+        if deadline_passed(deadline_ns, now):
             raise DeadlineExceeded(f"meta model '{name}': the request's deadline passed "
                                    f"{(now - deadline_ns) / 1e6:.1f} ms before its sub-call to '{model_name}', "
                                    "which was not issued")

@@ -7,6 +7,7 @@ protocol-neutral errors mapped to gRPC status codes in one place.
 from __future__ import annotations
 
 import asyncio
+import time
 import functools
 import logging
 from typing import Any, AsyncIterator, Awaitable, Callable
@@ -15,7 +16,8 @@ import grpc
 
 from nereid._proto import grpc_service_pb2 as pb
 from nereid._proto import model_config_pb2 as mc
-from nereid.dataplane import DataPlane, past_deadline
+from nereid.batching import deadline_passed
+from nereid.dataplane import DataPlane
 from nereid.errors import (ConfigError, DeadlineExceeded, InvalidArgument, ModelFailure, NereidError,
                            NotFound, PermissionDenied, Unavailable, Unimplemented, cap_message)
 from nereid.log_limit import RateLimitedLog
@@ -209,7 +211,7 @@ class InferenceServicer:
                 self._count(decoded.model_name, err.reason)
             raise
         except asyncio.CancelledError:
-            if self._count is not None and past_deadline(decoded.deadline_ns):  # gRPC's own deadline ended it
+            if self._count is not None and deadline_passed(decoded.deadline_ns, time.monotonic_ns()):  # gRPC's own deadline ended it
                 self._count(decoded.model_name, DeadlineExceeded.reason)
             raise
         if self._count is not None:
