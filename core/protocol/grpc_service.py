@@ -200,23 +200,24 @@ class InferenceServicer:
                 decoded = decode_infer_request(request, context.time_remaining(), received.raws)
         except NereidError as err:  # refused before the data plane: counted like its own refusals
             self.dataplane.refused(model_name, err)
-            if self._count is not None:
-                self._count(model_name, err.reason)
+            self._counted(model_name, err.reason)
             raise
         del request, received  # the decoded tensors are all that is needed from here on
         try:
             response = await self.dataplane.infer(decoded)
         except NereidError as err:
-            if self._count is not None:
-                self._count(decoded.model_name, err.reason)
+            self._counted(decoded.model_name, err.reason)
             raise
         except asyncio.CancelledError:
-            if self._count is not None and deadline_passed(decoded.deadline_ns, time.monotonic_ns()):  # gRPC's own deadline ended it
-                self._count(decoded.model_name, DeadlineExceeded.reason)
+            if deadline_passed(decoded.deadline_ns, time.monotonic_ns()):  # gRPC's own deadline ended it
+                self._counted(decoded.model_name, DeadlineExceeded.reason)
             raise
-        if self._count is not None:
-            self._count(decoded.model_name, "success")
+        self._counted(decoded.model_name, "success")
         return response
+
+    def _counted(self, model: str, outcome: str) -> None:
+        if self._count is not None:
+            self._count(model, outcome)
 
     async def ModelStreamInfer(self, requests: AsyncIterator[Received | Unreadable],
                                context) -> AsyncIterator[pb.ModelStreamInferResponse | bytes]:
