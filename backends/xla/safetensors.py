@@ -509,10 +509,7 @@ def write_safetensors(path: Path | str, tensors: Iterable[tuple[str, np.ndarray]
     always records the order given.
     """
     items: list[tuple[str, np.ndarray]] = [(name, np.asarray(array)) for name, array in tensors]
-    names = [name for name, _ in items]
-    if len(set(names)) != len(names):
-        raise ValueError(f"duplicate weight names in {names}")
-    _refuse_metadata_name(names)
+    names = [name for name, _ in items]  # (checked by encode_header, before the file is opened)
     meta: dict[str, str] = dict(metadata or {})
     meta.setdefault(FORMAT_KEY, NEREID_FORMAT)
     meta[ARGUMENT_ORDER_KEY] = json.dumps(names)
@@ -532,7 +529,7 @@ def write_safetensors(path: Path | str, tensors: Iterable[tuple[str, np.ndarray]
 def encode_header(tensors: Sequence[tuple[str, DType, Sequence[int], int]], metadata: Mapping[str, str]) -> bytes:
     """The length prefix and JSON header of a file holding (name, dtype, shape, nbytes) in this data order."""
     header: dict[str, object] = {METADATA_KEY: dict(metadata)} if metadata else {}
-    _refuse_metadata_name([name for name, _, _, _ in tensors])
+    _check_tensor_names([name for name, _, _, _ in tensors])
     offset = 0
     for name, dtype, shape, nbytes in tensors:
         if dtype not in _NAME_OF:
@@ -545,8 +542,11 @@ def encode_header(tensors: Sequence[tuple[str, DType, Sequence[int], int]], meta
     return _LENGTH.pack(len(encoded)) + encoded
 
 
-def _refuse_metadata_name(names: Sequence[str]) -> None:
-    """Raise ValueError for a tensor named ``__metadata__``: its header entry would replace the file's metadata."""
+def _check_tensor_names(names: Sequence[str]) -> None:
+    """Raise ValueError for names a header cannot hold: one given twice (the later entry would replace the
+    earlier), or ``__metadata__`` (its entry would replace the file's metadata)."""
+    if len(set(names)) != len(names):
+        raise ValueError(f"duplicate weight names in {list(names)}")
     if METADATA_KEY in names:
         raise ValueError(f"a tensor cannot be named {METADATA_KEY!r}, the header key of the file's metadata")
 

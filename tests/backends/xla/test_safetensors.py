@@ -194,3 +194,9 @@ def test_a_tensor_named_metadata_is_refused(tmp_path) -> None:
     assert not path.exists()
     with pytest.raises(ValueError, match="cannot be named '__metadata__'"):
         encode_header([("__metadata__", DType.FP32, (2,), 8)], {})
+    # A name given twice: the later header entry would replace the earlier (encode_header serves the migration too).
+    with pytest.raises(ValueError, match=r"duplicate weight names in \['w', 'w'\]"):
+        write_safetensors(path, [("w", np.ones(2, np.float32)), ("w", np.ones(2, np.float32))])
+    assert not path.exists()
+    with pytest.raises(ValueError, match="duplicate weight names"):
+        encode_header([("w", DType.FP32, (2,), 8), ("w", DType.FP32, (2,), 8)], {})
