@@ -80,6 +80,21 @@ class ConfigError(NereidError):
     reason = "invalid_config"
 
 
+def same_kind(error: NereidError, message: str) -> NereidError:
+    """A new error of ``error``'s type (so its status stays the same) carrying ``message``.
+
+    For passing an error on with more context (the model that met it). A
+    subclass with another constructor keeps its status family at least.
+    """
+    try:
+        return type(error)(message)
+    except Exception:
+        for family in (DeadlineExceeded, Unavailable, ModelFailure):
+            if isinstance(error, family):
+                return family(message)
+        return ModelFailure(message)
+
+
 # What any message built from untrusted input (a client's names, a file's contents, a
 # parser's reason) may grow to before it is cut: it goes into logs, RepositoryIndex
 # and gRPC trailers (whose metadata limit is 16 KiB).

@@ -11,7 +11,7 @@ import asyncio
 from typing import Awaitable, Callable
 
 from nereid.backend import Model, Postprocesses, Preprocesses
-from nereid.errors import InvalidArgument, ModelFailure, NereidError
+from nereid.errors import InvalidArgument, ModelFailure, NereidError, same_kind
 from nereid.scheduler import ModelScheduler
 from nereid.signature import ModelSignature, check_outputs, validate_inputs
 from nereid.tensors import NamedTensor
@@ -68,6 +68,6 @@ async def _call_hook(model: str, hook: str, function: Callable[[list[NamedTensor
         if str(err).startswith(f"model '{model}'"):
             raise
         # A hook's own refusal (InvalidArgument, ...): same kind, naming the model as every message does.
-        raise type(err)(f"model '{model}': {err}") from err
+        raise same_kind(err, f"model '{model}': {err}") from err
     except Exception as err:
         raise ModelFailure(f"model '{model}': {hook} hook failed: {type(err).__name__}: {err}") from err

@@ -29,7 +29,7 @@ from nereid.backends.xla.manifest import MANIFEST_NAME, Manifest, declares_meta,
 from nereid.backends.xla.signatures import batch_mode, build_signature
 from nereid.daemon_pool import DaemonThreadPool
 from nereid.dependencies import describe_cycle, find_cycle
-from nereid.errors import ConfigError, DeadlineExceeded, ModelFailure, NereidError, Unavailable
+from nereid.errors import ConfigError, DeadlineExceeded, ModelFailure, NereidError, Unavailable, same_kind
 from nereid.files import not_regular_reason
 from nereid.model_hooks import load_model_hooks
 from nereid.signature import ModelSignature
@@ -189,7 +189,7 @@ class MetaModel:
             if str(err).startswith(f"meta model '{self.context.name}'"):
                 raise  # a sub-call's error, already naming both models, with its status
             # The orchestration's own refusal (raise InvalidArgument(...)): its status, naming the model.
-            raise _same_kind(err, f"meta model '{self.context.name}': {err}") from err
+            raise same_kind(err, f"meta model '{self.context.name}': {err}") from err
         except Exception as err:
             log.exception("meta model '%s': orchestrate raised", self.context.name)  # the author's traceback
             raise ModelFailure(f"meta model '{self.context.name}': orchestrate failed{self._line_of(err)}: "
@@ -250,7 +250,7 @@ class MetaModel:
         try:
             response = await caller.infer(request)
         except NereidError as err:
-            raise _same_kind(err, f"meta model '{name}': sub-call to '{sub}' failed: {err}") from err
+            raise same_kind(err, f"meta model '{name}': sub-call to '{sub}' failed: {err}") from err
         return response.outputs
 
     # -- helpers ------------------------------------------------------------------------------------
@@ -301,17 +301,6 @@ class MetaModel:
         """`` at model.py:<line>`` of the innermost frame in model.py, for the error message."""
         frames = [f for f in traceback.extract_tb(err.__traceback__) if Path(f.filename) == self._model_py]
         return f" at {MODEL_PY}:{frames[-1].lineno}" if frames else ""
-
-
-def _same_kind(error: NereidError, message: str) -> NereidError:
-    """A new error of ``error``'s type (so its gRPC status stays the same) carrying ``message``."""
-    try:
-        return type(error)(message)
-    except Exception:  # a subclass with another constructor: keep the status family at least
-        for family in (DeadlineExceeded, Unavailable, ModelFailure):
-            if isinstance(error, family):
-                return family(message)
-        return ModelFailure(message)
 
 
 def _check_arity(model: str, model_py: Path, orchestrate: Callable[..., Any]) -> None:
