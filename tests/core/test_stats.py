@@ -34,7 +34,8 @@ def test_a_failed_execution_counts_its_queue_time_and_batch_but_no_execution_or_
     stats.execution_finished(rows=3, cost=3, queue_ns=[100, 200], input_ns=10, infer_ns=0, output_ns=0,
                              succeeded=False)
     # Triton's execution_count, compute times and batch_stats count successful executions only.
-    assert (stats.execution_count, stats.compute_infer.count, stats.batches, sum(stats.compute_seconds.counts)) == (0, 0, {}, 0)
+    assert (stats.execution_count, stats.compute_infer.count, stats.batches) == (0, 0, {})
+    assert sum(stats.compute_seconds.counts) == 0
     assert (stats.queue.count, stats.queue.ns, sum(stats.queue_seconds.counts)) == (2, 300, 2)
     batcher = stats.batcher
     assert (batcher.total_batches, batcher.total_batch_size, batcher.total_completed) == (1, 3, 0)
