@@ -81,9 +81,19 @@ class DataPlane:
         raise Unimplemented(f"nereid does not implement Triton's {extension} extension (it implements: "
                             f"{', '.join(EXTENSIONS)})")
 
-    def model_ready(self, name: str) -> bool:
-        """True when the model is loaded and accepting requests (NotFound for an unknown name)."""
-        return self.repository.entry(name).state is ModelState.READY
+    def model_ready(self, name: str, version: str = "") -> bool:
+        """True when the model is loaded and accepting requests.
+
+        An unknown name or version is simply not ready, as Triton answers it
+        (its ModelIsReady succeeds with ``ready = false``): a client's
+        ``while not is_model_ready(m)`` loop waits rather than raising.
+        """
+        if version not in ("", MODEL_VERSION):
+            return False
+        try:
+            return self.repository.entry(name).state is ModelState.READY
+        except NotFound:
+            return False
 
     def server_metadata(self) -> tuple[str, str, tuple[str, ...]]:
         """Name, version and implemented extensions."""

@@ -216,6 +216,8 @@ def serialize_infer_response(response: InferResponse, *, streamed: bool = False)
     outputs are appended as ``raw_output_contents`` fields, joined once.
     """
     head = pb.ModelInferResponse(model_name=response.model_name, model_version=MODEL_VERSION, id=response.id)
+    if streamed:
+        mark_final(head)
     buffers = []
     for tensor in response.outputs:
         head.outputs.add(name=tensor.name, datatype=tensor.dtype.kserve, shape=tensor.shape)
@@ -228,6 +230,17 @@ def serialize_infer_response(response: InferResponse, *, streamed: bool = False)
         size = sum(len(part) for part in parts)
         parts.insert(0, _STREAM_RESPONSE_KEY + _encode_varint(size))
     return b"".join(parts)
+
+
+def mark_final(response: pb.ModelInferResponse) -> pb.ModelInferResponse:
+    """Set Triton's ``triton_final_response`` parameter on a streamed answer (its errors' stubs included).
+
+    Triton sets it on every ModelStreamInfer answer: true on a request's last
+    one, which for a model that answers once is its only one. Stream readers
+    written for Triton loop until they see it.
+    """
+    response.parameters["triton_final_response"].bool_param = True
+    return response
 
 
 def _encode_varint(value: int) -> bytes:

@@ -23,7 +23,8 @@ from nereid.errors import (ConfigError, DeadlineExceeded, InvalidArgument, Model
 from nereid.log_limit import RateLimitedLog
 from nereid.memory import TRIM_AFTER_BYTES, release_free_heap
 from nereid.model_info import MODEL_VERSION, ModelConfig
-from nereid.protocol.grpc_codec import decode_infer_request, parse_infer_request, serialize_infer_response
+from nereid.protocol.grpc_codec import (decode_infer_request, mark_final, parse_infer_request,
+                                        serialize_infer_response)
 from nereid.stats import ModelStats
 from nereid.tensors import InferResponse
 
@@ -156,8 +157,7 @@ class InferenceServicer:
 
     @_maps_errors
     async def ModelReady(self, request: pb.ModelReadyRequest, context) -> pb.ModelReadyResponse:
-        self.dataplane.check_version(request.name, request.version)
-        return pb.ModelReadyResponse(ready=self.dataplane.model_ready(request.name))
+        return pb.ModelReadyResponse(ready=self.dataplane.model_ready(request.name, request.version))
 
     @_maps_errors
     async def ServerMetadata(self, request: pb.ServerMetadataRequest, context) -> pb.ServerMetadataResponse:
@@ -238,7 +238,7 @@ class InferenceServicer:
                 message = received.describe()
                 self.client_log.warning("ModelStreamInfer: %s", message)
                 await answers.put(pb.ModelStreamInferResponse(error_message=message,
-                                                              infer_response=pb.ModelInferResponse()))
+                                                              infer_response=mark_final(pb.ModelInferResponse())))
                 return
             model, request_id = received.message.model_name, received.message.id
             try:
@@ -253,7 +253,9 @@ class InferenceServicer:
                 await answers.put(serialize_infer_response(result, streamed=True))
                 return
             # The error answers this request only; the stream stays open.
-            stub = pb.ModelInferResponse(model_name=model, id=request_id)
+            # Triton's error answer: the request's id, model and version, and the final-response flag.
+            stub = mark_final(pb.ModelInferResponse(model_name=model, model_version=received.message.model_version,
+                                                    id=request_id))
             await answers.put(pb.ModelStreamInferResponse(error_message=cap_message(message), infer_response=stub))
 
         async def read() -> None:

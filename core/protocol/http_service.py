@@ -149,8 +149,7 @@ class HttpSurface:
                           "inputs": [_tensor_json(t) for t in metadata.inputs],
                           "outputs": [_tensor_json(t) for t in metadata.outputs]})
         if action == "ready" and method == "GET":
-            self.dataplane.check_version(model, version)
-            return _health("ready", self.dataplane.model_ready(model), name=model)
+            return _health("ready", self.dataplane.model_ready(model, version), name=model)
         if action == "config" and method == "GET":
             return _json(_config_json(self.dataplane.model_config(model, version)))
         if action == "stats" and method == "GET":
@@ -159,6 +158,8 @@ class HttpSurface:
             return await self._infer(scope, receive, model, version)
         if rest == ["trace", "setting"]:  # Triton's per-model trace settings
             self.dataplane.refuse_extension("trace")
+        if action in ("generate", "generate_stream"):  # Triton's generate extension (LLM-style requests)
+            self.dataplane.refuse_extension("generate")
         raise HttpError(404, f"no such endpoint: {method} {cap_message(scope['path'], 256)}")
 
     async def _infer(self, scope: Scope, receive: Receive, model: str,

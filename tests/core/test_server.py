@@ -142,7 +142,7 @@ def test_not_found_echoes_the_clients_name_as_sent(repo, serve):
              f"{Path(nereid.__file__).resolve().parent}/anything", f"{server.server.scratch_dir}/x"]
     for name in names:
         expect_grpc_error("NOT_FOUND", lambda: server.client.get_model_metadata(name), f"unknown model '{name}'")
-        expect_grpc_error("NOT_FOUND", lambda: server.client.is_model_ready(name), f"unknown model '{name}'")
+        expect_grpc_error("NOT_FOUND", lambda: server.client.get_model_config(name), f"unknown model '{name}'")
     # Text the server writes is still scrubbed (the toy names its fail.txt by its absolute path).
     message = expect_grpc_error("INTERNAL", lambda: server.client.load_model("broken"),
                                 "failed to load model 'broken': broken/fail.txt: weights are corrupt")

@@ -136,6 +136,10 @@ def test_server_live_and_ready_with_every_model_loaded(repo, serve):
     assert server.client.is_server_ready() is True
     assert server.client.is_model_ready("m") is True
     assert server.client.is_model_ready("m", model_version="1") is True
+    # An unknown model or version is not ready, not an error, as Triton answers it: a client waiting for a
+    # model to appear polls without catching NOT_FOUND.
+    assert server.client.is_model_ready("m", model_version="2") is False
+    assert server.client.is_model_ready("not_yet_there") is False
 
 
 def test_server_not_ready_while_a_listed_model_is_unavailable(repo, serve):
@@ -303,7 +307,7 @@ def test_model_config_dynamic_batching_follows_the_batching_settings(repo, serve
 # --------------------------------------------------------------------------- unknown models and versions
 
 
-def test_unknown_model_is_not_found_everywhere(repo, serve):
+def test_unknown_model_is_not_found_everywhere_but_in_model_ready(repo, serve):
     repo.python("m", textproto=textproto_single("INT8"))
     server = serve(repo.write_config())
     client = server.client
@@ -311,7 +315,6 @@ def test_unknown_model_is_not_found_everywhere(repo, serve):
     for call in (lambda: client.infer("nope", [int8_input([1, 2, 3, 4])]),
                  lambda: client.get_model_metadata("nope"),
                  lambda: client.get_model_config("nope"),
-                 lambda: client.is_model_ready("nope"),
                  lambda: client.get_inference_statistics("nope"),
                  lambda: client.load_model("nope"),
                  lambda: client.unload_model("nope")):
@@ -327,7 +330,6 @@ def test_model_version_other_than_1_is_not_found(repo, serve):
     for call in (lambda: client.infer("m", [int8_input([1, 2, 3, 4])], model_version="2"),
                  lambda: client.get_model_metadata("m", model_version="2"),
                  lambda: client.get_model_config("m", model_version="2"),
-                 lambda: client.is_model_ready("m", model_version="2"),
                  lambda: client.get_inference_statistics("m", model_version="2")):
         expect_grpc_error("NOT_FOUND", call, "model 'm'", "version '2'")
     echo(server, "m", [1, 2, 3, 4], model_version="1")
@@ -534,6 +536,26 @@ def test_stream_error_responses_carry_the_request_id(repo, serve):
     assert "model 'm'" in by_id["short"].error_message and "[2]" in by_id["short"].error_message
     assert by_id["short"].infer_response.model_name == "m"
     assert "version '2'" in by_id["v2"].error_message
+    assert by_id["v2"].infer_response.model_version == "2"  # Triton's error answer echoes the request's
+    # Every answer, error or not, carries Triton's final-response flag: stream readers written for Triton
+    # loop until they see it.
+    assert all(r.infer_response.parameters["triton_final_response"].bool_param for r in responses)
+
+
+def test_a_stream_answer_ends_the_loop_of_a_client_written_for_triton(repo, serve):
+    repo.python("m", textproto=textproto_single("INT8"))
+    server = serve(repo.write_config())
+    answers: queue.Queue = queue.Queue()
+    server.client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    try:
+        server.client.async_stream_infer("m", [int8_input([1, 2, 3, 4])], request_id="a",
+                                         enable_empty_final_response=True)
+        result, error = answers.get(timeout=20)
+    finally:
+        server.client.stop_stream()
+    assert error is None
+    assert result.get_response().parameters["triton_final_response"].bool_param is True
+    assert result.get_response(as_json=True)["parameters"]["triton_final_response"] == {"bool_param": True}
 
 
 def test_requests_refused_while_decoding_are_counted_and_a_stream_refuses_new_ones_at_shutdown(repo, serve):

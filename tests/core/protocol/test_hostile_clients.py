@@ -215,7 +215,8 @@ def test_made_up_model_names_are_not_found_without_rescanning_the_repository(ech
     (late / "model_inference.textproto").write_text(textproto_single("INT8"))
     (late / "main.py").write_text("print()\n")
     for name in ("nope", "../../etc", "a\0b", "x" * 300, ".cache"):
-        expect_grpc_error("NOT_FOUND", lambda: echo_server.client.is_model_ready(name), "unknown model")
+        expect_grpc_error("NOT_FOUND", lambda: echo_server.client.get_model_metadata(name), "unknown model")
+        assert echo_server.client.is_model_ready(name) is False
     # No lookup above scanned the repository: the folder added meanwhile is not known yet...
     assert "late" not in [entry.name for entry in repository.entries()]
     echo_server.client.load_model("late")  # ...and is found as soon as it is asked for by name

@@ -83,8 +83,16 @@ def test_health_metadata_config_with_tritonclient(served):
         assert (status, json.loads(raw), headers["Content-Type"]) == (200, answer, "application/json"), path
     assert error_of(call(base, "GET", "/v2/models/echo/versions/2")) == (
         404, "model 'echo' has no version '2' (nereid serves version 1)")
-    assert error_of(call(base, "GET", "/v2/models/nope/ready"))[0] == 404
-    assert call(base, "GET", "/v2/models/nope/ready")[2]["Content-Type"] == "application/json"  # errors too
+    assert error_of(call(base, "GET", "/v2/models/nope"))[0] == 404
+    assert call(base, "GET", "/v2/models/nope")[2]["Content-Type"] == "application/json"  # errors too
+    # An unknown model or version is not ready (Triton's 400), not missing, as gRPC's ModelReady answers it.
+    for path, name in (("/v2/models/nope/ready", "nope"), ("/v2/models/echo/versions/2/ready", "echo")):
+        status, raw, _ = call(base, "GET", path)
+        assert (status, json.loads(raw)) == (400, {"name": name, "ready": False}), path
+    # Triton's generate extension is refused as the other unimplemented extensions are: 501, naming it.
+    for path in ("/v2/models/echo/generate", "/v2/models/echo/generate_stream"):
+        status, message = error_of(call(base, "POST", path, b"{}"))
+        assert status == 501 and "generate extension" in message, path
 
 
 @pytest.mark.parametrize("binary", [True, False])
