@@ -14,7 +14,6 @@ import time
 from typing import Awaitable, Callable, Iterable, NoReturn
 
 from nereid import __version__
-from nereid.batching import deadline_passed
 from nereid.classification import check_classifiable, classify
 from nereid.errors import (DeadlineExceeded, InvalidArgument, ModelFailure, ModelRetired, NereidError, NotFound,
                            PermissionDenied, Unavailable, Unimplemented, cap_message)
@@ -31,6 +30,22 @@ SERVER_NAME = "nereid"
 # Triton protocol extensions nereid implements (ServerMetadata lists them).
 EXTENSIONS: tuple[str, ...] = ("binary_tensor_data", "classification", "model_repository",
                                "model_repository(unload_dependents)", "model_configuration", "statistics")
+
+
+# The failure label of a request whose client cancelled it (Triton's CANCELED failure reason).
+CANCELLED = "cancelled"
+# A gRPC client cancels its call at its own deadline, whose clock started before the server's did (by the
+# request's transit and decoding, milliseconds on a loaded machine): a cancel this close to the request's
+# deadline is that deadline passing.
+CLIENT_DEADLINE_SLACK_NS = 50_000_000
+
+
+def cancellation_reason(deadline_ns: int, now_ns: int) -> str:
+    """The failure a request ended by cancellation counts as: ``deadline_exceeded`` when its deadline
+    (0: none) has passed or is within :data:`CLIENT_DEADLINE_SLACK_NS`, ``cancelled`` otherwise."""
+    if deadline_ns != 0 and now_ns >= deadline_ns - CLIENT_DEADLINE_SLACK_NS:
+        return DeadlineExceeded.reason
+    return CANCELLED
 
 
 class DataPlane:
@@ -204,10 +219,10 @@ class DataPlane:
                 model.stats.record_failure(time.monotonic_ns() - received_ns, err.reason)
                 raise
             except asyncio.CancelledError:
-                # gRPC ends a call whose deadline passed by cancelling it, before the scheduler could
-                # answer DEADLINE_EXCEEDED itself: count it as that answer would have been.
-                if deadline_passed(request.deadline_ns, time.monotonic_ns()):
-                    model.stats.record_failure(time.monotonic_ns() - received_ns, DeadlineExceeded.reason)
+                # The client went away (it cancelled, its connection closed, or its deadline ended the
+                # call before the scheduler could answer DEADLINE_EXCEEDED): still one answer, counted.
+                now = time.monotonic_ns()
+                model.stats.record_failure(now - received_ns, cancellation_reason(request.deadline_ns, now))
                 raise
         if wanted is not None:
             outputs = [t for t in outputs if t.name in wanted]

@@ -350,6 +350,9 @@ class ModelRepository:
         self._exposed.add(name)
         self._state_changed()  # counted from now on: ServerReady is false until it is READY
         async with entry.held():
+            # A model loaded again keeps counting where it was, as a reload that follows its folder does
+            # (Prometheus counters never go back); after an unload or a failed load it starts afresh.
+            stats = entry.loaded.stats if entry.loaded is not None else ModelStats()
             if entry.loaded is not None:
                 await self._unload_locked(entry)
             # (A folder in an object store is fetched by _build, which reports the store's error.)
@@ -361,7 +364,7 @@ class ModelRepository:
             entry.state, entry.reason = ModelState.LOADING, ""
             self._refresh_dependents()
             try:
-                entry.loaded = await self._load_version(entry, ModelStats())
+                entry.loaded = await self._load_version(entry, stats)
             except Exception as err:  # any load failure is the model's, reported with its reason
                 reason = _reason(err)
                 log.error("model '%s' is UNAVAILABLE: %s", name, reason)  # the log keeps absolute paths

@@ -16,8 +16,7 @@ import grpc
 
 from nereid._proto import grpc_service_pb2 as pb
 from nereid._proto import model_config_pb2 as mc
-from nereid.batching import deadline_passed
-from nereid.dataplane import DataPlane
+from nereid.dataplane import DataPlane, cancellation_reason
 from nereid.errors import (ConfigError, DeadlineExceeded, InvalidArgument, ModelFailure, NereidError,
                            NotFound, PermissionDenied, Unavailable, Unimplemented, cap_message)
 from nereid.log_limit import RateLimitedLog
@@ -208,9 +207,8 @@ class InferenceServicer:
         except NereidError as err:
             self._counted(decoded.model_name, err.reason)
             raise
-        except asyncio.CancelledError:
-            if deadline_passed(decoded.deadline_ns, time.monotonic_ns()):  # gRPC's own deadline ended it
-                self._counted(decoded.model_name, DeadlineExceeded.reason)
+        except asyncio.CancelledError:  # the client cancelled, or gRPC ended the call at its deadline
+            self._counted(decoded.model_name, cancellation_reason(decoded.deadline_ns, time.monotonic_ns()))
             raise
         self._counted(decoded.model_name, "success")
         return response

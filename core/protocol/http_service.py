@@ -14,13 +14,14 @@ import json
 import logging
 import socket
 import ssl
+import time
 from typing import Any, Awaitable, Callable, Iterator
 
 import orjson
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from nereid.dataplane import DataPlane
+from nereid.dataplane import DataPlane, cancellation_reason
 from nereid.errors import (ConfigError, DeadlineExceeded, InvalidArgument, ModelFailure, NereidError, NotFound,
                            PermissionDenied, QueueFull, Unavailable, Unimplemented, cap_message)
 from nereid.model_info import MODEL_VERSION, ModelConfig
@@ -201,6 +202,9 @@ class HttpSurface:
             response = await _unless_disconnected(self.dataplane.infer(request), receive)
         except NereidError as err:
             self._counted(model, err.reason)
+            raise
+        except Disconnected:
+            self._counted(model, cancellation_reason(request.deadline_ns, time.monotonic_ns()))
             raise
         self._counted(model, "success")
         parts, binary_header = encode_infer(response, choice)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
 
+from nereid.dataplane import CLIENT_DEADLINE_SLACK_NS, cancellation_reason
 from nereid.dtypes import DType
 from nereid.errors import InvalidArgument, ModelFailure, NotFound, PermissionDenied, Unavailable
 from nereid.tensors import InferRequest, NamedTensor
@@ -82,4 +84,56 @@ def test_load_overrides_are_refused_not_ignored_and_unload_dependents_is_accepte
         assert not plane.model_ready("spare")  # refused before anything was loaded
         await plane.unload("toy", unload_dependents=True)
         assert not plane.model_ready("toy")
+    asyncio.run(scenario())
+
+
+def test_a_request_whose_client_goes_away_is_counted_once_as_cancelled_or_as_its_deadline(tmp_path):
+    """A cancel that came before the server's own deadline counted nowhere: success + fail fell short of
+    the requests sent (gRPC clients cancel at their own deadline, which starts before the server's)."""
+    plane = toy_dataplane(tmp_path)
+
+    async def cancel_while_waiting(deadline_ns: int) -> None:
+        task = asyncio.create_task(plane.infer(request(deadline_ns=deadline_ns)))
+        await asyncio.sleep(0)  # it waits for its execution on a worker thread now
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    async def scenario():
+        await plane.load("toy")
+        now = time.monotonic_ns()
+        await cancel_while_waiting(0)  # no deadline: the client cancelled
+        await cancel_while_waiting(now + 60_000_000_000)  # a minute left: still the client's cancel
+        await cancel_while_waiting(now + CLIENT_DEADLINE_SLACK_NS // 5)  # the client's deadline ended it
+        ((_, stats),) = plane.statistics("toy")
+        assert stats.fail.count == 3 and stats.success.count == 0
+        assert stats.failures_by_reason == {"cancelled": 2, "deadline_exceeded": 1}
+        await plane.unload("toy")
+    asyncio.run(scenario())
+
+
+def test_cancellation_reason():
+    assert cancellation_reason(0, 10**12) == "cancelled"
+    assert cancellation_reason(10**12, 10**12 - 2 * CLIENT_DEADLINE_SLACK_NS) == "cancelled"
+    assert cancellation_reason(10**12, 10**12 - CLIENT_DEADLINE_SLACK_NS // 2) == "deadline_exceeded"
+    assert cancellation_reason(10**12, 10**12 + 1) == "deadline_exceeded"
+
+
+def test_loading_a_loaded_model_again_keeps_its_statistics_an_unload_resets_them(tmp_path):
+    """An explicit load of a READY model reset every counter while a reload that followed the folder kept
+    them: Prometheus saw the model's counters go back to 0."""
+    plane = toy_dataplane(tmp_path)
+
+    async def scenario():
+        await plane.load("toy")
+        await plane.infer(request())
+        await plane.load("toy")  # RepositoryModelLoad of a model already loaded
+        await plane.infer(request())
+        ((_, stats),) = plane.statistics("toy")
+        assert (stats.success.count, stats.inference_count) == (2, 4)
+        await plane.unload("toy")
+        await plane.load("toy")
+        ((_, stats),) = plane.statistics("toy")
+        assert (stats.success.count, stats.inference_count) == (0, 0)
+        await plane.unload("toy")
     asyncio.run(scenario())
