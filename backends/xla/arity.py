@@ -55,15 +55,26 @@ class BundleArity:
 
 
 def arity_mismatch(where: str, program: ProgramSignature, n_inputs: int, n_weights: int,
-                   weights_name: str = DEFAULT_WEIGHTS_FILE) -> str | None:
-    """The explanation of an arity mismatch, or None when the numbers agree."""
+                   weights_name: str = DEFAULT_WEIGHTS_FILE, weights_present: bool = True) -> str | None:
+    """The explanation of an arity mismatch, or None when the numbers agree.
+
+    ``weights_present`` False: the bundle has no weights file at all, which is
+    then the likely cause of a program wanting more arguments.
+    """
     supplied = n_inputs + n_weights
     if program.arity == supplied:
         return None
     shown = ", ".join(p.describe() for p in program.parameters[:_SHOWN_PARAMETERS])
     if program.arity > _SHOWN_PARAMETERS:
         shown += ", ..."
-    if program.arity > supplied:
+    if not weights_present:
+        weights = f"no weights ({weights_name} is missing)"
+    else:
+        weights = f"{n_weights} tensor(s) in {weights_name}"
+    if program.arity > supplied and not weights_present:
+        cause = (f"The bundle has no weights file: a program that takes weights needs its {weights_name} (or "
+                 "its shards and index) beside it.")
+    elif program.arity > supplied:
         cause = ("The usual cause is a value the traced function captured from outside its arguments, such as "
                  "an RNG key in layer state (a leading tensor<2xui32> or tensor<2xui64>) or a device-resident "
                  "configuration array: tracing lifts each into a parameter that no client can supply. Read "
@@ -73,8 +84,7 @@ def arity_mismatch(where: str, program: ProgramSignature, n_inputs: int, n_weigh
                  "drops unused arguments unless the function is jitted with keep_unused=True), or a weights "
                  "file holding tensors the program does not take.")
     return (f"{where}: the program takes {program.arity} argument(s) ({shown or 'none'}) but the bundle supplies "
-            f"{supplied}: {n_inputs} input(s) from the manifest + {n_weights} tensor(s) in {weights_name}. "
-            f"{cause}")
+            f"{supplied}: {n_inputs} input(s) from the manifest + {weights}. {cause}")
 
 
 def bundle_entry_arity(module_path: Path | str) -> int:
@@ -123,7 +133,7 @@ def _report(folder: Path) -> BundleArity:
             problems.append(str(err))
             continue
         modules.append(ModuleArity(path.name, program.arity))
-        mismatch = arity_mismatch(path.name, program, n_inputs, n_weights, weights_name)
+        mismatch = arity_mismatch(path.name, program, n_inputs, n_weights, weights_name, weight_set is not None)
         if mismatch:
             problems.append(mismatch)
     expected = {m.expected for m in modules}

@@ -101,7 +101,8 @@ class XlaModel:
         target = resolve_device(context.device, context.name, context.settings_origin)
         cache = ExecutableCache(context.folder / CACHE_DIR, options.executable_cache)
         weights_name = weight_set.describe() if weight_set else DEFAULT_WEIGHTS_FILE
-        programs = {key: self._program(key, path, layout.manifest, weight_types, weights_name, target, cache)
+        programs = {key: self._program(key, path, layout.manifest, weight_types, weights_name,
+                                       weight_set is not None, target, cache)
                     for key, path in layout.modules.items()}
         if weight_set is None:
             arrays = []
@@ -194,8 +195,8 @@ class XlaModel:
         return self._batch_signature
 
     def _program(self, key: ProgramKey, path: Path, manifest: Manifest,
-                 weight_types: Sequence[tuple[str, tuple[int, ...], Any]], weights_name: str, target: PjrtTarget,
-                 cache: ExecutableCache) -> Any:
+                 weight_types: Sequence[tuple[str, tuple[int, ...], Any]], weights_name: str, weights_present: bool,
+                 target: PjrtTarget, cache: ExecutableCache) -> Any:
         import jaxlib
 
         name = self.context.name
@@ -205,7 +206,7 @@ class XlaModel:
             raise ConfigError(f"model '{name}': {path}: cannot read: {err.strerror or err}") from None
         program = read_program(data, str(path))
         mismatch = arity_mismatch(path.name, program, len(manifest.executable_inputs), len(weight_types),
-                                  weights_name)
+                                  weights_name, weights_present)
         if mismatch:
             raise ConfigError(f"model '{name}' cannot be served: {mismatch}")
         check_program_types(f"model '{name}': {path.name}", program, key, manifest, weight_types)

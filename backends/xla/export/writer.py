@@ -47,7 +47,7 @@ def write_bundle(directory: Path | str, name: str, inputs: Sequence[IOSpec], out
                  *, batch_sizes: Sequence[int] | None = None,
                  input_shapes: Sequence[Sequence[int]] | None = None,
                  client_inputs: Sequence[IOSpec] | None = None, client_outputs: Sequence[IOSpec] | None = None,
-                 layout: str = "xla", model_py: str | Path | None = None,
+                 layout: str = "xla", model_py: str | os.PathLike | None = None,
                  provenance: Provenance | Mapping[str, Any] | None = None, description: str = "",
                  shard_bytes: int | None = None) -> Path:
     """Check and write a bundle; returns its directory.
@@ -56,8 +56,8 @@ def write_bundle(directory: Path | str, name: str, inputs: Sequence[IOSpec], out
     ``batch_sizes``), a mapping batch size -> module, or, with ``input_shapes``,
     a sequence of those, one per variant (variant ``i`` is written as
     ``model.v{i+1}...``). ``weights`` are in program order (that order becomes
-    the safetensors ``argument_order``). ``model_py`` is the source text (or a
-    path) of the bundle's hooks file. The directory's basename must equal
+    the safetensors ``argument_order``). ``model_py`` is the source text (a str)
+    or the path (a ``pathlib.Path``) of the bundle's hooks file; it must compile. The directory's basename must equal
     ``name``: the directory name is the model name.
 
     ``shard_bytes`` writes the weights as shards instead of one file:
@@ -69,8 +69,8 @@ def write_bundle(directory: Path | str, name: str, inputs: Sequence[IOSpec], out
     Raises ExportError before writing or removing anything when the bundle
     would not be servable: a program whose argument count disagrees with
     inputs + weights (both numbers named), or whose types disagree with the
-    specs, a weight name given twice or named ``__metadata__``, or a ``model_py`` path that cannot be
-    read. The weights are written to temporary files before the earlier
+    specs, a weight name given twice or named ``__metadata__``, or a ``model_py`` that cannot be
+    read or does not compile (a str that looks like a file name included). The weights are written to temporary files before the earlier
     export's files are replaced, so a failed write leaves them as they were.
     """
     directory = Path(directory)
@@ -178,16 +178,34 @@ def _check_weight_names(names: Sequence[str]) -> None:
         first[name] = index
 
 
-def _model_py_source(model_py: str | Path | None) -> str | None:
-    """The hooks file's source text: ``model_py`` itself, or the file a Path names, read now so a bad path is
-    refused before the bundle is touched."""
-    if not isinstance(model_py, Path):
-        return model_py
+def _model_py_source(model_py: str | os.PathLike | None) -> str | None:
+    """The hooks file's source text: ``model_py`` itself, or the file a path object names, read now so a bad
+    path is refused before the bundle is touched. Either must compile: a file that cannot would make a
+    bundle that ``bundle check`` calls servable and that never loads."""
+    if model_py is None:
+        return None
+    if isinstance(model_py, os.PathLike):
+        try:
+            source = Path(model_py).read_text()
+        except (OSError, UnicodeDecodeError) as err:
+            reason = err.strerror if isinstance(err, OSError) and err.strerror else err
+            raise ExportError(f"model_py: cannot read {os.fspath(model_py)!r}: {reason}") from None
+        where = os.fspath(model_py)
+    elif isinstance(model_py, str):
+        if "\n" not in model_py.strip() and model_py.strip().endswith(".py"):
+            # A str is the source text; a file name given as one was written as the hooks file itself.
+            raise ExportError(f"model_py: {model_py.strip()!r} looks like a file name, but a str is the source "
+                              f"text; pass pathlib.Path({model_py.strip()!r}) to copy that file")
+        source, where = model_py, "the model_py source"
+    else:
+        raise ExportError(f"model_py must be the source text (str) or a path (pathlib.Path), "
+                          f"got {type(model_py).__name__}")
     try:
-        return model_py.read_text()
-    except (OSError, UnicodeDecodeError) as err:
-        reason = err.strerror if isinstance(err, OSError) and err.strerror else err
-        raise ExportError(f"model_py: cannot read {str(model_py)!r}: {reason}") from None
+        compile(source, MODEL_PY, "exec")
+    except (SyntaxError, ValueError) as err:
+        line = f" (line {err.lineno})" if getattr(err, "lineno", None) else ""
+        raise ExportError(f"model_py: {where} is not valid Python{line}: {getattr(err, 'msg', None) or err}") from None
+    return source
 
 
 def checked_batch_sizes(batch_sizes: Sequence[int] | None) -> list[int] | None:

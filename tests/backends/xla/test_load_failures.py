@@ -17,7 +17,9 @@ def test_wrong_arity_bundles_are_refused_with_both_numbers(repo, serve, add_bund
     write_safetensors(short / "weights.safetensors", weights[:3])
     extra = add_bundle(repo.models_dir, "mlp_bundle", "too_many_weights")
     write_safetensors(extra / "weights.safetensors", [*weights, ("rng", np.zeros(2, np.uint32))])
-    server = serve(repo.write_config("- name: too_few_weights\n- name: too_many_weights\n"))
+    # No weights file at all was reported as "0 tensor(s) in weights.safetensors" and a captured value.
+    (add_bundle(repo.models_dir, "mlp_bundle", "no_weights") / "weights.safetensors").unlink()
+    server = serve(repo.write_config("- name: too_few_weights\n- name: too_many_weights\n- name: no_weights\n"))
     state, reason = reasons(server)["too_few_weights"]
     assert state == "UNAVAILABLE"
     for part in ("takes 5 argument(s)", "supplies 4", "1 input(s)", "3 tensor(s) in weights.safetensors",
@@ -27,6 +29,11 @@ def test_wrong_arity_bundles_are_refused_with_both_numbers(repo, serve, add_bund
     assert state == "UNAVAILABLE"
     for part in ("takes 5 argument(s)", "supplies 6", "keep_unused=True"):
         assert part in reason, reason
+    state, reason = reasons(server)["no_weights"]
+    assert state == "UNAVAILABLE"
+    for part in ("supplies 1", "no weights (weights.safetensors is missing)", "has no weights file"):
+        assert part in reason, reason
+    assert "captured" not in reason
 
 
 def test_missing_gpu_makes_the_model_unavailable(repo, serve, add_bundle) -> None:

@@ -52,3 +52,7 @@ def test_report_api(tmp_path) -> None:
                                                      ("extra", np.zeros(1, np.float32))])
     report = bundle_arity_report(good)
     assert not report.servable and report.n_weights == 5 and report.expected == 5
+    (good / "weights.safetensors").unlink()  # named as missing, not as "0 tensor(s)" and a captured value
+    report = bundle_arity_report(good)
+    assert not report.servable and "no weights (weights.safetensors is missing)" in report.error
+    assert "captured" not in report.error

@@ -135,6 +135,15 @@ def test_a_refused_rewrite_leaves_the_bundle_as_it_was(tmp_path) -> None:
     with pytest.raises(ExportError, match=r"model_py: cannot read '.*missing\.py': No such file"):
         write_bundle(directory, "affine", INPUTS, OUTPUTS, {4: module(4)}, WEIGHTS, model_py=tmp_path / "missing.py")
     assert snapshot(directory) == before
+    # A str is the source text: a file name given as one was written as the hooks file itself, and a
+    # model.py that does not compile made a bundle that bundle check called servable and never loaded.
+    with pytest.raises(ExportError, match=r"'hooks/model\.py' looks like a file name.*pathlib\.Path"):
+        write_bundle(directory, "affine", INPUTS, OUTPUTS, {4: module(4)}, WEIGHTS, model_py="hooks/model.py")
+    broken = tmp_path / "broken.py"
+    broken.write_text("import nereid\ndef preprocess(inputs:\n")
+    with pytest.raises(ExportError, match=r"model_py: .*broken\.py is not valid Python \(line 2\)"):
+        write_bundle(directory, "affine", INPUTS, OUTPUTS, {4: module(4)}, WEIGHTS, model_py=broken)
+    assert snapshot(directory) == before
     with pytest.raises(ExportError, match="cannot be written as YAML"):
         write_bundle(directory, "affine", INPUTS, OUTPUTS, {4: module(4)}, WEIGHTS, provenance={"when": object()})
     assert snapshot(directory) == before
