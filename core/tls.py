@@ -144,6 +144,10 @@ def _http_context(tls: TlsSettings) -> ssl.SSLContext:
     if tls.client_ca is not None:
         context.load_verify_locations(cafile=tls.client_ca)
         context.verify_mode = ssl.CERT_REQUIRED
+        # A client chain that reaches any certificate of client_ca is let in, as gRPC (BoringSSL) lets it
+        # in: a client_ca holding only an intermediate (issuing) CA otherwise refused every client over
+        # HTTPS, silently, while gRPC accepted them.
+        context.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN
     return context
 
 

@@ -1,0 +1,189 @@
+"""nereid.tls against real listeners: the HTTP listener (uvicorn) and a gRPC server on server_credentials,
+with certificates made here with ``cryptography``: which keys are checked out, that both listeners let in
+the same clients, and that a client of a removed client CA gets nothing by resuming a TLS session."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import ipaddress
+import os
+import socket
+import ssl
+import threading
+from concurrent import futures
+from pathlib import Path
+from typing import Iterator
+
+import grpc
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import dsa, ec, ed448, ed25519, rsa
+from cryptography.x509.oid import NameOID
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from nereid.protocol.http_service import HttpListener
+from nereid.tls import TlsSettings, server_credentials, ssl_context
+
+# --------------------------------------------------------------------------- certificates
+
+NOW = datetime.datetime.now(datetime.timezone.utc)
+
+
+def _name(common_name: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+
+
+class Issuer:
+    """A CA (root or intermediate) that signs certificates into ``folder``."""
+
+    def __init__(self, folder: Path, name: str, parent: "Issuer | None" = None) -> None:
+        self.folder, self.name = folder, name
+        self.key = ec.generate_private_key(ec.SECP256R1())
+        signer = parent or self
+        self.cert = (x509.CertificateBuilder().subject_name(_name(name)).issuer_name(_name(signer.name))
+                     .public_key(self.key.public_key()).serial_number(x509.random_serial_number())
+                     .not_valid_before(NOW - datetime.timedelta(minutes=5))
+                     .not_valid_after(NOW + datetime.timedelta(days=1))
+                     .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+                     .add_extension(x509.KeyUsage(True, False, False, False, False, True, True, False, False),
+                                    critical=True)
+                     .sign(signer.key, hashes.SHA256()))
+        self.pem = self.cert.public_bytes(serialization.Encoding.PEM)
+        self.path = folder / f"{name}.pem"
+        self.path.write_bytes(self.pem)
+        self.chain = b"" if parent is None else self.pem + parent.chain  # what a leaf sends above itself
+
+    def leaf(self, name: str, key=None, with_chain: bool = False) -> tuple[Path, Path]:
+        """A certificate for localhost / 127.0.0.1 (server or client) signed here: (cert path, key path).
+
+        ``with_chain`` appends the intermediates (this issuer and its parents below the root)."""
+        key = key or ec.generate_private_key(ec.SECP256R1())
+        cert = (x509.CertificateBuilder().subject_name(_name(name)).issuer_name(_name(self.name))
+                .public_key(key.public_key()).serial_number(x509.random_serial_number())
+                .not_valid_before(NOW - datetime.timedelta(minutes=5)).not_valid_after(NOW + datetime.timedelta(days=1))
+                .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
+                                                            x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                               critical=False)
+                .sign(self.key, hashes.SHA256()))
+        cert_path, key_path = self.folder / f"{name}.crt", self.folder / f"{name}.key"
+        cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM) + (self.chain if with_chain else b""))
+        key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                               serialization.NoEncryption()))
+        return cert_path, key_path
+
+
+@pytest.fixture
+def folder(tmp_path: Path) -> Path:
+    path = tmp_path / "pki"
+    path.mkdir()
+    return path
+
+
+def replace(path: Path, source: Path) -> None:
+    """Swap ``path``'s contents for ``source``'s in one rename, as certificate tooling does."""
+    staged = path.with_name(path.name + ".new")
+    staged.write_bytes(source.read_bytes())
+    os.replace(staged, path)
+
+
+# --------------------------------------------------------------------------- listeners and clients
+
+
+async def ok_app(scope, receive, send) -> None:
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+    await send({"type": "http.response.body", "body": b"ok"})
+
+
+@contextlib.contextmanager
+def https_listener(tls: TlsSettings, app=ok_app, grace_s: float = 5) -> Iterator[int]:
+    """nereid's HTTP listener on ``ssl_context(tls)``, on a loop of its own; yields its port."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    listener = HttpListener(app, ssl_context(tls), grace_s=grace_s)
+    try:
+        yield asyncio.run_coroutine_threadsafe(listener.start("127.0.0.1:0"), loop).result(10)
+    finally:
+        asyncio.run_coroutine_threadsafe(listener.stop(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+
+
+@contextlib.contextmanager
+def grpc_listener(tls: TlsSettings) -> Iterator[int]:
+    """A gRPC server (the health service) on ``server_credentials(tls)``; yields its port."""
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+    port = server.add_secure_port("127.0.0.1:0", server_credentials(tls))
+    server.start()
+    try:
+        yield port
+    finally:
+        server.stop(None).wait()
+
+
+def grpc_ok(port: int, ca: Path, client: tuple[Path, Path] | None = None) -> bool:
+    """Whether a health check over a new TLS channel, trusting ``ca``, is answered."""
+    key, chain = (client[1].read_bytes(), client[0].read_bytes()) if client else (None, None)
+    credentials = grpc.ssl_channel_credentials(ca.read_bytes(), key, chain)
+    with grpc.secure_channel(f"localhost:{port}", credentials) as channel:
+        try:
+            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            return True
+        except grpc.RpcError:
+            return False
+
+
+def client_context(ca: Path, client: tuple[Path, Path] | None = None,
+                   version: ssl.TLSVersion | None = None) -> ssl.SSLContext:
+    context = ssl.create_default_context(cafile=str(ca))
+    if client is not None:
+        context.load_cert_chain(*client)
+    if version is not None:
+        context.minimum_version = context.maximum_version = version
+    return context
+
+
+def https_get(port: int, context: ssl.SSLContext,
+              session: ssl.SSLSession | None = None) -> tuple[bool, ssl.SSLSession | None, bool]:
+    """GET over a new connection (offering ``session``): (answered 200, the session, whether it was resumed).
+
+    The answer is read to its end, so a TLS 1.3 client has its tickets (they come after the handshake)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:
+        try:
+            with context.wrap_socket(raw, server_hostname="localhost", session=session) as conn:
+                conn.sendall(b"GET / HTTP/1.1\r\nhost: localhost\r\nconnection: close\r\n\r\n")
+                answer = b""
+                while chunk := conn.recv(4096):
+                    answer += chunk
+                return answer.startswith(b"HTTP/1.1 200 "), conn.session, conn.session_reused
+        except (ssl.SSLError, OSError):
+            return False, None, False
+
+
+def https_ok(port: int, ca: Path, client: tuple[Path, Path] | None = None) -> bool:
+    return https_get(port, client_context(ca, client))[0]
+
+
+# --------------------------------------------------------------------------- mutual TLS: who is let in
+
+
+def test_a_client_ca_of_only_an_intermediate_lets_its_clients_in_on_both_listeners(folder):
+    """HTTPS refused, silently, the clients gRPC let in when client_ca held only the issuing intermediate."""
+    root = Issuer(folder, "root")
+    intermediate = Issuer(folder, "intermediate", parent=root)
+    server_cert, server_key = root.leaf("server")
+    client = intermediate.leaf("client", with_chain=True)  # leaf + intermediate, as clients send them
+    rogue = Issuer(folder, "other-root").leaf("rogue", with_chain=True)
+    for client_ca in (intermediate.path, root.path):
+        tls = TlsSettings(server_cert, server_key, client_ca)
+        with https_listener(tls) as https, grpc_listener(tls) as grpc_port:
+            assert https_ok(https, root.path, client), client_ca.name
+            assert grpc_ok(grpc_port, root.path, client), client_ca.name
+            assert not https_ok(https, root.path, rogue)
+            assert not grpc_ok(grpc_port, root.path, rogue)
+            assert not https_ok(https, root.path)  # no certificate at all
