@@ -77,11 +77,7 @@ def read_tls_material(tls: TlsSettings) -> TlsMaterial:
     if b"PRIVATE KEY-----" not in contents["key"]:
         raise TlsFileError("key", f"{tls.key} holds no PEM private key")
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    try:
-        context.load_cert_chain(tls.cert, tls.key)
-    except (ssl.SSLError, OSError) as err:
-        raise TlsFileError("key", f"{tls.key} is not the private key of {tls.cert}, or one of them does not "
-                                  f"parse: {getattr(err, 'reason', None) or err}") from None
+    _load_cert_chain(context, tls)
     if tls.client_ca is not None:
         try:
             context.load_verify_locations(cafile=str(tls.client_ca))
@@ -89,6 +85,31 @@ def read_tls_material(tls: TlsSettings) -> TlsMaterial:
             raise TlsFileError("client_ca", f"{tls.client_ca} is not a PEM CA certificate: "
                                             f"{getattr(err, 'reason', None) or err}") from None
     return TlsMaterial(contents["cert"], contents["key"], contents.get("client_ca"))
+
+
+class _EncryptedKey(Exception):
+    """Raised by :func:`_no_passphrase`, OpenSSL's passphrase callback: the key is encrypted."""
+
+
+def _no_passphrase() -> bytes:
+    # Without a callback OpenSSL asks for the passphrase on the terminal: `nereid serve` and `nereid check`
+    # waited at "Enter PEM pass phrase:" (and a key rotated in while serving stalled the listeners); with
+    # no terminal the error was "[Errno 22] Invalid argument".
+    raise _EncryptedKey
+
+
+def _load_cert_chain(context: ssl.SSLContext, tls: TlsSettings) -> None:
+    """``context.load_cert_chain`` that never asks for a passphrase; TlsFileError ``key`` when it fails."""
+    try:
+        context.load_cert_chain(tls.cert, tls.key, password=_no_passphrase)
+    except _EncryptedKey:
+        raise TlsFileError("key", f"{tls.key} is an encrypted (passphrase-protected) private key, which nereid "
+                                  f"does not support: decrypt it into a file only the server can read, e.g. "
+                                  f"openssl pkey -in {tls.key} -out decrypted.key, and point server.tls.key at "
+                                  f"that file") from None
+    except (ssl.SSLError, OSError) as err:
+        raise TlsFileError("key", f"{tls.key} is not the private key of {tls.cert}, or one of them does not "
+                                  f"parse: {getattr(err, 'reason', None) or err}") from None
 
 
 def server_credentials(tls: TlsSettings) -> "grpc.ServerCredentials":
@@ -128,7 +149,7 @@ def ssl_context(tls: TlsSettings) -> ssl.SSLContext:
         if files.changed() is not None:
             try:
                 current = _http_context(tls)
-            except (ssl.SSLError, OSError) as err:  # changed again since they were checked
+            except (TlsFileError, ssl.SSLError, OSError) as err:  # changed again since they were checked
                 log.error("server.tls: the changed files cannot be used by the HTTP listener (keeping the "
                           "previous certificate): %s", err)
         if current is not context:
@@ -140,7 +161,7 @@ def ssl_context(tls: TlsSettings) -> ssl.SSLContext:
 
 def _http_context(tls: TlsSettings) -> ssl.SSLContext:
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    context.load_cert_chain(tls.cert, tls.key)
+    _load_cert_chain(context, tls)
     if tls.client_ca is not None:
         context.load_verify_locations(cafile=tls.client_ca)
         context.verify_mode = ssl.CERT_REQUIRED

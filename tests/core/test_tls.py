@@ -9,9 +9,14 @@ import contextlib
 import datetime
 import ipaddress
 import os
+import pty
+import select
 import socket
 import ssl
+import subprocess
+import sys
 import threading
+import time
 from concurrent import futures
 from pathlib import Path
 from typing import Iterator
@@ -25,7 +30,7 @@ from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from nereid.protocol.http_service import HttpListener
-from nereid.tls import TlsSettings, server_credentials, ssl_context
+from nereid.tls import TlsFileError, TlsSettings, read_tls_material, server_credentials, ssl_context
 
 # --------------------------------------------------------------------------- certificates
 
@@ -187,3 +192,75 @@ def test_a_client_ca_of_only_an_intermediate_lets_its_clients_in_on_both_listene
             assert not https_ok(https, root.path, rogue)
             assert not grpc_ok(grpc_port, root.path, rogue)
             assert not https_ok(https, root.path)  # no certificate at all
+
+
+# --------------------------------------------------------------------------- which files are checked out
+
+
+def encrypted(key_path: Path, legacy: bool = False) -> Path:
+    """The key at ``key_path`` encrypted with a passphrase: PKCS#8, or the older 'Proc-Type: 4,ENCRYPTED' PEM."""
+    key = serialization.load_pem_private_key(key_path.read_bytes(), None)
+    form = serialization.PrivateFormat.TraditionalOpenSSL if legacy else serialization.PrivateFormat.PKCS8
+    path = key_path.with_name(key_path.stem + ("-legacy" if legacy else "") + "-encrypted.key")
+    path.write_bytes(key.private_bytes(serialization.Encoding.PEM, form,
+                                       serialization.BestAvailableEncryption(b"secret")))
+    return path
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["pkcs8", "proc-type"])
+def test_an_encrypted_key_is_refused_by_name_without_asking_for_a_passphrase(folder, legacy):
+    """OpenSSL asked on the terminal (nereid check and serve waited at 'Enter PEM pass phrase:'), or said
+    '[Errno 22] Invalid argument' without one."""
+    cert, key = Issuer(folder, "ca").leaf("server", rsa.generate_private_key(65537, 2048) if legacy else None)
+    with pytest.raises(TlsFileError) as info:
+        read_tls_material(TlsSettings(cert, encrypted(key, legacy)))
+    assert info.value.key == "key"
+    assert "is an encrypted (passphrase-protected) private key, which nereid does not support" in str(info.value)
+    assert "openssl pkey -in" in str(info.value)
+
+
+def test_nereid_check_under_a_terminal_refuses_an_encrypted_key_at_once(repo, folder):
+    cert, key = Issuer(folder, "ca").leaf("server")
+    config = repo.write_config(server_extra=f'  tls:\n    cert: "{cert}"\n    key: "{encrypted(key)}"\n')
+    controller, terminal = pty.openpty()
+    # A session of its own whose controlling terminal is the pty, as an operator's shell: OpenSSL's
+    # passphrase prompt reads /dev/tty, and would wait there.
+    take_terminal = ("import fcntl, os, sys, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); "
+                     "os.execv(sys.executable, [sys.executable, '-m', 'nereid.cli'] + sys.argv[1:])")
+    process = subprocess.Popen([sys.executable, "-c", take_terminal, "check", "--config", str(config)],
+                               stdin=terminal, stdout=terminal, stderr=terminal, start_new_session=True)
+    os.close(terminal)
+    output = b""
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([controller], [], [], 0.2)
+            if ready:
+                try:
+                    chunk = os.read(controller, 4096)
+                except OSError:  # the terminal's last writer is gone
+                    break
+                if not chunk:
+                    break
+                output += chunk
+        assert process.wait(5) == 2, output
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        os.close(controller)
+    assert b"pass phrase" not in output
+    assert b"server.tls.key:" in output and b"encrypted (passphrase-protected) private key" in output, output
+
+
+def test_a_rotated_in_encrypted_key_is_logged_and_skipped_by_both_listeners(folder, caplog):
+    ca = Issuer(folder, "ca")
+    cert, key = ca.leaf("server")
+    tls = TlsSettings(cert, key)
+    with https_listener(tls) as https, grpc_listener(tls) as grpc_port:
+        assert https_ok(https, ca.path) and grpc_ok(grpc_port, ca.path)
+        replace(key, encrypted(key))
+        assert https_ok(https, ca.path) and grpc_ok(grpc_port, ca.path)  # the previous key stays in use
+    for listener in ("HTTP", "gRPC"):
+        assert (f"server.tls.key changed but cannot be used by the {listener} listener (keeping the previous "
+                f"certificate): {key} is an encrypted (passphrase-protected) private key") in caplog.text
