@@ -84,7 +84,40 @@ def read_tls_material(tls: TlsSettings) -> TlsMaterial:
         except (ssl.SSLError, OSError) as err:
             raise TlsFileError("client_ca", f"{tls.client_ca} is not a PEM CA certificate: "
                                             f"{getattr(err, 'reason', None) or err}") from None
+    if not _grpc_serves(contents["cert"], contents["key"]):
+        raise TlsFileError("key", f"gRPC (BoringSSL) cannot serve {tls.cert} with {tls.key}: it takes RSA keys, EC "
+                                  f"keys on the P-256, P-384 or P-521 curves, and Ed25519 keys (not DSA, RSA-PSS, "
+                                  f"Ed448, or EC keys on other curves such as secp256k1)")
     return TlsMaterial(contents["cert"], contents["key"], contents.get("client_ca"))
+
+
+def _grpc_serves(cert: bytes, key: bytes) -> bool:
+    """Whether gRPC takes this certificate and key (it builds its TLS context when a port is added).
+
+    Python's OpenSSL takes keys that gRPC's BoringSSL does not (DSA, secp256k1, ...): `nereid check` passed
+    files that `nereid serve` then failed on, blaming server.bind_addr, and renewed files gRPC could not use
+    were announced as served. A gRPC server that is never used adds a port on the loopback with them: about
+    3 to 6 ms, paid when the files are checked (reading nereid.yaml, and once per listener when they
+    change on disk). When the loopback cannot be bound at all, the answer is yes: the port decides, not
+    gRPC's view of the files.
+    """
+    from concurrent import futures
+
+    import grpc
+
+    def adds_port(credentials: "grpc.ServerCredentials | None") -> bool:
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+        try:
+            if credentials is None:
+                return server.add_insecure_port("127.0.0.1:0") != 0
+            return server.add_secure_port("127.0.0.1:0", credentials) != 0
+        except RuntimeError:  # "Failed to bind to address": gRPC's one answer for anything that went wrong
+            return False
+        finally:
+            server.start()  # a server never started keeps its port open until the process exits
+            server.stop(None).wait()
+
+    return adds_port(grpc.ssl_server_credentials([(key, cert)])) or not adds_port(None)
 
 
 class _EncryptedKey(Exception):

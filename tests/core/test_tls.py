@@ -264,3 +264,71 @@ def test_a_rotated_in_encrypted_key_is_logged_and_skipped_by_both_listeners(fold
     for listener in ("HTTP", "gRPC"):
         assert (f"server.tls.key changed but cannot be used by the {listener} listener (keeping the previous "
                 f"certificate): {key} is an encrypted (passphrase-protected) private key") in caplog.text
+
+
+SERVED_KEYS = {"RSA 2048": lambda: rsa.generate_private_key(65537, 2048),
+               "EC P-256": lambda: ec.generate_private_key(ec.SECP256R1()),
+               "EC P-384": lambda: ec.generate_private_key(ec.SECP384R1()),
+               "EC P-521": lambda: ec.generate_private_key(ec.SECP521R1()),
+               "Ed25519": ed25519.Ed25519PrivateKey.generate}
+# Keys Python's OpenSSL serves and gRPC's BoringSSL does not.
+UNSERVED_KEYS = {"DSA 2048": lambda: dsa.generate_private_key(2048),
+                 "EC secp256k1": lambda: ec.generate_private_key(ec.SECP256K1()),
+                 "EC P-224": lambda: ec.generate_private_key(ec.SECP224R1()),
+                 "EC brainpoolP256r1": lambda: ec.generate_private_key(ec.BrainpoolP256R1()),
+                 "Ed448": ed448.Ed448PrivateKey.generate}
+
+
+def grpc_adds_port(cert: Path, key: Path) -> bool:
+    """Whether gRPC itself takes the files (a server of its own, without nereid's check)."""
+    server = grpc.server(futures.ThreadPoolExecutor(1))
+    try:
+        return server.add_secure_port("127.0.0.1:0", grpc.ssl_server_credentials(
+            [(key.read_bytes(), cert.read_bytes())])) != 0
+    except RuntimeError:
+        return False
+    finally:
+        server.start()
+        server.stop(None).wait()
+
+
+def test_the_check_takes_the_keys_grpc_serves_and_refuses_by_name_those_it_does_not(folder):
+    """A DSA or secp256k1 key passed nereid check, and nereid serve then failed blaming server.bind_addr."""
+    ca = Issuer(folder, "ca")
+    for kind, make in SERVED_KEYS.items():
+        cert, key = ca.leaf(kind.replace(" ", "-"), make())
+        read_tls_material(TlsSettings(cert, key))
+        with grpc_listener(TlsSettings(cert, key)) as port, https_listener(TlsSettings(cert, key)) as https:
+            with client_context(ca.path).wrap_socket(socket.create_connection(("127.0.0.1", port), timeout=5),
+                                                     server_hostname="localhost"):
+                pass  # the gRPC listener's handshake, by an OpenSSL client
+            # grpcio's own client (BoringSSL) offers neither Ed25519 nor P-521 signatures: it cannot reach
+            # such a server (an OpenSSL client can).
+            assert kind in ("Ed25519", "EC P-521") or grpc_ok(port, ca.path), kind
+            assert https_ok(https, ca.path), kind
+    for kind, make in UNSERVED_KEYS.items():
+        cert, key = ca.leaf(kind.replace(" ", "-"), make())
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert, key)  # Python's ssl takes it
+        assert not grpc_adds_port(cert, key), kind
+        with pytest.raises(TlsFileError) as info:
+            read_tls_material(TlsSettings(cert, key))
+        assert info.value.key == "key", kind
+        assert str(info.value).startswith(f"gRPC (BoringSSL) cannot serve {cert} with {key}: it takes RSA keys, "
+                                          f"EC keys on the P-256, P-384 or P-521 curves, and Ed25519 keys"), kind
+
+
+def test_files_grpc_cannot_serve_rotated_in_are_logged_and_skipped_by_both_listeners(folder, caplog):
+    """gRPC kept its certificate while nereid logged 'new gRPC connections use them'."""
+    ca = Issuer(folder, "ca")
+    cert, key = ca.leaf("server")
+    unserved_cert, unserved_key = ca.leaf("secp256k1", ec.generate_private_key(ec.SECP256K1()))
+    tls = TlsSettings(cert, key)
+    with https_listener(tls) as https, grpc_listener(tls) as grpc_port:
+        replace(key, unserved_key)
+        replace(cert, unserved_cert)
+        assert https_ok(https, ca.path) and grpc_ok(grpc_port, ca.path)  # the previous certificate
+    assert "new gRPC connections use them" not in caplog.text
+    assert "new HTTP connections use them" not in caplog.text
+    for listener in ("HTTP", "gRPC"):
+        assert (f"server.tls.key changed but cannot be used by the {listener} listener (keeping the previous "
+                f"certificate): gRPC (BoringSSL) cannot serve {cert} with {key}") in caplog.text
