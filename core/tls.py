@@ -2,11 +2,13 @@
 
 The files are checked when nereid.yaml is read (``nereid serve`` and ``nereid
 check`` stop with the key path when one is missing or unusable), with Python's
-own ``ssl`` module: the certificate chain must parse, the key must match it,
-the client CA must parse. Both listeners re-read the files when they change
-on disk: they look before each new TLS handshake, so a renewed certificate is
-served to new connections without a restart (connections already open keep
-the one they started with).
+own ``ssl`` module: the certificate chain must parse, the key must match it and
+must not be encrypted, the client CA must parse; and gRPC must take the
+certificate and key (its BoringSSL serves fewer key types than OpenSSL). Both
+listeners re-read the files when they change on disk: they look before each
+new TLS handshake, so a renewed certificate is served to new connections
+without a restart (connections already open keep the one they started with),
+and TLS sessions made before the change are not resumed after it.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import os
 import ssl
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import grpc
@@ -168,28 +170,48 @@ def server_credentials(tls: TlsSettings) -> "grpc.ServerCredentials":
 def ssl_context(tls: TlsSettings) -> ssl.SSLContext:
     """A server-side SSLContext for the HTTP listener that follows the files, as the gRPC credentials do.
 
-    Before each new handshake (its ``sni_callback``, which OpenSSL calls for every
-    ClientHello, with or without a server name) the files are stat-ed; when they
-    changed and still make a usable certificate, the handshake and every later
-    one get a context built from them. Open connections keep the one they
-    started with. Mutual TLS when ``client_ca`` is set.
-    """
-    listening = current = _http_context(tls)
-    files = _WatchedFiles(tls, "HTTP")
+    Each new connection is wrapped by the context of the files as they are now: the files are stat-ed
+    when it is accepted, and when they changed and still make a usable certificate, it and every later
+    connection get a new context built from them. Open connections keep the one they started with.
+    Mutual TLS when ``client_ca`` is set.
 
-    def follow_files(connection: ssl.SSLObject, server_name: str | None, context: ssl.SSLContext) -> None:
-        nonlocal current
-        if files.changed() is not None:
+    A TLS session is resumed only within the context that made it: session tickets (TLS 1.3 and 1.2) are
+    sealed with that context's keys and TLS 1.2's session IDs live in its cache, so once the files change
+    every client makes a full handshake against them. Switching contexts during the handshake instead
+    (an ``sni_callback`` setting ``SSLObject.context``) swaps the certificate and the client CA but not
+    the tickets' keys nor the session cache, which stay with the context the listener was given: a
+    client whose CA had been removed from client_ca got back in, for ever, by resuming its session.
+    """
+    return _FollowingContext(tls)
+
+
+class _FollowingContext(ssl.SSLContext):
+    """What the HTTP listener is given: its ``wrap_bio`` (asyncio's, per accepted connection) and
+    ``wrap_socket`` wrap with the context of the current files. Its own settings are never used."""
+
+    def __new__(cls, tls: TlsSettings) -> "_FollowingContext":
+        return super().__new__(cls, ssl.PROTOCOL_TLS_SERVER)
+
+    def __init__(self, tls: TlsSettings) -> None:
+        self._tls = tls
+        self._files = _WatchedFiles(tls, "HTTP")
+        self._current = _http_context(tls)
+
+    def current(self) -> ssl.SSLContext:
+        """The context new connections get: built again when the files changed (a stat per file otherwise)."""
+        if self._files.changed() is not None:
             try:
-                current = _http_context(tls)
+                self._current = _http_context(self._tls)
             except (TlsFileError, ssl.SSLError, OSError) as err:  # changed again since they were checked
                 log.error("server.tls: the changed files cannot be used by the HTTP listener (keeping the "
                           "previous certificate): %s", err)
-        if current is not context:
-            connection.context = current
+        return self._current
 
-    listening.sni_callback = follow_files
-    return listening
+    def wrap_bio(self, *args: Any, **kwargs: Any) -> ssl.SSLObject:
+        return self.current().wrap_bio(*args, **kwargs)
+
+    def wrap_socket(self, *args: Any, **kwargs: Any) -> ssl.SSLSocket:
+        return self.current().wrap_socket(*args, **kwargs)
 
 
 def _http_context(tls: TlsSettings) -> ssl.SSLContext:

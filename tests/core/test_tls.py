@@ -194,6 +194,29 @@ def test_a_client_ca_of_only_an_intermediate_lets_its_clients_in_on_both_listene
             assert not https_ok(https, root.path)  # no certificate at all
 
 
+@pytest.mark.parametrize("version", [ssl.TLSVersion.TLSv1_3, ssl.TLSVersion.TLSv1_2], ids=["TLS1.3", "TLS1.2"])
+def test_a_client_of_a_removed_client_ca_cannot_get_back_in_by_resuming_its_session(folder, version):
+    """Session tickets (TLS 1.3 and 1.2) and TLS 1.2's session-ID cache belonged to the context the listener
+    started with, which outlived every change: a client kept access for ever after its CA left client_ca."""
+    ca, other = Issuer(folder, "ca"), Issuer(folder, "other-ca")
+    server_cert, server_key = ca.leaf("server")
+    client_ca = folder / "client-ca.pem"
+    client_ca.write_bytes(ca.pem)
+    client = client_context(ca.path, ca.leaf("client"), version)
+    with https_listener(TlsSettings(server_cert, server_key, client_ca)) as port:
+        answered, session, _ = https_get(port, client)
+        assert answered and session is not None
+        answered, session, resumed = https_get(port, client, session)
+        assert answered and resumed  # while the files stay as they are, sessions are resumed
+        replace(client_ca, other.path)  # the client's CA is no longer trusted
+        assert https_get(port, client, session)[0] is False  # its session resumes nothing...
+        assert https_get(port, client)[0] is False  # ...and a full handshake is refused
+        assert https_get(port, client_context(ca.path, other.leaf("new-client"), version))[0]
+        replace(client_ca, ca.path)  # trusted again: a new context, and a session of the old one is not resumed
+        answered, _, resumed = https_get(port, client, session)
+        assert answered and not resumed
+
+
 # --------------------------------------------------------------------------- which files are checked out
 
 
