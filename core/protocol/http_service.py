@@ -448,7 +448,20 @@ class HttpListener:
 
 
 class _EmbeddedServer(uvicorn.Server):
-    """uvicorn's server without its signal handling, telling when it has started."""
+    """uvicorn's server without its signal handling, telling when it has started.
+
+    Over TLS, its shutdown does not wait for clients' close_notify: closing a TLS connection sends the
+    server's close_notify, then asyncio waits for the client's (up to 30 s, ``ssl_shutdown_timeout``,
+    which uvicorn does not set), and uvicorn waits for every connection to be gone. An idle keep-alive
+    client that never answers (a pooled connection of requests or tritonclient) held the stop for the
+    whole grace and ended it with uvicorn's ERROR "timeout graceful shutdown exceeded"; over plaintext
+    the same stop returns at once. So during shutdown, a TLS connection whose close was asked for (idle,
+    or its last answer handed over) and whose TLS layer holds nothing more to send for
+    :data:`CLOSE_NOTIFY_WAIT_S` has its TCP connection closed as plaintext's is: what it still buffers
+    is sent first. Requests in flight still finish, within the grace.
+    """
+
+    CLOSE_NOTIFY_WAIT_S = 0.1
 
     def __init__(self, config: uvicorn.Config) -> None:
         super().__init__(config)
@@ -461,6 +474,31 @@ class _EmbeddedServer(uvicorn.Server):
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets=sockets)
         self.started_event.set()
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        closer = asyncio.create_task(self._close_without_close_notify()) if self.config.ssl else None
+        try:
+            await super().shutdown(sockets=sockets)
+        finally:
+            if closer is not None:
+                closer.cancel()
+
+    async def _close_without_close_notify(self) -> None:
+        waiting: set[int] = set()  # connections seen closed, and flushed, at the last look
+        while True:
+            await asyncio.sleep(self.CLOSE_NOTIFY_WAIT_S)
+            seen = set()
+            for connection in list(self.server_state.connections):
+                transport = getattr(connection, "transport", None)
+                if transport is None or not transport.is_closing() or transport.get_write_buffer_size():
+                    continue
+                seen.add(id(connection))
+                # asyncio's TLS transport over its TCP transport (none under another event loop: there,
+                # the wait for close_notify stays, bounded by the grace).
+                tcp = getattr(getattr(transport, "_ssl_protocol", None), "_transport", None)
+                if id(connection) in waiting and tcp is not None and not tcp.is_closing():
+                    tcp.close()  # sends what it buffers, then closes
+            waiting = seen
 
 
 class _BoundedHeadProtocol(HttpToolsProtocol):

@@ -4,14 +4,17 @@ symlinks leaving the repository, server paths kept off the wire, and SIGTERM whi
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import ipaddress
 import os
 import signal
+import socket
 import ssl
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -29,7 +32,9 @@ from cryptography.x509.oid import NameOID
 from tritonclient.utils import InferenceServerException
 
 from nereid.errors import ConfigError
+from nereid.protocol.http_service import HttpListener
 from nereid.settings import DEFAULT_MAX_MESSAGE_BYTES, ServerSettings, load_settings, repository_control_allowed
+from nereid.tls import TlsSettings, ssl_context
 from support import expect_grpc_error, free_port, process_alive, textproto_single
 
 
@@ -202,6 +207,61 @@ def test_https_serves_a_renewed_certificate_to_new_connections_and_keeps_it_thro
     pki["server_key"].write_text("not a key\n")
     assert https_live(server, pki["ca"], new_client)
     assert "server.tls.key changed but cannot be used" in caplog.text
+
+
+def test_stopping_https_is_prompt_with_an_idle_keep_alive_client_and_lets_requests_in_flight_finish(pki, caplog):
+    """An idle keep-alive HTTPS client that never sends close_notify held the stop for the whole grace
+    (asyncio waits for it up to 30 s), ending with uvicorn's ERROR 'timeout graceful shutdown exceeded'."""
+    big = 8 << 20
+
+    async def app(scope, receive, send):
+        slow = scope["path"] == "/slow"
+        if slow:
+            await asyncio.sleep(0.5)
+        body = b"x" * big if slow else b"ok"
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+    def read_answer(conn: ssl.SSLSocket) -> bytes:
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            answer += conn.recv(65536)
+        head, body = answer.split(b"\r\n\r\n", 1)
+        length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+        while len(body) < length and (chunk := conn.recv(65536)):
+            body += chunk
+        return body
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    listener = HttpListener(app, ssl_context(TlsSettings(pki["server_cert"], pki["server_key"])), grace_s=5)
+    port = asyncio.run_coroutine_threadsafe(listener.start("127.0.0.1:0"), loop).result(10)
+    context = ssl.create_default_context(cafile=str(pki["ca"]))
+    # Raw TLS connections: closing them without close_notify is up to this test.
+    idle = context.wrap_socket(socket.create_connection(("127.0.0.1", port), timeout=10), server_hostname="localhost")
+    busy = context.wrap_socket(socket.create_connection(("127.0.0.1", port), timeout=10), server_hostname="localhost")
+    try:
+        idle.sendall(b"GET / HTTP/1.1\r\nhost: localhost\r\n\r\n")
+        assert read_answer(idle) == b"ok"  # and now idle, kept alive, never closed
+        busy.sendall(b"GET /slow HTTP/1.1\r\nhost: localhost\r\n\r\n")
+        time.sleep(0.2)  # in flight
+        started = time.monotonic()
+        stopped = asyncio.run_coroutine_threadsafe(listener.stop(), loop)
+        time.sleep(0.6)  # the answer is ready by now, and read slowly: 8 MiB wait in the server's buffers
+        assert read_answer(busy) == b"x" * big  # the request in flight finished, whole
+        stopped.result(10)
+        took = time.monotonic() - started
+        assert took < 2, f"stop took {took:.1f} s (grace 5 s)"
+        assert idle.recv(100) == b""  # closed by the server (its close_notify)
+        assert "timeout graceful shutdown exceeded" not in caplog.text
+    finally:
+        idle.close()
+        busy.close()
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
 
 
 @pytest.mark.parametrize("broken, key", [("missing_cert", "cert"), ("garbage_key", "key"),
