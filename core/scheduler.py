@@ -30,6 +30,11 @@ from nereid.tensors import NamedTensor
 
 log = logging.getLogger(__name__)
 
+# What model code may raise that is no Exception and yet no business of the server's: sys.exit() in a
+# plugin, a KeyboardInterrupt of its own (the server's Ctrl-C is a signal handler on the loop, never an
+# exception out of a model call). Either ended the whole server; both are model faults like any other.
+MODEL_EXITS = (SystemExit, KeyboardInterrupt)
+
 # After the grace and a termination request, how long drain() still waits before abandoning work.
 TERMINATE_WAIT_S = 2.0
 
@@ -283,7 +288,8 @@ class ModelScheduler:
 
         ``input_ns`` is the time it took to assemble ``inputs``; ``padded``: they
         end in padding rows, whose results are dropped. Any failure is raised as
-        a NereidError naming the model.
+        a NereidError naming the model: model code can raise anything
+        (``sys.exit()`` included), and no request may be left unanswered.
         """
         self._stats.execution_started()
         total = sum(rows)
@@ -302,11 +308,23 @@ class ModelScheduler:
             return results
         except NereidError:
             raise
-        except Exception as err:  # a model fault, whatever the backend raised
-            log.exception("model '%s' raised", self.name)
-            raise ModelFailure(f"model '{self.name}' failed: {type(err).__name__}: {err}") from err
+        except (Exception, *MODEL_EXITS) as err:  # a model fault, whatever the backend raised
+            raise self._model_fault(err) from err
+        except asyncio.CancelledError as err:
+            # A coroutine infer runs in this very task: a cancellation out of it that was not this task's
+            # own (an awaited call of the model's was cancelled) is the model's fault, and must not pass
+            # for the caller going away, which would leave the request unanswered.
+            if self._inline and not asyncio.current_task().cancelling():
+                raise self._model_fault(err) from err
+            raise
         finally:
             self._stats.execution_finished(total, cost, queue_ns, input_ns, infer_ns, output_ns, succeeded)
+
+    def _model_fault(self, error: BaseException, during: str = "") -> ModelFailure:
+        """The ModelFailure a caller gets for ``error`` raised by model code (logged with its traceback)."""
+        log.error("model '%s' raised%s", self.name, f" in {during}" if during else "", exc_info=error)
+        return ModelFailure(f"model '{self.name}' failed: {during + ': ' if during else ''}"
+                            f"{describe_exception(error)}")
 
     async def _infer(self, inputs: list[NamedTensor]) -> list[NamedTensor]:
         if self._inline:
@@ -318,7 +336,7 @@ class ModelScheduler:
             if not loop.is_closed():  # closed: the server is gone and nobody waits
                 loop.call_soon_threadsafe(self._thread_done, waiter, result, error)
 
-        self._executor.call(self._backend.infer, inputs, done)
+        self._executor.call(self._infer_on_thread, inputs, done)
         self._threads += 1
         try:
             return await waiter
@@ -332,6 +350,24 @@ class ModelScheduler:
                 self._idle.clear()
             raise
 
+    def _infer_on_thread(self, inputs: list[NamedTensor]) -> list[NamedTensor]:
+        """The backend's infer, on a worker thread; only an Exception comes out, and never a CancelledError.
+
+        The pool hands a call its shutdown dropped unstarted a CancelledError;
+        one the model raised itself (it waited on a future that was cancelled)
+        is its fault, and is told apart here, where it is still known to be
+        the model's. So are ``sys.exit()`` and the like, which on the loop would
+        pass for the server's own.
+        """
+        try:
+            return self._backend.infer(inputs)
+        except concurrent.futures.CancelledError as err:
+            raise self._model_fault(err) from err
+        except Exception:
+            raise
+        except BaseException as err:  # MODEL_EXITS, an asyncio.CancelledError: none is meant for the server
+            raise self._model_fault(err) from err
+
     def _thread_done(self, waiter: asyncio.Future, result: list[NamedTensor] | None,
                      error: BaseException | None) -> None:
         """On the loop: a worker thread's call ended; answer its caller, or free the slot it kept."""
@@ -339,11 +375,18 @@ class ModelScheduler:
         if waiter.cancelled():
             self._release_slot()  # the slot _infer took back when its caller went away
         elif isinstance(error, concurrent.futures.CancelledError):
-            waiter.cancel()  # dropped unstarted by the pool's shutdown
+            # Dropped unstarted by the pool's shutdown (_infer_on_thread lets no other through).
+            waiter.set_exception(Unavailable(f"model '{self.name}' was unloaded before this execution started"))
         elif error is not None:
             waiter.set_exception(error)
         else:
             waiter.set_result(result)
+
+
+def describe_exception(error: BaseException) -> str:
+    """``Type: message``, or ``Type`` alone when the message is empty (``KeyboardInterrupt()``)."""
+    text = str(error)
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
 async def _wait_event(event: asyncio.Event, timeout_s: float | None) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 import time
 
@@ -307,5 +308,114 @@ def test_a_coroutine_infer_runs_on_the_loop_with_its_batch_s_earliest_deadline()
         assert [float(r[0].data[0, 0]) for r in results] == [2, 4, 6]
         loop_thread = threading.get_ident()
         assert backend.seen == [(loop_thread, later, [1.0]), (loop_thread, soon, [2.0, 3.0])]
+        await scheduler.drain()
+    run(scenario())
+
+
+class RaisingOnce:
+    """A backend whose infer raises ``error`` once, then doubles its input."""
+
+    platform = "test"
+
+    def __init__(self, error: BaseException) -> None:
+        self.error: BaseException | None = error
+
+    def infer(self, inputs: list[NamedTensor]) -> list[NamedTensor]:
+        error, self.error = self.error, None
+        if error is not None:
+            raise error
+        return [NamedTensor("y", DType.FP32, inputs[0].data * 2)]
+
+
+class AsyncRaisingOnce(RaisingOnce):
+    """The same as an ``async def infer``, run on the event loop."""
+
+    async def infer(self, inputs: list[NamedTensor]) -> list[NamedTensor]:
+        await asyncio.sleep(0)
+        return super().infer(inputs)
+
+
+def cancelled_future_result() -> None:
+    """What a model meets when a future of its own is cancelled: concurrent.futures' CancelledError."""
+    future = concurrent.futures.Future()
+    future.cancel()
+    future.result()
+
+
+def caught(call) -> BaseException:
+    try:
+        call()
+    except BaseException as error:
+        return error
+    raise AssertionError("did not raise")
+
+
+@pytest.mark.parametrize("coroutine", [False, True], ids=["thread", "coroutine"])
+@pytest.mark.parametrize("error, message", [
+    (SystemExit(3), "SystemExit: 3"),
+    (KeyboardInterrupt(), "KeyboardInterrupt$"),
+    (caught(cancelled_future_result), "CancelledError$"),
+    (asyncio.CancelledError("an awaited call of the model's was cancelled"),
+     "CancelledError: an awaited call of the model's was cancelled"),
+], ids=["sys.exit", "KeyboardInterrupt", "futures.CancelledError", "asyncio.CancelledError"])
+def test_whatever_infer_raises_is_a_model_fault_and_the_model_serves_on(error, message, coroutine) -> None:
+    """Defects: sys.exit() in a plugin's infer ended the server; concurrent.futures' CancelledError from a
+    sync infer was taken for the pool's shutdown, leaving the request unanswered and its slot taken for good;
+    an async infer's own CancelledError was taken for the caller's, leaving the request unanswered."""
+    async def scenario() -> None:
+        stats = ModelStats()
+        backend = (AsyncRaisingOnce if coroutine else RaisingOnce)(error)
+        scheduler = ModelScheduler("m", backend, SIGNATURE, capacity=4, instances=1, stats=stats)
+        with pytest.raises(ModelFailure, match=f"^model 'm' failed: {message}"):
+            await asyncio.wait_for(scheduler.submit(rows(1), 1, 0), 5)
+        assert float((await asyncio.wait_for(scheduler.submit(rows(2), 1, 0), 5))[0].data[0, 0]) == 4
+        assert stats.execution_count == 1  # the failed execution was counted as one that did not succeed
+        assert scheduler.running_threads == 0
+        await asyncio.wait_for(scheduler.drain(), 5)
+    run(scenario())
+
+
+class CancelledInBatches(AwaitingDouble):
+    """Doubles a lone request; an awaited call of its own is cancelled when it runs a coalesced batch."""
+
+    async def infer(self, inputs: list[NamedTensor]) -> list[NamedTensor]:
+        outputs = await super().infer(inputs)
+        if len(inputs[0].data) > 1:
+            raise asyncio.CancelledError()
+        return outputs
+
+
+def test_a_coroutine_infer_raising_cancelled_error_in_a_batch_fails_each_request() -> None:
+    async def scenario() -> None:
+        backend = CancelledInBatches()
+        policy = BatchPolicy.resolve(BatchingSettings(), SIGNATURE, "test")
+        scheduler = ModelScheduler("m", backend, SIGNATURE, capacity=8, instances=1, stats=ModelStats(),
+                                   policy=policy)
+        first = asyncio.create_task(scheduler.submit(rows(1), 1, 0))  # runs alone, at once, and waits
+        await asyncio.sleep(0.02)
+        queued = [asyncio.create_task(scheduler.submit(rows(v), 1, 0)) for v in (2, 3)]
+        await asyncio.sleep(0.02)
+        backend.gate.set()
+        assert float((await first)[0].data[0, 0]) == 2
+        for task in queued:
+            with pytest.raises(ModelFailure, match="^model 'm' failed: CancelledError$"):
+                await asyncio.wait_for(task, 5)
+        assert float((await asyncio.wait_for(scheduler.submit(rows(4), 1, 0), 5))[0].data[0, 0]) == 8
+        await scheduler.drain()
+    run(scenario())
+
+
+def test_a_caller_going_away_still_cancels_a_running_coroutine_infer() -> None:
+    """The model's own CancelledError is a fault; the caller's own cancellation is not swallowed."""
+    async def scenario() -> None:
+        backend = AwaitingDouble()
+        scheduler = ModelScheduler("m", backend, SIGNATURE, capacity=4, instances=1, stats=ModelStats())
+        caller = asyncio.create_task(scheduler.submit(rows(1), 1, 0))
+        await asyncio.sleep(0.02)
+        caller.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await caller
+        backend.gate.set()
+        assert float((await scheduler.submit(rows(2), 1, 0))[0].data[0, 0]) == 4
         await scheduler.drain()
     run(scenario())
