@@ -14,6 +14,7 @@ import collections
 import concurrent.futures
 import inspect
 import logging
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
@@ -116,7 +117,7 @@ class ModelScheduler:
             # A coroutine infer runs in this very task and reads its deadline from the context.
             deadline = REQUEST_DEADLINE_NS.set(deadline_ns) if self._inline else None
             try:
-                (outputs,) = await self._run(inputs, [rows], cost, [time.monotonic_ns() - arrived_ns], 0)
+                (outputs,) = await self._run([inputs], [rows], cost, [time.monotonic_ns() - arrived_ns], 0)
                 return outputs
             finally:
                 if deadline is not None:
@@ -264,16 +265,9 @@ class ModelScheduler:
         # This task's own context: the batch's earliest deadline, for a coroutine infer.
         REQUEST_DEADLINE_NS.set(min((w.deadline_ns for w in live if w.deadline_ns), default=0))
         try:
-            padded = False
-            if len(live) == 1:
-                inputs = live[0].inputs  # a lone request: the model pads it itself if it must
-            else:
-                total = sum(w.rows for w in live)
-                run_rows = self._backend.padded_rows(total) if self._pads else total
-                inputs, padded = _concatenate([w.inputs for w in live], run_rows), run_rows > total
-            results = await self._run(inputs, [w.rows for w in live], sum(w.cost for w in live),
-                                      [now - w.enqueued_ns for w in live], time.monotonic_ns() - now, padded)
-        except NereidError as error:
+            results = await self._run([w.inputs for w in live], [w.rows for w in live], sum(w.cost for w in live),
+                                      [now - w.enqueued_ns for w in live], now)
+        except NereidError as error:  # every failure _run reports (a CancelledError is this task's own)
             for work in live:
                 if not work.future.cancelled():
                     work.future.set_exception(error)
@@ -282,21 +276,25 @@ class ModelScheduler:
             if not work.future.cancelled():
                 work.future.set_result(result)
 
-    async def _run(self, inputs: list[NamedTensor], rows: list[int], cost: int, queue_ns: list[int],
-                   input_ns: int, padded: bool = False) -> list[list[NamedTensor]]:
-        """One execution for requests of ``rows`` rows each; returns each one's rows of the outputs.
+    async def _run(self, requests: list[list[NamedTensor]], rows: list[int], cost: int, queue_ns: list[int],
+                   assembly_start_ns: int) -> list[list[NamedTensor]]:
+        """One execution of ``requests`` (of ``rows`` rows each); returns each one's rows of the outputs.
 
-        ``input_ns`` is the time it took to assemble ``inputs``; ``padded``: they
-        end in padding rows, whose results are dropped. Any failure is raised as
-        a NereidError naming the model: model code can raise anything
-        (``sys.exit()`` included), and no request may be left unanswered.
+        Several requests are stacked into one batch first; ``assembly_start_ns``
+        (0: none) is when that began, for the input-time statistics. Any failure,
+        the batch's assembly included, is raised as a NereidError naming the
+        model: model code can raise anything (``sys.exit()`` included), and a
+        request of the batch must never be left unanswered.
         """
         self._stats.execution_started()
         total = sum(rows)
-        infer_ns = output_ns = 0
+        input_ns = infer_ns = output_ns = 0
         succeeded = False
         try:
+            inputs, padded = self._assemble(requests, total)
             start = time.monotonic_ns()
+            if assembly_start_ns:
+                input_ns = start - assembly_start_ns
             outputs = await self._infer(inputs)
             infer_ns = time.monotonic_ns() - start
             if padded:
@@ -325,6 +323,24 @@ class ModelScheduler:
         log.error("model '%s' raised%s", self.name, f" in {during}" if during else "", exc_info=error)
         return ModelFailure(f"model '{self.name}' failed: {during + ': ' if during else ''}"
                             f"{describe_exception(error)}")
+
+    def _assemble(self, requests: list[list[NamedTensor]], total: int) -> tuple[list[NamedTensor], bool]:
+        """An execution's inputs: a lone request's own, or the requests' rows stacked; and whether padded."""
+        if len(requests) == 1:
+            return requests[0], False  # a lone request: the model pads it itself if it must
+        run_rows = self._padded_rows(total) if self._pads else total
+        return _concatenate(requests, run_rows), run_rows > total
+
+    def _padded_rows(self, rows: int) -> int:
+        """The backend's run size for a batch of ``rows`` rows, held to being at least ``rows``."""
+        try:
+            padded = operator.index(self._backend.padded_rows(rows))
+        except Exception as err:
+            raise self._model_fault(err, f"padded_rows({rows})") from err
+        if padded < rows:  # fewer rows would cut requests' rows off the batch
+            raise ModelFailure(f"model '{self.name}' failed: padded_rows({rows}) returned {padded}, "
+                               f"expected at least {rows}")
+        return padded
 
     async def _infer(self, inputs: list[NamedTensor]) -> list[NamedTensor]:
         if self._inline:

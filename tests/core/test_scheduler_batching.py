@@ -302,3 +302,41 @@ def test_served_subprocess_model_runs_one_process_per_batch(repo, serve) -> None
     stats = server.client.get_inference_statistics("echo").model_stats[0]
     assert stats.execution_count == len(shapes) and stats.inference_count == 6
     assert sum(b.compute_infer.count * b.batch_size for b in stats.batch_stats) == 6
+
+
+class BadPadding(PaddingBackend):
+    """A PadsBatches backend whose padded_rows raises, or answers fewer rows than it was asked for."""
+
+    def __init__(self, fault: str) -> None:
+        super().__init__()
+        self.fault = fault
+
+    def padded_rows(self, rows: int) -> int:
+        if self.fault == "raises":
+            raise RuntimeError("no compiled size fits")
+        return rows - 1
+
+
+@pytest.mark.parametrize("fault, message", [
+    ("raises", r"padded_rows\(2\): RuntimeError: no compiled size fits"),
+    ("fewer", r"padded_rows\(2\) returned 1, expected at least 2$"),
+])
+def test_a_failing_padded_rows_fails_each_request_of_the_batch_and_the_model_serves_on(fault, message) -> None:
+    """Defect: padded_rows and the batch's assembly ran outside the execution's error handling: every
+    request of the coalesced batch went unanswered ("Task exception was never retrieved")."""
+    async def scenario() -> None:
+        backend = BadPadding(fault)
+        stats = ModelStats()
+        scheduler = ModelScheduler("m", backend, FIXED, 64, 1, stats, policy())
+        blocker = await start_blocked(scheduler, backend)
+        doomed = [asyncio.create_task(scheduler.submit(request(v), 1, 0)) for v in (1, 2)]
+        await asyncio.sleep(0.05)
+        backend.gate.set()
+        await blocker
+        for task in doomed:
+            with pytest.raises(ModelFailure, match=f"^model 'm' failed: {message}"):
+                await asyncio.wait_for(task, 5)
+        assert stats.batcher.total_batches == 2 and stats.execution_count == 1  # counted, as failed
+        assert float((await scheduler.submit(request(5), 1, 0))[0].data[0, 0]) == 10
+        await scheduler.drain()
+    run(scenario())
