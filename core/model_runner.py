@@ -8,11 +8,12 @@ request which hooks a model has.
 from __future__ import annotations
 
 import asyncio
-from typing import Awaitable, Callable
+import inspect
+from typing import Any, Awaitable, Callable
 
 from nereid.backend import Model, Postprocesses, Preprocesses
 from nereid.errors import InvalidArgument, ModelFailure, NereidError, same_kind
-from nereid.scheduler import ModelScheduler
+from nereid.scheduler import MODEL_EXITS, ModelScheduler, describe_exception
 from nereid.signature import ModelSignature, check_outputs, validate_inputs
 from nereid.tensors import NamedTensor
 
@@ -55,19 +56,54 @@ def _program_inputs(model: str, batch_signature: ModelSignature, tensors: list[N
         return validate_inputs(model, batch_signature, tensors).tensors
     except InvalidArgument as err:
         detail = str(err).removeprefix(f"model '{model}': ")
-        raise ModelFailure(f"model '{model}': the preprocess hook returned tensors the program cannot take: "
-                           f"{detail}") from None
+    except Exception as err:  # a NamedTensor whose data is no array (validation reads its shape)
+        detail = describe_exception(err)
+    raise ModelFailure(f"model '{model}': the preprocess hook returned tensors the program cannot take: "
+                       f"{detail}") from None
 
 
 async def _call_hook(model: str, hook: str, function: Callable[[list[NamedTensor]], list[NamedTensor]],
                      tensors: list[NamedTensor]) -> list[NamedTensor]:
-    # Hooks run on worker threads, so hooks of different requests overlap.
+    """Run a hook on a worker thread (so hooks of different requests overlap); its result, checked."""
     try:
-        return await asyncio.to_thread(function, tensors)
+        result = await asyncio.to_thread(function, tensors)
     except NereidError as err:
         if str(err).startswith(f"model '{model}'"):
             raise
         # A hook's own refusal (InvalidArgument, ...): same kind, naming the model as every message does.
         raise same_kind(err, f"model '{model}': {err}") from err
-    except Exception as err:
-        raise ModelFailure(f"model '{model}': {hook} hook failed: {type(err).__name__}: {err}") from err
+    except (Exception, *MODEL_EXITS) as err:  # sys.exit() in a hook must not end the server
+        raise _hook_failure(model, hook, err) from err
+    except asyncio.CancelledError as err:
+        # The hook's own (a future it waited on was cancelled; the thread's CancelledError arrives as
+        # asyncio's), unless this request's task was cancelled: then the caller went away.
+        if asyncio.current_task().cancelling():
+            raise
+        raise _hook_failure(model, hook, err) from err
+    _check_hook_result(model, hook, result)
+    return result
+
+
+def _hook_failure(model: str, hook: str, error: BaseException) -> ModelFailure:
+    return ModelFailure(f"model '{model}': {hook} hook failed: {describe_exception(error)}")
+
+
+def _check_hook_result(model: str, hook: str, result: Any) -> None:
+    """ModelFailure naming the hook and what it returned, unless ``result`` is a list of NamedTensor.
+
+    What the hook returns goes on to code that reads tensors' names and
+    shapes; anything else would fail there with an error naming neither.
+    """
+    if isinstance(result, list) and all(isinstance(item, NamedTensor) for item in result):
+        return
+    if inspect.isawaitable(result):
+        if inspect.iscoroutine(result):
+            result.close()  # never run, and never "was never awaited" in the log
+        got = (f"a {type(result).__name__} (hooks are called on a worker thread, where an async def hook's "
+               "coroutine never runs: make it a plain function)")
+    elif isinstance(result, list):
+        index, item = next((i, item) for i, item in enumerate(result) if not isinstance(item, NamedTensor))
+        got = f"a list whose item {index} is {type(item).__name__} {item!r:.100}"
+    else:
+        got = f"{type(result).__name__} {result!r:.100}"
+    raise ModelFailure(f"model '{model}': the {hook} hook returned {got}, expected a list of NamedTensor")

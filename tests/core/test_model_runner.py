@@ -1,0 +1,133 @@
+"""A model's request path with hooks (nereid.model_runner): whatever a preprocess / postprocess hook raises or
+returns, the request gets one answer naming the model and the hook, and the model serves on."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from typing import Callable
+
+import numpy as np
+import pytest
+
+from nereid.dtypes import DType
+from nereid.errors import ModelFailure
+from nereid.model_runner import Runner, make_runner
+from nereid.scheduler import ModelScheduler
+from nereid.signature import ModelSignature, TensorSpec
+from nereid.stats import ModelStats
+from nereid.tensors import NamedTensor
+
+SIGNATURE = ModelSignature((TensorSpec("x", DType.FP32, (2,)),), (TensorSpec("y", DType.FP32, (2,)),), 4)
+
+Hook = Callable[[list[NamedTensor]], object]
+
+
+def identity(tensors: list[NamedTensor]) -> list[NamedTensor]:
+    return tensors
+
+
+class Hooked:
+    """Doubles its input between a preprocess and a postprocess hook, whose bodies are ``pre`` and ``post``."""
+
+    platform = "test"
+
+    def __init__(self, pre: Hook = identity, post: Hook = identity) -> None:
+        self.pre, self.post = pre, post
+
+    def preprocess(self, inputs: list[NamedTensor]) -> list[NamedTensor]:
+        return self.pre(inputs)
+
+    def infer(self, inputs: list[NamedTensor]) -> list[NamedTensor]:
+        return [NamedTensor("y", DType.FP32, inputs[0].data * 2)]
+
+    def postprocess(self, outputs: list[NamedTensor]) -> list[NamedTensor]:
+        return self.post(outputs)
+
+
+def rows(value: float) -> list[NamedTensor]:
+    return [NamedTensor("x", DType.FP32, np.full((1, 2), value, dtype=np.float32))]
+
+
+async def serve(backend: Hooked) -> tuple[Runner, ModelScheduler]:
+    scheduler = ModelScheduler("m", backend, SIGNATURE, capacity=4, instances=1, stats=ModelStats())
+    return make_runner(backend, SIGNATURE, SIGNATURE, scheduler), scheduler
+
+
+async def coroutine_hook(tensors: list[NamedTensor]) -> list[NamedTensor]:
+    return tensors
+
+
+def raises(error: BaseException) -> Hook:
+    def hook(tensors: list[NamedTensor]) -> list[NamedTensor]:
+        raise error
+    return hook
+
+
+def cancelled_future(tensors: list[NamedTensor]) -> list[NamedTensor]:
+    future = concurrent.futures.Future()
+    future.cancel()
+    return future.result()
+
+
+RESULTS = [
+    (lambda tensors: None, "returned NoneType None, expected a list of NamedTensor"),
+    (lambda tensors: [t.data for t in tensors], r"returned a list whose item 0 is ndarray array\(\[\[\d"),
+    (lambda tensors: tuple(tensors), r"returned tuple \(NamedTensor\("),
+    (coroutine_hook, r"returned a coroutine \(hooks are called on a worker thread, where an async def hook's "
+                     r"coroutine never runs: make it a plain function\), expected a list of NamedTensor$"),
+]
+FAILURES = [
+    (raises(SystemExit(3)), "failed: SystemExit: 3$"),
+    (raises(KeyboardInterrupt()), "failed: KeyboardInterrupt$"),
+    (cancelled_future, "failed: CancelledError$"),
+]
+
+
+@pytest.mark.parametrize("hook", ["preprocess", "postprocess"])
+@pytest.mark.parametrize("body, message", RESULTS + FAILURES,
+                         ids=["None", "arrays", "tuple", "async def", "sys.exit", "KeyboardInterrupt",
+                              "futures.CancelledError"])
+def test_a_hook_returning_or_raising_anything_is_a_model_fault_naming_it(hook: str, body: Hook,
+                                                                         message: str) -> None:
+    """Defects: a hook returning the wrong type let a raw TypeError / AttributeError escape, naming no model
+    or hook (and uncounted); sys.exit() in a hook (an xla bundle's model.py) ended the whole server."""
+    async def scenario() -> None:
+        backend = Hooked(**{hook[:-len("process")]: body})
+        run, scheduler = await serve(backend)
+        with pytest.raises(ModelFailure, match=f"^model 'm': (the )?{hook} hook {message}"):
+            await asyncio.wait_for(run(rows(1), 1, 0), 5)
+        setattr(backend, hook[:-len("process")], identity)
+        assert (await asyncio.wait_for(run(rows(2), 1, 0), 5))[0].data.tolist() == [[4, 4]]
+        await scheduler.drain()
+    asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+def test_preprocess_tensors_holding_no_array_are_a_model_fault() -> None:
+    async def scenario() -> None:
+        run, scheduler = await serve(Hooked(pre=lambda tensors: [NamedTensor("x", DType.FP32, [[1.0, 1.0]])]))
+        with pytest.raises(ModelFailure, match="^model 'm': the preprocess hook returned tensors the program "
+                                               "cannot take: AttributeError: "):
+            await run(rows(1), 1, 0)
+        await scheduler.drain()
+    asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+def test_a_caller_going_away_during_a_hook_is_still_a_cancellation() -> None:
+    async def scenario() -> None:
+        started = concurrent.futures.Future()
+        release = concurrent.futures.Future()
+
+        def slow(tensors: list[NamedTensor]) -> list[NamedTensor]:
+            started.set_result(None)
+            release.result(10)
+            return tensors
+        run, scheduler = await serve(Hooked(pre=slow))
+        caller = asyncio.create_task(run(rows(1), 1, 0))
+        await asyncio.wrap_future(started)
+        caller.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await caller
+        release.set_result(None)
+        await scheduler.drain()
+    asyncio.run(asyncio.wait_for(scenario(), 30))
