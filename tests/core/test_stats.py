@@ -59,6 +59,36 @@ def test_a_snapshot_is_consistent_and_independent():
     assert snapshot.request_seconds.counts != stats.request_seconds.counts
 
 
+def test_a_snapshot_shares_nothing_mutable_with_the_live_figures():
+    """The snapshot copies field by field (a deepcopy held the lock for ~0.6 ms): every field that can
+    change in place must be a copy, including any field added later."""
+    def record(stats: ModelStats) -> None:
+        stats.record_submitted()
+        stats.execution_started()
+        stats.execution_finished(3, 3, [10, 20], 1, 2, 3, True)
+        stats.record_success(100, 3)
+        stats.record_failure(50, "internal")
+
+    stats = ModelStats()
+    record(stats)
+    snapshot = stats.snapshot()
+    frozen = repr(vars(snapshot))
+    record(stats)
+    assert repr(vars(snapshot)) == frozen  # nothing the live figures changed shows in the snapshot
+
+    def mutable_parts(value, path):
+        if isinstance(value, (int, float, str, bytes, tuple, type(None))):
+            return
+        yield path, value
+        inner = value.items() if isinstance(value, dict) else getattr(value, "__dict__", {}).items()
+        for key, item in inner:
+            yield from mutable_parts(item, f"{path}.{key}")
+    live = dict(mutable_parts(stats, "stats"))
+    for path, part in mutable_parts(snapshot, "stats"):
+        if path != "stats._lock":
+            assert part is not live.get(path), f"{path} is shared"
+
+
 def test_concurrent_recording_loses_nothing():
     stats = ModelStats()
 
