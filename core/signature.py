@@ -12,9 +12,11 @@ import functools
 import math
 from collections import Counter
 from dataclasses import dataclass
+from itertools import repeat
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable
 
+import numpy as np
 from google.protobuf import text_format
 
 from nereid._proto import model_inference_pb2
@@ -239,16 +241,30 @@ def check_outputs(model: str, signature: ModelSignature, outputs: list[NamedTens
     """Hold a backend (or hook) to the declared outputs, so a bad one fails loudly, not on the wire.
 
     Raises ModelFailure naming the model, the output, and what was expected.
+    The data must be what its DType says (a numpy array of the DType's numpy
+    dtype; BYTES: an object array of bytes or str), not only be tagged so: the
+    protocol encoders trust the tag, and read other data differently (float32
+    bits tagged as int32 over gRPC, their values over HTTP) or fail naming no
+    model.
     """
     expected = signature.outputs
     names = [getattr(t, "name", None) for t in outputs] if isinstance(outputs, list) else None
     if names != signature.output_names:
         raise ModelFailure(f"model '{model}' returned outputs {names}, expected {signature.output_names}")
     for tensor, spec in zip(outputs, expected):
-        shape = tensor.shape
         if tensor.dtype is not spec.dtype:
             raise ModelFailure(f"model '{model}' returned output '{spec.name}' as "
-                               f"{tensor.dtype.kserve}, expected {spec.dtype.kserve}")
+                               f"{_tag(tensor.dtype)}, expected {spec.dtype.kserve}")
+        data = tensor.data
+        wanted = spec.dtype.numpy
+        # ``is`` first: numpy's built-in dtypes are shared objects, so the usual case costs no comparison.
+        if not isinstance(data, np.ndarray) or (data.dtype is not wanted and data.dtype != wanted):
+            raise ModelFailure(f"model '{model}' returned output '{spec.name}' tagged {spec.dtype.kserve} holding "
+                               f"{_array_text(data)}, expected a numpy ndarray of {wanted}")
+        if spec.dtype is DType.BYTES and not all(map(isinstance, data.ravel(), repeat(_TEXT))):
+            raise ModelFailure(f"model '{model}' returned output '{spec.name}' tagged {spec.dtype.kserve} holding "
+                               f"{_first_non_text(data)}, expected bytes or str elements")
+        shape = data.shape
         if signature.batches:
             ok = len(shape) == len(spec.dims) + 1 and shape[0] == batch_size and dims_match(shape[1:], spec.dims)
             expected_shape = [batch_size, *spec.dims]
@@ -258,6 +274,29 @@ def check_outputs(model: str, signature: ModelSignature, outputs: list[NamedTens
         if not ok:
             raise ModelFailure(f"model '{model}' returned output '{spec.name}' with shape "
                                f"{list(shape)}, expected {expected_shape}")
+
+
+# What a BYTES element may be (nereid.tensors.join_bytes_elements encodes str as UTF-8).
+_TEXT = (bytes, str)
+
+
+def _tag(dtype: Any) -> str:
+    """A tensor's DType as its wire string; anything else (a string where a DType belongs) as its repr."""
+    return dtype.name if isinstance(dtype, DType) else f"{dtype!r:.100}"
+
+
+def _array_text(data: Any) -> str:
+    """What an output's data is, for a message: its type and dtype (``a numpy ndarray of int64``)."""
+    kind = type(data)
+    name = "numpy ndarray" if kind is np.ndarray else f"{kind.__module__}.{kind.__qualname__}"
+    dtype = getattr(data, "dtype", None)
+    return f"a {name}" + (f" of {dtype}" if dtype is not None else "")
+
+
+def _first_non_text(data: np.ndarray) -> str:
+    """The first element of an object array that is neither bytes nor str, for a message."""
+    index, element = next((i, e) for i, e in enumerate(data.ravel()) if not isinstance(e, _TEXT))
+    return f"element {index} of type {type(element).__name__} ({element!r:.60})"
 
 
 def _index_by_name(model: str, signature: ModelSignature, tensors: list[NamedTensor]) -> dict[str, NamedTensor]:

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from nereid.dtypes import DType
-from nereid.errors import ConfigError, InvalidArgument
-from nereid.signature import ModelSignature, TensorSpec, load_textproto_signature, validate_inputs
+from nereid.errors import ConfigError, InvalidArgument, ModelFailure
+from nereid.signature import ModelSignature, TensorSpec, check_outputs, load_textproto_signature, validate_inputs
 from nereid.tensors import NamedTensor
 
 
@@ -93,3 +93,60 @@ def test_inputs_must_agree_on_batch_size() -> None:
         validate_inputs("m", sig, [tensor("a", (3, 2)), tensor("b", (2, 2))])
     with pytest.raises(InvalidArgument, match="'b': no batch axis"):
         validate_inputs("m", sig, [tensor("a", (3, 2)), tensor("b", (2,))])
+
+
+FP32_OUT = ModelSignature((), (TensorSpec("y", DType.FP32, (2,)),), 4)
+BYTES_OUT = ModelSignature((), (TensorSpec("y", DType.BYTES, (2,)),), 4)
+
+
+class ArrayLike:
+    """An array of another library (a jax array): a shape and a dtype, but no numpy ndarray."""
+
+    shape = (1, 2)
+    dtype = np.dtype(np.float32)
+
+
+def objects(*elements: object) -> np.ndarray:
+    array = np.empty((1, len(elements)), dtype=object)
+    array[0, :] = elements
+    return array
+
+
+@pytest.mark.parametrize("sig, data", [
+    (FP32_OUT, np.zeros((1, 2), np.float32)),
+    (FP32_OUT, np.zeros((2, 4), np.float32)[:1, ::2]),  # a strided view is still float32
+    (FP32_OUT, np.frombuffer(bytes(8), np.dtype("<f4")).reshape(1, 2)),  # as a wire decoder makes it
+    (ModelSignature((), (TensorSpec("y", DType.BF16, (2,)),), 4), np.zeros((1, 2), DType.BF16.numpy)),
+    (BYTES_OUT, objects(b"a", "b")),  # str is UTF-8 encoded on the wire
+    (BYTES_OUT, objects(np.bytes_(b"a"), np.str_("b"))),
+])
+def test_check_outputs_takes_data_that_is_what_its_dtype_says(sig: ModelSignature, data: np.ndarray) -> None:
+    dtype = sig.outputs[0].dtype
+    check_outputs("m", sig, [NamedTensor("y", dtype, data)], 1)
+
+
+@pytest.mark.parametrize("sig, data, got", [
+    (FP32_OUT, np.zeros((1, 2), np.float32).view(np.int32), "a numpy ndarray of int32"),
+    (FP32_OUT, np.zeros((1, 2), np.int64), "a numpy ndarray of int64"),
+    (FP32_OUT, np.zeros((1, 2), np.float64), "a numpy ndarray of float64"),
+    (FP32_OUT, np.zeros((1, 2), ">f4"), "a numpy ndarray of >f4"),
+    (FP32_OUT, np.full((1, 2), "abc"), "a numpy ndarray of <U3"),
+    (FP32_OUT, [[0.0, 0.0]], "a builtins.list"),
+    (FP32_OUT, ArrayLike(), r"a [\w.]*test_signature.ArrayLike of float32"),
+    (BYTES_OUT, np.array([[b"a", b"b"]]), "a numpy ndarray of |S1"),
+    (BYTES_OUT, objects(b"a", 3), r"element 1 of type int \(3\)"),
+    (BYTES_OUT, objects(None, b"a"), r"element 0 of type NoneType \(None\)"),
+])
+def test_check_outputs_refuses_data_that_is_not_what_its_dtype_says(sig: ModelSignature, data: object,
+                                                                     got: str) -> None:
+    """Defect: only the DType tag and the shape were checked, so float32 bits tagged FP32 but held as int32
+    answered differently over gRPC and HTTP, and a jax array or str data failed naming no model."""
+    dtype = sig.outputs[0].dtype
+    with pytest.raises(ModelFailure, match=f"^model 'm' returned output 'y' tagged {dtype.kserve} holding {got}, "
+                                           "expected "):
+        check_outputs("m", sig, [NamedTensor("y", dtype, data)], 1)
+
+
+def test_check_outputs_names_a_tag_that_is_no_dtype() -> None:
+    with pytest.raises(ModelFailure, match="^model 'm' returned output 'y' as 'FP32', expected FP32$"):
+        check_outputs("m", FP32_OUT, [NamedTensor("y", "FP32", np.zeros((1, 2), np.float32))], 1)
