@@ -13,13 +13,14 @@ from pathlib import Path
 from nereid.backend import ModelContext, ReportsRuntime
 from nereid.errors import ConfigError
 from nereid.files import check_confined
-from nereid.plugins import check_backend_defaults, make_plugin_manager
+from nereid.plugins import NereidPluginManager, add_commands, check_backend_defaults, error_text, make_plugin_manager
 from nereid.repository import build_model
 from nereid.storage import list_model_folders, materialize_model_folder
 from nereid.settings import Settings, address_problem, load_settings
 
 DEFAULT_CONFIG = Path("nereid.yaml")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,7 +37,12 @@ def main(argv: list[str] | None = None) -> int:
     # Checked here, so that a misspelt level is a usage error listing the levels, not a traceback from logging.
     serve.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, metavar="LEVEL",
                        help=f"logging level: {', '.join(LOG_LEVELS)} (any case; default INFO)")
-    make_plugin_manager().hook.nereid_add_commands(commands=commands)  # backends' own tooling
+    # Configured before the plugins load (their commands must be known to parse the command line), so that a
+    # plugin left out is logged as an ERROR line; serve's --log-level applies once parsed.
+    logging.basicConfig(level=logging.WARNING, format=LOG_FORMAT)
+    # One manager for the whole command, so that a plugin left out is logged once.
+    manager = make_plugin_manager()
+    add_commands(manager, commands)  # backends' own tooling
     args = parser.parse_args(argv)
     if "run" in args:
         return args.run(args)
@@ -47,11 +53,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     if args.command == "check":
-        return check(settings)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        return check(settings, manager)
+    logging.getLogger().setLevel(args.log_level)
     # jax reports at INFO that it found no TPU; that is no news to a CPU or GPU server.
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
-    return serve_command(settings, args.bind)
+    return serve_command(settings, args.bind, manager)
 
 
 def _bind_address(text: str) -> str:
@@ -62,18 +68,23 @@ def _bind_address(text: str) -> str:
     return text
 
 
-def serve_command(settings: Settings, bind_addr: str | None) -> int:
-    """Run the server until a signal; 0 after a graceful stop."""
+def serve_command(settings: Settings, bind_addr: str | None, manager: NereidPluginManager | None = None) -> int:
+    """Run the server until a signal; 0 after a graceful stop.
+
+    An installed plugin that could not be loaded was logged and is left out: the
+    server serves what the others claim.
+    """
     from nereid.server import NereidServer  # grpc is only needed to serve
 
+    manager = manager or make_plugin_manager()
     try:
-        check_backend_defaults(make_plugin_manager(), settings.backend_defaults, settings.source)
+        check_backend_defaults(manager, settings.backend_defaults, settings.source)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
 
     async def run() -> None:
-        await NereidServer(settings, bind_addr=bind_addr).serve_until_signalled()
+        await NereidServer(settings, manager, bind_addr=bind_addr).serve_until_signalled()
 
     try:
         asyncio.run(run())
@@ -83,10 +94,16 @@ def serve_command(settings: Settings, bind_addr: str | None) -> int:
     return 0
 
 
-def check(settings: Settings) -> int:
-    """Load every model folder once and print one line per model; 1 if any has a problem."""
-    manager = make_plugin_manager()
-    root = settings.server.ml_backends_path
+def check(settings: Settings, manager: NereidPluginManager | None = None) -> int:
+    """Load every model folder once and print one line per model; 1 if any has a problem.
+
+    An installed plugin left out (it cannot be loaded, or its
+    ``nereid_add_commands`` failed) is a problem too, listed before the models:
+    what it should serve would otherwise only show as unclaimed folders.
+    """
+    manager = manager or make_plugin_manager()
+    for problem in manager.problems:
+        print(f"{problem.plugin}: {problem.what}")
     problems = 0
     try:
         check_backend_defaults(manager, settings.backend_defaults, settings.source)
@@ -99,38 +116,54 @@ def check(settings: Settings) -> int:
         if settings.server.ml_backends_url is not None:  # a store that cannot be listed: check the listed models
             names = sorted({*names, *(m.name for m in settings.models)})
         for name in names:
-            model_settings, origin = settings.model_or_default(name)
-            listed = settings.model(name) is not None
-            suffix = "" if listed or not settings.models_listed else " (not listed in nereid.yaml)"
-            context = ModelContext(name, root / name, model_settings, scratch, origin)
-            try:
-                materialize_model_folder(settings.server, name)  # from an object store: fetch it first
-                check_confined(root / name, root, settings.server.follow_symlinks)
-                built = build_model(manager, context, settings.backend_defaults, settings.source)
-            except Exception as err:
-                problems += 1
-                print(f"{name}: UNAVAILABLE: {str(err).strip() or type(err).__name__}{suffix}")
-                continue
-            runtime = ""
-            if isinstance(built.backend, ReportsRuntime):
-                report = built.backend.runtime_report()
-                runtime = f" {report.summary}" if report.summary else ""
-                if report.warm_parent_resident_bytes is not None:
-                    runtime += f" warm_parent_rss={report.warm_parent_resident_bytes / 2**20:.1f}MiB"
-            try:
-                built.backend.unload()
-            finally:
-                signature = built.signature
-                inputs = ", ".join(f"{s.name} {s.dtype.kserve}{list(s.dims)}" for s in signature.inputs)
-                outputs = ", ".join(f"{s.name} {s.dtype.kserve}{list(s.dims)}" for s in signature.outputs)
-                batching = "on" if built.policy.enabled else "off"
-                print(f"{name}: OK backend={built.backend_name} device={model_settings.device} "
-                      f"max_batch_size={signature.max_batch_size} batching={batching} "
-                      f"inputs=[{inputs}] outputs=[{outputs}]{runtime}{suffix}")
+            problems += 0 if _check_model(settings, manager, scratch, name) else 1
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    print(f"{settings.source}: {'OK' if not problems else f'{problems} model(s) with problems'}")
-    return 1 if problems else 0
+    summary = [f"{problems} model(s) with problems"] if problems else []
+    if manager.problems:
+        summary.append(f"{len(manager.problems)} plugin problem(s)")
+    print(f"{settings.source}: {', '.join(summary) or 'OK'}")
+    return 1 if problems or manager.problems else 0
+
+
+def _check_model(settings: Settings, manager: NereidPluginManager, scratch: Path, name: str) -> bool:
+    """Load and unload one model, printing its line; False if it has a problem.
+
+    A model whose ``unload`` fails is reported on its line, and the check goes
+    on with the next model.
+    """
+    root = settings.server.ml_backends_path
+    model_settings, origin = settings.model_or_default(name)
+    listed = settings.model(name) is not None
+    suffix = "" if listed or not settings.models_listed else " (not listed in nereid.yaml)"
+    context = ModelContext(name, root / name, model_settings, scratch, origin)
+    try:
+        materialize_model_folder(settings.server, name)  # from an object store: fetch it first
+        check_confined(root / name, root, settings.server.follow_symlinks)
+        built = build_model(manager, context, settings.backend_defaults, settings.source)
+    except Exception as err:
+        print(f"{name}: UNAVAILABLE: {str(err).strip() or type(err).__name__}{suffix}")
+        return False
+    runtime = ""
+    if isinstance(built.backend, ReportsRuntime):
+        report = built.backend.runtime_report()
+        runtime = f" {report.summary}" if report.summary else ""
+        if report.warm_parent_resident_bytes is not None:
+            runtime += f" warm_parent_rss={report.warm_parent_resident_bytes / 2**20:.1f}MiB"
+    try:
+        built.backend.unload()
+    except Exception as err:  # the model's fault, not the check's: say so on its line and go on
+        status = f"UNLOAD FAILED: {error_text(err)}; loaded as"
+    else:
+        status = "OK"
+    signature = built.signature
+    inputs = ", ".join(f"{s.name} {s.dtype.kserve}{list(s.dims)}" for s in signature.inputs)
+    outputs = ", ".join(f"{s.name} {s.dtype.kserve}{list(s.dims)}" for s in signature.outputs)
+    batching = "on" if built.policy.enabled else "off"
+    print(f"{name}: {status} backend={built.backend_name} device={model_settings.device} "
+          f"max_batch_size={signature.max_batch_size} batching={batching} "
+          f"inputs=[{inputs}] outputs=[{outputs}]{runtime}{suffix}")
+    return status == "OK"
 
 
 if __name__ == "__main__":

@@ -1,17 +1,29 @@
-"""Building the plugin manager and asking backends to claim a folder."""
+"""Building the plugin manager and asking backends to claim a folder.
+
+One broken installed plugin must cost only itself: a plugin that cannot be
+loaded is left out, and a hook of it that raises (or answers nonsense) counts
+as no answer from it. Each such problem is logged once, naming the plugin and
+the distribution and entry point it came from, and ``nereid check`` lists the
+plugins left out.
+"""
 
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
+import logging
+import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable
 
 import pluggy
 
 from nereid import hookspecs
 from nereid.backend import BackendClaim
-from nereid.errors import ConfigError
+from nereid.errors import ConfigError, cap_message
+
+log = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "nereid.backends"
 
@@ -35,27 +47,144 @@ class ClaimResult:
     backend_name: str = ""
 
 
-def make_plugin_manager(*, load_entry_points: bool = True, extra_plugins: tuple[object, ...] = ()) -> pluggy.PluginManager:
+@dataclass(frozen=True)
+class PluginProblem:
+    """An installed plugin that was left out (or one of its start-up hooks that failed), and why."""
+
+    plugin: str  # as :meth:`NereidPluginManager.describe` names it
+    what: str  # "left out: <why>", "what its nereid_add_commands adds is left out: <why>"
+
+
+class NereidPluginManager(pluggy.PluginManager):
+    """pluggy's plugin manager, knowing where each installed plugin came from and what went wrong with it.
+
+    ``problems`` lists the plugins left out at start-up and the ``nereid_add_commands``
+    hooks that failed (what ``nereid check`` reports); a claim or hint hook that
+    fails is only logged, once per plugin and hook, and said in the reason of
+    each model it leaves unclaimed.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(hookspecs.PROJECT_NAME)
+        self.problems: list[PluginProblem] = []
+        self._origins: dict[str, str] = {}  # registration name -> "distribution D V, entry point N = M"
+        self._builtins: set[str] = set()
+        self._failed_hooks: set[tuple[str, str]] = set()
+        self._failed_hooks_lock = threading.Lock()  # folders are claimed on several loading threads at once
+
+    def register_builtin(self, plugin: object, name: str) -> None:
+        """Register one of core's own backends under ``name``."""
+        self.register(plugin, name=name)
+        self._builtins.add(name)
+
+    def describe(self, name: str) -> str:
+        """How a log line or a reason names the plugin registered (or meant to be) as ``name``."""
+        if name in self._builtins:
+            return f"built-in backend '{name}'"
+        origin = self._origins.get(name)
+        return f"plugin '{name}' ({origin})" if origin else f"plugin '{name}'"
+
+    def load_installed(self, group: str = ENTRY_POINT_GROUP) -> None:
+        """Register every plugin installed under the entry-point ``group``, leaving out those that fail.
+
+        What pluggy's ``load_setuptools_entrypoints`` does, except that one
+        plugin that cannot be imported or registered no longer stops every
+        ``nereid`` command, and a plugin whose name is taken (a built-in's,
+        say) is reported instead of silently dropped.
+        """
+        for dist in importlib.metadata.distributions():
+            for entry_point in dist.entry_points:
+                if entry_point.group == group and not self.is_blocked(entry_point.name):
+                    self._load_entry_point(dist, entry_point)
+
+    def _load_entry_point(self, dist: importlib.metadata.Distribution,
+                          entry_point: importlib.metadata.EntryPoint) -> None:
+        name = entry_point.name
+        origin = f"distribution {dist.metadata['Name']} {dist.version}, entry point {name} = {entry_point.value}"
+        if self.has_plugin(name):
+            if self._origins.get(name) == origin:
+                return  # the same distribution found twice on sys.path: one plugin
+            self._leave_out(f"plugin '{name}' ({origin})",
+                            f"its name is already taken by the {self.describe(name)}; rename its entry point")
+            return
+        try:
+            self.register(entry_point.load(), name=name)
+        except Exception as err:  # an import error, a hookimpl that does not match its hookspec, ...
+            if self.has_plugin(name):
+                self.unregister(name=name)  # pluggy may have added some of its hooks before refusing one
+            self._leave_out(f"plugin '{name}' ({origin})", error_text(err))
+            return
+        self._origins[name] = origin
+
+    def _leave_out(self, plugin: str, reason: str) -> None:
+        self._problem(plugin, f"left out: {reason}")
+
+    def startup_hook_failed(self, name: str, hook: str, reason: str) -> None:
+        """A start-up hook of plugin ``name`` failed: log it and list it among the ``problems``."""
+        self._problem(self.describe(name), f"what its {hook} adds is left out: {reason}")
+
+    def _problem(self, plugin: str, what: str) -> None:
+        log.error("%s: %s", plugin, what)  # the line nereid check prints, too
+        self.problems.append(PluginProblem(plugin, what))
+
+    def hook_failed(self, name: str, hook: str, what: str) -> None:
+        """Plugin ``name``'s ``hook`` failed and its answer is ignored: log it, at ERROR the first time only.
+
+        Claims are asked per folder: a broken hook would otherwise log one
+        ERROR per model folder, on every rescan.
+        """
+        with self._failed_hooks_lock:
+            first = (name, hook) not in self._failed_hooks
+            self._failed_hooks.add((name, hook))
+        later = " (its later failures are logged at DEBUG)" if first else ""
+        log.log(logging.ERROR if first else logging.DEBUG, "%s: %s %s; its answer is ignored%s",
+                self.describe(name), hook, what, later)
+
+
+def error_text(err: BaseException) -> str:
+    """``err`` as one capped line, its type first (a plugin's exception may span lines, or say nothing)."""
+    text = " ".join(str(err).split())
+    return cap_message(f"{type(err).__name__}: {text}" if text else type(err).__name__)
+
+
+def make_plugin_manager(*, load_entry_points: bool = True,
+                        extra_plugins: tuple[object, ...] = ()) -> NereidPluginManager:
     """A plugin manager with the built-in backends, installed plugins and ``extra_plugins``.
 
     Installed packages register backends under the ``nereid.backends``
     entry-point group; the entry-point name becomes the backend's plugin name.
+    An installed plugin that cannot be loaded is logged and left out (see
+    :attr:`NereidPluginManager.problems`).
     """
-    manager = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+    manager = NereidPluginManager()
     manager.add_hookspecs(hookspecs)
     for module_name in BUILTIN_BACKENDS:
         module = importlib.import_module(module_name)
-        manager.register(module, name=module.BACKEND_NAME)
+        manager.register_builtin(module, module.BACKEND_NAME)
     if load_entry_points:
-        manager.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
+        manager.load_installed(ENTRY_POINT_GROUP)
     for plugin in extra_plugins:
         manager.register(plugin, name=getattr(plugin, "BACKEND_NAME", None))
     return manager
 
 
+def add_commands(manager: NereidPluginManager, commands: Any) -> None:
+    """Let each plugin add its subcommands to ``commands``; one whose hook fails is left out (and reported).
+
+    A command name already taken makes argparse refuse the plugin's parser
+    before adding it, so the core's commands (and earlier plugins') stay.
+    """
+    impls = _plain_impls(manager.hook.nereid_add_commands)
+    for impl in impls:
+        try:
+            _alone(manager, "nereid_add_commands", impl, impls)(commands=commands)
+        except Exception as err:
+            manager.startup_hook_failed(impl.plugin_name, "nereid_add_commands", f"it raised {error_text(err)}")
+
+
 def backend_names(manager: pluggy.PluginManager) -> list[str]:
     """Names of every registered backend plugin (one that claims folders), sorted."""
-    return sorted(impl.plugin_name for impl in _claim_impls(manager))
+    return sorted(impl.plugin_name for impl in _plain_impls(manager.hook.nereid_claim_model))
 
 
 def check_backend_defaults(manager: pluggy.PluginManager, defaults: Iterable[str], source: object) -> None:
@@ -71,55 +200,103 @@ def check_backend_defaults(manager: pluggy.PluginManager, defaults: Iterable[str
                               f"(installed: {', '.join(installed)})")
 
 
-def _claim_impls(manager: pluggy.PluginManager) -> list[pluggy.HookImpl]:
-    # A plugin that only wraps the claim hook (tracing, say) is not a backend and makes no claim.
-    return [impl for impl in manager.hook.nereid_claim_model.get_hookimpls()
-            if not (impl.wrapper or impl.hookwrapper)]
+def _plain_impls(hook: pluggy.HookCaller) -> list[pluggy.HookImpl]:
+    # A plugin that only wraps a hook (tracing claims, say) is not a backend and gives no answer of its own.
+    return [impl for impl in hook.get_hookimpls() if not (impl.wrapper or impl.hookwrapper)]
 
 
-def claim_folder(manager: pluggy.PluginManager, folder: Path, backend: str | None = None) -> ClaimResult:
+def _alone(manager: pluggy.PluginManager, hook: str, impl: pluggy.HookImpl,
+           impls: list[pluggy.HookImpl]) -> pluggy.HookCaller:
+    """``hook`` calling ``impl`` only (and the hook's wrappers): its answer, or its failure, is its plugin's."""
+    others = [other.plugin for other in impls if other is not impl]
+    return manager.subset_hook_caller(hook, remove_plugins=others)
+
+
+def claim_folder(manager: NereidPluginManager, folder: Path, backend: str | None = None) -> ClaimResult:
     """Ask the backends about ``folder``; with ``backend`` set, ask only that one.
 
-    Each claim is attributed to the plugin that made it, by its registration name.
+    Each claim is attributed to the plugin that made it, by its registration
+    name. A plugin whose hook raises, or answers something other than a
+    BackendClaim or None, is taken as not claiming the folder; when nobody
+    claims it, the reason says what went wrong with that plugin.
     """
     if backend is not None:
         if backend not in backend_names(manager):
             return ClaimResult(None, f"backend '{backend}' (from nereid.yaml) is not installed (no plugin of that "
                                      "name claims model folders); "
                                      f"installed backends: {', '.join(backend_names(manager))}")
-        claims = _ask(manager, folder, declared=True, only=backend)
-        if not claims:
-            return ClaimResult(None, f"backend '{backend}' does not recognise the folder {folder}")
-        return ClaimResult(claims[0][1], backend_name=backend)
-    claims = _ask(manager, folder, declared=False)
-    if len(claims) == 1:
-        name, claim = claims[0]
+        asked = _ask(manager, folder, declared=True, only=backend)
+        if not asked.claims:
+            failed = "".join(f": its nereid_claim_model {what}" for _, what in asked.failures)
+            return ClaimResult(None, f"backend '{backend}' does not recognise the folder {folder}{failed}")
+        return ClaimResult(asked.claims[0][1], backend_name=backend)
+    asked = _ask(manager, folder, declared=False)
+    if len(asked.claims) == 1:
+        name, claim = asked.claims[0]
         return ClaimResult(claim, backend_name=name)
-    if not claims:
-        hints = "".join(f"; {hint}" for hint in manager.hook.nereid_declaration_hint(folder=folder))
+    if not asked.claims:
+        failures = "".join(f"; {manager.describe(name)} is taken as not claiming it: its nereid_claim_model {what}"
+                           for name, what in asked.failures)
+        hints = "".join(f"; {hint}" for hint in _hints(manager, folder))
         return ClaimResult(None, f"no backend claims the folder {folder} "
                                  f"(installed backends: {', '.join(backend_names(manager))}); "
-                                 f"add the backend's files or set backend: in nereid.yaml{hints}")
-    names = ", ".join(sorted(name for name, _ in claims))
+                                 f"add the backend's files or set backend: in nereid.yaml{failures}{hints}")
+    names = ", ".join(sorted(name for name, _ in asked.claims))
     return ClaimResult(None, f"several backends claim the folder {folder} ({names}); "
                              "set backend: in nereid.yaml to choose one")
 
 
-def _ask(manager: pluggy.PluginManager, folder: Path, declared: bool,
-         only: str | None = None) -> list[tuple[str, BackendClaim]]:
+@dataclass(frozen=True)
+class _Answers:
+    """The claims made for one folder, and the plugins that failed to answer (registration name, what went wrong)."""
+
+    claims: list[tuple[str, BackendClaim]]
+    failures: list[tuple[str, str]]  # what its hook did: "raised ...", "returned a bool, ..."
+
+
+def _ask(manager: NereidPluginManager, folder: Path, declared: bool, only: str | None = None) -> _Answers:
     """Each claiming plugin's registration name and claim (of plugin ``only``, when given).
 
     Each backend is asked through pluggy on its own, the other backends left
-    out, so that its claim is attributed to it and the hook's wrappers run
-    around every question.
+    out, so that its claim (or its failure) is attributed to it and the hook's
+    wrappers run around every question.
     """
-    backends = _claim_impls(manager)
-    claims = []
+    backends = _plain_impls(manager.hook.nereid_claim_model)
+    claims: list[tuple[str, BackendClaim]] = []
+    failures: list[tuple[str, str]] = []
     for impl in backends:
         if only is not None and impl.plugin_name != only:
             continue
-        others = [other.plugin for other in backends if other is not impl]
-        asked = manager.subset_hook_caller("nereid_claim_model", remove_plugins=others)
-        for claim in asked(folder=folder, declared=declared):  # (pluggy drops None: no claim)
-            claims.append((impl.plugin_name, claim))
-    return claims
+        try:
+            answers = _alone(manager, "nereid_claim_model", impl, backends)(folder=folder, declared=declared)
+        except Exception as err:  # its bug must not make every other backend's folders unavailable
+            failures.append((impl.plugin_name, f"raised {error_text(err)}"))
+            continue
+        for answer in answers:  # (pluggy drops None: no claim)
+            if isinstance(answer, BackendClaim):
+                claims.append((impl.plugin_name, answer))
+            elif answer:  # a falsy answer (False, "") only declines, as None does
+                failures.append((impl.plugin_name,
+                                 f"returned a {type(answer).__name__}, not a BackendClaim or None"))
+    for name, what in failures:
+        manager.hook_failed(name, "nereid_claim_model", f"{what} (folder {folder})")
+    return _Answers(claims, failures)
+
+
+def _hints(manager: NereidPluginManager, folder: Path) -> list[str]:
+    """The backends' sentences on how to declare ``folder``; a hint hook that fails is logged and skipped."""
+    impls = _plain_impls(manager.hook.nereid_declaration_hint)
+    hints: list[str] = []
+    for impl in impls:
+        try:
+            answers = _alone(manager, "nereid_declaration_hint", impl, impls)(folder=folder)
+        except Exception as err:
+            manager.hook_failed(impl.plugin_name, "nereid_declaration_hint", f"raised {error_text(err)}")
+            continue
+        for answer in answers:
+            if isinstance(answer, str):
+                hints.append(answer)
+            elif answer:
+                manager.hook_failed(impl.plugin_name, "nereid_declaration_hint",
+                                    f"returned a {type(answer).__name__}, not a str or None")
+    return hints

@@ -9,6 +9,7 @@ that moved from one that loaded again.
 from __future__ import annotations
 
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -94,3 +95,125 @@ def toy_dataplane(root: Path, control: bool = True) -> DataPlane:
     plane = DataPlane(repository, settings, repository_control=control, on_repository_change=changed)
     plane.changes = changes
     return plane
+
+
+# Faulty toys: a backend whose model objects get one part of the Model protocol wrong. ``faulty``
+# claims folders holding ``faulty.txt``; its text picks the fault. Each model's unload() is counted
+# in UNLOADS (by model name), so tests can tell that what load() acquired was released.
+UNLOADS: Counter[str] = Counter()
+
+
+class FaultyModel(ToyModel):
+    """A toy model that counts its unloads."""
+
+    def unload(self) -> None:
+        UNLOADS[self.context.name] += 1
+
+
+class NoPlatformModel(FaultyModel):
+    """Lacks the ``platform`` attribute (ModelMetadata would fail on every call)."""
+
+    platform = None
+
+
+class NoInferModel(FaultyModel):
+    """Lacks ``infer`` (nothing could run)."""
+
+    infer = None
+
+
+class DependenciesFailModel(FaultyModel):
+    """Calls models, but its ``dependencies()`` raises: it fails after load() succeeded."""
+
+    def dependencies(self) -> tuple[str, ...]:
+        raise RuntimeError("dependencies unknown")
+
+    def concurrent_executions(self) -> int:
+        return 1
+
+
+class TerminateFailsModel(FaultyModel):
+    """Runs each batch for 0.5 s; its ``terminate_running`` has a wrong signature (a TypeError when called)."""
+
+    def infer(self, inputs: list[NamedTensor]) -> list[NamedTensor]:
+        time.sleep(0.5)
+        return super().infer(inputs)
+
+    def terminate_running(self, now: bool) -> None:
+        pass
+
+
+FAULTS = {"no_platform": NoPlatformModel, "no_infer": NoInferModel, "dependencies_fail": DependenciesFailModel,
+          "terminate_fails": TerminateFailsModel}
+
+
+class FaultyToys:
+    """The ``faulty`` backend plugin (an object, so that it can sit next to ``toy`` in one module)."""
+
+    BACKEND_NAME = "faulty"
+
+    @hookimpl
+    def nereid_claim_model(self, folder: Path, declared: bool) -> BackendClaim | None:
+        marker = folder / "faulty.txt"
+        if marker.is_file():
+            return BackendClaim(FAULTS[marker.read_text().strip()])
+        return None
+
+
+def write_faulty(root: Path, name: str, fault: str) -> Path:
+    """A toy model folder under ``root`` that the ``faulty`` backend claims, with ``fault`` (a key of FAULTS)."""
+    folder = root / name
+    folder.mkdir(parents=True)
+    (folder / "faulty.txt").write_text(fault)
+    (folder / TEXTPROTO_NAME).write_text('input_shape: [4]\noutput_shape: [4]\nmax_batch_size: 8\n')
+    return folder
+
+
+def install_plugin(site: Path, distribution: str, entry_point: str, module: str, source: str) -> None:
+    """Install a plugin into ``site`` as pip lays it out: ``module``.py plus a dist-info naming its entry point."""
+    info = site / f"{distribution.replace('-', '_')}-1.0.dist-info"
+    info.mkdir(parents=True)
+    (site / f"{module}.py").write_text(source)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {distribution}\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(f"[nereid.backends]\n{entry_point} = {module}\n")
+
+
+# Broken third-party plugins, as (distribution, entry point, module, source): one of each way a plugin
+# can fail at start-up. None of them may stop a nereid command.
+BROKEN_AT_STARTUP = (
+    ("broken-import", "broken_import", "broken_import_plugin",
+     "import nereid_missing_dependency  # not installed\n"),
+    ("broken-args", "broken_args", "broken_args_plugin",
+     "from nereid.hookspecs import hookimpl\n"
+     "@hookimpl\ndef nereid_claim_model(folder, declared, settings):\n    return None\n"),
+    ("python-lookalike", "python", "python_lookalike_plugin",
+     "from nereid.hookspecs import hookimpl\n"
+     "@hookimpl\ndef nereid_claim_model(folder, declared):\n    raise AssertionError('never asked')\n"),
+    ("broken-commands", "broken_commands", "broken_commands_plugin",
+     "from nereid.hookspecs import hookimpl\n"
+     "@hookimpl\ndef nereid_claim_model(folder, declared):\n    return None\n"
+     "@hookimpl\ndef nereid_add_commands(commands):\n    raise RuntimeError('tooling bug')\n"),
+    ("check-taker", "check_taker", "check_taker_plugin",
+     "from nereid.hookspecs import hookimpl\n"
+     "@hookimpl\ndef nereid_claim_model(folder, declared):\n    return None\n"
+     "@hookimpl\ndef nereid_add_commands(commands):\n"
+     "    commands.add_parser('check').set_defaults(run=lambda args: 0)\n"),
+)
+
+# Third-party plugins whose per-folder hooks are faulty, in the same form.
+FAULTY_HOOKS = (
+    ("flaky-claims", "flaky", "flaky_plugin",  # raises on every folder without flaky.json
+     "from nereid.hookspecs import hookimpl\n"
+     "@hookimpl\ndef nereid_claim_model(folder, declared):\n    return (folder / 'flaky.json').read_text()\n"),
+    ("falsy-claims", "falsy", "falsy_plugin",  # declines with False instead of None
+     "from nereid.backend import BackendClaim\nfrom nereid.hookspecs import hookimpl\n"
+     "@hookimpl\ndef nereid_claim_model(folder, declared):\n"
+     "    return (folder / 'falsy.txt').is_file() and BackendClaim(object)\n"),
+    ("classy-claims", "classy", "classy_plugin",  # returns its model class instead of a BackendClaim
+     "from nereid.hookspecs import hookimpl\nclass M: pass\n"
+     "@hookimpl\ndef nereid_claim_model(folder, declared):\n    return M\n"),
+    ("hinty-hints", "hinty", "hinty_plugin",  # its declaration hint raises
+     "from nereid.hookspecs import hookimpl\n"
+     "@hookimpl\ndef nereid_claim_model(folder, declared):\n    return None\n"
+     "@hookimpl\ndef nereid_declaration_hint(folder):\n    raise KeyError('hinty')\n"),
+)

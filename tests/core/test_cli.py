@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as triton
 
+import toy_backends
 from support import NEREID, free_port, nereid_serve
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -196,3 +197,81 @@ def test_backend_defaults_are_blamed_where_they_are_written(repo) -> None:
     result = subprocess.run([*NEREID, "serve", "--config", str(config), "--bind", f"127.0.0.1:{free_port()}"],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and f"{config}: backends.pyhton: no such backend is installed" in result.stderr
+
+
+UNLOAD_RAISES_PLUGIN = '''
+from nereid.backend import BackendClaim
+from nereid.hookspecs import hookimpl
+from nereid.signature import TEXTPROTO_NAME, load_textproto_signature
+
+
+class UnloadRaises:
+    platform = "sticky"
+
+    def __init__(self, context):
+        self.context = context
+
+    def load(self):
+        self._signature = load_textproto_signature(self.context.folder / TEXTPROTO_NAME)
+
+    def signature(self):
+        return self._signature
+
+    def infer(self, inputs):
+        return inputs
+
+    def unload(self):
+        raise RuntimeError("sticky unload")
+
+
+@hookimpl
+def nereid_claim_model(folder, declared):
+    return BackendClaim(UnloadRaises) if (folder / "sticky.txt").is_file() else None
+'''
+
+
+def _with_plugins(tmp_path: Path, monkeypatch, plugins) -> None:
+    """Install ``plugins`` (toy_backends' form) where a nereid subprocess finds them."""
+    site = tmp_path / "site"
+    for distribution, entry_point, module, source in plugins:
+        toy_backends.install_plugin(site, distribution, entry_point, module, source)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, (str(site), os.environ.get("PYTHONPATH")))))
+
+
+def test_broken_plugins_are_reported_and_every_command_still_works(repo, tmp_path, monkeypatch) -> None:
+    # Any one of these used to end serve, check and bundle check in a traceback.
+    _with_plugins(tmp_path, monkeypatch, toy_backends.BROKEN_AT_STARTUP)
+    repo.python("echo")
+    config = repo.write_config()
+    result = subprocess.run([*NEREID, "check", "--config", str(config)], capture_output=True, text=True, timeout=60)
+    lines = result.stdout.splitlines()
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+    assert lines[0].startswith("plugin 'broken_import' (distribution broken-import 1.0, entry point broken_import = "
+                               "broken_import_plugin): left out: ModuleNotFoundError")
+    assert sum("left out" in line for line in lines) == 5  # one line per broken plugin (3 loads, 2 commands)
+    assert sum(" ERROR nereid.plugins: plugin '" in line for line in result.stderr.splitlines()) == 5  # logged once
+    assert any(line.startswith("echo: OK backend=python") for line in lines)  # the built-in 'python' still serves
+    assert lines[-1] == f"{config}: 5 plugin problem(s)"
+    bundle = subprocess.run([*NEREID, "bundle", "check", str(REPO_ROOT / "ml-backends" / "mlp_bundle")],
+                            capture_output=True, text=True, timeout=120)
+    assert bundle.returncode == 0, bundle.stdout + bundle.stderr
+    with nereid_serve(config) as (process, client):
+        assert client.is_model_ready("echo")
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == 0
+        assert "left out: ModuleNotFoundError" in process.stdout.read()
+
+
+def test_check_reports_a_failing_unload_on_its_line_and_goes_on(repo, tmp_path, monkeypatch) -> None:
+    # It used to stop at that model with a traceback: the models after it unchecked, no summary.
+    _with_plugins(tmp_path, monkeypatch, [("sticky", "sticky", "sticky_plugin", UNLOAD_RAISES_PLUGIN)])
+    repo.add("a_sticky", "input_shape: [4]\noutput_shape: [4]\n", **{"sticky.txt": ""})
+    repo.python("b_echo")
+    config = repo.write_config()
+    result = subprocess.run([*NEREID, "check", "--config", str(config)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("a_sticky: UNLOAD FAILED: RuntimeError: sticky unload; loaded as backend=sticky ")
+    assert lines[1].startswith("b_echo: OK backend=python")
+    assert lines[2] == f"{config}: 1 model(s) with problems"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import logging
 import re
 import sys
 import textwrap
@@ -13,6 +14,7 @@ import pytest
 import tritonclient.grpc as triton
 from tritonclient.utils import InferenceServerException
 
+import toy_backends
 from nereid import hookspecs
 from nereid.plugins import backend_names, claim_folder, make_plugin_manager
 
@@ -169,3 +171,98 @@ def test_readme_documents_every_hook_and_argument() -> None:
         assert params == list(inspect.signature(fn).parameters), name
         for param in params:
             assert f":param {param}:" in textwrap.dedent(fn.__doc__), f"{name}: {param} undocumented"
+
+
+@pytest.fixture
+def site(tmp_path: Path):
+    """A site-packages folder on sys.path, for plugins installed by toy_backends.install_plugin."""
+    folder = tmp_path / "broken-site"
+    folder.mkdir()
+    sys.path.insert(0, str(folder))
+    yield folder
+    sys.path.remove(str(folder))
+    for *_, module, _source in (*toy_backends.BROKEN_AT_STARTUP, *toy_backends.FAULTY_HOOKS):
+        sys.modules.pop(module, None)
+
+
+def _install(site: Path, plugins) -> None:
+    for distribution, entry_point, module, source in plugins:
+        toy_backends.install_plugin(site, distribution, entry_point, module, source)
+
+
+def _errors(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "nereid.plugins" and r.levelno == logging.ERROR]
+
+
+def test_a_plugin_that_cannot_be_loaded_is_left_out_with_one_error_naming_it(site, repo, caplog) -> None:
+    # Each of these used to stop every nereid command with a traceback, or (a built-in's name) vanish silently.
+    _install(site, toy_backends.BROKEN_AT_STARTUP[:3])
+    caplog.set_level(logging.ERROR, logger="nereid.plugins")
+    manager = make_plugin_manager()
+    assert backend_names(manager) == ["cpp", "cxx", "meta", "python", "xla"]
+    errors = _errors(caplog)
+    assert len(errors) == 3 and [p.plugin for p in manager.problems] == [e.split(": left out:")[0] for e in errors]
+    by_plugin = {e.split(" ")[1]: e for e in errors}
+    assert by_plugin["'broken_import'"].startswith(
+        "plugin 'broken_import' (distribution broken-import 1.0, entry point broken_import = broken_import_plugin)"
+        ": left out: ModuleNotFoundError: No module named 'nereid_missing_dependency'")
+    assert ("(distribution broken-args 1.0, entry point broken_args = broken_args_plugin): left out: "
+            "PluginValidationError:") in by_plugin["'broken_args'"] and "{'settings'}" in by_plugin["'broken_args'"]
+    assert manager.get_plugin("broken_args") is None  # none of its hooks stays behind
+    assert by_plugin["'python'"].endswith("left out: its name is already taken by the built-in backend 'python'; "
+                                          "rename its entry point")
+    claim = claim_folder(manager, repo.python("echo"))  # the built-in still claims its folders
+    assert (claim.backend_name, claim.reason) == ("python", "")
+
+
+def test_a_claim_hook_that_fails_is_taken_as_not_claiming_and_named(site, repo, caplog) -> None:
+    _install(site, toy_backends.FAULTY_HOOKS[:3])
+    caplog.set_level(logging.ERROR, logger="nereid.plugins")
+    manager = make_plugin_manager()
+    # Before, one raising claim hook made every folder unavailable with its bare error, and a plugin
+    # declining with False counted as a claim ("several backends claim ... (falsy, python)").
+    for name in ("one", "two"):
+        claim = claim_folder(manager, repo.python(name))
+        assert (claim.backend_name, claim.reason) == ("python", "")
+    falsy = repo.add("nobodys", "input_shape: [1]\noutput_shape: [1]\n")  # falsy answers False here
+    unclaimed = claim_folder(manager, falsy)
+    assert unclaimed.claim is None and unclaimed.reason.startswith(f"no backend claims the folder {falsy}")
+    assert ("; plugin 'flaky' (distribution flaky-claims 1.0, entry point flaky = flaky_plugin) is taken as not "
+            "claiming it: its nereid_claim_model raised FileNotFoundError: ") in unclaimed.reason
+    assert ("; plugin 'classy' (distribution classy-claims 1.0, entry point classy = classy_plugin) is taken as not "
+            "claiming it: its nereid_claim_model returned a type, not a BackendClaim or None") in unclaimed.reason
+    assert "plugin 'falsy'" not in unclaimed.reason  # declining with False is declining
+    errors = _errors(caplog)  # once per plugin, however many folders it failed on
+    assert sorted(e.split(" ")[1] for e in errors) == ["'classy'", "'flaky'"]
+    declared = claim_folder(manager, falsy, "flaky")
+    assert declared.claim is None and declared.reason.startswith(
+        f"backend 'flaky' does not recognise the folder {falsy}: its nereid_claim_model raised FileNotFoundError")
+
+
+def test_a_declaration_hint_that_raises_is_logged_and_ignored(site, repo, caplog) -> None:
+    _install(site, toy_backends.FAULTY_HOOKS[3:])
+    caplog.set_level(logging.ERROR, logger="nereid.plugins")
+    manager = make_plugin_manager()
+    folder = repo.add("textproto_only", "input_shape: [1]\noutput_shape: [1]\n")
+    reason = claim_folder(manager, folder).reason  # was only "'hinty'"
+    assert reason.startswith("no backend claims the folder") and "is a cxx model" in reason
+    assert "'hinty'" not in reason and "KeyError" not in reason
+    assert _errors(caplog) == ["plugin 'hinty' (distribution hinty-hints 1.0, entry point hinty = hinty_plugin): "
+                               "nereid_declaration_hint raised KeyError: 'hinty'; its answer is ignored "
+                               "(its later failures are logged at DEBUG)"]
+
+
+def test_a_failing_add_commands_hook_leaves_out_only_its_commands(site, caplog) -> None:
+    import argparse
+
+    from nereid.plugins import add_commands  # (here: an import error would hide which other tests fail)
+
+    _install(site, toy_backends.BROKEN_AT_STARTUP[3:])
+    manager = make_plugin_manager()
+    commands = argparse.ArgumentParser().add_subparsers()  # (no dest: argparse names it by its choices)
+    check = commands.add_parser("check")
+    add_commands(manager, commands)
+    assert commands.choices["check"] is check and {"bundle", "cxx-header"} <= set(commands.choices)
+    assert [p.what.split(": ", 1)[1] for p in manager.problems] == [
+        "it raised RuntimeError: tooling bug",
+        "it raised ArgumentError: argument {check,cxx-header,bundle}: conflicting subparser: check"]
