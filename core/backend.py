@@ -92,6 +92,20 @@ class Model(Protocol):
         """Release everything ``load`` acquired; called once no request is running."""
 
 
+def missing_model_parts(model: object) -> list[str]:
+    """What ``model`` lacks of the :class:`Model` protocol: ``"infer()"`` for a method, ``"platform (a str)"``.
+
+    ``isinstance(model, Model)`` says only yes or no; the core checks once, when
+    a model is created, and names what is missing, rather than fail later at
+    the first request (or the first ModelMetadata) that needs it.
+    """
+    missing = [f"{name} (a str)" for name in Model.__annotations__
+               if not isinstance(getattr(model, name, None), str)]
+    missing += [f"{name}()" for name, member in vars(Model).items()
+                if callable(member) and not name.startswith("_") and not callable(getattr(model, name, None))]
+    return missing
+
+
 # Optional capabilities: small Protocols that a backend's model object may also
 # satisfy. Each is checked once, with isinstance, when the model loads; simple
 # backends need none of them.

@@ -23,14 +23,15 @@ from typing import Any, AsyncIterator, Callable, Mapping, Protocol
 import pluggy
 
 import nereid
-from nereid.backend import CallsModels, HasBatchSignature, Model, ModelCaller, ModelContext, Relocatable, Terminable
+from nereid.backend import (CallsModels, HasBatchSignature, Model, ModelCaller, ModelContext, Relocatable, Terminable,
+                            missing_model_parts)
 from nereid.batching import BatchPolicy
 from nereid.dependencies import describe_cycle, find_cycle, waiting_for
 from nereid.errors import ConfigError, NotFound, Unavailable, cap_message
 from nereid.files import check_confined
 from nereid.log_limit import RateLimitedLog
 from nereid.model_runner import Runner, make_runner
-from nereid.plugins import check_backend_defaults, claim_folder
+from nereid.plugins import NereidPluginManager, check_backend_defaults, claim_folder
 from nereid.runtime_options import LayeredRuntime
 from nereid.scheduler import ModelScheduler
 from nereid.settings import ModelSettings, Settings
@@ -134,7 +135,7 @@ class BuiltModel:
     policy: BatchPolicy
 
 
-def build_model(manager: pluggy.PluginManager, context: ModelContext,
+def build_model(manager: NereidPluginManager, context: ModelContext,
                 backend_defaults: Mapping[str, Mapping[str, Any]] | None = None,
                 defaults_source: Path | str = "") -> BuiltModel:
     """Claim, create and load one model; raise with the reason when it cannot be served.
@@ -142,6 +143,9 @@ def build_model(manager: pluggy.PluginManager, context: ModelContext,
     ``backend_defaults`` (nereid.yaml's ``backends:``, from the file
     ``defaults_source``) gives runtime options for every model of the claiming
     backend; the model's own ``runtime:`` wins.
+    The model object is checked against the :class:`Model` protocol once,
+    after its ``load()`` (which may set ``platform``): one lacking a part is
+    refused naming its backend and what it lacks, and unloaded (when it can be).
     Blocking (backends compile and read files here): call it on a worker thread.
     """
     result = claim_folder(manager, context.folder, context.settings.backend)
@@ -154,17 +158,30 @@ def build_model(manager: pluggy.PluginManager, context: ModelContext,
                                  else f"backends.{result.backend_name}")
         context = replace(context, settings=replace(context.settings, runtime=runtime))
     backend = result.claim.create(context)
+    missing = missing_model_parts(backend)
+    if "load()" in missing:  # nothing to load: refused at once
+        raise _lacking(manager, result.backend_name, backend, missing)
     backend.load()
     try:
+        missing = missing_model_parts(backend)
+        if missing:
+            raise _lacking(manager, result.backend_name, backend, missing)
         signature = backend.signature()
         batch_signature = backend.batch_signature() if isinstance(backend, HasBatchSignature) else signature
         policy = BatchPolicy.resolve(context.settings.batching, batch_signature, context.settings_origin)
         if isinstance(backend, CallsModels):  # each request is an orchestration with its own deadline
             policy = BatchPolicy(enabled=False)
     except BaseException:
-        backend.unload()
+        if "unload()" not in missing:  # what load() acquired must not leak
+            backend.unload()
         raise
     return BuiltModel(result.backend_name, backend, signature, batch_signature, policy)
+
+
+def _lacking(manager: NereidPluginManager, backend_name: str, model: object, missing: list[str]) -> ConfigError:
+    """The reason a model object lacking ``missing`` parts of the Model protocol is refused, naming its backend."""
+    return ConfigError(f"{manager.describe(backend_name)} made a model object ({type(model).__name__}) without "
+                       f"{', '.join(missing)}: see the Model protocol in nereid.backend")
 
 
 class RepositoryEvents(Protocol):
@@ -378,24 +395,34 @@ class ModelRepository:
         return entry
 
     async def _load_version(self, entry: ModelEntry, stats: ModelStats) -> LoadedModel:
-        """Build the folder's model as it is now into a new LoadedModel (raises with the reason)."""
+        """Build the folder's model as it is now into a new LoadedModel (raises with the reason).
+
+        A model that loaded but then cannot be wired up (its ``dependencies()``
+        raises, say) is unloaded before the reason is raised: what its
+        ``load()`` acquired must not leak.
+        """
         name = entry.name
         context = ModelContext(name, entry.folder, entry.settings, self._scratch_for(name), entry.settings_origin,
                                self.models)
         started = time.monotonic()
         built = await _in_daemon_thread(self._build, context)
         load_seconds = time.monotonic() - started
+        try:
+            calls_models = isinstance(built.backend, CallsModels)
+            instances = built.backend.concurrent_executions() if calls_models else entry.settings.instances
+            scheduler = ModelScheduler(name, built.backend, built.batch_signature, entry.settings.queue_capacity,
+                                       instances, stats, built.policy)
+            loaded = LoadedModel(built.backend_name, built.backend, built.signature, built.batch_signature,
+                                 scheduler, stats, load_seconds,
+                                 make_runner(built.backend, built.signature, built.batch_signature, scheduler),
+                                 built.backend.dependencies() if calls_models else ())
+        except Exception:
+            await _unload(name, built.backend)
+            raise
         if self.events is not None:
             self.events.model_loaded(name, load_seconds)
-        calls_models = isinstance(built.backend, CallsModels)
-        instances = built.backend.concurrent_executions() if calls_models else entry.settings.instances
-        scheduler = ModelScheduler(name, built.backend, built.batch_signature, entry.settings.queue_capacity,
-                                   instances, stats, built.policy)
         entry.generation += 1
-        return LoadedModel(built.backend_name, built.backend, built.signature, built.batch_signature,
-                           scheduler, stats, load_seconds,
-                           make_runner(built.backend, built.signature, built.batch_signature, scheduler),
-                           built.backend.dependencies() if calls_models else ())
+        return loaded
 
     async def reload(self, name: str) -> ModelEntry:
         """Load the folder again without downtime; a model that is not loaded is simply loaded.
@@ -555,11 +582,15 @@ class ModelRepository:
         return entry
 
     async def terminate_running(self) -> None:
-        """Ask every loaded backend that can to end its running executions now."""
+        """Ask every loaded backend that can to end its running executions now.
+
+        One backend whose ``terminate_running`` fails is logged and passed
+        over: the others are still asked, and the unloads that follow go on.
+        """
         for entry in self.entries():
             loaded = entry.loaded
-            if loaded is not None and isinstance(loaded.backend, Terminable):
-                await asyncio.to_thread(loaded.backend.terminate_running)
+            if loaded is not None:
+                await _terminate(entry.name, loaded.backend)
 
     async def unload_all(self, grace_s: float | None = None) -> None:
         """Unload every loaded model (server shutdown)."""
@@ -580,16 +611,12 @@ class ModelRepository:
         backend = loaded.backend
 
         async def end_running() -> None:
-            if isinstance(backend, Terminable):
-                await asyncio.to_thread(backend.terminate_running)
+            await _terminate(name, backend)  # never raises: the unload goes on past a failing terminate
 
         # Bounded by the grace: an abandoned request's thread must not hold the unload (or the loop).
         await loaded.scheduler.drain(self.settings.server.shutdown_grace_s if grace_s is None else grace_s,
                                      end_running)
-        try:
-            await asyncio.to_thread(loaded.backend.unload)
-        except Exception:
-            log.exception("model '%s': unload failed", name)
+        await _unload(name, backend)
 
     def _enter_loaded_version(self, entry: ModelEntry) -> None:
         """Make a version just loaded (or reloaded) serve, and log that in one line.
@@ -728,6 +755,29 @@ def _in_daemon_thread(function: Callable[[ModelContext], BuiltModel], context: M
 
     threading.Thread(target=run, name=f"nereid-load-{context.name}", daemon=True).start()
     return future
+
+
+async def _terminate(name: str, backend: Model) -> None:
+    """End ``backend``'s running executions if it can; a failure is logged naming the model, never raised.
+
+    A grace has passed when this is called: a backend's bug (a wrong
+    ``terminate_running`` signature, say) must not keep the model UNLOADING
+    for ever, nor stop the server's shutdown before its models are unloaded.
+    """
+    if not isinstance(backend, Terminable):
+        return
+    try:
+        await asyncio.to_thread(backend.terminate_running)
+    except Exception:
+        log.exception("model '%s': terminate_running failed; unloading it anyway", name)
+
+
+async def _unload(name: str, backend: Model) -> None:
+    """Call ``backend.unload()`` off the loop; a failure is logged naming the model, never raised."""
+    try:
+        await asyncio.to_thread(backend.unload)
+    except Exception:
+        log.exception("model '%s': unload failed", name)
 
 
 def _reason(err: BaseException) -> str:

@@ -32,11 +32,12 @@ class Events:
         self.heard.append((model, event))
 
 
-def repository(tmp_path: Path, models_yaml: str = "", events: Events | None = None) -> ModelRepository:
+def repository(tmp_path: Path, models_yaml: str = "", events: Events | None = None,
+               extra_plugins: tuple[object, ...] = ()) -> ModelRepository:
     config = tmp_path / "nereid.yaml"
     config.write_text('server:\n  ml_backends_path: "ml-backends"\n  metrics_addr: ""\n  http_addr: ""\n'
                       + (f"models:\n{models_yaml}" if models_yaml else ""))
-    manager = make_plugin_manager(load_entry_points=False, extra_plugins=(toy_backends,))
+    manager = make_plugin_manager(load_entry_points=False, extra_plugins=(toy_backends, *extra_plugins))
     scratch = tmp_path / "scratch"
     scratch.mkdir(exist_ok=True)
     return ModelRepository(load_settings(config), manager, scratch, events=events)
@@ -338,3 +339,49 @@ def test_a_failed_listing_is_kept_for_unknown_names_like_a_good_one(s3, tmp_path
         with pytest.raises(NotFound):
             repo.entry("madeup")
     assert _lists(s3, "nereid-no-such-bucket") == before
+
+
+def test_a_model_object_lacking_part_of_the_protocol_is_unavailable_naming_its_backend(tmp_path, root):
+    # Without platform it was READY, then every ModelMetadata failed INTERNAL; without infer it failed
+    # after load() had acquired its resources, which nothing released.
+    for name, fault in (("noplat", "no_platform"), ("noinfer", "no_infer"), ("nodeps", "dependencies_fail")):
+        toy_backends.write_faulty(root, name, fault)
+    repo = repository(tmp_path, extra_plugins=(toy_backends.FaultyToys(),))
+
+    async def scenario():
+        return {name: await repo.load(name) for name in ("noplat", "noinfer", "nodeps")}
+    entries = asyncio.run(scenario())
+    assert {e.state for e in entries.values()} == {ModelState.UNAVAILABLE}
+    assert entries["noplat"].reason == ("plugin 'faulty' made a model object (NoPlatformModel) without platform "
+                                        "(a str): see the Model protocol in nereid.backend")
+    assert "(NoInferModel) without infer()" in entries["noinfer"].reason
+    assert entries["nodeps"].reason == "dependencies unknown"
+    # Each failed after its load() succeeded: what that acquired is released.
+    assert [toy_backends.UNLOADS[name] for name in ("noplat", "noinfer", "nodeps")] == [1, 1, 1]
+
+
+def test_a_failing_terminate_running_neither_stops_an_unload_nor_a_shutdown(tmp_path, root, caplog):
+    # It used to leave the model UNLOADING for ever, its unload() never called, and end a SIGTERM in a traceback.
+    toy_backends.write_faulty(root, "busy", "terminate_fails")
+    toy_backends.write_faulty(root, "busy2", "terminate_fails")
+    repo = repository(tmp_path, extra_plugins=(toy_backends.FaultyToys(),))
+
+    async def scenario():
+        await repo.load("busy")
+        await repo.load("busy2")
+        running = [asyncio.ensure_future(run_one(repo, "busy"))]
+        await asyncio.sleep(0.1)  # inside its 0.5 s infer
+        entry = await repo.unload("busy", grace_s=0.05)  # the grace passes: terminate_running is called
+        assert (entry.state, entry.reason) == (ModelState.UNAVAILABLE, "unloaded")
+        running.append(asyncio.ensure_future(run_one(repo, "busy2")))
+        await asyncio.sleep(0.1)
+        await repo.terminate_running()  # the server's shutdown, past its grace
+        await repo.unload_all(grace_s=0)
+        assert repo.entry("busy2").state is ModelState.UNAVAILABLE
+        await asyncio.gather(*running, return_exceptions=True)
+    asyncio.run(scenario())
+    assert toy_backends.UNLOADS["busy"] == toy_backends.UNLOADS["busy2"] == 1
+    failures = [r.getMessage() for r in caplog.records if "terminate_running failed" in r.getMessage()]
+    assert failures == ["model 'busy': terminate_running failed; unloading it anyway",
+                        "model 'busy2': terminate_running failed; unloading it anyway",
+                        "model 'busy2': terminate_running failed; unloading it anyway"]
