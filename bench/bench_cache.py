@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         bundle = export(root, args.layers, args.width)
         config = Path(tmp) / "nereid.yaml"
         config.write_text('server:\n  bind_addr: "127.0.0.1:0"\n  ml_backends_path: "ml-backends"\n'
-                          '  metrics_addr: ""\nmodels:\n  - name: deep_mlp\n')
+                          '  metrics_addr: ""\n  http_addr: ""\nmodels:\n  - name: deep_mlp\n')
         runs: dict[str, list[dict]] = {"cold": [], "warm": []}
         for _ in range(args.repeat):
             shutil.rmtree(bundle / ".cache", ignore_errors=True)

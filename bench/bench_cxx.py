@@ -44,7 +44,7 @@ def config(root: Path) -> Path:
     write_identity_models(models, (REPO_ROOT / "ml-backends" / "cpp_scale" / "model_inference.textproto").read_text(),
                           {"loop": "identity", "thread": "identity_thread"})
     path = root / "nereid.yaml"
-    path.write_text('server:\n  ml_backends_path: ml-backends\n  metrics_addr: ""\nmodels:\n'
+    path.write_text('server:\n  ml_backends_path: ml-backends\n  metrics_addr: ""\n  http_addr: ""\nmodels:\n'
                     '  - {name: cxx_scale, backend: cxx, instances: 1, queue_capacity: 64,\n'
                     '     runtime: {sources: [ml-backends/cxx_scale/scale.cpp]}}\n'
                     '  - {name: cpp_scale, instances: 2, queue_capacity: 64}\n'

@@ -66,7 +66,7 @@ def config(root: Path) -> Path:
     (meta / "manifest.yaml").write_text(META_MANIFEST)
     (meta / "model.py").write_text(META_MODEL_PY)
     path = root / "nereid.yaml"
-    path.write_text('server:\n  ml_backends_path: ml-backends\n  metrics_addr: ""\nmodels:\n'
+    path.write_text('server:\n  ml_backends_path: ml-backends\n  metrics_addr: ""\n  http_addr: ""\nmodels:\n'
                     '  - {name: mlp_bundle, queue_capacity: 64}\n'
                     '  - {name: mlp_meta, queue_capacity: 64}\n')
     return path

@@ -96,7 +96,8 @@ def write_repository(root: Path, concurrency: int) -> Path:
         entries.append(f"  - name: {variant}\n    queue_capacity: {4 * concurrency}\n"
                        f"    batching: {{enabled: {'true' if batching else 'false'}}}\n")
     config = root / "nereid.yaml"
-    config.write_text('server:\n  ml_backends_path: ml-backends\n  metrics_addr: ""\nmodels:\n' + "".join(entries))
+    config.write_text('server:\n  ml_backends_path: ml-backends\n  metrics_addr: ""\n  http_addr: ""\nmodels:\n'
+                      + "".join(entries))
     return config
 
 

@@ -121,7 +121,7 @@ def main() -> None:
         config = Path(tmp) / "nereid.yaml"
         metrics_port = free_port()
         config.write_text(f'server:\n  ml_backends_path: "ml-backends"\n  metrics_addr: "127.0.0.1:{metrics_port}"\n'
-                          f"  watch: true\n  watch_settle_ms: {SETTLE_MS}\n")
+                          f"  http_addr: \"\"\n  watch: true\n  watch_settle_ms: {SETTLE_MS}\n")
         address = f"127.0.0.1:{free_port()}"
         argv = [sys.executable, "-m", "nereid.cli", "serve", "--config", str(config), "--bind", address,
                 "--log-level", "WARNING"]

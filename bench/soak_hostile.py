@@ -65,7 +65,7 @@ def write_repository(root: Path) -> Path:
         'input_shape: [-1]\noutput_shape: [-1]\nmax_batch_size: 0\ndata_type: "FP32"\n')
     config = root / "nereid.yaml"
     config.write_text(f'server:\n  ml_backends_path: ml-backends\n  metrics_addr: "127.0.0.1:{free_port()}"\n'
-                      f'  shutdown_grace_s: 2\n  max_message_bytes: {MAX_MESSAGE}\n'
+                      f'  http_addr: ""\n  shutdown_grace_s: 2\n  max_message_bytes: {MAX_MESSAGE}\n'
                       'models:\n  - name: echo\n  - name: ident\n  - name: words\n'
                       '  - name: slow\n    instances: 2\n    timeout_s: 5\n')
     return config
