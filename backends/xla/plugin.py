@@ -45,7 +45,12 @@ def check_bundles(dirs: list[Path]) -> int:
 
     bundles: list[Path] = []
     for directory in dirs:
-        if directory.is_dir() and not (directory / MANIFEST_NAME).is_file():
+        if (directory / MANIFEST_NAME).is_file() and declares_meta(directory / MANIFEST_NAME):
+            # Named on its own, a meta model is said to be one, neither checked nor counted: its manifest
+            # describes no program (nereid check loads it), and it is not an unservable bundle.
+            print(f"{directory}: skipped: a meta model (meta: true in {MANIFEST_NAME}) runs no program of its "
+                  "own; nereid check loads it")
+        elif directory.is_dir() and not (directory / MANIFEST_NAME).is_file():
             # A meta model's manifest (meta: true) describes no program: it is not a bundle to check.
             found = sorted(p for p in directory.iterdir() if p.is_dir() and (p / MANIFEST_NAME).is_file()
                            and not declares_meta(p / MANIFEST_NAME))

@@ -22,6 +22,16 @@ def test_the_shipped_bundles_are_servable(capsys) -> None:
                for line in lines)
 
 
+def test_a_meta_model_named_on_its_own_is_skipped_not_unservable(capsys) -> None:
+    """Named on its own, the shipped meta model counted as one unservable bundle and the command exited 1."""
+    meta = SHIPPED / "circle_score"
+    assert main(["bundle", "check", str(meta), str(SHIPPED / "mlp_bundle")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == (f"{meta}: skipped: a meta model (meta: true in manifest.yaml) runs no program of its own; "
+                        "nereid check loads it")
+    assert lines[-1] == "1 bundle(s), 0 unservable"
+
+
 def test_triage_of_a_directory_of_bundles(tmp_path, capsys) -> None:
     good = examples.write_mlp(tmp_path, provenance=False)
     broken = tmp_path / "broken"
