@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``nereid`` console script."""
     parser = argparse.ArgumentParser(prog="nereid", description="A Triton-compatible model server.")
     commands = parser.add_subparsers(dest="command", required=True)
-    for name, help_text in (("serve", "serve the models over gRPC until SIGTERM/SIGINT"),
+    for name, help_text in (("serve", "serve the models over gRPC and HTTP until SIGTERM/SIGINT"),
                             ("check", "validate nereid.yaml and load every model folder once")):
         command = commands.add_parser(name, help=help_text)
         command.add_argument("--config", type=Path, default=DEFAULT_CONFIG,
@@ -105,10 +105,11 @@ def check(settings: Settings, manager: NereidPluginManager | None = None) -> int
     for problem in manager.problems:
         print(f"{problem.plugin}: {problem.what}")
     problems = 0
+    config_problems = 0  # the backends: section's, counted apart: they are no model's
     try:
         check_backend_defaults(manager, settings.backend_defaults, settings.source)
     except ConfigError as err:
-        problems += 1
+        config_problems += 1
         print(err)
     scratch = Path(tempfile.mkdtemp(prefix="nereid-check-"))
     try:
@@ -119,11 +120,13 @@ def check(settings: Settings, manager: NereidPluginManager | None = None) -> int
             problems += 0 if _check_model(settings, manager, scratch, name) else 1
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    summary = [f"{problems} model(s) with problems"] if problems else []
+    summary = [f"{config_problems} problem(s) in its backends: section"] if config_problems else []
+    if problems:
+        summary.append(f"{problems} model(s) with problems")
     if manager.problems:
         summary.append(f"{len(manager.problems)} plugin problem(s)")
     print(f"{settings.source}: {', '.join(summary) or 'OK'}")
-    return 1 if problems or manager.problems else 0
+    return 1 if problems or config_problems or manager.problems else 0
 
 
 def _check_model(settings: Settings, manager: NereidPluginManager, scratch: Path, name: str) -> bool:
