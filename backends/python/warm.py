@@ -125,38 +125,22 @@ class WarmParent:
         """Fork one child that runs ``main.py`` for this batch; as ``run_model_process`` for a cold one.
 
         With ``exec_argv`` the child execs that program (a cold run) instead.
-        A parent found dead is restarted first. If it dies during the run, the
-        run fails with ModelFailure giving the reason; the next run restarts it.
+        A parent found dead is restarted first. A parent that dies before it
+        said it forked the run (found alive, killed a moment later) gets the
+        batch sent once more, to its replacement: the run had not started (a
+        child it had forked dies with it). If it dies during the run, the run
+        fails with ModelFailure giving the reason; the next run restarts it.
         """
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        control = self._running_control()
-        if exec_argv is None and self.cold_reason is not None:
-            exec_argv = self.cold_argv
-        stdin_read, stdin_write = os.pipe2(os.O_CLOEXEC)
-        output_read, output_write = os.pipe2(os.O_CLOEXEC)
-        reply, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        with reply:
+        for attempt in (1, 2):
             try:
-                request = {"env": env, "cwd": str(self.folder)}
-                if exec_argv:
-                    request["exec"] = exec_argv
-                socket.send_fds(control, [json.dumps(request).encode()],
-                                [stdin_read, output_write, theirs.fileno()])
-            except OSError as err:
-                os.close(stdin_write)
-                os.close(output_read)
-                raise self._died(f"sending it the run failed: {err.strerror or err}") from None
-            finally:
-                os.close(stdin_read)
-                os.close(output_write)
-                theirs.close()
-            reply.settimeout(REPLY_TIMEOUT_S)
-            started = _receive(reply)
-            if "pid" not in started:
-                os.close(stdin_write)
-                os.close(output_read)
-                raise self._died("it did not fork the run")
-            pid = started["pid"]
+                pid, stdin_write, output_read, reply = self._start_run(env, exec_argv)
+                break
+            except _RunNotStarted as err:
+                if attempt == 2:
+                    raise
+                log.warning("%s; the batch goes to a new parent", err)
+        with reply:
             groups.add(pid)
             try:
                 exited, tail = feed_and_wait(stdin_write, stdin, reply.fileno(), deadline, output_read)
@@ -168,6 +152,43 @@ class WarmParent:
         if "status" not in ended:
             raise self._died("it ended while the run was in progress")
         return ProcessResult(ended["status"], not exited, tail)
+
+    def _start_run(self, env: dict[str, str],
+                   exec_argv: list[str] | None) -> tuple[int, int, int, socket.socket]:
+        """Hand the parent one run: its child's pid, our ends of its stdin and output pipes, the reply socket.
+
+        Raises _RunNotStarted when the parent is gone before it said it forked
+        the run.
+        """
+        control = self._running_control()
+        if exec_argv is None and self.cold_reason is not None:  # (a restart may have just set it)
+            exec_argv = self.cold_argv
+        stdin_read, stdin_write = os.pipe2(os.O_CLOEXEC)
+        output_read, output_write = os.pipe2(os.O_CLOEXEC)
+        reply, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            try:
+                request = {"env": env, "cwd": str(self.folder)}
+                if exec_argv:
+                    request["exec"] = exec_argv
+                socket.send_fds(control, [json.dumps(request).encode()],
+                                [stdin_read, output_write, theirs.fileno()])
+            except OSError as err:
+                raise _RunNotStarted(self._died(f"sending it the run failed: {err.strerror or err}")) from None
+            finally:
+                os.close(stdin_read)
+                os.close(output_write)
+                theirs.close()
+            reply.settimeout(REPLY_TIMEOUT_S)
+            started = _receive(reply)
+            if "pid" not in started:
+                raise _RunNotStarted(self._died("it did not fork the run"))
+        except BaseException:
+            os.close(stdin_write)
+            os.close(output_read)
+            reply.close()
+            raise
+        return started["pid"], stdin_write, output_read, reply
 
     def _running_control(self) -> socket.socket:
         with self._lock:
@@ -206,6 +227,13 @@ class WarmParent:
             reason = _describe_exit(process.returncode) if wait_for_exit(process, STOP_GRACE_S) else "stopped answering"
         return ModelFailure(f"model '{self.name}': its warm parent process {reason} ({what}); "
                             "it is restarted for the next request")
+
+
+class _RunNotStarted(ModelFailure):
+    """The parent was gone before it said it forked the run: sending the batch again runs it once."""
+
+    def __init__(self, failure: ModelFailure) -> None:
+        super().__init__(str(failure))
 
 
 def _read_line(fd: int, deadline: float) -> str:

@@ -741,6 +741,25 @@ def test_a_run_ends_as_python_main_py_ends(repo, serve):
         assert detaching.result(timeout=30).as_numpy("output")[0, 0] == 1, "its detached process was killed"
 
 
+def test_a_batch_whose_parent_dies_before_forking_it_runs_on_a_new_parent(repo, serve, start_mode):
+    """A parent found alive and killed a moment later failed the batch it had been handed ("it did not fork
+    the run"), though the run had not started: under load, the first request after a kill could fail."""
+    if start_mode == "cold":
+        pytest.skip("about warm parents")
+    repo.python("echo4")
+    server = serve(repo.write_config())
+    backend = server.server.repository.entry("echo4").loaded.backend
+    assert infer(server, "echo4", FOUR).as_numpy("output").tolist() == FOUR.tolist()
+    stopped = backend._parent.pid
+    os.kill(stopped, signal.SIGSTOP)  # alive, so the batch is handed to it, but it cannot fork the run
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(infer, server, "echo4", FOUR)
+        time.sleep(0.5)  # the batch waits for the parent's "forked" reply now
+        os.kill(stopped, signal.SIGKILL)
+        assert answer.result(timeout=60).as_numpy("output").tolist() == FOUR.tolist()
+    assert backend._parent.pid not in (None, stopped)
+
+
 def test_a_restarted_warm_parent_that_cannot_preload_runs_cold(repo, serve, start_mode):
     if start_mode == "cold":
         pytest.skip("about warm parents")
