@@ -634,8 +634,23 @@ class ModelRepository:
             log.info("model '%s' is READY (%s)", entry.name, done)
         else:
             entry.state, entry.reason = ModelState.UNAVAILABLE, why
-            log.warning("model '%s' is UNAVAILABLE: %s (loaded: %s)", entry.name, why, done)
+            self._log_unavailable(entry, f"{why} (loaded: {done})")
         self._refresh_dependents()  # the models calling it
+
+    def _log_unavailable(self, entry: ModelEntry, why: str) -> None:
+        """Log that a loaded model cannot serve because of the models it calls.
+
+        At INFO while a dependency is only LOADING (the server is starting, or it
+        is being reloaded: READY soon, so a normal start logs no warning); at
+        WARNING otherwise.
+        """
+        loaded = entry.loaded
+        states = self._states()
+        # The dependency the reason names: the first one that is not READY (see waiting_for).
+        unready = [states.get(name, ("",))[0] for name in (loaded.depends_on if loaded is not None else ())
+                   if states.get(name, ("",))[0] != ModelState.READY.value]
+        loading = unready[:1] == [ModelState.LOADING.value]
+        log.log(logging.INFO if loading else logging.WARNING, "model '%s' is UNAVAILABLE: %s", entry.name, why)
 
     def _states(self) -> dict[str, tuple[str, str]]:
         """Every model's (state, reason), as RepositoryIndex shows them."""
@@ -677,7 +692,7 @@ class ModelRepository:
                         log.info("model '%s' is READY (every model it calls is READY)", entry.name)
                 elif (entry.state, entry.reason) != (ModelState.UNAVAILABLE, why):
                     if entry.state is not ModelState.UNAVAILABLE:
-                        log.warning("model '%s' is UNAVAILABLE: %s", entry.name, why)
+                        self._log_unavailable(entry, why)
                     entry.state, entry.reason, changed = ModelState.UNAVAILABLE, why, True
             if not changed:
                 return

@@ -8,6 +8,7 @@ a test can prove which of them ran.
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import shutil
 import textwrap
 import time
@@ -399,3 +400,18 @@ def test_a_client_that_goes_away_stops_its_orchestration_whether_it_queued_or_no
     assert calls(step) <= 2, "each cancelled orchestration may finish the step it was in, and issue no other"
     np.testing.assert_array_equal(infer(client, "three_steps", X), X)  # and the model serves on
     assert calls(step) <= 5
+
+
+def test_a_normal_start_logs_no_warning_for_a_meta_model_waiting_on_a_loading_dependency(repo, serve,
+                                                                                          caplog) -> None:
+    """Every normal start warned "'relay' is UNAVAILABLE: dependency 'echo' is not ready (LOADING)" before the
+    meta model turned READY; a dependency that is only loading is said at INFO. One that failed still warns."""
+    repo.python("echo")
+    add_meta(repo, "relay", RELAY.format(target="echo"), ["echo"])
+    add_meta(repo, "orphan", RELAY.format(target="ghost"), ["ghost"])
+    caplog.set_level(logging.INFO, logger="nereid.repository")
+    server = serve(repo.write_config(server_extra="  strict_readiness: false\n"))
+    assert server.client.is_model_ready("relay")
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not [message for message in warned if "'relay'" in message], warned
+    assert any("model 'orphan' is UNAVAILABLE: dependency 'ghost'" in message for message in warned), warned
