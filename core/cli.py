@@ -147,18 +147,20 @@ def _check_model(settings: Settings, manager: NereidPluginManager, scratch: Path
     except Exception as err:
         print(f"{name}: UNAVAILABLE: {str(err).strip() or type(err).__name__}{suffix}")
         return False
-    runtime = ""
+    runtime, status = "", "OK"
     if isinstance(built.backend, ReportsRuntime):
-        report = built.backend.runtime_report()
-        runtime = f" {report.summary}" if report.summary else ""
-        if report.warm_parent_resident_bytes is not None:
-            runtime += f" warm_parent_rss={report.warm_parent_resident_bytes / 2**20:.1f}MiB"
+        try:
+            report = built.backend.runtime_report()
+        except Exception as err:  # the model's fault, not the check's: say so on its line and go on
+            status = f"RUNTIME REPORT FAILED: {error_text(err)}; loaded as"
+        else:
+            runtime = f" {report.summary}" if report.summary else ""
+            if report.warm_parent_resident_bytes is not None:
+                runtime += f" warm_parent_rss={report.warm_parent_resident_bytes / 2**20:.1f}MiB"
     try:
         built.backend.unload()
-    except Exception as err:  # the model's fault, not the check's: say so on its line and go on
+    except Exception as err:
         status = f"UNLOAD FAILED: {error_text(err)}; loaded as"
-    else:
-        status = "OK"
     signature = built.signature
     inputs = ", ".join(f"{s.name} {s.dtype.kserve}{list(s.dims)}" for s in signature.inputs)
     outputs = ", ".join(f"{s.name} {s.dtype.kserve}{list(s.dims)}" for s in signature.outputs)

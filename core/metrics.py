@@ -23,12 +23,14 @@ from prometheus_client.registry import Collector
 
 from nereid.backend import ReportsRuntime
 from nereid.errors import NereidError, NotFound
+from nereid.log_limit import OnceLog
 from nereid.repository import ModelRepository, ModelState
 
 if TYPE_CHECKING:
     from nereid.stats import Histogram as StatsHistogram
 
 log = logging.getLogger(__name__)
+_report_failures = OnceLog(log)  # one line per model, not one per scrape
 
 # A scrape connection that has not sent its whole request this long after connecting is closed;
 # at most this many are served at once.
@@ -268,7 +270,12 @@ class _RepositoryCollector(Collector):
             utilization.add_metric([entry.name], stats.batcher.utilization)
             backend = loaded.backend
             if isinstance(backend, ReportsRuntime):
-                resident = backend.runtime_report().warm_parent_resident_bytes
+                try:
+                    resident = backend.runtime_report().warm_parent_resident_bytes
+                except Exception as err:  # a plugin's fault must not fail the whole scrape
+                    _report_failures.warning(entry.name, "model '%s': runtime_report() failed (%s: %s); its "
+                                             "warm parent gauge is left out", entry.name, type(err).__name__, err)
+                    resident = None
                 if resident is not None:
                     warm_parent.add_metric([entry.name], resident)
         for state, count in counts.items():

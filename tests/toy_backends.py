@@ -143,8 +143,15 @@ class TerminateFailsModel(FaultyModel):
         pass
 
 
+class ReportFailsModel(FaultyModel):
+    """Describes how it runs (ReportsRuntime), but its ``runtime_report()`` raises."""
+
+    def runtime_report(self):
+        raise RuntimeError("no report today")
+
+
 FAULTS = {"no_platform": NoPlatformModel, "no_infer": NoInferModel, "dependencies_fail": DependenciesFailModel,
-          "terminate_fails": TerminateFailsModel}
+          "terminate_fails": TerminateFailsModel, "report_fails": ReportFailsModel}
 
 
 class FaultyToys:

@@ -277,3 +277,21 @@ def test_check_reports_a_failing_unload_on_its_line_and_goes_on(repo, tmp_path, 
     assert lines[0].startswith("a_sticky: UNLOAD FAILED: RuntimeError: sticky unload; loaded as backend=sticky ")
     assert lines[1].startswith("b_echo: OK backend=python")
     assert lines[2] == f"{config}: 1 model(s) with problems"
+
+
+def test_check_reports_a_failing_runtime_report_on_its_line_and_goes_on(tmp_path, capsys) -> None:
+    # A runtime_report() that raised ended the check with a traceback, the models after it unchecked.
+    from nereid.cli import check
+    from nereid.plugins import make_plugin_manager
+    from nereid.settings import load_settings
+
+    toy_backends.write_faulty(tmp_path / "ml-backends", "a_reporter", "report_fails")
+    toy_backends.write_toy(tmp_path / "ml-backends", "b_plain")
+    (tmp_path / "nereid.yaml").write_text('server:\n  ml_backends_path: "ml-backends"\n')
+    manager = make_plugin_manager(load_entry_points=False, extra_plugins=(toy_backends, toy_backends.FaultyToys()))
+    assert check(load_settings(tmp_path / "nereid.yaml"), manager) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("a_reporter: RUNTIME REPORT FAILED: RuntimeError: no report today; loaded as "
+                               "backend=faulty ")
+    assert lines[1].startswith("b_plain: OK backend=toy ")
+    assert lines[2].endswith(": 1 model(s) with problems")

@@ -196,3 +196,33 @@ def test_metrics_connections_trickling_a_request_are_closed_at_the_deadline(repo
         for connection in trickling:
             connection.close()
         metrics.close()
+
+
+def test_a_runtime_report_that_raises_leaves_out_one_gauge_not_the_scrape(tmp_path, caplog) -> None:
+    """A plugin's runtime_report() that raised failed every scrape of /metrics, for every model."""
+    import asyncio
+
+    import toy_backends
+    from nereid.metrics import _RepositoryCollector
+    from nereid.plugins import make_plugin_manager
+    from nereid.repository import ModelRepository
+    from nereid.settings import load_settings
+
+    toy_backends.write_faulty(tmp_path / "ml-backends", "reporter", "report_fails")
+    toy_backends.write_toy(tmp_path / "ml-backends", "plain")
+    (tmp_path / "nereid.yaml").write_text('server:\n  ml_backends_path: "ml-backends"\n')
+    (tmp_path / "scratch").mkdir()
+    manager = make_plugin_manager(load_entry_points=False, extra_plugins=(toy_backends, toy_backends.FaultyToys()))
+    repository = ModelRepository(load_settings(tmp_path / "nereid.yaml"), manager, tmp_path / "scratch")
+
+    async def load():
+        for name in ("reporter", "plain"):
+            await repository.load(name)
+    asyncio.run(load())
+    collector = _RepositoryCollector(repository)
+    for _ in range(2):
+        families = {family.name: family for family in collector.collect()}
+    assert {s.labels["model"] for s in families["nereid_request_success"].samples} == {"reporter", "plain"}
+    assert not families["nereid_warm_parent_resident_bytes"].samples
+    assert sum("runtime_report() failed (RuntimeError: no report today)" in r.getMessage()
+               for r in caplog.records) == 1  # once per model, not once per scrape
