@@ -147,20 +147,46 @@ def _json_array(where: str, dtype: DType, shape: tuple[int, ...], count: int, da
     if any(isinstance(e, bool) or not isinstance(e, (int, float)) for e in flat):
         raise InvalidArgument(f"{where}: {dtype.kserve} data must be a list of numbers")
     if dtype.numpy.kind in "iu":
-        if not all(isinstance(e, int) for e in flat):
-            raise InvalidArgument(f"{where}: {dtype.kserve} data must be integers")
         info = np.iinfo(dtype.numpy)
+        not_int = next((e for e in flat if not isinstance(e, int)), None)
+        if not_int is not None:
+            if not_int.is_integer() and not info.min <= not_int <= info.max:
+                # orjson reads an integer past 64 bits as a float: it is out of range, not "not an integer"
+                raise InvalidArgument(f"{where}: value {not_int:.0f} does not fit {dtype.kserve} "
+                                      f"(range {info.min} to {info.max})")
+            raise InvalidArgument(f"{where}: {dtype.kserve} data must be integers")
         bad = next((e for e in flat if e < info.min or e > info.max), None)
         if bad is not None:
             raise InvalidArgument(f"{where}: value {bad} does not fit {dtype.kserve} (range {info.min} to {info.max})")
         return np.array(flat, dtype=dtype.numpy).reshape(shape)
+    # Through float64 first: it holds every number orjson reads (its integers reach 2**64 - 1, which
+    # ml_dtypes' own conversion refused), and each datatype is then rounded once, from it.
+    exact = np.array(flat, dtype=np.float64)
     with np.errstate(over="ignore"):  # an overflow is refused just below, with the value
-        array = np.array(flat, dtype=dtype.numpy).reshape(shape)
+        array = (_to_bfloat16(exact) if dtype is DType.BF16 else exact.astype(dtype.numpy)).reshape(shape)
     if not np.isfinite(array).all():  # JSON holds no infinity: a finite number overflowed the datatype
         bad = flat[int(np.argmin(np.isfinite(array).reshape(-1)))]
         raise InvalidArgument(f"{where}: value {bad} does not fit {dtype.kserve} "
                               f"(largest magnitude {float(ml_dtypes.finfo(dtype.numpy).max)})")
     return array
+
+
+def _to_bfloat16(exact: np.ndarray) -> np.ndarray:
+    """float64 values rounded once to the nearest bfloat16 (ties to even).
+
+    ml_dtypes goes through float32, rounding twice: 1 + 2**-8 + 2**-40 became
+    1.0 (float32 lands on the midpoint, then ties to even) instead of
+    1.0078125. Rounding to float32 "to odd" first (truncate, then set the last
+    bit when anything was dropped) keeps the information the second rounding
+    needs, since float32 carries 16 more bits than bfloat16.
+    """
+    with np.errstate(over="ignore"):
+        nearest = exact.astype(np.float32)
+    away = np.abs(nearest.astype(np.float64)) > np.abs(exact)
+    truncated = np.where(away, np.nextafter(nearest, np.float32(0)), nearest)
+    inexact = truncated.astype(np.float64) != exact
+    odd = (truncated.view(np.uint32) | inexact.astype(np.uint32)).view(np.float32)
+    return odd.astype(ml_dtypes.bfloat16)
 
 
 def _flatten(where: str, data: Any) -> list:

@@ -22,6 +22,11 @@ TIMEOUT_PARAMETER = "timeout"
 SHARED_MEMORY_PARAMETER = "shared_memory_region"
 
 
+# The most elements the non-zero dimensions of an empty tensor may multiply to: far past any tensor a
+# request could carry, well within what numpy can shape (2**63 bytes, at 16 bytes an element).
+MAX_EMPTY_EXTENT = 2 ** 48
+
+
 def wire_dtype(where: str, datatype: str) -> DType:
     """The DType of a wire datatype string; InvalidArgument naming the valid ones otherwise."""
     try:
@@ -31,14 +36,23 @@ def wire_dtype(where: str, datatype: str) -> DType:
 
 
 def wire_shape(where: str, shape: tuple[int, ...]) -> int:
-    """Check a request tensor's shape (rank, positive dimensions); returns its element count."""
+    """Check a request tensor's shape (rank, dimensions of 0 or more); returns its element count.
+
+    A zero-size dimension is a tensor with no elements, as Triton takes it (a
+    model's ``-1`` dimension may be 0; its fixed dimensions and the batch size
+    are checked against the model later). Its other dimensions are still
+    bounded: numpy cannot represent an empty array whose other dimensions
+    multiply past 2**63 bytes.
+    """
     if len(shape) > MAX_RANK:
         raise InvalidArgument(f"{where}: shape has {len(shape)} dimensions; at most {MAX_RANK} are supported")
-    if shape and min(shape) < 1:
-        # No model accepts them (fixed dims, -1 dims and batch sizes are all positive), and a zero
-        # next to huge dims would otherwise reach numpy as an unrepresentable shape.
-        raise InvalidArgument(f"{where}: shape {list(shape)} has a dimension < 1; dimensions must be positive")
-    return math.prod(shape)
+    if shape and min(shape) < 0:
+        raise InvalidArgument(f"{where}: shape {list(shape)} has a negative dimension")
+    count = math.prod(shape)
+    if count == 0 and math.prod(d for d in shape if d) > MAX_EMPTY_EXTENT:
+        raise InvalidArgument(f"{where}: shape {list(shape)} is too large (its non-zero dimensions multiply "
+                              f"past {MAX_EMPTY_EXTENT})")
+    return count
 
 
 def decode_raw(where: str, dtype: DType, shape: tuple[int, ...], raw: bytes | memoryview) -> np.ndarray:

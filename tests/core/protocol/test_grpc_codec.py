@@ -419,12 +419,27 @@ def test_unknown_datatype_string_is_invalid_argument(server):
     assert "INT8" in message and "BYTES" in message  # the valid datatypes are listed
 
 
-@pytest.mark.parametrize(("shape", "problem"), [([-1, 4], "[-1, 4]"), ([0, 4], "[0, 4]"),
-                                                ([2**62, 2**62, 0], "[4611686018427387904, 4611686018427387904, 0]")])
-def test_non_positive_request_dimensions_are_invalid_argument(server, shape, problem):
+@pytest.mark.parametrize(("model", "shape", "problem"), [
+    ("echo_INT8", [-1, 4], "shape [-1, 4] has a negative dimension"),
+    ("echo_INT8", [0, 4], "has batch size 0, expected 1 to max_batch_size 8"),
+    ("echo_INT8", [1, 0], "has shape [1, 0], expected [batch, 4] or [4]"),  # a zero where the model fixes 4
+    ("echo_INT8", [2**62, 2**62, 0], "shape [4611686018427387904, 4611686018427387904, 0] is too large"),
+])
+def test_negative_zero_batch_and_unrepresentable_dimensions_are_invalid_argument(server, model, shape, problem):
     expect_grpc_error("INVALID_ARGUMENT",
-                 lambda: raw_infer(server, raw_request("echo_INT8", ("input", "INT8", shape, b""))),
-                 "model 'echo_INT8'", "input 'input'", problem, "positive")
+                 lambda: raw_infer(server, raw_request(model, ("input", "INT8", shape, b""))),
+                 f"model '{model}'", "input 'input'", problem)
+
+
+def test_a_zero_size_dimension_where_the_model_takes_any_size_is_an_empty_tensor(server):
+    """Refused before ("dimensions must be positive"), though the model's -1 takes any size, as Triton's
+    does: a client could receive empty tensors but not send one."""
+    for model, shape in (("big", [0]), ("var", [2, 0, 3]), ("var", [0, 3])):
+        response = raw_infer(server, raw_request(model, ("input", "FP32" if model == "big" else "FP64", shape,
+                                                         b"")))
+        assert list(response.outputs[0].shape) == shape and response.raw_output_contents == [b""], model
+    result = server.client.infer("var", [triton_input("input", np.zeros((1, 0, 3)), "FP64")])
+    assert result.as_numpy("output").shape == (1, 0, 3)
 
 
 @pytest.mark.parametrize(("raw", "problem"), [
@@ -530,7 +545,9 @@ def test_decode_raw_and_typed_contents_directly():
      "raw contents are 4 bytes, expected 8"),
     (lambda r: (r.inputs.add(name="x", datatype="FP16", shape=[1]).contents.fp32_contents.append(1.0)),
      "FP16 data must be sent in raw_input_contents"),
-    (lambda r: (r.inputs.add(name="x", datatype="FP32", shape=[0])), "has a dimension < 1"),
+    (lambda r: (r.inputs.add(name="x", datatype="FP32", shape=[-1])), "shape [-1] has a negative dimension"),
+    (lambda r: (r.inputs.add(name="x", datatype="FP32", shape=[0, 2 ** 40, 2 ** 40])),
+     "shape [0, 1099511627776, 1099511627776] is too large"),
     # A BOOL is one byte, 0 or 1: 2 or 255 is no bool (undefined behaviour for a C++ model reading it).
     (lambda r: (r.inputs.add(name="x", datatype="BOOL", shape=[4]),
                 r.raw_input_contents.append(bytes([0, 1, 2, 255]))),

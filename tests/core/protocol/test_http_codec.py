@@ -50,7 +50,7 @@ def test_binary_inputs_are_views_of_the_body_and_json_mixes_in():
     (body({"name": "x", "shape": [1], "datatype": "FP32", "data": ["a"]}), None, "FP32 data must be a list of num"),
     (body({"name": "x", "shape": [1], "datatype": "BYTES", "data": [1]}), None, "BYTES data must be a list of str"),
     (body({"name": "x", "shape": [1], "datatype": "FP99", "data": [1]}), None, "unknown datatype 'FP99'"),
-    (body({"name": "x", "shape": [0], "datatype": "FP32", "data": []}), None, "has a dimension < 1"),
+    (body({"name": "x", "shape": [-2], "datatype": "FP32", "data": []}), None, "has a negative dimension"),
     (body({"name": "x", "shape": [1], "datatype": "FP32"}), None, "no 'data' and no binary_data_size"),
     (body({"name": "x", "shape": [1], "datatype": "FP32", "data": [1]}, parameters={"timeout": -1}), None,
      "parameter 'timeout' must be a non-negative integer"),
@@ -74,10 +74,29 @@ def test_binary_inputs_are_views_of_the_body_and_json_mixes_in():
      "input 'x': value 1e+39 does not fit BF16 (largest magnitude 3.3895313892515355e+38)"),
     (body({"name": "x", "shape": [1], "datatype": "FP32", "data": [-1e39]}), None,
      "input 'x': value -1e+39 does not fit FP32 (largest magnitude 3.4028234663852886e+38)"),
+    # An integer past 64 bits (JSON reads it as a float) is out of range, not "not an integer".
+    (body({"name": "x", "shape": [1], "datatype": "INT64", "data": [10 ** 20]}), None,
+     "input 'x': value 100000000000000000000 does not fit INT64 (range -9223372036854775808 to "
+     "9223372036854775807)"),
+    (body({"name": "x", "shape": [1], "datatype": "INT64", "data": [1.5]}), None,
+     "input 'x': INT64 data must be integers"),
 ])
 def test_malformed_bodies_are_invalid_arguments(raw, length, message):
     with pytest.raises(InvalidArgument, match=re.escape(message)):
         decode_infer("m", raw, length)
+
+
+def test_json_numbers_are_rounded_once_to_their_float_datatype():
+    """BF16 went through float32 (two roundings: 1 + 2**-8 + 2**-40 became 1.0), and an integer from 2**63 up
+    was a 500 (ml_dtypes takes no int past int64)."""
+    just_above_a_tie = 1 + 2 ** -8 + 2 ** -40
+    request, _ = decode_infer("m", body({"name": "x", "shape": [4], "datatype": "BF16",
+                                         "data": [just_above_a_tie, -just_above_a_tie, 2 ** 63, 2 ** 64 - 1]}), None)
+    assert request.inputs[0].data.astype(np.float64).tolist() == [1.0078125, -1.0078125, 2.0 ** 63, 2.0 ** 64]
+    for dtype, value in (("FP16", 2 ** 15 + 1), ("FP32", 2 ** 64 - 1), ("FP64", 2 ** 64 - 1)):
+        request, _ = decode_infer("m", body({"name": "x", "shape": [1], "datatype": dtype, "data": [value]}), None)
+        assert request.inputs[0].data.astype(np.float64).tolist() == [
+            float(np.float64(value).astype(request.inputs[0].data.dtype))]
 
 
 def test_deep_nesting_is_flattened_without_recursion():
