@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any, Callable, TypeVar
+
+T = TypeVar("T")
+
 
 class NereidError(Exception):
     """Base of every error nereid reports to a client; ``str(err)`` is the message.
@@ -107,3 +111,17 @@ def cap_message(text: str, limit: int = MESSAGE_LIMIT) -> str:
         return text
     keep = max(limit - 64, 0)  # room for the note, so the result stays within ``limit``
     return text[:keep] + f" ... [{len(text) - keep} more characters cut]"
+
+
+def without_stop_iteration(function: Callable[..., T], *args: Any) -> T:
+    """Call ``function``; a StopIteration it raises comes out as a RuntimeError chained to it.
+
+    For a model's code run on a worker thread: an asyncio future cannot carry a
+    StopIteration (``set_exception`` raises TypeError on the loop), so a stray
+    ``next()`` in a plugin or a ``model.py`` left its caller waiting for ever
+    and its execution slot taken. Generators do the same since PEP 479.
+    """
+    try:
+        return function(*args)
+    except StopIteration as err:
+        raise RuntimeError(f"StopIteration raised{f': {err}' if str(err) else ''}") from err

@@ -12,7 +12,7 @@ import inspect
 from typing import Any, Awaitable, Callable
 
 from nereid.backend import Model, Postprocesses, Preprocesses
-from nereid.errors import InvalidArgument, ModelFailure, NereidError, same_kind
+from nereid.errors import InvalidArgument, ModelFailure, NereidError, same_kind, without_stop_iteration
 from nereid.scheduler import MODEL_EXITS, ModelScheduler, describe_exception
 from nereid.signature import ModelSignature, check_outputs, validate_inputs
 from nereid.tensors import NamedTensor
@@ -66,7 +66,7 @@ async def _call_hook(model: str, hook: str, function: Callable[[list[NamedTensor
                      tensors: list[NamedTensor]) -> list[NamedTensor]:
     """Run a hook on a worker thread (so hooks of different requests overlap); its result, checked."""
     try:
-        result = await asyncio.to_thread(function, tensors)
+        result = await asyncio.to_thread(without_stop_iteration, function, tensors)
     except NereidError as err:
         if str(err).startswith(f"model '{model}'"):
             raise
@@ -80,30 +80,30 @@ async def _call_hook(model: str, hook: str, function: Callable[[list[NamedTensor
         if asyncio.current_task().cancelling():
             raise
         raise _hook_failure(model, hook, err) from err
-    _check_hook_result(model, hook, result)
-    return result
+    return _checked_hook_result(model, hook, result)
 
 
 def _hook_failure(model: str, hook: str, error: BaseException) -> ModelFailure:
     return ModelFailure(f"model '{model}': {hook} hook failed: {describe_exception(error)}")
 
 
-def _check_hook_result(model: str, hook: str, result: Any) -> None:
-    """ModelFailure naming the hook and what it returned, unless ``result`` is a list of NamedTensor.
+def _checked_hook_result(model: str, hook: str, result: Any) -> list[NamedTensor]:
+    """``result`` as a list of NamedTensor (a tuple of them is taken too); ModelFailure naming the hook and
+    what it returned otherwise.
 
     What the hook returns goes on to code that reads tensors' names and
     shapes; anything else would fail there with an error naming neither.
     """
-    if isinstance(result, list) and all(isinstance(item, NamedTensor) for item in result):
-        return
+    if isinstance(result, (list, tuple)) and all(isinstance(item, NamedTensor) for item in result):
+        return list(result)
     if inspect.isawaitable(result):
         if inspect.iscoroutine(result):
             result.close()  # never run, and never "was never awaited" in the log
         got = (f"a {type(result).__name__} (hooks are called on a worker thread, where an async def hook's "
                "coroutine never runs: make it a plain function)")
-    elif isinstance(result, list):
+    elif isinstance(result, (list, tuple)):
         index, item = next((i, item) for i, item in enumerate(result) if not isinstance(item, NamedTensor))
-        got = f"a list whose item {index} is {type(item).__name__} {item!r:.100}"
+        got = f"a {type(result).__name__} whose item {index} is {type(item).__name__} {item!r:.100}"
     else:
         got = f"{type(result).__name__} {result!r:.100}"
     raise ModelFailure(f"model '{model}': the {hook} hook returned {got}, expected a list of NamedTensor")

@@ -27,7 +27,7 @@ from nereid.backend import (CallsModels, HasBatchSignature, Model, ModelCaller, 
                             missing_model_parts)
 from nereid.batching import BatchPolicy
 from nereid.dependencies import describe_cycle, find_cycle, waiting_for
-from nereid.errors import ConfigError, NotFound, Unavailable, cap_message
+from nereid.errors import ConfigError, NotFound, Unavailable, cap_message, without_stop_iteration
 from nereid.files import check_confined
 from nereid.log_limit import RateLimitedLog
 from nereid.model_runner import Runner, make_runner
@@ -472,7 +472,7 @@ class ModelRepository:
             try:
                 if not isinstance(loaded.backend, Relocatable):
                     raise ConfigError(f"backend '{loaded.backend_name}' cannot move a loaded model")
-                await asyncio.to_thread(loaded.backend.relocate, context)
+                await asyncio.to_thread(without_stop_iteration, loaded.backend.relocate, context)
             except Exception as err:
                 log.warning("model '%s': cannot be renamed in place (%s); loading '%s' anew", old, _reason(err), new)
                 moved = False
@@ -750,7 +750,7 @@ def _in_daemon_thread(function: Callable[[ModelContext], BuiltModel], context: M
     def run() -> None:
         result, error = None, None
         try:
-            result = function(context)
+            result = without_stop_iteration(function, context)
         except BaseException as err:  # handed to the caller, whatever it is
             error = err
         if future.cancelled():
@@ -782,7 +782,7 @@ async def _terminate(name: str, backend: Model) -> None:
     if not isinstance(backend, Terminable):
         return
     try:
-        await asyncio.to_thread(backend.terminate_running)
+        await asyncio.to_thread(without_stop_iteration, backend.terminate_running)
     except Exception:
         log.exception("model '%s': terminate_running failed; unloading it anyway", name)
 
@@ -790,7 +790,7 @@ async def _terminate(name: str, backend: Model) -> None:
 async def _unload(name: str, backend: Model) -> None:
     """Call ``backend.unload()`` off the loop; a failure is logged naming the model, never raised."""
     try:
-        await asyncio.to_thread(backend.unload)
+        await asyncio.to_thread(without_stop_iteration, backend.unload)
     except Exception:
         log.exception("model '%s': unload failed", name)
 

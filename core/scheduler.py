@@ -377,7 +377,8 @@ class ModelScheduler:
         """
         try:
             return self._backend.infer(inputs)
-        except concurrent.futures.CancelledError as err:
+        except (concurrent.futures.CancelledError, StopIteration) as err:
+            # (No future can carry a StopIteration: its caller would wait for ever.)
             raise self._model_fault(err) from err
         except Exception:
             raise

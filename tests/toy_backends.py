@@ -150,8 +150,16 @@ class ReportFailsModel(FaultyModel):
         raise RuntimeError("no report today")
 
 
+class StopIterationModel(FaultyModel):
+    """Its ``load()`` makes a stray ``next()`` on an exhausted iterator."""
+
+    def load(self) -> None:
+        next(iter(()))
+
+
 FAULTS = {"no_platform": NoPlatformModel, "no_infer": NoInferModel, "dependencies_fail": DependenciesFailModel,
-          "terminate_fails": TerminateFailsModel, "report_fails": ReportFailsModel}
+          "terminate_fails": TerminateFailsModel, "report_fails": ReportFailsModel,
+          "stop_iteration": StopIterationModel}
 
 
 class FaultyToys:

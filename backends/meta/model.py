@@ -29,7 +29,8 @@ from nereid.backends.xla.manifest import MANIFEST_NAME, Manifest, declares_meta,
 from nereid.backends.xla.signatures import batch_mode, build_signature
 from nereid.daemon_pool import DaemonThreadPool
 from nereid.dependencies import describe_cycle, find_cycle
-from nereid.errors import ConfigError, DeadlineExceeded, ModelFailure, NereidError, Unavailable, same_kind
+from nereid.errors import (ConfigError, DeadlineExceeded, ModelFailure, NereidError, Unavailable, same_kind,
+                           without_stop_iteration)
 from nereid.files import not_regular_reason
 from nereid.model_hooks import load_model_hooks
 from nereid.signature import ModelSignature
@@ -261,7 +262,7 @@ class MetaModel:
         if pool is None:
             raise Unavailable(f"model '{self.context.name}' is being unloaded")
         context = BlockingMetaContext(self, deadline_ns, asyncio.get_running_loop())
-        future = asyncio.wrap_future(pool.submit(orchestrate, inputs, context))
+        future = asyncio.wrap_future(pool.submit(without_stop_iteration, orchestrate, inputs, context))
         try:
             return await asyncio.shield(future)
         except asyncio.CancelledError:

@@ -73,7 +73,7 @@ def cancelled_future(tensors: list[NamedTensor]) -> list[NamedTensor]:
 RESULTS = [
     (lambda tensors: None, "returned NoneType None, expected a list of NamedTensor"),
     (lambda tensors: [t.data for t in tensors], r"returned a list whose item 0 is ndarray array\(\[\[\d"),
-    (lambda tensors: tuple(tensors), r"returned tuple \(NamedTensor\("),
+    (lambda tensors: (tensors[0].data,), r"returned a tuple whose item 0 is ndarray"),
     (coroutine_hook, r"returned a coroutine \(hooks are called on a worker thread, where an async def hook's "
                      r"coroutine never runs: make it a plain function\), expected a list of NamedTensor$"),
 ]
@@ -81,13 +81,15 @@ FAILURES = [
     (raises(SystemExit(3)), "failed: SystemExit: 3$"),
     (raises(KeyboardInterrupt()), "failed: KeyboardInterrupt$"),
     (cancelled_future, "failed: CancelledError$"),
+    # No future can carry a StopIteration: the request waited for ever.
+    (raises(StopIteration()), "failed: RuntimeError: StopIteration raised$"),
 ]
 
 
 @pytest.mark.parametrize("hook", ["preprocess", "postprocess"])
 @pytest.mark.parametrize("body, message", RESULTS + FAILURES,
-                         ids=["None", "arrays", "tuple", "async def", "sys.exit", "KeyboardInterrupt",
-                              "futures.CancelledError"])
+                         ids=["None", "arrays", "tuple of arrays", "async def", "sys.exit", "KeyboardInterrupt",
+                              "futures.CancelledError", "StopIteration"])
 def test_a_hook_returning_or_raising_anything_is_a_model_fault_naming_it(hook: str, body: Hook,
                                                                          message: str) -> None:
     """Defects: a hook returning the wrong type let a raw TypeError / AttributeError escape, naming no model

@@ -385,3 +385,14 @@ def test_a_failing_terminate_running_neither_stops_an_unload_nor_a_shutdown(tmp_
     assert failures == ["model 'busy': terminate_running failed; unloading it anyway",
                         "model 'busy2': terminate_running failed; unloading it anyway",
                         "model 'busy2': terminate_running failed; unloading it anyway"]
+
+
+def test_a_load_raising_stop_iteration_is_unavailable_not_loading_for_ever(tmp_path, root):
+    # No asyncio future can carry a StopIteration: the load's waiter never heard back, LOADING for ever.
+    toy_backends.write_faulty(root, "stray_next", "stop_iteration")
+    repo = repository(tmp_path, extra_plugins=(toy_backends.FaultyToys(),))
+
+    async def scenario():
+        return await asyncio.wait_for(repo.load("stray_next"), 20)
+    entry = asyncio.run(scenario())
+    assert entry.state is ModelState.UNAVAILABLE and "StopIteration raised" in entry.reason

@@ -357,7 +357,9 @@ def caught(call) -> BaseException:
     (caught(cancelled_future_result), "CancelledError$"),
     (asyncio.CancelledError("an awaited call of the model's was cancelled"),
      "CancelledError: an awaited call of the model's was cancelled"),
-], ids=["sys.exit", "KeyboardInterrupt", "futures.CancelledError", "asyncio.CancelledError"])
+    # A stray next(): no future can carry a StopIteration, so the request waited for ever, its slot taken.
+    (StopIteration(), "(RuntimeError: coroutine raised )?StopIteration$"),  # (a coroutine's: PEP 479's)
+], ids=["sys.exit", "KeyboardInterrupt", "futures.CancelledError", "asyncio.CancelledError", "StopIteration"])
 def test_whatever_infer_raises_is_a_model_fault_and_the_model_serves_on(error, message, coroutine) -> None:
     """Defects: sys.exit() in a plugin's infer ended the server; concurrent.futures' CancelledError from a
     sync infer was taken for the pool's shutdown, leaving the request unanswered and its slot taken for good;

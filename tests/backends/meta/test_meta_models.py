@@ -415,3 +415,25 @@ def test_a_normal_start_logs_no_warning_for_a_meta_model_waiting_on_a_loading_de
     warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert not [message for message in warned if "'relay'" in message], warned
     assert any("model 'orphan' is UNAVAILABLE: dependency 'ghost'" in message for message in warned), warned
+
+
+STRAY_NEXT = '''
+import nereid
+
+def orchestrate(inputs, ctx):  # a plain def: it runs on a worker thread
+    if inputs[0].data[0] == 0:
+        next(iter(()))
+    return ctx.infer("echo", inputs)
+
+nereid.register_model(orchestrate=orchestrate)
+'''
+
+
+def test_a_blocking_orchestration_raising_stop_iteration_is_answered(repo, serve) -> None:
+    # No asyncio future can carry a StopIteration: the request waited until its deadline, or for ever.
+    repo.python("echo")
+    add_meta(repo, "stray", STRAY_NEXT, ["echo"])
+    client = serve(repo.write_config()).client
+    with pytest.raises(InferenceServerException, match="StopIteration raised"):
+        infer(client, "stray", np.zeros(4, np.float32), client_timeout=20)
+    np.testing.assert_array_equal(infer(client, "stray", X + 1), X + 1)  # and it serves on
