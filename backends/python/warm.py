@@ -174,7 +174,7 @@ class WarmParent:
                 socket.send_fds(control, [json.dumps(request).encode()],
                                 [stdin_read, output_write, theirs.fileno()])
             except OSError as err:
-                raise _RunNotStarted(self._died(f"sending it the run failed: {err.strerror or err}")) from None
+                raise self._not_started(f"sending it the run failed: {err.strerror or err}") from None
             finally:
                 os.close(stdin_read)
                 os.close(output_write)
@@ -182,7 +182,7 @@ class WarmParent:
             reply.settimeout(REPLY_TIMEOUT_S)
             started = _receive(reply)
             if "pid" not in started:
-                raise _RunNotStarted(self._died("it did not fork the run"))
+                raise self._not_started("it did not fork the run")
         except BaseException:
             os.close(stdin_write)
             os.close(output_read)
@@ -217,6 +217,14 @@ class WarmParent:
                                            f"{again}") from None
             assert self._control is not None
             return self._control
+
+    def _not_started(self, what: str) -> ModelFailure:
+        """The failure of a run the parent never started: _RunNotStarted (sent again) when the parent has
+        exited, a plain ModelFailure when it is alive but not answering (a new parent is not started
+        for it, so sending the batch again would only wait for it once more)."""
+        failure = self._died(what)
+        process = self._process
+        return _RunNotStarted(failure) if process is None or process.poll() is not None else failure
 
     def _died(self, what: str) -> ModelFailure:
         """The failure of a run whose parent died; the parent is reaped so the reason is known."""

@@ -760,6 +760,31 @@ def test_a_batch_whose_parent_dies_before_forking_it_runs_on_a_new_parent(repo, 
     assert backend._parent.pid not in (None, stopped)
 
 
+def test_a_parent_alive_but_not_answering_fails_the_batch_once_without_resending_it(repo, serve, start_mode,
+                                                                                     monkeypatch, caplog):
+    """A stopped parent got the batch sent back to itself (no new parent is started for a live one): the
+    request waited twice as long, and the log said it went to a new parent."""
+    if start_mode == "cold":
+        pytest.skip("about warm parents")
+    from nereid.backends.python import warm
+
+    monkeypatch.setattr(warm, "REPLY_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(warm, "STOP_GRACE_S", 0.5)
+    repo.python("echo5")
+    server = serve(repo.write_config())
+    backend = server.server.repository.entry("echo5").loaded.backend
+    stopped = backend._parent.pid
+    os.kill(stopped, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        with pytest.raises(InferenceServerException, match="stopped answering"):
+            infer(server, "echo5", FOUR)
+        assert time.monotonic() - started < 2.5  # one reply timeout and one grace, not two of each
+    finally:
+        os.kill(stopped, signal.SIGKILL)
+    assert not any("goes to a new parent" in r.getMessage() for r in caplog.records)
+
+
 def test_a_restarted_warm_parent_that_cannot_preload_runs_cold(repo, serve, start_mode):
     if start_mode == "cold":
         pytest.skip("about warm parents")
