@@ -258,7 +258,9 @@ def check_outputs(model: str, signature: ModelSignature, outputs: list[NamedTens
         data = tensor.data
         wanted = spec.dtype.numpy
         # ``is`` first: numpy's built-in dtypes are shared objects, so the usual case costs no comparison.
-        if not isinstance(data, np.ndarray) or (data.dtype is not wanted and data.dtype != wanted):
+        # Either byte order is the datatype (the encoders convert a big-endian array).
+        if not isinstance(data, np.ndarray) or (data.dtype is not wanted and data.dtype != wanted
+                                                and data.dtype.newbyteorder("=") != wanted):
             raise ModelFailure(f"model '{model}' returned output '{spec.name}' tagged {spec.dtype.kserve} holding "
                                f"{_array_text(data)}, expected a numpy ndarray of {wanted}")
         if spec.dtype is DType.BYTES and not all(map(isinstance, data.ravel(), repeat(_TEXT))):
