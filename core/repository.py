@@ -407,16 +407,20 @@ class ModelRepository:
         started = time.monotonic()
         built = await _in_daemon_thread(self._build, context)
         load_seconds = time.monotonic() - started
+        scheduler: ModelScheduler | None = None
         try:
             calls_models = isinstance(built.backend, CallsModels)
             instances = built.backend.concurrent_executions() if calls_models else entry.settings.instances
+            depends_on = built.backend.dependencies() if calls_models else ()
             scheduler = ModelScheduler(name, built.backend, built.batch_signature, entry.settings.queue_capacity,
                                        instances, stats, built.policy)
             loaded = LoadedModel(built.backend_name, built.backend, built.signature, built.batch_signature,
                                  scheduler, stats, load_seconds,
                                  make_runner(built.backend, built.signature, built.batch_signature, scheduler),
-                                 built.backend.dependencies() if calls_models else ())
+                                 depends_on)
         except Exception:
+            if scheduler is not None:  # its batcher task is running: end it, or asyncio logs it destroyed
+                await scheduler.drain(0)
             await _unload(name, built.backend)
             raise
         if self.events is not None:

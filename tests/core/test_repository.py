@@ -349,7 +349,10 @@ def test_a_model_object_lacking_part_of_the_protocol_is_unavailable_naming_its_b
     repo = repository(tmp_path, extra_plugins=(toy_backends.FaultyToys(),))
 
     async def scenario():
-        return {name: await repo.load(name) for name in ("noplat", "noinfer", "nodeps")}
+        entries = {name: await repo.load(name) for name in ("noplat", "noinfer", "nodeps")}
+        # No scheduler of a failed load is left running (its batcher was destroyed pending, logged as an ERROR).
+        assert not [task for task in asyncio.all_tasks() if task.get_name().endswith("-batcher")]
+        return entries
     entries = asyncio.run(scenario())
     assert {e.state for e in entries.values()} == {ModelState.UNAVAILABLE}
     assert entries["noplat"].reason == ("plugin 'faulty' made a model object (NoPlatformModel) without platform "
