@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import logging
+import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,6 +69,7 @@ class NereidPluginManager(pluggy.PluginManager):
         super().__init__(hookspecs.PROJECT_NAME)
         self.problems: list[PluginProblem] = []
         self._origins: dict[str, str] = {}  # registration name -> "distribution D V, entry point N = M"
+        self._distributions: dict[str, str] = {}  # registration name -> its distribution's normalized name
         self._builtins: set[str] = set()
         self._failed_hooks: set[tuple[str, str]] = set()
         self._failed_hooks_lock = threading.Lock()  # folders are claimed on several loading threads at once
@@ -101,9 +103,13 @@ class NereidPluginManager(pluggy.PluginManager):
                           entry_point: importlib.metadata.EntryPoint) -> None:
         name = entry_point.name
         origin = f"distribution {dist.metadata['Name']} {dist.version}, entry point {name} = {entry_point.value}"
+        distribution = _normalized(dist.metadata["Name"])
         if self.has_plugin(name):
-            if self._origins.get(name) == origin:
-                return  # the same distribution found twice on sys.path: one plugin
+            if self._distributions.get(name) == distribution:
+                # The same distribution found again further down sys.path (a --user install over a
+                # system one, a stale egg-info beside an editable install): the first one is what Python
+                # imports, and it is registered; the shadowed copy is no second plugin.
+                return
             self._leave_out(f"plugin '{name}' ({origin})",
                             f"its name is already taken by the {self.describe(name)}; rename its entry point")
             return
@@ -115,6 +121,7 @@ class NereidPluginManager(pluggy.PluginManager):
             self._leave_out(f"plugin '{name}' ({origin})", error_text(err))
             return
         self._origins[name] = origin
+        self._distributions[name] = distribution
 
     def _leave_out(self, plugin: str, reason: str) -> None:
         self._problem(plugin, f"left out: {reason}")
@@ -139,6 +146,11 @@ class NereidPluginManager(pluggy.PluginManager):
         later = " (its later failures are logged at DEBUG)" if first else ""
         log.log(logging.ERROR if first else logging.DEBUG, "%s: %s %s; its answer is ignored%s",
                 self.describe(name), hook, what, later)
+
+
+def _normalized(distribution: str) -> str:
+    """A distribution name as packaging compares them (PEP 503: case, runs of -_. alike)."""
+    return re.sub(r"[-_.]+", "-", distribution).lower()
 
 
 def error_text(err: BaseException) -> str:
@@ -176,10 +188,19 @@ def add_commands(manager: NereidPluginManager, commands: Any) -> None:
     """
     impls = _plain_impls(manager.hook.nereid_add_commands)
     for impl in impls:
+        before = set(commands.choices)
         try:
             _alone(manager, "nereid_add_commands", impl, impls)(commands=commands)
         except Exception as err:
+            _remove_commands(commands, set(commands.choices) - before)  # all of the plugin's, or none
             manager.startup_hook_failed(impl.plugin_name, "nereid_add_commands", f"it raised {error_text(err)}")
+
+
+def _remove_commands(commands: Any, names: set[str]) -> None:
+    """Take subcommands back out of an argparse subparsers action (argparse has no public way to)."""
+    for name in names:
+        del commands.choices[name]  # the name -> parser map that parsing reads
+    commands._choices_actions[:] = [a for a in commands._choices_actions if a.dest not in names]  # --help's
 
 
 def backend_names(manager: pluggy.PluginManager) -> list[str]:

@@ -212,6 +212,7 @@ BROKEN_AT_STARTUP = (
      "from nereid.hookspecs import hookimpl\n"
      "@hookimpl\ndef nereid_claim_model(folder, declared):\n    return None\n"
      "@hookimpl\ndef nereid_add_commands(commands):\n"
+     "    commands.add_parser('taker-tool').set_defaults(run=lambda args: 0)\n"
      "    commands.add_parser('check').set_defaults(run=lambda args: 0)\n"),
 )
 

@@ -265,4 +265,24 @@ def test_a_failing_add_commands_hook_leaves_out_only_its_commands(site, caplog) 
     assert commands.choices["check"] is check and {"bundle", "cxx-header"} <= set(commands.choices)
     assert [p.what.split(": ", 1)[1] for p in manager.problems] == [
         "it raised RuntimeError: tooling bug",
-        "it raised ArgumentError: argument {check,cxx-header,bundle}: conflicting subparser: check"]
+        "it raised ArgumentError: argument {check,cxx-header,bundle,taker-tool}: conflicting subparser: check"]
+    # All of a failing plugin's commands are left out, those it added before failing too (one stayed).
+    assert "taker-tool" not in commands.choices
+    assert "taker-tool" not in [action.dest for action in commands._choices_actions]  # nor listed by --help
+
+
+def test_a_shadowed_copy_of_an_installed_plugin_is_no_second_plugin(site, tmp_path, caplog) -> None:
+    """The same distribution again further down sys.path (a --user install over a system one) was reported
+    as a plugin whose name was taken, and nereid check failed; the first copy is the one Python imports."""
+    source = "from nereid.hookspecs import hookimpl\n@hookimpl\ndef nereid_claim_model(folder, declared):\n" \
+             "    return None\n"
+    toy_backends.install_plugin(site, "Twice_Installed", "twice", "twice_plugin", source)
+    shadowed = tmp_path / "older-site"
+    toy_backends.install_plugin(shadowed, "twice-installed", "twice", "twice_plugin", source)
+    sys.path.append(str(shadowed))
+    try:
+        manager = make_plugin_manager()
+    finally:
+        sys.path.remove(str(shadowed))
+        sys.modules.pop("twice_plugin", None)
+    assert manager.has_plugin("twice") and not manager.problems and not _errors(caplog)
