@@ -69,9 +69,11 @@ def write_bundle(directory: Path | str, name: str, inputs: Sequence[IOSpec], out
     Raises ExportError before writing or removing anything when the bundle
     would not be servable: a program whose argument count disagrees with
     inputs + weights (both numbers named), or whose types disagree with the
-    specs, a weight name given twice or named ``__metadata__``, or a ``model_py`` that cannot be
-    read or does not compile (a str that looks like a file name included). The weights are written to temporary files before the earlier
-    export's files are replaced, so a failed write leaves them as they were.
+    specs, a weight name given twice or named ``__metadata__``, or a
+    ``model_py`` that cannot be read or does not compile (a str that looks like
+    a file name included). The weights are written to temporary files before
+    the earlier export's files are replaced, so a failed write leaves them as
+    they were.
     """
     directory = Path(directory)
     if directory.name != name:
