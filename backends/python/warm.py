@@ -181,6 +181,9 @@ class WarmParent:
                 theirs.close()
             reply.settimeout(REPLY_TIMEOUT_S)
             started = _receive(reply)
+            if "error" in started:  # the parent is fine, but could not start this run (a fork failed)
+                raise ModelFailure(f"model '{self.name}': its warm parent could not start the run: "
+                                   f"{started['error']}")
             if "pid" not in started:
                 raise self._not_started("it did not fork the run")
         except BaseException:

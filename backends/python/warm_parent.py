@@ -90,16 +90,31 @@ class Runs:
         self.spare: tuple[int, int, socket.socket] | None = None  # pid, pidfd, assignment socket
 
     def fork_spare(self) -> None:
-        """Fork the next child; it waits for a run on its assignment socket."""
+        """Fork the next child; it waits for a run on its assignment socket.
+
+        Raises OSError, leaving no spare, when no child can be forked (a process
+        limit reached, no memory): the caller decides what that costs.
+        """
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         sys.stdout.flush()
         sys.stderr.flush()
         parent = os.getpid()
-        pid = os.fork()
+        try:
+            pid = os.fork()
+        except OSError:
+            ours.close()
+            theirs.close()
+            raise
         if pid == 0:
             run_spare(theirs, self.owned | {ours.fileno()}, parent)
         theirs.close()
-        pidfd = os.pidfd_open(pid)
+        try:
+            pidfd = os.pidfd_open(pid)
+        except OSError:
+            ours.close()
+            _kill_group(pid)
+            os.waitpid(pid, 0)
+            raise
         self.owned.update((pidfd, ours.fileno()))
         self.poller.register(pidfd, select.POLLIN)
         self.spare = (pid, pidfd, ours)
@@ -120,6 +135,12 @@ class Runs:
         reply = socket.socket(fileno=reply_fd)
         try:
             pid, pidfd = self._assign(message, [stdin_fd, output_fd])
+        except OSError as err:
+            # No child could be forked: this run fails, saying why; the parent serves on (it used to
+            # exit here, and take the runs in progress with it).
+            _send(reply, {"error": f"no child could be forked for the run: {err}"})
+            reply.close()
+            return True
         finally:
             os.close(stdin_fd)
             os.close(output_fd)
@@ -128,8 +149,16 @@ class Runs:
         self.by_reply[reply_fd] = pid
         self.poller.register(reply_fd, select.POLLIN)
         _send(reply, {"pid": pid})
-        self.fork_spare()  # while the run goes on
+        self.try_fork_spare()  # while the run goes on
         return True
+
+    def try_fork_spare(self) -> None:
+        """Fork the spare ahead; when that fails, the next run forks its own child (or fails saying why)."""
+        try:
+            self.fork_spare()
+        except OSError as err:
+            print(f"nereid warm parent: cannot fork a spare child now ({err}); the next run forks its own",
+                  file=sys.stderr, flush=True)
 
     def _assign(self, message: bytes, fds: list[int]) -> tuple[int, int]:
         """Give the run to the spare (forking one if there is none or it died); its pid and pidfd."""
@@ -147,7 +176,7 @@ class Runs:
                 self.retire(pid, pidfd)  # the spare died (killed from outside): fork another
             finally:
                 assignments.close()
-        raise RuntimeError("no child could be forked for the run")
+        raise OSError("the children forked for it died before it could be handed over")
 
     def retire(self, pid: int, pidfd: int) -> None:
         """End and reap a child that has no run (a dead spare, or the spare at shutdown)."""
@@ -165,7 +194,7 @@ class Runs:
             self.owned.discard(assignments.fileno())
             assignments.close()
             self.retire(pid, pidfd)
-            self.fork_spare()
+            self.try_fork_spare()
             return
         pid, reply = self.by_pidfd.pop(pidfd)
         _kill_group(pid)
@@ -237,7 +266,7 @@ def serve(control: socket.socket) -> None:
     poller.register(lifeline, select.POLLIN)
     poller.register(control.fileno(), select.POLLIN)
     runs = Runs(poller, {lifeline, control.fileno()})
-    runs.fork_spare()
+    runs.try_fork_spare()
     try:
         while True:
             for fd, event in poller.poll():
