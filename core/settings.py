@@ -247,7 +247,7 @@ def _parse_server(reader: KeyedReader, raw: Any, path: Path) -> ServerSettings:
     else:
         backends = Path(backends_text)
         if not backends.is_absolute():
-            backends = path.resolve().parent / backends
+            backends = _beside_config(path, backends)
         if not backends.is_dir():
             reader.fail("server.ml_backends_path", f"is not a folder ({backends})", section.get("ml_backends_path", "ml-backends"))
     strict = section.get("strict_readiness", True)
@@ -297,9 +297,25 @@ def _cache_dir(reader: KeyedReader, section: Mapping[str, Any], path: Path) -> P
         if not text:
             reader.fail("server.cache_dir", "must be a folder path", text)
         folder = Path(text).expanduser()
-        return folder if folder.is_absolute() else path.resolve().parent / folder
+        return folder if folder.is_absolute() else _beside_config(path, folder)
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "nereid"
+
+
+def _beside_config(config: Path, relative: Path) -> Path:
+    """A path given relative to nereid.yaml: next to nereid.yaml as named, when something is there; else
+    next to the file a symlinked nereid.yaml points to.
+
+    As named first: in a Kubernetes Secret or ConfigMap every file is a symlink
+    through ``..data`` into a versioned folder that each update replaces, so a
+    path resolved into that folder (``..2026_v1/tls.crt``) would stop following
+    updates, and vanish with the next one. A nereid.yaml symlinked from
+    elsewhere still finds what sits beside the real file.
+    """
+    named = config.absolute().parent / relative
+    if named.exists() or os.path.lexists(named):
+        return named
+    return config.resolve().parent / relative
 
 
 def _parse_tls(reader: KeyedReader, raw: Any, path: Path) -> TlsSettings:
@@ -315,7 +331,7 @@ def _parse_tls(reader: KeyedReader, raw: Any, path: Path) -> TlsSettings:
         if not text:
             reader.fail(f"server.tls.{key}", "must be a file path", text)
         file = Path(text)
-        files[key] = file if file.is_absolute() else path.resolve().parent / file
+        files[key] = file if file.is_absolute() else _beside_config(path, file)
     tls = TlsSettings(files["cert"], files["key"], files["client_ca"])
     try:
         read_tls_material(tls)

@@ -8,6 +8,7 @@ import asyncio
 import datetime
 import ipaddress
 import os
+import shutil
 import signal
 import socket
 import ssl
@@ -543,3 +544,28 @@ def test_nereid_check_refuses_a_folder_symlinked_outside_the_repository(repo, tm
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 1
     assert "linked: UNAVAILABLE:" in result.stdout and "server.follow_symlinks: true" in result.stdout
+
+
+def test_relative_tls_paths_in_a_kubernetes_secret_layout_follow_its_updates(tmp_path, pki):
+    """Relative paths were resolved through nereid.yaml's symlink into the Secret's versioned folder
+    (..v1/tls.crt), which the next update deletes: the certificate was never renewed."""
+    from nereid.settings import load_settings
+
+    mount = tmp_path / "mount"
+    version = mount / "..v1"
+    version.mkdir(parents=True)
+    (tmp_path / "ml-backends").mkdir()
+    (version / "nereid.yaml").write_text(f'server:\n  ml_backends_path: "{tmp_path / "ml-backends"}"\n'
+                                         '  tls:\n    cert: "tls.crt"\n    key: "tls.key"\n')
+    shutil.copy(pki["server_cert"], version / "tls.crt")
+    shutil.copy(pki["server_key"], version / "tls.key")
+    (mount / "..data").symlink_to("..v1")
+    for name in ("nereid.yaml", "tls.crt", "tls.key"):
+        (mount / name).symlink_to(f"..data/{name}")
+    tls = load_settings(mount / "nereid.yaml").server.tls
+    assert (tls.cert, tls.key) == (mount / "tls.crt", mount / "tls.key")  # the names the updates keep
+    # A nereid.yaml symlinked from elsewhere still finds the files beside the real one.
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "nereid.yaml").symlink_to(version / "nereid.yaml")
+    assert load_settings(elsewhere / "nereid.yaml").server.tls.cert == version / "tls.crt"
