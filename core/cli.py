@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import resource
 import shutil
 import sys
 import tempfile
@@ -13,6 +14,7 @@ from pathlib import Path
 from nereid.backend import ModelContext, ReportsRuntime
 from nereid.errors import ConfigError
 from nereid.files import check_confined
+from nereid.log_limit import RateLimitFilter
 from nereid.plugins import NereidPluginManager, add_commands, check_backend_defaults, error_text, make_plugin_manager
 from nereid.repository import build_model
 from nereid.storage import list_model_folders, materialize_model_folder
@@ -60,6 +62,25 @@ def main(argv: list[str] | None = None) -> int:
     return serve_command(settings, args.bind, manager)
 
 
+def limit_repeated_library_lines() -> None:
+    """Bound the lines a library can repeat without end (see :class:`RateLimitFilter`)."""
+    logging.getLogger("asyncio").addFilter(RateLimitFilter(("socket.accept() out of system resource",)))
+
+
+def raise_open_file_limit() -> None:
+    """Raise the soft limit on open files to the hard one, as nginx and Go servers do.
+
+    Every connection, model file and child pipe takes a descriptor; a soft limit
+    of 1024 (a common default) is reached by about a thousand idle clients.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError) as err:
+            logging.getLogger(__name__).debug("cannot raise the open-file limit from %d: %s", soft, err)
+
+
 def _bind_address(text: str) -> str:
     """``--bind``, checked as ``server.bind_addr`` is (a usage error otherwise, exit 2)."""
     problem = address_problem(text)
@@ -82,6 +103,9 @@ def serve_command(settings: Settings, bind_addr: str | None, manager: NereidPlug
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+
+    limit_repeated_library_lines()
+    raise_open_file_limit()
 
     async def run() -> None:
         await NereidServer(settings, manager, bind_addr=bind_addr).serve_until_signalled()

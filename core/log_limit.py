@@ -74,3 +74,41 @@ class OnceLog:
             self._seen.add(key)
         self._logger.warning(message, *args)
         return True
+
+
+class RateLimitFilter(logging.Filter):
+    """A logging filter that lets through at most ``burst`` records per ``window_s`` seconds among those whose
+    message starts with one of ``prefixes``; other records pass untouched.
+
+    For a library's own lines that can repeat without end: asyncio logs
+    "socket.accept() out of system resource", with a traceback, once per
+    pending connection while the process is out of file descriptors, about
+    12,000 lines a second. The next line let through says how many were
+    dropped.
+    """
+
+    def __init__(self, prefixes: tuple[str, ...], burst: int = 5, window_s: float = 60.0) -> None:
+        super().__init__()
+        self._prefixes = prefixes
+        self._burst = burst
+        self._window_s = window_s
+        self._window_start = time.monotonic()
+        self._passed = 0
+        self._dropped = 0
+        self._lock = threading.Lock()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not isinstance(record.msg, str) or not record.msg.startswith(self._prefixes):
+            return True
+        with self._lock:
+            now = time.monotonic()
+            if now - self._window_start >= self._window_s:
+                self._window_start, self._passed = now, 0
+            if self._passed >= self._burst:
+                self._dropped += 1
+                return False
+            self._passed += 1
+            dropped, self._dropped = self._dropped, 0
+        if dropped:
+            record.msg = f"{record.msg}\n({dropped} more such line(s) were dropped before this one)"
+        return True
