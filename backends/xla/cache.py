@@ -74,6 +74,7 @@ class ExecutableCache:
         self.directory = Path(directory)
         self.enabled = enabled
         self.stats = CacheStats()
+        self._write_failed = False  # said once per load, not once per program file
 
     def entry_path(self, module_name: str, key: CacheKey) -> Path:
         """Where the entry for a program file and key lives."""
@@ -105,8 +106,10 @@ class ExecutableCache:
         try:
             self._store(module_name, key, path, functions.serialize(executable))
         except Exception as err:  # a read-only bundle still serves, it just recompiles next time
-            log.warning("%s: cannot write the executable cache (%s: %s); it will be compiled again next time",
-                        self.directory.parent.name, type(err).__name__, err)
+            if not self._write_failed:
+                log.warning("%s: cannot write the executable cache (%s: %s); its programs will be compiled again "
+                            "next time", self.directory.parent.name, type(err).__name__, err)
+            self._write_failed = True
         return executable
 
     def _read_entry(self, path: Path, key: CacheKey) -> tuple[bytes | None, str]:

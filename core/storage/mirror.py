@@ -303,8 +303,8 @@ def materialize(location: StoreURL, name: str, folder: Path) -> RemoteFolder:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as err:  # a name the bucket takes but the local file system refuses (over 255 bytes)
         hint = " (a local file system allows 255 bytes per name)" if err.errno == errno.ENAMETOOLONG else ""
-        raise StorageError(f"{folder_url}: cannot make its folder in the local cache: {err.strerror or err}{hint}") \
-            from None
+        raise StorageError(f"{folder_url}: cannot make its folder in the local cache ({folder}, under "
+                           f"server.cache_dir): {err.strerror or err}{hint}") from None
     with locked(folder.parent / _lock_name(name)):
         previous = read_marker(folder)
         fetched: dict[str, RemoteObject] = {}

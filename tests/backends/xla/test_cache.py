@@ -101,9 +101,11 @@ def test_stale_entries_are_rebuilt_and_old_ones_removed(tmp_path, add_bundle) ->
     assert len(after) == 3 and not (after & before)
 
 
-def test_disabled_or_unwritable_cache_still_loads(tmp_path, add_bundle) -> None:
+def test_disabled_or_unwritable_cache_still_loads(tmp_path, add_bundle, caplog) -> None:
     folder = add_bundle(tmp_path, "mlp_bundle")
     model = load(folder, tmp_path, executable_cache=False)
     assert model.report.cache.compiled == 3 and not (folder / ".cache").exists()
     (folder / ".cache").write_text("a file where the cache folder should be")
     assert load(folder, tmp_path).report.cache.compiled == 3  # warned, served uncached
+    # Once per load, not once per program file (three lines for mlp_bundle's three batch sizes).
+    assert sum("cannot write the executable cache" in r.getMessage() for r in caplog.records) == 1
