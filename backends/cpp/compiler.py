@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -18,7 +20,12 @@ SOURCE_SUFFIXES = (".cpp", ".cc", ".cxx", ".c++", ".C", ".c", *HEADER_SUFFIXES)
 CXX_FLAGS = ("-O2", "-std=c++17")
 COMPILE_TIMEOUT_S = 600
 CACHE_DIR = ".cache"
+# Where a model's builds go, in its scratch folder, when its .cache/ cannot be written (a read-only
+# repository, a full disk): used for this server's life, built again at its next start.
+SCRATCH_CACHE_DIR = "build-cache"
 MESSAGE_TAIL_CHARS = 4000
+
+log = logging.getLogger(__name__)
 
 
 def find_compiler() -> str:
@@ -76,22 +83,76 @@ def compile_to(compiler: str, arguments: list[str], target: Path, cwd: Path, wha
     os.replace(partial, target)
 
 
-def build_binary(folder: Path, source: str) -> Path:
+def cached_build(compiler: str, arguments: list[str], name: str, stale: str, *, model: str, folder: Path,
+                 scratch: Path, what: str, executable: bool = False) -> Path:
+    """``<folder>/.cache/<name>``, compiled only when missing; in ``scratch`` when .cache/ cannot be written.
+
+    An up-to-date build in .cache/ is used as it is, even read-only. Otherwise
+    the compiler writes into the model's scratch folder (its output never
+    depends on the repository's disk), and the result is copied into .cache/
+    through a temporary name renamed into place, so an interrupted or
+    concurrent build (two servers on one repository) never leaves a
+    half-written file under the final name. When that copy fails (EACCES,
+    EROFS, ENOSPC, EDQUOT, a ``.cache`` that is no folder...) the model serves
+    the scratch build and one WARNING says why. The other builds matching the
+    glob ``stale`` are removed. A compile error raises ConfigError carrying the
+    compiler's message.
+    """
+    cache = folder / CACHE_DIR
+    built = cache / name
+    if _usable(built, executable):
+        return built
+    scratch_cache = scratch / SCRATCH_CACHE_DIR
+    fallback = scratch_cache / name
+    if _usable(fallback, executable):  # an earlier load in this server found .cache/ unwritable
+        return fallback
+    scratch_cache.mkdir(parents=True, exist_ok=True)
+    compile_to(compiler, arguments, fallback, folder, what)
+    _remove_stale(scratch_cache, stale, fallback)
+    try:
+        _publish(fallback, built)
+    except OSError as err:
+        log.warning("model '%s': cannot write the build cache %s (%s); serving the build in the server's scratch "
+                    "folder (built again at the next start)", model, cache, err.strerror or err)
+        return fallback
+    fallback.unlink(missing_ok=True)
+    _remove_stale(cache, stale, built)
+    return built
+
+
+def _usable(path: Path, executable: bool) -> bool:
+    return path.is_file() and (not executable or os.access(path, os.X_OK))
+
+
+def _publish(source: Path, target: Path) -> None:
+    """Copy ``source`` to ``target`` through a temporary name renamed into place; OSError when it cannot."""
+    target.parent.mkdir(exist_ok=True)
+    remove_stale_partials(target.parent)
+    partial = target.parent / f".{target.name}.{os.getpid()}.partial"
+    try:
+        shutil.copy2(source, partial)
+        os.replace(partial, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            partial.unlink(missing_ok=True)
+        raise
+
+
+def _remove_stale(folder: Path, pattern: str, keep: Path) -> None:
+    """Remove the other builds matching ``pattern`` (runs use their own links or copies: this is safe)."""
+    for path in folder.glob(pattern):
+        if path != keep:
+            with contextlib.suppress(OSError):
+                path.unlink(missing_ok=True)
+
+
+def build_binary(folder: Path, source: str, scratch: Path, model: str) -> Path:
     """The compiled program for ``folder/source``, compiling it only when the sources changed.
 
-    Builds into a temporary name and renames it into place, so an interrupted
-    or concurrent build never leaves a half-written binary under the final name.
-    A compile error raises ConfigError carrying the compiler's message.
+    Cached as ``.cache/main-<hash>`` (see :func:`cached_build`; ``scratch`` is
+    the model's scratch folder, used when .cache/ cannot be written). A compile
+    error raises ConfigError carrying the compiler's message.
     """
     compiler = find_compiler()
-    cache = folder / CACHE_DIR
-    cache.mkdir(exist_ok=True)
-    key = source_hash(folder, compiler)
-    binary = cache / f"main-{key}"
-    if binary.is_file() and os.access(binary, os.X_OK):
-        return binary
-    compile_to(compiler, [*CXX_FLAGS, source], binary, folder, str(folder / source))
-    for stale in cache.glob("main-*"):
-        if stale != binary:
-            stale.unlink(missing_ok=True)
-    return binary
+    return cached_build(compiler, [*CXX_FLAGS, source], f"main-{source_hash(folder, compiler)}", "main-*",
+                        model=model, folder=folder, scratch=scratch, what=str(folder / source), executable=True)

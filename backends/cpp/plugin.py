@@ -24,7 +24,7 @@ class CppModel(SubprocessModel):
     _binary: Path | None = None
 
     def prepare(self) -> None:
-        built = build_binary(self.context.folder, SOURCE_FILE)
+        built = build_binary(self.context.folder, SOURCE_FILE, self.context.scratch_dir, self.context.name)
         # Runs use this version's own link to the binary: the next version's build removes stale
         # binaries from .cache/ while this one still serves, and the folder may be renamed or
         # deleted while requests are queued.

@@ -1,26 +1,31 @@
 """Building a model's shared library from ``runtime.sources``, cached like the cpp backend's binaries.
 
 The library goes to ``<model folder>/.cache/lib-<hash>.so`` (the cpp backend's
-cache folder, compiler, flags, time limit and error reporting), where the hash
-covers the compiler, the flags, nereid's header, every listed source and every
-header beside them: a restart reuses the library, an edit rebuilds it.
+cache folder, compiler, flags, time limit, error reporting and fallback to the
+model's scratch folder when .cache/ cannot be written), where the hash covers
+the compiler, the flags, nereid's header, every listed source and every header
+beside them: a restart reuses the library, an edit rebuilds it, and a copied,
+moved or remounted repository reuses it (sources inside the model folder are
+keyed by their relative path; any outside it, by their absolute path).
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
-import subprocess
+import os
 from importlib import resources
 from pathlib import Path
 
-from nereid.backends.cpp.compiler import CACHE_DIR, CXX_FLAGS, HEADER_SUFFIXES, code_files, compile_to, find_compiler
+from nereid.backends.cpp.compiler import CXX_FLAGS, HEADER_SUFFIXES, cached_build, code_files, find_compiler
 from nereid.backends.cxx import HEADER_NAME
+from nereid.backends.subprocess.runner import run_model_process
 from nereid.errors import ConfigError
 
 # Position-independent code, linked as a shared object; only what the header
 # marks NEREID_EXPORT (and anything else left default) is visible.
 SHARED_FLAGS = ("-shared", "-fPIC")
+VERSION_PROBE_TIMEOUT_S = 30
 
 
 @functools.lru_cache(maxsize=8)
@@ -32,10 +37,16 @@ def shared_flags(compiler: str) -> tuple[str, ...]:
     which keeps the library from ever being unloaded: they would outlive a
     reload and be shared by two models. ``-fno-gnu-unique`` keeps them private.
     Clang emits no such symbols (and has no such flag).
+
+    The probe runs like a build: in its own process group, killed whole at
+    its end or time limit, and by a stopping server (a compiler wrapper's
+    children too).
     """
     try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
+        probe = run_model_process([compiler, "--version"], cwd="/", env=dict(os.environ), stdin=b"",
+                                  timeout_s=VERSION_PROBE_TIMEOUT_S)
+        version = "" if probe.timed_out else probe.output_tail
+    except OSError:
         version = ""
     return SHARED_FLAGS if "clang" in version.lower() else (*SHARED_FLAGS, "-fno-gnu-unique")
 
@@ -50,36 +61,45 @@ def header_dir() -> Path:
     return header_path().parent
 
 
-def library_hash(sources: tuple[Path, ...], compiler: str) -> str:
-    """A key over the compiler, the flags, nereid's header, the sources and the headers beside and below them."""
+def library_hash(sources: tuple[Path, ...], compiler: str, folder: Path) -> str:
+    """A key over the compiler, the flags, nereid's header, the sources and the headers beside and below them.
+
+    Files in the model folder are keyed by their path relative to it (and
+    their content), so a repository copied, moved or mounted elsewhere reuses
+    its library; a file outside the folder is keyed by its absolute path.
+    """
     digest = hashlib.sha256()
     digest.update(compiler.encode() + b"\0" + " ".join((*CXX_FLAGS, *shared_flags(compiler))).encode() + b"\0")
     digest.update((header_dir() / HEADER_NAME).read_bytes() + b"\0")
-    headers = {p for folder in {s.parent for s in sources} for p in code_files(folder, HEADER_SUFFIXES)}
-    for path in (*sources, *sorted(headers - set(sources))):
-        digest.update(str(path).encode() + b"\0" + path.read_bytes() + b"\0")
+    headers = {p for parent in {s.parent for s in sources} for p in code_files(parent, HEADER_SUFFIXES)}
+    keyed = [(_key_name(path, folder), path) for path in sources]
+    keyed += sorted((_key_name(path, folder), path) for path in headers - set(sources))
+    for name, path in keyed:
+        digest.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()[:20]
 
 
-def build_library(model: str, folder: Path, sources: tuple[Path, ...]) -> Path:
+def _key_name(path: Path, folder: Path) -> str:
+    """``path`` relative to the model folder when it is inside (symbolic links resolved if need be), else absolute."""
+    for inner, outer in ((path, folder), (path.resolve(), folder.resolve())):
+        if inner.is_relative_to(outer):
+            return inner.relative_to(outer).as_posix()
+    return str(path)
+
+
+def build_library(model: str, folder: Path, sources: tuple[Path, ...], scratch: Path) -> Path:
     """The shared library built from ``sources``, compiling only when they changed.
 
-    Builds into a temporary name and renames it into place, so an interrupted or
-    concurrent build never leaves a half-written library under the final name.
-    ConfigError carries the compiler's message on failure.
+    Cached as ``.cache/lib-<hash>.so`` (see the cpp backend's ``cached_build``;
+    ``scratch`` is the model's scratch folder, used when .cache/ cannot be
+    written). ConfigError carries the compiler's message on failure.
     """
     for source in sources:
         if not source.is_file():
             raise ConfigError(f"model '{model}': runtime.sources: no such file {source}")
     compiler = find_compiler()
-    cache = folder / CACHE_DIR
-    cache.mkdir(exist_ok=True)
-    library = cache / f"lib-{library_hash(sources, compiler)}.so"
-    if library.is_file():
-        return library
     arguments = [*CXX_FLAGS, *shared_flags(compiler), f"-I{header_dir()}", *map(str, sources)]
-    compile_to(compiler, arguments, library, folder, f"model '{model}': {', '.join(map(str, sources))}")
-    for stale in cache.glob("lib-*.so"):
-        if stale != library:
-            stale.unlink(missing_ok=True)  # loaded models run private copies: removing this is safe
-    return library
+    # Loaded models run private copies of the library: replacing or removing it is safe.
+    return cached_build(compiler, arguments, f"lib-{library_hash(sources, compiler, folder)}.so", "lib-*.so",
+                        model=model, folder=folder, scratch=scratch,
+                        what=f"model '{model}': {', '.join(map(str, sources))}")

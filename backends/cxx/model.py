@@ -69,7 +69,10 @@ class CxxModel:
                               f"got device {self.context.device} in {self.context.settings_origin or 'nereid.yaml'}")
         signature = self._load_signature()
         options = parse_options(name, self.context.settings.runtime, self.context.settings_origin, folder)
-        path = options.library if options.library is not None else build_library(name, folder, options.sources)
+        if options.library is not None:
+            path = options.library
+        else:
+            path = build_library(name, folder, options.sources, self.context.scratch_dir)
         library = NativeLibrary(name, path, self.context.scratch_dir)
         try:
             if library.load is not None:

@@ -5,6 +5,7 @@ Real g++ builds, real servers and tritonclient over gRPC.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import stat
@@ -15,6 +16,7 @@ import pytest
 import tritonclient.grpc as triton
 from tritonclient.utils import InferenceServerException
 
+from nereid.backends.cpp import compiler
 from nereid.backends.cpp.compiler import source_hash
 from support import ECHO_MAIN, textproto_single, zombie_children
 
@@ -279,3 +281,48 @@ def test_missing_compiler_is_reported(repo, serve, monkeypatch):
     assert "no C++ compiler" in reason and "no-such-compiler-xyz" in reason
     row = np.array([1, 2, 3, 4], dtype=np.float32)
     assert infer(server, "echo", row).as_numpy("output").tolist() == row.tolist()
+
+
+def test_an_unwritable_cache_builds_in_the_scratch_folder_and_serves(repo, serve, caplog):
+    """A read-only repository or a full disk: .cache/ cannot be written, so the build goes to scratch, with a warning.
+
+    Root writes anywhere whatever the permission bits say, so ``.cache`` is a
+    regular file here: creating the folder or a file in it fails with a real OSError.
+    """
+    folder = copy_example(repo, "cpp_scale", "scale")
+    shutil.rmtree(folder / ".cache", ignore_errors=True)
+    (folder / ".cache").write_text("not a folder\n")
+    config = repo.write_config()
+    caplog.set_level("WARNING", logger="nereid.backends.cpp.compiler")
+    server = serve(config)
+    assert index_of(server)["scale"] == ("READY", "")
+    assert infer(server, "scale", ROWS).as_numpy("output").tolist() == (ROWS * 2).tolist()
+    [warning] = [r.getMessage() for r in caplog.records if "build cache" in r.getMessage()]
+    assert "model 'scale'" in warning and str(folder / ".cache") in warning and "scratch folder" in warning
+    assert (folder / ".cache").read_text() == "not a folder\n"
+    # A reload in this server reuses its scratch build: no second compile, no second warning.
+    caplog.clear()
+    server.client.load_model("scale")
+    assert infer(server, "scale", ROWS).as_numpy("output").tolist() == (ROWS * 2).tolist()
+    assert not [r for r in caplog.records if "build cache" in r.getMessage()]
+
+
+def test_a_full_disk_while_publishing_the_build_leaves_no_partial_and_serves_from_scratch(tmp_path, monkeypatch,
+                                                                                          caplog):
+    folder = tmp_path / "model"
+    shutil.copytree(EXAMPLES / "cpp_scale", folder, ignore=shutil.ignore_patterns(".cache"))
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+
+    def copy_until_the_disk_is_full(source, target, **_):
+        Path(target).write_bytes(b"\x7fELF half")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(target))
+
+    monkeypatch.setattr(compiler.shutil, "copy2", copy_until_the_disk_is_full)
+    built = compiler.build_binary(folder, "main.cpp", scratch, "full")
+    assert built.parent == scratch / compiler.SCRATCH_CACHE_DIR and os.access(built, os.X_OK)
+    assert cache_files(folder) == []  # the half-written copy is gone
+    [warning] = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert "model 'full'" in warning.getMessage() and os.strerror(errno.ENOSPC) in warning.getMessage()
+    monkeypatch.undo()
+    assert compiler.build_binary(folder, "main.cpp", scratch, "full") == built  # reused in this server

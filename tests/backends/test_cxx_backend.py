@@ -19,7 +19,7 @@ import tritonclient.grpc as triton
 from tritonclient.utils import InferenceServerException
 
 from nereid.backend import ModelContext
-from nereid.backends.cxx.build import header_dir
+from nereid.backends.cxx.build import header_dir, library_hash, shared_flags
 from nereid.backends.cxx.model import CxxModel
 from nereid.cli import main as nereid_main
 from nereid.dtypes import DType
@@ -558,3 +558,78 @@ def test_check_reports_cxx_models_and_cxx_header_prints_the_header(repo, libs, c
     text = header.read_text()
     for declaration in ("int nereid_infer(", "int nereid_load(", "void nereid_unload(", "typedef struct nereid_tensor"):
         assert declaration in text
+
+
+def test_sources_in_an_unwritable_cache_build_in_the_scratch_folder_and_serve(repo, serve, caplog):
+    """A read-only repository or a full disk (root ignores permission bits, so ``.cache`` is a file here)."""
+    folder = repo.models_dir / "cxx_scale"
+    shutil.copytree(EXAMPLES / "cxx_scale", folder, ignore=shutil.ignore_patterns(".cache"))
+    (folder / ".cache").write_text("not a folder\n")
+    caplog.set_level("WARNING")
+    server = serve(repo.write_config(entry("cxx_scale", '{sources: ["$MODEL_FOLDER/scale.cpp"]}')))
+    assert index_of(server)["cxx_scale"] == ("READY", "")
+    assert server.client.infer("cxx_scale", [tensor("input", ROWS)]).as_numpy("output").tolist() == \
+        (ROWS * 2).tolist()
+    [warning] = [r.getMessage() for r in caplog.records if "build cache" in r.getMessage()]
+    assert "model 'cxx_scale'" in warning and str(folder / ".cache") in warning
+    assert (folder / ".cache").read_text() == "not a folder\n"
+
+
+def test_a_moved_read_only_repository_reuses_its_built_library(repo, serve, tmp_path):
+    """The key holds the sources' paths relative to the model folder: a copy elsewhere finds its prebuilt library."""
+    folder = repo.models_dir / "cxx_scale"
+    shutil.copytree(EXAMPLES / "cxx_scale", folder)
+    shutil.rmtree(folder / ".cache", ignore_errors=True)
+    serve(repo.write_config(entry("cxx_scale", '{sources: ["ml-backends/cxx_scale/scale.cpp"]}')))
+    [built] = (folder / ".cache").iterdir()
+    moved = tmp_path / "moved"
+    shutil.copytree(repo.root, moved, symlinks=True)
+    for path in sorted(moved.rglob("*"), reverse=True):
+        path.chmod(path.stat().st_mode & ~0o222)  # as shipped read-only (root writes anyway: checked below)
+    copy = moved / "ml-backends" / "cxx_scale" / ".cache" / built.name
+    before = copy.stat()
+    try:
+        server = serve(moved / "nereid.yaml")
+        assert server.client.infer("cxx_scale", [tensor("input", ROWS)]).as_numpy("output").tolist() == \
+            (ROWS * 2).tolist()
+        assert [p.name for p in copy.parent.iterdir()] == [built.name]  # not rebuilt, nothing removed
+        after = copy.stat()
+        assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+        assert not list(server.server.scratch_dir.rglob("build-cache/*"))  # no scratch build either
+    finally:
+        for path in moved.rglob("*"):
+            path.chmod(path.stat().st_mode | 0o200)
+
+
+def test_the_library_key_covers_sources_by_their_place_in_the_model_folder(tmp_path):
+    outside = tmp_path / "shared" / "common.cpp"
+    outside.parent.mkdir()
+    outside.write_text("int common() { return 1; }\n")
+    keys = []
+    for where in ("a", "b/deeper"):
+        folder = tmp_path / where / "model"
+        (folder / "include").mkdir(parents=True)
+        (folder / "model.cpp").write_text('#include "include/k.h"\n')
+        (folder / "include" / "k.h").write_text("constexpr int k = 1;\n")
+        keys.append(library_hash((folder / "model.cpp",), CXX, folder))
+    assert keys[0] == keys[1]  # the same sources anywhere: the same library
+    (folder / "include" / "k.h").write_text("constexpr int k = 2;\n")
+    assert library_hash((folder / "model.cpp",), CXX, folder) != keys[0]  # headers below still count
+    # A source outside the model folder keeps its absolute path in the key.
+    first = library_hash((tmp_path / "a" / "model" / "model.cpp", outside), CXX, tmp_path / "a" / "model")
+    elsewhere = tmp_path / "other" / "common.cpp"
+    elsewhere.parent.mkdir()
+    shutil.copy(outside, elsewhere)
+    assert library_hash((tmp_path / "a" / "model" / "model.cpp", elsewhere), CXX, tmp_path / "a" / "model") != first
+
+
+def test_the_compiler_version_probe_runs_in_its_own_process_group(tmp_path):
+    """Like a build: a server stopped during a slow probe kills the group, a compiler wrapper's children too."""
+    record = tmp_path / "probe"
+    compiler = tmp_path / "wrapped-c++"
+    compiler.write_text(f'#!/bin/sh\nread -r pid comm state ppid pgid rest < /proc/$$/stat\n'
+                        f'echo "$pid $pgid" > "{record}"\necho "g++ (wrapped) 13.2.0"\n')
+    compiler.chmod(0o755)
+    assert "-fno-gnu-unique" in shared_flags(str(compiler))
+    pid, pgid = map(int, record.read_text().split())
+    assert pgid == pid and pgid != os.getpgrp()
