@@ -102,8 +102,10 @@ class NereidPluginManager(pluggy.PluginManager):
     def _load_entry_point(self, dist: importlib.metadata.Distribution,
                           entry_point: importlib.metadata.EntryPoint) -> None:
         name = entry_point.name
-        origin = f"distribution {dist.metadata['Name']} {dist.version}, entry point {name} = {entry_point.value}"
-        distribution = _normalized(dist.metadata["Name"])
+        # (A dist-info without METADATA has no name: described as such, never a crash of every command.)
+        named = dist.metadata["Name"] or "(no name)"
+        origin = f"distribution {named} {dist.version}, entry point {name} = {entry_point.value}"
+        distribution = _normalized(named)
         if self.has_plugin(name):
             if self._distributions.get(name) == distribution:
                 # The same distribution found again further down sys.path (a --user install over a

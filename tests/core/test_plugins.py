@@ -286,3 +286,19 @@ def test_a_shadowed_copy_of_an_installed_plugin_is_no_second_plugin(site, tmp_pa
         sys.path.remove(str(shadowed))
         sys.modules.pop("twice_plugin", None)
     assert manager.has_plugin("twice") and not manager.problems and not _errors(caplog)
+
+
+def test_a_plugin_distribution_without_a_name_is_loaded_not_a_crash(site, caplog) -> None:
+    """A dist-info without METADATA (no Name) ended every nereid command in a TypeError."""
+    info = site / "nameless-1.0.dist-info"
+    info.mkdir()
+    (info / "entry_points.txt").write_text("[nereid.backends]\nnameless = nameless_plugin\n")
+    (site / "nameless_plugin.py").write_text("from nereid.hookspecs import hookimpl\n"
+                                             "@hookimpl\ndef nereid_claim_model(folder, declared):\n"
+                                             "    return None\n")
+    try:
+        manager = make_plugin_manager()
+    finally:
+        sys.modules.pop("nameless_plugin", None)
+    assert manager.has_plugin("nameless") and not manager.problems
+    assert manager.describe("nameless").startswith("plugin 'nameless' (distribution (no name) ")
