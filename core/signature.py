@@ -206,6 +206,10 @@ def validate_inputs(model: str, signature: ModelSignature, tensors: list[NamedTe
                 f"model '{model}': input '{spec.name}' has datatype {tensor.dtype.kserve}, "
                 f"expected {spec.dtype.kserve}"
             )
+        if not tensor.data.dtype.isnative:
+            # A big-endian array (a meta model may pass one on): in native order for every backend, as the
+            # wire decoders make them; a program reading its bytes as they lie would compute garbage.
+            tensor = NamedTensor(tensor.name, tensor.dtype, tensor.data.astype(tensor.data.dtype.newbyteorder("=")))
         shape = tensor.data.shape
         if not signature.batches:
             if not dims_match(shape, spec.dims):

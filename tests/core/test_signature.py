@@ -67,6 +67,14 @@ def test_batch_axis_is_added_when_omitted() -> None:
     assert result.tensors[0].shape == (1, 4, 3) and result.batch_size == 1 and result.batch_axis_added
 
 
+def test_a_big_endian_input_reaches_the_model_in_native_order() -> None:
+    """A meta model passing on a big-endian array made an xla bundle read its bytes as they lay: garbage."""
+    values = np.arange(4 * 3, dtype=">f4").reshape(1, 4, 3)
+    result = validate_inputs("m", BATCHED, [NamedTensor("x", DType.FP32, values)])
+    data = result.tensors[0].data
+    assert data.dtype == np.dtype("=f4") and data.dtype.isnative and (data == values).all()
+
+
 def test_batched_request_within_cap() -> None:
     result = validate_inputs("m", BATCHED, [tensor("x", (5, 4, 7))])
     assert result.batch_size == 5 and not result.batch_axis_added
