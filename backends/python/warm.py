@@ -184,6 +184,10 @@ class WarmParent:
             if "error" in started:  # the parent is fine, but could not start this run (a fork failed)
                 raise ModelFailure(f"model '{self.name}': its warm parent could not start the run: "
                                    f"{started['error']}")
+            if started.get("silent"):  # alive (stopped, wedged): no new parent, and nothing sent again
+                raise ModelFailure(f"model '{self.name}': its warm parent process (pid {self.pid}) did not answer "
+                                   f"within {REPLY_TIMEOUT_S:g} s; the batch was not run, and the next one is "
+                                   "sent to the same parent")
             if "pid" not in started:
                 raise self._not_started("it did not fork the run")
         except BaseException:
@@ -264,10 +268,13 @@ def _read_line(fd: int, deadline: float) -> str:
 
 
 def _receive(reply: socket.socket) -> dict:
-    """One message from the parent; {} when the parent is gone or silent."""
+    """One message from the parent; {} when the parent is gone, ``{"silent": True}`` when it did not answer
+    within the reply socket's timeout."""
     try:
         message = reply.recv(MAX_REPLY_BYTES)
-    except (TimeoutError, OSError):
+    except TimeoutError:
+        return {"silent": True}
+    except OSError:
         return {}
     return json.loads(message) if message else {}
 
