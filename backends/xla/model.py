@@ -310,10 +310,10 @@ class HookedXlaModel(XlaModel):
         return self._checked("postprocess", self._hooks.postprocess(outputs))
 
     def _checked(self, hook: str, result: Any) -> list[NamedTensor]:
-        if not isinstance(result, list) or not all(isinstance(t, NamedTensor) for t in result):
-            raise ModelFailure(f"model '{self.context.name}': the {hook} hook of model.py must return a list of "
-                               f"nereid.tensors.NamedTensor, got {type(result).__name__}")
-        return result
+        if not isinstance(result, (list, tuple)) or not all(isinstance(t, NamedTensor) for t in result):
+            raise ModelFailure(f"model '{self.context.name}': the {hook} hook of model.py must return a list (or "
+                               f"tuple) of nereid.tensors.NamedTensor, got {type(result).__name__}")
+        return list(result)
 
 
 def create_model(context: ModelContext) -> XlaModel:

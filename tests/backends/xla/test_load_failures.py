@@ -120,15 +120,21 @@ def test_hook_returning_the_wrong_type_is_an_internal_error(repo, serve, add_bun
     bundle = add_bundle(repo.models_dir, "mlp_hooks")
     text = (bundle / "model.py").read_text()
     (bundle / "model.py").write_text(text.replace("return [NamedTensor.from_array(\"input\"",
-                                                  "return (NamedTensor.from_array(\"input\"").replace(
-        "/ 255.0)]", "/ 255.0),)"))
+                                                  "return {\"x\": NamedTensor.from_array(\"input\"").replace(
+        "/ 255.0)]", "/ 255.0)}"))
     server = serve(repo.write_config("- name: mlp_hooks\n"))
     tensor = triton.InferInput("pixels", [1, 16], "UINT8")
     tensor.set_data_from_numpy(np.zeros((1, 16), np.uint8))
     with pytest.raises(InferenceServerException) as caught:
         server.client.infer("mlp_hooks", [tensor])
     assert caught.value.status() == "StatusCode.INTERNAL"
-    assert "preprocess hook of model.py must return a list" in caught.value.message()
+    assert "preprocess hook of model.py must return a list (or tuple) of" in caught.value.message()
+    # A tuple of NamedTensor is taken, as plugin hooks' is.
+    (bundle / "model.py").write_text(text.replace("return [NamedTensor.from_array(\"input\"",
+                                                  "return (NamedTensor.from_array(\"input\"").replace(
+        "/ 255.0)]", "/ 255.0),)"))
+    server.client.load_model("mlp_hooks")
+    assert server.client.infer("mlp_hooks", [tensor]).as_numpy("logits").shape == (1, 4)
 
 
 def test_a_model_py_that_calls_sys_exit_fails_its_load_and_the_server_serves_on(repo, serve, add_bundle) -> None:
