@@ -76,8 +76,10 @@ def test_binary_inputs_are_views_of_the_body_and_json_mixes_in():
      "input 'x': value -1e+39 does not fit FP32 (largest magnitude 3.4028234663852886e+38)"),
     # An integer past 64 bits (JSON reads it as a float) is out of range, not "not an integer".
     (body({"name": "x", "shape": [1], "datatype": "INT64", "data": [10 ** 20]}), None,
-     "input 'x': value 100000000000000000000 does not fit INT64 (range -9223372036854775808 to "
-     "9223372036854775807)"),
+     "input 'x': a value of about 1e+20 does not fit INT64 (range -9223372036854775808 to 9223372036854775807)"),
+    # (JSON's float for -2**63 - 1 is -2**63 itself: still a literal no 64-bit integer holds.)
+    (body({"name": "x", "shape": [1], "datatype": "INT64", "data": [-2 ** 63 - 1]}), None,
+     "input 'x': a value of about -9.22337e+18 does not fit INT64"),
     (body({"name": "x", "shape": [1], "datatype": "INT64", "data": [1.5]}), None,
      "input 'x': INT64 data must be integers"),
 ])
