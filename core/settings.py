@@ -312,7 +312,7 @@ def _beside_config(config: Path, relative: Path) -> Path:
     updates, and vanish with the next one. A nereid.yaml symlinked from
     elsewhere still finds what sits beside the real file.
     """
-    named = config.absolute().parent / relative
+    named = Path(os.path.abspath(config)).parent / relative  # (abspath: as the watcher names it on re-reads)
     if named.exists() or os.path.lexists(named):
         return named
     return config.resolve().parent / relative

@@ -203,3 +203,18 @@ def test_a_public_http_port_refuses_unload_when_repository_control_is_unset(repo
         server.client.unload_model("kept")
     assert denied.value.status() == "StatusCode.PERMISSION_DENIED"
     assert server.client.is_model_ready("kept")
+
+
+def test_a_config_named_through_dotdot_gives_the_paths_its_watcher_rereads(tmp_path, monkeypatch):
+    """Named as ../conf/nereid.yaml, ml_backends_path kept the '..', while the watcher re-reads the file by its
+    normalized name: every edit of nereid.yaml then warned that ml_backends_path needed a restart."""
+    import os
+
+    (tmp_path / "conf" / "ml-backends").mkdir(parents=True)
+    (tmp_path / "conf" / "nereid.yaml").write_text('server:\n  ml_backends_path: "ml-backends"\n')
+    (tmp_path / "run").mkdir()
+    monkeypatch.chdir(tmp_path / "run")
+    as_named = load_settings(Path("../conf/nereid.yaml"))
+    as_reread = load_settings(Path(os.path.abspath(as_named.source)))
+    assert as_named.server == as_reread.server
+    assert as_named.server.ml_backends_path == tmp_path / "conf" / "ml-backends"
