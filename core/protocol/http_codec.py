@@ -150,11 +150,16 @@ def _json_array(where: str, dtype: DType, shape: tuple[int, ...], count: int, da
         info = np.iinfo(dtype.numpy)
         not_int = next((e for e in flat if not isinstance(e, int)), None)
         if not_int is not None:
-            if not_int.is_integer() and (abs(not_int) >= 2 ** 63 or not info.min <= not_int <= info.max):
-                # orjson reads an integer literal past 64 bits as a float (rounded: -2**63 - 1 reads as
-                # -2**63): it is out of range, not "not an integer", and its digits are no longer known.
+            if not_int.is_integer() and not info.min <= not_int <= info.max:
+                # orjson reads an integer literal past 64 bits as a float: out of range, not "not an integer"
+                # (and its digits are no longer known exactly).
                 raise InvalidArgument(f"{where}: a value of about {not_int:.6g} does not fit {dtype.kserve} "
                                       f"(range {info.min} to {info.max})")
+            if not_int.is_integer() and abs(not_int) >= 2 ** 53:
+                # (-2**63 - 1 reads as the float -2**63, in range: which of the two was sent is not known.)
+                raise InvalidArgument(f"{where}: {dtype.kserve} data must be integers within {info.min} to "
+                                      f"{info.max}; got about {not_int:.6g}, read as a number with a fraction or "
+                                      "exponent, or an integer past 64 bits")
             raise InvalidArgument(f"{where}: {dtype.kserve} data must be integers")
         bad = next((e for e in flat if e < info.min or e > info.max), None)
         if bad is not None:

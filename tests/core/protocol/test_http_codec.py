@@ -77,9 +77,12 @@ def test_binary_inputs_are_views_of_the_body_and_json_mixes_in():
     # An integer past 64 bits (JSON reads it as a float) is out of range, not "not an integer".
     (body({"name": "x", "shape": [1], "datatype": "INT64", "data": [10 ** 20]}), None,
      "input 'x': a value of about 1e+20 does not fit INT64 (range -9223372036854775808 to 9223372036854775807)"),
-    # (JSON's float for -2**63 - 1 is -2**63 itself: still a literal no 64-bit integer holds.)
+    # (JSON's float for -2**63 - 1 is -2**63 itself, as is -2**63 written as a float: either is named.)
     (body({"name": "x", "shape": [1], "datatype": "INT64", "data": [-2 ** 63 - 1]}), None,
-     "input 'x': a value of about -9.22337e+18 does not fit INT64"),
+     "input 'x': INT64 data must be integers within -9223372036854775808 to 9223372036854775807; got about "
+     "-9.22337e+18, read as a number with a fraction or exponent, or an integer past 64 bits"),
+    (body({"name": "x", "shape": [1], "datatype": "UINT64", "data": [1e19]}), None,
+     "input 'x': UINT64 data must be integers within 0 to 18446744073709551615; got about 1e+19"),
     (body({"name": "x", "shape": [1], "datatype": "INT64", "data": [1.5]}), None,
      "input 'x': INT64 data must be integers"),
 ])
