@@ -77,9 +77,10 @@ def status_of(error: NereidError) -> int:
 class HttpError(Exception):
     """A request the HTTP layer itself refuses (before any model is involved)."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, headers: list | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.headers = headers or []
 
 
 class Disconnected(Exception):
@@ -104,7 +105,7 @@ class HttpSurface:
             log.info("HTTP %s %s: the client disconnected %s", scope["method"], cap_message(scope["path"], 256), gone)
             return
         except HttpError as err:
-            status, body, headers = err.status, _error_body(str(err)), JSON_HEADERS
+            status, body, headers = err.status, _error_body(str(err)), [*JSON_HEADERS, *err.headers]
         except NereidError as err:
             status = status_of(err)
             body, headers = _error_body(self.dataplane.repository.public_text(str(err))), JSON_HEADERS
@@ -119,6 +120,14 @@ class HttpSurface:
         if not parts or parts[0] != "v2":
             raise HttpError(404, f"no such endpoint: {cap_message(scope['path'], 256)} (the API is under /v2)")
         parts = parts[1:]
+        allowed = _allowed_method(parts)
+        if method == "HEAD" and allowed == "GET":
+            method = "GET"  # answered as GET; uvicorn sends the head without the body
+        elif allowed is not None and method != allowed:
+            # Triton answers a known endpoint's wrong method 405; HTTP wants the methods it takes in Allow.
+            methods = "GET, HEAD" if allowed == "GET" else allowed
+            raise HttpError(405, f"{method} is not allowed on {cap_message(scope['path'], 256)} (use {allowed})",
+                            [(b"allow", methods.encode())])
         if parts == [] and method == "GET":
             name, version, extensions = self.dataplane.server_metadata()
             return _json({"name": name, "version": version, "extensions": list(extensions)})
@@ -139,7 +148,7 @@ class HttpSurface:
 
     async def _model(self, scope: Scope, receive: Receive, model: str,
                      rest: list[str]) -> tuple[int, list[bytes | memoryview], list]:
-        method = scope["method"]
+        method = "GET" if scope["method"] == "HEAD" else scope["method"]
         version = ""
         if rest[:1] == ["versions"] and len(rest) >= 2:
             version, rest = rest[1], rest[2:]
@@ -188,6 +197,10 @@ class HttpSurface:
             except ValueError:
                 raise HttpError(400, f"model '{model}': Inference-Header-Content-Length must be an integer, got "
                                      f"{header_length.decode('latin-1')[:64]!r}") from None
+            if length == 0:
+                raise HttpError(400, f"model '{model}': Inference-Header-Content-Length 0 (Triton's raw binary "
+                                     "request: the whole body as the data of a single input) is not supported; "
+                                     "send the JSON inference header first and give its length")
         body = await self._read_body(headers, receive, model)
         try:
             if len(body) >= DECODE_OFF_LOOP_BYTES:
@@ -239,6 +252,18 @@ class HttpSurface:
     async def _read_body(self, headers: dict[bytes, bytes], receive: Receive, model: str) -> bytes:
         """The whole body, refused with 413 past the limit (before reading it, when its length is declared)."""
         declared = headers.get(b"content-length")
+        coding = headers.get(b"transfer-encoding")
+        if coding is not None and coding.replace(b" ", b"").lower() != b"chunked":
+            raise HttpError(501, f"{_who(model)}Transfer-Encoding {coding.decode('latin-1')[:64]!r} is not supported "
+                                 "(only chunked); send the body uncompressed")
+        if b"upgrade" in headers and (coding is not None or declared not in (None, b"0")) \
+                and b"upgrade" in headers.get(b"connection", b"").lower():
+            # The HTTP parser takes what follows the head of such a request for the new protocol: its body is
+            # not read (and the connection is closed after this answer, see _BoundedHeadProtocol).
+            raise HttpError(400, f"{_who(model)}the request asks to switch to "
+                                 f"{headers[b'upgrade'].decode('latin-1')[:32]!r} (Upgrade), which this server "
+                                 "does not speak, so its body was not read; send it as plain HTTP/1.1 "
+                                 "(curl: --http1.1)")
         limit = self.max_body_bytes
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise HttpError(413, f"{_who(model)}the request body is {int(declared)} bytes; the limit is {limit} "
@@ -321,6 +346,24 @@ def _parameters(body: bytes, what: str) -> dict:
     if not isinstance(parameters, dict):
         raise HttpError(400, f"{what}: 'parameters' must be a JSON object")
     return parameters
+
+
+def _allowed_method(parts: list[str]) -> str | None:
+    """The method a known endpoint takes (the path under /v2, split at "/"), or None for an unknown path."""
+    if parts in ([], ["health", "live"], ["health", "ready"], ["models", "stats"]):
+        return "GET"
+    if parts == ["repository", "index"] or (len(parts) == 4 and parts[:2] == ["repository", "models"]
+                                            and parts[3] in ("load", "unload")):
+        return "POST"
+    if len(parts) >= 2 and parts[0] == "models":
+        rest = parts[2:]
+        if rest[:1] == ["versions"] and len(rest) >= 2:
+            rest = rest[2:]
+        if rest in ([], ["ready"], ["config"], ["stats"]):
+            return "GET"
+        if rest == ["infer"]:
+            return "POST"
+    return None
 
 
 def _health(field: str, ok: bool, **context: str) -> tuple[int, list[bytes | memoryview], list]:
@@ -506,7 +549,12 @@ class _BoundedHeadProtocol(HttpToolsProtocol):
 
     A request whose head passes :data:`MAX_HEAD_BYTES` is answered 431. A
     request whose connection is lost before its answer has its handler
-    cancelled (see :func:`_unless_disconnected`).
+    cancelled (see :func:`_unless_disconnected`): a client that only shuts down
+    its sending side looks the same (TCP tells the two apart only when an
+    answer is written), so it is taken as gone too. A connection that sends nothing for :attr:`request_idle_timeout_s`
+    while a request of it is incomplete (or before its first) is closed, so
+    silent connections cannot pile up. A request asking to switch protocols
+    (``Upgrade: h2c``) is answered, then its connection closed unread.
 
     Head bytes are counted as they arrive, not in the parser's callbacks: httptools
     reports a header only once its value has ended, and buffers it until then.
@@ -515,11 +563,53 @@ class _BoundedHeadProtocol(HttpToolsProtocol):
     a head can pass the bound by at most one read.
     """
 
+    # As nginx's client_header_timeout and client_body_timeout: the longest a client may stay silent in the
+    # middle of a request (or before its first one).
+    request_idle_timeout_s = 60.0
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._head_left: int | None = MAX_HEAD_BYTES  # what the current head may still take; None in a body
+        self._last_read = 0.0
+        self._idle_check: asyncio.TimerHandle | None = None
+        self._upgrade_refused = False
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._last_read = self.loop.time()
+        self._idle_check = self.loop.call_later(self.request_idle_timeout_s, self._check_idle)
+
+    def _check_idle(self) -> None:
+        """Close the connection if its client has been silent too long while it owes the rest of a request."""
+        self._idle_check = None
+        if self.transport.is_closing():
+            return
+        cycle = self.cycle
+        answering = cycle is not None and not cycle.more_body and not cycle.response_complete
+        silent = self.loop.time() - self._last_read
+        if not answering and silent >= self.request_idle_timeout_s:
+            log.info("HTTP connection from %s closed: it sent no complete request for %.0f s", self.client, silent)
+            self.transport.close()
+            return
+        # (Answering, or heard from lately: look again when it could next have been silent long enough.)
+        wait = self.request_idle_timeout_s - (0.0 if answering else silent)
+        self._idle_check = self.loop.call_later(max(wait, 0.01), self._check_idle)
+
+    def _unsupported_upgrade_warning(self) -> None:
+        # llhttp stops at the head of a request asking to switch protocols, and takes what follows for the new
+        # protocol: read on, its body (or the next request) would be taken for a request of its own, which a
+        # proxy forwarding Upgrade turns into answers for the wrong clients. The request is answered (the app
+        # refuses one with a body, unread), then the connection is closed without reading any more.
+        self._upgrade_refused = True
+        if self.cycle is not None:
+            self.cycle.keep_alive = False
+        log.info("HTTP request from %s asks to switch protocols, which this server does not do: it is answered "
+                 "and its connection closed", self.client)
 
     def data_received(self, data: bytes) -> None:
+        if self._upgrade_refused:
+            return
+        self._last_read = self.loop.time()
         while self._head_left is not None and len(data) > self._head_left:
             # Headers and body often come in one read: feed the head's allowance first (the parser
             # takes a stream cut anywhere), and refuse only when the head did not end within it.
@@ -546,6 +636,9 @@ class _BoundedHeadProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         cycle = self.cycle
+        if self._idle_check is not None:
+            self._idle_check.cancel()
+            self._idle_check = None
         super().connection_lost(exc)
         # A request still waiting for its answer has no one to answer: cancel its handler, as gRPC
         # does, so a queued request never runs (see _unless_disconnected).

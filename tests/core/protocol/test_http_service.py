@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -453,3 +454,78 @@ def test_a_body_refused_while_decoding_counts_as_the_models_failure(served):
     assert status == 400 and "'data' holds 3 elements, expected 4" in message
     stats = http.InferenceServerClient(base).get_inference_statistics("echo")["model_stats"][0]
     assert stats["inference_stats"]["fail"]["count"] == 1
+
+
+def _exchange(base: str, data: bytes, *later: bytes, wait_s: float = 5.0) -> bytes:
+    """Send ``data`` (then each of ``later``, 0.3 s apart) on one raw connection; all it answers until closed."""
+    host, port = base.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=wait_s) as conn:
+        conn.sendall(data)
+        for part in later:
+            time.sleep(0.3)
+            try:
+                conn.sendall(part)
+            except OSError:
+                break
+        received = b""
+        try:
+            while chunk := conn.recv(65536):
+                received += chunk
+        except (TimeoutError, ConnectionResetError):
+            pass
+    return received
+
+
+def test_a_request_asking_to_switch_protocols_is_answered_once_and_its_body_never_run(served):
+    """Upgrade: h2c (curl --http2 sends it) made llhttp take the body for the new protocol: it was then read
+    as a request of its own and run, two answers for one request (smuggling, behind a proxy)."""
+    _, base = served
+    inner = json.dumps({"id": "SMUGGLED", "inputs": [{"name": "input", "shape": [1, 4], "datatype": "FP32",
+                                                      "data": [1, 2, 3, 4]}]}).encode()
+    smuggled = (b"POST /v2/models/echo/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n%s" % (len(inner), inner))
+    head = (b"POST /v2/models/echo/infer HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, HTTP2-Settings\r\n"
+            b"Upgrade: h2c\r\nHTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(smuggled))
+    answer = _exchange(base, head, smuggled)
+    assert len(re.findall(rb"HTTP/1\.1 \d{3} ", answer)) == 1 and b"SMUGGLED" not in answer
+    assert answer.startswith(b"HTTP/1.1 400 ") and b"asks to switch to 'h2c' (Upgrade)" in answer
+    # A bodiless request asking the same is simply answered (then its connection closed).
+    answer = _exchange(base, b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: h2c\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 200 ") and len(re.findall(rb"HTTP/1\.1 \d{3} ", answer)) == 1
+
+
+def test_connections_silent_in_the_middle_of_a_request_are_closed(served, monkeypatch):
+    """A connection that never finished its request (a partial head, a partial body, nothing at all) stayed
+    open for ever: enough of them took every file descriptor."""
+    from nereid.protocol.http_service import _BoundedHeadProtocol
+
+    monkeypatch.setattr(_BoundedHeadProtocol, "request_idle_timeout_s", 0.5)
+    _, base = served
+    for partial in (b"", b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n",
+                    b"POST /v2/models/echo/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"in"):
+        started = time.monotonic()
+        assert _exchange(base, partial, wait_s=10) == b""  # closed, unanswered
+        assert time.monotonic() - started < 5, partial
+    # A slow model's request is not cut: the client is waiting for the server, not the other way round.
+    body = json.dumps({"inputs": [{"name": "input", "shape": [1, 4], "datatype": "FP32", "data": [0] * 4}]})
+    assert _exchange(base, b"POST /v2/models/slow/infer HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n"
+                           b"Connection: close\r\n\r\n%s" % (len(body), body.encode())).startswith(b"HTTP/1.1 200 ")
+
+
+def test_wrong_methods_are_405_with_allow_head_is_get_without_a_body_and_other_codings_501(served):
+    _, base = served
+    for method, path, allow in (("POST", "/v2/health/live", "GET, HEAD"), ("GET", "/v2/models/echo/infer", "POST"),
+                                ("DELETE", "/v2", "GET, HEAD"), ("GET", "/v2/repository/index", "POST")):
+        status, raw, headers = call(base, method, path)
+        assert (status, headers["Allow"]) == (405, allow), (method, path)
+        assert json.loads(raw)["error"].startswith(f"{method} is not allowed on {path}")
+    answer = _exchange(base, b"HEAD /v2/health/ready HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 200 ") and answer.endswith(b"\r\n\r\n")  # the head alone
+    answer = _exchange(base, b"POST /v2/models/echo/infer HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip, chunked\r\n"
+                             b"Connection: close\r\n\r\n2\r\n{}\r\n0\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 501 ") and b"Transfer-Encoding 'gzip, chunked' is not supported" in answer
+    status, message = error_of(call(base, "POST", "/v2/models/echo/infer", bytes(16),
+                                    {"Content-Type": "application/octet-stream",
+                                     "Inference-Header-Content-Length": "0"}))
+    assert status == 400 and "Inference-Header-Content-Length 0 (Triton's raw binary request" in message
