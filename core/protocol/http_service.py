@@ -120,14 +120,8 @@ class HttpSurface:
         if not parts or parts[0] != "v2":
             raise HttpError(404, f"no such endpoint: {cap_message(scope['path'], 256)} (the API is under /v2)")
         parts = parts[1:]
-        allowed = _allowed_method(parts)
-        if method == "HEAD" and allowed == "GET":
+        if method == "HEAD":
             method = "GET"  # answered as GET; uvicorn sends the head without the body
-        elif allowed is not None and method != allowed:
-            # Triton answers a known endpoint's wrong method 405; HTTP wants the methods it takes in Allow.
-            methods = "GET, HEAD" if allowed == "GET" else allowed
-            raise HttpError(405, f"{method} is not allowed on {cap_message(scope['path'], 256)} (use {allowed})",
-                            [(b"allow", methods.encode())])
         if parts == [] and method == "GET":
             name, version, extensions = self.dataplane.server_metadata()
             return _json({"name": name, "version": version, "extensions": list(extensions)})
@@ -144,7 +138,7 @@ class HttpSurface:
             return await self._model(scope, receive, parts[1], parts[2:])
         if parts[:1] and parts[0] in REFUSED_ENDPOINTS:
             self.dataplane.refuse_extension(REFUSED_ENDPOINTS[parts[0]])
-        raise HttpError(404, f"no such endpoint: {method} {cap_message(scope['path'], 256)}")
+        raise _not_found(scope, parts)
 
     async def _model(self, scope: Scope, receive: Receive, model: str,
                      rest: list[str]) -> tuple[int, list[bytes | memoryview], list]:
@@ -170,7 +164,7 @@ class HttpSurface:
             self.dataplane.refuse_extension("trace")
         if action in ("generate", "generate_stream"):  # Triton's generate extension (LLM-style requests)
             self.dataplane.refuse_extension("generate")
-        raise HttpError(404, f"no such endpoint: {method} {cap_message(scope['path'], 256)}")
+        raise _not_found(scope, ["models", model, *rest])
 
     async def _infer(self, scope: Scope, receive: Receive, model: str,
                      version: str) -> tuple[int, list[bytes | memoryview], list]:
@@ -346,6 +340,17 @@ def _parameters(body: bytes, what: str) -> dict:
     if not isinstance(parameters, dict):
         raise HttpError(400, f"{what}: 'parameters' must be a JSON object")
     return parameters
+
+
+def _not_found(scope: Scope, parts: list[str]) -> HttpError:
+    """404 for an unknown endpoint; 405 with Allow for a known one asked with the wrong method, as Triton
+    answers it (worked out only here, off the path of requests that route)."""
+    method, path = scope["method"], cap_message(scope["path"], 256)
+    allowed = _allowed_method(parts)
+    if allowed is None or (method == "HEAD" and allowed == "GET"):
+        return HttpError(404, f"no such endpoint: {method} {path}")
+    return HttpError(405, f"{method} is not allowed on {path} (use {allowed})",
+                     [(b"allow", b"GET, HEAD" if allowed == "GET" else allowed.encode())])
 
 
 def _allowed_method(parts: list[str]) -> str | None:
