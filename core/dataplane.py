@@ -159,6 +159,10 @@ class DataPlane:
     async def load(self, name: str, parameters: Iterable[str] = (), rpc: str = "RepositoryModelLoad") -> None:
         """(Re)load a model; ModelFailure with the reason when it does not become READY.
 
+        A model loaded already is loaded again without downtime: its running
+        version serves until the new one is READY, and serves on if that fails
+        (which is still this call's ModelFailure).
+
         ``parameters``: the names of the load request's parameters. Triton's
         ``config`` (a configuration override) and ``file:...`` (model files
         sent with the request) are refused, since nereid loads only from the
@@ -174,7 +178,7 @@ class DataPlane:
         entry = await self.repository.load(name)
         if self._on_change is not None:
             await self._on_change()
-        if entry.state is not ModelState.READY:
+        if entry.state is not ModelState.READY or entry.reason:  # (READY with a reason: the old version serves on)
             raise ModelFailure(f"failed to load model '{name}': {entry.reason}")
 
     async def unload(self, name: str, unload_dependents: bool = False, rpc: str = "RepositoryModelUnload") -> None:

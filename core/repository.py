@@ -358,13 +358,18 @@ class ModelRepository:
         return all(self._entries[name].state is ModelState.READY for name in self._exposed if name in self._entries)
 
     async def load(self, name: str) -> ModelEntry:
-        """(Re)load a model folder. A failure leaves it UNAVAILABLE with the reason; never raises for it."""
+        """Load a model folder, or a loaded one again (see :meth:`reload`). A failure to load leaves it
+        UNAVAILABLE with the reason; never raises for it."""
         if name not in self._entries and _is_folder_name(name):
             # Look again now (off the loop): a store's listing is otherwise reused for a few seconds,
             # and a model just uploaded must load.
             await self.refresh()
         entry = self.entry(name)
         self._exposed.add(name)
+        if entry.loaded is not None:
+            # Loaded already: loaded again without downtime, as Triton does. The running version serves until
+            # the new one is READY, and keeps serving if the new one fails (the reason shows in the index).
+            return await self.reload(name)
         self._state_changed()  # counted from now on: ServerReady is false until it is READY
         async with entry.held():
             # A model loaded again keeps counting where it was, as a reload that follows its folder does

@@ -137,3 +137,29 @@ def test_loading_a_loaded_model_again_keeps_its_statistics_an_unload_resets_them
         assert (stats.success.count, stats.inference_count) == (0, 0)
         await plane.unload("toy")
     asyncio.run(scenario())
+
+
+def test_loading_a_loaded_model_again_has_no_downtime_and_a_failure_leaves_it_serving(tmp_path):
+    """RepositoryModelLoad of a loaded model unloaded it first: its requests failed UNAVAILABLE meanwhile (so
+    did every meta model calling it), and a load that failed left it unloaded. Triton replaces it with no
+    loss of availability, and keeps the old version when the new one fails."""
+    plane = toy_dataplane(tmp_path)
+    states: list[str] = []
+
+    async def scenario():
+        await plane.load("toy")
+        plane.repository.on_state_change = lambda: states.append(plane.repository.entry("toy").state.value)
+        await plane.load("toy")
+        assert plane.model_ready("toy") and set(states) == {"READY"}  # never LOADING nor UNLOADING
+        (tmp_path / "ml-backends" / "toy" / "fail.txt").write_text("weights are corrupt")
+        with pytest.raises(ModelFailure, match="failed to load model 'toy': reload failed, version 2 keeps "
+                                               "serving: .*weights are corrupt"):
+            await plane.load("toy")
+        assert plane.model_ready("toy")
+        response = await plane.infer(request())
+        assert response.outputs[0].data.tolist() == [[2.0] * 4] * 2
+        (tmp_path / "ml-backends" / "toy" / "fail.txt").unlink()
+        await plane.load("toy")  # and loads again once fixed
+        assert plane.repository.entry("toy").reason == ""
+        await plane.unload("toy")
+    asyncio.run(scenario())
