@@ -283,7 +283,7 @@ PATH_SEGMENTS = ["v2", "models", "toy", "spare", "nope", "versions", "1", "2", "
 HEADER_VALUES = st.one_of(st.none(), st.sampled_from(["0", "12", "-1", "abc", "99999999999999999999", ""]),
                           st.binary(max_size=8).map(lambda b: b.decode("latin-1")))
 # What the surface may answer client input with; 500 (a server fault) is not among them.
-CLIENT_STATUSES = {200, 400, 403, 404, 413, 503, 504}
+CLIENT_STATUSES = {200, 400, 403, 404, 405, 413, 501, 503, 504}
 
 
 @pytest.fixture(scope="module")
