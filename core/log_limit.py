@@ -14,17 +14,37 @@ import threading
 import time
 
 
+class _Budget:
+    """At most ``burst`` events per ``window_s`` seconds; thread-safe."""
+
+    def __init__(self, burst: int, window_s: float) -> None:
+        self._burst = burst
+        self._window_s = window_s
+        self._window_start = time.monotonic()
+        self._spent = 0
+        self._refused = 0
+        self._lock = threading.Lock()
+
+    def take(self) -> int | None:
+        """None when over the budget; otherwise how many events were refused since the last one taken."""
+        with self._lock:
+            now = time.monotonic()
+            if now - self._window_start >= self._window_s:
+                self._window_start, self._spent = now, 0
+            if self._spent >= self._burst:
+                self._refused += 1
+                return None
+            self._spent += 1
+            refused, self._refused = self._refused, 0
+            return refused
+
+
 class RateLimitedLog:
     """``warning()`` that writes at most ``burst`` lines per ``window_s`` seconds."""
 
     def __init__(self, logger: logging.Logger, burst: int = 10, window_s: float = 10.0) -> None:
         self._logger = logger
-        self._burst = burst
-        self._window_s = window_s
-        self._window_start = time.monotonic()
-        self._written = 0
-        self._suppressed = 0
-        self._lock = threading.Lock()
+        self._budget = _Budget(burst, window_s)
 
     def warning(self, message: str, *args: object) -> bool:
         """Log ``message % args`` at WARNING unless over the limit; True when it was written."""
@@ -36,15 +56,9 @@ class RateLimitedLog:
 
     def log(self, level: int, message: str, *args: object) -> bool:
         """Log ``message % args`` at ``level`` unless over the limit; True when it was written."""
-        with self._lock:
-            now = time.monotonic()
-            if now - self._window_start >= self._window_s:
-                self._window_start, self._written = now, 0
-            if self._written >= self._burst:
-                self._suppressed += 1
-                return False
-            self._written += 1
-            suppressed, self._suppressed = self._suppressed, 0
+        suppressed = self._budget.take()
+        if suppressed is None:
+            return False
         if suppressed:
             message += f" ({suppressed} similar message(s) suppressed before this one)"
         self._logger.log(level, message, *args)
@@ -90,25 +104,14 @@ class RateLimitFilter(logging.Filter):
     def __init__(self, prefixes: tuple[str, ...], burst: int = 5, window_s: float = 60.0) -> None:
         super().__init__()
         self._prefixes = prefixes
-        self._burst = burst
-        self._window_s = window_s
-        self._window_start = time.monotonic()
-        self._passed = 0
-        self._dropped = 0
-        self._lock = threading.Lock()
+        self._budget = _Budget(burst, window_s)
 
     def filter(self, record: logging.LogRecord) -> bool:
         if not isinstance(record.msg, str) or not record.msg.startswith(self._prefixes):
             return True
-        with self._lock:
-            now = time.monotonic()
-            if now - self._window_start >= self._window_s:
-                self._window_start, self._passed = now, 0
-            if self._passed >= self._burst:
-                self._dropped += 1
-                return False
-            self._passed += 1
-            dropped, self._dropped = self._dropped, 0
+        dropped = self._budget.take()
+        if dropped is None:
+            return False
         if dropped:
             record.msg = f"{record.msg}\n({dropped} more such line(s) were dropped before this one)"
         return True

@@ -37,7 +37,7 @@ def test_the_next_line_let_through_says_how_many_were_dropped():
     first, second, third = (logging.LogRecord("x", logging.ERROR, __file__, 1, "flood", None, None)
                             for _ in range(3))
     assert limited.filter(first) and not limited.filter(second) and not limited.filter(third)
-    limited._window_start -= 3600  # the window ends
+    limited._budget._window_start -= 3600  # the window ends
     fourth = logging.LogRecord("x", logging.ERROR, __file__, 1, "flood", None, None)
     assert limited.filter(fourth) and fourth.getMessage().endswith("(2 more such line(s) were dropped before this one)")
 
