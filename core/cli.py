@@ -14,6 +14,7 @@ from pathlib import Path
 from nereid.backend import ModelContext, ReportsRuntime
 from nereid.errors import ConfigError
 from nereid.files import check_confined
+from nereid.leftovers import scratch_prefix
 from nereid.log_limit import RateLimitFilter
 from nereid.plugins import NereidPluginManager, add_commands, check_backend_defaults, error_text, make_plugin_manager
 from nereid.repository import build_model
@@ -135,7 +136,9 @@ def check(settings: Settings, manager: NereidPluginManager | None = None) -> int
     except ConfigError as err:
         config_problems += 1
         print(err)
-    scratch = Path(tempfile.mkdtemp(prefix="nereid-check-"))
+    # Named as a server's scratch (nereid-<pid>-...): a check that is killed leaves it for the next server
+    # start to remove, as that server removes any dead process's.
+    scratch = Path(tempfile.mkdtemp(prefix=f"{scratch_prefix()}check-"))
     try:
         names = list_model_folders(settings.server)
         if settings.server.ml_backends_url is not None:  # a store that cannot be listed: check the listed models

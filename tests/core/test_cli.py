@@ -295,3 +295,27 @@ def test_check_reports_a_failing_runtime_report_on_its_line_and_goes_on(tmp_path
                                "backend=faulty ")
     assert lines[1].startswith("b_plain: OK backend=toy ")
     assert lines[2].endswith(": 1 model(s) with problems")
+
+
+def test_a_killed_check_leaves_a_scratch_folder_the_next_server_start_removes(tmp_path, monkeypatch) -> None:
+    # Named nereid-check-*, it matched no dead process's scratch and stayed in /tmp for ever.
+    import tempfile
+
+    from nereid.cli import check
+    from nereid.leftovers import remove_stale_scratch
+    from nereid.plugins import make_plugin_manager
+    from nereid.settings import load_settings
+
+    made: list[str] = []
+    real_mkdtemp = tempfile.mkdtemp
+    monkeypatch.setattr(tempfile, "mkdtemp", lambda prefix: made.append(prefix) or real_mkdtemp(prefix=prefix,
+                                                                                               dir=tmp_path))
+    (tmp_path / "ml-backends").mkdir()
+    (tmp_path / "nereid.yaml").write_text('server:\n  ml_backends_path: "ml-backends"\n')
+    check(load_settings(tmp_path / "nereid.yaml"), make_plugin_manager(load_entry_points=False))
+    assert made == [f"nereid-{os.getpid()}-check-"]
+    dead = subprocess.Popen(["true"])  # a pid whose process has ended
+    dead.wait()
+    left = tmp_path / f"nereid-{dead.pid}-check-abc"
+    left.mkdir()
+    assert remove_stale_scratch(tmp_path) == 1 and not left.exists()
