@@ -103,9 +103,8 @@ class DataPlane:
         (its ModelIsReady succeeds with ``ready = false``): a client's
         ``while not is_model_ready(m)`` loop waits rather than raising.
         """
-        if version not in ("", MODEL_VERSION):
-            return False
         try:
+            self.check_version(name, version)
             return self.repository.entry(name).state is ModelState.READY
         except NotFound:
             return False

@@ -372,11 +372,8 @@ class ModelRepository:
             return await self.reload(name)
         self._state_changed()  # counted from now on: ServerReady is false until it is READY
         async with entry.held():
-            # A model loaded again keeps counting where it was, as a reload that follows its folder does
-            # (Prometheus counters never go back); after an unload or a failed load it starts afresh.
-            stats = entry.loaded.stats if entry.loaded is not None else ModelStats()
-            if entry.loaded is not None:
-                await self._unload_locked(entry)
+            if entry.loaded is not None:  # loaded meanwhile, by a load that held the model first
+                return entry
             # (A folder in an object store is fetched by _build, which reports the store's error.)
             if self.settings.server.ml_backends_url is None and not entry.folder.is_dir():
                 entry.state, entry.reason = ModelState.UNAVAILABLE, f"no folder '{name}' in ml_backends_path (yet)"
@@ -386,7 +383,7 @@ class ModelRepository:
             entry.state, entry.reason = ModelState.LOADING, ""
             self._refresh_dependents()
             try:
-                entry.loaded = await self._load_version(entry, stats)
+                entry.loaded = await self._load_version(entry, ModelStats())
             except Exception as err:  # any load failure is the model's, reported with its reason
                 reason = _reason(err)
                 log.error("model '%s' is UNAVAILABLE: %s", name, reason)  # the log keeps absolute paths
@@ -656,9 +653,9 @@ class ModelRepository:
         loaded = entry.loaded
         states = self._states()
         # The dependency the reason names: the first one that is not READY (see waiting_for).
-        unready = [states.get(name, ("",))[0] for name in (loaded.depends_on if loaded is not None else ())
-                   if states.get(name, ("",))[0] != ModelState.READY.value]
-        loading = unready[:1] == [ModelState.LOADING.value]
+        dependency_states = (states.get(name, ("", ""))[0] for name in (loaded.depends_on if loaded else ()))
+        first_unready = next((state for state in dependency_states if state != ModelState.READY.value), None)
+        loading = first_unready == ModelState.LOADING.value
         log.log(logging.INFO if loading else logging.WARNING, "model '%s' is UNAVAILABLE: %s", entry.name, why)
 
     def _states(self) -> dict[str, tuple[str, str]]:
