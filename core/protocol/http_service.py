@@ -135,14 +135,13 @@ class HttpSurface:
         if parts[:1] == ["repository"] and method == "POST":
             return await self._repository(scope, receive, parts[1:])
         if parts[:1] == ["models"] and len(parts) >= 2:
-            return await self._model(scope, receive, parts[1], parts[2:])
+            return await self._model(scope, receive, method, parts[1], parts[2:])
         if parts[:1] and parts[0] in REFUSED_ENDPOINTS:
             self.dataplane.refuse_extension(REFUSED_ENDPOINTS[parts[0]])
         raise _not_found(scope, parts)
 
-    async def _model(self, scope: Scope, receive: Receive, model: str,
+    async def _model(self, scope: Scope, receive: Receive, method: str, model: str,
                      rest: list[str]) -> tuple[int, list[bytes | memoryview], list]:
-        method = "GET" if scope["method"] == "HEAD" else scope["method"]
         version = ""
         if rest[:1] == ["versions"] and len(rest) >= 2:
             version, rest = rest[1], rest[2:]
@@ -556,10 +555,11 @@ class _BoundedHeadProtocol(HttpToolsProtocol):
     request whose connection is lost before its answer has its handler
     cancelled (see :func:`_unless_disconnected`): a client that only shuts down
     its sending side looks the same (TCP tells the two apart only when an
-    answer is written), so it is taken as gone too. A connection that sends nothing for :attr:`request_idle_timeout_s`
-    while a request of it is incomplete (or before its first) is closed, so
-    silent connections cannot pile up. A request asking to switch protocols
-    (``Upgrade: h2c``) is answered, then its connection closed unread.
+    answer is written), so it is taken as gone too. A connection that sends
+    nothing for :attr:`request_idle_timeout_s` while a request of it is
+    incomplete (or before its first) is closed, so silent connections cannot
+    pile up. A request asking to switch protocols (``Upgrade: h2c``) is
+    answered, then its connection closed unread.
 
     Head bytes are counted as they arrive, not in the parser's callbacks: httptools
     reports a header only once its value has ended, and buffers it until then.
