@@ -125,3 +125,13 @@ def without_stop_iteration(function: Callable[..., T], *args: Any) -> T:
         return function(*args)
     except StopIteration as err:
         raise RuntimeError(f"StopIteration raised{f': {err}' if str(err) else ''}") from err
+
+
+def describe_exception(error: BaseException, one_line: bool = False) -> str:
+    """``Type: message``, or ``Type`` alone when the message is empty (``KeyboardInterrupt()``).
+
+    ``one_line``: the message's runs of whitespace, newlines included, as single
+    spaces (a plugin's exception may span lines).
+    """
+    text = " ".join(str(error).split()) if one_line else str(error)
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__

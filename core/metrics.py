@@ -22,7 +22,7 @@ from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from nereid.backend import ReportsRuntime
-from nereid.errors import NereidError, NotFound
+from nereid.errors import NereidError, NotFound, describe_exception
 from nereid.log_limit import OnceLog
 from nereid.repository import ModelRepository, ModelState
 
@@ -273,8 +273,8 @@ class _RepositoryCollector(Collector):
                 try:
                     resident = backend.runtime_report().warm_parent_resident_bytes
                 except Exception as err:  # a plugin's fault must not fail the whole scrape
-                    _report_failures.warning(entry.name, "model '%s': runtime_report() failed (%s: %s); its "
-                                             "warm parent gauge is left out", entry.name, type(err).__name__, err)
+                    _report_failures.warning(entry.name, "model '%s': runtime_report() failed (%s); its warm "
+                                             "parent gauge is left out", entry.name, describe_exception(err))
                     resident = None
                 if resident is not None:
                     warm_parent.add_metric([entry.name], resident)

@@ -12,8 +12,9 @@ import inspect
 from typing import Any, Awaitable, Callable
 
 from nereid.backend import Model, Postprocesses, Preprocesses
-from nereid.errors import InvalidArgument, ModelFailure, NereidError, same_kind, without_stop_iteration
-from nereid.scheduler import MODEL_EXITS, ModelScheduler, describe_exception
+from nereid.errors import (InvalidArgument, ModelFailure, NereidError, describe_exception, same_kind,
+                           without_stop_iteration)
+from nereid.scheduler import MODEL_EXITS, ModelScheduler
 from nereid.signature import ModelSignature, check_outputs, validate_inputs
 from nereid.tensors import NamedTensor
 

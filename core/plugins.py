@@ -22,7 +22,7 @@ import pluggy
 
 from nereid import hookspecs
 from nereid.backend import BackendClaim
-from nereid.errors import ConfigError, cap_message
+from nereid.errors import ConfigError, cap_message, describe_exception
 
 log = logging.getLogger(__name__)
 
@@ -157,8 +157,7 @@ def _normalized(distribution: str) -> str:
 
 def error_text(err: BaseException) -> str:
     """``err`` as one capped line, its type first (a plugin's exception may span lines, or say nothing)."""
-    text = " ".join(str(err).split())
-    return cap_message(f"{type(err).__name__}: {text}" if text else type(err).__name__)
+    return cap_message(describe_exception(err, one_line=True))
 
 
 def make_plugin_manager(*, load_entry_points: bool = True,

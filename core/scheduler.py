@@ -24,7 +24,8 @@ import numpy as np
 from nereid.backend import REQUEST_DEADLINE_NS, Model, PadsBatches
 from nereid.batching import BatchPolicy, batch_key, deadline_passed, request_cost, take_batch, will_not_run
 from nereid.daemon_pool import DaemonThreadPool
-from nereid.errors import DeadlineExceeded, ModelFailure, ModelRetired, NereidError, QueueFull, Unavailable
+from nereid.errors import (DeadlineExceeded, ModelFailure, ModelRetired, NereidError, QueueFull, Unavailable,
+                           describe_exception)
 from nereid.signature import ModelSignature, check_outputs
 from nereid.stats import ModelStats
 from nereid.tensors import NamedTensor
@@ -398,12 +399,6 @@ class ModelScheduler:
             waiter.set_exception(error)
         else:
             waiter.set_result(result)
-
-
-def describe_exception(error: BaseException) -> str:
-    """``Type: message``, or ``Type`` alone when the message is empty (``KeyboardInterrupt()``)."""
-    text = str(error)
-    return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
 async def _wait_event(event: asyncio.Event, timeout_s: float | None) -> bool:

@@ -313,7 +313,7 @@ def _beside_config(config: Path, relative: Path) -> Path:
     elsewhere still finds what sits beside the real file.
     """
     named = Path(os.path.abspath(config)).parent / relative  # (abspath: as the watcher names it on re-reads)
-    if named.exists() or os.path.lexists(named):
+    if os.path.lexists(named):  # (a dangling symlink too: it is what was named)
         return named
     return config.resolve().parent / relative
 
