@@ -226,12 +226,12 @@ class WarmParent:
             return self._control
 
     def _not_started(self, what: str) -> ModelFailure:
-        """The failure of a run the parent never started: _RunNotStarted (sent again) when the parent has
-        exited, a plain ModelFailure when it is alive but not answering (a new parent is not started
-        for it, so sending the batch again would only wait for it once more)."""
+        """The failure of a run the parent never started (its end of the sockets closed): _RunNotStarted
+        (sent again) once the parent has exited; a plain ModelFailure should it still run after the grace
+        (no new parent is started for a running one, so sending the batch again would go to it once more)."""
         failure = self._died(what)
         process = self._process
-        return _RunNotStarted(failure) if process is None or process.poll() is not None else failure
+        return _RunNotStarted(str(failure)) if process is None or process.poll() is not None else failure
 
     def _died(self, what: str) -> ModelFailure:
         """The failure of a run whose parent died; the parent is reaped so the reason is known."""
@@ -246,9 +246,6 @@ class WarmParent:
 
 class _RunNotStarted(ModelFailure):
     """The parent was gone before it said it forked the run: sending the batch again runs it once."""
-
-    def __init__(self, failure: ModelFailure) -> None:
-        super().__init__(str(failure))
 
 
 def _read_line(fd: int, deadline: float) -> str:
