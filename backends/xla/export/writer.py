@@ -57,8 +57,9 @@ def write_bundle(directory: Path | str, name: str, inputs: Sequence[IOSpec], out
     a sequence of those, one per variant (variant ``i`` is written as
     ``model.v{i+1}...``). ``weights`` are in program order (that order becomes
     the safetensors ``argument_order``). ``model_py`` is the source text (a str)
-    or the path (a ``pathlib.Path``) of the bundle's hooks file; it must compile. The directory's basename must equal
-    ``name``: the directory name is the model name.
+    or the path (a ``pathlib.Path``) of the bundle's hooks file; it must
+    compile. The directory's basename must equal ``name``: the directory name
+    is the model name.
 
     ``shard_bytes`` writes the weights as shards instead of one file:
     ``weights-00001-of-0000N.safetensors``, each closed once it holds at
