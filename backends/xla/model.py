@@ -302,18 +302,12 @@ class HookedXlaModel(XlaModel):
     def preprocess(self, inputs: list[NamedTensor]) -> list[NamedTensor]:
         """model.py's preprocess hook (identity when it registered none)."""
         assert self._hooks is not None
-        return self._checked("preprocess", self._hooks.preprocess(inputs))
+        return self._hooks.preprocess(inputs)
 
     def postprocess(self, outputs: list[NamedTensor]) -> list[NamedTensor]:
         """model.py's postprocess hook (identity when it registered none)."""
         assert self._hooks is not None
-        return self._checked("postprocess", self._hooks.postprocess(outputs))
-
-    def _checked(self, hook: str, result: Any) -> list[NamedTensor]:
-        if not isinstance(result, (list, tuple)) or not all(isinstance(t, NamedTensor) for t in result):
-            raise ModelFailure(f"model '{self.context.name}': the {hook} hook of model.py must return a list (or "
-                               f"tuple) of nereid.tensors.NamedTensor, got {type(result).__name__}")
-        return list(result)
+        return self._hooks.postprocess(outputs)
 
 
 def create_model(context: ModelContext) -> XlaModel:

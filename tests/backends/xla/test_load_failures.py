@@ -128,7 +128,8 @@ def test_hook_returning_the_wrong_type_is_an_internal_error(repo, serve, add_bun
     with pytest.raises(InferenceServerException) as caught:
         server.client.infer("mlp_hooks", [tensor])
     assert caught.value.status() == "StatusCode.INTERNAL"
-    assert "preprocess hook of model.py must return a list (or tuple) of" in caught.value.message()
+    assert caught.value.message().startswith("model 'mlp_hooks': the preprocess hook returned dict {'x': ")
+    assert caught.value.message().endswith("expected a list of NamedTensor")
     # A tuple of NamedTensor is taken, as plugin hooks' is.
     (bundle / "model.py").write_text(text.replace("return [NamedTensor.from_array(\"input\"",
                                                   "return (NamedTensor.from_array(\"input\"").replace(
