@@ -206,10 +206,17 @@ def validate_inputs(model: str, signature: ModelSignature, tensors: list[NamedTe
                 f"model '{model}': input '{spec.name}' has datatype {tensor.dtype.kserve}, "
                 f"expected {spec.dtype.kserve}"
             )
-        if not tensor.data.dtype.isnative:
-            # A big-endian array (a meta model may pass one on): in native order for every backend, as the
-            # wire decoders make them; a program reading its bytes as they lie would compute garbage.
-            tensor = NamedTensor(tensor.name, tensor.dtype, tensor.data.astype(tensor.data.dtype.newbyteorder("=")))
+        held = tensor.data.dtype
+        if held is not spec.dtype.numpy:  # the wire decoders make exactly that dtype: nothing more to ask
+            if held.newbyteorder("=") != spec.dtype.numpy:
+                # Data that disagrees with its tag (a meta model's or a hook's tensors): backends read it by
+                # the tag or by the array, so it would fail naming no tensor or compute on reinterpreted bytes.
+                raise InvalidArgument(f"model '{model}': input '{spec.name}' is tagged {spec.dtype.kserve} but "
+                                      f"holds {held} data, expected a numpy ndarray of {spec.dtype.numpy}")
+            if not held.isnative:
+                # A big-endian array (a meta model may pass one on): in native order for every backend, as
+                # the wire decoders make them; a program reading its bytes as they lie would compute garbage.
+                tensor = NamedTensor(tensor.name, tensor.dtype, tensor.data.astype(held.newbyteorder("=")))
         shape = tensor.data.shape
         if not signature.batches:
             if not dims_match(shape, spec.dims):

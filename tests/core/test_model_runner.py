@@ -115,6 +115,18 @@ def test_preprocess_tensors_holding_no_array_are_a_model_fault() -> None:
     asyncio.run(asyncio.wait_for(scenario(), 30))
 
 
+def test_preprocess_tensors_whose_data_disagrees_with_their_tag_are_a_model_fault() -> None:
+    """Defect: float64 data tagged FP32 reached the backend; an xla program failed naming no tensor."""
+    async def scenario() -> None:
+        wide = [NamedTensor("x", DType.FP32, np.ones((1, 2), np.float64))]
+        run, scheduler = await serve(Hooked(pre=lambda tensors: wide))
+        with pytest.raises(ModelFailure, match=r"^model 'm': the preprocess hook returned tensors the program "
+                                               r"cannot take: input 'x' is tagged FP32 but holds float64 data"):
+            await run(rows(1), 1, 0)
+        await scheduler.drain()
+    asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
 def test_a_caller_going_away_during_a_hook_is_still_a_cancellation() -> None:
     async def scenario() -> None:
         started = concurrent.futures.Future()

@@ -75,6 +75,15 @@ def test_a_big_endian_input_reaches_the_model_in_native_order() -> None:
     assert data.dtype == np.dtype("=f4") and data.dtype.isnative and (data == values).all()
 
 
+@pytest.mark.parametrize("data", [np.ones((1, 4, 3), np.float64), np.ones((1, 4, 3), ">f8"),
+                                  np.ones((1, 4, 3), np.int32)])
+def test_an_input_whose_data_disagrees_with_its_tag_is_refused(data: np.ndarray) -> None:
+    """A meta model's FP32-tagged float64 array was read by its bytes by one backend, by its values by another."""
+    with pytest.raises(InvalidArgument, match=rf"^model 'm': input 'x' is tagged FP32 but holds {data.dtype} data, "
+                                              r"expected a numpy ndarray of float32$"):
+        validate_inputs("m", BATCHED, [NamedTensor("x", DType.FP32, data)])
+
+
 def test_batched_request_within_cap() -> None:
     result = validate_inputs("m", BATCHED, [tensor("x", (5, 4, 7))])
     assert result.batch_size == 5 and not result.batch_axis_added
