@@ -290,13 +290,24 @@ class ModelScheduler:
         self._stats.execution_started()
         total = sum(rows)
         input_ns = infer_ns = output_ns = 0
-        succeeded = False
+        succeeded = counted_later = False
         try:
             inputs, padded = self._assemble(requests, total)
             start = time.monotonic_ns()
             if assembly_start_ns:
                 input_ns = start - assembly_start_ns
-            outputs = await self._infer(inputs)
+
+            def count_when_ended(error: BaseException | None) -> None:
+                # The callers went away while a worker thread ran the model, which cannot be stopped: the
+                # execution still happened (and kept the model busy), so it counts when and as it ended.
+                self._stats.execution_finished(total, cost, queue_ns, input_ns, time.monotonic_ns() - start, 0,
+                                               error is None)
+
+            try:
+                outputs = await self._infer(inputs, count_when_ended)
+            except asyncio.CancelledError:
+                counted_later = not self._inline  # _infer handed the counting to count_when_ended
+                raise
             infer_ns = time.monotonic_ns() - start
             if padded:
                 outputs = [NamedTensor(t.name, t.dtype, t.data[:total]) for t in outputs]
@@ -317,7 +328,8 @@ class ModelScheduler:
                 raise self._model_fault(err) from err
             raise
         finally:
-            self._stats.execution_finished(total, cost, queue_ns, input_ns, infer_ns, output_ns, succeeded)
+            if not counted_later:
+                self._stats.execution_finished(total, cost, queue_ns, input_ns, infer_ns, output_ns, succeeded)
 
     def _model_fault(self, error: BaseException, during: str = "") -> ModelFailure:
         """The ModelFailure a caller gets for ``error`` raised by model code (logged with its traceback)."""
@@ -343,15 +355,23 @@ class ModelScheduler:
                                f"expected at least {rows}")
         return padded
 
-    async def _infer(self, inputs: list[NamedTensor]) -> list[NamedTensor]:
+    async def _infer(self, inputs: list[NamedTensor],
+                     when_abandoned: Callable[[BaseException | None], None]) -> list[NamedTensor]:
+        """The backend's outputs for ``inputs``: awaited in this task, or run on a worker thread.
+
+        When this task is cancelled while a worker thread runs the model, the
+        thread's end is still told to ``when_abandoned`` (with its error, or
+        None), on the loop; it is told at once when the thread had already ended.
+        """
         if self._inline:
             return await self._backend.infer(inputs)
         loop = asyncio.get_running_loop()
         waiter = loop.create_future()
+        abandoned: list[Callable[[BaseException | None], None]] = []
 
         def done(result: list[NamedTensor] | None, error: BaseException | None) -> None:  # on the worker thread
             if not loop.is_closed():  # closed: the server is gone and nobody waits
-                loop.call_soon_threadsafe(self._thread_done, waiter, result, error)
+                loop.call_soon_threadsafe(self._thread_done, waiter, result, error, abandoned)
 
         self._executor.call(self._infer_on_thread, inputs, done)
         self._threads += 1
@@ -365,6 +385,9 @@ class ModelScheduler:
                 # could start.
                 self._free_slots -= 1
                 self._idle.clear()
+                abandoned.append(when_abandoned)
+            else:  # the thread ended just before this task was cancelled
+                when_abandoned(waiter.exception())
             raise
 
     def _infer_on_thread(self, inputs: list[NamedTensor]) -> list[NamedTensor]:
@@ -387,10 +410,12 @@ class ModelScheduler:
             raise self._model_fault(err) from err
 
     def _thread_done(self, waiter: asyncio.Future, result: list[NamedTensor] | None,
-                     error: BaseException | None) -> None:
+                     error: BaseException | None, abandoned: list[Callable[[BaseException | None], None]]) -> None:
         """On the loop: a worker thread's call ended; answer its caller, or free the slot it kept."""
         self._threads -= 1
         if waiter.cancelled():
+            for tell in abandoned:
+                tell(error)
             self._release_slot()  # the slot _infer took back when its caller went away
         elif isinstance(error, concurrent.futures.CancelledError):
             # Dropped unstarted by the pool's shutdown (_infer_on_thread lets no other through).

@@ -249,6 +249,31 @@ def test_drain_after_an_abandoned_request_never_blocks_the_loop_and_is_bounded_b
     run(scenario())
 
 
+@pytest.mark.parametrize("fails", [False, True], ids=["succeeds", "fails"])
+def test_an_execution_whose_caller_left_counts_when_and_as_its_thread_ends(fails: bool) -> None:
+    """Defect: a request that started at once and whose client left while the thread ran counted its
+    execution as failed at that moment: a model that ran to completion showed no execution, no
+    compute time, and was idle in the busy figures while its thread still ran."""
+    async def scenario() -> None:
+        backend, stats = GatedDouble(), ModelStats()
+        backend.fail_next = fails
+        scheduler = ModelScheduler("m", backend, SIGNATURE, capacity=4, instances=1, stats=stats)
+        caller = asyncio.create_task(scheduler.submit(rows(1), 1, 0))
+        await until(lambda: scheduler.running_threads == 1)
+        caller.cancel()
+        await asyncio.gather(caller, return_exceptions=True)
+        assert stats.batcher.total_batches == 0 and stats._running == 1  # still running: not counted yet
+        time.sleep(0.05)
+        backend.gate.set()
+        await until(lambda: scheduler.running_threads == 0)
+        assert stats._running == 0 and stats.batcher.total_batches == 1
+        assert stats.execution_count == (0 if fails else 1)
+        if not fails:
+            assert stats.compute_infer.count == 1 and stats.compute_infer.ns >= 50_000_000
+        await asyncio.wait_for(scheduler.drain(), 5)
+    run(scenario())
+
+
 def test_drain_abandons_work_that_ignores_termination() -> None:
     async def scenario() -> None:
         backend = GatedDouble()
