@@ -259,7 +259,10 @@ def check_outputs(model: str, signature: ModelSignature, outputs: list[NamedTens
     model.
     """
     expected = signature.outputs
-    names = [getattr(t, "name", None) for t in outputs] if isinstance(outputs, list) else None
+    if not isinstance(outputs, list):
+        raise ModelFailure(f"model '{model}' returned {type(outputs).__name__} {outputs!r:.100}, expected a list "
+                           f"of NamedTensor (outputs {signature.output_names})")
+    names = [getattr(t, "name", None) for t in outputs]
     if names != signature.output_names:
         raise ModelFailure(f"model '{model}' returned outputs {names}, expected {signature.output_names}")
     for tensor, spec in zip(outputs, expected):

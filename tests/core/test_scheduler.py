@@ -177,6 +177,9 @@ def test_backend_exception_fails_only_its_request() -> None:
 
 @pytest.mark.parametrize("outputs, message", [
     ([], r"returned outputs \[\], expected \['y'\]"),
+    # Defect: anything but a list was "returned outputs None", as if no output had a name.
+    ("nonsense", r"^model 'm' returned str 'nonsense', expected a list of NamedTensor \(outputs \['y'\]\)$"),
+    (None, r"^model 'm' returned NoneType None, expected a list of NamedTensor"),
     ([NamedTensor("y", DType.FP64, np.zeros((1, 2)))], "as FP64, expected FP32"),
     ([NamedTensor("y", DType.FP32, np.zeros((2, 2), np.float32))], r"shape \[2, 2\], expected \[1, 2\]"),
 ])
