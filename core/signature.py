@@ -100,11 +100,26 @@ def load_textproto_signature(path: Path) -> ModelSignature:
     try:
         text_format.Parse(text, message)
     except text_format.ParseError as err:
-        # ParseError's message already starts with "line:column :".
-        raise ConfigError(cap_message(f"{path}:{err}")) from None
+        raise ConfigError(cap_message(f"{path}:{_parse_problem(err, text)}")) from None
     except RecursionError:
         raise ConfigError(f"{path}: nested too deeply to parse") from None
     return _signature_from_message(message, path)
+
+
+def _parse_problem(error: text_format.ParseError, text: str) -> str:
+    """ParseError's "line:column : problem", without the whole source line some of them quote.
+
+    A load failure reaches remote clients (RepositoryIndex), so it must not
+    carry the file's lines (comments and all); the offending token the problem
+    names stays.
+    """
+    problem = str(error)
+    line = error.GetLine()
+    if line is not None and 0 < line <= len(lines := text.splitlines()):
+        quoted = f"{line}:{error.GetColumn()} : '{lines[line - 1]}': "
+        if problem.startswith(quoted):
+            problem = f"{line}:{error.GetColumn()} : {problem[len(quoted):]}"
+    return problem
 
 
 def _signature_from_message(msg: model_inference_pb2.ModelInference, path: Path) -> ModelSignature:

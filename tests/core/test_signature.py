@@ -54,6 +54,15 @@ def test_textproto_errors(tmp_path: Path, text: str, message: str) -> None:
         parse(tmp_path, text)
 
 
+def test_a_textproto_error_never_quotes_the_file_s_line(tmp_path: Path) -> None:
+    """Defect: protobuf quotes the whole line for some errors, comments included, and load failures reach
+    remote clients (RepositoryIndex)."""
+    with pytest.raises(ConfigError) as caught:
+        parse(tmp_path, "input_shape: [16]  max_batch_size: 99999999999  # db_password=hunter2\n")
+    assert str(caught.value).endswith("model_inference.textproto:1:36 : Value out of range: 99999999999")
+    assert "hunter2" not in str(caught.value)
+
+
 BATCHED = ModelSignature((TensorSpec("x", DType.FP32, (4, -1)),), (TensorSpec("y", DType.FP32, (4,)),), 8)
 UNBATCHED = ModelSignature((TensorSpec("x", DType.FP32, (4,)),), (TensorSpec("y", DType.FP32, (4,)),), 0)
 
