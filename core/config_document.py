@@ -101,17 +101,21 @@ class KeyedReader:
             self.fail(key, "must be a string", value)
         return value
 
-    def integer(self, section: dict[str, Any], key: str, default: int, *, minimum: int) -> int:
+    def integer(self, section: dict[str, Any], key: str, default: int, *, minimum: int,
+                maximum: tuple[int, str] | None = None) -> int:
+        """An integer of at least ``minimum`` and, given ``maximum`` (the bound, why), at most its bound."""
         value = section.get(_last(key), default)
         if isinstance(value, bool) or not isinstance(value, int):
             self.fail(key, "must be an integer", value)
         if value < minimum:
             self.fail(key, f"must be >= {minimum}" if minimum != 1 else "must be > 0", value)
+        self._at_most(key, value, value, maximum)
         return value
 
     def number(self, section: dict[str, Any], key: str, default: float, *, minimum: float,
-               exclusive: bool = False) -> float:
-        """A finite number (an int or a float) of at least ``minimum`` (more than it with ``exclusive``)."""
+               exclusive: bool = False, maximum: tuple[float, str] | None = None) -> float:
+        """A finite number (an int or a float) of at least ``minimum`` (more than it with ``exclusive``) and,
+        given ``maximum`` (the bound, why), at most its bound."""
         value = section.get(_last(key), default)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             self.fail(key, "must be a number", value)
@@ -125,7 +129,15 @@ class KeyedReader:
             self.fail(key, "must be a finite number", value)
         if number < minimum or (exclusive and number == minimum):
             self.fail(key, f"must be {'>' if exclusive else '>='} {minimum}", value)
+        self._at_most(key, number, value, maximum)
         return number
+
+    def _at_most(self, key: str, number: float, value: Any, maximum: tuple[float, str] | None) -> None:
+        # A value past what the waits, the wire or the OS take would be accepted here and then fail
+        # every request (an overflowing timeout) or every ModelConfig call.
+        if maximum is not None and number > maximum[0]:
+            bound = maximum[0]
+            self.fail(key, f"must be at most {int(bound) if bound == int(bound) else bound} ({maximum[1]})", value)
 
 
 def _last(key: str) -> str:

@@ -32,6 +32,9 @@ DEFAULT_WATCH_POLL_S = 10.0  # how often a watched object store is listed (it se
 MAX_CONFIG_BYTES = 4 << 20
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
 MAX_MESSAGE_BYTES_CEILING = (1 << 31) - 1
+_A_DAY_S = 86_400
+# The most a timeout may be: far past any real one, and far below what the waits' C types overflow at.
+_LONGEST_WAIT_S = (365 * _A_DAY_S, "a year")
 
 _DEVICE_PATTERN = re.compile(r"^(cpu|cuda)(?::(\d+))?$")
 _ADDRESS_PATTERN = re.compile(r"^(\[[^\]]+\]|[^:\[\]]*):([0-9]+)$")  # host:port, [v6 host]:port
@@ -253,7 +256,8 @@ def _parse_server(reader: KeyedReader, raw: Any, path: Path) -> ServerSettings:
     strict = section.get("strict_readiness", True)
     if not isinstance(strict, bool):
         reader.fail("server.strict_readiness", "must be true or false", strict)
-    grace = reader.number(section, "server.shutdown_grace_s", DEFAULT_SHUTDOWN_GRACE_S, minimum=0)
+    grace = reader.number(section, "server.shutdown_grace_s", DEFAULT_SHUTDOWN_GRACE_S, minimum=0,
+                          maximum=_LONGEST_WAIT_S)
     metrics_addr = _address(reader, section, "server.metrics_addr", DEFAULT_METRICS_ADDR, off="metrics")
     http_addr = _address(reader, section, "server.http_addr", DEFAULT_HTTP_ADDR, off="HTTP")
     follow = section.get("follow_symlinks", False)
@@ -271,8 +275,10 @@ def _parse_server(reader: KeyedReader, raw: Any, path: Path) -> ServerSettings:
     watch = section.get("watch", False)
     if not isinstance(watch, bool):
         reader.fail("server.watch", "must be true or false", watch)
-    settle = reader.number(section, "server.watch_settle_ms", DEFAULT_WATCH_SETTLE_MS, minimum=0)
-    poll = reader.number(section, "server.watch_poll_s", DEFAULT_WATCH_POLL_S, minimum=0.1)
+    settle = reader.number(section, "server.watch_settle_ms", DEFAULT_WATCH_SETTLE_MS, minimum=0,
+                           maximum=(_A_DAY_S * 1000, "a day"))
+    poll = reader.number(section, "server.watch_poll_s", DEFAULT_WATCH_POLL_S, minimum=0.1,
+                         maximum=(_A_DAY_S, "a day"))
     return ServerSettings(bind_addr, backends, strict, grace, metrics_addr, follow, max_message, control, tls,
                           watch, settle, poll, ml_backends_url=str(location) if location else None,
                           cache_dir=cache_dir, http_addr=http_addr)
@@ -357,7 +363,8 @@ def _parse_model(reader: KeyedReader, raw: Any, where: str, backends_path: Path,
     except ValueError as err:
         reader.fail(f"{where}.device", str(err), device_text)
     capacity = reader.integer(entry, f"{where}.queue_capacity", DEFAULT_QUEUE_CAPACITY, minimum=1)
-    instances = reader.integer(entry, f"{where}.instances", 1, minimum=1)
+    instances = reader.integer(entry, f"{where}.instances", 1, minimum=1,
+                               maximum=(2**31 - 1, "ModelConfig's instance_group count is an int32"))
     backend = entry.get("backend")
     if backend is not None and (not isinstance(backend, str) or not backend):
         reader.fail(f"{where}.backend", "must be a backend name", backend)
@@ -365,7 +372,8 @@ def _parse_model(reader: KeyedReader, raw: Any, where: str, backends_path: Path,
     if "timeout_s" in entry and entry["timeout_s"] is None:
         timeout = None
     else:
-        timeout = reader.number(entry, f"{where}.timeout_s", DEFAULT_TIMEOUT_S, minimum=0, exclusive=True)
+        timeout = reader.number(entry, f"{where}.timeout_s", DEFAULT_TIMEOUT_S, minimum=0, exclusive=True,
+                                maximum=_LONGEST_WAIT_S)
     runtime = entry.get("runtime", {})
     if not isinstance(runtime, dict):
         reader.fail(f"{where}.runtime", "must be a mapping of backend options", runtime)
@@ -379,7 +387,8 @@ def _parse_batching(reader: KeyedReader, raw: Any, where: str) -> BatchingSettin
     enabled = section.get("enabled", True)
     if not isinstance(enabled, bool):
         reader.fail(f"{where}.enabled", "must be true or false", enabled)
-    delay = reader.number(section, f"{where}.max_queue_delay_ms", 0.0, minimum=0)
+    delay = reader.number(section, f"{where}.max_queue_delay_ms", 0.0, minimum=0,
+                          maximum=(_A_DAY_S * 1000, "a day"))
     preferred = section.get("preferred_batch_sizes", [])
     if not isinstance(preferred, list) or any(isinstance(p, bool) or not isinstance(p, int) or p < 1
                                               for p in preferred):

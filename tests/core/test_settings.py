@@ -144,6 +144,36 @@ def test_nan_and_infinity_are_refused_like_a_wrong_type(root: Path, body: str, k
     assert message.endswith(f"got {value}"), message
 
 
+@pytest.mark.parametrize("body, key, problem, value", [
+    ("models:\n  - name: a\n    instances: 2147483648\n", "models[0].instances",
+     "must be at most 2147483647 (ModelConfig's instance_group count is an int32)", "2147483648"),
+    ("models:\n  - name: a\n    batching: {max_queue_delay_ms: 2.0e+16}\n", "models[0].batching.max_queue_delay_ms",
+     "must be at most 86400000 (a day)", "2e+16"),
+    ("models:\n  - name: a\n    timeout_s: 1.0e+300\n", "models[0].timeout_s", "must be at most 31536000 (a year)",
+     "1e+300"),
+    ("server:\n  shutdown_grace_s: 31536001\n", "server.shutdown_grace_s", "must be at most 31536000 (a year)",
+     "31536001"),
+    ("server:\n  watch_settle_ms: 1.0e+300\n", "server.watch_settle_ms", "must be at most 86400000 (a day)",
+     "1e+300"),
+    ("server:\n  watch_poll_s: 86401\n", "server.watch_poll_s", "must be at most 86400 (a day)", "86401"),
+], ids=["instances", "delay", "timeout", "grace", "settle", "poll"])
+def test_values_past_what_the_waits_and_the_wire_take_are_refused(root: Path, body: str, key: str, problem: str,
+                                                                  value: str) -> None:
+    """Defect: accepted, then every request failed (a timeout poll() overflowed), every ModelConfig failed
+    (int32 / uint64 fields), or the watcher fell back to polling (its settle time overflowed)."""
+    path, message = refusal(root, body)
+    assert message == f"{path}: {key}: {problem}, got {value}"
+
+
+def test_the_largest_values_allowed_are_taken(root: Path) -> None:
+    settings = load_settings(write(root, "server:\n  ml_backends_path: ml-backends\n  shutdown_grace_s: 31536000\n"
+                                         "models:\n  - name: a\n    instances: 2147483647\n    timeout_s: 31536000\n"
+                                         "    batching: {max_queue_delay_ms: 86400000}\n"))
+    (model,) = settings.models
+    assert (model.instances, model.timeout_s, model.batching.max_queue_delay_ms) == (2**31 - 1, 31536000, 86400000)
+    assert settings.server.shutdown_grace_s == 31536000
+
+
 @pytest.mark.parametrize("key", ["bind_addr", "metrics_addr", "http_addr"])
 @pytest.mark.parametrize("address, problem", [
     ("[::1]:99999", "port must be 0-65535"),
