@@ -36,9 +36,16 @@ def kind_of(mode: int) -> str:
 
 
 def not_regular_reason(path: Path) -> str | None:
-    """Why ``path`` cannot be read as a file (``None`` when it is a regular file, or is absent)."""
+    """Why ``path`` cannot be read as a file (``None`` when it is a regular file, or is absent).
+
+    A symlink to nothing is there, so it is named as one ("missing" would send
+    an author looking for the wrong problem), without its target: that may
+    name a path outside ml_backends_path, and reasons reach clients.
+    """
     try:
         mode = path.stat().st_mode
+    except FileNotFoundError:
+        return f"{path}: is a symlink to a file that does not exist" if path.is_symlink() else None
     except OSError:
         return None
     return None if stat.S_ISREG(mode) else f"{path}: is {kind_of(mode)}, not a regular file"

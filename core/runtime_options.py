@@ -36,9 +36,10 @@ class RuntimeOptions:
         self.origins: Mapping[str, str] = getattr(runtime, "origins", {})
         self.prefix = prefix
         allowed = sorted(allowed)
+        known = f"allowed: {', '.join(allowed)}" if allowed else "it has no runtime options"
         for key, value in runtime.items():
             if key not in allowed:
-                self.fail(key, f"unknown option of the {backend} backend (allowed: {', '.join(allowed)})", value)
+                self.fail(key, f"unknown option of the {backend} backend ({known})", value)
 
     def fail(self, key: str, problem: str, value: Any) -> NoReturn:
         """Raise ConfigError naming ``runtime.<key>``, the problem and the (capped) value."""

@@ -20,6 +20,7 @@ class CppModel(SubprocessModel):
     """A compiled ``main.cpp`` speaking the subprocess tensor contract."""
 
     platform = "nereid_cpp"
+    backend_name = BACKEND_NAME  # no runtime options: SubprocessModel.check_options refuses every key
     entry_file = SOURCE_FILE
     _binary: Path | None = None
 
@@ -52,6 +53,7 @@ class CppModel(SubprocessModel):
 @hookimpl
 def nereid_claim_model(folder: Path, declared: bool) -> BackendClaim | None:
     """Claim folders that contain ``main.cpp`` (or any folder declared ``backend: cpp``)."""
-    if declared or (folder / SOURCE_FILE).is_file():
+    # Present in any form: a FIFO or a folder named main.cpp is then reported as such by the load.
+    if declared or os.path.lexists(folder / SOURCE_FILE):
         return BackendClaim(CppModel)
     return None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import sys
 import tempfile
@@ -32,6 +33,7 @@ class PythonModel(SubprocessModel):
     """
 
     platform = "nereid_python"
+    backend_name = BACKEND_NAME
     entry_file = ENTRY_FILE
 
     def __init__(self, context: ModelContext) -> None:
@@ -41,8 +43,11 @@ class PythonModel(SubprocessModel):
         self._warm = False
         self._cold_reason = ""
 
-    def prepare(self) -> None:
+    def check_options(self) -> None:
+        """``warm_start`` and ``preload`` (see ``options.py``); any other key is refused."""
         self.options = parse_options(self.context.settings.runtime, self.context.settings_origin)
+
+    def prepare(self) -> None:
         # Read once: the imports are scanned from these bytes and the warm parent compiles these
         # same bytes, even if main.py is rewritten while the model loads.
         source = (self.context.folder / ENTRY_FILE).read_bytes()
@@ -117,6 +122,7 @@ class PythonModel(SubprocessModel):
 @hookimpl
 def nereid_claim_model(folder: Path, declared: bool) -> BackendClaim | None:
     """Claim folders that contain ``main.py`` (or any folder declared ``backend: python``)."""
-    if declared or (folder / ENTRY_FILE).is_file():
+    # Present in any form: a FIFO or a folder named main.py is then reported as such by the load.
+    if declared or os.path.lexists(folder / ENTRY_FILE):
         return BackendClaim(PythonModel)
     return None

@@ -15,7 +15,9 @@ import uuid
 from pathlib import Path
 
 from nereid.backend import ModelContext
-from nereid.errors import ConfigError, ModelFailure
+from nereid.errors import ConfigError, ModelFailure, cap_message
+from nereid.files import not_regular_reason
+from nereid.runtime_options import RuntimeOptions
 from nereid.signature import TEXTPROTO_NAME, ModelSignature, TensorSpec, dims_match, load_textproto_signature
 from nereid.tensors import NamedTensor, tensor_bytes
 
@@ -29,11 +31,17 @@ MAX_FOLDER_FDS = 8
 # Inherited by children from the server's environment; everything else is dropped.
 INHERITED_ENV = ("PATH", "LANG", "LC_ALL", "HOME", "SYSTEMROOT", "LD_LIBRARY_PATH")
 
+# What separates the names in NEREID_INPUT_NAMES and NEREID_OUTPUT_NAMES.
+NAMES_SEPARATOR = ","
+# Linux's MAX_ARG_STRLEN: the longest "NAME=value" string (with its NUL) that exec passes to a program.
+MAX_ENV_STRING_BYTES = 32 * 4096
+
 
 class SubprocessModel:
     """Shared machinery of the python and cpp backends; subclasses say what to run."""
 
     platform = "nereid_subprocess"
+    backend_name: str = "subprocess"  # for messages: "unknown option of the <backend_name> backend"
     entry_file: str = ""  # the program's file in the model folder (main.py, main.cpp)
 
     def __init__(self, context: ModelContext) -> None:
@@ -46,17 +54,17 @@ class SubprocessModel:
 
     # -- Model protocol -------------------------------------------------
     def load(self) -> None:
-        """Read the textproto (output_shape is required) and prepare the program."""
+        """Read the textproto (output_shape is required), check the runtime options, prepare the program."""
         path = self.context.folder / TEXTPROTO_NAME
-        if not path.is_file():
-            raise ConfigError(f"model '{self.context.name}': missing {TEXTPROTO_NAME} in {self.context.folder}")
+        self._require_file(TEXTPROTO_NAME)
         signature = load_textproto_signature(path)
         if not signature.outputs:
             raise ConfigError(f"{path}: a subprocess model must declare its output "
                               "(output_shape, or output {} blocks)")
-        if not (self.context.folder / self.entry_file).is_file():
-            raise ConfigError(f"model '{self.context.name}': missing {self.entry_file} in {self.context.folder}")
+        self._check_tensor_names(path, signature)
+        self._require_file(self.entry_file)
         self._signature = signature
+        self.check_options()
         self.prepare()
         self._hold_folder()
 
@@ -128,7 +136,51 @@ class SubprocessModel:
         """End every running program now (the server is stopping and its grace has passed)."""
         self._groups.kill_all()
 
+    def _require_file(self, file_name: str) -> None:
+        """ConfigError unless the folder holds ``file_name`` as a regular file; a FIFO or a folder there is named
+        as such, not reported missing."""
+        path = self.context.folder / file_name
+        if not os.path.lexists(path):
+            raise ConfigError(f"model '{self.context.name}': missing {file_name} in {self.context.folder}")
+        if (reason := not_regular_reason(path)) is not None:
+            raise ConfigError(f"model '{self.context.name}': {reason}")
+
+    def _check_tensor_names(self, path: Path, signature: ModelSignature) -> None:
+        """Refuse names the contract's environment variables cannot carry (every run would fail otherwise).
+
+        ``NEREID_INPUT_NAMES`` and ``NEREID_OUTPUT_NAMES`` join the names with
+        commas, so a name holding one would read as two; no environment variable
+        can hold a NUL; and exec refuses a variable longer than
+        :data:`MAX_ENV_STRING_BYTES`. Frames carry no names, so nothing else limits them.
+        """
+        for kind, variable, specs in (("input", "NEREID_INPUT_NAMES", signature.inputs),
+                                      ("output", "NEREID_OUTPUT_NAMES", signature.outputs)):
+            for spec in specs:
+                problem = None
+                if "\0" in spec.name:
+                    problem = "holds a NUL character, which no environment variable can carry"
+                elif NAMES_SEPARATOR in spec.name:
+                    problem = f"holds a comma, the separator of the names in {variable}"
+                if problem is not None:
+                    raise ConfigError(f"model '{self.context.name}': {path}: {kind} "
+                                      f"{cap_message(repr(spec.name), 200)} {problem}; rename it")
+            size = len(f"{variable}={NAMES_SEPARATOR.join(spec.name for spec in specs)}".encode()) + 1
+            if size > MAX_ENV_STRING_BYTES:
+                raise ConfigError(f"model '{self.context.name}': {path}: the {kind} names make {variable} "
+                                  f"{size} bytes, more than the {MAX_ENV_STRING_BYTES} a program's environment "
+                                  "variable may hold; shorten them")
+
     # -- for subclasses ---------------------------------------------------
+    def check_options(self) -> None:
+        """Check the model's ``runtime:`` options (nereid.yaml's ``backends:`` defaults included).
+
+        By default a subprocess backend has none, so every key is refused, where
+        it was written. Called by ``load`` before ``prepare``, so a typo fails
+        before a compile.
+        """
+        RuntimeOptions(self.context.settings.runtime, self.context.settings_origin, self.backend_name, (),
+                       prefix=f"model '{self.context.name}': ")
+
     def prepare(self) -> None:
         """Build the program if it needs building (called by ``load``, once ``entry_file`` is there)."""
 
@@ -160,13 +212,13 @@ class SubprocessModel:
         env["TMPDIR"] = str(work_dir)
         env["NEREID_OUTPUT_PATH"] = str(output_path)
         signature = self.signature()
-        env["NEREID_OUTPUT_NAMES"] = ",".join(spec.name for spec in signature.outputs)
+        env["NEREID_OUTPUT_NAMES"] = NAMES_SEPARATOR.join(spec.name for spec in signature.outputs)
         if signature.single_tensor_form:
             if inputs:
                 env["NEREID_INPUT_SHAPE"] = ",".join(str(d) for d in inputs[0].shape)
                 env["NEREID_INPUT_DTYPE"] = contract_name(inputs[0].dtype)
         else:
-            env["NEREID_INPUT_NAMES"] = ",".join(t.name for t in inputs)
+            env["NEREID_INPUT_NAMES"] = NAMES_SEPARATOR.join(t.name for t in inputs)
         return env
 
     def _stdin(self, inputs: list[NamedTensor]) -> bytes:

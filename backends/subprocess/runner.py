@@ -10,6 +10,7 @@ deadline: the wait ends the moment the child exits or the timeout passes.
 
 from __future__ import annotations
 
+import math
 import os
 import select
 import signal
@@ -21,6 +22,9 @@ from pathlib import Path
 
 STDERR_TAIL_BYTES = 2000
 DRAIN_MAX_READS = 64  # after the exit: at most 4 MiB more, so a chatty leftover process cannot hold the run
+# ``poll`` takes its timeout as a C int of milliseconds (about 24.8 days): a longer wait (timeout_s may be
+# any finite number) is made of several polls of at most this, until the real deadline.
+MAX_POLL_MS = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -133,9 +137,10 @@ def feed_and_wait(stdin_fd: int, data: bytes, exit_fd: int, deadline: float | No
             stdin_open = False
             os.close(stdin_fd)
         while True:
-            timeout_ms = -1 if deadline is None else max(0, int((deadline - time.monotonic()) * 1000 + 0.999))
-            events = poller.poll(timeout_ms)
+            events = poller.poll(poll_timeout_ms(deadline))
             if not events:
+                if deadline is not None and time.monotonic() < deadline:
+                    continue  # one slice of a wait longer than poll can take
                 return False, tail.text()
             for fd, event in events:
                 if fd == exit_fd:
@@ -216,12 +221,27 @@ def wait_for_exit(process: subprocess.Popen, timeout_s: float) -> bool:
     try:
         poller = select.poll()
         poller.register(pidfd, select.POLLIN)
-        if not poller.poll(max(0, int(timeout_s * 1000))):
-            return False
+        deadline = time.monotonic() + timeout_s
+        while not poller.poll(poll_timeout_ms(deadline)):
+            if time.monotonic() >= deadline:
+                return False
     finally:
         os.close(pidfd)
     process.wait()  # returns at once: it has exited
     return True
+
+
+def poll_timeout_ms(deadline: float | None) -> int:
+    """The timeout of one ``poll`` waiting until ``deadline`` (a ``time.monotonic()`` value; None: -1, forever).
+
+    Rounded up, so a poll that ends empty ends at or past the deadline, and at
+    most :data:`MAX_POLL_MS`: past that the caller polls again. Bounded in
+    seconds before the conversion, so a deadline of 1e308 s overflows nothing.
+    """
+    if deadline is None:
+        return -1
+    remaining_s = min(deadline - time.monotonic(), MAX_POLL_MS / 1000)
+    return max(0, min(MAX_POLL_MS, math.ceil(remaining_s * 1000)))
 
 
 def kill_group(pgid: int) -> None:

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any, Mapping
 
 import numpy as np
 import pytest
 
 from nereid.backend import ModelContext
+from nereid.errors import ConfigError
+from nereid.runtime_options import LayeredRuntime
 from nereid.settings import ModelSettings
 from nereid.tensors import NamedTensor
 
-from nereid.backends.subprocess.model import MAX_FOLDER_FDS, SubprocessModel
+from nereid.backends.subprocess.model import MAX_ENV_STRING_BYTES, MAX_FOLDER_FDS, SubprocessModel
 
 from support import textproto_single
 
@@ -31,16 +34,28 @@ class ShellModel(SubprocessModel):
         return ["/bin/sh", self.entry_file]
 
 
-def loaded(tmp_path: Path, name: str = "shell") -> ShellModel:
+def unloaded(tmp_path: Path, name: str = "shell", textproto: str | None = None, main: str = ECHO_SH,
+             runtime: Mapping[str, Any] | None = None) -> ShellModel:
     folder = tmp_path / "models" / name
     folder.mkdir(parents=True)
-    (folder / "model_inference.textproto").write_text(textproto_single())
-    (folder / "main.sh").write_text(ECHO_SH)
+    (folder / "model_inference.textproto").write_text(textproto or textproto_single())
+    (folder / "main.sh").write_text(main)
     scratch = tmp_path / "scratch"
     scratch.mkdir(exist_ok=True)
-    model = ShellModel(ModelContext(name, folder, ModelSettings(name), scratch))
+    settings = ModelSettings(name, runtime=runtime if runtime is not None else {})
+    return ShellModel(ModelContext(name, folder, settings, scratch, "nereid.yaml: models[0]"))
+
+
+def loaded(tmp_path: Path, name: str = "shell", **kwargs: Any) -> ShellModel:
+    model = unloaded(tmp_path, name, **kwargs)
     model.load()
     return model
+
+
+def load_error(model: ShellModel) -> str:
+    with pytest.raises(ConfigError) as caught:
+        model.load()
+    return str(caught.value)
 
 
 def echo(model: ShellModel) -> np.ndarray:
@@ -98,3 +113,71 @@ def test_a_model_renamed_again_and_again_keeps_a_bounded_number_of_descriptors(t
         assert (moved / "ran.txt").read_text().splitlines() == [str(moved.resolve())]
     finally:
         model.unload()
+
+
+def two_in_two_out(a: str, b: str, out: str = "out") -> str:
+    """A multi-tensor textproto; the names are textproto string literals' contents (escapes allowed)."""
+    return "".join(f'{kind} {{ name: "{name}" data_type: "FP32" dims: [2] }}\n'
+                   for kind, name in (("input", a), ("input", b), ("output", out), ("output", "o2")))
+
+
+@pytest.mark.parametrize("textproto, expected", [
+    (two_in_two_out("a\\000z", "b"), "input 'a\\x00z' holds a NUL character, which no environment variable can carry"),
+    (two_in_two_out("a,b", "c"), "input 'a,b' holds a comma, the separator of the names in NEREID_INPUT_NAMES"),
+    (two_in_two_out("a", "b", out="x,y"), "output 'x,y' holds a comma, the separator of the names in "
+                                          "NEREID_OUTPUT_NAMES"),
+    (two_in_two_out("a" * 70_000, "b" * 70_000),
+     f"the input names make NEREID_INPUT_NAMES 140021 bytes, more than the {MAX_ENV_STRING_BYTES} a program's "
+     "environment variable may hold"),
+], ids=["nul", "comma", "output_comma", "too_long"])
+def test_names_the_contract_cannot_carry_are_refused_at_load(tmp_path, textproto, expected) -> None:
+    """A NUL made every run fail with nereid's own traceback; a comma made NEREID_INPUT_NAMES ambiguous;
+    a name list past exec's limit failed every cold run with E2BIG."""
+    model = unloaded(tmp_path, textproto=textproto)
+    message = load_error(model)
+    assert message.startswith(f"model 'shell': {model.context.folder / 'model_inference.textproto'}: ")
+    assert expected in message
+
+
+def test_names_with_spaces_newlines_and_any_unicode_reach_the_program_exactly(tmp_path) -> None:
+    main = 'printf %s "$NEREID_INPUT_NAMES" > names.txt\ncat > "$NEREID_OUTPUT_PATH"\n'  # frames in, frames out
+    model = loaded(tmp_path, textproto=two_in_two_out("a b\\nc", "\u00e9\u6f22"), main=main)
+    try:
+        x = np.zeros(2, dtype=np.float32)  # (the textproto does not batch)
+        model.infer([NamedTensor.from_array("a b\nc", x), NamedTensor.from_array("\u00e9\u6f22", x)])
+        assert (model.context.folder / "names.txt").read_text() == "a b\nc,\u00e9\u6f22"
+    finally:
+        model.unload()
+
+
+@pytest.mark.parametrize("file_name", ["model_inference.textproto", "main.sh"])
+@pytest.mark.parametrize("kind, expected", [
+    ("fifo", "is a FIFO, not a regular file"),
+    ("folder", "is a directory, not a regular file"),
+    ("dangling", "is a symlink to a file that does not exist"),
+])
+def test_a_fifo_folder_or_dangling_link_in_place_of_a_file_is_named_as_such(tmp_path, file_name, kind, expected):
+    """They were reported as missing, and a FIFO is never opened (that would block the load)."""
+    model = unloaded(tmp_path)
+    path = model.context.folder / file_name
+    path.unlink()
+    {"fifo": os.mkfifo, "folder": os.mkdir, "dangling": lambda p: os.symlink("nowhere", p)}[kind](path)
+    assert load_error(model) == f"model 'shell': {path}: {expected}"
+
+
+def test_a_missing_file_is_reported_missing(tmp_path) -> None:
+    model = unloaded(tmp_path)
+    (model.context.folder / "main.sh").unlink()
+    assert load_error(model) == f"model 'shell': missing main.sh in {model.context.folder}"
+
+
+def test_a_backend_without_runtime_options_refuses_every_key_where_it_was_written(tmp_path) -> None:
+    """Unknown options were accepted silently by the cpp backend, in runtime: and in backends: defaults."""
+    own = unloaded(tmp_path, "own", runtime={"warm_start": False})
+    assert load_error(own) == ("model 'own': nereid.yaml: models[0].runtime.warm_start: unknown option of the "
+                               "subprocess backend (it has no runtime options), got False")
+    layered = LayeredRuntime({}, {"typo_default": 2}, "nereid.yaml: backends.subprocess")
+    default = unloaded(tmp_path, "default", runtime=layered)
+    assert load_error(default) == ("model 'default': nereid.yaml: backends.subprocess.typo_default: unknown option "
+                                   "of the subprocess backend (it has no runtime options), got 2")
+    assert loaded(tmp_path, "none", runtime={}).signature().outputs  # no options: loads

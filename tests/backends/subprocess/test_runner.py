@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from nereid.backends.subprocess import runner
 from nereid.backends.subprocess.runner import ProcessGroups, run_model_process
 
 from support import process_alive, zombie_children
@@ -114,3 +116,24 @@ def test_both_wait_modes_agree(tmp_path, timeout_s):
     result = run(tmp_path, "import sys; sys.stdout.write(sys.stdin.read()[::-1])", stdin=b"abc",
                  timeout_s=timeout_s)
     assert (result.returncode, result.output_tail, result.timed_out) == (0, "cba", False)
+
+
+@pytest.mark.parametrize("timeout_s", [2_160_000, 1e300, sys.float_info.max])
+def test_any_finite_timeout_lets_the_run_finish(tmp_path, timeout_s):
+    """poll() takes a C int of milliseconds: past 24.8 days every run failed with OverflowError."""
+    result = run(tmp_path, "import sys; sys.stdout.write(sys.stdin.read())", stdin=b"abc", timeout_s=timeout_s)
+    assert (result.returncode, result.output_tail, result.timed_out) == (0, "abc", False)
+
+
+def test_a_wait_longer_than_one_poll_is_polled_in_slices_until_the_real_deadline(tmp_path, monkeypatch):
+    monkeypatch.setattr(runner, "MAX_POLL_MS", 20)  # as if 20 ms were all that poll could take
+    slept = run(tmp_path, "import time; time.sleep(0.2)", timeout_s=30)
+    assert (slept.returncode, slept.timed_out) == (0, False)  # an empty poll is not the deadline
+    started = time.monotonic()
+    hung = run(tmp_path, "import time; time.sleep(300)", timeout_s=0.3)
+    assert hung.timed_out and 0.3 <= time.monotonic() - started < 10
+
+
+def test_wait_for_exit_takes_any_finite_timeout(tmp_path):
+    process = subprocess.Popen([*PYTHON, "pass"])
+    assert runner.wait_for_exit(process, 1e300) and process.returncode == 0
