@@ -33,6 +33,7 @@ from nereid.errors import (ConfigError, DeadlineExceeded, ModelFailure, NereidEr
                            without_stop_iteration)
 from nereid.files import not_regular_reason
 from nereid.model_hooks import load_model_hooks
+from nereid.runtime_options import RuntimeOptions
 from nereid.signature import ModelSignature
 from nereid.tensors import InferRequest, NamedTensor
 
@@ -122,8 +123,9 @@ class MetaModel:
     # -- Model protocol ---------------------------------------------------------------------------
 
     def load(self) -> None:
-        """Read the manifest and model.py; refuse program files, a missing orchestration and cycles."""
+        """Read the manifest and model.py; refuse runtime options, program files, a missing orchestration and cycles."""
         name, folder = self.context.name, self.context.folder
+        RuntimeOptions(self.context.settings.runtime, self.context.settings_origin, "meta", ())  # it has none
         manifest_path = folder / MANIFEST_NAME
         if (reason := not_regular_reason(manifest_path)) is not None:
             raise ConfigError(reason)

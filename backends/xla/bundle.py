@@ -99,6 +99,9 @@ def open_bundle(folder: Path, largest_only: bool = False, weights_elsewhere: boo
                           "usually weights.safetensors)")
     manifest = load_manifest(manifest_path)
     model_py = folder / MODEL_PY
+    if (reason := not_regular_reason(model_py)) is not None:
+        # A folder named model.py is a mistake to report, not a bundle without hooks to serve without them.
+        raise ConfigError(f"{reason} (a bundle's {MODEL_PY} holds its hooks)")
     has_model_py = model_py.is_file()
     if manifest.has_client_specs and not has_model_py:
         key = "client_inputs" if manifest.client_inputs is not None else "client_outputs"
@@ -110,11 +113,16 @@ def open_bundle(folder: Path, largest_only: bool = False, weights_elsewhere: boo
     modules: dict[ProgramKey, Path] = {}
     for key in program_keys(manifest, largest_only):
         candidates = module_candidates(key, single_size)
-        found = next((folder / name for name in candidates if (folder / name).is_file()), None)
+        found = None
+        for path in (folder / name for name in candidates):
+            # Present but not a file (a FIFO, a folder): say so, rather than "missing" or falling back to
+            # model.mlir when model.b8.mlir is a FIFO.
+            if (reason := not_regular_reason(path)) is not None:
+                raise ConfigError(f"{reason} (the program for {key.describe()})")
+            if path.is_file():
+                found = path
+                break
         if found is None:
-            for name in candidates:  # present but not a file (a FIFO, a folder): say so, not "missing"
-                if (reason := not_regular_reason(folder / name)) is not None:
-                    raise ConfigError(f"{reason} (the program for {key.describe()})")
             present = sorted(p.name for p in folder.glob("model*.mlir"))
             raise ConfigError(f"{folder}: missing {' or '.join(candidates)}, the program for {key.describe()} "
                               f"(program files present: {', '.join(present) or 'none'})")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -19,12 +20,21 @@ def nereid_claim_model(folder: Path, declared: bool) -> BackendClaim | None:
 
     A manifest saying ``meta: true`` is a meta model's (the meta backend claims it), not a bundle.
     """
-    if declared:
-        return BackendClaim(create_model)
-    manifest = folder / MANIFEST_NAME
-    if manifest.is_file() and not declares_meta(manifest):
+    if declared or has_bundle_manifest(folder):
         return BackendClaim(create_model)
     return None
+
+
+def has_bundle_manifest(folder: Path) -> bool:
+    """Whether ``folder`` holds a ``manifest.yaml`` of any kind that is not a meta model's.
+
+    A FIFO, a folder or a dangling link named ``manifest.yaml`` still says the folder is meant as a
+    bundle: claimed, its load names what is wrong with the file ("is a FIFO, not a regular file"),
+    where declining would leave only "no backend claims the folder". Nothing here opens a FIFO:
+    :func:`declares_meta` reads without blocking and answers False for anything but a regular file.
+    """
+    manifest = folder / MANIFEST_NAME
+    return os.path.lexists(manifest) and not declares_meta(manifest)
 
 
 @hookimpl
@@ -50,10 +60,10 @@ def check_bundles(dirs: list[Path]) -> int:
             # describes no program (nereid check loads it), and it is not an unservable bundle.
             print(f"{directory}: skipped: a meta model (meta: true in {MANIFEST_NAME}) runs no program of its "
                   "own; nereid check loads it")
-        elif directory.is_dir() and not (directory / MANIFEST_NAME).is_file():
-            # A meta model's manifest (meta: true) describes no program: it is not a bundle to check.
-            found = sorted(p for p in directory.iterdir() if p.is_dir() and (p / MANIFEST_NAME).is_file()
-                           and not declares_meta(p / MANIFEST_NAME))
+        elif directory.is_dir() and not os.path.lexists(directory / MANIFEST_NAME):
+            # A meta model's manifest (meta: true) describes no program: it is not a bundle to check. A
+            # manifest that is not a regular file (a FIFO) is a bundle's, reported with what is wrong.
+            found = sorted(p for p in directory.iterdir() if p.is_dir() and has_bundle_manifest(p))
             bundles.extend(found or [directory])  # no bundle inside: report the folder itself
         else:
             bundles.append(directory)

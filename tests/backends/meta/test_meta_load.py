@@ -212,3 +212,22 @@ def test_readiness_changes_caused_by_dependencies_are_logged_once_each(tmp_path:
         await repo.unload_all()
 
     asyncio.run(scenario())
+
+
+def test_runtime_options_are_refused_naming_where_they_are_written(tmp_path: Path, capsys) -> None:
+    """A meta model has no runtime options: `runtime: {typo_option: 1}` and `backends: {meta: ...}` were ignored."""
+    folder = meta_folder(tmp_path, "m", manifest=META.replace("[a, b]", "[]"))
+    settings = ModelSettings("m", runtime={"typo_option": 1})
+    with pytest.raises(ConfigError) as info:
+        build_model(make_plugin_manager(load_entry_points=False),
+                    ModelContext("m", folder, settings, tmp_path, "nereid.yaml: models[0]"))
+    assert str(info.value) == ("nereid.yaml: models[0].runtime.typo_option: unknown option of the meta backend "
+                               "(it has no runtime options), got 1")
+    root = tmp_path / "ml-backends"
+    root.mkdir()
+    meta_folder(root, "a", manifest=META.replace("[a, b]", "[]"))
+    config = tmp_path / "nereid.yaml"
+    config.write_text('server:\n  ml_backends_path: "ml-backends"\nbackends:\n  meta: {x: 1}\n')
+    assert check(load_settings(config)) == 1
+    assert (f"a: UNAVAILABLE: {config}: backends.meta.x: unknown option of the meta backend (it has no runtime "
+            "options), got 1") in capsys.readouterr().out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
@@ -68,3 +69,42 @@ def test_the_plugin_claims_folders_with_a_manifest(tmp_path, add_bundle) -> None
     assert declared.backend_name == "xla"
     with pytest.raises(ConfigError, match="missing manifest.yaml"):
         open_bundle(other)
+
+
+def test_a_manifest_that_is_not_a_file_is_claimed_and_named(tmp_path, add_bundle) -> None:
+    """A FIFO or folder as manifest.yaml left the folder "unclaimed" ("no backend claims the folder")."""
+    manager = make_plugin_manager(load_entry_points=False)
+    for kind, make in (("a FIFO", os.mkfifo), ("a directory", os.mkdir)):
+        folder = add_bundle(tmp_path, "mlp_bundle", kind.split()[1].lower())
+        (folder / "manifest.yaml").unlink()
+        make(folder / "manifest.yaml")
+        assert claim_folder(manager, folder).backend_name == "xla"
+        with pytest.raises(ConfigError) as info:
+            open_bundle(folder)
+        assert str(info.value) == f"{folder / 'manifest.yaml'}: is {kind}, not a regular file"
+    dangling = add_bundle(tmp_path, "mlp_bundle", "dangling")
+    (dangling / "manifest.yaml").unlink()
+    (dangling / "manifest.yaml").symlink_to("gone.yaml")
+    assert claim_folder(manager, dangling).backend_name == "xla"
+    with pytest.raises(ConfigError, match=r"manifest.yaml: is a symlink to a file that does not exist$"):
+        open_bundle(dangling)
+
+
+def test_a_model_py_or_program_that_is_not_a_file_is_named(tmp_path, add_bundle) -> None:
+    """A folder named model.py was skipped (served without hooks); a FIFO model.b8.mlir fell back to model.mlir."""
+    folder = add_bundle(tmp_path, "mlp_bundle")
+    (folder / "model.py").mkdir()
+    with pytest.raises(ConfigError) as info:
+        open_bundle(folder)
+    assert str(info.value) == (f"{folder / 'model.py'}: is a directory, not a regular file "
+                               "(a bundle's model.py holds its hooks)")
+    (folder / "model.py").rmdir()
+    manifest = folder / "manifest.yaml"
+    manifest.write_text(manifest.read_text().replace("[1, 8, 32]", "[8]"))
+    shutil.copy(folder / "model.b8.mlir", folder / "model.mlir")
+    (folder / "model.b8.mlir").unlink()
+    os.mkfifo(folder / "model.b8.mlir")
+    with pytest.raises(ConfigError) as info:
+        open_bundle(folder)
+    assert str(info.value) == (f"{folder / 'model.b8.mlir'}: is a FIFO, not a regular file "
+                               "(the program for batch size 8)")

@@ -146,3 +146,23 @@ def test_a_model_py_that_calls_sys_exit_fails_its_load_and_the_server_serves_on(
     state, reason = reasons(server)["mlp_hooks"]
     assert state == "UNAVAILABLE" and "model.py:2 called sys.exit(0) while loading" in reason
     assert server.client.is_model_ready("mlp_bundle") and server.client.is_server_live()
+
+
+def test_a_fifo_manifest_or_a_model_py_folder_is_named_by_nereid_check(repo, add_bundle, capsys) -> None:
+    """A FIFO manifest.yaml gave "no backend claims the folder"; a folder named model.py was served without hooks."""
+    import os
+
+    from nereid.cli import check
+    from nereid.plugins import make_plugin_manager
+    from nereid.settings import load_settings
+
+    fifo = add_bundle(repo.models_dir, "mlp_bundle", "fifo_manifest")
+    (fifo / "manifest.yaml").unlink()
+    os.mkfifo(fifo / "manifest.yaml")
+    (add_bundle(repo.models_dir, "mlp_bundle", "folder_model_py") / "model.py").mkdir()
+    config = repo.write_config("- name: fifo_manifest\n- name: folder_model_py\n")
+    assert check(load_settings(config), make_plugin_manager(load_entry_points=False)) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"fifo_manifest: UNAVAILABLE: {fifo / 'manifest.yaml'}: is a FIFO, not a regular file"
+    assert lines[1].startswith("folder_model_py: UNAVAILABLE: ")
+    assert lines[1].endswith("model.py: is a directory, not a regular file (a bundle's model.py holds its hooks)")
