@@ -15,6 +15,7 @@ from nereid.backend import ModelContext, ReportsRuntime
 from nereid.errors import ConfigError
 from nereid.files import check_confined
 from nereid.leftovers import scratch_prefix
+from nereid.log_format import one_record_per_line, stderr_handler
 from nereid.log_limit import RateLimitFilter
 from nereid.plugins import NereidPluginManager, add_commands, check_backend_defaults, error_text, make_plugin_manager
 from nereid.repository import build_model
@@ -23,7 +24,6 @@ from nereid.settings import Settings, address_problem, load_settings
 
 DEFAULT_CONFIG = Path("nereid.yaml")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
                        help=f"logging level: {', '.join(LOG_LEVELS)} (any case; default INFO)")
     # Configured before the plugins load (their commands must be known to parse the command line), so that a
     # plugin left out is logged as an ERROR line; serve's --log-level applies once parsed.
-    logging.basicConfig(level=logging.WARNING, format=LOG_FORMAT)
+    logging.basicConfig(level=logging.WARNING, handlers=[stderr_handler()])
     # One manager for the whole command, so that a plugin left out is logged once.
     manager = make_plugin_manager()
     add_commands(manager, commands)  # backends' own tooling
@@ -172,7 +172,8 @@ def _check_model(settings: Settings, manager: NereidPluginManager, scratch: Path
         check_confined(root / name, root, settings.server.follow_symlinks)
         built = build_model(manager, context, settings.backend_defaults, settings.source)
     except Exception as err:
-        print(f"{name}: UNAVAILABLE: {str(err).strip() or type(err).__name__}{suffix}")
+        # (A folder's name or a compiler's message may hold line breaks: one model starts each line.)
+        print(one_record_per_line(f"{name}: UNAVAILABLE: {str(err).strip() or type(err).__name__}{suffix}"))
         return False
     runtime, status = "", "OK"
     if isinstance(built.backend, ReportsRuntime):
@@ -192,9 +193,9 @@ def _check_model(settings: Settings, manager: NereidPluginManager, scratch: Path
     inputs = ", ".join(f"{s.name} {s.dtype.kserve}{list(s.dims)}" for s in signature.inputs)
     outputs = ", ".join(f"{s.name} {s.dtype.kserve}{list(s.dims)}" for s in signature.outputs)
     batching = "on" if built.policy.enabled else "off"
-    print(f"{name}: {status} backend={built.backend_name} device={model_settings.device} "
-          f"max_batch_size={signature.max_batch_size} batching={batching} "
-          f"inputs=[{inputs}] outputs=[{outputs}]{runtime}{suffix}")
+    print(one_record_per_line(f"{name}: {status} backend={built.backend_name} device={model_settings.device} "
+                              f"max_batch_size={signature.max_batch_size} batching={batching} "
+                              f"inputs=[{inputs}] outputs=[{outputs}]{runtime}{suffix}"))
     return status == "OK"
 
 

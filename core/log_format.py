@@ -1,0 +1,51 @@
+"""The server log's format: one record starts each line, whatever the names and reasons it quotes hold.
+
+A model folder's name, a path, a model's exception text and a compiler's
+message all reach the log. A newline in any of them (a folder named
+``ok\\n2026-12-01 10:00:00,000 ERROR nereid.server: ...``) would write a line
+that reads as a record of its own, and terminal escapes or a carriage return
+could hide what came before. Escaping each value at each log call would miss
+the next call; the formatter does it once, for every record: a line break
+becomes a break followed by an indent (a multi-line compiler message or
+traceback stays readable, and no continuation line starts where a record
+does), and every other control character is written as Python writes it.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+CONTINUATION = "\n    "
+
+# C0 and C1 controls but tab, DEL, the Unicode line and paragraph separators (which some log readers
+# break lines at) and lone surrogates (a name that is not UTF-8, which the stream could not encode); a
+# newline is matched apart, to be kept as an indented break.
+_UNSAFE = re.compile("(\r\n|\n)|[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
+
+
+def _replace(match: re.Match[str]) -> str:
+    if match.group(1) is not None:
+        return CONTINUATION
+    return repr(match.group())[1:-1]  # '\r' -> \r, '\x1b' -> \x1b, '\u2028' -> \u2028, '\udcff' -> \udcff
+
+
+def one_record_per_line(text: str) -> str:
+    """``text`` with every line break indented and every other control character escaped."""
+    return _UNSAFE.sub(_replace, text)
+
+
+class OneRecordPerLineFormatter(logging.Formatter):
+    """A Formatter whose every output line but a record's first is indented, and holds no control character."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        """The record formatted as usual (traceback included), then made safe by :func:`one_record_per_line`."""
+        return one_record_per_line(super().format(record))
+
+
+def stderr_handler() -> logging.Handler:
+    """The handler ``nereid`` commands log through: standard error, :data:`LOG_FORMAT`, one record per line."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(OneRecordPerLineFormatter(LOG_FORMAT))
+    return handler
