@@ -16,8 +16,10 @@ new work.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import inspect
 import logging
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -82,7 +84,18 @@ class BlockingMetaContext(MetaContext):
     def __init__(self, model: MetaModel, deadline_ns: int, loop: asyncio.AbstractEventLoop) -> None:
         super().__init__(model, deadline_ns)
         self._loop = loop
-        self.abandoned = False  # set when the client's request went away: no further sub-calls
+        self._lock = threading.Lock()
+        self._abandoned = False  # set when the client's request went away: no further sub-calls
+        self._sub_call: concurrent.futures.Future | None = None  # the sub-call the thread waits on
+
+    def abandon(self) -> None:
+        """The client's request went away: drop the sub-call in progress (if still queued in its model, it
+        never runs) and issue no further one."""
+        with self._lock:
+            self._abandoned = True
+            sub_call = self._sub_call
+        if sub_call is not None:
+            sub_call.cancel()
 
     def infer(self, model_name: str, inputs: Sequence[NamedTensor],  # type: ignore[override]
               outputs: Sequence[str] | None = None) -> list[NamedTensor]:
@@ -91,11 +104,19 @@ class BlockingMetaContext(MetaContext):
             raise RuntimeError(f"meta model '{self.model_name}': this ctx belongs to a plain-def orchestration, "
                                "whose ctx.infer blocks; it cannot be called on the event loop (make the "
                                "orchestration async def and await ctx.infer instead)")
-        if self.abandoned:
-            raise Unavailable(f"meta model '{self.model_name}': the request was cancelled; the sub-call to "
-                              f"'{model_name}' was not issued")
         request = self._model.sub_request(model_name, inputs, outputs, self.deadline_ns)
-        return asyncio.run_coroutine_threadsafe(self._model.call(request), self._loop).result()
+        with self._lock:
+            if self._abandoned:
+                raise Unavailable(f"meta model '{self.model_name}': the request was cancelled; the sub-call to "
+                                  f"'{model_name}' was not issued")
+            self._sub_call = asyncio.run_coroutine_threadsafe(self._model.call(request), self._loop)
+        try:
+            return self._sub_call.result()
+        except concurrent.futures.CancelledError:
+            raise Unavailable(f"meta model '{self.model_name}': the request was cancelled during its sub-call "
+                              f"to '{model_name}'") from None
+        finally:
+            self._sub_call = None
 
 
 class MetaModel:
@@ -264,14 +285,28 @@ class MetaModel:
         if pool is None:
             raise Unavailable(f"model '{self.context.name}' is being unloaded")
         context = BlockingMetaContext(self, deadline_ns, asyncio.get_running_loop())
-        future = asyncio.wrap_future(pool.submit(without_stop_iteration, orchestrate, inputs, context))
+        submitted = pool.submit(without_stop_iteration, self._start_blocking, orchestrate, inputs, context)
+        future = asyncio.wrap_future(submitted)
         try:
             return await asyncio.shield(future)
         except asyncio.CancelledError:
-            # A thread cannot be stopped; it may finish its running sub-call but issues no new one.
-            context.abandoned = True
+            # Not started yet (every thread busy): it never starts. Started: a thread cannot be stopped;
+            # its sub-call in progress is dropped and it issues no new one.
+            if not submitted.cancel():
+                context.abandon()
             future.add_done_callback(_retrieve)
             raise
+
+    def _start_blocking(self, orchestrate: Callable[..., Any], inputs: list[NamedTensor],
+                        context: BlockingMetaContext) -> Any:
+        """On a pool thread: the orchestration, unless its request's deadline passed while it waited for the thread
+        (every thread was busy, with orchestrations whose clients may have gone away)."""
+        now = time.monotonic_ns()
+        if deadline_passed(context.deadline_ns, now):
+            raise DeadlineExceeded(f"meta model '{self.context.name}': the request's deadline passed "
+                                   f"{(now - context.deadline_ns) / 1e6:.1f} ms before a thread could start its "
+                                   "orchestration, which did not run")
+        return orchestrate(inputs, context)
 
     def _in_declared_order(self, result: Any) -> list[NamedTensor]:
         """The orchestration's outputs in the manifest's order (it may return them in any order)."""

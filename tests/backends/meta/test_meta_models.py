@@ -437,3 +437,49 @@ def test_a_blocking_orchestration_raising_stop_iteration_is_answered(repo, serve
     with pytest.raises(InferenceServerException, match="StopIteration raised"):
         infer(client, "stray", np.zeros(4, np.float32), client_timeout=20)
     np.testing.assert_array_equal(infer(client, "stray", X + 1), X + 1)  # and it serves on
+
+
+HOLD_THEN_STEP = '''
+import time
+from pathlib import Path
+
+import nereid
+
+def orchestrate(inputs, ctx):  # a plain def: it runs on a worker thread
+    with open(Path(__file__).parent / "started.txt", "a") as started:
+        started.write("1\\n")
+    time.sleep(float(inputs[0].data[0]))  # holds the thread for input[0] seconds
+    return ctx.infer("step", inputs)
+
+nereid.register_model(orchestrate=orchestrate)
+'''
+
+
+def test_a_plain_def_orchestration_whose_client_left_drops_its_sub_call_and_a_waiting_one_never_starts(
+        repo, serve) -> None:
+    """Defects: the sub-call a thread waited on ran though its client had gone; and a request waiting for a
+    thread still busy with an abandoned orchestration started long past its deadline."""
+    step = add_counting(repo, "step", 0.4)
+    meta = add_meta(repo, "hold", HOLD_THEN_STEP, ["step"])
+    # queue_capacity 1: one orchestration thread.
+    client = serve(repo.write_config("- name: hold\n  queue_capacity: 1\n- name: step\n")).client
+
+    def send(model: str, array: np.ndarray):
+        tensor = triton.InferInput("input", [4], "FP32")
+        tensor.set_data_from_numpy(array.astype(np.float32))
+        return client.async_infer(model, [tensor], lambda result, error: None)
+
+    send("step", X)  # holds step for 0.4 s
+    time.sleep(0.1)
+    leaving = send("hold", np.zeros(4))  # its sub-call queues behind it
+    time.sleep(0.15)
+    leaving.cancel()
+    time.sleep(0.6)
+    assert calls(step) == 1, "the queued sub-call of a request whose client left was run"
+    holding = send("hold", np.array([0.8, 0, 0, 0]))  # keeps the only thread 0.8 s
+    time.sleep(0.1)
+    holding.cancel()  # the model's slot is free again; its thread is not
+    expect_grpc_error("DEADLINE_EXCEEDED", lambda: infer(client, "hold", np.zeros(4, np.float32), client_timeout=0.2))
+    time.sleep(0.9)
+    assert len((meta / "started.txt").read_text().splitlines()) == 2, "an orchestration started past its deadline"
+    np.testing.assert_array_equal(infer(client, "hold", np.zeros(4, np.float32)), np.zeros(4))  # it serves on
