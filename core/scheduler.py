@@ -84,6 +84,11 @@ class ModelScheduler:
         # Daemon threads: a backend call that never returns must not keep the process from exiting.
         self._executor = None if self._inline else DaemonThreadPool(instances, thread_name_prefix=f"nereid-{name}")
         self._threads = 0  # backend calls running on worker threads, including abandoned ones
+        # One timer, at the earliest deadline of the queue (as far as arrivals told it): the batcher looks
+        # at the queue only when an instance is free, and a client must not wait out a long execution
+        # to hear that its request expired in the queue.
+        self._expiry: asyncio.TimerHandle | None = None
+        self._expiry_ns = 0
         self._batcher = asyncio.create_task(self._batch_loop(), name=f"nereid-{name}-batcher")
 
     @property
@@ -129,6 +134,8 @@ class ModelScheduler:
         self._idle.clear()
         self._pending.append(work)
         self._arrived.set()
+        if deadline_ns and (not self._expiry_ns or deadline_ns < self._expiry_ns):
+            self._expire_at(deadline_ns)
         try:
             return await work.future
         except asyncio.CancelledError:
@@ -147,6 +154,22 @@ class ModelScheduler:
             self._pending.remove(work)
             self._answer_dropped(work)
         self._update_idle()
+
+    def _expire_at(self, deadline_ns: int) -> None:
+        """(Re)set the expiry timer to ``deadline_ns`` (a little after it: the loop may run a timer early)."""
+        if self._expiry is not None:
+            self._expiry.cancel()
+        self._expiry_ns = deadline_ns
+        delay_s = max(0, deadline_ns - time.monotonic_ns()) / 1e9 + 0.001
+        self._expiry = asyncio.get_running_loop().call_later(delay_s, self._expire)
+
+    def _expire(self) -> None:
+        """The expiry timer: answer the expired queued requests, then wait for the next deadline in the queue."""
+        self._expiry, self._expiry_ns = None, 0
+        self._drop_dead()
+        nearest = min((work.deadline_ns for work in self._pending if work.deadline_ns), default=0)
+        if nearest:
+            self._expire_at(nearest)
 
     def _can_start_at_once(self) -> bool:
         return (self._free_slots > 0 and not self._pending
@@ -181,6 +204,8 @@ class ModelScheduler:
                     if not work.future.done():
                         work.future.set_exception(Unavailable(f"model '{self.name}' was unloaded"))
                 self._pending.clear()
+        if self._expiry is not None:
+            self._expiry.cancel()
         self._batcher.cancel()
         await asyncio.gather(self._batcher, return_exceptions=True)
         if self._executor is not None:
