@@ -212,6 +212,15 @@ class HttpSurface:
         except Disconnected:
             self._counted(model, cancellation_reason(request.deadline_ns, time.monotonic_ns()))
             raise
+        except asyncio.CancelledError:
+            if not self.dataplane.shutting_down:
+                raise
+            # uvicorn cancels a handler still running when shutdown_grace_s has passed; its client still
+            # waits, and gets the answer a gRPC client gets then (uvicorn's own would be a text/plain 500).
+            asyncio.current_task().uncancel()
+            self._counted(model, "unavailable")
+            raise Unavailable(f"model '{model}': the server is shutting down, and shutdown_grace_s passed before "
+                              "the request finished; its answer is lost") from None
         self._counted(model, "success")
         parts, binary_header = encode_infer(response, choice)
         if binary_header is None:

@@ -110,16 +110,23 @@ time.sleep(120)
 
 def test_serve_ends_running_children_once_the_grace_has_passed(repo) -> None:
     folder = repo.python("hang", main=HANGING_MAIN)
-    config = repo.write_config("- name: hang\n  timeout_s: 300\n", server_extra="  shutdown_grace_s: 1\n")
+    sleepy = repo.python("sleepy", main="import time\nopen('started', 'w').close()\ntime.sleep(120)\n")
+    config = repo.write_config("- name: hang\n  timeout_s: 300\n- name: sleepy\n  timeout_s: 300\n",
+                               server_extra="  shutdown_grace_s: 1\n")
+    http_port = free_port()
+    config.write_text(config.read_text().replace('http_addr: "127.0.0.1:0"', f'http_addr: "127.0.0.1:{http_port}"'))
     with nereid_serve(config) as (process, client):
         tensor = triton.InferInput("input", [1, 4], "FP32")
         tensor.set_data_from_numpy(np.ones((1, 4), dtype=np.float32))
         errors: list = []
         worker = threading.Thread(target=lambda: errors.append(_infer_error(client, tensor)))
         worker.start()
+        answers: list = []
+        over_http = threading.Thread(target=lambda: answers.append(_http_infer(http_port, "sleepy")))
+        over_http.start()
         pid_file = folder / "child.pid"
         deadline = time.monotonic() + 30
-        while not pid_file.exists():
+        while not pid_file.exists() or not (sleepy / "started").exists():
             assert time.monotonic() < deadline
             time.sleep(0.05)
         child = int(pid_file.read_text())
@@ -129,8 +136,25 @@ def test_serve_ends_running_children_once_the_grace_has_passed(repo) -> None:
         assert time.monotonic() - stopped_at < 15  # bounded by the 1 s grace, not the 120 s model
         worker.join(30)
         assert errors and errors[0] is not None  # the cancelled call got an error, not a hang
+        over_http.join(30)
+        # Defect: uvicorn's own text/plain 500 (and an ERROR traceback) for an HTTP request still running.
+        assert answers == [(503, "application/json", "model 'sleepy': the server is shutting down, and "
+                                                     "shutdown_grace_s passed before the request finished; its "
+                                                     "answer is lost")]
         with pytest.raises(ProcessLookupError):
             os.kill(child, 0)
+
+
+def _http_infer(port: int, model: str) -> tuple[int, str, str]:
+    """POST one [1, 4] FP32 request; (status, content type, error message)."""
+    import http.client
+    import json
+
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    body = json.dumps({"inputs": [{"name": "input", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}]})
+    connection.request("POST", f"/v2/models/{model}/infer", body, {"Content-Type": "application/json"})
+    response = connection.getresponse()
+    return response.status, response.getheader("content-type"), json.loads(response.read()).get("error", "")
 
 
 def _infer_error(client, tensor):
