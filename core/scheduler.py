@@ -193,8 +193,9 @@ class ModelScheduler:
         self._accepting = False
         finished = await _wait_event(self._idle, grace_s)
         if not finished:
-            log.warning("model '%s': %d execution(s) still running after the %.1f s grace; ending them",
-                        self.name, self._threads or 1, grace_s)
+            # (A grace of 0: the server's shutdown_grace_s has already been spent waiting for its listeners.)
+            log.warning("model '%s': %d execution(s) still running after %s; ending them", self.name,
+                        self._threads or 1, f"the {grace_s:g} s grace" if grace_s else "the grace")
             if terminate is not None:
                 await terminate()
             finished = await _wait_event(self._idle, terminate_wait_s)
