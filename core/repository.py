@@ -14,6 +14,7 @@ import enum
 import importlib.util
 import logging
 import os
+import shutil
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -496,6 +497,7 @@ class ModelRepository:
                 self._refresh_dependents()  # models calling the old name wait for it again
                 log.info("model '%s' renamed to '%s' in place (version %d, nothing reloaded)", old, new,
                          entry.generation)
+                self._drop_scratch(old, only_if_empty=True)  # the moved model may still keep files there
         if not moved:
             await self.remove(old)
             return await self.load(new)
@@ -512,6 +514,7 @@ class ModelRepository:
             if not entry.folder.is_dir():  # unless it came back meanwhile
                 self._entries.pop(name, None)
                 self._refresh_dependents()
+                self._drop_scratch(name)
         self._record(name, "remove")
 
     async def apply_settings(self, settings: Settings) -> None:
@@ -716,6 +719,16 @@ class ModelRepository:
         path = self.scratch_dir / name
         path.mkdir(parents=True, exist_ok=True)
         return path
+
+    def _drop_scratch(self, name: str, *, only_if_empty: bool = False) -> None:
+        """Remove the scratch folder of a name no loaded version uses: a server fed versioned folder names
+        (``model-<sha>``) must not keep one folder per name it ever served until it stops."""
+        path = self.scratch_dir / name
+        if only_if_empty:
+            with contextlib.suppress(OSError):
+                path.rmdir()
+        else:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def _backends_folder() -> Path:

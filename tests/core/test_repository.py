@@ -94,6 +94,7 @@ def test_rename_moves_the_loaded_model_without_loading_again(tmp_path, root):
         backend = repo.ready_model("before").backend
         (root / "before").rename(root / "after")
         await repo.rename("before", "after")
+        assert not (tmp_path / "scratch" / "before").exists()  # nothing kept there: not left behind
         assert repo.ready_model("after").backend is backend and backend.context.name == "after"
         assert LOADS["before"] == loads and LOADS["after"] == 0
         assert "before" not in [e.name for e in repo.entries()]
@@ -108,11 +109,14 @@ def test_remove_unloads_and_forgets_a_vanished_folder(tmp_path, root):
 
     async def scenario():
         await repo.load("gone")
+        (tmp_path / "scratch" / "gone" / "built").write_text("what a backend kept")
         for path in folder.iterdir():
             path.unlink()
         folder.rmdir()
         await repo.remove("gone")
         assert [e.name for e in repo.entries()] == []
+        # Defect: one scratch folder per name ever served stayed until the server stopped.
+        assert not (tmp_path / "scratch" / "gone").exists()
     asyncio.run(scenario())
 
 
