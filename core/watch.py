@@ -229,6 +229,7 @@ class RepositoryWatcher:
         self._timer: asyncio.TimerHandle | None = None
         self._scheduled: asyncio.Task | None = None
         self._after_apply = after_apply
+        self._primed = False  # whether the repository as it was at start is known
 
     async def prime(self) -> None:
         """Remember the repository as it is now (call once the start-up models are loaded)."""
@@ -236,6 +237,24 @@ class RepositoryWatcher:
             self._folders = await asyncio.to_thread(self._scan)
         except StorageError as err:  # the first poll that can list the store catches up
             log.error("dynamic repository: %s", err)
+        else:
+            self._primed = True
+
+    async def _catch_up(self, current: dict[str, FolderState]) -> None:
+        """The store could not be listed at start: take its first listing as the starting state.
+
+        What a start with the store up would have loaded is loaded now (every
+        folder, or only the listed ones when nereid.yaml lists models); an
+        unlisted folder stays unloaded, as one there at start does, rather than
+        pass for a folder added since.
+        """
+        self._primed = True
+        self._folders = dict(current)
+        settings = self.repository.settings
+        served = [name for name in current if not settings.models_listed or settings.model(name) is not None]
+        log.info("dynamic repository: the store can be listed again; loading %s",
+                 ", ".join(f"'{name}'" for name in served) or "nothing (no listed model has a folder yet)")
+        await asyncio.gather(*(_logged(name, self.repository.reload(name)) for name in served))
 
     def _scan(self) -> dict[str, FolderState]:
         return scan_repository(self.root) if self.location is None else scan_store(self.location)
@@ -324,6 +343,8 @@ class RepositoryWatcher:
         except StorageError as err:  # never read as "every folder is gone"
             log.warning("dynamic repository: %s; nothing changes until it can be listed", err)
             return
+        if not self._primed:
+            await self._catch_up(current)
         plan = plan_changes(self._folders, current, renames_too=self.location is None)
         repository = self.repository
         for old, new in plan.renames:
@@ -350,7 +371,7 @@ class RepositoryWatcher:
             log.info("dynamic repository: new folder '%s'; loading it", name)
         for name in due["changed"]:
             log.info("dynamic repository: folder '%s' changed; reloading it", name)
-        # (A store's folder seen "added" may already be loaded: when the first listing failed.)
+        # (A store's folder seen "added" may already be loaded, by a RepositoryModelLoad.)
         load = repository.load if self.location is None else repository.reload
         await asyncio.gather(*(_logged(name, load(name)) for name in due["added"]),
                              *(_logged(name, repository.reload(name)) for name in due["changed"]))

@@ -394,3 +394,52 @@ def test_a_symlinked_nereid_yaml_is_read_again_through_its_links(repo, serve, ca
     shutil.rmtree(cfg / "..v1")
     wait_for(lambda: server.server.repository.entry("first").loaded.scheduler.capacity == 7)
     assert not _messages(caplog, "cannot read")
+
+
+def test_a_store_down_at_start_loads_at_its_first_listing_what_a_start_would_have(s3, tmp_path, caplog):
+    """Defect: with the first listing failed, every folder of the first good one counted as added, so
+    unlisted folders loaded, which a start with the store up never does."""
+    import asyncio
+    import uuid
+
+    import boto3
+
+    import toy_backends
+    from moto_s3 import ACCESS_KEY, REGION, SECRET_KEY
+    from nereid.plugins import make_plugin_manager
+    from nereid.repository import ModelRepository, ModelState
+    from nereid.settings import load_settings
+    from nereid.watch import RepositoryWatcher
+
+    bucket = f"nereid-late-{uuid.uuid4().hex[:12]}"  # absent at start: its listing fails
+    config = tmp_path / "nereid.yaml"
+    config.write_text(f'server:\n  ml_backends_path: "s3://{bucket}/models"\n  cache_dir: "{tmp_path / "cache"}"\n'
+                      '  metrics_addr: ""\n  http_addr: ""\n  watch: true\n  watch_settle_ms: 0\n'
+                      'models:\n  - name: listed\n')
+    settings = load_settings(config)
+    (tmp_path / "scratch").mkdir()
+    caplog.set_level(logging.INFO, logger="nereid.watch")
+
+    async def scenario():
+        repository = ModelRepository(settings, make_plugin_manager(load_entry_points=False,
+                                                                   extra_plugins=(toy_backends,)), tmp_path / "scratch")
+        watcher = RepositoryWatcher(repository, settings)
+        assert (await repository.load("listed")).state is ModelState.UNAVAILABLE
+        await watcher.prime()
+        client = boto3.client("s3", endpoint_url=s3.endpoint, aws_access_key_id=ACCESS_KEY,
+                              aws_secret_access_key=SECRET_KEY, region_name=REGION)
+        client.create_bucket(Bucket=bucket)
+        for name in ("listed", "unlisted"):
+            folder = toy_backends.write_toy(tmp_path / "source", name)
+            for path in folder.iterdir():
+                client.put_object(Bucket=bucket, Key=f"models/{name}/{path.name}", Body=path.read_bytes())
+        for _ in range(3):  # settled or not, the unlisted folder is no folder added since the start
+            await watcher.apply()
+            await asyncio.sleep(0.01)
+        states = {entry.name: entry.state for entry in repository.entries()}
+        await repository.unload_all()
+        return states
+    states = asyncio.run(scenario())
+    assert states["listed"] is ModelState.READY
+    assert states.get("unlisted") is not ModelState.READY
+    assert "the store can be listed again; loading 'listed'" in caplog.text
