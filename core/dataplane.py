@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Awaitable, Callable, Iterable, NoReturn
+from typing import Awaitable, Callable, Iterable, NoReturn, TypeVar
 
 from nereid import __version__
 from nereid.classification import check_classifiable, classify
@@ -38,6 +38,14 @@ CANCELLED = "cancelled"
 # request's transit and decoding, milliseconds on a loaded machine): a cancel this close to the request's
 # deadline is that deadline passing.
 CLIENT_DEADLINE_SLACK_NS = 50_000_000
+
+
+# What infer_encoded makes of an answer: its wire form (JSON and binary parts, a protobuf message, ...).
+Encoded = TypeVar("Encoded")
+
+
+def _as_is(response: InferResponse) -> InferResponse:
+    return response
 
 
 def cancellation_reason(deadline_ns: int, now_ns: int) -> str:
@@ -202,6 +210,11 @@ class DataPlane:
 
     async def infer(self, request: InferRequest) -> InferResponse:
         """Run one request; every accepted request gets exactly one answer, success or error."""
+        return await self.infer_encoded(request, _as_is)
+
+    async def infer_encoded(self, request: InferRequest, encode: Callable[[InferResponse], Encoded]) -> Encoded:
+        """:meth:`infer`, with the answer put in its wire form by ``encode`` before the request counts as a
+        success: a NereidError from ``encode`` (an output its protocol cannot carry) is the request's failure."""
         received_ns = time.monotonic_ns()
         model = self.repository.ready_model(request.model_name)
         for attempt in (1, 2):
@@ -235,8 +248,13 @@ class DataPlane:
             batched = model.signature.batches and not validated.batch_axis_added
             outputs = [classify(t, request.classifications[t.name], batched) if t.name in request.classifications
                        else t for t in outputs]
+        try:
+            encoded = encode(InferResponse(request.model_name, outputs, request.id))
+        except NereidError as err:
+            model.stats.record_failure(time.monotonic_ns() - received_ns, err.reason)
+            raise
         model.stats.record_success(time.monotonic_ns() - received_ns, validated.batch_size)
-        return InferResponse(request.model_name, outputs, request.id)
+        return encoded
 
     def _serving(self, name: str) -> LoadedModel | None:
         """The version of ``name`` serving now; None when none is READY."""

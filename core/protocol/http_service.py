@@ -173,7 +173,50 @@ class HttpSurface:
         except NereidError as err:
             self._refused(model, err)
             raise
-        headers = dict(scope["headers"])
+        try:
+            body, length = await self._infer_body(dict(scope["headers"]), receive, model)
+        except HttpError as err:
+            # Refused by this layer (a Content-Type, a size): still one of the model's failures, as a
+            # body that does not decode is.
+            self._refused(model, (Unimplemented if err.status == 501 else InvalidArgument)(str(err)))
+            raise
+        try:
+            if len(body) >= DECODE_OFF_LOOP_BYTES:
+                request, choice = await asyncio.to_thread(decode_infer, model, body, length)
+            else:
+                request, choice = decode_infer(model, body, length)
+        except NereidError as err:
+            self._refused(model, err)
+            raise
+        del body
+        try:
+            # Encoded before the success is counted: an output JSON cannot carry (NaN) fails the request.
+            parts, binary_header = await _unless_disconnected(
+                self.dataplane.infer_encoded(request, lambda response: encode_infer(response, choice)), receive)
+        except NereidError as err:
+            self._counted(model, err.reason)
+            raise
+        except Disconnected:
+            self._counted(model, cancellation_reason(request.deadline_ns, time.monotonic_ns()))
+            raise
+        except asyncio.CancelledError:
+            if not self.dataplane.shutting_down:
+                raise
+            # uvicorn cancels a handler still running when shutdown_grace_s has passed; its client still
+            # waits, and gets the answer a gRPC client gets then (uvicorn's own would be a text/plain 500).
+            asyncio.current_task().uncancel()
+            self._counted(model, "unavailable")
+            raise Unavailable(f"model '{model}': the server is shutting down, and shutdown_grace_s passed before "
+                              "the request finished; its answer is lost") from None
+        self._counted(model, "success")
+        if binary_header is None:
+            return 200, parts, JSON_HEADERS
+        return 200, parts, [(b"content-type", b"application/octet-stream"),
+                            (HEADER_LENGTH.encode(), str(binary_header).encode())]
+
+    async def _infer_body(self, headers: dict[bytes, bytes], receive: Receive, model: str) -> tuple[bytes, int | None]:
+        """An infer request's body and its JSON header's length (Inference-Header-Content-Length; None: all JSON),
+        once its headers say it can be read; HttpError otherwise."""
         if headers.get(b"content-encoding", b"identity") not in (b"identity", b""):
             raise HttpError(400, f"model '{model}': compressed request bodies are not supported "
                                  f"(Content-Encoding: {headers[b'content-encoding'].decode('latin-1')[:64]}); "
@@ -194,39 +237,7 @@ class HttpSurface:
                 raise HttpError(400, f"model '{model}': Inference-Header-Content-Length 0 (Triton's raw binary "
                                      "request: the whole body as the data of a single input) is not supported; "
                                      "send the JSON inference header first and give its length")
-        body = await self._read_body(headers, receive, model)
-        try:
-            if len(body) >= DECODE_OFF_LOOP_BYTES:
-                request, choice = await asyncio.to_thread(decode_infer, model, body, length)
-            else:
-                request, choice = decode_infer(model, body, length)
-        except NereidError as err:
-            self._refused(model, err)
-            raise
-        del body
-        try:
-            response = await _unless_disconnected(self.dataplane.infer(request), receive)
-        except NereidError as err:
-            self._counted(model, err.reason)
-            raise
-        except Disconnected:
-            self._counted(model, cancellation_reason(request.deadline_ns, time.monotonic_ns()))
-            raise
-        except asyncio.CancelledError:
-            if not self.dataplane.shutting_down:
-                raise
-            # uvicorn cancels a handler still running when shutdown_grace_s has passed; its client still
-            # waits, and gets the answer a gRPC client gets then (uvicorn's own would be a text/plain 500).
-            asyncio.current_task().uncancel()
-            self._counted(model, "unavailable")
-            raise Unavailable(f"model '{model}': the server is shutting down, and shutdown_grace_s passed before "
-                              "the request finished; its answer is lost") from None
-        self._counted(model, "success")
-        parts, binary_header = encode_infer(response, choice)
-        if binary_header is None:
-            return 200, parts, JSON_HEADERS
-        return 200, parts, [(b"content-type", b"application/octet-stream"),
-                            (HEADER_LENGTH.encode(), str(binary_header).encode())]
+        return await self._read_body(headers, receive, model), length
 
     async def _repository(self, scope: Scope, receive: Receive,
                           rest: list[str]) -> tuple[int, list[bytes | memoryview], list]:

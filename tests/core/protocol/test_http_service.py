@@ -454,6 +454,24 @@ def test_a_body_refused_while_decoding_counts_as_the_models_failure(served):
     assert status == 400 and "'data' holds 3 elements, expected 4" in message
     stats = http.InferenceServerClient(base).get_inference_statistics("echo")["model_stats"][0]
     assert stats["inference_stats"]["fail"]["count"] == 1
+    # Defects: refused by the HTTP layer before decoding (a Content-Type, an encoding), or by the encoding of
+    # its answer (infinity as JSON) after the model ran, a request counted nowhere, or as a success.
+    right = json.dumps({"inputs": [{"name": "input", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}]})
+    header = json.dumps({"inputs": [{"name": "input", "shape": [1, 4], "datatype": "FP32",
+                                     "parameters": {"binary_data_size": 16}}]}).encode()
+    refusals = [
+        ({"Content-Type": "text/plain"}, right.encode(), "Content-Type 'text/plain' is not accepted"),
+        ({"Content-Encoding": "gzip"}, right.encode(), "compressed request bodies are not supported"),
+        ({"Inference-Header-Content-Length": "0"}, right.encode(), "Inference-Header-Content-Length 0"),
+        ({"Inference-Header-Content-Length": str(len(header)), "Content-Type": "application/octet-stream"},
+         header + np.full(4, np.inf, np.float32).tobytes(), "holds NaN or infinity, which JSON cannot carry"),
+    ]
+    for headers, body, expected in refusals:
+        status, message = error_of(call(base, "POST", "/v2/models/echo/infer", body, headers))
+        assert status == 400 and expected in message, message
+    stats = http.InferenceServerClient(base).get_inference_statistics("echo")["model_stats"][0]
+    assert stats["inference_stats"]["fail"]["count"] == 1 + len(refusals)
+    assert stats["inference_stats"]["success"]["count"] == 0
 
 
 def _exchange(base: str, data: bytes, *later: bytes, wait_s: float = 5.0) -> bytes:
