@@ -598,6 +598,9 @@ class _BoundedHeadProtocol(HttpToolsProtocol):
         self._last_read = 0.0
         self._idle_check: asyncio.TimerHandle | None = None
         self._upgrade_refused = False
+        # The requests of this connection not answered yet: the one being answered and any pipelined behind
+        # it (uvicorn's ``cycle`` is only the newest, so a lost connection would reach only that one).
+        self._unanswered: list[Any] = []
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -654,22 +657,31 @@ class _BoundedHeadProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._head_left = None
         super().on_headers_complete()
+        if self.cycle is not None and all(cycle is not self.cycle for cycle in self._unanswered):
+            self._unanswered = [cycle for cycle in self._unanswered if not cycle.response_complete]
+            self._unanswered.append(self.cycle)
 
     def on_message_complete(self) -> None:
         self._head_left = MAX_HEAD_BYTES
         super().on_message_complete()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        cycle = self.cycle
         if self._idle_check is not None:
             self._idle_check.cancel()
             self._idle_check = None
         super().connection_lost(exc)
         # A request still waiting for its answer has no one to answer: cancel its handler, as gRPC
-        # does, so a queued request never runs (see _unless_disconnected).
-        handler = getattr(cycle, "nereid_handler", None) if cycle is not None and cycle.disconnected else None
-        if handler is not None and not handler.done():
-            handler.cancel()
+        # does, so a queued request never runs (see _unless_disconnected). That is the one being answered
+        # too when pipelined requests followed it (uvicorn marks only the newest; those never start).
+        for cycle in self._unanswered:
+            if cycle.response_complete:
+                continue
+            cycle.disconnected = True
+            cycle.message_event.set()
+            handler = getattr(cycle, "nereid_handler", None)
+            if handler is not None and not handler.done():
+                handler.cancel()
+        self._unanswered.clear()
 
     def _refuse_head(self) -> None:
         """Answer 431 and close; only close when an earlier pipelined answer is still being written."""

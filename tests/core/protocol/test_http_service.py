@@ -427,24 +427,29 @@ def test_a_client_that_disconnects_while_queued_has_its_request_dropped(repo, se
         return json.dumps({"inputs": [{"name": "input", "shape": [1, 4], "datatype": "FP32",
                                        "data": [value, 0, 0, 0]}]}).encode()
 
-    def post(value: float) -> socket.socket:
+    def post(*values: float) -> socket.socket:
+        """One connection sending a request per value, pipelined."""
         raw = socket.create_connection(("127.0.0.1", port))
-        payload = body(value)
-        raw.sendall(b"POST /v2/models/logged/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                    b"Content-Length: %d\r\n\r\n" % len(payload) + payload)
+        for value in values:
+            payload = body(value)
+            raw.sendall(b"POST /v2/models/logged/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: %d\r\n\r\n" % len(payload) + payload)
         return raw
 
     running = post(1)
     time.sleep(0.2)  # running now
     queued = post(2)
+    pipelined = post(3, 4)  # defect: the one answered first was never told its connection had gone
     time.sleep(0.1)
     queued.close()  # gone while queued
+    pipelined.close()
     assert running.recv(65536).startswith(b"HTTP/1.1 200")
     running.close()
-    time.sleep(0.8)  # the instance has been free long enough to have run it
+    time.sleep(0.8)  # the instance has been free long enough to have run them
     assert (folder / "runs.log").read_text().split() == ["1"]
     stats = http.InferenceServerClient(f"127.0.0.1:{port}").get_inference_statistics("logged")["model_stats"][0]
-    assert stats["inference_stats"]["success"]["count"] == 1  # the dropped request is no success
+    assert stats["inference_stats"]["success"]["count"] == 1  # the dropped requests are no success
+    assert stats["inference_stats"]["fail"]["count"] == 2  # each cancelled, once (the 4th never started)
 
 
 def test_a_body_refused_while_decoding_counts_as_the_models_failure(served):
