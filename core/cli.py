@@ -16,7 +16,7 @@ from nereid.errors import ConfigError
 from nereid.files import check_confined
 from nereid.leftovers import scratch_prefix
 from nereid.log_format import one_record_per_line, stderr_handler
-from nereid.log_limit import RateLimitFilter
+from nereid.log_limit import EndedCallFilter, RateLimitFilter
 from nereid.plugins import NereidPluginManager, add_commands, check_backend_defaults, error_text, make_plugin_manager
 from nereid.repository import build_model
 from nereid.storage import list_model_folders, materialize_model_folder
@@ -64,8 +64,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def limit_repeated_library_lines() -> None:
-    """Bound the lines a library can repeat without end (see :class:`RateLimitFilter`)."""
+    """Bound the lines a library can repeat without end (see :class:`RateLimitFilter`), and quiet grpcio's
+    ERROR for an answer to a call that had already ended (see :class:`EndedCallFilter`)."""
     logging.getLogger("asyncio").addFilter(RateLimitFilter(("socket.accept() out of system resource",)))
+    logging.getLogger("grpc._cython.cygrpc").addFilter(EndedCallFilter())
 
 
 def raise_open_file_limit() -> None:

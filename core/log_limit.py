@@ -115,3 +115,26 @@ class RateLimitFilter(logging.Filter):
         if dropped:
             record.msg = f"{record.msg}\n({dropped} more such line(s) were dropped before this one)"
         return True
+
+
+class EndedCallFilter(logging.Filter):
+    """grpcio's ERROR, with a traceback, for an answer it could not send because the call had already ended.
+
+    A request's deadline can pass in gRPC's core at the moment nereid answers
+    DEADLINE_EXCEEDED (or a client cancels as the answer goes out): the client
+    has its status either way, and nothing is wrong with the server. Such a
+    record becomes one DEBUG line, written only when DEBUG is on.
+    """
+
+    PREFIX = "ExecuteBatchError raised in core by servicer method"
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not isinstance(record.msg, str) or not record.msg.startswith(self.PREFIX):
+            return True
+        if not logging.getLogger("nereid").isEnabledFor(logging.DEBUG):
+            return False
+        method = record.getMessage().removeprefix(self.PREFIX).strip()
+        record.msg, record.args = "gRPC could not send the answer of %s: the call had already ended", (method,)
+        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        record.exc_info = record.exc_text = None
+        return True

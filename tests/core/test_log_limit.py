@@ -42,6 +42,34 @@ def test_the_next_line_let_through_says_how_many_were_dropped():
     assert limited.filter(fourth) and fourth.getMessage().endswith("(2 more such line(s) were dropped before this one)")
 
 
+def test_grpc_s_error_for_an_answer_to_an_ended_call_is_a_debug_line(caplog):
+    """A deadline passing in gRPC's core as nereid answered DEADLINE_EXCEEDED logged an ERROR and a traceback
+    (the client had its status either way): about one in thirty requests expiring in a queue."""
+    grpc_log, nereid_log = logging.getLogger("grpc._cython.cygrpc"), logging.getLogger("nereid")
+    filters, level = list(grpc_log.filters), nereid_log.level
+    limit_repeated_library_lines()
+
+    def ended_call() -> None:
+        try:
+            raise RuntimeError('Failed "execute_batch"')
+        except RuntimeError:
+            grpc_log.exception("ExecuteBatchError raised in core by servicer method [%s]", "/inference/ModelInfer")
+    try:
+        with caplog.at_level(logging.DEBUG):
+            nereid_log.setLevel(logging.INFO)  # as nereid serve logs by default
+            ended_call()
+            grpc_log.error("Unexpected [ValueError] raised by servicer method [/x]")  # others pass untouched
+            nereid_log.setLevel(logging.DEBUG)
+            ended_call()
+    finally:
+        grpc_log.filters[:] = filters
+        nereid_log.setLevel(level)
+    records = [r for r in caplog.records if r.name == "grpc._cython.cygrpc"]
+    assert [(r.levelname, r.getMessage(), r.exc_info) for r in records] == [
+        ("ERROR", "Unexpected [ValueError] raised by servicer method [/x]", None),
+        ("DEBUG", "gRPC could not send the answer of [/inference/ModelInfer]: the call had already ended", None)]
+
+
 def test_serving_raises_the_soft_open_file_limit_to_the_hard_one():
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard == resource.RLIM_INFINITY:
