@@ -10,6 +10,7 @@ problem, and never quotes the file's contents.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import secrets
@@ -23,6 +24,8 @@ log = logging.getLogger(__name__)
 
 # How many entries of a model folder the symlink check looks at before giving up on the folder.
 MAX_FOLDER_ENTRIES = 100_000
+# The longest file name, in bytes, that the usual local file systems take (ext4, XFS, btrfs, tmpfs).
+_NAME_MAX = 255
 
 
 def kind_of(mode: int) -> str:
@@ -149,9 +152,11 @@ def atomic_write(path: Path, parts: Iterable[bytes | memoryview], *, durable: bo
     interleave. The file is created with mode 0o666, so the umask applies as
     for any file (or with ``mode``). ``durable`` fsyncs the file before the
     rename and the folder after it. ``check(temporary)`` runs before the
-    rename; raising there leaves ``path`` untouched.
+    rename; raising there leaves ``path`` untouched. A legal name too long
+    for that temporary name (over 230 bytes or so) has a hash of it in its
+    place.
     """
-    temporary = path.parent / f".{path.name}.{secrets.token_hex(4)}.{os.getpid()}.partial"
+    temporary = path.parent / _temporary_name(path.name)
     fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -170,6 +175,14 @@ def atomic_write(path: Path, parts: Iterable[bytes | memoryview], *, durable: bo
         raise
     if durable:
         fsync_folder(path.parent)
+
+
+def _temporary_name(name: str) -> str:
+    """``.<name>.<token>.<pid>.partial``, or ``.<hash of name>.<token>.<pid>.partial`` past NAME_MAX (255 bytes)."""
+    suffix = f".{secrets.token_hex(4)}.{os.getpid()}.partial"
+    if len(os.fsencode(name)) + 1 + len(suffix) > _NAME_MAX:
+        name = hashlib.sha256(os.fsencode(name)).hexdigest()[:32]
+    return f".{name}{suffix}"
 
 
 def fsync_folder(folder: Path) -> None:

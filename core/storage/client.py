@@ -9,11 +9,14 @@ is built anew for each load, so a fixed variable takes effect at the next one.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import re
 import threading
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Coroutine, Mapping, Sequence
+from typing import Any, Coroutine, Iterator, Mapping, Sequence
+from urllib.parse import urlsplit
 
 from nereid.errors import ConfigError, cap_message
 from nereid.storage.url import StoreURL
@@ -29,37 +32,124 @@ _CREDENTIAL_HINT = {
 }
 
 _ALLOW_HTTP_HINT = {"s3": "set AWS_ALLOW_HTTP=true for a plain-http endpoint (AWS_ENDPOINT_URL=http://...)"}
+# The variables obstore reads a store's endpoint from, by scheme (AWS_ENDPOINT_URL_S3 wins over the others).
+# obstore panics on a malformed one at the first request instead of raising an error.
+ENDPOINT_VARIABLES = {"s3": ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ENDPOINT"), "gs": ("GOOGLE_BASE_URL",),
+                      "az": ("AZURE_STORAGE_ENDPOINT", "AZURE_ENDPOINT")}
+# "user:password@" in a URL, and the values of query parameters that carry a signature or a token.
+_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/\s]*@")  # up to the host's last "@"
+_SECRET_PARAMETER = re.compile(r"(?i)([?&](?:[a-z0-9-]*(?:signature|credential|token)[a-z0-9-]*|sig)=)[^&#\s]*")
 
 
 class StorageError(ConfigError):
     """An object-store operation failed; the message names the URL and the cause."""
 
 
+class StoreClientPanic(StorageError):
+    """obstore's Rust code panicked (a PanicException, which ``except Exception`` does not catch)."""
+
+
 def open_store(location: StoreURL, *, max_retries: int = DEFAULT_RETRIES) -> Any:
-    """An obstore store for ``location``'s bucket (keys are then full object keys)."""
+    """An obstore store for ``location``'s bucket (keys are then full object keys).
+
+    StorageError when obstore is missing, an endpoint variable is malformed or
+    obstore refuses its configuration.
+    """
     try:
         from obstore.store import from_url
     except ImportError:  # a dependency, but say so plainly if it is missing
         raise StorageError(f"{location}: reading models from object storage needs obstore "
                            "(pip install obstore)") from None
+    problem = endpoint_problem(location.scheme)
+    if problem is not None:
+        raise StorageError(f"{location}: cannot set up the store: {problem}")
     try:
         # No client_options: passing any replaces those obstore reads from the environment
         # (AWS_ALLOW_HTTP among them); its defaults bound a request to 30 s, a connection to 5 s.
-        return from_url(location.bucket_url,
-                        retry_config={"max_retries": max_retries, "retry_timeout": _RETRY_TIMEOUT,
-                                      "backoff": {"init_backoff": timedelta(milliseconds=100),
-                                                  "max_backoff": timedelta(seconds=2), "base": 2.0}})
+        with store_call(location.scheme):
+            return from_url(location.bucket_url,
+                            retry_config={"max_retries": max_retries, "retry_timeout": _RETRY_TIMEOUT,
+                                          "backoff": {"init_backoff": timedelta(milliseconds=100),
+                                                      "max_backoff": timedelta(seconds=2), "base": 2.0}})
     except Exception as err:  # a bad configuration variable, an unsupported option
         raise StorageError(f"{location}: cannot set up the store: {describe_error(err, location.scheme)}") from None
+
+
+def endpoint_problem(scheme: str) -> str | None:
+    """What is wrong with the endpoint variable obstore would read for ``scheme``; None when nothing is.
+
+    An endpoint must be an http:// or https:// URL with a host and no
+    whitespace: obstore panics at the first request on one without a scheme
+    (``127.0.0.1:9000``, a common slip), with a stray space, or empty.
+    """
+    for variable in ENDPOINT_VARIABLES.get(scheme, ()):
+        value = os.environ.get(variable)
+        if value is None:
+            continue
+        shown = redact(value) if "://" in value else redact(f"x://{value}")[4:]  # 'user:pw@host:9000' too
+        expected = "expected an http:// or https:// URL with a host, such as http://127.0.0.1:9000"
+        if not value.strip():
+            return f"{variable} is set but empty; {expected} (or unset it)"
+        if any(c.isspace() for c in value):
+            return f"{variable} {shown!r} holds whitespace (a stray space?); {expected}"
+        if "://" not in value or value.split("://", 1)[0].lower() not in ("http", "https"):
+            example = f"http://{shown}" if "://" not in value else "http://127.0.0.1:9000"
+            return (f"{variable} {shown!r} has no http:// or https:// scheme; expected an http:// or https:// URL "
+                    f"with a host, such as {example}")
+        try:
+            parts = urlsplit(value)
+            parts.port  # noqa: B018 (raises ValueError for a port out of range or not a number)
+        except ValueError as err:
+            return f"{variable} {shown!r} is not a valid URL ({err}); {expected}"
+        if not parts.hostname:
+            return f"{variable} {shown!r} names no host; {expected}"
+    return None
+
+
+@contextlib.contextmanager
+def store_call(scheme: str) -> Iterator[None]:
+    """Run obstore calls, turning a panic of its Rust code into a StoreClientPanic (a StorageError).
+
+    pyo3's PanicException derives from BaseException, so an ``except
+    Exception`` misses it and it would take the server down; every obstore
+    call runs in one of these. (An async call's panic comes as a RustPanic,
+    an Exception: turned into the same, so it is not tried again.)
+    """
+    try:
+        yield
+    except BaseException as err:
+        if type(err).__name__ not in ("PanicException", "RustPanic"):
+            raise
+        first = (str(err).strip().splitlines() or ["(no message)"])[0]
+        variables = ", ".join(ENDPOINT_VARIABLES.get(scheme, ())) or "its endpoint"
+        raise StoreClientPanic(cap_message(f"the store client (obstore) failed: {redact(first)[:300]}; check the "
+                                           f"store's environment variables ({variables} first)", 600)) from None
+
+
+def redact(text: str) -> str:
+    """``text`` without the secrets a URL in it may carry: ``user:password@`` and signature or token values.
+
+    obstore quotes the request URL in its errors, endpoint included, and these
+    messages reach every client (RepositoryIndex reasons).
+    """
+    return _SECRET_PARAMETER.sub(r"\1REDACTED", _USERINFO.sub(r"\1", text))
+
+
+def is_not_found(err: BaseException) -> bool:
+    """Whether obstore's ``err`` says the object does not exist (it raises FileNotFoundError or NotFoundError)."""
+    return isinstance(err, FileNotFoundError) or type(err).__name__ == "NotFoundError"
 
 
 def describe_error(err: BaseException, scheme: str = "s3") -> str:
     """obstore's error in one line: the HTTP status and the store's error code, a hint for credentials.
 
     obstore's messages carry the whole response body and a multi-line debug
-    dump; only the first line's facts are kept.
+    dump; only the first line's facts are kept, without the secrets a URL in
+    them may carry (see :func:`redact`).
     """
-    text = str(err).split("\n\nDebug source:", 1)[0].strip()
+    if isinstance(err, StorageError):  # described already (a StoreClientPanic)
+        return str(err)
+    text = redact(str(err).split("\n\nDebug source:", 1)[0].strip())
     status = re.search(r"status code: (\d{3})( [A-Za-z ]+)?", text)
     code = re.search(r"<Code>([^<]{1,80})</Code>", text)
     message = re.search(r"<Message>([^<]{1,300})</Message>", text)
@@ -142,13 +232,14 @@ async def _read_all(store: Any, location: StoreURL, reads: Sequence[RangeRead], 
                 await asyncio.sleep(min(0.05 * 2 ** attempt, 1.0))
             async with gate:
                 try:
-                    result = await obstore.get_async(store, read.key, options=options)
-                    data = await result.bytes_async()
+                    with store_call(location.scheme):
+                        result = await obstore.get_async(store, read.key, options=options)
+                        data = await result.bytes_async()
                 except Exception as err:  # any failure of this range: tried again, then reported
                     cause = describe_error(err, location.scheme)
-                    if type(err).__name__ in ("PreconditionError", "NotFoundError", "PermissionDeniedError",
-                                              "UnauthenticatedError"):
-                        break  # changed, gone or forbidden: another try cannot help
+                    if is_not_found(err) or isinstance(err, StoreClientPanic) or type(err).__name__ in (
+                            "PreconditionError", "PermissionDeniedError", "UnauthenticatedError"):
+                        break  # changed, gone, forbidden or a client failure: another try cannot help
                     continue
             if len(data) != read.length:
                 cause = f"the store returned {len(data)} bytes"

@@ -5,8 +5,8 @@ locally. Loading a model *materializes* its folder: every object under it is
 fetched into ``<cache_dir>/repositories/<repository>/<model>/``, except, in a
 bundle (a folder with a ``manifest.yaml``), the weights (``*.safetensors``),
 which stay in the store and are streamed by the bundle's loader. A file is fetched again only when its ETag (or
-version) changed since it was last fetched; the folder's ``.nereid-remote.json``
-records them, and the weights the backend must stream. Files are written under
+version) changed since it was last fetched, or its local copy's size or modification time since it was written;
+the folder's ``.nereid-remote.json`` records them, and the weights the backend must stream. Files are written under
 temporary names and renamed into place, so a running model never sees a half
 file, and files gone from the store are removed. Nothing is ever written to
 the store.
@@ -23,13 +23,14 @@ import logging
 import os
 import re
 import shutil
-from dataclasses import asdict, dataclass, field
+import stat
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from nereid.files import atomic_write, locked
 from nereid.log_limit import OnceLog
-from nereid.storage.client import StorageError, describe_error, open_store
+from nereid.storage.client import StorageError, describe_error, is_not_found, open_store, store_call
 from nereid.storage.url import StoreURL
 
 log = logging.getLogger(__name__)
@@ -45,12 +46,17 @@ FETCH_CONCURRENCY = 16
 
 @dataclass(frozen=True)
 class RemoteObject:
-    """One object of a model folder: its key, size and identity (ETag, version)."""
+    """One object of a model folder: its key, size and identity (ETag, version).
+
+    ``mtime_ns``: the modification time of the file it was fetched into, so a
+    cached copy changed in place (with its size unchanged) is fetched again.
+    """
 
     key: str
     size: int
     etag: str | None = None
     version: str | None = None
+    mtime_ns: int | None = None
 
     @property
     def identity(self) -> tuple[str | None, str | None, int]:
@@ -95,7 +101,8 @@ def list_remote_folders(location: StoreURL, known: Iterable[str] = ()) -> list[s
     store = open_store(location)
     prefix = location.key() + "/" if location.key() else ""
     try:
-        listing = obstore.list_with_delimiter(store, prefix or None)
+        with store_call(location.scheme):
+            listing = obstore.list_with_delimiter(store, prefix or None)
     except Exception as err:
         if unreadable_key(err) is None:
             raise _listing_failed(location, err) from None
@@ -119,8 +126,9 @@ def list_objects(location: StoreURL) -> list[tuple[str, int, str]]:
     store = open_store(location)
     prefix = location.key() + "/" if location.key() else ""
     try:
-        entries = [(meta["path"][len(prefix):], int(meta["size"]), meta.get("e_tag") or "")
-                   for chunk in obstore.list(store, prefix or None) for meta in chunk]
+        with store_call(location.scheme):
+            entries = [(meta["path"][len(prefix):], int(meta["size"]), meta.get("e_tag") or "")
+                       for chunk in obstore.list(store, prefix or None) for meta in chunk]
         _known_folders[str(location)] = {folder for relative, _, _ in entries
                                          for folder, slash, _ in [relative.partition("/")] if slash}
         return entries
@@ -144,6 +152,11 @@ _UNREADABLE = re.compile(r'Path "(.*?)"(?: contained empty path segment|: Encoun
                          re.S)
 _UNREADABLE_HINT = ("obstore, nereid's store client, cannot read a key with an empty segment ('//'), a '.' or '..' "
                     "segment or a control character: rename it")
+# While a key directly under the repository URL is unreadable, the folders are found by listing every key, and
+# obstore drops the page of that listing holding any unreadable key (see _folders_from_keys).
+_HIDDEN_FOLDERS = ("while it is there, a model folder whose keys all come just before it in the listing (in its "
+                   "page of 1,000 keys) is not found unless this server, or one sharing its cache_dir, listed that "
+                   "folder before (a model nereid.yaml lists still loads)")
 # The most unreadable keys one listing steps over before giving up (each costs a listing request).
 _MAX_UNREADABLE = 100
 # Unreadable keys skipped: warned about once (each scan meets them).
@@ -202,8 +215,9 @@ def _list_keys(url: StoreURL, store: Any, prefix: str) -> tuple[list[dict], list
     offset: str | None = None
     while True:
         try:
-            for chunk in obstore.list(store, prefix or None, offset=offset):
-                objects.extend(chunk)
+            with store_call(url.scheme):
+                for chunk in obstore.list(store, prefix or None, offset=offset):
+                    objects.extend(chunk)
             return objects, unreadable
         except Exception as err:
             key = unreadable_key(err)
@@ -222,10 +236,13 @@ def _folders_from_keys(location: StoreURL, store: Any, prefix: str) -> list[str]
     A full listing, stepping over each unreadable key and past the rest of a
     folder holding one (listed: its load names the key); an unreadable key
     directly under ``prefix``, or in a folder whose own name is unreadable, is
-    skipped and logged once. obstore drops the page holding an unreadable
-    key, so the folders found before are each looked at again by themselves:
-    a folder is never lost for it, though one added since may wait until the
-    key is renamed.
+    skipped. obstore drops the whole page (1,000 keys on S3) holding an
+    unreadable key, and no listing it offers can reach the keys before that
+    key without that page (a prefix is whole folders, a listing has a start
+    but no end, and the listing by folder fails as a whole): the folders seen
+    before (``_known_folders``, the local mirror's) are each looked at again by
+    themselves, and each such key is logged once, saying that folders listed
+    just before it may be missing.
     """
     import obstore
 
@@ -233,9 +250,10 @@ def _folders_from_keys(location: StoreURL, store: Any, prefix: str) -> list[str]
     offset: str | None = None
     for _ in range(_MAX_UNREADABLE):
         try:
-            for chunk in obstore.list(store, prefix or None, offset=offset):
-                names.update(folder for meta in chunk
-                             for folder, slash, _ in [meta["path"][len(prefix):].partition("/")] if slash)
+            with store_call(location.scheme):
+                for chunk in obstore.list(store, prefix or None, offset=offset):
+                    names.update(folder for meta in chunk
+                                 for folder, slash, _ in [meta["path"][len(prefix):].partition("/")] if slash)
             break
         except Exception as err:
             key = unreadable_key(err)
@@ -244,9 +262,12 @@ def _folders_from_keys(location: StoreURL, store: Any, prefix: str) -> list[str]
             folder, slash, _ = key[len(prefix):].partition("/")
             if slash and not _is_bad_segment(folder):
                 names.add(folder)
+                _key_warnings.warning(key, "%s: object key %r cannot be read (the load of '%s' fails naming it): %s; "
+                                      "%s", location, key, folder, _UNREADABLE_HINT, _HIDDEN_FOLDERS)
                 offset = f"{prefix}{folder}/\U0010ffff"  # past the folder: it fails to load anyway, naming a key
             else:
-                _key_warnings.warning(key, "%s: skipping the object key %r: %s", location, key, _UNREADABLE_HINT)
+                _key_warnings.warning(key, "%s: skipping the object key %r: %s; %s", location, key,
+                                      _UNREADABLE_HINT, _HIDDEN_FOLDERS)
                 offset = _offset_past(key)
     else:
         raise StorageError(f"{location}: cannot list the model folders: more than {_MAX_UNREADABLE} keys that "
@@ -261,7 +282,8 @@ def _folder_exists(location: StoreURL, store: Any, prefix: str) -> bool:
     import obstore
 
     try:
-        return any(len(chunk) for chunk in obstore.list(store, prefix, chunk_size=1))
+        with store_call(location.scheme):
+            return any(len(chunk) for chunk in obstore.list(store, prefix, chunk_size=1))
     except Exception as err:
         if unreadable_key(err) is not None:
             return True
@@ -289,7 +311,8 @@ def materialize(location: StoreURL, name: str, folder: Path) -> RemoteFolder:
     folder_url = location.child(name)
     store = open_store(location)
     try:
-        objects = [o for chunk in obstore.list(store, folder_url.key() + "/") for o in chunk]
+        with store_call(location.scheme):
+            objects = [o for chunk in obstore.list(store, folder_url.key() + "/") for o in chunk]
     except Exception as err:
         key = unreadable_key(err)
         if key is not None:
@@ -326,7 +349,7 @@ def materialize(location: StoreURL, name: str, folder: Path) -> RemoteFolder:
                 continue
             old = previous.fetched.get(relative) if previous is not None else None
             target = folder.joinpath(*parts)
-            if old is not None and old.identity == item.identity and _has_size(target, item.size):
+            if old is not None and old.identity == item.identity and _is_as_written(target, old):
                 fetched[relative] = old
                 continue
             stale.append((relative, item, target))
@@ -413,33 +436,38 @@ def _fetch(store: Any, folder_url: StoreURL, item: RemoteObject, target: Path) -
     url = f"{folder_url.bucket_url}/{item.key}"
     options: dict[str, Any] = {"if_match": item.etag} if item.etag else {}
     try:
-        result = obstore.get(store, item.key, options=options)
-        data = result.bytes()
+        with store_call(folder_url.scheme):
+            result = obstore.get(store, item.key, options=options)
+            data = result.bytes()
     except Exception as err:
-        if not item.size and _is_not_found(err):
+        if not item.size and is_not_found(err):
             # The listing drops a key's trailing "/", so an empty folder's marker "empty/" shows as a
             # zero-byte "empty" that does not exist: a folder marker, skipped as the others are.
             return None
         raise StorageError(f"{url}: cannot fetch: {describe_error(err, folder_url.scheme)}") from None
     if len(data) != item.size:
         raise StorageError(f"{url}: fetched {len(data)} bytes, but the listing says {item.size}")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(target, [memoryview(data)])
-    # Recorded as the listing gave it, since the next load compares it with the next listing: a GET also says
-    # the version (a versioned bucket) where a listing says none, and the file would never match again.
-    return item
-
-
-def _is_not_found(err: BaseException) -> bool:
-    """Whether obstore's ``err`` says the object does not exist (it raises FileNotFoundError or NotFoundError)."""
-    return isinstance(err, FileNotFoundError) or type(err).__name__ == "NotFoundError"
-
-
-def _has_size(path: Path, size: int) -> bool:
     try:
-        return path.is_file() and path.stat().st_size == size
+        target.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(target, [memoryview(data)])
+        written = os.lstat(target)
+    except OSError as err:  # a name the bucket takes but the local file system refuses (over 255 bytes), a full disk
+        hint = " (a local file system allows 255 bytes per name)" if err.errno == errno.ENAMETOOLONG else ""
+        raise StorageError(f"{url}: cannot write it into the local cache ({target}, under server.cache_dir): "
+                           f"{err.strerror or err}{hint}") from None
+    # Recorded as the listing gave it, since the next load compares it with the next listing: a GET also says
+    # the version (a versioned bucket) where a listing says none, and the file would never match again. The
+    # written file's mtime is recorded too: a copy changed in place since, even to the same size, is fetched again.
+    return replace(item, mtime_ns=written.st_mtime_ns)
+
+
+def _is_as_written(path: Path, item: RemoteObject) -> bool:
+    """Whether ``path`` is still the regular file ``item`` was fetched into: the same size and modification time."""
+    try:
+        info = os.lstat(path)
     except OSError:
         return False
+    return stat.S_ISREG(info.st_mode) and info.st_size == item.size and info.st_mtime_ns == item.mtime_ns
 
 
 def _clear_conflicts(folder: Path, relatives: Iterable[str]) -> None:
@@ -456,7 +484,7 @@ def _clear_conflicts(folder: Path, relatives: Iterable[str]) -> None:
             if os.path.lexists(path) and (path.is_symlink() or not path.is_dir()):
                 path.unlink()
         target = folder.joinpath(*parts)
-        if target.is_dir() and not target.is_symlink():
+        if os.path.isdir(target) and not os.path.islink(target):  # (False for a name too long: fails at its write)
             shutil.rmtree(target)
 
 

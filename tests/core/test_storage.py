@@ -492,3 +492,158 @@ def test_a_plain_http_endpoint_without_allow_http_says_to_set_it(s3, tmp_path, m
     assert line.startswith(f"echo: UNAVAILABLE: {s3.url('echo')}: cannot list the model folder: the store's "
                            "endpoint is plain http://, which the client refuses ("), line
     assert line.endswith("set AWS_ALLOW_HTTP=true for a plain-http endpoint (AWS_ENDPOINT_URL=http://...)"), line
+
+
+def test_folders_an_unreadable_key_may_hide_are_logged_and_known_ones_still_listed(s3, tmp_path, caplog) -> None:
+    # A key directly under the URL ('//x/main.py') breaks the listing by folder, so the folders are found by
+    # listing every key; obstore then drops the whole 1,000-key page holding 'mid/../e.txt', and 'good' listed
+    # before it in that page with it. No obstore listing reaches 'good' without that page (a prefix is whole
+    # folders, a listing has no end): the log says so, a folder seen before is looked at by itself, and a
+    # load by name still works.
+    import logging
+
+    from moto_s3 import BUCKET
+    from nereid.storage import materialize_model_folder, scan_model_folders
+
+    source = tmp_path / "source"
+    _python_folder(source, "good")
+    _python_folder(source, "mid")
+    upload_folder(s3.store, source, s3.prefix)
+    client = _boto(s3)
+    for key in ("mid/../e.txt", "/x/main.py"):
+        client.put_object(Bucket=BUCKET, Key=f"{s3.prefix}/{key}", Body=b"bad")
+    server = load_settings(_config(tmp_path, s3.url())).server
+    with caplog.at_level(logging.WARNING, logger="nereid.storage.mirror"):
+        assert "mid" in scan_model_folders(server)
+    assert f"object key '{s3.prefix}/mid/../e.txt' cannot be read (the load of 'mid' fails naming it)" in caplog.text
+    assert "a model folder whose keys all come just before it in the listing (in its page of 1,000 keys) is not " \
+           "found unless this server, or one sharing its cache_dir, listed that folder before" in caplog.text
+    (server.ml_backends_path / "good").mkdir(exist_ok=True)  # listed before (by an earlier server, say)
+    assert scan_model_folders(server) == ["good", "mid"]
+    assert (materialize_model_folder(server, "good") / "main.py").is_file()
+
+
+@pytest.mark.parametrize("endpoint, problem", [
+    ("127.0.0.1:{port}", "AWS_ENDPOINT_URL '127.0.0.1:{port}' has no http:// or https:// scheme; expected an http:// "
+                         "or https:// URL with a host, such as http://127.0.0.1:{port}"),
+    ("http://127.0.0.1:{port} ", "AWS_ENDPOINT_URL 'http://127.0.0.1:{port} ' holds whitespace (a stray space?); "
+                                 "expected an http:// or https:// URL with a host, such as http://127.0.0.1:9000"),
+], ids=["no scheme", "a stray space"])
+def test_a_malformed_endpoint_is_named_instead_of_crashing_the_check(s3, tmp_path, monkeypatch, capsys, endpoint,
+                                                                     problem) -> None:
+    # obstore panics at the first request on such an endpoint (a PanicException, which is no Exception).
+    from nereid.cli import main
+
+    port = s3.endpoint.rsplit(":", 1)[1]
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint.format(port=port))
+    assert main(["check", "--config", str(_config(tmp_path, s3.url(), "- name: echo\n"))]) == 1
+    line = capsys.readouterr().out.splitlines()[0]
+    assert line == f"echo: UNAVAILABLE: {s3.url()}: cannot set up the store: {problem.format(port=port)}"
+
+
+def test_a_store_client_panic_leaves_the_server_up_with_the_reason(s3, serve, tmp_path, monkeypatch) -> None:
+    from moto_s3 import BUCKET
+    from nereid.storage import RangeRead, StorageError, open_store, read_ranges
+
+    source = tmp_path / "source"
+    _python_folder(source, "echo")
+    upload_folder(s3.store, source, s3.prefix)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "127.0.0.1:1")
+    server = serve(_config(tmp_path, s3.url(), "- name: echo\n"))  # it starts
+    (model,) = server.client.get_model_repository_index().models
+    assert (model.name, model.state) == ("echo", "UNAVAILABLE")
+    assert model.reason == (f"{s3.url()}: cannot set up the store: AWS_ENDPOINT_URL '127.0.0.1:1' has no http:// or "
+                            "https:// scheme; expected an http:// or https:// URL with a host, such as "
+                            "http://127.0.0.1:1")
+    # A host with a character the HTTP client refuses passes the check, and obstore panics on it: caught too.
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://a|b:1")
+    with pytest.raises(InferenceServerException):
+        server.client.load_model("echo")
+    (model,) = server.client.get_model_repository_index().models
+    assert model.state == "UNAVAILABLE"
+    assert model.reason.startswith(f"{s3.url('echo')}: cannot list the model folder: the store client (obstore) "
+                                   "failed: request valid: InvalidUri("), model.reason
+    assert model.reason.endswith("check the store's environment variables (AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL, "
+                                 "AWS_ENDPOINT first)")
+    location = StoreURL("s3", BUCKET, s3.prefix)
+    with pytest.raises(StorageError, match=r"read failed after 1 attempt\(s\): the store client \(obstore\) failed"):
+        read_ranges(open_store(location, max_retries=0), location,
+                    [RangeRead(f"{s3.prefix}/echo/main.py", 0, (memoryview(bytearray(4)),), "a test range")],
+                    concurrency=1, retries=3)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3.endpoint)  # fixed: the next load sets the store up anew
+    server.client.load_model("echo")
+    assert server.client.is_model_ready("echo")
+
+
+def test_a_password_in_the_endpoint_never_reaches_a_reason(s3, serve, tmp_path, monkeypatch) -> None:
+    from nereid.storage.client import redact
+    from support import free_port
+
+    port = free_port()  # nothing listens there: obstore's error quotes the request URL
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://minio:pwLEAK@127.0.0.1:{port}")
+    server = serve(_config(tmp_path, s3.url(), "- name: echo\n"))
+    (model,) = server.client.get_model_repository_index().models
+    assert model.state == "UNAVAILABLE" and f"http://127.0.0.1:{port}/" in model.reason, model.reason
+    assert "pwLEAK" not in model.reason and "minio:" not in model.reason
+    # Should obstore ever quote a presigned URL, its signature and credential are not shown either.
+    assert redact("GET https://s3.example.com/b/k?X-Amz-Credential=AKIA%2F1&X-Amz-Signature=f00&x=1 failed") == \
+        "GET https://s3.example.com/b/k?X-Amz-Credential=REDACTED&X-Amz-Signature=REDACTED&x=1 failed"
+
+
+def test_a_weights_object_gone_from_the_bucket_is_not_read_again(s3) -> None:
+    # obstore raises FileNotFoundError for a 404: another try cannot help.
+    from moto_s3 import BUCKET
+    from nereid.storage import RangeRead, StorageError, open_store, read_ranges
+
+    location = StoreURL("s3", BUCKET, s3.prefix)
+    read = RangeRead(f"{s3.prefix}/m/weights.safetensors", 0, (memoryview(bytearray(8)),), "the safetensors header")
+    with pytest.raises(StorageError, match=r"m/weights.safetensors: bytes 0-7 \(8 bytes of the safetensors header\): "
+                                           r"read failed after 1 attempt\(s\)"):
+        read_ranges(open_store(location, max_retries=0), location, [read], concurrency=1, retries=3)
+    assert len(s3.gets("m/weights.safetensors")) == 1
+
+
+def test_a_file_name_of_up_to_255_bytes_is_fetched_and_a_longer_one_is_named(s3, tmp_path) -> None:
+    # The temporary name a fetched file is written under must fit too (".<name>.<token>.<pid>.partial").
+    from nereid.storage import StorageError, materialize_model_folder
+
+    server = load_settings(_config(tmp_path, s3.url())).server
+    long_name = "d" * 251 + ".dat"  # 255 bytes: legal locally
+    obstore.put(s3.store, f"{s3.prefix}/m/main.py", b"print()")
+    obstore.put(s3.store, f"{s3.prefix}/m/{long_name}", b"data")
+    local = materialize_model_folder(server, "m")
+    assert (local / long_name).read_bytes() == b"data"
+    assert not [p.name for p in local.iterdir() if p.name.endswith(".partial")]
+    too_long = "e" * 252 + ".dat"
+    obstore.put(s3.store, f"{s3.prefix}/m/{too_long}", b"data")
+    with pytest.raises(StorageError) as caught:
+        materialize_model_folder(server, "m")
+    message = str(caught.value)
+    assert message.startswith(f"{s3.url('m', too_long)}: cannot write it into the local cache ("), message
+    assert message.endswith(", under server.cache_dir): File name too long (a local file system allows 255 bytes "
+                            "per name)")
+
+
+def test_a_cached_file_changed_in_place_is_fetched_again(s3, tmp_path) -> None:
+    # The same size, so only its modification time (recorded in the marker) tells.
+    import os
+
+    from nereid.storage import materialize_model_folder
+
+    server = load_settings(_config(tmp_path, s3.url())).server
+    obstore.put(s3.store, f"{s3.prefix}/m/main.py", b"print(1)")
+    obstore.put(s3.store, f"{s3.prefix}/m/note.txt", b"a note")
+    local = materialize_model_folder(server, "m")
+    written = (local / "main.py").stat().st_mtime_ns
+    assert read_marker(local).fetched["main.py"].mtime_ns == written
+    time.sleep(0.05)  # past the file system's clock tick
+    (local / "main.py").write_bytes(b"print(2)")
+    assert (local / "main.py").stat().st_mtime_ns != written
+    materialize_model_folder(server, "m")
+    assert (local / "main.py").read_bytes() == b"print(1)"
+    assert (len(s3.gets("m/main.py")), len(s3.gets("m/note.txt"))) == (2, 1)
+    materialize_model_folder(server, "m")  # as written: not fetched again
+    assert len(s3.gets("m/main.py")) == 2
+    os.utime(local / "note.txt", ns=(written, written + 1))
+    materialize_model_folder(server, "m")
+    assert len(s3.gets("m/note.txt")) == 2
