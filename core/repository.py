@@ -38,7 +38,8 @@ from nereid.scheduler import ModelScheduler
 from nereid.settings import ModelSettings, Settings
 from nereid.signature import ModelSignature
 from nereid.stats import ModelStats
-from nereid.storage import StorageError, materialize_model_folder, model_folder_exists, scan_model_folders
+from nereid.storage import (StorageError, materialize_model_folder, model_folder_exists, scan_model_folders,
+                            store_holds_folder)
 
 log = logging.getLogger(__name__)
 
@@ -365,6 +366,10 @@ class ModelRepository:
             # Look again now (off the loop): a store's listing is otherwise reused for a few seconds,
             # and a model just uploaded must load.
             await self.refresh()
+            if name not in self._entries and await asyncio.to_thread(store_holds_folder, self.settings.server, name):
+                # A listing of every folder can miss one (a listing page the store client drops for an
+                # unreadable key): asked for by name, it is looked for by name.
+                self._folder_found(name)
         entry = self.entry(name)
         self._exposed.add(name)
         if entry.loaded is not None:

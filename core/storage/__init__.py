@@ -37,7 +37,7 @@ __all__ = [
     "MARKER_FILE", "RangeRead", "RemoteFolder", "RemoteObject", "SCHEMES", "StorageError", "StoreURL",
     "decodable_name", "describe_error", "list_model_folders", "local_model_folders", "materialize_model_folder",
     "mirror_root", "model_folder_exists", "open_store", "parse_store_url", "read_marker", "read_ranges",
-    "scan_model_folders",
+    "scan_model_folders", "store_holds_folder",
 ]
 
 # An unknown model name has the store listed at most this often, on a thread of its own (never on the
@@ -176,6 +176,24 @@ def model_folder_exists(server: ServerSettings, name: str) -> bool:
             threading.Thread(target=_refresh_listing, args=(location, Path(server.ml_backends_path)),
                              name="nereid-store-listing", daemon=True).start()
         return listing.names is not None and name in listing.names
+
+
+def store_holds_folder(server: ServerSettings, name: str) -> bool:
+    """Whether the object store behind ``server`` holds the model folder ``name`` (blocking: call off the loop).
+
+    One listing of that folder's prefix: the answer for a name a listing of
+    every folder missed. False for a local folder, or a store that cannot be
+    listed (its listings report that).
+    """
+    location = _location(server)
+    if location is None:
+        return False
+    from nereid.storage.mirror import remote_folder_exists
+
+    try:
+        return remote_folder_exists(location, name)
+    except StorageError:
+        return False
 
 
 def _refresh_listing(location: StoreURL, root: Path) -> None:

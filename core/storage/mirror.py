@@ -114,6 +114,16 @@ def list_remote_folders(location: StoreURL, known: Iterable[str] = ()) -> list[s
     return names
 
 
+def remote_folder_exists(location: StoreURL, name: str) -> bool:
+    """Whether the model folder ``name`` is under ``location``, by a listing of its prefix alone (blocking).
+
+    Found even where a listing of every folder misses it (a page obstore
+    drops, see :func:`_folders_from_keys`); StorageError when it cannot be listed.
+    """
+    prefix = location.key() + "/" if location.key() else ""
+    return _folder_exists(location, open_store(location), f"{prefix}{name}/")
+
+
 def list_objects(location: StoreURL) -> list[tuple[str, int, str]]:
     """Every object under ``location``: its key relative to it, its size and ETag; StorageError on failure.
 

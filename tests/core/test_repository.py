@@ -403,3 +403,28 @@ def test_a_load_raising_stop_iteration_is_unavailable_not_loading_for_ever(tmp_p
         return await asyncio.wait_for(repo.load("stray_next"), 20)
     entry = asyncio.run(scenario())
     assert entry.state is ModelState.UNAVAILABLE and "StopIteration raised" in entry.reason
+
+
+def test_a_folder_a_listing_of_every_folder_misses_is_loaded_by_name(s3, tmp_path):
+    """A key directly under the URL makes the folders be found by listing every key, and obstore drops the
+    1,000-key page holding a key it cannot read, with the folders listed before it in that page: a load by
+    name answered NOT_FOUND for such a folder on a fresh cache."""
+    import boto3
+
+    from moto_s3 import ACCESS_KEY, BUCKET, REGION, SECRET_KEY
+
+    for name in ("good", "mid"):
+        write_toy(tmp_path / "source", name)
+    upload_folder(s3.store, tmp_path / "source", s3.prefix)
+    client = boto3.client("s3", endpoint_url=s3.endpoint, aws_access_key_id=ACCESS_KEY,
+                          aws_secret_access_key=SECRET_KEY, region_name=REGION)
+    for key in ("mid/../e.txt", "/x/main.py"):
+        client.put_object(Bucket=BUCKET, Key=f"{s3.prefix}/{key}", Body=b"unreadable")
+    repo = _bucket_repository(tmp_path, s3.url())
+
+    async def scenario():
+        entry = await repo.load("good")
+        state = entry.state
+        await repo.unload_all()
+        return state
+    assert asyncio.run(scenario()) is ModelState.READY
