@@ -109,6 +109,9 @@ class ModelEntry:
     generation: int = 0  # versions loaded so far: every load and reload adds one
     holders: int = 0  # operations holding the lock or waiting for it
     folder_seen: bool = False  # a scan found its folder (a listed model may be waiting for its first)
+    # The names whose scratch folders its versions were given: its own, and the names it was renamed from
+    # (a model moved in place keeps what it made there, a binary's link, a warm parent's folder).
+    scratch_names: set[str] = field(default_factory=set)
 
     @contextlib.asynccontextmanager
     async def held(self) -> AsyncIterator[None]:
@@ -410,6 +413,7 @@ class ModelRepository:
         ``load()`` acquired must not leak.
         """
         name = entry.name
+        entry.scratch_names.add(name)
         context = ModelContext(name, entry.folder, entry.settings, self._scratch_for(name), entry.settings_origin,
                                self.models)
         started = time.monotonic()
@@ -491,6 +495,7 @@ class ModelRepository:
             else:
                 moved = True
             if moved:
+                entry.scratch_names.add(new)
                 del self._entries[old]
                 entry.name, entry.folder, entry.settings, entry.settings_origin = new, context.folder, settings, origin
                 self._entries[new] = entry  # replaces an entry a rescan may have made for the new folder
@@ -502,7 +507,8 @@ class ModelRepository:
                 self._refresh_dependents()  # models calling the old name wait for it again
                 log.info("model '%s' renamed to '%s' in place (version %d, nothing reloaded)", old, new,
                          entry.generation)
-                self._drop_scratch(old, only_if_empty=True)  # the moved model may still keep files there
+                with contextlib.suppress(OSError):  # left empty by the move: nothing kept there
+                    (self.scratch_dir / old).rmdir()
         if not moved:
             await self.remove(old)
             return await self.load(new)
@@ -519,7 +525,7 @@ class ModelRepository:
             if not entry.folder.is_dir():  # unless it came back meanwhile
                 self._entries.pop(name, None)
                 self._refresh_dependents()
-                self._drop_scratch(name)
+                self._drop_scratch(entry)
         self._record(name, "remove")
 
     async def apply_settings(self, settings: Settings) -> None:
@@ -725,15 +731,17 @@ class ModelRepository:
         path.mkdir(parents=True, exist_ok=True)
         return path
 
-    def _drop_scratch(self, name: str, *, only_if_empty: bool = False) -> None:
-        """Remove the scratch folder of a name no loaded version uses: a server fed versioned folder names
-        (``model-<sha>``) must not keep one folder per name it ever served until it stops."""
-        path = self.scratch_dir / name
-        if only_if_empty:
-            with contextlib.suppress(OSError):
-                path.rmdir()
-        else:
-            shutil.rmtree(path, ignore_errors=True)
+    def _drop_scratch(self, gone: ModelEntry) -> None:
+        """Remove the scratch folders of an unloaded, forgotten entry that no other entry was given: a server fed
+        versioned folder names (``model-<sha>``) must not keep one folder per name it ever served until it stops.
+
+        One another entry was given stays: a model renamed away from this
+        name in place still runs from what it made there (a new folder under
+        the old name shares it).
+        """
+        for name in gone.scratch_names:
+            if not any(name in entry.scratch_names for entry in self._entries.values()):
+                shutil.rmtree(self.scratch_dir / name, ignore_errors=True)
 
 
 def _backends_folder() -> Path:

@@ -428,3 +428,28 @@ def test_a_folder_a_listing_of_every_folder_misses_is_loaded_by_name(s3, tmp_pat
         await repo.unload_all()
         return state
     assert asyncio.run(scenario()) is ModelState.READY
+
+
+def test_a_removed_folder_keeps_the_scratch_folder_a_model_renamed_away_from_it_still_uses(tmp_path, root):
+    """Defect: a model renamed in place keeps what it made in its old name's scratch folder; a new folder under
+    the old name shared it, and its removal deleted it, so the renamed model failed every request."""
+    import shutil
+
+    write_toy(root, "sa")
+    repo = repository(tmp_path)
+    scratch = tmp_path / "scratch"
+
+    async def scenario():
+        await repo.load("sa")
+        (scratch / "sa" / "binary").write_text("what the first version made")
+        (root / "sa").rename(root / "sb")
+        await repo.rename("sa", "sb")
+        write_toy(root, "sa")  # a new folder under the old name
+        await repo.load("sa")
+        shutil.rmtree(root / "sa")
+        await repo.remove("sa")
+        assert (scratch / "sa" / "binary").is_file()  # sb still runs from it
+        shutil.rmtree(root / "sb")
+        await repo.remove("sb")
+        assert not (scratch / "sa").exists() and not (scratch / "sb").exists()  # then both go
+    asyncio.run(scenario())
