@@ -115,7 +115,8 @@ def _parse_problem(error: text_format.ParseError, text: str) -> str:
     """
     problem = str(error)
     line = error.GetLine()
-    if line is not None and 0 < line <= len(lines := text.splitlines()):
+    # protobuf numbers lines by "\n" alone (a "\r" or a U+2028 stays in the line it quotes).
+    if line is not None and 0 < line <= len(lines := text.split("\n")):
         quoted = f"{line}:{error.GetColumn()} : '{lines[line - 1]}': "
         if problem.startswith(quoted):
             problem = f"{line}:{error.GetColumn()} : {problem[len(quoted):]}"

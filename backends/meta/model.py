@@ -86,15 +86,16 @@ class BlockingMetaContext(MetaContext):
         self._loop = loop
         self._lock = threading.Lock()
         self._abandoned = False  # set when the client's request went away: no further sub-calls
-        self._sub_call: concurrent.futures.Future | None = None  # the sub-call the thread waits on
+        # The sub-calls threads wait on (an orchestration may fan out over threads of its own).
+        self._sub_calls: set[concurrent.futures.Future] = set()
 
     def abandon(self) -> None:
-        """The client's request went away: drop the sub-call in progress (if still queued in its model, it
+        """The client's request went away: drop the sub-calls in progress (one still queued in its model
         never runs) and issue no further one."""
         with self._lock:
             self._abandoned = True
-            sub_call = self._sub_call
-        if sub_call is not None:
+            sub_calls = list(self._sub_calls)
+        for sub_call in sub_calls:
             sub_call.cancel()
 
     def infer(self, model_name: str, inputs: Sequence[NamedTensor],  # type: ignore[override]
@@ -109,14 +110,16 @@ class BlockingMetaContext(MetaContext):
             if self._abandoned:
                 raise Unavailable(f"meta model '{self.model_name}': the request was cancelled; the sub-call to "
                                   f"'{model_name}' was not issued")
-            self._sub_call = asyncio.run_coroutine_threadsafe(self._model.call(request), self._loop)
+            sub_call = asyncio.run_coroutine_threadsafe(self._model.call(request), self._loop)
+            self._sub_calls.add(sub_call)
         try:
-            return self._sub_call.result()
+            return sub_call.result()
         except concurrent.futures.CancelledError:
             raise Unavailable(f"meta model '{self.model_name}': the request was cancelled during its sub-call "
                               f"to '{model_name}'") from None
         finally:
-            self._sub_call = None
+            with self._lock:
+                self._sub_calls.discard(sub_call)
 
 
 class MetaModel:

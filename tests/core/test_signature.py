@@ -61,6 +61,12 @@ def test_a_textproto_error_never_quotes_the_file_s_line(tmp_path: Path) -> None:
         parse(tmp_path, "input_shape: [16]  max_batch_size: 99999999999  # db_password=hunter2\n")
     assert str(caught.value).endswith("model_inference.textproto:1:36 : Value out of range: 99999999999")
     assert "hunter2" not in str(caught.value)
+    # Nor with CRLF line ends, or a line separator that protobuf does not break lines at, before it.
+    for text in ("# owner\r\ninput_shape: [16]\r\nmax_batch_size: abc  # hunter2\r\n",
+                 "# a\u2028b\x0cc\ninput_shape: [16]\nmax_batch_size: abc  # hunter2\n"):
+        with pytest.raises(ConfigError) as caught:
+            parse(tmp_path, text)
+        assert str(caught.value).endswith("model_inference.textproto:3:17 : Couldn't parse integer: abc")
 
 
 BATCHED = ModelSignature((TensorSpec("x", DType.FP32, (4, -1)),), (TensorSpec("y", DType.FP32, (4,)),), 8)
