@@ -244,14 +244,17 @@ class RepositoryWatcher:
         """The store could not be listed at start: take its first listing as the starting state.
 
         What a start with the store up would have loaded is loaded now (every
-        folder, or only the listed ones when nereid.yaml lists models); an
-        unlisted folder stays unloaded, as one there at start does, rather than
-        pass for a folder added since.
+        folder, or only the listed ones when nereid.yaml lists models), unless
+        it is loaded already (a RepositoryModelLoad meanwhile); an unlisted
+        folder stays unloaded, as one there at start does, rather than pass for
+        a folder added since.
         """
         self._primed = True
         self._folders = dict(current)
         settings = self.repository.settings
-        served = [name for name in current if not settings.models_listed or settings.model(name) is not None]
+        loaded = {entry.name for entry in self.repository.entries() if entry.loaded is not None}
+        served = [name for name in current if name not in loaded
+                  and (not settings.models_listed or settings.model(name) is not None)]
         log.info("dynamic repository: the store can be listed again; loading %s",
                  ", ".join(f"'{name}'" for name in served) or "nothing (no listed model has a folder yet)")
         await asyncio.gather(*(_logged(name, self.repository.reload(name)) for name in served))
