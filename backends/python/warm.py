@@ -146,12 +146,26 @@ class WarmParent:
                 exited, tail = feed_and_wait(stdin_write, stdin, reply.fileno(), deadline, output_read)
                 if not exited:
                     kill_group(pid)  # still running, so not reaped: the group id is still its own
+                    reply.settimeout(STOP_GRACE_S)  # a parent that answers reports the killed run at once
                 ended = _receive(reply)
             finally:
                 groups.discard(pid)
+        if ended.get("silent"):
+            raise ModelFailure(f"model '{self.name}': its warm parent process (pid {self._kill_silent()}) did not "
+                               f"report the end of the run within {STOP_GRACE_S:g} s of its timeout (stopped or "
+                               "wedged); it was killed, and the next batch starts a new one")
         if "status" not in ended:
             raise self._died("it ended while the run was in progress")
         return ProcessResult(ended["status"], not exited, tail)
+
+    def _kill_silent(self) -> int | None:
+        """Kill a parent that is alive but does not answer (stopped, wedged): the next batch starts a new one,
+        rather than wait on it again. Its pid."""
+        process = self._process
+        if process is None:
+            return None
+        kill_group(process.pid)  # its runs die with it (each has it as its death signal's parent)
+        return process.pid
 
     def _start_run(self, env: dict[str, str],
                    exec_argv: list[str] | None) -> tuple[int, int, int, socket.socket]:
@@ -184,10 +198,10 @@ class WarmParent:
             if "error" in started:  # the parent is fine, but could not start this run (a fork failed)
                 raise ModelFailure(f"model '{self.name}': its warm parent could not start the run: "
                                    f"{started['error']}")
-            if started.get("silent"):  # alive (stopped, wedged): no new parent, and nothing sent again
-                raise ModelFailure(f"model '{self.name}': its warm parent process (pid {self.pid}) did not answer "
-                                   f"within {REPLY_TIMEOUT_S:g} s; the batch was not run, and the next one is "
-                                   "sent to the same parent")
+            if started.get("silent"):  # alive (stopped, wedged): killed, and the batch not sent again
+                raise ModelFailure(f"model '{self.name}': its warm parent process (pid {self._kill_silent()}) did "
+                                   f"not answer within {REPLY_TIMEOUT_S:g} s; the batch was not run; the parent "
+                                   "was killed, and the next batch starts a new one")
             if "pid" not in started:
                 raise self._not_started("it did not fork the run")
         except BaseException:

@@ -56,7 +56,9 @@ ENTRY_FILE = "main.py"
 MAX_REQUEST_BYTES = 1 << 20
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
-MAX_SWEEPS = 16  # rounds of killing orphans (an orphan's own children become orphans in turn)
+# Rounds of a sweep: each kills every orphan with all its descendants, so a round only has more to do for
+# processes forked while it ran, or killed ones still being reparented here to be reaped.
+MAX_SWEEPS = 1024
 
 
 def preload(modules: list[str]) -> str | None:
@@ -218,7 +220,9 @@ class Runs:
             orphans = [pid for pid in _children() if pid not in known]
             if not orphans:
                 return
-            for pid in orphans:
+            # With their descendants: a chain of detached processes (each setsid, then fork) would otherwise
+            # come here one generation a round as each parent dies.
+            for pid in [*orphans, *(d for orphan in orphans for d in _descendants(orphan))]:
                 _kill_group(pid)
                 try:
                     os.kill(pid, signal.SIGKILL)
@@ -517,6 +521,27 @@ def _children() -> list[int]:
             return [int(pid) for pid in f.read().split()]
     except OSError:
         return []
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every descendant of ``pid`` (children of each of its threads, and theirs), from /proc; [] where it cannot tell."""
+    found: list[int] = []
+    parents = [pid]
+    while parents:
+        parent = parents.pop()
+        try:
+            threads = os.listdir(f"/proc/{parent}/task")
+        except OSError:  # gone already
+            continue
+        for thread in threads:
+            try:
+                with open(f"/proc/{parent}/task/{thread}/children") as f:
+                    children = [int(child) for child in f.read().split()]
+            except OSError:
+                continue
+            found.extend(children)
+            parents.extend(children)
+    return found
 
 
 def _kill_group(pgid: int) -> None:

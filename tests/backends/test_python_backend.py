@@ -10,6 +10,7 @@ folders that cannot be served.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import shutil
@@ -18,6 +19,7 @@ import site
 import struct
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -777,14 +779,48 @@ def test_a_parent_alive_but_not_answering_fails_the_batch_once_without_resending
     os.kill(stopped, signal.SIGSTOP)
     try:
         started = time.monotonic()
-        # Said as it is: the parent is alive and used again (no "restarted"), after the reply timeout alone.
-        with pytest.raises(InferenceServerException, match=r"did not answer within 1 s; the batch was not run, "
-                                                           r"and the next one is sent to the same parent"):
+        # Said as it is, after the reply timeout alone: the batch was not run, and it is not sent again.
+        with pytest.raises(InferenceServerException, match=r"did not answer within 1 s; the batch was not run; "
+                                                           r"the parent was killed, and the next batch starts a "
+                                                           r"new one"):
             infer(server, "echo5", FOUR)
         assert time.monotonic() - started < 1.8  # one reply timeout: no second one, and no exit grace
+        # Defect: the next batches waited out the same stopped parent, each failing after the reply timeout.
+        started = time.monotonic()
+        assert infer(server, "echo5", FOUR).as_numpy("output").tolist() == FOUR.tolist()
+        assert backend._parent.pid != stopped and time.monotonic() - started < 1.0
     finally:
-        os.kill(stopped, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(stopped, signal.SIGKILL)
     assert not any("goes to a new parent" in r.getMessage() for r in caplog.records)
+
+
+def test_a_parent_that_stops_answering_during_a_run_fails_it_at_its_timeout_and_is_replaced(repo, serve,
+                                                                                          start_mode, monkeypatch):
+    """A parent stopped during a run held the request 35 s past timeout_s, said it was restarted (it was not),
+    and the next batches waited on it again."""
+    if start_mode == "cold":
+        pytest.skip("about warm parents")
+    from nereid.backends.python import warm
+
+    monkeypatch.setattr(warm, "STOP_GRACE_S", 0.5)
+    repo.python("napper", main="import time\ntime.sleep(0.5)\n" + ECHO_MAIN)
+    server = serve(repo.write_config("- name: napper\n  timeout_s: 1\n"))
+    backend = server.server.repository.entry("napper").loaded.backend
+    assert infer(server, "napper", FOUR).as_numpy("output").tolist() == FOUR.tolist()
+    stopped = backend._parent.pid
+    threading.Timer(0.2, os.kill, (stopped, signal.SIGSTOP)).start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(InferenceServerException, match=r"did not report the end of the run within 0.5 s of its "
+                                                           r"timeout \(stopped or wedged\); it was killed"):
+            infer(server, "napper", FOUR)
+        assert time.monotonic() - started < 3  # its 1 s timeout and the 0.5 s grace, not 30 s more
+        assert infer(server, "napper", FOUR).as_numpy("output").tolist() == FOUR.tolist()
+        assert backend._parent.pid != stopped
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(stopped, signal.SIGKILL)
 
 
 def test_a_restarted_warm_parent_that_cannot_preload_runs_cold(repo, serve, start_mode):

@@ -331,6 +331,35 @@ def test_a_process_the_model_detaches_ends_with_its_run(repo, serve, no_zombies,
     assert wait_until(lambda: not process_alive(detached))
 
 
+CHAIN_MAIN = reply_main("1", prelude='''import os, time
+def link(depth):  # each link: a session of its own, one child, then a long sleep
+    os.setsid()
+    with open(f"chain.{os.getpid()}.pid", "w"):
+        pass
+    if depth < 23 and os.fork() == 0:
+        link(depth + 1)
+    os.closerange(0, 3)
+    time.sleep(300)
+    os._exit(0)
+if os.fork() == 0:
+    link(0)
+while len([name for name in os.listdir(".") if name.startswith("chain.")]) < 24:
+    time.sleep(0.01)''')
+
+
+@pytest.mark.parametrize("warm", [True, False], ids=["warm", "cold"])
+def test_a_chain_of_detached_processes_ends_with_its_run(repo, serve, no_zombies, warm):
+    """Defect: each sweep round killed one generation of a chain of sessions (each orphaned in turn), for 16
+    rounds: the rest lived on after their run, and past unload and shutdown under init."""
+    repo.python_warm_start = warm
+    folder = repo.python("chained", textproto=REPORT, main=CHAIN_MAIN)
+    server = serve(repo.write_config())
+    assert ask(server, "chained") == 1
+    chain = [int(path.name.split(".")[1]) for path in folder.glob("chain.*.pid")]
+    assert len(chain) == 24
+    assert wait_until(lambda: not any(process_alive(pid) for pid in chain))
+
+
 @pytest.mark.parametrize("warm", [True, False], ids=["warm", "cold"])
 def test_killing_the_server_ends_the_running_model_process(repo, warm):
     """SIGKILL leaves no cleanup to the server: the parent sees its lifeline close and ends its runs."""
