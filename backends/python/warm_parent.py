@@ -42,6 +42,7 @@ import atexit  # noqa: E402 - after the snapshot above
 import ctypes
 import gc
 import importlib
+import importlib.machinery
 import itertools
 import json
 import os
@@ -404,7 +405,10 @@ def run_main(path: str) -> int:
     sys.argv = [ENTRY_FILE]
     sys.path.insert(0, os.path.dirname(path))
     module = type(sys)("__main__")
-    module.__file__ = path
+    # The globals python main.py gives its __main__ (code reading __annotations__ without annotations of its
+    # own, typing.get_type_hints on the module, or __cached__, fails without them).
+    module.__file__, module.__cached__, module.__annotations__ = path, None, {}
+    module.__loader__ = importlib.machinery.SourceFileLoader("__main__", path)
     module.__builtins__ = __builtins__
     sys.modules["__main__"] = module
     _unshadow(os.path.dirname(path))

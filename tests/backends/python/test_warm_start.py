@@ -348,6 +348,19 @@ while len([name for name in os.listdir(".") if name.startswith("chain.")]) < 24:
 
 
 @pytest.mark.parametrize("warm", [True, False], ids=["warm", "cold"])
+def test_main_py_s_module_globals_are_those_python_main_py_gives(repo, serve, warm):
+    """Defect: warm, reading __annotations__ (typing.get_type_hints on __main__) raised NameError, and __cached__
+    and __loader__ differed from python main.py's."""
+    repo.python_warm_start = warm
+    repo.python("dunders", textproto=REPORT, main=reply_main(
+        "[sorted(k for k in globals() if k.startswith('__')), __annotations__, __cached__, type(__loader__).__name__]"))
+    server = serve(repo.write_config())
+    assert ask(server, "dunders") == [["__annotations__", "__builtins__", "__cached__", "__doc__", "__file__",
+                                       "__loader__", "__name__", "__package__", "__spec__"], {}, None,
+                                      "SourceFileLoader"]
+
+
+@pytest.mark.parametrize("warm", [True, False], ids=["warm", "cold"])
 def test_a_chain_of_detached_processes_ends_with_its_run(repo, serve, no_zombies, warm):
     """Defect: each sweep round killed one generation of a chain of sessions (each orphaned in turn), for 16
     rounds: the rest lived on after their run, and past unload and shutdown under init."""
