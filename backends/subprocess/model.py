@@ -89,9 +89,11 @@ class SubprocessModel:
             if result.returncode != 0:
                 tail = f"; output tail: {result.output_tail}" if result.output_tail else ""
                 raise ModelFailure(f"model '{name}' {result.describe()}{tail}")
-            if not output_path.is_file():
+            if output_path.is_symlink() or not output_path.is_file():
+                # (A symlink is not the model's output: followed, the server would read, and quote in its
+                # error, a file the model pointed it at.)
                 raise ModelFailure(f"model '{name}' exited 0 without writing its output tensor to "
-                                   "NEREID_OUTPUT_PATH")
+                                   "NEREID_OUTPUT_PATH" + (" (a symlink is there)" if output_path.is_symlink() else ""))
             return self._read_outputs(output_path, batch)
         finally:
             shutil.rmtree(work_dir, ignore_errors=True)
@@ -229,7 +231,7 @@ class SubprocessModel:
     def _read_outputs(self, path: Path, batch: int) -> list[NamedTensor]:
         signature = self.signature()
         outputs: list[NamedTensor] = []
-        with open(path, "rb") as stream:
+        with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb") as stream:
             for spec in signature.outputs:
                 where = f"model '{self.context.name}': output '{spec.name}'"
                 dtype, shape = read_header(stream, where)

@@ -432,6 +432,8 @@ elif mode == 13:  # a hang, with a grandchild in the same process group
     with open("grandchild.pid", "w") as f:
         f.write(str(child.pid))
     time.sleep(30)
+elif mode == 15:  # the output path a symlink to a file the server could read and quote
+    os.symlink(os.path.abspath(__file__), path)
 elif mode == 14:  # a correct answer, leaving a background process behind
     child = subprocess.Popen(["sleep", "30"])
     with open("orphan.pid", "w") as f:
@@ -452,6 +454,7 @@ FAULTS = [  # (id, mode, substrings the INTERNAL message must contain)
     ("empty_output", 10, ["no header line"]),
     ("unknown_dtype", 11, ["unknown dtype 'float99'"]),
     ("negative_dim", 12, ["dimensions must be comma-separated decimal integers"]),
+    ("output_symlink", 15, ["exited 0 without writing its output tensor to NEREID_OUTPUT_PATH (a symlink is there)"]),
 ]
 
 
