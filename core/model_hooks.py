@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextvars
 import hashlib
+import importlib.machinery
 import importlib.util
 import sys
 import traceback
@@ -90,6 +91,19 @@ def register_model(name: str | None = None, *, preprocess: Hook | None = None,
     collected.append(ModelHooks(preprocess or identity, postprocess or identity, name, orchestrate))
 
 
+class _SourceOnlyLoader(importlib.machinery.SourceFileLoader):
+    """Runs a ``model.py`` from its source, never reading or writing ``__pycache__``.
+
+    The model folder is not the server's to change (it may be read-only, a
+    bucket's mirror that must match the bucket, or watched), and a cached copy
+    could be stale: a file replaced within a second by one of the same size
+    passes the cache's mtime and size check.
+    """
+
+    def get_code(self, fullname: str) -> Any:
+        return self.source_to_code(self.get_data(self.path), self.path)
+
+
 def load_model_hooks(path: Path, model: str, meta: bool = False) -> ModelHooks:
     """Run a bundle's ``model.py`` and return what it registered.
 
@@ -101,7 +115,7 @@ def load_model_hooks(path: Path, model: str, meta: bool = False) -> ModelHooks:
     digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
     # A unique name per file: two bundles' model.py never share a module object.
     module_name = f"nereid_bundle_{digest}"
-    spec = importlib.util.spec_from_file_location(module_name, path)
+    spec = importlib.util.spec_from_file_location(module_name, path, loader=_SourceOnlyLoader(module_name, str(path)))
     if spec is None or spec.loader is None:
         raise ConfigError(f"model '{model}': cannot load {path} as a Python module")
     module = importlib.util.module_from_spec(spec)

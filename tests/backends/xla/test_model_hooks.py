@@ -55,6 +55,23 @@ def test_each_bundle_keeps_its_own_hooks(tmp_path) -> None:
         nereid.register_model(preprocess=identity)
 
 
+def test_model_py_runs_from_its_source_and_leaves_no_bytecode_in_its_folder(tmp_path, monkeypatch) -> None:
+    """Defect: loading model.py wrote __pycache__ into the model folder (a bucket's mirror then no longer
+    matched the bucket), and a cached copy would run in place of a same-size model.py replaced in its second."""
+    import os
+    import sys
+
+    monkeypatch.setattr(sys, "dont_write_bytecode", False)  # as a server run without PYTHONDONTWRITEBYTECODE
+    model_py = tmp_path / "model.py"
+    model_py.write_text(DOUBLING)
+    load_model_hooks(model_py, "m")
+    assert sorted(os.listdir(tmp_path)) == ["model.py"]
+    stat = model_py.stat()
+    model_py.write_text(DOUBLING.replace("* 2", "* 3"))  # the same size, the same mtime
+    os.utime(model_py, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert load_model_hooks(model_py, "m").preprocess(tensor())[0].data.tolist() == [3.0, 6.0]
+
+
 def test_concurrent_loads_do_not_see_each_other(tmp_path) -> None:
     results: dict[int, object] = {}
     for i in range(8):
