@@ -1,7 +1,7 @@
 """The baseline: a bare grpc.aio servicer that echoes ModelInfer inputs as outputs.
 
 It answers just what perf_analyzer asks before it sends (ServerMetadata,
-ModelMetadata, ModelConfig) and nothing more: no validation, no queue, no
+ModelMetadata, ModelConfig), and ModelInfer and ModelStreamInfer (--streaming), and nothing more: no validation, no queue, no
 numpy. It is the limit of Python gRPC on this machine for the same messages.
 """
 
@@ -41,16 +41,24 @@ def make_handler(shape: list[int], max_batch_size: int) -> grpc.GenericRpcHandle
         response.raw_output_contents.extend(request.raw_input_contents)
         return response
 
+    async def model_stream_infer(requests, context):
+        # perf_analyzer --streaming: one answer per request, each in a ModelStreamInferResponse.
+        async for request in requests:
+            yield pb.ModelStreamInferResponse(infer_response=await model_infer(request, context))
+
     handlers = {
         "ServerMetadata": (server_metadata, pb.ServerMetadataRequest, pb.ServerMetadataResponse),
         "ModelMetadata": (model_metadata, pb.ModelMetadataRequest, pb.ModelMetadataResponse),
         "ModelConfig": (model_config, pb.ModelConfigRequest, pb.ModelConfigResponse),
         "ModelInfer": (model_infer, pb.ModelInferRequest, pb.ModelInferResponse),
     }
-    return grpc.method_handlers_generic_handler("inference.GRPCInferenceService", {
-        name: grpc.unary_unary_rpc_method_handler(fn, request_deserializer=req.FromString,
-                                                  response_serializer=resp.SerializeToString)
-        for name, (fn, req, resp) in handlers.items()})
+    methods = {name: grpc.unary_unary_rpc_method_handler(fn, request_deserializer=req.FromString,
+                                                         response_serializer=resp.SerializeToString)
+               for name, (fn, req, resp) in handlers.items()}
+    methods["ModelStreamInfer"] = grpc.stream_stream_rpc_method_handler(
+        model_stream_infer, request_deserializer=pb.ModelInferRequest.FromString,
+        response_serializer=pb.ModelStreamInferResponse.SerializeToString)
+    return grpc.method_handlers_generic_handler("inference.GRPCInferenceService", methods)
 
 
 async def serve(bind: str, shape: list[int], max_batch_size: int) -> None:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import statistics
 import sys
 import tempfile
@@ -87,7 +88,8 @@ def flat(arrays: list[tuple[str, np.ndarray]]) -> bytes:
 
 # -- 1. moto ------------------------------------------------------------------------------------------------------
 
-def bench_moto(path: Path, size: int, repeat: int, chunk: int, concurrency: int) -> list[tuple[str, float, float]]:
+def bench_moto(path: Path, size: int, repeat: int, chunk: int, concurrency: int,
+               scratch: Path) -> list[tuple[str, float, float]]:
     import obstore
 
     from moto_s3 import BUCKET, start_server
@@ -101,7 +103,7 @@ def bench_moto(path: Path, size: int, repeat: int, chunk: int, concurrency: int)
         with open(path, "rb") as f:
             obstore.put(state.store, key, f, chunk_size=64 * MIB)
         meta = obstore.head(state.store, key)
-        folder = Path(tempfile.mkdtemp(prefix="nereid-bench-folder-"))
+        folder = Path(tempfile.mkdtemp(prefix="folder-", dir=scratch))
         remote = RemoteFolder(f"s3://{BUCKET}/bench/model", {},
                               {"weights.safetensors": RemoteObject(key, size, meta["e_tag"])})
         bundle = RemoteBundle(folder, remote, retries=0)
@@ -212,7 +214,7 @@ def bench_local(path: Path, size: int, repeat: int) -> list[tuple[str, float, fl
 
 # -- 4. small files -------------------------------------------------------------------------------------------------
 
-def bench_small_files(count: int, latency_s: float, repeat: int) -> list[tuple[str, float, float]]:
+def bench_small_files(count: int, latency_s: float, repeat: int, scratch: Path) -> list[tuple[str, float, float]]:
     import obstore
 
     from moto_s3 import BUCKET, start_server
@@ -232,7 +234,8 @@ def bench_small_files(count: int, latency_s: float, repeat: int) -> list[tuple[s
         def fetch(concurrency: int) -> Callable[[], object]:
             def run() -> object:
                 mirror.FETCH_CONCURRENCY = concurrency
-                return mirror.materialize(location, "model", Path(tempfile.mkdtemp(prefix="nereid-bench-mirror-")))
+                # (Its lock file lands beside the folder: in scratch too.)
+                return mirror.materialize(location, "model", Path(tempfile.mkdtemp(prefix="mirror-", dir=scratch)))
             return run
 
         default = mirror.FETCH_CONCURRENCY
@@ -274,11 +277,11 @@ def main() -> int:
         if "capped" not in args.skip:
             rows += bench_range_server(path, size, args.repeat, args.per_connection_mib)
         if "moto" not in args.skip:
-            rows += bench_moto(path, size, args.repeat, args.moto_chunk_mib * MIB, args.moto_concurrency)
+            rows += bench_moto(path, size, args.repeat, args.moto_chunk_mib * MIB, args.moto_concurrency, folder)
         if "small" not in args.skip:
-            rows += bench_small_files(args.small_files, args.get_latency_ms / 1000, args.repeat)
+            rows += bench_small_files(args.small_files, args.get_latency_ms / 1000, args.repeat, folder)
     finally:
-        path.unlink(missing_ok=True)
+        shutil.rmtree(folder, ignore_errors=True)  # the weights file, the bundle folder, the mirrors
     print(f"\n{size / MIB:.0f} MiB, {args.tensors} tensors, median of {args.repeat}")
     print(f"{'what':<84} {'seconds':>8} {'MiB/s':>8}")
     for label, seconds, nbytes in rows:

@@ -18,7 +18,7 @@ variants of each model are separate model folders that differ only in
    ``os.posix_spawn`` of the same binary (no server around either).
 5. batching on/off for the python_rowsum example at concurrency 16, warm.
 
-    python3 bench/bench_subprocess.py [--concurrency 16] [--repeat 200]
+    python3 bench/bench_subprocess.py [--concurrency 16] [--repeat 40]
 """
 
 from __future__ import annotations

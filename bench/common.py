@@ -108,7 +108,11 @@ def perf_analyzer(address: str, model: str, concurrency: int, *extra: str, proto
         report = Path(out) / "report.csv"
         argv = [binary, "-m", model, "-u", address, "-i", protocol, "--concurrency-range", str(concurrency),
                 *PERF_ANALYZER_FLAGS, "-f", str(report), *extra]
-        completed = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600)
+        try:
+            completed = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"perf_analyzer did not finish within 600 s against {address} ({' '.join(extra)}): "
+                               "a server that leaves requests unanswered (an RPC it lacks?)") from None
         if completed.returncode != 0 or not report.exists():
             raise RuntimeError(f"perf_analyzer failed ({completed.returncode}):\n{completed.stdout[-3000:]}"
                                f"\n{completed.stderr[-3000:]}")

@@ -350,6 +350,7 @@ class Soak:
                 thread.join(90)
             self.check_settled(server)
         finally:
+            self.stop.set()  # also on Ctrl-C: the clients and the scraper end with the server
             stop_server(server, self.failures)
         return report({"churn": self.actions, "answers": self.outcomes}, self.failures, server, log_path)
 
