@@ -28,7 +28,8 @@ from nereid.backend import (CallsModels, HasBatchSignature, Model, ModelCaller, 
                             missing_model_parts)
 from nereid.batching import BatchPolicy
 from nereid.dependencies import describe_cycle, find_cycle, waiting_for
-from nereid.errors import ConfigError, NotFound, Unavailable, cap_message, without_stop_iteration
+from nereid.errors import (ConfigError, NotFound, Unavailable, cap_message, describe_exception,
+                           without_stop_iteration)
 from nereid.files import check_confined
 from nereid.log_limit import RateLimitedLog
 from nereid.model_runner import Runner, make_runner
@@ -44,6 +45,8 @@ from nereid.storage import (StorageError, materialize_model_folder, model_folder
 log = logging.getLogger(__name__)
 
 NOT_LISTED_REASON = "not listed in nereid.yaml; load it with RepositoryModelLoad"
+# The longest a backend's unload or terminate_running is waited for before it is abandoned.
+BACKEND_CALL_WAIT_S = 30.0
 
 
 class PublicText(str):
@@ -814,7 +817,7 @@ async def _terminate(name: str, backend: Model) -> None:
     if not isinstance(backend, Terminable):
         return
     try:
-        await asyncio.to_thread(without_stop_iteration, backend.terminate_running)
+        await _bounded_backend_call(name, "terminate_running", backend.terminate_running)
     except Exception:
         log.exception("model '%s': terminate_running failed; unloading it anyway", name)
 
@@ -822,9 +825,47 @@ async def _terminate(name: str, backend: Model) -> None:
 async def _unload(name: str, backend: Model) -> None:
     """Call ``backend.unload()`` off the loop; a failure is logged naming the model, never raised."""
     try:
-        await asyncio.to_thread(without_stop_iteration, backend.unload)
+        await _bounded_backend_call(name, "unload", backend.unload)
     except Exception:
         log.exception("model '%s': unload failed", name)
+
+
+async def _bounded_backend_call(name: str, what: str, call: Callable[[], object]) -> None:
+    """Run a backend's ``unload`` or ``terminate_running`` on a daemon thread, waiting at most
+    :data:`BACKEND_CALL_WAIT_S`; one that does not return by then is abandoned (its thread runs on), logged.
+
+    Not asyncio's default executor: a call that never returns (a native library's nereid_unload) took one of
+    its few threads for good, and a handful of them stalled every scan and large decode of the server, and
+    its exit.
+    """
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future = loop.create_future()
+
+    def deliver(error: Exception | None) -> None:
+        if done.done():
+            return
+        if error is not None:
+            done.set_exception(error)
+        else:
+            done.set_result(None)
+
+    def run() -> None:
+        error: Exception | None = None
+        try:
+            without_stop_iteration(call)
+        except Exception as err:
+            error = err
+        except BaseException as err:  # sys.exit() in a backend's unload is no exit of the server's
+            error = RuntimeError(describe_exception(err))
+        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits any more
+            loop.call_soon_threadsafe(deliver, error)
+
+    threading.Thread(target=run, name=f"nereid-{what}-{name}", daemon=True).start()
+    try:
+        await asyncio.wait_for(asyncio.shield(done), BACKEND_CALL_WAIT_S)
+    except TimeoutError:
+        log.error("model '%s': %s did not return within %g s; abandoning it (its thread runs on)", name, what,
+                  BACKEND_CALL_WAIT_S)
 
 
 def _reason(err: BaseException) -> str:

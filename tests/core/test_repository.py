@@ -453,3 +453,40 @@ def test_a_removed_folder_keeps_the_scratch_folder_a_model_renamed_away_from_it_
         await repo.remove("sb")
         assert not (scratch / "sa").exists() and not (scratch / "sb").exists()  # then both go
     asyncio.run(scenario())
+
+
+def test_an_unload_that_never_returns_is_abandoned_after_its_bound(tmp_path, root, monkeypatch, caplog):
+    """Defect: a native library's nereid_unload that never returned kept the server from exiting, and a few
+    of them took every thread of asyncio's default pool: RepositoryIndex and other unloads hung."""
+    import threading
+    import time
+
+    import nereid.repository
+
+    monkeypatch.setattr(nereid.repository, "BACKEND_CALL_WAIT_S", 0.3)
+    for name in ("stuck", "fine"):
+        write_toy(root, name)
+    repo = repository(tmp_path)
+    release = threading.Event()
+
+    async def scenario():
+        await repo.load("stuck")
+        await repo.load("fine")
+        toy = type(repo.ready_model("stuck").backend)
+        unload = toy.unload
+        monkeypatch.setattr(toy, "unload", lambda self: release.wait(30) if self.context.name == "stuck" else unload(self))
+        started = time.monotonic()
+        for _ in range(8):  # more than asyncio's default pool has threads on this machine
+            await repo.load("stuck")  # a reload: the old version's unload never returns
+        took = time.monotonic() - started
+        await asyncio.wait_for(repo.refresh(), 5)  # scans use the default pool: still free
+        await asyncio.wait_for(repo.unload("fine"), 5)
+        release.set()
+        await repo.unload_all()
+        return took
+    try:
+        took = asyncio.run(scenario())
+    finally:
+        release.set()
+    assert took < 8 * 0.3 + 5
+    assert caplog.text.count("model 'stuck': unload did not return within 0.3 s; abandoning it") >= 7
