@@ -21,6 +21,7 @@ from nereid.backends.cpp.compiler import CXX_FLAGS, HEADER_SUFFIXES, cached_buil
 from nereid.backends.cxx import HEADER_NAME
 from nereid.backends.subprocess.runner import run_model_process
 from nereid.errors import ConfigError
+from nereid.files import not_regular_reason
 
 # Position-independent code, linked as a shared object; only what the header
 # marks NEREID_EXPORT (and anything else left default) is visible.
@@ -62,7 +63,9 @@ def header_dir() -> Path:
 
 
 def library_hash(sources: tuple[Path, ...], compiler: str, folder: Path) -> str:
-    """A key over the compiler, the flags, nereid's header, the sources and the headers beside and below them.
+    """A key over the compiler, the flags, nereid's header, the sources and the headers beside and below them,
+    and every header of the model folder when a source is in it (``src/model.cpp`` may include
+    ``../include/factor.h``: an edit there must rebuild, as it does a cpp model).
 
     Files in the model folder are keyed by their path relative to it (and
     their content), so a repository copied, moved or mounted elsewhere reuses
@@ -71,7 +74,10 @@ def library_hash(sources: tuple[Path, ...], compiler: str, folder: Path) -> str:
     digest = hashlib.sha256()
     digest.update(compiler.encode() + b"\0" + " ".join((*CXX_FLAGS, *shared_flags(compiler))).encode() + b"\0")
     digest.update((header_dir() / HEADER_NAME).read_bytes() + b"\0")
-    headers = {p for parent in {s.parent for s in sources} for p in code_files(parent, HEADER_SUFFIXES)}
+    parents = {s.parent for s in sources}
+    if any(_key_name(source, folder) != str(source) for source in sources):  # a source in the model folder
+        parents.add(folder)
+    headers = {p for parent in parents for p in code_files(parent, HEADER_SUFFIXES)}
     keyed = [(_key_name(path, folder), path) for path in sources]
     keyed += sorted((_key_name(path, folder), path) for path in headers - set(sources))
     for name, path in keyed:
@@ -95,6 +101,8 @@ def build_library(model: str, folder: Path, sources: tuple[Path, ...], scratch: 
     written). ConfigError carries the compiler's message on failure.
     """
     for source in sources:
+        if (reason := not_regular_reason(source)) is not None:  # a folder, a FIFO: named as such
+            raise ConfigError(f"model '{model}': runtime.sources: {reason}")
         if not source.is_file():
             raise ConfigError(f"model '{model}': runtime.sources: no such file {source}")
     compiler = find_compiler()

@@ -17,6 +17,7 @@ import uuid
 from pathlib import Path
 
 from nereid.errors import ConfigError
+from nereid.files import not_regular_reason
 
 
 class CTensor(ctypes.Structure):
@@ -64,6 +65,8 @@ class NativeLibrary:
 
     def __init__(self, model: str, path: Path, scratch_dir: Path) -> None:
         self.path = path
+        if (reason := not_regular_reason(path)) is not None:  # a folder, a FIFO: named as such
+            raise ConfigError(f"model '{model}': shared library {reason}")
         if not path.is_file():
             raise ConfigError(f"model '{model}': shared library {path} does not exist")
         self._copy = scratch_dir / f"{path.stem}-{uuid.uuid4().hex[:12]}{path.suffix}"

@@ -9,8 +9,8 @@
  *   nereid.yaml:   - name: my_model
  *                    backend: cxx
  *                    runtime: {library: build/libmy_model.so}   # or {sources: [my_model.cpp]}
- *   build:         c++ -O2 -std=c++17 -shared -fPIC -I"$(dirname "$(nereid cxx-header)")" \
- *                      -o build/libmy_model.so my_model.cpp
+ *   build:         c++ -O2 -std=c++17 -shared -fPIC -fno-gnu-unique -I"$(dirname "$(nereid cxx-header)")" \
+ *                      -o build/libmy_model.so my_model.cpp      (-fno-gnu-unique: GCC's; not with clang)
  *
  * LIFETIMES
  *   - nereid_load is called once per load, before any nereid_infer, on a worker

@@ -1,6 +1,7 @@
 // Doubles every element of a float32 tensor: cpp_scale as an in-process cxx library.
 // nereid builds it at load (runtime.sources in nereid.yaml); by hand:
-//   c++ -O2 -std=c++17 -shared -fPIC -I"$(dirname "$(nereid cxx-header)")" -o libscale.so scale.cpp
+//   c++ -O2 -std=c++17 -shared -fPIC -fno-gnu-unique -I"$(dirname "$(nereid cxx-header)")" -o libscale.so scale.cpp
+//   (-fno-gnu-unique is GCC's: leave it out with clang)
 #include <cstring>
 
 #include "nereid_cxx.h"

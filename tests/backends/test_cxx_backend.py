@@ -358,7 +358,7 @@ def test_model_faults_are_internal_with_the_library_text(repo, serve, libs):
 
 def test_models_the_cxx_backend_refuses_are_unavailable_with_a_reason(repo, serve, libs, tmp_path):
     for name in ("missing", "garbage", "undefined", "noinfer", "refuse_load", "no_runtime", "both_options",
-                 "unknown_option", "on_gpu", "textproto_only", "broken_source"):
+                 "unknown_option", "on_gpu", "textproto_only", "broken_source", "library_folder", "source_fifo"):
         scale_model(repo, name)
     repo.add("no_textproto", None)
     repo.add("bytes_input", 'input_shape: [4]\noutput_shape: [4]\ndata_type: "BYTES"\n')
@@ -366,6 +366,8 @@ def test_models_the_cxx_backend_refuses_are_unavailable_with_a_reason(repo, serv
                                'output { name: "y" data_type: "FP32" dims: [-1] }\n')
     broken = tmp_path / "broken.cpp"
     broken.write_text("int nereid_infer() { return undefined_identifier_xyz; }\n")
+    (tmp_path / "folder.so").mkdir()
+    os.mkfifo(tmp_path / "fifo.cpp")
     multi = f'{{library: "{libs["multi"]}"}}'
     server = serve(repo.write_config(
         entry("missing", '{library: "build/libmissing.so"}') +
@@ -379,6 +381,8 @@ def test_models_the_cxx_backend_refuses_are_unavailable_with_a_reason(repo, serv
         entry("on_gpu", multi, '  device: "cuda:0"\n') +
         '- name: "textproto_only"\n' +
         entry("broken_source", f'{{sources: ["{broken}"]}}') +
+        entry("library_folder", f'{{library: "{tmp_path / "folder.so"}"}}') +
+        entry("source_fifo", f'{{sources: ["{tmp_path / "fifo.cpp"}"]}}') +
         entry("no_textproto", multi) + entry("bytes_input", multi) + entry("dynamic_output", multi)))
     index = index_of(server)
     expected = {
@@ -395,6 +399,9 @@ def test_models_the_cxx_backend_refuses_are_unavailable_with_a_reason(repo, serv
         "textproto_only": ["no backend claims",
                            "is a cxx model: declare it in nereid.yaml with backend: cxx and runtime: {library: PATH}"],
         "broken_source": [f"{broken.name}: compilation failed", "undefined_identifier_xyz"],
+        # Defect: both were said not to exist.
+        "library_folder": ["shared library ", "folder.so: is a directory, not a regular file"],
+        "source_fifo": ["runtime.sources: ", "fifo.cpp: is a FIFO, not a regular file"],
         "no_textproto": ["missing model_inference.textproto"],
         "bytes_input": ["input 'input' is BYTES", "fixed-size datatypes only"],
         "dynamic_output": ["output 'y' has a -1 dimension", "preallocates outputs"],
@@ -621,6 +628,16 @@ def test_the_library_key_covers_sources_by_their_place_in_the_model_folder(tmp_p
     elsewhere.parent.mkdir()
     shutil.copy(outside, elsewhere)
     assert library_hash((tmp_path / "a" / "model" / "model.cpp", elsewhere), CXX, tmp_path / "a" / "model") != first
+    # Defect: a header elsewhere in the model folder (src/model.cpp including ../include/factor.h) was not in
+    # the key, so its edit never rebuilt: a reload reported a new version and served the old code.
+    nested = tmp_path / "nested"
+    (nested / "src").mkdir(parents=True)
+    (nested / "include").mkdir()
+    (nested / "src" / "model.cpp").write_text('#include "../include/factor.h"\n')
+    (nested / "include" / "factor.h").write_text("constexpr int factor = 3;\n")
+    before = library_hash((nested / "src" / "model.cpp",), CXX, nested)
+    (nested / "include" / "factor.h").write_text("constexpr int factor = 7;\n")
+    assert library_hash((nested / "src" / "model.cpp",), CXX, nested) != before
 
 
 def test_the_compiler_version_probe_runs_in_its_own_process_group(tmp_path):
