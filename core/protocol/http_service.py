@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import json
 import logging
 import socket
@@ -320,6 +321,11 @@ async def _unless_disconnected(call: Awaitable[Any], receive: Receive) -> Any:
     cycle = getattr(receive, "__self__", None)  # uvicorn's cycle; absent when the app is called directly
     if cycle is None:
         return await call
+    if getattr(cycle, "disconnected", False):
+        # Lost after its body was read and before this handler could be cancelled: it never starts.
+        if inspect.iscoroutine(call):
+            call.close()
+        raise Disconnected("before its answer: the request was not run")
     cycle.nereid_handler = asyncio.current_task()
     try:
         return await call
