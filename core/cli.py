@@ -11,6 +11,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import nereid.repository
 from nereid.backend import ModelContext, ReportsRuntime
 from nereid.errors import ConfigError
 from nereid.files import check_confined
@@ -18,7 +19,7 @@ from nereid.leftovers import scratch_prefix
 from nereid.log_format import one_record_per_line, stderr_handler
 from nereid.log_limit import EndedCallFilter, RateLimitFilter
 from nereid.plugins import NereidPluginManager, add_commands, check_backend_defaults, error_text, make_plugin_manager
-from nereid.repository import build_model
+from nereid.repository import bounded_backend_call, build_model
 from nereid.storage import list_model_folders, materialize_model_folder
 from nereid.settings import Settings, address_problem, load_settings
 
@@ -188,7 +189,9 @@ def _check_model(settings: Settings, manager: NereidPluginManager, scratch: Path
             if report.warm_parent_resident_bytes is not None:
                 runtime += f" warm_parent_rss={report.warm_parent_resident_bytes / 2**20:.1f}MiB"
     try:
-        built.backend.unload()
+        # Bounded, as the server's: a native library's nereid_unload that never returns must not hang the check.
+        if not asyncio.run(bounded_backend_call(name, "unload", built.backend.unload)):
+            status = f"UNLOAD DID NOT RETURN within {nereid.repository.BACKEND_CALL_WAIT_S:g} s; loaded as"
     except Exception as err:
         status = f"UNLOAD FAILED: {error_text(err)}; loaded as"
     signature = built.signature

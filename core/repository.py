@@ -817,7 +817,7 @@ async def _terminate(name: str, backend: Model) -> None:
     if not isinstance(backend, Terminable):
         return
     try:
-        await _bounded_backend_call(name, "terminate_running", backend.terminate_running)
+        await bounded_backend_call(name, "terminate_running", backend.terminate_running)
     except Exception:
         log.exception("model '%s': terminate_running failed; unloading it anyway", name)
 
@@ -825,14 +825,15 @@ async def _terminate(name: str, backend: Model) -> None:
 async def _unload(name: str, backend: Model) -> None:
     """Call ``backend.unload()`` off the loop; a failure is logged naming the model, never raised."""
     try:
-        await _bounded_backend_call(name, "unload", backend.unload)
+        await bounded_backend_call(name, "unload", backend.unload)
     except Exception:
         log.exception("model '%s': unload failed", name)
 
 
-async def _bounded_backend_call(name: str, what: str, call: Callable[[], object]) -> None:
+async def bounded_backend_call(name: str, what: str, call: Callable[[], object]) -> bool:
     """Run a backend's ``unload`` or ``terminate_running`` on a daemon thread, waiting at most
-    :data:`BACKEND_CALL_WAIT_S`; one that does not return by then is abandoned (its thread runs on), logged.
+    :data:`BACKEND_CALL_WAIT_S`; one that does not return by then is abandoned (its thread runs on), logged,
+    and False returned. What it raises is raised.
 
     Not asyncio's default executor: a call that never returns (a native library's nereid_unload) took one of
     its few threads for good, and a handful of them stalled every scan and large decode of the server, and
@@ -866,6 +867,8 @@ async def _bounded_backend_call(name: str, what: str, call: Callable[[], object]
     except TimeoutError:
         log.error("model '%s': %s did not return within %g s; abandoning it (its thread runs on)", name, what,
                   BACKEND_CALL_WAIT_S)
+        return False
+    return True
 
 
 def _reason(err: BaseException) -> str:

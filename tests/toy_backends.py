@@ -9,6 +9,7 @@ that moved from one that loaded again.
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -150,6 +151,16 @@ class ReportFailsModel(FaultyModel):
         raise RuntimeError("no report today")
 
 
+class UnloadHangsModel(FaultyModel):
+    """Its ``unload()`` does not return until ``UNLOAD_RELEASE`` is set (a native nereid_unload that blocks)."""
+
+    def unload(self) -> None:
+        UNLOAD_RELEASE.wait(60)
+
+
+UNLOAD_RELEASE = threading.Event()
+
+
 class StopIterationModel(FaultyModel):
     """Its ``load()`` makes a stray ``next()`` on an exhausted iterator."""
 
@@ -159,7 +170,7 @@ class StopIterationModel(FaultyModel):
 
 FAULTS = {"no_platform": NoPlatformModel, "no_infer": NoInferModel, "dependencies_fail": DependenciesFailModel,
           "terminate_fails": TerminateFailsModel, "report_fails": ReportFailsModel,
-          "stop_iteration": StopIterationModel}
+          "stop_iteration": StopIterationModel, "unload_hangs": UnloadHangsModel}
 
 
 class FaultyToys:

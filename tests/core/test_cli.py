@@ -321,6 +321,27 @@ def test_check_reports_a_failing_runtime_report_on_its_line_and_goes_on(tmp_path
     assert lines[2].endswith(": 1 model(s) with problems")
 
 
+def test_check_reports_an_unload_that_never_returns_and_goes_on(tmp_path, capsys, monkeypatch) -> None:
+    """A backend's unload that never returned (a native library's nereid_unload) hung the check for ever."""
+    import nereid.repository
+    from nereid.cli import check
+    from nereid.plugins import make_plugin_manager
+    from nereid.settings import load_settings
+
+    monkeypatch.setattr(nereid.repository, "BACKEND_CALL_WAIT_S", 0.3)
+    toy_backends.write_faulty(tmp_path / "ml-backends", "a_stuck", "unload_hangs")
+    toy_backends.write_toy(tmp_path / "ml-backends", "b_plain")
+    (tmp_path / "nereid.yaml").write_text('server:\n  ml_backends_path: "ml-backends"\n')
+    manager = make_plugin_manager(load_entry_points=False, extra_plugins=(toy_backends, toy_backends.FaultyToys()))
+    try:
+        assert check(load_settings(tmp_path / "nereid.yaml"), manager) == 1
+    finally:
+        toy_backends.UNLOAD_RELEASE.set()
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("a_stuck: UNLOAD DID NOT RETURN within 0.3 s; loaded as backend=faulty ")
+    assert lines[1].startswith("b_plain: OK backend=toy ")
+
+
 def test_a_killed_check_leaves_a_scratch_folder_the_next_server_start_removes(tmp_path, monkeypatch) -> None:
     # Named nereid-check-*, it matched no dead process's scratch and stayed in /tmp for ever.
     import tempfile
