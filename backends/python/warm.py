@@ -134,7 +134,7 @@ class WarmParent:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         for attempt in (1, 2):
             try:
-                pid, stdin_write, output_read, reply = self._start_run(env, exec_argv)
+                pid, stdin_write, output_read, reply, parent = self._start_run(env, exec_argv)
                 break
             except _RunNotStarted as err:
                 if attempt == 2:
@@ -151,30 +151,32 @@ class WarmParent:
             finally:
                 groups.discard(pid)
         if ended.get("silent"):
-            raise ModelFailure(f"model '{self.name}': its warm parent process (pid {self._kill_silent()}) did not "
-                               f"report the end of the run within {STOP_GRACE_S:g} s of its timeout (stopped or "
-                               "wedged); it was killed, and the next batch starts a new one")
+            # Not killed for it: its other runs may be fine and about to report. A parent really wedged fails
+            # the next batch's fork request, and is replaced then.
+            raise ModelFailure(f"model '{self.name}' timed out after {timeout_s:g} s (timeout_s in nereid.yaml); "
+                               f"its process group was killed, but its warm parent process (pid {parent.pid}) did "
+                               f"not report its end within {STOP_GRACE_S:g} s (stopped or wedged?)")
         if "status" not in ended:
             raise self._died("it ended while the run was in progress")
         return ProcessResult(ended["status"], not exited, tail)
 
-    def _kill_silent(self) -> int | None:
-        """Kill a parent that is alive but does not answer (stopped, wedged): the next batch starts a new one,
-        rather than wait on it again. Its pid."""
-        process = self._process
-        if process is None:
-            return None
+    @staticmethod
+    def _kill_silent(process: subprocess.Popen) -> int:
+        """Kill ``process``, a parent alive but not answering (stopped, wedged): the next batch starts a new one
+        rather than wait on it again. Its pid. (The one the batch went to: another thread may have replaced
+        ``self._process`` since.)"""
         kill_group(process.pid)  # its runs die with it (each has it as its death signal's parent)
         return process.pid
 
     def _start_run(self, env: dict[str, str],
-                   exec_argv: list[str] | None) -> tuple[int, int, int, socket.socket]:
-        """Hand the parent one run: its child's pid, our ends of its stdin and output pipes, the reply socket.
+                   exec_argv: list[str] | None) -> tuple[int, int, int, socket.socket, subprocess.Popen]:
+        """Hand the parent one run: its child's pid, our ends of its stdin and output pipes, the reply socket,
+        and the parent it went to.
 
         Raises _RunNotStarted when the parent is gone before it said it forked
         the run.
         """
-        control = self._running_control()
+        parent, control = self._running_control()
         if exec_argv is None and self.cold_reason is not None:  # (a restart may have just set it)
             exec_argv = self.cold_argv
         stdin_read, stdin_write = os.pipe2(os.O_CLOEXEC)
@@ -199,7 +201,7 @@ class WarmParent:
                 raise ModelFailure(f"model '{self.name}': its warm parent could not start the run: "
                                    f"{started['error']}")
             if started.get("silent"):  # alive (stopped, wedged): killed, and the batch not sent again
-                raise ModelFailure(f"model '{self.name}': its warm parent process (pid {self._kill_silent()}) did "
+                raise ModelFailure(f"model '{self.name}': its warm parent process (pid {self._kill_silent(parent)}) did "
                                    f"not answer within {REPLY_TIMEOUT_S:g} s; the batch was not run; the parent "
                                    "was killed, and the next batch starts a new one")
             if "pid" not in started:
@@ -209,9 +211,10 @@ class WarmParent:
             os.close(output_read)
             reply.close()
             raise
-        return started["pid"], stdin_write, output_read, reply
+        return started["pid"], stdin_write, output_read, reply, parent
 
-    def _running_control(self) -> socket.socket:
+    def _running_control(self) -> tuple[subprocess.Popen, socket.socket]:
+        """The running parent (started, or restarted if found dead) and its control socket."""
         with self._lock:
             if self._process is not None and self._process.poll() is not None:
                 log.warning("model '%s': warm parent (pid %d) %s; starting a new one", self.name,
@@ -236,8 +239,8 @@ class WarmParent:
                     except WarmStartUnavailable as again:
                         raise ModelFailure(f"model '{self.name}': its warm parent could not be restarted: "
                                            f"{again}") from None
-            assert self._control is not None
-            return self._control
+            assert self._process is not None and self._control is not None
+            return self._process, self._control
 
     def _not_started(self, what: str) -> ModelFailure:
         """The failure of a run the parent never started (its end of the sockets closed): _RunNotStarted
