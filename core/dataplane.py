@@ -94,9 +94,14 @@ class DataPlane:
 
     def refused(self, model_name: str, error: NereidError) -> None:
         """Count against its model a request its protocol refused before :meth:`infer` (unreadable, ...)."""
+        self.count_failure(model_name, error.reason)
+
+    def count_failure(self, model_name: str, reason: str) -> None:
+        """Count against its model a request that failed before :meth:`infer` with ``reason`` (a client gone
+        before its request could start: ``cancelled``)."""
         model = self._serving(model_name)
         if model is not None:
-            model.stats.record_failure(0, error.reason)
+            model.stats.record_failure(0, reason)
 
     @staticmethod
     def refuse_extension(extension: str) -> NoReturn:

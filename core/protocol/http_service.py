@@ -87,6 +87,10 @@ class HttpError(Exception):
 class Disconnected(Exception):
     """The client went away (before its body arrived, or before its answer): there is no one to answer."""
 
+    def __init__(self, message: str, *, before_start: bool = False) -> None:
+        super().__init__(message)
+        self.before_start = before_start  # gone before the data plane had the request: it counted nothing
+
 
 class HttpSurface:
     """The ASGI application: routes, body limits, and conversions to and from the data plane."""
@@ -197,8 +201,11 @@ class HttpSurface:
         except NereidError as err:
             self._counted(model, err.reason)
             raise
-        except Disconnected:
-            self._counted(model, cancellation_reason(request.deadline_ns, time.monotonic_ns()))
+        except Disconnected as gone:
+            reason = cancellation_reason(request.deadline_ns, time.monotonic_ns())
+            if gone.before_start:  # counted as the data plane counts a request cancelled in it
+                self.dataplane.count_failure(model, reason)
+            self._counted(model, reason)
             raise
         except asyncio.CancelledError:
             if not self.dataplane.shutting_down:
@@ -325,7 +332,7 @@ async def _unless_disconnected(call: Awaitable[Any], receive: Receive) -> Any:
         # Lost after its body was read and before this handler could be cancelled: it never starts.
         if inspect.iscoroutine(call):
             call.close()
-        raise Disconnected("before its answer: the request was not run")
+        raise Disconnected("before its answer: the request was not run", before_start=True)
     cycle.nereid_handler = asyncio.current_task()
     try:
         return await call

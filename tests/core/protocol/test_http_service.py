@@ -452,6 +452,35 @@ def test_a_client_that_disconnects_while_queued_has_its_request_dropped(repo, se
     assert stats["inference_stats"]["fail"]["count"] == 2  # each cancelled, once (the 4th never started)
 
 
+def test_a_request_whose_connection_was_lost_before_it_reached_the_model_never_runs_and_counts_once(served):
+    """A connection lost after the body was read and before the handler reached the model: the request is not
+    run; it counted in /metrics but not in the model's statistics (a regression of that check)."""
+    from nereid.protocol.http_service import HttpSurface
+
+    server, _ = served
+    body = json.dumps({"inputs": [{"name": "input", "shape": [1, 4], "datatype": "FP32",
+                                   "data": [1, 2, 3, 4]}]}).encode()
+
+    class LostCycle:  # uvicorn's request cycle, its connection already lost
+        disconnected = True
+
+        async def receive(self):
+            return {"type": "http.request", "body": body, "more_body": False}
+
+    sent: list = []
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v2/models/echo/infer",
+             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
+    surface = HttpSurface(server.server.dataplane, 1 << 20)
+    server.call(surface(scope, LostCycle().receive, send))
+    assert sent == []  # no one to answer
+    stats = server.server.repository.ready_model("echo").stats
+    assert (stats.success.count, stats.fail.count, stats.failures_by_reason) == (0, 1, {"cancelled": 1})
+
+
 def test_a_body_refused_while_decoding_counts_as_the_models_failure(served):
     server, base = served
     wrong = json.dumps({"inputs": [{"name": "input", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3]}]})
