@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import functools
 import importlib.util
 import logging
 import os
@@ -19,7 +20,7 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Mapping, Protocol
+from typing import Any, AsyncIterator, Callable, Mapping, Protocol, TypeVar
 
 import pluggy
 
@@ -47,6 +48,8 @@ log = logging.getLogger(__name__)
 NOT_LISTED_REASON = "not listed in nereid.yaml; load it with RepositoryModelLoad"
 # The longest a backend's unload or terminate_running is waited for before it is abandoned.
 BACKEND_CALL_WAIT_S = 30.0
+
+T = TypeVar("T")
 
 
 class PublicText(str):
@@ -372,7 +375,8 @@ class ModelRepository:
             # Look again now (off the loop): a store's listing is otherwise reused for a few seconds,
             # and a model just uploaded must load.
             await self.refresh()
-            if name not in self._entries and await asyncio.to_thread(store_holds_folder, self.settings.server, name):
+            if (name not in self._entries and self.settings.server.ml_backends_url is not None
+                    and await asyncio.to_thread(store_holds_folder, self.settings.server, name)):
                 # A listing of every folder can miss one (a listing page the store client drops for an
                 # unreadable key): asked for by name, it is looked for by name.
                 self._folder_found(name)
@@ -420,7 +424,8 @@ class ModelRepository:
         context = ModelContext(name, entry.folder, entry.settings, self._scratch_for(name), entry.settings_origin,
                                self.models)
         started = time.monotonic()
-        built = await _in_daemon_thread(self._build, context)
+        built = await _on_daemon_thread(functools.partial(self._build, context), f"nereid-load-{name}",
+                                        functools.partial(_unload_unclaimed, name))
         load_seconds = time.monotonic() - started
         scheduler: ModelScheduler | None = None
         try:
@@ -764,17 +769,21 @@ def _is_folder_name(name: str) -> bool:
     return bool(name) and len(name) <= 255 and "/" not in name and "\0" not in name and not name.startswith(".")
 
 
-def _in_daemon_thread(function: Callable[[ModelContext], BuiltModel], context: ModelContext) -> asyncio.Future:
-    """Run a model build on a daemon thread; the returned future carries its result.
+def _on_daemon_thread(call: Callable[[], T], thread_name: str,
+                      unclaimed: Callable[[T], None] | None = None) -> asyncio.Future:
+    """Run ``call`` on a daemon thread; the returned future carries its result, or whatever it raised.
 
-    Not the default executor: asyncio.run() and the interpreter both wait for
-    executor threads at exit, so a 66 s load delayed SIGTERM by 71 s. A build
-    abandoned by a cancelled caller finishes alone, and its model is unloaded.
+    Not asyncio's default executor: asyncio.run() and the interpreter both wait
+    for its threads at exit (a 66 s load delayed SIGTERM by 71 s), and a call
+    that never returns (a native library's nereid_unload) took one of its few
+    threads for good, stalling every scan and large decode of the server. A
+    result nobody takes any more (its caller cancelled the future, or the loop
+    has closed) goes to ``unclaimed``, on the thread.
     """
     loop = asyncio.get_running_loop()
     future: asyncio.Future = loop.create_future()
 
-    def deliver(result: BuiltModel | None, error: BaseException | None) -> None:
+    def deliver(result: T | None, error: BaseException | None) -> None:
         if future.cancelled():
             return
         if error is not None:
@@ -785,26 +794,31 @@ def _in_daemon_thread(function: Callable[[ModelContext], BuiltModel], context: M
     def run() -> None:
         result, error = None, None
         try:
-            result = without_stop_iteration(function, context)
+            result = without_stop_iteration(call)
         except BaseException as err:  # handed to the caller, whatever it is
             error = err
-        if future.cancelled():
-            if result is not None:
-                log.info("model '%s': load finished after it was abandoned; unloading it", context.name)
-                try:
-                    result.backend.unload()
-                except Exception:
-                    log.exception("model '%s': unload after an abandoned load failed", context.name)
-            return
-        try:
-            loop.call_soon_threadsafe(deliver, result, error)
-        except RuntimeError:  # the loop has closed: nobody waits any more
-            if result is not None:
-                result.backend.unload()
-        del error  # no traceback cycle through this frame
+        if not future.cancelled():
+            try:
+                loop.call_soon_threadsafe(deliver, result, error)
+                return
+            except RuntimeError:  # the loop has closed: nobody waits any more
+                pass
+            finally:
+                del error  # no traceback cycle through this frame
+        if result is not None and unclaimed is not None:
+            unclaimed(result)
 
-    threading.Thread(target=run, name=f"nereid-load-{context.name}", daemon=True).start()
+    threading.Thread(target=run, name=thread_name, daemon=True).start()
     return future
+
+
+def _unload_unclaimed(name: str, built: BuiltModel) -> None:
+    """Unload a model whose load finished after its caller abandoned it: what its ``load()`` acquired must not leak."""
+    log.info("model '%s': load finished after it was abandoned; unloading it", name)
+    try:
+        built.backend.unload()
+    except Exception:
+        log.exception("model '%s': unload after an abandoned load failed", name)
 
 
 async def _terminate(name: str, backend: Model) -> None:
@@ -834,34 +848,16 @@ async def bounded_backend_call(name: str, what: str, call: Callable[[], object])
     """Run a backend's ``unload`` or ``terminate_running`` on a daemon thread, waiting at most
     :data:`BACKEND_CALL_WAIT_S`; one that does not return by then is abandoned (its thread runs on), logged,
     and False returned. What it raises is raised.
-
-    Not asyncio's default executor: a call that never returns (a native library's nereid_unload) took one of
-    its few threads for good, and a handful of them stalled every scan and large decode of the server, and
-    its exit.
     """
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future = loop.create_future()
-
-    def deliver(error: Exception | None) -> None:
-        if done.done():
-            return
-        if error is not None:
-            done.set_exception(error)
-        else:
-            done.set_result(None)
-
-    def run() -> None:
-        error: Exception | None = None
+    def guarded() -> object:
         try:
-            without_stop_iteration(call)
-        except Exception as err:
-            error = err
+            return call()
+        except Exception:
+            raise
         except BaseException as err:  # sys.exit() in a backend's unload is no exit of the server's
-            error = RuntimeError(describe_exception(err))
-        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits any more
-            loop.call_soon_threadsafe(deliver, error)
+            raise RuntimeError(describe_exception(err)) from None
 
-    threading.Thread(target=run, name=f"nereid-{what}-{name}", daemon=True).start()
+    done = _on_daemon_thread(guarded, f"nereid-{what}-{name}")
     try:
         await asyncio.wait_for(asyncio.shield(done), BACKEND_CALL_WAIT_S)
     except TimeoutError:

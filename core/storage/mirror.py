@@ -334,10 +334,8 @@ def materialize(location: StoreURL, name: str, folder: Path) -> RemoteFolder:
         raise StorageError(f"{folder_url}: no such model folder (no objects under it)")
     try:
         folder.mkdir(parents=True, exist_ok=True)
-    except OSError as err:  # a name the bucket takes but the local file system refuses (over 255 bytes)
-        hint = " (a local file system allows 255 bytes per name)" if err.errno == errno.ENAMETOOLONG else ""
-        raise StorageError(f"{folder_url}: cannot make its folder in the local cache ({folder}, under "
-                           f"server.cache_dir): {err.strerror or err}{hint}") from None
+    except OSError as err:
+        raise _cache_write_failed(str(folder_url), "make its folder in", folder, err) from None
     with locked(folder.parent / _lock_name(name)):
         previous = read_marker(folder)
         fetched: dict[str, RemoteObject] = {}
@@ -461,14 +459,20 @@ def _fetch(store: Any, folder_url: StoreURL, item: RemoteObject, target: Path) -
         target.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(target, [memoryview(data)])
         written = os.lstat(target)
-    except OSError as err:  # a name the bucket takes but the local file system refuses (over 255 bytes), a full disk
-        hint = " (a local file system allows 255 bytes per name)" if err.errno == errno.ENAMETOOLONG else ""
-        raise StorageError(f"{url}: cannot write it into the local cache ({target}, under server.cache_dir): "
-                           f"{err.strerror or err}{hint}") from None
+    except OSError as err:
+        raise _cache_write_failed(url, "write it into", target, err) from None
     # Recorded as the listing gave it, since the next load compares it with the next listing: a GET also says
     # the version (a versioned bucket) where a listing says none, and the file would never match again. The
     # written file's mtime is recorded too: a copy changed in place since, even to the same size, is fetched again.
     return replace(item, mtime_ns=written.st_mtime_ns)
+
+
+def _cache_write_failed(url: str, what: str, path: Path, err: OSError) -> StorageError:
+    """The error of ``url``'s copy that the local cache refused: a name the bucket takes but the local file
+    system does not (over 255 bytes), a full disk."""
+    hint = " (a local file system allows 255 bytes per name)" if err.errno == errno.ENAMETOOLONG else ""
+    return StorageError(f"{url}: cannot {what} the local cache ({path}, under server.cache_dir): "
+                        f"{err.strerror or err}{hint}")
 
 
 def _is_as_written(path: Path, item: RemoteObject) -> bool:

@@ -429,14 +429,10 @@ def test_a_folder_name_too_long_for_the_local_disk_fails_only_its_own_load(s3, s
     assert index[long_name][0] == "UNAVAILABLE" and "File name too long" in index[long_name][1], index[long_name]
     x = np.arange(4, dtype=np.float32).reshape(1, 4)
     np.testing.assert_array_equal(_echo(server.client, "echo", x), x)
-    from nereid.storage import StorageError, materialize_model_folder
+    from nereid.storage import materialize_model_folder
 
-    with pytest.raises(StorageError) as caught:
-        materialize_model_folder(server.server.settings.server, long_name)
-    message = str(caught.value)
-    assert message.startswith(f"{s3.url(long_name)}: cannot make its folder in the local cache (")
-    assert message.endswith(", under server.cache_dir): File name too long (a local file system allows 255 bytes "
-                            "per name)")
+    _refused_as_too_long(lambda: materialize_model_folder(server.server.settings.server, long_name),
+                         f"{s3.url(long_name)}: cannot make its folder in")
 
 
 def test_a_path_that_turns_from_a_file_into_a_folder_and_back_is_fetched(s3, tmp_path) -> None:
@@ -605,7 +601,7 @@ def test_a_weights_object_gone_from_the_bucket_is_not_read_again(s3) -> None:
 
 def test_a_file_name_of_up_to_255_bytes_is_fetched_and_a_longer_one_is_named(s3, tmp_path) -> None:
     # The temporary name a fetched file is written under must fit too (".<name>.<token>.<pid>.partial").
-    from nereid.storage import StorageError, materialize_model_folder
+    from nereid.storage import materialize_model_folder
 
     server = load_settings(_config(tmp_path, s3.url())).server
     long_name = "d" * 251 + ".dat"  # 255 bytes: legal locally
@@ -616,10 +612,17 @@ def test_a_file_name_of_up_to_255_bytes_is_fetched_and_a_longer_one_is_named(s3,
     assert not [p.name for p in local.iterdir() if p.name.endswith(".partial")]
     too_long = "e" * 252 + ".dat"
     obstore.put(s3.store, f"{s3.prefix}/m/{too_long}", b"data")
+    _refused_as_too_long(lambda: materialize_model_folder(server, "m"), f"{s3.url('m', too_long)}: cannot write it into")
+
+
+def _refused_as_too_long(call, start: str) -> None:
+    """``call`` fails with a StorageError that starts with ``start`` and names the local limit on a name's length."""
+    from nereid.storage import StorageError
+
     with pytest.raises(StorageError) as caught:
-        materialize_model_folder(server, "m")
+        call()
     message = str(caught.value)
-    assert message.startswith(f"{s3.url('m', too_long)}: cannot write it into the local cache ("), message
+    assert message.startswith(f"{start} the local cache ("), message
     assert message.endswith(", under server.cache_dir): File name too long (a local file system allows 255 bytes "
                             "per name)")
 
