@@ -89,11 +89,12 @@ class SubprocessModel:
             if result.returncode != 0:
                 tail = f"; output tail: {result.output_tail}" if result.output_tail else ""
                 raise ModelFailure(f"model '{name}' {result.describe()}{tail}")
-            if output_path.is_symlink() or not output_path.is_file():
-                # (A symlink is not the model's output: followed, the server would read, and quote in its
-                # error, a file the model pointed it at.)
+            # (A symlink is not the model's output: followed, the server would read, and quote in its error,
+            # a file the model pointed it at.)
+            symlink = output_path.is_symlink()
+            if symlink or not output_path.is_file():
                 raise ModelFailure(f"model '{name}' exited 0 without writing its output tensor to "
-                                   "NEREID_OUTPUT_PATH" + (" (a symlink is there)" if output_path.is_symlink() else ""))
+                                   "NEREID_OUTPUT_PATH" + (" (a symlink is there)" if symlink else ""))
             return self._read_outputs(output_path, batch)
         finally:
             shutil.rmtree(work_dir, ignore_errors=True)
