@@ -50,18 +50,18 @@ class RateLimitedLog:
         """Log ``message % args`` at WARNING unless over the limit; True when it was written."""
         return self.log(logging.WARNING, message, *args)
 
-    def error(self, message: str, *args: object) -> bool:
-        """Log ``message % args`` at ERROR unless over the limit; True when it was written."""
-        return self.log(logging.ERROR, message, *args)
+    def error(self, message: str, *args: object, exc_info: BaseException | None = None) -> bool:
+        """Log ``message % args`` at ERROR (with ``exc_info``'s traceback) unless over the limit."""
+        return self.log(logging.ERROR, message, *args, exc_info=exc_info)
 
-    def log(self, level: int, message: str, *args: object) -> bool:
+    def log(self, level: int, message: str, *args: object, exc_info: BaseException | None = None) -> bool:
         """Log ``message % args`` at ``level`` unless over the limit; True when it was written."""
         suppressed = self._budget.take()
         if suppressed is None:
             return False
         if suppressed:
             message += f" ({suppressed} similar message(s) suppressed before this one)"
-        self._logger.log(level, message, *args)
+        self._logger.log(level, message, *args, exc_info=exc_info)
         return True
 
 

@@ -26,6 +26,7 @@ from nereid.batching import BatchPolicy, batch_key, deadline_passed, request_cos
 from nereid.daemon_pool import DaemonThreadPool
 from nereid.errors import (DeadlineExceeded, ModelFailure, ModelRetired, NereidError, QueueFull, Unavailable,
                            describe_exception)
+from nereid.log_limit import RateLimitedLog
 from nereid.signature import ModelSignature, check_outputs
 from nereid.stats import ModelStats
 from nereid.tensors import NamedTensor
@@ -69,6 +70,9 @@ class ModelScheduler:
         self._backend = backend
         self._signature = signature
         self._stats = stats
+        # Each model fault is logged: the client has the message, the operator needs it too. Limited per
+        # model, so a model failing every request at full speed neither fills the disk nor hides another's.
+        self._fault_log = RateLimitedLog(log)
         self._pending: collections.deque[Work] = collections.deque()
         self._arrived = asyncio.Event()
         self._free_slots = instances  # executions that may start now
@@ -342,7 +346,9 @@ class ModelScheduler:
             output_ns = time.monotonic_ns() - start - infer_ns
             succeeded = True
             return results
-        except NereidError:
+        except NereidError as err:
+            if isinstance(err, ModelFailure) and not isinstance(err, _LoggedModelFailure):
+                self._fault_log.error("%s", err)  # the backend's own word for its fault (a run that failed)
             raise
         except (Exception, *MODEL_EXITS) as err:  # a model fault, whatever the backend raised
             raise self._model_fault(err) from err
@@ -359,8 +365,8 @@ class ModelScheduler:
 
     def _model_fault(self, error: BaseException, during: str = "") -> ModelFailure:
         """The ModelFailure a caller gets for ``error`` raised by model code (logged with its traceback)."""
-        log.error("model '%s' raised%s", self.name, f" in {during}" if during else "", exc_info=error)
-        return ModelFailure(f"model '{self.name}' failed: {during + ': ' if during else ''}"
+        self._fault_log.error("model '%s' raised%s", self.name, f" in {during}" if during else "", exc_info=error)
+        return _LoggedModelFailure(f"model '{self.name}' failed: {during + ': ' if during else ''}"
                             f"{describe_exception(error)}")
 
     def _assemble(self, requests: list[list[NamedTensor]], total: int) -> tuple[list[NamedTensor], bool]:
@@ -450,6 +456,10 @@ class ModelScheduler:
             waiter.set_exception(error)
         else:
             waiter.set_result(result)
+
+
+class _LoggedModelFailure(ModelFailure):
+    """A model fault whose traceback was logged where it was caught (not to be logged again)."""
 
 
 async def _wait_event(event: asyncio.Event, timeout_s: float | None) -> bool:

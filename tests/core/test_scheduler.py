@@ -427,6 +427,42 @@ def test_whatever_infer_raises_is_a_model_fault_and_the_model_serves_on(error, m
     run(scenario())
 
 
+class FailingAlways:
+    """A backend whose every run fails: as a subprocess does (a ModelFailure of its own), or by raising."""
+
+    platform = "test"
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    def infer(self, inputs: list[NamedTensor]) -> list[NamedTensor]:
+        raise self.error
+
+
+@pytest.mark.parametrize("error, traceback", [
+    (ModelFailure("model 'm': main.py exited with status 1: ValueError: bad row"), False),
+    (ValueError("bad row"), True),
+], ids=["backend's ModelFailure", "exception"])
+def test_each_model_fault_is_logged_once_with_its_reason_and_limited(error, traceback, caplog) -> None:
+    """Defect: a backend's own ModelFailure (a main.py that exited 1, with its traceback) reached the client
+    only, so the operator's log said nothing; and an exception's traceback was logged for every request
+    without limit (a model failing at full speed filled the disk)."""
+    async def scenario() -> None:
+        scheduler = ModelScheduler("m", FailingAlways(error), SIGNATURE, capacity=4, instances=1,
+                                   stats=ModelStats())
+        for _ in range(15):
+            with pytest.raises(ModelFailure, match="bad row"):
+                await asyncio.wait_for(scheduler.submit(rows(1), 1, 0), 5)
+        await scheduler.drain()
+    with caplog.at_level("ERROR", logger="nereid.scheduler"):
+        run(scenario())
+    records = [r for r in caplog.records if r.name == "nereid.scheduler"]
+    assert len(records) == 10  # RateLimitedLog's burst: 10 lines per 10 s, the rest counted
+    assert all("model 'm'" in r.getMessage() for r in records)
+    assert all("bad row" in r.getMessage() or "bad row" in str(r.exc_info[1]) for r in records)
+    assert all((r.exc_info is not None) == traceback for r in records)
+
+
 class CancelledInBatches(AwaitingDouble):
     """Doubles a lone request; an awaited call of its own is cancelled when it runs a coalesced batch."""
 
