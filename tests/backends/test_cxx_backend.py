@@ -143,6 +143,13 @@ extern "C" int nereid_infer(void* state, const nereid_tensor* in, size_t n_in, n
         if (mode == 5) { static float elsewhere[64]; out[0].data = elsewhere; return 0; }
         if (mode == 6) { static int64_t other[2] = {1, 99}; out[0].shape = other; return 0; }
         if (mode == 7) { const_cast<int64_t*>(out[0].shape)[1] = 99; return 0; }  // writes through its shape
+        if (mode == 8) { doubled(in[0], out[0]); static_cast<float*>(out[0].data)[out[0].byte_size / 4] = 1; return 0; }
+        if (mode == 9) { doubled(in[0], out[0]); static_cast<float*>(out[0].data)[-1] = 1; return 0; }
+        if (mode == 10) {  // a whole extra row (of 8 floats): an off-by-one batch loop
+            float* y = static_cast<float*>(out[0].data);
+            for (int i = 0; i < 8; ++i) y[out[0].byte_size / 4 + i] = 0;
+            return 0;
+        }
         return doubled(in[0], out[0]);
     }
     nereid_set_error(error, error_size, "unknown test model %s", s->name.c_str());
@@ -352,6 +359,10 @@ def test_model_faults_are_internal_with_the_library_text(repo, serve, libs):
     for mode in (5, 6, 7):
         fail(mode, "changed the description of output 'output' (data, byte_size, rank or shape)",
              "preallocated buffer of 32 bytes")
+    # Defect: a write past (or before) an output buffer went unnoticed, corrupting the server's memory.
+    fail(8, "nereid_infer wrote past the end of output 'output' (its buffer is 32 bytes, shape [1, 8])")
+    fail(9, "nereid_infer wrote before the start of output 'output'")
+    fail(10, "nereid_infer wrote past the end of output 'output'")  # zeroes, not the guard byte: caught too
     # the model still serves
     assert server.client.infer("faulty", [tensor("input", ROWS)]).as_numpy("output").tolist() == (ROWS * 2).tolist()
 
