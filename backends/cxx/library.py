@@ -54,6 +54,33 @@ def _loader() -> ctypes.CDLL:
     return libc
 
 
+# ELF e_machine values of the machines a library is most often built for by mistake.
+_MACHINE_NAMES = {3: "x86 (32-bit)", 8: "MIPS", 20: "PowerPC", 21: "PowerPC64", 22: "s390x", 40: "ARM (32-bit)",
+                  62: "x86-64", 183: "AArch64", 243: "RISC-V", 258: "LoongArch"}
+
+
+def _elf_machine(path: Path | str) -> int | None:
+    """The ELF header's e_machine of ``path`` (in the file's own byte order); None when not an ELF file."""
+    try:
+        with open(path, "rb") as file:
+            header = file.read(20)
+    except OSError:
+        return None
+    if len(header) < 20 or header[:4] != b"\x7fELF" or header[5] not in (1, 2):
+        return None
+    return int.from_bytes(header[18:20], "little" if header[5] == 1 else "big")
+
+
+def _foreign_machine(path: Path) -> str | None:
+    """Why ``path`` cannot load here when it was built for another machine than this server's; else None."""
+    theirs, ours = _elf_machine(path), _elf_machine("/proc/self/exe")
+    if theirs is None or ours is None or theirs == ours:
+        return None
+    def name(machine: int) -> str:
+        return _MACHINE_NAMES.get(machine, f"ELF machine {machine}")
+    return f"it is built for {name(theirs)}, and this server runs on {name(ours)}: build it for this machine"
+
+
 class NativeLibrary:
     """A private copy of a shared library, dlopened with its nereid symbols looked up.
 
@@ -79,6 +106,8 @@ class NativeLibrary:
         if not self._handle:
             # The loader names the file it was given: name the user's instead, once.
             message = self._dlerror().removeprefix(f"{self._copy}: ").replace(str(self._copy), str(path))
+            # glibc says "No such file or directory" of a library built for another machine.
+            message = _foreign_machine(self._copy) or message
             self._copy.unlink(missing_ok=True)
             raise ConfigError(f"model '{model}': cannot load shared library {path}: {message}")
         try:

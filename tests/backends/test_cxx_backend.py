@@ -216,7 +216,11 @@ def libs(tmp_path_factory) -> dict[str, Path]:
         _, err = build.communicate(timeout=120)
         assert build.returncode == 0, f"{name}: {err}"
     (root / "libgarbage.so").write_text("this is not an ELF file\n" * 10)
-    return {name: root / f"lib{name}.so" for name in (*sources, "garbage")}
+    # The same library claiming another machine in its ELF header (e_machine, 2 bytes at offset 18).
+    foreign = bytearray((root / "libnoinfer.so").read_bytes())
+    foreign[18:20] = (62 if foreign[18:20] == (183).to_bytes(2, "little") else 183).to_bytes(2, "little")
+    (root / "libforeign.so").write_bytes(foreign)
+    return {name: root / f"lib{name}.so" for name in (*sources, "garbage", "foreign")}
 
 
 def index_of(server) -> dict[str, tuple[str, str]]:
@@ -368,7 +372,7 @@ def test_model_faults_are_internal_with_the_library_text(repo, serve, libs):
 
 
 def test_models_the_cxx_backend_refuses_are_unavailable_with_a_reason(repo, serve, libs, tmp_path):
-    for name in ("missing", "garbage", "undefined", "noinfer", "refuse_load", "no_runtime", "both_options",
+    for name in ("missing", "garbage", "foreign", "undefined", "noinfer", "refuse_load", "no_runtime", "both_options",
                  "unknown_option", "on_gpu", "textproto_only", "broken_source", "library_folder", "source_fifo"):
         scale_model(repo, name)
     repo.add("no_textproto", None)
@@ -383,6 +387,7 @@ def test_models_the_cxx_backend_refuses_are_unavailable_with_a_reason(repo, serv
     server = serve(repo.write_config(
         entry("missing", '{library: "build/libmissing.so"}') +
         entry("garbage", f'{{library: "{libs["garbage"]}"}}') +
+        entry("foreign", f'{{library: "{libs["foreign"]}"}}') +
         entry("undefined", f'{{library: "{libs["undefined"]}"}}') +
         entry("noinfer", f'{{library: "{libs["noinfer"]}"}}') +
         entry("refuse_load", multi) +
@@ -399,13 +404,16 @@ def test_models_the_cxx_backend_refuses_are_unavailable_with_a_reason(repo, serv
     expected = {
         "missing": ["build/libmissing.so does not exist"],  # resolved against nereid.yaml's folder
         "garbage": [f"cannot load shared library {libs['garbage']}: ", "invalid ELF header"],
+        # Defect: glibc's "cannot open shared object file: No such file or directory", of a file that exists.
+        "foreign": [f"cannot load shared library {libs['foreign']}: it is built for ",
+                    "and this server runs on ", "build it for this machine"],
         "undefined": [f"cannot load shared library {libs['undefined']}: ",
                       "undefined symbol: nereid_missing_dependency_xyz"],
         "noinfer": [f"shared library {libs['noinfer']} does not export nereid_infer"],
         "refuse_load": [f"nereid_load in {libs['multi']} returned 3: cannot open ", "refuse_load/weights.bin"],
         "no_runtime": ["needs exactly one of runtime.library", "runtime.sources"],
         "both_options": ["needs exactly one of runtime.library"],
-        "unknown_option": ["models[7].runtime.flavour: unknown option of the cxx backend", "got 1"],
+        "unknown_option": ["models[8].runtime.flavour: unknown option of the cxx backend", "got 1"],
         "on_gpu": ["runs on the CPU", "cuda:0"],
         "textproto_only": ["no backend claims",
                            "is a cxx model: declare it in nereid.yaml with backend: cxx and runtime: {library: PATH}"],
