@@ -6,6 +6,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import shlex
 import shutil
 from pathlib import Path
 
@@ -27,20 +28,34 @@ MESSAGE_TAIL_CHARS = 4000
 
 log = logging.getLogger(__name__)
 
+# The compiler command: the program's resolved path, then the words that followed it in $CXX
+# (CXX="ccache g++", as make and CMake take it).
+Compiler = tuple[str, ...]
 
-def find_compiler() -> str:
-    """The C++ compiler: ``$CXX``, else ``c++`` on PATH."""
-    name = os.environ.get("CXX", "c++")
-    path = shutil.which(name)
+
+def find_compiler() -> Compiler:
+    """The C++ compiler command: ``$CXX`` split as a shell would (``ccache g++``), else ``c++`` on PATH."""
+    text = os.environ.get("CXX", "c++")
+    try:
+        words = shlex.split(text)
+    except ValueError as err:
+        raise ConfigError(f"no C++ compiler: CXX={text!r} cannot be split into words ({err})") from None
+    path = shutil.which(words[0]) if words else None
     if path is None:
-        raise ConfigError(f"no C++ compiler: '{name}' is not on PATH (set CXX or install g++)")
-    return path
+        raise ConfigError(f"no C++ compiler: '{words[0] if words else text}' is not on PATH "
+                          "(set CXX or install g++)")
+    return (path, *words[1:])
 
 
-def source_hash(folder: Path, compiler: str) -> str:
+def compiler_key(compiler: Compiler) -> bytes:
+    """The compiler command as a build key's part (a lone path keys as it did before CXX took words)."""
+    return "\0".join(compiler).encode()
+
+
+def source_hash(folder: Path, compiler: Compiler) -> str:
     """A key over every C++ source and header in the folder and its subfolders, the compiler and the flags."""
     digest = hashlib.sha256()
-    digest.update(compiler.encode())
+    digest.update(compiler_key(compiler))
     digest.update(" ".join(CXX_FLAGS).encode())
     for path in code_files(folder, SOURCE_SUFFIXES):
         digest.update(str(path.relative_to(folder)).encode() + b"\0" + path.read_bytes() + b"\0")
@@ -61,7 +76,7 @@ def code_files(folder: Path, suffixes: tuple[str, ...]) -> list[Path]:
     return found
 
 
-def compile_to(compiler: str, arguments: list[str], target: Path, cwd: Path, what: str) -> None:
+def compile_to(compiler: Compiler, arguments: list[str], target: Path, cwd: Path, what: str) -> None:
     """Run ``compiler arguments -o TARGET`` through a temporary name renamed into place.
 
     An interrupted or concurrent build never leaves a half-written file under
@@ -72,18 +87,18 @@ def compile_to(compiler: str, arguments: list[str], target: Path, cwd: Path, wha
     """
     remove_stale_partials(target.parent)
     partial = target.parent / f".{target.name}.{os.getpid()}.partial"
-    completed = run_model_process([compiler, *arguments, "-o", str(partial)], cwd=cwd, env=dict(os.environ),
+    completed = run_model_process([*compiler, *arguments, "-o", str(partial)], cwd=cwd, env=dict(os.environ),
                                   stdin=b"", timeout_s=COMPILE_TIMEOUT_S, tail_bytes=MESSAGE_TAIL_CHARS)
     if completed.timed_out or completed.returncode != 0:
         partial.unlink(missing_ok=True)
         if completed.timed_out:
             raise ConfigError(f"{what}: compilation took longer than {COMPILE_TIMEOUT_S} s")
-        raise ConfigError(f"{what}: compilation failed ({os.path.basename(compiler)} {completed.describe()}):\n"
+        raise ConfigError(f"{what}: compilation failed ({os.path.basename(compiler[0])} {completed.describe()}):\n"
                           f"{completed.output_tail}")
     os.replace(partial, target)
 
 
-def cached_build(compiler: str, arguments: list[str], name: str, stale: str, *, model: str, folder: Path,
+def cached_build(compiler: Compiler, arguments: list[str], name: str, stale: str, *, model: str, folder: Path,
                  scratch: Path, what: str, executable: bool = False) -> Path:
     """``<folder>/.cache/<name>``, compiled only when missing; in ``scratch`` when .cache/ cannot be written.
 

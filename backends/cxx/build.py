@@ -17,7 +17,8 @@ import os
 from importlib import resources
 from pathlib import Path
 
-from nereid.backends.cpp.compiler import CXX_FLAGS, HEADER_SUFFIXES, cached_build, code_files, find_compiler
+from nereid.backends.cpp.compiler import (CXX_FLAGS, HEADER_SUFFIXES, Compiler, cached_build, code_files,
+                                          compiler_key, find_compiler)
 from nereid.backends.cxx import HEADER_NAME
 from nereid.backends.subprocess.runner import run_model_process
 from nereid.errors import ConfigError
@@ -30,7 +31,7 @@ VERSION_PROBE_TIMEOUT_S = 30
 
 
 @functools.lru_cache(maxsize=8)
-def shared_flags(compiler: str) -> tuple[str, ...]:
+def shared_flags(compiler: Compiler) -> tuple[str, ...]:
     """The flags that make a shared library of the sources, for this compiler.
 
     GCC marks function-local statics of inline functions and templates
@@ -44,7 +45,7 @@ def shared_flags(compiler: str) -> tuple[str, ...]:
     children too).
     """
     try:
-        probe = run_model_process([compiler, "--version"], cwd="/", env=dict(os.environ), stdin=b"",
+        probe = run_model_process([*compiler, "--version"], cwd="/", env=dict(os.environ), stdin=b"",
                                   timeout_s=VERSION_PROBE_TIMEOUT_S)
         version = "" if probe.timed_out else probe.output_tail
     except OSError:
@@ -62,7 +63,7 @@ def header_dir() -> Path:
     return header_path().parent
 
 
-def library_hash(sources: tuple[Path, ...], compiler: str, folder: Path) -> str:
+def library_hash(sources: tuple[Path, ...], compiler: Compiler, folder: Path) -> str:
     """A key over the compiler, the flags, nereid's header, the sources and the headers beside and below them,
     and every header of the model folder when a source is in it (``src/model.cpp`` may include
     ``../include/factor.h``: an edit there must rebuild, as it does a cpp model).
@@ -72,7 +73,7 @@ def library_hash(sources: tuple[Path, ...], compiler: str, folder: Path) -> str:
     its library; a file outside the folder is keyed by its absolute path.
     """
     digest = hashlib.sha256()
-    digest.update(compiler.encode() + b"\0" + " ".join((*CXX_FLAGS, *shared_flags(compiler))).encode() + b"\0")
+    digest.update(compiler_key(compiler) + b"\0" + " ".join((*CXX_FLAGS, *shared_flags(compiler))).encode() + b"\0")
     digest.update((header_dir() / HEADER_NAME).read_bytes() + b"\0")
     parents = {s.parent for s in sources}
     if any(_key_name(source, folder) != str(source) for source in sources):  # a source in the model folder

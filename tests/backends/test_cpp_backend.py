@@ -17,6 +17,7 @@ import tritonclient.grpc as triton
 from tritonclient.utils import InferenceServerException
 
 from nereid.backends.cpp import compiler
+from nereid.errors import ConfigError
 from nereid.backends.cpp.compiler import source_hash
 from support import ECHO_MAIN, textproto_single, zombie_children
 
@@ -129,14 +130,14 @@ def test_every_header_an_include_can_reach_is_in_the_key_and_the_cache_is_not(tm
     for name in ("include/factor.h", "more.hxx", "detail/impl.inl", ".cache/main-old", "weights.bin"):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text("1\n")
-    key = source_hash(tmp_path, "c++")
+    key = source_hash(tmp_path, ("c++",))
     for name in ("include/factor.h", "more.hxx", "detail/impl.inl"):
         (tmp_path / name).write_text("2\n")
-        assert source_hash(tmp_path, "c++") != key, name
-        key = source_hash(tmp_path, "c++")
+        assert source_hash(tmp_path, ("c++",)) != key, name
+        key = source_hash(tmp_path, ("c++",))
     for name in (".cache/main-old", "weights.bin"):
         (tmp_path / name).write_text("2\n")
-    assert source_hash(tmp_path, "c++") == key
+    assert source_hash(tmp_path, ("c++",)) == key
 
 
 def test_compile_error_is_unavailable_with_the_compiler_message(repo, serve, no_zombies):
@@ -326,3 +327,25 @@ def test_a_full_disk_while_publishing_the_build_leaves_no_partial_and_serves_fro
     assert "model 'full'" in warning.getMessage() and os.strerror(errno.ENOSPC) in warning.getMessage()
     monkeypatch.undo()
     assert compiler.build_binary(folder, "main.cpp", scratch, "full") == built  # reused in this server
+
+
+def test_cxx_may_hold_a_wrapper_and_its_words_as_make_takes_it(tmp_path, monkeypatch):
+    """Defect: CXX="ccache g++" was looked up as one program named 'ccache g++' (no compiler on PATH)."""
+    log = tmp_path / "wrapper.log"
+    wrapper = tmp_path / "bin" / "cc-wrap"
+    wrapper.parent.mkdir()
+    wrapper.write_text(f'#!/bin/sh\necho "$1" >> "{log}"\nexec "$@"\n')  # as ccache does: runs its arguments
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{wrapper.parent}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("CXX", "cc-wrap 'c++'")
+    assert compiler.find_compiler() == (str(wrapper), "c++")
+    folder = tmp_path / "model"
+    shutil.copytree(EXAMPLES / "cpp_scale", folder, ignore=shutil.ignore_patterns(".cache"))
+    (tmp_path / "scratch").mkdir()
+    built = compiler.build_binary(folder, "main.cpp", tmp_path / "scratch", "wrapped")
+    assert os.access(built, os.X_OK) and log.read_text() == "c++\n"
+    # A lone compiler keys its builds as before this change: existing caches stay valid.
+    assert compiler.compiler_key(("/usr/bin/c++",)) == b"/usr/bin/c++"
+    monkeypatch.setenv("CXX", "cc-wrap 'c++")
+    with pytest.raises(ConfigError, match="CXX=\"cc-wrap 'c\\+\\+\" cannot be split into words"):
+        compiler.find_compiler()

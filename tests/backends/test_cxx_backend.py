@@ -637,16 +637,16 @@ def test_the_library_key_covers_sources_by_their_place_in_the_model_folder(tmp_p
         (folder / "include").mkdir(parents=True)
         (folder / "model.cpp").write_text('#include "include/k.h"\n')
         (folder / "include" / "k.h").write_text("constexpr int k = 1;\n")
-        keys.append(library_hash((folder / "model.cpp",), CXX, folder))
+        keys.append(library_hash((folder / "model.cpp",), (CXX,), folder))
     assert keys[0] == keys[1]  # the same sources anywhere: the same library
     (folder / "include" / "k.h").write_text("constexpr int k = 2;\n")
-    assert library_hash((folder / "model.cpp",), CXX, folder) != keys[0]  # headers below still count
+    assert library_hash((folder / "model.cpp",), (CXX,), folder) != keys[0]  # headers below still count
     # A source outside the model folder keeps its absolute path in the key.
-    first = library_hash((tmp_path / "a" / "model" / "model.cpp", outside), CXX, tmp_path / "a" / "model")
+    first = library_hash((tmp_path / "a" / "model" / "model.cpp", outside), (CXX,), tmp_path / "a" / "model")
     elsewhere = tmp_path / "other" / "common.cpp"
     elsewhere.parent.mkdir()
     shutil.copy(outside, elsewhere)
-    assert library_hash((tmp_path / "a" / "model" / "model.cpp", elsewhere), CXX, tmp_path / "a" / "model") != first
+    assert library_hash((tmp_path / "a" / "model" / "model.cpp", elsewhere), (CXX,), tmp_path / "a" / "model") != first
     # Defect: a header elsewhere in the model folder (src/model.cpp including ../include/factor.h) was not in
     # the key, so its edit never rebuilt: a reload reported a new version and served the old code.
     nested = tmp_path / "nested"
@@ -654,9 +654,9 @@ def test_the_library_key_covers_sources_by_their_place_in_the_model_folder(tmp_p
     (nested / "include").mkdir()
     (nested / "src" / "model.cpp").write_text('#include "../include/factor.h"\n')
     (nested / "include" / "factor.h").write_text("constexpr int factor = 3;\n")
-    before = library_hash((nested / "src" / "model.cpp",), CXX, nested)
+    before = library_hash((nested / "src" / "model.cpp",), (CXX,), nested)
     (nested / "include" / "factor.h").write_text("constexpr int factor = 7;\n")
-    assert library_hash((nested / "src" / "model.cpp",), CXX, nested) != before
+    assert library_hash((nested / "src" / "model.cpp",), (CXX,), nested) != before
 
 
 def test_the_compiler_version_probe_runs_in_its_own_process_group(tmp_path):
@@ -666,6 +666,6 @@ def test_the_compiler_version_probe_runs_in_its_own_process_group(tmp_path):
     compiler.write_text(f'#!/bin/sh\nread -r pid comm state ppid pgid rest < /proc/$$/stat\n'
                         f'echo "$pid $pgid" > "{record}"\necho "g++ (wrapped) 13.2.0"\n')
     compiler.chmod(0o755)
-    assert "-fno-gnu-unique" in shared_flags(str(compiler))
+    assert "-fno-gnu-unique" in shared_flags((str(compiler),))
     pid, pgid = map(int, record.read_text().split())
     assert pgid == pid and pgid != os.getpgrp()
