@@ -175,16 +175,24 @@ class DataPlane:
         version serves until the new one is READY, and serves on if that fails
         (which is still this call's ModelFailure).
 
-        ``parameters``: the names of the load request's parameters. Triton's
-        ``config`` (a configuration override) and ``file:...`` (model files
-        sent with the request) are refused, since nereid loads only from the
-        repository: succeeding without applying them would mislead.
+        ``parameters``: the names of the load request's parameters. Each is
+        refused: Triton's ``config`` (a configuration override) and ``file:...``
+        (model files sent with the request), since nereid loads only from the
+        repository and succeeding without applying them would mislead, and any
+        other name, as Triton refuses it.
         """
         self._check_repository_control(rpc)
-        overrides = sorted(key for key in parameters if key == "config" or key.startswith("file:"))
-        if overrides:
+        keys = sorted(parameters)
+        unknown = [key for key in keys if key != "config" and not key.startswith("file:")]
+        if unknown:  # Triton refuses them too: a misspelt "file:" must not pass for a load of those files
             raise InvalidArgument(
-                f"model '{name}': load parameters {', '.join(repr(cap_message(k, 64)) for k in overrides[:4])} are "
+                f"model '{name}': unrecognized load parameter(s) "
+                f"{', '.join(repr(cap_message(k, 64)) for k in unknown[:4])} (Triton's are 'config' and "
+                "'file:<path>', which nereid does not support either: it loads a model only from its folder in "
+                "ml_backends_path and nereid.yaml); load again without parameters")
+        if keys:
+            raise InvalidArgument(
+                f"model '{name}': load parameters {', '.join(repr(cap_message(k, 64)) for k in keys[:4])} are "
                 "not supported (nereid loads a model only from its folder in ml_backends_path and nereid.yaml); "
                 "change those and load again without parameters")
         entry = await self.repository.load(name)

@@ -293,6 +293,7 @@ class InferenceServicer:
 
     @_maps_errors
     async def RepositoryIndex(self, request: pb.RepositoryIndexRequest, context) -> pb.RepositoryIndexResponse:
+        _one_repository(request.repository_name)
         response = pb.RepositoryIndexResponse()
         for entry in await self.dataplane.repository_index(request.ready):
             response.models.add(name=entry.name, version=entry.version, state=entry.state, reason=entry.reason)
@@ -301,12 +302,14 @@ class InferenceServicer:
     @_maps_errors
     async def RepositoryModelLoad(self, request: pb.RepositoryModelLoadRequest,
                                   context) -> pb.RepositoryModelLoadResponse:
+        _one_repository(request.repository_name)
         await self.dataplane.load(request.model_name, request.parameters.keys())
         return pb.RepositoryModelLoadResponse()
 
     @_maps_errors
     async def RepositoryModelUnload(self, request: pb.RepositoryModelUnloadRequest,
                                     context) -> pb.RepositoryModelUnloadResponse:
+        _one_repository(request.repository_name)
         await self.dataplane.unload(request.model_name, _unload_dependents(request))
         return pb.RepositoryModelUnloadResponse()
 
@@ -317,6 +320,14 @@ class InferenceServicer:
         async def refuse(servicer: InferenceServicer, request: bytes, context: grpc.aio.ServicerContext) -> None:
             servicer.dataplane.refuse_extension(extension)
         return functools.partial(refuse, self)
+
+
+def _one_repository(repository_name: str) -> None:
+    """Refuse a repository RPC naming a repository, as Triton does: it would act on this server's only one."""
+    if repository_name:
+        raise Unimplemented(f"'repository_name' specification is not supported (got "
+                            f"{cap_message(repository_name, 64)!r}): this server serves one repository; "
+                            "leave repository_name empty")
 
 
 def _unload_dependents(request: pb.RepositoryModelUnloadRequest) -> bool:

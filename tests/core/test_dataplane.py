@@ -77,7 +77,11 @@ def test_load_overrides_are_refused_not_ignored_and_unload_dependents_is_accepte
     plane = toy_dataplane(tmp_path)
 
     async def scenario():
-        await plane.load("toy", ["some_future_key"])  # a parameter nereid does not know is let through
+        # Defect: a parameter nereid did not know was let through, so files={"1/model.py": ...} (the "file:"
+        # prefix forgotten) reloaded from disk and said OK. Triton refuses it: "unrecognized load parameter".
+        with pytest.raises(InvalidArgument, match=r"model 'toy': unrecognized load parameter\(s\) '1/model.py', "
+                                                  r"'some_future_key' \(Triton's are 'config' and 'file:<path>'"):
+            await plane.load("toy", ["some_future_key", "1/model.py", "config"])
         with pytest.raises(InvalidArgument, match=r"model 'spare': load parameters 'config', 'file:1/model.onnx' "
                                                   r"are not supported"):
             await plane.load("spare", ["file:1/model.onnx", "config"])

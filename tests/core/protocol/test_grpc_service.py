@@ -453,6 +453,20 @@ def test_unload_makes_the_model_unavailable_until_loaded_again(repo, serve):
     assert "parameter 'unload_dependents' must be a bool_param, got string_param" in caught.value.details()
     echo(server, "m", [5, 6, 7, 8])  # still loaded
 
+    # Defect: repository_name was ignored, so an unload meant for another repository unloaded this one's
+    # model and said OK. Triton answers UNSUPPORTED (gRPC's UNIMPLEMENTED) before acting.
+    with channel_to(server) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        for call, message in ((stub.RepositoryModelUnload, service_pb2.RepositoryModelUnloadRequest),
+                              (stub.RepositoryModelLoad, service_pb2.RepositoryModelLoadRequest),
+                              (stub.RepositoryIndex, service_pb2.RepositoryIndexRequest)):
+            fields = {"model_name": "m"} if message is not service_pb2.RepositoryIndexRequest else {}
+            with pytest.raises(grpc.RpcError) as caught:
+                call(message(repository_name="elsewhere", **fields), timeout=10)
+            assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED, message
+            assert "'repository_name' specification is not supported (got 'elsewhere')" in caught.value.details()
+    echo(server, "m", [9, 10, 11, 12])  # neither unloaded nor reloaded
+
 
 def test_unload_lets_running_and_queued_requests_finish_first(repo, serve):
     server, folder = start_slow(repo, serve)
