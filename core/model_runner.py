@@ -32,12 +32,14 @@ def make_runner(backend: Model, signature: ModelSignature, batch_signature: Mode
 
     async def run(inputs: list[NamedTensor], batch_size: int, deadline_ns: int) -> list[NamedTensor]:
         name = scheduler.name  # a renamed model reports its new name
+        program_rows = batch_size
         if preprocess is not None:
             inputs = await _call_hook(name, "preprocess", preprocess, inputs)
             inputs = _program_inputs(name, batch_signature, inputs)
             if batch_signature.batches and inputs:
-                batch_size = inputs[0].shape[0]
-        outputs = await scheduler.submit(inputs, batch_size, deadline_ns)
+                # A hook may tile, crop or split rows: the program runs its rows, the client gets its own.
+                program_rows = inputs[0].shape[0]
+        outputs = await scheduler.submit(inputs, program_rows, deadline_ns)
         if postprocess is not None:
             outputs = await _call_hook(name, "postprocess", postprocess, outputs)
             check_outputs(name, signature, outputs, batch_size)

@@ -145,3 +145,27 @@ def test_a_caller_going_away_during_a_hook_is_still_a_cancellation() -> None:
         release.set_result(None)
         await scheduler.drain()
     asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+def test_hooks_may_change_the_rows_the_program_runs_and_the_client_gets_its_own() -> None:
+    """Defect: a preprocess that tiles each row in two (and a postprocess that averages them back) failed
+    every request: the postprocess result was checked against the program's 2 rows, not the client's 1."""
+    def tile(tensors: list[NamedTensor]) -> list[NamedTensor]:
+        return [NamedTensor("x", DType.FP32, np.repeat(tensors[0].data, 2, axis=0))]
+
+    def average_pairs(tensors: list[NamedTensor]) -> list[NamedTensor]:
+        data = tensors[0].data
+        return [NamedTensor("y", DType.FP32, (data[0::2] + data[1::2]) / 2)]
+
+    def keep_all(tensors: list[NamedTensor]) -> list[NamedTensor]:  # the program's rows, not the client's
+        return tensors
+
+    async def scenario() -> None:
+        run, scheduler = await serve(Hooked(tile, average_pairs))
+        assert (await asyncio.wait_for(run(rows(3), 1, 0), 5))[0].data.tolist() == [[6, 6]]
+        await scheduler.drain()
+        run, scheduler = await serve(Hooked(tile, keep_all))
+        with pytest.raises(ModelFailure, match=r"returned output 'y' with shape \[2, 2\], expected \[1, 2\]"):
+            await asyncio.wait_for(run(rows(3), 1, 0), 5)
+        await scheduler.drain()
+    asyncio.run(asyncio.wait_for(scenario(), 30))
