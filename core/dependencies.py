@@ -7,7 +7,10 @@ dependency graph at load from files.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
+
+from nereid.errors import cap_message
 
 
 def find_cycle(start: str, depends_on: Callable[[str], Iterable[str]]) -> list[str] | None:
@@ -44,18 +47,135 @@ def describe_cycle(cycle: list[str]) -> str:
     return " -> ".join(f"'{name}'" for name in cycle)
 
 
-def waiting_for(dependencies: Iterable[str], states: Mapping[str, tuple[str, str]]) -> str | None:
-    """Why a model with these dependencies cannot be READY, or None when every one is READY.
+@dataclass(frozen=True)
+class Readiness:
+    """Whether a model that calls other models can be READY now, and if not, why."""
 
-    ``states`` maps a known model to its (state, reason), as RepositoryIndex
-    shows them; a name missing from it is a model the server does not know.
+    why: str | None  # None: every model it calls (and every model those call) is READY
+    loading: bool = False  # the root cause is a model still LOADING: it should be READY soon
+
+    @property
+    def ready(self) -> bool:
+        return self.why is None
+
+
+READY = Readiness(None)
+
+
+def settle(callers: Mapping[str, tuple[str, ...]], states: Mapping[str, tuple[str, str]]) -> dict[str, Readiness]:
+    """Every caller's readiness, each dependency followed once, deepest first.
+
+    ``callers`` maps each model that calls other models (and whose state
+    follows them) to its dependencies, in the order it declares them; ``states``
+    maps every known model to its (state, reason), as RepositoryIndex shows them
+    (a caller's own entry there is ignored: it is what this computes). A caller
+    is READY exactly when every dependency is, callers among them as settled
+    here; a caller on a cycle never is. The reason names the first dependency
+    that is not READY and the root cause behind it, however deep the chain
+    (``dependency 'b' is not ready (UNAVAILABLE: dependency 'echo' is not ready
+    (UNAVAILABLE: unloaded))``), never every level between.
+
+    Linear in the graph's size: a chain of hundreds settles in one walk.
     """
-    for name in dependencies:
-        known = states.get(name)
+    verdicts: dict[str, Readiness] = {}
+    roots: dict[str, str] = {}  # a caller that is not READY -> the root cause's text behind it
+    for name, cycle in _cycles(callers).items():
+        verdicts[name] = Readiness(f"depends_on cycle {describe_cycle(cycle)}")
+        roots[name] = verdicts[name].why  # type: ignore[assignment]
+    for start in callers:
+        if start in verdicts:
+            continue
+        # An iterative walk, deepest first: a caller is judged once every caller it depends on is.
+        stack = [start]
+        while stack:
+            name = stack[-1]
+            pending = [d for d in callers[name] if d in callers and d not in verdicts]
+            if pending:
+                stack.append(pending[0])
+                continue
+            stack.pop()
+            if name not in verdicts:
+                verdicts[name] = _judge(name, callers[name], states, verdicts, roots)
+    return verdicts
+
+
+def _judge(name: str, dependencies: tuple[str, ...], states: Mapping[str, tuple[str, str]],
+           verdicts: Mapping[str, Readiness], roots: dict[str, str]) -> Readiness:
+    """One caller's readiness, its callers among ``dependencies`` judged already."""
+    for dependency in dependencies:
+        settled = verdicts.get(dependency)
+        if settled is not None:
+            if settled.ready:
+                continue
+            root = roots[dependency]
+            why = cap_message(f"dependency '{dependency}' is not ready (UNAVAILABLE: {root})")
+            roots[name] = root
+            return Readiness(why, settled.loading)
+        known = states.get(dependency)
         if known is None:
-            return f"dependency '{name}' is not a model of this server (no folder '{name}' in ml_backends_path)"
+            why = f"dependency '{dependency}' is not a model of this server (no folder '{dependency}' in ml_backends_path)"
+            roots[name] = why
+            return Readiness(why)
         state, reason = known
         if state != "READY":
-            detail = f": {reason}" if reason else ""
-            return f"dependency '{name}' is not ready ({state}{detail})"
-    return None
+            why = cap_message(f"dependency '{dependency}' is not ready ({state}{': ' + reason if reason else ''})")
+            roots[name] = why
+            return Readiness(why, state == "LOADING")
+    return READY
+
+
+def _cycles(callers: Mapping[str, tuple[str, ...]]) -> dict[str, list[str]]:
+    """Each caller on a cycle of ``callers``, with its cycle (as :func:`find_cycle` gives it)."""
+    on_cycles: dict[str, list[str]] = {}
+    for component in _strongly_connected(callers):
+        if len(component) > 1 or component[0] in callers.get(component[0], ()):
+            members = set(component)
+            for name in component:
+                cycle = find_cycle(name, lambda n: [d for d in callers.get(n, ()) if d in members])
+                if cycle is not None:
+                    on_cycles[name] = cycle
+    return on_cycles
+
+
+def _strongly_connected(graph: Mapping[str, tuple[str, ...]]) -> list[list[str]]:
+    """Tarjan's strongly connected components of ``graph`` (edges to names outside it ignored), iteratively."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(graph[root]))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            name, edges = work[-1]
+            for target in edges:
+                if target not in graph:
+                    continue
+                if target not in index:
+                    index[target] = low[target] = len(index)
+                    stack.append(target)
+                    on_stack.add(target)
+                    work.append((target, iter(graph[target])))
+                    break
+                if target in on_stack:
+                    low[name] = min(low[name], index[target])
+            else:
+                work.pop()
+                if work:
+                    parent = work[-1][0]
+                    low[parent] = min(low[parent], low[name])
+                if low[name] == index[name]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == name:
+                            break
+                    components.append(component)
+    return components

@@ -28,7 +28,7 @@ import nereid
 from nereid.backend import (CallsModels, HasBatchSignature, Model, ModelCaller, ModelContext, Relocatable, Terminable,
                             missing_model_parts)
 from nereid.batching import BatchPolicy
-from nereid.dependencies import describe_cycle, find_cycle, waiting_for
+from nereid.dependencies import READY, Readiness, settle
 from nereid.errors import (ConfigError, NotFound, Unavailable, cap_message, describe_exception,
                            without_stop_iteration)
 from nereid.files import check_confined
@@ -654,85 +654,65 @@ class ModelRepository:
         """
         loaded = entry.loaded
         assert loaded is not None
-        why = self._dependency_problem(entry, self._states())
+        verdict = self._dependency_verdicts().get(entry.name, READY)
         done = (f"version {entry.generation}, backend {loaded.backend_name}, device {entry.settings.device}, "
                 f"{loaded.load_seconds:.2f} s")
-        if why is None:
+        if verdict.ready:
             entry.state, entry.reason = ModelState.READY, ""
             log.info("model '%s' is READY (%s)", entry.name, done)
         else:
-            entry.state, entry.reason = ModelState.UNAVAILABLE, why
-            self._log_unavailable(entry, f"{why} (loaded: {done})")
+            entry.state, entry.reason = ModelState.UNAVAILABLE, verdict.why
+            self._log_unavailable(entry, verdict, f" (loaded: {done})")
         self._refresh_dependents()  # the models calling it
 
-    def _log_unavailable(self, entry: ModelEntry, why: str) -> None:
+    @staticmethod
+    def _log_unavailable(entry: ModelEntry, verdict: Readiness, detail: str = "") -> None:
         """Log that a loaded model cannot serve because of the models it calls.
 
-        At INFO while a dependency is only LOADING (the server is starting, or it
-        is being reloaded: READY soon, so a normal start logs no warning); at
-        WARNING otherwise.
+        At INFO while the root cause is a model only LOADING (the server is
+        starting, or it is being reloaded: READY soon, so a normal start logs no
+        warning, however long the chain of models calling it); at WARNING
+        otherwise.
         """
-        loaded = entry.loaded
-        states = self._states()
-        # The dependency the reason names: the first one that is not READY (see waiting_for).
-        dependency_states = (states.get(name, ("", ""))[0] for name in (loaded.depends_on if loaded else ()))
-        first_unready = next((state for state in dependency_states if state != ModelState.READY.value), None)
-        loading = first_unready == ModelState.LOADING.value
-        log.log(logging.INFO if loading else logging.WARNING, "model '%s' is UNAVAILABLE: %s", entry.name, why)
+        log.log(logging.INFO if verdict.loading else logging.WARNING, "model '%s' is UNAVAILABLE: %s%s",
+                entry.name, verdict.why, detail)
 
     def _states(self) -> dict[str, tuple[str, str]]:
         """Every model's (state, reason), as RepositoryIndex shows them."""
         return {e.name: (e.state.value, e.reason) for e in self._entries.values()}
 
-    def _dependency_problem(self, entry: ModelEntry, states: Mapping[str, tuple[str, str]]) -> str | None:
-        """Why a loaded model that calls other models cannot serve now; None when it can."""
-        loaded = entry.loaded
-        if loaded is None or not loaded.depends_on:
-            return None
-        cycle = find_cycle(entry.name, self._loaded_dependencies)
-        return f"depends_on cycle {describe_cycle(cycle)}" if cycle else waiting_for(loaded.depends_on, states)
+    def _dependency_verdicts(self) -> dict[str, Readiness]:
+        """Whether each loaded model that calls other models can serve now (see :func:`settle`)."""
+        callers = {entry.name: entry.loaded.depends_on for entry in self._entries.values()
+                   if entry.loaded is not None and entry.loaded.depends_on and entry.state is not ModelState.UNLOADING}
+        return settle(callers, self._states()) if callers else {}
 
     def _refresh_dependents(self) -> None:
         """Keep models that call other models READY exactly while those are READY (issue 14).
 
         Called after every state change. A model calling itself through
         ``depends_on`` (which a backend refuses at load when it can see the
-        cycle) never becomes READY. Repeats until nothing changes, so that a
-        chain of such models settles in one call. Each change of state is
-        logged (a changed reason alone is not a transition), and the server
-        hears of it (:meth:`_state_changed`).
+        cycle) never becomes READY. One walk of the dependency graph settles
+        every chain of such models. Each change of state is logged (a changed
+        reason alone is not a transition), and the server hears of it
+        (:meth:`_state_changed`).
         """
-        self._settle_dependents()
+        for name, verdict in self._dependency_verdicts().items():
+            entry = self._entries[name]
+            if verdict.ready:
+                if entry.state is not ModelState.READY:
+                    entry.state, entry.reason = ModelState.READY, ""
+                    log.info("model '%s' is READY (every model it calls is READY)", entry.name)
+            elif (entry.state, entry.reason) != (ModelState.UNAVAILABLE, verdict.why):
+                if entry.state is not ModelState.UNAVAILABLE:
+                    self._log_unavailable(entry, verdict)
+                entry.state, entry.reason = ModelState.UNAVAILABLE, verdict.why
         self._state_changed()
-
-    def _settle_dependents(self) -> None:
-        for _ in range(len(self._entries) + 1):
-            changed = False
-            states = self._states()
-            for entry in list(self._entries.values()):
-                loaded = entry.loaded
-                if loaded is None or not loaded.depends_on or entry.state is ModelState.UNLOADING:
-                    continue
-                why = self._dependency_problem(entry, states)
-                if why is None:
-                    if entry.state is not ModelState.READY:
-                        entry.state, entry.reason, changed = ModelState.READY, "", True
-                        log.info("model '%s' is READY (every model it calls is READY)", entry.name)
-                elif (entry.state, entry.reason) != (ModelState.UNAVAILABLE, why):
-                    if entry.state is not ModelState.UNAVAILABLE:
-                        self._log_unavailable(entry, why)
-                    entry.state, entry.reason, changed = ModelState.UNAVAILABLE, why, True
-            if not changed:
-                return
 
     def _state_changed(self) -> None:
         """Tell ``on_state_change`` that ServerReady may have moved (the health service follows it)."""
         if self.on_state_change is not None:
             self.on_state_change()
-
-    def _loaded_dependencies(self, name: str) -> tuple[str, ...]:
-        entry = self._entries.get(name)
-        return entry.loaded.depends_on if entry is not None and entry.loaded is not None else ()
 
     def _scratch_for(self, name: str) -> Path:
         path = self.scratch_dir / name
