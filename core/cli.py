@@ -9,10 +9,12 @@ import resource
 import shutil
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import nereid.repository
-from nereid.backend import ModelContext, ReportsRuntime
+from nereid.backend import CallsModels, ModelContext, ReportsRuntime
+from nereid.dependencies import settle
 from nereid.errors import ConfigError
 from nereid.files import check_confined
 from nereid.leftovers import scratch_prefix
@@ -146,8 +148,21 @@ def check(settings: Settings, manager: NereidPluginManager | None = None) -> int
         names = list_model_folders(settings.server)
         if settings.server.ml_backends_url is not None:  # a store that cannot be listed: check the listed models
             names = sorted({*names, *(m.name for m in settings.models)})
+        states: dict[str, tuple[str, str]] = {}  # each model as a server would have it at start
+        callers: list[_Checked] = []  # loaded fine, and call other models: judged once every model is
         for name in names:
-            problems += 0 if _check_model(settings, manager, scratch, name) else 1
+            checked = _check_model(settings, manager, scratch, name)
+            if checked is None:
+                problems += 1
+                states[name] = ("UNAVAILABLE", "its check failed")
+                continue
+            states[name] = ("READY", "") if checked.loaded_at_start else ("UNAVAILABLE", "not listed in nereid.yaml")
+            if checked.status == "OK" and checked.depends_on:
+                callers.append(checked)
+            else:
+                problems += 0 if checked.status == "OK" else 1
+                print(checked.line())
+        problems += _check_callers(callers, states)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     summary = [f"{config_problems} problem(s) in its backends: section"] if config_problems else []
@@ -159,8 +174,44 @@ def check(settings: Settings, manager: NereidPluginManager | None = None) -> int
     return 1 if problems or config_problems or manager.problems else 0
 
 
-def _check_model(settings: Settings, manager: NereidPluginManager, scratch: Path, name: str) -> bool:
-    """Load and unload one model, printing its line; False if it has a problem.
+@dataclass
+class _Checked:
+    """A model that loaded in the check: its line, and what a server needs to serve it."""
+
+    name: str
+    status: str  # "OK", or what went wrong after the load ("UNLOAD FAILED: ...; loaded as")
+    details: str  # backend=... inputs=... outputs=... (not listed in nereid.yaml)
+    depends_on: tuple[str, ...]
+    loaded_at_start: bool  # a server would load it at start (listed, or no models: key)
+
+    def line(self) -> str:
+        return one_record_per_line(f"{self.name}: {self.status} {self.details}")
+
+
+def _check_callers(callers: list[_Checked], states: dict[str, tuple[str, str]]) -> int:
+    """Print the lines of models that call other models, judged as a server would; how many have a problem.
+
+    A meta model that loads fine but calls a model the server would not serve
+    (no such folder, one that fails, one not listed in nereid.yaml, a cycle)
+    would stay UNAVAILABLE, and ServerReady false: a problem, said on its line.
+    """
+    at_start = {c.name: c.depends_on for c in callers if c.loaded_at_start}
+    verdicts = settle(at_start, states)
+    # One not loaded at start is judged as a later load of it would be, its dependencies as they are.
+    verdicts.update({name: verdict for name, verdict in settle({c.name: c.depends_on for c in callers}, states).items()
+                     if name not in at_start})
+    problems = 0
+    for checked in callers:
+        verdict = verdicts[checked.name]
+        if not verdict.ready:
+            checked.status = f"UNAVAILABLE: {verdict.why}; loaded as"
+            problems += 1
+        print(checked.line())
+    return problems
+
+
+def _check_model(settings: Settings, manager: NereidPluginManager, scratch: Path, name: str) -> _Checked | None:
+    """Load and unload one model; None, its line printed, when it fails to load; else what :class:`_Checked` holds.
 
     A model whose ``unload`` fails is reported on its line, and the check goes
     on with the next model.
@@ -177,7 +228,7 @@ def _check_model(settings: Settings, manager: NereidPluginManager, scratch: Path
     except Exception as err:
         # (A folder's name or a compiler's message may hold line breaks: one model starts each line.)
         print(one_record_per_line(f"{name}: UNAVAILABLE: {str(err).strip() or type(err).__name__}{suffix}"))
-        return False
+        return None
     runtime, status = "", "OK"
     if isinstance(built.backend, ReportsRuntime):
         try:
@@ -198,10 +249,11 @@ def _check_model(settings: Settings, manager: NereidPluginManager, scratch: Path
     inputs = ", ".join(f"{s.name} {s.dtype.kserve}{list(s.dims)}" for s in signature.inputs)
     outputs = ", ".join(f"{s.name} {s.dtype.kserve}{list(s.dims)}" for s in signature.outputs)
     batching = "on" if built.policy.enabled else "off"
-    print(one_record_per_line(f"{name}: {status} backend={built.backend_name} device={model_settings.device} "
-                              f"max_batch_size={signature.max_batch_size} batching={batching} "
-                              f"inputs=[{inputs}] outputs=[{outputs}]{runtime}{suffix}"))
-    return status == "OK"
+    depends_on = tuple(built.backend.dependencies()) if isinstance(built.backend, CallsModels) else ()
+    return _Checked(name, status, f"backend={built.backend_name} device={model_settings.device} "
+                                  f"max_batch_size={signature.max_batch_size} batching={batching} "
+                                  f"inputs=[{inputs}] outputs=[{outputs}]{runtime}{suffix}",
+                    depends_on, listed or not settings.models_listed)
 
 
 if __name__ == "__main__":

@@ -179,6 +179,37 @@ def test_nereid_check_shows_meta_models(tmp_path: Path, capsys) -> None:
     assert "loop: UNAVAILABLE: model 'loop': depends_on forms a cycle 'loop' -> 'loop'" in out
 
 
+def test_nereid_check_fails_a_meta_model_a_server_would_keep_unavailable(tmp_path: Path, capsys) -> None:
+    """Defect: a meta model calling a model with no folder, one that fails, or one nereid.yaml does not list
+    passed the check (OK, exit 0), though the server keeps it UNAVAILABLE and ServerReady false."""
+    root = tmp_path / "ml-backends"
+    root.mkdir()
+    meta_folder(root, "a", manifest=META.replace("[a, b]", "[]"))
+    meta_folder(root, "typo", manifest=META.replace("[a, b]", "[a_typo]"))
+    meta_folder(root, "loop", manifest=META.replace("[a, b]", "[loop]"))
+    meta_folder(root, "above_loop", manifest=META.replace("[a, b]", "[a, loop]"))
+    meta_folder(root, "fine", manifest=META.replace("[a, b]", "[a]"))
+    meta_folder(root, "above_fine", manifest=META.replace("[a, b]", "[fine]"))
+    (tmp_path / "nereid.yaml").write_text('server:\n  ml_backends_path: "ml-backends"\n')
+    assert check(load_settings(tmp_path / "nereid.yaml")) == 1
+    lines = {line.split(":")[0]: line for line in capsys.readouterr().out.splitlines()}
+    assert lines["typo"].startswith("typo: UNAVAILABLE: dependency 'a_typo' is not a model of this server (no "
+                                    "folder 'a_typo' in ml_backends_path); loaded as backend=meta ")
+    assert lines["above_loop"].startswith("above_loop: UNAVAILABLE: dependency 'loop' is not ready (UNAVAILABLE: "
+                                          "its check failed); loaded as backend=meta ")
+    assert lines["fine"].startswith("fine: OK ") and lines["above_fine"].startswith("above_fine: OK ")
+    assert lines[str(tmp_path / "nereid.yaml")].endswith(": 3 model(s) with problems")  # loop, typo, above_loop
+    # With a models: key, a dependency that is not listed is not loaded at start: the caller would wait.
+    (tmp_path / "nereid.yaml").write_text('server:\n  ml_backends_path: "ml-backends"\nmodels:\n'
+                                          '  - name: fine\n  - name: above_fine\n')
+    assert check(load_settings(tmp_path / "nereid.yaml")) == 1
+    lines = {line.split(":")[0]: line for line in capsys.readouterr().out.splitlines()}
+    assert lines["fine"].startswith("fine: UNAVAILABLE: dependency 'a' is not ready (UNAVAILABLE: not listed in "
+                                    "nereid.yaml)")
+    assert lines["above_fine"].startswith("above_fine: UNAVAILABLE: dependency 'fine' is not ready (UNAVAILABLE: "
+                                          "dependency 'a' is not ready (UNAVAILABLE: not listed in nereid.yaml))")
+
+
 def test_readiness_changes_caused_by_dependencies_are_logged_once_each(tmp_path: Path, caplog) -> None:
     # A meta model loaded before what it calls was logged "is READY" while UNAVAILABLE, and its later
     # transitions (its dependency loading, unloading, loading again) were never logged at all.
