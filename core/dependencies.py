@@ -53,6 +53,7 @@ class Readiness:
 
     why: str | None  # None: every model it calls (and every model those call) is READY
     loading: bool = False  # the root cause is a model still LOADING: it should be READY soon
+    blocker: str | None = None  # the dependency the reason names first (None: ready, or on a cycle)
 
     @property
     def ready(self) -> bool:
@@ -110,17 +111,17 @@ def _judge(name: str, dependencies: tuple[str, ...], states: Mapping[str, tuple[
             root = roots[dependency]
             why = cap_message(f"dependency '{dependency}' is not ready (UNAVAILABLE: {root})")
             roots[name] = root
-            return Readiness(why, settled.loading)
+            return Readiness(why, settled.loading, dependency)
         known = states.get(dependency)
         if known is None:
             why = f"dependency '{dependency}' is not a model of this server (no folder '{dependency}' in ml_backends_path)"
             roots[name] = why
-            return Readiness(why)
+            return Readiness(why, blocker=dependency)
         state, reason = known
         if state != "READY":
             why = cap_message(f"dependency '{dependency}' is not ready ({state}{': ' + reason if reason else ''})")
             roots[name] = why
-            return Readiness(why, state == "LOADING")
+            return Readiness(why, state == "LOADING", dependency)
     return READY
 
 

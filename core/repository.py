@@ -234,6 +234,7 @@ class ModelRepository:
             (f"{_backends_folder()}{os.sep}", "<nereid.backends>/"),
         }, key=lambda pair: -len(pair[0]))
         self._entries: dict[str, ModelEntry] = {}
+        self._verdicts: dict[str, Readiness] = {}  # each model calling others, as the last settle found it
         self._scan_errors = RateLimitedLog(log)
         # Whether a watcher loads folders that appear from now on (dynamic mode, once it knows the folders
         # there at start: those are not loaded unless listed, exactly as without it).
@@ -693,20 +694,27 @@ class ModelRepository:
         Called after every state change. A model calling itself through
         ``depends_on`` (which a backend refuses at load when it can see the
         cycle) never becomes READY. One walk of the dependency graph settles
-        every chain of such models. Each change of state is logged (a changed
-        reason alone is not a transition), and the server hears of it
-        (:meth:`_state_changed`).
+        every chain of such models. Each change of state is logged, and so is
+        waiting on another dependency, unless on one LOADING; the server hears
+        of every change (:meth:`_state_changed`).
         """
-        for name, verdict in self._dependency_verdicts().items():
+        verdicts = self._dependency_verdicts()
+        for name, verdict in verdicts.items():
             entry = self._entries[name]
             if verdict.ready:
                 if entry.state is not ModelState.READY:
                     entry.state, entry.reason = ModelState.READY, ""
                     log.info("model '%s' is READY (every model it calls is READY)", entry.name)
             elif (entry.state, entry.reason) != (ModelState.UNAVAILABLE, verdict.why):
-                if entry.state is not ModelState.UNAVAILABLE:
+                # Waiting on another dependency is logged too, unless on one LOADING (READY soon): waiting on
+                # a model that was LOADING can turn into waiting on one that is missing or failed, which must
+                # not go unsaid. (The same dependency moving from UNLOADING to unloaded is no news.)
+                before = self._verdicts.get(name)
+                if (entry.state is not ModelState.UNAVAILABLE
+                        or (not verdict.loading and (before is None or before.blocker != verdict.blocker))):
                     self._log_unavailable(entry, verdict)
                 entry.state, entry.reason = ModelState.UNAVAILABLE, verdict.why
+        self._verdicts = verdicts
         self._state_changed()
 
     def _state_changed(self) -> None:

@@ -17,8 +17,8 @@ def test_a_long_chain_settles_in_one_walk_naming_the_root_cause() -> None:
     callers = chain(5000)
     unloaded = settle(callers, {"echo": ("UNAVAILABLE", "unloaded")})
     root = "dependency 'echo' is not ready (UNAVAILABLE: unloaded)"
-    assert unloaded["c4999"] == Readiness(root)
-    assert unloaded["c0"] == Readiness(f"dependency 'c1' is not ready (UNAVAILABLE: {root})")
+    assert unloaded["c4999"] == Readiness(root, blocker="echo")
+    assert unloaded["c0"] == Readiness(f"dependency 'c1' is not ready (UNAVAILABLE: {root})", blocker="c1")
     assert all(not verdict.ready for verdict in unloaded.values())
     assert all(verdict.ready for verdict in settle(callers, {"echo": ("READY", "")}).values())
     loading = settle(callers, {"echo": ("LOADING", "")})

@@ -245,6 +245,36 @@ def test_readiness_changes_caused_by_dependencies_are_logged_once_each(tmp_path:
     asyncio.run(scenario())
 
 
+def test_a_new_reason_that_is_not_a_loading_model_is_logged(tmp_path: Path, caplog) -> None:
+    """Defect: a meta model waiting on a LOADING model (INFO), then on a missing one once that was READY, never
+    said so: a changed reason alone was not logged, so the log's last word was the misleading LOADING line."""
+    import logging
+
+    from nereid.repository import ModelRepository
+
+    root = tmp_path / "ml-backends"
+    root.mkdir()
+    meta_folder(root, "a", manifest=META.replace("[a, b]", "[]"))
+    meta_folder(root, "pair", manifest=META.replace("[a, b]", "[a, ghost]"))
+    (tmp_path / "nereid.yaml").write_text('server:\n  ml_backends_path: "ml-backends"\n  metrics_addr: ""\n'
+                                          '  http_addr: ""\n')
+    (tmp_path / "scratch").mkdir()
+    repo = ModelRepository(load_settings(tmp_path / "nereid.yaml"), make_plugin_manager(load_entry_points=False),
+                           tmp_path / "scratch")
+    caplog.set_level(logging.INFO, logger="nereid.repository")
+
+    async def scenario() -> None:
+        await repo.load("pair")
+        caplog.clear()
+        await repo.load("a")
+        lines = [(r.levelname, r.getMessage()) for r in caplog.records if r.getMessage().startswith("model 'pair'")]
+        assert lines == [("WARNING", "model 'pair' is UNAVAILABLE: dependency 'ghost' is not a model of this "
+                                     "server (no folder 'ghost' in ml_backends_path)")]
+        await repo.unload_all()
+
+    asyncio.run(scenario())
+
+
 def test_runtime_options_are_refused_naming_where_they_are_written(tmp_path: Path, capsys) -> None:
     """A meta model has no runtime options: `runtime: {typo_option: 1}` and `backends: {meta: ...}` were ignored."""
     folder = meta_folder(tmp_path, "m", manifest=META.replace("[a, b]", "[]"))
