@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from typing import Any, Callable, TypeVar
 
 T = TypeVar("T")
@@ -111,6 +113,24 @@ def cap_message(text: str, limit: int = MESSAGE_LIMIT) -> str:
         return text
     keep = max(limit - 64, 0)  # room for the note, so the result stays within ``limit``
     return text[:keep] + f" ... [{len(text) - keep} more characters cut]"
+
+
+# What plugin code may raise that is no Exception yet is never meant for this process.
+_FOREIGN_EXITS_ON_MAIN = (Exception, SystemExit, GeneratorExit, asyncio.CancelledError)
+
+
+def plugin_failures() -> tuple[type[BaseException], ...]:
+    """The exceptions to catch as a plugin's (or a model's) failure around a call of its code.
+
+    ``sys.exit()`` in a claim hook, an import or a ``load()`` is the plugin's
+    fault, not a request to end the server or ``nereid check``; so is a
+    CancelledError or GeneratorExit of its own. A KeyboardInterrupt is too,
+    except on the main thread, where Ctrl-C delivers a real one (``nereid
+    check`` loads models there).
+    """
+    if threading.current_thread() is threading.main_thread():
+        return _FOREIGN_EXITS_ON_MAIN
+    return (BaseException,)
 
 
 def without_stop_iteration(function: Callable[..., T], *args: Any) -> T:

@@ -22,7 +22,7 @@ import pluggy
 
 from nereid import hookspecs
 from nereid.backend import BackendClaim
-from nereid.errors import ConfigError, cap_message, describe_exception
+from nereid.errors import ConfigError, cap_message, describe_exception, plugin_failures
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ class NereidPluginManager(pluggy.PluginManager):
             return
         try:
             self.register(entry_point.load(), name=name)
-        except Exception as err:  # an import error, a hookimpl that does not match its hookspec, ...
+        except plugin_failures() as err:  # an import error (or exit), a hookimpl not matching its hookspec, ...
             if self.has_plugin(name):
                 self.unregister(name=name)  # pluggy may have added some of its hooks before refusing one
             self._leave_out(f"plugin '{name}' ({origin})", error_text(err))
@@ -192,7 +192,7 @@ def add_commands(manager: NereidPluginManager, commands: Any) -> None:
         before = set(commands.choices)
         try:
             _alone(manager, "nereid_add_commands", impl, impls)(commands=commands)
-        except Exception as err:
+        except plugin_failures() as err:
             _remove_commands(commands, set(commands.choices) - before)  # all of the plugin's, or none
             manager.startup_hook_failed(impl.plugin_name, "nereid_add_commands", f"it raised {error_text(err)}")
 
@@ -291,7 +291,7 @@ def _ask(manager: NereidPluginManager, folder: Path, declared: bool, only: str |
             continue
         try:
             answers = _alone(manager, "nereid_claim_model", impl, backends)(folder=folder, declared=declared)
-        except Exception as err:  # its bug must not make every other backend's folders unavailable
+        except plugin_failures() as err:  # its bug (a sys.exit() too) must not take other backends' folders
             failures.append((impl.plugin_name, f"raised {error_text(err)}"))
             continue
         for answer in answers:  # (pluggy drops None: no claim)
@@ -312,7 +312,7 @@ def _hints(manager: NereidPluginManager, folder: Path) -> list[str]:
     for impl in impls:
         try:
             answers = _alone(manager, "nereid_declaration_hint", impl, impls)(folder=folder)
-        except Exception as err:
+        except plugin_failures() as err:
             manager.hook_failed(impl.plugin_name, "nereid_declaration_hint", f"raised {error_text(err)}")
             continue
         for answer in answers:

@@ -30,7 +30,7 @@ from nereid.backend import (CallsModels, HasBatchSignature, Model, ModelCaller, 
 from nereid.batching import BatchPolicy
 from nereid.dependencies import READY, Readiness, settle
 from nereid.errors import (ConfigError, NotFound, Unavailable, cap_message, describe_exception,
-                           without_stop_iteration)
+                           plugin_failures, without_stop_iteration)
 from nereid.files import check_confined
 from nereid.log_limit import RateLimitedLog
 from nereid.model_runner import Runner, make_runner
@@ -158,7 +158,20 @@ def build_model(manager: NereidPluginManager, context: ModelContext,
     after its ``load()`` (which may set ``platform``): one lacking a part is
     refused naming its backend and what it lacks, and unloaded (when it can be).
     Blocking (backends compile and read files here): call it on a worker thread.
+    A ``sys.exit()`` (or any exit) in the backend's code is its failure, a
+    ConfigError naming the model, never an exit of the server or the check.
     """
+    try:
+        return _build_model(manager, context, backend_defaults, defaults_source)
+    except plugin_failures() as err:
+        if isinstance(err, Exception):
+            raise
+        raise ConfigError(f"model '{context.name}': its backend raised {describe_exception(err)} while loading it "
+                          "(a backend refuses a model by raising an Exception with the reason)") from None
+
+
+def _build_model(manager: NereidPluginManager, context: ModelContext,
+                 backend_defaults: Mapping[str, Mapping[str, Any]] | None, defaults_source: Path | str) -> BuiltModel:
     result = claim_folder(manager, context.folder, context.settings.backend)
     if result.claim is None:
         raise ConfigError(result.reason)

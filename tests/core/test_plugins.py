@@ -302,3 +302,65 @@ def test_a_plugin_distribution_without_a_name_is_loaded_not_a_crash(site, caplog
         sys.modules.pop("nameless_plugin", None)
     assert manager.has_plugin("nameless") and not manager.problems
     assert manager.describe("nameless").startswith("plugin 'nameless' (distribution (no name) ")
+
+
+EXITING_PLUGINS = (
+    ("exit-import", "exit_import", "exit_import_plugin", "import sys\nsys.exit('not today')\n"),
+    ("exit-hooks", "exit_hooks", "exit_hooks_plugin",
+     "import sys\nfrom nereid.backend import BackendClaim\nfrom nereid.hookspecs import hookimpl\n"
+     "class Quits:\n"
+     "    platform = 'quits'\n"
+     "    def __init__(self, context):\n        self.error = (context.folder / 'quit.txt').read_text().strip()\n"
+     "    def load(self):\n"
+     "        raise {'exit': SystemExit(4), 'interrupt': KeyboardInterrupt()}[self.error]\n"
+     "@hookimpl\ndef nereid_claim_model(folder, declared):\n"
+     "    if (folder / 'exit.txt').is_file():\n        sys.exit(3)\n"
+     "    return BackendClaim(Quits) if (folder / 'quit.txt').is_file() else None\n"),
+)
+
+
+def test_a_plugin_exiting_is_its_failure_and_never_ends_the_process(site, repo, tmp_path) -> None:
+    """Defect: sys.exit() in a plugin's module, claim hook or load() ended nereid serve (silently, exit 3) and
+    nereid check; over RepositoryModelLoad it left the model LOADING for good."""
+    import threading
+
+    from nereid.backend import ModelContext
+    from nereid.errors import ConfigError
+    from nereid.repository import build_model
+    from nereid.settings import ModelSettings
+
+    _install(site, EXITING_PLUGINS)
+    try:
+        manager = make_plugin_manager()
+        assert [p.what for p in manager.problems] == ["left out: SystemExit: not today"]
+        exits = repo.python("exits")
+        (exits / "exit.txt").write_text("")
+        claim = claim_folder(manager, exits)
+        assert (claim.backend_name, claim.reason) == ("python", "")  # taken as not claiming
+        for name, how in (("exit", "SystemExit: 4"), ("interrupt", "KeyboardInterrupt")):
+            folder = repo.add(f"quits_{name}", None)
+            (folder / "quit.txt").write_text(name)
+            context = ModelContext(folder.name, folder, ModelSettings(folder.name), tmp_path, "test")
+            outcome: list[BaseException] = []
+
+            def build() -> None:
+                try:
+                    build_model(manager, context)
+                except BaseException as err:  # what reaches the repository's load thread
+                    outcome.append(err)
+
+            thread = threading.Thread(target=build)  # as the server loads: on a worker thread
+            thread.start()
+            thread.join(10)
+            assert isinstance(outcome[0], ConfigError), outcome
+            assert str(outcome[0]).startswith(f"model '{folder.name}': its backend raised {how} while loading it")
+        # On the main thread (nereid check), a KeyboardInterrupt may be Ctrl-C: it is not swallowed there.
+        with pytest.raises(ConfigError, match="raised SystemExit: 4"):
+            build_model(manager, ModelContext("quits_exit", repo.models_dir / "quits_exit", ModelSettings("quits_exit"),
+                                              tmp_path, "test"))
+        with pytest.raises(KeyboardInterrupt):
+            build_model(manager, ModelContext("quits_interrupt", repo.models_dir / "quits_interrupt",
+                                              ModelSettings("quits_interrupt"), tmp_path, "test"))
+    finally:
+        for *_, module, _source in EXITING_PLUGINS:
+            sys.modules.pop(module, None)
