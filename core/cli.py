@@ -5,10 +5,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import resource
+import signal
 import shutil
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +23,7 @@ from nereid.files import check_confined
 from nereid.leftovers import scratch_prefix
 from nereid.log_format import one_record_per_line, stderr_handler
 from nereid.log_limit import EndedCallFilter, RateLimitFilter
+from nereid.processes import kill_children
 from nereid.plugins import NereidPluginManager, add_commands, check_backend_defaults, error_text, make_plugin_manager
 from nereid.repository import bounded_backend_call, build_model
 from nereid.storage import list_model_folders, materialize_model_folder
@@ -120,8 +124,26 @@ def serve_command(settings: Settings, bind_addr: str | None, manager: NereidPlug
         asyncio.run(run())
     except OSError as err:
         print(f"error: {err}", file=sys.stderr)
-        return 1
-    return 0
+        return _exit_past_abandoned_threads(1)
+    return _exit_past_abandoned_threads(0)
+
+
+def _exit_past_abandoned_threads(code: int) -> int:
+    """``code``, or the process's end with it at once when a thread the server abandoned still runs.
+
+    A load abandoned at shutdown (its thread inside jaxlib's compiler, say) or
+    a model call past the grace runs on a daemon thread. The interpreter's own
+    shutdown ends such a thread with a forced unwind, which C++ code that
+    catches and swallows it turns into an abort (SIGABRT, exit 134, "FATAL:
+    exception not rethrown"). The server has stopped by now (its models
+    unloaded, its children killed): flush what was written and leave.
+    """
+    if not any(thread.is_alive() for thread in threading.enumerate() if thread is not threading.main_thread()):
+        return code
+    logging.shutdown()  # flushes every handler
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def check(settings: Settings, manager: NereidPluginManager | None = None) -> int:
@@ -144,6 +166,9 @@ def check(settings: Settings, manager: NereidPluginManager | None = None) -> int
     # Named as a server's scratch (nereid-<pid>-...): a check that is killed leaves it for the next server
     # start to remove, as that server removes any dead process's.
     scratch = Path(tempfile.mkdtemp(prefix=f"{scratch_prefix()}check-"))
+    # SIGTERM (`timeout 60 nereid check` in CI) stops the check as Ctrl-C does: a compiler it started must not
+    # run on under init, writing into a scratch folder nobody will clean.
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         names = list_model_folders(settings.server)
         if settings.server.ml_backends_url is not None:  # a store that cannot be listed: check the listed models
@@ -163,7 +188,13 @@ def check(settings: Settings, manager: NereidPluginManager | None = None) -> int
                 problems += 0 if checked.status == "OK" else 1
                 print(checked.line())
         problems += _check_callers(callers, states)
+    except KeyboardInterrupt as stop:
+        killed = kill_children()
+        print(f"{settings.source}: interrupted by {'SIGTERM' if isinstance(stop, _Terminated) else 'SIGINT'}"
+              f"{f' ({killed} program(s) it had started killed)' if killed else ''}", file=sys.stderr)
+        return 143 if isinstance(stop, _Terminated) else 130
     finally:
+        signal.signal(signal.SIGTERM, previous)
         shutil.rmtree(scratch, ignore_errors=True)
     summary = [f"{config_problems} problem(s) in its backends: section"] if config_problems else []
     if problems:
@@ -172,6 +203,14 @@ def check(settings: Settings, manager: NereidPluginManager | None = None) -> int
         summary.append(f"{len(manager.problems)} plugin problem(s)")
     print(f"{settings.source}: {', '.join(summary) or 'OK'}")
     return 1 if problems or config_problems or manager.problems else 0
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM during ``nereid check``: it stops like Ctrl-C (a KeyboardInterrupt is no plugin's failure)."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise _Terminated()
 
 
 @dataclass

@@ -6,6 +6,7 @@ import os
 import signal
 import socket
 import subprocess
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -15,7 +16,7 @@ import pytest
 import tritonclient.grpc as triton
 
 import toy_backends
-from support import NEREID, free_port, nereid_serve
+from support import NEREID, free_port, nereid_serve, process_alive, wait_until
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -78,6 +79,59 @@ def test_serve_finishes_accepted_requests_on_sigterm_and_exits_zero(repo) -> Non
         assert len(results) == 1 and np.array_equal(results[0], x)
         output = process.stdout.read()
         assert "signal received: draining" in output and "nereid stopped" in output
+
+
+def test_serve_stopped_while_a_bundle_compiles_exits_zero(repo) -> None:
+    """Defect: SIGTERM while an XLA bundle compiled at start aborted the server (SIGABRT, exit 134, "FATAL:
+    exception not rethrown") after "nereid stopped": the interpreter's shutdown unwound the abandoned load's
+    thread inside jaxlib's compiler, whose C++ swallowed the unwind."""
+    import shutil
+    shutil.copytree(REPO_ROOT / "ml-backends" / "mlp_bundle", repo.models_dir / "mlp_bundle",
+                    ignore=shutil.ignore_patterns(".cache"))  # a cold executable cache: the load compiles
+    process = subprocess.Popen([*NEREID, "serve", "--config", str(repo.write_config())],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        for line in process.stdout:
+            lines.append(line)
+            if "listening" in line:
+                break
+        time.sleep(0.25)  # inside the compile
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == 0, "".join(lines) + process.stdout.read()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_check_stopped_by_sigterm_kills_its_compiler_and_says_so(repo, tmp_path) -> None:
+    """Defect: `timeout 60 nereid check` in CI ended the check at once and left the compiler it had started
+    running under init, writing into a scratch folder nobody would clean; Ctrl-C printed a traceback."""
+    import shutil
+    shutil.copytree(REPO_ROOT / "ml-backends" / "cpp_scale", repo.models_dir / "cpp_scale",
+                    ignore=shutil.ignore_patterns(".cache"))
+    started = tmp_path / "compiler.pid"
+    slow = tmp_path / "slow-c++"
+    slow.write_text(f'#!/bin/sh\necho $$ > "{started}"\nsleep 30\nexec c++ "$@"\n')  # a long compile
+    slow.chmod(0o755)
+    for signum, code, name in ((signal.SIGTERM, 143, "SIGTERM"), (signal.SIGINT, 130, "SIGINT")):
+        started.unlink(missing_ok=True)
+        process = subprocess.Popen([*NEREID, "check", "--config", str(repo.write_config())],
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                   env={**os.environ, "CXX": str(slow)})
+        try:
+            assert wait_until(started.exists, 30) and wait_until(lambda: started.read_text().strip(), 5)
+            compiler = int(started.read_text())
+            process.send_signal(signum)
+            assert process.wait(30) == code
+            assert process.stderr.read().strip().endswith(f"nereid.yaml: interrupted by {name}")
+            assert wait_until(lambda: not process_alive(compiler), 5), "the compiler ran on"
+            assert not list(Path(tempfile.gettempdir()).glob(f"nereid-{process.pid}-check-*"))
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
 
 
 def test_serve_reports_an_address_in_use_and_exits_non_zero(repo) -> None:
