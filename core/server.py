@@ -7,6 +7,7 @@ import functools
 import logging
 import shutil
 import signal
+import socket
 import tempfile
 from pathlib import Path
 
@@ -33,13 +34,51 @@ log = logging.getLogger(__name__)
 MAX_SEND_MESSAGE_BYTES = (1 << 31) - 1
 
 
+def bind_problem(address: str) -> OSError | None:
+    """Why gRPC could not listen on ``host:port``, found by binding it as gRPC does; None when it can.
+
+    gRPC sets SO_REUSEADDR (a port in TIME_WAIT is no problem) and, with
+    ``grpc.so_reuseport`` 0, nothing more; it listens on a wildcard host (0.0.0.0
+    or ::) through one dual-stack socket, or on IPv4 alone where that fails, and
+    on a name on every address it resolves to, succeeding when one binds. The
+    probe does the same, and closes its sockets at once.
+    """
+    host, _, port_text = address.rpartition(":")
+    host, port = host.strip("[]"), int(port_text)
+    candidates: list[tuple[socket.AddressFamily, tuple]]
+    if host in ("0.0.0.0", "::"):
+        candidates = [(socket.AF_INET6, ("::", port, 0, 0)), (socket.AF_INET, ("0.0.0.0", port))]
+    else:
+        try:
+            found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        except OSError as err:  # (socket.gaierror: a name that does not resolve)
+            return err
+        candidates = [(family, sockaddr) for family, _, _, _, sockaddr in found]
+    first: OSError | None = None
+    for family, sockaddr in candidates:
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6 and sockaddr[0] == "::":
+                    probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)  # dual-stack, as gRPC's
+                probe.bind(sockaddr)
+                probe.listen(1)
+            return None
+        except OSError as err:
+            first = first or err
+    return first
+
+
 class NereidServer:
     """One running server. ``start`` binds and begins loading models; ``stop`` drains and exits."""
 
     def __init__(self, settings: Settings, manager: pluggy.PluginManager | None = None,
                  bind_addr: str | None = None) -> None:
+        """``bind_addr``, when given, is ``nereid serve --bind``: it replaces ``server.bind_addr``."""
         self.settings = settings
         self.bind_addr = bind_addr or settings.server.bind_addr
+        # What an error about the gRPC address names, as the operator wrote it.
+        self.bind_origin = "--bind" if bind_addr else "server.bind_addr"
         self.manager = manager or make_plugin_manager()
         remove_stale_scratch(Path(tempfile.gettempdir()))
         self.scratch_dir = Path(tempfile.mkdtemp(prefix=scratch_prefix()))
@@ -69,7 +108,11 @@ class NereidServer:
         return await self.dataplane.infer(request)
 
     async def start(self) -> int:
-        """Bind the port and start serving; returns the bound port. Models load in :meth:`load_models`."""
+        """Bind the port and start serving; returns the bound port. Models load in :meth:`load_models`.
+
+        A start that fails (an address in use: OSError) closes what it had opened and removes the scratch
+        folder before raising: the process exits next, and nothing else would.
+        """
         config = self.settings.server
         server = grpc.aio.server(options=[
             ("grpc.max_send_message_length", MAX_SEND_MESSAGE_BYTES),
@@ -79,19 +122,23 @@ class NereidServer:
             # Without this a second server on the same port starts silently and steals half the calls.
             ("grpc.so_reuseport", 0),
         ])
+        try:
+            return await self._start(server)
+        except BaseException:
+            await self._close_after_failed_start(server)
+            raise
+
+    async def _start(self, server: grpc.aio.Server) -> int:
+        config = self.settings.server
         control = self.repository_control
         servicer = InferenceServicer(self.dataplane, functools.partial(self.metrics.count_request, "grpc"))
         server.add_generic_rpc_handlers((generic_handler(servicer),))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        try:
-            if config.tls is not None:
-                port = server.add_secure_port(self.bind_addr, server_credentials(config.tls))
-            else:
-                port = server.add_insecure_port(self.bind_addr)
-        except RuntimeError as err:  # grpc raises when the address cannot be bound
-            raise OSError(f"cannot listen on {self.bind_addr} (server.bind_addr): {err}") from None
-        if port == 0:
-            raise OSError(f"cannot listen on {self.bind_addr} (server.bind_addr)")
+        # The gRPC address is tried first, as gRPC would bind it: gRPC's own failure is a line of its core
+        # on stderr, then an error that gives no reason ("Failed to bind to address").
+        problem = bind_problem(self.bind_addr)
+        if problem is not None:
+            raise OSError(f"cannot listen on {self.bind_addr} ({self.bind_origin}): {problem.strerror or problem}")
         if self.settings.server.metrics_addr:
             self.metrics_port = self.metrics.serve(self.settings.server.metrics_addr)
             log.info("metrics at http://%s/metrics", self.settings.server.metrics_addr)
@@ -102,6 +149,9 @@ class NereidServer:
                                       config.shutdown_grace_s)
             self.http_port = await self._http.start(config.http_addr)
             log.info("KServe V2 REST on %s (port %d)", config.http_addr, self.http_port)
+        # Bound last and started at once: a gRPC server that is never started keeps its port open until the
+        # process exits, stopped or not.
+        port = self._add_grpc_port(server)
         await server.start()
         self._grpc, self.port = server, port
         await self.update_health()
@@ -109,6 +159,32 @@ class NereidServer:
                  "mutual TLS" if config.tls and config.tls.client_ca else "TLS" if config.tls else "plaintext",
                  "on" if control else "off")
         return port
+
+    def _add_grpc_port(self, server: grpc.aio.Server) -> int:
+        """Bind :attr:`bind_addr` on ``server``; an OSError naming the address and where it came from if not."""
+        config = self.settings.server
+        try:
+            if config.tls is not None:
+                port = server.add_secure_port(self.bind_addr, server_credentials(config.tls))
+            else:
+                port = server.add_insecure_port(self.bind_addr)
+        except RuntimeError as err:  # grpc raises when the address cannot be bound (taken since it was tried)
+            raise OSError(f"cannot listen on {self.bind_addr} ({self.bind_origin}): {err}") from None
+        if port == 0:
+            raise OSError(f"cannot listen on {self.bind_addr} ({self.bind_origin})")
+        return port
+
+    async def _close_after_failed_start(self, server: grpc.aio.Server) -> None:
+        """Close whatever a failed :meth:`start` had opened, and remove the scratch folder."""
+        try:
+            closing = [server.stop(None), *([self._http.stop()] if self._http is not None else [])]
+            for outcome in await asyncio.gather(*closing, return_exceptions=True):
+                if isinstance(outcome, Exception):  # (the start's own error is the one reported)
+                    log.warning("closing after a failed start: %s", outcome)
+            self._http = None
+            self.metrics.close()
+        finally:
+            shutil.rmtree(self.scratch_dir, ignore_errors=True)
 
     async def load_models(self) -> None:
         """Load the start-up models concurrently; failures leave them UNAVAILABLE with a reason.

@@ -42,14 +42,18 @@ MAX_PORT = 65535
 
 
 def address_problem(address: str) -> str | None:
-    """Why ``address`` is not ``host:port`` with a port of 0-65535; None when it is.
+    """Why ``address`` is not ``host:port`` with a host and a port of 0-65535; None when it is.
 
     gRPC wraps a larger port silently (99999 listens on 34463) and the HTTP and
     metrics listeners fail with an OverflowError, so the range is checked here.
+    An empty host (``:8000``) failed in gRPC only once serving, and meant every
+    interface to the HTTP and metrics listeners: the host is named, always.
     """
     match = _ADDRESS_PATTERN.match(address)
     if match is None:
         return "must be host:port"
+    if not match.group(1):
+        return "must name a host before the port (0.0.0.0 or [::] for every interface)"
     port = match.group(2).lstrip("0")
     if len(port) > len(str(MAX_PORT)) or int(port or "0") > MAX_PORT:  # (int() refuses 4300+ digits)
         return f"port must be 0-{MAX_PORT}"

@@ -25,6 +25,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from nereid.dataplane import DataPlane, cancellation_reason
 from nereid.errors import (ConfigError, DeadlineExceeded, InvalidArgument, ModelFailure, NereidError, NotFound,
                            PermissionDenied, QueueFull, Unavailable, Unimplemented, cap_message)
+from nereid.log_limit import RateLimitFilter
 from nereid.model_info import MODEL_VERSION, ModelConfig
 from nereid.protocol.http_codec import HEADER_LENGTH, decode_infer, encode_infer
 from nereid.stats import ModelStats
@@ -488,6 +489,7 @@ class HttpListener:
         self.grace_s = grace_s
         self._server: _EmbeddedServer | None = None
         self._task: asyncio.Task | None = None
+        self._records = _UvicornRecords()  # on uvicorn's logger while this listener runs
 
     async def start(self, addr: str) -> int:
         """Listen on ``host:port`` (``[::1]:8000``); returns the bound port."""
@@ -503,19 +505,27 @@ class HttpListener:
         except OSError as err:
             sock.close()
             raise OSError(f"cannot listen on {addr} (server.http_addr): {err.strerror or err}") from None
-        config = uvicorn.Config(self.app, http=_BoundedHeadProtocol, lifespan="off", log_level="warning",
-                                access_log=False, server_header=False, date_header=False, ws="none",
-                                proxy_headers=False, timeout_graceful_shutdown=self.grace_s)
+        # No log_config and no log_level: uvicorn would otherwise give its loggers handlers of its own, in its
+        # own format, that do not propagate, and a level of their own that ignores --log-level. Its records
+        # go to the root logger's handler, at the root logger's level, through _UvicornRecords.
+        # access_log=False: no line per request (uvicorn then also cuts its access logger off).
+        config = uvicorn.Config(self.app, http=_BoundedHeadProtocol, lifespan="off", log_config=None,
+                                log_level=None, access_log=False, server_header=False, date_header=False,
+                                ws="none", proxy_headers=False, timeout_graceful_shutdown=self.grace_s)
         config.load()
         if self.tls is not None:
             config.ssl = self.tls
+        logging.getLogger(UVICORN_LOGGER).addFilter(self._records)
         self._server = server = _EmbeddedServer(config)
         self._task = asyncio.create_task(server.serve(sockets=[sock]))
         started = asyncio.create_task(server.started_event.wait())
         await asyncio.wait({self._task, started}, return_when=asyncio.FIRST_COMPLETED)
         if not server.started_event.is_set():
             started.cancel()
-            await self._task  # raises what stopped it
+            task, self._server, self._task = self._task, None, None
+            logging.getLogger(UVICORN_LOGGER).removeFilter(self._records)
+            sock.close()
+            await task  # raises what stopped it
             raise OSError(f"the HTTP listener on {addr} (server.http_addr) did not start")
         return sock.getsockname()[1]
 
@@ -523,8 +533,38 @@ class HttpListener:
         """Stop accepting, let requests in progress finish (bounded by the grace), close."""
         if self._server is not None and self._task is not None:
             self._server.should_exit = True
-            await self._task
-            self._server = self._task = None
+            try:
+                await self._task
+            finally:
+                self._server = self._task = None
+                logging.getLogger(UVICORN_LOGGER).removeFilter(self._records)
+
+
+# uvicorn writes every line of its own (not only errors) through this logger.
+UVICORN_LOGGER = "uvicorn.error"
+# uvicorn's WARNING for each request httptools cannot parse: a client can send those as fast as it likes.
+INVALID_REQUEST_LINE = "Invalid HTTP request received."
+
+
+class _UvicornRecords(logging.Filter):
+    """uvicorn's log records, as nereid's own: its INFO lines become DEBUG lines, and its line for each
+    request that cannot be parsed is rate-limited (see :class:`~nereid.log_limit.RateLimitFilter`).
+
+    Its INFO lines ("Started server process [...]", "Shutting down", "Waiting for
+    connections to close") tell of the listener's life, which nereid's own lines
+    already say; they are written only when DEBUG is on.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._invalid_requests = RateLimitFilter((INVALID_REQUEST_LINE,))
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if logging.DEBUG < record.levelno < logging.WARNING:
+            if not logging.getLogger(record.name).isEnabledFor(logging.DEBUG):
+                return False
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return self._invalid_requests.filter(record)
 
 
 class _EmbeddedServer(uvicorn.Server):

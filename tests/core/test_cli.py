@@ -151,7 +151,7 @@ def test_serve_reports_an_address_in_use_and_exits_non_zero(repo) -> None:
         second = subprocess.run([*NEREID, "serve", "--config", str(repo.root / "nereid.yaml"),
                                  "--bind", f"127.0.0.1:{taken_port}"], capture_output=True, text=True, timeout=60)
         assert second.returncode == 1
-        assert f"cannot listen on 127.0.0.1:{taken_port} (server.bind_addr)" in second.stderr
+        assert f"cannot listen on 127.0.0.1:{taken_port} (--bind): Address already in use" in second.stderr
 
 
 HANGING_MAIN = '''

@@ -7,12 +7,15 @@ as a test needs, with no sleeps.
 
 from __future__ import annotations
 
+import asyncio
 import shutil
+import socket
 import threading
 import time
 from pathlib import Path
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import nereid
@@ -21,7 +24,9 @@ from nereid.backend import BackendClaim, ModelContext
 from nereid.hookspecs import hookimpl
 from nereid.plugins import make_plugin_manager
 from nereid.repository import NOT_LISTED_REASON
-from support import RunningServer, expect_grpc_error, wait_until
+from nereid.server import NereidServer
+from nereid.settings import load_settings
+from support import RunningServer, expect_grpc_error, free_port, wait_until
 from toy_backends import ToyModel, write_toy
 
 HEALTH_SERVICES = ("", "inference.GRPCInferenceService")
@@ -147,3 +152,61 @@ def test_not_found_echoes_the_clients_name_as_sent(repo, serve):
     message = expect_grpc_error("INTERNAL", lambda: server.client.load_model("broken"),
                                 "failed to load model 'broken': broken/fail.txt: weights are corrupt")
     assert str(repo.models_dir) not in message and str(repo.models_dir.resolve()) not in message
+
+
+def taken_port() -> socket.socket:
+    """A socket listening on 127.0.0.1 (SO_REUSEADDR, as servers set it): its port is in use."""
+    taken = socket.socket()
+    taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    return taken
+
+
+def failed_start(config: Path, **kwargs: object) -> tuple[NereidServer, str]:
+    """A NereidServer whose start fails with an OSError; it and the error's text."""
+    server = NereidServer(load_settings(config), manager(), **kwargs)
+    with pytest.raises(OSError) as caught:
+        asyncio.run(server.start())
+    return server, str(caught.value)
+
+
+def refused(port: int) -> bool:
+    """Nothing listens on 127.0.0.1:``port`` any more."""
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    except ConnectionRefusedError:
+        return True
+    return False
+
+
+def test_a_failed_start_closes_what_it_opened_and_removes_its_scratch_folder(repo):
+    # `nereid serve` exiting 1 on a port in use left its /tmp/nereid-<pid>-... scratch folder behind.
+    write_toy(repo.models_dir, "steady")
+    grpc_port = free_port()
+    with taken_port() as taken:
+        config = repo.write_config("- name: steady\n")
+        http_addr = f"127.0.0.1:{taken.getsockname()[1]}"
+        config.write_text(config.read_text().replace('bind_addr: "127.0.0.1:0"', f'bind_addr: "127.0.0.1:{grpc_port}"')
+                          .replace('http_addr: "127.0.0.1:0"', f'http_addr: "{http_addr}"'))
+        server, error = failed_start(config)
+    assert error == f"cannot listen on {http_addr} (server.http_addr): Address already in use"
+    assert not server.scratch_dir.exists()
+    # gRPC's port and the metrics endpoint were open when HTTP failed: both are closed again.
+    assert server.metrics_port is not None and refused(server.metrics_port) and refused(grpc_port)
+
+
+def test_a_grpc_address_in_use_is_one_line_with_the_reason_naming_where_the_address_came_from(repo, capfd):
+    # gRPC's core printed "E... add_port.cc:83] Failed to add port to server" first, nereid's line gave no
+    # reason ("Failed to bind to address"), and an address given with --bind was blamed on server.bind_addr.
+    write_toy(repo.models_dir, "steady")
+    with taken_port() as taken:
+        address = f"127.0.0.1:{taken.getsockname()[1]}"
+        config = repo.write_config("- name: steady\n", metrics_addr="")
+        flag_server, flag_error = failed_start(config, bind_addr=address)
+        config.write_text(config.read_text().replace('bind_addr: "127.0.0.1:0"', f'bind_addr: "{address}"'))
+        yaml_server, yaml_error = failed_start(config)
+    assert flag_error == f"cannot listen on {address} (--bind): Address already in use"
+    assert yaml_error == f"cannot listen on {address} (server.bind_addr): Address already in use"
+    assert "add_port" not in capfd.readouterr().err
+    assert not flag_server.scratch_dir.exists() and not yaml_server.scratch_dir.exists()

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from nereid.errors import ConfigError
-from nereid.settings import DEFAULT_BIND_ADDR, Device, load_settings, repository_control_allowed
+from nereid.settings import (DEFAULT_BIND_ADDR, Device, address_problem, load_settings,
+                             repository_control_allowed)
 
 
 @pytest.fixture
@@ -190,7 +191,18 @@ def test_listener_addresses_need_a_port_of_0_to_65535(root: Path, key: str, addr
     assert f"got '{address[:30]}" in str(caught.value)  # (a 5000-digit value is quoted cut short)
 
 
-@pytest.mark.parametrize("address", ["[::1]:0", "127.0.0.1:65535", "localhost:8000", "[::]:00080", ":50051"])
+@pytest.mark.parametrize("key", ["bind_addr", "metrics_addr", "http_addr"])
+def test_listener_addresses_need_a_host(root: Path, key: str) -> None:
+    # ":50051" passed, then failed in gRPC once serving (exit 1), and meant every interface to HTTP and metrics.
+    path = write(root, f'server:\n  ml_backends_path: ml-backends\n  {key}: ":50051"\n')
+    with pytest.raises(ConfigError) as caught:
+        load_settings(path)
+    assert str(caught.value) == (f"{path}: server.{key}: must name a host before the port (0.0.0.0 or [::] for "
+                                 f"every interface), got ':50051'")
+    assert address_problem(":50051") == "must name a host before the port (0.0.0.0 or [::] for every interface)"
+
+
+@pytest.mark.parametrize("address", ["[::1]:0", "127.0.0.1:65535", "localhost:8000", "[::]:00080", "0.0.0.0:50051"])
 def test_listener_addresses_in_range_are_kept(root: Path, address: str) -> None:
     path = write(root, f"server:\n  ml_backends_path: ml-backends\n  bind_addr: \"{address}\"\n"
                        f"  metrics_addr: \"{address}\"\n  http_addr: \"{address}\"\n")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 import socket
 import subprocess
@@ -351,6 +352,57 @@ def test_serve_reports_an_http_address_in_use(repo):
                                 capture_output=True, text=True, timeout=60)
     assert result.returncode == 1
     assert f"cannot listen on 127.0.0.1:{port} (server.http_addr)" in result.stderr
+
+
+async def _answer_ok(scope, receive, send) -> None:
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+    await send({"type": "http.response.body", "body": b"ok"})
+
+
+def uvicorn_records_for_garbage(requests: int) -> None:
+    """An HttpListener sent ``requests`` requests httptools cannot parse, then one valid request, then stopped."""
+    from nereid.protocol.http_service import HttpListener
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    listener = HttpListener(_answer_ok, grace_s=5)
+    try:
+        port = asyncio.run_coroutine_threadsafe(listener.start("127.0.0.1:0"), loop).result(10)
+        for _ in range(requests):
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as connection:
+                connection.sendall(b"GARBAGE\r\n\r\n")
+                assert read_response(connection).startswith(b"HTTP/1.1 400 ")
+        assert call(f"127.0.0.1:{port}", "GET", "/")[:2] == (200, b"ok")
+    finally:
+        asyncio.run_coroutine_threadsafe(listener.stop(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+
+
+def test_uvicorns_lines_go_through_the_servers_logging_and_unparsable_requests_are_rate_limited(caplog):
+    """uvicorn gave its loggers handlers of their own (its format, not propagated, its own level): with
+    --log-level ERROR every malformed request still wrote "WARNING:  Invalid HTTP request received."."""
+    import inspect
+
+    from nereid.log_limit import RateLimitFilter
+
+    burst = inspect.signature(RateLimitFilter).parameters["burst"].default
+    caplog.set_level(logging.INFO)
+    uvicorn_records_for_garbage(burst + 3)
+    uvicorns = [r for r in caplog.records if r.name.startswith("uvicorn")]
+    assert [(r.name, r.levelname, r.getMessage()) for r in uvicorns] == \
+        [("uvicorn.error", "WARNING", "Invalid HTTP request received.")] * burst  # no access log, no INFO chatter
+    caplog.clear()
+    # As --log-level ERROR: the root logger's level; nereid's stderr handler has none of its own.
+    logging.getLogger().setLevel(logging.ERROR)  # (caplog puts the level back after the test)
+    caplog.handler.setLevel(logging.NOTSET)
+    uvicorn_records_for_garbage(2)
+    assert [r for r in caplog.records if r.name.startswith("uvicorn")] == []
+    caplog.set_level(logging.DEBUG)
+    uvicorn_records_for_garbage(0)  # its INFO lines are DEBUG lines
+    assert {r.levelname for r in caplog.records if r.name.startswith("uvicorn")} == {"DEBUG"}
 
 
 def read_response(connection: socket.socket) -> bytes:
