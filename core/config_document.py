@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import math
+import re
 from pathlib import Path
 from typing import AbstractSet, Any
 
@@ -53,6 +54,9 @@ def _construct_unique_mapping(loader: _StrictLoader, node: yaml.MappingNode, dee
 
 
 _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_unique_mapping)
+
+# A number in exponent form without a dot (5e2, 1e300): a float in YAML 1.2, a string to PyYAML's YAML 1.1.
+_EXPONENT_WITHOUT_DOT = re.compile(r"^[-+]?[0-9]+[eE][-+]?[0-9]+$")
 
 
 def load_yaml(text: str, path: Path) -> Any:
@@ -117,6 +121,8 @@ class KeyedReader:
         """A finite number (an int or a float) of at least ``minimum`` (more than it with ``exclusive``) and,
         given ``maximum`` (the bound, why), at most its bound."""
         value = section.get(_last(key), default)
+        if isinstance(value, str) and _EXPONENT_WITHOUT_DOT.match(value):
+            value = float(value)  # YAML 1.2 reads 1e300 as a number; PyYAML (YAML 1.1) as a string
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             self.fail(key, "must be a number", value)
         try:

@@ -39,6 +39,7 @@ _LONGEST_WAIT_S = (365 * _A_DAY_S, "a year")
 _DEVICE_PATTERN = re.compile(r"^(cpu|cuda)(?::(\d+))?$")
 _ADDRESS_PATTERN = re.compile(r"^(\[[^\]]+\]|[^:\[\]]*):([0-9]+)$")  # host:port, [v6 host]:port
 MAX_PORT = 65535
+MAX_DEVICE_INDEX = 2**31 - 1
 
 
 def address_problem(address: str) -> str | None:
@@ -73,7 +74,11 @@ class Device:
         match = _DEVICE_PATTERN.match(text)
         if match is None or (match.group(1) == "cpu" and match.group(2) is not None):
             raise ValueError("expected 'cpu', 'cuda' or 'cuda:<index>'")
-        return cls(match.group(1), int(match.group(2) or 0))
+        index = match.group(2) or "0"
+        # ModelConfig's gpus field is an int32: a larger index would fail every ModelConfig call.
+        if len(index.lstrip("0")) > 10 or int(index) > MAX_DEVICE_INDEX:
+            raise ValueError(f"expected a GPU index of at most {MAX_DEVICE_INDEX}")
+        return cls(match.group(1), int(index))
 
     @property
     def is_gpu(self) -> bool:

@@ -157,7 +157,13 @@ def test_nan_and_infinity_are_refused_like_a_wrong_type(root: Path, body: str, k
     ("server:\n  watch_settle_ms: 1.0e+300\n", "server.watch_settle_ms", "must be at most 86400000 (a day)",
      "1e+300"),
     ("server:\n  watch_poll_s: 86401\n", "server.watch_poll_s", "must be at most 86400 (a day)", "86401"),
-], ids=["instances", "delay", "timeout", "grace", "settle", "poll"])
+    # Defect: exponent form without a dot is YAML 1.2's float but PyYAML's string: "must be a number".
+    ("models:\n  - name: a\n    timeout_s: 1e300\n", "models[0].timeout_s", "must be at most 31536000 (a year)",
+     "1e+300"),
+    # Defect: accepted, then every gRPC ModelConfig of the model failed (its gpus field is an int32).
+    ("models:\n  - name: a\n    device: cuda:3000000000\n", "models[0].device",
+     "expected a GPU index of at most 2147483647", "'cuda:3000000000'"),
+], ids=["instances", "delay", "timeout", "grace", "settle", "poll", "timeout-exponent", "device-index"])
 def test_values_past_what_the_waits_and_the_wire_take_are_refused(root: Path, body: str, key: str, problem: str,
                                                                   value: str) -> None:
     """Defect: accepted, then every request failed (a timeout poll() overflowed), every ModelConfig failed
@@ -173,6 +179,10 @@ def test_the_largest_values_allowed_are_taken(root: Path) -> None:
     (model,) = settings.models
     assert (model.instances, model.timeout_s, model.batching.max_queue_delay_ms) == (2**31 - 1, 31536000, 86400000)
     assert settings.server.shutdown_grace_s == 31536000
+    exponents = load_settings(write(root, "models:\n  - name: a\n    timeout_s: 5e2\n    device: cuda:2147483647\n"
+                                          "    batching: {max_queue_delay_ms: 2E+1}\n"))
+    (model,) = exponents.models
+    assert (model.timeout_s, model.batching.max_queue_delay_ms, model.device) == (500, 20, Device("cuda", 2**31 - 1))
 
 
 @pytest.mark.parametrize("key", ["bind_addr", "metrics_addr", "http_addr"])
