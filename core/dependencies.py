@@ -87,12 +87,12 @@ def settle(callers: Mapping[str, tuple[str, ...]], states: Mapping[str, tuple[st
         if start in verdicts:
             continue
         # An iterative walk, deepest first: a caller is judged once every caller it depends on is.
-        stack = [start]
+        stack = [(start, iter(callers[start]))]
         while stack:
-            name = stack[-1]
-            pending = [d for d in callers[name] if d in callers and d not in verdicts]
-            if pending:
-                stack.append(pending[0])
+            name, dependencies = stack[-1]
+            deeper = next((d for d in dependencies if d in callers and d not in verdicts), None)
+            if deeper is not None:
+                stack.append((deeper, iter(callers[deeper])))
                 continue
             stack.pop()
             if name not in verdicts:
