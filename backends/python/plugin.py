@@ -77,7 +77,7 @@ class PythonModel(SubprocessModel):
         env["TMPDIR"] = str(parent_dir)
         parent = WarmParent(name=self.context.name, folder=self.context.folder, env=env, modules=modules,
                             log_path=parent_dir / "log", entry_source=parent_dir / LOADED_ENTRY_FILE,
-                            cold_argv=self.command())
+                            cold_argv=self.command(), folder_fd=self.folder_fd())
         try:
             parent.entry_source.write_bytes(source)
             parent.start()
@@ -97,9 +97,10 @@ class PythonModel(SubprocessModel):
 
     def relocate(self, context: ModelContext) -> None:
         """Serve on from a renamed folder: the parent stays, each child runs in the new folder."""
-        super().relocate(context)
+        super().relocate(context)  # holds a descriptor of the new folder
         if self._parent is not None:
             self._parent.name, self._parent.folder = context.name, context.folder
+            self._parent.folder_fd = self.folder_fd()
 
     def unload(self) -> None:
         """End the parent (and any child it still runs) and remove its folder."""

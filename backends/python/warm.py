@@ -41,12 +41,15 @@ class WarmParent:
     """A running warm parent: started with the model's environment, imports preloaded."""
 
     def __init__(self, *, name: str, folder: Path, env: dict[str, str], modules: list[str], log_path: Path,
-                 entry_source: Path, cold_argv: list[str] | None = None) -> None:
+                 entry_source: Path, cold_argv: list[str] | None = None, folder_fd: int | None = None) -> None:
         self.name = name
         # What a cold run execs, should a restarted parent find it can no longer preload.
         self.cold_argv = cold_argv
         self.cold_reason: str | None = None  # why runs went cold after a restart (None: they did not)
         self.folder = folder
+        # An O_PATH descriptor of the loaded folder (the model's, not ours to close), sent with each run: the
+        # child enters that folder, never another one put under its name since. None: the path is used.
+        self.folder_fd = folder_fd
         self.entry_source = entry_source  # the main.py bytes to compile, named FOLDER/main.py
         self.env = env
         self.modules = modules
@@ -68,7 +71,8 @@ class WarmParent:
                 process = subprocess.Popen(
                     [sys.executable, "-P", str(WARM_PARENT_SCRIPT), str(theirs.fileno()), json.dumps(self.modules),
                      str(self.folder), str(self.entry_source)],
-                    cwd=self.folder, env=self.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_file,
+                    cwd=self._folder_path(), env=self.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                    stderr=log_file,
                     pass_fds=(theirs.fileno(),), start_new_session=True)
         except BaseException:
             ours.close()
@@ -87,6 +91,11 @@ class WarmParent:
             raise WarmStartUnavailable(f"the warm parent did not start ({line or 'no answer'})"
                                        + (f"; output tail: {tail}" if tail else ""))
         self._process, self._control = process, ours
+
+    def _folder_path(self) -> str:
+        """The loaded folder as a path that leads to it (through its descriptor when there is one)."""
+        fd = self.folder_fd
+        return f"/proc/self/fd/{fd}" if fd is not None else str(self.folder)
 
     def stop(self) -> None:
         """End the parent and every child it runs; the parent is reaped."""
@@ -149,7 +158,7 @@ class WarmParent:
                     reply.settimeout(STOP_GRACE_S)  # a parent that answers reports the killed run at once
                 ended = _receive(reply)
             finally:
-                groups.discard(pid)
+                terminated = groups.discard(pid)
         if ended.get("silent"):
             # Not killed for it: its other runs may be fine and about to report. A parent really wedged fails
             # the next batch's fork request, and is replaced then.
@@ -158,7 +167,7 @@ class WarmParent:
                                f"not report its end within {STOP_GRACE_S:g} s (stopped or wedged?)")
         if "status" not in ended:
             raise self._died("it ended while the run was in progress")
-        return ProcessResult(ended["status"], not exited, tail)
+        return ProcessResult(ended["status"], not exited, tail, terminated)
 
     @staticmethod
     def _kill_silent(process: subprocess.Popen) -> int:
@@ -182,13 +191,15 @@ class WarmParent:
         stdin_read, stdin_write = os.pipe2(os.O_CLOEXEC)
         output_read, output_write = os.pipe2(os.O_CLOEXEC)
         reply, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        folder_fd = self.folder_fd  # read once: a relocate may replace it meanwhile
         try:
             try:
                 request = {"env": env, "cwd": str(self.folder)}
                 if exec_argv:
                     request["exec"] = exec_argv
                 socket.send_fds(control, [json.dumps(request).encode()],
-                                [stdin_read, output_write, theirs.fileno()])
+                                [stdin_read, output_write, theirs.fileno(),
+                                 *([folder_fd] if folder_fd is not None else [])])
             except OSError as err:
                 raise self._not_started(f"sending it the run failed: {err.strerror or err}") from None
             finally:

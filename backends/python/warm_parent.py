@@ -14,9 +14,11 @@ Protocol (``CONTROL_FD`` is an AF_UNIX SOCK_SEQPACKET socket to the server):
    started Python threads: forking a threaded process is unsafe).
 2. Each message on the control socket asks for one run: a JSON object
    ``{"env": {...}, "cwd": FOLDER}`` (and ``"exec": ARGV`` for a cold run,
-   which execs a fresh interpreter instead) with three descriptors attached: the read end of the
+   which execs a fresh interpreter instead) with three or four descriptors attached: the read end of the
    child's stdin pipe, the write end of its output pipe (stdout and stderr),
-   and a reply socket. A child forked ahead of time (the spare) takes the run.
+   a reply socket, and (optional) an ``O_PATH`` descriptor of the loaded model
+   folder, which the child enters: ``FOLDER`` may name another folder by now.
+   A child forked ahead of time (the spare) takes the run.
 3. On the reply socket the parent sends ``{"pid": N}`` once the child is
    forked and ``{"status": S}`` once it has ended (S as ``Popen.returncode``:
    negative for a signal). Before reaping the child it SIGKILLs the child's
@@ -125,19 +127,19 @@ class Runs:
     def start(self, control: socket.socket) -> bool:
         """Receive one run request and hand it to the spare; False when the server is gone."""
         try:
-            message, fds, _, _ = socket.recv_fds(control, MAX_REQUEST_BYTES, 3)
+            message, fds, _, _ = socket.recv_fds(control, MAX_REQUEST_BYTES, 4)
         except OSError:
             return False
         if not message:
             return False
-        if len(fds) != 3:
+        if len(fds) not in (3, 4):
             for fd in fds:
                 os.close(fd)
             return True
-        stdin_fd, output_fd, reply_fd = fds
+        stdin_fd, output_fd, reply_fd, *folder_fd = fds  # the child's own: passed on, then closed here
         reply = socket.socket(fileno=reply_fd)
         try:
-            pid, pidfd = self._assign(message, [stdin_fd, output_fd])
+            pid, pidfd = self._assign(message, [stdin_fd, output_fd, *folder_fd])
         except OSError as err:
             # No child could be forked: this run fails, saying why; the parent serves on (it used to
             # exit here, and take the runs in progress with it).
@@ -145,8 +147,8 @@ class Runs:
             reply.close()
             return True
         finally:
-            os.close(stdin_fd)
-            os.close(output_fd)
+            for fd in (stdin_fd, output_fd, *folder_fd):
+                os.close(fd)
         self.owned.add(reply_fd)
         self.by_pidfd[pidfd] = (pid, reply)
         self.by_reply[reply_fd] = pid
@@ -298,12 +300,14 @@ def run_spare(assignments: socket.socket, parent_fds: set[int], parent: int) -> 
         for fd in parent_fds:
             if fd > 2:
                 os.close(fd)
-        message, fds, _, _ = socket.recv_fds(assignments, MAX_REQUEST_BYTES, 2)
-        if not message or len(fds) != 2:
+        message, fds, _, _ = socket.recv_fds(assignments, MAX_REQUEST_BYTES, 3)
+        if not message or len(fds) not in (2, 3):
             os._exit(0)  # retired before it got a run
         assignments.close()
         request = json.loads(message)
-        code = run_child(request["env"], request["cwd"], *fds, exec_argv=request.get("exec"))
+        stdin_fd, output_fd, *folder_fd = fds
+        code = run_child(request["env"], request["cwd"], stdin_fd, output_fd, exec_argv=request.get("exec"),
+                         folder_fd=folder_fd[0] if folder_fd else None)
     except BaseException:  # noqa: BLE001 - nothing may escape into a copy of the parent's loop
         traceback.print_exc()
     finally:
@@ -321,12 +325,13 @@ def _exit(code: int) -> None:
 
 
 def run_child(env: dict[str, str], cwd: str, stdin_fd: int, output_fd: int,
-              exec_argv: list[str] | None = None) -> int:
+              exec_argv: list[str] | None = None, folder_fd: int | None = None) -> int:
     """Become the model process for one run: take its folder, stdin, output and environment, run ``main.py``.
 
     With ``exec_argv`` (a cold run) the child execs that program instead: a
     fresh interpreter that still dies with this parent and whose detached
-    processes still come back to it.
+    processes still come back to it. ``folder_fd``: a descriptor of the loaded
+    folder, entered rather than ``cwd`` (see :func:`enter_loaded_folder`).
     """
     os.dup2(stdin_fd, 0)
     os.dup2(output_fd, 1)
@@ -342,14 +347,44 @@ def run_child(env: dict[str, str], cwd: str, stdin_fd: int, output_fd: int,
         os.environ.pop(name, None)
     if "tempfile" in sys.modules:
         sys.modules["tempfile"].tempdir = None  # computed again from this run's TMPDIR
-    cwd = enter_folder(cwd)
+    if folder_fd is None:
+        cwd = enter_folder(cwd)
+    else:
+        cwd = enter_loaded_folder(cwd, folder_fd)
+        if exec_argv or cwd != f"/proc/self/fd/{folder_fd}":
+            os.close(folder_fd)  # not needed past the chdir (main.py's path does not go through it)
     if exec_argv:
         os.execv(exec_argv[0], exec_argv)  # keeps the process, its session and its parent-death signal
     return run_main(os.path.join(cwd, ENTRY_FILE))
 
 
+def enter_loaded_folder(path: str, folder_fd: int) -> str:
+    """Make the loaded model folder (``folder_fd``) this process's working directory; returns a path to it.
+
+    ``path`` is where the server last saw the folder. It names the run's folder
+    (``__file__``, ``sys.path``, tracebacks) only while it still leads to the
+    loaded folder: a folder deleted, or renamed, with a new one put under its
+    name before the server has loaded that, must not lend the loaded code the
+    new version's files. Renamed: the folder's new path. Deleted: the
+    descriptor's path under /proc (``folder_fd`` then stays open for the run).
+    """
+    os.fchdir(folder_fd)
+    loaded = os.fstat(folder_fd)
+    try:
+        now = os.stat(path)
+        if (now.st_dev, now.st_ino) == (loaded.st_dev, loaded.st_ino):
+            return path
+    except OSError:
+        pass
+    try:
+        return os.getcwd()  # the renamed folder's new path
+    except OSError:
+        return f"/proc/self/fd/{folder_fd}"  # deleted: only its descriptor leads to it
+
+
 def enter_folder(path: str) -> str:
-    """Make the model folder this process's working directory; returns the path it has now.
+    """Make the model folder at ``path`` this process's working directory (no descriptor was sent with the
+    run); returns the path it has now.
 
     ``path`` is where the server last saw the folder (a renamed folder moves on
     without a new parent). A run queued just before the folder was renamed or

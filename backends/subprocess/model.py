@@ -15,7 +15,7 @@ import uuid
 from pathlib import Path
 
 from nereid.backend import ModelContext
-from nereid.errors import ConfigError, ModelFailure, cap_message
+from nereid.errors import ConfigError, ModelFailure, Unavailable, cap_message
 from nereid.files import not_regular_reason
 from nereid.runtime_options import RuntimeOptions
 from nereid.signature import TEXTPROTO_NAME, ModelSignature, TensorSpec, dims_match, load_textproto_signature
@@ -55,18 +55,24 @@ class SubprocessModel:
     # -- Model protocol -------------------------------------------------
     def load(self) -> None:
         """Read the textproto (output_shape is required), check the runtime options, prepare the program."""
-        path = self.context.folder / TEXTPROTO_NAME
-        self._require_file(TEXTPROTO_NAME)
-        signature = load_textproto_signature(path)
-        if not signature.outputs:
-            raise ConfigError(f"{path}: a subprocess model must declare its output "
-                              "(output_shape, or output {} blocks)")
-        self._check_tensor_names(path, signature)
-        self._require_file(self.entry_file)
-        self._signature = signature
-        self.check_options()
-        self.prepare()
+        # Held first: the folder whose files this load reads is the one every run of this version enters
+        # (see run_folder), even when a new folder takes its name while it serves.
         self._hold_folder()
+        try:
+            path = self.context.folder / TEXTPROTO_NAME
+            self._require_file(TEXTPROTO_NAME)
+            signature = load_textproto_signature(path)
+            if not signature.outputs:
+                raise ConfigError(f"{path}: a subprocess model must declare its output "
+                                  "(output_shape, or output {} blocks)")
+            self._check_tensor_names(path, signature)
+            self._require_file(self.entry_file)
+            self._signature = signature
+            self.check_options()
+            self.prepare()
+        except BaseException:
+            SubprocessModel.unload(self)  # a failed load is not unloaded by the server: let the folder go
+            raise
 
     def signature(self) -> ModelSignature:
         assert self._signature is not None, "load() first"
@@ -83,6 +89,11 @@ class SubprocessModel:
             env = self._environment(inputs, output_path, work_dir)
             result = self.launch(env=env, stdin=self._stdin(inputs))
             name = self.context.name
+            if result.terminated and result.returncode != 0:
+                # Killed by terminate_running, not a crash: the version was being retired.
+                raise Unavailable(f"model '{name}' was being unloaded (removed, replaced by a new version, or "
+                                  "the server stopping) and this run was still going after shutdown_grace_s "
+                                  "(nereid.yaml): the run was stopped")
             if result.timed_out:
                 raise ModelFailure(f"model '{name}' timed out after {self.context.settings.timeout_s:g} s "
                                    "(timeout_s in nereid.yaml); its process group was killed")
@@ -116,11 +127,18 @@ class SubprocessModel:
 
         A run queued just before its folder was renamed or deleted (the server
         hears of it a moment later) still starts there: the path goes through a
-        descriptor of the folder, which follows a rename and outlives a delete.
+        descriptor of the folder, which follows a rename and outlives a delete,
+        and never leads to another folder put under the same name.
         """
-        if self._folder_fds:
-            return f"/proc/self/fd/{self._folder_fds[-1]}"  # resolved by the child, before it execs
+        fd = self.folder_fd()
+        if fd is not None:
+            return f"/proc/self/fd/{fd}"  # resolved by the child, before it execs
         return str(self.context.folder)
+
+    def folder_fd(self) -> int | None:
+        """An ``O_PATH`` descriptor of the loaded folder (the newest, after renames); None where none is held
+        (no ``O_PATH`` or no /proc: runs then use the folder's path)."""
+        return self._folder_fds[-1] if self._folder_fds else None
 
     def _hold_folder(self) -> None:
         try:

@@ -29,11 +29,16 @@ MAX_POLL_MS = 2**31 - 1
 
 @dataclass(frozen=True)
 class ProcessResult:
-    """How a model process ended: its return code (negative: killed by that signal) and output tail."""
+    """How a model process ended: its return code (negative: killed by that signal) and output tail.
+
+    ``terminated``: its group was killed by :meth:`ProcessGroups.kill_all` while
+    it ran (its version was being retired), so a signal it died of is no crash.
+    """
 
     returncode: int
     timed_out: bool
     output_tail: str
+    terminated: bool = False
 
     def describe(self) -> str:
         """``exited with code 3`` / ``was killed by signal SIGSEGV``."""
@@ -52,19 +57,26 @@ class ProcessGroups:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._groups: set[int] = set()
+        self._killed: set[int] = set()  # listed groups that kill_all ended, until their run discards them
 
     def add(self, pgid: int) -> None:
         with self._lock:
             self._groups.add(pgid)
 
-    def discard(self, pgid: int) -> None:
+    def discard(self, pgid: int) -> bool:
+        """Stop listing ``pgid`` (its run is over); True when :meth:`kill_all` killed it meanwhile."""
         with self._lock:
             self._groups.discard(pgid)
+            if pgid in self._killed:
+                self._killed.discard(pgid)
+                return True
+            return False
 
     def kill_all(self) -> int:
-        """SIGKILL every running group (server shutdown past its grace); returns how many."""
+        """SIGKILL every running group (its version is retired past the grace); returns how many."""
         with self._lock:
             groups = list(self._groups)
+            self._killed.update(groups)  # before the signal: the run may be reporting its end at once
         for pgid in groups:
             kill_group(pgid)
         return len(groups)
@@ -98,16 +110,17 @@ def run_model_process(argv: list[str], *, cwd: Path | str, env: dict[str, str], 
     exit_fd = os.pidfd_open(process.pid)
     if groups is not None:
         groups.add(process.pid)
+    terminated = False
     try:
         exited, tail = feed_and_wait(stdin_write, stdin, exit_fd, deadline, output_read, tail_bytes)
     finally:
         if groups is not None:
-            groups.discard(process.pid)
+            terminated = groups.discard(process.pid)
         # The child is not reaped yet (a zombie at worst), so its pid, the group's id, cannot be reused.
         kill_group(process.pid)
         os.close(exit_fd)
         process.wait()  # returns at once: the child has exited or was just killed
-    return ProcessResult(process.returncode, not exited, tail)
+    return ProcessResult(process.returncode, not exited, tail, terminated)
 
 
 def feed_and_wait(stdin_fd: int, data: bytes, exit_fd: int, deadline: float | None,

@@ -159,6 +159,65 @@ def test_a_run_that_finds_its_folder_gone_still_runs_the_loaded_code(repo, serve
         assert ask(server, "moving") == [None, "loaded"]  # in the deleted folder, as any process left in it
 
 
+# Answers the version.txt found in its working directory and the one next to its __file__ (None: none there).
+VERSIONED = reply_main("[read(os.curdir), read(os.path.dirname(__file__))]", prelude="""
+def read(folder):
+    path = os.path.join(folder, "version.txt")
+    return open(path).read() if os.path.exists(path) else None""")
+
+
+def versioned_model(repo, name: str = "m") -> Path:
+    folder = repo.python(name, textproto=REPORT, main=VERSIONED)
+    (folder / "version.txt").write_text("v1")
+    return folder
+
+
+def next_version(repo, folder: Path) -> Path:
+    """The same model with version.txt "v2", outside the repository (moved under the model's name later)."""
+    new = repo.root / "staged"
+    shutil.copytree(folder, new)
+    (new / "version.txt").write_text("v2")
+    return new
+
+
+@pytest.mark.parametrize("warm", [True, False], ids=["warm", "cold"])
+def test_a_folder_renamed_away_and_replaced_under_its_name_serves_on_from_where_it_went(repo, serve, warm):
+    # mv m old; mv new m: until the server loads the new folder, runs stay in the loaded one, where it went,
+    # with its files. They ran in the new folder (the path), the loaded main.py reading the new version's files.
+    repo.python_warm_start = warm
+    folder = versioned_model(repo)
+    server = serve(repo.write_config())  # no watch: the server never hears of the change
+    assert ask(server, "m") == ["v1", "v1"]
+    new = next_version(repo, folder)
+    folder.rename(folder.with_name("old"))
+    new.rename(folder)
+    assert ask(server, "m") == ["v1", "v1"]
+
+
+def test_a_folder_deleted_and_replaced_under_its_name_runs_the_loaded_code_in_the_deleted_folder(repo, serve):
+    # rm -rf m; mv new m: the loaded main.py runs in the deleted (empty) folder, never in the new one; its
+    # __file__ leads there too, so neither a file next to it nor an import finds the new version's.
+    folder = versioned_model(repo)
+    server = serve(repo.write_config())
+    assert ask(server, "m") == ["v1", "v1"]
+    new = next_version(repo, folder)
+    shutil.rmtree(folder)
+    new.rename(folder)
+    assert ask(server, "m") == [None, None]
+
+
+def test_a_folder_copied_then_deleted_serves_from_the_copy_once_relocated(repo, serve):
+    # cp -r m n; rm -rf m, then the server relocates the model to n: its runs enter the copy (another
+    # folder than the one loaded, which is gone), as the server's rename told them.
+    folder = versioned_model(repo)
+    server = serve(repo.write_config())
+    copy = folder.with_name("n")
+    shutil.copytree(folder, copy)
+    shutil.rmtree(folder)
+    server.call(server.server.repository.rename("m", "n"))
+    assert ask(server, "n") == ["v1", "v1"]
+
+
 def test_preloaded_modules_are_already_imported_in_the_child(repo, serve):
     repo.python("preloaded", textproto=REPORT, main=reply_main(
         '{"before": before}', prelude='before = sorted(m for m in ("decimal", "fractions") if m in sys.modules)'))
@@ -283,6 +342,26 @@ def test_unload_ends_the_parent_and_its_children_and_removes_its_folder(repo, se
     assert wait_until(lambda: not process_alive(parent) and not process_alive(child) and not process_alive(spare[0]))
     assert not parent_dir.exists()
     assert zombie_children() == []
+
+
+@pytest.mark.parametrize("warm", [True, False], ids=["warm", "cold"])
+def test_a_run_still_going_past_the_grace_of_an_unload_is_stopped_and_answered_unavailable(repo, serve, warm):
+    # It was answered INTERNAL "model 'slowdel' was killed by signal SIGKILL", which reads like a crash.
+    repo.python_warm_start = warm
+    folder = repo.python("slowdel", textproto=REPORT, main=reply_main("1", prelude=SLOW_IF_ASKED))
+    (folder / "slow").write_text("")
+    server = serve(repo.write_config("- name: slowdel\n  timeout_s: null\n", server_extra="  shutdown_grace_s: 0.2\n"))
+    errors = []
+    caller = threading.Thread(target=lambda: errors.append(_error_of(lambda: ask(server, "slowdel"))))
+    caller.start()
+    running_child(folder)
+    server.client.unload_model("slowdel")
+    caller.join(30)
+    assert not caller.is_alive() and errors[0] is not None
+    assert errors[0].status() == "StatusCode.UNAVAILABLE"
+    assert errors[0].message() == ("model 'slowdel' was being unloaded (removed, replaced by a new version, or the "
+                                   "server stopping) and this run was still going after shutdown_grace_s "
+                                   "(nereid.yaml): the run was stopped")
 
 
 def test_warm_parent_memory_is_a_metric(repo, serve):

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
+import threading
+import time
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -10,7 +13,7 @@ import numpy as np
 import pytest
 
 from nereid.backend import ModelContext
-from nereid.errors import ConfigError
+from nereid.errors import ConfigError, ModelFailure, Unavailable
 from nereid.runtime_options import LayeredRuntime
 from nereid.settings import ModelSettings
 from nereid.tensors import NamedTensor
@@ -111,6 +114,60 @@ def test_a_model_renamed_again_and_again_keeps_a_bounded_number_of_descriptors(t
         assert len(model._folder_fds) == MAX_FOLDER_FDS
         echo(model)
         assert (moved / "ran.txt").read_text().splitlines() == [str(moved.resolve())]
+    finally:
+        model.unload()
+
+
+# Sleeps until killed when the file "slow" is in its folder (writing started.txt first); else kills itself.
+SLOW_OR_SIGKILLED_SH = """if [ -e slow ]; then : > started.txt; exec sleep 300; fi
+kill -KILL $$
+"""
+
+
+def test_a_run_ended_by_terminate_running_is_unavailable_and_a_sigkill_nobody_sent_is_a_failure(tmp_path) -> None:
+    # terminate_running (the version retired past shutdown_grace_s) used to read as a crash: INTERNAL
+    # "model 'shell' was killed by signal SIGKILL".
+    model = loaded(tmp_path, main=SLOW_OR_SIGKILLED_SH)
+    try:
+        with pytest.raises(ModelFailure, match="^model 'shell' was killed by signal SIGKILL"):
+            echo(model)
+        (model.context.folder / "slow").write_text("")
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                echo(model)
+            except BaseException as err:  # noqa: BLE001 - the test reads it
+                errors.append(err)
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        deadline = time.monotonic() + 10
+        while not (model.context.folder / "started.txt").exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        model.terminate_running()
+        thread.join(10)
+        assert not thread.is_alive() and len(errors) == 1
+        assert type(errors[0]) is Unavailable
+        assert str(errors[0]) == ("model 'shell' was being unloaded (removed, replaced by a new version, or the "
+                                  "server stopping) and this run was still going after shutdown_grace_s "
+                                  "(nereid.yaml): the run was stopped")
+    finally:
+        model.unload()
+
+
+def test_a_folder_replaced_under_its_name_is_not_where_runs_start(tmp_path) -> None:
+    # mv m old; cp -r old m before the server loads the new folder: runs start in the loaded folder, where it
+    # went, never in the new one (the cpp backend's binary runs go this way too).
+    model = loaded(tmp_path)
+    try:
+        folder = model.context.folder
+        old = folder.with_name("old")
+        folder.rename(old)
+        shutil.copytree(old, folder)
+        echo(model)
+        assert (old / "ran.txt").read_text().splitlines() == [str(old.resolve())]
+        assert not (folder / "ran.txt").exists()
     finally:
         model.unload()
 

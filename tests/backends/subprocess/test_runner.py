@@ -98,6 +98,14 @@ def test_kill_all_ends_running_groups(tmp_path):
         time.sleep(0.01)
     thread.join(10)
     assert not thread.is_alive() and results[0].returncode == -9
+    assert results[0].terminated  # killed by kill_all: no crash of the model's own
+
+
+def test_a_run_killed_by_a_signal_kill_all_did_not_send_is_not_terminated(tmp_path):
+    groups = ProcessGroups()
+    result = run(tmp_path, "import os, signal; os.kill(os.getpid(), signal.SIGKILL)", groups=groups)
+    assert (result.returncode, result.terminated) == (-9, False)
+    assert groups.kill_all() == 0  # and nothing is left listed
 
 
 def test_hundreds_of_children_leave_no_zombie_and_no_thread(tmp_path):
