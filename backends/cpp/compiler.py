@@ -16,7 +16,9 @@ from nereid.leftovers import remove_stale_partials
 from nereid.backends.subprocess.runner import run_model_process
 
 # What an #include can reach: sources, headers, and the inline and template files some projects include.
-HEADER_SUFFIXES = (".h", ".hh", ".hpp", ".hxx", ".h++", ".H", ".inl", ".ipp", ".tpp", ".tcc", ".inc")
+# (.def: X-macro tables; .cuh: CUDA headers; .txx / .ixx / .cppm: template and module units.)
+HEADER_SUFFIXES = (".h", ".hh", ".hpp", ".hxx", ".h++", ".H", ".inl", ".ipp", ".tpp", ".tcc", ".txx", ".inc",
+                   ".def", ".cuh", ".ixx", ".cppm")
 SOURCE_SUFFIXES = (".cpp", ".cc", ".cxx", ".c++", ".C", ".c", *HEADER_SUFFIXES)
 CXX_FLAGS = ("-O2", "-std=c++17")
 COMPILE_TIMEOUT_S = 600

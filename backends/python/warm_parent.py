@@ -415,7 +415,8 @@ def compile_entry(path: str, source_file: str) -> None:
     global _entry
     try:
         with open(source_file, "rb") as f:
-            _entry = (path, compile(f.read(), path, "exec"))
+            # dont_inherit: this module's own `from __future__ import annotations` must not become main.py's.
+            _entry = (path, compile(f.read(), path, "exec", dont_inherit=True))
     except BaseException as err:  # noqa: BLE001 - reported by each run, like the interpreter does
         _entry = (path, err)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import uuid
 from pathlib import Path
 
@@ -250,7 +251,7 @@ class SubprocessModel:
     def _read_outputs(self, path: Path, batch: int) -> list[NamedTensor]:
         signature = self.signature()
         outputs: list[NamedTensor] = []
-        with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb") as stream:
+        with os.fdopen(self._open_output(path), "rb") as stream:
             for spec in signature.outputs:
                 where = f"model '{self.context.name}': output '{spec.name}'"
                 dtype, shape = read_header(stream, where)
@@ -264,6 +265,26 @@ class SubprocessModel:
                 raise ModelFailure(f"model '{self.context.name}': output file has data after the last "
                                    f"declared output ({len(signature.outputs)} expected)")
         return outputs
+
+    def _open_output(self, path: Path) -> int:
+        """A descriptor of the regular file at ``path``, neither a symlink followed nor a FIFO waited on.
+
+        The checks before this (is_file) look at the path, which a process the
+        run left behind may swap meanwhile: a FIFO opened for reading blocks until
+        a writer comes, which would hold this instance for ever. Opened without
+        blocking, the file itself is what is checked.
+        """
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as err:
+            raise ModelFailure(f"model '{self.context.name}': cannot open its output tensor at NEREID_OUTPUT_PATH: "
+                               f"{err.strerror or err}") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise ModelFailure(f"model '{self.context.name}' exited 0 without writing its output tensor to "
+                               "NEREID_OUTPUT_PATH (something other than a regular file is there)")
+        os.set_blocking(fd, True)
+        return fd
 
     def _check_shape(self, where: str, spec: TensorSpec, shape: tuple[int, ...], batch: int) -> tuple[int, ...]:
         if not self.signature().batches:

@@ -127,11 +127,13 @@ def test_editing_an_included_header_rebuilds(repo, serve):
 def test_every_header_an_include_can_reach_is_in_the_key_and_the_cache_is_not(tmp_path):
     """Headers in subfolders and with any header suffix change the key; the cache folder and data files do not."""
     (tmp_path / "main.cpp").write_text('#include "include/factor.h"\n#include "more.hxx"\nint main() {}\n')
-    for name in ("include/factor.h", "more.hxx", "detail/impl.inl", ".cache/main-old", "weights.bin"):
+    # Defect: an X-macro table (.def) or a CUDA header (.cuh) edited left the old binary serving.
+    for name in ("include/factor.h", "more.hxx", "detail/impl.inl", "table.def", "kernels.cuh", ".cache/main-old",
+                 "weights.bin"):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text("1\n")
     key = source_hash(tmp_path, ("c++",))
-    for name in ("include/factor.h", "more.hxx", "detail/impl.inl"):
+    for name in ("include/factor.h", "more.hxx", "detail/impl.inl", "table.def", "kernels.cuh"):
         (tmp_path / name).write_text("2\n")
         assert source_hash(tmp_path, ("c++",)) != key, name
         key = source_hash(tmp_path, ("c++",))

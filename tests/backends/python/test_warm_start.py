@@ -438,6 +438,16 @@ def test_main_py_s_module_globals_are_those_python_main_py_gives(repo, serve, wa
                                        "__loader__", "__name__", "__package__", "__spec__"], {}, None,
                                       "SourceFileLoader"]
 
+    # Defect: warm, main.py was compiled under warm_parent.py's own `from __future__ import annotations`:
+    # annotations became strings, and one naming a local (functools.singledispatch) raised NameError.
+    repo.python("annotated", textproto=REPORT, main=reply_main(
+        "[repr(__annotations__), typed(1), typed('a')]",
+        prelude="import functools\nx: int = 1\n@functools.singledispatch\ndef typed(v):\n    return 'other'\n"
+                "class Local:\n    pass\n@typed.register\ndef _(v: int):\n    return 'int'\n"
+                "@typed.register\ndef _(v: Local):\n    return 'local'\n"))
+    server.client.load_model("annotated")
+    assert ask(server, "annotated") == ["{'x': <class 'int'>}", "int", "other"]
+
 
 @pytest.mark.parametrize("warm", [True, False], ids=["warm", "cold"])
 def test_a_chain_of_detached_processes_ends_with_its_run(repo, serve, no_zombies, warm):

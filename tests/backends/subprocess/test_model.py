@@ -238,3 +238,26 @@ def test_a_backend_without_runtime_options_refuses_every_key_where_it_was_writte
     assert load_error(default) == ("model 'default': nereid.yaml: backends.subprocess.typo_default: unknown option "
                                    "of the subprocess backend (it has no runtime options), got 2")
     assert loaded(tmp_path, "none", runtime={}).signature().outputs  # no options: loads
+
+
+def test_a_fifo_swapped_in_at_the_output_path_after_the_check_fails_the_run_at_once(tmp_path) -> None:
+    """Defect: the output path was checked (is_file), then opened blocking: a process the run left behind that
+    swapped a FIFO in between held the server's thread in open() for ever, and the model's instance with it."""
+    model = loaded(tmp_path)
+    fifo = tmp_path / "swapped"
+    os.mkfifo(fifo)
+    outcome: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            model._read_outputs(fifo, 1)
+        except BaseException as err:
+            outcome.append(err)
+
+    reader = threading.Thread(target=read, daemon=True)  # (a blocked open cannot be interrupted)
+    reader.start()
+    reader.join(5)
+    assert not reader.is_alive(), "the read waited on the FIFO"
+    assert isinstance(outcome[0], ModelFailure)
+    assert "something other than a regular file is there" in str(outcome[0])
+    model.unload()
