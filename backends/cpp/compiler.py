@@ -36,16 +36,15 @@ Compiler = tuple[str, ...]
 
 
 def find_compiler() -> Compiler:
-    """The C++ compiler command: ``$CXX`` split as a shell would (``ccache g++``), else ``c++`` on PATH."""
-    text = os.environ.get("CXX", "c++")
+    """The C++ compiler command: ``$CXX`` split as a shell would (``ccache g++``), else (unset or blank) ``c++``."""
+    text = os.environ.get("CXX", "")
     try:
-        words = shlex.split(text)
+        words = shlex.split(text) or ["c++"]  # an empty CXX is unset, as CMake takes it
     except ValueError as err:
         raise ConfigError(f"no C++ compiler: CXX={text!r} cannot be split into words ({err})") from None
-    path = shutil.which(words[0]) if words else None
+    path = shutil.which(words[0])
     if path is None:
-        raise ConfigError(f"no C++ compiler: '{words[0] if words else text}' is not on PATH "
-                          "(set CXX or install g++)")
+        raise ConfigError(f"no C++ compiler: '{words[0]}' is not on PATH (set CXX or install g++)")
     return (path, *words[1:])
 
 

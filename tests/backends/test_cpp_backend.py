@@ -348,6 +348,8 @@ def test_cxx_may_hold_a_wrapper_and_its_words_as_make_takes_it(tmp_path, monkeyp
     assert os.access(built, os.X_OK) and log.read_text() == "c++\n"
     # A lone compiler keys its builds as before this change: existing caches stay valid.
     assert compiler.compiler_key(("/usr/bin/c++",)) == b"/usr/bin/c++"
+    monkeypatch.setenv("CXX", " ")  # blank: the default, as CMake takes it (it was a compiler named '')
+    assert compiler.find_compiler() == (shutil.which("c++"),)
     monkeypatch.setenv("CXX", "cc-wrap 'c++")
     with pytest.raises(ConfigError, match="CXX=\"cc-wrap 'c\\+\\+\" cannot be split into words"):
         compiler.find_compiler()
