@@ -20,7 +20,7 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Mapping, Protocol, TypeVar
+from typing import Any, AsyncIterator, Callable, Coroutine, Mapping, Protocol, TypeVar
 
 import pluggy
 
@@ -98,6 +98,9 @@ class LoadedModel:
     load_seconds: float
     run: Runner
     depends_on: tuple[str, ...] = ()  # models it calls (a meta model): READY only while they are
+    # The folder's files as the watcher stamps them, taken before the build (dynamic mode with a local folder):
+    # a watcher seeing the same files needs not load them again.
+    stamp: object = None
 
 
 @dataclass
@@ -249,6 +252,10 @@ class ModelRepository:
         self._entries: dict[str, ModelEntry] = {}
         self._verdicts: dict[str, Readiness] = {}  # each model calling others, as the last settle found it
         self._scan_errors = RateLimitedLog(log)
+        # Work that outlives the call that started it: old versions draining after a reload, removals. Awaited
+        # by unload_all; the versions draining are also ended by terminate_running.
+        self._background: set[asyncio.Task] = set()
+        self._retiring: dict[int, tuple[str, LoadedModel]] = {}
         # Whether a watcher loads folders that appear from now on (dynamic mode, once it knows the folders
         # there at start: those are not loaded unless listed, exactly as without it).
         self._watched = False
@@ -266,6 +273,31 @@ class ModelRepository:
         Folders found before keep "not listed": nothing loads them by itself.
         """
         self._watched = True
+
+    def wanted(self, name: str) -> bool:
+        """Whether the server means to serve ``name``: loaded or loading, or asked for (listed, loaded at start,
+        dropped in under a watch, RepositoryModelLoad) and neither unloaded nor unlisted since, e.g. one whose
+        last load failed. A folder unlisted at start or unloaded is not: an edit of its files loads nothing.
+        """
+        entry = self._entries.get(name)
+        return entry is not None and (entry.loaded is not None or entry.holders > 0 or name in self._exposed)
+
+    def loaded_stamp(self, name: str) -> object:
+        """The watcher's stamp of the files the running version of ``name`` loaded from (None: not known)."""
+        entry = self._entries.get(name)
+        return entry.loaded.stamp if entry is not None and entry.loaded is not None else None
+
+    def in_background(self, work: Coroutine[object, object, object], what: str) -> asyncio.Task:
+        """Run ``work`` as a task of its own, awaited by :meth:`unload_all` (a failure is logged)."""
+        task = asyncio.get_running_loop().create_task(work, name=f"nereid: {what}")
+        self._background.add(task)
+
+        def done(task: asyncio.Task) -> None:
+            self._background.discard(task)
+            if not task.cancelled() and task.exception() is not None:
+                log.error("%s failed: %s", what, describe_exception(task.exception()))
+        task.add_done_callback(done)
+        return task
 
     def startup_models(self) -> list[str]:
         """The models to load at start: the listed ones, or every folder when none are listed."""
@@ -399,7 +431,12 @@ class ModelRepository:
         if entry.loaded is not None:
             # Loaded already: loaded again without downtime, as Triton does. The running version serves until
             # the new one is READY, and keeps serving if the new one fails (the reason shows in the index).
-            return await self.reload(name)
+            await self.reload(name)
+            if entry.loaded is not None or self._entries.get(name) is not entry:
+                return entry
+            # Unloaded while the reload waited for it (a removed folder's model draining, and the folder back
+            # meanwhile): this load comes after that unload, so it loads.
+            self._exposed.add(name)
         self._state_changed()  # counted from now on: ServerReady is false until it is READY
         async with entry.held():
             if entry.loaded is not None:  # loaded meanwhile, by a load that held the model first
@@ -437,6 +474,12 @@ class ModelRepository:
         entry.scratch_names.add(name)
         context = ModelContext(name, entry.folder, entry.settings, self._scratch_for(name), entry.settings_origin,
                                self.models)
+        stamp = None
+        if self.settings.server.watch and self.settings.server.ml_backends_url is None:
+            from nereid.watch import folder_stamp  # (only in dynamic mode, which imports it anyway)
+
+            stamped = await asyncio.to_thread(folder_stamp, entry.folder)  # before the build reads the files
+            stamp = stamped[0] if stamped is not None else None
         started = time.monotonic()
         built = await _on_daemon_thread(functools.partial(self._build, context), f"nereid-load-{name}",
                                         functools.partial(_unload_unclaimed, name))
@@ -451,7 +494,7 @@ class ModelRepository:
             loaded = LoadedModel(built.backend_name, built.backend, built.signature, built.batch_signature,
                                  scheduler, stats, load_seconds,
                                  make_runner(built.backend, built.signature, built.batch_signature, scheduler),
-                                 depends_on)
+                                 depends_on, stamp)
         except Exception:
             if scheduler is not None:  # its batcher task is running: end it, or asyncio logs it destroyed
                 await scheduler.drain(0)
@@ -466,9 +509,11 @@ class ModelRepository:
         """Load the folder again without downtime; a model that is not loaded is simply loaded.
 
         The running version serves until the new one is READY, then requests
-        switch over and the old one drains and unloads. If the new version
-        fails, the running one keeps serving and the reason shows in
-        RepositoryIndex (the state stays READY) and in the log.
+        switch over and the old one drains and unloads, in the background: the
+        call returns once the new version serves (a model with long requests
+        holds up nothing else). If the new version fails, the running one keeps
+        serving and the reason shows in RepositoryIndex (the state stays READY)
+        and in the log.
         """
         entry = self._entries.get(name)
         if entry is None or entry.loaded is None:
@@ -488,7 +533,7 @@ class ModelRepository:
             entry.loaded = new
             self._enter_loaded_version(entry)  # the new version may call other models
             self._record(name, "reload")
-        await self._retire(name, old)
+        self.in_background(self._retire(name, old), f"model '{name}': unloading version {entry.generation - 1}")
         return entry
 
     async def rename(self, old: str, new: str) -> ModelEntry:
@@ -532,7 +577,8 @@ class ModelRepository:
                 with contextlib.suppress(OSError):  # left empty by the move: nothing kept there
                     (self.scratch_dir / old).rmdir()
         if not moved:
-            await self.remove(old)
+            # The new folder loads at once; the old model finishes its requests meanwhile.
+            self.in_background(self.remove(old), f"removal of '{old}'")
             return await self.load(new)
         return entry
 
@@ -578,6 +624,11 @@ class ModelRepository:
                     work.append(self.load(entry.name))
                 elif listed and changed:
                     log.info("model '%s': its settings in nereid.yaml changed; loading it", entry.name)
+                    work.append(self.load(entry.name))
+                elif changed_backends and entry.name in self._exposed and entry.folder_seen:
+                    # Its last load failed (which backend claims it is not known): a fixed backends: default
+                    # (warm_sart corrected to warm_start) may be what it needed.
+                    log.info("model '%s': nereid.yaml's backends: defaults changed; loading it again", entry.name)
                     work.append(self.load(entry.name))
             elif changed or entry.loaded.backend_name in changed_backends:
                 log.info("model '%s': its settings in nereid.yaml changed; reloading it", entry.name)
@@ -629,13 +680,16 @@ class ModelRepository:
         One backend whose ``terminate_running`` fails is logged and passed
         over: the others are still asked, and the unloads that follow go on.
         """
-        for entry in self.entries():
-            loaded = entry.loaded
-            if loaded is not None:
-                await _terminate(entry.name, loaded.backend)
+        running = {id(entry.loaded): (entry.name, entry.loaded) for entry in self.entries() if entry.loaded is not None}
+        running.update(self._retiring)  # old versions still draining in the background
+        for name, loaded in running.values():
+            await _terminate(name, loaded.backend)
 
     async def unload_all(self, grace_s: float | None = None) -> None:
-        """Unload every loaded model (server shutdown)."""
+        """Unload every loaded model (server shutdown), once the work left in the background is done (old
+        versions draining, removals)."""
+        while self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
         await asyncio.gather(*(self.unload(e.name, grace_s) for e in self.entries() if e.loaded is not None))
 
     async def _unload_locked(self, entry: ModelEntry, grace_s: float | None = None) -> None:
@@ -655,10 +709,14 @@ class ModelRepository:
         async def end_running() -> None:
             await _terminate(name, backend)  # never raises: the unload goes on past a failing terminate
 
-        # Bounded by the grace: an abandoned request's thread must not hold the unload (or the loop).
-        await loaded.scheduler.drain(self.settings.server.shutdown_grace_s if grace_s is None else grace_s,
-                                     end_running)
-        await _unload(name, backend)
+        self._retiring[id(loaded)] = (name, loaded)  # a shutdown meanwhile ends its running work too
+        try:
+            # Bounded by the grace: an abandoned request's thread must not hold the unload (or the loop).
+            await loaded.scheduler.drain(self.settings.server.shutdown_grace_s if grace_s is None else grace_s,
+                                         end_running)
+            await _unload(name, backend)
+        finally:
+            self._retiring.pop(id(loaded), None)
 
     def _enter_loaded_version(self, entry: ModelEntry) -> None:
         """Make a version just loaded (or reloaded) serve, and log that in one line.
@@ -720,11 +778,12 @@ class ModelRepository:
                     log.info("model '%s' is READY (every model it calls is READY)", entry.name)
             elif (entry.state, entry.reason) != (ModelState.UNAVAILABLE, verdict.why):
                 # Waiting on another dependency is logged too, unless on one LOADING (READY soon): waiting on
-                # a model that was LOADING can turn into waiting on one that is missing or failed, which must
-                # not go unsaid. (The same dependency moving from UNLOADING to unloaded is no news.)
+                # a model that was LOADING can turn into waiting on one that is missing or failed (or on the
+                # same one, now failed), which must not go unsaid. (UNLOADING to unloaded is no news.)
                 before = self._verdicts.get(name)
                 if (entry.state is not ModelState.UNAVAILABLE
-                        or (not verdict.loading and (before is None or before.blocker != verdict.blocker))):
+                        or (not verdict.loading
+                            and (before is None or before.loading or before.blocker != verdict.blocker))):
                     self._log_unavailable(entry, verdict)
                 entry.state, entry.reason = ModelState.UNAVAILABLE, verdict.why
         self._verdicts = verdicts

@@ -7,8 +7,10 @@ copied one by one), except a rename, whose files are those of a complete
 folder already loaded:
 
 - a new folder is loaded (with its nereid.yaml entry, or default settings);
-- a folder whose files changed is reloaded without downtime (the old version
-  serves until the new one is READY; a failed reload keeps the old one);
+- a folder whose files changed is reloaded without downtime when its model is
+  served (the old version serves until the new one is READY, then drains in the
+  background; a failed reload keeps the old one); one deliberately not served
+  (unlisted at start, unloaded, its nereid.yaml entry removed) stays unloaded;
 - a folder that vanished while another with the same contents appeared is a
   rename: the loaded model moves to the new name in place, nothing re-read;
 - a folder that vanished is unloaded once its requests have finished;
@@ -16,7 +18,11 @@ folder already loaded:
   ones and unloads removed ones.
 
 Files the server or an editor writes (hidden files and folders such as
-``.cache/``, ``*.swp``, ``*~``, ``#*#``) never count as a change.
+``.cache/``, ``*.swp``, ``*~``, ``#*#``) never count as a change; a hidden file
+written just now (a transfer's temporary file) keeps its folder from settling.
+ml_backends_path is also followed through the folder holding it: replaced as a
+whole (``mv``, a symlink switched), it is watched anew; symlinked model folders
+are watched where they lead.
 
 An object store sends no events: its listing is polled every
 ``server.watch_poll_s`` instead, each folder's state made of its objects'
@@ -27,13 +33,14 @@ unload and a load (the renamed folder's files are not on local disk yet).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Awaitable, Callable
+from typing import TYPE_CHECKING, Awaitable, Callable, Coroutine, Iterable
 
 import watchfiles
 
@@ -57,36 +64,66 @@ def ignored_name(name: str) -> bool:
             or name.endswith((".swp", ".swx", ".tmp")) or name == "__pycache__" or name.endswith(".pyc"))
 
 
+# One file of a local folder as a scan saw it: (relative path, size, mtime_ns, inode, ctime_ns). The inode and
+# ctime catch a file replaced by one with the same size and mtime (tar, zip, OCI layers and reproducible builds
+# fix mtimes, to 1980 say): utime() and tar can set mtime but never ctime, and a new file has a new inode.
+FileStamp = tuple[str, int, int, int, int]
+Stamp = tuple[tuple[object, ...], ...]
+
+
 @dataclass(frozen=True)
 class FolderState:
     """What a scan saw of one model folder.
 
-    ``stamp`` changes whenever a file is written (names, sizes, mtimes);
-    ``identity`` is the same for two copies of the same files (names, sizes and
-    a hash of each file's first and last bytes), so that a ``mv`` and a
-    copy-then-delete are both recognised as a rename.
+    ``stamp`` changes whenever a file is written or replaced (names, sizes,
+    mtimes, inodes, ctimes); ``identity`` is the same for two copies of the
+    same files (names, sizes and a hash of each file's first and last bytes),
+    so that a ``mv`` and a copy-then-delete are both recognised as a rename.
+    ``hidden_mtime_ns`` is the newest mtime of the folder's hidden files (not
+    ``.cache/``): never a change by itself, but a hidden file written just now
+    (rsync's ``.name.XXXXXX`` being filled) means a transfer is under way.
     """
 
-    stamp: tuple[tuple[str, int, int | str], ...]
+    stamp: Stamp
     identity: str
+    hidden_mtime_ns: int = field(default=0, compare=False)
 
 
-def scan_folder(folder: Path) -> FolderState | None:
-    """The state of one model folder (None when it vanished during the scan)."""
-    files: list[tuple[str, int, int]] = []
+def folder_stamp(folder: Path) -> tuple[tuple[FileStamp, ...], int] | None:
+    """The stamp of one local model folder and the newest mtime of its hidden files (None when it vanished).
+
+    Only ``stat`` calls: cheap enough to take before every load (see
+    :meth:`ModelRepository.loaded_stamp`).
+    """
+    files: list[FileStamp] = []
+    hidden_mtime_ns = 0
     try:
         for directory, subdirs, names in os.walk(folder):
             subdirs[:] = sorted(d for d in subdirs if not ignored_name(d))
             for name in sorted(names):
-                if ignored_name(name):
-                    continue
                 path = os.path.join(directory, name)
+                if ignored_name(name):
+                    if name.startswith(".") and not name.endswith((".swp", ".swx")):
+                        # A transfer's temporary file (rsync's .name.XXXXXX), say: when was it last written?
+                        with contextlib.suppress(OSError):
+                            hidden_mtime_ns = max(hidden_mtime_ns, os.stat(path).st_mtime_ns)
+                    continue
                 info = os.stat(path)
-                files.append((os.path.relpath(path, folder), info.st_size, info.st_mtime_ns))
+                files.append((os.path.relpath(path, folder), info.st_size, info.st_mtime_ns, info.st_ino,
+                              info.st_ctime_ns))
     except FileNotFoundError:
         return None
+    return tuple(files), hidden_mtime_ns
+
+
+def scan_folder(folder: Path) -> FolderState | None:
+    """The state of one model folder (None when it vanished during the scan)."""
+    stamped = folder_stamp(folder)
+    if stamped is None:
+        return None
+    files, hidden_mtime_ns = stamped
     digest = hashlib.sha256()
-    for relative, size, _ in files:
+    for relative, size, *_ in files:
         # (A file name that is not UTF-8 is read with surrogate escapes; its own bytes go into the digest.)
         digest.update(f"{relative}\0{size}\0".encode("utf-8", "surrogateescape"))
         try:
@@ -99,7 +136,7 @@ def scan_folder(folder: Path) -> FolderState | None:
                     digest.update(f.read())
         except OSError:
             return None
-    return FolderState(tuple(files), digest.hexdigest())
+    return FolderState(files, digest.hexdigest(), hidden_mtime_ns)
 
 
 def scan_repository(root: Path) -> dict[str, FolderState]:
@@ -190,6 +227,96 @@ def links_on_the_way(path: Path) -> set[str]:
     return links
 
 
+Identity = tuple[int, int]  # (st_dev, st_ino) of what a path resolves to
+
+
+def identity_of(path: Path) -> Identity | None:
+    """(st_dev, st_ino) of what ``path`` resolves to, None when nothing is there."""
+    try:
+        info = os.stat(path)
+    except OSError:
+        return None
+    return info.st_dev, info.st_ino
+
+
+@dataclass(frozen=True)
+class WatchedPaths:
+    """What one file watch follows: its paths, and what each resolved to when it started.
+
+    inotify watches an inode, never a name: a folder replaced under the same
+    name (``mv new ml-backends``, a symlink switched, ``rm -rf`` and a fresh
+    copy) is followed only by a new watch, so a change of identity restarts it.
+    """
+
+    paths: tuple[Path, ...]
+    identities: tuple[Identity | None, ...]
+
+    @staticmethod
+    def of(paths: Iterable[Path]) -> WatchedPaths:
+        unique = tuple(sorted(set(paths)))
+        return WatchedPaths(unique, tuple(identity_of(path) for path in unique))
+
+    def differences(self, other: WatchedPaths) -> str:
+        """What ``other`` follows that this does not, in words, for the log."""
+        before = dict(zip(self.paths, self.identities))
+        after = dict(zip(other.paths, other.identities))
+        words = [f"{path} is another folder now" for path in after if path in before and before[path] != after[path]]
+        words += [f"{path} added" for path in after if path not in before]
+        words += [f"{path} no longer followed" for path in before if path not in after]
+        return "; ".join(words)
+
+
+def symlinked_folders(root: Path, follow_symlinks: bool) -> tuple[Path, ...]:
+    """Where the model folders under ``root`` that are symlinks lead (resolved), for a watch of their own.
+
+    A watch of ``root`` does not follow a link made after it started, nor a
+    link re-pointed, nor (through the path it reports) one into a hidden
+    folder of ``root``. Without ``follow_symlinks`` only targets inside
+    ``root`` count (a model leading elsewhere is refused at load anyway); a
+    target holding ``root`` is never watched (that would watch ``root``'s
+    whole surroundings).
+    """
+    try:
+        names = local_model_folders(root)
+        real_root = root.resolve(strict=True)
+    except (StorageError, OSError):
+        return ()
+    targets = set()
+    for name in names:
+        link = root / name
+        try:
+            if not link.is_symlink():
+                continue
+            target = link.resolve(strict=True)
+        except (OSError, RuntimeError):  # gone, or a loop of links
+            continue
+        inside = target.is_relative_to(real_root)
+        if target.is_dir() and (inside or follow_symlinks) and not real_root.is_relative_to(target):
+            targets.add(target)
+    return tuple(sorted(targets))
+
+
+class _Follow:
+    """One file watch that :meth:`RepositoryWatcher.apply` can restart on other paths.
+
+    It is the watch's stop event: watchfiles asks ``is_set()`` at every step
+    (from its own thread), and ``set()``s it when its task is cancelled.
+    """
+
+    def __init__(self, recursive: bool, wanted: Callable[[], WatchedPaths], stop: asyncio.Event) -> None:
+        self.recursive = recursive
+        self.wanted = wanted  # blocking: what it should follow now
+        self.current: WatchedPaths | None = None  # what the running watch follows
+        self.restart = False
+        self._stop = stop
+
+    def is_set(self) -> bool:
+        return self.restart or self._stop.is_set()
+
+    def set(self) -> None:
+        self.restart = True
+
+
 def _describe(err: BaseException) -> str:
     """``Type: message`` for an error, each one for an ExceptionGroup (watchfiles raises those)."""
     if isinstance(err, BaseExceptionGroup):
@@ -212,7 +339,8 @@ class RepositoryWatcher:
                  after_apply: Callable[[], Awaitable[None]] | None = None) -> None:
         self.repository = repository
         self.settings = settings
-        self.root = settings.server.ml_backends_path
+        # As given (never resolved: a symlinked ml-backends is followed through its link when it is switched).
+        self.root = Path(os.path.abspath(settings.server.ml_backends_path))
         url = settings.server.ml_backends_url
         self.location = parse_store_url(url) if url else None  # a store: polled, not watched
         # The path as given, never resolved: a symlinked nereid.yaml (a Kubernetes ConfigMap's
@@ -226,10 +354,20 @@ class RepositoryWatcher:
         self._applying = asyncio.Lock()  # the two watches never apply at once
         self.scans = 0  # completed scans, for tests and logs
         self._pending: dict[str, tuple[FolderState | None, float]] = {}  # changed, not yet settled: state, since
+        # Pending folders whose hidden files are being written (a transfer under way): not due before this time.
+        self._busy: dict[str, float] = {}
+        self._removing: dict[str, asyncio.Task] = {}  # removals draining in the background, by name
         self._timer: asyncio.TimerHandle | None = None
         self._scheduled: asyncio.Task | None = None
+        self._catch_ups: set[asyncio.Task] = set()
         self._after_apply = after_apply
         self._primed = False  # whether the repository as it was at start is known
+        # The model folders, recursively (with where symlinked model folders lead), and, not recursively, the
+        # folders holding nereid.yaml, ml_backends_path and the links on their way (a replaced ml_backends_path
+        # or a switched link shows there, not in the watch of the folder it replaced).
+        self._models = _Follow(True, self._models_paths, self._stop) if self.location is None else None
+        self._outer = _Follow(False, self._outer_paths, self._stop)
+        self._targets: tuple[Path, ...] = ()  # where symlinked model folders lead, as the models watch follows
 
     async def prime(self) -> None:
         """Remember the repository as it is now (call once the start-up models are loaded)."""
@@ -262,16 +400,37 @@ class RepositoryWatcher:
     def _scan(self) -> dict[str, FolderState]:
         return scan_repository(self.root) if self.location is None else scan_store(self.location)
 
+    def _follows(self) -> list[_Follow]:
+        return [follow for follow in (self._models, self._outer) if follow is not None]
+
+    def _look(self) -> tuple[dict[str, FolderState], list[tuple[_Follow, WatchedPaths]]]:
+        """Scan, and work out what each watch should follow now (blocking)."""
+        states = self._scan()
+        return states, [(follow, follow.wanted()) for follow in self._follows()]
+
+    def _models_paths(self) -> WatchedPaths:
+        """ml_backends_path and where its symlinked model folders lead (blocking)."""
+        return WatchedPaths.of((self.root, *symlinked_folders(self.root, self.settings.server.follow_symlinks)))
+
+    def _outer_paths(self) -> WatchedPaths:
+        """The folders holding nereid.yaml, ml_backends_path and each link on their way (blocking)."""
+        ends = [self.config_path] + ([self.root] if self.location is None else [])
+        folders = {path.parent for path in ends}
+        folders.update(Path(link).parent for end in ends for link in links_on_the_way(end))
+        return WatchedPaths.of(folder for folder in folders if folder.is_dir())
+
     async def run(self) -> None:
         """Follow changes until :meth:`stop`.
 
-        The model folders are watched recursively; nereid.yaml through its
-        folder, not recursively (editors replace the file, which a watch on the
-        file itself would lose, and that folder may hold a whole project).
+        The model folders are watched recursively; nereid.yaml and
+        ml_backends_path through the folders holding them (and the links on
+        their way), not recursively: editors replace files, a release replaces
+        the whole ml_backends_path, which a watch on the file or folder itself
+        would lose, and those folders may hold a whole project.
         """
-        models = self._follow(self.root, recursive=True) if self.location is None else self._poll()
+        models = self._follow(self._models, self.root) if self._models is not None else self._poll()
         await asyncio.gather(self._guarded(models, self.root if self.location is None else self.location),
-                             self._guarded(self._follow(self.config_path.parent, recursive=False), self.config_path))
+                             self._guarded(self._follow(self._outer, self.config_path.parent), self.config_path))
 
     async def _guarded(self, watch: Awaitable[None], what: object) -> None:
         """Run one watch; if it ever ends in an error, say so (it used to end without a word)."""
@@ -293,28 +452,45 @@ class RepositoryWatcher:
         while not await self._stopped_within(self.poll_s):
             await self._apply_serialized()
 
-    async def _follow(self, path: Path, recursive: bool) -> None:
-        """Act on each batch of file events under ``path`` until :meth:`stop`.
+    async def _follow(self, follow: _Follow, what: Path) -> None:
+        """Act on each batch of file events of ``follow`` until :meth:`stop`.
 
-        When the watch cannot run (watchfiles gives up on any path that is not
-        UTF-8, or ``path`` went away), ``path`` is looked at every
-        ``watch_poll_s`` instead, and the watch is tried again after each look.
-        The failure is logged once (and again if it changes).
+        When :meth:`apply` finds that what it follows has changed (a folder
+        replaced under its name, a link switched, a symlinked model folder
+        added), the watch starts again on what is there now. Each time a watch
+        starts, the repository is looked at once it is up: what changed before
+        it was there is not lost. When the watch cannot run (watchfiles
+        gives up on any path that is not UTF-8, or ``what`` went away), it is
+        looked at every ``watch_poll_s`` instead, and the watch is tried again
+        after each look. The failure is logged once (and again if it changes).
         """
         failure: str | None = None
         while not self._stop.is_set():
+            follow.restart = False
+            # What it resolves to is taken before the watch starts: a swap in between then shows as a change.
+            current = follow.current = await asyncio.to_thread(follow.wanted)
+            if follow is self._models:
+                self._targets = tuple(path for path in current.paths if path != self.root)
+            # This task runs at the watch's first wait, when watchfiles has set up its watches (synchronously, as
+            # the iteration starts): a change after that is an event, one before it is found by this scan.
+            catch_up = asyncio.get_running_loop().create_task(self._apply_serialized())
+            self._catch_ups.add(catch_up)
+            catch_up.add_done_callback(self._catch_ups.discard)
             try:
-                async for _ in watchfiles.awatch(path, watch_filter=self._relevant, step=EVENT_STEP_MS,
+                async for _ in watchfiles.awatch(*current.paths, watch_filter=self._relevant,
+                                                 step=EVENT_STEP_MS,
                                                  debounce=max(1600, int(self.settle_ms * MAX_GROUPING_FACTOR)),
-                                                 stop_event=self._stop, recursive=recursive):
+                                                 stop_event=follow, recursive=follow.recursive):
                     failure = None  # events arrive: the watch works
                     await self._apply_serialized()
-                return  # stopped
+                if self._stop.is_set():
+                    return
+                continue  # restarted by apply(): on what is there now
             except Exception as err:
                 text = _describe(err)
                 if text != failure:
                     log.error("dynamic repository: cannot follow %s with file events (%s); looking at it every "
-                              "%g s (server.watch_poll_s) instead, until it can", path, text, self.poll_s)
+                              "%g s (server.watch_poll_s) instead, until it can", what, text, self.poll_s)
                 failure = text
             if await self._stopped_within(self.poll_s):
                 return
@@ -327,6 +503,8 @@ class RepositoryWatcher:
             self._timer.cancel()
         if self._scheduled is not None:
             self._scheduled.cancel()
+        for task in self._catch_ups:
+            task.cancel()
 
     async def apply(self) -> None:
         """Scan once and carry out what changed (nereid.yaml first, then the folders).
@@ -334,7 +512,13 @@ class RepositoryWatcher:
         A rename is carried out at once: its files are known to be those of a
         complete, loaded folder. Any other change waits until the folder has
         looked the same for the settle time (a copy in progress keeps changing),
-        and a scan is scheduled for when that time is up.
+        and a scan is scheduled for when that time is up. A folder whose hidden
+        files are being written (rsync's temporary files) waits until they have
+        been left alone for the settle time too.
+
+        It returns once the new versions serve: an old version's drain (a
+        reloaded or removed model finishing its requests) goes on in the
+        background, never holding up the next change.
         """
         try:
             await self._apply_config()
@@ -342,10 +526,14 @@ class RepositoryWatcher:
             log.exception("dynamic repository: applying the changed %s failed", self.config_path)
         now = time.monotonic()
         try:
-            current = await asyncio.to_thread(self._scan)
+            current, wanted = await asyncio.to_thread(self._look)
         except StorageError as err:  # never read as "every folder is gone"
             log.warning("dynamic repository: %s; nothing changes until it can be listed", err)
             return
+        for follow, paths in wanted:
+            if follow.current is not None and paths != follow.current and not follow.restart:
+                log.info("dynamic repository: following anew (%s)", follow.current.differences(paths))
+                follow.restart = True
         if not self._primed:
             await self._catch_up(current)
         plan = plan_changes(self._folders, current, renames_too=self.location is None)
@@ -354,7 +542,7 @@ class RepositoryWatcher:
             log.info("dynamic repository: folder '%s' renamed to '%s'", old, new)
             self._accept(old, None)
             self._accept(new, current[new])
-            await repository.rename(old, new)
+            await self._for(new, repository.rename(old, new))
         due: dict[str, list[str]] = {"removed": [], "added": [], "changed": []}
         for kind in due:
             for name in getattr(plan, kind):
@@ -362,30 +550,89 @@ class RepositoryWatcher:
                 seen = self._pending.get(name)
                 if seen is None or seen[0] != state:
                     self._pending[name] = (state, now)  # changed since the last scan: not settled
+                    self._busy.pop(name, None)
                 elif now - seen[1] >= self.settle_ms / 1000:
-                    due[kind].append(name)
-                    self._accept(name, state)
+                    busy_s = self._transfer_wait_s(state, now - seen[1])
+                    if busy_s > 0:
+                        self._busy[name] = now + busy_s
+                    else:
+                        due[kind].append(name)
+                        self._accept(name, state)
         for name in [n for n in self._pending if self._folders.get(n) == current.get(n)]:
             del self._pending[name]  # back as it was (a change undone before it settled)
+            self._busy.pop(name, None)
         for name in due["removed"]:
             log.info("dynamic repository: folder '%s' removed; unloading it", name)
-            await _logged(name, repository.remove(name))
-        for name in due["added"]:
-            log.info("dynamic repository: new folder '%s'; loading it", name)
-        for name in due["changed"]:
-            log.info("dynamic repository: folder '%s' changed; reloading it", name)
+            self._remove_in_background(name)
         # (A store's folder seen "added" may already be loaded, by a RepositoryModelLoad.)
         load = repository.load if self.location is None else repository.reload
-        await asyncio.gather(*(_logged(name, load(name)) for name in due["added"]),
-                             *(_logged(name, repository.reload(name)) for name in due["changed"]))
+        work = []
+        for kind, name in [("added", name) for name in due["added"]] + [("changed", name) for name in due["changed"]]:
+            if kind == "changed" and not repository.wanted(name):
+                # Unlisted at start, unloaded by RepositoryModelUnload, its nereid.yaml entry removed: an edit
+                # of its files is no request to serve it.
+                log.info("dynamic repository: folder '%s' changed; it is not served (not listed, unloaded or "
+                         "no longer listed), so nothing is loaded", name)
+                continue
+            if self.location is None and repository.loaded_stamp(name) == current[name].stamp:
+                # Loaded already from these very files (a RepositoryModelLoad of a folder just copied).
+                log.info("dynamic repository: folder '%s' is loaded already as it is now", name)
+                continue
+            if kind == "added":
+                log.info("dynamic repository: new folder '%s'; loading it", name)
+                work.append(self._for(name, load(name)))
+            else:
+                log.info("dynamic repository: folder '%s' changed; reloading it", name)
+                work.append(self._for(name, repository.reload(name)))
+        await asyncio.gather(*work)
         self.scans += 1
         self._schedule_settled_scan()
         if self._after_apply is not None:
             await self._after_apply()
 
+    def _transfer_wait_s(self, state: FolderState | None, waited_s: float) -> float:
+        """How much longer a settled folder waits because a hidden file in it was written just now (0: none).
+
+        A transfer writing each file under a hidden temporary name (rsync's
+        ``.name.XXXXXX``) makes no event that counts while a large file is
+        filled, so the folder would look settled half copied. Changes that
+        never stop are still acted on after :data:`MAX_GROUPING_FACTOR` settle times.
+        """
+        settle_s = self.settle_ms / 1000
+        if state is None or not state.hidden_mtime_ns or waited_s >= settle_s * MAX_GROUPING_FACTOR:
+            return 0.0
+        age_s = (time.time_ns() - state.hidden_mtime_ns) / 1e9
+        return min(settle_s, max(0.0, settle_s - age_s))
+
+    def _for(self, name: str, work: Coroutine[object, object, object]) -> Awaitable[None]:
+        """``work`` on the model ``name``, logged; after the removal of a folder of that name still draining,
+        in the background once that is done (a re-added folder must not wait on the loop of changes)."""
+        removal = self._removing.get(name)
+        if removal is None:
+            return _logged(name, work)
+
+        async def after_removal() -> None:
+            await asyncio.wait({removal})
+            await _logged(name, work)
+        self.repository.in_background(after_removal(), f"load of '{name}' after its removal")
+        return asyncio.sleep(0)
+
+    def _remove_in_background(self, name: str) -> None:
+        """Unload a removed folder's model once its requests have finished, without waiting for that here."""
+        previous = self._removing.get(name)
+
+        async def remove() -> None:
+            if previous is not None:
+                await asyncio.wait({previous})
+            await _logged(name, self.repository.remove(name))
+        task = self.repository.in_background(remove(), f"removal of '{name}'")
+        self._removing[name] = task
+        task.add_done_callback(lambda done: self._removing.pop(name) if self._removing.get(name) is done else None)
+
     def _accept(self, name: str, state: FolderState | None) -> None:
         """Make ``state`` the folder's known state (None: gone); it is no longer pending."""
         self._pending.pop(name, None)
+        self._busy.pop(name, None)
         if state is None:
             self._folders.pop(name, None)
         else:
@@ -398,7 +645,8 @@ class RepositoryWatcher:
             self._timer = None
         if not self._pending:
             return
-        due = min(since for _, since in self._pending.values()) + self.settle_ms / 1000
+        settle_s = self.settle_ms / 1000
+        due = min(max(since + settle_s, self._busy.get(name, 0.0)) for name, (_, since) in self._pending.items())
 
         def scan() -> None:
             self._timer = None
@@ -442,12 +690,16 @@ class RepositoryWatcher:
             return None
 
     def _relevant(self, change: watchfiles.Change, path: str) -> bool:
-        if Path(path) == self.config_path:
+        candidate = Path(path)
+        if candidate == self.config_path:
             return True
-        if Path(path).parent == self.config_path.parent and path in links_on_the_way(self.config_path):
-            return True  # a symlink nereid.yaml goes through was replaced (a ConfigMap's ..data swap)
-        try:
-            relative = Path(path).relative_to(self.root)
-        except ValueError:
-            return False  # another file next to nereid.yaml
-        return not any(ignored_name(part) for part in relative.parts)
+        # A file of a symlinked model folder, by the path of where it leads: only the part inside the model folder
+        # is judged (a target inside a hidden folder of ml_backends_path, .versions/m-v1, still counts).
+        for target in self._targets:
+            if candidate.is_relative_to(target):
+                return not any(ignored_name(part) for part in candidate.relative_to(target).parts)
+        if candidate.is_relative_to(self.root):
+            return not any(ignored_name(part) for part in candidate.relative_to(self.root).parts)
+        # A symlink nereid.yaml or ml_backends_path goes through was replaced (a ConfigMap's ..data swap).
+        return path in links_on_the_way(self.config_path) or (
+            self.location is None and path in links_on_the_way(self.root))

@@ -208,6 +208,13 @@ def test_nereid_check_fails_a_meta_model_a_server_would_keep_unavailable(tmp_pat
                                     "nereid.yaml)")
     assert lines["above_fine"].startswith("above_fine: UNAVAILABLE: dependency 'fine' is not ready (UNAVAILABLE: "
                                           "dependency 'a' is not ready (UNAVAILABLE: not listed in nereid.yaml))")
+    # Neither listed: a later load of 'a', then of 'fine', serves both; no problem (a regression of the above).
+    (tmp_path / "nereid.yaml").write_text('server:\n  ml_backends_path: "ml-backends"\nmodels:\n'
+                                          '  - name: above_fine\n')
+    check(load_settings(tmp_path / "nereid.yaml"))
+    lines = {line.split(":")[0]: line for line in capsys.readouterr().out.splitlines()}
+    assert lines["fine"].startswith("fine: OK ") and lines["fine"].endswith("(not listed in nereid.yaml)")
+    assert lines["typo"].startswith("typo: UNAVAILABLE: dependency 'a_typo' is not a model")  # still a problem
 
 
 def test_readiness_changes_caused_by_dependencies_are_logged_once_each(tmp_path: Path, caplog) -> None:
@@ -256,6 +263,8 @@ def test_a_new_reason_that_is_not_a_loading_model_is_logged(tmp_path: Path, capl
     root.mkdir()
     meta_folder(root, "a", manifest=META.replace("[a, b]", "[]"))
     meta_folder(root, "pair", manifest=META.replace("[a, b]", "[a, ghost]"))
+    meta_folder(root, "on_broken", manifest=META.replace("[a, b]", "[broken]"))
+    meta_folder(root, "broken", model_py="raise RuntimeError('no weights')\n", manifest=META.replace("[a, b]", "[]"))
     (tmp_path / "nereid.yaml").write_text('server:\n  ml_backends_path: "ml-backends"\n  metrics_addr: ""\n'
                                           '  http_addr: ""\n')
     (tmp_path / "scratch").mkdir()
@@ -270,6 +279,16 @@ def test_a_new_reason_that_is_not_a_loading_model_is_logged(tmp_path: Path, capl
         lines = [(r.levelname, r.getMessage()) for r in caplog.records if r.getMessage().startswith("model 'pair'")]
         assert lines == [("WARNING", "model 'pair' is UNAVAILABLE: dependency 'ghost' is not a model of this "
                                      "server (no folder 'ghost' in ml_backends_path)")]
+        # The same dependency, from LOADING to failed: the last word was the LOADING line (a regression of the
+        # fix above, which logged only a change of the dependency named).
+        await repo.load("on_broken")
+        caplog.clear()
+        await repo.load("broken")
+        lines = [(r.levelname, r.getMessage()) for r in caplog.records
+                 if r.getMessage().startswith("model 'on_broken'")]
+        assert [level for level, _ in lines] == ["WARNING"], lines
+        assert lines[0][1].startswith("model 'on_broken' is UNAVAILABLE: dependency 'broken' is not ready "
+                                      "(UNAVAILABLE: ")
         await repo.unload_all()
 
     asyncio.run(scenario())

@@ -1,0 +1,394 @@
+"""Dynamic mode without a server: what the watcher follows, and what it does (and leaves alone) on a change.
+
+A toy repository and a RepositoryWatcher, driven either through ``apply()``
+(with ``watch_settle_ms: 0`` the second apply after a change acts on it) or,
+where the file watch itself matters, through ``run()`` with a short settle time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pytest
+
+import toy_backends
+from nereid.backend import BackendClaim, ModelContext
+from nereid.dtypes import DType
+from nereid.hookspecs import hookimpl
+from nereid.plugins import make_plugin_manager
+from nereid.repository import NOT_LISTED_REASON, ModelRepository, ModelState
+from nereid.runtime_options import RuntimeOptions
+from nereid.settings import load_settings
+from nereid.tensors import NamedTensor
+from nereid.watch import RepositoryWatcher, plan_changes, scan_repository
+from toy_backends import ToyModel, write_toy
+
+
+class SlowToy(ToyModel):
+    """A toy whose every batch takes ``slow.txt``'s seconds."""
+
+    def infer(self, inputs: list[NamedTensor]) -> list[NamedTensor]:
+        time.sleep(float((self.context.folder / "slow.txt").read_text()))
+        return super().infer(inputs)
+
+
+class PickyToy(ToyModel):
+    """A toy whose runtime options (its own, or nereid.yaml's ``backends.picky``) may only be ``warm_start``."""
+
+    def load(self) -> None:
+        RuntimeOptions(self.context.settings.runtime, self.context.settings_origin, "picky", {"warm_start"})
+        super().load()
+
+
+class Plugins:
+    """``slow`` claims folders holding slow.txt; ``picky`` those holding picky.txt."""
+
+    class Slow:
+        BACKEND_NAME = "slow"
+
+        @hookimpl
+        def nereid_claim_model(self, folder: Path, declared: bool) -> BackendClaim | None:
+            return BackendClaim(SlowToy) if (folder / "slow.txt").is_file() else None
+
+    class Picky:
+        BACKEND_NAME = "picky"
+
+        @hookimpl
+        def nereid_claim_model(self, folder: Path, declared: bool) -> BackendClaim | None:
+            return BackendClaim(PickyToy) if (folder / "picky.txt").is_file() else None
+
+
+def setup(tmp_path: Path, root: Path, models: str = "", settle_ms: int = 0, extra: str = "",
+          config_dir: Path | None = None, tail: str = "") -> tuple[ModelRepository, RepositoryWatcher]:
+    """A toy repository over ``root`` (nereid.yaml in ``config_dir``, default tmp_path) and its watcher.
+
+    ``extra`` goes into the ``server:`` section, ``tail`` after ``models:``.
+    """
+    config = (config_dir or tmp_path) / "nereid.yaml"
+    config.parent.mkdir(parents=True, exist_ok=True)
+    config.write_text(f'server:\n  ml_backends_path: "{root}"\n  metrics_addr: ""\n  http_addr: ""\n'
+                      f"  watch: true\n  watch_settle_ms: {settle_ms}\n  watch_poll_s: 60\n{extra}"
+                      + (f"models:\n{models}" if models else "") + tail)
+    settings = load_settings(config)
+    manager = make_plugin_manager(load_entry_points=False,
+                                  extra_plugins=(toy_backends, Plugins.Slow(), Plugins.Picky()))
+    (tmp_path / "scratch").mkdir(exist_ok=True)
+    repository = ModelRepository(settings, manager, tmp_path / "scratch")
+    return repository, RepositoryWatcher(repository, settings)
+
+
+async def start(repository: ModelRepository, watcher: RepositoryWatcher) -> None:
+    """What the server does at start in dynamic mode."""
+    await watcher.prime()
+    repository.watch_started()
+    await asyncio.gather(*(repository.load(name) for name in repository.startup_models()))
+
+
+async def apply(watcher: RepositoryWatcher) -> None:
+    """One scan, taking turns with the scans the watcher schedules itself (as its watches do)."""
+    await watcher._apply_serialized()
+
+
+async def settled(watcher: RepositoryWatcher) -> None:
+    """With a settle time of 0: the first apply sees a change, the second acts on it."""
+    await apply(watcher)
+    await apply(watcher)
+
+
+async def until(condition: Callable[[], object], timeout_s: float = 5.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"not met within {timeout_s} s: {what}"
+        await asyncio.sleep(0.02)
+
+
+def generation(repository: ModelRepository, name: str) -> int:
+    entry = repository._entries.get(name)
+    return entry.generation if entry is not None and entry.state is ModelState.READY else 0
+
+
+def write_other(root: Path, name: str, marker: str, text: str = "") -> Path:
+    """A folder the ``slow`` or ``picky`` toy claims (``marker``: slow.txt or picky.txt), not the plain toy."""
+    folder = write_toy(root, name)
+    (folder / "toy.txt").unlink()
+    (folder / marker).write_text(text)
+    return folder
+
+
+def edit(folder: Path, text: str) -> None:
+    """Change a file of a toy model folder (toy.txt, which the toy does not read)."""
+    (folder / "toy.txt").write_text(text)
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    (tmp_path / "srv" / "ml-backends").mkdir(parents=True)
+    return tmp_path / "srv" / "ml-backends"
+
+
+# -- defect: a folder replaced by one with the same names, sizes and mtimes was never reloaded -----------------
+
+def test_a_folder_replaced_by_one_with_the_same_names_sizes_and_mtimes_is_a_change(tmp_path):
+    """tar, zip, OCI layers and reproducible builds fix every mtime (to 1980 here): (name, size, mtime) was the
+    stamp, so `rm -rf m; mv m.new m` with other contents of the same sizes was never reloaded."""
+    def unpack(folder: Path, factor: str) -> None:
+        folder.mkdir(parents=True)
+        (folder / "main.py").write_text(f"FACTOR = {factor}\n")
+        os.utime(folder / "main.py", (315532800, 315532800))
+    unpack(tmp_path / "repo" / "m", "1")
+    before = scan_repository(tmp_path / "repo")
+    unpack(tmp_path / "m.new", "2")
+    shutil.rmtree(tmp_path / "repo" / "m")
+    os.rename(tmp_path / "m.new", tmp_path / "repo" / "m")
+    assert plan_changes(before, scan_repository(tmp_path / "repo")).changed == ("m",)
+    os.utime(tmp_path / "repo" / "m" / "main.py", (315532800, 315532800))  # touched back: still the new file
+    assert plan_changes(before, scan_repository(tmp_path / "repo")).changed == ("m",)
+
+
+# -- defect: after ml-backends was replaced as a whole, nothing in the new one was acted on --------------------
+
+@pytest.mark.parametrize("how", ["mv", "symlink", "recreate"])
+def test_a_replaced_ml_backends_path_is_followed_anew(tmp_path, how):
+    srv = tmp_path / "srv"
+    (srv / "v1").mkdir(parents=True)
+    write_toy(srv / "v1", "first")
+    root = srv / "ml-backends"
+    if how == "symlink":
+        os.symlink("v1", root)
+    else:
+        os.rename(srv / "v1", root)
+    # nereid.yaml elsewhere: only a watch of ml-backends' own folder sees it replaced.
+    repository, watcher = setup(tmp_path, root, settle_ms=50, config_dir=tmp_path / "cfg")
+
+    async def scenario() -> None:
+        await start(repository, watcher)
+        running = asyncio.create_task(watcher.run())
+        try:
+            await asyncio.sleep(0.2)  # the watches are up
+            shutil.copytree(root, srv / "v2")
+            if how == "symlink":
+                os.symlink("v2", srv / "new-link")
+                os.rename(srv / "new-link", root)  # an atomic switch of the link
+                shutil.rmtree(srv / "v1")
+            elif how == "mv":
+                os.rename(root, srv / "old")
+                os.rename(srv / "v2", root)
+                shutil.rmtree(srv / "old")
+            else:
+                shutil.rmtree(root)
+                os.rename(srv / "v2", root)
+            await until(lambda: generation(repository, "first") == 2, what="the new copy of 'first' reloaded")
+            write_toy(root, "later")  # in the new ml-backends
+            await until(lambda: generation(repository, "later") == 1, what="'later' in the new folder loaded")
+            edit(root / "later", "edited")
+            await until(lambda: generation(repository, "later") == 2, what="the edit of 'later' reloaded")
+        finally:
+            watcher.stop()
+            await running
+            await repository.unload_all()
+    asyncio.run(scenario())
+
+
+# -- defect: edits inside symlinked model folders were not seen ----------------------------------------------
+
+@pytest.mark.parametrize("where", ["inside", "added", "switched"])
+def test_edits_in_a_symlinked_model_folder_reload_it(tmp_path, root, where):
+    """inside: m -> .versions/m-v1 in ml-backends (the watch reported its files under the hidden path);
+    added: the link made while serving; switched: the link re-pointed while serving (the watch kept the old)."""
+    versions = root / ".versions" if where == "inside" else tmp_path / "ext"
+    write_toy(versions, "m-v1")
+    if where == "switched":
+        write_toy(versions, "m-v0")
+        os.symlink(versions / "m-v0", root / "m")
+    elif where == "inside":
+        os.symlink(".versions/m-v1", root / "m")
+    repository, watcher = setup(tmp_path, root, settle_ms=50, extra="  follow_symlinks: true\n")
+
+    async def scenario() -> None:
+        await start(repository, watcher)
+        running = asyncio.create_task(watcher.run())
+        try:
+            await asyncio.sleep(0.2)  # the watches are up
+            if where == "added":
+                os.symlink(versions / "m-v1", root / "m")
+            elif where == "switched":
+                os.symlink(versions / "m-v1", root / ".switch")
+                os.rename(root / ".switch", root / "m")
+            expected = {"inside": 1, "added": 1, "switched": 2}[where]
+            await until(lambda: generation(repository, "m") == expected, what=f"'m' at version {expected}")
+            edit(root / "m", "edited through the link")
+            await until(lambda: generation(repository, "m") == expected + 1, what="the edit reloaded 'm'")
+        finally:
+            watcher.stop()
+            await running
+            await repository.unload_all()
+    asyncio.run(scenario())
+
+
+# -- defect: an edit loaded models deliberately not served ---------------------------------------------------
+
+def test_an_edit_never_loads_a_model_that_is_not_served(tmp_path, root):
+    for name in ("listed", "unlisted", "dropped", "broken"):
+        write_toy(root, name)
+    (root / "broken" / "fail.txt").write_text("half a copy")
+    models = "  - name: listed\n  - name: dropped\n  - name: broken\n"
+    repository, watcher = setup(tmp_path, root, models=models)
+    config = Path(repository.settings.source)
+
+    async def scenario() -> None:
+        await start(repository, watcher)
+        # Unlisted at start: an edit leaves it "not listed" (it loaded with defaults, and ServerReady
+        # could turn false when that failed).
+        (root / "unlisted" / "fail.txt").write_text("a bad edit")
+        await settled(watcher)
+        assert repository.entry("unlisted").loaded is None
+        assert repository.entry("unlisted").reason == NOT_LISTED_REASON
+        # Unloaded by RepositoryModelUnload: an edit leaves it unloaded.
+        await repository.unload("listed")
+        edit(root / "listed", "edited")
+        await settled(watcher)
+        assert (repository.entry("listed").loaded, repository.entry("listed").reason) == (None, "unloaded")
+        # Its nereid.yaml entry removed: unloaded, and an edit leaves it so (it loaded with default settings).
+        config.write_text(config.read_text().replace("  - name: dropped\n", ""))
+        await apply(watcher)
+        assert repository.entry("dropped").loaded is None
+        edit(root / "dropped", "edited")
+        await settled(watcher)
+        assert (repository.entry("dropped").loaded, repository.entry("dropped").reason) == (None, "unloaded")
+        # A listed model whose load failed is still tried again when its files change.
+        (root / "broken" / "fail.txt").unlink()
+        await settled(watcher)
+        assert repository.entry("broken").state is ModelState.READY
+        assert repository.server_ready()  # the failed load of "unlisted" counts for nothing
+        await repository.unload_all()
+    asyncio.run(scenario())
+
+
+# -- defect: a model draining its old version held up every other change ----------------------------------------
+
+@pytest.mark.parametrize("change", ["reload", "remove"])
+def test_a_draining_model_holds_up_no_other_change(tmp_path, root, change):
+    slow = write_other(root, "slow", "slow.txt", "0.8")
+    write_toy(root, "renA")
+    repository, watcher = setup(tmp_path, root)
+
+    async def scenario() -> None:
+        await start(repository, watcher)
+        x = NamedTensor("input", DType.FP32, np.zeros((1, 4), np.float32))
+        request = asyncio.create_task(repository.ready_model("slow").scheduler.submit([x], 1, 0))
+        await asyncio.sleep(0.2)  # running
+        if change == "remove":
+            shutil.rmtree(slow)
+        else:
+            (slow / "slow.txt").write_text("0.0")
+        await apply(watcher)
+        started = time.monotonic()
+        await apply(watcher)  # acts on it
+        took = time.monotonic() - started
+        assert took < 0.4, f"the apply waited {took:.2f} s for the old version's request"
+        assert not request.done()
+        os.rename(root / "renA", root / "renB")
+        started = time.monotonic()
+        await apply(watcher)
+        assert time.monotonic() - started < 0.3 and repository.entry("renB").state is ModelState.READY
+        (out,) = await asyncio.wait_for(request, 5)  # the request in flight gets its answer
+        assert out.data.tolist() == [[1.0] * 4]
+        if change == "reload":
+            assert generation(repository, "slow") == 2
+        await repository.unload_all()  # waits for what drains in the background
+        if change == "remove":
+            assert "slow" not in {entry.name for entry in repository.entries()}
+    asyncio.run(scenario())
+
+
+# -- defect: a fixed backends: default did not load the models it broke -----------------------------------------
+
+def test_fixing_a_backend_default_loads_the_models_it_broke(tmp_path, root):
+    write_other(root, "p", "picky.txt")
+    repository, _ = setup(tmp_path, root, models="  - name: p\n", tail="backends:\n  picky: {warm_sart: true}\n")
+    config = Path(repository.settings.source)
+
+    async def scenario() -> None:
+        await repository.load("p")
+        assert repository.entry("p").state is ModelState.UNAVAILABLE
+        assert "backends.picky.warm_sart: unknown option" in repository.entry("p").reason
+        config.write_text(config.read_text().replace("warm_sart", "warm_start"))
+        await repository.apply_settings(load_settings(config))
+        assert repository.entry("p").state is ModelState.READY and repository.server_ready()
+        await repository.unload_all()
+    asyncio.run(scenario())
+
+
+# -- defect: a RepositoryModelLoad of a folder just copied was followed by a reload of the same files -----------
+
+def test_a_folder_loaded_by_hand_before_it_settled_is_not_loaded_again(tmp_path, root):
+    repository, watcher = setup(tmp_path, root)
+
+    async def scenario() -> None:
+        await start(repository, watcher)
+        write_toy(root, "copied")
+        await apply(watcher)  # seen, not settled
+        assert (await repository.load("copied")).generation == 1  # RepositoryModelLoad
+        await apply(watcher)
+        assert generation(repository, "copied") == 1
+        edit(root / "copied", "edited")  # a change after that load is still one
+        await settled(watcher)
+        assert generation(repository, "copied") == 2
+        await repository.unload_all()
+    asyncio.run(scenario())
+
+
+# -- defect: rsync-style transfers (hidden temporary files) were loaded half copied -----------------------------
+
+def test_a_folder_whose_hidden_temporary_file_is_being_written_waits(tmp_path, root):
+    repository, watcher = setup(tmp_path, root, settle_ms=100)
+
+    async def scenario() -> None:
+        await start(repository, watcher)
+        folder = write_toy(root, "synced")
+        temporary = folder / ".weights.safetensors.Xy12ab"  # rsync fills this, then renames it into place
+        temporary.write_bytes(b"x" * 100)
+        await apply(watcher)
+        for _ in range(6):  # three settle times: the scans it schedules find the transfer going on
+            await asyncio.sleep(0.05)
+            with temporary.open("ab") as f:
+                f.write(b"y" * 100)
+        assert repository.entry("synced").loaded is None
+        temporary.rename(folder / "weights.safetensors")
+        await until(lambda: generation(repository, "synced") == 1, what="'synced' loaded once complete")
+        # A hidden file alone is never a change.
+        (folder / ".notes").write_text("x")
+        await settled(watcher)
+        assert generation(repository, "synced") == 1
+        await repository.unload_all()
+    asyncio.run(scenario())
+
+
+def test_a_load_waiting_on_a_removal_that_drains_loads_once_it_is_done(tmp_path, root):
+    """With removals draining in the background, a folder can come back (and be loaded) before its model's
+    unload finished: that load waited for it as a reload and then found nothing to reload."""
+    folder = write_other(root, "m", "slow.txt", "0.4")
+    repository, _ = setup(tmp_path, root)
+
+    async def scenario() -> None:
+        await repository.load("m")
+        x = NamedTensor("input", DType.FP32, np.zeros((1, 4), np.float32))
+        request = asyncio.create_task(repository.ready_model("m").scheduler.submit([x], 1, 0))
+        await asyncio.sleep(0.1)
+        shutil.rmtree(folder)
+        removal = asyncio.create_task(repository.remove("m"))
+        await asyncio.sleep(0.05)
+        write_other(root, "m", "slow.txt", "0")  # back while the old model drains
+        entry = await repository.load("m")
+        assert (entry.state, entry.generation) == (ModelState.READY, 2)
+        assert (await request)[0].data.tolist() == [[1.0] * 4]
+        await removal
+        assert repository.entry("m").state is ModelState.READY
+        await repository.unload_all()
+    asyncio.run(scenario())
