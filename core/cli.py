@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import logging
 import os
 import resource
@@ -136,10 +137,13 @@ def _exit_past_abandoned_threads(code: int) -> int:
     shutdown ends such a thread with a forced unwind, which C++ code that
     catches and swallows it turns into an abort (SIGABRT, exit 134, "FATAL:
     exception not rethrown"). The server has stopped by now (its models
-    unloaded, its children killed): flush what was written and leave.
+    unloaded, its children killed): run the atexit handlers, flush what was
+    written and leave.
     """
-    if not any(thread.is_alive() for thread in threading.enumerate() if thread is not threading.main_thread()):
-        return code
+    if not any(thread.is_alive() and thread.daemon and thread.name.startswith(ABANDONED_THREAD_PREFIX)
+               for thread in threading.enumerate()):
+        return code  # (gRPC's own poller thread is no concern: it is not inside code that swallows unwinds)
+    atexit._run_exitfuncs()  # what plugins, models and the standard library registered still runs
     logging.shutdown()  # flushes every handler
     sys.stdout.flush()
     sys.stderr.flush()
@@ -181,7 +185,7 @@ def check(settings: Settings, manager: NereidPluginManager | None = None) -> int
                 problems += 1
                 states[name] = ("UNAVAILABLE", "its check failed")
                 continue
-            states[name] = ("READY", "") if checked.loaded_at_start else ("UNAVAILABLE", "not listed in nereid.yaml")
+            states[name] = ("READY", "") if checked.loaded_at_start else ("UNAVAILABLE", NOT_LISTED)
             if checked.status == "OK" and checked.depends_on:
                 callers.append(checked)
             else:
@@ -203,6 +207,11 @@ def check(settings: Settings, manager: NereidPluginManager | None = None) -> int
         summary.append(f"{len(manager.problems)} plugin problem(s)")
     print(f"{settings.source}: {', '.join(summary) or 'OK'}")
     return 1 if problems or config_problems or manager.problems else 0
+
+
+NOT_LISTED = "not listed in nereid.yaml"
+# Every thread nereid runs backend code on is named so: model loads, bounded unloads, models' worker pools.
+ABANDONED_THREAD_PREFIX = "nereid-"
 
 
 class _Terminated(KeyboardInterrupt):
@@ -236,9 +245,12 @@ def _check_callers(callers: list[_Checked], states: dict[str, tuple[str, str]]) 
     """
     at_start = {c.name: c.depends_on for c in callers if c.loaded_at_start}
     verdicts = settle(at_start, states)
-    # One not loaded at start is judged as a later load of it would be, its dependencies as they are.
-    verdicts.update({name: verdict for name, verdict in settle({c.name: c.depends_on for c in callers}, states).items()
-                     if name not in at_start})
+    # One not loaded at start is judged as a later load of it would be: the unlisted models it calls that
+    # checked fine can be loaded first.
+    loadable = {name: ("READY", "") if state == ("UNAVAILABLE", NOT_LISTED) else state
+                for name, state in states.items()}
+    verdicts.update({name: verdict for name, verdict in settle({c.name: c.depends_on for c in callers},
+                                                               loadable).items() if name not in at_start})
     problems = 0
     for checked in callers:
         verdict = verdicts[checked.name]

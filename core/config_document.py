@@ -54,9 +54,10 @@ def _construct_unique_mapping(loader: _StrictLoader, node: yaml.MappingNode, dee
 
 
 _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_unique_mapping)
-
-# A number in exponent form without a dot (5e2, 1e300): a float in YAML 1.2, a string to PyYAML's YAML 1.1.
-_EXPONENT_WITHOUT_DOT = re.compile(r"^[-+]?[0-9]+[eE][-+]?[0-9]+$")
+# A plain (unquoted) number in exponent form without a dot (5e2, 1e300) is a float in YAML 1.2 but a string
+# to PyYAML's YAML 1.1; a quoted "1e300" stays a string, as a quoted "30" does.
+_StrictLoader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9]+[eE][-+]?[0-9]+$"),
+                                    list("-+0123456789"))
 
 
 def load_yaml(text: str, path: Path) -> Any:
@@ -121,8 +122,6 @@ class KeyedReader:
         """A finite number (an int or a float) of at least ``minimum`` (more than it with ``exclusive``) and,
         given ``maximum`` (the bound, why), at most its bound."""
         value = section.get(_last(key), default)
-        if isinstance(value, str) and _EXPONENT_WITHOUT_DOT.match(value):
-            value = float(value)  # YAML 1.2 reads 1e300 as a number; PyYAML (YAML 1.1) as a string
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             self.fail(key, "must be a number", value)
         try:

@@ -134,11 +134,7 @@ class NereidServer:
         servicer = InferenceServicer(self.dataplane, functools.partial(self.metrics.count_request, "grpc"))
         server.add_generic_rpc_handlers((generic_handler(servicer),))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        # The gRPC address is tried first, as gRPC would bind it: gRPC's own failure is a line of its core
-        # on stderr, then an error that gives no reason ("Failed to bind to address").
-        problem = bind_problem(self.bind_addr)
-        if problem is not None:
-            raise OSError(f"cannot listen on {self.bind_addr} ({self.bind_origin}): {problem.strerror or problem}")
+        self._check_grpc_address()  # before anything is opened
         if self.settings.server.metrics_addr:
             self.metrics_port = self.metrics.serve(self.settings.server.metrics_addr)
             log.info("metrics at http://%s/metrics", self.settings.server.metrics_addr)
@@ -150,7 +146,8 @@ class NereidServer:
             self.http_port = await self._http.start(config.http_addr)
             log.info("KServe V2 REST on %s (port %d)", config.http_addr, self.http_port)
         # Bound last and started at once: a gRPC server that is never started keeps its port open until the
-        # process exits, stopped or not.
+        # process exits, stopped or not. Tried again first: the HTTP or metrics listener may have taken it.
+        self._check_grpc_address()
         port = self._add_grpc_port(server)
         await server.start()
         self._grpc, self.port = server, port
@@ -159,6 +156,16 @@ class NereidServer:
                  "mutual TLS" if config.tls and config.tls.client_ca else "TLS" if config.tls else "plaintext",
                  "on" if control else "off")
         return port
+
+    def _check_grpc_address(self) -> None:
+        """OSError naming :attr:`bind_addr`, where it came from and the system's reason, when gRPC could not bind it.
+
+        Tried as gRPC would bind it: gRPC's own failure is a line of its core on
+        stderr, then an error that gives no reason ("Failed to bind to address").
+        """
+        problem = bind_problem(self.bind_addr)
+        if problem is not None:
+            raise OSError(f"cannot listen on {self.bind_addr} ({self.bind_origin}): {problem.strerror or problem}")
 
     def _add_grpc_port(self, server: grpc.aio.Server) -> int:
         """Bind :attr:`bind_addr` on ``server``; an OSError naming the address and where it came from if not."""

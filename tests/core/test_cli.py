@@ -88,6 +88,18 @@ def test_serve_stopped_while_a_bundle_compiles_exits_zero(repo) -> None:
     import shutil
     shutil.copytree(REPO_ROOT / "ml-backends" / "mlp_bundle", repo.models_dir / "mlp_bundle",
                     ignore=shutil.ignore_patterns(".cache"))  # a cold executable cache: the load compiles
+    # The process ends at once past the abandoned thread, but what models registered with atexit still runs
+    # (a regression of the fix: it skipped every atexit handler, on every stop).
+    goodbye = repo.models_dir / "goodbye"
+    goodbye.mkdir()
+    (goodbye / "manifest.yaml").write_text(
+        'format_version: "2.1"\nmeta: true\ndepends_on: []\n'
+        "client_inputs: [{name: x, dtype: f32, shape: a, dims: {a: 4}}]\n"
+        "client_outputs: [{name: y, dtype: f32, shape: a, dims: {a: 4}}]\n")
+    (goodbye / "model.py").write_text(
+        f"import atexit, nereid\natexit.register(lambda: open({str(repo.root / 'atexit.ran')!r}, 'w').close())\n"
+        "async def orchestrate(inputs, ctx):\n    return [nereid.tensors.NamedTensor('y', inputs[0].dtype, "
+        "inputs[0].data)]\nnereid.register_model(orchestrate=orchestrate)\n")
     process = subprocess.Popen([*NEREID, "serve", "--config", str(repo.write_config())],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -99,6 +111,7 @@ def test_serve_stopped_while_a_bundle_compiles_exits_zero(repo) -> None:
         time.sleep(0.25)  # inside the compile
         process.send_signal(signal.SIGTERM)
         assert process.wait(30) == 0, "".join(lines) + process.stdout.read()
+        assert (repo.root / "atexit.ran").exists(), "".join(lines) + process.stdout.read()
     finally:
         if process.poll() is None:
             process.kill()

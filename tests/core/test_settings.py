@@ -183,6 +183,10 @@ def test_the_largest_values_allowed_are_taken(root: Path) -> None:
                                           "    batching: {max_queue_delay_ms: 2E+1}\n"))
     (model,) = exponents.models
     assert (model.timeout_s, model.batching.max_queue_delay_ms, model.device) == (500, 20, Device("cuda", 2**31 - 1))
+    # Quoted, it is a string, as a quoted "30" is: refused alike.
+    for quoted in ('"3e1"', '"30"'):
+        with pytest.raises(ConfigError, match=f"models\\[0\\].timeout_s: must be a number, got '{quoted[1:-1]}'"):
+            load_settings(write(root, f"models:\n  - name: a\n    timeout_s: {quoted}\n"))
 
 
 @pytest.mark.parametrize("key", ["bind_addr", "metrics_addr", "http_addr"])
