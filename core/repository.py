@@ -690,7 +690,18 @@ class ModelRepository:
         versions draining, removals)."""
         while self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
-        await asyncio.gather(*(self.unload(e.name, grace_s) for e in self.entries() if e.loaded is not None))
+        # Callers first, layer by layer: a meta model unloaded after what it calls would first turn
+        # UNAVAILABLE ("dependency 'b' is not ready (UNLOADING)"), a WARNING on every clean shutdown.
+        remaining = {e.name for e in self.entries() if e.loaded is not None}
+        while remaining:
+            called = {dependency for name in remaining for dependency in self._loaded_depends_on(name)}
+            layer = [name for name in remaining if name not in called] or sorted(remaining)  # (a cycle: all)
+            await asyncio.gather(*(self.unload(name, grace_s) for name in layer))
+            remaining.difference_update(layer)
+
+    def _loaded_depends_on(self, name: str) -> tuple[str, ...]:
+        entry = self._entries.get(name)
+        return entry.loaded.depends_on if entry is not None and entry.loaded is not None else ()
 
     async def _unload_locked(self, entry: ModelEntry, grace_s: float | None = None) -> None:
         loaded = entry.loaded

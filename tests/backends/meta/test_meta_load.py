@@ -294,6 +294,37 @@ def test_a_new_reason_that_is_not_a_loading_model_is_logged(tmp_path: Path, capl
     asyncio.run(scenario())
 
 
+def test_a_clean_shutdown_unloads_callers_first_and_warns_of_nothing(tmp_path: Path, caplog) -> None:
+    """Defect: every clean shutdown of a server with meta models logged "model 'top' is UNAVAILABLE:
+    dependency 'mid' is not ready (UNLOADING)" at WARNING: what they call was unloaded first."""
+    import logging
+
+    from nereid.repository import ModelRepository
+
+    root = tmp_path / "ml-backends"
+    root.mkdir()
+    meta_folder(root, "a", manifest=META.replace("[a, b]", "[]"))
+    meta_folder(root, "mid", manifest=META.replace("[a, b]", "[a]"))
+    meta_folder(root, "top", manifest=META.replace("[a, b]", "[mid, a]"))
+    (tmp_path / "nereid.yaml").write_text('server:\n  ml_backends_path: "ml-backends"\n  metrics_addr: ""\n'
+                                          '  http_addr: ""\n')
+    (tmp_path / "scratch").mkdir()
+    repo = ModelRepository(load_settings(tmp_path / "nereid.yaml"), make_plugin_manager(load_entry_points=False),
+                           tmp_path / "scratch")
+
+    async def scenario() -> None:
+        for name in ("a", "mid", "top"):
+            await repo.load(name)
+        caplog.set_level(logging.INFO, logger="nereid.repository")
+        caplog.clear()
+        await repo.unload_all(grace_s=0)
+        assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+        unloaded = [r.getMessage().split("'")[1] for r in caplog.records if r.getMessage().endswith("unloaded")]
+        assert unloaded == ["top", "mid", "a"], caplog.text
+
+    asyncio.run(scenario())
+
+
 def test_runtime_options_are_refused_naming_where_they_are_written(tmp_path: Path, capsys) -> None:
     """A meta model has no runtime options: `runtime: {typo_option: 1}` and `backends: {meta: ...}` were ignored."""
     folder = meta_folder(tmp_path, "m", manifest=META.replace("[a, b]", "[]"))
