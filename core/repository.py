@@ -256,6 +256,7 @@ class ModelRepository:
         # by unload_all; the versions draining are also ended by terminate_running.
         self._background: set[asyncio.Task] = set()
         self._retiring: dict[int, tuple[str, LoadedModel]] = {}
+        self._removing: dict[str, asyncio.Task] = {}  # the latest removal of each name, draining in the background
         # Whether a watcher loads folders that appear from now on (dynamic mode, once it knows the folders
         # there at start: those are not loaded unless listed, exactly as without it).
         self._watched = False
@@ -298,6 +299,24 @@ class ModelRepository:
                 log.error("%s failed: %s", what, describe_exception(task.exception()))
         task.add_done_callback(done)
         return task
+
+    def remove_in_background(self, name: str) -> asyncio.Task:
+        """:meth:`remove` as background work (after any removal of ``name`` still going): nothing waits for
+        the model's requests to finish. :meth:`removal_of` finds it until it is done."""
+        previous = self._removing.get(name)
+
+        async def remove() -> None:
+            if previous is not None:
+                await asyncio.wait({previous})
+            await self.remove(name)
+        task = self.in_background(remove(), f"removal of '{name}'")
+        self._removing[name] = task
+        task.add_done_callback(lambda done: self._removing.pop(name) if self._removing.get(name) is done else None)
+        return task
+
+    def removal_of(self, name: str) -> asyncio.Task | None:
+        """The removal of ``name`` still draining in the background, if any."""
+        return self._removing.get(name)
 
     def startup_models(self) -> list[str]:
         """The models to load at start: the listed ones, or every folder when none are listed."""
@@ -548,7 +567,7 @@ class ModelRepository:
         settings, origin = self.settings.model_or_default(new)
         loaded = entry.loaded if entry is not None else None
         if entry is None or loaded is None or settings != replace(entry.settings, name=new):
-            await self.remove(old)
+            self.remove_in_background(old)  # the old model finishes its requests meanwhile
             return await self.load(new)
         async with entry.held():
             context = ModelContext(new, self.root / new, settings, self._scratch_for(new), origin, self.models)
@@ -577,8 +596,7 @@ class ModelRepository:
                 with contextlib.suppress(OSError):  # left empty by the move: nothing kept there
                     (self.scratch_dir / old).rmdir()
         if not moved:
-            # The new folder loads at once; the old model finishes its requests meanwhile.
-            self.in_background(self.remove(old), f"removal of '{old}'")
+            self.remove_in_background(old)  # the new folder loads at once; the old model finishes its requests
             return await self.load(new)
         return entry
 

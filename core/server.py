@@ -242,14 +242,16 @@ class NereidServer:
             return
         grace = self.settings.server.shutdown_grace_s if grace_s is None else grace_s
         self.dataplane.shutting_down = True
-        if self._grpc is not None:
-            await self.update_health()
-            await asyncio.gather(self._grpc.stop(grace), *([self._http.stop()] if self._http is not None else []))
-        # Past the grace, what still runs belongs to cancelled calls: end it rather than wait.
+        # The folder is no longer followed: a change during the grace would start a load, or a drain of its
+        # own, that the shutdown then waits for.
         if self.watcher is not None and self._watching is not None:
             self.watcher.stop()
             self._watching.cancel()
             await asyncio.gather(self._watching, return_exceptions=True)
+        if self._grpc is not None:
+            await self.update_health()
+            await asyncio.gather(self._grpc.stop(grace), *([self._http.stop()] if self._http is not None else []))
+        # Past the grace, what still runs belongs to cancelled calls: end it rather than wait.
         await self.repository.terminate_running()
         await self.repository.unload_all(grace_s=0)
         self.metrics.close()

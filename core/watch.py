@@ -356,7 +356,9 @@ class RepositoryWatcher:
         self._pending: dict[str, tuple[FolderState | None, float]] = {}  # changed, not yet settled: state, since
         # Pending folders whose hidden files are being written (a transfer under way): not due before this time.
         self._busy: dict[str, float] = {}
-        self._removing: dict[str, asyncio.Task] = {}  # removals draining in the background, by name
+        # Loads of folders that came back while their old model still drained: cancelled by stop() (a load
+        # never starts, nor holds up, a shutdown), as the loads of apply() are with the watcher's task.
+        self._deferred_loads: set[asyncio.Task] = set()
         self._timer: asyncio.TimerHandle | None = None
         self._scheduled: asyncio.Task | None = None
         self._catch_ups: set[asyncio.Task] = set()
@@ -503,7 +505,7 @@ class RepositoryWatcher:
             self._timer.cancel()
         if self._scheduled is not None:
             self._scheduled.cancel()
-        for task in self._catch_ups:
+        for task in (*self._catch_ups, *self._deferred_loads):
             task.cancel()
 
     async def apply(self) -> None:
@@ -563,7 +565,7 @@ class RepositoryWatcher:
             self._busy.pop(name, None)
         for name in due["removed"]:
             log.info("dynamic repository: folder '%s' removed; unloading it", name)
-            self._remove_in_background(name)
+            repository.remove_in_background(name)
         # (A store's folder seen "added" may already be loaded, by a RepositoryModelLoad.)
         load = repository.load if self.location is None else repository.reload
         work = []
@@ -605,29 +607,25 @@ class RepositoryWatcher:
         return min(settle_s, max(0.0, settle_s - age_s))
 
     def _for(self, name: str, work: Coroutine[object, object, object]) -> Awaitable[None]:
-        """``work`` on the model ``name``, logged; after the removal of a folder of that name still draining,
-        in the background once that is done (a re-added folder must not wait on the loop of changes)."""
-        removal = self._removing.get(name)
+        """``work`` on the model ``name``, logged; after the removal of a folder of that name still draining
+        (the watcher's or a rename's), in the background once that is done (a re-added folder must not wait on
+        the loop of changes)."""
+        removal = self.repository.removal_of(name)
         if removal is None:
             return _logged(name, work)
 
         async def after_removal() -> None:
-            await asyncio.wait({removal})
+            try:
+                await asyncio.wait({removal})
+            except BaseException:  # cancelled by stop(): the load never starts
+                work.close()
+                raise
             await _logged(name, work)
-        self.repository.in_background(after_removal(), f"load of '{name}' after its removal")
+        task = asyncio.get_running_loop().create_task(after_removal(), name=f"nereid: load of '{name}' after its "
+                                                                             "removal")
+        self._deferred_loads.add(task)
+        task.add_done_callback(self._deferred_loads.discard)
         return asyncio.sleep(0)
-
-    def _remove_in_background(self, name: str) -> None:
-        """Unload a removed folder's model once its requests have finished, without waiting for that here."""
-        previous = self._removing.get(name)
-
-        async def remove() -> None:
-            if previous is not None:
-                await asyncio.wait({previous})
-            await _logged(name, self.repository.remove(name))
-        task = self.repository.in_background(remove(), f"removal of '{name}'")
-        self._removing[name] = task
-        task.add_done_callback(lambda done: self._removing.pop(name) if self._removing.get(name) is done else None)
 
     def _accept(self, name: str, state: FolderState | None) -> None:
         """Make ``state`` the folder's known state (None: gone); it is no longer pending."""

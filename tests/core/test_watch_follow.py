@@ -392,3 +392,32 @@ def test_a_load_waiting_on_a_removal_that_drains_loads_once_it_is_done(tmp_path,
         assert repository.entry("m").state is ModelState.READY
         await repository.unload_all()
     asyncio.run(scenario())
+
+
+def test_a_rename_that_loads_anew_holds_up_nothing_and_a_load_after_it_never_holds_up_shutdown(tmp_path, root):
+    """Defects of the background drains: a rename onto a name with its own nereid.yaml settings still removed the
+    old model in the foreground (the new name and every other change waited for its requests); a folder re-made
+    under the old name then waited on that removal inside the loop of changes; and such a load, deferred until
+    the removal was done, ran at shutdown and held it for as long as it took."""
+    write_other(root, "a", "slow.txt", "0.8")
+    repository, watcher = setup(tmp_path, root, models="  - name: a\n  - name: b\n    instances: 2\n")
+
+    async def scenario() -> None:
+        await start(repository, watcher)
+        x = NamedTensor("input", DType.FP32, np.zeros((1, 4), np.float32))
+        request = asyncio.create_task(repository.ready_model("a").scheduler.submit([x], 1, 0))
+        await asyncio.sleep(0.2)  # running
+        os.rename(root / "a", root / "b")
+        started = time.monotonic()
+        await apply(watcher)
+        assert time.monotonic() - started < 0.4, "the rename waited for the old model's request"
+        assert repository.entry("b").state is ModelState.READY and not request.done()
+        write_other(root, "a", "slow.txt", "0")  # the old name back, while its old model still drains
+        started = time.monotonic()
+        await settled(watcher)
+        assert time.monotonic() - started < 0.4, "the loop of changes waited for the old model's removal"
+        watcher.stop()  # as the server's stop: the load deferred until the removal is done never starts
+        await repository.unload_all()
+        assert (await request)[0].data.tolist() == [[1.0] * 4]
+        assert repository.entry("a") is None or repository.entry("a").loaded is None
+    asyncio.run(scenario())
