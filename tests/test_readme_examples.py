@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import sys
 import urllib.request
 from pathlib import Path
 
@@ -55,6 +56,10 @@ def test_the_readme_plugin_example_serves_a_model(tmp_path, monkeypatch) -> None
     assert example, "the README's plugin example was not found: has its form changed?"
     (tmp_path / "nereid_addone.py").write_text(example.group(1))
     monkeypatch.syspath_prepend(str(tmp_path))
+    # Imported afresh and forgotten afterwards (monkeypatch records the name as absent, and removes it at the
+    # end): tests/core/test_plugins.py installs a nereid_addone of its own.
+    monkeypatch.setitem(sys.modules, "nereid_addone", None)
+    del sys.modules["nereid_addone"]
     plugin = importlib.import_module("nereid_addone")
     folder = tmp_path / "ml" / "m"
     folder.mkdir(parents=True)
