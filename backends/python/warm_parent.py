@@ -351,8 +351,7 @@ def run_child(env: dict[str, str], cwd: str, stdin_fd: int, output_fd: int,
         cwd = enter_folder(cwd)
     else:
         cwd = enter_loaded_folder(cwd, folder_fd)
-        if exec_argv or cwd != f"/proc/self/fd/{folder_fd}":
-            os.close(folder_fd)  # not needed past the chdir (main.py's path does not go through it)
+        os.close(folder_fd)  # not needed past the chdir (main.py's path does not go through it)
     if exec_argv:
         os.execv(exec_argv[0], exec_argv)  # keeps the process, its session and its parent-death signal
     return run_main(os.path.join(cwd, ENTRY_FILE))
@@ -365,8 +364,10 @@ def enter_loaded_folder(path: str, folder_fd: int) -> str:
     (``__file__``, ``sys.path``, tracebacks) only while it still leads to the
     loaded folder: a folder deleted, or renamed, with a new one put under its
     name before the server has loaded that, must not lend the loaded code the
-    new version's files. Renamed: the folder's new path. Deleted: the
-    descriptor's path under /proc (``folder_fd`` then stays open for the run).
+    new version's files. Renamed: the folder's new path. Deleted: ``path``
+    marked ``(deleted)``, a path that leads nowhere (tracebacks then say where
+    the code came from, which a /proc/self/fd path would not; the folder's
+    files are gone either way).
     """
     os.fchdir(folder_fd)
     loaded = os.fstat(folder_fd)
@@ -379,7 +380,7 @@ def enter_loaded_folder(path: str, folder_fd: int) -> str:
     try:
         return os.getcwd()  # the renamed folder's new path
     except OSError:
-        return f"/proc/self/fd/{folder_fd}"  # deleted: only its descriptor leads to it
+        return f"{path} (deleted)"  # only the working directory leads to it
 
 
 def enter_folder(path: str) -> str:

@@ -206,6 +206,19 @@ def test_a_folder_deleted_and_replaced_under_its_name_runs_the_loaded_code_in_th
     assert ask(server, "m") == [None, None]
 
 
+def test_a_run_in_a_deleted_folder_names_the_model_s_path_in_its_traceback(repo, serve):
+    # The traceback named /proc/self/fd/N/main.py: a descriptor number of a process that had ended.
+    folder = repo.python("gone", textproto=REPORT, main=reply_main("open('data.txt').read()"))
+    (folder / "data.txt").write_text("here")
+    server = serve(repo.write_config())
+    assert ask(server, "gone") == "here"
+    shutil.rmtree(folder)
+    with pytest.raises(InferenceServerException) as caught:
+        ask(server, "gone")
+    assert 'File "gone (deleted)/main.py", line ' in caught.value.message()
+    assert "FileNotFoundError" in caught.value.message() and "/proc/self/fd" not in caught.value.message()
+
+
 def test_a_folder_copied_then_deleted_serves_from_the_copy_once_relocated(repo, serve):
     # cp -r m n; rm -rf m, then the server relocates the model to n: its runs enter the copy (another
     # folder than the one loaded, which is gone), as the server's rename told them.
