@@ -172,7 +172,8 @@ def check(settings: Settings, manager: NereidPluginManager | None = None) -> int
     scratch = Path(tempfile.mkdtemp(prefix=f"{scratch_prefix()}check-"))
     # SIGTERM (`timeout 60 nereid check` in CI) stops the check as Ctrl-C does: a compiler it started must not
     # run on under init, writing into a scratch folder nobody will clean.
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    on_main = threading.current_thread() is threading.main_thread()  # (only there can a handler be set)
+    previous = signal.signal(signal.SIGTERM, _raise_terminated) if on_main else None
     try:
         names = list_model_folders(settings.server)
         if settings.server.ml_backends_url is not None:  # a store that cannot be listed: check the listed models
@@ -198,7 +199,8 @@ def check(settings: Settings, manager: NereidPluginManager | None = None) -> int
               f"{f' ({killed} program(s) it had started killed)' if killed else ''}", file=sys.stderr)
         return 143 if isinstance(stop, _Terminated) else 130
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if on_main:
+            signal.signal(signal.SIGTERM, previous)
         shutil.rmtree(scratch, ignore_errors=True)
     summary = [f"{config_problems} problem(s) in its backends: section"] if config_problems else []
     if problems:

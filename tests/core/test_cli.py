@@ -39,6 +39,27 @@ def test_check_passes_on_the_shipped_examples() -> None:
         assert any(line.startswith(f"{model}: OK") for line in lines), result.stdout
 
 
+def test_check_runs_off_the_main_thread_too(repo, capsys) -> None:
+    """It sets its SIGTERM handler on the main thread only (elsewhere signal.signal raises ValueError)."""
+    from nereid.cli import check
+    from nereid.plugins import make_plugin_manager
+    from nereid.settings import load_settings
+
+    toy_backends.write_toy(repo.models_dir, "steady")
+    settings = load_settings(repo.write_config())
+    results: list[object] = []
+
+    def run() -> None:
+        try:
+            results.append(check(settings, make_plugin_manager(load_entry_points=False, extra_plugins=(toy_backends,))))
+        except Exception as err:
+            results.append(err)
+    worker = threading.Thread(target=run)
+    worker.start()
+    worker.join(30)
+    assert results == [0], results
+
+
 def test_check_reports_each_broken_model_and_fails(repo) -> None:
     repo.python("good")
     repo.add("no_textproto", None, main_py="print()")
