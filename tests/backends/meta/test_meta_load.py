@@ -95,6 +95,17 @@ def meta_folder(root: Path, name: str, model_py: str | None = ECHO, manifest: st
     return folder
 
 
+def meta_repository(tmp_path: Path, models_yaml: str = ""):
+    """A ModelRepository (no server) over ``tmp_path/ml-backends``, which the test fills with meta folders."""
+    from nereid.repository import ModelRepository
+
+    (tmp_path / "nereid.yaml").write_text('server:\n  ml_backends_path: "ml-backends"\n  metrics_addr: ""\n'
+                                          f'  http_addr: ""\n{models_yaml}')
+    (tmp_path / "scratch").mkdir()
+    return ModelRepository(load_settings(tmp_path / "nereid.yaml"), make_plugin_manager(load_entry_points=False),
+                           tmp_path / "scratch")
+
+
 def build(folder: Path):
     return build_model(make_plugin_manager(load_entry_points=False),
                        ModelContext(folder.name, folder, ModelSettings(folder.name), folder.parent))
@@ -222,17 +233,13 @@ def test_readiness_changes_caused_by_dependencies_are_logged_once_each(tmp_path:
     # transitions (its dependency loading, unloading, loading again) were never logged at all.
     import logging
 
-    from nereid.repository import ModelRepository, ModelState
+    from nereid.repository import ModelState
 
     root = tmp_path / "ml-backends"
     root.mkdir()
     meta_folder(root, "a", manifest=META.replace("[a, b]", "[]"))
     meta_folder(root, "misc", manifest=META.replace("[a, b]", "[a]"))
-    (tmp_path / "nereid.yaml").write_text('server:\n  ml_backends_path: "ml-backends"\n  metrics_addr: ""\n'
-                                          '  http_addr: ""\nmodels:\n  - name: misc\n')
-    (tmp_path / "scratch").mkdir()
-    repo = ModelRepository(load_settings(tmp_path / "nereid.yaml"), make_plugin_manager(load_entry_points=False),
-                           tmp_path / "scratch")
+    repo = meta_repository(tmp_path, "models:\n  - name: misc\n")
     caplog.set_level(logging.INFO, logger="nereid.repository")
 
     def lines() -> list[str]:
@@ -257,19 +264,13 @@ def test_a_new_reason_that_is_not_a_loading_model_is_logged(tmp_path: Path, capl
     said so: a changed reason alone was not logged, so the log's last word was the misleading LOADING line."""
     import logging
 
-    from nereid.repository import ModelRepository
-
     root = tmp_path / "ml-backends"
     root.mkdir()
     meta_folder(root, "a", manifest=META.replace("[a, b]", "[]"))
     meta_folder(root, "pair", manifest=META.replace("[a, b]", "[a, ghost]"))
     meta_folder(root, "on_broken", manifest=META.replace("[a, b]", "[broken]"))
     meta_folder(root, "broken", model_py="raise RuntimeError('no weights')\n", manifest=META.replace("[a, b]", "[]"))
-    (tmp_path / "nereid.yaml").write_text('server:\n  ml_backends_path: "ml-backends"\n  metrics_addr: ""\n'
-                                          '  http_addr: ""\n')
-    (tmp_path / "scratch").mkdir()
-    repo = ModelRepository(load_settings(tmp_path / "nereid.yaml"), make_plugin_manager(load_entry_points=False),
-                           tmp_path / "scratch")
+    repo = meta_repository(tmp_path)
     caplog.set_level(logging.INFO, logger="nereid.repository")
 
     async def scenario() -> None:
@@ -299,18 +300,12 @@ def test_a_clean_shutdown_unloads_callers_first_and_warns_of_nothing(tmp_path: P
     dependency 'mid' is not ready (UNLOADING)" at WARNING: what they call was unloaded first."""
     import logging
 
-    from nereid.repository import ModelRepository
-
     root = tmp_path / "ml-backends"
     root.mkdir()
     meta_folder(root, "a", manifest=META.replace("[a, b]", "[]"))
     meta_folder(root, "mid", manifest=META.replace("[a, b]", "[a]"))
     meta_folder(root, "top", manifest=META.replace("[a, b]", "[mid, a]"))
-    (tmp_path / "nereid.yaml").write_text('server:\n  ml_backends_path: "ml-backends"\n  metrics_addr: ""\n'
-                                          '  http_addr: ""\n')
-    (tmp_path / "scratch").mkdir()
-    repo = ModelRepository(load_settings(tmp_path / "nereid.yaml"), make_plugin_manager(load_entry_points=False),
-                           tmp_path / "scratch")
+    repo = meta_repository(tmp_path)
 
     async def scenario() -> None:
         for name in ("a", "mid", "top"):
