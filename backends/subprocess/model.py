@@ -9,6 +9,7 @@ textproto order, in the file ``NEREID_OUTPUT_PATH``.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import stat
@@ -101,12 +102,6 @@ class SubprocessModel:
             if result.returncode != 0:
                 tail = f"; output tail: {result.output_tail}" if result.output_tail else ""
                 raise ModelFailure(f"model '{name}' {result.describe()}{tail}")
-            # (A symlink is not the model's output: followed, the server would read, and quote in its error,
-            # a file the model pointed it at.)
-            symlink = output_path.is_symlink()
-            if symlink or not output_path.is_file():
-                raise ModelFailure(f"model '{name}' exited 0 without writing its output tensor to "
-                                   "NEREID_OUTPUT_PATH" + (" (a symlink is there)" if symlink else ""))
             return self._read_outputs(output_path, batch)
         finally:
             shutil.rmtree(work_dir, ignore_errors=True)
@@ -269,20 +264,26 @@ class SubprocessModel:
     def _open_output(self, path: Path) -> int:
         """A descriptor of the regular file at ``path``, neither a symlink followed nor a FIFO waited on.
 
-        The checks before this (is_file) look at the path, which a process the
-        run left behind may swap meanwhile: a FIFO opened for reading blocks until
-        a writer comes, which would hold this instance for ever. Opened without
-        blocking, the file itself is what is checked.
+        The file itself is checked, once opened, never its path beforehand: a
+        process the run left behind may swap the path meanwhile, and a FIFO
+        opened for reading blocks until a writer comes, which would hold this
+        instance for ever. A symlink is not the model's output either: followed,
+        the server would read, and quote in its error, a file the model pointed
+        it at.
         """
+        missing = f"model '{self.context.name}' exited 0 without writing its output tensor to NEREID_OUTPUT_PATH"
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise ModelFailure(missing) from None
         except OSError as err:
+            if err.errno == errno.ELOOP:  # O_NOFOLLOW's answer for a symlink
+                raise ModelFailure(f"{missing} (a symlink is there)") from None
             raise ModelFailure(f"model '{self.context.name}': cannot open its output tensor at NEREID_OUTPUT_PATH: "
                                f"{err.strerror or err}") from None
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
-            raise ModelFailure(f"model '{self.context.name}' exited 0 without writing its output tensor to "
-                               "NEREID_OUTPUT_PATH (something other than a regular file is there)")
+            raise ModelFailure(f"{missing} (something other than a regular file is there)")
         os.set_blocking(fd, True)
         return fd
 
