@@ -272,7 +272,7 @@ def _check_model(settings: Settings, manager: NereidPluginManager, scratch: Path
     root = settings.server.ml_backends_path
     model_settings, origin = settings.model_or_default(name)
     listed = settings.model(name) is not None
-    suffix = "" if listed or not settings.models_listed else " (not listed in nereid.yaml)"
+    suffix = "" if listed or not settings.models_listed else f" ({NOT_LISTED})"
     context = ModelContext(name, root / name, model_settings, scratch, origin)
     try:
         materialize_model_folder(settings.server, name)  # from an object store: fetch it first

@@ -367,7 +367,7 @@ class ModelScheduler:
         """The ModelFailure a caller gets for ``error`` raised by model code (logged with its traceback)."""
         self._fault_log.error("model '%s' raised%s", self.name, f" in {during}" if during else "", exc_info=error)
         return _LoggedModelFailure(f"model '{self.name}' failed: {during + ': ' if during else ''}"
-                            f"{describe_exception(error)}")
+                                   f"{describe_exception(error)}")
 
     def _assemble(self, requests: list[list[NamedTensor]], total: int) -> tuple[list[NamedTensor], bool]:
         """An execution's inputs: a lone request's own, or the requests' rows stacked; and whether padded."""

@@ -691,13 +691,11 @@ class RepositoryWatcher:
         candidate = Path(path)
         if candidate == self.config_path:
             return True
-        # A file of a symlinked model folder, by the path of where it leads: only the part inside the model folder
-        # is judged (a target inside a hidden folder of ml_backends_path, .versions/m-v1, still counts).
-        for target in self._targets:
-            if candidate.is_relative_to(target):
-                return not any(ignored_name(part) for part in candidate.relative_to(target).parts)
-        if candidate.is_relative_to(self.root):
-            return not any(ignored_name(part) for part in candidate.relative_to(self.root).parts)
+        # A file of a symlinked model folder comes by the path of where it leads: only the part inside the model
+        # folder is judged (a target inside a hidden folder of ml_backends_path, .versions/m-v1, still counts).
+        for base in (*self._targets, self.root):
+            if candidate.is_relative_to(base):
+                return not any(ignored_name(part) for part in candidate.relative_to(base).parts)
         # A symlink nereid.yaml or ml_backends_path goes through was replaced (a ConfigMap's ..data swap).
         return path in links_on_the_way(self.config_path) or (
             self.location is None and path in links_on_the_way(self.root))

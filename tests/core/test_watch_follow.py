@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import toy_backends
-from nereid.backend import BackendClaim, ModelContext
+from nereid.backend import BackendClaim
 from nereid.dtypes import DType
 from nereid.hookspecs import hookimpl
 from nereid.plugins import make_plugin_manager
