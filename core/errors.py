@@ -133,6 +133,17 @@ def plugin_failures() -> tuple[type[BaseException], ...]:
     return (BaseException,)
 
 
+def calling_plugin(call: Callable[[], T], failure: Callable[[BaseException], Exception]) -> T:
+    """``call()``, plugin or model code: an exit it raises that :func:`plugin_failures` takes for its failure
+    (``sys.exit()``, ...) comes out as the Exception ``failure(exit)``, never as a request to end the process."""
+    try:
+        return call()
+    except plugin_failures() as err:
+        if isinstance(err, Exception):
+            raise
+        raise failure(err) from None
+
+
 def without_stop_iteration(function: Callable[..., T], *args: Any) -> T:
     """Call ``function``; a StopIteration it raises comes out as a RuntimeError chained to it.
 

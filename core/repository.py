@@ -29,8 +29,8 @@ from nereid.backend import (CallsModels, HasBatchSignature, Model, ModelCaller, 
                             missing_model_parts)
 from nereid.batching import BatchPolicy
 from nereid.dependencies import READY, Readiness, settle
-from nereid.errors import (ConfigError, NotFound, Unavailable, cap_message, describe_exception,
-                           plugin_failures, without_stop_iteration)
+from nereid.errors import (ConfigError, NotFound, Unavailable, calling_plugin, cap_message, describe_exception,
+                           without_stop_iteration)
 from nereid.files import check_confined
 from nereid.log_limit import RateLimitedLog
 from nereid.model_runner import Runner, make_runner
@@ -164,13 +164,10 @@ def build_model(manager: NereidPluginManager, context: ModelContext,
     A ``sys.exit()`` (or any exit) in the backend's code is its failure, a
     ConfigError naming the model, never an exit of the server or the check.
     """
-    try:
-        return _build_model(manager, context, backend_defaults, defaults_source)
-    except plugin_failures() as err:
-        if isinstance(err, Exception):
-            raise
-        raise ConfigError(f"model '{context.name}': its backend raised {describe_exception(err)} while loading it "
-                          "(a backend refuses a model by raising an Exception with the reason)") from None
+    return calling_plugin(
+        lambda: _build_model(manager, context, backend_defaults, defaults_source),
+        lambda exit_: ConfigError(f"model '{context.name}': its backend raised {describe_exception(exit_)} while "
+                                  "loading it (a backend refuses a model by raising an Exception with the reason)"))
 
 
 def _build_model(manager: NereidPluginManager, context: ModelContext,
@@ -938,14 +935,8 @@ async def bounded_backend_call(name: str, what: str, call: Callable[[], object])
     :data:`BACKEND_CALL_WAIT_S`; one that does not return by then is abandoned (its thread runs on), logged,
     and False returned. What it raises is raised.
     """
-    def guarded() -> object:
-        try:
-            return call()
-        except Exception:
-            raise
-        except BaseException as err:  # sys.exit() in a backend's unload is no exit of the server's
-            raise RuntimeError(describe_exception(err)) from None
-
+    # sys.exit() in a backend's unload is no exit of the server's.
+    guarded = functools.partial(calling_plugin, call, lambda exit_: RuntimeError(describe_exception(exit_)))
     done = _on_daemon_thread(guarded, f"nereid-{what}-{name}")
     try:
         await asyncio.wait_for(asyncio.shield(done), BACKEND_CALL_WAIT_S)
