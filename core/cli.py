@@ -15,11 +15,12 @@ import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import nereid.repository
 from nereid.backend import CallsModels, ModelContext, ReportsRuntime
 from nereid.dependencies import settle
-from nereid.errors import ConfigError
+from nereid.errors import ConfigError, describe_exception, plugin_failures
 from nereid.files import check_confined
 from nereid.leftovers import scratch_prefix
 from nereid.log_format import one_record_per_line, stderr_handler
@@ -34,8 +35,13 @@ DEFAULT_CONFIG = Path("nereid.yaml")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``nereid`` console script."""
+def main(argv: list[str] | None = None, extra_plugins: tuple[object, ...] = ()) -> int:
+    """Entry point of the ``nereid`` console script.
+
+    ``extra_plugins``: backend plugins to register besides the built-in and
+    installed ones (``bench/serve_with_plugin.py`` serves its bench backends
+    so, with everything else as ``nereid serve`` has it: its logging included).
+    """
     parser = argparse.ArgumentParser(prog="nereid", description="A Triton-compatible model server.")
     commands = parser.add_subparsers(dest="command", required=True)
     for name, help_text in (("serve", "serve the models over gRPC and HTTP until SIGTERM/SIGINT"),
@@ -52,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     # plugin left out is logged as an ERROR line; serve's --log-level applies once parsed.
     logging.basicConfig(level=logging.WARNING, handlers=[stderr_handler()])
     # One manager for the whole command, so that a plugin left out is logged once.
-    manager = make_plugin_manager()
+    manager = make_plugin_manager(extra_plugins=extra_plugins)
     add_commands(manager, commands)  # backends' own tooling
     args = parser.parse_args(argv)
     if "run" in args:
@@ -173,7 +179,12 @@ def check(settings: Settings, manager: NereidPluginManager | None = None) -> int
     # SIGTERM (`timeout 60 nereid check` in CI) stops the check as Ctrl-C does: a compiler it started must not
     # run on under init, writing into a scratch folder nobody will clean.
     on_main = threading.current_thread() is threading.main_thread()  # (only there can a handler be set)
-    previous = signal.signal(signal.SIGTERM, _raise_terminated) if on_main else None
+    signals = _StopSignals()
+    # (A handler set outside Python reads as None, and could not be put back: that signal is left as it is.)
+    previous = {signum: handler for signum in (signals.handled() if on_main else ())
+                if (handler := signal.getsignal(signum)) is not None}
+    for signum in previous:
+        signal.signal(signum, signals)
     try:
         names = list_model_folders(settings.server)
         if settings.server.ml_backends_url is not None:  # a store that cannot be listed: check the listed models
@@ -181,7 +192,7 @@ def check(settings: Settings, manager: NereidPluginManager | None = None) -> int
         states: dict[str, tuple[str, str]] = {}  # each model as a server would have it at start
         callers: list[_Checked] = []  # loaded fine, and call other models: judged once every model is
         for name in names:
-            checked = _check_model(settings, manager, scratch, name)
+            checked = _check_model(settings, manager, scratch, name, signals.model_faults)
             if checked is None:
                 problems += 1
                 states[name] = ("UNAVAILABLE", "its check failed")
@@ -199,8 +210,8 @@ def check(settings: Settings, manager: NereidPluginManager | None = None) -> int
               f"{f' ({killed} program(s) it had started killed)' if killed else ''}", file=sys.stderr)
         return 143 if isinstance(stop, _Terminated) else 130
     finally:
-        if on_main:
-            signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
         shutil.rmtree(scratch, ignore_errors=True)
     summary = [f"{config_problems} problem(s) in its backends: section"] if config_problems else []
     if problems:
@@ -220,8 +231,34 @@ class _Terminated(KeyboardInterrupt):
     """SIGTERM during ``nereid check``: it stops like Ctrl-C (a KeyboardInterrupt is no plugin's failure)."""
 
 
-def _raise_terminated(signum: int, frame: object) -> None:
-    raise _Terminated()
+class _StopSignals:
+    """``nereid check``'s handler of SIGINT and SIGTERM: it records that the signal came, then raises.
+
+    Ctrl-C and a KeyboardInterrupt that a model's own code raises (in its
+    ``load()``, say) are the same exception; only the record tells them apart.
+    The first stops the check; the second is that model's failure, as it is
+    under ``nereid serve`` (which loads models off the main thread).
+    """
+
+    def __init__(self) -> None:
+        self.came: int | None = None  # the signal that came, if one did
+
+    @staticmethod
+    def handled() -> list[int]:
+        """The signals to handle: SIGTERM, and SIGINT unless it is ignored (``nereid check &`` in a script)."""
+        return [signal.SIGTERM] + ([signal.SIGINT] if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN else [])
+
+    def __call__(self, signum: int, frame: object) -> None:
+        self.came = signum
+        raise _Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+
+    def model_faults(self) -> tuple[type[BaseException], ...]:
+        """What to catch around a model's code as its failure: :func:`plugin_failures`, and a KeyboardInterrupt
+        while no signal has come.
+
+        Called in the ``except`` clause, so after the handler has run for a signal that interrupted that code.
+        """
+        return plugin_failures() if self.came is not None else (*plugin_failures(), KeyboardInterrupt)
 
 
 @dataclass
@@ -263,11 +300,14 @@ def _check_callers(callers: list[_Checked], states: dict[str, tuple[str, str]]) 
     return problems
 
 
-def _check_model(settings: Settings, manager: NereidPluginManager, scratch: Path, name: str) -> _Checked | None:
-    """Load and unload one model; None, its line printed, when it fails to load; else what :class:`_Checked` holds.
+def _check_model(settings: Settings, manager: NereidPluginManager, scratch: Path, name: str,
+                 model_faults: Callable[[], tuple[type[BaseException], ...]]) -> _Checked | None:
+    """Load and unload one model; None, its line printed, when it fails to load (or, loaded, its ``dependencies()``
+    raises, which a server takes for a failed load); else what :class:`_Checked` holds.
 
     A model whose ``unload`` fails is reported on its line, and the check goes
-    on with the next model.
+    on with the next model. ``model_faults()``: what the model's code may
+    raise that is its failure (see :meth:`_StopSignals.model_faults`).
     """
     root = settings.server.ml_backends_path
     model_settings, origin = settings.model_or_default(name)
@@ -278,35 +318,53 @@ def _check_model(settings: Settings, manager: NereidPluginManager, scratch: Path
         materialize_model_folder(settings.server, name)  # from an object store: fetch it first
         check_confined(root / name, root, settings.server.follow_symlinks)
         built = build_model(manager, context, settings.backend_defaults, settings.source)
-    except Exception as err:
+    except model_faults() as err:
         # (A folder's name or a compiler's message may hold line breaks: one model starts each line.)
-        print(one_record_per_line(f"{name}: UNAVAILABLE: {str(err).strip() or type(err).__name__}{suffix}"))
+        print(one_record_per_line(f"{name}: UNAVAILABLE: {_load_failure_text(name, err)}{suffix}"))
         return None
     runtime, status = "", "OK"
     if isinstance(built.backend, ReportsRuntime):
         try:
             report = built.backend.runtime_report()
-        except Exception as err:  # the model's fault, not the check's: say so on its line and go on
+        except model_faults() as err:  # the model's fault, not the check's: say so on its line and go on
             status = f"RUNTIME REPORT FAILED: {error_text(err)}; loaded as"
         else:
             runtime = f" {report.summary}" if report.summary else ""
             if report.warm_parent_resident_bytes is not None:
                 runtime += f" warm_parent_rss={report.warm_parent_resident_bytes / 2**20:.1f}MiB"
+    depends_on: tuple[str, ...] = ()
+    unavailable: str | None = None  # why a server, having loaded it, would not serve it
+    if isinstance(built.backend, CallsModels):
+        try:  # asked while it is loaded, as a server asks (and, when it raises, unloads it: UNAVAILABLE)
+            depends_on = tuple(built.backend.dependencies())
+        except model_faults() as err:
+            unavailable = _load_failure_text(name, err)
     try:
         # Bounded, as the server's: a native library's nereid_unload that never returns must not hang the check.
         if not asyncio.run(bounded_backend_call(name, "unload", built.backend.unload)):
             status = f"UNLOAD DID NOT RETURN within {nereid.repository.BACKEND_CALL_WAIT_S:g} s; loaded as"
     except Exception as err:
         status = f"UNLOAD FAILED: {error_text(err)}; loaded as"
+    if unavailable is not None:
+        print(one_record_per_line(f"{name}: UNAVAILABLE: {unavailable}{suffix}"))
+        return None
     signature = built.signature
     inputs = ", ".join(f"{s.name} {s.dtype.kserve}{list(s.dims)}" for s in signature.inputs)
     outputs = ", ".join(f"{s.name} {s.dtype.kserve}{list(s.dims)}" for s in signature.outputs)
     batching = "on" if built.policy.enabled else "off"
-    depends_on = tuple(built.backend.dependencies()) if isinstance(built.backend, CallsModels) else ()
     return _Checked(name, status, f"backend={built.backend_name} device={model_settings.device} "
                                   f"max_batch_size={signature.max_batch_size} batching={batching} "
                                   f"inputs=[{inputs}] outputs=[{outputs}]{runtime}{suffix}",
                     depends_on, listed or not settings.models_listed)
+
+
+def _load_failure_text(name: str, error: BaseException) -> str:
+    """Why a model failed to load, for its line, as a server gives the reason: an exit its code raised (a
+    KeyboardInterrupt, which :func:`build_model` lets through on the main thread) as that names it."""
+    if isinstance(error, Exception):
+        return str(error).strip() or type(error).__name__
+    return (f"model '{name}': its backend raised {describe_exception(error)} while loading it (a backend refuses a "
+            "model by raising an Exception with the reason)")
 
 
 if __name__ == "__main__":

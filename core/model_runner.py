@@ -15,7 +15,7 @@ from nereid.backend import Model, Postprocesses, Preprocesses
 from nereid.errors import (InvalidArgument, ModelFailure, NereidError, describe_exception, same_kind,
                            without_stop_iteration)
 from nereid.scheduler import MODEL_EXITS, ModelScheduler
-from nereid.signature import ModelSignature, check_outputs, validate_inputs
+from nereid.signature import ModelSignature, brief_repr, check_outputs, validate_inputs
 from nereid.tensors import NamedTensor
 
 # run(inputs validated against the client-facing signature, their batch size, absolute deadline_ns) -> outputs
@@ -106,7 +106,7 @@ def _checked_hook_result(model: str, hook: str, result: Any) -> list[NamedTensor
                "coroutine never runs: make it a plain function)")
     elif isinstance(result, (list, tuple)):
         index, item = next((i, item) for i, item in enumerate(result) if not isinstance(item, NamedTensor))
-        got = f"a {type(result).__name__} whose item {index} is {type(item).__name__} {item!r:.100}"
+        got = f"a {type(result).__name__} whose item {index} is {type(item).__name__} {brief_repr(item)}"
     else:
-        got = f"{type(result).__name__} {result!r:.100}"
+        got = f"{type(result).__name__} {brief_repr(result)}"
     raise ModelFailure(f"model '{model}': the {hook} hook returned {got}, expected a list of NamedTensor")

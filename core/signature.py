@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import functools
 import math
+import reprlib
 from collections import Counter
 from dataclasses import dataclass
-from itertools import repeat
+from itertools import islice, repeat
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -276,11 +277,15 @@ def check_outputs(model: str, signature: ModelSignature, outputs: list[NamedTens
     """
     expected = signature.outputs
     if not isinstance(outputs, list):
-        raise ModelFailure(f"model '{model}' returned {type(outputs).__name__} {outputs!r:.100}, expected a list "
-                           f"of NamedTensor (outputs {signature.output_names})")
-    names = [getattr(t, "name", None) for t in outputs]
-    if names != signature.output_names:
-        raise ModelFailure(f"model '{model}' returned outputs {names}, expected {signature.output_names}")
+        raise ModelFailure(f"model '{model}' returned {type(outputs).__name__} {brief_repr(outputs)}, expected a "
+                           f"list of NamedTensor (outputs {signature.output_names})")
+    # The length first: a model that returns a huge list costs no list of its names.
+    if len(outputs) != len(expected) or any(getattr(t, "name", None) != spec.name
+                                            for t, spec in zip(outputs, expected)):
+        # The names of a bounded prefix: each takes a character at least, so the message shows no more.
+        names = [getattr(t, "name", None) for t in islice(outputs, BRIEF_LIMIT)]
+        raise ModelFailure(f"model '{model}' returned outputs {brief_repr(names)}, "
+                           f"expected {signature.output_names}")
     for tensor, spec in zip(outputs, expected):
         if tensor.dtype is not spec.dtype:
             raise ModelFailure(f"model '{model}' returned output '{spec.name}' as "
@@ -308,13 +313,72 @@ def check_outputs(model: str, signature: ModelSignature, outputs: list[NamedTens
                                f"{list(shape)}, expected {expected_shape}")
 
 
+# How many characters of a model's wrong value a message quotes.
+BRIEF_LIMIT = 100
+
+
+def brief_repr(value: object, limit: int = BRIEF_LIMIT) -> str:
+    """``repr(value)`` cut to ``limit`` characters, built from a bounded part of ``value``.
+
+    A model may return a huge wrong object (a list of ten million elements, a
+    string of a gigabyte); its full repr, cut only afterwards, cost seconds and
+    gigabytes on the way to a message of 100 characters (and a repr that raises,
+    nests too deeply or holds an int of more than 4300 digits raised in its place).
+    A value whose repr fits in ``limit`` characters reads as ``repr`` writes it.
+    """
+    return _BoundedRepr(limit).repr(value)[:limit]
+
+
+class _BoundedRepr(reprlib.Repr):
+    """reprlib's repr, its limits raised so that a repr that fits in ``limit`` characters is left whole.
+
+    Each element costs at least one character, so no more than ``limit`` calls
+    are made: past them an element is ``...`` (a structure that shares its lists,
+    ``[[0] * 50] * 50`` nested a few levels, would otherwise take ``50**levels``).
+    One per call: the count is its own (models fail on many threads at once).
+    """
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.maxlevel = self.maxtuple = self.maxlist = self.maxarray = self.maxdict = limit
+        self.maxset = self.maxfrozenset = self.maxdeque = self.maxstring = self.maxlong = self.maxother = limit
+        self._calls_left = limit
+
+    def repr1(self, x: Any, level: int) -> str:
+        self._calls_left -= 1
+        return self.fillvalue if self._calls_left < 0 else super().repr1(x, level)
+
+    # Slices before its repr as a str does (reprlib would repr the whole bytes).
+    repr_bytes = repr_bytearray = reprlib.Repr.repr_str
+
+    def repr_int(self, x: int, level: int) -> str:
+        # int -> str takes time quadratic in the digits, and is refused past 4300 of them.
+        if x.bit_length() > 4 * self.maxlong:
+            return f"<int of {x.bit_length()} bits>"
+        return super().repr_int(x, level)
+
+    # In the order repr writes them: reprlib sorts a dict's keys and a set's elements.
+    def repr_dict(self, x: dict, level: int) -> str:
+        if not x or level <= 0:
+            return "{" + (self.fillvalue if x else "") + "}"
+        pieces = [f"{self.repr1(key, level - 1)}: {self.repr1(value, level - 1)}"
+                  for key, value in islice(x.items(), self.maxdict)]
+        return "{" + ", ".join(pieces + [self.fillvalue] * (len(x) > self.maxdict)) + "}"
+
+    def repr_set(self, x: set, level: int) -> str:
+        return self._repr_iterable(x, level, "{", "}", self.maxset) if x else "set()"
+
+    def repr_frozenset(self, x: frozenset, level: int) -> str:
+        return self._repr_iterable(x, level, "frozenset({", "})", self.maxfrozenset) if x else "frozenset()"
+
+
 # What a BYTES element may be (nereid.tensors.join_bytes_elements encodes str as UTF-8).
 _TEXT = (bytes, str)
 
 
 def _tag(dtype: Any) -> str:
     """A tensor's DType as its wire string; anything else (a string where a DType belongs) as its repr."""
-    return dtype.name if isinstance(dtype, DType) else f"{dtype!r:.100}"
+    return dtype.name if isinstance(dtype, DType) else brief_repr(dtype)
 
 
 def _array_text(data: Any) -> str:
@@ -328,7 +392,7 @@ def _array_text(data: Any) -> str:
 def _first_non_text(data: np.ndarray) -> str:
     """The first element of an object array that is neither bytes nor str, for a message."""
     index, element = next((i, e) for i, e in enumerate(data.ravel()) if not isinstance(e, _TEXT))
-    return f"element {index} of type {type(element).__name__} ({element!r:.60})"
+    return f"element {index} of type {type(element).__name__} ({brief_repr(element, 60)})"
 
 
 def _index_by_name(model: str, signature: ModelSignature, tensors: list[NamedTensor]) -> dict[str, NamedTensor]:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -452,3 +454,138 @@ def test_a_killed_check_leaves_a_scratch_folder_the_next_server_start_removes(tm
     left = tmp_path / f"nereid-{dead.pid}-check-abc"
     left.mkdir()
     assert remove_stale_scratch(tmp_path) == 1 and not left.exists()
+
+
+INTERRUPTS_PLUGIN = '''
+from nereid.backend import BackendClaim, RuntimeReport
+from nereid.hookspecs import hookimpl
+from nereid.signature import TEXTPROTO_NAME, load_textproto_signature
+
+
+class Interrupts:
+    """Raises a KeyboardInterrupt of its own in the method interrupts.txt names, as a model's code may."""
+
+    platform = "interrupts"
+
+    def __init__(self, context):
+        self.context = context
+        self.where = (context.folder / "interrupts.txt").read_text()
+
+    def _maybe(self, where):
+        if self.where == where:
+            raise KeyboardInterrupt(f"no {where} today")
+
+    def load(self):
+        self._maybe("load")
+        self._signature = load_textproto_signature(self.context.folder / TEXTPROTO_NAME)
+
+    def signature(self):
+        return self._signature
+
+    def infer(self, inputs):
+        return inputs
+
+    def unload(self):
+        pass
+
+    def runtime_report(self):
+        self._maybe("runtime_report")
+        return RuntimeReport()
+
+
+class CallsInterrupts(Interrupts):
+    def dependencies(self):
+        self._maybe("dependencies")
+        return ()
+
+    def concurrent_executions(self):
+        return 1
+
+
+@hookimpl
+def nereid_claim_model(folder, declared):
+    if not (folder / "interrupts.txt").is_file():
+        return None
+    return BackendClaim(CallsInterrupts if (folder / "interrupts.txt").read_text() == "dependencies" else Interrupts)
+'''
+
+
+def test_check_takes_a_keyboard_interrupt_a_model_raises_for_its_failure_not_for_ctrl_c(repo, tmp_path,
+                                                                                        monkeypatch) -> None:
+    """Defect: a model whose load() raised KeyboardInterrupt ended the check as Ctrl-C does ("interrupted by
+    SIGINT", exit 130, the models after it unchecked); a server takes it for that model's failure."""
+    _with_plugins(tmp_path, monkeypatch, [("interrupts", "interrupts", "interrupts_plugin", INTERRUPTS_PLUGIN)])
+    for name, where in (("a_load", "load"), ("b_report", "runtime_report"), ("c_calls", "dependencies")):
+        repo.add(name, "input_shape: [4]\noutput_shape: [4]\n", **{"interrupts.txt": where})
+    repo.python("d_echo")
+    config = repo.write_config()
+    result = subprocess.run([*NEREID, "check", "--config", str(config)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and "interrupted" not in result.stderr, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == ("a_load: UNAVAILABLE: model 'a_load': its backend raised KeyboardInterrupt: no load today "
+                        "while loading it (a backend refuses a model by raising an Exception with the reason)")
+    assert lines[1].startswith("b_report: RUNTIME REPORT FAILED: KeyboardInterrupt: no runtime_report today; "
+                               "loaded as backend=interrupts ")
+    assert lines[2] == ("c_calls: UNAVAILABLE: model 'c_calls': its backend raised KeyboardInterrupt: no "
+                        "dependencies today while loading it (a backend refuses a model by raising an Exception "
+                        "with the reason)")
+    assert lines[3].startswith("d_echo: OK backend=python")
+    assert lines[4] == f"{config}: 3 model(s) with problems"
+
+
+def test_check_reports_a_failing_dependencies_as_a_server_would_and_goes_on(tmp_path, capsys) -> None:
+    # A meta model's dependencies() that raised ended the check with a traceback (a server has it UNAVAILABLE).
+    from nereid.cli import check
+    from nereid.plugins import make_plugin_manager
+    from nereid.settings import load_settings
+
+    toy_backends.write_faulty(tmp_path / "ml-backends", "a_caller", "dependencies_fail")
+    toy_backends.write_toy(tmp_path / "ml-backends", "b_plain")
+    (tmp_path / "nereid.yaml").write_text('server:\n  ml_backends_path: "ml-backends"\n')
+    manager = make_plugin_manager(load_entry_points=False, extra_plugins=(toy_backends, toy_backends.FaultyToys()))
+    assert check(load_settings(tmp_path / "nereid.yaml"), manager) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "a_caller: UNAVAILABLE: dependencies unknown"
+    assert lines[1].startswith("b_plain: OK backend=toy ")
+    assert lines[2].endswith(": 1 model(s) with problems")
+
+
+# Runs `nereid serve` (-m nereid.cli serve ...) or a script standing for it, whose server, in place of serving, logs
+# what a server's run may: grpcio's ERROR for an answer to a call that had already ended, and a line of nereid's.
+SERVE_LOGGING_DRIVER = '''
+import logging, runpy, sys
+import nereid.server
+
+async def log_instead_of_serving(self):
+    try:
+        raise RuntimeError('Failed "execute_batch"')
+    except RuntimeError:
+        logging.getLogger("grpc._cython.cygrpc").exception(
+            "ExecuteBatchError raised in core by servicer method [%s]", "/inference/ModelInfer")
+    logging.getLogger("nereid.probe").warning("two\\nlines")
+
+nereid.server.NereidServer.serve_until_signalled = log_instead_of_serving
+sys.argv = sys.argv[1:]  # as python would have it for the command that follows
+if sys.argv[0] == "-m":
+    del sys.argv[0]
+    runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+else:
+    runpy.run_path(sys.argv[0], run_name="__main__")
+'''
+
+
+def test_the_bench_harness_logs_as_nereid_serve_does(repo) -> None:
+    """Defect: bench/serve_with_plugin.py built the server itself, with logging's plain format and without
+    serve's filters: grpcio's ERROR and traceback for an answer to an ended call (a DEBUG line under serve)
+    came through at ERROR in every benchmark's log."""
+    config, bind = str(repo.write_config()), f"127.0.0.1:{free_port()}"
+    logs = []
+    for command in (["-m", "nereid.cli", "serve", "--config", config, "--bind", bind, "--log-level", "WARNING"],
+                    [str(REPO_ROOT / "bench" / "serve_with_plugin.py"), config, bind]):
+        result = subprocess.run([sys.executable, "-c", SERVE_LOGGING_DRIVER, *command], capture_output=True,
+                                text=True, timeout=60)
+        assert result.returncode == 0, result.stderr
+        logs.append(re.sub(r"^\d{4}-\d\d-\d\d [\d:,]+ ", "<time> ", result.stderr, flags=re.M))
+    served, harnessed = logs
+    assert served == "<time> WARNING nereid.probe: two\n    lines\n"
+    assert harnessed == served

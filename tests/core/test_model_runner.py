@@ -169,3 +169,27 @@ def test_hooks_may_change_the_rows_the_program_runs_and_the_client_gets_its_own(
             await asyncio.wait_for(run(rows(3), 1, 0), 5)
         await scheduler.drain()
     asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+class _CountedRepr:
+    calls = 0
+
+    def __repr__(self) -> str:
+        _CountedRepr.calls += 1
+        return "counted"
+
+
+@pytest.mark.parametrize("result", [lambda: {_CountedRepr() for _ in range(100_000)},
+                                    lambda: [[_CountedRepr()] * 100_000]], ids=["set", "list item"])
+def test_a_hook_s_huge_wrong_result_is_quoted_from_a_bounded_part_of_it(result: Callable[[], object]) -> None:
+    """Defect: the message took the full repr of what the hook returned (or of its wrong item) before cutting
+    it to 100 characters: one __repr__ per element of a huge result."""
+    async def scenario() -> None:
+        run, scheduler = await serve(Hooked(pre=lambda tensors: result()))
+        _CountedRepr.calls = 0
+        with pytest.raises(ModelFailure, match="^model 'm': the preprocess hook returned ") as caught:
+            await asyncio.wait_for(run(rows(1), 1, 0), 5)
+        message = str(caught.value)
+        assert len(message) < 300 and _CountedRepr.calls <= 100, (_CountedRepr.calls, message[:300])
+        await scheduler.drain()
+    asyncio.run(asyncio.wait_for(scenario(), 30))

@@ -182,3 +182,89 @@ def test_check_outputs_refuses_data_that_is_not_what_its_dtype_says(sig: ModelSi
 def test_check_outputs_names_a_tag_that_is_no_dtype() -> None:
     with pytest.raises(ModelFailure, match="^model 'm' returned output 'y' as 'FP32', expected FP32$"):
         check_outputs("m", FP32_OUT, [NamedTensor("y", "FP32", np.zeros((1, 2), np.float32))], 1)
+
+
+class CountedRepr:
+    """An element of a model's wrong output that counts how often its repr is taken."""
+
+    calls = 0
+
+    def __repr__(self) -> str:
+        CountedRepr.calls += 1
+        return "e"
+
+
+@pytest.mark.parametrize("outputs, quoted", [
+    (tuple(CountedRepr() for _ in range(100_000)), "returned tuple (e, e, e, "),  # not a list
+    ([CountedRepr() for _ in range(100_000)], "returned outputs [None, None, "),  # a list of no NamedTensor
+    ([NamedTensor("y", DType.BYTES, objects(b"a", *(CountedRepr() for _ in range(3))))],
+     "holding element 1 of type CountedRepr (e)"),
+])
+def test_a_huge_wrong_output_is_quoted_from_a_bounded_part_of_it(outputs: object, quoted: str) -> None:
+    """Defect: the message took the full repr of a model's wrong output before cutting it to 100 characters:
+    seconds and gigabytes for a list of ten million elements."""
+    CountedRepr.calls = 0
+    with pytest.raises(ModelFailure) as caught:
+        check_outputs("m", BYTES_OUT, outputs, 1)
+    message = str(caught.value)
+    assert message.startswith("model 'm' ") and quoted in message and len(message) < 300, message[:300]
+    assert CountedRepr.calls <= 100
+
+
+@pytest.mark.parametrize("make", [lambda: "x" * 50_000_000, lambda: b"x" * 50_000_000,
+                                  lambda: [NamedTensor("x" * 50_000_000, DType.FP32, np.zeros((1, 2), np.float32))]])
+def test_a_huge_string_in_a_wrong_output_is_not_copied_for_the_message(make) -> None:
+    import tracemalloc
+
+    outputs = make()
+    tracemalloc.start()
+    try:
+        with pytest.raises(ModelFailure,
+                           match=r"^model 'm' returned (str 'x+\.\.\.x+'|bytes b'x+\.\.\.x+'|outputs \['x+\.\.\.x+), "):
+            check_outputs("m", FP32_OUT, outputs, 1)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, f"{peak} bytes allocated for a message of 100 characters"
+
+
+def test_an_element_or_tag_whose_repr_cannot_be_written_still_fails_as_the_model_s() -> None:
+    # An int of more than 4300 digits (int -> str refuses it), a repr that raises, a tuple nested past the
+    # recursion limit: each raised its own error from the message, in place of the ModelFailure naming the model.
+    class NoRepr:
+        def __repr__(self) -> str:
+            raise RuntimeError("no repr")
+    nested: tuple = ()
+    for _ in range(100_000):
+        nested = (nested,)
+    with pytest.raises(ModelFailure, match=r"element 1 of type int \(<int of 16610 bits>\)"):
+        check_outputs("m", BYTES_OUT, [NamedTensor("y", DType.BYTES, objects(b"a", 10**5000))], 1)
+    with pytest.raises(ModelFailure, match=r"^model 'm' returned output 'y' as <NoRepr instance at 0x"):
+        check_outputs("m", FP32_OUT, [NamedTensor("y", NoRepr(), np.zeros((1, 2), np.float32))], 1)
+    with pytest.raises(ModelFailure, match=r"^model 'm' returned tuple \(\(\(\("):
+        check_outputs("m", FP32_OUT, nested, 1)
+
+
+@pytest.mark.parametrize("value", [
+    ("y", 1), {"b": [1, 2], "a": {3: (4,)}}, {"s", "t"}, frozenset({2, 1}), b"\x00'a", "say \"it's\"", None,
+    tuple(range(40)), "x" * 200, np.zeros((2, 2), np.float32), 10**120, ([],) * 3, bytearray(b"ab")])
+def test_a_small_wrong_output_reads_as_before(value: object) -> None:
+    """The bounded message quotes what the full repr cut to 100 characters quoted, for any value that fits
+    (any but a list, which is taken for the outputs: see the test below)."""
+    with pytest.raises(ModelFailure) as caught:
+        check_outputs("m", FP32_OUT, value, 1)
+    if len(repr(value)) <= 100:
+        assert str(caught.value) == (f"model 'm' returned {type(value).__name__} {value!r:.100}, expected a list of "
+                                     "NamedTensor (outputs ['y'])")
+    else:  # a long one is cut as before, to 100 characters
+        assert str(caught.value).startswith(f"model 'm' returned {type(value).__name__} {repr(value)[:40]}")
+    tag = value if isinstance(value, str) else repr(value)
+    with pytest.raises(ModelFailure) as caught:
+        check_outputs("m", FP32_OUT, [NamedTensor("y", tag, np.zeros((1, 2), np.float32))], 1)
+    assert str(caught.value).startswith(f"model 'm' returned output 'y' as {tag!r:.40}")
+
+
+def test_a_short_list_of_wrong_outputs_is_named_as_before() -> None:
+    names = [NamedTensor(name, DType.FP32, np.zeros((1, 2), np.float32)) for name in ("a", "b")]
+    with pytest.raises(ModelFailure, match=r"^model 'm' returned outputs \['a', 'b'\], expected \['y'\]$"):
+        check_outputs("m", FP32_OUT, names, 1)
