@@ -68,6 +68,13 @@ class ModelFailure(NereidError):
     reason = "internal"
 
 
+class LoggedModelFailure(ModelFailure):
+    """A model fault already logged where it happened (with its traceback): the scheduler does not log it again.
+
+    A meta model passing on a sub-model's failure raises one, so that one fault is one line in the server log.
+    """
+
+
 class PermissionDenied(NereidError):
     """An RPC this server is configured to refuse (gRPC PERMISSION_DENIED)."""
 

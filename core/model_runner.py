@@ -34,18 +34,30 @@ def make_runner(backend: Model, signature: ModelSignature, batch_signature: Mode
         name = scheduler.name  # a renamed model reports its new name
         program_rows = batch_size
         if preprocess is not None:
-            inputs = await _call_hook(name, "preprocess", preprocess, inputs)
-            inputs = _program_inputs(name, batch_signature, inputs)
+            try:
+                inputs = await _call_hook(name, "preprocess", preprocess, inputs)
+                inputs = _program_inputs(name, batch_signature, inputs)
+            except ModelFailure as err:
+                raise _logged(scheduler, err)
             if batch_signature.batches and inputs:
                 # A hook may tile, crop or split rows: the program runs its rows, the client gets its own.
                 program_rows = inputs[0].shape[0]
-        outputs = await scheduler.submit(inputs, program_rows, deadline_ns)
+        outputs = await scheduler.submit(inputs, program_rows, deadline_ns)  # (logs its own faults)
         if postprocess is not None:
-            outputs = await _call_hook(name, "postprocess", postprocess, outputs)
-            check_outputs(name, signature, outputs, batch_size)
+            try:
+                outputs = await _call_hook(name, "postprocess", postprocess, outputs)
+                check_outputs(name, signature, outputs, batch_size)
+            except ModelFailure as err:
+                raise _logged(scheduler, err)
         return outputs
 
     return run
+
+
+def _logged(scheduler: ModelScheduler, failure: ModelFailure) -> ModelFailure:
+    """``failure`` of a hook, logged among the model's faults (an execution's are logged by its scheduler)."""
+    scheduler.log_fault(failure)
+    return failure
 
 
 def _program_inputs(model: str, batch_signature: ModelSignature, tensors: list[NamedTensor]) -> list[NamedTensor]:

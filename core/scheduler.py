@@ -24,8 +24,8 @@ import numpy as np
 from nereid.backend import REQUEST_DEADLINE_NS, Model, PadsBatches
 from nereid.batching import BatchPolicy, batch_key, deadline_passed, request_cost, take_batch, will_not_run
 from nereid.daemon_pool import DaemonThreadPool
-from nereid.errors import (DeadlineExceeded, ModelFailure, ModelRetired, NereidError, QueueFull, Unavailable,
-                           describe_exception)
+from nereid.errors import (DeadlineExceeded, LoggedModelFailure, ModelFailure, ModelRetired, NereidError, QueueFull,
+                           Unavailable, describe_exception)
 from nereid.log_limit import RateLimitedLog
 from nereid.signature import ModelSignature, check_outputs
 from nereid.stats import ModelStats
@@ -347,7 +347,7 @@ class ModelScheduler:
             succeeded = True
             return results
         except NereidError as err:
-            if isinstance(err, ModelFailure) and not isinstance(err, _LoggedModelFailure):
+            if isinstance(err, ModelFailure) and not isinstance(err, LoggedModelFailure):
                 self._fault_log.error("%s", err)  # the backend's own word for its fault (a run that failed)
             raise
         except (Exception, *MODEL_EXITS) as err:  # a model fault, whatever the backend raised
@@ -363,10 +363,15 @@ class ModelScheduler:
             if not counted_later:
                 self._stats.execution_finished(total, cost, queue_ns, input_ns, infer_ns, output_ns, succeeded)
 
+    def log_fault(self, failure: ModelFailure) -> None:
+        """Log a fault of this model's code met outside an execution (its preprocess or postprocess hook), under the
+        same per-model limit as its executions' faults, with the traceback of what the model raised (if it raised)."""
+        self._fault_log.error("%s", failure, exc_info=failure.__cause__)
+
     def _model_fault(self, error: BaseException, during: str = "") -> ModelFailure:
         """The ModelFailure a caller gets for ``error`` raised by model code (logged with its traceback)."""
         self._fault_log.error("model '%s' raised%s", self.name, f" in {during}" if during else "", exc_info=error)
-        return _LoggedModelFailure(f"model '{self.name}' failed: {during + ': ' if during else ''}"
+        return LoggedModelFailure(f"model '{self.name}' failed: {during + ': ' if during else ''}"
                                    f"{describe_exception(error)}")
 
     def _assemble(self, requests: list[list[NamedTensor]], total: int) -> tuple[list[NamedTensor], bool]:
@@ -456,10 +461,6 @@ class ModelScheduler:
             waiter.set_exception(error)
         else:
             waiter.set_result(result)
-
-
-class _LoggedModelFailure(ModelFailure):
-    """A model fault whose traceback was logged where it was caught (not to be logged again)."""
 
 
 async def _wait_event(event: asyncio.Event, timeout_s: float | None) -> bool:

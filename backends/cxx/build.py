@@ -7,6 +7,9 @@ the compiler, the flags, nereid's header, every listed source and every header
 beside them: a restart reuses the library, an edit rebuilds it, and a copied,
 moved or remounted repository reuses it (sources inside the model folder are
 keyed by their relative path; any outside it, by their absolute path).
+A header there that is not a regular file (a FIFO, a socket, a symlink to
+nothing) is refused at once: an #include of a FIFO would hold the compiler,
+and the load, until the compile's time limit.
 """
 
 from __future__ import annotations
@@ -14,15 +17,16 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import stat
 from importlib import resources
 from pathlib import Path
 
-from nereid.backends.cpp.compiler import (CXX_FLAGS, HEADER_SUFFIXES, Compiler, cached_build, code_files,
-                                          compiler_key, find_compiler)
+from nereid.backends.cpp.compiler import (CXX_FLAGS, HEADER_SUFFIXES, Compiler, cached_build, compiler_key,
+                                          find_compiler)
 from nereid.backends.cxx import HEADER_NAME
 from nereid.backends.subprocess.runner import run_model_process
 from nereid.errors import ConfigError
-from nereid.files import not_regular_reason
+from nereid.files import kind_of, not_regular_reason
 
 # Position-independent code, linked as a shared object; only what the header
 # marks NEREID_EXPORT (and anything else left default) is visible.
@@ -63,7 +67,7 @@ def header_dir() -> Path:
     return header_path().parent
 
 
-def library_hash(sources: tuple[Path, ...], compiler: Compiler, folder: Path) -> str:
+def library_hash(sources: tuple[Path, ...], compiler: Compiler, folder: Path, *, model: str) -> str:
     """A key over the compiler, the flags, nereid's header, the sources and the headers beside and below them,
     and every header of the model folder when a source is in it (``src/model.cpp`` may include
     ``../include/factor.h``: an edit there must rebuild, as it does a cpp model).
@@ -71,6 +75,8 @@ def library_hash(sources: tuple[Path, ...], compiler: Compiler, folder: Path) ->
     Files in the model folder are keyed by their path relative to it (and
     their content), so a repository copied, moved or mounted elsewhere reuses
     its library; a file outside the folder is keyed by its absolute path.
+    ConfigError, naming ``model`` and the file, when one of them is not a
+    regular file or cannot be read.
     """
     digest = hashlib.sha256()
     digest.update(compiler_key(compiler) + b"\0" + " ".join((*CXX_FLAGS, *shared_flags(compiler))).encode() + b"\0")
@@ -78,12 +84,49 @@ def library_hash(sources: tuple[Path, ...], compiler: Compiler, folder: Path) ->
     parents = {s.parent for s in sources}
     if any(_key_name(source, folder) != str(source) for source in sources):  # a source in the model folder
         parents.add(folder)
-    headers = {p for parent in parents for p in code_files(parent, HEADER_SUFFIXES)}
+    headers = {p for parent in parents for p in _header_entries(parent)}
     keyed = [(_key_name(path, folder), path) for path in sources]
     keyed += sorted((_key_name(path, folder), path) for path in headers - set(sources))
     for name, path in keyed:
-        digest.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
+        digest.update(name.encode() + b"\0" + _build_file_bytes(model, path) + b"\0")
     return digest.hexdigest()[:20]
+
+
+def _header_entries(parent: Path) -> list[Path]:
+    """The entries under ``parent`` named as headers (hidden files and folders such as ``.cache`` aside), of any kind.
+
+    The cpp backend's ``code_files`` leaves out what is not a regular file,
+    but an #include reaches a FIFO named ``x.h`` all the same: it must be
+    found, to be refused, rather than left for the compiler to wait on.
+    """
+    found = []
+    for root, folders, files in os.walk(parent):
+        folders[:] = sorted(f for f in folders if not f.startswith("."))
+        found.extend(Path(root) / name for name in sorted(files)
+                     if name.endswith(HEADER_SUFFIXES) and not name.startswith("."))
+    return found
+
+
+def _build_file_bytes(model: str, path: Path) -> bytes:
+    """The content of a source or header of the build; ConfigError naming it when it is not a regular file.
+
+    Opened without blocking, so a FIFO put in place after any earlier check
+    is refused rather than waited on (this read has no time limit).
+    """
+    reason = not_regular_reason(path)  # a symlink to nothing is named as such
+    if reason is None:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as err:
+            raise ConfigError(f"model '{model}': runtime.sources: {path}: cannot read: {err.strerror or err}") from None
+        with os.fdopen(fd, "rb") as file:
+            mode = os.fstat(fd).st_mode
+            if stat.S_ISREG(mode):
+                return file.read()
+        reason = f"{path}: is {kind_of(mode)}, not a regular file"
+    raise ConfigError(f"model '{model}': runtime.sources: {reason}; the build reads the sources and every header "
+                      "beside and below them (and in the model folder when a source is in it): make it a regular "
+                      "file or remove it")
 
 
 def _key_name(path: Path, folder: Path) -> str:
@@ -108,7 +151,8 @@ def build_library(model: str, folder: Path, sources: tuple[Path, ...], scratch: 
             raise ConfigError(f"model '{model}': runtime.sources: no such file {source}")
     compiler = find_compiler()
     arguments = [*CXX_FLAGS, *shared_flags(compiler), f"-I{header_dir()}", *map(str, sources)]
+    key = library_hash(sources, compiler, folder, model=model)
     # Loaded models run private copies of the library: replacing or removing it is safe.
-    return cached_build(compiler, arguments, f"lib-{library_hash(sources, compiler, folder)}.so", "lib-*.so",
+    return cached_build(compiler, arguments, f"lib-{key}.so", "lib-*.so",
                         model=model, folder=folder, scratch=scratch,
                         what=f"model '{model}': {', '.join(map(str, sources))}")

@@ -31,9 +31,10 @@ from nereid.backends.xla.manifest import MANIFEST_NAME, Manifest, declares_meta,
 from nereid.backends.xla.signatures import batch_mode, build_signature
 from nereid.daemon_pool import DaemonThreadPool
 from nereid.dependencies import describe_cycle, find_cycle
-from nereid.errors import (ConfigError, DeadlineExceeded, ModelFailure, NereidError, Unavailable, same_kind,
-                           without_stop_iteration)
+from nereid.errors import (ConfigError, DeadlineExceeded, LoggedModelFailure, ModelFailure, NereidError, Unavailable,
+                           same_kind, without_stop_iteration)
 from nereid.files import not_regular_reason
+from nereid.log_limit import RateLimitedLog
 from nereid.model_hooks import load_model_hooks
 from nereid.runtime_options import RuntimeOptions
 from nereid.signature import ModelSignature
@@ -143,6 +144,8 @@ class MetaModel:
         self._is_async = True
         self._model_py: Path | None = None
         self._pool: DaemonThreadPool | None = None
+        # The orchestration's own faults, with their tracebacks: limited per model, as the scheduler's are.
+        self._fault_log = RateLimitedLog(log)
 
     # -- Model protocol ---------------------------------------------------------------------------
 
@@ -218,9 +221,10 @@ class MetaModel:
             # The orchestration's own refusal (raise InvalidArgument(...)): its status, naming the model.
             raise same_kind(err, f"meta model '{self.context.name}': {err}") from err
         except Exception as err:
-            log.exception("meta model '%s': orchestrate raised", self.context.name)  # the author's traceback
-            raise ModelFailure(f"meta model '{self.context.name}': orchestrate failed{self._line_of(err)}: "
-                               f"{type(err).__name__}: {err}") from err
+            failure = LoggedModelFailure(f"meta model '{self.context.name}': orchestrate failed{self._line_of(err)}: "
+                                         f"{type(err).__name__}: {err}")
+            self._fault_log.error("%s", failure, exc_info=err)  # once, with the author's traceback
+            raise failure from err
         return self._in_declared_order(result)
 
     def unload(self) -> None:
@@ -276,6 +280,10 @@ class MetaModel:
                               "(as by nereid check)")
         try:
             response = await caller.infer(request)
+        except ModelFailure as err:
+            # The sub-model's scheduler logged this fault of its run (with the traceback, if any): the same
+            # status and message for the client, but no second line in the log for this model.
+            raise LoggedModelFailure(f"meta model '{name}': sub-call to '{sub}' failed: {err}") from err
         except NereidError as err:
             raise same_kind(err, f"meta model '{name}': sub-call to '{sub}' failed: {err}") from err
         return response.outputs

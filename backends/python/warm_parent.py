@@ -127,7 +127,7 @@ class Runs:
     def start(self, control: socket.socket) -> bool:
         """Receive one run request and hand it to the spare; False when the server is gone."""
         try:
-            message, fds, _, _ = socket.recv_fds(control, MAX_REQUEST_BYTES, 4)
+            message, fds = _receive_fds(control, 4)
         except OSError:
             return False
         if not message:
@@ -137,6 +137,8 @@ class Runs:
                 os.close(fd)
             return True
         stdin_fd, output_fd, reply_fd, *folder_fd = fds  # the child's own: passed on, then closed here
+        # Owned while held: a child forked meanwhile (a spare in place of a dead one) closes its copies.
+        self.owned.update(fds)
         reply = socket.socket(fileno=reply_fd)
         try:
             pid, pidfd = self._assign(message, [stdin_fd, output_fd, *folder_fd])
@@ -145,11 +147,12 @@ class Runs:
             # exit here, and take the runs in progress with it).
             _send(reply, {"error": f"no child could be forked for the run: {err}"})
             reply.close()
+            self.owned.discard(reply_fd)
             return True
         finally:
             for fd in (stdin_fd, output_fd, *folder_fd):
                 os.close(fd)
-        self.owned.add(reply_fd)
+                self.owned.discard(fd)
         self.by_pidfd[pidfd] = (pid, reply)
         self.by_reply[reply_fd] = pid
         self.poller.register(reply_fd, select.POLLIN)
@@ -276,13 +279,17 @@ def serve(control: socket.socket) -> None:
     runs.try_fork_spare()
     try:
         while True:
-            for fd, event in poller.poll():
-                if fd == lifeline or (fd == control.fileno() and not runs.start(control)):
-                    return
-                if fd in runs.by_pidfd or (runs.spare is not None and fd == runs.spare[1]):
-                    runs.exited(fd)
-                elif fd in runs.by_reply:
-                    runs.abandoned(fd)
+            # One event per poll: handling one may close descriptors and open others under the same numbers
+            # (a dead spare's pidfd, reused by the child forked for a run in its place), so the rest of the
+            # batch would be taken for the new holder's (that run killed as if it had ended). The events
+            # left are reported again by the next poll.
+            fd, _ = poller.poll()[0]
+            if fd == lifeline or (fd == control.fileno() and not runs.start(control)):
+                return
+            if fd in runs.by_pidfd or (runs.spare is not None and fd == runs.spare[1]):
+                runs.exited(fd)
+            elif fd in runs.by_reply:
+                runs.abandoned(fd)
     finally:
         runs.end_all()
 
@@ -300,7 +307,7 @@ def run_spare(assignments: socket.socket, parent_fds: set[int], parent: int) -> 
         for fd in parent_fds:
             if fd > 2:
                 os.close(fd)
-        message, fds, _, _ = socket.recv_fds(assignments, MAX_REQUEST_BYTES, 3)
+        message, fds = _receive_fds(assignments, 3)
         if not message or len(fds) not in (2, 3):
             os._exit(0)  # retired before it got a run
         assignments.close()
@@ -590,6 +597,21 @@ def _kill_group(pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _receive_fds(sock: socket.socket, max_fds: int) -> tuple[bytes, list[int]]:
+    """One message and the descriptors that came with it, each close-on-exec at once.
+
+    Python makes every descriptor it opens non-inheritable, but not those
+    received with SCM_RIGHTS: a run's pipes and reply socket would outlive an
+    exec (a cold run's) in a process that was never meant to hold them. What a
+    run is meant to have reaches it through dup2 onto 0, 1 and 2, which makes
+    them inheritable again.
+    """
+    message, fds, _, _ = socket.recv_fds(sock, MAX_REQUEST_BYTES, max_fds)
+    for fd in fds:
+        os.set_inheritable(fd, False)
+    return message, fds
 
 
 def _send(reply: socket.socket, message: dict) -> None:

@@ -637,16 +637,17 @@ def test_the_library_key_covers_sources_by_their_place_in_the_model_folder(tmp_p
         (folder / "include").mkdir(parents=True)
         (folder / "model.cpp").write_text('#include "include/k.h"\n')
         (folder / "include" / "k.h").write_text("constexpr int k = 1;\n")
-        keys.append(library_hash((folder / "model.cpp",), (CXX,), folder))
+        keys.append(library_hash((folder / "model.cpp",), (CXX,), folder, model="m"))
     assert keys[0] == keys[1]  # the same sources anywhere: the same library
     (folder / "include" / "k.h").write_text("constexpr int k = 2;\n")
-    assert library_hash((folder / "model.cpp",), (CXX,), folder) != keys[0]  # headers below still count
+    assert library_hash((folder / "model.cpp",), (CXX,), folder, model="m") != keys[0]  # headers below still count
     # A source outside the model folder keeps its absolute path in the key.
-    first = library_hash((tmp_path / "a" / "model" / "model.cpp", outside), (CXX,), tmp_path / "a" / "model")
+    model_a = tmp_path / "a" / "model"
+    first = library_hash((model_a / "model.cpp", outside), (CXX,), model_a, model="m")
     elsewhere = tmp_path / "other" / "common.cpp"
     elsewhere.parent.mkdir()
     shutil.copy(outside, elsewhere)
-    assert library_hash((tmp_path / "a" / "model" / "model.cpp", elsewhere), (CXX,), tmp_path / "a" / "model") != first
+    assert library_hash((model_a / "model.cpp", elsewhere), (CXX,), model_a, model="m") != first
     # Defect: a header elsewhere in the model folder (src/model.cpp including ../include/factor.h) was not in
     # the key, so its edit never rebuilt: a reload reported a new version and served the old code.
     nested = tmp_path / "nested"
@@ -654,9 +655,9 @@ def test_the_library_key_covers_sources_by_their_place_in_the_model_folder(tmp_p
     (nested / "include").mkdir()
     (nested / "src" / "model.cpp").write_text('#include "../include/factor.h"\n')
     (nested / "include" / "factor.h").write_text("constexpr int factor = 3;\n")
-    before = library_hash((nested / "src" / "model.cpp",), (CXX,), nested)
+    before = library_hash((nested / "src" / "model.cpp",), (CXX,), nested, model="m")
     (nested / "include" / "factor.h").write_text("constexpr int factor = 7;\n")
-    assert library_hash((nested / "src" / "model.cpp",), (CXX,), nested) != before
+    assert library_hash((nested / "src" / "model.cpp",), (CXX,), nested, model="m") != before
 
 
 def test_the_compiler_version_probe_runs_in_its_own_process_group(tmp_path):
@@ -669,3 +670,58 @@ def test_the_compiler_version_probe_runs_in_its_own_process_group(tmp_path):
     assert "-fno-gnu-unique" in shared_flags((str(compiler),))
     pid, pgid = map(int, record.read_text().split())
     assert pgid == pid and pgid != os.getpgrp()
+
+
+def _within(seconds: float, call, fifo: Path):
+    """``call()``'s outcome (its exception, or None), failing when it takes longer than ``seconds``; a reader it
+    left waiting on ``fifo`` is then let go (a writer opens and closes it: end of file) so the test can end."""
+    outcome: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            call()
+            outcome.append(None)
+        except BaseException as err:  # noqa: BLE001 - handed to the test
+            outcome.append(err)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        deadline = time.monotonic() + 30
+        while thread.is_alive() and time.monotonic() < deadline:
+            try:
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+            except OSError:  # no reader yet
+                pass
+            thread.join(0.1)
+        pytest.fail(f"still waiting on {fifo} after {seconds} s")
+    return outcome[0]
+
+
+def test_a_header_that_is_not_a_regular_file_is_refused_at_once_naming_it(tmp_path, monkeypatch):
+    """Defect: a FIFO header in the model folder held the load until the 600 s compile limit (the compiler
+    waited on it at its #include). Every header the build key covers must be a regular file: refused at once."""
+    from nereid.backends.cxx import build
+    from nereid.errors import ConfigError
+
+    folder = tmp_path / "m"
+    (folder / "include").mkdir(parents=True)
+    source = folder / "model.cpp"
+    source.write_text('#include "include/x.h"\n')
+    fifo = folder / "include" / "x.h"
+    os.mkfifo(fifo)
+    err = _within(10, lambda: build.build_library("m", folder, (source,), tmp_path / "scratch"), fifo)
+    assert isinstance(err, ConfigError), err
+    assert str(err).startswith(f"model 'm': runtime.sources: {fifo}: is a FIFO, not a regular file; "), err
+    assert not (folder / ".cache").exists()  # nothing was compiled
+    fifo.unlink()
+    (folder / "include" / "gone.h").symlink_to(folder / "nowhere.h")
+    with pytest.raises(ConfigError, match="gone.h: is a symlink to a file that does not exist"):
+        library_hash((source,), (CXX,), folder, model="m")
+    # A FIFO put in place after the check (a race) is refused as it is read, not waited on.
+    (folder / "include" / "gone.h").unlink()
+    os.mkfifo(fifo)
+    monkeypatch.setattr(build, "not_regular_reason", lambda path: None)
+    err = _within(10, lambda: library_hash((source,), (CXX,), folder, model="m"), fifo)
+    assert isinstance(err, ConfigError) and f"{fifo}: is a FIFO, not a regular file" in str(err), err

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 from typing import Callable
 
 import numpy as np
@@ -193,3 +194,23 @@ def test_a_hook_s_huge_wrong_result_is_quoted_from_a_bounded_part_of_it(result: 
         assert len(message) < 300 and _CountedRepr.calls <= 100, (_CountedRepr.calls, message[:300])
         await scheduler.drain()
     asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+@pytest.mark.parametrize("hook", ["preprocess", "postprocess"])
+def test_a_hook_s_fault_is_logged_once_with_its_traceback(hook: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Defect: a hook's fault reached the client as INTERNAL but was logged nowhere (an execution's fault is logged
+    by the scheduler), so an operator never saw a preprocess hook failing every request."""
+    def broken(tensors: list[NamedTensor]) -> list[NamedTensor]:
+        raise ValueError("bad token table")
+
+    async def scenario() -> None:
+        run, scheduler = await serve(Hooked(**{hook[:-len("process")]: broken}))
+        with pytest.raises(ModelFailure, match=f"^model 'm': {hook} hook failed: ValueError: bad token table$"):
+            await asyncio.wait_for(run(rows(1), 1, 0), 5)
+        await scheduler.drain()
+
+    with caplog.at_level(logging.ERROR):
+        asyncio.run(asyncio.wait_for(scenario(), 30))
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert [r.getMessage() for r in errors] == [f"model 'm': {hook} hook failed: ValueError: bad token table"]
+    assert errors[0].exc_info is not None and "bad token table" in str(errors[0].exc_info[1])

@@ -494,3 +494,30 @@ def test_a_plain_def_orchestration_whose_client_left_drops_its_sub_call_and_a_wa
     time.sleep(0.9)
     assert len((meta / "started.txt").read_text().splitlines()) == 2, "an orchestration started past its deadline"
     np.testing.assert_array_equal(infer(client, "hold", np.zeros(4, np.float32)), np.zeros(4))  # it serves on
+
+
+def test_a_fault_met_through_a_meta_model_is_logged_once_where_it_happened(repo, serve, caplog) -> None:
+    """Defect: a sub-model's fault was logged twice, once for the sub-model and again for the meta model that
+    called it; an orchestration's own exception was too (its traceback, then the scheduler's line). One fault
+    is one ERROR line now, and the client's answer is unchanged."""
+    repo.python("failing", main=FAILING_MAIN)
+    repo.python("echo")
+    add_meta(repo, "errors", ERRORS, ["failing", "echo"])
+    add_meta(repo, "outer", RELAY.format(target="errors"), ["errors"])  # a fault two meta models away
+    client = serve(repo.write_config()).client
+    caplog.set_level(logging.ERROR)
+
+    def errors_logged(model: str, mode: int) -> list[logging.LogRecord]:
+        caplog.clear()
+        expect_grpc_error("INTERNAL", lambda: infer(client, model, np.array([mode, 0, 0, 0], np.float32)),
+                          f"meta model '{model}'")
+        return [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+    for model in ("errors", "outer"):
+        (line,) = errors_logged(model, 0)  # the sub-model's fault: its own line only
+        assert line.getMessage() == "model 'failing' exited with code 3; output tail: boom: the sub-model broke"
+        (line,) = errors_logged(model, 7)  # the orchestration's exception: one line, with its traceback
+        assert line.getMessage().startswith("meta model 'errors': orchestrate failed at model.py:"), line.getMessage()
+        assert line.getMessage().endswith("ValueError: no mode 7") and line.exc_info[0] is ValueError
+    (line,) = errors_logged("errors", 3)  # the meta model's own refusal is still logged, once
+    assert "ctx.infer('unlisted') refused" in line.getMessage()

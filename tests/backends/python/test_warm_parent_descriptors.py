@@ -1,0 +1,170 @@
+"""A real warm parent's descriptors: a run's child holds the pipes meant for it, and no other descriptor of the run.
+
+The parent receives each run's descriptors from the server (SCM_RIGHTS), and
+may fork a child while it holds them: the spare it forks when the one forked
+ahead has died. That child must not keep copies of them (the run's reply
+socket, a second write end of its output pipe), nor may they outlive an exec.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from nereid.backends.python.warm import WARM_PARENT_SCRIPT
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the warm parent needs Linux")
+
+# main.py: reads its stdin to the end, then prints the descriptors open in its process.
+LIST_DESCRIPTORS = """
+import os, sys
+
+def is_open(fd):
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
+
+sys.stdin.read()
+print(" ".join(str(fd) for fd in range(256) if is_open(fd)))
+"""
+
+O_CLOEXEC_FLAG = 0o2000000  # in /proc/PID/fdinfo/FD's octal "flags"
+
+
+class WarmParent:
+    """warm_parent.py started as the server starts it, with no preloads, driven over its control socket."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.control, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        with open(folder / "parent.log", "ab") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-P", str(WARM_PARENT_SCRIPT), str(theirs.fileno()), "[]", str(folder),
+                 str(folder / "main.py")],
+                cwd=folder, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, pass_fds=(theirs.fileno(),),
+                start_new_session=True)
+        theirs.close()
+        assert self.process.stdout.readline() == b"ready\n", (folder / "parent.log").read_text()
+
+    def send_run(self, exec_argv: list[str] | None = None) -> tuple[socket.socket, int, int]:
+        """Hand the parent a run as the server does; our ends: the reply socket, the stdin and output pipes.
+        (Its first answer, the child's pid, is left to :meth:`started`.)"""
+        stdin_read, stdin_write = os.pipe2(os.O_CLOEXEC)
+        output_read, output_write = os.pipe2(os.O_CLOEXEC)
+        reply, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        folder_fd = os.open(self.folder, os.O_PATH | os.O_CLOEXEC)
+        request = {"env": {}, "cwd": str(self.folder), **({"exec": exec_argv} if exec_argv else {})}
+        try:
+            socket.send_fds(self.control, [json.dumps(request).encode()],
+                            [stdin_read, output_write, theirs.fileno(), folder_fd])
+        finally:
+            for fd in (stdin_read, output_write, theirs.fileno(), folder_fd):
+                os.close(fd)
+            theirs.detach()
+        reply.settimeout(30)
+        return reply, stdin_write, output_read
+
+    @staticmethod
+    def started(reply: socket.socket) -> int:
+        """The pid of the run's child, once the parent has forked it."""
+        return json.loads(reply.recv(4096))["pid"]
+
+    @staticmethod
+    def finish(reply: socket.socket, stdin_write: int, output_read: int) -> list[int]:
+        """End the run's input (once started); the descriptors its main.py listed (it must exit 0)."""
+        os.close(stdin_write)
+        with os.fdopen(output_read, "rb") as output:
+            text = output.read().decode()
+        status = json.loads(reply.recv(4096))["status"]
+        reply.close()
+        assert status == 0, f"the run's child ended with status {status}, output {text!r}"
+        return [int(fd) for fd in text.split()]
+
+    def spare(self) -> int:
+        """The pid of the child forked ahead (the parent's only child between runs)."""
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            with open(f"/proc/{self.process.pid}/task/{self.process.pid}/children") as f:
+                children = [int(pid) for pid in f.read().split()]
+            if len(children) == 1:
+                return children[0]
+            time.sleep(0.01)
+        raise AssertionError(f"the warm parent has children {children}, expected one spare")
+
+    def stop(self) -> None:
+        self.control.close()
+        self.process.stdin.close()
+        self.process.wait(10)
+        self.process.stdout.close()
+
+
+def _wait_for_state(pid: int, states: str) -> None:
+    """Wait until ``pid``'s state (/proc/PID/stat) is one of ``states``; gone counts as "X" (dead)."""
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            state = "X"
+        if state in states:
+            return
+        assert time.monotonic() < deadline, f"process {pid} is in state {state}, expected one of {states}"
+        time.sleep(0.005)
+
+
+@pytest.fixture
+def parent(tmp_path):
+    (tmp_path / "main.py").write_text(LIST_DESCRIPTORS)
+    running = WarmParent(tmp_path)
+    yield running
+    running.stop()
+
+
+def test_the_parent_holds_a_run_s_descriptors_close_on_exec(parent) -> None:
+    """Received with SCM_RIGHTS, a descriptor is inheritable unless asked otherwise: the reply socket the
+    parent keeps for the run's length was, unlike every descriptor it opens itself."""
+    run = parent.send_run()
+    parent.started(run[0])
+    pid = parent.process.pid
+    control = int(parent.process.args[3])  # passed by the server, to be inherited: the spare closes it itself
+    inheritable = []
+    for name in os.listdir(f"/proc/{pid}/fdinfo"):
+        with open(f"/proc/{pid}/fdinfo/{name}") as f:
+            flags = int(next(line for line in f if line.startswith("flags:")).split()[1], 8)
+        if int(name) > 2 and int(name) != control and not flags & O_CLOEXEC_FLAG:
+            inheritable.append((int(name), os.readlink(f"/proc/{pid}/fd/{name}")))
+    assert inheritable == []
+    assert parent.finish(*run) == [0, 1, 2]  # the run has its stdin, stdout and stderr
+
+
+@pytest.mark.parametrize("cold", [False, True], ids=["warm", "cold"])
+def test_a_child_forked_while_the_parent_holds_a_run_s_descriptors_keeps_none_of_them(parent, cold) -> None:
+    """Defect: when the spare forked ahead had died, the parent forked the run's child while it held the run's
+    descriptors, and the child kept copies of them besides its own (the reply socket, on which model code could
+    answer in the parent's name; a second write end of its output pipe; the folder), through an exec too.
+    And the dead spare's pidfd, reported in the same poll as the run, was taken for that child's (its number
+    reused): the run was killed at once (status -9), as if it had ended."""
+    spare = parent.spare()
+    # The parent, stopped, learns of the spare's death together with the run: it forks the run's child
+    # while it holds the run's descriptors.
+    os.kill(parent.process.pid, signal.SIGSTOP)
+    try:
+        _wait_for_state(parent.process.pid, "T")
+        os.kill(spare, signal.SIGKILL)
+        _wait_for_state(spare, "ZX")
+        run = parent.send_run([sys.executable, "-P", "main.py"] if cold else None)
+    finally:
+        os.kill(parent.process.pid, signal.SIGCONT)
+    assert parent.started(run[0]) != spare
+    assert parent.finish(*run) == [0, 1, 2], "the run's child holds descriptors beyond its stdin, stdout and stderr"
