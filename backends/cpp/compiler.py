@@ -11,6 +11,7 @@ import shutil
 from pathlib import Path
 
 from nereid.errors import ConfigError
+from nereid.files import not_regular_reason, read_regular_file
 from nereid.leftovers import remove_stale_partials
 
 from nereid.backends.subprocess.runner import run_model_process
@@ -27,6 +28,8 @@ CACHE_DIR = ".cache"
 # repository, a full disk): used for this server's life, built again at its next start.
 SCRATCH_CACHE_DIR = "build-cache"
 MESSAGE_TAIL_CHARS = 4000
+# A source or header larger than this is refused rather than read into memory to be hashed.
+MAX_CODE_FILE_BYTES = 1 << 30
 
 log = logging.getLogger(__name__)
 
@@ -53,28 +56,51 @@ def compiler_key(compiler: Compiler) -> bytes:
     return "\0".join(compiler).encode()
 
 
-def source_hash(folder: Path, compiler: Compiler) -> str:
-    """A key over every C++ source and header in the folder and its subfolders, the compiler and the flags."""
+def source_hash(folder: Path, compiler: Compiler, model: str) -> str:
+    """A key over every C++ source and header in the folder and its subfolders, the compiler and the flags.
+
+    ConfigError naming ``model`` and the file when one of them is not a regular file (see :func:`read_code_file`).
+    """
     digest = hashlib.sha256()
     digest.update(compiler_key(compiler))
     digest.update(" ".join(CXX_FLAGS).encode())
     for path in code_files(folder, SOURCE_SUFFIXES):
-        digest.update(str(path.relative_to(folder)).encode() + b"\0" + path.read_bytes() + b"\0")
+        content = read_code_file(path, f"model '{model}': ", "every C++ source and header in the model folder")
+        digest.update(str(path.relative_to(folder)).encode() + b"\0" + content + b"\0")
     return digest.hexdigest()[:20]
 
 
 def code_files(folder: Path, suffixes: tuple[str, ...]) -> list[Path]:
-    """The files under ``folder`` (subfolders too, but not hidden ones such as ``.cache``) with these suffixes.
+    """The entries under ``folder`` (subfolders too, but not hidden ones such as ``.cache``) with these suffixes.
 
     An #include may reach into a subfolder (``include/factor.h``), so an edit
-    there must change the key as much as one beside ``main.cpp``.
+    there must change the key as much as one beside ``main.cpp``. Entries of
+    every kind are listed: an #include reaches a FIFO named ``x.h`` all the
+    same, so it must be found, to be refused by :func:`read_code_file`.
     """
     found = []
     for root, folders, files in os.walk(folder):
         folders[:] = sorted(f for f in folders if not f.startswith("."))
-        found.extend(Path(root) / name for name in sorted(files)
-                     if name.endswith(suffixes) and not name.startswith(".") and (Path(root) / name).is_file())
+        found.extend(Path(root) / name for name in sorted(files) if name.endswith(suffixes) and not name.startswith("."))
     return found
+
+
+def read_code_file(path: Path, prefix: str, covered: str) -> bytes:
+    """The content of a source or header a build key covers; ConfigError when it is not a regular file.
+
+    A FIFO an #include reaches would hold the compiler, and the load, until
+    COMPILE_TIMEOUT_S: it is refused at once, and opened without blocking, so
+    one put in place after any earlier check is refused too. The message is
+    ``prefix`` (the model, the setting), the file and why, then ``covered``:
+    which files the build reads.
+    """
+    reason = not_regular_reason(path)  # a symlink to nothing is named as such
+    if reason is None:
+        try:
+            return read_regular_file(path, MAX_CODE_FILE_BYTES)
+        except ConfigError as err:
+            reason = str(err)
+    raise ConfigError(f"{prefix}{reason}; the build reads {covered}: make it a regular file or remove it")
 
 
 def compile_to(compiler: Compiler, arguments: list[str], target: Path, cwd: Path, what: str) -> None:
@@ -170,5 +196,5 @@ def build_binary(folder: Path, source: str, scratch: Path, model: str) -> Path:
     error raises ConfigError carrying the compiler's message.
     """
     compiler = find_compiler()
-    return cached_build(compiler, [*CXX_FLAGS, source], f"main-{source_hash(folder, compiler)}", "main-*",
+    return cached_build(compiler, [*CXX_FLAGS, source], f"main-{source_hash(folder, compiler, model)}", "main-*",
                         model=model, folder=folder, scratch=scratch, what=str(folder / source), executable=True)

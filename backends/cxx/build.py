@@ -17,16 +17,15 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
-import stat
 from importlib import resources
 from pathlib import Path
 
-from nereid.backends.cpp.compiler import (CXX_FLAGS, HEADER_SUFFIXES, Compiler, cached_build, compiler_key,
-                                          find_compiler)
+from nereid.backends.cpp.compiler import (CXX_FLAGS, HEADER_SUFFIXES, Compiler, cached_build, code_files,
+                                          compiler_key, find_compiler, read_code_file)
 from nereid.backends.cxx import HEADER_NAME
 from nereid.backends.subprocess.runner import run_model_process
 from nereid.errors import ConfigError
-from nereid.files import kind_of, not_regular_reason
+from nereid.files import not_regular_reason
 
 # Position-independent code, linked as a shared object; only what the header
 # marks NEREID_EXPORT (and anything else left default) is visible.
@@ -84,49 +83,14 @@ def library_hash(sources: tuple[Path, ...], compiler: Compiler, folder: Path, *,
     parents = {s.parent for s in sources}
     if any(_key_name(source, folder) != str(source) for source in sources):  # a source in the model folder
         parents.add(folder)
-    headers = {p for parent in parents for p in _header_entries(parent)}
+    headers = {p for parent in parents for p in code_files(parent, HEADER_SUFFIXES)}
     keyed = [(_key_name(path, folder), path) for path in sources]
     keyed += sorted((_key_name(path, folder), path) for path in headers - set(sources))
     for name, path in keyed:
-        digest.update(name.encode() + b"\0" + _build_file_bytes(model, path) + b"\0")
+        content = read_code_file(path, f"model '{model}': runtime.sources: ", "the sources and every header beside "
+                                 "and below them (and in the model folder when a source is in it)")
+        digest.update(name.encode() + b"\0" + content + b"\0")
     return digest.hexdigest()[:20]
-
-
-def _header_entries(parent: Path) -> list[Path]:
-    """The entries under ``parent`` named as headers (hidden files and folders such as ``.cache`` aside), of any kind.
-
-    The cpp backend's ``code_files`` leaves out what is not a regular file,
-    but an #include reaches a FIFO named ``x.h`` all the same: it must be
-    found, to be refused, rather than left for the compiler to wait on.
-    """
-    found = []
-    for root, folders, files in os.walk(parent):
-        folders[:] = sorted(f for f in folders if not f.startswith("."))
-        found.extend(Path(root) / name for name in sorted(files)
-                     if name.endswith(HEADER_SUFFIXES) and not name.startswith("."))
-    return found
-
-
-def _build_file_bytes(model: str, path: Path) -> bytes:
-    """The content of a source or header of the build; ConfigError naming it when it is not a regular file.
-
-    Opened without blocking, so a FIFO put in place after any earlier check
-    is refused rather than waited on (this read has no time limit).
-    """
-    reason = not_regular_reason(path)  # a symlink to nothing is named as such
-    if reason is None:
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-        except OSError as err:
-            raise ConfigError(f"model '{model}': runtime.sources: {path}: cannot read: {err.strerror or err}") from None
-        with os.fdopen(fd, "rb") as file:
-            mode = os.fstat(fd).st_mode
-            if stat.S_ISREG(mode):
-                return file.read()
-        reason = f"{path}: is {kind_of(mode)}, not a regular file"
-    raise ConfigError(f"model '{model}': runtime.sources: {reason}; the build reads the sources and every header "
-                      "beside and below them (and in the model folder when a source is in it): make it a regular "
-                      "file or remove it")
 
 
 def _key_name(path: Path, folder: Path) -> str:

@@ -132,14 +132,14 @@ def test_every_header_an_include_can_reach_is_in_the_key_and_the_cache_is_not(tm
                  "weights.bin"):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text("1\n")
-    key = source_hash(tmp_path, ("c++",))
+    key = source_hash(tmp_path, ("c++",), "m")
     for name in ("include/factor.h", "more.hxx", "detail/impl.inl", "table.def", "kernels.cuh"):
         (tmp_path / name).write_text("2\n")
-        assert source_hash(tmp_path, ("c++",)) != key, name
-        key = source_hash(tmp_path, ("c++",))
+        assert source_hash(tmp_path, ("c++",), "m") != key, name
+        key = source_hash(tmp_path, ("c++",), "m")
     for name in (".cache/main-old", "weights.bin"):
         (tmp_path / name).write_text("2\n")
-    assert source_hash(tmp_path, ("c++",)) == key
+    assert source_hash(tmp_path, ("c++",), "m") == key
 
 
 def test_compile_error_is_unavailable_with_the_compiler_message(repo, serve, no_zombies):

@@ -702,6 +702,7 @@ def _within(seconds: float, call, fifo: Path):
 def test_a_header_that_is_not_a_regular_file_is_refused_at_once_naming_it(tmp_path, monkeypatch):
     """Defect: a FIFO header in the model folder held the load until the 600 s compile limit (the compiler
     waited on it at its #include). Every header the build key covers must be a regular file: refused at once."""
+    from nereid.backends.cpp import compiler
     from nereid.backends.cxx import build
     from nereid.errors import ConfigError
 
@@ -722,6 +723,6 @@ def test_a_header_that_is_not_a_regular_file_is_refused_at_once_naming_it(tmp_pa
     # A FIFO put in place after the check (a race) is refused as it is read, not waited on.
     (folder / "include" / "gone.h").unlink()
     os.mkfifo(fifo)
-    monkeypatch.setattr(build, "not_regular_reason", lambda path: None)
+    monkeypatch.setattr(compiler, "not_regular_reason", lambda path: None)
     err = _within(10, lambda: library_hash((source,), (CXX,), folder, model="m"), fifo)
     assert isinstance(err, ConfigError) and f"{fifo}: is a FIFO, not a regular file" in str(err), err

@@ -9,6 +9,8 @@ import os
 import shutil
 from pathlib import Path
 
+import pytest
+
 from nereid.cli import main as cli_main
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "ml-backends"
@@ -44,3 +46,19 @@ def test_a_fifo_for_main_cpp_is_named_as_such(repo, capsys) -> None:
     os.mkfifo(folder / "main.cpp")
     lines = check(repo, capsys, "- {name: scale}\n")
     assert lines["scale"] == f"scale: UNAVAILABLE: model 'scale': {folder / 'main.cpp'}: is a FIFO, not a regular file"
+
+
+@pytest.mark.timeout(30)
+def test_a_header_main_cpp_includes_that_is_a_fifo_is_refused_at_once(repo, capsys) -> None:
+    """Defect: the build key skipped a header that is not a regular file, and the compiler then waited on the
+    FIFO at its #include until the 600 s compile limit, holding the load."""
+    folder = repo.models_dir / "scale"
+    shutil.copytree(EXAMPLES / "cpp_scale", folder, ignore=shutil.ignore_patterns(".cache"))
+    (folder / "include").mkdir()
+    os.mkfifo(folder / "include" / "x.h")
+    (folder / "main.cpp").write_text('#include "include/x.h"\n' + (folder / "main.cpp").read_text())
+    lines = check(repo, capsys, "- {name: scale}\n")
+    assert lines["scale"] == (f"scale: UNAVAILABLE: model 'scale': {folder / 'include' / 'x.h'}: is a FIFO, not a "
+                              "regular file; the build reads every C++ source and header in the model folder: make it "
+                              "a regular file or remove it")
+    assert not (folder / ".cache").exists()  # refused before any compile
