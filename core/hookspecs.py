@@ -57,6 +57,18 @@ def nereid_declaration_hint(folder: Path) -> str | None:
 
 
 @hookspec
+def nereid_claim_signs() -> str | None:
+    """Say in a few words what makes this backend claim a folder (``"main.py"``, ``"only when declared"``).
+
+    Quoted, after the backend's name, in the reason of a folder that no
+    backend claimed, so that its author learns which files to add; a backend
+    that does not implement it is listed as "see its documentation".
+
+    :return: a short phrase, or None.
+    """
+
+
+@hookspec
 def nereid_add_commands(commands: Any) -> None:
     """Add this backend's own subcommands to the ``nereid`` command line.
 

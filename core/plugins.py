@@ -1,16 +1,20 @@
 """Building the plugin manager and asking backends to claim a folder.
 
 One broken installed plugin must cost only itself: a plugin that cannot be
-loaded is left out, and a hook of it that raises (or answers nonsense) counts
-as no answer from it. Each such problem is logged once, naming the plugin and
-the distribution and entry point it came from, and ``nereid check`` lists the
-plugins left out.
+loaded, or that nereid could never call (a misnamed hook, a hook function
+without ``@hookimpl``), is left out, and a hook of it that raises (or answers
+nonsense) counts as no answer from it. Each such problem is logged once,
+naming the plugin and the distribution and entry point it came from; ``nereid
+check`` lists the plugins left out, and a model declaring the backend of one
+is told why it was left out.
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import importlib.metadata
+import inspect
 import logging
 import re
 import threading
@@ -71,6 +75,7 @@ class NereidPluginManager(pluggy.PluginManager):
         self._origins: dict[str, str] = {}  # registration name -> "distribution D V, entry point N = M"
         self._distributions: dict[str, str] = {}  # registration name -> its distribution's normalized name
         self._builtins: set[str] = set()
+        self._left_out: dict[str, list[str]] = {}  # registration name meant -> "plugin '...' (...) was left out: why"
         self._failed_hooks: set[tuple[str, str]] = set()
         self._failed_hooks_lock = threading.Lock()  # folders are claimed on several loading threads at once
 
@@ -112,21 +117,40 @@ class NereidPluginManager(pluggy.PluginManager):
                 # system one, a stale egg-info beside an editable install): the first one is what Python
                 # imports, and it is registered; the shadowed copy is no second plugin.
                 return
-            self._leave_out(f"plugin '{name}' ({origin})",
+            self._leave_out(name, f"plugin '{name}' ({origin})",
                             f"its name is already taken by the {self.describe(name)}; rename its entry point")
             return
         try:
-            self.register(entry_point.load(), name=name)
+            plugin = entry_point.load()
+            self.register(plugin, name=name)
         except plugin_failures() as err:  # an import error (or exit), a hookimpl not matching its hookspec, ...
             if self.has_plugin(name):
                 self.unregister(name=name)  # pluggy may have added some of its hooks before refusing one
-            self._leave_out(f"plugin '{name}' ({origin})", error_text(err))
+            self._leave_out(name, f"plugin '{name}' ({origin})", error_text(err))
+            return
+        unusable = hook_problems(self, plugin)
+        if unusable:  # pluggy accepts these silently: the plugin would be asked nothing, and nothing would say why
+            self.unregister(name=name)
+            self._leave_out(name, f"plugin '{name}' ({origin})", "; ".join(unusable))
             return
         self._origins[name] = origin
         self._distributions[name] = distribution
 
-    def _leave_out(self, plugin: str, reason: str) -> None:
+    def _leave_out(self, name: str, plugin: str, reason: str) -> None:
         self._problem(plugin, f"left out: {reason}")
+        self._left_out.setdefault(name, []).append(f"{plugin} was left out: {reason}")
+
+    def left_out(self, name: str) -> str:
+        """Why the installed plugin(s) meant to be registered as ``name`` were left out, as logged; "" if none was.
+
+        What a model declaring ``backend: NAME`` is told, rather than that no such backend is installed.
+        """
+        return "; ".join(self._left_out.get(name, ()))
+
+    def left_out_names(self) -> list[str]:
+        """The registration names of the installed plugins left out that no registered backend now answers to."""
+        backends = set(backend_names(self))
+        return sorted(name for name in self._left_out if name not in backends)
 
     def startup_hook_failed(self, name: str, hook: str, reason: str) -> None:
         """A start-up hook of plugin ``name`` failed: log it and list it among the ``problems``."""
@@ -166,8 +190,9 @@ def make_plugin_manager(*, load_entry_points: bool = True,
 
     Installed packages register backends under the ``nereid.backends``
     entry-point group; the entry-point name becomes the backend's plugin name.
-    An installed plugin that cannot be loaded is logged and left out (see
-    :attr:`NereidPluginManager.problems`).
+    An installed plugin that cannot be loaded, or implements no hook nereid
+    would call (see :func:`hook_problems`), is logged and left out (see
+    :attr:`NereidPluginManager.problems`); a model declaring its backend is told why.
     """
     manager = NereidPluginManager()
     manager.add_hookspecs(hookspecs)
@@ -204,6 +229,47 @@ def _remove_commands(commands: Any, names: set[str]) -> None:
     commands._choices_actions[:] = [a for a in commands._choices_actions if a.dest not in names]  # --help's
 
 
+def hook_problems(manager: pluggy.PluginManager, plugin: object) -> list[str]:
+    """What keeps the registered ``plugin`` from ever being called, each said with what to fix; [] if nothing.
+
+    pluggy registers, without a word, a ``@hookimpl`` whose name is no hookspec
+    (a typo: ``nereid_claim_models``) and ignores a hook function that lacks
+    ``@hookimpl``: either plugin would claim nothing and be named nowhere.
+    """
+    specs = sorted(name for name, caller in vars(manager.hook).items()
+                   if isinstance(caller, pluggy.HookCaller) and caller.has_spec())
+    listed = ", ".join(specs)
+    callers = manager.get_hookcallers(plugin) or []
+    problems: list[str] = []
+    for caller in callers:
+        impls = [impl for impl in caller.get_hookimpls() if impl.plugin is plugin]
+        if not caller.has_spec() and not all(impl.optionalhook for impl in impls):  # optionalhook: pluggy's opt-out
+            close = difflib.get_close_matches(caller.name, specs, n=1)
+            guess = f" (did you mean {close[0]}?)" if close else ""
+            problems.append(f"unknown hook '{caller.name}'{guess}; nereid's hooks are: {listed}")
+    implemented = {caller.name for caller in callers}
+    others: list[str] = []  # its nereid_* functions that are no hook of nereid's
+    for name in dir(plugin):
+        if not name.startswith("nereid_") or name in implemented:
+            continue
+        try:
+            value = getattr(plugin, name)
+        except Exception:  # an odd attribute (a property that raises): pluggy skipped it too
+            continue
+        if not inspect.isroutine(value):
+            continue
+        if name in specs:
+            problems.append(f"its {name} is not marked @hookimpl (from nereid.hookspecs import hookimpl), "
+                            "so nereid never calls it")
+        else:
+            others.append(name)
+    if not problems and not any(caller.has_spec() for caller in callers):
+        defines = f" (it defines {', '.join(others)}, which is none of them)" if others else ""
+        problems.append(f"it implements none of nereid's hooks: {listed}{defines}; mark each hook function "
+                        "@hookimpl (from nereid.hookspecs import hookimpl)")
+    return problems
+
+
 def backend_names(manager: pluggy.PluginManager) -> list[str]:
     """Names of every registered backend plugin (one that claims folders), sorted."""
     return sorted(impl.plugin_name for impl in _plain_impls(manager.hook.nereid_claim_model))
@@ -218,7 +284,9 @@ def check_backend_defaults(manager: pluggy.PluginManager, defaults: Iterable[str
     installed = backend_names(manager)
     for name in defaults:
         if name not in installed:
-            raise ConfigError(f"{source}: backends.{name}: no such backend is installed "
+            left_out = manager.left_out(name) if isinstance(manager, NereidPluginManager) else ""
+            raise ConfigError(f"{source}: backends.{name}: {left_out}" if left_out else
+                              f"{source}: backends.{name}: no such backend is installed "
                               f"(installed: {', '.join(installed)})")
 
 
@@ -244,6 +312,10 @@ def claim_folder(manager: NereidPluginManager, folder: Path, backend: str | None
     """
     if backend is not None:
         if backend not in backend_names(manager):
+            left_out = manager.left_out(backend)
+            if left_out:  # installed, but unusable: "not installed" would send its author looking elsewhere
+                return ClaimResult(None, f"backend '{backend}' (from nereid.yaml) cannot be used: {left_out} "
+                                         "(fix the plugin, then restart nereid: plugins are loaded at start-up)")
             return ClaimResult(None, f"backend '{backend}' (from nereid.yaml) is not installed (no plugin of that "
                                      "name claims model folders); "
                                      f"installed backends: {', '.join(backend_names(manager))}")
@@ -260,12 +332,36 @@ def claim_folder(manager: NereidPluginManager, folder: Path, backend: str | None
         failures = "".join(f"; {manager.describe(name)} is taken as not claiming it: its nereid_claim_model {what}"
                            for name, what in asked.failures)
         hints = "".join(f"; {hint}" for hint in _hints(manager, folder))
+        left_out = manager.left_out_names()
+        unusable = (f"; plugin(s) left out at start-up (the log and nereid check say why): {', '.join(left_out)}"
+                    if left_out else "")
         return ClaimResult(None, f"no backend claims the folder {folder} "
                                  f"(installed backends: {', '.join(backend_names(manager))}); "
-                                 f"add the backend's files or set backend: in nereid.yaml{failures}{hints}")
+                                 f"add the files of the backend you mean ({_claim_signs(manager)}) "
+                                 f"or set backend: in nereid.yaml{unusable}{failures}{hints}")
     names = ", ".join(sorted(name for name, _ in asked.claims))
     return ClaimResult(None, f"several backends claim the folder {folder} ({names}); "
                              "set backend: in nereid.yaml to choose one")
+
+
+def _claim_signs(manager: NereidPluginManager) -> str:
+    """What makes each installed backend claim a folder, in its own words (``nereid_claim_signs``); a backend that
+    says nothing (or whose hook fails, logged) is "see its documentation"."""
+    impls = _plain_impls(manager.hook.nereid_claim_signs)
+    said: dict[str, str] = {}
+    for impl in impls:
+        try:
+            answers = _alone(manager, "nereid_claim_signs", impl, impls)()
+        except plugin_failures() as err:
+            manager.hook_failed(impl.plugin_name, "nereid_claim_signs", f"raised {error_text(err)}")
+            continue
+        for answer in answers:
+            if isinstance(answer, str) and answer.strip():
+                said[impl.plugin_name] = answer.strip()
+            elif answer:
+                manager.hook_failed(impl.plugin_name, "nereid_claim_signs",
+                                    f"returned a {type(answer).__name__}, not a str or None")
+    return "; ".join(f"{name}: {said.get(name, 'see its documentation')}" for name in backend_names(manager))
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,12 @@ def nereid_claim_model(folder: Path, declared: bool) -> BackendClaim | None:
 
 
 @hookimpl
+def nereid_claim_signs() -> str:
+    """What makes this backend claim a folder, for the reason of a folder no backend claimed."""
+    return "only when declared"
+
+
+@hookimpl
 def nereid_declaration_hint(folder: Path) -> str | None:
     """A folder holding a textproto and nothing else a backend recognises looks like a cxx model."""
     visible = [p.name for p in folder.iterdir() if not p.name.startswith(".")]

@@ -22,3 +22,9 @@ def nereid_claim_model(folder: Path, declared: bool) -> BackendClaim | None:
     if declared or (manifest.is_file() and declares_meta(manifest)):
         return BackendClaim(MetaModel)
     return None
+
+
+@hookimpl
+def nereid_claim_signs() -> str:
+    """What makes this backend claim a folder, for the reason of a folder no backend claimed."""
+    return "manifest.yaml with meta: true"

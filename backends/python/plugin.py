@@ -127,3 +127,9 @@ def nereid_claim_model(folder: Path, declared: bool) -> BackendClaim | None:
     if declared or os.path.lexists(folder / ENTRY_FILE):
         return BackendClaim(PythonModel)
     return None
+
+
+@hookimpl
+def nereid_claim_signs() -> str:
+    """What makes this backend claim a folder, for the reason of a folder no backend claimed."""
+    return "main.py"

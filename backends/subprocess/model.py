@@ -17,6 +17,7 @@ import uuid
 from pathlib import Path
 
 from nereid.backend import ModelContext
+from nereid.dtypes import DType
 from nereid.errors import ConfigError, ModelFailure, Unavailable, cap_message
 from nereid.files import not_regular_reason
 from nereid.runtime_options import RuntimeOptions
@@ -257,8 +258,9 @@ class SubprocessModel:
                 data = read_body(stream, dtype, shape, where)
                 outputs.append(NamedTensor(spec.name, dtype, data))
             if stream.read(1):
-                raise ModelFailure(f"model '{self.context.name}': output file has data after the last "
-                                   f"declared output ({len(signature.outputs)} expected)")
+                extra = os.fstat(stream.fileno()).st_size - stream.tell() + 1  # the byte just read included
+                raise ModelFailure(f"model '{self.context.name}': output file has data after the last declared "
+                                   f"output: {_trailing_data_hint(outputs[-1], len(outputs), extra)}")
         return outputs
 
     def _open_output(self, path: Path) -> int:
@@ -298,3 +300,18 @@ class SubprocessModel:
             return (1, *shape)  # a batch-1 result written without its batch axis
         raise ModelFailure(f"{where}: the model wrote shape {list(shape)}, expected {[batch, *spec.dims]} "
                            f"(batch size {batch})")
+
+
+def _trailing_data_hint(last: NamedTensor, declared: int, extra: int) -> str:
+    """What the bytes after the last declared output suggest, for the message naming them.
+
+    The common cause is a body written in a wider dtype than its header says
+    (float64 from numpy under a ``float32`` header): the file then holds 2, 4 or 8
+    times the body's bytes, which is said so; otherwise more outputs than declared.
+    """
+    took = last.data.nbytes if last.dtype is not DType.BYTES else len(tensor_bytes(last))
+    text = (f"output '{last.name}' ({contract_name(last.dtype)} {list(last.shape)}) took {took} bytes; "
+            f"{extra} more {'byte follows' if extra == 1 else 'bytes follow'} it")
+    if last.dtype is not DType.BYTES and took and (took + extra) % took == 0 and (took + extra) // took in (2, 4, 8):
+        return f"{text} (were they written as a wider dtype than declared?)"
+    return f"{text} (does the program write more than the {declared} output(s) the textproto declares?)"

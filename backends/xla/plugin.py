@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,12 @@ def nereid_claim_model(folder: Path, declared: bool) -> BackendClaim | None:
     if declared or has_bundle_manifest(folder):
         return BackendClaim(create_model)
     return None
+
+
+@hookimpl
+def nereid_claim_signs() -> str:
+    """What makes this backend claim a folder, for the reason of a folder no backend claimed."""
+    return "manifest.yaml"
 
 
 def has_bundle_manifest(folder: Path) -> bool:
@@ -50,12 +57,18 @@ def nereid_add_commands(commands: Any) -> None:
 
 
 def check_bundles(dirs: list[Path]) -> int:
-    """Print one arity report line per bundle (never raising); 1 if any is unservable."""
+    """Print one arity report line per bundle (never raising); 1 if any is unservable, 2 if a path named is
+    not a folder (said on stderr; the others are still checked)."""
     from nereid.backends.xla.arity import bundle_arity_report
 
     bundles: list[Path] = []
+    not_folders = 0
     for directory in dirs:
-        if (directory / MANIFEST_NAME).is_file() and declares_meta(directory / MANIFEST_NAME):
+        if (problem := _not_a_folder(directory)) is not None:
+            # Checked as a bundle, a mistyped path was only "UNSERVABLE: missing manifest.yaml".
+            print(f"error: {directory}: {problem}", file=sys.stderr)
+            not_folders += 1
+        elif (directory / MANIFEST_NAME).is_file() and declares_meta(directory / MANIFEST_NAME):
             # Named on its own, a meta model is said to be one, neither checked nor counted: its manifest
             # describes no program (nereid check loads it), and it is not an unservable bundle.
             print(f"{directory}: skipped: a meta model (meta: true in {MANIFEST_NAME}) runs no program of its "
@@ -73,4 +86,18 @@ def check_bundles(dirs: list[Path]) -> int:
         unservable += not report.servable
         print(report.line())
     print(f"{len(bundles)} bundle(s), {unservable} unservable")
-    return 1 if unservable else 0
+    return 2 if not_folders else 1 if unservable else 0
+
+
+def _not_a_folder(path: Path) -> str | None:
+    """Why ``path`` cannot be a bundle or a folder of bundles (it is missing, or not a folder); None if it is a
+    folder."""
+    if path.is_dir():
+        return None
+    if not os.path.lexists(path):
+        return "no such file or folder"
+    if not path.exists():
+        return f"is a symlink to {os.readlink(path)}, which does not exist"
+    if path.name == MANIFEST_NAME:
+        return f"is a file, not a folder: name the bundle's folder ({path.parent}), not its {MANIFEST_NAME}"
+    return "is a file, not a folder: name a bundle's folder, or a folder of bundles"

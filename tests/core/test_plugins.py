@@ -16,7 +16,7 @@ from tritonclient.utils import InferenceServerException
 
 import toy_backends
 from nereid import hookspecs
-from nereid.plugins import backend_names, claim_folder, make_plugin_manager
+from nereid.plugins import backend_names, claim_folder, hook_problems, make_plugin_manager
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
@@ -364,3 +364,119 @@ def test_a_plugin_exiting_is_its_failure_and_never_ends_the_process(site, repo, 
     finally:
         for *_, module, _source in EXITING_PLUGINS:
             sys.modules.pop(module, None)
+
+
+def test_a_declared_backend_whose_plugin_was_left_out_is_told_why(site, repo, tmp_path, capsys) -> None:
+    """Defect: a model declaring backend: NAME whose installed plugin failed to import was told the backend "is
+    not installed", in its reason, in nereid check's line and for backends.NAME, while the log said why."""
+    from nereid.cli import check
+    from nereid.errors import ConfigError
+    from nereid.plugins import check_backend_defaults
+    from nereid.settings import load_settings
+
+    _install(site, toy_backends.BROKEN_AT_STARTUP[:1])  # broken_import: its module imports a missing package
+    manager = make_plugin_manager()
+    left_out = ("plugin 'broken_import' (distribution broken-import 1.0, entry point broken_import = "
+                "broken_import_plugin) was left out: ModuleNotFoundError: No module named 'nereid_missing_dependency'")
+    folder = repo.add("declared", "input_shape: [1]\noutput_shape: [1]\n")
+    assert claim_folder(manager, folder, "broken_import").reason == (
+        f"backend 'broken_import' (from nereid.yaml) cannot be used: {left_out} "
+        "(fix the plugin, then restart nereid: plugins are loaded at start-up)")
+    with pytest.raises(ConfigError) as caught:
+        check_backend_defaults(manager, ["broken_import"], "nereid.yaml")
+    assert str(caught.value) == f"nereid.yaml: backends.broken_import: {left_out}"
+    # Undeclared, the folder it should have claimed names it among the plugins left out.
+    assert claim_folder(manager, folder).reason.endswith(
+        "; plugin(s) left out at start-up (the log and nereid check say why): broken_import; a folder holding "
+        "only model_inference.textproto is a cxx model: declare it in nereid.yaml with backend: cxx and runtime: "
+        "{library: PATH} (or runtime: {sources: [...]})")
+    assert check(load_settings(repo.write_config("""
+        - name: declared
+          backend: broken_import
+    """)), manager) == 1
+    out = capsys.readouterr().out
+    assert f"declared: UNAVAILABLE: backend 'broken_import' (from nereid.yaml) cannot be used: {left_out}" in out
+    assert out.rstrip().endswith("1 model(s) with problems, 1 plugin problem(s)")
+
+
+HOOKLESS_PLUGINS = (  # (distribution, entry point, module, source): registered by pluggy, asked nothing
+    ("typo-hook", "typo_hook", "typo_hook_plugin",
+     "from nereid.hookspecs import hookimpl\n@hookimpl\ndef nereid_claim_models(folder, declared):\n    return None\n"),
+    ("unmarked-hook", "unmarked_hook", "unmarked_hook_plugin",
+     "def nereid_claim_model(folder, declared):\n    return None\n"),
+    ("no-hooks", "no_hooks", "no_hooks_plugin", "def nereid_claim_modl(folder, declared):\n    return None\n"),
+    # Usable, and kept: a hook pluggy may leave unspecified (optionalhook), and a plugin adding only commands.
+    ("optional-hook", "optional_hook", "optional_hook_plugin",
+     "from nereid.hookspecs import hookimpl\n@hookimpl(optionalhook=True)\ndef nereid_future_hook():\n    pass\n"
+     "@hookimpl\ndef nereid_claim_model(folder, declared):\n    return None\n"),
+    ("tooling-only", "tooling_only", "tooling_only_plugin",
+     "from nereid.hookspecs import hookimpl\ndef nereid_helper():\n    pass\n"
+     "@hookimpl\ndef nereid_add_commands(commands):\n    pass\n"),
+)
+
+
+def test_a_plugin_implementing_no_nereid_hook_is_left_out_saying_what_to_fix(site, repo, caplog) -> None:
+    """Defect: a misnamed hook or a forgotten @hookimpl was registered silently: the plugin claimed nothing and
+    neither the log nor nereid check named it."""
+    _install(site, HOOKLESS_PLUGINS)
+    caplog.set_level(logging.ERROR, logger="nereid.plugins")
+    try:
+        manager = make_plugin_manager()
+    finally:
+        for *_, module, _source in HOOKLESS_PLUGINS:
+            sys.modules.pop(module, None)
+    hooks = "nereid_add_commands, nereid_claim_model, nereid_claim_signs, nereid_declaration_hint"
+    assert {p.plugin.split(" ")[1]: p.what for p in manager.problems} == {
+        "'typo_hook'": f"left out: unknown hook 'nereid_claim_models' (did you mean nereid_claim_model?); "
+                       f"nereid's hooks are: {hooks}",
+        "'unmarked_hook'": "left out: its nereid_claim_model is not marked @hookimpl (from nereid.hookspecs import "
+                           "hookimpl), so nereid never calls it",
+        "'no_hooks'": f"left out: it implements none of nereid's hooks: {hooks} (it defines nereid_claim_modl, "
+                      "which is none of them); mark each hook function @hookimpl "
+                      "(from nereid.hookspecs import hookimpl)",
+    }
+    errors = sorted(_errors(caplog))  # one ERROR line each, naming distribution and entry point
+    assert len(errors) == 3 and errors[1].startswith(
+        "plugin 'typo_hook' (distribution typo-hook 1.0, entry point typo_hook = typo_hook_plugin): left out: "
+        "unknown hook 'nereid_claim_models'")
+    assert not any(manager.has_plugin(name) for name in ("typo_hook", "unmarked_hook", "no_hooks"))
+    assert manager.has_plugin("optional_hook") and manager.has_plugin("tooling_only")
+    assert backend_names(manager) == ["cpp", "cxx", "meta", "optional_hook", "python", "xla"]
+    reason = claim_folder(manager, repo.add("theirs", None)).reason
+    assert "; plugin(s) left out at start-up (the log and nereid check say why): no_hooks, typo_hook, unmarked_hook" \
+        in reason
+
+
+def test_core_bench_and_test_plugins_have_no_hook_problems() -> None:
+    """What now leaves an installed plugin out must not be true of any plugin nereid ships or tests with."""
+    import importlib.util
+
+    plugins: list[object] = [toy_backends, toy_backends.FaultyToys(), ClaimTracer(), OldStyleClaimTracer()]
+    for bench in ("identity_backend", "layer_backend"):
+        path = README.parent / "bench" / f"{bench}.py"
+        spec = importlib.util.spec_from_file_location(f"_bench_{bench}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        plugins.append(module)
+    manager = make_plugin_manager(load_entry_points=False, extra_plugins=tuple(plugins))
+    assert len(manager.get_plugins()) == 5 + len(plugins)
+    assert {manager.get_name(plugin): hook_problems(manager, plugin) for plugin in manager.get_plugins()} == {
+        manager.get_name(plugin): [] for plugin in manager.get_plugins()}
+
+
+def test_an_unclaimed_folder_says_what_makes_each_backend_claim_one(installed_addone, repo) -> None:
+    """Defect: "add the backend's files" did not say which files; each built-in's is named, and is what it claims."""
+    manager = make_plugin_manager()
+    folder = repo.add("nobody", "input_shape: [1]\noutput_shape: [1]\n")
+    (folder / "notes.txt").write_text("")  # (no cxx hint: not a textproto-only folder)
+    assert claim_folder(manager, folder).reason == (
+        f"no backend claims the folder {folder} (installed backends: addone, cpp, cxx, meta, python, xla); add the "
+        "files of the backend you mean (addone: see its documentation; cpp: main.cpp; cxx: only when declared; "
+        "meta: manifest.yaml with meta: true; python: main.py; xla: manifest.yaml) or set backend: in nereid.yaml")
+    # Each file named is what makes that built-in claim a folder (cxx claims a folder only when declared).
+    for backend, file, text in (("cpp", "main.cpp", ""), ("python", "main.py", ""), ("xla", "manifest.yaml", ""),
+                                ("meta", "manifest.yaml", "meta: true\n")):
+        claimed = repo.add(f"by_{backend}", None)
+        (claimed / file).write_text(text)
+        assert claim_folder(manager, claimed).backend_name == backend
+    assert claim_folder(manager, folder, "cxx").backend_name == "cxx"

@@ -123,8 +123,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {args.root} is not a folder", file=sys.stderr)
         return 2
     # The examples live in the repository itself: record the commit and the dirty
-    # flag, but no working_tree.patch (it would hold the bundles themselves).
-    provenance = collect_provenance(args.root, include_patch=False)
+    # flag, but no working_tree.patch. Their own folders are left out of the flag,
+    # or regenerating them twice would call the second export dirty.
+    provenance = collect_provenance(args.root, include_patch=False,
+                                    exclude=[args.root / MLP_NAME, args.root / CIRCLE_NAME])
     for path in write_examples(args.root, provenance):
         print(f"wrote {path}")
     return 0

@@ -39,9 +39,10 @@ def export_bundle(fn: Callable[..., Any], example_inputs: Sequence[Any],
     ``weights`` are ``name -> array`` in the order ``fn`` takes them.
     ``platform`` is the PJRT platform the artifact is lowered for (``cpu``,
     ``cuda``). ``provenance=True`` records :func:`collect_provenance` of the
-    working directory. ``x64`` enables 64-bit types while tracing (default:
-    when any input or weight is 64-bit). ``shard_bytes`` splits the weights
-    into shards of about that size (see :func:`write_bundle`).
+    working directory, ``directory`` itself left out of it. ``x64`` enables
+    64-bit types while tracing (default: when any input or weight is 64-bit).
+    ``shard_bytes`` splits the weights into shards of about that size (see
+    :func:`write_bundle`).
     """
     import jax
     from jax import export as jax_export
@@ -75,7 +76,9 @@ def export_bundle(fn: Callable[..., Any], example_inputs: Sequence[Any],
               for n, (shape, d), axis in zip(_names(input_names, len(examples), "input"), examples, in_axes)]
     outputs = _output_specs(_names(output_names, n_outputs, "output"), out_avals_by_size, out_axes)
     if provenance is True:
-        provenance = collect_provenance()
+        # The bundle's own folder is no part of the exporting code: left out, a re-export does not record
+        # the previous export as an uncommitted change (nor copy it into working_tree.patch).
+        provenance = collect_provenance(exclude=[directory])
     elif provenance is False:
         provenance = None
     module_arg: Any = modules[None] if batch_sizes is None else modules

@@ -7,19 +7,37 @@ dirty tree the uncommitted changes (tracked edits and untracked files) go to
 ``working_tree.patch`` beside the manifest rather than into it, so that
 ``git checkout <git_commit> && git apply --binary working_tree.patch``
 reconstructs the exported code exactly.
+
+Two kinds of files are kept out of the patch. The folders being exported to
+(``exclude``) are left out of the dirty check and the patch altogether: else a
+re-export would record the previous export (its weights and its own patch) as an
+uncommitted change, and the patch would grow with every export. Untracked binary
+files larger than ``max_untracked_binary_bytes`` (other bundles' weights, data
+sets) are left out of the patch and named, with their sizes, in the
+``working_tree_patch_left_out`` field: the patch then reconstructs everything else.
 """
 
 from __future__ import annotations
 
 import datetime
+import os
 import platform
+import stat
 import subprocess
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 PATCH_FILE = "working_tree.patch"
+# Untracked binary files above this size are left out of the patch (and named in LEFT_OUT_FIELD): a source
+# tree's own binaries are small, where model weights and data sets would make the patch as big as they are.
+MAX_UNTRACKED_BINARY_BYTES = 1 << 20
+LEFT_OUT_FIELD = "working_tree_patch_left_out"
+# The files left out are named up to this many: the manifest stays a few kilobytes whatever the tree holds.
+MAX_LEFT_OUT_NAMED = 20
+# git's own test of a binary file: a NUL byte among the first 8000.
+_BINARY_SNIFF_BYTES = 8000
 _VERSIONED = ("nereid", "jax", "jaxlib", "numpy", "ml_dtypes")
 
 
@@ -31,11 +49,18 @@ class Provenance:
     patch: bytes | None = None
 
 
-def collect_provenance(repo_dir: Path | str | None = None, *, include_patch: bool = True) -> Provenance:
+def collect_provenance(repo_dir: Path | str | None = None, *, include_patch: bool = True,
+                       exclude: Iterable[Path | str] = (),
+                       max_untracked_binary_bytes: int = MAX_UNTRACKED_BINARY_BYTES) -> Provenance:
     """Provenance of the code in ``repo_dir`` (default: the working directory). Never raises.
 
     Outside a git repository the git fields are simply absent.
     ``include_patch=False`` records the dirty flag without the diff.
+    ``exclude``: folders (the bundle being exported) that are neither part of the
+    dirty check nor of the patch, wherever they lie inside the work tree (a
+    relative path is taken from the working directory, as ``open`` takes it).
+    Untracked binary files over ``max_untracked_binary_bytes`` are left out of the
+    patch and named in ``working_tree_patch_left_out``.
     """
     directory = Path(repo_dir) if repo_dir is not None else Path.cwd()
     fields: dict[str, Any] = {}
@@ -43,6 +68,7 @@ def collect_provenance(repo_dir: Path | str | None = None, *, include_patch: boo
     top = _git(directory, "rev-parse", "--show-toplevel")
     if top is not None:
         root = Path(top.decode().strip())
+        pathspec = _excluding(root, exclude)
         for name, args in (("git_remote", ("config", "--get", "remote.origin.url")),
                            ("git_commit", ("rev-parse", "HEAD")),
                            ("git_tree", ("rev-parse", "HEAD^{tree}")),
@@ -50,13 +76,15 @@ def collect_provenance(repo_dir: Path | str | None = None, *, include_patch: boo
             value = _git(root, *args)
             if value is not None and value.strip():
                 fields[name] = value.decode(errors="replace").strip()
-        status = _git(root, "status", "--porcelain")
+        status = _git(root, "status", "--porcelain", "--", *pathspec)
         if status is not None:
             fields["git_dirty"] = bool(status.strip())
             if fields["git_dirty"] and include_patch:
-                patch = _working_tree_patch(root)
+                patch, left_out = _working_tree_patch(root, pathspec, max_untracked_binary_bytes)
                 if patch:
                     fields["working_tree_patch"] = PATCH_FILE
+                if left_out:
+                    fields[LEFT_OUT_FIELD] = _named(left_out)
     fields["python"] = platform.python_version()
     for package in _VERSIONED:
         try:
@@ -68,21 +96,83 @@ def collect_provenance(repo_dir: Path | str | None = None, *, include_patch: boo
     return Provenance(fields, patch)
 
 
-def _working_tree_patch(root: Path) -> bytes | None:
-    """Tracked changes against HEAD plus every untracked, non-ignored file, as one binary patch."""
-    tracked = _git(root, "diff", "--binary", "HEAD")
+def _excluding(root: Path, folders: Iterable[Path | str]) -> list[str]:
+    """git pathspecs leaving out each of ``folders`` that lies inside the work tree at ``root``.
+
+    ``top`` makes the path relative to the root whatever git's working directory,
+    ``literal`` keeps a ``*`` or ``[`` in a folder's name from being a pattern.
+    A folder outside the work tree (or the whole tree) has nothing to leave out.
+    """
+    specs: list[str] = []
+    real_root = root.resolve()
+    for folder in folders:
+        try:
+            relative = Path(folder).resolve().relative_to(real_root)
+        except (OSError, RuntimeError, ValueError):  # outside the work tree, or a symlink loop
+            continue
+        if relative.parts:
+            specs.append(f":(top,literal,exclude){relative.as_posix()}")
+    return specs
+
+
+# (name, size in bytes) of each untracked file left out of the patch.
+LeftOut = list[tuple[str, int]]
+
+
+def _working_tree_patch(root: Path, pathspec: list[str], max_binary_bytes: int) -> tuple[bytes | None, LeftOut]:
+    """Tracked changes against HEAD plus the untracked, non-ignored files, as one binary patch, restricted to
+    ``pathspec``; and the untracked binary files over ``max_binary_bytes`` left out of it, with their sizes."""
+    tracked = _git(root, "diff", "--binary", "HEAD", "--", *pathspec)
     if tracked is None:
-        return None
+        return None, []
     parts = [tracked]
-    untracked = _git(root, "ls-files", "--others", "--exclude-standard", "-z")
+    left_out: LeftOut = []
+    untracked = _git(root, "ls-files", "--others", "--exclude-standard", "-z", "--", *pathspec)
     for name in (untracked or b"").split(b"\0"):
-        if name:
-            # --no-index exits 1 when the files differ, which they always do here.
-            diff = _git(root, "diff", "--binary", "--no-index", "--", "/dev/null", name.decode(),
-                        ok_codes=(0, 1))
-            if diff:
-                parts.append(diff)
-    return b"".join(parts) or None
+        if not name:
+            continue
+        size = _large_binary_size(root / os.fsdecode(name), max_binary_bytes)
+        if size is not None:
+            # Named in the manifest, which YAML must be able to write: undecodable bytes are replaced.
+            left_out.append((name.decode(errors="replace"), size))
+            continue
+        # --no-index exits 1 when the files differ, which they always do here.
+        diff = _git(root, "diff", "--binary", "--no-index", "--", "/dev/null", os.fsdecode(name),
+                    ok_codes=(0, 1))
+        if diff:
+            parts.append(diff)
+    return b"".join(parts) or None, left_out
+
+
+def _large_binary_size(path: Path, max_bytes: int) -> int | None:
+    """The size of ``path`` if it is a regular binary file over ``max_bytes``, else None (it goes in the patch).
+
+    Only a regular file is read, checked once opened (without blocking, without following a symlink): a FIFO
+    would block the export. One that cannot be read is left to git.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size <= max_bytes:
+            return None
+        head = os.read(fd, _BINARY_SNIFF_BYTES)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return info.st_size if b"\0" in head else None
+
+
+def _named(left_out: LeftOut) -> list[str]:
+    """``"path (N bytes)"`` for each file left out, the first MAX_LEFT_OUT_NAMED, then how many more."""
+    named = [f"{name} ({size} bytes)" for name, size in left_out[:MAX_LEFT_OUT_NAMED]]
+    rest = left_out[MAX_LEFT_OUT_NAMED:]
+    if rest:
+        named.append(f"... and {len(rest)} more ({sum(size for _, size in rest)} bytes)")
+    return named
 
 
 def _git(directory: Path, *args: str, ok_codes: tuple[int, ...] = (0,)) -> bytes | None:

@@ -261,3 +261,28 @@ def test_a_fifo_swapped_in_at_the_output_path_after_the_check_fails_the_run_at_o
     assert isinstance(outcome[0], ModelFailure)
     assert "something other than a regular file is there" in str(outcome[0])
     model.unload()
+
+
+# The input written back with something after it: twice (as float64 bytes under a float32 header would be), or
+# with three stray bytes.
+TRAILING_SH = """cat > "$TMPDIR/in"
+{ printf '%s %s\\n' "$NEREID_INPUT_DTYPE" "$NEREID_INPUT_SHAPE"; cat "$TMPDIR/in"; %s; } > "$NEREID_OUTPUT_PATH"
+"""
+
+
+@pytest.mark.parametrize("after,expected", [
+    ('cat "$TMPDIR/in"', "32 more bytes follow it (were they written as a wider dtype than declared?)"),
+    ("printf abc", "3 more bytes follow it (does the program write more than the 1 output(s) the textproto "
+                   "declares?)"),
+])
+def test_data_after_the_last_output_is_measured(tmp_path, after, expected) -> None:
+    """A body written as float64 under a float32 header was only "output file has data after the last declared
+    output (1 expected)": neither how much nor the likely cause."""
+    model = loaded(tmp_path, name="wide", main=TRAILING_SH.replace("%s;", after + ";"))
+    try:
+        with pytest.raises(ModelFailure) as caught:
+            model.infer([NamedTensor.from_array("input", np.ones((2, 4), np.float32))])
+    finally:
+        model.unload()
+    assert str(caught.value) == ("model 'wide': output file has data after the last declared output: output "
+                                 f"'output' (float32 [2, 4]) took 32 bytes; {expected}")

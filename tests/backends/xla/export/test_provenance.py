@@ -61,3 +61,64 @@ def test_dirty_tree_patch_reconstructs_the_code(project, tmp_path) -> None:
 def test_outside_a_repository(tmp_path) -> None:
     fields = collect_provenance(tmp_path).fields
     assert "git_commit" not in fields and "exported_at" in fields
+
+
+def mul_bundle(directory: Path | str, **kwargs) -> Path:
+    return export_bundle(lambda x, w: x * w, [np.zeros(2, np.float32)], {"w": np.ones(2, np.float32)},
+                         directory=directory, **kwargs)
+
+
+def test_a_re_export_leaves_its_own_folder_out_of_the_provenance(project, tmp_path, monkeypatch) -> None:
+    """Exported twice into the work tree (the README's directory="ml-backends/my_model"), the second export
+    recorded the first as an uncommitted change: git_dirty, and a working_tree.patch holding the old weights,
+    manifest and patch, growing with every export."""
+    monkeypatch.chdir(project)
+    for _ in range(2):  # untracked bundle files of the previous export
+        bundle = mul_bundle("ml-backends/mul")
+        provenance = yaml.safe_load((bundle / "manifest.yaml").read_text())["provenance"]
+        assert provenance["git_dirty"] is False, provenance
+        assert "working_tree_patch" not in provenance and not (bundle / "working_tree.patch").exists()
+    git(project, "add", ".")
+    git(project, "commit", "-q", "-m", "the bundle")
+    (project / "train.py").write_text("lr = 0.01\n")
+    bundle = mul_bundle(project / "ml-backends" / "mul")  # tracked files, changed by the re-export
+    provenance = yaml.safe_load((bundle / "manifest.yaml").read_text())["provenance"]
+    assert provenance["git_dirty"] is True and provenance["working_tree_patch"] == "working_tree.patch"
+    patch = (bundle / "working_tree.patch").read_text()
+    assert "a/train.py" in patch and "ml-backends/mul" not in patch
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", str(project), str(clone)], check=True)
+    git(clone, "checkout", "-q", provenance["git_commit"])
+    git(clone, "apply", "--binary", str(bundle / "working_tree.patch"))
+    assert (clone / "train.py").read_text() == "lr = 0.01\n"
+
+
+def test_large_untracked_binaries_are_left_out_of_the_patch_and_named(project, tmp_path) -> None:
+    """Another bundle's untracked weights went whole into the patch (1 MiB of weights, over 1 MiB of patch)."""
+    (project / "other").mkdir()
+    (project / "other" / "weights.safetensors").write_bytes(bytes(range(256)) * 8)  # 2048 bytes, binary
+    (project / "notes.txt").write_text("text, not binary\n" * 200)  # as large, but text: kept
+    (project / "small.bin").write_bytes(bytes(16))  # binary, under the limit: kept
+    provenance = collect_provenance(project, max_untracked_binary_bytes=1024)
+    assert provenance.fields["git_dirty"] is True
+    assert provenance.fields["working_tree_patch_left_out"] == ["other/weights.safetensors (2048 bytes)"]
+    assert b"notes.txt" in provenance.patch and b"small.bin" in provenance.patch
+    assert b"weights.safetensors" not in provenance.patch
+    for index in range(22):  # named up to 20, then counted: the manifest stays small
+        (project / f"blob{index:02d}.bin").write_bytes(bytes(2000))
+    left_out = collect_provenance(project, max_untracked_binary_bytes=1024).fields["working_tree_patch_left_out"]
+    assert len(left_out) == 21 and left_out[0] == "blob00.bin (2000 bytes)"
+    assert left_out[-1] == "... and 3 more (6048 bytes)"
+
+
+def test_regenerating_the_examples_twice_is_not_dirty(project, capsys) -> None:
+    """The example bundles of the previous run counted as uncommitted changes of the next."""
+    from nereid.backends.xla.export.examples import main
+
+    root = project / "ml-backends"
+    root.mkdir()
+    for _ in range(2):
+        assert main([str(root)]) == 0
+        for name in ("mlp_bundle", "circle_select"):
+            provenance = yaml.safe_load((root / name / "manifest.yaml").read_text())["provenance"]
+            assert provenance["git_dirty"] is False, name
