@@ -24,7 +24,7 @@ from prometheus_client.registry import Collector
 from nereid.backend import ReportsRuntime
 from nereid.errors import NereidError, NotFound, describe_exception
 from nereid.log_limit import OnceLog
-from nereid.repository import ModelRepository, ModelState
+from nereid.repository import LoadedModel, ModelRepository, ModelState
 
 if TYPE_CHECKING:
     from nereid.stats import Histogram as StatsHistogram
@@ -238,7 +238,9 @@ class _RepositoryCollector(Collector):
         completed = CounterMetricFamily("nereid_batcher_completed", "Requests whose execution succeeded.",
                                         labels=["model"])
         histograms = {attr: HistogramMetricFamily(name, text, labels=["model"]) for name, text, attr in _HISTOGRAMS}
-        depth = GaugeMetricFamily("nereid_queue_depth", "Requests waiting in the model's queue.", labels=["model"])
+        depth = GaugeMetricFamily("nereid_queue_depth", "Requests waiting in the model's queue, those of its old "
+                                  "versions still finishing their requests (after a reload or removal) included.",
+                                  labels=["model"])
         utilization = GaugeMetricFamily("nereid_batch_utilization",
                                         "Busy / (busy + idle) of the model's executions since it loaded.",
                                         labels=["model"])
@@ -250,34 +252,44 @@ class _RepositoryCollector(Collector):
                                        labels=["model"])
         states = GaugeMetricFamily("nereid_models", "Model folders by state.", labels=["state"])
         counts = {state.value: 0 for state in ModelState}
+        versions: dict[str, LoadedModel] = {}
         for entry in self._repository.entries():
             counts[entry.state.value] += 1
             if entry.generation:
                 generation.add_metric([entry.name], entry.generation)
             loaded = entry.loaded  # read once: an unload may set it to None between two reads
-            if loaded is None:
-                continue
+            if loaded is not None:
+                versions[entry.name] = loaded
+        # A removed folder's model is off its entry while it finishes its requests: it is reported under its name
+        # until released (unless a new folder's model serves the name). A reload's old version shares the
+        # serving one's statistics.
+        for retiring in self._repository.retiring_versions():
+            versions.setdefault(retiring.name, retiring.loaded)
+        for name, loaded in sorted(versions.items()):
             stats = loaded.stats.snapshot()
-            success.add_metric([entry.name], stats.success.count)
-            submitted.add_metric([entry.name], stats.batcher.total_submitted)
-            completed.add_metric([entry.name], stats.batcher.total_completed)
+            success.add_metric([name], stats.success.count)
+            submitted.add_metric([name], stats.batcher.total_submitted)
+            completed.add_metric([name], stats.batcher.total_completed)
             for reason, count in sorted(stats.failures_by_reason.items()):
-                failure.add_metric([entry.name, reason], count)
+                failure.add_metric([name, reason], count)
             for attr, family in histograms.items():
                 histogram: StatsHistogram = getattr(stats, attr)
-                family.add_metric([entry.name], histogram.cumulative(), histogram.sum)
-            depth.add_metric([entry.name], loaded.scheduler.queue_depth)
-            utilization.add_metric([entry.name], stats.batcher.utilization)
+                family.add_metric([name], histogram.cumulative(), histogram.sum)
+            utilization.add_metric([name], stats.batcher.utilization)
             backend = loaded.backend
             if isinstance(backend, ReportsRuntime):
                 try:
                     resident = backend.runtime_report().warm_parent_resident_bytes
                 except Exception as err:  # a plugin's fault must not fail the whole scrape
-                    _report_failures.warning(entry.name, "model '%s': runtime_report() failed (%s); its warm "
-                                             "parent gauge is left out", entry.name, describe_exception(err))
+                    _report_failures.warning(name, "model '%s': runtime_report() failed (%s); its warm "
+                                             "parent gauge is left out", name, describe_exception(err))
                     resident = None
                 if resident is not None:
-                    warm_parent.add_metric([entry.name], resident)
+                    warm_parent.add_metric([name], resident)
+        # Every version's queue counts, old versions still finishing their requests (after a reload, a removal)
+        # included: what waits there is still to be answered.
+        for name, waiting in sorted(self._repository.queue_depths().items()):
+            depth.add_metric([name], waiting)
         for state, count in counts.items():
             states.add_metric([state], count)
         yield from (success, failure, submitted, completed, *histograms.values(), depth, utilization, warm_parent,

@@ -18,6 +18,7 @@ import os
 import shutil
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Coroutine, Mapping, Protocol, TypeVar
@@ -121,6 +122,9 @@ class ModelEntry:
     # The names whose scratch folders its versions were given: its own, and the names it was renamed from
     # (a model moved in place keeps what it made there, a binary's link, a warm parent's folder).
     scratch_names: set[str] = field(default_factory=set)
+    # Versions a removal took from it that are still finishing their requests (in the background, without
+    # its lock): the entry stays, UNLOADING, until they are released, unless a new folder's model loads first.
+    draining: int = 0
 
     @contextlib.asynccontextmanager
     async def held(self) -> AsyncIterator[None]:
@@ -134,8 +138,8 @@ class ModelEntry:
             self.holders -= 1
 
     def in_use(self) -> bool:
-        """A model is loaded, or an operation holds or awaits the lock."""
-        return self.loaded is not None or self.holders > 0
+        """A model is loaded or draining, or an operation holds or awaits the lock."""
+        return self.loaded is not None or self.holders > 0 or self.draining > 0
 
 
 @dataclass(frozen=True)
@@ -147,6 +151,15 @@ class BuiltModel:
     signature: ModelSignature
     batch_signature: ModelSignature
     policy: BatchPolicy
+
+
+@dataclass(frozen=True)
+class RetiringVersion:
+    """A version that serves no more (reloaded, unloaded, removed) and finishes its requests before release."""
+
+    name: str  # the name it served under
+    loaded: LoadedModel
+    scratch_names: frozenset[str]  # its entry's scratch folders: kept while it runs
 
 
 def build_model(manager: NereidPluginManager, context: ModelContext,
@@ -252,7 +265,7 @@ class ModelRepository:
         # Work that outlives the call that started it: old versions draining after a reload, removals. Awaited
         # by unload_all; the versions draining are also ended by terminate_running.
         self._background: set[asyncio.Task] = set()
-        self._retiring: dict[int, tuple[str, LoadedModel]] = {}
+        self._retiring: dict[int, RetiringVersion] = {}  # by id() of its LoadedModel
         self._removing: dict[str, asyncio.Task] = {}  # the latest removal of each name, draining in the background
         # Whether a watcher loads folders that appear from now on (dynamic mode, once it knows the folders
         # there at start: those are not loaded unless listed, exactly as without it).
@@ -299,21 +312,42 @@ class ModelRepository:
 
     def remove_in_background(self, name: str) -> asyncio.Task:
         """:meth:`remove` as background work (after any removal of ``name`` still going): nothing waits for
-        the model's requests to finish. :meth:`removal_of` finds it until it is done."""
+        the model's requests to finish. The task ends once the model is taken off the name (a load or rename
+        in progress on it finishes first); its old version then finishes its requests as background work of
+        its own, while the name is free for a new folder. :meth:`removal_of` finds the task until it is done."""
         previous = self._removing.get(name)
 
         async def remove() -> None:
             if previous is not None:
                 await asyncio.wait({previous})
-            await self.remove(name)
+            self.in_background(await self._take_removed(name), f"removal of '{name}': finishing its requests")
         task = self.in_background(remove(), f"removal of '{name}'")
         self._removing[name] = task
         task.add_done_callback(lambda done: self._removing.pop(name) if self._removing.get(name) is done else None)
         return task
 
     def removal_of(self, name: str) -> asyncio.Task | None:
-        """The removal of ``name`` still draining in the background, if any."""
+        """The removal of ``name`` not yet done taking its model off the name, if any (a load of a folder put
+        under that name comes after it). Its old version may drain longer: that holds up nothing."""
         return self._removing.get(name)
+
+    def retiring_versions(self) -> list[RetiringVersion]:
+        """The old versions still finishing their requests (a reload's, an unload's, a removal's). Safe to call
+        from another thread (the metrics scrape)."""
+        return list(self._retiring.values())  # a copy: the event loop changes it meanwhile
+
+    def queue_depths(self) -> dict[str, int]:
+        """Requests waiting, by model name: the serving version's queue and those of its old versions still
+        finishing their requests (a reload's, a removal's: a name whose folder is gone keeps its count until
+        they are released). Safe to call from another thread (the metrics scrape)."""
+        versions = {id(loaded): (entry.name, loaded)
+                    for entry in self.entries() if (loaded := entry.loaded) is not None}
+        for retiring in self.retiring_versions():
+            versions.setdefault(id(retiring.loaded), (retiring.name, retiring.loaded))
+        depths: dict[str, int] = {}
+        for name, loaded in versions.values():
+            depths[name] = depths.get(name, 0) + loaded.scheduler.queue_depth
+        return depths
 
     def startup_models(self) -> list[str]:
         """The models to load at start: the listed ones, or every folder when none are listed."""
@@ -408,8 +442,7 @@ class ModelRepository:
                 self._folder_found(name)  # the store was just listed: listing it here would stall the loop
             entry = self._entries.get(name)
         if entry is None:
-            # The folder relative to ml_backends_path: clients never see the server's absolute paths.
-            raise NotFound(PublicText(f"unknown model '{name}' (no folder '{name}' under ml_backends_path)"))
+            raise _no_folder(name)
         return entry
 
     def ready_model(self, name: str) -> LoadedModel:
@@ -443,16 +476,21 @@ class ModelRepository:
                 # unreadable key): asked for by name, it is looked for by name.
                 self._folder_found(name)
         entry = self.entry(name)
+        if (entry.loaded is None and self.settings.server.ml_backends_url is None and not entry.folder.is_dir()
+                and self.settings.model(name) is None):
+            # Nothing keeps the name: its folder is gone, and at most its old model still finishes its requests
+            # (a removal draining). The answer for a name that never had a folder.
+            raise _no_folder(name)
         self._exposed.add(name)
         if entry.loaded is not None:
             # Loaded already: loaded again without downtime, as Triton does. The running version serves until
             # the new one is READY, and keeps serving if the new one fails (the reason shows in the index).
             await self.reload(name)
-            if entry.loaded is not None or self._entries.get(name) is not entry:
+            if entry.loaded is not None and self._entries.get(name) is entry:
                 return entry
-            # Unloaded while the reload waited for it (a removed folder's model draining, and the folder back
-            # meanwhile): this load comes after that unload, so it loads.
-            self._exposed.add(name)
+            # Unloaded or forgotten while the reload waited for it (its folder removed, renamed onto): this
+            # load comes after that, so it looks again, as a load of the name as it is now.
+            return await self.load(name)
         self._state_changed()  # counted from now on: ServerReady is false until it is READY
         async with entry.held():
             if entry.loaded is not None:  # loaded meanwhile, by a load that held the model first
@@ -549,7 +587,8 @@ class ModelRepository:
             entry.loaded = new
             self._enter_loaded_version(entry)  # the new version may call other models
             self._record(name, "reload")
-        self.in_background(self._retire(name, old), f"model '{name}': unloading version {entry.generation - 1}")
+        self.in_background(self._retire(self._retiring_version(name, old, entry)),
+                           f"model '{name}': unloading version {entry.generation - 1}")
         return entry
 
     async def rename(self, old: str, new: str) -> ModelEntry:
@@ -567,6 +606,10 @@ class ModelRepository:
             self.remove_in_background(old)  # the old model finishes its requests meanwhile
             return await self.load(new)
         async with entry.held():
+            # Claimed before the move (which waits on a thread): a removal finishing meanwhile must not delete
+            # the scratch folder the moved model is given.
+            claimed = new not in entry.scratch_names
+            entry.scratch_names.add(new)
             context = ModelContext(new, self.root / new, settings, self._scratch_for(new), origin, self.models)
             try:
                 if not isinstance(loaded.backend, Relocatable):
@@ -577,8 +620,9 @@ class ModelRepository:
                 moved = False
             else:
                 moved = True
+            if not moved and claimed:
+                entry.scratch_names.discard(new)
             if moved:
-                entry.scratch_names.add(new)
                 del self._entries[old]
                 entry.name, entry.folder, entry.settings, entry.settings_origin = new, context.folder, settings, origin
                 self._entries[new] = entry  # replaces an entry a rescan may have made for the new folder
@@ -600,15 +644,50 @@ class ModelRepository:
     async def remove(self, name: str) -> None:
         """A folder that is gone: unload its model once its requests have finished, then forget it.
 
-        The removal is counted even when a rescan forgot the entry first (its model was not loaded).
+        The model is taken off the name at once (after a load or rename of it
+        in progress): it is UNLOADING while it finishes its requests, and a
+        new folder put under the name meanwhile loads and serves at once, as
+        a reload's new version does. The removal is counted even when a rescan
+        forgot the entry first (its model was not loaded).
         """
+        await self.in_background(await self._take_removed(name), f"removal of '{name}': finishing its requests")
+
+    async def _take_removed(self, name: str) -> Coroutine[object, object, None]:
+        """Take the removed folder's model off its entry, once no load or rename of it runs; returns the rest
+        of the removal (its old version draining, then the entry forgotten), to be run as background work."""
         entry = self._entries.get(name)
+        if entry is None:
+            return self._finish_removal(name, None, None)
+        self._exposed.discard(name)
+        self._state_changed()  # no longer counted, even while it waits for a load to finish
+        async with entry.held():
+            self._exposed.discard(name)  # (asked for again while it waited: its folder is gone all the same)
+            retiring = None
+            if entry.loaded is not None:
+                retiring = self._retiring_version(name, entry.loaded, entry)
+                entry.loaded = None
+                entry.draining += 1
+                entry.state, entry.reason = ModelState.UNLOADING, ""
+                self._refresh_dependents()  # a model being unloaded takes no new requests: its callers stop too
+        return self._finish_removal(name, entry, retiring)
+
+    async def _finish_removal(self, name: str, entry: ModelEntry | None, retiring: RetiringVersion | None) -> None:
+        """Let the removed model finish its requests and release it, then forget its entry unless its folder
+        is back, or something else uses it now (a new version loaded, a load under way)."""
+        if entry is not None and retiring is not None:
+            try:
+                await self._retire(retiring)
+            finally:
+                entry.draining -= 1
+            log.info("model '%s' unloaded", name)
+            if entry.loaded is None and entry.state is ModelState.UNLOADING and not entry.draining:
+                entry.state, entry.reason = ModelState.UNAVAILABLE, "unloaded"
         if entry is not None:
-            await self.unload(name)
-            if not entry.folder.is_dir():  # unless it came back meanwhile
-                self._entries.pop(name, None)
-                self._refresh_dependents()
-                self._drop_scratch(entry)
+            if self._entries.get(name) is entry and not entry.in_use() and not entry.folder.is_dir():
+                self._entries.pop(name)
+            self._refresh_dependents()
+            if self._entries.get(name) is not entry:  # forgotten (or replaced by a model renamed onto the name)
+                await self._drop_scratch(entry.scratch_names)
         self._record(name, "remove")
 
     async def apply_settings(self, settings: Settings) -> None:
@@ -696,7 +775,8 @@ class ModelRepository:
         over: the others are still asked, and the unloads that follow go on.
         """
         running = {id(entry.loaded): (entry.name, entry.loaded) for entry in self.entries() if entry.loaded is not None}
-        running.update(self._retiring)  # old versions still draining in the background
+        # Old versions still draining in the background.
+        running.update((key, (retiring.name, retiring.loaded)) for key, retiring in self._retiring.items())
         for name, loaded in running.values():
             await _terminate(name, loaded.backend)
 
@@ -723,19 +803,30 @@ class ModelRepository:
         assert loaded is not None
         entry.state, entry.reason = ModelState.UNLOADING, ""
         self._refresh_dependents()  # a model being unloaded takes no new requests: its callers stop too
-        await self._retire(entry.name, loaded, grace_s)
+        await self._retire(self._retiring_version(entry.name, loaded, entry), grace_s)
         entry.loaded = None
         entry.state = ModelState.UNAVAILABLE
         log.info("model '%s' unloaded", entry.name)
 
-    async def _retire(self, name: str, loaded: LoadedModel, grace_s: float | None = None) -> None:
-        """Let one version's queued and running requests finish, then release it."""
+    def _retiring_version(self, name: str, loaded: LoadedModel, entry: ModelEntry) -> RetiringVersion:
+        """Count ``loaded`` as retiring from now on, before it is taken off its entry: a shutdown ends its
+        running work too, its queue stays in the metrics, its scratch folders stay while it runs."""
+        retiring = RetiringVersion(name, loaded, frozenset(entry.scratch_names))
+        self._retiring[id(loaded)] = retiring
+        return retiring
+
+    async def _retire(self, retiring: RetiringVersion, grace_s: float | None = None) -> None:
+        """Let one version's queued and running requests finish, then release it.
+
+        A scratch folder a removal left to it (see :meth:`_drop_scratch`) is deleted then.
+        """
+        name, loaded = retiring.name, retiring.loaded
         backend = loaded.backend
 
         async def end_running() -> None:
             await _terminate(name, backend)  # never raises: the unload goes on past a failing terminate
 
-        self._retiring[id(loaded)] = (name, loaded)  # a shutdown meanwhile ends its running work too
+        self._retiring[id(loaded)] = retiring  # (already, unless a caller did not count it yet)
         try:
             # Bounded by the grace: an abandoned request's thread must not hold the unload (or the loop).
             await loaded.scheduler.drain(self.settings.server.shutdown_grace_s if grace_s is None else grace_s,
@@ -743,6 +834,7 @@ class ModelRepository:
             await _unload(name, backend)
         finally:
             self._retiring.pop(id(loaded), None)
+        await self._drop_scratch(retiring.scratch_names)
 
     def _enter_loaded_version(self, entry: ModelEntry) -> None:
         """Make a version just loaded (or reloaded) serve, and log that in one line.
@@ -825,17 +917,34 @@ class ModelRepository:
         path.mkdir(parents=True, exist_ok=True)
         return path
 
-    def _drop_scratch(self, gone: ModelEntry) -> None:
-        """Remove the scratch folders of an unloaded, forgotten entry that no other entry was given: a server fed
-        versioned folder names (``model-<sha>``) must not keep one folder per name it ever served until it stops.
+    async def _drop_scratch(self, names: set[str] | frozenset[str]) -> None:
+        """Remove the scratch folders ``names`` (those of a forgotten entry or a released version) that nothing
+        uses: a server fed versioned folder names (``model-<sha>``) must not keep one folder per name it ever
+        served until it stops.
 
-        One another entry was given stays: a model renamed away from this
-        name in place still runs from what it made there (a new folder under
-        the old name shares it).
+        One an entry was given stays: a model renamed away from this name in
+        place still runs from what it made there (a new folder under the old
+        name shares it). So does one an old version still finishing its
+        requests was given: it is removed once that version is released.
+        The folder is moved aside on the event loop, right after that check,
+        and deleted on a thread (a big one would stall every RPC): an entry
+        given the same name from then on makes a fresh folder, never one
+        half deleted.
         """
-        for name in gone.scratch_names:
-            if not any(name in entry.scratch_names for entry in self._entries.values()):
-                shutil.rmtree(self.scratch_dir / name, ignore_errors=True)
+        for name in sorted(names):
+            if (any(name in entry.scratch_names for entry in self._entries.values())
+                    or any(name in retiring.scratch_names for retiring in self._retiring.values())):
+                continue
+            doomed = self.scratch_dir / f".dropped-{uuid.uuid4().hex}"  # (no model name starts with ".")
+            try:
+                (self.scratch_dir / name).rename(doomed)
+            except FileNotFoundError:  # never made, or dropped already
+                continue
+            except OSError as err:
+                log.warning("model '%s': cannot remove its scratch folder: %s", name, err)
+                continue
+            await _on_daemon_thread(functools.partial(shutil.rmtree, doomed, ignore_errors=True),
+                                    f"nereid-drop-scratch-{name}")
 
 
 def _backends_folder() -> Path:
@@ -843,6 +952,12 @@ def _backends_folder() -> Path:
     spec = importlib.util.find_spec("nereid.backends")
     locations = list(spec.submodule_search_locations or []) if spec is not None else []
     return Path(locations[0]).resolve() if locations else Path(nereid.__file__).resolve().parent
+
+
+def _no_folder(name: str) -> NotFound:
+    """The error for a name with no model folder (and nothing else keeping it)."""
+    # The folder relative to ml_backends_path: clients never see the server's absolute paths.
+    return NotFound(PublicText(f"unknown model '{name}' (no folder '{name}' under ml_backends_path)"))
 
 
 def _waiting_for_folder(name: str) -> str:

@@ -356,7 +356,8 @@ class RepositoryWatcher:
         self._pending: dict[str, tuple[FolderState | None, float]] = {}  # changed, not yet settled: state, since
         # Pending folders whose hidden files are being written (a transfer under way): not due before this time.
         self._busy: dict[str, float] = {}
-        # Loads of folders that came back while their old model still drained: cancelled by stop() (a load
+        # Loads of folders that came back while the removal of their old model was still taking it off the
+        # name (it waits for a load or rename in progress, not for the drain): cancelled by stop() (a load
         # never starts, nor holds up, a shutdown), as the loads of apply() are with the watcher's task.
         self._deferred_loads: set[asyncio.Task] = set()
         self._timer: asyncio.TimerHandle | None = None
@@ -607,9 +608,9 @@ class RepositoryWatcher:
         return min(settle_s, max(0.0, settle_s - age_s))
 
     def _for(self, name: str, work: Coroutine[object, object, object]) -> Awaitable[None]:
-        """``work`` on the model ``name``, logged; after the removal of a folder of that name still draining
-        (the watcher's or a rename's), in the background once that is done (a re-added folder must not wait on
-        the loop of changes)."""
+        """``work`` on the model ``name``, logged; after the removal of a folder of that name still taking its
+        model off the name (the watcher's or a rename's; the old model's drain holds up nothing), in the
+        background once that is done (a re-added folder must not wait on the loop of changes)."""
         removal = self.repository.removal_of(name)
         if removal is None:
             return _logged(name, work)

@@ -15,6 +15,10 @@ import tritonclient.grpc as triton
 from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.utils import InferenceServerException
 
+import toy_backends
+from nereid.backend import BackendClaim
+from nereid.hookspecs import hookimpl
+
 
 def scrape(port: int) -> dict[tuple[str, tuple], float]:
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
@@ -226,3 +230,91 @@ def test_a_runtime_report_that_raises_leaves_out_one_gauge_not_the_scrape(tmp_pa
     assert not families["nereid_warm_parent_resident_bytes"].samples
     assert sum("runtime_report() failed (RuntimeError: no report today)" in r.getMessage()
                for r in caplog.records) == 1  # once per model, not once per scrape
+
+
+GATE = threading.Event()
+
+
+class GatedToy(toy_backends.ToyModel):
+    """A toy whose every execution waits for ``GATE``: requests pile up in its queue."""
+
+    def infer(self, inputs):
+        GATE.wait(10)
+        return super().infer(inputs)
+
+
+class GatedBackend:
+    """The ``gated`` backend: claims folders holding ``gated.txt``."""
+
+    BACKEND_NAME = "gated"
+
+    @hookimpl
+    def nereid_claim_model(self, folder, declared):
+        return BackendClaim(GatedToy) if (folder / "gated.txt").is_file() else None
+
+
+def test_queue_depth_counts_the_requests_waiting_on_a_version_that_drains(tmp_path) -> None:
+    """Defect: after a reload (or while a removed folder's model finished its requests) the gauge showed only
+    the serving version's queue; the requests still waiting on the old version were invisible."""
+    import asyncio
+    import shutil
+
+    from nereid.dtypes import DType
+    from nereid.metrics import _RepositoryCollector
+    from nereid.plugins import make_plugin_manager
+    from nereid.repository import ModelRepository
+    from nereid.settings import load_settings
+    from nereid.tensors import NamedTensor
+
+    folder = tmp_path / "ml-backends" / "g"
+    folder.mkdir(parents=True)
+    (folder / "gated.txt").write_text("")
+    (folder / "model_inference.textproto").write_text("input_shape: [4]\noutput_shape: [4]\nmax_batch_size: 8\n")
+    (tmp_path / "nereid.yaml").write_text('server:\n  ml_backends_path: "ml-backends"\n')
+    (tmp_path / "scratch").mkdir()
+    repository = ModelRepository(load_settings(tmp_path / "nereid.yaml"),
+                                 make_plugin_manager(load_entry_points=False, extra_plugins=(GatedBackend(),)),
+                                 tmp_path / "scratch")
+    collector = _RepositoryCollector(repository)
+    GATE.clear()
+
+    def gauge(name: str = "nereid_queue_depth") -> dict[str, float]:
+        family = next(f for f in collector.collect() if f.name == name)
+        return {sample.labels["model"]: sample.value for sample in family.samples}
+
+    async def until(condition) -> None:
+        for _ in range(500):
+            if condition():
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("condition not met in time")
+
+    async def scenario() -> list[dict[str, float]]:
+        x = NamedTensor("input", DType.FP32, np.zeros((1, 4), np.float32))
+        await repository.load("g")
+        old = repository.ready_model("g").scheduler
+        requests = [asyncio.ensure_future(old.submit([x], 1, 0)) for _ in range(3)]  # one runs, two wait
+        await until(lambda: old.queue_depth == 2)
+        await repository.reload("g")
+        new = repository.ready_model("g").scheduler
+        requests += [asyncio.ensure_future(new.submit([x], 1, 0)) for _ in range(2)]  # one runs, one waits
+        await until(lambda: new.queue_depth == 1)
+        seen = [gauge()]
+        shutil.rmtree(folder)
+        removal = repository.remove_in_background("g")  # the serving version drains too now
+        await until(lambda: repository.entry("g").state.value == "UNLOADING")
+        seen.append(gauge())
+        # Its other figures stay until it is released, as they did while an unload kept it on its entry.
+        assert gauge("nereid_batcher_submitted") == {"g": 5}  # (the statistics the two versions share)
+        GATE.set()
+        answers = await asyncio.gather(*requests)
+        assert [answer[0].data.tolist() for answer in answers] == [[[1.0] * 4]] * 5  # each answered, once
+        await removal
+        await repository.unload_all()
+        seen.append(gauge())
+        return seen
+    try:
+        seen = asyncio.run(scenario())
+    finally:
+        GATE.set()
+    assert seen == [{"g": 3}, {"g": 3}, {}]

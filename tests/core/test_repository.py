@@ -510,3 +510,76 @@ def test_a_backend_call_that_exits_raises_its_failure_and_never_ends_the_process
         with pytest.raises(RuntimeError, match="^KeyboardInterrupt$"):
             await bounded_backend_call("m", "terminate_running", interrupts)
     asyncio.run(scenario())
+
+
+def test_a_removed_models_scratch_folder_is_deleted_off_the_loop_and_never_under_a_new_one(tmp_path, root,
+                                                                                          monkeypatch):
+    """Defect: a removed model's scratch folder was deleted on the event loop (a big one stalled every RPC);
+    deleted on a thread, it must not take the files of a new folder given the same name meanwhile."""
+    import shutil
+    import threading
+
+    real_rmtree = shutil.rmtree
+    started, release = threading.Event(), threading.Event()
+    deleted_on: list[threading.Thread] = []
+
+    def slow_rmtree(path, *args, **kwargs):  # a big folder: it takes until released
+        deleted_on.append(threading.current_thread())
+        started.set()
+        if threading.current_thread() is not threading.main_thread():  # (never blocks the loop: fails instead)
+            release.wait(10)
+        real_rmtree(path, *args, **kwargs)
+
+    folder = write_toy(root, "big")
+    repo = repository(tmp_path)
+    scratch = tmp_path / "scratch"
+
+    async def scenario():
+        await repo.load("big")
+        (scratch / "big" / "old.bin").write_text("what the first version made")
+        real_rmtree(folder)
+        monkeypatch.setattr(shutil, "rmtree", slow_rmtree)
+        removal = asyncio.ensure_future(repo.remove("big"))
+        for _ in range(500):  # the loop runs on while the folder is deleted
+            if started.is_set():
+                break
+            await asyncio.sleep(0.01)
+        write_toy(root, "big")  # a new folder under the same name, loaded meanwhile
+        entry = await repo.load("big")
+        (scratch / "big" / "new.bin").write_text("what the new version made")
+        release.set()
+        await removal
+        assert entry.state is ModelState.READY and repo.entry("big") is entry
+        await repo.unload_all()
+    try:
+        asyncio.run(scenario())
+    finally:
+        release.set()
+    assert deleted_on and threading.main_thread() not in deleted_on
+    assert [path.name for path in scratch.iterdir()] == ["big"]  # nothing left but the new version's folder
+    assert [path.name for path in (scratch / "big").iterdir()] == ["new.bin"]
+
+
+def test_a_load_queued_behind_the_removal_of_its_folder_is_not_found(tmp_path, root):
+    """Defect: a load waiting on the model (as a reload) while its deleted folder's removal took it answered
+    with the forgotten entry ("unloaded": INTERNAL over the wire) instead of what a name with no folder gets."""
+    import shutil
+
+    from nereid.errors import NotFound
+
+    folder = write_toy(root, "m")
+    repo = repository(tmp_path)
+
+    async def scenario():
+        entry = await repo.load("m")
+        async with entry.held():  # say, a reload of it in progress
+            shutil.rmtree(folder)
+            removal = asyncio.ensure_future(repo.remove("m"))
+            await asyncio.sleep(0)  # the removal waits for the model first
+            load = asyncio.ensure_future(repo.load("m"))
+            await asyncio.sleep(0)
+        with pytest.raises(NotFound, match=r"^unknown model 'm' \(no folder 'm' under ml_backends_path\)$"):
+            await load
+        await removal
+        assert repo.entries() == [] and repo.server_ready()  # nothing left waiting for 'm'
+    asyncio.run(scenario())

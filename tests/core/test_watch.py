@@ -443,3 +443,69 @@ def test_a_store_down_at_start_loads_at_its_first_listing_what_a_start_would_hav
     assert states["listed"] is ModelState.READY
     assert states.get("unlisted") is not ModelState.READY
     assert "the store can be listed again; loading 'listed'" in caplog.text
+
+
+# -- a deleted folder's model draining while its name is asked for again ------------------------------------------
+
+def _slow_model(folder: Path, version: str, seconds: float) -> None:
+    """A model answering ``version`` after ``seconds``: its request is still running when its folder goes."""
+    write_model(folder, version)
+    (folder / "main.py").write_text(f"import time\ntime.sleep({seconds})\n" + version_main(version))
+
+
+def _in_flight(server, model: str) -> tuple[threading.Thread, list[dict]]:
+    """One request to ``model`` on its own client and thread; its answer lands in the list."""
+    answers: list[dict] = []
+
+    def call() -> None:
+        client = triton.InferenceServerClient(server.url)
+        try:
+            answers.append(ask(client, model))
+        finally:
+            client.close()
+    caller = threading.Thread(target=call)
+    caller.start()
+    return caller, answers
+
+
+def test_a_load_of_a_deleted_folder_whose_model_still_drains_is_not_found(repo, serve):
+    """Defect: RepositoryModelLoad waited for the old model's requests, then answered INTERNAL "unloaded"."""
+    from support import expect_grpc_error
+
+    _slow_model(repo.models_dir / "doomed", "1", 1.0)
+    server = serve(repo.write_config(server_extra=SETTLE))
+    caller, answers = _in_flight(server, "doomed")
+    time.sleep(0.3)  # the request is running
+    shutil.rmtree(repo.models_dir / "doomed")
+    wait_for(lambda: index(server)["doomed"][0] == "UNLOADING")  # removed; its request still runs
+    expect_grpc_error("NOT_FOUND", lambda: server.client.load_model("doomed"),
+                      "unknown model 'doomed' (no folder 'doomed' under ml_backends_path)")
+    assert caller.is_alive(), "the load waited for the old model's request"
+    caller.join(30)
+    assert [answer["version"] for answer in answers] == ["1"]  # in flight: answered once
+    wait_for(lambda: "doomed" not in index(server))
+
+
+def test_a_folder_renamed_onto_a_name_whose_model_drains_serves_at_once(repo, serve):
+    """Defect: ``rm -r m; mv other m`` while a request ran on the old m answered UNAVAILABLE under m until that
+    request ended (up to shutdown_grace_s): the rename waited for the old model's removal."""
+    _slow_model(repo.models_dir / "m", "old", 1.5)
+    write_model(repo.models_dir / "other", "other")
+    server = serve(repo.write_config(server_extra=SETTLE))
+    caller, answers = _in_flight(server, "m")
+    time.sleep(0.3)  # the request is running
+    shutil.rmtree(repo.models_dir / "m")
+    wait_for(lambda: index(server)["m"][0] == "UNLOADING")
+    os.rename(repo.models_dir / "other", repo.models_dir / "m")
+
+    def new_m() -> dict | None:
+        try:
+            return ask(server.client, "m")
+        except InferenceServerException:
+            return None
+    assert wait_for(new_m, 5)["version"] == "other"
+    assert caller.is_alive(), "the new 'm' served only once the old one had finished"
+    caller.join(30)
+    assert [answer["version"] for answer in answers] == ["old"]  # the old m's request: answered once, by it
+    assert index(server) == {"m": ("READY", "")}
+    assert ask(server.client, "m")["version"] == "other"
