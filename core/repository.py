@@ -541,8 +541,14 @@ class ModelRepository:
         scheduler: ModelScheduler | None = None
         try:
             calls_models = isinstance(built.backend, CallsModels)
-            instances = built.backend.concurrent_executions() if calls_models else entry.settings.instances
-            depends_on = built.backend.dependencies() if calls_models else ()
+            instances, depends_on = entry.settings.instances, ()
+            if calls_models:
+                # Model code, on the event loop: a sys.exit() there must be its failure, not the server's end.
+                instances, depends_on = calling_plugin(
+                    lambda: (built.backend.concurrent_executions(), built.backend.dependencies()),
+                    lambda exit_: ConfigError(f"model '{name}': its backend raised {describe_exception(exit_)} "
+                                              "while asked what it calls (a backend refuses a model by raising an "
+                                              "Exception with the reason)"))
             scheduler = ModelScheduler(name, built.backend, built.batch_signature, entry.settings.queue_capacity,
                                        instances, stats, built.policy)
             loaded = LoadedModel(built.backend_name, built.backend, built.signature, built.batch_signature,

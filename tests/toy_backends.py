@@ -133,6 +133,13 @@ class DependenciesFailModel(FaultyModel):
         return 1
 
 
+class DependenciesExitModel(DependenciesFailModel):
+    """Its ``dependencies()`` calls ``sys.exit()`` (asked on the server's event loop)."""
+
+    def dependencies(self) -> tuple[str, ...]:
+        sys.exit(4)
+
+
 class TerminateFailsModel(FaultyModel):
     """Runs each batch for 0.5 s; its ``terminate_running`` has a wrong signature (a TypeError when called)."""
 
@@ -169,6 +176,7 @@ class StopIterationModel(FaultyModel):
 
 
 FAULTS = {"no_platform": NoPlatformModel, "no_infer": NoInferModel, "dependencies_fail": DependenciesFailModel,
+          "dependencies_exit": DependenciesExitModel,
           "terminate_fails": TerminateFailsModel, "report_fails": ReportFailsModel,
           "stop_iteration": StopIterationModel, "unload_hangs": UnloadHangsModel}
 
