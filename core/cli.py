@@ -29,7 +29,7 @@ from nereid.processes import kill_children
 from nereid.plugins import NereidPluginManager, add_commands, check_backend_defaults, error_text, make_plugin_manager
 from nereid.repository import bounded_backend_call, build_model
 from nereid.storage import list_model_folders, materialize_model_folder
-from nereid.settings import Settings, address_problem, load_settings
+from nereid.settings import Listeners, Settings, address_problem, load_settings
 
 DEFAULT_CONFIG = Path("nereid.yaml")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -51,6 +51,10 @@ def main(argv: list[str] | None = None, extra_plugins: tuple[object, ...] = ()) 
                              help="path to nereid.yaml (default: ./nereid.yaml)")
     serve = commands.choices["serve"]
     serve.add_argument("--bind", default=None, type=_bind_address, help="override server.bind_addr (host:port)")
+    serve.add_argument("--http-bind", default=None, type=_listener_address, metavar="ADDR",
+                       help='override server.http_addr (host:port; "" turns HTTP off)')
+    serve.add_argument("--metrics-bind", default=None, type=_listener_address, metavar="ADDR",
+                       help='override server.metrics_addr (host:port; "" turns /metrics off)')
     # Checked here, so that a misspelt level is a usage error listing the levels, not a traceback from logging.
     serve.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, metavar="LEVEL",
                        help=f"logging level: {', '.join(LOG_LEVELS)} (any case; default INFO)")
@@ -74,7 +78,8 @@ def main(argv: list[str] | None = None, extra_plugins: tuple[object, ...] = ()) 
     logging.getLogger().setLevel(args.log_level)
     # jax reports at INFO that it found no TPU; that is no news to a CPU or GPU server.
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
-    return serve_command(settings, args.bind, manager)
+    return serve_command(settings, args.bind, manager,
+                         Listeners(args.bind, http_addr=args.http_bind, metrics_addr=args.metrics_bind))
 
 
 def limit_repeated_library_lines() -> None:
@@ -106,8 +111,16 @@ def _bind_address(text: str) -> str:
     return text
 
 
-def serve_command(settings: Settings, bind_addr: str | None, manager: NereidPluginManager | None = None) -> int:
+def _listener_address(text: str) -> str:
+    """``--http-bind`` / ``--metrics-bind``: an address checked as ``--bind`` is, or "" (that listener off)."""
+    return text if text == "" else _bind_address(text)
+
+
+def serve_command(settings: Settings, bind_addr: str | None, manager: NereidPluginManager | None = None,
+                  listeners: Listeners | None = None) -> int:
     """Run the server until a signal; 0 after a graceful stop.
+
+    ``listeners``: the command line's addresses (``bind_addr`` alone when None).
 
     An installed plugin that could not be loaded was logged and is left out: the
     server serves what the others claim.
@@ -125,7 +138,7 @@ def serve_command(settings: Settings, bind_addr: str | None, manager: NereidPlug
     raise_open_file_limit()
 
     async def run() -> None:
-        await NereidServer(settings, manager, bind_addr=bind_addr).serve_until_signalled()
+        await NereidServer(settings, manager, listeners=listeners or Listeners(bind_addr)).serve_until_signalled()
 
     try:
         asyncio.run(run())

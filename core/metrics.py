@@ -118,10 +118,11 @@ class ServerMetrics:
         """Count one reload, failed reload, rename or removal."""
         self.repository_events.labels(model, event).inc()
 
-    def serve(self, addr: str, idle_timeout_s: float = IDLE_TIMEOUT_S) -> int:
+    def serve(self, addr: str, idle_timeout_s: float = IDLE_TIMEOUT_S, origin: str = "server.metrics_addr") -> int:
         """Start the HTTP endpoint on ``host:port``; returns the bound port.
 
-        A connection that sends no complete request within ``idle_timeout_s`` is closed.
+        A connection that sends no complete request within ``idle_timeout_s`` is closed. ``origin``: where the
+        address came from, for the error when it cannot be served on.
         """
         host, _, port = addr.rpartition(":")
         host = host.strip("[]")
@@ -133,7 +134,7 @@ class ServerMetrics:
             self._http = make_server(host, int(port), make_wsgi_app(self.registry), Server,
                                      handler_class=type("Handler", (_QuietHandler,), {"timeout": idle_timeout_s}))
         except OSError as err:
-            raise OSError(f"cannot serve metrics on {addr} (server.metrics_addr): {err.strerror or err}") from err
+            raise OSError(f"cannot serve metrics on {addr} ({origin}): {err.strerror or err}") from err
         # A short poll interval keeps shutdown quick (the default waits up to 0.5 s).
         threading.Thread(target=self._http.serve_forever, kwargs={"poll_interval": 0.05},
                          name="nereid-metrics", daemon=True).start()

@@ -9,6 +9,7 @@ import shutil
 import signal
 import socket
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -23,7 +24,7 @@ from nereid.protocol.grpc_service import SERVICE_NAME, InferenceServicer, generi
 from nereid.protocol.http_service import HttpListener, HttpSurface
 from nereid.repository import ModelRepository
 from nereid.processes import kill_children
-from nereid.settings import Settings, repository_control_allowed
+from nereid.settings import Listeners, Settings, repository_control_allowed
 from nereid.tensors import InferRequest, InferResponse
 from nereid.tls import server_credentials, ssl_context
 from nereid.watch import RepositoryWatcher
@@ -73,12 +74,15 @@ class NereidServer:
     """One running server. ``start`` binds and begins loading models; ``stop`` drains and exits."""
 
     def __init__(self, settings: Settings, manager: pluggy.PluginManager | None = None,
-                 bind_addr: str | None = None) -> None:
-        """``bind_addr``, when given, is ``nereid serve --bind``: it replaces ``server.bind_addr``."""
+                 bind_addr: str | None = None, listeners: Listeners | None = None) -> None:
+        """``listeners``: ``nereid serve``'s ``--bind``, ``--http-bind`` and ``--metrics-bind``, each replacing
+        its nereid.yaml key; ``bind_addr`` alone stands for ``--bind``."""
         self.settings = settings
-        self.bind_addr = bind_addr or settings.server.bind_addr
-        # What an error about the gRPC address names, as the operator wrote it.
-        self.bind_origin = "--bind" if bind_addr else "server.bind_addr"
+        listeners = listeners or Listeners(bind_addr)
+        # Each with what an error about it names, as the operator wrote it.
+        self.bind_addr, self.bind_origin = listeners.grpc(settings.server)
+        self.http_addr, self.http_origin = listeners.http(settings.server)
+        self.metrics_addr, self.metrics_origin = listeners.metrics(settings.server)
         self.manager = manager or make_plugin_manager()
         remove_stale_scratch(Path(tempfile.gettempdir()))
         self.scratch_dir = Path(tempfile.mkdtemp(prefix=scratch_prefix()))
@@ -88,7 +92,8 @@ class NereidServer:
                                           on_state_change=self._readiness_may_have_changed)
         self.metrics.collect_from(self.repository)
         self.metrics_port: int | None = None
-        self.repository_control = repository_control_allowed(settings.server, self.bind_addr)
+        self.repository_control = repository_control_allowed(replace(settings.server, http_addr=self.http_addr),
+                                                             self.bind_addr)
         self.dataplane = DataPlane(self.repository, settings, repository_control=self.repository_control,
                                    on_repository_change=self.update_health)
         self.port: int | None = None
@@ -135,16 +140,16 @@ class NereidServer:
         server.add_generic_rpc_handlers((generic_handler(servicer),))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         self._check_grpc_address()  # before anything is opened
-        if self.settings.server.metrics_addr:
-            self.metrics_port = self.metrics.serve(self.settings.server.metrics_addr)
-            log.info("metrics at http://%s/metrics", self.settings.server.metrics_addr)
-        if config.http_addr:
+        if self.metrics_addr:
+            self.metrics_port = self.metrics.serve(self.metrics_addr, origin=self.metrics_origin)
+            log.info("metrics at http://%s/metrics", self.metrics_addr)
+        if self.http_addr:
             surface = HttpSurface(self.dataplane, config.max_message_bytes,
                                   functools.partial(self.metrics.count_request, "http"))
             self._http = HttpListener(surface, ssl_context(config.tls) if config.tls else None,
                                       config.shutdown_grace_s)
-            self.http_port = await self._http.start(config.http_addr)
-            log.info("KServe V2 REST on %s (port %d)", config.http_addr, self.http_port)
+            self.http_port = await self._http.start(self.http_addr, origin=self.http_origin)
+            log.info("KServe V2 REST on %s (port %d)", self.http_addr, self.http_port)
         # Bound last and started at once: a gRPC server that is never started keeps its port open until the
         # process exits, stopped or not. Tried again first: the HTTP or metrics listener may have taken it.
         self._check_grpc_address()

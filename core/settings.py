@@ -150,6 +150,35 @@ class ServerSettings:
     http_addr: str = DEFAULT_HTTP_ADDR
 
 
+@dataclass(frozen=True)
+class Listeners:
+    """Addresses given on ``nereid serve``'s command line, each replacing its nereid.yaml key (None: the key's).
+
+    Kept beside the settings rather than written into them: a nereid.yaml
+    edited while serving is compared with what the file said, not with flags.
+    Each address comes with its origin (``--http-bind``, ``server.http_addr``)
+    for the error an address in use gets.
+    """
+
+    bind_addr: str | None = None
+    http_addr: str | None = None  # "": HTTP off
+    metrics_addr: str | None = None  # "": /metrics off
+
+    def grpc(self, server: ServerSettings) -> tuple[str, str]:
+        """The gRPC address and where it came from."""
+        return (self.bind_addr, "--bind") if self.bind_addr else (server.bind_addr, "server.bind_addr")
+
+    def http(self, server: ServerSettings) -> tuple[str, str]:
+        """The HTTP address ("" when off) and where it came from."""
+        return ((self.http_addr, "--http-bind") if self.http_addr is not None
+                else (server.http_addr, "server.http_addr"))
+
+    def metrics(self, server: ServerSettings) -> tuple[str, str]:
+        """The metrics address ("" when off) and where it came from."""
+        return ((self.metrics_addr, "--metrics-bind") if self.metrics_addr is not None
+                else (server.metrics_addr, "server.metrics_addr"))
+
+
 def is_loopback(bind_addr: str) -> bool:
     """True when ``host:port`` listens on the loopback interface only."""
     host = bind_addr.rpartition(":")[0].strip("[]").lower()

@@ -160,11 +160,12 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def nereid_serve(config: Path):
-    """``nereid serve`` in its own process, ready; yields (process, client). Killed if still running."""
+def nereid_serve(config: Path, *extra_args: str):
+    """``nereid serve`` (with ``extra_args``) in its own process, ready; yields (process, client). Killed if still
+    running."""
     port = free_port()
-    process = subprocess.Popen([*NEREID, "serve", "--config", str(config), "--bind", f"127.0.0.1:{port}"],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen([*NEREID, "serve", "--config", str(config), "--bind", f"127.0.0.1:{port}",
+                                *extra_args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         client = triton.InferenceServerClient(f"127.0.0.1:{port}")
         deadline = time.monotonic() + 30

@@ -491,8 +491,9 @@ class HttpListener:
         self._task: asyncio.Task | None = None
         self._records = _UvicornRecords()  # on uvicorn's logger while this listener runs
 
-    async def start(self, addr: str) -> int:
-        """Listen on ``host:port`` (``[::1]:8000``); returns the bound port."""
+    async def start(self, addr: str, origin: str = "server.http_addr") -> int:
+        """Listen on ``host:port`` (``[::1]:8000``); returns the bound port. ``origin``: where the address came
+        from, for the error when it cannot be listened on."""
         host, _, port = addr.rpartition(":")
         host = host.strip("[]")
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
@@ -504,7 +505,7 @@ class HttpListener:
             sock.bind((host, int(port)))
         except OSError as err:
             sock.close()
-            raise OSError(f"cannot listen on {addr} (server.http_addr): {err.strerror or err}") from None
+            raise OSError(f"cannot listen on {addr} ({origin}): {err.strerror or err}") from None
         # No log_config and no log_level: uvicorn would otherwise give its loggers handlers of its own, in its
         # own format, that do not propagate, and a level of their own that ignores --log-level. Its records
         # go to the root logger's handler, at the root logger's level, through _UvicornRecords.
@@ -526,7 +527,7 @@ class HttpListener:
             logging.getLogger(UVICORN_LOGGER).removeFilter(self._records)
             sock.close()
             await task  # raises what stopped it
-            raise OSError(f"the HTTP listener on {addr} (server.http_addr) did not start")
+            raise OSError(f"the HTTP listener on {addr} ({origin}) did not start")
         return sock.getsockname()[1]
 
     async def stop(self) -> None:

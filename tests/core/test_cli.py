@@ -11,6 +11,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -188,6 +189,30 @@ def test_serve_reports_an_address_in_use_and_exits_non_zero(repo) -> None:
                                  "--bind", f"127.0.0.1:{taken_port}"], capture_output=True, text=True, timeout=60)
         assert second.returncode == 1
         assert f"cannot listen on 127.0.0.1:{taken_port} (--bind): Address already in use" in second.stderr
+
+
+def test_serve_flags_move_or_turn_off_http_and_metrics_and_errors_name_the_flag(repo) -> None:
+    """Moving the HTTP or metrics listener took a nereid.yaml edit (Triton has --http-port, --metrics-port)."""
+    repo.python("echo")
+    config = repo.write_config()
+    for flag, message in (("--http-bind", "cannot listen on 127.0.0.1:{port} (--http-bind)"),
+                          ("--metrics-bind", "cannot serve metrics on 127.0.0.1:{port} (--metrics-bind)")):
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            port = taken.getsockname()[1]
+            result = subprocess.run([*NEREID, "serve", "--config", str(config), "--bind", f"127.0.0.1:{free_port()}",
+                                     flag, f"127.0.0.1:{port}"], capture_output=True, text=True, timeout=60)
+        assert result.returncode == 1 and message.format(port=port) in result.stderr, result.stderr
+    usage = subprocess.run([*NEREID, "serve", "--http-bind", "8000"], capture_output=True, text=True, timeout=60)
+    assert usage.returncode == 2 and "--http-bind: must be host:port, got '8000'" in usage.stderr, usage.stderr
+    http_port = free_port()
+    with nereid_serve(config, "--http-bind", f"127.0.0.1:{http_port}", "--metrics-bind", "") as (process, _client):
+        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v2/health/ready", timeout=10) as response:
+            assert response.status == 200
+        process.send_signal(signal.SIGTERM)
+        output = process.communicate(timeout=30)[0]
+    assert f"KServe V2 REST on 127.0.0.1:{http_port}" in output and "metrics at" not in output, output
 
 
 HANGING_MAIN = '''
