@@ -47,9 +47,9 @@ def nereid_declaration_hint(folder: Path) -> str | None:
     Asked only when no backend claimed ``folder`` and nereid.yaml names no
     backend for it. A backend whose folders carry no signature of their own
     (the cxx backend's hold only a textproto) answers with a sentence such as
-    "a folder holding only model_inference.textproto is a cxx model: declare
-    it with backend: cxx and runtime: {library: PATH}"; it becomes part of the
-    model's UNAVAILABLE reason.
+    "if it is a cxx model (a folder holding only model_inference.textproto may
+    be one), declare it with backend: cxx and runtime: {library: PATH}"; it
+    becomes part of the model's UNAVAILABLE reason.
 
     :param folder: the model folder; look only at its files.
     :return: one sentence, or None when the folder is not this backend's kind.

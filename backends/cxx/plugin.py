@@ -35,8 +35,9 @@ def nereid_declaration_hint(folder: Path) -> str | None:
     """A folder holding a textproto and nothing else a backend recognises looks like a cxx model."""
     visible = [p.name for p in folder.iterdir() if not p.name.startswith(".")]
     if visible == [TEXTPROTO_NAME]:
-        return (f"a folder holding only {TEXTPROTO_NAME} is a cxx model: declare it in nereid.yaml with "
-                "backend: cxx and runtime: {library: PATH} (or runtime: {sources: [...]})")
+        # Only "may be": a python or cpp model whose main file is not written yet looks the same.
+        return (f"if it is a cxx model (a folder holding only {TEXTPROTO_NAME} may be one), declare it in "
+                "nereid.yaml with backend: cxx and runtime: {library: PATH} (or runtime: {sources: [...]})")
     return None
 
 

@@ -416,7 +416,7 @@ def test_models_the_cxx_backend_refuses_are_unavailable_with_a_reason(repo, serv
         "unknown_option": ["models[8].runtime.flavour: unknown option of the cxx backend", "got 1"],
         "on_gpu": ["runs on the CPU", "cuda:0"],
         "textproto_only": ["no backend claims",
-                           "is a cxx model: declare it in nereid.yaml with backend: cxx and runtime: {library: PATH}"],
+                           "may be one), declare it in nereid.yaml with backend: cxx and runtime: {library: PATH}"],
         "broken_source": [f"{broken.name}: compilation failed", "undefined_identifier_xyz"],
         # Defect: both were said not to exist.
         "library_folder": ["shared library ", "folder.so: is a directory, not a regular file"],

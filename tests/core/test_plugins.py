@@ -387,9 +387,9 @@ def test_a_declared_backend_whose_plugin_was_left_out_is_told_why(site, repo, tm
     assert str(caught.value) == f"nereid.yaml: backends.broken_import: {left_out}"
     # Undeclared, the folder it should have claimed names it among the plugins left out.
     assert claim_folder(manager, folder).reason.endswith(
-        "; plugin(s) left out at start-up (the log and nereid check say why): broken_import; a folder holding "
-        "only model_inference.textproto is a cxx model: declare it in nereid.yaml with backend: cxx and runtime: "
-        "{library: PATH} (or runtime: {sources: [...]})")
+        "; plugin(s) left out at start-up (the log and nereid check say why): broken_import; if it is a cxx model "
+        "(a folder holding only model_inference.textproto may be one), declare it in nereid.yaml with backend: cxx "
+        "and runtime: {library: PATH} (or runtime: {sources: [...]})")
     assert check(load_settings(repo.write_config("""
         - name: declared
           backend: broken_import
