@@ -418,20 +418,25 @@ def test_check_reports_a_failing_unload_on_its_line_and_goes_on(repo, tmp_path, 
     assert lines[2] == f"{config}: 1 model(s) with problems"
 
 
-def test_check_reports_a_failing_runtime_report_on_its_line_and_goes_on(tmp_path, capsys) -> None:
+@pytest.mark.parametrize("fault, line", [
     # A runtime_report() that raised ended the check with a traceback, the models after it unchecked.
+    ("report_fails", "a_faulty: RUNTIME REPORT FAILED: RuntimeError: no report today; loaded as backend=faulty "),
+    # A meta model's dependencies() that raised ended it too (a server has that model UNAVAILABLE).
+    ("dependencies_fail", "a_faulty: UNAVAILABLE: dependencies unknown"),
+], ids=["runtime_report", "dependencies"])
+def test_check_reports_a_model_failing_after_its_load_on_its_line_and_goes_on(tmp_path, capsys, fault: str,
+                                                                                line: str) -> None:
     from nereid.cli import check
     from nereid.plugins import make_plugin_manager
     from nereid.settings import load_settings
 
-    toy_backends.write_faulty(tmp_path / "ml-backends", "a_reporter", "report_fails")
+    toy_backends.write_faulty(tmp_path / "ml-backends", "a_faulty", fault)
     toy_backends.write_toy(tmp_path / "ml-backends", "b_plain")
     (tmp_path / "nereid.yaml").write_text('server:\n  ml_backends_path: "ml-backends"\n')
     manager = make_plugin_manager(load_entry_points=False, extra_plugins=(toy_backends, toy_backends.FaultyToys()))
     assert check(load_settings(tmp_path / "nereid.yaml"), manager) == 1
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith("a_reporter: RUNTIME REPORT FAILED: RuntimeError: no report today; loaded as "
-                               "backend=faulty ")
+    assert lines[0].startswith(line), lines[0]
     assert lines[1].startswith("b_plain: OK backend=toy ")
     assert lines[2].endswith(": 1 model(s) with problems")
 
@@ -556,23 +561,6 @@ def test_check_takes_a_keyboard_interrupt_a_model_raises_for_its_failure_not_for
                         "with the reason)")
     assert lines[3].startswith("d_echo: OK backend=python")
     assert lines[4] == f"{config}: 3 model(s) with problems"
-
-
-def test_check_reports_a_failing_dependencies_as_a_server_would_and_goes_on(tmp_path, capsys) -> None:
-    # A meta model's dependencies() that raised ended the check with a traceback (a server has it UNAVAILABLE).
-    from nereid.cli import check
-    from nereid.plugins import make_plugin_manager
-    from nereid.settings import load_settings
-
-    toy_backends.write_faulty(tmp_path / "ml-backends", "a_caller", "dependencies_fail")
-    toy_backends.write_toy(tmp_path / "ml-backends", "b_plain")
-    (tmp_path / "nereid.yaml").write_text('server:\n  ml_backends_path: "ml-backends"\n')
-    manager = make_plugin_manager(load_entry_points=False, extra_plugins=(toy_backends, toy_backends.FaultyToys()))
-    assert check(load_settings(tmp_path / "nereid.yaml"), manager) == 1
-    lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == "a_caller: UNAVAILABLE: dependencies unknown"
-    assert lines[1].startswith("b_plain: OK backend=toy ")
-    assert lines[2].endswith(": 1 model(s) with problems")
 
 
 # Runs `nereid serve` (-m nereid.cli serve ...) or a script standing for it, whose server, in place of serving, logs
