@@ -206,6 +206,7 @@ def check(settings: Settings, manager: NereidPluginManager | None = None) -> int
         callers: list[_Checked] = []  # loaded fine, and call other models: judged once every model is
         for name in names:
             checked = _check_model(settings, manager, scratch, name, signals.model_faults)
+            signals.stop_if_came()  # (a model's code may have caught the interrupt and gone on)
             if checked is None:
                 problems += 1
                 states[name] = ("UNAVAILABLE", "its check failed")
@@ -267,11 +268,19 @@ class _StopSignals:
 
     def model_faults(self) -> tuple[type[BaseException], ...]:
         """What to catch around a model's code as its failure: :func:`plugin_failures`, and a KeyboardInterrupt
-        while no signal has come.
+        (no signal has come, or this raises).
 
-        Called in the ``except`` clause, so after the handler has run for a signal that interrupted that code.
+        Called in the ``except`` clause, so after the handler has run for a signal that interrupted that code:
+        the check then stops, whatever that code made of the interrupt (a load that wraps every exception in a
+        RuntimeError of its own).
         """
-        return plugin_failures() if self.came is not None else (*plugin_failures(), KeyboardInterrupt)
+        self.stop_if_came()
+        return (*plugin_failures(), KeyboardInterrupt)
+
+    def stop_if_came(self) -> None:
+        """Raise the stop of the signal that came, if one did."""
+        if self.came is not None:
+            raise _Terminated() if self.came == signal.SIGTERM else KeyboardInterrupt()
 
 
 @dataclass

@@ -140,12 +140,14 @@ def plugin_failures() -> tuple[type[BaseException], ...]:
     return (BaseException,)
 
 
-def calling_plugin(call: Callable[[], T], failure: Callable[[BaseException], Exception]) -> T:
-    """``call()``, plugin or model code: an exit it raises that :func:`plugin_failures` takes for its failure
-    (``sys.exit()``, ...) comes out as the Exception ``failure(exit)``, never as a request to end the process."""
+def calling_plugin(call: Callable[[], T], failure: Callable[[BaseException], Exception],
+                   also: tuple[type[BaseException], ...] = ()) -> T:
+    """``call()``, plugin or model code: an exit it raises that :func:`plugin_failures` (or ``also``) takes for
+    its failure (``sys.exit()``, ...) comes out as the Exception ``failure(exit)``, never as a request to end the
+    process."""
     try:
         return call()
-    except plugin_failures() as err:
+    except (*plugin_failures(), *also) as err:
         if isinstance(err, Exception):
             raise
         raise failure(err) from None

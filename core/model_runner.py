@@ -79,12 +79,16 @@ def _program_inputs(model: str, batch_signature: ModelSignature, tensors: list[N
 
 async def _call_hook(model: str, hook: str, function: Callable[[list[NamedTensor]], list[NamedTensor]],
                      tensors: list[NamedTensor]) -> list[NamedTensor]:
-    """Run a hook on a worker thread (so hooks of different requests overlap); its result, checked."""
+    """Run a hook on a worker thread (so hooks of different requests overlap); its result, checked there too (the
+    message about a wrong result quotes part of it: none of that work on the event loop)."""
+    def run_and_check() -> list[NamedTensor]:
+        return _checked_hook_result(model, hook, without_stop_iteration(function, tensors))
+
     try:
-        result = await asyncio.to_thread(without_stop_iteration, function, tensors)
+        return await asyncio.to_thread(run_and_check)
     except NereidError as err:
         if str(err).startswith(f"model '{model}'"):
-            raise
+            raise  # (the check's verdict among them)
         # A hook's own refusal (InvalidArgument, ...): same kind, naming the model as every message does.
         raise same_kind(err, f"model '{model}': {err}") from err
     except (Exception, *MODEL_EXITS) as err:  # sys.exit() in a hook must not end the server
@@ -95,7 +99,6 @@ async def _call_hook(model: str, hook: str, function: Callable[[list[NamedTensor
         if asyncio.current_task().cancelling():
             raise
         raise _hook_failure(model, hook, err) from err
-    return _checked_hook_result(model, hook, result)
 
 
 def _hook_failure(model: str, hook: str, error: BaseException) -> ModelFailure:

@@ -543,12 +543,13 @@ class ModelRepository:
             calls_models = isinstance(built.backend, CallsModels)
             instances, depends_on = entry.settings.instances, ()
             if calls_models:
-                # Model code, on the event loop: a sys.exit() there must be its failure, not the server's end.
+                # Model code, on the event loop: a sys.exit() there must be its failure, not the server's end. So
+                # must a KeyboardInterrupt: the server takes Ctrl-C with the loop's signal handler, never as one.
                 instances, depends_on = calling_plugin(
                     lambda: (built.backend.concurrent_executions(), built.backend.dependencies()),
                     lambda exit_: ConfigError(f"model '{name}': its backend raised {describe_exception(exit_)} "
                                               "while asked what it calls (a backend refuses a model by raising an "
-                                              "Exception with the reason)"))
+                                              "Exception with the reason)"), also=(KeyboardInterrupt,))
             scheduler = ModelScheduler(name, built.backend, built.batch_signature, entry.settings.queue_capacity,
                                        instances, stats, built.policy)
             loaded = LoadedModel(built.backend_name, built.backend, built.signature, built.batch_signature,

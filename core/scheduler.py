@@ -348,7 +348,9 @@ class ModelScheduler:
             return results
         except NereidError as err:
             if isinstance(err, ModelFailure) and not isinstance(err, LoggedModelFailure):
-                self._fault_log.error("%s", err)  # the backend's own word for its fault (a run that failed)
+                # The backend's own word for its fault (a run that failed), with the traceback of what it was
+                # raised from, if anything (a meta model's orchestration that raised).
+                self._fault_log.error("%s", err, exc_info=err.__cause__)
             raise
         except (Exception, *MODEL_EXITS) as err:  # a model fault, whatever the backend raised
             raise self._model_fault(err) from err

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import math
 import reprlib
+import collections.abc
 from collections import Counter
 from dataclasses import dataclass
 from itertools import islice, repeat
@@ -370,6 +371,19 @@ class _BoundedRepr(reprlib.Repr):
 
     def repr_frozenset(self, x: frozenset, level: int) -> str:
         return self._repr_iterable(x, level, "frozenset({", "})", self.maxfrozenset) if x else "frozenset()"
+
+    def repr_instance(self, x: Any, level: int) -> str:
+        # reprlib finds its methods by the type's name: a subclass of a container or of a string (OrderedDict,
+        # defaultdict, UserList, numpy's str_) comes here, where it would call the whole repr. Quoted as its base
+        # type is, bounded, under its own type's name.
+        name = type(x).__name__
+        if isinstance(x, (str, bytes, bytearray)):
+            return f"{name}({self.repr_str(x, level)})"
+        if isinstance(x, collections.abc.Mapping):
+            return f"{name}({self.repr_dict(x, level)})"
+        if isinstance(x, (collections.abc.Sequence, collections.abc.Set)):
+            return f"{name}({self._repr_iterable(x, level, '[', ']', self.maxlist)})"
+        return super().repr_instance(x, level)
 
 
 # What a BYTES element may be (nereid.tensors.join_bytes_elements encodes str as UTF-8).

@@ -140,6 +140,13 @@ class DependenciesExitModel(DependenciesFailModel):
         sys.exit(4)
 
 
+class DependenciesInterruptModel(DependenciesFailModel):
+    """Its ``dependencies()`` raises KeyboardInterrupt (asked on the server's event loop, the main thread)."""
+
+    def dependencies(self) -> tuple[str, ...]:
+        raise KeyboardInterrupt("no dependencies today")
+
+
 class TerminateFailsModel(FaultyModel):
     """Runs each batch for 0.5 s; its ``terminate_running`` has a wrong signature (a TypeError when called)."""
 
@@ -176,7 +183,7 @@ class StopIterationModel(FaultyModel):
 
 
 FAULTS = {"no_platform": NoPlatformModel, "no_infer": NoInferModel, "dependencies_fail": DependenciesFailModel,
-          "dependencies_exit": DependenciesExitModel,
+          "dependencies_exit": DependenciesExitModel, "dependencies_interrupt": DependenciesInterruptModel,
           "terminate_fails": TerminateFailsModel, "report_fails": ReportFailsModel,
           "stop_iteration": StopIterationModel, "unload_hangs": UnloadHangsModel}
 

@@ -34,7 +34,6 @@ from nereid.dependencies import describe_cycle, find_cycle
 from nereid.errors import (ConfigError, DeadlineExceeded, LoggedModelFailure, ModelFailure, NereidError, Unavailable,
                            same_kind, without_stop_iteration)
 from nereid.files import not_regular_reason
-from nereid.log_limit import RateLimitedLog
 from nereid.model_hooks import load_model_hooks
 from nereid.runtime_options import RuntimeOptions
 from nereid.signature import ModelSignature
@@ -144,8 +143,6 @@ class MetaModel:
         self._is_async = True
         self._model_py: Path | None = None
         self._pool: DaemonThreadPool | None = None
-        # The orchestration's own faults, with their tracebacks: limited per model, as the scheduler's are.
-        self._fault_log = RateLimitedLog(log)
 
     # -- Model protocol ---------------------------------------------------------------------------
 
@@ -221,10 +218,9 @@ class MetaModel:
             # The orchestration's own refusal (raise InvalidArgument(...)): its status, naming the model.
             raise same_kind(err, f"meta model '{self.context.name}': {err}") from err
         except Exception as err:
-            failure = LoggedModelFailure(f"meta model '{self.context.name}': orchestrate failed{self._line_of(err)}: "
-                                         f"{type(err).__name__}: {err}")
-            self._fault_log.error("%s", failure, exc_info=err)  # once, with the author's traceback
-            raise failure from err
+            # Logged once, by this model's scheduler (under its per-model limit), with the author's traceback.
+            raise ModelFailure(f"meta model '{self.context.name}': orchestrate failed{self._line_of(err)}: "
+                               f"{type(err).__name__}: {err}") from err
         return self._in_declared_order(result)
 
     def unload(self) -> None:

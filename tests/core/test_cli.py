@@ -563,6 +563,52 @@ def test_check_takes_a_keyboard_interrupt_a_model_raises_for_its_failure_not_for
     assert lines[4] == f"{config}: 3 model(s) with problems"
 
 
+WRAPPING_PLUGIN = '''
+import os, time
+from nereid.hookspecs import hookimpl
+from nereid.backend import BackendClaim
+
+class Wrapping:
+    """A load that wraps whatever interrupts it (a download library's except BaseException) in its own error."""
+    platform = "wrapping"
+
+    def __init__(self, context):
+        self.context = context
+
+    def load(self):
+        try:
+            open(os.environ["WRAPPING_STARTED"], "w").close()
+            time.sleep(30)
+        except BaseException as err:
+            raise RuntimeError(f"download aborted: {err!r}")
+
+@hookimpl
+def nereid_claim_model(folder, declared):
+    return BackendClaim(Wrapping) if (folder / "wrapping.txt").is_file() else None
+'''
+
+
+def test_check_stops_at_ctrl_c_even_when_a_model_wraps_the_interrupt(repo, tmp_path, monkeypatch) -> None:
+    """Defect: a real SIGINT during a load that turned the KeyboardInterrupt into an error of its own was taken for
+    that model's failure: the check went on with the other models and exited 1."""
+    _with_plugins(tmp_path, monkeypatch, [("wrapping", "wrapping", "wrapping_plugin", WRAPPING_PLUGIN)])
+    repo.add("a_wrap", "input_shape: [4]\noutput_shape: [4]\n", **{"wrapping.txt": ""})
+    repo.python("b_echo")
+    started = tmp_path / "started"
+    process = subprocess.Popen([*NEREID, "check", "--config", str(repo.write_config())], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env={**os.environ, "WRAPPING_STARTED": str(started)})
+    try:
+        assert wait_until(started.exists, 30)
+        process.send_signal(signal.SIGINT)
+        out, err = process.communicate(timeout=30)
+        assert process.returncode == 130, out + err
+        assert err.strip().endswith("nereid.yaml: interrupted by SIGINT") and "b_echo" not in out, out + err
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
 # Runs `nereid serve` (-m nereid.cli serve ...) or a script standing for it, whose server, in place of serving, logs
 # what a server's run may: grpcio's ERROR for an answer to a call that had already ended, and a line of nereid's.
 SERVE_LOGGING_DRIVER = '''

@@ -348,9 +348,9 @@ def test_a_failed_listing_is_kept_for_unknown_names_like_a_good_one(s3, tmp_path
 def test_a_model_object_lacking_part_of_the_protocol_is_unavailable_naming_its_backend(tmp_path, root):
     # Without platform it was READY, then every ModelMetadata failed INTERNAL; without infer it failed
     # after load() had acquired its resources, which nothing released.
-    # (And a dependencies() calling sys.exit(), on the event loop, ended the whole server.)
+    # (And a dependencies() calling sys.exit() or raising KeyboardInterrupt, on the event loop, ended the server.)
     names = {"noplat": "no_platform", "noinfer": "no_infer", "nodeps": "dependencies_fail",
-             "depsexit": "dependencies_exit"}
+             "depsexit": "dependencies_exit", "depsint": "dependencies_interrupt"}
     for name, fault in names.items():
         toy_backends.write_faulty(root, name, fault)
     repo = repository(tmp_path, extra_plugins=(toy_backends.FaultyToys(),))
@@ -368,8 +368,10 @@ def test_a_model_object_lacking_part_of_the_protocol_is_unavailable_naming_its_b
     assert entries["nodeps"].reason == "dependencies unknown"
     assert entries["depsexit"].reason == ("model 'depsexit': its backend raised SystemExit: 4 while asked what it "
                                           "calls (a backend refuses a model by raising an Exception with the reason)")
+    assert entries["depsint"].reason.startswith("model 'depsint': its backend raised KeyboardInterrupt: no "
+                                                "dependencies today while asked what it calls")
     # Each failed after its load() succeeded: what that acquired is released.
-    assert [toy_backends.UNLOADS[name] for name in names] == [1, 1, 1, 1]
+    assert [toy_backends.UNLOADS[name] for name in names] == [1] * len(names)
 
 
 def test_a_failing_terminate_running_neither_stops_an_unload_nor_a_shutdown(tmp_path, root, caplog):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 from pathlib import Path
 
 import numpy as np
@@ -199,6 +200,9 @@ class CountedRepr:
     ([CountedRepr() for _ in range(100_000)], "returned outputs [None, None, "),  # a list of no NamedTensor
     ([NamedTensor("y", DType.BYTES, objects(b"a", *(CountedRepr() for _ in range(3))))],
      "holding element 1 of type CountedRepr (e)"),
+    # Subclasses of the containers, which reprlib would quote with their whole repr.
+    (collections.OrderedDict((i, CountedRepr()) for i in range(100_000)), "returned OrderedDict OrderedDict({0: e, "),
+    (collections.UserList(CountedRepr() for _ in range(100_000)), "returned UserList UserList([e, e, "),
 ])
 def test_a_huge_wrong_output_is_quoted_from_a_bounded_part_of_it(outputs: object, quoted: str) -> None:
     """Defect: the message took the full repr of a model's wrong output before cutting it to 100 characters:

@@ -521,3 +521,19 @@ def test_a_fault_met_through_a_meta_model_is_logged_once_where_it_happened(repo,
         assert line.getMessage().endswith("ValueError: no mode 7") and line.exc_info[0] is ValueError
     (line,) = errors_logged("errors", 3)  # the meta model's own refusal is still logged, once
     assert "ctx.infer('unlisted') refused" in line.getMessage()
+
+
+def test_a_meta_model_s_faults_share_one_log_budget(repo, serve, caplog) -> None:
+    """Defect: an orchestration's exceptions were limited by a log of the meta model's own, its other faults by its
+    scheduler's: two budgets, so 20 lines in 10 s where the README says at most 10 per model."""
+    repo.python("failing", main=FAILING_MAIN)
+    repo.python("echo")
+    add_meta(repo, "errors", ERRORS, ["failing", "echo"])
+    client = serve(repo.write_config()).client
+    caplog.set_level(logging.ERROR)
+    for _ in range(12):
+        for mode in (3, 7):  # a refused sub-call (the scheduler's line), the orchestration raising
+            expect_grpc_error("INTERNAL", lambda: infer(client, "errors", np.array([mode, 0, 0, 0], np.float32)),
+                              "meta model 'errors'")
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("meta model 'errors'")]
+    assert len(lines) == 10, lines
