@@ -545,6 +545,8 @@ class HttpListener:
 UVICORN_LOGGER = "uvicorn.error"
 # uvicorn's WARNING for each request httptools cannot parse: a client can send those as fast as it likes.
 INVALID_REQUEST_LINE = "Invalid HTTP request received."
+# uvicorn's ERROR when a stop's grace runs out with requests still running.
+GRACE_EXCEEDED_LINE = "Cancel %s running task(s), timeout graceful shutdown exceeded"
 
 
 class _UvicornRecords(logging.Filter):
@@ -561,7 +563,10 @@ class _UvicornRecords(logging.Filter):
         self._invalid_requests = RateLimitFilter((INVALID_REQUEST_LINE,))
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if logging.DEBUG < record.levelno < logging.WARNING:
+        # Its ERROR at the end of a grace that ran out is DEBUG too: that is the documented end of a stop, which
+        # nereid's own WARNING already says (how many executions it ends), and an ERROR would page whoever
+        # alerts on the log.
+        if logging.DEBUG < record.levelno < logging.WARNING or record.msg == GRACE_EXCEEDED_LINE:
             if not logging.getLogger(record.name).isEnabledFor(logging.DEBUG):
                 return False
             record.levelno, record.levelname = logging.DEBUG, "DEBUG"

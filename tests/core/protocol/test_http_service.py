@@ -633,3 +633,25 @@ def test_wrong_methods_are_405_with_allow_head_is_get_without_a_body_and_other_c
                                     {"Content-Type": "application/octet-stream",
                                      "Inference-Header-Content-Length": "0"}))
     assert status == 400 and "Inference-Header-Content-Length 0 (Triton's raw binary request" in message
+
+
+def test_uvicorns_error_for_a_grace_that_ran_out_is_a_debug_line() -> None:
+    """Defect: a stop whose grace ran out (documented; nereid logs its own WARNING with the count) also wrote
+    uvicorn's "ERROR uvicorn.error: Cancel 4 running task(s), timeout graceful shutdown exceeded"."""
+    import inspect
+
+    import uvicorn.server
+
+    from nereid.protocol.http_service import GRACE_EXCEEDED_LINE, _UvicornRecords
+
+    assert f'"{GRACE_EXCEEDED_LINE}"' in inspect.getsource(uvicorn.server)  # the line this uvicorn writes
+    records, logger = _UvicornRecords(), logging.getLogger("uvicorn.error")
+    previous = logger.level
+    try:
+        for level, shown in ((logging.INFO, False), (logging.DEBUG, True)):
+            logger.setLevel(level)
+            record = logger.makeRecord(logger.name, logging.ERROR, __file__, 1, GRACE_EXCEEDED_LINE, (4,), None)
+            assert records.filter(record) is shown
+            assert record.levelname == "DEBUG" or not shown
+    finally:
+        logger.setLevel(previous)
