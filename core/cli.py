@@ -125,11 +125,18 @@ def serve_command(settings: Settings, bind_addr: str | None, manager: NereidPlug
     An installed plugin that could not be loaded was logged and is left out: the
     server serves what the others claim.
     """
+    # gRPC's core writes its own lines to stderr, at INFO by default, in its own format and past --log-level: one
+    # per failed TLS handshake (a plaintext probe on a TLS port, any client from the internet), with no limit.
+    # Set before grpc is imported, which reads it once; an operator's own value wins.
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     from nereid.server import NereidServer  # grpc is only needed to serve
 
     manager = manager or make_plugin_manager()
+    listeners = listeners or Listeners(bind_addr)
     try:
         check_backend_defaults(manager, settings.backend_defaults, settings.source)
+        if (clash := listeners.clash(settings.server)) is not None:
+            raise ConfigError(clash)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -138,7 +145,7 @@ def serve_command(settings: Settings, bind_addr: str | None, manager: NereidPlug
     raise_open_file_limit()
 
     async def run() -> None:
-        await NereidServer(settings, manager, listeners=listeners or Listeners(bind_addr)).serve_until_signalled()
+        await NereidServer(settings, manager, listeners=listeners).serve_until_signalled()
 
     try:
         asyncio.run(run())

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from nereid.config_document import KeyedReader, load_yaml
+from nereid.errors import ConfigError
 from nereid.files import read_text_file
 from nereid.storage.mirror import mirror_root
 from nereid.storage.url import parse_store_url
@@ -178,6 +179,23 @@ class Listeners:
         return ((self.metrics_addr, "--metrics-bind") if self.metrics_addr is not None
                 else (server.metrics_addr, "server.metrics_addr"))
 
+    def clash(self, server: ServerSettings) -> str | None:
+        """Why two listeners would share an address (naming both origins), or None.
+
+        Checked before anything binds: the second listener would fail with the
+        system's "Address already in use", which blames another process.
+        Spelled alike is what is compared (a fixed port; 0 asks for a free one).
+        """
+        seen: dict[str, str] = {}
+        for address, origin in (self.grpc(server), self.http(server), self.metrics(server)):
+            if not address or address.endswith(":0"):
+                continue
+            key = address.lower()
+            if key in seen:
+                return f"{origin}: {address} is also {seen[key]}: each listener needs an address of its own"
+            seen[key] = origin
+        return None
+
 
 def is_loopback(bind_addr: str) -> bool:
     """True when ``host:port`` listens on the loopback interface only."""
@@ -317,9 +335,13 @@ def _parse_server(reader: KeyedReader, raw: Any, path: Path) -> ServerSettings:
                            maximum=(_A_DAY_S * 1000, "a day"))
     poll = reader.number(section, "server.watch_poll_s", DEFAULT_WATCH_POLL_S, minimum=0.1,
                          maximum=(_A_DAY_S, "a day"))
-    return ServerSettings(bind_addr, backends, strict, grace, metrics_addr, follow, max_message, control, tls,
-                          watch, settle, poll, ml_backends_url=str(location) if location else None,
-                          cache_dir=cache_dir, http_addr=http_addr)
+    server = ServerSettings(bind_addr, backends, strict, grace, metrics_addr, follow, max_message, control, tls,
+                            watch, settle, poll, ml_backends_url=str(location) if location else None,
+                            cache_dir=cache_dir, http_addr=http_addr)
+    clash = Listeners().clash(server)
+    if clash is not None:
+        raise ConfigError(f"{reader.path}: {clash}")
+    return server
 
 
 def _address(reader: KeyedReader, section: Mapping[str, Any], key: str, default: str, *, off: str | None) -> str:

@@ -206,6 +206,11 @@ def test_serve_flags_move_or_turn_off_http_and_metrics_and_errors_name_the_flag(
         assert result.returncode == 1 and message.format(port=port) in result.stderr, result.stderr
     usage = subprocess.run([*NEREID, "serve", "--http-bind", "8000"], capture_output=True, text=True, timeout=60)
     assert usage.returncode == 2 and "--http-bind: must be host:port, got '8000'" in usage.stderr, usage.stderr
+    address = f"127.0.0.1:{free_port()}"
+    clash = subprocess.run([*NEREID, "serve", "--config", str(config), "--bind", address, "--metrics-bind", address],
+                           capture_output=True, text=True, timeout=60)
+    assert clash.returncode == 2 and clash.stderr == (f"error: --metrics-bind: {address} is also --bind: each "
+                                                      "listener needs an address of its own\n"), clash.stderr
     http_port = free_port()
     with nereid_serve(config, "--http-bind", f"127.0.0.1:{http_port}", "--metrics-bind", "") as (process, _client):
         with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v2/health/ready", timeout=10) as response:

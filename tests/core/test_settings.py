@@ -216,12 +216,26 @@ def test_listener_addresses_need_a_host(root: Path, key: str) -> None:
     assert address_problem(":50051") == "must name a host before the port (0.0.0.0 or [::] for every interface)"
 
 
+@pytest.mark.parametrize("key", ["bind_addr", "metrics_addr", "http_addr"])
 @pytest.mark.parametrize("address", ["[::1]:0", "127.0.0.1:65535", "localhost:8000", "[::]:00080", "0.0.0.0:50051"])
-def test_listener_addresses_in_range_are_kept(root: Path, address: str) -> None:
-    path = write(root, f"server:\n  ml_backends_path: ml-backends\n  bind_addr: \"{address}\"\n"
-                       f"  metrics_addr: \"{address}\"\n  http_addr: \"{address}\"\n")
-    server = load_settings(path).server
-    assert (server.bind_addr, server.metrics_addr, server.http_addr) == (address, address, address)
+def test_listener_addresses_in_range_are_kept(root: Path, key: str, address: str) -> None:
+    path = write(root, f"server:\n  ml_backends_path: ml-backends\n  {key}: \"{address}\"\n")
+    assert getattr(load_settings(path).server, key) == address
+
+
+def test_two_listeners_on_one_address_are_refused_naming_both(root: Path) -> None:
+    """nereid check passed it, and serve then failed with the system's "Address already in use", naming one key
+    as though another process held the port."""
+    path = write(root, 'server:\n  ml_backends_path: ml-backends\n  bind_addr: "127.0.0.1:8000"\n'
+                       '  http_addr: "127.0.0.1:8000"\n')
+    with pytest.raises(ConfigError) as caught:
+        load_settings(path)
+    assert str(caught.value) == (f"{path}: server.http_addr: 127.0.0.1:8000 is also server.bind_addr: each "
+                                 "listener needs an address of its own")
+    # Port 0 (a free port each) and a listener turned off share nothing.
+    path = write(root, 'server:\n  ml_backends_path: ml-backends\n  bind_addr: "127.0.0.1:0"\n'
+                       '  http_addr: "127.0.0.1:0"\n  metrics_addr: ""\n')
+    assert load_settings(path).server.http_addr == "127.0.0.1:0"
 
 
 @pytest.mark.parametrize("lines, allowed", [
