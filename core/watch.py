@@ -365,6 +365,7 @@ class RepositoryWatcher:
         self._catch_ups: set[asyncio.Task] = set()
         self._after_apply = after_apply
         self._primed = False  # whether the repository as it was at start is known
+        self._listing_failure: str | None = None  # why the store last could not be listed (None: it could)
         # The model folders, recursively (with where symlinked model folders lead), and, not recursively, the
         # folders holding nereid.yaml, ml_backends_path and the links on their way (a replaced ml_backends_path
         # or a switched link shows there, not in the watch of the folder it replaced).
@@ -377,9 +378,24 @@ class RepositoryWatcher:
         try:
             self._folders = await asyncio.to_thread(self._scan)
         except StorageError as err:  # the first poll that can list the store catches up
-            log.error("dynamic repository: %s", err)
+            self._cannot_list(err)
         else:
             self._primed = True
+
+    def _cannot_list(self, err: StorageError) -> None:
+        """Log that the store cannot be listed: at WARNING when that starts or its reason changes, else at DEBUG
+        (a store down for a day, polled every 10 s, would write 8,640 lines of the same)."""
+        reason = str(err)
+        level = logging.DEBUG if reason == self._listing_failure else logging.WARNING
+        self._listing_failure = reason
+        log.log(level, "dynamic repository: %s; nothing changes until it can be listed", reason)
+
+    def _listed(self) -> None:
+        """The store could be listed: say so once after it could not be (a catch-up says it itself)."""
+        if self._listing_failure is not None:
+            self._listing_failure = None
+            if self._primed:
+                log.info("dynamic repository: the store can be listed again")
 
     async def _catch_up(self, current: dict[str, FolderState]) -> None:
         """The store could not be listed at start: take its first listing as the starting state.
@@ -531,8 +547,10 @@ class RepositoryWatcher:
         try:
             current, wanted = await asyncio.to_thread(self._look)
         except StorageError as err:  # never read as "every folder is gone"
-            log.warning("dynamic repository: %s; nothing changes until it can be listed", err)
+            self._cannot_list(err)
             return
+        if self.location is not None:
+            self._listed()
         for follow, paths in wanted:
             if follow.current is not None and paths != follow.current and not follow.restart:
                 log.info("dynamic repository: following anew (%s)", follow.current.differences(paths))
@@ -675,8 +693,8 @@ class RepositoryWatcher:
         if new.server != old.server:
             changed = [key for key in new.server.__dataclass_fields__
                        if getattr(new.server, key) != getattr(old.server, key)]
-            log.warning("dynamic repository: nereid.yaml changed server.%s: needs a restart; ignored",
-                        ", server.".join(changed))
+            log.warning("dynamic repository: %s changed server.%s: needs a restart; ignored",
+                        self.config_path.name, ", server.".join(changed))
         new = replace(new, server=old.server)
         self.settings = new
         await self.repository.apply_settings(new)
