@@ -42,6 +42,11 @@ def main(argv: list[str] | None = None, extra_plugins: tuple[object, ...] = ()) 
     installed ones (``bench/serve_with_plugin.py`` serves its bench backends
     so, with everything else as ``nereid serve`` has it: its logging included).
     """
+    # gRPC's core writes its own lines to stderr, at INFO by default, in its own format and past --log-level: one
+    # per failed TLS handshake (a plaintext probe on a TLS port, any client from the internet), with no limit.
+    # Set before grpc is first imported (reading TLS settings imports it), which reads it once; an operator's
+    # own value wins.
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     parser = argparse.ArgumentParser(prog="nereid", description="A Triton-compatible model server.")
     commands = parser.add_subparsers(dest="command", required=True)
     for name, help_text in (("serve", "serve the models over gRPC and HTTP until SIGTERM/SIGINT"),
@@ -125,10 +130,6 @@ def serve_command(settings: Settings, bind_addr: str | None, manager: NereidPlug
     An installed plugin that could not be loaded was logged and is left out: the
     server serves what the others claim.
     """
-    # gRPC's core writes its own lines to stderr, at INFO by default, in its own format and past --log-level: one
-    # per failed TLS handshake (a plaintext probe on a TLS port, any client from the internet), with no limit.
-    # Set before grpc is imported, which reads it once; an operator's own value wins.
-    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     from nereid.server import NereidServer  # grpc is only needed to serve
 
     manager = manager or make_plugin_manager()

@@ -4,7 +4,9 @@ The files are checked when nereid.yaml is read (``nereid serve`` and ``nereid
 check`` stop with the key path when one is missing or unusable), with Python's
 own ``ssl`` module: the certificate chain must parse, the key must match it and
 must not be encrypted, the client CA must parse; and gRPC must take the
-certificate and key (its BoringSSL serves fewer key types than OpenSSL). Both
+certificate and key (its BoringSSL serves fewer key types than OpenSSL). The
+server certificate must be valid now (clients refuse one that expired or is not
+yet valid), and one that expires within 30 days is logged as a WARNING. Both
 listeners re-read the files when they change on disk: they look before each
 new TLS handshake, so a renewed certificate is served to new connections
 without a restart (connections already open keep the one they started with),
@@ -13,9 +15,13 @@ and TLS sessions made before the change are not resumed after it.
 
 from __future__ import annotations
 
+import datetime
+import hashlib
 import logging
 import os
 import ssl
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,6 +33,8 @@ log = logging.getLogger(__name__)
 
 # Certificates and keys are a few kilobytes; a CA bundle can be a few hundred.
 MAX_PEM_BYTES = 1 << 20
+# A server certificate that expires within this many days is logged as a WARNING when it is read.
+EXPIRY_WARNING_DAYS = 30
 
 
 @dataclass(frozen=True)
@@ -53,6 +61,14 @@ class TlsFileError(ValueError):
         self.key = key
 
 
+class TlsNotYetValid(TlsFileError):
+    """The server certificate is not valid yet: it is from ``valid_from`` (UTC) on."""
+
+    def __init__(self, key: str, problem: str, valid_from: datetime.datetime) -> None:
+        super().__init__(key, problem)
+        self.valid_from = valid_from
+
+
 @dataclass(frozen=True)
 class TlsMaterial:
     """The PEM bytes of a checked :class:`TlsSettings`."""
@@ -63,7 +79,11 @@ class TlsMaterial:
 
 
 def read_tls_material(tls: TlsSettings) -> TlsMaterial:
-    """Read and check the files; TlsFileError names the key of the first bad one."""
+    """Read and check the files; TlsFileError names the key of the first bad one.
+
+    A server certificate that expired is a TlsFileError, one not valid yet a :class:`TlsNotYetValid`; one
+    that expires within EXPIRY_WARNING_DAYS is logged as a WARNING (once per process for the same file).
+    """
     contents: dict[str, bytes] = {}
     for name, path in tls.files().items():
         try:
@@ -86,11 +106,83 @@ def read_tls_material(tls: TlsSettings) -> TlsMaterial:
         except (ssl.SSLError, OSError) as err:
             raise TlsFileError("client_ca", f"{tls.client_ca} is not a PEM CA certificate: "
                                             f"{getattr(err, 'reason', None) or err}") from None
+    warnings = _check_dates(tls, contents)
     if not _grpc_serves(contents["cert"], contents["key"]):
         raise TlsFileError("key", f"gRPC (BoringSSL) cannot serve {tls.cert} with {tls.key}: it takes RSA keys, EC "
                                   f"keys on the P-256, P-384 or P-521 curves, and Ed25519 keys (not DSA, RSA-PSS, "
                                   f"Ed448, or EC keys on other curves such as secp256k1)")
+    for name, warning in warnings:
+        _warn_once(name, contents[name], warning)
     return TlsMaterial(contents["cert"], contents["key"], contents.get("client_ca"))
+
+
+def _when(moment: datetime.datetime) -> str:
+    """A certificate date as in the messages: to the second (certificates count no less), in UTC."""
+    return f"{moment:%Y-%m-%d %H:%M:%S} UTC"
+
+
+def _check_dates(tls: TlsSettings, contents: dict[str, bytes]) -> list[tuple[str, str]]:
+    """Refuse a server certificate outside its validity period; the warnings to log if the files are used,
+    each with the key of its file.
+
+    Clients refuse a certificate that expired or is not yet valid: served, it failed every new connection
+    while nereid logged that the files were in use. Only the first certificate of ``cert`` (the server's
+    own) is checked: an expired intermediate after it need not break clients (they may find another path,
+    as with Let's Encrypt's expired cross-signed root). Likewise a ``client_ca`` bundle may hold expired
+    certificates next to valid ones: it is warned about only when none of them is valid now, since then
+    every client certificate is refused.
+    """
+    from cryptography import x509
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    try:
+        server = x509.load_pem_x509_certificate(contents["cert"])
+    except ValueError as err:  # stricter than OpenSSL, which took it: the dates are not worth refusing it
+        log.debug("server.tls.cert: cannot read the validity dates of %s: %s", tls.cert, err)
+        return []
+    start, end = server.not_valid_before_utc, server.not_valid_after_utc
+    period = f"valid from {_when(start)} to {_when(end)}, now {_when(now)}"
+    if now > end:
+        raise TlsFileError("cert", f"{tls.cert} expired at {_when(end)} ({period}): clients refuse it; "
+                                   f"install a renewed certificate")
+    if now < start:
+        raise TlsNotYetValid("cert", f"{tls.cert} is not valid until {_when(start)} ({period}): clients refuse "
+                                     f"it until then (or is this machine's clock wrong?)", start)
+    warnings: list[tuple[str, str]] = []
+    if end - now < datetime.timedelta(days=EXPIRY_WARNING_DAYS):
+        warnings.append(("cert", f"server.tls.cert: {tls.cert} expires at {_when(end)}, in {_left(end - now)} "
+                                 f"({period}): clients refuse it from then on; renew it"))
+    if "client_ca" in contents:
+        try:
+            authorities = x509.load_pem_x509_certificates(contents["client_ca"])
+        except ValueError:
+            authorities = []
+        if authorities and not any(ca.not_valid_before_utc <= now <= ca.not_valid_after_utc for ca in authorities):
+            dates = "; ".join(f"valid from {_when(ca.not_valid_before_utc)} to {_when(ca.not_valid_after_utc)}"
+                              for ca in authorities[:3]) + ("; ..." if len(authorities) > 3 else "")
+            warnings.append(("client_ca", f"server.tls.client_ca: no certificate in {tls.client_ca} is valid now "
+                                          f"({_when(now)}; {dates}): every client certificate is refused"))
+    return warnings
+
+
+def _left(span: datetime.timedelta) -> str:
+    """Time left before expiry, as in the warning: whole days, or hours on the last day."""
+    return f"{span.days} days" if span.days >= 1 else f"{span.total_seconds() / 3600:.1f} hours"
+
+
+_warned: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+def _warn_once(name: str, content: bytes, warning: str) -> None:
+    """Log a WARNING about a file once per process and content: the files are read at start by the
+    settings and by each listener, and after a change by each listener; one warning per change is enough."""
+    remembered = f"{name}:{hashlib.sha256(content).hexdigest()}"
+    with _warned_lock:
+        if remembered in _warned:
+            return
+        _warned.add(remembered)
+    log.warning("%s", warning)
 
 
 def _grpc_serves(cert: bytes, key: bytes) -> bool:
@@ -234,19 +326,30 @@ class _WatchedFiles:
         self.tls = tls
         self.listener = listener
         self.stamp = _stamp(tls)
+        # When the files last seen hold a certificate not valid yet: when (time.time()) to read them again.
+        # Without it a certificate installed ahead of its start was skipped for good: nothing changes on
+        # disk when it becomes valid.
+        self.retry_at: float | None = None
 
     def changed(self) -> TlsMaterial | None:
         """The files' checked contents when they changed since the last look; None otherwise.
 
         Costs a stat per file when nothing changed. Unusable new files are logged
-        (naming the key) and skipped: the previous certificate stays in use.
+        (naming the key) and skipped: the previous certificate stays in use. A
+        certificate not valid yet is read again once it is.
         """
         stamp = _stamp(self.tls)
-        if stamp == self.stamp:
+        if stamp == self.stamp and (self.retry_at is None or time.time() < self.retry_at):
             return None
-        self.stamp = stamp
+        self.stamp, self.retry_at = stamp, None
         try:
             material = read_tls_material(self.tls)
+        except TlsNotYetValid as err:
+            self.retry_at = err.valid_from.timestamp()
+            log.error("server.tls.%s changed but cannot be used by the %s listener yet (keeping the previous "
+                      "certificate; it is read again at %s unless the files change before): %s",
+                      err.key, self.listener, _when(err.valid_from), err)
+            return None
         except TlsFileError as err:
             log.error("server.tls.%s changed but cannot be used by the %s listener (keeping the previous "
                       "certificate): %s", err.key, self.listener, err)

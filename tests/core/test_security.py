@@ -36,7 +36,7 @@ from nereid.errors import ConfigError
 from nereid.protocol.http_service import HttpListener
 from nereid.settings import DEFAULT_MAX_MESSAGE_BYTES, ServerSettings, load_settings, repository_control_allowed
 from nereid.tls import TlsSettings, ssl_context
-from support import expect_grpc_error, free_port, process_alive, textproto_single
+from support import NEREID, expect_grpc_error, free_port, process_alive, textproto_single, wait_until
 
 
 # --------------------------------------------------------------------------- certificates
@@ -52,7 +52,7 @@ def make_ca(folder: Path, name: str) -> tuple[ec.EllipticCurvePrivateKey, x509.C
     now = datetime.datetime.now(datetime.timezone.utc)
     cert = (x509.CertificateBuilder().subject_name(_name(name)).issuer_name(_name(name))
             .public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=365))
             .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
             .sign(key, hashes.SHA256()))
     path = folder / f"{name}.pem"
@@ -66,7 +66,7 @@ def make_leaf(folder: Path, name: str, ca_key, ca_cert: x509.Certificate) -> tup
     now = datetime.datetime.now(datetime.timezone.utc)
     cert = (x509.CertificateBuilder().subject_name(_name(name)).issuer_name(ca_cert.subject)
             .public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=365))
             .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
                                                         x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
                            critical=False)
@@ -569,3 +569,30 @@ def test_relative_tls_paths_in_a_kubernetes_secret_layout_follow_its_updates(tmp
     elsewhere.mkdir()
     (elsewhere / "nereid.yaml").symlink_to(version / "nereid.yaml")
     assert load_settings(elsewhere / "nereid.yaml").server.tls.cert == version / "tls.crt"
+
+
+def test_failed_tls_handshakes_write_no_lines_of_grpc_core(repo, pki):
+    """Defect: each failed handshake on the gRPC port (a plaintext probe, a client without a certificate) wrote a
+    line of gRPC's core to stderr ("I1201 ... ssl_transport_security.cc ... Handshake failed"), in its own format,
+    past --log-level and without any limit."""
+    import grpc
+
+    repo.python("echo")
+    config = repo.write_config(server_extra=tls_yaml(pki, client_ca=True))
+    port = free_port()
+    env = {key: value for key, value in os.environ.items() if key != "GRPC_VERBOSITY"}
+    process = subprocess.Popen([*NEREID, "serve", "--config", str(config), "--bind", f"127.0.0.1:{port}"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert wait_until(lambda: socket.socket().connect_ex(("127.0.0.1", port)) == 0, 30)
+        for _ in range(5):  # plaintext gRPC calls on the TLS port: each handshake fails
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+                with pytest.raises(grpc.RpcError):
+                    channel.unary_unary("/inference.GRPCInferenceService/ServerLive")(b"", timeout=2)
+        process.send_signal(signal.SIGTERM)
+        stderr = process.communicate(timeout=30)[1]
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert "Handshake failed" not in stderr and "ssl_transport_security" not in stderr, stderr

@@ -1,6 +1,7 @@
 """nereid.tls against real listeners: the HTTP listener (uvicorn) and a gRPC server on server_credentials,
-with certificates made here with ``cryptography``: which keys are checked out, that both listeners let in
-the same clients, and that a client of a removed client CA gets nothing by resuming a TLS session."""
+with certificates made here with ``cryptography``: which keys and validity dates are checked out, that both
+listeners let in the same clients, and that a client of a removed client CA gets nothing by resuming a TLS
+session."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import asyncio
 import contextlib
 import datetime
 import ipaddress
+import logging
+import math
 import os
 import pty
 import select
@@ -61,14 +64,18 @@ class Issuer:
         self.path.write_bytes(self.pem)
         self.chain = b"" if parent is None else self.pem + parent.chain  # what a leaf sends above itself
 
-    def leaf(self, name: str, key=None, with_chain: bool = False) -> tuple[Path, Path]:
+    def leaf(self, name: str, key=None, with_chain: bool = False, valid_from: datetime.datetime | None = None,
+             valid_to: datetime.datetime | None = None) -> tuple[Path, Path]:
         """A certificate for localhost / 127.0.0.1 (server or client) signed here: (cert path, key path).
 
-        ``with_chain`` appends the intermediates (this issuer and its parents below the root)."""
+        ``with_chain`` appends the intermediates (this issuer and its parents below the root). Valid from
+        5 minutes ago for a year unless ``valid_from`` / ``valid_to`` say otherwise (a certificate that
+        expires within 30 days is warned about)."""
         key = key or ec.generate_private_key(ec.SECP256R1())
         cert = (x509.CertificateBuilder().subject_name(_name(name)).issuer_name(_name(self.name))
                 .public_key(key.public_key()).serial_number(x509.random_serial_number())
-                .not_valid_before(NOW - datetime.timedelta(minutes=5)).not_valid_after(NOW + datetime.timedelta(days=1))
+                .not_valid_before(valid_from or NOW - datetime.timedelta(minutes=5))
+                .not_valid_after(valid_to or NOW + datetime.timedelta(days=365))
                 .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
                                                             x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
                                critical=False)
@@ -355,3 +362,121 @@ def test_files_grpc_cannot_serve_rotated_in_are_logged_and_skipped_by_both_liste
     for listener in ("HTTP", "gRPC"):
         assert (f"server.tls.key changed but cannot be used by the {listener} listener (keeping the previous "
                 f"certificate): gRPC (BoringSSL) cannot serve {cert} with {key}") in caplog.text
+
+
+# --------------------------------------------------------------------------- validity dates
+
+DAY = datetime.timedelta(days=1)
+
+
+def when(moment: datetime.datetime) -> str:
+    return f"{moment:%Y-%m-%d %H:%M:%S} UTC"
+
+
+@pytest.mark.parametrize("dates", ["expired", "not yet valid"])
+def test_a_server_certificate_outside_its_validity_period_is_refused_by_name_with_its_dates(repo, folder, dates):
+    """An expired (or not yet valid) certificate passed nereid check and was served: every client refused it."""
+    start, end = (NOW - 10 * DAY, NOW - DAY) if dates == "expired" else (NOW + DAY, NOW + 10 * DAY)
+    cert, key = Issuer(folder, "ca").leaf("server", valid_from=start, valid_to=end)
+    with pytest.raises(TlsFileError) as info:
+        read_tls_material(TlsSettings(cert, key))
+    assert info.value.key == "cert"
+    problem = f"{cert} expired at {when(end)}" if dates == "expired" else f"{cert} is not valid until {when(start)}"
+    assert str(info.value).startswith(f"{problem} (valid from {when(start)} to {when(end)}, now "), str(info.value)
+    if dates == "expired":  # nereid check and serve report any unusable TLS file alike: one case runs check
+        config = repo.write_config(server_extra=f'  tls:\n    cert: "{cert}"\n    key: "{key}"\n')
+        result = subprocess.run([sys.executable, "-m", "nereid.cli", "check", "--config", str(config)],
+                                capture_output=True, text=True, timeout=60)
+        assert result.returncode == 2, result.stderr
+        assert f"server.tls.cert: {problem} (valid from {when(start)} to {when(end)}" in result.stderr
+
+
+def test_an_expired_certificate_rotated_in_is_logged_and_skipped_by_both_listeners(folder, caplog):
+    """It was announced as served ('new gRPC connections use them') and every new connection failed."""
+    ca = Issuer(folder, "ca")
+    cert, key = ca.leaf("server")
+    expired_cert, expired_key = ca.leaf("expired", valid_from=NOW - 10 * DAY, valid_to=NOW - DAY)
+    tls = TlsSettings(cert, key)
+    with https_listener(tls) as https, grpc_listener(tls) as grpc_port:
+        replace(key, expired_key)
+        replace(cert, expired_cert)
+        assert https_ok(https, ca.path) and grpc_ok(grpc_port, ca.path)  # the previous certificate
+    assert "connections use them" not in caplog.text
+    for listener in ("HTTP", "gRPC"):
+        assert (f"server.tls.cert changed but cannot be used by the {listener} listener (keeping the previous "
+                f"certificate): {cert} expired at {when(NOW - DAY)} (valid from {when(NOW - 10 * DAY)} to "
+                f"{when(NOW - DAY)}, now ") in caplog.text
+
+
+def test_a_certificate_rotated_in_before_it_is_valid_is_served_once_it_is(folder, caplog):
+    """Skipped as unusable, it would never be read again: nothing changes on disk when it becomes valid."""
+    caplog.set_level(logging.INFO, "nereid.tls")
+    old_ca, new_ca = Issuer(folder, "old-ca"), Issuer(folder, "new-ca")
+    cert, key = old_ca.leaf("server")
+    # Certificates count whole seconds: from the next whole second at least 1.2 s away.
+    start = datetime.datetime.fromtimestamp(math.ceil(time.time() + 1.2), datetime.timezone.utc)
+    early_cert, early_key = new_ca.leaf("early", valid_from=start, valid_to=start + 365 * DAY)
+    tls = TlsSettings(cert, key)
+    with https_listener(tls) as https, grpc_listener(tls) as grpc_port:
+        replace(key, early_key)
+        replace(cert, early_cert)
+        assert https_ok(https, old_ca.path) and grpc_ok(grpc_port, old_ca.path)  # the previous certificate
+        assert time.time() < start.timestamp(), "too slow to see the certificate before it is valid"
+        for listener in ("HTTP", "gRPC"):
+            assert (f"server.tls.cert changed but cannot be used by the {listener} listener yet (keeping the "
+                    f"previous certificate; it is read again at {when(start)} unless the files change before): "
+                    f"{cert} is not valid until {when(start)}") in caplog.text
+        time.sleep(start.timestamp() - time.time() + 0.05)
+        assert https_ok(https, new_ca.path) and grpc_ok(grpc_port, new_ca.path)  # served now that it is valid
+        assert not https_ok(https, old_ca.path) and not grpc_ok(grpc_port, old_ca.path)
+    for listener in ("HTTP", "gRPC"):
+        assert f"new {listener} connections use them" in caplog.text
+
+
+def expiry_warnings(caplog, cert: Path) -> list[str]:
+    return [record.getMessage() for record in caplog.records
+            if record.levelno == logging.WARNING and record.getMessage().startswith(f"server.tls.cert: {cert} ")]
+
+
+def test_a_certificate_that_expires_within_30_days_is_warned_about_once_at_start_and_on_rotation(folder, caplog):
+    caplog.set_level(logging.INFO, "nereid.tls")
+    ca = Issuer(folder, "ca")
+    cert, key = ca.leaf("server", valid_to=NOW + 10 * DAY)
+    tls = TlsSettings(cert, key)
+    read_tls_material(tls)  # nereid.yaml is read: the warning...
+    [warning] = expiry_warnings(caplog, cert)
+    assert warning.startswith(f"server.tls.cert: {cert} expires at {when(NOW + 10 * DAY)}, in 9 days (valid from "
+                              f"{when(NOW - datetime.timedelta(minutes=5))} to {when(NOW + 10 * DAY)}, now "), warning
+    assert warning.endswith("): clients refuse it from then on; renew it"), warning
+    with https_listener(tls) as https, grpc_listener(tls) as grpc_port:  # ...not again for each listener
+        assert len(expiry_warnings(caplog, cert)) == 1
+        renewed_cert, renewed_key = ca.leaf("renewed", valid_to=NOW + 20 * DAY)
+        replace(key, renewed_key)
+        replace(cert, renewed_cert)
+        assert https_ok(https, ca.path) and grpc_ok(grpc_port, ca.path)  # a warning, not a refusal
+        assert len(expiry_warnings(caplog, cert)) == 2  # once for the change, not once per listener
+        assert f"expires at {when(NOW + 20 * DAY)}, in 19 days" in expiry_warnings(caplog, cert)[1]
+        replace(key, ca.leaf("long", valid_to=NOW + 31 * DAY)[1])
+        replace(cert, folder / "long.crt")
+        assert https_ok(https, ca.path) and grpc_ok(grpc_port, ca.path)
+    assert len(expiry_warnings(caplog, cert)) == 2  # more than 30 days left: no warning
+
+
+def test_a_client_ca_is_warned_about_only_when_none_of_its_certificates_is_valid(folder, caplog):
+    """A bundle may keep expired certificates next to valid ones: it is refused for none of them."""
+    cert, key = Issuer(folder, "ca").leaf("server")
+    expired = Issuer(folder, "expired-ca")
+    expired_pem = (x509.CertificateBuilder().subject_name(_name("expired-ca")).issuer_name(_name("expired-ca"))
+                   .public_key(expired.key.public_key()).serial_number(x509.random_serial_number())
+                   .not_valid_before(NOW - 10 * DAY).not_valid_after(NOW - DAY)
+                   .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+                   .sign(expired.key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM))
+    bundle, stale = folder / "bundle.pem", folder / "stale.pem"
+    bundle.write_bytes(expired_pem + Issuer(folder, "valid-ca").pem)
+    stale.write_bytes(expired_pem)
+    read_tls_material(TlsSettings(cert, key, bundle))
+    assert "server.tls.client_ca" not in caplog.text
+    read_tls_material(TlsSettings(cert, key, stale))  # taken, with a warning
+    assert (f"server.tls.client_ca: no certificate in {stale} is valid now (") in caplog.text
+    assert (f"valid from {when(NOW - 10 * DAY)} to {when(NOW - DAY)}): every client certificate is refused"
+            in caplog.text)
