@@ -36,8 +36,16 @@ _ALLOW_HTTP_HINT = {"s3": "set AWS_ALLOW_HTTP=true for a plain-http endpoint (AW
 # obstore panics on a malformed one at the first request instead of raising an error.
 ENDPOINT_VARIABLES = {"s3": ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ENDPOINT"), "gs": ("GOOGLE_BASE_URL",),
                       "az": ("AZURE_STORAGE_ENDPOINT", "AZURE_ENDPOINT")}
-# "user:password@" in a URL, and the values of query parameters that carry a signature or a token.
-_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/\s]*@")  # up to the host's last "@"
+# A URL's start that is certainly no user name: "http:" or "https:" and any slashes ("http:/host", a slip, too),
+# or another scheme and "//" (in "op:pw@host", "op:" is a user name, not a scheme).
+_SCHEME = r"(?:https?:/*|[a-z][a-z0-9+.-]*://+)"
+_ENDPOINT_SCHEME = re.compile(rf"(?i)^\s*{_SCHEME}")
+# "user:password@" in a URL, up to the host's last "@", and the values of query parameters that carry a
+# signature or a token.
+_USERINFO = re.compile(rf"(?i)\b({_SCHEME})[^/\s]*@")
+# Which characters a user name or password in an endpoint must hold percent-encoded, said once.
+_USERINFO_HINT = ("a '/', '?', '#', '@' or '\\' in a user name or password must be percent-encoded as "
+                  "%2F, %3F, %23, %40, %5C")
 _SECRET_PARAMETER = re.compile(r"(?i)([?&](?:[a-z0-9-]*(?:signature|credential|token)[a-z0-9-]*|sig)=)[^&#\s]*")
 
 
@@ -80,30 +88,77 @@ def endpoint_problem(scheme: str) -> str | None:
 
     An endpoint must be an http:// or https:// URL with a host and no
     whitespace: obstore panics at the first request on one without a scheme
-    (``127.0.0.1:9000``, a common slip), with a stray space, or empty.
+    (``127.0.0.1:9000``, a common slip), with a stray space, or empty. The
+    value is only ever shown through :func:`redact_endpoint`, and the URL
+    parser's own words are never quoted: they may hold a password (its
+    ``Port could not be cast to integer value as 'S3cret'``).
     """
     for variable in ENDPOINT_VARIABLES.get(scheme, ()):
         value = os.environ.get(variable)
         if value is None:
             continue
-        shown = redact(value) if "://" in value else redact(f"x://{value}")[4:]  # 'user:pw@host:9000' too
+        shown = redact_endpoint(value)
         expected = "expected an http:// or https:// URL with a host, such as http://127.0.0.1:9000"
+        # Whenever an "@" is present the likely cause of a parse failure is an unencoded character in a password.
+        hint = f" ({_USERINFO_HINT})" if "@" in value else ""
         if not value.strip():
             return f"{variable} is set but empty; {expected} (or unset it)"
         if any(c.isspace() for c in value):
             return f"{variable} {shown!r} holds whitespace (a stray space?); {expected}"
         if "://" not in value or value.split("://", 1)[0].lower() not in ("http", "https"):
-            example = f"http://{shown}" if "://" not in value else "http://127.0.0.1:9000"
             return (f"{variable} {shown!r} has no http:// or https:// scheme; expected an http:// or https:// URL "
-                    f"with a host, such as {example}")
+                    f"with a host, such as {_endpoint_example(value)}")
+        if "\\" in value:  # the store's URL parser reads it as "/", Python's does not: they would disagree on the host
+            return f"{variable} {shown!r} holds a '\\', which the store client reads as '/'{hint}; {expected}"
         try:
             parts = urlsplit(value)
+        except ValueError:  # a "[" or "]" out of place, or a bracketed host that is no IPv6 address
+            return f"{variable} {shown!r} is not a valid URL: its host is not a name or a [IPv6] address{hint}; " \
+                   f"{expected}"
+        try:
             parts.port  # noqa: B018 (raises ValueError for a port out of range or not a number)
-        except ValueError as err:
-            return f"{variable} {shown!r} is not a valid URL ({err}); {expected}"
+        except ValueError:
+            return f"{variable} {shown!r} is not a valid URL: its port is not a number from 0 to 65535{hint}; " \
+                   f"{expected}"
+        if "@" in parts.path + parts.query + parts.fragment:
+            # A "/", "?" or "#" in a password ends the host part early: the store client would connect to the user
+            # name as a host and quote the rest of the password in its errors.
+            return f"{variable} {shown!r} has an '@' after a '/', '?' or '#'{hint}; {expected}"
         if not parts.hostname:
             return f"{variable} {shown!r} names no host; {expected}"
     return None
+
+
+def redact_endpoint(value: str) -> str:
+    """An endpoint variable's ``value`` as messages may show it: everything before its last ``@`` after the scheme
+    replaced by ``REDACTED``.
+
+    Whatever characters a user name or password holds (a ``/``, ``#``, ``?``
+    or ``@`` no URL parser reads as the user's part), nothing of them shows;
+    only the scheme (``http:`` with any slashes, another scheme with ``//``)
+    and what follows the last ``@`` are kept, which are certainly no secret.
+    """
+    span = _endpoint_userinfo(value)
+    return value if span is None else f"{value[:span[0]]}REDACTED{value[span[1]:]}"
+
+
+def _endpoint_userinfo(value: str) -> tuple[int, int] | None:
+    """Where the user part of an endpoint ``value`` lies (after its scheme, up to its last ``@``); None without one."""
+    at = value.rfind("@")
+    if at < 0:
+        return None
+    scheme = _ENDPOINT_SCHEME.match(value)  # it holds no "@": it ends before ``at``
+    return (scheme.end() if scheme else 0), at
+
+
+def _endpoint_example(value: str) -> str:
+    """The http:// URL an endpoint ``value`` without one probably meant (its user name and password redacted)."""
+    typo = re.match(r"(?i)\s*(https?):/*", value)  # "http:/host" or "http:host": that scheme was meant
+    if typo is not None:
+        return f"{typo.group(1).lower()}://{redact_endpoint(value[typo.end():])}"
+    if "://" in value:  # another scheme ("ftp://...")
+        return "http://127.0.0.1:9000"
+    return f"http://{redact_endpoint(value.strip())}"
 
 
 @contextlib.contextmanager
@@ -130,9 +185,28 @@ def redact(text: str) -> str:
     """``text`` without the secrets a URL in it may carry: ``user:password@`` and signature or token values.
 
     obstore quotes the request URL in its errors, endpoint included, and these
-    messages reach every client (RepositoryIndex reasons).
+    messages reach every client (RepositoryIndex reasons). The user part of
+    each endpoint variable set now is cut out verbatim too, whatever it holds.
     """
+    for secret in _endpoint_secrets():
+        # The endpoints' own user parts, whatever they hold (a "/" defeats the pattern below), where a URL
+        # or a word starts.
+        text = re.sub(rf"(?<![^\s/(\[\"'=,:<]){re.escape(secret)}@", "", text)
     return _SECRET_PARAMETER.sub(r"\1REDACTED", _USERINFO.sub(r"\1", text))
+
+
+def _endpoint_secrets() -> list[str]:
+    """The user parts (``user:password``) of the endpoint variables set now, longest first.
+
+    What :func:`redact_endpoint` hides: from after the scheme to the last ``@``.
+    """
+    secrets: set[str] = set()
+    for variable in {name for names in ENDPOINT_VARIABLES.values() for name in names}:
+        value = os.environ.get(variable, "")
+        span = _endpoint_userinfo(value)
+        if span is not None and span[1] > span[0]:
+            secrets.add(value[span[0]:span[1]])
+    return sorted(secrets, key=len, reverse=True)  # a longer one first: a shorter one may be part of it
 
 
 def is_not_found(err: BaseException) -> bool:
