@@ -14,7 +14,7 @@ from pathlib import Path
 
 import grpc
 import pluggy
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from nereid.dataplane import DataPlane
 from nereid.leftovers import remove_stale_scratch, scratch_prefix
@@ -70,6 +70,65 @@ def bind_problem(address: str) -> OSError | None:
     return first
 
 
+class HealthService(health_pb2_grpc.HealthServicer):
+    """``grpc.health.v1.Health``: Check, and Watch streams that end at shutdown once they have said NOT_SERVING.
+
+    grpc_health's own servicer keeps a Watch stream open for as long as its client
+    does, and a graceful gRPC stop waits for every open call: one idle watcher
+    (Envoy, gRPC client-side health checking, a load balancer) made every SIGTERM
+    last the whole ``shutdown_grace_s``. Here :meth:`shut_down` publishes
+    NOT_SERVING for good, and each Watch stream, once it has sent that, ends with
+    UNAVAILABLE: what a health client sees of a server going away, and retries
+    elsewhere. (Ending grpc_health's own Watch from outside would cancel it in
+    the middle of a write: only the loop that writes may end it.)
+    """
+
+    def __init__(self) -> None:
+        self._status: dict[str, int] = {}  # service name -> ServingStatus; unknown until first set
+        self._changed = asyncio.Condition()  # notified on each change of _status or _closing
+        self._closing = False
+
+    async def Check(self, request: health_pb2.HealthCheckRequest,
+                    context: grpc.aio.ServicerContext) -> health_pb2.HealthCheckResponse:
+        status = self._status.get(request.service)
+        if status is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
+        return health_pb2.HealthCheckResponse(status=status)
+
+    async def Watch(self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext) -> None:
+        """Send the service's status now and on each change, as grpc_health does; end once shutting down."""
+        def current() -> int:
+            return self._status.get(request.service, health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
+
+        sent: int | None = None
+        while True:
+            if current() != sent:
+                sent = current()
+                await context.write(health_pb2.HealthCheckResponse(status=sent))
+                continue  # (the status may have changed again while it was written)
+            if self._closing:  # and NOT_SERVING has been sent (shut_down set it before _closing)
+                await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                    "the server is shutting down (it has stopped serving; it closes this stream "
+                                    "rather than have it wait out shutdown_grace_s)")
+            async with self._changed:
+                await self._changed.wait_for(lambda: self._closing or current() != sent)
+
+    async def set(self, service: str, status: int) -> None:
+        """Publish ``service``'s status to Check and to its Watch streams (ignored once shut down)."""
+        async with self._changed:
+            if not self._closing:
+                self._status[service] = status
+                self._changed.notify_all()
+
+    async def shut_down(self) -> None:
+        """NOT_SERVING for every service, for good; each Watch stream ends once it has sent that."""
+        async with self._changed:
+            for service in self._status:
+                self._status[service] = health_pb2.HealthCheckResponse.NOT_SERVING
+            self._closing = True
+            self._changed.notify_all()
+
+
 class NereidServer:
     """One running server. ``start`` binds and begins loading models; ``stop`` drains and exits."""
 
@@ -100,7 +159,8 @@ class NereidServer:
         self.http_port: int | None = None
         self._http: HttpListener | None = None
         self._grpc: grpc.aio.Server | None = None
-        self._health = health.aio.HealthServicer()
+        self._servicer: InferenceServicer | None = None
+        self._health = HealthService()
         self._health_lock = asyncio.Lock()  # one update at a time: each publishes readiness as it is then
         self._published: int | None = None  # the status the health service has (None: not set yet)
         self._health_updates: set[asyncio.Task] = set()  # scheduled updates, kept until done
@@ -155,7 +215,7 @@ class NereidServer:
         self._check_grpc_address()
         port = self._add_grpc_port(server)
         await server.start()
-        self._grpc, self.port = server, port
+        self._grpc, self._servicer, self.port = server, servicer, port
         await self.update_health()
         log.info("nereid listening on %s (port %d, %s, repository control %s)", self.bind_addr, port,
                  "mutual TLS" if config.tls and config.tls.client_ca else "TLS" if config.tls else "plaintext",
@@ -254,7 +314,12 @@ class NereidServer:
             self._watching.cancel()
             await asyncio.gather(self._watching, return_exceptions=True)
         if self._grpc is not None:
-            await self.update_health()
+            await self.update_health()  # NOT_SERVING (shutting down), before any listener closes
+            # The graceful stop below waits for every open call, idle streams too: end those with nothing left to
+            # answer, Watch streams once they have sent NOT_SERVING, so the stop waits only for requests.
+            await self._health.shut_down()
+            if self._servicer is not None:
+                self._servicer.close_streams()
             await asyncio.gather(self._grpc.stop(grace), *([self._http.stop()] if self._http is not None else []))
         # Past the grace, what still runs belongs to cancelled calls: end it rather than wait.
         await self.repository.terminate_running()

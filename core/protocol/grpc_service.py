@@ -55,6 +55,19 @@ Handler = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
 # Requests of one ModelStreamInfer call that may be read but not yet answered on the wire.
 STREAM_IN_FLIGHT = 256
 
+# What a ModelStreamInfer stream ended at shutdown says (as its UNAVAILABLE status): only requests it had sent
+# before then were read, and each of those has had its answer.
+STREAM_CLOSED_AT_SHUTDOWN = ("the server is shutting down: this stream takes no new request and was closed once "
+                             "every request read from it had its answer; send what was not answered elsewhere")
+
+
+class _Wake:
+    """What :meth:`InferenceServicer.close_streams` puts in each open stream's answer queue: a sign to look at
+    whether the stream is to end, for a stream waiting for answers that may never come (an idle one)."""
+
+
+_WAKE = _Wake()
+
 # Requests at least this large are decoded on a worker thread, so that splitting many
 # BYTES elements or converting typed contents never stalls the event loop.
 DECODE_OFF_LOOP_BYTES = 256 << 10
@@ -145,6 +158,20 @@ class InferenceServicer:
         self._count = count_request
         # What a client can trigger at will (unreadable messages) is logged at a bounded rate, per server.
         self.client_log = RateLimitedLog(log)
+        # The answer queues of the open ModelStreamInfer calls, and whether they are to end (close_streams).
+        self._streams: set[asyncio.Queue] = set()
+        self._closing_streams = False
+
+    def close_streams(self) -> None:
+        """At shutdown: end each ModelStreamInfer stream once every request read from it is answered (an idle one
+        at once), rather than leave it open for gRPC's graceful stop to wait on until the grace runs out.
+
+        The data plane is shutting down already, so a request read from here on is answered UNAVAILABLE in its
+        stream before the stream ends.
+        """
+        self._closing_streams = True
+        for answers in self._streams:
+            answers.put_nowait(_WAKE)
 
     @_maps_errors
     async def ServerLive(self, request: pb.ServerLiveRequest, context) -> pb.ServerLiveResponse:
@@ -223,10 +250,14 @@ class InferenceServicer:
 
         Every request read gets exactly one answer, even when a later message is
         unreadable or the client's side of the stream fails: the stream ends
-        only once all of them are answered.
+        only once all of them are answered. After :meth:`close_streams` it ends
+        (UNAVAILABLE) as soon as none is left unanswered.
         """
-        answers: asyncio.Queue[pb.ModelStreamInferResponse | bytes | None] = asyncio.Queue()
+        answers: asyncio.Queue[pb.ModelStreamInferResponse | bytes | _Wake | None] = asyncio.Queue()
         pending: set[asyncio.Task] = set()
+        # Requests read and not yet answered on the wire: counted from the moment each is read (before its task
+        # exists), so that a stream closed at shutdown never drops one.
+        unanswered = 0
         # Requests read but not yet answered on the wire. At the cap, reading pauses until the client
         # takes answers, so a client that sends without reading cannot pile up answers in memory.
         in_flight = asyncio.Semaphore(STREAM_IN_FLIGHT)
@@ -257,8 +288,10 @@ class InferenceServicer:
             await answers.put(pb.ModelStreamInferResponse(error_message=cap_message(message), infer_response=stub))
 
         async def read() -> None:
+            nonlocal unanswered
             try:
                 async for received in requests:
+                    unanswered += 1
                     await in_flight.acquire()
                     task = asyncio.create_task(answer(received))
                     pending.add(task)
@@ -274,12 +307,25 @@ class InferenceServicer:
                 # However reading ends, the response side must end too rather than wait forever.
                 answers.put_nowait(None)
 
+        self._streams.add(answers)
         reader = asyncio.create_task(read())
         try:
-            while (item := await answers.get()) is not None:
+            while not (self._closing_streams and unanswered == 0):
+                item = await answers.get()
+                if item is None:  # the client's side ended and every request is answered
+                    return
+                if item is _WAKE:
+                    continue
                 yield item
+                unanswered -= 1
                 in_flight.release()
+            # Ended here rather than by the client: a request it sends from now on is not read (the status says so).
+            # The reader ends first: its read would otherwise fail on the abort, and log the stream as broken.
+            reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, STREAM_CLOSED_AT_SHUTDOWN)
         finally:
+            self._streams.discard(answers)
             reader.cancel()
             for task in list(pending):
                 task.cancel()

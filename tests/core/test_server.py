@@ -210,10 +210,11 @@ def test_a_grpc_address_in_use_is_one_line_with_the_reason_naming_where_the_addr
     assert yaml_error == f"cannot listen on {address} (server.bind_addr): Address already in use"
     assert "add_port" not in capfd.readouterr().err
     assert not flag_server.scratch_dir.exists() and not yaml_server.scratch_dir.exists()
-    # The HTTP listener, opened before gRPC binds, on gRPC's own address: gRPC's core line was back.
+    # The HTTP listener, opened before gRPC binds, on gRPC's own address: gRPC's core line was back. (Spelled
+    # otherwise: the same spelling is refused as settings are read.)
     port = free_port()
     config.write_text(config.read_text().replace(f'bind_addr: "{address}"', f'bind_addr: "127.0.0.1:{port}"')
-                      .replace('http_addr: "127.0.0.1:0"', f'http_addr: "127.0.0.1:{port}"'))
+                      .replace('http_addr: "127.0.0.1:0"', f'http_addr: "localhost:{port}"'))
     _, shared_error = failed_start(config)
     assert shared_error == f"cannot listen on 127.0.0.1:{port} (server.bind_addr): Address already in use"
     assert "add_port" not in capfd.readouterr().err

@@ -1,0 +1,184 @@
+"""Shutdown over the wire: idle streams end at once, so a stop waits only for the requests still running.
+
+A graceful gRPC stop waits for every open call. An idle grpc.health.v1 Watch
+stream (Envoy, gRPC client-side health checking) or an idle ModelStreamInfer
+stream used to hold every SIGTERM for the whole ``shutdown_grace_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import Iterator
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tritonclient.grpc import service_pb2 as pb, service_pb2_grpc as pb_grpc
+
+import toy_backends
+from nereid.backend import BackendClaim, ModelContext
+from nereid.hookspecs import hookimpl
+from nereid.plugins import make_plugin_manager
+from nereid.protocol.grpc_service import STREAM_CLOSED_AT_SHUTDOWN
+from support import RunningServer
+from toy_backends import ToyModel, write_toy
+
+# Far longer than any test here may take: a stop that waits it out is the defect.
+GRACE_S = 60
+# How long a test waits for what should happen at once.
+PROMPT_S = 10
+
+
+class HeldInfers:
+    """A backend (plugin name ``held``, chosen with ``backend: held``): each infer waits for ``release``."""
+
+    BACKEND_NAME = "held"
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.running = threading.Event()
+
+    @hookimpl
+    def nereid_claim_model(self, folder: Path, declared: bool) -> BackendClaim | None:
+        return BackendClaim(self._create) if declared else None
+
+    def _create(self, context: ModelContext) -> ToyModel:
+        plugin = self
+
+        class HeldModel(ToyModel):
+            def infer(self, inputs):
+                plugin.running.set()
+                plugin.release.wait(PROMPT_S * 3)
+                return super().infer(inputs)
+
+        return HeldModel(context)
+
+
+def start(repo, serve, *plugins: object) -> RunningServer:
+    """A server with the toy model ``steady`` (and ``held`` when the HeldInfers plugin is given), grace GRACE_S."""
+    write_toy(repo.models_dir, "steady")
+    models = "- name: steady\n"
+    if plugins:
+        write_toy(repo.models_dir, "held")
+        models += "- name: held\n  backend: held\n"
+    manager = make_plugin_manager(load_entry_points=False, extra_plugins=(toy_backends, *plugins))
+    return serve(repo.write_config(models, server_extra=f"  shutdown_grace_s: {GRACE_S}\n"), manager=manager)
+
+
+def begin_stop(server: RunningServer) -> asyncio.Future:
+    """What SIGTERM does (NereidServer.stop with the configured grace), started on the server's loop."""
+    return asyncio.run_coroutine_threadsafe(server.server.stop(), server.loop)
+
+
+class Watcher:
+    """A grpc.health.v1 Watch stream read on a thread: the statuses it receives, then how it ended."""
+
+    def __init__(self, url: str) -> None:
+        self.channel = grpc.insecure_channel(url)
+        self.seen: queue.Queue = queue.Queue()
+        stream = health_pb2_grpc.HealthStub(self.channel).Watch(health_pb2.HealthCheckRequest(service=""))
+        threading.Thread(target=self._read, args=(stream,), daemon=True).start()
+
+    def _read(self, stream) -> None:
+        try:
+            for response in stream:
+                self.seen.put(health_pb2.HealthCheckResponse.ServingStatus.Name(response.status))
+            self.seen.put(("ended", "OK", ""))
+        except grpc.RpcError as err:
+            self.seen.put(("ended", err.code().name, err.details()))
+
+    def next(self) -> object:
+        return self.seen.get(timeout=PROMPT_S)
+
+
+class Stream:
+    """A ModelStreamInfer call: requests sent when the test says, answers and the end read on a thread."""
+
+    def __init__(self, url: str) -> None:
+        self.channel = grpc.insecure_channel(url)
+        self._requests: queue.Queue = queue.Queue()
+        self.answers: queue.Queue = queue.Queue()
+        responses = pb_grpc.GRPCInferenceServiceStub(self.channel).ModelStreamInfer(self._outgoing())
+        threading.Thread(target=self._read, args=(responses,), daemon=True).start()
+
+    def _outgoing(self) -> Iterator[pb.ModelInferRequest]:
+        while (request := self._requests.get()) is not None:
+            yield request
+
+    def _read(self, responses) -> None:
+        try:
+            for response in responses:
+                self.answers.put((response.infer_response.id, response.error_message))
+            self.answers.put(("ended", "OK", ""))
+        except grpc.RpcError as err:
+            self.answers.put(("ended", err.code().name, err.details()))
+
+    def send(self, model: str, request_id: str) -> None:
+        request = pb.ModelInferRequest(model_name=model, id=request_id)
+        request.inputs.add(name="input", datatype="FP32", shape=[1, 4])
+        request.raw_input_contents.append(np.ones((1, 4), np.float32).tobytes())
+        self._requests.put(request)
+
+    def next(self) -> object:
+        return self.answers.get(timeout=PROMPT_S)
+
+    def close(self) -> None:
+        self._requests.put(None)
+        self.channel.close()
+
+
+def test_an_idle_health_watch_ends_once_it_has_said_not_serving_and_the_stop_does_not_wait_for_it(repo, serve):
+    # The Watch stream stayed open and the stop waited the whole shutdown_grace_s for it.
+    server = start(repo, serve)
+    watcher = Watcher(server.url)
+    try:
+        assert watcher.next() == "SERVING"
+        started = time.monotonic()
+        stopping = begin_stop(server)
+        assert watcher.next() == "NOT_SERVING"  # readiness goes first, before the stream ends
+        end = watcher.next()
+        assert end[:2] == ("ended", "UNAVAILABLE") and "the server is shutting down" in end[2], end
+        stopping.result(PROMPT_S)
+        assert time.monotonic() - started < PROMPT_S
+    finally:
+        watcher.channel.close()
+
+
+def test_at_shutdown_an_idle_inference_stream_ends_and_a_busy_one_once_its_requests_are_answered(repo, serve,
+                                                                                                  caplog):
+    # An idle ModelStreamInfer stream held the stop for the whole shutdown_grace_s.
+    plugin = HeldInfers()
+    server = start(repo, serve, plugin)
+    idle, busy, watcher = Stream(server.url), Stream(server.url), Watcher(server.url)
+    try:
+        idle.send("steady", "first")
+        assert idle.next() == ("first", "")  # the stream is open, and then idle
+        busy.send("held", "running")
+        assert plugin.running.wait(PROMPT_S)
+        assert watcher.next() == "SERVING"
+        started = time.monotonic()
+        stopping = begin_stop(server)
+        assert idle.next() == ("ended", "UNAVAILABLE", STREAM_CLOSED_AT_SHUTDOWN)
+        assert watcher.next() == "NOT_SERVING" and watcher.next()[:2] == ("ended", "UNAVAILABLE")
+        # The busy stream stays open for its running request; one sent now is refused inside the stream.
+        busy.send("steady", "late")
+        assert busy.next() == ("late", "model 'steady': the server is shutting down; the request was not run")
+        assert not stopping.done()
+        plugin.release.set()
+        assert busy.next() == ("running", "")  # its answer, once, then the stream ends
+        assert busy.next() == ("ended", "UNAVAILABLE", STREAM_CLOSED_AT_SHUTDOWN)
+        stopping.result(PROMPT_S)  # nothing left open: the stop ends without waiting out the grace
+        assert time.monotonic() - started < PROMPT_S
+        assert busy.answers.empty() and idle.answers.empty()
+        # Closing a stream is not the client's stream breaking off (that is logged as a warning).
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    finally:
+        plugin.release.set()
+        for stream in (idle, busy):
+            stream.close()
+        watcher.channel.close()
