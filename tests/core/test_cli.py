@@ -162,7 +162,9 @@ def test_check_stopped_by_sigterm_kills_its_compiler_and_says_so(repo, tmp_path)
             compiler = int(started.read_text())
             process.send_signal(signum)
             assert process.wait(30) == code
-            assert process.stderr.read().strip().endswith(f"nereid.yaml: interrupted by {name}")
+            # (Whether the compiler was still there for the check to kill, or had ended with the signal, is a race.)
+            assert re.search(rf"nereid\.yaml: interrupted by {name}( \(1 program\(s\) it had started killed\))?$",
+                             process.stderr.read().strip())
             assert wait_until(lambda: not process_alive(compiler), 5), "the compiler ran on"
             assert not list(Path(tempfile.gettempdir()).glob(f"nereid-{process.pid}-check-*"))
         finally:
