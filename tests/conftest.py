@@ -11,6 +11,7 @@ import pytest
 from support import ModelRepo, RunningServer, zombie_children
 
 
+@pytest.hookimpl(optionalhook=True)  # (an xdist hook: unknown when it is off, as with -p no:xdist)
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """``-n auto``: three workers for two cores. Most tests wait on servers and child processes (with one worker
     per core the CPUs are about half idle), so half as many workers again as cores shortens the run (130 s to

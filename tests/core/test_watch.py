@@ -454,10 +454,14 @@ def test_a_store_down_at_start_loads_at_its_first_listing_what_a_start_would_hav
 
 # -- a deleted folder's model draining while its name is asked for again ------------------------------------------
 
-def _slow_model(folder: Path, version: str, seconds: float) -> None:
-    """A model answering ``version`` after ``seconds``: its request is still running when its folder goes."""
+def _gated_model(folder: Path, version: str, gate: Path) -> None:
+    """A model answering ``version`` once ``gate``/release exists (it writes ``gate``/started first): its request
+    is still running when its folder goes, however slow the machine."""
     write_model(folder, version)
-    (folder / "main.py").write_text(f"import time\ntime.sleep({seconds})\n" + version_main(version))
+    (folder / "main.py").write_text(
+        f"import os, time\nopen({str(gate / 'started')!r}, 'w').close()\ndeadline = time.monotonic() + 30\n"
+        f"while not os.path.exists({str(gate / 'release')!r}) and time.monotonic() < deadline:\n"
+        "    time.sleep(0.01)\n" + version_main(version))
 
 
 def _in_flight(server, model: str) -> tuple[threading.Thread, list[dict]]:
@@ -479,15 +483,16 @@ def test_a_load_of_a_deleted_folder_whose_model_still_drains_is_not_found(repo, 
     """Defect: RepositoryModelLoad waited for the old model's requests, then answered INTERNAL "unloaded"."""
     from support import expect_grpc_error
 
-    _slow_model(repo.models_dir / "doomed", "1", 1.0)
+    _gated_model(repo.models_dir / "doomed", "1", repo.root)
     server = serve(repo.write_config(server_extra=SETTLE))
     caller, answers = _in_flight(server, "doomed")
-    time.sleep(0.3)  # the request is running
+    wait_for(lambda: (repo.root / "started").exists())  # the request is running
     shutil.rmtree(repo.models_dir / "doomed")
     wait_for(lambda: index(server)["doomed"][0] == "UNLOADING")  # removed; its request still runs
     expect_grpc_error("NOT_FOUND", lambda: server.client.load_model("doomed"),
                       "unknown model 'doomed' (no folder 'doomed' under ml_backends_path)")
     assert caller.is_alive(), "the load waited for the old model's request"
+    (repo.root / "release").touch()
     caller.join(30)
     assert [answer["version"] for answer in answers] == ["1"]  # in flight: answered once
     wait_for(lambda: "doomed" not in index(server))
@@ -496,11 +501,11 @@ def test_a_load_of_a_deleted_folder_whose_model_still_drains_is_not_found(repo, 
 def test_a_folder_renamed_onto_a_name_whose_model_drains_serves_at_once(repo, serve):
     """Defect: ``rm -r m; mv other m`` while a request ran on the old m answered UNAVAILABLE under m until that
     request ended (up to shutdown_grace_s): the rename waited for the old model's removal."""
-    _slow_model(repo.models_dir / "m", "old", 1.5)
+    _gated_model(repo.models_dir / "m", "old", repo.root)
     write_model(repo.models_dir / "other", "other")
     server = serve(repo.write_config(server_extra=SETTLE))
     caller, answers = _in_flight(server, "m")
-    time.sleep(0.3)  # the request is running
+    wait_for(lambda: (repo.root / "started").exists())  # the request is running
     shutil.rmtree(repo.models_dir / "m")
     wait_for(lambda: index(server)["m"][0] == "UNLOADING")
     os.rename(repo.models_dir / "other", repo.models_dir / "m")
@@ -512,6 +517,7 @@ def test_a_folder_renamed_onto_a_name_whose_model_drains_serves_at_once(repo, se
             return None
     assert wait_for(new_m, 5)["version"] == "other"
     assert caller.is_alive(), "the new 'm' served only once the old one had finished"
+    (repo.root / "release").touch()
     caller.join(30)
     assert [answer["version"] for answer in answers] == ["old"]  # the old m's request: answered once, by it
     assert index(server) == {"m": ("READY", "")}
