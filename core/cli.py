@@ -73,18 +73,23 @@ def main(argv: list[str] | None = None, extra_plugins: tuple[object, ...] = ()) 
     if "run" in args:
         return args.run(args)
 
+    serving = args.command == "serve"
+    # The addresses this run listens on: the file's keys, and serve's flags in their place.
+    listeners = (Listeners(args.bind, http_addr=args.http_bind, metrics_addr=args.metrics_bind) if serving
+                 else Listeners())
     try:
         settings = load_settings(args.config)
+        if (clash := listeners.clash(settings.server)) is not None:
+            raise ConfigError(f"{settings.source}: {clash}")
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    if args.command == "check":
+    if not serving:
         return check(settings, manager)
     logging.getLogger().setLevel(args.log_level)
     # jax reports at INFO that it found no TPU; that is no news to a CPU or GPU server.
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
-    return serve_command(settings, args.bind, manager,
-                         Listeners(args.bind, http_addr=args.http_bind, metrics_addr=args.metrics_bind))
+    return serve_command(settings, args.bind, manager, listeners)
 
 
 def limit_repeated_library_lines() -> None:
@@ -136,8 +141,6 @@ def serve_command(settings: Settings, bind_addr: str | None, manager: NereidPlug
     listeners = listeners or Listeners(bind_addr)
     try:
         check_backend_defaults(manager, settings.backend_defaults, settings.source)
-        if (clash := listeners.clash(settings.server)) is not None:
-            raise ConfigError(clash)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from nereid.config_document import KeyedReader, load_yaml
-from nereid.errors import ConfigError
 from nereid.files import read_text_file
 from nereid.storage.mirror import mirror_root
 from nereid.storage.url import parse_store_url
@@ -180,21 +179,57 @@ class Listeners:
                 else (server.metrics_addr, "server.metrics_addr"))
 
     def clash(self, server: ServerSettings) -> str | None:
-        """Why two listeners would share an address (naming both origins), or None.
+        """Why two of the listeners would take the same port of the same interface (naming both origins), or None.
 
-        Checked before anything binds: the second listener would fail with the
-        system's "Address already in use", which blames another process.
-        Spelled alike is what is compared (a fixed port; 0 asks for a free one).
+        Checked before anything binds (by ``nereid serve`` with its flags, and by
+        ``nereid check``): the second listener would fail with the system's
+        "Address already in use", which blames another process. Ports are
+        compared as numbers (port 0 asks for a free one each), hosts as
+        addresses (``[::1]`` and ``[0:0:0:0:0:0:0:1]`` alike; ``localhost`` is
+        both loopbacks), and a wildcard host (``0.0.0.0``, ``[::]``) takes the
+        port on every interface of its family (``[::]`` on IPv4 too, as Linux
+        binds it).
         """
-        seen: dict[str, str] = {}
+        seen: list[tuple[int, frozenset[str], str, str]] = []
         for address, origin in (self.grpc(server), self.http(server), self.metrics(server)):
-            if not address or address.endswith(":0"):
+            if not address:
                 continue
-            key = address.lower()
-            if key in seen:
-                return f"{origin}: {address} is also {seen[key]}: each listener needs an address of its own"
-            seen[key] = origin
+            host, _, port_text = address.rpartition(":")
+            port = int(port_text)
+            if port == 0:
+                continue
+            hosts = _interfaces(host.strip("[]"))
+            for other_port, other_hosts, other_address, other_origin in seen:
+                if port == other_port and _overlap(hosts, other_hosts):
+                    return (f"{origin}: {address} would take the port that {other_origin} ({other_address}) "
+                            "takes; each listener needs an address of its own")
+            seen.append((port, hosts, address, origin))
         return None
+
+
+def _interfaces(host: str) -> frozenset[str]:
+    """The interfaces a listener on ``host`` binds, as :meth:`Listeners.clash` compares them: one address in its
+    canonical spelling; ``localhost`` both loopbacks; a wildcard ``*4``/``*`` (IPv4's, or every family's, as
+    ``::`` is on Linux); any other name itself (not resolved: that takes a DNS lookup)."""
+    if host.lower() == "localhost":
+        return frozenset({"127.0.0.1", "::1"})
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return frozenset({host.lower()})
+    if address.is_unspecified:
+        return frozenset({"*"}) if address.version == 6 else frozenset({"*4"})
+    return frozenset({address.compressed})
+
+
+def _overlap(first: frozenset[str], second: frozenset[str]) -> bool:
+    """Whether listeners on these interfaces (see :func:`_interfaces`) would take the same port."""
+    if first & second or "*" in first | second:
+        return True
+
+    def ipv4(hosts: frozenset[str]) -> bool:
+        return any("." in host and host.replace(".", "").isdigit() for host in hosts)
+    return ("*4" in first and ipv4(second)) or ("*4" in second and ipv4(first))
 
 
 def is_loopback(bind_addr: str) -> bool:
@@ -335,13 +370,9 @@ def _parse_server(reader: KeyedReader, raw: Any, path: Path) -> ServerSettings:
                            maximum=(_A_DAY_S * 1000, "a day"))
     poll = reader.number(section, "server.watch_poll_s", DEFAULT_WATCH_POLL_S, minimum=0.1,
                          maximum=(_A_DAY_S, "a day"))
-    server = ServerSettings(bind_addr, backends, strict, grace, metrics_addr, follow, max_message, control, tls,
-                            watch, settle, poll, ml_backends_url=str(location) if location else None,
-                            cache_dir=cache_dir, http_addr=http_addr)
-    clash = Listeners().clash(server)
-    if clash is not None:
-        raise ConfigError(f"{reader.path}: {clash}")
-    return server
+    return ServerSettings(bind_addr, backends, strict, grace, metrics_addr, follow, max_message, control, tls,
+                          watch, settle, poll, ml_backends_url=str(location) if location else None,
+                          cache_dir=cache_dir, http_addr=http_addr)
 
 
 def _address(reader: KeyedReader, section: Mapping[str, Any], key: str, default: str, *, off: str | None) -> str:

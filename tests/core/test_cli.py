@@ -211,8 +211,17 @@ def test_serve_flags_move_or_turn_off_http_and_metrics_and_errors_name_the_flag(
     address = f"127.0.0.1:{free_port()}"
     clash = subprocess.run([*NEREID, "serve", "--config", str(config), "--bind", address, "--metrics-bind", address],
                            capture_output=True, text=True, timeout=60)
-    assert clash.returncode == 2 and clash.stderr == (f"error: --metrics-bind: {address} is also --bind: each "
-                                                      "listener needs an address of its own\n"), clash.stderr
+    assert clash.returncode == 2 and clash.stderr == (f"error: {config}: --metrics-bind: {address} would take the "
+                                                      f"port that --bind ({address}) takes; each listener needs an "
+                                                      "address of its own\n"), clash.stderr
+    # nereid check looks at the file's listeners alike.
+    config.write_text(config.read_text().replace('http_addr: "127.0.0.1:0"', f'http_addr: "{address}"')
+                      .replace('metrics_addr: "127.0.0.1:0"', f'metrics_addr: "{address}"'))
+    checked = subprocess.run([*NEREID, "check", "--config", str(config)], capture_output=True, text=True, timeout=60)
+    assert checked.returncode == 2 and "server.metrics_addr: " in checked.stderr and "server.http_addr (" in \
+        checked.stderr, checked.stderr
+    config.write_text(config.read_text().replace(f'http_addr: "{address}"', 'http_addr: "127.0.0.1:0"')
+                      .replace(f'metrics_addr: "{address}"', 'metrics_addr: "127.0.0.1:0"'))
     http_port = free_port()
     with nereid_serve(config, "--http-bind", f"127.0.0.1:{http_port}", "--metrics-bind", "") as (process, _client):
         with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v2/health/ready", timeout=10) as response:
