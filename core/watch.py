@@ -37,6 +37,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import re
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -386,8 +387,10 @@ class RepositoryWatcher:
         """Log that the store cannot be listed: at WARNING when that starts or its reason changes, else at DEBUG
         (a store down for a day, polled every 10 s, would write 8,640 lines of the same)."""
         reason = str(err)
-        level = logging.DEBUG if reason == self._listing_failure else logging.WARNING
-        self._listing_failure = reason
+        # Compared without its numbers: the store client's words time each try ("in 425.37ms, after 3 retries").
+        kind = re.sub(r"\d+(\.\d+)?", "#", reason)
+        level = logging.DEBUG if kind == self._listing_failure else logging.WARNING
+        self._listing_failure = kind
         log.log(level, "dynamic repository: %s; nothing changes until it can be listed", reason)
 
     def _listed(self) -> None:

@@ -409,6 +409,7 @@ def test_a_store_down_at_start_loads_at_its_first_listing_what_a_start_would_hav
     from nereid.plugins import make_plugin_manager
     from nereid.repository import ModelRepository, ModelState
     from nereid.settings import load_settings
+    from nereid.storage import StorageError
     from nereid.watch import RepositoryWatcher
 
     bucket = f"nereid-late-{uuid.uuid4().hex[:12]}"  # absent at start: its listing fails
@@ -428,6 +429,9 @@ def test_a_store_down_at_start_loads_at_its_first_listing_what_a_start_would_hav
         await watcher.prime()
         for _ in range(3):  # polls of a store that still cannot be listed
             await watcher.apply()
+        for elapsed in ("425.374527", "482.885261"):  # an unreachable store: its client times each try
+            watcher._cannot_list(StorageError(f"cannot reach the store (error sending request, in {elapsed}ms, "
+                                              "after 3 retries)"))
         client = boto3.client("s3", endpoint_url=s3.endpoint, aws_access_key_id=ACCESS_KEY,
                               aws_secret_access_key=SECRET_KEY, region_name=REGION)
         client.create_bucket(Bucket=bucket)
@@ -449,7 +453,9 @@ def test_a_store_down_at_start_loads_at_its_first_listing_what_a_start_would_hav
     # Defect: every poll of a store that could not be listed logged its WARNING again (8,640 lines a day at
     # the default 10 s): the same reason is a WARNING once, then DEBUG.
     failures = [r for r in caplog.records if "nothing changes until it can be listed" in r.getMessage()]
-    assert [r.levelname for r in failures] == ["WARNING"], [r.getMessage() for r in failures]
+    assert [r.levelname for r in failures] == ["WARNING", "WARNING"], [r.getMessage() for r in failures]
+    assert "NoSuchBucket" in failures[0].getMessage() or bucket in failures[0].getMessage()
+    assert "425.374527ms" in failures[1].getMessage()  # the second try, whose time differs, is no new reason
 
 
 # -- a deleted folder's model draining while its name is asked for again ------------------------------------------
