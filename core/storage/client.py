@@ -188,25 +188,27 @@ def redact(text: str) -> str:
     messages reach every client (RepositoryIndex reasons). The user part of
     each endpoint variable set now is cut out verbatim too, whatever it holds.
     """
-    for secret in _endpoint_secrets():
+    for secret, host in _endpoint_secrets():
         # The endpoints' own user parts, whatever they hold (a "/" defeats the pattern below), where a URL
-        # or a word starts.
-        text = re.sub(rf"(?<![^\s/(\[\"'=,:<]){re.escape(secret)}@", "", text)
+        # or a word starts and the endpoint's host follows (a key "models/minio@2/..." is left as it is).
+        text = re.sub(rf"(?<![^\s/(\[\"'=,:<]){re.escape(secret)}@(?={re.escape(host)})", "", text)
     return _SECRET_PARAMETER.sub(r"\1REDACTED", _USERINFO.sub(r"\1", text))
 
 
-def _endpoint_secrets() -> list[str]:
-    """The user parts (``user:password``) of the endpoint variables set now, longest first.
+def _endpoint_secrets() -> list[tuple[str, str]]:
+    """The user parts (``user:password``) of the endpoint variables set now, each with the host that follows
+    it, longest first.
 
     What :func:`redact_endpoint` hides: from after the scheme to the last ``@``.
     """
-    secrets: set[str] = set()
+    secrets: set[tuple[str, str]] = set()
     for variable in {name for names in ENDPOINT_VARIABLES.values() for name in names}:
         value = os.environ.get(variable, "")
         span = _endpoint_userinfo(value)
         if span is not None and span[1] > span[0]:
-            secrets.add(value[span[0]:span[1]])
-    return sorted(secrets, key=len, reverse=True)  # a longer one first: a shorter one may be part of it
+            host = re.split(r"[/?#]", value[span[1] + 1:], maxsplit=1)[0]
+            secrets.add((value[span[0]:span[1]], host))
+    return sorted(secrets, key=lambda pair: len(pair[0]), reverse=True)  # a shorter one may be part of a longer
 
 
 def is_not_found(err: BaseException) -> bool:

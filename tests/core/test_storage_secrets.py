@@ -141,6 +141,11 @@ def test_the_store_clients_words_lose_an_endpoint_password_holding_a_slash(monke
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://opUSER:12/S3cret@127.0.0.1:1")
     assert redact("Error performing GET http://opUSER:12/S3cret@127.0.0.1:1/b?list-type=2 in 1ms - error") == \
         "Error performing GET http://127.0.0.1:1/b?list-type=2 in 1ms - error"
+    # Only where the endpoint's host follows: a key or a word holding the same text before an "@" is left whole.
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://minio@127.0.0.1:9000")
+    assert redact("GET s3://bucket/models/minio@2/main.py (email: minio@corp.example)") == \
+        "GET s3://bucket/models/minio@2/main.py (email: minio@corp.example)"
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://opUSER:12/S3cret@127.0.0.1:1")
     # The well-formed case, without the endpoint being set, is redacted as before.
     assert redact("GET http://minio:pw@127.0.0.1:9000/b failed") == "GET http://127.0.0.1:9000/b failed"
     # Every store's endpoint variables are checked alike.
