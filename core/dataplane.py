@@ -48,6 +48,12 @@ def _as_is(response: InferResponse) -> InferResponse:
     return response
 
 
+def past_grace_message(model: str) -> str:
+    """The answer of a request still running when ``shutdown_grace_s`` has passed, over either protocol."""
+    return (f"model '{model}': the server is shutting down, and shutdown_grace_s passed before the request "
+            "finished; its answer is lost")
+
+
 def cancellation_reason(deadline_ns: int, now_ns: int) -> str:
     """The failure a request ended by cancellation counts as: ``deadline_exceeded`` when its deadline
     (0: none) has passed or is within :data:`CLIENT_DEADLINE_SLACK_NS`, ``cancelled`` otherwise."""

@@ -34,6 +34,10 @@ log = logging.getLogger(__name__)
 # Responses are not capped by server.max_message_bytes (that bounds what clients send).
 MAX_SEND_MESSAGE_BYTES = (1 << 31) - 1
 
+# At shutdown, how long past shutdown_grace_s gRPC's stop still waits before cancelling the calls left: the
+# requests still running at the grace are answered then (UNAVAILABLE), and their answers need time to be sent.
+ANSWER_AT_GRACE_S = 1.0
+
 
 def bind_problem(address: str) -> OSError | None:
     """Why gRPC could not listen on ``host:port``, found by binding it as gRPC does; None when it can.
@@ -320,7 +324,17 @@ class NereidServer:
             await self._health.shut_down()
             if self._servicer is not None:
                 self._servicer.close_streams()
-            await asyncio.gather(self._grpc.stop(grace), *([self._http.stop()] if self._http is not None else []))
+            # gRPC's stop would cancel every call still open at its deadline, so that a stream's requests got no
+            # answer: nereid ends them itself at the grace, each with its answer, and gRPC's deadline comes later.
+            stopping = asyncio.gather(self._grpc.stop(grace + ANSWER_AT_GRACE_S),
+                                      *([self._http.stop()] if self._http is not None else []))
+            done, _ = await asyncio.wait([stopping], timeout=grace)
+            if not done and self._servicer is not None:
+                ended = self._servicer.end_at_grace()
+                if ended:
+                    log.warning("%d gRPC inference request(s) still running after the %g s grace: answered "
+                                "UNAVAILABLE", ended, grace)
+            await stopping
         # Past the grace, what still runs belongs to cancelled calls: end it rather than wait.
         await self.repository.terminate_running()
         await self.repository.unload_all(grace_s=0)

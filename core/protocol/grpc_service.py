@@ -10,13 +10,14 @@ import asyncio
 import time
 import functools
 import logging
+import weakref
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 import grpc
 
 from nereid._proto import grpc_service_pb2 as pb
 from nereid._proto import model_config_pb2 as mc
-from nereid.dataplane import DataPlane, cancellation_reason
+from nereid.dataplane import DataPlane, cancellation_reason, past_grace_message
 from nereid.errors import (ConfigError, DeadlineExceeded, InvalidArgument, ModelFailure, NereidError,
                            NotFound, PermissionDenied, Unavailable, Unimplemented, cap_message)
 from nereid.log_limit import RateLimitedLog
@@ -161,6 +162,11 @@ class InferenceServicer:
         # The answer queues of the open ModelStreamInfer calls, and whether they are to end (close_streams).
         self._streams: set[asyncio.Queue] = set()
         self._closing_streams = False
+        # The inference requests running (a ModelInfer call's task, a stream request's answer task), and those
+        # end_at_grace cancelled: only those are answered as ended at the grace (any other cancellation is a
+        # client gone or gRPC's own).
+        self._running: set[asyncio.Task] = set()
+        self._ended_at_grace: weakref.WeakSet[asyncio.Task] = weakref.WeakSet()
 
     def close_streams(self) -> None:
         """At shutdown: end each ModelStreamInfer stream once every request read from it is answered (an idle one
@@ -172,6 +178,35 @@ class InferenceServicer:
         self._closing_streams = True
         for answers in self._streams:
             answers.put_nowait(_WAKE)
+
+    def end_at_grace(self) -> int:
+        """At shutdown, once the grace has passed: end every inference request still running, each answered
+        UNAVAILABLE (:func:`past_grace_message`): a ModelInfer call with that status, a stream's request in its
+        stream, which then ends as :meth:`close_streams` says. Returns how many were ended.
+
+        gRPC's own stop would cancel them at its deadline instead: a stream's requests then got no answer at all.
+        """
+        running = list(self._running)
+        loop = asyncio.get_running_loop()
+        for task in running:
+            # Cancelled from the next turn of the loop: a task created in this one has then taken its first
+            # step, into the code that answers (a task cancelled before it starts runs none of its code).
+            loop.call_soon(self._end, task)
+        return len(running)
+
+    @property
+    def running_requests(self) -> int:
+        """How many inference requests (ModelInfer calls, stream requests) are running: what the grace waits for."""
+        return len(self._running)
+
+    def _end(self, task: asyncio.Task) -> None:
+        if not task.done():
+            self._ended_at_grace.add(task)
+            task.cancel()
+
+    def _past_grace(self) -> bool:
+        """Whether the current task's cancellation is :meth:`end_at_grace`'s."""
+        return asyncio.current_task() in self._ended_at_grace
 
     @_maps_errors
     async def ServerLive(self, request: pb.ServerLiveRequest, context) -> pb.ServerLiveResponse:
@@ -207,8 +242,19 @@ class InferenceServicer:
 
     @_maps_errors
     async def ModelInfer(self, request: Received, context) -> bytes:
-        # Serialized here, with one copy of the outputs (see serialize_infer_response).
-        return serialize_infer_response(await self._infer(request, context))
+        model = request.message.model_name
+        task = asyncio.current_task()
+        self._running.add(task)
+        try:
+            # Serialized here, with one copy of the outputs (see serialize_infer_response).
+            return serialize_infer_response(await self._infer(request, context))
+        except asyncio.CancelledError:
+            if not self._past_grace():
+                raise
+            task.uncancel()  # ended at the grace: answered (by _maps_errors) rather than cancelled
+            raise Unavailable(past_grace_message(model)) from None
+        finally:
+            self._running.discard(task)
 
     async def _infer(self, received: Received, context) -> InferResponse:
         request = received.message
@@ -234,8 +280,9 @@ class InferenceServicer:
         except NereidError as err:
             self._counted(decoded.model_name, err.reason)
             raise
-        except asyncio.CancelledError:  # the client cancelled, or gRPC ended the call at its deadline
-            self._counted(decoded.model_name, cancellation_reason(decoded.deadline_ns, time.monotonic_ns()))
+        except asyncio.CancelledError:  # the client cancelled, gRPC ended the call at its deadline, or the grace
+            self._counted(decoded.model_name, "unavailable" if self._past_grace()
+                          else cancellation_reason(decoded.deadline_ns, time.monotonic_ns()))
             raise
         self._counted(decoded.model_name, "success")
         return response
@@ -251,7 +298,8 @@ class InferenceServicer:
         Every request read gets exactly one answer, even when a later message is
         unreadable or the client's side of the stream fails: the stream ends
         only once all of them are answered. After :meth:`close_streams` it ends
-        (UNAVAILABLE) as soon as none is left unanswered.
+        (UNAVAILABLE) as soon as none is left unanswered; :meth:`end_at_grace`
+        answers those still running then.
         """
         answers: asyncio.Queue[pb.ModelStreamInferResponse | bytes | _Wake | None] = asyncio.Queue()
         pending: set[asyncio.Task] = set()
@@ -274,6 +322,11 @@ class InferenceServicer:
                 result = await self._infer(received, context)
             except NereidError as err:
                 message = self.dataplane.repository.public_text(str(err))
+            except asyncio.CancelledError:
+                if not self._past_grace():
+                    raise
+                asyncio.current_task().uncancel()  # ended at the grace: answered in the stream, which then ends
+                message = past_grace_message(model)
             except Exception as err:
                 # Every request gets exactly one answer, even when the failure is a bug.
                 log.exception("ModelStreamInfer: request '%s' failed", cap_message(request_id, 256))
@@ -296,6 +349,8 @@ class InferenceServicer:
                     task = asyncio.create_task(answer(received))
                     pending.add(task)
                     task.add_done_callback(pending.discard)
+                    self._running.add(task)
+                    task.add_done_callback(self._running.discard)
             except Exception as err:  # the client's side broke off: still answer what was accepted
                 self.client_log.warning("ModelStreamInfer: reading the stream failed (%s); answering the %d "
                                         "accepted request(s)", cap_message(f"{type(err).__name__}: {err}", 256),

@@ -22,7 +22,7 @@ import orjson
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from nereid.dataplane import DataPlane, cancellation_reason
+from nereid.dataplane import DataPlane, cancellation_reason, past_grace_message
 from nereid.errors import (ConfigError, DeadlineExceeded, InvalidArgument, ModelFailure, NereidError, NotFound,
                            PermissionDenied, QueueFull, Unavailable, Unimplemented, cap_message)
 from nereid.log_limit import RateLimitFilter
@@ -215,8 +215,7 @@ class HttpSurface:
             # waits, and gets the answer a gRPC client gets then (uvicorn's own would be a text/plain 500).
             asyncio.current_task().uncancel()
             self._counted(model, "unavailable")
-            raise Unavailable(f"model '{model}': the server is shutting down, and shutdown_grace_s passed before "
-                              "the request finished; its answer is lost") from None
+            raise Unavailable(past_grace_message(model)) from None
         self._counted(model, "success")
         if binary_header is None:
             return 200, parts, JSON_HEADERS

@@ -182,3 +182,55 @@ def test_at_shutdown_an_idle_inference_stream_ends_and_a_busy_one_once_its_reque
         for stream in (idle, busy):
             stream.close()
         watcher.channel.close()
+
+
+def test_requests_still_running_when_the_grace_passes_are_answered_unavailable_and_their_stream_then_ends(
+        repo, serve):
+    # gRPC's stop cancelled every call at the grace: a stream's requests read and not yet answered got no answer,
+    # the stream ending with gRPC's own "Cancelling all calls".
+    plugin = HeldInfers()
+    server = start(repo, serve, plugin)
+    stream = Stream(server.url)
+    unary: list[tuple[str, str]] = []
+
+    def infer_once() -> None:
+        request = pb.ModelInferRequest(model_name="held", id="unary")
+        request.inputs.add(name="input", datatype="FP32", shape=[1, 4])
+        request.raw_input_contents.append(np.ones((1, 4), np.float32).tobytes())
+        with grpc.insecure_channel(server.url) as channel:
+            try:
+                pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(request, timeout=PROMPT_S * 3)
+                unary.append(("OK", ""))
+            except grpc.RpcError as err:
+                unary.append((err.code().name, err.details()))
+
+    caller = threading.Thread(target=infer_once, daemon=True)
+    try:
+        for request_id in ("a", "b", "c"):
+            stream.send("held", request_id)
+        caller.start()
+        deadline = time.monotonic() + PROMPT_S
+        while server.server._servicer.running_requests < 4:  # the unary call, and each stream request read
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        grace_s = 1
+        started = time.monotonic()
+        stopping = asyncio.run_coroutine_threadsafe(server.server.stop(grace_s=grace_s), server.loop)
+        lost = ("model 'held': the server is shutting down, and shutdown_grace_s passed before the request "
+                "finished; its answer is lost")  # (what HTTP answers then too)
+        seen = [stream.next()]
+        while seen[-1][0] != "ended":
+            seen.append(stream.next())
+        # Each its own answer, then the stream's end.
+        assert sorted(seen[:-1]) == [("a", lost), ("b", lost), ("c", lost)], seen
+        assert seen[-1] == ("ended", "UNAVAILABLE", STREAM_CLOSED_AT_SHUTDOWN), seen
+        assert time.monotonic() - started >= grace_s  # the grace was given to them first
+        caller.join(PROMPT_S)
+        assert unary == [("UNAVAILABLE", lost)]
+        plugin.release.set()  # (the executions themselves: ended by the unload that follows)
+        stopping.result(PROMPT_S)
+        assert time.monotonic() - started < PROMPT_S
+        assert stream.answers.empty()
+    finally:
+        plugin.release.set()
+        stream.close()
