@@ -7,6 +7,7 @@ form ``<file>: <key path>: <problem>, got <value>``.
 from __future__ import annotations
 
 import ipaddress
+import socket
 import os
 import re
 from dataclasses import dataclass, field
@@ -216,7 +217,12 @@ def _interfaces(host: str) -> frozenset[str]:
     try:
         address = ipaddress.ip_address(host)
     except ValueError:
-        return frozenset({host.lower()})
+        try:  # the short IPv4 forms the system takes too ("127.1")
+            address = ipaddress.IPv4Address(socket.inet_aton(host))
+        except OSError:
+            return frozenset({host.lower()})
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped  # [::ffff:127.0.0.1] binds 127.0.0.1
     if address.is_unspecified:
         return frozenset({"*"}) if address.version == 6 else frozenset({"*4"})
     return frozenset({address.compressed})

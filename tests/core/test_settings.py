@@ -228,6 +228,8 @@ def test_listener_addresses_in_range_are_kept(root: Path, key: str, address: str
     ("localhost:8000", "127.0.0.1:8000", True),  # localhost is both loopbacks
     ("[::1]:8000", "[0:0:0:0:0:0:0:1]:8000", True),  # one address, spelled two ways
     ("127.0.0.1:08000", "127.0.0.1:8000", True),  # ports are numbers
+    ("127.1:8000", "127.0.0.1:8000", True),  # a short IPv4 form the system takes
+    ("[::ffff:127.0.0.1]:8000", "127.0.0.1:8000", True),  # IPv4-mapped: binds the IPv4 address
     ("0.0.0.0:8000", "127.0.0.1:8000", True),  # a wildcard takes the port on every interface of its family
     ("[::]:8000", "127.0.0.1:8000", True),  # [::] takes IPv4's too, as Linux binds it
     ("0.0.0.0:8000", "[::1]:8000", False),
