@@ -76,6 +76,9 @@ class DataPlane:
         self.repository = repository
         self.settings = settings
         self.shutting_down = False
+        # Set by the server once shutdown_grace_s has passed: a request cancelled from then on was ended by the
+        # server (answered UNAVAILABLE), not by its client, and is counted so.
+        self.grace_passed = False
         self.repository_control = repository_control
         self._on_change = on_repository_change
 
@@ -256,8 +259,10 @@ class DataPlane:
             except asyncio.CancelledError:
                 # The client went away (it cancelled, its connection closed, or its deadline ended the
                 # call before the scheduler could answer DEADLINE_EXCEEDED): still one answer, counted.
+                # Past the grace, the server ended it (answered UNAVAILABLE).
                 now = time.monotonic_ns()
-                model.stats.record_failure(now - received_ns, cancellation_reason(request.deadline_ns, now))
+                reason = Unavailable.reason if self.grace_passed else cancellation_reason(request.deadline_ns, now)
+                model.stats.record_failure(now - received_ns, reason)
                 raise
         if wanted is not None:
             outputs = [t for t in outputs if t.name in wanted]

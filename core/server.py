@@ -37,6 +37,9 @@ MAX_SEND_MESSAGE_BYTES = (1 << 31) - 1
 # At shutdown, how long past shutdown_grace_s gRPC's stop still waits before cancelling the calls left: the
 # requests still running at the grace are answered then (UNAVAILABLE), and their answers need time to be sent.
 ANSWER_AT_GRACE_S = 1.0
+# How long after shutdown_grace_s uvicorn ends the HTTP requests still running: after the data plane has
+# marked the grace as passed, so that they count as answered UNAVAILABLE rather than cancelled by a client.
+HTTP_END_AFTER_GRACE_S = 0.2
 
 
 def bind_problem(address: str) -> OSError | None:
@@ -210,8 +213,10 @@ class NereidServer:
         if self.http_addr:
             surface = HttpSurface(self.dataplane, config.max_message_bytes,
                                   functools.partial(self.metrics.count_request, "http"))
+            # uvicorn ends the requests still running a moment after the grace, once the data plane counts it
+            # as passed (see stop): they are counted as answered UNAVAILABLE, not as cancelled by their client.
             self._http = HttpListener(surface, ssl_context(config.tls) if config.tls else None,
-                                      config.shutdown_grace_s)
+                                      config.shutdown_grace_s + HTTP_END_AFTER_GRACE_S)
             self.http_port = await self._http.start(self.http_addr, origin=self.http_origin)
             log.info("KServe V2 REST on %s (port %d)", self.http_addr, self.http_port)
         # Bound last and started at once: a gRPC server that is never started keeps its port open until the
@@ -329,6 +334,8 @@ class NereidServer:
             stopping = asyncio.gather(self._grpc.stop(grace + ANSWER_AT_GRACE_S),
                                       *([self._http.stop()] if self._http is not None else []))
             done, _ = await asyncio.wait([stopping], timeout=grace)
+            if not done:
+                self.dataplane.grace_passed = True
             if not done and self._servicer is not None:
                 ended = self._servicer.end_at_grace()
                 if ended:

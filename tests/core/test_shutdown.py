@@ -205,6 +205,7 @@ def test_requests_still_running_when_the_grace_passes_are_answered_unavailable_a
                 unary.append((err.code().name, err.details()))
 
     caller = threading.Thread(target=infer_once, daemon=True)
+    stats = server.server.repository.ready_model("held").stats
     try:
         for request_id in ("a", "b", "c"):
             stream.send("held", request_id)
@@ -231,6 +232,8 @@ def test_requests_still_running_when_the_grace_passes_are_answered_unavailable_a
         stopping.result(PROMPT_S)
         assert time.monotonic() - started < PROMPT_S
         assert stream.answers.empty()
+        # Counted as the clients were answered: ended by the server, not cancelled by them.
+        assert stats.snapshot().failures_by_reason == {"unavailable": 4}
     finally:
         plugin.release.set()
         stream.close()
