@@ -20,7 +20,7 @@ from typing import Callable
 import nereid.repository
 from nereid.backend import CallsModels, ModelContext, ReportsRuntime
 from nereid.dependencies import settle
-from nereid.errors import ConfigError, describe_exception, plugin_failures
+from nereid.errors import ConfigError, backend_exit, plugin_failures
 from nereid.files import check_confined
 from nereid.leftovers import scratch_prefix
 from nereid.log_format import one_record_per_line, stderr_handler
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None, extra_plugins: tuple[object, ...] = ()) 
     logging.getLogger().setLevel(args.log_level)
     # jax reports at INFO that it found no TPU; that is no news to a CPU or GPU server.
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
-    return serve_command(settings, args.bind, manager, listeners)
+    return serve_command(settings, listeners, manager)
 
 
 def limit_repeated_library_lines() -> None:
@@ -126,11 +126,10 @@ def _listener_address(text: str) -> str:
     return text if text == "" else _bind_address(text)
 
 
-def serve_command(settings: Settings, bind_addr: str | None, manager: NereidPluginManager | None = None,
-                  listeners: Listeners | None = None) -> int:
+def serve_command(settings: Settings, listeners: Listeners, manager: NereidPluginManager | None = None) -> int:
     """Run the server until a signal; 0 after a graceful stop.
 
-    ``listeners``: the command line's addresses (``bind_addr`` alone when None).
+    ``listeners``: the command line's addresses (checked for clashes by the caller).
 
     An installed plugin that could not be loaded was logged and is left out: the
     server serves what the others claim.
@@ -138,7 +137,6 @@ def serve_command(settings: Settings, bind_addr: str | None, manager: NereidPlug
     from nereid.server import NereidServer  # grpc is only needed to serve
 
     manager = manager or make_plugin_manager()
-    listeners = listeners or Listeners(bind_addr)
     try:
         check_backend_defaults(manager, settings.backend_defaults, settings.source)
     except ConfigError as err:
@@ -275,7 +273,7 @@ class _StopSignals:
 
     def __call__(self, signum: int, frame: object) -> None:
         self.came = signum
-        raise _Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+        self.stop_if_came()
 
     def model_faults(self) -> tuple[type[BaseException], ...]:
         """What to catch around a model's code as its failure: :func:`plugin_failures`, and a KeyboardInterrupt
@@ -396,8 +394,7 @@ def _load_failure_text(name: str, error: BaseException) -> str:
     KeyboardInterrupt, which :func:`build_model` lets through on the main thread) as that names it."""
     if isinstance(error, Exception):
         return str(error).strip() or type(error).__name__
-    return (f"model '{name}': its backend raised {describe_exception(error)} while loading it (a backend refuses a "
-            "model by raising an Exception with the reason)")
+    return str(backend_exit(name, error, "while loading it"))
 
 
 if __name__ == "__main__":

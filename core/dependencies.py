@@ -114,7 +114,8 @@ def _judge(name: str, dependencies: tuple[str, ...], states: Mapping[str, tuple[
             return Readiness(why, settled.loading, dependency)
         known = states.get(dependency)
         if known is None:
-            why = f"dependency '{dependency}' is not a model of this server (no folder '{dependency}' in ml_backends_path)"
+            why = (f"dependency '{dependency}' is not a model of this server (no folder '{dependency}' in "
+                   "ml_backends_path)")
             roots[name] = why
             return Readiness(why, blocker=dependency)
         state, reason = known

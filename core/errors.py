@@ -153,6 +153,13 @@ def calling_plugin(call: Callable[[], T], failure: Callable[[BaseException], Exc
         raise failure(err) from None
 
 
+def backend_exit(model: str, exit_: BaseException, during: str) -> ConfigError:
+    """The load failure of ``model`` whose backend raised ``exit_`` (a ``sys.exit()``, ...) ``during`` (``loading
+    it``): said as such, since it is no reason a backend gave."""
+    return ConfigError(f"model '{model}': its backend raised {describe_exception(exit_)} {during} (a backend refuses "
+                       "a model by raising an Exception with the reason)")
+
+
 def without_stop_iteration(function: Callable[..., T], *args: Any) -> T:
     """Call ``function``; a StopIteration it raises comes out as a RuntimeError chained to it.
 

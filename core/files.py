@@ -28,6 +28,12 @@ MAX_FOLDER_ENTRIES = 100_000
 _NAME_MAX = 255
 
 
+def descriptor_path(fd: int) -> str:
+    """A path to what the descriptor ``fd`` of this process leads to (Linux's ``/proc/self/fd``), for a child
+    to enter or open before it execs: it follows a rename, outlives a delete, and never leads elsewhere."""
+    return f"/proc/self/fd/{fd}"
+
+
 def kind_of(mode: int) -> str:
     """What a file of this ``st_mode`` is, for messages (``a FIFO``, ``a directory``...)."""
     for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),

@@ -253,19 +253,19 @@ class _RepositoryCollector(Collector):
                                        labels=["model"])
         states = GaugeMetricFamily("nereid_models", "Model folders by state.", labels=["state"])
         counts = {state.value: 0 for state in ModelState}
-        versions: dict[str, LoadedModel] = {}
         for entry in self._repository.entries():
             counts[entry.state.value] += 1
             if entry.generation:
                 generation.add_metric([entry.name], entry.generation)
-            loaded = entry.loaded  # read once: an unload may set it to None between two reads
-            if loaded is not None:
-                versions[entry.name] = loaded
-        # A removed folder's model is off its entry while it finishes its requests: it is reported under its name
-        # until released (unless a new folder's model serves the name). A reload's old version shares the
-        # serving one's statistics.
-        for retiring in self._repository.retiring_versions():
-            versions.setdefault(retiring.name, retiring.loaded)
+        # Every version's queue counts, old versions still finishing their requests (after a reload, a removal)
+        # included: what waits there is still to be answered. The other figures are the serving version's, or,
+        # for a removed folder's model finishing its requests, that version's until it is released (a reload's
+        # old version shares the serving one's statistics).
+        versions: dict[str, LoadedModel] = {}
+        waiting: dict[str, int] = {}
+        for name, loaded in self._repository.versions():
+            versions.setdefault(name, loaded)
+            waiting[name] = waiting.get(name, 0) + loaded.scheduler.queue_depth
         for name, loaded in sorted(versions.items()):
             stats = loaded.stats.snapshot()
             success.add_metric([name], stats.success.count)
@@ -287,10 +287,8 @@ class _RepositoryCollector(Collector):
                     resident = None
                 if resident is not None:
                     warm_parent.add_metric([name], resident)
-        # Every version's queue counts, old versions still finishing their requests (after a reload, a removal)
-        # included: what waits there is still to be answered.
-        for name, waiting in sorted(self._repository.queue_depths().items()):
-            depth.add_metric([name], waiting)
+        for name, count in sorted(waiting.items()):
+            depth.add_metric([name], count)
         for state, count in counts.items():
             states.add_metric([state], count)
         yield from (success, failure, submitted, completed, *histograms.values(), depth, utilization, warm_parent,

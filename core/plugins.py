@@ -347,20 +347,7 @@ def claim_folder(manager: NereidPluginManager, folder: Path, backend: str | None
 def _claim_signs(manager: NereidPluginManager) -> str:
     """What makes each installed backend claim a folder, in its own words (``nereid_claim_signs``); a backend that
     says nothing (or whose hook fails, logged) is "see its documentation"."""
-    impls = _plain_impls(manager.hook.nereid_claim_signs)
-    said: dict[str, str] = {}
-    for impl in impls:
-        try:
-            answers = _alone(manager, "nereid_claim_signs", impl, impls)()
-        except plugin_failures() as err:
-            manager.hook_failed(impl.plugin_name, "nereid_claim_signs", f"raised {error_text(err)}")
-            continue
-        for answer in answers:
-            if isinstance(answer, str) and answer.strip():
-                said[impl.plugin_name] = answer.strip()
-            elif answer:
-                manager.hook_failed(impl.plugin_name, "nereid_claim_signs",
-                                    f"returned a {type(answer).__name__}, not a str or None")
+    said = {name: text.strip() for name, text in _sentences(manager, "nereid_claim_signs") if text.strip()}
     return "; ".join(f"{name}: {said.get(name, 'see its documentation')}" for name in backend_names(manager))
 
 
@@ -403,18 +390,23 @@ def _ask(manager: NereidPluginManager, folder: Path, declared: bool, only: str |
 
 def _hints(manager: NereidPluginManager, folder: Path) -> list[str]:
     """The backends' sentences on how to declare ``folder``; a hint hook that fails is logged and skipped."""
-    impls = _plain_impls(manager.hook.nereid_declaration_hint)
-    hints: list[str] = []
+    return [text for _, text in _sentences(manager, "nereid_declaration_hint", folder=folder)]
+
+
+def _sentences(manager: NereidPluginManager, hook: str, **arguments: object) -> list[tuple[str, str]]:
+    """Each backend's answer to ``hook``, a str, with its plugin's name: each asked alone (its failure is its
+    own); one that raises, or answers anything but a str or None, is logged (once, naming it) and skipped."""
+    impls = _plain_impls(getattr(manager.hook, hook))
+    sentences: list[tuple[str, str]] = []
     for impl in impls:
         try:
-            answers = _alone(manager, "nereid_declaration_hint", impl, impls)(folder=folder)
+            answers = _alone(manager, hook, impl, impls)(**arguments)
         except plugin_failures() as err:
-            manager.hook_failed(impl.plugin_name, "nereid_declaration_hint", f"raised {error_text(err)}")
+            manager.hook_failed(impl.plugin_name, hook, f"raised {error_text(err)}")
             continue
         for answer in answers:
             if isinstance(answer, str):
-                hints.append(answer)
+                sentences.append((impl.plugin_name, answer))
             elif answer:
-                manager.hook_failed(impl.plugin_name, "nereid_declaration_hint",
-                                    f"returned a {type(answer).__name__}, not a str or None")
-    return hints
+                manager.hook_failed(impl.plugin_name, hook, f"returned a {type(answer).__name__}, not a str or None")
+    return sentences

@@ -30,8 +30,8 @@ from nereid.backend import (CallsModels, HasBatchSignature, Model, ModelCaller, 
                             missing_model_parts)
 from nereid.batching import BatchPolicy
 from nereid.dependencies import READY, Readiness, settle
-from nereid.errors import (ConfigError, NotFound, Unavailable, calling_plugin, cap_message, describe_exception,
-                           without_stop_iteration)
+from nereid.errors import (ConfigError, NotFound, Unavailable, backend_exit, calling_plugin, cap_message,
+                           describe_exception, without_stop_iteration)
 from nereid.files import check_confined
 from nereid.log_limit import RateLimitedLog
 from nereid.model_runner import Runner, make_runner
@@ -179,8 +179,7 @@ def build_model(manager: NereidPluginManager, context: ModelContext,
     """
     return calling_plugin(
         lambda: _build_model(manager, context, backend_defaults, defaults_source),
-        lambda exit_: ConfigError(f"model '{context.name}': its backend raised {describe_exception(exit_)} while "
-                                  "loading it (a backend refuses a model by raising an Exception with the reason)"))
+        lambda exit_: backend_exit(context.name, exit_, "while loading it"))
 
 
 def _build_model(manager: NereidPluginManager, context: ModelContext,
@@ -331,23 +330,15 @@ class ModelRepository:
         under that name comes after it). Its old version may drain longer: that holds up nothing."""
         return self._removing.get(name)
 
-    def retiring_versions(self) -> list[RetiringVersion]:
-        """The old versions still finishing their requests (a reload's, an unload's, a removal's). Safe to call
-        from another thread (the metrics scrape)."""
-        return list(self._retiring.values())  # a copy: the event loop changes it meanwhile
-
-    def queue_depths(self) -> dict[str, int]:
-        """Requests waiting, by model name: the serving version's queue and those of its old versions still
-        finishing their requests (a reload's, a removal's: a name whose folder is gone keeps its count until
-        they are released). Safe to call from another thread (the metrics scrape)."""
-        versions = {id(loaded): (entry.name, loaded)
-                    for entry in self.entries() if (loaded := entry.loaded) is not None}
-        for retiring in self.retiring_versions():
-            versions.setdefault(id(retiring.loaded), (retiring.name, retiring.loaded))
-        depths: dict[str, int] = {}
-        for name, loaded in versions.values():
-            depths[name] = depths.get(name, 0) + loaded.scheduler.queue_depth
-        return depths
+    def versions(self) -> list[tuple[str, LoadedModel]]:
+        """Every version held, each once, with the name it serves or served under: the serving ones first, then
+        the old ones still finishing their requests (a reload's, an unload's, a removal's: a name whose folder
+        is gone keeps its version until it is released). Safe to call from another thread (the metrics scrape).
+        """
+        held = {id(loaded): (entry.name, loaded) for entry in self.entries() if (loaded := entry.loaded) is not None}
+        for retiring in list(self._retiring.values()):  # a copy: the event loop changes it meanwhile
+            held.setdefault(id(retiring.loaded), (retiring.name, retiring.loaded))
+        return list(held.values())
 
     def startup_models(self) -> list[str]:
         """The models to load at start: the listed ones, or every folder when none are listed."""
@@ -547,9 +538,7 @@ class ModelRepository:
                 # must a KeyboardInterrupt: the server takes Ctrl-C with the loop's signal handler, never as one.
                 instances, depends_on = calling_plugin(
                     lambda: (built.backend.concurrent_executions(), built.backend.dependencies()),
-                    lambda exit_: ConfigError(f"model '{name}': its backend raised {describe_exception(exit_)} "
-                                              "while asked what it calls (a backend refuses a model by raising an "
-                                              "Exception with the reason)"), also=(KeyboardInterrupt,))
+                    lambda exit_: backend_exit(name, exit_, "while asked what it calls"), also=(KeyboardInterrupt,))
             scheduler = ModelScheduler(name, built.backend, built.batch_signature, entry.settings.queue_capacity,
                                        instances, stats, built.policy)
             loaded = LoadedModel(built.backend_name, built.backend, built.signature, built.batch_signature,
@@ -781,10 +770,7 @@ class ModelRepository:
         One backend whose ``terminate_running`` fails is logged and passed
         over: the others are still asked, and the unloads that follow go on.
         """
-        running = {id(entry.loaded): (entry.name, entry.loaded) for entry in self.entries() if entry.loaded is not None}
-        # Old versions still draining in the background.
-        running.update((key, (retiring.name, retiring.loaded)) for key, retiring in self._retiring.items())
-        for name, loaded in running.values():
+        for name, loaded in self.versions():  # old versions still draining in the background too
             await _terminate(name, loaded.backend)
 
     async def unload_all(self, grace_s: float | None = None) -> None:
@@ -833,7 +819,6 @@ class ModelRepository:
         async def end_running() -> None:
             await _terminate(name, backend)  # never raises: the unload goes on past a failing terminate
 
-        self._retiring[id(loaded)] = retiring  # (already, unless a caller did not count it yet)
         try:
             # Bounded by the grace: an abandoned request's thread must not hold the unload (or the loop).
             await loaded.scheduler.drain(self.settings.server.shutdown_grace_s if grace_s is None else grace_s,

@@ -347,10 +347,8 @@ class ModelScheduler:
             succeeded = True
             return results
         except NereidError as err:
-            if isinstance(err, ModelFailure) and not isinstance(err, LoggedModelFailure):
-                # The backend's own word for its fault (a run that failed), with the traceback of what it was
-                # raised from, if anything (a meta model's orchestration that raised).
-                self._fault_log.error("%s", err, exc_info=err.__cause__)
+            if isinstance(err, ModelFailure):
+                self.log_fault(err)  # the backend's own word for its fault (a run that failed)
             raise
         except (Exception, *MODEL_EXITS) as err:  # a model fault, whatever the backend raised
             raise self._model_fault(err) from err
@@ -366,9 +364,11 @@ class ModelScheduler:
                 self._stats.execution_finished(total, cost, queue_ns, input_ns, infer_ns, output_ns, succeeded)
 
     def log_fault(self, failure: ModelFailure) -> None:
-        """Log a fault of this model's code met outside an execution (its preprocess or postprocess hook), under the
-        same per-model limit as its executions' faults, with the traceback of what the model raised (if it raised)."""
-        self._fault_log.error("%s", failure, exc_info=failure.__cause__)
+        """Log a fault of this model's code (an execution's, or a preprocess or postprocess hook's) under the
+        model's limit, with the traceback of what it was raised from, if anything (a meta model's orchestration
+        that raised); one already logged where it happened (:class:`LoggedModelFailure`) is not logged again."""
+        if not isinstance(failure, LoggedModelFailure):
+            self._fault_log.error("%s", failure, exc_info=failure.__cause__)
 
     def _model_fault(self, error: BaseException, during: str = "") -> ModelFailure:
         """The ModelFailure a caller gets for ``error`` raised by model code (logged with its traceback)."""

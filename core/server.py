@@ -336,7 +336,7 @@ class NereidServer:
             done, _ = await asyncio.wait([stopping], timeout=grace)
             if not done:
                 self.dataplane.grace_passed = True
-            if not done and self._servicer is not None:
+                assert self._servicer is not None  # (set with _grpc)
                 ended = self._servicer.end_at_grace()
                 if ended:
                     log.warning("%d gRPC inference request(s) still running after the %g s grace: answered "

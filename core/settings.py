@@ -7,9 +7,9 @@ form ``<file>: <key path>: <problem>, got <value>``.
 from __future__ import annotations
 
 import ipaddress
-import socket
 import os
 import re
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping

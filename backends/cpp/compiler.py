@@ -81,7 +81,8 @@ def code_files(folder: Path, suffixes: tuple[str, ...]) -> list[Path]:
     found = []
     for root, folders, files in os.walk(folder):
         folders[:] = sorted(f for f in folders if not f.startswith("."))
-        found.extend(Path(root) / name for name in sorted(files) if name.endswith(suffixes) and not name.startswith("."))
+        found.extend(Path(root) / name for name in sorted(files)
+                     if name.endswith(suffixes) and not name.startswith("."))
     return found
 
 

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from nereid.errors import ModelFailure
+from nereid.files import descriptor_path
 
 from nereid.backends.subprocess.runner import (ProcessGroups, ProcessResult, feed_and_wait, kill_group,
                                                wait_for_exit)
@@ -95,7 +96,7 @@ class WarmParent:
     def _folder_path(self) -> str:
         """The loaded folder as a path that leads to it (through its descriptor when there is one)."""
         fd = self.folder_fd
-        return f"/proc/self/fd/{fd}" if fd is not None else str(self.folder)
+        return descriptor_path(fd) if fd is not None else str(self.folder)
 
     def stop(self) -> None:
         """End the parent and every child it runs; the parent is reaped."""

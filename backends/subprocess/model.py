@@ -19,7 +19,7 @@ from pathlib import Path
 from nereid.backend import ModelContext
 from nereid.dtypes import DType
 from nereid.errors import ConfigError, ModelFailure, Unavailable, cap_message
-from nereid.files import not_regular_reason
+from nereid.files import descriptor_path, not_regular_reason
 from nereid.runtime_options import RuntimeOptions
 from nereid.signature import TEXTPROTO_NAME, ModelSignature, TensorSpec, dims_match, load_textproto_signature
 from nereid.tensors import NamedTensor, tensor_bytes
@@ -129,7 +129,7 @@ class SubprocessModel:
         """
         fd = self.folder_fd()
         if fd is not None:
-            return f"/proc/self/fd/{fd}"  # resolved by the child, before it execs
+            return descriptor_path(fd)  # resolved by the child, before it execs
         return str(self.context.folder)
 
     def folder_fd(self) -> int | None:
@@ -142,7 +142,7 @@ class SubprocessModel:
             fd = os.open(self.context.folder, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         except (OSError, AttributeError):  # gone already, or no O_PATH (not Linux): runs use the path
             return
-        if not os.path.isdir(f"/proc/self/fd/{fd}"):  # no /proc here
+        if not os.path.isdir(descriptor_path(fd)):  # no /proc here
             os.close(fd)
             return
         # Older ones stay open a while: a run may be starting with one right now.

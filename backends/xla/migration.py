@@ -52,7 +52,7 @@ from nereid.backends.xla.safetensors import (AXIS_ORDER_KEY, AXIS_ORDER_XLA, SAF
                                              encode_header, read_entry, read_header, read_header_fd)
 from nereid.backends.xla.weights import INDEX_FILE, LocalBundleFiles, WeightSet, resolve_weights
 from nereid.errors import ConfigError
-from nereid.files import atomic_write, locked, fsync_folder
+from nereid.files import atomic_write, descriptor_path, fsync_folder, locked
 
 log = logging.getLogger(__name__)
 
@@ -264,7 +264,7 @@ class _ReferenceRead:
                                  "library, which is not installed (pip install safetensors)") from None
         self._library = safetensors
         self._path = path
-        self._fd_path = f"/proc/self/fd/{fd}"
+        self._fd_path = descriptor_path(fd)
         self._opened = None
         self._handle = None
         self._raw: dict[str, bytes] | None = None

@@ -208,6 +208,14 @@ class InferenceServicer:
         """Whether the current task's cancellation is :meth:`end_at_grace`'s."""
         return asyncio.current_task() in self._ended_at_grace
 
+    def _answered_at_grace(self) -> bool:
+        """Whether the current task's cancellation is :meth:`end_at_grace`'s; if so it is undone, so that the
+        request is answered (UNAVAILABLE) rather than cancelled."""
+        if not self._past_grace():
+            return False
+        asyncio.current_task().uncancel()
+        return True
+
     @_maps_errors
     async def ServerLive(self, request: pb.ServerLiveRequest, context) -> pb.ServerLiveResponse:
         return pb.ServerLiveResponse(live=self.dataplane.live())
@@ -249,10 +257,9 @@ class InferenceServicer:
             # Serialized here, with one copy of the outputs (see serialize_infer_response).
             return serialize_infer_response(await self._infer(request, context))
         except asyncio.CancelledError:
-            if not self._past_grace():
+            if not self._answered_at_grace():
                 raise
-            task.uncancel()  # ended at the grace: answered (by _maps_errors) rather than cancelled
-            raise Unavailable(past_grace_message(model)) from None
+            raise Unavailable(past_grace_message(model)) from None  # (answered by _maps_errors)
         finally:
             self._running.discard(task)
 
@@ -323,10 +330,9 @@ class InferenceServicer:
             except NereidError as err:
                 message = self.dataplane.repository.public_text(str(err))
             except asyncio.CancelledError:
-                if not self._past_grace():
+                if not self._answered_at_grace():
                     raise
-                asyncio.current_task().uncancel()  # ended at the grace: answered in the stream, which then ends
-                message = past_grace_message(model)
+                message = past_grace_message(model)  # answered in the stream, which then ends
             except Exception as err:
                 # Every request gets exactly one answer, even when the failure is a bug.
                 log.exception("ModelStreamInfer: request '%s' failed", cap_message(request_id, 256))
