@@ -347,23 +347,6 @@ def test_the_check_takes_the_keys_grpc_serves_and_refuses_by_name_those_it_does_
                                           f"EC keys on the P-256, P-384 or P-521 curves, and Ed25519 keys"), kind
 
 
-def test_files_grpc_cannot_serve_rotated_in_are_logged_and_skipped_by_both_listeners(folder, caplog):
-    """gRPC kept its certificate while nereid logged 'new gRPC connections use them'."""
-    ca = Issuer(folder, "ca")
-    cert, key = ca.leaf("server")
-    unserved_cert, unserved_key = ca.leaf("secp256k1", ec.generate_private_key(ec.SECP256K1()))
-    tls = TlsSettings(cert, key)
-    with https_listener(tls) as https, grpc_listener(tls) as grpc_port:
-        replace(key, unserved_key)
-        replace(cert, unserved_cert)
-        assert https_ok(https, ca.path) and grpc_ok(grpc_port, ca.path)  # the previous certificate
-    assert "new gRPC connections use them" not in caplog.text
-    assert "new HTTP connections use them" not in caplog.text
-    for listener in ("HTTP", "gRPC"):
-        assert (f"server.tls.key changed but cannot be used by the {listener} listener (keeping the previous "
-                f"certificate): gRPC (BoringSSL) cannot serve {cert} with {key}") in caplog.text
-
-
 # --------------------------------------------------------------------------- validity dates
 
 DAY = datetime.timedelta(days=1)
@@ -391,21 +374,29 @@ def test_a_server_certificate_outside_its_validity_period_is_refused_by_name_wit
         assert f"server.tls.cert: {problem} (valid from {when(start)} to {when(end)}" in result.stderr
 
 
-def test_an_expired_certificate_rotated_in_is_logged_and_skipped_by_both_listeners(folder, caplog):
-    """It was announced as served ('new gRPC connections use them') and every new connection failed."""
+@pytest.mark.parametrize("unusable", ["grpc_cannot_serve", "expired"])
+def test_files_that_cannot_be_served_rotated_in_are_logged_and_skipped_by_both_listeners(folder, caplog,
+                                                                                        unusable: str):
+    """gRPC kept its certificate while nereid logged 'new gRPC connections use them'; an expired one was announced
+    so too, and every new connection failed."""
     ca = Issuer(folder, "ca")
     cert, key = ca.leaf("server")
-    expired_cert, expired_key = ca.leaf("expired", valid_from=NOW - 10 * DAY, valid_to=NOW - DAY)
+    if unusable == "grpc_cannot_serve":
+        new_cert, new_key = ca.leaf("secp256k1", ec.generate_private_key(ec.SECP256K1()))
+        which, why = "key", f"gRPC (BoringSSL) cannot serve {cert} with {key}"
+    else:
+        new_cert, new_key = ca.leaf("expired", valid_from=NOW - 10 * DAY, valid_to=NOW - DAY)
+        which, why = "cert", (f"{cert} expired at {when(NOW - DAY)} (valid from {when(NOW - 10 * DAY)} to "
+                              f"{when(NOW - DAY)}, now ")
     tls = TlsSettings(cert, key)
     with https_listener(tls) as https, grpc_listener(tls) as grpc_port:
-        replace(key, expired_key)
-        replace(cert, expired_cert)
+        replace(key, new_key)
+        replace(cert, new_cert)
         assert https_ok(https, ca.path) and grpc_ok(grpc_port, ca.path)  # the previous certificate
     assert "connections use them" not in caplog.text
     for listener in ("HTTP", "gRPC"):
-        assert (f"server.tls.cert changed but cannot be used by the {listener} listener (keeping the previous "
-                f"certificate): {cert} expired at {when(NOW - DAY)} (valid from {when(NOW - 10 * DAY)} to "
-                f"{when(NOW - DAY)}, now ") in caplog.text
+        assert (f"server.tls.{which} changed but cannot be used by the {listener} listener (keeping the previous "
+                f"certificate): {why}") in caplog.text
 
 
 def test_a_certificate_rotated_in_before_it_is_valid_is_served_once_it_is(folder, caplog):

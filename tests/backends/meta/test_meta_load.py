@@ -201,9 +201,15 @@ def test_nereid_check_fails_a_meta_model_a_server_would_keep_unavailable(tmp_pat
     meta_folder(root, "above_loop", manifest=META.replace("[a, b]", "[a, loop]"))
     meta_folder(root, "fine", manifest=META.replace("[a, b]", "[a]"))
     meta_folder(root, "above_fine", manifest=META.replace("[a, b]", "[fine]"))
-    (tmp_path / "nereid.yaml").write_text('server:\n  ml_backends_path: "ml-backends"\n')
-    assert check(load_settings(tmp_path / "nereid.yaml")) == 1
-    lines = {line.split(":")[0]: line for line in capsys.readouterr().out.splitlines()}
+
+    def checked(models: str = "") -> tuple[int, dict[str, str]]:
+        """nereid check's exit code with these nereid.yaml models: lines, and its line per model."""
+        (tmp_path / "nereid.yaml").write_text(f'server:\n  ml_backends_path: "ml-backends"\n{models}')
+        code = check(load_settings(tmp_path / "nereid.yaml"))
+        return code, {line.split(":")[0]: line for line in capsys.readouterr().out.splitlines()}
+
+    code, lines = checked()
+    assert code == 1
     assert lines["typo"].startswith("typo: UNAVAILABLE: dependency 'a_typo' is not a model of this server (no "
                                     "folder 'a_typo' in ml_backends_path); loaded as backend=meta ")
     assert lines["above_loop"].startswith("above_loop: UNAVAILABLE: dependency 'loop' is not ready (UNAVAILABLE: "
@@ -211,19 +217,14 @@ def test_nereid_check_fails_a_meta_model_a_server_would_keep_unavailable(tmp_pat
     assert lines["fine"].startswith("fine: OK ") and lines["above_fine"].startswith("above_fine: OK ")
     assert lines[str(tmp_path / "nereid.yaml")].endswith(": 3 model(s) with problems")  # loop, typo, above_loop
     # With a models: key, a dependency that is not listed is not loaded at start: the caller would wait.
-    (tmp_path / "nereid.yaml").write_text('server:\n  ml_backends_path: "ml-backends"\nmodels:\n'
-                                          '  - name: fine\n  - name: above_fine\n')
-    assert check(load_settings(tmp_path / "nereid.yaml")) == 1
-    lines = {line.split(":")[0]: line for line in capsys.readouterr().out.splitlines()}
+    code, lines = checked("models:\n  - name: fine\n  - name: above_fine\n")
+    assert code == 1
     assert lines["fine"].startswith("fine: UNAVAILABLE: dependency 'a' is not ready (UNAVAILABLE: not listed in "
                                     "nereid.yaml)")
     assert lines["above_fine"].startswith("above_fine: UNAVAILABLE: dependency 'fine' is not ready (UNAVAILABLE: "
                                           "dependency 'a' is not ready (UNAVAILABLE: not listed in nereid.yaml))")
     # Neither listed: a later load of 'a', then of 'fine', serves both; no problem (a regression of the above).
-    (tmp_path / "nereid.yaml").write_text('server:\n  ml_backends_path: "ml-backends"\nmodels:\n'
-                                          '  - name: above_fine\n')
-    check(load_settings(tmp_path / "nereid.yaml"))
-    lines = {line.split(":")[0]: line for line in capsys.readouterr().out.splitlines()}
+    _, lines = checked("models:\n  - name: above_fine\n")
     assert lines["fine"].startswith("fine: OK ") and lines["fine"].endswith("(not listed in nereid.yaml)")
     assert lines["typo"].startswith("typo: UNAVAILABLE: dependency 'a_typo' is not a model")  # still a problem
 
