@@ -41,9 +41,16 @@ def test_binary_inputs_are_views_of_the_body_and_json_mixes_in():
     assert choice.is_binary("y") and not choice.is_binary("z")
 
 
+def test_an_empty_inputs_list_is_a_request_without_inputs():
+    # What tritonclient.http sends to a model without inputs; the model's signature judges it, as over gRPC.
+    request, _ = decode_infer("m", body(), None)
+    assert request.inputs == []
+
+
 @pytest.mark.parametrize("raw, length, message", [
     (b"[1, 2]", None, "the request body must be a JSON object"),
-    (body(), None, "'inputs' must be a non-empty list"),
+    (b'{"inputs": {}}', None, "'inputs' must be a list of tensors"),
+    (b"{}", None, "'inputs' must be a list of tensors"),
     (body({"name": "x", "shape": [1], "datatype": "FP32", "data": "1"}), None, "'data' must be a list"),
     (body({"name": "x", "shape": [1], "datatype": "BOOL", "data": [1]}), None, "BOOL data must be a list of true"),
     (body({"name": "x", "shape": [1], "datatype": "INT32", "data": [1.5]}), None, "INT32 data must be integers"),

@@ -254,6 +254,24 @@ def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(served):
         assert call(base, "GET", "/v2/health/live")[0] == 200
 
 
+CONSTANT_MAIN = '''
+import os
+with open(os.environ["NEREID_OUTPUT_PATH"], "wb") as out:
+    out.write(b"float32 1,3\\n" + bytes(__import__("array").array("f", [1, 2, 3])))
+'''
+
+
+def test_a_model_without_inputs_is_called_with_an_empty_inputs_list(repo, serve):
+    repo.python("constant", main=CONSTANT_MAIN, textproto="output_shape: [3]\nmax_batch_size: 4\n")
+    repo.python("echo")
+    server = serve(repo.write_config())
+    base = f"127.0.0.1:{server.server.http_port}"
+    client = http.InferenceServerClient(base)
+    assert client.infer("constant", []).as_numpy("output").tolist() == [1, 2, 3]  # sends "inputs": []
+    status, message = error_of(call(base, "POST", "/v2/models/echo/infer", b'{"inputs": []}'))
+    assert status == 400 and "model 'echo'" in message and "'input'" in message, message
+
+
 def test_extensions_nereid_does_not_implement_are_501_by_name(served):
     _, base = served
     client = http.InferenceServerClient(base)
