@@ -8,6 +8,7 @@ import logging
 import os
 import shlex
 import shutil
+import tempfile
 from pathlib import Path
 
 from nereid.errors import ConfigError
@@ -104,25 +105,36 @@ def read_code_file(path: Path, prefix: str, covered: str) -> bytes:
     raise ConfigError(f"{prefix}{reason}; the build reads {covered}: make it a regular file or remove it")
 
 
-def compile_to(compiler: Compiler, arguments: list[str], target: Path, cwd: Path, what: str) -> None:
+def compile_to(compiler: Compiler, arguments: list[str], target: Path, cwd: Path, what: str, model: str = "") -> None:
     """Run ``compiler arguments -o TARGET`` through a temporary name renamed into place.
 
     An interrupted or concurrent build never leaves a half-written file under
     the final name (and a killed one's ``.partial`` is removed next time). The
     compiler's exit is noticed at once and its group killed past
     COMPILE_TIMEOUT_S. A failure raises ConfigError naming ``what`` with the
-    compiler's message.
+    compiler's message; what it printed for a build that succeeded (warnings) is
+    logged once as a WARNING naming ``model``.
     """
     remove_stale_partials(target.parent)
     partial = target.parent / f".{target.name}.{os.getpid()}.partial"
-    completed = run_model_process([*compiler, *arguments, "-o", str(partial)], cwd=cwd, env=dict(os.environ),
-                                  stdin=b"", timeout_s=COMPILE_TIMEOUT_S, tail_bytes=MESSAGE_TAIL_CHARS)
+    # The compiler's intermediate files (.s, .o) go to TMPDIR: in a folder of its own beside the target (in the
+    # server's scratch folder), so that a compile killed past the limit, or with the server, leaves none in the
+    # system's /tmp, where they would stay for good.
+    work = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    try:
+        completed = run_model_process([*compiler, *arguments, "-o", str(partial)], cwd=cwd,
+                                      env={**os.environ, "TMPDIR": str(work)}, stdin=b"",
+                                      timeout_s=COMPILE_TIMEOUT_S, tail_bytes=MESSAGE_TAIL_CHARS)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     if completed.timed_out or completed.returncode != 0:
         partial.unlink(missing_ok=True)
         if completed.timed_out:
             raise ConfigError(f"{what}: compilation took longer than {COMPILE_TIMEOUT_S} s")
         raise ConfigError(f"{what}: compilation failed ({os.path.basename(compiler[0])} {completed.describe()}):\n"
                           f"{completed.output_tail}")
+    if completed.output_tail.strip():  # warnings (a #warning, a deprecation): shown once, at the build
+        log.warning("model '%s': the compiler warned (the build succeeded):\n%s", model, completed.output_tail.rstrip())
     os.replace(partial, target)
 
 
@@ -150,7 +162,7 @@ def cached_build(compiler: Compiler, arguments: list[str], name: str, stale: str
     if _usable(fallback, executable):  # an earlier load in this server found .cache/ unwritable
         return fallback
     scratch_cache.mkdir(parents=True, exist_ok=True)
-    compile_to(compiler, arguments, fallback, folder, what)
+    compile_to(compiler, arguments, fallback, folder, what, model)
     _remove_stale(scratch_cache, stale, fallback)
     try:
         _publish(fallback, built)

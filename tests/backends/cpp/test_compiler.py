@@ -1,0 +1,61 @@
+"""compile_to on its own, with a stand-in compiler (a shell script) that uses TMPDIR as gcc and clang do."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from nereid.backends.cpp import compiler as cpp_compiler
+from nereid.errors import ConfigError
+
+# Writes an intermediate file into $TMPDIR and records where, then (with SLEEP set) hangs, else writes its -o.
+STAND_IN = '''#!/bin/sh
+echo "$TMPDIR" > "{record}"
+echo "assembly" > "$TMPDIR/cc1234.s"
+[ -n "{sleep}" ] && exec sleep 30
+while [ "$1" != "-o" ]; do shift; done
+echo built > "$2"
+'''
+
+
+def stand_in(tmp_path: Path, sleep: bool) -> tuple[tuple[str, ...], Path]:
+    record = tmp_path / "tmpdir.txt"
+    script = tmp_path / "cc"
+    script.write_text(STAND_IN.format(record=record, sleep="yes" if sleep else ""))
+    script.chmod(0o755)
+    return (str(script),), record
+
+
+@pytest.mark.parametrize("killed", [False, True], ids=["built", "killed past the limit"])
+def test_the_compilers_intermediate_files_go_to_a_folder_that_is_removed_after_it(tmp_path, monkeypatch, killed):
+    """Defect: g++ wrote its .s/.o into the system's /tmp, and a compile killed (past the limit, or with the
+    server) left them there for good."""
+    compiler, record = stand_in(tmp_path, sleep=killed)
+    out = tmp_path / "scratch"
+    out.mkdir()
+    target = out / "main-abc"
+    monkeypatch.setattr(cpp_compiler, "COMPILE_TIMEOUT_S", 1)
+    if killed:
+        with pytest.raises(ConfigError, match="compilation took longer than 1 s"):
+            cpp_compiler.compile_to(compiler, ["main.cpp"], target, tmp_path, "model 'm'")
+    else:
+        cpp_compiler.compile_to(compiler, ["main.cpp"], target, tmp_path, "model 'm'")
+        assert target.read_text() == "built\n"
+    used = Path(record.read_text().strip())
+    assert used.parent == out  # beside the target, in the server's scratch folder
+    assert not used.exists()
+    assert sorted(p.name for p in out.iterdir()) == ([] if killed else ["main-abc"])
+
+
+def test_what_the_compiler_prints_for_a_build_that_succeeds_is_logged_once_naming_the_model(tmp_path, caplog):
+    """Defect: a #warning (or any compiler warning) was dropped; only a failed build showed the output."""
+    script = tmp_path / "cc"
+    script.write_text('#!/bin/sh\necho "main.cpp:1:2: warning: #warning check this" >&2\n'
+                      'while [ "$1" != "-o" ]; do shift; done\necho built > "$2"\n')
+    script.chmod(0o755)
+    (tmp_path / "out").mkdir()
+    with caplog.at_level("WARNING", logger=cpp_compiler.__name__):
+        cpp_compiler.compile_to((str(script),), ["main.cpp"], tmp_path / "out" / "main-abc", tmp_path, "x", "m")
+    assert [r.getMessage() for r in caplog.records] == [
+        "model 'm': the compiler warned (the build succeeded):\nmain.cpp:1:2: warning: #warning check this"]
