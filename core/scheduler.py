@@ -79,6 +79,8 @@ class ModelScheduler:
         self._freed_ns = 0  # when an execution slot was last given back
         self._slot_freed = asyncio.Event()
         self._running: set[asyncio.Task] = set()  # the batcher's execution tasks, kept referenced
+        self._direct: set[asyncio.Task] = set()  # callers running their own request (see submit)
+        self._abandoned = False  # drain gave up on what still runs: its callers are answered Unavailable
         self._idle = asyncio.Event()
         self._idle.set()
         self._accepting = True
@@ -126,10 +128,18 @@ class ModelScheduler:
             self._free_slots -= 1
             # A coroutine infer runs in this very task and reads its deadline from the context.
             deadline = REQUEST_DEADLINE_NS.set(deadline_ns) if self._inline else None
+            caller = asyncio.current_task()
+            self._direct.add(caller)
             try:
                 (outputs,) = await self._run([inputs], [rows], cost, [time.monotonic_ns() - arrived_ns], 0)
                 return outputs
+            except asyncio.CancelledError:
+                if not self._abandoned:
+                    raise
+                caller.uncancel()  # drain's cancellation, not the caller's: answer it
+                raise Unavailable(self._abandoned_message()) from None
             finally:
+                self._direct.discard(caller)
                 if deadline is not None:
                     REQUEST_DEADLINE_NS.reset(deadline)
                 self._release_slot()
@@ -209,6 +219,11 @@ class ModelScheduler:
                     if not work.future.done():
                         work.future.set_exception(Unavailable(f"model '{self.name}' was unloaded"))
                 self._pending.clear()
+                # Their callers still wait (without a deadline, for ever): each execution answers them as it
+                # is cancelled (see _execute and submit), while its thread runs on.
+                self._abandoned = True
+                for execution in [*self._running, *self._direct]:
+                    execution.cancel()
         if self._expiry is not None:
             self._expiry.cancel()
         self._batcher.cancel()
@@ -303,9 +318,20 @@ class ModelScheduler:
                 if not work.future.cancelled():
                     work.future.set_exception(error)
             return
+        except asyncio.CancelledError:
+            # Abandoned by drain (an unload whose execution outlived the grace and the termination), or its
+            # lone caller went away (that future is already cancelled): whoever still waits gets an answer.
+            for work in live:
+                if not work.future.done():
+                    work.future.set_exception(Unavailable(self._abandoned_message()))
+            raise
         for work, result in zip(live, results):
             if not work.future.cancelled():
                 work.future.set_result(result)
+
+    def _abandoned_message(self) -> str:
+        return (f"model '{self.name}' was unloaded while this request ran; its execution did not end within the "
+                "grace and was abandoned")
 
     async def _run(self, requests: list[list[NamedTensor]], rows: list[int], cost: int, queue_ns: list[int],
                    assembly_start_ns: int) -> list[list[NamedTensor]]:

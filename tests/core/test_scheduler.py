@@ -315,6 +315,30 @@ def test_drain_abandons_work_that_ignores_termination() -> None:
     run(scenario())
 
 
+@pytest.mark.parametrize("batching", [False, True], ids=["run by its caller", "run by the batcher"])
+def test_callers_of_an_abandoned_execution_are_answered_unavailable(batching) -> None:
+    """Defect: drain answered the queued requests of a model whose execution ignored termination, but the
+    callers of that execution waited on (without a deadline, for ever) after the unload."""
+    async def scenario() -> None:
+        backend = GatedDouble()
+        policy = BatchPolicy(True, max_rows=1, max_delay_ns=1) if batching else None
+        scheduler = ModelScheduler("m", backend, SIGNATURE, capacity=4, instances=1, stats=ModelStats(),
+                                   policy=policy)
+        running = asyncio.create_task(scheduler.submit(rows(1), 1, 0))
+        await until(lambda: scheduler.running_threads == 1)
+        queued = asyncio.create_task(scheduler.submit(rows(1), 1, 0))
+        await asyncio.sleep(0.01)
+        assert not await scheduler.drain(0.1, terminate_wait_s=0.1)
+        with pytest.raises(Unavailable, match="model 'm' was unloaded while this request ran; its execution did "
+                                              "not end within the grace and was abandoned"):
+            await asyncio.wait_for(running, 1)
+        with pytest.raises(Unavailable, match="^model 'm' was unloaded$"):
+            await asyncio.wait_for(queued, 1)
+        backend.gate.set()
+        await until(lambda: scheduler.running_threads == 0)
+    run(scenario())
+
+
 def test_a_stuck_backend_call_does_not_keep_the_process_from_exiting() -> None:
     """ThreadPoolExecutor joins its threads at exit: one call that never returned made exit hang."""
     import subprocess
