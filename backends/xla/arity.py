@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nereid.backends.xla.bundle import DEFAULT_WEIGHTS_FILE, open_bundle
+from nereid.backends.xla.conformance import check_program_types
 from nereid.backends.xla.manifest import MANIFEST_NAME, declares_meta
 from nereid.backends.xla.program import ProgramSignature, read_program
 from nereid.backends.xla.migration import local_weight_set
@@ -140,3 +141,29 @@ def _report(folder: Path) -> BundleArity:
     common = expected.pop() if len(expected) == 1 else None
     return BundleArity(folder, not problems, n_inputs, n_weights, common, tuple(modules), "; ".join(problems),
                        weights_name)
+
+
+def bundle_type_problem(folder: Path | str) -> str | None:
+    """Why the server's load would refuse the bundle's program types, or None when they conform. Never raises.
+
+    The same check the load runs before compiling (:func:`check_program_types`:
+    each parameter and result against the manifest and the weights file, for
+    every compiled size and variant), without compiling: a wrong dim or dtype
+    in the manifest, a weight of another dtype or shape, or the b1 program
+    copied over the b4 one pass the arity report yet never load. Meant for a
+    bundle whose arity report is servable.
+    """
+    folder = Path(folder)
+    try:
+        layout = open_bundle(folder)
+        weight_set = local_weight_set(layout)
+        weights = weight_set.weights if weight_set else ()
+        weight_types = [(w.entry.name, w.program_shape, w.entry.dtype) for w in weights]
+        programs: dict[Path, ProgramSignature] = {}
+        for key, path in layout.modules.items():
+            if path not in programs:  # a file serving several keys is read once
+                programs[path] = read_program(path.read_bytes(), str(path))
+            check_program_types(path.name, programs[path], key, layout.manifest, weight_types)
+    except Exception as err:  # a report, not a check: every failure becomes the reason
+        return str(err).strip() or type(err).__name__
+    return None

@@ -199,17 +199,18 @@ class XlaModel:
                  target: PjrtTarget, cache: ExecutableCache) -> Any:
         import jaxlib
 
-        name = self.context.name
+        # A load failure's reason does not name the model: every place that shows it (RepositoryIndex,
+        # "failed to load model 'x': ...", the log line, nereid check) names it already.
         try:
             data = path.read_bytes()
         except OSError as err:
-            raise ConfigError(f"model '{name}': {path}: cannot read: {err.strerror or err}") from None
+            raise ConfigError(f"{path}: cannot read: {err.strerror or err}") from None
         program = read_program(data, str(path))
         mismatch = arity_mismatch(path.name, program, len(manifest.executable_inputs), len(weight_types),
                                   weights_name, weights_present)
         if mismatch:
-            raise ConfigError(f"model '{name}' cannot be served: {mismatch}")
-        check_program_types(f"model '{name}': {path.name}", program, key, manifest, weight_types)
+            raise ConfigError(mismatch)
+        check_program_types(path.name, program, key, manifest, weight_types)
         key_fields = CacheKey(file_sha256(data), jaxlib.__version__, target.platform,
                               target.client.platform_version, target.device.device_kind)
         client, devices, options = target.client, [target.device], target.compile_options
@@ -218,8 +219,8 @@ class XlaModel:
             try:
                 return client.compile_and_load(data, devices, options)
             except Exception as err:
-                raise ConfigError(f"model '{name}': {path.name}: XLA could not compile the program for "
-                                  f"{target.describe()}: {err}") from None
+                raise ConfigError(f"{path.name}: XLA could not compile the program for {target.describe()}: "
+                                  f"{err}") from None
 
         return cache.load_or_compile(path.name, key_fields, CompileFunctions(
             compile_program, client.serialize_executable,
@@ -233,9 +234,7 @@ class XlaModel:
             sizes = tuple(t.data.shape[axis] for t, axes in zip(inputs, self._axes) for axis in axes.variable)
             variant = self._variants.get(sizes)
             if variant is None:
-                known = ", ".join(str(list(v)) for v in self._variants)
-                raise InvalidArgument(f"model '{name}': the inputs' variable axes have sizes {list(sizes)}, but "
-                                      f"the bundle is compiled only for {known} (input_shapes in manifest.yaml)")
+                raise InvalidArgument(f"model '{name}': {self._no_variant(inputs)}")
         if self._mode is BatchMode.NONE:
             return ProgramKey(variant, None), 1
         if self._mode.coalesces:
@@ -262,6 +261,37 @@ class XlaModel:
         if batch is None:  # only outputs are batched: the one compiled size serves
             batch = self._sizes[0]
         return ProgramKey(variant, batch), batch
+
+    def _no_variant(self, inputs: list[NamedTensor]) -> str:
+        """Why no ``input_shapes`` variant fits: the tensors with variable axes, as sent and as compiled.
+
+        Row-major, as the client sent them (the variants are stored in manifest
+        order, which reads transposed to a client), with -1 for the batch axis.
+        """
+        variable = [(index, tensor) for index, (tensor, axes) in enumerate(zip(inputs, self._axes))
+                    if axes.variable]
+        signature = self._loaded_signature()
+
+        def accepted(variant: tuple[int, ...]) -> list[list[int]]:
+            sizes = iter(variant)  # (input, manifest axis) order, the order self._axes lists them in
+            shapes: dict[int, list[int]] = {}
+            for index, (spec, axes) in enumerate(zip(signature.inputs, self._axes)):
+                shape = [-1, *spec.dims] if signature.max_batch_size > 0 else list(spec.dims)
+                for axis in axes.variable:
+                    shape[axis] = next(sizes)
+                shapes[index] = shape
+            return [shapes[index] for index, _ in variable]
+
+        compiled = [accepted(v) for v in self._variants]
+        sent = [list(tensor.data.shape) for _, tensor in variable]
+        if len(variable) == 1:
+            tensor = variable[0][1]
+            return (f"input '{tensor.name}' has shape {sent[0]}; the bundle is compiled for "
+                    f"{', '.join(str(shapes[0]) for shapes in compiled)} (input_shapes in manifest.yaml)")
+        names = [f"'{tensor.name}'" for _, tensor in variable]
+        given = ", ".join(f"{n} {shape}" for n, shape in zip(names, sent))
+        known = "; ".join(" with ".join(f"{n} {shape}" for n, shape in zip(names, shapes)) for shapes in compiled)
+        return f"inputs have shapes {given}; the bundle is compiled for {known} (input_shapes in manifest.yaml)"
 
 
 class HookedXlaModel(XlaModel):

@@ -46,11 +46,12 @@ def has_bundle_manifest(folder: Path) -> bool:
 
 @hookimpl
 def nereid_add_commands(commands: Any) -> None:
-    """``nereid bundle check DIR...``: whether each bundle's programs take inputs + weights arguments."""
+    """``nereid bundle check DIR...``: whether each bundle's programs take inputs + weights arguments, of the
+    types its manifest and weights declare."""
     bundle = commands.add_parser("bundle", help="StableHLO/XLA bundle tools")
     bundle_commands = bundle.add_subparsers(dest="bundle_command", required=True)
     check = bundle_commands.add_parser(
-        "check", help="report whether each bundle's programs take inputs + weights arguments")
+        "check", help="report whether each bundle's programs take inputs + weights arguments of the declared types")
     check.add_argument("dirs", nargs="+", type=Path, metavar="DIR",
                        help="a bundle, or a folder whose sub-folders are bundles")
     check.set_defaults(run=lambda args: check_bundles(args.dirs))
@@ -58,8 +59,13 @@ def nereid_add_commands(commands: Any) -> None:
 
 def check_bundles(dirs: list[Path]) -> int:
     """Print one arity report line per bundle (never raising); 1 if any is unservable, 2 if a path named is
-    not a folder (said on stderr; the others are still checked)."""
-    from nereid.backends.xla.arity import bundle_arity_report
+    not a folder (said on stderr; the others are still checked).
+
+    A bundle whose arity is right is also put through the program type check
+    the server's load runs: one that passes the arity report but never loads
+    (a wrong dim or dtype in the manifest, a wrong weight) is UNSERVABLE here too.
+    """
+    from nereid.backends.xla.arity import bundle_arity_report, bundle_type_problem
 
     bundles: list[Path] = []
     not_folders = 0
@@ -83,8 +89,9 @@ def check_bundles(dirs: list[Path]) -> int:
     unservable = 0
     for path in bundles:
         report = bundle_arity_report(path)
-        unservable += not report.servable
-        print(report.line())
+        problem = bundle_type_problem(path) if report.servable else None
+        unservable += not report.servable or problem is not None
+        print(report.line() if problem is None else f"{path}: UNSERVABLE: {problem}")
     print(f"{len(bundles)} bundle(s), {unservable} unservable")
     return 2 if not_folders else 1 if unservable else 0
 

@@ -9,6 +9,8 @@ drop it and the bundle would be unservable).
 
 from __future__ import annotations
 
+import numbers
+import operator
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -16,7 +18,8 @@ import numpy as np
 
 from nereid.backends.xla.export.iospec import IOSpec, as_dtype
 from nereid.backends.xla.export.provenance import Provenance, collect_provenance
-from nereid.backends.xla.export.writer import ExportError, checked_batch_sizes, weight_pairs, write_bundle
+from nereid.backends.xla.export.writer import (ExportError, checked_batch_sizes, supported_dtype, weight_pairs,
+                                                write_bundle)
 
 
 def export_bundle(fn: Callable[..., Any], example_inputs: Sequence[Any],
@@ -51,7 +54,9 @@ def export_bundle(fn: Callable[..., Any], example_inputs: Sequence[Any],
     batch_sizes = checked_batch_sizes(batch_sizes)
     directory = Path(directory)
     name = name or directory.name
-    examples = [_shape_dtype(x) for x in example_inputs]
+    in_names = _names(input_names, len(example_inputs), "input")
+    examples = [_shape_dtype(x, f"example input {i} ({n!r})") for i, (x, n) in enumerate(zip(example_inputs,
+                                                                                            in_names))]
     weight_items = weight_pairs(weights)
     sizes: list[int | None] = list(batch_sizes) if batch_sizes is not None else [None]
     in_axes = _axes(input_batch_axes, len(examples), batch_sizes is not None, "input_batch_axes")
@@ -68,12 +73,14 @@ def export_bundle(fn: Callable[..., Any], example_inputs: Sequence[Any],
                        for (shape, dtype), axis in zip(examples, in_axes)]
             exported = jax_export.export(jitted, platforms=[platform])(*structs, *weight_structs)
             _check_exported(exported, len(structs) + len(weight_structs), size)
+            if not out_avals_by_size:  # checked after the first trace: the others would fail alike
+                _check_output_dtypes(exported.out_avals, output_names)
             modules[size] = exported.mlir_module_serialized
             out_avals_by_size[size] = exported.out_avals
     n_outputs = len(next(iter(out_avals_by_size.values())))
     out_axes = _axes(output_batch_axes, n_outputs, batch_sizes is not None, "output_batch_axes")
     inputs = [IOSpec(n, as_dtype(d), _without(shape, axis), axis)
-              for n, (shape, d), axis in zip(_names(input_names, len(examples), "input"), examples, in_axes)]
+              for n, (shape, d), axis in zip(in_names, examples, in_axes)]
     outputs = _output_specs(_names(output_names, n_outputs, "output"), out_avals_by_size, out_axes)
     if provenance is True:
         # The bundle's own folder is no part of the exporting code: left out, a re-export does not record
@@ -89,11 +96,47 @@ def export_bundle(fn: Callable[..., Any], example_inputs: Sequence[Any],
                         shard_bytes=shard_bytes)
 
 
-def _shape_dtype(value: Any) -> tuple[tuple[int, ...], Any]:
+def _shape_dtype(value: Any, what: str) -> tuple[tuple[int, ...], Any]:
+    """One example input's static row-major shape and supported dtype; ExportError naming it otherwise.
+
+    A symbolic (shape-polymorphic) axis is refused here: jax would fail on it
+    deep in tracing, naming no input, and a bundle holds one static program per
+    batch size anyway.
+    """
     if hasattr(value, "shape") and hasattr(value, "dtype"):
-        return tuple(int(d) for d in value.shape), value.dtype
-    array = np.asarray(value)
-    return array.shape, array.dtype
+        shape, dtype = tuple(value.shape), value.dtype
+    else:
+        array = np.asarray(value)
+        shape, dtype = array.shape, array.dtype
+    sizes = [_static_size(d) for d in shape]
+    symbolic = [axis for axis, size in enumerate(sizes) if size is None]
+    if symbolic:
+        concrete = tuple(1 if size is None else size for size in sizes)
+        axis = symbolic[0]
+        raise ExportError(f"{what}: axis {axis} has the symbolic size {shape[axis]} (shape "
+                          f"({', '.join(map(str, shape))})); bundles need static example shapes: give a concrete "
+                          f"example, such as one of shape {concrete}, and the batch sizes to compile as "
+                          "batch_sizes=[...] (a variable non-batch axis needs one program per size: write_bundle's "
+                          "input_shapes)")
+    supported_dtype(dtype, what)
+    return tuple(int(size) for size in sizes), dtype
+
+
+def _static_size(size: Any) -> int | None:
+    """``size`` as an int, or None for a symbolic dimension (jax's shape polymorphism)."""
+    if isinstance(size, numbers.Integral):
+        return int(size)
+    try:
+        return operator.index(size)
+    except Exception:  # jax raises its own InconclusiveDimensionOperation for a symbolic size
+        return None
+
+
+def _check_output_dtypes(avals: Sequence[Any], output_names: Sequence[str] | None) -> None:
+    """ExportError naming the first output of a dtype nereid does not support (complex64, int4)."""
+    names = _names(output_names, len(avals), "output")
+    for index, (aval, name) in enumerate(zip(avals, names)):
+        supported_dtype(aval.dtype, f"output {index} ({name!r})")
 
 
 def _axes(axes: Sequence[int | None] | None, count: int, batched: bool, what: str) -> list[int | None]:

@@ -28,6 +28,7 @@ from nereid.backends.xla.manifest import (CURRENT_FORMAT_VERSION, LEGACY_FORMAT_
 from nereid.backends.xla.program import read_program, to_portable_artifact
 from nereid.backends.xla.safetensors import METADATA_KEY, write_safetensors
 from nereid.backends.xla.weights import INDEX_FILE
+from nereid.dtypes import DType
 from nereid.errors import ConfigError
 from nereid.backends.xla.export.iospec import IOSpec, as_dtype
 from nereid.backends.xla.export.provenance import PATCH_FILE, Provenance
@@ -120,18 +121,63 @@ def write_bundle(directory: Path | str, name: str, inputs: Sequence[IOSpec], out
 
 
 def weight_pairs(weights: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> list[tuple[str, np.ndarray]]:
-    """The weights as (name, array) pairs in program order; raises ExportError for names no bundle can hold.
+    """The weights as (name, array) pairs in program order; raises ExportError for what no bundle can hold.
 
-    Checked here, before anything is written: a name that fails only when the
-    safetensors file is written would leave a half-replaced bundle behind.
+    Checked here, before tracing or writing anything: a name, a value that is
+    not an array (a str, None, a function, a nested dict of parameters) or an
+    array of a dtype nereid cannot store would otherwise fail inside jax with
+    a message naming no weight, or only once the files are being replaced.
     """
     items = list(weights.items()) if isinstance(weights, Mapping) else _listed_pairs(weights)
     for index, (name, _) in enumerate(items):
         if not isinstance(name, str):
             raise ExportError(f"weights: weight {index}'s name must be a string, got {_described(name)}")
-    pairs = [(str(name), np.asarray(array)) for name, array in items]
+    pairs = [(name, _weight_array(index, name, value)) for index, (name, value) in enumerate(items)]
     _check_weight_names([name for name, _ in pairs])
     return pairs
+
+
+# What a program can take and return, and safetensors can store: every nereid dtype but BYTES.
+SUPPORTED_DTYPES: tuple[DType, ...] = tuple(d for d in DType if d is not DType.BYTES)
+
+
+def supported_dtype(dtype: Any, what: str) -> DType:
+    """The nereid DType of a numpy / jax ``dtype``; ExportError naming ``what`` (role, index and name), the
+    dtype and the supported ones otherwise (int4, complex64, str and object arrays)."""
+    try:
+        dtype = np.dtype(dtype)
+        found = as_dtype(dtype)
+    except (TypeError, ValueError):
+        found = None
+    if found is None or found not in SUPPORTED_DTYPES:
+        supported = ", ".join(d.numpy.name for d in SUPPORTED_DTYPES)
+        raise ExportError(f"{what} has dtype {dtype}, which nereid does not support "
+                          f"(supported: {supported})")
+    return found
+
+
+def _weight_array(index: int, name: str, value: Any) -> np.ndarray:
+    """One weight as a numpy array of a supported dtype; ExportError naming the weight otherwise."""
+    what = f"weights: weight {index} ({name!r})"
+    if isinstance(value, Mapping):
+        # A JAX pytree of parameters: the bundle holds one named array per program argument.
+        keys = [str(k) for k in list(value)[:3]]
+        shown = ", ".join(map(repr, keys)) + (", ..." if len(value) > 3 else "")
+        raise ExportError(f"{what} is a nested {type(value).__name__} (keys {shown or 'none'}), not an array: "
+                          "flatten nested parameters to one dotted name per array (e.g. "
+                          f"{name + '.' + (keys[0] if keys else 'w')!r}, from jax.tree_util.tree_flatten_with_path) "
+                          "and take them as separate arguments")
+    described = "None" if value is None else _described(value)
+    if value is None or isinstance(value, (str, bytes)) or (callable(value) and not _is_array(value)):
+        raise ExportError(f"{what} is {described}, not an array")
+    try:
+        array = np.asarray(value)
+    except (TypeError, ValueError) as err:  # a ragged list, say
+        raise ExportError(f"{what} is {described}, not an array: {err}") from None
+    if not _is_array(value) and array.dtype.kind in "OSUV":  # numpy wrapped an arbitrary object
+        raise ExportError(f"{what} is {described}, not an array")
+    supported_dtype(array.dtype, what)
+    return array
 
 
 _WEIGHTS_FORM = "weights must be a mapping of names to arrays or a list of (name, array) pairs"

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
+from tritonclient.utils import InferenceServerException
 
 from nereid.backends.xla.safetensors import load_weights, write_safetensors
 
@@ -76,6 +78,12 @@ def test_manifest_type_mismatch_is_named(repo, serve, add_bundle) -> None:
     state, reason = reasons(server)["mlp_bundle"]
     assert state == "UNAVAILABLE"
     assert "parameter 0 (input 'input'" in reason and "tensor<1x16xf32>" in reason and "tensor<1x15xf32>" in reason
+    # The reason named the model, which every place showing it names already: "failed to load model
+    # 'mlp_bundle': model 'mlp_bundle': model.b1.mlir: ...".
+    assert reason.startswith("model.b1.mlir: parameter 0 (input 'input'"), reason
+    with pytest.raises(InferenceServerException) as caught:
+        server.client.load_model("mlp_bundle")
+    assert caught.value.message().startswith("failed to load model 'mlp_bundle': model.b1.mlir: parameter 0")
 
 
 def test_reversed_shapes_get_a_hint(repo, serve, add_bundle) -> None:

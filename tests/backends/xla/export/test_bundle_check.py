@@ -66,3 +66,36 @@ def test_report_api(tmp_path) -> None:
     report = bundle_arity_report(good)
     assert not report.servable and "no weights (weights.safetensors is missing)" in report.error
     assert "captured" not in report.error
+
+
+def test_bundles_whose_types_the_load_refuses_are_unservable(tmp_path, capsys) -> None:
+    """The arity report called these servable, yet the server's load refuses each: the command now runs the same
+    program type check (the report API stays an arity check)."""
+    def copy(name: str) -> Path:
+        return Path(shutil.copytree(SHIPPED / "mlp_bundle", tmp_path / name, ignore=shutil.ignore_patterns(".cache")))
+
+    wrong_dim = copy("wrong_dim")
+    manifest = wrong_dim / "manifest.yaml"
+    manifest.write_text(manifest.read_text().replace("dims: {a: 16}", "dims: {a: 15}"))
+    wrong_weight = copy("wrong_weight")
+    weights = load_weights(wrong_weight / "weights.safetensors")
+    write_safetensors(wrong_weight / "weights.safetensors",
+                      [(n, a.astype(np.float64) if n == weights[1][0] else a) for n, a in weights])
+    swapped = copy("swapped")
+    shutil.copyfile(swapped / "model.b1.mlir", swapped / "model.b8.mlir")
+    good = copy("good")
+    assert all(bundle_arity_report(b).servable for b in (wrong_dim, wrong_weight, swapped))
+    assert main(["bundle", "check", str(tmp_path)]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1] == "4 bundle(s), 3 unservable"
+    by_bundle = {line.split(": ", 1)[0]: line for line in lines[:-1]}
+    assert by_bundle[str(wrong_dim)] == (
+        f"{wrong_dim}: UNSERVABLE: model.b1.mlir: parameter 0 (input 'input', manifest shape 'an') is "
+        "tensor<1x16xf32> in the program but the bundle declares tensor<1x15xf32>")
+    assert by_bundle[str(wrong_weight)].startswith(
+        f"{wrong_weight}: UNSERVABLE: model.b1.mlir: parameter 2 (weight '{weights[1][0]}') is ")
+    assert by_bundle[str(wrong_weight)].endswith("xf64>")
+    assert by_bundle[str(swapped)] == (
+        f"{swapped}: UNSERVABLE: model.b8.mlir: parameter 0 (input 'input', manifest shape 'an') is "
+        "tensor<1x16xf32> in the program but the bundle declares tensor<8x16xf32>")
+    assert by_bundle[str(good)].startswith(f"{good}: servable: 1 input(s) + 4 weight(s) = 5 argument(s)")

@@ -145,3 +145,61 @@ def test_a_list_of_bare_arrays_is_refused(tmp_path) -> None:
         export_bundle(lambda x, a: x * a, [np.zeros(3, np.float32)], [np.ones(3, np.float32)],
                       directory=tmp_path / "f", provenance=False)
     assert not (tmp_path / "f").exists()
+
+
+@pytest.mark.parametrize("act, problem", [
+    ("relu", r"weights: weight 1 \('act'\) is str 'relu', not an array$"),
+    (None, r"weights: weight 1 \('act'\) is None, not an array$"),
+    (len, r"weights: weight 1 \('act'\) is builtin_function_or_method <built-in function len>, not an array$"),
+    ({"w": np.ones((4, 4), np.float32), "b": np.ones(4, np.float32)},
+     r"weights: weight 1 \('act'\) is a nested dict \(keys 'w', 'b'\), not an array: flatten nested parameters to "
+     r"one dotted name per array \(e.g. 'act.w', from jax.tree_util.tree_flatten_with_path\)"),
+    (jnp.ones(4, jnp.int4), r"weights: weight 1 \('act'\) has dtype int4, which nereid does not support "
+                            r"\(supported: bool, uint8, .*, bfloat16, float8_e5m2, float8_e4m3fn\)$"),
+])
+def test_weights_nereid_cannot_hold_are_refused_by_name_before_tracing(tmp_path, act, problem) -> None:
+    """These reached jax tracing (a TypeError about dtype_to_ir_type, a matmul error) or iospec's plain
+    ValueError naming no weight; an int4 weight only after every batch size was traced."""
+    traced = []
+
+    def f(x, w, act):
+        traced.append(x.shape)
+        return x @ w
+
+    with pytest.raises(ExportError, match=problem):
+        export_bundle(f, [np.zeros((1, 4), np.float32)], {"w": np.ones((4, 4), np.float32), "act": act},
+                      directory=tmp_path / "f", batch_sizes=[1, 2], provenance=False)
+    assert traced == [] and not (tmp_path / "f").exists()
+
+
+def test_an_output_nereid_cannot_serve_is_refused_by_name_after_one_trace(tmp_path) -> None:
+    """A complex64 output gave "ValueError: not a datatype nereid knows: dtype('complex64')" after every size."""
+    traced = []
+
+    def f(x, w):
+        traced.append(x.shape)
+        return x @ w, (x @ w).astype(jnp.complex64)
+
+    with pytest.raises(ExportError, match=r"^output 1 \('phase'\) has dtype complex64, which nereid does not "
+                                          r"support \(supported: bool, .*\)$"):
+        export_bundle(f, [np.zeros((1, 4), np.float32)], {"w": np.ones((4, 4), np.float32)},
+                      directory=tmp_path / "f", batch_sizes=[1, 2, 4], output_names=["y", "phase"],
+                      provenance=False)
+    assert traced == [(1, 4)] and not (tmp_path / "f").exists()
+    with pytest.raises(ExportError, match=r"^example input 0 \('input'\) has dtype complex64"):
+        export_bundle(f, [np.zeros((1, 4), np.complex64)], {"w": np.ones((4, 4), np.float32)},
+                      directory=tmp_path / "f", batch_sizes=[1], provenance=False)
+
+
+def test_a_symbolic_example_shape_is_refused_with_the_way_to_batch(tmp_path) -> None:
+    """A shape-polymorphic example crashed with jax's InconclusiveDimensionOperation, naming no input."""
+    from jax import export as jax_export
+
+    example = jax.ShapeDtypeStruct(jax_export.symbolic_shape("b, 4"), jnp.float32)
+    with pytest.raises(ExportError) as caught:
+        export_bundle(lambda x, w: x @ w, [example], {"w": np.ones((4, 4), np.float32)}, directory=tmp_path / "f",
+                      batch_sizes=[1, 2], input_names=["x"], provenance=False)
+    assert str(caught.value).startswith(
+        "example input 0 ('x'): axis 0 has the symbolic size b (shape (b, 4)); bundles need static example shapes: "
+        "give a concrete example, such as one of shape (1, 4), and the batch sizes to compile as batch_sizes=[...]")
+    assert not (tmp_path / "f").exists()

@@ -215,3 +215,22 @@ def test_weights_as_pairs_from_any_iterable(tmp_path) -> None:
     directory = write_bundle(tmp_path / "affine", "affine", INPUTS, OUTPUTS, {1: module(1)},
                              [["w", WEIGHTS["w"]], ["b", WEIGHTS["b"]]])
     assert [n for n, _ in read_bundle_weights(directory)] == ["w", "b"]
+
+
+@pytest.mark.parametrize("value, problem", [
+    ("relu", "weights: weight 1 ('b') is str 'relu', not an array"),
+    (None, "weights: weight 1 ('b') is None, not an array"),
+    ({"w": WEIGHTS["b"]}, "weights: weight 1 ('b') is a nested dict (keys 'w'), not an array: flatten nested "
+                          "parameters to one dotted name per array (e.g. 'b.w', from "
+                          "jax.tree_util.tree_flatten_with_path)"),
+    (np.array(["relu", "gelu"]), "weights: weight 1 ('b') has dtype <U4, which nereid does not support "
+                                 "(supported: bool, uint8,"),
+    (WEIGHTS["b"].astype(np.complex64), "weights: weight 1 ('b') has dtype complex64, which nereid does not "
+                                        "support (supported: bool, uint8,"),
+])
+def test_weights_that_are_not_arrays_of_a_known_dtype_are_refused_by_name(tmp_path, value, problem) -> None:
+    """A str weight gave "ValueError: not a datatype nereid knows: dtype('<U4')", naming no weight."""
+    with pytest.raises(ExportError) as caught:
+        write_bundle(tmp_path / "affine", "affine", INPUTS, OUTPUTS, {1: module(1)}, {"w": WEIGHTS["w"], "b": value})
+    assert str(caught.value).startswith(problem), caught.value
+    assert not (tmp_path / "affine").exists()
