@@ -66,6 +66,9 @@ def main(argv: list[str] | None = None, extra_plugins: tuple[object, ...] = ()) 
     # Configured before the plugins load (their commands must be known to parse the command line), so that a
     # plugin left out is logged as an ERROR line; serve's --log-level applies once parsed.
     logging.basicConfig(level=logging.WARNING, handlers=[stderr_handler()])
+    # Python's warnings (a model's main.py compiled at load with a SyntaxWarning, a library's deprecation) as
+    # log lines in the log's format, not raw lines between them.
+    logging.captureWarnings(True)
     # One manager for the whole command, so that a plugin left out is logged once.
     manager = make_plugin_manager(extra_plugins=extra_plugins)
     add_commands(manager, commands)  # backends' own tooling

@@ -22,10 +22,17 @@ def imported_modules(main_py: Path, source: bytes) -> list[str]:
     functions, ``if`` or ``try`` blocks: those may be conditional on purpose).
     Relative imports and ``__future__`` are skipped. ``source``: the file's
     bytes, as the caller read them once (``main_py`` names them in errors).
+    Raises ConfigError when ``python main.py`` would stop at a SyntaxError:
+    the source is compiled too, not only parsed.
     """
     try:
         with _PARSING:
             tree = ast.parse(source, filename=str(main_py))
+        # Some errors only the compiler finds ('return' outside a function, 'break' outside a loop, a
+        # module-level 'nonlocal', 'await' outside an async function): each run would fail on them, and
+        # with a reload the working version would be replaced by one that cannot run. dont_inherit: as
+        # the warm parent compiles (this module's own __future__ imports are not main.py's).
+        compile(source, str(main_py), "exec", dont_inherit=True)
     except SyntaxError as err:
         raise ConfigError(f"{main_py}: not valid Python (line {err.lineno}: {err.msg})") from None
     except ValueError as err:  # null bytes

@@ -9,9 +9,11 @@ nothing but what the model imports: not nereid, not grpc.
 Protocol (``CONTROL_FD`` is an AF_UNIX SOCK_SEQPACKET socket to the server):
 
 1. Import every module in ``MODULES_JSON`` and compile ``SOURCE`` as ``FOLDER/main.py``
-   (each run executes that code, not the file as it is then), then write one line to stdout:
-   ``ready``, or ``fallback <reason>`` and exit (an import failed, or imports
-   started Python threads: forking a threaded process is unsafe).
+   (each run executes that code, not the file as it is then), then write one line to the
+   stdout it was started with: ``ready``, or ``fallback <reason>`` and exit (an import
+   failed, or imports started Python threads: forking a threaded process is unsafe).
+   From the start, descriptor 1 is the parent's stderr: what an import prints (a
+   library's banner) goes to the log, and only that line reaches the server.
 2. Each message on the control socket asks for one run: a JSON object
    ``{"env": {...}, "cwd": FOLDER}`` (and ``"exec": ARGV`` for a cold run,
    which execs a fresh interpreter instead) with three or four descriptors attached: the read end of the
@@ -426,7 +428,9 @@ def compile_entry(path: str, source_file: str) -> None:
             # dont_inherit: this module's own `from __future__ import annotations` must not become main.py's.
             _entry = (path, compile(f.read(), path, "exec", dont_inherit=True))
     except BaseException as err:  # noqa: BLE001 - reported by each run, like the interpreter does
-        _entry = (path, err)
+        # Without this function's frames: python main.py reports a compile error with no traceback, only
+        # the error's own file, line and caret (the run that raises it adds only its own frame, dropped).
+        _entry = (path, err.with_traceback(None))
 
 
 def entry_code(path: str) -> types.CodeType | BaseException:
@@ -636,19 +640,38 @@ def main() -> int:
         _prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # orphans of model processes come here, not to init
     control = socket.socket(fileno=int(sys.argv[1]))
     modules = json.loads(sys.argv[2])
+    # The server reads one line from stdout, ours alone: a module that prints as it is imported (a banner,
+    # with or without a newline) must not come first. Descriptor 1 is the log from here on; the answer goes
+    # to a private copy of the pipe (not inheritable, and closed before any child is forked).
+    answer = os.dup(sys.stdout.fileno())
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     before = dict(os.environ)
     reason = preload(modules)
     after = dict(os.environ)
     _preload_environ = ({k: v for k, v in after.items() if before.get(k) != v}, [k for k in before if k not in after])
+    # What the imports printed with C stdio (a library's printf), to the log now: its buffer would otherwise
+    # be copied into every child, and written by each at its exit into its run's output. (Python's own
+    # buffer is flushed before each fork.)
+    if _fflush is not None:
+        _fflush(None)
     if reason is not None:
-        print(f"fallback {reason}", flush=True)
+        _answer(answer, f"fallback {reason}")
         return 0
     compile_entry(os.path.join(sys.argv[3], ENTRY_FILE), sys.argv[4])  # named as each run's "cwd" names it
     gc.freeze()  # the preloaded objects stay out of the collector's reach, so children share their pages
-    print("ready", flush=True)
-    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # the server reads no more from stdout
+    _answer(answer, "ready")
     serve(control)
     return 0
+
+
+def _answer(fd: int, line: str) -> None:
+    """Write the start-up answer's one line to ``fd`` (the server's pipe), then close it."""
+    data = f"{line}\n".encode()
+    try:
+        while data:
+            data = data[os.write(fd, data):]
+    finally:
+        os.close(fd)
 
 
 if __name__ == "__main__":

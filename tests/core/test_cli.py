@@ -19,7 +19,7 @@ import pytest
 import tritonclient.grpc as triton
 
 import toy_backends
-from support import NEREID, free_port, nereid_serve, process_alive, wait_until
+from support import ECHO_MAIN, NEREID, free_port, nereid_serve, process_alive, wait_until
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -65,6 +65,7 @@ def test_check_runs_off_the_main_thread_too(repo, capsys) -> None:
 
 def test_check_reports_each_broken_model_and_fails(repo) -> None:
     repo.python("good")
+    repo.python("warns", main=ECHO_MAIN + "\nif len(sys.argv) is 1:\n    pass\n")  # a SyntaxWarning at load
     repo.add("no_textproto", None, main_py="print()")
     repo.add("bad_textproto", "input_shape: [4\n", main_py="print()")
     repo.add("unclaimed", "input_shape: [4]\noutput_shape: [4]\n")
@@ -72,7 +73,10 @@ def test_check_reports_each_broken_model_and_fails(repo) -> None:
     result = subprocess.run([*NEREID, "check", "--config", str(config)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 1
     out = result.stdout
-    assert "good: OK backend=python" in out
+    assert "good: OK backend=python" in out and "warns: OK backend=python" in out
+    # Python's warnings are log lines, in the log's format, not raw lines between them.
+    assert re.search(r"^\S+ \S+ WARNING py\.warnings: \S+/warns/main\.py:\d+: SyntaxWarning: \"is\" with a literal",
+                     result.stderr, re.MULTILINE), result.stderr
     assert "no_textproto: UNAVAILABLE: model 'no_textproto': missing model_inference.textproto" in out
     assert "bad_textproto: UNAVAILABLE:" in out and "model_inference.textproto:2:1" in out
     assert "unclaimed: UNAVAILABLE: no backend claims the folder" in out

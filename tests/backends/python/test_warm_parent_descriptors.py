@@ -4,12 +4,16 @@ The parent receives each run's descriptors from the server (SCM_RIGHTS), and
 may fork a child while it holds them: the spare it forks when the one forked
 ahead has died. That child must not keep copies of them (the run's reply
 socket, a second write end of its output pipe), nor may they outlive an exec.
+Its stdout pipe carries the start-up answer alone, whatever a preloaded module
+prints, and a run's output is what its main.py wrote, as ``python main.py``
+would write it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -44,17 +48,19 @@ O_CLOEXEC_FLAG = 0o2000000  # in /proc/PID/fdinfo/FD's octal "flags"
 class WarmParent:
     """warm_parent.py started as the server starts it, with no preloads, driven over its control socket."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, modules: tuple[str, ...] = (), env: dict[str, str] | None = None) -> None:
+        """Started with ``modules`` to preload, and ``env`` (None: this process's environment)."""
         self.folder = folder
         self.control, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         with open(folder / "parent.log", "ab") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-P", str(WARM_PARENT_SCRIPT), str(theirs.fileno()), "[]", str(folder),
-                 str(folder / "main.py")],
-                cwd=folder, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, pass_fds=(theirs.fileno(),),
-                start_new_session=True)
+                [sys.executable, "-P", str(WARM_PARENT_SCRIPT), str(theirs.fileno()), json.dumps(list(modules)),
+                 str(folder), str(folder / "main.py")],
+                cwd=folder, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+                pass_fds=(theirs.fileno(),), start_new_session=True)
         theirs.close()
-        assert self.process.stdout.readline() == b"ready\n", (folder / "parent.log").read_text()
+        self.answer = self.process.stdout.readline()
+        assert self.answer == b"ready\n", f"answer {self.answer!r}, log: {(folder / 'parent.log').read_text()!r}"
 
     def send_run(self, exec_argv: list[str] | None = None) -> tuple[socket.socket, int, int]:
         """Hand the parent a run as the server does; our ends: the reply socket, the stdin and output pipes.
@@ -82,13 +88,20 @@ class WarmParent:
     @staticmethod
     def finish(reply: socket.socket, stdin_write: int, output_read: int) -> list[int]:
         """End the run's input (once started); the descriptors its main.py listed (it must exit 0)."""
+        status, text = WarmParent.outcome(reply, stdin_write, output_read)
+        assert status == 0, f"the run's child ended with status {status}, output {text!r}"
+        assert text.endswith("\n") and text.count("\n") == 1, f"main.py's one line expected, the output is {text!r}"
+        return [int(fd) for fd in text.split()]
+
+    @staticmethod
+    def outcome(reply: socket.socket, stdin_write: int, output_read: int) -> tuple[int, str]:
+        """End the run's input (once started); its exit status and its output (stdout and stderr)."""
         os.close(stdin_write)
         with os.fdopen(output_read, "rb") as output:
             text = output.read().decode()
         status = json.loads(reply.recv(4096))["status"]
         reply.close()
-        assert status == 0, f"the run's child ended with status {status}, output {text!r}"
-        return [int(fd) for fd in text.split()]
+        return status, text
 
     def spare(self) -> int:
         """The pid of the child forked ahead (the parent's only child between runs)."""
@@ -168,3 +181,62 @@ def test_a_child_forked_while_the_parent_holds_a_run_s_descriptors_keeps_none_of
         os.kill(parent.process.pid, signal.SIGCONT)
     assert parent.started(run[0]) != spare
     assert parent.finish(*run) == [0, 1, 2], "the run's child holds descriptors beyond its stdin, stdout and stderr"
+
+
+# Imported by the warm parent before it answers: prints to stdout as libraries' banners do, in every way
+# (a line; Python's buffer and descriptor 1 without a newline; C stdio's buffer, never flushed by the module).
+BANNER_MODULE = """
+import ctypes, os
+print("The Zen of a banner")
+print("python, no newline", end="")
+os.write(1, b"descriptor 1, no newline")
+ctypes.CDLL(None).printf(b"C stdio, no newline")
+"""
+
+
+def test_a_preloaded_module_that_prints_leaves_the_answer_and_the_runs_output_alone(tmp_path) -> None:
+    """Defect: a preloaded module that printed as it was imported (``import this``, a library's banner) came
+    before the parent's "ready" on the pipe the server reads it from: warm start was off, the reason "the warm
+    parent did not start (The Zen of Python, by Tim Peters)". What it prints goes to the parent's log."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "banner.py").write_text(BANNER_MODULE)
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "main.py").write_text(LIST_DESCRIPTORS)
+    # As the server starts it: no PYTHONUNBUFFERED, so what the module prints is buffered, Python's and C's.
+    parent = WarmParent(folder, modules=("banner",), env={"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(site)})
+    try:
+        # The answer was the pipe's only line: it is closed now, held by no child (nothing more comes, no wait).
+        assert select.select([parent.process.stdout], [], [], 10)[0] == [parent.process.stdout]
+        assert parent.process.stdout.read() == b""
+        # A run's output is its main.py's alone (none of the banner, C stdio's included), and it holds no
+        # descriptor but its stdin, stdout and stderr.
+        for _ in range(2):
+            run = parent.send_run()
+            parent.started(run[0])
+            assert parent.finish(*run) == [0, 1, 2]
+        log = (folder / "parent.log").read_text()
+        for printed in ("The Zen of a banner", "python, no newline", "descriptor 1, no newline", "C stdio, no newline"):
+            assert log.count(printed) == 1, f"{printed!r} once in the warm parent's log expected: {log!r}"
+    finally:
+        parent.stop()
+
+
+def test_a_compile_error_in_main_py_is_reported_as_python_main_py_reports_it(tmp_path) -> None:
+    """Defect: each run's report of a main.py that did not compile started with a traceback in the warm parent
+    ("<nereid.backends>/python/warm_parent.py", line N, in compile_entry); python main.py prints the error's
+    file, line and caret alone. (The server refuses such a main.py at load: this is the parent's own guard.)"""
+    (tmp_path / "main.py").write_text("import sys\nsys.stdin.read()\nreturn 1\n")
+    python = subprocess.run([sys.executable, "main.py"], cwd=tmp_path, stdin=subprocess.DEVNULL, capture_output=True,
+                            timeout=30)
+    assert python.returncode == 1 and python.stdout == b""
+    assert python.stderr.decode().startswith(f'  File "{tmp_path / "main.py"}", line 3\n')
+    parent = WarmParent(tmp_path)
+    try:
+        for _ in range(2):  # the error is kept: every run reports it
+            run = parent.send_run()
+            parent.started(run[0])
+            assert parent.outcome(*run) == (1, python.stderr.decode())
+    finally:
+        parent.stop()

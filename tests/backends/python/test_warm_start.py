@@ -111,16 +111,23 @@ def test_main_py_runs_as_loaded_while_the_file_is_rewritten(repo, serve):
     assert ask(server, "pinned") == "edited"
 
 
-def test_main_py_that_does_not_compile_fails_each_run_as_python_would(repo, serve):
-    # It parses, so it loads; the compiler, not the parser, refuses it.
+def test_main_py_that_does_not_compile_is_a_load_failure_and_a_reload_keeps_the_old_version(repo, serve):
+    """Defect: a main.py that parses but does not compile ('break' outside a loop) loaded READY and failed every
+    run; with watch: true, such an edit replaced the working version."""
+    folder = repo.python("edited", textproto=REPORT, main=reply_main('"v1"'))
     repo.python("broken", textproto=REPORT, main="import json\nreturn 1\n")
-    server = serve(repo.write_config())
-    assert backend_of(server, "broken").runtime_report().summary == "warm_start=on"
-    for _ in range(2):  # the compile error is kept, and every run reports it
-        error = _error_of(lambda: ask(server, "broken"))
-        assert error is not None and error.status() == "StatusCode.INTERNAL"
-        assert "model 'broken' exited with code 1" in error.message()
-        assert "SyntaxError" in error.message() and "main.py" in error.message()
+    server = serve(repo.write_config(server_extra="  watch: true\n  watch_settle_ms: 100\n"))
+
+    def index() -> dict[str, tuple[str, str]]:
+        return {m.name: (m.state, m.reason) for m in server.client.get_model_repository_index().models}
+
+    assert index()["broken"] == ("UNAVAILABLE", "broken/main.py: not valid Python (line 2: 'return' outside function)")
+    assert ask(server, "edited") == "v1"
+    (folder / "main.py").write_text(reply_main('"v2"', prelude="for i in []:\n    pass\nelse:\n    break"))
+    assert wait_until(lambda: "reload failed" in index()["edited"][1])
+    assert index()["edited"] == ("READY", "reload failed, version 1 keeps serving: "
+                                          "edited/main.py: not valid Python (line 6: 'break' outside loop)")
+    assert ask(server, "edited") == "v1"
 
 
 def test_a_renamed_folder_runs_the_loaded_code_under_its_new_name(repo, serve):
@@ -289,11 +296,14 @@ def test_check_reports_warm_start(repo, user_site, capsys):
     repo.python("warm", textproto=REPORT, main=reply_main("1"))
     repo.python("cold", textproto=REPORT, main=reply_main("1"))
     repo.python("unsafe", textproto=REPORT, main=reply_main("1"))
+    # Imports `this`, which prints the Zen of Python: warm start was off, "the warm parent did not start (The Zen
+    # of Python, by Tim Peters)".
+    repo.python("banner", textproto=REPORT, main=reply_main("1", prelude="import this"))
     config = repo.write_config("- name: warm\n- name: cold\n  runtime: {warm_start: false}\n"
-                               "- name: unsafe\n  runtime: {preload: [starts_a_thread]}\n")
+                               "- name: unsafe\n  runtime: {preload: [starts_a_thread]}\n- name: banner\n")
     assert cli_main(["check", "--config", str(config)]) == 0
     lines = {line.split(":")[0]: line for line in capsys.readouterr().out.splitlines()}
-    assert " warm_start=on warm_parent_rss=" in lines["warm"]
+    assert " warm_start=on warm_parent_rss=" in lines["warm"] and " warm_start=on warm_parent_rss=" in lines["banner"]
     assert lines["cold"].endswith(" warm_start=off (runtime.warm_start is false)")
     assert " warm_start=off (preloading started threads (busy)" in lines["unsafe"]
 
