@@ -139,10 +139,11 @@ class DataPlane:
         """The ready model behind ``name`` (NotFound / Unavailable otherwise)."""
         return self.repository.ready_model(name)
 
-    @staticmethod
-    def check_version(name: str, version: str) -> None:
-        """NotFound unless ``version`` is empty or the one version nereid serves."""
+    def check_version(self, name: str, version: str) -> None:
+        """NotFound unless ``version`` is empty or the one version nereid serves (an unknown model is named
+        as unknown first, whatever version was asked)."""
         if version not in ("", MODEL_VERSION):
+            self.repository.entry(name)  # NotFound for a name with no folder
             raise NotFound(f"model '{name}' has no version '{version}' (nereid serves version {MODEL_VERSION})")
 
     def model_metadata(self, name: str, version: str = "") -> ModelMetadata:

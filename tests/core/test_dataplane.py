@@ -49,6 +49,10 @@ def test_errors_carry_their_meaning(tmp_path):
         await plane.load("toy")
         with pytest.raises(NotFound, match="model 'toy' has no version '2'"):
             plane.model_metadata("toy", "2")
+        for call in (plane.model_metadata, plane.model_config, plane.statistics):
+            # An unknown model is named as such, whatever version was asked.
+            with pytest.raises(NotFound, match="^unknown model 'nope'"):
+                call("nope", "2")
         with pytest.raises(NotFound, match="unknown model 'nope'"):
             await plane.infer(request("nope"))
         with pytest.raises(Unavailable, match="model 'spare' is not ready"):
