@@ -24,7 +24,7 @@ import orjson
 
 from nereid.classification import CLASSIFICATION_PARAMETER
 from nereid.dtypes import DType
-from nereid.errors import InvalidArgument
+from nereid.errors import InvalidArgument, cap_message
 from nereid.model_info import MODEL_VERSION
 from nereid.protocol.wire import (SHARED_MEMORY_PARAMETER, TIMEOUT_PARAMETER, class_count, decode_raw,
                                   refuse_shared_memory, timeout_deadline_ns, wire_dtype, wire_shape)
@@ -226,16 +226,27 @@ def _output_choice(model: str, outputs: Any, parameters: dict) -> OutputChoice:
         options = _object(model, output.get("parameters", {}), f"outputs[{index}].parameters")
         if SHARED_MEMORY_PARAMETER in options:
             raise refuse_shared_memory(f"model '{model}': output '{output['name'][:256]}'")
-        if options.get("binary_data") is True:
+        choice = _flag(model, options, "binary_data", f"output '{output['name'][:256]}': ")
+        if choice is True:
             binary.add(output["name"])
-        elif options.get("binary_data") is False:
+        elif choice is False:
             json_outputs.add(output["name"])
         if CLASSIFICATION_PARAMETER in options:
             count = class_count(f"model '{model}': output '{output['name'][:256]}'", options[CLASSIFICATION_PARAMETER])
             if count:
                 classifications[output["name"]] = count
-    by_default = parameters.get("binary_data_output") is True
+    by_default = _flag(model, parameters, "binary_data_output", "") is True
     return OutputChoice(tuple(names), frozenset(binary), by_default, classifications, frozenset(json_outputs))
+
+
+def _flag(model: str, parameters: dict, key: str, where: str) -> bool | None:
+    """A true/false parameter (None: absent); anything else is refused, as Triton refuses it, rather than read
+    as false (``"binary_data_output": "yes"`` would otherwise answer JSON without a word)."""
+    value = parameters.get(key)
+    if value is None or isinstance(value, bool):
+        return value
+    raise InvalidArgument(f"model '{model}': {where}parameter '{key}' must be true or false, got "
+                          f"{cap_message(json.dumps(value), 128)}")
 
 
 def _object(model: str, value: Any, what: str) -> dict:

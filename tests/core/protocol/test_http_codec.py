@@ -50,6 +50,11 @@ def test_an_empty_inputs_list_is_a_request_without_inputs():
 @pytest.mark.parametrize("raw, length, message", [
     (b"[1, 2]", None, "the request body must be a JSON object"),
     (b'{"inputs": {}}', None, "'inputs' must be a list of tensors"),
+    # Read as false, these answered JSON without a word.
+    (body(parameters={"binary_data_output": "yes"}), None,
+     "model 'm': parameter 'binary_data_output' must be true or false, got \"yes\""),
+    (body(outputs=[{"name": "y", "parameters": {"binary_data": 1}}]), None,
+     "model 'm': output 'y': parameter 'binary_data' must be true or false, got 1"),
     (b"{}", None, "'inputs' must be a list of tensors"),
     (body({"name": "x", "shape": [1], "datatype": "FP32", "data": "1"}), None, "'data' must be a list"),
     (body({"name": "x", "shape": [1], "datatype": "BOOL", "data": [1]}), None, "BOOL data must be a list of true"),
