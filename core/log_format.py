@@ -40,8 +40,12 @@ class OneRecordPerLineFormatter(logging.Formatter):
     """A Formatter whose every output line but a record's first is indented, and holds no control character."""
 
     def format(self, record: logging.LogRecord) -> str:
-        """The record formatted as usual (traceback included), then made safe by :func:`one_record_per_line`."""
-        return one_record_per_line(super().format(record))
+        """The record formatted as usual (traceback included), then made safe by :func:`one_record_per_line`.
+
+        Trailing line breaks are dropped first: a message that ends in one (Python's warnings, as
+        ``logging.captureWarnings`` passes them) would end in a line of indent alone.
+        """
+        return one_record_per_line(super().format(record).rstrip("\r\n"))
 
 
 def stderr_handler() -> logging.Handler:

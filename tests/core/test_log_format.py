@@ -32,6 +32,15 @@ def test_a_traceback_stays_readable_and_every_line_but_the_first_is_indented() -
     assert isinstance(stderr_handler().formatter, OneRecordPerLineFormatter)
 
 
+def test_a_message_ending_in_a_line_break_ends_at_its_last_line_of_text() -> None:
+    """Defect: Python's warnings (logged through logging.captureWarnings) end in a newline, which became a
+    last line of indent alone."""
+    record = logging.LogRecord("py.warnings", logging.WARNING, __file__, 1,
+                               "main.py:3: SyntaxWarning: \"is\" with a literal\n  if x is 1:\n", (), None)
+    assert OneRecordPerLineFormatter("%(message)s").format(record) == (
+        "main.py:3: SyntaxWarning: \"is\" with a literal\n      if x is 1:")
+
+
 def test_a_folder_name_cannot_forge_a_line_of_the_server_log(repo) -> None:
     """Defect: a folder named `ok\\n<timestamp> ERROR nereid.server: ...` wrote a line of its own into the log."""
     repo.python(FORGED)
