@@ -15,7 +15,7 @@ import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Coroutine
 
 import nereid.repository
 from nereid.backend import CallsModels, ModelContext, ReportsRuntime
@@ -153,15 +153,57 @@ def serve_command(settings: Settings, listeners: Listeners, manager: NereidPlugi
         await NereidServer(settings, manager, listeners=listeners).serve_until_signalled()
 
     try:
-        asyncio.run(run())
+        ended = run_to_the_end(run())
     except OSError as err:
         print(f"error: {err}", file=sys.stderr)
         return _exit_past_abandoned_threads(1)
-    return _exit_past_abandoned_threads(0)
+    return _exit_past_abandoned_threads(0, force=not ended)
 
 
-def _exit_past_abandoned_threads(code: int) -> int:
-    """``code``, or the process's end with it at once when a thread the server abandoned still runs.
+# How long the tasks still there when the server has stopped get to end once cancelled.
+LEFT_TASKS_WAIT_S = 2.0
+
+
+def run_to_the_end(main: Coroutine[Any, Any, None], left_tasks_wait_s: float = LEFT_TASKS_WAIT_S) -> bool:
+    """Run ``main`` on a new event loop as ``asyncio.run`` does; False when tasks were left that would not end.
+
+    ``asyncio.run`` cancels the tasks left when ``main`` returns and waits for
+    every one to end: a model's coroutine that swallows its cancellation (a
+    bare ``except`` in a loop) kept ``nereid serve`` from exiting after it had
+    stopped. Here they get ``left_tasks_wait_s``; those still running are
+    named in a WARNING and left to the process's end.
+    """
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    ended = True
+    try:
+        loop.run_until_complete(main)
+    finally:
+        try:
+            left = [task for task in asyncio.all_tasks(loop) if not task.done()]
+            for task in left:
+                task.cancel()
+            if left:
+                _, pending = loop.run_until_complete(asyncio.wait(left, timeout=left_tasks_wait_s))
+                if pending:
+                    ended = False
+                    names = ", ".join(sorted(task.get_name() for task in pending)[:8])
+                    logging.getLogger(__name__).warning(
+                        "%d task(s) did not end within %g s of their cancellation (a model's coroutine that "
+                        "swallows CancelledError?); leaving them: %s", len(pending), left_tasks_wait_s, names)
+            if ended:
+                loop.run_until_complete(loop.shutdown_asyncgens())
+                loop.run_until_complete(loop.shutdown_default_executor())
+        finally:
+            asyncio.set_event_loop(None)
+            if ended:
+                loop.close()
+    return ended
+
+
+def _exit_past_abandoned_threads(code: int, force: bool = False) -> int:
+    """``code``, or the process's end with it at once when a thread the server abandoned still runs (or
+    ``force``: tasks were left running on the loop).
 
     A load abandoned at shutdown (its thread inside jaxlib's compiler, say) or
     a model call past the grace runs on a daemon thread. The interpreter's own
@@ -171,8 +213,8 @@ def _exit_past_abandoned_threads(code: int) -> int:
     unloaded, its children killed): run the atexit handlers, flush what was
     written and leave.
     """
-    if not any(thread.is_alive() and thread.daemon and thread.name.startswith(ABANDONED_THREAD_PREFIX)
-               for thread in threading.enumerate()):
+    if not force and not any(thread.is_alive() and thread.daemon and thread.name.startswith(ABANDONED_THREAD_PREFIX)
+                             for thread in threading.enumerate()):
         return code  # (gRPC's own poller thread is no concern: it is not inside code that swallows unwinds)
     atexit._run_exitfuncs()  # what plugins, models and the standard library registered still runs
     logging.shutdown()  # flushes every handler

@@ -78,7 +78,8 @@ class ModelScheduler:
         self._free_slots = instances  # executions that may start now
         self._freed_ns = 0  # when an execution slot was last given back
         self._slot_freed = asyncio.Event()
-        self._running: set[asyncio.Task] = set()  # the batcher's execution tasks, kept referenced
+        # The batcher's execution tasks (kept referenced), each with its batch.
+        self._running: dict[asyncio.Task, list[Work]] = {}
         self._direct: set[asyncio.Task] = set()  # callers running their own request (see submit)
         self._abandoned = False  # drain gave up on what still runs: its callers are answered Unavailable
         self._idle = asyncio.Event()
@@ -209,21 +210,27 @@ class ModelScheduler:
         if not finished:
             # (A grace of 0: the server's shutdown_grace_s has already been spent waiting for its listeners.)
             log.warning("model '%s': %d execution(s) still running after %s; ending them", self.name,
-                        self._threads or 1, f"the {grace_s:g} s grace" if grace_s else "the grace")
+                        self._executions() or 1, f"the {grace_s:g} s grace" if grace_s else "the grace")
             if terminate is not None:
                 await terminate()
             finished = await _wait_event(self._idle, terminate_wait_s)
             if not finished:
-                log.error("model '%s': %d execution(s) did not end; abandoning them", self.name, self._threads)
+                log.error("model '%s': %d execution(s) did not end; abandoning them", self.name, self._executions())
                 for work in self._pending:
                     if not work.future.done():
                         work.future.set_exception(Unavailable(f"model '{self.name}' was unloaded"))
                 self._pending.clear()
-                # Their callers still wait (without a deadline, for ever): each execution answers them as it
-                # is cancelled (see _execute and submit), while its thread runs on.
+                # Their callers still wait (without a deadline, for ever): the batcher's are answered here
+                # (a coroutine infer that swallows its cancellation would never hand it back), and a caller
+                # running its own request as it is cancelled (see submit); a thread runs on regardless.
                 self._abandoned = True
-                for execution in [*self._running, *self._direct]:
+                for execution, batch in list(self._running.items()):
+                    for work in batch:
+                        if not work.future.done():
+                            work.future.set_exception(Unavailable(self._abandoned_message()))
                     execution.cancel()
+                for caller in list(self._direct):
+                    caller.cancel()
         if self._expiry is not None:
             self._expiry.cancel()
         self._batcher.cancel()
@@ -252,7 +259,7 @@ class ModelScheduler:
             if decision.batch:
                 self._free_slots -= 1
                 task = asyncio.create_task(self._execute(decision.batch))
-                self._running.add(task)
+                self._running[task] = decision.batch
                 task.add_done_callback(self._execution_done)
             elif decision.wake_ns is not None:
                 # One wake-up at the first request's window end; arrivals wake the loop in between.
@@ -263,7 +270,7 @@ class ModelScheduler:
                     timer.cancel()
 
     def _execution_done(self, task: asyncio.Task) -> None:
-        self._running.discard(task)
+        self._running.pop(task, None)
         self._release_slot()
 
     def _release_slot(self) -> None:
@@ -315,19 +322,24 @@ class ModelScheduler:
                                       [now - w.enqueued_ns for w in live], now)
         except NereidError as error:  # every failure _run reports (a CancelledError is this task's own)
             for work in live:
-                if not work.future.cancelled():
+                if not work.future.done():  # (cancelled by its caller, or answered by drain)
                     work.future.set_exception(error)
             return
         except asyncio.CancelledError:
-            # Abandoned by drain (an unload whose execution outlived the grace and the termination), or its
-            # lone caller went away (that future is already cancelled): whoever still waits gets an answer.
+            # Abandoned by drain (which answered the batch already), its lone caller gone (that future is
+            # cancelled), or the loop's own end: whoever still waits gets an answer.
             for work in live:
                 if not work.future.done():
                     work.future.set_exception(Unavailable(self._abandoned_message()))
             raise
         for work, result in zip(live, results):
-            if not work.future.cancelled():
+            if not work.future.done():
                 work.future.set_result(result)
+
+    def _executions(self) -> int:
+        """Executions still running: on worker threads (a caller's gone one included), or on the loop (a
+        coroutine infer's, which counts no thread)."""
+        return max(self._threads, len(self._running) + len(self._direct))
 
     def _abandoned_message(self) -> str:
         return (f"model '{self.name}' was unloaded while this request ran; its execution did not end within the "

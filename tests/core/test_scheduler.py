@@ -366,6 +366,39 @@ class AwaitingDouble:
         return [NamedTensor("y", DType.FP32, inputs[0].data * 2)]
 
 
+class SwallowingDouble:
+    """A coroutine backend that swallows its cancellation (a bare ``except`` in a loop) until released."""
+
+    platform = "test"
+
+    def __init__(self) -> None:
+        self.released = False
+
+    async def infer(self, inputs: list[NamedTensor]) -> list[NamedTensor]:
+        while not self.released:
+            try:
+                await asyncio.sleep(0.02)
+            except asyncio.CancelledError:
+                pass
+        return [NamedTensor("y", DType.FP32, inputs[0].data * 2)]
+
+
+def test_the_batchers_callers_are_answered_when_drain_abandons_a_coroutine_that_swallows_cancellation() -> None:
+    """Defect: drain only cancelled the execution, and its callers were answered as the cancellation came back
+    out of the model, which never happened: they waited until their own deadlines."""
+    async def scenario() -> None:
+        backend = SwallowingDouble()
+        scheduler = ModelScheduler("m", backend, SIGNATURE, capacity=4, instances=1, stats=ModelStats(),
+                                   policy=BatchPolicy(True, max_rows=4, max_delay_ns=1))
+        caller = asyncio.create_task(scheduler.submit(rows(1), 1, 0))
+        await asyncio.sleep(0.05)
+        assert not await scheduler.drain(0.1, terminate_wait_s=0.1)
+        with pytest.raises(Unavailable, match="execution did not end within the grace and was abandoned"):
+            await asyncio.wait_for(caller, 1)
+        backend.released = True
+    run(scenario())
+
+
 def test_a_coroutine_infer_runs_on_the_loop_with_its_batch_s_earliest_deadline() -> None:
     async def scenario() -> None:
         backend = AwaitingDouble()
