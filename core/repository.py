@@ -39,7 +39,7 @@ from nereid.plugins import NereidPluginManager, check_backend_defaults, claim_fo
 from nereid.runtime_options import LayeredRuntime
 from nereid.scheduler import ModelScheduler
 from nereid.settings import ModelSettings, Settings
-from nereid.signature import ModelSignature
+from nereid.signature import ModelSignature, brief_repr
 from nereid.stats import ModelStats
 from nereid.storage import (StorageError, materialize_model_folder, model_folder_exists, scan_model_folders,
                             store_holds_folder)
@@ -202,8 +202,10 @@ def _build_model(manager: NereidPluginManager, context: ModelContext,
         missing = missing_model_parts(backend)
         if missing:
             raise _lacking(manager, result.backend_name, backend, missing)
-        signature = backend.signature()
-        batch_signature = backend.batch_signature() if isinstance(backend, HasBatchSignature) else signature
+        signature = _checked_signature(manager, result.backend_name, backend, "signature", backend.signature())
+        batch_signature = (_checked_signature(manager, result.backend_name, backend, "batch_signature",
+                                              backend.batch_signature())
+                           if isinstance(backend, HasBatchSignature) else signature)
         policy = BatchPolicy.resolve(context.settings.batching, batch_signature, context.settings_origin)
         if isinstance(backend, CallsModels):  # each request is an orchestration with its own deadline
             policy = BatchPolicy(enabled=False)
@@ -212,6 +214,17 @@ def _build_model(manager: NereidPluginManager, context: ModelContext,
             backend.unload()
         raise
     return BuiltModel(result.backend_name, backend, signature, batch_signature, policy)
+
+
+def _checked_signature(manager: NereidPluginManager, backend_name: str, model: object, method: str,
+                       value: object) -> ModelSignature:
+    """``value``, what ``model.<method>()`` returned, when it is a ModelSignature; ConfigError naming the backend
+    otherwise (it read as "'NoneType' object has no attribute 'batches'")."""
+    if not isinstance(value, ModelSignature):
+        raise ConfigError(f"{manager.describe(backend_name)}: its model object ({type(model).__name__}) returned "
+                          f"{type(value).__name__} {brief_repr(value)} from {method}(), expected a "
+                          "nereid.signature.ModelSignature")
+    return value
 
 
 def _lacking(manager: NereidPluginManager, backend_name: str, model: object, missing: list[str]) -> ConfigError:

@@ -283,6 +283,12 @@ def check_outputs(model: str, signature: ModelSignature, outputs: list[NamedTens
     # The length first: a model that returns a huge list costs no list of its names.
     if len(outputs) != len(expected) or any(getattr(t, "name", None) != spec.name
                                             for t, spec in zip(outputs, expected)):
+        # An item that is no NamedTensor (a bare array) is named as such: its "name" would read as None.
+        for index, item in enumerate(islice(outputs, BRIEF_LIMIT)):
+            if not isinstance(item, NamedTensor):
+                raise ModelFailure(f"model '{model}' returned a list whose item {index} is {type(item).__name__} "
+                                   f"{brief_repr(item)}, expected a list of NamedTensor "
+                                   f"(outputs {signature.output_names})")
         # The names of a bounded prefix: each takes a character at least, so the message shows no more.
         names = [getattr(t, "name", None) for t in islice(outputs, BRIEF_LIMIT)]
         raise ModelFailure(f"model '{model}' returned outputs {brief_repr(names)}, "

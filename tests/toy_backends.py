@@ -182,7 +182,14 @@ class StopIterationModel(FaultyModel):
         next(iter(()))
 
 
-FAULTS = {"no_platform": NoPlatformModel, "no_infer": NoInferModel, "dependencies_fail": DependenciesFailModel,
+class SignatureNoneModel(FaultyModel):
+    """Its ``signature()`` returns None (a plugin that forgot its return)."""
+
+    def signature(self):
+        return None
+
+
+FAULTS = {"signature_none": SignatureNoneModel, "no_platform": NoPlatformModel, "no_infer": NoInferModel, "dependencies_fail": DependenciesFailModel,
           "dependencies_exit": DependenciesExitModel, "dependencies_interrupt": DependenciesInterruptModel,
           "terminate_fails": TerminateFailsModel, "report_fails": ReportFailsModel,
           "stop_iteration": StopIterationModel, "unload_hangs": UnloadHangsModel}

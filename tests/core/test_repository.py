@@ -349,7 +349,7 @@ def test_a_model_object_lacking_part_of_the_protocol_is_unavailable_naming_its_b
     # Without platform it was READY, then every ModelMetadata failed INTERNAL; without infer it failed
     # after load() had acquired its resources, which nothing released.
     # (And a dependencies() calling sys.exit() or raising KeyboardInterrupt, on the event loop, ended the server.)
-    names = {"noplat": "no_platform", "noinfer": "no_infer", "nodeps": "dependencies_fail",
+    names = {"nosig": "signature_none", "noplat": "no_platform", "noinfer": "no_infer", "nodeps": "dependencies_fail",
              "depsexit": "dependencies_exit", "depsint": "dependencies_interrupt"}
     for name, fault in names.items():
         toy_backends.write_faulty(root, name, fault)
@@ -365,6 +365,9 @@ def test_a_model_object_lacking_part_of_the_protocol_is_unavailable_naming_its_b
     assert entries["noplat"].reason == ("plugin 'faulty' made a model object (NoPlatformModel) without platform "
                                         "(a str): see the Model protocol in nereid.backend")
     assert "(NoInferModel) without infer()" in entries["noinfer"].reason
+    # It read "'NoneType' object has no attribute 'batches'", naming no plugin and no expectation.
+    assert entries["nosig"].reason == ("plugin 'faulty': its model object (SignatureNoneModel) returned NoneType None "
+                                       "from signature(), expected a nereid.signature.ModelSignature")
     assert entries["nodeps"].reason == "dependencies unknown"
     assert entries["depsexit"].reason == ("model 'depsexit': its backend raised SystemExit: 4 while asked what it "
                                           "calls (a backend refuses a model by raising an Exception with the reason)")

@@ -13,7 +13,7 @@ import pytest
 from nereid.backend import REQUEST_DEADLINE_NS
 from nereid.batching import BatchPolicy
 from nereid.dtypes import DType
-from nereid.errors import DeadlineExceeded, ModelFailure, Unavailable
+from nereid.errors import DeadlineExceeded, InvalidArgument, ModelFailure, Unavailable
 from nereid.scheduler import ModelScheduler
 from nereid.settings import BatchingSettings
 from nereid.signature import ModelSignature, TensorSpec
@@ -482,6 +482,26 @@ def test_whatever_infer_raises_is_a_model_fault_and_the_model_serves_on(error, m
         assert scheduler.running_threads == 0
         await asyncio.wait_for(scheduler.drain(), 5)
     run(scenario())
+
+
+@pytest.mark.parametrize("error, expected", [
+    (ModelFailure("weights are cursed"), ModelFailure("model 'm': weights are cursed")),
+    (InvalidArgument("row 0 is negative"), InvalidArgument("model 'm': row 0 is negative")),
+    (ModelFailure("meta model 'm': sub-call failed"), ModelFailure("meta model 'm': sub-call failed")),  # as it is
+], ids=["ModelFailure", "InvalidArgument", "already named"])
+def test_a_plugins_own_error_names_the_model_to_the_client_and_in_the_log(error, expected, caplog) -> None:
+    """Defect: a third-party backend's ModelFailure("weights are cursed") reached the client and the log as it
+    was, naming no model (built-in backends name it themselves; an exception was already named)."""
+    async def scenario() -> None:
+        scheduler = ModelScheduler("m", RaisingOnce(error), SIGNATURE, capacity=4, instances=1, stats=ModelStats())
+        with pytest.raises(type(expected)) as raised:
+            await asyncio.wait_for(scheduler.submit(rows(1), 1, 0), 5)
+        assert str(raised.value) == str(expected)
+        await scheduler.drain()
+    with caplog.at_level("ERROR", logger="nereid.scheduler"):
+        run(scenario())
+    logged = [r.getMessage() for r in caplog.records if r.name == "nereid.scheduler"]
+    assert logged == ([str(expected)] if isinstance(expected, ModelFailure) else [])
 
 
 class FailingAlways:

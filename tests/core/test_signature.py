@@ -195,9 +195,19 @@ class CountedRepr:
         return "e"
 
 
+def test_a_bare_array_among_the_outputs_is_named_as_what_it_is() -> None:
+    """Defect: a plugin returning [ndarray] was told it "returned outputs [None]" (its name, read as None)."""
+    outputs = [np.zeros((1, 2), np.float32)]
+    with pytest.raises(ModelFailure, match=r"^model 'm' returned a list whose item 0 is ndarray "
+                                           r"array\(\[\[0\., 0\.\]\], dtype=float32\), expected a list of "
+                                           r"NamedTensor \(outputs \['y'\]\)$"):
+        check_outputs("m", FP32_OUT, outputs, 1)
+
+
 @pytest.mark.parametrize("outputs, quoted", [
     (tuple(CountedRepr() for _ in range(100_000)), "returned tuple (e, e, e, "),  # not a list
-    ([CountedRepr() for _ in range(100_000)], "returned outputs [None, None, "),  # a list of no NamedTensor
+    ([CountedRepr() for _ in range(100_000)], "returned a list whose item 0 is CountedRepr e, expected a list "
+                                              "of NamedTensor"),  # a list of no NamedTensor
     ([NamedTensor("y", DType.BYTES, objects(b"a", *(CountedRepr() for _ in range(3))))],
      "holding element 1 of type CountedRepr (e)"),
     # Subclasses of the containers, which reprlib would quote with their whole repr.
