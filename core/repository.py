@@ -778,13 +778,16 @@ class ModelRepository:
         return entry
 
     async def terminate_running(self) -> None:
-        """Ask every loaded backend that can to end its running executions now.
+        """Ask every loaded backend that can, and still runs something, to end its running executions now.
 
-        One backend whose ``terminate_running`` fails is logged and passed
-        over: the others are still asked, and the unloads that follow go on.
+        An idle model is not asked: its ``terminate_running`` is for a grace
+        that has passed with work still running, not for every clean stop. One
+        backend whose ``terminate_running`` fails is logged and passed over: the
+        others are still asked, and the unloads that follow go on.
         """
         for name, loaded in self.versions():  # old versions still draining in the background too
-            await _terminate(name, loaded.backend)
+            if not loaded.scheduler.idle:
+                await _terminate(name, loaded.backend)
 
     async def unload_all(self, grace_s: float | None = None) -> None:
         """Unload every loaded model (server shutdown), once the work left in the background is done (old

@@ -191,6 +191,11 @@ class ModelScheduler:
                 and (not self.policy.enabled or self.policy.max_delay_ns == 0))
 
     @property
+    def idle(self) -> bool:
+        """True when nothing is queued or running (a call whose caller went away included)."""
+        return self._idle.is_set()
+
+    @property
     def running_threads(self) -> int:
         """Model calls still running on worker threads, including those whose caller went away."""
         return self._threads

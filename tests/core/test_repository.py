@@ -381,11 +381,13 @@ def test_a_failing_terminate_running_neither_stops_an_unload_nor_a_shutdown(tmp_
     # It used to leave the model UNLOADING for ever, its unload() never called, and end a SIGTERM in a traceback.
     toy_backends.write_faulty(root, "busy", "terminate_fails")
     toy_backends.write_faulty(root, "busy2", "terminate_fails")
+    toy_backends.write_faulty(root, "idle", "terminate_fails")  # never asked: it runs nothing (a clean stop)
     repo = repository(tmp_path, extra_plugins=(toy_backends.FaultyToys(),))
 
     async def scenario():
         await repo.load("busy")
         await repo.load("busy2")
+        await repo.load("idle")
         running = [asyncio.ensure_future(run_one(repo, "busy"))]
         await asyncio.sleep(0.1)  # inside its 0.5 s infer
         entry = await repo.unload("busy", grace_s=0.05)  # the grace passes: terminate_running is called
