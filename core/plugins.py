@@ -3,7 +3,8 @@
 One broken installed plugin must cost only itself: a plugin that cannot be
 loaded, or that nereid could never call (a misnamed hook, a hook function
 without ``@hookimpl``), is left out, and a hook of it that raises (or answers
-nonsense) counts as no answer from it. Each such problem is logged once,
+nonsense) counts as no answer from it; a wrapper of a hook that raises is left
+out of that hook from then on. Each such problem is logged once,
 naming the plugin and the distribution and entry point it came from; ``nereid
 check`` lists the plugins left out, and a model declaring the backend of one
 is told why it was left out.
@@ -20,7 +21,7 @@ import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import pluggy
 
@@ -78,6 +79,7 @@ class NereidPluginManager(pluggy.PluginManager):
         self._left_out: dict[str, list[str]] = {}  # registration name meant -> "plugin '...' (...) was left out: why"
         self._failed_hooks: set[tuple[str, str]] = set()
         self._failed_hooks_lock = threading.Lock()  # folders are claimed on several loading threads at once
+        self._failed_wrappers: set[tuple[str, str]] = set()  # (registration name, hook): left out of that hook
 
     def register_builtin(self, plugin: object, name: str) -> None:
         """Register one of core's own backends under ``name``."""
@@ -122,6 +124,14 @@ class NereidPluginManager(pluggy.PluginManager):
             return
         try:
             plugin = entry_point.load()
+            registered_as = self.get_name(plugin)
+            if registered_as is not None:
+                # pluggy registers an object once: its ValueError would print the whole registry, naming neither
+                # entry point. Two entry points naming one module would be one backend answering to two names.
+                self._leave_out(name, f"plugin '{name}' ({origin})",
+                                f"{entry_point.value} is already registered, as the {self.describe(registered_as)}; "
+                                "give each backend a module of its own")
+                return
             self.register(plugin, name=name)
         except plugin_failures() as err:  # an import error (or exit), a hookimpl not matching its hookspec, ...
             if self.has_plugin(name):
@@ -173,6 +183,25 @@ class NereidPluginManager(pluggy.PluginManager):
         log.log(logging.ERROR if first else logging.DEBUG, "%s: %s %s; its answer is ignored%s",
                 self.describe(name), hook, what, later)
 
+    def wrapper_failed(self, name: str, hook: str, what: str) -> None:
+        """Plugin ``name``'s wrapper of ``hook`` failed where the backend it wrapped did not: leave it out of ``hook``.
+
+        Logged once, at ERROR (another thread may find the same fault before it
+        is left out: DEBUG then). It is left out for good rather than asked
+        again: a wrapper runs around every backend's answer, so each of its
+        failures would cost every backend a second question, on every folder.
+        """
+        with self._failed_hooks_lock:
+            first = (name, hook) not in self._failed_wrappers
+            self._failed_wrappers.add((name, hook))
+        log.log(logging.ERROR if first else logging.DEBUG,
+                "%s: its %s wrapper %s; it is left out of %s from now on (the backends are asked without it)",
+                self.describe(name), hook, what, hook)
+
+    def wrapper_left_out(self, name: str, hook: str) -> bool:
+        """Whether plugin ``name``'s wrapper of ``hook`` failed, and is no longer called."""
+        return (name, hook) in self._failed_wrappers
+
 
 def _normalized(distribution: str) -> str:
     """A distribution name as packaging compares them (PEP 503: case, runs of -_. alike)."""
@@ -215,10 +244,14 @@ def add_commands(manager: NereidPluginManager, commands: Any) -> None:
     impls = _plain_impls(manager.hook.nereid_add_commands)
     for impl in impls:
         before = set(commands.choices)
+
+        def undo() -> None:  # all of the plugin's commands, or none
+            _remove_commands(commands, set(commands.choices) - before)
+
         try:
-            _alone(manager, "nereid_add_commands", impl, impls)(commands=commands)
+            _answers_alone(manager, "nereid_add_commands", impl, impls, {"commands": commands}, undo=undo)
         except plugin_failures() as err:
-            _remove_commands(commands, set(commands.choices) - before)  # all of the plugin's, or none
+            undo()
             manager.startup_hook_failed(impl.plugin_name, "nereid_add_commands", f"it raised {error_text(err)}")
 
 
@@ -295,11 +328,57 @@ def _plain_impls(hook: pluggy.HookCaller) -> list[pluggy.HookImpl]:
     return [impl for impl in hook.get_hookimpls() if not (impl.wrapper or impl.hookwrapper)]
 
 
-def _alone(manager: pluggy.PluginManager, hook: str, impl: pluggy.HookImpl,
-           impls: list[pluggy.HookImpl]) -> pluggy.HookCaller:
-    """``hook`` calling ``impl`` only (and the hook's wrappers): its answer, or its failure, is its plugin's."""
-    others = [other.plugin for other in impls if other is not impl]
-    return manager.subset_hook_caller(hook, remove_plugins=others)
+def _wrappers(manager: NereidPluginManager, hook: str, left_out: bool = False) -> list[pluggy.HookImpl]:
+    """The wrappers of ``hook`` still called (or, with ``left_out``, those left out of it after failing)."""
+    return [impl for impl in getattr(manager.hook, hook).get_hookimpls()
+            if (impl.wrapper or impl.hookwrapper) and manager.wrapper_left_out(impl.plugin_name, hook) == left_out]
+
+
+def _alone(manager: NereidPluginManager, hook: str, impl: pluggy.HookImpl, impls: list[pluggy.HookImpl],
+           without: Iterable[pluggy.HookImpl] = ()) -> pluggy.HookCaller:
+    """``hook`` calling ``impl`` only, inside the hook's wrappers (bar those ``without`` and those left out)."""
+    others = [other for other in impls if other is not impl]
+    leave_out = [*others, *_wrappers(manager, hook, left_out=True), *without]
+    return manager.subset_hook_caller(hook, remove_plugins=[other.plugin for other in leave_out])
+
+
+def _answers_alone(manager: NereidPluginManager, hook: str, impl: pluggy.HookImpl, impls: list[pluggy.HookImpl],
+                   arguments: dict[str, Any], about: str = "",
+                   undo: Callable[[], None] = lambda: None) -> list[Any]:
+    """``impl``'s answers to ``hook`` (asked alone, inside the hook's wrappers); a failure raised is its plugin's.
+
+    A wrapper that raises would otherwise pass for the failure of every backend
+    it wraps. So when the call raises, the backend is asked again without the
+    wrappers: if it fails again, the failure is its own; if it answers, the
+    wrappers are put back one at a time, and each one that makes the call fail
+    again is logged (naming its plugin) and left out of ``hook`` (see
+    :meth:`NereidPluginManager.wrapper_failed`). ``undo`` takes back what a
+    call did (the commands it added) before the next is made; ``about`` says,
+    in the log, what was asked ("folder ...").
+    """
+    try:
+        return _alone(manager, hook, impl, impls)(**arguments)
+    except plugin_failures():
+        wrappers = _wrappers(manager, hook)
+        if not wrappers:
+            raise
+
+    def ask(kept: list[pluggy.HookImpl]) -> list[Any]:  # inside the ``kept`` wrappers only
+        undo()
+        return _alone(manager, hook, impl, impls, without=[w for w in wrappers if w not in kept])(**arguments)
+
+    answers, current = ask([]), True  # raises: the backend's own failure, whatever its wrappers do
+    kept: list[pluggy.HookImpl] = []
+    for wrapper in wrappers:
+        try:
+            answers, current = ask([*kept, wrapper]), True
+        except plugin_failures() as err:
+            current = False  # (what that call did is undone by the next one)
+            where = "; ".join(part for part in (f"around the {manager.describe(impl.plugin_name)}", about) if part)
+            manager.wrapper_failed(wrapper.plugin_name, hook, f"raised {error_text(err)} ({where})")
+        else:
+            kept.append(wrapper)
+    return answers if current else ask(kept)
 
 
 def claim_folder(manager: NereidPluginManager, folder: Path, backend: str | None = None) -> ClaimResult:
@@ -364,7 +443,8 @@ def _ask(manager: NereidPluginManager, folder: Path, declared: bool, only: str |
 
     Each backend is asked through pluggy on its own, the other backends left
     out, so that its claim (or its failure) is attributed to it and the hook's
-    wrappers run around every question.
+    wrappers run around every question (a wrapper's failure is told from the
+    backend's, and costs only the wrapper: see :func:`_answers_alone`).
     """
     backends = _plain_impls(manager.hook.nereid_claim_model)
     claims: list[tuple[str, BackendClaim]] = []
@@ -373,7 +453,8 @@ def _ask(manager: NereidPluginManager, folder: Path, declared: bool, only: str |
         if only is not None and impl.plugin_name != only:
             continue
         try:
-            answers = _alone(manager, "nereid_claim_model", impl, backends)(folder=folder, declared=declared)
+            answers = _answers_alone(manager, "nereid_claim_model", impl, backends,
+                                     {"folder": folder, "declared": declared}, about=f"folder {folder}")
         except plugin_failures() as err:  # its bug (a sys.exit() too) must not take other backends' folders
             failures.append((impl.plugin_name, f"raised {error_text(err)}"))
             continue
@@ -400,7 +481,8 @@ def _sentences(manager: NereidPluginManager, hook: str, **arguments: object) -> 
     sentences: list[tuple[str, str]] = []
     for impl in impls:
         try:
-            answers = _alone(manager, hook, impl, impls)(**arguments)
+            about = f"folder {arguments['folder']}" if "folder" in arguments else ""
+            answers = _answers_alone(manager, hook, impl, impls, arguments, about=about)
         except plugin_failures() as err:
             manager.hook_failed(impl.plugin_name, hook, f"raised {error_text(err)}")
             continue

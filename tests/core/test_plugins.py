@@ -288,6 +288,89 @@ def test_a_shadowed_copy_of_an_installed_plugin_is_no_second_plugin(site, tmp_pa
     assert manager.has_plugin("twice") and not manager.problems and not _errors(caplog)
 
 
+def test_two_entry_points_naming_one_module_leave_out_the_second_saying_so(site, repo, caplog) -> None:
+    """Defect: the second was left out with pluggy's ValueError, which printed the whole registry (absolute paths,
+    ~1.5 KB) and named neither entry point nor what to do."""
+    info = site / "twins-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: twins\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[nereid.backends]\ntwin_a = twin_plugin\ntwin_b = twin_plugin\n"
+                                           "pyagain = nereid.backends.python.plugin\n")
+    (site / "twin_plugin.py").write_text("from nereid.hookspecs import hookimpl\n"
+                                         "@hookimpl\ndef nereid_claim_model(folder, declared):\n    return None\n")
+    try:
+        manager = make_plugin_manager()
+    finally:
+        sys.modules.pop("twin_plugin", None)
+    twin_a = "plugin 'twin_a' (distribution twins 1.0, entry point twin_a = twin_plugin)"
+    assert [(p.plugin, p.what) for p in manager.problems] == [
+        ("plugin 'twin_b' (distribution twins 1.0, entry point twin_b = twin_plugin)",
+         f"left out: twin_plugin is already registered, as the {twin_a}; give each backend a module of its own"),
+        ("plugin 'pyagain' (distribution twins 1.0, entry point pyagain = nereid.backends.python.plugin)",
+         "left out: nereid.backends.python.plugin is already registered, as the built-in backend 'python'; "
+         "give each backend a module of its own")]
+    assert len(_errors(caplog)) == 2 and backend_names(manager) == ["cpp", "cxx", "meta", "python", "twin_a", "xla"]
+    reason = claim_folder(manager, repo.add("declared", None), "twin_b").reason
+    assert f"cannot be used: plugin 'twin_b' (distribution twins 1.0, entry point twin_b = twin_plugin) was left " \
+           f"out: twin_plugin is already registered, as the {twin_a}" in reason
+
+
+# Plugins that only wrap hooks (tracing them), each raising: (distribution, entry point, module, source).
+RAISING_WRAPPERS = (
+    ("claim-tracer", "tracer", "tracer_plugin",  # raises after the backend answered, on each hook it wraps
+     "from nereid.hookspecs import hookimpl\ncalls = []\n"
+     "@hookimpl(wrapper=True)\ndef nereid_claim_model(folder, declared):\n"
+     "    calls.append(folder.name)\n    yield\n    raise RuntimeError('tracer exploded')\n"
+     "@hookimpl(wrapper=True)\ndef nereid_add_commands(commands):\n    yield\n    raise RuntimeError('no commands')\n"),
+    ("old-tracer", "oldtracer", "oldtracer_plugin",  # pluggy's old style, raising before the backend is asked
+     "from nereid.hookspecs import hookimpl\n"
+     "@hookimpl(hookwrapper=True)\ndef nereid_claim_model(folder, declared):\n    raise ValueError('old bug')\n"
+     "    yield\n"),
+)
+
+
+def test_a_wrapper_that_raises_is_left_out_of_its_hook_and_named_not_the_backends(site, repo, caplog) -> None:
+    """Defect: a claim-tracing wrapper that raised was taken as each backend's failure: every model UNAVAILABLE,
+    one ERROR per backend, the wrapper's plugin named nowhere; the same for the backends' nereid_add_commands."""
+    import argparse
+
+    from nereid.plugins import add_commands
+
+    _install(site, (*RAISING_WRAPPERS, toy_backends.FAULTY_HOOKS[0]))  # flaky: a backend whose claim hook raises
+    caplog.set_level(logging.ERROR, logger="nereid.plugins")
+    try:
+        manager = make_plugin_manager()
+        tracer = ClaimTracer()  # a wrapper that works: kept, and still around each answer
+        manager.register(tracer, name="goodtracer")
+        claim = claim_folder(manager, repo.python("first"))
+        assert (claim.backend_name, claim.reason) == ("python", "")
+        assert [claim.claim] in tracer.answers  # it ran around the backend's answer
+        errors = {e.split(" ")[1]: e for e in _errors(caplog)}
+        assert sorted(errors) == ["'flaky'", "'oldtracer'", "'tracer'"]  # flaky's failure is still its own
+        assert errors["'tracer'"].startswith(
+            "plugin 'tracer' (distribution claim-tracer 1.0, entry point tracer = tracer_plugin): its "
+            "nereid_claim_model wrapper raised RuntimeError: tracer exploded (around the ")
+        assert errors["'tracer'"].endswith(f"; folder {repo.models_dir / 'first'}); it is left out of "
+                                           "nereid_claim_model from now on (the backends are asked without it)")
+        assert "wrapper raised ValueError: old bug" in errors["'oldtracer'"]
+        calls, answers = len(sys.modules["tracer_plugin"].calls), len(tracer.answers)
+        claim = claim_folder(manager, repo.python("second"))
+        assert (claim.backend_name, claim.reason) == ("python", "")
+        assert len(sys.modules["tracer_plugin"].calls) == calls  # left out: not asked again
+        assert sorted(tracer.answers[answers:]) == [[], [], [], [], [claim.claim]]  # around each backend but flaky
+        assert len(_errors(caplog)) == 3  # nothing more logged at ERROR
+        # A wrapper of nereid_add_commands: the built-ins' commands stay, and no built-in is blamed.
+        commands = argparse.ArgumentParser().add_subparsers()
+        add_commands(manager, commands)
+        assert {"bundle", "cxx-header"} <= set(commands.choices) and not manager.problems
+        assert _errors(caplog)[-1].startswith("plugin 'tracer' (distribution claim-tracer 1.0, entry point tracer = "
+                                              "tracer_plugin): its nereid_add_commands wrapper raised RuntimeError: "
+                                              "no commands (around the built-in backend ")
+    finally:
+        for *_, module, _source in RAISING_WRAPPERS:
+            sys.modules.pop(module, None)
+
+
 def test_a_plugin_distribution_without_a_name_is_loaded_not_a_crash(site, caplog) -> None:
     """A dist-info without METADATA (no Name) ended every nereid command in a TypeError."""
     info = site / "nameless-1.0.dist-info"
