@@ -7,6 +7,8 @@ then on talks to the returned :class:`Model` directly.
 
 from __future__ import annotations
 
+import numbers
+import reprlib
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
@@ -170,6 +172,33 @@ class RuntimeReport:
 
     summary: str = ""
     warm_parent_resident_bytes: int | None = None
+
+
+def runtime_report_problem(report: object, *, with_summary: bool = False) -> str | None:
+    """Why ``report``, what a model's ``runtime_report()`` returned, cannot be used; None when it can.
+
+    It must be a :class:`RuntimeReport` whose ``warm_parent_resident_bytes`` is None or a
+    whole number of bytes >= 0 (a bool is not one). ``with_summary``: its ``summary`` is shown too
+    (``nereid check``), so that must be a str. A plugin builds the report, so nothing in it is trusted:
+    a forgotten ``return`` (None) or a "lots" crashed ``nereid check`` and failed every ``/metrics`` scrape.
+    """
+    if not isinstance(report, RuntimeReport):
+        return f"returned {_type_name(report)}, expected a nereid RuntimeReport"
+    resident = report.warm_parent_resident_bytes
+    if resident is not None and (not isinstance(resident, numbers.Integral) or isinstance(resident, bool)
+                                 or resident < 0):
+        return (f"its warm_parent_resident_bytes is {reprlib.repr(resident)} ({_type_name(resident)}), "
+                "expected an int >= 0 or None")
+    if with_summary and not isinstance(report.summary, str):
+        return f"its summary is {reprlib.repr(report.summary)} ({_type_name(report.summary)}), expected a str"
+    return None
+
+
+def _type_name(value: object) -> str:
+    """``value``'s type as a plugin's author would look it up: a builtin's bare name (``NoneType``), else with
+    its module (a plugin's own class named ``RuntimeReport`` must not read as nereid's)."""
+    kind = type(value)
+    return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
 
 
 @runtime_checkable

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Coroutine
 
 import nereid.repository
-from nereid.backend import CallsModels, ModelContext, ReportsRuntime
+from nereid.backend import CallsModels, ModelContext, ReportsRuntime, runtime_report_problem
 from nereid.dependencies import settle
 from nereid.errors import ConfigError, backend_exit, plugin_failures
 from nereid.files import check_confined
@@ -402,12 +402,17 @@ def _check_model(settings: Settings, manager: NereidPluginManager, scratch: Path
     if isinstance(built.backend, ReportsRuntime):
         try:
             report = built.backend.runtime_report()
+            # A report that is not one (None: a forgotten return; a str) ended the check with a traceback.
+            problem = runtime_report_problem(report, with_summary=True)
         except model_faults() as err:  # the model's fault, not the check's: say so on its line and go on
             status = f"RUNTIME REPORT FAILED: {error_text(err)}; loaded as"
         else:
-            runtime = f" {report.summary}" if report.summary else ""
-            if report.warm_parent_resident_bytes is not None:
-                runtime += f" warm_parent_rss={report.warm_parent_resident_bytes / 2**20:.1f}MiB"
+            if problem is not None:  # worded as a raise is: what it returned, what was expected
+                status = f"RUNTIME REPORT FAILED: {problem}; loaded as"
+            else:
+                runtime = f" {report.summary}" if report.summary else ""
+                if report.warm_parent_resident_bytes is not None:
+                    runtime += f" warm_parent_rss={report.warm_parent_resident_bytes / 2**20:.1f}MiB"
     depends_on: tuple[str, ...] = ()
     unavailable: str | None = None  # why a server, having loaded it, would not serve it
     if isinstance(built.backend, CallsModels):

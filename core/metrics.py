@@ -21,7 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
-from nereid.backend import ReportsRuntime
+from nereid.backend import ReportsRuntime, runtime_report_problem
 from nereid.errors import NereidError, NotFound, describe_exception
 from nereid.log_limit import OnceLog
 from nereid.repository import LoadedModel, ModelRepository, ModelState
@@ -280,13 +280,18 @@ class _RepositoryCollector(Collector):
             backend = loaded.backend
             if isinstance(backend, ReportsRuntime):
                 try:
-                    resident = backend.runtime_report().warm_parent_resident_bytes
+                    report = backend.runtime_report()
+                    # Judged here, not left to the exposition: a value prometheus_client cannot encode failed
+                    # the whole scrape (HTTP 500, every model's figures lost) after this loop had ended.
+                    problem = runtime_report_problem(report)
+                    resident = None if problem else report.warm_parent_resident_bytes
                 except Exception as err:  # a plugin's fault must not fail the whole scrape
+                    problem, resident = describe_exception(err), None
+                if problem:
                     _report_failures.warning(name, "model '%s': runtime_report() failed (%s); its warm "
-                                             "parent gauge is left out", name, describe_exception(err))
-                    resident = None
+                                             "parent gauge is left out", name, problem)
                 if resident is not None:
-                    warm_parent.add_metric([name], resident)
+                    warm_parent.add_metric([name], int(resident))
         for name, count in sorted(waiting.items()):
             depth.add_metric([name], count)
         for state, count in counts.items():

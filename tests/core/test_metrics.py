@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.utils import InferenceServerException
 
 import toy_backends
-from nereid.backend import BackendClaim
+from nereid.backend import BackendClaim, RuntimeReport
 from nereid.hookspecs import hookimpl
 
 
@@ -318,3 +318,86 @@ def test_queue_depth_counts_the_requests_waiting_on_a_version_that_drains(tmp_pa
     finally:
         GATE.set()
     assert seen == [{"g": 3}, {"g": 3}, {}]
+
+
+# What the ``reporting`` backend's models return from runtime_report(), by the text of their reports.txt.
+REPORTS = {
+    "bytes_str": lambda: RuntimeReport("warm_start=on", warm_parent_resident_bytes="lots"),
+    "bytes_bool": lambda: RuntimeReport(warm_parent_resident_bytes=True),
+    "bytes_negative": lambda: RuntimeReport(warm_parent_resident_bytes=-1),
+    "bytes_float": lambda: RuntimeReport(warm_parent_resident_bytes=1.5e9),
+    "none": lambda: None,  # a forgotten return
+    "str": lambda: "warm_start=on",
+    "ok": lambda: RuntimeReport("warm_start=on", warm_parent_resident_bytes=3 * 2**20),
+    "ok_numpy": lambda: RuntimeReport(warm_parent_resident_bytes=np.int64(2048)),  # as a library may count it
+}
+
+
+class ReportingToy(toy_backends.ToyModel):
+    """A toy whose ``runtime_report()`` returns what its folder's reports.txt names (a key of REPORTS)."""
+
+    def runtime_report(self):
+        return REPORTS[(self.context.folder / "reports.txt").read_text()]()
+
+
+class ReportingBackend:
+    """The ``reporting`` backend: claims folders holding ``reports.txt``."""
+
+    BACKEND_NAME = "reporting"
+
+    @hookimpl
+    def nereid_claim_model(self, folder, declared):
+        return BackendClaim(ReportingToy) if (folder / "reports.txt").is_file() else None
+
+
+def test_a_runtime_report_of_the_wrong_kind_leaves_out_one_gauge_not_the_scrape(tmp_path, caplog) -> None:
+    """Defect: a plugin's RuntimeReport(warm_parent_resident_bytes="lots") made every /metrics scrape answer
+    HTTP 500 with a traceback logged each time (prometheus_client failed on it while encoding, after the
+    collector's guard); a report that is not a RuntimeReport at all failed the same way."""
+    import asyncio
+
+    from nereid.metrics import ServerMetrics
+    from nereid.plugins import make_plugin_manager
+    from nereid.repository import ModelRepository
+    from nereid.settings import load_settings
+
+    for name in REPORTS:
+        toy_backends.write_toy(tmp_path / "ml-backends", name)
+        (tmp_path / "ml-backends" / name / "reports.txt").write_text(name)
+    (tmp_path / "nereid.yaml").write_text('server:\n  ml_backends_path: "ml-backends"\n')
+    (tmp_path / "scratch").mkdir()
+    repository = ModelRepository(load_settings(tmp_path / "nereid.yaml"),
+                                 make_plugin_manager(load_entry_points=False, extra_plugins=(ReportingBackend(),)),
+                                 tmp_path / "scratch")
+
+    metrics = ServerMetrics()
+    metrics.collect_from(repository)
+    port = metrics.serve("127.0.0.1:0")
+
+    async def scrapes() -> dict[tuple[str, tuple], float]:
+        try:
+            for name in REPORTS:
+                await repository.load(name)
+            await asyncio.to_thread(scrape, port)  # raised HTTPError 500 before
+            return await asyncio.to_thread(scrape, port)
+        finally:
+            await repository.unload_all()
+    try:
+        samples = asyncio.run(scrapes())
+    finally:
+        metrics.close()
+    gauge = {dict(labels)["model"]: value for (metric, labels), value in samples.items()
+             if metric == "nereid_warm_parent_resident_bytes"}
+    assert gauge == {"ok": 3 * 2**20, "ok_numpy": 2048}
+    assert {dict(labels)["model"] for (metric, labels) in samples if metric == "nereid_request_success_total"} \
+        == set(REPORTS)  # every model's other figures are there
+    warnings = [r.getMessage() for r in caplog.records if "runtime_report() failed" in r.getMessage()]
+    assert sorted(warnings) == sorted(  # once per model, not once per scrape; no traceback
+        f"model '{name}': runtime_report() failed ({why}); its warm parent gauge is left out" for name, why in (
+            ("bytes_str", "its warm_parent_resident_bytes is 'lots' (str), expected an int >= 0 or None"),
+            ("bytes_bool", "its warm_parent_resident_bytes is True (bool), expected an int >= 0 or None"),
+            ("bytes_negative", "its warm_parent_resident_bytes is -1 (int), expected an int >= 0 or None"),
+            ("bytes_float", "its warm_parent_resident_bytes is 1500000000.0 (float), expected an int >= 0 or None"),
+            ("none", "returned NoneType, expected a nereid RuntimeReport"),
+            ("str", "returned str, expected a nereid RuntimeReport")))
+    assert not [r for r in caplog.records if r.exc_info]
