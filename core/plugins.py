@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import pluggy
+from pluggy._hooks import _SubsetHookCaller  # (pluggy's own subset caller; see subset_hook_caller)
 
 from nereid import hookspecs
 from nereid.backend import BackendClaim
@@ -80,6 +81,19 @@ class NereidPluginManager(pluggy.PluginManager):
         self._failed_hooks: set[tuple[str, str]] = set()
         self._failed_hooks_lock = threading.Lock()  # folders are claimed on several loading threads at once
         self._failed_wrappers: set[tuple[str, str]] = set()  # (registration name, hook): left out of that hook
+
+    def subset_hook_caller(self, name: str, remove_plugins: Iterable[object]) -> pluggy.HookCaller:
+        """``hook`` called without the implementations of ``remove_plugins``, whatever their functions' names.
+
+        pluggy keeps only the plugins that have an attribute named after the
+        hook, so one whose implementation is declared with ``specname=`` was
+        never left out: its claim was credited to every backend asked alone,
+        and its failing wrapper blamed on each of them.
+        """
+        orig: pluggy.HookCaller = getattr(self.hook, name)
+        implementing = {id(impl.plugin) for impl in orig.get_hookimpls()}
+        plugins = {plugin for plugin in remove_plugins if id(plugin) in implementing}
+        return _SubsetHookCaller(orig, plugins) if plugins else orig
 
     def register_builtin(self, plugin: object, name: str) -> None:
         """Register one of core's own backends under ``name``."""

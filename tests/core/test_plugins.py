@@ -16,6 +16,7 @@ from tritonclient.utils import InferenceServerException
 
 import toy_backends
 from nereid import hookspecs
+from nereid.backend import BackendClaim
 from nereid.plugins import backend_names, claim_folder, hook_problems, make_plugin_manager
 
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -369,6 +370,39 @@ def test_a_wrapper_that_raises_is_left_out_of_its_hook_and_named_not_the_backend
     finally:
         for *_, module, _source in RAISING_WRAPPERS:
             sys.modules.pop(module, None)
+
+
+class SpecnameBackend:
+    """A backend whose claim function has another name (pluggy's ``specname=``); it claims folders named "mine"."""
+
+    BACKEND_NAME = "mine"
+
+    @hookspecs.hookimpl(specname="nereid_claim_model")
+    def claim(self, folder: Path, declared: bool) -> BackendClaim | None:
+        return BackendClaim(create=lambda context: None) if folder.name == "mine" else None
+
+
+class SpecnameTracer:
+    """A claim wrapper declared with ``specname=`` that raises."""
+
+    @hookspecs.hookimpl(specname="nereid_claim_model", wrapper=True)
+    def trace(self, folder: Path, declared: bool):
+        yield
+        raise RuntimeError("tracer broke")
+
+
+def test_hooks_declared_with_specname_are_left_out_like_any_other(repo, caplog) -> None:
+    """Defect: pluggy's subset_hook_caller keeps a plugin without an attribute named after the hook, so a backend
+    whose claim used specname= was asked with every other backend (its claim credited to all of them: "several
+    backends claim (cpp, cxx, meta, mine, python, python, xla)"), and a raising specname wrapper was blamed on
+    every backend."""
+    caplog.set_level(logging.ERROR, logger="nereid.plugins")
+    manager = make_plugin_manager(load_entry_points=False, extra_plugins=(SpecnameBackend(), SpecnameTracer()))
+    claim = claim_folder(manager, repo.python("mine"))
+    assert claim.reason == (f"several backends claim the folder {repo.models_dir / 'mine'} (mine, python); set "
+                            "backend: in nereid.yaml to choose one")
+    assert (claim_folder(manager, repo.python("other")).backend_name, len(_errors(caplog))) == ("python", 1)
+    assert "its nereid_claim_model wrapper raised RuntimeError: tracer broke" in _errors(caplog)[0]
 
 
 def test_a_plugin_distribution_without_a_name_is_loaded_not_a_crash(site, caplog) -> None:
