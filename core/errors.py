@@ -96,16 +96,25 @@ class ConfigError(NereidError):
 def same_kind(error: NereidError, message: str) -> NereidError:
     """A new error of ``error``'s type (so its status stays the same) carrying ``message``.
 
-    For passing an error on with more context (the model that met it). A
-    subclass with another constructor keeps its status family at least.
+    For passing an error on with more context (the model that met it). It is
+    made without calling the type's constructor, which a plugin's subclass may
+    give another meaning (``Busy(seconds)`` would take the message for its
+    seconds), and keeps the error's attributes; a subclass whose ``str`` is not
+    its message keeps its status family at least.
     """
+    kind = type(error)
     try:
-        return type(error)(message)
-    except Exception:
-        for family in (DeadlineExceeded, Unavailable, ModelFailure):
-            if isinstance(error, family):
-                return family(message)
-        return ModelFailure(message)
+        named = kind.__new__(kind)
+        named.__dict__.update(vars(error))
+        named.args = (message,)
+        if str(named) == message:
+            return named
+    except Exception:  # (a subclass that cannot be made so, or whose str fails)
+        pass
+    for family in (DeadlineExceeded, Unavailable, ModelFailure):
+        if isinstance(error, family):
+            return family(message)
+    return ModelFailure(message)
 
 
 # What any message built from untrusted input (a client's names, a file's contents, a

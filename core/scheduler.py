@@ -390,7 +390,7 @@ class ModelScheduler:
             succeeded = True
             return results
         except NereidError as err:
-            if f"'{self.name}'" in str(err):  # ("model 'm' ...", "meta model 'm': ...", as backends word them)
+            if f"model '{self.name}'" in str(err):  # ("model 'm' ...", "meta model 'm': ...", as backends say it)
                 named = err
             else:  # a plugin's own words (ModelFailure("weights are cursed")): every message names the model
                 named = same_kind(err, f"model '{self.name}': {err}")

@@ -484,11 +484,23 @@ def test_whatever_infer_raises_is_a_model_fault_and_the_model_serves_on(error, m
     run(scenario())
 
 
+class Busy(Unavailable):
+    """A plugin's own error, whose constructor takes something else than a message."""
+
+    def __init__(self, seconds: int) -> None:
+        super().__init__(f"busy, retry in {seconds} s")
+        self.seconds = seconds
+
+
 @pytest.mark.parametrize("error, expected", [
     (ModelFailure("weights are cursed"), ModelFailure("model 'm': weights are cursed")),
     (InvalidArgument("row 0 is negative"), InvalidArgument("model 'm': row 0 is negative")),
     (ModelFailure("meta model 'm': sub-call failed"), ModelFailure("meta model 'm': sub-call failed")),  # as it is
-], ids=["ModelFailure", "InvalidArgument", "already named"])
+    # The model's name quoted as something else's (a tensor's) is no naming of the model.
+    (ModelFailure("tensor 'm' came out NaN"), ModelFailure("model 'm': tensor 'm' came out NaN")),
+    # It read "busy, retry in model 'm': busy, retry in 3 s s": the constructor took the message for seconds.
+    (Busy(3), Unavailable("model 'm': busy, retry in 3 s")),
+], ids=["ModelFailure", "InvalidArgument", "already named", "name of a tensor", "subclass"])
 def test_a_plugins_own_error_names_the_model_to_the_client_and_in_the_log(error, expected, caplog) -> None:
     """Defect: a third-party backend's ModelFailure("weights are cursed") reached the client and the log as it
     was, naming no model (built-in backends name it themselves; an exception was already named)."""
@@ -496,7 +508,9 @@ def test_a_plugins_own_error_names_the_model_to_the_client_and_in_the_log(error,
         scheduler = ModelScheduler("m", RaisingOnce(error), SIGNATURE, capacity=4, instances=1, stats=ModelStats())
         with pytest.raises(type(expected)) as raised:
             await asyncio.wait_for(scheduler.submit(rows(1), 1, 0), 5)
-        assert str(raised.value) == str(expected)
+        assert str(raised.value) == str(expected) and type(raised.value) is type(error)
+        if isinstance(error, Busy):
+            assert raised.value.seconds == 3  # its own attributes kept
         await scheduler.drain()
     with caplog.at_level("ERROR", logger="nereid.scheduler"):
         run(scenario())
