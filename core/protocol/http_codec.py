@@ -12,7 +12,6 @@ Two encodings, as Triton's HTTP endpoint speaks them:
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -24,10 +23,11 @@ import orjson
 
 from nereid.classification import CLASSIFICATION_PARAMETER
 from nereid.dtypes import DType
-from nereid.errors import InvalidArgument, cap_message
+from nereid.errors import InvalidArgument
 from nereid.model_info import MODEL_VERSION
 from nereid.protocol.wire import (SHARED_MEMORY_PARAMETER, TIMEOUT_PARAMETER, class_count, decode_raw,
                                   refuse_shared_memory, timeout_deadline_ns, wire_dtype, wire_shape)
+from nereid.signature import brief_repr
 from nereid.tensors import InferRequest, InferResponse, NamedTensor, bytes_array, tensor_buffer
 
 HEADER_LENGTH = "inference-header-content-length"
@@ -92,7 +92,7 @@ def decode_infer(model: str, body: bytes, header_length: int | None) -> tuple[In
         timeout_us = parameters[TIMEOUT_PARAMETER]
         if isinstance(timeout_us, bool) or not isinstance(timeout_us, int) or timeout_us < 0:
             raise InvalidArgument(f"model '{model}': parameter 'timeout' must be a non-negative integer number "
-                                  f"of microseconds, got {json.dumps(timeout_us)[:64]}")
+                                  f"of microseconds, got {quoted(timeout_us)}")
         if timeout_us:
             budgets.append(timeout_us * 1000)
     request = InferRequest(model, inputs, request_id, list(choice.names),
@@ -239,6 +239,12 @@ def _output_choice(model: str, outputs: Any, parameters: dict) -> OutputChoice:
     return OutputChoice(tuple(names), frozenset(binary), by_default, classifications, frozenset(json_outputs))
 
 
+def quoted(value: Any) -> str:
+    """A client's JSON value as a message quotes it: built from a bounded part of it, so that a value nested a
+    thousand levels deep (json.dumps raised RecursionError: a 500) or megabytes long costs nothing."""
+    return brief_repr(value, 64)
+
+
 def _flag(model: str, parameters: dict, key: str, where: str) -> bool | None:
     """A true/false parameter (None: absent); anything else is refused, as Triton refuses it, rather than read
     as false (``"binary_data_output": "yes"`` would otherwise answer JSON without a word)."""
@@ -246,7 +252,7 @@ def _flag(model: str, parameters: dict, key: str, where: str) -> bool | None:
     if value is None or isinstance(value, bool):
         return value
     raise InvalidArgument(f"model '{model}': {where}parameter '{key}' must be true or false, got "
-                          f"{cap_message(json.dumps(value), 128)}")
+                          f"{quoted(value)}")
 
 
 def _object(model: str, value: Any, what: str) -> dict:

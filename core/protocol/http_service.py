@@ -27,7 +27,7 @@ from nereid.errors import (ConfigError, DeadlineExceeded, InvalidArgument, Model
                            PermissionDenied, QueueFull, Unavailable, Unimplemented, cap_message)
 from nereid.log_limit import RateLimitFilter
 from nereid.model_info import MODEL_VERSION, ModelConfig
-from nereid.protocol.http_codec import HEADER_LENGTH, decode_infer, encode_infer
+from nereid.protocol.http_codec import HEADER_LENGTH, decode_infer, encode_infer, quoted
 from nereid.stats import ModelStats
 
 log = logging.getLogger(__name__)
@@ -265,7 +265,7 @@ class HttpSurface:
                 unload_dependents = parameters.get("unload_dependents", False)
                 if not isinstance(unload_dependents, bool):
                     raise HttpError(400, f"model '{model}': parameter 'unload_dependents' must be true or false, "
-                                         f"got {cap_message(json.dumps(unload_dependents), 64)}")
+                                         f"got {quoted(unload_dependents)}")
                 await self.dataplane.unload(model, unload_dependents)
             return 200, [], []  # Triton's empty answer: no body, so no JSON Content-Type either
         raise HttpError(404, f"no such endpoint: POST {cap_message(scope['path'], 256)}")

@@ -14,6 +14,16 @@ from nereid.protocol.http_codec import OutputChoice, decode_infer, encode_infer
 from nereid.tensors import InferResponse, NamedTensor, bytes_array
 
 
+def with_parameter(name: str, raw: bytes) -> bytes:
+    """A request with one input and parameter ``name`` holding the JSON text ``raw`` (written out, as no JSON
+    encoder writes a value nested a thousand levels deep)."""
+    return (b'{"inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [1]}], "parameters": {"'
+            + name.encode() + b'": ' + raw + b"}}")
+
+
+NESTED = b"[" * 1000 + b"]" * 1000  # orjson reads up to 1024 levels
+
+
 def body(*inputs, **extra) -> bytes:
     return json.dumps({"inputs": list(inputs), **extra}).encode()
 
@@ -52,7 +62,12 @@ def test_an_empty_inputs_list_is_a_request_without_inputs():
     (b'{"inputs": {}}', None, "'inputs' must be a list of tensors"),
     # Read as false, these answered JSON without a word.
     (body(parameters={"binary_data_output": "yes"}), None,
-     "model 'm': parameter 'binary_data_output' must be true or false, got \"yes\""),
+     "model 'm': parameter 'binary_data_output' must be true or false, got 'yes'"),
+    # Nested past json.dumps's recursion limit (a 500 with a traceback), or long: quoted from a bounded part.
+    (with_parameter("binary_data_output", NESTED), None,
+     "model 'm': parameter 'binary_data_output' must be true or false, got [[[[[[[[[[[[[[[[[[[[[[[[[[[[[["),
+    (with_parameter("timeout", NESTED), None,
+     "parameter 'timeout' must be a non-negative integer number of microseconds, got [[[[[[[[["),
     (body(outputs=[{"name": "y", "parameters": {"binary_data": 1}}]), None,
      "model 'm': output 'y': parameter 'binary_data' must be true or false, got 1"),
     (b"{}", None, "'inputs' must be a list of tensors"),
