@@ -572,13 +572,19 @@ def test_a_store_client_panic_leaves_the_server_up_with_the_reason(s3, serve, tm
 
 
 def test_a_password_in_the_endpoint_never_reaches_a_reason(s3, serve, tmp_path, monkeypatch) -> None:
-    from nereid.storage.client import redact
-    from support import free_port
+    import socket
 
-    port = free_port()  # nothing listens there: obstore's error quotes the request URL
+    from nereid.storage.client import redact
+
+    # Bound but never listening: connections are refused (obstore's error quotes the request URL), and no other
+    # test's server can take the port meanwhile, as one could a port found free and let go.
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    port = holder.getsockname()[1]
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://minio:pwLEAK@127.0.0.1:{port}")
-    server = serve(_config(tmp_path, s3.url(), "- name: echo\n"))
-    (model,) = server.client.get_model_repository_index().models
+    with holder:
+        server = serve(_config(tmp_path, s3.url(), "- name: echo\n"))
+        (model,) = server.client.get_model_repository_index().models
     assert model.state == "UNAVAILABLE" and f"http://127.0.0.1:{port}/" in model.reason, model.reason
     assert "pwLEAK" not in model.reason and "minio:" not in model.reason
     # Should obstore ever quote a presigned URL, its signature and credential are not shown either.
