@@ -97,14 +97,20 @@ def _varint(data: bytes, position: int) -> tuple[int, int]:
 
 
 def decode_infer_request(msg: pb.ModelInferRequest, time_remaining_s: float | None,
-                         raws: list[bytes | memoryview] | None = None) -> InferRequest:
-    """Decode a ModelInferRequest; ``time_remaining_s`` is the gRPC deadline's remaining budget.
+                         raws: list[bytes | memoryview] | None = None,
+                         sampled_ns: int | None = None) -> InferRequest:
+    """Decode a ModelInferRequest; ``time_remaining_s`` is the gRPC deadline's remaining budget at ``sampled_ns``
+    (the monotonic instant it was read; None: as this call starts).
 
     ``raws`` are the raw input contents when :func:`parse_infer_request` kept
     them out of ``msg`` (None: read them from ``msg``). The earlier of the gRPC
     deadline and the ``timeout`` parameter becomes an absolute monotonic
-    deadline here, at decode time.
+    deadline: the gRPC one where the client's is (counted from before the
+    decode, which takes a large request hundreds of milliseconds, or it would
+    fall that much after the client's own), the ``timeout`` from decode time.
     """
+    if sampled_ns is None:
+        sampled_ns = time.monotonic_ns()
     model = msg.model_name
     tensors = msg.inputs
     if raws is None:
@@ -117,15 +123,14 @@ def decode_infer_request(msg: pb.ModelInferRequest, time_remaining_s: float | No
         inputs = [_decode_tensor(model, tensor, raw) for tensor, raw in zip(tensors, raws)]
     else:
         inputs = [_decode_tensor(model, tensor, None) for tensor in tensors]
-    now = time.monotonic_ns()
-    budgets: list[int] = []
+    deadlines: list[int] = []
     if time_remaining_s is not None:
-        budgets.append(int(time_remaining_s * 1e9))
+        deadlines.append(sampled_ns + int(time_remaining_s * 1e9))
     if TIMEOUT_PARAMETER in msg.parameters:
         timeout_us = _timeout_us(model, msg.parameters[TIMEOUT_PARAMETER])
         if timeout_us > 0:
-            budgets.append(timeout_us * 1000)
-    deadline = timeout_deadline_ns(now, budgets)
+            deadlines.append(timeout_deadline_ns(time.monotonic_ns(), [timeout_us * 1000]))
+    deadline = min(deadlines, default=0)
     classifications = {}
     for out in msg.outputs:
         if SHARED_MEMORY_PARAMETER in out.parameters:

@@ -269,17 +269,26 @@ class InferenceServicer:
             # gRPC's copies of this message are freed by now: give their pages back, off the loop.
             asyncio.get_running_loop().run_in_executor(None, release_free_heap)
         model_name = request.model_name
+        # The gRPC deadline, read with the instant it was read: a large request's decode must not move it.
+        sampled_ns, remaining_s = time.monotonic_ns(), context.time_remaining()
         try:
             self.dataplane.admit(model_name)
             self.dataplane.check_version(model_name, request.model_version)
             if received.size >= DECODE_OFF_LOOP_BYTES:
-                decoded = await asyncio.to_thread(decode_infer_request, request, context.time_remaining(),
-                                                  received.raws)
+                decoded = await asyncio.to_thread(decode_infer_request, request, remaining_s, received.raws,
+                                                  sampled_ns)
             else:
-                decoded = decode_infer_request(request, context.time_remaining(), received.raws)
+                decoded = decode_infer_request(request, remaining_s, received.raws, sampled_ns)
         except NereidError as err:  # refused before the data plane: counted like its own refusals
             self.dataplane.refused(model_name, err)
             self._counted(model_name, err.reason)
+            raise
+        except asyncio.CancelledError:  # gone while a large request was decoded off the loop: it never started
+            deadline_ns = sampled_ns + int(remaining_s * 1e9) if remaining_s is not None else 0
+            reason = ("unavailable" if self._past_grace()
+                      else cancellation_reason(deadline_ns, time.monotonic_ns()))
+            self.dataplane.count_failure(model_name, reason)
+            self._counted(model_name, reason)
             raise
         del request, received  # the decoded tensors are all that is needed from here on
         try:

@@ -689,3 +689,60 @@ def test_requests_beyond_queue_capacity_are_unavailable_and_the_rest_succeed(rep
         assert "1" in error.message()
     assert runs(folder) == 2
     echo(server, "slow", [7] * 4)  # capacity frees up again once the queue drains
+
+
+# --------------------------------------------------------------------------- large requests, decoded off the loop
+
+
+class _Deadline:
+    """The one thing the handler reads of a gRPC context before the data plane: the time left."""
+
+    def __init__(self, remaining_s: float | None) -> None:
+        self.remaining_s = remaining_s
+
+    def time_remaining(self) -> float | None:
+        return self.remaining_s
+
+
+def test_a_large_request_whose_call_ends_while_it_is_decoded_is_counted_once(tmp_path):
+    """Defect: a request of 256 KiB or more is decoded on a worker thread; a call ended meanwhile (the client's
+    deadline, a cancel) left the handler uncounted: nothing in ModelStatistics, nothing in the metrics."""
+    import asyncio
+
+    import toy_backends
+    from nereid.protocol.grpc_service import DECODE_OFF_LOOP_BYTES, InferenceServicer, Received
+
+    plane = toy_backends.toy_dataplane(tmp_path)
+    counted: list[tuple[str, str]] = []
+    servicer = InferenceServicer(plane, lambda model, outcome: counted.append((model, outcome)))
+    message = service_pb2.ModelInferRequest(model_name="toy")
+    message.inputs.add(name="input", datatype="FP32", shape=[1, 4]).contents.fp32_contents.extend([1, 2, 3, 4])
+
+    async def scenario(remaining_s: float | None) -> None:
+        # (The size on the wire decides where it is decoded; the contents need not be large for that.)
+        received = Received(message, [], DECODE_OFF_LOOP_BYTES)
+        call = asyncio.create_task(servicer._infer(received, _Deadline(remaining_s)))
+        await asyncio.sleep(0)  # inside the decode's hand-off to its thread
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+
+    async def run() -> None:
+        await plane.load("toy")
+        await scenario(None)  # the client cancelled
+        await scenario(0.0)  # gRPC ended the call at its deadline
+    asyncio.run(run())
+    assert counted == [("toy", "cancelled"), ("toy", "deadline_exceeded")]
+    stats = plane.model("toy").stats.snapshot()
+    assert (stats.fail.count, stats.failures_by_reason) == (2, {"cancelled": 1, "deadline_exceeded": 1})
+
+
+def test_the_grpc_deadline_counts_from_when_it_was_read_not_from_the_end_of_the_decode():
+    """Defect: the remaining time was added to a clock read after decoding, so a large request's deadline fell
+    its decode time (70-300 ms for 30 MB) after the client's: a request ended by gRPC at its deadline counted as
+    cancelled, and the server's own expiry of a queued request came that much late."""
+    from nereid.protocol.grpc_codec import decode_infer_request
+
+    message = service_pb2.ModelInferRequest(model_name="m")
+    message.inputs.add(name="input", datatype="FP32", shape=[1, 4]).contents.fp32_contents.extend([1, 2, 3, 4])
+    assert decode_infer_request(message, 0.5, sampled_ns=1_000).deadline_ns == 1_000 + 500_000_000
