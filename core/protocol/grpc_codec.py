@@ -194,8 +194,12 @@ def _decode_contents(where: str, dtype: DType, shape: tuple[int, ...], count: in
                               "(the typed contents message has no field for it)")
     values = getattr(contents, field)
     if len(values) != count:
-        raise InvalidArgument(
-            f"{where}: contents.{field} holds {len(values)} elements, expected {count} for shape {list(shape)}")
+        # Another typed field filled instead (fp32_contents for an INT32 input) is named as such: "holds 0
+        # elements" alone sent the client counting its data.
+        others = [other.name for other, _ in contents.ListFields() if other.name != field]
+        filled = f"; the request filled contents.{others[0]} instead" if others and not values else ""
+        raise InvalidArgument(f"{where}: contents.{field} holds {len(values)} elements, expected {count} for shape "
+                              f"{list(shape)} ({dtype.kserve} data goes in contents.{field}{filled})")
     if dtype is DType.BYTES:
         return bytes_array(list(values), shape)
     # Read in the field's own width first: numpy's cast to a narrower type would silently wrap

@@ -231,7 +231,9 @@ def test_typed_contents_in_the_wrong_field_or_count_are_invalid_argument(server)
     short.inputs.add(name="input", datatype="INT32", shape=[2, 4]).contents.int_contents.extend(range(7))
 
     expect_grpc_error("INVALID_ARGUMENT", lambda: raw_infer(server, wrong_field),
-                 "model 'echo_INT32'", "input 'input'", "contents.int_contents holds 0 elements, expected 4")
+                 "model 'echo_INT32'", "input 'input'",
+                 "contents.int_contents holds 0 elements, expected 4 for shape [4] (INT32 data goes in "
+                 "contents.int_contents; the request filled contents.fp32_contents instead)")
     expect_grpc_error("INVALID_ARGUMENT", lambda: raw_infer(server, short),
                  "model 'echo_INT32'", "input 'input'", "holds 7 elements, expected 8", "[2, 4]")
 
