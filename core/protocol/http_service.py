@@ -151,6 +151,9 @@ class HttpSurface:
         version = ""
         if rest[:1] == ["versions"] and len(rest) >= 2:
             version, rest = rest[1], rest[2:]
+            if not version:  # ".../versions//infer" is no request for the default version: a client's slip
+                raise HttpError(404, f"model '{model}': the path names an empty version "
+                                     f"({cap_message(scope['path'], 256)}); give one (1) or leave out /versions/")
         action = rest[0] if len(rest) == 1 else "" if not rest else None
         if action == "" and method == "GET":
             metadata = self.dataplane.model_metadata(model, version)

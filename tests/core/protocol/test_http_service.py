@@ -87,6 +87,10 @@ def test_health_metadata_config_with_tritonclient(served):
         404, "model 'echo' has no version '2' (nereid serves version 1)")
     assert error_of(call(base, "GET", "/v2/models/nope"))[0] == 404
     assert call(base, "GET", "/v2/models/nope")[2]["Content-Type"] == "application/json"  # errors too
+    # An empty version in the path is a client's slip, not the default version (it was served as one).
+    assert error_of(call(base, "POST", "/v2/models/echo/versions//infer", b'{"inputs": []}')) == (
+        404, "model 'echo': the path names an empty version (/v2/models/echo/versions//infer); give one (1) or "
+             "leave out /versions/")
     # An unknown model or version is not ready (Triton's 400), not missing, as gRPC's ModelReady answers it.
     for path, name in (("/v2/models/nope/ready", "nope"), ("/v2/models/echo/versions/2/ready", "echo")):
         status, raw, _ = call(base, "GET", path)
