@@ -42,7 +42,8 @@ class ModelRetired(Unavailable):
     ``scheduler`` is the refusing version's scheduler: the data plane resends
     a request refused by the very version it had chosen, once, to the version
     now serving. A copy of this error made elsewhere (a meta model passing on
-    a sub-call's error) has none, so nothing that already ran is run again.
+    a sub-call's error) carries the sub-model's scheduler, never the one the
+    data plane chose, so nothing that already ran is run again.
     """
 
     def __init__(self, message: str, scheduler: object = None) -> None:
@@ -105,16 +106,35 @@ def same_kind(error: NereidError, message: str) -> NereidError:
     kind = type(error)
     try:
         named = kind.__new__(kind)
-        named.__dict__.update(vars(error))
+        named.__dict__.update(getattr(error, "__dict__", {}))
+        for slot in _slots(kind):
+            if hasattr(error, slot):
+                setattr(named, slot, getattr(error, slot))
         named.args = (message,)
         if str(named) == message:
             return named
     except Exception:  # (a subclass that cannot be made so, or whose str fails)
         pass
-    for family in (DeadlineExceeded, Unavailable, ModelFailure):
-        if isinstance(error, family):
-            return family(message)
+    # Its str is not its message (a __str__ of its own): the nearest of nereid's own classes it derives from,
+    # so that its status (INVALID_ARGUMENT, NOT_FOUND, ...) is kept.
+    for base in kind.__mro__:
+        if issubclass(base, NereidError) and base is not NereidError and base.__module__ == __name__:
+            try:
+                family = base(message)
+            except Exception:
+                continue
+            if str(family) == message:
+                return family
     return ModelFailure(message)
+
+
+def _slots(kind: type) -> list[str]:
+    """The ``__slots__`` names declared along ``kind``'s classes."""
+    names: list[str] = []
+    for cls in kind.__mro__:
+        declared = cls.__dict__.get("__slots__", ())
+        names.extend([declared] if isinstance(declared, str) else declared)
+    return [name for name in names if name not in ("__dict__", "__weakref__")]
 
 
 # What any message built from untrusted input (a client's names, a file's contents, a
