@@ -13,7 +13,7 @@ import numpy as np
 
 from nereid.dtypes import DType
 from nereid.errors import InvalidArgument
-from nereid.signature import MAX_RANK, expected_byte_size
+from nereid.signature import MAX_RANK, brief_repr, expected_byte_size
 from nereid.tensors import bytes_array, split_bytes_elements
 
 # The request parameter Triton clients use for a per-request timeout, in microseconds.
@@ -94,7 +94,7 @@ def class_count(where: str, value: object) -> int:
     """A ``classification`` parameter's count of top classes (0: none); InvalidArgument unless a count."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise InvalidArgument(f"{where}: parameter 'classification' must be a non-negative integer count of "
-                              f"classes, got {str(value)[:64]!r}")
+                              f"classes, got {brief_repr(value, 64)!r}")  # (bounded: a value may nest deep)
     return value
 
 

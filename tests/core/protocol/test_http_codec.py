@@ -66,6 +66,9 @@ def test_an_empty_inputs_list_is_a_request_without_inputs():
     # Nested past json.dumps's recursion limit (a 500 with a traceback), or long: quoted from a bounded part.
     (with_parameter("binary_data_output", NESTED), None,
      "model 'm': parameter 'binary_data_output' must be true or false, got [[[[[[[[[[[[[[[[[[[[[[[[[[[[[["),
+    (body({"name": "x", "shape": [1], "datatype": "FP32", "data": [1]}, outputs=[{"name": "y", "parameters": {}}])
+     .replace(b'"parameters": {}', b'"parameters": {"classification": ' + NESTED + b"}"), None,
+     "output 'y': parameter 'classification' must be a non-negative integer count of classes, got '[[[[["),
     (with_parameter("timeout", NESTED), None,
      "parameter 'timeout' must be a non-negative integer number of microseconds, got [[[[[[[[["),
     (body(outputs=[{"name": "y", "parameters": {"binary_data": 1}}]), None,
