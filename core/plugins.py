@@ -92,7 +92,7 @@ class NereidPluginManager(pluggy.PluginManager):
         """
         orig: pluggy.HookCaller = getattr(self.hook, name)
         implementing = {id(impl.plugin) for impl in orig.get_hookimpls()}
-        plugins = {plugin for plugin in remove_plugins if id(plugin) in implementing}
+        plugins = _ByIdentity(plugin for plugin in remove_plugins if id(plugin) in implementing)
         return _SubsetHookCaller(orig, plugins) if plugins else orig
 
     def register_builtin(self, plugin: object, name: str) -> None:
@@ -215,6 +215,20 @@ class NereidPluginManager(pluggy.PluginManager):
     def wrapper_left_out(self, name: str, hook: str) -> bool:
         """Whether plugin ``name``'s wrapper of ``hook`` failed, and is no longer called."""
         return (name, hook) in self._failed_wrappers
+
+
+class _ByIdentity:
+    """Plugins compared by identity: a plugin pluggy registers may be unhashable (a dataclass instance), and a
+    set of them raised TypeError in every claim."""
+
+    def __init__(self, plugins: Iterable[object]) -> None:
+        self._ids = {id(plugin) for plugin in plugins}
+
+    def __contains__(self, plugin: object) -> bool:
+        return id(plugin) in self._ids
+
+    def __bool__(self) -> bool:
+        return bool(self._ids)
 
 
 def _normalized(distribution: str) -> str:

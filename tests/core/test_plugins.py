@@ -405,6 +405,28 @@ def test_hooks_declared_with_specname_are_left_out_like_any_other(repo, caplog) 
     assert "its nereid_claim_model wrapper raised RuntimeError: tracer broke" in _errors(caplog)[0]
 
 
+class Unhashable:
+    """A backend plugin object that cannot be hashed (a dataclass instance with eq, say)."""
+
+    BACKEND_NAME = "unhashable"
+    __hash__ = None  # type: ignore[assignment]
+
+    def __eq__(self, other: object) -> bool:
+        return other is self
+
+    @hookspecs.hookimpl
+    def nereid_claim_model(self, folder: Path, declared: bool) -> BackendClaim | None:
+        return None
+
+
+def test_an_unhashable_plugin_object_costs_no_backend_its_claims(repo, caplog) -> None:
+    """Defect: asking a backend alone put the other plugins in a set, so one unhashable plugin made every claim
+    raise TypeError: every model UNAVAILABLE, each backend blamed in turn."""
+    caplog.set_level(logging.ERROR, logger="nereid.plugins")
+    manager = make_plugin_manager(load_entry_points=False, extra_plugins=(Unhashable(),))
+    assert (claim_folder(manager, repo.python("m")).backend_name, _errors(caplog)) == ("python", [])
+
+
 def test_a_plugin_distribution_without_a_name_is_loaded_not_a_crash(site, caplog) -> None:
     """A dist-info without METADATA (no Name) ended every nereid command in a TypeError."""
     info = site / "nameless-1.0.dist-info"
