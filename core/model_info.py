@@ -95,7 +95,8 @@ def describe_config(name: str, model: LoadedModel, settings: ModelSettings) -> M
     # Off for max_batch_size 0 or `batching: enabled: false`: what the scheduler really does.
     batching = DynamicBatching(policy.max_delay_ns // 1000, tuple(policy.preferred_sizes)) if policy.enabled else None
     device = settings.device
-    group = InstanceGroup(settings.instances, "KIND_GPU" if device.is_gpu else "KIND_CPU",
+    # The scheduler's count: a meta model runs up to queue_capacity orchestrations, whatever `instances` says.
+    group = InstanceGroup(model.scheduler.instances, "KIND_GPU" if device.is_gpu else "KIND_CPU",
                           (device.index,) if device.is_gpu else ())
     return ModelConfig(name, model.backend.platform, model.backend_name, signature.max_batch_size,
                        tuple(map(info, signature.inputs)), tuple(map(info, signature.outputs)), batching, group)

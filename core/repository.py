@@ -552,6 +552,10 @@ class ModelRepository:
                 instances, depends_on = calling_plugin(
                     lambda: (built.backend.concurrent_executions(), built.backend.dependencies()),
                     lambda exit_: backend_exit(name, exit_, "while asked what it calls"), also=(KeyboardInterrupt,))
+                if entry.settings.instances != 1:  # (a Triton ensemble's instance_group, ported, say)
+                    log.warning("model '%s': instances: %d does not apply to a model that calls models; %d of its "
+                                "requests run at once (its backend's count; queue_capacity for a meta model)",
+                                name, entry.settings.instances, instances)
             scheduler = ModelScheduler(name, built.backend, built.batch_signature, entry.settings.queue_capacity,
                                        instances, stats, built.policy)
             loaded = LoadedModel(built.backend_name, built.backend, built.signature, built.batch_signature,

@@ -191,6 +191,11 @@ class ModelScheduler:
                 and (not self.policy.enabled or self.policy.max_delay_ns == 0))
 
     @property
+    def instances(self) -> int:
+        """Executions that may run at once (a model calling models: its own count, not ``instances``)."""
+        return self._instances
+
+    @property
     def idle(self) -> bool:
         """True when nothing is queued or running (a call whose caller went away included)."""
         return self._idle.is_set()

@@ -338,3 +338,30 @@ def test_runtime_options_are_refused_naming_where_they_are_written(tmp_path: Pat
     assert check(load_settings(config)) == 1
     assert (f"a: UNAVAILABLE: {config}: backends.meta.x: unknown option of the meta backend (it has no runtime "
             "options), got 1") in capsys.readouterr().out
+
+
+def test_model_config_counts_the_orchestrations_that_run_at_once_and_instances_is_warned_of(tmp_path: Path,
+                                                                                            caplog) -> None:
+    """Defect: a meta model's ModelConfig gave instance_group count `instances` (1 by default, or what a ported
+    Triton ensemble's instance_group said), while up to queue_capacity orchestrations run at once; and an
+    `instances` that does nothing was accepted without a word."""
+    import logging
+
+    from nereid.model_info import describe_config
+
+    root = tmp_path / "ml-backends"
+    root.mkdir()
+    meta_folder(root, "a", manifest=META.replace("[a, b]", "[]"))
+    repo = meta_repository(tmp_path, "models:\n  - {name: a, queue_capacity: 8, instances: 4}\n")
+
+    async def scenario() -> int:
+        entry = await repo.load("a")
+        count = describe_config("a", entry.loaded, entry.settings).instance_group.count
+        await repo.unload_all(grace_s=0)
+        return count
+
+    caplog.set_level(logging.WARNING, logger="nereid.repository")
+    assert asyncio.run(scenario()) == 8
+    assert [r.getMessage() for r in caplog.records] == [
+        "model 'a': instances: 4 does not apply to a model that calls models; 8 of its requests run at once (its "
+        "backend's count; queue_capacity for a meta model)"]
