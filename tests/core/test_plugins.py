@@ -427,6 +427,17 @@ def test_an_unhashable_plugin_object_costs_no_backend_its_claims(repo, caplog) -
     assert (claim_folder(manager, repo.python("m")).backend_name, _errors(caplog)) == ("python", [])
 
 
+def test_a_triton_model_folder_is_named_as_one(repo) -> None:
+    """A Triton user's folder (config.pbtxt, 1/model.py) got only the generic list of each backend's files."""
+    folder = repo.add("triton_style", None)
+    (folder / "config.pbtxt").write_text('name: "triton_style"\nbackend: "python"\n')
+    (folder / "1").mkdir()
+    (folder / "1" / "model.py").write_text("class TritonPythonModel: pass\n")
+    reason = claim_folder(make_plugin_manager(load_entry_points=False), folder).reason
+    assert reason.endswith("; it looks like a Triton model folder (config.pbtxt): nereid reads no config.pbtxt and "
+                           "no version folders; the README's 'Coming from Triton' maps each part"), reason
+
+
 def test_a_plugin_distribution_without_a_name_is_loaded_not_a_crash(site, caplog) -> None:
     """A dist-info without METADATA (no Name) ended every nereid command in a TypeError."""
     info = site / "nameless-1.0.dist-info"
