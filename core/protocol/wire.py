@@ -93,8 +93,10 @@ def timeout_deadline_ns(now_ns: int, budgets_ns: list[int]) -> int:
 def class_count(where: str, value: object) -> int:
     """A ``classification`` parameter's count of top classes (0: none); InvalidArgument unless a count."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        # Quoted from a bounded part of it: a JSON value may nest a thousand levels deep.
+        shown = value if isinstance(value, str) else brief_repr(value, 64)
         raise InvalidArgument(f"{where}: parameter 'classification' must be a non-negative integer count of "
-                              f"classes, got {brief_repr(value, 64)!r}")  # (bounded: a value may nest deep)
+                              f"classes, got {shown[:64]!r}")
     return value
 
 
