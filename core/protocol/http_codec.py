@@ -240,9 +240,14 @@ def _output_choice(model: str, outputs: Any, parameters: dict) -> OutputChoice:
 
 
 def quoted(value: Any) -> str:
-    """A client's JSON value as a message quotes it: built from a bounded part of it, so that a value nested a
-    thousand levels deep (json.dumps raised RecursionError: a 500) or megabytes long costs nothing."""
-    return brief_repr(value, 64)
+    """A client's JSON value as a message quotes it: as JSON (``"yes"``, ``true``), cut to 64 characters; one
+    nested past orjson's depth (a thousand levels made json.dumps raise RecursionError: a 500) from a bounded
+    part of it, as Python writes it."""
+    try:
+        text = orjson.dumps(value).decode()
+    except (orjson.JSONEncodeError, TypeError):
+        return brief_repr(value, 64)
+    return text if len(text) <= 64 else text[:61] + "..."
 
 
 def _flag(model: str, parameters: dict, key: str, where: str) -> bool | None:

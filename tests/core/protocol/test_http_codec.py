@@ -62,7 +62,7 @@ def test_an_empty_inputs_list_is_a_request_without_inputs():
     (b'{"inputs": {}}', None, "'inputs' must be a list of tensors"),
     # Read as false, these answered JSON without a word.
     (body(parameters={"binary_data_output": "yes"}), None,
-     "model 'm': parameter 'binary_data_output' must be true or false, got 'yes'"),
+     "model 'm': parameter 'binary_data_output' must be true or false, got \"yes\""),
     # Nested past json.dumps's recursion limit (a 500 with a traceback), or long: quoted from a bounded part.
     (with_parameter("binary_data_output", NESTED), None,
      "model 'm': parameter 'binary_data_output' must be true or false, got [[[[[[[[[[[[[[[[[[[[[[[[[[[[[["),

@@ -345,7 +345,7 @@ def test_stats_index_and_repository_control(repo, serve):
     assert caught.value.status() == "400" and "load parameters 'config' are not supported" in caught.value.message()
     status, message = error_of(call(base, "POST", "/v2/repository/models/echo/unload",
                                     b'{"parameters": {"unload_dependents": "yes"}}'))
-    assert status == 400 and "'unload_dependents' must be true or false, got 'yes'" in message
+    assert status == 400 and "'unload_dependents' must be true or false, got \"yes\"" in message
     status, message = error_of(call(base, "POST", "/v2/repository/models/echo/load", b'{"parameters": [1]}'))
     assert status == 400 and "model 'echo': the load request: 'parameters' must be a JSON object" in message
     assert client.is_model_ready("echo") and not client.is_model_ready("other")
