@@ -8,14 +8,13 @@ then on talks to the returned :class:`Model` directly.
 from __future__ import annotations
 
 import numbers
-import reprlib
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Protocol, runtime_checkable
 
 from nereid.settings import Device, ModelSettings
-from nereid.signature import ModelSignature
+from nereid.signature import ModelSignature, brief_repr
 from nereid.tensors import InferRequest, InferResponse, NamedTensor
 
 # The deadline (``time.monotonic_ns()``; 0: none) of the request an execution serves; for a batch,
@@ -187,10 +186,10 @@ def runtime_report_problem(report: object, *, with_summary: bool = False) -> str
     resident = report.warm_parent_resident_bytes
     if resident is not None and (not isinstance(resident, numbers.Integral) or isinstance(resident, bool)
                                  or resident < 0):
-        return (f"its warm_parent_resident_bytes is {reprlib.repr(resident)} ({_type_name(resident)}), "
+        return (f"its warm_parent_resident_bytes is {brief_repr(resident)} ({_type_name(resident)}), "
                 "expected an int >= 0 or None")
     if with_summary and not isinstance(report.summary, str):
-        return f"its summary is {reprlib.repr(report.summary)} ({_type_name(report.summary)}), expected a str"
+        return f"its summary is {brief_repr(report.summary)} ({_type_name(report.summary)}), expected a str"
     return None
 
 

@@ -405,14 +405,13 @@ def _check_model(settings: Settings, manager: NereidPluginManager, scratch: Path
             # A report that is not one (None: a forgotten return; a str) ended the check with a traceback.
             problem = runtime_report_problem(report, with_summary=True)
         except model_faults() as err:  # the model's fault, not the check's: say so on its line and go on
-            status = f"RUNTIME REPORT FAILED: {error_text(err)}; loaded as"
+            problem = error_text(err)
+        if problem is not None:
+            status = f"RUNTIME REPORT FAILED: {problem}; loaded as"
         else:
-            if problem is not None:  # worded as a raise is: what it returned, what was expected
-                status = f"RUNTIME REPORT FAILED: {problem}; loaded as"
-            else:
-                runtime = f" {report.summary}" if report.summary else ""
-                if report.warm_parent_resident_bytes is not None:
-                    runtime += f" warm_parent_rss={report.warm_parent_resident_bytes / 2**20:.1f}MiB"
+            runtime = f" {report.summary}" if report.summary else ""
+            if report.warm_parent_resident_bytes is not None:
+                runtime += f" warm_parent_rss={report.warm_parent_resident_bytes / 2**20:.1f}MiB"
     depends_on: tuple[str, ...] = ()
     unavailable: str | None = None  # why a server, having loaded it, would not serve it
     if isinstance(built.backend, CallsModels):

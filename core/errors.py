@@ -128,6 +128,15 @@ def same_kind(error: NereidError, message: str) -> NereidError:
     return ModelFailure(message)
 
 
+def naming_model(model: str, error: NereidError) -> NereidError:
+    """``error`` when its message says ``model 'NAME'`` (``meta model 'NAME': ...`` too); otherwise its
+    :func:`same_kind` copy with ``model 'NAME': `` in front: every message a client or the log gets names the
+    model, a plugin's own words (``ModelFailure("weights are cursed")``) included."""
+    if f"model '{model}'" in str(error):
+        return error
+    return same_kind(error, f"model '{model}': {error}")
+
+
 def _slots(kind: type) -> list[str]:
     """The ``__slots__`` names declared along ``kind``'s classes."""
     names: list[str] = []

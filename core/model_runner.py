@@ -12,7 +12,7 @@ import inspect
 from typing import Any, Awaitable, Callable
 
 from nereid.backend import Model, Postprocesses, Preprocesses
-from nereid.errors import (InvalidArgument, ModelFailure, NereidError, describe_exception, same_kind,
+from nereid.errors import (InvalidArgument, ModelFailure, NereidError, describe_exception, naming_model,
                            without_stop_iteration)
 from nereid.scheduler import MODEL_EXITS, ModelScheduler
 from nereid.signature import ModelSignature, brief_repr, check_outputs, validate_inputs
@@ -87,10 +87,12 @@ async def _call_hook(model: str, hook: str, function: Callable[[list[NamedTensor
     try:
         return await asyncio.to_thread(run_and_check)
     except NereidError as err:
-        if str(err).startswith(f"model '{model}'"):
-            raise  # (the check's verdict among them)
-        # A hook's own refusal (InvalidArgument, ...): same kind, naming the model as every message does.
-        raise same_kind(err, f"model '{model}': {err}") from err
+        # A hook's own refusal (InvalidArgument, ...): same kind, naming the model as every message does (the
+        # check's verdict names it already).
+        named = naming_model(model, err)
+        if named is err:
+            raise
+        raise named from err
     except (Exception, *MODEL_EXITS) as err:  # sys.exit() in a hook must not end the server
         raise _hook_failure(model, hook, err) from err
     except asyncio.CancelledError as err:

@@ -91,8 +91,7 @@ class NereidPluginManager(pluggy.PluginManager):
         and its failing wrapper blamed on each of them.
         """
         orig: pluggy.HookCaller = getattr(self.hook, name)
-        implementing = {id(impl.plugin) for impl in orig.get_hookimpls()}
-        plugins = _ByIdentity(plugin for plugin in remove_plugins if id(plugin) in implementing)
+        plugins = _ByIdentity(remove_plugins)
         return _SubsetHookCaller(orig, plugins) if plugins else orig
 
     def register_builtin(self, plugin: object, name: str) -> None:
@@ -516,10 +515,10 @@ def _sentences(manager: NereidPluginManager, hook: str, **arguments: object) -> 
     """Each backend's answer to ``hook``, a str, with its plugin's name: each asked alone (its failure is its
     own); one that raises, or answers anything but a str or None, is logged (once, naming it) and skipped."""
     impls = _plain_impls(getattr(manager.hook, hook))
+    about = f"folder {arguments['folder']}" if "folder" in arguments else ""
     sentences: list[tuple[str, str]] = []
     for impl in impls:
         try:
-            about = f"folder {arguments['folder']}" if "folder" in arguments else ""
             answers = _answers_alone(manager, hook, impl, impls, arguments, about=about)
         except plugin_failures() as err:
             manager.hook_failed(impl.plugin_name, hook, f"raised {error_text(err)}")

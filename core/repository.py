@@ -332,7 +332,7 @@ class ModelRepository:
         async def remove() -> None:
             if previous is not None:
                 await asyncio.wait({previous})
-            self.in_background(await self._take_removed(name), f"removal of '{name}': finishing its requests")
+            await self._start_removal(name)
         task = self.in_background(remove(), f"removal of '{name}'")
         self._removing[name] = task
         task.add_done_callback(lambda done: self._removing.pop(name) if self._removing.get(name) is done else None)
@@ -663,7 +663,12 @@ class ModelRepository:
         a reload's new version does. The removal is counted even when a rescan
         forgot the entry first (its model was not loaded).
         """
-        await self.in_background(await self._take_removed(name), f"removal of '{name}': finishing its requests")
+        await (await self._start_removal(name))
+
+    async def _start_removal(self, name: str) -> asyncio.Task:
+        """Take the removed folder's model off its name (see :meth:`_take_removed`); the rest of the removal
+        runs as background work, whose task is returned."""
+        return self.in_background(await self._take_removed(name), f"removal of '{name}': finishing its requests")
 
     async def _take_removed(self, name: str) -> Coroutine[object, object, None]:
         """Take the removed folder's model off its entry, once no load or rename of it runs; returns the rest

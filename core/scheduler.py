@@ -25,7 +25,7 @@ from nereid.backend import REQUEST_DEADLINE_NS, Model, PadsBatches
 from nereid.batching import BatchPolicy, batch_key, deadline_passed, request_cost, take_batch, will_not_run
 from nereid.daemon_pool import DaemonThreadPool
 from nereid.errors import (DeadlineExceeded, LoggedModelFailure, ModelFailure, ModelRetired, NereidError, QueueFull,
-                           Unavailable, describe_exception, same_kind)
+                           Unavailable, describe_exception, naming_model)
 from nereid.log_limit import RateLimitedLog
 from nereid.signature import ModelSignature, check_outputs
 from nereid.stats import ModelStats
@@ -395,10 +395,8 @@ class ModelScheduler:
             succeeded = True
             return results
         except NereidError as err:
-            if f"model '{self.name}'" in str(err):  # ("model 'm' ...", "meta model 'm': ...", as backends say it)
-                named = err
-            else:  # a plugin's own words (ModelFailure("weights are cursed")): every message names the model
-                named = same_kind(err, f"model '{self.name}': {err}")
+            named = naming_model(self.name, err)
+            if named is not err:
                 named.__cause__ = err.__cause__  # what it was raised from, for the log's traceback
             if isinstance(named, ModelFailure):
                 self.log_fault(named)  # the backend's own word for its fault (a run that failed)

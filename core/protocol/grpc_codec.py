@@ -13,7 +13,7 @@ from nereid.dtypes import DType
 from nereid.errors import InvalidArgument
 from nereid.model_info import MODEL_VERSION
 from nereid.protocol.wire import (SHARED_MEMORY_PARAMETER, TIMEOUT_PARAMETER, class_count, decode_raw,
-                                  refuse_shared_memory, timeout_deadline_ns, wire_dtype, wire_shape)
+                                  refuse_shared_memory, wire_dtype, wire_shape)
 from nereid.tensors import InferRequest, InferResponse, NamedTensor, bytes_array, tensor_buffer, tensor_bytes
 
 
@@ -129,7 +129,7 @@ def decode_infer_request(msg: pb.ModelInferRequest, time_remaining_s: float | No
     if TIMEOUT_PARAMETER in msg.parameters:
         timeout_us = _timeout_us(model, msg.parameters[TIMEOUT_PARAMETER])
         if timeout_us > 0:
-            deadlines.append(timeout_deadline_ns(time.monotonic_ns(), [timeout_us * 1000]))
+            deadlines.append(time.monotonic_ns() + timeout_us * 1000)
     deadline = min(deadlines, default=0)
     classifications = {}
     for out in msg.outputs:

@@ -284,9 +284,7 @@ class InferenceServicer:
             self._counted(model_name, err.reason)
             raise
         except asyncio.CancelledError:  # gone while a large request was decoded off the loop: it never started
-            deadline_ns = sampled_ns + int(remaining_s * 1e9) if remaining_s is not None else 0
-            reason = ("unavailable" if self._past_grace()
-                      else cancellation_reason(deadline_ns, time.monotonic_ns()))
+            reason = self._ended_reason(sampled_ns + int(remaining_s * 1e9) if remaining_s is not None else 0)
             self.dataplane.count_failure(model_name, reason)
             self._counted(model_name, reason)
             raise
@@ -297,11 +295,15 @@ class InferenceServicer:
             self._counted(decoded.model_name, err.reason)
             raise
         except asyncio.CancelledError:  # the client cancelled, gRPC ended the call at its deadline, or the grace
-            self._counted(decoded.model_name, "unavailable" if self._past_grace()
-                          else cancellation_reason(decoded.deadline_ns, time.monotonic_ns()))
+            self._counted(decoded.model_name, self._ended_reason(decoded.deadline_ns))
             raise
         self._counted(decoded.model_name, "success")
         return response
+
+    def _ended_reason(self, deadline_ns: int) -> str:
+        """What a request whose task was cancelled counts as: ``unavailable`` when the server ended it at the
+        grace, else as :func:`cancellation_reason` tells a client gone from one ended at its deadline."""
+        return "unavailable" if self._past_grace() else cancellation_reason(deadline_ns, time.monotonic_ns())
 
     def _counted(self, model: str, outcome: str) -> None:
         if self._count is not None:
