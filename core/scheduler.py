@@ -97,6 +97,8 @@ class ModelScheduler:
         self._expiry: asyncio.TimerHandle | None = None
         self._expiry_ns = 0
         self._batcher = asyncio.create_task(self._batch_loop(), name=f"nereid-{name}-batcher")
+        # Named for the server's last WARNING, should one swallow its cancellation and outlive the loop.
+        self._execution_name = f"nereid-{name}-execution"
 
     @property
     def queue_depth(self) -> int:
@@ -268,7 +270,7 @@ class ModelScheduler:
                 self._answer_dropped(work)
             if decision.batch:
                 self._free_slots -= 1
-                task = asyncio.create_task(self._execute(decision.batch))
+                task = asyncio.create_task(self._execute(decision.batch), name=self._execution_name)
                 self._running[task] = decision.batch
                 task.add_done_callback(self._execution_done)
             elif decision.wake_ns is not None:

@@ -395,6 +395,8 @@ def test_the_batchers_callers_are_answered_when_drain_abandons_a_coroutine_that_
         assert not await scheduler.drain(0.1, terminate_wait_s=0.1)
         with pytest.raises(Unavailable, match="execution did not end within the grace and was abandoned"):
             await asyncio.wait_for(caller, 1)
+        # The execution left running is named after its model (the server's last WARNING lists such tasks).
+        assert "nereid-m-execution" in {task.get_name() for task in asyncio.all_tasks() if not task.done()}
         backend.released = True
     run(scenario())
 
