@@ -37,7 +37,8 @@ _A_DAY_S = 86_400
 # The most a timeout may be: far past any real one, and far below what the waits' C types overflow at.
 _LONGEST_WAIT_S = (365 * _A_DAY_S, "a year")
 
-_DEVICE_PATTERN = re.compile(r"^(cpu|cuda)(?::(\d+))?$")
+# ASCII digits only, and nothing after (\d takes "٣"; $ lets a trailing newline through).
+_DEVICE_PATTERN = re.compile(r"(cpu|cuda)(?::([0-9]+))?")
 _ADDRESS_PATTERN = re.compile(r"^(\[[^\]]+\]|[^:\[\]]*):([0-9]+)$")  # host:port, [v6 host]:port
 MAX_PORT = 65535
 MAX_DEVICE_INDEX = 2**31 - 1
@@ -72,7 +73,7 @@ class Device:
     @classmethod
     def parse(cls, text: str) -> Device:
         """Parse ``cpu``, ``cuda`` (GPU 0) or ``cuda:<index>``; ValueError otherwise."""
-        match = _DEVICE_PATTERN.match(text)
+        match = _DEVICE_PATTERN.fullmatch(text)
         if match is None or (match.group(1) == "cpu" and match.group(2) is not None):
             raise ValueError("expected 'cpu', 'cuda' or 'cuda:<index>'")
         index = match.group(2) or "0"

@@ -150,6 +150,10 @@ class MetaModel:
         """Read the manifest and model.py; refuse runtime options, program files, a missing orchestration and cycles."""
         name, folder = self.context.name, self.context.folder
         RuntimeOptions(self.context.settings.runtime, self.context.settings_origin, "meta", ())  # it has none
+        if self.context.device.is_gpu:  # (a ported ensemble's KIND_GPU, say): said once, then the load goes on
+            log.warning("model '%s': device: %s does not apply to a meta model (its orchestration runs on the "
+                        "server's event loop; each model it calls runs on its own device); ignored",
+                        name, self.context.device)
         manifest_path = folder / MANIFEST_NAME
         if (reason := not_regular_reason(manifest_path)) is not None:
             raise ConfigError(reason)

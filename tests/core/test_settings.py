@@ -110,6 +110,14 @@ def test_device_strings(text: str, expected: Device) -> None:
     assert Device.parse(text) == expected
 
 
+@pytest.mark.parametrize("text", ["cuda:\u0663", "cuda:\uff13", "cuda\n", "cuda:1\n", "cpu\n", "CUDA", "gpu", "cuda:",
+                                  "cuda:-1", "cpu:0", "cuda: 1"])
+def test_device_strings_refused(text: str) -> None:
+    """Defect: a non-ASCII digit ("cuda:\u0663" read as cuda:3) or a trailing newline was accepted."""
+    with pytest.raises(ValueError, match="expected 'cpu', 'cuda' or 'cuda:<index>'"):
+        Device.parse(text)
+
+
 def test_backend_defaults(root: Path) -> None:
     settings = load_settings(write(root, "backends:\n  python: {warm_start: false}\n  xla: {}\n"))
     assert settings.backend_defaults == {"python": {"warm_start": False}, "xla": {}}

@@ -365,3 +365,25 @@ def test_model_config_counts_the_orchestrations_that_run_at_once_and_instances_i
     assert [r.getMessage() for r in caplog.records] == [
         "model 'a': instances: 4 does not apply to a model that calls models; 8 of its requests run at once (its "
         "backend's count; queue_capacity for a meta model)"]
+
+
+def test_a_device_is_warned_of_and_ignored(tmp_path: Path, caplog) -> None:
+    """Defect: `device: cuda:1` on a meta model was accepted without a word, though nothing runs there."""
+    import logging
+
+    root = tmp_path / "ml-backends"
+    root.mkdir()
+    meta_folder(root, "a", manifest=META.replace("[a, b]", "[]"))
+    repo = meta_repository(tmp_path, "models:\n  - {name: a, device: 'cuda:1'}\n")
+
+    async def scenario() -> str:
+        entry = await repo.load("a")
+        state = entry.state.value
+        await repo.unload_all(grace_s=0)
+        return state
+
+    caplog.set_level(logging.WARNING, logger="nereid.backends.meta.model")
+    assert asyncio.run(scenario()) == "READY"
+    assert [r.getMessage() for r in caplog.records if r.name == "nereid.backends.meta.model"] == [
+        "model 'a': device: cuda:1 does not apply to a meta model (its orchestration runs on the server's event "
+        "loop; each model it calls runs on its own device); ignored"]
