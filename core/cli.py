@@ -9,9 +9,7 @@ import logging
 import os
 import resource
 import signal
-import shutil
 import sys
-import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +20,7 @@ from nereid.backend import CallsModels, ModelContext, ReportsRuntime, runtime_re
 from nereid.dependencies import settle
 from nereid.errors import ConfigError, backend_exit, plugin_failures
 from nereid.files import check_confined
-from nereid.leftovers import scratch_prefix
+from nereid.leftovers import make_scratch_folder, remove_scratch_folder
 from nereid.log_format import one_record_per_line, stderr_handler
 from nereid.log_limit import EndedCallFilter, RateLimitFilter
 from nereid.processes import kill_children
@@ -242,7 +240,7 @@ def check(settings: Settings, manager: NereidPluginManager | None = None) -> int
         print(err)
     # Named as a server's scratch (nereid-<pid>-...): a check that is killed leaves it for the next server
     # start to remove, as that server removes any dead process's.
-    scratch = Path(tempfile.mkdtemp(prefix=f"{scratch_prefix()}check-"))
+    scratch = make_scratch_folder("check-")
     # SIGTERM (`timeout 60 nereid check` in CI) stops the check as Ctrl-C does: a compiler it started must not
     # run on under init, writing into a scratch folder nobody will clean.
     on_main = threading.current_thread() is threading.main_thread()  # (only there can a handler be set)
@@ -280,7 +278,7 @@ def check(settings: Settings, manager: NereidPluginManager | None = None) -> int
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-        shutil.rmtree(scratch, ignore_errors=True)
+        remove_scratch_folder(scratch)
     summary = [f"{config_problems} problem(s) in its backends: section"] if config_problems else []
     if problems:
         summary.append(f"{problems} model(s) with problems")

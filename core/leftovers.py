@@ -1,17 +1,23 @@
-"""Files that a killed nereid process left behind, recognised by the process id in their names.
+"""Files that a killed nereid process left behind: removed at the next start, a live process's never.
 
 A server SIGKILLed (or out of memory) never runs its clean-up: its scratch
 folder (``nereid-<pid>-*`` in the temporary directory) and half-written build
-outputs (``*.<pid>.partial``) stay. The next start removes those whose process
-is gone; a live process's files are never touched.
+outputs (``*.<pid>.partial``) stay. The next start removes those whose owner is
+gone. A scratch folder's owner holds an advisory lock on a file in it for its
+whole life (the kernel releases it when the process ends, however it ends): a
+process id says nothing across PID namespaces (two containers sharing a
+temporary directory each have a pid 7), a lock does.
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import re
 import shutil
+import tempfile
+import time
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -19,6 +25,10 @@ log = logging.getLogger(__name__)
 SCRATCH_PREFIX = "nereid-"
 _SCRATCH = re.compile(rf"^{SCRATCH_PREFIX}(\d+)-")
 _PARTIAL = re.compile(r"\.(\d+)\.partial$")
+OWNER_LOCK = ".owner.lock"  # in a scratch folder: locked by its owner for as long as it runs
+# A folder changed this recently is left alone: its owner may be between creating it and taking its lock.
+SETTLED_S = 60.0
+_held: dict[Path, int] = {}  # this process's scratch folders, each with its lock's file descriptor
 
 
 def scratch_prefix() -> str:
@@ -37,6 +47,45 @@ def process_alive(pid: int) -> bool:
     return True
 
 
+def make_scratch_folder(kind: str = "") -> Path:
+    """A new scratch folder ``nereid-<pid>-<kind>*`` in the temporary directory, locked as this process's.
+
+    Give it back with :func:`remove_scratch_folder`; one left by a process that
+    was killed is removed by the next server start.
+    """
+    folder = Path(tempfile.mkdtemp(prefix=f"{scratch_prefix()}{kind}"))
+    descriptor = os.open(folder / OWNER_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(descriptor, fcntl.LOCK_EX)  # (a new file nobody else has opened: taken at once)
+    _held[folder] = descriptor
+    return folder
+
+
+def remove_scratch_folder(folder: Path) -> None:
+    """Remove a folder :func:`make_scratch_folder` made, and let its lock go."""
+    shutil.rmtree(folder, ignore_errors=True)
+    descriptor = _held.pop(folder, None)
+    if descriptor is not None:
+        os.close(descriptor)
+
+
+def _owner_gone(folder: str, pid: int) -> bool:
+    """True when the process that made ``folder`` has ended: its lock is free (or, for a folder without one,
+    made by an older nereid, no process has its id); False when it runs or cannot be told."""
+    try:
+        descriptor = os.open(os.path.join(folder, OWNER_LOCK), os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return not process_alive(pid)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # held: its owner runs, in this PID namespace or another
+        return False
+    finally:
+        os.close(descriptor)  # (the lock goes with it: the folder is removed next, or left to its owner)
+    return True
+
+
 def remove_stale_scratch(parent: Path) -> int:
     """Remove the scratch folders of nereid processes that no longer run; returns how many."""
     removed = 0
@@ -44,9 +93,16 @@ def remove_stale_scratch(parent: Path) -> int:
         entries = list(os.scandir(parent))
     except OSError:
         return 0
+    settled = time.time() - SETTLED_S
     for entry in entries:
         match = _SCRATCH.match(entry.name)
-        if match and entry.is_dir(follow_symlinks=False) and not process_alive(int(match.group(1))):
+        try:
+            if not (match and entry.is_dir(follow_symlinks=False) and entry.stat(follow_symlinks=False).st_mtime
+                    < settled):
+                continue
+        except OSError:
+            continue
+        if _owner_gone(entry.path, int(match.group(1))):
             shutil.rmtree(entry.path, ignore_errors=True)
             removed += 1
     if removed:

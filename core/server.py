@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import shutil
 import signal
 import socket
 import tempfile
@@ -17,7 +16,7 @@ import pluggy
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from nereid.dataplane import DataPlane
-from nereid.leftovers import remove_stale_scratch, scratch_prefix
+from nereid.leftovers import make_scratch_folder, remove_scratch_folder, remove_stale_scratch
 from nereid.metrics import ServerMetrics
 from nereid.plugins import make_plugin_manager
 from nereid.protocol.grpc_service import SERVICE_NAME, InferenceServicer, generic_handler
@@ -151,7 +150,7 @@ class NereidServer:
         self.metrics_addr, self.metrics_origin = listeners.metrics(settings.server)
         self.manager = manager or make_plugin_manager()
         remove_stale_scratch(Path(tempfile.gettempdir()))
-        self.scratch_dir = Path(tempfile.mkdtemp(prefix=scratch_prefix()))
+        self.scratch_dir = make_scratch_folder()
         self.metrics = ServerMetrics()
         # The server is the models' ModelCaller: a meta model's sub-calls go through the data plane.
         self.repository = ModelRepository(settings, self.manager, self.scratch_dir, events=self.metrics, models=self,
@@ -265,7 +264,7 @@ class NereidServer:
             self._http = None
             self.metrics.close()
         finally:
-            shutil.rmtree(self.scratch_dir, ignore_errors=True)
+            remove_scratch_folder(self.scratch_dir)
 
     async def load_models(self) -> None:
         """Load the start-up models concurrently; failures leave them UNAVAILABLE with a reason.
@@ -346,7 +345,7 @@ class NereidServer:
         await self.repository.terminate_running()
         await self.repository.unload_all(grace_s=0)
         self.metrics.close()
-        shutil.rmtree(self.scratch_dir, ignore_errors=True)
+        remove_scratch_folder(self.scratch_dir)
         self._stopped.set()
         log.info("nereid stopped")
 

@@ -503,6 +503,7 @@ def test_a_killed_check_leaves_a_scratch_folder_the_next_server_start_removes(tm
     dead.wait()
     left = tmp_path / f"nereid-{dead.pid}-check-abc"
     left.mkdir()
+    os.utime(left, (time.time() - 120, time.time() - 120))  # (a folder changed within the last minute stays)
     assert remove_stale_scratch(tmp_path) == 1 and not left.exists()
 
 

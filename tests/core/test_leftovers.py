@@ -5,8 +5,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
+from pathlib import Path
 
-from nereid.leftovers import remove_stale_partials, remove_stale_scratch, scratch_prefix
+from nereid.leftovers import (OWNER_LOCK, make_scratch_folder, remove_scratch_folder, remove_stale_partials,
+                              remove_stale_scratch, scratch_prefix)
 
 from support import ECHO_MAIN
 
@@ -18,10 +21,17 @@ def dead_pid() -> int:
     return process.pid
 
 
+def settled(folder: Path) -> Path:
+    """``folder``, last changed two minutes ago (a folder changed within the last minute is never removed)."""
+    os.utime(folder, (time.time() - 120, time.time() - 120))
+    return folder
+
+
 def test_stale_scratch_folders_and_partials_go_live_ones_stay(tmp_path):
     stale, live, other = tmp_path / f"nereid-{dead_pid()}-abc", tmp_path / f"{scratch_prefix()}xyz", tmp_path / "x"
     for folder in (stale, live, other):
         (folder / "run-1").mkdir(parents=True)
+        settled(folder)
     assert remove_stale_scratch(tmp_path) == 1
     assert not stale.exists() and live.exists() and other.exists()
     (tmp_path / f".main-abc.{dead_pid()}.partial").write_text("half")
@@ -32,11 +42,50 @@ def test_stale_scratch_folders_and_partials_go_live_ones_stay(tmp_path):
 
 def test_a_killed_servers_scratch_folder_is_removed_by_the_next(repo, serve, tmp_path):
     import tempfile
-    from pathlib import Path
 
     leftover = Path(tempfile.gettempdir()) / f"nereid-{dead_pid()}-left"
     (leftover / "echo" / "run-1").mkdir(parents=True)
+    settled(leftover)
     repo.python("echo", main=ECHO_MAIN)
     server = serve(repo.write_config())
     assert not leftover.exists()
     assert server.server.scratch_dir.name.startswith(scratch_prefix())
+
+
+OWNER = """
+import sys, time
+from nereid.leftovers import make_scratch_folder
+print(make_scratch_folder(), flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_folder_whose_owner_runs_stays_whatever_its_process_id_says(tmp_path):
+    """Defect: liveness was judged by the pid in the folder's name, which says nothing across PID namespaces: a
+    server in another container sharing the temporary directory (there, say, pid 7; here no such process)
+    removed a live server's scratch folder, and every python run of that server failed from then on."""
+    owner = subprocess.Popen([sys.executable, "-c", OWNER], stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "TMPDIR": str(tmp_path)})
+    try:
+        made = Path(owner.stdout.readline().strip())
+        assert made.parent == tmp_path and (made / OWNER_LOCK).is_file()
+        # As another namespace's server names it: a pid that runs nothing here.
+        elsewhere = settled(made.rename(tmp_path / f"nereid-{dead_pid()}-other"))
+        assert remove_stale_scratch(tmp_path) == 0 and elsewhere.is_dir()
+    finally:
+        owner.kill()
+        owner.wait()
+    assert remove_stale_scratch(tmp_path) == 1 and not elsewhere.exists()  # its owner ended: the lock is free
+
+
+def test_a_just_made_folder_stays_and_a_given_back_one_is_gone(tmp_path, monkeypatch):
+    fresh = tmp_path / f"nereid-{dead_pid()}-new"  # its owner may not have taken its lock yet
+    fresh.mkdir()
+    assert remove_stale_scratch(tmp_path) == 0 and fresh.is_dir()
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr("tempfile.tempdir", None)  # (read again from TMPDIR)
+    mine = settled(make_scratch_folder("check-"))
+    assert mine.name.startswith(f"{scratch_prefix()}check-")
+    assert remove_stale_scratch(tmp_path) == 0 and mine.is_dir()  # held by this process
+    remove_scratch_folder(mine)
+    assert not mine.exists()
