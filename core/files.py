@@ -162,7 +162,7 @@ def atomic_write(path: Path, parts: Iterable[bytes | memoryview], *, durable: bo
     for that temporary name (over 230 bytes or so) has a hash of it in its
     place.
     """
-    temporary = path.parent / _temporary_name(path.name)
+    temporary = path.parent / temporary_name(path.name)
     fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -183,8 +183,12 @@ def atomic_write(path: Path, parts: Iterable[bytes | memoryview], *, durable: bo
         fsync_folder(path.parent)
 
 
-def _temporary_name(name: str) -> str:
-    """``.<name>.<token>.<pid>.partial``, or ``.<hash of name>.<token>.<pid>.partial`` past NAME_MAX (255 bytes)."""
+def temporary_name(name: str) -> str:
+    """``.<name>.<token>.<pid>.partial``, or ``.<hash of name>.<token>.<pid>.partial`` past NAME_MAX (255 bytes).
+
+    The random token keeps apart two writers whose pids are the same (servers in
+    two containers, each with its own PID namespace, sharing a repository).
+    """
     suffix = f".{secrets.token_hex(4)}.{os.getpid()}.partial"
     if len(os.fsencode(name)) + 1 + len(suffix) > _NAME_MAX:
         name = hashlib.sha256(os.fsencode(name)).hexdigest()[:32]

@@ -111,11 +111,21 @@ def remove_stale_scratch(parent: Path) -> int:
 
 
 def remove_stale_partials(folder: Path) -> int:
-    """Remove ``*.<pid>.partial`` files in ``folder`` whose writing process no longer runs; returns how many."""
+    """Remove ``*.<pid>.partial`` files in ``folder`` whose writing process no longer runs; returns how many.
+
+    One written within the last minute stays, whatever its pid: in a
+    repository that servers in other PID namespaces share, that pid may be a
+    live writer's there.
+    """
     removed = 0
+    settled = time.time() - SETTLED_S
     for path in folder.glob("*.partial"):
         match = _PARTIAL.search(path.name)
-        if match and not process_alive(int(match.group(1))):
-            path.unlink(missing_ok=True)
-            removed += 1
+        try:
+            if not match or path.lstat().st_mtime >= settled or process_alive(int(match.group(1))):
+                continue
+        except OSError:  # (gone already: renamed into place, or removed by another server)
+            continue
+        path.unlink(missing_ok=True)
+        removed += 1
     return removed

@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 
 from nereid.errors import ConfigError
-from nereid.files import not_regular_reason, read_regular_file
+from nereid.files import not_regular_reason, read_regular_file, temporary_name
 from nereid.leftovers import remove_stale_partials
 
 from nereid.backends.subprocess.runner import run_model_process
@@ -116,7 +116,7 @@ def compile_to(compiler: Compiler, arguments: list[str], target: Path, cwd: Path
     logged once as a WARNING naming ``model``.
     """
     remove_stale_partials(target.parent)
-    partial = target.parent / f".{target.name}.{os.getpid()}.partial"
+    partial = target.parent / temporary_name(target.name)
     # The compiler's intermediate files (.s, .o) go to TMPDIR: in a folder of its own beside the target (in the
     # server's scratch folder), so that a compile killed past the limit, or with the server, leaves none in the
     # system's /tmp, where they would stay for good.
@@ -183,7 +183,7 @@ def _publish(source: Path, target: Path) -> None:
     """Copy ``source`` to ``target`` through a temporary name renamed into place; OSError when it cannot."""
     target.parent.mkdir(exist_ok=True)
     remove_stale_partials(target.parent)
-    partial = target.parent / f".{target.name}.{os.getpid()}.partial"
+    partial = target.parent / temporary_name(target.name)
     try:
         shutil.copy2(source, partial)
         os.replace(partial, target)

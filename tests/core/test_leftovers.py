@@ -34,10 +34,22 @@ def test_stale_scratch_folders_and_partials_go_live_ones_stay(tmp_path):
         settled(folder)
     assert remove_stale_scratch(tmp_path) == 1
     assert not stale.exists() and live.exists() and other.exists()
-    (tmp_path / f".main-abc.{dead_pid()}.partial").write_text("half")
-    (tmp_path / f".main-abc.{os.getpid()}.partial").write_text("being written")
+    half, being_written = tmp_path / f".main-abc.{dead_pid()}.partial", tmp_path / f".main-abc.{os.getpid()}.partial"
+    for partial, text in ((half, "half"), (being_written, "being written")):
+        partial.write_text(text)
+        settled(partial)
     assert remove_stale_partials(tmp_path) == 1
-    assert [p.name for p in tmp_path.glob("*.partial")] == [f".main-abc.{os.getpid()}.partial"]
+    assert [p.name for p in tmp_path.glob("*.partial")] == [being_written.name]
+
+
+def test_a_partial_written_within_the_last_minute_stays_whatever_its_pid(tmp_path):
+    """Defect: a server removed another's build output while it was being copied into a shared repository's
+    .cache/, its pid being no process in this PID namespace (the other ran in a container of its own)."""
+    fresh = tmp_path / f".main-abc.1a2b3c4d.{dead_pid()}.partial"
+    fresh.write_text("being copied, by a server whose pid this namespace does not have")
+    assert remove_stale_partials(tmp_path) == 0 and fresh.exists()
+    settled(fresh)
+    assert remove_stale_partials(tmp_path) == 1 and not fresh.exists()
 
 
 def test_a_killed_servers_scratch_folder_is_removed_by_the_next(repo, serve, tmp_path):
