@@ -5,6 +5,11 @@ Input: the single-tensor form sends the raw bytes on stdin with
 framed tensor per input, in textproto order, and names them in
 ``NEREID_INPUT_NAMES``. Output: one framed tensor per declared output, in
 textproto order, in the file ``NEREID_OUTPUT_PATH``.
+
+A model on ``cuda:<i>`` runs with ``CUDA_VISIBLE_DEVICES`` set to the i-th GPU
+the server may use: the i-th entry of the server's own ``CUDA_VISIBLE_DEVICES``
+when it has one (a scheduler's allocation), else ``<i>``; a GPU that is not
+there is a load error (see :func:`visible_gpus`), as in Triton.
 """
 
 from __future__ import annotations
@@ -14,7 +19,9 @@ import os
 import shutil
 import stat
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Mapping
 
 from nereid.backend import ModelContext
 from nereid.dtypes import DType
@@ -39,6 +46,63 @@ NAMES_SEPARATOR = ","
 # Linux's MAX_ARG_STRLEN: the longest "NAME=value" string (with its NUL) that exec passes to a program.
 MAX_ENV_STRING_BYTES = 32 * 4096
 
+# The NVIDIA kernel driver's folder of GPUs (one entry per GPU, under /proc), and WSL's GPU device (under /dev).
+NVIDIA_GPUS_DIR = "driver/nvidia/gpus"
+WSL_GPU_DEVICE = "dxg"
+
+
+@dataclass(frozen=True)
+class VisibleGpus:
+    """The GPUs this server may give its programs, as told without initialising CUDA in the server."""
+
+    count: int | None  # None: there are GPUs but nothing counts them (WSL)
+    listed: tuple[str, ...] | None  # the server's CUDA_VISIBLE_DEVICES entries; None when it has none
+    described: str  # what was found where, for messages ("... lists 2 GPU(s), cuda:0 to cuda:1")
+
+
+def cuda_visible_entries(value: str) -> tuple[str, ...]:
+    """The devices a ``CUDA_VISIBLE_DEVICES`` value lists, in order: indices, UUIDs or MIG ids, as written.
+
+    CUDA ignores every entry from the first one it cannot use; an empty one or a
+    negative index (``-1``, the usual way to hide every GPU) is always such an entry.
+    """
+    entries = []
+    for entry in value.split(","):
+        entry = entry.strip()
+        if not entry or entry.startswith("-"):
+            break
+        entries.append(entry)
+    return tuple(entries)
+
+
+def visible_gpus(environ: Mapping[str, str], proc_root: Path = Path("/proc"),
+                 dev_root: Path = Path("/dev")) -> VisibleGpus:
+    """Count the GPUs a server with environment ``environ`` may use (``proc_root``, ``dev_root``: /proc and /dev).
+
+    The server's own ``CUDA_VISIBLE_DEVICES`` when it has one (CUDA then numbers
+    only those); else the NVIDIA driver's entries in /proc/driver/nvidia/gpus;
+    else 0, unless WSL's /dev/dxg is there (its GPUs are not listed anywhere, so
+    they are not counted). Nothing here starts CUDA, which would hold GPU memory
+    in the server for every GPU model.
+    """
+    def lists(count: int) -> str:
+        return f"lists {count} GPU(s), cuda:0 to cuda:{count - 1}" if count else "lists no GPU"
+
+    value = environ.get("CUDA_VISIBLE_DEVICES")
+    if value is not None:
+        listed = cuda_visible_entries(value)
+        return VisibleGpus(len(listed), listed, f"the server's CUDA_VISIBLE_DEVICES={value!r} {lists(len(listed))}")
+    gpus = proc_root / NVIDIA_GPUS_DIR
+    try:
+        count = len(os.listdir(gpus))
+    except OSError:  # no NVIDIA kernel driver loaded
+        pass
+    else:
+        return VisibleGpus(count, None, f"the NVIDIA driver's {gpus} {lists(count)}")
+    if os.path.exists(dev_root / WSL_GPU_DEVICE):
+        return VisibleGpus(None, None, f"WSL's {dev_root / WSL_GPU_DEVICE} (its GPUs are not counted)")
+    return VisibleGpus(0, None, f"no NVIDIA GPU driver on this machine ({gpus} is missing)")
+
 
 class SubprocessModel:
     """Shared machinery of the python and cpp backends; subclasses say what to run."""
@@ -46,6 +110,9 @@ class SubprocessModel:
     platform = "nereid_subprocess"
     backend_name: str = "subprocess"  # for messages: "unknown option of the <backend_name> backend"
     entry_file: str = ""  # the program's file in the model folder (main.py, main.cpp)
+    # Where visible_gpus looks for GPUs (a test points them at a folder tree of its own).
+    proc_root = Path("/proc")
+    dev_root = Path("/dev")
 
     def __init__(self, context: ModelContext) -> None:
         self.context = context
@@ -54,6 +121,8 @@ class SubprocessModel:
         # Descriptors of the loaded folder (one more per rename), closed at unload: runs use the
         # newest as their working directory (see run_folder).
         self._folder_fds: list[int] = []
+        # CUDA_VISIBLE_DEVICES of every run, set by load: none for a CPU model (and before load).
+        self._cuda_visible_devices = ""
 
     # -- Model protocol -------------------------------------------------
     def load(self) -> None:
@@ -72,6 +141,7 @@ class SubprocessModel:
             self._require_file(self.entry_file)
             self._signature = signature
             self.check_options()
+            self._cuda_visible_devices = self.run_gpu()
             self.prepare()
         except BaseException:
             SubprocessModel.unload(self)  # a failed load is not unloaded by the server: let the folder go
@@ -219,10 +289,26 @@ class SubprocessModel:
         env = {key: os.environ[key] for key in INHERITED_ENV if key in os.environ}
         env.setdefault("PATH", "/usr/local/bin:/usr/bin:/bin")
         env["NEREID_MODEL_NAME"] = self.context.name
-        device = self.context.device
         # A CPU model sees no GPU; a GPU model sees exactly its own.
-        env["CUDA_VISIBLE_DEVICES"] = str(device.index) if device.is_gpu else ""
+        env["CUDA_VISIBLE_DEVICES"] = self._cuda_visible_devices
         return env
+
+    def run_gpu(self) -> str:
+        """The ``CUDA_VISIBLE_DEVICES`` of this model's runs: "" for a CPU model, the GPU of ``cuda:<i>``.
+
+        That GPU is the i-th the server may use (as jax numbers them for the xla
+        backend): the i-th entry of the server's CUDA_VISIBLE_DEVICES when it has
+        one. ConfigError (the model is UNAVAILABLE) when there is no such GPU.
+        """
+        device = self.context.device
+        if not device.is_gpu:
+            return ""
+        gpus = visible_gpus(os.environ, self.proc_root, self.dev_root)
+        where = f"model '{self.context.name}': device {device} ({self.context.settings_origin or 'nereid.yaml'})"
+        if gpus.count is not None and device.index >= gpus.count:
+            advice = "use one of them or set device: cpu" if gpus.count else "set device: cpu"
+            raise ConfigError(f"{where}: {gpus.described}; {advice}")
+        return gpus.listed[device.index] if gpus.listed is not None else str(device.index)
 
     # -- contract ---------------------------------------------------------
     def _environment(self, inputs: list[NamedTensor], output_path: Path, work_dir: Path) -> dict[str, str]:

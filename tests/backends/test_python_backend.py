@@ -104,6 +104,8 @@ def report_of(result) -> dict:
 
 def test_single_tensor_contract_environment_and_cwd(repo, serve, monkeypatch, no_zombies, start_mode):
     monkeypatch.setenv("NEREID_TEST_SECRET", "do-not-leak")
+    # The server's own GPUs (a machine without any refuses a cuda model at load): cuda:i runs with its i-th.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     textproto = textproto_single("BYTES", input_shape="[4]", output_shape="[1]", max_batch_size=8)
     cpu_folder = repo.python("report_cpu", main=REPORT_MAIN, textproto=textproto)
     gpu_folder = repo.python("report_gpu", main=REPORT_MAIN, textproto=textproto)

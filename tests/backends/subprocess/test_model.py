@@ -1,4 +1,4 @@
-"""SubprocessModel on its own (no server): where its runs start, and the folder descriptors it holds."""
+"""SubprocessModel on its own (no server): where its runs start, the folder descriptors it holds, its GPU."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ import pytest
 from nereid.backend import ModelContext
 from nereid.errors import ConfigError, ModelFailure, Unavailable
 from nereid.runtime_options import LayeredRuntime
-from nereid.settings import ModelSettings
+from nereid.settings import Device, ModelSettings
 from nereid.tensors import NamedTensor
 
-from nereid.backends.subprocess.model import MAX_ENV_STRING_BYTES, MAX_FOLDER_FDS, SubprocessModel
+from nereid.backends.subprocess.model import MAX_ENV_STRING_BYTES, MAX_FOLDER_FDS, SubprocessModel, visible_gpus
 
 from support import textproto_single
 
@@ -38,14 +38,14 @@ class ShellModel(SubprocessModel):
 
 
 def unloaded(tmp_path: Path, name: str = "shell", textproto: str | None = None, main: str = ECHO_SH,
-             runtime: Mapping[str, Any] | None = None) -> ShellModel:
+             runtime: Mapping[str, Any] | None = None, device: str = "cpu") -> ShellModel:
     folder = tmp_path / "models" / name
     folder.mkdir(parents=True)
     (folder / "model_inference.textproto").write_text(textproto or textproto_single())
     (folder / "main.sh").write_text(main)
     scratch = tmp_path / "scratch"
     scratch.mkdir(exist_ok=True)
-    settings = ModelSettings(name, runtime=runtime if runtime is not None else {})
+    settings = ModelSettings(name, Device.parse(device), runtime=runtime if runtime is not None else {})
     return ShellModel(ModelContext(name, folder, settings, scratch, "nereid.yaml: models[0]"))
 
 
@@ -286,3 +286,94 @@ def test_data_after_the_last_output_is_measured(tmp_path, after, expected) -> No
         model.unload()
     assert str(caught.value) == ("model 'wide': output file has data after the last declared output: output "
                                  f"'output' (float32 [2, 4]) took 32 bytes; {expected}")
+
+
+def machine(tmp_path: Path, gpus: int | None = None, wsl: bool = False) -> Path:
+    """A /proc and /dev tree: the NVIDIA driver's folder with ``gpus`` GPUs (no folder for None), WSL's /dev/dxg."""
+    root = tmp_path / "machine"
+    (root / "proc").mkdir(parents=True)
+    (root / "dev").mkdir()
+    if gpus is not None:
+        driver = root / "proc" / "driver" / "nvidia" / "gpus"
+        driver.mkdir(parents=True)
+        for bus in range(gpus):
+            (driver / f"0000:{bus + 1:02x}:00.0").mkdir()
+    if wsl:
+        (root / "dev" / "dxg").write_text("")
+    return root
+
+
+def on(tmp_path: Path, device: str, root: Path) -> ShellModel:
+    """A model on ``device`` (its program records the CUDA_VISIBLE_DEVICES it got), looking for GPUs in ``root``."""
+    model = unloaded(tmp_path, name=device.replace(":", "_"), device=device,
+                     main='printf %s "$CUDA_VISIBLE_DEVICES" > gpu.txt\n' + ECHO_SH)
+    model.proc_root, model.dev_root = root / "proc", root / "dev"
+    return model
+
+
+def run_gpu(model: ShellModel) -> str:
+    """The CUDA_VISIBLE_DEVICES one run of the (loaded) model got."""
+    try:
+        echo(model)
+        return (model.context.folder / "gpu.txt").read_text()
+    finally:
+        model.unload()
+
+
+def test_visible_gpus_counts_the_servers_list_else_the_drivers_gpus(tmp_path) -> None:
+    two = machine(tmp_path / "two", gpus=2)
+    found = visible_gpus({}, two / "proc", two / "dev")
+    assert (found.count, found.listed) == (2, None)
+    assert found.described == f"the NVIDIA driver's {two}/proc/driver/nvidia/gpus lists 2 GPU(s), cuda:0 to cuda:1"
+    # The server's own list wins (a scheduler gave it those); UUIDs and MIG ids pass through as written.
+    listed = visible_gpus({"CUDA_VISIBLE_DEVICES": "GPU-5f1c, MIG-GPU-5f1c/1/0"}, two / "proc", two / "dev")
+    assert (listed.count, listed.listed) == (2, ("GPU-5f1c", "MIG-GPU-5f1c/1/0"))
+    for hidden in ("", "-1", "-1,0"):  # CUDA stops at the first entry it cannot use
+        assert visible_gpus({"CUDA_VISIBLE_DEVICES": hidden}, two / "proc", two / "dev").count == 0
+    bare = machine(tmp_path / "bare")
+    missing = visible_gpus({}, bare / "proc", bare / "dev")
+    assert (missing.count, missing.described) == (0, "no NVIDIA GPU driver on this machine "
+                                                     f"({bare}/proc/driver/nvidia/gpus is missing)")
+    wsl = machine(tmp_path / "wsl", wsl=True)
+    assert visible_gpus({}, wsl / "proc", wsl / "dev").count is None  # GPUs there, but nothing counts them
+
+
+def test_a_gpu_model_runs_on_the_ith_gpu_of_the_servers_cuda_visible_devices(tmp_path, monkeypatch) -> None:
+    """Defect: runs got CUDA_VISIBLE_DEVICES=<i> whatever GPUs the server was given (by a scheduler, say): with
+    5,7 cuda:1 ran on physical GPU 1, not 7, and cuda:5 loaded though the server had 2 GPUs."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,GPU-7e2a")
+    root = machine(tmp_path, gpus=8)
+    cuda0, cuda1, cuda2 = (on(tmp_path, device, root) for device in ("cuda:0", "cuda:1", "cuda:2"))
+    for model in (cuda0, cuda1):
+        model.load()
+    assert run_gpu(cuda0) == "5"
+    assert run_gpu(cuda1) == "GPU-7e2a"
+    assert load_error(cuda2) == ("model 'cuda_2': device cuda:2 (nereid.yaml: models[0]): the server's "
+                                 "CUDA_VISIBLE_DEVICES='5,GPU-7e2a' lists 2 GPU(s), cuda:0 to cuda:1; use one of "
+                                 "them or set device: cpu")
+    cpu = loaded(tmp_path, "cpu", main='printf %s "$CUDA_VISIBLE_DEVICES" > gpu.txt\n' + ECHO_SH)
+    assert run_gpu(cpu) == ""  # a CPU model sees no GPU, as before
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert load_error(on(tmp_path / "none", "cuda:0", root)) == (
+        "model 'cuda_0': device cuda:0 (nereid.yaml: models[0]): the server's CUDA_VISIBLE_DEVICES='' lists no GPU; "
+        "set device: cpu")
+
+
+def test_a_gpu_the_machine_does_not_have_makes_the_model_unavailable(tmp_path, monkeypatch) -> None:
+    """Defect: python/cpp models on cuda:N loaded READY (ModelConfig then said KIND_GPU gpus [N]) on a machine
+    without that GPU, or without any; Triton refuses an invalid GPU id at load."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    two = machine(tmp_path / "two", gpus=2)
+    cuda1 = on(tmp_path / "a", "cuda:1", two)
+    cuda1.load()
+    assert run_gpu(cuda1) == "1"
+    assert load_error(on(tmp_path / "b", "cuda:2", two)) == (
+        f"model 'cuda_2': device cuda:2 (nereid.yaml: models[0]): the NVIDIA driver's {two}/proc/driver/nvidia/gpus "
+        "lists 2 GPU(s), cuda:0 to cuda:1; use one of them or set device: cpu")
+    bare = machine(tmp_path / "bare")
+    assert load_error(on(tmp_path / "c", "cuda:0", bare)) == (
+        "model 'cuda_0': device cuda:0 (nereid.yaml: models[0]): no NVIDIA GPU driver on this machine "
+        f"({bare}/proc/driver/nvidia/gpus is missing); set device: cpu")
+    wsl = on(tmp_path / "d", "cuda:3", machine(tmp_path / "wsl", wsl=True))
+    wsl.load()  # WSL lists its GPUs nowhere: accepted, as before
+    assert run_gpu(wsl) == "3"

@@ -1,0 +1,143 @@
+"""resolve_device when jax's CUDA plugin is there: failing to start (a driver mismatch), left out by JAX_PLATFORMS,
+or working. Each case is a fresh interpreter (jax starts its backends once per process) that registers a real
+"cuda" backend factory through jax.extend, as jax's CUDA plugin registers its own, then loads models in order."""
+
+from __future__ import annotations
+
+import json
+import os
+import pkgutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+DRIVER_MISMATCH = ("FAILED_PRECONDITION: No visible GPU devices: CUDA_ERROR_SYSTEM_DRIVER_MISMATCH: system has "
+                   "unsupported display driver / cuda driver combination")
+
+# argv[1]: "fail" (the CUDA client cannot start) or "two" (a 2-device client; jax's CPU client stands in for it);
+# argv[2]: the models to resolve, in load order, as JSON [[name, device], ...]. Prints what each got, as JSON.
+LOAD_IN_ORDER = """
+import json, sys
+from jax._src import hardware_utils
+from jax.extend import backend as jax_backend
+from nereid.backends.xla.device import resolve_device
+from nereid.settings import Device
+
+# jax starts "cuda" only where an NVIDIA device node exists (/dev/nvidia*): make this machine look like one.
+hardware_utils.has_visible_nvidia_gpu = lambda: True
+mode, models = sys.argv[1], json.loads(sys.argv[2])
+started = []
+
+def cuda_client():
+    started.append("cuda")
+    if mode == "fail":
+        raise RuntimeError(%r)
+    from jaxlib import xla_client
+    return xla_client.make_cpu_client(num_devices=2)
+
+# As jax_plugins.xla_cuda12 registers the real one (xla_bridge.register_plugin).
+jax_backend.register_backend_factory("cuda", cuda_client, priority=500, fail_quietly=False)
+results = []
+for name, device in models:
+    try:
+        target = resolve_device(Device.parse(device), name, "nereid.yaml: models[0]")
+        results.append([name, f"OK {target.platform}:{target.device.id}"])
+    except Exception as err:
+        results.append([name, f"{type(err).__name__}: {err}"])
+print(json.dumps({"results": results, "cuda_started": len(started)}))
+""" % DRIVER_MISMATCH
+
+# name: (mode, JAX_PLATFORMS or None, models in load order)
+CASES = {
+    "cpu_first": ("fail", None, [["a", "cpu"], ["g", "cuda:0"], ["b", "cpu"], ["h", "cuda:1"]]),
+    "cuda_first": ("fail", None, [["g", "cuda:0"], ["a", "cpu"]]),
+    "jax_platforms_cpu": ("fail", "cpu", [["g", "cuda:0"], ["a", "cpu"]]),
+    "two_gpus": ("two", None, [["a", "cpu"], ["g", "cuda:1"], ["h", "cuda:2"]]),
+    "cuda_listed_first": ("fail", "cuda,cpu", [["a", "cpu"]]),  # the start stops before cpu: nothing starts
+}
+
+
+def _real_cuda_plugin_installed() -> bool:
+    try:
+        import jax_plugins
+    except ImportError:
+        return False
+    return any("cuda" in module.name for module in pkgutil.iter_modules(jax_plugins.__path__))
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory) -> dict[str, dict]:
+    """Every case's results, its interpreters run side by side (each spends most of its time importing jax)."""
+    if _real_cuda_plugin_installed():
+        pytest.skip("jax's own CUDA plugin is installed: its registration would replace the test's factory")
+    folder: Path = tmp_path_factory.mktemp("device")
+    running = {}
+    for case, (mode, platforms, models) in CASES.items():
+        env = {key: value for key, value in os.environ.items() if key != "JAX_PLATFORMS"}
+        if platforms is not None:
+            env["JAX_PLATFORMS"] = platforms
+        running[case] = subprocess.Popen([sys.executable, "-c", LOAD_IN_ORDER, mode, json.dumps(models)], cwd=folder,
+                                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    found = {}
+    for case, process in running.items():
+        out, err = process.communicate(timeout=60)
+        assert process.returncode == 0, f"{case}: {err}"
+        found[case] = json.loads(out.splitlines()[-1])
+    return found
+
+
+def results(outcomes: dict[str, dict], case: str) -> dict[str, str]:
+    return dict(outcomes[case]["results"])
+
+
+def assert_cuda_error_is_the_plugins(reason: str, name: str, device: str) -> None:
+    assert reason.startswith(f"ConfigError: model '{name}': device {device} (nereid.yaml: models[0]): jax has no "
+                             "CUDA GPU backend here: Unable to initialize backend 'cuda': "), reason
+    assert DRIVER_MISMATCH in reason, reason
+    # Not the alias lookup that ran after the failure, nor advice to install what is installed.
+    assert "Unknown backend" not in reason and "pip install" not in reason, reason
+
+
+def test_a_cpu_model_loads_whatever_the_cuda_plugin_does(outcomes) -> None:
+    """Defect: the first model to load got the CUDA plugin's RuntimeError, a cpu model too (without its
+    model 'NAME': prefix); later ones loaded."""
+    got = results(outcomes, "cpu_first")
+    assert got["a"] == got["b"] == "OK cpu:0"
+    assert results(outcomes, "cuda_first")["a"] == "OK cpu:0"
+
+
+def test_a_cuda_model_says_why_the_cuda_plugin_did_not_start_whenever_it_loads(outcomes) -> None:
+    """Defect: a cuda model loaded after the failed start was told "Unknown backend: 'gpu' requested" and to
+    install jax[cuda12]; one loaded first got the "gpu" alias lookup's error too (the last of its attempts)."""
+    got = results(outcomes, "cpu_first")
+    assert_cuda_error_is_the_plugins(got["g"], "g", "cuda:0")
+    assert_cuda_error_is_the_plugins(got["h"], "h", "cuda:1")
+    assert_cuda_error_is_the_plugins(results(outcomes, "cuda_first")["g"], "g", "cuda:0")
+    assert outcomes["cpu_first"]["cuda_started"] == 1  # started once, for the whole process
+
+
+def test_a_cpu_model_that_cannot_load_either_says_which_model_and_why(outcomes) -> None:
+    """The CUDA plugin's RuntimeError reached the model's reason as it was, without "model 'NAME': device ..."."""
+    reason = results(outcomes, "cuda_listed_first")["a"]
+    assert reason.startswith("ConfigError: model 'a': device cpu (nereid.yaml: models[0]): jax could not start any "
+                             "backend: Unable to initialize backend 'cuda': "), reason
+    assert DRIVER_MISMATCH in reason, reason
+
+
+def test_jax_platforms_leaving_cuda_out_is_named(outcomes) -> None:
+    got = results(outcomes, "jax_platforms_cpu")
+    assert got["g"] == ("ConfigError: model 'g': device cuda:0 (nereid.yaml: models[0]): jax has no CUDA GPU "
+                        "backend here: JAX_PLATFORMS='cpu' in the server's environment leaves it out (jax starts "
+                        "only the platforms listed there); add cuda to it or unset it, or set device: cpu")
+    assert got["a"] == "OK cpu:0"
+    assert outcomes["jax_platforms_cpu"]["cuda_started"] == 0
+
+
+def test_cuda_index_picks_the_local_device_and_one_past_them_is_refused(outcomes) -> None:
+    got = results(outcomes, "two_gpus")
+    assert got["a"] == "OK cpu:0"
+    assert got["g"] == "OK cpu:1"  # (the stand-in client's platform is cpu; its device 1 is cuda:1)
+    assert got["h"] == ("ConfigError: model 'h': device cuda:2 (nereid.yaml: models[0]): jax sees 2 GPU(s): "
+                        "cuda:0 (cpu), cuda:1 (cpu)")
