@@ -9,7 +9,8 @@ from pathlib import Path
 
 from nereid.backend import BackendClaim
 from nereid.backends.cpp.compiler import build_binary
-from nereid.backends.subprocess.model import SubprocessModel
+from nereid.backends.subprocess.model import SubprocessModel, make_private_folder
+from nereid.errors import ModelFailure
 from nereid.hookspecs import hookimpl
 
 BACKEND_NAME = "cpp"
@@ -23,24 +24,34 @@ class CppModel(SubprocessModel):
     backend_name = BACKEND_NAME  # no runtime options: SubprocessModel.check_options refuses every key
     entry_file = SOURCE_FILE
     _binary: Path | None = None
+    _built: Path | None = None
 
     def prepare(self) -> None:
-        built = build_binary(self.context.folder, SOURCE_FILE, self.context.scratch_dir, self.context.name)
+        self._built = build_binary(self.context.folder, SOURCE_FILE, self.context.scratch_dir, self.context.name)
         # Runs use this version's own link to the binary: the next version's build removes stale
         # binaries from .cache/ while this one still serves, and the folder may be renamed or
         # deleted while requests are queued.
         run_dir = Path(tempfile.mkdtemp(prefix="cpp-", dir=self.context.scratch_dir))
-        self._binary = run_dir / built.name
-        try:
-            os.link(built, self._binary)
-        except OSError:  # another file system, or no hard links there
-            shutil.copy2(built, self._binary)
+        self._binary = run_dir / self._built.name
+        _link_or_copy(self._built, self._binary)
 
     def prepare_relocated(self) -> None:
         """Nothing to find again: the binary is this version's own link, outside the folder."""
 
     def command(self) -> list[str]:
-        assert self._binary is not None, "load() first"
+        assert self._binary is not None and self._built is not None, "load() first"
+        if not self._binary.exists():
+            # The server's scratch folder was removed under it (a /tmp cleaner): link this version's binary
+            # again from .cache/, where a build's name is its sources' hash, so the same name is the same build.
+            make_private_folder(self._binary.parent)
+            try:
+                _link_or_copy(self._built, self._binary)
+            except FileExistsError:  # (a concurrent run linked it first)
+                pass
+            except OSError as err:
+                raise ModelFailure(f"model '{self.context.name}': its binary was removed with the server's scratch "
+                                   f"folder, and {self._built.name} is no longer in .cache/ to link again "
+                                   f"({err.strerror or err}); reload the model") from None
         return [str(self._binary)]
 
     def unload(self) -> None:
@@ -48,6 +59,15 @@ class CppModel(SubprocessModel):
         if self._binary is not None:
             shutil.rmtree(self._binary.parent, ignore_errors=True)
         super().unload()
+
+
+def _link_or_copy(built: Path, binary: Path) -> None:
+    try:
+        os.link(built, binary)
+    except FileExistsError:
+        raise
+    except OSError:  # another file system, or no hard links there
+        shutil.copy2(built, binary)
 
 
 @hookimpl

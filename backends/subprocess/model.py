@@ -104,6 +104,20 @@ def visible_gpus(environ: Mapping[str, str], proc_root: Path = Path("/proc"),
     return VisibleGpus(0, None, f"no NVIDIA GPU driver on this machine ({gpus} is missing)")
 
 
+def make_private_folder(folder: Path) -> None:
+    """Make ``folder`` (mode 0700), and the folders above it that are missing, each 0700.
+
+    A run's folder is in the server's scratch folder, which a /tmp cleaner
+    (systemd-tmpfiles' age rule, an operator's ``rm``) may have removed while the
+    server runs: made again, runs go on rather than all failing from then on.
+    """
+    try:
+        folder.mkdir(mode=0o700)
+    except FileNotFoundError:
+        make_private_folder(folder.parent)
+        folder.mkdir(mode=0o700, exist_ok=True)  # (a concurrent run may have made it meanwhile)
+
+
 class SubprocessModel:
     """Shared machinery of the python and cpp backends; subclasses say what to run."""
 
@@ -156,7 +170,7 @@ class SubprocessModel:
         signature = self.signature()
         batch = inputs[0].shape[0] if inputs and signature.batches else 1
         work_dir = self.context.scratch_dir / f"run-{uuid.uuid4().hex}"
-        work_dir.mkdir()
+        make_private_folder(work_dir)
         try:
             output_path = work_dir / "output"
             env = self._environment(inputs, output_path, work_dir)

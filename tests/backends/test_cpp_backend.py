@@ -109,6 +109,14 @@ def test_a_run_that_finds_its_folder_gone_still_runs(repo, serve, change):
     assert infer(server, "moving", ROWS).as_numpy("output").tolist() == (ROWS * 2).tolist()
 
 
+def test_runs_go_on_after_the_scratch_folder_was_removed(repo, serve):
+    # (a /tmp cleaner's doing, say: every run failed for good, see the python backend's test)
+    copy_example(repo, "cpp_scale", "scale")
+    server = serve(repo.write_config())
+    shutil.rmtree(server.server.scratch_dir)
+    assert infer(server, "scale", ROWS).as_numpy("output").tolist() == (ROWS * 2).tolist()
+
+
 def test_editing_an_included_header_rebuilds(repo, serve):
     folder = repo.add("scale_h", (EXAMPLES / "cpp_scale" / "model_inference.textproto").read_text(),
                       main_cpp=SCALE_WITH_HEADER)

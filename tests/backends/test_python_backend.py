@@ -197,6 +197,19 @@ def test_stdin_is_raw_bytes_and_echo_round_trips_every_dtype(repo, serve):
         assert output.datatype == datatype
 
 
+def test_runs_go_on_after_the_scratch_folder_was_removed(repo, serve, start_mode):
+    """Defect: a /tmp cleaner (or another server's) removing the server's scratch folder made every run of every
+    python and cpp model fail (FileNotFoundError for its run folder) until the server restarted, while it still
+    said it was ready."""
+    repo.python("echo")
+    server = serve(repo.write_config())
+    array = np.arange(4, dtype=np.float32).reshape(1, 4)
+    assert infer(server, "echo", array, "FP32").as_numpy("output").tolist() == array.tolist()
+    shutil.rmtree(server.server.scratch_dir)
+    assert infer(server, "echo", array, "FP32").as_numpy("output").tolist() == array.tolist()
+    assert server.server.scratch_dir.stat().st_mode & 0o777 == 0o700  # made again, private
+
+
 def test_batched_and_unbatched_requests(repo, serve):
     repo.python("echo")
     server = serve(repo.write_config())
