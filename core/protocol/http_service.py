@@ -13,6 +13,7 @@ import contextlib
 import inspect
 import json
 import logging
+import resource
 import socket
 import ssl
 import time
@@ -25,12 +26,19 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from nereid.dataplane import DataPlane, cancellation_reason, past_grace_message
 from nereid.errors import (ConfigError, DeadlineExceeded, InvalidArgument, ModelFailure, NereidError, NotFound,
                            PermissionDenied, QueueFull, Unavailable, Unimplemented, cap_message)
-from nereid.log_limit import RateLimitFilter
+from nereid.log_limit import RateLimitedLog, RateLimitFilter
 from nereid.model_info import MODEL_VERSION, ModelConfig
 from nereid.protocol.http_codec import HEADER_LENGTH, decode_infer, encode_infer, quoted
 from nereid.stats import ModelStats
 
 log = logging.getLogger(__name__)
+# What any client can make happen at will (a head too large or too slow, a request asking to switch protocols, a
+# disconnect mid-upload, a silent connection) is logged through this: at most 10 lines per 10 s, then a count of
+# those suppressed, as gRPC's client errors are, so one client cannot fill the disk (1,000 requests wrote 1,000 lines).
+_client_log = RateLimitedLog(log)
+# Connections refused past the connection cap: an operator must hear of it, but a flood of connections would
+# otherwise write one WARNING each.
+_capacity_log = RateLimitedLog(log, burst=5, window_s=60.0)
 
 STATUS_OF_ERROR: dict[type[NereidError], int] = {
     InvalidArgument: 400,
@@ -54,6 +62,10 @@ DECODE_OFF_LOOP_BYTES = 256 << 10
 # bound theirs: httptools buffers a header value whole until it ends, so an endless header grew memory
 # without limit (max_message_bytes bounds bodies only).
 MAX_HEAD_BYTES = 64 << 10
+# At most this many HTTP connections are open at once (fewer when the open-file limit is low, see
+# connection_cap): a client that opened connections without end took every file descriptor of the process
+# (20,400 of them), and then nothing else could open a connection, a model file or a child's pipe.
+MAX_CONNECTIONS = 4096
 # Responses up to this size are joined into one write (a copy costs less than a second write).
 JOIN_BELOW_BYTES = 64 << 10
 # curl -d sends application/x-www-form-urlencoded unless told otherwise: accepted as JSON, as Triton does.
@@ -66,6 +78,15 @@ JSON_HEADERS = [(b"content-type", b"application/json")]
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict]]
 Send = Callable[[dict], Awaitable[None]]
+
+
+def connection_cap(most: int = MAX_CONNECTIONS) -> int:
+    """How many HTTP connections may be open at once: ``most``, or half the soft open-file limit when that is
+    lower, so the other half is left to gRPC, model files and children's pipes."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return most
+    return max(1, min(most, soft // 2))
 
 
 def status_of(error: NereidError) -> int:
@@ -108,7 +129,8 @@ class HttpSurface:
         try:
             status, body, headers = await self._route(scope, receive)
         except Disconnected as gone:
-            log.info("HTTP %s %s: the client disconnected %s", scope["method"], cap_message(scope["path"], 256), gone)
+            _client_log.log(logging.INFO, "HTTP %s %s: the client disconnected %s", scope["method"],
+                            cap_message(scope["path"], 256), gone)
             return
         except HttpError as err:
             status, body, headers = err.status, _error_body(str(err)), [*JSON_HEADERS, *err.headers]
@@ -630,17 +652,21 @@ class _EmbeddedServer(uvicorn.Server):
 
 
 class _BoundedHeadProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol, bounding request heads and cancelling requests whose client left.
+    """uvicorn's httptools protocol, bounding connections, request heads, and cancelling requests whose client left.
 
     A request whose head passes :data:`MAX_HEAD_BYTES` is answered 431. A
-    request whose connection is lost before its answer has its handler
-    cancelled (see :func:`_unless_disconnected`): a client that only shuts down
-    its sending side looks the same (TCP tells the two apart only when an
-    answer is written), so it is taken as gone too. A connection that sends
-    nothing for :attr:`request_idle_timeout_s` while a request of it is
-    incomplete (or before its first) is closed, so silent connections cannot
-    pile up. A request asking to switch protocols (``Upgrade: h2c``) is
-    answered, then its connection closed unread.
+    request whose head has not all arrived :attr:`request_head_timeout_s` after
+    its first byte (after the connection's start, for its first request) is
+    answered 408 and its connection closed, however slowly the head trickles in.
+    A connection that sends nothing for :attr:`request_idle_timeout_s` while a
+    request of it is incomplete (or before its first) is closed, so silent or
+    slow connections cannot pile up. A connection past :attr:`max_connections`
+    open at once is answered 503 at once and closed. A request whose connection
+    is lost before its answer has its handler cancelled (see
+    :func:`_unless_disconnected`): a client that only shuts down its sending side
+    looks the same (TCP tells the two apart only when an answer is written), so
+    it is taken as gone too. A request asking to switch protocols
+    (``Upgrade: h2c``) is answered, then its connection closed unread.
 
     Head bytes are counted as they arrive, not in the parser's callbacks: httptools
     reports a header only once its value has ended, and buffers it until then.
@@ -649,54 +675,105 @@ class _BoundedHeadProtocol(HttpToolsProtocol):
     a head can pass the bound by at most one read.
     """
 
-    # As nginx's client_header_timeout and client_body_timeout: the longest a client may stay silent in the
-    # middle of a request (or before its first one).
+    # As nginx's client_header_timeout: the longest a request's line and headers may take to arrive in all. A
+    # timeout between reads alone let a client that sends a byte every 30 s hold a connection for ever.
+    request_head_timeout_s = 60.0
+    # As nginx's client_body_timeout: the longest a client may stay silent in the middle of a request (its body
+    # is bounded by this only: a large upload may take long) or before its first one.
     request_idle_timeout_s = 60.0
+    # The most connections open at once; None: connection_cap(), read as each connection opens. uvicorn's own
+    # limit_concurrency is no such cap: it refuses a request only once its head is complete (a connection that
+    # never completes one is never refused), and refuses every request while that many connections are open.
+    max_connections: int | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._head_left: int | None = MAX_HEAD_BYTES  # what the current head may still take; None in a body
         self._last_read = 0.0
+        # When the current head's time started (its first byte, or the connection's start for the first
+        # request); None once it is complete, until the next one's first byte.
+        self._head_since: float | None = None
+        self._head_begun = False  # whether any byte of the current head has arrived
         self._idle_check: asyncio.TimerHandle | None = None
-        self._upgrade_refused = False
+        self._unread = False  # nothing more is read: refused over capacity, or asked to switch protocols
         # The requests of this connection not answered yet: the one being answered and any pipelined behind
         # it (uvicorn's ``cycle`` is only the newest, so a lost connection would reach only that one).
         self._unanswered: list[Any] = []
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._last_read = self.loop.time()
-        self._idle_check = self.loop.call_later(self.request_idle_timeout_s, self._check_idle)
+        self._last_read = self._head_since = self.loop.time()
+        most = self.max_connections if self.max_connections is not None else connection_cap()
+        if len(self.connections) > most:  # (this connection is counted already)
+            self._refuse_connection(most)
+            return
+        self._idle_check = self.loop.call_later(min(self.request_idle_timeout_s, self.request_head_timeout_s),
+                                                self._check_idle)
+
+    def _refuse_connection(self, most: int) -> None:
+        """Answer 503 and close, unread: more connections are open than :attr:`max_connections`."""
+        self._unread = True
+        # Counted no more from now: in a flood, the refused ones waiting for their close would crowd out others.
+        self.connections.discard(self)
+        _capacity_log.warning("HTTP connection from %s refused with 503: %d connections are open, the most served "
+                              "at once (%d, or half the open-file limit when that is lower)", self.client, most,
+                              MAX_CONNECTIONS)
+        body = orjson.dumps({"error": f"the server has {most} HTTP connections open, the most it serves at once; "
+                                      "try again later"})
+        self.transport.write(b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+                             b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+        self.transport.close()
 
     def _check_idle(self) -> None:
-        """Close the connection if its client has been silent too long while it owes the rest of a request."""
+        """Close the connection if its client has been silent too long while it owes the rest of a request, or
+        has taken too long over a request's head."""
         self._idle_check = None
         if self.transport.is_closing():
             return
+        idle_s, head_s = self.request_idle_timeout_s, self.request_head_timeout_s
+        now = self.loop.time()
         cycle = self.cycle
-        answering = cycle is not None and not cycle.more_body and not cycle.response_complete
-        silent = self.loop.time() - self._last_read
-        if not answering and silent >= self.request_idle_timeout_s:
-            log.info("HTTP connection from %s closed: it sent no complete request for %.0f s", self.client, silent)
-            self.transport.close()
-            return
-        # (Answering, or heard from lately: look again when it could next have been silent long enough.)
-        wait = self.request_idle_timeout_s - (0.0 if answering else silent)
+        if cycle is not None and not cycle.more_body and not cycle.response_complete:
+            wait = min(idle_s, head_s)  # answering: the client waits for the server, not the other way round
+        else:
+            head_age = None if self._head_since is None else now - self._head_since
+            if head_age is not None and head_age >= head_s and self._head_begun:
+                self._refuse_slow_head()
+                return
+            silent = now - self._last_read
+            if silent >= idle_s or (head_age is not None and head_age >= head_s):
+                _client_log.log(logging.INFO, "HTTP connection from %s closed: it sent no complete request for "
+                                              "%.0f s", self.client, silent)
+                self.transport.close()
+                return
+            # Heard from lately: look again when it could next have been silent, or at its head, too long.
+            wait = idle_s - silent if head_age is None else min(idle_s - silent, head_s - head_age)
         self._idle_check = self.loop.call_later(max(wait, 0.01), self._check_idle)
+
+    def _refuse_slow_head(self) -> None:
+        """Answer 408 and close (only close when an earlier pipelined answer is still being written)."""
+        limit_s = self.request_head_timeout_s
+        _client_log.log(logging.INFO, "HTTP request from %s refused with 408: its request line and headers did not "
+                                      "all arrive within %g s", self.client, limit_s)
+        if self.cycle is None or self.cycle.response_complete:
+            body = orjson.dumps({"error": f"the request line and headers did not all arrive within {limit_s:g} s"})
+            self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+                                 b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+        self.transport.close()
 
     def _unsupported_upgrade_warning(self) -> None:
         # llhttp stops at the head of a request asking to switch protocols, and takes what follows for the new
         # protocol: read on, its body (or the next request) would be taken for a request of its own, which a
         # proxy forwarding Upgrade turns into answers for the wrong clients. The request is answered (the app
         # refuses one with a body, unread), then the connection is closed without reading any more.
-        self._upgrade_refused = True
+        self._unread = True
         if self.cycle is not None:
             self.cycle.keep_alive = False
-        log.info("HTTP request from %s asks to switch protocols, which this server does not do: it is answered "
-                 "and its connection closed", self.client)
+        _client_log.log(logging.INFO, "HTTP request from %s asks to switch protocols, which this server does not "
+                                      "do: it is answered and its connection closed", self.client)
 
     def data_received(self, data: bytes) -> None:
-        if self._upgrade_refused:
+        if self._unread:
             return
         self._last_read = self.loop.time()
         while self._head_left is not None and len(data) > self._head_left:
@@ -715,8 +792,17 @@ class _BoundedHeadProtocol(HttpToolsProtocol):
             self._head_left -= len(data)
         super().data_received(data)
 
+    def on_message_begin(self) -> None:
+        # The parser calls this at a head's first byte: a later request's head is timed from there (the
+        # keep-alive timeout bounds the wait before it), the first request's from the connection's start.
+        super().on_message_begin()
+        self._head_begun = True
+        if self._head_since is None:
+            self._head_since = self.loop.time()
+
     def on_headers_complete(self) -> None:
-        self._head_left = None
+        self._head_left = self._head_since = None
+        self._head_begun = False
         super().on_headers_complete()
         if self.cycle is not None and all(cycle is not self.cycle for cycle in self._unanswered):
             self._unanswered = [cycle for cycle in self._unanswered if not cycle.response_complete]
@@ -746,8 +832,8 @@ class _BoundedHeadProtocol(HttpToolsProtocol):
 
     def _refuse_head(self) -> None:
         """Answer 431 and close; only close when an earlier pipelined answer is still being written."""
-        log.info("HTTP request from %s refused: its request line and headers pass %d bytes", self.client,
-                 MAX_HEAD_BYTES)
+        _client_log.log(logging.INFO, "HTTP request from %s refused with 431: its request line and headers pass %d "
+                                      "bytes", self.client, MAX_HEAD_BYTES)
         if self.cycle is None or self.cycle.response_complete:
             body = orjson.dumps({"error": f"the request line and headers exceed {MAX_HEAD_BYTES} bytes"})
             self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\n"

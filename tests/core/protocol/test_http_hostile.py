@@ -1,0 +1,234 @@
+"""What a hostile HTTP client can do to the REST listener, over real sockets on the loopback.
+
+Each test reproduces a defect a security review found: a client trickling its
+request heads held connections (and file descriptors) for ever, and each
+hostile request wrote a log line of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import resource
+import select
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Iterator
+
+import pytest
+
+# Short enough for a quick test, long enough that a loaded machine does not trip it by accident.
+HEAD_TIMEOUT_S = 0.6
+IDLE_TIMEOUT_S = 0.35
+TRICKLE_S = 0.1  # between the bytes of a trickled head: well within the idle timeout
+
+
+async def _answer_with_body_size(scope: dict, receive: Any, send: Any) -> None:
+    """An ASGI app that reads the whole body and answers 200 with its size."""
+    if scope["type"] != "http":
+        return
+    size, more = 0, True
+    while more:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+        size += len(message.get("body", b""))
+        more = message.get("more_body", False)
+    body = str(size).encode()
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+@pytest.fixture
+def listener(monkeypatch) -> Iterator[int]:
+    """A real HttpListener (nereid's uvicorn protocol) on a background loop, with short timeouts; its port."""
+    from nereid.protocol.http_service import HttpListener, _BoundedHeadProtocol
+
+    # raising=False: on a protocol without a head timeout, the test fails on what it checks, not here.
+    monkeypatch.setattr(_BoundedHeadProtocol, "request_head_timeout_s", HEAD_TIMEOUT_S, raising=False)
+    monkeypatch.setattr(_BoundedHeadProtocol, "request_idle_timeout_s", IDLE_TIMEOUT_S)
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    http = HttpListener(_answer_with_body_size, grace_s=1)
+    try:
+        yield asyncio.run_coroutine_threadsafe(http.start("127.0.0.1:0"), loop).result(10)
+    finally:
+        asyncio.run_coroutine_threadsafe(http.stop(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+
+
+def _closed(connection: socket.socket) -> bool:
+    """Whether the server has answered or closed its side, without waiting (what it sent stays readable)."""
+    if not select.select([connection], [], [], 0)[0]:
+        return False
+    try:  # (a socket with a timeout polls before recv, whatever the flags: hence select first)
+        return connection.recv(1, socket.MSG_PEEK) in (b"", b"H")
+    except OSError:
+        return True
+
+
+def _read_all(connection: socket.socket, wait_s: float = 5.0) -> bytes:
+    connection.settimeout(wait_s)
+    received = b""
+    try:
+        while chunk := connection.recv(65536):
+            received += chunk
+    except (TimeoutError, ConnectionResetError):
+        pass
+    return received
+
+
+def _read_response(connection: socket.socket) -> bytes:
+    """One answer of this test's app (its body is a number, and the only digits after its head)."""
+    received = b""
+    while not (b"\r\n\r\n" in received and received.split(b"\r\n\r\n", 1)[1]):
+        received += connection.recv(65536)
+    return received
+
+
+def _trickle(connection: socket.socket, head: bytes, give_up_s: float = 2.0) -> tuple[float, bytes]:
+    """Send ``head`` a byte at a time, TRICKLE_S apart, until the server closes the connection (or ``give_up_s``
+    passes, or the head is all sent); (seconds from the first byte, all the server answered)."""
+    started = time.monotonic()
+    for byte in head:
+        if _closed(connection) or time.monotonic() - started > give_up_s:
+            break
+        try:
+            connection.sendall(bytes([byte]))
+        except OSError:
+            break
+        time.sleep(TRICKLE_S)
+    return time.monotonic() - started, _read_all(connection, wait_s=0.5)
+
+
+SLOW_HEAD = b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 200
+
+
+def test_a_request_head_trickled_past_the_head_timeout_is_408_and_its_connection_closed(listener):
+    """A header byte every 30 s kept a connection open for ever (the only timeout was between reads): 20,400 such
+    connections took every file descriptor and other clients' requests timed out."""
+
+    def first_request() -> tuple[float, bytes]:
+        with socket.create_connection(("127.0.0.1", listener), timeout=5) as connection:
+            return _trickle(connection, SLOW_HEAD)
+
+    def kept_alive_request() -> tuple[float, bytes]:
+        """A kept-alive connection's later request head is timed from its own first byte, not the connection's."""
+        with socket.create_connection(("127.0.0.1", listener), timeout=5) as connection:
+            for _ in range(3):  # half the head timeout in all, each pause within the idle timeout
+                connection.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+                assert _read_response(connection).startswith(b"HTTP/1.1 200 ")
+                time.sleep(HEAD_TIMEOUT_S / 6)
+            return _trickle(connection, SLOW_HEAD)
+
+    def slow_but_in_time() -> bytes:
+        """A head that ends within the timeout, then a body that takes longer than it, read by read."""
+        head = b"POST /v2/x HTTP/1.1\r\nHost: x\r\nContent-Length: 7\r\nConnection: close\r\n\r\n"
+        with socket.create_connection(("127.0.0.1", listener), timeout=5) as connection:
+            for part in (head[:20], head[20:40], head[40:]):
+                connection.sendall(part)
+                time.sleep(TRICKLE_S)
+            for _ in range(7):  # 0.7 s: past the head timeout, never silent for the idle one
+                connection.sendall(b"b")
+                time.sleep(TRICKLE_S)
+            return _read_all(connection)
+
+    with ThreadPoolExecutor(3) as pool:  # side by side: the test takes as long as the longest
+        first, kept_alive, in_time = (pool.submit(first_request), pool.submit(kept_alive_request),
+                                      pool.submit(slow_but_in_time))
+        for seconds, answer in (first.result(), kept_alive.result()):
+            assert answer.startswith(b"HTTP/1.1 408 Request Timeout\r\n"), (seconds, answer)
+            assert answer.endswith(b'{"error":"the request line and headers did not all arrive within 0.6 s"}')
+            assert HEAD_TIMEOUT_S <= seconds < HEAD_TIMEOUT_S + 0.5, seconds  # (timed from just before its first byte)
+        assert in_time.result() == (b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\nconnection: close\r\n\r\n7")
+
+
+def test_connections_past_the_cap_are_answered_503_and_closed_and_the_others_served(listener, monkeypatch, caplog):
+    """Nothing bounded the connections open at once, so one client could take every file descriptor."""
+    from nereid.protocol import http_service
+
+    from nereid.log_limit import RateLimitedLog
+
+    monkeypatch.setattr(http_service._BoundedHeadProtocol, "max_connections", 3, raising=False)
+    monkeypatch.setattr(http_service, "_capacity_log", RateLimitedLog(http_service.log), raising=False)  # unspent
+    caplog.set_level(logging.WARNING, logger=http_service.__name__)
+    held = [socket.create_connection(("127.0.0.1", listener), timeout=5) for _ in range(3)]
+    try:
+        with socket.create_connection(("127.0.0.1", listener), timeout=5) as over:
+            over.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+            answer = _read_all(over)
+        assert answer.startswith(b"HTTP/1.1 503 Service Unavailable\r\n"), answer
+        assert answer.endswith(b'{"error":"the server has 3 HTTP connections open, the most it serves at once; '
+                               b'try again later"}')
+        [warning] = [r.getMessage() for r in caplog.records if r.name == http_service.__name__]
+        assert "refused with 503: 3 connections are open, the most served at once" in warning
+        # The connections within the cap are served as ever.
+        held[0].sendall(b"POST /v2/x HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\nConnection: close\r\n\r\nabc")
+        assert _read_all(held[0]).startswith(b"HTTP/1.1 200 ")
+    finally:
+        for connection in held:
+            connection.close()
+    # Once the server has seen them closed, new connections are served again.
+    deadline, answer = time.monotonic() + 5, b""
+    while not answer.startswith(b"HTTP/1.1 200 ") and time.monotonic() < deadline:
+        time.sleep(0.02)
+        with socket.create_connection(("127.0.0.1", listener), timeout=5) as again:
+            again.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            answer = _read_all(again)
+    assert answer.startswith(b"HTTP/1.1 200 "), answer
+
+
+def test_the_connection_cap_is_half_a_low_open_file_limit() -> None:
+    from nereid.protocol.http_service import MAX_CONNECTIONS, connection_cap
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1000, hard))
+        assert connection_cap() == 500
+        if hard == resource.RLIM_INFINITY or hard >= 4 * MAX_CONNECTIONS:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (4 * MAX_CONNECTIONS, hard))
+            assert connection_cap() == MAX_CONNECTIONS == 4096
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_hostile_requests_write_at_most_the_log_limits_lines(repo, serve, monkeypatch, caplog):
+    """Each head over 64 KiB, Upgrade: h2c request and disconnect mid-upload wrote an INFO line: 1,000 requests,
+    1,000 lines (800 a second from one client)."""
+    from nereid.log_limit import RateLimitedLog
+    from nereid.protocol import http_service
+
+    budget = inspect.signature(RateLimitedLog).parameters["burst"].default
+    monkeypatch.setattr(http_service, "_client_log", RateLimitedLog(http_service.log), raising=False)  # unspent
+    repo.python("echo")
+    port = serve(repo.write_config()).server.http_port
+    caplog.set_level(logging.INFO, logger=http_service.__name__)
+    hostile = [
+        b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nX-A: " + b"a" * 70_000 + b"\r\n\r\n",
+        b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\n"
+        b"HTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\n\r\n",
+        b"POST /v2/models/echo/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{\"inp",
+    ]
+    for index in range(100):
+        payload = hostile[index % len(hostile)]
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as connection:
+            try:
+                connection.sendall(payload)
+                if payload.startswith(b"POST"):
+                    time.sleep(0.005)  # the server reads the head and waits for the body: then it is gone
+                else:
+                    _read_all(connection)
+            except OSError:  # (431: closed while the head was still being sent)
+                pass
+    time.sleep(0.3)  # the server sees the last ones gone
+    kinds = ("request line and headers pass", "asks to switch protocols", "the client disconnected")
+    lines = [r.getMessage() for r in caplog.records if any(kind in r.getMessage() for kind in kinds)]
+    assert 0 < len(lines) <= budget, lines
+    assert {kind for kind in kinds for line in lines if kind in line} == set(kinds)  # each kind is still heard of
