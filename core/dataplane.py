@@ -16,7 +16,7 @@ from typing import Awaitable, Callable, Iterable, NoReturn, TypeVar
 from nereid import __version__
 from nereid.classification import check_classifiable, classify
 from nereid.errors import (DeadlineExceeded, InvalidArgument, ModelFailure, ModelRetired, NereidError, NotFound,
-                           PermissionDenied, Unavailable, Unimplemented, cap_message)
+                           PermissionDenied, PublicText, Unavailable, Unimplemented, shown_name)
 from nereid.model_info import (MODEL_VERSION, IndexEntry, ModelConfig, ModelMetadata, describe_config,
                                describe_metadata)
 from nereid.repository import LoadedModel, ModelRepository, ModelState
@@ -48,10 +48,11 @@ def _as_is(response: InferResponse) -> InferResponse:
     return response
 
 
-def past_grace_message(model: str) -> str:
-    """The answer of a request still running when ``shutdown_grace_s`` has passed, over either protocol."""
-    return (f"model '{model}': the server is shutting down, and shutdown_grace_s passed before the request "
-            "finished; its answer is lost")
+def past_grace_message(model: str) -> PublicText:
+    """The answer of a request still running when ``shutdown_grace_s`` has passed, over either protocol (the
+    model's name as the client sent it)."""
+    return PublicText(f"model '{model}': the server is shutting down, and shutdown_grace_s passed before the "
+                      "request finished; its answer is lost")
 
 
 def cancellation_reason(deadline_ns: int, now_ns: int) -> str:
@@ -98,8 +99,9 @@ class DataPlane:
         The protocols call it as a request arrives, never for a meta model's
         sub-calls: those belong to a request already accepted.
         """
-        if self.shutting_down:
-            raise Unavailable(f"model '{model_name}': the server is shutting down; the request was not run")
+        if self.shutting_down:  # (the name as sent: the model is not looked up yet)
+            raise Unavailable(PublicText(f"model '{model_name}': the server is shutting down; the request was not "
+                                         "run"))
 
     def refused(self, model_name: str, error: NereidError) -> None:
         """Count against its model a request its protocol refused before :meth:`infer` (unreadable, ...)."""
@@ -144,7 +146,8 @@ class DataPlane:
         as unknown first, whatever version was asked)."""
         if version not in ("", MODEL_VERSION):
             self.repository.entry(name)  # NotFound for a name with no folder
-            raise NotFound(f"model '{name}' has no version '{version}' (nereid serves version {MODEL_VERSION})")
+            raise NotFound(PublicText(f"model '{name}' has no version '{version}' (nereid serves version "
+                                      f"{MODEL_VERSION})"))
 
     def model_metadata(self, name: str, version: str = "") -> ModelMetadata:
         """The ready model's metadata (shapes with a leading -1 when it batches)."""
@@ -189,22 +192,24 @@ class DataPlane:
         refused: Triton's ``config`` (a configuration override) and ``file:...``
         (model files sent with the request), since nereid loads only from the
         repository and succeeding without applying them would mislead, and any
-        other name, as Triton refuses it.
+        other name, as Triton refuses it. The refusal echoes the names as sent
+        (a PublicText: a ``file:`` path that the server's path scrubbing
+        rewrote told the client which absolute paths are the server's).
         """
         self._check_repository_control(rpc)
         keys = sorted(parameters)
         unknown = [key for key in keys if key != "config" and not key.startswith("file:")]
         if unknown:  # Triton refuses them too: a misspelt "file:" must not pass for a load of those files
-            raise InvalidArgument(
+            raise InvalidArgument(PublicText(
                 f"model '{name}': unrecognized load parameter(s) "
-                f"{', '.join(repr(cap_message(k, 64)) for k in unknown[:4])} (Triton's are 'config' and "
+                f"{', '.join(map(shown_name, unknown[:4]))} (Triton's are 'config' and "
                 "'file:<path>', which nereid does not support either: it loads a model only from its folder in "
-                "ml_backends_path and nereid.yaml); load again without parameters")
+                "ml_backends_path and nereid.yaml); load again without parameters"))
         if keys:
-            raise InvalidArgument(
-                f"model '{name}': load parameters {', '.join(repr(cap_message(k, 64)) for k in keys[:4])} are "
+            raise InvalidArgument(PublicText(
+                f"model '{name}': load parameters {', '.join(map(shown_name, keys[:4]))} are "
                 "not supported (nereid loads a model only from its folder in ml_backends_path and nereid.yaml); "
-                "change those and load again without parameters")
+                "change those and load again without parameters"))
         entry = await self.repository.load(name)
         if self._on_change is not None:
             await self._on_change()
@@ -296,12 +301,14 @@ class DataPlane:
         declared = {spec.name: spec for spec in model.signature.outputs}
         for name in request.requested_outputs:
             if name not in declared:
-                raise InvalidArgument(
+                # The name as sent, beside the declared ones (which ModelMetadata shows as they are).
+                raise InvalidArgument(PublicText(
                     f"model '{request.model_name}': unknown requested output '{name}' "
-                    f"(outputs: {', '.join(repr(n) for n in declared) or 'none'})")
+                    f"(outputs: {', '.join(repr(n) for n in declared) or 'none'})"))
         for name in request.classifications:
             check_classifiable(request.model_name, name, declared[name].dtype)
         return set(request.requested_outputs)
+
 
 
 def _strip_batch_axis(tensor: NamedTensor) -> NamedTensor:

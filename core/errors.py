@@ -220,3 +220,48 @@ def describe_exception(error: BaseException, one_line: bool = False) -> str:
     """
     text = " ".join(str(error).split()) if one_line else str(error)
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+class PublicText(str):
+    """A message already fit for clients: ``ModelRepository.public_text`` leaves it as it is.
+
+    For messages made only of what the client sent (a model name) and
+    server-relative text: scrubbing paths in them rewrote the client's own
+    name, so that a name starting with ml_backends_path answered for another,
+    existing model, and a client could tell which absolute paths are real.
+    """
+
+    __slots__ = ()
+
+    def __str__(self) -> str:
+        return self  # str(err) keeps the mark (str() of a str subclass otherwise makes a plain copy)
+
+    def plain(self) -> str:
+        """The text as a plain ``str`` (gRPC takes no subclass)."""
+        return str.__str__(self)
+
+    @classmethod
+    def mark(cls, error: BaseException) -> None:
+        """Mark ``error``'s message (in place) as made only of what the client sent and fixed server text.
+
+        For a boundary that every error it passes was built from the request
+        alone (a codec's decode, whose helpers live in modules of their own):
+        its traceback and type stay as raised. An error whose ``str`` is not
+        its message (a ``__str__`` of its own) keeps an unmarked ``str``, so it
+        is still scrubbed.
+        """
+        error.args = (cls(str(error)),)
+
+
+# How many characters of a name the client sent (a load parameter's, a repository's) a refusal quotes.
+SHOWN_NAME_CHARS = 64
+
+
+def shown_name(name: str) -> str:
+    """A name the client sent, as a refusal quotes it: as sent, up to its first SHOWN_NAME_CHARS characters.
+
+    (``cap_message(name, 64)`` quoted none of a longer name: the note of how much was cut takes 64 of its limit.)
+    """
+    if len(name) <= SHOWN_NAME_CHARS:
+        return repr(name)
+    return f"{name[:SHOWN_NAME_CHARS]!r} ({len(name) - SHOWN_NAME_CHARS} more characters cut)"

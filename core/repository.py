@@ -30,8 +30,8 @@ from nereid.backend import (CallsModels, HasBatchSignature, Model, ModelCaller, 
                             missing_model_parts)
 from nereid.batching import BatchPolicy
 from nereid.dependencies import READY, Readiness, settle
-from nereid.errors import (ConfigError, NotFound, Unavailable, backend_exit, calling_plugin, cap_message,
-                           describe_exception, without_stop_iteration)
+from nereid.errors import (ConfigError, NotFound, PublicText, Unavailable, backend_exit, calling_plugin,
+                           cap_message, describe_exception, without_stop_iteration)
 from nereid.files import check_confined
 from nereid.log_limit import RateLimitedLog
 from nereid.model_runner import Runner, make_runner
@@ -51,25 +51,6 @@ NOT_LISTED_REASON = "not listed in nereid.yaml; load it with RepositoryModelLoad
 BACKEND_CALL_WAIT_S = 30.0
 
 T = TypeVar("T")
-
-
-class PublicText(str):
-    """A message already fit for clients: :meth:`ModelRepository.public_text` leaves it as it is.
-
-    For messages made only of what the client sent (a model name) and
-    server-relative text: scrubbing paths in them rewrote the client's own
-    name, so that a name starting with ml_backends_path answered for another,
-    existing model, and a client could tell which absolute paths are real.
-    """
-
-    __slots__ = ()
-
-    def __str__(self) -> str:
-        return self  # str(err) keeps the mark (str() of a str subclass otherwise makes a plain copy)
-
-    def plain(self) -> str:
-        """The text as a plain ``str`` (gRPC takes no subclass)."""
-        return str.__str__(self)
 
 
 class ModelState(str, enum.Enum):

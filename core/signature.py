@@ -23,7 +23,7 @@ from google.protobuf import text_format
 
 from nereid._proto import model_inference_pb2
 from nereid.dtypes import DType
-from nereid.errors import ConfigError, InvalidArgument, ModelFailure, cap_message
+from nereid.errors import ConfigError, InvalidArgument, ModelFailure, PublicText, cap_message
 from nereid.files import read_text_file
 from nereid.tensors import NamedTensor
 
@@ -203,7 +203,8 @@ def validate_inputs(model: str, signature: ModelSignature, tensors: list[NamedTe
 
     Raises InvalidArgument naming the model, the tensor, what was expected and
     what was received, for a missing, unexpected, mistyped or misshapen input or
-    a batch over ``max_batch_size``.
+    a batch over ``max_batch_size``; its message is a PublicText (the client's
+    names echoed as sent).
     """
     specs = signature.inputs
     if [t.name for t in tensors] == signature.input_names:
@@ -215,12 +216,12 @@ def validate_inputs(model: str, signature: ModelSignature, tensors: list[NamedTe
     sizes: list[int | None] = []  # each input's batch size; None where the client omitted the axis
     for spec, tensor in zip(specs, in_order):
         if tensor is None:
-            raise InvalidArgument(
+            raise _refusal(
                 f"model '{model}': missing input '{spec.name}' (expected inputs: {_names(specs)}; "
                 f"received: {', '.join(repr(t.name) for t in tensors) or 'none'})"
             )
         if tensor.dtype is not spec.dtype:
-            raise InvalidArgument(
+            raise _refusal(
                 f"model '{model}': input '{spec.name}' has datatype {tensor.dtype.kserve}, "
                 f"expected {spec.dtype.kserve}"
             )
@@ -229,8 +230,8 @@ def validate_inputs(model: str, signature: ModelSignature, tensors: list[NamedTe
             if held.newbyteorder("=") != spec.dtype.numpy:
                 # Data that disagrees with its tag (a meta model's or a hook's tensors): backends read it by
                 # the tag or by the array, so it would fail naming no tensor or compute on reinterpreted bytes.
-                raise InvalidArgument(f"model '{model}': input '{spec.name}' is tagged {spec.dtype.kserve} but "
-                                      f"holds {held} data, expected a numpy ndarray of {spec.dtype.numpy}")
+                raise _refusal(f"model '{model}': input '{spec.name}' is tagged {spec.dtype.kserve} but "
+                               f"holds {held} data, expected a numpy ndarray of {spec.dtype.numpy}")
             if not held.isnative:
                 # A big-endian array (a meta model may pass one on): in native order for every backend, as
                 # the wire decoders make them; a program reading its bytes as they lie would compute garbage.
@@ -238,13 +239,13 @@ def validate_inputs(model: str, signature: ModelSignature, tensors: list[NamedTe
         shape = tensor.data.shape
         if not signature.batches:
             if not dims_match(shape, spec.dims):
-                raise InvalidArgument(
+                raise _refusal(
                     f"model '{model}': input '{spec.name}' has shape {list(shape)}, "
                     f"expected {_shape_text(spec.dims, batched=False)}"
                 )
         elif len(shape) == len(spec.dims) + 1 and dims_match(shape[1:], spec.dims):  # the usual form
             if not 1 <= shape[0] <= signature.max_batch_size:
-                raise InvalidArgument(
+                raise _refusal(
                     f"model '{model}': input '{spec.name}' has batch size {shape[0]}, "
                     f"expected 1 to max_batch_size {signature.max_batch_size}"
                 )
@@ -253,7 +254,7 @@ def validate_inputs(model: str, signature: ModelSignature, tensors: list[NamedTe
             tensor = NamedTensor(tensor.name, tensor.dtype, tensor.data.reshape((1, *shape)))
             sizes.append(None)
         else:
-            raise InvalidArgument(
+            raise _refusal(
                 f"model '{model}': input '{spec.name}' has shape {list(shape)}, expected "
                 f"{_shape_text(spec.dims, batched=True)} or {_shape_text(spec.dims, batched=False)}"
             )
@@ -261,7 +262,7 @@ def validate_inputs(model: str, signature: ModelSignature, tensors: list[NamedTe
     if len(set(sizes)) > 1:
         described = ", ".join(f"'{spec.name}': {'no batch axis' if size is None else size}"
                               for spec, size in zip(specs, sizes))
-        raise InvalidArgument(f"model '{model}': inputs disagree on the batch size ({described})")
+        raise _refusal(f"model '{model}': inputs disagree on the batch size ({described})")
     first = sizes[0] if sizes else None
     return ValidatedInputs(ordered, first or 1, signature.batches and first is None)
 
@@ -415,16 +416,28 @@ def _first_non_text(data: np.ndarray) -> str:
     return f"element {index} of type {type(element).__name__} ({brief_repr(element, 60)})"
 
 
+def _refusal(message: str) -> InvalidArgument:
+    """The InvalidArgument of a request that does not fit the signature: ``message`` as a PublicText.
+
+    Built from the request (its model and tensor names, datatypes, shapes) and
+    the model's declared names, which ModelMetadata shows as they are, it
+    carries no server path: scrubbing paths out of it rewrote a client's input
+    name such as "/opt/nereid/core/x" into "<nereid>/x", telling the client
+    which absolute paths are the server's.
+    """
+    return InvalidArgument(PublicText(message))
+
+
 def _index_by_name(model: str, signature: ModelSignature, tensors: list[NamedTensor]) -> dict[str, NamedTensor]:
     by_name: dict[str, NamedTensor] = {}
     for tensor in tensors:
         if tensor.name in by_name:
-            raise InvalidArgument(f"model '{model}': input '{tensor.name}' is given more than once")
+            raise _refusal(f"model '{model}': input '{tensor.name}' is given more than once")
         by_name[tensor.name] = tensor
     declared = {spec.name for spec in signature.inputs}
     unexpected = sorted(set(by_name) - declared)
     if unexpected:
-        raise InvalidArgument(
+        raise _refusal(
             f"model '{model}': unexpected input '{unexpected[0]}' "
             f"(expected inputs: {_names(signature.inputs)})"
         )

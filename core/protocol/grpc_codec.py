@@ -14,6 +14,7 @@ from nereid.errors import InvalidArgument
 from nereid.model_info import MODEL_VERSION
 from nereid.protocol.wire import (SHARED_MEMORY_PARAMETER, TIMEOUT_PARAMETER, class_count, decode_raw,
                                   refuse_shared_memory, wire_dtype, wire_shape)
+from nereid.errors import PublicText
 from nereid.tensors import InferRequest, InferResponse, NamedTensor, bytes_array, tensor_buffer, tensor_bytes
 
 
@@ -108,9 +109,23 @@ def decode_infer_request(msg: pb.ModelInferRequest, time_remaining_s: float | No
     deadline: the gRPC one where the client's is (counted from before the
     decode, which takes a large request hundreds of milliseconds, or it would
     fall that much after the client's own), the ``timeout`` from decode time.
+    A refusal is an InvalidArgument whose message is a :class:`PublicText`.
     """
     if sampled_ns is None:
         sampled_ns = time.monotonic_ns()
+    try:
+        return _decode_infer_request(msg, time_remaining_s, raws, sampled_ns)
+    except InvalidArgument as err:
+        # Every refusal of the decode is built from the request alone (its model, tensor and parameter
+        # names, datatypes, shapes, values): it echoes them as sent. Scrubbing server paths out of it
+        # rewrote a name such as "/opt/nereid/core/x" into "<nereid>/x", telling the client which
+        # absolute paths are the server's.
+        PublicText.mark(err)
+        raise
+
+
+def _decode_infer_request(msg: pb.ModelInferRequest, time_remaining_s: float | None,
+                          raws: list[bytes | memoryview] | None, sampled_ns: int) -> InferRequest:
     model = msg.model_name
     tensors = msg.inputs
     if raws is None:

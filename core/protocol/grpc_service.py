@@ -19,7 +19,7 @@ from nereid._proto import grpc_service_pb2 as pb
 from nereid._proto import model_config_pb2 as mc
 from nereid.dataplane import DataPlane, cancellation_reason, past_grace_message
 from nereid.errors import (ConfigError, DeadlineExceeded, InvalidArgument, ModelFailure, NereidError,
-                           NotFound, PermissionDenied, Unavailable, Unimplemented, cap_message)
+                           NotFound, PermissionDenied, PublicText, Unavailable, Unimplemented, cap_message, shown_name)
 from nereid.log_limit import RateLimitedLog
 from nereid.memory import TRIM_AFTER_BYTES, release_free_heap
 from nereid.model_info import MODEL_VERSION, ModelConfig
@@ -443,9 +443,9 @@ class InferenceServicer:
 def _one_repository(repository_name: str) -> None:
     """Refuse a repository RPC naming a repository, as Triton does: it would act on this server's only one."""
     if repository_name:
-        raise Unimplemented(f"'repository_name' specification is not supported (got "
-                            f"{cap_message(repository_name, 64)!r}): this server serves one repository; "
-                            "leave repository_name empty")
+        raise Unimplemented(PublicText(f"'repository_name' specification is not supported (got "
+                                       f"{shown_name(repository_name)}): this server serves one repository; "
+                                       "leave repository_name empty"))
 
 
 def _unload_dependents(request: pb.RepositoryModelUnloadRequest) -> bool:
@@ -454,8 +454,8 @@ def _unload_dependents(request: pb.RepositoryModelUnloadRequest) -> bool:
         return False
     value = request.parameters["unload_dependents"]
     if value.WhichOneof("parameter_choice") != "bool_param":
-        raise InvalidArgument(f"model '{request.model_name}': parameter 'unload_dependents' must be a bool_param, "
-                              f"got {value.WhichOneof('parameter_choice')}")
+        raise InvalidArgument(PublicText(f"model '{request.model_name}': parameter 'unload_dependents' must be a "
+                                         f"bool_param, got {value.WhichOneof('parameter_choice')}"))
     return value.bool_param
 
 

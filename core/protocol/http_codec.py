@@ -27,6 +27,7 @@ from nereid.errors import InvalidArgument
 from nereid.model_info import MODEL_VERSION
 from nereid.protocol.wire import (SHARED_MEMORY_PARAMETER, TIMEOUT_PARAMETER, class_count, decode_raw,
                                   refuse_shared_memory, timeout_deadline_ns, wire_dtype, wire_shape)
+from nereid.errors import PublicText
 from nereid.signature import brief_repr
 from nereid.tensors import InferRequest, InferResponse, NamedTensor, bytes_array, tensor_buffer
 
@@ -52,7 +53,20 @@ class OutputChoice:
 
 
 def decode_infer(model: str, body: bytes, header_length: int | None) -> tuple[InferRequest, OutputChoice]:
-    """Decode an infer body; InvalidArgument naming the problem for anything malformed."""
+    """Decode an infer body; InvalidArgument naming the problem for anything malformed.
+
+    Its message is a :class:`PublicText`: built from the request alone, it echoes the client's names as sent.
+    """
+    try:
+        return _decode_infer(model, body, header_length)
+    except InvalidArgument as err:
+        # Scrubbing server paths out of it rewrote a name such as "/opt/nereid/core/x" into "<nereid>/x",
+        # telling the client which absolute paths are the server's.
+        PublicText.mark(err)
+        raise
+
+
+def _decode_infer(model: str, body: bytes, header_length: int | None) -> tuple[InferRequest, OutputChoice]:
     if header_length is None:
         header_bytes, binary = body, memoryview(b"")
     else:

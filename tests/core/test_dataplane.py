@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from nereid.dataplane import CLIENT_DEADLINE_SLACK_NS, cancellation_reason
+from nereid.dataplane import CLIENT_DEADLINE_SLACK_NS, cancellation_reason, past_grace_message
 from nereid.dtypes import DType
-from nereid.errors import InvalidArgument, ModelFailure, NotFound, PermissionDenied, Unavailable
+from nereid.errors import InvalidArgument, ModelFailure, NereidError, NotFound, PermissionDenied, Unavailable
 from nereid.tensors import InferRequest, NamedTensor
 from toy_backends import toy_dataplane
 
@@ -170,4 +172,71 @@ def test_loading_a_loaded_model_again_has_no_downtime_and_a_failure_leaves_it_se
         await plane.load("toy")  # and loads again once fixed
         assert plane.repository.entry("toy").reason == ""
         await plane.unload("toy")
+    asyncio.run(scenario())
+
+
+def private_paths(repository) -> list[str]:
+    """Client-sent names that start with a real private prefix of ``repository`` (each rewritten by its path
+    scrubbing, as checked here): ml_backends_path as configured and resolved, nereid.yaml's folder, the
+    scratch folder, and nereid's and nereid.backends' install folders."""
+    import nereid
+    import nereid.backends
+
+    folders = [repository.root, repository.root.resolve(), Path(repository.settings.source).resolve().parent,
+               repository.scratch_dir, Path(nereid.__file__).resolve().parent,
+               Path(nereid.backends.__file__).resolve().parent]
+    names = [f"{folder}{os.sep}x" for folder in folders]
+    assert all(repository.public_text(name) != name for name in names)  # each is scrubbed from server text
+    return names
+
+
+def test_names_the_client_sent_are_echoed_as_sent_never_rewritten_by_the_path_scrubbing(tmp_path):
+    # An input, output or load parameter name starting with one of the server's private folders came back
+    # rewritten ("/opt/nereid/core/in" as "<nereid>/in", "file:<ml_backends_path>/x" as "file:x") while any
+    # other path came back as sent: an oracle for which absolute paths are the server's.
+    plane = toy_dataplane(tmp_path)
+    public = plane.repository.public_text
+
+    async def refusal(call) -> str:
+        with pytest.raises(NereidError) as caught:
+            await call
+        return public(str(caught.value))  # as both protocols answer it
+
+    async def scenario():
+        await plane.load("toy")
+        for name in private_paths(plane.repository):
+            tensor = NamedTensor(name, DType.FP32, np.ones((2, 4), np.float32))
+            assert (await refusal(plane.infer(InferRequest("toy", [tensor])))
+                    == f"model 'toy': unexpected input '{name}' (expected inputs: 'input')")
+            assert (await refusal(plane.infer(request(requested_outputs=[name])))
+                    == f"model 'toy': unknown requested output '{name}' (outputs: 'output')")
+            # (A name is quoted up to its first 64 characters.)
+            refused = await refusal(plane.load("toy", [f"file:{name}"]))
+            assert refused.startswith(f"model 'toy': load parameters '{f'file:{name}'[:64]}"), refused
+            refused = await refusal(plane.load("toy", [name]))
+            assert refused.startswith(f"model 'toy': unrecognized load parameter(s) '{name[:64]}"), refused
+            with pytest.raises(NotFound) as caught:
+                plane.model_metadata("toy", name)
+            assert public(str(caught.value)) == f"model 'toy' has no version '{name}' (nereid serves version 1)"
+            plane.shutting_down = True
+            with pytest.raises(Unavailable) as caught:
+                plane.admit(name)
+            assert public(str(caught.value)).startswith(f"model '{name}': the server is shutting down")
+            assert public(past_grace_message(name)).startswith(f"model '{name}': the server is shutting down")
+            plane.shutting_down = False
+        await plane.unload("toy")
+    asyncio.run(scenario())
+
+
+def test_a_long_load_parameter_name_is_quoted_up_to_its_first_64_characters(tmp_path):
+    # cap_message(name, 64) was used to quote it, which keeps none of a longer name (its note of how much
+    # was cut takes 64 of the limit): "load parameters ' ... [36 more characters cut]'".
+    plane = toy_dataplane(tmp_path)
+    key = "file:" + "m" * 95
+
+    async def scenario():
+        with pytest.raises(InvalidArgument) as caught:
+            await plane.load("toy", [key, "config"])
+        assert str(caught.value).startswith(f"model 'toy': load parameters 'config', '{key[:64]}' (36 more "
+                                            "characters cut) are not supported")
     asyncio.run(scenario())

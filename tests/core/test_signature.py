@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import collections
+import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+import nereid
 from nereid.dtypes import DType
 from nereid.errors import ConfigError, InvalidArgument, ModelFailure
 from nereid.signature import ModelSignature, TensorSpec, check_outputs, load_textproto_signature, validate_inputs
+from nereid.errors import PublicText
 from nereid.tensors import NamedTensor
+from toy_backends import toy_dataplane
 
 
 def parse(tmp_path: Path, text: str) -> ModelSignature:
@@ -116,8 +120,24 @@ def test_batched_request_within_cap() -> None:
     (UNBATCHED, [tensor("x", (4,)), tensor("x", (4,))], "given more than once"),
 ])
 def test_validation_errors(sig: ModelSignature, tensors: list[NamedTensor], message: str) -> None:
-    with pytest.raises(InvalidArgument, match=message):
+    with pytest.raises(InvalidArgument, match=message) as caught:
         validate_inputs("m", sig, tensors)
+    assert isinstance(str(caught.value), PublicText)  # built from the request alone: echoed, never scrubbed
+
+
+def test_input_names_the_client_sent_are_echoed_as_sent_never_rewritten_by_the_path_scrubbing(tmp_path) -> None:
+    # An input name starting with one of the server's private folders came back rewritten ("/opt/nereid/core/in"
+    # as "<nereid>/in") while any other path came back as sent: an oracle for the server's absolute paths.
+    repository = toy_dataplane(tmp_path).repository
+    for folder in (repository.root.resolve(), repository.scratch_dir, Path(nereid.__file__).resolve().parent):
+        name = f"{folder}{os.sep}in"
+        assert repository.public_text(name) != name  # a real private prefix: scrubbed from the server's own text
+        for tensors, message in (
+                ([tensor(name, (4,))], f"model 'm': unexpected input '{name}' (expected inputs: 'x')"),
+                ([tensor(name, (4,)), tensor(name, (4,))], f"model 'm': input '{name}' is given more than once")):
+            with pytest.raises(InvalidArgument) as caught:
+                validate_inputs("m", UNBATCHED, tensors)
+            assert repository.public_text(str(caught.value)) == message
 
 
 def test_inputs_must_agree_on_batch_size() -> None:

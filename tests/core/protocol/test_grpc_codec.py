@@ -8,9 +8,11 @@ malformed raw bytes).
 
 from __future__ import annotations
 
+import os
 import re
 import struct
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Iterator
 
 import grpc
@@ -561,10 +563,13 @@ def test_decode_refusals_directly(build, message):
     from nereid.errors import InvalidArgument
     from nereid.protocol.grpc_codec import decode_infer_request
 
+    from nereid.errors import PublicText
+
     request = _request()
     build(request)
-    with pytest.raises(InvalidArgument, match=re.escape(message)):
+    with pytest.raises(InvalidArgument, match=re.escape(message)) as caught:
         decode_infer_request(request, None)
+    assert isinstance(str(caught.value), PublicText)  # built from the request alone: echoed, never scrubbed
 
 
 def test_shared_memory_tensors_and_bad_classification_counts_are_refused_directly():
@@ -607,3 +612,58 @@ def test_large_requests_keep_raw_inputs_as_views_of_the_wire_bytes():
     message, raws = parse_infer_request(wire)
     assert isinstance(raws[0], memoryview) and raws[0].obj is wire and len(raws[0]) == 1 << 20
     assert message.inputs[0].name == "x" and not message.raw_input_contents
+
+
+# -- names the client sent, echoed as sent ---------------------------------------------------------------------
+
+def private_names(repository, suffix: str) -> list[str]:
+    """``suffix`` under real private folders of ``repository`` (ml_backends_path, the scratch folder, nereid's
+    install folder): each rewritten by its path scrubbing, as checked here."""
+    import nereid
+
+    folders = (repository.root.resolve(), repository.scratch_dir, Path(nereid.__file__).resolve().parent)
+    names = [f"{folder}{os.sep}{suffix}" for folder in folders]
+    assert all(repository.public_text(name) != name for name in names)
+    return names
+
+
+def test_decode_refusals_echo_the_clients_names_as_sent_through_the_path_scrubbing(tmp_path):
+    # An input or output name starting with one of the server's private folders came back rewritten
+    # ("/opt/nereid/core/in" as "<nereid>/in") while any other path came back as sent: an oracle for which
+    # absolute paths are the server's.
+    from nereid.errors import InvalidArgument
+    from nereid.protocol.grpc_codec import decode_infer_request
+    from toy_backends import toy_dataplane
+
+    repository = toy_dataplane(tmp_path).repository
+    for name in private_names(repository, "x"):
+        typeless = _request()
+        typeless.inputs.add(name=name, datatype="FP33", shape=[1])
+        placed = _request()
+        placed.outputs.add(name=name).parameters["shared_memory_region"].string_param = "region0"
+        for request, message in ((typeless, f"model 'm': input '{name}': unknown datatype 'FP33'"),
+                                 (placed, f"model 'm': output '{name}': names a shared-memory region")):
+            with pytest.raises(InvalidArgument) as caught:
+                decode_infer_request(request, None)
+            assert repository.public_text(str(caught.value)).startswith(message)
+
+
+def test_the_server_echoes_input_output_and_load_parameter_names_as_sent(server):
+    # The same over the wire, for each kind of name a refusal echoes (the input's through the signature check).
+    x = np.ones((1, 4), np.float32).tobytes()
+    with raw_stub(server) as stub:
+        for name in private_names(server.server.repository, "in"):
+            for request, message in (
+                    (raw_request("echo_FP32", (name, "FP32", [1, 4], x)),
+                     f"model 'echo_FP32': unexpected input '{name}' (expected inputs: 'input')"),
+                    (raw_request("echo_FP32", ("input", "FP32", [1, 4], x), outputs=[{"name": name}]),
+                     f"model 'echo_FP32': unknown requested output '{name}' (outputs: 'output')")):
+                with pytest.raises(grpc.RpcError) as caught:
+                    stub.ModelInfer(request, timeout=30)
+                assert (caught.value.code(), caught.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT, message)
+            key = f"file:{name}"[:64]  # (a refusal quotes a load parameter's first 64 characters)
+            with pytest.raises(grpc.RpcError) as caught:
+                stub.RepositoryModelLoad(service_pb2.RepositoryModelLoadRequest(
+                    model_name="echo_FP32", parameters={key: service_pb2.ModelRepositoryParameter(bytes_param=b"")}),
+                    timeout=30)
+            assert caught.value.details().startswith(f"model 'echo_FP32': load parameters '{key}' are not supported")

@@ -465,6 +465,18 @@ def test_unload_makes_the_model_unavailable_until_loaded_again(repo, serve):
                 call(message(repository_name="elsewhere", **fields), timeout=10)
             assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED, message
             assert "'repository_name' specification is not supported (got 'elsewhere')" in caught.value.details()
+        # Echoed as sent, never rewritten by the path scrubbing (whether it was told a client which absolute
+        # paths are the server's), and a long one by its first 64 characters.
+        private = f"{server.server.scratch_dir}/x"  # (scrubbed to <scratch>/x in the server's own text)
+        for sent, shown in ((private, repr(private)), ("r" * 100, f"{'r' * 64!r} (36 more characters cut)")):
+            with pytest.raises(grpc.RpcError) as caught:
+                stub.RepositoryIndex(service_pb2.RepositoryIndexRequest(repository_name=sent), timeout=10)
+            assert f"(got {shown})" in caught.value.details()
+        dependents = service_pb2.RepositoryModelUnloadRequest(model_name=private)
+        dependents.parameters["unload_dependents"].string_param = "true"
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.RepositoryModelUnload(dependents, timeout=10)
+        assert caught.value.details().startswith(f"model '{private}': parameter 'unload_dependents'")
     echo(server, "m", [9, 10, 11, 12])  # neither unloaded nor reloaded
 
 

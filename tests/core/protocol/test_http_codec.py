@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
+import http.client
 import json
+import os
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+import nereid
+import toy_backends
 from nereid.dtypes import DType
 from nereid.errors import InvalidArgument
+from nereid.plugins import make_plugin_manager
 from nereid.protocol.http_codec import OutputChoice, decode_infer, encode_infer
+from nereid.errors import PublicText
 from nereid.tensors import InferResponse, NamedTensor, bytes_array
+from toy_backends import toy_dataplane, write_toy
 
 
 def with_parameter(name: str, raw: bytes) -> bytes:
@@ -117,8 +125,58 @@ def test_an_empty_inputs_list_is_a_request_without_inputs():
      "input 'x': INT64 data must be integers"),
 ])
 def test_malformed_bodies_are_invalid_arguments(raw, length, message):
-    with pytest.raises(InvalidArgument, match=re.escape(message)):
+    with pytest.raises(InvalidArgument, match=re.escape(message)) as caught:
         decode_infer("m", raw, length)
+    assert isinstance(str(caught.value), PublicText)  # built from the request alone: echoed, never scrubbed
+
+
+def private_names(repository, suffix: str) -> list[str]:
+    """``suffix`` under real private folders of ``repository`` (ml_backends_path, the scratch folder, nereid's
+    install folder): each rewritten by its path scrubbing, as checked here."""
+    folders = (repository.root.resolve(), repository.scratch_dir, Path(nereid.__file__).resolve().parent)
+    names = [f"{folder}{os.sep}{suffix}" for folder in folders]
+    assert all(repository.public_text(name) != name for name in names)
+    return names
+
+
+def test_decode_refusals_echo_the_clients_names_as_sent_through_the_path_scrubbing(tmp_path):
+    # An input or output name starting with one of the server's private folders came back rewritten
+    # ("/opt/nereid/core/in" as "<nereid>/in") while any other path came back as sent: an oracle for which
+    # absolute paths are the server's.
+    repository = toy_dataplane(tmp_path).repository
+    for name in private_names(repository, "x"):
+        for raw, message in (
+                (body({"name": name, "shape": [1], "datatype": "FP33", "data": [1]}),
+                 f"model 'm': input '{name}': unknown datatype 'FP33'"),
+                (body(outputs=[{"name": name, "parameters": {"binary_data": "yes"}}]),
+                 f"model 'm': output '{name}': parameter 'binary_data' must be true or false, got \"yes\"")):
+            with pytest.raises(InvalidArgument) as caught:
+                decode_infer("m", raw, None)
+            assert repository.public_text(str(caught.value)).startswith(message)
+
+
+def test_the_server_echoes_input_output_and_load_parameter_names_as_sent(repo, serve):
+    # The same over the wire, for each kind of name a refusal echoes (the input's through the signature check).
+    write_toy(repo.models_dir, "toy")
+    server = serve(repo.write_config("- name: toy\n"),
+                   manager=make_plugin_manager(load_entry_points=False, extra_plugins=(toy_backends,)))
+    connection = http.client.HTTPConnection("127.0.0.1", server.server.http_port, timeout=30)
+
+    def error_of(path: str, document: dict) -> tuple[int, str]:
+        connection.request("POST", path, json.dumps(document))
+        response = connection.getresponse()
+        return response.status, json.loads(response.read())["error"]
+
+    x = {"name": "input", "shape": [1, 4], "datatype": "FP32", "data": [0] * 4}
+    for name in private_names(server.server.repository, "in"):
+        assert error_of("/v2/models/toy/infer", {"inputs": [{**x, "name": name}]}) == (
+            400, f"model 'toy': unexpected input '{name}' (expected inputs: 'input')")
+        assert error_of("/v2/models/toy/infer", {"inputs": [x], "outputs": [{"name": name}]}) == (
+            400, f"model 'toy': unknown requested output '{name}' (outputs: 'output')")
+        key = f"file:{name}"[:64]  # (a refusal quotes a load parameter's first 64 characters)
+        status, message = error_of("/v2/repository/models/toy/load", {"parameters": {key: ""}})
+        assert status == 400 and message.startswith(f"model 'toy': load parameters '{key}' are not supported")
+    connection.close()
 
 
 def test_json_numbers_are_rounded_once_to_their_float_datatype():
