@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from nereid.config_document import KeyedReader, load_yaml
+from nereid.errors import ConfigError
 from nereid.files import read_text_file
 from nereid.storage.mirror import mirror_root
 from nereid.storage.url import parse_store_url
@@ -338,12 +339,13 @@ def _parse_server(reader: KeyedReader, raw: Any, path: Path) -> ServerSettings:
                                              "cache_dir"})
     bind_addr = _address(reader, section, "server.bind_addr", DEFAULT_BIND_ADDR, off=None)
     backends_text = reader.string(section, "server.ml_backends_path", "ml-backends")
-    cache_dir = _cache_dir(reader, section, path)
     try:
         location = parse_store_url(backends_text)
     except ValueError as err:
         reader.fail("server.ml_backends_path", str(err), backends_text)
+    cache_dir = _cache_dir(reader, section, path, needed=location is not None)
     if location is not None:  # the model folders are materialized in a local mirror
+        assert cache_dir is not None
         backends = mirror_root(cache_dir, location)
     else:
         backends = Path(backends_text)
@@ -394,15 +396,33 @@ def _address(reader: KeyedReader, section: Mapping[str, Any], key: str, default:
     return address
 
 
-def _cache_dir(reader: KeyedReader, section: Mapping[str, Any], path: Path) -> Path:
-    """``server.cache_dir``: relative to nereid.yaml; default ``$XDG_CACHE_HOME/nereid`` (``~/.cache/nereid``)."""
+def _cache_dir(reader: KeyedReader, section: Mapping[str, Any], path: Path, needed: bool) -> Path | None:
+    """``server.cache_dir``: relative to nereid.yaml; default ``$XDG_CACHE_HOME/nereid`` (``~/.cache/nereid``).
+
+    None when it is not written, no default can be made and nothing ``needed``
+    it (only a repository in object storage does): a container's arbitrary
+    user id has no home directory, and a local repository must serve there.
+    """
     if "cache_dir" in section:
         text = reader.string(section, "server.cache_dir", "")
         if not text:
             reader.fail("server.cache_dir", "must be a folder path", text)
-        folder = Path(text).expanduser()
+        try:
+            folder = Path(text).expanduser()
+        except RuntimeError:  # "~" with no home directory known
+            reader.fail("server.cache_dir", "starts with ~, but no home directory is known here (HOME is unset and "
+                                            "this user has no passwd entry); give an absolute path", text)
         return folder if folder.is_absolute() else _beside_config(path, folder)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    base = os.environ.get("XDG_CACHE_HOME")
+    if not base:
+        try:
+            base = str(Path.home() / ".cache")
+        except (RuntimeError, KeyError):  # no HOME, and a user id without a passwd entry
+            if not needed:
+                return None
+            raise ConfigError(f"{path}: server.cache_dir: a repository in object storage is mirrored under it, and "
+                              "its default (~/.cache/nereid) has no home directory here (HOME is unset and this "
+                              "user has no passwd entry); set server.cache_dir or XDG_CACHE_HOME") from None
     return Path(base) / "nereid"
 
 

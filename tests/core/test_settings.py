@@ -309,3 +309,27 @@ def test_a_config_named_through_dotdot_gives_the_paths_its_watcher_rereads(tmp_p
     as_reread = load_settings(Path(os.path.abspath(as_named.source)))
     assert as_named.server == as_reread.server
     assert as_named.server.ml_backends_path == tmp_path / "conf" / "ml-backends"
+
+
+def test_no_home_directory_stops_only_a_repository_that_needs_the_cache(root: Path, monkeypatch) -> None:
+    """Defect: with HOME unset and a user id without a passwd entry (OpenShift's arbitrary uids), every start
+    ended in a traceback (`Could not determine home directory`) from the default cache_dir, which only a
+    repository in object storage uses."""
+    import pwd
+
+    def no_entry(uid: int) -> None:
+        raise KeyError(f"getpwuid(): uid not found: {uid}")
+
+    monkeypatch.delenv("HOME", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setattr(pwd, "getpwuid", no_entry)  # (this machine's users all have one)
+    settings = load_settings(write(root, "server:\n  ml_backends_path: ml-backends\n"))
+    assert settings.server.ml_backends_path == root / "ml-backends" and settings.server.cache_dir is None
+    with pytest.raises(ConfigError, match=r"server.cache_dir: a repository in object storage is mirrored under it, "
+                                          r"and its default \(~/.cache/nereid\) has no home directory here .*; set "
+                                          r"server.cache_dir or XDG_CACHE_HOME"):
+        load_settings(write(root, "server:\n  ml_backends_path: s3://bucket/models\n"))
+    settings = load_settings(write(root, "server:\n  ml_backends_path: s3://bucket/models\n  cache_dir: cache\n"))
+    assert settings.server.cache_dir == root / "cache"
+    with pytest.raises(ConfigError, match="starts with ~, but no home directory is known here"):
+        load_settings(write(root, "server:\n  cache_dir: ~/cache\n"))
