@@ -109,6 +109,20 @@ def test_serve_finishes_accepted_requests_on_sigterm_and_exits_zero(repo) -> Non
         assert "signal received: draining" in output and "nereid stopped" in output
 
 
+def test_signals_repeated_until_the_process_ends_leave_the_exit_status_zero(repo) -> None:
+    """Defect: a second SIGTERM or SIGINT after "nereid stopped" (a supervisor repeating its stop) ended the
+    process with 143 or 130: the loop's close had given both back to their defaults."""
+    repo.python("echo")
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        with nereid_serve(repo.write_config()) as (process, _):
+            deadline = time.monotonic() + 30
+            while process.poll() is None and time.monotonic() < deadline:
+                process.send_signal(signum)
+                time.sleep(0.005)
+            assert process.wait(30) == 0, signal.Signals(signum).name
+            assert "nereid stopped" in process.stdout.read()
+
+
 def test_serve_stopped_while_a_bundle_compiles_exits_zero(repo) -> None:
     """Defect: SIGTERM while an XLA bundle compiled at start aborted the server (SIGABRT, exit 134, "FATAL:
     exception not rethrown") after "nereid stopped": the interpreter's shutdown unwound the abandoned load's
