@@ -126,6 +126,15 @@ def remove_stale_partials(folder: Path) -> int:
                 continue
         except OSError:  # (gone already: renamed into place, or removed by another server)
             continue
-        path.unlink(missing_ok=True)
+        try:
+            path.unlink(missing_ok=True)
+        except OSError:  # (a read-only repository: its leftovers stay, and harm nothing but space)
+            continue
         removed += 1
     return removed
+
+
+def remove_model_leftovers(folder: Path, cache: str = ".cache") -> int:
+    """Remove the stale ``.partial`` files in a model folder and in its executable cache (``cache``), as a
+    model loads: a server killed while it wrote a cache entry or migrated weights left them; returns how many."""
+    return remove_stale_partials(folder) + remove_stale_partials(folder / cache)

@@ -33,6 +33,7 @@ from nereid.dependencies import READY, Readiness, settle
 from nereid.errors import (ConfigError, NotFound, PublicText, Unavailable, backend_exit, calling_plugin,
                            cap_message, describe_exception, without_stop_iteration)
 from nereid.files import check_confined
+from nereid.leftovers import remove_model_leftovers
 from nereid.log_limit import RateLimitedLog
 from nereid.model_runner import Runner, make_runner
 from nereid.plugins import NereidPluginManager, check_backend_defaults, claim_folder
@@ -43,6 +44,7 @@ from nereid.signature import ModelSignature, brief_repr
 from nereid.stats import ModelStats
 from nereid.storage import (StorageError, materialize_model_folder, model_folder_exists, scan_model_folders,
                             store_holds_folder)
+from nereid.storage.mirror import CACHE_SUBFOLDER
 
 log = logging.getLogger(__name__)
 
@@ -737,6 +739,7 @@ class ModelRepository:
         """Check the folder stays inside the repository, then build the model (blocking)."""
         materialize_model_folder(self.settings.server, context.name)  # from an object store: fetch it first
         check_confined(context.folder, self.root, self.settings.server.follow_symlinks)
+        remove_model_leftovers(context.folder, CACHE_SUBFOLDER)
         return build_model(self.manager, context, self.settings.backend_defaults, self.settings.source)
 
     def public_text(self, text: str) -> str:

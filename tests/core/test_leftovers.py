@@ -101,3 +101,20 @@ def test_a_just_made_folder_stays_and_a_given_back_one_is_gone(tmp_path, monkeyp
     assert remove_stale_scratch(tmp_path) == 0 and mine.is_dir()  # held by this process
     remove_scratch_folder(mine)
     assert not mine.exists()
+
+
+def test_a_killed_writers_partials_in_a_model_folder_go_when_it_loads(repo, serve):
+    """Defect: a server killed while it wrote an executable cache entry (or migrated weights) left its .partial
+    in the model folder for good; only a cpp or cxx build ever looked, and only in its own .cache/."""
+    folder = repo.python("echo", main=ECHO_MAIN)
+    (folder / ".cache").mkdir()
+    stale = [folder / ".cache" / f".model.mlir.abc.xlaexe.1a2b3c4d.{dead_pid()}.partial",
+             folder / f".weights.safetensors.5e6f7a8b.{dead_pid()}.partial"]
+    for partial in stale:
+        partial.write_text("half")
+        settled(partial)
+    fresh = folder / ".cache" / f".model.mlir.def.xlaexe.9c0d1e2f.{dead_pid()}.partial"
+    fresh.write_text("being written, maybe by a server in another PID namespace")
+    server = serve(repo.write_config())
+    assert server.server.repository.entry("echo").state.value == "READY"
+    assert not any(partial.exists() for partial in stale) and fresh.exists()
