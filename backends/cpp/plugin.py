@@ -9,7 +9,7 @@ from pathlib import Path
 
 from nereid.backend import BackendClaim
 from nereid.backends.cpp.compiler import build_binary
-from nereid.backends.subprocess.model import SubprocessModel, make_private_folder
+from nereid.backends.subprocess.model import SubprocessModel, make_private_folder, require_executable_folder
 from nereid.errors import ModelFailure
 from nereid.hookspecs import hookimpl
 
@@ -27,6 +27,9 @@ class CppModel(SubprocessModel):
     _built: Path | None = None
 
     def prepare(self) -> None:
+        # Before the compile: the binary runs from the scratch folder (its link below, or a build made there
+        # when .cache/ cannot be written), which a noexec /tmp would let load and then fail every request.
+        require_executable_folder(self.context.name, self.context.scratch_dir, "its binary runs from")
         self._built = build_binary(self.context.folder, SOURCE_FILE, self.context.scratch_dir, self.context.name)
         # Runs use this version's own link to the binary: the next version's build removes stale
         # binaries from .cache/ while this one still serves, and the folder may be renamed or
@@ -50,7 +53,7 @@ class CppModel(SubprocessModel):
                 pass
             except OSError as err:
                 raise ModelFailure(f"model '{self.context.name}': its binary was removed with the server's scratch "
-                                   f"folder, and {self._built.name} is no longer in .cache/ to link again "
+                                   f"folder, and its build {self._built} is gone too, so it cannot be linked again "
                                    f"({err.strerror or err}); reload the model") from None
         return [str(self._binary)]
 

@@ -16,6 +16,7 @@ import shutil
 import uuid
 from pathlib import Path
 
+from nereid.backends.subprocess.model import require_executable_folder
 from nereid.errors import ConfigError
 from nereid.files import not_regular_reason
 
@@ -96,6 +97,9 @@ class NativeLibrary:
             raise ConfigError(f"model '{model}': shared library {reason}")
         if not path.is_file():
             raise ConfigError(f"model '{model}': shared library {path} does not exist")
+        # The copy's code is mapped from the scratch folder: on a noexec mount dlopen could only say "failed to
+        # map segment", of a file the user never named.
+        require_executable_folder(model, scratch_dir, f"shared library {path} runs from a copy in")
         self._copy = scratch_dir / f"{path.stem}-{uuid.uuid4().hex[:12]}{path.suffix}"
         try:
             shutil.copyfile(path, self._copy)
@@ -104,12 +108,14 @@ class NativeLibrary:
         self._libc = _loader()
         self._handle: int | None = self._libc.dlopen(str(self._copy).encode(), _RTLD_NOW | _RTLD_LOCAL)
         if not self._handle:
-            # The loader names the file it was given: name the user's instead, once.
+            # The loader names the file it was given: name the user's instead, once, and the copy's folder,
+            # which the fault may be of rather than the file's (a file system that refuses to map code).
             message = self._dlerror().removeprefix(f"{self._copy}: ").replace(str(self._copy), str(path))
             # glibc says "No such file or directory" of a library built for another machine.
             message = _foreign_machine(self._copy) or message
             self._copy.unlink(missing_ok=True)
-            raise ConfigError(f"model '{model}': cannot load shared library {path}: {message}")
+            raise ConfigError(f"model '{model}': cannot load shared library {path} (dlopened from its copy in "
+                              f"{scratch_dir}): {message}")
         try:
             infer = self._symbol("nereid_infer")
             if infer is None:

@@ -118,6 +118,26 @@ def make_private_folder(folder: Path) -> None:
         folder.mkdir(mode=0o700, exist_ok=True)  # (a concurrent run may have made it meanwhile)
 
 
+def require_executable_folder(model: str, folder: Path, what: str) -> None:
+    """ConfigError naming ``model`` when ``folder`` (in the server's scratch folder) is on a file system mounted
+    noexec, where files can be written but never run (nor mapped as code by dlopen).
+
+    ``what`` says what would run from there, in the words before the folder: "its binary runs from".
+    Hardened containers and hosts often mount /tmp noexec: checked at load, such a model is UNAVAILABLE
+    saying so, instead of loading READY and failing every request with "Permission denied" (cpp), or
+    failing to dlopen with a message about a file elsewhere (cxx). A folder that cannot be looked at is
+    let through: what writes into it next fails, naming it.
+    """
+    try:
+        flags = os.statvfs(folder).f_flag
+    except OSError:
+        return
+    if flags & getattr(os, "ST_NOEXEC", 0):  # (Linux's flag; elsewhere nothing is known, so nothing is refused)
+        raise ConfigError(f"model '{model}': {what} the server's scratch folder {folder}, which is on a file "
+                          "system mounted noexec, where nothing may run; set TMPDIR to a folder on a file system "
+                          "that allows executables (the server makes its scratch folder in TMPDIR)")
+
+
 class SubprocessModel:
     """Shared machinery of the python and cpp backends; subclasses say what to run."""
 

@@ -9,6 +9,7 @@ import errno
 import os
 import shutil
 import stat
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +20,7 @@ from tritonclient.utils import InferenceServerException
 from nereid.backends.cpp import compiler
 from nereid.errors import ConfigError
 from nereid.backends.cpp.compiler import source_hash
-from support import ECHO_MAIN, textproto_single, zombie_children
+from support import ECHO_MAIN, NEREID, textproto_single, zombie_children
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "ml-backends"
 
@@ -53,6 +54,21 @@ def copy_example(repo, name: str, as_name: str | None = None) -> Path:
 def cache_files(folder: Path) -> list[str]:
     cache = folder / ".cache"
     return sorted(p.name for p in cache.iterdir()) if cache.is_dir() else []
+
+
+def run_with_tmpdir_mounted_noexec(tmpdir: Path, argv: list[str]) -> subprocess.CompletedProcess:
+    """Run ``argv`` with TMPDIR on a fresh tmpfs mounted noexec at ``tmpdir``, as hardened containers mount /tmp.
+
+    The mount is made in a user and mount namespace of the run's own (``unshare -rm``: no root needed, and
+    nothing outside sees it); the test is skipped where this machine allows no such namespace.
+    """
+    tmpdir.mkdir()
+    mount = ["unshare", "-rm", "sh", "-c", 'mount -t tmpfs -o noexec,size=64m tmpfs "$0" && TMPDIR="$0" exec "$@"',
+             str(tmpdir)]
+    probe = subprocess.run([*mount, "true"], capture_output=True, text=True) if shutil.which("unshare") else None
+    if probe is None or probe.returncode != 0:
+        pytest.skip(f"cannot mount a noexec tmpfs in a namespace here: {probe and probe.stderr.strip()}")
+    return subprocess.run([*mount, *argv], capture_output=True, text=True, timeout=120)
 
 
 ROWS = np.arange(-8, 16, dtype=np.float32).reshape(3, 8) * 0.25
@@ -115,6 +131,20 @@ def test_runs_go_on_after_the_scratch_folder_was_removed(repo, serve):
     server = serve(repo.write_config())
     shutil.rmtree(server.server.scratch_dir)
     assert infer(server, "scale", ROWS).as_numpy("output").tolist() == (ROWS * 2).tolist()
+
+
+def test_a_scratch_folder_on_a_noexec_mount_makes_the_model_unavailable_saying_so(repo, tmp_path):
+    """Defect: with TMPDIR (/tmp) mounted noexec the model loaded READY, its binary linked into the scratch
+    folder, then failed every request with "Permission denied: '<scratch>/.../main-...'"."""
+    shutil.copytree(EXAMPLES / "cpp_scale", repo.models_dir / "scale", ignore=shutil.ignore_patterns(".cache"))
+    noexec = tmp_path / "noexec"
+    result = run_with_tmpdir_mounted_noexec(noexec, [*NEREID, "check", "--config", str(repo.write_config())])
+    assert result.returncode == 1, result.stdout + result.stderr
+    [line] = [line for line in result.stdout.splitlines() if line.startswith("scale: ")]
+    assert line.startswith(f"scale: UNAVAILABLE: model 'scale': its binary runs from the server's scratch folder "
+                           f"{noexec}/nereid-"), line
+    assert "which is on a file system mounted noexec" in line and "set TMPDIR to a folder" in line, line
+    assert cache_files(repo.models_dir / "scale") == []  # refused before the compile
 
 
 def test_editing_an_included_header_rebuilds(repo, serve):

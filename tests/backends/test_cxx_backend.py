@@ -25,7 +25,7 @@ from nereid.cli import main as nereid_main
 from nereid.dtypes import DType
 from nereid.settings import ModelSettings
 from nereid.tensors import NamedTensor
-from support import expect_grpc_error
+from support import NEREID, expect_grpc_error
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "ml-backends"
 CXX = shutil.which(os.environ.get("CXX", "c++"))
@@ -241,6 +241,21 @@ def entry(name: str, runtime: str, extra: str = "") -> str:
     return f'- name: "{name}"\n  backend: "cxx"\n  runtime: {runtime}\n{extra}'
 
 
+def run_with_tmpdir_mounted_noexec(tmpdir: Path, argv: list[str]) -> subprocess.CompletedProcess:
+    """Run ``argv`` with TMPDIR on a fresh tmpfs mounted noexec at ``tmpdir``, as hardened containers mount /tmp.
+
+    The mount is made in a user and mount namespace of the run's own (``unshare -rm``: no root needed, and
+    nothing outside sees it); the test is skipped where this machine allows no such namespace.
+    """
+    tmpdir.mkdir()
+    mount = ["unshare", "-rm", "sh", "-c", 'mount -t tmpfs -o noexec,size=64m tmpfs "$0" && TMPDIR="$0" exec "$@"',
+             str(tmpdir)]
+    probe = subprocess.run([*mount, "true"], capture_output=True, text=True) if shutil.which("unshare") else None
+    if probe is None or probe.returncode != 0:
+        pytest.skip(f"cannot mount a noexec tmpfs in a namespace here: {probe and probe.stderr.strip()}")
+    return subprocess.run([*mount, *argv], capture_output=True, text=True, timeout=120)
+
+
 def test_multi_tensor_model_round_trips_every_fixed_size_dtype(repo, serve, libs):
     blocks = "".join(f'input {{ name: "in_{t.lower()}" data_type: "{t}" dims: [3] }}\n'
                      f'output {{ name: "out_{t.lower()}" data_type: "{t}" dims: [3] }}\n' for t in DTYPES)
@@ -403,12 +418,15 @@ def test_models_the_cxx_backend_refuses_are_unavailable_with_a_reason(repo, serv
     index = index_of(server)
     expected = {
         "missing": ["build/libmissing.so does not exist"],  # resolved against nereid.yaml's folder
-        "garbage": [f"cannot load shared library {libs['garbage']}: ", "invalid ELF header"],
+        # The loader's faults name the copy's folder too (defect: a fault of where the copy is, such as a
+        # file system that cannot map code, was blamed on the user's file).
+        "garbage": [f"cannot load shared library {libs['garbage']} (dlopened from its copy in <scratch>/garbage): ",
+                    "invalid ELF header"],
         # Defect: glibc's "cannot open shared object file: No such file or directory", of a file that exists.
-        "foreign": [f"cannot load shared library {libs['foreign']}: it is built for ",
-                    "and this server runs on ", "build it for this machine"],
-        "undefined": [f"cannot load shared library {libs['undefined']}: ",
-                      "undefined symbol: nereid_missing_dependency_xyz"],
+        "foreign": [f"cannot load shared library {libs['foreign']} (dlopened from its copy in <scratch>/foreign): "
+                    "it is built for ", "and this server runs on ", "build it for this machine"],
+        "undefined": [f"cannot load shared library {libs['undefined']} (dlopened from its copy in "
+                      "<scratch>/undefined): ", "undefined symbol: nereid_missing_dependency_xyz"],
         "noinfer": [f"shared library {libs['noinfer']} does not export nereid_infer"],
         "refuse_load": [f"nereid_load in {libs['multi']} returned 3: cannot open ", "refuse_load/weights.bin"],
         "no_runtime": ["needs exactly one of runtime.library", "runtime.sources"],
@@ -584,6 +602,20 @@ def test_check_reports_cxx_models_and_cxx_header_prints_the_header(repo, libs, c
     text = header.read_text()
     for declaration in ("int nereid_infer(", "int nereid_load(", "void nereid_unload(", "typedef struct nereid_tensor"):
         assert declaration in text
+
+
+def test_a_scratch_folder_on_a_noexec_mount_makes_the_model_unavailable_saying_so(repo, libs, tmp_path):
+    """Defect: with TMPDIR (/tmp) mounted noexec, dlopen of the library's copy there failed "failed to map
+    segment from shared object", and the reason blamed the user's library, on a file system that runs code."""
+    scale_model(repo, "scale")
+    noexec = tmp_path / "noexec"
+    config = repo.write_config(entry("scale", f'{{library: "{libs["multi"]}"}}'))
+    result = run_with_tmpdir_mounted_noexec(noexec, [*NEREID, "check", "--config", str(config)])
+    assert result.returncode == 1, result.stdout + result.stderr
+    [line] = [line for line in result.stdout.splitlines() if line.startswith("scale: ")]
+    assert line.startswith(f"scale: UNAVAILABLE: model 'scale': shared library {libs['multi']} runs from a copy in "
+                           f"the server's scratch folder {noexec}/nereid-"), line
+    assert "which is on a file system mounted noexec" in line and "set TMPDIR to a folder" in line, line
 
 
 def test_sources_in_an_unwritable_cache_build_in_the_scratch_folder_and_serve(repo, serve, caplog):
