@@ -155,12 +155,6 @@ def serve_command(settings: Settings, listeners: Listeners, manager: NereidPlugi
     except OSError as err:
         print(f"error: {err}", file=sys.stderr)
         return _exit_past_abandoned_threads(1)
-    finally:
-        # The loop's close gave SIGTERM and SIGINT back to their defaults: one more (a supervisor repeating
-        # its stop) would end the process with 143 or 130 while it exits after a clean stop.
-        if threading.current_thread() is threading.main_thread():  # (the only thread that may set them)
-            for signum in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(signum, signal.SIG_IGN)
     return _exit_past_abandoned_threads(0, force=not ended)
 
 

@@ -368,3 +368,10 @@ class NereidServer:
         killed = kill_children()
         if killed:
             log.info("ended %d process(es) left by abandoned loads or calls", killed)
+        # From here the process only exits: a SIGTERM or SIGINT repeated now (a supervisor's retries) must not
+        # end it with 143 or 130 after a clean stop. Ignored from now on, and taken off asyncio's own list of the
+        # signals it handles, whose close would otherwise put back the defaults (no public call lets one go
+        # without that reset, which would leave a moment with the default in place).
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, signal.SIG_IGN)
+            getattr(loop, "_signal_handlers", {}).pop(signum, None)
