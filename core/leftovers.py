@@ -60,6 +60,39 @@ def make_scratch_folder(kind: str = "") -> Path:
     return folder
 
 
+def make_private_folder(folder: Path) -> None:
+    """Make ``folder`` (mode 0700) unless it is there, and the folders above it that are missing, each 0700.
+
+    A run's folder is in the server's scratch folder, which a /tmp cleaner
+    (systemd-tmpfiles' age rule, an operator's ``rm``) may have removed while the
+    server runs: made again, runs go on rather than all failing from then on.
+    A scratch folder of this process's made again is locked again as its own,
+    or a server in another PID namespace would take it for a dead one's.
+    Concurrent calls are safe: whichever makes a folder first, the others find it.
+    """
+    try:
+        folder.mkdir(mode=0o700)
+    except FileExistsError:
+        return
+    except FileNotFoundError:
+        make_private_folder(folder.parent)
+        try:
+            folder.mkdir(mode=0o700)
+        except FileExistsError:
+            return
+    if folder in _held:
+        _lock_again(folder)
+
+
+def _lock_again(folder: Path) -> None:
+    descriptor = os.open(folder / OWNER_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(descriptor, fcntl.LOCK_EX)
+    old = _held.get(folder)
+    _held[folder] = descriptor
+    if old is not None:
+        os.close(old)  # (the lock of the folder that was removed)
+
+
 def remove_scratch_folder(folder: Path) -> None:
     """Remove a folder :func:`make_scratch_folder` made, and let its lock go."""
     shutil.rmtree(folder, ignore_errors=True)

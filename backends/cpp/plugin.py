@@ -9,9 +9,10 @@ from pathlib import Path
 
 from nereid.backend import BackendClaim
 from nereid.backends.cpp.compiler import build_binary
-from nereid.backends.subprocess.model import SubprocessModel, make_private_folder, require_executable_folder
+from nereid.backends.subprocess.model import SubprocessModel, require_executable_folder
 from nereid.errors import ModelFailure
 from nereid.hookspecs import hookimpl
+from nereid.leftovers import make_private_folder
 
 BACKEND_NAME = "cpp"
 SOURCE_FILE = "main.cpp"
@@ -46,15 +47,20 @@ class CppModel(SubprocessModel):
         if not self._binary.exists():
             # The server's scratch folder was removed under it (a /tmp cleaner): link this version's binary
             # again from .cache/, where a build's name is its sources' hash, so the same name is the same build.
+            # No copy here: a file being written while other runs fork is held open for writing by their
+            # children until they exec, and executing it then fails (ETXTBSY). On another file system the
+            # build runs from where it is.
+            if not self._built.exists():
+                raise ModelFailure(f"model '{self.context.name}': its binary was removed with the server's scratch "
+                                   f"folder, and its build {self._built} is gone too, so it cannot be linked again; "
+                                   "reload the model")
             make_private_folder(self._binary.parent)
             try:
-                _link_or_copy(self._built, self._binary)
+                os.link(self._built, self._binary)
             except FileExistsError:  # (a concurrent run linked it first)
                 pass
-            except OSError as err:
-                raise ModelFailure(f"model '{self.context.name}': its binary was removed with the server's scratch "
-                                   f"folder, and its build {self._built} is gone too, so it cannot be linked again "
-                                   f"({err.strerror or err}); reload the model") from None
+            except OSError:  # another file system, or no hard links there
+                return [str(self._built)]
         return [str(self._binary)]
 
     def unload(self) -> None:
@@ -67,8 +73,6 @@ class CppModel(SubprocessModel):
 def _link_or_copy(built: Path, binary: Path) -> None:
     try:
         os.link(built, binary)
-    except FileExistsError:
-        raise
     except OSError:  # another file system, or no hard links there
         shutil.copy2(built, binary)
 

@@ -27,6 +27,7 @@ from nereid.backend import ModelContext
 from nereid.dtypes import DType
 from nereid.errors import ConfigError, ModelFailure, Unavailable, cap_message
 from nereid.files import descriptor_path, not_regular_reason
+from nereid.leftovers import make_private_folder
 from nereid.runtime_options import RuntimeOptions
 from nereid.signature import TEXTPROTO_NAME, ModelSignature, TensorSpec, dims_match, load_textproto_signature
 from nereid.tensors import NamedTensor, tensor_bytes
@@ -102,20 +103,6 @@ def visible_gpus(environ: Mapping[str, str], proc_root: Path = Path("/proc"),
     if os.path.exists(dev_root / WSL_GPU_DEVICE):
         return VisibleGpus(None, None, f"WSL's {dev_root / WSL_GPU_DEVICE} (its GPUs are not counted)")
     return VisibleGpus(0, None, f"no NVIDIA GPU driver on this machine ({gpus} is missing)")
-
-
-def make_private_folder(folder: Path) -> None:
-    """Make ``folder`` (mode 0700), and the folders above it that are missing, each 0700.
-
-    A run's folder is in the server's scratch folder, which a /tmp cleaner
-    (systemd-tmpfiles' age rule, an operator's ``rm``) may have removed while the
-    server runs: made again, runs go on rather than all failing from then on.
-    """
-    try:
-        folder.mkdir(mode=0o700)
-    except FileNotFoundError:
-        make_private_folder(folder.parent)
-        folder.mkdir(mode=0o700, exist_ok=True)  # (a concurrent run may have made it meanwhile)
 
 
 def require_executable_folder(model: str, folder: Path, what: str) -> None:

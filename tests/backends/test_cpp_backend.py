@@ -147,6 +147,31 @@ def test_a_scratch_folder_on_a_noexec_mount_makes_the_model_unavailable_saying_s
     assert cache_files(repo.models_dir / "scale") == []  # refused before the compile
 
 
+def test_concurrent_runs_after_the_scratch_folder_was_removed_all_run_on_another_file_system(repo, serve,
+                                                                                            monkeypatch, tmp_path):
+    """Defect: with the scratch folder on another file system than .cache/ (tmpfs /tmp, so no hard link), runs
+    racing to put the binary back failed: FileExistsError making its folder, PermissionError executing a copy
+    another run had not finished."""
+    import concurrent.futures
+    import tempfile
+
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or shm.stat().st_dev == tmp_path.stat().st_dev:
+        pytest.skip("needs /dev/shm on a file system of its own")
+    elsewhere = Path(tempfile.mkdtemp(dir=shm))
+    monkeypatch.setattr(tempfile, "tempdir", str(elsewhere))
+    try:
+        copy_example(repo, "cpp_scale", "scale")
+        server = serve(repo.write_config('- name: "scale"\n  instances: 8\n'))
+        for _ in range(5):
+            shutil.rmtree(server.server.scratch_dir)
+            with concurrent.futures.ThreadPoolExecutor(16) as pool:
+                answers = list(pool.map(lambda _: infer(server, "scale", ROWS).as_numpy("output"), range(16)))
+            assert all(answer.tolist() == (ROWS * 2).tolist() for answer in answers)
+    finally:
+        shutil.rmtree(elsewhere, ignore_errors=True)
+
+
 def test_editing_an_included_header_rebuilds(repo, serve):
     folder = repo.add("scale_h", (EXAMPLES / "cpp_scale" / "model_inference.textproto").read_text(),
                       main_cpp=SCALE_WITH_HEADER)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -118,3 +119,36 @@ def test_a_killed_writers_partials_in_a_model_folder_go_when_it_loads(repo, serv
     server = serve(repo.write_config())
     assert server.server.repository.entry("echo").state.value == "READY"
     assert not any(partial.exists() for partial in stale) and fresh.exists()
+
+
+def test_a_scratch_folder_made_again_by_runs_at_once_is_locked_again(tmp_path, monkeypatch):
+    """Defects: runs making their folders at once after the scratch folder was removed failed with
+    FileExistsError (76 of 1,600 in a reviewer's run), and the folder made again had no lock, so a server in
+    another PID namespace took it for a dead one's and removed it under a running request."""
+    import threading
+
+    from nereid.leftovers import _owner_gone, make_private_folder
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr("tempfile.tempdir", None)
+    root = make_scratch_folder()
+    try:
+        for _ in range(20):
+            shutil.rmtree(root)
+            failures: list[BaseException] = []
+
+            def run(index: int) -> None:
+                try:
+                    make_private_folder(root / "model" / f"run-{index}")
+                except BaseException as err:
+                    failures.append(err)
+            threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            assert failures == [] and len(list((root / "model").iterdir())) == 8
+            assert root.stat().st_mode & 0o777 == 0o700
+            assert not _owner_gone(str(root), dead_pid())  # held again: no other server takes it for a dead one's
+    finally:
+        remove_scratch_folder(root)
