@@ -105,7 +105,8 @@ def _owner_gone(folder: str, pid: int) -> bool:
     """True when the process that made ``folder`` has ended: its lock is free (or, for a folder without one,
     made by an older nereid, no process has its id); False when it runs or cannot be told."""
     try:
-        descriptor = os.open(os.path.join(folder, OWNER_LOCK), os.O_RDONLY | os.O_NOFOLLOW)
+        # (Read-write: on NFS, flock is a POSIX lock, whose exclusive kind needs a descriptor open for writing.)
+        descriptor = os.open(os.path.join(folder, OWNER_LOCK), os.O_RDWR | os.O_NOFOLLOW)
     except FileNotFoundError:
         return not process_alive(pid)
     except OSError:

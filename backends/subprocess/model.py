@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import shutil
 import stat
 import uuid
@@ -50,6 +51,7 @@ MAX_ENV_STRING_BYTES = 32 * 4096
 # The NVIDIA kernel driver's folder of GPUs (one entry per GPU, under /proc), and WSL's GPU device (under /dev).
 NVIDIA_GPUS_DIR = "driver/nvidia/gpus"
 WSL_GPU_DEVICE = "dxg"
+_GPU_NODE = re.compile(r"nvidia[0-9]+")  # /dev/nvidia0, ... (not nvidiactl, nvidia-uvm)
 
 
 @dataclass(frozen=True)
@@ -82,7 +84,7 @@ def visible_gpus(environ: Mapping[str, str], proc_root: Path = Path("/proc"),
 
     The server's own ``CUDA_VISIBLE_DEVICES`` when it has one (CUDA then numbers
     only those); else the NVIDIA driver's entries in /proc/driver/nvidia/gpus;
-    else 0, unless WSL's /dev/dxg is there (its GPUs are not listed anywhere, so
+    else its device nodes /dev/nvidia<N>; else 0, unless WSL's /dev/dxg is there (its GPUs are not listed anywhere, so
     they are not counted). Nothing here starts CUDA, which would hold GPU memory
     in the server for every GPU model.
     """
@@ -100,6 +102,13 @@ def visible_gpus(environ: Mapping[str, str], proc_root: Path = Path("/proc"),
         pass
     else:
         return VisibleGpus(count, None, f"the NVIDIA driver's {gpus} {lists(count)}")
+    # A container set up without the driver's /proc folder (CDI, some runtimes) still has a device node per GPU.
+    try:
+        nodes = sum(1 for name in os.listdir(dev_root) if _GPU_NODE.fullmatch(name))
+    except OSError:
+        nodes = 0
+    if nodes:
+        return VisibleGpus(nodes, None, f"the device nodes {dev_root}/nvidia<N> {lists(nodes)}")
     if os.path.exists(dev_root / WSL_GPU_DEVICE):
         return VisibleGpus(None, None, f"WSL's {dev_root / WSL_GPU_DEVICE} (its GPUs are not counted)")
     return VisibleGpus(0, None, f"no NVIDIA GPU driver on this machine ({gpus} is missing)")

@@ -336,6 +336,13 @@ def test_visible_gpus_counts_the_servers_list_else_the_drivers_gpus(tmp_path) ->
                                                      f"({bare}/proc/driver/nvidia/gpus is missing)")
     wsl = machine(tmp_path / "wsl", wsl=True)
     assert visible_gpus({}, wsl / "proc", wsl / "dev").count is None  # GPUs there, but nothing counts them
+    # A container without the driver's /proc folder (CDI) still has a device node per GPU.
+    nodes = machine(tmp_path / "nodes")
+    for name in ("nvidia0", "nvidia1", "nvidia2", "nvidiactl", "nvidia-uvm"):
+        (nodes / "dev" / name).touch()
+    counted = visible_gpus({}, nodes / "proc", nodes / "dev")
+    assert (counted.count, counted.described) == (3, f"the device nodes {nodes}/dev/nvidia<N> lists 3 GPU(s), "
+                                                      "cuda:0 to cuda:2")
 
 
 def test_a_gpu_model_runs_on_the_ith_gpu_of_the_servers_cuda_visible_devices(tmp_path, monkeypatch) -> None:
