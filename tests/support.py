@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -201,3 +202,29 @@ def wait_until(condition: Callable[[], Any], timeout_s: float = 10) -> Any:
             return False
         time.sleep(0.02)
     return value
+
+
+def run_with_tmpdir_mounted_noexec(tmpdir: Path, argv: list[str]) -> subprocess.CompletedProcess:
+    """Run ``argv`` with TMPDIR on a fresh tmpfs mounted noexec at ``tmpdir``, as hardened containers mount /tmp.
+
+    The mount is made in a user and mount namespace of the run's own (``unshare -rm``: no root needed, and
+    nothing outside sees it); the test is skipped where this machine allows no such namespace.
+    """
+    tmpdir.mkdir()
+    mount = ["unshare", "-rm", "sh", "-c", 'mount -t tmpfs -o noexec,size=64m tmpfs "$0" && TMPDIR="$0" exec "$@"',
+             str(tmpdir)]
+    probe = subprocess.run([*mount, "true"], capture_output=True, text=True) if shutil.which("unshare") else None
+    if probe is None or probe.returncode != 0:
+        pytest.skip(f"cannot mount a noexec tmpfs in a namespace here: {probe and probe.stderr.strip()}")
+    return subprocess.run([*mount, *argv], capture_output=True, text=True, timeout=120)
+
+
+def private_names(repository, suffix: str) -> list[str]:
+    """``suffix`` under real private folders of ``repository`` (ml_backends_path, the scratch folder, nereid's
+    install folder): each rewritten by its path scrubbing, as checked here."""
+    import nereid
+
+    folders = (repository.root.resolve(), repository.scratch_dir, Path(nereid.__file__).resolve().parent)
+    names = [f"{folder}{os.sep}{suffix}" for folder in folders]
+    assert all(repository.public_text(name) != name for name in names)
+    return names

@@ -9,7 +9,6 @@ import errno
 import os
 import shutil
 import stat
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +19,7 @@ from tritonclient.utils import InferenceServerException
 from nereid.backends.cpp import compiler
 from nereid.errors import ConfigError
 from nereid.backends.cpp.compiler import source_hash
-from support import ECHO_MAIN, NEREID, textproto_single, zombie_children
+from support import ECHO_MAIN, NEREID, run_with_tmpdir_mounted_noexec, textproto_single, zombie_children
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "ml-backends"
 
@@ -54,21 +53,6 @@ def copy_example(repo, name: str, as_name: str | None = None) -> Path:
 def cache_files(folder: Path) -> list[str]:
     cache = folder / ".cache"
     return sorted(p.name for p in cache.iterdir()) if cache.is_dir() else []
-
-
-def run_with_tmpdir_mounted_noexec(tmpdir: Path, argv: list[str]) -> subprocess.CompletedProcess:
-    """Run ``argv`` with TMPDIR on a fresh tmpfs mounted noexec at ``tmpdir``, as hardened containers mount /tmp.
-
-    The mount is made in a user and mount namespace of the run's own (``unshare -rm``: no root needed, and
-    nothing outside sees it); the test is skipped where this machine allows no such namespace.
-    """
-    tmpdir.mkdir()
-    mount = ["unshare", "-rm", "sh", "-c", 'mount -t tmpfs -o noexec,size=64m tmpfs "$0" && TMPDIR="$0" exec "$@"',
-             str(tmpdir)]
-    probe = subprocess.run([*mount, "true"], capture_output=True, text=True) if shutil.which("unshare") else None
-    if probe is None or probe.returncode != 0:
-        pytest.skip(f"cannot mount a noexec tmpfs in a namespace here: {probe and probe.stderr.strip()}")
-    return subprocess.run([*mount, *argv], capture_output=True, text=True, timeout=120)
 
 
 ROWS = np.arange(-8, 16, dtype=np.float32).reshape(3, 8) * 0.25

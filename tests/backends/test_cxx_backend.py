@@ -25,7 +25,7 @@ from nereid.cli import main as nereid_main
 from nereid.dtypes import DType
 from nereid.settings import ModelSettings
 from nereid.tensors import NamedTensor
-from support import NEREID, expect_grpc_error
+from support import NEREID, expect_grpc_error, run_with_tmpdir_mounted_noexec
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "ml-backends"
 CXX = shutil.which(os.environ.get("CXX", "c++"))
@@ -239,21 +239,6 @@ def scale_model(repo, name: str, textproto: str = SCALE_TEXTPROTO) -> Path:
 
 def entry(name: str, runtime: str, extra: str = "") -> str:
     return f'- name: "{name}"\n  backend: "cxx"\n  runtime: {runtime}\n{extra}'
-
-
-def run_with_tmpdir_mounted_noexec(tmpdir: Path, argv: list[str]) -> subprocess.CompletedProcess:
-    """Run ``argv`` with TMPDIR on a fresh tmpfs mounted noexec at ``tmpdir``, as hardened containers mount /tmp.
-
-    The mount is made in a user and mount namespace of the run's own (``unshare -rm``: no root needed, and
-    nothing outside sees it); the test is skipped where this machine allows no such namespace.
-    """
-    tmpdir.mkdir()
-    mount = ["unshare", "-rm", "sh", "-c", 'mount -t tmpfs -o noexec,size=64m tmpfs "$0" && TMPDIR="$0" exec "$@"',
-             str(tmpdir)]
-    probe = subprocess.run([*mount, "true"], capture_output=True, text=True) if shutil.which("unshare") else None
-    if probe is None or probe.returncode != 0:
-        pytest.skip(f"cannot mount a noexec tmpfs in a namespace here: {probe and probe.stderr.strip()}")
-    return subprocess.run([*mount, *argv], capture_output=True, text=True, timeout=120)
 
 
 def test_multi_tensor_model_round_trips_every_fixed_size_dtype(repo, serve, libs):

@@ -11,9 +11,8 @@ import pytest
 
 import nereid
 from nereid.dtypes import DType
-from nereid.errors import ConfigError, InvalidArgument, ModelFailure
+from nereid.errors import ConfigError, InvalidArgument, ModelFailure, PublicText
 from nereid.signature import ModelSignature, TensorSpec, check_outputs, load_textproto_signature, validate_inputs
-from nereid.errors import PublicText
 from nereid.tensors import NamedTensor
 from toy_backends import toy_dataplane
 

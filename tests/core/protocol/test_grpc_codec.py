@@ -8,11 +8,9 @@ malformed raw bytes).
 
 from __future__ import annotations
 
-import os
 import re
 import struct
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Iterator
 
 import grpc
@@ -23,7 +21,8 @@ import tritonclient.grpc as triton
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
-from support import ECHO_MAIN, FRAMED_ECHO_MAIN, ModelRepo, RunningServer, expect_grpc_error, textproto_single
+from support import (ECHO_MAIN, FRAMED_ECHO_MAIN, ModelRepo, RunningServer, expect_grpc_error, private_names,
+                     textproto_single)
 
 # --------------------------------------------------------------------------- helpers
 
@@ -615,17 +614,6 @@ def test_large_requests_keep_raw_inputs_as_views_of_the_wire_bytes():
 
 
 # -- names the client sent, echoed as sent ---------------------------------------------------------------------
-
-def private_names(repository, suffix: str) -> list[str]:
-    """``suffix`` under real private folders of ``repository`` (ml_backends_path, the scratch folder, nereid's
-    install folder): each rewritten by its path scrubbing, as checked here."""
-    import nereid
-
-    folders = (repository.root.resolve(), repository.scratch_dir, Path(nereid.__file__).resolve().parent)
-    names = [f"{folder}{os.sep}{suffix}" for folder in folders]
-    assert all(repository.public_text(name) != name for name in names)
-    return names
-
 
 def test_decode_refusals_echo_the_clients_names_as_sent_through_the_path_scrubbing(tmp_path):
     # An input or output name starting with one of the server's private folders came back rewritten

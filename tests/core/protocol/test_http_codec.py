@@ -4,21 +4,18 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import re
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-import nereid
 import toy_backends
 from nereid.dtypes import DType
-from nereid.errors import InvalidArgument
+from nereid.errors import InvalidArgument, PublicText
 from nereid.plugins import make_plugin_manager
 from nereid.protocol.http_codec import OutputChoice, decode_infer, encode_infer
-from nereid.errors import PublicText
 from nereid.tensors import InferResponse, NamedTensor, bytes_array
+from support import private_names
 from toy_backends import toy_dataplane, write_toy
 
 
@@ -128,15 +125,6 @@ def test_malformed_bodies_are_invalid_arguments(raw, length, message):
     with pytest.raises(InvalidArgument, match=re.escape(message)) as caught:
         decode_infer("m", raw, length)
     assert isinstance(str(caught.value), PublicText)  # built from the request alone: echoed, never scrubbed
-
-
-def private_names(repository, suffix: str) -> list[str]:
-    """``suffix`` under real private folders of ``repository`` (ml_backends_path, the scratch folder, nereid's
-    install folder): each rewritten by its path scrubbing, as checked here."""
-    folders = (repository.root.resolve(), repository.scratch_dir, Path(nereid.__file__).resolve().parent)
-    names = [f"{folder}{os.sep}{suffix}" for folder in folders]
-    assert all(repository.public_text(name) != name for name in names)
-    return names
 
 
 def test_decode_refusals_echo_the_clients_names_as_sent_through_the_path_scrubbing(tmp_path):
