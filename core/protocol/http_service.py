@@ -16,9 +16,11 @@ import logging
 import resource
 import socket
 import ssl
+import sys
 import time
 from typing import Any, Awaitable, Callable, Iterator
 
+import httptools
 import orjson
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -141,6 +143,11 @@ class HttpSurface:
             log.exception("HTTP %s %s failed", scope["method"], cap_message(scope["path"], 256))
             status, headers = 500, JSON_HEADERS
             body = _error_body(self.dataplane.repository.public_text(f"internal error: {type(err).__name__}: {err}"))
+        if _body_never_asked_for(receive):
+            # Answered before its body was asked for (no 100 Continue went out): the client need not send it
+            # (RFC 9110 10.1.1), and the parser would take its next request for that body, which then hung.
+            # uvicorn closes the connection after an answer that says so.
+            headers = [*headers, (b"connection", b"close")]
         await _respond(send, status, body, headers)
 
     async def _route(self, scope: Scope, receive: Receive) -> tuple[int, list[bytes | memoryview], list]:
@@ -371,6 +378,18 @@ async def _unless_disconnected(call: Awaitable[Any], receive: Receive) -> Any:
         cycle.nereid_handler = None
 
 
+def _body_never_asked_for(receive: Receive) -> bool:
+    """Whether the request asked ``Expect: 100-continue`` and its body, not all arrived, was never asked for.
+
+    uvicorn answers 100 Continue at a request's first ``receive`` (or never, once
+    its answer has started), and clears ``waiting_for_100_continue`` then;
+    ``more_body`` is False once the whole message was parsed (a client may send
+    the body without waiting, or have none to send).
+    """
+    cycle = getattr(receive, "__self__", None)  # uvicorn's cycle; absent when the app is called directly
+    return bool(getattr(cycle, "waiting_for_100_continue", False) and getattr(cycle, "more_body", False))
+
+
 def _who(model: str) -> str:
     return f"model '{model}': " if model else ""
 
@@ -597,6 +616,27 @@ class _UvicornRecords(logging.Filter):
         return self._invalid_requests.filter(record)
 
 
+def _refusal(status_line: bytes, message: str) -> bytes:
+    """A whole answer written below the app, for a connection closed after it: JSON, as the app's errors are."""
+    body = _error_body(message)[0]
+    return (b"HTTP/1.1 %s\r\ncontent-type: application/json\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s"
+            % (status_line, len(body), body))
+
+
+def _parser_reason(error: BaseException | None) -> str:
+    """What the HTTP parser found wrong with a request, from the error it raised (capped: it may quote the request).
+
+    An error raised in one of uvicorn's parser callbacks (such as its ASCII decode
+    of the path) reaches data_received as the parser's "User callback error",
+    with the callback's own error as its context.
+    """
+    if isinstance(error, httptools.HttpParserCallbackError) and error.__context__ is not None:
+        error = error.__context__
+    if error is None:
+        return "unknown reason"
+    return cap_message(str(error) or type(error).__name__, 200)
+
+
 class _EmbeddedServer(uvicorn.Server):
     """uvicorn's server without its signal handling, telling when it has started.
 
@@ -718,10 +758,8 @@ class _BoundedHeadProtocol(HttpToolsProtocol):
         _capacity_log.warning("HTTP connection from %s refused with 503: %d connections are open, the most served "
                               "at once (%d, or half the open-file limit when that is lower)", self.client, most,
                               MAX_CONNECTIONS)
-        body = orjson.dumps({"error": f"the server has {most} HTTP connections open, the most it serves at once; "
-                                      "try again later"})
-        self.transport.write(b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
-                             b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+        self.transport.write(_refusal(b"503 Service Unavailable", f"the server has {most} HTTP connections open, "
+                                                                   "the most it serves at once; try again later"))
         self.transport.close()
 
     def _check_idle(self) -> None:
@@ -756,9 +794,8 @@ class _BoundedHeadProtocol(HttpToolsProtocol):
         _client_log.log(logging.INFO, "HTTP request from %s refused with 408: its request line and headers did not "
                                       "all arrive within %g s", self.client, limit_s)
         if self.cycle is None or self.cycle.response_complete:
-            body = orjson.dumps({"error": f"the request line and headers did not all arrive within {limit_s:g} s"})
-            self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
-                                 b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+            self.transport.write(_refusal(b"408 Request Timeout",
+                                          f"the request line and headers did not all arrive within {limit_s:g} s"))
         self.transport.close()
 
     def _unsupported_upgrade_warning(self) -> None:
@@ -835,8 +872,22 @@ class _BoundedHeadProtocol(HttpToolsProtocol):
         _client_log.log(logging.INFO, "HTTP request from %s refused with 431: its request line and headers pass %d "
                                       "bytes", self.client, MAX_HEAD_BYTES)
         if self.cycle is None or self.cycle.response_complete:
-            body = orjson.dumps({"error": f"the request line and headers exceed {MAX_HEAD_BYTES} bytes"})
-            self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
-                                 b"content-type: application/json\r\nconnection: close\r\n"
-                                 b"content-length: %d\r\n\r\n%s" % (len(body), body))
+            self.transport.write(_refusal(b"431 Request Header Fields Too Large",
+                                          f"the request line and headers exceed {MAX_HEAD_BYTES} bytes"))
+        self.transport.close()
+
+    def send_400_response(self, msg: str) -> None:
+        """Answer a request the HTTP parser cannot read with a JSON 400 naming the parser's reason, and close.
+
+        uvicorn calls this from data_received's ``except HttpParserError`` (after
+        its WARNING, left as it is), with only its fixed text: the parser's error
+        is the one being handled. Only close when an earlier request is still
+        being answered: the 400 would be read as its answer.
+        """
+        reason = _parser_reason(sys.exc_info()[1])
+        cycle = self.cycle
+        # The parser stopped in a head after every earlier answer, or in this request's own (chunked) body before
+        # its answer began (asyncio drops what its handler writes once the connection is closing).
+        if cycle is None or cycle.response_complete or (cycle.more_body and not cycle.response_started):
+            self.transport.write(_refusal(b"400 Bad Request", f"the request cannot be parsed as HTTP/1.1: {reason}"))
         self.transport.close()

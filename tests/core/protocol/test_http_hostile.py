@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import json
 import logging
 import resource
 import select
@@ -232,3 +233,38 @@ def test_hostile_requests_write_at_most_the_log_limits_lines(repo, serve, monkey
     lines = [r.getMessage() for r in caplog.records if any(kind in r.getMessage() for kind in kinds)]
     assert 0 < len(lines) <= budget, lines
     assert {kind for kind in kinds for line in lines if kind in line} == set(kinds)  # each kind is still heard of
+
+
+@pytest.mark.parametrize("request_bytes, reason", [
+    (b"POST /v2/x HTTP/1.1\r\nHost: x\r\nContent-Length: 12a\r\n\r\n", "Invalid character in Content-Length"),
+    (b"POST /v2/x HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+     "Transfer-Encoding can't be present with Content-Length"),
+    (b"GET /v2/models/my model/ready HTTP/1.1\r\nHost: x\r\n\r\n", "Expected HTTP/"),
+    ("GET /v2/models/modèle/ready HTTP/1.1\r\nHost: x\r\n\r\n".encode(), "Invalid char in url path"),
+    # In the body of a request whose answer has not begun: that request is the one answered 400.
+    (b"POST /v2/x HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", "Invalid character in chunk size"),
+], ids=["content-length-not-a-number", "content-length-and-chunked", "raw-space-in-path", "raw-utf8-in-path",
+        "bad-chunk-size"])
+def test_a_request_the_parser_cannot_read_is_a_json_400_naming_the_parsers_reason(listener, request_bytes, reason):
+    """uvicorn answered these with its text/plain "Invalid HTTP request received." and no reason, where every
+    other error of the REST API is {"error": ...} in application/json."""
+    with socket.create_connection(("127.0.0.1", listener), timeout=5) as connection:
+        connection.sendall(request_bytes)
+        answer = _read_all(connection)  # (returns once the server has closed the connection)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.split(b"\r\n")[0] == b"HTTP/1.1 400 Bad Request", answer
+    assert {b"content-type: application/json", b"connection: close", b"content-length: %d" % len(body)} <= \
+        set(head.split(b"\r\n")[1:]), answer
+    document = json.loads(body)
+    assert list(document) == ["error"], answer
+    assert document["error"].startswith("the request cannot be parsed as HTTP/1.1: ") and reason in document["error"]
+
+
+def test_a_request_the_parser_cannot_read_behind_one_being_answered_is_not_answered_in_its_place(listener):
+    """uvicorn wrote its 400 at once, before the answer of the valid request pipelined ahead of the unreadable
+    one: the client took it for that request's answer."""
+    with socket.create_connection(("127.0.0.1", listener), timeout=5) as connection:
+        connection.sendall(b"POST /v2/x HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabcGARBAGE\r\n\r\n")
+        answer = _read_all(connection)
+    # Its own answer, or none (the connection closed unanswered, as for a head too large), never the other's 400.
+    assert answer == b"" or answer.startswith(b"HTTP/1.1 200 OK\r\n"), answer

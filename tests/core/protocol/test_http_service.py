@@ -321,6 +321,59 @@ def test_oversized_and_truncated_bodies(repo, serve):
     assert call(base, "GET", "/v2/health/live")[0] == 200
 
 
+def _answer_on(connection: socket.socket) -> tuple[bytes, bytes]:
+    """One answer read off a raw connection: (its status line and headers, its body by its content-length)."""
+    received = b""
+    while b"\r\n\r\n" not in received:
+        chunk = connection.recv(65536)
+        assert chunk, f"the connection closed after {received!r}"
+        received += chunk
+    head, _, body = received.partition(b"\r\n\r\n")
+    length = re.search(rb"\r\ncontent-length: (\d+)", head, re.IGNORECASE)
+    while length is not None and len(body) < int(length.group(1)):
+        body += connection.recv(65536)
+    return head, body
+
+
+def test_an_expect_100_continue_request_answered_before_its_body_closes_its_connection(repo, serve):
+    """A request with Expect: 100-continue refused before its body was asked for (413, a Content-Type or a
+    Content-Encoding refused) kept its connection open without saying so: its client, which need not send the
+    body then, sent its next request there, the server read it as the missing body, and it hung."""
+    repo.python("echo")
+    server = serve(repo.write_config(server_extra="  max_message_bytes: 4096\n"))
+    port = server.server.http_port
+    infer = b"POST /v2/models/echo/infer HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
+    for headers, status, message in [
+        (b"Content-Type: application/json\r\nContent-Length: 5000", 413, "the request body is 5000 bytes"),
+        (b"Content-Type: text/plain\r\nContent-Length: 50", 400, "Content-Type 'text/plain' is not accepted"),
+        (b"Content-Encoding: gzip\r\nContent-Length: 50", 400, "compressed request bodies are not supported"),
+    ]:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as connection:
+            connection.sendall(infer + headers + b"\r\n\r\n")
+            head, body = _answer_on(connection)
+            assert head.startswith(b"HTTP/1.1 %d " % status) and b"\r\nconnection: close" in head, head
+            assert message in json.loads(body)["error"]
+            try:
+                closed = connection.recv(1) == b""
+            except TimeoutError:
+                closed = False
+            assert closed, f"{headers!r}: the connection stayed open after {head!r}"
+    body = json.dumps({"inputs": [{"name": "input", "shape": [1, 4], "datatype": "FP32",
+                                   "data": [1, 2, 3, 4]}]}).encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as connection:
+        # Its body asked for (100 Continue), sent, and answered: the connection serves on.
+        connection.sendall(infer + b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body))
+        assert _answer_on(connection) == (b"HTTP/1.1 100 Continue", b"")
+        connection.sendall(body)
+        assert _answer_on(connection)[0].startswith(b"HTTP/1.1 200 OK\r\n")
+        # Refused, its body sent along without waiting (all of it read): the connection serves on too.
+        connection.sendall(infer + b"Content-Type: text/plain\r\nContent-Length: 5\r\n\r\nhello")
+        head, _ = _answer_on(connection)
+        assert head.startswith(b"HTTP/1.1 400 ") and b"connection: close" not in head, head
+        connection.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert _answer_on(connection)[0].startswith(b"HTTP/1.1 200 OK\r\n")
+
+
 def test_stats_index_and_repository_control(repo, serve):
     repo.python("echo")
     repo.python("other")
