@@ -8,6 +8,7 @@ scrape time, which keeps the request path free of metric locks.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import socket
@@ -66,9 +67,13 @@ class ServerMetrics:
         self.protocol_requests = Counter(
             "nereid_protocol_requests", "Inference requests answered, by model, protocol (grpc, http) and outcome.",
             ["model", "protocol", "outcome"], registry=self.registry)
-        # Children by labels; keys name only models the repository knew when first counted, so this
-        # stays as small as the label sets themselves.
-        self._request_counters: dict[tuple[str, str, str], Any] = {}
+        # Children by model, then (protocol, outcome): only models the repository knows (or UNKNOWN_MODEL), and
+        # what a forgotten model had is dropped with it (model_forgotten), so this stays as small as the series.
+        self._request_counters: dict[str, dict[tuple[str, str], Any]] = {}
+        self._events: dict[str, set[str]] = {}  # the events counted under each model, to remove them by name
+        # Held from "does the repository know this name" to the series made for it, and while a forgotten name's
+        # series are removed: a series is never made for a name just after its series were dropped.
+        self._names_lock = threading.Lock()
         self._repository: ModelRepository | None = None
         self._http = None
 
@@ -83,19 +88,24 @@ class ServerMetrics:
     def count_request(self, protocol: str, model: str, outcome: str) -> None:
         """Count one inference request answered over ``protocol`` (``success`` or the error's reason).
 
-        A name the repository does not know is counted as :data:`UNKNOWN_MODEL`. A name it knew once
-        keeps its series after the folder is gone: those are bounded by the folders that ever existed.
+        A name the repository does not know (never had a folder, or forgotten since) is counted as
+        :data:`UNKNOWN_MODEL`: a model's series last as long as the repository knows its name.
         """
-        key = (model, protocol, outcome)
-        counter = self._request_counters.get(key)
+        counters = self._request_counters.get(model)
+        counter = counters.get((protocol, outcome)) if counters is not None else None
         if counter is None:  # labels() costs more than the increment: look each child up once
+            counter = self._request_counter(protocol, model, outcome)
+        counter.inc()
+
+    def _request_counter(self, protocol: str, model: str, outcome: str) -> Any:
+        with self._names_lock:
             if not self._knows(model):
                 model = UNKNOWN_MODEL
-                key = (model, protocol, outcome)
-            counter = self._request_counters.get(key)
+            counters = self._request_counters.setdefault(model, {})
+            counter = counters.get((protocol, outcome))
             if counter is None:
-                counter = self._request_counters[key] = self.protocol_requests.labels(model, protocol, outcome)
-        counter.inc()
+                counter = counters[(protocol, outcome)] = self.protocol_requests.labels(model, protocol, outcome)
+            return counter
 
     def _knows(self, model: str) -> bool:
         """Whether the repository has a folder (or nereid.yaml entry) named ``model``; True without one."""
@@ -112,11 +122,34 @@ class ServerMetrics:
 
     def model_loaded(self, model: str, seconds: float) -> None:
         """Record one model load."""
-        self.load_duration.labels(model).observe(seconds)
+        with self._names_lock:
+            self.load_duration.labels(model).observe(seconds)
 
     def repository_event(self, model: str, event: str) -> None:
-        """Count one reload, failed reload, rename or removal."""
-        self.repository_events.labels(model, event).inc()
+        """Count one reload, failed reload, rename or removal.
+
+        One for a name the repository does not know (a removal that forgot it) is counted as
+        :data:`UNKNOWN_MODEL`: removals stay counted, without a series per name that is gone.
+        """
+        with self._names_lock:
+            if not self._knows(model):
+                model = UNKNOWN_MODEL
+            self._events.setdefault(model, set()).add(event)
+            self.repository_events.labels(model, event).inc()
+
+    def model_forgotten(self, model: str) -> None:
+        """The repository no longer knows ``model`` (its entry is gone): drop every series under its name.
+
+        A server fed versioned names (``model-<sha>``) must not keep series for every name it served, nor a
+        scrape grow with them. A name that comes back counts from zero. An unloaded model keeps its series:
+        its name is still in RepositoryIndex, and its requests still count under it.
+        """
+        with self._names_lock:
+            for protocol, outcome in self._request_counters.pop(model, {}):
+                _remove_series(self.protocol_requests, model, protocol, outcome)
+            for event in self._events.pop(model, ()):
+                _remove_series(self.repository_events, model, event)
+            _remove_series(self.load_duration, model)
 
     def serve(self, addr: str, idle_timeout_s: float = IDLE_TIMEOUT_S, origin: str = "server.metrics_addr") -> int:
         """Start the HTTP endpoint on ``host:port``; returns the bound port.
@@ -146,6 +179,12 @@ class ServerMetrics:
             self._http.shutdown()
             self._http.server_close()
             self._http = None
+
+
+def _remove_series(metric: Counter | Histogram, *labels: str) -> None:
+    """Remove one label set of ``metric``; one that was never made is no error."""
+    with contextlib.suppress(KeyError):  # (older prometheus_client releases raise KeyError for it)
+        metric.remove(*labels)
 
 
 class _QuietHandler(WSGIRequestHandler):

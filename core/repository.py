@@ -225,6 +225,13 @@ class RepositoryEvents(Protocol):
     def repository_event(self, model: str, event: str) -> None:
         """A ``reload``, ``reload_failed``, ``rename`` or ``remove``."""
 
+    def model_forgotten(self, model: str) -> None:
+        """The repository no longer knows the name ``model`` (its entry was dropped): nothing is kept for it.
+
+        Not for an unload (the entry stays, in RepositoryIndex). A ``remove`` that forgot the name is heard
+        after this, for a name the repository does not know.
+        """
+
 
 class ModelRepository:
     """All model folders of one server, and the loaded models among them.
@@ -390,7 +397,8 @@ class ModelRepository:
             return None
 
     def _forget_gone(self, present: set[str]) -> None:
-        """Drop the entries of folders that are gone, unless loaded or in use.
+        """Drop the entries of folders that are gone, unless loaded or in use: ``events`` hears each is forgotten,
+        and its scratch folders are removed in the background.
 
         An entry nereid.yaml lists stays, waiting for its folder again as at
         start. Either way a model whose folder went while it was not loaded is
@@ -398,9 +406,14 @@ class ModelRepository:
         """
         gone = [entry for entry in self.entries() if entry.name not in present and not entry.in_use()]
         changed = False
+        scratch: set[str] = set()
         for entry in gone:
             if self.settings.model(entry.name) is None:
                 self._entries.pop(entry.name, None)
+                self._forgotten(entry.name)
+                # The watcher's removal of the name, if any, finds no entry now: its scratch folders go here
+                # (a failed load's too: a cpp build cache), or one would stay per name ever seen.
+                scratch |= entry.scratch_names
             elif entry.folder_seen:
                 entry.folder_seen = False
                 entry.state, entry.reason = ModelState.UNAVAILABLE, _waiting_for_folder(entry.name)
@@ -408,8 +421,15 @@ class ModelRepository:
                 continue  # listed, its folder never seen yet: it still waits for it, as it did at start
             self._exposed.discard(entry.name)
             changed = True
+        if scratch:
+            self._drop_scratch_soon(scratch)
         if changed:
             self._refresh_dependents()
+
+    def _forgotten(self, name: str) -> None:
+        """Tell ``events`` that ``name`` has no entry any more (dropped for good, not replaced)."""
+        if self.events is not None and name not in self._entries:
+            self.events.model_forgotten(name)
 
     def entries(self) -> list[ModelEntry]:
         """Every known model folder, by name."""
@@ -622,6 +642,7 @@ class ModelRepository:
                 del self._entries[old]
                 entry.name, entry.folder, entry.settings, entry.settings_origin = new, context.folder, settings, origin
                 self._entries[new] = entry  # replaces an entry a rescan may have made for the new folder
+                self._forgotten(old)  # (its series go; the model's figures are under the new name from now on)
                 if old in self._exposed:
                     self._exposed.discard(old)
                     self._exposed.add(new)
@@ -686,6 +707,7 @@ class ModelRepository:
         if entry is not None:
             if self._entries.get(name) is entry and not entry.in_use() and not entry.folder.is_dir():
                 self._entries.pop(name)
+                self._forgotten(name)  # before the removal is recorded: that one then names no forgotten model
             self._refresh_dependents()
             if self._entries.get(name) is not entry:  # forgotten (or replaced by a model renamed onto the name)
                 await self._drop_scratch(entry.scratch_names)
@@ -917,6 +939,15 @@ class ModelRepository:
         path = self.scratch_dir / name
         path.mkdir(parents=True, exist_ok=True)
         return path
+
+    def _drop_scratch_soon(self, names: set[str]) -> None:
+        """:meth:`_drop_scratch` as background work, for a caller that cannot wait (a rescan)."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # a rescan outside any event loop (a script, after asyncio.run): nothing runs
+            asyncio.run(self._drop_scratch(names))
+            return
+        self.in_background(self._drop_scratch(names), "dropping the scratch folders of forgotten models")
 
     async def _drop_scratch(self, names: set[str] | frozenset[str]) -> None:
         """Remove the scratch folders ``names`` (those of a forgotten entry or a released version) that nothing

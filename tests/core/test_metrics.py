@@ -401,3 +401,94 @@ def test_a_runtime_report_of_the_wrong_kind_leaves_out_one_gauge_not_the_scrape(
             ("none", "returned NoneType, expected a nereid RuntimeReport"),
             ("str", "returned str, expected a nereid RuntimeReport")))
     assert not [r for r in caplog.records if r.exc_info]
+
+
+def test_a_model_name_the_repository_forgets_keeps_no_series(tmp_path) -> None:
+    """Defect: every name a watch-mode server ever served kept 19 series in /metrics (load duration, its remove
+    event, its protocol requests) after its folder was deleted: versioned names (model-<sha>) grew each scrape
+    by 1.5 KB per name, for ever. Renames left the old name's; requests for it still counted under it."""
+    import asyncio
+    import shutil
+
+    from prometheus_client import generate_latest
+
+    from nereid.metrics import UNKNOWN_MODEL, ServerMetrics
+    from nereid.plugins import make_plugin_manager
+    from nereid.repository import ModelRepository
+    from nereid.settings import load_settings
+
+    root = tmp_path / "ml-backends"
+    root.mkdir()
+    (tmp_path / "nereid.yaml").write_text('server:\n  ml_backends_path: "ml-backends"\n')
+    (tmp_path / "scratch").mkdir()
+    metrics = ServerMetrics()
+    repository = ModelRepository(load_settings(tmp_path / "nereid.yaml"),
+                                 make_plugin_manager(load_entry_points=False, extra_plugins=(toy_backends,)),
+                                 tmp_path / "scratch", events=metrics)
+    metrics.collect_from(repository)
+
+    def series(model: str | None = None) -> list[str]:
+        """The registry's series (lines of the real exposition), those naming ``model`` when given."""
+        lines = [line for line in generate_latest(metrics.registry).decode().splitlines()
+                 if line and not line.startswith("#")]
+        return [line for line in lines if f'model="{model}"' in line] if model is not None else lines
+
+    def value(metric: str, **labels: str) -> float | None:
+        want = "{" + ",".join(f'{key}="{text}"' for key, text in sorted(labels.items())) + "}"
+        return next((float(line.rsplit(" ", 1)[1]) for line in series() if line.startswith(metric + want)), None)
+
+    async def serve_once(name: str) -> None:
+        """Drop ``name`` in, load and reload it, answer requests over both protocols, delete it."""
+        toy_backends.write_toy(root, name)
+        await repository.load(name)
+        await repository.reload(name)
+        metrics.count_request("grpc", name, "success")
+        metrics.count_request("http", name, "invalid_argument")
+        assert value("nereid_model_load_duration_seconds_count", model=name) == 2
+        shutil.rmtree(root / name)
+        await repository.remove(name)
+
+    async def scenario() -> None:
+        before = len(series())
+        await serve_once("ver-000000")
+        after_one = len(series())
+        assert series("ver-000000") == []
+        assert after_one == before + 2  # only nereid_repository_events_total{model="/unknown",event="remove"}
+        for index in range(1, 4):
+            await serve_once(f"ver-{index:06d}")
+        assert len(series()) == after_one  # nothing per name gone
+        assert value("nereid_repository_events_total", event="remove", model=UNKNOWN_MODEL) == 4
+        metrics.count_request("grpc", "ver-000000", "success")  # a late answer: not under the forgotten name
+        assert series("ver-000000") == []
+        assert value("nereid_protocol_requests_total", model=UNKNOWN_MODEL, outcome="success", protocol="grpc") == 1
+
+        # A name that comes back counts again from zero.
+        toy_backends.write_toy(root, "ver-000000")
+        await repository.load("ver-000000")
+        metrics.count_request("grpc", "ver-000000", "success")
+        assert value("nereid_protocol_requests_total", model="ver-000000", outcome="success", protocol="grpc") == 1
+        assert value("nereid_model_load_duration_seconds_count", model="ver-000000") == 1
+
+        # A rename in place: the old name keeps nothing; the new one has the event.
+        (root / "ver-000000").rename(root / "renamed")
+        await repository.rename("ver-000000", "renamed")
+        assert series("ver-000000") == []
+        assert value("nereid_repository_events_total", event="rename", model="renamed") == 1
+
+        # A folder that failed to load, forgotten by a rescan before the watcher's removal.
+        toy_backends.write_toy(root, "broken")
+        (root / "broken" / "fail.txt").write_text("no")
+        await repository.load("broken")
+        metrics.count_request("grpc", "broken", "unavailable")
+        shutil.rmtree(root / "broken")
+        repository.rescan()
+        await repository.remove("broken")
+        assert series("broken") == []
+
+        # An unloaded model is still in RepositoryIndex: it keeps its series, and its requests count under it.
+        await repository.unload("renamed")
+        metrics.count_request("grpc", "renamed", "unavailable")
+        assert value("nereid_protocol_requests_total", model="renamed", outcome="unavailable", protocol="grpc") == 1
+        assert value("nereid_repository_events_total", event="rename", model="renamed") == 1
+        await repository.unload_all()
+    asyncio.run(scenario())

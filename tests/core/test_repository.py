@@ -31,6 +31,9 @@ class Events:
     def repository_event(self, model: str, event: str) -> None:
         self.heard.append((model, event))
 
+    def model_forgotten(self, model: str) -> None:
+        self.heard.append((model, "forgotten"))
+
 
 def repository(tmp_path: Path, models_yaml: str = "", events: Events | None = None,
                extra_plugins: tuple[object, ...] = ()) -> ModelRepository:
@@ -595,3 +598,62 @@ def test_a_load_queued_behind_the_removal_of_its_folder_is_not_found(tmp_path, r
         await removal
         assert repo.entries() == [] and repo.server_ready()  # nothing left waiting for 'm'
     asyncio.run(scenario())
+
+
+def test_a_rescan_that_forgets_a_folder_drops_its_scratch_folder(tmp_path, root):
+    """Defect: an entry a rescan forgot (RepositoryIndex before the watcher's removal, or without a watcher)
+    kept its scratch folder until the server stopped: the removal then found no entry and dropped nothing,
+    one folder per name ever seen (a failed cpp build's cache in each)."""
+    import shutil
+
+    for name in ("failed", "unloaded", "later"):
+        write_toy(root, name)
+    (root / "failed" / "fail.txt").write_text("does not compile")
+    events = Events()
+    repo = repository(tmp_path, events=events)
+    scratch = tmp_path / "scratch"
+
+    async def scenario():
+        for name in ("failed", "unloaded", "later"):
+            await repo.load(name)
+            (scratch / name / "build-cache").mkdir()  # what a (failed) build leaves there
+        await repo.unload("unloaded")
+        await repo.unload("later")
+        shutil.rmtree(root / "failed")
+        shutil.rmtree(root / "unloaded")
+        repo.rescan()  # a RepositoryIndex: both entries go
+        assert [e.name for e in repo.entries()] == ["later"]
+        await repo.remove("failed")  # the watcher, once the removal settled: no entry left to it
+        await repo.unload_all()  # (waits for the work in the background)
+        assert sorted(path.name for path in scratch.iterdir()) == ["later"]
+    asyncio.run(scenario())
+    shutil.rmtree(root / "later")
+    repo.rescan()  # outside any event loop (say, a script's): dropped all the same
+    assert list(scratch.iterdir()) == []
+    assert events.heard.index(("failed", "forgotten")) < events.heard.index(("failed", "remove"))
+    assert ("unloaded", "forgotten") in events.heard and ("later", "forgotten") in events.heard
+
+
+def test_events_hear_each_name_forgotten_for_good_and_not_an_unload(tmp_path, root):
+    """The metrics drop a name's series when the repository forgets it: a removal, a rename's old name."""
+    import shutil
+
+    for name in ("kept", "before", "gone"):
+        write_toy(root, name)
+    events = Events()
+    repo = repository(tmp_path, events=events)
+
+    async def scenario():
+        for name in ("kept", "before", "gone"):
+            await repo.load(name)
+        await repo.unload("kept")  # still in the index, UNAVAILABLE: not forgotten
+        (root / "before").rename(root / "after")
+        await repo.rename("before", "after")
+        shutil.rmtree(root / "gone")
+        await repo.remove("gone")
+        await repo.unload_all()
+    asyncio.run(scenario())
+    forgotten = [model for model, event in events.heard if event == "forgotten"]
+    assert forgotten == ["before", "gone"]
+    # The removal is heard after the name is forgotten (it then names a model the repository does not know).
+    assert events.heard[-2:] == [("gone", "forgotten"), ("gone", "remove")]

@@ -211,7 +211,10 @@ def test_rename_moves_the_loaded_model_in_place(repo, serve, how):
     assert ask(server.client, "after") == {"version": "1", "parent": parent}  # the same warm parent
     assert server.server.repository.entry("after").loaded.backend is backend
     assert generation(server, "after") == 1
-    assert _scrape(server)['nereid_repository_events_total{event="rename",model="after"}'] == 1
+    metrics = _scrape(server)
+    assert metrics['nereid_repository_events_total{event="rename",model="after"}'] == 1
+    # The old name is forgotten: none of its series stay (its load, its requests), for ever, per name renamed.
+    assert [key for key in metrics if 'model="before"' in key] == []
 
 
 def test_renamed_bundle_is_not_compiled_or_read_again(repo, serve):
