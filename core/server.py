@@ -372,6 +372,9 @@ class NereidServer:
         # end it with 143 or 130 after a clean stop. Ignored from now on, and taken off asyncio's own list of the
         # signals it handles, whose close would otherwise put back the defaults (no public call lets one go
         # without that reset, which would leave a moment with the default in place).
+        handled = getattr(loop, "_signal_handlers", {})
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, signal.SIG_IGN)
-            getattr(loop, "_signal_handlers", {}).pop(signum, None)
+            handled.pop(signum, None)
+        if not handled:  # what asyncio's removal of its last handler does: the loop's socket is closed next
+            signal.set_wakeup_fd(-1)

@@ -888,6 +888,8 @@ class _BoundedHeadProtocol(HttpToolsProtocol):
         cycle = self.cycle
         # The parser stopped in a head after every earlier answer, or in this request's own (chunked) body before
         # its answer began (asyncio drops what its handler writes once the connection is closing).
-        if cycle is None or cycle.response_complete or (cycle.more_body and not cycle.response_started):
+        earlier_unanswered = any(other is not cycle and not other.response_complete for other in self._unanswered)
+        if cycle is None or cycle.response_complete or (cycle.more_body and not cycle.response_started
+                                                        and not earlier_unanswered):
             self.transport.write(_refusal(b"400 Bad Request", f"the request cannot be parsed as HTTP/1.1: {reason}"))
         self.transport.close()

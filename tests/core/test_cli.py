@@ -123,6 +123,38 @@ def test_signals_repeated_until_the_process_ends_leave_the_exit_status_zero(repo
             assert "nereid stopped" in process.stdout.read()
 
 
+IN_PROCESS_SERVE = '''
+import os, signal, sys, threading, time
+import tritonclient.grpc as triton
+from nereid.cli import main
+
+def stop_when_ready():
+    client = triton.InferenceServerClient(sys.argv[2])
+    while True:
+        try:
+            if client.is_server_ready():
+                break
+        except Exception:
+            pass
+        time.sleep(0.05)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+threading.Thread(target=stop_when_ready, daemon=True).start()
+code = main(["serve", "--config", sys.argv[1], "--bind", sys.argv[2], "--log-level", "WARNING"])
+print(code, signal.set_wakeup_fd(-1))
+'''
+
+
+def test_an_in_process_serve_leaves_no_signal_wakeup_descriptor_behind(repo) -> None:
+    """Defect: taking the stop signals off asyncio's list left the loop's closed socket as the process's signal
+    wakeup descriptor: whatever file later got that number received a byte for every signal a Python handler
+    took (nereid check's SIGTERM handler, pytest-timeout's SIGALRM)."""
+    repo.python("echo")
+    result = subprocess.run([sys.executable, "-c", IN_PROCESS_SERVE, str(repo.write_config()),
+                             f"127.0.0.1:{free_port()}"], capture_output=True, text=True, timeout=60)
+    assert result.stdout.split() == ["0", "-1"], (result.stdout, result.stderr[-2000:])
+
+
 def test_serve_stopped_while_a_bundle_compiles_exits_zero(repo) -> None:
     """Defect: SIGTERM while an XLA bundle compiled at start aborted the server (SIGABRT, exit 134, "FATAL:
     exception not rethrown") after "nereid stopped": the interpreter's shutdown unwound the abandoned load's
