@@ -289,7 +289,14 @@ class HttpSurface:
                           for e in await self.dataplane.repository_index(ready is True)])
         if len(rest) == 3 and rest[0] == "models" and rest[2] in ("load", "unload"):
             model, action = rest[1], rest[2]
-            body = await self._read_body(dict(scope["headers"]), receive, model)
+            headers = dict(scope["headers"])
+            if b"origin" in headers:
+                # A web page's request (browsers name its origin): a POST needing no CORS preflight would load or
+                # unload models for any page the server's user opens, through a loopback port that allows it.
+                raise HttpError(403, f"model '{model}': a repository {action} from a web page (Origin: "
+                                     f"{headers[b'origin'].decode('latin-1')[:64]!r}) is refused; send it from a "
+                                     "client that is not a browser")
+            body = await self._read_body(headers, receive, model)
             parameters = _parameters(body, f"model '{model}': the {action} request")
             if action == "load":
                 await self.dataplane.load(model, parameters.keys())

@@ -415,6 +415,22 @@ def test_repository_control_off_is_403(repo, serve):
     assert caught.value.status() == "403" and "RepositoryModelUnload is turned off" in caught.value.message()
 
 
+def test_a_web_pages_repository_load_or_unload_is_403(repo, serve):
+    """Defect: any web page the server's user opened could unload (or load) models through the loopback port,
+    where repository control is on by default: a form POST needs no CORS preflight, so the browser sent it."""
+    repo.python("echo")
+    server = serve(repo.write_config())
+    base = f"127.0.0.1:{server.server.http_port}"
+    page = {"Origin": "https://evil.example", "Content-Type": "application/x-www-form-urlencoded"}
+    for action in ("unload", "load"):
+        status, message = error_of(call(base, "POST", f"/v2/repository/models/echo/{action}", b"", page))
+        assert status == 403 and message == (f"model 'echo': a repository {action} from a web page (Origin: "
+                                             "'https://evil.example') is refused; send it from a client that is "
+                                             "not a browser"), message
+    assert server.server.repository.entry("echo").state.value == "READY"  # still loaded
+    assert call(base, "POST", "/v2/repository/models/echo/unload", b"")[0] == 200  # curl's, without Origin
+
+
 def test_serve_reports_an_http_address_in_use(repo):
     repo.python("echo")
     with socket.socket() as taken:
