@@ -21,7 +21,7 @@ import time
 import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Coroutine, Mapping, Protocol, TypeVar
+from typing import Any, AsyncIterator, Callable, Coroutine, Iterable, Mapping, Protocol, TypeVar
 
 import pluggy
 
@@ -42,8 +42,8 @@ from nereid.scheduler import ModelScheduler
 from nereid.settings import ModelSettings, Settings
 from nereid.signature import ModelSignature, brief_repr
 from nereid.stats import ModelStats
-from nereid.storage import (StorageError, materialize_model_folder, model_folder_exists, scan_model_folders,
-                            store_holds_folder)
+from nereid.storage import (StorageError, drop_mirror_folder, materialize_model_folder, mirror_leftovers,
+                            model_folder_exists, scan_model_folders, store_holds_folder)
 from nereid.storage.mirror import CACHE_SUBFOLDER
 
 log = logging.getLogger(__name__)
@@ -134,6 +134,16 @@ class BuiltModel:
     signature: ModelSignature
     batch_signature: ModelSignature
     policy: BatchPolicy
+
+
+@dataclass(frozen=True)
+class RepositoryScan:
+    """One look at the model folders: their names, or why they could not be listed."""
+
+    names: list[str] | None  # None: the store (or folder) could not be listed
+    error: StorageError | None = None
+    # A store's: the names whose cached copy is in the local mirror but which the listing no longer has.
+    leftovers: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -269,6 +279,10 @@ class ModelRepository:
         self._background: set[asyncio.Task] = set()
         self._retiring: dict[int, RetiringVersion] = {}  # by id() of its LoadedModel
         self._removing: dict[str, asyncio.Task] = {}  # the latest removal of each name, draining in the background
+        # Names whose cached copy of a store's folder is being removed, on a daemon thread each (see
+        # _drop_mirrors_soon): one removal per name at a time.
+        self._mirror_drops: set[str] = set()
+        self._mirror_drops_lock = threading.Lock()
         # Whether a watcher loads folders that appear from now on (dynamic mode, once it knows the folders
         # there at start: those are not loaded unless listed, exactly as without it).
         self._watched = False
@@ -356,15 +370,21 @@ class ModelRepository:
         until unloaded) or an operation on it runs, and while nereid.yaml lists
         it (then it waits for its folder again). A model listed in nereid.yaml whose folder does not exist yet
         (allowed in dynamic mode) has an entry too, UNAVAILABLE until its
-        folder lands. A store that cannot be listed forgets nothing.
+        folder lands. A store that cannot be listed forgets nothing. The
+        cached copies of store folders the listing no longer has, and no entry
+        keeps, are removed in the background (see :meth:`_drop_mirrors_soon`).
         """
         self._apply_scan(self._scan())
 
-    async def refresh(self) -> None:
-        """:meth:`rescan`, with the listing (a directory, or a store's paged listing) off the event loop."""
-        self._apply_scan(await asyncio.to_thread(self._scan))
+    async def refresh(self) -> StorageError | None:
+        """:meth:`rescan`, with the listing (a directory, or a store's paged listing) off the event loop; returns
+        why the folders could not be listed (None: they could)."""
+        scan = await asyncio.to_thread(self._scan)
+        self._apply_scan(scan)
+        return scan.error
 
-    def _apply_scan(self, present: list[str] | None) -> None:
+    def _apply_scan(self, scan: RepositoryScan) -> None:
+        present = scan.names
         for name in present or ():  # a local folder or an object store
             self._folder_found(name)
         for index, settings in enumerate(self.settings.models):
@@ -374,6 +394,9 @@ class ModelRepository:
                     reason=_waiting_for_folder(settings.name))
         if present is not None:
             self._forget_gone(set(present))
+        # Cached copies of store folders this server does not know (forgotten now, or before a restart): a server
+        # fed versioned names must not keep one per name it ever served.
+        self._drop_mirrors_soon(scan.leftovers)
 
     def _folder_found(self, name: str) -> None:
         """Give the folder ``name``, just seen, an entry unless it has one."""
@@ -387,18 +410,21 @@ class ModelRepository:
             self._entries[name] = ModelEntry(name, self.root / name, settings, origin, reason=unlisted)
         self._entries[name].folder_seen = True
 
-    def _scan(self) -> list[str] | None:
-        """The model folders now; None when the store cannot be listed (logged)."""
+    def _scan(self) -> RepositoryScan:
+        """The model folders now (blocking); without names, with the error, when they cannot be listed (logged)."""
+        server = self.settings.server
         try:
-            return scan_model_folders(self.settings.server)
+            names = scan_model_folders(server)
         except StorageError as err:
             # Rate-limited: RepositoryIndex rescans, so a client can ask for this line at will.
             self._scan_errors.error("%s", err)
-            return None
+            return RepositoryScan(None, err)
+        return RepositoryScan(names, leftovers=tuple(mirror_leftovers(server, names)))
 
     def _forget_gone(self, present: set[str]) -> None:
         """Drop the entries of folders that are gone, unless loaded or in use: ``events`` hears each is forgotten,
-        and its scratch folders are removed in the background.
+        and its scratch folders are removed in the background (a store folder's cached copy too: see
+        :meth:`_apply_scan`).
 
         An entry nereid.yaml lists stays, waiting for its folder again as at
         start. Either way a model whose folder went while it was not loaded is
@@ -472,16 +498,25 @@ class ModelRepository:
 
     async def load(self, name: str) -> ModelEntry:
         """Load a model folder, or a loaded one again (see :meth:`reload`). A failure to load leaves it
-        UNAVAILABLE with the reason; never raises for it."""
+        UNAVAILABLE with the reason; never raises for it. A name with no folder is NotFound; one that a store
+        that cannot be listed may hold is Unavailable, with the store's reason."""
         if name not in self._entries and _is_folder_name(name):
             # Look again now (off the loop): a store's listing is otherwise reused for a few seconds,
             # and a model just uploaded must load.
-            await self.refresh()
-            if (name not in self._entries and self.settings.server.ml_backends_url is not None
-                    and await asyncio.to_thread(store_holds_folder, self.settings.server, name)):
+            failure = await self.refresh()
+            if name not in self._entries and self.settings.server.ml_backends_url is not None:
                 # A listing of every folder can miss one (a listing page the store client drops for an
                 # unreadable key): asked for by name, it is looked for by name.
-                self._folder_found(name)
+                try:
+                    held = await asyncio.to_thread(store_holds_folder, self.settings.server, name)
+                except StorageError as err:
+                    held, failure = False, failure or err
+                if held:
+                    self._folder_found(name)
+                elif failure is not None:
+                    # The store did not answer: the folder may well be there. NOT_FOUND would send the client
+                    # looking for a typo while the reason (credentials, endpoint) is only in the server's log.
+                    raise Unavailable(f"model '{name}': cannot tell whether its folder is in the store: {failure}")
         entry = self.entry(name)
         if (entry.loaded is None and self.settings.server.ml_backends_url is None and not entry.folder.is_dir()
                 and self.settings.model(name) is None):
@@ -705,13 +740,31 @@ class ModelRepository:
             if entry.loaded is None and entry.state is ModelState.UNLOADING and not entry.draining:
                 entry.state, entry.reason = ModelState.UNAVAILABLE, "unloaded"
         if entry is not None:
-            if self._entries.get(name) is entry and not entry.in_use() and not entry.folder.is_dir():
+            if (self._entries.get(name) is entry and not entry.in_use() and await self._folder_gone(entry)
+                    and self._entries.get(name) is entry and not entry.in_use()):  # (again: that was a wait)
                 self._entries.pop(name)
                 self._forgotten(name)  # before the removal is recorded: that one then names no forgotten model
+                self._drop_mirrors_soon([name])
             self._refresh_dependents()
             if self._entries.get(name) is not entry:  # forgotten (or replaced by a model renamed onto the name)
                 await self._drop_scratch(entry.scratch_names)
         self._record(name, "remove")
+
+    async def _folder_gone(self, entry: ModelEntry) -> bool:
+        """Whether the entry's folder is gone: locally, no folder; in a store, no object under its prefix (a
+        store that cannot be listed cannot tell: False, and a later listing forgets it).
+
+        A store folder's cached copy is no sign: it stays until the name is
+        forgotten (see :meth:`_drop_mirrors_soon`).
+        """
+        if self.settings.server.ml_backends_url is None:
+            return not entry.folder.is_dir()
+        try:
+            return not await asyncio.to_thread(store_holds_folder, self.settings.server, entry.name)
+        except StorageError as err:
+            log.info("model '%s': its folder's removal cannot be confirmed (%s); a later listing forgets it",
+                     entry.name, err)
+            return False
 
     async def apply_settings(self, settings: Settings) -> None:
         """Follow an edited nereid.yaml: reload changed entries, load added ones, unload removed ones."""
@@ -977,6 +1030,43 @@ class ModelRepository:
                 continue
             await _on_daemon_thread(functools.partial(shutil.rmtree, doomed, ignore_errors=True),
                                     f"nereid-drop-scratch-{name}")
+
+    def _drop_mirrors_soon(self, names: Iterable[str]) -> None:
+        """Remove the cached copies of the store folders ``names`` that this server does not know (no entry, no
+        old version finishing its requests), on a daemon thread (never waited for: a hanging store must not hold
+        up a shutdown).
+
+        Each is removed only once the store confirms its prefix is gone and
+        no server sharing cache_dir is fetching it (its lock is free): see
+        :func:`nereid.storage.drop_mirror_folder`. One that stays (the store
+        could not say, another server was fetching it) is tried again after
+        the next listing.
+        """
+        if self.settings.server.ml_backends_url is None:
+            return
+        known = self._known_names()
+        with self._mirror_drops_lock:
+            names = sorted(set(names) - known - self._mirror_drops)
+            self._mirror_drops.update(names)
+        if names:
+            threading.Thread(target=self._drop_mirrors, args=(names,), name="nereid-drop-mirror", daemon=True).start()
+
+    def _drop_mirrors(self, names: list[str]) -> None:
+        """:meth:`_drop_mirrors_soon`'s thread."""
+        try:
+            for name in names:
+                if name not in self._known_names():  # (again: a load of the name may have started meanwhile)
+                    drop_mirror_folder(self.settings.server, name)
+        except Exception:  # a thread of its own: nothing above it would report it
+            log.exception("removing the cached copies of store folders %s failed", names)
+        finally:
+            with self._mirror_drops_lock:
+                self._mirror_drops.difference_update(names)
+
+    def _known_names(self) -> set[str]:
+        """The names of the entries and of the old versions still finishing their requests (safe off the loop:
+        each is read in one copy)."""
+        return set(dict(self._entries)) | {retiring.name for retiring in list(self._retiring.values())}
 
 
 def _backends_folder() -> Path:

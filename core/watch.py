@@ -27,13 +27,17 @@ are watched where they lead.
 An object store sends no events: its listing is polled every
 ``server.watch_poll_s`` instead, each folder's state made of its objects'
 names, sizes and ETags, and the same rules apply, except that a rename is an
-unload and a load (the renamed folder's files are not on local disk yet).
+unload and a load (the renamed folder's files are not on local disk yet). A
+load or reload the store failed (objects refused or gone at fetch) is tried
+again at later polls, ever less often, until it loads or the folder changes;
+one that failed for the model's own fault waits for the folder to change.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import logging
 import os
@@ -47,16 +51,20 @@ import watchfiles
 
 from nereid.errors import ConfigError
 from nereid.settings import Settings, load_settings
-from nereid.storage import StorageError, StoreURL, local_model_folders, parse_store_url
+from nereid.storage import (StorageError, StoreURL, local_model_folders, materialize_model_folder, parse_store_url,
+                            read_marker)
 
 if TYPE_CHECKING:
-    from nereid.repository import ModelRepository
+    from nereid.repository import ModelEntry, ModelRepository
 
 log = logging.getLogger(__name__)
 
 SAMPLE_BYTES = 64 * 1024  # hashed from each end of a file for the content identity
 MAX_GROUPING_FACTOR = 20  # changes that never stop are still acted on after this many settle times
 EVENT_STEP_MS = 20  # events are grouped this long before a scan; the settle time is applied per folder
+# A store's folder whose load the store failed is tried again after watch_poll_s, then twice as long after each
+# failure, up to this (or watch_poll_s, if longer): an outage of an hour costs a dozen tries, not 360.
+STORE_RETRY_CAP_S = 300.0
 
 
 def ignored_name(name: str) -> bool:
@@ -172,6 +180,16 @@ def scan_store(location: StoreURL) -> dict[str, FolderState]:
         stamp = tuple(sorted(files))
         states[name] = FolderState(stamp, hashlib.sha256(repr(stamp).encode()).hexdigest())
     return states
+
+
+@dataclass(frozen=True)
+class StoreRetry:
+    """A store's folder whose load the store failed in this state: the wait before its next try, and how many
+    of its tries the store failed."""
+
+    state: FolderState
+    delay_s: float
+    failures: int
 
 
 @dataclass(frozen=True)
@@ -357,6 +375,8 @@ class RepositoryWatcher:
         self._pending: dict[str, tuple[FolderState | None, float]] = {}  # changed, not yet settled: state, since
         # Pending folders whose hidden files are being written (a transfer under way): not due before this time.
         self._busy: dict[str, float] = {}
+        # A store's folders whose last load the store failed (see _from_store): tried again after a backoff.
+        self._store_retries: dict[str, StoreRetry] = {}
         # Loads of folders that came back while the removal of their old model was still taking it off the
         # name (it waits for a load or rename in progress, not for the drain): cancelled by stop() (a load
         # never starts, nor holds up, a shutdown), as the loads of apply() are with the watcher's task.
@@ -417,7 +437,10 @@ class RepositoryWatcher:
                   and (not settings.models_listed or settings.model(name) is not None)]
         log.info("dynamic repository: the store can be listed again; loading %s",
                  ", ".join(f"'{name}'" for name in served) or "nothing (no listed model has a folder yet)")
-        await asyncio.gather(*(_logged(name, self.repository.reload(name)) for name in served))
+        generations = self._generations()
+        await asyncio.gather(*(_logged(name, self._from_store(name, current[name], None, generations.get(name, 0),
+                                                              functools.partial(self.repository.reload, name)))
+                               for name in served))
 
     def _scan(self) -> dict[str, FolderState]:
         return scan_repository(self.root) if self.location is None else scan_store(self.location)
@@ -560,6 +583,8 @@ class RepositoryWatcher:
                 follow.restart = True
         if not self._primed:
             await self._catch_up(current)
+        for name in [name for name, retry in self._store_retries.items() if current.get(name) != retry.state]:
+            del self._store_retries[name]  # changed or gone since the store failed it: a new start, if any
         plan = plan_changes(self._folders, current, renames_too=self.location is None)
         repository = self.repository
         for old, new in plan.renames:
@@ -568,6 +593,7 @@ class RepositoryWatcher:
             self._accept(new, current[new])
             await self._for(new, repository.rename(old, new))
         due: dict[str, list[str]] = {"removed": [], "added": [], "changed": []}
+        previous: dict[str, FolderState | None] = {}  # the known state of each folder due, before this change
         for kind in due:
             for name in getattr(plan, kind):
                 state = current.get(name)
@@ -581,6 +607,7 @@ class RepositoryWatcher:
                         self._busy[name] = now + busy_s
                     else:
                         due[kind].append(name)
+                        previous[name] = self._folders.get(name)
                         self._accept(name, state)
         for name in [n for n in self._pending if self._folders.get(n) == current.get(n)]:
             del self._pending[name]  # back as it was (a change undone before it settled)
@@ -590,8 +617,16 @@ class RepositoryWatcher:
             repository.remove_in_background(name)
         # (A store's folder seen "added" may already be loaded, by a RepositoryModelLoad.)
         load = repository.load if self.location is None else repository.reload
+        generations = self._generations() if self.location is not None else {}
         work = []
         for kind, name in [("added", name) for name in due["added"]] + [("changed", name) for name in due["changed"]]:
+            retry = self._store_retries.get(name)
+            if retry is not None and not repository.wanted(name):
+                # Unloaded (RepositoryModelUnload) or unlisted since the store failed its load: not tried again.
+                del self._store_retries[name]
+                log.info("dynamic repository: folder '%s' is no longer served (unloaded or no longer listed); "
+                         "its load the store failed is not tried again", name)
+                continue
             if kind == "changed" and not repository.wanted(name):
                 # Unlisted at start, unloaded by RepositoryModelUnload, its nereid.yaml entry removed: an edit
                 # of its files is no request to serve it.
@@ -602,17 +637,88 @@ class RepositoryWatcher:
                 # Loaded already from these very files (a RepositoryModelLoad of a folder just copied).
                 log.info("dynamic repository: folder '%s' is loaded already as it is now", name)
                 continue
-            if kind == "added":
+            if retry is not None:  # (its first failure was logged at WARNING: once, not per try)
+                log.debug("dynamic repository: folder '%s': trying again the %s the store failed %d time(s)", name,
+                          "load" if kind == "added" else "reload", retry.failures)
+            elif kind == "added":
                 log.info("dynamic repository: new folder '%s'; loading it", name)
-                work.append(self._for(name, load(name)))
             else:
                 log.info("dynamic repository: folder '%s' changed; reloading it", name)
-                work.append(self._for(name, repository.reload(name)))
+            step = functools.partial(load if kind == "added" else repository.reload, name)
+            work.append(self._for(name, step() if self.location is None else
+                                  self._from_store(name, current[name], previous[name], generations.get(name, 0),
+                                                   step)))
         await asyncio.gather(*work)
         self.scans += 1
         self._schedule_settled_scan()
         if self._after_apply is not None:
             await self._after_apply()
+
+    def _generations(self) -> dict[str, int]:
+        """Each model's count of versions loaded so far: a load that leaves it unchanged failed."""
+        return {entry.name: entry.generation for entry in self.repository.entries()}
+
+    async def _from_store(self, name: str, state: FolderState, previous: FolderState | None, generation: int,
+                          load: Callable[[], Awaitable[ModelEntry]]) -> None:
+        """Carry out ``load()``, the load or reload of the store's folder ``name`` seen in ``state`` (then at
+        ``generation``); if the store failed it, the folder goes back to ``previous`` to be tried again.
+
+        The folder's state was taken as known before the load: without this a failed load would look done,
+        and a folder whose objects do not change again would never be tried again once the store serves
+        (a new model UNAVAILABLE for good, an edited one serving its old version). A failure that is the
+        model's own (its code, its settings) is not tried again: it would fail the same way each time.
+        """
+        try:
+            entry = await load()
+        except StorageError as err:  # the store could not be listed to find a folder the repository did not know
+            fault: str | None = str(err)
+        else:
+            if entry.generation != generation:  # a new version serves
+                retry = self._store_retries.pop(name, None)
+                if retry is not None:
+                    log.info("dynamic repository: folder '%s' loaded; the store had failed it %d time(s)", name,
+                             retry.failures)
+                return
+            fault = await asyncio.to_thread(self._store_fault, name)
+        if fault is None:
+            self._store_retries.pop(name, None)
+            return
+        if self._folders.get(name) != state:
+            return  # changed or gone meanwhile: that change is acted on as any other
+        cap_s = max(self.poll_s, STORE_RETRY_CAP_S)
+        retry = self._store_retries.get(name)
+        if retry is None:
+            retry = StoreRetry(state, self.poll_s, 1)
+            log.warning("dynamic repository: folder '%s' did not %s because of the store (%s); trying again in "
+                        "%g s, then less often (at most every %g s), until it loads or its objects change", name,
+                        "load" if previous is None else "reload", fault, retry.delay_s, cap_s)
+        else:
+            retry = StoreRetry(state, min(retry.delay_s * 2, cap_s), retry.failures + 1)
+            log.debug("dynamic repository: folder '%s': the store failed it again (%s); trying again in %g s",
+                      name, fault, retry.delay_s)
+        self._store_retries[name] = retry
+        if previous is None:
+            self._folders.pop(name, None)
+        else:
+            self._folders[name] = previous
+        # Pending in this state, settled once the backoff is over: the scan after that loads it again.
+        self._pending[name] = (state, time.monotonic() + retry.delay_s - self.settle_ms / 1000)
+
+    def _store_fault(self, name: str) -> str | None:
+        """Why the failed load of the store's folder ``name`` was the store's doing; None if not (blocking).
+
+        The folder is fetched again, as the load fetched it. A store that still fails says why; one that
+        fetches now what the load had not (the mirror's record of the folder changes) failed that load and
+        serves again. Otherwise the load had every file, and its failure was the model's own.
+        """
+        folder = self.root / name
+        try:
+            before = read_marker(folder)
+            materialize_model_folder(self.settings.server, name)
+            after = read_marker(folder)
+        except StorageError as err:
+            return str(err)
+        return None if after == before else "the files it could not fetch are fetched now"
 
     def _transfer_wait_s(self, state: FolderState | None, waited_s: float) -> float:
         """How much longer a settled folder waits because a hidden file in it was written just now (0: none).

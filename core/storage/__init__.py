@@ -10,7 +10,9 @@ For a local folder both are what they always were (a directory listing; the
 folder itself). For an object store, the folders are the prefixes one level
 below the URL, and materializing fetches the folder's small files into the
 local cache (see :mod:`nereid.storage.mirror`); its weights stay in the store,
-streamed by the backend at load (:mod:`nereid.storage.client`).
+streamed by the backend at load (:mod:`nereid.storage.client`). The cached
+copies of folders gone from the store are removed
+(:func:`mirror_leftovers`, :func:`drop_mirror_folder`).
 """
 
 from __future__ import annotations
@@ -35,9 +37,9 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "MARKER_FILE", "RangeRead", "RemoteFolder", "RemoteObject", "SCHEMES", "StorageError", "StoreURL",
-    "decodable_name", "describe_error", "list_model_folders", "local_model_folders", "materialize_model_folder",
-    "mirror_root", "model_folder_exists", "open_store", "parse_store_url", "read_marker", "read_ranges",
-    "scan_model_folders", "store_holds_folder",
+    "decodable_name", "describe_error", "drop_mirror_folder", "list_model_folders", "local_model_folders",
+    "materialize_model_folder", "mirror_leftovers", "mirror_root", "model_folder_exists", "open_store",
+    "parse_store_url", "read_marker", "read_ranges", "scan_model_folders", "store_holds_folder",
 ]
 
 # An unknown model name has the store listed at most this often, on a thread of its own (never on the
@@ -182,18 +184,51 @@ def store_holds_folder(server: ServerSettings, name: str) -> bool:
     """Whether the object store behind ``server`` holds the model folder ``name`` (blocking: call off the loop).
 
     One listing of that folder's prefix: the answer for a name a listing of
-    every folder missed. False for a local folder, or a store that cannot be
-    listed (its listings report that).
+    every folder missed. False for a local folder; StorageError naming the
+    store's URL when it cannot be listed (never "not there": a load asked for
+    during an outage must say why, not answer NOT_FOUND).
     """
     location = _location(server)
     if location is None:
         return False
     from nereid.storage.mirror import remote_folder_exists
 
-    try:
-        return remote_folder_exists(location, name)
-    except StorageError:
+    return remote_folder_exists(location, name)
+
+
+def mirror_leftovers(server: ServerSettings, present: list[str]) -> list[str]:
+    """The names whose cached copy (a folder or its lock file) is in the local mirror of ``server``'s store but
+    not in ``present``, a listing of its model folders (blocking: a directory listing); [] locally. Candidates
+    only: :func:`drop_mirror_folder` asks the store about each (a listing may miss a folder)."""
+    if _location(server) is None:
+        return []
+    from nereid.storage.mirror import mirror_leftovers as leftovers
+
+    return leftovers(Path(server.ml_backends_path), present)
+
+
+def drop_mirror_folder(server: ServerSettings, name: str) -> bool:
+    """Remove the cached copy of the model folder ``name`` (a name the repository forgot) when the store confirms
+    its prefix is gone and no server sharing the cache is fetching it (blocking: call off the loop).
+
+    Returns whether it was removed; a failure (the store cannot be listed, the
+    cache refuses) is logged and leaves it, for a later call. See
+    :func:`nereid.storage.mirror.drop_mirror`.
+    """
+    location = _location(server)
+    if location is None:
         return False
+    from nereid.storage.mirror import drop_mirror
+
+    try:
+        return drop_mirror(location, name, Path(server.ml_backends_path) / name)
+    except StorageError as err:
+        log.info("model folder '%s' is gone from the last listing, but its copy in the cache stays: %s", name, err)
+    except OSError as err:  # (each later listing tries again: said once)
+        folder = Path(server.ml_backends_path) / name
+        _folder_warnings.warning(f"drop {folder}", "model folder '%s' is gone from %s, but its copy in the cache (%s) "
+                                 "cannot be removed: %s", name, location, folder, err.strerror or err)
+    return False
 
 
 def _refresh_listing(location: StoreURL, root: Path) -> None:

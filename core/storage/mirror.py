@@ -9,7 +9,9 @@ version) changed since it was last fetched, or its local copy's size or modifica
 the folder's ``.nereid-remote.json`` records them, and the weights the backend must stream. Files are written under
 temporary names and renamed into place, so a running model never sees a half
 file, and files gone from the store are removed. Nothing is ever written to
-the store.
+the store. A model folder whose prefix is gone from the store is removed from
+the cache as a whole (see :func:`drop_mirror`) once the repository has
+forgotten it.
 """
 
 from __future__ import annotations
@@ -24,11 +26,12 @@ import os
 import re
 import shutil
 import stat
+import uuid
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
-from nereid.files import atomic_write, locked
+from nereid.files import atomic_write
 from nereid.log_limit import OnceLog
 from nereid.storage.client import StorageError, describe_error, is_not_found, open_store, store_call
 from nereid.storage.url import StoreURL
@@ -38,7 +41,11 @@ log = logging.getLogger(__name__)
 MARKER_FILE = ".nereid-remote.json"
 STREAMED_SUFFIX = ".safetensors"
 BUNDLE_MARKER = "manifest.yaml"  # a folder holding one is a bundle, whose loader streams its weights
-CACHE_SUBFOLDER = ".cache"  # the executable cache: local, never mirrored or removed
+CACHE_SUBFOLDER = ".cache"  # the executable cache: local, never mirrored; removed only with its folder
+# A mirrored folder being removed is first renamed to this prefix and a random suffix (hidden: never listed as
+# a model folder), then deleted: a folder of the name made meanwhile is a new one, never one half deleted.
+DROPPED_PREFIX = ".nereid-dropped-"
+LOCK_SUFFIX = ".lock"
 # Small files are fetched this many at a time: a folder with a vendored package holds hundreds, and a
 # store answers each GET in tens of milliseconds.
 FETCH_CONCURRENCY = 16
@@ -332,11 +339,11 @@ def materialize(location: StoreURL, name: str, folder: Path) -> RemoteFolder:
     objects = _without_folder_markers(str(folder_url), folder_url.key(), objects)
     if not objects:
         raise StorageError(f"{folder_url}: no such model folder (no objects under it)")
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise _cache_write_failed(str(folder_url), "make its folder in", folder, err) from None
-    with locked(folder.parent / _lock_name(name)):
+    with _folder_lock(folder.parent / _lock_name(name)):
+        try:  # under the lock: a removal of the folder (drop_mirror) may have just ended
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise _cache_write_failed(str(folder_url), "make its folder in", folder, err) from None
         previous = read_marker(folder)
         fetched: dict[str, RemoteObject] = {}
         streamed: dict[str, RemoteObject] = {}
@@ -378,8 +385,112 @@ def materialize(location: StoreURL, name: str, folder: Path) -> RemoteFolder:
 def _lock_name(name: str) -> str:
     """The name of the lock file of the model folder ``name``, kept short enough for any folder name that fits."""
     if len(os.fsencode(name)) <= 240:
-        return f".{name}.lock"
-    return f".{hashlib.sha256(os.fsencode(name)).hexdigest()}.lock"
+        return f".{name}{LOCK_SUFFIX}"
+    return f".{hashlib.sha256(os.fsencode(name)).hexdigest()}{LOCK_SUFFIX}"
+
+
+@contextlib.contextmanager
+def _folder_lock(path: Path, wait: bool = True) -> Iterator[bool]:
+    """Hold the exclusive lock ``path`` of a mirrored folder (processes sharing the cache take turns); yields True.
+
+    With ``wait`` False, yields False at once when another holds it. A lock
+    file is deleted by its holder when :func:`drop_mirror` removes its folder:
+    one that was waiting for it then holds a lock on a file no longer there,
+    which the next comer (making a new file) would not see, so the lock is
+    taken again until the file locked is the one at ``path``. Taken through a
+    read-write descriptor (on NFS flock is a POSIX lock, whose exclusive kind
+    needs one).
+    """
+    import fcntl  # POSIX only: imported where a lock is taken, so the module imports anywhere
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        try:
+            try:
+                fcntl.flock(descriptor, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+            except BlockingIOError:
+                yield False
+                return
+            locked, current = os.fstat(descriptor), _stat_or_none(path)
+            if current is None or (current.st_dev, current.st_ino) != (locked.st_dev, locked.st_ino):
+                continue  # deleted (or made anew) while this waited: lock the file there now
+            yield True
+            return
+        finally:
+            os.close(descriptor)  # (lets the lock go)
+
+
+def _stat_or_none(path: Path) -> os.stat_result | None:
+    """``os.stat(path)``; None when nothing is there."""
+    try:
+        return os.stat(path)
+    except FileNotFoundError:
+        return None
+
+
+def drop_mirror(location: StoreURL, name: str, folder: Path) -> bool:
+    """Remove ``folder``, the cached copy of the model folder ``location/name``, and its lock file (blocking).
+
+    Only when the store confirms the prefix is gone (one listing of it;
+    StorageError when it cannot be listed) and the folder's lock is free:
+    a server sharing the cache that is fetching the folder holds it, and the
+    folder stays (a later call removes it). The folder is renamed aside under
+    the lock and deleted after (a server making the folder anew meanwhile
+    makes a new one); so are the ones an interrupted removal left. Returns
+    whether anything was removed. A server sharing the cache that still runs
+    a model of that prefix (loaded before the prefix was deleted) runs on from
+    what it loaded, as from a local folder deleted under it.
+    """
+    root = folder.parent
+    lock = root / _lock_name(name)
+    if not os.path.lexists(folder) and not os.path.lexists(lock):
+        return False
+    with _folder_lock(lock, wait=False) as held:
+        if not held or remote_folder_exists(location, name):
+            return False
+        with contextlib.suppress(FileNotFoundError):  # (a lock file left alone)
+            folder.rename(root / f"{DROPPED_PREFIX}{uuid.uuid4().hex}")
+        lock.unlink(missing_ok=True)  # while held: a waiter locks the file made anew (see _folder_lock)
+    _remove_dropped(root)
+    log.info("%s: gone from the store; its copy in the cache (%s) was removed", location.child(name), folder)
+    return True
+
+
+def _remove_dropped(root: Path) -> None:
+    """Delete the folders :func:`drop_mirror` renamed aside in ``root`` (another server's, or an interrupted one's,
+    too: deleting one twice at once is harmless)."""
+    try:
+        with os.scandir(root) as listing:
+            doomed = [Path(entry.path) for entry in listing
+                      if entry.name.startswith(DROPPED_PREFIX) and entry.is_dir(follow_symlinks=False)]
+    except OSError:
+        return
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def mirror_leftovers(root: Path, present: Iterable[str]) -> list[str]:
+    """The names with a folder or a lock file in the mirror ``root`` that are not in ``present`` (a listing of the
+    store's model folders): candidates for :func:`drop_mirror`."""
+    present = set(present)
+    kept_locks = {_lock_name(name) for name in present}
+    names: set[str] = set()
+    try:
+        with os.scandir(root) as listing:
+            for entry in listing:
+                if entry.name.startswith(DROPPED_PREFIX):
+                    continue
+                if entry.name.startswith("."):
+                    # A lock whose folder is gone (a too-long name's hashed lock is named by its hash: dropping
+                    # that name removes only the free lock file).
+                    if entry.name.endswith(LOCK_SUFFIX) and entry.name not in kept_locks and entry.is_file():
+                        names.add(entry.name[1:-len(LOCK_SUFFIX)])
+                elif entry.name not in present and entry.is_dir(follow_symlinks=False):
+                    names.add(entry.name)
+    except OSError:  # no mirror yet
+        return []
+    return sorted(name for name in names if name and not name.startswith("."))
 
 
 def _without_folder_markers(url: str, folder_key: str, objects: list[dict]) -> list[dict]:

@@ -285,14 +285,14 @@ def test_a_listed_model_whose_folder_went_while_not_loaded_no_longer_holds_readi
     asyncio.run(scenario())
 
 
-def _bucket_repository(tmp_path: Path, url: str) -> ModelRepository:
+def _bucket_repository(tmp_path: Path, url: str, events: Events | None = None) -> ModelRepository:
     """A repository on the bucket ``url`` (an s3:// URL on the moto server), with the toy backends."""
     config = tmp_path / "nereid.yaml"
     config.write_text(f'server:\n  ml_backends_path: "{url}"\n  cache_dir: "{tmp_path / "cache"}"\n'
                       '  metrics_addr: ""\n  http_addr: ""\n')
     manager = make_plugin_manager(load_entry_points=False, extra_plugins=(toy_backends,))
     (tmp_path / "scratch").mkdir(exist_ok=True)
-    return ModelRepository(load_settings(config), manager, tmp_path / "scratch")
+    return ModelRepository(load_settings(config), manager, tmp_path / "scratch", events=events)
 
 
 def _lists(s3, bucket: str) -> int:
@@ -657,3 +657,36 @@ def test_events_hear_each_name_forgotten_for_good_and_not_an_unload(tmp_path, ro
     assert forgotten == ["before", "gone"]
     # The removal is heard after the name is forgotten (it then names a model the repository does not know).
     assert events.heard[-2:] == [("gone", "forgotten"), ("gone", "remove")]
+
+
+def test_the_removal_of_a_store_folder_forgets_it_and_drops_its_cached_copy(s3, tmp_path):
+    """Defect: in a bucket, the removal (the watcher's, once a prefix is deleted) tested the folder's cached copy,
+    which is always there: the name stayed known (its metrics series, its scratch folder) until a
+    RepositoryIndex, and its copy in cache_dir for ever."""
+    import time
+
+    import obstore
+
+    for name in ("gone", "back"):
+        write_toy(tmp_path / "source", name)
+    upload_folder(s3.store, tmp_path / "source", s3.prefix)
+    events = Events()
+    repo = _bucket_repository(tmp_path, s3.url(), events)
+    mirror = repo.root
+
+    async def scenario():
+        for name in ("gone", "back"):
+            assert (await repo.load(name)).state is ModelState.READY
+        for key in (f"{s3.prefix}/gone/toy.txt", f"{s3.prefix}/gone/model_inference.textproto"):
+            obstore.delete(s3.store, key)
+        await repo.remove("gone")
+        await repo.remove("back")  # (its prefix is still there: a removal of a folder uploaded again meanwhile)
+        await repo.unload_all()
+    asyncio.run(scenario())
+    assert [e.name for e in repo.entries()] == ["back"]
+    assert events.heard.index(("gone", "forgotten")) < events.heard.index(("gone", "remove"))
+    assert not (tmp_path / "scratch" / "gone").exists()
+    deadline = time.monotonic() + 10
+    while sorted(p.name for p in mirror.iterdir()) != [".back.lock", "back"]:  # (deleted on a thread)
+        assert time.monotonic() < deadline, f"the cached copy of 'gone' was never removed: {list(mirror.iterdir())}"
+        time.sleep(0.05)

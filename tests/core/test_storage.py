@@ -179,10 +179,16 @@ def test_a_watched_bucket_is_polled_models_appear_change_and_go(s3, serve, tmp_p
     # A changed main.py is reloaded (with no downtime: the old version answers until then).
     obstore.put(s3.store, f"{s3.prefix}/first/main.py", textwrap.dedent(DOUBLE_MAIN).encode())
     until(lambda: _echo(server.client, "first", x).tolist() == (2 * x).tolist(), "the new main.py answers")
-    # A folder deleted from the bucket is unloaded and leaves the index.
+    # A folder deleted from the bucket is unloaded and forgotten (no RepositoryIndex needed: its cached copy
+    # used to keep the name known), and its cached copy goes.
+    mirror = server.server.settings.server.ml_backends_path
+    assert (mirror / "second" / "main.py").is_file()
     for key in bucket_state(s3.store, f"{s3.prefix}/second/"):
         obstore.delete(s3.store, key)
-    until(lambda: "second" not in states(), "the deleted folder leaves the index")
+    until(lambda: "second" not in {e.name for e in server.server.repository.entries()}, "'second' is forgotten")
+    until(lambda: not (mirror / "second").exists() and not (mirror / ".second.lock").exists(),
+          "the copy of 'second' leaves the cache")
+    assert "second" not in states()
     with pytest.raises(InferenceServerException, match="second"):
         _echo(server.client, "second", x)
 
@@ -656,3 +662,153 @@ def test_a_cached_file_changed_in_place_is_fetched_again(s3, tmp_path) -> None:
     os.utime(local / "note.txt", ns=(written, written + 1))
     materialize_model_folder(server, "m")
     assert len(s3.gets("m/note.txt")) == 2
+
+
+def _until(check, what: str, timeout_s: float = 10) -> None:
+    """Wait for ``check()`` (work done on a thread of the server's), failing after ``timeout_s`` naming ``what``."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"not within {timeout_s:g} s: {what}"
+        time.sleep(0.05)
+
+
+def _hold_lock(path: Path):
+    """A real process holding the flock of ``path`` (another server fetching that folder) until its stdin closes."""
+    import subprocess
+    import sys
+
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o666); "
+                               "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); sys.stdin.read()",
+         str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline() == "held\n"
+    return holder
+
+
+def test_a_folder_deleted_from_the_bucket_leaves_the_cache_once_forgotten(s3, serve, tmp_path) -> None:
+    # Defect: every deleted model's copy stayed in cache_dir for ever ('<name>/' with its marker, main.py, the
+    # textproto, a bundle's .cache/ executables, and '.<name>.lock'), across restarts: a server fed versioned
+    # names grew by a folder per name.
+    import os
+
+    source = tmp_path / "source"
+    _python_folder(source, "keep")
+    _python_folder(source, "v1")
+    upload_folder(s3.store, source, s3.prefix)
+    mirror = mirror_root(tmp_path / "cache", parse_store_url(s3.url()))
+    mirror.mkdir(parents=True)
+    for leftover in ("old", "busy"):  # left by an earlier server: their prefixes went while it was down
+        (mirror / leftover / ".cache").mkdir(parents=True)
+        (mirror / leftover / "main.py").write_text("print()")
+        (mirror / leftover / ".cache" / "executable.bin").write_bytes(b"compiled")
+        (mirror / f".{leftover}.lock").touch()
+    (mirror / ".lockonly.lock").touch()
+    holder = _hold_lock(mirror / ".busy.lock")  # another server sharing cache_dir is fetching 'busy'
+    try:
+        server = serve(_config(tmp_path, s3.url()))
+
+        def cached() -> list[str]:
+            return sorted(os.listdir(mirror))
+
+        _until(lambda: cached() == [".busy.lock", ".keep.lock", ".v1.lock", "busy", "keep", "v1"],
+               "the leftovers 'old' and '.lockonly.lock' are removed at start, and only they")
+        (mirror / "v1" / ".cache").mkdir()  # what a bundle's compiled executables would be
+        (mirror / "v1" / ".cache" / "executable.bin").write_bytes(b"compiled")
+        for key in bucket_state(s3.store, f"{s3.prefix}/v1/"):
+            obstore.delete(s3.store, key)
+        # Loaded, it serves on from its copy, which stays.
+        assert {m.name for m in server.client.get_model_repository_index().models} == {"keep", "v1"}
+        x = np.arange(4, dtype=np.float32).reshape(1, 4)
+        np.testing.assert_array_equal(_echo(server.client, "v1", x), x)
+        assert (mirror / "v1" / "main.py").is_file()
+        server.client.unload_model("v1")
+        assert [m.name for m in server.client.get_model_repository_index().models] == ["keep"]  # forgotten
+        _until(lambda: cached() == [".busy.lock", ".keep.lock", "busy", "keep"],  # 'busy' waits for its lock
+               "the copy of the forgotten 'v1' is removed")
+        holder.stdin.close()
+        holder.wait(10)
+        server.client.get_model_repository_index()  # the next listing tries again
+        _until(lambda: cached() == [".keep.lock", "keep"], "'busy' is removed once its lock is free")
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait()
+    np.testing.assert_array_equal(_echo(server.client, "keep", x), x)
+
+
+def test_a_cached_folder_is_removed_only_when_the_store_says_its_prefix_is_gone(s3, tmp_path, monkeypatch) -> None:
+    from nereid.storage import drop_mirror_folder, materialize_model_folder
+
+    server = load_settings(_config(tmp_path, s3.url())).server
+    obstore.put(s3.store, f"{s3.prefix}/m/main.py", b"print()")
+    local = materialize_model_folder(server, "m")
+    lock = local.parent / ".m.lock"
+    assert lock.is_file()
+    assert not drop_mirror_folder(server, "m")  # still in the bucket (whatever a listing of every folder said)
+    obstore.delete(s3.store, f"{s3.prefix}/m/main.py")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAWRONGKEY")
+    assert not drop_mirror_folder(server, "m")  # the store cannot say: it stays
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3.env()["AWS_ACCESS_KEY_ID"])
+    assert (local / "main.py").is_file()
+    assert drop_mirror_folder(server, "m")
+    assert not local.exists() and not lock.exists()
+    assert [p.name for p in local.parent.iterdir()] == []  # nothing renamed aside is left either
+
+
+def test_a_lock_deleted_by_its_holder_is_taken_anew_by_the_one_waiting(tmp_path) -> None:
+    # The removal of a cached folder deletes its lock file while holding it: a server that was waiting for it
+    # must then hold the lock of the file there, or a third one would take that file too and both would write.
+    import threading
+
+    from nereid.storage.mirror import _folder_lock
+
+    lock = tmp_path / ".m.lock"
+    waited, release = threading.Event(), threading.Event()
+
+    def waiter() -> None:
+        with _folder_lock(lock) as held:
+            assert held
+            waited.set()
+            release.wait(10)
+
+    with _folder_lock(lock) as held:
+        assert held
+        thread = threading.Thread(target=waiter)
+        thread.start()
+        time.sleep(0.2)  # it waits for the lock
+        lock.unlink()
+    assert waited.wait(10)
+    with _folder_lock(lock, wait=False) as third:
+        assert not third  # the waiter holds the file now at the path
+    release.set()
+    thread.join(10)
+    with _folder_lock(lock, wait=False) as fourth:
+        assert fourth
+
+
+def test_a_load_during_a_store_outage_is_unavailable_with_the_stores_reason(s3, serve, tmp_path,
+                                                                           monkeypatch) -> None:
+    # Defect: a model that IS in the bucket, asked for while the store refused the credentials (or could not be
+    # reached), answered NOT_FOUND "no folder 'p-new' under ml_backends_path"; the reason was only in the log.
+    from support import expect_grpc_error, free_port
+
+    source = tmp_path / "source"
+    _python_folder(source, "p0")
+    upload_folder(s3.store, source, s3.prefix)
+    server = serve(_config(tmp_path, s3.url(), "- name: p0\n"))
+    _python_folder(source, "p-new")
+    upload_folder(s3.store, source / "p-new", f"{s3.prefix}/p-new")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAWRONGKEY")
+    message = expect_grpc_error("UNAVAILABLE", lambda: server.client.load_model("p-new"),
+                                f"model 'p-new': cannot tell whether its folder is in the store: {s3.url()}: ",
+                                "HTTP 403 Forbidden InvalidAccessKeyId", "check AWS_ACCESS_KEY_ID")
+    assert "Traceback" not in message and "ml_backends_path" not in message
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3.env()["AWS_ACCESS_KEY_ID"])
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    expect_grpc_error("UNAVAILABLE", lambda: server.client.load_model("p-new"), "cannot reach the store",
+                      "check the endpoint (AWS_ENDPOINT_URL")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3.endpoint)  # back: it loads, and a name it lacks is NOT_FOUND again
+    server.client.load_model("p-new")
+    assert server.client.is_model_ready("p-new")
+    expect_grpc_error("NOT_FOUND", lambda: server.client.load_model("absent"),
+                      "unknown model 'absent' (no folder 'absent' under ml_backends_path)")

@@ -461,6 +461,157 @@ def test_a_store_down_at_start_loads_at_its_first_listing_what_a_start_would_hav
     assert "425.374527ms" in failures[1].getMessage()  # the second try, whose time differs, is no new reason
 
 
+# -- a bucket's folder whose load the store failed ------------------------------------------------------------------
+
+class WatchedBucket:
+    """A toy repository in this test's prefix of the moto bucket, watched (settle 0, polled every 0.1 s)."""
+
+    def __init__(self, s3, tmp_path: Path) -> None:
+        import boto3
+
+        from moto_s3 import ACCESS_KEY, BUCKET, REGION, SECRET_KEY
+        from nereid.settings import load_settings
+
+        self.tmp_path, self.bucket, self.prefix = tmp_path, BUCKET, f"{s3.prefix}/models"
+        self.client = boto3.client("s3", endpoint_url=s3.endpoint, aws_access_key_id=ACCESS_KEY,
+                                   aws_secret_access_key=SECRET_KEY, region_name=REGION)
+        config = tmp_path / "nereid.yaml"
+        config.write_text(f'server:\n  ml_backends_path: "s3://{BUCKET}/{self.prefix}"\n'
+                          f'  cache_dir: "{tmp_path / "cache"}"\n  metrics_addr: ""\n  http_addr: ""\n'
+                          '  watch: true\n  watch_settle_ms: 0\n  watch_poll_s: 0.1\n')
+        self.settings = load_settings(config)
+
+    def upload(self, name: str, **extra: str) -> None:
+        """A toy model folder ``name`` (with ``extra`` files: name=text) put into the bucket."""
+        import toy_backends
+
+        folder = toy_backends.write_toy(self.tmp_path / "source" / name, name)
+        for relative, text in extra.items():
+            (folder / relative).write_text(text)
+        for path in folder.iterdir():
+            self.client.put_object(Bucket=self.bucket, Key=f"{self.prefix}/{name}/{path.name}",
+                                   Body=path.read_bytes())
+
+    def repository(self):
+        import toy_backends
+        from nereid.plugins import make_plugin_manager
+        from nereid.repository import ModelRepository
+
+        (self.tmp_path / "scratch").mkdir(exist_ok=True)
+        return ModelRepository(self.settings, make_plugin_manager(load_entry_points=False,
+                                                                  extra_plugins=(toy_backends,)),
+                               self.tmp_path / "scratch")
+
+
+def _entry(repository, name: str):
+    """The entry of ``name``, None while the repository has none (never a listing of the store)."""
+    return next((entry for entry in repository.entries() if entry.name == name), None)
+
+
+def _store_failed(caplog, name: str) -> list[logging.LogRecord]:
+    """The watcher's WARNINGs that the store failed the load of the folder ``name``."""
+    return [r for r in caplog.records if r.name == "nereid.watch" and r.levelno >= logging.WARNING
+            and r.getMessage().startswith(f"dynamic repository: folder '{name}' did not")]
+
+
+async def _until(condition, what: str, timeout_s: float = 10.0) -> None:
+    import asyncio
+
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
+        await asyncio.sleep(0.02)
+
+
+def test_a_load_the_store_failed_is_tried_again_once_it_serves_and_a_bad_model_is_not(s3, tmp_path, caplog):
+    """Defect: with a bucket watched, a load or reload the store failed (its object GETs refused: 403
+    AccessDenied) was never tried again once the store served them, since the folder's state was taken as
+    done before the load: a new model stayed UNAVAILABLE, an edited one kept serving its old version, until
+    an object of the folder changed again. A load that fails for the model's own fault is not tried again."""
+    import asyncio
+
+    from nereid.repository import ModelState
+    from nereid.watch import RepositoryWatcher
+
+    store = WatchedBucket(s3, tmp_path)
+    # moto enforces a bucket policy's Deny: this test's objects answer 403 AccessDenied, listings still work.
+    policy = json.dumps({"Version": "2012-10-17", "Statement": [{
+        "Effect": "Deny", "Principal": "*", "Action": "s3:GetObject",
+        "Resource": f"arn:aws:s3:::{store.bucket}/{store.prefix}/*"}]})
+    store.upload("served")
+    caplog.set_level(logging.INFO, logger="nereid")
+
+    async def scenario() -> str:
+        repository = store.repository()
+        watcher = RepositoryWatcher(repository, store.settings)
+        await watcher.prime()
+        repository.watch_started()
+        await asyncio.gather(*(repository.load(name) for name in repository.startup_models()))
+        served = _entry(repository, "served")
+        assert (served.state, served.generation) == (ModelState.READY, 1)
+        store.client.put_bucket_policy(Bucket=store.bucket, Policy=policy)
+        running = asyncio.create_task(watcher.run())
+        try:
+            store.upload("new")  # a new model, and an edit of a served one, while the store refuses their GETs
+            store.client.put_object(Bucket=store.bucket, Key=f"{store.prefix}/served/toy.txt", Body=b"edited")
+            await _until(lambda: _entry(repository, "new") is not None and "403" in _entry(repository, "new").reason
+                         and served.reason.startswith("reload failed, version 1 keeps serving"),
+                         "both loads failed by the store")
+            assert (_entry(repository, "new").state, served.state) == (ModelState.UNAVAILABLE, ModelState.READY)
+            await asyncio.sleep(0.5)  # polls while the store still refuses: tried again, ever less often
+            store.client.delete_bucket_policy(Bucket=store.bucket)  # it serves again; nothing in the bucket changes
+            await _until(lambda: _entry(repository, "new").state is ModelState.READY and served.generation == 2,
+                         "both loaded once the store served again (neither folder changed)", timeout_s=5)
+            assert (served.state, served.reason) == (ModelState.READY, "")
+            store.upload("broken", **{"fail.txt": "this model refuses to load"})  # its own fault, not the store's
+            await _until(lambda: _entry(repository, "broken") is not None
+                         and "refuses" in _entry(repository, "broken").reason, "the broken model failed")
+            await asyncio.sleep(0.5)  # five polls, past the tries a store's failure would have had
+            return _entry(repository, "broken").reason
+        finally:
+            watcher.stop()
+            await running
+            store.client.delete_bucket_policy(Bucket=store.bucket)
+            await repository.unload_all()
+    assert "this model refuses to load" in asyncio.run(scenario())
+    # The store's failure is a WARNING once per folder, not per try (its tries are at DEBUG).
+    assert [len(_store_failed(caplog, name)) for name in ("new", "served", "broken")] == [1, 1, 0], caplog.text
+    assert "403" in _store_failed(caplog, "new")[0].getMessage()
+    loads = [r.getMessage() for r in caplog.records if r.getMessage().startswith("model 'broken' is UNAVAILABLE")]
+    assert len(loads) == 1, loads  # never tried again: it would fail the same way
+
+
+def test_a_load_failed_by_a_store_that_serves_again_when_the_watcher_looks_is_tried_again(s3, tmp_path, caplog):
+    """A fetch that failed every try (HTTP 500) then succeeds at once: the watcher, fetching the folder
+    again, finds files the failed load did not have, so that failure was the store's too."""
+    import asyncio
+
+    from nereid.repository import ModelState
+    from nereid.watch import RepositoryWatcher
+
+    store = WatchedBucket(s3, tmp_path)
+    caplog.set_level(logging.INFO, logger="nereid")
+
+    async def scenario() -> None:
+        repository = store.repository()
+        watcher = RepositoryWatcher(repository, store.settings)
+        await watcher.prime()
+        repository.watch_started()
+        store.upload("new")
+        s3.fail(f"{store.prefix}/new/toy.txt", times=4)  # the store client's first try and its 3 retries
+        await watcher._apply_serialized()  # seen; then loaded by the scan the watcher schedules once it settled
+        await _until(lambda: _entry(repository, "new") is not None and _entry(repository, "new").generation == 1,
+                     "'new' loaded at a later scan", timeout_s=5)
+        assert _entry(repository, "new").state is ModelState.READY
+        watcher.stop()
+        await repository.unload_all()
+    asyncio.run(scenario())
+    failures = [r.getMessage() for r in caplog.records if r.getMessage().startswith("model 'new' is UNAVAILABLE")]
+    assert len(failures) == 1 and "500" in failures[0], failures
+    [warning] = _store_failed(caplog, "new")
+    assert "the files it could not fetch are fetched now" in warning.getMessage()
+
+
 # -- a deleted folder's model draining while its name is asked for again ------------------------------------------
 
 def _gated_model(folder: Path, version: str, gate: Path) -> None:
