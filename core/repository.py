@@ -43,7 +43,7 @@ from nereid.settings import ModelSettings, Settings
 from nereid.signature import ModelSignature, brief_repr
 from nereid.stats import ModelStats
 from nereid.storage import (StorageError, drop_mirror_folder, materialize_model_folder, mirror_leftovers,
-                            model_folder_exists, scan_model_folders, store_holds_folder)
+                            model_folder_exists, scan_model_folders, store_failed, store_holds_folder)
 from nereid.storage.mirror import CACHE_SUBFOLDER
 
 log = logging.getLogger(__name__)
@@ -108,6 +108,9 @@ class ModelEntry:
     # Versions a removal took from it that are still finishing their requests (in the background, without
     # its lock): the entry stays, UNLOADING, until they are released, unless a new folder's model loads first.
     draining: int = 0
+    # Why its last load or reload failed, when the object store failed it (a fetch, a listing, a weights
+    # stream): a watcher tries such a load again. Empty when it loaded, or failed for its own reasons.
+    store_fault: str = ""
 
     @contextlib.asynccontextmanager
     async def held(self) -> AsyncIterator[None]:
@@ -300,6 +303,10 @@ class ModelRepository:
         Folders found before keep "not listed": nothing loads them by itself.
         """
         self._watched = True
+
+    def knows(self, name: str) -> bool:
+        """Whether ``name`` has an entry (RepositoryIndex lists it)."""
+        return name in self._entries
 
     def wanted(self, name: str) -> bool:
         """Whether the server means to serve ``name``: loaded or loading, or asked for (listed, loaded at start,
@@ -516,7 +523,8 @@ class ModelRepository:
                 elif failure is not None:
                     # The store did not answer: the folder may well be there. NOT_FOUND would send the client
                     # looking for a typo while the reason (credentials, endpoint) is only in the server's log.
-                    raise Unavailable(f"model '{name}': cannot tell whether its folder is in the store: {failure}")
+                    raise Unavailable(f"model '{name}': cannot tell whether its folder is in the store: "
+                                      f"{failure}") from failure
         entry = self.entry(name)
         if (entry.loaded is None and self.settings.server.ml_backends_url is None and not entry.folder.is_dir()
                 and self.settings.model(name) is None):
@@ -551,11 +559,13 @@ class ModelRepository:
                 reason = _reason(err)
                 log.error("model '%s' is UNAVAILABLE: %s", name, reason)  # the log keeps absolute paths
                 entry.state, entry.reason = ModelState.UNAVAILABLE, self.public_text(reason)
+                entry.store_fault = reason if store_failed(err) else ""
                 self._refresh_dependents()
                 return entry
             except asyncio.CancelledError:
                 entry.state, entry.reason = ModelState.UNAVAILABLE, "load abandoned (the server is stopping)"
                 raise
+            entry.store_fault = ""
             self._enter_loaded_version(entry)
         return entry
 
@@ -633,8 +643,10 @@ class ModelRepository:
                 reason = _reason(err)
                 log.error("model '%s': reload failed, version %d keeps serving: %s", name, entry.generation, reason)
                 entry.reason = self.public_text(f"reload failed, version {entry.generation} keeps serving: {reason}")
+                entry.store_fault = reason if store_failed(err) else ""
                 self._record(name, "reload_failed")
                 return entry
+            entry.store_fault = ""
             entry.loaded = new
             self._enter_loaded_version(entry)  # the new version may call other models
             self._record(name, "reload")

@@ -49,10 +49,10 @@ from typing import TYPE_CHECKING, Awaitable, Callable, Coroutine, Iterable
 
 import watchfiles
 
-from nereid.errors import ConfigError
+from nereid.errors import ConfigError, Unavailable
 from nereid.settings import Settings, load_settings
 from nereid.storage import (StorageError, StoreURL, local_model_folders, materialize_model_folder, parse_store_url,
-                            read_marker)
+                            read_marker, store_failed)
 
 if TYPE_CHECKING:
     from nereid.repository import ModelEntry, ModelRepository
@@ -621,8 +621,9 @@ class RepositoryWatcher:
         work = []
         for kind, name in [("added", name) for name in due["added"]] + [("changed", name) for name in due["changed"]]:
             retry = self._store_retries.get(name)
-            if retry is not None and not repository.wanted(name):
+            if retry is not None and repository.knows(name) and not repository.wanted(name):
                 # Unloaded (RepositoryModelUnload) or unlisted since the store failed its load: not tried again.
+                # (One the store failed before the repository knew it, the listing down, has no entry to unload.)
                 del self._store_retries[name]
                 log.info("dynamic repository: folder '%s' is no longer served (unloaded or no longer listed); "
                          "its load the store failed is not tried again", name)
@@ -670,7 +671,10 @@ class RepositoryWatcher:
         """
         try:
             entry = await load()
-        except StorageError as err:  # the store could not be listed to find a folder the repository did not know
+        except (StorageError, Unavailable) as err:
+            if not store_failed(err):
+                raise
+            # The store could not be listed to find a folder the repository did not know.
             fault: str | None = str(err)
         else:
             if entry.generation != generation:  # a new version serves
@@ -679,7 +683,9 @@ class RepositoryWatcher:
                     log.info("dynamic repository: folder '%s' loaded; the store had failed it %d time(s)", name,
                              retry.failures)
                 return
-            fault = await asyncio.to_thread(self._store_fault, name)
+            # The repository knows when the store failed the load itself (a weights stream, which no fetch of
+            # the folder's small files tries again); else the fetch tells.
+            fault = entry.store_fault or await asyncio.to_thread(self._store_fault, name)
         if fault is None:
             self._store_retries.pop(name, None)
             return

@@ -1,7 +1,8 @@
 """In-process toy backends for tests that need a model but not a real runtime (one module, shared).
 
 ``toy`` claims folders holding ``toy.txt`` and a textproto; its model adds one
-to its input. A folder with ``fail.txt`` refuses to load with that file's text.
+to its input. A folder with ``fail.txt`` refuses to load with that file's text; one with
+``store_fail.txt`` fails as the object store had failed its load (a StorageError as its cause).
 Every load is counted in ``LOADS`` (by model name), so tests can tell a model
 that moved from one that loaded again.
 """
@@ -41,6 +42,13 @@ class ToyModel:
         failure = self.context.folder / "fail.txt"
         if failure.is_file():
             raise ConfigError(f"{failure}: {failure.read_text().strip()}")
+        streamed = self.context.folder / "store_fail.txt"
+        if streamed.is_file():  # as a backend wraps its weights stream's failure
+            from nereid.storage import StorageError
+            try:
+                raise StorageError(streamed.read_text().strip())
+            except StorageError as err:
+                raise ConfigError(f"{streamed}: cannot read the weights") from err
         self._signature = load_textproto_signature(self.context.folder / TEXTPROTO_NAME)
         LOADS[self.context.name] += 1
 

@@ -53,6 +53,19 @@ class StorageError(ConfigError):
     """An object-store operation failed; the message names the URL and the cause."""
 
 
+def store_failed(error: BaseException) -> bool:
+    """Whether the object store caused ``error``: a StorageError, or an error raised from or while handling one
+    (a backend that wraps its weights stream's failure, the load that could not list the store)."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        if isinstance(current, StorageError):
+            return True
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return False
+
+
 class StoreClientPanic(StorageError):
     """obstore's Rust code panicked (a PanicException, which ``except Exception`` does not catch)."""
 

@@ -87,6 +87,32 @@ def test_a_first_load_failure_is_unavailable_with_the_reason(tmp_path, root):
     assert entry.state is ModelState.UNAVAILABLE and entry.reason.endswith("fail.txt: cannot read")
 
 
+def test_a_load_or_reload_the_store_failed_says_so_and_one_that_failed_for_its_own_reasons_does_not(tmp_path,
+                                                                                                     root):
+    """Defect (a review of the watcher's retry): a bundle whose weights stream failed (a StorageError under the
+    backend's error) was taken for a model at fault, since the watcher only fetched its small files again."""
+    folder = write_toy(root, "m")
+    (folder / "store_fail.txt").write_text("s3://models/m/weights.safetensors: read failed after 4 attempt(s)")
+
+    async def scenario():
+        repo = repository(tmp_path)
+        entry = await repo.load("m")
+        assert entry.state is ModelState.UNAVAILABLE and entry.store_fault.endswith("cannot read the weights")
+        (folder / "store_fail.txt").unlink()
+        (folder / "fail.txt").write_text("a bad textproto")  # the model's own fault
+        assert (await repo.load("m")).store_fault == ""
+        (folder / "fail.txt").unlink()
+        entry = await repo.load("m")
+        assert entry.state is ModelState.READY and entry.store_fault == ""
+        (folder / "store_fail.txt").write_text("HTTP 503")
+        entry = await repo.reload("m")
+        assert entry.generation == 1 and entry.store_fault.endswith("cannot read the weights")  # version 1 serves
+        (folder / "store_fail.txt").unlink()
+        assert (await repo.reload("m")).store_fault == ""
+        await repo.unload_all()
+    asyncio.run(scenario())
+
+
 def test_rename_moves_the_loaded_model_without_loading_again(tmp_path, root):
     write_toy(root, "before")
     repo = repository(tmp_path)

@@ -582,8 +582,8 @@ def test_a_load_the_store_failed_is_tried_again_once_it_serves_and_a_bad_model_i
 
 
 def test_a_load_failed_by_a_store_that_serves_again_when_the_watcher_looks_is_tried_again(s3, tmp_path, caplog):
-    """A fetch that failed every try (HTTP 500) then succeeds at once: the watcher, fetching the folder
-    again, finds files the failed load did not have, so that failure was the store's too."""
+    """A fetch that failed every try (HTTP 500) then succeeds at once: the repository recorded the store's
+    error as the load's cause, and the watcher tries it again."""
     import asyncio
 
     from nereid.repository import ModelState
@@ -609,7 +609,7 @@ def test_a_load_failed_by_a_store_that_serves_again_when_the_watcher_looks_is_tr
     failures = [r.getMessage() for r in caplog.records if r.getMessage().startswith("model 'new' is UNAVAILABLE")]
     assert len(failures) == 1 and "500" in failures[0], failures
     [warning] = _store_failed(caplog, "new")
-    assert "the files it could not fetch are fetched now" in warning.getMessage()
+    assert "did not load because of the store" in warning.getMessage() and "500" in warning.getMessage()
 
 
 # -- a deleted folder's model draining while its name is asked for again ------------------------------------------
@@ -682,3 +682,50 @@ def test_a_folder_renamed_onto_a_name_whose_model_drains_serves_at_once(repo, se
     assert [answer["version"] for answer in answers] == ["old"]  # the old m's request: answered once, by it
     assert index(server) == {"m": ("READY", "")}
     assert ask(server.client, "m")["version"] == "other"
+
+
+def test_a_load_the_stores_listing_failed_before_the_repository_knew_the_folder_is_tried_again(s3, tmp_path):
+    """Defects (a review of the retry): a load that could not list the store (UNAVAILABLE, "cannot tell whether its
+    folder is in the store", raised from the StorageError) was not taken for the store's fault; and, the folder
+    having no entry yet, it was then taken for one unloaded meanwhile and never tried again."""
+    import asyncio
+
+    from nereid.errors import Unavailable
+    from nereid.storage import StorageError, store_failed
+    from nereid.watch import RepositoryWatcher
+
+    assert store_failed(Unavailable("model 'n': cannot tell ...")) is False
+    try:
+        try:
+            raise StorageError("s3://models/x: cannot list the model folders: HTTP 500")
+        except StorageError as err:
+            raise Unavailable("model 'n': cannot tell whether its folder is in the store: ...") from err
+    except Unavailable as raised:
+        from_store = raised
+    assert store_failed(from_store)
+
+    store = WatchedBucket(s3, tmp_path)
+
+    async def scenario() -> None:
+        repository = store.repository()
+        watcher = RepositoryWatcher(repository, store.settings)
+        await watcher.prime()
+        repository.watch_started()
+        store.upload("n")
+        await watcher._apply_serialized()  # seen, settling: known to the watcher, not yet loaded
+        state = watcher._pending["n"][0]
+        assert not repository.knows("n")
+
+        async def listing_down():  # the load, as it fails when the store's listing does
+            raise from_store
+        del watcher._pending["n"]
+        watcher._accept("n", state)  # settled: taken as known before its load, as the watcher does
+        await watcher._from_store("n", state, None, 0, listing_down)
+        assert "n" in watcher._store_retries and "n" not in watcher._folders  # to be seen again, after a wait
+        polling = asyncio.create_task(watcher.run())
+        await _until(lambda: repository.knows("n") and _entry(repository, "n").generation == 1,
+                     "'n' tried again and loaded", timeout_s=5)
+        watcher.stop()
+        await polling
+        await repository.unload_all()
+    asyncio.run(scenario())
