@@ -143,6 +143,18 @@ class HttpSurface:
             log.exception("HTTP %s %s failed", scope["method"], cap_message(scope["path"], 256))
             status, headers = 500, JSON_HEADERS
             body = _error_body(self.dataplane.repository.public_text(f"internal error: {type(err).__name__}: {err}"))
+        except asyncio.CancelledError:
+            if not self.dataplane.shutting_down:
+                raise
+            # uvicorn cancels what still runs when shutdown_grace_s has passed: a request still sending its body
+            # (an infer past the grace answers in _infer) got uvicorn's text/plain 500 and an ERROR traceback
+            # each. It gets the answer a request still running then gets, and a line at most per the limit.
+            asyncio.current_task().uncancel()
+            _client_log.log(logging.INFO, "HTTP %s %s: still being received when shutdown_grace_s passed; "
+                            "answered 503", scope["method"], cap_message(scope["path"], 256))
+            status, headers = 503, [*JSON_HEADERS, (b"connection", b"close")]
+            body = _error_body("the server is shutting down, and shutdown_grace_s passed before this request was "
+                               "received; send it again to another server")
         if _body_never_asked_for(receive):
             # Answered before its body was asked for (no 100 Continue went out): the client need not send it
             # (RFC 9110 10.1.1), and the parser would take its next request for that body, which then hung.

@@ -237,3 +237,28 @@ def test_requests_still_running_when_the_grace_passes_are_answered_unavailable_a
     finally:
         plugin.release.set()
         stream.close()
+
+
+def test_a_request_still_sending_its_body_when_the_grace_passes_is_answered_503(repo, serve, caplog):
+    """Defect: uvicorn cancelled it at the grace, and the client got uvicorn's text/plain 500 while the log got an
+    ERROR traceback (about 28 lines) for each such connection, with no limit."""
+    import socket
+
+    write_toy(repo.models_dir, "steady")
+    server = serve(repo.write_config("- name: steady\n", server_extra="  shutdown_grace_s: 0.5\n"),
+                   manager=make_plugin_manager(load_entry_points=False, extra_plugins=(toy_backends,)))
+    caplog.set_level(logging.INFO)
+    with socket.create_connection(("127.0.0.1", server.server.http_port), timeout=PROMPT_S) as connection:
+        connection.sendall(b"POST /v2/models/steady/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: 100\r\n\r\n{\"inputs\": ")  # and the rest never comes
+        time.sleep(0.2)
+        stopping = begin_stop(server)  # as SIGTERM: the listener's grace is the configured one
+        answer = b""
+        while chunk := connection.recv(65536):
+            answer += chunk
+        stopping.result(PROMPT_S)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 503 ") and b"content-type: application/json" in head.lower(), answer
+    assert body == (b'{"error":"the server is shutting down, and shutdown_grace_s passed before this request was '
+                    b'received; send it again to another server"}')
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
