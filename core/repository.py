@@ -304,17 +304,15 @@ class ModelRepository:
         """
         self._watched = True
 
-    def knows(self, name: str) -> bool:
-        """Whether ``name`` has an entry (RepositoryIndex lists it)."""
-        return name in self._entries
-
     def wanted(self, name: str) -> bool:
         """Whether the server means to serve ``name``: loaded or loading, or asked for (listed, loaded at start,
         dropped in under a watch, RepositoryModelLoad) and neither unloaded nor unlisted since, e.g. one whose
         last load failed. A folder unlisted at start or unloaded is not: an edit of its files loads nothing.
         """
         entry = self._entries.get(name)
-        return entry is not None and (entry.loaded is not None or entry.holders > 0 or name in self._exposed)
+        if entry is None:  # (asked for while the store's listing failed: no entry yet, wanted all the same)
+            return name in self._exposed and self.settings.server.ml_backends_url is not None
+        return entry.loaded is not None or entry.holders > 0 or name in self._exposed
 
     def loaded_stamp(self, name: str) -> object:
         """The watcher's stamp of the files the running version of ``name`` loaded from (None: not known)."""
@@ -523,6 +521,9 @@ class ModelRepository:
                 elif failure is not None:
                     # The store did not answer: the folder may well be there. NOT_FOUND would send the client
                     # looking for a typo while the reason (credentials, endpoint) is only in the server's log.
+                    # Asked for all the same: the watcher's retry, or a rescan once the store answers, knows it
+                    # is wanted (until an unload says otherwise).
+                    self._exposed.add(name)
                     raise Unavailable(f"model '{name}': cannot tell whether its folder is in the store: "
                                       f"{failure}") from failure
         entry = self.entry(name)
@@ -847,8 +848,10 @@ class ModelRepository:
 
         Running work gets ``grace_s`` (default ``shutdown_grace_s``) before it is ended.
         """
-        entry = self.entry(name)
+        # Wanted no more, whatever follows: a load the store failed (and a watcher retries) stops here, even for
+        # a name the store's failed listing cannot confirm.
         self._exposed.discard(name)
+        entry = self.entry(name)
         self._state_changed()  # no longer counted, even while it waits for a load to finish
         async with entry.held():
             if entry.loaded is not None:

@@ -410,6 +410,8 @@ def _cache_dir(reader: KeyedReader, section: Mapping[str, Any], path: Path, need
         try:
             folder = Path(text).expanduser()
         except RuntimeError:  # "~" with no home directory known
+            if not needed:  # (the reference nereid.yaml writes ~/.cache/nereid: a local repository serves)
+                return None
             reader.fail("server.cache_dir", "starts with ~, but no home directory is known here (HOME is unset and "
                                             "this user has no passwd entry); give an absolute path", text)
         return folder if folder.is_absolute() else _beside_config(path, folder)

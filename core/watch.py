@@ -621,9 +621,8 @@ class RepositoryWatcher:
         work = []
         for kind, name in [("added", name) for name in due["added"]] + [("changed", name) for name in due["changed"]]:
             retry = self._store_retries.get(name)
-            if retry is not None and repository.knows(name) and not repository.wanted(name):
+            if retry is not None and not repository.wanted(name):
                 # Unloaded (RepositoryModelUnload) or unlisted since the store failed its load: not tried again.
-                # (One the store failed before the repository knew it, the listing down, has no entry to unload.)
                 del self._store_retries[name]
                 log.info("dynamic repository: folder '%s' is no longer served (unloaded or no longer listed); "
                          "its load the store failed is not tried again", name)

@@ -714,16 +714,18 @@ def test_a_load_the_stores_listing_failed_before_the_repository_knew_the_folder_
         store.upload("n")
         await watcher._apply_serialized()  # seen, settling: known to the watcher, not yet loaded
         state = watcher._pending["n"][0]
-        assert not repository.knows("n")
+        assert _entry(repository, "n") is None
 
-        async def listing_down():  # the load, as it fails when the store's listing does
+        async def listing_down():  # the load, as it fails when the store's listing does (asked for all the same)
+            repository._exposed.add("n")
             raise from_store
         del watcher._pending["n"]
         watcher._accept("n", state)  # settled: taken as known before its load, as the watcher does
         await watcher._from_store("n", state, None, 0, listing_down)
         assert "n" in watcher._store_retries and "n" not in watcher._folders  # to be seen again, after a wait
+        repository.rescan()  # (a RepositoryIndex meanwhile: the entry it makes is no model unloaded since)
         polling = asyncio.create_task(watcher.run())
-        await _until(lambda: repository.knows("n") and _entry(repository, "n").generation == 1,
+        await _until(lambda: _entry(repository, "n") is not None and _entry(repository, "n").generation == 1,
                      "'n' tried again and loaded", timeout_s=5)
         watcher.stop()
         await polling
