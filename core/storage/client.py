@@ -62,7 +62,9 @@ def store_failed(error: BaseException) -> bool:
         if isinstance(current, StorageError):
             return True
         seen.add(id(current))
-        current = current.__cause__ or current.__context__
+        # What it was raised from; else what it was raised while handling, unless it said not to (``from None``):
+        # a cleanup's error is no store's doing.
+        current = current.__cause__ or (None if current.__suppress_context__ else current.__context__)
     return False
 
 

@@ -703,6 +703,13 @@ def test_a_load_the_stores_listing_failed_before_the_repository_knew_the_folder_
     except Unavailable as raised:
         from_store = raised
     assert store_failed(from_store)
+    try:
+        try:
+            raise StorageError("s3://models/x: HTTP 500")
+        except StorageError:
+            raise ValueError("the model's own fault, raised while handling it") from None
+    except ValueError as own:
+        assert store_failed(own) is False  # (from None: not the store's doing)
 
     store = WatchedBucket(s3, tmp_path)
 
