@@ -812,9 +812,14 @@ class _BoundedHeadProtocol(HttpToolsProtocol):
         limit_s = self.request_head_timeout_s
         _client_log.log(logging.INFO, "HTTP request from %s refused with 408: its request line and headers did not "
                                       "all arrive within %g s", self.client, limit_s)
+        self._answer_and_close(b"408 Request Timeout",
+                               f"the request line and headers did not all arrive within {limit_s:g} s")
+
+    def _answer_and_close(self, status: bytes, message: str) -> None:
+        """Answer ``status`` with the JSON error ``message`` and close; only close when an earlier pipelined
+        request's answer is still due (this one would be read as that one's)."""
         if self.cycle is None or self.cycle.response_complete:
-            self.transport.write(_refusal(b"408 Request Timeout",
-                                          f"the request line and headers did not all arrive within {limit_s:g} s"))
+            self.transport.write(_refusal(status, message))
         self.transport.close()
 
     def _unsupported_upgrade_warning(self) -> None:
@@ -890,10 +895,8 @@ class _BoundedHeadProtocol(HttpToolsProtocol):
         """Answer 431 and close; only close when an earlier pipelined answer is still being written."""
         _client_log.log(logging.INFO, "HTTP request from %s refused with 431: its request line and headers pass %d "
                                       "bytes", self.client, MAX_HEAD_BYTES)
-        if self.cycle is None or self.cycle.response_complete:
-            self.transport.write(_refusal(b"431 Request Header Fields Too Large",
-                                          f"the request line and headers exceed {MAX_HEAD_BYTES} bytes"))
-        self.transport.close()
+        self._answer_and_close(b"431 Request Header Fields Too Large",
+                               f"the request line and headers exceed {MAX_HEAD_BYTES} bytes")
 
     def send_400_response(self, msg: str) -> None:
         """Answer a request the HTTP parser cannot read with a JSON 400 naming the parser's reason, and close.
