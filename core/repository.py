@@ -851,6 +851,13 @@ class ModelRepository:
         # Wanted no more, whatever follows: a load the store failed (and a watcher retries) stops here, even for
         # a name the store's failed listing cannot confirm.
         self._exposed.discard(name)
+        if name not in self._entries and self.settings.server.ml_backends_url is not None:
+            failure = await self.refresh()
+            if name not in self._entries and failure is not None:
+                # As a load then answers: NOT_FOUND would say there is no such folder, which nobody can tell.
+                raise Unavailable(f"model '{name}': cannot tell whether its folder is in the store: {failure}; "
+                                  "nothing is loaded under this name, and it will not be loaded until asked for "
+                                  "again") from failure
         entry = self.entry(name)
         self._state_changed()  # no longer counted, even while it waits for a load to finish
         async with entry.held():

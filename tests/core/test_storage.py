@@ -803,6 +803,10 @@ def test_a_load_during_a_store_outage_is_unavailable_with_the_stores_reason(s3, 
                                 f"model 'p-new': cannot tell whether its folder is in the store: {s3.url()}: ",
                                 "HTTP 403 Forbidden InvalidAccessKeyId", "check AWS_ACCESS_KEY_ID")
     assert "Traceback" not in message and "ml_backends_path" not in message
+    # An unload asked for then: no NOT_FOUND either (a review found it said there was no such folder).
+    expect_grpc_error("UNAVAILABLE", lambda: server.client.unload_model("p-new"),
+                      f"model 'p-new': cannot tell whether its folder is in the store: {s3.url()}: ",
+                      "nothing is loaded under this name, and it will not be loaded until asked for again")
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3.env()["AWS_ACCESS_KEY_ID"])
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens there
     expect_grpc_error("UNAVAILABLE", lambda: server.client.load_model("p-new"), "cannot reach the store",
