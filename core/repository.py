@@ -289,11 +289,12 @@ class ModelRepository:
         # Whether a watcher loads folders that appear from now on (dynamic mode, once it knows the folders
         # there at start: those are not loaded unless listed, exactly as without it).
         self._watched = False
-        self.rescan()
         # Models the server is expected to keep ready: ServerReady looks at these.
         # Start-up models count from the first moment, so the server never
         # reports ready before they have loaded.
-        self._exposed: set[str] = set(self.startup_models())
+        self._exposed: set[str] = set()
+        self.rescan()
+        self._exposed.update(self.startup_models())
         for name in self._exposed:
             self._entries[name].state, self._entries[name].reason = ModelState.LOADING, "waiting to load"
 
@@ -399,6 +400,10 @@ class ModelRepository:
                     reason=_waiting_for_folder(settings.name))
         if present is not None:
             self._forget_gone(set(present))
+            # A name asked for while the store could not be listed (see load), which the store now answers it
+            # does not hold: a typo, say; it must not wait, wanted, for a folder of that name for ever.
+            self._exposed -= {name for name in self._exposed
+                              if name not in self._entries and self.settings.model(name) is None}
         # Cached copies of store folders this server does not know (forgotten now, or before a restart): a server
         # fed versioned names must not keep one per name it ever served.
         self._drop_mirrors_soon(scan.leftovers)
@@ -521,9 +526,10 @@ class ModelRepository:
                 elif failure is not None:
                     # The store did not answer: the folder may well be there. NOT_FOUND would send the client
                     # looking for a typo while the reason (credentials, endpoint) is only in the server's log.
-                    # Asked for all the same: the watcher's retry, or a rescan once the store answers, knows it
-                    # is wanted (until an unload says otherwise).
-                    self._exposed.add(name)
+                    # Asked for all the same, where something tries it again: the watcher's retry knows it is
+                    # wanted (until an unload says otherwise). Without a watcher the client loads it again.
+                    if self.settings.server.watch:
+                        self._exposed.add(name)
                     raise Unavailable(f"model '{name}': cannot tell whether its folder is in the store: "
                                       f"{failure}") from failure
         entry = self.entry(name)
@@ -851,8 +857,10 @@ class ModelRepository:
         # Wanted no more, whatever follows: a load the store failed (and a watcher retries) stops here, even for
         # a name the store's failed listing cannot confirm.
         self._exposed.discard(name)
-        if name not in self._entries and self.settings.server.ml_backends_url is not None:
+        if (name not in self._entries and _is_folder_name(name)
+                and self.settings.server.ml_backends_url is not None):
             failure = await self.refresh()
+            self._exposed.discard(name)  # (again: a load of it may have come in while the store was listed)
             if name not in self._entries and failure is not None:
                 # As a load then answers: NOT_FOUND would say there is no such folder, which nobody can tell.
                 raise Unavailable(f"model '{name}': cannot tell whether its folder is in the store: {failure}; "

@@ -807,11 +807,17 @@ def test_a_load_during_a_store_outage_is_unavailable_with_the_stores_reason(s3, 
     expect_grpc_error("UNAVAILABLE", lambda: server.client.unload_model("p-new"),
                       f"model 'p-new': cannot tell whether its folder is in the store: {s3.url()}: ",
                       "nothing is loaded under this name, and it will not be loaded until asked for again")
+    # A name no folder can have is unknown whatever the store says, as a load answers it.
+    expect_grpc_error("NOT_FOUND", lambda: server.client.unload_model(".hidden"), "unknown model '.hidden'")
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3.env()["AWS_ACCESS_KEY_ID"])
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens there
     expect_grpc_error("UNAVAILABLE", lambda: server.client.load_model("p-new"), "cannot reach the store",
                       "check the endpoint (AWS_ENDPOINT_URL")
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3.endpoint)  # back: it loads, and a name it lacks is NOT_FOUND again
+    # Without watch nothing loads it by itself, so the loads that failed leave the server ready once listed
+    # (a review found them holding ServerReady false for good after any RepositoryIndex).
+    server.client.get_model_repository_index()
+    assert server.client.is_server_ready()
     server.client.load_model("p-new")
     assert server.client.is_model_ready("p-new")
     expect_grpc_error("NOT_FOUND", lambda: server.client.load_model("absent"),
