@@ -54,9 +54,7 @@ def make_scratch_folder(kind: str = "") -> Path:
     was killed is removed by the next server start.
     """
     folder = Path(tempfile.mkdtemp(prefix=f"{scratch_prefix()}{kind}"))
-    descriptor = os.open(folder / OWNER_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
-    fcntl.flock(descriptor, fcntl.LOCK_EX)  # (a new file nobody else has opened: taken at once)
-    _held[folder] = descriptor
+    _hold_lock(folder)
     return folder
 
 
@@ -81,10 +79,12 @@ def make_private_folder(folder: Path) -> None:
         except FileExistsError:
             return
     if folder in _held:
-        _lock_again(folder)
+        _hold_lock(folder)
 
 
-def _lock_again(folder: Path) -> None:
+def _hold_lock(folder: Path) -> None:
+    """Lock ``folder``'s OWNER_LOCK (a new file nobody else has opened: taken at once) as this process's, for
+    its whole life; the lock of a folder of that path made before (and removed since) is let go."""
     descriptor = os.open(folder / OWNER_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
     fcntl.flock(descriptor, fcntl.LOCK_EX)
     old = _held.get(folder)

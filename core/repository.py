@@ -530,8 +530,7 @@ class ModelRepository:
                     # wanted (until an unload says otherwise). Without a watcher the client loads it again.
                     if self.settings.server.watch:
                         self._exposed.add(name)
-                    raise Unavailable(f"model '{name}': cannot tell whether its folder is in the store: "
-                                      f"{failure}") from failure
+                    raise _store_cannot_tell(name, failure) from failure
         entry = self.entry(name)
         if (entry.loaded is None and self.settings.server.ml_backends_url is None and not entry.folder.is_dir()
                 and self.settings.model(name) is None):
@@ -863,9 +862,8 @@ class ModelRepository:
             self._exposed.discard(name)  # (again: a load of it may have come in while the store was listed)
             if name not in self._entries and failure is not None:
                 # As a load then answers: NOT_FOUND would say there is no such folder, which nobody can tell.
-                raise Unavailable(f"model '{name}': cannot tell whether its folder is in the store: {failure}; "
-                                  "nothing is loaded under this name, and it will not be loaded until asked for "
-                                  "again") from failure
+                raise _store_cannot_tell(name, failure, "; nothing is loaded under this name, and it will not be "
+                                                        "loaded until asked for again") from failure
         entry = self.entry(name)
         self._state_changed()  # no longer counted, even while it waits for a load to finish
         async with entry.held():
@@ -1104,6 +1102,11 @@ def _backends_folder() -> Path:
     spec = importlib.util.find_spec("nereid.backends")
     locations = list(spec.submodule_search_locations or []) if spec is not None else []
     return Path(locations[0]).resolve() if locations else Path(nereid.__file__).resolve().parent
+
+
+def _store_cannot_tell(name: str, failure: StorageError, more: str = "") -> Unavailable:
+    """The answer for ``name``, which a store that cannot be listed (``failure``) may hold: never NOT_FOUND."""
+    return Unavailable(f"model '{name}': cannot tell whether its folder is in the store: {failure}{more}")
 
 
 def _no_folder(name: str) -> NotFound:

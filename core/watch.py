@@ -51,8 +51,7 @@ import watchfiles
 
 from nereid.errors import ConfigError, Unavailable
 from nereid.settings import Settings, load_settings
-from nereid.storage import (StorageError, StoreURL, local_model_folders, materialize_model_folder, parse_store_url,
-                            read_marker, store_failed)
+from nereid.storage import StorageError, StoreURL, local_model_folders, parse_store_url, store_failed
 
 if TYPE_CHECKING:
     from nereid.repository import ModelEntry, ModelRepository
@@ -682,9 +681,9 @@ class RepositoryWatcher:
                     log.info("dynamic repository: folder '%s' loaded; the store had failed it %d time(s)", name,
                              retry.failures)
                 return
-            # The repository knows when the store failed the load itself (a weights stream, which no fetch of
-            # the folder's small files tries again); else the fetch tells.
-            fault = entry.store_fault or await asyncio.to_thread(self._store_fault, name)
+            # The repository records when the store failed the load (a fetch, a weights stream): the error's
+            # chain holds a StorageError. Anything else was the model's own fault.
+            fault = entry.store_fault or None
         if fault is None:
             self._store_retries.pop(name, None)
             return
@@ -708,22 +707,6 @@ class RepositoryWatcher:
             self._folders[name] = previous
         # Pending in this state, settled once the backoff is over: the scan after that loads it again.
         self._pending[name] = (state, time.monotonic() + retry.delay_s - self.settle_ms / 1000)
-
-    def _store_fault(self, name: str) -> str | None:
-        """Why the failed load of the store's folder ``name`` was the store's doing; None if not (blocking).
-
-        The folder is fetched again, as the load fetched it. A store that still fails says why; one that
-        fetches now what the load had not (the mirror's record of the folder changes) failed that load and
-        serves again. Otherwise the load had every file, and its failure was the model's own.
-        """
-        folder = self.root / name
-        try:
-            before = read_marker(folder)
-            materialize_model_folder(self.settings.server, name)
-            after = read_marker(folder)
-        except StorageError as err:
-            return str(err)
-        return None if after == before else "the files it could not fetch are fetched now"
 
     def _transfer_wait_s(self, state: FolderState | None, waited_s: float) -> float:
         """How much longer a settled folder waits because a hidden file in it was written just now (0: none).

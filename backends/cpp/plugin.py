@@ -37,7 +37,10 @@ class CppModel(SubprocessModel):
         # deleted while requests are queued.
         run_dir = Path(tempfile.mkdtemp(prefix="cpp-", dir=self.context.scratch_dir))
         self._binary = run_dir / self._built.name
-        _link_or_copy(self._built, self._binary)
+        try:
+            os.link(self._built, self._binary)
+        except OSError:  # another file system, or no hard links there
+            shutil.copy2(self._built, self._binary)
 
     def prepare_relocated(self) -> None:
         """Nothing to find again: the binary is this version's own link, outside the folder."""
@@ -68,13 +71,6 @@ class CppModel(SubprocessModel):
         if self._binary is not None:
             shutil.rmtree(self._binary.parent, ignore_errors=True)
         super().unload()
-
-
-def _link_or_copy(built: Path, binary: Path) -> None:
-    try:
-        os.link(built, binary)
-    except OSError:  # another file system, or no hard links there
-        shutil.copy2(built, binary)
 
 
 @hookimpl
