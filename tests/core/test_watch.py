@@ -502,6 +502,16 @@ class WatchedBucket:
                                                                   extra_plugins=(toy_backends,)),
                                self.tmp_path / "scratch")
 
+    async def watched(self):
+        """A repository and its watcher, primed with the bucket as it is and watching from now on."""
+        from nereid.watch import RepositoryWatcher
+
+        repository = self.repository()
+        watcher = RepositoryWatcher(repository, self.settings)
+        await watcher.prime()
+        repository.watch_started()
+        return repository, watcher
+
 
 def _entry(repository, name: str):
     """The entry of ``name``, None while the repository has none (never a listing of the store)."""
@@ -531,7 +541,6 @@ def test_a_load_the_store_failed_is_tried_again_once_it_serves_and_a_bad_model_i
     import asyncio
 
     from nereid.repository import ModelState
-    from nereid.watch import RepositoryWatcher
 
     store = WatchedBucket(s3, tmp_path)
     # moto enforces a bucket policy's Deny: this test's objects answer 403 AccessDenied, listings still work.
@@ -542,10 +551,7 @@ def test_a_load_the_store_failed_is_tried_again_once_it_serves_and_a_bad_model_i
     caplog.set_level(logging.INFO, logger="nereid")
 
     async def scenario() -> str:
-        repository = store.repository()
-        watcher = RepositoryWatcher(repository, store.settings)
-        await watcher.prime()
-        repository.watch_started()
+        repository, watcher = await store.watched()
         await asyncio.gather(*(repository.load(name) for name in repository.startup_models()))
         served = _entry(repository, "served")
         assert (served.state, served.generation) == (ModelState.READY, 1)
@@ -587,16 +593,12 @@ def test_a_load_failed_by_a_store_that_serves_again_when_the_watcher_looks_is_tr
     import asyncio
 
     from nereid.repository import ModelState
-    from nereid.watch import RepositoryWatcher
 
     store = WatchedBucket(s3, tmp_path)
     caplog.set_level(logging.INFO, logger="nereid")
 
     async def scenario() -> None:
-        repository = store.repository()
-        watcher = RepositoryWatcher(repository, store.settings)
-        await watcher.prime()
-        repository.watch_started()
+        repository, watcher = await store.watched()
         store.upload("new")
         s3.fail(f"{store.prefix}/new/toy.txt", times=4)  # the store client's first try and its 3 retries
         await watcher._apply_serialized()  # seen; then loaded by the scan the watcher schedules once it settled
@@ -692,7 +694,6 @@ def test_a_load_the_stores_listing_failed_before_the_repository_knew_the_folder_
 
     from nereid.errors import Unavailable
     from nereid.storage import StorageError, store_failed
-    from nereid.watch import RepositoryWatcher
 
     assert store_failed(Unavailable("model 'n': cannot tell ...")) is False
     try:
@@ -714,10 +715,7 @@ def test_a_load_the_stores_listing_failed_before_the_repository_knew_the_folder_
     store = WatchedBucket(s3, tmp_path)
 
     async def scenario() -> None:
-        repository = store.repository()
-        watcher = RepositoryWatcher(repository, store.settings)
-        await watcher.prime()
-        repository.watch_started()
+        repository, watcher = await store.watched()
         store.upload("n")
         await watcher._apply_serialized()  # seen, settling: known to the watcher, not yet loaded
         state = watcher._pending["n"][0]
