@@ -35,7 +35,7 @@ STARTUP_TAIL_BYTES = 2000
 
 
 class WarmStartUnavailable(Exception):
-    """The warm parent cannot serve this model (an import failed, threads started): run cold."""
+    """The warm parent cannot serve this model (an import failed, started threads or initialised CUDA): run cold."""
 
 
 class WarmParent:
@@ -241,7 +241,7 @@ class WarmParent:
                     if not self.modules or self.cold_argv is None:
                         raise ModelFailure(f"model '{self.name}': its warm parent could not be restarted: "
                                            f"{err}") from None
-                    # Its imports changed under it (one now fails, or starts a thread): run cold from
+                    # Its imports changed under it (one now fails, starts a thread or initialises CUDA): run cold from
                     # now on, as a load finding the same would.
                     log.warning("model '%s': its restarted warm parent cannot preload (%s); from now on every "
                                 "batch starts a fresh interpreter", self.name, err)

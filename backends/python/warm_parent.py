@@ -11,7 +11,8 @@ Protocol (``CONTROL_FD`` is an AF_UNIX SOCK_SEQPACKET socket to the server):
 1. Import every module in ``MODULES_JSON`` and compile ``SOURCE`` as ``FOLDER/main.py``
    (each run executes that code, not the file as it is then), then write one line to the
    stdout it was started with: ``ready``, or ``fallback <reason>`` and exit (an import
-   failed, or imports started Python threads: forking a threaded process is unsafe).
+   failed, imports started Python threads: forking a threaded process is unsafe, or an
+   import initialised CUDA, which a forked child cannot use).
    From the start, descriptor 1 is the parent's stderr: what an import prints (a
    library's banner) goes to the log, and only that line reaches the server.
 2. Each message on the control socket asks for one run: a JSON object
@@ -64,20 +65,75 @@ PR_SET_CHILD_SUBREAPER = 36
 # Rounds of a sweep: each kills every orphan with all its descendants, so a round only has more to do for
 # processes forked while it ran, or killed ones still being reparented here to be reaped.
 MAX_SWEEPS = 1024
+# What every CUDA driver API call but cuInit returns until cuInit has been called (CUresult 3).
+CUDA_ERROR_NOT_INITIALIZED = 3
 
 
 def preload(modules: list[str]) -> str | None:
-    """Import ``modules``; None when forking is safe afterwards, else why not."""
+    """Import ``modules``; None when forking is safe afterwards, else why not.
+
+    Python threads make it unsafe (a lock held by one stays held in every
+    child). Native threads do not count (OpenBLAS's pool registers fork
+    handlers; importing torch starts none): an initialised CUDA driver, whose
+    threads are native, is what :func:`cuda_initialised` looks for instead.
+    """
     for name in modules:
         try:
             importlib.import_module(name)
         except BaseException as err:  # noqa: BLE001 - any failure means: run cold
             text = f"{type(err).__name__}: {err}".replace("\n", " ")[:500]
             return f"preloading '{name}' failed ({text})"
+        # After each import, so that the reason names the module that did it.
+        if cuda_initialised():
+            return (f"preloading '{name}' initialised CUDA, which a forked child cannot use; initialise CUDA in "
+                    "the code that runs per batch (main.py's body or a function it calls), not at import")
     extra = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
     if extra:
         return f"preloading started threads ({', '.join(extra[:5])}); forking a threaded process is unsafe"
     return None
+
+
+def cuda_initialised() -> bool:
+    """True when the CUDA driver loaded into this process has been initialised (``cuInit`` ran), found out
+    without initialising it.
+
+    A child forked after ``cuInit`` cannot use CUDA ("cannot re-initialize
+    CUDA in forked subprocess", CUDA_ERROR_NOT_INITIALIZED), so the model must
+    run cold. Only a driver some import loaded is asked: ``libcuda.so*`` mapped
+    into this process, opened again with ``RTLD_NOLOAD``, which never loads a
+    library. Before ``cuInit`` every other driver call returns
+    CUDA_ERROR_NOT_INITIALIZED (NVIDIA's driver API, "Initialization");
+    ``cuDeviceGetCount`` is a harmless one. Any other answer means ``cuInit``
+    ran here. A failed one counts too: a child would inherit the parent's
+    attempt instead of making its own, as a fresh interpreter does.
+    """
+    for path in _mapped_cuda_drivers():
+        try:
+            device_count = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LOCAL).cuDeviceGetCount
+        except (OSError, AttributeError):
+            continue  # unloaded since maps was read, or a file so named that is not the driver
+        device_count.restype = ctypes.c_int
+        device_count.argtypes = [ctypes.POINTER(ctypes.c_int)]
+        if device_count(ctypes.byref(ctypes.c_int())) != CUDA_ERROR_NOT_INITIALIZED:
+            return True
+    return False
+
+
+def _mapped_cuda_drivers() -> list[str]:
+    """The paths of the CUDA driver libraries (``libcuda.so*``) mapped into this process; [] without /proc."""
+    try:
+        with open("/proc/self/maps") as f:
+            maps = f.read()
+    except OSError:
+        return []
+    paths: dict[str, None] = {}
+    for line in maps.splitlines():
+        fields = line.split(maxsplit=5)  # address perms offset dev inode [path]
+        if len(fields) == 6 and fields[5].startswith("/"):
+            # Not libcudart (the runtime, which loads the driver when it needs it: then the driver is mapped too).
+            if os.path.basename(fields[5]).startswith("libcuda.so"):
+                paths[fields[5]] = None
+    return list(paths)
 
 
 class Runs:

@@ -1,4 +1,5 @@
-"""The warm parent's run handling on its own, in process: what it does when no child can be forked."""
+"""The warm parent on its own: its run handling in process (what it does when no child can be forked), and its
+preload in an interpreter of its own (the CUDA check)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import json
 import os
 import select
 import socket
+import subprocess
+import sys
 
 from nereid.backends.python import warm_parent
 
@@ -36,3 +39,40 @@ def test_a_run_whose_child_cannot_be_forked_fails_saying_why_and_the_parent_serv
             os.close(fd)
         for sock in (control, server_side, reply, reply_for_parent):
             sock.close()
+
+
+# Preloads, in one warm-parent interpreter, each list of modules in argv[2] (JSON) in turn; prints, for each, what
+# preload() answered and whether a libcuda was mapped into the process after it.
+PRELOAD_IN_TURN = """
+import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("warm_parent", sys.argv[1])
+warm_parent = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(warm_parent)
+answers = []
+for modules in json.loads(sys.argv[2]):
+    reason = warm_parent.preload(modules)
+    with open("/proc/self/maps") as maps:
+        answers.append([reason, "libcuda.so" in maps.read()])
+print(json.dumps(answers))
+"""
+
+
+def test_preloading_that_initialises_cuda_is_refused_naming_the_module(tmp_path, fake_libcuda):
+    """Defect: a preloaded module that initialised CUDA (torch.cuda.init() at import) left the warm parent with an
+    initialised driver, and every forked child that used CUDA failed; only Python threads were checked."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "loads_cuda.py").write_text("import ctypes\ndriver = ctypes.CDLL('libcuda.so.1')\n")
+    (site / "inits_cuda.py").write_text("from loads_cuda import driver\nassert driver.cuInit(0) == 0\n")
+    # The fake driver is where a dlopen("libcuda.so.1") would find it: the check must not load it itself.
+    env = {**os.environ, "PYTHONPATH": str(site), "LD_LIBRARY_PATH": str(fake_libcuda.parent)}
+    done = subprocess.run([sys.executable, "-c", PRELOAD_IN_TURN, warm_parent.__file__,
+                           json.dumps([["json"], ["loads_cuda"], ["decimal", "inits_cuda"]])],
+                          env=env, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == [
+        [None, False],  # no driver loaded: none asked, none loaded
+        [None, True],  # loaded, never initialised: forking is fine
+        ["preloading 'inits_cuda' initialised CUDA, which a forked child cannot use; initialise CUDA in the code "
+         "that runs per batch (main.py's body or a function it calls), not at import", True],
+    ]

@@ -292,6 +292,27 @@ def test_unsafe_preload_falls_back_to_cold_starts(repo, serve, user_site, caplog
     assert ask(server, "fallback") == {"ok": True}  # served, cold
 
 
+
+def test_a_preload_that_initialises_cuda_runs_cold_and_one_that_only_loads_it_stays_warm(repo, serve, user_site,
+                                                                                         fake_libcuda, caplog):
+    """Defect: a preloaded module that initialised CUDA at import (torch.cuda.init(), a tensor moved to the GPU)
+    kept warm start on, and every forked child that then used CUDA failed. Loading the driver without cuInit (as
+    importing torch does) must not turn warm start off."""
+    (user_site / "loads_cuda.py").write_text(f"import ctypes\ndriver = ctypes.CDLL({str(fake_libcuda)!r})\n")
+    (user_site / "inits_cuda.py").write_text("from loads_cuda import driver\nassert driver.cuInit(0) == 0\n")
+    repo.python("gpu_at_import", textproto=REPORT, main=reply_main('"served"'))
+    repo.python("gpu_loaded", textproto=REPORT, main=reply_main('"served"'))
+    server = serve(repo.write_config("- name: gpu_at_import\n  runtime: {preload: [inits_cuda]}\n"
+                                     "- name: gpu_loaded\n  runtime: {preload: [loads_cuda]}\n"))
+    reason = ("preloading 'inits_cuda' initialised CUDA, which a forked child cannot use; initialise CUDA in the "
+              "code that runs per batch (main.py's body or a function it calls), not at import")
+    assert backend_of(server, "gpu_at_import").runtime_report().summary == f"warm_start=off ({reason})"
+    assert [r for r in caplog.records if "'gpu_at_import': warm start is off" in r.message and reason in r.message]
+    assert ask(server, "gpu_at_import") == "served"  # cold
+    assert backend_of(server, "gpu_loaded").runtime_report().summary == "warm_start=on"
+    assert ask(server, "gpu_loaded") == "served"
+
+
 def test_check_reports_warm_start(repo, user_site, capsys):
     repo.python("warm", textproto=REPORT, main=reply_main("1"))
     repo.python("cold", textproto=REPORT, main=reply_main("1"))
