@@ -490,9 +490,8 @@ class ModelRepository:
 
     def ready_model(self, name: str) -> LoadedModel:
         """The loaded model behind ``name``; NotFound or Unavailable with the reason otherwise."""
-        entry = self._entries.get(name)
-        if entry is None:
-            raise NotFound(PublicText(f"unknown model '{name}'"))  # echoed as sent
+        # Through entry(): an unknown name gets the same NotFound as every other call's (statistics, a version).
+        entry = self.entry(name)
         if entry.state is not ModelState.READY or entry.loaded is None:
             detail = f": {entry.reason}" if entry.reason else ""
             raise Unavailable(f"model '{name}' is not ready ({entry.state.value}{detail})")

@@ -68,6 +68,12 @@ MAX_HEAD_BYTES = 64 << 10
 # connection_cap): a client that opened connections without end took every file descriptor of the process
 # (20,400 of them), and then nothing else could open a connection, a model file or a child's pipe.
 MAX_CONNECTIONS = 4096
+# How long a kept-alive connection may stay idle between requests before it is closed (uvicorn's own default is
+# 5 s). A client's pool that reuses a connection just as the server closes it gets a reset on a request it sent
+# (not retried: an infer is a POST), so the server should be the last to close: this outlasts common pools' and
+# load balancers' idle times (Go's 90 s, .NET's and AWS ALB's 60 s), and stays bounded, since every idle
+# connection counts toward MAX_CONNECTIONS.
+KEEP_ALIVE_TIMEOUT_S = 120.0
 # Responses up to this size are joined into one write (a copy costs less than a second write).
 JOIN_BELOW_BYTES = 64 << 10
 # curl -d sends application/x-www-form-urlencoded unless told otherwise: accepted as JSON, as Triton does.
@@ -108,6 +114,15 @@ class HttpError(Exception):
         self.headers = headers or []
 
 
+class Unparsable(HttpError):
+    """The HTTP parser could not read the rest of a request's body (a malformed chunk): the listener has
+    answered it 400 and closed its connection (see :meth:`_BoundedHeadProtocol.send_400_response`), so the
+    handler only counts and logs it."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(400, message)
+
+
 class Disconnected(Exception):
     """The client went away (before its body arrived, or before its answer): there is no one to answer."""
 
@@ -130,6 +145,9 @@ class HttpSurface:
             return  # lifespan and websocket scopes: nothing to do
         try:
             status, body, headers = await self._route(scope, receive)
+        except Unparsable as err:  # answered already, below the app
+            _client_log.log(logging.INFO, "HTTP %s %s: %s", scope["method"], cap_message(scope["path"], 256), err)
+            return
         except Disconnected as gone:
             _client_log.log(logging.INFO, "HTTP %s %s: the client disconnected %s", scope["method"],
                             cap_message(scope["path"], 256), gone)
@@ -226,8 +244,8 @@ class HttpSurface:
         try:
             body, length = await self._infer_body(dict(scope["headers"]), receive, model)
         except HttpError as err:
-            # Refused by this layer (a Content-Type, a size): still one of the model's failures, as a
-            # body that does not decode is.
+            # Refused by this layer (a Content-Type, a size, a body the HTTP parser cannot read): still one
+            # of the model's failures, as a body that does not decode is.
             self._refused(model, (Unimplemented if err.status == 501 else InvalidArgument)(str(err)))
             raise
         try:
@@ -344,6 +362,10 @@ class HttpSurface:
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
+                # The listener ends a body the parser cannot read as a lost connection, marking the request.
+                unparsable = getattr(getattr(receive, "__self__", None), "nereid_unparsable", None)
+                if unparsable is not None:
+                    raise Unparsable(f"{_who(model)}{unparsable}")
                 raise Disconnected("before sending its whole body")
             chunk = message.get("body", b"")
             size += len(chunk)
@@ -574,7 +596,8 @@ class HttpListener:
         # access_log=False: no line per request (uvicorn then also cuts its access logger off).
         config = uvicorn.Config(self.app, http=_BoundedHeadProtocol, lifespan="off", log_config=None,
                                 log_level=None, access_log=False, server_header=False, date_header=False,
-                                ws="none", proxy_headers=False, timeout_graceful_shutdown=self.grace_s)
+                                ws="none", proxy_headers=False, timeout_graceful_shutdown=self.grace_s,
+                                timeout_keep_alive=KEEP_ALIVE_TIMEOUT_S)
         config.load()
         if self.tls is not None:
             config.ssl = self.tls
@@ -719,8 +742,11 @@ class _BoundedHeadProtocol(HttpToolsProtocol):
     answered 408 and its connection closed, however slowly the head trickles in.
     A connection that sends nothing for :attr:`request_idle_timeout_s` while a
     request of it is incomplete (or before its first) is closed, so silent or
-    slow connections cannot pile up. A connection past :attr:`max_connections`
-    open at once is answered 503 at once and closed. A request whose connection
+    slow connections cannot pile up; between requests, once every one is
+    answered, an idle connection is kept alive for uvicorn's
+    ``timeout_keep_alive`` (:data:`KEEP_ALIVE_TIMEOUT_S`) instead. A
+    connection past :attr:`max_connections` open at once is answered 503 at
+    once and closed. A request whose connection
     is lost before its answer has its handler cancelled (see
     :func:`_unless_disconnected`): a client that only shuts down its sending side
     looks the same (TCP tells the two apart only when an answer is written), so
@@ -798,13 +824,20 @@ class _BoundedHeadProtocol(HttpToolsProtocol):
                 self._refuse_slow_head()
                 return
             silent = now - self._last_read
-            if silent >= idle_s or (head_age is not None and head_age >= head_s):
-                _client_log.log(logging.INFO, "HTTP connection from %s closed: it sent no complete request for "
-                                              "%.0f s", self.client, silent)
+            # Kept alive between requests (every one answered, no next head begun, not in a body): uvicorn's
+            # keep-alive timer closes it, a client's pool reuses it; this only backs that timer up.
+            between = (cycle is not None and cycle.response_complete and not self.pipeline and not self._head_begun
+                       and self._head_left is not None)
+            limit_s = max(idle_s, self.timeout_keep_alive) if between else idle_s
+            if silent >= limit_s or (head_age is not None and head_age >= head_s):
+                if not between:
+                    _client_log.log(logging.INFO, "HTTP connection from %s closed: it sent no complete request "
+                                                  "for %.0f s", self.client, silent)
                 self.transport.close()
                 return
-            # Heard from lately: look again when it could next have been silent, or at its head, too long.
-            wait = idle_s - silent if head_age is None else min(idle_s - silent, head_s - head_age)
+            # Heard from lately: look again when it could next have been silent, or at its head, too long (at
+            # least every idle_s: a head begun meanwhile is timed by the shorter limits).
+            wait = min(limit_s - silent, idle_s) if head_age is None else min(limit_s - silent, head_s - head_age)
         self._idle_check = self.loop.call_later(max(wait, 0.01), self._check_idle)
 
     def _refuse_slow_head(self) -> None:
@@ -904,14 +937,30 @@ class _BoundedHeadProtocol(HttpToolsProtocol):
         uvicorn calls this from data_received's ``except HttpParserError`` (after
         its WARNING, left as it is), with only its fixed text: the parser's error
         is the one being handled. Only close when an earlier request is still
-        being answered: the 400 would be read as its answer.
+        being answered: the 400 would be read as its answer. The parser stopped
+        in the body of a request answered already (a 404 sent before its body
+        was read): that answer was its one, and the connection is only closed,
+        once that answer is out. A request whose own body it stopped in, and
+        that it answers 400, is marked so, for its handler (still waiting for
+        that body) to count and log it as what it is, not as a client gone.
         """
         reason = _parser_reason(sys.exc_info()[1])
         cycle = self.cycle
+        # Between a head's end and its message's end (_head_left is None only then): in cycle's body.
+        in_body = cycle is not None and self._head_left is None
+        if in_body and cycle.response_started:
+            self._unread = True  # the parser cannot go on: nothing more is read
+            cycle.keep_alive = False  # uvicorn closes the connection after the answer it is still sending
+            if cycle.response_complete:
+                self.transport.close()
+            return
         # The parser stopped in a head after every earlier answer, or in this request's own (chunked) body before
         # its answer began (asyncio drops what its handler writes once the connection is closing).
         earlier_unanswered = any(other is not cycle and not other.response_complete for other in self._unanswered)
         if cycle is None or cycle.response_complete or (cycle.more_body and not cycle.response_started
                                                         and not earlier_unanswered):
             self.transport.write(_refusal(b"400 Bad Request", f"the request cannot be parsed as HTTP/1.1: {reason}"))
+            if in_body:
+                cycle.nereid_unparsable = (f"the request body cannot be parsed as HTTP/1.1 ({reason}); answered 400 "
+                                           "and its connection closed")
         self.transport.close()

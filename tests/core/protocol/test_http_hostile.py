@@ -272,3 +272,28 @@ def test_a_request_the_parser_cannot_read_behind_one_being_answered_is_not_answe
         answer = _read_all(connection)
     # Its own answer, or none (the connection closed unanswered, as for a head too large), never the other's 400.
     assert answer == b"" or answer.startswith(b"HTTP/1.1 200 OK\r\n"), answer
+
+
+def test_a_connection_idle_between_requests_is_kept_alive_for_the_keep_alive_timeout(monkeypatch, request, caplog):
+    """uvicorn closed a kept-alive connection idle for 5 s (its default): a client's pool reusing it just then
+    had its request reset. Kept for KEEP_ALIVE_TIMEOUT_S (shortened here), not the idle timeout of a connection
+    that owes a request, and closed without a line."""
+    from nereid.protocol import http_service
+
+    assert http_service.KEEP_ALIVE_TIMEOUT_S == 120  # as README says
+    keep_alive_s = 0.8
+    monkeypatch.setattr(http_service, "KEEP_ALIVE_TIMEOUT_S", keep_alive_s, raising=False)
+    caplog.set_level(logging.INFO, logger=http_service.__name__)
+    port = request.getfixturevalue("listener")  # started with the timeout above
+    live = b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as connection:
+        connection.sendall(live)
+        assert _read_response(connection).startswith(b"HTTP/1.1 200 ")
+        time.sleep(IDLE_TIMEOUT_S + 0.2)
+        assert not _closed(connection)
+        connection.sendall(live)  # reused
+        assert _read_response(connection).startswith(b"HTTP/1.1 200 ")
+        started = time.monotonic()
+        assert _read_all(connection, wait_s=3) == b""  # (returns once the server has closed it)
+        assert keep_alive_s - 0.1 <= time.monotonic() - started < keep_alive_s + 0.5
+    assert [r.getMessage() for r in caplog.records if r.name == http_service.__name__] == []

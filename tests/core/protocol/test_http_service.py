@@ -746,3 +746,63 @@ def test_uvicorns_error_for_a_grace_that_ran_out_is_a_debug_line() -> None:
             assert record.levelname == "DEBUG" or not shown
     finally:
         logger.setLevel(previous)
+
+
+def test_a_body_the_parser_cannot_read_is_one_400_counted_and_logged_as_such(repo, serve, monkeypatch, caplog):
+    """Defects: a chunked infer body whose later chunk is malformed got its 400, but was logged as "the client
+    disconnected" and counted nowhere; and one answered before its body was read (a 404) got a second,
+    unrequested 400 after that answer."""
+    from nereid.log_limit import RateLimitedLog
+    from nereid.protocol import http_service
+
+    monkeypatch.setattr(http_service, "_client_log", RateLimitedLog(http_service.log))  # unspent
+    caplog.set_level(logging.INFO, logger=http_service.__name__)
+    repo.python("echo")
+    server = serve(repo.write_config())
+    base = f"127.0.0.1:{server.server.http_port}"
+    chunked = b"Host: x\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n5\r\n{\"inp\r\n"
+    answer = _exchange(base, b"POST /v2/models/echo/infer HTTP/1.1\r\n" + chunked, b"zz\r\n")
+    assert len(re.findall(rb"HTTP/1\.1 \d{3} ", answer)) == 1 and answer.startswith(b"HTTP/1.1 400 "), answer
+    assert answer.endswith(b'{"error":"the request cannot be parsed as HTTP/1.1: Invalid character in chunk size"}')
+    stats = server.server.repository.ready_model("echo").stats
+    deadline = time.monotonic() + 2
+    while not stats.fail.count and time.monotonic() < deadline:  # its handler hears once the connection closed
+        time.sleep(0.01)
+    assert (stats.success.count, stats.fail.count, stats.failures_by_reason) == (0, 1, {"invalid_argument": 1})
+    samples = urllib.request.urlopen(f"http://127.0.0.1:{server.server.metrics_port}/metrics").read().decode()
+    assert 'nereid_protocol_requests_total{model="echo",outcome="invalid_argument",protocol="http"} 1.0' in samples
+    lines = [r.getMessage() for r in caplog.records if r.name == http_service.__name__]
+    assert "HTTP POST /v2/models/echo/infer: model 'echo': the request body cannot be parsed as HTTP/1.1 (Invalid " \
+           "character in chunk size); answered 400 and its connection closed" in lines, lines
+    assert not [line for line in lines if "disconnected" in line], lines
+    # Answered (404) before its body was read: that answer is its only one; the malformed rest only closes.
+    started = time.monotonic()
+    answer = _exchange(base, b"POST /v2/models/nope/versions/2/infer HTTP/1.1\r\n" + chunked, b"zz\r\n", wait_s=3)
+    assert answer.startswith(b"HTTP/1.1 404 ") and len(re.findall(rb"HTTP/1\.1 \d{3} ", answer)) == 1, answer
+    assert b"unknown model 'nope'" in answer, answer
+    assert time.monotonic() - started < 2  # closed, not left to time out
+
+
+def test_an_unknown_models_404_says_what_grpc_says_for_the_same_call(served):
+    """The wording of an unknown model's 404 differed between calls (infer with or without a version, metadata,
+    stats): every call says the same, as gRPC's NOT_FOUND does, which tritonclient.http raises as its message."""
+    import tritonclient.grpc as grpc_client
+
+    server, base = served
+    client = http.InferenceServerClient(base)
+    http_input, grpc_input = http.InferInput("input", [1, 4], "FP32"), grpc_client.InferInput("input", [1, 4], "FP32")
+    http_input.set_data_from_numpy(np.ones((1, 4), np.float32))
+    grpc_input.set_data_from_numpy(np.ones((1, 4), np.float32))
+    for call, version in (("get_model_metadata", ""), ("get_model_metadata", "2"), ("get_model_config", ""),
+                          ("get_inference_statistics", ""), ("get_inference_statistics", "2"), ("infer", ""),
+                          ("infer", "1"), ("infer", "2")):
+        args = {"infer": lambda tensor: ("nope", [tensor])}.get(call, lambda tensor: ("nope",))
+        with pytest.raises(InferenceServerException) as over_http:
+            getattr(client, call)(*args(http_input), model_version=version)
+        with pytest.raises(InferenceServerException) as over_grpc:
+            getattr(server.client, call)(*args(grpc_input), model_version=version)
+        assert (over_http.value.status(), over_grpc.value.status()) == ("404", "StatusCode.NOT_FOUND"), call
+        assert over_http.value.message() == over_grpc.value.message(), (call, version)
+        # One wording for every call, with or without a version (the dataplane's two lookups gave two).
+        assert over_http.value.message() == "unknown model 'nope' (no folder 'nope' under ml_backends_path)", \
+            (call, version)
