@@ -1,8 +1,9 @@
 """``<bundle>/.cache/``: compiled executables, so a restart skips compilation.
 
 Each entry is one serialized executable, keyed by the program file's content
-hash, the jaxlib version, and the device (platform, platform version, device
-kind). An entry carries its key and a checksum of its payload; one that does
+hash, the jaxlib version, the device (platform, platform version, device
+kind) and the ``XLA_FLAGS`` that change what XLA compiles (see
+:func:`compilation_flags`). An entry carries its key and a checksum of its payload; one that does
 not match (corrupt, truncated, stale, or refused by jaxlib) is ignored and
 rebuilt. ``mlirhashes.json`` records the content hash each program file had
 when it was last compiled, so that entries of a program file that has since
@@ -18,7 +19,7 @@ import logging
 import struct
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Generic, TypeVar
+from typing import Callable, Generic, Mapping, TypeVar
 
 from nereid.files import atomic_write, not_regular_reason
 
@@ -31,6 +32,30 @@ _LENGTH = struct.Struct("<Q")
 
 Executable = TypeVar("Executable")
 
+# XLA_FLAGS that say where and how XLA dumps what it compiles (and jax's count of fake CPU devices), not what it
+# compiles: the flags jax's own compilation cache leaves out of its key (jax/_src/cache_key.py,
+# xla_flags_to_exclude_from_cache_key), so that dumping a program's HLO does not recompile it.
+OUTPUT_NEUTRAL_XLA_FLAGS = frozenset({
+    "--xla_dump_compress_protos", "--xla_dump_module_metadata", "--xla_dump_max_hlo_modules",
+    "--xla_dump_include_timestamp", "--xla_dump_hlo_pass_re", "--xla_dump_hlo_module_re", "--xla_dump_hlo_snapshots",
+    "--xla_dump_fusion_visualization", "--xla_dump_hlo_as_url", "--xla_dump_hlo_as_proto", "--xla_dump_hlo_as_text",
+    "--xla_dump_hlo_as_long_text", "--xla_dump_hlo_as_html", "--xla_dump_hlo_as_dot", "--xla_dump_to",
+    "--xla_force_host_platform_device_count", "--xla_dump_disable_metadata", "--xla_dump_hlo_pipeline_re",
+    "--xla_gpu_cuda_data_dir", "--xla_gpu_experimental_autotune_cache_mode",
+})
+
+
+def compilation_flags(environ: Mapping[str, str]) -> str:
+    """The flags of ``XLA_FLAGS`` in ``environ`` that change the compiled program, in their order, space-separated.
+
+    XLA reads ``XLA_FLAGS`` (``--xla_cpu_*``, ``--xla_gpu_*``, optimisation and
+    autotuning switches) when it compiles, so an executable compiled under one
+    set is not the program another set would give. The order is kept: of a flag
+    given twice, the last wins.
+    """
+    return " ".join(flag for flag in environ.get("XLA_FLAGS", "").split()
+                    if flag.split("=", 1)[0] not in OUTPUT_NEUTRAL_XLA_FLAGS)
+
 
 @dataclass(frozen=True)
 class CacheKey:
@@ -41,11 +66,20 @@ class CacheKey:
     platform: str
     platform_version: str
     device_kind: str
+    xla_flags: str = ""  # compilation_flags() of the environment the program is compiled in
+
+    def fields(self) -> dict[str, str]:
+        """The key as written in an entry's header; without ``xla_flags`` when there are none, so that entries
+        written before the flags were part of the key (the common case: no XLA_FLAGS) are still found."""
+        fields = asdict(self)
+        if not self.xla_flags:
+            del fields["xla_flags"]
+        return fields
 
     @property
     def digest(self) -> str:
         """A short hex digest of the whole key, used in the entry's file name."""
-        text = json.dumps(asdict(self), sort_keys=True)
+        text = json.dumps(self.fields(), sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
@@ -131,8 +165,8 @@ class ExecutableCache:
             header = json.loads(data[start:start + length])
         except (ValueError, RecursionError):  # (deeply nested JSON exhausts the parser's recursion)
             return None, "corrupt header"
-        if not isinstance(header, dict) or header.get("key") != asdict(key):
-            return None, "stale (written for another program, jaxlib or device)"
+        if not isinstance(header, dict) or header.get("key") != key.fields():
+            return None, "stale (written for another program, jaxlib, device or XLA_FLAGS)"
         payload = data[start + length:]
         if len(payload) != header.get("payload_bytes") or hashlib.sha256(payload).hexdigest() != header.get(
                 "payload_sha256"):
@@ -141,7 +175,7 @@ class ExecutableCache:
 
     def _store(self, module_name: str, key: CacheKey, path: Path, payload: bytes) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
-        header = json.dumps({"key": asdict(key), "module": module_name, "payload_bytes": len(payload),
+        header = json.dumps({"key": key.fields(), "module": module_name, "payload_bytes": len(payload),
                              "payload_sha256": hashlib.sha256(payload).hexdigest()}).encode()
         atomic_write(path, [_MAGIC, _LENGTH.pack(len(header)), header, payload])
         self._record_hash(module_name, key.module_sha256)

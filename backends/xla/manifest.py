@@ -37,6 +37,11 @@ LEGACY_FORMAT_VERSION = "2.0"
 
 BATCH_MARKERS = frozenset("nb")
 
+# The provenance field naming the platform the exporter lowered the programs for (jax.export's ``platforms``:
+# cpu, cuda, rocm, tpu). It lives in provenance, the one block the bundle format leaves open to a writer's own
+# fields, so that other servers still read nereid's bundles.
+EXPORT_PLATFORM = "export_platform"
+
 _TOP_KEYS = frozenset({
     "format_version", "name", "description", "executable_inputs", "executable_outputs",
     "client_inputs", "client_outputs", "batching", "input_shapes", "weights_file", "provenance",
@@ -193,6 +198,12 @@ class Manifest:
         """True when the manifest declares client_inputs or client_outputs."""
         return self.client_inputs is not None or self.client_outputs is not None
 
+    @property
+    def export_platform(self) -> str | None:
+        """The platform the programs were lowered for (``provenance.export_platform``); None when not recorded."""
+        value = self.provenance.get(EXPORT_PLATFORM)
+        return value if isinstance(value, str) else None
+
     def variant_sizes(self, variant: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
         """Split one ``input_shapes`` variant into per-input variable sizes (manifest order)."""
         sizes = iter(variant)
@@ -247,6 +258,10 @@ def parse_manifest(document: Any, path: Path) -> Manifest:
     provenance = top.get("provenance", {}) or {}
     if not isinstance(provenance, dict):
         reader.fail("provenance", "must be a mapping", provenance)
+    platform = provenance.get(EXPORT_PLATFORM)
+    if EXPORT_PLATFORM in provenance and (not isinstance(platform, str) or not platform.strip()):
+        reader.fail(f"provenance.{EXPORT_PLATFORM}", "must name the platform the programs were exported for, "
+                                                    "such as cpu or cuda", platform)
     return Manifest(path, version, executable_inputs, executable_outputs, client_inputs, client_outputs,
                     batching, input_shapes, weights_file, name, description, provenance, meta, depends_on)
 

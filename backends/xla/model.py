@@ -11,6 +11,7 @@ smallest compiled size that fits and slices the outputs back.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,10 +22,11 @@ import numpy as np
 from nereid.backend import ModelContext
 from nereid.backends.xla.arity import arity_mismatch
 from nereid.backends.xla.bundle import CACHE_DIR, DEFAULT_WEIGHTS_FILE, BundleLayout, ProgramKey, open_bundle
-from nereid.backends.xla.cache import CacheKey, CacheStats, CompileFunctions, ExecutableCache, file_sha256
+from nereid.backends.xla.cache import (CacheKey, CacheStats, CompileFunctions, ExecutableCache, compilation_flags,
+                                      file_sha256)
 from nereid.backends.xla.conformance import check_program_types
 from nereid.backends.xla.device import PjrtTarget, resolve_device
-from nereid.backends.xla.manifest import Manifest, smallest_fitting
+from nereid.backends.xla.manifest import EXPORT_PLATFORM, MANIFEST_NAME, Manifest, smallest_fitting
 from nereid.backends.xla.migration import local_weight_set, migrate_for_load
 from nereid.backends.xla.options import parse_options
 from nereid.backends.xla.program import read_program
@@ -34,6 +36,7 @@ from nereid.backends.xla.signatures import BatchMode, batch_mode, build_signatur
 from nereid.backends.xla.transfer import DeviceTransfer
 from nereid.errors import ConfigError, InvalidArgument, ModelFailure
 from nereid.model_hooks import ModelHooks, load_model_hooks
+from nereid.settings import Device
 from nereid.signature import ModelSignature
 from nereid.tensors import NamedTensor
 
@@ -99,10 +102,13 @@ class XlaModel:
         weight_types = [(w.entry.name, w.program_shape, w.entry.dtype) for w in weight_set.weights] if weight_set else []
         self._load_hooks(layout)
         target = resolve_device(context.device, context.name, context.settings_origin)
+        elsewhere = exported_elsewhere(manifest, context.device)
+        if elsewhere is not None:
+            log.warning("model '%s': %s", context.name, elsewhere)
         cache = ExecutableCache(context.folder / CACHE_DIR, options.executable_cache)
         weights_name = weight_set.describe() if weight_set else DEFAULT_WEIGHTS_FILE
         programs = {key: self._program(key, path, layout.manifest, weight_types, weights_name,
-                                       weight_set is not None, target, cache)
+                                       weight_set is not None, target, cache, elsewhere)
                     for key, path in layout.modules.items()}
         if weight_set is None:
             arrays = []
@@ -151,12 +157,14 @@ class XlaModel:
         try:
             arguments = transfer.put(arrays)
             results = self._programs[key].execute([*arguments, *self._weights])
+            # The copy to the host is where an asynchronous device error (a GPU fault, an out-of-memory in
+            # the running program) surfaces, so it belongs to the execution and gets the same message.
+            host = [np.asarray(result) for result in results]
         except Exception as err:  # XLA runtime errors: the model's fault, reported with XLA's reason
             raise ModelFailure(f"model '{self.context.name}': execution failed ({key.describe()}): "
                                f"{type(err).__name__}: {err}") from err
         outputs: list[NamedTensor] = []
-        for spec, result, axis in zip(manifest.executable_outputs, results, self._output_axes):
-            array = np.asarray(result)
+        for spec, array, axis in zip(manifest.executable_outputs, host, self._output_axes):
             if self._mode is BatchMode.MOVED and axis:
                 array = np.ascontiguousarray(np.moveaxis(array, axis, 0))
             if self._mode.coalesces and rows != key.batch_size:
@@ -196,7 +204,9 @@ class XlaModel:
 
     def _program(self, key: ProgramKey, path: Path, manifest: Manifest,
                  weight_types: Sequence[tuple[str, tuple[int, ...], Any]], weights_name: str, weights_present: bool,
-                 target: PjrtTarget, cache: ExecutableCache) -> Any:
+                 target: PjrtTarget, cache: ExecutableCache, elsewhere: str | None = None) -> Any:
+        """The executable of one program file; ``elsewhere``: why it may not suit the device (see
+        :func:`exported_elsewhere`), added to a compile error's reason."""
         import jaxlib
 
         # A load failure's reason does not name the model: every place that shows it (RepositoryIndex,
@@ -212,7 +222,8 @@ class XlaModel:
             raise ConfigError(mismatch)
         check_program_types(path.name, program, key, manifest, weight_types)
         key_fields = CacheKey(file_sha256(data), jaxlib.__version__, target.platform,
-                              target.client.platform_version, target.device.device_kind)
+                              target.client.platform_version, target.device.device_kind,
+                              compilation_flags(os.environ))
         client, devices, options = target.client, [target.device], target.compile_options
 
         def compile_program() -> Any:
@@ -220,7 +231,7 @@ class XlaModel:
                 return client.compile_and_load(data, devices, options)
             except Exception as err:
                 raise ConfigError(f"{path.name}: XLA could not compile the program for {target.describe()}: "
-                                  f"{err}") from None
+                                  f"{err}{f'; {elsewhere}' if elsewhere else ''}") from None
 
         return cache.load_or_compile(path.name, key_fields, CompileFunctions(
             compile_program, client.serialize_executable,
@@ -345,6 +356,31 @@ def create_model(context: ModelContext) -> XlaModel:
     from nereid.backends.xla.bundle import MODEL_PY
 
     return HookedXlaModel(context) if (context.folder / MODEL_PY).is_file() else XlaModel(context)
+
+
+def exported_elsewhere(manifest: Manifest, device: Device) -> str | None:
+    """Why the bundle's programs may not suit ``device``: they were lowered for another platform; None otherwise.
+
+    jax.export lowers for one platform: a program for cpu may call LAPACK where
+    one for cuda calls cuSOLVER, and either is laid out for its own platform. XLA
+    often compiles it for the other platform all the same (the shipped examples
+    run on both), so this is a warning, and the reason added to a compile error.
+    A bundle that records no platform (another writer, an older export) is taken
+    as it is.
+    """
+    exported = manifest.export_platform
+    if exported is None:
+        return None
+    running = "cpu" if device.kind == "cpu" else "cuda"
+    if _PLATFORM_ALIASES.get(exported.strip().lower(), exported.strip().lower()) == running:
+        return None
+    return (f"its programs were exported for {exported} ({MANIFEST_NAME}: provenance.{EXPORT_PLATFORM}) but run "
+            f"on {running} (device {device}): a program lowered for one platform may call what only that platform "
+            f"has and is tuned for it; re-export it with export_bundle(..., platform={running!r})")
+
+
+# jax's names for one platform (jax.export takes cuda; "gpu" is its older generic name).
+_PLATFORM_ALIASES = {"gpu": "cuda"}
 
 
 def _pad_rows(array: np.ndarray, rows: int) -> np.ndarray:

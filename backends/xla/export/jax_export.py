@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import numpy as np
 
 from nereid.backends.xla.export.iospec import IOSpec, as_dtype
+from nereid.backends.xla.manifest import EXPORT_PLATFORM
 from nereid.backends.xla.export.provenance import Provenance, collect_provenance
 from nereid.backends.xla.export.writer import (ExportError, checked_batch_sizes, supported_dtype, weight_pairs,
                                                 write_bundle)
@@ -41,7 +42,9 @@ def export_bundle(fn: Callable[..., Any], example_inputs: Sequence[Any],
     ``output_batch_axes`` (default 0 when batching; None opts one out).
     ``weights`` are ``name -> array`` in the order ``fn`` takes them.
     ``platform`` is the PJRT platform the artifact is lowered for (``cpu``,
-    ``cuda``). ``provenance=True`` records :func:`collect_provenance` of the
+    ``cuda``), recorded as ``provenance.export_platform`` in the manifest (also
+    with ``provenance=False``) so that the server can tell a program lowered
+    for another platform than it runs on. ``provenance=True`` records :func:`collect_provenance` of the
     working directory, ``directory`` itself left out of it. ``x64`` enables
     64-bit types while tracing (default: when any input or weight is 64-bit).
     ``shard_bytes`` splits the weights into shards of about that size (see
@@ -88,12 +91,21 @@ def export_bundle(fn: Callable[..., Any], example_inputs: Sequence[Any],
         provenance = collect_provenance(exclude=[directory])
     elif provenance is False:
         provenance = None
+    provenance = _with_platform(provenance, platform)
     module_arg: Any = modules[None] if batch_sizes is None else modules
     return write_bundle(directory, name, inputs, outputs, module_arg, weight_items,
                         batch_sizes=batch_sizes,
                         client_inputs=client_inputs, client_outputs=client_outputs, layout=layout,
                         model_py=model_py, provenance=provenance, description=description,
                         shard_bytes=shard_bytes)
+
+
+def _with_platform(provenance: Provenance | Mapping[str, Any] | None, platform: str) -> Provenance:
+    """``provenance`` with the platform the programs were lowered for: a fact of this export, so it wins over a
+    value the caller's provenance holds."""
+    if isinstance(provenance, Provenance):
+        return Provenance({**provenance.fields, EXPORT_PLATFORM: platform}, provenance.patch)
+    return Provenance({**dict(provenance or {}), EXPORT_PLATFORM: platform})
 
 
 def _shape_dtype(value: Any, what: str) -> tuple[tuple[int, ...], Any]:

@@ -109,3 +109,42 @@ def test_disabled_or_unwritable_cache_still_loads(tmp_path, add_bundle, caplog) 
     assert load(folder, tmp_path).report.cache.compiled == 3  # warned, served uncached
     # Once per load, not once per program file (three lines for mlp_bundle's three batch sizes).
     assert sum("cannot write the executable cache" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_changed_xla_flags_misses_the_cache_and_a_dump_flag_does_not(tmp_path, add_bundle, monkeypatch) -> None:
+    """Defect: the key left XLA_FLAGS out, so an executable compiled under one set of flags (say
+    --xla_cpu_enable_fast_math=true) was reused by a server started with others."""
+    from nereid.backends.xla.cache import compilation_flags
+
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    folder = add_bundle(tmp_path, "mlp_bundle")
+    assert load(folder, tmp_path).report.cache.compiled == 3
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=true")
+    flagged = load(folder, tmp_path).report.cache
+    assert (flagged.hits, flagged.compiled, flagged.rebuilt) == (0, 3, 0)
+    assert len(entries(folder)) == 6  # one entry per program and flag set; the unflagged ones are kept
+    # Where XLA writes its dumps is no part of the program: such flags leave the key (and the cache hit) alone.
+    monkeypatch.setenv("XLA_FLAGS", f"--xla_dump_to={tmp_path / 'dumps'} --xla_cpu_enable_fast_math=true")
+    assert load(folder, tmp_path).report.cache.hits == 3
+    monkeypatch.delenv("XLA_FLAGS")
+    assert load(folder, tmp_path).report.cache.hits == 3
+    assert compilation_flags({"XLA_FLAGS": " --xla_gpu_autotune_level=0  --xla_dump_hlo_as_text --b=1 --b=2"}) == \
+        "--xla_gpu_autotune_level=0 --b=1 --b=2"
+    assert compilation_flags({}) == ""
+
+
+def test_an_entry_written_before_xla_flags_were_keyed_is_still_found() -> None:
+    """Without XLA_FLAGS (the common case) the key, its header and its file name are what they were before the
+    flags joined the key: an upgrade does not recompile every bundle's programs or leave their old entries behind."""
+    import hashlib
+
+    from nereid.backends.xla.cache import CacheKey
+
+    before = {"module_sha256": "ab" * 32, "jaxlib_version": "0.10.2", "platform": "cpu", "platform_version": "cpu",
+              "device_kind": "cpu"}
+    key = CacheKey(**before)
+    assert key.fields() == before
+    assert key.digest == hashlib.sha256(json.dumps(before, sort_keys=True).encode()).hexdigest()[:24]
+    flagged = CacheKey(**before, xla_flags="--xla_cpu_enable_fast_math=true")
+    assert flagged.fields() == {**before, "xla_flags": "--xla_cpu_enable_fast_math=true"}
+    assert flagged.digest != key.digest

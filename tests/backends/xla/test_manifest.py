@@ -143,6 +143,9 @@ MISTAKES = [
     (_both(_set("executable_inputs.0.dims.c", -1), _set("input_shapes", [[1.5]])), "input_shapes[0]",
      "sizes must be positive integers"),
     (_set("provenance", "git"), "provenance", "must be a mapping"),
+    (_set("provenance", {"export_platform": ["cpu"]}), "provenance.export_platform",
+     "must name the platform the programs were exported for, such as cpu or cuda"),
+    (_set("provenance", {"export_platform": " "}), "provenance.export_platform", "such as cpu or cuda"),
 ]
 
 
@@ -200,3 +203,10 @@ def test_load_manifest_needs_no_bundle_directory(tmp_path) -> None:
     document = {**BASE, "client_outputs": [{"name": "label", "dtype": "i64", "shape": "n"}]}
     manifest = load_manifest(write(tmp_path, document))
     assert manifest.client_outputs[0].name == "label"
+
+
+def test_the_export_platform_is_read_from_the_provenance(tmp_path) -> None:
+    """What the exporter records for the server's check that a bundle runs on the platform it was lowered for."""
+    assert load_manifest(write(tmp_path, BASE)).export_platform is None  # another writer, or an older export
+    document = {**BASE, "provenance": {"git_dirty": False, "export_platform": "cuda"}}
+    assert load_manifest(write(tmp_path, document)).export_platform == "cuda"

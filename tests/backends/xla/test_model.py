@@ -67,3 +67,79 @@ def test_a_shape_no_variant_fits_is_named_row_major_with_the_tensor(tmp_path) ->
                                      "[-1, 4, 6, 3], [-1, 8, 2, 3] (input_shapes in manifest.yaml)")
     finally:
         model.unload()
+
+
+class _FailsOnTransfer:
+    """A device result whose copy to the host raises, as an asynchronous GPU error surfaces there."""
+
+    def __array__(self, dtype=None, copy=None):
+        raise RuntimeError("INTERNAL: CUDA_ERROR_ILLEGAL_ADDRESS: an illegal memory access was encountered")
+
+
+class _ResultsFailOnTransfer:
+    """The real executable, its results replaced by ones whose host copy fails."""
+
+    def __init__(self, executable) -> None:
+        self.executable = executable
+
+    def execute(self, arguments):
+        return [_FailsOnTransfer() for _ in self.executable.execute(arguments)]
+
+
+def test_an_error_copying_the_outputs_to_the_host_is_an_execution_failure_naming_the_model(tmp_path,
+                                                                                         add_bundle) -> None:
+    """Defect: np.asarray(result), where a device error of the running program surfaces, was outside the try
+    that names the model: the error escaped as an unnamed internal error."""
+    import pytest
+
+    from nereid.errors import ModelFailure
+
+    model = load(add_bundle(tmp_path, "mlp_bundle"), tmp_path)
+    try:
+        model._programs = {key: _ResultsFailOnTransfer(program) for key, program in model._programs.items()}
+        with pytest.raises(ModelFailure) as caught:
+            model.infer([NamedTensor.from_array("input", np.zeros((5, 16), np.float32))])
+        assert str(caught.value) == ("model 'mlp_bundle': execution failed (batch size 8): RuntimeError: INTERNAL: "
+                                     "CUDA_ERROR_ILLEGAL_ADDRESS: an illegal memory access was encountered")
+    finally:
+        model.unload()
+
+
+# A program as jax lowers one for cuda: a call the CPU has no implementation of (cuSOLVER's Cholesky).
+CUDA_ONLY_PROGRAM = """
+func.func @main(%x: tensor<4x4xf32>, %w: tensor<f32>) -> tensor<4x4xf32> {
+  %0 = stablehlo.custom_call @cusolver_potrf_ffi(%x) {api_version = 4 : i32} : (tensor<4x4xf32>) -> tensor<4x4xf32>
+  return %0 : tensor<4x4xf32>
+}
+"""
+
+
+def test_a_bundle_exported_for_another_platform_is_named_at_load(tmp_path, caplog) -> None:
+    """Defect: nothing said that a program was lowered for another platform than the model's device, neither at
+    load nor when XLA then could not compile it."""
+    import logging
+
+    import pytest
+
+    from nereid.backends.xla.export import IOSpec, export_bundle, write_bundle
+    from nereid.errors import ConfigError
+
+    scale = export_bundle(lambda x, w: x * w, [np.zeros(3, np.float32)], {"w": np.float32(2)},
+                          directory=tmp_path / "scale", platform="cuda", provenance=False)
+    with caplog.at_level(logging.WARNING, logger="nereid.backends.xla.model"):
+        model = load(scale, tmp_path)  # XLA compiles this one for the CPU all the same: served, with a warning
+    try:
+        assert model.infer([NamedTensor.from_array("input", np.ones(3, np.float32))])[0].data.tolist() == [2, 2, 2]
+    finally:
+        model.unload()
+    elsewhere = ("its programs were exported for cuda (manifest.yaml: provenance.export_platform) but run on cpu "
+                 "(device cpu): a program lowered for one platform may call what only that platform has and is "
+                 "tuned for it; re-export it with export_bundle(..., platform='cpu')")
+    assert [r.getMessage() for r in caplog.records] == [f"model 'scale': {elsewhere}"]
+    cholesky = write_bundle(tmp_path / "cholesky", "cholesky", [IOSpec("x", "f32", (4, 4))],
+                            [IOSpec("l", "f32", (4, 4))], CUDA_ONLY_PROGRAM, {"w": np.float32(0)},
+                            provenance={"export_platform": "cuda"})
+    with pytest.raises(ConfigError) as caught:
+        load(cholesky, tmp_path)
+    assert str(caught.value).startswith("model.mlir: XLA could not compile the program for cpu:0 (cpu): ")
+    assert str(caught.value).endswith(f"; {elsewhere}")

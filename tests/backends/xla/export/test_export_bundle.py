@@ -203,3 +203,19 @@ def test_a_symbolic_example_shape_is_refused_with_the_way_to_batch(tmp_path) -> 
         "example input 0 ('x'): axis 0 has the symbolic size b (shape (b, 4)); bundles need static example shapes: "
         "give a concrete example, such as one of shape (1, 4), and the batch sizes to compile as batch_sizes=[...]")
     assert not (tmp_path / "f").exists()
+
+
+def test_the_platform_the_programs_are_lowered_for_is_recorded_in_the_provenance(tmp_path) -> None:
+    """Defect: the manifest did not say which platform jax.export lowered the programs for, so a server could not
+    tell a cpu export served on a GPU (or the reverse)."""
+    def f(x, w):
+        return x * w
+
+    plain = export_bundle(f, [np.zeros(3, np.float32)], {"w": np.float32(2)}, directory=tmp_path / "plain",
+                          provenance=False)  # no git fields or versions, but the platform is a fact of the program
+    assert load_manifest(plain / "manifest.yaml").provenance == {"export_platform": "cpu"}
+    given = export_bundle(f, [np.zeros(3, np.float32)], {"w": np.float32(2)}, directory=tmp_path / "given",
+                          platform="cuda", provenance={"built_by": "ci", "export_platform": "cpu"})
+    manifest = load_manifest(given / "manifest.yaml")
+    assert manifest.provenance == {"built_by": "ci", "export_platform": "cuda"}  # what the export did wins
+    assert manifest.export_platform == "cuda"
