@@ -29,14 +29,17 @@ An object store sends no events: its listing is polled every
 names, sizes and ETags, and the same rules apply, except that a rename is an
 unload and a load (the renamed folder's files are not on local disk yet). A
 load or reload the store failed (objects refused or gone at fetch) is tried
-again at later polls, ever less often, until it loads or the folder changes;
+again at later polls, ever less often, until it loads or the folder changes,
+and so is a load the store failed at start-up or at a RepositoryModelLoad;
 one that failed for the model's own fault waits for the folder to change.
+Each try that fails for the reason the last one did is logged at DEBUG only.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import functools
 import hashlib
 import logging
@@ -64,6 +67,38 @@ EVENT_STEP_MS = 20  # events are grouped this long before a scan; the settle tim
 # A store's folder whose load the store failed is tried again after watch_poll_s, then twice as long after each
 # failure, up to this (or watch_poll_s, if longer): an outage of an hour costs a dozen tries, not 360.
 STORE_RETRY_CAP_S = 300.0
+# The reason (see reason_kind) the store last failed the load that the watcher is trying again in this task;
+# None outside such a try. Read by _RepeatedStoreFailure, which the repository's log lines pass through.
+_retried_reason: contextvars.ContextVar[str | None] = contextvars.ContextVar("nereid_store_retry", default=None)
+
+
+def reason_kind(reason: str) -> str:
+    """``reason`` without its numbers, to tell a new reason from the same one again: the store client's words
+    time each try ("in 425.37ms, after 3 retries")."""
+    return re.sub(r"\d+(\.\d+)?", "#", reason)
+
+
+class _RepeatedStoreFailure(logging.Filter):
+    """The repository's ERROR (or WARNING) for a load the watcher tried again and the store failed for the same
+    reason as before becomes a DEBUG line (dropped unless DEBUG is on).
+
+    A store down for hours, or a key the local disk cannot hold (a name too long, a file where a folder must
+    be), fails each try the same way, for ever: the first failure is said at ERROR, the tries after it are not,
+    until the outcome changes (a load, or another reason, which is an ERROR again). Attached to the
+    repository's logger, since the repository logs each failed load itself.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        previous = _retried_reason.get()
+        if previous is None or record.levelno < logging.WARNING or previous not in reason_kind(record.getMessage()):
+            return True
+        if not logging.getLogger(record.name).isEnabledFor(logging.DEBUG):
+            return False
+        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return True
+
+
+_REPEATED_STORE_FAILURE = _RepeatedStoreFailure()
 
 
 def ignored_name(name: str) -> bool:
@@ -183,12 +218,13 @@ def scan_store(location: StoreURL) -> dict[str, FolderState]:
 
 @dataclass(frozen=True)
 class StoreRetry:
-    """A store's folder whose load the store failed in this state: the wait before its next try, and how many
-    of its tries the store failed."""
+    """A store's folder whose load the store failed in this state: the wait before its next try, how many
+    of its tries the store failed, and the last one's reason (its :func:`reason_kind`)."""
 
     state: FolderState
     delay_s: float
     failures: int
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -376,6 +412,8 @@ class RepositoryWatcher:
         self._busy: dict[str, float] = {}
         # A store's folders whose last load the store failed (see _from_store): tried again after a backoff.
         self._store_retries: dict[str, StoreRetry] = {}
+        # The repository logs each failed load at ERROR: a try again that fails the same way is said at DEBUG.
+        logging.getLogger("nereid.repository").addFilter(_REPEATED_STORE_FAILURE)  # (once: the same filter)
         # Loads of folders that came back while the removal of their old model was still taking it off the
         # name (it waits for a load or rename in progress, not for the drain): cancelled by stop() (a load
         # never starts, nor holds up, a shutdown), as the loads of apply() are with the watcher's task.
@@ -406,8 +444,7 @@ class RepositoryWatcher:
         """Log that the store cannot be listed: at WARNING when that starts or its reason changes, else at DEBUG
         (a store down for a day, polled every 10 s, would write 8,640 lines of the same)."""
         reason = str(err)
-        # Compared without its numbers: the store client's words time each try ("in 425.37ms, after 3 retries").
-        kind = re.sub(r"\d+(\.\d+)?", "#", reason)
+        kind = reason_kind(reason)  # (compared without its numbers)
         level = logging.DEBUG if kind == self._listing_failure else logging.WARNING
         self._listing_failure = kind
         log.log(level, "dynamic repository: %s; nothing changes until it can be listed", reason)
@@ -584,6 +621,8 @@ class RepositoryWatcher:
             await self._catch_up(current)
         for name in [name for name, retry in self._store_retries.items() if current.get(name) != retry.state]:
             del self._store_retries[name]  # changed or gone since the store failed it: a new start, if any
+        if self.location is not None:
+            self._adopt_store_failures(current)
         plan = plan_changes(self._folders, current, renames_too=self.location is None)
         repository = self.repository
         for old, new in plan.renames:
@@ -667,6 +706,9 @@ class RepositoryWatcher:
         (a new model UNAVAILABLE for good, an edited one serving its old version). A failure that is the
         model's own (its code, its settings) is not tried again: it would fail the same way each time.
         """
+        retry = self._store_retries.get(name)
+        # A try again that fails as the last one did is no news: the repository's ERROR for it becomes DEBUG.
+        trying_again = _retried_reason.set(retry.reason if retry is not None else None)
         try:
             entry = await load()
         except (StorageError, Unavailable) as err:
@@ -684,22 +726,49 @@ class RepositoryWatcher:
             # The repository records when the store failed the load (a fetch, a weights stream): the error's
             # chain holds a StorageError. Anything else was the model's own fault.
             fault = entry.store_fault or None
+        finally:
+            _retried_reason.reset(trying_again)
         if fault is None:
             self._store_retries.pop(name, None)
             return
         if self._folders.get(name) != state:
             return  # changed or gone meanwhile: that change is acted on as any other
+        self._try_again_later(name, state, previous, fault)
+
+    def _adopt_store_failures(self, current: dict[str, FolderState]) -> None:
+        """Try again, as the watcher's own, the loads the store failed that the watcher did not start: the
+        start-up loads (loaded by the server once the watcher was primed), a RepositoryModelLoad's.
+
+        Only a model that is not serving, still wanted, not loading now, whose folder is as the watcher knows
+        it (a folder changed since is loaded anew anyway) and is not being tried again already.
+        """
+        for entry in self.repository.entries():
+            name, state = entry.name, current.get(entry.name)
+            if (entry.store_fault and entry.loaded is None and not entry.holders and state is not None
+                    and self._folders.get(name) == state and name not in self._pending
+                    and name not in self._store_retries and self.repository.wanted(name)):
+                self._try_again_later(name, state, None, entry.store_fault)
+
+    def _try_again_later(self, name: str, state: FolderState, previous: FolderState | None, fault: str) -> None:
+        """The store failed the load (or reload, with ``previous`` the state loaded) of the folder ``name`` seen
+        in ``state`` for the reason ``fault``: it goes back to ``previous``, to be tried again after a backoff.
+
+        The first failure is a WARNING, and so is one for another reason than the last; a try that fails as the
+        last one did is DEBUG (a key the local disk cannot hold fails every 5 minutes for ever).
+        """
         cap_s = max(self.poll_s, STORE_RETRY_CAP_S)
         retry = self._store_retries.get(name)
+        kind = reason_kind(fault)
         if retry is None:
-            retry = StoreRetry(state, self.poll_s, 1)
+            retry = StoreRetry(state, self.poll_s, 1, kind)
             log.warning("dynamic repository: folder '%s' did not %s because of the store (%s); trying again in "
                         "%g s, then less often (at most every %g s), until it loads or its objects change", name,
                         "load" if previous is None else "reload", fault, retry.delay_s, cap_s)
         else:
-            retry = StoreRetry(state, min(retry.delay_s * 2, cap_s), retry.failures + 1)
-            log.debug("dynamic repository: folder '%s': the store failed it again (%s); trying again in %g s",
-                      name, fault, retry.delay_s)
+            retry = StoreRetry(state, min(retry.delay_s * 2, cap_s), retry.failures + 1, kind)
+            level = logging.DEBUG if kind == self._store_retries[name].reason else logging.WARNING
+            log.log(level, "dynamic repository: folder '%s': the store failed it again%s (%s); trying again in %g s",
+                    name, "" if level == logging.DEBUG else ", for another reason", fault, retry.delay_s)
         self._store_retries[name] = retry
         if previous is None:
             self._folders.pop(name, None)

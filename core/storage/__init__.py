@@ -17,6 +17,7 @@ copies of folders gone from the store are removed
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import threading
@@ -101,14 +102,19 @@ def _make_mirror_folder(root: Path, name: str) -> None:
     """Make the (empty until materialized) mirror folder of ``name``; a failure is logged once, never raised.
 
     A bucket takes folder names the local file system refuses (longer than 255
-    bytes, say): such a folder stays listed, and its load reports why.
+    bytes, say): such a folder stays listed, and its load reports why. The
+    warning names the folder and the system's reason.
     """
+    folder = root / name
     try:
-        (root / name).mkdir(parents=True, exist_ok=True)
+        folder.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         shown = name if len(name) <= 80 else f"{name[:80]}..."
-        _folder_warnings.warning(f"{root}/{name}", "model folder '%s' (%d characters): cannot make its local mirror "
-                                 "folder: %s; it cannot load", shown, len(name), err.strerror or err)
+        reason = str(err.strerror or err)
+        if err.errno == errno.ENAMETOOLONG:
+            reason += " (a local file system allows 255 bytes per name)"
+        _folder_warnings.warning(str(folder), "model folder '%s' (%d characters): cannot make its local mirror "
+                                 "folder %s: %s; it cannot load", shown, len(name), folder, reason)
 
 
 def decodable_name(name: str, root: Path) -> bool:

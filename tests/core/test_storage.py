@@ -441,6 +441,31 @@ def test_a_folder_name_too_long_for_the_local_disk_fails_only_its_own_load(s3, s
                          f"{s3.url(long_name)}: cannot make its folder in")
 
 
+def test_a_mirror_folder_that_cannot_be_made_is_logged_with_its_path_and_the_reason(s3, tmp_path, caplog) -> None:
+    """Defect: the listing's WARNING "cannot make its local mirror folder" named the model but not the folder
+    it could not make: it names the folder (under cache_dir) and the system's reason, once."""
+    import logging
+
+    from nereid.storage import scan_model_folders
+
+    server = load_settings(_config(tmp_path, s3.url())).server
+    long_name = "m" * 300
+    for name in (long_name, "blocked"):
+        obstore.put(s3.store, f"{s3.prefix}/{name}/main.py", b"print()")
+    server.ml_backends_path.mkdir(parents=True)
+    (server.ml_backends_path / "blocked").write_text("a file where the mirror folder goes")
+    with caplog.at_level(logging.WARNING, logger="nereid.storage"):
+        for _ in range(2):  # (each listing meets them: said once)
+            assert scan_model_folders(server) == ["blocked", long_name]
+    lines = [r.getMessage() for r in caplog.records if "cannot make its local mirror folder" in r.getMessage()]
+    assert lines == [
+        f"model folder 'blocked' (7 characters): cannot make its local mirror folder "
+        f"{server.ml_backends_path / 'blocked'}: File exists; it cannot load",
+        f"model folder '{long_name[:80]}...' (300 characters): cannot make its local mirror folder "
+        f"{server.ml_backends_path / long_name}: File name too long (a local file system allows 255 bytes per "
+        "name); it cannot load"], lines
+
+
 def test_a_path_that_turns_from_a_file_into_a_folder_and_back_is_fetched(s3, tmp_path) -> None:
     from nereid.storage import materialize_model_folder
 

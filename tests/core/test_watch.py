@@ -736,3 +736,130 @@ def test_a_load_the_stores_listing_failed_before_the_repository_knew_the_folder_
         await polling
         await repository.unload_all()
     asyncio.run(scenario())
+
+
+# -- a bucket's folder whose load the store failed at start-up -----------------------------------------------------
+
+async def _started(store: WatchedBucket):
+    """A repository and its watcher started as ``NereidServer.load_models`` starts them: primed, polling, then the
+    start-up loads (every folder: nereid.yaml lists none)."""
+    import asyncio
+
+    repository, watcher = await store.watched()
+    polling = asyncio.create_task(watcher.run())
+    await asyncio.gather(*(repository.load(name) for name in repository.startup_models()))
+    return repository, watcher, polling
+
+
+def test_a_start_up_load_the_store_failed_is_tried_again_though_its_folder_never_changes(s3, tmp_path, caplog):
+    """Defect: with `watch`, a model whose load the store failed at start-up (a fetch failing past the store
+    client's retries) stayed UNAVAILABLE until its folder changed: only the watcher's own loads were tried
+    again. It is now tried again as they are (watch_poll_s, then less often), its first failure a WARNING."""
+    import asyncio
+
+    from nereid.repository import ModelState
+
+    store = WatchedBucket(s3, tmp_path)
+    store.upload("m")
+    caplog.set_level(logging.INFO, logger="nereid")
+
+    async def scenario() -> None:
+        s3.fail(f"{store.prefix}/m/toy.txt", times=4)  # the store client's first try and its 3 retries
+        repository, watcher, polling = await _started(store)
+        try:
+            assert "500" in _entry(repository, "m").store_fault  # failed at start-up, by the store
+            await _until(lambda: _entry(repository, "m").state is ModelState.READY,
+                         "'m' loaded by a later poll, its folder unchanged", timeout_s=3)
+        finally:
+            watcher.stop()
+            await polling
+            await repository.unload_all()
+    asyncio.run(scenario())
+    [warning] = _store_failed(caplog, "m")
+    assert "did not load because of the store" in warning.getMessage() and "500" in warning.getMessage()
+    assert "folder 'm' loaded; the store had failed it 1 time(s)" in caplog.text
+
+
+def test_a_store_failure_that_repeats_is_an_error_once_then_debug_until_its_reason_changes(s3, tmp_path, caplog):
+    """Defect: a load the store fails the same way at every try (here a file in the cache where the model's
+    mirror folder must be; a name too long for the local disk does the same) logged the repository's ERROR at
+    every try, every 5 minutes for ever. The first failure is an ERROR; the tries that fail as the last one
+    did are DEBUG; another reason is an ERROR (and the watcher's WARNING) again; the load that works says so."""
+    import asyncio
+
+    from nereid.repository import ModelState
+
+    store = WatchedBucket(s3, tmp_path)
+    caplog.set_level(logging.DEBUG, logger="nereid")
+    folder = store.settings.server.ml_backends_path / "m"
+
+    def failures(why: str = "") -> list[str]:
+        """The levels of the repository's lines for the failed loads of 'm' (for ``why``)."""
+        return [r.levelname for r in caplog.records if r.name == "nereid.repository"
+                and r.getMessage().startswith("model 'm' is UNAVAILABLE") and why in r.getMessage()]
+
+    async def scenario() -> None:
+        repository, watcher = await store.watched()
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        folder.write_text("in the way")  # the mirror folder cannot be made: File exists
+        store.upload("m")
+        polling = asyncio.create_task(watcher.run())
+        try:
+            await _until(lambda: len(failures()) >= 3, "'m' failed and was tried again twice", timeout_s=3)
+            # Another reason: its copy's record in the cache is unreadable.
+            folder.unlink()
+            folder.mkdir()
+            (folder / ".nereid-remote.json").write_text("{")
+            await _until(lambda: failures("unreadable"), "'m' tried again, failing for another reason", 3)
+            (folder / ".nereid-remote.json").unlink()
+            await _until(lambda: _entry(repository, "m").state is ModelState.READY, "'m' loaded once fixed", 3)
+        finally:
+            watcher.stop()
+            await polling
+            await repository.unload_all()
+    asyncio.run(scenario())
+    repeated = failures("File exists")
+    assert len(repeated) >= 3 and repeated == ["ERROR"] + ["DEBUG"] * (len(repeated) - 1), repeated
+    assert failures("unreadable") == ["ERROR"]
+    said = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "nereid.watch"
+            and r.getMessage().startswith("dynamic repository: folder 'm'")]
+    assert [level for level, _ in said if level != "DEBUG"] == ["WARNING", "WARNING", "INFO"], said
+    warnings = [message for level, message in said if level == "WARNING"]
+    assert "did not load because of the store" in warnings[0] and "File exists" in warnings[0]
+    assert "failed it again, for another reason" in warnings[1] and "unreadable" in warnings[1]
+    assert f"loaded; the store had failed it {len(repeated) + 1} time(s)" in said[-1][1]
+
+
+def test_a_repeated_store_failure_downgraded_to_debug_is_dropped_where_debug_is_off():
+    """The repository's ERROR downgraded to DEBUG must not reach a handler that takes every level (the root's,
+    say) while the logger itself is at INFO: it is dropped. Another reason, or no retry, passes untouched."""
+    from nereid.watch import _REPEATED_STORE_FAILURE, _retried_reason, reason_kind
+
+    class Keep(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__(logging.NOTSET)
+            self.records: list[logging.LogRecord] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.records.append(record)
+
+    logger = logging.getLogger("nereid.repository")
+    keep, level = Keep(), logger.level
+    logger.addHandler(keep)
+    logger.addFilter(_REPEATED_STORE_FAILURE)
+    try:
+        for debug in (False, True):
+            logger.setLevel(logging.DEBUG if debug else logging.INFO)
+            token = _retried_reason.set(reason_kind("s3://b/m/x: HTTP 500 in 12.5ms, after 3 retries"))
+            try:
+                logger.error("model '%s' is UNAVAILABLE: %s", "m", "s3://b/m/x: HTTP 500 in 7.1ms, after 3 retries")
+                logger.error("model '%s' is UNAVAILABLE: %s", "m", "s3://b/m/x: HTTP 403 Forbidden")
+            finally:
+                _retried_reason.reset(token)
+            logger.error("model '%s' is UNAVAILABLE: %s", "m", "s3://b/m/x: HTTP 500 in 7.1ms, after 3 retries")
+    finally:
+        logger.removeHandler(keep)
+        logger.setLevel(level)
+    assert [(r.levelname, "403" in r.getMessage()) for r in keep.records] == [
+        ("ERROR", True), ("ERROR", False),  # INFO: the same reason dropped; another, or no retry, an ERROR
+        ("DEBUG", False), ("ERROR", True), ("ERROR", False)]  # DEBUG: the same reason at DEBUG
