@@ -133,14 +133,19 @@ def _text_context(stablehlo):
         stablehlo.register_dialect(context)
     except Exception:  # (ImportError, or a changed signature)
         return None
-    # What JAX's own contexts register besides, so that any module JAX writes parses here too.
+    _register_jax_dialects(context)
+    return context
+
+
+def _register_jax_dialects(context) -> None:
+    """Register in ``context`` what JAX's own contexts register besides StableHLO, so that any module JAX
+    writes parses there too (an export for cuda carries Shardy's ``sdy`` attributes, for one)."""
     for module, register in (("chlo", "register_dialect"), ("mhlo", "register_mhlo_dialect"),
                              ("sdy", "register_dialect")):
         try:
             getattr(importlib.import_module(f"jaxlib.mlir.dialects.{module}"), register)(context)
         except Exception:  # absent from this jaxlib: modules using it fail to parse, naming it
             pass
-    return context
 
 
 def read_program(module: bytes | str, where: str) -> ProgramSignature:
@@ -154,6 +159,7 @@ def read_program(module: bytes | str, where: str) -> ProgramSignature:
         raise ConfigError(f"{where}: {err}") from None
     context = ir.Context()  # one per call: MLIR contexts are not shared across threads
     stablehlo.register_dialect(context)
+    _register_jax_dialects(context)
     # The reader's own reasons ("attempting to parse 130 bytes when only 5 remain") go into the
     # error instead of to the server's stderr, where MLIR would print them.
     with _collected_diagnostics(context, ir) as diagnostics:

@@ -219,3 +219,15 @@ def test_the_platform_the_programs_are_lowered_for_is_recorded_in_the_provenance
     manifest = load_manifest(given / "manifest.yaml")
     assert manifest.provenance == {"built_by": "ci", "export_platform": "cuda"}  # what the export did wins
     assert manifest.export_platform == "cuda"
+
+
+def test_a_cuda_export_that_carries_shardy_attributes_is_written_and_read(tmp_path) -> None:
+    """Defect: a cholesky exported for cuda carries Shardy (``sdy``) attributes, and the program reader's context
+    knew only StableHLO, so export_bundle refused its own artifact ("dialect 'sdy' is unknown")."""
+    from nereid.backends.xla.program import read_program
+
+    directory = export_bundle(jnp.linalg.cholesky, [2 * np.eye(4, dtype=np.float32)], {}, directory=tmp_path / "chol",
+                              platform="cuda", provenance=False)
+    signature = read_program((directory / "model.mlir").read_bytes(), "model.mlir")
+    assert [p.describe() for p in signature.parameters] == ["tensor<4x4xf32>"]
+    assert [r.describe() for r in signature.results] == ["tensor<4x4xf32>"]
