@@ -288,10 +288,7 @@ class DataPlane:
 
     def _serving(self, name: str) -> LoadedModel | None:
         """The version of ``name`` serving now; None when none is READY."""
-        try:
-            return self.repository.ready_model(name)
-        except NereidError:
-            return None
+        return self.repository.serving(name)
 
     @staticmethod
     def _requested_outputs(request: InferRequest, model: LoadedModel) -> set[str] | None:

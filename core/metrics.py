@@ -14,21 +14,19 @@ import logging
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any, Iterator
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
+from prometheus_client import CollectorRegistry, Counter, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from nereid.backend import ReportsRuntime, runtime_report_problem
-from nereid.errors import NereidError, NotFound, describe_exception
+from nereid.errors import describe_exception
 from nereid.log_limit import OnceLog
 from nereid.repository import LoadedModel, ModelRepository, ModelState
-
-if TYPE_CHECKING:
-    from nereid.stats import Histogram as StatsHistogram
+from nereid.stats import Histogram as StatsHistogram
 
 log = logging.getLogger(__name__)
 _report_failures = OnceLog(log)  # one line per model, not one per scrape
@@ -41,6 +39,8 @@ MAX_CONNECTIONS = 64
 # (a folder name has no "/"), and one label for all of them keeps the series bounded by the folders:
 # a client inventing names must not add a series (and memory, and scrape time) per name.
 UNKNOWN_MODEL = "/unknown"
+# nereid_model_load_duration_seconds's buckets (upper bounds, seconds).
+LOAD_BUCKETS = (0.01, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 # (metric name, help, ModelStats attribute)
 _HISTOGRAMS = (
@@ -58,9 +58,10 @@ class ServerMetrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.load_duration = Histogram("nereid_model_load_duration_seconds", "Time to load a model.", ["model"],
-                                       buckets=(0.01, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
-                                       registry=self.registry)
+        # Load durations by model, exported by _LoadDurations. Kept here, not in a prometheus_client Histogram:
+        # a rename moves them to the new name (model_renamed), which a Histogram's children cannot be.
+        self._load_seconds: dict[str, StatsHistogram] = {}
+        self.registry.register(_LoadDurations(self))
         self.repository_events = Counter(
             "nereid_repository_events", "Dynamic repository events by model: reload, reload_failed, rename, remove.",
             ["model", "event"], registry=self.registry)
@@ -109,21 +110,22 @@ class ServerMetrics:
 
     def _knows(self, model: str) -> bool:
         """Whether the repository has a folder (or nereid.yaml entry) named ``model``; True without one."""
-        if self._repository is None:
-            return True
-        try:
-            # A dict lookup, not entry(): that one may stat the folder, and the data plane just did.
-            self._repository.ready_model(model)
-        except NotFound:
-            return False
-        except NereidError:  # known, but not ready
-            return True
-        return True
+        # A dict lookup: entry() or ready_model() may look for the folder, and give a name the repository has
+        # just forgotten (a removal counted here) an entry again from a store's listing seconds old.
+        return self._repository is None or self._repository.knows(model)
 
     def model_loaded(self, model: str, seconds: float) -> None:
         """Record one model load."""
         with self._names_lock:
-            self.load_duration.labels(model).observe(seconds)
+            loads = self._load_seconds.get(model)
+            if loads is None:
+                loads = self._load_seconds[model] = StatsHistogram(LOAD_BUCKETS)
+            loads.observe(seconds)
+
+    def load_durations(self) -> list[tuple[str, list[tuple[str, int]], float]]:
+        """``(model, cumulative buckets, sum)`` of every model's loads, by name (what /metrics shows)."""
+        with self._names_lock:
+            return [(name, loads.cumulative(), loads.sum) for name, loads in sorted(self._load_seconds.items())]
 
     def repository_event(self, model: str, event: str) -> None:
         """Count one reload, failed reload, rename or removal.
@@ -149,7 +151,40 @@ class ServerMetrics:
                 _remove_series(self.protocol_requests, model, protocol, outcome)
             for event in self._events.pop(model, ()):
                 _remove_series(self.repository_events, model, event)
-            _remove_series(self.load_duration, model)
+            self._load_seconds.pop(model, None)
+
+    def model_renamed(self, old: str, new: str) -> None:
+        """The repository's model ``old`` moved in place to the name ``new`` (its folder renamed): every series
+        under ``old`` (its loads, requests, events) moves to ``new``, added to any ``new`` has already.
+
+        ``nereid_model_version`` and the request statistics follow the moved model: without this its loads were
+        dropped with the old name, and the new name had a version but no load. Called once ``new`` is known and
+        ``old`` is not (a late request for ``old`` counts as :data:`UNKNOWN_MODEL`, not under ``old`` again).
+        """
+        if old == new:
+            return
+        with self._names_lock:
+            loads = self._load_seconds.pop(old, None)
+            if loads is not None:
+                kept = self._load_seconds.get(new)
+                if kept is None:
+                    self._load_seconds[new] = loads
+                else:  # (the same buckets: both made from LOAD_BUCKETS)
+                    kept.counts = [mine + theirs for mine, theirs in zip(kept.counts, loads.counts)]
+                    kept.sum += loads.sum
+            requests = _totals(self.protocol_requests, old, "protocol", "outcome")
+            new_counters = self._request_counters.setdefault(new, {})
+            for protocol, outcome in self._request_counters.pop(old, {}):
+                counter = new_counters.get((protocol, outcome))
+                if counter is None:
+                    counter = new_counters[(protocol, outcome)] = self.protocol_requests.labels(new, protocol, outcome)
+                counter.inc(requests.get((protocol, outcome), 0.0))
+                _remove_series(self.protocol_requests, old, protocol, outcome)
+            events = _totals(self.repository_events, old, "event")
+            for event in self._events.pop(old, ()):
+                self._events.setdefault(new, set()).add(event)
+                self.repository_events.labels(new, event).inc(events.get((event,), 0.0))
+                _remove_series(self.repository_events, old, event)
 
     def serve(self, addr: str, idle_timeout_s: float = IDLE_TIMEOUT_S, origin: str = "server.metrics_addr") -> int:
         """Start the HTTP endpoint on ``host:port``; returns the bound port.
@@ -181,10 +216,20 @@ class ServerMetrics:
             self._http = None
 
 
-def _remove_series(metric: Counter | Histogram, *labels: str) -> None:
+def _remove_series(metric: Counter, *labels: str) -> None:
     """Remove one label set of ``metric``; one that was never made is no error."""
     with contextlib.suppress(KeyError):  # (older prometheus_client releases raise KeyError for it)
         metric.remove(*labels)
+
+
+def _totals(counter: Counter, model: str, *labels: str) -> dict[tuple[str, ...], float]:
+    """The value of each series of ``counter`` under ``model``, by the values of its other ``labels``.
+
+    Read through collect() (the public way): a rename is rare, and a child's value has no public getter.
+    """
+    return {tuple(sample.labels[label] for label in labels): sample.value
+            for family in counter.collect() for sample in family.samples
+            if sample.name.endswith("_total") and sample.labels.get("model") == model}
 
 
 class _QuietHandler(WSGIRequestHandler):
@@ -261,6 +306,20 @@ class _BoundedThreadingServer(ThreadingWSGIServer):
     def handle_error(self, request: socket.socket, client_address: object) -> None:
         # A client that timed out or vanished is not worth a traceback on stderr.
         log.debug("metrics connection from %s failed", client_address, exc_info=True)
+
+
+class _LoadDurations(Collector):
+    """``nereid_model_load_duration_seconds``, from a :class:`ServerMetrics`' load durations at scrape time."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        family = HistogramMetricFamily("nereid_model_load_duration_seconds", "Time to load a model.",
+                                       labels=["model"])
+        for name, buckets, total in self._metrics.load_durations():
+            family.add_metric([name], buckets, total)
+        yield family
 
 
 class _RepositoryCollector(Collector):

@@ -238,6 +238,10 @@ class RepositoryEvents(Protocol):
     def repository_event(self, model: str, event: str) -> None:
         """A ``reload``, ``reload_failed``, ``rename`` or ``remove``."""
 
+    def model_renamed(self, old: str, new: str) -> None:
+        """The loaded model ``old`` moved in place to the name ``new`` (its folder renamed): what was kept for
+        ``old`` is now ``new``'s. Heard once ``new`` is known and ``old`` is not, before ``old`` is forgotten."""
+
     def model_forgotten(self, model: str) -> None:
         """The repository no longer knows the name ``model`` (its entry was dropped): nothing is kept for it.
 
@@ -497,6 +501,18 @@ class ModelRepository:
             raise Unavailable(f"model '{name}' is not ready ({entry.state.value}{detail})")
         return entry.loaded
 
+    def knows(self, name: str) -> bool:
+        """Whether ``name`` has an entry now; a dict lookup, never a stat or a listing (unlike :meth:`entry`,
+        which gives a folder just found an entry: asked about a name just forgotten, it could bring it back)."""
+        return name in self._entries
+
+    def serving(self, name: str) -> LoadedModel | None:
+        """The loaded model behind ``name`` if it is READY, else None; a dict lookup, as :meth:`knows`."""
+        entry = self._entries.get(name)
+        if entry is None or entry.state is not ModelState.READY:
+            return None
+        return entry.loaded
+
     def loading(self) -> bool:
         """True while some model is LOADING."""
         return any(entry.state is ModelState.LOADING for entry in self.entries())
@@ -694,7 +710,9 @@ class ModelRepository:
                 del self._entries[old]
                 entry.name, entry.folder, entry.settings, entry.settings_origin = new, context.folder, settings, origin
                 self._entries[new] = entry  # replaces an entry a rescan may have made for the new folder
-                self._forgotten(old)  # (its series go; the model's figures are under the new name from now on)
+                if self.events is not None:  # its loads, requests and events follow it, as its version does
+                    self.events.model_renamed(old, new)
+                self._forgotten(old)  # (nothing is left under the old name: the model's figures are the new one's)
                 if old in self._exposed:
                     self._exposed.discard(old)
                     self._exposed.add(new)

@@ -474,6 +474,9 @@ def test_a_model_name_the_repository_forgets_keeps_no_series(tmp_path) -> None:
         await repository.rename("ver-000000", "renamed")
         assert series("ver-000000") == []
         assert value("nereid_repository_events_total", event="rename", model="renamed") == 1
+        # Its load, and its requests, moved with it (nereid_model_version{model="renamed"} is 1).
+        assert value("nereid_model_load_duration_seconds_count", model="renamed") == 1
+        assert value("nereid_protocol_requests_total", model="renamed", outcome="success", protocol="grpc") == 1
 
         # A folder that failed to load, forgotten by a rescan before the watcher's removal.
         toy_backends.write_toy(root, "broken")
@@ -492,3 +495,42 @@ def test_a_model_name_the_repository_forgets_keeps_no_series(tmp_path) -> None:
         assert value("nereid_repository_events_total", event="rename", model="renamed") == 1
         await repository.unload_all()
     asyncio.run(scenario())
+
+
+def test_a_rename_moves_the_names_series_to_the_new_name() -> None:
+    """Defect: after a rename in place, nereid_model_version{model=<new>} was 1 but the new name had no
+    nereid_model_load_duration_seconds sample: the old name's series were dropped, not moved."""
+    from prometheus_client import generate_latest
+
+    from nereid.metrics import ServerMetrics
+
+    metrics = ServerMetrics()  # (no repository: every name counts as known)
+    metrics.model_loaded("before", 0.2)
+    metrics.model_loaded("before", 3.0)  # a reload
+    metrics.repository_event("before", "reload")
+    for _ in range(2):
+        metrics.count_request("grpc", "before", "success")
+    metrics.count_request("http", "after", "unavailable")  # the new folder was seen first: asked for, not READY
+    metrics.count_request("http", "before", "unavailable")
+    metrics.model_loaded("after", 0.05)  # (a load under the new name meanwhile: both are kept)
+    metrics.model_renamed("before", "after")
+
+    lines = [line for line in generate_latest(metrics.registry).decode().splitlines() if not line.startswith("#")]
+    assert [line for line in lines if 'model="before"' in line] == []
+    samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in lines if 'model="after"' in line}
+    load = "nereid_model_load_duration_seconds"
+    assert samples[f'{load}_count{{model="after"}}'] == 3
+    assert samples[f'{load}_sum{{model="after"}}'] == pytest.approx(3.25)
+    assert samples[f'{load}_bucket{{le="0.1",model="after"}}'] == 1
+    assert samples[f'{load}_bucket{{le="0.5",model="after"}}'] == 2
+    assert samples[f'{load}_bucket{{le="5.0",model="after"}}'] == 3
+    requests = "nereid_protocol_requests_total"
+    assert samples[f'{requests}{{model="after",outcome="success",protocol="grpc"}}'] == 2
+    assert samples[f'{requests}{{model="after",outcome="unavailable",protocol="http"}}'] == 2  # added together
+    assert samples['nereid_repository_events_total{event="reload",model="after"}'] == 1
+    metrics.count_request("grpc", "after", "success")  # the moved series go on counting
+    assert f'{requests}{{model="after",outcome="success",protocol="grpc"}} 3.0' in generate_latest(
+        metrics.registry).decode()
+
+    metrics.model_forgotten("after")  # and go with the new name, when that is forgotten
+    assert 'model="after"' not in generate_latest(metrics.registry).decode()

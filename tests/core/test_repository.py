@@ -31,6 +31,9 @@ class Events:
     def repository_event(self, model: str, event: str) -> None:
         self.heard.append((model, event))
 
+    def model_renamed(self, old: str, new: str) -> None:
+        self.heard.append((old, f"renamed to {new}"))
+
     def model_forgotten(self, model: str) -> None:
         self.heard.append((model, "forgotten"))
 
