@@ -42,8 +42,9 @@ from nereid.scheduler import ModelScheduler
 from nereid.settings import ModelSettings, Settings
 from nereid.signature import ModelSignature, brief_repr
 from nereid.stats import ModelStats
-from nereid.storage import (StorageError, drop_mirror_folder, materialize_model_folder, mirror_leftovers,
-                            model_folder_exists, scan_model_folders, store_failed, store_holds_folder)
+from nereid.storage import (StorageError, drop_mirror_folder, forget_listed_folder, materialize_model_folder,
+                            mirror_leftovers, model_folder_exists, scan_model_folders, store_failed,
+                            store_holds_folder)
 from nereid.storage.mirror import CACHE_SUBFOLDER
 
 log = logging.getLogger(__name__)
@@ -467,8 +468,12 @@ class ModelRepository:
             self._refresh_dependents()
 
     def _forgotten(self, name: str) -> None:
-        """Tell ``events`` that ``name`` has no entry any more (dropped for good, not replaced)."""
-        if self.events is not None and name not in self._entries:
+        """Tell ``events`` (and the store's kept listing) that ``name`` has no entry any more (dropped for good,
+        not replaced)."""
+        if name in self._entries:
+            return
+        forget_listed_folder(self.settings.server, name)
+        if self.events is not None:
             self.events.model_forgotten(name)
 
     def entries(self) -> list[ModelEntry]:

@@ -186,6 +186,22 @@ def model_folder_exists(server: ServerSettings, name: str) -> bool:
         return listing.names is not None and name in listing.names
 
 
+def forget_listed_folder(server: ServerSettings, name: str) -> None:
+    """Take ``name`` out of the store's last listing kept for :func:`model_folder_exists`: the repository has
+    just forgotten it, its folder gone (seen by the watcher's own listing, which this one may predate).
+
+    Otherwise a request for the name within the next seconds would find the folder in that older listing and
+    give it an entry again: a model "waiting for its folder to settle" where the answer is NOT_FOUND.
+    """
+    location = _location(server)
+    if location is None:
+        return
+    with _listings_lock:
+        listing = _listings.get(str(location))
+        if listing is not None and listing.names is not None and name in listing.names:
+            listing.names = listing.names - {name}
+
+
 def store_holds_folder(server: ServerSettings, name: str) -> bool:
     """Whether the object store behind ``server`` holds the model folder ``name`` (blocking: call off the loop).
 
