@@ -9,17 +9,25 @@ installed and an NVIDIA device node exists) the first time any backend is asked
 for, whatever the platform asked for; a plugin that fails to start raises from
 that first call only. :func:`started_backends` is that start, done once for the
 process, keeping the error for the models that need the platform it cost.
+
+jaxlib's kernels that run LAPACK on the host get LAPACK only when asked
+(:func:`host_lapack_problem` asks, once per process, before a program is
+compiled).
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from nereid.errors import ConfigError
 from nereid.settings import Device
+
+log = logging.getLogger(__name__)
 
 # jax registers NVIDIA GPUs as platform "cuda"; "gpu" is the generic alias.
 _CUDA_PLATFORMS = ("cuda", "gpu")
@@ -142,3 +150,97 @@ def resolve_device(device: Device, model: str, origin: str) -> PjrtTarget:
     options = jax_backend.get_compile_options(num_replicas=1, num_partitions=1,
                                               device_assignment=np.array([[chosen.id]]), backend=client)
     return PjrtTarget(client, chosen, options)
+
+
+# -- host LAPACK ------------------------------------------------------------------------------------
+#
+# jaxlib's kernels that call LAPACK on the host (every CPU linear-algebra custom call, lapack_spotrf_ffi and the
+# like; on a GPU, the hybrid eig and pivoted-QR kernels cu_hybrid_*) are registered with XLA when jax is imported,
+# but their LAPACK function pointers stay null until jaxlib is asked to fill them in from scipy
+# (scipy.linalg.cython_lapack). jax asks only while it lowers a linear-algebra op; the server lowers nothing, so
+# without asking itself the first such call jumps to a null pointer and the whole server dies with SIGSEGV.
+
+
+@dataclass(frozen=True)
+class _HostLapack:
+    """One platform's jaxlib kernels that need LAPACK: their description, custom-call names and initialiser."""
+
+    what: str
+    targets: re.Pattern[bytes]
+    initialize: Callable[[], None]
+
+
+def _initialize_cpu_lapack() -> None:
+    from jaxlib import lapack
+
+    # prepare_lapack_call ("Initializes the LAPACK library and returns the LAPACK target name") is jaxlib's
+    # public way in; the target name it returns is not needed. _lapack.initialize is what it calls.
+    prepare = getattr(lapack, "prepare_lapack_call", None)
+    if prepare is not None:
+        import numpy as np
+
+        prepare("potrf_ffi", np.float32)
+    else:
+        lapack._lapack.initialize()
+
+
+def _initialize_gpu_hybrid_kernels() -> None:
+    from jaxlib import gpu_solver
+
+    gpu_solver.initialize_hybrid_kernels()  # a no-op without jax's CUDA plugin
+
+
+_HOST_LAPACK = {
+    # The target names are held verbatim in MLIR text ("...") and bytecode (NUL-terminated) alike. A name must end
+    # there; what comes before it is not checked, as in bytecode the first string follows a length byte that may
+    # be any letter: a string that merely ends with such a name (a location) is taken for a call, never a call
+    # missed.
+    "cpu": _HostLapack("jaxlib's CPU linear algebra (LAPACK) kernels",
+                       re.compile(rb"lapack_[a-z0-9]+(?:_ffi)?(?![\w.])"), _initialize_cpu_lapack),
+    "cuda": _HostLapack("jaxlib's GPU kernels that run LAPACK on the host (eig, pivoted QR)",
+                        re.compile(rb"cu_hybrid_[a-z0-9_]+(?![\w.])"), _initialize_gpu_hybrid_kernels),
+}
+# Per platform, once initialised: None, or why the kernels could not be initialised.
+_host_lapack_errors: dict[str, str | None] = {}
+_host_lapack_lock = threading.Lock()
+
+
+def host_lapack_problem(platform: str, program: bytes) -> str | None:
+    """Why ``program`` cannot run on ``platform`` here; None when it can, as far as host LAPACK goes.
+
+    Before that, initialises (once per process, whatever the program) the
+    kernels through which ``platform``'s programs call LAPACK on the host. When
+    that fails, it is a warning for the process and a reason for each program
+    that calls them: run, it would crash the server.
+    """
+    key = "cuda" if platform in _CUDA_PLATFORMS else platform
+    kernels = _HOST_LAPACK.get(key)
+    if kernels is None:
+        return None
+    with _host_lapack_lock:
+        if key not in _host_lapack_errors:
+            _host_lapack_errors[key] = _initialise(kernels, key)
+        error = _host_lapack_errors[key]
+    if error is None:
+        return None
+    calls = sorted({name.decode() for name in kernels.targets.findall(program)})
+    if not calls:
+        return None
+    return f"the program calls {kernels.what} ({', '.join(calls)}), which could not be initialised here: {error}"
+
+
+def _initialise(kernels: _HostLapack, platform: str) -> str | None:
+    """Initialise ``kernels``: None, or why they could not be (also logged as a warning)."""
+    try:
+        kernels.initialize()
+        return None
+    except ImportError as err:  # jaxlib without the module, or no scipy to take LAPACK from
+        error = (f"{type(err).__name__}: {err} (jaxlib takes LAPACK from scipy.linalg.cython_lapack: "
+                 "pip install scipy)")
+    except Exception as err:  # another jaxlib, which initialises them otherwise
+        import jaxlib
+
+        error = f"{type(err).__name__}: {err} (jaxlib {jaxlib.__version__})"
+    log.warning("%s could not be initialised: %s; %s programs that call them will not load", kernels.what, error,
+                platform)
+    return error

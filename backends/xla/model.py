@@ -25,7 +25,7 @@ from nereid.backends.xla.bundle import CACHE_DIR, DEFAULT_WEIGHTS_FILE, BundleLa
 from nereid.backends.xla.cache import (CacheKey, CacheStats, CompileFunctions, ExecutableCache, compilation_flags,
                                       file_sha256)
 from nereid.backends.xla.conformance import check_program_types
-from nereid.backends.xla.device import PjrtTarget, resolve_device
+from nereid.backends.xla.device import PjrtTarget, host_lapack_problem, resolve_device
 from nereid.backends.xla.manifest import EXPORT_PLATFORM, MANIFEST_NAME, Manifest, smallest_fitting
 from nereid.backends.xla.migration import local_weight_set, migrate_for_load
 from nereid.backends.xla.options import parse_options
@@ -221,6 +221,10 @@ class XlaModel:
         if mismatch:
             raise ConfigError(mismatch)
         check_program_types(path.name, program, key, manifest, weight_types)
+        # Before compiling: also a cached executable would call the host LAPACK kernels this initialises.
+        problem = host_lapack_problem(target.platform, data)
+        if problem is not None:
+            raise ConfigError(f"{path.name}: {problem}")
         key_fields = CacheKey(file_sha256(data), jaxlib.__version__, target.platform,
                               target.client.platform_version, target.device.device_kind,
                               compilation_flags(os.environ))
