@@ -744,7 +744,9 @@ class _BoundedHeadProtocol(HttpToolsProtocol):
     request of it is incomplete (or before its first) is closed, so silent or
     slow connections cannot pile up; between requests, once every one is
     answered, an idle connection is kept alive for uvicorn's
-    ``timeout_keep_alive`` (:data:`KEEP_ALIVE_TIMEOUT_S`) instead. A
+    ``timeout_keep_alive`` (:data:`KEEP_ALIVE_TIMEOUT_S`) from its last answer
+    instead. Bytes that start no request (the empty lines the parser skips
+    before a request) are not heard from: they keep no connection open. A
     connection past :attr:`max_connections` open at once is answered 503 at
     once and closed. A request whose connection
     is lost before its answer has its handler cancelled (see
@@ -774,7 +776,11 @@ class _BoundedHeadProtocol(HttpToolsProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._head_left: int | None = MAX_HEAD_BYTES  # what the current head may still take; None in a body
-        self._last_read = 0.0
+        # When the client last sent part of a request (or the connection started). Bytes outside a request that
+        # start none are not counted: llhttp skips CRLFs before a request's head without a callback, and a
+        # client sending "\r\n" every minute held its connection for ever.
+        self._last_heard = 0.0
+        self._answered_at = 0.0  # when this connection's last answer was all written
         # When the current head's time started (its first byte, or the connection's start for the first
         # request); None once it is complete, until the next one's first byte.
         self._head_since: float | None = None
@@ -787,7 +793,7 @@ class _BoundedHeadProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._last_read = self._head_since = self.loop.time()
+        self._last_heard = self._head_since = self.loop.time()
         most = self.max_connections if self.max_connections is not None else connection_cap()
         if len(self.connections) > most:  # (this connection is counted already)
             self._refuse_connection(most)
@@ -823,11 +829,13 @@ class _BoundedHeadProtocol(HttpToolsProtocol):
             if head_age is not None and head_age >= head_s and self._head_begun:
                 self._refuse_slow_head()
                 return
-            silent = now - self._last_read
             # Kept alive between requests (every one answered, no next head begun, not in a body): uvicorn's
-            # keep-alive timer closes it, a client's pool reuses it; this only backs that timer up.
+            # keep-alive timer closes it, a client's pool reuses it; this backs that timer up (any byte read,
+            # a skipped CRLF too, cancels it), timing from the last answer as it does: an answer that took
+            # longer than the keep-alive timeout must not have its connection closed as soon as it is out.
             between = (cycle is not None and cycle.response_complete and not self.pipeline and not self._head_begun
                        and self._head_left is not None)
+            silent = now - (max(self._last_heard, self._answered_at) if between else self._last_heard)
             limit_s = max(idle_s, self.timeout_keep_alive) if between else idle_s
             if silent >= limit_s or (head_age is not None and head_age >= head_s):
                 if not between:
@@ -869,7 +877,9 @@ class _BoundedHeadProtocol(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         if self._unread:
             return
-        self._last_read = self.loop.time()
+        if self._head_begun or self._head_left is None:  # within a request's head or body: heard from
+            self._last_heard = self.loop.time()
+        # Otherwise only a request's first byte is, in on_message_begin: what comes before it may be CRLFs alone.
         while self._head_left is not None and len(data) > self._head_left:
             # Headers and body often come in one read: feed the head's allowance first (the parser
             # takes a stream cut anywhere), and refuse only when the head did not end within it.
@@ -891,6 +901,7 @@ class _BoundedHeadProtocol(HttpToolsProtocol):
         # keep-alive timeout bounds the wait before it), the first request's from the connection's start.
         super().on_message_begin()
         self._head_begun = True
+        self._last_heard = self.loop.time()
         if self._head_since is None:
             self._head_since = self.loop.time()
 
@@ -905,6 +916,11 @@ class _BoundedHeadProtocol(HttpToolsProtocol):
     def on_message_complete(self) -> None:
         self._head_left = MAX_HEAD_BYTES
         super().on_message_complete()
+
+    def on_response_complete(self) -> None:
+        # The keep-alive time between requests runs from here (see _check_idle), as uvicorn's own timer does.
+        self._answered_at = self.loop.time()
+        super().on_response_complete()
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._idle_check is not None:

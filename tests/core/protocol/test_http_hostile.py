@@ -25,12 +25,15 @@ import pytest
 HEAD_TIMEOUT_S = 0.6
 IDLE_TIMEOUT_S = 0.35
 TRICKLE_S = 0.1  # between the bytes of a trickled head: well within the idle timeout
+SLOW_ANSWER_S = 0.5  # how long the app takes over a request for /slow
 
 
 async def _answer_with_body_size(scope: dict, receive: Any, send: Any) -> None:
-    """An ASGI app that reads the whole body and answers 200 with its size."""
+    """An ASGI app that reads the whole body and answers 200 with its size (after SLOW_ANSWER_S for /slow)."""
     if scope["type"] != "http":
         return
+    if scope["path"] == "/slow":
+        await asyncio.sleep(SLOW_ANSWER_S)
     size, more = 0, True
     while more:
         message = await receive()
@@ -297,3 +300,65 @@ def test_a_connection_idle_between_requests_is_kept_alive_for_the_keep_alive_tim
         assert _read_all(connection, wait_s=3) == b""  # (returns once the server has closed it)
         assert keep_alive_s - 0.1 <= time.monotonic() - started < keep_alive_s + 0.5
     assert [r.getMessage() for r in caplog.records if r.name == http_service.__name__] == []
+
+
+def _wait_for_close(connection: socket.socket, give_up_s: float, crlf_every_s: float | None = None) -> float | None:
+    """Seconds until the server closes ``connection`` (None: still open after ``give_up_s``), sending a CRLF
+    every ``crlf_every_s`` meanwhile when given."""
+    started = time.monotonic()
+    while (elapsed := time.monotonic() - started) < give_up_s:
+        if _closed(connection):
+            return elapsed
+        if crlf_every_s is not None:
+            try:
+                connection.sendall(b"\r\n")
+            except OSError:  # (reset: closed since)
+                return time.monotonic() - started
+        time.sleep(crlf_every_s or 0.02)
+    return None
+
+
+def test_a_kept_alive_connection_is_timed_from_its_last_answer_and_crlfs_do_not_keep_it(monkeypatch, request,
+                                                                                        caplog):
+    """llhttp skips the CRLFs between requests without a callback, yet each read restarted the idle clock (and
+    cancelled uvicorn's keep-alive timer): a client sending a CRLF every 100 s held its connection for ever. And
+    the keep-alive time ran from the request's last byte, so an answer slower than it had its connection closed
+    as soon as it was out. Both are closed KEEP_ALIVE_TIMEOUT_S (shortened here) after their last answer,
+    without a line."""
+    from nereid.protocol import http_service
+
+    keep_alive_s = 0.8
+    monkeypatch.setattr(http_service, "KEEP_ALIVE_TIMEOUT_S", keep_alive_s, raising=False)
+    caplog.set_level(logging.INFO, logger=http_service.__name__)
+    port = request.getfixturevalue("listener")  # started with the timeout above
+
+    def closed_after_answer(path: str, crlf_every_s: float | None) -> float | None:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as connection:
+            connection.sendall(b"GET %s HTTP/1.1\r\nHost: x\r\n\r\n" % path.encode())
+            assert _read_response(connection).startswith(b"HTTP/1.1 200 "), path
+            return _wait_for_close(connection, keep_alive_s + 1.2, crlf_every_s)
+
+    with ThreadPoolExecutor(2) as pool:  # side by side: the test takes as long as the longer
+        crlfs = pool.submit(closed_after_answer, "/v2/health/live", TRICKLE_S)  # well within the idle timeout
+        slow = pool.submit(closed_after_answer, "/slow", None)  # SLOW_ANSWER_S: past the idle timeout
+        closed = {"CRLFs every 0.1 s": crlfs.result(), "a slow answer": slow.result()}  # s after the answer
+    assert all(seconds is not None and keep_alive_s - 0.1 <= seconds < keep_alive_s + 0.5
+               for seconds in closed.values()), closed
+    assert [r.getMessage() for r in caplog.records if r.name == http_service.__name__] == []
+
+
+def test_crlfs_before_a_first_request_do_not_keep_its_connection_open(monkeypatch, request, caplog):
+    """Before a first request, the CRLFs llhttp skips restarted the idle clock too: such a connection was closed
+    only by the head timeout (raised here to tell them apart), not the idle one."""
+    from nereid.protocol import http_service
+
+    caplog.set_level(logging.INFO, logger=http_service.__name__)
+    port = request.getfixturevalue("listener")
+    # After the fixture's own (read at each check): far past the idle timeout, and past the test's patience.
+    monkeypatch.setattr(http_service._BoundedHeadProtocol, "request_head_timeout_s", 5.0)
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as connection:
+        seconds = _wait_for_close(connection, IDLE_TIMEOUT_S + 1.2, crlf_every_s=TRICKLE_S)
+        assert seconds is not None and IDLE_TIMEOUT_S - 0.1 <= seconds < IDLE_TIMEOUT_S + 0.5, seconds
+        assert _read_all(connection, wait_s=0.5) == b""  # closed unanswered: no request began
+    [line] = [r.getMessage() for r in caplog.records if r.name == http_service.__name__]
+    assert "closed: it sent no complete request for" in line, line
