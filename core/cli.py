@@ -45,6 +45,13 @@ def main(argv: list[str] | None = None, extra_plugins: tuple[object, ...] = ()) 
     # Set before grpc is first imported (reading TLS settings imports it), which reads it once; an operator's
     # own value wins.
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+    # gRPC's core registers fork handlers that stop its threads before each fork() and start them again after;
+    # one that cannot (pthread_create failing at a process or thread limit) aborts the whole server (SIGABRT,
+    # "Failed to start lifeguard thread"). subprocess.Popen falls back from vfork to fork() exactly when the
+    # limit is reached, so a cpp run under a pids limit killed the server instead of failing with [Errno 11].
+    # Every child the server starts execs at once and never uses gRPC: the handlers buy nothing. Read when grpc
+    # is first imported, as GRPC_VERBOSITY is; an operator's own value wins.
+    os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
     parser = argparse.ArgumentParser(prog="nereid", description="A Triton-compatible model server.")
     commands = parser.add_subparsers(dest="command", required=True)
     for name, help_text in (("serve", "serve the models over gRPC and HTTP until SIGTERM/SIGINT"),

@@ -21,8 +21,8 @@ from pathlib import Path
 from nereid.errors import ModelFailure
 from nereid.files import descriptor_path
 
-from nereid.backends.subprocess.runner import (ProcessGroups, ProcessResult, feed_and_wait, kill_group,
-                                               wait_for_exit)
+from nereid.backends.subprocess.runner import (ProcessGroups, ProcessResult, close_descriptors, feed_and_wait,
+                                               kill_group, wait_for_exit)
 
 log = logging.getLogger(__name__)
 
@@ -189,9 +189,7 @@ class WarmParent:
         parent, control = self._running_control()
         if exec_argv is None and self.cold_reason is not None:  # (a restart may have just set it)
             exec_argv = self.cold_argv
-        stdin_read, stdin_write = os.pipe2(os.O_CLOEXEC)
-        output_read, output_write = os.pipe2(os.O_CLOEXEC)
-        reply, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        stdin_read, stdin_write, output_read, output_write, reply, theirs = _run_channels()
         folder_fd = self.folder_fd  # read once: a relocate may replace it meanwhile
         try:
             try:
@@ -275,6 +273,26 @@ class WarmParent:
 
 class _RunNotStarted(ModelFailure):
     """The parent was gone before it said it forked the run: sending the batch again runs it once."""
+
+
+def _run_channels() -> tuple[int, int, int, int, socket.socket, socket.socket]:
+    """A run's stdin pipe, output pipe and reply socket pair: ``(stdin_read, stdin_write, output_read,
+    output_write, reply, theirs)``, all close-on-exec.
+
+    All or none: when one cannot be made (EMFILE, the server out of
+    descriptors) those made before it are closed, or each failed run would leak
+    them and the server would stay out of descriptors for good.
+    """
+    opened: list[int] = []
+    try:
+        opened.extend(os.pipe2(os.O_CLOEXEC))
+        opened.extend(os.pipe2(os.O_CLOEXEC))
+        reply, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    except BaseException:
+        close_descriptors(*opened)
+        raise
+    stdin_read, stdin_write, output_read, output_write = opened
+    return stdin_read, stdin_write, output_read, output_write, reply, theirs
 
 
 def _read_line(fd: int, deadline: float) -> str:

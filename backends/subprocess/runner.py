@@ -95,19 +95,30 @@ def run_model_process(argv: list[str], *, cwd: Path | str, env: dict[str, str], 
     """
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     # Our own pipes rather than Popen's file objects: feed_and_wait owns and closes their parent ends.
+    # Each step that can fail (EMFILE: the server is out of descriptors) closes what the steps before it
+    # opened: a descriptor leaked per failed run would keep the server out of them for good.
     stdin_read, stdin_write = os.pipe2(os.O_CLOEXEC)
-    output_read, output_write = os.pipe2(os.O_CLOEXEC)
+    try:
+        output_read, output_write = os.pipe2(os.O_CLOEXEC)
+    except BaseException:
+        close_descriptors(stdin_read, stdin_write)
+        raise
     try:
         process = subprocess.Popen(argv, cwd=cwd, env=env, stdin=stdin_read, stdout=output_write,
                                    stderr=subprocess.STDOUT, start_new_session=True)
     except BaseException:
-        os.close(stdin_write)
-        os.close(output_read)
+        close_descriptors(stdin_write, output_read)
         raise
     finally:
-        os.close(stdin_read)
-        os.close(output_write)
-    exit_fd = os.pidfd_open(process.pid)
+        close_descriptors(stdin_read, output_write)  # the child's ends: it has its own copies (or never ran)
+    try:
+        exit_fd = os.pidfd_open(process.pid)
+    except BaseException:
+        # Without its pidfd the run cannot be waited on: end the child (and its group) and reap it here.
+        close_descriptors(stdin_write, output_read)
+        kill_group(process.pid)
+        process.wait()
+        raise
     if groups is not None:
         groups.add(process.pid)
     terminated = False
@@ -255,6 +266,12 @@ def poll_timeout_ms(deadline: float | None) -> int:
         return -1
     remaining_s = min(deadline - time.monotonic(), MAX_POLL_MS / 1000)
     return max(0, min(MAX_POLL_MS, math.ceil(remaining_s * 1000)))
+
+
+def close_descriptors(*fds: int) -> None:
+    """Close each of ``fds`` (descriptors this process opened and no one else closes)."""
+    for fd in fds:
+        os.close(fd)
 
 
 def kill_group(pgid: int) -> None:

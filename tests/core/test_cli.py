@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -17,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tritonclient.grpc as triton
+from tritonclient.utils import InferenceServerException
 
 import toy_backends
 from support import ECHO_MAIN, NEREID, free_port, nereid_serve, process_alive, wait_until
@@ -742,3 +744,56 @@ def test_the_servers_loop_ends_past_tasks_that_swallow_their_cancellation() -> N
     assert result.stdout.split() == ["True", "False"], result.stderr
     assert ("WARNING 1 task(s) did not end within 0.2 s of their cancellation (a model's coroutine that swallows "
             "CancelledError?); leaving them: stubborn") in result.stderr
+
+
+# -- a process limit reached ------------------------------------------------------
+
+CGROUP_PIDS = Path("/sys/fs/cgroup/pids")  # the cgroup v1 pids controller
+
+
+@pytest.fixture
+def pids_cgroup():
+    """A pids cgroup of this test's own (skips where none can be made: no cgroup v1 pids controller, not
+    root); limits lifted and the cgroup removed after the test, once its processes are gone."""
+    folder = CGROUP_PIDS / f"nereid-test-{os.getpid()}-{time.monotonic_ns()}"
+    try:
+        folder.mkdir()
+    except OSError as err:
+        pytest.skip(f"cannot make a pids cgroup under {CGROUP_PIDS}: {err}")
+    try:
+        yield folder
+    finally:
+        (folder / "pids.max").write_text("max")
+        wait_until(lambda: not (folder / "cgroup.procs").read_text().strip())
+        folder.rmdir()
+
+
+def test_a_cpp_run_at_the_process_limit_fails_and_the_server_serves_on(repo, pids_cgroup) -> None:
+    """Defect: at a pids limit, Popen's vfork fails and CPython falls back to fork(), which runs gRPC's fork
+    handlers; they could not restart gRPC's threads and aborted the whole server (SIGABRT, "Failed to start
+    lifeguard thread"). With them off the run fails with [Errno 11] and the server serves on."""
+    shutil.copytree(REPO_ROOT / "ml-backends" / "cpp_scale", repo.models_dir / "cpp_scale")  # compiled at load
+    tensor = triton.InferInput("input", [1, 8], "FP32")
+    tensor.set_data_from_numpy(np.ones((1, 8), dtype=np.float32))
+    with nereid_serve(repo.write_config(metrics_addr="")) as (process, client):
+        client.infer("cpp_scale", [tensor])  # its worker thread started, as a busy server's are
+        (pids_cgroup / "cgroup.procs").write_text(str(process.pid))  # with all its threads
+        # Below its count of tasks: the ones there run on, not one more can start (however threads come and go).
+        (pids_cgroup / "pids.max").write_text("1")
+        with pytest.raises(InferenceServerException) as failed:
+            client.infer("cpp_scale", [tensor], client_timeout=30)
+        assert "cpp_scale" in failed.value.message() and "[Errno 11]" in failed.value.message(), failed.value
+        assert process.poll() is None and client.is_server_ready()
+        (pids_cgroup / "pids.max").write_text("max")
+        assert np.array_equal(client.infer("cpp_scale", [tensor]).as_numpy("output"), np.full((1, 8), 2.0))
+
+
+def test_grpc_fork_support_is_off_under_the_command_unless_the_environment_sets_it(monkeypatch) -> None:
+    from nereid.cli import main
+
+    monkeypatch.delenv("GRPC_ENABLE_FORK_SUPPORT", raising=False)
+    assert main(["check", "--config", "/nonexistent/nereid.yaml"]) == 2
+    assert os.environ["GRPC_ENABLE_FORK_SUPPORT"] == "false"
+    monkeypatch.setenv("GRPC_ENABLE_FORK_SUPPORT", "true")  # an operator's own choice is kept
+    assert main(["check", "--config", "/nonexistent/nereid.yaml"]) == 2
+    assert os.environ["GRPC_ENABLE_FORK_SUPPORT"] == "true"

@@ -6,6 +6,8 @@ import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import sysconfig
 import threading
 import urllib.request
@@ -520,3 +522,59 @@ def test_killing_the_server_ends_the_running_model_process(repo, warm):
         process.kill()
         process.wait()
     assert wait_until(lambda: not process_alive(child))
+
+
+# -- out of descriptors --------------------------------------------------------
+
+# A warm parent started, then the open-file limit lowered to 64: for each number of descriptors left free (all
+# others held open), one run; prints [free, returncode or the error, descriptors left open beyond those at
+# rest] each, then the returncode of a run once the descriptors are free again.
+RUNS_OUT_OF_DESCRIPTORS = r'''
+import errno, json, os, resource, sys
+from pathlib import Path
+from nereid.backends.python.warm import WarmParent
+from nereid.backends.subprocess.runner import ProcessGroups
+
+folder = Path(sys.argv[1])
+parent = WarmParent(name="m", folder=folder, env={"PATH": os.environ.get("PATH", "")}, modules=[],
+                    log_path=folder / "parent.log", entry_source=folder / "main.py")
+parent.start()
+run = lambda: parent.run(env={}, stdin=b"x", timeout_s=30, groups=ProcessGroups()).returncode
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+at_rest = len(os.listdir("/proc/self/fd"))
+outcomes = []
+for free in range(8):
+    held = []
+    try:
+        while True:
+            held.append(os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC))
+    except OSError:
+        pass
+    for _ in range(free):
+        os.close(held.pop())
+    try:
+        outcome = run()
+    except OSError as err:
+        outcome = errno.errorcode[err.errno]
+    for fd in held:
+        os.close(fd)
+    outcomes.append([free, outcome, len(os.listdir("/proc/self/fd")) - at_rest])
+print(json.dumps([outcomes, run()]))
+parent.stop()
+'''
+
+
+def test_a_run_out_of_descriptors_closes_those_it_had_opened_and_the_next_one_runs(tmp_path):
+    """Defect: two pipes and a socket pair were opened before anything closed them on failure, so a run that got
+    EMFILE at the second pipe or the socket pair leaked 2 or 4 descriptors, and a server at its limit never
+    recovered."""
+    (tmp_path / "main.py").write_text("import sys\nsys.stdin.buffer.read()\n")
+    result = subprocess.run([sys.executable, "-c", RUNS_OUT_OF_DESCRIPTORS, str(tmp_path)], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    outcomes, afterwards = json.loads(result.stdout)
+    assert [leaked for _, _, leaked in outcomes] == [0] * len(outcomes), f"descriptors left open: {outcomes}"
+    # Out of descriptors at the first pipe, at the second, at the socket pair; then enough for a whole run.
+    failed = {free: outcome for free, outcome, _ in outcomes if outcome != 0}
+    assert set(failed.values()) == {"EMFILE"} and {0, 2, 4} <= failed.keys(), outcomes
+    assert outcomes[-1][1] == 0 and afterwards == 0, outcomes

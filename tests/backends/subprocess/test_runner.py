@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import json
 import os
 import subprocess
 import sys
@@ -145,3 +147,66 @@ def test_a_wait_longer_than_one_poll_is_polled_in_slices_until_the_real_deadline
 def test_wait_for_exit_takes_any_finite_timeout(tmp_path):
     process = subprocess.Popen([*PYTHON, "pass"])
     assert runner.wait_for_exit(process, 1e300) and process.returncode == 0
+
+
+# Runs under an open-file limit of 64: for each number of descriptors left free (all others held open), one
+# run; prints [free, returncode or errno name, descriptors left open after it beyond those at rest] each.
+RUN_OUT_OF_DESCRIPTORS = r'''
+import errno, json, os, resource
+from nereid.backends.subprocess.runner import run_model_process
+
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+at_rest = len(os.listdir("/proc/self/fd"))
+outcomes = []
+for free in range(9):
+    held = []
+    try:
+        while True:
+            held.append(os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC))
+    except OSError:
+        pass
+    for _ in range(free):
+        os.close(held.pop())
+    try:
+        outcome = run_model_process(["/bin/true"], cwd="/", env={}, stdin=b"x", timeout_s=30).returncode
+    except OSError as err:
+        outcome = errno.errorcode[err.errno]
+    for fd in held:
+        os.close(fd)
+    outcomes.append([free, outcome, len(os.listdir("/proc/self/fd")) - at_rest])
+print(json.dumps(outcomes))
+'''
+
+
+def test_a_run_that_cannot_get_its_descriptors_closes_those_it_had_opened():
+    # A real limit, in a process of its own: a run failing at its second pipe (EMFILE) leaked the first, so a
+    # server at its limit lost more descriptors with every request and never got them back.
+    result = subprocess.run([sys.executable, "-c", RUN_OUT_OF_DESCRIPTORS], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    outcomes = json.loads(result.stdout)
+    assert [leaked for _, _, leaked in outcomes] == [0] * len(outcomes), f"descriptors left open: {outcomes}"
+    # Out of descriptors at the first pipe, at the second, at Popen's own; then enough for a whole run.
+    failed = {free: outcome for free, outcome, _ in outcomes if outcome != 0}
+    assert set(failed.values()) == {"EMFILE"} and {0, 2, 4} <= failed.keys(), outcomes
+    assert outcomes[-1][1] == 0, outcomes
+
+
+def test_a_run_whose_pidfd_cannot_be_opened_ends_and_reaps_its_child(tmp_path, monkeypatch):
+    # pidfd_open comes after Popen: failing (EMFILE from another thread's descriptors, ENOMEM), it left the
+    # child running unreaped and the run's two pipe ends open.
+    children: list[int] = []
+
+    def no_pidfd(pid: int) -> int:
+        children.append(pid)
+        raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+
+    fds_before = sorted(os.listdir("/proc/self/fd"))
+    monkeypatch.setattr(runner.os, "pidfd_open", no_pidfd)
+    with pytest.raises(OSError) as failed:
+        run(tmp_path, "import time; time.sleep(30)", stdin=b"abc")
+    monkeypatch.undo()
+    assert failed.value.errno == errno.EMFILE
+    assert len(children) == 1 and not process_alive(children[0])
+    assert zombie_children() == []
+    assert sorted(os.listdir("/proc/self/fd")) == fds_before
