@@ -20,7 +20,7 @@ from nereid.backend import CallsModels, ModelContext, ReportsRuntime, runtime_re
 from nereid.dependencies import settle
 from nereid.errors import ConfigError, backend_exit, plugin_failures
 from nereid.files import check_confined
-from nereid.leftovers import make_scratch_folder, remove_scratch_folder
+from nereid.leftovers import ScratchFolderError, make_scratch_folder, remove_scratch_folder
 from nereid.log_format import one_record_per_line, stderr_handler
 from nereid.log_limit import EndedCallFilter, RateLimitFilter
 from nereid.processes import kill_children
@@ -247,7 +247,11 @@ def check(settings: Settings, manager: NereidPluginManager | None = None) -> int
         print(err)
     # Named as a server's scratch (nereid-<pid>-...): a check that is killed leaves it for the next server
     # start to remove, as that server removes any dead process's.
-    scratch = make_scratch_folder("check-")
+    try:
+        scratch = make_scratch_folder("check-")
+    except ScratchFolderError as err:  # TMPDIR set to a folder that cannot be used: as serve says it
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     # SIGTERM (`timeout 60 nereid check` in CI) stops the check as Ctrl-C does: a compiler it started must not
     # run on under init, writing into a scratch folder nobody will clean.
     on_main = threading.current_thread() is threading.main_thread()  # (only there can a handler be set)

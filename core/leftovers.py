@@ -11,6 +11,7 @@ temporary directory each have a pid 7), a lock does.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import os
@@ -47,15 +48,68 @@ def process_alive(pid: int) -> bool:
     return True
 
 
+class ScratchFolderError(OSError):
+    """The scratch folder cannot be made in the TMPDIR the operator set; ``str()`` names it and says why."""
+
+
 def make_scratch_folder(kind: str = "") -> Path:
     """A new scratch folder ``nereid-<pid>-<kind>*`` in the temporary directory, locked as this process's.
 
     Give it back with :func:`remove_scratch_folder`; one left by a process that
-    was killed is removed by the next server start.
+    was killed is removed by the next server start. ScratchFolderError when
+    TMPDIR is set but cannot be used (see :func:`scratch_parent`).
     """
-    folder = Path(tempfile.mkdtemp(prefix=f"{scratch_prefix()}{kind}"))
+    folder = Path(tempfile.mkdtemp(prefix=f"{scratch_prefix()}{kind}", dir=scratch_parent()))
     _hold_lock(folder)
     return folder
+
+
+def scratch_parent() -> Path:
+    """The temporary directory, where scratch folders are made: TMPDIR, else /tmp (``tempfile.gettempdir()``).
+
+    Python's tempfile tries TMPDIR with a small write and, when that fails (a
+    full disk, a folder that is not there or not writable), silently takes the
+    next candidate: /tmp, /var/tmp, the working directory. That may be the very
+    folder the operator set TMPDIR to avoid (mounted noexec, where cpp and cxx
+    models cannot run; or small), so a TMPDIR passed over is a
+    ScratchFolderError naming it and why, as the server starts. With TMPDIR not
+    set, /tmp passed over is a WARNING naming the folder used instead (a
+    container without a usable /tmp served before, from that folder).
+    """
+    used = tempfile.gettempdir()
+    chosen = os.environ.get("TMPDIR")
+    asked = chosen or ("/tmp" if os.name == "posix" else None)
+    if asked is None or os.path.abspath(asked) == os.path.abspath(used):
+        return Path(used)
+    reason = _unusable_reason(asked)
+    if reason is None:  # usable: tempfile.tempdir was set by the program (a test), or room came back since it looked
+        return Path(used)
+    if chosen:
+        raise ScratchFolderError(f"TMPDIR={chosen}: the server cannot make its scratch folder there: {reason} "
+                                 "(TMPDIR must be a writable folder with free space, on a file system that allows "
+                                 "executables: cpp and cxx models run code from it)")
+    log.warning("the temporary directory %s cannot be used (%s) and TMPDIR is not set: the server's scratch folder "
+                "is made in %s instead; set TMPDIR to choose the folder (on a file system that allows executables)",
+                asked, reason, used)
+    return Path(used)
+
+
+def _unusable_reason(folder: str) -> str | None:
+    """Why files cannot be written in ``folder`` (the system's reason), tried as tempfile tries it; None if they can."""
+    probe = os.path.join(folder, f".nereid-probe-{os.getpid()}-{os.urandom(4).hex()}")
+    try:
+        descriptor = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
+    except OSError as err:
+        return err.strerror or str(err)
+    try:
+        os.write(descriptor, b"nereid")  # a full disk still lets an empty file be made: a write finds it out
+    except OSError as err:
+        return err.strerror or str(err)
+    finally:
+        os.close(descriptor)
+        with contextlib.suppress(OSError):
+            os.unlink(probe)
+    return None
 
 
 def make_private_folder(folder: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 import signal
 import socket
 import tempfile
@@ -149,7 +150,9 @@ class NereidServer:
         self.http_addr, self.http_origin = listeners.http(settings.server)
         self.metrics_addr, self.metrics_origin = listeners.metrics(settings.server)
         self.manager = manager or make_plugin_manager()
-        remove_stale_scratch(Path(tempfile.gettempdir()))
+        # TMPDIR's own, not tempfile's choice: a TMPDIR that dead servers' folders fill is passed over by tempfile,
+        # and those folders would never be removed.
+        remove_stale_scratch(Path(os.environ.get("TMPDIR") or tempfile.gettempdir()))
         self.scratch_dir = make_scratch_folder()
         self.metrics = ServerMetrics()
         # The server is the models' ModelCaller: a meta model's sub-calls go through the data plane.

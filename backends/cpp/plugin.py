@@ -10,7 +10,7 @@ from pathlib import Path
 from nereid.backend import BackendClaim
 from nereid.backends.cpp.compiler import build_binary
 from nereid.backends.subprocess.model import SubprocessModel, require_executable_folder
-from nereid.errors import ModelFailure
+from nereid.errors import ConfigError, ModelFailure
 from nereid.hookspecs import hookimpl
 from nereid.leftovers import make_private_folder
 
@@ -32,15 +32,36 @@ class CppModel(SubprocessModel):
         # when .cache/ cannot be written), which a noexec /tmp would let load and then fail every request.
         require_executable_folder(self.context.name, self.context.scratch_dir, "its binary runs from")
         self._built = build_binary(self.context.folder, SOURCE_FILE, self.context.scratch_dir, self.context.name)
-        # Runs use this version's own link to the binary: the next version's build removes stale
-        # binaries from .cache/ while this one still serves, and the folder may be renamed or
-        # deleted while requests are queued.
-        run_dir = Path(tempfile.mkdtemp(prefix="cpp-", dir=self.context.scratch_dir))
-        self._binary = run_dir / self._built.name
+        self._binary = self._own_link(self._built)
+
+    def _own_link(self, built: Path) -> Path:
+        """This version's own link to (or copy of) ``built``, in a folder of its own in the scratch folder.
+
+        Runs use it: the next version's build removes stale binaries from
+        .cache/ while this one still serves, and the folder may be renamed or
+        deleted while requests are queued. ConfigError naming the scratch
+        folder when it cannot be made (a full disk); nothing is left behind
+        then, since a failed load is never unloaded (SubprocessModel.load lets
+        only the folder go, not this version's files).
+        """
+        scratch = self.context.scratch_dir
+        run_dir: Path | None = None
         try:
-            os.link(self._built, self._binary)
-        except OSError:  # another file system, or no hard links there
-            shutil.copy2(self._built, self._binary)
+            run_dir = Path(tempfile.mkdtemp(prefix="cpp-", dir=scratch))
+            binary = run_dir / built.name
+            try:
+                os.link(built, binary)
+            except OSError:  # another file system, or no hard links there
+                shutil.copy2(built, binary)
+            return binary
+        except BaseException as err:
+            if run_dir is not None:
+                shutil.rmtree(run_dir, ignore_errors=True)  # with a half-written copy
+            if isinstance(err, OSError):
+                raise ConfigError(f"model '{self.context.name}': cannot put its binary {built} into the server's "
+                                  f"scratch folder {scratch}: {err.strerror or err} (the server makes its scratch "
+                                  "folder in TMPDIR)") from None
+            raise
 
     def prepare_relocated(self) -> None:
         """Nothing to find again: the binary is this version's own link, outside the folder."""

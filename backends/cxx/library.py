@@ -12,9 +12,9 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-import shutil
 import uuid
 from pathlib import Path
+from typing import BinaryIO
 
 from nereid.backends.subprocess.model import require_executable_folder
 from nereid.errors import ConfigError
@@ -82,6 +82,49 @@ def _foreign_machine(path: Path) -> str | None:
     return f"it is built for {name(theirs)}, and this server runs on {name(ours)}: build it for this machine"
 
 
+_COPY_CHUNK = 1 << 20  # bytes read and written at a time by a library's copy
+
+
+def _copy_library(model: str, path: Path, copy: Path, scratch_dir: Path) -> None:
+    """Copy the shared library ``path`` to ``copy``, in ``scratch_dir``; ConfigError naming the side that failed.
+
+    A read error is the library's (an unreadable file, a disk error under the repository); a write error is the
+    scratch folder's (a full disk, a file size limit), so it names that folder, not the library. A partial copy
+    is removed: it would otherwise stay in the scratch folder until the server stops.
+    """
+    def cannot_copy(err: OSError) -> ConfigError:
+        return ConfigError(f"model '{model}': cannot copy shared library {path} into the server's scratch folder "
+                           f"{scratch_dir}: {err.strerror or err} (the server makes its scratch folder in TMPDIR)")
+
+    try:
+        source = open(path, "rb")
+    except OSError as err:
+        raise ConfigError(f"model '{model}': cannot read shared library {path}: {err.strerror or err}") from None
+    with source:
+        try:
+            target = open(copy, "xb")
+        except OSError as err:
+            raise cannot_copy(err) from None
+        try:
+            with target:  # (a buffered write may fail only at the close's flush: still the copy's error)
+                while chunk := _read_library(model, path, source):
+                    target.write(chunk)
+        except OSError as err:  # the copy's: a read error is a ConfigError already
+            copy.unlink(missing_ok=True)
+            raise cannot_copy(err) from None
+        except BaseException:
+            copy.unlink(missing_ok=True)
+            raise
+
+
+def _read_library(model: str, path: Path, source: BinaryIO) -> bytes:
+    """The next chunk of the shared library ``path`` open as ``source`` (empty at its end); ConfigError naming it."""
+    try:
+        return source.read(_COPY_CHUNK)
+    except OSError as err:
+        raise ConfigError(f"model '{model}': cannot read shared library {path}: {err.strerror or err}") from None
+
+
 class NativeLibrary:
     """A private copy of a shared library, dlopened with its nereid symbols looked up.
 
@@ -101,10 +144,7 @@ class NativeLibrary:
         # map segment", of a file the user never named.
         require_executable_folder(model, scratch_dir, f"shared library {path} runs from a copy in")
         self._copy = scratch_dir / f"{path.stem}-{uuid.uuid4().hex[:12]}{path.suffix}"
-        try:
-            shutil.copyfile(path, self._copy)
-        except OSError as err:
-            raise ConfigError(f"model '{model}': cannot read shared library {path}: {err.strerror or err}") from None
+        _copy_library(model, path, self._copy, scratch_dir)
         self._libc = _loader()
         self._handle: int | None = self._libc.dlopen(str(self._copy).encode(), _RTLD_NOW | _RTLD_LOCAL)
         if not self._handle:

@@ -374,9 +374,15 @@ def materialize(location: StoreURL, name: str, folder: Path) -> RemoteFolder:
                        if item is not None)  # (None: an empty folder's marker, skipped)
         _remove_others(folder, set(fetched))
         result = RemoteFolder(str(folder_url), fetched, streamed)
-        atomic_write(folder / MARKER_FILE, [json.dumps(
-            {"url": result.url, "fetched": {k: asdict(v) for k, v in fetched.items()},
-             "streamed": {k: asdict(v) for k, v in streamed.items()}}, indent=1, sort_keys=True).encode()])
+        try:
+            atomic_write(folder / MARKER_FILE, [json.dumps(
+                {"url": result.url, "fetched": {k: asdict(v) for k, v in fetched.items()},
+                 "streamed": {k: asdict(v) for k, v in streamed.items()}}, indent=1, sort_keys=True).encode()])
+        except OSError as err:
+            # A StorageError, as a refused copy of a file is: the watcher tries the load again once the cache has
+            # room, where a bare OSError reads as the model's own fault (UNAVAILABLE for good).
+            raise _cache_write_failed(str(folder_url), "record what it fetched in", folder / MARKER_FILE,
+                                      err) from None
     log.info("%s: %d file(s) fetched or current in %s, %d weights file(s) left to stream", folder_url, len(fetched),
              folder, len(streamed))
     return result

@@ -400,3 +400,49 @@ def test_cxx_may_hold_a_wrapper_and_its_words_as_make_takes_it(tmp_path, monkeyp
     monkeypatch.setenv("CXX", "cc-wrap 'c++")
     with pytest.raises(ConfigError, match="CXX=\"cc-wrap 'c\\+\\+\" cannot be split into words"):
         compiler.find_compiler()
+
+
+# A child whose files may not grow past 4 KiB (RLIMIT_FSIZE, SIGXFSZ ignored so that a write fails with EFBIG): a
+# full scratch folder, without a disk to fill. It loads the model, prints the error and what the scratch holds.
+_LOAD_WITH_FULL_DISK = """
+import os, resource, signal, sys
+from pathlib import Path
+from nereid.backend import ModelContext
+from nereid.backends.cpp.plugin import CppModel
+from nereid.settings import ModelSettings
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+folder, scratch = Path(sys.argv[1]), Path(sys.argv[2])
+try:
+    CppModel(ModelContext("full", folder, ModelSettings("full"), scratch, "test")).load()
+except Exception as err:
+    print(type(err).__name__, err)
+print(sorted(str(p.relative_to(scratch)) for p in scratch.rglob("*")))
+"""
+
+
+def test_a_binary_a_full_scratch_folder_cannot_take_is_named_and_leaves_nothing(tmp_path):
+    """Defect: with the scratch folder on another file system than .cache/ (so the binary is copied, not linked)
+    and full, the load failed with a bare "[Errno 28] No space left on device" and left its cpp-* folder with a
+    partial copy in the scratch folder until the server stopped (a failed load is never unloaded)."""
+    import subprocess
+    import sys
+    import tempfile
+
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or shm.stat().st_dev == tmp_path.stat().st_dev:
+        pytest.skip("needs /dev/shm on a file system of its own")
+    folder = tmp_path / "model"
+    shutil.copytree(EXAMPLES / "cpp_scale", folder, ignore=shutil.ignore_patterns(".cache"))
+    built = compiler.build_binary(folder, "main.cpp", tmp_path / "build-scratch", "full")  # in .cache/ from now on
+    assert built.parent == folder / ".cache" and built.stat().st_size > 4096
+    scratch = Path(tempfile.mkdtemp(dir=shm))
+    try:
+        child = subprocess.run([sys.executable, "-c", _LOAD_WITH_FULL_DISK, str(folder), str(scratch)],
+                               capture_output=True, text=True, timeout=60)
+        assert child.returncode == 0, child.stderr
+        assert child.stdout.splitlines() == [
+            f"ConfigError model 'full': cannot put its binary {built} into the server's scratch folder {scratch}: "
+            "File too large (the server makes its scratch folder in TMPDIR)", "[]"], child.stdout
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)

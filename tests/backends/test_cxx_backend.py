@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -743,3 +744,35 @@ def test_a_header_that_is_not_a_regular_file_is_refused_at_once_naming_it(tmp_pa
     monkeypatch.setattr(compiler, "not_regular_reason", lambda path: None)
     err = _within(10, lambda: library_hash((source,), (CXX,), folder, model="m"), fifo)
     assert isinstance(err, ConfigError) and f"{fifo}: is a FIFO, not a regular file" in str(err), err
+
+
+# A child whose files may not grow past 4 KiB (RLIMIT_FSIZE, SIGXFSZ ignored so that a write fails with EFBIG): a
+# full scratch folder, without a disk to fill. It prints the load's error, then what the scratch folder holds.
+_LOAD_WITH_FULL_DISK = """
+import os, resource, signal, sys
+from pathlib import Path
+from nereid.backends.cxx.library import NativeLibrary
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+try:
+    NativeLibrary("full", Path(sys.argv[1]), Path(sys.argv[2]))
+except Exception as err:
+    print(type(err).__name__, err)
+print(sorted(os.listdir(sys.argv[2])))
+"""
+
+
+def test_a_full_scratch_folder_is_named_and_keeps_no_partial_copy(libs, tmp_path):
+    """Defect: a library copy that a full scratch folder cut short said "cannot read shared library ...: No space
+    left on device" (the copy's side was full, not the library unreadable), and the partial copy stayed in the
+    scratch folder until the server stopped."""
+    library = libs["multi"]
+    assert library.stat().st_size > 4096
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    child = subprocess.run([sys.executable, "-c", _LOAD_WITH_FULL_DISK, str(library), str(scratch)],
+                           capture_output=True, text=True, timeout=60)
+    assert child.returncode == 0, child.stderr
+    assert child.stdout.splitlines() == [
+        f"ConfigError model 'full': cannot copy shared library {library} into the server's scratch folder "
+        f"{scratch}: File too large (the server makes its scratch folder in TMPDIR)", "[]"], child.stdout

@@ -880,3 +880,40 @@ def test_environment_set_by_a_preloaded_import_reaches_each_run(repo, serve, mon
     server = serve(repo.write_config())
     # Set when the import ran: in the warm parent (preloaded), or in the run itself (cold).
     assert infer(server, "preloads", FOUR).as_numpy("output")[0, 0] == 1
+
+
+# A child whose files may not grow past 4 KiB (RLIMIT_FSIZE, SIGXFSZ ignored so that a write fails with EFBIG): a
+# full scratch folder, without a disk to fill. It loads the model, prints the error and what the scratch holds.
+_LOAD_WITH_FULL_DISK = """
+import resource, signal, sys
+from pathlib import Path
+from nereid.backend import ModelContext
+from nereid.backends.python.plugin import PythonModel
+from nereid.settings import ModelSettings
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+folder, scratch = Path(sys.argv[1]), Path(sys.argv[2])
+try:
+    settings = ModelSettings("full", runtime={"warm_start": sys.argv[3] == "warm"})
+    PythonModel(ModelContext("full", folder, settings, scratch, "test")).load()
+except Exception as err:
+    print(type(err).__name__, err)
+print(sorted(str(p.relative_to(scratch)) for p in scratch.rglob("*")))
+"""
+
+
+def test_a_main_py_a_full_scratch_folder_cannot_take_names_the_folder(repo, tmp_path, start_mode):
+    """Defect: a reload on a full scratch folder said only "reload failed, version 1 keeps serving: [Errno 28] No
+    space left on device": the copy of main.py the warm parent loads is written there, and nothing said so."""
+    import subprocess
+
+    folder = repo.python("full", main=textwrap.dedent(ECHO_MAIN) + "# padding\n" * 500)
+    assert (folder / "main.py").stat().st_size > 4096
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    child = subprocess.run([sys.executable, "-c", _LOAD_WITH_FULL_DISK, str(folder), str(scratch), start_mode],
+                           capture_output=True, text=True, timeout=60)
+    assert child.returncode == 0, child.stderr
+    assert child.stdout.splitlines() == [
+        f"ConfigError model 'full': cannot write a copy of its main.py into the server's scratch folder {scratch}: "
+        "File too large (the server makes its scratch folder in TMPDIR)", "[]"], child.stdout

@@ -541,8 +541,8 @@ def test_a_killed_check_leaves_a_scratch_folder_the_next_server_start_removes(tm
 
     made: list[str] = []
     real_mkdtemp = tempfile.mkdtemp
-    monkeypatch.setattr(tempfile, "mkdtemp", lambda prefix: made.append(prefix) or real_mkdtemp(prefix=prefix,
-                                                                                               dir=tmp_path))
+    monkeypatch.setattr(tempfile, "mkdtemp", lambda prefix, dir=None: made.append(prefix) or real_mkdtemp(
+        prefix=prefix, dir=tmp_path))
     (tmp_path / "ml-backends").mkdir()
     (tmp_path / "nereid.yaml").write_text('server:\n  ml_backends_path: "ml-backends"\n')
     check(load_settings(tmp_path / "nereid.yaml"), make_plugin_manager(load_entry_points=False))
@@ -797,3 +797,17 @@ def test_grpc_fork_support_is_off_under_the_command_unless_the_environment_sets_
     monkeypatch.setenv("GRPC_ENABLE_FORK_SUPPORT", "true")  # an operator's own choice is kept
     assert main(["check", "--config", "/nonexistent/nereid.yaml"]) == 2
     assert os.environ["GRPC_ENABLE_FORK_SUPPORT"] == "true"
+
+
+def test_check_with_a_tmpdir_that_cannot_be_used_says_so_and_fails(tmp_path, monkeypatch, capsys) -> None:
+    """`nereid check` with TMPDIR set to a folder that is not there ended in a traceback; it says what serve says."""
+    from nereid.cli import check
+    from nereid.plugins import make_plugin_manager
+    from nereid.settings import load_settings
+
+    (tmp_path / "ml-backends").mkdir()
+    (tmp_path / "nereid.yaml").write_text('server:\n  ml_backends_path: "ml-backends"\n')
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "missing"))
+    assert check(load_settings(tmp_path / "nereid.yaml"), make_plugin_manager(load_entry_points=False)) == 1
+    assert f"error: TMPDIR={tmp_path / 'missing'}: the server cannot make its scratch folder there: No such file " \
+           "or directory" in capsys.readouterr().err

@@ -152,3 +152,74 @@ def test_a_scratch_folder_made_again_by_runs_at_once_is_locked_again(tmp_path, m
             assert not _owner_gone(str(root), dead_pid())  # held again: no other server takes it for a dead one's
     finally:
         remove_scratch_folder(root)
+
+
+def test_a_tmpdir_that_cannot_be_used_fails_the_start_naming_it(tmp_path, monkeypatch):
+    """Defect: a TMPDIR that is not there, not a folder, not writable or full was passed over in silence by Python's
+    tempfile, and the scratch folder made in /tmp (which may be the noexec or small folder TMPDIR was set to
+    avoid): the start fails, naming TMPDIR and the system's reason."""
+    import pytest
+
+    from nereid.leftovers import ScratchFolderError
+
+    (tmp_path / "a-file").write_text("not a folder")
+    for tmpdir, reason in ((tmp_path / "missing", "No such file or directory"),
+                           (tmp_path / "a-file", "Not a directory")):
+        monkeypatch.setenv("TMPDIR", str(tmpdir))
+        monkeypatch.setattr("tempfile.tempdir", None)  # (read again from TMPDIR)
+        with pytest.raises(ScratchFolderError) as caught:
+            remove_scratch_folder(make_scratch_folder())  # (gives back what the old code made elsewhere)
+        assert str(caught.value) == (
+            f"TMPDIR={tmpdir}: the server cannot make its scratch folder there: {reason} (TMPDIR must be a writable "
+            "folder with free space, on a file system that allows executables: cpp and cxx models run code from it)")
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr("tempfile.tempdir", None)
+    made = make_scratch_folder()
+    assert made.parent == tmp_path and sorted(p.name for p in tmp_path.iterdir()) == ["a-file", made.name]
+    remove_scratch_folder(made)
+
+
+# In a mount namespace of its own (no root needed): a full tmpfs as TMPDIR, then one over /tmp with TMPDIR unset.
+_FULL_TMPDIR = """
+mount -t tmpfs -o size=64k tmpfs "$0" && cat /dev/zero > "$0/fill" 2>/dev/null
+TMPDIR="$0" "$1" -c "$2"
+mount -t tmpfs -o size=64k tmpfs /tmp && cat /dev/zero > /tmp/fill 2>/dev/null
+env -u TMPDIR "$1" -c "$2"
+"""
+_MAKE_SCRATCH = """
+import logging, sys
+logging.basicConfig(format="%(levelname)s %(message)s", stream=sys.stdout)
+from nereid.leftovers import make_scratch_folder, remove_scratch_folder
+try:
+    folder = make_scratch_folder()
+except OSError as err:
+    print(type(err).__name__, err)
+else:
+    print("made in", folder.parent)
+    remove_scratch_folder(folder)
+"""
+
+
+def test_a_full_tmpdir_fails_the_start_and_a_full_tmp_without_tmpdir_is_warned_about(tmp_path):
+    full = tmp_path / "full"
+    full.mkdir()
+    unshare = ["unshare", "-rm", "sh", "-c"]
+    probe = subprocess.run([*unshare, 'mount -t tmpfs -o size=64k tmpfs "$0"', str(full)], capture_output=True,
+                           text=True) if shutil.which("unshare") else None
+    if probe is None or probe.returncode != 0:
+        import pytest
+
+        pytest.skip(f"cannot mount a tmpfs in a namespace here: {probe and probe.stderr.strip()}")
+    result = subprocess.run([*unshare, _FULL_TMPDIR, str(full), sys.executable, _MAKE_SCRATCH], capture_output=True,
+                            text=True, timeout=60, cwd="/")
+    lines = result.stdout.splitlines()
+    assert lines[0] == (
+        f"ScratchFolderError TMPDIR={full}: the server cannot make its scratch folder there: No space left on device "
+        "(TMPDIR must be a writable folder with free space, on a file system that allows executables: cpp and cxx "
+        "models run code from it)"), result.stdout + result.stderr
+    fallback = lines[2].removeprefix("made in ")
+    assert lines[1:] == [
+        "WARNING the temporary directory /tmp cannot be used (No space left on device) and TMPDIR is not set: the "
+        f"server's scratch folder is made in {fallback} instead; set TMPDIR to choose the folder (on a file system "
+        "that allows executables)", f"made in {fallback}"], result.stdout + result.stderr
+    assert fallback != "/tmp"

@@ -218,3 +218,23 @@ def test_a_grpc_address_in_use_is_one_line_with_the_reason_naming_where_the_addr
     _, shared_error = failed_start(config)
     assert shared_error == f"cannot listen on 127.0.0.1:{port} (server.bind_addr): Address already in use"
     assert "add_port" not in capfd.readouterr().err
+
+
+def test_a_start_removes_dead_servers_scratch_folders_from_tmpdir_though_tempfile_chose_another(repo, tmp_path,
+                                                                                              monkeypatch):
+    """Dead servers' folders filling TMPDIR made tempfile pass it over, and the start then looked for dead
+    servers' folders only where tempfile had gone: the ones filling TMPDIR stayed for good."""
+    import os
+
+    from nereid.leftovers import remove_scratch_folder
+
+    tmpdir = tmp_path / "tmpdir"
+    dead = tmpdir / "nereid-999999999-left"  # no process has that pid, and no one holds its lock
+    dead.mkdir(parents=True)
+    os.utime(dead, (time.time() - 3600, time.time() - 3600))
+    monkeypatch.setenv("TMPDIR", str(tmpdir))  # tempfile's choice, made before, stays where it is
+    server = NereidServer(load_settings(repo.write_config()), manager())
+    try:
+        assert not dead.exists()
+    finally:
+        remove_scratch_folder(server.scratch_dir)

@@ -861,3 +861,44 @@ def test_a_load_during_a_store_outage_is_unavailable_with_the_stores_reason(s3, 
     assert server.client.is_model_ready("p-new")
     expect_grpc_error("NOT_FOUND", lambda: server.client.load_model("absent"),
                       "unknown model 'absent' (no folder 'absent' under ml_backends_path)")
+
+
+# Run in a child whose files may not grow past 64 bytes (RLIMIT_FSIZE, with SIGXFSZ ignored so that a write fails
+# with EFBIG instead of killing it): a cache_dir on a full disk, without a disk to fill.
+_MATERIALIZE_WITH_FULL_DISK = """
+import resource, signal, sys
+from nereid.settings import load_settings
+from nereid.storage import materialize_model_folder
+from nereid.storage.client import store_failed
+server = load_settings(sys.argv[1]).server
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (64, 64))
+try:
+    materialize_model_folder(server, sys.argv[2])
+except Exception as err:
+    print(type(err).__name__, store_failed(err), err)
+"""
+
+
+def test_a_cache_too_full_for_the_folders_record_is_a_storage_error_naming_it(s3, tmp_path) -> None:
+    """Defect: with every file current but no room left in cache_dir for the folder's .nereid-remote.json, a bare
+    "[Errno 28] No space left on device" escaped, which the watcher took for the model's own fault (never tried
+    again): it is a StorageError naming the file under server.cache_dir, as a refused copy of a file is."""
+    import subprocess
+    import sys
+
+    from nereid.storage import materialize_model_folder
+
+    config = _config(tmp_path, s3.url())
+    obstore.put(s3.store, f"{s3.prefix}/full/main.py", b"print()")
+    local = materialize_model_folder(load_settings(config).server, "full")  # every file current from here on
+    marker = (local / MARKER_FILE).read_bytes()
+    assert len(marker) > 64
+    child = subprocess.run([sys.executable, "-c", _MATERIALIZE_WITH_FULL_DISK, str(config), "full"],
+                           capture_output=True, text=True, timeout=60)
+    assert child.returncode == 0, child.stderr
+    assert child.stdout.strip() == (
+        f"StorageError True {s3.url('full')}: cannot record what it fetched in the local cache "
+        f"({local / MARKER_FILE}, under server.cache_dir): File too large"), child.stdout
+    assert (local / MARKER_FILE).read_bytes() == marker  # the old record stands, and no partial file is left
+    assert sorted(p.name for p in local.iterdir()) == [MARKER_FILE, "main.py"]
