@@ -214,7 +214,8 @@ class NereidServer:
             log.info("metrics at http://%s/metrics", self.metrics_addr)
         if self.http_addr:
             surface = HttpSurface(self.dataplane, config.max_message_bytes,
-                                  functools.partial(self.metrics.count_request, "http"))
+                                  functools.partial(self.metrics.count_request, "http"),
+                                  max_json_bytes=config.http_max_json_bytes)
             # uvicorn ends the requests still running a moment after the grace, once the data plane counts it
             # as passed (see stop): they are counted as answered UNAVAILABLE, not as cancelled by their client.
             self._http = HttpListener(surface, ssl_context(config.tls) if config.tls else None,

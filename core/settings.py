@@ -34,6 +34,13 @@ DEFAULT_WATCH_POLL_S = 10.0  # how often a watched object store is listed (it se
 MAX_CONFIG_BYTES = 4 << 20
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
 MAX_MESSAGE_BYTES_CEILING = (1 << 31) - 1
+# The largest JSON part of an HTTP infer request (the whole body, or its Inference-Header-Content-Length bytes).
+# JSON tensors take 6-31x their size in Python objects while decoded (measured: a 16 MiB body of nested [1]
+# lists +497 MiB, of BYTES strings +373 MiB, of floats +90 MiB; at 64 MiB, over 2 GiB, and 4 at once
+# OOM-killed a 3 GiB server) and hold the GIL in orjson's parse: 16 MiB keeps one worst-case decode to about
+# 500 MiB and 2-4 s of a worker thread. Binary tensors (Triton's binary data extension) carry big data instead,
+# as views of the body, up to max_message_bytes.
+DEFAULT_HTTP_MAX_JSON_BYTES = 16 << 20
 _A_DAY_S = 86_400
 # The most a timeout may be: far past any real one, and far below what the waits' C types overflow at.
 _LONGEST_WAIT_S = (365 * _A_DAY_S, "a year")
@@ -151,6 +158,9 @@ class ServerSettings:
     cache_dir: Path | None = None
     # The KServe V2 REST listener, beside gRPC; "" turns it off.
     http_addr: str = DEFAULT_HTTP_ADDR
+    # The largest JSON part of an HTTP infer request (see DEFAULT_HTTP_MAX_JSON_BYTES); binary tensors are
+    # bounded by max_message_bytes alone.
+    http_max_json_bytes: int = DEFAULT_HTTP_MAX_JSON_BYTES
 
 
 @dataclass(frozen=True)
@@ -336,7 +346,7 @@ def _parse_server(reader: KeyedReader, raw: Any, path: Path) -> ServerSettings:
     section = reader.mapping(raw, "server", {"bind_addr", "ml_backends_path", "strict_readiness", "shutdown_grace_s",
                                              "metrics_addr", "http_addr", "follow_symlinks", "max_message_bytes",
                                              "repository_control", "tls", "watch", "watch_settle_ms", "watch_poll_s",
-                                             "cache_dir"})
+                                             "cache_dir", "http_max_json_bytes"})
     bind_addr = _address(reader, section, "server.bind_addr", DEFAULT_BIND_ADDR, off=None)
     backends_text = reader.string(section, "server.ml_backends_path", "ml-backends")
     try:
@@ -367,6 +377,9 @@ def _parse_server(reader: KeyedReader, raw: Any, path: Path) -> ServerSettings:
     if max_message > MAX_MESSAGE_BYTES_CEILING:
         reader.fail("server.max_message_bytes", f"must be at most {MAX_MESSAGE_BYTES_CEILING} (gRPC's limit)",
                     max_message)
+    # Not tied to max_message_bytes: the smaller of the two bounds a JSON body, so either may be lowered alone.
+    max_json = reader.integer(section, "server.http_max_json_bytes", DEFAULT_HTTP_MAX_JSON_BYTES, minimum=4096,
+                              maximum=(MAX_MESSAGE_BYTES_CEILING, "as max_message_bytes"))
     control = section.get("repository_control")
     if control is not None and not isinstance(control, bool):
         reader.fail("server.repository_control",
@@ -381,7 +394,7 @@ def _parse_server(reader: KeyedReader, raw: Any, path: Path) -> ServerSettings:
                          maximum=(_A_DAY_S, "a day"))
     return ServerSettings(bind_addr, backends, strict, grace, metrics_addr, follow, max_message, control, tls,
                           watch, settle, poll, ml_backends_url=str(location) if location else None,
-                          cache_dir=cache_dir, http_addr=http_addr)
+                          cache_dir=cache_dir, http_addr=http_addr, http_max_json_bytes=max_json)
 
 
 def _address(reader: KeyedReader, section: Mapping[str, Any], key: str, default: str, *, off: str | None) -> str:

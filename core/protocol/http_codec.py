@@ -53,7 +53,8 @@ class OutputChoice:
 
 
 def decode_infer(model: str, body: bytes, header_length: int | None) -> tuple[InferRequest, OutputChoice]:
-    """Decode an infer body; InvalidArgument naming the problem for anything malformed.
+    """Decode an infer body; InvalidArgument naming the problem for anything malformed, MemoryError when the
+    server runs out of memory decoding it (orjson's allocation failure included).
 
     Its message is a :class:`PublicText`: built from the request alone, it echoes the client's names as sent.
     """
@@ -63,7 +64,10 @@ def decode_infer(model: str, body: bytes, header_length: int | None) -> tuple[In
         # Scrubbing server paths out of it rewrote a name such as "/opt/nereid/core/x" into "<nereid>/x",
         # telling the client which absolute paths are the server's.
         PublicText.mark(err)
-        raise
+        # Without the decode's own frames: their locals hold everything parsed (for a 16 MiB body of JSON, ~500
+        # MiB of Python objects), and the handler's future and frames make a cycle with the traceback, so they
+        # stayed until the collector's next full pass: four large bodies refused one after another held 1.1 GiB.
+        raise err.with_traceback(None)
 
 
 def _decode_infer(model: str, body: bytes, header_length: int | None) -> tuple[InferRequest, OutputChoice]:
@@ -80,6 +84,9 @@ def _decode_infer(model: str, body: bytes, header_length: int | None) -> tuple[I
         # the json module on these small headers, which every request pays.
         document = orjson.loads(header_bytes)
     except orjson.JSONDecodeError as err:
+        if is_allocation_failure(err):
+            # The server's failure, not the body's: the caller answers it as any MemoryError (503).
+            raise MemoryError(f"orjson: {err}") from None
         raise InvalidArgument(f"model '{model}': the request body is not valid JSON ({err})") from None
     if not isinstance(document, dict):
         raise InvalidArgument(f"model '{model}': the request body must be a JSON object")
@@ -112,6 +119,15 @@ def _decode_infer(model: str, body: bytes, header_length: int | None) -> tuple[I
     request = InferRequest(model, inputs, request_id, list(choice.names),
                            timeout_deadline_ns(time.monotonic_ns(), budgets), choice.classifications)
     return request, choice
+
+
+# orjson reports failing to allocate its parse buffer as a JSONDecodeError with one of these messages.
+_ORJSON_ALLOCATION_FAILURES = ("Not enough memory", "failed to allocate memory")
+
+
+def is_allocation_failure(error: orjson.JSONDecodeError) -> bool:
+    """Whether orjson's decode error is its own allocation failure (the server out of memory), not the body's fault."""
+    return str(error).startswith(_ORJSON_ALLOCATION_FAILURES)
 
 
 def _decode_input(model: str, index: int, raw: Any, binary: memoryview, offset: int) -> tuple[NamedTensor, int]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import inspect
 import json
 import logging
@@ -31,6 +32,7 @@ from nereid.errors import (ConfigError, DeadlineExceeded, InvalidArgument, Model
 from nereid.log_limit import RateLimitedLog, RateLimitFilter
 from nereid.model_info import MODEL_VERSION, ModelConfig
 from nereid.protocol.http_codec import HEADER_LENGTH, decode_infer, encode_infer, quoted
+from nereid.settings import DEFAULT_HTTP_MAX_JSON_BYTES
 from nereid.stats import ModelStats
 
 log = logging.getLogger(__name__)
@@ -58,8 +60,15 @@ REFUSED_ENDPOINTS: dict[str, str] = {"systemsharedmemory": "system_shared_memory
                                      "cudasharedmemory": "cuda_shared_memory", "trace": "trace",
                                      "logging": "logging"}
 
-# Bodies at least this large are decoded on a worker thread, so the event loop never stalls on one.
+# Bodies at least this large are decoded on a worker thread, so the event loop is not held up by the decode's
+# Python-level work (binary tensors' views and BYTES splitting, JSON's checks element by element). It still waits
+# while the decode holds the GIL in one C call (orjson's parse, numpy's conversions): for a JSON part that is up to
+# a few seconds at 64 MiB, which is why server.http_max_json_bytes bounds JSON parts (16 MiB by default).
 DECODE_OFF_LOOP_BYTES = 256 << 10
+# Requests whose JSON part is at least this large are decoded one at a time (see HttpSurface._decode_large):
+# JSON tensors take 6-31x their size in Python objects while decoded, so N of them at once took N times that
+# (four 64 MiB bodies OOM-killed a server in 3 GiB). Binary tensors (views of the body) are not held back.
+SERIAL_DECODE_JSON_BYTES = 1 << 20
 # A request's head (request line and headers) larger than this is refused with 431, as nginx and Triton
 # bound theirs: httptools buffers a header value whole until it ends, so an endless header grew memory
 # without limit (max_message_bytes bounds bodies only).
@@ -115,12 +124,28 @@ class HttpError(Exception):
 
 
 class Unparsable(HttpError):
-    """The HTTP parser could not read the rest of a request's body (a malformed chunk): the listener has
-    answered it 400 and closed its connection (see :meth:`_BoundedHeadProtocol.send_400_response`), so the
-    handler only counts and logs it."""
+    """The HTTP parser could not read the rest of a request's body (a malformed chunk: 400; the server out of
+    memory while reading it: 503): the listener has answered it and closed its connection (see
+    :meth:`_BoundedHeadProtocol.send_400_response`), so the handler only counts and logs it."""
 
-    def __init__(self, message: str) -> None:
-        super().__init__(400, message)
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(status, message)
+
+
+class OutOfMemory(Unavailable):
+    """The server ran out of memory reading or decoding a request (or answering one): 503, as other passing
+    conditions of the server are. Counted as a server-side failure (``internal``, as a model fault is), not as
+    the client's ``invalid_argument``: the same request may well succeed later."""
+
+    reason = "internal"
+
+
+def out_of_memory(model: str, doing: str, size: int | None) -> OutOfMemory:
+    """The error for a MemoryError met while ``doing`` (reading, decoding) a request of ``size`` bytes."""
+    of = f"a {size}-byte request" if size is not None else "a request"
+    return OutOfMemory(f"{_who(model)}the server ran out of memory {doing} {of}; try again later, and send large "
+                       "tensors as binary data (binary_data, with Inference-Header-Content-Length), which takes "
+                       "a fraction of the memory JSON does")
 
 
 class Disconnected(Exception):
@@ -135,10 +160,18 @@ class HttpSurface:
     """The ASGI application: routes, body limits, and conversions to and from the data plane."""
 
     def __init__(self, dataplane: DataPlane, max_body_bytes: int,
-                 count_request: Callable[[str, str], None] | None = None) -> None:
+                 count_request: Callable[[str, str], None] | None = None, max_json_bytes: int | None = None) -> None:
+        """``max_json_bytes``: the largest JSON part of an infer request; None: the data plane's
+        ``server.http_max_json_bytes``."""
         self.dataplane = dataplane
         self.max_body_bytes = max_body_bytes
+        if max_json_bytes is None:
+            server = getattr(getattr(dataplane, "settings", None), "server", None)
+            max_json_bytes = getattr(server, "http_max_json_bytes", DEFAULT_HTTP_MAX_JSON_BYTES)
+        self.max_json_bytes = max_json_bytes
         self._count = count_request
+        # Held from a large JSON decode's start until its thread ends (see _decode_large).
+        self._large_decodes = asyncio.Semaphore(1)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -157,6 +190,14 @@ class HttpSurface:
         except NereidError as err:
             status = status_of(err)
             body, headers = _error_body(self.dataplane.repository.public_text(str(err))), JSON_HEADERS
+        except MemoryError:
+            # Not a bug, and not the client's fault: a passing condition of the server, answered without a
+            # traceback (formatting one may fail again), as an infer request out of memory is (see _infer).
+            _client_log.log(logging.WARNING, "HTTP %s %s: the server ran out of memory; answered 503",
+                            scope["method"], cap_message(scope["path"], 256))
+            status, headers = 503, JSON_HEADERS
+            body = _error_body(f"the server ran out of memory answering {scope['method']} "
+                               f"{cap_message(scope['path'], 256)}; try again later")
         except Exception as err:  # a bug, not the client's fault: say so rather than drop the connection
             log.exception("HTTP %s %s failed", scope["method"], cap_message(scope["path"], 256))
             status, headers = 500, JSON_HEADERS
@@ -245,17 +286,30 @@ class HttpSurface:
             body, length = await self._infer_body(dict(scope["headers"]), receive, model)
         except HttpError as err:
             # Refused by this layer (a Content-Type, a size, a body the HTTP parser cannot read): still one
-            # of the model's failures, as a body that does not decode is.
-            self._refused(model, (Unimplemented if err.status == 501 else InvalidArgument)(str(err)))
+            # of the model's failures, as a body that does not decode is (the server out of memory: its own).
+            kind = {501: Unimplemented, 503: OutOfMemory}.get(err.status, InvalidArgument)
+            self._refused(model, kind(str(err)))
+            raise
+        except NereidError as err:  # out of memory reading it
+            self._refused(model, err)
             raise
         try:
-            if len(body) >= DECODE_OFF_LOOP_BYTES:
+            json_size = len(body) if length is None else length
+            if json_size >= SERIAL_DECODE_JSON_BYTES:
+                request, choice = await self._decode_large(model, body, length)
+            elif len(body) >= DECODE_OFF_LOOP_BYTES:
                 request, choice = await asyncio.to_thread(decode_infer, model, body, length)
             else:
                 request, choice = decode_infer(model, body, length)
         except NereidError as err:
             self._refused(model, err)
             raise
+        except MemoryError as lost:
+            # Its traceback's frames hold what the decode had built (and would, as the answer's context): let go.
+            lost.__traceback__ = None
+            error = out_of_memory(model, "decoding", len(body))
+            self._refused(model, error)
+            raise error from None
         del body
         try:
             # Encoded before the success is counted: an output JSON cannot carry (NaN) fails the request.
@@ -284,6 +338,27 @@ class HttpSurface:
         return 200, parts, [(b"content-type", b"application/octet-stream"),
                             (HEADER_LENGTH.encode(), str(binary_header).encode())]
 
+    async def _decode_large(self, model: str, body: bytes, length: int | None) -> tuple[Any, Any]:
+        """:func:`decode_infer` of a large JSON part on a worker thread, one such decode at a time.
+
+        The semaphore is released when the thread ends, not when this handler
+        does: a handler cancelled (its client gone) leaves its decode running,
+        and the next must not start beside it.
+        """
+        await self._large_decodes.acquire()
+        try:
+            future = asyncio.get_running_loop().run_in_executor(None, _decode_without_gc, model, body, length)
+        except BaseException:
+            self._large_decodes.release()
+            raise
+        future.add_done_callback(self._large_decode_done)
+        return await asyncio.shield(future)
+
+    def _large_decode_done(self, future: asyncio.Future) -> None:
+        self._large_decodes.release()
+        if not future.cancelled():
+            future.exception()  # retrieved here: a cancelled handler no longer awaits it, and asyncio would log it
+
     async def _infer_body(self, headers: dict[bytes, bytes], receive: Receive, model: str) -> tuple[bytes, int | None]:
         """An infer request's body and its JSON header's length (Inference-Header-Content-Length; None: all JSON),
         once its headers say it can be read; HttpError otherwise."""
@@ -307,7 +382,18 @@ class HttpSurface:
                 raise HttpError(400, f"model '{model}': Inference-Header-Content-Length 0 (Triton's raw binary "
                                      "request: the whole body as the data of a single input) is not supported; "
                                      "send the JSON inference header first and give its length")
-        return await self._read_body(headers, receive, model), length
+            if length > self.max_json_bytes:  # refused before its body is read
+                raise self._json_too_large(model, f"is {length} bytes")
+        # Without the header, the whole body is JSON: bounded as it is read (before, when its length is declared).
+        return await self._read_body(headers, receive, model, all_json=length is None), length
+
+    def _json_too_large(self, model: str, size: str) -> HttpError:
+        """413 for an infer request whose JSON part ``size`` ("is N bytes", "exceeds ...") passes the limit."""
+        return HttpError(413, f"model '{model}': the JSON part of the request {size}; the limit for JSON is "
+                              f"{self.max_json_bytes} bytes (server.http_max_json_bytes), since JSON tensors take "
+                              "many times their size in memory while decoded: send large tensors as binary data "
+                              "(binary_data=True in tritonclient; Triton's binary tensor extension, with "
+                              "Inference-Header-Content-Length)")
 
     async def _repository(self, scope: Scope, receive: Receive,
                           rest: list[str]) -> tuple[int, list[bytes | memoryview], list]:
@@ -339,8 +425,10 @@ class HttpSurface:
             return 200, [], []  # Triton's empty answer: no body, so no JSON Content-Type either
         raise HttpError(404, f"no such endpoint: POST {cap_message(scope['path'], 256)}")
 
-    async def _read_body(self, headers: dict[bytes, bytes], receive: Receive, model: str) -> bytes:
-        """The whole body, refused with 413 past the limit (before reading it, when its length is declared)."""
+    async def _read_body(self, headers: dict[bytes, bytes], receive: Receive, model: str,
+                         all_json: bool = False) -> bytes:
+        """The whole body, refused with 413 past the limit (before reading it, when its length is declared); with
+        ``all_json`` (an infer body that is all JSON), past server.http_max_json_bytes too."""
         declared = headers.get(b"content-length")
         coding = headers.get(b"transfer-encoding")
         if coding is not None and coding.replace(b" ", b"").lower() != b"chunked":
@@ -358,26 +446,39 @@ class HttpSurface:
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise HttpError(413, f"{_who(model)}the request body is {int(declared)} bytes; the limit is {limit} "
                                  "(server.max_message_bytes)")
+        if all_json and declared is not None and declared.isdigit() and int(declared) > self.max_json_bytes:
+            raise self._json_too_large(model, f"is {int(declared)} bytes (all of the body: it has no "
+                                              "Inference-Header-Content-Length)")
         chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                # The listener ends a body the parser cannot read as a lost connection, marking the request.
-                unparsable = getattr(getattr(receive, "__self__", None), "nereid_unparsable", None)
-                if unparsable is not None:
-                    raise Unparsable(f"{_who(model)}{unparsable}")
-                raise Disconnected("before sending its whole body")
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                raise HttpError(413, f"{_who(model)}the request body exceeds the limit of {limit} bytes "
-                                     "(server.max_message_bytes)")
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        if declared is not None and declared.isdigit() and size != int(declared):
-            raise HttpError(400, f"{_who(model)}the body is {size} bytes, but Content-Length says {int(declared)}")
-        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        try:
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    # The listener ends a body the parser cannot read as a lost connection, marking the request.
+                    cycle = getattr(receive, "__self__", None)
+                    unparsable = getattr(cycle, "nereid_unparsable", None)
+                    if unparsable is not None:
+                        raise Unparsable(f"{_who(model)}{unparsable}", getattr(cycle, "nereid_unparsable_status", 400))
+                    raise Disconnected("before sending its whole body")
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > limit:
+                    raise HttpError(413, f"{_who(model)}the request body exceeds the limit of {limit} bytes "
+                                         "(server.max_message_bytes)")
+                if all_json and size > self.max_json_bytes:
+                    raise self._json_too_large(model, "exceeds it (all of the body is JSON: it has no "
+                                                      "Inference-Header-Content-Length)")
+                chunks.append(chunk)
+                if not message.get("more_body", False):
+                    break
+            if declared is not None and declared.isdigit() and size != int(declared):
+                raise HttpError(400, f"{_who(model)}the body is {size} bytes, but Content-Length says {int(declared)}")
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        except MemoryError as lost:
+            chunks.clear()  # what was read is let go before the answer is made
+            lost.__traceback__ = None
+            raise out_of_memory(model, "reading", int(declared) if declared is not None and declared.isdigit()
+                                else size) from None
 
     def _counted(self, model: str, outcome: str) -> None:
         if self._count is not None:
@@ -387,6 +488,25 @@ class HttpSurface:
         """Count a request refused before the data plane (unreadable, ...) like one the data plane refused."""
         self.dataplane.refused(model, error)
         self._counted(model, error.reason)
+
+
+def _decode_without_gc(model: str, body: bytes, length: int | None) -> tuple[Any, Any]:
+    """:func:`decode_infer` with the cyclic garbage collector paused (called one at a time, see _decode_large).
+
+    A decoded body holds no reference cycles, but its millions of lists, floats
+    and strings each count toward the collector's thresholds: a 16 MiB body of
+    nested ``[1]`` lists ran orjson's parse (which holds the GIL) 1.9 s with the
+    collector, 0.3 s without, and its whole decode 3.6 s instead of 2.3 s. The
+    collector is process-wide: it is turned back on only if it was on, and the
+    other threads' cycles wait for it no longer than one decode.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return decode_infer(model, body, length)
+    finally:
+        if enabled:
+            gc.enable()
 
 
 async def _unless_disconnected(call: Awaitable[Any], receive: Receive) -> Any:
@@ -960,7 +1080,11 @@ class _BoundedHeadProtocol(HttpToolsProtocol):
         that it answers 400, is marked so, for its handler (still waiting for
         that body) to count and log it as what it is, not as a client gone.
         """
-        reason = _parser_reason(sys.exc_info()[1])
+        error = sys.exc_info()[1]
+        reason = _parser_reason(error)
+        # The server, not the request, failed: a MemoryError in uvicorn's body callback (appending a read to the
+        # body) reaches here as a parser error too.
+        no_memory = isinstance(error, MemoryError) or isinstance(getattr(error, "__context__", None), MemoryError)
         cycle = self.cycle
         # Between a head's end and its message's end (_head_left is None only then): in cycle's body.
         in_body = cycle is not None and self._head_left is None
@@ -975,8 +1099,17 @@ class _BoundedHeadProtocol(HttpToolsProtocol):
         earlier_unanswered = any(other is not cycle and not other.response_complete for other in self._unanswered)
         if cycle is None or cycle.response_complete or (cycle.more_body and not cycle.response_started
                                                         and not earlier_unanswered):
-            self.transport.write(_refusal(b"400 Bad Request", f"the request cannot be parsed as HTTP/1.1: {reason}"))
-            if in_body:
-                cycle.nereid_unparsable = (f"the request body cannot be parsed as HTTP/1.1 ({reason}); answered 400 "
-                                           "and its connection closed")
+            if no_memory:
+                self.transport.write(_refusal(b"503 Service Unavailable", "the server ran out of memory reading the "
+                                              "request; try again later, and send large tensors as binary data"))
+                if in_body:
+                    cycle.nereid_unparsable = ("the server ran out of memory reading the request body; answered 503 "
+                                               "and its connection closed")
+                    cycle.nereid_unparsable_status = 503
+            else:
+                self.transport.write(_refusal(b"400 Bad Request",
+                                              f"the request cannot be parsed as HTTP/1.1: {reason}"))
+                if in_body:
+                    cycle.nereid_unparsable = (f"the request body cannot be parsed as HTTP/1.1 ({reason}); answered "
+                                               "400 and its connection closed")
         self.transport.close()

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from nereid.errors import ConfigError
-from nereid.settings import (DEFAULT_BIND_ADDR, Device, Listeners, address_problem, load_settings,
-                             repository_control_allowed)
+from nereid.settings import (DEFAULT_BIND_ADDR, DEFAULT_HTTP_MAX_JSON_BYTES, Device, Listeners, address_problem,
+                             load_settings, repository_control_allowed)
 
 
 @pytest.fixture
@@ -335,3 +335,19 @@ def test_no_home_directory_stops_only_a_repository_that_needs_the_cache(root: Pa
         load_settings(write(root, "server:\n  ml_backends_path: s3://bucket/models\n  cache_dir: ~/cache\n"))
     # The reference nereid.yaml's ~/.cache/nereid with a local repository: unused, so no reason to stop.
     assert load_settings(write(root, "server:\n  cache_dir: ~/.cache/nereid\n")).server.cache_dir is None
+
+
+def test_http_max_json_bytes(root: Path) -> None:
+    """Defect: HTTP JSON bodies were bounded only by max_message_bytes (64 MiB), which decoded into over 2 GiB of
+    Python objects; server.http_max_json_bytes bounds their JSON part, 16 MiB unless set."""
+    assert load_settings(write(root, "server:\n  ml_backends_path: ml-backends\n")).server.http_max_json_bytes \
+        == DEFAULT_HTTP_MAX_JSON_BYTES == 16 << 20
+    for value in (4096, 2**31 - 1):
+        settings = load_settings(write(root, "server:\n  ml_backends_path: ml-backends\n"
+                                             f"  http_max_json_bytes: {value}\n"))
+        assert settings.server.http_max_json_bytes == value
+    for value, problem in (("4095", "must be >= 4096, got 4095"), ("2147483648", "must be at most 2147483647 (as "
+                                                                                "max_message_bytes), got 2147483648"),
+                           ("true", "must be an integer, got True"), ('"1M"', "must be an integer, got '1M'")):
+        path, message = refusal(root, f"server:\n  http_max_json_bytes: {value}\n")
+        assert message == f"{path}: server.http_max_json_bytes: {problem}", value

@@ -223,3 +223,31 @@ def test_outputs_json_cannot_carry_ask_for_binary(tensor, message):
         encode_infer(InferResponse("m", [tensor]), OutputChoice((), frozenset(), False))
     parts, length = encode_infer(InferResponse("m", [tensor]), OutputChoice((), frozenset(), True))
     assert length is not None
+
+
+def test_a_refused_body_leaves_nothing_it_decoded_behind_in_its_traceback() -> None:
+    """Defect: the error's traceback held the decode's frames, whose locals held every object parsed; through a
+    cycle with the handler's future they stayed until the collector's next full pass (four 16 MiB bodies refused
+    one after another held 1.1 GiB)."""
+    body = json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [2], "data": [[1.0], [2.0], [3.0]]}]})
+    with pytest.raises(InvalidArgument, match="'data' holds 3 elements, expected 2") as caught:
+        decode_infer("m", body.encode(), None)
+    frames, tb = [], caught.value.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame.f_code.co_name)
+        tb = tb.tb_next
+    assert frames[-1] == "decode_infer" and "_json_array" not in frames, frames
+
+
+def test_orjsons_allocation_failure_is_a_memory_error_not_invalid_json(monkeypatch) -> None:
+    """Defect: orjson's "Not enough memory to allocate buffer for parsing" was answered 400 "not valid JSON"."""
+    import orjson
+
+    from nereid.protocol import http_codec
+
+    def loads(data):
+        raise orjson.JSONDecodeError("Not enough memory to allocate buffer for parsing", "", 0)
+
+    monkeypatch.setattr(http_codec.orjson, "loads", loads)
+    with pytest.raises(MemoryError, match="Not enough memory"):
+        decode_infer("m", b'{"inputs": []}', None)
