@@ -78,8 +78,8 @@ def scratch_parent() -> Path:
     """
     used = tempfile.gettempdir()
     chosen = os.environ.get("TMPDIR")
-    asked = chosen or ("/tmp" if os.name == "posix" else None)
-    if asked is None or os.path.abspath(asked) == os.path.abspath(used):
+    asked = str(asked_temporary_directory())
+    if os.path.abspath(asked) == os.path.abspath(used):
         return Path(used)
     reason = _unusable_reason(asked)
     if reason is None:  # usable: tempfile.tempdir was set by the program (a test), or room came back since it looked
@@ -92,6 +92,16 @@ def scratch_parent() -> Path:
                 "is made in %s instead; set TMPDIR to choose the folder (on a file system that allows executables)",
                 asked, reason, used)
     return Path(used)
+
+
+def asked_temporary_directory() -> Path:
+    """The temporary directory the operator asked for: TMPDIR, else /tmp (where tempfile looks first), whether
+    or not tempfile passed it over. Dead servers' scratch folders are looked for there: they may be what fills it.
+    """
+    chosen = os.environ.get("TMPDIR")
+    if chosen:
+        return Path(chosen)
+    return Path("/tmp") if os.name == "posix" else Path(tempfile.gettempdir())
 
 
 def _unusable_reason(folder: str) -> str | None:

@@ -5,19 +5,17 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import os
 import signal
 import socket
-import tempfile
 from dataclasses import replace
-from pathlib import Path
 
 import grpc
 import pluggy
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from nereid.dataplane import DataPlane
-from nereid.leftovers import make_scratch_folder, remove_scratch_folder, remove_stale_scratch
+from nereid.leftovers import (asked_temporary_directory, make_scratch_folder, remove_scratch_folder,
+                              remove_stale_scratch)
 from nereid.metrics import ServerMetrics
 from nereid.plugins import make_plugin_manager
 from nereid.protocol.grpc_service import SERVICE_NAME, InferenceServicer, generic_handler
@@ -150,9 +148,9 @@ class NereidServer:
         self.http_addr, self.http_origin = listeners.http(settings.server)
         self.metrics_addr, self.metrics_origin = listeners.metrics(settings.server)
         self.manager = manager or make_plugin_manager()
-        # TMPDIR's own, not tempfile's choice: a TMPDIR that dead servers' folders fill is passed over by tempfile,
-        # and those folders would never be removed.
-        remove_stale_scratch(Path(os.environ.get("TMPDIR") or tempfile.gettempdir()))
+        # The folder asked for, not tempfile's choice: one that dead servers' folders fill is passed over by
+        # tempfile, and those folders would never be removed.
+        remove_stale_scratch(asked_temporary_directory())
         self.scratch_dir = make_scratch_folder()
         self.metrics = ServerMetrics()
         # The server is the models' ModelCaller: a meta model's sub-calls go through the data plane.

@@ -22,7 +22,7 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -55,8 +55,14 @@ class _Listing:
     ended: float = float("-inf")
     names: frozenset[str] | None = None
     running: bool = False  # a refresh for unknown names is under way
+    started: float = float("-inf")  # when the listing kept here started: an older one ending later is not kept
+    # Names the repository forgot (see forget_listed_folder), and when: a listing that started before then may
+    # still hold them.
+    forgotten: dict[str, float] = field(default_factory=dict)
 
 
+# Longer than any listing of a store takes (its client's retries give up after a few minutes).
+_LISTING_SLOW_S = 900.0
 _listings: dict[str, _Listing] = {}
 _listings_lock = threading.Lock()
 # Folders whose names are not UTF-8 or too long for a local folder: warned about once (each scan meets them).
@@ -197,8 +203,13 @@ def forget_listed_folder(server: ServerSettings, name: str) -> None:
     if location is None:
         return
     with _listings_lock:
-        listing = _listings.get(str(location))
-        if listing is not None and listing.names is not None and name in listing.names:
+        listing = _listings.setdefault(str(location), _Listing())
+        now = time.monotonic()
+        # Kept for a listing under way, which may still hold it; at most as long as a listing can take (the
+        # store client gives up long before), so a server fed versioned names keeps no entry per name for good.
+        listing.forgotten = {other: when for other, when in listing.forgotten.items() if now - when < _LISTING_SLOW_S}
+        listing.forgotten[name] = now
+        if listing.names is not None and name in listing.names:
             listing.names = listing.names - {name}
 
 
@@ -283,17 +294,30 @@ def materialize_model_folder(server: ServerSettings, name: str) -> Path:
 def _list_remote(location: StoreURL, root: Path) -> list[str]:
     from nereid.storage.mirror import list_remote_folders
 
+    started = time.monotonic()
     try:
         names = list_remote_folders(location, _mirrored_folders(root))
     except Exception:
-        _record_listing(location, None)  # a failure is kept as long as an answer, so it is not retried at once
+        # A failure is kept as long as an answer, so it is not retried at once.
+        _record_listing(location, None, started)
         raise
-    _record_listing(location, frozenset(names))
+    _record_listing(location, frozenset(names), started)
     return names
 
 
-def _record_listing(location: StoreURL, names: frozenset[str] | None) -> None:
-    """Keep a listing's outcome (the names, or None when it failed) for :func:`model_folder_exists`."""
+def _record_listing(location: StoreURL, names: frozenset[str] | None, started: float) -> None:
+    """Keep the outcome of a listing that started at ``started`` (the names, or None when it failed) for
+    :func:`model_folder_exists`.
+
+    Unless a listing that started later was kept already; and without the names forgotten since it started
+    (a slow listing ending after the watcher saw a folder go would give the name an entry again).
+    """
     with _listings_lock:
         listing = _listings.setdefault(str(location), _Listing())
-        listing.ended, listing.names = time.monotonic(), names
+        if started < listing.started:
+            return
+        if names is not None:
+            names = names - {name for name, when in listing.forgotten.items() if when >= started}
+        # Forgotten before this listing started: it is as new as anything that could still be kept.
+        listing.forgotten = {name: when for name, when in listing.forgotten.items() if when >= started}
+        listing.ended, listing.names, listing.started = time.monotonic(), names, started

@@ -233,3 +233,15 @@ def test_a_full_tmpdir_fails_the_start_and_a_full_tmp_without_tmpdir_is_warned_a
         f"server's scratch folder is made in {fallback} instead; set TMPDIR to choose the folder (on a file system "
         "that allows executables)", f"made in {fallback}"], result.stdout + result.stderr
     assert fallback != "/tmp"
+
+
+def test_dead_servers_folders_are_looked_for_where_the_operator_asked_whatever_tempfile_chose(monkeypatch) -> None:
+    """With TMPDIR unset and /tmp full of dead servers' folders, tempfile chose /var/tmp, and the start looked for
+    dead servers' folders there only: /tmp stayed full, and every start warned and went elsewhere."""
+    from nereid.leftovers import asked_temporary_directory
+
+    monkeypatch.setattr("tempfile.tempdir", "/var/tmp")  # what tempfile chose, /tmp being full
+    monkeypatch.delenv("TMPDIR", raising=False)
+    assert asked_temporary_directory() == Path("/tmp")
+    monkeypatch.setenv("TMPDIR", "/srv/scratch")
+    assert asked_temporary_directory() == Path("/srv/scratch")

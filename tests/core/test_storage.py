@@ -902,3 +902,23 @@ def test_a_cache_too_full_for_the_folders_record_is_a_storage_error_naming_it(s3
         f"({local / MARKER_FILE}, under server.cache_dir): File too large"), child.stdout
     assert (local / MARKER_FILE).read_bytes() == marker  # the old record stands, and no partial file is left
     assert sorted(p.name for p in local.iterdir()) == [MARKER_FILE, "main.py"]
+
+
+def test_a_listing_that_started_before_a_name_was_forgotten_does_not_bring_it_back(tmp_path) -> None:
+    """5ab2d98 took a forgotten name out of the kept listing, but a slower listing started before the deletion
+    (for an unknown name's request) then replaced it, the name included: a request gave the deleted folder an
+    entry again (UNAVAILABLE for ever where NOT_FOUND is right), and a load failed INTERNAL."""
+    from nereid.settings import ServerSettings
+    from nereid.storage import _record_listing, forget_listed_folder, model_folder_exists
+
+    server = ServerSettings(ml_backends_path=tmp_path, ml_backends_url="s3://listing-race/models")
+    location = parse_store_url(server.ml_backends_url)
+    slow_started = time.monotonic()  # the slow listing starts while 'second' is in the bucket
+    _record_listing(location, frozenset({"first", "second"}), time.monotonic())  # a quicker one, kept
+    forget_listed_folder(server, "second")  # the watcher saw it go
+    assert not model_folder_exists(server, "second")
+    _record_listing(location, frozenset({"first", "second"}), slow_started)  # the slow one ends last
+    assert not model_folder_exists(server, "second") and model_folder_exists(server, "first")
+    # One started after the forget tells the truth, whatever it is: uploaded again, the folder is back.
+    _record_listing(location, frozenset({"first", "second"}), time.monotonic())
+    assert model_folder_exists(server, "second")
