@@ -132,6 +132,11 @@ class FolderState:
     hidden_mtime_ns: int = field(default=0, compare=False)
 
 
+# The known state of a folder whose model a request loaded while the watcher did not see the folder (see
+# RepositoryWatcher._know_requested_loads): no scan gives it, so the folder's absence reads as a removal.
+_LOADED_UNSEEN = FolderState((), "loaded by a request; its folder not seen by the watcher")
+
+
 def folder_stamp(folder: Path) -> tuple[tuple[FileStamp, ...], int] | None:
     """The stamp of one local model folder and the newest mtime of its hidden files (None when it vanished).
 
@@ -623,6 +628,7 @@ class RepositoryWatcher:
             del self._store_retries[name]  # changed or gone since the store failed it: a new start, if any
         if self.location is not None:
             self._adopt_store_failures(current)
+        self._know_requested_loads(current)
         plan = plan_changes(self._folders, current, renames_too=self.location is None)
         repository = self.repository
         for old, new in plan.renames:
@@ -691,6 +697,20 @@ class RepositoryWatcher:
         self._schedule_settled_scan()
         if self._after_apply is not None:
             await self._after_apply()
+
+    def _know_requested_loads(self, current: dict[str, FolderState]) -> None:
+        """Know as "loaded, its folder not seen" each model loaded (by a RepositoryModelLoad) whose folder the
+        watcher does not know and ``current`` does not hold: its folder's absence is then a removal.
+
+        A folder uploaded again after its removal, loaded at once and deleted before the next look showed no
+        change to the watcher (never seen, not there), and its model served for good. One whose removal is
+        under way is left to it.
+        """
+        for entry in self.repository.entries():
+            name = entry.name
+            if (entry.loaded is not None and name not in self._folders and name not in current
+                    and self.repository.removal_of(name) is None):
+                self._folders[name] = _LOADED_UNSEEN
 
     def _generations(self) -> dict[str, int]:
         """Each model's count of versions loaded so far: a load that leaves it unchanged failed."""

@@ -922,3 +922,29 @@ def test_a_listing_that_started_before_a_name_was_forgotten_does_not_bring_it_ba
     # One started after the forget tells the truth, whatever it is: uploaded again, the folder is back.
     _record_listing(location, frozenset({"first", "second"}), time.monotonic())
     assert model_folder_exists(server, "second")
+
+
+def test_a_folder_loaded_by_request_and_deleted_before_the_watcher_saw_it_is_unloaded(s3, serve, tmp_path) -> None:
+    """A folder uploaded, loaded at once by RepositoryModelLoad and deleted before the watcher's next look showed
+    the watcher no change (never seen, not there): its model served for good. Now its absence is a removal."""
+    source = tmp_path / "source"
+    _python_folder(source, "first")
+    upload_folder(s3.store, source, s3.prefix)
+    config = _config(tmp_path, s3.url())
+    config.write_text(config.read_text().replace("server:\n", "server:\n  watch: true\n  watch_poll_s: 0.5\n"
+                                                                 "  watch_settle_ms: 200\n"))
+    server = serve(config)
+    x = np.arange(4, dtype=np.float32).reshape(1, 4)
+    np.testing.assert_array_equal(_echo(server.client, "first", x), x)
+    watcher = server.server.watcher
+    _python_folder(source, "late")
+    upload_folder(s3.store, source / "late", f"{s3.prefix}/late")
+    server.client.load_model("late")  # before the watcher's next look, or not: either way it must go below
+    for key in bucket_state(s3.store, f"{s3.prefix}/late/"):
+        obstore.delete(s3.store, key)
+    deadline = time.monotonic() + 15
+    while server.client.is_model_ready("late"):
+        assert time.monotonic() < deadline, f"'late' still served, its folder gone ({watcher.scans} scans)"
+        time.sleep(0.1)
+    with pytest.raises(InferenceServerException, match="late"):
+        _echo(server.client, "late", x)
