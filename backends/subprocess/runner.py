@@ -241,7 +241,14 @@ def wait_for_exit(process: subprocess.Popen, timeout_s: float) -> bool:
     """
     if process.poll() is not None:
         return True
-    pidfd = os.pidfd_open(process.pid)
+    try:
+        pidfd = os.pidfd_open(process.pid)
+    except OSError:  # out of descriptors (EMFILE): wait as Popen does, rather than leave the child unreaped
+        try:
+            process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
     try:
         poller = select.poll()
         poller.register(pidfd, select.POLLIN)

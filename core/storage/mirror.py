@@ -339,7 +339,7 @@ def materialize(location: StoreURL, name: str, folder: Path) -> RemoteFolder:
     objects = _without_folder_markers(str(folder_url), folder_url.key(), objects)
     if not objects:
         raise StorageError(f"{folder_url}: no such model folder (no objects under it)")
-    with _folder_lock(folder.parent / _lock_name(name)):
+    with _fetch_lock(str(folder_url), folder.parent / _lock_name(name)):
         try:  # under the lock: a removal of the folder (drop_mirror) may have just ended
             folder.mkdir(parents=True, exist_ok=True)
         except OSError as err:
@@ -425,6 +425,19 @@ def _folder_lock(path: Path, wait: bool = True) -> Iterator[bool]:
             return
         finally:
             os.close(descriptor)  # (lets the lock go)
+
+
+@contextlib.contextmanager
+def _fetch_lock(url: str, path: Path) -> Iterator[None]:
+    """:func:`_folder_lock` for a fetch of ``url``'s folder: a lock file the local cache refuses (a full disk, a
+    folder where the file must be) is a StorageError naming it, as a refused copy of a file is, so the watcher
+    tries the load again once the cache has room, where a bare OSError read as the model's own fault."""
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(_folder_lock(path))
+        except OSError as err:
+            raise _cache_write_failed(url, "make its lock file in", path, err) from None
+        yield
 
 
 def _stat_or_none(path: Path) -> os.stat_result | None:

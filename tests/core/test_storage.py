@@ -948,3 +948,21 @@ def test_a_folder_loaded_by_request_and_deleted_before_the_watcher_saw_it_is_unl
         time.sleep(0.1)
     with pytest.raises(InferenceServerException, match="late"):
         _echo(server.client, "late", x)
+
+
+def test_a_lock_file_the_cache_refuses_is_a_storage_error_naming_it(s3, tmp_path) -> None:
+    """The folder's lock file was made unwrapped: one the local cache refused (a full directory, a folder in its
+    place) escaped as a bare OSError, which the watcher took for the model's own fault and never tried again."""
+    from nereid.storage import StorageError, materialize_model_folder
+
+    config = _config(tmp_path, s3.url())
+    obstore.put(s3.store, f"{s3.prefix}/locked/main.py", b"print()")
+    server = load_settings(config).server
+    lock = Path(server.ml_backends_path) / ".locked.lock"
+    lock.mkdir(parents=True)  # no lock file can be made there
+    with pytest.raises(StorageError) as refused:
+        materialize_model_folder(server, "locked")
+    assert str(refused.value) == (f"{s3.url('locked')}: cannot make its lock file in the local cache ({lock}, "
+                                  "under server.cache_dir): Is a directory")
+    lock.rmdir()
+    assert (materialize_model_folder(server, "locked") / "main.py").read_bytes() == b"print()"

@@ -210,3 +210,24 @@ def test_a_run_whose_pidfd_cannot_be_opened_ends_and_reaps_its_child(tmp_path, m
     assert len(children) == 1 and not process_alive(children[0])
     assert zombie_children() == []
     assert sorted(os.listdir("/proc/self/fd")) == fds_before
+
+
+def test_waiting_for_an_exit_without_a_pidfd_still_reaps_the_child(monkeypatch):
+    # wait_for_exit opened a pidfd of its own: out of descriptors, a warm parent being stopped raised EMFILE
+    # instead of being waited for, and was left unreaped.
+    import subprocess
+    import sys
+
+    def no_pidfd(pid: int) -> int:
+        raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+
+    quick = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.2)"])
+    slow = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    monkeypatch.setattr(runner.os, "pidfd_open", no_pidfd)
+    try:
+        assert runner.wait_for_exit(quick, 10) and quick.returncode == 0
+        assert not runner.wait_for_exit(slow, 0.1)  # still running: False, as on timeout
+    finally:
+        monkeypatch.undo()
+        slow.kill()
+        slow.wait()
