@@ -530,8 +530,10 @@ def test_killing_the_server_ends_the_running_model_process(repo, warm):
 # others held open), one run; prints [free, returncode or the error, descriptors left open beyond those at
 # rest] each, then the returncode of a run once the descriptors are free again.
 RUNS_OUT_OF_DESCRIPTORS = r'''
-import errno, json, os, resource, sys
+import json, os, sys
 from pathlib import Path
+sys.path.insert(0, sys.argv[2])
+from starved_descriptors import runs_short_of_descriptors
 from nereid.backends.python.warm import WarmParent
 from nereid.backends.subprocess.runner import ProcessGroups
 
@@ -540,26 +542,7 @@ parent = WarmParent(name="m", folder=folder, env={"PATH": os.environ.get("PATH",
                     log_path=folder / "parent.log", entry_source=folder / "main.py")
 parent.start()
 run = lambda: parent.run(env={}, stdin=b"x", timeout_s=30, groups=ProcessGroups()).returncode
-resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
-at_rest = len(os.listdir("/proc/self/fd"))
-outcomes = []
-for free in range(8):
-    held = []
-    try:
-        while True:
-            held.append(os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC))
-    except OSError:
-        pass
-    for _ in range(free):
-        os.close(held.pop())
-    try:
-        outcome = run()
-    except OSError as err:
-        outcome = errno.errorcode[err.errno]
-    for fd in held:
-        os.close(fd)
-    outcomes.append([free, outcome, len(os.listdir("/proc/self/fd")) - at_rest])
-print(json.dumps([outcomes, run()]))
+print(json.dumps([runs_short_of_descriptors(run, 7), run()]))
 parent.stop()
 '''
 
@@ -569,7 +552,8 @@ def test_a_run_out_of_descriptors_closes_those_it_had_opened_and_the_next_one_ru
     EMFILE at the second pipe or the socket pair leaked 2 or 4 descriptors, and a server at its limit never
     recovered."""
     (tmp_path / "main.py").write_text("import sys\nsys.stdin.buffer.read()\n")
-    result = subprocess.run([sys.executable, "-c", RUNS_OUT_OF_DESCRIPTORS, str(tmp_path)], capture_output=True,
+    result = subprocess.run([sys.executable, "-c", RUNS_OUT_OF_DESCRIPTORS, str(tmp_path),
+                             str(Path(__file__).parents[2])], capture_output=True,
                             text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     outcomes, afterwards = json.loads(result.stdout)

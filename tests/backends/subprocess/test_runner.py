@@ -149,40 +149,23 @@ def test_wait_for_exit_takes_any_finite_timeout(tmp_path):
     assert runner.wait_for_exit(process, 1e300) and process.returncode == 0
 
 
-# Runs under an open-file limit of 64: for each number of descriptors left free (all others held open), one
-# run; prints [free, returncode or errno name, descriptors left open after it beyond those at rest] each.
+# Runs under an open-file limit of 64 (see starved_descriptors); prints what each did.
 RUN_OUT_OF_DESCRIPTORS = r'''
-import errno, json, os, resource
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from starved_descriptors import runs_short_of_descriptors
 from nereid.backends.subprocess.runner import run_model_process
 
-resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
-at_rest = len(os.listdir("/proc/self/fd"))
-outcomes = []
-for free in range(9):
-    held = []
-    try:
-        while True:
-            held.append(os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC))
-    except OSError:
-        pass
-    for _ in range(free):
-        os.close(held.pop())
-    try:
-        outcome = run_model_process(["/bin/true"], cwd="/", env={}, stdin=b"x", timeout_s=30).returncode
-    except OSError as err:
-        outcome = errno.errorcode[err.errno]
-    for fd in held:
-        os.close(fd)
-    outcomes.append([free, outcome, len(os.listdir("/proc/self/fd")) - at_rest])
-print(json.dumps(outcomes))
+run = lambda: run_model_process(["/bin/true"], cwd="/", env={}, stdin=b"x", timeout_s=30).returncode
+print(json.dumps(runs_short_of_descriptors(run, 8)))
 '''
 
 
 def test_a_run_that_cannot_get_its_descriptors_closes_those_it_had_opened():
     # A real limit, in a process of its own: a run failing at its second pipe (EMFILE) leaked the first, so a
     # server at its limit lost more descriptors with every request and never got them back.
-    result = subprocess.run([sys.executable, "-c", RUN_OUT_OF_DESCRIPTORS], capture_output=True, text=True,
-                            timeout=60)
+    result = subprocess.run([sys.executable, "-c", RUN_OUT_OF_DESCRIPTORS, str(Path(__file__).parents[2])],
+                            capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     outcomes = json.loads(result.stdout)
     assert [leaked for _, _, leaked in outcomes] == [0] * len(outcomes), f"descriptors left open: {outcomes}"
