@@ -1047,6 +1047,10 @@ class _BoundedHeadProtocol(HttpToolsProtocol):
             self._idle_check.cancel()
             self._idle_check = None
         super().connection_lost(exc)
+        # uvicorn cancels its keep-alive timer only for a connection closed cleanly: one lost (reset, a broken
+        # pipe) stayed referenced by the timer, with its transport and, over TLS, every unsent byte of its
+        # answer, for the whole KEEP_ALIVE_TIMEOUT_S.
+        self._unset_keepalive_if_required()
         # A request still waiting for its answer has no one to answer: cancel its handler, as gRPC
         # does, so a queued request never runs (see _unless_disconnected). That is the one being answered
         # too when pipelined requests followed it (uvicorn marks only the newest; those never start).
