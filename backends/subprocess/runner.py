@@ -276,9 +276,16 @@ def poll_timeout_ms(deadline: float | None) -> int:
 
 
 def close_descriptors(*fds: int) -> None:
-    """Close each of ``fds`` (descriptors this process opened and no one else closes)."""
+    """Close each of ``fds`` (descriptors this process opened and no one else closes); every one is closed
+    even when an earlier close fails (EIO, say), and the first such error is raised after."""
+    failed: OSError | None = None
     for fd in fds:
-        os.close(fd)
+        try:
+            os.close(fd)
+        except OSError as err:
+            failed = failed or err
+    if failed is not None:
+        raise failed
 
 
 def kill_group(pgid: int) -> None:

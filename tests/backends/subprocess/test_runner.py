@@ -214,3 +214,15 @@ def test_waiting_for_an_exit_without_a_pidfd_still_reaps_the_child(monkeypatch):
         monkeypatch.undo()
         slow.kill()
         slow.wait()
+
+
+def test_closing_descriptors_closes_the_rest_after_one_that_fails():
+    # The cleanup of a run that could not get its descriptors stopped at the first close that failed, leaving
+    # the others open.
+    read_end, write_end = os.pipe()
+    with pytest.raises(OSError) as failed:
+        runner.close_descriptors(write_end, write_end, read_end)  # the second close of write_end fails (EBADF)
+    assert failed.value.errno == errno.EBADF
+    with pytest.raises(OSError) as closed:  # (listing /proc/self/fd would open a descriptor of that number)
+        os.fstat(read_end)
+    assert closed.value.errno == errno.EBADF
