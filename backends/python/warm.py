@@ -176,6 +176,9 @@ class WarmParent:
         rather than wait on it again. Its pid. (The one the batch went to: another thread may have replaced
         ``self._process`` since.)"""
         kill_group(process.pid)  # its runs die with it (each has it as its death signal's parent)
+        # Reaped before the failure is told: the next batch must find it dead (poll), not send itself to it while
+        # the kill is still under way (then it went to a new parent only after a refused send, logged so).
+        wait_for_exit(process, STOP_GRACE_S)
         return process.pid
 
     def _start_run(self, env: dict[str, str],
