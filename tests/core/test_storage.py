@@ -152,16 +152,23 @@ def test_a_model_uploaded_late_loads_at_once_and_one_deleted_leaves_once_unloade
     assert [m.name for m in server.client.get_model_repository_index().models] == ["late"]
 
 
-def test_a_watched_bucket_is_polled_models_appear_change_and_go(s3, serve, tmp_path) -> None:
+def _watched_bucket_serving_first(s3, serve, tmp_path: Path, poll_s: float, settle_ms: int):
+    """A bucket holding the echo model 'first', served with ``watch`` (polled every ``poll_s``); (server, the
+    local source folder to upload more from, an input 'first' echoed)."""
     source = tmp_path / "source"
     _python_folder(source, "first")
     upload_folder(s3.store, source, s3.prefix)
     config = _config(tmp_path, s3.url())
-    config.write_text(config.read_text().replace("server:\n", "server:\n  watch: true\n  watch_poll_s: 0.2\n"
-                                                                 "  watch_settle_ms: 300\n"))
+    config.write_text(config.read_text().replace("server:\n", f"server:\n  watch: true\n  watch_poll_s: {poll_s}\n"
+                                                                 f"  watch_settle_ms: {settle_ms}\n"))
     server = serve(config)
     x = np.arange(4, dtype=np.float32).reshape(1, 4)
     np.testing.assert_array_equal(_echo(server.client, "first", x), x)
+    return server, source, x
+
+
+def test_a_watched_bucket_is_polled_models_appear_change_and_go(s3, serve, tmp_path) -> None:
+    server, source, x = _watched_bucket_serving_first(s3, serve, tmp_path, 0.2, 300)
 
     def until(check, what: str) -> None:
         deadline = time.monotonic() + 20
@@ -927,15 +934,7 @@ def test_a_listing_that_started_before_a_name_was_forgotten_does_not_bring_it_ba
 def test_a_folder_loaded_by_request_and_deleted_before_the_watcher_saw_it_is_unloaded(s3, serve, tmp_path) -> None:
     """A folder uploaded, loaded at once by RepositoryModelLoad and deleted before the watcher's next look showed
     the watcher no change (never seen, not there): its model served for good. Now its absence is a removal."""
-    source = tmp_path / "source"
-    _python_folder(source, "first")
-    upload_folder(s3.store, source, s3.prefix)
-    config = _config(tmp_path, s3.url())
-    config.write_text(config.read_text().replace("server:\n", "server:\n  watch: true\n  watch_poll_s: 0.5\n"
-                                                                 "  watch_settle_ms: 200\n"))
-    server = serve(config)
-    x = np.arange(4, dtype=np.float32).reshape(1, 4)
-    np.testing.assert_array_equal(_echo(server.client, "first", x), x)
+    server, source, x = _watched_bucket_serving_first(s3, serve, tmp_path, 0.5, 200)
     watcher = server.server.watcher
     _python_folder(source, "late")
     upload_folder(s3.store, source / "late", f"{s3.prefix}/late")
