@@ -169,15 +169,7 @@ def nereid_serve(config: Path, *extra_args: str):
                                 *extra_args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         client = triton.InferenceServerClient(f"127.0.0.1:{port}")
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if client.is_server_ready():
-                    break
-            except Exception:
-                pass
-            assert time.monotonic() < deadline, "server did not become ready"
-            time.sleep(0.1)
+        assert wait_until(lambda: server_ready(client), 30), "server did not become ready"
         yield process, client
     finally:
         if process.poll() is None:
@@ -191,6 +183,14 @@ def process_alive(pid: int) -> bool:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except (FileNotFoundError, ProcessLookupError):  # gone before the open, or between open and read
+        return False
+
+
+def server_ready(client: triton.InferenceServerClient) -> bool:
+    """Whether the server ``client`` talks to answers ServerReady true (False while it cannot be reached)."""
+    try:
+        return client.is_server_ready()
+    except Exception:  # not listening yet
         return False
 
 

@@ -126,19 +126,15 @@ def test_signals_repeated_until_the_process_ends_leave_the_exit_status_zero(repo
 
 
 IN_PROCESS_SERVE = '''
-import os, signal, sys, threading, time
+import os, signal, sys, threading
 import tritonclient.grpc as triton
+sys.path.insert(0, sys.argv[3])
+from support import server_ready, wait_until
 from nereid.cli import main
 
 def stop_when_ready():
     client = triton.InferenceServerClient(sys.argv[2])
-    while True:
-        try:
-            if client.is_server_ready():
-                break
-        except Exception:
-            pass
-        time.sleep(0.05)
+    wait_until(lambda: server_ready(client), 60)
     os.kill(os.getpid(), signal.SIGTERM)
 
 threading.Thread(target=stop_when_ready, daemon=True).start()
@@ -153,7 +149,8 @@ def test_an_in_process_serve_leaves_no_signal_wakeup_descriptor_behind(repo) -> 
     took (nereid check's SIGTERM handler, pytest-timeout's SIGALRM)."""
     repo.python("echo")
     result = subprocess.run([sys.executable, "-c", IN_PROCESS_SERVE, str(repo.write_config()),
-                             f"127.0.0.1:{free_port()}"], capture_output=True, text=True, timeout=60)
+                             f"127.0.0.1:{free_port()}", str(Path(__file__).parents[1])], capture_output=True,
+                            text=True, timeout=60)
     assert result.stdout.split() == ["0", "-1"], (result.stdout, result.stderr[-2000:])
 
 
