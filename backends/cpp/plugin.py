@@ -9,8 +9,9 @@ from pathlib import Path
 
 from nereid.backend import BackendClaim
 from nereid.backends.cpp.compiler import build_binary
-from nereid.backends.subprocess.model import SubprocessModel, require_executable_folder
-from nereid.errors import ConfigError, ModelFailure
+from nereid.backends.subprocess.model import (SubprocessModel, require_executable_folder,
+                                             scratch_folder_refused)
+from nereid.errors import ModelFailure
 from nereid.hookspecs import hookimpl
 from nereid.leftovers import make_private_folder
 
@@ -58,9 +59,8 @@ class CppModel(SubprocessModel):
             if run_dir is not None:
                 shutil.rmtree(run_dir, ignore_errors=True)  # with a half-written copy
             if isinstance(err, OSError):
-                raise ConfigError(f"model '{self.context.name}': cannot put its binary {built} into the server's "
-                                  f"scratch folder {scratch}: {err.strerror or err} (the server makes its scratch "
-                                  "folder in TMPDIR)") from None
+                raise scratch_folder_refused(self.context.name, f"put its binary {built} into", scratch, err) \
+                    from None
             raise
 
     def prepare_relocated(self) -> None:

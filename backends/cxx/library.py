@@ -16,7 +16,7 @@ import uuid
 from pathlib import Path
 from typing import BinaryIO
 
-from nereid.backends.subprocess.model import require_executable_folder
+from nereid.backends.subprocess.model import require_executable_folder, scratch_folder_refused
 from nereid.errors import ConfigError
 from nereid.files import not_regular_reason
 
@@ -93,8 +93,7 @@ def _copy_library(model: str, path: Path, copy: Path, scratch_dir: Path) -> None
     is removed: it would otherwise stay in the scratch folder until the server stops.
     """
     def cannot_copy(err: OSError) -> ConfigError:
-        return ConfigError(f"model '{model}': cannot copy shared library {path} into the server's scratch folder "
-                           f"{scratch_dir}: {err.strerror or err} (the server makes its scratch folder in TMPDIR)")
+        return scratch_folder_refused(model, f"copy shared library {path} into", scratch_dir, err)
 
     try:
         source = open(path, "rb")

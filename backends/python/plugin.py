@@ -13,9 +13,8 @@ from nereid.backend import BackendClaim, ModelContext, RuntimeReport
 from nereid.backends.python.options import PythonOptions, parse_options
 from nereid.backends.python.preload import modules_to_preload
 from nereid.backends.python.warm import WarmParent, WarmStartUnavailable
-from nereid.backends.subprocess.model import SubprocessModel
+from nereid.backends.subprocess.model import SubprocessModel, scratch_folder_refused
 from nereid.backends.subprocess.runner import ProcessResult
-from nereid.errors import ConfigError
 from nereid.hookspecs import hookimpl
 
 log = logging.getLogger(__name__)
@@ -77,7 +76,8 @@ class PythonModel(SubprocessModel):
         try:
             parent_dir = Path(tempfile.mkdtemp(prefix="warm-parent-", dir=scratch))
         except OSError as err:
-            raise self._scratch_refused("make a folder for its parent process in", scratch, err) from None
+            raise scratch_folder_refused(self.context.name, "make a folder for its parent process in", scratch,
+                                         err) from None
         env = self.base_environment()
         env["TMPDIR"] = str(parent_dir)
         parent = WarmParent(name=self.context.name, folder=self.context.folder, env=env, modules=modules,
@@ -87,18 +87,13 @@ class PythonModel(SubprocessModel):
             try:
                 parent.entry_source.write_bytes(source)
             except OSError as err:  # a full disk: named, where a bare "[Errno 28] No space left" named nothing
-                raise self._scratch_refused(f"write a copy of its {ENTRY_FILE} into", scratch, err) from None
+                raise scratch_folder_refused(self.context.name, f"write a copy of its {ENTRY_FILE} into", scratch,
+                                             err) from None
             parent.start()
         except BaseException:
             shutil.rmtree(parent_dir, ignore_errors=True)
             raise
         return parent
-
-    def _scratch_refused(self, what: str, scratch: Path, err: OSError) -> ConfigError:
-        """The load's error when the scratch folder refuses a write: ``what`` it could not do, in words before
-        the folder ("write ... into"), and the system's reason."""
-        return ConfigError(f"model '{self.context.name}': cannot {what} the server's scratch folder {scratch}: "
-                           f"{err.strerror or err} (the server makes its scratch folder in TMPDIR)")
 
     def command(self) -> list[str]:
         return [sys.executable, ENTRY_FILE]

@@ -195,6 +195,13 @@ def require_executable_folder(model: str, folder: Path, what: str) -> None:
                           "that allows executables (the server makes its scratch folder in TMPDIR)")
 
 
+def scratch_folder_refused(model: str, what: str, scratch_dir: Path, err: OSError) -> ConfigError:
+    """The load's error when the server's scratch folder refuses a write (a full disk, a file size limit):
+    ``what`` the model could not do, in the words before the folder ("put its binary PATH into"), and why."""
+    return ConfigError(f"model '{model}': cannot {what} the server's scratch folder {scratch_dir}: "
+                       f"{err.strerror or err} (the server makes its scratch folder in TMPDIR)")
+
+
 class SubprocessModel:
     """Shared machinery of the python and cpp backends; subclasses say what to run."""
 
