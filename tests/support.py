@@ -169,7 +169,10 @@ def nereid_serve(config: Path, *extra_args: str):
                                 *extra_args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         client = triton.InferenceServerClient(f"127.0.0.1:{port}")
-        assert wait_until(lambda: server_ready(client), 30), "server did not become ready"
+        # A server that exits (a port another test took meanwhile) is told at once, with what it said.
+        ready = wait_until(lambda: process.poll() is not None or server_ready(client), 30)
+        assert ready and process.poll() is None, (f"server did not become ready (exit status {process.poll()}): "
+                                                  f"{process.stdout.read()[-2000:] if process.poll() is not None else ''}")
         yield process, client
     finally:
         if process.poll() is None:
