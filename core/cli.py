@@ -23,7 +23,7 @@ from nereid.files import check_confined
 from nereid.leftovers import ScratchFolderError, make_scratch_folder, remove_scratch_folder
 from nereid.log_format import one_record_per_line, stderr_handler
 from nereid.log_limit import EndedCallFilter, RateLimitFilter
-from nereid.processes import kill_children
+from nereid.processes import kill_children, not_ignored
 from nereid.plugins import NereidPluginManager, add_commands, check_backend_defaults, error_text, make_plugin_manager
 from nereid.repository import bounded_backend_call, build_model
 from nereid.storage import list_model_folders, materialize_model_folder
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None, extra_plugins: tuple[object, ...] = ()) 
     os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
     parser = argparse.ArgumentParser(prog="nereid", description="A Triton-compatible model server.")
     commands = parser.add_subparsers(dest="command", required=True)
-    for name, help_text in (("serve", "serve the models over gRPC and HTTP until SIGTERM/SIGINT"),
+    for name, help_text in (("serve", "serve the models over gRPC and HTTP until SIGTERM, SIGINT or SIGHUP"),
                             ("check", "validate nereid.yaml and load every model folder once")):
         command = commands.add_parser(name, help=help_text)
         command.add_argument("--config", type=Path, default=DEFAULT_CONFIG,
@@ -252,8 +252,8 @@ def check(settings: Settings, manager: NereidPluginManager | None = None) -> int
     except ScratchFolderError as err:  # TMPDIR set to a folder that cannot be used: as serve says it
         print(f"error: {err}", file=sys.stderr)
         return 1
-    # SIGTERM (`timeout 60 nereid check` in CI) stops the check as Ctrl-C does: a compiler it started must not
-    # run on under init, writing into a scratch folder nobody will clean.
+    # SIGTERM (`timeout 60 nereid check` in CI) and SIGHUP (a closed terminal) stop the check as Ctrl-C does: a
+    # compiler it started must not run on under init, writing into a scratch folder nobody will clean.
     on_main = threading.current_thread() is threading.main_thread()  # (only there can a handler be set)
     signals = _StopSignals()
     # (A handler set outside Python reads as None, and could not be put back: that signal is left as it is.)
@@ -283,9 +283,10 @@ def check(settings: Settings, manager: NereidPluginManager | None = None) -> int
         problems += _check_callers(callers, states)
     except KeyboardInterrupt as stop:
         killed = kill_children()
-        print(f"{settings.source}: interrupted by {'SIGTERM' if isinstance(stop, _Terminated) else 'SIGINT'}"
+        signum = stop.signum if isinstance(stop, _Terminated) else signal.SIGINT
+        print(f"{settings.source}: interrupted by {signum.name}"
               f"{f' ({killed} program(s) it had started killed)' if killed else ''}", file=sys.stderr)
-        return 143 if isinstance(stop, _Terminated) else 130
+        return 128 + signum  # as the shell reports a process that the signal ended
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
@@ -305,11 +306,16 @@ ABANDONED_THREAD_PREFIX = "nereid-"
 
 
 class _Terminated(KeyboardInterrupt):
-    """SIGTERM during ``nereid check``: it stops like Ctrl-C (a KeyboardInterrupt is no plugin's failure)."""
+    """SIGTERM or SIGHUP during ``nereid check``: it stops like Ctrl-C (a KeyboardInterrupt is no plugin's
+    failure)."""
+
+    def __init__(self, signum: signal.Signals) -> None:
+        super().__init__(signum.name)
+        self.signum = signum
 
 
 class _StopSignals:
-    """``nereid check``'s handler of SIGINT and SIGTERM: it records that the signal came, then raises.
+    """``nereid check``'s handler of SIGINT, SIGTERM and SIGHUP: it records that the signal came, then raises.
 
     Ctrl-C and a KeyboardInterrupt that a model's own code raises (in its
     ``load()``, say) are the same exception; only the record tells them apart.
@@ -318,15 +324,16 @@ class _StopSignals:
     """
 
     def __init__(self) -> None:
-        self.came: int | None = None  # the signal that came, if one did
+        self.came: signal.Signals | None = None  # the signal that came, if one did
 
     @staticmethod
-    def handled() -> list[int]:
-        """The signals to handle: SIGTERM, and SIGINT unless it is ignored (``nereid check &`` in a script)."""
-        return [signal.SIGTERM] + ([signal.SIGINT] if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN else [])
+    def handled() -> list[signal.Signals]:
+        """The signals to handle: SIGTERM, and SIGINT and SIGHUP unless they are ignored (``nereid check &`` in a
+        script, ``nohup``)."""
+        return [signal.SIGTERM, *not_ignored(signal.SIGINT, signal.SIGHUP)]
 
     def __call__(self, signum: int, frame: object) -> None:
-        self.came = signum
+        self.came = signal.Signals(signum)
         self.stop_if_came()
 
     def model_faults(self) -> tuple[type[BaseException], ...]:
@@ -343,7 +350,7 @@ class _StopSignals:
     def stop_if_came(self) -> None:
         """Raise the stop of the signal that came, if one did."""
         if self.came is not None:
-            raise _Terminated() if self.came == signal.SIGTERM else KeyboardInterrupt()
+            raise KeyboardInterrupt() if self.came == signal.SIGINT else _Terminated(self.came)
 
 
 @dataclass

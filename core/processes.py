@@ -1,14 +1,23 @@
-"""Ending the child processes a stopping server leaves behind.
+"""How a ``nereid`` process stops: the signals it takes as a stop, and the child processes it leaves behind.
 
-Only for a process that *is* the server (``nereid serve``): a model load
-abandoned at SIGTERM may have started a program (a compiler, a warm process)
-whose owner never got a chance to stop it.
+Ending children is only for a process that *is* the server (``nereid serve``) or
+the check: a model load abandoned at SIGTERM may have started a program (a
+compiler, a warm process) whose owner never got a chance to stop it.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+
+
+def not_ignored(*signums: signal.Signals) -> list[signal.Signals]:
+    """Those of ``signums`` this process does not ignore.
+
+    An ignored SIGHUP (``nohup nereid serve``) or SIGINT (``nereid check &`` in a
+    script) was asked for by whoever started the process: it stays ignored.
+    """
+    return [signum for signum in signums if signal.getsignal(signum) is not signal.SIG_IGN]
 
 
 def child_pids(parent: int | None = None) -> list[int]:

@@ -21,7 +21,7 @@ from nereid.plugins import make_plugin_manager
 from nereid.protocol.grpc_service import SERVICE_NAME, InferenceServicer, generic_handler
 from nereid.protocol.http_service import HttpListener, HttpSurface
 from nereid.repository import ModelRepository
-from nereid.processes import kill_children
+from nereid.processes import kill_children, not_ignored
 from nereid.settings import Listeners, Settings, repository_control_allowed
 from nereid.tensors import InferRequest, InferResponse
 from nereid.tls import server_credentials, ssl_context
@@ -352,15 +352,23 @@ class NereidServer:
         log.info("nereid stopped")
 
     async def serve_until_signalled(self) -> None:
-        """Start, load, and run until SIGTERM or SIGINT, then stop gracefully."""
+        """Start, load, and run until SIGTERM, SIGINT or SIGHUP, then stop gracefully."""
         loop = asyncio.get_running_loop()
         stop_requested = asyncio.Event()
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(signum, stop_requested.set)
+        came: list[signal.Signals] = []
+        # SIGHUP too: a closed terminal or an ssh session that drops must not cut accepted requests off.
+        stop_signals = [signal.SIGTERM, signal.SIGINT, *not_ignored(signal.SIGHUP)]
+
+        def request_stop(signum: signal.Signals) -> None:
+            came.append(signum)
+            stop_requested.set()
+
+        for signum in stop_signals:
+            loop.add_signal_handler(signum, request_stop, signum)
         await self.start()
         loader = asyncio.create_task(self.load_models())
         await stop_requested.wait()
-        log.info("signal received: draining (grace %.0f s)", self.settings.server.shutdown_grace_s)
+        log.info("signal received: draining (%s; grace %.0f s)", came[0].name, self.settings.server.shutdown_grace_s)
         # Loads still running are abandoned (their threads are daemons and never delay the exit).
         loader.cancel()
         await self.stop()
@@ -370,12 +378,12 @@ class NereidServer:
         killed = kill_children()
         if killed:
             log.info("ended %d process(es) left by abandoned loads or calls", killed)
-        # From here the process only exits: a SIGTERM or SIGINT repeated now (a supervisor's retries) must not
+        # From here the process only exits: a stop signal repeated now (a supervisor's retries) must not
         # end it with 143 or 130 after a clean stop. Ignored from now on, and taken off asyncio's own list of the
         # signals it handles, whose close would otherwise put back the defaults (no public call lets one go
         # without that reset, which would leave a moment with the default in place).
         handled = getattr(loop, "_signal_handlers", {})
-        for signum in (signal.SIGTERM, signal.SIGINT):
+        for signum in stop_signals:
             signal.signal(signum, signal.SIG_IGN)
             handled.pop(signum, None)
         if not handled:  # what asyncio's removal of its last handler does: the loop's socket is closed next

@@ -161,11 +161,11 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def nereid_serve(config: Path, *extra_args: str):
+def nereid_serve(config: Path, *extra_args: str, ignore_sighup: bool = False):
     """``nereid serve`` (with ``extra_args``) in its own process, ready; yields (process, client). Killed if still
-    running."""
+    running. ``ignore_sighup`` starts it as ``nohup`` does (which execs it: the pid is the server's)."""
     port = free_port()
-    process = subprocess.Popen([*NEREID, "serve", "--config", str(config), "--bind", f"127.0.0.1:{port}",
+    process = subprocess.Popen([*(["nohup"] if ignore_sighup else []), *NEREID, "serve", "--config", str(config), "--bind", f"127.0.0.1:{port}",
                                 *extra_args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         client = triton.InferenceServerClient(f"127.0.0.1:{port}")

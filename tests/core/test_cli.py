@@ -93,7 +93,9 @@ def test_check_rejects_a_bad_config_with_its_key(repo) -> None:
     assert f"{config}: models[0].queue_capacity: must be > 0, got 0" in result.stderr
 
 
-def test_serve_finishes_accepted_requests_on_sigterm_and_exits_zero(repo) -> None:
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_serve_finishes_accepted_requests_on_sigterm_or_sighup_and_exits_zero(repo, signum) -> None:
+    # SIGHUP (a closed terminal, a dropped ssh session) used to end the server at once, its requests unanswered.
     repo.python("slow", main=SLOW_MAIN)
     with nereid_serve(repo.write_config()) as (process, client):
         x = np.ones((1, 4), dtype=np.float32)
@@ -103,12 +105,24 @@ def test_serve_finishes_accepted_requests_on_sigterm_and_exits_zero(repo) -> Non
         worker = threading.Thread(target=lambda: results.append(client.infer("slow", [tensor]).as_numpy("output")))
         worker.start()
         time.sleep(0.4)  # the request is now running inside the 1 s model
-        process.send_signal(signal.SIGTERM)
+        process.send_signal(signum)
         worker.join(30)
         assert process.wait(30) == 0
         assert len(results) == 1 and np.array_equal(results[0], x)
         output = process.stdout.read()
-        assert "signal received: draining" in output and "nereid stopped" in output
+        assert f"signal received: draining ({signum.name}; grace" in output and "nereid stopped" in output
+
+
+def test_serve_started_with_sighup_ignored_keeps_serving_through_one(repo) -> None:
+    """``nohup nereid serve``: whoever started it asked for hangups to be ignored, and they stay so."""
+    repo.python("echo")
+    with nereid_serve(repo.write_config(), ignore_sighup=True) as (process, client):
+        process.send_signal(signal.SIGHUP)
+        time.sleep(0.5)
+        assert process.poll() is None and client.is_model_ready("echo")
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == 0
+        assert "signal received: draining (SIGTERM; grace" in process.stdout.read()
 
 
 def test_signals_repeated_until_the_process_ends_leave_the_exit_status_zero(repo) -> None:
@@ -191,7 +205,7 @@ def test_serve_stopped_while_a_bundle_compiles_exits_zero(repo) -> None:
             process.wait()
 
 
-def test_check_stopped_by_sigterm_kills_its_compiler_and_says_so(repo, tmp_path) -> None:
+def test_check_stopped_by_sigterm_sigint_or_sighup_kills_its_compiler_and_says_so(repo, tmp_path) -> None:
     """Defect: `timeout 60 nereid check` in CI ended the check at once and left the compiler it had started
     running under init, writing into a scratch folder nobody would clean; Ctrl-C printed a traceback."""
     import shutil
@@ -201,7 +215,8 @@ def test_check_stopped_by_sigterm_kills_its_compiler_and_says_so(repo, tmp_path)
     slow = tmp_path / "slow-c++"
     slow.write_text(f'#!/bin/sh\necho $$ > "{started}"\nsleep 30\nexec c++ "$@"\n')  # a long compile
     slow.chmod(0o755)
-    for signum, code, name in ((signal.SIGTERM, 143, "SIGTERM"), (signal.SIGINT, 130, "SIGINT")):
+    for signum, code, name in ((signal.SIGTERM, 143, "SIGTERM"), (signal.SIGINT, 130, "SIGINT"),
+                               (signal.SIGHUP, 129, "SIGHUP")):
         started.unlink(missing_ok=True)
         process = subprocess.Popen([*NEREID, "check", "--config", str(repo.write_config())],
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
