@@ -19,7 +19,8 @@ from nereid.leftovers import (asked_temporary_directory, make_scratch_folder, re
 from nereid.metrics import ServerMetrics
 from nereid.plugins import make_plugin_manager
 from nereid.protocol.grpc_service import SERVICE_NAME, InferenceServicer, generic_handler
-from nereid.protocol.http_service import HttpListener, HttpSurface
+from nereid.protocol.http_listener import HttpListener
+from nereid.protocol.http_service import HttpSurface
 from nereid.repository import ModelRepository
 from nereid.processes import kill_children, not_ignored
 from nereid.settings import Listeners, Settings, repository_control_allowed

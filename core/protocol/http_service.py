@@ -1,7 +1,7 @@
 """The KServe V2 REST protocol (and Triton's HTTP extensions) over the same data plane as gRPC.
 
-A plain ASGI application, served by uvicorn with httptools on the server's
-own event loop (measured against aiohttp in bench/README.md). Handlers only
+A plain ASGI application, served by :mod:`nereid.protocol.http_listener`
+(uvicorn with httptools, on the server's own event loop). Handlers only
 convert: JSON and binary bodies in, data-plane calls, JSON out, and errors
 mapped to HTTP statuses in one table, as Triton's endpoint answers them.
 """
@@ -9,41 +9,29 @@ mapped to HTTP statuses in one table, as Triton's endpoint answers them.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import inspect
 import json
 import logging
-import resource
-import socket
-import ssl
-import sys
 import time
-from typing import Any, Awaitable, Callable, Iterator
+from typing import Any, Awaitable, Callable
 
-import httptools
 import orjson
-import uvicorn
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from nereid.dataplane import DataPlane, cancellation_reason, past_grace_message
 from nereid.errors import (ConfigError, DeadlineExceeded, InvalidArgument, ModelFailure, NereidError, NotFound,
                            PermissionDenied, QueueFull, Unavailable, Unimplemented, cap_message)
-from nereid.log_limit import RateLimitedLog, RateLimitFilter
+from nereid.log_limit import RateLimitedLog
 from nereid.model_info import MODEL_VERSION, ModelConfig
 from nereid.protocol.http_codec import HEADER_LENGTH, decode_infer, encode_infer, quoted
 from nereid.settings import DEFAULT_HTTP_MAX_JSON_BYTES
 from nereid.stats import ModelStats
 
 log = logging.getLogger(__name__)
-# What any client can make happen at will (a head too large or too slow, a request asking to switch protocols, a
-# disconnect mid-upload, a silent connection) is logged through this: at most 10 lines per 10 s, then a count of
-# those suppressed, as gRPC's client errors are, so one client cannot fill the disk (1,000 requests wrote 1,000 lines).
+# What any client can make happen at will (a disconnect mid-upload, a body the parser cannot read) is logged
+# through this: at most 10 lines per 10 s, then a count of those suppressed, as gRPC's client errors are, so one
+# client cannot fill the disk (1,000 requests wrote 1,000 lines). The listener has a log of its own so limited.
 _client_log = RateLimitedLog(log)
-# Connections refused past the connection cap: an operator must hear of it, but a flood of connections would
-# otherwise write one WARNING each.
-_capacity_log = RateLimitedLog(log, burst=5, window_s=60.0)
-
 STATUS_OF_ERROR: dict[type[NereidError], int] = {
     InvalidArgument: 400,
     ConfigError: 400,
@@ -69,20 +57,6 @@ DECODE_OFF_LOOP_BYTES = 256 << 10
 # JSON tensors take 6-31x their size in Python objects while decoded, so N of them at once took N times that
 # (four 64 MiB bodies OOM-killed a server in 3 GiB). Binary tensors (views of the body) are not held back.
 SERIAL_DECODE_JSON_BYTES = 1 << 20
-# A request's head (request line and headers) larger than this is refused with 431, as nginx and Triton
-# bound theirs: httptools buffers a header value whole until it ends, so an endless header grew memory
-# without limit (max_message_bytes bounds bodies only).
-MAX_HEAD_BYTES = 64 << 10
-# At most this many HTTP connections are open at once (fewer when the open-file limit is low, see
-# connection_cap): a client that opened connections without end took every file descriptor of the process
-# (20,400 of them), and then nothing else could open a connection, a model file or a child's pipe.
-MAX_CONNECTIONS = 4096
-# How long a kept-alive connection may stay idle between requests before it is closed (uvicorn's own default is
-# 5 s). A client's pool that reuses a connection just as the server closes it gets a reset on a request it sent
-# (not retried: an infer is a POST), so the server should be the last to close: this outlasts common pools' and
-# load balancers' idle times (Go's 90 s, .NET's and AWS ALB's 60 s), and stays bounded, since every idle
-# connection counts toward MAX_CONNECTIONS.
-KEEP_ALIVE_TIMEOUT_S = 120.0
 # Responses up to this size are joined into one write (a copy costs less than a second write).
 JOIN_BELOW_BYTES = 64 << 10
 # curl -d sends application/x-www-form-urlencoded unless told otherwise: accepted as JSON, as Triton does.
@@ -95,15 +69,6 @@ JSON_HEADERS = [(b"content-type", b"application/json")]
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict]]
 Send = Callable[[dict], Awaitable[None]]
-
-
-def connection_cap(most: int = MAX_CONNECTIONS) -> int:
-    """How many HTTP connections may be open at once: ``most``, or half the soft open-file limit when that is
-    lower, so the other half is left to gRPC, model files and children's pipes."""
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY:
-        return most
-    return max(1, min(most, soft // 2))
 
 
 def status_of(error: NereidError) -> int:
@@ -126,7 +91,7 @@ class HttpError(Exception):
 class Unparsable(HttpError):
     """The HTTP parser could not read the rest of a request's body (a malformed chunk: 400; the server out of
     memory while reading it: 503): the listener has answered it and closed its connection (see
-    :meth:`_BoundedHeadProtocol.send_400_response`), so the handler only counts and logs it."""
+    :meth:`nereid.protocol.http_listener._BoundedHeadProtocol.send_400_response`), so the handler only counts and logs it."""
 
     def __init__(self, message: str, status: int = 400) -> None:
         super().__init__(status, message)
@@ -186,22 +151,22 @@ class HttpSurface:
                             cap_message(scope["path"], 256), gone)
             return
         except HttpError as err:
-            status, body, headers = err.status, _error_body(str(err)), [*JSON_HEADERS, *err.headers]
+            status, body, headers = err.status, error_body(str(err)), [*JSON_HEADERS, *err.headers]
         except NereidError as err:
             status = status_of(err)
-            body, headers = _error_body(self.dataplane.repository.public_text(str(err))), JSON_HEADERS
+            body, headers = error_body(self.dataplane.repository.public_text(str(err))), JSON_HEADERS
         except MemoryError:
             # Not a bug, and not the client's fault: a passing condition of the server, answered without a
             # traceback (formatting one may fail again), as an infer request out of memory is (see _infer).
             _client_log.log(logging.WARNING, "HTTP %s %s: the server ran out of memory; answered 503",
                             scope["method"], cap_message(scope["path"], 256))
             status, headers = 503, JSON_HEADERS
-            body = _error_body(f"the server ran out of memory answering {scope['method']} "
+            body = error_body(f"the server ran out of memory answering {scope['method']} "
                                f"{cap_message(scope['path'], 256)}; try again later")
         except Exception as err:  # a bug, not the client's fault: say so rather than drop the connection
             log.exception("HTTP %s %s failed", scope["method"], cap_message(scope["path"], 256))
             status, headers = 500, JSON_HEADERS
-            body = _error_body(self.dataplane.repository.public_text(f"internal error: {type(err).__name__}: {err}"))
+            body = error_body(self.dataplane.repository.public_text(f"internal error: {type(err).__name__}: {err}"))
         except asyncio.CancelledError:
             if not self.dataplane.shutting_down:
                 raise
@@ -212,7 +177,7 @@ class HttpSurface:
             _client_log.log(logging.INFO, "HTTP %s %s: still being received when shutdown_grace_s passed; "
                             "answered 503", scope["method"], cap_message(scope["path"], 256))
             status, headers = 503, [*JSON_HEADERS, (b"connection", b"close")]
-            body = _error_body("the server is shutting down, and shutdown_grace_s passed before this request was "
+            body = error_body("the server is shutting down, and shutdown_grace_s passed before this request was "
                                "received; send it again to another server")
         if _body_never_asked_for(receive):
             # Answered before its body was asked for (no 100 Continue went out): the client need not send it
@@ -617,7 +582,7 @@ def _health(field: str, ok: bool, **context: str) -> tuple[int, list[bytes | mem
     return _json({**context, field: ok}, 200 if ok else 400)
 
 
-def _error_body(message: str) -> list[bytes]:
+def error_body(message: str) -> list[bytes]:
     try:
         return [orjson.dumps({"error": cap_message(message)})]
     except orjson.JSONEncodeError:  # a lone surrogate (from a name the client sent): escape it instead
@@ -677,443 +642,3 @@ async def _respond(send: Send, status: int, body: list[bytes | memoryview], head
         body = [b"".join(body)]
     for index, part in enumerate(body):
         await send({"type": "http.response.body", "body": part, "more_body": index < len(body) - 1})
-
-
-class HttpListener:
-    """uvicorn (httptools) serving an :class:`HttpSurface` on the running event loop.
-
-    The socket is bound here, so that an address in use is reported with the
-    settings key, and uvicorn installs no signal handlers: the nereid server
-    decides when to stop.
-    """
-
-    def __init__(self, app: HttpSurface, tls: ssl.SSLContext | None = None, grace_s: float | None = None) -> None:
-        self.app = app
-        self.tls = tls
-        self.grace_s = grace_s
-        self._server: _EmbeddedServer | None = None
-        self._task: asyncio.Task | None = None
-        self._records = _UvicornRecords()  # on uvicorn's logger while this listener runs
-
-    async def start(self, addr: str, origin: str = "server.http_addr") -> int:
-        """Listen on ``host:port`` (``[::1]:8000``); returns the bound port. ``origin``: where the address came
-        from, for the error when it cannot be listened on."""
-        host, _, port = addr.rpartition(":")
-        host = host.strip("[]")
-        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            # Accepted connections inherit it: without it, a response written in two parts waits for
-            # the client's delayed ACK (40 ms) before its second part leaves (Nagle's algorithm).
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.bind((host, int(port)))
-        except OSError as err:
-            sock.close()
-            raise OSError(f"cannot listen on {addr} ({origin}): {err.strerror or err}") from None
-        # No log_config and no log_level: uvicorn would otherwise give its loggers handlers of its own, in its
-        # own format, that do not propagate, and a level of their own that ignores --log-level. Its records
-        # go to the root logger's handler, at the root logger's level, through _UvicornRecords.
-        # access_log=False: no line per request (uvicorn then also cuts its access logger off).
-        config = uvicorn.Config(self.app, http=_BoundedHeadProtocol, lifespan="off", log_config=None,
-                                log_level=None, access_log=False, server_header=False, date_header=False,
-                                ws="none", proxy_headers=False, timeout_graceful_shutdown=self.grace_s,
-                                timeout_keep_alive=KEEP_ALIVE_TIMEOUT_S)
-        config.load()
-        if self.tls is not None:
-            config.ssl = self.tls
-        logging.getLogger(UVICORN_LOGGER).addFilter(self._records)
-        self._server = server = _EmbeddedServer(config)
-        self._task = asyncio.create_task(server.serve(sockets=[sock]))
-        started = asyncio.create_task(server.started_event.wait())
-        await asyncio.wait({self._task, started}, return_when=asyncio.FIRST_COMPLETED)
-        if not server.started_event.is_set():
-            started.cancel()
-            task, self._server, self._task = self._task, None, None
-            logging.getLogger(UVICORN_LOGGER).removeFilter(self._records)
-            sock.close()
-            await task  # raises what stopped it
-            raise OSError(f"the HTTP listener on {addr} ({origin}) did not start")
-        return sock.getsockname()[1]
-
-    async def stop(self) -> None:
-        """Stop accepting, let requests in progress finish (bounded by the grace), close."""
-        if self._server is not None and self._task is not None:
-            self._server.should_exit = True
-            try:
-                await self._task
-            finally:
-                self._server = self._task = None
-                logging.getLogger(UVICORN_LOGGER).removeFilter(self._records)
-
-
-# uvicorn writes every line of its own (not only errors) through this logger.
-UVICORN_LOGGER = "uvicorn.error"
-# uvicorn's WARNING for each request httptools cannot parse: a client can send those as fast as it likes.
-INVALID_REQUEST_LINE = "Invalid HTTP request received."
-# uvicorn's ERROR when a stop's grace runs out with requests still running.
-GRACE_EXCEEDED_LINE = "Cancel %s running task(s), timeout graceful shutdown exceeded"
-
-
-class _UvicornRecords(logging.Filter):
-    """uvicorn's log records, as nereid's own: its INFO lines become DEBUG lines, and its line for each
-    request that cannot be parsed is rate-limited (see :class:`~nereid.log_limit.RateLimitFilter`).
-
-    Its INFO lines ("Started server process [...]", "Shutting down", "Waiting for
-    connections to close") tell of the listener's life, which nereid's own lines
-    already say; they are written only when DEBUG is on.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._invalid_requests = RateLimitFilter((INVALID_REQUEST_LINE,))
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        # Its ERROR at the end of a grace that ran out is DEBUG too: that is the documented end of a stop, which
-        # nereid's own WARNING already says (how many executions it ends), and an ERROR would page whoever
-        # alerts on the log.
-        if logging.DEBUG < record.levelno < logging.WARNING or record.msg == GRACE_EXCEEDED_LINE:
-            if not logging.getLogger(record.name).isEnabledFor(logging.DEBUG):
-                return False
-            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
-        return self._invalid_requests.filter(record)
-
-
-def _refusal(status_line: bytes, message: str) -> bytes:
-    """A whole answer written below the app, for a connection closed after it: JSON, as the app's errors are."""
-    body = _error_body(message)[0]
-    return (b"HTTP/1.1 %s\r\ncontent-type: application/json\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s"
-            % (status_line, len(body), body))
-
-
-def _parser_reason(error: BaseException | None) -> str:
-    """What the HTTP parser found wrong with a request, from the error it raised (capped: it may quote the request).
-
-    An error raised in one of uvicorn's parser callbacks (such as its ASCII decode
-    of the path) reaches data_received as the parser's "User callback error",
-    with the callback's own error as its context.
-    """
-    if isinstance(error, httptools.HttpParserCallbackError) and error.__context__ is not None:
-        error = error.__context__
-    if error is None:
-        return "unknown reason"
-    return cap_message(str(error) or type(error).__name__, 200)
-
-
-class _EmbeddedServer(uvicorn.Server):
-    """uvicorn's server without its signal handling, telling when it has started.
-
-    Over TLS, its shutdown does not wait for clients' close_notify: closing a TLS connection sends the
-    server's close_notify, then asyncio waits for the client's (up to 30 s, ``ssl_shutdown_timeout``,
-    which uvicorn does not set), and uvicorn waits for every connection to be gone. An idle keep-alive
-    client that never answers (a pooled connection of requests or tritonclient) held the stop for the
-    whole grace and ended it with uvicorn's ERROR "timeout graceful shutdown exceeded"; over plaintext
-    the same stop returns at once. So during shutdown, a TLS connection whose close was asked for (idle,
-    or its last answer handed over) and whose TLS layer holds nothing more to send for
-    :data:`CLOSE_NOTIFY_WAIT_S` has its TCP connection closed as plaintext's is: what it still buffers
-    is sent first. Requests in flight still finish, within the grace.
-    """
-
-    CLOSE_NOTIFY_WAIT_S = 0.1
-
-    def __init__(self, config: uvicorn.Config) -> None:
-        super().__init__(config)
-        self.started_event = asyncio.Event()
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield  # SIGTERM and SIGINT belong to the nereid server, which stops this listener itself
-
-    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        await super().startup(sockets=sockets)
-        self.started_event.set()
-
-    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        closer = asyncio.create_task(self._close_without_close_notify()) if self.config.ssl else None
-        try:
-            await super().shutdown(sockets=sockets)
-        finally:
-            if closer is not None:
-                closer.cancel()
-
-    async def _close_without_close_notify(self) -> None:
-        waiting: set[int] = set()  # connections seen closed, and flushed, at the last look
-        while True:
-            await asyncio.sleep(self.CLOSE_NOTIFY_WAIT_S)
-            seen = set()
-            for connection in list(self.server_state.connections):
-                transport = getattr(connection, "transport", None)
-                if transport is None or not transport.is_closing() or transport.get_write_buffer_size():
-                    continue
-                seen.add(id(connection))
-                # asyncio's TLS transport over its TCP transport (none under another event loop: there,
-                # the wait for close_notify stays, bounded by the grace).
-                tcp = getattr(getattr(transport, "_ssl_protocol", None), "_transport", None)
-                if id(connection) in waiting and tcp is not None and not tcp.is_closing():
-                    tcp.close()  # sends what it buffers, then closes
-            waiting = seen
-
-
-class _BoundedHeadProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol, bounding connections, request heads, and cancelling requests whose client left.
-
-    A request whose head passes :data:`MAX_HEAD_BYTES` is answered 431. A
-    request whose head has not all arrived :attr:`request_head_timeout_s` after
-    its first byte (after the connection's start, for its first request) is
-    answered 408 and its connection closed, however slowly the head trickles in.
-    A connection that sends nothing for :attr:`request_idle_timeout_s` while a
-    request of it is incomplete (or before its first) is closed, so silent or
-    slow connections cannot pile up; between requests, once every one is
-    answered, an idle connection is kept alive for uvicorn's
-    ``timeout_keep_alive`` (:data:`KEEP_ALIVE_TIMEOUT_S`) from its last answer
-    instead. Bytes that start no request (the empty lines the parser skips
-    before a request) are not heard from: they keep no connection open. A
-    connection past :attr:`max_connections` open at once is answered 503 at
-    once and closed. A request whose connection
-    is lost before its answer has its handler cancelled (see
-    :func:`_unless_disconnected`): a client that only shuts down its sending side
-    looks the same (TCP tells the two apart only when an answer is written), so
-    it is taken as gone too. A request asking to switch protocols
-    (``Upgrade: h2c``) is answered, then its connection closed unread.
-
-    Head bytes are counted as they arrive, not in the parser's callbacks: httptools
-    reports a header only once its value has ended, and buffers it until then.
-    A read that holds the end of one message and the start of the next counts
-    toward neither head (the parser does not say where the next one began), so
-    a head can pass the bound by at most one read.
-    """
-
-    # As nginx's client_header_timeout: the longest a request's line and headers may take to arrive in all. A
-    # timeout between reads alone let a client that sends a byte every 30 s hold a connection for ever.
-    request_head_timeout_s = 60.0
-    # As nginx's client_body_timeout: the longest a client may stay silent in the middle of a request (its body
-    # is bounded by this only: a large upload may take long) or before its first one.
-    request_idle_timeout_s = 60.0
-    # The most connections open at once; None: connection_cap(), read as each connection opens. uvicorn's own
-    # limit_concurrency is no such cap: it refuses a request only once its head is complete (a connection that
-    # never completes one is never refused), and refuses every request while that many connections are open.
-    max_connections: int | None = None
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._head_left: int | None = MAX_HEAD_BYTES  # what the current head may still take; None in a body
-        # When the client last sent part of a request (or the connection started). Bytes outside a request that
-        # start none are not counted: llhttp skips CRLFs before a request's head without a callback, and a
-        # client sending "\r\n" every minute held its connection for ever.
-        self._last_heard = 0.0
-        self._answered_at = 0.0  # when this connection's last answer was all written
-        # When the current head's time started (its first byte, or the connection's start for the first
-        # request); None once it is complete, until the next one's first byte.
-        self._head_since: float | None = None
-        self._head_begun = False  # whether any byte of the current head has arrived
-        self._idle_check: asyncio.TimerHandle | None = None
-        self._unread = False  # nothing more is read: refused over capacity, or asked to switch protocols
-        # The requests of this connection not answered yet: the one being answered and any pipelined behind
-        # it (uvicorn's ``cycle`` is only the newest, so a lost connection would reach only that one).
-        self._unanswered: list[Any] = []
-
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        self._last_heard = self._head_since = self.loop.time()
-        most = self.max_connections if self.max_connections is not None else connection_cap()
-        if len(self.connections) > most:  # (this connection is counted already)
-            self._refuse_connection(most)
-            return
-        self._idle_check = self.loop.call_later(min(self.request_idle_timeout_s, self.request_head_timeout_s),
-                                                self._check_idle)
-
-    def _refuse_connection(self, most: int) -> None:
-        """Answer 503 and close, unread: more connections are open than :attr:`max_connections`."""
-        self._unread = True
-        # Counted no more from now: in a flood, the refused ones waiting for their close would crowd out others.
-        self.connections.discard(self)
-        _capacity_log.warning("HTTP connection from %s refused with 503: %d connections are open, the most served "
-                              "at once (%d, or half the open-file limit when that is lower)", self.client, most,
-                              MAX_CONNECTIONS)
-        self.transport.write(_refusal(b"503 Service Unavailable", f"the server has {most} HTTP connections open, "
-                                                                   "the most it serves at once; try again later"))
-        self.transport.close()
-
-    def _check_idle(self) -> None:
-        """Close the connection if its client has been silent too long while it owes the rest of a request, or
-        has taken too long over a request's head."""
-        self._idle_check = None
-        if self.transport.is_closing():
-            return
-        idle_s, head_s = self.request_idle_timeout_s, self.request_head_timeout_s
-        now = self.loop.time()
-        cycle = self.cycle
-        if cycle is not None and not cycle.more_body and not cycle.response_complete:
-            wait = min(idle_s, head_s)  # answering: the client waits for the server, not the other way round
-        else:
-            head_age = None if self._head_since is None else now - self._head_since
-            if head_age is not None and head_age >= head_s and self._head_begun:
-                self._refuse_slow_head()
-                return
-            # Kept alive between requests (every one answered, no next head begun, not in a body): uvicorn's
-            # keep-alive timer closes it, a client's pool reuses it; this backs that timer up (any byte read,
-            # a skipped CRLF too, cancels it), timing from the last answer as it does: an answer that took
-            # longer than the keep-alive timeout must not have its connection closed as soon as it is out.
-            between = (cycle is not None and cycle.response_complete and not self.pipeline and not self._head_begun
-                       and self._head_left is not None)
-            silent = now - (max(self._last_heard, self._answered_at) if between else self._last_heard)
-            limit_s = max(idle_s, self.timeout_keep_alive) if between else idle_s
-            if silent >= limit_s or (head_age is not None and head_age >= head_s):
-                if not between:
-                    _client_log.log(logging.INFO, "HTTP connection from %s closed: it sent no complete request "
-                                                  "for %.0f s", self.client, silent)
-                self.transport.close()
-                return
-            # Heard from lately: look again when it could next have been silent, or at its head, too long (at
-            # least every idle_s: a head begun meanwhile is timed by the shorter limits).
-            wait = min(limit_s - silent, idle_s) if head_age is None else min(limit_s - silent, head_s - head_age)
-        self._idle_check = self.loop.call_later(max(wait, 0.01), self._check_idle)
-
-    def _refuse_slow_head(self) -> None:
-        """Answer 408 and close (only close when an earlier pipelined answer is still being written)."""
-        limit_s = self.request_head_timeout_s
-        _client_log.log(logging.INFO, "HTTP request from %s refused with 408: its request line and headers did not "
-                                      "all arrive within %g s", self.client, limit_s)
-        self._answer_and_close(b"408 Request Timeout",
-                               f"the request line and headers did not all arrive within {limit_s:g} s")
-
-    def _answer_and_close(self, status: bytes, message: str) -> None:
-        """Answer ``status`` with the JSON error ``message`` and close; only close when an earlier pipelined
-        request's answer is still due (this one would be read as that one's)."""
-        if self.cycle is None or self.cycle.response_complete:
-            self.transport.write(_refusal(status, message))
-        self.transport.close()
-
-    def _unsupported_upgrade_warning(self) -> None:
-        # llhttp stops at the head of a request asking to switch protocols, and takes what follows for the new
-        # protocol: read on, its body (or the next request) would be taken for a request of its own, which a
-        # proxy forwarding Upgrade turns into answers for the wrong clients. The request is answered (the app
-        # refuses one with a body, unread), then the connection is closed without reading any more.
-        self._unread = True
-        if self.cycle is not None:
-            self.cycle.keep_alive = False
-        _client_log.log(logging.INFO, "HTTP request from %s asks to switch protocols, which this server does not "
-                                      "do: it is answered and its connection closed", self.client)
-
-    def data_received(self, data: bytes) -> None:
-        if self._unread:
-            return
-        if self._head_begun or self._head_left is None:  # within a request's head or body: heard from
-            self._last_heard = self.loop.time()
-        # Otherwise only a request's first byte is, in on_message_begin: what comes before it may be CRLFs alone.
-        while self._head_left is not None and len(data) > self._head_left:
-            # Headers and body often come in one read: feed the head's allowance first (the parser
-            # takes a stream cut anywhere), and refuse only when the head did not end within it.
-            allowed = self._head_left
-            self._head_left = 0  # the callbacks below replace it when the head ends
-            super().data_received(data[:allowed])
-            if self.transport.is_closing():
-                return
-            if self._head_left == 0:
-                self._refuse_head()
-                return
-            data = data[allowed:]
-        if self._head_left is not None:
-            self._head_left -= len(data)
-        super().data_received(data)
-
-    def on_message_begin(self) -> None:
-        # The parser calls this at a head's first byte: a later request's head is timed from there (the
-        # keep-alive timeout bounds the wait before it), the first request's from the connection's start.
-        super().on_message_begin()
-        self._head_begun = True
-        self._last_heard = self.loop.time()
-        if self._head_since is None:
-            self._head_since = self.loop.time()
-
-    def on_headers_complete(self) -> None:
-        self._head_left = self._head_since = None
-        self._head_begun = False
-        super().on_headers_complete()
-        if self.cycle is not None and all(cycle is not self.cycle for cycle in self._unanswered):
-            self._unanswered = [cycle for cycle in self._unanswered if not cycle.response_complete]
-            self._unanswered.append(self.cycle)
-
-    def on_message_complete(self) -> None:
-        self._head_left = MAX_HEAD_BYTES
-        super().on_message_complete()
-
-    def on_response_complete(self) -> None:
-        # The keep-alive time between requests runs from here (see _check_idle), as uvicorn's own timer does.
-        self._answered_at = self.loop.time()
-        super().on_response_complete()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if self._idle_check is not None:
-            self._idle_check.cancel()
-            self._idle_check = None
-        super().connection_lost(exc)
-        # uvicorn cancels its keep-alive timer only for a connection closed cleanly: one lost (reset, a broken
-        # pipe) stayed referenced by the timer, with its transport and, over TLS, every unsent byte of its
-        # answer, for the whole KEEP_ALIVE_TIMEOUT_S.
-        self._unset_keepalive_if_required()
-        # A request still waiting for its answer has no one to answer: cancel its handler, as gRPC
-        # does, so a queued request never runs (see _unless_disconnected). That is the one being answered
-        # too when pipelined requests followed it (uvicorn marks only the newest; those never start).
-        for cycle in self._unanswered:
-            if cycle.response_complete:
-                continue
-            cycle.disconnected = True
-            cycle.message_event.set()
-            handler = getattr(cycle, "nereid_handler", None)
-            if handler is not None and not handler.done():
-                handler.cancel()
-        self._unanswered.clear()
-
-    def _refuse_head(self) -> None:
-        """Answer 431 and close; only close when an earlier pipelined answer is still being written."""
-        _client_log.log(logging.INFO, "HTTP request from %s refused with 431: its request line and headers pass %d "
-                                      "bytes", self.client, MAX_HEAD_BYTES)
-        self._answer_and_close(b"431 Request Header Fields Too Large",
-                               f"the request line and headers exceed {MAX_HEAD_BYTES} bytes")
-
-    def send_400_response(self, msg: str) -> None:
-        """Answer a request the HTTP parser cannot read with a JSON 400 naming the parser's reason, and close.
-
-        uvicorn calls this from data_received's ``except HttpParserError`` (after
-        its WARNING, left as it is), with only its fixed text: the parser's error
-        is the one being handled. Only close when an earlier request is still
-        being answered: the 400 would be read as its answer. The parser stopped
-        in the body of a request answered already (a 404 sent before its body
-        was read): that answer was its one, and the connection is only closed,
-        once that answer is out. A request whose own body it stopped in, and
-        that it answers 400, is marked so, for its handler (still waiting for
-        that body) to count and log it as what it is, not as a client gone.
-        """
-        error = sys.exc_info()[1]
-        reason = _parser_reason(error)
-        # The server, not the request, failed: a MemoryError in uvicorn's body callback (appending a read to the
-        # body) reaches here as a parser error too.
-        no_memory = isinstance(error, MemoryError) or isinstance(getattr(error, "__context__", None), MemoryError)
-        cycle = self.cycle
-        # Between a head's end and its message's end (_head_left is None only then): in cycle's body.
-        in_body = cycle is not None and self._head_left is None
-        if in_body and cycle.response_started:
-            self._unread = True  # the parser cannot go on: nothing more is read
-            cycle.keep_alive = False  # uvicorn closes the connection after the answer it is still sending
-            if cycle.response_complete:
-                self.transport.close()
-            return
-        # The parser stopped in a head after every earlier answer, or in this request's own (chunked) body before
-        # its answer began (asyncio drops what its handler writes once the connection is closing).
-        earlier_unanswered = any(other is not cycle and not other.response_complete for other in self._unanswered)
-        if cycle is None or cycle.response_complete or (cycle.more_body and not cycle.response_started
-                                                        and not earlier_unanswered):
-            if no_memory:
-                self.transport.write(_refusal(b"503 Service Unavailable", "the server ran out of memory reading the "
-                                              "request; try again later, and send large tensors as binary data"))
-                if in_body:
-                    cycle.nereid_unparsable = ("the server ran out of memory reading the request body; answered 503 "
-                                               "and its connection closed")
-                    cycle.nereid_unparsable_status = 503
-            else:
-                self.transport.write(_refusal(b"400 Bad Request",
-                                              f"the request cannot be parsed as HTTP/1.1: {reason}"))
-                if in_body:
-                    cycle.nereid_unparsable = (f"the request body cannot be parsed as HTTP/1.1 ({reason}); answered "
-                                               "400 and its connection closed")
-        self.transport.close()

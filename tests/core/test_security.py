@@ -33,7 +33,7 @@ from cryptography.x509.oid import NameOID
 from tritonclient.utils import InferenceServerException
 
 from nereid.errors import ConfigError
-from nereid.protocol.http_service import HttpListener
+from nereid.protocol.http_listener import HttpListener
 from nereid.settings import DEFAULT_MAX_MESSAGE_BYTES, ServerSettings, load_settings, repository_control_allowed
 from nereid.tls import TlsSettings, ssl_context
 from support import NEREID, expect_grpc_error, free_port, process_alive, textproto_single, wait_until

@@ -32,7 +32,7 @@ from cryptography.hazmat.primitives.asymmetric import dsa, ec, ed448, ed25519, r
 from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from nereid.protocol.http_service import HttpListener
+from nereid.protocol.http_listener import HttpListener
 from nereid.tls import TlsFileError, TlsSettings, read_tls_material, server_credentials, ssl_context
 
 # --------------------------------------------------------------------------- certificates

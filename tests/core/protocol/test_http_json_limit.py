@@ -257,7 +257,7 @@ def test_out_of_memory_reading_a_body_is_503(repo, serve):
 def test_out_of_memory_in_the_parsers_body_callback_is_503_not_a_parse_error(served, monkeypatch):
     """Defect: a MemoryError in uvicorn's body callback was answered 400 "the request cannot be parsed as
     HTTP/1.1 (MemoryError)" and counted invalid_argument."""
-    from nereid.protocol.http_service import _BoundedHeadProtocol
+    from nereid.protocol.http_listener import _BoundedHeadProtocol
 
     server, base = served
 

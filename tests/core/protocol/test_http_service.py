@@ -452,7 +452,7 @@ async def _answer_ok(scope, receive, send) -> None:
 
 def uvicorn_records_for_garbage(requests: int) -> None:
     """An HttpListener sent ``requests`` requests httptools cannot parse, then one valid request, then stopped."""
-    from nereid.protocol.http_service import HttpListener
+    from nereid.protocol.http_listener import HttpListener
 
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
@@ -507,7 +507,7 @@ def read_response(connection: socket.socket) -> bytes:
 
 def test_headers_past_the_head_limit_are_431_and_the_server_keeps_serving(served):
     """One endless header was buffered whole (256 MiB sent 1 MiB at a time: RSS 269 -> 728 MiB)."""
-    from nereid.protocol.http_service import MAX_HEAD_BYTES
+    from nereid.protocol.http_listener import MAX_HEAD_BYTES
 
     server, base = served
     start = b"POST /v2/models/echo/infer HTTP/1.1\r\nHost: x\r\nX-Big: "
@@ -528,7 +528,7 @@ def test_headers_past_the_head_limit_are_431_and_the_server_keeps_serving(served
 
 def test_heads_within_the_limit_are_served_when_they_share_reads_with_bodies(served):
     """Heads near the bound, and a head whose read also carries a large body, are not mistaken for long heads."""
-    from nereid.protocol.http_service import MAX_HEAD_BYTES
+    from nereid.protocol.http_listener import MAX_HEAD_BYTES
 
     server, _ = served
     document = b'{"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 4], "data": [1, 2, 3, 4]}]}'
@@ -693,7 +693,7 @@ def test_a_request_asking_to_switch_protocols_is_answered_once_and_its_body_neve
 def test_connections_silent_in_the_middle_of_a_request_are_closed(served, monkeypatch):
     """A connection that never finished its request (a partial head, a partial body, nothing at all) stayed
     open for ever: enough of them took every file descriptor."""
-    from nereid.protocol.http_service import _BoundedHeadProtocol
+    from nereid.protocol.http_listener import _BoundedHeadProtocol
 
     monkeypatch.setattr(_BoundedHeadProtocol, "request_idle_timeout_s", 0.5)
     _, base = served
@@ -733,7 +733,7 @@ def test_uvicorns_error_for_a_grace_that_ran_out_is_a_debug_line() -> None:
 
     import uvicorn.server
 
-    from nereid.protocol.http_service import GRACE_EXCEEDED_LINE, _UvicornRecords
+    from nereid.protocol.http_listener import GRACE_EXCEEDED_LINE, _UvicornRecords
 
     assert f'"{GRACE_EXCEEDED_LINE}"' in inspect.getsource(uvicorn.server)  # the line this uvicorn writes
     records, logger = _UvicornRecords(), logging.getLogger("uvicorn.error")

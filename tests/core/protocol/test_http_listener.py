@@ -50,7 +50,7 @@ async def _answer_with_body_size(scope: dict, receive: Any, send: Any) -> None:
 @pytest.fixture
 def listener(monkeypatch) -> Iterator[int]:
     """A real HttpListener (nereid's uvicorn protocol) on a background loop, with short timeouts; its port."""
-    from nereid.protocol.http_service import HttpListener, _BoundedHeadProtocol
+    from nereid.protocol.http_listener import HttpListener, _BoundedHeadProtocol
 
     # raising=False: on a protocol without a head timeout, the test fails on what it checks, not here.
     monkeypatch.setattr(_BoundedHeadProtocol, "request_head_timeout_s", HEAD_TIMEOUT_S, raising=False)
@@ -156,13 +156,13 @@ def test_a_request_head_trickled_past_the_head_timeout_is_408_and_its_connection
 
 def test_connections_past_the_cap_are_answered_503_and_closed_and_the_others_served(listener, monkeypatch, caplog):
     """Nothing bounded the connections open at once, so one client could take every file descriptor."""
-    from nereid.protocol import http_service
+    from nereid.protocol import http_listener
 
     from nereid.log_limit import RateLimitedLog
 
-    monkeypatch.setattr(http_service._BoundedHeadProtocol, "max_connections", 3, raising=False)
-    monkeypatch.setattr(http_service, "_capacity_log", RateLimitedLog(http_service.log), raising=False)  # unspent
-    caplog.set_level(logging.WARNING, logger=http_service.__name__)
+    monkeypatch.setattr(http_listener._BoundedHeadProtocol, "max_connections", 3, raising=False)
+    monkeypatch.setattr(http_listener, "_capacity_log", RateLimitedLog(http_listener.log), raising=False)  # unspent
+    caplog.set_level(logging.WARNING, logger=http_listener.__name__)
     held = [socket.create_connection(("127.0.0.1", listener), timeout=5) for _ in range(3)]
     try:
         with socket.create_connection(("127.0.0.1", listener), timeout=5) as over:
@@ -171,7 +171,7 @@ def test_connections_past_the_cap_are_answered_503_and_closed_and_the_others_ser
         assert answer.startswith(b"HTTP/1.1 503 Service Unavailable\r\n"), answer
         assert answer.endswith(b'{"error":"the server has 3 HTTP connections open, the most it serves at once; '
                                b'try again later"}')
-        [warning] = [r.getMessage() for r in caplog.records if r.name == http_service.__name__]
+        [warning] = [r.getMessage() for r in caplog.records if r.name == http_listener.__name__]
         assert "refused with 503: 3 connections are open, the most served at once" in warning
         # The connections within the cap are served as ever.
         held[0].sendall(b"POST /v2/x HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\nConnection: close\r\n\r\nabc")
@@ -190,7 +190,7 @@ def test_connections_past_the_cap_are_answered_503_and_closed_and_the_others_ser
 
 
 def test_the_connection_cap_is_half_a_low_open_file_limit() -> None:
-    from nereid.protocol.http_service import MAX_CONNECTIONS, connection_cap
+    from nereid.protocol.http_listener import MAX_CONNECTIONS, connection_cap
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     try:
@@ -207,13 +207,17 @@ def test_hostile_requests_write_at_most_the_log_limits_lines(repo, serve, monkey
     """Each head over 64 KiB, Upgrade: h2c request and disconnect mid-upload wrote an INFO line: 1,000 requests,
     1,000 lines (800 a second from one client)."""
     from nereid.log_limit import RateLimitedLog
-    from nereid.protocol import http_service
+    from nereid.protocol import http_listener, http_service
 
     budget = inspect.signature(RateLimitedLog).parameters["burst"].default
-    monkeypatch.setattr(http_service, "_client_log", RateLimitedLog(http_service.log), raising=False)  # unspent
+    # The listener logs what reaches no request (a head refused, an upgrade), the application the rest: each
+    # through a limit of its own.
+    modules = (http_listener, http_service)
+    for module in modules:
+        monkeypatch.setattr(module, "_client_log", RateLimitedLog(module.log), raising=False)  # unspent
+        caplog.set_level(logging.INFO, logger=module.__name__)
     repo.python("echo")
     port = serve(repo.write_config()).server.http_port
-    caplog.set_level(logging.INFO, logger=http_service.__name__)
     hostile = [
         b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nX-A: " + b"a" * 70_000 + b"\r\n\r\n",
         b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\n"
@@ -234,7 +238,9 @@ def test_hostile_requests_write_at_most_the_log_limits_lines(repo, serve, monkey
     time.sleep(0.3)  # the server sees the last ones gone
     kinds = ("request line and headers pass", "asks to switch protocols", "the client disconnected")
     lines = [r.getMessage() for r in caplog.records if any(kind in r.getMessage() for kind in kinds)]
-    assert 0 < len(lines) <= budget, lines
+    for module in modules:
+        logged = [r for r in caplog.records if r.name == module.__name__ and r.levelno >= logging.INFO]
+        assert 0 < len(logged) <= budget, [r.getMessage() for r in logged]
     assert {kind for kind in kinds for line in lines if kind in line} == set(kinds)  # each kind is still heard of
 
 
@@ -281,12 +287,12 @@ def test_a_connection_idle_between_requests_is_kept_alive_for_the_keep_alive_tim
     """uvicorn closed a kept-alive connection idle for 5 s (its default): a client's pool reusing it just then
     had its request reset. Kept for KEEP_ALIVE_TIMEOUT_S (shortened here), not the idle timeout of a connection
     that owes a request, and closed without a line."""
-    from nereid.protocol import http_service
+    from nereid.protocol import http_listener
 
-    assert http_service.KEEP_ALIVE_TIMEOUT_S == 120  # as README says
+    assert http_listener.KEEP_ALIVE_TIMEOUT_S == 120  # as README says
     keep_alive_s = 0.8
-    monkeypatch.setattr(http_service, "KEEP_ALIVE_TIMEOUT_S", keep_alive_s, raising=False)
-    caplog.set_level(logging.INFO, logger=http_service.__name__)
+    monkeypatch.setattr(http_listener, "KEEP_ALIVE_TIMEOUT_S", keep_alive_s, raising=False)
+    caplog.set_level(logging.INFO, logger=http_listener.__name__)
     port = request.getfixturevalue("listener")  # started with the timeout above
     live = b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n"
     with socket.create_connection(("127.0.0.1", port), timeout=5) as connection:
@@ -299,7 +305,7 @@ def test_a_connection_idle_between_requests_is_kept_alive_for_the_keep_alive_tim
         started = time.monotonic()
         assert _read_all(connection, wait_s=3) == b""  # (returns once the server has closed it)
         assert keep_alive_s - 0.1 <= time.monotonic() - started < keep_alive_s + 0.5
-    assert [r.getMessage() for r in caplog.records if r.name == http_service.__name__] == []
+    assert [r.getMessage() for r in caplog.records if r.name == http_listener.__name__] == []
 
 
 def _wait_for_close(connection: socket.socket, give_up_s: float, crlf_every_s: float | None = None) -> float | None:
@@ -325,11 +331,11 @@ def test_a_kept_alive_connection_is_timed_from_its_last_answer_and_crlfs_do_not_
     the keep-alive time ran from the request's last byte, so an answer slower than it had its connection closed
     as soon as it was out. Both are closed KEEP_ALIVE_TIMEOUT_S (shortened here) after their last answer,
     without a line."""
-    from nereid.protocol import http_service
+    from nereid.protocol import http_listener
 
     keep_alive_s = 0.8
-    monkeypatch.setattr(http_service, "KEEP_ALIVE_TIMEOUT_S", keep_alive_s, raising=False)
-    caplog.set_level(logging.INFO, logger=http_service.__name__)
+    monkeypatch.setattr(http_listener, "KEEP_ALIVE_TIMEOUT_S", keep_alive_s, raising=False)
+    caplog.set_level(logging.INFO, logger=http_listener.__name__)
     port = request.getfixturevalue("listener")  # started with the timeout above
 
     def closed_after_answer(path: str, crlf_every_s: float | None) -> float | None:
@@ -344,21 +350,21 @@ def test_a_kept_alive_connection_is_timed_from_its_last_answer_and_crlfs_do_not_
         closed = {"CRLFs every 0.1 s": crlfs.result(), "a slow answer": slow.result()}  # s after the answer
     assert all(seconds is not None and keep_alive_s - 0.1 <= seconds < keep_alive_s + 0.5
                for seconds in closed.values()), closed
-    assert [r.getMessage() for r in caplog.records if r.name == http_service.__name__] == []
+    assert [r.getMessage() for r in caplog.records if r.name == http_listener.__name__] == []
 
 
 def test_crlfs_before_a_first_request_do_not_keep_its_connection_open(monkeypatch, request, caplog):
     """Before a first request, the CRLFs llhttp skips restarted the idle clock too: such a connection was closed
     only by the head timeout (raised here to tell them apart), not the idle one."""
-    from nereid.protocol import http_service
+    from nereid.protocol import http_listener
 
-    caplog.set_level(logging.INFO, logger=http_service.__name__)
+    caplog.set_level(logging.INFO, logger=http_listener.__name__)
     port = request.getfixturevalue("listener")
     # After the fixture's own (read at each check): far past the idle timeout, and past the test's patience.
-    monkeypatch.setattr(http_service._BoundedHeadProtocol, "request_head_timeout_s", 5.0)
+    monkeypatch.setattr(http_listener._BoundedHeadProtocol, "request_head_timeout_s", 5.0)
     with socket.create_connection(("127.0.0.1", port), timeout=5) as connection:
         seconds = _wait_for_close(connection, IDLE_TIMEOUT_S + 1.2, crlf_every_s=TRICKLE_S)
         assert seconds is not None and IDLE_TIMEOUT_S - 0.1 <= seconds < IDLE_TIMEOUT_S + 0.5, seconds
         assert _read_all(connection, wait_s=0.5) == b""  # closed unanswered: no request began
-    [line] = [r.getMessage() for r in caplog.records if r.name == http_service.__name__]
+    [line] = [r.getMessage() for r in caplog.records if r.name == http_listener.__name__]
     assert "closed: it sent no complete request for" in line, line
