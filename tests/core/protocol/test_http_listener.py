@@ -1,8 +1,9 @@
-"""What a hostile HTTP client can do to the REST listener, over real sockets on the loopback.
+"""The HTTP listener (uvicorn under the REST application), over real sockets on the loopback.
 
-Each test reproduces a defect a security review found: a client trickling its
+Most tests reproduce a defect a security review found: a client trickling its
 request heads held connections (and file descriptors) for ever, and each
-hostile request wrote a log line of its own.
+hostile request wrote a log line of its own. The others check its address and
+its share of the server's log.
 """
 
 from __future__ import annotations
@@ -14,12 +15,18 @@ import logging
 import resource
 import select
 import socket
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
 
 import pytest
+
+from support import free_port
+
+NEREID = [sys.executable, "-m", "nereid.cli"]
 
 # Short enough for a quick test, long enough that a loaded machine does not trip it by accident.
 HEAD_TIMEOUT_S = 0.6
@@ -368,3 +375,89 @@ def test_crlfs_before_a_first_request_do_not_keep_its_connection_open(monkeypatc
         assert _read_all(connection, wait_s=0.5) == b""  # closed unanswered: no request began
     [line] = [r.getMessage() for r in caplog.records if r.name == http_listener.__name__]
     assert "closed: it sent no complete request for" in line, line
+
+
+def test_serve_reports_an_http_address_in_use(repo):
+    repo.python("echo")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = repo.write_config(metrics_addr="")
+        config.write_text(config.read_text().replace('http_addr: "127.0.0.1:0"', f'http_addr: "127.0.0.1:{port}"'))
+        result = subprocess.run([*NEREID, "serve", "--config", str(config), "--bind", f"127.0.0.1:{free_port()}"],
+                                capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port} (server.http_addr)" in result.stderr
+
+
+async def _answer_ok(scope, receive, send) -> None:
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+    await send({"type": "http.response.body", "body": b"ok"})
+
+
+def uvicorn_records_for_garbage(requests: int) -> None:
+    """An HttpListener sent ``requests`` requests httptools cannot parse, then one valid request, then stopped."""
+    from nereid.protocol.http_listener import HttpListener
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    listener = HttpListener(_answer_ok, grace_s=5)
+    try:
+        port = asyncio.run_coroutine_threadsafe(listener.start("127.0.0.1:0"), loop).result(10)
+        for _ in range(requests):
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as connection:
+                connection.sendall(b"GARBAGE\r\n\r\n")
+                assert _read_all(connection).startswith(b"HTTP/1.1 400 ")
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as connection:
+            connection.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            answer = _read_all(connection)
+        assert answer.startswith(b"HTTP/1.1 200 ") and answer.endswith(b"\r\n\r\nok"), answer
+    finally:
+        asyncio.run_coroutine_threadsafe(listener.stop(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+
+
+def test_uvicorns_lines_go_through_the_servers_logging_and_unparsable_requests_are_rate_limited(caplog):
+    """uvicorn gave its loggers handlers of their own (its format, not propagated, its own level): with
+    --log-level ERROR every malformed request still wrote "WARNING:  Invalid HTTP request received."."""
+    from nereid.log_limit import RateLimitFilter
+
+    burst = inspect.signature(RateLimitFilter).parameters["burst"].default
+    caplog.set_level(logging.INFO)
+    uvicorn_records_for_garbage(burst + 3)
+    uvicorns = [r for r in caplog.records if r.name.startswith("uvicorn")]
+    assert [(r.name, r.levelname, r.getMessage()) for r in uvicorns] == \
+        [("uvicorn.error", "WARNING", "Invalid HTTP request received.")] * burst  # no access log, no INFO chatter
+    caplog.clear()
+    # As --log-level ERROR: the root logger's level; nereid's stderr handler has none of its own.
+    logging.getLogger().setLevel(logging.ERROR)  # (caplog puts the level back after the test)
+    caplog.handler.setLevel(logging.NOTSET)
+    uvicorn_records_for_garbage(2)
+    assert [r for r in caplog.records if r.name.startswith("uvicorn")] == []
+    caplog.set_level(logging.DEBUG)
+    uvicorn_records_for_garbage(0)  # its INFO lines are DEBUG lines
+    assert {r.levelname for r in caplog.records if r.name.startswith("uvicorn")} == {"DEBUG"}
+
+
+def test_uvicorns_error_for_a_grace_that_ran_out_is_a_debug_line() -> None:
+    """Defect: a stop whose grace ran out (documented; nereid logs its own WARNING with the count) also wrote
+    uvicorn's "ERROR uvicorn.error: Cancel 4 running task(s), timeout graceful shutdown exceeded"."""
+    import uvicorn.server
+
+    from nereid.protocol.http_listener import GRACE_EXCEEDED_LINE, _UvicornRecords
+
+    assert f'"{GRACE_EXCEEDED_LINE}"' in inspect.getsource(uvicorn.server)  # the line this uvicorn writes
+    records, logger = _UvicornRecords(), logging.getLogger("uvicorn.error")
+    previous = logger.level
+    try:
+        for level, shown in ((logging.INFO, False), (logging.DEBUG, True)):
+            logger.setLevel(level)
+            record = logger.makeRecord(logger.name, logging.ERROR, __file__, 1, GRACE_EXCEEDED_LINE, (4,), None)
+            assert records.filter(record) is shown
+            assert record.levelname == "DEBUG" or not shown
+    finally:
+        logger.setLevel(previous)

@@ -7,8 +7,6 @@ import json
 import logging
 import re
 import socket
-import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -21,9 +19,7 @@ import tritonclient.http as http
 import tritonclient.http.aio as http_aio
 from tritonclient.utils import InferenceServerException
 
-from support import ECHO_MAIN, free_port, textproto_single
-
-NEREID = [sys.executable, "-m", "nereid.cli"]
+from support import ECHO_MAIN, textproto_single
 
 SLOW_MAIN = '''
 import os, sys, time
@@ -431,71 +427,6 @@ def test_a_web_pages_repository_load_or_unload_is_403(repo, serve):
     assert call(base, "POST", "/v2/repository/models/echo/unload", b"")[0] == 200  # curl's, without Origin
 
 
-def test_serve_reports_an_http_address_in_use(repo):
-    repo.python("echo")
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        config = repo.write_config(metrics_addr="")
-        config.write_text(config.read_text().replace('http_addr: "127.0.0.1:0"', f'http_addr: "127.0.0.1:{port}"'))
-        result = subprocess.run([*NEREID, "serve", "--config", str(config), "--bind", f"127.0.0.1:{free_port()}"],
-                                capture_output=True, text=True, timeout=60)
-    assert result.returncode == 1
-    assert f"cannot listen on 127.0.0.1:{port} (server.http_addr)" in result.stderr
-
-
-async def _answer_ok(scope, receive, send) -> None:
-    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
-    await send({"type": "http.response.body", "body": b"ok"})
-
-
-def uvicorn_records_for_garbage(requests: int) -> None:
-    """An HttpListener sent ``requests`` requests httptools cannot parse, then one valid request, then stopped."""
-    from nereid.protocol.http_listener import HttpListener
-
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    listener = HttpListener(_answer_ok, grace_s=5)
-    try:
-        port = asyncio.run_coroutine_threadsafe(listener.start("127.0.0.1:0"), loop).result(10)
-        for _ in range(requests):
-            with socket.create_connection(("127.0.0.1", port), timeout=10) as connection:
-                connection.sendall(b"GARBAGE\r\n\r\n")
-                assert read_response(connection).startswith(b"HTTP/1.1 400 ")
-        assert call(f"127.0.0.1:{port}", "GET", "/")[:2] == (200, b"ok")
-    finally:
-        asyncio.run_coroutine_threadsafe(listener.stop(), loop).result(10)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
-        loop.close()
-
-
-def test_uvicorns_lines_go_through_the_servers_logging_and_unparsable_requests_are_rate_limited(caplog):
-    """uvicorn gave its loggers handlers of their own (its format, not propagated, its own level): with
-    --log-level ERROR every malformed request still wrote "WARNING:  Invalid HTTP request received."."""
-    import inspect
-
-    from nereid.log_limit import RateLimitFilter
-
-    burst = inspect.signature(RateLimitFilter).parameters["burst"].default
-    caplog.set_level(logging.INFO)
-    uvicorn_records_for_garbage(burst + 3)
-    uvicorns = [r for r in caplog.records if r.name.startswith("uvicorn")]
-    assert [(r.name, r.levelname, r.getMessage()) for r in uvicorns] == \
-        [("uvicorn.error", "WARNING", "Invalid HTTP request received.")] * burst  # no access log, no INFO chatter
-    caplog.clear()
-    # As --log-level ERROR: the root logger's level; nereid's stderr handler has none of its own.
-    logging.getLogger().setLevel(logging.ERROR)  # (caplog puts the level back after the test)
-    caplog.handler.setLevel(logging.NOTSET)
-    uvicorn_records_for_garbage(2)
-    assert [r for r in caplog.records if r.name.startswith("uvicorn")] == []
-    caplog.set_level(logging.DEBUG)
-    uvicorn_records_for_garbage(0)  # its INFO lines are DEBUG lines
-    assert {r.levelname for r in caplog.records if r.name.startswith("uvicorn")} == {"DEBUG"}
-
-
 def read_response(connection: socket.socket) -> bytes:
     """Everything the server sends until it closes the connection (fails after 10 s)."""
     connection.settimeout(10)
@@ -725,27 +656,6 @@ def test_wrong_methods_are_405_with_allow_head_is_get_without_a_body_and_other_c
                                      "Inference-Header-Content-Length": "0"}))
     assert status == 400 and "Inference-Header-Content-Length 0 (Triton's raw binary request" in message
 
-
-def test_uvicorns_error_for_a_grace_that_ran_out_is_a_debug_line() -> None:
-    """Defect: a stop whose grace ran out (documented; nereid logs its own WARNING with the count) also wrote
-    uvicorn's "ERROR uvicorn.error: Cancel 4 running task(s), timeout graceful shutdown exceeded"."""
-    import inspect
-
-    import uvicorn.server
-
-    from nereid.protocol.http_listener import GRACE_EXCEEDED_LINE, _UvicornRecords
-
-    assert f'"{GRACE_EXCEEDED_LINE}"' in inspect.getsource(uvicorn.server)  # the line this uvicorn writes
-    records, logger = _UvicornRecords(), logging.getLogger("uvicorn.error")
-    previous = logger.level
-    try:
-        for level, shown in ((logging.INFO, False), (logging.DEBUG, True)):
-            logger.setLevel(level)
-            record = logger.makeRecord(logger.name, logging.ERROR, __file__, 1, GRACE_EXCEEDED_LINE, (4,), None)
-            assert records.filter(record) is shown
-            assert record.levelname == "DEBUG" or not shown
-    finally:
-        logger.setLevel(previous)
 
 
 def test_a_body_the_parser_cannot_read_is_one_400_counted_and_logged_as_such(repo, serve, monkeypatch, caplog):
