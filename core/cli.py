@@ -15,17 +15,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Coroutine
 
-import nereid.repository
+import nereid.backend_calls
 from nereid.backend import CallsModels, ModelContext, ReportsRuntime, runtime_report_problem
+from nereid.backend_calls import bounded_backend_call
 from nereid.dependencies import settle
 from nereid.errors import ConfigError, backend_exit, plugin_failures
 from nereid.files import check_confined
 from nereid.leftovers import ScratchFolderError, make_scratch_folder, remove_scratch_folder
 from nereid.log_format import one_record_per_line, stderr_handler
 from nereid.log_limit import EndedCallFilter, RateLimitFilter
+from nereid.model_building import build_model
 from nereid.processes import kill_children, not_ignored
 from nereid.plugins import NereidPluginManager, add_commands, check_backend_defaults, error_text, make_plugin_manager
-from nereid.repository import bounded_backend_call, build_model
 from nereid.storage import list_model_folders, materialize_model_folder
 from nereid.settings import Listeners, Settings, address_problem, load_settings
 
@@ -438,7 +439,7 @@ def _check_model(settings: Settings, manager: NereidPluginManager, scratch: Path
     try:
         # Bounded, as the server's: a native library's nereid_unload that never returns must not hang the check.
         if not asyncio.run(bounded_backend_call(name, "unload", built.backend.unload)):
-            status = f"UNLOAD DID NOT RETURN within {nereid.repository.BACKEND_CALL_WAIT_S:g} s; loaded as"
+            status = f"UNLOAD DID NOT RETURN within {nereid.backend_calls.BACKEND_CALL_WAIT_S:g} s; loaded as"
     except Exception as err:
         status = f"UNLOAD FAILED: {error_text(err)}; loaded as"
     if unavailable is not None:

@@ -21,26 +21,25 @@ import time
 import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Coroutine, Iterable, Mapping, Protocol, TypeVar
+from typing import AsyncIterator, Callable, Coroutine, Iterable, Protocol
 
 import pluggy
 
 import nereid
-from nereid.backend import (CallsModels, HasBatchSignature, Model, ModelCaller, ModelContext, Relocatable, Terminable,
-                            missing_model_parts)
-from nereid.batching import BatchPolicy
+from nereid.backend import CallsModels, Model, ModelCaller, ModelContext, Relocatable
 from nereid.dependencies import READY, Readiness, settle
 from nereid.errors import (ConfigError, NotFound, PublicText, Unavailable, backend_exit, calling_plugin,
                            cap_message, describe_exception, without_stop_iteration)
 from nereid.files import check_confined
+from nereid.backend_calls import on_daemon_thread, terminate_backend, unload_backend, unload_unclaimed
 from nereid.leftovers import remove_model_leftovers
 from nereid.log_limit import RateLimitedLog
+from nereid.model_building import BuiltModel, build_model
 from nereid.model_runner import Runner, make_runner
-from nereid.plugins import NereidPluginManager, check_backend_defaults, claim_folder
-from nereid.runtime_options import LayeredRuntime
+from nereid.plugins import check_backend_defaults
 from nereid.scheduler import ModelScheduler
 from nereid.settings import ModelSettings, Settings
-from nereid.signature import ModelSignature, brief_repr
+from nereid.signature import ModelSignature
 from nereid.stats import ModelStats
 from nereid.storage import (StorageError, drop_mirror_folder, forget_listed_folder, materialize_model_folder,
                             mirror_leftovers, model_folder_exists, scan_model_folders, store_failed,
@@ -50,10 +49,6 @@ from nereid.storage.mirror import CACHE_SUBFOLDER
 log = logging.getLogger(__name__)
 
 NOT_LISTED_REASON = "not listed in nereid.yaml; load it with RepositoryModelLoad"
-# The longest a backend's unload or terminate_running is waited for before it is abandoned.
-BACKEND_CALL_WAIT_S = 30.0
-
-T = TypeVar("T")
 
 
 class ModelState(str, enum.Enum):
@@ -130,17 +125,6 @@ class ModelEntry:
 
 
 @dataclass(frozen=True)
-class BuiltModel:
-    """A loaded backend with what the core derived from it."""
-
-    backend_name: str
-    backend: Model
-    signature: ModelSignature
-    batch_signature: ModelSignature
-    policy: BatchPolicy
-
-
-@dataclass(frozen=True)
 class RepositoryScan:
     """One look at the model folders: their names, or why they could not be listed."""
 
@@ -157,77 +141,6 @@ class RetiringVersion:
     name: str  # the name it served under
     loaded: LoadedModel
     scratch_names: frozenset[str]  # its entry's scratch folders: kept while it runs
-
-
-def build_model(manager: NereidPluginManager, context: ModelContext,
-                backend_defaults: Mapping[str, Mapping[str, Any]] | None = None,
-                defaults_source: Path | str = "") -> BuiltModel:
-    """Claim, create and load one model; raise with the reason when it cannot be served.
-
-    ``backend_defaults`` (nereid.yaml's ``backends:``, from the file
-    ``defaults_source``) gives runtime options for every model of the claiming
-    backend; the model's own ``runtime:`` wins.
-    The model object is checked against the :class:`Model` protocol once,
-    after its ``load()`` (which may set ``platform``): one lacking a part is
-    refused naming its backend and what it lacks, and unloaded (when it can be).
-    Blocking (backends compile and read files here): call it on a worker thread.
-    A ``sys.exit()`` (or any exit) in the backend's code is its failure, a
-    ConfigError naming the model, never an exit of the server or the check.
-    """
-    return calling_plugin(
-        lambda: _build_model(manager, context, backend_defaults, defaults_source),
-        lambda exit_: backend_exit(context.name, exit_, "while loading it"))
-
-
-def _build_model(manager: NereidPluginManager, context: ModelContext,
-                 backend_defaults: Mapping[str, Mapping[str, Any]] | None, defaults_source: Path | str) -> BuiltModel:
-    result = claim_folder(manager, context.folder, context.settings.backend)
-    if result.claim is None:
-        raise ConfigError(result.reason)
-    defaults = (backend_defaults or {}).get(result.backend_name)
-    if defaults:
-        runtime = LayeredRuntime(context.settings.runtime, defaults,
-                                 f"{defaults_source}: backends.{result.backend_name}" if defaults_source
-                                 else f"backends.{result.backend_name}")
-        context = replace(context, settings=replace(context.settings, runtime=runtime))
-    backend = result.claim.create(context)
-    missing = missing_model_parts(backend)
-    if "load()" in missing:  # nothing to load: refused at once
-        raise _lacking(manager, result.backend_name, backend, missing)
-    backend.load()
-    try:
-        missing = missing_model_parts(backend)
-        if missing:
-            raise _lacking(manager, result.backend_name, backend, missing)
-        signature = _checked_signature(manager, result.backend_name, backend, "signature", backend.signature())
-        batch_signature = (_checked_signature(manager, result.backend_name, backend, "batch_signature",
-                                              backend.batch_signature())
-                           if isinstance(backend, HasBatchSignature) else signature)
-        policy = BatchPolicy.resolve(context.settings.batching, batch_signature, context.settings_origin)
-        if isinstance(backend, CallsModels):  # each request is an orchestration with its own deadline
-            policy = BatchPolicy(enabled=False)
-    except BaseException:
-        if "unload()" not in missing:  # what load() acquired must not leak
-            backend.unload()
-        raise
-    return BuiltModel(result.backend_name, backend, signature, batch_signature, policy)
-
-
-def _checked_signature(manager: NereidPluginManager, backend_name: str, model: object, method: str,
-                       value: object) -> ModelSignature:
-    """``value``, what ``model.<method>()`` returned, when it is a ModelSignature; ConfigError naming the backend
-    otherwise (it read as "'NoneType' object has no attribute 'batches'")."""
-    if not isinstance(value, ModelSignature):
-        raise ConfigError(f"{manager.describe(backend_name)}: its model object ({type(model).__name__}) returned "
-                          f"{type(value).__name__} {brief_repr(value)} from {method}(), expected a "
-                          "nereid.signature.ModelSignature")
-    return value
-
-
-def _lacking(manager: NereidPluginManager, backend_name: str, model: object, missing: list[str]) -> ConfigError:
-    """The reason a model object lacking ``missing`` parts of the Model protocol is refused, naming its backend."""
-    return ConfigError(f"{manager.describe(backend_name)} made a model object ({type(model).__name__}) without "
-                       f"{', '.join(missing)}: see the Model protocol in nereid.backend")
 
 
 class RepositoryEvents(Protocol):
@@ -613,8 +526,8 @@ class ModelRepository:
             stamped = await asyncio.to_thread(folder_stamp, entry.folder)  # before the build reads the files
             stamp = stamped[0] if stamped is not None else None
         started = time.monotonic()
-        built = await _on_daemon_thread(functools.partial(self._build, context), f"nereid-load-{name}",
-                                        functools.partial(_unload_unclaimed, name))
+        built = await on_daemon_thread(functools.partial(self._build, context), f"nereid-load-{name}",
+                                        functools.partial(unload_unclaimed, name))
         load_seconds = time.monotonic() - started
         scheduler: ModelScheduler | None = None
         try:
@@ -639,7 +552,7 @@ class ModelRepository:
         except Exception:
             if scheduler is not None:  # its batcher task is running: end it, or asyncio logs it destroyed
                 await scheduler.drain(0)
-            await _unload(name, built.backend)
+            await unload_backend(name, built.backend)
             raise
         if self.events is not None:
             self.events.model_loaded(name, load_seconds)
@@ -905,7 +818,7 @@ class ModelRepository:
         """
         for name, loaded in self.versions():  # old versions still draining in the background too
             if not loaded.scheduler.idle:
-                await _terminate(name, loaded.backend)
+                await terminate_backend(name, loaded.backend)
 
     async def unload_all(self, grace_s: float | None = None) -> None:
         """Unload every loaded model (server shutdown), once the work left in the background is done (old
@@ -951,13 +864,13 @@ class ModelRepository:
         backend = loaded.backend
 
         async def end_running() -> None:
-            await _terminate(name, backend)  # never raises: the unload goes on past a failing terminate
+            await terminate_backend(name, backend)  # never raises: the unload goes on past a failing terminate
 
         try:
             # Bounded by the grace: an abandoned request's thread must not hold the unload (or the loop).
             await loaded.scheduler.drain(self.settings.server.shutdown_grace_s if grace_s is None else grace_s,
                                          end_running)
-            await _unload(name, backend)
+            await unload_backend(name, backend)
         finally:
             self._retiring.pop(id(loaded), None)
         await self._drop_scratch(retiring.scratch_names)
@@ -1078,7 +991,7 @@ class ModelRepository:
             except OSError as err:
                 log.warning("model '%s': cannot remove its scratch folder: %s", name, err)
                 continue
-            await _on_daemon_thread(functools.partial(shutil.rmtree, doomed, ignore_errors=True),
+            await on_daemon_thread(functools.partial(shutil.rmtree, doomed, ignore_errors=True),
                                     f"nereid-drop-scratch-{name}")
 
     def _drop_mirrors_soon(self, names: Iterable[str]) -> None:
@@ -1145,98 +1058,6 @@ def _waiting_for_folder(name: str) -> str:
 def _is_folder_name(name: str) -> bool:
     """True for a name that could be a model folder directly under ml_backends_path."""
     return bool(name) and len(name) <= 255 and "/" not in name and "\0" not in name and not name.startswith(".")
-
-
-def _on_daemon_thread(call: Callable[[], T], thread_name: str,
-                      unclaimed: Callable[[T], None] | None = None) -> asyncio.Future:
-    """Run ``call`` on a daemon thread; the returned future carries its result, or whatever it raised.
-
-    Not asyncio's default executor: asyncio.run() and the interpreter both wait
-    for its threads at exit (a 66 s load delayed SIGTERM by 71 s), and a call
-    that never returns (a native library's nereid_unload) took one of its few
-    threads for good, stalling every scan and large decode of the server. A
-    result nobody takes any more (its caller cancelled the future, or the loop
-    has closed) goes to ``unclaimed``, on the thread.
-    """
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future = loop.create_future()
-
-    def deliver(result: T | None, error: BaseException | None) -> None:
-        if future.cancelled():
-            return
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)
-
-    def run() -> None:
-        result, error = None, None
-        try:
-            result = without_stop_iteration(call)
-        except BaseException as err:  # handed to the caller, whatever it is
-            error = err
-        if not future.cancelled():
-            try:
-                loop.call_soon_threadsafe(deliver, result, error)
-                return
-            except RuntimeError:  # the loop has closed: nobody waits any more
-                pass
-            finally:
-                del error  # no traceback cycle through this frame
-        if result is not None and unclaimed is not None:
-            unclaimed(result)
-
-    threading.Thread(target=run, name=thread_name, daemon=True).start()
-    return future
-
-
-def _unload_unclaimed(name: str, built: BuiltModel) -> None:
-    """Unload a model whose load finished after its caller abandoned it: what its ``load()`` acquired must not leak."""
-    log.info("model '%s': load finished after it was abandoned; unloading it", name)
-    try:
-        built.backend.unload()
-    except Exception:
-        log.exception("model '%s': unload after an abandoned load failed", name)
-
-
-async def _terminate(name: str, backend: Model) -> None:
-    """End ``backend``'s running executions if it can; a failure is logged naming the model, never raised.
-
-    A grace has passed when this is called: a backend's bug (a wrong
-    ``terminate_running`` signature, say) must not keep the model UNLOADING
-    for ever, nor stop the server's shutdown before its models are unloaded.
-    """
-    if not isinstance(backend, Terminable):
-        return
-    try:
-        await bounded_backend_call(name, "terminate_running", backend.terminate_running)
-    except Exception:
-        log.exception("model '%s': terminate_running failed; unloading it anyway", name)
-
-
-async def _unload(name: str, backend: Model) -> None:
-    """Call ``backend.unload()`` off the loop; a failure is logged naming the model, never raised."""
-    try:
-        await bounded_backend_call(name, "unload", backend.unload)
-    except Exception:
-        log.exception("model '%s': unload failed", name)
-
-
-async def bounded_backend_call(name: str, what: str, call: Callable[[], object]) -> bool:
-    """Run a backend's ``unload`` or ``terminate_running`` on a daemon thread, waiting at most
-    :data:`BACKEND_CALL_WAIT_S`; one that does not return by then is abandoned (its thread runs on), logged,
-    and False returned. What it raises is raised.
-    """
-    # sys.exit() in a backend's unload is no exit of the server's.
-    guarded = functools.partial(calling_plugin, call, lambda exit_: RuntimeError(describe_exception(exit_)))
-    done = _on_daemon_thread(guarded, f"nereid-{what}-{name}")
-    try:
-        await asyncio.wait_for(asyncio.shield(done), BACKEND_CALL_WAIT_S)
-    except TimeoutError:
-        log.error("model '%s': %s did not return within %g s; abandoning it (its thread runs on)", name, what,
-                  BACKEND_CALL_WAIT_S)
-        return False
-    return True
 
 
 def _reason(err: BaseException) -> str:

@@ -523,12 +523,12 @@ def test_check_reports_a_model_failing_after_its_load_on_its_line_and_goes_on(tm
 
 def test_check_reports_an_unload_that_never_returns_and_goes_on(tmp_path, capsys, monkeypatch) -> None:
     """A backend's unload that never returned (a native library's nereid_unload) hung the check for ever."""
-    import nereid.repository
+    import nereid.backend_calls
     from nereid.cli import check
     from nereid.plugins import make_plugin_manager
     from nereid.settings import load_settings
 
-    monkeypatch.setattr(nereid.repository, "BACKEND_CALL_WAIT_S", 0.3)
+    monkeypatch.setattr(nereid.backend_calls, "BACKEND_CALL_WAIT_S", 0.3)
     toy_backends.write_faulty(tmp_path / "ml-backends", "a_stuck", "unload_hangs")
     toy_backends.write_toy(tmp_path / "ml-backends", "b_plain")
     (tmp_path / "nereid.yaml").write_text('server:\n  ml_backends_path: "ml-backends"\n')

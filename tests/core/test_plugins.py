@@ -476,7 +476,7 @@ def test_a_plugin_exiting_is_its_failure_and_never_ends_the_process(site, repo, 
 
     from nereid.backend import ModelContext
     from nereid.errors import ConfigError
-    from nereid.repository import build_model
+    from nereid.model_building import build_model
     from nereid.settings import ModelSettings
 
     _install(site, EXITING_PLUGINS)

@@ -505,9 +505,9 @@ def test_an_unload_that_never_returns_is_abandoned_after_its_bound(tmp_path, roo
     import threading
     import time
 
-    import nereid.repository
+    import nereid.backend_calls
 
-    monkeypatch.setattr(nereid.repository, "BACKEND_CALL_WAIT_S", 0.3)
+    monkeypatch.setattr(nereid.backend_calls, "BACKEND_CALL_WAIT_S", 0.3)
     for name in ("stuck", "fine"):
         write_toy(root, name)
     repo = repository(tmp_path)
@@ -535,25 +535,6 @@ def test_an_unload_that_never_returns_is_abandoned_after_its_bound(tmp_path, roo
         release.set()
     assert took < 8 * 0.3 + 5
     assert caplog.text.count("model 'stuck': unload did not return within 0.3 s; abandoning it") >= 7
-
-
-def test_a_backend_call_that_exits_raises_its_failure_and_never_ends_the_process() -> None:
-    """sys.exit() (or KeyboardInterrupt) in a backend's unload or terminate_running is its failure."""
-    from nereid.repository import bounded_backend_call
-
-    def exits() -> None:
-        raise SystemExit(3)
-
-    def interrupts() -> None:
-        raise KeyboardInterrupt
-
-    async def scenario() -> None:
-        assert await bounded_backend_call("m", "unload", lambda: None) is True
-        with pytest.raises(RuntimeError, match="^SystemExit: 3$"):
-            await bounded_backend_call("m", "unload", exits)
-        with pytest.raises(RuntimeError, match="^KeyboardInterrupt$"):
-            await bounded_backend_call("m", "terminate_running", interrupts)
-    asyncio.run(scenario())
 
 
 def test_a_removed_models_scratch_folder_is_deleted_off_the_loop_and_never_under_a_new_one(tmp_path, root,

@@ -17,7 +17,7 @@ from nereid.dependencies import describe_cycle, find_cycle
 from nereid.errors import ConfigError, ModelFailure, Unavailable
 from nereid.model_hooks import identity
 from nereid.plugins import claim_folder, make_plugin_manager
-from nereid.repository import build_model
+from nereid.model_building import build_model
 from nereid.settings import ModelSettings, load_settings
 from nereid.tensors import NamedTensor
 

@@ -1,0 +1,119 @@
+"""Calls into a backend that must not hold the server: on daemon threads, bounded, their failures logged.
+
+A backend's ``load()``, ``unload()`` and ``terminate_running()`` are its own
+code: they may block for long, never return, or raise anything. The server
+runs them where neither its event loop nor its exit waits for them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import threading
+from typing import TYPE_CHECKING, Callable, TypeVar
+
+from nereid.backend import Model, Terminable
+from nereid.errors import calling_plugin, describe_exception, without_stop_iteration
+
+if TYPE_CHECKING:
+    from nereid.model_building import BuiltModel
+
+log = logging.getLogger(__name__)
+
+# The longest a backend's unload or terminate_running is waited for before it is abandoned.
+BACKEND_CALL_WAIT_S = 30.0
+
+T = TypeVar("T")
+
+
+def on_daemon_thread(call: Callable[[], T], thread_name: str,
+                      unclaimed: Callable[[T], None] | None = None) -> asyncio.Future:
+    """Run ``call`` on a daemon thread; the returned future carries its result, or whatever it raised.
+
+    Not asyncio's default executor: asyncio.run() and the interpreter both wait
+    for its threads at exit (a 66 s load delayed SIGTERM by 71 s), and a call
+    that never returns (a native library's nereid_unload) took one of its few
+    threads for good, stalling every scan and large decode of the server. A
+    result nobody takes any more (its caller cancelled the future, or the loop
+    has closed) goes to ``unclaimed``, on the thread.
+    """
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future = loop.create_future()
+
+    def deliver(result: T | None, error: BaseException | None) -> None:
+        if future.cancelled():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    def run() -> None:
+        result, error = None, None
+        try:
+            result = without_stop_iteration(call)
+        except BaseException as err:  # handed to the caller, whatever it is
+            error = err
+        if not future.cancelled():
+            try:
+                loop.call_soon_threadsafe(deliver, result, error)
+                return
+            except RuntimeError:  # the loop has closed: nobody waits any more
+                pass
+            finally:
+                del error  # no traceback cycle through this frame
+        if result is not None and unclaimed is not None:
+            unclaimed(result)
+
+    threading.Thread(target=run, name=thread_name, daemon=True).start()
+    return future
+
+
+def unload_unclaimed(name: str, built: BuiltModel) -> None:
+    """Unload a model whose load finished after its caller abandoned it: what its ``load()`` acquired must not leak."""
+    log.info("model '%s': load finished after it was abandoned; unloading it", name)
+    try:
+        built.backend.unload()
+    except Exception:
+        log.exception("model '%s': unload after an abandoned load failed", name)
+
+
+async def terminate_backend(name: str, backend: Model) -> None:
+    """End ``backend``'s running executions if it can; a failure is logged naming the model, never raised.
+
+    A grace has passed when this is called: a backend's bug (a wrong
+    ``terminate_running`` signature, say) must not keep the model UNLOADING
+    for ever, nor stop the server's shutdown before its models are unloaded.
+    """
+    if not isinstance(backend, Terminable):
+        return
+    try:
+        await bounded_backend_call(name, "terminate_running", backend.terminate_running)
+    except Exception:
+        log.exception("model '%s': terminate_running failed; unloading it anyway", name)
+
+
+async def unload_backend(name: str, backend: Model) -> None:
+    """Call ``backend.unload()`` off the loop; a failure is logged naming the model, never raised."""
+    try:
+        await bounded_backend_call(name, "unload", backend.unload)
+    except Exception:
+        log.exception("model '%s': unload failed", name)
+
+
+async def bounded_backend_call(name: str, what: str, call: Callable[[], object]) -> bool:
+    """Run a backend's ``unload`` or ``terminate_running`` on a daemon thread, waiting at most
+    :data:`BACKEND_CALL_WAIT_S`; one that does not return by then is abandoned (its thread runs on), logged,
+    and False returned. What it raises is raised.
+    """
+    # sys.exit() in a backend's unload is no exit of the server's.
+    guarded = functools.partial(calling_plugin, call, lambda exit_: RuntimeError(describe_exception(exit_)))
+    done = on_daemon_thread(guarded, f"nereid-{what}-{name}")
+    try:
+        await asyncio.wait_for(asyncio.shield(done), BACKEND_CALL_WAIT_S)
+    except TimeoutError:
+        log.error("model '%s': %s did not return within %g s; abandoning it (its thread runs on)", name, what,
+                  BACKEND_CALL_WAIT_S)
+        return False
+    return True

@@ -1,0 +1,101 @@
+"""Building a model from its folder: the claim, the backend's object, its ``load()`` and what core derives.
+
+What the repository does on a load's worker thread, and ``nereid check`` on
+its main thread: one path, so a model the check passes loads the same way in
+a server.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Mapping
+
+from nereid.backend import CallsModels, HasBatchSignature, Model, ModelContext, missing_model_parts
+from nereid.batching import BatchPolicy
+from nereid.errors import ConfigError, backend_exit, calling_plugin
+from nereid.plugins import NereidPluginManager, claim_folder
+from nereid.runtime_options import LayeredRuntime
+from nereid.signature import ModelSignature, brief_repr
+
+
+@dataclass(frozen=True)
+class BuiltModel:
+    """A loaded backend with what the core derived from it."""
+
+    backend_name: str
+    backend: Model
+    signature: ModelSignature
+    batch_signature: ModelSignature
+    policy: BatchPolicy
+
+
+def build_model(manager: NereidPluginManager, context: ModelContext,
+                backend_defaults: Mapping[str, Mapping[str, Any]] | None = None,
+                defaults_source: Path | str = "") -> BuiltModel:
+    """Claim, create and load one model; raise with the reason when it cannot be served.
+
+    ``backend_defaults`` (nereid.yaml's ``backends:``, from the file
+    ``defaults_source``) gives runtime options for every model of the claiming
+    backend; the model's own ``runtime:`` wins.
+    The model object is checked against the :class:`Model` protocol once,
+    after its ``load()`` (which may set ``platform``): one lacking a part is
+    refused naming its backend and what it lacks, and unloaded (when it can be).
+    Blocking (backends compile and read files here): call it on a worker thread.
+    A ``sys.exit()`` (or any exit) in the backend's code is its failure, a
+    ConfigError naming the model, never an exit of the server or the check.
+    """
+    return calling_plugin(
+        lambda: _build_model(manager, context, backend_defaults, defaults_source),
+        lambda exit_: backend_exit(context.name, exit_, "while loading it"))
+
+
+def _build_model(manager: NereidPluginManager, context: ModelContext,
+                 backend_defaults: Mapping[str, Mapping[str, Any]] | None, defaults_source: Path | str) -> BuiltModel:
+    result = claim_folder(manager, context.folder, context.settings.backend)
+    if result.claim is None:
+        raise ConfigError(result.reason)
+    defaults = (backend_defaults or {}).get(result.backend_name)
+    if defaults:
+        runtime = LayeredRuntime(context.settings.runtime, defaults,
+                                 f"{defaults_source}: backends.{result.backend_name}" if defaults_source
+                                 else f"backends.{result.backend_name}")
+        context = replace(context, settings=replace(context.settings, runtime=runtime))
+    backend = result.claim.create(context)
+    missing = missing_model_parts(backend)
+    if "load()" in missing:  # nothing to load: refused at once
+        raise _lacking(manager, result.backend_name, backend, missing)
+    backend.load()
+    try:
+        missing = missing_model_parts(backend)
+        if missing:
+            raise _lacking(manager, result.backend_name, backend, missing)
+        signature = _checked_signature(manager, result.backend_name, backend, "signature", backend.signature())
+        batch_signature = (_checked_signature(manager, result.backend_name, backend, "batch_signature",
+                                              backend.batch_signature())
+                           if isinstance(backend, HasBatchSignature) else signature)
+        policy = BatchPolicy.resolve(context.settings.batching, batch_signature, context.settings_origin)
+        if isinstance(backend, CallsModels):  # each request is an orchestration with its own deadline
+            policy = BatchPolicy(enabled=False)
+    except BaseException:
+        if "unload()" not in missing:  # what load() acquired must not leak
+            backend.unload()
+        raise
+    return BuiltModel(result.backend_name, backend, signature, batch_signature, policy)
+
+
+def _checked_signature(manager: NereidPluginManager, backend_name: str, model: object, method: str,
+                       value: object) -> ModelSignature:
+    """``value``, what ``model.<method>()`` returned, when it is a ModelSignature; ConfigError naming the backend
+    otherwise (it read as "'NoneType' object has no attribute 'batches'")."""
+    if not isinstance(value, ModelSignature):
+        raise ConfigError(f"{manager.describe(backend_name)}: its model object ({type(model).__name__}) returned "
+                          f"{type(value).__name__} {brief_repr(value)} from {method}(), expected a "
+                          "nereid.signature.ModelSignature")
+    return value
+
+
+def _lacking(manager: NereidPluginManager, backend_name: str, model: object, missing: list[str]) -> ConfigError:
+    """The reason a model object lacking ``missing`` parts of the Model protocol is refused, naming its backend."""
+    return ConfigError(f"{manager.describe(backend_name)} made a model object ({type(model).__name__}) without "
+                       f"{', '.join(missing)}: see the Model protocol in nereid.backend")

@@ -1,0 +1,50 @@
+"""Calls into a backend on daemon threads: bounded, their exits contained, late results handed back."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from nereid.backend_calls import bounded_backend_call, on_daemon_thread
+
+
+def test_a_backend_call_that_exits_raises_its_failure_and_never_ends_the_process() -> None:
+    """sys.exit() (or KeyboardInterrupt) in a backend's unload or terminate_running is its failure."""
+
+    def exits() -> None:
+        raise SystemExit(3)
+
+    def interrupts() -> None:
+        raise KeyboardInterrupt
+
+    async def scenario() -> None:
+        assert await bounded_backend_call("m", "unload", lambda: None) is True
+        with pytest.raises(RuntimeError, match="^SystemExit: 3$"):
+            await bounded_backend_call("m", "unload", exits)
+        with pytest.raises(RuntimeError, match="^KeyboardInterrupt$"):
+            await bounded_backend_call("m", "terminate_running", interrupts)
+    asyncio.run(scenario())
+
+
+def test_a_result_its_caller_no_longer_waits_for_goes_to_unclaimed_on_its_thread() -> None:
+    """A load abandoned by its caller (a cancelled RepositoryModelLoad) still finishes: what it built must be
+    handed to ``unclaimed`` (which unloads it), not dropped with its resources held."""
+    release = threading.Event()
+    unclaimed: list[tuple[str, str]] = []
+    handed = threading.Event()
+
+    def hand_back(result: str) -> None:
+        unclaimed.append((result, threading.current_thread().name))
+        handed.set()
+
+    async def scenario() -> None:
+        future = on_daemon_thread(lambda: release.wait(5) and "built", "nereid-load-m", hand_back)
+        await asyncio.sleep(0.05)
+        future.cancel()
+        release.set()
+        assert await asyncio.to_thread(handed.wait, 5)
+        assert await on_daemon_thread(lambda: "taken", "nereid-load-n", hand_back) == "taken"
+    asyncio.run(scenario())
+    assert unclaimed == [("built", "nereid-load-m")]

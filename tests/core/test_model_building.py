@@ -1,0 +1,45 @@
+"""build_model: a folder claimed, its backend's object made and loaded, and what core derives from it."""
+
+from __future__ import annotations
+
+import pytest
+import toy_backends
+
+from nereid.backend import ModelContext
+from nereid.errors import ConfigError
+from nereid.model_building import build_model
+from nereid.plugins import make_plugin_manager
+from nereid.settings import BatchingSettings, ModelSettings
+
+
+def _context(folder, tmp_path, **settings) -> ModelContext:
+    return ModelContext(folder.name, folder, ModelSettings(folder.name, **settings), tmp_path, "nereid.yaml")
+
+
+def _manager():
+    return make_plugin_manager(load_entry_points=False, extra_plugins=(toy_backends, toy_backends.FaultyToys()))
+
+
+def test_a_claimed_folder_is_built_with_its_backends_name_signature_and_batch_policy(tmp_path) -> None:
+    folder = toy_backends.write_toy(tmp_path / "ml-backends", "m")
+    built = build_model(_manager(), _context(folder, tmp_path, batching=BatchingSettings(max_queue_delay_ms=2)))
+    assert built.backend_name == "toy" and isinstance(built.backend, toy_backends.ToyModel)
+    assert [t.name for t in built.signature.inputs] == ["input"]
+    assert built.batch_signature is built.signature  # the toy has no batch_signature() of its own
+    assert (built.policy.enabled, built.policy.max_rows, built.policy.max_delay_ns) == (True, 8, 2_000_000)
+
+
+def test_an_unclaimed_folder_is_refused_with_the_claims_reason(tmp_path) -> None:
+    folder = tmp_path / "ml-backends" / "nobody"
+    folder.mkdir(parents=True)
+    with pytest.raises(ConfigError, match="no backend claims the folder"):
+        build_model(_manager(), _context(folder, tmp_path))
+
+
+def test_a_model_object_failing_its_checks_after_load_is_unloaded_and_refused_naming_its_backend(tmp_path) -> None:
+    folder = toy_backends.write_faulty(tmp_path / "ml-backends", "nosig", "signature_none")
+    before = toy_backends.UNLOADS["nosig"]
+    with pytest.raises(ConfigError, match=r"^plugin 'faulty': its model object \(SignatureNoneModel\) returned "
+                                          r"NoneType None from signature\(\)"):
+        build_model(_manager(), _context(folder, tmp_path))
+    assert toy_backends.UNLOADS["nosig"] == before + 1  # what its load() acquired is released
