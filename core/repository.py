@@ -41,9 +41,9 @@ from nereid.scheduler import ModelScheduler
 from nereid.settings import ModelSettings, Settings
 from nereid.signature import ModelSignature
 from nereid.stats import ModelStats
-from nereid.storage import (StorageError, drop_mirror_folder, forget_listed_folder, materialize_model_folder,
-                            mirror_leftovers, model_folder_exists, scan_model_folders, store_failed,
-                            store_holds_folder)
+from nereid.storage import (StorageError, drop_mirror_folder, failure_kind, forget_listed_folder,
+                            materialize_model_folder, mirror_leftovers, model_folder_exists, scan_model_folders,
+                            store_failed, store_holds_folder)
 from nereid.storage.mirror import CACHE_SUBFOLDER
 
 log = logging.getLogger(__name__)
@@ -439,10 +439,15 @@ class ModelRepository:
         """True when every exposed model is READY (Triton's strict readiness)."""
         return all(self._entries[name].state is ModelState.READY for name in self._exposed if name in self._entries)
 
-    async def load(self, name: str) -> ModelEntry:
+    async def load(self, name: str, *, retrying: str | None = None) -> ModelEntry:
         """Load a model folder, or a loaded one again (see :meth:`reload`). A failure to load leaves it
         UNAVAILABLE with the reason; never raises for it. A name with no folder is NotFound; one that a store
-        that cannot be listed may hold is Unavailable, with the store's reason."""
+        that cannot be listed may hold is Unavailable, with the store's reason.
+
+        ``retrying``: this load tries again after the store failed the last one, for a reason of this
+        :func:`~nereid.storage.failure_kind`. Failing for that reason again is no news, and is logged at DEBUG,
+        not ERROR: a store down for hours, or a key the local disk cannot hold, fails every try the same way.
+        """
         if name not in self._entries and _is_folder_name(name):
             # Look again now (off the loop): a store's listing is otherwise reused for a few seconds,
             # and a model just uploaded must load.
@@ -474,12 +479,12 @@ class ModelRepository:
         if entry.loaded is not None:
             # Loaded already: loaded again without downtime, as Triton does. The running version serves until
             # the new one is READY, and keeps serving if the new one fails (the reason shows in the index).
-            await self.reload(name)
+            await self.reload(name, retrying=retrying)
             if entry.loaded is not None and self._entries.get(name) is entry:
                 return entry
             # Unloaded or forgotten while the reload waited for it (its folder removed, renamed onto): this
             # load comes after that, so it looks again, as a load of the name as it is now.
-            return await self.load(name)
+            return await self.load(name, retrying=retrying)
         self._state_changed()  # counted from now on: ServerReady is false until it is READY
         async with entry.held():
             if entry.loaded is not None:  # loaded meanwhile, by a load that held the model first
@@ -496,7 +501,8 @@ class ModelRepository:
                 entry.loaded = await self._load_version(entry, ModelStats())
             except Exception as err:  # any load failure is the model's, reported with its reason
                 reason = _reason(err)
-                log.error("model '%s' is UNAVAILABLE: %s", name, reason)  # the log keeps absolute paths
+                # (The log keeps absolute paths.)
+                log.log(_failure_level(reason, retrying), "model '%s' is UNAVAILABLE: %s", name, reason)
                 entry.state, entry.reason = ModelState.UNAVAILABLE, self.public_text(reason)
                 entry.store_fault = reason if store_failed(err) else ""
                 self._refresh_dependents()
@@ -559,7 +565,7 @@ class ModelRepository:
         entry.generation += 1
         return loaded
 
-    async def reload(self, name: str) -> ModelEntry:
+    async def reload(self, name: str, *, retrying: str | None = None) -> ModelEntry:
         """Load the folder again without downtime; a model that is not loaded is simply loaded.
 
         The running version serves until the new one is READY, then requests
@@ -567,11 +573,11 @@ class ModelRepository:
         call returns once the new version serves (a model with long requests
         holds up nothing else). If the new version fails, the running one keeps
         serving and the reason shows in RepositoryIndex (the state stays READY)
-        and in the log.
+        and in the log. ``retrying``: as for :meth:`load`.
         """
         entry = self._entries.get(name)
         if entry is None or entry.loaded is None:
-            return await self.load(name)  # (which looks for a folder it does not know yet)
+            return await self.load(name, retrying=retrying)  # (which looks for a folder it does not know yet)
         async with entry.held():
             old = entry.loaded
             if old is None:  # unloaded while we waited for the lock
@@ -580,7 +586,8 @@ class ModelRepository:
                 new = await self._load_version(entry, old.stats)
             except Exception as err:
                 reason = _reason(err)
-                log.error("model '%s': reload failed, version %d keeps serving: %s", name, entry.generation, reason)
+                log.log(_failure_level(reason, retrying), "model '%s': reload failed, version %d keeps serving: %s",
+                        name, entry.generation, reason)
                 entry.reason = self.public_text(f"reload failed, version {entry.generation} keeps serving: {reason}")
                 entry.store_fault = reason if store_failed(err) else ""
                 self._record(name, "reload_failed")
@@ -1058,6 +1065,11 @@ def _waiting_for_folder(name: str) -> str:
 def _is_folder_name(name: str) -> bool:
     """True for a name that could be a model folder directly under ml_backends_path."""
     return bool(name) and len(name) <= 255 and "/" not in name and "\0" not in name and not name.startswith(".")
+
+
+def _failure_level(reason: str, retrying: str | None) -> int:
+    """The level of a failed load's line: DEBUG for a store failure of the kind it was retrying after, else ERROR."""
+    return logging.DEBUG if retrying is not None and failure_kind(reason) == retrying else logging.ERROR
 
 
 def _reason(err: BaseException) -> str:

@@ -39,12 +39,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
 import functools
 import hashlib
 import logging
 import os
-import re
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -54,7 +52,7 @@ import watchfiles
 
 from nereid.errors import ConfigError, Unavailable
 from nereid.settings import Settings, load_settings
-from nereid.storage import StorageError, StoreURL, local_model_folders, parse_store_url, store_failed
+from nereid.storage import StorageError, StoreURL, failure_kind, local_model_folders, parse_store_url, store_failed
 
 if TYPE_CHECKING:
     from nereid.repository import ModelEntry, ModelRepository
@@ -67,38 +65,6 @@ EVENT_STEP_MS = 20  # events are grouped this long before a scan; the settle tim
 # A store's folder whose load the store failed is tried again after watch_poll_s, then twice as long after each
 # failure, up to this (or watch_poll_s, if longer): an outage of an hour costs a dozen tries, not 360.
 STORE_RETRY_CAP_S = 300.0
-# The reason (see reason_kind) the store last failed the load that the watcher is trying again in this task;
-# None outside such a try. Read by _RepeatedStoreFailure, which the repository's log lines pass through.
-_retried_reason: contextvars.ContextVar[str | None] = contextvars.ContextVar("nereid_store_retry", default=None)
-
-
-def reason_kind(reason: str) -> str:
-    """``reason`` without its numbers, to tell a new reason from the same one again: the store client's words
-    time each try ("in 425.37ms, after 3 retries")."""
-    return re.sub(r"\d+(\.\d+)?", "#", reason)
-
-
-class _RepeatedStoreFailure(logging.Filter):
-    """The repository's ERROR (or WARNING) for a load the watcher tried again and the store failed for the same
-    reason as before becomes a DEBUG line (dropped unless DEBUG is on).
-
-    A store down for hours, or a key the local disk cannot hold (a name too long, a file where a folder must
-    be), fails each try the same way, for ever: the first failure is said at ERROR, the tries after it are not,
-    until the outcome changes (a load, or another reason, which is an ERROR again). Attached to the
-    repository's logger, since the repository logs each failed load itself.
-    """
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        previous = _retried_reason.get()
-        if previous is None or record.levelno < logging.WARNING or previous not in reason_kind(record.getMessage()):
-            return True
-        if not logging.getLogger(record.name).isEnabledFor(logging.DEBUG):
-            return False
-        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
-        return True
-
-
-_REPEATED_STORE_FAILURE = _RepeatedStoreFailure()
 
 
 def ignored_name(name: str) -> bool:
@@ -224,7 +190,7 @@ def scan_store(location: StoreURL) -> dict[str, FolderState]:
 @dataclass(frozen=True)
 class StoreRetry:
     """A store's folder whose load the store failed in this state: the wait before its next try, how many
-    of its tries the store failed, and the last one's reason (its :func:`reason_kind`)."""
+    of its tries the store failed, and the last one's reason (its :func:`~nereid.storage.failure_kind`)."""
 
     state: FolderState
     delay_s: float
@@ -417,8 +383,6 @@ class RepositoryWatcher:
         self._busy: dict[str, float] = {}
         # A store's folders whose last load the store failed (see _from_store): tried again after a backoff.
         self._store_retries: dict[str, StoreRetry] = {}
-        # The repository logs each failed load at ERROR: a try again that fails the same way is said at DEBUG.
-        logging.getLogger("nereid.repository").addFilter(_REPEATED_STORE_FAILURE)  # (once: the same filter)
         # Loads of folders that came back while the removal of their old model was still taking it off the
         # name (it waits for a load or rename in progress, not for the drain): cancelled by stop() (a load
         # never starts, nor holds up, a shutdown), as the loads of apply() are with the watcher's task.
@@ -449,7 +413,7 @@ class RepositoryWatcher:
         """Log that the store cannot be listed: at WARNING when that starts or its reason changes, else at DEBUG
         (a store down for a day, polled every 10 s, would write 8,640 lines of the same)."""
         reason = str(err)
-        kind = reason_kind(reason)  # (compared without its numbers)
+        kind = failure_kind(reason)  # (compared without its numbers)
         level = logging.DEBUG if kind == self._listing_failure else logging.WARNING
         self._listing_failure = kind
         log.log(level, "dynamic repository: %s; nothing changes until it can be listed", reason)
@@ -717,9 +681,10 @@ class RepositoryWatcher:
         return {entry.name: entry.generation for entry in self.repository.entries()}
 
     async def _from_store(self, name: str, state: FolderState, previous: FolderState | None, generation: int,
-                          load: Callable[[], Awaitable[ModelEntry]]) -> None:
+                          load: Callable[..., Awaitable[ModelEntry]]) -> None:
         """Carry out ``load()``, the load or reload of the store's folder ``name`` seen in ``state`` (then at
-        ``generation``); if the store failed it, the folder goes back to ``previous`` to be tried again.
+        ``generation``; called with ``retrying=``, see :meth:`ModelRepository.load`); if the store failed it,
+        the folder goes back to ``previous`` to be tried again.
 
         The folder's state was taken as known before the load: without this a failed load would look done,
         and a folder whose objects do not change again would never be tried again once the store serves
@@ -727,10 +692,9 @@ class RepositoryWatcher:
         model's own (its code, its settings) is not tried again: it would fail the same way each time.
         """
         retry = self._store_retries.get(name)
-        # A try again that fails as the last one did is no news: the repository's ERROR for it becomes DEBUG.
-        trying_again = _retried_reason.set(retry.reason if retry is not None else None)
         try:
-            entry = await load()
+            # A try again that fails as the last one did is no news: the repository says it at DEBUG.
+            entry = await load(retrying=retry.reason if retry is not None else None)
         except (StorageError, Unavailable) as err:
             if not store_failed(err):
                 raise
@@ -746,8 +710,6 @@ class RepositoryWatcher:
             # The repository records when the store failed the load (a fetch, a weights stream): the error's
             # chain holds a StorageError. Anything else was the model's own fault.
             fault = entry.store_fault or None
-        finally:
-            _retried_reason.reset(trying_again)
         if fault is None:
             self._store_retries.pop(name, None)
             return
@@ -778,7 +740,7 @@ class RepositoryWatcher:
         """
         cap_s = max(self.poll_s, STORE_RETRY_CAP_S)
         retry = self._store_retries.get(name)
-        kind = reason_kind(fault)
+        kind = failure_kind(fault)
         if retry is None:
             retry = StoreRetry(state, self.poll_s, 1, kind)
             log.warning("dynamic repository: folder '%s' did not %s because of the store (%s); trying again in "

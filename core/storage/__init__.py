@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from nereid.log_limit import OnceLog
-from nereid.storage.client import StorageError, describe_error, open_store, read_ranges, RangeRead, store_failed
+from nereid.storage.client import (StorageError, describe_error, failure_kind, open_store, read_ranges, RangeRead,
+                                   store_failed)
 from nereid.storage.mirror import MARKER_FILE, RemoteFolder, RemoteObject, materialize, mirror_root, read_marker
 from nereid.storage.url import SCHEMES, StoreURL, parse_store_url
 
@@ -38,7 +39,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "MARKER_FILE", "RangeRead", "RemoteFolder", "RemoteObject", "SCHEMES", "StorageError", "StoreURL",
-    "decodable_name", "describe_error", "drop_mirror_folder", "list_model_folders", "local_model_folders",
+    "decodable_name", "describe_error", "drop_mirror_folder", "failure_kind", "list_model_folders", "local_model_folders",
     "materialize_model_folder", "mirror_leftovers", "mirror_root", "model_folder_exists", "open_store",
     "parse_store_url", "read_marker", "read_ranges", "scan_model_folders", "store_failed", "store_holds_folder",
 ]

@@ -68,6 +68,20 @@ def store_failed(error: BaseException) -> bool:
     return False
 
 
+def failure_kind(reason: str) -> str:
+    """A store failure's ``reason`` without its counts and timings, to tell a new reason from the same one again:
+    the store client's words time each try ("in 425.37ms, after 3 retries").
+
+    An HTTP status stays (a 403 after a 500 is news), and so do digits within a word (``model.b8`` is not
+    ``model.b32``).
+    """
+    return _COUNT_OR_TIMING.sub("#", reason)
+
+
+# A number standing on its own (or leading a unit: "425.37ms"), unless it is an HTTP status.
+_COUNT_OR_TIMING = re.compile(r"(?<!HTTP )\b\d+(\.\d+)?")
+
+
 class StoreClientPanic(StorageError):
     """obstore's Rust code panicked (a PanicException, which ``except Exception`` does not catch)."""
 

@@ -700,3 +700,46 @@ def test_the_removal_of_a_store_folder_forgets_it_and_drops_its_cached_copy(s3, 
     while sorted(p.name for p in mirror.iterdir()) != [".back.lock", "back"]:  # (deleted on a thread)
         assert time.monotonic() < deadline, f"the cached copy of 'gone' was never removed: {list(mirror.iterdir())}"
         time.sleep(0.05)
+
+
+def test_a_load_retried_after_a_store_failure_logs_the_same_failure_again_at_debug(tmp_path, root, caplog):
+    """A store down for hours fails every retry of the watcher the same way: the first failure is an ERROR, a
+    retry failing for that reason again is DEBUG (dropped where DEBUG is off), any other failure an ERROR."""
+    import logging
+
+    from nereid.storage import failure_kind
+
+    folder = write_toy(root, "m")
+    repo = repository(tmp_path)
+
+    def lines() -> list[tuple[str, str]]:
+        said = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "nereid.repository"]
+        caplog.clear()
+        return said
+
+    async def scenario() -> None:
+        caplog.set_level(logging.DEBUG, logger="nereid.repository")
+        (folder / "store_fail.txt").write_text("HTTP 500 in 12.5ms, after 3 retries")
+        entry = await repo.load("m")
+        assert [level for level, _ in lines()] == ["ERROR"] and entry.store_fault
+        retrying = failure_kind(entry.store_fault)
+        await repo.load("m", retrying=retrying)
+        assert [level for level, _ in lines()] == ["DEBUG"]
+        caplog.set_level(logging.INFO, logger="nereid.repository")
+        await repo.load("m", retrying=retrying)
+        assert lines() == []  # DEBUG is off: not written at all
+        (folder / "store_fail.txt").unlink()
+        (folder / "fail.txt").write_text("the model's own fault")
+        await repo.load("m", retrying=retrying)
+        assert [level for level, _ in lines()] == ["ERROR"]  # another reason
+        (folder / "fail.txt").unlink()
+        assert (await repo.load("m")).state is ModelState.READY
+        (folder / "store_fail.txt").write_text("HTTP 500")
+        lines()
+        entry = await repo.reload("m", retrying=retrying)  # the running version keeps serving: said at DEBUG
+        assert entry.state is ModelState.READY and entry.store_fault
+        assert [level for level, message in lines() if "reload failed" in message] == []
+        await repo.reload("m")
+        assert [level for level, message in lines() if "reload failed" in message] == ["ERROR"]
+        await repo.unload_all()
+    asyncio.run(scenario())

@@ -965,3 +965,15 @@ def test_a_lock_file_the_cache_refuses_is_a_storage_error_naming_it(s3, tmp_path
                                   "under server.cache_dir): Is a directory")
     lock.rmdir()
     assert (materialize_model_folder(server, "locked") / "main.py").read_bytes() == b"print()"
+
+
+def test_a_store_failures_kind_drops_its_timings_and_counts_but_keeps_its_status_and_names() -> None:
+    """Retries that fail as the last one did are said once (see the watcher): the kind tells them apart. It used
+    to drop every digit, so a 503 after a 500, or a read of model.b32 after model.b8, read as the same."""
+    from nereid.storage import failure_kind
+
+    assert failure_kind("s3://b/m/x: HTTP 500 in 12.5ms, after 3 retries") == \
+        failure_kind("s3://b/m/x: HTTP 500 in 7.25ms, after 4 retries") == "s3://b/m/x: HTTP 500 in #ms, after # retries"
+    assert failure_kind("s3://b/m/x: HTTP 500") != failure_kind("s3://b/m/x: HTTP 503")
+    assert failure_kind("m/model.b8: read failed after 4 attempt(s)") != \
+        failure_kind("m/model.b32: read failed after 2 attempt(s)")

@@ -726,7 +726,7 @@ def test_a_load_the_stores_listing_failed_before_the_repository_knew_the_folder_
         state = watcher._pending["n"][0]
         assert _entry(repository, "n") is None
 
-        async def listing_down():  # the load, as it fails when the store's listing does (asked for all the same)
+        async def listing_down(retrying: str | None = None):  # the load, as it fails when the store's listing does (asked for all the same)
             repository._exposed.add("n")
             raise from_store
         del watcher._pending["n"]
@@ -833,38 +833,3 @@ def test_a_store_failure_that_repeats_is_an_error_once_then_debug_until_its_reas
     assert "did not load because of the store" in warnings[0] and "File exists" in warnings[0]
     assert "failed it again, for another reason" in warnings[1] and "unreadable" in warnings[1]
     assert f"loaded; the store had failed it {len(repeated) + 1} time(s)" in said[-1][1]
-
-
-def test_a_repeated_store_failure_downgraded_to_debug_is_dropped_where_debug_is_off():
-    """The repository's ERROR downgraded to DEBUG must not reach a handler that takes every level (the root's,
-    say) while the logger itself is at INFO: it is dropped. Another reason, or no retry, passes untouched."""
-    from nereid.watch import _REPEATED_STORE_FAILURE, _retried_reason, reason_kind
-
-    class Keep(logging.Handler):
-        def __init__(self) -> None:
-            super().__init__(logging.NOTSET)
-            self.records: list[logging.LogRecord] = []
-
-        def emit(self, record: logging.LogRecord) -> None:
-            self.records.append(record)
-
-    logger = logging.getLogger("nereid.repository")
-    keep, level = Keep(), logger.level
-    logger.addHandler(keep)
-    logger.addFilter(_REPEATED_STORE_FAILURE)
-    try:
-        for debug in (False, True):
-            logger.setLevel(logging.DEBUG if debug else logging.INFO)
-            token = _retried_reason.set(reason_kind("s3://b/m/x: HTTP 500 in 12.5ms, after 3 retries"))
-            try:
-                logger.error("model '%s' is UNAVAILABLE: %s", "m", "s3://b/m/x: HTTP 500 in 7.1ms, after 3 retries")
-                logger.error("model '%s' is UNAVAILABLE: %s", "m", "s3://b/m/x: HTTP 403 Forbidden")
-            finally:
-                _retried_reason.reset(token)
-            logger.error("model '%s' is UNAVAILABLE: %s", "m", "s3://b/m/x: HTTP 500 in 7.1ms, after 3 retries")
-    finally:
-        logger.removeHandler(keep)
-        logger.setLevel(level)
-    assert [(r.levelname, "403" in r.getMessage()) for r in keep.records] == [
-        ("ERROR", True), ("ERROR", False),  # INFO: the same reason dropped; another, or no retry, an ERROR
-        ("DEBUG", False), ("ERROR", True), ("ERROR", False)]  # DEBUG: the same reason at DEBUG
