@@ -413,7 +413,7 @@ class RepositoryWatcher:
         """Log that the store cannot be listed: at WARNING when that starts or its reason changes, else at DEBUG
         (a store down for a day, polled every 10 s, would write 8,640 lines of the same)."""
         reason = str(err)
-        kind = failure_kind(reason)  # (compared without its numbers)
+        kind = failure_kind(reason)  # (compared without its timings and counts)
         level = logging.DEBUG if kind == self._listing_failure else logging.WARNING
         self._listing_failure = kind
         log.log(level, "dynamic repository: %s; nothing changes until it can be listed", reason)
