@@ -253,27 +253,30 @@ class SubprocessModel:
         """Run the program once for this batch and read back its framed outputs."""
         signature = self.signature()
         batch = inputs[0].shape[0] if inputs and signature.batches else 1
-        work_dir = self.context.scratch_dir / f"run-{uuid.uuid4().hex}"
-        make_private_folder(work_dir)
-        try:
-            output_path = work_dir / "output"
-            env = self._environment(inputs, output_path, work_dir)
-            result = self.launch(env=env, stdin=self._stdin(inputs))
-            name = self.context.name
-            if result.terminated and result.returncode != 0:
-                # Killed by terminate_running, not a crash: the version was being retired.
-                raise Unavailable(f"model '{name}' was being unloaded (removed, replaced by a new version, or "
-                                  "the server stopping) and this run was still going after shutdown_grace_s "
-                                  "(nereid.yaml): the run was stopped")
-            if result.timed_out:
-                raise ModelFailure(f"model '{name}' timed out after {self.context.settings.timeout_s:g} s "
-                                   "(timeout_s in nereid.yaml); its process group was killed")
-            if result.returncode != 0:
-                tail = f"; output tail: {result.output_tail}" if result.output_tail else ""
-                raise ModelFailure(f"model '{name}' {result.describe()}{tail}")
-            return self._read_outputs(output_path, batch)
-        finally:
-            shutil.rmtree(work_dir, ignore_errors=True)
+        # Counted as running from here, before its program starts (cold or warm): a terminate_running
+        # meanwhile ends it as soon as it starts, instead of missing it (see ProcessGroups.running).
+        with self._groups.running():
+            work_dir = self.context.scratch_dir / f"run-{uuid.uuid4().hex}"
+            make_private_folder(work_dir)
+            try:
+                output_path = work_dir / "output"
+                env = self._environment(inputs, output_path, work_dir)
+                result = self.launch(env=env, stdin=self._stdin(inputs))
+                name = self.context.name
+                if result.terminated and result.returncode != 0:
+                    # Killed by terminate_running, not a crash: the version was being retired.
+                    raise Unavailable(f"model '{name}' was being unloaded (removed, replaced by a new version, or "
+                                      "the server stopping) and this run was still going after shutdown_grace_s "
+                                      "(nereid.yaml): the run was stopped")
+                if result.timed_out:
+                    raise ModelFailure(f"model '{name}' timed out after {self.context.settings.timeout_s:g} s "
+                                       "(timeout_s in nereid.yaml); its process group was killed")
+                if result.returncode != 0:
+                    tail = f"; output tail: {result.output_tail}" if result.output_tail else ""
+                    raise ModelFailure(f"model '{name}' {result.describe()}{tail}")
+                return self._read_outputs(output_path, batch)
+            finally:
+                shutil.rmtree(work_dir, ignore_errors=True)
 
     def relocate(self, context: ModelContext) -> None:
         """Serve on from a renamed folder with the same files (``nereid.backend.Relocatable``)."""
@@ -319,7 +322,8 @@ class SubprocessModel:
             os.close(self._folder_fds.pop(0))
 
     def terminate_running(self) -> None:
-        """End every running program now (the server is stopping and its grace has passed)."""
+        """End every running program now (the server is stopping and its grace has passed), and the program of
+        every run still starting (inside ``infer``, its program not yet listed) as soon as it starts."""
         self._groups.kill_all()
 
     def _require_file(self, file_name: str) -> None:

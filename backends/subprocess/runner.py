@@ -17,8 +17,10 @@ import signal
 import subprocess
 import threading
 import time
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 STDERR_TAIL_BYTES = 2000
 DRAIN_MAX_READS = 64  # after the exit: at most 4 MiB more, so a chatty leftover process cannot hold the run
@@ -51,17 +53,64 @@ class ProcessResult:
         return f"exited with code {self.returncode}"
 
 
+@dataclass
+class _Run:
+    """A run in progress on one thread (see :meth:`ProcessGroups.running`)."""
+
+    killed: bool = False  # kill_all came while it ran
+    listed: bool = False  # add has named its group
+
+
 class ProcessGroups:
-    """The process groups of one model's running programs, so that all can be ended at once."""
+    """The process groups of one model's running programs, so that all can be ended at once.
+
+    A run's group is known only once its program is running (its pid comes back
+    after the fork, and for a spawned child only after the exec): a run is
+    counted from before that, by :meth:`running`, so that a :meth:`kill_all` that
+    comes before :meth:`add` names its group still ends it.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._groups: set[int] = set()
         self._killed: set[int] = set()  # listed groups that kill_all ended, until their run discards them
+        # Runs in progress, by thread: a run starts its program, adds and discards its group on the one thread
+        # that serves its batch, so add finds its run without the launchers (cold, warm) passing anything.
+        self._runs: dict[int, _Run] = {}
+
+    @contextmanager
+    def running(self) -> Iterator[None]:
+        """Count the calling thread's run for the time of the block, before its group is known.
+
+        A :meth:`kill_all` during the block ends the group this thread's
+        :meth:`add` names, when add names it: a run whose program has started
+        but whose pid is not listed yet (or that is still preparing) is not
+        missed. Blocks nested on one thread are one run.
+        """
+        me = threading.get_ident()
+        with self._lock:
+            outermost = me not in self._runs
+            if outermost:
+                self._runs[me] = _Run()
+        try:
+            yield
+        finally:
+            if outermost:
+                with self._lock:
+                    del self._runs[me]
 
     def add(self, pgid: int) -> None:
+        """List ``pgid``, the group of a program just started; killed at once when :meth:`kill_all` came during
+        this thread's :meth:`running` block (its version was retired while the run was starting)."""
         with self._lock:
             self._groups.add(pgid)
+            run = self._runs.get(threading.get_ident())
+            if run is None:
+                return
+            run.listed = True
+            if run.killed:
+                self._killed.add(pgid)
+                kill_group(pgid)
 
     def discard(self, pgid: int) -> bool:
         """Stop listing ``pgid`` (its run is over); True when :meth:`kill_all` killed it meanwhile."""
@@ -73,13 +122,19 @@ class ProcessGroups:
             return False
 
     def kill_all(self) -> int:
-        """SIGKILL every running group (its version is retired past the grace); returns how many."""
+        """SIGKILL every running group (its version is retired past the grace), and the group of every run still
+        starting as soon as :meth:`add` names it; returns how many runs that ends."""
         with self._lock:
-            groups = list(self._groups)
-            self._killed.update(groups)  # before the signal: the run may be reporting its end at once
-        for pgid in groups:
-            kill_group(pgid)
-        return len(groups)
+            self._killed.update(self._groups)  # before the signal: the run may be reporting its end at once
+            starting = 0
+            for run in self._runs.values():
+                run.killed = True
+                starting += not run.listed
+            # Signalled under the lock: a cold run reaps its child only after discard, which waits for the lock,
+            # so none of its groups here can be a pid reused meanwhile by another process.
+            for pgid in self._groups:
+                kill_group(pgid)
+            return len(self._groups) + starting
 
 
 def run_model_process(argv: list[str], *, cwd: Path | str, env: dict[str, str], stdin: bytes,
@@ -90,48 +145,50 @@ def run_model_process(argv: list[str], *, cwd: Path | str, env: dict[str, str], 
     The child's stdout and stderr go to a pipe of which only the last
     ``tail_bytes`` are kept (reported on failure). The process group is
     always killed at the end, so nothing the model started outlives the
-    request, and the child is always reaped. While it runs, its group is listed
-    in ``groups``.
+    request, and the child is always reaped. While it runs, from before its
+    program starts, it is counted in ``groups`` (see :meth:`ProcessGroups.running`).
     """
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    # Our own pipes rather than Popen's file objects: feed_and_wait owns and closes their parent ends.
-    # Each step that can fail (EMFILE: the server is out of descriptors) closes what the steps before it
-    # opened: a descriptor leaked per failed run would keep the server out of them for good.
-    stdin_read, stdin_write = os.pipe2(os.O_CLOEXEC)
-    try:
-        output_read, output_write = os.pipe2(os.O_CLOEXEC)
-    except BaseException:
-        close_descriptors(stdin_read, stdin_write)
-        raise
-    try:
-        process = subprocess.Popen(argv, cwd=cwd, env=env, stdin=stdin_read, stdout=output_write,
-                                   stderr=subprocess.STDOUT, start_new_session=True)
-    except BaseException:
-        close_descriptors(stdin_write, output_read)
-        raise
-    finally:
-        close_descriptors(stdin_read, output_write)  # the child's ends: it has its own copies (or never ran)
-    try:
-        exit_fd = os.pidfd_open(process.pid)
-    except BaseException:
-        # Without its pidfd the run cannot be waited on: end the child (and its group) and reap it here.
-        close_descriptors(stdin_write, output_read)
-        kill_group(process.pid)
-        process.wait()
-        raise
-    if groups is not None:
-        groups.add(process.pid)
-    terminated = False
-    try:
-        exited, tail = feed_and_wait(stdin_write, stdin, exit_fd, deadline, output_read, tail_bytes)
-    finally:
+    # Counted as running before its program starts: a kill_all from here on ends it (see ProcessGroups).
+    with groups.running() if groups is not None else nullcontext():
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        # Our own pipes rather than Popen's file objects: feed_and_wait owns and closes their parent ends.
+        # Each step that can fail (EMFILE: the server is out of descriptors) closes what the steps before it
+        # opened: a descriptor leaked per failed run would keep the server out of them for good.
+        stdin_read, stdin_write = os.pipe2(os.O_CLOEXEC)
+        try:
+            output_read, output_write = os.pipe2(os.O_CLOEXEC)
+        except BaseException:
+            close_descriptors(stdin_read, stdin_write)
+            raise
+        try:
+            process = subprocess.Popen(argv, cwd=cwd, env=env, stdin=stdin_read, stdout=output_write,
+                                       stderr=subprocess.STDOUT, start_new_session=True)
+        except BaseException:
+            close_descriptors(stdin_write, output_read)
+            raise
+        finally:
+            close_descriptors(stdin_read, output_write)  # the child's ends: it has its own copies (or never ran)
+        try:
+            exit_fd = os.pidfd_open(process.pid)
+        except BaseException:
+            # Without its pidfd the run cannot be waited on: end the child (and its group) and reap it here.
+            close_descriptors(stdin_write, output_read)
+            kill_group(process.pid)
+            process.wait()
+            raise
         if groups is not None:
-            terminated = groups.discard(process.pid)
-        # The child is not reaped yet (a zombie at worst), so its pid, the group's id, cannot be reused.
-        kill_group(process.pid)
-        os.close(exit_fd)
-        process.wait()  # returns at once: the child has exited or was just killed
-    return ProcessResult(process.returncode, not exited, tail, terminated)
+            groups.add(process.pid)
+        terminated = False
+        try:
+            exited, tail = feed_and_wait(stdin_write, stdin, exit_fd, deadline, output_read, tail_bytes)
+        finally:
+            if groups is not None:
+                terminated = groups.discard(process.pid)
+            # The child is not reaped yet (a zombie at worst), so its pid, the group's id, cannot be reused.
+            kill_group(process.pid)
+            os.close(exit_fd)
+            process.wait()  # returns at once: the child has exited or was just killed
+        return ProcessResult(process.returncode, not exited, tail, terminated)
 
 
 def feed_and_wait(stdin_fd: int, data: bytes, exit_fd: int, deadline: float | None,
