@@ -46,6 +46,12 @@ class RateLimitedLog:
         self._logger = logger
         self._budget = _Budget(burst, window_s)
 
+    def sharing(self, logger: logging.Logger) -> RateLimitedLog:
+        """A log writing through ``logger`` within this one's limit: the lines of both count together."""
+        shared = RateLimitedLog(logger)
+        shared._budget = self._budget
+        return shared
+
     def warning(self, message: str, *args: object) -> bool:
         """Log ``message % args`` at WARNING unless over the limit; True when it was written."""
         return self.log(logging.WARNING, message, *args)

@@ -26,12 +26,12 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from nereid.errors import cap_message
 from nereid.log_limit import RateLimitedLog, RateLimitFilter
-from nereid.protocol.http_service import HttpSurface, error_body
+from nereid.protocol.http_service import HttpSurface, client_log, error_body
 
 log = logging.getLogger(__name__)
 # What any client can make happen at will (a head too large or too slow, a request asking to switch protocols, a
-# silent connection) is logged through this: at most 10 lines per 10 s, then a count of those suppressed.
-_client_log = RateLimitedLog(log)
+# silent connection) is logged through this, within the application's limit (the lines of both count together).
+_client_log = client_log.sharing(log)
 # Connections refused past the connection cap: an operator must hear of it, but a flood of connections would
 # otherwise write one WARNING each.
 _capacity_log = RateLimitedLog(log, burst=5, window_s=60.0)

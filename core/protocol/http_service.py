@@ -28,10 +28,11 @@ from nereid.settings import DEFAULT_HTTP_MAX_JSON_BYTES
 from nereid.stats import ModelStats
 
 log = logging.getLogger(__name__)
-# What any client can make happen at will (a disconnect mid-upload, a body the parser cannot read) is logged
-# through this: at most 10 lines per 10 s, then a count of those suppressed, as gRPC's client errors are, so one
-# client cannot fill the disk (1,000 requests wrote 1,000 lines). The listener has a log of its own so limited.
-_client_log = RateLimitedLog(log)
+# What any client can make happen at will (a disconnect mid-upload, a body the parser cannot read; and, through
+# the listener's share of it, a head too large or too slow, a silent connection) is logged through this: at most
+# 10 lines per 10 s in all, then a count of those suppressed, as gRPC's client errors are, so one client cannot
+# fill the disk (1,000 requests wrote 1,000 lines).
+client_log = RateLimitedLog(log)
 STATUS_OF_ERROR: dict[type[NereidError], int] = {
     InvalidArgument: 400,
     ConfigError: 400,
@@ -91,7 +92,8 @@ class HttpError(Exception):
 class Unparsable(HttpError):
     """The HTTP parser could not read the rest of a request's body (a malformed chunk: 400; the server out of
     memory while reading it: 503): the listener has answered it and closed its connection (see
-    :meth:`nereid.protocol.http_listener._BoundedHeadProtocol.send_400_response`), so the handler only counts and logs it."""
+    :meth:`nereid.protocol.http_listener._BoundedHeadProtocol.send_400_response`), so the handler only counts and
+    logs it."""
 
     def __init__(self, message: str, status: int = 400) -> None:
         super().__init__(status, message)
@@ -144,10 +146,10 @@ class HttpSurface:
         try:
             status, body, headers = await self._route(scope, receive)
         except Unparsable as err:  # answered already, below the app
-            _client_log.log(logging.INFO, "HTTP %s %s: %s", scope["method"], cap_message(scope["path"], 256), err)
+            client_log.log(logging.INFO, "HTTP %s %s: %s", scope["method"], cap_message(scope["path"], 256), err)
             return
         except Disconnected as gone:
-            _client_log.log(logging.INFO, "HTTP %s %s: the client disconnected %s", scope["method"],
+            client_log.log(logging.INFO, "HTTP %s %s: the client disconnected %s", scope["method"],
                             cap_message(scope["path"], 256), gone)
             return
         except HttpError as err:
@@ -158,7 +160,7 @@ class HttpSurface:
         except MemoryError:
             # Not a bug, and not the client's fault: a passing condition of the server, answered without a
             # traceback (formatting one may fail again), as an infer request out of memory is (see _infer).
-            _client_log.log(logging.WARNING, "HTTP %s %s: the server ran out of memory; answered 503",
+            client_log.log(logging.WARNING, "HTTP %s %s: the server ran out of memory; answered 503",
                             scope["method"], cap_message(scope["path"], 256))
             status, headers = 503, JSON_HEADERS
             body = error_body(f"the server ran out of memory answering {scope['method']} "
@@ -174,7 +176,7 @@ class HttpSurface:
             # (an infer past the grace answers in _infer) got uvicorn's text/plain 500 and an ERROR traceback
             # each. It gets the answer a request still running then gets, and a line at most per the limit.
             asyncio.current_task().uncancel()
-            _client_log.log(logging.INFO, "HTTP %s %s: still being received when shutdown_grace_s passed; "
+            client_log.log(logging.INFO, "HTTP %s %s: still being received when shutdown_grace_s passed; "
                             "answered 503", scope["method"], cap_message(scope["path"], 256))
             status, headers = 503, [*JSON_HEADERS, (b"connection", b"close")]
             body = error_body("the server is shutting down, and shutdown_grace_s passed before this request was "
@@ -402,7 +404,7 @@ class HttpSurface:
         if b"upgrade" in headers and (coding is not None or declared not in (None, b"0")) \
                 and b"upgrade" in headers.get(b"connection", b"").lower():
             # The HTTP parser takes what follows the head of such a request for the new protocol: its body is
-            # not read (and the connection is closed after this answer, see _BoundedHeadProtocol).
+            # not read (and the connection is closed after this answer, see http_listener._BoundedHeadProtocol).
             raise HttpError(400, f"{_who(model)}the request asks to switch to "
                                  f"{headers[b'upgrade'].decode('latin-1')[:32]!r} (Upgrade), which this server "
                                  "does not speak, so its body was not read; send it as plain HTTP/1.1 "
@@ -481,7 +483,7 @@ async def _unless_disconnected(call: Awaitable[Any], receive: Receive) -> Any:
     request from the model's queue. uvicorn cancels nothing: the handler's task
     is left on its request cycle (``receive``'s owner) for the listener's
     protocol to cancel when the connection is lost (see
-    :class:`_BoundedHeadProtocol`), which costs a request nothing until then.
+    :class:`nereid.protocol.http_listener._BoundedHeadProtocol`), which costs a request nothing until then.
     """
     cycle = getattr(receive, "__self__", None)  # uvicorn's cycle; absent when the app is called directly
     if cycle is None:

@@ -80,3 +80,17 @@ def test_serving_raises_the_soft_open_file_limit_to_the_hard_one():
         assert resource.getrlimit(resource.RLIMIT_NOFILE) == (hard, hard)
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_shared_rate_limited_log_writes_through_its_own_logger_within_the_first_ones_limit(caplog):
+    """The HTTP listener and application log what a client can trigger at will through one limit: a client
+    mixing both kinds of hostile request must not get twice the lines."""
+    from nereid.log_limit import RateLimitedLog
+
+    first = RateLimitedLog(logging.getLogger("nereid.test.app"), burst=3, window_s=60)
+    second = first.sharing(logging.getLogger("nereid.test.listener"))
+    with caplog.at_level(logging.INFO, logger="nereid.test"):
+        written = [log.log(logging.INFO, "line %d", n) for n in range(3) for log in (first, second)]
+    assert written == [True, True, True, False, False, False]
+    assert [(r.name, r.getMessage()) for r in caplog.records] == [
+        ("nereid.test.app", "line 0"), ("nereid.test.listener", "line 0"), ("nereid.test.app", "line 1")]

@@ -665,7 +665,7 @@ def test_a_body_the_parser_cannot_read_is_one_400_counted_and_logged_as_such(rep
     from nereid.log_limit import RateLimitedLog
     from nereid.protocol import http_service
 
-    monkeypatch.setattr(http_service, "_client_log", RateLimitedLog(http_service.log))  # unspent
+    monkeypatch.setattr(http_service, "client_log", RateLimitedLog(http_service.log))  # unspent
     caplog.set_level(logging.INFO, logger=http_service.__name__)
     repo.python("echo")
     server = serve(repo.write_config())
