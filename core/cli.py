@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import atexit
+import contextlib
 import logging
 import os
 import resource
@@ -285,8 +286,10 @@ def check(settings: Settings, manager: NereidPluginManager | None = None) -> int
     except KeyboardInterrupt as stop:
         killed = kill_children()
         signum = stop.signum if isinstance(stop, _Terminated) else signal.SIGINT
-        print(f"{settings.source}: interrupted by {signum.name}"
-              f"{f' ({killed} program(s) it had started killed)' if killed else ''}", file=sys.stderr)
+        # A terminal that hung up (SIGHUP) refuses the line (EIO): the exit status still says what happened.
+        with contextlib.suppress(OSError):
+            print(f"{settings.source}: interrupted by {signum.name}"
+                  f"{f' ({killed} program(s) it had started killed)' if killed else ''}", file=sys.stderr)
         return 128 + signum  # as the shell reports a process that the signal ended
     finally:
         for signum, handler in previous.items():

@@ -215,20 +215,27 @@ def test_check_stopped_by_sigterm_sigint_or_sighup_kills_its_compiler_and_says_s
     slow = tmp_path / "slow-c++"
     slow.write_text(f'#!/bin/sh\necho $$ > "{started}"\nsleep 30\nexec c++ "$@"\n')  # a long compile
     slow.chmod(0o755)
-    for signum, code, name in ((signal.SIGTERM, 143, "SIGTERM"), (signal.SIGINT, 130, "SIGINT"),
-                               (signal.SIGHUP, 129, "SIGHUP")):
+    # The last: the terminal its stderr went to has hung up (then writing there fails with EIO); the exit status
+    # still says why it stopped (it was 1, the line's EIO raised past the handler).
+    for signum, code, name, hung_up in ((signal.SIGTERM, 143, "SIGTERM", False), (signal.SIGINT, 130, "SIGINT", False),
+                                        (signal.SIGHUP, 129, "SIGHUP", False), (signal.SIGHUP, 129, "SIGHUP", True)):
         started.unlink(missing_ok=True)
+        terminal, stderr = os.openpty() if hung_up else (None, subprocess.PIPE)
         process = subprocess.Popen([*NEREID, "check", "--config", str(repo.write_config())],
-                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                   stdout=subprocess.PIPE, stderr=stderr, text=True,
                                    env={**os.environ, "CXX": str(slow)})
+        if hung_up:
+            os.close(stderr)
         try:
             assert wait_until(started.exists, 30) and wait_until(lambda: started.read_text().strip(), 5)
             compiler = int(started.read_text())
+            if hung_up:
+                os.close(terminal)
             process.send_signal(signum)
             assert process.wait(30) == code
             # (Whether the compiler was still there for the check to kill, or had ended with the signal, is a race.)
-            assert re.search(rf"nereid\.yaml: interrupted by {name}( \(1 program\(s\) it had started killed\))?$",
-                             process.stderr.read().strip())
+            assert hung_up or re.search(rf"nereid\.yaml: interrupted by {name}( \(1 program\(s\) it had started "
+                                        r"killed\))?$", process.stderr.read().strip())
             assert wait_until(lambda: not process_alive(compiler), 5), "the compiler ran on"
             assert not list(Path(tempfile.gettempdir()).glob(f"nereid-{process.pid}-check-*"))
         finally:
