@@ -501,11 +501,13 @@ class ModelRepository:
                 entry.loaded = await self._load_version(entry, ModelStats())
             except Exception as err:  # any load failure is the model's, reported with its reason
                 reason = _reason(err)
+                repeated = _repeats(reason, retrying)
                 # (The log keeps absolute paths.)
-                log.log(_failure_level(reason, retrying), "model '%s' is UNAVAILABLE: %s", name, reason)
+                log.log(logging.DEBUG if repeated else logging.ERROR, "model '%s' is UNAVAILABLE: %s", name, reason)
                 entry.state, entry.reason = ModelState.UNAVAILABLE, self.public_text(reason)
                 entry.store_fault = reason if store_failed(err) else ""
-                self._refresh_dependents()
+                # The models calling it wait again (they waited on it LOADING meanwhile): no news either then.
+                self._refresh_dependents(repeated=repeated)
                 return entry
             except asyncio.CancelledError:
                 entry.state, entry.reason = ModelState.UNAVAILABLE, "load abandoned (the server is stopping)"
@@ -586,8 +588,8 @@ class ModelRepository:
                 new = await self._load_version(entry, old.stats)
             except Exception as err:
                 reason = _reason(err)
-                log.log(_failure_level(reason, retrying), "model '%s': reload failed, version %d keeps serving: %s",
-                        name, entry.generation, reason)
+                log.log(logging.DEBUG if _repeats(reason, retrying) else logging.ERROR,
+                        "model '%s': reload failed, version %d keeps serving: %s", name, entry.generation, reason)
                 entry.reason = self.public_text(f"reload failed, version {entry.generation} keeps serving: {reason}")
                 entry.store_fault = reason if store_failed(err) else ""
                 self._record(name, "reload_failed")
@@ -902,16 +904,17 @@ class ModelRepository:
         self._refresh_dependents()  # the models calling it
 
     @staticmethod
-    def _log_unavailable(entry: ModelEntry, verdict: Readiness, detail: str = "") -> None:
+    def _log_unavailable(entry: ModelEntry, verdict: Readiness, detail: str = "", repeated: bool = False) -> None:
         """Log that a loaded model cannot serve because of the models it calls.
 
         At INFO while the root cause is a model only LOADING (the server is
         starting, or it is being reloaded: READY soon, so a normal start logs no
-        warning, however long the chain of models calling it); at WARNING
-        otherwise.
+        warning, however long the chain of models calling it); at DEBUG when
+        that cause is a store failure ``repeated`` (see :meth:`load`'s
+        ``retrying``); at WARNING otherwise.
         """
-        log.log(logging.INFO if verdict.loading else logging.WARNING, "model '%s' is UNAVAILABLE: %s%s",
-                entry.name, verdict.why, detail)
+        level = logging.INFO if verdict.loading else logging.DEBUG if repeated else logging.WARNING
+        log.log(level, "model '%s' is UNAVAILABLE: %s%s", entry.name, verdict.why, detail)
 
     def _states(self) -> dict[str, tuple[str, str]]:
         """Every model's (state, reason), as RepositoryIndex shows them."""
@@ -923,7 +926,7 @@ class ModelRepository:
                    if entry.loaded is not None and entry.loaded.depends_on and entry.state is not ModelState.UNLOADING}
         return settle(callers, self._states()) if callers else {}
 
-    def _refresh_dependents(self) -> None:
+    def _refresh_dependents(self, repeated: bool = False) -> None:
         """Keep models that call other models READY exactly while those are READY (issue 14).
 
         Called after every state change. A model calling itself through
@@ -931,7 +934,8 @@ class ModelRepository:
         cycle) never becomes READY. One walk of the dependency graph settles
         every chain of such models. Each change of state is logged, and so is
         waiting on another dependency, unless on one LOADING; the server hears
-        of every change (:meth:`_state_changed`).
+        of every change (:meth:`_state_changed`). ``repeated``: the change is a
+        store failure that repeats the last one (see :meth:`_log_unavailable`).
         """
         verdicts = self._dependency_verdicts()
         for name, verdict in verdicts.items():
@@ -948,7 +952,7 @@ class ModelRepository:
                 if (entry.state is not ModelState.UNAVAILABLE
                         or (not verdict.loading
                             and (before is None or before.loading or before.blocker != verdict.blocker))):
-                    self._log_unavailable(entry, verdict)
+                    self._log_unavailable(entry, verdict, repeated=repeated)
                 entry.state, entry.reason = ModelState.UNAVAILABLE, verdict.why
         self._verdicts = verdicts
         self._state_changed()
@@ -1067,9 +1071,9 @@ def _is_folder_name(name: str) -> bool:
     return bool(name) and len(name) <= 255 and "/" not in name and "\0" not in name and not name.startswith(".")
 
 
-def _failure_level(reason: str, retrying: str | None) -> int:
-    """The level of a failed load's line: DEBUG for a store failure of the kind it was retrying after, else ERROR."""
-    return logging.DEBUG if retrying is not None and failure_kind(reason) == retrying else logging.ERROR
+def _repeats(reason: str, retrying: str | None) -> bool:
+    """Whether a failed load's ``reason`` is the store failure it was retrying after (see ModelRepository.load)."""
+    return retrying is not None and failure_kind(reason) == retrying
 
 
 def _reason(err: BaseException) -> str:

@@ -155,6 +155,16 @@ class DependenciesInterruptModel(DependenciesFailModel):
         raise KeyboardInterrupt("no dependencies today")
 
 
+class CallerModel(FaultyModel):
+    """Calls the models named in its folder's ``calls.txt`` (as a meta model does; not a fault)."""
+
+    def dependencies(self) -> tuple[str, ...]:
+        return tuple((self.context.folder / "calls.txt").read_text().split())
+
+    def concurrent_executions(self) -> int:
+        return 1
+
+
 class TerminateFailsModel(FaultyModel):
     """Runs each batch for 0.5 s; its ``terminate_running`` has a wrong signature (a TypeError when called)."""
 
@@ -200,7 +210,7 @@ class SignatureNoneModel(FaultyModel):
 FAULTS = {"signature_none": SignatureNoneModel, "no_platform": NoPlatformModel, "no_infer": NoInferModel, "dependencies_fail": DependenciesFailModel,
           "dependencies_exit": DependenciesExitModel, "dependencies_interrupt": DependenciesInterruptModel,
           "terminate_fails": TerminateFailsModel, "report_fails": ReportFailsModel,
-          "stop_iteration": StopIterationModel, "unload_hangs": UnloadHangsModel}
+          "stop_iteration": StopIterationModel, "unload_hangs": UnloadHangsModel, "caller": CallerModel}
 
 
 class FaultyToys:

@@ -710,7 +710,9 @@ def test_a_load_retried_after_a_store_failure_logs_the_same_failure_again_at_deb
     from nereid.storage import failure_kind
 
     folder = write_toy(root, "m")
-    repo = repository(tmp_path)
+    caller = toy_backends.write_faulty(root, "caller", "caller")  # a model calling m, as a meta model does
+    (caller / "calls.txt").write_text("m")
+    repo = repository(tmp_path, extra_plugins=(toy_backends.FaultyToys(),))
 
     def lines() -> list[tuple[str, str]]:
         said = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "nereid.repository"]
@@ -722,16 +724,20 @@ def test_a_load_retried_after_a_store_failure_logs_the_same_failure_again_at_deb
         (folder / "store_fail.txt").write_text("HTTP 500 in 12.5ms, after 3 retries")
         entry = await repo.load("m")
         assert [level for level, _ in lines()] == ["ERROR"] and entry.store_fault
+        await repo.load("caller")
+        assert [(level, message.split(":")[0]) for level, message in lines()] == \
+            [("WARNING", "model 'caller' is UNAVAILABLE")]
         retrying = failure_kind(entry.store_fault)
         await repo.load("m", retrying=retrying)
-        assert [level for level, _ in lines()] == ["DEBUG"]
+        # m's line, and its caller's (which waited on m LOADING meanwhile): no news, both DEBUG.
+        assert [level for level, _ in lines()] == ["DEBUG", "DEBUG"]
         caplog.set_level(logging.INFO, logger="nereid.repository")
         await repo.load("m", retrying=retrying)
         assert lines() == []  # DEBUG is off: not written at all
         (folder / "store_fail.txt").unlink()
         (folder / "fail.txt").write_text("the model's own fault")
         await repo.load("m", retrying=retrying)
-        assert [level for level, _ in lines()] == ["ERROR"]  # another reason
+        assert [level for level, _ in lines()] == ["ERROR", "WARNING"]  # another reason: m's, and its caller's
         (folder / "fail.txt").unlink()
         assert (await repo.load("m")).state is ModelState.READY
         (folder / "store_fail.txt").write_text("HTTP 500")
