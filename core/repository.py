@@ -31,6 +31,7 @@ from nereid.dependencies import READY, Readiness, settle
 from nereid.errors import (ConfigError, NotFound, PublicText, Unavailable, backend_exit, calling_plugin,
                            cap_message, describe_exception, without_stop_iteration)
 from nereid.files import check_confined
+from nereid.folder_states import folder_stamp
 from nereid.backend_calls import on_daemon_thread, terminate_backend, unload_backend, unload_unclaimed
 from nereid.leftovers import remove_model_leftovers
 from nereid.log_limit import RateLimitedLog
@@ -529,8 +530,6 @@ class ModelRepository:
                                self.models)
         stamp = None
         if self.settings.server.watch and self.settings.server.ml_backends_url is None:
-            from nereid.watch import folder_stamp  # (only in dynamic mode, which imports it anyway)
-
             stamped = await asyncio.to_thread(folder_stamp, entry.folder)  # before the build reads the files
             stamp = stamped[0] if stamped is not None else None
         started = time.monotonic()

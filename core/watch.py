@@ -38,13 +38,11 @@ Each try that fails for the reason the last one did is logged at DEBUG only.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
-import hashlib
 import logging
 import os
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Awaitable, Callable, Coroutine, Iterable
 
@@ -52,139 +50,23 @@ import watchfiles
 
 from nereid.errors import ConfigError, Unavailable
 from nereid.settings import Settings, load_settings
-from nereid.storage import StorageError, StoreURL, failure_kind, local_model_folders, parse_store_url, store_failed
+from nereid.folder_states import FolderState, ignored_name, plan_changes, scan_repository, scan_store
+from nereid.storage import StorageError, failure_kind, local_model_folders, parse_store_url, store_failed
 
 if TYPE_CHECKING:
     from nereid.repository import ModelEntry, ModelRepository
 
 log = logging.getLogger(__name__)
 
-SAMPLE_BYTES = 64 * 1024  # hashed from each end of a file for the content identity
 MAX_GROUPING_FACTOR = 20  # changes that never stop are still acted on after this many settle times
 EVENT_STEP_MS = 20  # events are grouped this long before a scan; the settle time is applied per folder
 # A store's folder whose load the store failed is tried again after watch_poll_s, then twice as long after each
 # failure, up to this (or watch_poll_s, if longer): an outage of an hour costs a dozen tries, not 360.
 STORE_RETRY_CAP_S = 300.0
 
-
-def ignored_name(name: str) -> bool:
-    """Files and folders that never make a model change: hidden ones and editor leftovers."""
-    return (name.startswith(".") or name.startswith("#") or name.endswith("~")
-            or name.endswith((".swp", ".swx", ".tmp")) or name == "__pycache__" or name.endswith(".pyc"))
-
-
-# One file of a local folder as a scan saw it: (relative path, size, mtime_ns, inode, ctime_ns). The inode and
-# ctime catch a file replaced by one with the same size and mtime (tar, zip, OCI layers and reproducible builds
-# fix mtimes, to 1980 say): utime() and tar can set mtime but never ctime, and a new file has a new inode.
-FileStamp = tuple[str, int, int, int, int]
-Stamp = tuple[tuple[object, ...], ...]
-
-
-@dataclass(frozen=True)
-class FolderState:
-    """What a scan saw of one model folder.
-
-    ``stamp`` changes whenever a file is written or replaced (names, sizes,
-    mtimes, inodes, ctimes); ``identity`` is the same for two copies of the
-    same files (names, sizes and a hash of each file's first and last bytes),
-    so that a ``mv`` and a copy-then-delete are both recognised as a rename.
-    ``hidden_mtime_ns`` is the newest mtime of the folder's hidden files (not
-    ``.cache/``): never a change by itself, but a hidden file written just now
-    (rsync's ``.name.XXXXXX`` being filled) means a transfer is under way.
-    """
-
-    stamp: Stamp
-    identity: str
-    hidden_mtime_ns: int = field(default=0, compare=False)
-
-
 # The known state of a folder whose model a request loaded while the watcher did not see the folder (see
 # RepositoryWatcher._know_requested_loads): no scan gives it, so the folder's absence reads as a removal.
 _LOADED_UNSEEN = FolderState((), "loaded by a request; its folder not seen by the watcher")
-
-
-def folder_stamp(folder: Path) -> tuple[tuple[FileStamp, ...], int] | None:
-    """The stamp of one local model folder and the newest mtime of its hidden files (None when it vanished).
-
-    Only ``stat`` calls: cheap enough to take before every load (see
-    :meth:`ModelRepository.loaded_stamp`).
-    """
-    files: list[FileStamp] = []
-    hidden_mtime_ns = 0
-    try:
-        for directory, subdirs, names in os.walk(folder):
-            subdirs[:] = sorted(d for d in subdirs if not ignored_name(d))
-            for name in sorted(names):
-                path = os.path.join(directory, name)
-                if ignored_name(name):
-                    if name.startswith(".") and not name.endswith((".swp", ".swx")):
-                        # A transfer's temporary file (rsync's .name.XXXXXX), say: when was it last written?
-                        with contextlib.suppress(OSError):
-                            hidden_mtime_ns = max(hidden_mtime_ns, os.stat(path).st_mtime_ns)
-                    continue
-                info = os.stat(path)
-                files.append((os.path.relpath(path, folder), info.st_size, info.st_mtime_ns, info.st_ino,
-                              info.st_ctime_ns))
-    except FileNotFoundError:
-        return None
-    return tuple(files), hidden_mtime_ns
-
-
-def scan_folder(folder: Path) -> FolderState | None:
-    """The state of one model folder (None when it vanished during the scan)."""
-    stamped = folder_stamp(folder)
-    if stamped is None:
-        return None
-    files, hidden_mtime_ns = stamped
-    digest = hashlib.sha256()
-    for relative, size, *_ in files:
-        # (A file name that is not UTF-8 is read with surrogate escapes; its own bytes go into the digest.)
-        digest.update(f"{relative}\0{size}\0".encode("utf-8", "surrogateescape"))
-        try:
-            with open(folder / relative, "rb") as f:
-                digest.update(f.read(SAMPLE_BYTES))
-                if size > 2 * SAMPLE_BYTES:
-                    f.seek(size - SAMPLE_BYTES)
-                    digest.update(f.read(SAMPLE_BYTES))
-                elif size > SAMPLE_BYTES:
-                    digest.update(f.read())
-        except OSError:
-            return None
-    return FolderState(files, digest.hexdigest(), hidden_mtime_ns)
-
-
-def scan_repository(root: Path) -> dict[str, FolderState]:
-    """Every model folder under ``root`` and its state (StorageError when ``root`` cannot be listed).
-
-    Hidden folders are skipped, and so are folders whose names are not UTF-8
-    (logged once): they cannot be model names.
-    """
-    states = {}
-    for name in local_model_folders(root):
-        state = scan_folder(root / name)
-        if state is not None:
-            states[name] = state
-    return states
-
-
-def scan_store(location: StoreURL) -> dict[str, FolderState]:
-    """Every model folder under ``location`` and its state, from one listing (StorageError on failure).
-
-    A folder's stamp is its objects' names, sizes and ETags (no mtimes: a store
-    has none worth comparing), and that is also its identity.
-    """
-    from nereid.storage.mirror import list_objects
-
-    objects: dict[str, list[tuple[str, int, int | str]]] = {}
-    for relative, size, etag in list_objects(location):
-        name, _, rest = relative.partition("/")
-        if rest and not name.startswith(".") and not any(ignored_name(part) for part in rest.split("/")):
-            objects.setdefault(name, []).append((rest, size, etag))
-    states = {}
-    for name, files in sorted(objects.items()):
-        stamp = tuple(sorted(files))
-        states[name] = FolderState(stamp, hashlib.sha256(repr(stamp).encode()).hexdigest())
-    return states
 
 
 @dataclass(frozen=True)
@@ -196,34 +78,6 @@ class StoreRetry:
     delay_s: float
     failures: int
     reason: str
-
-
-@dataclass(frozen=True)
-class Plan:
-    """What one scan asks of the repository, in the order it is carried out."""
-
-    renames: tuple[tuple[str, str], ...] = ()
-    removed: tuple[str, ...] = ()
-    added: tuple[str, ...] = ()
-    changed: tuple[str, ...] = ()
-
-    def __bool__(self) -> bool:
-        return bool(self.renames or self.removed or self.added or self.changed)
-
-
-def plan_changes(before: dict[str, FolderState], after: dict[str, FolderState], renames_too: bool = True) -> Plan:
-    """Compare two scans: renames (same identity, one name gone, one new), removals, additions, edits."""
-    gone = [name for name in before if name not in after]
-    new = [name for name in after if name not in before]
-    renames = []
-    for old in list(gone) if renames_too else ():
-        match = next((name for name in new if after[name].identity == before[old].identity), None)
-        if match is not None:
-            renames.append((old, match))
-            gone.remove(old)
-            new.remove(match)
-    changed = [name for name in after if name in before and after[name].stamp != before[name].stamp]
-    return Plan(tuple(renames), tuple(gone), tuple(new), tuple(changed))
 
 
 def links_on_the_way(path: Path) -> set[str]:

@@ -405,7 +405,7 @@ def test_a_key_obstore_cannot_read_fails_only_its_folder(s3, serve, tmp_path, ca
     # holding one. Only the folder holding one may fail (naming the key); a stray one is skipped with a warning.
     from moto_s3 import BUCKET
     from nereid.storage import StoreURL
-    from nereid.watch import scan_store
+    from nereid.folder_states import scan_store
 
     source = tmp_path / "source"
     _python_folder(source, "echo")

@@ -20,13 +20,14 @@ import pytest
 import toy_backends
 from nereid.backend import BackendClaim
 from nereid.dtypes import DType
+from nereid.folder_states import plan_changes, scan_repository
 from nereid.hookspecs import hookimpl
 from nereid.plugins import make_plugin_manager
 from nereid.repository import NOT_LISTED_REASON, ModelRepository, ModelState
 from nereid.runtime_options import RuntimeOptions
 from nereid.settings import load_settings
 from nereid.tensors import NamedTensor
-from nereid.watch import RepositoryWatcher, plan_changes, scan_repository
+from nereid.watch import RepositoryWatcher
 from toy_backends import ToyModel, write_toy
 
 

@@ -1,0 +1,42 @@
+"""Model folders' states and the plan between two looks (what the dynamic repository compares), on real files."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+
+from nereid.folder_states import plan_changes, scan_folder, scan_repository
+
+
+def test_scan_ignores_server_and_editor_files_and_sees_copies_as_the_same(tmp_path):
+    folder = tmp_path / "a"
+    folder.mkdir()
+    (folder / "main.py").write_text("print(1)\n")
+    (folder / "weights.bin").write_bytes(os.urandom(300_000))
+    before = scan_folder(folder)
+    for junk in (".cache/main-1", ".main.py.swp", "main.py~", "#main.py#", "x.tmp", "__pycache__/m.pyc"):
+        (folder / junk).parent.mkdir(exist_ok=True)
+        (folder / junk).write_text("junk")
+    assert scan_folder(folder) == before
+    shutil.copytree(folder, tmp_path / "b", copy_function=shutil.copy)  # like cp -r: new mtimes, same files
+    copy = scan_folder(tmp_path / "b")
+    assert copy.identity == before.identity and copy.stamp != before.stamp
+    (tmp_path / "b" / "weights.bin").write_bytes(os.urandom(300_000))
+    assert scan_folder(tmp_path / "b").identity != before.identity
+
+
+def test_plan_finds_renames_removals_additions_and_edits(tmp_path):
+    for name in ("keep", "edit", "gone", "moved"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "main.py").write_text(f"# {name}\n")
+    before = scan_repository(tmp_path)
+    os.rename(tmp_path / "moved", tmp_path / "renamed")
+    shutil.rmtree(tmp_path / "gone")
+    (tmp_path / "new").mkdir()
+    (tmp_path / "new" / "main.py").write_text("# brand new\n")
+    time.sleep(0.01)
+    (tmp_path / "edit" / "main.py").write_text("# edited\n")
+    plan = plan_changes(before, scan_repository(tmp_path))
+    assert plan.renames == (("moved", "renamed"),)
+    assert plan.removed == ("gone",) and plan.added == ("new",) and plan.changed == ("edit",)
