@@ -16,7 +16,7 @@ import inspect
 import logging
 import operator
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Awaitable, Callable
 
 import numpy as np
@@ -80,6 +80,7 @@ class ModelScheduler:
         self._slot_freed = asyncio.Event()
         # The batcher's execution tasks (kept referenced), each with its batch.
         self._running: dict[asyncio.Task, list[Work]] = {}
+        self._unstarted: set[asyncio.Task] = set()  # executions whose task has not taken its first step yet
         self._direct: set[asyncio.Task] = set()  # callers running their own request (see submit)
         self._abandoned = False  # drain gave up on what still runs: its callers are answered Unavailable
         self._idle = asyncio.Event()
@@ -218,6 +219,7 @@ class ModelScheduler:
         Returns True when everything finished, False when work was abandoned.
         """
         self._accepting = False
+        self._arrived.set()  # a batch waiting for company that can no longer come goes now (see _batch_loop)
         finished = await _wait_event(self._idle, grace_s)
         if not finished:
             # (A grace of 0: the server's shutdown_grace_s has already been spent waiting for its listeners.)
@@ -228,10 +230,14 @@ class ModelScheduler:
             finished = await _wait_event(self._idle, terminate_wait_s)
             if not finished:
                 log.error("model '%s': %d execution(s) did not end; abandoning them", self.name, self._executions())
+                now = time.monotonic_ns()
                 for work in self._pending:
+                    # Left the queue without running: its queue time counts, as an expired request's does.
+                    self._stats.record_dropped(now - work.enqueued_ns)
                     if not work.future.done():
                         work.future.set_exception(Unavailable(f"model '{self.name}' was unloaded"))
                 self._pending.clear()
+                self._update_idle()  # (idle once the abandoned executions' slots come back)
                 # Their callers still wait (without a deadline, for ever): the batcher's are answered here
                 # (a coroutine infer that swallows its cancellation would never hand it back), and a caller
                 # running its own request as it is cancelled (see submit); a thread runs on regardless.
@@ -265,12 +271,15 @@ class ModelScheduler:
                 self._slot_freed.clear()
                 await self._slot_freed.wait()
             self._arrived.clear()  # before deciding: an arrival from here on wakes the wait below
-            decision = take_batch(self._pending, self.policy, time.monotonic_ns(), self._freed_ns)
+            # Draining, no request can join the queue: a batch does not wait for company any more.
+            policy = self.policy if self._accepting else replace(self.policy, max_delay_ns=0)
+            decision = take_batch(self._pending, policy, time.monotonic_ns(), self._freed_ns)
             for work in decision.dropped:
                 self._answer_dropped(work)
             if decision.batch:
                 self._free_slots -= 1
                 task = asyncio.create_task(self._execute(decision.batch), name=self._execution_name)
+                self._unstarted.add(task)  # until _execute's first step (see _execution_done)
                 self._running[task] = decision.batch
                 task.add_done_callback(self._execution_done)
             elif decision.wake_ns is not None:
@@ -282,7 +291,14 @@ class ModelScheduler:
                     timer.cancel()
 
     def _execution_done(self, task: asyncio.Task) -> None:
-        self._running.pop(task, None)
+        batch = self._running.pop(task, ())
+        if task in self._unstarted:
+            # Cancelled by drain before its first step: _execute never saw its requests, which left the queue
+            # without running.
+            self._unstarted.discard(task)
+            now = time.monotonic_ns()
+            for work in batch:
+                self._stats.record_dropped(now - work.enqueued_ns)
         self._release_slot()
 
     def _release_slot(self) -> None:
@@ -313,6 +329,7 @@ class ModelScheduler:
     # -- execution ----------------------------------------------------------
     async def _execute(self, batch: list[Work]) -> None:
         """Run a batch formed by the batcher and answer each of its requests."""
+        self._unstarted.discard(asyncio.current_task())
         now = time.monotonic_ns()
         live = []
         for work in batch:  # the batch left the queue one loop turn ago: look again
@@ -377,11 +394,18 @@ class ModelScheduler:
             if assembly_start_ns:
                 input_ns = start - assembly_start_ns
 
-            def count_when_ended(error: BaseException | None) -> None:
+            def count_when_ended(outputs: list[NamedTensor] | None, error: BaseException | None) -> None:
                 # The callers went away while a worker thread ran the model, which cannot be stopped: the
-                # execution still happened (and kept the model busy), so it counts when and as it ended.
+                # execution still happened (and kept the model busy), so it counts when and as it ended: as a
+                # success only if its outputs would have been answered.
+                succeeded = error is None
+                if succeeded:
+                    try:
+                        self._own_rows(outputs, padded, total)
+                    except NereidError:
+                        succeeded = False
                 self._stats.execution_finished(total, cost, queue_ns, input_ns, time.monotonic_ns() - start, 0,
-                                               error is None)
+                                               succeeded)
 
             try:
                 outputs = await self._infer(inputs, count_when_ended)
@@ -389,9 +413,7 @@ class ModelScheduler:
                 counted_later = not self._inline  # _infer handed the counting to count_when_ended
                 raise
             infer_ns = time.monotonic_ns() - start
-            if padded:
-                outputs = [NamedTensor(t.name, t.dtype, t.data[:total]) for t in outputs]
-            check_outputs(self.name, self._signature, outputs, total)
+            outputs = self._own_rows(outputs, padded, total)
             results = [outputs] if len(rows) == 1 else _split(outputs, rows)
             output_ns = time.monotonic_ns() - start - infer_ns
             succeeded = True
@@ -417,6 +439,13 @@ class ModelScheduler:
         finally:
             if not counted_later:
                 self._stats.execution_finished(total, cost, queue_ns, input_ns, infer_ns, output_ns, succeeded)
+
+    def _own_rows(self, outputs: list[NamedTensor], padded: bool, total: int) -> list[NamedTensor]:
+        """An execution's outputs without the rows it was padded with, checked against the signature."""
+        if padded:
+            outputs = [NamedTensor(t.name, t.dtype, t.data[:total]) for t in outputs]
+        check_outputs(self.name, self._signature, outputs, total)
+        return outputs
 
     def log_fault(self, failure: ModelFailure) -> None:
         """Log a fault of this model's code (an execution's, or a preprocess or postprocess hook's) under the
@@ -449,39 +478,42 @@ class ModelScheduler:
                                f"expected at least {rows}")
         return padded
 
-    async def _infer(self, inputs: list[NamedTensor],
-                     when_abandoned: Callable[[BaseException | None], None]) -> list[NamedTensor]:
+    async def _infer(self, inputs: list[NamedTensor], when_abandoned: _Abandoned) -> list[NamedTensor]:
         """The backend's outputs for ``inputs``: awaited in this task, or run on a worker thread.
 
         When this task is cancelled while a worker thread runs the model, the
-        thread's end is still told to ``when_abandoned`` (with its error, or
-        None), on the loop; it is told at once when the thread had already ended.
+        thread's end is still told to ``when_abandoned`` (with its outputs and
+        its error), on the loop; it is told at once when the thread had already
+        ended.
         """
         if self._inline:
             return await self._backend.infer(inputs)
         loop = asyncio.get_running_loop()
-        waiter = loop.create_future()
-        abandoned: list[Callable[[BaseException | None], None]] = []
+        call = _ThreadCall(loop.create_future())
 
         def done(result: list[NamedTensor] | None, error: BaseException | None) -> None:  # on the worker thread
             if not loop.is_closed():  # closed: the server is gone and nobody waits
-                loop.call_soon_threadsafe(self._thread_done, waiter, result, error, abandoned)
+                loop.call_soon_threadsafe(self._thread_done, call, result, error)
 
         self._executor.call(self._infer_on_thread, inputs, done)
         self._threads += 1
         try:
-            return await waiter
+            return await call.waiter
         except asyncio.CancelledError:
-            if waiter.cancelled():
+            if call.ended is not None:
+                # The thread ended after the caller went away (its waiter was cancelled) but before this
+                # task ran again: nothing is running any more.
+                when_abandoned(*call.ended)
+            elif call.waiter.cancelled():
                 # The caller went away while the thread runs, and a thread cannot be stopped. The
                 # caller gives its slot back, so take the slot again until the thread really ends:
                 # otherwise drain() would see an idle model and more executions than ``instances``
                 # could start.
                 self._free_slots -= 1
                 self._idle.clear()
-                abandoned.append(when_abandoned)
+                call.when_abandoned = when_abandoned
             else:  # the thread ended just before this task was cancelled
-                when_abandoned(waiter.exception())
+                when_abandoned(None if call.waiter.exception() else call.waiter.result(), call.waiter.exception())
             raise
 
     def _infer_on_thread(self, inputs: list[NamedTensor]) -> list[NamedTensor]:
@@ -503,14 +535,17 @@ class ModelScheduler:
         except BaseException as err:  # MODEL_EXITS, an asyncio.CancelledError: none is meant for the server
             raise self._model_fault(err) from err
 
-    def _thread_done(self, waiter: asyncio.Future, result: list[NamedTensor] | None,
-                     error: BaseException | None, abandoned: list[Callable[[BaseException | None], None]]) -> None:
+    def _thread_done(self, call: _ThreadCall, result: list[NamedTensor] | None, error: BaseException | None) -> None:
         """On the loop: a worker thread's call ended; answer its caller, or free the slot it kept."""
         self._threads -= 1
+        waiter = call.waiter
         if waiter.cancelled():
-            for tell in abandoned:
-                tell(error)
-            self._release_slot()  # the slot _infer took back when its caller went away
+            if call.when_abandoned is None:
+                # Its caller's task has not run since its waiter was cancelled: _infer tells it there.
+                call.ended = (result, error)
+            else:
+                call.when_abandoned(result, error)
+                self._release_slot()  # the slot _infer took back when its caller went away
         elif isinstance(error, concurrent.futures.CancelledError):
             # Dropped unstarted by the pool's shutdown (_infer_on_thread lets no other through).
             waiter.set_exception(Unavailable(f"model '{self.name}' was unloaded before this execution started"))
@@ -518,6 +553,23 @@ class ModelScheduler:
             waiter.set_exception(error)
         else:
             waiter.set_result(result)
+
+
+# What a worker thread's end is told to once its caller has gone: (its outputs, its error).
+_Abandoned = Callable[[list[NamedTensor] | None, BaseException | None], None]
+
+
+@dataclass(eq=False)
+class _ThreadCall:
+    """One model call on a worker thread, between :meth:`ModelScheduler._infer` and the thread's end.
+
+    The thread's end and its caller's departure reach the loop in either
+    order: whichever comes second tells ``when_abandoned``.
+    """
+
+    waiter: asyncio.Future
+    when_abandoned: _Abandoned | None = None  # set once the caller has gone while the thread runs
+    ended: tuple[list[NamedTensor] | None, BaseException | None] | None = None  # the end, if it came first
 
 
 async def _wait_event(event: asyncio.Event, timeout_s: float | None) -> bool:

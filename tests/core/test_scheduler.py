@@ -163,6 +163,26 @@ def test_drain_finishes_queued_work_then_refuses() -> None:
     run(scenario())
 
 
+def test_a_request_waiting_for_batch_company_runs_at_once_when_drain_begins() -> None:
+    """Defect (found by the scheduler's property tests): draining, a request still waited out its batching
+    window for company that could no longer come, so a grace shorter than the window gave up on it
+    (Unavailable) with an instance idle."""
+    async def scenario() -> None:
+        backend = GatedDouble()
+        backend.gate.set()
+        policy = BatchPolicy(True, max_rows=4, max_delay_ns=10_000_000_000)  # a 10 s window
+        scheduler = ModelScheduler("m", backend, SIGNATURE, capacity=4, instances=1, stats=ModelStats(),
+                                   policy=policy)
+        waiting = asyncio.create_task(scheduler.submit(rows(3), 1, 0))
+        await asyncio.sleep(0.05)
+        assert backend.ran == []  # waiting for company
+        started = time.monotonic()
+        assert await scheduler.drain(grace_s=2.0) is True
+        assert time.monotonic() - started < 1.0
+        assert float(waiting.result()[0].data[0, 0]) == 6
+    run(scenario())
+
+
 def test_backend_exception_fails_only_its_request() -> None:
     async def scenario() -> None:
         backend = GatedDouble()
