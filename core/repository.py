@@ -606,13 +606,15 @@ class ModelRepository:
 
         The old name answers NOT_FOUND at once; requests already running under
         it finish. When the backend cannot move (or the new name has other
-        settings in nereid.yaml), the new folder is loaded anew and the old
-        model unloaded.
+        settings in nereid.yaml, or a model of its own, loaded or loading), the
+        new folder is loaded anew (a loaded model there is reloaded without
+        downtime) and the old model unloaded.
         """
         entry = self._entries.get(old)
         settings, origin = self.settings.model_or_default(new)
         loaded = entry.loaded if entry is not None else None
-        if entry is None or loaded is None or settings != replace(entry.settings, name=new):
+        if (entry is None or loaded is None or settings != replace(entry.settings, name=new)
+                or self._taken(new, entry)):
             self.remove_in_background(old)  # the old model finishes its requests meanwhile
             return await self.load(new)
         async with entry.held():
@@ -625,6 +627,10 @@ class ModelRepository:
                 if not isinstance(loaded.backend, Relocatable):
                     raise ConfigError(f"backend '{loaded.backend_name}' cannot move a loaded model")
                 await asyncio.to_thread(without_stop_iteration, loaded.backend.relocate, context)
+                # (Looked at again after each wait: a request may have loaded the new name meanwhile, whose model
+                # this one must not replace unseen: it would never be unloaded.)
+                if self._taken(new, entry):
+                    raise ConfigError(f"'{new}' has a model of its own, loaded or loading")
             except Exception as err:
                 log.warning("model '%s': cannot be renamed in place (%s); loading '%s' anew", old, _reason(err), new)
                 moved = False
@@ -653,6 +659,12 @@ class ModelRepository:
             self.remove_in_background(old)  # the new folder loads at once; the old model finishes its requests
             return await self.load(new)
         return entry
+
+    def _taken(self, name: str, moving: ModelEntry) -> bool:
+        """Whether ``name`` has a model of its own that a model ``moving`` there would replace: loaded, or a load
+        holding (or awaiting) its lock. A draining removal's versions are not in the way (they finish apart)."""
+        target = self._entries.get(name)
+        return target is not None and target is not moving and (target.loaded is not None or target.holders > 0)
 
     async def remove(self, name: str) -> None:
         """A folder that is gone: unload its model once its requests have finished, then forget it.

@@ -135,6 +135,34 @@ def test_rename_moves_the_loaded_model_without_loading_again(tmp_path, root):
     asyncio.run(scenario())
 
 
+def test_a_rename_onto_a_name_a_request_loaded_first_reloads_it_and_leaks_no_version(tmp_path, root):
+    """Defect (found by the repository's state tests): `mv before after`, then a RepositoryModelLoad of 'after'
+    before the watcher's rename: the rename replaced the loaded 'after' in place, and that version was never
+    unloaded (its batcher task left pending at unload_all)."""
+    write_toy(root, "before")
+    repo = repository(tmp_path)
+    unloaded: list[str] = []
+
+    async def scenario():
+        await repo.load("before")
+        moved = repo.ready_model("before").backend
+        (root / "before").rename(root / "after")
+        await repo.load("after")  # the client's load, before the watcher looks
+        first = repo.ready_model("after").backend
+        moved.unload = lambda: unloaded.append("moved")
+        first.unload = lambda: unloaded.append("first")
+        await repo.rename("before", "after")  # the watcher's: 'after' is taken, so it is reloaded instead
+        assert repo.ready_model("after").backend not in (moved, first)
+        removal = repo.removal_of("before")  # the old model drains and goes in the background
+        if removal is not None:
+            await removal
+        assert "before" not in [e.name for e in repo.entries()]
+        await repo.unload_all()
+        assert not [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    asyncio.run(scenario())
+    assert sorted(unloaded) == ["first", "moved"]
+
+
 def test_remove_unloads_and_forgets_a_vanished_folder(tmp_path, root):
     folder = write_toy(root, "gone")
     repo = repository(tmp_path)
