@@ -153,10 +153,6 @@ def test_a_rename_onto_a_name_a_request_loaded_first_reloads_it_and_leaks_no_ver
         first.unload = lambda: unloaded.append("first")
         await repo.rename("before", "after")  # the watcher's: 'after' is taken, so it is reloaded instead
         assert repo.ready_model("after").backend not in (moved, first)
-        removal = repo.removal_of("before")  # the old model drains and goes in the background
-        if removal is not None:
-            await removal
-        assert "before" not in [e.name for e in repo.entries()]
         await repo.unload_all()
         assert not [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
     asyncio.run(scenario())
