@@ -306,9 +306,15 @@ def check_outputs(model: str, signature: ModelSignature, outputs: list[NamedTens
                                                 and data.dtype.newbyteorder("=") != wanted):
             raise ModelFailure(f"model '{model}' returned output '{spec.name}' tagged {spec.dtype.kserve} holding "
                                f"{_array_text(data)}, expected a numpy ndarray of {wanted}")
-        if spec.dtype is DType.BYTES and not all(map(isinstance, data.ravel(), repeat(_TEXT))):
-            raise ModelFailure(f"model '{model}' returned output '{spec.name}' tagged {spec.dtype.kserve} holding "
-                               f"{_first_non_text(data)}, expected bytes or str elements")
+        if spec.dtype is DType.BYTES:
+            if not all(map(isinstance, data.ravel(), repeat(_TEXT))):
+                raise ModelFailure(f"model '{model}' returned output '{spec.name}' tagged {spec.dtype.kserve} "
+                                   f"holding {_first_non_text(data)}, expected bytes or str elements")
+            unencodable = _first_unencodable(data)
+            if unencodable is not None:
+                raise ModelFailure(f"model '{model}' returned output '{spec.name}' tagged {spec.dtype.kserve} "
+                                   f"holding {unencodable}, which UTF-8 cannot encode (a lone surrogate): expected "
+                                   "bytes, or str that is text")
         shape = data.shape
         if signature.batches:
             ok = len(shape) == len(spec.dims) + 1 and shape[0] == batch_size and dims_match(shape[1:], spec.dims)
@@ -414,6 +420,21 @@ def _first_non_text(data: np.ndarray) -> str:
     """The first element of an object array that is neither bytes nor str, for a message."""
     index, element = next((i, e) for i, e in enumerate(data.ravel()) if not isinstance(e, _TEXT))
     return f"element {index} of type {type(element).__name__} ({brief_repr(element, 60)})"
+
+
+def _first_unencodable(data: np.ndarray) -> str | None:
+    """The first str element UTF-8 cannot encode (one holding a lone surrogate), for a message; None when none.
+
+    Every encoder (the gRPC and binary HTTP wire, JSON) writes str as UTF-8: such an element would fail there,
+    past the checks, as a bare UnicodeEncodeError naming no model.
+    """
+    for index, element in enumerate(data.ravel()):
+        if isinstance(element, str) and not element.isascii():
+            try:
+                element.encode("utf-8")
+            except UnicodeEncodeError:
+                return f"element {index} ({brief_repr(element, 60)})"
+    return None
 
 
 def _refusal(message: str) -> InvalidArgument:

@@ -329,7 +329,8 @@ def _json_data(model: str, tensor: NamedTensor) -> list:
     if tensor.dtype in (DType.FP16, DType.BF16):
         flat = flat.astype(np.float32)
     values = flat.tolist()
-    if tensor.dtype.numpy.kind == "f" and not all(math.isfinite(v) for v in values):
+    # (The converted array's kind: bfloat16's own is "V", so a BF16 NaN or infinity went out as null.)
+    if flat.dtype.kind == "f" and not all(math.isfinite(v) for v in values):
         raise InvalidArgument(f"model '{model}': output '{tensor.name}' holds NaN or infinity, which JSON cannot "
                               "carry; ask for it as binary data (binary_data: true)")
     return values

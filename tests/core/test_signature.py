@@ -199,6 +199,16 @@ def test_check_outputs_refuses_data_that_is_not_what_its_dtype_says(sig: ModelSi
         check_outputs("m", sig, [NamedTensor("y", dtype, data)], 1)
 
 
+def test_check_outputs_refuses_a_str_element_utf8_cannot_encode() -> None:
+    """Defect (found by the codec property tests): a str BYTES element holding a lone surrogate passed the check,
+    then every encoder failed on it with a bare UnicodeEncodeError (or orjson's TypeError) naming no model, and
+    the request was counted neither as a success nor as a failure. Text, ASCII or not, and bytes pass."""
+    check_outputs("m", BYTES_OUT, [NamedTensor("y", DType.BYTES, objects("ok", "né"))], 1)
+    with pytest.raises(ModelFailure, match=r"^model 'm' returned output 'y' tagged BYTES holding element 1 "
+                                           r"\('a\\ud800'\), which UTF-8 cannot encode \(a lone surrogate\)"):
+        check_outputs("m", BYTES_OUT, [NamedTensor("y", DType.BYTES, objects(b"\xff", "a\ud800"))], 1)
+
+
 def test_check_outputs_names_a_tag_that_is_no_dtype() -> None:
     with pytest.raises(ModelFailure, match="^model 'm' returned output 'y' as 'FP32', expected FP32$"):
         check_outputs("m", FP32_OUT, [NamedTensor("y", "FP32", np.zeros((1, 2), np.float32))], 1)
