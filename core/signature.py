@@ -428,7 +428,10 @@ def _first_unencodable(data: np.ndarray) -> str | None:
     Every encoder (the gRPC and binary HTTP wire, JSON) writes str as UTF-8: such an element would fail there,
     past the checks, as a bare UnicodeEncodeError naming no model.
     """
-    for index, element in enumerate(data.ravel()):
+    flat = data.ravel()
+    if all(map(isinstance, flat, repeat(bytes))):  # bytes only (what subprocess models give): nothing to look at
+        return None
+    for index, element in enumerate(flat):
         if isinstance(element, str) and not element.isascii():
             try:
                 element.encode("utf-8")
