@@ -76,12 +76,14 @@ def settle(callers: Mapping[str, tuple[str, ...]], states: Mapping[str, tuple[st
     (``dependency 'b' is not ready (UNAVAILABLE: dependency 'echo' is not ready
     (UNAVAILABLE: unloaded))``), never every level between.
 
-    Linear in the graph's size: a chain of hundreds settles in one walk.
+    Linear in the graph's size outside cycles: a chain of hundreds settles in
+    one walk. Models calling each other in a group cost more (a cycle is
+    found for each member): 0.14 s for 200 that all call each other.
     """
     verdicts: dict[str, Readiness] = {}
     roots: dict[str, str] = {}  # a caller that is not READY -> the root cause's text behind it
     for name, cycle in _cycles(callers).items():
-        verdicts[name] = Readiness(f"depends_on cycle {describe_cycle(cycle)}")
+        verdicts[name] = Readiness(cap_message(f"depends_on cycle {describe_cycle(cycle)}"))
         roots[name] = verdicts[name].why  # type: ignore[assignment]
     for start in callers:
         if start in verdicts:
@@ -114,8 +116,8 @@ def _judge(name: str, dependencies: tuple[str, ...], states: Mapping[str, tuple[
             return Readiness(why, settled.loading, dependency)
         known = states.get(dependency)
         if known is None:
-            why = (f"dependency '{dependency}' is not a model of this server (no folder '{dependency}' in "
-                   "ml_backends_path)")
+            why = cap_message(f"dependency '{dependency}' is not a model of this server (no folder '{dependency}' "
+                              "in ml_backends_path)")
             roots[name] = why
             return Readiness(why, blocker=dependency)
         state, reason = known
