@@ -435,6 +435,8 @@ def claim_folder(manager: NereidPluginManager, folder: Path, backend: str | None
         name, claim = asked.claims[0]
         return ClaimResult(claim, backend_name=name)
     if not asked.claims:
+        if not folder.is_dir():  # deleted while it was being claimed: that is the reason, not the backends
+            return ClaimResult(None, f"the folder {folder} is gone (deleted or moved while it was being loaded)")
         failures = "".join(f"; {manager.describe(name)} is taken as not claiming it: its nereid_claim_model {what}"
                            for name, what in asked.failures)
         hints = "".join(f"; {hint}" for hint in [*_hints(manager, folder), *_triton_hint(folder)])

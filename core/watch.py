@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Awaitable, Callable, Coroutine, Iterable
 
 import watchfiles
 
-from nereid.errors import ConfigError, Unavailable
+from nereid.errors import ConfigError, NotFound, Unavailable
 from nereid.settings import Settings, load_settings
 from nereid.folder_states import FolderState, ignored_name, plan_changes, scan_repository, scan_store
 from nereid.storage import StorageError, failure_kind, local_model_folders, parse_store_url, store_failed
@@ -207,6 +207,9 @@ async def _logged(name: str, step: Awaitable[object]) -> None:
     """Carry out one folder's step; a failure is logged and leaves the other folders' steps alone."""
     try:
         await step
+    except NotFound as err:
+        # The folder went between the scan that saw it and its load: the next scan acts on its removal.
+        log.info("dynamic repository: model '%s': its folder went before it could be loaded (%s)", name, err)
     except Exception as err:
         log.error("dynamic repository: model '%s': %s: %s", name, type(err).__name__, err)
 

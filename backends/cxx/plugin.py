@@ -33,7 +33,10 @@ def nereid_claim_signs() -> str:
 @hookimpl
 def nereid_declaration_hint(folder: Path) -> str | None:
     """A folder holding a textproto and nothing else a backend recognises looks like a cxx model."""
-    visible = [p.name for p in folder.iterdir() if not p.name.startswith(".")]
+    try:
+        visible = [p.name for p in folder.iterdir() if not p.name.startswith(".")]
+    except OSError:  # gone (or unreadable) meanwhile: nothing to hint at; the load says what is wrong
+        return None
     if visible == [TEXTPROTO_NAME]:
         # Only "may be": a python or cpp model whose main file is not written yet looks the same.
         return (f"if it is a cxx model (a folder holding only {TEXTPROTO_NAME} may be one), declare it in "
