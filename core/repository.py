@@ -99,6 +99,9 @@ class ModelEntry:
     generation: int = 0  # versions loaded so far: every load and reload adds one
     holders: int = 0  # operations holding the lock or waiting for it
     folder_seen: bool = False  # a scan found its folder (a listed model may be waiting for its first)
+    # Listed and asked for when a rescan found its folder gone (before the watcher saw it go): no longer counted
+    # for ServerReady, but still wanted, so that the folder's return loads it, however the watcher sees that.
+    awaiting_folder: bool = False
     # The names whose scratch folders its versions were given: its own, and the names it was renamed from
     # (a model moved in place keeps what it made there, a binary's link, a warm parent's folder).
     scratch_names: set[str] = field(default_factory=set)
@@ -232,7 +235,8 @@ class ModelRepository:
         entry = self._entries.get(name)
         if entry is None:  # (asked for while the store's listing failed: no entry yet, wanted all the same)
             return name in self._exposed and self.settings.server.ml_backends_url is not None
-        return entry.loaded is not None or entry.holders > 0 or name in self._exposed
+        return (entry.loaded is not None or entry.holders > 0 or name in self._exposed
+                or (entry.awaiting_folder and self.settings.model(name) is not None))
 
     def loaded_stamp(self, name: str) -> object:
         """The watcher's stamp of the files the running version of ``name`` loaded from (None: not known)."""
@@ -371,6 +375,7 @@ class ModelRepository:
                 scratch |= entry.scratch_names
             elif entry.folder_seen:
                 entry.folder_seen = False
+                entry.awaiting_folder = entry.name in self._exposed
                 entry.state, entry.reason = ModelState.UNAVAILABLE, _waiting_for_folder(entry.name)
             else:
                 continue  # listed, its folder never seen yet: it still waits for it, as it did at start
@@ -477,6 +482,7 @@ class ModelRepository:
             # (a removal draining). The answer for a name that never had a folder.
             raise _no_folder(name)
         self._exposed.add(name)
+        entry.awaiting_folder = False  # (asked for again: counted as any other)
         if entry.loaded is not None:
             # Loaded already: loaded again without downtime, as Triton does. The running version serves until
             # the new one is READY, and keeps serving if the new one fails (the reason shows in the index).
@@ -820,6 +826,7 @@ class ModelRepository:
                 raise _store_cannot_tell(name, failure, "; nothing is loaded under this name, and it will not be "
                                                         "loaded until asked for again") from failure
         entry = self.entry(name)
+        entry.awaiting_folder = False
         self._state_changed()  # no longer counted, even while it waits for a load to finish
         async with entry.held():
             if entry.loaded is not None:
