@@ -454,9 +454,17 @@ class RepositoryWatcher:
         repository = self.repository
         for old, new in plan.renames:
             log.info("dynamic repository: folder '%s' renamed to '%s'", old, new)
+            # The files the watcher knew for the old name may not be the ones its running version loaded: a
+            # reload of them that failed (moved away as it read them) left the version before. Moved in place,
+            # that version would serve the new folder's files as loaded for good: they are loaded after the move.
+            known = self._folders[old].stamp
+            stale = self.location is None and repository.loaded_stamp(old) not in (None, known)
             self._accept(old, None)
             self._accept(new, current[new])
             await self._for(new, repository.rename(old, new))
+            if stale and repository.loaded_stamp(new) != current[new].stamp:
+                log.info("dynamic repository: folder '%s' holds files its model had not loaded; reloading it", new)
+                await self._for(new, repository.reload(new))
         due: dict[str, list[str]] = {"removed": [], "added": [], "changed": []}
         previous: dict[str, FolderState | None] = {}  # the known state of each folder due, before this change
         for kind in due:
