@@ -60,7 +60,7 @@ from nereid.dependencies import Readiness, describe_cycle, find_cycle, settle
 from nereid.errors import MESSAGE_LIMIT, cap_message
 
 # NEREID_HYPOTHESIS_EXAMPLES=5000 searches deeper (about four minutes) than the suite does by default.
-BOUNDED = settings(max_examples=int(os.environ.get("NEREID_HYPOTHESIS_EXAMPLES", 100)), deadline=None, database=None,
+BOUNDED = settings(max_examples=int(os.environ.get("NEREID_HYPOTHESIS_EXAMPLES", 50)), deadline=None, database=None,
                    suppress_health_check=[HealthCheck.too_slow])
 FEWER = settings(BOUNDED, max_examples=max(1, BOUNDED.max_examples // 20))
 

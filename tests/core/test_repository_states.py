@@ -50,7 +50,7 @@ from nereid.tensors import InferRequest, NamedTensor
 
 from toy_backends import ToyModel
 
-BOUNDED = settings(max_examples=int(os.environ.get("NEREID_HYPOTHESIS_EXAMPLES", 60)), deadline=None, database=None,
+BOUNDED = settings(max_examples=int(os.environ.get("NEREID_HYPOTHESIS_EXAMPLES", 40)), deadline=None, database=None,
                    suppress_health_check=[HealthCheck.too_slow])
 NAMES = ("a", "b", "c")
 OP_TIMEOUT_S = 10.0

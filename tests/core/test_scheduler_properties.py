@@ -49,7 +49,7 @@ from nereid.stats import ModelStats
 from nereid.tensors import NamedTensor
 
 # NEREID_HYPOTHESIS_EXAMPLES=2000 searches deeper (a few minutes) than the suite does by default.
-BOUNDED = settings(max_examples=int(os.environ.get("NEREID_HYPOTHESIS_EXAMPLES", 100)), deadline=None, database=None,
+BOUNDED = settings(max_examples=int(os.environ.get("NEREID_HYPOTHESIS_EXAMPLES", 50)), deadline=None, database=None,
                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 MAX_BATCH = 8

@@ -63,7 +63,7 @@ from nereid.protocol.http_codec import OutputChoice, decode_infer, encode_infer
 from nereid.tensors import InferResponse, NamedTensor, bytes_array
 
 # NEREID_HYPOTHESIS_EXAMPLES=5000 searches deeper (minutes) than the suite does by default.
-EXAMPLES = int(os.environ.get("NEREID_HYPOTHESIS_EXAMPLES", 40))
+EXAMPLES = int(os.environ.get("NEREID_HYPOTHESIS_EXAMPLES", 25))
 # The strategies' own reference conversions cast NaN and out-of-range values on purpose.
 pytestmark = pytest.mark.filterwarnings("ignore:(invalid value|overflow) encountered in cast:RuntimeWarning")
 BOUNDED = settings(max_examples=EXAMPLES, deadline=None, database=None,
