@@ -98,7 +98,7 @@ def _copy_library(model: str, path: Path, copy: Path, scratch_dir: Path) -> None
     try:
         source = open(path, "rb")
     except OSError as err:
-        raise ConfigError(f"model '{model}': cannot read shared library {path}: {err.strerror or err}") from None
+        raise _cannot_read(model, path, err) from None
     with source:
         try:
             target = open(copy, "xb")
@@ -121,7 +121,12 @@ def _read_library(model: str, path: Path, source: BinaryIO) -> bytes:
     try:
         return source.read(_COPY_CHUNK)
     except OSError as err:
-        raise ConfigError(f"model '{model}': cannot read shared library {path}: {err.strerror or err}") from None
+        raise _cannot_read(model, path, err) from None
+
+
+def _cannot_read(model: str, path: Path, err: OSError) -> ConfigError:
+    """The load's error when the shared library ``path`` itself cannot be read (opened, or read from)."""
+    return ConfigError(f"model '{model}': cannot read shared library {path}: {err.strerror or err}")
 
 
 class NativeLibrary:

@@ -22,7 +22,7 @@ from nereid.errors import ModelFailure
 from nereid.files import descriptor_path
 
 from nereid.backends.subprocess.runner import (ProcessGroups, ProcessResult, close_descriptors, feed_and_wait,
-                                               kill_group, wait_for_exit)
+                                               kill_group, open_pipes, wait_for_exit)
 
 log = logging.getLogger(__name__)
 
@@ -286,15 +286,12 @@ def _run_channels() -> tuple[int, int, int, int, socket.socket, socket.socket]:
     descriptors) those made before it are closed, or each failed run would leak
     them and the server would stay out of descriptors for good.
     """
-    opened: list[int] = []
+    stdin_read, stdin_write, output_read, output_write = opened = open_pipes(2)
     try:
-        opened.extend(os.pipe2(os.O_CLOEXEC))
-        opened.extend(os.pipe2(os.O_CLOEXEC))
         reply, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     except BaseException:
         close_descriptors(*opened)
         raise
-    stdin_read, stdin_write, output_read, output_write = opened
     return stdin_read, stdin_write, output_read, output_write, reply, theirs
 
 

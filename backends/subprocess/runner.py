@@ -154,12 +154,7 @@ def run_model_process(argv: list[str], *, cwd: Path | str, env: dict[str, str], 
         # Our own pipes rather than Popen's file objects: feed_and_wait owns and closes their parent ends.
         # Each step that can fail (EMFILE: the server is out of descriptors) closes what the steps before it
         # opened: a descriptor leaked per failed run would keep the server out of them for good.
-        stdin_read, stdin_write = os.pipe2(os.O_CLOEXEC)
-        try:
-            output_read, output_write = os.pipe2(os.O_CLOEXEC)
-        except BaseException:
-            close_descriptors(stdin_read, stdin_write)
-            raise
+        stdin_read, stdin_write, output_read, output_write = open_pipes(2)
         try:
             process = subprocess.Popen(argv, cwd=cwd, env=env, stdin=stdin_read, stdout=output_write,
                                        stderr=subprocess.STDOUT, start_new_session=True)
@@ -330,6 +325,23 @@ def poll_timeout_ms(deadline: float | None) -> int:
         return -1
     remaining_s = min(deadline - time.monotonic(), MAX_POLL_MS / 1000)
     return max(0, min(MAX_POLL_MS, math.ceil(remaining_s * 1000)))
+
+
+def open_pipes(count: int) -> list[int]:
+    """``count`` close-on-exec pipes, as ``[read, write, read, write, ...]``: all or none.
+
+    When one cannot be made (EMFILE, the server out of descriptors) those made
+    before it are closed, or each failed run would leak them and the server
+    would stay out of descriptors for good.
+    """
+    opened: list[int] = []
+    try:
+        for _ in range(count):
+            opened.extend(os.pipe2(os.O_CLOEXEC))
+    except BaseException:
+        close_descriptors(*opened)
+        raise
+    return opened
 
 
 def close_descriptors(*fds: int) -> None:
