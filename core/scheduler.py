@@ -513,7 +513,8 @@ class ModelScheduler:
                 self._idle.clear()
                 call.when_abandoned = when_abandoned
             else:  # the thread ended just before this task was cancelled
-                when_abandoned(None if call.waiter.exception() else call.waiter.result(), call.waiter.exception())
+                error = call.waiter.exception()
+                when_abandoned(None if error is not None else call.waiter.result(), error)
             raise
 
     def _infer_on_thread(self, inputs: list[NamedTensor]) -> list[NamedTensor]:
