@@ -10,9 +10,10 @@ import tempfile
 from pathlib import Path
 
 from nereid.backend import BackendClaim, ModelContext, RuntimeReport
+from nereid.errors import ConfigError
 from nereid.backends.python.options import PythonOptions, parse_options
-from nereid.backends.python.preload import modules_to_preload
-from nereid.backends.python.warm import WarmParent, WarmStartUnavailable
+from nereid.backends.python.preload import Preloads, modules_to_preload
+from nereid.backends.python.warm import EntryImportFailed, WarmParent, WarmStartUnavailable
 from nereid.backends.subprocess.model import SubprocessModel, scratch_folder_refused
 from nereid.backends.subprocess.runner import ProcessResult
 from nereid.hookspecs import hookimpl
@@ -59,6 +60,9 @@ class PythonModel(SubprocessModel):
                 self._parent = self._start_parent(modules, source)
                 self._warm = True
                 return
+            except EntryImportFailed as err:
+                # Like a SyntaxError: `python main.py` would stop there on every run, so the model is not READY.
+                raise ConfigError(f"model '{self.context.name}': {err}; every run would stop there") from None
             except WarmStartUnavailable as err:
                 self._cold_reason = str(err)
                 log.warning("model '%s': warm start is off, every batch starts a fresh interpreter: %s",
@@ -66,11 +70,11 @@ class PythonModel(SubprocessModel):
         # Cold: a parent that imports nothing forks each run, which execs a fresh interpreter, so cold runs
         # too die with the server and leave no detached process behind.
         try:
-            self._parent = self._start_parent([], source)
+            self._parent = self._start_parent(Preloads(), source)
         except WarmStartUnavailable as err:
             log.warning("model '%s': no parent process (%s); runs are spawned directly", self.context.name, err)
 
-    def _start_parent(self, modules: list[str], source: bytes) -> WarmParent:
+    def _start_parent(self, modules: Preloads, source: bytes) -> WarmParent:
         # A folder of its own: while a changed model reloads, two versions' parents run side by side.
         scratch = self.context.scratch_dir
         try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 from nereid.errors import ConfigError
@@ -56,10 +57,32 @@ def lives_in_folder(module: str, folder: Path) -> bool:
     return (folder / f"{top}.py").is_file() or (folder / top).is_dir()
 
 
-def modules_to_preload(folder: Path, entry_file: str, extra: tuple[str, ...], source: bytes) -> list[str]:
+@dataclass(frozen=True)
+class Preloads:
+    """What a warm parent imports before it forks its first child, in order.
+
+    ``imports``: main.py's own top-level imports. One that fails would stop
+    every run at that line, so it fails the load. ``extra``: the model's
+    ``runtime.preload`` list, imported only to save each run the time; one
+    that fails turns warm start off instead.
+    """
+
+    imports: tuple[str, ...] = ()
+    extra: tuple[str, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.imports or self.extra)
+
+    def as_json(self) -> dict[str, list[str]]:
+        """The warm parent's ``MODULES_JSON`` argument."""
+        return {"imports": list(self.imports), "extra": list(self.extra)}
+
+
+def modules_to_preload(folder: Path, entry_file: str, extra: tuple[str, ...], source: bytes) -> Preloads:
     """``main.py``'s installed and standard-library imports, then ``extra``, minus the folder's own.
 
     ``source``: ``main.py``'s bytes, as the caller read them once.
     """
-    names = imported_modules(folder / entry_file, source) + list(extra)
-    return [name for name in dict.fromkeys(names) if not lives_in_folder(name, folder)]
+    imports = [name for name in imported_modules(folder / entry_file, source) if not lives_in_folder(name, folder)]
+    extra = [name for name in dict.fromkeys(extra) if name not in imports and not lives_in_folder(name, folder)]
+    return Preloads(tuple(imports), tuple(extra))

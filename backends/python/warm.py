@@ -21,6 +21,7 @@ from pathlib import Path
 from nereid.errors import ModelFailure
 from nereid.files import descriptor_path
 
+from nereid.backends.python.preload import Preloads
 from nereid.backends.subprocess.runner import (ProcessGroups, ProcessResult, close_descriptors, feed_and_wait,
                                                kill_group, open_pipes, wait_for_exit)
 
@@ -38,10 +39,19 @@ class WarmStartUnavailable(Exception):
     """The warm parent cannot serve this model (an import failed, started threads or initialised CUDA): run cold."""
 
 
+class EntryImportFailed(WarmStartUnavailable):
+    """One of main.py's own top-level imports failed in the warm parent: every run would stop at it.
+
+    A load fails on it. A parent restarted later that meets it runs the model
+    cold instead, as for any other reason it cannot preload (the model is
+    already serving, and the import may work again).
+    """
+
+
 class WarmParent:
     """A running warm parent: started with the model's environment, imports preloaded."""
 
-    def __init__(self, *, name: str, folder: Path, env: dict[str, str], modules: list[str], log_path: Path,
+    def __init__(self, *, name: str, folder: Path, env: dict[str, str], modules: Preloads, log_path: Path,
                  entry_source: Path, cold_argv: list[str] | None = None, folder_fd: int | None = None) -> None:
         self.name = name
         # What a cold run execs, should a restarted parent find it can no longer preload.
@@ -70,7 +80,7 @@ class WarmParent:
         try:
             with open(self.log_path, "ab") as log_file:
                 process = subprocess.Popen(
-                    [sys.executable, "-P", str(WARM_PARENT_SCRIPT), str(theirs.fileno()), json.dumps(self.modules),
+                    [sys.executable, "-P", str(WARM_PARENT_SCRIPT), str(theirs.fileno()), json.dumps(self.modules.as_json()),
                      str(self.folder), str(self.entry_source)],
                     cwd=self._folder_path(), env=self.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                     stderr=log_file,
@@ -86,6 +96,8 @@ class WarmParent:
         if line != "ready":
             ours.close()
             _end(process)
+            if line.startswith("broken "):
+                raise EntryImportFailed(line.removeprefix("broken "))
             if line.startswith("fallback "):
                 raise WarmStartUnavailable(line.removeprefix("fallback "))
             tail = self.log_path.read_bytes()[-STARTUP_TAIL_BYTES:].decode("utf-8", errors="replace").strip()
@@ -246,7 +258,7 @@ class WarmParent:
                     # now on, as a load finding the same would.
                     log.warning("model '%s': its restarted warm parent cannot preload (%s); from now on every "
                                 "batch starts a fresh interpreter", self.name, err)
-                    self.modules, self.cold_reason = [], str(err)
+                    self.modules, self.cold_reason = Preloads(), str(err)
                     try:
                         self._start()
                     except WarmStartUnavailable as again:

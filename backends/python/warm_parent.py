@@ -8,11 +8,13 @@ nothing but what the model imports: not nereid, not grpc.
 
 Protocol (``CONTROL_FD`` is an AF_UNIX SOCK_SEQPACKET socket to the server):
 
-1. Import every module in ``MODULES_JSON`` and compile ``SOURCE`` as ``FOLDER/main.py``
-   (each run executes that code, not the file as it is then), then write one line to the
-   stdout it was started with: ``ready``, or ``fallback <reason>`` and exit (an import
-   failed, imports started Python threads: forking a threaded process is unsafe, or an
-   import initialised CUDA, which a forked child cannot use).
+1. Import the modules of ``MODULES_JSON`` (``{"imports": [...], "extra": [...]}``: main.py's
+   own top-level imports, then the model's other preloads) and compile ``SOURCE`` as
+   ``FOLDER/main.py`` (each run executes that code, not the file as it is then), then write
+   one line to the stdout it was started with: ``ready``; ``broken <reason>`` and exit (one
+   of main.py's own imports failed: every run would stop there); or ``fallback <reason>``
+   and exit (an extra preload failed, imports started Python threads: forking a threaded
+   process is unsafe, or an import initialised CUDA, which a forked child cannot use).
    From the start, descriptor 1 is the parent's stderr: what an import prints (a
    library's banner) goes to the log, and only that line reaches the server.
 2. Each message on the control socket asks for one run: a JSON object
@@ -69,27 +71,33 @@ MAX_SWEEPS = 1024
 CUDA_ERROR_NOT_INITIALIZED = 3
 
 
-def preload(modules: list[str]) -> str | None:
-    """Import ``modules``; None when forking is safe afterwards, else why not.
+def preload(imports: list[str], extra: list[str]) -> str | None:
+    """Import ``imports`` (main.py's), then ``extra``; None when forking is safe afterwards, else the start-up
+    answer that says why not: ``broken <reason>`` or ``fallback <reason>``.
 
-    Python threads make it unsafe (a lock held by one stays held in every
-    child). Native threads do not count (OpenBLAS's pool registers fork
-    handlers; importing torch starts none): an initialised CUDA driver, whose
-    threads are native, is what :func:`cuda_initialised` looks for instead.
+    One of main.py's own imports that fails is ``broken``: ``python main.py``
+    would stop at it on every run. Python threads make forking unsafe (a lock
+    held by one stays held in every child). Native threads do not count
+    (OpenBLAS's pool registers fork handlers; importing torch starts none): an
+    initialised CUDA driver, whose threads are native, is what
+    :func:`cuda_initialised` looks for instead.
     """
-    for name in modules:
+    for name in [*imports, *extra]:
         try:
             importlib.import_module(name)
-        except BaseException as err:  # noqa: BLE001 - any failure means: run cold
+        except BaseException as err:  # noqa: BLE001 - any failure: the load fails, or runs go cold
             text = f"{type(err).__name__}: {err}".replace("\n", " ")[:500]
-            return f"preloading '{name}' failed ({text})"
+            if name in imports:
+                return f"broken {ENTRY_FILE} imports '{name}', which fails to import ({text})"
+            return f"fallback preloading '{name}' failed ({text})"
         # After each import, so that the reason names the module that did it.
         if cuda_initialised():
-            return (f"preloading '{name}' initialised CUDA, which a forked child cannot use; initialise CUDA in "
-                    "the code that runs per batch (main.py's body or a function it calls), not at import")
-    extra = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
-    if extra:
-        return f"preloading started threads ({', '.join(extra[:5])}); forking a threaded process is unsafe"
+            return (f"fallback preloading '{name}' initialised CUDA, which a forked child cannot use; initialise "
+                    "CUDA in the code that runs per batch (main.py's body or a function it calls), not at import")
+    extra_threads = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
+    if extra_threads:
+        return (f"fallback preloading started threads ({', '.join(extra_threads[:5])}); forking a threaded process "
+                "is unsafe")
     return None
 
 
@@ -702,7 +710,7 @@ def main() -> int:
     answer = os.dup(sys.stdout.fileno())
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     before = dict(os.environ)
-    reason = preload(modules)
+    refusal = preload(modules["imports"], modules["extra"])
     after = dict(os.environ)
     _preload_environ = ({k: v for k, v in after.items() if before.get(k) != v}, [k for k in before if k not in after])
     # What the imports printed with C stdio (a library's printf), to the log now: its buffer would otherwise
@@ -710,8 +718,8 @@ def main() -> int:
     # buffer is flushed before each fork.)
     if _fflush is not None:
         _fflush(None)
-    if reason is not None:
-        _answer(answer, f"fallback {reason}")
+    if refusal is not None:
+        _answer(answer, refusal)
         return 0
     compile_entry(os.path.join(sys.argv[3], ENTRY_FILE), sys.argv[4])  # named as each run's "cwd" names it
     gc.freeze()  # the preloaded objects stay out of the collector's reach, so children share their pages

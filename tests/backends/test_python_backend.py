@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -856,13 +857,16 @@ def test_a_restarted_warm_parent_that_cannot_preload_runs_cold(repo, serve, star
     backend = server.server.repository.entry("preloads").loaded.backend
     assert backend.runtime_report().summary == "warm_start=on"
     assert infer(server, "preloads", FOUR).as_numpy("output").tolist() == FOUR.tolist()
-    # As if an installed package changed under the parent and now failed to import.
-    backend._parent.modules.append("nereid_test_no_such_module")
+    # As if an installed package main.py imports changed under the parent and now failed to import: a load would
+    # fail on it, but this version serves already.
+    modules = backend._parent.modules
+    backend._parent.modules = dataclasses.replace(modules, imports=(*modules.imports, "nereid_test_no_such_module"))
     os.kill(backend._parent.pid, signal.SIGKILL)
     # The next request finds the parent dead; its replacement cannot preload, so runs go cold.
     assert infer(server, "preloads", FOUR).as_numpy("output").tolist() == FOUR.tolist()
     assert backend.runtime_report().summary.startswith(
-        "warm_start=off since a restart (preloading 'nereid_test_no_such_module' failed")
+        "warm_start=off since a restart (main.py imports 'nereid_test_no_such_module', which fails to import "
+        "(ModuleNotFoundError")
 
 
 @pytest.mark.skipif(not site.ENABLE_USER_SITE, reason="needs a user site-packages (not in a virtualenv) to install "

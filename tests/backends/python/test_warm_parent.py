@@ -42,7 +42,7 @@ def test_a_run_whose_child_cannot_be_forked_fails_saying_why_and_the_parent_serv
 
 
 # Preloads, in one warm-parent interpreter, each list of modules in argv[2] (JSON) in turn; prints, for each, what
-# preload() answered and whether a libcuda was mapped into the process after it.
+# preload() answered (as extra preloads) and whether a libcuda was mapped into the process after it.
 PRELOAD_IN_TURN = """
 import importlib.util, json, sys
 spec = importlib.util.spec_from_file_location("warm_parent", sys.argv[1])
@@ -50,7 +50,7 @@ warm_parent = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(warm_parent)
 answers = []
 for modules in json.loads(sys.argv[2]):
-    reason = warm_parent.preload(modules)
+    reason = warm_parent.preload([], modules)
     with open("/proc/self/maps") as maps:
         answers.append([reason, "libcuda.so" in maps.read()])
 print(json.dumps(answers))
@@ -73,6 +73,6 @@ def test_preloading_that_initialises_cuda_is_refused_naming_the_module(tmp_path,
     assert json.loads(done.stdout) == [
         [None, False],  # no driver loaded: none asked, none loaded
         [None, True],  # loaded, never initialised: forking is fine
-        ["preloading 'inits_cuda' initialised CUDA, which a forked child cannot use; initialise CUDA in the code "
+        ["fallback preloading 'inits_cuda' initialised CUDA, which a forked child cannot use; initialise CUDA in the code "
          "that runs per batch (main.py's body or a function it calls), not at import", True],
     ]

@@ -19,7 +19,7 @@ import pytest
 import tritonclient.grpc as triton
 from tritonclient.utils import InferenceServerException
 
-from nereid.backends.python.preload import imported_modules, modules_to_preload
+from nereid.backends.python.preload import Preloads, imported_modules, modules_to_preload
 from nereid.cli import main as cli_main
 
 from support import nereid_serve, process_alive, textproto_single, wait_until, zombie_children
@@ -67,8 +67,8 @@ def test_preload_reads_top_level_imports_only(tmp_path):
         "if True:\n    import zlib\n")
     source = (tmp_path / "main.py").read_bytes()
     assert imported_modules(tmp_path / "main.py", source) == ["os", "json", "xml.dom", "numpy", "helper", "pkg.sub"]
-    assert modules_to_preload(tmp_path, "main.py", ("sqlite3", "os", "helper"), source) == [
-        "os", "json", "xml.dom", "numpy", "sqlite3"]
+    assert modules_to_preload(tmp_path, "main.py", ("sqlite3", "os", "helper", "sqlite3"), source) == Preloads(
+        imports=("os", "json", "xml.dom", "numpy"), extra=("sqlite3",))
 
 
 def test_child_runs_main_as_a_fresh_script_would(repo, serve):
@@ -293,6 +293,43 @@ def test_unsafe_preload_falls_back_to_cold_starts(repo, serve, user_site, caplog
     assert [r.message for r in caplog.records if "warm start is off" in r.message] != []
     assert ask(server, "fallback") == {"ok": True}  # served, cold
 
+
+
+def test_a_top_level_import_of_main_py_that_fails_is_a_load_failure(repo, serve, user_site):
+    """Defect: a main.py whose own top-level import fails (a package not installed, one that raises as it is
+    imported) loaded READY, running cold, and every request failed with the import's traceback. `python main.py`
+    stops there every time, so it is a load failure, like a SyntaxError; with watch: true such an edit leaves the
+    working version serving. A failing `runtime.preload` still only turns warm start off (the test above), and
+    `warm_start: false` never imports at load."""
+    folder = repo.python("edited", textproto=REPORT, main=reply_main('"v1"'))
+    repo.python("missing", textproto=REPORT, main=reply_main("1", prelude="import nereid_no_such_module"))
+    repo.python("raising", textproto=REPORT, main=reply_main("1", prelude="from fails_on_import import x"))
+    repo.python("cold", textproto=REPORT, main=reply_main("1", prelude="import nereid_no_such_module"))
+    server = serve(repo.write_config("- name: edited\n- name: missing\n- name: raising\n"
+                                     "- name: cold\n  runtime: {warm_start: false}\n",
+                                     server_extra="  watch: true\n  watch_settle_ms: 100\n"))
+
+    def index() -> dict[str, tuple[str, str]]:
+        return {m.name: (m.state, m.reason) for m in server.client.get_model_repository_index().models}
+
+    assert index()["missing"] == ("UNAVAILABLE", "model 'missing': main.py imports 'nereid_no_such_module', which "
+                                  "fails to import (ModuleNotFoundError: No module named 'nereid_no_such_module'); "
+                                  "every run would stop there")
+    assert index()["raising"] == ("UNAVAILABLE", "model 'raising': main.py imports 'fails_on_import', which fails "
+                                  "to import (RuntimeError: cannot import me); every run would stop there")
+    assert index()["cold"][0] == "READY"
+    with pytest.raises(InferenceServerException, match="No module named 'nereid_no_such_module'"):
+        ask(server, "cold")
+    assert ask(server, "edited") == "v1"
+    (folder / "main.py").write_text(reply_main('"v2"', prelude="import nereid_no_such_module"))
+    assert wait_until(lambda: "reload failed" in index()["edited"][1])
+    assert index()["edited"] == ("READY", "reload failed, version 1 keeps serving: model 'edited': main.py imports "
+                                 "'nereid_no_such_module', which fails to import (ModuleNotFoundError: No module "
+                                 "named 'nereid_no_such_module'); every run would stop there")
+    assert ask(server, "edited") == "v1"
+    (folder / "main.py").write_text(reply_main('"v3"'))
+    assert wait_until(lambda: index()["edited"] == ("READY", ""))
+    assert ask(server, "edited") == "v3"
 
 
 def test_a_preload_that_initialises_cuda_runs_cold_and_one_that_only_loads_it_stays_warm(repo, serve, user_site,
@@ -534,11 +571,12 @@ import json, os, sys
 from pathlib import Path
 sys.path.insert(0, sys.argv[2])
 from starved_descriptors import runs_short_of_descriptors
+from nereid.backends.python.preload import Preloads
 from nereid.backends.python.warm import WarmParent
 from nereid.backends.subprocess.runner import ProcessGroups
 
 folder = Path(sys.argv[1])
-parent = WarmParent(name="m", folder=folder, env={"PATH": os.environ.get("PATH", "")}, modules=[],
+parent = WarmParent(name="m", folder=folder, env={"PATH": os.environ.get("PATH", "")}, modules=Preloads(),
                     log_path=folder / "parent.log", entry_source=folder / "main.py")
 parent.start()
 run = lambda: parent.run(env={}, stdin=b"x", timeout_s=30, groups=ProcessGroups()).returncode
