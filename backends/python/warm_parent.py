@@ -26,9 +26,12 @@ Protocol (``CONTROL_FD`` is an AF_UNIX SOCK_SEQPACKET socket to the server):
    A child forked ahead of time (the spare) takes the run.
 3. On the reply socket the parent sends ``{"pid": N}`` once the child is
    forked and ``{"status": S}`` once it has ended (S as ``Popen.returncode``:
-   negative for a signal). Before reaping the child it SIGKILLs the child's
-   process group, so nothing the model started outlives the run. If the server
-   closes the reply socket first (a timeout), the group is killed.
+   negative for a signal). Before that it SIGKILLs the child's process group,
+   so nothing the model started outlives the run. The child is reaped only when
+   the server closes the reply socket, which it does once it no longer lists
+   the run's group: until then the group's id cannot be reused, so a signal the
+   server sends it meanwhile reaches nothing else. If the server closes the
+   reply socket first (a timeout), the group is killed.
 4. End of stdin (the server's lifeline) or of the control socket: kill every
    running child's group, reap them, exit.
 
@@ -158,6 +161,9 @@ class Runs:
         self.owned = owned
         self.by_pidfd: dict[int, tuple[int, socket.socket]] = {}
         self.by_reply: dict[int, int] = {}  # reply socket fd -> pid
+        # Runs reported ended, whose child is left unreaped until the server closes the reply socket (reply socket
+        # fd -> pid, pidfd, reply socket).
+        self.reported: dict[int, tuple[int, int, socket.socket]] = {}
         self.spare: tuple[int, int, socket.socket] | None = None  # pid, pidfd, assignment socket
 
     def fork_spare(self) -> None:
@@ -272,10 +278,29 @@ class Runs:
             return
         pid, reply = self.by_pidfd.pop(pidfd)
         _kill_group(pid)
-        _, wait_status = os.waitpid(pid, 0)
-        self._forget(pidfd, reply)
+        # Not reaped yet (WNOWAIT): the server may signal the run's group until it has read the status, and a
+        # zombie keeps the group's id from being reused by then.
+        returncode = _returncode(os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT))
+        self.poller.unregister(pidfd)
+        if self.by_reply.pop(reply.fileno(), None) is None:  # the server had closed it already (a timeout)
+            self.sweep_orphans()
+            self._reap(pid, pidfd, reply)
+            return
+        self.reported[reply.fileno()] = (pid, pidfd, reply)  # still registered: it fires when the server closes it
         self.sweep_orphans()
-        _send(reply, {"status": os.waitstatus_to_exitcode(wait_status)})
+        _send(reply, {"status": returncode})
+
+    def closed(self, reply_fd: int) -> None:
+        """The server closed the reply socket of a run reported ended: it lists the group no more, so reap."""
+        pid, pidfd, reply = self.reported.pop(reply_fd)
+        self.poller.unregister(reply_fd)
+        self._reap(pid, pidfd, reply)
+
+    def _reap(self, pid: int, pidfd: int, reply: socket.socket) -> None:
+        os.waitpid(pid, 0)
+        os.close(pidfd)
+        self.owned.discard(pidfd)
+        self.owned.discard(reply.fileno())
         reply.close()
 
     def sweep_orphans(self) -> None:
@@ -285,7 +310,7 @@ class Runs:
         group (``setsid`` then fork) is reparented here when its parent exits,
         instead of to init, and ends here with the run that left it behind.
         """
-        known = {pid for pid, _ in self.by_pidfd.values()}
+        known = {pid for pid, _ in self.by_pidfd.values()} | {pid for pid, _, _ in self.reported.values()}
         if self.spare is not None:
             known.add(self.spare[0])
         for _ in range(MAX_SWEEPS):
@@ -319,6 +344,8 @@ class Runs:
             os.waitpid(pid, 0)
             self._forget(pidfd, reply)
             reply.close()
+        for reply_fd in list(self.reported):
+            self.closed(reply_fd)
         if self.spare is not None:
             pid, pidfd, assignments = self.spare
             self.spare = None
@@ -356,6 +383,8 @@ def serve(control: socket.socket) -> None:
                 runs.exited(fd)
             elif fd in runs.by_reply:
                 runs.abandoned(fd)
+            elif fd in runs.reported:
+                runs.closed(fd)
     finally:
         runs.end_all()
 
@@ -658,6 +687,11 @@ def _descendants(pid: int) -> list[int]:
             found.extend(children)
             parents.extend(children)
     return found
+
+
+def _returncode(ended: os.waitid_result) -> int:
+    """An ended child's status as ``Popen.returncode`` gives it: the exit code, or minus the signal."""
+    return ended.si_status if ended.si_code == os.CLD_EXITED else -ended.si_status
 
 
 def _kill_group(pgid: int) -> None:

@@ -6,7 +6,8 @@ ahead has died. That child must not keep copies of them (the run's reply
 socket, a second write end of its output pipe), nor may they outlive an exec.
 Its stdout pipe carries the start-up answer alone, whatever a preloaded module
 prints, and a run's output is what its main.py wrote, as ``python main.py``
-would write it.
+would write it. A run's child keeps its pid (unreaped) until the server has
+closed the run's reply socket.
 """
 
 from __future__ import annotations
@@ -184,6 +185,27 @@ def test_a_child_forked_while_the_parent_holds_a_run_s_descriptors_keeps_none_of
         os.kill(parent.process.pid, signal.SIGCONT)
     assert parent.started(run[0]) != spare
     assert parent.finish(*run) == [0, 1, 2], "the run's child holds descriptors beyond its stdin, stdout and stderr"
+
+
+def test_a_run_s_child_is_reaped_only_once_the_server_has_closed_its_reply_socket(parent) -> None:
+    """Defect: the parent reaped a run's child before it reported the run's end, while the server still listed the
+    run's process group for terminate_running: a signal sent to that group in between could reach processes given
+    the freed id. The child stays a zombie (its pid and group id reserved) until the server closes the reply
+    socket, which it does once it has stopped listing the group."""
+    reply, stdin_write, output_read = parent.send_run()
+    pid = parent.started(reply)
+    os.close(stdin_write)
+    with os.fdopen(output_read, "rb") as output:
+        output.read()
+    assert json.loads(reply.recv(4096)) == {"status": 0}
+    _wait_for_state(pid, "Z")  # ended, reported, and not reaped
+    with open(f"/proc/{pid}/stat") as f:
+        assert int(f.read().rsplit(")", 1)[1].split()[1]) == parent.process.pid  # still the parent's child
+    reply.close()
+    _wait_for_state(pid, "X")  # reaped now
+    run = parent.send_run()  # and the parent serves on
+    parent.started(run[0])
+    assert parent.finish(*run) == [0, 1, 2]
 
 
 # Imported by the warm parent before it answers: prints to stdout as libraries' banners do, in every way
