@@ -626,8 +626,12 @@ def _statistics(models: list[tuple[str, ModelStats]]) -> dict:
         stats_json.append({
             "name": name, "version": MODEL_VERSION, "last_inference": stats.last_inference_ms,
             "inference_count": stats.inference_count, "execution_count": stats.execution_count,
-            "inference_stats": {field: _duration(getattr(stats, field)) for field in
-                                ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output")},
+            "inference_stats": {
+                **{field: _duration(getattr(stats, field)) for field in
+                   ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output")},
+                # Triton always reports its response cache; nereid has none, so never a hit or a miss. Present so
+                # that a client reading them (a dashboard written against Triton) finds them.
+                "cache_hit": {"count": 0, "ns": 0}, "cache_miss": {"count": 0, "ns": 0}},
             "batch_stats": [{"batch_size": size,
                              **{field: _duration(getattr(stats.batches[size], field))
                                 for field in ("compute_input", "compute_infer", "compute_output")}}

@@ -381,6 +381,10 @@ def test_stats_index_and_repository_control(repo, serve):
     client.infer("echo", [tensor])
     stats = client.get_inference_statistics("echo")["model_stats"][0]
     assert stats["name"] == "echo" and stats["inference_count"] == 1 and stats["inference_stats"]["success"]["count"]
+    # Triton's fields, the response cache's included (nereid has none: zeros), as a client written against it reads
+    assert sorted(stats["inference_stats"]) == ["cache_hit", "cache_miss", "compute_infer", "compute_input",
+                                                "compute_output", "fail", "queue", "success"]
+    assert stats["inference_stats"]["cache_hit"] == stats["inference_stats"]["cache_miss"] == {"count": 0, "ns": 0}
     assert [s["name"] for s in client.get_inference_statistics()["model_stats"]] == ["echo"]
     index = {m["name"]: m["state"] for m in client.get_model_repository_index()}
     assert index == {"echo": "READY", "other": "UNAVAILABLE"}
