@@ -263,6 +263,8 @@ def check(settings: Settings, manager: NereidPluginManager | None = None) -> int
                 if (handler := signal.getsignal(signum)) is not None}
     for signum in previous:
         signal.signal(signum, signals)
+    unraisable_hook = sys.unraisablehook
+    sys.unraisablehook = signals.quiet_unraisable(unraisable_hook)
     try:
         names = list_model_folders(settings.server)
         if settings.server.ml_backends_url is not None:  # a store that cannot be listed: check the listed models
@@ -294,6 +296,7 @@ def check(settings: Settings, manager: NereidPluginManager | None = None) -> int
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+        sys.unraisablehook = unraisable_hook
         remove_scratch_folder(scratch)
     summary = [f"{config_problems} problem(s) in its backends: section"] if config_problems else []
     if problems:
@@ -350,6 +353,22 @@ class _StopSignals:
         """
         self.stop_if_came()
         return (*plugin_failures(), KeyboardInterrupt)
+
+    def quiet_unraisable(self, previous: Callable[[Any], object]) -> Callable[[Any], object]:
+        """A ``sys.unraisablehook`` that drops the stop this handler raised where Python cannot pass an
+        exception on, and hands anything else to ``previous``.
+
+        A signal that comes while a finalizer or a garbage-collector callback
+        runs (jax's, as a bundle loads) has its stop raised in there: Python
+        would print it ("Exception ignored in ...", a traceback through this
+        handler) and go on. The record stays, so the check stops at its next
+        look (after the model's load at the latest), saying one line.
+        """
+        def hook(unraisable: Any) -> None:
+            if self.came is not None and isinstance(unraisable.exc_value, KeyboardInterrupt):
+                return
+            previous(unraisable)
+        return hook
 
     def stop_if_came(self) -> None:
         """Raise the stop of the signal that came, if one did."""
