@@ -62,6 +62,14 @@ def arity_mismatch(where: str, program: ProgramSignature, n_inputs: int, n_weigh
     ``weights_present`` False: the bundle has no weights file at all, which is
     then the likely cause of a program wanting more arguments.
     """
+    found = _mismatch_and_cause(where, program, n_inputs, n_weights, weights_name, weights_present)
+    return None if found is None else f"{found[0]}. {found[1]}"
+
+
+def _mismatch_and_cause(where: str, program: ProgramSignature, n_inputs: int, n_weights: int,
+                        weights_name: str, weights_present: bool) -> tuple[str, str] | None:
+    """:func:`arity_mismatch` in two parts: what does not agree, and its likely cause (the same for every program
+    of a bundle that fails the same way, so a report of several says it once)."""
     supplied = n_inputs + n_weights
     if program.arity == supplied:
         return None
@@ -85,7 +93,7 @@ def arity_mismatch(where: str, program: ProgramSignature, n_inputs: int, n_weigh
                  "drops unused arguments unless the function is jitted with keep_unused=True), or a weights "
                  "file holding tensors the program does not take.")
     return (f"{where}: the program takes {program.arity} argument(s) ({shown or 'none'}) but the bundle supplies "
-            f"{supplied}: {n_inputs} input(s) from the manifest + {weights}. {cause}")
+            f"{supplied}: {n_inputs} input(s) from the manifest + {weights}", cause)
 
 
 def bundle_entry_arity(module_path: Path | str) -> int:
@@ -126,6 +134,7 @@ def _report(folder: Path) -> BundleArity:
     weights_name = weight_set.describe() if weight_set else DEFAULT_WEIGHTS_FILE
     modules: list[ModuleArity] = []
     problems: list[str] = []
+    causes: dict[str, None] = {}  # of the arity mismatches, each said once after them all
     for path in dict.fromkeys(layout.modules.values()):  # a file serving several keys is read once
         try:
             program = read_program(path.read_bytes(), str(path))
@@ -134,13 +143,15 @@ def _report(folder: Path) -> BundleArity:
             problems.append(str(err))
             continue
         modules.append(ModuleArity(path.name, program.arity))
-        mismatch = arity_mismatch(path.name, program, n_inputs, n_weights, weights_name, weight_set is not None)
+        mismatch = _mismatch_and_cause(path.name, program, n_inputs, n_weights, weights_name,
+                                       weight_set is not None)
         if mismatch:
-            problems.append(mismatch)
+            problems.append(mismatch[0])
+            causes[mismatch[1]] = None
     expected = {m.expected for m in modules}
     common = expected.pop() if len(expected) == 1 else None
-    return BundleArity(folder, not problems, n_inputs, n_weights, common, tuple(modules), "; ".join(problems),
-                       weights_name)
+    error = "; ".join(problems) + "".join(f". {cause}" if i == 0 else f" {cause}" for i, cause in enumerate(causes))
+    return BundleArity(folder, not problems, n_inputs, n_weights, common, tuple(modules), error, weights_name)
 
 
 def bundle_type_problem(folder: Path | str) -> str | None:

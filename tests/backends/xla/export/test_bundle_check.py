@@ -66,6 +66,11 @@ def test_report_api(tmp_path) -> None:
     report = bundle_arity_report(good)
     assert not report.servable and "no weights (weights.safetensors is missing)" in report.error
     assert "captured" not in report.error
+    # Each of the three programs named, the shared cause said once, after them (it was repeated, joined by ".;")
+    assert report.error.count("weights.safetensors is missing") == 3 and ".;" not in report.error
+    assert report.error.count("The bundle has no weights file") == 1
+    assert report.error.endswith("is missing). The bundle has no weights file: a program that takes weights needs "
+                                 "its weights.safetensors (or its shards and index) beside it.")
 
 
 def test_bundles_whose_types_the_load_refuses_are_unservable(tmp_path, capsys) -> None:
