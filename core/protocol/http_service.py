@@ -368,8 +368,11 @@ class HttpSurface:
             body = await self._read_body(dict(scope["headers"]), receive, "")
             options = _json_object(body, "the repository index request") if body.strip() else {}
             ready = options.get("ready", False)
+            if not isinstance(ready, bool):  # as Triton refuses it: a 1 or "yes" taken for false listed everything
+                raise HttpError(400, f"the repository index request: 'ready' must be true or false, got "
+                                     f"{quoted(ready)}")
             return _json([{"name": e.name, "version": e.version, "state": e.state, "reason": e.reason}
-                          for e in await self.dataplane.repository_index(ready is True)])
+                          for e in await self.dataplane.repository_index(ready)])
         if len(rest) == 3 and rest[0] == "models" and rest[2] in ("load", "unload"):
             model, action = rest[1], rest[2]
             headers = dict(scope["headers"])

@@ -388,6 +388,11 @@ def test_stats_index_and_repository_control(repo, serve):
     assert [s["name"] for s in client.get_inference_statistics()["model_stats"]] == ["echo"]
     index = {m["name"]: m["state"] for m in client.get_model_repository_index()}
     assert index == {"echo": "READY", "other": "UNAVAILABLE"}
+    status, body, _ = call(base, "POST", "/v2/repository/index", b'{"ready": true}')
+    assert (status, [m["name"] for m in json.loads(body)]) == (200, ["echo"])
+    for ready in (b"1", b'"yes"', b"null"):  # Defect: taken for false, so every model was listed
+        assert error_of(call(base, "POST", "/v2/repository/index", b'{"ready": ' + ready + b"}")) == (
+            400, f"the repository index request: 'ready' must be true or false, got {ready.decode()}")
     client.load_model("other")
     assert client.is_model_ready("other")
     client.unload_model("other")
