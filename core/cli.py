@@ -99,6 +99,10 @@ def main(argv: list[str] | None = None, extra_plugins: tuple[object, ...] = ()) 
     logging.getLogger().setLevel(args.log_level)
     # jax reports at INFO that it found no TPU; that is no news to a CPU or GPU server.
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+    if args.log_level != "DEBUG":
+        # watchfiles says "N changes detected" at INFO for each batch of file events in dynamic mode; the server
+        # logs what it does about them. (At DEBUG, its lines name the paths and stay.)
+        logging.getLogger("watchfiles").setLevel(logging.WARNING)
     return serve_command(settings, listeners, manager)
 
 

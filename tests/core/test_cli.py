@@ -310,6 +310,20 @@ time.sleep(120)
 '''
 
 
+def test_serve_in_dynamic_mode_logs_what_it_does_not_each_file_event(repo) -> None:
+    """Defect: at the default log level, watchfiles' own INFO line ("1 change detected") came with each batch of
+    file events in dynamic mode, beside the server's line saying what it did about them."""
+    repo.python("first")
+    config = repo.write_config(server_extra="  watch: true\n  watch_settle_ms: 100\n")
+    with nereid_serve(config) as (process, client):
+        repo.python("dropped_in")
+        assert wait_until(lambda: client.is_model_ready("dropped_in"), 30)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == 0
+        log = process.stdout.read()
+    assert "model 'dropped_in'" in log and "detected" not in log and "watchfiles" not in log, log
+
+
 def test_serve_ends_running_children_once_the_grace_has_passed(repo) -> None:
     folder = repo.python("hang", main=HANGING_MAIN)
     sleepy = repo.python("sleepy", main="import time\nopen('started', 'w').close()\ntime.sleep(120)\n")
