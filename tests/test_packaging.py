@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -11,8 +12,13 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_wheel_maps_core_and_backends_under_nereid(tmp_path: Path) -> None:
+    # Built from a copy: setuptools builds in the source tree, and left a build/ folder in the checkout whose
+    # stale copies of every module turned up in searches of the code.
+    source = tmp_path / "source"
+    shutil.copytree(REPO_ROOT, source, ignore=shutil.ignore_patterns(".git", "build", "dist", "*.egg-info",
+                                                                        "__pycache__", ".cache", ".pytest_cache"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q",
-                    "-w", str(tmp_path), str(REPO_ROOT)], check=True, timeout=300, cwd=tmp_path)
+                    "-w", str(tmp_path), str(source)], check=True, timeout=300, cwd=tmp_path)
     (wheel,) = tmp_path.glob("nereid-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     packages = {name.rsplit("/", 1)[0] for name in names if name.endswith("/__init__.py")}
