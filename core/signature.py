@@ -97,7 +97,9 @@ class ValidatedInputs:
 
 def load_textproto_signature(path: Path) -> ModelSignature:
     """Parse and check a ``model_inference.textproto``; ConfigError names the file and problem."""
-    text = read_text_file(path, MAX_TEXTPROTO_BYTES)
+    # A byte order mark (some Windows editors save one) is no part of the text: protobuf refused the invisible
+    # character as the first token ("Expected identifier or number, got \ufeff").
+    text = read_text_file(path, MAX_TEXTPROTO_BYTES).removeprefix("\ufeff")
     message = model_inference_pb2.ModelInference()
     try:
         text_format.Parse(text, message)
@@ -175,7 +177,9 @@ def _tensor_spec(name: str, data_type: str, dims, where: str, path: Path) -> Ten
     try:
         dtype = DType.from_kserve(data_type)
     except ValueError as err:
-        raise ConfigError(f"{path}: {where} ({name}): data_type: {err}") from None
+        # (Only the single form has a default, FP32: a block without data_type said "unknown datatype ''".)
+        problem = "missing" + str(err).removeprefix("unknown datatype ''") if not data_type else str(err)
+        raise ConfigError(f"{path}: {where} ({name}): data_type: {problem}") from None
     for dim in dims:
         if dim == 0 or dim < -1:
             raise ConfigError(

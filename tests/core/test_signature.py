@@ -50,12 +50,21 @@ output { name: "out" data_type: "BYTES" dims: [1] }
     ("input_shape: [-2]\n", r"dims must be positive or -1"),
     ("max_batch_size: -1\ninput_shape: [1]\n", "max_batch_size must be >= 0"),
     ('input { data_type: "FP32" dims: [1] }\n', "has no name"),
+    # Defect: said "unknown datatype ''"
+    ('input { name: "a" dims: [1] }\n', r"input 0 \(a\): data_type: missing \(expected one of BF16, BOOL,"),
     ('input { name: "a" data_type: "FP32" dims: [1] }\ninput { name: "a" data_type: "FP32" dims: [1] }\n',
      "duplicate input"),
 ])
 def test_textproto_errors(tmp_path: Path, text: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         parse(tmp_path, text)
+
+
+def test_a_byte_order_mark_is_no_part_of_the_textproto(tmp_path: Path) -> None:
+    """Defect: a textproto saved with a UTF-8 byte order mark (some Windows editors add one) was refused at 1:1,
+    "Expected identifier or number, got" the invisible character."""
+    sig = parse(tmp_path, "\ufeffinput_shape: [16]\noutput_shape: [1]\nmax_batch_size: 8\n")
+    assert sig.inputs == (TensorSpec("input", DType.FP32, (16,)),) and sig.max_batch_size == 8
 
 
 def test_a_textproto_error_never_quotes_the_file_s_line(tmp_path: Path) -> None:
