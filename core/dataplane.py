@@ -213,6 +213,11 @@ class DataPlane:
         entry = await self.repository.load(name)
         if self._on_change is not None:
             await self._on_change()
+        if entry.waiting_on_dependencies():
+            # Loaded, and kept: it turns READY by itself once the models it calls are. "failed to load" (INTERNAL)
+            # said otherwise, and a client could not tell why the model was READY a moment later.
+            raise Unavailable(f"model '{name}' is loaded but not ready: {entry.reason}; it becomes READY by itself "
+                              "once every model it calls is READY (unload it to stop it waiting)")
         if entry.state is not ModelState.READY or entry.reason:  # (READY with a reason: the old version serves on)
             raise ModelFailure(f"failed to load model '{name}': {entry.reason}")
 

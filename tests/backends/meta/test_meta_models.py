@@ -253,6 +253,13 @@ def test_depends_on_readiness_cycles_and_bad_folders(repo, serve) -> None:
     assert "dependency 'relay' is not ready" in models["relay2"]["reason"]
     expect_grpc_error("UNAVAILABLE", lambda: infer(client, "relay2", X), "model 'relay2' is not ready",
                       "dependency 'relay'")
+    # Loading a caller while a model it calls is unloaded: it is loaded, and waits. Defect: the load answered
+    # INTERNAL "failed to load model", and the model turned READY later by itself.
+    client.unload_model("relay")
+    expect_grpc_error("UNAVAILABLE", lambda: client.load_model("relay"), "model 'relay' is loaded but not ready: "
+                      "dependency 'echo' is not ready (UNAVAILABLE: unloaded); it becomes READY by itself once "
+                      "every model it calls is READY")
+    assert index(client)["relay"]["state"] == "UNAVAILABLE"
     # Loading it again makes them ready again.
     client.load_model("echo")
     assert client.is_model_ready("relay") and client.is_model_ready("relay2")
