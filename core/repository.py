@@ -84,6 +84,11 @@ class LoadedModel:
     stamp: object = None
 
 
+class LoadAbandoned(Unavailable):
+    """A load or reload given up because an unload or a removal of the model came while its backend's load()
+    ran (or before it started): the unload does not wait for a load() that may never return."""
+
+
 @dataclass
 class ModelEntry:
     """One model folder and where it stands."""
@@ -111,6 +116,24 @@ class ModelEntry:
     # Why its last load or reload failed, when the object store failed it (a fetch, a listing, a weights
     # stream): a watcher tries such a load again. Empty when it loaded, or failed for its own reasons.
     store_fault: str = ""
+    # The backend's load() of a load or reload under way (its daemon thread's future), and the unloads and
+    # removals waiting for the entry: each gives up on that load, whose load() may never return.
+    building: asyncio.Future | None = None
+    unloads_waiting: int = 0
+
+    @contextlib.asynccontextmanager
+    async def held_for_unload(self) -> AsyncIterator[None]:
+        """:meth:`held`, for an unload or a removal: a load under way, or one that would start while this
+        waits, is abandoned (see :class:`LoadAbandoned`), so that a backend's load() that never returns cannot
+        keep the model from being unloaded, or the unload from being answered."""
+        self.unloads_waiting += 1
+        try:
+            if self.building is not None:
+                self.building.cancel()  # the late result goes to unload_unclaimed, on its thread
+            async with self.held():
+                yield
+        finally:
+            self.unloads_waiting -= 1
 
     @contextlib.asynccontextmanager
     async def held(self) -> AsyncIterator[None]:
@@ -514,8 +537,9 @@ class ModelRepository:
             except Exception as err:  # any load failure is the model's, reported with its reason
                 reason = _reason(err)
                 repeated = _repeats(reason, retrying)
-                # (The log keeps absolute paths.)
-                log.log(logging.DEBUG if repeated else logging.ERROR, "model '%s' is UNAVAILABLE: %s", name, reason)
+                # (The log keeps absolute paths.) An abandoned load is what its unload asked for: no fault.
+                level = logging.WARNING if isinstance(err, LoadAbandoned) else logging.ERROR
+                log.log(logging.DEBUG if repeated else level, "model '%s' is UNAVAILABLE: %s", name, reason)
                 entry.state, entry.reason = ModelState.UNAVAILABLE, self.public_text(reason)
                 entry.store_fault = reason if store_failed(err) else ""
                 # The models calling it wait again (they waited on it LOADING meanwhile): no news either then.
@@ -543,9 +567,24 @@ class ModelRepository:
         if self.settings.server.watch and self.settings.server.ml_backends_url is None:
             stamped = await asyncio.to_thread(folder_stamp, entry.folder)  # before the build reads the files
             stamp = stamped[0] if stamped is not None else None
+        if entry.unloads_waiting:  # an unload came after this load: it wins, and nothing is built for nothing
+            raise LoadAbandoned(f"model '{name}': load abandoned: an unload or removal of it came first")
         started = time.monotonic()
-        built = await on_daemon_thread(functools.partial(self._build, context), f"nereid-load-{name}",
-                                        functools.partial(unload_unclaimed, name))
+        building = on_daemon_thread(functools.partial(self._build, context), f"nereid-load-{name}",
+                                    functools.partial(unload_unclaimed, name))
+        entry.building = building
+        try:
+            built = await building
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():  # this task was cancelled (the server stopping)
+                raise
+            # Only the build was: an unload or removal gave up on it (held_for_unload).
+            raise LoadAbandoned(f"model '{name}': load abandoned after {time.monotonic() - started:.1f} s: an "
+                                "unload or removal of it came while its backend's load() was still running (if "
+                                "that ever returns, what it built is unloaded)") from None
+        finally:
+            entry.building = None
         load_seconds = time.monotonic() - started
         scheduler: ModelScheduler | None = None
         try:
@@ -598,7 +637,8 @@ class ModelRepository:
                 new = await self._load_version(entry, old.stats)
             except Exception as err:
                 reason = _reason(err)
-                log.log(logging.DEBUG if _repeats(reason, retrying) else logging.ERROR,
+                level = logging.WARNING if isinstance(err, LoadAbandoned) else logging.ERROR  # (as in load)
+                log.log(logging.DEBUG if _repeats(reason, retrying) else level,
                         "model '%s': reload failed, version %d keeps serving: %s", name, entry.generation, reason)
                 entry.reason = self.public_text(f"reload failed, version {entry.generation} keeps serving: {reason}")
                 entry.store_fault = reason if store_failed(err) else ""
@@ -701,7 +741,7 @@ class ModelRepository:
             return self._finish_removal(name, None, None)
         self._exposed.discard(name)
         self._state_changed()  # no longer counted, even while it waits for a load to finish
-        async with entry.held():
+        async with entry.held_for_unload():
             self._exposed.discard(name)  # (asked for again while it waited: its folder is gone all the same)
             retiring = None
             if entry.loaded is not None:
@@ -833,7 +873,7 @@ class ModelRepository:
         entry = self.entry(name)
         entry.awaiting_folder = False
         self._state_changed()  # no longer counted, even while it waits for a load to finish
-        async with entry.held():
+        async with entry.held_for_unload():
             if entry.loaded is not None:
                 await self._unload_locked(entry, grace_s)
             entry.reason = "unloaded"

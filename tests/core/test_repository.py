@@ -523,6 +523,77 @@ def test_a_removed_folder_keeps_the_scratch_folder_a_model_renamed_away_from_it_
     asyncio.run(scenario())
 
 
+def test_an_unload_or_removal_abandons_a_load_that_never_returns(tmp_path, root, monkeypatch, caplog):
+    """Defect: a backend's load() that never returned left the model LOADING for ever: an unload (and a load
+    behind it) waited for it and was never answered, and only a restart recovered the model. An unload gives up
+    on the load under way and on one queued before it; a load() that returns after all has what it built
+    unloaded."""
+    import logging
+    import shutil
+    import threading
+
+    write_toy(root, "hang")
+    repo = repository(tmp_path)
+    entered, release = threading.Event(), threading.Event()
+    late_unloads: list[str] = []
+    load, unload = toy_backends.ToyModel.load, toy_backends.ToyModel.unload
+
+    def hanging_load(self) -> None:
+        if self.context.name == "hang" and not release.is_set():
+            entered.set()
+            release.wait(30)
+        load(self)
+
+    def recorded_unload(self) -> None:
+        late_unloads.append(self.context.name)
+        unload(self)
+
+    monkeypatch.setattr(toy_backends.ToyModel, "load", hanging_load)
+    monkeypatch.setattr(toy_backends.ToyModel, "unload", recorded_unload)
+
+    async def until(condition) -> None:
+        for _ in range(1000):
+            if condition():
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("timed out")
+
+    async def scenario():
+        caplog.set_level(logging.INFO)
+        loading = asyncio.ensure_future(repo.load("hang"))
+        await until(entered.is_set)
+        queued = asyncio.ensure_future(repo.load("hang"))  # waits behind the first
+        await asyncio.sleep(0.05)
+        entry = await asyncio.wait_for(repo.unload("hang"), 5)  # answered, though load() has not returned
+        await asyncio.wait_for(asyncio.gather(loading, queued), 5)
+        assert (entry.state, entry.reason, entry.loaded) == (ModelState.UNAVAILABLE, "unloaded", None)
+        release.set()  # load() returns after all: what it built is unloaded, on its thread
+        await until(lambda: late_unloads == ["hang"])
+        assert (await repo.load("hang")).state is ModelState.READY  # and a new load works
+        # A removal gives up on a load in the same way.
+        release.clear()
+        entered.clear()
+        await repo.unload("hang")
+        loading = asyncio.ensure_future(repo.load("hang"))
+        await until(entered.is_set)
+        shutil.rmtree(root / "hang")
+        await asyncio.wait_for(repo.remove("hang"), 5)
+        await asyncio.wait_for(loading, 5)
+        release.set()  # (its folder gone, that load() fails: nothing more to unload)
+        await until(lambda: not [t for t in threading.enumerate() if t.name == "nereid-load-hang"])
+        assert late_unloads == ["hang", "hang"]
+    try:
+        asyncio.run(scenario())
+    finally:
+        release.set()
+    assert "model 'hang' is UNAVAILABLE: model 'hang': load abandoned after " in caplog.text
+    assert ("an unload or removal of it came while its backend's load() was still running (if that ever returns, "
+            "what it built is unloaded)") in caplog.text
+    assert "model 'hang': load abandoned: an unload or removal of it came first" in caplog.text
+    assert "model 'hang': load finished after it was abandoned; unloading it" in caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
 def test_an_unload_that_never_returns_is_abandoned_after_its_bound(tmp_path, root, monkeypatch, caplog):
     """Defect: a native library's nereid_unload that never returned kept the server from exiting, and a few
     of them took every thread of asyncio's default pool: RepositoryIndex and other unloads hung."""
