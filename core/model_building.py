@@ -9,14 +9,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, TypeVar
 
 from nereid.backend import CallsModels, HasBatchSignature, Model, ModelContext, missing_model_parts
 from nereid.batching import BatchPolicy
-from nereid.errors import ConfigError, backend_exit, calling_plugin
+from nereid.errors import ConfigError, NereidError, backend_exit, calling_plugin, describe_exception
 from nereid.plugins import NereidPluginManager, claim_folder
 from nereid.runtime_options import LayeredRuntime
 from nereid.signature import ModelSignature, brief_repr
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -61,11 +63,12 @@ def _build_model(manager: NereidPluginManager, context: ModelContext,
                                  f"{defaults_source}: backends.{result.backend_name}" if defaults_source
                                  else f"backends.{result.backend_name}")
         context = replace(context, settings=replace(context.settings, runtime=runtime))
-    backend = result.claim.create(context)
+    backend = _plugin_step(manager, result.backend_name, context.name, "create()",
+                           lambda: result.claim.create(context))
     missing = missing_model_parts(backend)
     if "load()" in missing:  # nothing to load: refused at once
         raise _lacking(manager, result.backend_name, backend, missing)
-    backend.load()
+    _plugin_step(manager, result.backend_name, context.name, "load()", backend.load)
     try:
         missing = missing_model_parts(backend)
         if missing:
@@ -82,6 +85,24 @@ def _build_model(manager: NereidPluginManager, context: ModelContext,
             backend.unload()
         raise
     return BuiltModel(result.backend_name, backend, signature, batch_signature, policy)
+
+
+class BackendRaised(ConfigError):
+    """A backend's ``create()`` or ``load()`` raised an exception that is not nereid's: its reason names the
+    exception's type and the plugin (a ``KeyError`` said only ``'weights'``); ``__cause__`` is the exception,
+    whose traceback the load failure's log line carries."""
+
+
+def _plugin_step(manager: NereidPluginManager, backend_name: str, model: str, step: str, call: Callable[[], T]) -> T:
+    """``call()``, a backend's ``create()`` or ``load()``. A nereid error (a ConfigError with the reason, the
+    way a backend refuses a model) passes as it is; any other exception becomes :class:`BackendRaised`."""
+    try:
+        return call()
+    except NereidError:
+        raise
+    except Exception as err:
+        raise BackendRaised(f"model '{model}': {describe_exception(err, one_line=True)} (raised by the {step} of "
+                            f"{manager.describe(backend_name)})") from err
 
 
 def _checked_signature(manager: NereidPluginManager, backend_name: str, model: object, method: str,

@@ -171,9 +171,12 @@ class NereidPluginManager(pluggy.PluginManager):
         return "; ".join(self._left_out.get(name, ()))
 
     def left_out_names(self) -> list[str]:
-        """The registration names of the installed plugins left out that no registered backend now answers to."""
+        """The registration names of the installed plugins left out, sorted. A name a registered backend answers
+        to all the same (a built-in's, or a plugin's that came first on the path) says so: the folders the
+        left-out one was meant to claim go to that backend now, or to none."""
         backends = set(backend_names(self))
-        return sorted(name for name in self._left_out if name not in backends)
+        return [name if name not in backends else f"{name} (a name another backend took)"
+                for name in sorted(self._left_out)]
 
     def startup_hook_failed(self, name: str, hook: str, reason: str) -> None:
         """A start-up hook of plugin ``name`` failed: log it and list it among the ``problems``."""

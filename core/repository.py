@@ -35,7 +35,7 @@ from nereid.folder_states import folder_stamp
 from nereid.backend_calls import on_daemon_thread, terminate_backend, unload_backend, unload_unclaimed
 from nereid.leftovers import remove_model_leftovers
 from nereid.log_limit import RateLimitedLog
-from nereid.model_building import BuiltModel, build_model
+from nereid.model_building import BackendRaised, BuiltModel, build_model
 from nereid.model_runner import Runner, make_runner
 from nereid.plugins import check_backend_defaults
 from nereid.scheduler import ModelScheduler
@@ -539,7 +539,8 @@ class ModelRepository:
                 repeated = _repeats(reason, retrying)
                 # (The log keeps absolute paths.) An abandoned load is what its unload asked for: no fault.
                 level = logging.WARNING if isinstance(err, LoadAbandoned) else logging.ERROR
-                log.log(logging.DEBUG if repeated else level, "model '%s' is UNAVAILABLE: %s", name, reason)
+                log.log(logging.DEBUG if repeated else level, "model '%s' is UNAVAILABLE: %s", name, reason,
+                        exc_info=_plugin_traceback(err))
                 entry.state, entry.reason = ModelState.UNAVAILABLE, self.public_text(reason)
                 entry.store_fault = reason if store_failed(err) else ""
                 # The models calling it wait again (they waited on it LOADING meanwhile): no news either then.
@@ -639,7 +640,8 @@ class ModelRepository:
                 reason = _reason(err)
                 level = logging.WARNING if isinstance(err, LoadAbandoned) else logging.ERROR  # (as in load)
                 log.log(logging.DEBUG if _repeats(reason, retrying) else level,
-                        "model '%s': reload failed, version %d keeps serving: %s", name, entry.generation, reason)
+                        "model '%s': reload failed, version %d keeps serving: %s", name, entry.generation, reason,
+                        exc_info=_plugin_traceback(err))
                 entry.reason = self.public_text(f"reload failed, version {entry.generation} keeps serving: {reason}")
                 entry.store_fault = reason if store_failed(err) else ""
                 self._record(name, "reload_failed")
@@ -1137,6 +1139,12 @@ def _is_folder_name(name: str) -> bool:
 def _repeats(reason: str, retrying: str | None) -> bool:
     """Whether a failed load's ``reason`` is the store failure it was retrying after (see ModelRepository.load)."""
     return retrying is not None and failure_kind(reason) == retrying
+
+
+def _plugin_traceback(err: BaseException) -> BaseException | None:
+    """What a load failure's log line shows the traceback of: the exception a backend's create() or load()
+    raised that was not nereid's (a bug, most likely: the plugin's author needs where), else nothing."""
+    return err.__cause__ if isinstance(err, BackendRaised) else None
 
 
 def _reason(err: BaseException) -> str:

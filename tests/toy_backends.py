@@ -200,6 +200,27 @@ class StopIterationModel(FaultyModel):
         next(iter(()))
 
 
+class KeyErrorModel(FaultyModel):
+    """Its ``load()`` has a bug: a lookup of a key that is not there."""
+
+    def load(self) -> None:
+        {}["weights"]
+
+
+class CreateFailsModel(FaultyModel):
+    """Its class, the backend's ``create()``, raises (a constructor with a bug)."""
+
+    def __init__(self, context: ModelContext) -> None:
+        raise AttributeError("'NoneType' object has no attribute 'device'")
+
+
+class RefusesModel(FaultyModel):
+    """Its ``load()`` refuses the model the documented way: a ConfigError with the reason."""
+
+    def load(self) -> None:
+        raise ConfigError("weights.bin is for another version of this model")
+
+
 class SignatureNoneModel(FaultyModel):
     """Its ``signature()`` returns None (a plugin that forgot its return)."""
 
@@ -210,7 +231,8 @@ class SignatureNoneModel(FaultyModel):
 FAULTS = {"signature_none": SignatureNoneModel, "no_platform": NoPlatformModel, "no_infer": NoInferModel, "dependencies_fail": DependenciesFailModel,
           "dependencies_exit": DependenciesExitModel, "dependencies_interrupt": DependenciesInterruptModel,
           "terminate_fails": TerminateFailsModel, "report_fails": ReportFailsModel,
-          "stop_iteration": StopIterationModel, "unload_hangs": UnloadHangsModel, "caller": CallerModel}
+          "stop_iteration": StopIterationModel, "unload_hangs": UnloadHangsModel, "caller": CallerModel,
+          "key_error": KeyErrorModel, "create_fails": CreateFailsModel, "refuses": RefusesModel}
 
 
 class FaultyToys:

@@ -43,3 +43,20 @@ def test_a_model_object_failing_its_checks_after_load_is_unloaded_and_refused_na
                                           r"NoneType None from signature\(\)"):
         build_model(_manager(), _context(folder, tmp_path))
     assert toy_backends.UNLOADS["nosig"] == before + 1  # what its load() acquired is released
+
+
+@pytest.mark.parametrize("fault, reason", [
+    ("key_error", "model 'm': KeyError: 'weights' (raised by the load() of plugin 'faulty')"),
+    ("create_fails", "model 'm': AttributeError: 'NoneType' object has no attribute 'device' (raised by the "
+                     "create() of plugin 'faulty')"),
+    ("refuses", "weights.bin is for another version of this model"),  # a ConfigError: the reason as given
+])
+def test_what_create_or_load_raises_is_named_with_its_type_and_plugin_unless_it_is_a_reason(tmp_path, fault,
+                                                                                            reason) -> None:
+    """Defect: a bug in a backend's load() (``{}["weights"]``) made the reason ``'weights'``, naming neither the
+    exception nor the plugin, and its traceback was nowhere."""
+    folder = toy_backends.write_faulty(tmp_path / "ml-backends", "m", fault)
+    with pytest.raises(ConfigError) as caught:
+        build_model(_manager(), _context(folder, tmp_path))
+    assert str(caught.value) == reason
+    assert (caught.value.__cause__ is not None) == (fault != "refuses")  # whose traceback the log line shows

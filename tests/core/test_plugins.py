@@ -214,6 +214,10 @@ def test_a_plugin_that_cannot_be_loaded_is_left_out_with_one_error_naming_it(sit
                                           "rename its entry point")
     claim = claim_folder(manager, repo.python("echo"))  # the built-in still claims its folders
     assert (claim.backend_name, claim.reason) == ("python", "")
+    # A folder no backend claims names every plugin left out, the one whose name another took too (it did not).
+    unclaimed = claim_folder(manager, repo.add("nobodys", "input_shape: [1]\noutput_shape: [1]\n"))
+    assert ("; plugin(s) left out at start-up (the log and nereid check say why): broken_args, broken_import, "
+            "python (a name another backend took)") in unclaimed.reason
 
 
 def test_a_claim_hook_that_fails_is_taken_as_not_claiming_and_named(site, repo, caplog) -> None:
