@@ -80,8 +80,8 @@ class WarmParent:
         try:
             with open(self.log_path, "ab") as log_file:
                 process = subprocess.Popen(
-                    [sys.executable, "-P", str(WARM_PARENT_SCRIPT), str(theirs.fileno()), json.dumps(self.modules.as_json()),
-                     str(self.folder), str(self.entry_source)],
+                    [sys.executable, "-P", str(WARM_PARENT_SCRIPT), str(theirs.fileno()),
+                     json.dumps(self.modules.as_json()), str(self.folder), str(self.entry_source)],
                     cwd=self._folder_path(), env=self.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                     stderr=log_file,
                     pass_fds=(theirs.fileno(),), start_new_session=True)

@@ -743,7 +743,8 @@ def test_check_stopped_while_a_finalizer_runs_says_one_line(repo, tmp_path, monk
     """Defect: a signal that came while a finalizer or a garbage-collector callback ran (jax's, during a bundle's
     load) raised the stop where Python cannot pass it on: it printed "Exception ignored in ..." and a traceback
     through nereid's handler before the one line the README promises (the check still stopped)."""
-    _with_plugins(tmp_path, monkeypatch, [("signalled", "signalled", "signalled_plugin", SIGNALLED_IN_FINALIZER_PLUGIN)])
+    _with_plugins(tmp_path, monkeypatch,
+                  [("signalled", "signalled", "signalled_plugin", SIGNALLED_IN_FINALIZER_PLUGIN)])
     repo.add("a_signalled", "input_shape: [4]\noutput_shape: [4]\n", **{"signalled.txt": ""})
     repo.python("b_echo")
     config = repo.write_config()

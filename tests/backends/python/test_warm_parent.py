@@ -73,6 +73,6 @@ def test_preloading_that_initialises_cuda_is_refused_naming_the_module(tmp_path,
     assert json.loads(done.stdout) == [
         [None, False],  # no driver loaded: none asked, none loaded
         [None, True],  # loaded, never initialised: forking is fine
-        ["fallback preloading 'inits_cuda' initialised CUDA, which a forked child cannot use; initialise CUDA in the code "
-         "that runs per batch (main.py's body or a function it calls), not at import", True],
+        ["fallback preloading 'inits_cuda' initialised CUDA, which a forked child cannot use; initialise CUDA in the "
+         "code that runs per batch (main.py's body or a function it calls), not at import", True],
     ]

@@ -55,8 +55,8 @@ class WarmParent:
         self.control, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         with open(folder / "parent.log", "ab") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-P", str(WARM_PARENT_SCRIPT), str(theirs.fileno()), json.dumps({"imports": list(modules), "extra": []}),
-                 str(folder), str(folder / "main.py")],
+                [sys.executable, "-P", str(WARM_PARENT_SCRIPT), str(theirs.fileno()),
+                 json.dumps({"imports": list(modules), "extra": []}), str(folder), str(folder / "main.py")],
                 cwd=folder, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
                 pass_fds=(theirs.fileno(),), start_new_session=True)
         theirs.close()
