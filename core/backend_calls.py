@@ -36,13 +36,18 @@ def on_daemon_thread(call: Callable[[], T], thread_name: str,
     that never returns (a native library's nereid_unload) took one of its few
     threads for good, stalling every scan and large decode of the server. A
     result nobody takes any more (its caller cancelled the future, or the loop
-    has closed) goes to ``unclaimed``, on the thread.
+    has closed) goes to ``unclaimed``, on the thread (or on a new one, when the
+    future was cancelled between the call's end and the result's delivery).
     """
     loop = asyncio.get_running_loop()
     future: asyncio.Future = loop.create_future()
 
     def deliver(result: T | None, error: BaseException | None) -> None:
         if future.cancelled():
+            # Cancelled after the thread had looked (an unload giving up on a load that had just finished): the
+            # result still goes to ``unclaimed``, on a thread of its own, as off the loop as the call was.
+            if result is not None and unclaimed is not None:
+                threading.Thread(target=unclaimed, args=(result,), name=thread_name, daemon=True).start()
             return
         if error is not None:
             future.set_exception(error)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -48,3 +49,26 @@ def test_a_result_its_caller_no_longer_waits_for_goes_to_unclaimed_on_its_thread
         assert await on_daemon_thread(lambda: "taken", "nereid-load-n", hand_back) == "taken"
     asyncio.run(scenario())
     assert unclaimed == [("built", "nereid-load-m")]
+
+
+def test_a_result_whose_future_is_cancelled_while_it_is_being_delivered_still_goes_to_unclaimed() -> None:
+    """Defect: a future cancelled after the call had returned and its thread had seen it not cancelled (an unload
+    giving up on a load that had just finished) dropped the result: the model it built was never unloaded."""
+    unclaimed: list[str] = []
+    handed = threading.Event()
+
+    def hand_back(result: str) -> None:
+        unclaimed.append(result)
+        handed.set()
+
+    async def scenario() -> None:
+        future = on_daemon_thread(lambda: "built", "nereid-load-racing", hand_back)
+        # Without yielding to the loop: the call returns and its thread schedules the delivery meanwhile.
+        deadline = time.monotonic() + 5
+        while any(t.name == "nereid-load-racing" for t in threading.enumerate()):
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        future.cancel()  # before the delivery has run
+        assert await asyncio.to_thread(handed.wait, 5)
+    asyncio.run(scenario())
+    assert unclaimed == ["built"]
