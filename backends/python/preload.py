@@ -26,6 +26,11 @@ def imported_modules(main_py: Path, source: bytes) -> list[str]:
     Raises ConfigError when ``python main.py`` would stop at a SyntaxError:
     the source is compiled too, not only parsed.
     """
+    return [name for name, _ in _top_level_imports(_checked_tree(main_py, source))]
+
+
+def _checked_tree(main_py: Path, source: bytes) -> ast.Module:
+    """``main.py`` parsed; ConfigError when ``python main.py`` would stop at a SyntaxError."""
     try:
         with _PARSING:
             tree = ast.parse(source, filename=str(main_py))
@@ -38,13 +43,29 @@ def imported_modules(main_py: Path, source: bytes) -> list[str]:
         raise ConfigError(f"{main_py}: not valid Python (line {err.lineno}: {err.msg})") from None
     except ValueError as err:  # null bytes
         raise ConfigError(f"{main_py}: not valid Python ({err})") from None
-    names: list[str] = []
+    return tree
+
+
+def _top_level_imports(tree: ast.Module) -> list[tuple[str, bool]]:
+    """Each module the body's ``import`` / ``from`` statements name, first occurrence only, with whether only
+    imports and docstrings come before it (``__future__`` and relative imports skipped)."""
+    found: dict[str, bool] = {}
+    leading = True
     for statement in tree.body:
         if isinstance(statement, ast.Import):
-            names.extend(alias.name for alias in statement.names)
+            names = [alias.name for alias in statement.names]
         elif isinstance(statement, ast.ImportFrom) and statement.level == 0 and statement.module:
-            names.append(statement.module)
-    return [name for name in dict.fromkeys(names) if name != "__future__"]
+            names = [statement.module]
+        else:
+            # Anything else may change what an import after it finds (a sys.path entry, an environment variable);
+            # a string on its own (a docstring) cannot.
+            docstring = isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Constant)
+            leading = leading and docstring
+            continue
+        for name in names:
+            if name != "__future__":
+                found.setdefault(name, leading)
+    return list(found.items())
 
 
 def lives_in_folder(module: str, folder: Path) -> bool:
@@ -61,10 +82,12 @@ def lives_in_folder(module: str, folder: Path) -> bool:
 class Preloads:
     """What a warm parent imports before it forks its first child, in order.
 
-    ``imports``: main.py's own top-level imports. One that fails would stop
-    every run at that line, so it fails the load. ``extra``: the model's
-    ``runtime.preload`` list, imported only to save each run the time; one
-    that fails turns warm start off instead.
+    ``imports``: main.py's own top-level imports that nothing but other such
+    imports precedes. One that fails would stop every run at that line, so it
+    fails the load. ``extra``: main.py's later imports (after a statement that
+    may change what they find, such as a ``sys.path.insert``), then the
+    model's ``runtime.preload`` list, imported only to save each run the time;
+    one that fails turns warm start off instead.
     """
 
     imports: tuple[str, ...] = ()
@@ -81,8 +104,22 @@ class Preloads:
 def modules_to_preload(folder: Path, entry_file: str, extra: tuple[str, ...], source: bytes) -> Preloads:
     """``main.py``'s installed and standard-library imports, then ``extra``, minus the folder's own.
 
-    ``source``: ``main.py``'s bytes, as the caller read them once.
+    ``imports`` are those the warm parent reaches as ``python main.py`` does:
+    with only other such imports and docstrings before them. An import after
+    any other statement (a ``sys.path.insert``, say) or after an import of the
+    folder's own modules (which the parent leaves to each run) goes with
+    ``extra``: it may fail in the parent and work in ``main.py``. ``source``:
+    ``main.py``'s bytes, as the caller read them once.
     """
-    imports = [name for name in imported_modules(folder / entry_file, source) if not lives_in_folder(name, folder)]
-    extra = [name for name in dict.fromkeys(extra) if name not in imports and not lives_in_folder(name, folder)]
-    return Preloads(tuple(imports), tuple(extra))
+    imports: list[str] = []
+    later: list[str] = []
+    reached = True  # by the parent as by main.py: no statement it skips has come before
+    for name, leading in _top_level_imports(_checked_tree(folder / entry_file, source)):
+        if lives_in_folder(name, folder):
+            reached = False
+        elif leading and reached:
+            imports.append(name)
+        else:
+            later.append(name)
+    chosen = [*later, *(name for name in extra if name not in imports)]
+    return Preloads(tuple(imports), tuple(name for name in dict.fromkeys(chosen) if not lives_in_folder(name, folder)))

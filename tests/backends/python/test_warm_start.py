@@ -332,6 +332,25 @@ def test_a_top_level_import_of_main_py_that_fails_is_a_load_failure(repo, serve,
     assert ask(server, "edited") == "v3"
 
 
+def test_an_import_after_main_py_changes_sys_path_runs_cold_if_the_parent_cannot_import_it(repo, serve, tmp_path):
+    """Defect (of the load failure above): a main.py that puts a folder on sys.path and then imports from it failed
+    its load, since the warm parent imports without running the statements between; `python main.py` works. Only
+    an import that nothing but imports precedes fails the load; a later one that fails turns warm start off."""
+    source = "import sys\nsys.path.insert(0, 'vendor')\nimport vendored_helper\nimport json\n"
+    (tmp_path / "main.py").write_text(source)
+    assert modules_to_preload(tmp_path, "main.py", ("json", "csv"), source.encode()) == Preloads(
+        imports=("sys",), extra=("vendored_helper", "json", "csv"))
+    folder = repo.python("vendoring", textproto=REPORT,
+                         main=reply_main("vendored_helper.ANSWER",
+                                         prelude="sys.path.insert(0, 'vendor')\nimport vendored_helper"))
+    (folder / "vendor").mkdir()
+    (folder / "vendor" / "vendored_helper.py").write_text("ANSWER = 'from vendor'\n")
+    server = serve(repo.write_config())
+    assert ask(server, "vendoring") == "from vendor"
+    assert backend_of(server, "vendoring").runtime_report().summary.startswith(
+        "warm_start=off (preloading 'vendored_helper' failed (ModuleNotFoundError")
+
+
 def test_a_preload_that_initialises_cuda_runs_cold_and_one_that_only_loads_it_stays_warm(repo, serve, user_site,
                                                                                          fake_libcuda, caplog):
     """Defect: a preloaded module that initialised CUDA at import (torch.cuda.init(), a tensor moved to the GPU)
