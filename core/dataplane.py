@@ -211,8 +211,11 @@ class DataPlane:
                 "not supported (nereid loads a model only from its folder in ml_backends_path and nereid.yaml); "
                 "change those and load again without parameters"))
         entry = await self.repository.load(name)
+        abandoned = entry.abandoned  # (read before any wait: the next load clears it)
         if self._on_change is not None:
             await self._on_change()
+        if abandoned:  # an unload that came meanwhile gave up on it: no fault of the model's
+            raise Unavailable(abandoned)
         if entry.waiting_on_dependencies():
             # Loaded, and kept: it turns READY by itself once the models it calls are. "failed to load" (INTERNAL)
             # said otherwise, and a client could not tell why the model was READY a moment later.

@@ -120,6 +120,9 @@ class ModelEntry:
     # removals waiting for the entry: each gives up on that load, whose load() may never return.
     building: asyncio.Future | None = None
     unloads_waiting: int = 0
+    # Why its last load or reload was given up for an unload or removal (LoadAbandoned); "" otherwise. Set when
+    # that load returns, cleared when the next starts: its caller reads it at once.
+    abandoned: str = ""
 
     @contextlib.asynccontextmanager
     async def held_for_unload(self) -> AsyncIterator[None]:
@@ -504,6 +507,7 @@ class ModelRepository:
                         self._exposed.add(name)
                     raise _store_cannot_tell(name, failure) from failure
         entry = self.entry(name)
+        entry.abandoned = ""  # (this load's own outcome from here on)
         if (entry.loaded is None and self.settings.server.ml_backends_url is None and not entry.folder.is_dir()
                 and self.settings.model(name) is None):
             # Nothing keeps the name: its folder is gone, and at most its old model still finishes its requests
@@ -542,6 +546,8 @@ class ModelRepository:
                 log.log(logging.DEBUG if repeated else level, "model '%s' is UNAVAILABLE: %s", name, reason,
                         exc_info=_plugin_traceback(err))
                 entry.state, entry.reason = ModelState.UNAVAILABLE, self.public_text(reason)
+                if isinstance(err, LoadAbandoned):
+                    entry.abandoned = entry.reason
                 entry.store_fault = reason if store_failed(err) else ""
                 # The models calling it wait again (they waited on it LOADING meanwhile): no news either then.
                 self._refresh_dependents(repeated=repeated)
@@ -634,12 +640,18 @@ class ModelRepository:
             old = entry.loaded
             if old is None:  # unloaded while we waited for the lock
                 return entry
+            entry.abandoned = ""
             try:
                 new = await self._load_version(entry, old.stats)
+            except LoadAbandoned as err:
+                # The unload that gave up on it takes the running version off next: none "keeps serving", and
+                # no reload failed.
+                log.warning("model '%s': reload abandoned: %s", name, err)
+                entry.reason = entry.abandoned = self.public_text(_reason(err))
+                return entry
             except Exception as err:
                 reason = _reason(err)
-                level = logging.WARNING if isinstance(err, LoadAbandoned) else logging.ERROR  # (as in load)
-                log.log(logging.DEBUG if _repeats(reason, retrying) else level,
+                log.log(logging.DEBUG if _repeats(reason, retrying) else logging.ERROR,
                         "model '%s': reload failed, version %d keeps serving: %s", name, entry.generation, reason,
                         exc_info=_plugin_traceback(err))
                 entry.reason = self.public_text(f"reload failed, version {entry.generation} keeps serving: {reason}")

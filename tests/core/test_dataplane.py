@@ -242,3 +242,37 @@ def test_a_long_load_parameter_name_is_quoted_up_to_its_first_64_characters(tmp_
         assert str(caught.value).startswith(f"model 'toy': load parameters 'config', '{key[:64]}' (36 more "
                                             "characters cut) are not supported")
     asyncio.run(scenario())
+
+
+def test_a_load_an_unload_gave_up_on_is_unavailable_not_a_model_fault(tmp_path, monkeypatch):
+    """Defect: a RepositoryModelLoad given up because an unload came while its backend's load() ran answered
+    INTERNAL ("failed to load model"), as a model fault; the unload asked for it."""
+    import threading
+
+    import toy_backends
+
+    plane = toy_dataplane(tmp_path)
+    entered, release = threading.Event(), threading.Event()
+    load = toy_backends.ToyModel.load
+
+    def slow_load(self) -> None:
+        if self.context.name == "spare":
+            entered.set()
+            release.wait(10)
+        load(self)
+
+    monkeypatch.setattr(toy_backends.ToyModel, "load", slow_load)
+
+    async def scenario() -> None:
+        loading = asyncio.ensure_future(plane.load("spare"))
+        while not entered.is_set():
+            await asyncio.sleep(0.01)
+        await asyncio.wait_for(plane.unload("spare"), 5)
+        with pytest.raises(Unavailable, match=r"^model 'spare': load abandoned after [\d.]+ s: an unload or "
+                                              r"removal of it came while its backend's load\(\) was still running"):
+            await asyncio.wait_for(loading, 5)
+        release.set()
+    try:
+        asyncio.run(scenario())
+    finally:
+        release.set()

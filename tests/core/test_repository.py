@@ -539,7 +539,8 @@ def test_an_unload_or_removal_abandons_a_load_that_never_returns(tmp_path, root,
     import threading
 
     write_toy(root, "hang")
-    repo = repository(tmp_path)
+    events = Events()
+    repo = repository(tmp_path, events=events)
     entered, release = threading.Event(), threading.Event()
     late_unloads: list[str] = []
     load, unload = toy_backends.ToyModel.load, toy_backends.ToyModel.unload
@@ -573,9 +574,24 @@ def test_an_unload_or_removal_abandons_a_load_that_never_returns(tmp_path, root,
         entry = await asyncio.wait_for(repo.unload("hang"), 5)  # answered, though load() has not returned
         await asyncio.wait_for(asyncio.gather(loading, queued), 5)
         assert (entry.state, entry.reason, entry.loaded) == (ModelState.UNAVAILABLE, "unloaded", None)
+        assert loading.result().abandoned.startswith("model 'hang': load abandoned")  # what its caller is told
         release.set()  # load() returns after all: what it built is unloaded, on its thread
         await until(lambda: late_unloads == ["hang"])
         assert (await repo.load("hang")).state is ModelState.READY  # and a new load works
+        assert repo.entry("hang").abandoned == ""
+        # A reload given up for an unload: no version "keeps serving" (the unload takes it next), and it is no
+        # failed reload. Defect: it said "reload failed, version 1 keeps serving", and counted reload_failed.
+        release.clear()
+        entered.clear()
+        reloading = asyncio.ensure_future(repo.load("hang"))
+        await until(entered.is_set)
+        await asyncio.wait_for(repo.unload("hang"), 5)
+        reloaded = await asyncio.wait_for(reloading, 5)
+        assert reloaded.abandoned.startswith("model 'hang': load abandoned after ")
+        assert "keeps serving" not in reloaded.abandoned and ("hang", "reload_failed") not in events.heard
+        release.set()
+        await until(lambda: late_unloads == ["hang", "hang", "hang"])  # the old version, then the late one
+        await repo.load("hang")
         # A removal gives up on a load in the same way.
         release.clear()
         entered.clear()
@@ -587,7 +603,7 @@ def test_an_unload_or_removal_abandons_a_load_that_never_returns(tmp_path, root,
         await asyncio.wait_for(loading, 5)
         release.set()  # (its folder gone, that load() fails: nothing more to unload)
         await until(lambda: not [t for t in threading.enumerate() if t.name == "nereid-load-hang"])
-        assert late_unloads == ["hang", "hang"]
+        assert late_unloads == ["hang", "hang", "hang", "hang"]
     try:
         asyncio.run(scenario())
     finally:
