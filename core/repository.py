@@ -542,12 +542,12 @@ class ModelRepository:
                 reason = _reason(err)
                 repeated = _repeats(reason, retrying)
                 # (The log keeps absolute paths.) An abandoned load is what its unload asked for: no fault.
-                level = logging.WARNING if isinstance(err, LoadAbandoned) else logging.ERROR
+                abandoned = isinstance(err, LoadAbandoned)
+                level = logging.WARNING if abandoned else logging.ERROR
                 log.log(logging.DEBUG if repeated else level, "model '%s' is UNAVAILABLE: %s", name, reason,
                         exc_info=_plugin_traceback(err))
                 entry.state, entry.reason = ModelState.UNAVAILABLE, self.public_text(reason)
-                if isinstance(err, LoadAbandoned):
-                    entry.abandoned = entry.reason
+                entry.abandoned = entry.reason if abandoned else ""
                 entry.store_fault = reason if store_failed(err) else ""
                 # The models calling it wait again (they waited on it LOADING meanwhile): no news either then.
                 self._refresh_dependents(repeated=repeated)

@@ -150,7 +150,7 @@ def _report(folder: Path) -> BundleArity:
             causes[mismatch[1]] = None
     expected = {m.expected for m in modules}
     common = expected.pop() if len(expected) == 1 else None
-    error = "; ".join(problems) + "".join(f". {cause}" if i == 0 else f" {cause}" for i, cause in enumerate(causes))
+    error = "; ".join(problems) + (f". {' '.join(causes)}" if causes else "")
     return BundleArity(folder, not problems, n_inputs, n_weights, common, tuple(modules), error, weights_name)
 
 

@@ -40,8 +40,9 @@ log = logging.getLogger(__name__)
 __all__ = [
     "MARKER_FILE", "RangeRead", "RemoteFolder", "RemoteObject", "SCHEMES", "StorageError", "StoreURL",
     "decodable_name", "describe_error", "drop_mirror_folder", "failure_kind", "list_model_folders",
-    "local_model_folders", "materialize_model_folder", "mirror_leftovers", "mirror_root", "model_folder_exists", "open_store",
-    "parse_store_url", "read_marker", "read_ranges", "scan_model_folders", "store_failed", "store_holds_folder",
+    "local_model_folders", "materialize_model_folder", "mirror_leftovers", "mirror_root", "model_folder_exists",
+    "open_store", "parse_store_url", "read_marker", "read_ranges", "scan_model_folders", "store_failed",
+    "store_holds_folder",
 ]
 
 # An unknown model name has the store listed at most this often, on a thread of its own (never on the
