@@ -207,6 +207,14 @@ def wait_until(condition: Callable[[], Any], timeout_s: float = 10) -> Any:
     return value
 
 
+async def until(condition: Callable[[], object], timeout_s: float = 5.0, what: str = "") -> None:
+    """In a test's event loop: poll ``condition`` until it is truthy; AssertionError after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"not met within {timeout_s} s: {what}"
+        await asyncio.sleep(0.01)
+
+
 def run_with_tmpdir_mounted_noexec(tmpdir: Path, argv: list[str]) -> subprocess.CompletedProcess:
     """Run ``argv`` with TMPDIR on a fresh tmpfs mounted noexec at ``tmpdir``, as hardened containers mount /tmp.
 

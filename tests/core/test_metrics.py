@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.utils import InferenceServerException
 
 import toy_backends
+from support import until
 from nereid.backend import BackendClaim, RuntimeReport
 from nereid.hookspecs import hookimpl
 
@@ -281,13 +282,6 @@ def test_queue_depth_counts_the_requests_waiting_on_a_version_that_drains(tmp_pa
     def gauge(name: str = "nereid_queue_depth") -> dict[str, float]:
         family = next(f for f in collector.collect() if f.name == name)
         return {sample.labels["model"]: sample.value for sample in family.samples}
-
-    async def until(condition) -> None:
-        for _ in range(500):
-            if condition():
-                return
-            await asyncio.sleep(0.01)
-        raise AssertionError("condition not met in time")
 
     async def scenario() -> list[dict[str, float]]:
         x = NamedTensor("input", DType.FP32, np.zeros((1, 4), np.float32))

@@ -17,6 +17,7 @@ from nereid.tensors import NamedTensor
 from nereid.dtypes import DType
 from moto_s3 import upload_folder
 from toy_backends import LOADS, write_toy
+from support import until
 
 
 class Events:
@@ -557,13 +558,6 @@ def test_an_unload_or_removal_abandons_a_load_that_never_returns(tmp_path, root,
 
     monkeypatch.setattr(toy_backends.ToyModel, "load", hanging_load)
     monkeypatch.setattr(toy_backends.ToyModel, "unload", recorded_unload)
-
-    async def until(condition) -> None:
-        for _ in range(1000):
-            if condition():
-                return
-            await asyncio.sleep(0.01)
-        raise AssertionError("timed out")
 
     async def scenario():
         caplog.set_level(logging.INFO)

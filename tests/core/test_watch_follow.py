@@ -12,7 +12,6 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import pytest
@@ -29,6 +28,7 @@ from nereid.settings import load_settings
 from nereid.tensors import NamedTensor
 from nereid.watch import RepositoryWatcher
 from toy_backends import ToyModel, write_toy
+from support import until
 
 
 class SlowToy(ToyModel):
@@ -100,13 +100,6 @@ async def settled(watcher: RepositoryWatcher) -> None:
     """With a settle time of 0: the first apply sees a change, the second acts on it."""
     await apply(watcher)
     await apply(watcher)
-
-
-async def until(condition: Callable[[], object], timeout_s: float = 5.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"not met within {timeout_s} s: {what}"
-        await asyncio.sleep(0.02)
 
 
 def generation(repository: ModelRepository, name: str) -> int:
