@@ -16,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from nereid.dataplane import DataPlane
 from nereid.leftovers import (asked_temporary_directory, make_scratch_folder, remove_scratch_folder,
                               remove_stale_scratch)
+from nereid.loop_watch import LoopWatch
 from nereid.metrics import ServerMetrics
 from nereid.plugins import make_plugin_manager
 from nereid.protocol.grpc_service import SERVICE_NAME, InferenceServicer, generic_handler
@@ -175,6 +176,7 @@ class NereidServer:
         self._stopped = asyncio.Event()
         self.watcher: RepositoryWatcher | None = None
         self._watching: asyncio.Task | None = None
+        self._loop_watch: LoopWatch | None = None
 
     async def infer(self, request: InferRequest) -> InferResponse:
         """Run a request from inside the server (a meta model's sub-call), exactly as a client's would run."""
@@ -227,6 +229,8 @@ class NereidServer:
         port = self._add_grpc_port(server)
         await server.start()
         self._grpc, self._servicer, self.port = server, servicer, port
+        self._loop_watch = LoopWatch(asyncio.get_running_loop())
+        self._loop_watch.start()
         await self.update_health()
         log.info("nereid listening on %s (port %d, %s, repository control %s)", self.bind_addr, port,
                  "mutual TLS" if config.tls and config.tls.client_ca else "TLS" if config.tls else "plaintext",
@@ -267,6 +271,8 @@ class NereidServer:
             self._http = None
             self.metrics.close()
         finally:
+            if self._loop_watch is not None:
+                self._loop_watch.stop()
             remove_scratch_folder(self.scratch_dir)
 
     async def load_models(self) -> None:
@@ -349,6 +355,8 @@ class NereidServer:
         await self.repository.unload_all(grace_s=0)
         self.metrics.close()
         remove_scratch_folder(self.scratch_dir)
+        if self._loop_watch is not None:
+            self._loop_watch.stop()
         self._stopped.set()
         log.info("nereid stopped")
 

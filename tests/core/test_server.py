@@ -8,6 +8,7 @@ as a test needs, with no sleeps.
 from __future__ import annotations
 
 import asyncio
+import logging
 import shutil
 import socket
 import threading
@@ -15,7 +16,9 @@ import time
 from pathlib import Path
 
 import grpc
+import numpy as np
 import pytest
+import tritonclient.grpc as triton
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import nereid
@@ -238,3 +241,42 @@ def test_a_start_removes_dead_servers_scratch_folders_from_tmpdir_though_tempfil
         assert not dead.exists()
     finally:
         remove_scratch_folder(server.scratch_dir)
+
+
+class BlockingAsyncModels:
+    """A backend (plugin name ``blocking``) for folders holding ``blocks.txt``: an ``async def infer`` that
+    calls ``time.sleep`` for that many seconds, holding the event loop as a careless plugin would."""
+
+    BACKEND_NAME = "blocking"
+
+    @hookimpl
+    def nereid_claim_model(self, folder: Path, declared: bool) -> BackendClaim | None:
+        if (folder / "blocks.txt").is_file():
+            return BackendClaim(BlockingAsyncModel)
+        return None
+
+
+class BlockingAsyncModel(ToyModel):
+    async def infer(self, inputs):
+        time.sleep(float((self.context.folder / "blocks.txt").read_text()))
+        return ToyModel.infer(self, inputs)
+
+
+def test_an_async_infer_that_blocks_the_event_loop_is_named_in_the_log_while_it_blocks(repo, serve, caplog):
+    # It stalls every model and client, and nothing said so: the requests merely got slow.
+    caplog.set_level(logging.WARNING, "nereid.loop")
+    careless = write_toy(repo.models_dir, "careless")
+    (careless / "toy.txt").rename(careless / "blocks.txt")
+    (careless / "blocks.txt").write_text("1.4")
+    server = serve(repo.write_config("- name: careless\n"), manager=manager(BlockingAsyncModels()))
+    tensor = triton.InferInput("input", [1, 4], "FP32")
+    tensor.set_data_from_numpy(np.zeros((1, 4), np.float32))
+    np.testing.assert_array_equal(server.client.infer("careless", [tensor]).as_numpy("output"), np.ones((1, 4)))
+    assert wait_until(lambda: len(caplog.records) == 2, 5)
+    held, again = (record.getMessage() for record in caplog.records)
+    assert held.startswith("the event loop has been held for 1.0 s by one callback") or \
+        held.startswith("the event loop has been held for 1.1 s by one callback"), held
+    assert held.endswith(f"{__file__}:{BlockingAsyncModel.infer.__code__.co_firstlineno + 1} in infer"), held
+    assert again.startswith("the event loop runs again after 1.")
+    # The server serves on.
+    assert server.client.is_server_live()

@@ -1,0 +1,103 @@
+"""The event-loop watch: a callback holding the loop is named while it holds it, and nothing else is."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import threading
+import time
+
+import pytest
+
+from nereid.loop_watch import LoopWatch
+
+WARN_AFTER_S = 0.3
+
+
+def watched(body) -> None:
+    """Run ``body()`` (a coroutine function) on a fresh loop under a LoopWatch of WARN_AFTER_S."""
+    async def main() -> None:
+        watch = LoopWatch(asyncio.get_running_loop(), WARN_AFTER_S)
+        watch.start()
+        try:
+            await asyncio.sleep(0.05)
+            await body()
+            await asyncio.sleep(WARN_AFTER_S / 5)  # a beat after the hold: its end is logged
+        finally:
+            watch.stop()
+    asyncio.run(main())
+
+
+def watch_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [record.getMessage() for record in caplog.records if record.name == "nereid.loop"]
+
+
+def blocking_infer() -> None:
+    time.sleep(WARN_AFTER_S * 2.5)
+
+
+def test_a_coroutine_that_blocks_is_named_while_it_holds_the_loop_and_its_end_is_logged(caplog):
+    caplog.set_level(logging.WARNING, "nereid.loop")
+
+    async def model() -> None:
+        blocking_infer()
+    watched(model)
+    held, again = watch_lines(caplog)
+    assert re.match(r"the event loop has been held for 0\.\d s by one callback, so every model and client waits", held)
+    assert "asyncio.to_thread" in held
+    # The blocking function and its caller, innermost last; none of asyncio's own frames.
+    running = held.split("It is running: ")[1]
+    assert running.endswith(f"{__file__}:{blocking_infer.__code__.co_firstlineno + 1} in blocking_infer"), running
+    assert re.search(rf"{re.escape(__file__)}:\d+ in model > ", running), running
+    assert "asyncio" not in running
+    assert again.startswith("the event loop runs again after 0.") and again.endswith(" s held by one callback")
+    assert 0.6 <= float(again.split("after ")[1].split(" s")[0]) < 1.5
+
+
+def test_a_loop_that_only_awaits_and_a_short_hold_log_nothing(caplog):
+    caplog.set_level(logging.WARNING, "nereid.loop")
+
+    async def model() -> None:
+        await asyncio.sleep(WARN_AFTER_S * 3)  # waiting in the selector, for longer than the limit
+        time.sleep(WARN_AFTER_S / 3)
+        await asyncio.to_thread(time.sleep, WARN_AFTER_S * 2)  # the blocking call on a worker thread
+    watched(model)
+    assert watch_lines(caplog) == []
+
+
+def test_a_late_beat_while_the_loop_waits_in_its_selector_is_not_blamed_on_a_callback():
+    # A beat is late too when the loop's thread waits for the GIL or a CPU (a busy machine, a C extension on
+    # another thread holding the GIL): then no callback holds the loop, and the watch names none.
+    readings: dict[str, str | None] = {}
+
+    async def main() -> None:
+        watch = LoopWatch(asyncio.get_running_loop(), WARN_AFTER_S)
+        watch.start()
+        try:
+            await asyncio.sleep(0.05)
+            idle = threading.Timer(0.1, lambda: readings.setdefault("idle", watch._callback_running()))
+            idle.start()
+            await asyncio.sleep(0.3)  # in the selector when the timer reads
+            busy = threading.Timer(0.1, lambda: readings.setdefault("busy", watch._callback_running()))
+            busy.start()
+            blocking_infer()
+        finally:
+            watch.stop()
+    asyncio.run(main())
+    assert readings["idle"] is None
+    assert readings["busy"] is not None and readings["busy"].endswith("in blocking_infer")
+
+
+def test_two_holds_are_each_reported_once(caplog):
+    caplog.set_level(logging.WARNING, "nereid.loop")
+
+    async def model() -> None:
+        blocking_infer()
+        await asyncio.sleep(WARN_AFTER_S / 2)
+        blocking_infer()
+    watched(model)
+    lines = watch_lines(caplog)
+    assert [line.split(" for ")[0].split(" after ")[0] for line in lines] == [
+        "the event loop has been held", "the event loop runs again",
+        "the event loop has been held", "the event loop runs again"], lines
