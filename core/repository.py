@@ -894,6 +894,12 @@ class ModelRepository:
             self._refresh_dependents()
         return entry
 
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait at most ``timeout_s`` until no version held (old ones still draining too) runs anything; True
+        when none does."""
+        busy = [loaded.scheduler for _, loaded in self.versions() if not loaded.scheduler.idle]
+        return all(await asyncio.gather(*(scheduler.wait_idle(timeout_s) for scheduler in busy)))
+
     async def terminate_running(self) -> None:
         """Ask every loaded backend that can, and still runs something, to end its running executions now.
 

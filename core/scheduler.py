@@ -203,6 +203,10 @@ class ModelScheduler:
         """True when nothing is queued or running (a call whose caller went away included)."""
         return self._idle.is_set()
 
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait at most ``timeout_s`` until nothing is queued or running; True when that came."""
+        return await _wait_event(self._idle, timeout_s)
+
     @property
     def running_threads(self) -> int:
         """Model calls still running on worker threads, including those whose caller went away."""

@@ -7,6 +7,7 @@ import functools
 import logging
 import signal
 import socket
+import time
 from dataclasses import replace
 
 import grpc
@@ -323,6 +324,7 @@ class NereidServer:
         if self._stopped.is_set():
             return
         grace = self.settings.server.shutdown_grace_s if grace_s is None else grace_s
+        grace_ends = time.monotonic() + grace
         self.dataplane.shutting_down = True
         # The folder is no longer followed: a change during the grace would start a load, or a drain of its
         # own, that the shutdown then waits for.
@@ -350,7 +352,11 @@ class NereidServer:
                     log.warning("%d gRPC inference request(s) still running after the %g s grace: answered "
                                 "UNAVAILABLE", ended, grace)
             await stopping
-        # Past the grace, what still runs belongs to cancelled calls: end it rather than wait.
+        # The listeners are closed once every client has its answer, but a run whose client went away holds its
+        # slot until its program ends, at a stop as at an unload: it has what is left of the grace. Then what
+        # still runs is ended rather than waited for.
+        if not self.dataplane.grace_passed:
+            await self.repository.wait_idle(max(0.0, grace_ends - time.monotonic()))
         await self.repository.terminate_running()
         await self.repository.unload_all(grace_s=0)
         self.metrics.close()

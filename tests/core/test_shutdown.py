@@ -262,3 +262,30 @@ def test_a_request_still_sending_its_body_when_the_grace_passes_is_answered_503(
     assert body == (b'{"error":"the server is shutting down, and shutdown_grace_s passed before this request was '
                     b'received; send it again to another server"}')
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
+
+
+def test_a_run_whose_client_went_away_is_given_the_rest_of_the_grace_at_a_stop(repo, serve, caplog):
+    # The listeners closed at once (no client waited any more), and the stop then ended the run as if the
+    # grace had passed: "1 execution(s) still running after the grace; ending them", 0.1 s into a 60 s grace.
+    # A run whose client went away holds its slot until its program really ends, at an unload as at a stop.
+    caplog.set_level(logging.WARNING)
+    plugin = HeldInfers()
+    server = start(repo, serve, plugin)
+    request = pb.ModelInferRequest(model_name="held")
+    request.inputs.add(name="input", datatype="FP32", shape=[1, 4])
+    request.raw_input_contents.append(np.ones((1, 4), np.float32).tobytes())
+    scheduler = server.server.repository.ready_model("held").scheduler
+    with grpc.insecure_channel(server.url) as channel:
+        call = pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer.future(request)
+        assert plugin.running.wait(PROMPT_S)
+        call.cancel()
+    try:
+        started = time.monotonic()
+        stopping = begin_stop(server)
+        time.sleep(0.5)
+        assert not stopping.done() and not scheduler.idle  # still running, its run not ended by the stop
+    finally:
+        plugin.release.set()
+    stopping.result(PROMPT_S)
+    assert 0.5 <= time.monotonic() - started < PROMPT_S
+    assert [record.getMessage() for record in caplog.records if record.levelno >= logging.WARNING] == []
