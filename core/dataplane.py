@@ -142,10 +142,14 @@ class DataPlane:
         return self.repository.ready_model(name)
 
     def check_version(self, name: str, version: str) -> None:
-        """NotFound unless ``version`` is empty or the one version nereid serves (an unknown model is named
-        as unknown first, whatever version was asked)."""
+        """NotFound unless ``name`` is a model and ``version`` empty or the one version nereid serves (an
+        unknown model is named as unknown first, whatever version was asked).
+
+        The protocols call it before they decode a request's body: a request for an unknown model is answered
+        NOT_FOUND whatever its body holds, as Triton answers it.
+        """
+        self.repository.entry(name)  # NotFound for a name with no folder
         if version not in ("", MODEL_VERSION):
-            self.repository.entry(name)  # NotFound for a name with no folder
             raise NotFound(PublicText(f"model '{name}' has no version '{version}' (nereid serves version "
                                       f"{MODEL_VERSION})"))
 

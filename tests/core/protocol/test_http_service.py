@@ -725,3 +725,26 @@ def test_an_unknown_models_404_says_what_grpc_says_for_the_same_call(served):
         # One wording for every call, with or without a version (the dataplane's two lookups gave two).
         assert over_http.value.message() == "unknown model 'nope' (no folder 'nope' under ml_backends_path)", \
             (call, version)
+
+
+def test_an_unknown_model_is_404_whatever_its_body_holds(served):
+    # A malformed body was decoded first for version "" or "1", and answered 400 naming the body's fault, where
+    # Triton looks the model up first (and a version "2" was already 404).
+    import grpc
+    from tritonclient.grpc import service_pb2 as pb, service_pb2_grpc as pb_grpc
+
+    server, base = served
+    unknown = "unknown model 'nope' (no folder 'nope' under ml_backends_path)"
+    for path in ("/v2/models/nope/infer", "/v2/models/nope/versions/1/infer"):
+        for body in (b"{not json", json.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 4],
+                                                           "data": [1, 2]}]}).encode()):
+            status, answer, _ = call(base, "POST", path, body, {"Content-Type": "application/json"})
+            assert (status, json.loads(answer)) == (404, {"error": unknown}), (path, body)
+    with grpc.insecure_channel(server.url) as channel:
+        for version in ("", "1"):
+            request = pb.ModelInferRequest(model_name="nope", model_version=version)
+            request.inputs.add(name="input", datatype="FP32", shape=[1, 4])
+            request.raw_input_contents.append(b"7 bytes")
+            with pytest.raises(grpc.RpcError) as refused:
+                pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(request, timeout=30)
+            assert (refused.value.code(), refused.value.details()) == (grpc.StatusCode.NOT_FOUND, unknown), version
