@@ -19,7 +19,7 @@ import tritonclient.http as http
 import tritonclient.http.aio as http_aio
 from tritonclient.utils import InferenceServerException
 
-from support import ECHO_MAIN, textproto_single
+from support import ECHO_MAIN, textproto_single, wait_until
 
 SLOW_MAIN = '''
 import os, sys, time
@@ -494,7 +494,8 @@ import os, struct, sys, time
 data = sys.stdin.buffer.read()
 with open("runs.log", "a") as runs:
     runs.write("%g\\n" % struct.unpack("<f", data[:4]))
-time.sleep(0.5)
+while not os.path.exists("go"):  # held until the test lets it finish
+    time.sleep(0.01)
 with open(os.environ["NEREID_OUTPUT_PATH"], "wb") as out:
     out.write(("%s %s\\n" % (os.environ["NEREID_INPUT_DTYPE"], os.environ["NEREID_INPUT_SHAPE"])).encode() + data)
 '''
@@ -505,6 +506,7 @@ def test_a_client_that_disconnects_while_queued_has_its_request_dropped(repo, se
     folder = repo.python("logged", main=RUN_LOGGING_MAIN)
     server = serve(repo.write_config('- name: "logged"\n  batching: {enabled: false}\n'))
     port = server.server.http_port
+    scheduler = server.server.repository.ready_model("logged").scheduler
 
     def body(value: float) -> bytes:
         return json.dumps({"inputs": [{"name": "input", "shape": [1, 4], "datatype": "FP32",
@@ -520,15 +522,17 @@ def test_a_client_that_disconnects_while_queued_has_its_request_dropped(repo, se
         return raw
 
     running = post(1)
-    time.sleep(0.2)  # running now
+    assert wait_until(lambda: (folder / "runs.log").is_file())  # running now, held until "go"
     queued = post(2)
     pipelined = post(3, 4)  # defect: the one answered first was never told its connection had gone
-    time.sleep(0.1)
+    assert wait_until(lambda: scheduler.queue_depth == 2)  # 2 and 3 (4 waits behind 3 on its connection)
     queued.close()  # gone while queued
     pipelined.close()
+    assert wait_until(lambda: scheduler.queue_depth == 0)  # dropped, not run
+    (folder / "go").write_text("")
     assert running.recv(65536).startswith(b"HTTP/1.1 200")
     running.close()
-    time.sleep(0.8)  # the instance has been free long enough to have run them
+    time.sleep(0.3)  # the instance has been free long enough to have run anything left
     assert (folder / "runs.log").read_text().split() == ["1"]
     stats = http.InferenceServerClient(f"127.0.0.1:{port}").get_inference_statistics("logged")["model_stats"][0]
     assert stats["inference_stats"]["success"]["count"] == 1  # the dropped requests are no success
