@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from typing import Any, Awaitable, Callable
+import os
+from typing import Any, Awaitable, Callable, TypeVar
 
 from nereid.backend import Model, Postprocesses, Preprocesses
+from nereid.daemon_pool import DaemonThreadPool
 from nereid.errors import (InvalidArgument, ModelFailure, NereidError, describe_exception, naming_model,
                            without_stop_iteration)
 from nereid.scheduler import MODEL_EXITS, ModelScheduler
@@ -20,11 +22,57 @@ from nereid.tensors import NamedTensor
 
 # run(inputs validated against the client-facing signature, their batch size, absolute deadline_ns) -> outputs
 Runner = Callable[[list[NamedTensor], int, int], Awaitable[list[NamedTensor]]]
+T = TypeVar("T")
+
+
+# As many as asyncio's default executor has: hooks of different requests run at once.
+HOOK_THREADS = min(32, (os.cpu_count() or 1) + 4)
+
+
+class HookThreads:
+    """One loaded model's own worker threads for its hooks, released with the model.
+
+    Not asyncio's default executor: a hook that never returns (a blocking call
+    with no timeout) took one of its few threads for good, so a few of them
+    stalled every scan and large decode of the server, and the interpreter
+    waited for them at exit (SIGTERM took as long as the hook). These are
+    daemon threads, and only this model's hooks wait for them. Used from the
+    event loop only.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._pool: DaemonThreadPool | None = None  # made at the first call
+        self._calls = 0
+        self._released = False
+
+    async def run(self, call: Callable[[], T]) -> T:
+        """``call()`` on one of the threads; its result."""
+        if self._pool is None:  # (also a request still in a hook of a version already released: its own pool)
+            self._pool = DaemonThreadPool(HOOK_THREADS, thread_name_prefix=f"nereid-{self._name}-hooks")
+        self._calls += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, call)
+        finally:
+            self._calls -= 1
+            if self._released and not self._calls:
+                self._shut_down()
+
+    def release(self) -> None:
+        """The model is unloaded: its threads end once no request is in a hook (a hung one ends on its own)."""
+        self._released = True
+        if not self._calls:
+            self._shut_down()
+
+    def _shut_down(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+            self._pool = None
 
 
 def make_runner(backend: Model, signature: ModelSignature, batch_signature: ModelSignature,
-                scheduler: ModelScheduler) -> Runner:
-    """The request path of one loaded model."""
+                scheduler: ModelScheduler, hook_threads: HookThreads) -> Runner:
+    """The request path of one loaded model; its hooks run on ``hook_threads``."""
     preprocess = backend.preprocess if isinstance(backend, Preprocesses) else None
     postprocess = backend.postprocess if isinstance(backend, Postprocesses) else None
     if preprocess is None and postprocess is None:
@@ -35,7 +83,7 @@ def make_runner(backend: Model, signature: ModelSignature, batch_signature: Mode
         program_rows = batch_size
         if preprocess is not None:
             try:
-                inputs = await _call_hook(name, "preprocess", preprocess, inputs)
+                inputs = await _call_hook(hook_threads, name, "preprocess", preprocess, inputs)
                 inputs = _program_inputs(name, batch_signature, inputs)
             except ModelFailure as err:
                 raise _logged(scheduler, err)
@@ -45,7 +93,7 @@ def make_runner(backend: Model, signature: ModelSignature, batch_signature: Mode
         outputs = await scheduler.submit(inputs, program_rows, deadline_ns)  # (logs its own faults)
         if postprocess is not None:
             try:
-                outputs = await _call_hook(name, "postprocess", postprocess, outputs)
+                outputs = await _call_hook(hook_threads, name, "postprocess", postprocess, outputs)
                 check_outputs(name, signature, outputs, batch_size)
             except ModelFailure as err:
                 raise _logged(scheduler, err)
@@ -77,7 +125,8 @@ def _program_inputs(model: str, batch_signature: ModelSignature, tensors: list[N
                        f"{detail}") from None
 
 
-async def _call_hook(model: str, hook: str, function: Callable[[list[NamedTensor]], list[NamedTensor]],
+async def _call_hook(threads: HookThreads, model: str, hook: str,
+                     function: Callable[[list[NamedTensor]], list[NamedTensor]],
                      tensors: list[NamedTensor]) -> list[NamedTensor]:
     """Run a hook on a worker thread (so hooks of different requests overlap); its result, checked there too (the
     message about a wrong result quotes part of it: none of that work on the event loop)."""
@@ -85,7 +134,7 @@ async def _call_hook(model: str, hook: str, function: Callable[[list[NamedTensor
         return _checked_hook_result(model, hook, without_stop_iteration(function, tensors))
 
     try:
-        return await asyncio.to_thread(run_and_check)
+        return await threads.run(run_and_check)
     except NereidError as err:
         # A hook's own refusal (InvalidArgument, ...): same kind, naming the model as every message does (the
         # check's verdict names it already).

@@ -36,7 +36,7 @@ from nereid.backend_calls import on_daemon_thread, terminate_backend, unload_bac
 from nereid.leftovers import remove_model_leftovers
 from nereid.log_limit import RateLimitedLog
 from nereid.model_building import BackendRaised, BuiltModel, build_model
-from nereid.model_runner import Runner, make_runner
+from nereid.model_runner import HookThreads, Runner, make_runner
 from nereid.plugins import check_backend_defaults
 from nereid.scheduler import ModelScheduler
 from nereid.settings import ModelSettings, Settings
@@ -78,6 +78,7 @@ class LoadedModel:
     stats: ModelStats
     load_seconds: float
     run: Runner
+    hook_threads: HookThreads  # what ``run`` runs its hooks on: released with the version
     depends_on: tuple[str, ...] = ()  # models it calls (a meta model): READY only while they are
     # The folder's files as the watcher stamps them, taken before the build (dynamic mode with a local folder):
     # a watcher seeing the same files needs not load them again.
@@ -609,10 +610,12 @@ class ModelRepository:
                                 name, entry.settings.instances, instances)
             scheduler = ModelScheduler(name, built.backend, built.batch_signature, entry.settings.queue_capacity,
                                        instances, stats, built.policy)
+            hook_threads = HookThreads(name)
             loaded = LoadedModel(built.backend_name, built.backend, built.signature, built.batch_signature,
                                  scheduler, stats, load_seconds,
-                                 make_runner(built.backend, built.signature, built.batch_signature, scheduler),
-                                 depends_on, stamp)
+                                 make_runner(built.backend, built.signature, built.batch_signature, scheduler,
+                                             hook_threads),
+                                 hook_threads, depends_on, stamp)
         except Exception:
             if scheduler is not None:  # its batcher task is running: end it, or asyncio logs it destroyed
                 await scheduler.drain(0)
@@ -964,6 +967,7 @@ class ModelRepository:
                                          end_running)
             await unload_backend(name, backend)
         finally:
+            loaded.hook_threads.release()
             self._retiring.pop(id(loaded), None)
         await self._drop_scratch(retiring.scratch_names)
 

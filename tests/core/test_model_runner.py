@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import threading
 from typing import Callable
 
 import numpy as np
@@ -13,7 +14,7 @@ import pytest
 
 from nereid.dtypes import DType
 from nereid.errors import ModelFailure
-from nereid.model_runner import Runner, make_runner
+from nereid.model_runner import HOOK_THREADS, HookThreads, Runner, make_runner
 from nereid.scheduler import ModelScheduler
 from nereid.signature import ModelSignature, TensorSpec
 from nereid.stats import ModelStats
@@ -50,9 +51,10 @@ def rows(value: float) -> list[NamedTensor]:
     return [NamedTensor("x", DType.FP32, np.full((1, 2), value, dtype=np.float32))]
 
 
-async def serve(backend: Hooked) -> tuple[Runner, ModelScheduler]:
-    scheduler = ModelScheduler("m", backend, SIGNATURE, capacity=4, instances=1, stats=ModelStats())
-    return make_runner(backend, SIGNATURE, SIGNATURE, scheduler), scheduler
+async def serve(backend: Hooked, hook_threads: HookThreads | None = None, capacity: int = 4
+                ) -> tuple[Runner, ModelScheduler]:
+    scheduler = ModelScheduler("m", backend, SIGNATURE, capacity=capacity, instances=1, stats=ModelStats())
+    return make_runner(backend, SIGNATURE, SIGNATURE, scheduler, hook_threads or HookThreads("m")), scheduler
 
 
 async def coroutine_hook(tensors: list[NamedTensor]) -> list[NamedTensor]:
@@ -214,3 +216,45 @@ def test_a_hook_s_fault_is_logged_once_with_its_traceback(hook: str, caplog: pyt
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert [r.getMessage() for r in errors] == [f"model 'm': {hook} hook failed: ValueError: bad token table"]
     assert errors[0].exc_info is not None and "bad token table" in str(errors[0].exc_info[1])
+
+
+def hook_threads_alive() -> list[threading.Thread]:
+    """The threads of HookThreads("stuck") (other tests leave their pools' idle threads)."""
+    return [thread for thread in threading.enumerate() if thread.name.startswith("nereid-stuck-hooks")]
+
+
+def test_hooks_that_never_return_hold_neither_the_default_executor_nor_the_exit_and_end_after_the_release() -> None:
+    """Defect: hooks ran on asyncio's default executor, so a few hung ones (a blocking call with no timeout)
+    stalled every scan and large decode of the server (RepositoryIndex took 18 s), and the interpreter waited
+    for them at exit (SIGTERM took as long as the hook: 297 s)."""
+    release = threading.Event()
+    hung = HOOK_THREADS + 2  # more than the default executor has threads
+
+    def stuck(tensors: list[NamedTensor]) -> list[NamedTensor]:
+        release.wait(30)
+        return tensors
+
+    async def scenario() -> None:
+        hooks = HookThreads("stuck")
+        run, scheduler = await serve(Hooked(post=stuck), hooks, capacity=hung)
+        callers = [asyncio.create_task(run(rows(1), 1, 0)) for _ in range(hung)]
+        while len(hook_threads_alive()) < HOOK_THREADS:
+            await asyncio.sleep(0.01)
+        # The server's own work on the default executor goes on.
+        assert await asyncio.wait_for(asyncio.to_thread(lambda: "scanned"), 5) == "scanned"
+        assert all(thread.daemon for thread in hook_threads_alive())  # never waited for at exit
+        await scheduler.drain()
+        hooks.release()  # unloaded while requests are still in hooks: they finish, on the threads they have
+        assert len(hook_threads_alive()) == HOOK_THREADS
+        release.set()
+        outputs = await asyncio.wait_for(asyncio.gather(*callers), 10)
+        assert [output[0].data.tolist() for output in outputs] == [[[2, 2]]] * hung
+        for _ in range(500):  # the last one out let the threads go
+            if not hook_threads_alive():
+                break
+            await asyncio.sleep(0.01)
+        assert hook_threads_alive() == []
+    try:
+        asyncio.run(asyncio.wait_for(scenario(), 30))
+    finally:
+        release.set()
