@@ -15,7 +15,7 @@ import socket
 import threading
 import time
 from typing import Any, Iterator
-from wsgiref.simple_server import WSGIRequestHandler, make_server
+from wsgiref.simple_server import WSGIRequestHandler
 
 from prometheus_client import CollectorRegistry, Counter, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -24,6 +24,7 @@ from prometheus_client.registry import Collector
 
 from nereid.backend import ReportsRuntime, runtime_report_problem
 from nereid.errors import describe_exception
+from nereid.listening import bind_listening_sockets
 from nereid.log_limit import OnceLog
 from nereid.repository import LoadedModel, ModelRepository, ModelState
 from nereid.stats import Histogram as StatsHistogram
@@ -193,15 +194,18 @@ class ServerMetrics:
         address came from, for the error when it cannot be served on.
         """
         host, _, port = addr.rpartition(":")
-        host = host.strip("[]")
-
-        class Server(_BoundedThreadingServer):
-            address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
-
         try:
-            self._http = make_server(host, int(port), make_wsgi_app(self.registry), Server,
-                                     handler_class=type("Handler", (_QuietHandler,), {"timeout": idle_timeout_s}))
+            # The first address of a name (localhost: one loopback): the WSGI server takes one socket.
+            sock, *others = bind_listening_sockets(host.strip("[]"), int(port))
         except OSError as err:
+            raise OSError(f"cannot serve metrics on {addr} ({origin}): {err.strerror or err}") from err
+        for other in others:
+            other.close()
+        try:
+            self._http = _BoundedThreadingServer.on_socket(sock, make_wsgi_app(self.registry), type(
+                "Handler", (_QuietHandler,), {"timeout": idle_timeout_s}))
+        except OSError as err:
+            sock.close()
             raise OSError(f"cannot serve metrics on {addr} ({origin}): {err.strerror or err}") from err
         # A short poll interval keeps shutdown quick (the default waits up to 0.5 s).
         threading.Thread(target=self._http.serve_forever, kwargs={"poll_interval": 0.05},
@@ -286,6 +290,21 @@ class _BoundedThreadingServer(ThreadingWSGIServer):
     def __init__(self, *args: object, **kwargs: object) -> None:
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         super().__init__(*args, **kwargs)
+
+    @classmethod
+    def on_socket(cls, sock: socket.socket, app: Any, handler: type[WSGIRequestHandler]
+                  ) -> _BoundedThreadingServer:
+        """A server listening on ``sock``, already bound (see nereid.listening), serving ``app``."""
+        server = cls(sock.getsockname()[:2], handler, bind_and_activate=False)
+        server.socket.close()
+        server.socket = sock
+        # What the base classes' server_bind sets once they have bound.
+        server.server_address = sock.getsockname()
+        server.server_name, server.server_port = str(server.server_address[0]), server.server_address[1]
+        server.setup_environ()
+        server.server_activate()
+        server.set_app(app)
+        return server
 
     def process_request(self, request: socket.socket, client_address: object) -> None:
         if not self._slots.acquire(blocking=False):

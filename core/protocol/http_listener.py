@@ -25,6 +25,7 @@ import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from nereid.errors import cap_message
+from nereid.listening import bind_listening_sockets
 from nereid.log_limit import RateLimitedLog, RateLimitFilter
 from nereid.protocol.http_service import HttpSurface, client_log, error_body
 
@@ -81,16 +82,9 @@ class HttpListener:
         """Listen on ``host:port`` (``[::1]:8000``); returns the bound port. ``origin``: where the address came
         from, for the error when it cannot be listened on."""
         host, _, port = addr.rpartition(":")
-        host = host.strip("[]")
-        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            # Accepted connections inherit it: without it, a response written in two parts waits for
-            # the client's delayed ACK (40 ms) before its second part leaves (Nagle's algorithm).
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.bind((host, int(port)))
+            sockets = bind_listening_sockets(host.strip("[]"), int(port))
         except OSError as err:
-            sock.close()
             raise OSError(f"cannot listen on {addr} ({origin}): {err.strerror or err}") from None
         # No log_config and no log_level: uvicorn would otherwise give its loggers handlers of its own, in its
         # own format, that do not propagate, and a level of their own that ignores --log-level. Its records
@@ -105,17 +99,18 @@ class HttpListener:
             config.ssl = self.tls
         logging.getLogger(UVICORN_LOGGER).addFilter(self._records)
         self._server = server = _EmbeddedServer(config)
-        self._task = asyncio.create_task(server.serve(sockets=[sock]))
+        self._task = asyncio.create_task(server.serve(sockets=sockets))
         started = asyncio.create_task(server.started_event.wait())
         await asyncio.wait({self._task, started}, return_when=asyncio.FIRST_COMPLETED)
         if not server.started_event.is_set():
             started.cancel()
             task, self._server, self._task = self._task, None, None
             logging.getLogger(UVICORN_LOGGER).removeFilter(self._records)
-            sock.close()
+            for sock in sockets:
+                sock.close()
             await task  # raises what stopped it
             raise OSError(f"the HTTP listener on {addr} ({origin}) did not start")
-        return sock.getsockname()[1]
+        return sockets[0].getsockname()[1]
 
     async def stop(self) -> None:
         """Stop accepting, let requests in progress finish (bounded by the grace), close."""

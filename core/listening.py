@@ -1,0 +1,69 @@
+"""Listening sockets for the HTTP and metrics listeners, taking an address as the gRPC listener takes it.
+
+``[::]`` means every interface: one dual-stack socket (IPV6_V6ONLY off, whatever
+the host's ``net.ipv6.bindv6only`` says, so IPv4 clients such as a kubelet's
+probes reach it too), or IPv4's ``0.0.0.0`` alone on a host without IPv6. A
+name (``localhost``) is listened on at every address it resolves to, one port
+for all of them; an address family the host lacks is passed over, an address in
+use is not.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+
+# What a host without IPv6 (or without one of a name's addresses) answers: that address is passed over.
+_ABSENT = (errno.EAFNOSUPPORT, errno.EADDRNOTAVAIL)
+
+
+def bind_listening_sockets(host: str, port: int) -> list[socket.socket]:
+    """Bound sockets (not listening yet) for ``host`` (brackets stripped) and ``port``; OSError when none binds.
+
+    Each has SO_REUSEADDR, and TCP_NODELAY, which accepted connections inherit:
+    without it, a response written in two parts waits for the client's delayed
+    ACK (40 ms) before its second part leaves (Nagle's algorithm).
+    """
+    if host == "::":
+        try:
+            return [_bound(socket.AF_INET6, ("::", port, 0, 0), dual_stack=True)]
+        except OSError as err:
+            if err.errno not in _ABSENT:
+                raise
+            return [_bound(socket.AF_INET, ("0.0.0.0", port))]
+    found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    addresses = list(dict.fromkeys((family, sockaddr) for family, _, _, _, sockaddr in found))
+    bound: list[socket.socket] = []
+    absent: OSError | None = None
+    try:
+        for family, sockaddr in addresses:
+            if bound and port == 0:  # the port the first one was given, for every address of the name
+                sockaddr = (sockaddr[0], bound[0].getsockname()[1], *sockaddr[2:])
+            try:
+                bound.append(_bound(family, sockaddr))
+            except OSError as err:
+                if err.errno not in _ABSENT:
+                    raise
+                absent = absent or err
+    except OSError:
+        for sock in bound:
+            sock.close()
+        raise
+    if not bound:
+        assert absent is not None  # (getaddrinfo gives at least one address or raises)
+        raise absent
+    return bound
+
+
+def _bound(family: socket.AddressFamily, sockaddr: tuple, dual_stack: bool = False) -> socket.socket:
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if dual_stack:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.bind(sockaddr)
+    except OSError:
+        sock.close()
+        raise
+    return sock

@@ -1,0 +1,91 @@
+"""Listening sockets for HTTP and metrics: ``[::]`` is every interface, IPv4 too, also on a host without IPv6.
+
+Defects: ``[::]`` made an IPv6-only socket where the host's net.ipv6.bindv6only
+is 1 (a kubelet's IPv4 probes were refused), and on a host without IPv6 it
+stopped ``nereid serve`` with `[Errno 97] Address family not supported by
+protocol`, naming no address; gRPC's listener took both cases.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nereid.listening import bind_listening_sockets
+
+
+def connects(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=5):
+            return True
+    except OSError:
+        return False
+
+
+def test_the_ipv6_wildcard_is_one_dual_stack_socket_whatever_the_hosts_default():
+    (sock,) = bind_listening_sockets("::", 0)
+    with sock:
+        sock.listen()
+        assert sock.getsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY) == 0  # set, not the sysctl's default
+        port = sock.getsockname()[1]
+        assert connects("127.0.0.1", port) and connects("::1", port)
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
+
+
+def test_a_name_is_listened_on_at_every_address_it_resolves_to_on_one_port():
+    families = {info[0] for info in socket.getaddrinfo("localhost", 0, type=socket.SOCK_STREAM)}
+    sockets = bind_listening_sockets("localhost", 0)
+    try:
+        assert {sock.family for sock in sockets} == families
+        assert len({sock.getsockname()[1] for sock in sockets}) == 1
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def test_an_address_in_use_is_an_error_not_passed_over():
+    # [::] must not fall back to 0.0.0.0 when IPv4's wildcard is another server's.
+    with socket.socket(socket.AF_INET) as taken:
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        for host in ("::", "0.0.0.0", "127.0.0.1"):
+            with pytest.raises(OSError) as refused:
+                bind_listening_sockets(host, taken.getsockname()[1])
+            assert refused.value.errno == errno.EADDRINUSE, host
+
+
+SHIM = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <sys/socket.h>
+/* A kernel booted with ipv6.disable=1: no AF_INET6 socket can be made. */
+int socket(int domain, int type, int protocol) {
+    static int (*real)(int, int, int);
+    if (!real) real = dlsym(RTLD_NEXT, "socket");
+    if (domain == AF_INET6) { errno = EAFNOSUPPORT; return -1; }
+    return real(domain, type, protocol);
+}
+"""
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler for the no-IPv6 shim")
+def test_the_ipv6_wildcard_is_ipv4_s_on_a_host_without_ipv6(tmp_path: Path):
+    (tmp_path / "noinet6.c").write_text(SHIM)
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(tmp_path / "noinet6.so"), str(tmp_path / "noinet6.c"),
+                    "-ldl"], check=True)
+    probe = ("import json, socket\nfrom nereid.listening import bind_listening_sockets\n"
+             "(sock,) = bind_listening_sockets('::', 0)\n"
+             "print(json.dumps([sock.family == socket.AF_INET, sock.getsockname()[0]]))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60,
+                          env={"LD_PRELOAD": str(tmp_path / "noinet6.so"), "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == [True, "0.0.0.0"]
