@@ -48,7 +48,8 @@ def find_compiler() -> Compiler:
         raise ConfigError(f"no C++ compiler: CXX={text!r} cannot be split into words ({err})") from None
     path = shutil.which(words[0])
     if path is None:
-        raise ConfigError(f"no C++ compiler: '{words[0]}' is not on PATH (set CXX or install g++)")
+        where = "is not an executable file" if os.sep in words[0] else "is not on PATH"
+        raise ConfigError(f"no C++ compiler: '{words[0]}' {where} (set CXX or install g++)")
     return (path, *words[1:])
 
 

@@ -117,12 +117,13 @@ def _make_mirror_folder(root: Path, name: str) -> None:
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        shown = name if len(name) <= 80 else f"{name[:80]}..."
+        # A long name is cut, with its length said; a short one is named as it is.
+        shown = name if len(name) <= 80 else f"{name[:80]}... ({len(name)} characters)"
         reason = str(err.strerror or err)
         if err.errno == errno.ENAMETOOLONG:
             reason += " (a local file system allows 255 bytes per name)"
-        _folder_warnings.warning(str(folder), "model folder '%s' (%d characters): cannot make its local mirror "
-                                 "folder %s: %s; it cannot load", shown, len(name), folder, reason)
+        _folder_warnings.warning(str(folder), "model folder '%s': cannot make its local mirror folder %s: %s; it "
+                                 "cannot load", shown, folder, reason)
 
 
 def decodable_name(name: str, root: Path) -> bool:

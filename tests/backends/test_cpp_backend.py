@@ -400,6 +400,14 @@ def test_cxx_may_hold_a_wrapper_and_its_words_as_make_takes_it(tmp_path, monkeyp
     monkeypatch.setenv("CXX", "cc-wrap 'c++")
     with pytest.raises(ConfigError, match="CXX=\"cc-wrap 'c\\+\\+\" cannot be split into words"):
         compiler.find_compiler()
+    # A path is not looked up on PATH, and the message says so.
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler" / "c++"))
+    with pytest.raises(ConfigError, match=f"no C\\+\\+ compiler: '{tmp_path}/no-such-compiler/c\\+\\+' is not an "
+                                          "executable file \\(set CXX or install g\\+\\+\\)$"):
+        compiler.find_compiler()
+    monkeypatch.setenv("CXX", "no-such-compiler-xyz")
+    with pytest.raises(ConfigError, match="'no-such-compiler-xyz' is not on PATH"):
+        compiler.find_compiler()
 
 
 # A child whose files may not grow past 4 KiB (RLIMIT_FSIZE, SIGXFSZ ignored so that a write fails with EFBIG): a

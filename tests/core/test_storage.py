@@ -480,9 +480,9 @@ def test_a_mirror_folder_that_cannot_be_made_is_logged_with_its_path_and_the_rea
             assert scan_model_folders(server) == ["blocked", long_name]
     lines = [r.getMessage() for r in caplog.records if "cannot make its local mirror folder" in r.getMessage()]
     assert lines == [
-        f"model folder 'blocked' (7 characters): cannot make its local mirror folder "
+        f"model folder 'blocked': cannot make its local mirror folder "
         f"{server.ml_backends_path / 'blocked'}: File exists; it cannot load",
-        f"model folder '{long_name[:80]}...' (300 characters): cannot make its local mirror folder "
+        f"model folder '{long_name[:80]}... (300 characters)': cannot make its local mirror folder "
         f"{server.ml_backends_path / long_name}: File name too long (a local file system allows 255 bytes per "
         "name); it cannot load"], lines
 
