@@ -76,9 +76,15 @@ def scratch_parent() -> Path:
     set, /tmp passed over is a WARNING naming the folder used instead (a
     container without a usable /tmp served before, from that folder).
     """
-    used = tempfile.gettempdir()
     chosen = os.environ.get("TMPDIR")
     asked = str(asked_temporary_directory())
+    try:
+        used = tempfile.gettempdir()
+    except FileNotFoundError as err:  # no candidate is writable: Python's message lists them, says no remedy
+        raise ScratchFolderError(f"no temporary directory is writable (TMPDIR={chosen or 'unset'}: "
+                                 f"{_unusable_reason(asked) or 'no room'}; {err.strerror}): set TMPDIR to a writable "
+                                 "folder with free space, on a file system that allows executables (cpp and cxx "
+                                 "models run code from it)") from None
     if os.path.abspath(asked) == os.path.abspath(used):
         return Path(used)
     reason = _unusable_reason(asked)

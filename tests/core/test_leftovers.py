@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -187,6 +188,8 @@ TMPDIR="$0" "$1" -c "$2"
 [ "$3" = no-tmp ] && exit
 mount -t tmpfs -o size=64k tmpfs /tmp && cat /dev/zero > /tmp/fill 2>/dev/null
 env -u TMPDIR "$1" -c "$2"
+mount -t tmpfs -o size=64k tmpfs /var/tmp && cat /dev/zero > /var/tmp/fill 2>/dev/null
+cd /var/tmp && env -u TMPDIR "$1" -c "$2"  # the working directory, a candidate too
 """
 _MAKE_SCRATCH = """
 import logging, sys
@@ -228,11 +231,17 @@ def test_a_full_tmpdir_fails_the_start_and_a_full_tmp_without_tmpdir_is_warned_a
         assert lines[1:] == [], result.stdout + result.stderr
         return
     fallback = lines[2].removeprefix("made in ")
-    assert lines[1:] == [
+    assert lines[1:3] == [
         "WARNING the temporary directory /tmp cannot be used (No space left on device) and TMPDIR is not set: the "
         f"server's scratch folder is made in {fallback} instead; set TMPDIR to choose the folder (on a file system "
         "that allows executables)", f"made in {fallback}"], result.stdout + result.stderr
     assert fallback != "/tmp"
+    # Nothing writable at all (/tmp, /var/tmp and the working directory full): Python's own message named no remedy.
+    assert re.fullmatch(r"ScratchFolderError no temporary directory is writable \(TMPDIR=unset: No space left on "
+                        r"device; No usable temporary directory found in \[.*\]\): set TMPDIR to a writable folder "
+                        r"with free space, on a file system that allows executables \(cpp and cxx models run code "
+                        r"from it\)", lines[3]), result.stdout + result.stderr
+    assert len(lines) == 4, result.stdout + result.stderr
 
 
 def test_dead_servers_folders_are_looked_for_where_the_operator_asked_whatever_tempfile_chose(monkeypatch) -> None:
