@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 import traceback
+import types
 from pathlib import Path
 
 log = logging.getLogger("nereid.loop")
@@ -35,10 +36,13 @@ class LoopWatch:
     def __init__(self, loop: asyncio.AbstractEventLoop, warn_after_s: float = DEFAULT_WARN_AFTER_S) -> None:
         self._loop = loop
         self._warn_after_s = warn_after_s
-        # A beat every tenth of the limit: a stall is seen within 10% of it, at ten wake-ups a second.
+        # A beat (and a look) every tenth of the limit: a hold is seen within 10% of it, at ten wake-ups a second.
         self._interval_s = warn_after_s / 10
         self._last_beat = time.monotonic()
-        self._reported: float | None = None  # the beat whose lateness was reported (None: none is)
+        # The callback the loop was seen running while the beat was late, and since when (None: none is).
+        self._holder: asyncio.Handle | None = None
+        self._held_since = 0.0
+        self._reported = False  # the holder's hold was logged: its end is logged too
         self._loop_thread: int | None = None
         self._handle: asyncio.TimerHandle | None = None
         self._stopping = threading.Event()
@@ -62,46 +66,57 @@ class LoopWatch:
     def _beat(self) -> None:
         with self._lock:
             now = time.monotonic()
-            if self._reported == self._last_beat:
-                log.warning("the event loop runs again after %.1f s held by one callback",
-                            now - self._last_beat - self._interval_s)
-            self._reported = None
+            if self._reported:
+                log.warning("the event loop runs again after %.1f s held by one callback", now - self._held_since)
+            self._holder, self._reported = None, False
             self._last_beat = now
         if not self._stopping.is_set():
             self._handle = self._loop.call_later(self._interval_s, self._beat)
 
     def _watch(self) -> None:
         while not self._stopping.wait(self._interval_s):
+            if self._loop.is_closed():
+                return  # a loop closed without stop(): nothing of it runs any more
             # Under the beat's lock: a beat that ran meanwhile would make the stack read below another callback's.
             with self._lock:
-                last = self._last_beat
-                # The beat is due one interval after the last: lateness beyond that is the loop being held.
-                held_s = time.monotonic() - last - self._interval_s
-                if held_s < self._warn_after_s or self._reported == last:
+                now = time.monotonic()
+                if now - self._last_beat < 2 * self._interval_s or self._reported:
+                    continue  # the beat is on time (or this hold was said)
+                # Late: the loop runs one long callback, or many short ones in one pass, or waits for the GIL
+                # or a CPU. Only the same callback seen for warn_after_s is blamed.
+                frame, holder = self._callback_frame()
+                if holder is None or holder is not self._holder:
+                    self._holder, self._held_since = holder, now  # (first seen: it may have started a little before)
                     continue
-                running = self._callback_running()
-                if running is None:
-                    # Late, yet between callbacks (waiting for the GIL or a CPU): nothing the loop runs holds it.
+                held_s = now - self._held_since
+                if held_s < self._warn_after_s:
                     continue
-                self._reported = last
+                self._reported = True
                 log.warning("the event loop has been held for %.1f s by one callback, so every model and client "
                             "waits: an async def that blocks (time.sleep, blocking I/O, a long computation) "
                             "belongs on a worker thread (a plain def infer, or asyncio.to_thread). It is running: %s",
-                            held_s, running)
+                            held_s, _innermost(frame))
 
-    def _callback_running(self) -> str | None:
-        """The innermost frames of the callback the loop runs, outermost first, as ``file:line in function``.
-
-        None when the loop's thread runs no callback: it is waiting in its selector or between callbacks.
-        """
-        frame = sys._current_frames().get(self._loop_thread) if self._loop_thread is not None else None
+    def _callback_frame(self) -> tuple[types.FrameType | None, asyncio.Handle | None]:
+        """The frame of asyncio's ``Handle._run`` the loop's thread is in, and its handle, when it is one of this
+        loop's; (None, None) when it runs no callback (waiting in its selector, between callbacks)."""
+        top = sys._current_frames().get(self._loop_thread) if self._loop_thread is not None else None
+        frame = top
+        while frame is not None and not (frame.f_code.co_name == "_run" and frame.f_code.co_filename == _HANDLE_FILE):
+            frame = frame.f_back
         if frame is None:
-            return None
-        stack = traceback.extract_stack(frame)
-        # A callback runs inside asyncio's Handle._run; what is outside it is the loop's own machinery.
-        starts = [index for index, entry in enumerate(stack)
-                  if entry.name == "_run" and entry.filename == _HANDLE_FILE]
-        inside = [entry for entry in stack[starts[-1] + 1:] if not entry.filename.startswith(_ASYNCIO)] if starts else []
-        if not inside:
-            return None  # a callback of asyncio's own (a task's step between coroutines): waiting for the GIL
-        return " > ".join(f"{entry.filename}:{entry.lineno} in {entry.name}" for entry in inside[-_SHOWN_FRAMES:])
+            return None, None
+        handle = frame.f_locals.get("self")
+        if not isinstance(handle, asyncio.Handle) or handle._loop is not self._loop:
+            return None, None  # another loop's, on the same thread (this one's ended without stop())
+        return top, handle
+
+
+def _innermost(frame: types.FrameType | None) -> str:
+    """The innermost frames of the callback ``frame`` runs, outermost first, as ``file:line in function``: what is
+    inside asyncio's ``Handle._run``, less asyncio's own frames."""
+    stack = traceback.extract_stack(frame) if frame is not None else []
+    starts = [index for index, entry in enumerate(stack) if entry.name == "_run" and entry.filename == _HANDLE_FILE]
+    inside = [entry for entry in stack[starts[-1] + 1:] if not entry.filename.startswith(_ASYNCIO)] if starts else []
+    return " > ".join(f"{entry.filename}:{entry.lineno} in {entry.name}"
+                      for entry in inside[-_SHOWN_FRAMES:]) or "(asyncio's own code)"

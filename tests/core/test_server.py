@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import shutil
 import socket
 import threading
@@ -267,15 +268,14 @@ def test_an_async_infer_that_blocks_the_event_loop_is_named_in_the_log_while_it_
     caplog.set_level(logging.WARNING, "nereid.loop")
     careless = write_toy(repo.models_dir, "careless")
     (careless / "toy.txt").rename(careless / "blocks.txt")
-    (careless / "blocks.txt").write_text("1.4")
+    (careless / "blocks.txt").write_text("1.8")
     server = serve(repo.write_config("- name: careless\n"), manager=manager(BlockingAsyncModels()))
     tensor = triton.InferInput("input", [1, 4], "FP32")
     tensor.set_data_from_numpy(np.zeros((1, 4), np.float32))
     np.testing.assert_array_equal(server.client.infer("careless", [tensor]).as_numpy("output"), np.ones((1, 4)))
     assert wait_until(lambda: len(caplog.records) == 2, 5)
     held, again = (record.getMessage() for record in caplog.records)
-    assert held.startswith("the event loop has been held for 1.0 s by one callback") or \
-        held.startswith("the event loop has been held for 1.1 s by one callback"), held
+    assert re.match(r"the event loop has been held for 1\.\d s by one callback", held), held
     assert held.endswith(f"{__file__}:{BlockingAsyncModel.infer.__code__.co_firstlineno + 1} in infer"), held
     assert again.startswith("the event loop runs again after 1.")
     # The server serves on.
