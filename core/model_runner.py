@@ -43,30 +43,28 @@ class HookThreads:
     def __init__(self, name: str) -> None:
         self._name = name
         self._pool: DaemonThreadPool | None = None  # made at the first call
-        self._calls = 0
         self._released = False
 
     async def run(self, call: Callable[[], T]) -> T:
         """``call()`` on one of the threads; its result."""
-        if self._pool is None:  # (also a request still in a hook of a version already released: its own pool)
-            self._pool = DaemonThreadPool(HOOK_THREADS, thread_name_prefix=f"nereid-{self._name}-hooks")
-        self._calls += 1
+        loop = asyncio.get_running_loop()
+        if not self._released:
+            if self._pool is None:
+                self._pool = DaemonThreadPool(HOOK_THREADS, thread_name_prefix=f"nereid-{self._name}-hooks")
+            return await loop.run_in_executor(self._pool, call)
+        # A request still finishing on a version already released: a thread of its own, gone with the call.
+        straggler = DaemonThreadPool(1, thread_name_prefix=f"nereid-{self._name}-hooks")
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._pool, call)
+            return await loop.run_in_executor(straggler, call)
         finally:
-            self._calls -= 1
-            if self._released and not self._calls:
-                self._shut_down()
+            straggler.shutdown(wait=False)
 
     def release(self) -> None:
-        """The model is unloaded: its threads end once no request is in a hook (a hung one ends on its own)."""
+        """The model is unloaded: idle threads end now, busy ones once their call returns (a hung one never does,
+        and holds nothing else)."""
         self._released = True
-        if not self._calls:
-            self._shut_down()
-
-    def _shut_down(self) -> None:
         if self._pool is not None:
-            self._pool.shutdown(wait=False)
+            self._pool.shutdown(wait=False)  # (calls already queued still run: the ends queue behind them)
             self._pool = None
 
 

@@ -244,16 +244,50 @@ def test_hooks_that_never_return_hold_neither_the_default_executor_nor_the_exit_
         assert await asyncio.wait_for(asyncio.to_thread(lambda: "scanned"), 5) == "scanned"
         assert all(thread.daemon for thread in hook_threads_alive())  # never waited for at exit
         await scheduler.drain()
-        hooks.release()  # unloaded while requests are still in hooks: they finish, on the threads they have
-        assert len(hook_threads_alive()) == HOOK_THREADS
+        hooks.release()  # unloaded while requests are still in hooks (and queued for one): they finish
         release.set()
         outputs = await asyncio.wait_for(asyncio.gather(*callers), 10)
         assert [output[0].data.tolist() for output in outputs] == [[[2, 2]]] * hung
-        for _ in range(500):  # the last one out let the threads go
+        # A request reaching a hook after the release (its execution ended just before it): a thread of its own.
+        assert await asyncio.wait_for(hooks.run(lambda: threading.current_thread().name), 10) == \
+            "nereid-stuck-hooks_0"
+        for _ in range(500):  # the threads go once their calls are done
             if not hook_threads_alive():
                 break
             await asyncio.sleep(0.01)
         assert hook_threads_alive() == []
+    try:
+        asyncio.run(asyncio.wait_for(scenario(), 30))
+    finally:
+        release.set()
+
+
+def test_a_released_models_idle_hook_threads_end_though_one_of_its_hooks_hangs() -> None:
+    # The whole pool waited for the last request in a hook: one hung hook kept every idle thread of a
+    # retired version (up to min(32, CPUs + 4) per reload).
+    release = threading.Event()
+
+    def maybe_stuck(tensors: list[NamedTensor]) -> list[NamedTensor]:
+        if tensors[0].data[0, 0] == 2:  # (the program doubled the request's 1)
+            release.wait(30)
+        return tensors
+
+    async def scenario() -> None:
+        hooks = HookThreads("stuck")
+        run, scheduler = await serve(Hooked(post=maybe_stuck), hooks, capacity=8)
+        hung = asyncio.create_task(run(rows(1), 1, 0))
+        for value in range(2, 6):
+            await asyncio.gather(*(run(rows(value), 1, 0) for _ in range(4)))
+        assert len(hook_threads_alive()) > 1
+        hooks.release()
+        for _ in range(500):
+            if len(hook_threads_alive()) == 1:  # the hung one alone
+                break
+            await asyncio.sleep(0.01)
+        assert len(hook_threads_alive()) == 1
+        release.set()
+        assert (await asyncio.wait_for(hung, 10))[0].data.tolist() == [[2, 2]]
+        await scheduler.drain()
     try:
         asyncio.run(asyncio.wait_for(scenario(), 30))
     finally:
