@@ -15,6 +15,7 @@ import socket
 
 # What a host without IPv6 (or without one of a name's addresses) answers: that address is passed over.
 _ABSENT = (errno.EAFNOSUPPORT, errno.EADDRNOTAVAIL)
+_PORT_0_ATTEMPTS = 8
 
 
 def bind_listening_sockets(host: str, port: int) -> list[socket.socket]:
@@ -33,6 +34,19 @@ def bind_listening_sockets(host: str, port: int) -> list[socket.socket]:
             return [_bound(socket.AF_INET, ("0.0.0.0", port))]
     found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     addresses = list(dict.fromkeys((family, sockaddr) for family, _, _, _, sockaddr in found))
+    # Port 0: the free port the first address was given may be taken on another one; then another free port.
+    attempts_left = _PORT_0_ATTEMPTS if port == 0 and len(addresses) > 1 else 1
+    while True:
+        attempts_left -= 1
+        try:
+            return _bind_each(addresses, port)
+        except OSError as err:
+            if err.errno != errno.EADDRINUSE or not attempts_left:
+                raise
+
+
+def _bind_each(addresses: list[tuple[socket.AddressFamily, tuple]], port: int) -> list[socket.socket]:
+    """A socket bound to each of ``addresses``, on one port; closes what it bound when one fails."""
     bound: list[socket.socket] = []
     absent: OSError | None = None
     try:

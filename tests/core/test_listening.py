@@ -39,15 +39,44 @@ def test_the_ipv6_wildcard_is_one_dual_stack_socket_whatever_the_hosts_default()
         assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
 
 
-def test_a_name_is_listened_on_at_every_address_it_resolves_to_on_one_port():
-    families = {info[0] for info in socket.getaddrinfo("localhost", 0, type=socket.SOCK_STREAM)}
-    sockets = bind_listening_sockets("localhost", 0)
+def both_loopbacks(monkeypatch: pytest.MonkeyPatch, name: str = "loopbacks") -> None:
+    """Make ``name`` resolve to ::1 and 127.0.0.1 (as localhost does on many hosts; here it may name one)."""
+    real = socket.getaddrinfo
+
+    def resolve(host, port, *args, **kwargs):
+        if host != name:
+            return real(host, port, *args, **kwargs)
+        return [(socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("::1", port, 0, 0)),
+                (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port))]
+    monkeypatch.setattr(socket, "getaddrinfo", resolve)
+
+
+def test_a_name_is_listened_on_at_every_address_it_resolves_to_on_one_port(monkeypatch):
+    both_loopbacks(monkeypatch)
+    sockets = bind_listening_sockets("loopbacks", 0)
     try:
-        assert {sock.family for sock in sockets} == families
-        assert len({sock.getsockname()[1] for sock in sockets}) == 1
+        assert [sock.family for sock in sockets] == [socket.AF_INET6, socket.AF_INET]
+        (port,) = {sock.getsockname()[1] for sock in sockets}
+        for sock in sockets:
+            sock.listen()
+        assert connects("::1", port) and connects("127.0.0.1", port)
     finally:
         for sock in sockets:
             sock.close()
+
+
+def test_one_address_of_a_name_in_use_is_an_error_and_closes_what_had_bound(monkeypatch):
+    both_loopbacks(monkeypatch)
+    with socket.socket(socket.AF_INET) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(OSError) as refused:
+            bind_listening_sockets("loopbacks", port)
+        assert refused.value.errno == errno.EADDRINUSE
+        # The ::1 socket bound first was closed: the port is free there.
+        with socket.socket(socket.AF_INET6) as again:
+            again.bind(("::1", port))
 
 
 def test_an_address_in_use_is_an_error_not_passed_over():
