@@ -149,7 +149,8 @@ class DataPlane:
         NOT_FOUND whatever its body holds, as Triton answers it.
         """
         self.repository.entry(name)  # NotFound for a name with no folder
-        if version not in ("", MODEL_VERSION):
+        # Read as a number, as Triton reads it (its std::stol): "01" is version 1.
+        if version and not (version.isascii() and version.isdigit() and version.lstrip("0") == MODEL_VERSION):
             raise NotFound(PublicText(f"model '{name}' has no version '{version}' (nereid serves version "
                                       f"{MODEL_VERSION})"))
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import resource
 import socket
 import ssl
@@ -160,6 +161,23 @@ def _refusal(status_line: bytes, message: str) -> bytes:
     body = error_body(message)[0]
     return (b"HTTP/1.1 %s\r\ncontent-type: application/json\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s"
             % (status_line, len(body), body))
+
+
+# RFC 3986's uri-host [":" port]: letters, digits, unreserved and sub-delims, "%" escapes, an IP literal's brackets.
+_HOST_VALUE = re.compile(rb"[A-Za-z0-9\-._~%!$&'()*+,;=:\[\]]*")
+
+
+def _host_problem(hosts: list[bytes]) -> str | None:
+    """Why an HTTP/1.1 request's Host headers are refused (RFC 9112 3.2: exactly one, a valid value); None if fine.
+
+    A proxy and this server disagreeing on which Host counts is how requests get routed past a proxy's rules.
+    """
+    if len(hosts) != 1:
+        return (f"an HTTP/1.1 request has exactly one Host header (RFC 9112 3.2); this one has "
+                f"{len(hosts) or 'none'}")
+    if not _HOST_VALUE.fullmatch(hosts[0]):
+        return f"its Host header is no host[:port] ({cap_message(hosts[0].decode('latin-1'), 64)!r})"
+    return None
 
 
 def _parser_reason(error: BaseException | None) -> str:
@@ -403,6 +421,13 @@ class _BoundedHeadProtocol(HttpToolsProtocol):
             self._head_since = self.loop.time()
 
     def on_headers_complete(self) -> None:
+        if self.parser.get_http_version() == "1.0":
+            # RFC 9110 10.1.1: a 100 is never sent to an HTTP/1.0 client, which could take it for the answer.
+            self.expect_100_continue = False
+        else:
+            problem = _host_problem([value for name, value in self.headers if name == b"host"])
+            if problem is not None:  # (raised before this head counts as ended: answered 400, and closed)
+                raise ValueError(problem)
         self._head_left = self._head_since = None
         self._head_begun = False
         super().on_headers_complete()

@@ -15,6 +15,7 @@ import json
 import logging
 import time
 from typing import Any, Awaitable, Callable
+from urllib.parse import unquote
 
 import orjson
 
@@ -189,7 +190,7 @@ class HttpSurface:
         await _respond(send, status, body, headers)
 
     async def _route(self, scope: Scope, receive: Receive) -> tuple[int, list[bytes | memoryview], list]:
-        method, parts = scope["method"], scope["path"].strip("/").split("/")
+        method, parts = scope["method"], _path_segments(scope)
         if not parts or parts[0] != "v2":
             raise HttpError(404, f"no such endpoint: {cap_message(scope['path'], 256)} (the API is under /v2)")
         parts = parts[1:]
@@ -329,7 +330,7 @@ class HttpSurface:
     async def _infer_body(self, headers: dict[bytes, bytes], receive: Receive, model: str) -> tuple[bytes, int | None]:
         """An infer request's body and its JSON header's length (Inference-Header-Content-Length; None: all JSON),
         once its headers say it can be read; HttpError otherwise."""
-        if headers.get(b"content-encoding", b"identity") not in (b"identity", b""):
+        if headers.get(b"content-encoding", b"identity").strip().lower() not in (b"identity", b""):  # (any case)
             raise HttpError(400, f"model '{model}': compressed request bodies are not supported "
                                  f"(Content-Encoding: {headers[b'content-encoding'].decode('latin-1')[:64]}); "
                                  "send it uncompressed")
@@ -523,6 +524,19 @@ def _body_never_asked_for(receive: Receive) -> bool:
 
 def _who(model: str) -> str:
     return f"model '{model}': " if model else ""
+
+
+def _path_segments(scope: Scope) -> list[str]:
+    """The request path's segments, each percent-decoded on its own (leading and trailing slashes dropped).
+
+    An encoded slash (``%2F``) is a character of its segment, never a separator (RFC 3986 2.2), as Triton
+    matches its routes on the raw path: decoded first, ``/v2/repository%2Fmodels%2Fm%2Funload`` unloaded
+    ``m``, past a proxy's rule on ``/v2/repository/``.
+    """
+    raw = scope.get("raw_path")
+    if raw is None:  # (an ASGI server that gives none: only the decoded path is known)
+        return scope["path"].strip("/").split("/")
+    return [unquote(segment) for segment in raw.split(b"?", 1)[0].decode("latin-1").strip("/").split("/")]
 
 
 def _json(document: Any, status: int = 200) -> tuple[int, list[bytes | memoryview], list]:

@@ -11,6 +11,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from urllib.parse import quote
 from typing import Any
 
 import numpy as np
@@ -752,3 +753,70 @@ def test_an_unknown_model_is_404_whatever_its_body_holds(served):
             with pytest.raises(grpc.RpcError) as refused:
                 pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(request, timeout=30)
             assert (refused.value.code(), refused.value.details()) == (grpc.StatusCode.NOT_FOUND, unknown), version
+
+
+def test_an_encoded_slash_is_part_of_its_segment_never_a_separator(served):
+    # The router split the decoded path: /v2/repository%2Fmodels%2Fecho%2Funload unloaded echo, past a proxy's
+    # rule on /v2/repository/ (Triton matches its routes on the raw path).
+    server, base = served
+    status, answer, _ = call(base, "POST", "/v2/repository%2Fmodels%2Fecho%2Funload", b"")
+    assert status == 404, answer
+    assert server.client.is_model_ready("echo")
+    assert call(base, "GET", "/v2%2Fhealth%2Flive")[0] == 404
+    status, answer, _ = call(base, "GET", "/v2/models/echo%2Fconfig")
+    assert (status, json.loads(answer)["error"]) == (
+        404, "unknown model 'echo/config' (no folder 'echo/config' under ml_backends_path)")
+    # Other escapes are decoded within their segment, as before.
+    assert call(base, "GET", "/v2/models/%65cho/ready")[0] == 200
+
+
+def test_http_1_1_requests_need_exactly_one_valid_host_and_http_1_0_ones_none(served):
+    """RFC 9112 3.2: a request without Host, with two, or with one that is no host[:port] is answered 400 (a proxy
+    and this server disagreeing on the Host is how requests get routed past the proxy's rules)."""
+    _, base = served
+    for head, reason in ((b"", "this one has none"), (b"Host: a\r\nHost: b\r\n", "this one has 2"),
+                         (b"Host: a b\r\n", "its Host header is no host[:port] ('a b')")):
+        answer = _exchange(base, b"GET /v2/health/live HTTP/1.1\r\n" + head + b"\r\n")
+        assert answer.startswith(b"HTTP/1.1 400 "), answer
+        assert reason.encode() in answer and len(re.findall(rb"HTTP/1\.1 \d{3} ", answer)) == 1, answer  # closed
+    for head in (b"GET /v2/health/live HTTP/1.1\r\nHost: [::1]:8000\r\nConnection: close\r\n\r\n",
+                 b"GET /v2/health/live HTTP/1.1\r\nHost: \r\nConnection: close\r\n\r\n",  # (empty: allowed)
+                 b"GET /v2/health/live HTTP/1.0\r\n\r\n"):
+        assert _exchange(base, head).startswith(b"HTTP/1.1 200 "), head
+
+
+def test_an_http_1_0_client_asking_for_100_continue_gets_only_its_answer(served):
+    # RFC 9110 10.1.1 and 15.2: a 100 is never sent to HTTP/1.0, which may take it for the final answer.
+    _, base = served
+    body = json.dumps({"inputs": [{"name": "input", "shape": [1, 4], "datatype": "FP32",
+                                   "data": [1, 2, 3, 4]}]}).encode()
+    head = (b"POST /v2/models/echo/infer HTTP/1.0\r\nExpect: 100-continue\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body))
+    answer = _exchange(base, head, body)
+    assert answer.startswith(b"HTTP/1.1 200 ") and b"100 Continue" not in answer, answer
+
+
+def test_a_version_is_read_as_a_number_as_triton_reads_it(served):
+    server, base = served
+    assert call(base, "GET", "/v2/models/echo/versions/01/ready")[0] == 200
+    tensor = http.InferInput("input", [1, 4], "FP32")
+    tensor.set_data_from_numpy(np.ones((1, 4), np.float32))
+    answer = http.InferenceServerClient(base).infer("echo", [tensor], model_version="001")
+    np.testing.assert_array_equal(answer.as_numpy("output"), np.ones((1, 4)))
+    assert server.client.get_model_metadata("echo", model_version="01").name == "echo"
+    for version in ("2", "10", "1.0", "+1", "١"):  # (the last: an Arabic-Indic one, a digit to str.isdigit)
+        status, answer, _ = call(base, "GET", f"/v2/models/echo/versions/{quote(version)}/ready")
+        assert status == 400, (version, answer)  # not ready: no such version
+
+
+def test_content_encoding_identity_in_any_case_is_an_uncompressed_body(served):
+    _, base = served
+    body = json.dumps({"inputs": [{"name": "input", "shape": [1, 4], "datatype": "FP32",
+                                   "data": [1, 2, 3, 4]}]}).encode()
+    for coding in ("Identity", " IDENTITY "):
+        status, answer, _ = call(base, "POST", "/v2/models/echo/infer", body,
+                                 {"Content-Type": "application/json", "Content-Encoding": coding})
+        assert status == 200, (coding, answer)
+    status, answer, _ = call(base, "POST", "/v2/models/echo/infer", body,
+                             {"Content-Type": "application/json", "Content-Encoding": "GZIP"})
+    assert status == 400 and b"compressed request bodies are not supported" in answer
