@@ -60,6 +60,8 @@ log = logging.getLogger(__name__)
 
 MAX_GROUPING_FACTOR = 20  # changes that never stop are still acted on after this many settle times
 EVENT_STEP_MS = 20  # events are grouped this long before a scan; the settle time is applied per folder
+# The link a Kubernetes ConfigMap or Secret volume swaps to update its files (its AtomicWriter's name).
+KUBERNETES_DATA_LINK = "..data"
 # A store's folder whose load the store failed is tried again after watch_poll_s, then twice as long after each
 # failure, up to this (or watch_poll_s, if longer): an outage of an hour costs a dozen tries, not 360.
 STORE_RETRY_CAP_S = 300.0
@@ -232,6 +234,10 @@ class RepositoryWatcher:
         self.poll_s = settings.server.watch_poll_s
         self._folders: dict[str, FolderState] = {}
         self._config_text = self._read_config()
+        # nereid.yaml's new bytes, not yet applied, and since when it has held them: a file is applied once it has
+        # looked the same for the settle time, as a folder is (an editor that truncates, then writes, showed a
+        # half-written file that was applied: models unloaded, or reloaded with every default).
+        self._config_pending: tuple[bytes | None, float] | None = None
         self._stop = asyncio.Event()
         self._applying = asyncio.Lock()  # the two watches never apply at once
         self.scans = 0  # completed scans, for tests and logs
@@ -669,14 +675,18 @@ class RepositoryWatcher:
             self._folders[name] = state
 
     def _schedule_settled_scan(self) -> None:
-        """Scan again when the first pending folder has had its settle time (no event may come)."""
+        """Scan again when the first pending folder (or a pending nereid.yaml) has had its settle time (no event
+        may come)."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        if not self._pending:
-            return
         settle_s = self.settle_ms / 1000
-        due = min(max(since + settle_s, self._busy.get(name, 0.0)) for name, (_, since) in self._pending.items())
+        dues = [max(since + settle_s, self._busy.get(name, 0.0)) for name, (_, since) in self._pending.items()]
+        if self._config_pending is not None:
+            dues.append(self._config_pending[1] + settle_s)
+        if not dues:
+            return
+        due = min(dues)
 
         def scan() -> None:
             self._timer = None
@@ -695,7 +705,14 @@ class RepositoryWatcher:
         """Apply nereid.yaml if its content changed; one that does not load is logged and changes nothing."""
         text = await asyncio.to_thread(self._read_config)  # never read a file on the loop
         if text == self._config_text:
+            self._config_pending = None  # (back as it was)
             return
+        now = time.monotonic()
+        if self._config_pending is None or self._config_pending[0] != text:
+            self._config_pending = (text, now)  # changed (again): its settle time starts
+        if now - self._config_pending[1] < self.settle_ms / 1000:
+            return  # (the scan that apply schedules comes back for it)
+        self._config_pending = None
         self._config_text = text
         try:  # (load_settings explains bytes that are not UTF-8, as `nereid check` does)
             new = await asyncio.to_thread(load_settings, self.config_path)
@@ -727,7 +744,10 @@ class RepositoryWatcher:
         # folder is judged (a target inside a hidden folder of ml_backends_path, .versions/m-v1, still counts).
         for base in (*self._targets, self.root):
             if candidate.is_relative_to(base):
-                return not any(ignored_name(part) for part in candidate.relative_to(base).parts)
+                parts = candidate.relative_to(base).parts
+                # A ConfigMap or Secret mounted as a model folder: its files are links through its ..data link,
+                # which an update replaces (nothing else but hidden names changes).
+                return not any(ignored_name(part) for part in parts) or parts[1:] == (KUBERNETES_DATA_LINK,)
         # A symlink nereid.yaml or ml_backends_path goes through was replaced (a ConfigMap's ..data swap).
         return path in links_on_the_way(self.config_path) or (
             self.location is None and path in links_on_the_way(self.root))

@@ -367,6 +367,70 @@ def test_a_symlinked_nereid_yaml_is_read_again_through_its_links(repo, serve, ca
     assert not _messages(caplog, "cannot read")
 
 
+def kubelet_update(volume: Path, files: dict[str, str], stamp: str) -> None:
+    """Write ``files`` into ``volume`` as kubelet updates a ConfigMap volume: a new hidden ..<stamp> folder, an
+    atomic swap of the ..data link to it, top-level links for new names, the old folder removed."""
+    (volume / f"..{stamp}").mkdir(parents=True)
+    for name, text in files.items():
+        (volume / f"..{stamp}" / name).write_text(text)
+    old = os.readlink(volume / "..data") if (volume / "..data").is_symlink() else None
+    os.symlink(f"..{stamp}", volume / "..data_tmp")
+    os.rename(volume / "..data_tmp", volume / "..data")
+    for name in files:
+        if not (volume / name).is_symlink():
+            os.symlink(f"..data/{name}", volume / name)
+    if old is not None:
+        shutil.rmtree(volume / old)
+
+
+def test_a_model_folder_mounted_as_a_configmap_reloads_once_per_update(repo, serve, caplog):
+    # An update changes only hidden names (..data, ..<stamp>/...): every event was dropped, and the model
+    # kept its old code until some other folder happened to change.
+    caplog.set_level(logging.INFO, logger="nereid.watch")
+    volume = repo.models_dir / "mounted"
+    kubelet_update(volume, {"main.py": version_main("1"), "model_inference.textproto": REPORT}, "2026_12_02_1")
+    server = serve(repo.write_config("- name: mounted\n", server_extra=SETTLE))
+    assert ask(server.client, "mounted")["version"] == "1"
+    for version in ("2", "3"):
+        kubelet_update(volume, {"main.py": version_main(version), "model_inference.textproto": REPORT},
+                       f"2026_12_02_{version}")
+        wait_for(lambda: ask(server.client, "mounted")["version"] == version)
+    time.sleep(0.5)  # (a second reload per update would come within the settle time)
+    assert generation(server, "mounted") == 3
+    assert len(_messages(caplog, "folder 'mounted' changed; reloading it")) == 2
+
+
+def test_a_nereid_yaml_seen_half_written_is_not_applied(repo, serve, caplog):
+    # An editor that truncates the file, then writes it in two parts: the watcher applied the first part (a
+    # listed model unloaded, its requests failing; an empty file reloaded every model with every default).
+    caplog.set_level(logging.INFO)
+    write_model(repo.models_dir / "first", "1")
+    write_model(repo.models_dir / "second", "1")
+    config = repo.write_config("- name: first\n- name: second\n",
+                               server_extra="  watch: true\n  watch_settle_ms: 400\n")
+    server = serve(config)
+    text = config.read_text()
+    edited = text.replace("  - name: second\n", "  - name: second\n    queue_capacity: 7\n")
+    assert edited != text
+    cut = edited.index("  - name: second")
+    load = Load(server.url, "second")
+    try:
+        for first_part in (edited[:cut], ""):
+            with open(config, "w") as out:  # truncated, then written in two parts
+                out.write(first_part)
+                out.flush()
+                time.sleep(0.15)  # (well past the watcher's 20 ms event grouping, within the settle time)
+                out.write(edited[len(first_part):])
+            wait_for(lambda: server.server.repository.entry("second").loaded.scheduler.capacity == 7)
+            config.write_text(text)
+            wait_for(lambda: server.server.repository.entry("second").loaded.scheduler.capacity == 128)
+    finally:
+        load.stop()
+    assert load.failures == [] and load.answers
+    assert not _messages(caplog, "no longer listed") and not _messages(caplog, "keeping the running configuration")
+    assert generation(server, "first") == 1  # never reloaded with the defaults of an empty file
+
+
 def test_a_store_down_at_start_loads_at_its_first_listing_what_a_start_would_have(s3, tmp_path, caplog):
     """Defect: with the first listing failed, every folder of the first good one counted as added, so
     unlisted folders loaded, which a start with the store up never does."""
