@@ -53,8 +53,10 @@ import ctypes
 import gc
 import importlib
 import importlib.machinery
+import importlib.util
 import itertools
 import json
+import linecache
 import os
 import select
 import signal
@@ -518,18 +520,23 @@ def compile_entry(path: str, source_file: str) -> None:
     global _entry
     try:
         with open(source_file, "rb") as f:
-            # dont_inherit: this module's own `from __future__ import annotations` must not become main.py's.
-            _entry = (path, compile(f.read(), path, "exec", dont_inherit=True))
+            source = f.read()
+        # dont_inherit: this module's own `from __future__ import annotations` must not become main.py's.
+        _entry = (path, compile(source, path, "exec", dont_inherit=True), importlib.util.decode_source(source))
     except BaseException as err:  # noqa: BLE001 - reported by each run, like the interpreter does
         # Without this function's frames: python main.py reports a compile error with no traceback, only
         # the error's own file, line and caret (the run that raises it adds only its own frame, dropped).
-        _entry = (path, err.with_traceback(None))
+        _entry = (path, err.with_traceback(None), "")
 
 
 def entry_code(path: str) -> types.CodeType | BaseException:
     """The loaded ``main.py``'s code (or why it did not compile), its tracebacks naming ``path``."""
     assert _entry is not None, "compile_entry() first"
-    loaded_path, code = _entry
+    loaded_path, code, text = _entry
+    if text:
+        # A traceback quotes the lines of the code that ran, not of the file on disk now (an edit not yet
+        # loaded): linecache never checks again an entry without an mtime.
+        linecache.cache[path] = (len(text), None, text.splitlines(True), path)
     if isinstance(code, BaseException) or path == loaded_path:
         return code
     return _renamed(code, path)  # the folder was renamed since: same code, new file name
@@ -567,12 +574,18 @@ def run_main(path: str) -> int:
         # (the hook prints the exception's own __traceback__, so that is what is trimmed).
         if err.__traceback__ is not None:
             err.__traceback__ = err.__traceback__.tb_next
-        sys.excepthook(type(err), err, err.__traceback__)
+        if sys.excepthook is sys.__excepthook__:
+            # The interpreter's own hook reads source lines from the files on disk; traceback's reads them
+            # through linecache, which holds the loaded main.py (see entry_code).
+            traceback.print_exception(type(err), err, err.__traceback__)
+        else:  # main.py's own hook
+            sys.excepthook(type(err), err, err.__traceback__)
         # An uncaught KeyboardInterrupt ends CPython by SIGINT, which the server reports as such.
         code = -signal.SIGINT if isinstance(err, KeyboardInterrupt) else 1
-    for thread in threading.enumerate():  # the interpreter waits for non-daemon threads at exit
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
+    # What the interpreter does at exit, in its order: threading's own exit hooks first (concurrent.futures
+    # wakes its idle workers there, so that a pool never shut down does not hold the exit: a module-level
+    # ThreadPoolExecutor hung every run until timeout_s), then a join of the non-daemon threads, then atexit's.
+    threading._shutdown()  # type: ignore[attr-defined]
     atexit._run_exitfuncs()
     _release_model_modules(os.path.dirname(path), [module, *itertools.islice(sys.modules.values(), preloaded, None)])
     for stream in (sys.stdout, sys.stderr):
@@ -727,7 +740,8 @@ _prctl = None
 _fflush = None
 # (variables set or changed, variables removed) by the preloaded imports.
 _preload_environ: tuple[dict[str, str], list[str]] = ({}, [])
-_entry: tuple[str, types.CodeType | BaseException] | None = None  # main.py's path at load, its code or why not
+# main.py's path at load, its code or why not, and its text (for tracebacks).
+_entry: tuple[str, types.CodeType | BaseException, str] | None = None
 
 
 def main() -> int:

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import sysconfig
 import threading
+import time
 import urllib.request
 import uuid
 from pathlib import Path
@@ -111,6 +112,31 @@ def test_main_py_runs_as_loaded_while_the_file_is_rewritten(repo, serve):
     assert ask(server, "pinned") == "loaded"
     server.client.load_model("pinned")  # an explicit reload runs the file as it is now
     assert ask(server, "pinned") == "edited"
+
+
+def test_a_traceback_quotes_the_loaded_main_py_not_the_file_on_disk(repo, serve):
+    # Compiled from what was loaded, a run's traceback quoted the lines of the edited file: a line that never ran.
+    folder = repo.python("quoted", textproto=REPORT, main="raise ValueError('raised by the loaded version')\n")
+    server = serve(repo.write_config())
+    (folder / "main.py").write_text("print('the edit, not loaded')\n")
+    with pytest.raises(InferenceServerException) as failed:
+        ask(server, "quoted")
+    message = failed.value.message()
+    assert "raise ValueError('raised by the loaded version')" in message and "the edit" not in message, message
+
+
+@pytest.mark.parametrize("pool", ["ThreadPoolExecutor", "ProcessPoolExecutor"])
+def test_an_executor_main_py_never_shuts_down_ends_with_its_run_as_at_interpreter_exit(repo, serve, pool):
+    """Defect: warm, a module-level executor that main.py never shuts down (no with, no shutdown()) held every
+    run until timeout_s: the interpreter's exit wakes its idle workers through threading's exit hooks, which the
+    warm child never called (python main.py ends at once)."""
+    repo.python("pooled", textproto=REPORT, main=reply_main(
+        "sorted(POOL.map(abs, [-2, 1]))", prelude=f"from concurrent.futures import {pool}\nPOOL = {pool}(2)"))
+    server = serve(repo.write_config("- name: pooled\n  timeout_s: 20\n"))
+    assert backend_of(server, "pooled").runtime_report().summary == "warm_start=on"
+    started = time.monotonic()
+    assert ask(server, "pooled") == [1, 2] and ask(server, "pooled") == [1, 2]
+    assert time.monotonic() - started < 10
 
 
 def test_main_py_that_does_not_compile_is_a_load_failure_and_a_reload_keeps_the_old_version(repo, serve):
