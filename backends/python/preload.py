@@ -49,23 +49,34 @@ def _checked_tree(main_py: Path, source: bytes) -> ast.Module:
 def _top_level_imports(tree: ast.Module) -> list[tuple[str, bool]]:
     """Each module the body's ``import`` / ``from`` statements name, first occurrence only, with whether only
     imports and docstrings come before it (``__future__`` and relative imports skipped)."""
-    found: dict[str, bool] = {}
+    return [(name, leading) for name, leading, taken in _top_level_names(tree) if not taken and name != "__future__"]
+
+
+def _from_names(tree: ast.Module) -> list[str]:
+    """``package.name`` for each ``from package import name`` of the body: a submodule when the package has no
+    attribute of that name (``from scipy import signal``), which Python then imports."""
+    return [name for name, _, taken in _top_level_names(tree) if taken and not name.startswith("__future__.")]
+
+
+def _top_level_names(tree: ast.Module) -> list[tuple[str, bool, bool]]:
+    """(module, leading, whether a ``from`` statement takes it from its package) for each import of the body."""
+    found: dict[str, tuple[bool, bool]] = {}
     leading = True
     for statement in tree.body:
         if isinstance(statement, ast.Import):
-            names = [alias.name for alias in statement.names]
+            names = [(alias.name, False) for alias in statement.names]
         elif isinstance(statement, ast.ImportFrom) and statement.level == 0 and statement.module:
-            names = [statement.module]
+            names = [(statement.module, False), *((f"{statement.module}.{alias.name}", True)
+                                                  for alias in statement.names if alias.name != "*")]
         else:
             # Anything else may change what an import after it finds (a sys.path entry, an environment variable);
             # a string on its own (a docstring) cannot.
             docstring = isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Constant)
             leading = leading and docstring
             continue
-        for name in names:
-            if name != "__future__":
-                found.setdefault(name, leading)
-    return list(found.items())
+        for name, taken in names:
+            found.setdefault(name, (leading, taken))
+    return [(name, leading, taken) for name, (leading, taken) in found.items()]
 
 
 def lives_in_folder(module: str, folder: Path) -> bool:
@@ -92,13 +103,17 @@ class Preloads:
 
     imports: tuple[str, ...] = ()
     extra: tuple[str, ...] = ()
+    # ``package.name`` of main.py's ``from package import name`` (of packages above): imported after them when
+    # ``name`` is a submodule, not an attribute (``from scipy import signal`` imports scipy.signal, which the
+    # package alone does not); one that fails turns warm start off, as an ``extra`` does.
+    submodules: tuple[str, ...] = ()
 
     def __bool__(self) -> bool:
         return bool(self.imports or self.extra)
 
     def as_json(self) -> dict[str, list[str]]:
         """The warm parent's ``MODULES_JSON`` argument."""
-        return {"imports": list(self.imports), "extra": list(self.extra)}
+        return {"imports": list(self.imports), "extra": list(self.extra), "submodules": list(self.submodules)}
 
 
 def modules_to_preload(folder: Path, entry_file: str, extra: tuple[str, ...], source: bytes) -> Preloads:
@@ -114,7 +129,8 @@ def modules_to_preload(folder: Path, entry_file: str, extra: tuple[str, ...], so
     imports: list[str] = []
     later: list[str] = []
     reached = True  # by the parent as by main.py: no statement it skips has come before
-    for name, leading in _top_level_imports(_checked_tree(folder / entry_file, source)):
+    tree = _checked_tree(folder / entry_file, source)
+    for name, leading in _top_level_imports(tree):
         if lives_in_folder(name, folder):
             reached = False
         elif leading and reached:
@@ -122,4 +138,7 @@ def modules_to_preload(folder: Path, entry_file: str, extra: tuple[str, ...], so
         else:
             later.append(name)
     chosen = [*later, *(name for name in extra if name not in imports)]
-    return Preloads(tuple(imports), tuple(name for name in dict.fromkeys(chosen) if not lives_in_folder(name, folder)))
+    extra_kept = tuple(name for name in dict.fromkeys(chosen) if not lives_in_folder(name, folder))
+    preloaded = {*imports, *extra_kept}
+    submodules = tuple(name for name in _from_names(tree) if name.rpartition(".")[0] in preloaded)
+    return Preloads(tuple(imports), extra_kept, submodules)

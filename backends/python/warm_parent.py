@@ -8,8 +8,9 @@ nothing but what the model imports: not nereid, not grpc.
 
 Protocol (``CONTROL_FD`` is an AF_UNIX SOCK_SEQPACKET socket to the server):
 
-1. Import the modules of ``MODULES_JSON`` (``{"imports": [...], "extra": [...]}``: main.py's
-   own top-level imports, then the model's other preloads) and compile ``SOURCE`` as
+1. Import the modules of ``MODULES_JSON`` (``{"imports": [...], "extra": [...], "submodules": [...]}``:
+   main.py's own top-level imports, then the model's other preloads, then the submodules main.py's
+   ``from package import name`` statements import) and compile ``SOURCE`` as
    ``FOLDER/main.py`` (each run executes that code, not the file as it is then), then write
    one line to the stdout it was started with: ``ready``; ``broken <reason>`` and exit (one
    of main.py's own imports failed: every run would stop there); or ``fallback <reason>``
@@ -76,7 +77,7 @@ MAX_SWEEPS = 1024
 CUDA_ERROR_NOT_INITIALIZED = 3
 
 
-def preload(imports: list[str], extra: list[str]) -> str | None:
+def preload(imports: list[str], extra: list[str], submodules: tuple[str, ...] | list[str] = ()) -> str | None:
     """Import ``imports`` (main.py's), then ``extra``; None when forking is safe afterwards, else the start-up
     answer that says why not: ``broken <reason>`` or ``fallback <reason>``.
 
@@ -87,14 +88,18 @@ def preload(imports: list[str], extra: list[str]) -> str | None:
     initialised CUDA driver, whose threads are native, is what
     :func:`cuda_initialised` looks for instead.
     """
-    for name in [*imports, *extra]:
+    for name in [*imports, *extra, *submodules]:
+        package, _, attribute = name.rpartition(".")
+        if name in submodules and (package not in sys.modules or hasattr(sys.modules[package], attribute)):
+            continue  # `from package import attribute` takes what the package has: nothing more is imported
         try:
             importlib.import_module(name)
+        except ModuleNotFoundError as err:
+            if name in submodules and err.name == name:
+                continue  # no such submodule either: main.py's own run reports that ImportError
+            return _preload_failure(name, err, imports)
         except BaseException as err:  # noqa: BLE001 - any failure: the load fails, or runs go cold
-            text = f"{type(err).__name__}: {err}".replace("\n", " ")[:500]
-            if name in imports:
-                return f"broken {ENTRY_FILE} imports '{name}', which fails to import ({text})"
-            return f"fallback preloading '{name}' failed ({text})"
+            return _preload_failure(name, err, imports)
         # After each import, so that the reason names the module that did it.
         if cuda_initialised():
             return (f"fallback preloading '{name}' initialised CUDA, which a forked child cannot use; initialise "
@@ -104,6 +109,16 @@ def preload(imports: list[str], extra: list[str]) -> str | None:
         return (f"fallback preloading started threads ({', '.join(extra_threads[:5])}); forking a threaded process "
                 "is unsafe")
     return None
+
+
+def _preload_failure(name: str, err: BaseException, imports: list[str]) -> str:
+    """The start-up answer for ``name`` failing to import: ``broken`` for one of main.py's own imports,
+    ``fallback`` for the other preloads (a submodule a ``from`` statement takes included: main.py's own run says
+    what is wrong with it, if anything)."""
+    text = f"{type(err).__name__}: {err}".replace("\n", " ")[:500]
+    if name in imports:
+        return f"broken {ENTRY_FILE} imports '{name}', which fails to import ({text})"
+    return f"fallback preloading '{name}' failed ({text})"
 
 
 def cuda_initialised() -> bool:
@@ -758,7 +773,7 @@ def main() -> int:
     answer = os.dup(sys.stdout.fileno())
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     before = dict(os.environ)
-    refusal = preload(modules["imports"], modules["extra"])
+    refusal = preload(modules["imports"], modules["extra"], modules.get("submodules", []))
     after = dict(os.environ)
     _preload_environ = ({k: v for k, v in after.items() if before.get(k) != v}, [k for k in before if k not in after])
     # What the imports printed with C stdio (a library's printf), to the log now: its buffer would otherwise
