@@ -158,6 +158,26 @@ def endpoint_problem(scheme: str) -> str | None:
     return None
 
 
+def endpoint_identity(scheme: str) -> str:
+    """Which store ``scheme``'s URLs reach: the endpoint variable obstore reads (its user part dropped, case and a
+    trailing slash ignored), and Azure's account; "" for the provider's default endpoint.
+
+    Two stores reached at one URL (a MinIO and AWS, both ``s3://models/prod``)
+    are two repositories: their mirrors must not share a folder.
+    """
+    parts = []
+    for variable in ENDPOINT_VARIABLES.get(scheme, ()):
+        value = os.environ.get(variable)
+        if value is not None:  # the first set one is what obstore reads
+            span = _endpoint_userinfo(value)
+            without_user = value if span is None else value[:span[0]] + value[span[1] + 1:]
+            parts.append(without_user.strip().rstrip("/").lower())
+            break
+    if scheme == "az":
+        parts.append(os.environ.get("AZURE_STORAGE_ACCOUNT_NAME", os.environ.get("AZURE_STORAGE_ACCOUNT", "")))
+    return " ".join(part for part in parts if part)
+
+
 def redact_endpoint(value: str) -> str:
     """An endpoint variable's ``value`` as messages may show it: everything before its last ``@`` after the scheme
     replaced by ``REDACTED``.

@@ -33,7 +33,8 @@ from typing import Any, Iterable, Iterator, Mapping
 
 from nereid.files import atomic_write
 from nereid.log_limit import OnceLog
-from nereid.storage.client import StorageError, describe_error, is_not_found, open_store, store_call
+from nereid.storage.client import (StorageError, describe_error, endpoint_identity, is_not_found, open_store,
+                                   store_call)
 from nereid.storage.url import StoreURL
 
 log = logging.getLogger(__name__)
@@ -90,8 +91,9 @@ class RemoteFolder:
 
 
 def mirror_root(cache_dir: Path, location: StoreURL) -> Path:
-    """The local folder holding the mirrored model folders of the repository at ``location``."""
-    return Path(cache_dir) / "repositories" / location.cache_name()
+    """The local folder holding the mirrored model folders of the repository at ``location``, on the store the
+    environment's endpoint reaches (servers on one ``cache_dir`` share it only when they share the store)."""
+    return Path(cache_dir) / "repositories" / location.cache_name(endpoint_identity(location.scheme))
 
 
 def list_remote_folders(location: StoreURL, known: Iterable[str] = ()) -> list[str]:
@@ -344,7 +346,11 @@ def materialize(location: StoreURL, name: str, folder: Path) -> RemoteFolder:
             folder.mkdir(parents=True, exist_ok=True)
         except OSError as err:
             raise _cache_write_failed(str(folder_url), "make its folder in", folder, err) from None
-        previous = read_marker(folder)
+        try:
+            previous = read_marker(folder)
+        except StorageError as err:  # the record only saves fetches: without it, every file is fetched again
+            log.warning("%s; fetching the whole folder again", err)
+            previous = None
         fetched: dict[str, RemoteObject] = {}
         streamed: dict[str, RemoteObject] = {}
         stale: list[tuple[str, RemoteObject, Path]] = []  # new or changed: fetched below
@@ -548,9 +554,8 @@ def read_marker(folder: Path) -> RemoteFolder | None:
                             {k: RemoteObject(**v) for k, v in document["streamed"].items()})
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise StorageError(f"{folder / MARKER_FILE}: unreadable ({type(err).__name__}: {err}); delete the folder "
-                           "to fetch it again") from None
+    except Exception as err:  # any shape at all: garbage, another nereid version's fields, a folder in its place
+        raise StorageError(f"{folder / MARKER_FILE}: unreadable ({type(err).__name__}: {err})") from None
 
 
 def _fetch_all(store: Any, folder_url: StoreURL,

@@ -40,10 +40,12 @@ class StoreURL:
     def __str__(self) -> str:
         return f"{self.bucket_url}/{self.prefix}" if self.prefix else self.bucket_url
 
-    def cache_name(self) -> str:
-        """A folder name for this location's local cache: readable, and unique by a hash of the URL."""
+    def cache_name(self, endpoint: str = "") -> str:
+        """A folder name for this location's local cache: readable, and unique by a hash of the URL and the
+        ``endpoint`` the store is reached at ("" for the provider's own, which keeps the name it always had)."""
         readable = re.sub(r"[^A-Za-z0-9._-]+", "_", f"{self.scheme}-{self.bucket}-{self.prefix}")[:80]
-        return f"{readable}-{hashlib.sha256(str(self).encode()).hexdigest()[:12]}"
+        identity = str(self) if not endpoint else f"{self} at {endpoint}"
+        return f"{readable}-{hashlib.sha256(identity.encode()).hexdigest()[:12]}"
 
 
 def parse_store_url(text: str) -> StoreURL | None:

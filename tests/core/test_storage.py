@@ -6,6 +6,7 @@ into the cache folder, refreshed by ETag, and nothing is written to the bucket.
 
 from __future__ import annotations
 
+import logging
 import textwrap
 import threading
 import time
@@ -53,6 +54,25 @@ def test_bad_urls_are_refused_in_settings_with_the_key(tmp_path, text, problem) 
     with pytest.raises(ConfigError) as caught:
         load_settings(config)
     assert "server.ml_backends_path" in str(caught.value) and problem in str(caught.value)
+
+
+def test_one_url_on_two_stores_gets_two_mirrors(tmp_path, monkeypatch) -> None:
+    """Defect: the mirror was named by the URL alone, so a MinIO server and an AWS one, both s3://models/prod on one
+    cache_dir (the default ~/.cache/nereid), served and deleted each other's files."""
+    location = StoreURL("s3", "models", "prod")
+    for variable in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ENDPOINT"):
+        monkeypatch.delenv(variable, raising=False)
+    default = mirror_root(tmp_path, location)
+    assert default.name == location.cache_name()  # the provider's own endpoint: the name it always had
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://minio-a:9000")
+    first = mirror_root(tmp_path, location)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://USER:secret@Minio-A:9000/")  # the same store
+    assert mirror_root(tmp_path, location) == first
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://minio-b:9000")  # read first: another store
+    second = mirror_root(tmp_path, location)
+    assert len({default, first, second}) == 3
+    assert all(path.parent == tmp_path / "repositories" and path.name.startswith("s3-models-prod-")
+               for path in (default, first, second))
 
 
 def test_a_url_repository_mirrors_into_the_cache_folder(tmp_path) -> None:
@@ -708,6 +728,29 @@ def test_a_cached_file_changed_in_place_is_fetched_again(s3, tmp_path) -> None:
     os.utime(local / "note.txt", ns=(written, written + 1))
     materialize_model_folder(server, "m")
     assert len(s3.gets("m/note.txt")) == 2
+
+
+@pytest.mark.parametrize("record", ['{"url": "x", "fetched": [], "streamed": []}', "not json", '{"url": 1}',
+                                    '{"url": "x", "fetched": {"main.py": {"a_field_of_a_later_nereid": 1}}, '
+                                    '"streamed": {}}'],
+                         ids=["wrong shape", "garbage", "fields missing", "unknown fields"])
+def test_an_unreadable_fetch_record_is_fetched_again_with_a_warning(s3, tmp_path, caplog, record) -> None:
+    """Defect: a record of the wrong shape failed the model with a bare AttributeError naming no file, never
+    retried; any unreadable record (garbage, another nereid version's fields) failed it until someone deleted the
+    folder, though the record only saves fetches."""
+    from nereid.storage import materialize_model_folder
+
+    server = load_settings(_config(tmp_path, s3.url())).server
+    obstore.put(s3.store, f"{s3.prefix}/m/main.py", b"print(1)")
+    local = materialize_model_folder(server, "m")
+    (local / MARKER_FILE).write_text(record)
+    with caplog.at_level(logging.WARNING, logger="nereid.storage"):
+        assert materialize_model_folder(server, "m") == local
+    assert (local / "main.py").read_bytes() == b"print(1)" and len(s3.gets("m/main.py")) == 2
+    assert set(read_marker(local).fetched) == {"main.py"}  # written again, whole
+    (warning,) = [r.getMessage() for r in caplog.records if MARKER_FILE in r.getMessage()]
+    assert warning.startswith(f"{local / MARKER_FILE}: unreadable (") and \
+        warning.endswith("); fetching the whole folder again"), warning
 
 
 def _until(check, what: str, timeout_s: float = 10) -> None:
