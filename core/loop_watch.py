@@ -27,6 +27,7 @@ log = logging.getLogger("nereid.loop")
 DEFAULT_WARN_AFTER_S = 1.0
 _ASYNCIO = str(Path(asyncio.__file__).parent)
 _HANDLE_FILE = str(Path(asyncio.__file__).parent / "events.py")  # where Handle._run runs every callback
+STOP_JOIN_S = 5.0  # the watching thread wakes at once; only a log handler that blocks could hold it
 _SHOWN_FRAMES = 4  # of the callback's stack, innermost last: enough to name the caller of a blocking call
 
 
@@ -58,10 +59,17 @@ class LoopWatch:
         self._thread.start()
 
     def stop(self) -> None:
-        """Stop beating and watching (the thread ends within one interval)."""
+        """Stop beating and watching; returns once the thread has ended (at once: it waits on the stop).
+
+        Joined, not left to end by itself: ``nereid serve`` takes a ``nereid-``
+        thread still alive at its exit for abandoned work, and ends the process
+        at once.
+        """
         self._stopping.set()
         if self._handle is not None:
             self._handle.cancel()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(STOP_JOIN_S)
 
     def _beat(self) -> None:
         with self._lock:

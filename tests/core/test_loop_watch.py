@@ -26,6 +26,8 @@ def watched(body) -> None:
             await asyncio.sleep(WARN_AFTER_S / 5)  # a beat after the hold: its end is logged
         finally:
             watch.stop()
+        # Ended by stop(): nereid serve ends the process at once when a nereid- thread is alive at its exit.
+        assert not watch._thread.is_alive()
     asyncio.run(main())
 
 

@@ -15,6 +15,7 @@ import pytest
 import tritonclient.grpc as triton
 from tritonclient.utils import InferenceServerException
 
+from nereid.storage.mirror import LOCK_SUFFIX
 from support import textproto_single
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "ml-backends"
@@ -838,12 +839,13 @@ def test_a_store_failure_that_repeats_is_an_error_once_then_debug_until_its_reas
         polling = asyncio.create_task(watcher.run())
         try:
             await _until(lambda: len(failures()) >= 3, "'m' failed and was tried again twice", timeout_s=3)
-            # Another reason: its copy's record in the cache is unreadable.
+            # Another reason: a folder where its copy's lock file must be.
+            lock = folder.parent / f".m{LOCK_SUFFIX}"
+            lock.unlink(missing_ok=True)
+            lock.mkdir()
             folder.unlink()
-            folder.mkdir()
-            (folder / ".nereid-remote.json").write_text("{")
-            await _until(lambda: failures("unreadable"), "'m' tried again, failing for another reason", 3)
-            (folder / ".nereid-remote.json").unlink()
+            await _until(lambda: failures("Is a directory"), "'m' tried again, failing for another reason", 3)
+            lock.rmdir()
             await _until(lambda: _entry(repository, "m").state is ModelState.READY, "'m' loaded once fixed", 3)
         finally:
             watcher.stop()
@@ -852,11 +854,11 @@ def test_a_store_failure_that_repeats_is_an_error_once_then_debug_until_its_reas
     asyncio.run(scenario())
     repeated = failures("File exists")
     assert len(repeated) >= 3 and repeated == ["ERROR"] + ["DEBUG"] * (len(repeated) - 1), repeated
-    assert failures("unreadable") == ["ERROR"]
+    assert failures("Is a directory") == ["ERROR"]
     said = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "nereid.watch"
             and r.getMessage().startswith("dynamic repository: folder 'm'")]
     assert [level for level, _ in said if level != "DEBUG"] == ["WARNING", "WARNING", "INFO"], said
     warnings = [message for level, message in said if level == "WARNING"]
     assert "did not load because of the store" in warnings[0] and "File exists" in warnings[0]
-    assert "failed it again, for another reason" in warnings[1] and "unreadable" in warnings[1]
+    assert "failed it again, for another reason" in warnings[1] and "Is a directory" in warnings[1]
     assert f"loaded; the store had failed it {len(repeated) + 1} time(s)" in said[-1][1]
