@@ -341,11 +341,11 @@ class HttpSurface:
                                  "accepted (application/json, or application/octet-stream)")
         length = None
         if header_length is not None:
-            try:
-                length = int(header_length)
-            except ValueError:
-                raise HttpError(400, f"model '{model}': Inference-Header-Content-Length must be an integer, got "
-                                     f"{header_length.decode('latin-1')[:64]!r}") from None
+            # Digits only, as Content-Length (int() also takes "+148", "1_0", " 12 " and "-5").
+            if not (header_length.isdigit() and len(header_length) <= 20):
+                raise HttpError(400, f"model '{model}': Inference-Header-Content-Length must be a whole number of "
+                                     f"bytes (digits only), got {header_length.decode('latin-1')[:64]!r}")
+            length = int(header_length)
             if length == 0:
                 raise HttpError(400, f"model '{model}': Inference-Header-Content-Length 0 (Triton's raw binary "
                                      "request: the whole body as the data of a single input) is not supported; "

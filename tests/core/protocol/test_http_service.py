@@ -585,6 +585,10 @@ def test_a_body_refused_while_decoding_counts_as_the_models_failure(served):
         ({"Content-Type": "text/plain"}, right.encode(), "Content-Type 'text/plain' is not accepted"),
         ({"Content-Encoding": "gzip"}, right.encode(), "compressed request bodies are not supported"),
         ({"Inference-Header-Content-Length": "0"}, right.encode(), "Inference-Header-Content-Length 0"),
+        # Digits only: int() took "+148" and "1_0", and "-5" was told it did not match the body.
+        *(({"Inference-Header-Content-Length": value, "Content-Type": "application/octet-stream"}, header,
+           f"Inference-Header-Content-Length must be a whole number of bytes (digits only), got {value!r}")
+          for value in (f"+{len(header)}", f"{len(header) // 10}_{len(header) % 10}", "-5")),
         ({"Inference-Header-Content-Length": str(len(header)), "Content-Type": "application/octet-stream"},
          header + np.full(4, np.inf, np.float32).tobytes(), "holds NaN or infinity, which JSON cannot carry"),
     ]
