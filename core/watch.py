@@ -746,8 +746,10 @@ class RepositoryWatcher:
             if candidate.is_relative_to(base):
                 parts = candidate.relative_to(base).parts
                 # A ConfigMap or Secret mounted as a model folder: its files are links through its ..data link,
-                # which an update replaces (nothing else but hidden names changes).
-                return not any(ignored_name(part) for part in parts) or parts[1:] == (KUBERNETES_DATA_LINK,)
+                # which an update replaces (nothing else but hidden names changes). A symlinked folder's target
+                # is the model folder itself.
+                inside = parts[1:] if base == self.root else parts
+                return not any(ignored_name(part) for part in parts) or inside == (KUBERNETES_DATA_LINK,)
         # A symlink nereid.yaml or ml_backends_path goes through was replaced (a ConfigMap's ..data swap).
         return path in links_on_the_way(self.config_path) or (
             self.location is None and path in links_on_the_way(self.root))

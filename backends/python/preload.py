@@ -75,7 +75,10 @@ def _top_level_names(tree: ast.Module) -> list[tuple[str, bool, bool]]:
             leading = leading and docstring
             continue
         for name, taken in names:
-            found.setdefault(name, (leading, taken))
+            if name not in found or (found[name][1] and not taken):
+                # (an import of it, or a from-statement naming it as its package, wins over a from-statement's
+                # name: that one is imported for itself, as main.py's own import, with its own leading)
+                found[name] = (leading if name not in found else found[name][0], taken)
     return [(name, leading, taken) for name, (leading, taken) in found.items()]
 
 
@@ -140,5 +143,9 @@ def modules_to_preload(folder: Path, entry_file: str, extra: tuple[str, ...], so
     chosen = [*later, *(name for name in extra if name not in imports)]
     extra_kept = tuple(name for name in dict.fromkeys(chosen) if not lives_in_folder(name, folder))
     preloaded = {*imports, *extra_kept}
-    submodules = tuple(name for name in _from_names(tree) if name.rpartition(".")[0] in preloaded)
-    return Preloads(tuple(imports), extra_kept, submodules)
+    submodules: list[str] = []
+    for name in _from_names(tree):  # in order: a submodule's own submodules come after it
+        if name.rpartition(".")[0] in preloaded:
+            submodules.append(name)
+            preloaded.add(name)
+    return Preloads(tuple(imports), extra_kept, tuple(submodules))

@@ -89,11 +89,9 @@ def preload(imports: list[str], extra: list[str], submodules: tuple[str, ...] | 
     :func:`cuda_initialised` looks for instead.
     """
     for name in [*imports, *extra, *submodules]:
-        package, _, attribute = name.rpartition(".")
-        if name in submodules and (package not in sys.modules or hasattr(sys.modules[package], attribute)):
-            continue  # `from package import attribute` takes what the package has: nothing more is imported
         try:
-            importlib.import_module(name)
+            if name not in submodules or _submodule_to_import(name):
+                importlib.import_module(name)
         except ModuleNotFoundError as err:
             if name in submodules and err.name == name:
                 continue  # no such submodule either: main.py's own run reports that ImportError
@@ -109,6 +107,15 @@ def preload(imports: list[str], extra: list[str], submodules: tuple[str, ...] | 
         return (f"fallback preloading started threads ({', '.join(extra_threads[:5])}); forking a threaded process "
                 "is unsafe")
     return None
+
+
+def _submodule_to_import(name: str) -> bool:
+    """Whether ``from package import attribute`` (``name`` is ``package.attribute``) imports a submodule: the
+    package is imported and has no such attribute. Asking may run the package's own ``__getattr__`` (a lazy
+    package imports there), which may raise or initialise CUDA, as main.py's ``from`` statement would."""
+    package, _, attribute = name.rpartition(".")
+    module = sys.modules.get(package)
+    return module is not None and not hasattr(module, attribute)
 
 
 def _preload_failure(name: str, err: BaseException, imports: list[str]) -> str:

@@ -425,7 +425,8 @@ class _BoundedHeadProtocol(HttpToolsProtocol):
             # RFC 9110 10.1.1: a 100 is never sent to an HTTP/1.0 client, which could take it for the answer.
             self.expect_100_continue = False
         else:
-            problem = _host_problem([value for name, value in self.headers if name == b"host"])
+            # (without the optional whitespace around a field's value, RFC 9110 5.5: the parser keeps a trailing one)
+            problem = _host_problem([value.strip(b" \t") for name, value in self.headers if name == b"host"])
             if problem is not None:  # (raised before this head counts as ended: answered 400, and closed)
                 raise ValueError(problem)
         self._head_left = self._head_since = None

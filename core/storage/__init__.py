@@ -101,9 +101,21 @@ def scan_model_folders(server: ServerSettings) -> list[str]:
     if location is None:
         return local_model_folders(root)
     names = _list_remote(location, root)
+    _note_earlier_mirror(location, root)
     for name in names:
         _make_mirror_folder(root, name)
     return names
+
+
+def _note_earlier_mirror(location: StoreURL, root: Path) -> None:
+    """Say once that the mirror an earlier nereid made for ``location`` (named by the URL alone, before mirrors
+    were told apart by the store's endpoint) is not used any more: it holds fetched files and compiled programs
+    that nothing removes."""
+    earlier = root.parent / location.cache_name()
+    if earlier != root and earlier.is_dir():
+        _folder_warnings.warning(str(earlier), "%s: the local mirror %s, made by an earlier nereid before mirrors "
+                                 "were told apart by the store's endpoint, is no longer used (the models are "
+                                 "fetched again into %s); delete it", location, earlier, root)
 
 
 def _make_mirror_folder(root: Path, name: str) -> None:

@@ -75,6 +75,25 @@ def test_one_url_on_two_stores_gets_two_mirrors(tmp_path, monkeypatch) -> None:
                for path in (default, first, second))
 
 
+def test_a_mirror_an_earlier_nereid_named_by_the_url_alone_is_said_to_be_unused(s3, tmp_path, caplog) -> None:
+    # Told apart by endpoint since, a store reached at its own endpoint (moto's here) gets a new mirror folder:
+    # the old one, fetched files and compiled programs, would stay on disk unseen.
+    from nereid.storage import scan_model_folders
+
+    obstore.put(s3.store, f"{s3.prefix}/m/main.py", b"print(1)")
+    server = load_settings(_config(tmp_path, s3.url())).server
+    earlier = server.ml_backends_path.parent / parse_store_url(s3.url()).cache_name()
+    assert earlier != server.ml_backends_path  # (moto's endpoint is in the environment)
+    (earlier / "m").mkdir(parents=True)
+    with caplog.at_level(logging.WARNING, logger="nereid.storage"):
+        for _ in range(2):
+            assert scan_model_folders(server) == ["m"]
+    assert [r.getMessage() for r in caplog.records if "earlier nereid" in r.getMessage()] == [
+        f"{s3.url()}: the local mirror {earlier}, made by an earlier nereid before mirrors were told apart by the "
+        f"store's endpoint, is no longer used (the models are fetched again into {server.ml_backends_path}); "
+        "delete it"]
+
+
 def test_a_url_repository_mirrors_into_the_cache_folder(tmp_path) -> None:
     config = tmp_path / "nereid.yaml"
     config.write_text('server:\n  ml_backends_path: "s3://models/prod"\n  cache_dir: "cache"\n'

@@ -384,13 +384,17 @@ def kubelet_update(volume: Path, files: dict[str, str], stamp: str) -> None:
         shutil.rmtree(volume / old)
 
 
-def test_a_model_folder_mounted_as_a_configmap_reloads_once_per_update(repo, serve, caplog):
+@pytest.mark.parametrize("mount", ["in place", "symlinked"])
+def test_a_model_folder_mounted_as_a_configmap_reloads_once_per_update(repo, serve, caplog, mount):
     # An update changes only hidden names (..data, ..<stamp>/...): every event was dropped, and the model
-    # kept its old code until some other folder happened to change.
+    # kept its old code until some other folder happened to change. Mounted elsewhere and symlinked into
+    # ml_backends_path (follow_symlinks), its events come by the volume's own path.
     caplog.set_level(logging.INFO, logger="nereid.watch")
-    volume = repo.models_dir / "mounted"
+    volume = repo.models_dir / "mounted" if mount == "in place" else repo.root / "volume"
     kubelet_update(volume, {"main.py": version_main("1"), "model_inference.textproto": REPORT}, "2026_12_02_1")
-    server = serve(repo.write_config("- name: mounted\n", server_extra=SETTLE))
+    if mount == "symlinked":
+        os.symlink(volume, repo.models_dir / "mounted")
+    server = serve(repo.write_config("- name: mounted\n", server_extra=SETTLE + "  follow_symlinks: true\n"))
     assert ask(server.client, "mounted")["version"] == "1"
     for version in ("2", "3"):
         kubelet_update(volume, {"main.py": version_main(version), "model_inference.textproto": REPORT},

@@ -76,3 +76,38 @@ def test_preloading_that_initialises_cuda_is_refused_naming_the_module(tmp_path,
         ["fallback preloading 'inits_cuda' initialised CUDA, which a forked child cannot use; initialise CUDA in the "
          "code that runs per batch (main.py's body or a function it calls), not at import", True],
     ]
+
+
+LAZY_PRELOAD = """
+import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("warm_parent", sys.argv[1])
+warm_parent = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(warm_parent)
+print(json.dumps([warm_parent.preload(["lazy"], [], [name]) for name in sys.argv[2:]]))
+"""
+
+
+def test_a_lazy_package_s_getattr_asked_for_a_from_import_is_checked_as_an_import(tmp_path, fake_libcuda):
+    """Asking whether `from lazy import Model` takes a submodule runs the package's __getattr__ (lazy packages import
+    there): one that initialised CUDA left warm start on, and one that raised ended the warm parent."""
+    site = tmp_path / "site"
+    (site / "lazy").mkdir(parents=True)
+    (site / "lazy" / "__init__.py").write_text(
+        "def __getattr__(name):\n"
+        "    if name == 'Model':\n"
+        "        import ctypes\n"
+        "        assert ctypes.CDLL('libcuda.so.1').cuInit(0) == 0\n"
+        "        return object\n"
+        "    if name == 'Broken':\n"
+        "        raise RuntimeError('the lazy import failed')\n"
+        "    raise AttributeError(name)\n")
+    env = {**os.environ, "PYTHONPATH": str(site), "LD_LIBRARY_PATH": str(fake_libcuda.parent)}
+    for name, answer in (
+            ("lazy.Broken", "fallback preloading 'lazy.Broken' failed (RuntimeError: the lazy import failed)"),
+            ("lazy.Model", "fallback preloading 'lazy.Model' initialised CUDA, which a forked child cannot use; "
+                           "initialise CUDA in the code that runs per batch (main.py's body or a function it calls), "
+                           "not at import")):
+        done = subprocess.run([sys.executable, "-c", LAZY_PRELOAD, warm_parent.__file__, name], env=env,
+                              capture_output=True, text=True, timeout=30)
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout) == [answer]

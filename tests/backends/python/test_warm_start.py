@@ -71,6 +71,11 @@ def test_preload_reads_top_level_imports_only(tmp_path):
     assert modules_to_preload(tmp_path, "main.py", ("sqlite3", "os", "helper", "sqlite3"), source) == Preloads(
         imports=("os", "json", "xml.dom", "numpy"), extra=("sqlite3",),
         submodules=("numpy.linalg",))  # (not pkg.sub.thing: the folder's own; nor __future__.annotations)
+    # A module a from-statement names, then imported or named as a package: main.py's own import (it fails the
+    # load when it fails); a submodule of a submodule comes after it.
+    source = b"from a import b\nimport a.b\nfrom xml import etree\nfrom xml.etree import ElementTree\n"
+    assert modules_to_preload(tmp_path, "main.py", (), source) == Preloads(
+        imports=("a", "a.b", "xml", "xml.etree"), submodules=("xml.etree.ElementTree",))
 
 
 def test_child_runs_main_as_a_fresh_script_would(repo, serve):

@@ -784,6 +784,7 @@ def test_http_1_1_requests_need_exactly_one_valid_host_and_http_1_0_ones_none(se
         assert answer.startswith(b"HTTP/1.1 400 "), answer
         assert reason.encode() in answer and len(re.findall(rb"HTTP/1\.1 \d{3} ", answer)) == 1, answer  # closed
     for head in (b"GET /v2/health/live HTTP/1.1\r\nHost: [::1]:8000\r\nConnection: close\r\n\r\n",
+                 b"GET /v2/health/live HTTP/1.1\r\nHost: \tx:1 \t\r\nConnection: close\r\n\r\n",  # (OWS)
                  b"GET /v2/health/live HTTP/1.1\r\nHost: \r\nConnection: close\r\n\r\n",  # (empty: allowed)
                  b"GET /v2/health/live HTTP/1.0\r\n\r\n"):
         assert _exchange(base, head).startswith(b"HTTP/1.1 200 "), head
