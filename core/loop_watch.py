@@ -14,8 +14,12 @@ the loop runs again, the heartbeat logs how long it was held.
 from __future__ import annotations
 
 import asyncio
+import functools
+import importlib.util
 import logging
+import os
 import sys
+import sysconfig
 import threading
 import time
 import traceback
@@ -122,9 +126,30 @@ class LoopWatch:
 
 def _innermost(frame: types.FrameType | None) -> str:
     """The innermost frames of the callback ``frame`` runs, outermost first, as ``file:line in function``: what is
-    inside asyncio's ``Handle._run``, less asyncio's own frames."""
+    inside asyncio's ``Handle._run``, less asyncio's own frames. When those are all a library's (a blocking call
+    deep in ``subprocess``), the innermost frame of a model's own code comes first: the call that blocks."""
     stack = traceback.extract_stack(frame) if frame is not None else []
     starts = [index for index, entry in enumerate(stack) if entry.name == "_run" and entry.filename == _HANDLE_FILE]
     inside = [entry for entry in stack[starts[-1] + 1:] if not entry.filename.startswith(_ASYNCIO)] if starts else []
-    return " > ".join(f"{entry.filename}:{entry.lineno} in {entry.name}"
-                      for entry in inside[-_SHOWN_FRAMES:]) or "(asyncio's own code)"
+    if not inside:
+        return "(asyncio's own code)"
+    shown = inside[-_SHOWN_FRAMES:]
+    text = " > ".join(f"{entry.filename}:{entry.lineno} in {entry.name}" for entry in shown)
+    libraries = _library_folders()
+    own = next((entry for entry in reversed(inside) if not entry.filename.startswith(libraries)), None)
+    if own is not None and own not in shown:
+        return f"{own.filename}:{own.lineno} in {own.name} > ... > {text}"
+    return text
+
+
+@functools.cache
+def _library_folders() -> tuple[str, ...]:
+    """The folders of code that is no model's own: the standard library, installed packages, and nereid (the core
+    and the built-in backends, apart in an editable install)."""
+    folders = {Path(path) for key, path in sysconfig.get_paths().items()
+               if key in ("stdlib", "platstdlib", "purelib", "platlib")}
+    folders.add(Path(__file__).parent)
+    spec = importlib.util.find_spec("nereid.backends")  # (found, not imported: the core imports no backend)
+    if spec is not None and spec.submodule_search_locations:
+        folders.update(Path(location) for location in spec.submodule_search_locations)
+    return tuple(f"{folder}{os.sep}" for folder in folders)

@@ -240,6 +240,8 @@ def validate_inputs(model: str, signature: ModelSignature, tensors: list[NamedTe
                 # A big-endian array (a meta model may pass one on): in native order for every backend, as
                 # the wire decoders make them; a program reading its bytes as they lie would compute garbage.
                 tensor = NamedTensor(tensor.name, tensor.dtype, tensor.data.astype(held.newbyteorder("=")))
+        if spec.dtype is DType.BYTES:
+            _check_text_elements(model, spec.name, tensor.data)
         shape = tensor.data.shape
         if not signature.batches:
             if not dims_match(shape, spec.dims):
@@ -418,6 +420,26 @@ def _array_text(data: Any) -> str:
     name = "numpy ndarray" if kind is np.ndarray else f"{kind.__module__}.{kind.__qualname__}"
     dtype = getattr(data, "dtype", None)
     return f"a {name}" + (f" of {dtype}" if dtype is not None else "")
+
+
+def _check_text_elements(model: str, name: str, data: np.ndarray) -> None:
+    """Refuse a BYTES input whose elements are not all bytes, or str that UTF-8 can encode.
+
+    The wire decoders make bytes elements (one C-level pass finds them so); a
+    meta model's sub-call or a preprocess hook may pass anything. Queued, such
+    an element failed its whole batch, other clients' requests with it, and was
+    blamed on the model that received it.
+    """
+    flat = data.ravel()
+    if all(map(isinstance, flat, repeat(bytes))):
+        return
+    if not all(map(isinstance, flat, repeat(_TEXT))):
+        raise _refusal(f"model '{model}': input '{name}' is tagged BYTES but holds {_first_non_text(data)}, "
+                       "expected bytes or str elements")
+    unencodable = _first_unencodable(data)
+    if unencodable is not None:
+        raise _refusal(f"model '{model}': input '{name}' is tagged BYTES but holds {unencodable}, which UTF-8 "
+                       "cannot encode (a lone surrogate): expected bytes, or str that is text")
 
 
 def _first_non_text(data: np.ndarray) -> str:

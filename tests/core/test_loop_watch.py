@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import subprocess
 import threading
 import time
 
@@ -148,3 +149,16 @@ def test_a_watch_whose_loop_ended_without_stop_blames_nothing_of_a_later_loop_an
     assert watch_lines(caplog) == []
     watches[0]._thread.join(WARN_AFTER_S)
     assert not watches[0]._thread.is_alive()
+
+
+def test_a_hold_deep_in_a_library_names_the_code_that_called_it_first(caplog):
+    # subprocess.run's innermost frames are all the library's: the model that called it went unnamed.
+    caplog.set_level(logging.WARNING, "nereid.loop")
+
+    async def model() -> None:
+        subprocess.run(["sleep", str(WARN_AFTER_S * 2.5)], check=True)
+    watched(model)
+    held = watch_lines(caplog)[0]
+    running = held.split("It is running: ")[1]
+    assert re.match(rf"{re.escape(__file__)}:\d+ in model > \.\.\. > ", running), running
+    assert running.count(" > ") == 4 + 1 and "subprocess.py" in running.rsplit(" > ", 1)[1], running

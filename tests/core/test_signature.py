@@ -218,6 +218,24 @@ def test_check_outputs_refuses_a_str_element_utf8_cannot_encode() -> None:
         check_outputs("m", BYTES_OUT, [NamedTensor("y", DType.BYTES, objects(b"\xff", "a\ud800"))], 1)
 
 
+BYTES_IN = ModelSignature((TensorSpec("s", DType.BYTES, (2,)),), (), 4)
+
+
+@pytest.mark.parametrize("data, got", [
+    (objects(b"ab", 3), r"element 1 of type int \(3\), expected bytes or str elements"),
+    (objects(None, b"a"), r"element 0 of type NoneType \(None\), expected bytes or str elements"),
+    (objects(b"\xff", "a\ud800"), r"element 1 \('a\\ud800'\), which UTF-8 cannot encode \(a lone surrogate\)"),
+])
+def test_a_bytes_input_whose_elements_are_not_text_is_refused_before_it_is_queued(data: np.ndarray,
+                                                                                   got: str) -> None:
+    """Defect: a meta model's sub-call (or a preprocess hook) passing an int or None in a BYTES tensor was queued
+    and batched: the whole batch failed, other clients' requests in it included, blamed on the model called."""
+    with pytest.raises(InvalidArgument, match=f"^model 'm': input 's' is tagged BYTES but holds {got}"):
+        validate_inputs("m", BYTES_IN, [NamedTensor("s", DType.BYTES, data)])
+    # bytes (as the wire decoders make them) and text pass
+    validate_inputs("m", BYTES_IN, [NamedTensor("s", DType.BYTES, objects(b"a", "né"))])
+
+
 def test_check_outputs_names_a_tag_that_is_no_dtype() -> None:
     with pytest.raises(ModelFailure, match="^model 'm' returned output 'y' as 'FP32', expected FP32$"):
         check_outputs("m", FP32_OUT, [NamedTensor("y", "FP32", np.zeros((1, 2), np.float32))], 1)
