@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import shutil
 import uuid
 from pathlib import Path
 from typing import BinaryIO
@@ -85,6 +86,20 @@ def _foreign_machine(path: Path) -> str | None:
 _COPY_CHUNK = 1 << 20  # bytes read and written at a time by a library's copy
 
 
+def _link_siblings(model: str, path: Path, folder: Path, scratch_dir: Path) -> None:
+    """Link into ``folder`` every entry of the shared library ``path``'s own folder but the library itself."""
+    try:
+        siblings = [entry for entry in os.scandir(path.parent) if entry.name != path.name]
+    except OSError as err:
+        raise _cannot_read(model, path.parent, err) from None
+    for sibling in siblings:
+        try:
+            os.symlink(os.path.abspath(sibling.path), folder / sibling.name)
+        except OSError as err:
+            raise scratch_folder_refused(model, f"link the files beside shared library {path} into", scratch_dir,
+                                         err) from None
+
+
 def _copy_library(model: str, path: Path, copy: Path, scratch_dir: Path) -> None:
     """Copy the shared library ``path`` to ``copy``, in ``scratch_dir``; ConfigError naming the side that failed.
 
@@ -147,8 +162,20 @@ class NativeLibrary:
         # The copy's code is mapped from the scratch folder: on a noexec mount dlopen could only say "failed to
         # map segment", of a file the user never named.
         require_executable_folder(model, scratch_dir, f"shared library {path} runs from a copy in")
-        self._copy = scratch_dir / f"{path.stem}-{uuid.uuid4().hex[:12]}{path.suffix}"
-        _copy_library(model, path, self._copy, scratch_dir)
+        # The copy keeps its name, in a folder of its own beside links to everything else in the library's folder:
+        # a library that finds the libraries it needs beside it (a RUNPATH of $ORIGIN) finds them from there.
+        self._folder = scratch_dir / f"{path.stem}-{uuid.uuid4().hex[:12]}"
+        self._copy = self._folder / path.name
+        try:
+            self._folder.mkdir()
+        except OSError as err:
+            raise scratch_folder_refused(model, f"copy shared library {path} into", scratch_dir, err) from None
+        try:
+            _copy_library(model, path, self._copy, scratch_dir)
+            _link_siblings(model, path, self._folder, scratch_dir)
+        except BaseException:
+            shutil.rmtree(self._folder, ignore_errors=True)
+            raise
         self._libc = _loader()
         self._handle: int | None = self._libc.dlopen(str(self._copy).encode(), _RTLD_NOW | _RTLD_LOCAL)
         if not self._handle:
@@ -157,7 +184,7 @@ class NativeLibrary:
             message = self._dlerror().removeprefix(f"{self._copy}: ").replace(str(self._copy), str(path))
             # glibc says "No such file or directory" of a library built for another machine.
             message = _foreign_machine(self._copy) or message
-            self._copy.unlink(missing_ok=True)
+            shutil.rmtree(self._folder, ignore_errors=True)
             raise ConfigError(f"model '{model}': cannot load shared library {path} (dlopened from its copy in "
                               f"{scratch_dir}): {message}")
         try:
@@ -187,4 +214,4 @@ class NativeLibrary:
         if self._handle:
             self._libc.dlclose(self._handle)
             self._handle = None
-        self._copy.unlink(missing_ok=True)
+        shutil.rmtree(self._folder, ignore_errors=True)  # (its links are removed, never followed)

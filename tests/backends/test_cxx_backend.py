@@ -283,7 +283,7 @@ def test_buffers_are_passed_without_copies(repo, libs, tmp_path):
         assert where.data.tolist() == [x.ctypes.data, where.data.ctypes.data]
     finally:
         model.unload()
-    assert list(tmp_path.glob("*.so")) == []  # the private copy went with the unload
+    assert private_copies(tmp_path) == []  # the private copy went with the unload
 
 
 def test_an_unload_during_a_running_call_waits_for_it_to_return(repo, libs, tmp_path):
@@ -299,7 +299,7 @@ def test_an_unload_during_a_running_call_waits_for_it_to_return(repo, libs, tmp_
     call.start()
     time.sleep(0.1)  # inside its 300 ms nereid_infer
     model.unload()  # returns at once; nereid_unload and dlclose wait for the call
-    assert (folder / "events.log").read_text() == "load slow\n" and len(list(tmp_path.glob("*.so"))) == 1
+    assert (folder / "events.log").read_text() == "load slow\n" and len(private_copies(tmp_path)) == 1
     call.join(timeout=10)
     assert results[0][0].data.tolist() == [1]  # the call finished normally
     assert (folder / "events.log").read_text() == "load slow\nunload slow\n"
@@ -438,7 +438,7 @@ def test_models_the_cxx_backend_refuses_are_unavailable_with_a_reason(repo, serv
             assert f"model '{name}'" in reason or name in reason, (name, reason)
     assert not list((repo.models_dir / "broken_source").glob(".cache/*"))  # no library, no partial build
     # nothing stays loaded or copied for a model that failed
-    assert not list(server.server.scratch_dir.glob("*/*.so"))
+    assert not list(server.server.scratch_dir.glob("**/*.so"))
     expect_grpc_error("UNAVAILABLE", lambda: server.client.infer("refuse_load", [tensor("input", ROWS)]),
                       "cannot open")
 
@@ -486,14 +486,19 @@ def test_coalesced_requests_make_one_call(repo, serve, libs):
         assert results[i].as_numpy("batch").tolist() == [[4]]  # from one call on a batch of 4
 
 
+def private_copies(scratch: Path) -> list[Path]:
+    """The private copies of shared libraries under ``scratch`` (each in a folder of its own, beside links)."""
+    return [path for path in scratch.glob("*/*.so") if not path.is_symlink()]
+
+
 def test_unload_calls_nereid_unload_and_load_again_works(repo, serve, libs):
     folder = scale_model(repo, "faulty_reloaded")
     server = serve(repo.write_config(entry("faulty_reloaded", f'{{library: "{libs["multi"]}"}}')))
     scratch = server.server.scratch_dir / "faulty_reloaded"
-    assert len(list(scratch.glob("*.so"))) == 1  # the private copy
+    assert len(private_copies(scratch)) == 1  # the private copy
     server.client.unload_model("faulty_reloaded")
     assert (folder / "events.log").read_text() == "load faulty_reloaded\nunload faulty_reloaded\n"
-    assert list(scratch.glob("*.so")) == []  # dlclosed and deleted
+    assert private_copies(scratch) == []  # dlclosed and deleted, with its folder
     expect_grpc_error("UNAVAILABLE", lambda: server.client.infer("faulty_reloaded", [tensor("input", ROWS)]))
     server.client.load_model("faulty_reloaded")
     assert server.client.infer("faulty_reloaded", [tensor("input", ROWS)]).as_numpy("output").tolist() == \
@@ -776,3 +781,26 @@ def test_a_full_scratch_folder_is_named_and_keeps_no_partial_copy(libs, tmp_path
     assert child.stdout.splitlines() == [
         f"ConfigError model 'full': cannot copy shared library {library} into the server's scratch folder "
         f"{scratch}: File too large (the server makes its scratch folder in TMPDIR)", "[]"], child.stdout
+
+
+HELPER = 'extern "C" float nereid_test_factor() { return 5.0f; }\n'
+
+
+def test_a_library_finding_its_dependencies_beside_it_through_origin_loads(repo, serve):
+    """Defect: the private copy was made alone in the scratch folder, so a library linked with a RUNPATH of $ORIGIN
+    (its dependencies shipped beside it, as a prebuilt library usually is) could not find them: 'libhelper.so:
+    cannot open shared object file'."""
+    folder = scale_model(repo, "shipped")
+    lib = folder / "lib"
+    lib.mkdir()
+    (lib / "helper.cpp").write_text(HELPER)
+    (lib / "model.cpp").write_text('extern "C" float nereid_test_factor();\n' + TRIPLE.replace(
+        "* 3.0f", "* nereid_test_factor()"))
+    for argv in ([CXX, "-shared", "-fPIC", "-o", str(lib / "libhelper.so"), str(lib / "helper.cpp")],
+                 [CXX, "-shared", "-fPIC", "-std=c++17", f"-I{header_dir()}", "-o", str(lib / "libmodel.so"),
+                  str(lib / "model.cpp"), f"-L{lib}", "-lhelper", "-Wl,-rpath,$ORIGIN"]):
+        subprocess.run(argv, check=True, capture_output=True, timeout=120)
+    server = serve(repo.write_config(entry("shipped", '{library: "$MODEL_FOLDER/lib/libmodel.so"}')))
+    assert index_of(server)["shipped"][0] == "READY", index_of(server)["shipped"]
+    assert server.client.infer("shipped", [tensor("input", ROWS)]).as_numpy("output").tolist() == \
+        (ROWS * 5).tolist()
