@@ -29,6 +29,8 @@ CACHE_DIR = ".cache"
 # repository, a full disk): used for this server's life, built again at its next start.
 SCRATCH_CACHE_DIR = "build-cache"
 MESSAGE_TAIL_CHARS = 4000
+# Of those, the first ones: a compiler's first error is its root cause, the cascade after it matters less.
+MESSAGE_HEAD_CHARS = 3000
 # A source or header larger than this is refused rather than read into memory to be hashed.
 MAX_CODE_FILE_BYTES = 1 << 30
 
@@ -125,7 +127,8 @@ def compile_to(compiler: Compiler, arguments: list[str], target: Path, cwd: Path
     try:
         completed = run_model_process([*compiler, *arguments, "-o", str(partial)], cwd=cwd,
                                       env={**os.environ, "TMPDIR": str(work)}, stdin=b"",
-                                      timeout_s=COMPILE_TIMEOUT_S, tail_bytes=MESSAGE_TAIL_CHARS)
+                                      timeout_s=COMPILE_TIMEOUT_S, head_bytes=MESSAGE_HEAD_CHARS,
+                                      tail_bytes=MESSAGE_TAIL_CHARS - MESSAGE_HEAD_CHARS)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     if completed.timed_out or completed.returncode != 0:

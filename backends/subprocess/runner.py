@@ -139,11 +139,12 @@ class ProcessGroups:
 
 def run_model_process(argv: list[str], *, cwd: Path | str, env: dict[str, str], stdin: bytes,
                       timeout_s: float | None, groups: ProcessGroups | None = None,
-                      tail_bytes: int = STDERR_TAIL_BYTES) -> ProcessResult:
+                      tail_bytes: int = STDERR_TAIL_BYTES, head_bytes: int = 0) -> ProcessResult:
     """Run ``argv`` to completion; on timeout kill its whole process group.
 
     The child's stdout and stderr go to a pipe of which only the last
-    ``tail_bytes`` are kept (reported on failure). The process group is
+    ``tail_bytes`` are kept (reported on failure), after the first
+    ``head_bytes`` (a compiler's first error is the one that matters). The process group is
     always killed at the end, so nothing the model started outlives the
     request, and the child is always reaped. While it runs, from before its
     program starts, it is counted in ``groups`` (see :meth:`ProcessGroups.running`).
@@ -175,7 +176,8 @@ def run_model_process(argv: list[str], *, cwd: Path | str, env: dict[str, str], 
             groups.add(process.pid)
         terminated = False
         try:
-            exited, tail = feed_and_wait(stdin_write, stdin, exit_fd, deadline, output_read, tail_bytes)
+            exited, tail = feed_and_wait(stdin_write, stdin, exit_fd, deadline, output_read, tail_bytes,
+                                         head_bytes)
         finally:
             if groups is not None:
                 terminated = groups.discard(process.pid)
@@ -187,7 +189,7 @@ def run_model_process(argv: list[str], *, cwd: Path | str, env: dict[str, str], 
 
 
 def feed_and_wait(stdin_fd: int, data: bytes, exit_fd: int, deadline: float | None,
-                  output_fd: int, tail_bytes: int = STDERR_TAIL_BYTES) -> tuple[bool, str]:
+                  output_fd: int, tail_bytes: int = STDERR_TAIL_BYTES, head_bytes: int = 0) -> tuple[bool, str]:
     """Write ``data`` to the child's stdin, keep the tail of its output, wait until ``exit_fd`` is readable.
 
     ``exit_fd`` becomes readable when the child has exited (a pidfd, or a socket
@@ -198,7 +200,7 @@ def feed_and_wait(stdin_fd: int, data: bytes, exit_fd: int, deadline: float | No
     exit status tells the story. ``stdin_fd`` and ``output_fd`` are closed on return.
     """
     view = memoryview(data)
-    tail = _Tail(output_fd, tail_bytes)
+    tail = _Tail(output_fd, tail_bytes, head_bytes)
     poller = select.poll()
     poller.register(exit_fd, select.POLLIN)
     poller.register(output_fd, select.POLLIN)
@@ -241,13 +243,24 @@ def feed_and_wait(stdin_fd: int, data: bytes, exit_fd: int, deadline: float | No
 
 
 class _Tail:
-    """The last ``size`` bytes read from a child's output pipe; the rest is dropped as it arrives."""
+    """The first ``head`` and the last ``size`` bytes read from a child's output pipe; the rest is dropped as it
+    arrives (counted: the text says how much was left out between the two)."""
 
-    def __init__(self, fd: int, size: int) -> None:
+    def __init__(self, fd: int, size: int, head: int = 0) -> None:
         self.fd = fd
         self.size = size
+        self.head_size = head
+        self.head = b""
         self.data = b""
+        self.total = 0
         os.set_blocking(fd, False)
+
+    def _add(self, chunk: bytes) -> None:
+        self.total += len(chunk)
+        if len(self.head) < self.head_size:
+            taken = self.head_size - len(self.head)
+            self.head, chunk = self.head + chunk[:taken], chunk[taken:]
+        self.data = (self.data + chunk)[-self.size:]
 
     def read(self) -> bool:
         """Read what is there; False at end of file."""
@@ -255,7 +268,7 @@ class _Tail:
             chunk = os.read(self.fd, 65536)
         except BlockingIOError:
             return True
-        self.data = (self.data + chunk)[-self.size:]
+        self._add(chunk)
         return bool(chunk)
 
     def drain(self) -> None:
@@ -265,12 +278,17 @@ class _Tail:
                 chunk = os.read(self.fd, 65536)
                 if not chunk:
                     return
-                self.data = (self.data + chunk)[-self.size:]
+                self._add(chunk)
         except BlockingIOError:
             pass
 
     def text(self) -> str:
-        return self.data.decode("utf-8", errors="replace").strip()
+        omitted = self.total - len(self.head) - len(self.data)
+        if omitted <= 0:
+            return (self.head + self.data).decode("utf-8", errors="replace").strip()
+        head = self.head.decode("utf-8", errors="replace").rstrip()
+        tail = self.data.decode("utf-8", errors="replace").strip()
+        return f"{head}\n... ({omitted} bytes left out) ...\n{tail}" if head else tail
 
 
 def _write_some(fd: int, view: memoryview) -> memoryview:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import shutil
 import stat
 from pathlib import Path
@@ -187,6 +188,21 @@ def test_every_header_an_include_can_reach_is_in_the_key_and_the_cache_is_not(tm
     for name in (".cache/main-old", "weights.bin"):
         (tmp_path / name).write_text("2\n")
     assert source_hash(tmp_path, ("c++",), "m") == key
+
+
+def test_a_long_compile_error_keeps_its_first_error_and_says_what_was_left_out(tmp_path):
+    """Defect: only the last 4000 characters were kept, so a first error followed by a cascade (an undefined name,
+    then template errors) lost the one that mattered, and nothing said the message was cut."""
+    source = tmp_path / "main.cpp"
+    source.write_text("int first = undefined_symbol_FIRST;\n" +
+                      "".join(f"int later_{i} = undefined_symbol_number_{i};\n" for i in range(400)))
+    (tmp_path / "scratch").mkdir()
+    with pytest.raises(ConfigError) as failed:
+        compiler.build_binary(tmp_path, "main.cpp", tmp_path / "scratch", "cascade")
+    message = str(failed.value)
+    assert "undefined_symbol_FIRST" in message and "undefined_symbol_number_399" in message
+    assert re.search(r"\n\.\.\. \(\d+ bytes left out\) \.\.\.\n", message), message
+    assert len(message) < compiler.MESSAGE_TAIL_CHARS + 500
 
 
 def test_compile_error_is_unavailable_with_the_compiler_message(repo, serve, no_zombies):
