@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import os
@@ -29,6 +30,7 @@ CACHE_DIR = ".cache"
 # repository, a full disk): used for this server's life, built again at its next start.
 SCRATCH_CACHE_DIR = "build-cache"
 MESSAGE_TAIL_CHARS = 4000
+VERSION_PROBE_TIMEOUT_S = 30  # a compiler's --version, asked for its identity in a build's key
 # Of those, the first ones: a compiler's first error is its root cause, the cascade after it matters less.
 MESSAGE_HEAD_CHARS = 3000
 # A source or header larger than this is refused rather than read into memory to be hashed.
@@ -56,8 +58,30 @@ def find_compiler() -> Compiler:
 
 
 def compiler_key(compiler: Compiler) -> bytes:
-    """The compiler command as a build key's part (a lone path keys as it did before CXX took words)."""
-    return "\0".join(compiler).encode()
+    """The compiler as a build key's part: its command, the file that runs and what ``--version`` says.
+
+    The command alone kept a binary another compiler had built under the same name (``/usr/bin/c++``
+    repointed by update-alternatives, a newer image): a server never runs a build its compiler did not make.
+    """
+    real = os.path.realpath(compiler[0])
+    try:
+        status = os.stat(real)
+    except OSError:
+        return "\0".join((*compiler, real)).encode()  # (the build that follows says what is wrong with it)
+    return _identity(compiler, real, status.st_size, status.st_mtime_ns, status.st_ino)
+
+
+@functools.lru_cache(maxsize=16)
+def _identity(compiler: Compiler, real: str, size: int, mtime_ns: int, inode: int) -> bytes:
+    """``compiler``, the file it runs and its ``--version`` output; asked once per version of that file (its size,
+    mtime and inode only key the cache)."""
+    try:
+        probe = run_model_process([*compiler, "--version"], cwd="/", env=dict(os.environ), stdin=b"",
+                                  timeout_s=VERSION_PROBE_TIMEOUT_S)
+        version = "" if probe.timed_out else probe.output_tail
+    except OSError:
+        version = ""
+    return "\0".join((*compiler, real, version)).encode()
 
 
 def source_hash(folder: Path, compiler: Compiler, model: str) -> str:

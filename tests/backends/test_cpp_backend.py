@@ -394,6 +394,27 @@ def test_a_full_disk_while_publishing_the_build_leaves_no_partial_and_serves_fro
     assert compiler.build_binary(folder, "main.cpp", scratch, "full") == built  # reused in this server
 
 
+def test_a_build_is_keyed_by_the_compiler_that_runs_not_only_its_name(tmp_path, monkeypatch):
+    """Defect: the key held the compiler's path alone, so a compiler repointed under the same name (update-
+    alternatives, a newer image, a shipped .cache) reused binaries it did not build."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for version in ("1", "2"):
+        wrapper = bin_dir / f"cxx-{version}"
+        wrapper.write_text(f'#!/bin/sh\n[ "$1" = --version ] && echo "c++ (wrapped) {version}" && exit 0\n'
+                           'exec c++ "$@"\n')
+        wrapper.chmod(0o755)
+    link = bin_dir / "c++"
+    folder = tmp_path / "model"
+    shutil.copytree(EXAMPLES / "cpp_scale", folder, ignore=shutil.ignore_patterns(".cache"))
+    keys = []
+    for version in ("1", "2", "1"):
+        link.unlink(missing_ok=True)
+        link.symlink_to(bin_dir / f"cxx-{version}")
+        keys.append(source_hash(folder, (str(link),), "m"))
+    assert keys[0] != keys[1] and keys[0] == keys[2]
+
+
 def test_cxx_may_hold_a_wrapper_and_its_words_as_make_takes_it(tmp_path, monkeypatch):
     """Defect: CXX="ccache g++" was looked up as one program named 'ccache g++' (no compiler on PATH)."""
     log = tmp_path / "wrapper.log"
@@ -408,9 +429,7 @@ def test_cxx_may_hold_a_wrapper_and_its_words_as_make_takes_it(tmp_path, monkeyp
     shutil.copytree(EXAMPLES / "cpp_scale", folder, ignore=shutil.ignore_patterns(".cache"))
     (tmp_path / "scratch").mkdir()
     built = compiler.build_binary(folder, "main.cpp", tmp_path / "scratch", "wrapped")
-    assert os.access(built, os.X_OK) and log.read_text() == "c++\n"
-    # A lone compiler keys its builds as before this change: existing caches stay valid.
-    assert compiler.compiler_key(("/usr/bin/c++",)) == b"/usr/bin/c++"
+    assert os.access(built, os.X_OK) and log.read_text().splitlines()[-1] == "c++"  # (after its --version)
     monkeypatch.setenv("CXX", " ")  # blank: the default, as CMake takes it (it was a compiler named '')
     assert compiler.find_compiler() == (shutil.which("c++"),)
     monkeypatch.setenv("CXX", "cc-wrap 'c++")
