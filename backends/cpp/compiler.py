@@ -11,6 +11,7 @@ import shlex
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 from nereid.errors import ConfigError
 from nereid.files import not_regular_reason, read_regular_file, temporary_name
@@ -167,7 +168,8 @@ def compile_to(compiler: Compiler, arguments: list[str], target: Path, cwd: Path
 
 
 def cached_build(compiler: Compiler, arguments: list[str], name: str, stale: str, *, model: str, folder: Path,
-                 scratch: Path, what: str, executable: bool = False) -> Path:
+                 scratch: Path, what: str, executable: bool = False,
+                 name_now: Callable[[], str] | None = None) -> Path:
     """``<folder>/.cache/<name>``, compiled only when missing; in ``scratch`` when .cache/ cannot be written.
 
     An up-to-date build in .cache/ is used as it is, even read-only. Otherwise
@@ -179,7 +181,10 @@ def cached_build(compiler: Compiler, arguments: list[str], name: str, stale: str
     EROFS, ENOSPC, EDQUOT, a ``.cache`` that is no folder...) the model serves
     the scratch build and one WARNING says why. The other builds matching the
     glob ``stale`` are removed. A compile error raises ConfigError carrying the
-    compiler's message.
+    compiler's message. ``name_now``, asked again once the compiler has run,
+    gives the name the sources have then: another name means they were edited
+    while they were compiled, so the build is of no one version of them; it is
+    served this once, under a name of its own, and never cached.
     """
     cache = folder / CACHE_DIR
     built = cache / name
@@ -191,6 +196,11 @@ def cached_build(compiler: Compiler, arguments: list[str], name: str, stale: str
         return fallback
     scratch_cache.mkdir(parents=True, exist_ok=True)
     compile_to(compiler, arguments, fallback, folder, what, model)
+    if name_now is not None and name_now() != name:
+        log.info("model '%s': its sources changed while they were compiled; this build is not cached", model)
+        once = scratch_cache / temporary_name(f"edited-{name}")
+        os.replace(fallback, once)
+        return once
     _remove_stale(scratch_cache, stale, fallback)
     try:
         _publish(fallback, built)
@@ -237,5 +247,8 @@ def build_binary(folder: Path, source: str, scratch: Path, model: str) -> Path:
     error raises ConfigError carrying the compiler's message.
     """
     compiler = find_compiler()
-    return cached_build(compiler, [*CXX_FLAGS, source], f"main-{source_hash(folder, compiler, model)}", "main-*",
-                        model=model, folder=folder, scratch=scratch, what=str(folder / source), executable=True)
+
+    def name_now() -> str:
+        return f"main-{source_hash(folder, compiler, model)}"
+    return cached_build(compiler, [*CXX_FLAGS, source], name_now(), "main-*", model=model, folder=folder,
+                        scratch=scratch, what=str(folder / source), executable=True, name_now=name_now)

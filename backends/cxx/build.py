@@ -115,8 +115,9 @@ def build_library(model: str, folder: Path, sources: tuple[Path, ...], scratch: 
             raise ConfigError(f"model '{model}': runtime.sources: no such file {source}")
     compiler = find_compiler()
     arguments = [*CXX_FLAGS, *shared_flags(compiler), f"-I{header_dir()}", *map(str, sources)]
-    key = library_hash(sources, compiler, folder, model=model)
+
+    def name_now() -> str:
+        return f"lib-{library_hash(sources, compiler, folder, model=model)}.so"
     # Loaded models run private copies of the library: replacing or removing it is safe.
-    return cached_build(compiler, arguments, f"lib-{key}.so", "lib-*.so",
-                        model=model, folder=folder, scratch=scratch,
-                        what=f"model '{model}': {', '.join(map(str, sources))}")
+    return cached_build(compiler, arguments, name_now(), "lib-*.so", model=model, folder=folder, scratch=scratch,
+                        what=f"model '{model}': {', '.join(map(str, sources))}", name_now=name_now)

@@ -415,6 +415,25 @@ def test_a_build_is_keyed_by_the_compiler_that_runs_not_only_its_name(tmp_path, 
     assert keys[0] != keys[1] and keys[0] == keys[2]
 
 
+def test_sources_edited_while_they_compile_are_built_but_not_cached(tmp_path, monkeypatch):
+    """Defect: the key was taken before the compiler read the sources, so an edit saved during a build was cached
+    under the old sources' key, and served by every later start that found those sources again."""
+    folder = tmp_path / "model"
+    shutil.copytree(EXAMPLES / "cpp_scale", folder, ignore=shutil.ignore_patterns(".cache"))
+    editor = tmp_path / "cc-edits"  # a compiler during whose run the source is saved again
+    editor.write_text(f'#!/bin/sh\n[ "$1" = --version ] || echo "// saved during the build" >> "{folder}/main.cpp"\n'
+                      'exec c++ "$@"\n')
+    editor.chmod(0o755)
+    monkeypatch.setenv("CXX", str(editor))
+    (tmp_path / "scratch").mkdir()
+    built = compiler.build_binary(folder, "main.cpp", tmp_path / "scratch", "m")
+    assert os.access(built, os.X_OK) and not built.is_relative_to(folder)  # served from the scratch folder
+    assert not (folder / ".cache").exists() or list((folder / ".cache").glob("main-*")) == []
+    monkeypatch.setenv("CXX", "c++")
+    cached = compiler.build_binary(folder, "main.cpp", tmp_path / "scratch", "m")  # the sources as they are now
+    assert cached.parent == folder / ".cache"
+
+
 def test_cxx_may_hold_a_wrapper_and_its_words_as_make_takes_it(tmp_path, monkeypatch):
     """Defect: CXX="ccache g++" was looked up as one program named 'ccache g++' (no compiler on PATH)."""
     log = tmp_path / "wrapper.log"
