@@ -10,6 +10,7 @@ import os
 import shlex
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 from typing import Callable
 
@@ -31,7 +32,8 @@ CACHE_DIR = ".cache"
 # repository, a full disk): used for this server's life, built again at its next start.
 SCRATCH_CACHE_DIR = "build-cache"
 MESSAGE_TAIL_CHARS = 4000
-VERSION_PROBE_TIMEOUT_S = 30  # a compiler's --version, asked for its identity in a build's key
+VERSION_PROBE_TIMEOUT_S = 30
+_COMPILE_SLOTS = threading.BoundedSemaphore(max(1, len(os.sched_getaffinity(0))))  # a compiler's --version, asked for its identity in a build's key
 # Of those, the first ones: a compiler's first error is its root cause, the cascade after it matters less.
 MESSAGE_HEAD_CHARS = 3000
 # A source or header larger than this is refused rather than read into memory to be hashed.
@@ -150,10 +152,13 @@ def compile_to(compiler: Compiler, arguments: list[str], target: Path, cwd: Path
     # system's /tmp, where they would stay for good.
     work = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
     try:
-        completed = run_model_process([*compiler, *arguments, "-o", str(partial)], cwd=cwd,
-                                      env={**os.environ, "TMPDIR": str(work)}, stdin=b"",
-                                      timeout_s=COMPILE_TIMEOUT_S, head_bytes=MESSAGE_HEAD_CHARS,
-                                      tail_bytes=MESSAGE_TAIL_CHARS - MESSAGE_HEAD_CHARS)
+        # At most one compiler per CPU: a repository of many models loads them all at once, and as many
+        # template-heavy compilers at once can run the machine out of memory, to finish no sooner.
+        with _COMPILE_SLOTS:
+            completed = run_model_process([*compiler, *arguments, "-o", str(partial)], cwd=cwd,
+                                          env={**os.environ, "TMPDIR": str(work)}, stdin=b"",
+                                          timeout_s=COMPILE_TIMEOUT_S, head_bytes=MESSAGE_HEAD_CHARS,
+                                          tail_bytes=MESSAGE_TAIL_CHARS - MESSAGE_HEAD_CHARS)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     if completed.timed_out or completed.returncode != 0:

@@ -434,6 +434,34 @@ def test_sources_edited_while_they_compile_are_built_but_not_cached(tmp_path, mo
     assert cached.parent == folder / ".cache"
 
 
+def test_compilers_run_at_most_one_per_slot(tmp_path, monkeypatch):
+    """Defect: every load compiled at once (six compilers on two cores), so a repository of many template-heavy
+    models could run the machine out of memory. Here with one slot: the builds never overlap."""
+    import threading
+
+    log = tmp_path / "compiles.log"
+    slow = tmp_path / "cc-slow"
+    slow.write_text(f'#!/bin/sh\n[ "$1" = --version ] && exec c++ --version\necho start >> "{log}"\n'
+                    f'sleep 0.3\necho end >> "{log}"\nexec c++ "$@"\n')
+    slow.chmod(0o755)
+    monkeypatch.setenv("CXX", str(slow))
+    monkeypatch.setattr(compiler, "_COMPILE_SLOTS", threading.BoundedSemaphore(1))
+    folders = []
+    for index in range(3):
+        folder = tmp_path / f"model{index}"
+        shutil.copytree(EXAMPLES / "cpp_scale", folder, ignore=shutil.ignore_patterns(".cache"))
+        (folder / "scratch").mkdir()
+        folders.append(folder)
+    builds = [threading.Thread(target=compiler.build_binary, args=(folder, "main.cpp", folder / "scratch", "m"))
+              for folder in folders]
+    for build in builds:
+        build.start()
+    for build in builds:
+        build.join(60)
+    assert log.read_text().split() == ["start", "end"] * 3
+    assert all(list((folder / ".cache").glob("main-*")) for folder in folders)
+
+
 def test_cxx_may_hold_a_wrapper_and_its_words_as_make_takes_it(tmp_path, monkeypatch):
     """Defect: CXX="ccache g++" was looked up as one program named 'ccache g++' (no compiler on PATH)."""
     log = tmp_path / "wrapper.log"
