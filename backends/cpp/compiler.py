@@ -66,25 +66,33 @@ def compiler_key(compiler: Compiler) -> bytes:
     The command alone kept a binary another compiler had built under the same name (``/usr/bin/c++``
     repointed by update-alternatives, a newer image): a server never runs a build its compiler did not make.
     """
+    return "\0".join((*compiler, os.path.realpath(compiler[0]), compiler_version(compiler))).encode()
+
+
+def compiler_version(compiler: Compiler) -> str:
+    """What ``compiler --version`` prints ("" when it cannot say), asked once per version of the file it runs.
+
+    The probe runs like a build: in its own process group, killed whole at
+    its end or time limit, and by a stopping server (a compiler wrapper's
+    children too).
+    """
     real = os.path.realpath(compiler[0])
     try:
         status = os.stat(real)
     except OSError:
-        return "\0".join((*compiler, real)).encode()  # (the build that follows says what is wrong with it)
-    return _identity(compiler, real, status.st_size, status.st_mtime_ns, status.st_ino)
+        return ""  # (the build that follows says what is wrong with it)
+    return _version(compiler, real, status.st_size, status.st_mtime_ns, status.st_ino)
 
 
 @functools.lru_cache(maxsize=16)
-def _identity(compiler: Compiler, real: str, size: int, mtime_ns: int, inode: int) -> bytes:
-    """``compiler``, the file it runs and its ``--version`` output; asked once per version of that file (its size,
-    mtime and inode only key the cache)."""
+def _version(compiler: Compiler, real: str, size: int, mtime_ns: int, inode: int) -> str:
+    """:func:`compiler_version`'s probe (the file's size, mtime and inode only key the cache)."""
     try:
         probe = run_model_process([*compiler, "--version"], cwd="/", env=dict(os.environ), stdin=b"",
                                   timeout_s=VERSION_PROBE_TIMEOUT_S)
-        version = "" if probe.timed_out else probe.output_tail
     except OSError:
-        version = ""
-    return "\0".join((*compiler, real, version)).encode()
+        return ""
+    return "" if probe.timed_out else probe.output_tail
 
 
 def source_hash(folder: Path, compiler: Compiler, model: str) -> str:

@@ -14,26 +14,21 @@ and the load, until the compile's time limit.
 
 from __future__ import annotations
 
-import functools
 import hashlib
-import os
 from importlib import resources
 from pathlib import Path
 
 from nereid.backends.cpp.compiler import (CXX_FLAGS, HEADER_SUFFIXES, Compiler, cached_build, code_files,
-                                          compiler_key, find_compiler, read_code_file)
+                                          compiler_key, compiler_version, find_compiler, read_code_file)
 from nereid.backends.cxx import HEADER_NAME
-from nereid.backends.subprocess.runner import run_model_process
 from nereid.errors import ConfigError
 from nereid.files import not_regular_reason
 
 # Position-independent code, linked as a shared object; only what the header
 # marks NEREID_EXPORT (and anything else left default) is visible.
 SHARED_FLAGS = ("-shared", "-fPIC")
-VERSION_PROBE_TIMEOUT_S = 30
 
 
-@functools.lru_cache(maxsize=8)
 def shared_flags(compiler: Compiler) -> tuple[str, ...]:
     """The flags that make a shared library of the sources, for this compiler.
 
@@ -42,18 +37,8 @@ def shared_flags(compiler: Compiler) -> tuple[str, ...]:
     which keeps the library from ever being unloaded: they would outlive a
     reload and be shared by two models. ``-fno-gnu-unique`` keeps them private.
     Clang emits no such symbols (and has no such flag).
-
-    The probe runs like a build: in its own process group, killed whole at
-    its end or time limit, and by a stopping server (a compiler wrapper's
-    children too).
     """
-    try:
-        probe = run_model_process([*compiler, "--version"], cwd="/", env=dict(os.environ), stdin=b"",
-                                  timeout_s=VERSION_PROBE_TIMEOUT_S)
-        version = "" if probe.timed_out else probe.output_tail
-    except OSError:
-        version = ""
-    return SHARED_FLAGS if "clang" in version.lower() else (*SHARED_FLAGS, "-fno-gnu-unique")
+    return SHARED_FLAGS if "clang" in compiler_version(compiler).lower() else (*SHARED_FLAGS, "-fno-gnu-unique")
 
 
 def header_path() -> Path:
