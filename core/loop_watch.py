@@ -18,6 +18,7 @@ import functools
 import importlib.util
 import logging
 import os
+import site
 import sys
 import sysconfig
 import threading
@@ -136,7 +137,8 @@ def _innermost(frame: types.FrameType | None) -> str:
     shown = inside[-_SHOWN_FRAMES:]
     text = " > ".join(f"{entry.filename}:{entry.lineno} in {entry.name}" for entry in shown)
     libraries = _library_folders()
-    own = next((entry for entry in reversed(inside) if not entry.filename.startswith(libraries)), None)
+    own = next((entry for entry in reversed(inside)
+                if not entry.filename.startswith(libraries) and not entry.filename.startswith("<")), None)
     if own is not None and own not in shown:
         return f"{own.filename}:{own.lineno} in {own.name} > ... > {text}"
     return text
@@ -148,6 +150,7 @@ def _library_folders() -> tuple[str, ...]:
     and the built-in backends, apart in an editable install)."""
     folders = {Path(path) for key, path in sysconfig.get_paths().items()
                if key in ("stdlib", "platstdlib", "purelib", "platlib")}
+    folders.update(Path(path) for path in (*site.getsitepackages(), site.getusersitepackages()))
     folders.add(Path(__file__).parent)
     spec = importlib.util.find_spec("nereid.backends")  # (found, not imported: the core imports no backend)
     if spec is not None and spec.submodule_search_locations:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 
 
 def not_ignored(*signums: signal.Signals) -> list[signal.Signals]:
@@ -39,6 +40,20 @@ def child_pids(parent: int | None = None) -> list[int]:
         if int(fields[1]) == parent and fields[0] != b"Z":
             children.append(int(entry))
     return children
+
+
+_NO_NEW_CHILDREN = threading.Event()
+
+
+def stop_new_children() -> None:
+    """The process ends next (``nereid serve`` has stopped): work still waiting to start a child (a compile
+    waiting for its slot) must not, since :func:`kill_children` has run or is about to."""
+    _NO_NEW_CHILDREN.set()
+
+
+def new_children_stopped() -> bool:
+    """Whether :func:`stop_new_children` was called."""
+    return _NO_NEW_CHILDREN.is_set()
 
 
 def kill_children() -> int:

@@ -24,7 +24,7 @@ from nereid.protocol.grpc_service import SERVICE_NAME, InferenceServicer, generi
 from nereid.protocol.http_listener import HttpListener
 from nereid.protocol.http_service import HttpSurface
 from nereid.repository import ModelRepository
-from nereid.processes import kill_children, not_ignored
+from nereid.processes import kill_children, not_ignored, stop_new_children
 from nereid.settings import Listeners, Settings, repository_control_allowed
 from nereid.tensors import InferRequest, InferResponse
 from nereid.tls import server_credentials, ssl_context
@@ -390,6 +390,7 @@ class NereidServer:
         # Every model is unloaded now. An abandoned load (at start-up or through RepositoryModelLoad)
         # may have started programs (a compiler, a warm process) that nothing will stop: this
         # process is the server, so whatever it still has as children goes with it.
+        stop_new_children()  # (a compile still waiting for its slot must not start one after the kill)
         killed = kill_children()
         if killed:
             log.info("ended %d process(es) left by abandoned loads or calls", killed)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import logging
 import os
@@ -17,6 +16,7 @@ from typing import Callable
 from nereid.errors import ConfigError
 from nereid.files import not_regular_reason, read_regular_file, temporary_name
 from nereid.leftovers import remove_stale_partials
+from nereid.processes import new_children_stopped
 
 from nereid.backends.subprocess.runner import run_model_process
 
@@ -32,10 +32,10 @@ CACHE_DIR = ".cache"
 # repository, a full disk): used for this server's life, built again at its next start.
 SCRATCH_CACHE_DIR = "build-cache"
 MESSAGE_TAIL_CHARS = 4000
-VERSION_PROBE_TIMEOUT_S = 30
-_COMPILE_SLOTS = threading.BoundedSemaphore(max(1, len(os.sched_getaffinity(0))))  # a compiler's --version, asked for its identity in a build's key
 # Of those, the first ones: a compiler's first error is its root cause, the cascade after it matters less.
 MESSAGE_HEAD_CHARS = 3000
+VERSION_PROBE_TIMEOUT_S = 30  # a compiler's --version, asked for its identity in a build's key
+_COMPILE_SLOTS = threading.BoundedSemaphore(max(1, len(os.sched_getaffinity(0))))  # compilers at once
 # A source or header larger than this is refused rather than read into memory to be hashed.
 MAX_CODE_FILE_BYTES = 1 << 30
 
@@ -70,29 +70,45 @@ def compiler_key(compiler: Compiler) -> bytes:
 
 
 def compiler_version(compiler: Compiler) -> str:
-    """What ``compiler --version`` prints ("" when it cannot say), asked once per version of the file it runs.
+    """What ``compiler --version`` prints ("" when it cannot say), asked once per version of the files it runs.
 
-    The probe runs like a build: in its own process group, killed whole at
-    its end or time limit, and by a stopping server (a compiler wrapper's
-    children too).
+    Those are each word of the command that names a program (``ccache g++``:
+    ccache and g++ both, so a g++ upgraded behind ccache is asked again). The
+    probe runs like a build: in its own process group, killed whole at its
+    end or time limit, and by a stopping server (a compiler wrapper's children
+    too). One that says nothing (timed out, failed to start) is asked again
+    next time.
     """
-    real = os.path.realpath(compiler[0])
-    try:
-        status = os.stat(real)
-    except OSError:
-        return ""  # (the build that follows says what is wrong with it)
-    return _version(compiler, real, status.st_size, status.st_mtime_ns, status.st_ino)
-
-
-@functools.lru_cache(maxsize=16)
-def _version(compiler: Compiler, real: str, size: int, mtime_ns: int, inode: int) -> str:
-    """:func:`compiler_version`'s probe (the file's size, mtime and inode only key the cache)."""
+    stamps = []
+    for word in compiler:
+        found = shutil.which(word)
+        if found is not None:
+            try:
+                status = os.stat(found)
+            except OSError:
+                continue
+            stamps.append((os.path.realpath(found), status.st_size, status.st_mtime_ns, status.st_ino))
+    key = (compiler, tuple(stamps))
+    with _VERSIONS_LOCK:
+        known = _VERSIONS.get(key)
+    if known is not None:
+        return known
     try:
         probe = run_model_process([*compiler, "--version"], cwd="/", env=dict(os.environ), stdin=b"",
                                   timeout_s=VERSION_PROBE_TIMEOUT_S)
+        version = "" if probe.timed_out else probe.output_tail
     except OSError:
-        return ""
-    return "" if probe.timed_out else probe.output_tail
+        version = ""
+    if version:
+        with _VERSIONS_LOCK:
+            if len(_VERSIONS) >= 64:  # (compilers come and go rarely: a bound, not a policy)
+                _VERSIONS.clear()
+            _VERSIONS[key] = version
+    return version
+
+
+_VERSIONS: dict[tuple, str] = {}  # compiler_version's answers, by command and the stamps of its files
+_VERSIONS_LOCK = threading.Lock()  # (loads compile on threads of their own)
 
 
 def source_hash(folder: Path, compiler: Compiler, model: str) -> str:
@@ -163,6 +179,8 @@ def compile_to(compiler: Compiler, arguments: list[str], target: Path, cwd: Path
         # At most one compiler per CPU: a repository of many models loads them all at once, and as many
         # template-heavy compilers at once can run the machine out of memory, to finish no sooner.
         with _COMPILE_SLOTS:
+            if new_children_stopped():  # the server stopped while this load waited for a slot
+                raise ConfigError(f"{what}: not compiled: the server is stopping")
             completed = run_model_process([*compiler, *arguments, "-o", str(partial)], cwd=cwd,
                                           env={**os.environ, "TMPDIR": str(work)}, stdin=b"",
                                           timeout_s=COMPILE_TIMEOUT_S, head_bytes=MESSAGE_HEAD_CHARS,
@@ -209,7 +227,12 @@ def cached_build(compiler: Compiler, arguments: list[str], name: str, stale: str
         return fallback
     scratch_cache.mkdir(parents=True, exist_ok=True)
     compile_to(compiler, arguments, fallback, folder, what, model)
-    if name_now is not None and name_now() != name:
+    try:
+        name_changed = name_now is not None and name_now() != name
+    except BaseException:  # a source gone since (read again to name it): no build of those sources is kept
+        fallback.unlink(missing_ok=True)
+        raise
+    if name_changed:
         log.info("model '%s': its sources changed while they were compiled; this build is not cached", model)
         once = scratch_cache / temporary_name(f"edited-{name}")
         os.replace(fallback, once)

@@ -90,8 +90,8 @@ def _link_siblings(model: str, path: Path, folder: Path, scratch_dir: Path) -> N
     """Link into ``folder`` every entry of the shared library ``path``'s own folder but the library itself."""
     try:
         siblings = [entry for entry in os.scandir(path.parent) if entry.name != path.name]
-    except OSError as err:
-        raise _cannot_read(model, path.parent, err) from None
+    except OSError:  # a folder that may be entered but not listed: the library loads without its neighbours
+        return
     for sibling in siblings:
         try:
             os.symlink(os.path.abspath(sibling.path), folder / sibling.name)

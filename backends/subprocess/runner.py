@@ -242,6 +242,23 @@ def feed_and_wait(stdin_fd: int, data: bytes, exit_fd: int, deadline: float | No
         os.close(output_fd)
 
 
+def _whole_characters(data: bytes, *, at_end: bool) -> bytes:
+    """``data`` less the bytes of a UTF-8 character cut at its end (``at_end``) or at its start (at most 3)."""
+    if at_end:
+        for back in range(1, min(4, len(data)) + 1):
+            byte = data[-back]
+            if byte < 0x80:
+                return data
+            if byte >= 0xC0:  # a character's first byte: whole when its length fits in what follows it
+                length = 2 if byte < 0xE0 else 3 if byte < 0xF0 else 4
+                return data if back >= length else data[:-back]
+        return data
+    skip = 0
+    while skip < min(3, len(data)) and 0x80 <= data[skip] < 0xC0:  # continuation bytes of a cut character
+        skip += 1
+    return data[skip:]
+
+
 class _Tail:
     """The first ``head`` and the last ``size`` bytes read from a child's output pipe; the rest is dropped as it
     arrives (counted: the text says how much was left out between the two)."""
@@ -284,11 +301,12 @@ class _Tail:
 
     def text(self) -> str:
         omitted = self.total - len(self.head) - len(self.data)
-        if omitted <= 0:
+        if omitted <= 0 or not self.head_size:  # (a tail alone is a tail: a model's output, its last lines)
             return (self.head + self.data).decode("utf-8", errors="replace").strip()
-        head = self.head.decode("utf-8", errors="replace").rstrip()
-        tail = self.data.decode("utf-8", errors="replace").strip()
-        return f"{head}\n... ({omitted} bytes left out) ...\n{tail}" if head else tail
+        # Each part cut at a character's edge: a cut inside one (gcc's ‘quotes’) would show a stray U+FFFD.
+        head = _whole_characters(self.head, at_end=True).decode("utf-8", errors="replace").rstrip()
+        tail = _whole_characters(self.data, at_end=False).decode("utf-8", errors="replace").strip()
+        return f"{head}\n... ({omitted} bytes left out) ...\n{tail}"
 
 
 def _write_some(fd: int, view: memoryview) -> memoryview:

@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import stat
+import time
 from pathlib import Path
 
 import numpy as np
@@ -460,6 +461,79 @@ def test_compilers_run_at_most_one_per_slot(tmp_path, monkeypatch):
         build.join(60)
     assert log.read_text().split() == ["start", "end"] * 3
     assert all(list((folder / ".cache").glob("main-*")) for folder in folders)
+
+
+def test_a_compile_waiting_for_its_slot_when_the_server_stops_never_starts(tmp_path, monkeypatch):
+    """Defect: a load waiting for a compile slot took it once the stop had killed every child, and its compiler
+    ran on under init, with no time limit, writing into a scratch folder being removed."""
+    import threading
+
+    from nereid import processes
+
+    monkeypatch.setattr(compiler, "_COMPILE_SLOTS", threading.BoundedSemaphore(1))
+    monkeypatch.setattr(processes, "_NO_NEW_CHILDREN", threading.Event())  # (this process goes on: a fresh one)
+    log = tmp_path / "compiles.log"
+    logging_cc = tmp_path / "cc-logs"
+    logging_cc.write_text(f'#!/bin/sh\n[ "$1" = --version ] && exec c++ --version\necho ran >> "{log}"\n'
+                          'exec c++ "$@"\n')
+    logging_cc.chmod(0o755)
+    monkeypatch.setenv("CXX", str(logging_cc))
+    folder = tmp_path / "model"
+    shutil.copytree(EXAMPLES / "cpp_scale", folder, ignore=shutil.ignore_patterns(".cache"))
+    (tmp_path / "scratch").mkdir()
+    outcome: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            compiler.build_binary(folder, "main.cpp", tmp_path / "scratch", "m")
+        except BaseException as err:  # noqa: BLE001 - kept for the test
+            outcome.append(err)
+    with compiler._COMPILE_SLOTS:  # another build holds the one slot
+        waiting = threading.Thread(target=load)
+        waiting.start()
+        time.sleep(0.3)
+        processes.stop_new_children()  # what serve does before it kills its children
+    waiting.join(30)
+    assert [str(err) for err in outcome] == [f"{folder / 'main.cpp'}: not compiled: the server is stopping"]
+    assert not log.exists()  # no compiler ever started
+
+
+def test_a_compiler_upgraded_behind_a_launcher_is_asked_its_version_again(tmp_path):
+    """Defect: the version was cached by the first word's file alone: with CXX="ccache g++", a g++ upgraded behind
+    ccache kept its old version in every build key until a restart."""
+    launcher = tmp_path / "launcher"
+    launcher.write_text('#!/bin/sh\nexec "$@"\n')
+    launcher.chmod(0o755)
+    for version in ("11", "14"):
+        program = tmp_path / f"gxx-{version}"
+        program.write_text(f'#!/bin/sh\necho "gxx {version}.0"\n')
+        program.chmod(0o755)
+    linked = tmp_path / "gxx"
+    linked.symlink_to(tmp_path / "gxx-11")
+    command = (str(launcher), str(linked))
+    assert compiler.compiler_version(command) == "gxx 11.0"
+    first = compiler.compiler_key(command)
+    linked.unlink()
+    linked.symlink_to(tmp_path / "gxx-14")
+    assert compiler.compiler_version(command) == "gxx 14.0"
+    assert compiler.compiler_key(command) != first
+
+
+def test_a_build_whose_sources_cannot_be_read_again_after_it_is_not_kept(tmp_path):
+    # A source deleted during the compile: asking the name again raises, and the build must not stay where a
+    # later load with the same sources would take it unchecked.
+    folder = tmp_path / "model"
+    shutil.copytree(EXAMPLES / "cpp_scale", folder, ignore=shutil.ignore_patterns(".cache"))
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+
+    def source_gone() -> str:
+        raise ConfigError("model 'm': main.cpp: gone")
+    with pytest.raises(ConfigError, match="gone"):
+        compiler.cached_build(compiler.find_compiler(), [*compiler.CXX_FLAGS, "main.cpp"], "main-x", "main-*",
+                              model="m", folder=folder, scratch=scratch, what="main.cpp", executable=True,
+                              name_now=source_gone)
+    assert not (scratch / compiler.SCRATCH_CACHE_DIR / "main-x").exists()
 
 
 def test_cxx_may_hold_a_wrapper_and_its_words_as_make_takes_it(tmp_path, monkeypatch):

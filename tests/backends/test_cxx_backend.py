@@ -804,3 +804,27 @@ def test_a_library_finding_its_dependencies_beside_it_through_origin_loads(repo,
     assert index_of(server)["shipped"][0] == "READY", index_of(server)["shipped"]
     assert server.client.infer("shipped", [tensor("input", ROWS)]).as_numpy("output").tolist() == \
         (ROWS * 5).tolist()
+
+
+def test_a_library_in_a_folder_that_cannot_be_listed_still_loads(libs, tmp_path):
+    """Linking the library's neighbours is a service: a folder that may be entered but not listed (mode 0311)
+    failed the load, calling the folder a shared library."""
+    if shutil.which("setpriv") is None:
+        pytest.skip("needs setpriv to drop root's right to list any folder")
+    folder = tmp_path / "lib"
+    folder.mkdir()
+    shutil.copy(libs["multi"], folder / "libmulti.so")
+    folder.chmod(0o311)
+    (tmp_path / "scratch").mkdir()
+    load = ("import sys\nfrom pathlib import Path\nfrom nereid.backends.cxx.library import NativeLibrary\n"
+            "library = NativeLibrary('m', Path(sys.argv[1]), Path(sys.argv[2]))\nprint(library.infer is not None)\n"
+            "library.close()\n")
+    try:
+        done = subprocess.run(["setpriv", "--bounding-set", "-dac_override,-dac_read_search", sys.executable, "-c",
+                               load, str(folder / "libmulti.so"), str(tmp_path / "scratch")],
+                              capture_output=True, text=True, timeout=60)
+    finally:
+        folder.chmod(0o755)
+    if "setpriv:" in done.stderr:
+        pytest.skip(f"setpriv cannot drop capabilities here: {done.stderr.strip()}")
+    assert (done.returncode, done.stdout.strip()) == (0, "True"), done.stderr

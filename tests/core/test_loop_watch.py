@@ -7,7 +7,9 @@ import logging
 import re
 import subprocess
 import threading
+import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -162,3 +164,29 @@ def test_a_hold_deep_in_a_library_names_the_code_that_called_it_first(caplog):
     running = held.split("It is running: ")[1]
     assert re.match(rf"{re.escape(__file__)}:\d+ in model > \.\.\. > ", running), running
     assert running.count(" > ") == 4 + 1 and "subprocess.py" in running.rsplit(" > ", 1)[1], running
+
+
+def test_a_hold_inside_an_import_names_the_model_s_line_not_importlib_s(tmp_path, caplog, monkeypatch):
+    """A lazy `import heavy` in an async infer runs through importlib's frozen frames, which are under no folder:
+    they were taken for the model's own code, and the warning named `<frozen importlib._bootstrap>`."""
+    import importlib
+    import sys
+
+    from nereid import loop_watch
+
+    (tmp_path / "heavy_lazy_package.py").write_text(f"import time\ntime.sleep({WARN_AFTER_S * 2.5})\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    # The package counts as a library's (as one in site-packages would); the standard library's and nereid's too.
+    libraries = tuple(f"{folder}{os.sep}" for folder in (tmp_path, Path(os.__file__).parent,
+                                                          Path(loop_watch.__file__).parent))
+    monkeypatch.setattr(loop_watch, "_library_folders", lambda: libraries)
+    caplog.set_level(logging.WARNING, "nereid.loop")
+
+    async def model() -> None:
+        importlib.import_module("heavy_lazy_package")
+    try:
+        watched(model)
+    finally:
+        sys.modules.pop("heavy_lazy_package", None)
+    running = watch_lines(caplog)[0].split("It is running: ")[1]
+    assert re.match(rf"{re.escape(__file__)}:\d+ in model > \.\.\. > ", running), running

@@ -52,6 +52,24 @@ def test_output_is_kept_only_as_a_bounded_tail(tmp_path):
     assert result.output_tail.endswith("line 019999")
 
 
+@pytest.mark.parametrize("pad", range(4))
+def test_a_head_and_a_tail_are_kept_whole_characters_with_what_was_left_out_said(tmp_path, pad):
+    """gcc quotes with ‘’ (3 bytes each in UTF-8): a cut inside one showed a stray U+FFFD. A head of whitespace
+    only still says what was left out."""
+    code = (f"import sys; out = sys.stdout.buffer; out.write(b'x' * {95 + pad} + '‘first’'.encode())\n"
+            "out.write(b'y' * 5000); out.write('‘last’ end'.encode())")
+    result = run(tmp_path, code, head_bytes=100, tail_bytes=12)
+    head, marker, tail = result.output_tail.split("\n")
+    assert "\ufffd" not in result.output_tail, result.output_tail
+    assert head.startswith("x" * 95) and tail.endswith("end")
+    left_out = int(marker.removeprefix("... (").removesuffix(" bytes left out) ..."))
+    assert left_out + len(head.encode()) + len(tail.encode()) <= 95 + pad + 11 + 5000 + 14  # (UTF-8 bytes)
+    assert left_out >= 5000
+    blank = run(tmp_path, "import sys; sys.stdout.write(' ' * 200 + 'y' * 5000 + 'end')", head_bytes=100,
+                tail_bytes=10)
+    assert blank.output_tail.startswith("\n... (") and blank.output_tail.endswith("end")
+
+
 def test_child_that_ignores_stdin_does_not_hang_the_writer(tmp_path):
     started = time.monotonic()
     result = run(tmp_path, "import sys; sys.exit(0)", stdin=b"\0" * (8 << 20))
