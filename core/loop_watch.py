@@ -25,6 +25,7 @@ import threading
 import time
 import traceback
 import types
+import weakref
 from pathlib import Path
 
 log = logging.getLogger("nereid.loop")
@@ -45,8 +46,8 @@ class LoopWatch:
         # A beat (and a look) every tenth of the limit: a hold is seen within 10% of it, at ten wake-ups a second.
         self._interval_s = warn_after_s / 10
         self._last_beat = time.monotonic()
-        # The callback the loop was seen running while the beat was late, and since when (None: none is).
-        self._holder: asyncio.Handle | None = None
+        # The callback the loop was seen running while the beat was late (weakly), and since when (None: none is).
+        self._holder: weakref.ref[asyncio.Handle] | None = None
         self._held_since = 0.0
         self._reported = False  # the holder's hold was logged: its end is logged too
         self._loop_thread: int | None = None
@@ -90,25 +91,30 @@ class LoopWatch:
         while not self._stopping.wait(self._interval_s):
             if self._loop.is_closed():
                 return  # a loop closed without stop(): nothing of it runs any more
-            # Under the beat's lock: a beat that ran meanwhile would make the stack read below another callback's.
-            with self._lock:
-                now = time.monotonic()
-                if now - self._last_beat < 2 * self._interval_s or self._reported:
-                    continue  # the beat is on time (or this hold was said)
-                # Late: the loop runs one long callback, or many short ones in one pass, or waits for the GIL
-                # or a CPU. Only the same callback seen for warn_after_s is blamed.
-                frame, holder = self._callback_frame()
-                if holder is None or holder is not self._holder:
-                    self._holder, self._held_since = holder, now  # (first seen: it may have started a little before)
-                    continue
-                held_s = now - self._held_since
-                if held_s < self._warn_after_s:
-                    continue
-                self._reported = True
-                log.warning("the event loop has been held for %.1f s by one callback, so every model and client "
-                            "waits: an async def that blocks (time.sleep, blocking I/O, a long computation) "
-                            "belongs on a worker thread (a plain def infer, or asyncio.to_thread). It is running: %s",
-                            held_s, _innermost(frame))
+            self._look()  # (a method of its own: nothing it read of the loop's thread outlives the look)
+
+    def _look(self) -> None:
+        # Under the beat's lock: a beat that ran meanwhile would make the stack read below another callback's.
+        with self._lock:
+            now = time.monotonic()
+            if now - self._last_beat < 2 * self._interval_s or self._reported:
+                return  # the beat is on time (or this hold was said)
+            # Late: the loop runs one long callback, or many short ones in one pass, or waits for the GIL or a
+            # CPU. Only the same callback seen for warn_after_s is blamed. It is remembered by a weak reference:
+            # a strong one would keep its task, and the request that task holds, alive (a 64 MiB one, say).
+            frame, holder = self._callback_frame()
+            if holder is None or self._holder is None or holder is not self._holder():
+                self._holder = weakref.ref(holder) if holder is not None else None
+                self._held_since = now  # (first seen: it may have started a little before)
+                return
+            held_s = now - self._held_since
+            if held_s < self._warn_after_s:
+                return
+            self._reported = True
+            log.warning("the event loop has been held for %.1f s by one callback, so every model and client "
+                        "waits: an async def that blocks (time.sleep, blocking I/O, a long computation) "
+                        "belongs on a worker thread (a plain def infer, or asyncio.to_thread). It is running: %s",
+                        held_s, _innermost(frame))
 
     def _callback_frame(self) -> tuple[types.FrameType | None, asyncio.Handle | None]:
         """The frame of asyncio's ``Handle._run`` the loop's thread is in, and its handle, when it is one of this

@@ -9,6 +9,7 @@ import subprocess
 import threading
 import os
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -190,3 +191,37 @@ def test_a_hold_inside_an_import_names_the_model_s_line_not_importlib_s(tmp_path
         sys.modules.pop("heavy_lazy_package", None)
     running = watch_lines(caplog)[0].split("It is running: ")[1]
     assert re.match(rf"{re.escape(__file__)}:\d+ in model > \.\.\. > ", running), running
+
+
+class Big:
+    """Something a held callback holds (a large request, say)."""
+
+
+BIG_REFS: list = []
+
+
+def decode_big() -> None:
+    """A plain function (a coroutine's frame is cleared when it ends; a function's frame object keeps its locals)."""
+    big = Big()
+    BIG_REFS.append(weakref.ref(big))
+    time.sleep(WARN_AFTER_S * 0.8)  # read by the watch (the beat late), not long enough to be reported
+
+
+def test_what_a_held_callback_held_is_let_go_once_it_returns() -> None:
+    """Defect: the watching thread kept the frame it had read of the loop's thread until its next look at a late
+    beat: a 64 MiB request whose receipt held the loop stayed in memory for good (a memory test caught it)."""
+    BIG_REFS.clear()
+
+    async def main() -> None:
+        watch = LoopWatch(asyncio.get_running_loop(), WARN_AFTER_S)
+        watch.start()
+        try:
+            await asyncio.sleep(0.05)
+            decode_big()
+            await asyncio.sleep(WARN_AFTER_S / 2)  # beats on time: the watch holds nothing of the callback now
+            # (No gc.collect(): nothing but a reference keeps it, and a collection slow enough to make a beat late
+            # would have the watch read the stack again, dropping the old frame by chance.)
+            assert BIG_REFS[0]() is None
+        finally:
+            watch.stop()
+    asyncio.run(main())
