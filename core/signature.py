@@ -312,15 +312,9 @@ def check_outputs(model: str, signature: ModelSignature, outputs: list[NamedTens
                                                 and data.dtype.newbyteorder("=") != wanted):
             raise ModelFailure(f"model '{model}' returned output '{spec.name}' tagged {spec.dtype.kserve} holding "
                                f"{_array_text(data)}, expected a numpy ndarray of {wanted}")
-        if spec.dtype is DType.BYTES:
-            if not all(map(isinstance, data.ravel(), repeat(_TEXT))):
-                raise ModelFailure(f"model '{model}' returned output '{spec.name}' tagged {spec.dtype.kserve} "
-                                   f"holding {_first_non_text(data)}, expected bytes or str elements")
-            unencodable = _first_unencodable(data)
-            if unencodable is not None:
-                raise ModelFailure(f"model '{model}' returned output '{spec.name}' tagged {spec.dtype.kserve} "
-                                   f"holding {unencodable}, which UTF-8 cannot encode (a lone surrogate): expected "
-                                   "bytes, or str that is text")
+        if spec.dtype is DType.BYTES and (problem := _text_problem(data)) is not None:
+            raise ModelFailure(f"model '{model}' returned output '{spec.name}' tagged {spec.dtype.kserve} "
+                               f"holding {problem}")
         shape = data.shape
         if signature.batches:
             ok = len(shape) == len(spec.dims) + 1 and shape[0] == batch_size and dims_match(shape[1:], spec.dims)
@@ -430,16 +424,23 @@ def _check_text_elements(model: str, name: str, data: np.ndarray) -> None:
     an element failed its whole batch, other clients' requests with it, and was
     blamed on the model that received it.
     """
+    problem = _text_problem(data)
+    if problem is not None:
+        raise _refusal(f"model '{model}': input '{name}' is tagged BYTES but holds {problem}")
+
+
+def _text_problem(data: np.ndarray) -> str | None:
+    """What is wrong with a BYTES array's elements, for a message (after "holding"); None when each is bytes, or
+    str that UTF-8 can encode (what every encoder writes)."""
     flat = data.ravel()
-    if all(map(isinstance, flat, repeat(bytes))):
-        return
+    if all(map(isinstance, flat, repeat(bytes))):  # bytes only (the wire decoders', subprocess models'): no more
+        return None
     if not all(map(isinstance, flat, repeat(_TEXT))):
-        raise _refusal(f"model '{model}': input '{name}' is tagged BYTES but holds {_first_non_text(data)}, "
-                       "expected bytes or str elements")
+        return f"{_first_non_text(data)}, expected bytes or str elements"
     unencodable = _first_unencodable(data)
     if unencodable is not None:
-        raise _refusal(f"model '{model}': input '{name}' is tagged BYTES but holds {unencodable}, which UTF-8 "
-                       "cannot encode (a lone surrogate): expected bytes, or str that is text")
+        return f"{unencodable}, which UTF-8 cannot encode (a lone surrogate): expected bytes, or str that is text"
+    return None
 
 
 def _first_non_text(data: np.ndarray) -> str:
@@ -454,10 +455,7 @@ def _first_unencodable(data: np.ndarray) -> str | None:
     Every encoder (the gRPC and binary HTTP wire, JSON) writes str as UTF-8: such an element would fail there,
     past the checks, as a bare UnicodeEncodeError naming no model.
     """
-    flat = data.ravel()
-    if all(map(isinstance, flat, repeat(bytes))):  # bytes only (what subprocess models give): nothing to look at
-        return None
-    for index, element in enumerate(flat):
+    for index, element in enumerate(data.ravel()):
         if isinstance(element, str) and not element.isascii():
             try:
                 element.encode("utf-8")
