@@ -26,7 +26,7 @@ def imported_modules(main_py: Path, source: bytes) -> list[str]:
     Raises ConfigError when ``python main.py`` would stop at a SyntaxError:
     the source is compiled too, not only parsed.
     """
-    return [name for name, _ in _top_level_imports(_checked_tree(main_py, source))]
+    return [name for name, _ in _top_level_imports(_top_level_names(_checked_tree(main_py, source)))]
 
 
 def _checked_tree(main_py: Path, source: bytes) -> ast.Module:
@@ -46,16 +46,17 @@ def _checked_tree(main_py: Path, source: bytes) -> ast.Module:
     return tree
 
 
-def _top_level_imports(tree: ast.Module) -> list[tuple[str, bool]]:
-    """Each module the body's ``import`` / ``from`` statements name, first occurrence only, with whether only
-    imports and docstrings come before it (``__future__`` and relative imports skipped)."""
-    return [(name, leading) for name, leading, taken in _top_level_names(tree) if not taken and name != "__future__"]
+def _top_level_imports(names: list[tuple[str, bool, bool]]) -> list[tuple[str, bool]]:
+    """Each module the body's ``import`` / ``from`` statements name (of :func:`_top_level_names`), first
+    occurrence only, with whether only imports and docstrings come before it (``__future__`` skipped)."""
+    return [(name, leading) for name, leading, taken in names if not taken and name != "__future__"]
 
 
-def _from_names(tree: ast.Module) -> list[str]:
-    """``package.name`` for each ``from package import name`` of the body: a submodule when the package has no
-    attribute of that name (``from scipy import signal``), which Python then imports."""
-    return [name for name, _, taken in _top_level_names(tree) if taken and not name.startswith("__future__.")]
+def _from_names(names: list[tuple[str, bool, bool]]) -> list[str]:
+    """``package.name`` for each ``from package import name`` of the body (of :func:`_top_level_names`): a
+    submodule when the package has no attribute of that name (``from scipy import signal``), which Python then
+    imports."""
+    return [name for name, _, taken in names if taken and not name.startswith("__future__.")]
 
 
 def _top_level_names(tree: ast.Module) -> list[tuple[str, bool, bool]]:
@@ -132,8 +133,8 @@ def modules_to_preload(folder: Path, entry_file: str, extra: tuple[str, ...], so
     imports: list[str] = []
     later: list[str] = []
     reached = True  # by the parent as by main.py: no statement it skips has come before
-    tree = _checked_tree(folder / entry_file, source)
-    for name, leading in _top_level_imports(tree):
+    names = _top_level_names(_checked_tree(folder / entry_file, source))  # (read once, for both kinds)
+    for name, leading in _top_level_imports(names):
         if lives_in_folder(name, folder):
             reached = False
         elif leading and reached:
@@ -144,7 +145,7 @@ def modules_to_preload(folder: Path, entry_file: str, extra: tuple[str, ...], so
     extra_kept = tuple(name for name in dict.fromkeys(chosen) if not lives_in_folder(name, folder))
     preloaded = {*imports, *extra_kept}
     submodules: list[str] = []
-    for name in _from_names(tree):  # in order: a submodule's own submodules come after it
+    for name in _from_names(names):  # in order: a submodule's own submodules come after it
         if name.rpartition(".")[0] in preloaded:
             submodules.append(name)
             preloaded.add(name)
