@@ -23,7 +23,6 @@ import sys
 import sysconfig
 import threading
 import time
-import traceback
 import types
 import weakref
 from pathlib import Path
@@ -134,19 +133,27 @@ class LoopWatch:
 def _innermost(frame: types.FrameType | None) -> str:
     """The innermost frames of the callback ``frame`` runs, outermost first, as ``file:line in function``: what is
     inside asyncio's ``Handle._run``, less asyncio's own frames. When those are all a library's (a blocking call
-    deep in ``subprocess``), the innermost frame of a model's own code comes first: the call that blocks."""
-    stack = traceback.extract_stack(frame) if frame is not None else []
-    starts = [index for index, entry in enumerate(stack) if entry.name == "_run" and entry.filename == _HANDLE_FILE]
-    inside = [entry for entry in stack[starts[-1] + 1:] if not entry.filename.startswith(_ASYNCIO)] if starts else []
+    deep in ``subprocess``), the innermost frame of a model's own code comes first: the call that blocks.
+
+    Read from the frames alone, never from their source files (as ``traceback`` would, for lines it shows none
+    of): the beat waits on this under the watch's lock.
+    """
+    stack: list[tuple[str, int, str]] = []  # (file, line, function), innermost first until reversed
+    while frame is not None:
+        stack.append((frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name))
+        frame = frame.f_back
+    stack.reverse()
+    starts = [index for index, (filename, _, name) in enumerate(stack) if name == "_run" and filename == _HANDLE_FILE]
+    inside = [entry for entry in stack[starts[-1] + 1:] if not entry[0].startswith(_ASYNCIO)] if starts else []
     if not inside:
         return "(asyncio's own code)"
     shown = inside[-_SHOWN_FRAMES:]
-    text = " > ".join(f"{entry.filename}:{entry.lineno} in {entry.name}" for entry in shown)
+    text = " > ".join(f"{filename}:{line} in {name}" for filename, line, name in shown)
     libraries = _library_folders()
     own = next((entry for entry in reversed(inside)
-                if not entry.filename.startswith(libraries) and not entry.filename.startswith("<")), None)
+                if not entry[0].startswith(libraries) and not entry[0].startswith("<")), None)
     if own is not None and own not in shown:
-        return f"{own.filename}:{own.lineno} in {own.name} > ... > {text}"
+        return f"{own[0]}:{own[1]} in {own[2]} > ... > {text}"
     return text
 
 
