@@ -544,21 +544,22 @@ def compile_entry(path: str, source_file: str) -> None:
         with open(source_file, "rb") as f:
             source = f.read()
         # dont_inherit: this module's own `from __future__ import annotations` must not become main.py's.
-        _entry = (path, compile(source, path, "exec", dont_inherit=True), importlib.util.decode_source(source))
+        _entry = (path, compile(source, path, "exec", dont_inherit=True),
+                  importlib.util.decode_source(source).splitlines(True))  # (split once, before any fork)
     except BaseException as err:  # noqa: BLE001 - reported by each run, like the interpreter does
         # Without this function's frames: python main.py reports a compile error with no traceback, only
         # the error's own file, line and caret (the run that raises it adds only its own frame, dropped).
-        _entry = (path, err.with_traceback(None), "")
+        _entry = (path, err.with_traceback(None), [])
 
 
 def entry_code(path: str) -> types.CodeType | BaseException:
     """The loaded ``main.py``'s code (or why it did not compile), its tracebacks naming ``path``."""
     assert _entry is not None, "compile_entry() first"
-    loaded_path, code, text = _entry
-    if text:
+    loaded_path, code, lines = _entry
+    if lines:
         # A traceback quotes the lines of the code that ran, not of the file on disk now (an edit not yet
         # loaded): linecache never checks again an entry without an mtime.
-        linecache.cache[path] = (len(text), None, text.splitlines(True), path)
+        linecache.cache[path] = (sum(map(len, lines)), None, lines, path)
     if isinstance(code, BaseException) or path == loaded_path:
         return code
     return _renamed(code, path)  # the folder was renamed since: same code, new file name
@@ -762,8 +763,8 @@ _prctl = None
 _fflush = None
 # (variables set or changed, variables removed) by the preloaded imports.
 _preload_environ: tuple[dict[str, str], list[str]] = ({}, [])
-# main.py's path at load, its code or why not, and its text (for tracebacks).
-_entry: tuple[str, types.CodeType | BaseException, str] | None = None
+# main.py's path at load, its code or why not, and its lines (for tracebacks).
+_entry: tuple[str, types.CodeType | BaseException, list[str]] | None = None
 
 
 def main() -> int:
