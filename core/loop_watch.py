@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import gc
 import importlib.util
 import logging
 import os
@@ -36,6 +37,44 @@ STOP_JOIN_S = 5.0  # the watching thread wakes at once; only a log handler that 
 _SHOWN_FRAMES = 4  # of the callback's stack, innermost last: enough to name the caller of a blocking call
 
 
+class _CollectorClock:
+    """The seconds Python's garbage collector has run in this process, counted while any watch runs.
+
+    A full collection of a large heap (a million objects: jax and a model
+    loaded) takes a second on a loaded machine, inside whichever callback
+    allocated last. That callback did not block the loop, so the watch takes
+    the collector's time off a hold before it blames one.
+    """
+
+    def __init__(self) -> None:
+        self.total_s = 0.0
+        self._started = 0.0
+        self._watches = 0
+        self._lock = threading.Lock()
+
+    def _on_collection(self, phase: str, info: dict) -> None:
+        # Called with the GIL held, around each collection, which never overlap: no lock needed.
+        if phase == "start":
+            self._started = time.monotonic()
+        else:
+            self.total_s += time.monotonic() - self._started
+
+    def attach(self) -> None:
+        with self._lock:
+            self._watches += 1
+            if self._watches == 1:
+                gc.callbacks.append(self._on_collection)
+
+    def detach(self) -> None:
+        with self._lock:
+            self._watches -= 1
+            if self._watches == 0 and self._on_collection in gc.callbacks:
+                gc.callbacks.remove(self._on_collection)
+
+
+_COLLECTOR = _CollectorClock()
+
+
 class LoopWatch:
     """Log the code holding ``loop`` once it has held it ``warn_after_s`` seconds; start on the loop's thread."""
 
@@ -48,7 +87,9 @@ class LoopWatch:
         # The callback the loop was seen running while the beat was late (weakly), and since when (None: none is).
         self._holder: weakref.ref[asyncio.Handle] | None = None
         self._held_since = 0.0
+        self._collected_before = 0.0  # the collector's total when the holder was first seen
         self._reported = False  # the holder's hold was logged: its end is logged too
+        self._attached = False  # counted in _COLLECTOR's watches
         self._loop_thread: int | None = None
         self._handle: asyncio.TimerHandle | None = None
         self._stopping = threading.Event()
@@ -58,6 +99,8 @@ class LoopWatch:
     def start(self) -> None:
         """Begin beating on the loop and watching from a daemon thread. Called from the loop's own thread."""
         self._loop_thread = threading.get_ident()
+        _COLLECTOR.attach()
+        self._attached = True
         self._last_beat = time.monotonic()
         self._handle = self._loop.call_later(self._interval_s, self._beat)
         self._thread = threading.Thread(target=self._watch, name="nereid-loop-watch", daemon=True)
@@ -71,10 +114,17 @@ class LoopWatch:
         at once.
         """
         self._stopping.set()
+        self._detach_collector()
         if self._handle is not None:
             self._handle.cancel()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(STOP_JOIN_S)
+
+    def _detach_collector(self) -> None:
+        with self._lock:  # (stop() and a watch whose loop closed may both get here)
+            if self._attached:
+                self._attached = False
+                _COLLECTOR.detach()
 
     def _beat(self) -> None:
         with self._lock:
@@ -89,6 +139,7 @@ class LoopWatch:
     def _watch(self) -> None:
         while not self._stopping.wait(self._interval_s):
             if self._loop.is_closed():
+                self._detach_collector()
                 return  # a loop closed without stop(): nothing of it runs any more
             self._look()  # (a method of its own: nothing it read of the loop's thread outlives the look)
 
@@ -105,8 +156,9 @@ class LoopWatch:
             if holder is None or self._holder is None or holder is not self._holder():
                 self._holder = weakref.ref(holder) if holder is not None else None
                 self._held_since = now  # (first seen: it may have started a little before)
+                self._collected_before = _COLLECTOR.total_s
                 return
-            held_s = now - self._held_since
+            held_s = now - self._held_since - (_COLLECTOR.total_s - self._collected_before)
             if held_s < self._warn_after_s:
                 return
             self._reported = True
