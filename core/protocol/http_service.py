@@ -222,6 +222,10 @@ class HttpSurface:
             if not version:  # ".../versions//infer" is no request for the default version: a client's slip
                 raise HttpError(404, f"model '{model}': the path names an empty version "
                                      f"({cap_message(scope['path'], 256)}); give one (1) or leave out /versions/")
+            if not rest and version in _MODEL_ACTIONS:  # ".../versions/infer": the version left out, not named
+                raise HttpError(404, f"model '{model}': the path names no version before /{version} "
+                                     f"({cap_message(scope['path'], 256)}); give one (.../versions/1/{version}) "
+                                     f"or leave out /versions/")
         action = rest[0] if len(rest) == 1 else "" if not rest else None
         if action == "" and method == "GET":
             metadata = self.dataplane.model_metadata(model, version)
@@ -561,6 +565,9 @@ def _parameters(body: bytes, what: str) -> dict:
     if not isinstance(parameters, dict):
         raise HttpError(400, f"{what}: 'parameters' must be a JSON object")
     return parameters
+
+
+_MODEL_ACTIONS = frozenset(("ready", "config", "stats", "infer"))  # what follows a model (and its version)
 
 
 def _not_found(scope: Scope, parts: list[str]) -> HttpError:

@@ -88,6 +88,11 @@ def test_health_metadata_config_with_tritonclient(served):
     assert error_of(call(base, "POST", "/v2/models/echo/versions//infer", b'{"inputs": []}')) == (
         404, "model 'echo': the path names an empty version (/v2/models/echo/versions//infer); give one (1) or "
              "leave out /versions/")
+    # A version left out before the action was read as the version "infer" (405, "use GET": the metadata path).
+    assert error_of(call(base, "POST", "/v2/models/echo/versions/infer", b'{"inputs": []}')) == (
+        404, "model 'echo': the path names no version before /infer (/v2/models/echo/versions/infer); give one "
+             "(.../versions/1/infer) or leave out /versions/")
+    assert error_of(call(base, "GET", "/v2/models/echo/versions/ready"))[0] == 404
     # An unknown model or version is not ready (Triton's 400), not missing, as gRPC's ModelReady answers it.
     for path, name in (("/v2/models/nope/ready", "nope"), ("/v2/models/echo/versions/2/ready", "echo")):
         status, raw, _ = call(base, "GET", path)
