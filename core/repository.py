@@ -21,7 +21,7 @@ import time
 import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import AsyncIterator, Callable, Coroutine, Iterable, Protocol
+from typing import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Protocol
 
 import pluggy
 
@@ -809,11 +809,16 @@ class ModelRepository:
 
     async def apply_settings(self, settings: Settings) -> None:
         """Follow an edited nereid.yaml: reload changed entries, load added ones, unload removed ones."""
+        await self.start_settings(settings)
+
+    def start_settings(self, settings: Settings) -> Awaitable[None]:
+        """:meth:`apply_settings`, started: the settings are in force on return, and their loads, reloads and
+        unloads run in tasks of their own; what is returned ends once they have ended."""
         try:
             check_backend_defaults(self.manager, settings.backend_defaults, settings.source)
         except ConfigError as err:
             log.error("%s; keeping the running configuration", err)
-            return
+            return self._settled([])
         old = self.settings
         self.settings = settings
         changed_backends = {name for name in set(old.backend_defaults) | set(settings.backend_defaults)
@@ -844,7 +849,10 @@ class ModelRepository:
             elif changed or entry.loaded.backend_name in changed_backends:
                 log.info("model '%s': its settings in nereid.yaml changed; reloading it", entry.name)
                 work.append(self.reload(entry.name))
-        await asyncio.gather(*work)
+        return self._settled([asyncio.ensure_future(step) for step in work])
+
+    async def _settled(self, steps: list[asyncio.Future]) -> None:
+        await asyncio.gather(*steps)
         await self.refresh()  # entries only the old nereid.yaml kept (listed, folder never landed) go
 
     def _record(self, name: str, event: str) -> None:

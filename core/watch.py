@@ -205,6 +205,14 @@ def _describe(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}"
 
 
+async def _logged_settings(config_path: Path, step: Awaitable[object]) -> None:
+    """Carry out what an edited nereid.yaml calls for; a failure is logged and leaves the folders' steps alone."""
+    try:
+        await step
+    except Exception:
+        log.exception("dynamic repository: applying the changed %s failed", config_path)
+
+
 async def _logged(name: str, step: Awaitable[object]) -> None:
     """Carry out one folder's step; a failure is logged and leaves the other folders' steps alone."""
     try:
@@ -248,8 +256,11 @@ class RepositoryWatcher:
         self._store_retries: dict[str, StoreRetry] = {}
         # Loads of folders that came back while the removal of their old model was still taking it off the
         # name (it waits for a load or rename in progress, not for the drain): cancelled by stop() (a load
-        # never starts, nor holds up, a shutdown), as the loads of apply() are with the watcher's task.
+        # never starts, nor holds up, a shutdown), as each scan's changes are (below).
         self._deferred_loads: set[asyncio.Task] = set()
+        # Each scan's loads, reloads and unloads, carried out beside the scans that follow (see _start); cancelled
+        # by stop() too.
+        self._changes: set[asyncio.Task] = set()
         self._timer: asyncio.TimerHandle | None = None
         self._scheduled: asyncio.Task | None = None
         self._catch_ups: set[asyncio.Task] = set()
@@ -288,8 +299,9 @@ class RepositoryWatcher:
             if self._primed:
                 log.info("dynamic repository: the store can be listed again")
 
-    async def _catch_up(self, current: dict[str, FolderState]) -> None:
-        """The store could not be listed at start: take its first listing as the starting state.
+    def _catch_up(self, current: dict[str, FolderState]) -> Awaitable[object]:
+        """The store could not be listed at start: take its first listing as the starting state; returns the
+        loads it starts.
 
         What a start with the store up would have loaded is loaded now (every
         folder, or only the listed ones when nereid.yaml lists models), unless
@@ -306,9 +318,9 @@ class RepositoryWatcher:
         log.info("dynamic repository: the store can be listed again; loading %s",
                  ", ".join(f"'{name}'" for name in served) or "nothing (no listed model has a folder yet)")
         generations = self._generations()
-        await asyncio.gather(*(_logged(name, self._from_store(name, current[name], None, generations.get(name, 0),
-                                                              functools.partial(self.repository.reload, name)))
-                               for name in served))
+        return asyncio.gather(*(_logged(name, self._from_store(name, current[name], None, generations.get(name, 0),
+                                                               functools.partial(self.repository.reload, name)))
+                                for name in served))
 
     def _scan(self) -> dict[str, FolderState]:
         return scan_repository(self.root) if self.location is None else scan_store(self.location)
@@ -416,11 +428,12 @@ class RepositoryWatcher:
             self._timer.cancel()
         if self._scheduled is not None:
             self._scheduled.cancel()
-        for task in (*self._catch_ups, *self._deferred_loads):
+        for task in (*self._catch_ups, *self._deferred_loads, *self._changes):
             task.cancel()
 
     async def apply(self) -> None:
-        """Scan once and carry out what changed (nereid.yaml first, then the folders).
+        """Scan once and carry out what changed (nereid.yaml first, then the folders); returns once the loads
+        and reloads it started have ended (the watches' own scans do not wait for them: see :meth:`_start`).
 
         A rename is carried out at once: its files are known to be those of a
         complete, loaded folder. Any other change waits until the folder has
@@ -429,14 +442,36 @@ class RepositoryWatcher:
         files are being written (rsync's temporary files) waits until they have
         been left alone for the settle time too.
 
-        It returns once the new versions serve: an old version's drain (a
-        reloaded or removed model finishing its requests) goes on in the
-        background, never holding up the next change.
+        An old version's drain (a reloaded or removed model finishing its
+        requests) goes on in the background, never holding up the next change.
+        """
+        await (await self._scan_and_start())
+
+    async def _scan_and_start(self) -> asyncio.Task:
+        """:meth:`apply`, returning once its loads, reloads and unloads are started: the task carrying them out."""
+        first: list[asyncio.Future] = []
+        steps: list[Coroutine[object, object, None]] = []
+        try:
+            await self._scan_once(first, steps)
+        finally:  # (what was started is carried out, and cancelled by stop(), even after an error)
+            changes = self._start(first, steps)
+        return changes
+
+    async def _scan_once(self, first: list[asyncio.Future], steps: list[Coroutine[object, object, None]]) -> None:
+        """Scan once and act on what changed.
+
+        What nereid.yaml's edit calls for (and a store's catch-up) is started at once and goes into ``first``:
+        a rename after it, on the same model, waits its turn. The folders' loads and reloads go into ``steps``,
+        to start once ``first`` has ended: the entry of a folder listed together with its arrival is loaded
+        once, with its settings.
         """
         try:
-            await self._apply_config()
+            settings_work = await self._apply_config()
         except Exception:  # the folders are still handled
             log.exception("dynamic repository: applying the changed %s failed", self.config_path)
+        else:
+            if settings_work is not None:
+                first.append(asyncio.ensure_future(_logged_settings(self.config_path, settings_work)))
         now = time.monotonic()
         try:
             current, wanted = await asyncio.to_thread(self._look)
@@ -450,7 +485,7 @@ class RepositoryWatcher:
                 log.info("dynamic repository: following anew (%s)", follow.current.differences(paths))
                 follow.restart = True
         if not self._primed:
-            await self._catch_up(current)
+            first.append(self._catch_up(current))
         for name in [name for name, retry in self._store_retries.items() if current.get(name) != retry.state]:
             del self._store_retries[name]  # changed or gone since the store failed it: a new start, if any
         if self.location is not None:
@@ -470,7 +505,7 @@ class RepositoryWatcher:
             await self._for(new, repository.rename(old, new))
             if stale and repository.loaded_stamp(new) != current[new].stamp:
                 log.info("dynamic repository: folder '%s' holds files its model had not loaded; reloading it", new)
-                await self._for(new, repository.reload(new))
+                steps.append(self._for(new, repository.reload(new)))
         due: dict[str, list[str]] = {"removed": [], "added": [], "changed": []}
         previous: dict[str, FolderState | None] = {}  # the known state of each folder due, before this change
         for kind in due:
@@ -497,7 +532,6 @@ class RepositoryWatcher:
         # (A store's folder seen "added" may already be loaded, by a RepositoryModelLoad.)
         load = repository.load if self.location is None else repository.reload
         generations = self._generations() if self.location is not None else {}
-        work = []
         for kind, name in [("added", name) for name in due["added"]] + [("changed", name) for name in due["changed"]]:
             retry = self._store_retries.get(name)
             if retry is not None and not repository.wanted(name):
@@ -524,14 +558,42 @@ class RepositoryWatcher:
             else:
                 log.info("dynamic repository: folder '%s' changed; reloading it", name)
             step = functools.partial(load if kind == "added" else repository.reload, name)
-            work.append(self._for(name, step() if self.location is None else
-                                  self._from_store(name, current[name], previous[name], generations.get(name, 0),
-                                                   step)))
-        await asyncio.gather(*work)
+            steps.append(self._for(name, self._unless_loaded(name, current[name], step) if self.location is None else
+                                   self._from_store(name, current[name], previous[name], generations.get(name, 0),
+                                                    step)))
         self.scans += 1
         self._schedule_settled_scan()
-        if self._after_apply is not None:
-            await self._after_apply()
+
+    def _start(self, first: list[asyncio.Future], steps: list[Coroutine[object, object, None]]) -> asyncio.Task:
+        """Carry out one scan's changes in a task of its own: wait for ``first`` (started already), then run
+        ``steps`` (the folders' loads and reloads) together, then publish readiness (after_apply). The task is
+        returned, and cancelled by :meth:`stop`.
+
+        A scan never waits for them: one load that takes minutes (a large
+        model compiling) or never returns held up every later change, and a
+        folder copied in meanwhile did not appear until it was done. Steps on
+        one model still take turns, in the order they were started (the
+        repository's lock of its entry).
+        """
+        async def carry_out() -> None:
+            try:
+                await asyncio.gather(*first)
+            except BaseException:  # cancelled: the steps never start
+                for step in steps:
+                    step.close()
+                raise
+            await asyncio.gather(*steps)
+            if not self._stop.is_set():
+                self._schedule_settled_scan()  # (a load the store failed is pending again: tried after a backoff)
+            if self._after_apply is not None:
+                try:
+                    await self._after_apply()
+                except Exception:  # (the next scan's publishes again)
+                    log.exception("dynamic repository: publishing readiness after a change failed")
+        task = asyncio.get_running_loop().create_task(carry_out(), name="nereid: dynamic repository changes")
+        self._changes.add(task)
+        task.add_done_callback(self._changes.discard)
+        return task
 
     def _know_requested_loads(self, current: dict[str, FolderState]) -> None:
         """Know as "loaded, its folder not seen" each model loaded (by a RepositoryModelLoad) whose folder the
@@ -644,7 +706,7 @@ class RepositoryWatcher:
         age_s = (time.time_ns() - state.hidden_mtime_ns) / 1e9
         return min(settle_s, max(0.0, settle_s - age_s))
 
-    def _for(self, name: str, work: Coroutine[object, object, object]) -> Awaitable[None]:
+    def _for(self, name: str, work: Coroutine[object, object, object]) -> Coroutine[object, object, None]:
         """``work`` on the model ``name``, logged; after the removal of a folder of that name still taking its
         model off the name (the watcher's or a rename's; the old model's drain holds up nothing), in the
         background once that is done (a re-added folder must not wait on the loop of changes)."""
@@ -664,6 +726,14 @@ class RepositoryWatcher:
         self._deferred_loads.add(task)
         task.add_done_callback(self._deferred_loads.discard)
         return asyncio.sleep(0)
+
+    async def _unless_loaded(self, name: str, state: FolderState, load: Callable[[], Awaitable[object]]) -> None:
+        """``load()`` the folder ``name`` seen in ``state``, unless its model was loaded from these very files
+        meanwhile (by a RepositoryModelLoad, or by nereid.yaml's edit of the same scan)."""
+        if self.repository.loaded_stamp(name) == state.stamp:
+            log.info("dynamic repository: folder '%s' is loaded already as it is now", name)
+            return
+        await load()
 
     def _accept(self, name: str, state: FolderState | None) -> None:
         """Make ``state`` the folder's known state (None: gone); it is no longer pending."""
@@ -694,31 +764,38 @@ class RepositoryWatcher:
 
         self._timer = asyncio.get_running_loop().call_later(max(0.0, due - time.monotonic()) + 0.001, scan)
 
-    async def _apply_serialized(self) -> None:
+    async def _apply_serialized(self) -> asyncio.Task | None:
+        """The watches' scan: :meth:`apply`, not waiting for the loads it starts (see :meth:`_start`); returns
+        the task carrying them out (None after an error, logged)."""
         async with self._applying:
             try:
-                await self.apply()
+                return await self._scan_and_start()
             except Exception:  # the watcher must outlive any one bad change
                 log.exception("dynamic repository: applying a change failed")
+                return None
 
-    async def _apply_config(self) -> None:
-        """Apply nereid.yaml if its content changed; one that does not load is logged and changes nothing."""
+    async def _apply_config(self) -> Awaitable[None] | None:
+        """Apply nereid.yaml if its content changed; one that does not load is logged and changes nothing.
+
+        The new settings are in force on return; the loads, reloads and unloads they call for are started, and
+        returned (None: nothing was applied).
+        """
         text = await asyncio.to_thread(self._read_config)  # never read a file on the loop
         if text == self._config_text:
             self._config_pending = None  # (back as it was)
-            return
+            return None
         now = time.monotonic()
         if self._config_pending is None or self._config_pending[0] != text:
             self._config_pending = (text, now)  # changed (again): its settle time starts
         if now - self._config_pending[1] < self.settle_ms / 1000:
-            return  # (the scan that apply schedules comes back for it)
+            return None  # (the scan that apply schedules comes back for it)
         self._config_pending = None
         self._config_text = text
         try:  # (load_settings explains bytes that are not UTF-8, as `nereid check` does)
             new = await asyncio.to_thread(load_settings, self.config_path)
         except ConfigError as err:
             log.error("dynamic repository: %s; keeping the running configuration", err)
-            return
+            return None
         old = self.settings
         if new.server != old.server:
             changed = [key for key in new.server.__dataclass_fields__
@@ -727,7 +804,7 @@ class RepositoryWatcher:
                         self.config_path.name, ", server.".join(changed))
         new = replace(new, server=old.server)
         self.settings = new
-        await self.repository.apply_settings(new)
+        return self.repository.start_settings(new)
 
     def _read_config(self) -> bytes | None:
         """nereid.yaml's bytes, compared as bytes: one that is not UTF-8 is load_settings' to explain."""

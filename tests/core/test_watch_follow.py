@@ -47,8 +47,20 @@ class PickyToy(ToyModel):
         super().load()
 
 
+class GatedToy(ToyModel):
+    """A toy whose load() waits (30 s at most) until the file that ``gate.txt`` names exists: a load that takes
+    as long as the test wants (a large model compiling)."""
+
+    def load(self) -> None:
+        release = Path((self.context.folder / "gate.txt").read_text())
+        deadline = time.monotonic() + 30
+        while not release.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        super().load()
+
+
 class Plugins:
-    """``slow`` claims folders holding slow.txt; ``picky`` those holding picky.txt."""
+    """``slow`` claims folders holding slow.txt; ``picky`` those holding picky.txt; ``gated`` gate.txt."""
 
     class Slow:
         BACKEND_NAME = "slow"
@@ -64,6 +76,13 @@ class Plugins:
         def nereid_claim_model(self, folder: Path, declared: bool) -> BackendClaim | None:
             return BackendClaim(PickyToy) if (folder / "picky.txt").is_file() else None
 
+    class Gated:
+        BACKEND_NAME = "gated"
+
+        @hookimpl
+        def nereid_claim_model(self, folder: Path, declared: bool) -> BackendClaim | None:
+            return BackendClaim(GatedToy) if (folder / "gate.txt").is_file() else None
+
 
 def setup(tmp_path: Path, root: Path, models: str = "", settle_ms: int = 0, extra: str = "",
           config_dir: Path | None = None, tail: str = "") -> tuple[ModelRepository, RepositoryWatcher]:
@@ -78,7 +97,8 @@ def setup(tmp_path: Path, root: Path, models: str = "", settle_ms: int = 0, extr
                       + (f"models:\n{models}" if models else "") + tail)
     settings = load_settings(config)
     manager = make_plugin_manager(load_entry_points=False,
-                                  extra_plugins=(toy_backends, Plugins.Slow(), Plugins.Picky()))
+                                  extra_plugins=(toy_backends, Plugins.Slow(), Plugins.Picky(),
+                                                 Plugins.Gated()))
     (tmp_path / "scratch").mkdir(exist_ok=True)
     repository = ModelRepository(settings, manager, tmp_path / "scratch")
     return repository, RepositoryWatcher(repository, settings)
@@ -92,8 +112,11 @@ async def start(repository: ModelRepository, watcher: RepositoryWatcher) -> None
 
 
 async def apply(watcher: RepositoryWatcher) -> None:
-    """One scan, taking turns with the scans the watcher schedules itself (as its watches do)."""
+    """One scan, taking turns with the scans the watcher schedules itself (as its watches do), and the loads,
+    reloads and unloads under way once it is done: its own, and those of a scan the watcher scheduled (with a
+    settle time of 0, due at once) that went first."""
     await watcher._apply_serialized()
+    await asyncio.gather(*watcher._changes)
 
 
 async def settled(watcher: RepositoryWatcher) -> None:
@@ -260,6 +283,41 @@ def test_an_edit_never_loads_a_model_that_is_not_served(tmp_path, root):
         await settled(watcher)
         assert repository.entry("broken").state is ModelState.READY
         assert repository.server_ready()  # the failed load of "unlisted" counts for nothing
+        await repository.unload_all()
+    asyncio.run(scenario())
+
+
+# -- defect: a slow load held up every other change -----------------------------------------------------------
+
+@pytest.mark.parametrize("started_by", ["folder", "nereid.yaml"])
+def test_a_load_that_takes_long_holds_up_no_other_change(tmp_path, root, started_by):
+    """A folder copied in did not appear until a load under way (25 s of a model.py's import, in the
+    reproduction; a large model compiles for minutes) had ended: every scan waited for its loads."""
+    release = tmp_path / "release"
+    big = write_toy(root, "big")
+    (big / "toy.txt").unlink()
+    repository, watcher = setup(tmp_path, root, models="  - name: big\n    queue_capacity: 4\n")
+    config = Path(repository.settings.source)
+
+    async def scenario() -> None:
+        await start(repository, watcher)
+        assert repository.entry("big").state is ModelState.UNAVAILABLE  # (no backend claims it yet)
+        (big / "gate.txt").write_text(str(release))
+        if started_by == "nereid.yaml":  # its entry edited (loaded again: its last load failed) with its files
+            config.write_text(config.read_text().replace("queue_capacity: 4", "queue_capacity: 8"))
+        await watcher._apply_serialized()  # seen (settle time 0: acted on at the next look)
+        loading = await watcher._apply_serialized()
+        await until(lambda: repository.entry("big").state is ModelState.LOADING, what="big loading")
+        write_toy(root, "small")
+        started = time.monotonic()
+        await watcher._apply_serialized()  # seen; loaded by the next scan (this test's, or one the watcher
+        await watcher._apply_serialized()  # schedules), while big's load goes on
+        await until(lambda: repository.entry("small").state is ModelState.READY, what="small loaded")
+        assert time.monotonic() - started < 10
+        assert repository.entry("big").state is ModelState.LOADING and not loading.done()
+        release.touch()
+        await loading
+        assert repository.entry("big").state is ModelState.READY
         await repository.unload_all()
     asyncio.run(scenario())
 
