@@ -278,6 +278,9 @@ class Soak:
 
     def repair(self) -> None:
         (self.root / "nereid.yaml").write_text(self.base_yaml())
+        # Applied before the loads below: applied after them, it would unload the models the churned nereid.yaml
+        # listed and this one does not, loaded or not (as it should: their entries were taken out).
+        time.sleep(2.0)
         for folder in self.live("echo"):
             (folder / "main.py").write_text(ECHO_MAIN)
             (folder / "model_inference.textproto").write_text(TEXTPROTO)
