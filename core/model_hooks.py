@@ -52,7 +52,6 @@ class ModelHooks:
 
     preprocess: Hook = identity
     postprocess: Hook = identity
-    declared_name: str | None = None  # informational: the bundle directory names the model
     # A meta model's orchestration (``fn(inputs, ctx) -> outputs``, async or not); None for a bundle.
     orchestrate: Callable[..., Any] | None = None
 
@@ -88,7 +87,8 @@ def register_model(name: str | None = None, *, preprocess: Hook | None = None,
                         "do that work inside the orchestration")
     if name is not None and not isinstance(name, str):
         raise TypeError(f"register_model: name must be a string, got {name!r}")
-    collected.append(ModelHooks(preprocess or identity, postprocess or identity, name, orchestrate))
+    # (``name`` is checked and dropped: the folder names the model.)
+    collected.append(ModelHooks(preprocess or identity, postprocess or identity, orchestrate))
 
 
 class _SourceOnlyLoader(importlib.machinery.SourceFileLoader):

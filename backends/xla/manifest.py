@@ -142,10 +142,6 @@ class BatchingSpec:
         """The largest compiled size."""
         return self.compiled_batch_sizes[-1]
 
-    def smallest_fitting(self, rows: int) -> int | None:
-        """The smallest compiled size that holds ``rows`` rows, or None when none does."""
-        return smallest_fitting(self.compiled_batch_sizes, rows)
-
 
 def smallest_fitting(sizes: tuple[int, ...], rows: int) -> int | None:
     """The smallest of the ascending batch ``sizes`` that holds ``rows`` rows, or None when none does."""
@@ -182,16 +178,6 @@ class Manifest:
     def is_meta(self) -> bool:
         """True for a meta model (``meta: true``): a model.py orchestrating other models, no program."""
         return self.meta
-
-    @property
-    def input_batch_dim(self) -> int | None:
-        """0-based manifest-order batch axis of the first batched executable input (None: unbatched)."""
-        return next((t.batch_axis for t in self.executable_inputs if t.batch_axis is not None), None)
-
-    @property
-    def variable_input_axes(self) -> tuple[tuple[int, int], ...]:
-        """(input index, manifest axis) of every variable executable-input axis, in variant order."""
-        return tuple((i, axis) for i, t in enumerate(self.executable_inputs) for axis in t.variable_axes)
 
     @property
     def has_client_specs(self) -> bool:

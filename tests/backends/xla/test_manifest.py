@@ -9,7 +9,7 @@ from typing import Any, Callable
 import pytest
 import yaml
 
-from nereid.backends.xla.manifest import DimKind, load_manifest
+from nereid.backends.xla.manifest import DimKind, load_manifest, smallest_fitting
 from nereid.dtypes import DType
 from nereid.errors import ConfigError
 
@@ -36,8 +36,8 @@ def test_parses_the_column_major_encoding(tmp_path) -> None:
     assert [d.kind for d in image.shape] == [DimKind.FIXED] * 3 + [DimKind.BATCH]
     assert image.batch_axis == 3 and image.row_major_batch_axis == 0
     assert image.program_shape(8) == (8, 5, 4, 3)  # reversed: row-major for clients and the program
-    assert manifest.input_batch_dim == 3
-    assert manifest.batching.compiled_batch_sizes == (1, 8) and manifest.batching.smallest_fitting(3) == 8
+    assert manifest.batching.compiled_batch_sizes == (1, 8)
+    assert smallest_fitting(manifest.batching.compiled_batch_sizes, 3) == 8
     assert manifest.executable_outputs[0].dtype is DType.BF16
     assert manifest.client_inputs is None and manifest.client_outputs is None
 
@@ -55,7 +55,7 @@ def test_variable_axes_and_variants(tmp_path) -> None:
     manifest = load_manifest(write(tmp_path, document))
     image = manifest.executable_inputs[0]
     assert [d.kind for d in image.shape][1:3] == [DimKind.VARIABLE, DimKind.VARIABLE]
-    assert manifest.variable_input_axes == ((0, 1), (0, 2))
+    assert image.variable_axes == (1, 2)
     assert manifest.variant_sizes((320, 240)) == ((320, 240),)
     assert image.program_shape(1, (320, 240)) == (1, 240, 320, 3)
 
