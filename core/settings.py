@@ -360,7 +360,7 @@ def _parse_server(reader: KeyedReader, raw: Any, path: Path) -> ServerSettings:
     else:
         backends = Path(backends_text)
         if not backends.is_absolute():
-            backends = _beside_config(path, backends)
+            backends = beside_config(path, backends)
         if not backends.is_dir():
             reader.fail("server.ml_backends_path", f"is not a folder ({backends})", section.get("ml_backends_path", "ml-backends"))
     strict = section.get("strict_readiness", True)
@@ -427,7 +427,7 @@ def _cache_dir(reader: KeyedReader, section: Mapping[str, Any], path: Path, need
                 return None
             reader.fail("server.cache_dir", "starts with ~, but no home directory is known here (HOME is unset and "
                                             "this user has no passwd entry); give an absolute path", text)
-        return folder if folder.is_absolute() else _beside_config(path, folder)
+        return folder if folder.is_absolute() else beside_config(path, folder)
     base = os.environ.get("XDG_CACHE_HOME")
     if not base:
         try:
@@ -441,7 +441,7 @@ def _cache_dir(reader: KeyedReader, section: Mapping[str, Any], path: Path, need
     return Path(base) / "nereid"
 
 
-def _beside_config(config: Path, relative: Path) -> Path:
+def beside_config(config: Path, relative: Path) -> Path:
     """A path given relative to nereid.yaml: next to nereid.yaml as named, when something is there; else
     next to the file a symlinked nereid.yaml points to.
 
@@ -470,7 +470,7 @@ def _parse_tls(reader: KeyedReader, raw: Any, path: Path) -> TlsSettings:
         if not text:
             reader.fail(f"server.tls.{key}", "must be a file path", text)
         file = Path(text)
-        files[key] = file if file.is_absolute() else _beside_config(path, file)
+        files[key] = file if file.is_absolute() else beside_config(path, file)
     tls = TlsSettings(files["cert"], files["key"], files["client_ca"])
     try:
         read_tls_material(tls)

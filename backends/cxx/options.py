@@ -24,6 +24,7 @@ from typing import Any, Mapping
 
 from nereid.errors import ConfigError
 from nereid.runtime_options import RuntimeOptions
+from nereid.settings import beside_config
 
 ALLOWED_KEYS = ("library", "sources")
 MODEL_FOLDER = "$MODEL_FOLDER"
@@ -40,15 +41,15 @@ class CxxOptions:
     sources: tuple[Path, ...] = ()
 
 
-def config_dir(origin: str) -> Path | None:
-    """The folder of the nereid.yaml named by a settings origin, or None if it names none.
+def config_file(origin: str) -> Path | None:
+    """The nereid.yaml named by a settings origin, or None if it names none.
 
     The core passes where a model's settings came from only as text; a listed
     model's origin starts with the file's path (relative to the working directory
     the server started in, like every path nereid.yaml itself resolves).
     """
     match = _LISTED_ORIGIN.match(origin)
-    return Path(match.group("file")).resolve().parent if match else None
+    return Path(match.group("file")) if match else None
 
 
 def parse_options(model: str, runtime: Mapping[str, Any], origin: str, folder: Path | None = None) -> CxxOptions:
@@ -63,7 +64,7 @@ def parse_options(model: str, runtime: Mapping[str, Any], origin: str, folder: P
             f"model '{model}': backend cxx needs exactly one of runtime.library (a shared library) or "
             f"runtime.sources (C++ files to build one from) in {origin or 'nereid.yaml'}, e.g. "
             "runtime: {library: build/libmodel.so}")
-    base = config_dir(origin)
+    config = config_file(origin)
 
     def resolve(key: str, value: Any) -> Path:
         if not isinstance(value, str) or not value:
@@ -74,10 +75,11 @@ def parse_options(model: str, runtime: Mapping[str, Any], origin: str, folder: P
             return folder / value[len(MODEL_FOLDER) + 1:]
         path = Path(value)
         if not path.is_absolute():
-            if base is None:
+            if config is None:
                 fail(key, "is relative, but the model's settings come from no nereid.yaml; use an absolute path",
                      value)
-            path = base / path
+            # As the core's own paths: next to nereid.yaml as named (a ConfigMap's symlink), else its target.
+            path = beside_config(config, path)
         return path
 
     if "library" in runtime:

@@ -547,6 +547,24 @@ def test_model_folder_paths_resolve_per_model_and_need_a_folder(tmp_path):
         parse_options("m", {"library": "$MODEL_FOLDER/lib.so"}, "")
 
 
+def test_relative_paths_are_taken_next_to_a_symlinked_nereid_yaml_as_named(tmp_path):
+    """In a Kubernetes ConfigMap nereid.yaml is a symlink into a versioned folder: a library named relative to it
+    was looked for in that folder (where no library is), unlike every relative path the core resolves."""
+    from nereid.backends.cxx.options import parse_options
+
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "nereid.yaml").write_text("models: []\n")
+    (tmp_path / "mounted").mkdir()
+    (tmp_path / "mounted" / "nereid.yaml").symlink_to(tmp_path / "cfg" / "nereid.yaml")
+    (tmp_path / "mounted" / "build").mkdir()
+    (tmp_path / "mounted" / "build" / "libm.so").write_bytes(b"")
+    origin = f"{tmp_path / 'mounted' / 'nereid.yaml'}: models[0]"
+    assert parse_options("m", {"library": "build/libm.so"}, origin).library == tmp_path / "mounted" / "build" / \
+        "libm.so"
+    # Nothing there as named: next to the file the link points to, as the core's paths.
+    assert parse_options("m", {"sources": ["src/m.cpp"]}, origin).sources == (tmp_path / "cfg" / "src" / "m.cpp",)
+
+
 def test_cxx_scale_example_builds_from_sources_once_and_serves(repo, serve):
     folder = repo.models_dir / "cxx_scale"
     shutil.copytree(EXAMPLES / "cxx_scale", folder)
