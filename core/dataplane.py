@@ -22,7 +22,7 @@ from nereid.model_info import (MODEL_VERSION, IndexEntry, ModelConfig, ModelMeta
 from nereid.repository import LoadedModel, ModelRepository, ModelState
 from nereid.stats import ModelStats
 from nereid.settings import Settings
-from nereid.signature import validate_inputs
+from nereid.signature import duplicated, validate_inputs
 from nereid.tensors import InferRequest, InferResponse, NamedTensor
 
 SERVER_NAME = "nereid"
@@ -315,9 +315,14 @@ class DataPlane:
                 raise InvalidArgument(PublicText(
                     f"model '{request.model_name}': unknown requested output '{name}' "
                     f"(outputs: {', '.join(repr(n) for n in declared) or 'none'})"))
+        wanted = set(request.requested_outputs)
+        if len(wanted) < len(request.requested_outputs):
+            raise InvalidArgument(PublicText(f"model '{request.model_name}': output "
+                                             f"'{duplicated(request.requested_outputs)[0]}' is requested more "
+                                             "than once"))
         for name in request.classifications:
             check_classifiable(request.model_name, name, declared[name].dtype)
-        return set(request.requested_outputs)
+        return wanted
 
 
 

@@ -61,6 +61,9 @@ def test_errors_carry_their_meaning(tmp_path):
             await plane.infer(request("spare"))
         with pytest.raises(InvalidArgument, match="unknown requested output 'z'"):
             await plane.infer(request(requested_outputs=["z"]))
+        # Asked twice (with a classification one time, say): refused, as Triton refuses it; one answer was merged.
+        with pytest.raises(InvalidArgument, match="^model 'toy': output 'output' is requested more than once$"):
+            await plane.infer(request(requested_outputs=["output", "output"]))
         (tmp_path / "ml-backends" / "spare" / "fail.txt").write_text("no")
         with pytest.raises(ModelFailure, match="failed to load model 'spare'"):
             await plane.load("spare")
