@@ -175,11 +175,12 @@ def _timeout_us(model: str, parameter: pb.InferParameter) -> int:
     """The ``timeout`` parameter in microseconds (0: none); Triton clients send it as int64 or uint64."""
     kind = parameter.WhichOneof("parameter_choice")
     if kind not in ("int64_param", "uint64_param"):
-        raise InvalidArgument(f"model '{model}': parameter 'timeout' must be an integer number of microseconds "
-                              f"(int64_param or uint64_param), got {kind or 'no value'}")
+        raise InvalidArgument(f"model '{model}': parameter 'timeout' must be a non-negative integer number of "
+                              f"microseconds (int64_param or uint64_param), got {kind or 'no value'}")
     timeout_us = getattr(parameter, kind)
-    if timeout_us < 0:
-        raise InvalidArgument(f"model '{model}': parameter 'timeout' must be >= 0 microseconds, got {timeout_us}")
+    if timeout_us < 0:  # (worded as HTTP words it)
+        raise InvalidArgument(f"model '{model}': parameter 'timeout' must be a non-negative integer number of "
+                              f"microseconds, got {timeout_us}")
     return timeout_us
 
 

@@ -465,7 +465,7 @@ def test_raw_input_contents_count_mismatch_is_invalid_argument(server):
 
 
 @pytest.mark.parametrize(("parameter", "problem"), [
-    (service_pb2.InferParameter(int64_param=-5), "-5"),
+    (service_pb2.InferParameter(int64_param=-5), "must be a non-negative integer number of microseconds, got -5"),
     (service_pb2.InferParameter(string_param="soon"), "string_param"),
 ])
 def test_bad_timeout_parameter_is_invalid_argument(server, parameter, problem):
