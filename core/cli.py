@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None, extra_plugins: tuple[object, ...] = ()) 
     add_commands(manager, commands)  # backends' own tooling
     args = parser.parse_args(argv)
     if "run" in args:
-        return args.run(args)
+        return _reading_stopped_quietly(lambda: args.run(args))
 
     serving = args.command == "serve"
     # The addresses this run listens on: the file's keys, and serve's flags in their place.
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None, extra_plugins: tuple[object, ...] = ()) 
         print(f"error: {err}", file=sys.stderr)
         return 2
     if not serving:
-        return check(settings, manager)
+        return _reading_stopped_quietly(lambda: check(settings, manager))
     logging.getLogger().setLevel(args.log_level)
     # jax reports at INFO that it found no TPU; that is no news to a CPU or GPU server.
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
@@ -104,6 +104,17 @@ def main(argv: list[str] | None = None, extra_plugins: tuple[object, ...] = ()) 
         # logs what it does about them. (At DEBUG, its lines name the paths and stay.)
         logging.getLogger("watchfiles").setLevel(logging.WARNING)
     return serve_command(settings, listeners, manager)
+
+
+def _reading_stopped_quietly(command: Callable[[], int]) -> int:
+    """Run a command that prints a report; if its reader stops reading (``nereid check | head``), end quietly
+    with status 1 rather than with a BrokenPipeError traceback."""
+    try:
+        return command()
+    except BrokenPipeError:
+        # The interpreter flushes stdout once more at exit: pointed at /dev/null, that flush cannot fail too.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 def limit_repeated_library_lines() -> None:

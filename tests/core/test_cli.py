@@ -44,6 +44,20 @@ def test_check_passes_on_the_shipped_examples() -> None:
         assert any(line.startswith(f"{model}: OK") for line in lines), result.stdout
 
 
+def test_check_read_by_a_reader_that_stops_ends_quietly(repo) -> None:
+    """`nereid check | head -1`: the report's second line met a closed pipe and ended in a traceback."""
+    for name in ("first", "second", "third"):
+        repo.python(name)
+    config = repo.write_config()
+    check = subprocess.Popen([*NEREID, "check", "--config", str(config)], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE)
+    check.stdout.readline()
+    check.stdout.close()  # (as head does once it has its line)
+    _, stderr = check.communicate(timeout=60)
+    assert check.returncode == 1
+    assert b"Traceback" not in stderr and b"BrokenPipeError" not in stderr, stderr.decode()
+
+
 def test_check_runs_off_the_main_thread_too(repo, capsys) -> None:
     """It sets its SIGTERM handler on the main thread only (elsewhere signal.signal raises ValueError)."""
     from nereid.cli import check
