@@ -1,4 +1,4 @@
-"""nereid: a Triton-compatible model server (KServe V2 / Open Inference Protocol over gRPC)."""
+"""nereid: a Triton-compatible model server (KServe V2 / Open Inference Protocol over gRPC and HTTP)."""
 
 from importlib.metadata import PackageNotFoundError, version
 

@@ -1,4 +1,4 @@
-"""The one plugin hook through which backends claim model folders."""
+"""The plugin hooks: backends claim model folders, give hints, and add their commands to the CLI."""
 
 from __future__ import annotations
 

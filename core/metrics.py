@@ -1,9 +1,10 @@
 """Prometheus metrics at ``/metrics`` on ``server.metrics_addr``, with prometheus_client.
 
 Each server has its own registry (several servers can share a process, as in
-the tests). Request and batch figures are not observed a second time: a
-collector reads each model's :class:`~nereid.stats.ModelStats` snapshot at
-scrape time, which keeps the request path free of metric locks.
+the tests). A model's request and batch figures are not observed a second
+time: a collector reads each model's :class:`~nereid.stats.ModelStats`
+snapshot at scrape time. Only ``nereid_protocol_requests_total`` is counted as
+each request is answered (its protocol is no model statistic).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""``nereid.register_model``: how a bundle's ``model.py`` attaches pre/post-processing.
+"""``nereid.register_model``: how a bundle's ``model.py`` attaches pre/post-processing (and a meta model's
+its orchestration).
 
 A bundle may hold a ``model.py`` that calls::
 

@@ -1,4 +1,4 @@
-"""The nereid server: repository + data plane + gRPC surface on one asyncio loop."""
+"""The nereid server: repository + data plane + gRPC, HTTP, health and metrics surfaces on one asyncio loop."""
 
 from __future__ import annotations
 

@@ -248,7 +248,7 @@ class RepositoryWatcher:
         self._config_pending: tuple[bytes | None, float] | None = None
         self._stop = asyncio.Event()
         self._applying = asyncio.Lock()  # the two watches never apply at once
-        self.scans = 0  # completed scans, for tests and logs
+        self.scans = 0  # completed scans (read by tests)
         self._pending: dict[str, tuple[FolderState | None, float]] = {}  # changed, not yet settled: state, since
         # Pending folders whose hidden files are being written (a transfer under way): not due before this time.
         self._busy: dict[str, float] = {}
