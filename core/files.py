@@ -22,10 +22,24 @@ from nereid.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
+# The longest file name, in bytes, that the usual local file systems take (ext4, XFS, btrfs, tmpfs).
+NAME_MAX = 255
+
+
+def is_model_folder_name(name: str) -> bool:
+    """True for a name that can be a model folder directly under ml_backends_path: not empty, not hidden (a
+    hidden name is never a model), no "/" or NUL, and at most NAME_MAX bytes (a longer one cannot be looked up:
+    the system refuses the path, ENAMETOOLONG)."""
+    if not name or "/" in name or "\0" in name or name.startswith("."):
+        return False
+    try:
+        return len(os.fsencode(name)) <= NAME_MAX
+    except UnicodeEncodeError:  # a lone surrogate ("a\ud800b" in nereid.yaml): no file name
+        return False
+
+
 # How many entries of a model folder the symlink check looks at before giving up on the folder.
 MAX_FOLDER_ENTRIES = 100_000
-# The longest file name, in bytes, that the usual local file systems take (ext4, XFS, btrfs, tmpfs).
-_NAME_MAX = 255
 
 
 def descriptor_path(fd: int) -> str:
@@ -190,7 +204,7 @@ def temporary_name(name: str) -> str:
     two containers, each with its own PID namespace, sharing a repository).
     """
     suffix = f".{secrets.token_hex(4)}.{os.getpid()}.partial"
-    if len(os.fsencode(name)) + 1 + len(suffix) > _NAME_MAX:
+    if len(os.fsencode(name)) + 1 + len(suffix) > NAME_MAX:
         name = hashlib.sha256(os.fsencode(name)).hexdigest()[:32]
     return f".{name}{suffix}"
 

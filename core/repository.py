@@ -30,7 +30,7 @@ from nereid.backend import CallsModels, Model, ModelCaller, ModelContext, Reloca
 from nereid.dependencies import READY, Readiness, settle
 from nereid.errors import (ConfigError, NotFound, PublicText, Unavailable, backend_exit, calling_plugin,
                            cap_message, describe_exception, without_stop_iteration)
-from nereid.files import check_confined
+from nereid.files import check_confined, is_model_folder_name
 from nereid.folder_states import folder_stamp
 from nereid.backend_calls import on_daemon_thread, terminate_backend, unload_backend, unload_unclaimed
 from nereid.leftovers import remove_model_leftovers
@@ -435,7 +435,7 @@ class ModelRepository:
     def entry(self, name: str) -> ModelEntry:
         """The entry for ``name``; NotFound when no such folder exists."""
         entry = self._entries.get(name)
-        if entry is None and _is_folder_name(name) and model_folder_exists(self.settings.server, name):
+        if entry is None and is_model_folder_name(name) and model_folder_exists(self.settings.server, name):
             # One stat, or a store's last listing (refreshed off the loop, at most every 5 s), and a full
             # rescan only when the folder is really there: a flood of made-up names must not list the
             # repository per request on the loop.
@@ -486,7 +486,7 @@ class ModelRepository:
         :func:`~nereid.storage.failure_kind`. Failing for that reason again is no news, and is logged at DEBUG,
         not ERROR: a store down for hours, or a key the local disk cannot hold, fails every try the same way.
         """
-        if name not in self._entries and _is_folder_name(name):
+        if name not in self._entries and is_model_folder_name(name):
             # Look again now (off the loop): a store's listing is otherwise reused for a few seconds,
             # and a model just uploaded must load.
             failure = await self.refresh()
@@ -887,7 +887,7 @@ class ModelRepository:
         # Wanted no more, whatever follows: a load the store failed (and a watcher retries) stops here, even for
         # a name the store's failed listing cannot confirm.
         self._exposed.discard(name)
-        if (name not in self._entries and _is_folder_name(name)
+        if (name not in self._entries and is_model_folder_name(name)
                 and self.settings.server.ml_backends_url is not None):
             failure = await self.refresh()
             self._exposed.discard(name)  # (again: a load of it may have come in while the store was listed)
@@ -1159,11 +1159,6 @@ def _no_folder(name: str) -> NotFound:
 def _waiting_for_folder(name: str) -> str:
     """The reason of a listed model whose folder is not in the repository."""
     return f"waiting for its folder '{name}' in ml_backends_path"
-
-
-def _is_folder_name(name: str) -> bool:
-    """True for a name that could be a model folder directly under ml_backends_path."""
-    return bool(name) and len(name) <= 255 and "/" not in name and "\0" not in name and not name.startswith(".")
 
 
 def _repeats(reason: str, retrying: str | None) -> bool:

@@ -16,7 +16,7 @@ from typing import Any, Mapping
 
 from nereid.config_document import KeyedReader, load_yaml
 from nereid.errors import ConfigError
-from nereid.files import read_text_file
+from nereid.files import NAME_MAX, is_model_folder_name, read_text_file
 from nereid.storage.mirror import mirror_root
 from nereid.storage.url import parse_store_url
 from nereid.tls import TlsFileError, TlsSettings, read_tls_material
@@ -486,8 +486,9 @@ def _parse_model(reader: KeyedReader, raw: Any, where: str, backends_path: Path,
     if "name" not in entry:
         reader.fail(f"{where}.name", "is required", None)
     name = reader.string(entry, f"{where}.name", "")
-    if not name or "/" in name or name.startswith("."):
-        reader.fail(f"{where}.name", "must be a folder name", name)
+    if not is_model_folder_name(name):
+        reader.fail(f"{where}.name", f"must be a folder name (not empty or hidden, no '/' or NUL, at most "
+                                     f"{NAME_MAX} bytes)", name)
     if require_folder and not (backends_path / name).is_dir():
         reader.fail(f"{where}.name", f"has no model folder {backends_path / name}", name)
     device_text = reader.string(entry, f"{where}.device", "cpu")

@@ -79,6 +79,8 @@ def refusal(root: Path, body: str) -> tuple[Path, str]:
     ("models:\n  - name: a\n    instances: 0\n", "models[0].instances", "0"),
     ("models:\n  - name: a\n    timeout_s: 0\n", "models[0].timeout_s", "0"),
     ("models:\n  - name: nope\n", "models[0].name", "'nope'"),
+    ('models:\n  - name: "a\\0b"\n', "models[0].name", "'a\\x00b'"),
+    ('models:\n  - name: "a\\ud800b"\n', "models[0].name", "'a\\ud800b'"),
     ("models:\n  - device: cpu\n", "models[0].name", "None"),
     ("models:\n  - name: a\n  - name: a\n", "models[1].name", "'a'"),
     ("models: {a: 1}\n", "models", "{'a': 1}"),
@@ -90,6 +92,13 @@ def test_mistakes_name_file_key_and_value(root: Path, body: str, key: str, value
     path, message = refusal(root, body)
     assert message.startswith(f"{path}: {key}:"), message
     assert message.endswith(f"got {value}"), message
+
+
+def test_a_model_name_too_long_for_a_folder_is_a_config_error(root: Path) -> None:
+    # Looking up its folder raised ENAMETOOLONG: nereid check and serve ended in a traceback.
+    path, message = refusal(root, f"models:\n  - name: {'m' * 256}\n")
+    assert message.startswith(f"{path}: models[0].name: must be a folder name (not empty or hidden, no '/' or NUL, "
+                              "at most 255 bytes), got 'mmm"), message
 
 
 def test_unreadable_and_invalid_yaml(root: Path) -> None:
