@@ -83,6 +83,7 @@ class LoadedModel:
     # The folder's files as the watcher stamps them, taken before the build (dynamic mode with a local folder):
     # a watcher seeing the same files needs not load them again.
     stamp: object = None
+    settings: ModelSettings | None = None  # what it was built with (nereid.yaml may have changed since)
 
 
 class LoadAbandoned(Unavailable):
@@ -269,6 +270,11 @@ class ModelRepository:
             return name in self._exposed and self.settings.server.ml_backends_url is not None
         return (entry.loaded is not None or entry.holders > 0 or name in self._exposed
                 or (entry.awaiting_folder and self.settings.model(name) is not None))
+
+    def generation(self, name: str) -> int:
+        """How many versions of ``name`` have loaded so far (0 for a name not known)."""
+        entry = self._entries.get(name)
+        return entry.generation if entry is not None else 0
 
     def loaded_stamp(self, name: str) -> object:
         """The watcher's stamp of the files the running version of ``name`` loaded from (None: not known)."""
@@ -527,37 +533,57 @@ class ModelRepository:
             return await self.load(name, retrying=retrying)
         self._state_changed()  # counted from now on: ServerReady is false until it is READY
         async with entry.held():
-            if entry.loaded is not None:  # loaded meanwhile, by a load that held the model first
+            if entry.loaded is None:
+                return await self._load_locked(entry, retrying)
+            if await self._loaded_as_now(entry):  # loaded meanwhile, by a load that held the model first
                 return entry
-            # (A folder in an object store is fetched by _build, which reports the store's error.)
-            if self.settings.server.ml_backends_url is None and not entry.folder.is_dir():
-                entry.state, entry.reason = ModelState.UNAVAILABLE, f"no folder '{name}' in ml_backends_path (yet)"
-                log.warning("model '%s' is UNAVAILABLE: %s", name, entry.reason)
-                self._refresh_dependents()
-                return entry
-            entry.state, entry.reason = ModelState.LOADING, ""
+        # Loaded meanwhile, but from other files or settings than the folder's and nereid.yaml's now (a load
+        # started before an edit): loaded again, as asked.
+        return await self.reload(name, retrying=retrying)
+
+    async def _loaded_as_now(self, entry: ModelEntry) -> bool:
+        """Whether the running version was built with the entry's settings as they are now and, where the files
+        were stamped (dynamic mode, a local folder), from the folder's files as they are now."""
+        loaded = entry.loaded
+        if loaded is None or loaded.settings != entry.settings:
+            return False
+        if loaded.stamp is None:
+            return True
+        stamped = await asyncio.to_thread(folder_stamp, entry.folder)
+        return stamped is not None and stamped[0] == loaded.stamp
+
+    async def _load_locked(self, entry: ModelEntry, retrying: str | None) -> ModelEntry:
+        """The load of :meth:`load`, the entry held and not loaded."""
+        name = entry.name
+        # (A folder in an object store is fetched by _build, which reports the store's error.)
+        if self.settings.server.ml_backends_url is None and not entry.folder.is_dir():
+            entry.state, entry.reason = ModelState.UNAVAILABLE, f"no folder '{name}' in ml_backends_path (yet)"
+            log.warning("model '%s' is UNAVAILABLE: %s", name, entry.reason)
             self._refresh_dependents()
-            try:
-                entry.loaded = await self._load_version(entry, ModelStats())
-            except Exception as err:  # any load failure is the model's, reported with its reason
-                reason = _reason(err)
-                repeated = _repeats(reason, retrying)
-                # (The log keeps absolute paths.) An abandoned load is what its unload asked for: no fault.
-                abandoned = isinstance(err, LoadAbandoned)
-                level = logging.WARNING if abandoned else logging.ERROR
-                log.log(logging.DEBUG if repeated else level, "model '%s' is UNAVAILABLE: %s", name, reason,
-                        exc_info=_plugin_traceback(err))
-                entry.state, entry.reason = ModelState.UNAVAILABLE, self.public_text(reason)
-                entry.abandoned = entry.reason if abandoned else ""
-                entry.store_fault = reason if store_failed(err) else ""
-                # The models calling it wait again (they waited on it LOADING meanwhile): no news either then.
-                self._refresh_dependents(repeated=repeated)
-                return entry
-            except asyncio.CancelledError:
-                entry.state, entry.reason = ModelState.UNAVAILABLE, "load abandoned (the server is stopping)"
-                raise
-            entry.store_fault = ""
-            self._enter_loaded_version(entry)
+            return entry
+        entry.state, entry.reason = ModelState.LOADING, ""
+        self._refresh_dependents()
+        try:
+            entry.loaded = await self._load_version(entry, ModelStats())
+        except Exception as err:  # any load failure is the model's, reported with its reason
+            reason = _reason(err)
+            repeated = _repeats(reason, retrying)
+            # (The log keeps absolute paths.) An abandoned load is what its unload asked for: no fault.
+            abandoned = isinstance(err, LoadAbandoned)
+            level = logging.WARNING if abandoned else logging.ERROR
+            log.log(logging.DEBUG if repeated else level, "model '%s' is UNAVAILABLE: %s", name, reason,
+                    exc_info=_plugin_traceback(err))
+            entry.state, entry.reason = ModelState.UNAVAILABLE, self.public_text(reason)
+            entry.abandoned = entry.reason if abandoned else ""
+            entry.store_fault = reason if store_failed(err) else ""
+            # The models calling it wait again (they waited on it LOADING meanwhile): no news either then.
+            self._refresh_dependents(repeated=repeated)
+            return entry
+        except asyncio.CancelledError:
+            entry.state, entry.reason = ModelState.UNAVAILABLE, "load abandoned (the server is stopping)"
+            raise
+        entry.store_fault = ""
+        self._enter_loaded_version(entry)
         return entry
 
     async def _load_version(self, entry: ModelEntry, stats: ModelStats) -> LoadedModel:
@@ -615,7 +641,7 @@ class ModelRepository:
                                  scheduler, stats, load_seconds,
                                  make_runner(built.backend, built.signature, built.batch_signature, scheduler,
                                              hook_threads),
-                                 hook_threads, depends_on, stamp)
+                                 hook_threads, depends_on, stamp, context.settings)
         except Exception:
             if scheduler is not None:  # its batcher task is running: end it, or asyncio logs it destroyed
                 await scheduler.drain(0)
@@ -626,7 +652,7 @@ class ModelRepository:
         entry.generation += 1
         return loaded
 
-    async def reload(self, name: str, *, retrying: str | None = None) -> ModelEntry:
+    async def reload(self, name: str, *, retrying: str | None = None, only_if_changed: bool = False) -> ModelEntry:
         """Load the folder again without downtime; a model that is not loaded is simply loaded.
 
         The running version serves until the new one is READY, then requests
@@ -634,7 +660,10 @@ class ModelRepository:
         call returns once the new version serves (a model with long requests
         holds up nothing else). If the new version fails, the running one keeps
         serving and the reason shows in RepositoryIndex (the state stays READY)
-        and in the log. ``retrying``: as for :meth:`load`.
+        and in the log. ``retrying``: as for :meth:`load`. ``only_if_changed``:
+        nothing is done when, once its turn comes, the running version has the
+        folder's files and the settings as they are then (a change already
+        loaded by a reload before it).
         """
         entry = self._entries.get(name)
         if entry is None or entry.loaded is None:
@@ -642,6 +671,9 @@ class ModelRepository:
         async with entry.held():
             old = entry.loaded
             if old is None:  # unloaded while we waited for the lock
+                return entry
+            if only_if_changed and await self._loaded_as_now(entry):
+                log.info("model '%s' is loaded already as its folder and settings are now", name)
                 return entry
             entry.abandoned = ""
             try:

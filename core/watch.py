@@ -44,7 +44,7 @@ import os
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Awaitable, Callable, Coroutine, Iterable
+from typing import TYPE_CHECKING, Awaitable, Callable, Iterable
 
 import watchfiles
 
@@ -224,6 +224,17 @@ async def _logged(name: str, step: Awaitable[object]) -> None:
         log.error("dynamic repository: model '%s': %s: %s", name, type(err).__name__, err)
 
 
+@dataclass(frozen=True)
+class Step:
+    """One change the watcher carries out (a load, a reload, a rename): ``run()`` makes its work when it starts.
+
+    ``models``: the names it acts on, the first the one it is logged under.
+    """
+
+    models: tuple[str, ...]
+    run: Callable[[], Awaitable[object]]
+
+
 class RepositoryWatcher:
     """Watches ``ml_backends_path`` and nereid.yaml and brings the repository in line after each quiet spell."""
 
@@ -254,13 +265,12 @@ class RepositoryWatcher:
         self._busy: dict[str, float] = {}
         # A store's folders whose last load the store failed (see _from_store): tried again after a backoff.
         self._store_retries: dict[str, StoreRetry] = {}
-        # Loads of folders that came back while the removal of their old model was still taking it off the
-        # name (it waits for a load or rename in progress, not for the drain): cancelled by stop() (a load
-        # never starts, nor holds up, a shutdown), as each scan's changes are (below).
-        self._deferred_loads: set[asyncio.Task] = set()
-        # Each scan's loads, reloads and unloads, carried out beside the scans that follow (see _start); cancelled
-        # by stop() too.
-        self._changes: set[asyncio.Task] = set()
+        # Each scan's loads, reloads, renames and nereid.yaml's work, carried out beside the scans that follow
+        # (see _start), and each scan's task awaiting them: cancelled by stop() (a load never starts, nor holds
+        # up, a shutdown; the repository's unload_all awaits them).
+        self._changes: set[asyncio.Future] = set()
+        # The last step started on each model: the next one on it waits for it (see _start).
+        self._last_step: dict[str, asyncio.Future] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._scheduled: asyncio.Task | None = None
         self._catch_ups: set[asyncio.Task] = set()
@@ -317,8 +327,7 @@ class RepositoryWatcher:
                   and (not settings.models_listed or settings.model(name) is not None)]
         log.info("dynamic repository: the store can be listed again; loading %s",
                  ", ".join(f"'{name}'" for name in served) or "nothing (no listed model has a folder yet)")
-        generations = self._generations()
-        return asyncio.gather(*(_logged(name, self._from_store(name, current[name], None, generations.get(name, 0),
+        return asyncio.gather(*(_logged(name, self._from_store(name, current[name], None,
                                                                functools.partial(self.repository.reload, name)))
                                 for name in served))
 
@@ -428,7 +437,7 @@ class RepositoryWatcher:
             self._timer.cancel()
         if self._scheduled is not None:
             self._scheduled.cancel()
-        for task in (*self._catch_ups, *self._deferred_loads, *self._changes):
+        for task in (*self._catch_ups, *self._changes):
             task.cancel()
 
     async def apply(self) -> None:
@@ -449,29 +458,24 @@ class RepositoryWatcher:
 
     async def _scan_and_start(self) -> asyncio.Task:
         """:meth:`apply`, returning once its loads, reloads and unloads are started: the task carrying them out."""
-        first: list[asyncio.Future] = []
-        steps: list[Coroutine[object, object, None]] = []
+        started: list[asyncio.Future] = []
+        steps: list[Step] = []
         try:
-            await self._scan_once(first, steps)
+            await self._scan_once(started, steps)
         finally:  # (what was started is carried out, and cancelled by stop(), even after an error)
-            changes = self._start(first, steps)
+            changes = self._start(started, steps)
         return changes
 
-    async def _scan_once(self, first: list[asyncio.Future], steps: list[Coroutine[object, object, None]]) -> None:
-        """Scan once and act on what changed.
-
-        What nereid.yaml's edit calls for (and a store's catch-up) is started at once and goes into ``first``:
-        a rename after it, on the same model, waits its turn. The folders' loads and reloads go into ``steps``,
-        to start once ``first`` has ended: the entry of a folder listed together with its arrival is loaded
-        once, with its settings.
-        """
+    async def _scan_once(self, started: list[asyncio.Future], steps: list[Step]) -> None:
+        """Scan once and act on what changed: what nereid.yaml's edit calls for (and a store's catch-up) is
+        started at once and goes into ``started``; the folders' renames, loads and reloads go into ``steps``."""
         try:
             settings_work = await self._apply_config()
         except Exception:  # the folders are still handled
             log.exception("dynamic repository: applying the changed %s failed", self.config_path)
         else:
             if settings_work is not None:
-                first.append(asyncio.ensure_future(_logged_settings(self.config_path, settings_work)))
+                started.append(asyncio.ensure_future(_logged_settings(self.config_path, settings_work)))
         now = time.monotonic()
         try:
             current, wanted = await asyncio.to_thread(self._look)
@@ -485,7 +489,7 @@ class RepositoryWatcher:
                 log.info("dynamic repository: following anew (%s)", follow.current.differences(paths))
                 follow.restart = True
         if not self._primed:
-            first.append(self._catch_up(current))
+            started.append(self._catch_up(current))
         for name in [name for name, retry in self._store_retries.items() if current.get(name) != retry.state]:
             del self._store_retries[name]  # changed or gone since the store failed it: a new start, if any
         if self.location is not None:
@@ -502,10 +506,7 @@ class RepositoryWatcher:
             stale = self.location is None and repository.loaded_stamp(old) not in (None, known)
             self._accept(old, None)
             self._accept(new, current[new])
-            await self._for(new, repository.rename(old, new))
-            if stale and repository.loaded_stamp(new) != current[new].stamp:
-                log.info("dynamic repository: folder '%s' holds files its model had not loaded; reloading it", new)
-                steps.append(self._for(new, repository.reload(new)))
+            steps.append(Step((new, old), functools.partial(self._renamed, old, new, stale, current[new].stamp)))
         due: dict[str, list[str]] = {"removed": [], "added": [], "changed": []}
         previous: dict[str, FolderState | None] = {}  # the known state of each folder due, before this change
         for kind in due:
@@ -531,7 +532,6 @@ class RepositoryWatcher:
             repository.remove_in_background(name)
         # (A store's folder seen "added" may already be loaded, by a RepositoryModelLoad.)
         load = repository.load if self.location is None else repository.reload
-        generations = self._generations() if self.location is not None else {}
         for kind, name in [("added", name) for name in due["added"]] + [("changed", name) for name in due["changed"]]:
             retry = self._store_retries.get(name)
             if retry is not None and not repository.wanted(name):
@@ -557,43 +557,97 @@ class RepositoryWatcher:
                 log.info("dynamic repository: new folder '%s'; loading it", name)
             else:
                 log.info("dynamic repository: folder '%s' changed; reloading it", name)
-            step = functools.partial(load if kind == "added" else repository.reload, name)
-            steps.append(self._for(name, self._unless_loaded(name, current[name], step) if self.location is None else
-                                   self._from_store(name, current[name], previous[name], generations.get(name, 0),
-                                                    step)))
+            if self.location is not None:
+                step = functools.partial(load if kind == "added" else repository.reload, name)
+                steps.append(Step((name,), functools.partial(self._from_store, name, current[name], previous[name],
+                                                             step)))
+            elif kind == "added":
+                steps.append(Step((name,), functools.partial(load, name)))
+            else:  # (an unload, or the end of its listing, meanwhile: not reloaded)
+                steps.append(Step((name,), functools.partial(self._reloaded_if_wanted, name)))
         self.scans += 1
         self._schedule_settled_scan()
 
-    def _start(self, first: list[asyncio.Future], steps: list[Coroutine[object, object, None]]) -> asyncio.Task:
-        """Carry out one scan's changes in a task of its own: wait for ``first`` (started already), then run
-        ``steps`` (the folders' loads and reloads) together, then publish readiness (after_apply). The task is
-        returned, and cancelled by :meth:`stop`.
+    def _start(self, started: list[asyncio.Future], steps: list[Step]) -> asyncio.Future:
+        """Carry out one scan's ``steps`` (with the work ``started`` already) beside the scans that follow; then
+        publish readiness (after_apply). Returns what ends when all of it has.
 
         A scan never waits for them: one load that takes minutes (a large
         model compiling) or never returns held up every later change, and a
         folder copied in meanwhile did not appear until it was done. Steps on
-        one model still take turns, in the order they were started (the
-        repository's lock of its entry).
+        one model take turns: each starts once the watcher's step before it on
+        that model has ended, and decides then what to do (the folder as it is
+        then, whether it is still wanted).
         """
+        if self._stop.is_set():  # (stop() came during the scan: nothing more starts)
+            for future in started:
+                future.cancel()
+            done = asyncio.get_running_loop().create_future()
+            done.set_result(None)
+            return done
+        tasks = [*started, *(self._step_task(step) for step in steps)]
+        for task in tasks:
+            self._keep(task)
+
         async def carry_out() -> None:
-            try:
-                await asyncio.gather(*first)
-            except BaseException:  # cancelled: the steps never start
-                for step in steps:
-                    step.close()
-                raise
-            await asyncio.gather(*steps)
-            if not self._stop.is_set():
-                self._schedule_settled_scan()  # (a load the store failed is pending again: tried after a backoff)
+            await asyncio.gather(*tasks)
+            if self._stop.is_set():
+                return
+            self._schedule_settled_scan()  # (a load the store failed is pending again: tried after a backoff)
             if self._after_apply is not None:
                 try:
                     await self._after_apply()
                 except Exception:  # (the next scan's publishes again)
                     log.exception("dynamic repository: publishing readiness after a change failed")
-        task = asyncio.get_running_loop().create_task(carry_out(), name="nereid: dynamic repository changes")
+        # In the repository's background work: unload_all (the server stopping) waits for it to end.
+        changes = self.repository.in_background(carry_out(), "dynamic repository changes")
+        self._keep(changes)
+        return changes
+
+    def _keep(self, task: asyncio.Future) -> None:
         self._changes.add(task)
         task.add_done_callback(self._changes.discard)
+
+    def _step_task(self, step: Step) -> asyncio.Task:
+        """Run ``step`` in a task once the watcher's last step on each of its models has ended (and, after a
+        removal of a folder of its name still taking its model off the name, once that has)."""
+        before = {self._last_step[name] for name in step.models if name in self._last_step}
+        name = step.models[0]
+
+        async def run() -> None:
+            if before:
+                await asyncio.wait(before)
+            removal = self.repository.removal_of(name)
+            if removal is not None:  # (it waits for a load or rename in progress, never for the drain)
+                await asyncio.wait({removal})
+            await _logged(name, step.run())
+        task = asyncio.get_running_loop().create_task(run(), name=f"nereid: dynamic repository: '{name}'")
+        for model in step.models:
+            self._last_step[model] = task
+
+        def forget(task: asyncio.Task) -> None:
+            for model in step.models:
+                if self._last_step.get(model) is task:
+                    del self._last_step[model]
+        task.add_done_callback(forget)
         return task
+
+    async def _renamed(self, old: str, new: str, stale: bool, stamp: object) -> None:
+        """Move the model of folder ``old`` to ``new`` (see ModelRepository.rename); ``stale``: its running version
+        had not loaded the files the watcher knew, so they are loaded after the move."""
+        await self.repository.rename(old, new)
+        if stale and self.repository.loaded_stamp(new) != stamp:
+            log.info("dynamic repository: folder '%s' holds files its model had not loaded; reloading it", new)
+            await self.repository.reload(new)
+
+    async def _reloaded_if_wanted(self, name: str) -> None:
+        """Reload the changed folder ``name``, unless it is no longer wanted (unloaded, unlisted since the scan),
+        or its running version has these very files and settings (nereid.yaml's edit reloaded it meanwhile)."""
+        if not self.repository.wanted(name):
+            log.info("dynamic repository: folder '%s' changed; it is no longer served (unloaded or no longer "
+                     "listed), so nothing is loaded", name)
+            return
+        await self.repository.reload(name, only_if_changed=True)
 
     def _know_requested_loads(self, current: dict[str, FolderState]) -> None:
         """Know as "loaded, its folder not seen" each model loaded (by a RepositoryModelLoad) whose folder the
@@ -609,15 +663,11 @@ class RepositoryWatcher:
                     and self.repository.removal_of(name) is None):
                 self._folders[name] = _LOADED_UNSEEN
 
-    def _generations(self) -> dict[str, int]:
-        """Each model's count of versions loaded so far: a load that leaves it unchanged failed."""
-        return {entry.name: entry.generation for entry in self.repository.entries()}
-
-    async def _from_store(self, name: str, state: FolderState, previous: FolderState | None, generation: int,
+    async def _from_store(self, name: str, state: FolderState, previous: FolderState | None,
                           load: Callable[..., Awaitable[ModelEntry]]) -> None:
-        """Carry out ``load()``, the load or reload of the store's folder ``name`` seen in ``state`` (then at
-        ``generation``; called with ``retrying=``, see :meth:`ModelRepository.load`); if the store failed it,
-        the folder goes back to ``previous`` to be tried again.
+        """Carry out ``load()``, the load or reload of the store's folder ``name`` seen in ``state`` (called
+        with ``retrying=``, see :meth:`ModelRepository.load`); if the store failed it, the folder goes back to
+        ``previous`` to be tried again.
 
         The folder's state was taken as known before the load: without this a failed load would look done,
         and a folder whose objects do not change again would never be tried again once the store serves
@@ -625,6 +675,7 @@ class RepositoryWatcher:
         model's own (its code, its settings) is not tried again: it would fail the same way each time.
         """
         retry = self._store_retries.get(name)
+        generation = self.repository.generation(name)  # (a load that leaves it so failed)
         try:
             # A try again that fails as the last one did is no news: the repository says it at DEBUG.
             entry = await load(retrying=retry.reason if retry is not None else None)
@@ -705,35 +756,6 @@ class RepositoryWatcher:
             return 0.0
         age_s = (time.time_ns() - state.hidden_mtime_ns) / 1e9
         return min(settle_s, max(0.0, settle_s - age_s))
-
-    def _for(self, name: str, work: Coroutine[object, object, object]) -> Coroutine[object, object, None]:
-        """``work`` on the model ``name``, logged; after the removal of a folder of that name still taking its
-        model off the name (the watcher's or a rename's; the old model's drain holds up nothing), in the
-        background once that is done (a re-added folder must not wait on the loop of changes)."""
-        removal = self.repository.removal_of(name)
-        if removal is None:
-            return _logged(name, work)
-
-        async def after_removal() -> None:
-            try:
-                await asyncio.wait({removal})
-            except BaseException:  # cancelled by stop(): the load never starts
-                work.close()
-                raise
-            await _logged(name, work)
-        task = asyncio.get_running_loop().create_task(after_removal(), name=f"nereid: load of '{name}' after its "
-                                                                             "removal")
-        self._deferred_loads.add(task)
-        task.add_done_callback(self._deferred_loads.discard)
-        return asyncio.sleep(0)
-
-    async def _unless_loaded(self, name: str, state: FolderState, load: Callable[[], Awaitable[object]]) -> None:
-        """``load()`` the folder ``name`` seen in ``state``, unless its model was loaded from these very files
-        meanwhile (by a RepositoryModelLoad, or by nereid.yaml's edit of the same scan)."""
-        if self.repository.loaded_stamp(name) == state.stamp:
-            log.info("dynamic repository: folder '%s' is loaded already as it is now", name)
-            return
-        await load()
 
     def _accept(self, name: str, state: FolderState | None) -> None:
         """Make ``state`` the folder's known state (None: gone); it is no longer pending."""

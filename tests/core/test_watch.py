@@ -763,7 +763,7 @@ def test_a_load_the_stores_listing_failed_before_the_repository_knew_the_folder_
             raise from_store
         del watcher._pending["n"]
         watcher._accept("n", state)  # settled: taken as known before its load, as the watcher does
-        await watcher._from_store("n", state, None, 0, listing_down)
+        await watcher._from_store("n", state, None, listing_down)
         assert "n" in watcher._store_retries and "n" not in watcher._folders  # to be seen again, after a wait
         repository.rescan()  # (a RepositoryIndex meanwhile: the entry it makes is no model unloaded since)
         polling = asyncio.create_task(watcher.run())

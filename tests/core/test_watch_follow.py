@@ -322,6 +322,94 @@ def test_a_load_that_takes_long_holds_up_no_other_change(tmp_path, root, started
     asyncio.run(scenario())
 
 
+def write_gated(root: Path, name: str, release: Path) -> Path:
+    """A folder the ``gated`` toy claims: its load waits until ``release`` exists."""
+    folder = write_toy(root, name)
+    (folder / "toy.txt").unlink()
+    (folder / "gate.txt").write_text(str(release))
+    return folder
+
+
+def test_a_folder_edited_while_its_load_runs_is_loaded_as_edited(tmp_path, root):
+    """Review of the change above: the edit's reload, queued behind the load under way, found the model
+    "loaded meanwhile" and did nothing; the model served the files from before the edit for good."""
+    release = tmp_path / "release"
+    repository, watcher = setup(tmp_path, root)
+
+    async def scenario() -> None:
+        await start(repository, watcher)
+        folder = write_gated(root, "a", release)
+        await watcher._apply_serialized()  # seen
+        await watcher._apply_serialized()  # its load starts
+        await until(lambda: repository.entry("a").state is ModelState.LOADING, what="a loading")
+        (folder / "extra.txt").write_text("an edit while it loads")
+        await watcher._apply_serialized()  # seen
+        await watcher._apply_serialized()  # its reload waits for the load
+        release.touch()
+        await asyncio.gather(*watcher._changes)
+        assert repository.entry("a").state is ModelState.READY
+        assert repository.loaded_stamp("a") == scan_repository(root)["a"].stamp
+        await repository.unload_all()
+    asyncio.run(scenario())
+
+
+def test_a_nereid_yaml_edit_while_the_folder_loads_is_loaded_with_its_settings(tmp_path, root):
+    """Review of the change above: nereid.yaml listing a model whose load was under way loaded nothing, and
+    the model ran with the settings it had started loading with."""
+    release = tmp_path / "release"
+    repository, watcher = setup(tmp_path, root)
+    config = Path(repository.settings.source)
+
+    async def scenario() -> None:
+        await start(repository, watcher)
+        write_gated(root, "b", release)
+        await watcher._apply_serialized()
+        await watcher._apply_serialized()
+        await until(lambda: repository.entry("b").state is ModelState.LOADING, what="b loading")
+        config.write_text(config.read_text() + "models:\n  - name: b\n    queue_capacity: 3\n")
+        await watcher._apply_serialized()  # applied (settle time 0): its load of b waits for the one under way
+        release.touch()
+        await asyncio.gather(*watcher._changes)
+        loaded = repository.entry("b").loaded
+        assert loaded is not None and loaded.backend.context.settings.queue_capacity == 3  # (what it was built with)
+        await repository.unload_all()
+    asyncio.run(scenario())
+
+
+def test_a_stop_during_a_scan_leaves_nothing_loading_after_the_models_are_unloaded(tmp_path, root, monkeypatch):
+    """Review of the change above: a scan stopped while it looked at the folders started its work after stop()
+    had cancelled the work under way, and a model loaded after the server had unloaded every model."""
+    release = tmp_path / "release"
+    write_gated(root, "late", release)
+    repository, watcher = setup(tmp_path, root, models="  - name: other\n")
+    write_toy(root, "other")
+    config = Path(repository.settings.source)
+    looking = asyncio.Event()
+
+    async def scenario() -> None:
+        await start(repository, watcher)
+        look = watcher._look
+
+        def slow_look():  # (a store's listing can take seconds)
+            looking_loop.call_soon_threadsafe(looking.set)
+            time.sleep(0.5)
+            return look()
+        looking_loop = asyncio.get_running_loop()
+        monkeypatch.setattr(watcher, "_look", slow_look)
+        config.write_text(config.read_text() + "  - name: late\n")
+        scan = asyncio.create_task(watcher._apply_serialized())
+        await looking.wait()  # nereid.yaml applied, late's load started; the scan looks at the folders
+        await until(lambda: repository.entry("late").state is ModelState.LOADING, what="late loading")
+        watcher.stop()  # what the server's stop does
+        scan.cancel()
+        await asyncio.gather(scan, return_exceptions=True)
+        await repository.unload_all(grace_s=0)
+        release.touch()
+        await asyncio.sleep(0.3)
+        assert repository.entry("late").loaded is None and repository.entry("late").state is not ModelState.READY
+    asyncio.run(scenario())
+
+
 # -- defect: a model draining its old version held up every other change ----------------------------------------
 
 @pytest.mark.parametrize("change", ["reload", "remove"])

@@ -393,7 +393,7 @@ def busy(repository: ModelRepository, watcher: RepositoryWatcher) -> list[str]:
     doing = [f"'{entry.name}': a load, reload or unload under way" for entry in repository.entries() if entry.holders]
     doing += [f"pending in the watcher: {sorted(watcher._pending)}"] if watcher._pending else []
     doing += ["the watcher is applying a change"] if watcher._applying.locked() else []
-    doing += [f"{len(watcher._deferred_loads)} load(s) after a removal"] if watcher._deferred_loads else []
+    doing += [f"{len(watcher._changes)} change(s) under way"] if watcher._changes else []
     doing += [f"{len(repository._background)} background task(s)"] if repository._background else []
     return doing
 
