@@ -608,7 +608,7 @@ class ModelRepository:
                                     functools.partial(unload_unclaimed, name))
         entry.building = building
         try:
-            built = await building
+            built = await _noting_a_long_build(name, building, started)
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if task is not None and task.cancelling():  # this task was cancelled (the server stopping)
@@ -1191,6 +1191,29 @@ def _no_folder(name: str) -> NotFound:
 def _waiting_for_folder(name: str) -> str:
     """The reason of a listed model whose folder is not in the repository."""
     return f"waiting for its folder '{name}' in ml_backends_path"
+
+
+LONG_LOAD_NOTE_S = 60.0  # a backend's load() running this long is said in the log, and again each as long
+
+
+async def _noting_a_long_build(name: str, building: asyncio.Future, started: float) -> BuiltModel:
+    """Await ``building`` (a model's build on its daemon thread); every LONG_LOAD_NOTE_S while it runs, say so.
+
+    A load that takes minutes (a large model compiling) or never returns was
+    otherwise silent between "loading it" (dynamic mode) or nothing at all (a
+    start) and its end. Awaited the way ``await building`` would be: this
+    task's cancellation cancels the build too.
+    """
+    while True:
+        try:
+            done, _ = await asyncio.wait({building}, timeout=LONG_LOAD_NOTE_S)
+        except asyncio.CancelledError:
+            building.cancel()  # (as awaiting it would: its late result is unloaded on its thread)
+            raise
+        if done:
+            return building.result()
+        log.warning("model '%s' is still loading after %.0f s: its backend's load() has not returned (a "
+                    "RepositoryModelUnload of it gives up on the load)", name, time.monotonic() - started)
 
 
 def _repeats(reason: str, retrying: str | None) -> bool:

@@ -410,6 +410,30 @@ def test_a_stop_during_a_scan_leaves_nothing_loading_after_the_models_are_unload
     asyncio.run(scenario())
 
 
+def test_a_load_that_takes_long_is_said_in_the_log_while_it_runs(tmp_path, root, monkeypatch, caplog):
+    """A load of minutes was silent until it ended: nothing told an operator which model held readiness back."""
+    import logging
+
+    from nereid import repository as repository_module
+
+    monkeypatch.setattr(repository_module, "LONG_LOAD_NOTE_S", 0.2)
+    caplog.set_level(logging.WARNING, "nereid.repository")
+    release = tmp_path / "release"
+    repository, watcher = setup(tmp_path, root)
+
+    async def scenario() -> None:
+        await start(repository, watcher)
+        write_gated(root, "slow_to_load", release)
+        loading = asyncio.create_task(repository.load("slow_to_load"))
+        await until(lambda: any("still loading" in r.getMessage() for r in caplog.records), what="the note")
+        release.touch()
+        assert (await loading).state is ModelState.READY
+        await repository.unload_all()
+    asyncio.run(scenario())
+    note = next(r.getMessage() for r in caplog.records if "still loading" in r.getMessage())
+    assert note.startswith("model 'slow_to_load' is still loading after 0 s: its backend's load() has not returned")
+
+
 # -- defect: a model draining its old version held up every other change ----------------------------------------
 
 @pytest.mark.parametrize("change", ["reload", "remove"])
