@@ -363,6 +363,12 @@ class _RepositoryCollector(Collector):
         utilization = GaugeMetricFamily("nereid_batch_utilization",
                                         "Busy / (busy + idle) of the model's executions since it loaded.",
                                         labels=["model"])
+        # Now, not on average: a saturated or wedged model looked idle in the two above (queue empty, its one
+        # instance busy; utilization creeping up from a long idle past).
+        running = GaugeMetricFamily("nereid_executions_running", "Executions of the model running now.",
+                                    labels=["model"])
+        busy = CounterMetricFamily("nereid_busy_seconds", "Seconds the model had at least one execution running "
+                                   "(rate(): its utilization now).", labels=["model"])
         warm_parent = GaugeMetricFamily("nereid_warm_parent_resident_bytes",
                                         "Resident memory of the model's warm parent process (python backend).",
                                         labels=["model"])
@@ -370,9 +376,13 @@ class _RepositoryCollector(Collector):
                                        "Versions of the model loaded so far (every load and reload adds one).",
                                        labels=["model"])
         states = GaugeMetricFamily("nereid_models", "Model folders by state.", labels=["state"])
+        model_state = GaugeMetricFamily("nereid_model_state", "1 for the model's state, 0 for the others: which "
+                                        "model is UNAVAILABLE, LOADING or UNLOADING.", labels=["model", "state"])
         counts = {state.value: 0 for state in ModelState}
         for entry in self._repository.entries():
             counts[entry.state.value] += 1
+            for state in ModelState:
+                model_state.add_metric([entry.name, state.value], 1 if entry.state is state else 0)
             if entry.generation:
                 generation.add_metric([entry.name], entry.generation)
         # Every version's queue counts, old versions still finishing their requests (after a reload, a removal)
@@ -395,6 +405,8 @@ class _RepositoryCollector(Collector):
                 histogram: StatsHistogram = getattr(stats, attr)
                 family.add_metric([name], histogram.cumulative(), histogram.sum)
             utilization.add_metric([name], stats.batcher.utilization)
+            running.add_metric([name], stats.running_executions)
+            busy.add_metric([name], stats.batcher.busy_time_s)
             backend = loaded.backend
             if isinstance(backend, ReportsRuntime):
                 try:
@@ -414,5 +426,5 @@ class _RepositoryCollector(Collector):
             depth.add_metric([name], count)
         for state, count in counts.items():
             states.add_metric([state], count)
-        yield from (success, failure, submitted, completed, *histograms.values(), depth, utilization, warm_parent,
-                    generation, states)
+        yield from (success, failure, submitted, completed, *histograms.values(), depth, utilization, running, busy,
+                    warm_parent, generation, states, model_state)

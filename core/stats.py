@@ -146,6 +146,11 @@ class ModelStats:
             clone._lock = threading.Lock()
             return clone
 
+    @property
+    def running_executions(self) -> int:
+        """Executions started and not yet finished."""
+        return self._running
+
     def record_submitted(self) -> None:
         """A request entered the queue."""
         with self._lock:

@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.utils import InferenceServerException
 
 import toy_backends
-from support import until
+from support import ECHO_MAIN, until, wait_until
 from nereid.backend import BackendClaim, RuntimeReport
 from nereid.hookspecs import hookimpl
 
@@ -32,8 +32,9 @@ def scrape(port: int) -> dict[tuple[str, tuple], float]:
 
 def test_metrics_describe_requests_batches_and_models(repo, serve) -> None:
     repo.python("echo")
+    repo.python("busy", main=f"import time\ntime.sleep(1.5)\n{ECHO_MAIN}")
     repo.add("broken", "input_shape: [4\n", main_py="print()")
-    server = serve(repo.write_config("- name: echo\n- name: broken\n"))
+    server = serve(repo.write_config("- name: echo\n- name: busy\n- name: broken\n"))
     client = server.client
     good = triton.InferInput("input", [2, 4], "FP32")
     good.set_data_from_numpy(np.ones((2, 4), np.float32))
@@ -60,8 +61,22 @@ def test_metrics_describe_requests_batches_and_models(repo, serve) -> None:
     assert samples[("nereid_queue_depth", model)] == 0
     assert 0 < samples[("nereid_batch_utilization", model)] <= 1
     assert samples[("nereid_model_load_duration_seconds_count", model)] == 1
-    assert samples[("nereid_models", (("state", "READY"),))] == 1
+    assert samples[("nereid_models", (("state", "READY"),))] == 2
     assert samples[("nereid_models", (("state", "UNAVAILABLE"),))] == 1
+    # Which model is down, and which is busy now (not on average since its load).
+    assert samples[("nereid_model_state", (("model", "broken"), ("state", "UNAVAILABLE")))] == 1
+    assert samples[("nereid_model_state", (("model", "broken"), ("state", "READY")))] == 0
+    assert samples[("nereid_model_state", (("model", "echo"), ("state", "READY")))] == 1
+    assert samples[("nereid_executions_running", model)] == 0
+    assert samples[("nereid_busy_seconds_total", model)] > 0
+    call = threading.Thread(target=client.infer, args=("busy", [good]))
+    call.start()
+    busy = (("model", "busy"),)
+    assert wait_until(lambda: scrape(server.server.metrics_port)[("nereid_executions_running", busy)] == 1)
+    during = scrape(server.server.metrics_port)[("nereid_busy_seconds_total", busy)]
+    time.sleep(0.3)
+    assert scrape(server.server.metrics_port)[("nereid_busy_seconds_total", busy)] >= during + 0.25
+    call.join()
 
 
 def test_metrics_can_be_turned_off(repo, serve) -> None:
