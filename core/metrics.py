@@ -18,7 +18,7 @@ import time
 from typing import Any, Iterator
 from wsgiref.simple_server import WSGIRequestHandler
 
-from prometheus_client import CollectorRegistry, Counter, make_wsgi_app
+from prometheus_client import CollectorRegistry, Counter, PlatformCollector, ProcessCollector, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
@@ -60,6 +60,9 @@ class ServerMetrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        # The server process's own: memory, CPU, open descriptors (against its limit), start time; Python's version.
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
         # Load durations by model, exported by _LoadDurations. Kept here, not in a prometheus_client Histogram:
         # a rename moves them to the new name (model_renamed), which a Histogram's children cannot be.
         self._load_seconds: dict[str, StatsHistogram] = {}

@@ -289,7 +289,12 @@ class NereidServer:
             self._watching = asyncio.create_task(self.watcher.run())
             log.info("dynamic repository: watching %s and %s (settle %g ms)", self.settings.server.ml_backends_path,
                      self.settings.source, self.settings.server.watch_settle_ms)
-        await asyncio.gather(*(self.repository.load(name) for name in self.repository.startup_models()))
+        starting = self.repository.startup_models()
+        unlisted = sorted({entry.name for entry in self.repository.entries()} - set(starting))
+        if unlisted:  # (their index entries say it too; a folder dropped in under a watch, then a restart)
+            log.info("not listed in nereid.yaml, so not loaded: %s (RepositoryModelLoad loads one)",
+                     ", ".join(f"'{name}'" for name in unlisted))
+        await asyncio.gather(*(self.repository.load(name) for name in starting))
         await self.update_health()
 
     async def update_health(self) -> None:

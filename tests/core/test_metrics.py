@@ -68,6 +68,7 @@ def test_metrics_describe_requests_batches_and_models(repo, serve) -> None:
     assert samples[("nereid_model_state", (("model", "broken"), ("state", "READY")))] == 0
     assert samples[("nereid_model_state", (("model", "echo"), ("state", "READY")))] == 1
     assert samples[("nereid_executions_running", model)] == 0
+    assert samples[("process_resident_memory_bytes", ())] > 0 and samples[("process_open_fds", ())] > 0
     assert samples[("nereid_busy_seconds_total", model)] > 0
     call = threading.Thread(target=client.infer, args=("busy", [good]))
     call.start()
