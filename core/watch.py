@@ -257,6 +257,7 @@ class RepositoryWatcher:
         # looked the same for the settle time, as a folder is (an editor that truncates, then writes, showed a
         # half-written file that was applied: models unloaded, or reloaded with every default).
         self._config_pending: tuple[bytes | None, float] | None = None
+        self._config_refused = False  # the last nereid.yaml read was refused (the running one kept)
         self._stop = asyncio.Event()
         self._applying = asyncio.Lock()  # the two watches never apply at once
         self.scans = 0  # completed scans (read by tests)
@@ -817,6 +818,7 @@ class RepositoryWatcher:
             new = await asyncio.to_thread(load_settings, self.config_path)
         except ConfigError as err:
             log.error("dynamic repository: %s; keeping the running configuration", err)
+            self._config_refused = True
             return None
         old = self.settings
         if new.server != old.server:
@@ -826,6 +828,10 @@ class RepositoryWatcher:
                         self.config_path.name, ", server.".join(changed))
         new = replace(new, server=old.server)
         self.settings = new
+        # (An operator who fixed a refused file learns it took: nothing else says so when no model changes.)
+        log.info("dynamic repository: %s changed; applying it%s", self.config_path.name,
+                 " (it is valid again)" if self._config_refused else "")
+        self._config_refused = False
         return self.repository.start_settings(new)
 
     def _read_config(self) -> bytes | None:

@@ -242,6 +242,8 @@ def test_nereid_yaml_edits(repo, serve, caplog):
     config.write_text(text.replace('bind_addr: "127.0.0.1:0"', 'bind_addr: "127.0.0.1:1"'))
     wait_for(lambda: any("server.bind_addr: needs a restart" in r.message for r in caplog.records))
     assert ask(server.client, "a")["version"] == "a"
+    # The fixed file is said to be valid again (nothing else says it took when no model changes).
+    assert "dynamic repository: nereid.yaml changed; applying it (it is valid again)" in caplog.messages
 
 
 @pytest.mark.parametrize("edit", ["unlisted", "no models key"])
