@@ -84,6 +84,7 @@ class LoadedModel:
     # a watcher seeing the same files needs not load them again.
     stamp: object = None
     settings: ModelSettings | None = None  # what it was built with (nereid.yaml may have changed since)
+    backend_defaults: object = None  # nereid.yaml's backends: entry for its backend, as it was built with
 
 
 class LoadAbandoned(Unavailable):
@@ -545,10 +546,13 @@ class ModelRepository:
         """Whether the running version was built with the entry's settings as they are now and, where the files
         were stamped (dynamic mode, a local folder), from the folder's files as they are now."""
         loaded = entry.loaded
-        if loaded is None or loaded.settings != entry.settings:
+        if (loaded is None or loaded.settings != entry.settings
+                or loaded.backend_defaults != self.settings.backend_defaults.get(loaded.backend_name)):
             return False
         if loaded.stamp is None:
-            return True
+            # Files not stamped: a bucket's (their state is the watcher's, not known here), or no dynamic mode,
+            # where nothing follows the files and a load that came second has nothing newer to load.
+            return not self.settings.server.watch
         stamped = await asyncio.to_thread(folder_stamp, entry.folder)
         return stamped is not None and stamped[0] == loaded.stamp
 
@@ -604,7 +608,8 @@ class ModelRepository:
         if entry.unloads_waiting:  # an unload came after this load: it wins, and nothing is built for nothing
             raise LoadAbandoned(f"model '{name}': load abandoned: an unload or removal of it came first")
         started = time.monotonic()
-        building = on_daemon_thread(functools.partial(self._build, context), f"nereid-load-{name}",
+        backend_defaults = self.settings.backend_defaults  # (read once: kept with what it builds)
+        building = on_daemon_thread(functools.partial(self._build, context, backend_defaults), f"nereid-load-{name}",
                                     functools.partial(unload_unclaimed, name))
         entry.building = building
         try:
@@ -641,7 +646,8 @@ class ModelRepository:
                                  scheduler, stats, load_seconds,
                                  make_runner(built.backend, built.signature, built.batch_signature, scheduler,
                                              hook_threads),
-                                 hook_threads, depends_on, stamp, context.settings)
+                                 hook_threads, depends_on, stamp, context.settings,
+                                 backend_defaults.get(built.backend_name))
         except Exception:
             if scheduler is not None:  # its batcher task is running: end it, or asyncio logs it destroyed
                 await scheduler.drain(0)
@@ -741,6 +747,7 @@ class ModelRepository:
             if moved:
                 del self._entries[old]
                 entry.name, entry.folder, entry.settings, entry.settings_origin = new, context.folder, settings, origin
+                loaded.settings = settings  # (moved in place only with the same settings, its name apart)
                 self._entries[new] = entry  # replaces an entry a rescan may have made for the new folder
                 if self.events is not None:  # its loads, requests and events follow it, as its version does
                     self.events.model_renamed(old, new)
@@ -884,19 +891,21 @@ class ModelRepository:
         return self._settled([asyncio.ensure_future(step) for step in work])
 
     async def _settled(self, steps: list[asyncio.Future]) -> None:
-        await asyncio.gather(*steps)
+        for outcome in await asyncio.gather(*steps, return_exceptions=True):
+            if isinstance(outcome, Exception):  # (one step's failure stops neither the others nor the refresh)
+                log.error("applying nereid.yaml: %s", describe_exception(outcome))
         await self.refresh()  # entries only the old nereid.yaml kept (listed, folder never landed) go
 
     def _record(self, name: str, event: str) -> None:
         if self.events is not None:
             self.events.repository_event(name, event)
 
-    def _build(self, context: ModelContext) -> BuiltModel:
+    def _build(self, context: ModelContext, backend_defaults: dict) -> BuiltModel:
         """Check the folder stays inside the repository, then build the model (blocking)."""
         materialize_model_folder(self.settings.server, context.name)  # from an object store: fetch it first
         check_confined(context.folder, self.root, self.settings.server.follow_symlinks)
         remove_model_leftovers(context.folder, CACHE_SUBFOLDER)
-        return build_model(self.manager, context, self.settings.backend_defaults, self.settings.source)
+        return build_model(self.manager, context, backend_defaults, self.settings.source)
 
     def public_text(self, text: str) -> str:
         """``text`` fit for clients: paths relative to ml_backends_path (or nereid.yaml's folder), capped.

@@ -656,12 +656,13 @@ class RepositoryWatcher:
 
         A folder uploaded again after its removal, loaded at once and deleted before the next look showed no
         change to the watcher (never seen, not there), and its model served for good. One whose removal is
-        under way is left to it.
+        under way is left to it, and so is one a step of the watcher's is still to act on (a rename waiting
+        for the model's reload to end: its old name is no folder the watcher knows, and is no removal).
         """
         for entry in self.repository.entries():
             name = entry.name
             if (entry.loaded is not None and name not in self._folders and name not in current
-                    and self.repository.removal_of(name) is None):
+                    and self.repository.removal_of(name) is None and name not in self._last_step):
                 self._folders[name] = _LOADED_UNSEEN
 
     async def _from_store(self, name: str, state: FolderState, previous: FolderState | None,

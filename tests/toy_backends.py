@@ -2,7 +2,8 @@
 
 ``toy`` claims folders holding ``toy.txt`` and a textproto; its model adds one
 to its input. A folder with ``fail.txt`` refuses to load with that file's text; one with
-``store_fail.txt`` fails as the object store had failed its load (a StorageError as its cause).
+``store_fail.txt`` fails as the object store had failed its load (a StorageError as its cause); one with
+``gate.txt`` loads once the file it names exists (30 s at most): a load as long as a test wants.
 Every load is counted in ``LOADS`` (by model name), so tests can tell a model
 that moved from one that loaded again.
 """
@@ -39,6 +40,11 @@ class ToyModel:
         self._signature: ModelSignature | None = None
 
     def load(self) -> None:
+        gate = self.context.folder / "gate.txt"
+        if gate.is_file():
+            release, deadline = Path(gate.read_text()), time.monotonic() + 30
+            while not release.exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
         failure = self.context.folder / "fail.txt"
         if failure.is_file():
             raise ConfigError(f"{failure}: {failure.read_text().strip()}")

@@ -626,6 +626,38 @@ def test_a_load_the_store_failed_is_tried_again_once_it_serves_and_a_bad_model_i
     assert len(loads) == 1, loads  # never tried again: it would fail the same way
 
 
+def test_a_bucket_folder_changed_while_a_requested_load_runs_is_loaded_as_changed(s3, tmp_path):
+    """Review: the watcher's reload of a folder changed in the bucket, queued behind a RepositoryModelLoad still
+    running, found the model "loaded meanwhile" (a bucket's files carry no stamp) and the change was lost."""
+    import asyncio
+
+    from nereid.repository import ModelState
+
+    store = WatchedBucket(s3, tmp_path)
+    release = tmp_path / "release"
+    wide = "input_shape: [8]\noutput_shape: [8]\nmax_batch_size: 8\n"
+
+    async def scenario() -> None:
+        repository, watcher = await store.watched()
+        store.upload("a", **{"gate.txt": str(release)})
+        requested = asyncio.create_task(repository.load("a"))  # RepositoryModelLoad
+        await _until(lambda: _entry(repository, "a") is not None and _entry(repository, "a").building is not None,
+                     "a's load running")
+        store.client.put_object(Bucket=store.bucket, Key=f"{store.prefix}/a/model_inference.textproto",
+                                Body=wide.encode())
+        await watcher._apply_serialized()  # seen (settle time 0)
+        await watcher._apply_serialized()  # its reload waits for the load under way
+        release.touch()
+        await requested
+        while watcher._changes:
+            await asyncio.gather(*watcher._changes)
+        entry = _entry(repository, "a")
+        assert entry.state is ModelState.READY and entry.loaded.signature.inputs[0].dims == (8,)
+        watcher.stop()
+        await repository.unload_all()
+    asyncio.run(scenario())
+
+
 def test_a_load_failed_by_a_store_that_serves_again_when_the_watcher_looks_is_tried_again(s3, tmp_path, caplog):
     """A fetch that failed every try (HTTP 500) then succeeds at once: the repository recorded the store's
     error as the load's cause, and the watcher tries it again."""

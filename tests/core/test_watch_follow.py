@@ -48,15 +48,8 @@ class PickyToy(ToyModel):
 
 
 class GatedToy(ToyModel):
-    """A toy whose load() waits (30 s at most) until the file that ``gate.txt`` names exists: a load that takes
-    as long as the test wants (a large model compiling)."""
-
-    def load(self) -> None:
-        release = Path((self.context.folder / "gate.txt").read_text())
-        deadline = time.monotonic() + 30
-        while not release.exists() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        super().load()
+    """The toy (whose load waits for the file ``gate.txt`` names: a load as long as the test wants, a large
+    model compiling) under a backend name of its own, ``gated``."""
 
 
 class Plugins:
@@ -372,6 +365,61 @@ def test_a_nereid_yaml_edit_while_the_folder_loads_is_loaded_with_its_settings(t
         await asyncio.gather(*watcher._changes)
         loaded = repository.entry("b").loaded
         assert loaded is not None and loaded.backend.context.settings.queue_capacity == 3  # (what it was built with)
+        await repository.unload_all()
+    asyncio.run(scenario())
+
+
+def test_a_backends_default_changed_while_the_model_loads_is_loaded_with_it(tmp_path, root):
+    """Review: a backends: default added while a model was on its first load found it "loaded meanwhile" (only
+    its own entry and files were compared) and it served without the default until some other change."""
+    release = tmp_path / "release"
+    repository, watcher = setup(tmp_path, root)
+    config = Path(repository.settings.source)
+
+    async def scenario() -> None:
+        await start(repository, watcher)
+        write_gated(root, "a", release)
+        await watcher._apply_serialized()
+        await watcher._apply_serialized()
+        await until(lambda: repository.entry("a").state is ModelState.LOADING, what="a loading")
+        config.write_text(config.read_text() + "backends:\n  gated:\n    colour: blue\n")
+        await watcher._apply_serialized()  # its load of a waits for the one under way
+        release.touch()
+        while watcher._changes:
+            await asyncio.gather(*watcher._changes)
+        assert dict(repository.entry("a").loaded.backend.context.settings.runtime) == {"colour": "blue"}
+        await repository.unload_all()
+    asyncio.run(scenario())
+
+
+def test_a_folder_renamed_while_its_model_reloads_is_moved_not_removed(tmp_path, root):
+    """Review: the old name, no longer a folder the watcher knew, was taken for a model loaded by request whose
+    folder had gone: removed (its reload abandoned), and the new name loaded anew."""
+    release = tmp_path / "release"
+    release.touch()
+    repository, watcher = setup(tmp_path, root)
+
+    async def scenario() -> None:
+        await start(repository, watcher)
+        folder = write_gated(root, "a", release)
+        await apply(watcher)
+        await apply(watcher)
+        assert repository.entry("a").state is ModelState.READY
+        release.unlink()
+        (folder / "extra.txt").write_text("an edit")
+        await watcher._apply_serialized()
+        await watcher._apply_serialized()  # its reload starts and waits
+        await until(lambda: repository.entry("a").building is not None, what="a reloading")
+        folder.rename(root / "b")
+        for _ in range(4):
+            await watcher._apply_serialized()
+            await asyncio.sleep(0.05)
+        release.touch()
+        while watcher._changes:
+            await asyncio.gather(*watcher._changes)
+        assert repository.entry("b").state is ModelState.READY
+        assert repository.generation("b") == 2  # moved (version 1), then its edited files loaded: not loaded anew
+        assert repository.loaded_stamp("b") == scan_repository(root)["b"].stamp
         await repository.unload_all()
     asyncio.run(scenario())
 
