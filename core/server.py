@@ -331,6 +331,7 @@ class NereidServer:
         grace = self.settings.server.shutdown_grace_s if grace_s is None else grace_s
         grace_ends = time.monotonic() + grace
         self.dataplane.shutting_down = True
+        self._log_work_left()
         # The folder is no longer followed: a change during the grace would start a load, or a drain of its
         # own, that the shutdown then waits for.
         if self.watcher is not None and self._watching is not None:
@@ -370,6 +371,17 @@ class NereidServer:
             self._loop_watch.stop()
         self._stopped.set()
         log.info("nereid stopped")
+
+    def _log_work_left(self) -> None:
+        """Say, as the drain starts, what each model still has to do: what the grace is for."""
+        work: dict[str, list[int]] = {}
+        for name, loaded in self.repository.versions():
+            running, queued = work.setdefault(name, [0, 0])
+            work[name] = [running + loaded.stats.running_executions, queued + loaded.scheduler.queue_depth]
+        busy = [f"model '{name}': {running} execution(s) running, {queued} request(s) queued"
+                for name, (running, queued) in sorted(work.items()) if running or queued]
+        if busy:
+            log.info("draining: %s", "; ".join(busy))
 
     async def serve_until_signalled(self) -> None:
         """Start, load, and run until SIGTERM, SIGINT or SIGHUP, then stop gracefully."""

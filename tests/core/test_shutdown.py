@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
+import re
 import threading
 import time
 from pathlib import Path
@@ -185,7 +186,7 @@ def test_at_shutdown_an_idle_inference_stream_ends_and_a_busy_one_once_its_reque
 
 
 def test_requests_still_running_when_the_grace_passes_are_answered_unavailable_and_their_stream_then_ends(
-        repo, serve):
+        repo, serve, caplog):
     # gRPC's stop cancelled every call at the grace: a stream's requests read and not yet answered got no answer,
     # the stream ending with gRPC's own "Cancelling all calls".
     plugin = HeldInfers()
@@ -216,6 +217,7 @@ def test_requests_still_running_when_the_grace_passes_are_answered_unavailable_a
             time.sleep(0.01)
         grace_s = 1
         started = time.monotonic()
+        caplog.set_level(logging.INFO, "nereid.server")
         stopping = asyncio.run_coroutine_threadsafe(server.server.stop(grace_s=grace_s), server.loop)
         lost = ("model 'held': the server is shutting down, and shutdown_grace_s passed before the request "
                 "finished; its answer is lost")  # (what HTTP answers then too)
@@ -234,6 +236,9 @@ def test_requests_still_running_when_the_grace_passes_are_answered_unavailable_a
         assert stream.answers.empty()
         # Counted as the clients were answered: ended by the server, not cancelled by them.
         assert stats.snapshot().failures_by_reason == {"unavailable": 4}
+        # What the grace was for, said as the drain started.
+        assert any(re.fullmatch(r"draining: model 'held': [1-4] execution\(s\) running, [0-3] request\(s\) queued",
+                                message) for message in caplog.messages), caplog.messages
     finally:
         plugin.release.set()
         stream.close()
