@@ -103,6 +103,14 @@ class DataPlane:
             raise Unavailable(PublicText(f"model '{model_name}': the server is shutting down; the request was not "
                                          "run"))
 
+    def error_text(self, err: BaseException, where: str = "") -> str:
+        """What a client is told of ``err``: a NereidError's message, anything else as an internal error (of
+        ``where``, if given); the server's paths relative, capped (see ModelRepository.public_text)."""
+        if isinstance(err, NereidError):
+            return self.repository.public_text(str(err))
+        return self.repository.public_text(f"internal error{f' in {where}' if where else ''}: "
+                                           f"{type(err).__name__}: {err}")
+
     def refused(self, model_name: str, error: NereidError) -> None:
         """Count against its model a request its protocol refused before :meth:`infer` (unreadable, ...)."""
         self.count_failure(model_name, error.reason)

@@ -42,3 +42,22 @@ def test_core_imports_no_backend() -> None:
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             offenders += [f"{path.relative_to(core)}: {name}" for name in names if name.startswith("nereid.backends")]
     assert offenders == []
+
+
+def test_the_protocol_modules_only_convert() -> None:
+    """The gRPC and HTTP surfaces go through the data plane alone: they import neither the repository nor the
+    scheduler, nor reach the repository through the data plane (they once did, for its path redaction)."""
+    import ast
+
+    protocol = Path(__file__).resolve().parents[1] / "core" / "protocol"
+    offenders = []
+    for path in protocol.glob("*.py"):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            offenders += [f"{path.name}: imports {name}" for name in names
+                          if name in ("nereid.repository", "nereid.scheduler")]
+            if isinstance(node, ast.Attribute) and node.attr == "repository":
+                offenders.append(f"{path.name}:{node.lineno}: reaches .repository")
+    assert offenders == []

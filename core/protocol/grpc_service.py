@@ -138,11 +138,10 @@ def _maps_errors(handler: Handler) -> Handler:
             try:
                 return await handler(self, request, context)
             except NereidError as err:
-                code, message = status_of(err), self.dataplane.repository.public_text(str(err))
+                code, message = status_of(err), self.dataplane.error_text(err)
             except Exception as err:  # a bug, not the client's fault: say so instead of grpc's bare UNKNOWN
                 log.exception("%s failed", handler.__name__)
-                code, message = grpc.StatusCode.INTERNAL, self.dataplane.repository.public_text(
-                    f"internal error in {handler.__name__}: {type(err).__name__}: {err}")
+                code, message = grpc.StatusCode.INTERNAL, self.dataplane.error_text(err, handler.__name__)
         # Abort outside the except blocks: an exception raised inside one chains to the caught error,
         # whose traceback holds the frames holding the request, and that reference cycle kept rejected
         # gigabyte requests alive until the garbage collector happened to run.
@@ -339,7 +338,7 @@ class InferenceServicer:
             try:
                 result = await self._infer(received, context)
             except NereidError as err:
-                message = self.dataplane.repository.public_text(str(err))
+                message = self.dataplane.error_text(err)
             except asyncio.CancelledError:
                 if not self._answered_at_grace():
                     raise
@@ -347,7 +346,7 @@ class InferenceServicer:
             except Exception as err:
                 # Every request gets exactly one answer, even when the failure is a bug.
                 log.exception("ModelStreamInfer: request '%s' failed", cap_message(request_id, 256))
-                message = self.dataplane.repository.public_text(f"internal error: {type(err).__name__}: {err}")
+                message = self.dataplane.error_text(err)
             else:
                 await answers.put(serialize_infer_response(result, streamed=True))
                 return

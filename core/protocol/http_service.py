@@ -157,7 +157,7 @@ class HttpSurface:
             status, body, headers = err.status, error_body(str(err)), [*JSON_HEADERS, *err.headers]
         except NereidError as err:
             status = status_of(err)
-            body, headers = error_body(self.dataplane.repository.public_text(str(err))), JSON_HEADERS
+            body, headers = error_body(self.dataplane.error_text(err)), JSON_HEADERS
         except MemoryError:
             # Not a bug, and not the client's fault: a passing condition of the server, answered without a
             # traceback (formatting one may fail again), as an infer request out of memory is (see _infer).
@@ -169,7 +169,7 @@ class HttpSurface:
         except Exception as err:  # a bug, not the client's fault: say so rather than drop the connection
             log.exception("HTTP %s %s failed", scope["method"], cap_message(scope["path"], 256))
             status, headers = 500, JSON_HEADERS
-            body = error_body(self.dataplane.repository.public_text(f"internal error: {type(err).__name__}: {err}"))
+            body = error_body(self.dataplane.error_text(err))
         except asyncio.CancelledError:
             if not self.dataplane.shutting_down:
                 raise
