@@ -20,6 +20,12 @@ class TensorInfo:
     datatype: str
     shape: tuple[int, ...]
 
+    @property
+    def config_type(self) -> str:
+        """The datatype as Triton's model configuration spells it: ``TYPE_FP32``, and ``TYPE_STRING`` for
+        BYTES (gRPC's ModelConfig enum value name, and the HTTP config's text alike)."""
+        return "TYPE_STRING" if self.datatype == "BYTES" else f"TYPE_{self.datatype}"
+
 
 @dataclass(frozen=True)
 class ModelMetadata:

@@ -505,18 +505,13 @@ def _serialize(response: Any) -> bytes:
     return response if isinstance(response, bytes) else response.SerializeToString()
 
 
-_CONFIG_TYPE = {spec: getattr(mc, "TYPE_STRING" if spec == "BYTES" else f"TYPE_{spec}")
-                for spec in ("BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32",
-                             "INT64", "FP16", "FP32", "FP64", "BF16", "BYTES")}
-
-
 def config_message(config: ModelConfig) -> mc.ModelConfig:
     """The ModelConfig message of a model's neutral configuration."""
     message = mc.ModelConfig(name=config.name, platform=config.platform, backend=config.backend,
                              max_batch_size=config.max_batch_size)
     for collection, tensors in ((message.input, config.inputs), (message.output, config.outputs)):
         for tensor in tensors:
-            collection.add(name=tensor.name, data_type=_CONFIG_TYPE[tensor.datatype], dims=tensor.shape)
+            collection.add(name=tensor.name, data_type=mc.DataType.Value(tensor.config_type), dims=tensor.shape)
     if config.dynamic_batching is not None:
         batching = message.dynamic_batching
         batching.SetInParent()

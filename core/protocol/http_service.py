@@ -622,8 +622,7 @@ def _tensor_json(tensor) -> dict:
 def _config_json(config: ModelConfig) -> dict:
     """Triton's JSON form of the model configuration (proto field names, integers as numbers)."""
     def tensor(t) -> dict:
-        return {"name": t.name, "data_type": f"TYPE_{'STRING' if t.datatype == 'BYTES' else t.datatype}",
-                "dims": list(t.shape)}
+        return {"name": t.name, "data_type": t.config_type, "dims": list(t.shape)}
 
     document: dict[str, Any] = {
         "name": config.name, "platform": config.platform, "backend": config.backend,

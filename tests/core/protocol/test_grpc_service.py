@@ -758,3 +758,19 @@ def test_the_grpc_deadline_counts_from_when_it_was_read_not_from_the_end_of_the_
     message = service_pb2.ModelInferRequest(model_name="m")
     message.inputs.add(name="input", datatype="FP32", shape=[1, 4]).contents.fp32_contents.extend([1, 2, 3, 4])
     assert decode_infer_request(message, 0.5, sampled_ns=1_000).deadline_ns == 1_000 + 500_000_000
+
+
+def test_every_wire_datatype_has_its_model_config_type():
+    """The config's datatypes come from the dtype table (a hand-typed list stood beside it), in both protocols'
+    spelling: gRPC's enum value of the name the HTTP config shows."""
+    from nereid.dtypes import DType
+    from nereid.model_info import InstanceGroup, ModelConfig, TensorInfo
+    from nereid.protocol.grpc_service import config_message
+
+    wire = [dtype.value.kserve for dtype in DType if dtype.value.kserve is not None]
+    assert len(wire) == 14
+    tensors = tuple(TensorInfo(f"t{index}", datatype, (1,)) for index, datatype in enumerate(wire))
+    config = ModelConfig("m", "p", "b", 0, tensors, (), None, InstanceGroup(1, "KIND_CPU", ()))
+    message = config_message(config)
+    assert [mc.DataType.Name(t.data_type) for t in message.input] == [t.config_type for t in tensors]
+    assert tensors[wire.index("BYTES")].config_type == "TYPE_STRING"
