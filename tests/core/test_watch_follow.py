@@ -346,9 +346,14 @@ def test_a_folder_edited_while_its_load_runs_is_loaded_as_edited(tmp_path, root)
     asyncio.run(scenario())
 
 
-def test_a_nereid_yaml_edit_while_the_folder_loads_is_loaded_with_its_settings(tmp_path, root):
-    """Review of the change above: nereid.yaml listing a model whose load was under way loaded nothing, and
-    the model ran with the settings it had started loading with."""
+@pytest.mark.parametrize("edit, built_with", [
+    # Its own entry: the load nereid.yaml asked for found the model loaded meanwhile and did nothing.
+    ("models:\n  - name: b\n    queue_capacity: 3\n", lambda settings: settings.queue_capacity == 3),
+    # A backends: default: only the entry and the files were compared (a second review's find).
+    ("backends:\n  gated:\n    colour: blue\n", lambda settings: dict(settings.runtime) == {"colour": "blue"}),
+])
+def test_a_nereid_yaml_edit_while_the_folder_loads_is_loaded_with_it(tmp_path, root, edit, built_with):
+    """Review of the change above: the model ran with the settings it had started loading with."""
     release = tmp_path / "release"
     repository, watcher = setup(tmp_path, root)
     config = Path(repository.settings.source)
@@ -359,35 +364,13 @@ def test_a_nereid_yaml_edit_while_the_folder_loads_is_loaded_with_its_settings(t
         await watcher._apply_serialized()
         await watcher._apply_serialized()
         await until(lambda: repository.entry("b").state is ModelState.LOADING, what="b loading")
-        config.write_text(config.read_text() + "models:\n  - name: b\n    queue_capacity: 3\n")
+        config.write_text(config.read_text() + edit)
         await watcher._apply_serialized()  # applied (settle time 0): its load of b waits for the one under way
-        release.touch()
-        await asyncio.gather(*watcher._changes)
-        loaded = repository.entry("b").loaded
-        assert loaded is not None and loaded.backend.context.settings.queue_capacity == 3  # (what it was built with)
-        await repository.unload_all()
-    asyncio.run(scenario())
-
-
-def test_a_backends_default_changed_while_the_model_loads_is_loaded_with_it(tmp_path, root):
-    """Review: a backends: default added while a model was on its first load found it "loaded meanwhile" (only
-    its own entry and files were compared) and it served without the default until some other change."""
-    release = tmp_path / "release"
-    repository, watcher = setup(tmp_path, root)
-    config = Path(repository.settings.source)
-
-    async def scenario() -> None:
-        await start(repository, watcher)
-        write_gated(root, "a", release)
-        await watcher._apply_serialized()
-        await watcher._apply_serialized()
-        await until(lambda: repository.entry("a").state is ModelState.LOADING, what="a loading")
-        config.write_text(config.read_text() + "backends:\n  gated:\n    colour: blue\n")
-        await watcher._apply_serialized()  # its load of a waits for the one under way
         release.touch()
         while watcher._changes:
             await asyncio.gather(*watcher._changes)
-        assert dict(repository.entry("a").loaded.backend.context.settings.runtime) == {"colour": "blue"}
+        loaded = repository.entry("b").loaded
+        assert loaded is not None and built_with(loaded.backend.context.settings)  # (what it was built with)
         await repository.unload_all()
     asyncio.run(scenario())
 
