@@ -857,7 +857,7 @@ class ModelRepository:
             check_backend_defaults(self.manager, settings.backend_defaults, settings.source)
         except ConfigError as err:
             log.error("%s; keeping the running configuration", err)
-            return self._settled([])
+            return asyncio.sleep(0)  # (nothing applied, nothing to wait for)
         old = self.settings
         self.settings = settings
         changed_backends = {name for name in set(old.backend_defaults) | set(settings.backend_defaults)

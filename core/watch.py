@@ -457,8 +457,8 @@ class RepositoryWatcher:
         """
         await (await self._scan_and_start())
 
-    async def _scan_and_start(self) -> asyncio.Task:
-        """:meth:`apply`, returning once its loads, reloads and unloads are started: the task carrying them out."""
+    async def _scan_and_start(self) -> asyncio.Future:
+        """:meth:`apply`, returning once its loads, reloads and unloads are started: what ends once they have."""
         started: list[asyncio.Future] = []
         steps: list[Step] = []
         try:
@@ -788,7 +788,7 @@ class RepositoryWatcher:
 
         self._timer = asyncio.get_running_loop().call_later(max(0.0, due - time.monotonic()) + 0.001, scan)
 
-    async def _apply_serialized(self) -> asyncio.Task | None:
+    async def _apply_serialized(self) -> asyncio.Future | None:
         """The watches' scan: :meth:`apply`, not waiting for the loads it starts (see :meth:`_start`); returns
         the task carrying them out (None after an error, logged)."""
         async with self._applying:
