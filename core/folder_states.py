@@ -155,7 +155,9 @@ def plan_changes(before: dict[str, FolderState], after: dict[str, FolderState], 
     new = [name for name in after if name not in before]
     renames = []
     for old in list(gone) if renames_too else ():
-        match = next((name for name in new if after[name].identity == before[old].identity), None)
+        same = [name for name in new if after[name].identity == before[old].identity]
+        # A folder moved keeps its files' stamps; a copy of it made beside the move has new ones: the move wins.
+        match = next((name for name in same if after[name].stamp == before[old].stamp), same[0] if same else None)
         if match is not None:
             renames.append((old, match))
             gone.remove(old)

@@ -1217,7 +1217,12 @@ async def _noting_a_long_build(name: str, building: asyncio.Future, started: flo
         try:
             done, _ = await asyncio.wait({building}, timeout=LONG_LOAD_NOTE_S)
         except asyncio.CancelledError:
-            building.cancel()  # (as awaiting it would: its late result is unloaded on its thread)
+            if not building.cancel() and not building.cancelled() and building.exception() is None:
+                # Built already, its result delivered, this task not yet resumed: nobody takes the model now,
+                # and what its load() acquired must not leak (a build still running goes to unload_unclaimed
+                # by itself once cancelled).
+                threading.Thread(target=unload_unclaimed, args=(name, building.result()), daemon=True,
+                                 name=f"nereid-load-{name}").start()
             raise
         if done:
             return building.result()

@@ -470,6 +470,8 @@ class RepositoryWatcher:
     async def _scan_once(self, started: list[asyncio.Future], steps: list[Step]) -> None:
         """Scan once and act on what changed: what nereid.yaml's edit calls for (and a store's catch-up) is
         started at once and goes into ``started``; the folders' renames, loads and reloads go into ``steps``."""
+        if self._stop.is_set():
+            return  # (stop() came: nothing more is applied, nereid.yaml's edits included)
         try:
             settings_work = await self._apply_config()
         except Exception:  # the folders are still handled
@@ -503,8 +505,9 @@ class RepositoryWatcher:
             # The files the watcher knew for the old name may not be the ones its running version loaded: a
             # reload of them that failed (moved away as it read them) left the version before. Moved in place,
             # that version would serve the new folder's files as loaded for good: they are loaded after the move.
-            known = self._folders[old].stamp
-            stale = self.location is None and repository.loaded_stamp(old) not in (None, known)
+            # Compared with the files as they are now, not as the watcher knew them: an edit it never saw
+            # (same size, same ends, made just before the move) leaves the identity it pairs folders by alone.
+            stale = self.location is None and repository.loaded_stamp(old) not in (None, current[new].stamp)
             self._accept(old, None)
             self._accept(new, current[new])
             steps.append(Step((new, old), functools.partial(self._renamed, old, new, stale, current[new].stamp)))
@@ -828,6 +831,8 @@ class RepositoryWatcher:
             log.warning("dynamic repository: %s changed server.%s: needs a restart; ignored",
                         self.config_path.name, ", server.".join(changed))
         new = replace(new, server=old.server)
+        if self._stop.is_set():
+            return None  # (stop() came while the file was read: its work would start after it)
         self.settings = new
         # (An operator who fixed a refused file learns it took: nothing else says so when no model changes.)
         log.info("dynamic repository: %s changed; applying it%s", self.config_path.name,

@@ -40,3 +40,15 @@ def test_plan_finds_renames_removals_additions_and_edits(tmp_path):
     plan = plan_changes(before, scan_repository(tmp_path))
     assert plan.renames == (("moved", "renamed"),)
     assert plan.removed == ("gone",) and plan.added == ("new",) and plan.changed == ("edit",)
+
+
+def test_a_move_beside_a_copy_of_the_same_files_is_paired_with_the_move(tmp_path):
+    """A fuzzing review: `mv a c; cp -r c b` paired a with the copy b (the first name with the same identity),
+    so b's model held c's stamps and c loaded anew."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "main.py").write_text("# a\n")
+    before = scan_repository(tmp_path)
+    os.rename(tmp_path / "a", tmp_path / "c")
+    shutil.copytree(tmp_path / "c", tmp_path / "b", copy_function=shutil.copy)
+    plan = plan_changes(before, scan_repository(tmp_path))
+    assert plan.renames == (("a", "c"),) and plan.added == ("b",)

@@ -465,6 +465,43 @@ def test_a_load_that_takes_long_is_said_in_the_log_while_it_runs(tmp_path, root,
     assert note.startswith("model 'slow_to_load' is still loading after 0 s: its backend's load() has not returned")
 
 
+def test_a_folder_edited_unseen_then_moved_is_loaded_as_it_is_under_its_new_name(tmp_path, root):
+    """A fuzzing review: an edit the watcher never saw (same size, same ends: folders are paired by a sample of
+    their files) made just before a move was taken as loaded, and the new name served the old bytes for good."""
+    folder = write_toy(root, "a")
+    (folder / "weights.bin").write_bytes(bytes(192 * 1024))
+    repository, watcher = setup(tmp_path, root)
+
+    async def scenario() -> None:
+        await start(repository, watcher)
+        with open(folder / "weights.bin", "r+b") as weights:
+            os.pwrite(weights.fileno(), b"edited" * 16, 96 * 1024)  # the middle only
+        os.rename(folder, root / "b")
+        await apply(watcher)
+        await apply(watcher)
+        assert repository.entry("b").state is ModelState.READY
+        assert repository.loaded_stamp("b") == scan_repository(root)["b"].stamp
+        await repository.unload_all()
+    asyncio.run(scenario())
+
+
+def test_after_stop_a_scan_applies_no_nereid_yaml_edit(tmp_path, root):
+    """A fuzzing review: a scan after stop() still applied nereid.yaml, and its unloads then met the shutdown's
+    own (a backend unloaded twice)."""
+    write_toy(root, "a")
+    repository, watcher = setup(tmp_path, root, models="  - name: a\n")
+    config = Path(repository.settings.source)
+
+    async def scenario() -> None:
+        await start(repository, watcher)
+        config.write_text(config.read_text().replace("  - name: a\n", "  - name: a\n    queue_capacity: 5\n"))
+        watcher.stop()
+        await apply(watcher)
+        assert repository.settings.model("a").queue_capacity != 5 and repository.generation("a") == 1
+        await repository.unload_all()
+    asyncio.run(scenario())
+
+
 # -- defect: a model draining its old version held up every other change ----------------------------------------
 
 @pytest.mark.parametrize("change", ["reload", "remove"])
