@@ -887,12 +887,19 @@ class ModelRepository:
                     work.append(self.load(entry.name))
             elif changed or entry.loaded.backend_name in changed_backends:
                 log.info("model '%s': its settings in nereid.yaml changed; reloading it", entry.name)
-                work.append(self.reload(entry.name))
+                work.append(self._reload_entry(entry))
         return self._settled([asyncio.ensure_future(step) for step in work])
+
+    async def _reload_entry(self, entry: ModelEntry) -> ModelEntry:
+        """Reload ``entry``'s model under the name it has when this starts: a rename (dynamic mode) may have
+        moved it since the reload was asked for, and the old name would find no model to reload."""
+        return await self.reload(entry.name)
 
     async def _settled(self, steps: list[asyncio.Future]) -> None:
         for outcome in await asyncio.gather(*steps, return_exceptions=True):
-            if isinstance(outcome, Exception):  # (one step's failure stops neither the others nor the refresh)
+            if isinstance(outcome, NotFound):  # its folder went meanwhile: that removal is acted on as any other
+                log.info("applying nereid.yaml: %s", outcome)
+            elif isinstance(outcome, Exception):  # (one step's failure stops neither the others nor the refresh)
                 log.error("applying nereid.yaml: %s", describe_exception(outcome))
         await self.refresh()  # entries only the old nereid.yaml kept (listed, folder never landed) go
 
@@ -987,7 +994,20 @@ class ModelRepository:
         assert loaded is not None
         entry.state, entry.reason = ModelState.UNLOADING, ""
         self._refresh_dependents()  # a model being unloaded takes no new requests: its callers stop too
-        await self._retire(self._retiring_version(entry.name, loaded, entry), grace_s)
+        retire = asyncio.ensure_future(self._retire(self._retiring_version(entry.name, loaded, entry), grace_s))
+        try:
+            await asyncio.shield(retire)
+        except asyncio.CancelledError:
+            # Cancelled once begun (the server stopping while nereid.yaml's unload ran): seen to its end, so that
+            # the backend is unloaded once and the entry says so (unload_all unloaded it a second time).
+            await asyncio.wait({retire})
+            if not retire.cancelled() and retire.exception() is None:
+                self._unloaded(entry)
+            raise
+        self._unloaded(entry)
+
+    @staticmethod
+    def _unloaded(entry: ModelEntry) -> None:
         entry.loaded = None
         entry.state = ModelState.UNAVAILABLE
         log.info("model '%s' unloaded", entry.name)

@@ -502,6 +502,31 @@ def test_after_stop_a_scan_applies_no_nereid_yaml_edit(tmp_path, root):
     asyncio.run(scenario())
 
 
+def test_an_unload_cancelled_once_begun_is_seen_to_its_end_and_unloads_the_model_once(tmp_path, root, monkeypatch):
+    """A fuzzing review: the stop cancelled nereid.yaml's unload of a model while it drained; the entry kept the
+    model, and the shutdown's own unload_all unloaded its backend a second time."""
+    unloads: list[str] = []
+    monkeypatch.setattr(SlowToy, "unload", lambda self: unloads.append(self.context.name), raising=False)
+    write_other(root, "slow", "slow.txt", "0.4")
+    repository, watcher = setup(tmp_path, root)
+
+    async def scenario() -> None:
+        await start(repository, watcher)
+        x = NamedTensor("input", DType.FP32, np.zeros((1, 4), np.float32))
+        request = asyncio.create_task(repository.ready_model("slow").scheduler.submit([x], 1, 0))
+        await asyncio.sleep(0.1)  # running
+        unload = asyncio.create_task(repository.unload("slow"))
+        await until(lambda: repository.entry("slow").state is ModelState.UNLOADING, what="draining")
+        unload.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await unload
+        await request
+        assert repository.entry("slow").loaded is None
+        await repository.unload_all()
+    asyncio.run(scenario())
+    assert unloads == ["slow"]
+
+
 # -- defect: a model draining its old version held up every other change ----------------------------------------
 
 @pytest.mark.parametrize("change", ["reload", "remove"])
