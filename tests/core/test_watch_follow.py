@@ -315,6 +315,12 @@ def test_a_load_that_takes_long_holds_up_no_other_change(tmp_path, root, started
     asyncio.run(scenario())
 
 
+def submitted(repository: ModelRepository, name: str) -> asyncio.Task:
+    """A one-row request submitted to ``name``'s queue, as a task (a slow toy's runs until its slow.txt's time)."""
+    x = NamedTensor("input", DType.FP32, np.zeros((1, 4), np.float32))
+    return asyncio.create_task(repository.ready_model(name).scheduler.submit([x], 1, 0))
+
+
 def write_gated(root: Path, name: str, release: Path) -> Path:
     """A folder the ``gated`` toy claims: its load waits until ``release`` exists."""
     folder = write_toy(root, name)
@@ -512,8 +518,7 @@ def test_an_unload_cancelled_once_begun_is_seen_to_its_end_and_unloads_the_model
 
     async def scenario() -> None:
         await start(repository, watcher)
-        x = NamedTensor("input", DType.FP32, np.zeros((1, 4), np.float32))
-        request = asyncio.create_task(repository.ready_model("slow").scheduler.submit([x], 1, 0))
+        request = submitted(repository, "slow")
         await asyncio.sleep(0.1)  # running
         unload = asyncio.create_task(repository.unload("slow"))
         await until(lambda: repository.entry("slow").state is ModelState.UNLOADING, what="draining")
@@ -537,8 +542,7 @@ def test_a_draining_model_holds_up_no_other_change(tmp_path, root, change):
 
     async def scenario() -> None:
         await start(repository, watcher)
-        x = NamedTensor("input", DType.FP32, np.zeros((1, 4), np.float32))
-        request = asyncio.create_task(repository.ready_model("slow").scheduler.submit([x], 1, 0))
+        request = submitted(repository, "slow")
         await asyncio.sleep(0.2)  # running
         if change == "remove":
             shutil.rmtree(slow)
