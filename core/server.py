@@ -8,6 +8,7 @@ import logging
 import signal
 import socket
 import time
+from collections import Counter
 from dataclasses import replace
 
 import grpc
@@ -374,12 +375,13 @@ class NereidServer:
 
     def _log_work_left(self) -> None:
         """Say, as the drain starts, what each model still has to do: what the grace is for."""
-        work: dict[str, list[int]] = {}
-        for name, loaded in self.repository.versions():
-            running, queued = work.setdefault(name, [0, 0])
-            work[name] = [running + loaded.stats.running_executions, queued + loaded.scheduler.queue_depth]
-        busy = [f"model '{name}': {running} execution(s) running, {queued} request(s) queued"
-                for name, (running, queued) in sorted(work.items()) if running or queued]
+        running: Counter[str] = Counter()
+        queued: Counter[str] = Counter()
+        for name, loaded in self.repository.versions():  # (an old version still draining counts with its name's)
+            running[name] += loaded.stats.running_executions
+            queued[name] += loaded.scheduler.queue_depth
+        busy = [f"model '{name}': {running[name]} execution(s) running, {queued[name]} request(s) queued"
+                for name in sorted(running | queued) if running[name] or queued[name]]
         if busy:
             log.info("draining: %s", "; ".join(busy))
 
