@@ -16,7 +16,8 @@ from typing import Awaitable, Callable, Iterable, NoReturn, TypeVar
 from nereid import __version__
 from nereid.classification import check_classifiable, classify
 from nereid.errors import (DeadlineExceeded, InvalidArgument, ModelFailure, ModelRetired, NereidError, NotFound,
-                           PermissionDenied, PublicText, Unavailable, Unimplemented, shown_name)
+                           PermissionDenied, PublicText, Unavailable, Unimplemented, describe_exception,
+                           shown_name)
 from nereid.model_info import (MODEL_VERSION, IndexEntry, ModelConfig, ModelMetadata, describe_config,
                                describe_metadata)
 from nereid.repository import LoadedModel, ModelRepository, ModelState
@@ -109,7 +110,7 @@ class DataPlane:
         if isinstance(err, NereidError):
             return self.repository.public_text(str(err))
         return self.repository.public_text(f"internal error{f' in {where}' if where else ''}: "
-                                           f"{type(err).__name__}: {err}")
+                                           f"{describe_exception(err)}")
 
     def refused(self, model_name: str, error: NereidError) -> None:
         """Count against its model a request its protocol refused before :meth:`infer` (unreadable, ...)."""
