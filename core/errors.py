@@ -69,6 +69,19 @@ class ModelFailure(NereidError):
     reason = "internal"
 
 
+class ModelTimedOut(ModelFailure):
+    """The model ran past its time limit (``timeout_s``) and was stopped (gRPC INTERNAL, like any fault)."""
+
+    reason = "timed_out"
+
+
+class ModelKilled(ModelFailure):
+    """The model's process died from a signal while running a request: the kernel's OOM killer (SIGKILL), a
+    crash (SIGSEGV, SIGABRT), or a python model's warm parent process dying (gRPC INTERNAL)."""
+
+    reason = "killed"
+
+
 class LoggedModelFailure(ModelFailure):
     """A model fault already logged where it happened (with its traceback): the scheduler does not log it again.
 

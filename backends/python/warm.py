@@ -18,7 +18,7 @@ import threading
 import time
 from pathlib import Path
 
-from nereid.errors import ModelFailure
+from nereid.errors import ModelFailure, ModelKilled, ModelTimedOut
 from nereid.files import descriptor_path
 
 from nereid.backends.python.preload import Preloads
@@ -175,9 +175,9 @@ class WarmParent:
         if ended.get("silent"):
             # Not killed for it: its other runs may be fine and about to report. A parent really wedged fails
             # the next batch's fork request, and is replaced then.
-            raise ModelFailure(f"model '{self.name}' timed out after {timeout_s:g} s (timeout_s in nereid.yaml); "
-                               f"its process group was killed, but its warm parent process (pid {parent.pid}) did "
-                               f"not report its end within {STOP_GRACE_S:g} s (stopped or wedged?)")
+            raise ModelTimedOut(f"model '{self.name}' timed out after {timeout_s:g} s (timeout_s in nereid.yaml); "
+                                f"its process group was killed, but its warm parent process (pid {parent.pid}) did "
+                                f"not report its end within {STOP_GRACE_S:g} s (stopped or wedged?)")
         if "status" not in ended:
             raise self._died("it ended while the run was in progress")
         return ProcessResult(ended["status"], not exited, tail, terminated)
@@ -275,18 +275,18 @@ class WarmParent:
         process = self._process
         return _RunNotStarted(str(failure)) if process is None or process.poll() is not None else failure
 
-    def _died(self, what: str) -> ModelFailure:
+    def _died(self, what: str) -> ModelKilled:
         """The failure of a run whose parent died; the parent is reaped so the reason is known."""
         process = self._process
         reason = "is not running"
         if process is not None:
             # The socket closed, so the parent is exiting right now.
             reason = _describe_exit(process.returncode) if wait_for_exit(process, STOP_GRACE_S) else "stopped answering"
-        return ModelFailure(f"model '{self.name}': its warm parent process {reason} ({what}); "
-                            "it is restarted for the next request")
+        return ModelKilled(f"model '{self.name}': its warm parent process {reason} ({what}); "
+                           "it is restarted for the next request")
 
 
-class _RunNotStarted(ModelFailure):
+class _RunNotStarted(ModelKilled):
     """The parent was gone before it said it forked the run: sending the batch again runs it once."""
 
 

@@ -26,7 +26,7 @@ from typing import Mapping
 
 from nereid.backend import ModelContext
 from nereid.dtypes import DType
-from nereid.errors import ConfigError, ModelFailure, Unavailable, cap_message
+from nereid.errors import ConfigError, ModelFailure, ModelKilled, ModelTimedOut, Unavailable, cap_message
 from nereid.files import descriptor_path, not_regular_reason
 from nereid.leftovers import make_private_folder
 from nereid.runtime_options import RuntimeOptions
@@ -269,11 +269,12 @@ class SubprocessModel:
                                       "the server stopping) and this run was still going after shutdown_grace_s "
                                       "(nereid.yaml): the run was stopped")
                 if result.timed_out:
-                    raise ModelFailure(f"model '{name}' timed out after {self.context.settings.timeout_s:g} s "
-                                       "(timeout_s in nereid.yaml); its process group was killed")
+                    raise ModelTimedOut(f"model '{name}' timed out after {self.context.settings.timeout_s:g} s "
+                                        "(timeout_s in nereid.yaml); its process group was killed")
                 if result.returncode != 0:
                     tail = f"; output tail: {result.output_tail}" if result.output_tail else ""
-                    raise ModelFailure(f"model '{name}' {result.describe()}{tail}")
+                    fault = ModelKilled if result.returncode < 0 else ModelFailure
+                    raise fault(f"model '{name}' {result.describe()}{tail}")
                 return self._read_outputs(output_path, batch)
             finally:
                 shutil.rmtree(work_dir, ignore_errors=True)

@@ -525,6 +525,8 @@ def test_hang_past_timeout_kills_the_process_group(faulty_server, repo, no_zombi
     elapsed = time.monotonic() - started
     assert "model 'hang' timed out after 1 s" in message
     assert "timeout_s" in message  # says where the limit comes from
+    # Counted apart from the model's own faults (nereid_request_failure_total's reason).
+    assert server.server.repository.ready_model("hang").stats.snapshot().failures_by_reason == {"timed_out": 1}
     assert elapsed < 10  # the 30 s sleep was cut short
     # the grandchild wrote its pid in the model folder (the working directory) and died with its group
     grandchild = int(pid_file.read_text())

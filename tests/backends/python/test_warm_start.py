@@ -471,6 +471,7 @@ def test_dead_warm_parent_fails_the_running_request_and_is_restarted(repo, serve
     thread.join(20)
     assert errors and errors[0] is not None and errors[0].status() == "StatusCode.INTERNAL"
     assert "model 'fragile': its warm parent process was killed by signal SIGKILL" in errors[0].message()
+    assert server.server.repository.ready_model("fragile").stats.snapshot().failures_by_reason == {"killed": 1}
     assert wait_until(lambda: not process_alive(child))  # the running child died with its parent
     (folder / "slow").unlink()
     assert ask(server, "fragile") == warm.pid != parent

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from nereid.backend import ModelContext
-from nereid.errors import ConfigError, ModelFailure, Unavailable
+from nereid.errors import ConfigError, ModelFailure, ModelKilled, Unavailable
 from nereid.runtime_options import LayeredRuntime
 from nereid.settings import Device, ModelSettings
 from nereid.tensors import NamedTensor
@@ -159,8 +159,9 @@ def test_a_run_ended_by_terminate_running_is_unavailable_and_a_sigkill_nobody_se
     model = loaded(tmp_path, main=SLOW_OR_SIGKILLED_SH)
     thread = None
     try:
-        with pytest.raises(ModelFailure, match="^model 'shell' was killed by signal SIGKILL"):
+        with pytest.raises(ModelKilled, match="^model 'shell' was killed by signal SIGKILL") as killed:
             echo(model)
+        assert killed.value.reason == "killed"  # nereid_request_failure_total's label: an OOM kill is not "internal"
         (model.context.folder / "slow").write_text("")
         thread, errors = in_thread(model)
         wait_for_file(model.context.folder / "started.txt")
