@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import email.utils
 import logging
 import re
 import resource
@@ -92,7 +93,7 @@ class HttpListener:
         # go to the root logger's handler, at the root logger's level, through _UvicornRecords.
         # access_log=False: no line per request (uvicorn then also cuts its access logger off).
         config = uvicorn.Config(self.app, http=_BoundedHeadProtocol, lifespan="off", log_config=None,
-                                log_level=None, access_log=False, server_header=False, date_header=False,
+                                log_level=None, access_log=False, server_header=False, date_header=True,
                                 ws="none", proxy_headers=False, timeout_graceful_shutdown=self.grace_s,
                                 timeout_keep_alive=KEEP_ALIVE_TIMEOUT_S)
         config.load()
@@ -159,8 +160,9 @@ class _UvicornRecords(logging.Filter):
 def _refusal(status_line: bytes, message: str) -> bytes:
     """A whole answer written below the app, for a connection closed after it: JSON, as the app's errors are."""
     body = error_body(message)[0]
-    return (b"HTTP/1.1 %s\r\ncontent-type: application/json\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s"
-            % (status_line, len(body), body))
+    date = email.utils.formatdate(usegmt=True).encode()  # as uvicorn dates the app's answers (RFC 9110's Date)
+    return (b"HTTP/1.1 %s\r\ndate: %s\r\ncontent-type: application/json\r\nconnection: close\r\n"
+            b"content-length: %d\r\n\r\n%s" % (status_line, date, len(body), body))
 
 
 # RFC 3986's uri-host [":" port]: letters, digits, unreserved and sub-delims, "%" escapes, an IP literal's brackets.

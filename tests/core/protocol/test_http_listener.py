@@ -9,6 +9,7 @@ its share of the server's log.
 from __future__ import annotations
 
 import asyncio
+import email.utils
 import inspect
 import json
 import logging
@@ -158,7 +159,10 @@ def test_a_request_head_trickled_past_the_head_timeout_is_408_and_its_connection
             assert answer.startswith(b"HTTP/1.1 408 Request Timeout\r\n"), (seconds, answer)
             assert answer.endswith(b'{"error":"the request line and headers did not all arrive within 0.6 s"}')
             assert HEAD_TIMEOUT_S <= seconds < HEAD_TIMEOUT_S + 0.5, seconds  # (timed from just before its first byte)
-        assert in_time.result() == (b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\nconnection: close\r\n\r\n7")
+        head, _, body = in_time.result().partition(b"\r\n\r\n")
+        lines = head.split(b"\r\n")
+        assert (lines[0], sorted(line for line in lines[1:] if not line.startswith(b"date: ")), body) == \
+            (b"HTTP/1.1 200 OK", [b"connection: close", b"content-length: 1"], b"7")
 
 
 def test_connections_past_the_cap_are_answered_503_and_closed_and_the_others_served(listener, monkeypatch, caplog):
@@ -277,6 +281,25 @@ def test_a_request_the_parser_cannot_read_is_a_json_400_naming_the_parsers_reaso
     document = json.loads(body)
     assert list(document) == ["error"], answer
     assert document["error"].startswith("the request cannot be parsed as HTTP/1.1: ") and reason in document["error"]
+    _assert_dated_now(head)
+
+
+def _assert_dated_now(head: bytes) -> None:
+    """The answer's head has a Date header (RFC 9110: an origin server with a clock sends one) saying now."""
+    dates = [line.split(b":", 1)[1].strip() for line in head.split(b"\r\n")[1:] if line.lower().startswith(b"date:")]
+    assert len(dates) == 1, head
+    sent = email.utils.parsedate_to_datetime(dates[0].decode())
+    assert sent.tzinfo is not None and dates[0].endswith(b" GMT"), dates  # IMF-fixdate
+    assert abs(sent.timestamp() - time.time()) < 5, dates
+
+
+def test_answers_carry_a_date_header(listener):
+    """No answer had one: caches and clients that compute an age from it had nothing to go by."""
+    with socket.create_connection(("127.0.0.1", listener), timeout=5) as connection:
+        connection.sendall(b"POST /v2/x HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc")
+        head = _read_response(connection).partition(b"\r\n\r\n")[0]
+    assert head.startswith(b"HTTP/1.1 200 OK\r\n"), head
+    _assert_dated_now(head)
 
 
 @pytest.mark.parametrize("unreadable", [b"GARBAGE\r\n\r\n",  # a head
