@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import re
+from datetime import datetime
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 CONTINUATION = "\n    "
@@ -37,7 +38,19 @@ def one_record_per_line(text: str) -> str:
 
 
 class OneRecordPerLineFormatter(logging.Formatter):
-    """A Formatter whose every output line but a record's first is indented, and holds no control character."""
+    """A Formatter whose every output line but a record's first is indented, and holds no control character.
+
+    Without a ``datefmt``, times are ISO 8601 with milliseconds and the UTC offset
+    (``2026-12-02T10:40:00.123+00:00``): logging's default has no offset, so lines
+    from servers in different zones, or from either side of a daylight-saving
+    change, could not be put in order.
+    """
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:  # noqa: N802 - logging's name
+        """``record.created`` as local time with its UTC offset, unless a ``datefmt`` was given."""
+        if datefmt is not None:
+            return super().formatTime(record, datefmt)
+        return datetime.fromtimestamp(record.created).astimezone().isoformat(timespec="milliseconds")
 
     def format(self, record: logging.LogRecord) -> str:
         """The record formatted as usual (traceback included), then made safe by :func:`one_record_per_line`.

@@ -802,7 +802,7 @@ def test_the_bench_harness_logs_as_nereid_serve_does(repo) -> None:
         result = subprocess.run([sys.executable, "-c", SERVE_LOGGING_DRIVER, *command], capture_output=True,
                                 text=True, timeout=60)
         assert result.returncode == 0, result.stderr
-        logs.append(re.sub(r"^\d{4}-\d\d-\d\d [\d:,]+ ", "<time> ", result.stderr, flags=re.M))
+        logs.append(re.sub(r"^\d{4}-\d\d-\d\dT[\d:.+-]+ ", "<time> ", result.stderr, flags=re.M))
     served, harnessed = logs
     assert served == "<time> WARNING nereid.probe: two\n    lines\n"
     assert harnessed == served

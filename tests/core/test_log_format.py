@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import re
 import signal
+import time
+from datetime import datetime, timezone
 
 from nereid.log_format import LOG_FORMAT, OneRecordPerLineFormatter, one_record_per_line, stderr_handler
 from support import nereid_serve
@@ -26,7 +28,7 @@ def test_a_traceback_stays_readable_and_every_line_but_the_first_is_indented() -
         record = logging.LogRecord("nereid.repository", logging.ERROR, __file__, 1, "model '%s' failed", (FORGED,),
                                    exc_info=__import__("sys").exc_info())
     first, *rest = formatter.format(record).split("\n")
-    assert re.match(r"^\d{4}-\d\d-\d\d [\d:,]+ ERROR nereid.repository: model 'ok$", first)
+    assert re.match(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}[+-]\d\d:\d\d ERROR nereid.repository: model 'ok$", first)
     assert rest and all(line.startswith("    ") for line in rest)
     assert "    Traceback (most recent call last):" in rest and "    line 2" in rest
     assert isinstance(stderr_handler().formatter, OneRecordPerLineFormatter)
@@ -52,3 +54,21 @@ def test_a_folder_name_cannot_forge_a_line_of_the_server_log(repo) -> None:
     assert not [line for line in lines if line.startswith("2026-12-01 10:00:00,000")]
     ready = [i for i, line in enumerate(lines) if line.endswith("INFO nereid.repository: model 'ok")]
     assert ready and lines[ready[0] + 1].startswith("    2026-12-01 10:00:00,000 ERROR nereid.server: FORGED' is READY")
+
+
+def test_a_lines_time_carries_its_utc_offset(monkeypatch) -> None:
+    """Defect: logging's default time (``2026-12-02 10:40:00,123``) had no zone, so the logs of servers in two
+    zones, or either side of a daylight-saving change, could not be put in order."""
+    monkeypatch.setenv("TZ", "America/New_York")
+    time.tzset()
+    try:
+        record = logging.LogRecord("nereid.server", logging.INFO, __file__, 1, "hello", (), None)
+        record.created = datetime(2026, 7, 1, 12, 0, 0, 250000, tzinfo=timezone.utc).timestamp()
+        line = stderr_handler().format(record)
+    finally:
+        monkeypatch.undo()
+        time.tzset()
+    assert line == "2026-07-01T08:00:00.250-04:00 INFO nereid.server: hello"
+    assert datetime.fromisoformat(line.split(" ")[0]).timestamp() == record.created
+    # A datefmt of one's own is still honoured.
+    assert OneRecordPerLineFormatter("%(asctime)s", datefmt="%Y").format(record) == "2026"
