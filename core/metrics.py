@@ -73,6 +73,9 @@ class ServerMetrics:
         self.protocol_requests = Counter(
             "nereid_protocol_requests", "Inference requests answered, by model, protocol (grpc, http) and outcome.",
             ["model", "protocol", "outcome"], registry=self.registry)
+        self.http_refused = Counter(
+            "nereid_http_refused", "HTTP requests and connections the listener refused or closed before any "
+            "model saw them, by reason.", ["reason"], registry=self.registry)
         # Children by model, then (protocol, outcome): only models the repository knows (or UNKNOWN_MODEL), and
         # what a forgotten model had is dropped with it (model_forgotten), so this stays as small as the series.
         self._request_counters: dict[str, dict[tuple[str, str], Any]] = {}
@@ -102,6 +105,10 @@ class ServerMetrics:
         if counter is None:  # labels() costs more than the increment: look each child up once
             counter = self._request_counter(protocol, model, outcome)
         counter.inc()
+
+    def count_http_refused(self, reason: str) -> None:
+        """Count one HTTP request or connection refused below the application (see ``HttpListener``)."""
+        self.http_refused.labels(reason).inc()
 
     def _request_counter(self, protocol: str, model: str, outcome: str) -> Any:
         with self._names_lock:

@@ -222,7 +222,8 @@ class NereidServer:
             # uvicorn ends the requests still running a moment after the grace, once the data plane counts it
             # as passed (see stop): they are counted as answered UNAVAILABLE, not as cancelled by their client.
             self._http = HttpListener(surface, ssl_context(config.tls) if config.tls else None,
-                                      config.shutdown_grace_s + HTTP_END_AFTER_GRACE_S)
+                                      config.shutdown_grace_s + HTTP_END_AFTER_GRACE_S,
+                                      count_refused=self.metrics.count_http_refused)
             self.http_port = await self._http.start(self.http_addr, origin=self.http_origin)
             log.info("KServe V2 REST on %s (port %d)", self.http_addr, self.http_port)
         # Bound last and started at once: a gRPC server that is never started keeps its port open until the

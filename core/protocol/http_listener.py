@@ -20,7 +20,7 @@ import resource
 import socket
 import ssl
 import sys
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import httptools
 import uvicorn
@@ -28,8 +28,8 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from nereid.errors import cap_message
 from nereid.listening import bind_listening_sockets
-from nereid.log_limit import RateLimitedLog, RateLimitFilter
-from nereid.protocol.http_service import HttpSurface, client_log, error_body
+from nereid.log_limit import RateLimitedLog
+from nereid.protocol.http_service import HttpSurface, client_log, error_body, peer
 
 log = logging.getLogger(__name__)
 # What any client can make happen at will (a head too large or too slow, a request asking to switch protocols, a
@@ -53,6 +53,13 @@ MAX_CONNECTIONS = 4096
 # load balancers' idle times (Go's 90 s, .NET's and AWS ALB's 60 s), and stays bounded, since every idle
 # connection counts toward MAX_CONNECTIONS.
 KEEP_ALIVE_TIMEOUT_S = 120.0
+# nereid_http_refused_total's reasons: what the listener refuses or closes before the application sees a request.
+REFUSED_UNPARSABLE = "unparsable"  # a 400: the HTTP parser cannot read it (a bad Host header too)
+REFUSED_HEAD_TOO_LARGE = "head_too_large"  # a 431
+REFUSED_HEAD_TIMEOUT = "head_timeout"  # a 408: its head trickled in too slowly
+REFUSED_IDLE = "idle"  # a connection closed silent while it owed (the rest of) a request
+REFUSED_CONNECTIONS = "too_many_connections"  # a 503 past the connection cap
+REFUSED_OUT_OF_MEMORY = "out_of_memory"  # a 503: the server ran out of memory reading it
 
 
 def connection_cap(most: int = MAX_CONNECTIONS) -> int:
@@ -72,10 +79,14 @@ class HttpListener:
     decides when to stop.
     """
 
-    def __init__(self, app: HttpSurface, tls: ssl.SSLContext | None = None, grace_s: float | None = None) -> None:
+    def __init__(self, app: HttpSurface, tls: ssl.SSLContext | None = None, grace_s: float | None = None,
+                 count_refused: Callable[[str], None] | None = None) -> None:
+        """``count_refused``: called with a reason (``REFUSED_*``) for each request or connection the listener
+        refuses or closes before the application sees it (the server counts them in ``/metrics``)."""
         self.app = app
         self.tls = tls
         self.grace_s = grace_s
+        self.count_refused = count_refused
         self._server: _EmbeddedServer | None = None
         self._task: asyncio.Task | None = None
         self._records = _UvicornRecords()  # on uvicorn's logger while this listener runs
@@ -92,7 +103,9 @@ class HttpListener:
         # own format, that do not propagate, and a level of their own that ignores --log-level. Its records
         # go to the root logger's handler, at the root logger's level, through _UvicornRecords.
         # access_log=False: no line per request (uvicorn then also cuts its access logger off).
-        config = uvicorn.Config(self.app, http=_BoundedHeadProtocol, lifespan="off", log_config=None,
+        # A protocol class of this listener's own: uvicorn makes its instances, and only a class reaches them.
+        protocol = type("_ListenerProtocol", (_BoundedHeadProtocol,), {"count_refused": self.count_refused})
+        config = uvicorn.Config(self.app, http=protocol, lifespan="off", log_config=None,
                                 log_level=None, access_log=False, server_header=False, date_header=True,
                                 ws="none", proxy_headers=False, timeout_graceful_shutdown=self.grace_s,
                                 timeout_keep_alive=KEEP_ALIVE_TIMEOUT_S)
@@ -135,18 +148,16 @@ GRACE_EXCEEDED_LINE = "Cancel %s running task(s), timeout graceful shutdown exce
 
 class _UvicornRecords(logging.Filter):
     """uvicorn's log records, as nereid's own: its INFO lines become DEBUG lines, and its line for each
-    request that cannot be parsed is rate-limited (see :class:`~nereid.log_limit.RateLimitFilter`).
+    request that cannot be parsed is dropped (nereid logs its own, within the client log's limit).
 
     Its INFO lines ("Started server process [...]", "Shutting down", "Waiting for
     connections to close") tell of the listener's life, which nereid's own lines
     already say; they are written only when DEBUG is on.
     """
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._invalid_requests = RateLimitFilter((INVALID_REQUEST_LINE,))
-
     def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg == INVALID_REQUEST_LINE:
+            return False  # _BoundedHeadProtocol.send_400_response logs the refusal, naming its client and reason
         # Its ERROR at the end of a grace that ran out is DEBUG too: that is the documented end of a stop, which
         # nereid's own WARNING already says (how many executions it ends), and an ERROR would page whoever
         # alerts on the log.
@@ -154,7 +165,7 @@ class _UvicornRecords(logging.Filter):
             if not logging.getLogger(record.name).isEnabledFor(logging.DEBUG):
                 return False
             record.levelno, record.levelname = logging.DEBUG, "DEBUG"
-        return self._invalid_requests.filter(record)
+        return True
 
 
 def _refusal(status_line: bytes, message: str) -> bytes:
@@ -289,6 +300,8 @@ class _BoundedHeadProtocol(HttpToolsProtocol):
     # limit_concurrency is no such cap: it refuses a request only once its head is complete (a connection that
     # never completes one is never refused), and refuses every request while that many connections are open.
     max_connections: int | None = None
+    # Called with each refusal's reason (see HttpListener); set on the class each listener makes.
+    count_refused: Callable[[str], None] | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -318,13 +331,19 @@ class _BoundedHeadProtocol(HttpToolsProtocol):
         self._idle_check = self.loop.call_later(min(self.request_idle_timeout_s, self.request_head_timeout_s),
                                                 self._check_idle)
 
+    def _refused(self, reason: str) -> None:
+        """Count one refusal (see :attr:`count_refused`)."""
+        if self.count_refused is not None:
+            self.count_refused(reason)
+
     def _refuse_connection(self, most: int) -> None:
         """Answer 503 and close, unread: more connections are open than :attr:`max_connections`."""
         self._unread = True
+        self._refused(REFUSED_CONNECTIONS)
         # Counted no more from now: in a flood, the refused ones waiting for their close would crowd out others.
         self.connections.discard(self)
         _capacity_log.warning("HTTP connection from %s refused with 503: %d connections are open, the most served "
-                              "at once (%d, or half the open-file limit when that is lower)", self.client, most,
+                              "at once (%d, or half the open-file limit when that is lower)", peer(self.client), most,
                               MAX_CONNECTIONS)
         self.transport.write(_refusal(b"503 Service Unavailable", f"the server has {most} HTTP connections open, "
                                                                    "the most it serves at once; try again later"))
@@ -356,8 +375,9 @@ class _BoundedHeadProtocol(HttpToolsProtocol):
             limit_s = max(idle_s, self.timeout_keep_alive) if between else idle_s
             if silent >= limit_s or (head_age is not None and head_age >= head_s):
                 if not between:
+                    self._refused(REFUSED_IDLE)
                     _client_log.log(logging.INFO, "HTTP connection from %s closed: it sent no complete request "
-                                                  "for %.0f s", self.client, silent)
+                                                  "for %.0f s", peer(self.client), silent)
                 self.transport.close()
                 return
             # Heard from lately: look again when it could next have been silent, or at its head, too long (at
@@ -368,8 +388,9 @@ class _BoundedHeadProtocol(HttpToolsProtocol):
     def _refuse_slow_head(self) -> None:
         """Answer 408 and close (only close when an earlier pipelined answer is still being written)."""
         limit_s = self.request_head_timeout_s
+        self._refused(REFUSED_HEAD_TIMEOUT)
         _client_log.log(logging.INFO, "HTTP request from %s refused with 408: its request line and headers did not "
-                                      "all arrive within %g s", self.client, limit_s)
+                                      "all arrive within %g s", peer(self.client), limit_s)
         self._answer_and_close(b"408 Request Timeout",
                                f"the request line and headers did not all arrive within {limit_s:g} s")
 
@@ -389,7 +410,7 @@ class _BoundedHeadProtocol(HttpToolsProtocol):
         if self.cycle is not None:
             self.cycle.keep_alive = False
         _client_log.log(logging.INFO, "HTTP request from %s asks to switch protocols, which this server does not "
-                                      "do: it is answered and its connection closed", self.client)
+                                      "do: it is answered and its connection closed", peer(self.client))
 
     def data_received(self, data: bytes) -> None:
         if self._unread:
@@ -471,8 +492,9 @@ class _BoundedHeadProtocol(HttpToolsProtocol):
 
     def _refuse_head(self) -> None:
         """Answer 431 and close; only close when an earlier pipelined answer is still being written."""
+        self._refused(REFUSED_HEAD_TOO_LARGE)
         _client_log.log(logging.INFO, "HTTP request from %s refused with 431: its request line and headers pass %d "
-                                      "bytes", self.client, MAX_HEAD_BYTES)
+                                      "bytes", peer(self.client), MAX_HEAD_BYTES)
         self._answer_and_close(b"431 Request Header Fields Too Large",
                                f"the request line and headers exceed {MAX_HEAD_BYTES} bytes")
 
@@ -480,7 +502,8 @@ class _BoundedHeadProtocol(HttpToolsProtocol):
         """Answer a request the HTTP parser cannot read with a JSON 400 naming the parser's reason, and close.
 
         uvicorn calls this from data_received's ``except HttpParserError`` (after
-        its WARNING, left as it is), with only its fixed text: the parser's error
+        its WARNING, which :class:`_UvicornRecords` drops: this logs the refusal with
+        its client and reason instead), with only its fixed text: the parser's error
         is the one being handled. Only close when an earlier request is still
         being answered: the 400 would be read as its answer. The parser stopped
         in the body of a request answered already (a 404 sent before its body
@@ -506,6 +529,7 @@ class _BoundedHeadProtocol(HttpToolsProtocol):
         # The parser stopped in a head after every earlier answer, or in this request's own (chunked) body before
         # its answer began (asyncio drops what its handler writes once the connection is closing).
         earlier_unanswered = any(other is not cycle and not other.response_complete for other in self._unanswered)
+        answer = "closed unanswered (an earlier request's answer is due first)"
         if cycle is None or cycle.response_complete or (cycle.more_body and not cycle.response_started
                                                         and not earlier_unanswered):
             if no_memory:
@@ -515,10 +539,18 @@ class _BoundedHeadProtocol(HttpToolsProtocol):
                     cycle.nereid_unparsable = ("the server ran out of memory reading the request body; answered 503 "
                                                "and its connection closed")
                     cycle.nereid_unparsable_status = 503
+                answer = "refused with 503"
             else:
                 self.transport.write(_refusal(b"400 Bad Request",
                                               f"the request cannot be parsed as HTTP/1.1: {reason}"))
                 if in_body:
                     cycle.nereid_unparsable = (f"the request body cannot be parsed as HTTP/1.1 ({reason}); answered "
                                                "400 and its connection closed")
+                answer = "refused with 400"
         self.transport.close()
+        if in_body and getattr(cycle, "nereid_unparsable", None) is not None:
+            return  # its handler counts it against its model and logs it
+        self._refused(REFUSED_OUT_OF_MEMORY if no_memory else REFUSED_UNPARSABLE)
+        _client_log.log(logging.INFO, "HTTP request from %s %s: %s", peer(self.client), answer,
+                        "the server ran out of memory reading it" if no_memory
+                        else f"it cannot be parsed as HTTP/1.1 ({reason})")

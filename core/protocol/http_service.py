@@ -147,11 +147,12 @@ class HttpSurface:
         try:
             status, body, headers = await self._route(scope, receive)
         except Unparsable as err:  # answered already, below the app
-            client_log.log(logging.INFO, "HTTP %s %s: %s", scope["method"], cap_message(scope["path"], 256), err)
+            client_log.log(logging.INFO, "HTTP %s %s from %s: %s", scope["method"], cap_message(scope["path"], 256),
+                           peer(scope.get("client")), err)
             return
         except Disconnected as gone:
-            client_log.log(logging.INFO, "HTTP %s %s: the client disconnected %s", scope["method"],
-                            cap_message(scope["path"], 256), gone)
+            client_log.log(logging.INFO, "HTTP %s %s from %s: the client disconnected %s", scope["method"],
+                           cap_message(scope["path"], 256), peer(scope.get("client")), gone)
             return
         except HttpError as err:
             status, body, headers = err.status, error_body(str(err)), [*JSON_HEADERS, *err.headers]
@@ -177,8 +178,8 @@ class HttpSurface:
             # (an infer past the grace answers in _infer) got uvicorn's text/plain 500 and an ERROR traceback
             # each. It gets the answer a request still running then gets, and a line at most per the limit.
             asyncio.current_task().uncancel()
-            client_log.log(logging.INFO, "HTTP %s %s: still being received when shutdown_grace_s passed; "
-                            "answered 503", scope["method"], cap_message(scope["path"], 256))
+            client_log.log(logging.INFO, "HTTP %s %s from %s: still being received when shutdown_grace_s passed; "
+                           "answered 503", scope["method"], cap_message(scope["path"], 256), peer(scope.get("client")))
             status, headers = 503, [*JSON_HEADERS, (b"connection", b"close")]
             body = error_body("the server is shutting down, and shutdown_grace_s passed before this request was "
                                "received; send it again to another server")
@@ -524,6 +525,14 @@ def _body_never_asked_for(receive: Receive) -> bool:
     """
     cycle = getattr(receive, "__self__", None)  # uvicorn's cycle; absent when the app is called directly
     return bool(getattr(cycle, "waiting_for_100_continue", False) and getattr(cycle, "more_body", False))
+
+
+def peer(client: tuple[str, int] | None) -> str:
+    """A client's address as log lines name it: ``127.0.0.1:40312``, ``[::1]:40312`` (``unknown`` without one)."""
+    if not client:
+        return "unknown"
+    host, port = client[0], client[1]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _who(model: str) -> str:

@@ -544,3 +544,23 @@ def test_a_rename_moves_the_names_series_to_the_new_name() -> None:
 
     metrics.model_forgotten("after")  # and go with the new name, when that is forgotten
     assert 'model="after"' not in generate_latest(metrics.registry).decode()
+
+
+def test_http_requests_refused_below_the_application_are_counted_by_reason(repo, serve) -> None:
+    """A request the HTTP parser cannot read, or whose head is too large, reaches no model: nothing in /metrics
+    counted it, so a flood of them showed only as log lines."""
+    repo.python("echo")
+    server = serve(repo.write_config("- name: echo\n"))
+    for request in (b"GARBAGE\r\n\r\n", b"GET /v2 HTTP/1.1\r\nHost: x\r\nX-A: " + b"a" * 70_000 + b"\r\n\r\n",
+                    b"GARBAGE\r\n\r\n"):
+        with socket.create_connection(("127.0.0.1", server.server.http_port), timeout=10) as connection:
+            try:
+                connection.sendall(request)
+                connection.settimeout(10)
+                while connection.recv(65536):
+                    pass
+            except OSError:  # (431: closed while the head was still being sent)
+                pass
+    refused = {labels: value for (name, labels), value in scrape(server.server.metrics_port).items()
+               if name == "nereid_http_refused_total"}
+    assert refused == {(("reason", "unparsable"),): 2, (("reason", "head_too_large"),): 1}

@@ -13,6 +13,7 @@ import email.utils
 import inspect
 import json
 import logging
+import re
 import resource
 import select
 import socket
@@ -56,7 +57,13 @@ async def _answer_with_body_size(scope: dict, receive: Any, send: Any) -> None:
 
 
 @pytest.fixture
-def listener(monkeypatch) -> Iterator[int]:
+def refused() -> list[str]:
+    """The reasons the ``listener`` fixture's listener counted refusals under, in order."""
+    return []
+
+
+@pytest.fixture
+def listener(monkeypatch, refused) -> Iterator[int]:
     """A real HttpListener (nereid's uvicorn protocol) on a background loop, with short timeouts; its port."""
     from nereid.protocol.http_listener import HttpListener, _BoundedHeadProtocol
 
@@ -66,7 +73,7 @@ def listener(monkeypatch) -> Iterator[int]:
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
-    http = HttpListener(_answer_with_body_size, grace_s=1)
+    http = HttpListener(_answer_with_body_size, grace_s=1, count_refused=refused.append)
     try:
         yield asyncio.run_coroutine_threadsafe(http.start("127.0.0.1:0"), loop).result(10)
     finally:
@@ -123,7 +130,7 @@ def _trickle(connection: socket.socket, head: bytes, give_up_s: float = 2.0) -> 
 SLOW_HEAD = b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 200
 
 
-def test_a_request_head_trickled_past_the_head_timeout_is_408_and_its_connection_closed(listener):
+def test_a_request_head_trickled_past_the_head_timeout_is_408_and_its_connection_closed(listener, refused):
     """A header byte every 30 s kept a connection open for ever (the only timeout was between reads): 20,400 such
     connections took every file descriptor and other clients' requests timed out."""
 
@@ -159,13 +166,15 @@ def test_a_request_head_trickled_past_the_head_timeout_is_408_and_its_connection
             assert answer.startswith(b"HTTP/1.1 408 Request Timeout\r\n"), (seconds, answer)
             assert answer.endswith(b'{"error":"the request line and headers did not all arrive within 0.6 s"}')
             assert HEAD_TIMEOUT_S <= seconds < HEAD_TIMEOUT_S + 0.5, seconds  # (timed from just before its first byte)
+        assert refused == ["head_timeout", "head_timeout"]  # (nereid_http_refused_total's reason)
         head, _, body = in_time.result().partition(b"\r\n\r\n")
         lines = head.split(b"\r\n")
         assert (lines[0], sorted(line for line in lines[1:] if not line.startswith(b"date: ")), body) == \
             (b"HTTP/1.1 200 OK", [b"connection: close", b"content-length: 1"], b"7")
 
 
-def test_connections_past_the_cap_are_answered_503_and_closed_and_the_others_served(listener, monkeypatch, caplog):
+def test_connections_past_the_cap_are_answered_503_and_closed_and_the_others_served(listener, refused, monkeypatch,
+                                                                                      caplog):
     """Nothing bounded the connections open at once, so one client could take every file descriptor."""
     from nereid.protocol import http_listener
 
@@ -183,7 +192,9 @@ def test_connections_past_the_cap_are_answered_503_and_closed_and_the_others_ser
         assert answer.endswith(b'{"error":"the server has 3 HTTP connections open, the most it serves at once; '
                                b'try again later"}')
         [warning] = [r.getMessage() for r in caplog.records if r.name == http_listener.__name__]
-        assert "refused with 503: 3 connections are open, the most served at once" in warning
+        assert re.fullmatch(r"HTTP connection from 127\.0\.0\.1:\d+ refused with 503: 3 connections are open, the "
+                            r"most served at once .*", warning), warning
+        assert refused == ["too_many_connections"]
         # The connections within the cap are served as ever.
         held[0].sendall(b"POST /v2/x HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\nConnection: close\r\n\r\nabc")
         assert _read_all(held[0]).startswith(b"HTTP/1.1 200 ")
@@ -268,7 +279,8 @@ def test_hostile_requests_write_at_most_the_log_limits_lines(repo, serve, monkey
     (b"POST /v2/x HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", "Invalid character in chunk size"),
 ], ids=["content-length-not-a-number", "content-length-and-chunked", "raw-space-in-path", "raw-utf8-in-path",
         "bad-chunk-size"])
-def test_a_request_the_parser_cannot_read_is_a_json_400_naming_the_parsers_reason(listener, request_bytes, reason):
+def test_a_request_the_parser_cannot_read_is_a_json_400_naming_the_parsers_reason(listener, refused, request_bytes,
+                                                                                   reason):
     """uvicorn answered these with its text/plain "Invalid HTTP request received." and no reason, where every
     other error of the REST API is {"error": ...} in application/json."""
     with socket.create_connection(("127.0.0.1", listener), timeout=5) as connection:
@@ -282,6 +294,8 @@ def test_a_request_the_parser_cannot_read_is_a_json_400_naming_the_parsers_reaso
     assert list(document) == ["error"], answer
     assert document["error"].startswith("the request cannot be parsed as HTTP/1.1: ") and reason in document["error"]
     _assert_dated_now(head)
+    # Counted by the listener, unless it stopped in the body of a request the application has (which counts it).
+    assert refused == ([] if "chunk" in reason else ["unparsable"])
 
 
 def _assert_dated_now(head: bytes) -> None:
@@ -422,14 +436,16 @@ async def _answer_ok(scope, receive, send) -> None:
     await send({"type": "http.response.body", "body": b"ok"})
 
 
-def uvicorn_records_for_garbage(requests: int) -> None:
-    """An HttpListener sent ``requests`` requests httptools cannot parse, then one valid request, then stopped."""
+def uvicorn_records_for_garbage(requests: int) -> list[str]:
+    """An HttpListener sent ``requests`` requests httptools cannot parse, then one valid request, then stopped;
+    the refusals it counted."""
     from nereid.protocol.http_listener import HttpListener
 
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
-    listener = HttpListener(_answer_ok, grace_s=5)
+    refused: list[str] = []
+    listener = HttpListener(_answer_ok, grace_s=5, count_refused=refused.append)
     try:
         port = asyncio.run_coroutine_threadsafe(listener.start("127.0.0.1:0"), loop).result(10)
         for _ in range(requests):
@@ -445,19 +461,26 @@ def uvicorn_records_for_garbage(requests: int) -> None:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
         loop.close()
+    return refused
 
 
-def test_uvicorns_lines_go_through_the_servers_logging_and_unparsable_requests_are_rate_limited(caplog):
+def test_unparsable_requests_are_logged_naming_their_client_and_reason_within_the_limit_and_counted(caplog,
+                                                                                                   monkeypatch):
     """uvicorn gave its loggers handlers of their own (its format, not propagated, its own level): with
-    --log-level ERROR every malformed request still wrote "WARNING:  Invalid HTTP request received."."""
-    from nereid.log_limit import RateLimitFilter
+    --log-level ERROR every malformed request still wrote "WARNING:  Invalid HTTP request received.". That line,
+    rate-limited since, named neither the client nor what was wrong, and no metric counted such requests."""
+    from nereid.log_limit import RateLimitedLog
+    from nereid.protocol import http_listener, http_service
 
-    burst = inspect.signature(RateLimitFilter).parameters["burst"].default
+    budget = inspect.signature(RateLimitedLog).parameters["burst"].default
+    monkeypatch.setattr(http_listener, "_client_log", RateLimitedLog(http_service.log).sharing(http_listener.log))
     caplog.set_level(logging.INFO)
-    uvicorn_records_for_garbage(burst + 3)
-    uvicorns = [r for r in caplog.records if r.name.startswith("uvicorn")]
-    assert [(r.name, r.levelname, r.getMessage()) for r in uvicorns] == \
-        [("uvicorn.error", "WARNING", "Invalid HTTP request received.")] * burst  # no access log, no INFO chatter
+    assert uvicorn_records_for_garbage(budget + 3) == [http_listener.REFUSED_UNPARSABLE] * (budget + 3)
+    assert [r for r in caplog.records if r.name.startswith("uvicorn")] == []  # no access log, no INFO chatter
+    lines = [r.getMessage() for r in caplog.records if r.name == http_listener.__name__]
+    assert len(lines) == budget, lines
+    assert all(re.fullmatch(r"HTTP request from 127\.0\.0\.1:\d+ refused with 400: it cannot be parsed as "
+                            r"HTTP/1\.1 \(Invalid method encountered\)", line) for line in lines), lines
     caplog.clear()
     # As --log-level ERROR: the root logger's level; nereid's stderr handler has none of its own.
     logging.getLogger().setLevel(logging.ERROR)  # (caplog puts the level back after the test)

@@ -705,9 +705,12 @@ def test_a_body_the_parser_cannot_read_is_one_400_counted_and_logged_as_such(rep
     samples = urllib.request.urlopen(f"http://127.0.0.1:{server.server.metrics_port}/metrics").read().decode()
     assert 'nereid_protocol_requests_total{model="echo",outcome="invalid_argument",protocol="http"} 1.0' in samples
     lines = [r.getMessage() for r in caplog.records if r.name == http_service.__name__]
-    assert "HTTP POST /v2/models/echo/infer: model 'echo': the request body cannot be parsed as HTTP/1.1 (Invalid " \
-           "character in chunk size); answered 400 and its connection closed" in lines, lines
+    pattern = (r"HTTP POST /v2/models/echo/infer from 127\.0\.0\.1:\d+: model 'echo': the request body cannot be "
+               r"parsed as HTTP/1\.1 \(Invalid character in chunk size\); answered 400 and its connection closed")
+    assert [line for line in lines if re.fullmatch(pattern, line)], lines
     assert not [line for line in lines if "disconnected" in line], lines
+    # Counted against the model, not a second time as a refusal below the application.
+    assert "nereid_http_refused_total{" not in samples
     # Answered (404) before its body was read: that answer is its only one; the malformed rest only closes.
     started = time.monotonic()
     answer = _exchange(base, b"POST /v2/models/nope/versions/2/infer HTTP/1.1\r\n" + chunked, b"zz\r\n", wait_s=3)
@@ -830,3 +833,9 @@ def test_content_encoding_identity_in_any_case_is_an_uncompressed_body(served):
     status, answer, _ = call(base, "POST", "/v2/models/echo/infer", body,
                              {"Content-Type": "application/json", "Content-Encoding": "GZIP"})
     assert status == 400 and b"compressed request bodies are not supported" in answer
+
+
+def test_a_client_is_named_as_host_and_port_in_log_lines() -> None:
+    from nereid.protocol.http_service import peer
+
+    assert (peer(("127.0.0.1", 40312)), peer(("::1", 8)), peer(None)) == ("127.0.0.1:40312", "[::1]:8", "unknown")
