@@ -78,6 +78,9 @@ class DataPlane:
         self.repository = repository
         self.settings = settings
         self.shutting_down = False
+        # Set by the server when a stop was asked for with a shutdown_delay_s: not ready from then on (so that
+        # load balancers stop sending clients), while every request is still served, until the drain starts.
+        self.leaving = False
         # Set by the server once shutdown_grace_s has passed: a request cancelled from then on was ended by the
         # server (answered UNAVAILABLE), not by its client, and is counted so.
         self.grace_passed = False
@@ -89,8 +92,9 @@ class DataPlane:
         return True
 
     def ready(self) -> bool:
-        """Ready to serve: not shutting down and, under strict readiness, every exposed model READY."""
-        if self.shutting_down:
+        """Ready to serve: not shutting down (nor about to) and, under strict readiness, every exposed model
+        READY."""
+        if self.shutting_down or self.leaving:
             return False
         return self.repository.server_ready() if self.settings.server.strict_readiness else True
 

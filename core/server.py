@@ -386,6 +386,19 @@ class NereidServer:
         if busy:
             log.info("draining: %s", "; ".join(busy))
 
+    async def leave(self, signum: signal.Signals) -> None:
+        """Before a drain, for ``shutdown_delay_s``: report not ready (ServerReady, /v2/health/ready, the gRPC
+        health service) while serving every request as before, so that load balancers stop sending clients
+        before the listeners close. Nothing with a delay of 0."""
+        delay = self.settings.server.shutdown_delay_s
+        if not delay:
+            return
+        log.info("signal received (%s): not ready from now, serving on for %g s (shutdown_delay_s) before the "
+                 "drain", signum.name, delay)
+        self.dataplane.leaving = True
+        await self.update_health()
+        await asyncio.sleep(delay)
+
     async def serve_until_signalled(self) -> None:
         """Start, load, and run until SIGTERM, SIGINT or SIGHUP, then stop gracefully."""
         loop = asyncio.get_running_loop()
@@ -403,6 +416,7 @@ class NereidServer:
         await self.start()
         loader = asyncio.create_task(self.load_models())
         await stop_requested.wait()
+        await self.leave(came[0])
         log.info("signal received: draining (%s; grace %.0f s)", came[0].name, self.settings.server.shutdown_grace_s)
         # Loads still running are abandoned (their threads are daemons and never delay the exit).
         loader.cancel()

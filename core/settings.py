@@ -161,6 +161,9 @@ class ServerSettings:
     # The largest JSON part of an HTTP infer request (see DEFAULT_HTTP_MAX_JSON_BYTES); binary tensors are
     # bounded by max_message_bytes alone.
     http_max_json_bytes: int = DEFAULT_HTTP_MAX_JSON_BYTES
+    # After a stop signal, how long the server reports not ready while still serving everything, before the
+    # drain: a load balancer (a Kubernetes Service's endpoints) takes a moment to stop sending it new clients.
+    shutdown_delay_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -346,7 +349,7 @@ def _parse_server(reader: KeyedReader, raw: Any, path: Path) -> ServerSettings:
     section = reader.mapping(raw, "server", {"bind_addr", "ml_backends_path", "strict_readiness", "shutdown_grace_s",
                                              "metrics_addr", "http_addr", "follow_symlinks", "max_message_bytes",
                                              "repository_control", "tls", "watch", "watch_settle_ms", "watch_poll_s",
-                                             "cache_dir", "http_max_json_bytes"})
+                                             "cache_dir", "http_max_json_bytes", "shutdown_delay_s"})
     bind_addr = _address(reader, section, "server.bind_addr", DEFAULT_BIND_ADDR, off=None)
     backends_text = reader.string(section, "server.ml_backends_path", "ml-backends")
     try:
@@ -368,6 +371,7 @@ def _parse_server(reader: KeyedReader, raw: Any, path: Path) -> ServerSettings:
         reader.fail("server.strict_readiness", "must be true or false", strict)
     grace = reader.number(section, "server.shutdown_grace_s", DEFAULT_SHUTDOWN_GRACE_S, minimum=0,
                           maximum=_LONGEST_WAIT_S)
+    delay = reader.number(section, "server.shutdown_delay_s", 0, minimum=0, maximum=(_A_DAY_S, "a day"))
     metrics_addr = _address(reader, section, "server.metrics_addr", DEFAULT_METRICS_ADDR, off="metrics")
     http_addr = _address(reader, section, "server.http_addr", DEFAULT_HTTP_ADDR, off="HTTP")
     follow = section.get("follow_symlinks", False)
@@ -394,7 +398,8 @@ def _parse_server(reader: KeyedReader, raw: Any, path: Path) -> ServerSettings:
                          maximum=(_A_DAY_S, "a day"))
     return ServerSettings(bind_addr, backends, strict, grace, metrics_addr, follow, max_message, control, tls,
                           watch, settle, poll, ml_backends_url=str(location) if location else None,
-                          cache_dir=cache_dir, http_addr=http_addr, http_max_json_bytes=max_json)
+                          cache_dir=cache_dir, http_addr=http_addr, http_max_json_bytes=max_json,
+                          shutdown_delay_s=delay)
 
 
 def _address(reader: KeyedReader, section: Mapping[str, Any], key: str, default: str, *, off: str | None) -> str:

@@ -15,6 +15,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as triton
@@ -125,6 +126,37 @@ def test_serve_finishes_accepted_requests_on_sigterm_or_sighup_and_exits_zero(re
         assert len(results) == 1 and np.array_equal(results[0], x)
         output = process.stdout.read()
         assert f"signal received: draining ({signum.name}; grace" in output and "nereid stopped" in output
+
+
+def test_a_shutdown_delay_reports_not_ready_and_serves_on_before_the_drain(repo) -> None:
+    """A load balancer (a Kubernetes Service's endpoints) takes a moment to stop sending a terminating server
+    new clients; a server that closed its listeners at once refused them. With shutdown_delay_s the server
+    says it is not ready and serves on for that long, then drains as ever."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    repo.python("echo")
+    delay_s = 2.5
+    with nereid_serve(repo.write_config(server_extra=f"  shutdown_delay_s: {delay_s}\n")) as (process, client):
+        tensor = triton.InferInput("input", [1, 4], "FP32")
+        tensor.set_data_from_numpy(np.ones((1, 4), dtype=np.float32))
+        address = process.args[process.args.index("--bind") + 1]  # (the address nereid_serve chose)
+        with grpc.insecure_channel(address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            assert health.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.SERVING
+            process.send_signal(signal.SIGTERM)
+            signalled = time.monotonic()
+            assert wait_until(lambda: not client.is_server_ready(), delay_s)
+            assert health.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.NOT_SERVING
+            # Everything else is served as before: liveness, model readiness, inference.
+            assert client.is_server_live() and client.is_model_ready("echo")
+            assert client.infer("echo", [tensor]).as_numpy("output").tolist() == [[1.0] * 4]
+            assert time.monotonic() - signalled < delay_s, "the checks above took longer than the delay"
+        assert process.wait(30) == 0
+        assert time.monotonic() - signalled >= delay_s
+        output = process.stdout.read()
+    leaving = output.index("signal received (SIGTERM): not ready from now, serving on for 2.5 s (shutdown_delay_s) "
+                           "before the drain")
+    assert leaving < output.index("signal received: draining (SIGTERM; grace") < output.index("nereid stopped")
 
 
 def test_serve_started_with_sighup_ignored_keeps_serving_through_one(repo) -> None:

@@ -39,6 +39,7 @@ server:
   ml_backends_path: "ml-backends"
   strict_readiness: false
   shutdown_grace_s: 5
+  shutdown_delay_s: 2.5
 models:
   - name: a
     device: "cuda:3"
@@ -54,6 +55,7 @@ models:
     assert (a.device, a.queue_capacity, a.backend, a.instances, a.timeout_s) == (Device("cuda", 3), 4, "python", 2, 1.5)
     assert b.device == Device("cuda", 0) and str(b.device) == "cuda:0" and b.timeout_s is None
     assert settings.server.bind_addr == "127.0.0.1:7000" and settings.server.shutdown_grace_s == 5
+    assert settings.server.shutdown_delay_s == 2.5
     assert settings.model("a") is a and settings.model("missing") is None
 
 
@@ -174,13 +176,15 @@ def test_nan_and_infinity_are_refused_like_a_wrong_type(root: Path, body: str, k
     ("server:\n  watch_settle_ms: 1.0e+300\n", "server.watch_settle_ms", "must be at most 86400000 (a day)",
      "1e+300"),
     ("server:\n  watch_poll_s: 86401\n", "server.watch_poll_s", "must be at most 86400 (a day)", "86401"),
+    ("server:\n  shutdown_delay_s: 86401\n", "server.shutdown_delay_s", "must be at most 86400 (a day)", "86401"),
     # Defect: exponent form without a dot is YAML 1.2's float but PyYAML's string: "must be a number".
     ("models:\n  - name: a\n    timeout_s: 1e300\n", "models[0].timeout_s", "must be at most 31536000 (a year)",
      "1e+300"),
     # Defect: accepted, then every gRPC ModelConfig of the model failed (its gpus field is an int32).
     ("models:\n  - name: a\n    device: cuda:3000000000\n", "models[0].device",
      "expected a GPU index of at most 2147483647", "'cuda:3000000000'"),
-], ids=["instances", "delay", "timeout", "grace", "settle", "poll", "timeout-exponent", "device-index"])
+], ids=["instances", "delay", "timeout", "grace", "settle", "poll", "shutdown-delay", "timeout-exponent",
+        "device-index"])
 def test_values_past_what_the_waits_and_the_wire_take_are_refused(root: Path, body: str, key: str, problem: str,
                                                                   value: str) -> None:
     """Defect: accepted, then every request failed (a timeout poll() overflowed), every ModelConfig failed
