@@ -73,9 +73,9 @@ class ServerMetrics:
         self.protocol_requests = Counter(
             "nereid_protocol_requests", "Inference requests answered, by model, protocol (grpc, http) and outcome.",
             ["model", "protocol", "outcome"], registry=self.registry)
-        self.http_refused = Counter(
-            "nereid_http_refused", "HTTP requests and connections the listener refused or closed before any "
-            "model saw them, by reason.", ["reason"], registry=self.registry)
+        self.protocol_refused = Counter(
+            "nereid_protocol_refused", "Requests (and HTTP connections) refused before any model saw them, by "
+            "protocol and reason.", ["protocol", "reason"], registry=self.registry)
         # Children by model, then (protocol, outcome): only models the repository knows (or UNKNOWN_MODEL), and
         # what a forgotten model had is dropped with it (model_forgotten), so this stays as small as the series.
         self._request_counters: dict[str, dict[tuple[str, str], Any]] = {}
@@ -106,9 +106,10 @@ class ServerMetrics:
             counter = self._request_counter(protocol, model, outcome)
         counter.inc()
 
-    def count_http_refused(self, reason: str) -> None:
-        """Count one HTTP request or connection refused below the application (see ``HttpListener``)."""
-        self.http_refused.labels(reason).inc()
+    def count_refused(self, protocol: str, reason: str) -> None:
+        """Count one request refused before any model saw it: one gRPC cannot parse, an HTTP request or
+        connection the listener refused (see ``HttpListener``)."""
+        self.protocol_refused.labels(protocol, reason).inc()
 
     def _request_counter(self, protocol: str, model: str, outcome: str) -> Any:
         with self._names_lock:

@@ -208,7 +208,8 @@ class NereidServer:
     async def _start(self, server: grpc.aio.Server) -> int:
         config = self.settings.server
         control = self.repository_control
-        servicer = InferenceServicer(self.dataplane, functools.partial(self.metrics.count_request, "grpc"))
+        servicer = InferenceServicer(self.dataplane, functools.partial(self.metrics.count_request, "grpc"),
+                                     count_refused=functools.partial(self.metrics.count_refused, "grpc"))
         server.add_generic_rpc_handlers((generic_handler(servicer),))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         self._check_grpc_address()  # before anything is opened
@@ -223,7 +224,7 @@ class NereidServer:
             # as passed (see stop): they are counted as answered UNAVAILABLE, not as cancelled by their client.
             self._http = HttpListener(surface, ssl_context(config.tls) if config.tls else None,
                                       config.shutdown_grace_s + HTTP_END_AFTER_GRACE_S,
-                                      count_refused=self.metrics.count_http_refused)
+                                      count_refused=functools.partial(self.metrics.count_refused, "http"))
             self.http_port = await self._http.start(self.http_addr, origin=self.http_origin)
             log.info("KServe V2 REST on %s (port %d)", self.http_addr, self.http_port)
         # Bound last and started at once: a gRPC server that is never started keeps its port open until the

@@ -74,6 +74,10 @@ _WAKE = _Wake()
 DECODE_OFF_LOOP_BYTES = 256 << 10
 
 
+# nereid_protocol_refused_total's reason for a request gRPC delivered but protobuf cannot parse.
+REFUSED_UNPARSABLE = "unparsable"
+
+
 class Unreadable:
     """What a handler receives in place of a request whose bytes are not a valid message."""
 
@@ -133,7 +137,8 @@ def _maps_errors(handler: Handler) -> Handler:
     async def wrapper(self: "InferenceServicer", request: Any, context: grpc.aio.ServicerContext) -> Any:
         if isinstance(request, Unreadable):
             code, message = grpc.StatusCode.INVALID_ARGUMENT, request.describe()
-            self.client_log.warning("%s: %s", handler.__name__, message)
+            self.refused(REFUSED_UNPARSABLE)
+            self.client_log.warning("%s from %s: %s", handler.__name__, context.peer(), message)
         else:
             try:
                 return await handler(self, request, context)
@@ -153,9 +158,13 @@ def _maps_errors(handler: Handler) -> Handler:
 class InferenceServicer:
     """The RPC implementations over one :class:`DataPlane`: each converts messages and nothing more."""
 
-    def __init__(self, dataplane: DataPlane, count_request: Callable[[str, str], None] | None = None) -> None:
+    def __init__(self, dataplane: DataPlane, count_request: Callable[[str, str], None] | None = None,
+                 count_refused: Callable[[str], None] | None = None) -> None:
+        """``count_request(model, outcome)`` counts each inference request answered; ``count_refused(reason)``
+        each request refused before any model saw it (one that cannot be parsed: :data:`REFUSED_UNPARSABLE`)."""
         self.dataplane = dataplane
         self._count = count_request
+        self._count_refused = count_refused
         # What a client can trigger at will (unreadable messages) is logged at a bounded rate, per server.
         self.client_log = RateLimitedLog(log)
         # The answer queues of the open ModelStreamInfer calls, and whether they are to end (close_streams).
@@ -166,6 +175,11 @@ class InferenceServicer:
         # client gone or gRPC's own).
         self._running: set[asyncio.Task] = set()
         self._ended_at_grace: weakref.WeakSet[asyncio.Task] = weakref.WeakSet()
+
+    def refused(self, reason: str) -> None:
+        """Count one request refused before any model saw it."""
+        if self._count_refused is not None:
+            self._count_refused(reason)
 
     def close_streams(self) -> None:
         """At shutdown: end each ModelStreamInfer stream once every request read from it is answered (an idle one
@@ -330,7 +344,8 @@ class InferenceServicer:
         async def answer(received: Received | Unreadable) -> None:
             if isinstance(received, Unreadable):
                 message = received.describe()
-                self.client_log.warning("ModelStreamInfer: %s", message)
+                self.refused(REFUSED_UNPARSABLE)
+                self.client_log.warning("ModelStreamInfer from %s: %s", context.peer(), message)
                 await answers.put(pb.ModelStreamInferResponse(error_message=message,
                                                               infer_response=mark_final(pb.ModelInferResponse())))
                 return
@@ -368,9 +383,9 @@ class InferenceServicer:
                     self._running.add(task)
                     task.add_done_callback(self._running.discard)
             except Exception as err:  # the client's side broke off: still answer what was accepted
-                self.client_log.warning("ModelStreamInfer: reading the stream failed (%s); answering the %d "
-                                        "accepted request(s)", cap_message(f"{type(err).__name__}: {err}", 256),
-                                        len(pending))
+                self.client_log.warning("ModelStreamInfer from %s: reading the stream failed (%s); answering the %d "
+                                        "accepted request(s)", context.peer(),
+                                        cap_message(f"{type(err).__name__}: {err}", 256), len(pending))
             try:
                 while pending:
                     await asyncio.gather(*list(pending), return_exceptions=True)

@@ -9,6 +9,7 @@ import time
 import urllib.error
 import urllib.request
 
+import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as triton
@@ -546,9 +547,9 @@ def test_a_rename_moves_the_names_series_to_the_new_name() -> None:
     assert 'model="after"' not in generate_latest(metrics.registry).decode()
 
 
-def test_http_requests_refused_below_the_application_are_counted_by_reason(repo, serve) -> None:
-    """A request the HTTP parser cannot read, or whose head is too large, reaches no model: nothing in /metrics
-    counted it, so a flood of them showed only as log lines."""
+def test_requests_refused_before_any_model_are_counted_by_protocol_and_reason(repo, serve) -> None:
+    """A request the HTTP parser (or protobuf) cannot read, or whose head is too large, reaches no model: nothing
+    in /metrics counted it, so a flood of them showed only as log lines."""
     repo.python("echo")
     server = serve(repo.write_config("- name: echo\n"))
     for request in (b"GARBAGE\r\n\r\n", b"GET /v2 HTTP/1.1\r\nHost: x\r\nX-A: " + b"a" * 70_000 + b"\r\n\r\n",
@@ -561,6 +562,14 @@ def test_http_requests_refused_below_the_application_are_counted_by_reason(repo,
                     pass
             except OSError:  # (431: closed while the head was still being sent)
                 pass
+    # And a gRPC message protobuf cannot parse (tag 0 is never valid).
+    with grpc.insecure_channel(f"127.0.0.1:{server.server.port}") as channel:
+        infer = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+        with pytest.raises(grpc.RpcError) as caught:
+            infer(b"\x00\x00", timeout=10)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     refused = {labels: value for (name, labels), value in scrape(server.server.metrics_port).items()
-               if name == "nereid_http_refused_total"}
-    assert refused == {(("reason", "unparsable"),): 2, (("reason", "head_too_large"),): 1}
+               if name == "nereid_protocol_refused_total"}
+    assert refused == {(("protocol", "http"), ("reason", "unparsable")): 2,
+                       (("protocol", "http"), ("reason", "head_too_large")): 1,
+                       (("protocol", "grpc"), ("reason", "unparsable")): 1}

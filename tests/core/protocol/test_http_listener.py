@@ -166,7 +166,7 @@ def test_a_request_head_trickled_past_the_head_timeout_is_408_and_its_connection
             assert answer.startswith(b"HTTP/1.1 408 Request Timeout\r\n"), (seconds, answer)
             assert answer.endswith(b'{"error":"the request line and headers did not all arrive within 0.6 s"}')
             assert HEAD_TIMEOUT_S <= seconds < HEAD_TIMEOUT_S + 0.5, seconds  # (timed from just before its first byte)
-        assert refused == ["head_timeout", "head_timeout"]  # (nereid_http_refused_total's reason)
+        assert refused == ["head_timeout", "head_timeout"]  # (nereid_protocol_refused_total's reason)
         head, _, body = in_time.result().partition(b"\r\n\r\n")
         lines = head.split(b"\r\n")
         assert (lines[0], sorted(line for line in lines[1:] if not line.startswith(b"date: ")), body) == \

@@ -710,7 +710,7 @@ def test_a_body_the_parser_cannot_read_is_one_400_counted_and_logged_as_such(rep
     assert [line for line in lines if re.fullmatch(pattern, line)], lines
     assert not [line for line in lines if "disconnected" in line], lines
     # Counted against the model, not a second time as a refusal below the application.
-    assert "nereid_http_refused_total{" not in samples
+    assert "nereid_protocol_refused_total{" not in samples
     # Answered (404) before its body was read: that answer is its only one; the malformed rest only closes.
     started = time.monotonic()
     answer = _exchange(base, b"POST /v2/models/nope/versions/2/infer HTTP/1.1\r\n" + chunked, b"zz\r\n", wait_s=3)
