@@ -104,7 +104,8 @@ class HttpListener:
         # go to the root logger's handler, at the root logger's level, through _UvicornRecords.
         # access_log=False: no line per request (uvicorn then also cuts its access logger off).
         # A protocol class of this listener's own: uvicorn makes its instances, and only a class reaches them.
-        protocol = type("_ListenerProtocol", (_BoundedHeadProtocol,), {"count_refused": self.count_refused})
+        protocol = type("_ListenerProtocol", (_BoundedHeadProtocol,),
+                        {"count_refused": staticmethod(self.count_refused)})  # (a plain function is no method)
         config = uvicorn.Config(self.app, http=protocol, lifespan="off", log_config=None,
                                 log_level=None, access_log=False, server_header=False, date_header=True,
                                 ws="none", proxy_headers=False, timeout_graceful_shutdown=self.grace_s,
@@ -510,7 +511,10 @@ class _BoundedHeadProtocol(HttpToolsProtocol):
         was read): that answer was its one, and the connection is only closed,
         once that answer is out. A request whose own body it stopped in, and
         that it answers 400, is marked so, for its handler (still waiting for
-        that body) to count and log it as what it is, not as a client gone.
+        that body) to take it as what it is, not as a client gone: an infer
+        handler counts it against its model. Every refusal is counted and
+        logged here, whatever its handler does (one that never reads its body
+        never hears of it).
         """
         error = sys.exc_info()[1]
         reason = _parser_reason(error)
@@ -548,9 +552,9 @@ class _BoundedHeadProtocol(HttpToolsProtocol):
                                                "400 and its connection closed")
                 answer = "refused with 400"
         self.transport.close()
-        if in_body and getattr(cycle, "nereid_unparsable", None) is not None:
-            return  # its handler counts it against its model and logs it
         self._refused(REFUSED_OUT_OF_MEMORY if no_memory else REFUSED_UNPARSABLE)
-        _client_log.log(logging.INFO, "HTTP request from %s %s: %s", peer(self.client), answer,
-                        "the server ran out of memory reading it" if no_memory
-                        else f"it cannot be parsed as HTTP/1.1 ({reason})")
+        what = "body" if in_body else "request"
+        request = f"{cycle.scope['method']} {cap_message(cycle.scope['path'], 256)}" if in_body else "request"
+        _client_log.log(logging.INFO, "HTTP %s from %s %s: %s", request, peer(self.client), answer,
+                        f"the server ran out of memory reading its {what}" if no_memory
+                        else f"its {what} cannot be parsed as HTTP/1.1 ({reason})")

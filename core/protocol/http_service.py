@@ -146,9 +146,7 @@ class HttpSurface:
             return  # lifespan and websocket scopes: nothing to do
         try:
             status, body, headers = await self._route(scope, receive)
-        except Unparsable as err:  # answered already, below the app
-            client_log.log(logging.INFO, "HTTP %s %s from %s: %s", scope["method"], cap_message(scope["path"], 256),
-                           peer(scope.get("client")), err)
+        except Unparsable:  # answered, counted and logged already, below the app
             return
         except Disconnected as gone:
             client_log.log(logging.INFO, "HTTP %s %s from %s: the client disconnected %s", scope["method"],
@@ -162,8 +160,8 @@ class HttpSurface:
         except MemoryError:
             # Not a bug, and not the client's fault: a passing condition of the server, answered without a
             # traceback (formatting one may fail again), as an infer request out of memory is (see _infer).
-            client_log.log(logging.WARNING, "HTTP %s %s: the server ran out of memory; answered 503",
-                            scope["method"], cap_message(scope["path"], 256))
+            client_log.log(logging.WARNING, "HTTP %s %s from %s: the server ran out of memory; answered 503",
+                           scope["method"], cap_message(scope["path"], 256), peer(scope.get("client")))
             status, headers = 503, JSON_HEADERS
             body = error_body(f"the server ran out of memory answering {scope['method']} "
                                f"{cap_message(scope['path'], 256)}; try again later")

@@ -294,8 +294,7 @@ def test_a_request_the_parser_cannot_read_is_a_json_400_naming_the_parsers_reaso
     assert list(document) == ["error"], answer
     assert document["error"].startswith("the request cannot be parsed as HTTP/1.1: ") and reason in document["error"]
     _assert_dated_now(head)
-    # Counted by the listener, unless it stopped in the body of a request the application has (which counts it).
-    assert refused == ([] if "chunk" in reason else ["unparsable"])
+    assert refused == ["unparsable"]  # (nereid_protocol_refused_total's reason)
 
 
 def _assert_dated_now(head: bytes) -> None:
@@ -479,7 +478,7 @@ def test_unparsable_requests_are_logged_naming_their_client_and_reason_within_th
     assert [r for r in caplog.records if r.name.startswith("uvicorn")] == []  # no access log, no INFO chatter
     lines = [r.getMessage() for r in caplog.records if r.name == http_listener.__name__]
     assert len(lines) == budget, lines
-    assert all(re.fullmatch(r"HTTP request from 127\.0\.0\.1:\d+ refused with 400: it cannot be parsed as "
+    assert all(re.fullmatch(r"HTTP request from 127\.0\.0\.1:\d+ refused with 400: its request cannot be parsed as "
                             r"HTTP/1\.1 \(Invalid method encountered\)", line) for line in lines), lines
     caplog.clear()
     # As --log-level ERROR: the root logger's level; nereid's stderr handler has none of its own.
@@ -510,3 +509,30 @@ def test_uvicorns_error_for_a_grace_that_ran_out_is_a_debug_line() -> None:
             assert record.levelname == "DEBUG" or not shown
     finally:
         logger.setLevel(previous)
+
+
+def test_a_refusal_counter_given_as_a_plain_function_is_called_with_the_reason_alone(monkeypatch) -> None:
+    """Defect: kept as a class attribute of the listener's protocol class, a plain function was bound as a method
+    and called with the protocol first: TypeError inside data_received, the refusal neither counted nor logged."""
+    from nereid.protocol.http_listener import HttpListener
+
+    reasons: list[str] = []
+
+    def count(reason: str) -> None:
+        reasons.append(reason)
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    listener = HttpListener(_answer_ok, grace_s=5, count_refused=count)
+    try:
+        port = asyncio.run_coroutine_threadsafe(listener.start("127.0.0.1:0"), loop).result(10)
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as connection:
+            connection.sendall(b"GARBAGE\r\n\r\n")
+            assert _read_all(connection).startswith(b"HTTP/1.1 400 ")
+    finally:
+        asyncio.run_coroutine_threadsafe(listener.stop(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+    assert reasons == ["unparsable"]

@@ -686,10 +686,13 @@ def test_a_body_the_parser_cannot_read_is_one_400_counted_and_logged_as_such(rep
     disconnected" and counted nowhere; and one answered before its body was read (a 404) got a second,
     unrequested 400 after that answer."""
     from nereid.log_limit import RateLimitedLog
-    from nereid.protocol import http_service
+    from nereid.protocol import http_listener, http_service
 
-    monkeypatch.setattr(http_service, "client_log", RateLimitedLog(http_service.log))  # unspent
+    unspent = RateLimitedLog(http_service.log)
+    monkeypatch.setattr(http_service, "client_log", unspent)
+    monkeypatch.setattr(http_listener, "_client_log", unspent.sharing(http_listener.log))
     caplog.set_level(logging.INFO, logger=http_service.__name__)
+    caplog.set_level(logging.INFO, logger=http_listener.__name__)
     repo.python("echo")
     server = serve(repo.write_config())
     base = f"127.0.0.1:{server.server.http_port}"
@@ -704,13 +707,20 @@ def test_a_body_the_parser_cannot_read_is_one_400_counted_and_logged_as_such(rep
     assert (stats.success.count, stats.fail.count, stats.failures_by_reason) == (0, 1, {"invalid_argument": 1})
     samples = urllib.request.urlopen(f"http://127.0.0.1:{server.server.metrics_port}/metrics").read().decode()
     assert 'nereid_protocol_requests_total{model="echo",outcome="invalid_argument",protocol="http"} 1.0' in samples
-    lines = [r.getMessage() for r in caplog.records if r.name == http_service.__name__]
-    pattern = (r"HTTP POST /v2/models/echo/infer from 127\.0\.0\.1:\d+: model 'echo': the request body cannot be "
-               r"parsed as HTTP/1\.1 \(Invalid character in chunk size\); answered 400 and its connection closed")
-    assert [line for line in lines if re.fullmatch(pattern, line)], lines
-    assert not [line for line in lines if "disconnected" in line], lines
-    # Counted against the model, not a second time as a refusal below the application.
-    assert "nereid_protocol_refused_total{" not in samples
+    lines = [r.getMessage() for r in caplog.records if r.name in (http_service.__name__, http_listener.__name__)]
+    pattern = (r"HTTP POST /v2/models/echo/infer from 127\.0\.0\.1:\d+ refused with 400: its body cannot be parsed "
+               r"as HTTP/1\.1 \(Invalid character in chunk size\)")
+    assert len([line for line in lines if re.fullmatch(pattern, line)]) == 1 and len(lines) == 1, lines
+    # Refused by the listener, and one of the model's failures (its name was in the path).
+    assert 'nereid_protocol_refused_total{protocol="http",reason="unparsable"} 1.0' in samples
+    # The same body on a call that never reads one: refused, counted and logged all the same (it was neither).
+    caplog.clear()
+    answer = _exchange(base, b"GET /v2/health/live HTTP/1.1\r\n" + chunked + b"zz\r\n")
+    assert answer.startswith(b"HTTP/1.1 400 ") and len(re.findall(rb"HTTP/1\.1 \d{3} ", answer)) == 1, answer
+    samples = urllib.request.urlopen(f"http://127.0.0.1:{server.server.metrics_port}/metrics").read().decode()
+    assert 'nereid_protocol_refused_total{protocol="http",reason="unparsable"} 2.0' in samples
+    lines = [r.getMessage() for r in caplog.records if r.name == http_listener.__name__]
+    assert [line for line in lines if line.startswith("HTTP GET /v2/health/live from 127.0.0.1:")] == lines != [], lines
     # Answered (404) before its body was read: that answer is its only one; the malformed rest only closes.
     started = time.monotonic()
     answer = _exchange(base, b"POST /v2/models/nope/versions/2/infer HTTP/1.1\r\n" + chunked, b"zz\r\n", wait_s=3)
