@@ -76,8 +76,8 @@ class ModelTimedOut(ModelFailure):
 
 
 class ModelKilled(ModelFailure):
-    """The model's process died from a signal while running a request: the kernel's OOM killer (SIGKILL), a
-    crash (SIGSEGV, SIGABRT), or a python model's warm parent process dying (gRPC INTERNAL)."""
+    """The model's process (or a python model's warm parent) died from a signal while running a request: the
+    kernel's OOM killer (SIGKILL), a crash (SIGSEGV, SIGABRT) (gRPC INTERNAL)."""
 
     reason = "killed"
 

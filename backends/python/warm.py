@@ -160,8 +160,8 @@ class WarmParent:
                 break
             except _RunNotStarted as err:
                 if attempt == 2:
-                    raise
-                log.warning("%s; the batch goes to a new parent", err)
+                    raise err.failure from None
+                log.warning("%s; the batch goes to a new parent", err.failure)
         with reply:
             groups.add(pid)
             try:
@@ -267,27 +267,37 @@ class WarmParent:
             assert self._process is not None and self._control is not None
             return self._process, self._control
 
-    def _not_started(self, what: str) -> ModelFailure:
+    def _not_started(self, what: str) -> ModelFailure | _RunNotStarted:
         """The failure of a run the parent never started (its end of the sockets closed): _RunNotStarted
-        (sent again) once the parent has exited; a plain ModelFailure should it still run after the grace
+        (sent again) once the parent has exited; the failure itself should it still run after the grace
         (no new parent is started for a running one, so sending the batch again would go to it once more)."""
         failure = self._died(what)
         process = self._process
-        return _RunNotStarted(str(failure)) if process is None or process.poll() is not None else failure
+        return _RunNotStarted(failure) if process is None or process.poll() is not None else failure
 
-    def _died(self, what: str) -> ModelKilled:
-        """The failure of a run whose parent died; the parent is reaped so the reason is known."""
+    def _died(self, what: str) -> ModelFailure:
+        """The failure of a run whose parent died; the parent is reaped so the reason is known: ModelKilled
+        when a signal ended it (the OOM killer's SIGKILL, a crash), a plain ModelFailure otherwise."""
         process = self._process
-        reason = "is not running"
+        reason, fault = "is not running", ModelFailure
         if process is not None:
             # The socket closed, so the parent is exiting right now.
-            reason = _describe_exit(process.returncode) if wait_for_exit(process, STOP_GRACE_S) else "stopped answering"
-        return ModelKilled(f"model '{self.name}': its warm parent process {reason} ({what}); "
-                           "it is restarted for the next request")
+            if wait_for_exit(process, STOP_GRACE_S):
+                reason = _describe_exit(process.returncode)
+                fault = ModelKilled if process.returncode < 0 else ModelFailure
+            else:
+                reason = "stopped answering"
+        return fault(f"model '{self.name}': its warm parent process {reason} ({what}); "
+                     "it is restarted for the next request")
 
 
-class _RunNotStarted(ModelKilled):
-    """The parent was gone before it said it forked the run: sending the batch again runs it once."""
+class _RunNotStarted(Exception):
+    """The parent was gone before it said it forked the run: sending the batch again runs it once. ``failure``
+    is what the run fails with if it cannot be sent again."""
+
+    def __init__(self, failure: ModelFailure) -> None:
+        super().__init__(str(failure))
+        self.failure = failure
 
 
 def _run_channels() -> tuple[int, int, int, int, socket.socket, socket.socket]:
