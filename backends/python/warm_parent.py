@@ -477,7 +477,7 @@ def run_child(env: dict[str, str], cwd: str, stdin_fd: int, output_fd: int,
         cwd = enter_folder(cwd)
     else:
         cwd = enter_loaded_folder(cwd, folder_fd)
-        os.close(folder_fd)  # not needed past the chdir (main.py's path does not go through it)
+        os.close(folder_fd)  # not needed past the chdir: the working directory is the loaded folder
     if exec_argv:
         os.execv(exec_argv[0], exec_argv)  # keeps the process, its session and its parent-death signal
     return run_main(os.path.join(cwd, ENTRY_FILE))
@@ -572,9 +572,17 @@ def _renamed(code: types.CodeType, filename: str) -> types.CodeType:
 
 
 def run_main(path: str) -> int:
-    """Run ``path`` as ``__main__``, as ``python main.py`` would; returns the exit code."""
+    """Run ``path`` as ``__main__``, as ``python main.py`` would; returns the exit code.
+
+    The working directory is ``path``'s folder as the run starts (see
+    :func:`run_child`); the folder's entry on ``sys.path`` imports from that
+    folder wherever it is by then (see :class:`LoadedFolderFinder`).
+    """
     sys.argv = [ENTRY_FILE]
-    sys.path.insert(0, os.path.dirname(path))
+    folder = os.path.dirname(path)
+    sys.path.insert(0, folder)
+    finder = LoadedFolderFinder(folder, working_directory_identity())
+    sys.path_importer_cache[folder] = finder
     module = type(sys)("__main__")
     # The globals python main.py gives its __main__ (code reading __annotations__ without annotations of its
     # own, typing.get_type_hints on the module, or __cached__, fails without them).
@@ -582,7 +590,7 @@ def run_main(path: str) -> int:
     module.__loader__ = importlib.machinery.SourceFileLoader("__main__", path)
     module.__builtins__ = __builtins__
     sys.modules["__main__"] = module
-    _unshadow(os.path.dirname(path))
+    _unshadow(folder)
     preloaded = len(sys.modules)  # modules imported from here on come after these (dicts keep order)
     try:
         code_object = entry_code(path)
@@ -610,13 +618,148 @@ def run_main(path: str) -> int:
     # ThreadPoolExecutor hung every run until timeout_s), then a join of the non-daemon threads, then atexit's.
     threading._shutdown()  # type: ignore[attr-defined]
     atexit._run_exitfuncs()
-    _release_model_modules(os.path.dirname(path), [module, *itertools.islice(sys.modules.values(), preloaded, None)])
+    # (A module found after the folder was renamed has its path under the new name.)
+    folders = [folder, *([finder.path] if finder.path else [])]
+    _release_model_modules(folders, [module, *itertools.islice(sys.modules.values(), preloaded, None)])
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError):
             pass
     return code
+
+
+# The run's working directory, as a path that leads to the directory itself whatever it is named now.
+_WORKING_DIRECTORY = "/proc/self/cwd"
+
+
+def working_directory_identity() -> tuple[int, int] | None:
+    """``(st_dev, st_ino)`` of the working directory; None when it is gone."""
+    try:
+        here = os.stat(os.curdir)
+    except OSError:
+        return None
+    return here.st_dev, here.st_ino
+
+
+class LoadedFolderFinder:
+    """The import finder of a run's model folder (or of a package folder in it): it finds and reads modules in
+    the folder the run started in (its working directory then), whatever that folder is named by then.
+
+    Its path alone could lead elsewhere: with the folder swapped for a new
+    version by rename (``mv m .m.old && mv .m.new m``), a run of the loaded
+    version that started just before the renames imported its helpers from
+    the new version's folder (an old ``main.py`` with a new ``helper.py``), or
+    found no folder at all between the two renames. While the working
+    directory is still that folder (main.py has not changed it), modules are
+    looked up through the working directory itself (``/proc/self/cwd``) and a
+    source module is read through it too (see :class:`LoadedFolderLoader`),
+    yet named by the folder's path as it is now (``os.getcwd()``: its
+    ``__file__``, tracebacks); otherwise through the folder's path, as for
+    any ``sys.path`` entry. The finders themselves are those the interpreter's
+    path hooks make (source, bytecode and extension modules are found as
+    usual; an extension module or a bare ``.pyc`` keeps its
+    ``/proc/self/cwd`` path, which its loader opens).
+    """
+
+    def __init__(self, fallback: str, identity: tuple[int, int] | None, inside: str = "") -> None:
+        """``fallback``: the path to use when the working directory is no longer the folder; ``identity``: the
+        folder's (see :func:`working_directory_identity`); ``inside``: a package folder's path relative to it."""
+        self._fallback = fallback
+        self._identity = identity
+        self._inside = inside
+        self._root: str | None = None  # the loaded folder's path at the last import found here
+        self._finders: dict[str, object] = {}
+
+    @property
+    def path(self) -> str | None:
+        """The folder's path at the last import found through this finder (None before the first)."""
+        return self._root
+
+    def _loaded_root(self) -> str | None:
+        """The loaded folder's path now, if it is still the working directory."""
+        if self._identity is None or working_directory_identity() != self._identity:
+            return None
+        try:
+            return os.getcwd()
+        except OSError:  # deleted meanwhile
+            return None
+
+    def _finder_at(self, path: str) -> object:
+        if path not in self._finders:
+            self._finders[path] = _finder_for(path)
+        return self._finders[path]
+
+    def find_spec(self, fullname: str, target: types.ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
+        """The spec of ``fullname`` in the loaded folder; None when it holds no such module."""
+        root = self._loaded_root()
+        if root is None:
+            finder = self._finder_at(self._fallback)
+            return None if finder is None else finder.find_spec(fullname, target)  # type: ignore[attr-defined]
+        finder = self._finder_at(os.path.join(_WORKING_DIRECTORY, self._inside))
+        spec = None if finder is None else finder.find_spec(fullname, target)  # type: ignore[attr-defined]
+        if spec is None:
+            return None
+        self._root = root
+        through = os.path.join(_WORKING_DIRECTORY, "")
+
+        def named(path: str) -> str:
+            return os.path.join(root, path[len(through):]) if path.startswith(through) else path
+
+        if type(spec.loader) is importlib.machinery.SourceFileLoader:
+            spec.origin = named(spec.origin)
+            spec.loader = LoadedFolderLoader(fullname, spec.origin, root, self._identity)
+            if spec.submodule_search_locations is not None:  # a package: its submodules are found the same way
+                spec.submodule_search_locations[:] = [named(location) for location in spec.submodule_search_locations]
+                for location in spec.submodule_search_locations:
+                    if location.startswith(os.path.join(root, "")):
+                        sys.path_importer_cache[location] = LoadedFolderFinder(
+                            location, self._identity, location[len(root) + 1:])
+        return spec
+
+    def invalidate_caches(self) -> None:
+        """As ``importlib.invalidate_caches()`` asks of every cached finder."""
+        for finder in self._finders.values():
+            if finder is not None:
+                finder.invalidate_caches()  # type: ignore[attr-defined]
+
+
+class LoadedFolderLoader(importlib.machinery.SourceFileLoader):
+    """A source module of the loaded folder, named by its path (``__file__``, tracebacks) but read, with its
+    bytecode cache, through the working directory while that is still the folder (see
+    :class:`LoadedFolderFinder`)."""
+
+    def __init__(self, fullname: str, path: str, root: str, identity: tuple[int, int] | None) -> None:
+        super().__init__(fullname, path)
+        self._prefix = os.path.join(root, "")
+        self._identity = identity
+
+    def _through_folder(self, path: str) -> str:
+        if path.startswith(self._prefix) and working_directory_identity() == self._identity:
+            return os.path.join(_WORKING_DIRECTORY, path[len(self._prefix):])
+        return path
+
+    def get_data(self, path: str) -> bytes:
+        """The file's bytes (the source, or its cached bytecode) from the loaded folder."""
+        return super().get_data(self._through_folder(path))
+
+    def path_stats(self, path: str) -> dict:
+        """The source's mtime and size, from the loaded folder (they validate its cached bytecode)."""
+        return super().path_stats(self._through_folder(path))
+
+    def set_data(self, path: str, data: bytes, *, _mode: int = 0o666) -> None:
+        """Write the bytecode cache into the loaded folder's ``__pycache__``."""
+        super().set_data(self._through_folder(path), data, _mode=_mode)
+
+
+def _finder_for(path: str) -> object:
+    """The finder the interpreter's path hooks make for ``path`` (as the import system does); None if none."""
+    for hook in sys.path_hooks:
+        try:
+            return hook(path)
+        except ImportError:
+            continue
+    return None
 
 
 def _unshadow(folder: str) -> None:
@@ -640,16 +783,16 @@ def _unshadow(folder: str) -> None:
         del sys.modules[name]
 
 
-def _release_model_modules(folder: str, run_modules: list[types.ModuleType]) -> None:
+def _release_model_modules(folders: list[str], run_modules: list[types.ModuleType]) -> None:
     """Clear the globals of ``__main__`` and of the model's own modules, as the interpreter's shutdown does.
 
     The child leaves through ``os._exit``, which finalizes nothing: without
     this, an output file that ``main.py`` opened into a global and never
     closed would lose its buffered bytes, where ``python main.py`` flushes and
     closes it at exit. ``run_modules``: ``__main__`` and the modules imported
-    during the run; of those, only the model folder's own are cleared.
+    during the run; of those, only the model folder's own (under one of ``folders``, its paths) are cleared.
     """
-    prefix = os.path.join(folder, "")
+    prefix = tuple(os.path.join(folder, "") for folder in folders)
     for module in reversed(run_modules):
         if module is not run_modules[0] and not str(getattr(module, "__file__", None) or "").startswith(prefix):
             continue
