@@ -20,7 +20,7 @@ from nereid.errors import (DeadlineExceeded, InvalidArgument, ModelFailure, Mode
                            shown_name)
 from nereid.model_info import (MODEL_VERSION, IndexEntry, ModelConfig, ModelMetadata, describe_config,
                                describe_metadata)
-from nereid.repository import LoadedModel, ModelRepository, ModelState
+from nereid.repository import NOT_LISTED_REASON, LoadedModel, ModelRepository, ModelState
 from nereid.stats import ModelStats
 from nereid.settings import Settings
 from nereid.signature import duplicated, validate_inputs
@@ -196,8 +196,14 @@ class DataPlane:
         # Forgetting a gone folder can make the server ready: the health service must say so before we answer.
         if self._on_change is not None and self.ready() != ready:
             await self._on_change()
-        return [IndexEntry(entry.name, MODEL_VERSION, entry.state.value, entry.reason)
+        return [IndexEntry(entry.name, MODEL_VERSION, entry.state.value, self._index_reason(entry.reason))
                 for entry in self.repository.entries() if not ready_only or entry.state is ModelState.READY]
+
+    def _index_reason(self, reason: str) -> str:
+        """An index entry's reason, with how to load an unlisted folder where this server takes that call."""
+        if reason == NOT_LISTED_REASON and self.repository_control:
+            return f"{reason}; load it with RepositoryModelLoad"
+        return reason
 
     async def load(self, name: str, parameters: Iterable[str] = (), rpc: str = "RepositoryModelLoad") -> None:
         """(Re)load a model; ModelFailure with the reason when it does not become READY.
@@ -259,8 +265,10 @@ class DataPlane:
 
     def _check_repository_control(self, rpc: str) -> None:
         if not self.repository_control:
-            raise PermissionDenied(f"{rpc} is turned off on this server (server.repository_control: false, "
-                                   "the default when bind_addr or http_addr is not loopback)")
+            why = ("server.repository_control: false" if self.settings.server.repository_control is not None
+                   else "server.repository_control is not set, and is off by default when bind_addr or http_addr "
+                        "is not loopback")
+            raise PermissionDenied(f"{rpc} is turned off on this server ({why})")
 
     async def infer(self, request: InferRequest) -> InferResponse:
         """Run one request; every accepted request gets exactly one answer, success or error."""

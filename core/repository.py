@@ -49,7 +49,8 @@ from nereid.storage.mirror import CACHE_SUBFOLDER
 
 log = logging.getLogger(__name__)
 
-NOT_LISTED_REASON = "not listed in nereid.yaml; load it with RepositoryModelLoad"
+# (The data plane adds "; load it with RepositoryModelLoad" where that call is served.)
+NOT_LISTED_REASON = "not listed in nereid.yaml"
 
 
 class ModelState(str, enum.Enum):
@@ -693,9 +694,11 @@ class ModelRepository:
             except Exception as err:
                 reason = _reason(err)
                 log.log(logging.DEBUG if _repeats(reason, retrying) else logging.ERROR,
-                        "model '%s': reload failed, version %d keeps serving: %s", name, entry.generation, reason,
+                        "model '%s': reload failed (load %d), the running version keeps serving: %s", name,
+                        entry.generation + 1, reason,
                         exc_info=_plugin_traceback(err))
-                entry.reason = self.public_text(f"reload failed, version {entry.generation} keeps serving: {reason}")
+                # (Not "version N": the protocol's model version is always 1; N counts loads.)
+                entry.reason = self.public_text(f"reload failed, the running version keeps serving: {reason}")
                 entry.store_fault = reason if store_failed(err) else ""
                 self._record(name, "reload_failed")
                 return entry
@@ -704,7 +707,7 @@ class ModelRepository:
             self._enter_loaded_version(entry)  # the new version may call other models
             self._record(name, "reload")
         self.in_background(self._retire(self._retiring_version(name, old, entry)),
-                           f"model '{name}': unloading version {entry.generation - 1}")
+                           f"model '{name}': unloading the version load {entry.generation} replaced")
         return entry
 
     async def rename(self, old: str, new: str) -> ModelEntry:
@@ -758,7 +761,7 @@ class ModelRepository:
                 loaded.scheduler.name = new
                 self._record(new, "rename")
                 self._refresh_dependents()  # models calling the old name wait for it again
-                log.info("model '%s' renamed to '%s' in place (version %d, nothing reloaded)", old, new,
+                log.info("model '%s' renamed to '%s' in place (load %d, nothing reloaded)", old, new,
                          entry.generation)
                 with contextlib.suppress(OSError):  # left empty by the move: nothing kept there
                     (self.scratch_dir / old).rmdir()
@@ -1049,7 +1052,7 @@ class ModelRepository:
         loaded = entry.loaded
         assert loaded is not None
         verdict = self._dependency_verdicts().get(entry.name, READY)
-        done = (f"version {entry.generation}, backend {loaded.backend_name}, device {entry.settings.device}, "
+        done = (f"load {entry.generation}, backend {loaded.backend_name}, device {entry.settings.device}, "
                 f"{loaded.load_seconds:.2f} s")
         if verdict.ready:
             entry.state, entry.reason = ModelState.READY, ""

@@ -909,7 +909,7 @@ print(sorted(str(p.relative_to(scratch)) for p in scratch.rglob("*")))
 
 
 def test_a_main_py_a_full_scratch_folder_cannot_take_names_the_folder(repo, tmp_path, start_mode):
-    """Defect: a reload on a full scratch folder said only "reload failed, version 1 keeps serving: [Errno 28] No
+    """Defect: a reload on a full scratch folder said only "reload failed, the running version keeps serving: [Errno 28] No
     space left on device": the copy of main.py the warm parent loads is written there, and nothing said so."""
     import subprocess
 

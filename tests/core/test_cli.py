@@ -92,7 +92,7 @@ def test_check_reports_each_broken_model_and_fails(repo) -> None:
     out = result.stdout
     assert "good: OK backend=python" in out and "warns: OK backend=python" in out
     # Python's warnings are log lines, in the log's format, not raw lines between them.
-    assert re.search(r"^\S+ \S+ WARNING py\.warnings: \S+/warns/main\.py:\d+: SyntaxWarning: \"is\" with a literal",
+    assert re.search(r"^\S+ WARNING py\.warnings: \S+/warns/main\.py:\d+: SyntaxWarning: \"is\" with a literal",
                      result.stderr, re.MULTILINE), result.stderr
     assert "no_textproto: UNAVAILABLE: model 'no_textproto': missing model_inference.textproto" in out
     assert "bad_textproto: UNAVAILABLE:" in out and "model_inference.textproto:2:1" in out

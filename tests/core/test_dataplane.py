@@ -167,8 +167,8 @@ def test_loading_a_loaded_model_again_has_no_downtime_and_a_failure_leaves_it_se
         await plane.load("toy")
         assert plane.model_ready("toy") and set(states) == {"READY"}  # never LOADING nor UNLOADING
         (tmp_path / "ml-backends" / "toy" / "fail.txt").write_text("weights are corrupt")
-        with pytest.raises(ModelFailure, match="failed to load model 'toy': reload failed, version 2 keeps "
-                                               "serving: .*weights are corrupt"):
+        with pytest.raises(ModelFailure, match="failed to load model 'toy': reload failed, the running "
+                                               "version keeps serving: .*weights are corrupt"):
             await plane.load("toy")
         assert plane.model_ready("toy")
         response = await plane.infer(request())

@@ -74,7 +74,7 @@ def test_load_failure_reload_and_its_failure(tmp_path, root):
         (folder / "fail.txt").write_text("weights are corrupt")
         entry = await repo.reload("m")
         assert entry.state is ModelState.READY and entry.generation == 1  # the running version keeps serving
-        assert "reload failed, version 1 keeps serving" in entry.reason and "weights are corrupt" in entry.reason
+        assert "reload failed, the running version keeps serving" in entry.reason and "weights are corrupt" in entry.reason
         assert await run_one(repo, "m") == [1] * 4
         (folder / "fail.txt").unlink()
         entry = await repo.reload("m")
@@ -574,7 +574,7 @@ def test_an_unload_or_removal_abandons_a_load_that_never_returns(tmp_path, root,
         assert (await repo.load("hang")).state is ModelState.READY  # and a new load works
         assert repo.entry("hang").abandoned == ""
         # A reload given up for an unload: no version "keeps serving" (the unload takes it next), and it is no
-        # failed reload. Defect: it said "reload failed, version 1 keeps serving", and counted reload_failed.
+        # failed reload. Defect: it said "reload failed, the running version keeps serving", and counted reload_failed.
         release.clear()
         entered.clear()
         reloading = asyncio.ensure_future(repo.load("hang"))

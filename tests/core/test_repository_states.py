@@ -310,7 +310,7 @@ async def check(world: World) -> None:
         if entry.state is ModelState.UNAVAILABLE:
             assert entry.reason, f"model '{entry.name}' is UNAVAILABLE without a reason"
         elif entry.state is ModelState.READY and entry.reason:
-            assert entry.reason.startswith("reload failed, version "), entry.reason
+            assert entry.reason.startswith("reload failed, the running version keeps serving: "), entry.reason
         if entry.loaded is not None:
             assert entry.loaded.backend.unloads == 0, f"model '{entry.name}' is loaded with a backend unloaded"
         if entry.state is ModelState.READY:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import ipaddress
+import logging
 import os
 import shutil
 import signal
@@ -32,8 +33,11 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from tritonclient.utils import InferenceServerException
 
-from nereid.errors import ConfigError
+from nereid.dataplane import DataPlane
+from nereid.errors import ConfigError, PermissionDenied
+from nereid.plugins import make_plugin_manager
 from nereid.protocol.http_listener import HttpListener
+from nereid.repository import ModelRepository
 from nereid.settings import DEFAULT_MAX_MESSAGE_BYTES, ServerSettings, load_settings, repository_control_allowed
 from nereid.tls import TlsSettings, ssl_context
 from support import NEREID, expect_grpc_error, free_port, process_alive, textproto_single, wait_until
@@ -301,9 +305,31 @@ def test_repository_control_off_refuses_load_and_unload(repo, serve):
     server = serve(repo.write_config(server_extra="  repository_control: false\n"))
     for call, rpc in ((server.client.unload_model, "RepositoryModelUnload"),
                       (server.client.load_model, "RepositoryModelLoad")):
-        expect_grpc_error("PERMISSION_DENIED", lambda: call("echo"), f"{rpc} is turned off",
-                          "server.repository_control: false")
+        expect_grpc_error("PERMISSION_DENIED", lambda: call("echo"), f"{rpc} is turned off on this server "
+                          "(server.repository_control: false)")
     assert server.client.is_model_ready("echo")  # nothing was unloaded
+
+
+def test_with_repository_control_off_no_answer_advises_a_load_and_the_refusal_names_its_cause(repo, serve, caplog):
+    """Defects: with repository control off, RepositoryIndex still told clients to "load it with
+    RepositoryModelLoad", which was then refused, and the refusal blamed the default for non-loopback addresses
+    when the key was set (and the addresses were loopback)."""
+    caplog.set_level(logging.INFO, "nereid.server")
+    repo.python("echo")
+    repo.python("extra")
+    server = serve(repo.write_config("- name: echo\n", server_extra="  repository_control: false\n"))
+    (extra,) = [model for model in server.client.get_model_repository_index().models if model.name == "extra"]
+    assert (extra.state, extra.reason) == ("UNAVAILABLE", "not listed in nereid.yaml")
+    assert "not listed in nereid.yaml, so not loaded: 'extra' (list one under models: to serve it; " \
+           "RepositoryModelLoad is off)" in caplog.messages
+    # Unset, on a public address: the refusal says it is the default.
+    settings = load_settings(repo.write_config())
+    plane = DataPlane(ModelRepository(settings, make_plugin_manager(), repo.root / "scratch"), settings,
+                      repository_control=repository_control_allowed(settings.server, "0.0.0.0:8001"))
+    with pytest.raises(PermissionDenied, match=r"^RepositoryModelLoad is turned off on this server "
+                                               r"\(server.repository_control is not set, and is off by default when "
+                                               r"bind_addr or http_addr is not loopback\)$"):
+        asyncio.run(plane.load("extra"))
 
 
 def test_repository_control_defaults_to_on_for_loopback_only():

@@ -132,7 +132,7 @@ def test_an_unlisted_folder_present_at_start_waits_for_a_load_in_dynamic_mode(re
     server = serve(repo.write_config("- name: steady\n", server_extra="  watch: true\n  watch_settle_ms: 50\n"),
                    manager=manager())
     time.sleep(0.5)  # ten settle times: had the watcher been going to load it, it would have
-    assert index(server)["extra"] == ("UNAVAILABLE", NOT_LISTED_REASON)
+    assert index(server)["extra"] == ("UNAVAILABLE", f"{NOT_LISTED_REASON}; load it with RepositoryModelLoad")
     # Said at start, too: a folder dropped in under a watch is not loaded by the next start.
     assert "not listed in nereid.yaml, so not loaded: 'extra' (RepositoryModelLoad loads one)" in caplog.messages
     assert agrees(server, True)

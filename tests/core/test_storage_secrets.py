@@ -126,7 +126,7 @@ def test_no_endpoint_shows_its_password_to_a_client(s3, serve, tmp_path, monkeyp
                     server.client.load_model("echo")
             _assert_no_secret(str(caught.value))
             (model,) = server.client.get_model_repository_index().models
-            assert problem.format(port=port) in model.reason, model.reason  # (version 1 keeps serving)
+            assert problem.format(port=port) in model.reason, model.reason  # (the running version keeps serving)
             _assert_no_secret(model.reason)
     server.client.load_model("echo")  # the endpoint fixed: it loads again
     assert server.client.is_model_ready("echo")

@@ -147,7 +147,7 @@ def test_failed_reload_keeps_the_running_version(repo, serve, caplog):
     (folder / "model_inference.textproto").write_text("input_shape: [1\n")
     state, reason = wait_for(lambda: index(server)["steady"] if "reload failed" in index(server)["steady"][1]
                              else None)
-    assert state == "READY" and "version 1 keeps serving" in reason and "model_inference.textproto" in reason
+    assert state == "READY" and "the running version keeps serving" in reason and "model_inference.textproto" in reason
     assert ask(server.client, "steady")["version"] == "1"
     (folder / "model_inference.textproto").write_text(REPORT)  # fixed: the next reload succeeds
     wait_for(lambda: index(server)["steady"] == ("READY", ""))
@@ -600,7 +600,7 @@ def test_a_load_the_store_failed_is_tried_again_once_it_serves_and_a_bad_model_i
             store.upload("new")  # a new model, and an edit of a served one, while the store refuses their GETs
             store.client.put_object(Bucket=store.bucket, Key=f"{store.prefix}/served/toy.txt", Body=b"edited")
             await _until(lambda: _entry(repository, "new") is not None and "403" in _entry(repository, "new").reason
-                         and served.reason.startswith("reload failed, version 1 keeps serving"),
+                         and served.reason.startswith("reload failed, the running version keeps serving"),
                          "both loads failed by the store")
             assert (_entry(repository, "new").state, served.state) == (ModelState.UNAVAILABLE, ModelState.READY)
             await asyncio.sleep(0.5)  # polls while the store still refuses: tried again, ever less often

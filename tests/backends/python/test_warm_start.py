@@ -159,7 +159,7 @@ def test_main_py_that_does_not_compile_is_a_load_failure_and_a_reload_keeps_the_
     assert ask(server, "edited") == "v1"
     (folder / "main.py").write_text(reply_main('"v2"', prelude="for i in []:\n    pass\nelse:\n    break"))
     assert wait_until(lambda: "reload failed" in index()["edited"][1])
-    assert index()["edited"] == ("READY", "reload failed, version 1 keeps serving: "
+    assert index()["edited"] == ("READY", "reload failed, the running version keeps serving: "
                                           "edited/main.py: not valid Python (line 6: 'break' outside loop)")
     assert ask(server, "edited") == "v1"
 
@@ -416,7 +416,7 @@ def test_a_top_level_import_of_main_py_that_fails_is_a_load_failure(repo, serve,
     assert ask(server, "edited") == "v1"
     (folder / "main.py").write_text(reply_main('"v2"', prelude="import nereid_no_such_module"))
     assert wait_until(lambda: "reload failed" in index()["edited"][1])
-    assert index()["edited"] == ("READY", "reload failed, version 1 keeps serving: model 'edited': main.py imports "
+    assert index()["edited"] == ("READY", "reload failed, the running version keeps serving: model 'edited': main.py imports "
                                  "'nereid_no_such_module', which fails to import (ModuleNotFoundError: No module "
                                  "named 'nereid_no_such_module'); every run would stop there")
     assert ask(server, "edited") == "v1"
