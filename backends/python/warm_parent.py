@@ -690,7 +690,8 @@ class LoadedFolderFinder:
             self._finders[path] = _finder_for(path)
         return self._finders[path]
 
-    def find_spec(self, fullname: str, target: types.ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
+    def find_spec(self, fullname: str,
+                  target: types.ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
         """The spec of ``fullname`` in the loaded folder; None when it holds no such module."""
         root = self._loaded_root()
         if root is None:

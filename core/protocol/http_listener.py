@@ -53,7 +53,8 @@ MAX_CONNECTIONS = 4096
 # load balancers' idle times (Go's 90 s, .NET's and AWS ALB's 60 s), and stays bounded, since every idle
 # connection counts toward MAX_CONNECTIONS.
 KEEP_ALIVE_TIMEOUT_S = 120.0
-# nereid_protocol_refused_total's reasons (protocol="http"): what the listener refuses or closes before the application sees a request.
+# nereid_protocol_refused_total's reasons (protocol="http"): what the listener refuses or closes before the
+# application sees a request.
 REFUSED_UNPARSABLE = "unparsable"  # a 400: the HTTP parser cannot read it (a bad Host header too)
 REFUSED_HEAD_TOO_LARGE = "head_too_large"  # a 431
 REFUSED_HEAD_TIMEOUT = "head_timeout"  # a 408: its head trickled in too slowly

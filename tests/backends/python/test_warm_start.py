@@ -416,9 +416,10 @@ def test_a_top_level_import_of_main_py_that_fails_is_a_load_failure(repo, serve,
     assert ask(server, "edited") == "v1"
     (folder / "main.py").write_text(reply_main('"v2"', prelude="import nereid_no_such_module"))
     assert wait_until(lambda: "reload failed" in index()["edited"][1])
-    assert index()["edited"] == ("READY", "reload failed, the running version keeps serving: model 'edited': main.py imports "
-                                 "'nereid_no_such_module', which fails to import (ModuleNotFoundError: No module "
-                                 "named 'nereid_no_such_module'); every run would stop there")
+    assert index()["edited"] == ("READY", "reload failed, the running version keeps serving: model 'edited': "
+                                 "main.py imports 'nereid_no_such_module', which fails to import "
+                                 "(ModuleNotFoundError: No module named 'nereid_no_such_module'); every run would "
+                                 "stop there")
     assert ask(server, "edited") == "v1"
     (folder / "main.py").write_text(reply_main('"v3"'))
     assert wait_until(lambda: index()["edited"] == ("READY", ""))
