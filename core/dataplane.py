@@ -21,6 +21,7 @@ from nereid.errors import (DeadlineExceeded, InvalidArgument, ModelFailure, Mode
 from nereid.model_info import (MODEL_VERSION, IndexEntry, ModelConfig, ModelMetadata, describe_config,
                                describe_metadata)
 from nereid.repository import NOT_LISTED_REASON, LoadedModel, ModelRepository, ModelState
+from nereid.scheduler import REQUEST_STARTED
 from nereid.stats import ModelStats
 from nereid.settings import Settings
 from nereid.signature import duplicated, validate_inputs
@@ -51,7 +52,11 @@ def _as_is(response: InferResponse) -> InferResponse:
 
 def past_grace_message(model: str) -> PublicText:
     """The answer of a request still running when ``shutdown_grace_s`` has passed, over either protocol (the
-    model's name as the client sent it)."""
+    model's name as the client sent it): called in the request's task, once it was cancelled. It says whether
+    the model may have run it, so that a client knows whether it is safe to send it again."""
+    if not REQUEST_STARTED.get():
+        return PublicText(f"model '{model}': the server is shutting down, and shutdown_grace_s passed before the "
+                          "request could start; it was not run: send it again to another server")
     return PublicText(f"model '{model}': the server is shutting down, and shutdown_grace_s passed before the "
                       "request finished; its answer is lost")
 

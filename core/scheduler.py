@@ -16,6 +16,7 @@ import inspect
 import logging
 import operator
 import time
+from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 from typing import Awaitable, Callable
 
@@ -30,6 +31,11 @@ from nereid.log_limit import RateLimitedLog
 from nereid.signature import ModelSignature, check_outputs
 from nereid.stats import ModelStats
 from nereid.tensors import NamedTensor
+
+# Set in a request's own task when it is cancelled in submit: whether its execution had begun. Past the
+# shutdown grace, its answer then says whether it may have run (False, the default: it never reached an
+# execution, also when it was cancelled before it reached a queue).
+REQUEST_STARTED: ContextVar[bool] = ContextVar("nereid_request_started", default=False)
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +144,7 @@ class ModelScheduler:
                 (outputs,) = await self._run([inputs], [rows], cost, [time.monotonic_ns() - arrived_ns], 0)
                 return outputs
             except asyncio.CancelledError:
+                REQUEST_STARTED.set(True)
                 if not self._abandoned:
                     raise
                 caller.uncancel()  # drain's cancellation, not the caller's: answer it
@@ -157,8 +164,10 @@ class ModelScheduler:
         try:
             return await work.future
         except asyncio.CancelledError:
+            queued = work in self._pending
+            REQUEST_STARTED.set(not queued)
             # The caller went away: its place in the queue is free at once, not at the next decision.
-            if work.future.cancelled() and work in self._pending:
+            if work.future.cancelled() and queued:
                 self._pending.remove(work)
                 self._answer_dropped(work)
                 self._update_idle()

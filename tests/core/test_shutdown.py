@@ -185,6 +185,39 @@ def test_at_shutdown_an_idle_inference_stream_ends_and_a_busy_one_once_its_reque
         watcher.channel.close()
 
 
+# What a request still unanswered when the grace passes is told (over HTTP as well).
+LOST = ("model 'held': the server is shutting down, and shutdown_grace_s passed before the request finished; its "
+        "answer is lost")
+NOT_RUN = ("model 'held': the server is shutting down, and shutdown_grace_s passed before the request could start; "
+           "it was not run: send it again to another server")
+
+
+def test_at_the_grace_a_queued_request_is_told_it_was_not_run_and_a_running_one_that_its_answer_is_lost(repo,
+                                                                                                       serve):
+    """Both were told "its answer is lost": a client could not tell the request that never ran, safe to send
+    again, from the one the model may have acted on."""
+    plugin = HeldInfers()
+    server = start(repo, serve, plugin)
+    stream = Stream(server.url)
+    held = server.server.repository.ready_model("held")
+    try:
+        stream.send("held", "running")
+        assert plugin.running.wait(PROMPT_S)
+        stream.send("held", "queued")  # one instance, no batching: it waits for the first
+        deadline = time.monotonic() + PROMPT_S
+        while held.scheduler.queue_depth < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        stopping = asyncio.run_coroutine_threadsafe(server.server.stop(grace_s=0.5), server.loop)
+        answers = sorted([stream.next(), stream.next()])
+        assert answers == [("queued", NOT_RUN), ("running", LOST)], answers
+        plugin.release.set()
+        stopping.result(PROMPT_S)
+    finally:
+        plugin.release.set()
+        stream.close()
+
+
 def test_requests_still_running_when_the_grace_passes_are_answered_unavailable_and_their_stream_then_ends(
         repo, serve, caplog):
     # gRPC's stop cancelled every call at the grace: a stream's requests read and not yet answered got no answer,
@@ -219,17 +252,16 @@ def test_requests_still_running_when_the_grace_passes_are_answered_unavailable_a
         started = time.monotonic()
         caplog.set_level(logging.INFO, "nereid.server")
         stopping = asyncio.run_coroutine_threadsafe(server.server.stop(grace_s=grace_s), server.loop)
-        lost = ("model 'held': the server is shutting down, and shutdown_grace_s passed before the request "
-                "finished; its answer is lost")  # (what HTTP answers then too)
         seen = [stream.next()]
         while seen[-1][0] != "ended":
             seen.append(stream.next())
-        # Each its own answer, then the stream's end.
-        assert sorted(seen[:-1]) == [("a", lost), ("b", lost), ("c", lost)], seen
+        # Each its own answer (one that started: its answer is lost; one still queued: not run), then the end.
+        assert sorted(request_id for request_id, _ in seen[:-1]) == ["a", "b", "c"], seen
+        assert {message for _, message in seen[:-1]} <= {LOST, NOT_RUN}, seen
         assert seen[-1] == ("ended", "UNAVAILABLE", STREAM_CLOSED_AT_SHUTDOWN), seen
         assert time.monotonic() - started >= grace_s  # the grace was given to them first
         caller.join(PROMPT_S)
-        assert unary == [("UNAVAILABLE", lost)]
+        assert unary in ([("UNAVAILABLE", LOST)], [("UNAVAILABLE", NOT_RUN)])
         plugin.release.set()  # (the executions themselves: ended by the unload that follows)
         stopping.result(PROMPT_S)
         assert time.monotonic() - started < PROMPT_S
