@@ -84,7 +84,7 @@ class ServerMetrics:
         # series are removed: a series is never made for a name just after its series were dropped.
         self._names_lock = threading.Lock()
         self._repository: ModelRepository | None = None
-        self._http = None
+        self._servers: list[_BoundedThreadingServer] = []  # the endpoint's, one per address it listens on
 
     def collect_from(self, repository: ModelRepository) -> None:
         """Report every model of ``repository``, read from it at each scrape (no per-request metric work).
@@ -207,29 +207,34 @@ class ServerMetrics:
         """
         host, _, port = addr.rpartition(":")
         try:
-            # The first address of a name (localhost: one loopback): the WSGI server takes one socket.
-            sock, *others = bind_listening_sockets(host.strip("[]"), int(port))
+            # Every address of a name (localhost: both loopbacks), as the other listeners: a WSGI server each.
+            sockets = bind_listening_sockets(host.strip("[]"), int(port))
         except OSError as err:
             raise OSError(f"cannot serve metrics on {addr} ({origin}): {err.strerror or err}") from err
-        for other in others:
-            other.close()
-        try:
-            self._http = _BoundedThreadingServer.on_socket(sock, make_wsgi_app(self.registry), type(
-                "Handler", (_QuietHandler,), {"timeout": idle_timeout_s}))
-        except OSError as err:
-            sock.close()
-            raise OSError(f"cannot serve metrics on {addr} ({origin}): {err.strerror or err}") from err
-        # A short poll interval keeps shutdown quick (the default waits up to 0.5 s).
-        threading.Thread(target=self._http.serve_forever, kwargs={"poll_interval": 0.05},
-                         name="nereid-metrics", daemon=True).start()
-        return self._http.server_port
+        app, handler = make_wsgi_app(self.registry), type("Handler", (_QuietHandler,), {"timeout": idle_timeout_s})
+        servers: list[_BoundedThreadingServer] = []
+        for index, sock in enumerate(sockets):
+            try:
+                servers.append(_BoundedThreadingServer.on_socket(sock, app, handler))
+            except OSError as err:
+                for unused in sockets[index:]:
+                    unused.close()
+                for server in servers:
+                    server.server_close()  # (not shutdown(): it waits for a serve_forever that never ran)
+                raise OSError(f"cannot serve metrics on {addr} ({origin}): {err.strerror or err}") from err
+        for server in servers:
+            # A short poll interval keeps shutdown quick (the default waits up to 0.5 s).
+            threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05},
+                             name="nereid-metrics", daemon=True).start()
+        self._servers.extend(servers)
+        return servers[0].server_port
 
     def close(self) -> None:
         """Stop the HTTP endpoint."""
-        if self._http is not None:
-            self._http.shutdown()
-            self._http.server_close()
-            self._http = None
+        servers, self._servers = self._servers, []
+        for server in servers:
+            server.shutdown()
+            server.server_close()
 
 
 def _remove_series(metric: Counter, *labels: str) -> None:

@@ -239,3 +239,15 @@ def private_names(repository, suffix: str) -> list[str]:
     names = [f"{folder}{os.sep}{suffix}" for folder in folders]
     assert all(repository.public_text(name) != name for name in names)
     return names
+
+
+def both_loopbacks(monkeypatch: pytest.MonkeyPatch, name: str = "loopbacks") -> None:
+    """Make ``name`` resolve to ::1 and 127.0.0.1 (as localhost does on many hosts; here it may name one)."""
+    real = socket.getaddrinfo
+
+    def resolve(host, port, *args, **kwargs):
+        if host != name:
+            return real(host, port, *args, **kwargs)
+        return [(socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("::1", port, 0, 0)),
+                (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port))]
+    monkeypatch.setattr(socket, "getaddrinfo", resolve)

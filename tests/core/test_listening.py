@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from nereid.listening import bind_listening_sockets
+from support import both_loopbacks
 
 
 def connects(host: str, port: int) -> bool:
@@ -37,18 +38,6 @@ def test_the_ipv6_wildcard_is_one_dual_stack_socket_whatever_the_hosts_default()
         port = sock.getsockname()[1]
         assert connects("127.0.0.1", port) and connects("::1", port)
         assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
-
-
-def both_loopbacks(monkeypatch: pytest.MonkeyPatch, name: str = "loopbacks") -> None:
-    """Make ``name`` resolve to ::1 and 127.0.0.1 (as localhost does on many hosts; here it may name one)."""
-    real = socket.getaddrinfo
-
-    def resolve(host, port, *args, **kwargs):
-        if host != name:
-            return real(host, port, *args, **kwargs)
-        return [(socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("::1", port, 0, 0)),
-                (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port))]
-    monkeypatch.setattr(socket, "getaddrinfo", resolve)
 
 
 def test_a_name_is_listened_on_at_every_address_it_resolves_to_on_one_port(monkeypatch):

@@ -573,3 +573,24 @@ def test_requests_refused_before_any_model_are_counted_by_protocol_and_reason(re
     assert refused == {(("protocol", "http"), ("reason", "unparsable")): 2,
                        (("protocol", "http"), ("reason", "head_too_large")): 1,
                        (("protocol", "grpc"), ("reason", "unparsable")): 1}
+
+
+def test_the_metrics_endpoint_listens_on_every_address_of_a_name(monkeypatch) -> None:
+    """It took a name's first address only: with localhost naming ::1 first, a scraper reaching 127.0.0.1 (or
+    the other way round) was refused, where the gRPC and HTTP listeners answered on both."""
+    from nereid.metrics import ServerMetrics
+    from support import both_loopbacks
+
+    both_loopbacks(monkeypatch)
+    metrics = ServerMetrics()
+    port = metrics.serve("loopbacks:0")
+    try:
+        for host in ("[::1]", "127.0.0.1"):
+            with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10) as answer:
+                assert answer.status == 200 and b"process_start_time_seconds" in answer.read()
+    finally:
+        metrics.close()
+    for host in ("::1", "127.0.0.1"):  # both let go
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as again:
+            again.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (past the scrapes' TIME_WAIT, not a listener)
+            again.bind((host, port))
