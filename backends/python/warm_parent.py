@@ -619,7 +619,7 @@ def run_main(path: str) -> int:
     threading._shutdown()  # type: ignore[attr-defined]
     atexit._run_exitfuncs()
     # (A module found after the folder was renamed has its path under the new name.)
-    folders = [folder, *([finder.path] if finder.path else [])]
+    folders = [folder, *([finder.root] if finder.root else [])]
     _release_model_modules(folders, [module, *itertools.islice(sys.modules.values(), preloaded, None)])
     for stream in (sys.stdout, sys.stderr):
         try:
@@ -629,100 +629,110 @@ def run_main(path: str) -> int:
     return code
 
 
-# The run's working directory, as a path that leads to the directory itself whatever it is named now.
-_WORKING_DIRECTORY = "/proc/self/cwd"
-
-
 def working_directory_identity() -> tuple[int, int] | None:
-    """``(st_dev, st_ino)`` of the working directory; None when it is gone."""
+    """``(st_dev, st_ino)`` of the working directory; None when it cannot be read."""
+    return _identity(os.curdir)
+
+
+def _identity(path: str) -> tuple[int, int] | None:
     try:
-        here = os.stat(os.curdir)
+        found = os.stat(path)
     except OSError:
         return None
-    return here.st_dev, here.st_ino
+    return found.st_dev, found.st_ino
 
 
-class LoadedFolderFinder:
-    """The import finder of a run's model folder (or of a package folder in it): it finds and reads modules in
-    the folder the run started in (its working directory then), whatever that folder is named by then.
+class LoadedFolderFinder(importlib.machinery.FileFinder):
+    """The import finder of a run's model folder (or of a package folder in it): it finds and reads the
+    folder's modules in the folder the run started in (its working directory then), whatever that folder is
+    named by then.
 
-    Its path alone could lead elsewhere: with the folder swapped for a new
-    version by rename (``mv m .m.old && mv .m.new m``), a run of the loaded
-    version that started just before the renames imported its helpers from
-    the new version's folder (an old ``main.py`` with a new ``helper.py``), or
-    found no folder at all between the two renames. While the working
-    directory is still that folder (main.py has not changed it), modules are
-    looked up through the working directory itself (``/proc/self/cwd``) and a
-    source module is read through it too (see :class:`LoadedFolderLoader`),
-    yet named by the folder's path as it is now (``os.getcwd()``: its
-    ``__file__``, tracebacks); otherwise through the folder's path, as for
-    any ``sys.path`` entry. The finders themselves are those the interpreter's
-    path hooks make (source, bytecode and extension modules are found as
-    usual; an extension module or a bare ``.pyc`` keeps its
-    ``/proc/self/cwd`` path, which its loader opens).
+    By its path alone, with the folder swapped for a new version by rename
+    (``mv m .m.old && mv .m.new m``), a run of the loaded version that
+    started just before the renames imported its helpers from the new
+    version's folder (an old ``main.py`` with a new ``helper.py``), or found
+    no folder between the two renames. While the working directory is still
+    the loaded folder (main.py has not changed it), modules are looked up
+    through it (by paths relative to it, which lead to the directory itself
+    whatever it is named) and a source module's files are read through it
+    (see :class:`LoadedFolderLoader`); each module is named by the
+    folder's path (``path``, ``__file__``, tracebacks) while that path leads
+    to the folder, by its new path once it was renamed. Otherwise it is an
+    ordinary :class:`FileFinder` on ``path``. Being one, ``pkgutil`` and
+    ``pkg_resources`` list and search the folder as they do any ``sys.path``
+    entry.
     """
 
-    def __init__(self, fallback: str, identity: tuple[int, int] | None, inside: str = "") -> None:
-        """``fallback``: the path to use when the working directory is no longer the folder; ``identity``: the
-        folder's (see :func:`working_directory_identity`); ``inside``: a package folder's path relative to it."""
-        self._fallback = fallback
+    def __init__(self, path: str, identity: tuple[int, int] | None, inside: str = "") -> None:
+        """``path``: the folder's (or package folder's) path; ``identity``: the loaded folder's (see
+        :func:`working_directory_identity`); ``inside``: a package folder's path relative to the folder."""
+        super().__init__(path, *_LOADER_DETAILS)
         self._identity = identity
         self._inside = inside
-        self._root: str | None = None  # the loaded folder's path at the last import found here
-        self._finders: dict[str, object] = {}
+        self._through = importlib.machinery.FileFinder(path, *_LOADER_DETAILS)
+        self._through.path = os.path.join(os.curdir, inside) if inside else os.curdir  # (made absolute if given)
+        self._root: str | None = None  # the folder's path the last module found here was named by
 
     @property
-    def path(self) -> str | None:
-        """The folder's path at the last import found through this finder (None before the first)."""
+    def root(self) -> str | None:
+        """The loaded folder's path the last module found through this finder was named by (None before)."""
         return self._root
 
-    def _loaded_root(self) -> str | None:
-        """The loaded folder's path now, if it is still the working directory."""
-        if self._identity is None or working_directory_identity() != self._identity:
-            return None
+    def _root_now(self) -> str:
+        """The path to name the folder's modules by: the one the run started with while it leads to the
+        folder, its path now once it was renamed (the old one, should it have been deleted)."""
+        start = self.path[:-len(self._inside) - 1] if self._inside else self.path
+        if _identity(start) == self._identity:
+            return start
         try:
             return os.getcwd()
-        except OSError:  # deleted meanwhile
-            return None
-
-    def _finder_at(self, path: str) -> object:
-        if path not in self._finders:
-            self._finders[path] = _finder_for(path)
-        return self._finders[path]
+        except OSError:  # deleted: its files are gone, and the lookup through it finds none
+            return start
 
     def find_spec(self, fullname: str,
                   target: types.ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
         """The spec of ``fullname`` in the loaded folder; None when it holds no such module."""
-        root = self._loaded_root()
-        if root is None:
-            finder = self._finder_at(self._fallback)
-            return None if finder is None else finder.find_spec(fullname, target)  # type: ignore[attr-defined]
-        finder = self._finder_at(os.path.join(_WORKING_DIRECTORY, self._inside))
-        spec = None if finder is None else finder.find_spec(fullname, target)  # type: ignore[attr-defined]
+        if self._identity is None or working_directory_identity() != self._identity:
+            return super().find_spec(fullname, target)  # main.py left the folder: by the path, as any entry
+        spec = self._through.find_spec(fullname, target)
         if spec is None:
             return None
-        self._root = root
-        through = os.path.join(_WORKING_DIRECTORY, "")
+        root = self._root = self._root_now()
+        here = os.path.join(os.curdir, "")
 
-        def named(path: str) -> str:
-            return os.path.join(root, path[len(through):]) if path.startswith(through) else path
+        def named(found: str) -> str:  # ./helper.py -> ROOT/helper.py
+            return os.path.join(root, found[len(here):]) if found.startswith(here) else found
 
-        if type(spec.loader) is importlib.machinery.SourceFileLoader:
-            spec.origin = named(spec.origin)
-            spec.loader = LoadedFolderLoader(fullname, spec.origin, root, self._identity)
-            if spec.submodule_search_locations is not None:  # a package: its submodules are found the same way
-                spec.submodule_search_locations[:] = [named(location) for location in spec.submodule_search_locations]
-                for location in spec.submodule_search_locations:
-                    if location.startswith(os.path.join(root, "")):
-                        sys.path_importer_cache[location] = LoadedFolderFinder(
-                            location, self._identity, location[len(root) + 1:])
+        loader = spec.loader
+        kinds = (importlib.machinery.SourceFileLoader, importlib.machinery.SourcelessFileLoader,
+                 importlib.machinery.ExtensionFileLoader)
+        if type(loader) in kinds:
+            spec.origin = named(loader.path)  # (spec.origin was made absolute from the working directory's path)
+            if type(loader) is importlib.machinery.SourceFileLoader:
+                spec.loader = LoadedFolderLoader(fullname, spec.origin, root, self._identity)
+            else:  # a bare .pyc, an extension: by the name
+                spec.loader = type(loader)(fullname, spec.origin)
+        if spec.submodule_search_locations is not None:  # a package (a namespace one too): found the same way
+            locations = [named(location) for location in spec.submodule_search_locations]
+            spec.submodule_search_locations[:] = locations
+            for location in locations:
+                if location.startswith(os.path.join(root, "")):
+                    sys.path_importer_cache[location] = LoadedFolderFinder(location, self._identity,
+                                                                           location[len(root) + 1:])
         return spec
 
     def invalidate_caches(self) -> None:
         """As ``importlib.invalidate_caches()`` asks of every cached finder."""
-        for finder in self._finders.values():
-            if finder is not None:
-                finder.invalidate_caches()  # type: ignore[attr-defined]
+        super().invalidate_caches()
+        self._through.invalidate_caches()
+
+
+# The interpreter's own loaders by file suffix: what its FileFinder for a sys.path entry is made with.
+_LOADER_DETAILS = (
+    (importlib.machinery.ExtensionFileLoader, importlib.machinery.EXTENSION_SUFFIXES),
+    (importlib.machinery.SourceFileLoader, importlib.machinery.SOURCE_SUFFIXES),
+    (importlib.machinery.SourcelessFileLoader, importlib.machinery.BYTECODE_SUFFIXES),
+)
 
 
 class LoadedFolderLoader(importlib.machinery.SourceFileLoader):
@@ -734,14 +744,25 @@ class LoadedFolderLoader(importlib.machinery.SourceFileLoader):
         super().__init__(fullname, path)
         self._prefix = os.path.join(root, "")
         self._identity = identity
+        self._in_folder: bool | None = None  # during get_code: whether the working directory is the folder
+
+    def get_code(self, fullname: str) -> types.CodeType | None:
+        """The module's code, from its source or its cached bytecode (the working directory looked at once)."""
+        self._in_folder = working_directory_identity() == self._identity
+        try:
+            return super().get_code(fullname)
+        finally:
+            self._in_folder = None
 
     def _through_folder(self, path: str) -> str:
-        if path.startswith(self._prefix) and working_directory_identity() == self._identity:
-            return os.path.join(_WORKING_DIRECTORY, path[len(self._prefix):])
+        in_folder = self._in_folder if self._in_folder is not None else working_directory_identity() == self._identity
+        if in_folder and path.startswith(self._prefix):
+            return path[len(self._prefix):]  # relative: through the working directory, the folder itself
         return path
 
     def get_data(self, path: str) -> bytes:
-        """The file's bytes (the source, or its cached bytecode) from the loaded folder."""
+        """The file's bytes (the source, its cached bytecode, or a data file of its package) from the loaded
+        folder."""
         return super().get_data(self._through_folder(path))
 
     def path_stats(self, path: str) -> dict:
@@ -751,16 +772,6 @@ class LoadedFolderLoader(importlib.machinery.SourceFileLoader):
     def set_data(self, path: str, data: bytes, *, _mode: int = 0o666) -> None:
         """Write the bytecode cache into the loaded folder's ``__pycache__``."""
         super().set_data(self._through_folder(path), data, _mode=_mode)
-
-
-def _finder_for(path: str) -> object:
-    """The finder the interpreter's path hooks make for ``path`` (as the import system does); None if none."""
-    for hook in sys.path_hooks:
-        try:
-            return hook(path)
-        except ImportError:
-            continue
-    return None
 
 
 def _unshadow(folder: str) -> None:
