@@ -16,7 +16,7 @@ from nereid.backend import Model, Postprocesses, Preprocesses
 from nereid.daemon_pool import DaemonThreadPool
 from nereid.errors import (InvalidArgument, ModelFailure, NereidError, describe_exception, naming_model,
                            without_stop_iteration)
-from nereid.scheduler import MODEL_EXITS, ModelScheduler
+from nereid.scheduler import MODEL_EXITS, REQUEST_STARTED, ModelScheduler
 from nereid.signature import ModelSignature, brief_repr, check_outputs, validate_inputs
 from nereid.tensors import NamedTensor
 
@@ -80,6 +80,7 @@ def make_runner(backend: Model, signature: ModelSignature, batch_signature: Mode
         name = scheduler.name  # a renamed model reports its new name
         program_rows = batch_size
         if preprocess is not None:
+            REQUEST_STARTED.set(True)  # the model's own code runs from here (see its answer past the grace)
             try:
                 inputs = await _call_hook(hook_threads, name, "preprocess", preprocess, inputs)
                 inputs = _program_inputs(name, batch_signature, inputs)
@@ -90,6 +91,7 @@ def make_runner(backend: Model, signature: ModelSignature, batch_signature: Mode
                 program_rows = inputs[0].shape[0]
         outputs = await scheduler.submit(inputs, program_rows, deadline_ns)  # (logs its own faults)
         if postprocess is not None:
+            REQUEST_STARTED.set(True)  # (the execution has run; submit's return set nothing)
             try:
                 outputs = await _call_hook(hook_threads, name, "postprocess", postprocess, outputs)
                 check_outputs(name, signature, outputs, batch_size)

@@ -32,9 +32,10 @@ from nereid.signature import ModelSignature, check_outputs
 from nereid.stats import ModelStats
 from nereid.tensors import NamedTensor
 
-# Set in a request's own task when it is cancelled in submit: whether its execution had begun. Past the
-# shutdown grace, its answer then says whether it may have run (False, the default: it never reached an
-# execution, also when it was cancelled before it reached a queue).
+# Whether any of the model's code has begun for a request, set in the request's own task: by submit when the
+# request is cancelled in an execution, and by the model's runner before a hook. Past the shutdown grace, its
+# answer says whether the model may have acted on it (False, the default: it never left a queue, or never
+# reached one). Only ever set to True, so a sub-call of a meta model still queued does not undo its caller's.
 REQUEST_STARTED: ContextVar[bool] = ContextVar("nereid_request_started", default=False)
 
 log = logging.getLogger(__name__)
@@ -165,7 +166,8 @@ class ModelScheduler:
             return await work.future
         except asyncio.CancelledError:
             queued = work in self._pending
-            REQUEST_STARTED.set(not queued)
+            if not queued:
+                REQUEST_STARTED.set(True)
             # The caller went away: its place in the queue is free at once, not at the next decision.
             if work.future.cancelled() and queued:
                 self._pending.remove(work)

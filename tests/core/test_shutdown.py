@@ -18,6 +18,7 @@ from typing import Iterator
 
 import grpc
 import numpy as np
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.grpc import service_pb2 as pb, service_pb2_grpc as pb_grpc
 
@@ -211,6 +212,59 @@ def test_at_the_grace_a_queued_request_is_told_it_was_not_run_and_a_running_one_
         stopping = asyncio.run_coroutine_threadsafe(server.server.stop(grace_s=0.5), server.loop)
         answers = sorted([stream.next(), stream.next()])
         assert answers == [("queued", NOT_RUN), ("running", LOST)], answers
+        plugin.release.set()
+        stopping.result(PROMPT_S)
+    finally:
+        plugin.release.set()
+        stream.close()
+
+
+class HeldHook:
+    """A backend (``backend: held``) whose model's ``preprocess`` or ``postprocess`` hook waits for ``release``."""
+
+    BACKEND_NAME = "held"
+
+    def __init__(self, hook: str) -> None:
+        self.hook = hook
+        self.release = threading.Event()
+        self.in_hook = threading.Event()
+        self.infers = 0
+
+    @hookimpl
+    def nereid_claim_model(self, folder: Path, declared: bool) -> BackendClaim | None:
+        return BackendClaim(self._create) if declared else None
+
+    def _create(self, context: ModelContext) -> ToyModel:
+        plugin = self
+
+        def held(tensors):
+            plugin.in_hook.set()
+            plugin.release.wait(PROMPT_S * 3)
+            return tensors
+
+        class HookedModel(ToyModel):
+            def infer(self, inputs):
+                plugin.infers += 1
+                return super().infer(inputs)
+
+        setattr(HookedModel, self.hook, lambda model, tensors: held(tensors))
+        return HookedModel(context)
+
+
+@pytest.mark.parametrize("hook", ["preprocess", "postprocess"])
+def test_at_the_grace_a_request_in_its_models_hook_is_told_its_answer_is_lost(repo, serve, hook):
+    """Review of the "not run" answer: a request whose postprocess hook ran when the grace passed (its
+    execution done) was told "it was not run: send it again", so a client would have run it twice; one in its
+    preprocess hook had the model's own code started too."""
+    plugin = HeldHook(hook)
+    server = start(repo, serve, plugin)
+    stream = Stream(server.url)
+    try:
+        stream.send("held", "r1")
+        assert plugin.in_hook.wait(PROMPT_S)
+        stopping = asyncio.run_coroutine_threadsafe(server.server.stop(grace_s=0.5), server.loop)
+        assert stream.next() == ("r1", LOST)
+        assert plugin.infers == (1 if hook == "postprocess" else 0)
         plugin.release.set()
         stopping.result(PROMPT_S)
     finally:
