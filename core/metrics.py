@@ -213,9 +213,10 @@ class ServerMetrics:
             raise OSError(f"cannot serve metrics on {addr} ({origin}): {err.strerror or err}") from err
         app, handler = make_wsgi_app(self.registry), type("Handler", (_QuietHandler,), {"timeout": idle_timeout_s})
         servers: list[_BoundedThreadingServer] = []
+        slots = threading.BoundedSemaphore(MAX_CONNECTIONS)  # one bound for the endpoint, whatever its addresses
         for index, sock in enumerate(sockets):
             try:
-                servers.append(_BoundedThreadingServer.on_socket(sock, app, handler))
+                servers.append(_BoundedThreadingServer.on_socket(sock, app, handler, slots))
             except OSError as err:
                 for unused in sockets[index:]:
                     unused.close()
@@ -309,10 +310,13 @@ class _BoundedThreadingServer(ThreadingWSGIServer):
         super().__init__(*args, **kwargs)
 
     @classmethod
-    def on_socket(cls, sock: socket.socket, app: Any, handler: type[WSGIRequestHandler]
-                  ) -> _BoundedThreadingServer:
-        """A server listening on ``sock``, already bound (see nereid.listening), serving ``app``."""
+    def on_socket(cls, sock: socket.socket, app: Any, handler: type[WSGIRequestHandler],
+                  slots: threading.BoundedSemaphore | None = None) -> _BoundedThreadingServer:
+        """A server listening on ``sock``, already bound (see nereid.listening), serving ``app``; ``slots``:
+        the connections it may serve at once, shared with the endpoint's servers on its other addresses."""
         server = cls(sock.getsockname()[:2], handler, bind_and_activate=False)
+        if slots is not None:
+            server._slots = slots
         server.socket.close()
         server.socket = sock
         # What the base classes' server_bind sets once they have bound.

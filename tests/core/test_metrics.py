@@ -578,6 +578,7 @@ def test_requests_refused_before_any_model_are_counted_by_protocol_and_reason(re
 def test_the_metrics_endpoint_listens_on_every_address_of_a_name(monkeypatch) -> None:
     """It took a name's first address only: with localhost naming ::1 first, a scraper reaching 127.0.0.1 (or
     the other way round) was refused, where the gRPC and HTTP listeners answered on both."""
+    from nereid import metrics as metrics_module
     from nereid.metrics import ServerMetrics
     from support import both_loopbacks
 
@@ -589,6 +590,20 @@ def test_the_metrics_endpoint_listens_on_every_address_of_a_name(monkeypatch) ->
             with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10) as answer:
                 assert answer.status == 200 and b"process_start_time_seconds" in answer.read()
     finally:
+        metrics.close()
+    # One bound on the connections served at once, whatever the addresses: idle ones on ::1 up to it, and the
+    # next, on 127.0.0.1, is closed unserved.
+    monkeypatch.setattr(metrics_module, "MAX_CONNECTIONS", 3)
+    port = metrics.serve("loopbacks:0", idle_timeout_s=5)
+    idle = [socket.create_connection(("::1", port), timeout=5) for _ in range(3)]
+    try:
+        time.sleep(0.2)  # (each taken by a thread of its own)
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as over:
+            over.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+            assert over.recv(1) == b""
+    finally:
+        for connection in idle:
+            connection.close()
         metrics.close()
     for host in ("::1", "127.0.0.1"):  # both let go
         with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as again:
