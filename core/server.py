@@ -176,6 +176,7 @@ class NereidServer:
         self._published: int | None = None  # the status the health service has (None: not set yet)
         self._health_updates: set[asyncio.Task] = set()  # scheduled updates, kept until done
         self._stopped = asyncio.Event()
+        self._stopping: asyncio.Task | None = None  # the one stop, which a second call waits for
         self.watcher: RepositoryWatcher | None = None
         self._watching: asyncio.Task | None = None
         self._loop_watch: LoopWatch | None = None
@@ -329,7 +330,16 @@ class NereidServer:
         task.add_done_callback(self._health_updates.discard)
 
     async def stop(self, grace_s: float | None = None) -> None:
-        """Stop accepting, let accepted requests finish (bounded by the grace), unload models."""
+        """Stop accepting, let accepted requests finish (bounded by the grace), unload models.
+
+        A second call (an embedder's, during a signal's stop) waits for the first stop to end rather than run a
+        second drain beside it.
+        """
+        if self._stopping is None:
+            self._stopping = asyncio.create_task(self._stop(grace_s), name="nereid-stop")
+        await asyncio.shield(self._stopping)
+
+    async def _stop(self, grace_s: float | None) -> None:
         if self._stopped.is_set():
             return
         grace = self.settings.server.shutdown_grace_s if grace_s is None else grace_s

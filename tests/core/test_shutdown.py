@@ -380,3 +380,36 @@ def test_a_run_whose_client_went_away_is_given_the_rest_of_the_grace_at_a_stop(r
     stopping.result(PROMPT_S)
     assert 0.5 <= time.monotonic() - started < PROMPT_S
     assert [record.getMessage() for record in caplog.records if record.levelno >= logging.WARNING] == []
+
+
+def test_a_second_stop_during_a_stop_waits_for_it_and_the_models_are_unloaded_once(repo, serve, caplog):
+    """Review of shutdown_delay_s: stop() guarded only by a flag set at its end, so an embedder's stop during
+    a signal's (or during its delay) ran a second drain beside the first (logged twice, each unloading)."""
+    plugin = HeldInfers()
+    server = start(repo, serve, plugin)
+    stream = Stream(server.url)
+    unloads: list[str] = []
+    held = server.server.repository.ready_model("held")
+    unload = held.backend.unload
+    held.backend.unload = lambda: (unloads.append("held"), unload())[1]
+    caplog.set_level(logging.INFO, "nereid.server")
+    try:
+        stream.send("held", "r1")
+        assert plugin.running.wait(PROMPT_S)
+
+        async def stop_twice() -> None:
+            first = asyncio.create_task(server.server.stop(grace_s=5))
+            await asyncio.sleep(0.1)
+            second = asyncio.create_task(server.server.stop(grace_s=5))
+            await asyncio.sleep(0.1)
+            assert not first.done() and not second.done()  # the second waits for the first
+            plugin.release.set()
+            await asyncio.gather(first, second)
+
+        asyncio.run_coroutine_threadsafe(stop_twice(), server.loop).result(PROMPT_S)
+        assert stream.next()[0] == "r1"
+    finally:
+        plugin.release.set()
+        stream.close()
+    assert unloads == ["held"]
+    assert caplog.messages.count("nereid stopped") == 1
