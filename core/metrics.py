@@ -305,18 +305,15 @@ class _BoundedThreadingServer(ThreadingWSGIServer):
 
     request_queue_size = 128  # listen backlog: a burst of connections is accepted, then judged
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
-        super().__init__(*args, **kwargs)
+    _slots: threading.BoundedSemaphore
 
     @classmethod
     def on_socket(cls, sock: socket.socket, app: Any, handler: type[WSGIRequestHandler],
-                  slots: threading.BoundedSemaphore | None = None) -> _BoundedThreadingServer:
+                  slots: threading.BoundedSemaphore) -> _BoundedThreadingServer:
         """A server listening on ``sock``, already bound (see nereid.listening), serving ``app``; ``slots``:
         the connections it may serve at once, shared with the endpoint's servers on its other addresses."""
         server = cls(sock.getsockname()[:2], handler, bind_and_activate=False)
-        if slots is not None:
-            server._slots = slots
+        server._slots = slots
         server.socket.close()
         server.socket = sock
         # What the base classes' server_bind sets once they have bound.

@@ -175,7 +175,6 @@ class NereidServer:
         self._health_lock = asyncio.Lock()  # one update at a time: each publishes readiness as it is then
         self._published: int | None = None  # the status the health service has (None: not set yet)
         self._health_updates: set[asyncio.Task] = set()  # scheduled updates, kept until done
-        self._stopped = asyncio.Event()
         self._stopping: asyncio.Task | None = None  # the one stop, which a second call waits for
         self.watcher: RepositoryWatcher | None = None
         self._watching: asyncio.Task | None = None
@@ -340,8 +339,6 @@ class NereidServer:
         await asyncio.shield(self._stopping)
 
     async def _stop(self, grace_s: float | None) -> None:
-        if self._stopped.is_set():
-            return
         grace = self.settings.server.shutdown_grace_s if grace_s is None else grace_s
         grace_ends = time.monotonic() + grace
         self.dataplane.shutting_down = True
@@ -383,7 +380,6 @@ class NereidServer:
         remove_scratch_folder(self.scratch_dir)
         if self._loop_watch is not None:
             self._loop_watch.stop()
-        self._stopped.set()
         log.info("nereid stopped")
 
     def _log_work_left(self) -> None:

@@ -497,12 +497,8 @@ def enter_loaded_folder(path: str, folder_fd: int) -> str:
     """
     os.fchdir(folder_fd)
     loaded = os.fstat(folder_fd)
-    try:
-        now = os.stat(path)
-        if (now.st_dev, now.st_ino) == (loaded.st_dev, loaded.st_ino):
-            return path
-    except OSError:
-        pass
+    if _identity(path) == (loaded.st_dev, loaded.st_ino):
+        return path
     try:
         return os.getcwd()  # the renamed folder's new path
     except OSError:
@@ -663,13 +659,14 @@ class LoadedFolderFinder(importlib.machinery.FileFinder):
     entry.
     """
 
-    def __init__(self, path: str, identity: tuple[int, int] | None, inside: str = "") -> None:
-        """``path``: the folder's (or package folder's) path; ``identity``: the loaded folder's (see
-        :func:`working_directory_identity`); ``inside``: a package folder's path relative to the folder."""
-        super().__init__(path, *_LOADER_DETAILS)
+    def __init__(self, folder: str, identity: tuple[int, int] | None, inside: str = "") -> None:
+        """``folder``: the loaded folder's path; ``identity``: the folder's (see
+        :func:`working_directory_identity`); ``inside``: a package folder's path relative to the folder, for
+        the finder of that package (its ``path`` is then ``folder/inside``)."""
+        super().__init__(os.path.join(folder, inside) if inside else folder, *_LOADER_DETAILS)
+        self._folder = folder
         self._identity = identity
-        self._inside = inside
-        self._through = importlib.machinery.FileFinder(path, *_LOADER_DETAILS)
+        self._through = importlib.machinery.FileFinder(self.path, *_LOADER_DETAILS)
         self._through.path = os.path.join(os.curdir, inside) if inside else os.curdir  # (made absolute if given)
         self._root: str | None = None  # the folder's path the last module found here was named by
 
@@ -681,13 +678,12 @@ class LoadedFolderFinder(importlib.machinery.FileFinder):
     def _root_now(self) -> str:
         """The path to name the folder's modules by: the one the run started with while it leads to the
         folder, its path now once it was renamed (the old one, should it have been deleted)."""
-        start = self.path[:-len(self._inside) - 1] if self._inside else self.path
-        if _identity(start) == self._identity:
-            return start
+        if _identity(self._folder) == self._identity:
+            return self._folder
         try:
             return os.getcwd()
         except OSError:  # deleted: its files are gone, and the lookup through it finds none
-            return start
+            return self._folder
 
     def find_spec(self, fullname: str,
                   target: types.ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
@@ -717,7 +713,7 @@ class LoadedFolderFinder(importlib.machinery.FileFinder):
             spec.submodule_search_locations[:] = locations
             for location in locations:
                 if location.startswith(os.path.join(root, "")):
-                    sys.path_importer_cache[location] = LoadedFolderFinder(location, self._identity,
+                    sys.path_importer_cache[location] = LoadedFolderFinder(root, self._identity,
                                                                            location[len(root) + 1:])
         return spec
 

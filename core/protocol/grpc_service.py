@@ -136,9 +136,8 @@ def _maps_errors(handler: Handler) -> Handler:
     @functools.wraps(handler)
     async def wrapper(self: "InferenceServicer", request: Any, context: grpc.aio.ServicerContext) -> Any:
         if isinstance(request, Unreadable):
-            code, message = grpc.StatusCode.INVALID_ARGUMENT, request.describe()
-            self.refused(REFUSED_UNPARSABLE)
-            self.client_log.warning("%s from %s: %s", handler.__name__, context.peer(), message)
+            code, message = grpc.StatusCode.INVALID_ARGUMENT, self._refuse_unreadable(handler.__name__, request,
+                                                                                      context)
         else:
             try:
                 return await handler(self, request, context)
@@ -176,10 +175,13 @@ class InferenceServicer:
         self._running: set[asyncio.Task] = set()
         self._ended_at_grace: weakref.WeakSet[asyncio.Task] = weakref.WeakSet()
 
-    def refused(self, reason: str) -> None:
-        """Count one request refused before any model saw it."""
+    def _refuse_unreadable(self, rpc: str, request: Unreadable, context: grpc.aio.ServicerContext) -> str:
+        """Count and log (naming its client) a request that cannot be parsed; the client's answer."""
+        message = request.describe()
         if self._count_refused is not None:
-            self._count_refused(reason)
+            self._count_refused(REFUSED_UNPARSABLE)
+        self.client_log.warning("%s from %s: %s", rpc, context.peer(), message)
+        return message
 
     def close_streams(self) -> None:
         """At shutdown: end each ModelStreamInfer stream once every request read from it is answered (an idle one
@@ -343,9 +345,7 @@ class InferenceServicer:
 
         async def answer(received: Received | Unreadable) -> None:
             if isinstance(received, Unreadable):
-                message = received.describe()
-                self.refused(REFUSED_UNPARSABLE)
-                self.client_log.warning("ModelStreamInfer from %s: %s", context.peer(), message)
+                message = self._refuse_unreadable("ModelStreamInfer", received, context)
                 await answers.put(pb.ModelStreamInferResponse(error_message=message,
                                                               infer_response=mark_final(pb.ModelInferResponse())))
                 return
