@@ -219,26 +219,20 @@ def test_at_the_grace_a_queued_request_is_told_it_was_not_run_and_a_running_one_
         stream.close()
 
 
-class HeldHook:
-    """A backend (``backend: held``) whose model's ``preprocess`` or ``postprocess`` hook waits for ``release``."""
-
-    BACKEND_NAME = "held"
+class HeldHook(HeldInfers):
+    """HeldInfers whose model's ``preprocess`` or ``postprocess`` hook waits for ``release`` (``running``: in
+    the hook), its infer counted in ``infers``."""
 
     def __init__(self, hook: str) -> None:
+        super().__init__()
         self.hook = hook
-        self.release = threading.Event()
-        self.in_hook = threading.Event()
         self.infers = 0
-
-    @hookimpl
-    def nereid_claim_model(self, folder: Path, declared: bool) -> BackendClaim | None:
-        return BackendClaim(self._create) if declared else None
 
     def _create(self, context: ModelContext) -> ToyModel:
         plugin = self
 
         def held(tensors):
-            plugin.in_hook.set()
+            plugin.running.set()
             plugin.release.wait(PROMPT_S * 3)
             return tensors
 
@@ -261,7 +255,7 @@ def test_at_the_grace_a_request_in_its_models_hook_is_told_its_answer_is_lost(re
     stream = Stream(server.url)
     try:
         stream.send("held", "r1")
-        assert plugin.in_hook.wait(PROMPT_S)
+        assert plugin.running.wait(PROMPT_S)
         stopping = asyncio.run_coroutine_threadsafe(server.server.stop(grace_s=0.5), server.loop)
         assert stream.next() == ("r1", LOST)
         assert plugin.infers == (1 if hook == "postprocess" else 0)
