@@ -11,6 +11,7 @@ import asyncio
 import functools
 import logging
 import threading
+import time
 from typing import TYPE_CHECKING, Callable, TypeVar
 
 from nereid.backend import Model, Terminable
@@ -73,6 +74,35 @@ def on_daemon_thread(call: Callable[[], T], thread_name: str,
 
     threading.Thread(target=run, name=thread_name, daemon=True).start()
     return future
+
+
+LONG_LOAD_NOTE_S = 60.0  # a backend's load() running this long is said in the log, and again each as long
+
+
+async def await_build(name: str, building: asyncio.Future, started: float) -> BuiltModel:
+    """Await ``building`` (a model's build on :func:`on_daemon_thread`); every LONG_LOAD_NOTE_S while it runs,
+    say so in the log.
+
+    A load that takes minutes (a large model compiling) or never returns was
+    otherwise silent between "loading it" (dynamic mode) or nothing at all (a
+    start) and its end. Awaited the way ``await building`` would be: this
+    task's cancellation cancels the build too.
+    """
+    while True:
+        try:
+            done, _ = await asyncio.wait({building}, timeout=LONG_LOAD_NOTE_S)
+        except asyncio.CancelledError:
+            if not building.cancel() and not building.cancelled() and building.exception() is None:
+                # Built already, its result delivered, this task not yet resumed: nobody takes the model now,
+                # and what its load() acquired must not leak (a build still running goes to unload_unclaimed
+                # by itself once cancelled).
+                threading.Thread(target=unload_unclaimed, args=(name, building.result()), daemon=True,
+                                 name=f"nereid-load-{name}").start()
+            raise
+        if done:
+            return building.result()
+        log.warning("model '%s' is still loading after %.0f s: its backend's load() has not returned (a "
+                    "RepositoryModelUnload of it gives up on the load)", name, time.monotonic() - started)
 
 
 def unload_unclaimed(name: str, built: BuiltModel) -> None:

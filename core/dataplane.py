@@ -18,9 +18,10 @@ from nereid.classification import check_classifiable, classify
 from nereid.errors import (DeadlineExceeded, InvalidArgument, ModelFailure, ModelRetired, NereidError, NotFound,
                            PermissionDenied, PublicText, Unavailable, Unimplemented, describe_exception,
                            shown_name)
+from nereid.model_entry import NOT_LISTED_REASON, LoadedModel, ModelState
 from nereid.model_info import (MODEL_VERSION, IndexEntry, ModelConfig, ModelMetadata, describe_config,
                                describe_metadata)
-from nereid.repository import NOT_LISTED_REASON, LoadedModel, ModelRepository, ModelState
+from nereid.repository import ModelRepository
 from nereid.scheduler import REQUEST_STARTED
 from nereid.stats import ModelStats
 from nereid.settings import Settings

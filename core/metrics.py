@@ -27,7 +27,8 @@ from nereid.backend import ReportsRuntime, runtime_report_problem
 from nereid.errors import describe_exception
 from nereid.listening import bind_listening_sockets
 from nereid.log_limit import OnceLog
-from nereid.repository import LoadedModel, ModelRepository, ModelState
+from nereid.model_entry import LoadedModel, ModelState
+from nereid.repository import ModelRepository
 from nereid.stats import Histogram as StatsHistogram
 
 log = logging.getLogger(__name__)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nereid.repository import LoadedModel
+from nereid.model_entry import LoadedModel
 from nereid.settings import ModelSettings
 from nereid.signature import TensorSpec
 

@@ -9,158 +9,42 @@ reason when it is not ready.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import enum
 import functools
 import importlib.util
 import logging
 import os
-import shutil
-import threading
 import time
-import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Protocol
+from typing import Awaitable, Callable, Coroutine, Protocol
 
 import pluggy
 
 import nereid
-from nereid.backend import CallsModels, Model, ModelCaller, ModelContext, Relocatable
+from nereid.backend import CallsModels, ModelCaller, ModelContext, Relocatable
+from nereid.backend_calls import await_build, on_daemon_thread, terminate_backend, unload_backend, unload_unclaimed
 from nereid.dependencies import READY, Readiness, settle
 from nereid.errors import (ConfigError, NotFound, PublicText, Unavailable, backend_exit, calling_plugin,
                            cap_message, describe_exception, without_stop_iteration)
 from nereid.files import check_confined, is_model_folder_name
+from nereid.folder_cleanup import FolderCleanup
 from nereid.folder_states import folder_stamp
-from nereid.backend_calls import on_daemon_thread, terminate_backend, unload_backend, unload_unclaimed
 from nereid.leftovers import remove_model_leftovers
 from nereid.log_limit import RateLimitedLog
 from nereid.model_building import BackendRaised, BuiltModel, build_model
-from nereid.model_runner import HookThreads, Runner, make_runner
+from nereid.model_entry import (NOT_LISTED_REASON, LoadAbandoned, LoadedModel, ModelEntry, ModelState,
+                                RetiringVersion)
+from nereid.model_runner import HookThreads, make_runner
 from nereid.plugins import check_backend_defaults
 from nereid.scheduler import ModelScheduler
-from nereid.settings import ModelSettings, Settings
-from nereid.signature import ModelSignature
+from nereid.settings import Settings
 from nereid.stats import ModelStats
-from nereid.storage import (StorageError, drop_mirror_folder, failure_kind, forget_listed_folder,
+from nereid.storage import (StorageError, failure_kind, forget_listed_folder,
                             materialize_model_folder, mirror_leftovers, model_folder_exists, scan_model_folders,
                             store_failed, store_holds_folder)
 from nereid.storage.mirror import CACHE_SUBFOLDER
 
 log = logging.getLogger(__name__)
-
-# (The data plane adds "; load it with RepositoryModelLoad" where that call is served.)
-NOT_LISTED_REASON = "not listed in nereid.yaml"
-
-
-class ModelState(str, enum.Enum):
-    """Triton's model states, as RepositoryIndex reports them."""
-
-    LOADING = "LOADING"
-    READY = "READY"
-    UNLOADING = "UNLOADING"
-    UNAVAILABLE = "UNAVAILABLE"
-
-
-@dataclass
-class LoadedModel:
-    """A model that loaded: its backend, signatures, scheduler and statistics.
-
-    ``signature`` is client-facing; ``batch_signature`` is what the backend's
-    ``infer`` takes and returns (the same unless the backend has hooks).
-    ``run`` is its request path ([preprocess →] queue [→ postprocess]), built once at load.
-    """
-
-    backend_name: str
-    backend: Model
-    signature: ModelSignature
-    batch_signature: ModelSignature
-    scheduler: ModelScheduler
-    stats: ModelStats
-    load_seconds: float
-    run: Runner
-    hook_threads: HookThreads  # what ``run`` runs its hooks on: released with the version
-    depends_on: tuple[str, ...] = ()  # models it calls (a meta model): READY only while they are
-    # The folder's files as the watcher stamps them, taken before the build (dynamic mode with a local folder):
-    # a watcher seeing the same files needs not load them again.
-    stamp: object = None
-    settings: ModelSettings | None = None  # what it was built with (nereid.yaml may have changed since)
-    backend_defaults: object = None  # nereid.yaml's backends: entry for its backend, as it was built with
-
-
-class LoadAbandoned(Unavailable):
-    """A load or reload given up because an unload or a removal of the model came while its backend's load()
-    ran (or before it started): the unload does not wait for a load() that may never return."""
-
-
-@dataclass
-class ModelEntry:
-    """One model folder and where it stands."""
-
-    name: str
-    folder: Path
-    settings: ModelSettings
-    settings_origin: str
-    state: ModelState = ModelState.UNAVAILABLE
-    reason: str = NOT_LISTED_REASON
-    loaded: LoadedModel | None = None
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    generation: int = 0  # versions loaded so far: every load and reload adds one
-    holders: int = 0  # operations holding the lock or waiting for it
-    folder_seen: bool = False  # a scan found its folder (a listed model may be waiting for its first)
-    # Listed and asked for when a rescan found its folder gone (before the watcher saw it go): no longer counted
-    # for ServerReady, but still wanted, so that the folder's return loads it, however the watcher sees that.
-    awaiting_folder: bool = False
-    # The names whose scratch folders its versions were given: its own, and the names it was renamed from
-    # (a model moved in place keeps what it made there, a binary's link, a warm parent's folder).
-    scratch_names: set[str] = field(default_factory=set)
-    # Versions a removal took from it that are still finishing their requests (in the background, without
-    # its lock): the entry stays, UNLOADING, until they are released, unless a new folder's model loads first.
-    draining: int = 0
-    # Why its last load or reload failed, when the object store failed it (a fetch, a listing, a weights
-    # stream): a watcher tries such a load again. Empty when it loaded, or failed for its own reasons.
-    store_fault: str = ""
-    # The backend's load() of a load or reload under way (its daemon thread's future), and the unloads and
-    # removals waiting for the entry: each gives up on that load, whose load() may never return.
-    building: asyncio.Future | None = None
-    unloads_waiting: int = 0
-    # Why its last load or reload was given up for an unload or removal (LoadAbandoned); "" otherwise. Set when
-    # that load returns, cleared when the next starts: its caller reads it at once.
-    abandoned: str = ""
-
-    @contextlib.asynccontextmanager
-    async def held_for_unload(self) -> AsyncIterator[None]:
-        """:meth:`held`, for an unload or a removal: a load under way, or one that would start while this
-        waits, is abandoned (see :class:`LoadAbandoned`), so that a backend's load() that never returns cannot
-        keep the model from being unloaded, or the unload from being answered."""
-        self.unloads_waiting += 1
-        try:
-            if self.building is not None:
-                self.building.cancel()  # the late result goes to unload_unclaimed, on its thread
-            async with self.held():
-                yield
-        finally:
-            self.unloads_waiting -= 1
-
-    @contextlib.asynccontextmanager
-    async def held(self) -> AsyncIterator[None]:
-        """Hold the entry's lock (loads, unloads, renames take turns). The entry counts as in use
-        from the moment the caller starts waiting, so a rescan never forgets it under a waiter."""
-        self.holders += 1
-        try:
-            async with self.lock:
-                yield
-        finally:
-            self.holders -= 1
-
-    def in_use(self) -> bool:
-        """A model is loaded or draining, or an operation holds or awaits the lock."""
-        return self.loaded is not None or self.holders > 0 or self.draining > 0
-
-    def waiting_on_dependencies(self) -> bool:
-        """Loaded, but UNAVAILABLE until every model it calls is READY (the repository's settle of the
-        dependency graph is the only thing that leaves a loaded model UNAVAILABLE)."""
-        return self.loaded is not None and self.state is ModelState.UNAVAILABLE
 
 
 @dataclass(frozen=True)
@@ -171,15 +55,6 @@ class RepositoryScan:
     error: StorageError | None = None
     # A store's: the names whose cached copy is in the local mirror but which the listing no longer has.
     leftovers: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class RetiringVersion:
-    """A version that serves no more (reloaded, unloaded, removed) and finishes its requests before release."""
-
-    name: str  # the name it served under
-    loaded: LoadedModel
-    scratch_names: frozenset[str]  # its entry's scratch folders: kept while it runs
 
 
 class RepositoryEvents(Protocol):
@@ -239,10 +114,7 @@ class ModelRepository:
         self._background: set[asyncio.Task] = set()
         self._retiring: dict[int, RetiringVersion] = {}  # by id() of its LoadedModel
         self._removing: dict[str, asyncio.Task] = {}  # the latest removal of each name, draining in the background
-        # Names whose cached copy of a store's folder is being removed, on a daemon thread each (see
-        # _drop_mirrors_soon): one removal per name at a time.
-        self._mirror_drops: set[str] = set()
-        self._mirror_drops_lock = threading.Lock()
+        self._cleanup = FolderCleanup(scratch_dir, self._scratch_kept, self._known_names, self.in_background)
         # Whether a watcher loads folders that appear from now on (dynamic mode, once it knows the folders
         # there at start: those are not loaded unless listed, exactly as without it).
         self._watched = False
@@ -341,7 +213,7 @@ class ModelRepository:
         (allowed in dynamic mode) has an entry too, UNAVAILABLE until its
         folder lands. A store that cannot be listed forgets nothing. The
         cached copies of store folders the listing no longer has, and no entry
-        keeps, are removed in the background (see :meth:`_drop_mirrors_soon`).
+        keeps, are removed in the background (see :meth:`FolderCleanup.drop_mirrors_soon`).
         """
         self._apply_scan(self._scan())
 
@@ -369,7 +241,7 @@ class ModelRepository:
                               if name not in self._entries and self.settings.model(name) is None}
         # Cached copies of store folders this server does not know (forgotten now, or before a restart): a server
         # fed versioned names must not keep one per name it ever served.
-        self._drop_mirrors_soon(scan.leftovers)
+        self._cleanup.drop_mirrors_soon(self.settings.server, scan.leftovers)
 
     def _folder_found(self, name: str) -> None:
         """Give the folder ``name``, just seen, an entry unless it has one."""
@@ -422,7 +294,7 @@ class ModelRepository:
             self._exposed.discard(entry.name)
             changed = True
         if scratch:
-            self._drop_scratch_soon(scratch)
+            self._cleanup.drop_scratch_soon(scratch)
         if changed:
             self._refresh_dependents()
 
@@ -614,7 +486,7 @@ class ModelRepository:
                                     functools.partial(unload_unclaimed, name))
         entry.building = building
         try:
-            built = await _noting_a_long_build(name, building, started)
+            built = await await_build(name, building, started)
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if task is not None and task.cancelling():  # this task was cancelled (the server stopping)
@@ -763,8 +635,7 @@ class ModelRepository:
                 self._refresh_dependents()  # models calling the old name wait for it again
                 log.info("model '%s' renamed to '%s' in place (load %d, nothing reloaded)", old, new,
                          entry.generation)
-                with contextlib.suppress(OSError):  # left empty by the move: nothing kept there
-                    (self.scratch_dir / old).rmdir()
+                self._cleanup.drop_empty_scratch(old)  # left empty by the move: nothing kept there
         if not moved:
             self.remove_in_background(old)  # the new folder loads at once; the old model finishes its requests
             return await self.load(new)
@@ -827,10 +698,10 @@ class ModelRepository:
                     and self._entries.get(name) is entry and not entry.in_use()):  # (again: that was a wait)
                 self._entries.pop(name)
                 self._forgotten(name)  # before the removal is recorded: that one then names no forgotten model
-                self._drop_mirrors_soon([name])
+                self._cleanup.drop_mirrors_soon(self.settings.server, [name])
             self._refresh_dependents()
             if self._entries.get(name) is not entry:  # forgotten (or replaced by a model renamed onto the name)
-                await self._drop_scratch(entry.scratch_names)
+                await self._cleanup.drop_scratch(entry.scratch_names)
         self._record(name, "remove")
 
     async def _folder_gone(self, entry: ModelEntry) -> bool:
@@ -838,7 +709,7 @@ class ModelRepository:
         store that cannot be listed cannot tell: False, and a later listing forgets it).
 
         A store folder's cached copy is no sign: it stays until the name is
-        forgotten (see :meth:`_drop_mirrors_soon`).
+        forgotten (see :meth:`FolderCleanup.drop_mirrors_soon`).
         """
         if self.settings.server.ml_backends_url is None:
             return not entry.folder.is_dir()
@@ -1025,7 +896,7 @@ class ModelRepository:
     async def _retire(self, retiring: RetiringVersion, grace_s: float | None = None) -> None:
         """Let one version's queued and running requests finish, then release it.
 
-        A scratch folder a removal left to it (see :meth:`_drop_scratch`) is deleted then.
+        A scratch folder a removal left to it (see :meth:`FolderCleanup.drop_scratch`) is deleted then.
         """
         name, loaded = retiring.name, retiring.loaded
         backend = loaded.backend
@@ -1041,7 +912,7 @@ class ModelRepository:
         finally:
             loaded.hook_threads.release()
             self._retiring.pop(id(loaded), None)
-        await self._drop_scratch(retiring.scratch_names)
+        await self._cleanup.drop_scratch(retiring.scratch_names)
 
     def _enter_loaded_version(self, entry: ModelEntry) -> None:
         """Make a version just loaded (or reloaded) serve, and log that in one line.
@@ -1122,79 +993,15 @@ class ModelRepository:
             self.on_state_change()
 
     def _scratch_for(self, name: str) -> Path:
+        """The scratch folder for the model ``name`` (made if it is not there)."""
         path = self.scratch_dir / name
         path.mkdir(parents=True, exist_ok=True)
         return path
 
-    def _drop_scratch_soon(self, names: set[str]) -> None:
-        """:meth:`_drop_scratch` as background work, for a caller that cannot wait (a rescan)."""
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:  # a rescan outside any event loop (a script, after asyncio.run): nothing runs
-            asyncio.run(self._drop_scratch(names))
-            return
-        self.in_background(self._drop_scratch(names), "dropping the scratch folders of forgotten models")
-
-    async def _drop_scratch(self, names: set[str] | frozenset[str]) -> None:
-        """Remove the scratch folders ``names`` (those of a forgotten entry or a released version) that nothing
-        uses: a server fed versioned folder names (``model-<sha>``) must not keep one folder per name it ever
-        served until it stops.
-
-        One an entry was given stays: a model renamed away from this name in
-        place still runs from what it made there (a new folder under the old
-        name shares it). So does one an old version still finishing its
-        requests was given: it is removed once that version is released.
-        The folder is moved aside on the event loop, right after that check,
-        and deleted on a thread (a big one would stall every RPC): an entry
-        given the same name from then on makes a fresh folder, never one
-        half deleted.
-        """
-        for name in sorted(names):
-            if (any(name in entry.scratch_names for entry in self._entries.values())
-                    or any(name in retiring.scratch_names for retiring in self._retiring.values())):
-                continue
-            doomed = self.scratch_dir / f".dropped-{uuid.uuid4().hex}"  # (no model name starts with ".")
-            try:
-                (self.scratch_dir / name).rename(doomed)
-            except FileNotFoundError:  # never made, or dropped already
-                continue
-            except OSError as err:
-                log.warning("model '%s': cannot remove its scratch folder: %s", name, err)
-                continue
-            await on_daemon_thread(functools.partial(shutil.rmtree, doomed, ignore_errors=True),
-                                    f"nereid-drop-scratch-{name}")
-
-    def _drop_mirrors_soon(self, names: Iterable[str]) -> None:
-        """Remove the cached copies of the store folders ``names`` that this server does not know (no entry, no
-        old version finishing its requests), on a daemon thread (never waited for: a hanging store must not hold
-        up a shutdown).
-
-        Each is removed only once the store confirms its prefix is gone and
-        no server sharing cache_dir is fetching it (its lock is free): see
-        :func:`nereid.storage.drop_mirror_folder`. One that stays (the store
-        could not say, another server was fetching it) is tried again after
-        the next listing.
-        """
-        if self.settings.server.ml_backends_url is None:
-            return
-        known = self._known_names()
-        with self._mirror_drops_lock:
-            names = sorted(set(names) - known - self._mirror_drops)
-            self._mirror_drops.update(names)
-        if names:
-            threading.Thread(target=self._drop_mirrors, args=(names,), name="nereid-drop-mirror", daemon=True).start()
-
-    def _drop_mirrors(self, names: list[str]) -> None:
-        """:meth:`_drop_mirrors_soon`'s thread."""
-        try:
-            for name in names:
-                if name not in self._known_names():  # (again: a load of the name may have started meanwhile)
-                    drop_mirror_folder(self.settings.server, name)
-        except Exception:  # a thread of its own: nothing above it would report it
-            log.exception("removing the cached copies of store folders %s failed", names)
-        finally:
-            with self._mirror_drops_lock:
-                self._mirror_drops.difference_update(names)
+    def _scratch_kept(self, name: str) -> bool:
+        """Whether an entry, or a version still finishing its requests, was given the scratch folder ``name``."""
+        return (any(name in entry.scratch_names for entry in self._entries.values())
+                or any(name in retiring.scratch_names for retiring in self._retiring.values()))
 
     def _known_names(self) -> set[str]:
         """The names of the entries and of the old versions still finishing their requests (safe off the loop:
@@ -1223,34 +1030,6 @@ def _no_folder(name: str) -> NotFound:
 def _waiting_for_folder(name: str) -> str:
     """The reason of a listed model whose folder is not in the repository."""
     return f"waiting for its folder '{name}' in ml_backends_path"
-
-
-LONG_LOAD_NOTE_S = 60.0  # a backend's load() running this long is said in the log, and again each as long
-
-
-async def _noting_a_long_build(name: str, building: asyncio.Future, started: float) -> BuiltModel:
-    """Await ``building`` (a model's build on its daemon thread); every LONG_LOAD_NOTE_S while it runs, say so.
-
-    A load that takes minutes (a large model compiling) or never returns was
-    otherwise silent between "loading it" (dynamic mode) or nothing at all (a
-    start) and its end. Awaited the way ``await building`` would be: this
-    task's cancellation cancels the build too.
-    """
-    while True:
-        try:
-            done, _ = await asyncio.wait({building}, timeout=LONG_LOAD_NOTE_S)
-        except asyncio.CancelledError:
-            if not building.cancel() and not building.cancelled() and building.exception() is None:
-                # Built already, its result delivered, this task not yet resumed: nobody takes the model now,
-                # and what its load() acquired must not leak (a build still running goes to unload_unclaimed
-                # by itself once cancelled).
-                threading.Thread(target=unload_unclaimed, args=(name, building.result()), daemon=True,
-                                 name=f"nereid-load-{name}").start()
-            raise
-        if done:
-            return building.result()
-        log.warning("model '%s' is still loading after %.0f s: its backend's load() has not returned (a "
-                    "RepositoryModelUnload of it gives up on the load)", name, time.monotonic() - started)
 
 
 def _repeats(reason: str, retrying: str | None) -> bool:

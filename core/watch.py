@@ -54,7 +54,8 @@ from nereid.folder_states import FolderState, ignored_name, plan_changes, scan_r
 from nereid.storage import StorageError, failure_kind, local_model_folders, parse_store_url, store_failed
 
 if TYPE_CHECKING:
-    from nereid.repository import ModelEntry, ModelRepository
+    from nereid.model_entry import ModelEntry
+    from nereid.repository import ModelRepository
 
 log = logging.getLogger(__name__)
 

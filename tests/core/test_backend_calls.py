@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from nereid.backend_calls import bounded_backend_call, on_daemon_thread
+from nereid.backend_calls import await_build, bounded_backend_call, on_daemon_thread
 
 
 def test_a_backend_call_that_exits_raises_its_failure_and_never_ends_the_process() -> None:
@@ -72,3 +72,23 @@ def test_a_result_whose_future_is_cancelled_while_it_is_being_delivered_still_go
         assert await asyncio.to_thread(handed.wait, 5)
     asyncio.run(scenario())
     assert unclaimed == ["built"]
+
+
+def test_a_build_done_as_its_load_is_cancelled_is_unloaded_not_leaked():
+    """A fuzzing review: the stop cancelled a load whose build had just delivered its model, before the load
+    resumed; cancelling the finished build did nothing, and what its load() acquired leaked."""
+    import types
+
+    unloaded = threading.Event()
+    built = types.SimpleNamespace(backend=types.SimpleNamespace(unload=unloaded.set))
+
+    async def scenario() -> None:
+        building = asyncio.get_running_loop().create_future()
+        load = asyncio.create_task(await_build("m", building, 0.0))
+        await asyncio.sleep(0)  # waiting for the build
+        building.set_result(built)  # delivered ...
+        load.cancel()  # ... and the load cancelled before it resumed
+        with pytest.raises(asyncio.CancelledError):
+            await load
+    asyncio.run(scenario())
+    assert unloaded.wait(5)

@@ -43,7 +43,8 @@ from nereid.dtypes import DType
 from nereid.errors import ModelFailure, NereidError, NotFound, Unavailable
 from nereid.hookspecs import hookimpl
 from nereid.plugins import make_plugin_manager
-from nereid.repository import ModelRepository, ModelState
+from nereid.model_entry import ModelState
+from nereid.repository import ModelRepository
 from nereid.settings import load_settings
 from nereid.signature import TEXTPROTO_NAME
 from nereid.tensors import InferRequest, NamedTensor

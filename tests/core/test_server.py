@@ -27,7 +27,7 @@ import toy_backends
 from nereid.backend import BackendClaim, ModelContext
 from nereid.hookspecs import hookimpl
 from nereid.plugins import make_plugin_manager
-from nereid.repository import NOT_LISTED_REASON
+from nereid.model_entry import NOT_LISTED_REASON
 from nereid.server import NereidServer
 from nereid.settings import load_settings
 from support import RunningServer, expect_grpc_error, free_port, wait_until

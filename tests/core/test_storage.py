@@ -259,7 +259,8 @@ def test_a_reload_finds_a_folder_the_cached_listing_does_not_know(s3, tmp_path) 
     import asyncio
 
     from nereid.plugins import make_plugin_manager
-    from nereid.repository import ModelRepository, ModelState
+    from nereid.model_entry import ModelState
+    from nereid.repository import ModelRepository
     from nereid.storage import model_folder_exists
 
     source = tmp_path / "source"

@@ -449,7 +449,8 @@ def test_a_store_down_at_start_loads_at_its_first_listing_what_a_start_would_hav
     import toy_backends
     from moto_s3 import ACCESS_KEY, REGION, SECRET_KEY
     from nereid.plugins import make_plugin_manager
-    from nereid.repository import ModelRepository, ModelState
+    from nereid.model_entry import ModelState
+    from nereid.repository import ModelRepository
     from nereid.settings import load_settings
     from nereid.storage import StorageError
     from nereid.watch import RepositoryWatcher
@@ -579,7 +580,7 @@ def test_a_load_the_store_failed_is_tried_again_once_it_serves_and_a_bad_model_i
     an object of the folder changed again. A load that fails for the model's own fault is not tried again."""
     import asyncio
 
-    from nereid.repository import ModelState
+    from nereid.model_entry import ModelState
 
     store = WatchedBucket(s3, tmp_path)
     # moto enforces a bucket policy's Deny: this test's objects answer 403 AccessDenied, listings still work.
@@ -631,7 +632,7 @@ def test_a_bucket_folder_changed_while_a_requested_load_runs_is_loaded_as_change
     running, found the model "loaded meanwhile" (a bucket's files carry no stamp) and the change was lost."""
     import asyncio
 
-    from nereid.repository import ModelState
+    from nereid.model_entry import ModelState
 
     store = WatchedBucket(s3, tmp_path)
     release = tmp_path / "release"
@@ -663,7 +664,7 @@ def test_a_load_failed_by_a_store_that_serves_again_when_the_watcher_looks_is_tr
     error as the load's cause, and the watcher tries it again."""
     import asyncio
 
-    from nereid.repository import ModelState
+    from nereid.model_entry import ModelState
 
     store = WatchedBucket(s3, tmp_path)
     caplog.set_level(logging.INFO, logger="nereid")
@@ -828,7 +829,7 @@ def test_a_start_up_load_the_store_failed_is_tried_again_though_its_folder_never
     again. It is now tried again as they are (watch_poll_s, then less often), its first failure a WARNING."""
     import asyncio
 
-    from nereid.repository import ModelState
+    from nereid.model_entry import ModelState
 
     store = WatchedBucket(s3, tmp_path)
     store.upload("m")
@@ -858,7 +859,7 @@ def test_a_store_failure_that_repeats_is_an_error_once_then_debug_until_its_reas
     did are DEBUG; another reason is an ERROR (and the watcher's WARNING) again; the load that works says so."""
     import asyncio
 
-    from nereid.repository import ModelState
+    from nereid.model_entry import ModelState
 
     store = WatchedBucket(s3, tmp_path)
     caplog.set_level(logging.DEBUG, logger="nereid")

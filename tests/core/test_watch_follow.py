@@ -22,7 +22,8 @@ from nereid.dtypes import DType
 from nereid.folder_states import plan_changes, scan_repository
 from nereid.hookspecs import hookimpl
 from nereid.plugins import make_plugin_manager
-from nereid.repository import NOT_LISTED_REASON, ModelRepository, ModelState
+from nereid.model_entry import NOT_LISTED_REASON, ModelState
+from nereid.repository import ModelRepository
 from nereid.runtime_options import RuntimeOptions
 from nereid.settings import load_settings
 from nereid.tensors import NamedTensor
@@ -451,10 +452,10 @@ def test_a_load_that_takes_long_is_said_in_the_log_while_it_runs(tmp_path, root,
     """A load of minutes was silent until it ended: nothing told an operator which model held readiness back."""
     import logging
 
-    from nereid import repository as repository_module
+    from nereid import backend_calls
 
-    monkeypatch.setattr(repository_module, "LONG_LOAD_NOTE_S", 0.2)
-    caplog.set_level(logging.WARNING, "nereid.repository")
+    monkeypatch.setattr(backend_calls, "LONG_LOAD_NOTE_S", 0.2)
+    caplog.set_level(logging.WARNING, "nereid.backend_calls")
     release = tmp_path / "release"
     repository, watcher = setup(tmp_path, root)
 

@@ -234,7 +234,7 @@ def test_readiness_changes_caused_by_dependencies_are_logged_once_each(tmp_path:
     # transitions (its dependency loading, unloading, loading again) were never logged at all.
     import logging
 
-    from nereid.repository import ModelState
+    from nereid.model_entry import ModelState
 
     root = tmp_path / "ml-backends"
     root.mkdir()
