@@ -44,14 +44,15 @@ import os
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Awaitable, Callable, Iterable
+from typing import TYPE_CHECKING, Awaitable, Callable
 
 import watchfiles
 
 from nereid.errors import ConfigError, NotFound, Unavailable
-from nereid.settings import Settings, load_settings
 from nereid.folder_states import FolderState, ignored_name, plan_changes, scan_repository, scan_store
-from nereid.storage import StorageError, failure_kind, local_model_folders, parse_store_url, store_failed
+from nereid.settings import Settings, load_settings
+from nereid.storage import StorageError, failure_kind, parse_store_url, store_failed
+from nereid.watched_paths import WatchedPaths, links_on_the_way, symlinked_folders
 
 if TYPE_CHECKING:
     from nereid.model_entry import ModelEntry
@@ -81,101 +82,6 @@ class StoreRetry:
     delay_s: float
     failures: int
     reason: str
-
-
-def links_on_the_way(path: Path) -> set[str]:
-    """The symlinks met while resolving the absolute ``path`` (unresolved, as strings).
-
-    For a ConfigMap's ``cfg/nereid.yaml -> ..data/nereid.yaml`` with ``..data ->
-    ..v1``, that is ``cfg/nereid.yaml`` and ``cfg/..data``: replacing either
-    changes what the path reads.
-    """
-    links: set[str] = set()
-    pending = list(path.parts[1:])
-    current = Path(path.anchor)
-    hops = 0
-    while pending and hops < 40:  # the kernel's own limit on links in one path (a loop ends here too)
-        part = pending.pop(0)
-        current = current.parent if part == ".." else current / part
-        try:
-            target = os.readlink(current)
-        except OSError:  # not a link (or not there): go on
-            continue
-        hops += 1
-        links.add(str(current))
-        target_path = Path(target)
-        pending = list(target_path.parts[1:] if target_path.is_absolute() else target_path.parts) + pending
-        current = Path(target_path.anchor) if target_path.is_absolute() else current.parent
-    return links
-
-
-Identity = tuple[int, int]  # (st_dev, st_ino) of what a path resolves to
-
-
-def identity_of(path: Path) -> Identity | None:
-    """(st_dev, st_ino) of what ``path`` resolves to, None when nothing is there."""
-    try:
-        info = os.stat(path)
-    except OSError:
-        return None
-    return info.st_dev, info.st_ino
-
-
-@dataclass(frozen=True)
-class WatchedPaths:
-    """What one file watch follows: its paths, and what each resolved to when it started.
-
-    inotify watches an inode, never a name: a folder replaced under the same
-    name (``mv new ml-backends``, a symlink switched, ``rm -rf`` and a fresh
-    copy) is followed only by a new watch, so a change of identity restarts it.
-    """
-
-    paths: tuple[Path, ...]
-    identities: tuple[Identity | None, ...]
-
-    @staticmethod
-    def of(paths: Iterable[Path]) -> WatchedPaths:
-        unique = tuple(sorted(set(paths)))
-        return WatchedPaths(unique, tuple(identity_of(path) for path in unique))
-
-    def differences(self, other: WatchedPaths) -> str:
-        """What ``other`` follows that this does not, in words, for the log."""
-        before = dict(zip(self.paths, self.identities))
-        after = dict(zip(other.paths, other.identities))
-        words = [f"{path} is another folder now" for path in after if path in before and before[path] != after[path]]
-        words += [f"{path} added" for path in after if path not in before]
-        words += [f"{path} no longer followed" for path in before if path not in after]
-        return "; ".join(words)
-
-
-def symlinked_folders(root: Path, follow_symlinks: bool) -> tuple[Path, ...]:
-    """Where the model folders under ``root`` that are symlinks lead (resolved), for a watch of their own.
-
-    A watch of ``root`` does not follow a link made after it started, nor a
-    link re-pointed, nor (through the path it reports) one into a hidden
-    folder of ``root``. Without ``follow_symlinks`` only targets inside
-    ``root`` count (a model leading elsewhere is refused at load anyway); a
-    target holding ``root`` is never watched (that would watch ``root``'s
-    whole surroundings).
-    """
-    try:
-        names = local_model_folders(root)
-        real_root = root.resolve(strict=True)
-    except (StorageError, OSError):
-        return ()
-    targets = set()
-    for name in names:
-        link = root / name
-        try:
-            if not link.is_symlink():
-                continue
-            target = link.resolve(strict=True)
-        except (OSError, RuntimeError):  # gone, or a loop of links
-            continue
-        inside = target.is_relative_to(real_root)
-        if target.is_dir() and (inside or follow_symlinks) and not real_root.is_relative_to(target):
-            targets.add(target)
-    return tuple(sorted(targets))
 
 
 class _Follow:
