@@ -23,7 +23,8 @@ The rules (Triton's dynamic batcher, with the cost budget of a token batcher):
 
 :func:`take_batch` applies these rules to a queue at one instant. It reads no
 clock and awaits nothing, so the scheduler owns only the waiting and the
-rules are tested on plain lists.
+rules are tested on plain lists. :func:`stack_rows` and :func:`split_rows` make
+a batch's tensors out of its requests' and give each request its rows back.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ import collections
 import math
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
+
+import numpy as np
 
 from nereid.errors import ConfigError
 from nereid.settings import BatchingSettings
@@ -169,6 +172,27 @@ def will_not_run(request: Queued, now_ns: int) -> bool:
 def deadline_passed(deadline_ns: int, now_ns: int) -> bool:
     """True when the absolute monotonic deadline ``deadline_ns`` (0: none) has passed at ``now_ns``."""
     return deadline_ns != 0 and now_ns >= deadline_ns
+
+
+def stack_rows(requests: list[list[NamedTensor]], rows: int) -> list[NamedTensor]:
+    """One tensor of ``rows`` rows per input: the requests' rows stacked in order, then zero rows (a bundle's
+    padding), written straight into one buffer: one copy."""
+    stacked = []
+    for tensors in zip(*requests):
+        first = tensors[0].data
+        buffer = np.empty((rows, *first.shape[1:]), first.dtype)
+        filled = sum(len(t.data) for t in tensors)
+        np.concatenate([t.data for t in tensors], out=buffer[:filled])
+        buffer[filled:] = 0
+        stacked.append(NamedTensor(tensors[0].name, tensors[0].dtype, buffer))
+    return stacked
+
+
+def split_rows(outputs: list[NamedTensor], rows: list[int]) -> list[list[NamedTensor]]:
+    """Each request's own rows of every output (views, no copies)."""
+    bounds = np.cumsum([0, *rows])
+    return [[NamedTensor(t.name, t.dtype, t.data[bounds[i]:bounds[i + 1]]) for t in outputs]
+            for i in range(len(rows))]
 
 
 def _preferred_prefix(queue: collections.deque[Q], count: int, preferred_sizes: tuple[int, ...]) -> int:

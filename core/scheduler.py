@@ -20,10 +20,9 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 from typing import Awaitable, Callable
 
-import numpy as np
-
 from nereid.backend import REQUEST_DEADLINE_NS, Model, PadsBatches
-from nereid.batching import BatchPolicy, batch_key, deadline_passed, request_cost, take_batch, will_not_run
+from nereid.batching import (BatchPolicy, batch_key, deadline_passed, request_cost, split_rows, stack_rows, take_batch,
+                             will_not_run)
 from nereid.daemon_pool import DaemonThreadPool
 from nereid.errors import (DeadlineExceeded, LoggedModelFailure, ModelFailure, ModelRetired, NereidError, QueueFull,
                            Unavailable, describe_exception, naming_model)
@@ -429,7 +428,7 @@ class ModelScheduler:
                 raise
             infer_ns = time.monotonic_ns() - start
             outputs = self._own_rows(outputs, padded, total)
-            results = [outputs] if len(rows) == 1 else _split(outputs, rows)
+            results = [outputs] if len(rows) == 1 else split_rows(outputs, rows)
             output_ns = time.monotonic_ns() - start - infer_ns
             succeeded = True
             return results
@@ -480,7 +479,7 @@ class ModelScheduler:
         if len(requests) == 1:
             return requests[0], False  # a lone request: the model pads it itself if it must
         run_rows = self._padded_rows(total) if self._pads else total
-        return _concatenate(requests, run_rows), run_rows > total
+        return stack_rows(requests, run_rows), run_rows > total
 
     def _padded_rows(self, rows: int) -> int:
         """The backend's run size for a batch of ``rows`` rows, held to being at least ``rows``."""
@@ -600,23 +599,3 @@ async def _wait_event(event: asyncio.Event, timeout_s: float | None) -> bool:
     except TimeoutError:
         return False
     return True
-
-
-def _concatenate(requests: list[list[NamedTensor]], rows: int) -> list[NamedTensor]:
-    """One tensor of ``rows`` rows per input: the requests' rows stacked in order, then zero rows."""
-    stacked = []
-    for tensors in zip(*requests):
-        first = tensors[0].data
-        buffer = np.empty((rows, *first.shape[1:]), first.dtype)
-        filled = sum(len(t.data) for t in tensors)
-        np.concatenate([t.data for t in tensors], out=buffer[:filled])
-        buffer[filled:] = 0
-        stacked.append(NamedTensor(tensors[0].name, tensors[0].dtype, buffer))
-    return stacked
-
-
-def _split(outputs: list[NamedTensor], rows: list[int]) -> list[list[NamedTensor]]:
-    """Each request's own rows of every output (views, no copies)."""
-    bounds = np.cumsum([0, *rows])
-    return [[NamedTensor(t.name, t.dtype, t.data[bounds[i]:bounds[i + 1]]) for t in outputs]
-            for i in range(len(rows))]

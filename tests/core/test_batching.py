@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from nereid.batching import BatchPolicy, take_batch, request_cost
+from nereid.batching import BatchPolicy, request_cost, split_rows, stack_rows, take_batch
 from nereid.dtypes import DType
 from nereid.errors import ConfigError
 from nereid.settings import BatchingSettings
@@ -158,3 +158,14 @@ def test_policy_is_checked_against_the_model() -> None:
     # Requests without inputs are never merged: the model could not tell how many rows to answer.
     no_inputs = ModelSignature((), FIXED.outputs, 16)
     assert not BatchPolicy.resolve(BatchingSettings(), no_inputs, "x").enabled
+
+
+def test_requests_are_stacked_into_one_padded_buffer_and_split_back_into_views() -> None:
+    first = [NamedTensor("x", DType.FP32, np.arange(2 * 3, dtype=np.float32).reshape(2, 3))]
+    second = [NamedTensor("x", DType.FP32, np.full((1, 3), 7, np.float32))]
+    [stacked] = stack_rows([first, second], rows=4)  # a bundle compiled for 4 rows: one zero row of padding
+    assert stacked.name == "x" and stacked.data.dtype == np.float32
+    assert stacked.data.tolist() == [[0, 1, 2], [3, 4, 5], [7, 7, 7], [0, 0, 0]]
+    [[own_first], [own_second]] = split_rows([stacked], [2, 1])
+    assert own_first.data.tolist() == [[0, 1, 2], [3, 4, 5]] and own_second.data.tolist() == [[7, 7, 7]]
+    assert np.shares_memory(own_second.data, stacked.data)  # views of the execution's output, no copies
