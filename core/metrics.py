@@ -1,32 +1,34 @@
 """Prometheus metrics at ``/metrics`` on ``server.metrics_addr``, with prometheus_client.
 
 Each server has its own registry (several servers can share a process, as in
-the tests). A model's request and batch figures are not observed a second
-time: a collector reads each model's :class:`~nereid.stats.ModelStats`
-snapshot at scrape time. Only ``nereid_protocol_requests_total`` is counted as
-each request is answered (its protocol is no model statistic).
+the tests). Two kinds of figures:
+
+* read at scrape time: a model's request and batch figures are not observed
+  a second time; a collector reads each model's :class:`~nereid.stats.ModelStats`
+  snapshot, and the repository's states, when scraped;
+* counted as they happen, for what no model statistic holds: requests by
+  protocol and outcome and refusals by protocol and reason (told by the gRPC
+  and HTTP surfaces), loads and dynamic-repository events (told by the
+  repository, as its :class:`~nereid.repository.RepositoryEvents`).
+
+The HTTP endpoint serving them is :mod:`nereid.metrics_endpoint`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import io
 import logging
-import socket
 import threading
-import time
 from typing import Any, Iterator
-from wsgiref.simple_server import WSGIRequestHandler
 
-from prometheus_client import CollectorRegistry, Counter, PlatformCollector, ProcessCollector, make_wsgi_app
+from prometheus_client import CollectorRegistry, Counter, PlatformCollector, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
-from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from nereid.backend import ReportsRuntime, runtime_report_problem
 from nereid.errors import describe_exception
-from nereid.listening import bind_listening_sockets
 from nereid.log_limit import OnceLog
+from nereid.metrics_endpoint import IDLE_TIMEOUT_S, MetricsEndpoint
 from nereid.model_entry import LoadedModel, ModelState
 from nereid.repository import ModelRepository
 from nereid.stats import Histogram as StatsHistogram
@@ -34,10 +36,6 @@ from nereid.stats import Histogram as StatsHistogram
 log = logging.getLogger(__name__)
 _report_failures = OnceLog(log)  # one line per model, not one per scrape
 
-# A scrape connection that has not sent its whole request this long after connecting is closed;
-# at most this many are served at once.
-IDLE_TIMEOUT_S = 5.0
-MAX_CONNECTIONS = 64
 # The model label of requests for names the repository does not know. No model folder can be named so
 # (a folder name has no "/"), and one label for all of them keeps the series bounded by the folders:
 # a client inventing names must not add a series (and memory, and scrape time) per name.
@@ -85,7 +83,7 @@ class ServerMetrics:
         # series are removed: a series is never made for a name just after its series were dropped.
         self._names_lock = threading.Lock()
         self._repository: ModelRepository | None = None
-        self._servers: list[_BoundedThreadingServer] = []  # the endpoint's, one per address it listens on
+        self.endpoint = MetricsEndpoint(self.registry)  # /metrics over HTTP, once served
 
     def collect_from(self, repository: ModelRepository) -> None:
         """Report every model of ``repository``, read from it at each scrape (no per-request metric work).
@@ -201,42 +199,12 @@ class ServerMetrics:
                 _remove_series(self.repository_events, old, event)
 
     def serve(self, addr: str, idle_timeout_s: float = IDLE_TIMEOUT_S, origin: str = "server.metrics_addr") -> int:
-        """Start the HTTP endpoint on ``host:port``; returns the bound port.
-
-        A connection that sends no complete request within ``idle_timeout_s`` is closed. ``origin``: where the
-        address came from, for the error when it cannot be served on.
-        """
-        host, _, port = addr.rpartition(":")
-        try:
-            # Every address of a name (localhost: both loopbacks), as the other listeners: a WSGI server each.
-            sockets = bind_listening_sockets(host.strip("[]"), int(port))
-        except OSError as err:
-            raise OSError(f"cannot serve metrics on {addr} ({origin}): {err.strerror or err}") from err
-        app, handler = make_wsgi_app(self.registry), type("Handler", (_QuietHandler,), {"timeout": idle_timeout_s})
-        servers: list[_BoundedThreadingServer] = []
-        slots = threading.BoundedSemaphore(MAX_CONNECTIONS)  # one bound for the endpoint, whatever its addresses
-        for index, sock in enumerate(sockets):
-            try:
-                servers.append(_BoundedThreadingServer.on_socket(sock, app, handler, slots))
-            except OSError as err:
-                for unused in sockets[index:]:
-                    unused.close()
-                for server in servers:
-                    server.server_close()  # (not shutdown(): it waits for a serve_forever that never ran)
-                raise OSError(f"cannot serve metrics on {addr} ({origin}): {err.strerror or err}") from err
-        for server in servers:
-            # A short poll interval keeps shutdown quick (the default waits up to 0.5 s).
-            threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05},
-                             name="nereid-metrics", daemon=True).start()
-        self._servers.extend(servers)
-        return servers[0].server_port
+        """Serve these metrics on ``host:port`` (see :meth:`MetricsEndpoint.serve`); returns the bound port."""
+        return self.endpoint.serve(addr, idle_timeout_s, origin)
 
     def close(self) -> None:
-        """Stop the HTTP endpoint."""
-        servers, self._servers = self._servers, []
-        for server in servers:
-            server.shutdown()
-            server.server_close()
+        """Stop serving them."""
+        self.endpoint.close()
 
 
 def _remove_series(metric: Counter, *labels: str) -> None:
@@ -253,97 +221,6 @@ def _totals(counter: Counter, model: str, *labels: str) -> dict[tuple[str, ...],
     return {tuple(sample.labels[label] for label in labels): sample.value
             for family in counter.collect() for sample in family.samples
             if sample.name.endswith("_total") and sample.labels.get("model") == model}
-
-
-class _QuietHandler(WSGIRequestHandler):
-    """No access log on stderr for every scrape; a connection gets ``timeout`` seconds to send its request.
-
-    Without a timeout each idle connection held its thread forever (1,200
-    connections: 1,227 threads). The socket's own timeout is not enough: it
-    starts again with every byte, so a header line every few seconds held a
-    thread for good, and 64 such connections turned real scrapes away.
-    """
-
-    timeout = IDLE_TIMEOUT_S
-
-    def setup(self) -> None:
-        super().setup()
-        # wsgiref serves one request per connection: its deadline is counted from the connection's start.
-        self.rfile = io.BufferedReader(_DeadlineReader(self.connection, time.monotonic() + self.timeout,
-                                                       self.timeout))
-
-    def log_message(self, format: str, *args: object) -> None:
-        pass
-
-
-class _DeadlineReader(io.RawIOBase):
-    """A socket's reads, all of them together bounded by one deadline rather than each by a timeout."""
-
-    def __init__(self, sock: socket.socket, deadline: float, write_timeout_s: float) -> None:
-        super().__init__()
-        self._sock = sock
-        self._deadline = deadline
-        self._write_timeout_s = write_timeout_s
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        """Receive into ``buffer`` within the time left; TimeoutError once the deadline has passed."""
-        left = self._deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("the metrics request did not arrive in time")
-        self._sock.settimeout(left)
-        try:
-            return self._sock.recv_into(buffer)
-        finally:
-            # The answer's writes get the whole timeout again, not what was left of the reading's.
-            self._sock.settimeout(self._write_timeout_s)
-
-
-class _BoundedThreadingServer(ThreadingWSGIServer):
-    """A thread per connection, but at most :data:`MAX_CONNECTIONS` at once; more are closed at once."""
-
-    request_queue_size = 128  # listen backlog: a burst of connections is accepted, then judged
-
-    _slots: threading.BoundedSemaphore
-
-    @classmethod
-    def on_socket(cls, sock: socket.socket, app: Any, handler: type[WSGIRequestHandler],
-                  slots: threading.BoundedSemaphore) -> _BoundedThreadingServer:
-        """A server listening on ``sock``, already bound (see nereid.listening), serving ``app``; ``slots``:
-        the connections it may serve at once, shared with the endpoint's servers on its other addresses."""
-        server = cls(sock.getsockname()[:2], handler, bind_and_activate=False)
-        server._slots = slots
-        server.socket.close()
-        server.socket = sock
-        # What the base classes' server_bind sets once they have bound.
-        server.server_address = sock.getsockname()
-        server.server_name, server.server_port = str(server.server_address[0]), server.server_address[1]
-        server.setup_environ()
-        server.server_activate()
-        server.set_app(app)
-        return server
-
-    def process_request(self, request: socket.socket, client_address: object) -> None:
-        if not self._slots.acquire(blocking=False):
-            self.shutdown_request(request)
-            return
-        try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self._slots.release()
-            raise
-
-    def process_request_thread(self, request: socket.socket, client_address: object) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._slots.release()
-
-    def handle_error(self, request: socket.socket, client_address: object) -> None:
-        # A client that timed out or vanished is not worth a traceback on stderr.
-        log.debug("metrics connection from %s failed", client_address, exc_info=True)
 
 
 class _LoadDurations(Collector):

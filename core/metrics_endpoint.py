@@ -1,0 +1,169 @@
+"""The ``/metrics`` HTTP endpoint: prometheus_client's WSGI app, on threads, bounded against idle clients.
+
+prometheus_client's own server gives each connection a thread for as long as
+it stays open: idle connections held threads for good (1,200 connections,
+1,227 threads) and a slow trickle of header lines kept every one. Here each
+connection gets one deadline for its whole request, at most
+:data:`MAX_CONNECTIONS` are served at once (more are closed unserved), and
+every address of the name served is listened on (see :mod:`nereid.listening`).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import socket
+import threading
+import time
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler
+
+from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
+
+from nereid.listening import bind_listening_sockets
+
+log = logging.getLogger(__name__)
+
+# A scrape connection that has not sent its whole request this long after connecting is closed;
+# at most this many are served at once.
+IDLE_TIMEOUT_S = 5.0
+MAX_CONNECTIONS = 64
+
+
+class MetricsEndpoint:
+    """Serves one registry at ``/metrics`` (any path, as prometheus_client's app answers), on one or more
+    addresses."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._registry = registry
+        self._servers: list[_BoundedThreadingServer] = []  # one per address it listens on
+
+    def serve(self, addr: str, idle_timeout_s: float = IDLE_TIMEOUT_S, origin: str = "server.metrics_addr") -> int:
+        """Start serving on ``host:port``; returns the bound port.
+
+        A connection that sends no complete request within ``idle_timeout_s`` is closed. ``origin``: where the
+        address came from, for the error when it cannot be served on.
+        """
+        host, _, port = addr.rpartition(":")
+        try:
+            # Every address of a name (localhost: both loopbacks), as the other listeners: a WSGI server each.
+            sockets = bind_listening_sockets(host.strip("[]"), int(port))
+        except OSError as err:
+            raise OSError(f"cannot serve metrics on {addr} ({origin}): {err.strerror or err}") from err
+        app, handler = make_wsgi_app(self._registry), type("Handler", (_QuietHandler,), {"timeout": idle_timeout_s})
+        servers: list[_BoundedThreadingServer] = []
+        slots = threading.BoundedSemaphore(MAX_CONNECTIONS)  # one bound for the endpoint, whatever its addresses
+        for index, sock in enumerate(sockets):
+            try:
+                servers.append(_BoundedThreadingServer.on_socket(sock, app, handler, slots))
+            except OSError as err:
+                for unused in sockets[index:]:
+                    unused.close()
+                for server in servers:
+                    server.server_close()  # (not shutdown(): it waits for a serve_forever that never ran)
+                raise OSError(f"cannot serve metrics on {addr} ({origin}): {err.strerror or err}") from err
+        for server in servers:
+            # A short poll interval keeps shutdown quick (the default waits up to 0.5 s).
+            threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05},
+                             name="nereid-metrics", daemon=True).start()
+        self._servers.extend(servers)
+        return servers[0].server_port
+
+    def close(self) -> None:
+        """Stop serving (at once: a scrape under way is cut off)."""
+        servers, self._servers = self._servers, []
+        for server in servers:
+            server.shutdown()
+            server.server_close()
+
+
+class _QuietHandler(WSGIRequestHandler):
+    """No access log on stderr for every scrape; a connection gets ``timeout`` seconds to send its request.
+
+    Without a timeout each idle connection held its thread forever (1,200
+    connections: 1,227 threads). The socket's own timeout is not enough: it
+    starts again with every byte, so a header line every few seconds held a
+    thread for good, and 64 such connections turned real scrapes away.
+    """
+
+    timeout = IDLE_TIMEOUT_S
+
+    def setup(self) -> None:
+        super().setup()
+        # wsgiref serves one request per connection: its deadline is counted from the connection's start.
+        self.rfile = io.BufferedReader(_DeadlineReader(self.connection, time.monotonic() + self.timeout,
+                                                       self.timeout))
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+class _DeadlineReader(io.RawIOBase):
+    """A socket's reads, all of them together bounded by one deadline rather than each by a timeout."""
+
+    def __init__(self, sock: socket.socket, deadline: float, write_timeout_s: float) -> None:
+        super().__init__()
+        self._sock = sock
+        self._deadline = deadline
+        self._write_timeout_s = write_timeout_s
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        """Receive into ``buffer`` within the time left; TimeoutError once the deadline has passed."""
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the metrics request did not arrive in time")
+        self._sock.settimeout(left)
+        try:
+            return self._sock.recv_into(buffer)
+        finally:
+            # The answer's writes get the whole timeout again, not what was left of the reading's.
+            self._sock.settimeout(self._write_timeout_s)
+
+
+class _BoundedThreadingServer(ThreadingWSGIServer):
+    """A thread per connection, but at most :data:`MAX_CONNECTIONS` at once; more are closed at once."""
+
+    request_queue_size = 128  # listen backlog: a burst of connections is accepted, then judged
+
+    _slots: threading.BoundedSemaphore
+
+    @classmethod
+    def on_socket(cls, sock: socket.socket, app: Any, handler: type[WSGIRequestHandler],
+                  slots: threading.BoundedSemaphore) -> _BoundedThreadingServer:
+        """A server listening on ``sock``, already bound (see nereid.listening), serving ``app``; ``slots``:
+        the connections it may serve at once, shared with the endpoint's servers on its other addresses."""
+        server = cls(sock.getsockname()[:2], handler, bind_and_activate=False)
+        server._slots = slots
+        server.socket.close()
+        server.socket = sock
+        # What the base classes' server_bind sets once they have bound.
+        server.server_address = sock.getsockname()
+        server.server_name, server.server_port = str(server.server_address[0]), server.server_address[1]
+        server.setup_environ()
+        server.server_activate()
+        server.set_app(app)
+        return server
+
+    def process_request(self, request: socket.socket, client_address: object) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: socket.socket, client_address: object) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def handle_error(self, request: socket.socket, client_address: object) -> None:
+        # A client that timed out or vanished is not worth a traceback on stderr.
+        log.debug("metrics connection from %s failed", client_address, exc_info=True)

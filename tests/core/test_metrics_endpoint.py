@@ -1,0 +1,106 @@
+"""The /metrics endpoint: idle and trickling connections bounded, every address of a name served."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+import urllib.request
+
+from prometheus_client import CollectorRegistry, Counter
+
+from nereid import metrics_endpoint
+from nereid.metrics_endpoint import MAX_CONNECTIONS, MetricsEndpoint
+from support import both_loopbacks
+
+
+def registry() -> CollectorRegistry:
+    """A registry with one counter, to tell a scrape's answer by."""
+    made = CollectorRegistry()
+    Counter("nereid_test", "A counter the tests look for.", registry=made).inc()
+    return made
+
+
+def served(idle_timeout_s: float) -> tuple[MetricsEndpoint, int]:
+    """An endpoint on a loopback port of its own, with this idle timeout; (endpoint, port)."""
+    endpoint = MetricsEndpoint(registry())
+    return endpoint, endpoint.serve("127.0.0.1:0", idle_timeout_s=idle_timeout_s)
+
+
+def test_idle_metrics_connections_are_bounded_and_timed_out() -> None:
+    """Each idle connection to /metrics held a thread forever (1,200 connections: 1,227 threads)."""
+    endpoint, port = served(idle_timeout_s=0.5)
+    threads_before = threading.active_count()
+    idle: list[socket.socket] = []
+    try:
+        for _ in range(MAX_CONNECTIONS + 86):  # well past the cap
+            idle.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+        time.sleep(0.2)
+        assert threading.active_count() - threads_before <= MAX_CONNECTIONS + 2
+        time.sleep(1.0)  # past the idle timeout: every connection has been closed by the server
+        for connection in idle:
+            assert connection.recv(1) == b""
+        assert threading.active_count() - threads_before <= 2
+        assert b"nereid_test_total" in urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+    finally:
+        for connection in idle:
+            connection.close()
+        endpoint.close()
+
+
+def test_metrics_connections_trickling_a_request_are_closed_at_the_deadline() -> None:
+    """The idle timeout was per recv: a header line every 2 s kept each of 64 connections, and scrapes failed."""
+    endpoint, port = served(idle_timeout_s=1.0)
+    trickling = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(MAX_CONNECTIONS)]
+    closed_after: dict[int, float] = {}
+    started = time.monotonic()
+    try:
+        for connection in trickling:
+            connection.sendall(b"GET /metrics HTTP/1.1\r\n")
+        while len(closed_after) < len(trickling) and time.monotonic() - started < 4:
+            time.sleep(0.1)  # far less than the timeout between lines, far more than it in all
+            for index, connection in enumerate(trickling):
+                if index not in closed_after:
+                    try:
+                        connection.sendall(b"X-a: b\r\n")
+                    except OSError:  # the server closed it and answered the next line with a reset
+                        closed_after[index] = time.monotonic() - started
+        assert len(closed_after) == len(trickling)
+        assert max(closed_after.values()) < 2.5
+        assert b"nereid_test_total" in urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+    finally:
+        for connection in trickling:
+            connection.close()
+        endpoint.close()
+
+
+def test_the_metrics_endpoint_listens_on_every_address_of_a_name(monkeypatch) -> None:
+    """It took a name's first address only: with localhost naming ::1 first, a scraper reaching 127.0.0.1 (or
+    the other way round) was refused, where the gRPC and HTTP listeners answered on both."""
+    both_loopbacks(monkeypatch)
+    endpoint = MetricsEndpoint(registry())
+    port = endpoint.serve("loopbacks:0")
+    try:
+        for host in ("[::1]", "127.0.0.1"):
+            with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10) as answer:
+                assert answer.status == 200 and b"nereid_test_total" in answer.read()
+    finally:
+        endpoint.close()
+    # One bound on the connections served at once, whatever the addresses: idle ones on ::1 up to it, and the
+    # next, on 127.0.0.1, is closed unserved.
+    monkeypatch.setattr(metrics_endpoint, "MAX_CONNECTIONS", 3)
+    port = endpoint.serve("loopbacks:0", idle_timeout_s=5)
+    idle = [socket.create_connection(("::1", port), timeout=5) for _ in range(3)]
+    try:
+        time.sleep(0.2)  # (each taken by a thread of its own)
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as over:
+            over.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+            assert over.recv(1) == b""
+    finally:
+        for connection in idle:
+            connection.close()
+        endpoint.close()
+    for host in ("::1", "127.0.0.1"):  # both let go
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as again:
+            again.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (past the scrapes' TIME_WAIT, not a listener)
+            again.bind((host, port))
