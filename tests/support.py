@@ -251,3 +251,18 @@ def both_loopbacks(monkeypatch: pytest.MonkeyPatch, name: str = "loopbacks") -> 
         return [(socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("::1", port, 0, 0)),
                 (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port))]
     monkeypatch.setattr(socket, "getaddrinfo", resolve)
+
+
+def fake_gpu_machine(tmp_path: Path, gpus: int | None = None, wsl: bool = False) -> Path:
+    """A /proc and /dev tree: the NVIDIA driver's folder with ``gpus`` GPUs (no folder for None), WSL's /dev/dxg."""
+    root = tmp_path / "machine"
+    (root / "proc").mkdir(parents=True)
+    (root / "dev").mkdir()
+    if gpus is not None:
+        driver = root / "proc" / "driver" / "nvidia" / "gpus"
+        driver.mkdir(parents=True)
+        for bus in range(gpus):
+            (driver / f"0000:{bus + 1:02x}:00.0").mkdir()
+    if wsl:
+        (root / "dev" / "dxg").write_text("")
+    return root

@@ -9,8 +9,8 @@ from pathlib import Path
 
 from nereid.backend import BackendClaim
 from nereid.backends.cpp.compiler import build_binary
-from nereid.backends.subprocess.model import (SubprocessModel, require_executable_folder,
-                                             scratch_folder_refused)
+from nereid.backends.scratch import require_executable_folder, scratch_folder_refused
+from nereid.backends.subprocess.model import SubprocessModel
 from nereid.errors import ModelFailure
 from nereid.hookspecs import hookimpl
 from nereid.leftovers import make_private_folder

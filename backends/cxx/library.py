@@ -17,7 +17,7 @@ import uuid
 from pathlib import Path
 from typing import BinaryIO
 
-from nereid.backends.subprocess.model import require_executable_folder, scratch_folder_refused
+from nereid.backends.scratch import require_executable_folder, scratch_folder_refused
 from nereid.errors import ConfigError
 from nereid.files import not_regular_reason
 

@@ -14,7 +14,8 @@ from nereid.errors import ConfigError
 from nereid.backends.python.options import PythonOptions, parse_options
 from nereid.backends.python.preload import Preloads, modules_to_preload
 from nereid.backends.python.warm import EntryImportFailed, WarmParent, WarmStartUnavailable
-from nereid.backends.subprocess.model import SubprocessModel, scratch_folder_refused
+from nereid.backends.scratch import scratch_folder_refused
+from nereid.backends.subprocess.model import SubprocessModel
 from nereid.backends.subprocess.runner import ProcessResult
 from nereid.hookspecs import hookimpl
 
