@@ -19,7 +19,7 @@ from typing import Any, Callable, Coroutine
 import nereid.backend_calls
 from nereid.backend import CallsModels, ModelContext, ReportsRuntime, runtime_report_problem
 from nereid.backend_calls import bounded_backend_call
-from nereid.dependencies import settle
+from nereid.dependencies import callers_readiness
 from nereid.errors import ConfigError, backend_exit, plugin_failures
 from nereid.files import check_confined
 from nereid.leftovers import ScratchFolderError, make_scratch_folder, remove_scratch_folder
@@ -413,13 +413,13 @@ def _check_callers(callers: list[_Checked], states: dict[str, tuple[str, str]]) 
     would stay UNAVAILABLE, and ServerReady false: a problem, said on its line.
     """
     at_start = {c.name: c.depends_on for c in callers if c.loaded_at_start}
-    verdicts = settle(at_start, states)
+    verdicts = callers_readiness(at_start, states)
     # One not loaded at start is judged as a later load of it would be: the unlisted models it calls that
     # checked fine can be loaded first.
     loadable = {name: ("READY", "") if state == ("UNAVAILABLE", NOT_LISTED) else state
                 for name, state in states.items()}
-    verdicts.update({name: verdict for name, verdict in settle({c.name: c.depends_on for c in callers},
-                                                               loadable).items() if name not in at_start})
+    everyone = callers_readiness({c.name: c.depends_on for c in callers}, loadable)
+    verdicts.update({name: verdict for name, verdict in everyone.items() if name not in at_start})
     problems = 0
     for checked in callers:
         verdict = verdicts[checked.name]

@@ -63,7 +63,8 @@ class Readiness:
 READY = Readiness(None)
 
 
-def settle(callers: Mapping[str, tuple[str, ...]], states: Mapping[str, tuple[str, str]]) -> dict[str, Readiness]:
+def callers_readiness(callers: Mapping[str, tuple[str, ...]],
+                      states: Mapping[str, tuple[str, str]]) -> dict[str, Readiness]:
     """Every caller's readiness, each dependency followed once, deepest first.
 
     ``callers`` maps each model that calls other models (and whose state

@@ -62,6 +62,11 @@ class DType(enum.Enum):
         """The ``InferTensorContents`` field for typed contents, None if raw only."""
 
     @property
+    def on_wire(self) -> bool:
+        """Whether clients can send and receive this type (it has a KServe wire datatype; fp8 has none)."""
+        return self._kserve is not None
+
+    @property
     def kserve(self) -> str:
         """The wire string; raises ValueError for types that have none (fp8)."""
         if self._kserve is None:

@@ -1,4 +1,5 @@
-"""Listening sockets for the HTTP and metrics listeners, taking an address as the gRPC listener takes it.
+"""Listening sockets for the HTTP and metrics listeners, taking an address as the gRPC listener takes it;
+and the probe of whether gRPC can bind its own address (:func:`bind_problem`).
 
 ``[::]`` means every interface: one dual-stack socket (IPV6_V6ONLY off, whatever
 the host's ``net.ipv6.bindv6only`` says, so IPv4 clients such as a kubelet's
@@ -81,3 +82,38 @@ def _bound(family: socket.AddressFamily, sockaddr: tuple, dual_stack: bool = Fal
         sock.close()
         raise
     return sock
+
+
+def bind_problem(address: str) -> OSError | None:
+    """Why gRPC could not listen on ``host:port``, found by binding it as gRPC does; None when it can.
+
+    gRPC sets SO_REUSEADDR (a port in TIME_WAIT is no problem) and, with
+    ``grpc.so_reuseport`` 0, nothing more; it listens on a wildcard host (0.0.0.0
+    or ::) through one dual-stack socket, or on IPv4 alone where that fails, and
+    on a name on every address it resolves to, succeeding when one binds. The
+    probe does the same, and closes its sockets at once.
+    """
+    host, _, port_text = address.rpartition(":")
+    host, port = host.strip("[]"), int(port_text)
+    candidates: list[tuple[socket.AddressFamily, tuple]]
+    if host in ("0.0.0.0", "::"):
+        candidates = [(socket.AF_INET6, ("::", port, 0, 0)), (socket.AF_INET, ("0.0.0.0", port))]
+    else:
+        try:
+            found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        except OSError as err:  # (socket.gaierror: a name that does not resolve)
+            return err
+        candidates = [(family, sockaddr) for family, _, _, _, sockaddr in found]
+    first: OSError | None = None
+    for family, sockaddr in candidates:
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6 and sockaddr[0] == "::":
+                    probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)  # dual-stack, as gRPC's
+                probe.bind(sockaddr)
+                probe.listen(1)
+            return None
+        except OSError as err:
+            first = first or err
+    return first

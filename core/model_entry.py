@@ -130,7 +130,7 @@ class ModelEntry:
         return self.loaded is not None or self.holders > 0 or self.draining > 0
 
     def waiting_on_dependencies(self) -> bool:
-        """Loaded, but UNAVAILABLE until every model it calls is READY (the repository's settle of the
+        """Loaded, but UNAVAILABLE until every model it calls is READY (the repository's walk of the
         dependency graph is the only thing that leaves a loaded model UNAVAILABLE)."""
         return self.loaded is not None and self.state is ModelState.UNAVAILABLE
 

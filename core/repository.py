@@ -23,7 +23,7 @@ import pluggy
 import nereid
 from nereid.backend import CallsModels, ModelCaller, ModelContext, Relocatable
 from nereid.backend_calls import await_build, on_daemon_thread, terminate_backend, unload_backend, unload_unclaimed
-from nereid.dependencies import READY, Readiness, settle
+from nereid.dependencies import READY, Readiness, callers_readiness
 from nereid.errors import (ConfigError, NotFound, PublicText, Unavailable, backend_exit, calling_plugin,
                            cap_message, describe_exception, without_stop_iteration)
 from nereid.files import check_confined, is_model_folder_name
@@ -107,7 +107,7 @@ class ModelRepository:
             (f"{_backends_folder()}{os.sep}", "<nereid.backends>/"),
         }, key=lambda pair: -len(pair[0]))
         self._entries: dict[str, ModelEntry] = {}
-        self._verdicts: dict[str, Readiness] = {}  # each model calling others, as the last settle found it
+        self._verdicts: dict[str, Readiness] = {}  # each model calling others, as the last walk of the graph found it
         self._scan_errors = RateLimitedLog(log)
         # Work that outlives the call that started it: old versions draining after a reload, removals. Awaited
         # by unload_all; the versions draining are also ended by terminate_running.
@@ -951,10 +951,11 @@ class ModelRepository:
         return {e.name: (e.state.value, e.reason) for e in self._entries.values()}
 
     def _dependency_verdicts(self) -> dict[str, Readiness]:
-        """Whether each loaded model that calls other models can serve now (see :func:`settle`)."""
+        """Whether each loaded model that calls other models can serve now (see
+        :func:`~nereid.dependencies.callers_readiness`)."""
         callers = {entry.name: entry.loaded.depends_on for entry in self._entries.values()
                    if entry.loaded is not None and entry.loaded.depends_on and entry.state is not ModelState.UNLOADING}
-        return settle(callers, self._states()) if callers else {}
+        return callers_readiness(callers, self._states()) if callers else {}
 
     def _refresh_dependents(self, repeated: bool = False) -> None:
         """Keep models that call other models READY exactly while those are READY (issue 14).

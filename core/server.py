@@ -6,7 +6,6 @@ import asyncio
 import functools
 import logging
 import signal
-import socket
 import time
 from collections import Counter
 from dataclasses import replace
@@ -18,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from nereid.dataplane import DataPlane
 from nereid.leftovers import (asked_temporary_directory, make_scratch_folder, remove_scratch_folder,
                               remove_stale_scratch)
+from nereid.listening import bind_problem
 from nereid.loop_watch import LoopWatch
 from nereid.metrics import ServerMetrics
 from nereid.plugins import make_plugin_manager
@@ -42,41 +42,6 @@ ANSWER_AT_GRACE_S = 1.0
 # How long after shutdown_grace_s uvicorn ends the HTTP requests still running: after the data plane has
 # marked the grace as passed, so that they count as answered UNAVAILABLE rather than cancelled by a client.
 HTTP_END_AFTER_GRACE_S = 0.2
-
-
-def bind_problem(address: str) -> OSError | None:
-    """Why gRPC could not listen on ``host:port``, found by binding it as gRPC does; None when it can.
-
-    gRPC sets SO_REUSEADDR (a port in TIME_WAIT is no problem) and, with
-    ``grpc.so_reuseport`` 0, nothing more; it listens on a wildcard host (0.0.0.0
-    or ::) through one dual-stack socket, or on IPv4 alone where that fails, and
-    on a name on every address it resolves to, succeeding when one binds. The
-    probe does the same, and closes its sockets at once.
-    """
-    host, _, port_text = address.rpartition(":")
-    host, port = host.strip("[]"), int(port_text)
-    candidates: list[tuple[socket.AddressFamily, tuple]]
-    if host in ("0.0.0.0", "::"):
-        candidates = [(socket.AF_INET6, ("::", port, 0, 0)), (socket.AF_INET, ("0.0.0.0", port))]
-    else:
-        try:
-            found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-        except OSError as err:  # (socket.gaierror: a name that does not resolve)
-            return err
-        candidates = [(family, sockaddr) for family, _, _, _, sockaddr in found]
-    first: OSError | None = None
-    for family, sockaddr in candidates:
-        try:
-            with socket.socket(family, socket.SOCK_STREAM) as probe:
-                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                if family == socket.AF_INET6 and sockaddr[0] == "::":
-                    probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)  # dual-stack, as gRPC's
-                probe.bind(sockaddr)
-                probe.listen(1)
-            return None
-        except OSError as err:
-            first = first or err
-    return first
 
 
 class HealthService(health_pb2_grpc.HealthServicer):

@@ -406,7 +406,7 @@ def _dtype(reader: KeyedReader, token: Any, where: str, executable: bool) -> DTy
         reader.fail(where, str(err), token)
     if executable and dtype is DType.BYTES:
         reader.fail(where, "XLA programs have no string type; BYTES is allowed only on client tensors", token)
-    if not executable and dtype.value.kserve is None:
+    if not executable and not dtype.on_wire:
         reader.fail(where, f"{dtype.name} has no KServe wire datatype, so it may appear only on "
                            "executable tensors", token)
     return dtype
@@ -418,7 +418,7 @@ def _check_wire_dtypes(reader: KeyedReader, key: str, executable: tuple[Manifest
     if client is not None:
         return
     for index, tensor in enumerate(executable):
-        if tensor.dtype.value.kserve is None:
+        if not tensor.dtype.on_wire:
             reader.fail(f"{key}[{index}].dtype", f"{tensor.dtype.name} has no KServe wire datatype, and without "
                                                  f"{client_key} this tensor is also the client's: declare "
                                                  f"{client_key} with a wire dtype and convert in model.py",

@@ -250,9 +250,9 @@ def mirror_leftovers(server: ServerSettings, present: list[str]) -> list[str]:
     only: :func:`drop_mirror_folder` asks the store about each (a listing may miss a folder)."""
     if _location(server) is None:
         return []
-    from nereid.storage.mirror import mirror_leftovers as leftovers
+    from nereid.storage.mirror import leftover_names
 
-    return leftovers(Path(server.ml_backends_path), present)
+    return leftover_names(Path(server.ml_backends_path), present)
 
 
 def drop_mirror_folder(server: ServerSettings, name: str) -> bool:

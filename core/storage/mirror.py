@@ -495,7 +495,7 @@ def _remove_dropped(root: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def mirror_leftovers(root: Path, present: Iterable[str]) -> list[str]:
+def leftover_names(root: Path, present: Iterable[str]) -> list[str]:
     """The names with a folder or a lock file in the mirror ``root`` that are not in ``present`` (a listing of the
     store's model folders): candidates for :func:`drop_mirror`."""
     present = set(present)

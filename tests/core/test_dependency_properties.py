@@ -1,6 +1,6 @@
 """Property-based tests (hypothesis) of two pure functions of the core: meta-model readiness and batch formation.
 
-``nereid.dependencies.settle`` (and ``find_cycle``), over random graphs of a
+``nereid.dependencies.callers_readiness`` (and ``find_cycle``), over random graphs of a
 few names (self-loops, cycles, diamonds, duplicate edges, edges to names no
 model has) with random states (READY, LOADING, UNLOADING, UNAVAILABLE, with
 short and over-long reasons) for the models that call none:
@@ -17,7 +17,7 @@ short and over-long reasons) for the models that call none:
   recursive oracle computes;
 * the verdicts do not depend on the order of the ``callers`` and ``states``
   dicts, and a caller's own entry in ``states`` is ignored;
-* graphs of 200 names settle in bounded time (about 0.2 s at worst);
+* graphs of 200 names are judged in bounded time (about 0.2 s at worst);
 * every reason is capped at MESSAGE_LIMIT.
 
 ``nereid.batching.take_batch``, over random queues (rows, costs, keys,
@@ -56,7 +56,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from nereid.batching import BatchPolicy, take_batch
-from nereid.dependencies import Readiness, describe_cycle, find_cycle, settle
+from nereid.dependencies import Readiness, callers_readiness, describe_cycle, find_cycle
 from nereid.errors import MESSAGE_LIMIT, cap_message
 
 # NEREID_HYPOTHESIS_EXAMPLES=5000 searches deeper (about four minutes) than the suite does by default.
@@ -65,7 +65,7 @@ BOUNDED = settings(max_examples=int(os.environ.get("NEREID_HYPOTHESIS_EXAMPLES",
 FEWER = settings(BOUNDED, max_examples=max(1, BOUNDED.max_examples // 20))
 
 # ---------------------------------------------------------------------------------------------------------------
-# settle: readiness of models that call other models
+# callers_readiness: readiness of models that call other models
 # ---------------------------------------------------------------------------------------------------------------
 
 NAMES = ["a", "b", "c", "d", "e", "f"]
@@ -85,7 +85,7 @@ def graphs(draw: st.DrawFn) -> tuple[dict[str, tuple[str, ...]], dict[str, tuple
             callers[upper] = (lower, *callers[upper])
     states: dict[str, tuple[str, str]] = {}
     for name in NAMES:
-        # A caller's own entry is what RepositoryIndex shows of it: settle ignores it, so any state goes.
+        # A caller's own entry is what RepositoryIndex shows of it: callers_readiness ignores it, so any state goes.
         if draw(st.integers(0, 5)) > 0 or name in callers:
             states[name] = (draw(st.sampled_from(STATES)), draw(st.sampled_from(REASONS)))
     return callers, states
@@ -200,9 +200,9 @@ def root_state(callers: dict[str, tuple[str, ...]], states: dict[str, tuple[str,
 @example(({"top": ("a", "b", "ghost"), "a": ("x",), "b": ("y",)},
           {"x": ("READY", ""), "y": ("LOADING", ""), "top": ("UNAVAILABLE", "stale")}))
 @example(({"a": ("b",), "b": ("c",), "c": ("d", "ghost"), "d": ("e",)}, {"e": ("LOADING", ""), "ghost": ("READY", "")}))
-def test_settle_agrees_with_the_rules(graph: tuple[dict, dict]) -> None:
+def test_callers_readiness_agrees_with_the_rules(graph: tuple[dict, dict]) -> None:
     callers, states = graph
-    verdicts = settle(callers, states)
+    verdicts = callers_readiness(callers, states)
     assert set(verdicts) == set(callers)
     ready = fixed_point_ready(callers, states)
     for name, dependencies in callers.items():
@@ -241,19 +241,19 @@ def test_settle_agrees_with_the_rules(graph: tuple[dict, dict]) -> None:
 def test_settle_does_not_depend_on_dict_order_or_on_a_callers_own_state(graph: tuple[dict, dict],
                                                                         rng: random.Random) -> None:
     callers, states = graph
-    verdicts = settle(callers, states)
+    verdicts = callers_readiness(callers, states)
     caller_items, state_items = list(callers.items()), list(states.items())
     rng.shuffle(caller_items)
     rng.shuffle(state_items)
-    assert settle(dict(caller_items), dict(state_items)) == verdicts
-    # What RepositoryIndex shows of a caller is what settle computes: whatever it was, it is ignored.
+    assert callers_readiness(dict(caller_items), dict(state_items)) == verdicts
+    # What RepositoryIndex shows of a caller is what callers_readiness computes: whatever it was, it is ignored.
     restated = dict(states)
     for name in callers:
         if rng.random() < 0.5:
             restated.pop(name, None)
         else:
             restated[name] = (rng.choice(STATES), rng.choice(REASONS))
-    assert settle(callers, restated) == verdicts
+    assert callers_readiness(callers, restated) == verdicts
 
 
 @BOUNDED
@@ -288,7 +288,7 @@ def test_two_hundred_callers_settle_in_bounded_time(seed: int, shape: str) -> No
         callers = {n: tuple(names[i + 1:]) + ("echo",) for i, n in enumerate(names)}
     states = {"echo": (rng.choice(STATES), "")}
     started = time.perf_counter()
-    verdicts = settle(callers, states)
+    verdicts = callers_readiness(callers, states)
     elapsed = time.perf_counter() - started
     # About 0.2 s at worst on an idle machine: the bound only catches a blow-up (a walk per path, not per
     # model), with room for a machine loaded by the rest of the suite.
@@ -300,14 +300,15 @@ def test_two_hundred_callers_settle_in_bounded_time(seed: int, shape: str) -> No
         assert all(v.ready == (states["echo"][0] == "READY") for v in verdicts.values())
 
 
-# Defect: two of settle's reasons were not capped (a caller on a cycle; one calling a name no model has), and the
-# repository shows them in RepositoryIndex as they are (README: "Reasons and errors are capped at 4 KiB").
+# Defect: two of callers_readiness's reasons were not capped (a caller on a cycle; one calling a name no model
+# has), and the repository shows them in RepositoryIndex as they are (README: "Reasons and errors are capped at
+# 4 KiB").
 @pytest.mark.parametrize("callers", [
     pytest.param({f"{i:03d}" + "m" * 250: (f"{(i + 1) % 20:03d}" + "m" * 250,) for i in range(20)}, id="cycle"),
     pytest.param({"relay": ("e" * 9000,)}, id="unknown-dependency"),
 ])
 def test_every_reason_is_capped(callers: dict[str, tuple[str, ...]]) -> None:
-    verdicts = settle(callers, {})
+    verdicts = callers_readiness(callers, {})
     assert all(len(v.why) <= MESSAGE_LIMIT for v in verdicts.values() if v.why is not None), \
         [len(v.why) for v in verdicts.values() if v.why is not None]
 

@@ -15,12 +15,13 @@ WIRE_TYPES = ["BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "I
 @pytest.mark.parametrize("wire", WIRE_TYPES)
 def test_every_wire_type_round_trips(wire: str) -> None:
     dtype = DType.from_kserve(wire)
-    assert dtype.kserve == wire
+    assert dtype.kserve == wire and dtype.on_wire
     assert DType.of(np.empty(1, dtype=dtype.numpy)) is dtype
 
 
 def test_fp8_is_executable_internal_only() -> None:
     assert DType.F8E5M2.numpy == np.dtype(ml_dtypes.float8_e5m2)
+    assert not DType.F8E5M2.on_wire and not DType.F8E4M3.on_wire
     with pytest.raises(ValueError, match="no KServe wire datatype"):
         DType.F8E4M3.kserve
     with pytest.raises(ValueError, match="unknown datatype 'F8E4M3'"):

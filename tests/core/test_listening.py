@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from nereid.listening import bind_listening_sockets
+from nereid.listening import bind_listening_sockets, bind_problem
 from support import both_loopbacks
 
 
@@ -107,3 +107,16 @@ def test_the_ipv6_wildcard_is_ipv4_s_on_a_host_without_ipv6(tmp_path: Path):
                           env={"LD_PRELOAD": str(tmp_path / "noinet6.so"), "PATH": "/usr/bin:/bin"})
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == [True, "0.0.0.0"]
+
+
+def test_grpc_s_address_is_probed_as_grpc_binds_it():
+    """The probe serve makes before gRPC binds: what is free is no problem, an address in use or a name that
+    does not resolve is (a port in TIME_WAIT is not: SO_REUSEADDR, as gRPC sets it)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        problem = bind_problem(f"127.0.0.1:{port}")
+        assert isinstance(problem, OSError) and problem.errno == errno.EADDRINUSE
+    assert bind_problem(f"127.0.0.1:{port}") is None  # let go
+    assert isinstance(bind_problem("no-such-host.invalid:8001"), socket.gaierror)

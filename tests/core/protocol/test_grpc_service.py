@@ -767,7 +767,7 @@ def test_every_wire_datatype_has_its_model_config_type():
     from nereid.model_info import InstanceGroup, ModelConfig, TensorInfo
     from nereid.protocol.grpc_service import config_message
 
-    wire = [dtype.value.kserve for dtype in DType if dtype.value.kserve is not None]
+    wire = [dtype.kserve for dtype in DType if dtype.on_wire]
     assert len(wire) == 14
     tensors = tuple(TensorInfo(f"t{index}", datatype, (1,)) for index, datatype in enumerate(wire))
     config = ModelConfig("m", "p", "b", 0, tensors, (), None, InstanceGroup(1, "KIND_CPU", ()))
