@@ -45,6 +45,13 @@ STATUS_OF_ERROR: dict[type[NereidError], int] = {
     ModelFailure: 500,
     Unimplemented: 501,
 }
+# The endpoints nereid serves, with their methods (HEAD is answered as GET): under /v2, and under a model (and its
+# version) by the segment after it ("" for the model's metadata). HttpSurface._route and _model must serve each
+# of them (a test checks); _allowed_method reads them, so that a known path asked with another method gets 405
+# with Allow (see _not_found). Repository load and unload (/v2/repository/models/{m}/load, /unload) take POST.
+SERVER_ENDPOINTS: dict[tuple[str, ...], str] = {(): "GET", ("health", "live"): "GET", ("health", "ready"): "GET",
+                                                ("models", "stats"): "GET", ("repository", "index"): "POST"}
+MODEL_ENDPOINTS: dict[str, str] = {"": "GET", "ready": "GET", "config": "GET", "stats": "GET", "infer": "POST"}
 # Triton's endpoints of extensions nereid does not implement: a path's first parts after /v2, and the extension.
 REFUSED_ENDPOINTS: dict[str, str] = {"systemsharedmemory": "system_shared_memory",
                                      "cudasharedmemory": "cuda_shared_memory", "trace": "trace",
@@ -221,11 +228,12 @@ class HttpSurface:
             if not version:  # ".../versions//infer" is no request for the default version: a client's slip
                 raise HttpError(404, f"model '{model}': the path names an empty version "
                                      f"({cap_message(scope['path'], 256)}); give one (1) or leave out /versions/")
-            if not rest and version in _MODEL_ACTIONS:  # ".../versions/infer": the version left out, not named
+            if not rest and version in MODEL_ENDPOINTS:  # ".../versions/infer": the version left out, not named
                 raise HttpError(404, f"model '{model}': the path names no version before /{version} "
                                      f"({cap_message(scope['path'], 256)}); give one (.../versions/1/{version}) "
                                      f"or leave out /versions/")
         action = rest[0] if len(rest) == 1 else "" if not rest else None
+        # (Each endpoint below is in MODEL_ENDPOINTS too, where a wrong method's 405 finds what it takes.)
         if action == "" and method == "GET":
             metadata = self.dataplane.model_metadata(model, version)
             return _json({"name": metadata.name, "versions": list(metadata.versions), "platform": metadata.platform,
@@ -574,9 +582,6 @@ def _parameters(body: bytes, what: str) -> dict:
     return parameters
 
 
-_MODEL_ACTIONS = frozenset(("ready", "config", "stats", "infer"))  # what follows a model (and its version)
-
-
 def _not_found(scope: Scope, parts: list[str]) -> HttpError:
     """404 for an unknown endpoint; 405 with Allow for a known one asked with the wrong method, as Triton
     answers it (worked out only here, off the path of requests that route)."""
@@ -590,19 +595,19 @@ def _not_found(scope: Scope, parts: list[str]) -> HttpError:
 
 def _allowed_method(parts: list[str]) -> str | None:
     """The method a known endpoint takes (the path under /v2, split at "/"), or None for an unknown path."""
-    if parts in ([], ["health", "live"], ["health", "ready"], ["models", "stats"]):
-        return "GET"
-    if parts == ["repository", "index"] or (len(parts) == 4 and parts[:2] == ["repository", "models"]
-                                            and parts[3] in ("load", "unload")):
+    method = SERVER_ENDPOINTS.get(tuple(parts))
+    if method is not None:
+        return method
+    if len(parts) == 4 and parts[:2] == ["repository", "models"] and parts[3] in ("load", "unload"):
         return "POST"
     if len(parts) >= 2 and parts[0] == "models":
         rest = parts[2:]
         if rest[:1] == ["versions"] and len(rest) >= 2:
             rest = rest[2:]
-        if rest in ([], ["ready"], ["config"], ["stats"]):
-            return "GET"
-        if rest == ["infer"]:
-            return "POST"
+        if not rest:
+            return MODEL_ENDPOINTS[""]
+        if len(rest) == 1 and rest[0]:
+            return MODEL_ENDPOINTS.get(rest[0])
     return None
 
 

@@ -849,3 +849,58 @@ def test_a_client_is_named_as_host_and_port_in_log_lines() -> None:
     from nereid.protocol.http_service import peer
 
     assert (peer(("127.0.0.1", 40312)), peer(("::1", 8)), peer(None)) == ("127.0.0.1:40312", "[::1]:8", "unknown")
+
+
+def test_each_endpoint_is_known_with_its_method_with_or_without_a_version():
+    """The 405's Allow comes from the same table the endpoints are listed in (a route added to one place only
+    answered a wrong method 404)."""
+    from nereid.protocol.http_service import MODEL_ENDPOINTS, SERVER_ENDPOINTS, _allowed_method
+
+    for parts, method in SERVER_ENDPOINTS.items():
+        assert _allowed_method(list(parts)) == method
+    for action, method in MODEL_ENDPOINTS.items():
+        tail = [action] if action else []
+        assert _allowed_method(["models", "m", *tail]) == method
+        assert _allowed_method(["models", "m", "versions", "1", *tail]) == method
+    assert [_allowed_method(["repository", "models", "m", verb]) for verb in ("load", "unload")] == ["POST", "POST"]
+    for unknown in (["nope"], ["models", "m", "labels"], ["models", "m", "ready", "more"], ["repository"],
+                    ["models", "m", ""]):
+        assert _allowed_method(unknown) is None, unknown
+
+
+def test_the_surface_serves_each_listed_endpoint_and_refuses_other_methods_with_405(tmp_path):
+    """The endpoint tables and the dispatch must agree: an endpoint listed but not served answered its own method
+    405 "use GET" (and one served but not listed answered a wrong method 404)."""
+    from nereid.protocol.http_service import MODEL_ENDPOINTS, SERVER_ENDPOINTS, HttpSurface
+    from toy_backends import toy_dataplane
+
+    plane = toy_dataplane(tmp_path)
+    surface = HttpSurface(plane, max_body_bytes=1 << 20)
+
+    async def call(method: str, path: str) -> int:
+        body = b'{"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [1, 2, 3, 4]}]}'
+        scope = {"type": "http", "method": method, "path": path, "raw_path": path.encode(), "query_string": b"",
+                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+                 "client": ("127.0.0.1", 1)}
+        sent: list[dict] = []
+
+        async def receive() -> dict:
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+        await surface(scope, receive, send)
+        return sent[0]["status"]
+
+    async def scenario() -> None:
+        await plane.repository.load("toy")
+        paths = {"/v2/" + "/".join(parts): method for parts, method in SERVER_ENDPOINTS.items()}
+        for action, method in MODEL_ENDPOINTS.items():
+            for model in ("/v2/models/toy", "/v2/models/toy/versions/1"):
+                paths[f"{model}/{action}" if action else model] = method
+        for path, method in paths.items():
+            assert await call(method, path) not in (404, 405), (method, path)
+            other = "POST" if method == "GET" else "GET"
+            assert await call(other, path) == 405, (other, path)
+        await plane.repository.unload_all()
+    asyncio.run(scenario())
