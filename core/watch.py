@@ -52,6 +52,7 @@ from nereid.errors import ConfigError, NotFound, Unavailable
 from nereid.folder_states import FolderState, ignored_name, plan_changes, scan_repository, scan_store
 from nereid.settings import Settings, load_settings
 from nereid.storage import StorageError, failure_kind, parse_store_url, store_failed
+from nereid.store_retries import StoreRetries
 from nereid.watched_paths import WatchedPaths, links_on_the_way, symlinked_folders
 
 if TYPE_CHECKING:
@@ -64,24 +65,10 @@ MAX_GROUPING_FACTOR = 20  # changes that never stop are still acted on after thi
 EVENT_STEP_MS = 20  # events are grouped this long before a scan; the settle time is applied per folder
 # The link a Kubernetes ConfigMap or Secret volume swaps to update its files (its AtomicWriter's name).
 KUBERNETES_DATA_LINK = "..data"
-# A store's folder whose load the store failed is tried again after watch_poll_s, then twice as long after each
-# failure, up to this (or watch_poll_s, if longer): an outage of an hour costs a dozen tries, not 360.
-STORE_RETRY_CAP_S = 300.0
 
 # The known state of a folder whose model a request loaded while the watcher did not see the folder (see
 # RepositoryWatcher._know_requested_loads): no scan gives it, so the folder's absence reads as a removal.
 _LOADED_UNSEEN = FolderState((), "loaded by a request; its folder not seen by the watcher")
-
-
-@dataclass(frozen=True)
-class StoreRetry:
-    """A store's folder whose load the store failed in this state: the wait before its next try, how many
-    of its tries the store failed, and the last one's reason (its :func:`~nereid.storage.failure_kind`)."""
-
-    state: FolderState
-    delay_s: float
-    failures: int
-    reason: str
 
 
 class _Follow:
@@ -172,7 +159,7 @@ class RepositoryWatcher:
         # Pending folders whose hidden files are being written (a transfer under way): not due before this time.
         self._busy: dict[str, float] = {}
         # A store's folders whose last load the store failed (see _from_store): tried again after a backoff.
-        self._store_retries: dict[str, StoreRetry] = {}
+        self._store_retries = StoreRetries(self.poll_s)
         # Each scan's loads, reloads, renames and nereid.yaml's work, carried out beside the scans that follow
         # (see _start), and each scan's task awaiting them: cancelled by stop() (a load never starts, nor holds
         # up, a shutdown; the repository's unload_all awaits them).
@@ -400,8 +387,7 @@ class RepositoryWatcher:
                 follow.restart = True
         if not self._primed:
             started.append(self._catch_up(current))
-        for name in [name for name, retry in self._store_retries.items() if current.get(name) != retry.state]:
-            del self._store_retries[name]  # changed or gone since the store failed it: a new start, if any
+        self._store_retries.forget_changed(current)
         if self.location is not None:
             self._adopt_store_failures(current)
         self._know_requested_loads(current)
@@ -447,7 +433,7 @@ class RepositoryWatcher:
             retry = self._store_retries.get(name)
             if retry is not None and not repository.wanted(name):
                 # Unloaded (RepositoryModelUnload) or unlisted since the store failed its load: not tried again.
-                del self._store_retries[name]
+                self._store_retries.forget(name)
                 log.info("dynamic repository: folder '%s' is no longer served (unloaded or no longer listed); "
                          "its load the store failed is not tried again", name)
                 continue
@@ -598,7 +584,7 @@ class RepositoryWatcher:
             fault: str | None = str(err)
         else:
             if entry.generation != generation:  # a new version serves
-                retry = self._store_retries.pop(name, None)
+                retry = self._store_retries.forget(name)
                 if retry is not None:
                     log.info("dynamic repository: folder '%s' loaded; the store had failed it %d time(s)", name,
                              retry.failures)
@@ -607,7 +593,7 @@ class RepositoryWatcher:
             # chain holds a StorageError. Anything else was the model's own fault.
             fault = entry.store_fault or None
         if fault is None:
-            self._store_retries.pop(name, None)
+            self._store_retries.forget(name)
             return
         if self._folders.get(name) != state:
             return  # changed or gone meanwhile: that change is acted on as any other
@@ -629,25 +615,9 @@ class RepositoryWatcher:
 
     def _try_again_later(self, name: str, state: FolderState, previous: FolderState | None, fault: str) -> None:
         """The store failed the load (or reload, with ``previous`` the state loaded) of the folder ``name`` seen
-        in ``state`` for the reason ``fault``: it goes back to ``previous``, to be tried again after a backoff.
-
-        The first failure is a WARNING, and so is one for another reason than the last; a try that fails as the
-        last one did is DEBUG (a key the local disk cannot hold fails every 5 minutes for ever).
-        """
-        cap_s = max(self.poll_s, STORE_RETRY_CAP_S)
-        retry = self._store_retries.get(name)
-        kind = failure_kind(fault)
-        if retry is None:
-            retry = StoreRetry(state, self.poll_s, 1, kind)
-            log.warning("dynamic repository: folder '%s' did not %s because of the store (%s); trying again in "
-                        "%g s, then less often (at most every %g s), until it loads or its objects change", name,
-                        "load" if previous is None else "reload", fault, retry.delay_s, cap_s)
-        else:
-            retry = StoreRetry(state, min(retry.delay_s * 2, cap_s), retry.failures + 1, kind)
-            level = logging.DEBUG if kind == self._store_retries[name].reason else logging.WARNING
-            log.log(level, "dynamic repository: folder '%s': the store failed it again%s (%s); trying again in %g s",
-                    name, "" if level == logging.DEBUG else ", for another reason", fault, retry.delay_s)
-        self._store_retries[name] = retry
+        in ``state`` for the reason ``fault``: it goes back to ``previous``, to be tried again after a backoff
+        (see :mod:`nereid.store_retries`)."""
+        retry = self._store_retries.failed(name, state, fault, reloading=previous is not None)
         if previous is None:
             self._folders.pop(name, None)
         else:
