@@ -38,6 +38,7 @@ from nereid.model_runner import HookThreads, make_runner
 from nereid.plugins import check_backend_defaults
 from nereid.scheduler import ModelScheduler
 from nereid.settings import Settings
+from nereid.settings_changes import changed_backends, settings_step
 from nereid.stats import ModelStats
 from nereid.storage import (StorageError, failure_kind, forget_listed_folder,
                             materialize_model_folder, mirror_leftovers, model_folder_exists, scan_model_folders,
@@ -734,33 +735,21 @@ class ModelRepository:
             return asyncio.sleep(0)  # (nothing applied, nothing to wait for)
         old = self.settings
         self.settings = settings
-        changed_backends = {name for name in set(old.backend_defaults) | set(settings.backend_defaults)
-                            if old.backend_defaults.get(name) != settings.backend_defaults.get(name)}
+        backends_changed = changed_backends(old, settings)
         work = []
         for entry in self.entries():
-            model, origin = settings.model_or_default(entry.name)
-            was_listed, listed = old.model(entry.name) is not None, settings.model(entry.name) is not None
-            changed = model != entry.settings
-            entry.settings, entry.settings_origin = model, origin
-            if settings.models_listed and was_listed and not listed:
-                log.info("model '%s' is no longer listed in nereid.yaml; unloading it", entry.name)
+            step = settings_step(entry.name, old, settings, entry.settings,
+                                 entry.loaded.backend_name if entry.loaded is not None else None,
+                                 entry.name in self._exposed and entry.folder_seen, backends_changed)
+            entry.settings, entry.settings_origin = settings.model_or_default(entry.name)
+            if step is None:
+                continue
+            log.info("model '%s'%s", entry.name, step.why)
+            if step.action == "unload":
                 work.append(self.unload(entry.name))
-            elif entry.loaded is None:
-                # A model that is not loaded loads when its entry is new or changed: a fix to the entry of
-                # one that failed (an unknown backend, a bad runtime option) must not wait for a restart.
-                if listed and not was_listed:
-                    log.info("model '%s' is now listed in nereid.yaml; loading it", entry.name)
-                    work.append(self.load(entry.name))
-                elif listed and changed:
-                    log.info("model '%s': its settings in nereid.yaml changed; loading it", entry.name)
-                    work.append(self.load(entry.name))
-                elif changed_backends and entry.name in self._exposed and entry.folder_seen:
-                    # Its last load failed (which backend claims it is not known): a fixed backends: default
-                    # (warm_sart corrected to warm_start) may be what it needed.
-                    log.info("model '%s': nereid.yaml's backends: defaults changed; loading it again", entry.name)
-                    work.append(self.load(entry.name))
-            elif changed or entry.loaded.backend_name in changed_backends:
-                log.info("model '%s': its settings in nereid.yaml changed; reloading it", entry.name)
+            elif step.action == "load":
+                work.append(self.load(entry.name))
+            else:
                 work.append(self._reload_entry(entry))
         return self._settled([asyncio.ensure_future(step) for step in work])
 

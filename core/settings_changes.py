@@ -1,0 +1,57 @@
+"""What an edited nereid.yaml asks of each model: load it, reload it, unload it, or nothing.
+
+Decided here from the old and new settings and the model's state alone; the
+repository (:meth:`~nereid.repository.ModelRepository.start_settings`) carries
+the steps out, each in a task of its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nereid.settings import ModelSettings, Settings
+
+
+@dataclass(frozen=True)
+class SettingsStep:
+    """One model's step: ``action`` is ``load``, ``reload`` or ``unload``; ``why`` follows the model's name in its
+    log line (``model 'm' is now listed in nereid.yaml; loading it``)."""
+
+    action: str
+    why: str
+
+
+def changed_backends(old: Settings, new: Settings) -> set[str]:
+    """The backends whose ``backends:`` defaults differ between ``old`` and ``new``."""
+    return {name for name in set(old.backend_defaults) | set(new.backend_defaults)
+            if old.backend_defaults.get(name) != new.backend_defaults.get(name)}
+
+
+def settings_step(name: str, old: Settings, new: Settings, before: ModelSettings, loaded_backend: str | None,
+                  asked_for: bool, backends_changed: set[str]) -> SettingsStep | None:
+    """What the edit from ``old`` to ``new`` asks of the model ``name``, whose settings were ``before``.
+
+    ``loaded_backend``: the backend of its running version (None: not loaded; a loaded one always has a backend's
+    name). ``asked_for``: the server means
+    to serve it (loaded at start, or asked for since) and its folder is there. ``backends_changed``: see
+    :func:`changed_backends`.
+    """
+    was_listed, listed = old.model(name) is not None, new.model(name) is not None
+    changed = new.model_or_default(name)[0] != before
+    if new.models_listed and was_listed and not listed:
+        return SettingsStep("unload", " is no longer listed in nereid.yaml; unloading it")
+    if loaded_backend is None:
+        # A model that is not loaded loads when its entry is new or changed: a fix to the entry of one that
+        # failed (an unknown backend, a bad runtime option) must not wait for a restart.
+        if listed and not was_listed:
+            return SettingsStep("load", " is now listed in nereid.yaml; loading it")
+        if listed and changed:
+            return SettingsStep("load", ": its settings in nereid.yaml changed; loading it")
+        if backends_changed and asked_for:
+            # Its last load failed (which backend claims it is not known): a fixed backends: default
+            # (warm_sart corrected to warm_start) may be what it needed.
+            return SettingsStep("load", ": nereid.yaml's backends: defaults changed; loading it again")
+        return None
+    if changed or loaded_backend in backends_changed:
+        return SettingsStep("reload", ": its settings in nereid.yaml changed; reloading it")
+    return None

@@ -1,0 +1,50 @@
+"""What an edited nereid.yaml asks of each model, decided from the two settings and the model's state alone."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from nereid.settings import Settings, parse_settings
+from nereid.settings_changes import changed_backends, settings_step
+
+
+def settings(tmp_path: Path, document: str) -> Settings:
+    for name in ("a", "b"):  # (a listed model's folder must be there without dynamic mode)
+        (tmp_path / "ml-backends" / name).mkdir(parents=True, exist_ok=True)
+    return parse_settings(yaml.safe_load(document), tmp_path / "nereid.yaml")
+
+
+def step(name: str, old: Settings, new: Settings, loaded_backend: str | None = None,
+         asked_for: bool = True) -> tuple[str, str] | None:
+    found = settings_step(name, old, new, old.model_or_default(name)[0], loaded_backend, asked_for,
+                          changed_backends(old, new))
+    return None if found is None else (found.action, found.why)
+
+
+def test_listing_and_unlisting_load_and_unload(tmp_path: Path) -> None:
+    one = settings(tmp_path, "models:\n  - name: a\n")
+    two = settings(tmp_path, "models:\n  - name: a\n  - name: b\n")
+    assert step("b", one, two) == ("load", " is now listed in nereid.yaml; loading it")
+    assert step("b", two, one, loaded_backend="python") == ("unload", " is no longer listed in nereid.yaml; "
+                                                                      "unloading it")
+    assert step("a", one, two, loaded_backend="python") is None  # its entry is as it was
+
+
+def test_a_changed_entry_reloads_a_loaded_model_and_loads_one_that_is_not(tmp_path: Path) -> None:
+    before = settings(tmp_path, "models:\n  - name: a\n")
+    after = settings(tmp_path, "models:\n  - name: a\n    queue_capacity: 7\n")
+    assert step("a", before, after, loaded_backend="python") == (
+        "reload", ": its settings in nereid.yaml changed; reloading it")
+    assert step("a", before, after) == ("load", ": its settings in nereid.yaml changed; loading it")  # a fix
+
+
+def test_changed_backend_defaults_reload_that_backends_models_and_retry_failed_ones(tmp_path: Path) -> None:
+    before = settings(tmp_path, "models:\n  - name: a\n")
+    after = settings(tmp_path, "backends:\n  python:\n    warm_start: false\nmodels:\n  - name: a\n")
+    assert changed_backends(before, after) == {"python"}
+    assert step("a", before, after, loaded_backend="python")[0] == "reload"
+    assert step("a", before, after, loaded_backend="cpp") is None
+    assert step("a", before, after) == ("load", ": nereid.yaml's backends: defaults changed; loading it again")
+    assert step("a", before, after, asked_for=False) is None  # unloaded on purpose, or its folder not there
