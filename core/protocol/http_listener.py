@@ -263,6 +263,24 @@ class _EmbeddedServer(uvicorn.Server):
             waiting = seen
 
 
+class _HeadersAtAnswer(list):
+    """A request's default headers (uvicorn's ``Date``) as they are when its answer starts.
+
+    uvicorn gives each request the default headers of the moment its head
+    arrived, and adds them to the answer's own then (``default_headers +
+    headers``): an answer that took 5 s carried a ``Date`` 5 s old, where RFC
+    9110 dates a message when it is made. This list is empty; adding to it
+    reads the server's headers of now (uvicorn refreshes them every second).
+    """
+
+    def __init__(self, server_state: Any) -> None:
+        super().__init__()
+        self._server_state = server_state
+
+    def __add__(self, headers: list) -> list:  # type: ignore[override]
+        return self._server_state.default_headers + headers
+
+
 class _BoundedHeadProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol, bounding connections, request heads, and cancelling requests whose client left.
 
@@ -457,6 +475,8 @@ class _BoundedHeadProtocol(HttpToolsProtocol):
         self._head_left = self._head_since = None
         self._head_begun = False
         super().on_headers_complete()
+        if self.cycle is not None:
+            self.cycle.default_headers = _HeadersAtAnswer(self.server_state)
         if self.cycle is not None and all(cycle is not self.cycle for cycle in self._unanswered):
             self._unanswered = [cycle for cycle in self._unanswered if not cycle.response_complete]
             self._unanswered.append(self.cycle)

@@ -35,6 +35,7 @@ HEAD_TIMEOUT_S = 0.6
 IDLE_TIMEOUT_S = 0.35
 TRICKLE_S = 0.1  # between the bytes of a trickled head: well within the idle timeout
 SLOW_ANSWER_S = 0.5  # how long the app takes over a request for /slow
+LATE_ANSWER_S = 3.0  # ... and for /late: longer than uvicorn's refresh of its Date (every second) by far
 
 
 async def _answer_with_body_size(scope: dict, receive: Any, send: Any) -> None:
@@ -43,6 +44,8 @@ async def _answer_with_body_size(scope: dict, receive: Any, send: Any) -> None:
         return
     if scope["path"] == "/slow":
         await asyncio.sleep(SLOW_ANSWER_S)
+    if scope["path"] == "/late":
+        await asyncio.sleep(LATE_ANSWER_S)
     size, more = 0, True
     while more:
         message = await receive()
@@ -313,6 +316,18 @@ def test_answers_carry_a_date_header(listener):
         head = _read_response(connection).partition(b"\r\n\r\n")[0]
     assert head.startswith(b"HTTP/1.1 200 OK\r\n"), head
     _assert_dated_now(head)
+
+
+def test_an_answer_is_dated_when_it_is_made_not_when_its_request_arrived(listener):
+    """An answer that took 3 s carried the Date of its request's arrival (uvicorn's headers of that moment)."""
+    with socket.create_connection(("127.0.0.1", listener), timeout=10) as connection:
+        asked = time.time()
+        connection.sendall(b"POST /late HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc")
+        head = _read_response(connection).partition(b"\r\n\r\n")[0]
+    _assert_dated_now(head)
+    date = next(line.split(b":", 1)[1].strip() for line in head.split(b"\r\n") if line.lower().startswith(b"date:"))
+    # (Whole seconds, refreshed every second: an answer made 3 s later is dated at least the second after.)
+    assert email.utils.parsedate_to_datetime(date.decode()).timestamp() >= int(asked) + 1, (asked, date)
 
 
 @pytest.mark.parametrize("unreadable", [b"GARBAGE\r\n\r\n",  # a head
