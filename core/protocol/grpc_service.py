@@ -11,6 +11,7 @@ import time
 import functools
 import logging
 import weakref
+from urllib.parse import unquote
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 import grpc
@@ -42,6 +43,14 @@ STATUS_OF_ERROR: dict[type[NereidError], grpc.StatusCode] = {
     PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
     Unimplemented: grpc.StatusCode.UNIMPLEMENTED,
 }
+
+def peer(grpc_peer: str) -> str:
+    """A client's address as gRPC names it (``ipv4:127.0.0.1:40312``, ``ipv6:[::1]:40312``, percent-encoded in
+    some releases) as log lines name it, the way HTTP's lines do: ``127.0.0.1:40312``, ``[::1]:40312``. Other
+    kinds (``unix:/run/nereid.sock``) are kept as they are."""
+    kind, _, address = grpc_peer.partition(":")
+    return unquote(address) if kind in ("ipv4", "ipv6") else grpc_peer
+
 
 def status_of(error: NereidError) -> grpc.StatusCode:
     """The gRPC status code for a nereid error (INTERNAL for anything unmapped)."""
@@ -180,7 +189,7 @@ class InferenceServicer:
         message = request.describe()
         if self._count_refused is not None:
             self._count_refused(REFUSED_UNPARSABLE)
-        self.client_log.warning("%s from %s: %s", rpc, context.peer(), message)
+        self.client_log.warning("%s from %s: %s", rpc, peer(context.peer()), message)
         return message
 
     def close_streams(self) -> None:
@@ -384,7 +393,7 @@ class InferenceServicer:
                     task.add_done_callback(self._running.discard)
             except Exception as err:  # the client's side broke off: still answer what was accepted
                 self.client_log.warning("ModelStreamInfer from %s: reading the stream failed (%s); answering the %d "
-                                        "accepted request(s)", context.peer(),
+                                        "accepted request(s)", peer(context.peer()),
                                         cap_message(f"{type(err).__name__}: {err}", 256), len(pending))
             try:
                 while pending:

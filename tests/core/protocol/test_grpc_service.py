@@ -774,3 +774,15 @@ def test_every_wire_datatype_has_its_model_config_type():
     message = config_message(config)
     assert [mc.DataType.Name(t.data_type) for t in message.input] == [t.config_type for t in tensors]
     assert tensors[wire.index("BYTES")].config_type == "TYPE_STRING"
+
+
+def test_client_lines_name_a_peer_as_http_s_lines_do():
+    """gRPC's lines named a client ``ipv4:127.0.0.1:40312``, HTTP's ``127.0.0.1:40312``: one grep for a client's
+    address found half its lines."""
+    from nereid.protocol.grpc_service import peer as grpc_line_peer
+    from nereid.protocol.http_service import peer as http_line_peer
+
+    assert grpc_line_peer("ipv4:127.0.0.1:40312") == http_line_peer(("127.0.0.1", 40312)) == "127.0.0.1:40312"
+    assert grpc_line_peer("ipv6:[::1]:40312") == grpc_line_peer("ipv6:%5B::1%5D:40312") == "[::1]:40312"
+    assert http_line_peer(("::1", 40312)) == "[::1]:40312"
+    assert grpc_line_peer("unix:/run/nereid.sock") == "unix:/run/nereid.sock"
