@@ -17,6 +17,7 @@ import email.utils
 import logging
 import re
 import resource
+import select
 import socket
 import ssl
 import sys
@@ -53,6 +54,11 @@ MAX_CONNECTIONS = 4096
 # load balancers' idle times (Go's 90 s, .NET's and AWS ALB's 60 s), and stays bounded, since every idle
 # connection counts toward MAX_CONNECTIONS.
 KEEP_ALIVE_TIMEOUT_S = 120.0
+# While a connection is not read (uvicorn stops reading one whose next, pipelined request waits for the answer
+# being made), its client's close is looked for this often: unread, it would never cancel the queued request.
+PAUSED_PEER_CHECK_S = 0.25
+# What poll() reports for a peer that closed its side (POLLRDHUP: Linux, even with unread data before it).
+_PEER_CLOSED = getattr(select, "POLLRDHUP", 0) | select.POLLHUP | select.POLLERR
 # nereid_protocol_refused_total's reasons (protocol="http"): what the listener refuses or closes before the
 # application sees a request.
 REFUSED_UNPARSABLE = "unparsable"  # a 400: the HTTP parser cannot read it (a bad Host header too)
@@ -375,6 +381,9 @@ class _BoundedHeadProtocol(HttpToolsProtocol):
         self._idle_check = None
         if self.transport.is_closing():
             return
+        if self.flow.read_paused and self._peer_closed():
+            self.transport.close()  # connection_lost follows: its unanswered requests are cancelled there
+            return
         idle_s, head_s = self.request_idle_timeout_s, self.request_head_timeout_s
         now = self.loop.time()
         cycle = self.cycle
@@ -403,7 +412,26 @@ class _BoundedHeadProtocol(HttpToolsProtocol):
             # Heard from lately: look again when it could next have been silent, or at its head, too long (at
             # least every idle_s: a head begun meanwhile is timed by the shorter limits).
             wait = min(limit_s - silent, idle_s) if head_age is None else min(limit_s - silent, head_s - head_age)
+        if self.flow.read_paused:
+            wait = min(wait, PAUSED_PEER_CHECK_S)
         self._idle_check = self.loop.call_later(max(wait, 0.01), self._check_idle)
+
+    def _check_idle_in(self, delay_s: float) -> None:
+        """Run :meth:`_check_idle` within ``delay_s`` (sooner than it is due, if it is due later)."""
+        if self._idle_check is not None:
+            if self._idle_check.when() <= self.loop.time() + delay_s:
+                return
+            self._idle_check.cancel()
+        self._idle_check = self.loop.call_later(delay_s, self._check_idle)
+
+    def _peer_closed(self) -> bool:
+        """Whether the client has closed its side of the connection, looked at without reading it."""
+        sock = self.transport.get_extra_info("socket")
+        if sock is None:
+            return False
+        poller = select.poll()
+        poller.register(sock.fileno(), _PEER_CLOSED)
+        return any(events & _PEER_CLOSED for _, events in poller.poll(0))
 
     def _refuse_slow_head(self) -> None:
         """Answer 408 and close (only close when an earlier pipelined answer is still being written)."""
@@ -477,6 +505,8 @@ class _BoundedHeadProtocol(HttpToolsProtocol):
         super().on_headers_complete()
         if self.cycle is not None:
             self.cycle.default_headers = _HeadersAtAnswer(self.server_state)
+        if self.flow.read_paused:  # a pipelined request, behind one still being answered: reading stops here
+            self._check_idle_in(PAUSED_PEER_CHECK_S)
         if self.cycle is not None and all(cycle is not self.cycle for cycle in self._unanswered):
             self._unanswered = [cycle for cycle in self._unanswered if not cycle.response_complete]
             self._unanswered.append(self.cycle)

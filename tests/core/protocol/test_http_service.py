@@ -514,27 +514,30 @@ def test_a_client_that_disconnects_while_queued_has_its_request_dropped(repo, se
     port = server.server.http_port
     scheduler = server.server.repository.ready_model("logged").scheduler
 
-    def body(value: float) -> bytes:
-        return json.dumps({"inputs": [{"name": "input", "shape": [1, 4], "datatype": "FP32",
-                                       "data": [value, 0, 0, 0]}]}).encode()
+    def request(value: float) -> bytes:
+        payload = json.dumps({"inputs": [{"name": "input", "shape": [1, 4], "datatype": "FP32",
+                                          "data": [value, 0, 0, 0]}]}).encode()
+        return (b"POST /v2/models/logged/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n" % len(payload) + payload)
 
-    def post(*values: float) -> socket.socket:
-        """One connection sending a request per value, pipelined."""
+    def post(value: float) -> socket.socket:
         raw = socket.create_connection(("127.0.0.1", port))
-        for value in values:
-            payload = body(value)
-            raw.sendall(b"POST /v2/models/logged/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                        b"Content-Length: %d\r\n\r\n" % len(payload) + payload)
+        raw.sendall(request(value))
         return raw
 
     running = post(1)
     assert wait_until(lambda: (folder / "runs.log").is_file())  # running now, held until "go"
     queued = post(2)
-    pipelined = post(3, 4)  # defect: the one answered first was never told its connection had gone
-    assert wait_until(lambda: scheduler.queue_depth == 2)  # 2 and 3 (4 waits behind 3 on its connection)
+    pipelined = post(3)
+    assert wait_until(lambda: scheduler.queue_depth == 2)  # 2 and 3
+    # Defect: the one answered first was never told its connection had gone. And a flaky one: a request
+    # pipelined behind it once its handler had read its body stopped the server reading that connection
+    # (uvicorn waits for the answer before it reads the next request), so its close went unseen and 3 ran.
+    pipelined.sendall(request(4))
+    time.sleep(0.2)  # its head read
     queued.close()  # gone while queued
     pipelined.close()
-    assert wait_until(lambda: scheduler.queue_depth == 0)  # dropped, not run
+    assert wait_until(lambda: scheduler.queue_depth == 0, timeout_s=5)  # dropped, not run
     (folder / "go").write_text("")
     assert running.recv(65536).startswith(b"HTTP/1.1 200")
     running.close()
