@@ -21,6 +21,7 @@ import select
 import socket
 import ssl
 import sys
+import time
 from typing import Any, Callable, Iterator
 
 import httptools
@@ -110,11 +111,13 @@ class HttpListener:
         # own format, that do not propagate, and a level of their own that ignores --log-level. Its records
         # go to the root logger's handler, at the root logger's level, through _UvicornRecords.
         # access_log=False: no line per request (uvicorn then also cuts its access logger off).
+        # date_header=False: every answer's Date is made when the answer is (see _HeadersAtAnswer), not read
+        # from uvicorn's, which is the Date of its request's arrival and stops moving once a stop has begun.
         # A protocol class of this listener's own: uvicorn makes its instances, and only a class reaches them.
         protocol = type("_ListenerProtocol", (_BoundedHeadProtocol,),
                         {"count_refused": staticmethod(self.count_refused)})  # (a plain function is no method)
         config = uvicorn.Config(self.app, http=protocol, lifespan="off", log_config=None,
-                                log_level=None, access_log=False, server_header=False, date_header=True,
+                                log_level=None, access_log=False, server_header=False, date_header=False,
                                 ws="none", proxy_headers=False, timeout_graceful_shutdown=self.grace_s,
                                 timeout_keep_alive=KEEP_ALIVE_TIMEOUT_S)
         config.load()
@@ -179,9 +182,19 @@ class _UvicornRecords(logging.Filter):
 def _refusal(status_line: bytes, message: str) -> bytes:
     """A whole answer written below the app, for a connection closed after it: JSON, as the app's errors are."""
     body = error_body(message)[0]
-    date = email.utils.formatdate(usegmt=True).encode()  # as uvicorn dates the app's answers (RFC 9110's Date)
     return (b"HTTP/1.1 %s\r\ndate: %s\r\ncontent-type: application/json\r\nconnection: close\r\n"
-            b"content-length: %d\r\n\r\n%s" % (status_line, date, len(body), body))
+            b"content-length: %d\r\n\r\n%s" % (status_line, http_date(), len(body), body))
+
+
+_date_now: list = [-1, b""]  # (the second, its Date value): made once a second
+
+
+def http_date() -> bytes:
+    """RFC 9110's ``Date`` for now (IMF-fixdate, to the second), for every answer, the app's and the listener's."""
+    now = int(time.time())
+    if now != _date_now[0]:
+        _date_now[:] = [now, email.utils.formatdate(now, usegmt=True).encode()]
+    return _date_now[1]
 
 
 # RFC 3986's uri-host [":" port]: letters, digits, unreserved and sub-delims, "%" escapes, an IP literal's brackets.
@@ -270,21 +283,17 @@ class _EmbeddedServer(uvicorn.Server):
 
 
 class _HeadersAtAnswer(list):
-    """A request's default headers (uvicorn's ``Date``) as they are when its answer starts.
+    """A request's default headers, made when its answer starts: its ``Date``.
 
     uvicorn gives each request the default headers of the moment its head
-    arrived, and adds them to the answer's own then (``default_headers +
-    headers``): an answer that took 5 s carried a ``Date`` 5 s old, where RFC
-    9110 dates a message when it is made. This list is empty; adding to it
-    reads the server's headers of now (uvicorn refreshes them every second).
+    arrived (refreshed every second, and no more once a stop has begun), and
+    adds them to the answer's own then (``default_headers + headers``): an
+    answer that took 5 s was dated 5 s early, where RFC 9110 dates a message
+    when it is made. This list is empty; adding to it dates the answer now.
     """
 
-    def __init__(self, server_state: Any) -> None:
-        super().__init__()
-        self._server_state = server_state
-
     def __add__(self, headers: list) -> list:  # type: ignore[override]
-        return self._server_state.default_headers + headers
+        return [(b"date", http_date()), *headers]
 
 
 class _BoundedHeadProtocol(HttpToolsProtocol):
@@ -381,14 +390,21 @@ class _BoundedHeadProtocol(HttpToolsProtocol):
         self._idle_check = None
         if self.transport.is_closing():
             return
+        if self.flow.read_paused:  # the server is not reading: the client's silence is not its own
+            self._last_heard = self.loop.time()
         if self.flow.read_paused and self._peer_closed():
-            self.transport.close()  # connection_lost follows: its unanswered requests are cancelled there
+            # Nothing to flush to a client that left; and over TLS a close() would wait for a flush that never
+            # starts (its EOF was read below, while reading was paused), leaving the connection open for good.
+            self.transport.abort()  # connection_lost follows: its unanswered requests are cancelled there
             return
         idle_s, head_s = self.request_idle_timeout_s, self.request_head_timeout_s
         now = self.loop.time()
         cycle = self.cycle
-        if cycle is not None and not cycle.more_body and not cycle.response_complete:
-            wait = min(idle_s, head_s)  # answering: the client waits for the server, not the other way round
+        if (cycle is not None and not cycle.more_body and not cycle.response_complete) or self.flow.read_paused:
+            # Answering: the client waits for the server, not the other way round. So while the server does not
+            # read (a pipelined request behind the answer, a body past uvicorn's high-water mark): its silence
+            # is the server's, and its close is looked for instead (above).
+            wait = min(idle_s, head_s)
         else:
             head_age = None if self._head_since is None else now - self._head_since
             if head_age is not None and head_age >= head_s and self._head_begun:
@@ -504,7 +520,7 @@ class _BoundedHeadProtocol(HttpToolsProtocol):
         self._head_begun = False
         super().on_headers_complete()
         if self.cycle is not None:
-            self.cycle.default_headers = _HeadersAtAnswer(self.server_state)
+            self.cycle.default_headers = _HeadersAtAnswer()
         if self.flow.read_paused:  # a pipelined request, behind one still being answered: reading stops here
             self._check_idle_in(PAUSED_PEER_CHECK_S)
         if self.cycle is not None and all(cycle is not self.cycle for cycle in self._unanswered):

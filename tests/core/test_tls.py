@@ -509,3 +509,45 @@ def test_https_clients_that_stall_on_a_large_answer_and_leave_leave_nothing_behi
         while alive() > before and time.monotonic() < deadline:
             time.sleep(0.1)
         assert alive() <= before, "the stalled clients' TLS connections were never freed"
+
+
+@pytest.mark.parametrize("version", [ssl.TLSVersion.TLSv1_3, ssl.TLSVersion.TLSv1_2], ids=["TLS1.3", "TLS1.2"])
+def test_an_https_client_that_pipelined_a_request_and_left_is_seen_gone(folder, version, monkeypatch):
+    """The listener looks for the close of a client whose connection it stopped reading (a request pipelined
+    behind the one being answered). Over TLS its first close() waited for a flush that never started (the
+    EOF had been read below the paused reading): the connection stayed open until the server stopped, and its
+    requests were never told their client had gone."""
+    from nereid.protocol.http_listener import _BoundedHeadProtocol
+
+    root = Issuer(folder, "root")
+    cert, key = root.leaf("server")
+    lost: list[float] = []
+    connection_lost = _BoundedHeadProtocol.connection_lost
+    monkeypatch.setattr(_BoundedHeadProtocol, "connection_lost",
+                        lambda self, exc: (lost.append(time.monotonic()), connection_lost(self, exc))[1])
+    started = threading.Event()
+
+    async def slow_app(scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return
+        while (await receive()).get("more_body"):  # (the whole body)
+            pass
+        if scope["path"] == "/slow":
+            started.set()
+            await asyncio.sleep(3)  # answering, not reading: its client leaves meanwhile
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    request = b"POST %s HTTP/1.1\r\nHost: localhost\r\nContent-Length: 0\r\n\r\n"
+    context = client_context(root.path)
+    context.maximum_version = version
+    with https_listener(TlsSettings(cert, key), app=slow_app) as port:
+        with context.wrap_socket(socket.create_connection(("127.0.0.1", port), timeout=5),
+                                 server_hostname="localhost") as tls:
+            tls.sendall(request % b"/slow")
+            assert started.wait(5)
+            tls.sendall(request % b"/queued")  # read once the first is being answered: the reading stops
+            time.sleep(0.2)
+        left = time.monotonic()
+        time.sleep(1.5)  # the answer still being made: only the listener's look can see the client gone
+        assert lost and lost[0] - left < 1.5, (lost, left)

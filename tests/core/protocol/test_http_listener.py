@@ -318,6 +318,26 @@ def test_answers_carry_a_date_header(listener):
     _assert_dated_now(head)
 
 
+def test_a_pipelined_request_behind_a_slow_answer_is_not_timed_as_an_idle_client(listener, refused):
+    """A review: the server stops reading a connection whose next request waits behind the answer being made;
+    a part of that request's body unread then was timed as its client's silence, and the connection closed as
+    idle ("sent no complete request") before the first answer went out."""
+    with socket.create_connection(("127.0.0.1", listener), timeout=5) as connection:
+        connection.sendall(b"POST /slow HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc"
+                           b"POST /v2/x HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\nabc")
+        connection.settimeout(3)
+        answer = b""  # after SLOW_ANSWER_S, past IDLE_TIMEOUT_S
+        while not answer.endswith(b"\r\n\r\n3") and (chunk := connection.recv(65536)):  # (b"": closed)
+            answer += chunk
+        assert answer.startswith(b"HTTP/1.1 200 OK\r\n") and answer.endswith(b"\r\n\r\n3"), answer
+        connection.sendall(b"defghij")  # the rest of the pipelined body: its connection still serves it
+        answer = b""
+        while not answer.endswith(b"\r\n\r\n10") and (chunk := connection.recv(65536)):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 200 OK\r\n") and answer.endswith(b"\r\n\r\n10"), answer
+    assert refused == []
+
+
 def test_an_answer_is_dated_when_it_is_made_not_when_its_request_arrived(listener):
     """An answer that took 3 s carried the Date of its request's arrival (uvicorn's headers of that moment)."""
     with socket.create_connection(("127.0.0.1", listener), timeout=10) as connection:
