@@ -538,6 +538,8 @@ def peer(client: tuple[str, int] | None) -> str:
     if not client:
         return "unknown"
     host, port = client[0], client[1]
+    if host.startswith("::ffff:") and "." in host:  # an IPv4 client of a dual-stack [::] listener, as gRPC names it
+        host = host.removeprefix("::ffff:")
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 

@@ -785,4 +785,6 @@ def test_client_lines_name_a_peer_as_http_s_lines_do():
     assert grpc_line_peer("ipv4:127.0.0.1:40312") == http_line_peer(("127.0.0.1", 40312)) == "127.0.0.1:40312"
     assert grpc_line_peer("ipv6:[::1]:40312") == grpc_line_peer("ipv6:%5B::1%5D:40312") == "[::1]:40312"
     assert http_line_peer(("::1", 40312)) == "[::1]:40312"
+    # An IPv4 client of a dual-stack [::] listener: gRPC names it ipv4:, the HTTP socket ::ffff:-mapped.
+    assert http_line_peer(("::ffff:127.0.0.1", 40312)) == grpc_line_peer("ipv4:127.0.0.1:40312")
     assert grpc_line_peer("unix:/run/nereid.sock") == "unix:/run/nereid.sock"
