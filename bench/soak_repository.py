@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import os
 import random
 import re
@@ -313,6 +314,7 @@ class Soak:
             infer_and_check(client, module, name, rng.randint(1, 3), seed, options, self.outcomes, self.failures)
         client.close()
         del client  # finalized on this thread: tritonclient.http's gevent hub cannot be reached from another
+        gc.collect()  # (also when a reference cycle holds it: at exit its __del__ printed a gevent traceback)
 
     def scrape(self) -> None:
         """Read /metrics every 50 ms while models come and go: always 200 and valid Prometheus text."""
