@@ -44,6 +44,7 @@ STATUS_OF_ERROR: dict[type[NereidError], grpc.StatusCode] = {
     Unimplemented: grpc.StatusCode.UNIMPLEMENTED,
 }
 
+
 def peer(grpc_peer: str) -> str:
     """A client's address as gRPC names it (``ipv4:127.0.0.1:40312``, ``ipv6:[::1]:40312``, percent-encoded in
     some releases) as log lines name it, the way HTTP's lines do: ``127.0.0.1:40312``, ``[::1]:40312``. Other

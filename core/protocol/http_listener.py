@@ -390,21 +390,21 @@ class _BoundedHeadProtocol(HttpToolsProtocol):
         self._idle_check = None
         if self.transport.is_closing():
             return
-        if self.flow.read_paused:  # the server is not reading: the client's silence is not its own
-            self._last_heard = self.loop.time()
-        if self.flow.read_paused and self._peer_closed():
-            # Nothing to flush to a client that left; and over TLS a close() would wait for a flush that never
-            # starts (its EOF was read below, while reading was paused), leaving the connection open for good.
-            self.transport.abort()  # connection_lost follows: its unanswered requests are cancelled there
-            return
         idle_s, head_s = self.request_idle_timeout_s, self.request_head_timeout_s
         now = self.loop.time()
         cycle = self.cycle
-        if (cycle is not None and not cycle.more_body and not cycle.response_complete) or self.flow.read_paused:
-            # Answering: the client waits for the server, not the other way round. So while the server does not
-            # read (a pipelined request behind the answer, a body past uvicorn's high-water mark): its silence
-            # is the server's, and its close is looked for instead (above).
-            wait = min(idle_s, head_s)
+        if self.flow.read_paused:
+            # The server does not read (a pipelined request behind the answer being made, a body past uvicorn's
+            # high-water mark): the client's silence is the server's, and its close is looked for instead.
+            if self._peer_closed():
+                # Nothing to flush to a client that left; and over TLS a close() would wait for a flush that
+                # never starts (its EOF was read below the paused reading), leaving the connection open for good.
+                self.transport.abort()  # connection_lost follows: its unanswered requests are cancelled there
+                return
+            self._last_heard = now
+            wait = min(idle_s, head_s, PAUSED_PEER_CHECK_S)
+        elif cycle is not None and not cycle.more_body and not cycle.response_complete:
+            wait = min(idle_s, head_s)  # answering: the client waits for the server, not the other way round
         else:
             head_age = None if self._head_since is None else now - self._head_since
             if head_age is not None and head_age >= head_s and self._head_begun:
@@ -428,8 +428,6 @@ class _BoundedHeadProtocol(HttpToolsProtocol):
             # Heard from lately: look again when it could next have been silent, or at its head, too long (at
             # least every idle_s: a head begun meanwhile is timed by the shorter limits).
             wait = min(limit_s - silent, idle_s) if head_age is None else min(limit_s - silent, head_s - head_age)
-        if self.flow.read_paused:
-            wait = min(wait, PAUSED_PEER_CHECK_S)
         self._idle_check = self.loop.call_later(max(wait, 0.01), self._check_idle)
 
     def _check_idle_in(self, delay_s: float) -> None:
