@@ -49,22 +49,33 @@ class _CollectorClock:
     """
 
     def __init__(self) -> None:
-        self.total_s = 0.0
-        self._started = 0.0
+        # (seconds of finished collections, when the running one started or None), replaced whole: the watching
+        # thread can look while a collection's callback runs (it waits for the GIL through the collection and
+        # gets it as the callback begins), and must see either the state before that step or after it.
+        self._state: tuple[float, float | None] = (0.0, None)
         self._watches = 0
         self._lock = threading.Lock()
 
     def _on_collection(self, phase: str, info: dict) -> None:
         # Called with the GIL held, around each collection, which never overlap: no lock needed.
+        finished_s, started = self._state
         if phase == "start":
-            self._started = time.monotonic()
-        else:
-            self.total_s += time.monotonic() - self._started
+            self._state = (finished_s, time.monotonic())
+        elif started is not None:
+            self._state = (finished_s + time.monotonic() - started, None)
+
+    def seconds(self, now: float) -> float:
+        """The collector's seconds until ``now`` (a ``time.monotonic()`` reading), the running collection's
+        so far included: a look that lands as a collection ends would otherwise blame it on the callback."""
+        finished_s, started = self._state
+        return finished_s if started is None else finished_s + max(0.0, now - started)
 
     def attach(self) -> None:
         with self._lock:
             self._watches += 1
             if self._watches == 1:
+                # A collection whose start was seen before the last detach never ends here: forget it.
+                self._state = (self._state[0], None)
                 gc.callbacks.append(self._on_collection)
 
     def detach(self) -> None:
@@ -158,9 +169,9 @@ class LoopWatch:
             if holder is None or self._holder is None or holder is not self._holder():
                 self._holder = weakref.ref(holder) if holder is not None else None
                 self._held_since = now  # (first seen: it may have started a little before)
-                self._collected_before = _COLLECTOR.total_s
+                self._collected_before = _COLLECTOR.seconds(now)
                 return
-            held_s = now - self._held_since - (_COLLECTOR.total_s - self._collected_before)
+            held_s = now - self._held_since - (_COLLECTOR.seconds(now) - self._collected_before)
             if held_s < self._warn_after_s:
                 return
             self._reported = True
