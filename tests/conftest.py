@@ -13,12 +13,12 @@ from support import ModelRepo, RunningServer, zombie_children
 
 @pytest.hookimpl(optionalhook=True)  # (an xdist hook: unknown when it is off, as with -p no:xdist)
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    """``-n auto``: four workers for two cores. Most tests wait on servers and child processes (with one worker
-    per core the CPUs are about half idle), so twice as many workers as cores shortens the run: on the 2-core
-    machine (2026-12-02, alternating) 125-131 s with four workers against 137-144 s with three and 133 s with
-    five; with two, earlier, 130 s against 98 s for three on a faster day."""
+    """``-n auto``: three workers per core. Most tests wait on servers and child processes (with one worker per
+    core the CPUs are about half idle), so more workers than cores shortens the run: on the 2-core machine
+    (2026-12-02, no bytecode cache, alternating) 111-118 s with six workers against 125 s with four and 124 s
+    with eight; earlier, before each process imported half a second faster, four had measured best."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(2, cores * 2)
+    return max(2, cores * 3)
 
 
 @pytest.fixture
