@@ -19,6 +19,13 @@ _ABSENT = (errno.EAFNOSUPPORT, errno.EADDRNOTAVAIL)
 _PORT_0_ATTEMPTS = 8
 
 
+def host_and_port(address: str) -> tuple[str, int]:
+    """The host (an IPv6 address's brackets taken off) and the port of ``host:port``, as the settings accept
+    it (:func:`nereid.settings.address_problem`): ``[::1]:8000`` is ``("::1", 8000)``."""
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
 def bind_listening_sockets(host: str, port: int) -> list[socket.socket]:
     """Bound sockets (not listening yet) for ``host`` (brackets stripped) and ``port``; OSError when none binds.
 
@@ -93,8 +100,7 @@ def bind_problem(address: str) -> OSError | None:
     on a name on every address it resolves to, succeeding when one binds. The
     probe does the same, and closes its sockets at once.
     """
-    host, _, port_text = address.rpartition(":")
-    host, port = host.strip("[]"), int(port_text)
+    host, port = host_and_port(address)
     candidates: list[tuple[socket.AddressFamily, tuple]]
     if host in ("0.0.0.0", "::"):
         candidates = [(socket.AF_INET6, ("::", port, 0, 0)), (socket.AF_INET, ("0.0.0.0", port))]

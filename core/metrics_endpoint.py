@@ -21,7 +21,7 @@ from wsgiref.simple_server import WSGIRequestHandler
 from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
 
-from nereid.listening import bind_listening_sockets
+from nereid.listening import bind_listening_sockets, host_and_port
 
 log = logging.getLogger(__name__)
 
@@ -45,10 +45,9 @@ class MetricsEndpoint:
         A connection that sends no complete request within ``idle_timeout_s`` is closed. ``origin``: where the
         address came from, for the error when it cannot be served on.
         """
-        host, _, port = addr.rpartition(":")
         try:
             # Every address of a name (localhost: both loopbacks), as the other listeners: a WSGI server each.
-            sockets = bind_listening_sockets(host.strip("[]"), int(port))
+            sockets = bind_listening_sockets(*host_and_port(addr))
         except OSError as err:
             raise OSError(f"cannot serve metrics on {addr} ({origin}): {err.strerror or err}") from err
         app, handler = make_wsgi_app(self._registry), type("Handler", (_QuietHandler,), {"timeout": idle_timeout_s})

@@ -17,6 +17,7 @@ from typing import Any, Mapping
 from nereid.config_document import KeyedReader, load_yaml
 from nereid.errors import ConfigError
 from nereid.files import NAME_MAX, is_model_folder_name, read_text_file
+from nereid.listening import host_and_port
 from nereid.storage.mirror import mirror_root
 from nereid.storage.url import parse_store_url
 from nereid.tls import TlsFileError, TlsSettings, read_tls_material
@@ -210,11 +211,10 @@ class Listeners:
         for address, origin in (self.grpc(server), self.http(server), self.metrics(server)):
             if not address:
                 continue
-            host, _, port_text = address.rpartition(":")
-            port = int(port_text)
+            host, port = host_and_port(address)
             if port == 0:
                 continue
-            hosts = _interfaces(host.strip("[]"))
+            hosts = _interfaces(host)
             for other_port, other_hosts, other_address, other_origin in seen:
                 if port == other_port and _overlap(hosts, other_hosts):
                     return (f"{origin}: {address} would take the port that {other_origin} ({other_address}) "
@@ -255,7 +255,7 @@ def _overlap(first: frozenset[str], second: frozenset[str]) -> bool:
 
 def is_loopback(bind_addr: str) -> bool:
     """True when ``host:port`` listens on the loopback interface only."""
-    host = bind_addr.rpartition(":")[0].strip("[]").lower()
+    host = host_and_port(bind_addr)[0].lower()
     if host == "localhost":
         return True
     try:

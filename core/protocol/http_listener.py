@@ -29,7 +29,7 @@ import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from nereid.errors import cap_message
-from nereid.listening import bind_listening_sockets
+from nereid.listening import bind_listening_sockets, host_and_port
 from nereid.log_limit import RateLimitedLog
 from nereid.protocol.http_service import HttpSurface, client_log, error_body, peer
 
@@ -102,9 +102,8 @@ class HttpListener:
     async def start(self, addr: str, origin: str = "server.http_addr") -> int:
         """Listen on ``host:port`` (``[::1]:8000``); returns the bound port. ``origin``: where the address came
         from, for the error when it cannot be listened on."""
-        host, _, port = addr.rpartition(":")
         try:
-            sockets = bind_listening_sockets(host.strip("[]"), int(port))
+            sockets = bind_listening_sockets(*host_and_port(addr))
         except OSError as err:
             raise OSError(f"cannot listen on {addr} ({origin}): {err.strerror or err}") from None
         # No log_config and no log_level: uvicorn would otherwise give its loggers handlers of its own, in its

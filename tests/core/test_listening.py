@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from nereid.listening import bind_listening_sockets, bind_problem
+from nereid.listening import bind_listening_sockets, bind_problem, host_and_port
 from support import both_loopbacks
 
 
@@ -28,6 +28,13 @@ def connects(host: str, port: int) -> bool:
             return True
     except OSError:
         return False
+
+
+def test_an_address_is_split_into_its_host_without_brackets_and_its_port():
+    assert host_and_port("[::1]:8000") == ("::1", 8000)
+    assert host_and_port("[::ffff:127.0.0.1]:0") == ("::ffff:127.0.0.1", 0)
+    assert host_and_port("0.0.0.0:8001") == ("0.0.0.0", 8001)
+    assert host_and_port("localhost:08002") == ("localhost", 8002)
 
 
 def test_the_ipv6_wildcard_is_one_dual_stack_socket_whatever_the_hosts_default():
