@@ -65,8 +65,9 @@ class _CollectorClock:
             self._state = (finished_s + time.monotonic() - started, None)
 
     def seconds(self, now: float) -> float:
-        """The collector's seconds until ``now`` (a ``time.monotonic()`` reading), the running collection's
-        so far included: a look that lands as a collection ends would otherwise blame it on the callback."""
+        """The collector's seconds so far, the running collection's until ``now`` (a ``time.monotonic()`` reading
+        taken just before) included: a look that lands as a collection ends would otherwise blame it on the
+        callback."""
         finished_s, started = self._state
         return finished_s if started is None else finished_s + max(0.0, now - started)
 
@@ -160,6 +161,10 @@ class LoopWatch:
         # Under the beat's lock: a beat that ran meanwhile would make the stack read below another callback's.
         with self._lock:
             now = time.monotonic()
+            # Read with `now`, before anything below allocates: a collection that ran after `now` (one an
+            # allocation of this look's triggers, on this thread) would count as held before `now`, and the next
+            # look would blame it on the callback.
+            collected = _COLLECTOR.seconds(now)
             if now - self._last_beat < 2 * self._interval_s or self._reported:
                 return  # the beat is on time (or this hold was said)
             # Late: the loop runs one long callback, or many short ones in one pass, or waits for the GIL or a
@@ -169,9 +174,9 @@ class LoopWatch:
             if holder is None or self._holder is None or holder is not self._holder():
                 self._holder = weakref.ref(holder) if holder is not None else None
                 self._held_since = now  # (first seen: it may have started a little before)
-                self._collected_before = _COLLECTOR.seconds(now)
+                self._collected_before = collected
                 return
-            held_s = now - self._held_since - (_COLLECTOR.seconds(now) - self._collected_before)
+            held_s = now - self._held_since - (collected - self._collected_before)
             if held_s < self._warn_after_s:
                 return
             self._reported = True
