@@ -20,20 +20,28 @@ from nereid.loop_watch import LoopWatch
 WARN_AFTER_S = 0.3
 
 
-def watched(body) -> None:
-    """Run ``body()`` (a coroutine function) on a fresh loop under a LoopWatch of WARN_AFTER_S."""
+def watched(body, warn_after_s: float = WARN_AFTER_S) -> None:
+    """Run ``body()`` (a coroutine function) on a fresh loop under a LoopWatch of ``warn_after_s``."""
     async def main() -> None:
-        watch = LoopWatch(asyncio.get_running_loop(), WARN_AFTER_S)
+        watch = LoopWatch(asyncio.get_running_loop(), warn_after_s)
         watch.start()
         try:
             await asyncio.sleep(0.05)
             await body()
-            await asyncio.sleep(WARN_AFTER_S / 5)  # a beat after the hold: its end is logged
+            await asyncio.sleep(warn_after_s / 5)  # a beat after the hold: its end is logged
         finally:
             watch.stop()
         # Ended by stop(): nereid serve ends the process at once when a nereid- thread is alive at its exit.
         assert not watch._thread.is_alive()
     asyncio.run(main())
+
+
+def a_large_heap() -> tuple[list, float]:
+    """A heap whose full collection takes a while (kept alive by the caller), and how long one took."""
+    heap = [(index, [index]) for index in range(400_000)]
+    started = time.monotonic()
+    gc.collect()
+    return heap, time.monotonic() - started
 
 
 def watch_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
@@ -239,7 +247,7 @@ def test_a_callback_held_up_by_the_garbage_collector_is_not_blamed(caplog):
     from nereid import loop_watch
 
     caplog.set_level(logging.WARNING, "nereid.loop")
-    heap = [(index, [index]) for index in range(400_000)]  # a heap whose full collection takes a while
+    heap, _ = a_large_heap()
 
     async def model() -> None:
         end = time.monotonic() + WARN_AFTER_S * 2.5
@@ -258,30 +266,20 @@ def test_a_look_that_lands_as_a_collection_ends_counts_it_as_the_collector_s(cap
     begins, before the collection's time is added: that look blamed the whole collection on the callback (a
     flaky failure of the test above in loaded runs, where one collection can take longer than the limit)."""
     caplog.set_level(logging.WARNING, "nereid.loop")
-    heap = [(index, [index]) for index in range(400_000)]
-    started = time.monotonic()
-    gc.collect()
-    one_collection_s = time.monotonic() - started
+    heap, one_collection_s = a_large_heap()
     warn_after_s = one_collection_s / 2  # each collection alone lasts longer than the limit
 
-    async def main() -> None:
-        watch = LoopWatch(asyncio.get_running_loop(), warn_after_s)
-        watch.start()
-        try:
-            await asyncio.sleep(warn_after_s)
-            # The callback first runs code of its own, for less than the limit: the watch sees it hold the loop
-            # outside any collection. Then collections, each longer than the limit.
-            end = time.monotonic() + warn_after_s * 0.4
-            while time.monotonic() < end:
-                pass
-            end = time.monotonic() + max(0.5, one_collection_s * 6)
-            while time.monotonic() < end:
-                gc.collect()
-            await asyncio.sleep(warn_after_s)
-        finally:
-            watch.stop()
+    async def model() -> None:
+        # The callback first runs code of its own, for less than the limit: the watch sees it hold the loop
+        # outside any collection. Then collections, each longer than the limit.
+        end = time.monotonic() + warn_after_s * 0.4
+        while time.monotonic() < end:
+            pass
+        end = time.monotonic() + max(0.5, one_collection_s * 6)
+        while time.monotonic() < end:
+            gc.collect()
     try:
-        asyncio.run(main())
+        watched(model, warn_after_s)
     finally:
         del heap
     assert watch_lines(caplog) == []
@@ -304,10 +302,8 @@ def test_a_collection_that_a_look_triggers_is_not_blamed_on_the_callback_by_the_
     """An allocation of the watching thread's own look can start a collection, after the look read the time:
     counted before the hold was first seen, it was the callback's at the next look."""
     caplog.set_level(logging.WARNING, "nereid.loop")
-    heap = [(index, [index]) for index in range(400_000)]
-    started = time.monotonic()
-    gc.collect()
-    warn_after_s = (time.monotonic() - started) * 0.9  # the collection alone lasts longer than the limit
+    heap, one_collection_s = a_large_heap()
+    warn_after_s = one_collection_s * 0.9  # the collection alone lasts longer than the limit
     looked: list[bool] = []
     callback_frame = LoopWatch._callback_frame
 
@@ -319,24 +315,17 @@ def test_a_collection_that_a_look_triggers_is_not_blamed_on_the_callback_by_the_
         return found
     monkeypatch.setattr(LoopWatch, "_callback_frame", callback_frame_then_a_collection, raising=True)
 
-    async def main() -> None:
-        watch = LoopWatch(asyncio.get_running_loop(), warn_after_s)
-        watch.start()
-        try:
-            await asyncio.sleep(warn_after_s)
-            # The callback's own code, for 0.7 of the limit (the time the look's collection stops it is not its):
-            # the watch looks again after its collection, while the callback still holds the loop.
-            own_s, last = 0.0, time.monotonic()
-            while own_s < warn_after_s * 0.7:
-                now = time.monotonic()
-                if now - last < warn_after_s / 4:
-                    own_s += now - last
-                last = now
-            await asyncio.sleep(warn_after_s)
-        finally:
-            watch.stop()
+    async def model() -> None:
+        # The callback's own code, for 0.7 of the limit (the time the look's collection stops it is not its):
+        # the watch looks again after its collection, while the callback still holds the loop.
+        own_s, last = 0.0, time.monotonic()
+        while own_s < warn_after_s * 0.7:
+            now = time.monotonic()
+            if now - last < warn_after_s / 4:
+                own_s += now - last
+            last = now
     try:
-        asyncio.run(main())
+        watched(model, warn_after_s)
     finally:
         del heap
     assert looked and watch_lines(caplog) == []
