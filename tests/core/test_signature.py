@@ -260,19 +260,23 @@ def test_a_bare_array_among_the_outputs_is_named_as_what_it_is() -> None:
         check_outputs("m", FP32_OUT, outputs, 1)
 
 
-@pytest.mark.parametrize("outputs, quoted", [
-    (tuple(CountedRepr() for _ in range(100_000)), "returned tuple (e, e, e, "),  # not a list
-    ([CountedRepr() for _ in range(100_000)], "returned a list whose item 0 is CountedRepr e, expected a list "
-                                              "of NamedTensor"),  # a list of no NamedTensor
-    ([NamedTensor("y", DType.BYTES, objects(b"a", *(CountedRepr() for _ in range(3))))],
+# Each output made by its test, not at collection: every xdist worker collects every test, and would otherwise
+# build (and keep through the run, slowing each full garbage collection) 400,000 objects.
+@pytest.mark.parametrize("make_outputs, quoted", [
+    (lambda: tuple(CountedRepr() for _ in range(100_000)), "returned tuple (e, e, e, "),  # not a list
+    (lambda: [CountedRepr() for _ in range(100_000)], "returned a list whose item 0 is CountedRepr e, expected a "
+                                                      "list of NamedTensor"),  # a list of no NamedTensor
+    (lambda: [NamedTensor("y", DType.BYTES, objects(b"a", *(CountedRepr() for _ in range(3))))],
      "holding element 1 of type CountedRepr (e)"),
     # Subclasses of the containers, which reprlib would quote with their whole repr.
-    (collections.OrderedDict((i, CountedRepr()) for i in range(100_000)), "returned OrderedDict OrderedDict({0: e, "),
-    (collections.UserList(CountedRepr() for _ in range(100_000)), "returned UserList UserList([e, e, "),
-])
-def test_a_huge_wrong_output_is_quoted_from_a_bounded_part_of_it(outputs: object, quoted: str) -> None:
+    (lambda: collections.OrderedDict((i, CountedRepr()) for i in range(100_000)),
+     "returned OrderedDict OrderedDict({0: e, "),
+    (lambda: collections.UserList(CountedRepr() for _ in range(100_000)), "returned UserList UserList([e, e, "),
+], ids=["tuple", "list", "bytes", "OrderedDict", "UserList"])
+def test_a_huge_wrong_output_is_quoted_from_a_bounded_part_of_it(make_outputs, quoted: str) -> None:
     """Defect: the message took the full repr of a model's wrong output before cutting it to 100 characters:
     seconds and gigabytes for a list of ten million elements."""
+    outputs = make_outputs()
     CountedRepr.calls = 0
     with pytest.raises(ModelFailure) as caught:
         check_outputs("m", BYTES_OUT, outputs, 1)
