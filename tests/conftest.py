@@ -72,3 +72,11 @@ def s3(s3_server, monkeypatch, request):
         s3_server.faults.clear()
         s3_server.requests.clear()
     return s3_server
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Freeze what collection made (modules, test items, their parameters): the worker keeps it to its end, and
+    every full garbage collection of the run would otherwise walk it again."""
+    import gc
+
+    gc.freeze()
