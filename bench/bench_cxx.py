@@ -22,14 +22,12 @@ cpp at concurrency 1; cxx within 10% of the identity).
 
 from __future__ import annotations
 
-import argparse
 import shutil
-import statistics
 import sys
 import tempfile
 from pathlib import Path
 
-from common import BENCH_DIR, REPO_ROOT, free_port, perf_analyzer, print_table, running, wait_model_ready
+from common import BENCH_DIR, REPO_ROOT, alternating_models, free_port, models_args, print_table
 from identity_backend import write_identity_models
 
 MODELS = ("cxx_scale", "cpp_scale", "identity", "identity_thread")
@@ -54,26 +52,12 @@ def config(root: Path) -> Path:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
-    parser.add_argument("--repeat", type=int, default=3, help="runs per model and concurrency; medians reported")
-    args = parser.parse_args()
-    runs: dict[tuple[str, int], list[dict[str, float]]] = {}
+    args = models_args(__doc__.splitlines()[0])
     with tempfile.TemporaryDirectory() as tmp:
         path = config(Path(tmp))
         address = f"127.0.0.1:{free_port()}"
         argv = [sys.executable, str(BENCH_DIR / "serve_with_plugin.py"), str(path), address]
-
-        def ready(a: str) -> None:
-            for model in MODELS:
-                wait_model_ready(a, model)
-
-        with running(argv, address, ready):
-            for concurrency in args.concurrency:
-                for _ in range(args.repeat):
-                    for model in MODELS:
-                        runs.setdefault((model, concurrency), []).append(perf_analyzer(address, model, concurrency))
-    median = {key: {k: statistics.median(r[k] for r in results) for k in results[0]} for key, results in runs.items()}
+        median = alternating_models(argv, address, MODELS, args.concurrency, args.repeat)
     rows = []
     for concurrency in args.concurrency:
         cxx, cpp, identity, threaded = (median[(model, concurrency)] for model in MODELS)

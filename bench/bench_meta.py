@@ -21,17 +21,16 @@ machine moves throughput a lot and CPU time per request little.
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
-import statistics
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import tritonclient.grpc as triton
 
-from common import REPO_ROOT, free_port, perf_analyzer, print_table, running, wait_model_ready
+from common import REPO_ROOT, alternating_models, free_port, models_args, perf_analyzer, print_table
 
 MODELS = ("mlp_meta", "mlp_bundle")
 
@@ -88,31 +87,20 @@ def served(address: str, model: str) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
-    parser.add_argument("--repeat", type=int, default=3, help="runs per model and concurrency; medians reported")
-    args = parser.parse_args()
-    runs: dict[tuple[str, int], list[dict[str, float]]] = {}
+    args = models_args(__doc__.splitlines()[0])
     with tempfile.TemporaryDirectory() as tmp:
         path = config(Path(tmp))
         address = f"127.0.0.1:{free_port()}"
         argv = [sys.executable, "-m", "nereid.cli", "serve", "--config", str(path), "--bind", address,
                 "--log-level", "WARNING"]
 
-        def ready(a: str) -> None:
-            for model in MODELS:
-                wait_model_ready(a, model)
-
-        with running(argv, address, ready) as server:
-            for concurrency in args.concurrency:
-                for _ in range(args.repeat):
-                    for model in MODELS:
-                        cpu, count = cpu_seconds(server.pid), served(address, model)
-                        result = perf_analyzer(address, model, concurrency)
-                        requests = served(address, model) - count
-                        result["cpu_us"] = (cpu_seconds(server.pid) - cpu) * 1e6 / max(requests, 1)
-                        runs.setdefault((model, concurrency), []).append(result)
-    median = {key: {k: statistics.median(r[k] for r in results) for k in results[0]} for key, results in runs.items()}
+        def measure(server: subprocess.Popen, model: str, concurrency: int) -> dict[str, float]:
+            cpu, count = cpu_seconds(server.pid), served(address, model)
+            result = perf_analyzer(address, model, concurrency)
+            requests = served(address, model) - count
+            result["cpu_us"] = (cpu_seconds(server.pid) - cpu) * 1e6 / max(requests, 1)
+            return result
+        median = alternating_models(argv, address, MODELS, args.concurrency, args.repeat, measure)
     rows = []
     for concurrency in args.concurrency:
         meta, direct = (median[(model, concurrency)] for model in MODELS)

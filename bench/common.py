@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import csv
 import importlib.util
 import os
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import grpc
 
@@ -119,6 +121,38 @@ def perf_analyzer(address: str, model: str, concurrency: int, *extra: str, proto
         row = next(csv.DictReader(report.open()))
     return {"throughput": float(row["Inferences/Second"]), "p50_us": float(row["p50 latency"]),
             "p99_us": float(row["p99 latency"])}
+
+
+def models_args(description: str) -> argparse.Namespace:
+    """``--concurrency`` (one or more, default 1 and 16) and ``--repeat`` (default 3), of a benchmark that
+    compares models of one server at each concurrency."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--repeat", type=int, default=3, help="runs per model and concurrency; medians reported")
+    return parser.parse_args()
+
+
+def alternating_models(argv: Sequence[str], address: str, models: Sequence[str], concurrencies: Sequence[int],
+                       repeat: int, measure: Callable[[subprocess.Popen, str, int], dict[str, float]] | None = None,
+                       ) -> dict[tuple[str, int], dict[str, float]]:
+    """Start the server ``argv`` (on ``address``), wait for every model READY, and measure each model at each
+    concurrency ``repeat`` times, the models alternating; returns the medians of each figure by (model,
+    concurrency). ``measure(server, model, concurrency)``: one run's figures (default: one perf_analyzer run)."""
+    if measure is None:
+        def measure(_server: subprocess.Popen, model: str, concurrency: int) -> dict[str, float]:
+            return perf_analyzer(address, model, concurrency)
+
+    def ready(a: str) -> None:
+        for model in models:
+            wait_model_ready(a, model)
+
+    runs: dict[tuple[str, int], list[dict[str, float]]] = {}
+    with running(argv, address, ready) as server:
+        for concurrency in concurrencies:
+            for _ in range(repeat):
+                for model in models:
+                    runs.setdefault((model, concurrency), []).append(measure(server, model, concurrency))
+    return {key: {k: statistics.median(r[k] for r in results) for k in results[0]} for key, results in runs.items()}
 
 
 def print_table(title: str, header: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
