@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 from pathlib import Path
 from typing import Any, Callable
@@ -75,8 +76,7 @@ def s3(s3_server, monkeypatch, request):
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Freeze what collection made (modules, test items, their parameters): the worker keeps it to its end, and
-    every full garbage collection of the run would otherwise walk it again."""
-    import gc
-
+    """Freeze the worker's heap once collection ends (the modules, test items and parameters it made, with all
+    that was there before): it keeps them to its end, and every full garbage collection of the run would otherwise
+    walk them again."""
     gc.freeze()

@@ -272,7 +272,7 @@ def test_a_bare_array_among_the_outputs_is_named_as_what_it_is() -> None:
     (lambda: collections.OrderedDict((i, CountedRepr()) for i in range(100_000)),
      "returned OrderedDict OrderedDict({0: e, "),
     (lambda: collections.UserList(CountedRepr() for _ in range(100_000)), "returned UserList UserList([e, e, "),
-], ids=["tuple", "list", "bytes", "OrderedDict", "UserList"])
+], ids=["tuple", "list", "bytes-tensor-element", "OrderedDict", "UserList"])
 def test_a_huge_wrong_output_is_quoted_from_a_bounded_part_of_it(make_outputs, quoted: str) -> None:
     """Defect: the message took the full repr of a model's wrong output before cutting it to 100 characters:
     seconds and gigabytes for a list of ten million elements."""
