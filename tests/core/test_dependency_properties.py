@@ -238,8 +238,8 @@ def test_callers_readiness_agrees_with_the_rules(graph: tuple[dict, dict]) -> No
 
 @BOUNDED
 @given(graphs(), st.randoms(use_true_random=False))
-def test_settle_does_not_depend_on_dict_order_or_on_a_callers_own_state(graph: tuple[dict, dict],
-                                                                        rng: random.Random) -> None:
+def test_callers_readiness_does_not_depend_on_dict_order_or_on_a_callers_own_state(graph: tuple[dict, dict],
+                                                                                   rng: random.Random) -> None:
     callers, states = graph
     verdicts = callers_readiness(callers, states)
     caller_items, state_items = list(callers.items()), list(states.items())
@@ -272,7 +272,7 @@ def test_find_cycle_finds_a_cycle_exactly_when_there_is_one(graph: tuple[dict, d
 @FEWER
 @given(st.integers(0, 2**32 - 1), st.sampled_from(["sparse", "dense", "ring", "complete", "dag"]))
 @example(0, "complete")
-def test_two_hundred_callers_settle_in_bounded_time(seed: int, shape: str) -> None:
+def test_two_hundred_callers_are_judged_in_bounded_time(seed: int, shape: str) -> None:
     rng = random.Random(seed)
     names = [f"m{i}" for i in range(200)]
     others = ["echo", "ghost"]
