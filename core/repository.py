@@ -9,41 +9,33 @@ reason when it is not ready.
 from __future__ import annotations
 
 import asyncio
-import functools
-import importlib.util
 import logging
-import os
-import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Awaitable, Callable, Coroutine, Protocol
 
 import pluggy
 
-import nereid
-from nereid.backend import CallsModels, ModelCaller, ModelContext, Relocatable
-from nereid.backend_calls import await_build, on_daemon_thread, terminate_backend, unload_backend, unload_unclaimed
-from nereid.dependencies import READY, Readiness, callers_readiness
-from nereid.errors import (ConfigError, NotFound, PublicText, Unavailable, backend_exit, calling_plugin,
-                           cap_message, describe_exception, without_stop_iteration)
-from nereid.files import check_confined, is_model_folder_name
+from nereid.backend import ModelCaller, ModelContext, Relocatable
+from nereid.backend_calls import terminate_backend, unload_backend
+from nereid.client_paths import ClientPaths
+from nereid.dependent_states import DependentStates, log_unavailable
+from nereid.errors import (ConfigError, NotFound, PublicText, Unavailable, cap_message, describe_exception,
+                           without_stop_iteration)
+from nereid.files import is_model_folder_name
 from nereid.folder_cleanup import FolderCleanup
 from nereid.folder_states import folder_stamp
-from nereid.leftovers import remove_model_leftovers
 from nereid.log_limit import RateLimitedLog
-from nereid.model_building import BackendRaised, BuiltModel, build_model
+from nereid.model_building import BackendRaised
 from nereid.model_entry import (NOT_LISTED_REASON, LoadAbandoned, LoadedModel, ModelEntry, ModelState,
                                 RetiringVersion)
-from nereid.model_runner import HookThreads, make_runner
 from nereid.plugins import check_backend_defaults
-from nereid.scheduler import ModelScheduler
 from nereid.settings import Settings
 from nereid.settings_changes import changed_backends, settings_step
 from nereid.stats import ModelStats
-from nereid.storage import (StorageError, failure_kind, forget_listed_folder,
-                            materialize_model_folder, mirror_leftovers, model_folder_exists, scan_model_folders,
-                            store_failed, store_holds_folder)
-from nereid.storage.mirror import CACHE_SUBFOLDER
+from nereid.storage import (StorageError, failure_kind, forget_listed_folder, mirror_leftovers, model_folder_exists,
+                            scan_model_folders, store_failed, store_holds_folder)
+from nereid.version_loader import VersionLoader
 
 log = logging.getLogger(__name__)
 
@@ -98,17 +90,10 @@ class ModelRepository:
         self.manager = manager
         self.scratch_dir = scratch_dir
         self.root = settings.server.ml_backends_path
-        # Longest first, so that ml_backends_path wins over nereid.yaml's folder holding it.
-        self._private_prefixes = sorted({
-            (f"{self.root.resolve()}{os.sep}", ""), (f"{self.root}{os.sep}", ""),
-            (f"{scratch_dir}{os.sep}", "<scratch>/"),
-            (f"{Path(settings.source).resolve().parent}{os.sep}", ""),
-            # Where nereid itself is installed (a traceback through a backend names its files).
-            (f"{Path(nereid.__file__).resolve().parent}{os.sep}", "<nereid>/"),
-            (f"{_backends_folder()}{os.sep}", "<nereid.backends>/"),
-        }, key=lambda pair: -len(pair[0]))
+        self._client_paths = ClientPaths(self.root, scratch_dir, settings.source)
+        self._loader = VersionLoader(manager, scratch_dir, models, events)
         self._entries: dict[str, ModelEntry] = {}
-        self._verdicts: dict[str, Readiness] = {}  # each model calling others, as the last walk of the graph found it
+        self._dependents = DependentStates()
         self._scan_errors = RateLimitedLog(log)
         # Work that outlives the call that started it: old versions draining after a reload, removals. Awaited
         # by unload_all; the versions draining are also ended by terminate_running.
@@ -433,7 +418,7 @@ class ModelRepository:
     async def _load_locked(self, entry: ModelEntry, retrying: str | None) -> ModelEntry:
         """The load of :meth:`load`, the entry held and not loaded."""
         name = entry.name
-        # (A folder in an object store is fetched by _build, which reports the store's error.)
+        # (A folder in an object store is fetched by the version loader, which reports the store's error.)
         if self.settings.server.ml_backends_url is None and not entry.folder.is_dir():
             entry.state, entry.reason = ModelState.UNAVAILABLE, f"no folder '{name}' in ml_backends_path (yet)"
             log.warning("model '%s' is UNAVAILABLE: %s", name, entry.reason)
@@ -442,7 +427,7 @@ class ModelRepository:
         entry.state, entry.reason = ModelState.LOADING, ""
         self._refresh_dependents()
         try:
-            entry.loaded = await self._load_version(entry, ModelStats())
+            entry.loaded = await self._loader.load(entry, ModelStats(), self.settings)
         except Exception as err:  # any load failure is the model's, reported with its reason
             reason = _reason(err)
             repeated = _repeats(reason, retrying)
@@ -463,74 +448,6 @@ class ModelRepository:
         entry.store_fault = ""
         self._enter_loaded_version(entry)
         return entry
-
-    async def _load_version(self, entry: ModelEntry, stats: ModelStats) -> LoadedModel:
-        """Build the folder's model as it is now into a new LoadedModel (raises with the reason).
-
-        A model that loaded but then cannot be wired up (its ``dependencies()``
-        raises, say) is unloaded before the reason is raised: what its
-        ``load()`` acquired must not leak.
-        """
-        name = entry.name
-        entry.scratch_names.add(name)
-        context = ModelContext(name, entry.folder, entry.settings, self._scratch_for(name), entry.settings_origin,
-                               self.models)
-        stamp = None
-        if self.settings.server.watch and self.settings.server.ml_backends_url is None:
-            stamped = await asyncio.to_thread(folder_stamp, entry.folder)  # before the build reads the files
-            stamp = stamped[0] if stamped is not None else None
-        if entry.unloads_waiting:  # an unload came after this load: it wins, and nothing is built for nothing
-            raise LoadAbandoned(f"model '{name}': load abandoned: an unload or removal of it came first")
-        started = time.monotonic()
-        backend_defaults = self.settings.backend_defaults  # (read once: kept with what it builds)
-        building = on_daemon_thread(functools.partial(self._build, context, backend_defaults), f"nereid-load-{name}",
-                                    functools.partial(unload_unclaimed, name))
-        entry.building = building
-        try:
-            built = await await_build(name, building, started)
-        except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if task is not None and task.cancelling():  # this task was cancelled (the server stopping)
-                raise
-            # Only the build was: an unload or removal gave up on it (held_for_unload).
-            raise LoadAbandoned(f"model '{name}': load abandoned after {time.monotonic() - started:.1f} s: an "
-                                "unload or removal of it came while its backend's load() was still running (if "
-                                "that ever returns, what it built is unloaded)") from None
-        finally:
-            entry.building = None
-        load_seconds = time.monotonic() - started
-        scheduler: ModelScheduler | None = None
-        try:
-            calls_models = isinstance(built.backend, CallsModels)
-            instances, depends_on = entry.settings.instances, ()
-            if calls_models:
-                # Model code, on the event loop: a sys.exit() there must be its failure, not the server's end. So
-                # must a KeyboardInterrupt: the server takes Ctrl-C with the loop's signal handler, never as one.
-                instances, depends_on = calling_plugin(
-                    lambda: (built.backend.concurrent_executions(), built.backend.dependencies()),
-                    lambda exit_: backend_exit(name, exit_, "while asked what it calls"), also=(KeyboardInterrupt,))
-                if entry.settings.instances != 1:  # (a Triton ensemble's instance_group, ported, say)
-                    log.warning("model '%s': instances: %d does not apply to a model that calls models; %d of its "
-                                "requests run at once (its backend's count; queue_capacity for a meta model)",
-                                name, entry.settings.instances, instances)
-            scheduler = ModelScheduler(name, built.backend, built.batch_signature, entry.settings.queue_capacity,
-                                       instances, stats, built.policy)
-            hook_threads = HookThreads(name)
-            loaded = LoadedModel(built.backend_name, built.backend, built.signature, built.batch_signature,
-                                 scheduler, stats, load_seconds,
-                                 make_runner(built.backend, built.signature, built.batch_signature, scheduler,
-                                             hook_threads),
-                                 hook_threads, depends_on, stamp, context.settings,
-                                 backend_defaults.get(built.backend_name))
-        except Exception:
-            if scheduler is not None:  # its batcher task is running: end it, or asyncio logs it destroyed
-                await scheduler.drain(0)
-            await unload_backend(name, built.backend)
-            raise
-        if self.events is not None:
-            self.events.model_loaded(name, load_seconds)
-        entry.generation += 1
-        return loaded
 
     async def reload(self, name: str, *, retrying: str | None = None, only_if_changed: bool = False) -> ModelEntry:
         """Load the folder again without downtime; a model that is not loaded is simply loaded.
@@ -557,7 +474,7 @@ class ModelRepository:
                 return entry
             entry.abandoned = ""
             try:
-                new = await self._load_version(entry, old.stats)
+                new = await self._loader.load(entry, old.stats, self.settings)
             except LoadAbandoned as err:
                 # The unload that gave up on it takes the running version off next: none "keeps serving", and
                 # no reload failed.
@@ -604,7 +521,7 @@ class ModelRepository:
             # the scratch folder the moved model is given.
             claimed = new not in entry.scratch_names
             entry.scratch_names.add(new)
-            context = ModelContext(new, self.root / new, settings, self._scratch_for(new), origin, self.models)
+            context = ModelContext(new, self.root / new, settings, self._loader.scratch_for(new), origin, self.models)
             try:
                 if not isinstance(loaded.backend, Relocatable):
                     raise ConfigError(f"backend '{loaded.backend_name}' cannot move a loaded model")
@@ -770,25 +687,10 @@ class ModelRepository:
         if self.events is not None:
             self.events.repository_event(name, event)
 
-    def _build(self, context: ModelContext, backend_defaults: dict) -> BuiltModel:
-        """Check the folder stays inside the repository, then build the model (blocking)."""
-        materialize_model_folder(self.settings.server, context.name)  # from an object store: fetch it first
-        check_confined(context.folder, self.root, self.settings.server.follow_symlinks)
-        remove_model_leftovers(context.folder, CACHE_SUBFOLDER)
-        return build_model(self.manager, context, backend_defaults, self.settings.source)
-
     def public_text(self, text: str) -> str:
-        """``text`` fit for clients: paths relative to ml_backends_path (or nereid.yaml's folder), capped.
-
-        The log keeps absolute paths; RepositoryIndex and error messages never
-        reveal where the server keeps its files. A :class:`PublicText` (what
-        the client sent, echoed) is only capped.
-        """
-        if isinstance(text, PublicText):
-            return cap_message(text.plain())
-        for prefix, replacement in self._private_prefixes:
-            text = text.replace(prefix, replacement)
-        return cap_message(text)
+        """``text`` fit for clients: paths relative to ml_backends_path (or nereid.yaml's folder), capped (see
+        :class:`~nereid.client_paths.ClientPaths`). The log keeps absolute paths."""
+        return self._client_paths.public_text(text)
 
     async def unload(self, name: str, grace_s: float | None = None) -> ModelEntry:
         """Finish the model's queued and running requests, then release it.
@@ -911,7 +813,7 @@ class ModelRepository:
         """
         loaded = entry.loaded
         assert loaded is not None
-        verdict = self._dependency_verdicts().get(entry.name, READY)
+        verdict = DependentStates.verdict(self._entries, entry.name)
         done = (f"load {entry.generation}, backend {loaded.backend_name}, device {entry.settings.device}, "
                 f"{loaded.load_seconds:.2f} s")
         if verdict.ready:
@@ -919,74 +821,23 @@ class ModelRepository:
             log.info("model '%s' is READY (%s)", entry.name, done)
         else:
             entry.state, entry.reason = ModelState.UNAVAILABLE, verdict.why
-            self._log_unavailable(entry, verdict, f" (loaded: {done})")
+            log_unavailable(entry, verdict, f" (loaded: {done})")
         self._refresh_dependents()  # the models calling it
 
-    @staticmethod
-    def _log_unavailable(entry: ModelEntry, verdict: Readiness, detail: str = "", repeated: bool = False) -> None:
-        """Log that a loaded model cannot serve because of the models it calls.
-
-        At INFO while the root cause is a model only LOADING (the server is
-        starting, or it is being reloaded: READY soon, so a normal start logs no
-        warning, however long the chain of models calling it); at DEBUG when
-        that cause is a store failure ``repeated`` (see :meth:`load`'s
-        ``retrying``); at WARNING otherwise.
-        """
-        level = logging.INFO if verdict.loading else logging.DEBUG if repeated else logging.WARNING
-        log.log(level, "model '%s' is UNAVAILABLE: %s%s", entry.name, verdict.why, detail)
-
-    def _states(self) -> dict[str, tuple[str, str]]:
-        """Every model's (state, reason), as RepositoryIndex shows them."""
-        return {e.name: (e.state.value, e.reason) for e in self._entries.values()}
-
-    def _dependency_verdicts(self) -> dict[str, Readiness]:
-        """Whether each loaded model that calls other models can serve now (see
-        :func:`~nereid.dependencies.callers_readiness`)."""
-        callers = {entry.name: entry.loaded.depends_on for entry in self._entries.values()
-                   if entry.loaded is not None and entry.loaded.depends_on and entry.state is not ModelState.UNLOADING}
-        return callers_readiness(callers, self._states()) if callers else {}
-
     def _refresh_dependents(self, repeated: bool = False) -> None:
-        """Keep models that call other models READY exactly while those are READY (issue 14).
+        """Keep models that call other models READY exactly while those are READY (issue 14; see
+        :class:`~nereid.dependent_states.DependentStates`), then tell the server (:meth:`_state_changed`).
 
-        Called after every state change. A model calling itself through
-        ``depends_on`` (which a backend refuses at load when it can see the
-        cycle) never becomes READY. One walk of the dependency graph settles
-        every chain of such models. Each change of state is logged, and so is
-        waiting on another dependency, unless on one LOADING; the server hears
-        of every change (:meth:`_state_changed`). ``repeated``: the change is a
-        store failure that repeats the last one (see :meth:`_log_unavailable`).
+        Called after every state change. ``repeated``: the change is a store failure that repeats the last one
+        (see :meth:`load`'s ``retrying``).
         """
-        verdicts = self._dependency_verdicts()
-        for name, verdict in verdicts.items():
-            entry = self._entries[name]
-            if verdict.ready:
-                if entry.state is not ModelState.READY:
-                    entry.state, entry.reason = ModelState.READY, ""
-                    log.info("model '%s' is READY (every model it calls is READY)", entry.name)
-            elif (entry.state, entry.reason) != (ModelState.UNAVAILABLE, verdict.why):
-                # Waiting on another dependency is logged too, unless on one LOADING (READY soon): waiting on
-                # a model that was LOADING can turn into waiting on one that is missing or failed (or on the
-                # same one, now failed), which must not go unsaid. (UNLOADING to unloaded is no news.)
-                before = self._verdicts.get(name)
-                if (entry.state is not ModelState.UNAVAILABLE
-                        or (not verdict.loading
-                            and (before is None or before.loading or before.blocker != verdict.blocker))):
-                    self._log_unavailable(entry, verdict, repeated=repeated)
-                entry.state, entry.reason = ModelState.UNAVAILABLE, verdict.why
-        self._verdicts = verdicts
+        self._dependents.refresh(self._entries, repeated)
         self._state_changed()
 
     def _state_changed(self) -> None:
         """Tell ``on_state_change`` that ServerReady may have moved (the health service follows it)."""
         if self.on_state_change is not None:
             self.on_state_change()
-
-    def _scratch_for(self, name: str) -> Path:
-        """The scratch folder for the model ``name`` (made if it is not there)."""
-        path = self.scratch_dir / name
-        path.mkdir(parents=True, exist_ok=True)
-        return path
 
     def _scratch_kept(self, name: str) -> bool:
         """Whether an entry, or a version still finishing its requests, was given the scratch folder ``name``."""
@@ -997,13 +848,6 @@ class ModelRepository:
         """The names of the entries and of the old versions still finishing their requests (safe off the loop:
         each is read in one copy)."""
         return set(dict(self._entries)) | {retiring.name for retiring in list(self._retiring.values())}
-
-
-def _backends_folder() -> Path:
-    """Where ``nereid.backends`` is installed, found without importing it (core never imports a backend)."""
-    spec = importlib.util.find_spec("nereid.backends")
-    locations = list(spec.submodule_search_locations or []) if spec is not None else []
-    return Path(locations[0]).resolve() if locations else Path(nereid.__file__).resolve().parent
 
 
 def _store_cannot_tell(name: str, failure: StorageError, more: str = "") -> Unavailable:

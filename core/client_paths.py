@@ -1,0 +1,49 @@
+"""What clients may see of the server's own text: its paths made relative, the message capped.
+
+The log keeps absolute paths; RepositoryIndex and error messages never reveal
+where the server keeps its files (ml_backends_path, nereid.yaml's folder, the
+scratch folder, where nereid is installed).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import nereid
+from nereid.errors import PublicText, cap_message
+
+
+class ClientPaths:
+    """Rewrites the server's private folders in a text meant for clients."""
+
+    def __init__(self, ml_backends_path: Path, scratch_dir: Path, settings_source: str | Path) -> None:
+        # Longest first, so that ml_backends_path wins over nereid.yaml's folder holding it.
+        self._prefixes = sorted({
+            (f"{ml_backends_path.resolve()}{os.sep}", ""), (f"{ml_backends_path}{os.sep}", ""),
+            (f"{scratch_dir}{os.sep}", "<scratch>/"),
+            (f"{Path(settings_source).resolve().parent}{os.sep}", ""),
+            # Where nereid itself is installed (a traceback through a backend names its files).
+            (f"{Path(nereid.__file__).resolve().parent}{os.sep}", "<nereid>/"),
+            (f"{_backends_folder()}{os.sep}", "<nereid.backends>/"),
+        }, key=lambda pair: -len(pair[0]))
+
+    def public_text(self, text: str) -> str:
+        """``text`` fit for clients: paths relative to ml_backends_path (or nereid.yaml's folder), capped.
+
+        A :class:`~nereid.errors.PublicText` (what the client sent, echoed) is only capped: scrubbing it would
+        rewrite the client's own names, and tell a client which absolute paths are the server's.
+        """
+        if isinstance(text, PublicText):
+            return cap_message(text.plain())
+        for prefix, replacement in self._prefixes:
+            text = text.replace(prefix, replacement)
+        return cap_message(text)
+
+
+def _backends_folder() -> Path:
+    """Where ``nereid.backends`` is installed, found without importing it (core never imports a backend)."""
+    spec = importlib.util.find_spec("nereid.backends")
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    return Path(locations[0]).resolve() if locations else Path(nereid.__file__).resolve().parent

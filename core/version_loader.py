@@ -1,0 +1,148 @@
+"""One version of a model folder loaded: built from the folder as it is now, wired to its queue and runner.
+
+The repository decides when a folder loads and what its state becomes; this
+module does the load itself: the folder fetched (from an object store) and
+checked, claimed and loaded by its backend on a daemon thread, and the result
+given its scheduler, request runner and hook threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from pathlib import Path
+from typing import Protocol
+
+import pluggy
+
+from nereid.backend import CallsModels, ModelCaller, ModelContext
+from nereid.backend_calls import await_build, on_daemon_thread, unload_backend, unload_unclaimed
+from nereid.errors import backend_exit, calling_plugin
+from nereid.files import check_confined
+from nereid.folder_states import folder_stamp
+from nereid.leftovers import remove_model_leftovers
+from nereid.model_building import BuiltModel, build_model
+from nereid.model_entry import LoadAbandoned, LoadedModel, ModelEntry
+from nereid.model_runner import HookThreads, make_runner
+from nereid.scheduler import ModelScheduler
+from nereid.settings import Settings
+from nereid.stats import ModelStats
+from nereid.storage import materialize_model_folder
+from nereid.storage.mirror import CACHE_SUBFOLDER
+
+# The repository's logger: a load's warnings read as the repository's, as they always have.
+log = logging.getLogger("nereid.repository")
+
+
+class LoadListener(Protocol):
+    """Who hears that a version has loaded (the server's metrics)."""
+
+    def model_loaded(self, model: str, seconds: float) -> None:
+        """One model version loaded in ``seconds``."""
+
+
+class VersionLoader:
+    """Loads versions of model folders for one repository.
+
+    ``models`` is handed to every model's context (how meta models call the
+    others); ``events`` hears of each version loaded.
+    """
+
+    def __init__(self, manager: pluggy.PluginManager, scratch_dir: Path, models: ModelCaller | None = None,
+                 events: LoadListener | None = None) -> None:
+        self.manager = manager
+        self.scratch_dir = scratch_dir
+        self.models = models
+        self.events = events
+
+    def scratch_for(self, name: str) -> Path:
+        """The scratch folder for the model ``name`` (made if it is not there)."""
+        path = self.scratch_dir / name
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    async def load(self, entry: ModelEntry, stats: ModelStats, settings: Settings) -> LoadedModel:
+        """Build the entry's folder as it is now into a new LoadedModel (raises with the reason), counting its
+        requests in ``stats`` (a reload's new version keeps the old one's).
+
+        A model that loaded but then cannot be wired up (its ``dependencies()``
+        raises, say) is unloaded before the reason is raised: what its
+        ``load()`` acquired must not leak. An unload of the entry that came
+        first wins: :class:`~nereid.model_entry.LoadAbandoned`, nothing built.
+        """
+        name = entry.name
+        entry.scratch_names.add(name)
+        context = ModelContext(name, entry.folder, entry.settings, self.scratch_for(name), entry.settings_origin,
+                               self.models)
+        stamp = None
+        if settings.server.watch and settings.server.ml_backends_url is None:
+            stamped = await asyncio.to_thread(folder_stamp, entry.folder)  # before the build reads the files
+            stamp = stamped[0] if stamped is not None else None
+        if entry.unloads_waiting:  # an unload came after this load: it wins, and nothing is built for nothing
+            raise LoadAbandoned(f"model '{name}': load abandoned: an unload or removal of it came first")
+        started = time.monotonic()
+        backend_defaults = settings.backend_defaults  # (read once: kept with what it builds)
+        building = on_daemon_thread(functools.partial(self._build, context, backend_defaults, settings),
+                                    f"nereid-load-{name}", functools.partial(unload_unclaimed, name))
+        entry.building = building
+        try:
+            built = await await_build(name, building, started)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():  # this task was cancelled (the server stopping)
+                raise
+            # Only the build was: an unload or removal gave up on it (held_for_unload).
+            raise LoadAbandoned(f"model '{name}': load abandoned after {time.monotonic() - started:.1f} s: an "
+                                "unload or removal of it came while its backend's load() was still running (if "
+                                "that ever returns, what it built is unloaded)") from None
+        finally:
+            entry.building = None
+        load_seconds = time.monotonic() - started
+        loaded = await self._wired(entry, built, stats, load_seconds, stamp, context, backend_defaults)
+        if self.events is not None:
+            self.events.model_loaded(name, load_seconds)
+        entry.generation += 1
+        return loaded
+
+    async def _wired(self, entry: ModelEntry, built: BuiltModel, stats: ModelStats, load_seconds: float,
+                     stamp: object, context: ModelContext, backend_defaults: dict) -> LoadedModel:
+        """The built model given its scheduler, runner and hook threads; unloaded again if that fails."""
+        name = entry.name
+        scheduler: ModelScheduler | None = None
+        try:
+            instances, depends_on = entry.settings.instances, ()
+            if isinstance(built.backend, CallsModels):
+                # Model code, on the event loop: a sys.exit() there must be its failure, not the server's end. So
+                # must a KeyboardInterrupt: the server takes Ctrl-C with the loop's signal handler, never as one.
+                instances, depends_on = calling_plugin(
+                    lambda: (built.backend.concurrent_executions(), built.backend.dependencies()),
+                    lambda exit_: backend_exit(name, exit_, "while asked what it calls"), also=(KeyboardInterrupt,))
+                if entry.settings.instances != 1:  # (a Triton ensemble's instance_group, ported, say)
+                    log.warning("model '%s': instances: %d does not apply to a model that calls models; %d of its "
+                                "requests run at once (its backend's count; queue_capacity for a meta model)",
+                                name, entry.settings.instances, instances)
+            scheduler = ModelScheduler(name, built.backend, built.batch_signature, entry.settings.queue_capacity,
+                                       instances, stats, built.policy)
+            hook_threads = HookThreads(name)
+            return LoadedModel(built.backend_name, built.backend, built.signature, built.batch_signature,
+                               scheduler, stats, load_seconds,
+                               make_runner(built.backend, built.signature, built.batch_signature, scheduler,
+                                           hook_threads),
+                               hook_threads, depends_on, stamp, context.settings,
+                               backend_defaults.get(built.backend_name))
+        except Exception:
+            if scheduler is not None:  # its batcher task is running: end it, or asyncio logs it destroyed
+                await scheduler.drain(0)
+            await unload_backend(name, built.backend)
+            raise
+
+    def _build(self, context: ModelContext, backend_defaults: dict, settings: Settings) -> BuiltModel:
+        """Fetch the folder if it is in a store, check it stays inside the repository, then build the model
+        (blocking)."""
+        server = settings.server
+        materialize_model_folder(server, context.name)
+        check_confined(context.folder, server.ml_backends_path, server.follow_symlinks)
+        remove_model_leftovers(context.folder, CACHE_SUBFOLDER)
+        return build_model(self.manager, context, backend_defaults, settings.source)

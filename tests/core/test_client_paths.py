@@ -1,0 +1,55 @@
+"""What clients see of the server's text: every private folder made relative, echoed names left alone."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import nereid
+import nereid.backends
+from nereid.client_paths import ClientPaths
+from nereid.errors import MESSAGE_LIMIT, PublicText
+
+
+def paths(tmp_path: Path) -> tuple[ClientPaths, Path, Path]:
+    """ClientPaths for a nereid.yaml in ``tmp_path`` whose ml_backends_path is the folder inside it."""
+    root, scratch = tmp_path / "ml-backends", tmp_path / "scratch"
+    root.mkdir()
+    scratch.mkdir()
+    return ClientPaths(root, scratch, tmp_path / "nereid.yaml"), root, scratch
+
+
+def test_each_private_folder_is_rewritten_and_ml_backends_path_wins_over_the_folder_holding_it(tmp_path):
+    clients, root, scratch = paths(tmp_path)
+    sep = os.sep
+    assert clients.public_text(f"cannot read {root}{sep}m{sep}weights.bin") == f"cannot read m{sep}weights.bin"
+    # (nereid.yaml's folder holds ml_backends_path: the longer prefix must win, or "ml-backends/m" would show.)
+    assert clients.public_text(f"{tmp_path}{sep}other.txt") == "other.txt"
+    assert clients.public_text(f"{scratch}{sep}m{sep}run") == f"<scratch>/m{sep}run"
+    installed = Path(nereid.__file__).resolve().parent
+    assert clients.public_text(f"{installed}{sep}scheduler.py") == "<nereid>/scheduler.py"
+    backends = Path(nereid.backends.__file__).resolve().parent
+    assert clients.public_text(f"{backends}{sep}xla{sep}model.py") in (
+        f"<nereid.backends>/xla{sep}model.py",  # installed apart from nereid (the repository's layout)
+        f"<nereid>/backends{sep}xla{sep}model.py")  # a wheel's layout: inside nereid's folder
+
+
+def test_a_symlinked_ml_backends_path_is_rewritten_as_written_and_as_resolved(tmp_path):
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "link").symlink_to(real)
+    clients = ClientPaths(tmp_path / "link", tmp_path / "scratch", tmp_path / "elsewhere" / "nereid.yaml")
+    assert clients.public_text(f"{tmp_path}/link/m/a and {real}/m/b") == "m/a and m/b"
+
+
+def test_text_the_client_sent_is_only_capped_never_rewritten(tmp_path):
+    clients, root, _ = paths(tmp_path)
+    echoed = PublicText(f"unknown model '{root}/m'")
+    assert clients.public_text(echoed) == f"unknown model '{root}/m'"
+    assert len(clients.public_text(PublicText("x" * (MESSAGE_LIMIT * 2)))) <= MESSAGE_LIMIT
+
+
+def test_a_long_message_is_capped_after_its_paths_are_rewritten(tmp_path):
+    clients, root, _ = paths(tmp_path)
+    text = clients.public_text(f"{root}/m: " + "y" * (MESSAGE_LIMIT * 2))
+    assert text.startswith("m: y") and len(text) <= MESSAGE_LIMIT

@@ -1,0 +1,111 @@
+"""One version of a folder loaded: built on its daemon thread, wired to a queue that answers, or refused whole."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from nereid.dtypes import DType
+from nereid.errors import ConfigError
+from nereid.model_entry import LoadAbandoned, LoadedModel, ModelEntry
+from nereid.plugins import make_plugin_manager
+from nereid.settings import Settings, load_settings
+from nereid.stats import ModelStats
+from nereid.tensors import NamedTensor
+from nereid.version_loader import VersionLoader
+from tests import toy_backends
+from tests.toy_backends import LOADS, UNLOADS, FaultyToys, write_faulty, write_toy
+
+
+class Heard:
+    """The loader's listener: each version loaded, with its seconds."""
+
+    def __init__(self) -> None:
+        self.loaded: list[tuple[str, float]] = []
+
+    def model_loaded(self, model: str, seconds: float) -> None:
+        self.loaded.append((model, seconds))
+
+
+def setup(tmp_path: Path, server_yaml: str = "") -> tuple[VersionLoader, Settings, Heard]:
+    (tmp_path / "ml-backends").mkdir()
+    (tmp_path / "nereid.yaml").write_text(f'server:\n  ml_backends_path: "ml-backends"\n{server_yaml}')
+    manager = make_plugin_manager(load_entry_points=False, extra_plugins=(toy_backends, FaultyToys()))
+    heard = Heard()
+    return VersionLoader(manager, tmp_path / "scratch", events=heard), load_settings(tmp_path / "nereid.yaml"), heard
+
+
+def entry_for(settings: Settings, name: str) -> ModelEntry:
+    model_settings, origin = settings.model_or_default(name)
+    return ModelEntry(name, settings.server.ml_backends_path / name, model_settings, origin)
+
+
+async def released(loaded: LoadedModel) -> None:
+    await loaded.scheduler.drain(0)
+    loaded.hook_threads.release()
+    loaded.backend.unload()
+
+
+def test_a_folder_loads_into_a_version_that_answers_and_is_heard_of(tmp_path):
+    loader, settings, heard = setup(tmp_path)
+    write_toy(settings.server.ml_backends_path, "adder")
+    entry = entry_for(settings, "adder")
+
+    async def scenario() -> None:
+        stats = ModelStats()
+        loaded = await loader.load(entry, stats, settings)
+        try:
+            x = NamedTensor("input", DType.FP32, np.zeros((1, 4), np.float32))
+            (out,) = await loaded.run([x], 1, 0)
+            assert out.data.tolist() == [[1.0, 1.0, 1.0, 1.0]]
+            assert loaded.stats is stats and stats.snapshot().execution_count == 1  # counted where its queue ran it
+        finally:
+            await released(loaded)
+        assert (loaded.backend_name, loaded.stamp, loaded.settings) == ("toy", None, entry.settings)
+    asyncio.run(scenario())
+    assert entry.generation == 1 and entry.building is None
+    assert [name for name, _ in heard.loaded] == ["adder"] and heard.loaded[0][1] >= 0
+    assert entry.scratch_names == {"adder"} and (tmp_path / "scratch" / "adder").is_dir()
+
+
+def test_in_dynamic_mode_a_version_keeps_the_stamp_of_the_files_it_was_built_from(tmp_path):
+    loader, settings, _ = setup(tmp_path, "  watch: true\n")
+    write_toy(settings.server.ml_backends_path, "adder")
+
+    async def scenario() -> LoadedModel:
+        loaded = await loader.load(entry_for(settings, "adder"), ModelStats(), settings)
+        await released(loaded)
+        return loaded
+    assert asyncio.run(scenario()).stamp is not None
+
+
+def test_an_unload_that_came_first_wins_and_nothing_is_built(tmp_path):
+    loader, settings, heard = setup(tmp_path)
+    write_toy(settings.server.ml_backends_path, "waited")
+    entry = entry_for(settings, "waited")
+    entry.unloads_waiting = 1
+    with pytest.raises(LoadAbandoned, match="an unload or removal of it came first"):
+        asyncio.run(loader.load(entry, ModelStats(), settings))
+    assert LOADS["waited"] == 0 and heard.loaded == [] and entry.generation == 0
+
+
+def test_a_model_that_loads_but_cannot_be_wired_is_unloaded_before_its_reason_is_raised(tmp_path):
+    loader, settings, heard = setup(tmp_path)
+    write_faulty(settings.server.ml_backends_path, "unwired", "dependencies_fail")
+    entry = entry_for(settings, "unwired")
+    with pytest.raises(Exception, match="dependencies unknown"):
+        asyncio.run(loader.load(entry, ModelStats(), settings))
+    assert LOADS["unwired"] == 1 and UNLOADS["unwired"] == 1  # what load() acquired was released
+    assert heard.loaded == [] and entry.generation == 0
+
+
+def test_a_folder_leading_outside_the_repository_is_refused_before_its_backend_sees_it(tmp_path):
+    loader, settings, _ = setup(tmp_path)
+    outside = write_toy(tmp_path / "elsewhere", "escape")
+    (settings.server.ml_backends_path / "escape").symlink_to(outside)
+    with pytest.raises(ConfigError, match="symlink to a path outside ml_backends_path"):
+        asyncio.run(loader.load(entry_for(settings, "escape"), ModelStats(), settings))
+    assert LOADS["escape"] == 0
