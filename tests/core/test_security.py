@@ -241,7 +241,7 @@ def test_stopping_https_is_prompt_with_an_idle_keep_alive_client_and_lets_reques
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
-    listener = HttpListener(app, ssl_context(TlsSettings(pki["server_cert"], pki["server_key"])), grace_s=5)
+    listener = HttpListener(app, ssl_context(TlsSettings(pki["server_cert"], pki["server_key"])), grace_s=20)
     port = asyncio.run_coroutine_threadsafe(listener.start("127.0.0.1:0"), loop).result(10)
     context = ssl.create_default_context(cafile=str(pki["ca"]))
     # Raw TLS connections: closing them without close_notify is up to this test.
@@ -256,9 +256,11 @@ def test_stopping_https_is_prompt_with_an_idle_keep_alive_client_and_lets_reques
         stopped = asyncio.run_coroutine_threadsafe(listener.stop(), loop)
         time.sleep(0.6)  # the answer is ready by now, and read slowly: 8 MiB wait in the server's buffers
         assert read_answer(busy) == b"x" * big  # the request in flight finished, whole
-        stopped.result(10)
+        stopped.result(30)
         took = time.monotonic() - started
-        assert took < 2, f"stop took {took:.1f} s (grace 5 s)"
+        # Far below the grace, which the defect waited out whole: on a loaded 2-core machine this stop, the
+        # 0.6 s wait and the 8 MiB read within it, once took 2.1 s.
+        assert took < 8, f"stop took {took:.1f} s (grace 20 s)"
         assert idle.recv(100) == b""  # closed by the server (its close_notify)
         assert "timeout graceful shutdown exceeded" not in caplog.text
     finally:
