@@ -46,14 +46,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Awaitable, Callable
 
-import watchfiles
-
 from nereid.errors import ConfigError, NotFound, Unavailable
-from nereid.folder_states import FolderState, ignored_name, plan_changes, scan_repository, scan_store
+from nereid.file_events import Follow, RepositoryFollower
+from nereid.folder_states import FolderState, plan_changes, scan_repository, scan_store
 from nereid.settings import Settings, load_settings
+from nereid.settling import SettlingFolders
 from nereid.storage import StorageError, failure_kind, parse_store_url, store_failed
 from nereid.store_retries import StoreRetries
-from nereid.watched_paths import WatchedPaths, links_on_the_way, symlinked_folders
+from nereid.watched_paths import WatchedPaths
 
 if TYPE_CHECKING:
     from nereid.model_entry import ModelEntry
@@ -61,42 +61,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-MAX_GROUPING_FACTOR = 20  # changes that never stop are still acted on after this many settle times
-EVENT_STEP_MS = 20  # events are grouped this long before a scan; the settle time is applied per folder
-# The link a Kubernetes ConfigMap or Secret volume swaps to update its files (its AtomicWriter's name).
-KUBERNETES_DATA_LINK = "..data"
-
 # The known state of a folder whose model a request loaded while the watcher did not see the folder (see
 # RepositoryWatcher._know_requested_loads): no scan gives it, so the folder's absence reads as a removal.
 _LOADED_UNSEEN = FolderState((), "loaded by a request; its folder not seen by the watcher")
-
-
-class _Follow:
-    """One file watch that :meth:`RepositoryWatcher.apply` can restart on other paths.
-
-    It is the watch's stop event: watchfiles asks ``is_set()`` at every step
-    (from its own thread), and ``set()``s it when its task is cancelled.
-    """
-
-    def __init__(self, recursive: bool, wanted: Callable[[], WatchedPaths], stop: asyncio.Event) -> None:
-        self.recursive = recursive
-        self.wanted = wanted  # blocking: what it should follow now
-        self.current: WatchedPaths | None = None  # what the running watch follows
-        self.restart = False
-        self._stop = stop
-
-    def is_set(self) -> bool:
-        return self.restart or self._stop.is_set()
-
-    def set(self) -> None:
-        self.restart = True
-
-
-def _describe(err: BaseException) -> str:
-    """``Type: message`` for an error, each one for an ExceptionGroup (watchfiles raises those)."""
-    if isinstance(err, BaseExceptionGroup):
-        return "; ".join(_describe(inner) for inner in err.exceptions)
-    return f"{type(err).__name__}: {err}"
 
 
 async def _logged_settings(config_path: Path, step: Awaitable[object]) -> None:
@@ -155,9 +122,7 @@ class RepositoryWatcher:
         self._stop = asyncio.Event()
         self._applying = asyncio.Lock()  # the two watches never apply at once
         self.scans = 0  # completed scans (read by tests)
-        self._pending: dict[str, tuple[FolderState | None, float]] = {}  # changed, not yet settled: state, since
-        # Pending folders whose hidden files are being written (a transfer under way): not due before this time.
-        self._busy: dict[str, float] = {}
+        self._pending = SettlingFolders(self.settle_ms / 1000)  # folders seen changed, not yet acted on
         # A store's folders whose last load the store failed (see _from_store): tried again after a backoff.
         self._store_retries = StoreRetries(self.poll_s)
         # Each scan's loads, reloads, renames and nereid.yaml's work, carried out beside the scans that follow
@@ -168,16 +133,12 @@ class RepositoryWatcher:
         self._last_step: dict[str, asyncio.Future] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._scheduled: asyncio.Task | None = None
-        self._catch_ups: set[asyncio.Task] = set()
         self._after_apply = after_apply
         self._primed = False  # whether the repository as it was at start is known
         self._listing_failure: str | None = None  # why the store last could not be listed (None: it could)
-        # The model folders, recursively (with where symlinked model folders lead), and, not recursively, the
-        # folders holding nereid.yaml, ml_backends_path and the links on their way (a replaced ml_backends_path
-        # or a switched link shows there, not in the watch of the folder it replaced).
-        self._models = _Follow(True, self._models_paths, self._stop) if self.location is None else None
-        self._outer = _Follow(False, self._outer_paths, self._stop)
-        self._targets: tuple[Path, ...] = ()  # where symlinked model folders lead, as the models watch follows
+        self._follower = RepositoryFollower(self.root, self.config_path, self.location,
+                                            settings.server.follow_symlinks, self.settle_ms, self.poll_s,
+                                            self._apply_serialized, self._stop)
 
     async def prime(self) -> None:
         """Remember the repository as it is now (call once the start-up models are loaded)."""
@@ -229,101 +190,14 @@ class RepositoryWatcher:
     def _scan(self) -> dict[str, FolderState]:
         return scan_repository(self.root) if self.location is None else scan_store(self.location)
 
-    def _follows(self) -> list[_Follow]:
-        return [follow for follow in (self._models, self._outer) if follow is not None]
-
-    def _look(self) -> tuple[dict[str, FolderState], list[tuple[_Follow, WatchedPaths]]]:
+    def _look(self) -> tuple[dict[str, FolderState], list[tuple[Follow, WatchedPaths]]]:
         """Scan, and work out what each watch should follow now (blocking)."""
         states = self._scan()
-        return states, [(follow, follow.wanted()) for follow in self._follows()]
-
-    def _models_paths(self) -> WatchedPaths:
-        """ml_backends_path and where its symlinked model folders lead (blocking)."""
-        return WatchedPaths.of((self.root, *symlinked_folders(self.root, self.settings.server.follow_symlinks)))
-
-    def _outer_paths(self) -> WatchedPaths:
-        """The folders holding nereid.yaml, ml_backends_path and each link on their way (blocking)."""
-        ends = [self.config_path] + ([self.root] if self.location is None else [])
-        folders = {path.parent for path in ends}
-        folders.update(Path(link).parent for end in ends for link in links_on_the_way(end))
-        return WatchedPaths.of(folder for folder in folders if folder.is_dir())
+        return states, self._follower.wanted_now()
 
     async def run(self) -> None:
-        """Follow changes until :meth:`stop`.
-
-        The model folders are watched recursively; nereid.yaml and
-        ml_backends_path through the folders holding them (and the links on
-        their way), not recursively: editors replace files, a release replaces
-        the whole ml_backends_path, which a watch on the file or folder itself
-        would lose, and those folders may hold a whole project.
-        """
-        models = self._follow(self._models, self.root) if self._models is not None else self._poll()
-        await asyncio.gather(self._guarded(models, self.root if self.location is None else self.location),
-                             self._guarded(self._follow(self._outer, self.config_path.parent), self.config_path))
-
-    async def _guarded(self, watch: Awaitable[None], what: object) -> None:
-        """Run one watch; if it ever ends in an error, say so (it used to end without a word)."""
-        try:
-            await watch
-        except Exception as err:
-            log.error("dynamic repository: following %s stopped: %s; its changes are no longer acted on "
-                      "until a restart", what, _describe(err))
-
-    async def _stopped_within(self, seconds: float) -> bool:
-        """Wait ``seconds``; True if :meth:`stop` was called meanwhile."""
-        try:
-            await asyncio.wait_for(self._stop.wait(), seconds)
-        except TimeoutError:
-            return False
-        return True
-
-    async def _poll(self) -> None:
-        while not await self._stopped_within(self.poll_s):
-            await self._apply_serialized()
-
-    async def _follow(self, follow: _Follow, what: Path) -> None:
-        """Act on each batch of file events of ``follow`` until :meth:`stop`.
-
-        When :meth:`apply` finds that what it follows has changed (a folder
-        replaced under its name, a link switched, a symlinked model folder
-        added), the watch starts again on what is there now. Each time a watch
-        starts, the repository is looked at once it is up: what changed before
-        it was there is not lost. When the watch cannot run (watchfiles
-        gives up on any path that is not UTF-8, or ``what`` went away), it is
-        looked at every ``watch_poll_s`` instead, and the watch is tried again
-        after each look. The failure is logged once (and again if it changes).
-        """
-        failure: str | None = None
-        while not self._stop.is_set():
-            follow.restart = False
-            # What it resolves to is taken before the watch starts: a swap in between then shows as a change.
-            current = follow.current = await asyncio.to_thread(follow.wanted)
-            if follow is self._models:
-                self._targets = tuple(path for path in current.paths if path != self.root)
-            # This task runs at the watch's first wait, when watchfiles has set up its watches (synchronously, as
-            # the iteration starts): a change after that is an event, one before it is found by this scan.
-            catch_up = asyncio.get_running_loop().create_task(self._apply_serialized())
-            self._catch_ups.add(catch_up)
-            catch_up.add_done_callback(self._catch_ups.discard)
-            try:
-                async for _ in watchfiles.awatch(*current.paths, watch_filter=self._relevant,
-                                                 step=EVENT_STEP_MS,
-                                                 debounce=max(1600, int(self.settle_ms * MAX_GROUPING_FACTOR)),
-                                                 stop_event=follow, recursive=follow.recursive):
-                    failure = None  # events arrive: the watch works
-                    await self._apply_serialized()
-                if self._stop.is_set():
-                    return
-                continue  # restarted by apply(): on what is there now
-            except Exception as err:
-                text = _describe(err)
-                if text != failure:
-                    log.error("dynamic repository: cannot follow %s with file events (%s); looking at it every "
-                              "%g s (server.watch_poll_s) instead, until it can", what, text, self.poll_s)
-                failure = text
-            if await self._stopped_within(self.poll_s):
-                return
-            await self._apply_serialized()  # what changed while no events came
+        """Follow changes until :meth:`stop` (see :class:`~nereid.file_events.RepositoryFollower`)."""
+        await self._follower.run()
 
     def stop(self) -> None:
         """End :meth:`run` at its next wake-up, and any scan still scheduled."""
@@ -332,7 +206,8 @@ class RepositoryWatcher:
             self._timer.cancel()
         if self._scheduled is not None:
             self._scheduled.cancel()
-        for task in (*self._catch_ups, *self._changes):
+        self._follower.cancel()
+        for task in self._changes:
             task.cancel()
 
     async def apply(self) -> None:
@@ -381,10 +256,7 @@ class RepositoryWatcher:
             return
         if self.location is not None:
             self._listed()
-        for follow, paths in wanted:
-            if follow.current is not None and paths != follow.current and not follow.restart:
-                log.info("dynamic repository: following anew (%s)", follow.current.differences(paths))
-                follow.restart = True
+        self._follower.restart_moved(wanted)
         if not self._primed:
             started.append(self._catch_up(current))
         self._store_retries.forget_changed(current)
@@ -409,21 +281,11 @@ class RepositoryWatcher:
         for kind in due:
             for name in getattr(plan, kind):
                 state = current.get(name)
-                seen = self._pending.get(name)
-                if seen is None or seen[0] != state:
-                    self._pending[name] = (state, now)  # changed since the last scan: not settled
-                    self._busy.pop(name, None)
-                elif now - seen[1] >= self.settle_ms / 1000:
-                    busy_s = self._transfer_wait_s(state, now - seen[1])
-                    if busy_s > 0:
-                        self._busy[name] = now + busy_s
-                    else:
-                        due[kind].append(name)
-                        previous[name] = self._folders.get(name)
-                        self._accept(name, state)
-        for name in [n for n in self._pending if self._folders.get(n) == current.get(n)]:
-            del self._pending[name]  # back as it was (a change undone before it settled)
-            self._busy.pop(name, None)
+                if self._pending.settled(name, state, now):
+                    due[kind].append(name)
+                    previous[name] = self._folders.get(name)
+                    self._accept(name, state)
+        self._pending.drop_undone(self._folders, current)
         for name in due["removed"]:
             log.info("dynamic repository: folder '%s' removed; unloading it", name)
             repository.remove_in_background(name)
@@ -623,26 +485,11 @@ class RepositoryWatcher:
         else:
             self._folders[name] = previous
         # Pending in this state, settled once the backoff is over: the scan after that loads it again.
-        self._pending[name] = (state, time.monotonic() + retry.delay_s - self.settle_ms / 1000)
-
-    def _transfer_wait_s(self, state: FolderState | None, waited_s: float) -> float:
-        """How much longer a settled folder waits because a hidden file in it was written just now (0: none).
-
-        A transfer writing each file under a hidden temporary name (rsync's
-        ``.name.XXXXXX``) makes no event that counts while a large file is
-        filled, so the folder would look settled half copied. Changes that
-        never stop are still acted on after :data:`MAX_GROUPING_FACTOR` settle times.
-        """
-        settle_s = self.settle_ms / 1000
-        if state is None or not state.hidden_mtime_ns or waited_s >= settle_s * MAX_GROUPING_FACTOR:
-            return 0.0
-        age_s = (time.time_ns() - state.hidden_mtime_ns) / 1e9
-        return min(settle_s, max(0.0, settle_s - age_s))
+        self._pending.due_at(name, state, time.monotonic() + retry.delay_s)
 
     def _accept(self, name: str, state: FolderState | None) -> None:
         """Make ``state`` the folder's known state (None: gone); it is no longer pending."""
-        self._pending.pop(name, None)
-        self._busy.pop(name, None)
+        self._pending.done(name)
         if state is None:
             self._folders.pop(name, None)
         else:
@@ -654,10 +501,9 @@ class RepositoryWatcher:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        settle_s = self.settle_ms / 1000
-        dues = [max(since + settle_s, self._busy.get(name, 0.0)) for name, (_, since) in self._pending.items()]
+        dues = [] if (folders_due := self._pending.next_due()) is None else [folders_due]
         if self._config_pending is not None:
-            dues.append(self._config_pending[1] + settle_s)
+            dues.append(self._config_pending[1] + self.settle_ms / 1000)
         if not dues:
             return
         due = min(dues)
@@ -723,21 +569,3 @@ class RepositoryWatcher:
             return self.config_path.read_bytes()
         except OSError:
             return None
-
-    def _relevant(self, change: watchfiles.Change, path: str) -> bool:
-        candidate = Path(path)
-        if candidate == self.config_path:
-            return True
-        # A file of a symlinked model folder comes by the path of where it leads: only the part inside the model
-        # folder is judged (a target inside a hidden folder of ml_backends_path, .versions/m-v1, still counts).
-        for base in (*self._targets, self.root):
-            if candidate.is_relative_to(base):
-                parts = candidate.relative_to(base).parts
-                # A ConfigMap or Secret mounted as a model folder: its files are links through its ..data link,
-                # which an update replaces (nothing else but hidden names changes). A symlinked folder's target
-                # is the model folder itself.
-                inside = parts[1:] if base == self.root else parts
-                return not any(ignored_name(part) for part in parts) or inside == (KUBERNETES_DATA_LINK,)
-        # A symlink nereid.yaml or ml_backends_path goes through was replaced (a ConfigMap's ..data swap).
-        return path in links_on_the_way(self.config_path) or (
-            self.location is None and path in links_on_the_way(self.root))

@@ -790,13 +790,12 @@ def test_a_load_the_stores_listing_failed_before_the_repository_knew_the_folder_
         repository, watcher = await store.watched()
         store.upload("n")
         await watcher._apply_serialized()  # seen, settling: known to the watcher, not yet loaded
-        state = watcher._pending["n"][0]
+        state = watcher._pending.state("n")
         assert _entry(repository, "n") is None
 
         async def listing_down(retrying: str | None = None):  # the load, as it fails when the store's listing does (asked for all the same)
             repository._exposed.add("n")
             raise from_store
-        del watcher._pending["n"]
         watcher._accept("n", state)  # settled: taken as known before its load, as the watcher does
         await watcher._from_store("n", state, None, listing_down)
         assert "n" in watcher._store_retries and "n" not in watcher._folders  # to be seen again, after a wait

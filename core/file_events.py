@@ -1,0 +1,204 @@
+"""When dynamic mode looks at the repository: after file events, or at each poll of a store.
+
+The model folders are watched recursively (with where symlinked model folders
+lead); nereid.yaml and ml_backends_path through the folders holding them (and
+the links on their way), not recursively: editors replace files, a release
+replaces the whole ml_backends_path, which a watch on the file or folder itself
+would lose, and those folders may hold a whole project. What a look finds is
+the watcher's business (:mod:`nereid.watch`); this module only says when.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Awaitable, Callable
+
+import watchfiles
+
+from nereid.folder_states import ignored_name
+from nereid.settling import MAX_GROUPING_FACTOR
+from nereid.storage import StoreURL
+from nereid.watched_paths import WatchedPaths, links_on_the_way, symlinked_folders
+
+# The watcher's logger: operators follow dynamic mode's lines in one place.
+log = logging.getLogger("nereid.watch")
+
+EVENT_STEP_MS = 20  # events are grouped this long before a look; the settle time is applied per folder
+# The link a Kubernetes ConfigMap or Secret volume swaps to update its files (its AtomicWriter's name).
+KUBERNETES_DATA_LINK = "..data"
+
+
+class Follow:
+    """One file watch that a look can restart on other paths.
+
+    It is the watch's stop event: watchfiles asks ``is_set()`` at every step
+    (from its own thread), and ``set()``s it when its task is cancelled.
+    """
+
+    def __init__(self, recursive: bool, wanted: Callable[[], WatchedPaths], stop: asyncio.Event) -> None:
+        self.recursive = recursive
+        self.wanted = wanted  # blocking: what it should follow now
+        self.current: WatchedPaths | None = None  # what the running watch follows
+        self.restart = False
+        self._stop = stop
+
+    def is_set(self) -> bool:
+        return self.restart or self._stop.is_set()
+
+    def set(self) -> None:
+        self.restart = True
+
+
+def describe_error(err: BaseException) -> str:
+    """``Type: message`` for an error, each one for an ExceptionGroup (watchfiles raises those)."""
+    if isinstance(err, BaseExceptionGroup):
+        return "; ".join(describe_error(inner) for inner in err.exceptions)
+    return f"{type(err).__name__}: {err}"
+
+
+class RepositoryFollower:
+    """Calls ``look()`` after each batch of relevant file events under ``root`` and beside ``config_path`` (a
+    store at ``location``: every ``poll_s`` instead), until ``stop`` is set.
+
+    ``look`` is the watcher's scan; it asks :meth:`wanted_now` what the watches
+    should follow and hands the answer to :meth:`restart_moved`, so that a
+    folder replaced under its name, or a link switched, is followed anew.
+    """
+
+    def __init__(self, root: Path, config_path: Path, location: StoreURL | None, follow_symlinks: bool,
+                 settle_ms: float, poll_s: float, look: Callable[[], Awaitable[object]],
+                 stop: asyncio.Event) -> None:
+        self.root = root
+        self.config_path = config_path
+        self.location = location
+        self.follow_symlinks = follow_symlinks
+        self.settle_ms = settle_ms
+        self.poll_s = poll_s
+        self._look = look
+        self._stop = stop
+        self._catch_ups: set[asyncio.Task] = set()
+        # The model folders, recursively (with where symlinked model folders lead), and, not recursively, the
+        # folders holding nereid.yaml, ml_backends_path and the links on their way (a replaced ml_backends_path
+        # or a switched link shows there, not in the watch of the folder it replaced).
+        self._models = Follow(True, self._models_paths, stop) if location is None else None
+        self._outer = Follow(False, self._outer_paths, stop)
+        self._targets: tuple[Path, ...] = ()  # where symlinked model folders lead, as the models watch follows
+
+    async def run(self) -> None:
+        """Follow changes until ``stop`` is set."""
+        models = self._follow(self._models, self.root) if self._models is not None else self._poll()
+        await asyncio.gather(self._guarded(models, self.root if self.location is None else self.location),
+                             self._guarded(self._follow(self._outer, self.config_path.parent), self.config_path))
+
+    def cancel(self) -> None:
+        """Cancel the looks that a watch's start scheduled and that have not run yet (the watcher stopping)."""
+        for task in self._catch_ups:
+            task.cancel()
+
+    def wanted_now(self) -> list[tuple[Follow, WatchedPaths]]:
+        """What each watch should follow now (blocking)."""
+        return [(follow, follow.wanted()) for follow in (self._models, self._outer) if follow is not None]
+
+    def restart_moved(self, wanted: list[tuple[Follow, WatchedPaths]]) -> None:
+        """Restart each watch whose paths changed since it started (``wanted``: :meth:`wanted_now`'s answer)."""
+        for follow, paths in wanted:
+            if follow.current is not None and paths != follow.current and not follow.restart:
+                log.info("dynamic repository: following anew (%s)", follow.current.differences(paths))
+                follow.restart = True
+
+    async def _guarded(self, watch: Awaitable[None], what: object) -> None:
+        """Run one watch; if it ever ends in an error, say so (it used to end without a word)."""
+        try:
+            await watch
+        except Exception as err:
+            log.error("dynamic repository: following %s stopped: %s; its changes are no longer acted on "
+                      "until a restart", what, describe_error(err))
+
+    async def _stopped_within(self, seconds: float) -> bool:
+        """Wait ``seconds``; True if the follower was stopped meanwhile."""
+        try:
+            await asyncio.wait_for(self._stop.wait(), seconds)
+        except TimeoutError:
+            return False
+        return True
+
+    async def _poll(self) -> None:
+        while not await self._stopped_within(self.poll_s):
+            await self._look()
+
+    async def _follow(self, follow: Follow, what: Path) -> None:
+        """Look after each batch of file events of ``follow`` until stopped.
+
+        When a look finds that what it follows has changed (a folder replaced
+        under its name, a link switched, a symlinked model folder added), the
+        watch starts again on what is there now. Each time a watch starts, the
+        repository is looked at once it is up: what changed before it was
+        there is not lost. When the watch cannot run (watchfiles gives up on
+        any path that is not UTF-8, or ``what`` went away), it is looked at
+        every ``watch_poll_s`` instead, and the watch is tried again after each
+        look. The failure is logged once (and again if it changes).
+        """
+        failure: str | None = None
+        while not self._stop.is_set():
+            follow.restart = False
+            # What it resolves to is taken before the watch starts: a swap in between then shows as a change.
+            current = follow.current = await asyncio.to_thread(follow.wanted)
+            if follow is self._models:
+                self._targets = tuple(path for path in current.paths if path != self.root)
+            # This task runs at the watch's first wait, when watchfiles has set up its watches (synchronously, as
+            # the iteration starts): a change after that is an event, one before it is found by this look.
+            catch_up = asyncio.get_running_loop().create_task(self._look())
+            self._catch_ups.add(catch_up)
+            catch_up.add_done_callback(self._catch_ups.discard)
+            try:
+                async for _ in watchfiles.awatch(*current.paths, watch_filter=self.relevant,
+                                                 step=EVENT_STEP_MS,
+                                                 debounce=max(1600, int(self.settle_ms * MAX_GROUPING_FACTOR)),
+                                                 stop_event=follow, recursive=follow.recursive):
+                    failure = None  # events arrive: the watch works
+                    await self._look()
+                if self._stop.is_set():
+                    return
+                continue  # restarted by a look: on what is there now
+            except Exception as err:
+                text = describe_error(err)
+                if text != failure:
+                    log.error("dynamic repository: cannot follow %s with file events (%s); looking at it every "
+                              "%g s (server.watch_poll_s) instead, until it can", what, text, self.poll_s)
+                failure = text
+            if await self._stopped_within(self.poll_s):
+                return
+            await self._look()  # what changed while no events came
+
+    def _models_paths(self) -> WatchedPaths:
+        """ml_backends_path and where its symlinked model folders lead (blocking)."""
+        return WatchedPaths.of((self.root, *symlinked_folders(self.root, self.follow_symlinks)))
+
+    def _outer_paths(self) -> WatchedPaths:
+        """The folders holding nereid.yaml, ml_backends_path and each link on their way (blocking)."""
+        ends = [self.config_path] + ([self.root] if self.location is None else [])
+        folders = {path.parent for path in ends}
+        folders.update(Path(link).parent for end in ends for link in links_on_the_way(end))
+        return WatchedPaths.of(folder for folder in folders if folder.is_dir())
+
+    def relevant(self, change: watchfiles.Change, path: str) -> bool:
+        """Whether a file event at ``path`` counts as a change (watchfiles' filter): not a hidden or editor file
+        inside a model folder, except a Kubernetes volume's data link; nereid.yaml, or a link on its way."""
+        candidate = Path(path)
+        if candidate == self.config_path:
+            return True
+        # A file of a symlinked model folder comes by the path of where it leads: only the part inside the model
+        # folder is judged (a target inside a hidden folder of ml_backends_path, .versions/m-v1, still counts).
+        for base in (*self._targets, self.root):
+            if candidate.is_relative_to(base):
+                parts = candidate.relative_to(base).parts
+                # A ConfigMap or Secret mounted as a model folder: its files are links through its ..data link,
+                # which an update replaces (nothing else but hidden names changes). A symlinked folder's target
+                # is the model folder itself.
+                inside = parts[1:] if base == self.root else parts
+                return not any(ignored_name(part) for part in parts) or inside == (KUBERNETES_DATA_LINK,)
+        # A symlink nereid.yaml or ml_backends_path goes through was replaced (a ConfigMap's ..data swap).
+        return path in links_on_the_way(self.config_path) or (
+            self.location is None and path in links_on_the_way(self.root))

@@ -1,0 +1,122 @@
+"""When dynamic mode looks: after file events that count, at each poll of a store, and anew after a move."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+import watchfiles
+
+from nereid.file_events import RepositoryFollower, describe_error
+from nereid.storage import parse_store_url
+
+
+def follower(tmp_path: Path, looks: list[str] | None = None, location=None, poll_s: float = 0.05,
+             stop: asyncio.Event | None = None) -> RepositoryFollower:
+    """A follower of ``tmp_path/ml-backends`` and ``tmp_path/nereid.yaml`` whose looks are counted in ``looks``."""
+    root = tmp_path / "ml-backends"
+    root.mkdir(exist_ok=True)
+    (tmp_path / "nereid.yaml").touch()
+
+    async def look() -> None:
+        if looks is not None:
+            looks.append("look")
+    return RepositoryFollower(root, tmp_path / "nereid.yaml", location, False, 50, poll_s, look,
+                              stop or asyncio.Event())
+
+
+def test_editor_and_transfer_files_never_count_and_a_volume_data_link_swap_does(tmp_path):
+    events = follower(tmp_path)
+    root = tmp_path / "ml-backends"
+    counts = {path: events.relevant(watchfiles.Change.modified, str(path)) for path in (
+        root / "m" / "weights.bin", tmp_path / "nereid.yaml", root / "m" / ".weights.bin.x7Yq2",
+        root / "m" / "main.py.swp", root / "m" / "main.py~", root / "m" / "__pycache__" / "main.cpython-311.pyc",
+        root / ".versions" / "m", root / "m" / "..data", root / "m" / "..2026_12_02" / "main.py",
+        tmp_path / "elsewhere.txt")}
+    assert [path.relative_to(tmp_path).as_posix() for path, counted in counts.items() if counted] == [
+        "ml-backends/m/weights.bin", "nereid.yaml", "ml-backends/m/..data"]
+
+
+def test_a_file_written_in_a_model_folder_brings_a_look_and_stop_ends_the_watches(tmp_path):
+    looks: list[str] = []
+
+    async def scenario() -> None:
+        stop = asyncio.Event()
+        events = follower(tmp_path, looks, stop=stop)
+        running = asyncio.create_task(events.run())
+        await asyncio.sleep(0.5)  # the watches are up; each looked once as it started
+        assert len(looks) == 2
+        (tmp_path / "ml-backends" / "m").mkdir()
+        (tmp_path / "ml-backends" / "m" / "main.py").write_text("print('hi')\n")
+        for _ in range(100):
+            if len(looks) > 2:
+                break
+            await asyncio.sleep(0.05)
+        assert len(looks) > 2
+        stop.set()
+        await asyncio.wait_for(running, 10)
+    asyncio.run(scenario())
+
+
+def test_a_store_is_polled_every_poll_s_and_its_folder_is_not_watched(tmp_path):
+    looks: list[str] = []
+
+    async def scenario() -> None:
+        stop = asyncio.Event()
+        events = follower(tmp_path, looks, location=parse_store_url("s3://bucket/models"), poll_s=0.05, stop=stop)
+        assert [paths.paths for _, paths in events.wanted_now()] == [(tmp_path,)]  # nereid.yaml's folder only
+        running = asyncio.create_task(events.run())
+        await asyncio.sleep(0.6)
+        stop.set()
+        await asyncio.wait_for(running, 10)
+    asyncio.run(scenario())
+    assert len(looks) >= 5  # about one per 50 ms, beside the one look nereid.yaml's watch made as it started
+
+
+def test_a_replaced_ml_backends_path_is_followed_anew_once_and_said(tmp_path, caplog):
+    caplog.set_level(logging.INFO, "nereid.watch")
+
+    async def scenario() -> None:
+        stop = asyncio.Event()
+        events = follower(tmp_path, stop=stop)
+        root = tmp_path / "ml-backends"
+        (tmp_path / "release-2").mkdir()
+        (tmp_path / "release-2" / "m").mkdir()
+        root.rename(tmp_path / "release-1")
+        root.symlink_to(tmp_path / "release-2")  # a release switched by a link
+        running = asyncio.create_task(events.run())
+        await asyncio.sleep(0.3)
+        before = events.wanted_now()
+        (root).unlink()
+        root.symlink_to(tmp_path / "release-1")
+        wanted = events.wanted_now()
+        assert wanted != before
+        events.restart_moved(wanted)
+        events.restart_moved(wanted)  # (once)
+        stop.set()
+        await asyncio.wait_for(running, 10)
+    asyncio.run(scenario())
+    assert len([r for r in caplog.records if "following anew" in r.getMessage()]) == 1
+
+
+def test_a_folder_that_cannot_be_watched_is_looked_at_every_poll_s_and_said_once(tmp_path, caplog):
+    looks: list[str] = []
+
+    async def scenario() -> None:
+        stop = asyncio.Event()
+        events = follower(tmp_path, looks, stop=stop)
+        (tmp_path / "ml-backends").rmdir()  # gone: watchfiles cannot watch it
+        running = asyncio.create_task(events.run())
+        await asyncio.sleep(0.6)
+        stop.set()
+        await asyncio.wait_for(running, 10)
+    asyncio.run(scenario())
+    said = [r.getMessage() for r in caplog.records if "cannot follow" in r.getMessage()]
+    assert len(said) == 1 and "looking at it every 0.05 s" in said[0]
+    assert len(looks) >= 5
+
+
+def test_an_exception_group_is_described_one_error_at_a_time():
+    group = ExceptionGroup("watch", [OSError("no such folder"), ValueError("not UTF-8")])
+    assert describe_error(group) == "OSError: no such folder; ValueError: not UTF-8"
