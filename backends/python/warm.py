@@ -18,12 +18,12 @@ import threading
 import time
 from pathlib import Path
 
-from nereid.errors import ModelFailure, ModelKilled, ModelTimedOut
+from nereid.errors import ModelFailure, ModelKilled
 from nereid.files import descriptor_path
 
 from nereid.backends.python.preload import Preloads
 from nereid.backends.subprocess.runner import (ProcessGroups, ProcessResult, close_descriptors, feed_and_wait,
-                                               kill_group, open_pipes, wait_for_exit)
+                                               kill_group, open_pipes, timed_out, wait_for_exit)
 
 log = logging.getLogger(__name__)
 
@@ -175,9 +175,9 @@ class WarmParent:
         if ended.get("silent"):
             # Not killed for it: its other runs may be fine and about to report. A parent really wedged fails
             # the next batch's fork request, and is replaced then.
-            raise ModelTimedOut(f"model '{self.name}' timed out after {timeout_s:g} s (timeout_s in nereid.yaml); "
-                                f"its process group was killed, but its warm parent process (pid {parent.pid}) did "
-                                f"not report its end within {STOP_GRACE_S:g} s (stopped or wedged?)")
+            raise timed_out(self.name, timeout_s, f"its process group was killed, but its warm parent process "
+                                                  f"(pid {parent.pid}) did not report its end within "
+                                                  f"{STOP_GRACE_S:g} s (stopped or wedged?)")
         if "status" not in ended:
             raise self._died("it ended while the run was in progress")
         return ProcessResult(ended["status"], not exited, tail, terminated)

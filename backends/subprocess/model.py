@@ -23,7 +23,7 @@ from pathlib import Path
 
 from nereid.backend import ModelContext
 from nereid.dtypes import DType
-from nereid.errors import ConfigError, ModelFailure, ModelKilled, ModelTimedOut, Unavailable, cap_message
+from nereid.errors import ConfigError, ModelFailure, ModelKilled, Unavailable, cap_message
 from nereid.files import descriptor_path, not_regular_reason
 from nereid.leftovers import make_private_folder
 from nereid.runtime_options import RuntimeOptions
@@ -33,7 +33,7 @@ from nereid.tensors import NamedTensor, tensor_bytes
 from nereid.backends.subprocess.dtype_names import contract_name
 from nereid.backends.subprocess.framing import encode_frame, read_body, read_header
 from nereid.backends.subprocess.gpus import visible_gpus
-from nereid.backends.subprocess.runner import ProcessGroups, ProcessResult, run_model_process
+from nereid.backends.subprocess.runner import ProcessGroups, ProcessResult, run_model_process, timed_out
 
 # Descriptors of the model folder kept across renames (the oldest is closed past this).
 MAX_FOLDER_FDS = 8
@@ -113,8 +113,7 @@ class SubprocessModel:
                                       "the server stopping) and this run was still going after shutdown_grace_s "
                                       "(nereid.yaml): the run was stopped")
                 if result.timed_out:
-                    raise ModelTimedOut(f"model '{name}' timed out after {self.context.settings.timeout_s:g} s "
-                                        "(timeout_s in nereid.yaml); its process group was killed")
+                    raise timed_out(name, self.context.settings.timeout_s, "its process group was killed")
                 if result.returncode != 0:
                     tail = f"; output tail: {result.output_tail}" if result.output_tail else ""
                     fault = ModelKilled if result.returncode < 0 else ModelFailure

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from nereid.errors import ModelTimedOut
+
 STDERR_TAIL_BYTES = 2000
 DRAIN_MAX_READS = 64  # after the exit: at most 4 MiB more, so a chatty leftover process cannot hold the run
 # ``poll`` takes its timeout as a C int of milliseconds (about 24.8 days): a longer wait (timeout_s may be
@@ -51,6 +53,12 @@ class ProcessResult:
                 name = str(-self.returncode)
             return f"was killed by signal {name}"
         return f"exited with code {self.returncode}"
+
+
+def timed_out(name: str, timeout_s: float, how_it_ended: str) -> ModelTimedOut:
+    """The error for a run of model ``name`` still going at its ``timeout_s``: one wording for a cold run and a
+    warm one, ``how_it_ended`` saying what was done about it."""
+    return ModelTimedOut(f"model '{name}' timed out after {timeout_s:g} s (timeout_s in nereid.yaml); {how_it_ended}")
 
 
 @dataclass
