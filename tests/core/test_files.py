@@ -1,0 +1,141 @@
+"""Untrusted model folders read safely (bounded, never blocking, confined) and files written atomically."""
+
+from __future__ import annotations
+
+import os
+import stat
+import threading
+from pathlib import Path
+
+import pytest
+
+from nereid.errors import ConfigError
+from nereid.files import (NAME_MAX, atomic_write, check_confined, escaping_link, is_model_folder_name, locked,
+                          not_regular_reason, read_regular_file, read_text_file, temporary_name)
+
+
+@pytest.mark.parametrize("name, valid", [
+    ("resnet", True), ("a b-c_1.2", True), ("é" * 127, True), ("x" * NAME_MAX, True),
+    ("", False), (".hidden", False), ("a/b", False), ("a\0b", False), ("x" * (NAME_MAX + 1), False),
+    ("é" * 128, False),  # 256 bytes in UTF-8
+    ("a\ud800b", False),  # a lone surrogate: no file name
+])
+def test_model_folder_names(name, valid):
+    assert is_model_folder_name(name) is valid
+
+
+def test_a_fifo_is_refused_at_once_never_opened_for_a_blocking_read(tmp_path):
+    fifo = tmp_path / "model_inference.textproto"
+    os.mkfifo(fifo)
+    with pytest.raises(ConfigError, match=r"model_inference.textproto: is a FIFO, not a regular file"):
+        read_regular_file(fifo, 1024)  # (a blocking open would hang this test)
+    assert not_regular_reason(fifo).endswith("is a FIFO, not a regular file")
+
+
+def test_a_file_over_its_limit_is_refused_by_its_size_and_its_contents_are_never_quoted(tmp_path):
+    big = tmp_path / "manifest.yaml"
+    big.write_bytes(b"secret: " + b"x" * 100)
+    with pytest.raises(ConfigError) as caught:
+        read_regular_file(big, 64)
+    assert str(caught.value) == f"{big}: is 108 bytes, more than the 64-byte limit for this file"
+    assert read_regular_file(big, 108) == b"secret: " + b"x" * 100
+
+
+def test_text_that_is_not_utf8_names_the_offset_not_the_byte(tmp_path):
+    binary = tmp_path / "main.py"
+    binary.write_bytes(b"print(1)\n\xff\xfe")
+    with pytest.raises(ConfigError, match=r"main.py: not UTF-8 text \(invalid byte at offset 9\); is it a binary"):
+        read_text_file(binary, 100)
+    (tmp_path / "note.txt").write_text("naïve\n")
+    assert read_text_file(tmp_path / "note.txt", 100) == "naïve\n"
+
+
+def test_what_cannot_be_read_is_named_as_what_it_is(tmp_path):
+    (tmp_path / "dangling").symlink_to(tmp_path / "nothing")
+    assert not_regular_reason(tmp_path / "dangling") == f"{tmp_path / 'dangling'}: is a symlink to a file that " \
+                                                        "does not exist"
+    assert not_regular_reason(tmp_path / "absent") is None  # absent is the caller's own message
+    assert not_regular_reason(tmp_path) == f"{tmp_path}: is a directory, not a regular file"
+    with pytest.raises(ConfigError, match=r"absent: cannot read: No such file or directory"):
+        read_regular_file(tmp_path / "absent", 10)
+
+
+def test_a_symlink_out_of_the_repository_is_found_and_refused_unless_links_are_followed(tmp_path, caplog):
+    root, outside = tmp_path / "ml-backends", tmp_path / "etc"
+    (root / "m" / "sub").mkdir(parents=True)
+    outside.mkdir()
+    (outside / "passwd").write_text("root:x:0:0\n")
+    (root / "m" / "inside.txt").write_text("")
+    (root / "m" / "sub" / "same").symlink_to(root / "m" / "inside.txt")  # stays inside: fine
+    assert escaping_link(root / "m", root) is None
+    (root / "m" / "sub" / "weights.bin").symlink_to(outside / "passwd")
+    assert escaping_link(root / "m", root) == (root / "m" / "sub" / "weights.bin", outside / "passwd")
+    with pytest.raises(ConfigError) as caught:
+        check_confined(root / "m", root, follow_symlinks=False)
+    assert "symlink to a path outside ml_backends_path" in str(caught.value)
+    assert str(outside) not in str(caught.value)  # where it leads is for the log only: errors reach clients
+    check_confined(root / "m", root, follow_symlinks=True)
+
+
+def test_a_model_folder_that_is_itself_a_symlink_out_is_found(tmp_path):
+    root, outside = tmp_path / "ml-backends", tmp_path / "elsewhere"
+    root.mkdir()
+    outside.mkdir()
+    (root / "m").symlink_to(outside)
+    assert escaping_link(root / "m", root) == (root / "m", outside)
+
+
+def test_an_atomic_write_replaces_the_file_whole_and_leaves_no_temporary_file(tmp_path):
+    target = tmp_path / "weights.safetensors"
+    target.write_bytes(b"old")
+    atomic_write(target, [b"new ", memoryview(b"bytes")], durable=True, mode=0o640)
+    assert target.read_bytes() == b"new bytes"
+    assert stat.S_IMODE(target.stat().st_mode) == 0o640
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["weights.safetensors"]
+
+
+def test_an_atomic_write_whose_check_or_data_fails_leaves_the_target_untouched(tmp_path):
+    target = tmp_path / "cache.bin"
+    target.write_bytes(b"kept")
+
+    def refuse(temporary: Path) -> None:
+        assert temporary.read_bytes() == b"half" and temporary.name.endswith(".partial")
+        raise ConfigError("checksum mismatch")
+    with pytest.raises(ConfigError, match="checksum mismatch"):
+        atomic_write(target, [b"half"], check=refuse)
+
+    def parts():
+        yield b"first"
+        raise OSError("disk gone")
+    with pytest.raises(OSError, match="disk gone"):
+        atomic_write(target, parts())
+    assert target.read_bytes() == b"kept" and sorted(p.name for p in tmp_path.iterdir()) == ["cache.bin"]
+
+
+def test_a_temporary_name_is_hidden_unique_and_fits_past_the_longest_name(tmp_path):
+    first, second = temporary_name("model.so"), temporary_name("model.so")
+    assert first.startswith(".model.so.") and first.endswith(f".{os.getpid()}.partial") and first != second
+    longest = temporary_name("x" * NAME_MAX)
+    assert len(os.fsencode(longest)) <= NAME_MAX and longest.startswith(".")
+    atomic_write(tmp_path / ("x" * NAME_MAX), [b"fits"])  # a legal name too long for the plain temporary name
+    assert (tmp_path / ("x" * NAME_MAX)).read_bytes() == b"fits"
+
+
+def test_a_lock_makes_holders_take_turns(tmp_path):
+    lock_file = tmp_path / "locks" / "build.lock"
+    inside: list[int] = []
+    overlaps: list[int] = []
+
+    def hold(n: int) -> None:
+        with locked(lock_file):
+            inside.append(n)
+            if len(inside) > 1:
+                overlaps.append(n)
+            threading.Event().wait(0.02)
+            inside.remove(n)
+    threads = [threading.Thread(target=hold, args=(n,)) for n in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert overlaps == [] and lock_file.exists()
