@@ -62,9 +62,12 @@ class RepositoryFollower:
     """Calls ``look()`` after each batch of relevant file events under ``root`` and beside ``config_path`` (a
     store at ``location``: every ``poll_s`` instead), until ``stop`` is set.
 
-    ``look`` is the watcher's scan; it asks :meth:`wanted_now` what the watches
-    should follow and hands the answer to :meth:`restart_moved`, so that a
-    folder replaced under its name, or a link switched, is followed anew.
+    Each watch also looks once as it starts (what changed before it was up is
+    not lost), and a watch that cannot run (a path that is not UTF-8, a folder
+    gone) is replaced by a look every ``poll_s`` until it can. ``look`` is the
+    watcher's scan; it asks :meth:`wanted_now` what the watches should follow
+    and hands the answer to :meth:`restart_moved`, so that a folder replaced
+    under its name, or a link switched, is followed anew.
     """
 
     def __init__(self, root: Path, config_path: Path, location: StoreURL | None, follow_symlinks: bool,
@@ -93,7 +96,8 @@ class RepositoryFollower:
                              self._guarded(self._follow(self._outer, self.config_path.parent), self.config_path))
 
     def cancel(self) -> None:
-        """Cancel the looks that a watch's start scheduled and that have not run yet (the watcher stopping)."""
+        """Cancel the looks that a watch's start scheduled and that have not ended (the watcher stopping): one
+        waiting for its turn, or one under way."""
         for task in self._catch_ups:
             task.cancel()
 

@@ -111,12 +111,11 @@ def _decode_infer(model: str, body: bytes, header_length: int | None) -> tuple[I
     budgets = []
     if TIMEOUT_PARAMETER in parameters:
         timeout_us = parameters[TIMEOUT_PARAMETER]
-        if isinstance(timeout_us, float) and timeout_us.is_integer() and timeout_us >= 2 ** 63:
+        if isinstance(timeout_us, float) and timeout_us >= 2 ** 64:
             # orjson reads an integer literal past 64 bits as a float: too large, not "not an integer" (gRPC's
-            # int64 and uint64 parameters cannot carry it either).
+            # int64 and uint64 parameters cannot carry it either). Below 2**64 a float was sent as one.
             raise InvalidArgument(f"model '{model}': parameter 'timeout' must be a non-negative integer number "
-                                  f"of microseconds of at most 64 bits; got about {timeout_us:.6g}, read as a "
-                                  "number with an exponent or an integer past 64 bits")
+                                  f"of microseconds of at most 64 bits; got about {timeout_us:.6g}")
         if isinstance(timeout_us, bool) or not isinstance(timeout_us, int) or timeout_us < 0:
             raise InvalidArgument(f"model '{model}': parameter 'timeout' must be a non-negative integer number "
                                   f"of microseconds, got {quoted(timeout_us)}")

@@ -12,6 +12,20 @@ from nereid.file_events import RepositoryFollower, describe_error
 from nereid.storage import parse_store_url
 
 
+async def until(condition, what: str, timeout_s: float = 10) -> None:
+    """Wait for ``condition()`` (a loaded machine starts watches slowly: no fixed sleep)."""
+    for _ in range(int(timeout_s / 0.02)):
+        if condition():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"not within {timeout_s} s: {what}")
+
+
+def watching(events: RepositoryFollower) -> bool:
+    """Whether every watch of ``events`` has started (it knows what it follows)."""
+    return all(follow.current is not None for follow, _ in events.wanted_now())
+
+
 def follower(tmp_path: Path, looks: list[str] | None = None, location=None, poll_s: float = 0.05,
              stop: asyncio.Event | None = None) -> RepositoryFollower:
     """A follower of ``tmp_path/ml-backends`` and ``tmp_path/nereid.yaml`` whose looks are counted in ``looks``."""
@@ -45,15 +59,12 @@ def test_a_file_written_in_a_model_folder_brings_a_look_and_stop_ends_the_watche
         stop = asyncio.Event()
         events = follower(tmp_path, looks, stop=stop)
         running = asyncio.create_task(events.run())
-        await asyncio.sleep(0.5)  # the watches are up; each looked once as it started
-        assert len(looks) == 2
+        await until(lambda: watching(events) and len(looks) == 2, "both watches up, each having looked once")
+        await asyncio.sleep(0.2)
+        assert len(looks) == 2  # nothing changed: no look
         (tmp_path / "ml-backends" / "m").mkdir()
         (tmp_path / "ml-backends" / "m" / "main.py").write_text("print('hi')\n")
-        for _ in range(100):
-            if len(looks) > 2:
-                break
-            await asyncio.sleep(0.05)
-        assert len(looks) > 2
+        await until(lambda: len(looks) > 2, "a look after the write")
         stop.set()
         await asyncio.wait_for(running, 10)
     asyncio.run(scenario())
@@ -74,26 +85,33 @@ def test_a_store_is_polled_every_poll_s_and_its_folder_is_not_watched(tmp_path):
     assert len(looks) >= 5  # about one per 50 ms, beside the one look nereid.yaml's watch made as it started
 
 
-def test_a_replaced_ml_backends_path_is_followed_anew_once_and_said(tmp_path, caplog):
+def test_a_switched_release_link_is_followed_anew_once_and_its_files_bring_looks(tmp_path, caplog):
     caplog.set_level(logging.INFO, "nereid.watch")
+    looks: list[str] = []
 
     async def scenario() -> None:
         stop = asyncio.Event()
-        events = follower(tmp_path, stop=stop)
+        events = follower(tmp_path, looks, stop=stop)
         root = tmp_path / "ml-backends"
-        (tmp_path / "release-2").mkdir()
-        (tmp_path / "release-2" / "m").mkdir()
+        (tmp_path / "release-2" / "m").mkdir(parents=True)
         root.rename(tmp_path / "release-1")
         root.symlink_to(tmp_path / "release-2")  # a release switched by a link
         running = asyncio.create_task(events.run())
-        await asyncio.sleep(0.3)
-        before = events.wanted_now()
-        (root).unlink()
+        await until(lambda: watching(events) and len(looks) == 2, "both watches up")
+        before = [paths for _, paths in events.wanted_now()]
+        root.unlink()
         root.symlink_to(tmp_path / "release-1")
         wanted = events.wanted_now()
-        assert wanted != before
+        assert [paths for _, paths in wanted] != before
         events.restart_moved(wanted)
-        events.restart_moved(wanted)  # (once)
+        events.restart_moved(wanted)  # (said once)
+        # The watches start again on what the link leads to now, and look once more as each starts.
+        await until(lambda: len(looks) >= 4 and all(follow.current == paths for follow, paths in wanted),
+                    "the watches restarted on release-1")
+        settled = len(looks)
+        (tmp_path / "release-1" / "n").mkdir()
+        (tmp_path / "release-1" / "n" / "main.py").write_text("")  # in the release followed now
+        await until(lambda: len(looks) > settled, "a look after a write in the new release")
         stop.set()
         await asyncio.wait_for(running, 10)
     asyncio.run(scenario())
