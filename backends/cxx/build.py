@@ -18,7 +18,7 @@ import hashlib
 from importlib import resources
 from pathlib import Path
 
-from nereid.backends.cpp.compiler import (CXX_FLAGS, HEADER_SUFFIXES, Compiler, cached_build, code_files,
+from nereid.backends.cpp.compiler import (CXX_FLAGS, SOURCE_SUFFIXES, Compiler, cached_build, code_files,
                                           compiler_key, compiler_version, find_compiler, read_code_file)
 from nereid.backends.cxx import HEADER_NAME
 from nereid.errors import ConfigError
@@ -52,9 +52,10 @@ def header_dir() -> Path:
 
 
 def library_hash(sources: tuple[Path, ...], compiler: Compiler, folder: Path, *, model: str) -> str:
-    """A key over the compiler, the flags, nereid's header, the sources and the headers beside and below them,
-    and every header of the model folder when a source is in it (``src/model.cpp`` may include
-    ``../include/factor.h``: an edit there must rebuild, as it does a cpp model).
+    """A key over the compiler, the flags, nereid's header, the sources and the C++ files (headers and sources)
+    beside and below them, and every C++ file of the model folder when a source is in it (``src/model.cpp`` may
+    include ``../include/factor.h``, or a unity build ``impl.cc``: an edit there must rebuild, as it does a cpp
+    model).
 
     Files in the model folder are keyed by their path relative to it (and
     their content), so a repository copied, moved or mounted elsewhere reuses
@@ -68,11 +69,12 @@ def library_hash(sources: tuple[Path, ...], compiler: Compiler, folder: Path, *,
     parents = {s.parent for s in sources}
     if any(_key_name(source, folder) != str(source) for source in sources):  # a source in the model folder
         parents.add(folder)
-    headers = {p for parent in parents for p in code_files(parent, HEADER_SUFFIXES)}
+    # Sources too, not only headers: a listed source may #include another (a unity build's "impl.cc").
+    headers = {p for parent in parents for p in code_files(parent, SOURCE_SUFFIXES)}
     keyed = [(_key_name(path, folder), path) for path in sources]
     keyed += sorted((_key_name(path, folder), path) for path in headers - set(sources))
     for name, path in keyed:
-        content = read_code_file(path, f"model '{model}': runtime.sources: ", "the sources and every header beside "
+        content = read_code_file(path, f"model '{model}': runtime.sources: ", "the sources and every C++ file beside "
                                  "and below them (and in the model folder when a source is in it)")
         digest.update(name.encode() + b"\0" + content + b"\0")
     return digest.hexdigest()[:20]

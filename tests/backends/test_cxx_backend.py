@@ -699,6 +699,12 @@ def test_the_library_key_covers_sources_by_their_place_in_the_model_folder(tmp_p
     before = library_hash((nested / "src" / "model.cpp",), (CXX,), nested, model="m")
     (nested / "include" / "factor.h").write_text("constexpr int factor = 7;\n")
     assert library_hash((nested / "src" / "model.cpp",), (CXX,), nested, model="m") != before
+    # Defect: a source the listed one includes (a unity build's impl.cc) was not in the key either.
+    (nested / "src" / "model.cpp").write_text('#include "impl.cc"\n')
+    (nested / "src" / "impl.cc").write_text("int value() { return 1; }\n")
+    before = library_hash((nested / "src" / "model.cpp",), (CXX,), nested, model="m")
+    (nested / "src" / "impl.cc").write_text("int value() { return 2; }\n")
+    assert library_hash((nested / "src" / "model.cpp",), (CXX,), nested, model="m") != before
 
 
 def test_the_compiler_version_probe_runs_in_its_own_process_group(tmp_path):
