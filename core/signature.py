@@ -315,6 +315,8 @@ def check_outputs(model: str, signature: ModelSignature, outputs: list[NamedTens
         if spec.dtype is DType.BYTES and (problem := _text_problem(data)) is not None:
             raise ModelFailure(f"model '{model}' returned output '{spec.name}' tagged {spec.dtype.kserve} "
                                f"holding {problem}")
+        if spec.dtype is DType.BOOL and (problem := _bool_problem(data)) is not None:
+            raise ModelFailure(f"model '{model}' returned output '{spec.name}' tagged BOOL holding {problem}")
         shape = data.shape
         if signature.batches:
             ok = len(shape) == len(spec.dims) + 1 and shape[0] == batch_size and dims_match(shape[1:], spec.dims)
@@ -427,6 +429,20 @@ def _check_text_elements(model: str, name: str, data: np.ndarray) -> None:
     problem = _text_problem(data)
     if problem is not None:
         raise _refusal(f"model '{model}': input '{name}' is tagged BYTES but holds {problem}")
+
+
+def _bool_problem(data: np.ndarray) -> str | None:
+    """What is wrong with a BOOL array's bytes (after "holding"); None when each is 0 or 1.
+
+    numpy makes bools of any byte it is handed (a native library's buffer, a framed tensor read back): such a
+    byte is no bool. The decoders refuse it in a request; an output must not send clients what nereid itself
+    would refuse, nor hand it to the next model of a pipeline (reading it as a C++ bool is undefined).
+    """
+    octets = data.view(np.uint8)  # (one byte each: a view of any strides)
+    if not octets.size or octets.max() <= 1:
+        return None
+    index = int(np.argmax(octets.ravel() > 1))
+    return f"byte {int(octets.ravel()[index])} at element {index}; each element must be 0 (false) or 1 (true)"
 
 
 def _text_problem(data: np.ndarray) -> str | None:

@@ -218,6 +218,21 @@ def test_check_outputs_refuses_a_str_element_utf8_cannot_encode() -> None:
         check_outputs("m", BYTES_OUT, [NamedTensor("y", DType.BYTES, objects(b"\xff", "a\ud800"))], 1)
 
 
+def test_check_outputs_refuses_bool_bytes_other_than_0_or_1() -> None:
+    """Defect (found by a bug hunt of the cxx backend): a native library filling a BOOL output with byte 2 had it
+    sent to clients, bytes nereid itself refuses in a request (and hands on to a pipeline's next model)."""
+    sig = ModelSignature((), (TensorSpec("y", DType.BOOL, (3,)),), 4)
+    check_outputs("m", sig, [NamedTensor("y", DType.BOOL, np.array([[True, False, True]]))], 1)
+    check_outputs("m", sig, [NamedTensor("y", DType.BOOL, np.zeros((0, 3), np.bool_))], 0)
+    raw = np.frombuffer(b"\x00\x01\x02\x01\x00\x00", np.bool_).reshape(2, 3)
+    with pytest.raises(ModelFailure, match=r"^model 'm' returned output 'y' tagged BOOL holding byte 2 at element "
+                                           r"2; each element must be 0 \(false\) or 1 \(true\)$"):
+        check_outputs("m", sig, [NamedTensor("y", DType.BOOL, raw)], 2)
+    with pytest.raises(ModelFailure, match="byte 2 at element 0"):  # a strided view is looked at as it is
+        check_outputs("m", sig, [NamedTensor("y", DType.BOOL, np.frombuffer(b"\x01\x02" * 3, np.bool_)
+                                             .reshape(1, 6)[:, 1::2])], 1)
+
+
 BYTES_IN = ModelSignature((TensorSpec("s", DType.BYTES, (2,)),), (), 4)
 
 
