@@ -36,6 +36,10 @@ _ALLOW_HTTP_HINT = {"s3": "set AWS_ALLOW_HTTP=true for a plain-http endpoint (AW
 # obstore panics on a malformed one at the first request instead of raising an error.
 ENDPOINT_VARIABLES = {"s3": ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ENDPOINT"), "gs": ("GOOGLE_BASE_URL",),
                       "az": ("AZURE_STORAGE_ENDPOINT", "AZURE_ENDPOINT")}
+# Two spellings of one setting: obstore takes whichever comes last in the process's environment, so two that
+# disagree reach a store that depends on their order (and the mirror, named after the first, would be shared
+# with another store's). AWS_ENDPOINT_URL_S3 is no alias: it wins over both, as the AWS SDKs have it.
+ENDPOINT_ALIASES = {"s3": ("AWS_ENDPOINT_URL", "AWS_ENDPOINT"), "az": ("AZURE_STORAGE_ENDPOINT", "AZURE_ENDPOINT")}
 # A URL's start that is certainly no user name: "http:" or "https:" and any slashes ("http:/host", a slip, too),
 # or another scheme and "//" (in "op:pw@host", "op:" is a user name, not a scheme).
 _SCHEME = r"(?:https?:/*|[a-z][a-z0-9+.-]*://+)"
@@ -155,7 +159,26 @@ def endpoint_problem(scheme: str) -> str | None:
             return f"{variable} {shown!r} has an '@' after a '/', '?' or '#'{hint}; {expected}"
         if not parts.hostname:
             return f"{variable} {shown!r} names no host; {expected}"
+    return _aliases_disagree(scheme)
+
+
+def _aliases_disagree(scheme: str) -> str | None:
+    """Why the endpoint is ambiguous: two spellings of it set to different endpoints (see ENDPOINT_ALIASES)."""
+    if scheme == "s3" and "AWS_ENDPOINT_URL_S3" in os.environ:
+        return None  # it wins whatever the others say
+    names = [name for name in ENDPOINT_ALIASES.get(scheme, ()) if name in os.environ]
+    if len(names) == 2 and len({_endpoint_key(os.environ[name]) for name in names}) == 2:
+        shown = " and ".join(f"{name} {redact_endpoint(os.environ[name])!r}" for name in names)
+        return (f"{shown} are set to different endpoints; the store client reads whichever comes last in the "
+                "environment, so which store is reached would depend on their order: set one of them")
     return None
+
+
+def _endpoint_key(value: str) -> str:
+    """An endpoint variable's value as compared: its user part dropped, case and a trailing slash ignored."""
+    span = _endpoint_userinfo(value)
+    without_user = value if span is None else value[:span[0]] + value[span[1] + 1:]
+    return without_user.strip().rstrip("/").lower()
 
 
 def endpoint_identity(scheme: str) -> str:
@@ -168,10 +191,8 @@ def endpoint_identity(scheme: str) -> str:
     parts = []
     for variable in ENDPOINT_VARIABLES.get(scheme, ()):
         value = os.environ.get(variable)
-        if value is not None:  # the first set one is what obstore reads
-            span = _endpoint_userinfo(value)
-            without_user = value if span is None else value[:span[0]] + value[span[1] + 1:]
-            parts.append(without_user.strip().rstrip("/").lower())
+        if value is not None:  # the first set one is what obstore reads (aliases that disagree are refused)
+            parts.append(_endpoint_key(value))
             break
     if scheme == "az":
         parts.append(os.environ.get("AZURE_STORAGE_ACCOUNT_NAME", os.environ.get("AZURE_STORAGE_ACCOUNT", "")))

@@ -154,3 +154,26 @@ def test_the_store_clients_words_lose_an_endpoint_password_holding_a_slash(monke
     assert problem is not None and problem.startswith(
         "GOOGLE_BASE_URL 'https://REDACTED@storage.example.com' is not a valid URL: its port is not a number")
     _assert_no_secret(problem)
+
+
+def test_two_spellings_of_the_endpoint_set_to_different_stores_are_refused(monkeypatch) -> None:
+    """Defect (found by a bug hunt, reproduced against two moto servers): obstore reads AWS_ENDPOINT_URL and
+    AWS_ENDPOINT as one setting, whichever comes last in the environment, while the mirror was named after
+    AWS_ENDPOINT_URL: with both set, differently, a server could read one store into another store's mirror."""
+    from nereid.storage.client import endpoint_problem
+
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://op:S3cret@127.0.0.1:9000")
+    monkeypatch.setenv("AWS_ENDPOINT", "http://127.0.0.1:9001")
+    problem = endpoint_problem("s3")
+    assert problem == ("AWS_ENDPOINT_URL 'http://REDACTED@127.0.0.1:9000' and AWS_ENDPOINT 'http://127.0.0.1:9001' "
+                       "are set to different endpoints; the store client reads whichever comes last in the "
+                       "environment, so which store is reached would depend on their order: set one of them")
+    monkeypatch.setenv("AWS_ENDPOINT", "HTTP://127.0.0.1:9000/")  # the same endpoint, spelled otherwise: fine
+    assert endpoint_problem("s3") is None
+    monkeypatch.setenv("AWS_ENDPOINT", "http://127.0.0.1:9001")
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://127.0.0.1:9002")  # wins over both, as the AWS SDKs have it
+    assert endpoint_problem("s3") is None
+    monkeypatch.setenv("AZURE_STORAGE_ENDPOINT", "http://127.0.0.1:10000")
+    monkeypatch.setenv("AZURE_ENDPOINT", "http://127.0.0.1:10001")
+    assert "AZURE_STORAGE_ENDPOINT 'http://127.0.0.1:10000' and AZURE_ENDPOINT" in endpoint_problem("az")
