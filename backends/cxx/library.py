@@ -86,15 +86,42 @@ def _foreign_machine(path: Path) -> str | None:
 _COPY_CHUNK = 1 << 20  # bytes read and written at a time by a library's copy
 
 
-def _link_siblings(model: str, path: Path, folder: Path, scratch_dir: Path) -> None:
-    """Link into ``folder`` every entry of the shared library ``path``'s own folder but the library itself."""
+def _is_shared_object(path: str) -> bool:
+    """Whether ``path`` is a readable ELF shared object (e_type ET_DYN), as a library's dependency is."""
+    try:
+        with open(path, "rb") as file:
+            header = file.read(18)
+    except OSError:
+        return False
+    return (len(header) == 18 and header[:4] == b"\x7fELF" and header[5] in (1, 2)
+            and int.from_bytes(header[16:18], "little" if header[5] == 1 else "big") == 3)
+
+
+def _copy_siblings(model: str, path: Path, folder: Path, scratch_dir: Path) -> None:
+    """Give ``folder`` every entry of the shared library ``path``'s own folder but the library itself.
+
+    A shared object there (a dependency found through a RUNPATH of $ORIGIN) is
+    copied, as the library is: mapped from the repository, a deploy that copies
+    a new one over it (the same file, rewritten) would change the code under
+    the running model and crash the server. A link to a neighbour
+    (``libdep.so -> libdep.so.1``) is made again, to the neighbour's copy.
+    Anything else (data, subfolders, links elsewhere) is linked.
+    """
     try:
         siblings = [entry for entry in os.scandir(path.parent) if entry.name != path.name]
     except OSError:  # a folder that may be entered but not listed: the library loads without its neighbours
         return
     for sibling in siblings:
+        target = folder / sibling.name
+        if sibling.is_file(follow_symlinks=False) and _is_shared_object(sibling.path):
+            _copy_library(model, Path(sibling.path), target, scratch_dir)
+            continue
         try:
-            os.symlink(os.path.abspath(sibling.path), folder / sibling.name)
+            link = os.readlink(sibling.path) if sibling.is_symlink() else None
+            if link is not None and "/" not in link and link not in (".", ".."):
+                os.symlink(link, target)  # to the neighbour (its copy, if it is a shared object)
+            else:
+                os.symlink(os.path.abspath(sibling.path), target)
         except OSError as err:
             raise scratch_folder_refused(model, f"link the files beside shared library {path} into", scratch_dir,
                                          err) from None
@@ -162,8 +189,9 @@ class NativeLibrary:
         # The copy's code is mapped from the scratch folder: on a noexec mount dlopen could only say "failed to
         # map segment", of a file the user never named.
         require_executable_folder(model, scratch_dir, f"shared library {path} runs from a copy in")
-        # The copy keeps its name, in a folder of its own beside links to everything else in the library's folder:
-        # a library that finds the libraries it needs beside it (a RUNPATH of $ORIGIN) finds them from there.
+        # The copy keeps its name, in a folder of its own beside copies of the shared objects in the library's
+        # folder and links to the rest: a library that finds the libraries it needs beside it (a RUNPATH of
+        # $ORIGIN) finds them there.
         self._folder = scratch_dir / f"{path.stem}-{uuid.uuid4().hex[:12]}"
         self._copy = self._folder / path.name
         try:
@@ -172,7 +200,7 @@ class NativeLibrary:
             raise scratch_folder_refused(model, f"copy shared library {path} into", scratch_dir, err) from None
         try:
             _copy_library(model, path, self._copy, scratch_dir)
-            _link_siblings(model, path, self._folder, scratch_dir)
+            _copy_siblings(model, path, self._folder, scratch_dir)
         except BaseException:
             shutil.rmtree(self._folder, ignore_errors=True)
             raise

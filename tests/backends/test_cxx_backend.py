@@ -830,6 +830,55 @@ def test_a_library_finding_its_dependencies_beside_it_through_origin_loads(repo,
         (ROWS * 5).tolist()
 
 
+_DEPENDENT_MODEL = """#include <cstdint>
+#include "nereid_cxx.h"
+extern "C" int64_t helper_value();
+extern "C" int nereid_infer(void*, const nereid_tensor*, size_t, nereid_tensor* out, size_t, char*, size_t) {
+    *static_cast<int64_t*>(out[0].data) = helper_value();
+    return 0;
+}
+"""
+_REWRITE_DEPENDENCY = """import shutil, sys
+from pathlib import Path
+from nereid.backend import ModelContext
+from nereid.backends.cxx.model import CxxModel
+from nereid.settings import ModelSettings
+folder, new_helper, scratch = map(Path, sys.argv[1:])
+settings = ModelSettings("m", runtime={"library": str(folder / "lib" / "libmodel.so")})
+model = CxxModel(ModelContext("m", folder, settings, scratch, "test"))
+model.load()
+print(int(model.infer([])[0].data[0]), flush=True)
+shutil.copyfile(new_helper, folder / "lib" / "libhelper.so.1")  # a deploy's cp: the same file, rewritten
+print(int(model.infer([])[0].data[0]), flush=True)
+model.unload()
+"""
+
+
+def test_rewriting_a_dependency_beside_the_library_leaves_the_running_model_alone(tmp_path):
+    """Defect (found by a bug hunt): the shared objects beside the library were linked into its private folder, not
+    copied, so a deploy copying a new dependency over the old one (cp rewrites the same file) changed the code
+    under the running model: it answered garbage, then the server died of a segmentation fault. A versioned
+    name's link (libhelper.so -> libhelper.so.1) still leads to the copy."""
+    folder = tmp_path / "m"
+    lib = folder / "lib"
+    lib.mkdir(parents=True)
+    (folder / "model_inference.textproto").write_text('output { name: "v" data_type: "INT64" dims: [1] }\n')
+    (tmp_path / "helper.cpp").write_text('#include <cstdint>\nextern "C" int64_t helper_value() { return VALUE; }\n')
+    (lib / "model.cpp").write_text(_DEPENDENT_MODEL)
+    (tmp_path / "v2").mkdir()
+    for value, out in ((5, lib / "libhelper.so.1"), (7, tmp_path / "v2" / "libhelper.so.1")):
+        subprocess.run([CXX, "-shared", "-fPIC", f"-DVALUE={value}", "-Wl,-soname,libhelper.so.1", "-o", str(out),
+                        str(tmp_path / "helper.cpp")], check=True, capture_output=True, timeout=120)
+    (lib / "libhelper.so").symlink_to("libhelper.so.1")
+    subprocess.run([CXX, "-shared", "-fPIC", "-std=c++17", f"-I{header_dir()}", "-o", str(lib / "libmodel.so"),
+                    str(lib / "model.cpp"), f"-L{lib}", "-lhelper", "-Wl,-rpath,$ORIGIN"],
+                   check=True, capture_output=True, timeout=120)
+    (tmp_path / "scratch").mkdir()
+    done = subprocess.run([sys.executable, "-c", _REWRITE_DEPENDENCY, str(folder), str(tmp_path / "v2" /
+                           "libhelper.so.1"), str(tmp_path / "scratch")], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout.split()) == (0, ["5", "5"]), done.stderr
+
+
 def test_a_library_in_a_folder_that_cannot_be_listed_still_loads(libs, tmp_path):
     """Linking the library's neighbours is a service: a folder that may be entered but not listed (mode 0311)
     failed the load, calling the folder a shared library."""
