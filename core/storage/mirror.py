@@ -47,6 +47,8 @@ CACHE_SUBFOLDER = ".cache"  # the executable cache: local, never mirrored; remov
 # a model folder), then deleted: a folder of the name made meanwhile is a new one, never one half deleted.
 DROPPED_PREFIX = ".nereid-dropped-"
 LOCK_SUFFIX = ".lock"
+# Inside a model folder: the changed files of one fetch, moved into place only once every one is in.
+STAGING_PREFIX = ".nereid-fetching-"
 # Small files are fetched this many at a time: a folder with a vendored package holds hundreds, and a
 # store answers each GET in tens of milliseconds.
 FETCH_CONCURRENCY = 16
@@ -374,10 +376,7 @@ def materialize(location: StoreURL, name: str, folder: Path) -> RemoteFolder:
                 fetched[relative] = old
                 continue
             stale.append((relative, item, target))
-        # A path that changed between a file and a folder in the store: the stale one in the cache is in the way.
-        _clear_conflicts(folder, [*fetched, *(relative for relative, _, _ in stale)])
-        fetched.update((relative, item) for relative, item in _fetch_all(store, folder_url, stale).items()
-                       if item is not None)  # (None: an empty folder's marker, skipped)
+        fetched.update(_fetch_staged(store, folder_url, folder, stale, keep=list(fetched)))
         _remove_others(folder, set(fetched))
         result = RemoteFolder(str(folder_url), fetched, streamed)
         try:
@@ -392,6 +391,39 @@ def materialize(location: StoreURL, name: str, folder: Path) -> RemoteFolder:
     log.info("%s: %d file(s) fetched or current in %s, %d weights file(s) left to stream", folder_url, len(fetched),
              folder, len(streamed))
     return result
+
+
+def _fetch_staged(store: Any, folder_url: StoreURL, folder: Path, stale: list[tuple[str, RemoteObject, Path]],
+                  keep: list[str]) -> dict[str, RemoteObject]:
+    """Fetch the ``stale`` files into a staging folder inside ``folder``, then move them into place; returns what
+    was fetched (an empty folder's marker left out). ``keep``: the files current already.
+
+    Nothing in ``folder`` changes until every file is in: a fetch that fails
+    leaves the version the folder held whole, where a loaded model may still
+    read its files (a ``main.py`` run per request), never a mix of two
+    versions that never existed together. Called under the folder's lock, so
+    a staging folder found there is a killed fetch's, removed first.
+    """
+    for leftover in folder.glob(f"{STAGING_PREFIX}*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+    staging = folder / f"{STAGING_PREFIX}{uuid.uuid4().hex[:12]}"
+    try:
+        results = _fetch_all(store, folder_url, [(relative, item, staging.joinpath(*relative.split("/")))
+                                                 for relative, item, _ in stale])
+        arrived = {relative: item for relative, item in results.items() if item is not None}
+        # A path that changed between a file and a folder in the store: the stale one in the cache is in the way.
+        _clear_conflicts(folder, [*keep, *(relative for relative, _, _ in stale)])
+        for relative, _, target in stale:
+            if relative in arrived:
+                try:
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    os.replace(staging.joinpath(*relative.split("/")), target)  # (the mtime recorded stays)
+                except OSError as err:
+                    raise _cache_write_failed(f"{folder_url.bucket_url}/{arrived[relative].key}", "move it into",
+                                              target, err) from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return arrived
 
 
 def _lock_name(name: str) -> str:

@@ -360,15 +360,24 @@ def test_many_small_files_are_fetched_at_once_and_a_failed_one_is_named(s3, tmp_
     assert {p.relative_to(local).as_posix(): p.read_bytes() for p in local.rglob("*")
             if p.is_file() and p.name != MARKER_FILE} == files
     # Changed in the bucket and failing to download: the load fails naming the object.
+    marker = (local / MARKER_FILE).read_bytes()
     obstore.put(s3.store, f"{s3.prefix}/vendored/pkg/mod7.py", b"VALUE = 'new'\n")
+    obstore.put(s3.store, f"{s3.prefix}/vendored/main.py", b"import pkg  # v2\n")
     s3.fail("vendored/pkg/mod7.py", times=100)  # past the store client's own retries
     with pytest.raises(StorageError, match=r"vendored/pkg/mod7.py: cannot fetch: .*500"):
         materialize_model_folder(server, "vendored")
-    assert (local / "pkg" / "mod7.py").read_bytes() == b"VALUE = 7\n"  # never half-written
+    # Defect (found by a bug hunt): the files fetched before the failure replaced their old copies, so the
+    # version still serving (a main.py run per request) ran a mix of two versions that never existed together.
+    # Nothing is touched until every changed file is in: the folder is as it was, whole, with nothing left over.
+    assert {p.relative_to(local).as_posix(): p.read_bytes() for p in local.rglob("*")
+            if p.is_file() and p.name != MARKER_FILE} == files
+    assert (local / MARKER_FILE).read_bytes() == marker
+    assert [p.name for p in local.iterdir() if p.name.startswith(".") and p.name != MARKER_FILE] == []
     with s3.lock:
         s3.faults.clear()
     local = materialize_model_folder(server, "vendored")  # the store answers again: the next load fetches it
     assert (local / "pkg" / "mod7.py").read_bytes() == b"VALUE = 'new'\n"
+    assert (local / "main.py").read_bytes() == b"import pkg  # v2\n"
 
 
 def test_nereid_check_reads_an_s3_repository(s3, tmp_path, capsys) -> None:
