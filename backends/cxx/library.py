@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import mmap
 import os
 import shutil
+import struct
 import uuid
 from pathlib import Path
 from typing import BinaryIO
@@ -86,40 +88,102 @@ def _foreign_machine(path: Path) -> str | None:
 _COPY_CHUNK = 1 << 20  # bytes read and written at a time by a library's copy
 
 
-def _is_shared_object(path: str) -> bool:
-    """Whether ``path`` is a readable ELF shared object (e_type ET_DYN), as a library's dependency is."""
+def needed_libraries(path: str) -> list[str]:
+    """The DT_NEEDED names of the ELF shared object ``path`` (the libraries it asks the loader for); [] for a file
+    that is no readable ELF file, or one whose dynamic section cannot be followed.
+
+    Read through a memory map: only the headers, the dynamic section and the
+    names are touched, however large the library.
+    """
     try:
-        with open(path, "rb") as file:
-            header = file.read(18)
-    except OSError:
-        return False
-    return (len(header) == 18 and header[:4] == b"\x7fELF" and header[5] in (1, 2)
-            and int.from_bytes(header[16:18], "little" if header[5] == 1 else "big") == 3)
+        with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            return _needed_in(data)
+    except (OSError, ValueError, struct.error):  # unreadable, empty (mmap refuses it), cut short
+        return []
+
+
+def _needed_in(data: mmap.mmap) -> list[str]:
+    if data[:4] != b"\x7fELF" or data[4] not in (1, 2) or data[5] not in (1, 2):
+        return []
+    wide, order = data[4] == 2, "<" if data[5] == 1 else ">"
+    word = "Q" if wide else "I"
+    phoff, = struct.unpack_from(order + word, data, 0x20 if wide else 0x1C)
+    phentsize, phnum = struct.unpack_from(order + "HH", data, 0x36 if wide else 0x2A)
+    loads, dynamic = [], None  # (vaddr, offset, filesz) of each PT_LOAD; (offset, filesz) of PT_DYNAMIC
+    for index in range(phnum):
+        at = phoff + index * phentsize
+        if wide:
+            kind, _, offset, vaddr, _, filesz = struct.unpack_from(order + "IIQQQQ", data, at)
+        else:
+            kind, offset, vaddr, _, filesz = struct.unpack_from(order + "IIIII", data, at)
+        if kind == 1:
+            loads.append((vaddr, offset, filesz))
+        elif kind == 2:
+            dynamic = (offset, filesz)
+    if dynamic is None:
+        return []
+    entry = struct.Struct(order + ("qQ" if wide else "iI"))
+    needed, strtab = [], None
+    for at in range(dynamic[0], dynamic[0] + dynamic[1] - entry.size + 1, entry.size):
+        tag, value = entry.unpack_from(data, at)
+        if tag == 0:  # DT_NULL
+            break
+        if tag == 1:  # DT_NEEDED: an offset into the string table
+            needed.append(value)
+        elif tag == 5:  # DT_STRTAB: its address, mapped to the file by the segment holding it
+            strtab = next((value - vaddr + offset for vaddr, offset, size in loads if vaddr <= value < vaddr + size),
+                          None)
+    if strtab is None:
+        return []
+    names = []
+    for offset in needed:
+        end = data.find(b"\0", strtab + offset)
+        if end >= 0:
+            names.append(data[strtab + offset:end].decode("utf-8", "replace"))
+    return names
+
+
+def _shipped_dependencies(path: Path) -> set[str]:
+    """The names of the entries beside ``path`` that it needs, directly or through each other: each DT_NEEDED
+    name found there, and the neighbours its links lead to (``libdep.so.1 -> libdep.so.1.2``)."""
+    folder, wanted, found = path.parent, [path.name], set()
+    while wanted:
+        for name in needed_libraries(str(folder / wanted.pop())):
+            while name not in found and "/" not in name and os.path.lexists(folder / name):
+                found.add(name)
+                if not os.path.islink(folder / name):
+                    wanted.append(name)
+                    break
+                name = os.readlink(folder / name)  # a link to a neighbour: that one is needed too
+    return found
 
 
 def _copy_siblings(model: str, path: Path, folder: Path, scratch_dir: Path) -> None:
     """Give ``folder`` every entry of the shared library ``path``'s own folder but the library itself.
 
-    A shared object there (a dependency found through a RUNPATH of $ORIGIN) is
-    copied, as the library is: mapped from the repository, a deploy that copies
-    a new one over it (the same file, rewritten) would change the code under
-    the running model and crash the server. A link to a neighbour
-    (``libdep.so -> libdep.so.1``) is made again, to the neighbour's copy.
-    Anything else (data, subfolders, links elsewhere) is linked.
+    The libraries it needs that are shipped beside it (found through a
+    RUNPATH of $ORIGIN) are copied, as the library is: mapped from the
+    repository, a deploy that copies a new one over one of them (the same file,
+    rewritten) would change the code under the running model and crash the
+    server. A link among them (``libdep.so.1 -> libdep.so.1.2``) is made again,
+    to its neighbour's copy. Everything else there is linked, not copied: a
+    library kept in a folder of thousands (a system's lib folder) costs no copy
+    of them.
     """
     try:
         siblings = [entry for entry in os.scandir(path.parent) if entry.name != path.name]
     except OSError:  # a folder that may be entered but not listed: the library loads without its neighbours
         return
+    shipped = _shipped_dependencies(path)
     for sibling in siblings:
         target = folder / sibling.name
-        if sibling.is_file(follow_symlinks=False) and _is_shared_object(sibling.path):
+        if sibling.name in shipped and sibling.is_file(follow_symlinks=False):
             _copy_library(model, Path(sibling.path), target, scratch_dir)
             continue
         try:
-            link = os.readlink(sibling.path) if sibling.is_symlink() else None
-            if link is not None and "/" not in link and link not in (".", ".."):
-                os.symlink(link, target)  # to the neighbour (its copy, if it is a shared object)
+            link = os.readlink(sibling.path) if sibling.name in shipped else None  # (shipped: a file, or a link)
+            if link is not None and "/" not in link:  # a link to a neighbour: to its copy
+                os.symlink(link, target)
             else:
                 os.symlink(os.path.abspath(sibling.path), target)
         except OSError as err:
@@ -189,9 +253,9 @@ class NativeLibrary:
         # The copy's code is mapped from the scratch folder: on a noexec mount dlopen could only say "failed to
         # map segment", of a file the user never named.
         require_executable_folder(model, scratch_dir, f"shared library {path} runs from a copy in")
-        # The copy keeps its name, in a folder of its own beside copies of the shared objects in the library's
-        # folder and links to the rest: a library that finds the libraries it needs beside it (a RUNPATH of
-        # $ORIGIN) finds them there.
+        # The copy keeps its name, in a folder of its own beside copies of the libraries it needs from its folder
+        # and links to the rest: a library that finds the libraries it needs beside it (a RUNPATH of $ORIGIN)
+        # finds them there.
         self._folder = scratch_dir / f"{path.stem}-{uuid.uuid4().hex[:12]}"
         self._copy = self._folder / path.name
         try:

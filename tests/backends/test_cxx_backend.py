@@ -21,6 +21,7 @@ from tritonclient.utils import InferenceServerException
 
 from nereid.backend import ModelContext
 from nereid.backends.cxx.build import header_dir, library_hash, shared_flags
+from nereid.backends.cxx.library import needed_libraries
 from nereid.backends.cxx.model import CxxModel
 from nereid.cli import main as nereid_main
 from nereid.dtypes import DType
@@ -380,7 +381,8 @@ def test_models_the_cxx_backend_refuses_are_unavailable_with_a_reason(repo, serv
     repo.add("bytes_input", 'input_shape: [4]\noutput_shape: [4]\ndata_type: "BYTES"\n')
     repo.add("dynamic_output", 'input { name: "x" data_type: "FP32" dims: [-1] }\n'
                                'output { name: "y" data_type: "FP32" dims: [-1] }\n')
-    broken = tmp_path / "broken.cpp"
+    broken = tmp_path / "broken" / "broken.cpp"  # (a folder of its own: the build reads every C++ file beside it)
+    broken.parent.mkdir()
     broken.write_text("int nereid_infer() { return undefined_identifier_xyz; }\n")
     (tmp_path / "folder.so").mkdir()
     os.mkfifo(tmp_path / "fifo.cpp")
@@ -848,7 +850,9 @@ settings = ModelSettings("m", runtime={"library": str(folder / "lib" / "libmodel
 model = CxxModel(ModelContext("m", folder, settings, scratch, "test"))
 model.load()
 print(int(model.infer([])[0].data[0]), flush=True)
-shutil.copyfile(new_helper, folder / "lib" / "libhelper.so.1")  # a deploy's cp: the same file, rewritten
+(private,) = [path for path in scratch.glob("libmodel-*") if path.is_dir()]
+print(" ".join(f"{path.name}:{'link' if path.is_symlink() else 'file'}" for path in sorted(private.iterdir())))
+shutil.copyfile(new_helper, folder / "lib" / "libhelper.so.1.2")  # a deploy's cp: the same file, rewritten
 print(int(model.infer([])[0].data[0]), flush=True)
 model.unload()
 """
@@ -866,17 +870,25 @@ def test_rewriting_a_dependency_beside_the_library_leaves_the_running_model_alon
     (tmp_path / "helper.cpp").write_text('#include <cstdint>\nextern "C" int64_t helper_value() { return VALUE; }\n')
     (lib / "model.cpp").write_text(_DEPENDENT_MODEL)
     (tmp_path / "v2").mkdir()
-    for value, out in ((5, lib / "libhelper.so.1"), (7, tmp_path / "v2" / "libhelper.so.1")):
+    for value, out in ((5, lib / "libhelper.so.1.2"), (7, tmp_path / "v2" / "libhelper.so.1.2")):
         subprocess.run([CXX, "-shared", "-fPIC", f"-DVALUE={value}", "-Wl,-soname,libhelper.so.1", "-o", str(out),
                         str(tmp_path / "helper.cpp")], check=True, capture_output=True, timeout=120)
+    (lib / "libhelper.so.1").symlink_to("libhelper.so.1.2")  # as libraries ship: the soname, then the file
     (lib / "libhelper.so").symlink_to("libhelper.so.1")
+    shutil.copy(lib / "libhelper.so.1.2", lib / "libunrelated.so")  # beside it, but not needed: linked, not copied
     subprocess.run([CXX, "-shared", "-fPIC", "-std=c++17", f"-I{header_dir()}", "-o", str(lib / "libmodel.so"),
                     str(lib / "model.cpp"), f"-L{lib}", "-lhelper", "-Wl,-rpath,$ORIGIN"],
                    check=True, capture_output=True, timeout=120)
+    assert needed_libraries(str(lib / "libmodel.so"))[0] == "libhelper.so.1"  # (then libstdc++, libc...)
     (tmp_path / "scratch").mkdir()
     done = subprocess.run([sys.executable, "-c", _REWRITE_DEPENDENCY, str(folder), str(tmp_path / "v2" /
-                           "libhelper.so.1"), str(tmp_path / "scratch")], capture_output=True, text=True, timeout=60)
-    assert (done.returncode, done.stdout.split()) == (0, ["5", "5"]), done.stderr
+                           "libhelper.so.1.2"), str(tmp_path / "scratch")], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    # The library and the one it needs are copies; the soname's links lead to the copy; the rest stays linked.
+    assert done.stdout.splitlines() == [
+        "5", "libhelper.so:link libhelper.so.1:link libhelper.so.1.2:file libmodel.so:file libunrelated.so:link "
+        "model.cpp:link", "5"], done.stdout
 
 
 def test_a_library_in_a_folder_that_cannot_be_listed_still_loads(libs, tmp_path):
