@@ -480,7 +480,24 @@ def run_child(env: dict[str, str], cwd: str, stdin_fd: int, output_fd: int,
         os.close(folder_fd)  # not needed past the chdir: the working directory is the loaded folder
     if exec_argv:
         os.execv(exec_argv[0], exec_argv)  # keeps the process, its session and its parent-death signal
+    reseed_random_state()
     return run_main(os.path.join(cwd, ENTRY_FILE))
+
+
+def reseed_random_state() -> None:
+    """Draw the global random state of preloaded libraries afresh, as a fresh interpreter's import draws it.
+
+    Python's ``random`` reseeds itself after a fork; numpy's legacy global
+    state (``np.random.rand``, ``choice``, ``normal``; seeded from the OS once,
+    in the parent, by a preloaded ``numpy.random``, ``scipy.stats`` or
+    ``sklearn``) does not: every run would draw the same numbers.
+    """
+    numpy_random = sys.modules.get("numpy.random")
+    if numpy_random is not None:
+        try:
+            numpy_random.seed()  # (no argument: from the OS's entropy)
+        except Exception:  # a numpy too broken to reseed: main.py's own use of it will say so
+            pass
 
 
 def enter_loaded_folder(path: str, folder_fd: int) -> str:

@@ -106,6 +106,19 @@ def test_child_state_leaves_no_trace_and_helpers_are_fresh(repo, serve):
     assert ask(server, "stateful") == {"count": 1, "helper": "edited"}  # the folder's own modules: never preloaded
 
 
+def test_numpys_global_random_state_is_drawn_afresh_in_every_run(repo, serve):
+    """Defect (found by a bug hunt): numpy's legacy global state, seeded once in the warm parent by a preloaded
+    numpy.random, was copied into every fork: np.random.rand() answered the same number in every run, where
+    `python main.py` draws a new seed each time (Python's own random module reseeds itself after a fork)."""
+    repo.python("sampler", textproto=REPORT, main=reply_main(
+        '{"numpy": float(np.random.rand()), "python": random.random()}', prelude="import random\nimport numpy as np\n"
+                                                                          "import numpy.random"))
+    server = serve(repo.write_config())
+    assert backend_of(server, "sampler").runtime_report().summary == "warm_start=on"
+    draws = [ask(server, "sampler") for _ in range(3)]
+    assert len({draw["numpy"] for draw in draws}) == 3 and len({draw["python"] for draw in draws}) == 3, draws
+
+
 def test_main_py_runs_as_loaded_while_the_file_is_rewritten(repo, serve):
     # An edit in place truncates main.py before writing it: runs that start meanwhile must run the
     # loaded version (with watch on, the new one is swapped in once it has loaded).
