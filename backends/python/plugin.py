@@ -84,10 +84,12 @@ class PythonModel(SubprocessModel):
             raise scratch_folder_refused(self.context.name, "make a folder for its parent process in", scratch,
                                          err) from None
         env = self.base_environment()
-        env["TMPDIR"] = str(parent_dir)
+        # A folder apart from the parent's own files (its log, main.py's copy): a library that keeps the temporary
+        # folder it found at import hands it to every run, which must not write beside them.
+        env["TMPDIR"] = str(parent_dir / "tmp")
         parent = WarmParent(name=self.context.name, folder=self.context.folder, env=env, modules=modules,
                             log_path=parent_dir / "log", entry_source=parent_dir / LOADED_ENTRY_FILE,
-                            cold_argv=self.command(), folder_fd=self.folder_fd())
+                            entry_bytes=source, cold_argv=self.command(), folder_fd=self.folder_fd())
         try:
             try:
                 parent.entry_source.write_bytes(source)

@@ -52,7 +52,8 @@ class WarmParent:
     """A running warm parent: started with the model's environment, imports preloaded."""
 
     def __init__(self, *, name: str, folder: Path, env: dict[str, str], modules: Preloads, log_path: Path,
-                 entry_source: Path, cold_argv: list[str] | None = None, folder_fd: int | None = None) -> None:
+                 entry_source: Path, entry_bytes: bytes, cold_argv: list[str] | None = None,
+                 folder_fd: int | None = None) -> None:
         self.name = name
         # What a cold run execs, should a restarted parent find it can no longer preload.
         self.cold_argv = cold_argv
@@ -62,6 +63,7 @@ class WarmParent:
         # child enters that folder, never another one put under its name since. None: the path is used.
         self.folder_fd = folder_fd
         self.entry_source = entry_source  # the main.py bytes to compile, named FOLDER/main.py
+        self.entry_bytes = entry_bytes  # those bytes, kept: a restart writes them again if the file is gone
         self.env = env
         self.modules = modules
         self.log_path = log_path
@@ -76,6 +78,7 @@ class WarmParent:
             self._start()
 
     def _start(self) -> None:
+        self._prepare_folder()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             with open(self.log_path, "ab") as log_file:
@@ -104,6 +107,30 @@ class WarmParent:
             raise WarmStartUnavailable(f"the warm parent did not start ({line or 'no answer'})"
                                        + (f"; output tail: {tail}" if tail else ""))
         self._process, self._control = process, ours
+
+    def _prepare_folder(self) -> None:
+        """Give the parent what its start reads and writes: its log's folder, its temporary folder (TMPDIR), and
+        the loaded main.py's copy.
+
+        A start after the first (the parent died) finds them gone when a
+        /tmp cleaner removed the scratch folder meanwhile, or a run deleted or
+        rewrote the copy: every restart would fail, or run another main.py,
+        while the model stayed READY. The copy is written again from the
+        bytes loaded, so a restart still runs the loaded version.
+        """
+        try:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            if "TMPDIR" in self.env:
+                Path(self.env["TMPDIR"]).mkdir(parents=True, exist_ok=True)
+            try:
+                current = self.entry_source.read_bytes()
+            except OSError:
+                current = None
+            if current != self.entry_bytes:
+                self.entry_source.write_bytes(self.entry_bytes)
+        except OSError as err:  # a full disk, a scratch folder made unwritable
+            raise WarmStartUnavailable(f"cannot prepare its folder {self.log_path.parent}: "
+                                       f"{err.strerror or err}") from None
 
     def _folder_path(self) -> str:
         """The loaded folder as a path that leads to it (through its descriptor when there is one)."""

@@ -209,6 +209,11 @@ def test_runs_go_on_after_the_scratch_folder_was_removed(repo, serve, start_mode
     shutil.rmtree(server.server.scratch_dir)
     assert infer(server, "echo", array, "FP32").as_numpy("output").tolist() == array.tolist()
     assert server.server.scratch_dir.stat().st_mode & 0o777 == 0o700  # made again, private
+    # Defect (found by a bug hunt): a parent restarted after that (the first one killed, by the OOM killer say)
+    # found its folder gone: every request failed (FileNotFoundError for its log) while the model said READY.
+    os.kill(server.server.repository.entry("echo").loaded.backend._parent.pid, signal.SIGKILL)
+    assert infer(server, "echo", array, "FP32").as_numpy("output").tolist() == array.tolist()
+    assert infer(server, "echo", array, "FP32").as_numpy("output").tolist() == array.tolist()
 
 
 def test_batched_and_unbatched_requests(repo, serve):

@@ -744,7 +744,8 @@ from nereid.backends.subprocess.runner import ProcessGroups
 
 folder = Path(sys.argv[1])
 parent = WarmParent(name="m", folder=folder, env={"PATH": os.environ.get("PATH", "")}, modules=Preloads(),
-                    log_path=folder / "parent.log", entry_source=folder / "main.py")
+                    log_path=folder / "parent.log", entry_source=folder / "main.py",
+                    entry_bytes=(folder / "main.py").read_bytes())
 parent.start()
 run = lambda: parent.run(env={}, stdin=b"x", timeout_s=30, groups=ProcessGroups()).returncode
 print(json.dumps([runs_short_of_descriptors(run, 7), run()]))
