@@ -16,7 +16,7 @@ from nereid.backend import Model, Postprocesses, Preprocesses
 from nereid.daemon_pool import DaemonThreadPool
 from nereid.errors import (InvalidArgument, ModelFailure, NereidError, describe_exception, naming_model,
                            without_stop_iteration)
-from nereid.scheduler import MODEL_EXITS, REQUEST_STARTED, ModelScheduler
+from nereid.scheduler import REQUEST_STARTED, ModelScheduler
 from nereid.signature import ModelSignature, brief_repr, check_outputs, validate_inputs
 from nereid.tensors import NamedTensor
 
@@ -142,14 +142,14 @@ async def _call_hook(threads: HookThreads, model: str, hook: str,
         if named is err:
             raise
         raise named from err
-    except (Exception, *MODEL_EXITS) as err:  # sys.exit() in a hook must not end the server
-        raise _hook_failure(model, hook, err) from err
     except asyncio.CancelledError as err:
         # The hook's own (a future it waited on was cancelled; the thread's CancelledError arrives as
         # asyncio's), unless this request's task was cancelled: then the caller went away.
         if asyncio.current_task().cancelling():
             raise
         raise _hook_failure(model, hook, err) from err
+    except BaseException as err:  # sys.exit() or a GeneratorExit in a hook must neither end the server nor lose
+        raise _hook_failure(model, hook, err) from err  # the request
 
 
 def _hook_failure(model: str, hook: str, error: BaseException) -> ModelFailure:

@@ -39,11 +39,6 @@ REQUEST_STARTED: ContextVar[bool] = ContextVar("nereid_request_started", default
 
 log = logging.getLogger(__name__)
 
-# What model code may raise that is no Exception and yet no business of the server's: sys.exit() in a
-# plugin, a KeyboardInterrupt of its own (the server's Ctrl-C is a signal handler on the loop, never an
-# exception out of a model call). Either ended the whole server; both are model faults like any other.
-MODEL_EXITS = (SystemExit, KeyboardInterrupt)
-
 # After the grace and a termination request, how long drain() still waits before abandoning work.
 TERMINATE_WAIT_S = 2.0
 
@@ -441,8 +436,6 @@ class ModelScheduler:
             if named is err:
                 raise
             raise named from err.__cause__
-        except (Exception, *MODEL_EXITS) as err:  # a model fault, whatever the backend raised
-            raise self._model_fault(err) from err
         except asyncio.CancelledError as err:
             # A coroutine infer runs in this very task: a cancellation out of it that was not this task's
             # own (an awaited call of the model's was cancelled) is the model's fault, and must not pass
@@ -450,6 +443,12 @@ class ModelScheduler:
             if self._inline and not asyncio.current_task().cancelling():
                 raise self._model_fault(err) from err
             raise
+        except BaseException as err:
+            # A model fault, whatever the backend raised: an Exception, or what is none and yet no business of the
+            # server's (sys.exit() in a plugin, a KeyboardInterrupt of its own: the server takes Ctrl-C with a
+            # signal handler on the loop; a GeneratorExit, a BaseException of the author's), which ended the
+            # server, or left the batch's requests unanswered.
+            raise self._model_fault(err) from err
         finally:
             if not counted_later:
                 self._stats.execution_finished(total, cost, queue_ns, input_ns, infer_ns, output_ns, succeeded)
@@ -547,7 +546,7 @@ class ModelScheduler:
             raise self._model_fault(err) from err
         except Exception:
             raise
-        except BaseException as err:  # MODEL_EXITS, an asyncio.CancelledError: none is meant for the server
+        except BaseException as err:  # sys.exit(), an asyncio.CancelledError: none is meant for the server
             raise self._model_fault(err) from err
 
     def _thread_done(self, call: _ThreadCall, result: list[NamedTensor] | None, error: BaseException | None) -> None:

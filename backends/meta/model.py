@@ -22,6 +22,7 @@ import logging
 import threading
 import time
 import traceback
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -32,7 +33,7 @@ from nereid.backends.xla.signatures import batch_mode, build_signature
 from nereid.daemon_pool import DaemonThreadPool
 from nereid.dependencies import describe_cycle, find_cycle
 from nereid.errors import (ConfigError, DeadlineExceeded, LoggedModelFailure, ModelFailure, NereidError, Unavailable,
-                           same_kind, without_stop_iteration)
+                           describe_exception, same_kind, without_stop_iteration)
 from nereid.files import not_regular_reason
 from nereid.model_hooks import load_model_hooks
 from nereid.runtime_options import RuntimeOptions
@@ -42,6 +43,9 @@ from nereid.tensors import InferRequest, NamedTensor
 log = logging.getLogger(__name__)
 
 PLATFORM = "nereid_meta"
+# The meta model whose async orchestration runs in this context (None: none): the tasks it starts are contained
+# (see contain_orchestration_tasks).
+_ORCHESTRATING: ContextVar[str | None] = ContextVar("nereid_orchestrating", default=None)
 MODEL_PY = "model.py"
 
 
@@ -213,7 +217,12 @@ class MetaModel:
         deadline_ns = REQUEST_DEADLINE_NS.get()  # the request's, set by the scheduler
         try:
             if self._is_async:
-                result = await orchestrate(inputs, MetaContext(self, deadline_ns))
+                contain_orchestration_tasks(asyncio.get_running_loop())
+                orchestrating = _ORCHESTRATING.set(self.context.name)
+                try:
+                    result = await orchestrate(inputs, MetaContext(self, deadline_ns))
+                finally:
+                    _ORCHESTRATING.reset(orchestrating)
             else:
                 result = await self._run_blocking(orchestrate, inputs, deadline_ns)
         except NereidError as err:
@@ -221,10 +230,15 @@ class MetaModel:
                 raise  # a sub-call's error, already naming both models, with its status
             # The orchestration's own refusal (raise InvalidArgument(...)): its status, naming the model.
             raise same_kind(err, f"meta model '{self.context.name}': {err}") from err
-        except Exception as err:
-            # Logged once, by this model's scheduler (under its per-model limit), with the author's traceback.
+        except asyncio.CancelledError:
+            raise  # the client went away, or the server stops (the scheduler tells the model's own apart)
+        except BaseException as err:
+            # Any other exception, and what is none (sys.exit(), a KeyboardInterrupt or GeneratorExit of its own, a
+            # BaseException of the author's): the model's fault, never the server's end nor a request left
+            # unanswered. Logged once, by this model's scheduler (under its per-model limit), with the author's
+            # traceback.
             raise ModelFailure(f"meta model '{self.context.name}': orchestrate failed{self._line_of(err)}: "
-                               f"{type(err).__name__}: {err}") from err
+                               f"{describe_exception(err)}") from err
         return self._in_declared_order(result)
 
     def unload(self) -> None:
@@ -375,3 +389,40 @@ def _on_event_loop() -> bool:
 def _retrieve(future: asyncio.Future) -> None:
     if not future.cancelled():
         future.exception()  # retrieved, so asyncio does not log "exception never retrieved"
+
+
+def contain_orchestration_tasks(loop: asyncio.AbstractEventLoop) -> None:
+    """Install on ``loop``, once, a task factory under which a task an async orchestration starts (``asyncio.gather``
+    of helpers, ``create_task``) cannot end the server.
+
+    asyncio lets a ``SystemExit`` or ``KeyboardInterrupt`` out of a task's
+    coroutine escape the event loop itself: a ``sys.exit()`` in a gathered
+    helper stopped ``nereid serve`` without a word. Such a task's coroutine
+    runs inside :func:`_contained`, which turns that (or a GeneratorExit, or a
+    BaseException of the author's) into a ModelFailure of the meta model. Other
+    tasks are made as before (one context variable read each).
+    """
+    previous = loop.get_task_factory()
+    if getattr(previous, "contains_orchestrations", False):
+        return
+
+    def factory(loop: asyncio.AbstractEventLoop, coro: Any, **kwargs: Any) -> asyncio.Future:
+        model = _ORCHESTRATING.get()
+        if model is not None:
+            coro = _contained(coro, model)
+        if previous is not None:
+            return previous(loop, coro, **kwargs)
+        return asyncio.Task(coro, loop=loop, **kwargs)
+    factory.contains_orchestrations = True  # type: ignore[attr-defined]
+    loop.set_task_factory(factory)
+
+
+async def _contained(coro: Any, model: str) -> Any:
+    """``await coro``, a task an orchestration of ``model`` started; what is no Exception comes out as one."""
+    try:
+        return await coro
+    except (Exception, asyncio.CancelledError):
+        raise
+    except BaseException as err:
+        raise ModelFailure(f"meta model '{model}': a task its orchestration started raised "
+                           f"{describe_exception(err)}") from err

@@ -86,13 +86,16 @@ FAILURES = [
     (cancelled_future, "failed: CancelledError$"),
     # No future can carry a StopIteration: the request waited for ever.
     (raises(StopIteration()), "failed: RuntimeError: StopIteration raised$"),
+    # Defect (found by a bug hunt of meta models): neither an Exception nor a model exit, it left the request
+    # unanswered.
+    (raises(GeneratorExit()), "failed: GeneratorExit$"),
 ]
 
 
 @pytest.mark.parametrize("hook", ["preprocess", "postprocess"])
 @pytest.mark.parametrize("body, message", RESULTS + FAILURES,
                          ids=["None", "arrays", "tuple of arrays", "async def", "sys.exit", "KeyboardInterrupt",
-                              "futures.CancelledError", "StopIteration"])
+                              "futures.CancelledError", "StopIteration", "GeneratorExit"])
 def test_a_hook_returning_or_raising_anything_is_a_model_fault_naming_it(hook: str, body: Hook,
                                                                          message: str) -> None:
     """Defects: a hook returning the wrong type let a raw TypeError / AttributeError escape, naming no model

@@ -457,6 +457,68 @@ def test_a_blocking_orchestration_raising_stop_iteration_is_answered(repo, serve
     np.testing.assert_array_equal(infer(client, "stray", X + 1), X + 1)  # and it serves on
 
 
+NOT_EXCEPTIONS = '''
+import asyncio, sys
+import nereid
+
+class Fatal(BaseException):
+    pass
+
+async def helper(how):
+    await asyncio.sleep(0)
+    if how == 1:
+        sys.exit(0)
+    raise KeyboardInterrupt("from a helper")
+
+async def orchestrate(inputs, ctx):
+    how = int(inputs[0].data[0])
+    if how in (1, 2):
+        await asyncio.gather(helper(how))
+    if how == 3:
+        raise GeneratorExit("from the orchestration")
+    if how == 4:
+        raise Fatal("of the author's own")
+    return await ctx.infer("echo", inputs)
+
+nereid.register_model(orchestrate=orchestrate)
+'''
+
+NOT_EXCEPTIONS_ON_A_THREAD = '''
+import nereid
+
+def orchestrate(inputs, ctx):  # a plain def: it runs on a worker thread
+    if inputs[0].data[0] == 5:
+        raise GeneratorExit("from a thread")
+    return ctx.infer("echo", inputs)
+
+nereid.register_model(orchestrate=orchestrate)
+'''
+
+
+@pytest.mark.parametrize("how, model, said", [
+    (1, "exits", "a task its orchestration started raised SystemExit: 0"),
+    (2, "exits", "a task its orchestration started raised KeyboardInterrupt: from a helper"),
+    (3, "exits", "orchestrate failed at model.py:19: GeneratorExit: from the orchestration"),
+    (4, "exits", "orchestrate failed at model.py:21: Fatal: of the author's own"),
+    # (asyncio's future hands the awaiting task a bare GeneratorExit: its message and line are lost on the way)
+    (5, "exits_on_a_thread", "orchestrate failed: GeneratorExit"),
+], ids=["sys.exit in a gathered task", "KeyboardInterrupt in a gathered task", "GeneratorExit", "a BaseException",
+        "GeneratorExit on a thread"])
+def test_what_is_no_exception_fails_the_request_and_never_the_server(repo, serve, how, model, said) -> None:
+    """Defects (found by a bug hunt): a sys.exit() or KeyboardInterrupt in a task the orchestration started (the
+    README's own fan-out with asyncio.gather) escaped the event loop and ended `nereid serve` without a word; a
+    GeneratorExit, or a BaseException of the author's, left the request unanswered and uncounted."""
+    repo.python("echo")
+    add_meta(repo, "exits", NOT_EXCEPTIONS, ["echo"])
+    add_meta(repo, "exits_on_a_thread", NOT_EXCEPTIONS_ON_A_THREAD, ["echo"])
+    client = serve(repo.write_config()).client
+    with pytest.raises(InferenceServerException) as caught:
+        infer(client, model, np.full(4, how, np.float32), client_timeout=20)
+    assert caught.value.status() == "StatusCode.INTERNAL" and f"meta model '{model}': {said}" in str(caught.value)
+    assert statistics(client, model).inference_stats.fail.count == 1
+    np.testing.assert_array_equal(infer(client, model, X + 10), X + 10)  # it serves on, and so does the server
+
+
 HOLD_THEN_STEP = '''
 import time
 from pathlib import Path
