@@ -197,7 +197,7 @@ class MetaModel:
         self._signature = build_signature(inputs, outputs, mode,
                                           manifest.batching.largest if manifest.batching else 0)
         self._manifest, self._model_py, self._orchestrate = manifest, model_py, hooks.orchestrate
-        self._is_async = inspect.iscoroutinefunction(hooks.orchestrate)
+        self._is_async = _is_async_callable(hooks.orchestrate)
         if not self._is_async:
             # Plain functions block in ctx.infer: one daemon thread per running orchestration.
             self._pool = DaemonThreadPool(self.concurrent_executions(), thread_name_prefix=f"nereid-meta-{name}")
@@ -376,6 +376,13 @@ def _check_arity(model: str, model_py: Path, orchestrate: Callable[..., Any]) ->
                           f"{inspect.signature(orchestrate)}") from None
     except ValueError:  # a builtin without a signature: found out at the first call instead
         pass
+
+
+def _is_async_callable(function: Callable[..., Any]) -> bool:
+    """Whether calling ``function`` makes a coroutine: an ``async def``, or an object whose ``__call__`` is one (run
+    on a worker thread, its coroutine would never run, and every request fail)."""
+    return inspect.iscoroutinefunction(function) or inspect.iscoroutinefunction(
+        getattr(type(function), "__call__", None))
 
 
 def _on_event_loop() -> bool:

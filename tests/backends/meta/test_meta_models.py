@@ -519,6 +519,28 @@ def test_what_is_no_exception_fails_the_request_and_never_the_server(repo, serve
     np.testing.assert_array_equal(infer(client, model, X + 10), X + 10)  # it serves on, and so does the server
 
 
+ASYNC_CALLABLE = '''
+import nereid
+
+class Relay:
+    async def __call__(self, inputs, ctx):
+        return await ctx.infer("echo", inputs)
+
+nereid.register_model(orchestrate=Relay())
+'''
+
+
+def test_an_object_with_an_async_call_orchestrates_on_the_event_loop(repo, serve) -> None:
+    """Defect (found by a bug hunt): only an async def counted as async, so an object whose __call__ is one ran on a
+    worker thread, where its coroutine never ran: every request failed ('got coroutine')."""
+    repo.python("echo")
+    add_meta(repo, "relay_object", ASYNC_CALLABLE, ["echo"])
+    server = serve(repo.write_config())
+    np.testing.assert_array_equal(infer(server.client, "relay_object", X + 3), X + 3)
+    assert server.server.repository.entry("relay_object").loaded.backend.runtime_report().summary == (
+        "depends_on=echo orchestrate=async")
+
+
 HOLD_THEN_STEP = '''
 import time
 from pathlib import Path
