@@ -7,6 +7,7 @@ and the control socket is SOCK_SEQPACKET, so each request is one atomic message.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -238,10 +239,17 @@ class WarmParent:
                 request = {"env": env, "cwd": str(self.folder)}
                 if exec_argv:
                     request["exec"] = exec_argv
-                socket.send_fds(control, [json.dumps(request).encode()],
-                                [stdin_read, output_write, theirs.fileno(),
-                                 *([folder_fd] if folder_fd is not None else [])])
+                message = json.dumps(request).encode()
+                socket.send_fds(control, [message], [stdin_read, output_write, theirs.fileno(),
+                                                     *([folder_fd] if folder_fd is not None else [])])
             except OSError as err:
+                if err.errno == errno.EMSGSIZE:
+                    # The run's own size, not the parent's fault: said at once, the parent left alone (it used
+                    # to wait 5 s for a live parent, then call it unresponsive).
+                    raise ModelFailure(
+                        f"model '{self.name}': this run's request to its warm parent ({len(message)} bytes: its "
+                        "environment, with every tensor name, dtype and shape) is more than one message of a "
+                        "local socket holds here (net.core.wmem_default); shorten the tensor names") from None
                 raise self._not_started(f"sending it the run failed: {err.strerror or err}") from None
             finally:
                 os.close(stdin_read)

@@ -216,6 +216,28 @@ def test_runs_go_on_after_the_scratch_folder_was_removed(repo, serve, start_mode
     assert infer(server, "echo", array, "FP32").as_numpy("output").tolist() == array.tolist()
 
 
+def test_a_run_too_large_for_the_warm_parents_socket_fails_at_once_saying_why(repo, serve):
+    """Defect (found by a bug hunt): tensor names the load accepts (each variable within exec's limit) made each
+    run's request to the warm parent larger than one local socket message: every request waited 5 s, then said
+    the parent had stopped answering (it had not), cold runs too (they go through the parent)."""
+    long_in, long_out = "i" * 100_000, "o" * 120_000
+    repo.python("long_names", main=FRAMED_ECHO_MAIN,
+                textproto=f'input {{ name: "{long_in}" data_type: "FP32" dims: [4] }}\n'
+                          f'output {{ name: "{long_out}" data_type: "FP32" dims: [4] }}\nmax_batch_size: 8\n')
+    server = serve(repo.write_config())
+    tensor = triton.InferInput(long_in, [1, 4], "FP32")
+    tensor.set_data_from_numpy(np.zeros((1, 4), np.float32))
+    started = time.monotonic()
+    with pytest.raises(InferenceServerException, match=r"model 'long_names': this run's request to its warm "
+                                                       r"parent \(\d+ bytes: .*shorten the tensor names"):
+        server.client.infer("long_names", [tensor])
+    assert time.monotonic() - started < 3  # not the 5 s wait for an answer that cannot come
+    array = np.arange(4, dtype=np.float32).reshape(1, 4)
+    repo.python("echo")
+    server.client.load_model("echo")
+    assert infer(server, "echo", array, "FP32").as_numpy("output").tolist() == array.tolist()
+
+
 def test_batched_and_unbatched_requests(repo, serve):
     repo.python("echo")
     server = serve(repo.write_config())
