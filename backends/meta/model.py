@@ -43,10 +43,28 @@ from nereid.tensors import InferRequest, NamedTensor
 log = logging.getLogger(__name__)
 
 PLATFORM = "nereid_meta"
-# The meta model whose async orchestration runs in this context (None: none): the tasks it starts are contained
-# (see contain_orchestration_tasks).
-_ORCHESTRATING: ContextVar[str | None] = ContextVar("nereid_orchestrating", default=None)
 MODEL_PY = "model.py"
+
+
+class _Orchestration:
+    """One request's async orchestration: its model, and the tasks it started that have not ended."""
+
+    __slots__ = ("model", "tasks")
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.tasks: set[asyncio.Future] = set()
+
+    def end(self) -> None:
+        """Cancel what it started that still runs: a sub-call queued in its model is dropped, as when the client
+        goes away (a fan-out whose first failure ended the request left its other sub-calls to run for nobody)."""
+        for task in list(self.tasks):
+            task.cancel()
+
+
+# The async orchestration running in this context (None: none): the tasks it starts are contained and ended with
+# it (see contain_orchestration_tasks).
+_ORCHESTRATING: ContextVar[_Orchestration | None] = ContextVar("nereid_orchestrating", default=None)
 
 
 class MetaContext:
@@ -218,11 +236,13 @@ class MetaModel:
         try:
             if self._is_async:
                 contain_orchestration_tasks(asyncio.get_running_loop())
-                orchestrating = _ORCHESTRATING.set(self.context.name)
+                orchestration = _Orchestration(self.context.name)
+                orchestrating = _ORCHESTRATING.set(orchestration)
                 try:
                     result = await orchestrate(inputs, MetaContext(self, deadline_ns))
                 finally:
                     _ORCHESTRATING.reset(orchestrating)
+                    orchestration.end()
             else:
                 result = await self._run_blocking(orchestrate, inputs, deadline_ns)
         except NereidError as err:
@@ -400,26 +420,30 @@ def _retrieve(future: asyncio.Future) -> None:
 
 def contain_orchestration_tasks(loop: asyncio.AbstractEventLoop) -> None:
     """Install on ``loop``, once, a task factory under which a task an async orchestration starts (``asyncio.gather``
-    of helpers, ``create_task``) cannot end the server.
+    of helpers, ``create_task``) cannot end the server, and ends with its orchestration.
 
     asyncio lets a ``SystemExit`` or ``KeyboardInterrupt`` out of a task's
     coroutine escape the event loop itself: a ``sys.exit()`` in a gathered
     helper stopped ``nereid serve`` without a word. Such a task's coroutine
     runs inside :func:`_contained`, which turns that (or a GeneratorExit, or a
-    BaseException of the author's) into a ModelFailure of the meta model. Other
-    tasks are made as before (one context variable read each).
+    BaseException of the author's) into a ModelFailure of the meta model. One
+    still running when its orchestration has ended is cancelled (see
+    :meth:`_Orchestration.end`). Other tasks are made as before (one context
+    variable read each).
     """
     previous = loop.get_task_factory()
     if getattr(previous, "contains_orchestrations", False):
         return
 
     def factory(loop: asyncio.AbstractEventLoop, coro: Any, **kwargs: Any) -> asyncio.Future:
-        model = _ORCHESTRATING.get()
-        if model is not None:
-            coro = _contained(coro, model)
-        if previous is not None:
-            return previous(loop, coro, **kwargs)
-        return asyncio.Task(coro, loop=loop, **kwargs)
+        orchestration = _ORCHESTRATING.get()
+        if orchestration is not None:
+            coro = _contained(coro, orchestration.model)
+        task = previous(loop, coro, **kwargs) if previous is not None else asyncio.Task(coro, loop=loop, **kwargs)
+        if orchestration is not None:
+            orchestration.tasks.add(task)
+            task.add_done_callback(orchestration.tasks.discard)
+        return task
     factory.contains_orchestrations = True  # type: ignore[attr-defined]
     loop.set_task_factory(factory)
 

@@ -108,6 +108,34 @@ def test_fan_out_runs_sub_calls_concurrently(repo, serve) -> None:
     assert slow_s <= elapsed < 2 * slow_s - 0.2, elapsed
 
 
+ONE_FAILS = '''
+import asyncio
+import numpy as np
+import nereid
+from nereid.tensors import NamedTensor
+
+async def orchestrate(inputs, ctx):
+    wrong = [NamedTensor.from_array("input", np.zeros(3, np.float32))]
+    (a,), _, _ = await asyncio.gather(ctx.infer("slow", inputs), ctx.infer("slow", inputs), ctx.infer("slow", wrong))
+    return [a]
+
+nereid.register_model(orchestrate=orchestrate)
+'''
+
+
+def test_sub_calls_still_queued_when_their_orchestration_ends_are_dropped(repo, serve) -> None:
+    """Defect (found by a bug hunt): in the README's fan-out, one sub-call refused at once ended the request, and
+    its siblings ran anyway for nobody: the one still queued in its model started after the client had its
+    answer. Dropped now, as when the client goes away (the one already running cannot be stopped)."""
+    slow = add_counting(repo, "slow", 1.0)
+    add_meta(repo, "one_fails", ONE_FAILS, ["slow"])
+    client = serve(repo.write_config()).client
+    with pytest.raises(InferenceServerException, match="sub-call to 'slow' failed"):
+        infer(client, "one_fails", X)
+    time.sleep(2.5)  # the first run's second, and what a second run would take
+    assert calls(slow) == 1
+
+
 # The deadline rule, for both kinds of orchestration: async def, and a plain def on a worker thread.
 TWO_STEPS = {
     "async": '''
