@@ -29,7 +29,7 @@ from nereid.backends.xla.device import PjrtTarget, host_lapack_problem, resolve_
 from nereid.backends.xla.manifest import EXPORT_PLATFORM, MANIFEST_NAME, Manifest, smallest_fitting
 from nereid.backends.xla.migration import local_weight_set, migrate_for_load
 from nereid.backends.xla.options import parse_options
-from nereid.backends.xla.program import read_program
+from nereid.backends.xla.program import python_callback_problem, read_program
 from nereid.backends.xla.remote import RemoteBundle
 from nereid.backends.xla.weights import read_local_weights, resolve_weights
 from nereid.backends.xla.signatures import BatchMode, batch_mode, build_signature, client_axis
@@ -221,8 +221,16 @@ class XlaModel:
         if mismatch:
             raise ConfigError(mismatch)
         check_program_types(path.name, program, key, manifest, weight_types)
+        inputs = len(manifest.executable_inputs)
+        if donated := [index - inputs for index in program.donated if index >= inputs]:
+            # Every run passes the weights' device buffers kept since load: donated once, they are gone, and every
+            # request after the first would fail. (A donated input is harmless: each run transfers its own.)
+            names = ", ".join(f"'{weight_types[i][0]}'" for i in donated if i < len(weight_types))
+            raise ConfigError(f"{path.name}: the program takes over the buffers of weight(s) {names} (donated: "
+                              "tf.aliasing_output or jax.buffer_donor, as jax.jit(..., donate_argnums=...) exports "
+                              "them), which every request must find again; export it without donating the weights")
         # Before compiling: also a cached executable would call the host LAPACK kernels this initialises.
-        problem = host_lapack_problem(target.platform, data)
+        problem = host_lapack_problem(target.platform, data) or python_callback_problem(data)
         if problem is not None:
             raise ConfigError(f"{path.name}: {problem}")
         key_fields = CacheKey(file_sha256(data), jaxlib.__version__, target.platform,

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import math
+import re
 from dataclasses import dataclass
 from typing import Iterator, Mapping
 
@@ -53,6 +55,9 @@ class ProgramSignature:
 
     parameters: tuple[ProgramTensor, ...]
     results: tuple[ProgramTensor, ...]
+    # The parameters whose buffers the program may take over (tf.aliasing_output, jax.buffer_donor: an export
+    # with donate_argnums): after one run such a buffer is gone.
+    donated: tuple[int, ...] = ()
 
     @property
     def arity(self) -> int:
@@ -207,7 +212,37 @@ def _entry_signature(module, where: str, ir) -> ProgramSignature:
     function_type = ir.FunctionType(ir.TypeAttr(entry.attributes["function_type"]).value)
     parameters = tuple(_tensor(t, where, f"parameter {i}", ir) for i, t in enumerate(function_type.inputs))
     results = tuple(_tensor(t, where, f"result {i}", ir) for i, t in enumerate(function_type.results))
-    return ProgramSignature(parameters, results)
+    return ProgramSignature(parameters, results, _donated(entry, ir))
+
+
+def _donated(entry, ir) -> tuple[int, ...]:
+    """The entry function's parameters that carry a donation attribute."""
+    if "arg_attrs" not in entry.attributes:
+        return ()
+    donated = []
+    for index, attributes in enumerate(ir.ArrayAttr(entry.attributes["arg_attrs"])):
+        names = {named.name for named in ir.DictAttr(attributes)}
+        if names & DONATION_ATTRIBUTES:
+            donated.append(index)
+    return tuple(donated)
+
+
+# The argument attributes with which a program takes over a parameter's buffer.
+DONATION_ATTRIBUTES = frozenset({"tf.aliasing_output", "jax.buffer_donor"})
+# XLA sizes a tensor's bytes in a signed 64-bit integer; past it, its compiler aborts the whole process.
+MAX_TENSOR_BYTES = 2 ** 63 - 1
+# The custom calls through which a program calls back into Python (jax.pure_callback, io_callback,
+# jax.debug.print): the function they call is no part of the bundle, and calling it crashes the server.
+_PYTHON_CALLBACKS = re.compile(rb"xla(?:_ffi)?_python_(?:cpu|gpu)_callback(?![\w.])")
+
+
+def python_callback_problem(program: bytes) -> str | None:
+    """Why ``program`` (text or bytecode) cannot be served because it calls back into Python; None if it does not."""
+    calls = sorted({name.decode() for name in _PYTHON_CALLBACKS.findall(program)})
+    if not calls:
+        return None
+    return (f"the program calls back into Python ({', '.join(calls)}: jax.pure_callback, io_callback or "
+            "jax.debug.print), whose function is no part of the bundle; remove the callback before exporting")
 
 
 def _tensor(mlir_type, where: str, what: str, ir) -> ProgramTensor:
@@ -217,4 +252,9 @@ def _tensor(mlir_type, where: str, what: str, ir) -> ProgramTensor:
         raise ConfigError(f"{where}: {what} is {mlir_type}, not a ranked tensor (a program with side "
                           "effects or tokens cannot be served)") from None
     shape = tuple(-1 if ranked.is_dynamic_dim(i) else ranked.shape[i] for i in range(ranked.rank))
-    return ProgramTensor(shape, str(ranked.element_type))
+    tensor = ProgramTensor(shape, str(ranked.element_type))
+    elements = math.prod(d for d in shape if d > 0)
+    if elements * 16 > MAX_TENSOR_BYTES:  # (16: the widest element; a bound, not the exact size)
+        raise ConfigError(f"{where}: {what} is {tensor.describe()}: {elements} elements, past what XLA can size "
+                          "(its bytes in a signed 64-bit integer)")
+    return tensor

@@ -174,3 +174,48 @@ def test_a_fifo_manifest_or_a_model_py_folder_is_named_by_nereid_check(repo, add
     assert lines[0] == f"fifo_manifest: UNAVAILABLE: {fifo / 'manifest.yaml'}: is a FIFO, not a regular file"
     assert lines[1].startswith("folder_model_py: UNAVAILABLE: ")
     assert lines[1].endswith("model.py: is a directory, not a regular file (a bundle's model.py holds its hooks)")
+
+
+_TWO_FLOATS = ('format_version: "2.1"\nexecutable_inputs:\n  - {name: x, dtype: f32, shape: "a", dims: {a: 2}}\n'
+               'executable_outputs:\n  - {name: y, dtype: f32, shape: "a", dims: {a: 2}}\n')
+_DONATED_WEIGHT = """
+func.func @main(%arg0: tensor<2xf32>, %arg1: tensor<2xf32> {tf.aliasing_output = 0 : i32}) -> tensor<2xf32> {
+  %0 = stablehlo.add %arg0, %arg1 : tensor<2xf32>
+  return %0 : tensor<2xf32>
+}
+"""
+_PYTHON_CALLBACK = """
+func.func @main(%arg0: tensor<2xf32>, %arg1: tensor<2xf32>) -> tensor<2xf32> {
+  %0 = stablehlo.custom_call @xla_ffi_python_cpu_callback(%arg0) {api_version = 4 : i32, backend_config = {index = 0 : ui64}, has_side_effect = true} : (tensor<2xf32>) -> tensor<2xf32>
+  return %0 : tensor<2xf32>
+}
+"""
+_TOO_LARGE = """
+func.func @main(%arg0: tensor<2xf32>, %arg1: tensor<2xf32>) -> tensor<3037000500x3037000500xf32> {
+  %0 = stablehlo.constant dense<0.0> : tensor<f32>
+  %1 = stablehlo.broadcast_in_dim %0, dims = [] : (tensor<f32>) -> tensor<3037000500x3037000500xf32>
+  return %1 : tensor<3037000500x3037000500xf32>
+}
+"""
+
+
+def test_programs_that_would_fail_after_their_first_run_or_crash_the_server_are_refused(repo, serve) -> None:
+    """Defects (found by a bug hunt, each reproduced): a program donating a weight's buffer (an export with
+    donate_argnums) answered once, then failed every request ('Buffer has been deleted or donated'); one calling
+    back into Python loaded READY and its first request killed the server (SIGSEGV); a result too large for XLA to
+    size aborted the whole server as it compiled (SIGABRT)."""
+    for name, program in (("donated", _DONATED_WEIGHT), ("callback", _PYTHON_CALLBACK), ("too_large", _TOO_LARGE)):
+        folder = repo.models_dir / name
+        folder.mkdir()
+        (folder / "model.mlir").write_text(program)
+        write_safetensors(folder / "weights.safetensors", [("w", np.array([10, 20], np.float32))])
+        (folder / "manifest.yaml").write_text(_TWO_FLOATS)
+    server = serve(repo.write_config("- name: donated\n- name: callback\n- name: too_large\n"))
+    found = reasons(server)
+    assert found["donated"][0] == "UNAVAILABLE" and "takes over the buffers of weight(s) 'w' (donated" in \
+        found["donated"][1]
+    assert found["callback"][0] == "UNAVAILABLE" and "calls back into Python (xla_ffi_python_cpu_callback" in \
+        found["callback"][1]
+    assert found["too_large"][0] == "UNAVAILABLE" and "result 0 is tensor<3037000500x3037000500xf32>" in \
+        found["too_large"][1] and "past what XLA can size" in found["too_large"][1]
+    assert server.client.is_server_live()
