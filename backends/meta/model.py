@@ -107,15 +107,18 @@ class BlockingMetaContext(MetaContext):
         super().__init__(model, deadline_ns)
         self._loop = loop
         self._lock = threading.Lock()
-        self._abandoned = False  # set when the client's request went away: no further sub-calls
+        # Why no further sub-call is issued (None: they are): the client's request went away, or the
+        # orchestration has ended.
+        self._abandoned: str | None = None
         # The sub-calls threads wait on (an orchestration may fan out over threads of its own).
         self._sub_calls: set[concurrent.futures.Future] = set()
 
-    def abandon(self) -> None:
-        """The client's request went away: drop the sub-calls in progress (one still queued in its model
-        never runs) and issue no further one."""
+    def abandon(self, why: str = "the request was cancelled") -> None:
+        """No further sub-call is issued, for the reason ``why``; those in progress are dropped (one still queued
+        in its model never runs; one running finishes with its answer discarded)."""
         with self._lock:
-            self._abandoned = True
+            if self._abandoned is None:
+                self._abandoned = why
             sub_calls = list(self._sub_calls)
         for sub_call in sub_calls:
             sub_call.cancel()
@@ -129,16 +132,16 @@ class BlockingMetaContext(MetaContext):
                                "orchestration async def and await ctx.infer instead)")
         request = self._model.sub_request(model_name, inputs, outputs, self.deadline_ns)
         with self._lock:
-            if self._abandoned:
-                raise Unavailable(f"meta model '{self.model_name}': the request was cancelled; the sub-call to "
+            if self._abandoned is not None:
+                raise Unavailable(f"meta model '{self.model_name}': {self._abandoned}; the sub-call to "
                                   f"'{model_name}' was not issued")
             sub_call = asyncio.run_coroutine_threadsafe(self._model.call(request), self._loop)
             self._sub_calls.add(sub_call)
         try:
             return sub_call.result()
         except concurrent.futures.CancelledError:
-            raise Unavailable(f"meta model '{self.model_name}': the request was cancelled during its sub-call "
-                              f"to '{model_name}'") from None
+            raise Unavailable(f"meta model '{self.model_name}': {self._abandoned or 'the request was cancelled'} "
+                              f"during its sub-call to '{model_name}'") from None
         finally:
             with self._lock:
                 self._sub_calls.discard(sub_call)
@@ -341,6 +344,10 @@ class MetaModel:
                 context.abandon()
             future.add_done_callback(_retrieve)
             raise
+        finally:
+            # Threads of its own may still hold sub-calls (a fan-out whose first failure ended it): they would
+            # run for nobody. Dropped, as the tasks of an async orchestration are.
+            context.abandon("its orchestration had ended")
 
     def _start_blocking(self, orchestrate: Callable[..., Any], inputs: list[NamedTensor],
                         context: BlockingMetaContext) -> Any:

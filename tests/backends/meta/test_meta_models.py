@@ -108,7 +108,8 @@ def test_fan_out_runs_sub_calls_concurrently(repo, serve) -> None:
     assert slow_s <= elapsed < 2 * slow_s - 0.2, elapsed
 
 
-ONE_FAILS = '''
+ONE_FAILS = {
+    "async": '''
 import asyncio
 import numpy as np
 import nereid
@@ -120,15 +121,37 @@ async def orchestrate(inputs, ctx):
     return [a]
 
 nereid.register_model(orchestrate=orchestrate)
-'''
+''',
+    # A plain def fanning out over threads of its own, which it does not wait for once one call fails.
+    "threaded": '''
+import concurrent.futures
+import time
+import numpy as np
+import nereid
+from nereid.tensors import NamedTensor
+
+POOL = concurrent.futures.ThreadPoolExecutor(2)
+
+def orchestrate(inputs, ctx):
+    wrong = [NamedTensor.from_array("input", np.zeros(3, np.float32))]
+    first, second = POOL.submit(ctx.infer, "slow", inputs), POOL.submit(ctx.infer, "slow", inputs)
+    time.sleep(0.3)  # both issued: one runs, one waits in the model's queue
+    ctx.infer("slow", wrong)
+    return [first.result()[0]]
+
+nereid.register_model(orchestrate=orchestrate)
+''',
+}
 
 
-def test_sub_calls_still_queued_when_their_orchestration_ends_are_dropped(repo, serve) -> None:
+@pytest.mark.parametrize("kind", ONE_FAILS)
+def test_sub_calls_still_queued_when_their_orchestration_ends_are_dropped(repo, serve, kind) -> None:
     """Defect (found by a bug hunt): in the README's fan-out, one sub-call refused at once ended the request, and
     its siblings ran anyway for nobody: the one still queued in its model started after the client had its
-    answer. Dropped now, as when the client goes away (the one already running cannot be stopped)."""
+    answer. Dropped now, as when the client goes away (the one already running cannot be stopped); for a plain def
+    orchestration, the sub-calls of threads it started are dropped when it returns or raises."""
     slow = add_counting(repo, "slow", 1.0)
-    add_meta(repo, "one_fails", ONE_FAILS, ["slow"])
+    add_meta(repo, "one_fails", ONE_FAILS[kind], ["slow"])
     client = serve(repo.write_config()).client
     with pytest.raises(InferenceServerException, match="sub-call to 'slow' failed"):
         infer(client, "one_fails", X)
