@@ -21,7 +21,8 @@ from nereid.tensors import InferRequest, InferResponse, NamedTensor, bytes_array
 # ModelInferRequest.raw_input_contents: field 7, length-delimited.
 _RAW_FIELD = 7
 _LENGTH_DELIMITED = 2
-# A valid request has a handful of top-level fields per input; this bounds the Python-level scan.
+# A request has a handful of top-level fields per input; past this many the Python-level scan stops and protobuf
+# parses the whole message (it is valid: whether a request is accepted must not depend on its size).
 MAX_TOP_LEVEL_FIELDS = 16384
 # Below this size a request is parsed whole by protobuf (copies are cheaper than the scan).
 ZERO_COPY_MIN_BYTES = 64 << 10
@@ -47,7 +48,7 @@ def parse_infer_request(data: bytes, zero_copy_min_bytes: int = ZERO_COPY_MIN_BY
     while position < end:
         fields += 1
         if fields > MAX_TOP_LEVEL_FIELDS:
-            raise ValueError(f"more than {MAX_TOP_LEVEL_FIELDS} top-level fields")
+            return _parse_whole(data)
         start = position
         key, position = _varint(data, position)
         wire = key & 7

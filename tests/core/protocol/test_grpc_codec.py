@@ -613,6 +613,22 @@ def test_large_requests_keep_raw_inputs_as_views_of_the_wire_bytes():
     assert message.inputs[0].name == "x" and not message.raw_input_contents
 
 
+
+def test_a_large_request_with_very_many_fields_parses_as_a_small_one_does():
+    """Defect (found by a bug hunt): from 64 KiB, a request of more than 16,384 top-level fields (parameters,
+    here) was refused as unparsable, while the same fields in a smaller message parsed: protobuf judges it now."""
+    from nereid.protocol.grpc_codec import MAX_TOP_LEVEL_FIELDS, ZERO_COPY_MIN_BYTES, parse_infer_request
+
+    request = _request()
+    for index in range(MAX_TOP_LEVEL_FIELDS + 1):
+        request.parameters[f"key{index}"].string_param = ""
+    request.inputs.add(name="x", datatype="UINT8", shape=[4])
+    request.raw_input_contents.append(b"\x01\x02\x03\x04")
+    wire = request.SerializeToString()
+    assert len(wire) >= ZERO_COPY_MIN_BYTES
+    message, raws = parse_infer_request(wire)
+    assert len(message.parameters) == MAX_TOP_LEVEL_FIELDS + 1 and bytes(raws[0]) == b"\x01\x02\x03\x04"
+
 # -- names the client sent, echoed as sent ---------------------------------------------------------------------
 
 def test_decode_refusals_echo_the_clients_names_as_sent_through_the_path_scrubbing(tmp_path):
