@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -60,23 +61,36 @@ def folder_stamp(folder: Path) -> tuple[tuple[FileStamp, ...], int] | None:
     """
     files: list[FileStamp] = []
     hidden_mtime_ns = 0
-    try:
-        for directory, subdirs, names in os.walk(folder):
-            subdirs[:] = sorted(d for d in subdirs if not ignored_name(d))
-            for name in sorted(names):
-                path = os.path.join(directory, name)
-                if ignored_name(name):
-                    if name.startswith(".") and not name.endswith((".swp", ".swx")):
-                        # A transfer's temporary file (rsync's .name.XXXXXX), say: when was it last written?
-                        with contextlib.suppress(OSError):
-                            hidden_mtime_ns = max(hidden_mtime_ns, os.stat(path).st_mtime_ns)
-                    continue
-                info = os.stat(path)
+    for directory, subdirs, names in os.walk(folder):
+        subdirs[:] = sorted(d for d in subdirs if not ignored_name(d))
+        for name in sorted(names):
+            path = os.path.join(directory, name)
+            if ignored_name(name):
+                if name.startswith(".") and not name.endswith((".swp", ".swx")):
+                    # A transfer's temporary file (rsync's .name.XXXXXX), say: when was it last written?
+                    with contextlib.suppress(OSError):
+                        hidden_mtime_ns = max(hidden_mtime_ns, os.stat(path).st_mtime_ns)
+                continue
+            info = _file_info(path)
+            if info is not None:
                 files.append((os.path.relpath(path, folder), info.st_size, info.st_mtime_ns, info.st_ino,
                               info.st_ctime_ns))
-    except FileNotFoundError:
+    # Only the folder itself gone means it vanished (os.walk of a missing folder yields nothing): a file inside
+    # that cannot be stat-ed (a link to nothing, one removed meanwhile) is a change of the folder, not its end.
+    if not folder.is_dir():
         return None
     return tuple(files), hidden_mtime_ns
+
+
+def _file_info(path: str) -> os.stat_result | None:
+    """The file's stat, or the link's own where it leads nowhere (yet); None when the name is gone."""
+    try:
+        return os.stat(path)
+    except OSError:
+        try:
+            return os.lstat(path)
+        except OSError:
+            return None
 
 
 def scan_folder(folder: Path) -> FolderState | None:
@@ -89,17 +103,33 @@ def scan_folder(folder: Path) -> FolderState | None:
     for relative, size, *_ in files:
         # (A file name that is not UTF-8 is read with surrogate escapes; its own bytes go into the digest.)
         digest.update(f"{relative}\0{size}\0".encode("utf-8", "surrogateescape"))
-        try:
-            with open(folder / relative, "rb") as f:
-                digest.update(f.read(SAMPLE_BYTES))
-                if size > 2 * SAMPLE_BYTES:
-                    f.seek(size - SAMPLE_BYTES)
-                    digest.update(f.read(SAMPLE_BYTES))
-                elif size > SAMPLE_BYTES:
-                    digest.update(f.read())
-        except OSError:
-            return None
+        digest.update(_sampled_bytes(folder / relative, size))
     return FolderState(files, digest.hexdigest(), hidden_mtime_ns)
+
+
+def _sampled_bytes(path: Path, size: int) -> bytes:
+    """The first and last :data:`SAMPLE_BYTES` of a regular file; a marker for anything else.
+
+    Opened without blocking and read only once known to be a regular file: a
+    FIFO in a model folder (a control pipe, say) would otherwise block the scan
+    until some process wrote to it, and the watcher with it. A link to nothing
+    or an unreadable file is marked, not taken for the folder's end.
+    """
+    try:
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as err:
+        return f"\0unreadable:{err.errno}".encode()
+    with os.fdopen(descriptor, "rb") as f:
+        if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+            return b"\0not a regular file"
+        try:
+            head = f.read(SAMPLE_BYTES)
+            if size > 2 * SAMPLE_BYTES:
+                f.seek(size - SAMPLE_BYTES)
+                return head + f.read(SAMPLE_BYTES)
+            return head + f.read() if size > SAMPLE_BYTES else head
+        except OSError as err:
+            return f"\0unreadable:{err.errno}".encode()
 
 
 def scan_repository(root: Path) -> dict[str, FolderState]:

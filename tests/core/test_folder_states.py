@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import shutil
 import time
@@ -52,3 +53,41 @@ def test_a_move_beside_a_copy_of_the_same_files_is_paired_with_the_move(tmp_path
     shutil.copytree(tmp_path / "c", tmp_path / "b", copy_function=shutil.copy)
     plan = plan_changes(before, scan_repository(tmp_path))
     assert plan.renames == (("a", "c"),) and plan.added == ("b",)
+
+
+def test_a_fifo_in_a_model_folder_is_stamped_without_being_opened_for_a_read(tmp_path):
+    """Defect (found by a bug hunt): the scan opened every file to hash its ends; a FIFO (a control pipe) blocked
+    it until some process wrote to it, and with it the watcher, for good (and the server's exit)."""
+    folder = tmp_path / "a"
+    folder.mkdir()
+    (folder / "main.py").write_text("print()\n")
+    os.mkfifo(folder / "control.fifo")
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        scanned = pool.submit(scan_folder, folder)
+        try:
+            state = scanned.result(timeout=10)
+        finally:
+            if not scanned.done():  # the old code: unblock the scan so that the test can end
+                with open(folder / "control.fifo", "wb"):
+                    pass
+    assert state is not None and [stamp[0] for stamp in state.stamp] == ["control.fifo", "main.py"]
+
+
+def test_a_link_to_nothing_is_a_file_of_the_folder_not_its_end(tmp_path):
+    """Defect (found by a bug hunt): a symlink whose target did not exist (yet) made the scan take the folder for
+    vanished, and the watcher unloaded its model as removed. It is stamped as the link itself; its target appearing
+    is an edit."""
+    folder = tmp_path / "a"
+    folder.mkdir()
+    (folder / "main.py").write_text("print()\n")
+    (folder / "latest").symlink_to("weights-v0.bin")
+    dangling = scan_folder(folder)
+    assert dangling is not None and [stamp[0] for stamp in dangling.stamp] == ["latest", "main.py"]
+    assert list(scan_repository(tmp_path)) == ["a"]
+    (folder / "weights-v0.bin").write_bytes(b"\x01" * 10)
+    resolved = scan_folder(folder)
+    assert resolved is not None and resolved.stamp != dangling.stamp and resolved.identity != dangling.identity
+
+
+def test_only_the_folder_itself_gone_is_a_vanished_folder(tmp_path):
+    assert scan_folder(tmp_path / "never_there") is None
