@@ -50,7 +50,8 @@ _LONGEST_WAIT_S = (365 * _A_DAY_S, "a year")
 _DEVICE_PATTERN = re.compile(r"(cpu|cuda)(?::([0-9]+))?")
 _ADDRESS_PATTERN = re.compile(r"^(\[[^\]]+\]|[^:\[\]]*):([0-9]+)$")  # host:port, [v6 host]:port
 MAX_PORT = 65535
-MAX_DEVICE_INDEX = 2**31 - 1
+INT32_MAX = 2**31 - 1  # ModelConfig's counts and sizes are int32 fields
+MAX_DEVICE_INDEX = INT32_MAX
 
 
 def address_problem(address: str) -> str | None:
@@ -501,9 +502,11 @@ def _parse_model(reader: KeyedReader, raw: Any, where: str, backends_path: Path,
         device = Device.parse(device_text)
     except ValueError as err:
         reader.fail(f"{where}.device", str(err), device_text)
-    capacity = reader.integer(entry, f"{where}.queue_capacity", DEFAULT_QUEUE_CAPACITY, minimum=1)
+    # (A meta model's ModelConfig gives its queue_capacity as its instance count: concurrent orchestrations.)
+    capacity = reader.integer(entry, f"{where}.queue_capacity", DEFAULT_QUEUE_CAPACITY, minimum=1,
+                              maximum=(INT32_MAX, "ModelConfig's instance_group count is an int32"))
     instances = reader.integer(entry, f"{where}.instances", 1, minimum=1,
-                               maximum=(2**31 - 1, "ModelConfig's instance_group count is an int32"))
+                               maximum=(INT32_MAX, "ModelConfig's instance_group count is an int32"))
     backend = entry.get("backend")
     if backend is not None and (not isinstance(backend, str) or not backend):
         reader.fail(f"{where}.backend", "must be a backend name", backend)
@@ -532,7 +535,12 @@ def _parse_batching(reader: KeyedReader, raw: Any, where: str) -> BatchingSettin
     if not isinstance(preferred, list) or any(isinstance(p, bool) or not isinstance(p, int) or p < 1
                                               for p in preferred):
         reader.fail(f"{where}.preferred_batch_sizes", "must be a list of positive integers", preferred)
-    cap = reader.integer(section, f"{where}.max_batch_size", 1, minimum=1) if "max_batch_size" in section else None
+    if any(p > INT32_MAX for p in preferred):
+        reader.fail(f"{where}.preferred_batch_sizes", f"must hold sizes of at most {INT32_MAX} (ModelConfig's "
+                    "preferred_batch_size is an int32)", preferred)
+    cap = (reader.integer(section, f"{where}.max_batch_size", 1, minimum=1,
+                          maximum=(INT32_MAX, "ModelConfig's max_batch_size is an int32"))
+           if "max_batch_size" in section else None)
     if cap is not None and any(p > cap for p in preferred):
         reader.fail(f"{where}.preferred_batch_sizes", f"must not exceed max_batch_size {cap}", preferred)
     cost = reader.integer(section, f"{where}.max_batch_cost", 1, minimum=1) if "max_batch_cost" in section else None

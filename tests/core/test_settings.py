@@ -183,8 +183,16 @@ def test_nan_and_infinity_are_refused_like_a_wrong_type(root: Path, body: str, k
     # Defect: accepted, then every gRPC ModelConfig of the model failed (its gpus field is an int32).
     ("models:\n  - name: a\n    device: cuda:3000000000\n", "models[0].device",
      "expected a GPU index of at most 2147483647", "'cuda:3000000000'"),
+    # Defect (found by a bug hunt): a meta model's gRPC ModelConfig failed (its instance count is its capacity).
+    ("models:\n  - name: a\n    queue_capacity: 4294967296\n", "models[0].queue_capacity",
+     "must be at most 2147483647 (ModelConfig's instance_group count is an int32)", "4294967296"),
+    ("models:\n  - name: a\n    batching: {max_batch_size: 2147483648}\n", "models[0].batching.max_batch_size",
+     "must be at most 2147483647 (ModelConfig's max_batch_size is an int32)", "2147483648"),
+    ("models:\n  - name: a\n    batching: {preferred_batch_sizes: [4, 2147483648]}\n",
+     "models[0].batching.preferred_batch_sizes",
+     "must hold sizes of at most 2147483647 (ModelConfig's preferred_batch_size is an int32)", "[4, 2147483648]"),
 ], ids=["instances", "delay", "timeout", "grace", "settle", "poll", "shutdown-delay", "timeout-exponent",
-        "device-index"])
+        "device-index", "queue-capacity", "max-batch-size", "preferred-size"])
 def test_values_past_what_the_waits_and_the_wire_take_are_refused(root: Path, body: str, key: str, problem: str,
                                                                   value: str) -> None:
     """Defect: accepted, then every request failed (a timeout poll() overflowed), every ModelConfig failed
