@@ -53,11 +53,35 @@ def _construct_unique_mapping(loader: _StrictLoader, node: yaml.MappingNode, dee
     return loader.construct_mapping(node, deep)
 
 
+def _construct_int(loader: _StrictLoader, node: yaml.ScalarNode) -> int:
+    """A plain integer as YAML 1.2 reads it: ``010`` is ten, ``0o10`` eight (YAML 1.1 read ``010`` as eight)."""
+    text = str(loader.construct_scalar(node)).replace("_", "")
+    sign = -1 if text.startswith("-") else 1
+    digits = text.lstrip("+-")
+    base = {"0o": 8, "0x": 16, "0b": 2}.get(digits[:2], 10)
+    return sign * int(digits[2:] if base != 10 else digits, base)
+
+
 _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_unique_mapping)
-# A plain (unquoted) number in exponent form without a dot (5e2, 1e300) is a float in YAML 1.2 but a string
-# to PyYAML's YAML 1.1; a quoted "1e300" stays a string, as a quoted "30" does.
-_StrictLoader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9]+[eE][-+]?[0-9]+$"),
-                                    list("-+0123456789"))
+_StrictLoader.add_constructor("tag:yaml.org,2002:int", _construct_int)
+# Plain numbers as YAML 1.2 reads them, where PyYAML reads YAML 1.1: 010 is ten, not eight; 1:30 is text, not YAML
+# 1.1's base 60 (a shutdown_grace_s of 1:30 was 90 s, without a word); an exponent without a dot (5e2, 1e300) is a
+# float, not text. Quoted, each stays text, as a quoted "30" does. (Underscores as separators, 1_000, still read
+# as YAML 1.1 reads them.)
+_NUMBER_FIRST = list("-+.0123456789")
+# A table of its own (the inherited one is every SafeLoader's, yaml.safe_load's included), without YAML 1.1's rules.
+_StrictLoader.yaml_implicit_resolvers = {
+    first: [(tag, pattern) for tag, pattern in resolvers
+            if tag not in ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_StrictLoader.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(
+    r"^[-+]?(?:[0-9][0-9_]*|0o[0-7_]+|0x[0-9a-fA-F_]+|0b[01_]+)$"), list("-+0123456789"))
+_StrictLoader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(
+    r"""^(?:[-+]?[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+        |[-+]?\.[0-9][0-9_]*(?:[eE][-+]?[0-9]+)?
+        |[-+]?[0-9]+[eE][-+]?[0-9]+
+        |[-+]?\.(?:inf|Inf|INF)
+        |\.(?:nan|NaN|NAN))$""", re.X), _NUMBER_FIRST)
 
 
 def load_yaml(text: str, path: Path) -> Any:

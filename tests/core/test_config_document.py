@@ -1,0 +1,45 @@
+"""nereid.config_document: nereid.yaml's YAML reading (plain numbers as YAML 1.2 reads them)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from nereid.config_document import load_yaml
+from nereid.errors import ConfigError
+from nereid.settings import load_settings
+
+
+@pytest.mark.parametrize("text, value", [
+    ("010", 10), ("08", 8), ("0o10", 8), ("0x1F", 31), ("-0x10", -16), ("0b101", 5), ("1_000", 1000), ("+4", 4),
+    ("5e2", 500.0), ("1.0e+300", 1e300), ("2.5e-3", 0.0025), (".5", 0.5), ("1.", 1.0), ("-.inf", -math.inf),
+    ("1:30", "1:30"), ("1:00:00", "1:00:00"), ("'010'", "010"), ("1e5x", "1e5x"),
+])
+def test_plain_numbers_read_as_yaml_1_2_reads_them(text: str, value: object) -> None:
+    """Defect (found by a bug hunt): PyYAML reads YAML 1.1, where 010 is eight and 1:30 is ninety (base 60):
+    `instances: 010` gave 8 instances and `shutdown_grace_s: 1:30` a 90 s grace, without a word."""
+    read = load_yaml(f"a: {text}\n", Path("x.yaml"))["a"]
+    assert read == value and type(read) is type(value)
+
+
+def test_nan_still_reads_as_a_float_for_the_settings_to_refuse() -> None:
+    assert math.isnan(load_yaml("a: .nan\n", Path("x.yaml"))["a"])
+
+
+def test_a_base_60_value_is_refused_as_a_number_would_be_and_a_leading_zero_is_decimal(tmp_path: Path) -> None:
+    (tmp_path / "ml-backends" / "a").mkdir(parents=True)
+    config = tmp_path / "nereid.yaml"
+    config.write_text("server:\n  shutdown_grace_s: 1:30\n")
+    with pytest.raises(ConfigError, match=r"server.shutdown_grace_s: must be a number, got '1:30'"):
+        load_settings(config)
+    config.write_text("models:\n  - name: a\n    instances: 010\n")
+    assert load_settings(config).models[0].instances == 10
+
+
+def test_yaml_safe_load_elsewhere_keeps_its_own_rules() -> None:
+    import yaml
+
+    load_yaml("a: 1\n", Path("x.yaml"))
+    assert yaml.safe_load("a: 010\nb: 7\n") == {"a": 8, "b": 7}  # YAML 1.1, as PyYAML reads it
