@@ -27,6 +27,12 @@ def changed_backends(old: Settings, new: Settings) -> set[str]:
             if old.backend_defaults.get(name) != new.backend_defaults.get(name)}
 
 
+def served(settings: Settings, name: str) -> bool:
+    """Whether ``settings`` serve the model ``name`` (its folder there): it is listed, or nothing is (no ``models:``
+    key: every folder is served)."""
+    return not settings.models_listed or settings.model(name) is not None
+
+
 def settings_step(name: str, old: Settings, new: Settings, before: ModelSettings, loaded_backend: str | None,
                   asked_for: bool, backends_changed: set[str]) -> SettingsStep | None:
     """What the edit from ``old`` to ``new`` asks of the model ``name``, whose settings were ``before``.
@@ -38,13 +44,17 @@ def settings_step(name: str, old: Settings, new: Settings, before: ModelSettings
     """
     was_listed, listed = old.model(name) is not None, new.model(name) is not None
     changed = new.model_or_default(name)[0] != before
-    if new.models_listed and was_listed and not listed:
-        return SettingsStep("unload", " is no longer listed in nereid.yaml; unloading it")
+    if served(old, name) and not served(new, name):
+        return SettingsStep("unload", " is no longer listed in nereid.yaml; unloading it" if was_listed else
+                            ": nereid.yaml now lists the models to serve (models:), and not this one; unloading it")
     if loaded_backend is None:
         # A model that is not loaded loads when its entry is new or changed: a fix to the entry of one that
         # failed (an unknown backend, a bad runtime option) must not wait for a restart.
         if listed and not was_listed:
             return SettingsStep("load", " is now listed in nereid.yaml; loading it")
+        if served(new, name) and not served(old, name):
+            return SettingsStep("load", ": nereid.yaml no longer lists the models to serve (no models:), so every "
+                                        "folder is served; loading it")
         if listed and changed:
             return SettingsStep("load", ": its settings in nereid.yaml changed; loading it")
         if backends_changed and asked_for:

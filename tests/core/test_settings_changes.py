@@ -48,3 +48,17 @@ def test_changed_backend_defaults_reload_that_backends_models_and_retry_failed_o
     assert step("a", before, after, loaded_backend="cpp") is None
     assert step("a", before, after) == ("load", ": nereid.yaml's backends: defaults changed; loading it again")
     assert step("a", before, after, asked_for=False) is None  # unloaded on purpose, or its folder not there
+
+
+def test_adding_or_removing_the_models_key_serves_what_a_restart_would(tmp_path: Path) -> None:
+    """Defect (found by a bug hunt): a `models:` key added while serving left unlisted folders serving, and one
+    removed left them unloaded ("not listed"), though with no key every folder is served."""
+    every_folder = settings(tmp_path, "server: {}\n")
+    only_a = settings(tmp_path, "models:\n  - name: a\n")
+    assert step("b", every_folder, only_a, loaded_backend="python") == (
+        "unload", ": nereid.yaml now lists the models to serve (models:), and not this one; unloading it")
+    assert step("b", only_a, every_folder) == (
+        "load", ": nereid.yaml no longer lists the models to serve (no models:), so every folder is served; "
+                "loading it")
+    assert step("a", every_folder, only_a, loaded_backend="python") is None  # served either way, its settings as they were
+    assert step("a", only_a, every_folder, loaded_backend="python") is None

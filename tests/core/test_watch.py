@@ -246,6 +246,23 @@ def test_nereid_yaml_edits(repo, serve, caplog):
     assert "dynamic repository: nereid.yaml changed; applying it (it is valid again)" in caplog.messages
 
 
+def test_removing_and_adding_the_models_key_serves_what_a_restart_would(repo, serve):
+    """Defect (found by a bug hunt): with the models: key removed, a folder it had not listed stayed "not listed"
+    (without the key every folder is served); with it added again, that folder kept serving."""
+    for name in ("a", "b"):
+        write_model(repo.models_dir / name, name)
+    config = repo.write_config("- name: a\n", server_extra=SETTLE)
+    server = serve(config)
+    assert index(server)["b"][0] == "UNAVAILABLE"
+    listed = config.read_text()
+    config.write_text(listed.split("models:")[0])
+    wait_for(lambda: index(server)["b"][0] == "READY")
+    assert ask(server.client, "b")["version"] == "b"
+    config.write_text(listed)
+    wait_for(lambda: index(server)["b"][0] == "UNAVAILABLE")
+    assert index(server)["a"][0] == "READY" and generation(server, "a") == 1
+
+
 @pytest.mark.parametrize("edit", ["unlisted", "no models key"])
 def test_a_model_listed_before_its_folder_is_forgotten_once_unlisted(repo, serve, edit):
     write_model(repo.models_dir / "real", "real")
