@@ -642,11 +642,16 @@ class ModelRepository:
         """Follow an edited nereid.yaml: reload changed entries, load added ones, unload removed ones."""
         await self.start_settings(settings)
 
+    def check_settings(self, settings: Settings) -> None:
+        """ConfigError when ``settings`` ask what only the plugins can refuse (defaults for a backend that is not
+        installed); :meth:`start_settings` applies nothing of such settings."""
+        check_backend_defaults(self.manager, settings.backend_defaults, settings.source)
+
     def start_settings(self, settings: Settings) -> Awaitable[None]:
         """:meth:`apply_settings`, started: the settings are in force on return, and their loads, reloads and
         unloads run in tasks of their own; what is returned ends once they have ended."""
         try:
-            check_backend_defaults(self.manager, settings.backend_defaults, settings.source)
+            self.check_settings(settings)
         except ConfigError as err:
             log.error("%s; keeping the running configuration", err)
             return asyncio.sleep(0)  # (nothing applied, nothing to wait for)

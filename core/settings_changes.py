@@ -23,8 +23,9 @@ class SettingsStep:
 
 def changed_backends(old: Settings, new: Settings) -> set[str]:
     """The backends whose ``backends:`` defaults differ between ``old`` and ``new``."""
+    # (An empty section, `python: {}`, is the same as none: it changes no model's options.)
     return {name for name in set(old.backend_defaults) | set(new.backend_defaults)
-            if old.backend_defaults.get(name) != new.backend_defaults.get(name)}
+            if (old.backend_defaults.get(name) or {}) != (new.backend_defaults.get(name) or {})}
 
 
 def served(settings: Settings, name: str) -> bool:

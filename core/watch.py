@@ -543,6 +543,7 @@ class RepositoryWatcher:
         self._config_text = text
         try:  # (load_settings explains bytes that are not UTF-8, as `nereid check` does)
             new = await asyncio.to_thread(load_settings, self.config_path)
+            self.repository.check_settings(new)  # (refused before it is said to apply)
         except ConfigError as err:
             log.error("dynamic repository: %s; keeping the running configuration", err)
             self._config_refused = True

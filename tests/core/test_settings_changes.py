@@ -62,3 +62,11 @@ def test_adding_or_removing_the_models_key_serves_what_a_restart_would(tmp_path:
                 "loading it")
     assert step("a", every_folder, only_a, loaded_backend="python") is None  # served either way, its settings as they were
     assert step("a", only_a, every_folder, loaded_backend="python") is None
+
+
+def test_an_empty_backends_section_changes_no_backend(tmp_path: Path) -> None:
+    """Defect (found by a bug hunt): adding `backends: {python: {}}` reloaded every python model."""
+    before = settings(tmp_path, "models:\n  - name: a\n")
+    after = settings(tmp_path, "backends:\n  python: {}\nmodels:\n  - name: a\n")
+    assert changed_backends(before, after) == changed_backends(after, before) == set()
+    assert step("a", before, after, loaded_backend="python") is None

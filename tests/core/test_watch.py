@@ -238,6 +238,11 @@ def test_nereid_yaml_edits(repo, serve, caplog):
     config.write_text("models: [\n")
     wait_for(lambda: any("keeping the running configuration" in r.message for r in caplog.records))
     assert ask(server.client, "c")["version"] == "c"
+    # so is one that gives defaults to a backend not installed, and it is not said to apply first (it was)
+    caplog.clear()
+    config.write_text(edited + "backends:\n  pyhton: {}\n")
+    wait_for(lambda: _messages(caplog, "backends.pyhton: no such backend is installed"))
+    assert not _messages(caplog, "applying it")
     # server keys are logged as needing a restart, and otherwise ignored
     config.write_text(text.replace('bind_addr: "127.0.0.1:0"', 'bind_addr: "127.0.0.1:1"'))
     wait_for(lambda: any("server.bind_addr: needs a restart" in r.message for r in caplog.records))
