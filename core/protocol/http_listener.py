@@ -392,9 +392,10 @@ class _BoundedHeadProtocol(HttpToolsProtocol):
         idle_s, head_s = self.request_idle_timeout_s, self.request_head_timeout_s
         now = self.loop.time()
         cycle = self.cycle
-        if self.flow.read_paused:
+        if self.flow.read_paused or self._unread:
             # The server does not read (a pipelined request behind the answer being made, a body past uvicorn's
-            # high-water mark): the client's silence is the server's, and its close is looked for instead.
+            # high-water mark; nothing more at all, the answers due written before the close): the client's
+            # silence is the server's, and its close is looked for instead.
             if self._peer_closed():
                 # Nothing to flush to a client that left; and over TLS a close() would wait for a flush that
                 # never starts (its EOF was read below the paused reading), leaving the connection open for good.
@@ -456,11 +457,31 @@ class _BoundedHeadProtocol(HttpToolsProtocol):
                                f"the request line and headers did not all arrive within {limit_s:g} s")
 
     def _answer_and_close(self, status: bytes, message: str) -> None:
-        """Answer ``status`` with the JSON error ``message`` and close; only close when an earlier pipelined
-        request's answer is still due (this one would be read as that one's)."""
-        if self.cycle is None or self.cycle.response_complete:
-            self.transport.write(_refusal(status, message))
+        """Answer ``status`` with the JSON error ``message`` and close; when an earlier pipelined request's answer
+        is still due (this one would be read as that one's), close once the earlier answers are out instead."""
+        if self._close_after_earlier_answers():
+            return
+        self.transport.write(_refusal(status, message))
         self.transport.close()
+
+    def _close_after_earlier_answers(self, dropped: Any = None) -> bool:
+        """When requests read before this point are still to be answered: read no more, and close the connection
+        once the last of them is answered (True). ``dropped``: a request queued behind them whose body cannot be
+        read, which never runs. False, changing nothing, when no answer is due.
+
+        Closing at once cancelled them: a valid request followed in the same write by one the parser cannot read
+        (a POST whose Content-Length counted characters, not bytes) was never answered.
+        """
+        if dropped is not None:
+            for queued in [item for item in self.pipeline if item[0] is dropped]:
+                self.pipeline.remove(queued)
+        due = [cycle for cycle in self._unanswered if cycle is not dropped and not cycle.response_complete]
+        if not due:
+            return False
+        self._unanswered = due
+        self._unread = True
+        due[-1].keep_alive = False  # uvicorn closes the connection once this answer is out (marked Connection: close)
+        return True
 
     def _unsupported_upgrade_warning(self) -> None:
         # llhttp stops at the head of a request asking to switch protocols, and takes what follows for the new
@@ -513,9 +534,9 @@ class _BoundedHeadProtocol(HttpToolsProtocol):
             problem = _host_problem([value.strip(b" \t") for name, value in self.headers if name == b"host"])
             if problem is not None:  # (raised before this head counts as ended: answered 400, and closed)
                 raise ValueError(problem)
+        super().on_headers_complete()  # (uvicorn refuses a URL it cannot read here: still in the head)
         self._head_left = self._head_since = None
         self._head_begun = False
-        super().on_headers_complete()
         if self.cycle is not None:
             self.cycle.default_headers = _HeadersAtAnswer()
         if self.flow.read_paused:  # a pipelined request, behind one still being answered: reading stops here
@@ -569,8 +590,9 @@ class _BoundedHeadProtocol(HttpToolsProtocol):
         uvicorn calls this from data_received's ``except HttpParserError`` (after
         its WARNING, which :class:`_UvicornRecords` drops: this logs the refusal with
         its client and reason instead), with only its fixed text: the parser's error
-        is the one being handled. Only close when an earlier request is still
-        being answered: the 400 would be read as its answer. The parser stopped
+        is the one being handled. When an earlier request is still to be
+        answered, the 400 would be read as its answer: the earlier ones are
+        answered, then the connection is closed. The parser stopped
         in the body of a request answered already (a 404 sent before its body
         was read): that answer was its one, and the connection is only closed,
         once that answer is out. A request whose own body it stopped in, and
@@ -594,12 +616,26 @@ class _BoundedHeadProtocol(HttpToolsProtocol):
             if cycle.response_complete:
                 self.transport.close()
             return
-        # The parser stopped in a head after every earlier answer, or in this request's own (chunked) body before
-        # its answer began (asyncio drops what its handler writes once the connection is closing).
-        earlier_unanswered = any(other is not cycle and not other.response_complete for other in self._unanswered)
-        answer = "closed unanswered (an earlier request's answer is due first)"
-        if cycle is None or cycle.response_complete or (cycle.more_body and not cycle.response_started
-                                                        and not earlier_unanswered):
+        if self._close_after_earlier_answers(dropped=cycle if in_body else None):
+            # The 400 would be read as an earlier request's answer: those are answered, then the connection closes.
+            answer = "left unanswered (the connection closes once the requests before it are answered)"
+        else:
+            # The parser stopped in a head after every earlier answer, or in this request's own (chunked) body
+            # before its answer began (asyncio drops what its handler writes once the connection is closing).
+            answer = self._refuse_unparsable(cycle, in_body, reason, no_memory)
+            self.transport.close()
+        self._refused(REFUSED_OUT_OF_MEMORY if no_memory else REFUSED_UNPARSABLE)
+        what = "body" if in_body else "request"
+        request = f"{cycle.scope['method']} {cap_message(cycle.scope['path'], 256)}" if in_body else "request"
+        _client_log.log(logging.INFO, "HTTP %s from %s %s: %s", request, peer(self.client), answer,
+                        f"the server ran out of memory reading its {what}" if no_memory
+                        else f"its {what} cannot be parsed as HTTP/1.1 ({reason})")
+
+    def _refuse_unparsable(self, cycle: Any, in_body: bool, reason: str, no_memory: bool) -> str:
+        """Write the 400 (503 when out of memory) for what the parser cannot read; how it was answered, for the
+        log. A request whose own body it is, is marked so for its handler."""
+        answer = "closed unanswered"
+        if cycle is None or cycle.response_complete or (cycle.more_body and not cycle.response_started):
             if no_memory:
                 self.transport.write(_refusal(b"503 Service Unavailable", "the server ran out of memory reading the "
                                               "request; try again later, and send large tensors as binary data"))
@@ -615,10 +651,4 @@ class _BoundedHeadProtocol(HttpToolsProtocol):
                     cycle.nereid_unparsable = (f"the request body cannot be parsed as HTTP/1.1 ({reason}); answered "
                                                "400 and its connection closed")
                 answer = "refused with 400"
-        self.transport.close()
-        self._refused(REFUSED_OUT_OF_MEMORY if no_memory else REFUSED_UNPARSABLE)
-        what = "body" if in_body else "request"
-        request = f"{cycle.scope['method']} {cap_message(cycle.scope['path'], 256)}" if in_body else "request"
-        _client_log.log(logging.INFO, "HTTP %s from %s %s: %s", request, peer(self.client), answer,
-                        f"the server ran out of memory reading its {what}" if no_memory
-                        else f"its {what} cannot be parsed as HTTP/1.1 ({reason})")
+        return answer
