@@ -58,6 +58,11 @@ KEEP_ALIVE_TIMEOUT_S = 120.0
 # While a connection is not read (uvicorn stops reading one whose next, pipelined request waits for the answer
 # being made), its client's close is looked for this often: unread, it would never cancel the queued request.
 PAUSED_PEER_CHECK_S = 0.25
+# How long a connection the server stopped reading (a body it will not read, the rest of a head too large) stays
+# open after its last answer, its arrivals discarded, until the client closes. Closed with bytes unread, the
+# connection is reset, and a reset makes the client's system drop the answer it had not read yet: curl --http2
+# sending 100 KB saw "connection reset" instead of the 400 saying what to do. As nginx's lingering close.
+LINGER_S = 5.0
 # What poll() reports for a peer that closed its side (POLLRDHUP: Linux, even with unread data before it).
 _PEER_CLOSED = getattr(select, "POLLRDHUP", 0) | select.POLLHUP | select.POLLERR
 # nereid_protocol_refused_total's reasons (protocol="http"): what the listener refuses or closes before the
@@ -295,6 +300,41 @@ class _HeadersAtAnswer(list):
         return [(b"date", http_date()), *headers]
 
 
+class _LingeringClose:
+    """A connection's transport whose ``close()`` ends the server's side only (after the answers written), goes on
+    reading (the protocol discards what arrives) until the client closes, and closes for good after
+    :data:`LINGER_S` at most. Everything else is the transport's own. Over TLS (no half-close), ``close()`` closes."""
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._lingering = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+    def is_closing(self) -> bool:
+        return self._lingering or self._transport.is_closing()
+
+    def close(self) -> None:
+        transport = self._transport
+        if self._lingering or transport.is_closing() or not transport.can_write_eof():
+            transport.close()
+            return
+        self._lingering = True
+        # At the loop's next turn, as a transport's own close takes effect: what the caller does next (counting,
+        # logging the refusal) is done before the client can see the end.
+        self._loop.call_soon(self._half_close)
+
+    def _half_close(self) -> None:
+        transport = self._transport
+        if transport.is_closing():
+            return
+        transport.write_eof()  # (sent once what is buffered is out)
+        transport.resume_reading()  # (reading may be paused: a pipelined request waited; nothing is queued now)
+        self._loop.call_later(LINGER_S, transport.close)
+
+
 class _BoundedHeadProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol, bounding connections, request heads, and cancelling requests whose client left.
 
@@ -461,8 +501,19 @@ class _BoundedHeadProtocol(HttpToolsProtocol):
         is still due (this one would be read as that one's), close once the earlier answers are out instead."""
         if self._close_after_earlier_answers():
             return
+        self._read_no_more()
         self.transport.write(_refusal(status, message))
         self.transport.close()
+
+    def _read_no_more(self) -> None:
+        """Nothing more of this connection is read; its close lets the client finish sending first (see
+        :class:`_LingeringClose`), whether the server or uvicorn, after an answer, closes it."""
+        self._unread = True
+        if not isinstance(self.transport, _LingeringClose):
+            self.transport = _LingeringClose(self.transport, self.loop)
+        for cycle in (*self._unanswered, self.cycle):
+            if cycle is not None:
+                cycle.transport = self.transport
 
     def _close_after_earlier_answers(self, dropped: Any = None) -> bool:
         """When requests read before this point are still to be answered: read no more, and close the connection
@@ -479,7 +530,7 @@ class _BoundedHeadProtocol(HttpToolsProtocol):
         if not due:
             return False
         self._unanswered = due
-        self._unread = True
+        self._read_no_more()
         due[-1].keep_alive = False  # uvicorn closes the connection once this answer is out (marked Connection: close)
         return True
 
@@ -488,7 +539,7 @@ class _BoundedHeadProtocol(HttpToolsProtocol):
         # protocol: read on, its body (or the next request) would be taken for a request of its own, which a
         # proxy forwarding Upgrade turns into answers for the wrong clients. The request is answered (the app
         # refuses one with a body, unread), then the connection is closed without reading any more.
-        self._unread = True
+        self._read_no_more()
         if self.cycle is not None:
             self.cycle.keep_alive = False
         _client_log.log(logging.INFO, "HTTP request from %s asks to switch protocols, which this server does not "
@@ -611,20 +662,21 @@ class _BoundedHeadProtocol(HttpToolsProtocol):
         # Between a head's end and its message's end (_head_left is None only then): in cycle's body.
         in_body = cycle is not None and self._head_left is None
         if in_body and cycle.response_started:
-            self._unread = True  # the parser cannot go on: nothing more is read
+            self._read_no_more()  # the parser cannot go on
             cycle.keep_alive = False  # uvicorn closes the connection after the answer it is still sending
             if cycle.response_complete:
                 self.transport.close()
             return
+        self._refused(REFUSED_OUT_OF_MEMORY if no_memory else REFUSED_UNPARSABLE)  # (counted before it is answered)
         if self._close_after_earlier_answers(dropped=cycle if in_body else None):
             # The 400 would be read as an earlier request's answer: those are answered, then the connection closes.
             answer = "left unanswered (the connection closes once the requests before it are answered)"
         else:
             # The parser stopped in a head after every earlier answer, or in this request's own (chunked) body
-            # before its answer began (asyncio drops what its handler writes once the connection is closing).
+            # before its answer began.
+            self._read_no_more()
             answer = self._refuse_unparsable(cycle, in_body, reason, no_memory)
             self.transport.close()
-        self._refused(REFUSED_OUT_OF_MEMORY if no_memory else REFUSED_UNPARSABLE)
         what = "body" if in_body else "request"
         request = f"{cycle.scope['method']} {cap_message(cycle.scope['path'], 256)}" if in_body else "request"
         _client_log.log(logging.INFO, "HTTP %s from %s %s: %s", request, peer(self.client), answer,
@@ -651,4 +703,10 @@ class _BoundedHeadProtocol(HttpToolsProtocol):
                     cycle.nereid_unparsable = (f"the request body cannot be parsed as HTTP/1.1 ({reason}); answered "
                                                "400 and its connection closed")
                 answer = "refused with 400"
+        if in_body and not cycle.response_complete:
+            # This was its answer: its handler, waiting for the body, hears now that none comes (as at a lost
+            # connection, which this one, closing after the client has finished sending, is not yet), and what
+            # it writes from now on is dropped.
+            cycle.disconnected = True
+            cycle.message_event.set()
         return answer

@@ -647,6 +647,27 @@ def test_a_request_asking_to_switch_protocols_is_answered_once_and_its_body_neve
     assert answer.startswith(b"HTTP/1.1 200 ") and len(re.findall(rb"HTTP/1\.1 \d{3} ", answer)) == 1
 
 
+def test_a_large_body_asking_to_switch_protocols_gets_its_400_not_a_reset(served):
+    """Found by a bug hunt: `curl --http2` over http:// with a body of 100 KB or more saw "connection reset"
+    instead of the 400 saying what to do: the connection was closed with the body unread, which resets it, and
+    a reset makes the client's system drop the answer it had not read yet. The server now ends its side, reads
+    (and drops) what the client still sends, and closes once it has."""
+    _, base = served
+    body = b"[" + b"1," * 400_000 + b"1]"
+    head = (b"POST /v2/models/echo/infer HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, HTTP2-Settings\r\n"
+            b"Upgrade: h2c\r\nHTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body))
+    host, port = base.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as conn:
+        conn.sendall(head)
+        time.sleep(0.3)  # the answer is written before the body has all arrived, as curl's would be
+        conn.sendall(body)
+        received = b""
+        while chunk := conn.recv(65536):
+            received += chunk
+    assert received.startswith(b"HTTP/1.1 400 ") and b"send it as plain HTTP/1.1" in received
+
+
 def test_connections_silent_in_the_middle_of_a_request_are_closed(served, monkeypatch):
     """A connection that never finished its request (a partial head, a partial body, nothing at all) stayed
     open for ever: enough of them took every file descriptor."""
