@@ -267,7 +267,8 @@ def _output_choice(model: str, outputs: Any, parameters: dict) -> OutputChoice:
         elif choice is False:
             json_outputs.add(output["name"])
         if CLASSIFICATION_PARAMETER in options:
-            count = class_count(f"model '{model}': output '{output['name'][:256]}'", options[CLASSIFICATION_PARAMETER])
+            count = class_count(f"model '{model}': output '{output['name'][:256]}'", options[CLASSIFICATION_PARAMETER],
+                                quoted)
             if count:
                 classifications[output["name"]] = count
     by_default = _flag(model, parameters, "binary_data_output", "") is True

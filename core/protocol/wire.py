@@ -8,6 +8,7 @@ here once.
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import numpy as np
 
@@ -90,13 +91,19 @@ def timeout_deadline_ns(now_ns: int, budgets_ns: list[int]) -> int:
     return now_ns + min(budgets_ns) if budgets_ns else 0
 
 
-def class_count(where: str, value: object) -> int:
-    """A ``classification`` parameter's count of top classes (0: none); InvalidArgument unless a count."""
+def class_count(where: str, value: object, quote: Callable[[object], str] | None = None) -> int:
+    """A ``classification`` parameter's count of top classes (0: none); InvalidArgument unless a count.
+
+    ``quote`` writes the value as the client's protocol spells it (HTTP: as JSON, so that ``"3"`` and ``3``,
+    ``true`` and ``True`` read apart); by default, a bounded part of its Python form, quoted.
+    """
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        # Quoted from a bounded part of it: a JSON value may nest a thousand levels deep.
-        shown = value if isinstance(value, str) else brief_repr(value, 64)
+        if quote is not None:
+            shown = quote(value)
+        else:  # (from a bounded part of it: a value may nest a thousand levels deep)
+            shown = repr((value if isinstance(value, str) else brief_repr(value, 64))[:64])
         raise InvalidArgument(f"{where}: parameter 'classification' must be a non-negative integer count of "
-                              f"classes, got {shown[:64]!r}")
+                              f"classes, got {shown}")
     return value
 
 
