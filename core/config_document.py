@@ -59,7 +59,11 @@ def _construct_int(loader: _StrictLoader, node: yaml.ScalarNode) -> int:
     sign = -1 if text.startswith("-") else 1
     digits = text.lstrip("+-")
     base = {"0o": 8, "0x": 16, "0b": 2}.get(digits[:2], 10)
-    return sign * int(digits[2:] if base != 10 else digits, base)
+    try:
+        return sign * int(digits[2:] if base != 10 else digits, base)
+    except ValueError:  # past Python's limit on digits converted (4,300): no count or size is that long
+        raise yaml.constructor.ConstructorError(None, None, f"an integer of {len(digits)} digits is too long",
+                                                node.start_mark) from None
 
 
 _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_unique_mapping)

@@ -320,7 +320,9 @@ def parse_settings(document: Any, path: Path) -> Settings:
     """Check an already-loaded YAML document as if it came from ``path``."""
     reader = KeyedReader(path)
     top = reader.mapping(document, "", {"server", "models", "backends"})
-    server = _parse_server(reader, top.get("server", {}), path)
+    raw_server = top.get("server", {})
+    # (A section left empty, its keys commented out, is YAML's null: no server keys, as for models: and backends:.)
+    server = _parse_server(reader, {} if raw_server is None else raw_server, path)
     models: list[ModelSettings] = []
     raw_models = top.get("models")
     if "models" in top:
@@ -353,6 +355,8 @@ def _parse_server(reader: KeyedReader, raw: Any, path: Path) -> ServerSettings:
                                              "cache_dir", "http_max_json_bytes", "shutdown_delay_s"})
     bind_addr = _address(reader, section, "server.bind_addr", DEFAULT_BIND_ADDR, off=None)
     backends_text = reader.string(section, "server.ml_backends_path", "ml-backends")
+    if not backends_text.strip():  # ("" would serve nereid.yaml's own folder)
+        reader.fail("server.ml_backends_path", "must name a folder or a bucket, not be empty", backends_text)
     try:
         location = parse_store_url(backends_text)
     except ValueError as err:

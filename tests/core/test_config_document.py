@@ -43,3 +43,22 @@ def test_yaml_safe_load_elsewhere_keeps_its_own_rules() -> None:
 
     load_yaml("a: 1\n", Path("x.yaml"))
     assert yaml.safe_load("a: 010\nb: 7\n") == {"a": 8, "b": 7}  # YAML 1.1, as PyYAML reads it
+
+
+def test_an_integer_too_long_to_read_is_named_with_its_line() -> None:
+    """Found by a bug hunt: 5,000 digits were refused with Python's advice to call sys.set_int_max_str_digits()."""
+    with pytest.raises(ConfigError, match=r"x.yaml: not valid YAML: an integer of 5000 digits is too long\s+in "
+                                          r"\"x.yaml\", line 2"):
+        load_yaml("models:\n  - {name: a, queue_capacity: " + "9" * 5000 + "}\n", Path("x.yaml"))
+
+
+def test_an_empty_server_section_is_no_server_keys_and_an_empty_path_is_refused(tmp_path: Path) -> None:
+    """Found by a bug hunt: `server:` with its keys commented out was refused ("must be a mapping, got None"),
+    where an empty `models:` is taken; and `ml_backends_path: ''` served nereid.yaml's own folder."""
+    (tmp_path / "ml-backends").mkdir()
+    config = tmp_path / "nereid.yaml"
+    config.write_text("server:\n  # bind_addr: '[::1]:50051'\nmodels:\n")
+    assert load_settings(config).server.ml_backends_path == tmp_path / "ml-backends"
+    config.write_text("server:\n  ml_backends_path: ''\n")
+    with pytest.raises(ConfigError, match="server.ml_backends_path: must name a folder or a bucket, not be empty"):
+        load_settings(config)
