@@ -217,7 +217,7 @@ def test_outputs_selection_binary_data_output_and_timeout(served):
     negative = json.dumps({**plain, "outputs": [{"name": "output", "parameters": {"classification": -1}}]}).encode()
     assert error_of(call(base, "POST", "/v2/models/echo/infer", negative)) == (
         400, "model 'echo': output 'output': parameter 'classification' must be a non-negative integer count of "
-             "classes, got '-1'")
+             "classes, got -1")
     unknown = json.dumps({"inputs": [{"name": "input", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}],
                           "outputs": [{"name": "nope"}]}).encode()
     assert error_of(call(base, "POST", "/v2/models/echo/infer", unknown)) == (
