@@ -212,7 +212,23 @@ def _entry_signature(module, where: str, ir) -> ProgramSignature:
     function_type = ir.FunctionType(ir.TypeAttr(entry.attributes["function_type"]).value)
     parameters = tuple(_tensor(t, where, f"parameter {i}", ir) for i, t in enumerate(function_type.inputs))
     results = tuple(_tensor(t, where, f"result {i}", ir) for i, t in enumerate(function_type.results))
+    _refuse_unsizable_tensors(str(module.operation), where)
     return ProgramSignature(parameters, results, _donated(entry, ir))
+
+
+# A tensor type as MLIR prints it, its static dimensions and element type's name: tensor<3x?x4xf32> (a scalar,
+# tensor<f32>, has no dimensions).
+_TENSOR_TYPE = re.compile(r"tensor<((?:(?:\d+|\?)x)+)(\w+)")
+
+
+def _refuse_unsizable_tensors(program_text: str, where: str) -> None:
+    """ConfigError when any tensor of the program, its intermediates included, is too large for XLA to size: its
+    compiler would abort the whole server (a signature's tensors are checked, with their names, first)."""
+    for dimensions, element in set(_TENSOR_TYPE.findall(program_text)):
+        elements = math.prod(int(d) for d in dimensions.split("x") if d and d != "?")
+        if elements * 16 > MAX_TENSOR_BYTES:  # (16: the widest element; a bound, not the exact size)
+            raise ConfigError(f"{where}: the program holds tensor<{dimensions}{element}>: {elements} elements, past "
+                              "what XLA can size (its bytes in a signed 64-bit integer)")
 
 
 def _donated(entry, ir) -> tuple[int, ...]:

@@ -190,6 +190,17 @@ func.func @main(%arg0: tensor<2xf32>, %arg1: tensor<2xf32>) -> tensor<2xf32> {
   return %0 : tensor<2xf32>
 }
 """
+# Inside the program only: neither a parameter nor a result is too large.
+_TOO_LARGE_INSIDE = """
+func.func @main(%arg0: tensor<2xf32>, %arg1: tensor<2xf32>) -> tensor<2xf32> {
+  %0 = stablehlo.constant dense<0.0> : tensor<f32>
+  %1 = stablehlo.broadcast_in_dim %0, dims = [] : (tensor<f32>) -> tensor<3037000500x3037000500xf32>
+  %2 = stablehlo.reduce(%1 init: %0) applies stablehlo.add across dimensions = [0, 1] : (tensor<3037000500x3037000500xf32>, tensor<f32>) -> tensor<f32>
+  %3 = stablehlo.broadcast_in_dim %2, dims = [] : (tensor<f32>) -> tensor<2xf32>
+  %4 = stablehlo.add %arg0, %3 : tensor<2xf32>
+  return %4 : tensor<2xf32>
+}
+"""
 _TOO_LARGE = """
 func.func @main(%arg0: tensor<2xf32>, %arg1: tensor<2xf32>) -> tensor<3037000500x3037000500xf32> {
   %0 = stablehlo.constant dense<0.0> : tensor<f32>
@@ -204,13 +215,14 @@ def test_programs_that_would_fail_after_their_first_run_or_crash_the_server_are_
     donate_argnums) answered once, then failed every request ('Buffer has been deleted or donated'); one calling
     back into Python loaded READY and its first request killed the server (SIGSEGV); a result too large for XLA to
     size aborted the whole server as it compiled (SIGABRT)."""
-    for name, program in (("donated", _DONATED_WEIGHT), ("callback", _PYTHON_CALLBACK), ("too_large", _TOO_LARGE)):
+    for name, program in (("donated", _DONATED_WEIGHT), ("callback", _PYTHON_CALLBACK), ("too_large", _TOO_LARGE),
+                          ("too_large_inside", _TOO_LARGE_INSIDE)):
         folder = repo.models_dir / name
         folder.mkdir()
         (folder / "model.mlir").write_text(program)
         write_safetensors(folder / "weights.safetensors", [("w", np.array([10, 20], np.float32))])
         (folder / "manifest.yaml").write_text(_TWO_FLOATS)
-    server = serve(repo.write_config("- name: donated\n- name: callback\n- name: too_large\n"))
+    server = serve(repo.write_config("- name: donated\n- name: callback\n- name: too_large\n- name: too_large_inside\n"))
     found = reasons(server)
     assert found["donated"][0] == "UNAVAILABLE" and "takes over the buffers of weight(s) 'w' (donated" in \
         found["donated"][1]
@@ -218,4 +230,7 @@ def test_programs_that_would_fail_after_their_first_run_or_crash_the_server_are_
         found["callback"][1]
     assert found["too_large"][0] == "UNAVAILABLE" and "result 0 is tensor<3037000500x3037000500xf32>" in \
         found["too_large"][1] and "past what XLA can size" in found["too_large"][1]
+    # (Found since: a tensor inside the program only aborted the server just the same.)
+    assert found["too_large_inside"][0] == "UNAVAILABLE" and "holds tensor<3037000500x3037000500xf32>" in \
+        found["too_large_inside"][1] and "past what XLA can size" in found["too_large_inside"][1]
     assert server.client.is_server_live()
