@@ -58,14 +58,15 @@ class ServerMetrics:
     """All metrics of one server."""
 
     def __init__(self) -> None:
-        self.registry = CollectorRegistry()
+        # auto_describe: collectors without describe() (this module's, ProcessCollector) are collected once at
+        # registration for their names; without it, a scrape's name[] filter found none of their series.
+        self.registry = CollectorRegistry(auto_describe=True)
         # The server process's own: memory, CPU, open descriptors (against its limit), start time; Python's version.
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
         # Load durations by model, exported by _LoadDurations. Kept here, not in a prometheus_client Histogram:
         # a rename moves them to the new name (model_renamed), which a Histogram's children cannot be.
         self._load_seconds: dict[str, StatsHistogram] = {}
-        self.registry.register(_LoadDurations(self))
         self.repository_events = Counter(
             "nereid_repository_events", "Dynamic repository events by model: reload, reload_failed, rename, remove.",
             ["model", "event"], registry=self.registry)
@@ -83,6 +84,7 @@ class ServerMetrics:
         # series are removed: a series is never made for a name just after its series were dropped.
         self._names_lock = threading.Lock()
         self._repository: ModelRepository | None = None
+        self.registry.register(_LoadDurations(self))  # (collected as it registers: after what it reads is set)
         self.endpoint = MetricsEndpoint(self.registry)  # /metrics over HTTP, once served
 
     def collect_from(self, repository: ModelRepository) -> None:

@@ -22,8 +22,8 @@ from nereid.backend import BackendClaim, RuntimeReport
 from nereid.hookspecs import hookimpl
 
 
-def scrape(port: int) -> dict[tuple[str, tuple], float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+def scrape(port: int, query: str = "") -> dict[tuple[str, tuple], float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics{query}", timeout=10).read().decode()
     samples = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -71,6 +71,12 @@ def test_metrics_describe_requests_batches_and_models(repo, serve) -> None:
     assert samples[("nereid_executions_running", model)] == 0
     assert samples[("process_resident_memory_bytes", ())] > 0 and samples[("process_open_fds", ())] > 0
     assert samples[("nereid_busy_seconds_total", model)] > 0
+    # Found by a bug hunt: prometheus_client's name[] filter (a scrape config's params) found only the Counters.
+    wanted = {"nereid_models", "nereid_request_success_total", "process_open_fds",
+              "nereid_model_load_duration_seconds_count", "nereid_protocol_requests_total"}
+    filtered = scrape(server.server.metrics_port, "?" + "&".join(f"name[]={name}" for name in sorted(wanted)))
+    assert {name for name, _ in filtered} == wanted
+    assert filtered[("nereid_request_success_total", model)] == 3
     call = threading.Thread(target=client.infer, args=("busy", [good]))
     call.start()
     busy = (("model", "busy"),)
