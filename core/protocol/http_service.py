@@ -183,11 +183,16 @@ class HttpSurface:
             # (an infer past the grace answers in _infer) got uvicorn's text/plain 500 and an ERROR traceback
             # each. It gets the answer a request still running then gets, and a line at most per the limit.
             asyncio.current_task().uncancel()
-            client_log.log(logging.INFO, "HTTP %s %s from %s: still being received when shutdown_grace_s passed; "
-                           "answered 503", scope["method"], cap_message(scope["path"], 256), peer(scope.get("client")))
+            # Its body all read, it was running (a repository load, say): it may have taken effect.
+            received = getattr(getattr(receive, "__self__", None), "more_body", True) is False
+            client_log.log(logging.INFO, "HTTP %s %s from %s: still %s when shutdown_grace_s passed; answered 503",
+                           scope["method"], cap_message(scope["path"], 256), peer(scope.get("client")),
+                           "running" if received else "being received")
             status, headers = 503, [*JSON_HEADERS, (b"connection", b"close")]
-            body = error_body("the server is shutting down, and shutdown_grace_s passed before this request was "
-                               "received; send it again to another server")
+            body = error_body("the server is shutting down, and shutdown_grace_s passed while this request ran; "
+                              "it may have taken effect, and its outcome is lost" if received else
+                              "the server is shutting down, and shutdown_grace_s passed before this request was "
+                              "received; send it again to another server")
         if _body_never_asked_for(receive):
             # Answered before its body was asked for (no 100 Continue went out): the client need not send it
             # (RFC 9110 10.1.1), and the parser would take its next request for that body, which then hung.

@@ -349,6 +349,35 @@ def test_a_request_still_sending_its_body_when_the_grace_passes_is_answered_503(
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
 
 
+def test_a_repository_load_still_running_when_the_grace_passes_is_not_said_to_be_unreceived(repo, serve, tmp_path):
+    """Found by a bug hunt: an HTTP repository load running at the grace was answered "shutdown_grace_s passed
+    before this request was received; send it again", though the load had been received and ran on."""
+    import socket
+
+    write_toy(repo.models_dir, "steady")
+    slow = write_toy(repo.models_dir, "slow")
+    release = tmp_path / "release"
+    (slow / "gate.txt").write_text(str(release))  # its load waits for this file
+    server = serve(repo.write_config("- name: steady\n", server_extra="  shutdown_grace_s: 0.5\n"),
+                   manager=make_plugin_manager(load_entry_points=False, extra_plugins=(toy_backends,)))
+    try:
+        with socket.create_connection(("127.0.0.1", server.server.http_port), timeout=PROMPT_S) as connection:
+            connection.sendall(b"POST /v2/repository/models/slow/load HTTP/1.1\r\nHost: x\r\n"
+                               b"Content-Length: 0\r\n\r\n")
+            time.sleep(0.3)  # (the load has begun)
+            stopping = begin_stop(server)
+            answer = b""
+            while chunk := connection.recv(65536):
+                answer += chunk
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 503 "), answer
+        assert body == (b'{"error":"the server is shutting down, and shutdown_grace_s passed while this request ran; '
+                        b'it may have taken effect, and its outcome is lost"}')
+    finally:
+        release.write_text("")
+    stopping.result(PROMPT_S)
+
+
 def test_a_run_whose_client_went_away_is_given_the_rest_of_the_grace_at_a_stop(repo, serve, caplog):
     # The listeners closed at once (no client waited any more), and the stop then ended the run as if the
     # grace had passed: "1 execution(s) still running after the grace; ending them", 0.1 s into a 60 s grace.
