@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import atexit
 import contextlib
+import errno
 import logging
 import os
 import resource
@@ -87,6 +88,8 @@ def main(argv: list[str] | None = None, extra_plugins: tuple[object, ...] = ()) 
     # The addresses this run listens on: the file's keys, and serve's flags in their place.
     listeners = (Listeners(args.bind, http_addr=args.http_bind, metrics_addr=args.metrics_bind) if serving
                  else Listeners())
+    if serving:  # before nereid.yaml is read: what its reading logs (a certificate about to expire) obeys it too
+        _set_log_level(args.log_level)
     try:
         settings = load_settings(args.config)
         if (clash := listeners.clash(settings.server)) is not None:
@@ -96,25 +99,39 @@ def main(argv: list[str] | None = None, extra_plugins: tuple[object, ...] = ()) 
         return 2
     if not serving:
         return _reading_stopped_quietly(lambda: check(settings, manager))
-    logging.getLogger().setLevel(args.log_level)
+    return serve_command(settings, listeners, manager)
+
+
+def _set_log_level(level: str) -> None:
+    """serve's --log-level, and the libraries' levels that go with it."""
+    logging.getLogger().setLevel(level)
     # jax reports at INFO that it found no TPU; that is no news to a CPU or GPU server.
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
-    if args.log_level != "DEBUG":
+    if level != "DEBUG":
         # watchfiles says "N changes detected" at INFO for each batch of file events in dynamic mode; the server
         # logs what it does about them. (At DEBUG, its lines name the paths and stay.)
         logging.getLogger("watchfiles").setLevel(logging.WARNING)
-    return serve_command(settings, listeners, manager)
+
+
+# Why a report cannot be written to standard output (a full disk, a device gone): said in one line, not a traceback.
+_OUTPUT_FAILURES = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EFBIG})
 
 
 def _reading_stopped_quietly(command: Callable[[], int]) -> int:
     """Run a command that prints a report; if its reader stops reading (``nereid check | head``), end quietly
-    with status 1 rather than with a BrokenPipeError traceback."""
+    with status 1 rather than with a BrokenPipeError traceback; if its output cannot be written (``> /dev/full``),
+    say so in one line, with status 1."""
     try:
         return command()
     except BrokenPipeError:
-        # The interpreter flushes stdout once more at exit: pointed at /dev/null, that flush cannot fail too.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 1
+        pass
+    except OSError as err:
+        if err.errno not in _OUTPUT_FAILURES:
+            raise
+        print(f"error: cannot write the output: {err.strerror}", file=sys.stderr)
+    # The interpreter flushes stdout once more at exit: pointed at /dev/null, that flush cannot fail too.
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 1
 
 
 def limit_repeated_library_lines() -> None:

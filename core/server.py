@@ -180,7 +180,7 @@ class NereidServer:
         self._check_grpc_address()  # before anything is opened
         if self.metrics_addr:
             self.metrics_port = self.metrics.serve(self.metrics_addr, origin=self.metrics_origin)
-            log.info("metrics at http://%s/metrics", self.metrics_addr)
+            log.info("metrics at http://%s/metrics (port %d)", self.metrics_addr, self.metrics_port)
         if self.http_addr:
             surface = HttpSurface(self.dataplane, config.max_message_bytes,
                                   functools.partial(self.metrics.count_request, "http"),
@@ -390,7 +390,7 @@ class NereidServer:
         loader = asyncio.create_task(self.load_models())
         await stop_requested.wait()
         await self.leave(came[0])
-        log.info("signal received: draining (%s; grace %.0f s)", came[0].name, self.settings.server.shutdown_grace_s)
+        log.info("signal received: draining (%s; grace %g s)", came[0].name, self.settings.server.shutdown_grace_s)
         # Loads still running are abandoned (their threads are daemons and never delay the exit).
         loader.cancel()
         await self.stop()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -136,7 +137,9 @@ def test_a_shutdown_delay_reports_not_ready_and_serves_on_before_the_drain(repo)
 
     repo.python("echo")
     delay_s = 2.5
-    with nereid_serve(repo.write_config(server_extra=f"  shutdown_delay_s: {delay_s}\n")) as (process, client):
+    config = repo.write_config(server_extra=f"  shutdown_delay_s: {delay_s}\n  shutdown_grace_s: 2.5\n",
+                               metrics_addr="127.0.0.1:0")
+    with nereid_serve(config) as (process, client):
         tensor = triton.InferInput("input", [1, 4], "FP32")
         tensor.set_data_from_numpy(np.ones((1, 4), dtype=np.float32))
         address = process.args[process.args.index("--bind") + 1]  # (the address nereid_serve chose)
@@ -156,7 +159,9 @@ def test_a_shutdown_delay_reports_not_ready_and_serves_on_before_the_drain(repo)
         output = process.stdout.read()
     leaving = output.index("signal received (SIGTERM): not ready from now, serving on for 2.5 s (shutdown_delay_s) "
                            "before the drain")
-    assert leaving < output.index("signal received: draining (SIGTERM; grace") < output.index("nereid stopped")
+    # (Found by a bug hunt: the grace was written "3 s", and the metrics port chosen for :0 was never said.)
+    assert leaving < output.index("signal received: draining (SIGTERM; grace 2.5 s)") < output.index("nereid stopped")
+    assert re.search(r"metrics at http://127\.0\.0\.1:0/metrics \(port [1-9][0-9]*\)", output), output
 
 
 def test_serve_started_with_sighup_ignored_keeps_serving_through_one(repo) -> None:
@@ -932,3 +937,62 @@ def test_check_with_a_tmpdir_that_cannot_be_used_says_so_and_fails(tmp_path, mon
     assert check(load_settings(tmp_path / "nereid.yaml"), make_plugin_manager(load_entry_points=False)) == 1
     assert f"error: TMPDIR={tmp_path / 'missing'}: the server cannot make its scratch folder there: No such file " \
            "or directory" in capsys.readouterr().err
+
+
+def _self_signed(folder: Path, days: int) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 that expires in ``days`` days, and its key."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=days))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                           critical=False)
+            .sign(key, hashes.SHA256()))
+    (folder / "server.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (folder / "server.key").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                          serialization.NoEncryption()))
+    return folder / "server.crt", folder / "server.key"
+
+
+def test_the_log_level_applies_to_what_reading_nereid_yaml_logs(repo) -> None:
+    """Found by a bug hunt: --log-level was set only after nereid.yaml was read, so `--log-level ERROR` still
+    printed the WARNING that the TLS certificate expires soon (and DEBUG lines of that phase were lost)."""
+    repo.python("echo")
+    cert, key = _self_signed(repo.root, days=3)
+    config = repo.write_config(server_extra=f'  tls: {{cert: "{cert}", key: "{key}"}}\n')
+    port = free_port()
+    process = subprocess.Popen([*NEREID, "serve", "--config", str(config), "--bind", f"127.0.0.1:{port}",
+                                "--http-bind", "", "--metrics-bind", "", "--log-level", "ERROR"],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        def listening() -> bool:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+                return True
+            return process.poll() is not None
+        assert wait_until(listening, 60)
+        process.send_signal(signal.SIGTERM)
+        output, _ = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 0 and "expires at" not in output and "WARNING" not in output, output
+
+
+def test_a_report_that_cannot_be_written_ends_in_one_line(tmp_path) -> None:
+    """Found by a bug hunt: `nereid cxx-header > /dev/full` ended in a traceback (OSError: No space left on
+    device), where a closed pipe already ended quietly."""
+    with open("/dev/full", "w") as full:
+        result = subprocess.run([*NEREID, "cxx-header"], stdout=full, stderr=subprocess.PIPE, text=True, timeout=60)
+    assert result.returncode == 1
+    assert result.stderr == "error: cannot write the output: No space left on device\n", result.stderr
