@@ -68,8 +68,8 @@ class ServerMetrics:
         # a rename moves them to the new name (model_renamed), which a Histogram's children cannot be.
         self._load_seconds: dict[str, StatsHistogram] = {}
         self.repository_events = Counter(
-            "nereid_repository_events", "Repository events by model (dynamic mode, and reloads asked for by RepositoryModelLoad): "
-            "reload, reload_failed, rename, remove.",
+            "nereid_repository_events", "Repository events by model (dynamic mode, and reloads asked for by "
+            "RepositoryModelLoad): reload, reload_failed, rename, remove.",
             ["model", "event"], registry=self.registry)
         self.protocol_requests = Counter(
             "nereid_protocol_requests", "Inference requests answered, by model, protocol (grpc, http) and outcome.",

@@ -60,7 +60,8 @@ def test_adding_or_removing_the_models_key_serves_what_a_restart_would(tmp_path:
     assert step("b", only_a, every_folder) == (
         "load", ": nereid.yaml no longer lists the models to serve (no models:), so every folder is served; "
                 "loading it")
-    assert step("a", every_folder, only_a, loaded_backend="python") is None  # served either way, its settings as they were
+    # (served either way, its settings as they were)
+    assert step("a", every_folder, only_a, loaded_backend="python") is None
     assert step("a", only_a, every_folder, loaded_backend="python") is None
 
 
