@@ -129,15 +129,25 @@ def code_files(folder: Path, suffixes: tuple[str, ...]) -> list[Path]:
     """The entries under ``folder`` (subfolders too, but not hidden ones such as ``.cache``) with these suffixes.
 
     An #include may reach into a subfolder (``include/factor.h``), so an edit
-    there must change the key as much as one beside ``main.cpp``. Entries of
-    every kind are listed: an #include reaches a FIFO named ``x.h`` all the
-    same, so it must be found, to be refused by :func:`read_code_file`.
+    there must change the key as much as one beside ``main.cpp``; a subfolder
+    that is a symlink (``inc -> ../shared``) is followed, as the compiler
+    follows it (each real folder once: a link back up ends there). Hidden files
+    count (``#include ".factor.h"``), but not an editor's lock link
+    (``.#main.cpp``, a link to nothing). Entries of every kind are listed: an
+    #include reaches a FIFO named ``x.h`` all the same, so it must be found, to
+    be refused by :func:`read_code_file`.
     """
     found = []
-    for root, folders, files in os.walk(folder):
+    seen: set[str] = set()
+    for root, folders, files in os.walk(folder, followlinks=True):
+        real = os.path.realpath(root)
+        if real in seen:
+            folders[:] = []
+            continue
+        seen.add(real)
         folders[:] = sorted(f for f in folders if not f.startswith("."))
         found.extend(Path(root) / name for name in sorted(files)
-                     if name.endswith(suffixes) and not name.startswith("."))
+                     if name.endswith(suffixes) and not name.startswith(".#"))
     return found
 
 

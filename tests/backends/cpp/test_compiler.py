@@ -59,3 +59,26 @@ def test_what_the_compiler_prints_for_a_build_that_succeeds_is_logged_once_namin
         cpp_compiler.compile_to((str(script),), ["main.cpp"], tmp_path / "out" / "main-abc", tmp_path, "x", "m")
     assert [r.getMessage() for r in caplog.records] == [
         "model 'm': the compiler warned (the build succeeded):\nmain.cpp:1:2: warning: #warning check this"]
+
+
+def test_the_build_key_covers_hidden_headers_and_headers_in_a_linked_folder(tmp_path):
+    """Found by a bug hunt: an edit to `#include ".factor.h"`, or to a header reached through a symlinked
+    subfolder (`inc -> ../shared_inc`), kept serving the old binary, a restart too: neither was in the key."""
+    folder, shared = tmp_path / "m", tmp_path / "shared_inc"
+    folder.mkdir()
+    shared.mkdir()
+    (folder / "main.cpp").write_text('#include ".factor.h"\n#include "inc/scale.h"\nint main() {}\n')
+    (folder / ".factor.h").write_text("#define FACTOR 2.0f\n")
+    (shared / "scale.h").write_text("#define SCALE 1\n")
+    (shared / "back").symlink_to("..")  # a link back up: followed once, not for ever
+    (folder / "inc").symlink_to(shared)
+    (folder / ".#main.cpp").symlink_to("someone@host.1234")  # an editor's lock: left out
+    names = [str(path.relative_to(folder)) for path in cpp_compiler.code_files(folder, cpp_compiler.SOURCE_SUFFIXES)]
+    assert names == [".factor.h", "main.cpp", "inc/scale.h"], names
+    compiler = cpp_compiler.find_compiler()
+    keys = [cpp_compiler.source_hash(folder, compiler, "m")]
+    (folder / ".factor.h").write_text("#define FACTOR 3.0f\n")
+    keys.append(cpp_compiler.source_hash(folder, compiler, "m"))
+    (shared / "scale.h").write_text("#define SCALE 2\n")
+    keys.append(cpp_compiler.source_hash(folder, compiler, "m"))
+    assert len(set(keys)) == 3, keys
