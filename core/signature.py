@@ -107,7 +107,19 @@ def load_textproto_signature(path: Path) -> ModelSignature:
         raise ConfigError(cap_message(f"{path}:{_parse_problem(err, text)}")) from None
     except RecursionError:
         raise ConfigError(f"{path}: nested too deeply to parse") from None
-    return _signature_from_message(message, path)
+    return _signature_from_message(message, path, _shapes_written(text))
+
+
+def _shapes_written(text: str) -> frozenset[str]:
+    """Which of ``input_shape`` / ``output_shape`` the text writes: proto3 reads ``output_shape: []`` (a scalar)
+    as no field at all, and the model then had no output (or its scalar input was refused as unexpected)."""
+    tokenizer = text_format.Tokenizer(text.split("\n"))  # (comments skipped, strings quoted)
+    written = set()
+    while not tokenizer.AtEnd():
+        if tokenizer.token in ("input_shape", "output_shape"):
+            written.add(tokenizer.token)
+        tokenizer.NextToken()
+    return frozenset(written)
 
 
 def _parse_problem(error: text_format.ParseError, text: str) -> str:
@@ -127,8 +139,9 @@ def _parse_problem(error: text_format.ParseError, text: str) -> str:
     return problem
 
 
-def _signature_from_message(msg: model_inference_pb2.ModelInference, path: Path) -> ModelSignature:
-    single = bool(msg.input_shape or msg.output_shape or msg.data_type)
+def _signature_from_message(msg: model_inference_pb2.ModelInference, path: Path,
+                            shapes_written: frozenset[str] = frozenset()) -> ModelSignature:
+    single = bool(msg.input_shape or msg.output_shape or msg.data_type or shapes_written)
     multi = bool(msg.input or msg.output)
     if single and multi:
         raise ConfigError(
@@ -152,12 +165,12 @@ def _signature_from_message(msg: model_inference_pb2.ModelInference, path: Path)
         data_type = msg.data_type or "FP32"
         inputs = (
             (_tensor_spec(SINGLE_INPUT_NAME, data_type, msg.input_shape, "input_shape", path),)
-            if msg.input_shape
+            if msg.input_shape or "input_shape" in shapes_written
             else ()
         )
         outputs = (
             (_tensor_spec(SINGLE_OUTPUT_NAME, data_type, msg.output_shape, "output_shape", path),)
-            if msg.output_shape
+            if msg.output_shape or "output_shape" in shapes_written
             else ()
         )
     return ModelSignature(inputs, outputs, msg.max_batch_size, single_tensor_form=not multi)

@@ -357,3 +357,18 @@ def test_a_short_list_of_wrong_outputs_is_named_as_before() -> None:
     names = [NamedTensor(name, DType.FP32, np.zeros((1, 2), np.float32)) for name in ("a", "b")]
     with pytest.raises(ModelFailure, match=r"^model 'm' returned outputs \['a', 'b'\], expected \['y'\]$"):
         check_outputs("m", FP32_OUT, names, 1)
+
+
+@pytest.mark.parametrize("text, scalar", [("input_shape: [4]\noutput_shape: []\n", "output"),
+                                          ("input_shape: []  # one number\noutput_shape: [1]\n", "input")])
+def test_an_empty_shape_in_the_single_tensor_form_is_a_scalar(tmp_path: Path, text: str, scalar: str) -> None:
+    """Found by a bug hunt: proto3 reads `output_shape: []` as no field at all: the model was refused for
+    declaring no output (and `input_shape: []` left it with no input, a client's scalar refused as unexpected)."""
+    path = tmp_path / "model_inference.textproto"
+    path.write_text(text)
+    signature = load_textproto_signature(path)
+    declared = {"input": signature.inputs, "output": signature.outputs}
+    assert [(spec.name, spec.dims) for spec in declared[scalar]] == [(scalar, ())]
+    assert len(signature.inputs) == len(signature.outputs) == 1
+    path.write_text("# output_shape: []\ninput_shape: [4]\n")  # a comment writes nothing
+    assert load_textproto_signature(path).outputs == ()
