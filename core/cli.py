@@ -126,8 +126,8 @@ def _reading_stopped_quietly(command: Callable[[], int]) -> int:
     except BrokenPipeError:
         pass
     except OSError as err:
-        if err.errno not in _OUTPUT_FAILURES:
-            raise
+        if err.errno not in _OUTPUT_FAILURES or err.filename is not None:
+            raise  # (a file's failure, which names it: a cache file, say, with its traceback)
         print(f"error: cannot write the output: {err.strerror}", file=sys.stderr)
     # The interpreter flushes stdout once more at exit: pointed at /dev/null, that flush cannot fail too.
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -59,11 +59,17 @@ def _construct_int(loader: _StrictLoader, node: yaml.ScalarNode) -> int:
     sign = -1 if text.startswith("-") else 1
     digits = text.lstrip("+-")
     base = {"0o": 8, "0x": 16, "0b": 2}.get(digits[:2], 10)
-    try:
-        return sign * int(digits[2:] if base != 10 else digits, base)
-    except ValueError:  # past Python's limit on digits converted (4,300): no count or size is that long
-        raise yaml.constructor.ConstructorError(None, None, f"an integer of {len(digits)} digits is too long",
-                                                node.start_mark) from None
+    body = digits[2:] if base != 10 else digits
+    if not body:  # (0x_: underscores alone)
+        raise yaml.constructor.ConstructorError(None, None, f"{loader.construct_scalar(node)!r} is not a number",
+                                                node.start_mark)
+    if len(body) > _MOST_DIGITS:  # no count or size is that long, in any base (Python bounds base 10 alone)
+        raise yaml.constructor.ConstructorError(None, None, f"an integer of {len(body)} digits is too long",
+                                                node.start_mark)
+    return sign * int(body, base)
+
+
+_MOST_DIGITS = 4300  # Python's own bound on the decimal digits int() converts
 
 
 _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_unique_mapping)

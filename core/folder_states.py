@@ -103,17 +103,25 @@ def scan_folder(folder: Path) -> FolderState | None:
     for relative, size, *_ in files:
         # (A file name that is not UTF-8 is read with surrogate escapes; its own bytes go into the digest.)
         digest.update(f"{relative}\0{size}\0".encode("utf-8", "surrogateescape"))
-        digest.update(_sampled_bytes(folder / relative, size))
+        path = folder / relative
+        try:
+            regular = stat.S_ISREG(os.stat(path).st_mode)
+        except OSError:
+            regular = False
+        # Never opened unless a regular file: even a non-blocking open of a FIFO wakes a writer waiting for a
+        # reader, whose next write then fails (EPIPE) once the scan closes it again; a device is no model file.
+        digest.update(_sampled_bytes(path, size) if regular else b"\0not a regular file")
     return FolderState(files, digest.hexdigest(), hidden_mtime_ns)
 
 
 def _sampled_bytes(path: Path, size: int) -> bytes:
     """The first and last :data:`SAMPLE_BYTES` of a regular file; a marker for anything else.
 
-    Opened without blocking and read only once known to be a regular file: a
-    FIFO in a model folder (a control pipe, say) would otherwise block the scan
-    until some process wrote to it, and the watcher with it. A link to nothing
-    or an unreadable file is marked, not taken for the folder's end.
+    Opened without blocking and read only once known to be a regular file (the
+    caller checked; this guards against a swap since): a FIFO in a model folder
+    (a control pipe, say) would otherwise block the scan until some process
+    wrote to it, and the watcher with it. An unreadable file is marked, not
+    taken for the folder's end.
     """
     try:
         descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)

@@ -45,7 +45,7 @@ def settings_step(name: str, old: Settings, new: Settings, before: ModelSettings
     """
     was_listed, listed = old.model(name) is not None, new.model(name) is not None
     changed = new.model_or_default(name)[0] != before
-    if served(old, name) and not served(new, name):
+    if served(old, name) and not served(new, name) and (was_listed or loaded_backend is not None):
         return SettingsStep("unload", " is no longer listed in nereid.yaml; unloading it" if was_listed else
                             ": nereid.yaml now lists the models to serve (models:), and not this one; unloading it")
     if loaded_backend is None:

@@ -131,24 +131,34 @@ def code_files(folder: Path, suffixes: tuple[str, ...]) -> list[Path]:
     An #include may reach into a subfolder (``include/factor.h``), so an edit
     there must change the key as much as one beside ``main.cpp``; a subfolder
     that is a symlink (``inc -> ../shared``) is followed, as the compiler
-    follows it (each real folder once: a link back up ends there). Hidden files
-    count (``#include ".factor.h"``), but not an editor's lock link
-    (``.#main.cpp``, a link to nothing). Entries of every kind are listed: an
-    #include reaches a FIFO named ``x.h`` all the same, so it must be found, to
-    be refused by :func:`read_code_file`.
+    follows it, when it leads to a folder beside the model folder's own (within
+    its parent: the repository's shared headers), each real folder once; a link
+    to that parent itself or further out (``data -> /usr``) is not walked. Hidden files count
+    (``#include ".factor.h"``), but not an editor's leftovers: a lock link
+    (``.#main.cpp``), macOS's ``._`` files, a hidden link to nothing. Entries of
+    every other kind are listed: an #include reaches a FIFO named ``x.h`` all the
+    same, so it must be found, to be refused by :func:`read_code_file`.
     """
     found = []
+    bound = os.path.realpath(folder.parent)
     seen: set[str] = set()
     for root, folders, files in os.walk(folder, followlinks=True):
         real = os.path.realpath(root)
-        if real in seen:
+        if real in seen or real == bound or os.path.commonpath([bound, real]) != bound:
             folders[:] = []
             continue
         seen.add(real)
         folders[:] = sorted(f for f in folders if not f.startswith("."))
         found.extend(Path(root) / name for name in sorted(files)
-                     if name.endswith(suffixes) and not name.startswith(".#"))
+                     if name.endswith(suffixes) and not _editor_leftover(root, name))
     return found
+
+
+def _editor_leftover(root: str, name: str) -> bool:
+    """A hidden name no #include means: an editor's lock link, macOS's ``._`` metadata, a hidden link to nothing."""
+    if not name.startswith("."):
+        return False
+    return name.startswith((".#", "._")) or not os.path.exists(os.path.join(root, name))
 
 
 def read_code_file(path: Path, prefix: str, covered: str) -> bytes:

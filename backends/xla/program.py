@@ -212,7 +212,8 @@ def _entry_signature(module, where: str, ir) -> ProgramSignature:
     function_type = ir.FunctionType(ir.TypeAttr(entry.attributes["function_type"]).value)
     parameters = tuple(_tensor(t, where, f"parameter {i}", ir) for i, t in enumerate(function_type.inputs))
     results = tuple(_tensor(t, where, f"result {i}", ir) for i, t in enumerate(function_type.results))
-    _refuse_unsizable_tensors(str(module.operation), where)
+    # (Large constants elided: a program with weights inlined as dense<> would print them whole.)
+    _refuse_unsizable_tensors(module.operation.get_asm(large_elements_limit=16), where)
     return ProgramSignature(parameters, results, _donated(entry, ir))
 
 

@@ -63,6 +63,7 @@ PAUSED_PEER_CHECK_S = 0.25
 # connection is reset, and a reset makes the client's system drop the answer it had not read yet: curl --http2
 # sending 100 KB saw "connection reset" instead of the 400 saying what to do. As nginx's lingering close.
 LINGER_S = 5.0
+LINGER_MOST_S = 60.0  # ... and at most this long while its last answers are still being sent
 # What poll() reports for a peer that closed its side (POLLRDHUP: Linux, even with unread data before it).
 _PEER_CLOSED = getattr(select, "POLLRDHUP", 0) | select.POLLHUP | select.POLLERR
 # nereid_protocol_refused_total's reasons (protocol="http"): what the listener refuses or closes before the
@@ -309,6 +310,8 @@ class _LingeringClose:
         self._transport = transport
         self._loop = loop
         self._lingering = False
+        self._timer: asyncio.TimerHandle | None = None
+        self._until = 0.0  # when the linger ends, whatever is still to be sent (its bound)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._transport, name)
@@ -332,7 +335,23 @@ class _LingeringClose:
             return
         transport.write_eof()  # (sent once what is buffered is out)
         transport.resume_reading()  # (reading may be paused: a pipelined request waited; nothing is queued now)
-        self._loop.call_later(LINGER_S, transport.close)
+        self._until = self._loop.time() + LINGER_MOST_S
+        self._timer = self._loop.call_later(LINGER_S, self._end)
+
+    def _end(self) -> None:
+        """Close, unless the answers are still being sent (a large one to a slow reader): timed from their end, as
+        nginx times its lingering close, within LINGER_MOST_S in all."""
+        transport = self._transport
+        if transport.get_write_buffer_size() and self._loop.time() < self._until:
+            self._timer = self._loop.call_later(LINGER_S, self._end)
+            return
+        transport.close()
+
+    def cancel(self) -> None:
+        """The connection is lost: the timer has nothing left to close (and would hold the transport)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
 
 class _BoundedHeadProtocol(HttpToolsProtocol):
@@ -609,6 +628,8 @@ class _BoundedHeadProtocol(HttpToolsProtocol):
         if self._idle_check is not None:
             self._idle_check.cancel()
             self._idle_check = None
+        if isinstance(self.transport, _LingeringClose):
+            self.transport.cancel()
         super().connection_lost(exc)
         # uvicorn cancels its keep-alive timer only for a connection closed cleanly: one lost (reset, a broken
         # pipe) stayed referenced by the timer, with its transport and, over TLS, every unsent byte of its

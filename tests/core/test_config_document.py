@@ -62,3 +62,12 @@ def test_an_empty_server_section_is_no_server_keys_and_an_empty_path_is_refused(
     config.write_text("server:\n  ml_backends_path: ''\n")
     with pytest.raises(ConfigError, match="server.ml_backends_path: must name a folder or a bucket, not be empty"):
         load_settings(config)
+
+
+@pytest.mark.parametrize("text, problem", [("0x" + "f" * 5000, "an integer of 5000 digits is too long"),
+                                           ("0x_", "'0x_' is not a number")])
+def test_a_hexadecimal_integer_too_long_or_empty_is_refused_too(text: str, problem: str) -> None:
+    """Review: Python bounds only decimal conversions; 5,000 hex digits parsed, then a refusal crashed on its
+    repr (a traceback from nereid check)."""
+    with pytest.raises(ConfigError, match=problem):
+        load_yaml(f"a: {text}\n", Path("x.yaml"))

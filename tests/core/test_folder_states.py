@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 import os
 import shutil
 import time
@@ -91,3 +92,20 @@ def test_a_link_to_nothing_is_a_file_of_the_folder_not_its_end(tmp_path):
 
 def test_only_the_folder_itself_gone_is_a_vanished_folder(tmp_path):
     assert scan_folder(tmp_path / "never_there") is None
+
+
+def test_a_fifo_is_never_opened_so_a_writer_waiting_on_it_is_left_alone(tmp_path):
+    """Review: the non-blocking open woke a writer waiting for a reader, and the scan's close then broke its pipe."""
+    folder = tmp_path / "a"
+    folder.mkdir()
+    fifo = folder / "control.fifo"
+    os.mkfifo(fifo)
+    opened = []
+    writer = threading.Thread(target=lambda: opened.append(open(fifo, "wb")), daemon=True)
+    writer.start()
+    scan_folder(folder)
+    writer.join(0.5)
+    assert opened == []  # still waiting for a reader of its own
+    with open(fifo, "rb"):  # (let it go)
+        writer.join(5)
+    opened[0].close()

@@ -27,7 +27,7 @@ from nereid.backend import BackendClaim, ModelContext
 from nereid.hookspecs import hookimpl
 from nereid.plugins import make_plugin_manager
 from nereid.protocol.grpc_service import STREAM_CLOSED_AT_SHUTDOWN
-from support import RunningServer
+from support import RunningServer, wait_until
 from toy_backends import ToyModel, write_toy
 
 # Far longer than any test here may take: a stop that waits it out is the defect.
@@ -364,7 +364,8 @@ def test_a_repository_load_still_running_when_the_grace_passes_is_not_said_to_be
         with socket.create_connection(("127.0.0.1", server.server.http_port), timeout=PROMPT_S) as connection:
             connection.sendall(b"POST /v2/repository/models/slow/load HTTP/1.1\r\nHost: x\r\n"
                                b"Content-Length: 0\r\n\r\n")
-            time.sleep(0.3)  # (the load has begun)
+            assert wait_until(lambda: (entry := server.server.repository.entry("slow")) is not None
+                              and entry.state.value == "LOADING", PROMPT_S)
             stopping = begin_stop(server)
             answer = b""
             while chunk := connection.recv(65536):

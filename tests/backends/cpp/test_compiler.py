@@ -73,6 +73,10 @@ def test_the_build_key_covers_hidden_headers_and_headers_in_a_linked_folder(tmp_
     (shared / "back").symlink_to("..")  # a link back up: followed once, not for ever
     (folder / "inc").symlink_to(shared)
     (folder / ".#main.cpp").symlink_to("someone@host.1234")  # an editor's lock: left out
+    (folder / "._main.cpp").write_text("AppleDouble")  # macOS's metadata: left out
+    (folder / ".old.h").symlink_to("gone.h")  # a hidden link to nothing: left out
+    (folder / "data").symlink_to("/usr")  # a data link out of the repository: not walked (reviewed)
+    (folder / "up").symlink_to("..")  # the repository itself: not walked
     names = [str(path.relative_to(folder)) for path in cpp_compiler.code_files(folder, cpp_compiler.SOURCE_SUFFIXES)]
     assert names == [".factor.h", "main.cpp", "inc/scale.h"], names
     compiler = cpp_compiler.find_compiler()

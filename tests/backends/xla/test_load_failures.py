@@ -195,7 +195,8 @@ _TOO_LARGE_INSIDE = """
 func.func @main(%arg0: tensor<2xf32>, %arg1: tensor<2xf32>) -> tensor<2xf32> {
   %0 = stablehlo.constant dense<0.0> : tensor<f32>
   %1 = stablehlo.broadcast_in_dim %0, dims = [] : (tensor<f32>) -> tensor<3037000500x3037000500xf32>
-  %2 = stablehlo.reduce(%1 init: %0) applies stablehlo.add across dimensions = [0, 1] : (tensor<3037000500x3037000500xf32>, tensor<f32>) -> tensor<f32>
+  %2 = stablehlo.reduce(%1 init: %0) applies stablehlo.add across dimensions = [0, 1]
+       : (tensor<3037000500x3037000500xf32>, tensor<f32>) -> tensor<f32>
   %3 = stablehlo.broadcast_in_dim %2, dims = [] : (tensor<f32>) -> tensor<2xf32>
   %4 = stablehlo.add %arg0, %3 : tensor<2xf32>
   return %4 : tensor<2xf32>
@@ -222,7 +223,8 @@ def test_programs_that_would_fail_after_their_first_run_or_crash_the_server_are_
         (folder / "model.mlir").write_text(program)
         write_safetensors(folder / "weights.safetensors", [("w", np.array([10, 20], np.float32))])
         (folder / "manifest.yaml").write_text(_TWO_FLOATS)
-    server = serve(repo.write_config("- name: donated\n- name: callback\n- name: too_large\n- name: too_large_inside\n"))
+    server = serve(repo.write_config("- name: donated\n- name: callback\n- name: too_large\n"
+                                     "- name: too_large_inside\n"))
     found = reasons(server)
     assert found["donated"][0] == "UNAVAILABLE" and "takes over the buffers of weight(s) 'w' (donated" in \
         found["donated"][1]
