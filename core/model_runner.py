@@ -89,12 +89,24 @@ def make_runner(backend: Model, signature: ModelSignature, batch_signature: Mode
             if batch_signature.batches and inputs:
                 # A hook may tile, crop or split rows: the program runs its rows, the client gets its own.
                 program_rows = inputs[0].shape[0]
-        outputs = await scheduler.submit(inputs, program_rows, deadline_ns)  # (logs its own faults)
+        try:
+            outputs = await scheduler.submit(inputs, program_rows, deadline_ns)  # (logs its own faults)
+        except InvalidArgument as err:
+            if preprocess is None:
+                raise
+            # What the program refused (a shape no compiled variant takes) is what the hook made of a valid
+            # request: the model's fault, not the client's.
+            raise _logged(scheduler, _hook_result_failure(name, "preprocess", "tensors the program cannot take",
+                                                           err)) from None
         if postprocess is not None:
             REQUEST_STARTED.set(True)  # (the execution has run; submit's return set nothing)
             try:
                 outputs = await _call_hook(hook_threads, name, "postprocess", postprocess, outputs)
-                check_outputs(name, signature, outputs, batch_size)
+                try:
+                    check_outputs(name, signature, outputs, batch_size)
+                except ModelFailure as err:  # (named as the hook's: the program's outputs were checked already)
+                    raise _hook_result_failure(name, "postprocess", "outputs that do not match the model's",
+                                               err) from None
             except ModelFailure as err:
                 raise _logged(scheduler, err)
         return outputs
@@ -106,6 +118,12 @@ def _logged(scheduler: ModelScheduler, failure: ModelFailure) -> ModelFailure:
     """``failure`` of a hook, logged among the model's faults (an execution's are logged by its scheduler)."""
     scheduler.log_fault(failure)
     return failure
+
+
+def _hook_result_failure(model: str, hook: str, what: str, error: Exception) -> ModelFailure:
+    """A hook's result refused downstream (by the program, or the output check), named as the hook's fault."""
+    detail = str(error).removeprefix(f"model '{model}': ").removeprefix(f"model '{model}' ")
+    return ModelFailure(f"model '{model}': the {hook} hook returned {what}: {detail}")
 
 
 def _program_inputs(model: str, batch_signature: ModelSignature, tensors: list[NamedTensor]) -> list[NamedTensor]:
@@ -122,7 +140,7 @@ def _program_inputs(model: str, batch_signature: ModelSignature, tensors: list[N
     except Exception as err:  # a NamedTensor whose data is no array (validation reads its shape)
         detail = describe_exception(err)
     raise ModelFailure(f"model '{model}': the preprocess hook returned tensors the program cannot take: "
-                       f"{detail}") from None
+                       f"{detail}") from None  # (as _hook_result_failure words it)
 
 
 async def _call_hook(threads: HookThreads, model: str, hook: str,

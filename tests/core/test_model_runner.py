@@ -133,6 +133,39 @@ def test_preprocess_tensors_whose_data_disagrees_with_their_tag_are_a_model_faul
     asyncio.run(asyncio.wait_for(scenario(), 30))
 
 
+class Refusing(Hooked):
+    """A program that refuses, as a bundle refuses a shape none of its compiled variants takes."""
+
+    def infer(self, inputs: list[NamedTensor]) -> list[NamedTensor]:
+        from nereid.errors import InvalidArgument
+
+        raise InvalidArgument("model 'm': input 'x' has shape [1, 4, 2]; the bundle is compiled for [-1, 3, 2]")
+
+
+def test_what_the_program_refuses_after_a_preprocess_hook_is_the_hook_s_fault() -> None:
+    """Found by a bug hunt: a hook that padded a valid request to a shape no variant takes made the client's
+    request INVALID_ARGUMENT, quoting a shape the client never sent."""
+    async def scenario() -> None:
+        run, scheduler = await serve(Refusing())
+        with pytest.raises(ModelFailure, match=r"^model 'm': the preprocess hook returned tensors the program "
+                                               r"cannot take: input 'x' has shape \[1, 4, 2\]"):
+            await run(rows(1), 1, 0)
+        await scheduler.drain()
+    asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+def test_postprocess_outputs_that_do_not_match_the_model_name_the_hook() -> None:
+    """Found by a bug hunt: a postprocess result that failed the output check read as the program's fault."""
+    async def scenario() -> None:
+        cut = Hooked(post=lambda outputs: [NamedTensor("y", DType.FP32, outputs[0].data[:0])])
+        run, scheduler = await serve(cut)
+        with pytest.raises(ModelFailure, match=r"^model 'm': the postprocess hook returned outputs that do not "
+                                               r"match the model's: returned output 'y' with shape \[0, 2\]"):
+            await run(rows(1), 1, 0)
+        await scheduler.drain()
+    asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
 def test_a_caller_going_away_during_a_hook_is_still_a_cancellation() -> None:
     async def scenario() -> None:
         started = concurrent.futures.Future()
