@@ -53,23 +53,23 @@ def _construct_unique_mapping(loader: _StrictLoader, node: yaml.MappingNode, dee
     return loader.construct_mapping(node, deep)
 
 
+_MOST_DIGITS = 4300  # Python's own bound on the decimal digits int() converts
+
+
 def _construct_int(loader: _StrictLoader, node: yaml.ScalarNode) -> int:
     """A plain integer as YAML 1.2 reads it: ``010`` is ten, ``0o10`` eight (YAML 1.1 read ``010`` as eight)."""
-    text = str(loader.construct_scalar(node)).replace("_", "")
+    written = str(loader.construct_scalar(node))
+    text = written.replace("_", "")
     sign = -1 if text.startswith("-") else 1
     digits = text.lstrip("+-")
     base = {"0o": 8, "0x": 16, "0b": 2}.get(digits[:2], 10)
     body = digits[2:] if base != 10 else digits
     if not body:  # (0x_: underscores alone)
-        raise yaml.constructor.ConstructorError(None, None, f"{loader.construct_scalar(node)!r} is not a number",
-                                                node.start_mark)
+        raise yaml.constructor.ConstructorError(None, None, f"{written!r} is not a number", node.start_mark)
     if len(body) > _MOST_DIGITS:  # no count or size is that long, in any base (Python bounds base 10 alone)
         raise yaml.constructor.ConstructorError(None, None, f"an integer of {len(body)} digits is too long",
                                                 node.start_mark)
     return sign * int(body, base)
-
-
-_MOST_DIGITS = 4300  # Python's own bound on the decimal digits int() converts
 
 
 _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_unique_mapping)

@@ -96,8 +96,8 @@ def make_runner(backend: Model, signature: ModelSignature, batch_signature: Mode
                 raise
             # What the program refused (a shape no compiled variant takes) is what the hook made of a valid
             # request: the model's fault, not the client's.
-            raise _logged(scheduler, _hook_result_failure(name, "preprocess", "tensors the program cannot take",
-                                                           err)) from None
+            raise _logged(scheduler, _hook_result_failure(name, "preprocess", PROGRAM_CANNOT_TAKE,
+                                                           _without_model(name, str(err)))) from None
         if postprocess is not None:
             REQUEST_STARTED.set(True)  # (the execution has run; submit's return set nothing)
             try:
@@ -106,7 +106,7 @@ def make_runner(backend: Model, signature: ModelSignature, batch_signature: Mode
                     check_outputs(name, signature, outputs, batch_size)
                 except ModelFailure as err:  # (named as the hook's: the program's outputs were checked already)
                     raise _hook_result_failure(name, "postprocess", "outputs that do not match the model's",
-                                               err) from None
+                                               _without_model(name, str(err))) from None
             except ModelFailure as err:
                 raise _logged(scheduler, err)
         return outputs
@@ -120,10 +120,20 @@ def _logged(scheduler: ModelScheduler, failure: ModelFailure) -> ModelFailure:
     return failure
 
 
-def _hook_result_failure(model: str, hook: str, what: str, error: Exception) -> ModelFailure:
-    """A hook's result refused downstream (by the program, or the output check), named as the hook's fault."""
-    detail = str(error).removeprefix(f"model '{model}': ").removeprefix(f"model '{model}' ")
+# What a preprocess result is, when the program cannot run it (refused by the check of the program's inputs, or by
+# the program itself: a shape no compiled variant takes).
+PROGRAM_CANNOT_TAKE = "tensors the program cannot take"
+
+
+def _hook_result_failure(model: str, hook: str, what: str, detail: str) -> ModelFailure:
+    """A hook's result refused downstream (by the program's input check or the program, or the output check),
+    named as the hook's fault: the client's request was valid, so it is not blamed."""
     return ModelFailure(f"model '{model}': the {hook} hook returned {what}: {detail}")
+
+
+def _without_model(model: str, message: str) -> str:
+    """A refusal's message without its leading model name (the hook's failure names the model itself)."""
+    return message.removeprefix(f"model '{model}': ").removeprefix(f"model '{model}' ")
 
 
 def _program_inputs(model: str, batch_signature: ModelSignature, tensors: list[NamedTensor]) -> list[NamedTensor]:
@@ -136,11 +146,10 @@ def _program_inputs(model: str, batch_signature: ModelSignature, tensors: list[N
     try:
         return validate_inputs(model, batch_signature, tensors).tensors
     except InvalidArgument as err:
-        detail = str(err).removeprefix(f"model '{model}': ")
+        detail = _without_model(model, str(err))
     except Exception as err:  # a NamedTensor whose data is no array (validation reads its shape)
         detail = describe_exception(err)
-    raise ModelFailure(f"model '{model}': the preprocess hook returned tensors the program cannot take: "
-                       f"{detail}") from None  # (as _hook_result_failure words it)
+    raise _hook_result_failure(model, "preprocess", PROGRAM_CANNOT_TAKE, detail) from None
 
 
 async def _call_hook(threads: HookThreads, model: str, hook: str,
