@@ -32,10 +32,10 @@ format_version: [*g, *g, *g, *g, *g, *g, *g, *g, *g]
 
 def test_yaml_alias_bomb_in_a_manifest_is_refused_at_once(tmp_path):
     """A 1 KB alias bomb froze the server for 8.6 s; its 312 MB repr became the reason."""
-    started = time.monotonic()
+    started = time.thread_time()  # (CPU time: a loaded machine's waits do not count)
     with pytest.raises(ConfigError) as info:
         parse_manifest_text(ALIAS_BOMB, tmp_path / "manifest.yaml")
-    assert time.monotonic() - started < 1
+    assert time.thread_time() - started < 1
     message = str(info.value)
     assert "manifest.yaml" in message and "anchors (&a) are not allowed" in message
     assert len(message) < 4096
@@ -63,10 +63,10 @@ def test_a_textproto_with_100k_inputs_is_refused_fast_with_the_limit(tmp_path):
     """A 100k-input textproto took 85 s to check (a names.count per name)."""
     path = tmp_path / "model_inference.textproto"
     path.write_text("".join(f'input {{ name: "i{i}" data_type: "FP32" dims: [1] }}\n' for i in range(100_000)))
-    started = time.monotonic()
+    started = time.thread_time()  # (CPU time: a loaded machine's waits do not count)
     with pytest.raises(ConfigError, match=r"model_inference.textproto: is \d+ bytes, more than the 1048576-byte"):
         load_textproto_signature(path)
-    assert time.monotonic() - started < 2
+    assert time.thread_time() - started < 2
 
 
 def test_declared_inputs_and_rank_are_capped(tmp_path):
@@ -84,10 +84,10 @@ def test_duplicate_names_among_many_inputs_are_found_in_linear_time(tmp_path):
     path = tmp_path / "model_inference.textproto"
     names = [f"i{i}" for i in range(MAX_DECLARED_TENSORS - 1)] + ["i7"]
     path.write_text("".join(f'input{{name:"{n}" data_type:"FP32" dims:1}}' for n in names))
-    started = time.monotonic()
+    started = time.thread_time()  # (CPU time: a loaded machine's waits do not count)
     with pytest.raises(ConfigError, match="duplicate input name"):
         load_textproto_signature(path)
-    assert time.monotonic() - started < 2
+    assert time.thread_time() - started < 2
 
 
 def test_a_binary_textproto_names_the_file_and_the_problem(tmp_path):

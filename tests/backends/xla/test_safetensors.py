@@ -179,10 +179,10 @@ def test_a_long_argument_order_is_checked_in_linear_time(tmp_path) -> None:
     header = {name: {"dtype": "U8", "shape": [1], "data_offsets": [i, i + 1]} for i, name in enumerate(names)}
     header["__metadata__"] = {"argument_order": json.dumps(names[::-1] + ["t0"])}
     path = raw_file(tmp_path / "w.safetensors", header, bytes(len(names)))
-    started = time.monotonic()
+    started = time.thread_time()  # (CPU time: a loaded machine's waits do not count)
     with pytest.raises(ConfigError, match=r"names \['t0'\] twice") as info:
         read_header(path)
-    assert time.monotonic() - started < 5
+    assert time.thread_time() - started < 5
     assert len(str(info.value)) <= 4096
 
 
