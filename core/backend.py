@@ -133,6 +133,18 @@ class PadsBatches(Protocol):
 
 
 @runtime_checkable
+class ChecksInputs(Protocol):
+    """A model with a rule on its inputs that its signature cannot state (a bundle compiled for a few sizes of its
+    variable axes)."""
+
+    def input_check(self) -> Callable[[list[NamedTensor]], object] | None:
+        """Asked once, when the model loads: what checks each request's inputs before it is queued, raising
+        InvalidArgument (naming the model, the tensor and what was expected), or None when the signature says
+        it all. It runs on the event loop after validation (for a model with a preprocess hook, on the hook's
+        result), so it must be cheap."""
+
+
+@runtime_checkable
 class Preprocesses(Protocol):
     """A model with a per-request hook before queueing."""
 

@@ -12,7 +12,7 @@ import inspect
 import os
 from typing import Any, Awaitable, Callable, TypeVar
 
-from nereid.backend import Model, Postprocesses, Preprocesses
+from nereid.backend import ChecksInputs, Model, Postprocesses, Preprocesses
 from nereid.daemon_pool import DaemonThreadPool
 from nereid.errors import (InvalidArgument, ModelFailure, NereidError, describe_exception, naming_model,
                            without_stop_iteration)
@@ -73,8 +73,16 @@ def make_runner(backend: Model, signature: ModelSignature, batch_signature: Mode
     """The request path of one loaded model; its hooks run on ``hook_threads``."""
     preprocess = backend.preprocess if isinstance(backend, Preprocesses) else None
     postprocess = backend.postprocess if isinstance(backend, Postprocesses) else None
+    # Refused before queueing: a request no execution could run must not wait for one, nor fail the batch it joins.
+    check_inputs = backend.input_check() if isinstance(backend, ChecksInputs) else None
     if preprocess is None and postprocess is None:
-        return scheduler.submit
+        if check_inputs is None:
+            return scheduler.submit
+
+        async def checked(inputs: list[NamedTensor], batch_size: int, deadline_ns: int) -> list[NamedTensor]:
+            check_inputs(inputs)
+            return await scheduler.submit(inputs, batch_size, deadline_ns)
+        return checked
 
     async def run(inputs: list[NamedTensor], batch_size: int, deadline_ns: int) -> list[NamedTensor]:
         name = scheduler.name  # a renamed model reports its new name
@@ -83,7 +91,7 @@ def make_runner(backend: Model, signature: ModelSignature, batch_signature: Mode
             REQUEST_STARTED.set(True)  # the model's own code runs from here (see its answer past the grace)
             try:
                 inputs = await _call_hook(hook_threads, name, "preprocess", preprocess, inputs)
-                inputs = _program_inputs(name, batch_signature, inputs)
+                inputs = _program_inputs(name, batch_signature, inputs, check_inputs)
             except ModelFailure as err:
                 raise _logged(scheduler, err)
             if batch_signature.batches and inputs:
@@ -136,15 +144,19 @@ def _without_model(model: str, message: str) -> str:
     return message.removeprefix(f"model '{model}': ").removeprefix(f"model '{model}' ")
 
 
-def _program_inputs(model: str, batch_signature: ModelSignature, tensors: list[NamedTensor]) -> list[NamedTensor]:
-    """The preprocess hook's result checked against the program's inputs.
+def _program_inputs(model: str, batch_signature: ModelSignature, tensors: list[NamedTensor],
+                    check_inputs: Callable[[list[NamedTensor]], object] | None) -> list[NamedTensor]:
+    """The preprocess hook's result checked against the program's inputs (and the model's ``check_inputs``).
 
     The client's request was valid (it was checked against the client tensors),
     so a result that does not fit is the model's fault: INTERNAL, naming the
     hook, never INVALID_ARGUMENT about a tensor the client never sent.
     """
     try:
-        return validate_inputs(model, batch_signature, tensors).tensors
+        tensors = validate_inputs(model, batch_signature, tensors).tensors
+        if check_inputs is not None:
+            check_inputs(tensors)
+        return tensors
     except InvalidArgument as err:
         detail = _without_model(model, str(err))
     except Exception as err:  # a NamedTensor whose data is no array (validation reads its shape)

@@ -15,7 +15,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -171,6 +171,13 @@ class XlaModel:
                 array = array[:rows]
             outputs.append(NamedTensor(spec.name, spec.dtype, array))
         return outputs
+
+    def input_check(self) -> Callable[[list[NamedTensor]], object] | None:
+        """What refuses a request before it queues (ChecksInputs): sizes of its variable axes that no
+        ``input_shapes`` variant was compiled for, or, where requests are not padded, a batch size that was
+        not compiled; None when the signature says it all. Checked at execution alone, such a request waited
+        in the queue, and in a batch of its like it was told the batch's shape rather than its own."""
+        return self._select if self._variants or self._mode is BatchMode.EXACT else None
 
     def padded_rows(self, rows: int) -> int:
         """The compiled batch size a batch of ``rows`` runs at (PadsBatches): the scheduler then

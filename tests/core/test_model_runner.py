@@ -328,3 +328,56 @@ def test_a_released_models_idle_hook_threads_end_though_one_of_its_hooks_hangs()
         asyncio.run(asyncio.wait_for(scenario(), 30))
     finally:
         release.set()
+
+
+class Checking:
+    """A model whose input check (ChecksInputs) refuses an input holding a negative number; counts its runs."""
+
+    platform = "test"
+
+    def __init__(self, pre: Hook | None = None) -> None:
+        self.runs = 0
+        if pre is not None:
+            self.preprocess = pre
+
+    def input_check(self) -> Callable[[list[NamedTensor]], None]:
+        def check(inputs: list[NamedTensor]) -> None:
+            from nereid.errors import InvalidArgument
+
+            if (inputs[0].data < 0).any():
+                raise InvalidArgument("model 'm': input 'x' holds a negative number; this model takes none")
+        return check
+
+    def infer(self, inputs: list[NamedTensor]) -> list[NamedTensor]:
+        self.runs += 1
+        return [NamedTensor("y", DType.FP32, inputs[0].data * 2)]
+
+
+def test_a_request_the_model_s_input_check_refuses_never_queues() -> None:
+    """Found by a bug hunt: a bundle request whose shape no compiled variant takes waited in the queue and was
+    refused only at execution (in a batch of its like, quoting the batch's shape, not its own)."""
+    from nereid.errors import InvalidArgument
+
+    async def scenario() -> None:
+        model = Checking()
+        run, scheduler = await serve(model)
+        with pytest.raises(InvalidArgument, match="^model 'm': input 'x' holds a negative number"):
+            await run(rows(-1), 1, 0)
+        assert model.runs == 0 and scheduler._stats.batcher.total_submitted == 0
+        assert (await run(rows(1), 1, 0))[0].data.tolist() == [[2, 2]]
+        await scheduler.drain()
+    asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+def test_the_input_check_of_a_model_with_a_preprocess_hook_judges_the_hook_s_result() -> None:
+    """The check is the program's: after a preprocess hook, what it refuses is the hook's fault (INTERNAL)."""
+    async def scenario() -> None:
+        model = Checking(pre=lambda tensors: [NamedTensor("x", DType.FP32, tensors[0].data - 10)])
+        run, scheduler = await serve(model)
+        with pytest.raises(ModelFailure, match=r"^model 'm': the preprocess hook returned tensors the program "
+                                               r"cannot take: input 'x' holds a negative number"):
+            await run(rows(1), 1, 0)
+        assert model.runs == 0
+        assert (await run(rows(20), 1, 0))[0].data.tolist() == [[20, 20]]
+        await scheduler.drain()
+    asyncio.run(asyncio.wait_for(scenario(), 30))

@@ -143,3 +143,28 @@ def test_a_bundle_exported_for_another_platform_is_named_at_load(tmp_path, caplo
         load(cholesky, tmp_path)
     assert str(caught.value).startswith("model.mlir: XLA could not compile the program for cpu:0 (cpu): ")
     assert str(caught.value).endswith(f"; {elsewhere}")
+
+
+def test_a_request_no_compiled_variant_takes_is_refused_before_it_queues_with_its_own_shape(tmp_path,
+                                                                                           add_bundle) -> None:
+    """Found by a bug hunt: such a request waited in the queue and was refused only at execution, in a batch
+    of its like quoting the batch's padded shape. ``input_check`` (ChecksInputs) refuses it at admission."""
+    import pytest
+
+    from nereid.backend import ChecksInputs
+    from nereid.errors import InvalidArgument
+
+    model = load(add_bundle(tmp_path, "variants"), tmp_path)  # compiled for lengths 4 and 8
+    plain = load(add_bundle(tmp_path, "mlp_bundle"), tmp_path)
+    try:
+        assert isinstance(model, ChecksInputs)
+        check = model.input_check()
+        check([NamedTensor.from_array("x", np.zeros((2, 8), np.float32))])
+        with pytest.raises(InvalidArgument) as caught:
+            check([NamedTensor.from_array("x", np.zeros((2, 5), np.float32))])
+        assert str(caught.value) == ("model 'variants': input 'x' has shape [2, 5]; the bundle is compiled for "
+                                     "[-1, 4], [-1, 8] (input_shapes in manifest.yaml)")
+        assert plain.input_check() is None  # nothing beyond its signature: no per-request call
+    finally:
+        model.unload()
+        plain.unload()
