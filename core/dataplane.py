@@ -23,7 +23,7 @@ from nereid.model_info import (MODEL_VERSION, IndexEntry, ModelConfig, ModelMeta
                                describe_metadata)
 from nereid.repository import ModelRepository
 from nereid.scheduler import REQUEST_STARTED
-from nereid.stats import ModelStats
+from nereid.stats import ModelStats, RequestTiming
 from nereid.settings import Settings
 from nereid.signature import duplicated, validate_inputs
 from nereid.tensors import InferRequest, InferResponse, NamedTensor
@@ -190,7 +190,8 @@ class DataPlane:
             entry = self.repository.entry(name)
             loaded = entry.loaded
             if loaded is None:
-                raise Unavailable(f"model '{name}' is not loaded ({entry.state.value}); no statistics")
+                # INVALID_ARGUMENT as Triton answers it: UNAVAILABLE would tell a poller to retry as it is.
+                raise InvalidArgument(f"model '{name}' is not loaded ({entry.state.value}); no statistics")
             return [(name, loaded.stats.snapshot())]
         return [(entry.name, loaded.stats.snapshot()) for entry in self.repository.entries()
                 if (loaded := entry.loaded) is not None]
@@ -285,11 +286,12 @@ class DataPlane:
         success: a NereidError from ``encode`` (an output its protocol cannot carry) is the request's failure."""
         received_ns = time.monotonic_ns()
         model = self.repository.ready_model(request.model_name)
+        timing = RequestTiming()
         for attempt in (1, 2):
             try:
                 validated = validate_inputs(request.model_name, model.signature, request.inputs)
                 wanted = self._requested_outputs(request, model)
-                outputs = await model.run(validated.tensors, validated.batch_size, request.deadline_ns)
+                outputs = await model.run(validated.tensors, validated.batch_size, request.deadline_ns, timing)
                 break
             except NereidError as err:
                 # A reload may have swapped versions while this request ran a hook: the old version
@@ -323,7 +325,7 @@ class DataPlane:
         except NereidError as err:
             model.stats.record_failure(time.monotonic_ns() - received_ns, err.reason)
             raise
-        model.stats.record_success(time.monotonic_ns() - received_ns, validated.batch_size)
+        model.stats.record_success(time.monotonic_ns() - received_ns, validated.batch_size, timing)
         return encoded
 
     def _serving(self, name: str) -> LoadedModel | None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import os
-from typing import Any, Awaitable, Callable, TypeVar
+from typing import Any, Awaitable, Callable, Protocol, TypeVar
 
 from nereid.backend import ChecksInputs, Model, Postprocesses, Preprocesses
 from nereid.daemon_pool import DaemonThreadPool
@@ -18,11 +18,20 @@ from nereid.errors import (InvalidArgument, ModelFailure, NereidError, describe_
                            without_stop_iteration)
 from nereid.scheduler import REQUEST_STARTED, ModelScheduler
 from nereid.signature import ModelSignature, brief_repr, check_outputs, validate_inputs
+from nereid.stats import RequestTiming
 from nereid.tensors import NamedTensor
 
-# run(inputs validated against the client-facing signature, their batch size, absolute deadline_ns) -> outputs
-Runner = Callable[[list[NamedTensor], int, int], Awaitable[list[NamedTensor]]]
 T = TypeVar("T")
+
+
+class Runner(Protocol):
+    """How a loaded model runs one request (see :func:`make_runner`)."""
+
+    def __call__(self, inputs: list[NamedTensor], batch_size: int, deadline_ns: int,
+                 timing: RequestTiming | None = None) -> Awaitable[list[NamedTensor]]:
+        """``inputs`` validated against the client-facing signature, their batch size and absolute deadline
+        (``time.monotonic_ns()``; 0: none) -> the outputs; ``timing`` gets the request's queue and compute
+        times when its execution succeeds."""
 
 
 # As many as asyncio's default executor has: hooks of different requests run at once.
@@ -79,12 +88,14 @@ def make_runner(backend: Model, signature: ModelSignature, batch_signature: Mode
         if check_inputs is None:
             return scheduler.submit
 
-        async def checked(inputs: list[NamedTensor], batch_size: int, deadline_ns: int) -> list[NamedTensor]:
+        async def checked(inputs: list[NamedTensor], batch_size: int, deadline_ns: int,
+                          timing: RequestTiming | None = None) -> list[NamedTensor]:
             check_inputs(inputs)
-            return await scheduler.submit(inputs, batch_size, deadline_ns)
+            return await scheduler.submit(inputs, batch_size, deadline_ns, timing)
         return checked
 
-    async def run(inputs: list[NamedTensor], batch_size: int, deadline_ns: int) -> list[NamedTensor]:
+    async def run(inputs: list[NamedTensor], batch_size: int, deadline_ns: int,
+                  timing: RequestTiming | None = None) -> list[NamedTensor]:
         name = scheduler.name  # a renamed model reports its new name
         program_rows = batch_size
         if preprocess is not None:
@@ -98,7 +109,7 @@ def make_runner(backend: Model, signature: ModelSignature, batch_signature: Mode
                 # A hook may tile, crop or split rows: the program runs its rows, the client gets its own.
                 program_rows = inputs[0].shape[0]
         try:
-            outputs = await scheduler.submit(inputs, program_rows, deadline_ns)  # (logs its own faults)
+            outputs = await scheduler.submit(inputs, program_rows, deadline_ns, timing)  # (logs its own faults)
         except InvalidArgument as err:
             if preprocess is None:
                 raise

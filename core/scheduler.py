@@ -28,7 +28,7 @@ from nereid.errors import (DeadlineExceeded, LoggedModelFailure, ModelFailure, M
                            Unavailable, describe_exception, naming_model)
 from nereid.log_limit import RateLimitedLog
 from nereid.signature import ModelSignature, check_outputs
-from nereid.stats import ModelStats
+from nereid.stats import ModelStats, RequestTiming
 from nereid.tensors import NamedTensor
 
 # Whether any of the model's code has begun for a request, set in the request's own task: by submit when the
@@ -54,6 +54,7 @@ class Work:
     deadline_ns: int
     future: asyncio.Future[list[NamedTensor]]
     enqueued_ns: int = field(default_factory=time.monotonic_ns)
+    timing: RequestTiming | None = None  # filled in when its execution succeeds
 
     def abandoned(self) -> bool:
         return self.future.cancelled()
@@ -81,7 +82,6 @@ class ModelScheduler:
         self._slot_freed = asyncio.Event()
         # The batcher's execution tasks (kept referenced), each with its batch.
         self._running: dict[asyncio.Task, list[Work]] = {}
-        self._unstarted: set[asyncio.Task] = set()  # executions whose task has not taken its first step yet
         self._direct: set[asyncio.Task] = set()  # callers running their own request (see submit)
         self._abandoned = False  # drain gave up on what still runs: its callers are answered Unavailable
         self._idle = asyncio.Event()
@@ -107,11 +107,14 @@ class ModelScheduler:
         """Requests waiting (not yet in an execution)."""
         return len(self._pending)
 
-    async def submit(self, inputs: list[NamedTensor], rows: int, deadline_ns: int) -> list[NamedTensor]:
+    async def submit(self, inputs: list[NamedTensor], rows: int, deadline_ns: int,
+                     timing: RequestTiming | None = None) -> list[NamedTensor]:
         """Queue one validated request and wait for its own rows of the result.
 
         Raises Unavailable at once when the queue is full or the model is being
         unloaded. Cancelling the caller drops the request if it has not started.
+        When the execution that answers it succeeds, its queue and compute times
+        go into ``timing``, for the statistics of the request's success.
         """
         if not self._accepting:
             raise ModelRetired(f"model '{self.name}' is being unloaded", self)
@@ -127,7 +130,6 @@ class ModelScheduler:
             # Nothing waits and an instance is free: batching could add no company, so run
             # here and spare the hand-offs to the batcher task.
             if deadline_passed(deadline_ns, arrived_ns):
-                self._stats.record_dropped(0)
                 raise self._deadline_error(deadline_ns, arrived_ns, arrived_ns)
             self._idle.clear()
             self._free_slots -= 1
@@ -136,7 +138,8 @@ class ModelScheduler:
             caller = asyncio.current_task()
             self._direct.add(caller)
             try:
-                (outputs,) = await self._run([inputs], [rows], cost, [time.monotonic_ns() - arrived_ns], 0)
+                (outputs,) = await self._run([inputs], [rows], cost, [time.monotonic_ns() - arrived_ns], 0,
+                                             [timing])
                 return outputs
             except asyncio.CancelledError:
                 REQUEST_STARTED.set(True)
@@ -150,7 +153,7 @@ class ModelScheduler:
                     REQUEST_DEADLINE_NS.reset(deadline)
                 self._release_slot()
         work = Work(inputs, rows, cost, batch_key(inputs), deadline_ns, asyncio.get_running_loop().create_future(),
-                    arrived_ns)
+                    arrived_ns, timing)
         self._idle.clear()
         self._pending.append(work)
         self._arrived.set()
@@ -239,10 +242,7 @@ class ModelScheduler:
             finished = await _wait_event(self._idle, terminate_wait_s)
             if not finished:
                 log.error("model '%s': %d execution(s) did not end; abandoning them", self.name, self._executions())
-                now = time.monotonic_ns()
                 for work in self._pending:
-                    # Left the queue without running: its queue time counts, as an expired request's does.
-                    self._stats.record_dropped(now - work.enqueued_ns)
                     if not work.future.done():
                         work.future.set_exception(Unavailable(f"model '{self.name}' was unloaded"))
                 self._pending.clear()
@@ -288,7 +288,6 @@ class ModelScheduler:
             if decision.batch:
                 self._free_slots -= 1
                 task = asyncio.create_task(self._execute(decision.batch), name=self._execution_name)
-                self._unstarted.add(task)  # until _execute's first step (see _execution_done)
                 self._running[task] = decision.batch
                 task.add_done_callback(self._execution_done)
             elif decision.wake_ns is not None:
@@ -300,14 +299,7 @@ class ModelScheduler:
                     timer.cancel()
 
     def _execution_done(self, task: asyncio.Task) -> None:
-        batch = self._running.pop(task, ())
-        if task in self._unstarted:
-            # Cancelled by drain before its first step: _execute never saw its requests, which left the queue
-            # without running.
-            self._unstarted.discard(task)
-            now = time.monotonic_ns()
-            for work in batch:
-                self._stats.record_dropped(now - work.enqueued_ns)
+        self._running.pop(task, None)  # (cancelled by drain before its first step: drain answered its requests)
         self._release_slot()
 
     def _release_slot(self) -> None:
@@ -322,11 +314,9 @@ class ModelScheduler:
             self._idle.set()
 
     def _answer_dropped(self, work: Work) -> None:
-        """Count a request that will never run; an expired one (its caller still waits) gets DeadlineExceeded."""
-        now = time.monotonic_ns()
-        self._stats.record_dropped(now - work.enqueued_ns)
+        """Answer a request that will never run: an expired one (its caller still waits) gets DeadlineExceeded."""
         if not work.future.done():
-            work.future.set_exception(self._deadline_error(work.deadline_ns, work.enqueued_ns, now))
+            work.future.set_exception(self._deadline_error(work.deadline_ns, work.enqueued_ns, time.monotonic_ns()))
 
     def _deadline_error(self, deadline_ns: int, enqueued_ns: int, now: int) -> DeadlineExceeded:
         late_ms = (now - deadline_ns) / 1e6
@@ -338,7 +328,6 @@ class ModelScheduler:
     # -- execution ----------------------------------------------------------
     async def _execute(self, batch: list[Work]) -> None:
         """Run a batch formed by the batcher and answer each of its requests."""
-        self._unstarted.discard(asyncio.current_task())
         now = time.monotonic_ns()
         live = []
         for work in batch:  # the batch left the queue one loop turn ago: look again
@@ -357,7 +346,7 @@ class ModelScheduler:
         REQUEST_DEADLINE_NS.set(min((w.deadline_ns for w in live if w.deadline_ns), default=0))
         try:
             results = await self._run([w.inputs for w in live], [w.rows for w in live], sum(w.cost for w in live),
-                                      [now - w.enqueued_ns for w in live], now)
+                                      [now - w.enqueued_ns for w in live], now, [w.timing for w in live])
         except NereidError as error:  # every failure _run reports (a CancelledError is this task's own)
             for work in live:
                 if not work.future.done():  # (cancelled by its caller, or answered by drain)
@@ -384,11 +373,13 @@ class ModelScheduler:
                 "grace and was abandoned")
 
     async def _run(self, requests: list[list[NamedTensor]], rows: list[int], cost: int, queue_ns: list[int],
-                   assembly_start_ns: int) -> list[list[NamedTensor]]:
+                   assembly_start_ns: int, timings: list[RequestTiming | None]) -> list[list[NamedTensor]]:
         """One execution of ``requests`` (of ``rows`` rows each); returns each one's rows of the outputs.
 
         Several requests are stacked into one batch first; ``assembly_start_ns``
-        (0: none) is when that began, for the input-time statistics. Any failure,
+        (0: none) is when that began, for the input-time statistics. When it
+        succeeds, each request's ``timings`` entry (None: not wanted) gets its
+        ``queue_ns`` and the execution's compute times. Any failure,
         the batch's assembly included, is raised as a NereidError naming the
         model: model code can raise anything (``sys.exit()`` included), and a
         request of the batch must never be left unanswered.
@@ -413,7 +404,7 @@ class ModelScheduler:
                         self._own_rows(outputs, padded, total)
                     except NereidError:
                         succeeded = False
-                self._stats.execution_finished(total, cost, queue_ns, input_ns, time.monotonic_ns() - start, 0,
+                self._stats.execution_finished(total, cost, len(requests), input_ns, time.monotonic_ns() - start, 0,
                                                succeeded)
 
             try:
@@ -426,6 +417,11 @@ class ModelScheduler:
             results = [outputs] if len(rows) == 1 else split_rows(outputs, rows)
             output_ns = time.monotonic_ns() - start - infer_ns
             succeeded = True
+            for timing, waited_ns in zip(timings, queue_ns):
+                if timing is not None:
+                    timing.queue_ns, timing.input_ns, timing.infer_ns, timing.output_ns = (waited_ns, input_ns,
+                                                                                          infer_ns, output_ns)
+                    timing.ran = True
             return results
         except NereidError as err:
             named = naming_model(self.name, err)
@@ -451,7 +447,7 @@ class ModelScheduler:
             raise self._model_fault(err) from err
         finally:
             if not counted_later:
-                self._stats.execution_finished(total, cost, queue_ns, input_ns, infer_ns, output_ns, succeeded)
+                self._stats.execution_finished(total, cost, len(requests), input_ns, infer_ns, output_ns, succeeded)
 
     def _own_rows(self, outputs: list[NamedTensor], padded: bool, total: int) -> list[NamedTensor]:
         """An execution's outputs without the rows it was padded with, checked against the signature."""

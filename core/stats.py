@@ -29,10 +29,6 @@ class Duration:
         self.count += 1
         self.ns += ns
 
-    def add_many(self, count: int, total_ns: int) -> None:
-        self.count += count
-        self.ns += total_ns
-
 
 @dataclass
 class BatchDurations:
@@ -103,11 +99,26 @@ class Histogram:
         return buckets
 
 
+@dataclass(slots=True)
+class RequestTiming:
+    """Where one request's time went in the execution that answered it, filled in by the scheduler when the
+    execution succeeds (``ran``); charged to the model's statistics only if the request then succeeds."""
+
+    queue_ns: int = 0
+    input_ns: int = 0
+    infer_ns: int = 0
+    output_ns: int = 0
+    ran: bool = False
+
+
 class ModelStats:
     """Thread-safe statistics of one model since it was loaded.
 
-    Request-level figures (success, fail, queue, compute) count requests;
-    ``execution_count`` and ``batches`` count backend executions.
+    Request-level figures count requests, as Triton's do: success and fail
+    each request answered; queue and the three compute figures only the
+    successful ones, so that each count equals the success count (what
+    perf_analyzer divides their times by). ``execution_count`` and
+    ``batches`` count successful backend executions.
     """
 
     def __init__(self) -> None:
@@ -156,44 +167,40 @@ class ModelStats:
         with self._lock:
             self.batcher.total_submitted += 1
 
-    def record_success(self, total_ns: int, rows: int) -> None:
-        """A request answered with outputs; ``rows`` is its batch size."""
+    def record_success(self, total_ns: int, rows: int, timing: RequestTiming | None = None) -> None:
+        """A request answered with outputs; ``rows`` is its batch size, ``timing`` its share of the execution
+        that answered it (charged to queue and compute when that execution ran)."""
         with self._lock:
             self.success.add(total_ns)
             self.inference_count += rows
-            self.last_inference_ms = time.time_ns() // 1_000_000
             self.request_seconds.observe(total_ns / 1e9)
+            if timing is not None and timing.ran:
+                self.queue.add(timing.queue_ns)
+                self.queue_seconds.observe(timing.queue_ns / 1e9)
+                # Triton's convention: each request of a batch is charged the whole batch's compute time.
+                self.compute_input.add(timing.input_ns)
+                self.compute_infer.add(timing.infer_ns)
+                self.compute_output.add(timing.output_ns)
 
     def record_failure(self, total_ns: int, reason: str) -> None:
-        """A request answered with an error; ``reason`` is a short label (``deadline_exceeded``)."""
+        """A request answered with an error; ``reason`` is a short label (``deadline_exceeded``). As in Triton,
+        its time is counted in ``fail`` alone: not in the request and queue histograms, nor in queue or
+        compute, whatever part of it ran."""
         with self._lock:
             self.fail.add(total_ns)
-            self.last_inference_ms = time.time_ns() // 1_000_000
-            self.request_seconds.observe(total_ns / 1e9)
             self.failures_by_reason[reason] = self.failures_by_reason.get(reason, 0) + 1
-
-    def record_dropped(self, queue_ns: int) -> None:
-        """Queue time of a request that never ran (expired or cancelled)."""
-        with self._lock:
-            self.queue.add(queue_ns)
-            self.queue_seconds.observe(queue_ns / 1e9)
 
     def execution_started(self) -> None:
         with self._lock:
             self._advance_busy_idle(time.monotonic())
             self._running += 1
 
-    def execution_finished(self, rows: int, cost: int, queue_ns: list[int], input_ns: int, infer_ns: int,
+    def execution_finished(self, rows: int, cost: int, requests: int, input_ns: int, infer_ns: int,
                            output_ns: int, succeeded: bool) -> None:
-        """An execution of ``rows`` rows serving ``len(queue_ns)`` requests ended (after ``execution_started``)."""
-        requests = len(queue_ns)
+        """An execution of ``rows`` rows serving ``requests`` requests ended (after ``execution_started``)."""
         with self._lock:
             self._advance_busy_idle(time.monotonic())
             self._running -= 1
-            # Every request that left the queue waited in it, whatever came of its execution.
-            self.queue.add_many(requests, sum(queue_ns))
-            for ns in queue_ns:
-                self.queue_seconds.observe(ns / 1e9)
             batcher = self.batcher
             batcher.total_batches += 1
             batcher.total_batch_size += rows
@@ -206,10 +213,7 @@ class ModelStats:
                 return
             batcher.total_completed += requests
             self.execution_count += 1
-            # Triton's convention: each request of a batch is charged the whole batch's compute time.
-            self.compute_input.add_many(requests, input_ns * requests)
-            self.compute_infer.add_many(requests, infer_ns * requests)
-            self.compute_output.add_many(requests, output_ns * requests)
+            self.last_inference_ms = time.time_ns() // 1_000_000  # (as Triton's: a successful execution's)
             per_size = self.batches.get(rows)
             if per_size is None:
                 per_size = self.batches[rows] = BatchDurations()

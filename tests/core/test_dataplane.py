@@ -59,6 +59,9 @@ def test_errors_carry_their_meaning(tmp_path):
             await plane.infer(request("nope"))
         with pytest.raises(Unavailable, match="model 'spare' is not ready"):
             await plane.infer(request("spare"))
+        # Found by a bug hunt: UNAVAILABLE (503) told a statistics poller to retry; Triton answers INVALID_ARG.
+        with pytest.raises(InvalidArgument, match=r"^model 'spare' is not loaded \(UNAVAILABLE\); no statistics$"):
+            plane.statistics("spare")
         with pytest.raises(InvalidArgument, match="unknown requested output 'z'"):
             await plane.infer(request(requested_outputs=["z"]))
         # Asked twice (with a classification one time, say): refused, as Triton refuses it; one answer was merged.
@@ -123,6 +126,36 @@ def test_a_request_whose_client_goes_away_is_counted_once_as_cancelled_or_as_its
         ((_, stats),) = plane.statistics("toy")
         assert stats.fail.count == 3 and stats.success.count == 0
         assert stats.failures_by_reason == {"cancelled": 2, "deadline_exceeded": 1}
+        await plane.unload("toy")
+    asyncio.run(scenario())
+
+
+def test_queue_and_compute_count_the_successful_requests_as_triton_s_do(tmp_path):
+    """Found by a bug hunt: requests whose client left while their execution ran were charged its compute
+    time, and failed ones their queue time, so perf_analyzer (which divides those times by the success count)
+    overstated both, and last_inference moved on requests that were only refused."""
+    plane = toy_dataplane(tmp_path)
+
+    async def scenario():
+        await plane.load("toy")
+        await plane.infer(request())
+        with pytest.raises(InvalidArgument):
+            await plane.infer(request(requested_outputs=["z"]))
+        ((_, stats),) = plane.statistics("toy")
+        assert stats.last_inference_ms > 0
+        first_inference_ms = stats.last_inference_ms
+        task = asyncio.create_task(plane.infer(request()))
+        await asyncio.sleep(0)  # its execution runs on a worker thread now
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await plane.infer(request())
+        ((_, stats),) = plane.statistics("toy")
+        assert (stats.success.count, stats.fail.count) == (2, 2)
+        assert stats.queue.count == stats.compute_input.count == stats.compute_infer.count == \
+            stats.compute_output.count == 2
+        assert sum(stats.request_seconds.counts) == sum(stats.queue_seconds.counts) == 2
+        assert stats.compute_infer.ns > 0 and stats.last_inference_ms >= first_inference_ms
         await plane.unload("toy")
     asyncio.run(scenario())
 

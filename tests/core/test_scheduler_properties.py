@@ -45,7 +45,7 @@ from nereid.dtypes import DType
 from nereid.errors import DeadlineExceeded, ModelFailure, ModelRetired, QueueFull, Unavailable
 from nereid.scheduler import ModelScheduler
 from nereid.signature import ModelSignature, TensorSpec
-from nereid.stats import ModelStats
+from nereid.stats import ModelStats, RequestTiming
 from nereid.tensors import NamedTensor
 
 # NEREID_HYPOTHESIS_EXAMPLES=2000 searches deeper (a few minutes) than the suite does by default.
@@ -211,9 +211,11 @@ class Request:
     depth_before: int = 0
     retired_before: bool = False  # drain had begun when it was submitted
     sent: bool = False  # its caller called submit (one cancelled before its task ran never did)
+    sent_ns: int = 0  # when it did
     task: asyncio.Task | None = None
     cancelled: bool = False
     outcome: object = None  # the result's data, or the exception
+    timing: RequestTiming = field(default_factory=RequestTiming)  # filled in if its execution succeeded
 
 
 @dataclass
@@ -245,11 +247,12 @@ async def play(scenario: Scenario, backend: Backend, stats: ModelStats) -> Model
         scenario.drain_returned_ns = time.monotonic_ns()
 
     async def call(request: Request) -> None:
-        request.sent = True
+        request.sent, request.sent_ns = True, time.monotonic_ns()
         request.depth_before = scheduler.queue_depth  # submit's checks run in this same step
         request.retired_before = drain_began.is_set()
         try:
-            outputs = await scheduler.submit(request.inputs, request.event.rows, request.deadline_ns)
+            outputs = await scheduler.submit(request.inputs, request.event.rows, request.deadline_ns,
+                                             request.timing)
         except BaseException as err:  # noqa: B036 - the CancelledError of a caller that left is an outcome
             request.outcome = err
             if isinstance(err, asyncio.CancelledError):
@@ -378,9 +381,16 @@ def check_stats(scenario: Scenario, backend: Backend, stats: ModelStats) -> None
     accepted = [r for r in scenario.requests if r.sent and not isinstance(r.outcome, (ModelRetired, QueueFull))]
     ok = [e for e in backend.executions if e.outcome == "ok"]
     assert stats.batcher.total_submitted == len(accepted)
-    # README: "queue time counts every request that left the queue, run or not".
-    assert stats.queue.count == len(accepted)
-    assert sum(stats.queue_seconds.counts) == len(accepted)
+    # A request's queue and compute times are handed to its caller, for the data plane to charge to its
+    # success: every request answered with outputs has them, and none whose execution did not succeed (one
+    # whose caller left, or that drain answered, while it ran is charged nothing either way).
+    for request in scenario.requests:
+        execution = next((e for e in ok if request.index in e.ids), None)
+        if isinstance(request.outcome, list) or execution is None:
+            assert request.timing.ran == (execution is not None), (request.index, request.outcome)
+        if execution is not None:
+            assert 0 <= request.timing.queue_ns <= execution.start_ns - request.sent_ns
+    assert stats.queue.count == 0 and sum(stats.queue_seconds.counts) == 0
     # A batch is counted (as a failed one) also when drain's pool shutdown dropped its call before a thread took
     # it: only when drain gave up, and then its requests were answered Unavailable.
     unstarted = stats.batcher.total_batches - len(backend.executions)
@@ -391,7 +401,7 @@ def check_stats(scenario: Scenario, backend: Backend, stats: ModelStats) -> None
     assert stats.execution_count == len(ok)
     assert stats.batcher.total_completed == sum(len(e.ids) for e in ok)
     assert {rows: d.compute_infer.count for rows, d in stats.batches.items()} == collections.Counter(e.rows for e in ok)
-    assert stats.compute_infer.count == stats.batcher.total_completed
+    assert stats.compute_infer.count == 0
     assert sum(stats.compute_seconds.counts) == len(ok)
     assert stats._running == 0
     # Only the data plane answers requests: the scheduler records no success or failure of its own.
@@ -456,7 +466,7 @@ def test_the_statistics_agree_with_what_ran(scenario: Scenario) -> None:
 def test_an_execution_whose_thread_ended_as_its_caller_left_is_counted() -> None:
     _, backend, stats, _ = run_scenario(LEFT_AFTER_THREAD_ENDED)
     assert [e.outcome for e in backend.executions] == ["ok"]
-    assert (stats.queue.count, stats.batcher.total_batches, stats.execution_count, stats._running) == (1, 1, 1, 0)
+    assert (stats.batcher.total_batches, stats.execution_count, stats._running) == (1, 1, 0)
 
 
 def test_an_abandoned_execution_with_wrong_outputs_is_not_a_success() -> None:
@@ -466,8 +476,9 @@ def test_an_abandoned_execution_with_wrong_outputs_is_not_a_success() -> None:
         (1, 0, 0, {})
 
 
-def test_requests_queued_when_drain_abandons_a_model_count_as_having_left_the_queue() -> None:
+def test_requests_queued_when_drain_abandons_a_model_are_answered_and_charged_nothing() -> None:
     played, backend, stats, _ = run_scenario(ABANDONED_WHILE_QUEUED)
     assert played.drain_finished is False
     assert [type(r.outcome) for r in played.requests] == [Unavailable, Unavailable]
-    assert (stats.batcher.total_submitted, stats.queue.count, sum(stats.queue_seconds.counts)) == (2, 2, 2)
+    assert [r.timing.ran for r in played.requests] == [False, False]
+    assert (stats.batcher.total_submitted, stats.queue.count, sum(stats.queue_seconds.counts)) == (2, 0, 0)
