@@ -383,6 +383,14 @@ class ModelRepository:
         self._exposed.add(name)
         entry.awaiting_folder = False  # (asked for again: counted as any other)
         if entry.loaded is not None:
+            # (Not while another operation holds it, a removal under way say: this load waits for it, then
+            # answers for the name as it is then.)
+            if (self.settings.server.ml_backends_url is None and not entry.holders
+                    and self.removal_of(name) is None and not entry.folder.is_dir()):
+                # Nothing to load from: the client's mistake, not a fault of the model's ("failed to load",
+                # INTERNAL, said the folder went "while it was being loaded").
+                raise NotFound(PublicText(f"model '{name}': its folder '{name}' is gone from ml_backends_path, "
+                                          "so it cannot be loaded again; the version loaded before serves on"))
             # Loaded already: loaded again without downtime, as Triton does. The running version serves until
             # the new one is READY, and keeps serving if the new one fails (the reason shows in the index).
             await self.reload(name, retrying=retrying)

@@ -187,6 +187,24 @@ def test_loading_a_loaded_model_again_keeps_its_statistics_an_unload_resets_them
     asyncio.run(scenario())
 
 
+def test_loading_a_loaded_model_whose_folder_is_gone_is_not_found_and_it_serves_on(tmp_path):
+    """Found by a README check: the load was INTERNAL, "failed to load", saying the folder went "while it was
+    being loaded" though it was gone before; the README's error table says NOT_FOUND."""
+    import shutil
+
+    plane = toy_dataplane(tmp_path)
+
+    async def scenario():
+        await plane.load("toy")
+        shutil.rmtree(tmp_path / "ml-backends" / "toy")
+        with pytest.raises(NotFound, match=r"^model 'toy': its folder 'toy' is gone from ml_backends_path, so it "
+                                           r"cannot be loaded again; the version loaded before serves on$"):
+            await plane.load("toy")
+        assert (await plane.infer(request())).outputs[0].data.tolist() == [[2.0] * 4] * 2
+        await plane.unload("toy")
+    asyncio.run(scenario())
+
+
 def test_loading_a_loaded_model_again_has_no_downtime_and_a_failure_leaves_it_serving(tmp_path):
     """RepositoryModelLoad of a loaded model unloaded it first: its requests failed UNAVAILABLE meanwhile (so
     did every meta model calling it), and a load that failed left it unloaded. Triton replaces it with no
