@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import _thread
 import argparse
 import asyncio
 import atexit
@@ -13,6 +14,7 @@ import resource
 import signal
 import sys
 import threading
+import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Coroutine
@@ -326,6 +328,7 @@ def check(settings: Settings, manager: NereidPluginManager | None = None) -> int
                   f"{f' ({killed} program(s) it had started killed)' if killed else ''}", file=sys.stderr)
         return 128 + signum  # as the shell reports a process that the signal ended
     finally:
+        signals.active = False
         for signum, handler in previous.items():
             signal.signal(signum, handler)
         sys.unraisablehook = unraisable_hook
@@ -362,8 +365,12 @@ class _StopSignals:
     under ``nereid serve`` (which loads models off the main thread).
     """
 
+    # How long a stop that came during an import waits before it is tried again.
+    RETRY_S = 0.05
+
     def __init__(self) -> None:
         self.came: signal.Signals | None = None  # the signal that came, if one did
+        self.active = True  # installed: set False when the check puts the previous handlers back
 
     @staticmethod
     def handled() -> list[signal.Signals]:
@@ -371,9 +378,22 @@ class _StopSignals:
         script, ``nohup``)."""
         return [signal.SIGTERM, *not_ignored(signal.SIGINT, signal.SIGHUP)]
 
-    def __call__(self, signum: int, frame: object) -> None:
+    def __call__(self, signum: int, frame: types.FrameType | None) -> None:
         self.came = signal.Signals(signum)
+        if _importing(frame):
+            # Raised inside an import, the stop can unwind through a native module's initialisation, which
+            # then aborts the whole process (jaxlib's, as a bundle's load imports jax: "terminate called after
+            # throwing an instance of 'nanobind::python_error'", exit 134, the scratch folder left behind).
+            # The signal is delivered again shortly instead, until it comes outside the import.
+            timer = threading.Timer(self.RETRY_S, self._deliver_again, (signum,))
+            timer.daemon = True
+            timer.start()
+            return
         self.stop_if_came()
+
+    def _deliver_again(self, signum: int) -> None:
+        if self.active:  # (the check has ended since: nothing to stop)
+            _thread.interrupt_main(signum)
 
     def model_faults(self) -> tuple[type[BaseException], ...]:
         """What to catch around a model's code as its failure: :func:`plugin_failures`, and a KeyboardInterrupt
@@ -406,6 +426,15 @@ class _StopSignals:
         """Raise the stop of the signal that came, if one did."""
         if self.came is not None:
             raise KeyboardInterrupt() if self.came == signal.SIGINT else _Terminated(self.came)
+
+
+def _importing(frame: types.FrameType | None) -> bool:
+    """Whether ``frame`` runs inside an import (importlib's own frames are among its callers)."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 @dataclass

@@ -996,3 +996,27 @@ def test_a_report_that_cannot_be_written_ends_in_one_line(tmp_path) -> None:
         result = subprocess.run([*NEREID, "cxx-header"], stdout=full, stderr=subprocess.PIPE, text=True, timeout=60)
     assert result.returncode == 1
     assert result.stderr == "error: cannot write the output: No space left on device\n", result.stderr
+
+
+def test_a_stop_signal_during_an_import_stops_the_check_once_the_import_is_done(tmp_path, monkeypatch) -> None:
+    """Found by a README check: SIGTERM or Ctrl-C while a bundle's load imported jax raised the stop inside
+    jaxlib's native module initialisation, which aborted `nereid check` (exit 134, a C++ "terminate called",
+    no line, the scratch folder left). The stop now waits for the import to end."""
+    from nereid.cli import _StopSignals, _Terminated
+
+    module = f"signalled_while_imported_{os.getpid()}"
+    (tmp_path / f"{module}.py").write_text(
+        "import os, signal\nos.kill(os.getpid(), signal.SIGTERM)\nfor _ in range(300_000):\n    pass\nDONE = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    signals = _StopSignals()
+    previous = signal.signal(signal.SIGTERM, signals)
+    try:
+        with pytest.raises(_Terminated):
+            __import__(module)
+            assert sys.modules[module].DONE  # the import ran to its end
+            time.sleep(5)  # the stop comes within its retry
+        assert module in sys.modules and signals.came is signal.SIGTERM
+    finally:
+        signals.active = False
+        signal.signal(signal.SIGTERM, previous)
+        sys.modules.pop(module, None)
