@@ -482,6 +482,10 @@ class _BoundedHeadProtocol(HttpToolsProtocol):
                     self._refused(REFUSED_IDLE)
                     _client_log.log(logging.INFO, "HTTP connection from %s closed: it sent no complete request "
                                                   "for %.0f s", peer(self.client), silent)
+                    if cycle is not None and cycle.more_body:
+                        # (Its handler reads the close as the end of the body: the server closed it, not the
+                        # client, and the line above said so.)
+                        cycle.nereid_closed_idle = True
                 self.transport.close()
                 return
             # Heard from lately: look again when it could next have been silent, or at its head, too long (at

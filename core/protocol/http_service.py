@@ -126,9 +126,10 @@ def out_of_memory(model: str, doing: str, size: int | None) -> OutOfMemory:
 class Disconnected(Exception):
     """The client went away (before its body arrived, or before its answer): there is no one to answer."""
 
-    def __init__(self, message: str, *, before_start: bool = False) -> None:
+    def __init__(self, message: str, *, before_start: bool = False, logged: bool = False) -> None:
         super().__init__(message)
         self.before_start = before_start  # gone before the data plane had the request: it counted nothing
+        self.logged = logged  # the listener closed the connection (the client idle mid-body), and logged why
 
 
 class HttpSurface:
@@ -156,8 +157,9 @@ class HttpSurface:
         except Unparsable:  # answered, counted and logged already, below the app
             return
         except Disconnected as gone:
-            client_log.log(logging.INFO, "HTTP %s %s from %s: the client disconnected %s", scope["method"],
-                           cap_message(scope["path"], 256), peer(scope.get("client")), gone)
+            if not gone.logged:
+                client_log.log(logging.INFO, "HTTP %s %s from %s: the client disconnected %s", scope["method"],
+                               cap_message(scope["path"], 256), peer(scope.get("client")), gone)
             return
         except HttpError as err:
             status, body, headers = err.status, error_body(str(err)), [*JSON_HEADERS, *err.headers]
@@ -452,7 +454,8 @@ class HttpSurface:
                     unparsable = getattr(cycle, "nereid_unparsable", None)
                     if unparsable is not None:
                         raise Unparsable(f"{_who(model)}{unparsable}", getattr(cycle, "nereid_unparsable_status", 400))
-                    raise Disconnected("before sending its whole body")
+                    raise Disconnected("before sending its whole body",
+                                       logged=getattr(cycle, "nereid_closed_idle", False))
                 chunk = message.get("body", b"")
                 size += len(chunk)
                 if size > limit:

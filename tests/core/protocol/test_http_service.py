@@ -668,18 +668,29 @@ def test_a_large_body_asking_to_switch_protocols_gets_its_400_not_a_reset(served
     assert received.startswith(b"HTTP/1.1 400 ") and b"send it as plain HTTP/1.1" in received
 
 
-def test_connections_silent_in_the_middle_of_a_request_are_closed(served, monkeypatch):
+def test_connections_silent_in_the_middle_of_a_request_are_closed(served, monkeypatch, caplog):
     """A connection that never finished its request (a partial head, a partial body, nothing at all) stayed
     open for ever: enough of them took every file descriptor."""
+    from nereid.log_limit import RateLimitedLog
+    from nereid.protocol import http_listener, http_service
     from nereid.protocol.http_listener import _BoundedHeadProtocol
 
     monkeypatch.setattr(_BoundedHeadProtocol, "request_idle_timeout_s", 0.5)
+    unspent = RateLimitedLog(http_service.log)
+    monkeypatch.setattr(http_service, "client_log", unspent)
+    monkeypatch.setattr(http_listener, "_client_log", unspent.sharing(http_listener.log))
+    caplog.set_level(logging.INFO, logger=http_service.__name__)
+    caplog.set_level(logging.INFO, logger=http_listener.__name__)
     _, base = served
     for partial in (b"", b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n",
                     b"POST /v2/models/echo/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"in"):
+        caplog.clear()
         started = time.monotonic()
         assert _exchange(base, partial, wait_s=10) == b""  # closed, unanswered
         assert time.monotonic() - started < 5, partial
+        # Found by a README check: a stalled body was logged twice, the second line blaming the client.
+        lines = [r.getMessage() for r in caplog.records if r.name in (http_service.__name__, http_listener.__name__)]
+        assert len(lines) == 1 and "closed: it sent no complete request for" in lines[0], (partial, lines)
     # A slow model's request is not cut: the client is waiting for the server, not the other way round.
     body = json.dumps({"inputs": [{"name": "input", "shape": [1, 4], "datatype": "FP32", "data": [0] * 4}]})
     assert _exchange(base, b"POST /v2/models/slow/infer HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n"
