@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 from nereid.backends.xla.bundle import DEFAULT_WEIGHTS_FILE, open_bundle
 from nereid.backends.xla.conformance import check_program_types
@@ -64,6 +65,23 @@ def arity_mismatch(where: str, program: ProgramSignature, n_inputs: int, n_weigh
     """
     found = _mismatch_and_cause(where, program, n_inputs, n_weights, weights_name, weights_present)
     return None if found is None else f"{found[0]}. {found[1]}"
+
+
+def donated_weights_problem(where: str, program: ProgramSignature, n_inputs: int,
+                            weight_names: Sequence[str]) -> str | None:
+    """Why the program cannot serve if it takes over (is donated) a weight's buffer, or None.
+
+    Every run passes the weights' device buffers kept since load: donated once,
+    they are gone, and every request after the first would fail. (A donated
+    input is harmless: each run transfers its own.)
+    """
+    donated = [index - n_inputs for index in program.donated if index >= n_inputs]
+    if not donated:
+        return None
+    names = ", ".join(f"'{weight_names[i]}'" for i in donated if i < len(weight_names))
+    return (f"{where}: the program takes over the buffers of weight(s) {names} (donated: tf.aliasing_output or "
+            "jax.buffer_donor, as jax.jit(..., donate_argnums=...) exports them), which every request must find "
+            "again; export it without donating the weights")
 
 
 def _mismatch_and_cause(where: str, program: ProgramSignature, n_inputs: int, n_weights: int,
@@ -175,6 +193,10 @@ def bundle_type_problem(folder: Path | str) -> str | None:
             if path not in programs:  # a file serving several keys is read once
                 programs[path] = read_program(path.read_bytes(), str(path))
             check_program_types(path.name, programs[path], key, layout.manifest, weight_types)
+            donated = donated_weights_problem(path.name, programs[path], len(layout.manifest.executable_inputs),
+                                              [name for name, _, _ in weight_types])
+            if donated is not None:
+                return donated
     except Exception as err:  # a report, not a check: every failure becomes the reason
         return str(err).strip() or type(err).__name__
     return None

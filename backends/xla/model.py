@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from nereid.backend import ModelContext
-from nereid.backends.xla.arity import arity_mismatch
+from nereid.backends.xla.arity import arity_mismatch, donated_weights_problem
 from nereid.backends.xla.bundle import CACHE_DIR, DEFAULT_WEIGHTS_FILE, BundleLayout, ProgramKey, open_bundle
 from nereid.backends.xla.cache import (CacheKey, CacheStats, CompileFunctions, ExecutableCache, compilation_flags,
                                       file_sha256)
@@ -228,14 +228,10 @@ class XlaModel:
         if mismatch:
             raise ConfigError(mismatch)
         check_program_types(path.name, program, key, manifest, weight_types)
-        inputs = len(manifest.executable_inputs)
-        if donated := [index - inputs for index in program.donated if index >= inputs]:
-            # Every run passes the weights' device buffers kept since load: donated once, they are gone, and every
-            # request after the first would fail. (A donated input is harmless: each run transfers its own.)
-            names = ", ".join(f"'{weight_types[i][0]}'" for i in donated if i < len(weight_types))
-            raise ConfigError(f"{path.name}: the program takes over the buffers of weight(s) {names} (donated: "
-                              "tf.aliasing_output or jax.buffer_donor, as jax.jit(..., donate_argnums=...) exports "
-                              "them), which every request must find again; export it without donating the weights")
+        donated = donated_weights_problem(path.name, program, len(manifest.executable_inputs),
+                                          [name for name, _, _ in weight_types])
+        if donated is not None:
+            raise ConfigError(donated)
         # Before compiling: also a cached executable would call the host LAPACK kernels this initialises.
         problem = host_lapack_problem(target.platform, data) or python_callback_problem(data)
         if problem is not None:

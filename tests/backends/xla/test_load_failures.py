@@ -236,3 +236,18 @@ def test_programs_that_would_fail_after_their_first_run_or_crash_the_server_are_
     assert found["too_large_inside"][0] == "UNAVAILABLE" and "holds tensor<3037000500x3037000500xf32>" in \
         found["too_large_inside"][1] and "past what XLA can size" in found["too_large_inside"][1]
     assert server.client.is_server_live()
+
+
+def test_bundle_check_refuses_a_program_that_donates_a_weight(tmp_path) -> None:
+    """Found by a README check: `nereid bundle check` called such a bundle servable, which the server then
+    refused at load."""
+    from nereid.backends.xla.arity import bundle_type_problem
+
+    folder = tmp_path / "donated"
+    folder.mkdir()
+    (folder / "model.mlir").write_text(_DONATED_WEIGHT)
+    write_safetensors(folder / "weights.safetensors", [("w", np.array([10, 20], np.float32))])
+    (folder / "manifest.yaml").write_text(_TWO_FLOATS)
+    problem = bundle_type_problem(folder)
+    assert problem is not None and problem.startswith("model.mlir: the program takes over the buffers of weight(s) "
+                                                      "'w' (donated"), problem
