@@ -368,6 +368,10 @@ class HttpSurface:
                 raise HttpError(400, f"model '{model}': Inference-Header-Content-Length 0 (Triton's raw binary "
                                      "request: the whole body as the data of a single input) is not supported; "
                                      "send the JSON inference header first and give its length")
+            declared = headers.get(b"content-length", b"")
+            if declared.isdigit() and length > int(declared):  # (the JSON part cannot be longer than the body)
+                raise HttpError(400, f"model '{model}': Inference-Header-Content-Length is {length}, but the body "
+                                     f"has {int(declared)} bytes (Content-Length)")
             if length > self.max_json_bytes:  # refused before its body is read
                 raise self._json_too_large(model, f"is {length} bytes")
         # Without the header, the whole body is JSON: bounded as it is read (before, when its length is declared).

@@ -599,6 +599,9 @@ def test_a_body_refused_while_decoding_counts_as_the_models_failure(served):
           for value in (f"+{len(header)}", f"{len(header) // 10}_{len(header) % 10}", "-5")),
         ({"Inference-Header-Content-Length": str(len(header)), "Content-Type": "application/octet-stream"},
          header + np.full(4, np.inf, np.float32).tobytes(), "holds NaN or infinity, which JSON cannot carry"),
+        # Found by a README check: a length past the body's was a 413 saying the JSON part "is" that long.
+        ({"Inference-Header-Content-Length": "1000000000", "Content-Type": "application/octet-stream"}, header,
+         f"Inference-Header-Content-Length is 1000000000, but the body has {len(header)} bytes (Content-Length)"),
     ]
     for headers, body, expected in refusals:
         status, message = error_of(call(base, "POST", "/v2/models/echo/infer", body, headers))
