@@ -145,9 +145,14 @@ def _decode_input(model: str, index: int, raw: Any, binary: memoryview, offset: 
         raise InvalidArgument(f"{where}: 'datatype' must be a string such as \"FP32\"")
     dtype = wire_dtype(where, datatype)
     shape_value = raw.get("shape")
-    if not isinstance(shape_value, list) or not all(isinstance(d, int) and not isinstance(d, bool)
-                                                    for d in shape_value):
+    if not isinstance(shape_value, list):
         raise InvalidArgument(f"{where}: 'shape' must be a list of integers")
+    for position, dim in enumerate(shape_value):
+        if not isinstance(dim, int) or isinstance(dim, bool):
+            # (orjson reads an integer literal past 64 bits as a float: say so, rather than "not an integer".)
+            huge = isinstance(dim, float) and math.isfinite(dim) and dim.is_integer() and abs(dim) >= 2**63
+            raise InvalidArgument(f"{where}: 'shape' must be a list of integers; element {position} is "
+                                  + ("an integer past 64 bits" if huge else quoted(dim)))
     shape = tuple(shape_value)
     count = wire_shape(where, shape)
     parameters = _object(model, raw.get("parameters", {}), f"inputs[{index}].parameters")
