@@ -543,8 +543,9 @@ def config_message(config: ModelConfig) -> mc.ModelConfig:
         batching.max_queue_delay_microseconds = config.dynamic_batching.max_queue_delay_us
         batching.preferred_batch_size.extend(config.dynamic_batching.preferred_batch_sizes)
     group = config.instance_group
-    message.instance_group.add(name=config.name, count=group.count, kind=mc.ModelInstanceGroup.Kind.Value(group.kind),
-                               gpus=group.gpus)
+    # Named as Triton names a group the configuration leaves unnamed: the model's name and the group's index.
+    message.instance_group.add(name=f"{config.name}_0", count=group.count,
+                               kind=mc.ModelInstanceGroup.Kind.Value(group.kind), gpus=group.gpus)
     return message
 
 

@@ -660,7 +660,7 @@ def _config_json(config: ModelConfig) -> dict:
         "name": config.name, "platform": config.platform, "backend": config.backend,
         "max_batch_size": config.max_batch_size,
         "input": [tensor(t) for t in config.inputs], "output": [tensor(t) for t in config.outputs],
-        "instance_group": [{"name": config.name, "count": config.instance_group.count,
+        "instance_group": [{"name": f"{config.name}_0", "count": config.instance_group.count,
                             "kind": config.instance_group.kind, "gpus": list(config.instance_group.gpus)}],
     }
     if config.dynamic_batching is not None:

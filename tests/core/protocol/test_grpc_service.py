@@ -273,6 +273,7 @@ def test_model_config_reflects_the_textproto_and_nereid_yaml(repo, serve):
     assert batched.dynamic_batching.max_queue_delay_microseconds == 0
     assert list(batched.dynamic_batching.preferred_batch_size) == []
     assert [(g.count, g.kind) for g in batched.instance_group] == [(3, mc.ModelInstanceGroup.KIND_CPU)]
+    assert [g.name for g in batched.instance_group] == [f"{batched.name}_0"]  # as Triton names an unnamed group
 
     assert plain.max_batch_size == 0
     assert [(t.data_type, list(t.dims)) for t in plain.input] == [(mc.TYPE_STRING, [-1])]

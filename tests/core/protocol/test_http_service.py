@@ -74,6 +74,7 @@ def test_health_metadata_config_with_tritonclient(served):
                                                                       "dims": [4]}
     assert config["dynamic_batching"]["max_queue_delay_microseconds"] == 0
     assert config["instance_group"][0]["kind"] == "KIND_CPU"
+    assert config["instance_group"][0]["name"] == f"{config['name']}_0"  # as Triton names an unnamed group
     assert call(base, "GET", "/v2/models/echo/versions/1/ready")[0] == 200
     # Triton's statuses with KServe's JSON bodies, which the KServe SDK's REST client reads
     for path, answer in (("/v2/health/live", {"live": True}), ("/v2/health/ready", {"ready": True}),
