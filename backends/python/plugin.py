@@ -55,7 +55,9 @@ class PythonModel(SubprocessModel):
         source = (self.context.folder / ENTRY_FILE).read_bytes()
         modules = modules_to_preload(self.context.folder, ENTRY_FILE, self.options.preload, source)
         if not self.options.warm_start:
-            self._cold_reason = "runtime.warm_start is false"
+            # Named where it was set: the model's runtime, or nereid.yaml's backends: defaults under it.
+            origin = getattr(self.context.settings.runtime, "origins", {}).get("warm_start")
+            self._cold_reason = f"{origin.rpartition(': ')[2] if origin else 'runtime'}.warm_start is false"
         else:
             try:
                 self._parent = self._start_parent(modules, source)

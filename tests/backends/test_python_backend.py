@@ -120,7 +120,9 @@ def test_single_tensor_contract_environment_and_cwd(repo, serve, monkeypatch, no
     '''))
     elements = np.array([b"ab", b"", b"\x00\xff", "\u00e9".encode()], dtype=object)
 
-    expected_mode = "warm_start=on" if start_mode == "warm" else "warm_start=off (runtime.warm_start is false)"
+    # (Named where it was set: the cold mode sets it in nereid.yaml's backends: section.)
+    expected_mode = ("warm_start=on" if start_mode == "warm"
+                     else "warm_start=off (backends.python.warm_start is false)")
     assert server.server.repository.entry("report_cpu").loaded.backend.runtime_report().summary == expected_mode
     cpu = report_of(infer(server, "report_cpu", elements, "BYTES"))
     env = cpu["env"]
