@@ -417,11 +417,10 @@ class ModelScheduler:
             results = [outputs] if len(rows) == 1 else split_rows(outputs, rows)
             output_ns = time.monotonic_ns() - start - infer_ns
             succeeded = True
+            compute_ns = (input_ns, infer_ns, output_ns)
             for timing, waited_ns in zip(timings, queue_ns):
                 if timing is not None:
-                    timing.queue_ns, timing.input_ns, timing.infer_ns, timing.output_ns = (waited_ns, input_ns,
-                                                                                          infer_ns, output_ns)
-                    timing.ran = True
+                    timing.queue_ns, timing.compute_ns = waited_ns, compute_ns
             return results
         except NereidError as err:
             named = naming_model(self.name, err)

@@ -99,16 +99,19 @@ class Histogram:
         return buckets
 
 
-@dataclass(slots=True)
 class RequestTiming:
-    """Where one request's time went in the execution that answered it, filled in by the scheduler when the
-    execution succeeds (``ran``); charged to the model's statistics only if the request then succeeds."""
+    """Where one request's time went in the execution that answered it: filled in by the scheduler when that
+    execution succeeds, and charged to the model's statistics only if the request then succeeds.
 
-    queue_ns: int = 0
-    input_ns: int = 0
-    infer_ns: int = 0
-    output_ns: int = 0
-    ran: bool = False
+    A plain class with two slots: one is made per request.
+    """
+
+    __slots__ = ("queue_ns", "compute_ns")
+
+    def __init__(self) -> None:
+        self.queue_ns = 0
+        # The execution's (input, infer, output) times, shared by its requests; None: none succeeded for it.
+        self.compute_ns: tuple[int, int, int] | None = None
 
 
 class ModelStats:
@@ -174,13 +177,14 @@ class ModelStats:
             self.success.add(total_ns)
             self.inference_count += rows
             self.request_seconds.observe(total_ns / 1e9)
-            if timing is not None and timing.ran:
+            if timing is not None and timing.compute_ns is not None:
                 self.queue.add(timing.queue_ns)
                 self.queue_seconds.observe(timing.queue_ns / 1e9)
                 # Triton's convention: each request of a batch is charged the whole batch's compute time.
-                self.compute_input.add(timing.input_ns)
-                self.compute_infer.add(timing.infer_ns)
-                self.compute_output.add(timing.output_ns)
+                input_ns, infer_ns, output_ns = timing.compute_ns
+                self.compute_input.add(input_ns)
+                self.compute_infer.add(infer_ns)
+                self.compute_output.add(output_ns)
 
     def record_failure(self, total_ns: int, reason: str) -> None:
         """A request answered with an error; ``reason`` is a short label (``deadline_exceeded``). As in Triton,

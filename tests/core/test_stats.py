@@ -9,7 +9,9 @@ from nereid.stats import Histogram, ModelStats, RequestTiming
 
 def ran(queue_ns: int, input_ns: int = 10, infer_ns: int = 1000, output_ns: int = 20) -> RequestTiming:
     """A request's share of a successful execution, as the scheduler fills it in."""
-    return RequestTiming(queue_ns, input_ns, infer_ns, output_ns, ran=True)
+    timing = RequestTiming()
+    timing.queue_ns, timing.compute_ns = queue_ns, (input_ns, infer_ns, output_ns)
+    return timing
 
 
 def test_an_execution_charges_each_successful_request_the_whole_batch():
