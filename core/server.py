@@ -331,7 +331,8 @@ class NereidServer:
                 assert self._servicer is not None  # (set with _grpc)
                 ended = self._servicer.end_at_grace()
                 if ended:
-                    log.warning("%d gRPC inference request(s) still running after the %g s grace: answered "
+                    # (Queued or running: "in flight" says both; a queued one's answer says it was not run.)
+                    log.warning("%d gRPC inference request(s) still in flight after the %g s grace: answered "
                                 "UNAVAILABLE", ended, grace)
             await stopping
         # The listeners are closed once every client has its answer, but a run whose client went away holds its

@@ -205,7 +205,7 @@ class HttpSurface:
     async def _route(self, scope: Scope, receive: Receive) -> tuple[int, list[bytes | memoryview], list]:
         method, parts = scope["method"], _path_segments(scope)
         if not parts or parts[0] != "v2":
-            raise HttpError(404, f"no such endpoint: {cap_message(scope['path'], 256)} (the API is under /v2)")
+            raise HttpError(404, f"no such endpoint: {_shown_path(scope)} (the API is under /v2)")
         parts = parts[1:]
         if method == "HEAD":
             method = "GET"  # answered as GET; uvicorn sends the head without the body
@@ -416,7 +416,7 @@ class HttpSurface:
                                          f"got {quoted(unload_dependents)}")
                 await self.dataplane.unload(model, unload_dependents)
             return 200, [], []  # Triton's empty answer: no body, so no JSON Content-Type either
-        raise HttpError(404, f"no such endpoint: POST {cap_message(scope['path'], 256)}")
+        raise HttpError(404, f"no such endpoint: POST {_shown_path(scope)}")
 
     async def _read_body(self, headers: dict[bytes, bytes], receive: Receive, model: str,
                          all_json: bool = False) -> bytes:
@@ -578,6 +578,14 @@ def _path_segments(scope: Scope) -> list[str]:
     return [unquote(segment) for segment in raw.split(b"?", 1)[0].decode("latin-1").strip("/").split("/")]
 
 
+def _shown_path(scope: Scope) -> str:
+    """The request's path as the client sent it, for messages: decoded, ``/v2/repository%2Fmodels%2Fm%2Funload``
+    read as an endpoint that exists (an encoded slash is no separator, see :func:`_path_segments`)."""
+    raw = scope.get("raw_path")
+    path = scope["path"] if raw is None else raw.split(b"?", 1)[0].decode("latin-1")
+    return cap_message(path, 256)
+
+
 def _json(document: Any, status: int = 200) -> tuple[int, list[bytes | memoryview], list]:
     return status, [orjson.dumps(document)], JSON_HEADERS
 
@@ -605,7 +613,7 @@ def _parameters(body: bytes, what: str) -> dict:
 def _not_found(scope: Scope, parts: list[str]) -> HttpError:
     """404 for an unknown endpoint; 405 with Allow for a known one asked with the wrong method, as Triton
     answers it (worked out only here, off the path of requests that route)."""
-    method, path = scope["method"], cap_message(scope["path"], 256)
+    method, path = scope["method"], _shown_path(scope)
     allowed = _allowed_method(parts)
     if allowed is None or (method == "HEAD" and allowed == "GET"):
         return HttpError(404, f"no such endpoint: {method} {path}")

@@ -831,6 +831,8 @@ def test_an_encoded_slash_is_part_of_its_segment_never_a_separator(served):
     server, base = served
     status, answer, _ = call(base, "POST", "/v2/repository%2Fmodels%2Fecho%2Funload", b"")
     assert status == 404, answer
+    # Found by a README check: the 404 quoted the decoded path, an endpoint that exists.
+    assert json.loads(answer)["error"] == "no such endpoint: POST /v2/repository%2Fmodels%2Fecho%2Funload"
     assert server.client.is_model_ready("echo")
     assert call(base, "GET", "/v2%2Fhealth%2Flive")[0] == 404
     status, answer, _ = call(base, "GET", "/v2/models/echo%2Fconfig")
