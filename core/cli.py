@@ -515,8 +515,12 @@ def _check_model(settings: Settings, manager: NereidPluginManager, scratch: Path
     depends_on: tuple[str, ...] = ()
     unavailable: str | None = None  # why a server, having loaded it, would not serve it
     if isinstance(built.backend, CallsModels):
+        # (Imported here: the server's loading machinery, which the check needs for this one warning only.)
+        from nereid.version_loader import warn_if_instances_ignored
+
         try:  # asked while it is loaded, as a server asks (and, when it raises, unloads it: UNAVAILABLE)
             depends_on = tuple(built.backend.dependencies())
+            warn_if_instances_ignored(name, model_settings.instances, built.backend.concurrent_executions())
         except model_faults() as err:
             unavailable = _load_failure_text(name, err)
     try:

@@ -43,6 +43,14 @@ class LoadListener(Protocol):
         """One model version loaded in ``seconds``."""
 
 
+def warn_if_instances_ignored(name: str, configured: int, running: int) -> None:
+    """Log that ``instances: configured`` does not apply to model ``name``, which calls models and runs
+    ``running`` requests at once (its backend's count); nothing when ``instances`` was left at 1."""
+    if configured != 1:  # (a Triton ensemble's instance_group, ported, say)
+        log.warning("model '%s': instances: %d does not apply to a model that calls models; %d of its requests run "
+                    "at once (its backend's count; queue_capacity for a meta model)", name, configured, running)
+
+
 class VersionLoader:
     """Loads versions of model folders for one repository.
 
@@ -119,10 +127,7 @@ class VersionLoader:
                 instances, depends_on = calling_plugin(
                     lambda: (built.backend.concurrent_executions(), built.backend.dependencies()),
                     lambda exit_: backend_exit(name, exit_, "while asked what it calls"), also=(KeyboardInterrupt,))
-                if entry.settings.instances != 1:  # (a Triton ensemble's instance_group, ported, say)
-                    log.warning("model '%s': instances: %d does not apply to a model that calls models; %d of its "
-                                "requests run at once (its backend's count; queue_capacity for a meta model)",
-                                name, entry.settings.instances, instances)
+                warn_if_instances_ignored(name, entry.settings.instances, instances)
             scheduler = ModelScheduler(name, built.backend, built.batch_signature, entry.settings.queue_capacity,
                                        instances, stats, built.policy)
             hook_threads = HookThreads(name)

@@ -367,6 +367,22 @@ def test_model_config_counts_the_orchestrations_that_run_at_once_and_instances_i
         "backend's count; queue_capacity for a meta model)"]
 
 
+def test_nereid_check_warns_of_instances_on_a_meta_model_as_the_server_does(tmp_path: Path, caplog, capsys) -> None:
+    """Found by a README check: `nereid check` said nothing of an `instances` that does not apply."""
+    import logging
+
+    from nereid.cli import main as cli_main
+
+    root = tmp_path / "ml-backends"
+    root.mkdir()
+    meta_folder(root, "a", manifest=META.replace("[a, b]", "[]"))
+    meta_repository(tmp_path, "models:\n  - {name: a, queue_capacity: 8, instances: 4}\n")  # (writes nereid.yaml)
+    caplog.set_level(logging.WARNING, logger="nereid.repository")
+    assert cli_main(["check", "--config", str(tmp_path / "nereid.yaml")]) == 0
+    assert "model 'a': instances: 4 does not apply to a model that calls models; 8 of its requests run at once" in \
+        caplog.text, (caplog.text, capsys.readouterr())
+
+
 def test_a_device_is_warned_of_and_ignored(tmp_path: Path, caplog) -> None:
     """Defect: `device: cuda:1` on a meta model was accepted without a word, though nothing runs there."""
     import logging
