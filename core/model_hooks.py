@@ -131,7 +131,9 @@ def load_model_hooks(path: Path, model: str, meta: bool = False) -> ModelHooks:
         # Not the server's exit: a model.py that calls sys.exit() while loading is a model that fails to load.
         raise ConfigError(f"model '{model}': {path}{_line_of(err, path)} called sys.exit({err.code!r}) while "
                           "loading; a model.py must register its hooks and return") from None
-    except Exception as err:
+    except BaseException as err:  # a KeyboardInterrupt of its own too: it blamed the backend, naming no line
+        # (A stop signal is never raised in here: the server takes it on its loop, and nereid check delivers one
+        # that comes during an import once the import is done.)
         raise ConfigError(f"model '{model}': {path}{_line_of(err, path)} failed: {type(err).__name__}: {err}") \
             from err
     finally:

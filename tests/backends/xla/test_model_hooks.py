@@ -105,3 +105,7 @@ def test_mistakes_name_the_file(tmp_path) -> None:
     path.write_text("import sys\nsys.exit(0)\n")  # a SystemExit must not end the server (or nereid check)
     with pytest.raises(ConfigError, match=r"model.py:2 called sys.exit\(0\) while loading"):
         load_model_hooks(path, "m")
+    # Found by a README check: its own KeyboardInterrupt was blamed on the backend, with no file or line.
+    path.write_text("x = 1\nraise KeyboardInterrupt('mine')\n")
+    with pytest.raises(ConfigError, match=r"model.py:2 failed: KeyboardInterrupt: mine"):
+        load_model_hooks(path, "m")
