@@ -248,6 +248,8 @@ class MetaModel:
                     orchestration.end()
             else:
                 result = await self._run_blocking(orchestrate, inputs, deadline_ns)
+        except _NotInDependsOn as err:  # (with the line of model.py that made the call)
+            raise ModelFailure(f"{err}{self._line_of(err).replace(' at ', '; called at ')}") from None
         except NereidError as err:
             if str(err).startswith(f"meta model '{self.context.name}'"):
                 raise  # a sub-call's error, already naming both models, with its status
@@ -293,8 +295,9 @@ class MetaModel:
         name = self.context.name
         if model_name not in self._callable:
             listed = ", ".join(self.depends_on) or "none"
-            raise ModelFailure(f"meta model '{name}': ctx.infer('{model_name}') refused: '{model_name}' is not in "
-                               f"depends_on of its {MANIFEST_NAME} (depends_on: {listed}); list every model it calls")
+            raise _NotInDependsOn(f"meta model '{name}': ctx.infer('{model_name}') refused: '{model_name}' is not "
+                                  f"in depends_on of its {MANIFEST_NAME} (depends_on: {listed}); list every model it "
+                                  "calls")
         if not isinstance(inputs, (list, tuple)) or not all(isinstance(t, NamedTensor) for t in inputs):
             raise TypeError(f"ctx.infer('{model_name}', inputs): inputs must be a list of nereid.tensors.NamedTensor, "
                             f"got {type(inputs).__name__}")
@@ -391,6 +394,10 @@ class MetaModel:
         """`` at model.py:<line>`` of the innermost frame in model.py, for the error message."""
         frames = [f for f in traceback.extract_tb(err.__traceback__) if Path(f.filename) == self._model_py]
         return f" at {MODEL_PY}:{frames[-1].lineno}" if frames else ""
+
+
+class _NotInDependsOn(ModelFailure):
+    """An orchestration's sub-call of a model its manifest's depends_on does not list."""
 
 
 def _check_arity(model: str, model_py: Path, orchestrate: Callable[..., Any]) -> None:

@@ -248,8 +248,9 @@ def test_sub_call_errors_keep_their_status_and_name_both_models(repo, serve) -> 
     expect_grpc_error("INTERNAL", call(0), "meta model 'errors'", "sub-call to 'failing' failed", "boom")
     np.testing.assert_array_equal(call(1)(), np.full(4, -1, np.float32))
     expect_grpc_error("INVALID_ARGUMENT", call(2), "meta model 'errors'", "sub-call to 'echo'", "shape [1, 3]")
+    # (Found by a README check: with the line of model.py that made the call, as the README says.)
     expect_grpc_error("INTERNAL", call(3), "meta model 'errors'", "ctx.infer('unlisted') refused",
-                      "not in depends_on")
+                      "not in depends_on", "list every model it calls; called at model.py:20")
     assert statistics(client, "unlisted").inference_count == 0
     expect_grpc_error("INTERNAL", call(7), "meta model 'errors': orchestrate failed at model.py:",
                       "ValueError: no mode 7")
