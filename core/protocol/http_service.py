@@ -466,7 +466,7 @@ class HttpSurface:
                     raise HttpError(413, f"{_who(model)}the request body exceeds the limit of {limit} bytes "
                                          "(server.max_message_bytes)")
                 if all_json and size > self.max_json_bytes:
-                    raise self._json_too_large(model, "exceeds it (all of the body is JSON: it has no "
+                    raise self._json_too_large(model, "passes the limit (all of the body is JSON: it has no "
                                                       "Inference-Header-Content-Length)")
                 chunks.append(chunk)
                 if not message.get("more_body", False):

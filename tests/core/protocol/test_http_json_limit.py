@@ -91,7 +91,7 @@ def test_a_chunked_json_body_is_refused_once_it_passes_the_limit(served):
     head = _infer_head(0).replace(b"Content-Length: 0", b"Transfer-Encoding: chunked")
     status, body, _ = _answer(base, head + b"%x\r\n%s\r\n" % (JSON_LIMIT + 1, b" " * (JSON_LIMIT + 1)))
     assert status == 413 and body["error"].startswith(
-        "model 'echo': the JSON part of the request exceeds it (all of the body is JSON: it has no "
+        "model 'echo': the JSON part of the request passes the limit (all of the body is JSON: it has no "
         f"Inference-Header-Content-Length); the limit for JSON is {JSON_LIMIT} bytes"), body
     assert _stats(server) == (1, {"invalid_argument": 1})
 
