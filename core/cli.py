@@ -8,12 +8,14 @@ import asyncio
 import atexit
 import contextlib
 import errno
+import importlib.machinery
 import logging
 import os
 import resource
 import signal
 import sys
 import threading
+import time
 import types
 from dataclasses import dataclass
 from pathlib import Path
@@ -320,6 +322,7 @@ def check(settings: Settings, manager: NereidPluginManager | None = None) -> int
                 print(checked.line())
         problems += _check_callers(callers, states)
     except KeyboardInterrupt as stop:
+        signals.close()  # (a second signal, or a delivery pending, must not interrupt what follows)
         killed = kill_children()
         signum = stop.signum if isinstance(stop, _Terminated) else signal.SIGINT
         # A terminal that hung up (SIGHUP) refuses the line (EIO): the exit status still says what happened.
@@ -328,7 +331,7 @@ def check(settings: Settings, manager: NereidPluginManager | None = None) -> int
                   f"{f' ({killed} program(s) it had started killed)' if killed else ''}", file=sys.stderr)
         return 128 + signum  # as the shell reports a process that the signal ended
     finally:
-        signals.active = False
+        signals.close()
         for signum, handler in previous.items():
             signal.signal(signum, handler)
         sys.unraisablehook = unraisable_hook
@@ -365,12 +368,17 @@ class _StopSignals:
     under ``nereid serve`` (which loads models off the main thread).
     """
 
-    # How long a stop that came during an import waits before it is tried again.
+    # How long a stop that came while a native module initialised waits before it is tried again, and the
+    # longest it is put off so (an initialisation that hangs must not make the check unstoppable).
     RETRY_S = 0.05
+    MOST_DEFERRED_S = 5.0
 
     def __init__(self) -> None:
         self.came: signal.Signals | None = None  # the signal that came, if one did
-        self.active = True  # installed: set False when the check puts the previous handlers back
+        self._lock = threading.Lock()
+        self._retry: threading.Timer | None = None  # at most one delivery pending
+        self._deferred_since: float | None = None
+        self._closed = False
 
     @staticmethod
     def handled() -> list[signal.Signals]:
@@ -379,21 +387,40 @@ class _StopSignals:
         return [signal.SIGTERM, *not_ignored(signal.SIGINT, signal.SIGHUP)]
 
     def __call__(self, signum: int, frame: types.FrameType | None) -> None:
-        self.came = signal.Signals(signum)
-        if _importing(frame):
-            # Raised inside an import, the stop can unwind through a native module's initialisation, which
-            # then aborts the whole process (jaxlib's, as a bundle's load imports jax: "terminate called after
-            # throwing an instance of 'nanobind::python_error'", exit 134, the scratch folder left behind).
-            # The signal is delivered again shortly instead, until it comes outside the import.
-            timer = threading.Timer(self.RETRY_S, self._deliver_again, (signum,))
-            timer.daemon = True
-            timer.start()
+        if self._closed:  # (the check is stopping or has ended: its cleanup is not interrupted)
             return
+        self.came = signal.Signals(signum)
+        if _initialising_native_module(frame):
+            # Raised there, the stop unwinds through the native module's initialisation, which then aborts the
+            # whole process (jaxlib's, as a bundle's load imports jax: "terminate called after throwing an
+            # instance of 'nanobind::python_error'", exit 134, the scratch folder left behind). It is delivered
+            # again shortly instead, once the initialisation is over, or after MOST_DEFERRED_S regardless.
+            now = time.monotonic()
+            with self._lock:
+                if self._deferred_since is None:
+                    self._deferred_since = now
+                if now - self._deferred_since < self.MOST_DEFERRED_S:
+                    if self._retry is None:
+                        self._retry = threading.Timer(self.RETRY_S, self._deliver_again, (signum,))
+                        self._retry.daemon = True
+                        self._retry.start()
+                    return
         self.stop_if_came()
 
     def _deliver_again(self, signum: int) -> None:
-        if self.active:  # (the check has ended since: nothing to stop)
-            _thread.interrupt_main(signum)
+        with self._lock:  # (close() cannot put the previous handlers back in between)
+            self._retry = None
+            if not self._closed:
+                _thread.interrupt_main(signum)
+
+    def close(self) -> None:
+        """Stop handling: a delivery still pending is dropped, and a signal from now on does nothing (called
+        before the check cleans up and before the previous handlers are put back)."""
+        with self._lock:
+            self._closed = True
+            retry, self._retry = self._retry, None
+        if retry is not None:
+            retry.cancel()
 
     def model_faults(self) -> tuple[type[BaseException], ...]:
         """What to catch around a model's code as its failure: :func:`plugin_failures`, and a KeyboardInterrupt
@@ -428,10 +455,14 @@ class _StopSignals:
             raise KeyboardInterrupt() if self.came == signal.SIGINT else _Terminated(self.came)
 
 
-def _importing(frame: types.FrameType | None) -> bool:
-    """Whether ``frame`` runs inside an import (importlib's own frames are among its callers)."""
+def _initialising_native_module(frame: types.FrameType | None) -> bool:
+    """Whether ``frame`` runs inside the initialisation of a native (extension) module: among its callers is
+    importlib's ``create_module`` or ``exec_module`` of an ExtensionFileLoader. (A plain Python module's import,
+    a model.py's included, is not: a stop raised there unwinds as from any Python code.)"""
     while frame is not None:
-        if frame.f_code.co_filename.startswith("<frozen importlib"):
+        if (frame.f_code.co_name in ("create_module", "exec_module")
+                and frame.f_code.co_filename.startswith("<frozen importlib")
+                and isinstance(frame.f_locals.get("self"), importlib.machinery.ExtensionFileLoader)):
             return True
         frame = frame.f_back
     return False

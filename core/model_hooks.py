@@ -132,8 +132,8 @@ def load_model_hooks(path: Path, model: str, meta: bool = False) -> ModelHooks:
         raise ConfigError(f"model '{model}': {path}{_line_of(err, path)} called sys.exit({err.code!r}) while "
                           "loading; a model.py must register its hooks and return") from None
     except BaseException as err:  # a KeyboardInterrupt of its own too: it blamed the backend, naming no line
-        # (A stop signal is never raised in here: the server takes it on its loop, and nereid check delivers one
-        # that comes during an import once the import is done.)
+        # (A stop signal is no model's failure all the same: the server takes it on its loop, and nereid check,
+        # which has recorded it, stops when it sees this failure.)
         raise ConfigError(f"model '{model}': {path}{_line_of(err, path)} failed: {type(err).__name__}: {err}") \
             from err
     finally:
