@@ -14,8 +14,8 @@ from typing import Any, Awaitable, Callable, Protocol, TypeVar
 
 from nereid.backend import ChecksInputs, Model, Postprocesses, Preprocesses
 from nereid.daemon_pool import DaemonThreadPool
-from nereid.errors import (InvalidArgument, ModelFailure, NereidError, describe_exception, naming_model,
-                           without_stop_iteration)
+from nereid.errors import (ConfigError, InvalidArgument, LoggedModelFailure, ModelFailure, NereidError,
+                           describe_exception, naming_model, without_stop_iteration)
 from nereid.scheduler import REQUEST_STARTED, ModelScheduler
 from nereid.signature import ModelSignature, brief_repr, check_outputs, validate_inputs
 from nereid.stats import RequestTiming
@@ -83,7 +83,7 @@ def make_runner(backend: Model, signature: ModelSignature, batch_signature: Mode
     preprocess = backend.preprocess if isinstance(backend, Preprocesses) else None
     postprocess = backend.postprocess if isinstance(backend, Postprocesses) else None
     # Refused before queueing: a request no execution could run must not wait for one, nor fail the batch it joins.
-    check_inputs = backend.input_check() if isinstance(backend, ChecksInputs) else None
+    check_inputs = _input_check(backend, scheduler) if isinstance(backend, ChecksInputs) else None
     if preprocess is None and postprocess is None:
         if check_inputs is None:
             return scheduler.submit
@@ -108,6 +108,8 @@ def make_runner(backend: Model, signature: ModelSignature, batch_signature: Mode
             if batch_signature.batches and inputs:
                 # A hook may tile, crop or split rows: the program runs its rows, the client gets its own.
                 program_rows = inputs[0].shape[0]
+        elif check_inputs is not None:  # (a model with a postprocess hook only: the client's inputs are checked)
+            check_inputs(inputs)
         try:
             outputs = await scheduler.submit(inputs, program_rows, deadline_ns, timing)  # (logs its own faults)
         except InvalidArgument as err:
@@ -131,6 +133,34 @@ def make_runner(backend: Model, signature: ModelSignature, batch_signature: Mode
         return outputs
 
     return run
+
+
+def _input_check(backend: ChecksInputs, scheduler: ModelScheduler) -> Callable[[list[NamedTensor]], None] | None:
+    """The model's input check (asked for once, at load), guarded as the model code it is: its refusal names
+    the model; anything else it raises (sys.exit() included) is the model's logged fault, INTERNAL, never an
+    error that escapes the data plane uncounted."""
+    try:
+        check = backend.input_check()
+    except BaseException as err:  # (a load failure: the model is not served)
+        raise ConfigError(f"model '{scheduler.name}': input_check() failed: {describe_exception(err)}") from err
+    if check is None:
+        return None
+
+    def checked(inputs: list[NamedTensor]) -> None:
+        try:
+            check(inputs)
+        except NereidError as err:
+            named = naming_model(scheduler.name, err)
+            if named is err:
+                raise
+            raise named from err
+        except BaseException as err:
+            message = f"model '{scheduler.name}' failed: input check: {describe_exception(err)}"
+            failure = ModelFailure(message)
+            failure.__cause__ = err  # (the traceback the log shows)
+            scheduler.log_fault(failure)
+            raise LoggedModelFailure(message) from err
+    return checked
 
 
 def _logged(scheduler: ModelScheduler, failure: ModelFailure) -> ModelFailure:
@@ -165,13 +195,18 @@ def _program_inputs(model: str, batch_signature: ModelSignature, tensors: list[N
     """
     try:
         tensors = validate_inputs(model, batch_signature, tensors).tensors
-        if check_inputs is not None:
-            check_inputs(tensors)
-        return tensors
     except InvalidArgument as err:
         detail = _without_model(model, str(err))
     except Exception as err:  # a NamedTensor whose data is no array (validation reads its shape)
         detail = describe_exception(err)
+    else:
+        if check_inputs is None:
+            return tensors
+        try:
+            check_inputs(tensors)  # (a fault of the check itself comes out as the model's own ModelFailure)
+            return tensors
+        except InvalidArgument as err:
+            detail = _without_model(model, str(err))
     raise _hook_result_failure(model, "preprocess", PROGRAM_CANNOT_TAKE, detail) from None
 
 

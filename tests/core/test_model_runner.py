@@ -381,3 +381,60 @@ def test_the_input_check_of_a_model_with_a_preprocess_hook_judges_the_hook_s_res
         assert (await run(rows(20), 1, 0))[0].data.tolist() == [[20, 20]]
         await scheduler.drain()
     asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+class CheckingAfter(Checking):
+    """A Checking model with a postprocess hook (and no preprocess one)."""
+
+    def postprocess(self, outputs: list[NamedTensor]) -> list[NamedTensor]:
+        return outputs
+
+
+def test_a_model_with_only_a_postprocess_hook_has_its_inputs_checked_too() -> None:
+    """Found by a review: the check ran only without hooks or after a preprocess hook."""
+    from nereid.errors import InvalidArgument
+
+    async def scenario() -> None:
+        model = CheckingAfter()
+        run, scheduler = await serve(model)
+        with pytest.raises(InvalidArgument, match="^model 'm': input 'x' holds a negative number"):
+            await run(rows(-1), 1, 0)
+        assert model.runs == 0 and scheduler._stats.batcher.total_submitted == 0
+        await scheduler.drain()
+    asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+@pytest.mark.parametrize("fault", [ValueError("bad check"), SystemExit(3)], ids=["ValueError", "SystemExit"])
+def test_an_input_check_that_raises_is_the_model_s_logged_fault(fault: BaseException,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    """Found by a review: what the check raised passed the data plane uncounted (a SystemExit into the loop)."""
+    def raising(inputs: list[NamedTensor]) -> None:
+        raise fault
+
+    async def scenario() -> None:
+        model = Checking()
+        model.input_check = lambda: raising
+        run, scheduler = await serve(model)
+        with pytest.raises(ModelFailure, match=rf"^model 'm' failed: input check: {type(fault).__name__}"):
+            await run(rows(1), 1, 0)
+        assert model.runs == 0
+        await scheduler.drain()
+    with caplog.at_level(logging.ERROR):
+        asyncio.run(asyncio.wait_for(scenario(), 30))
+    assert len([r for r in caplog.records if "input check" in r.getMessage()]) == 1
+
+
+def test_an_input_check_that_cannot_be_had_fails_the_load() -> None:
+    from nereid.errors import ConfigError
+
+    async def scenario() -> None:
+        model = Checking()
+
+        def broken() -> None:
+            raise SystemExit(2)
+        model.input_check = broken
+        scheduler = ModelScheduler("m", model, SIGNATURE, capacity=4, instances=1, stats=ModelStats())
+        with pytest.raises(ConfigError, match=r"^model 'm': input_check\(\) failed: SystemExit: 2"):
+            make_runner(model, SIGNATURE, SIGNATURE, scheduler, HookThreads("m"))
+        await scheduler.drain()
+    asyncio.run(asyncio.wait_for(scenario(), 30))
