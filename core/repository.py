@@ -389,8 +389,10 @@ class ModelRepository:
                     and self.removal_of(name) is None and not entry.folder.is_dir()):
                 # Nothing to load from: the client's mistake, not a fault of the model's ("failed to load",
                 # INTERNAL, said the folder went "while it was being loaded").
+                serves = ("until the watcher unloads it" if self.settings.server.watch
+                          else "on (nothing follows the folder without server.watch)")
                 raise NotFound(PublicText(f"model '{name}': its folder '{name}' is gone from ml_backends_path, "
-                                          "so it cannot be loaded again; the version loaded before serves on"))
+                                          f"so it cannot be loaded again; the version loaded before serves {serves}"))
             # Loaded already: loaded again without downtime, as Triton does. The running version serves until
             # the new one is READY, and keeps serving if the new one fails (the reason shows in the index).
             await self.reload(name, retrying=retrying)

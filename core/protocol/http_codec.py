@@ -152,7 +152,7 @@ def _decode_input(model: str, index: int, raw: Any, binary: memoryview, offset: 
             # (orjson reads an integer literal past 64 bits as a float: say so, rather than "not an integer".)
             huge = isinstance(dim, float) and math.isfinite(dim) and dim.is_integer() and abs(dim) >= 2**63
             raise InvalidArgument(f"{where}: 'shape' must be a list of integers; element {position} is "
-                                  + ("an integer past 64 bits" if huge else quoted(dim)))
+                                  f"{quoted(dim)}{', past what a 64-bit integer holds' if huge else ''}")
     shape = tuple(shape_value)
     count = wire_shape(where, shape)
     parameters = _object(model, raw.get("parameters", {}), f"inputs[{index}].parameters")

@@ -424,9 +424,10 @@ class HttpSurface:
         ``all_json`` (an infer body that is all JSON), past server.http_max_json_bytes too."""
         declared = headers.get(b"content-length")
         coding = headers.get(b"transfer-encoding")
-        if coding is not None and coding.replace(b" ", b"").lower() != b"chunked":
+        codings = None if coding is None else b"".join(coding.split()).lower()  # (any whitespace: "gzip,\tchunked")
+        if codings is not None and codings != b"chunked":
             shown = coding.decode("latin-1")[:64]
-            if not coding.replace(b" ", b"").lower().endswith(b",chunked"):
+            if not codings.endswith(b",chunked"):
                 # No chunked last, the body's end cannot be found (RFC 9112, 6.3): a malformed request, as the
                 # HTTP parser answers it, not an extension nereid lacks (it was counted as "unimplemented").
                 raise HttpError(400, f"{_who(model)}Transfer-Encoding {shown!r} does not end with chunked, so the "

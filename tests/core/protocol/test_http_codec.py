@@ -99,7 +99,7 @@ def test_an_empty_inputs_list_is_a_request_without_inputs():
     (b"{}", 99, "Inference-Header-Content-Length is 99, but the body has 2 bytes"),
     # Found by a README check: a dimension past 64 bits (read as a float) was "not a list of integers", unnamed.
     (body({"name": "x", "shape": [1, 10 ** 23], "datatype": "FP32", "data": [1]}), None,
-     "input 'x': 'shape' must be a list of integers; element 1 is an integer past 64 bits"),
+     "input 'x': 'shape' must be a list of integers; element 1 is 1e+23, past what a 64-bit integer holds"),
     (body({"name": "x", "shape": [1, 2.5], "datatype": "FP32", "data": [1]}), None,
      "input 'x': 'shape' must be a list of integers; element 1 is 2.5"),
     (body({"name": "x", "shape": [1], "datatype": "FP32", "parameters": {"shared_memory_region": "r0",
