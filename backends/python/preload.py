@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import importlib.machinery
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,6 +84,10 @@ def _top_level_names(tree: ast.Module) -> list[tuple[str, bool, bool]]:
     return [(name, leading, taken) for name, (leading, taken) in found.items()]
 
 
+# The file names import finds a module by in a folder: extensions, sources, then bytecode (as its FileFinder).
+MODULE_SUFFIXES = tuple(importlib.machinery.all_suffixes())
+
+
 def lives_in_folder(module: str, folder: Path) -> bool:
     """True when ``module``'s top-level package is a file or package in the model folder.
 
@@ -90,7 +95,9 @@ def lives_in_folder(module: str, folder: Path) -> bool:
     takes effect on the next request, exactly as with a cold start.
     """
     top = module.split(".", 1)[0]
-    return (folder / f"{top}.py").is_file() or (folder / top).is_dir()
+    # Any file import finds there: a compiled extension (Cython, pybind11) or a sourceless .pyc too, which were
+    # taken for installed modules, preloaded where the folder is not on sys.path, and the load failed.
+    return (folder / top).is_dir() or any((folder / f"{top}{suffix}").is_file() for suffix in MODULE_SUFFIXES)
 
 
 @dataclass(frozen=True)

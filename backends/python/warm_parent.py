@@ -797,8 +797,9 @@ def _unshadow(folder: str) -> None:
     """
     try:
         with os.scandir(folder) as entries:
-            local = {entry.name.removesuffix(".py") for entry in entries
-                     if (entry.name.endswith(".py") and entry.is_file())
+            # A module file of any kind import takes (a compiled extension or a .pyc too), or a regular package.
+            local = {_module_name(entry.name) if entry.is_file() else entry.name for entry in entries
+                     if (entry.is_file() and _module_name(entry.name) is not None)
                      or (entry.is_dir() and os.path.exists(os.path.join(entry.path, "__init__.py")))}
     except OSError:
         return
@@ -806,6 +807,15 @@ def _unshadow(folder: str) -> None:
               if name.partition(".")[0] in local and name not in INTERPRETER_MODULES and name != "__main__"]
     for name in hidden:
         del sys.modules[name]
+
+
+def _module_name(file_name: str) -> str | None:
+    """The module a file of this name is to import (``fastops`` for ``fastops.cpython-311-x86_64-linux-gnu.so``);
+    None when it is none."""
+    for suffix in importlib.machinery.all_suffixes():
+        if file_name.endswith(suffix) and len(file_name) > len(suffix):
+            return file_name[:-len(suffix)]
+    return None
 
 
 def _release_model_modules(folders: list[str], run_modules: list[types.ModuleType]) -> None:

@@ -111,3 +111,24 @@ def test_a_lazy_package_s_getattr_asked_for_a_from_import_is_checked_as_an_impor
                               capture_output=True, text=True, timeout=30)
         assert done.returncode == 0, done.stderr
         assert json.loads(done.stdout) == [answer]
+
+
+def test_a_module_file_of_any_kind_in_the_folder_hides_the_parent_s_module_of_its_name(tmp_path) -> None:
+    """As `python main.py` finds the folder's module first, whatever its kind: a compiled extension and a .pyc
+    (found by a bug hunt: only .py files and packages counted, so the child kept the parent's module)."""
+    import importlib.machinery
+    import types
+
+    extension = importlib.machinery.EXTENSION_SUFFIXES[0]
+    names = {"nereid_test_ext": f"nereid_test_ext{extension}", "nereid_test_pyc": "nereid_test_pyc.pyc",
+             "nereid_test_src": "nereid_test_src.py", "nereid_test_kept": None}
+    for name, file in names.items():
+        sys.modules[name] = types.ModuleType(name)
+        if file is not None:
+            (tmp_path / file).write_bytes(b"")
+    try:
+        warm_parent._unshadow(str(tmp_path))
+        assert [name for name in names if name in sys.modules] == ["nereid_test_kept"]
+    finally:
+        for name in names:
+            sys.modules.pop(name, None)

@@ -768,3 +768,35 @@ def test_a_run_out_of_descriptors_closes_those_it_had_opened_and_the_next_one_ru
     failed = {free: outcome for free, outcome, _ in outcomes if outcome != 0}
     assert set(failed.values()) == {"EMFILE"} and {0, 2, 4} <= failed.keys(), outcomes
     assert outcomes[-1][1] == 0 and afterwards == 0, outcomes
+
+
+EXTENSION_C = r'''
+#include <Python.h>
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "fastops", NULL, -1, NULL};
+PyMODINIT_FUNC PyInit_fastops(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && PyModule_AddIntConstant(m, "ANSWER", 42) < 0) { Py_DECREF(m); return NULL; }
+    return m;
+}
+'''
+
+
+def test_a_compiled_extension_module_in_the_folder_is_the_model_s_own(repo, serve, tmp_path):
+    """Found by a bug hunt: a Cython or pybind11 module shipped beside main.py (fastops.<abi>.so) was taken for
+    an installed module, preloaded where the folder is not on sys.path, and the load failed ("fails to import"),
+    though `python main.py` runs."""
+    import shutil
+    import subprocess
+    import sysconfig
+
+    compiler = shutil.which("cc") or shutil.which("c++")
+    include = sysconfig.get_paths()["include"]
+    if compiler is None or not Path(include, "Python.h").is_file():
+        pytest.skip("no C compiler or no Python headers to build an extension with")
+    folder = repo.python("ext", textproto=REPORT, main=reply_main("fastops.ANSWER", prelude="import fastops"))
+    (tmp_path / "fastops.c").write_text(EXTENSION_C)
+    subprocess.run([compiler, "-shared", "-fPIC", "-x", "c", f"-I{include}", str(tmp_path / "fastops.c"), "-o",
+                    str(folder / f"fastops{sysconfig.get_config_var('EXT_SUFFIX')}")], check=True)
+    server = serve(repo.write_config())
+    assert backend_of(server, "ext").runtime_report().summary == "warm_start=on"
+    assert ask(server, "ext") == 42
