@@ -480,6 +480,8 @@ def run_child(env: dict[str, str], cwd: str, stdin_fd: int, output_fd: int,
         os.close(folder_fd)  # not needed past the chdir: the working directory is the loaded folder
     if exec_argv:
         os.execv(exec_argv[0], exec_argv)  # keeps the process, its session and its parent-death signal
+    if _preload_sigchld is not None:  # what a preloaded import made of SIGCHLD, as importing it in main.py would
+        signal.signal(signal.SIGCHLD, _preload_sigchld)
     reseed_random_state()
     return run_main(os.path.join(cwd, ENTRY_FILE))
 
@@ -941,12 +943,14 @@ _prctl = None
 _fflush = None
 # (variables set or changed, variables removed) by the preloaded imports.
 _preload_environ: tuple[dict[str, str], list[str]] = ({}, [])
+# The SIGCHLD disposition the preloaded imports set, when not the default (given back to each run's child).
+_preload_sigchld: object = None
 # main.py's path at load, its code or why not, and its lines (for tracebacks).
 _entry: tuple[str, types.CodeType | BaseException, list[str]] | None = None
 
 
 def main() -> int:
-    global _prctl, _fflush, _preload_environ
+    global _prctl, _fflush, _preload_environ, _preload_sigchld
     _prctl = _find_prctl()  # looked up once, not in every child
     _fflush = _find_fflush()
     if _prctl is not None:
@@ -962,6 +966,11 @@ def main() -> int:
     refusal = preload(modules["imports"], modules["extra"], modules.get("submodules", []))
     after = dict(os.environ)
     _preload_environ = ({k: v for k, v in after.items() if before.get(k) != v}, [k for k in before if k not in after])
+    # A preloaded import that ignores SIGCHLD (or handles it) would have the kernel reap this parent's children
+    # before it waits on them: every run failed ("No child processes") while the model stayed READY. The parent
+    # keeps the default; each run's child gets the import's disposition back.
+    if signal.getsignal(signal.SIGCHLD) not in (signal.SIG_DFL, None):
+        _preload_sigchld = signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     # What the imports printed with C stdio (a library's printf), to the log now: its buffer would otherwise
     # be copied into every child, and written by each at its exit into its run's output. (Python's own
     # buffer is flushed before each fork.)

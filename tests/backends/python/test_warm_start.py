@@ -800,3 +800,16 @@ def test_a_compiled_extension_module_in_the_folder_is_the_model_s_own(repo, serv
     server = serve(repo.write_config())
     assert backend_of(server, "ext").runtime_report().summary == "warm_start=on"
     assert ask(server, "ext") == 42
+
+
+def test_a_preload_that_ignores_sigchld_leaves_the_runs_working_and_main_py_seeing_it(repo, serve, user_site):
+    """Found by a bug hunt: a preloaded import that set SIGCHLD to SIG_IGN had the kernel reap the warm parent's
+    children before it waited on them: every run failed ("its warm parent process exited with code 1") while
+    the model stayed READY. The run still sees SIG_IGN, as under `python main.py`."""
+    (user_site / "ignores_sigchld.py").write_text("import signal\nsignal.signal(signal.SIGCHLD, signal.SIG_IGN)\n")
+    repo.python("sigchld", textproto=REPORT,
+                main=reply_main("signal.getsignal(signal.SIGCHLD) == signal.SIG_IGN",
+                                prelude="import signal, ignores_sigchld"))
+    server = serve(repo.write_config())
+    assert backend_of(server, "sigchld").runtime_report().summary == "warm_start=on"
+    assert [ask(server, "sigchld") for _ in range(3)] == [True, True, True]
