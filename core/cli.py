@@ -8,6 +8,7 @@ import asyncio
 import atexit
 import contextlib
 import errno
+import faulthandler
 import importlib.machinery
 import logging
 import os
@@ -89,6 +90,7 @@ def main(argv: list[str] | None = None, extra_plugins: tuple[object, ...] = ()) 
         return _reading_stopped_quietly(lambda: args.run(args))
 
     serving = args.command == "serve"
+    _report_crashes()
     # The addresses this run listens on: the file's keys, and serve's flags in their place.
     listeners = (Listeners(args.bind, http_addr=args.http_bind, metrics_addr=args.metrics_bind) if serving
                  else Listeners())
@@ -104,6 +106,15 @@ def main(argv: list[str] | None = None, extra_plugins: tuple[object, ...] = ()) 
     if not serving:
         return _reading_stopped_quietly(lambda: check(settings, manager))
     return serve_command(settings, listeners, manager)
+
+
+def _report_crashes() -> None:
+    """Have a crash of the process (a segfault in a native library's code: a cxx model, an extension) print
+    the Python stacks of every thread to stderr, where it said nothing: which model's call it was shows there."""
+    try:
+        faulthandler.enable(all_threads=True)
+    except (AttributeError, OSError, RuntimeError, ValueError):  # (no usable stderr: captured, or closed)
+        pass
 
 
 def _set_log_level(level: str) -> None:

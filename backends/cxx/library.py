@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 import mmap
 import os
 import shutil
@@ -22,6 +23,8 @@ from typing import BinaryIO
 from nereid.backends.scratch import require_executable_folder, scratch_folder_refused
 from nereid.errors import ConfigError
 from nereid.files import not_regular_reason
+
+log = logging.getLogger(__name__)
 
 
 class CTensor(ctypes.Structure):
@@ -269,6 +272,9 @@ class NativeLibrary:
             shutil.rmtree(self._folder, ignore_errors=True)
             raise
         self._libc = _loader()
+        # Said first: the library's static constructors run in the server's own process, and one that exits or
+        # crashes ends it (nereid check too) with no other line naming the model.
+        log.info("model '%s': opening shared library %s", model, path)
         self._handle: int | None = self._libc.dlopen(str(self._copy).encode(), _RTLD_NOW | _RTLD_LOCAL)
         if not self._handle:
             # The loader names the file it was given: name the user's instead, once, and the copy's folder,

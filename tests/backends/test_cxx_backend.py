@@ -913,3 +913,41 @@ def test_a_library_in_a_folder_that_cannot_be_listed_still_loads(libs, tmp_path)
     if "setpriv:" in done.stderr:
         pytest.skip(f"setpriv cannot drop capabilities here: {done.stderr.strip()}")
     assert (done.returncode, done.stdout.strip()) == (0, "True"), done.stderr
+
+
+CRASHING_CONSTRUCTOR = r'''
+#include <cstddef>
+struct Crash { Crash() { volatile int* nowhere = nullptr; *nowhere = 1; } } crash_at_load;
+extern "C" int nereid_infer(void*, const void*, size_t, void*, size_t, char*, size_t) { return 0; }
+'''
+
+
+@pytest.mark.skipif(CXX is None, reason="needs a C++ compiler")
+def test_a_library_that_crashes_the_process_says_where(repo, tmp_path, caplog):
+    """Found by a bug hunt: a cxx library whose static constructor crashed (or exited) ended `nereid check` and
+    `nereid serve` with no word of which model; a crash in a call left the log at "is READY". The server now
+    says which library it opens before it runs any of its code, and a crash prints every thread's stack."""
+    import logging
+    import subprocess as sp
+
+    source = tmp_path / "crash.cpp"
+    source.write_text(CRASHING_CONSTRUCTOR)
+    library = tmp_path / "libcrash.so"
+    sp.run([CXX, "-shared", "-fPIC", str(source), "-o", str(library)], check=True)
+    scale_model(repo, "crash")
+    config = repo.write_config(entry("crash", f'{{library: "{library}"}}'))
+    result = sp.run([*NEREID, "check", "--config", str(config)], capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert "Fatal Python error: Segmentation fault" in result.stderr, result.stderr
+    assert "nereid/backends/cxx/library.py" in result.stderr or "backends/cxx/library.py" in result.stderr
+    # The server's log names the model before the library's code runs (here without crashing: the test
+    # library's constructor does nothing).
+    from nereid.backends.cxx.library import NativeLibrary
+
+    plain = tmp_path / "plain.cpp"
+    plain.write_text(CRASHING_CONSTRUCTOR.replace("*nowhere = 1;", ""))
+    sp.run([CXX, "-shared", "-fPIC", str(plain), "-o", str(tmp_path / "libplain.so")], check=True)
+    (tmp_path / "scratch").mkdir()
+    with caplog.at_level(logging.INFO, logger="nereid.backends.cxx.library"):
+        NativeLibrary("plain", tmp_path / "libplain.so", tmp_path / "scratch").close()
+    assert f"model 'plain': opening shared library {tmp_path / 'libplain.so'}" in caplog.text
