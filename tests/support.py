@@ -180,6 +180,23 @@ def nereid_serve(config: Path, *extra_args: str, ignore_sighup: bool = False):
             process.wait()
 
 
+def popen_with_ctrl_c(args: list[str], **kwargs: Any) -> subprocess.Popen:
+    """``subprocess.Popen``, with SIGINT at its default in the child, as a command started from a terminal has it.
+
+    A test run in the background (a shell's ``&``, as CI scripts and agents start pytest) inherits SIGINT
+    ignored, and exec keeps an ignored signal ignored: `nereid check`, which leaves an ignored SIGINT alone (as
+    `nereid check &` in a script asks), then never saw the test's Ctrl-C, and the test timed out. A signal this
+    process handles is reset to its default by exec, so it is handled here for the moment of the spawn.
+    """
+    import signal
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return subprocess.Popen(args, **kwargs)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def process_alive(pid: int) -> bool:
     """True while ``pid`` runs (False when it is gone, or a zombie waiting for its reaper)."""
     try:

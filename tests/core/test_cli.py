@@ -24,7 +24,7 @@ import tritonclient.grpc as triton
 from tritonclient.utils import InferenceServerException
 
 import toy_backends
-from support import ECHO_MAIN, NEREID, free_port, nereid_serve, process_alive, wait_until
+from support import ECHO_MAIN, NEREID, free_port, nereid_serve, popen_with_ctrl_c, process_alive, wait_until
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -273,9 +273,9 @@ def test_check_stopped_by_sigterm_sigint_or_sighup_kills_its_compiler_and_says_s
                                         (signal.SIGHUP, 129, "SIGHUP", False), (signal.SIGHUP, 129, "SIGHUP", True)):
         started.unlink(missing_ok=True)
         terminal, stderr = os.openpty() if hung_up else (None, subprocess.PIPE)
-        process = subprocess.Popen([*NEREID, "check", "--config", str(repo.write_config())],
-                                   stdout=subprocess.PIPE, stderr=stderr, text=True,
-                                   env={**os.environ, "CXX": str(slow)})
+        process = popen_with_ctrl_c([*NEREID, "check", "--config", str(repo.write_config())],
+                                    stdout=subprocess.PIPE, stderr=stderr, text=True,
+                                    env={**os.environ, "CXX": str(slow)})
         if hung_up:
             os.close(stderr)
         try:
@@ -749,8 +749,8 @@ def test_check_stops_at_ctrl_c_even_when_a_model_wraps_the_interrupt(repo, tmp_p
     repo.add("a_wrap", "input_shape: [4]\noutput_shape: [4]\n", **{"wrapping.txt": ""})
     repo.python("b_echo")
     started = tmp_path / "started"
-    process = subprocess.Popen([*NEREID, "check", "--config", str(repo.write_config())], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, env={**os.environ, "WRAPPING_STARTED": str(started)})
+    process = popen_with_ctrl_c([*NEREID, "check", "--config", str(repo.write_config())], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env={**os.environ, "WRAPPING_STARTED": str(started)})
     try:
         assert wait_until(started.exists, 30)
         process.send_signal(signal.SIGINT)
