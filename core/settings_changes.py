@@ -45,7 +45,8 @@ def settings_step(name: str, old: Settings, new: Settings, before: ModelSettings
     """
     was_listed, listed = old.model(name) is not None, new.model(name) is not None
     changed = new.model_or_default(name)[0] != before
-    if served(old, name) and not served(new, name) and (was_listed or loaded_backend is not None):
+    # (One asked for but not loaded, its load having failed, too: wanted no more, its fixed files must not load.)
+    if served(old, name) and not served(new, name) and (was_listed or loaded_backend is not None or asked_for):
         return SettingsStep("unload", " is no longer listed in nereid.yaml; unloading it" if was_listed else
                             ": nereid.yaml now lists the models to serve (models:), and not this one; unloading it")
     if loaded_backend is None:

@@ -63,7 +63,11 @@ def test_adding_or_removing_the_models_key_serves_what_a_restart_would(tmp_path:
     # (served either way, its settings as they were)
     assert step("a", every_folder, only_a, loaded_backend="python") is None
     assert step("a", only_a, every_folder, loaded_backend="python") is None
-    assert step("b", every_folder, only_a) is None  # (review: never loaded, or unloaded on purpose: nothing to do)
+    # (review: never loaded, or unloaded on purpose: nothing to do)
+    assert step("b", every_folder, only_a, asked_for=False) is None
+    # Found by a helper: one asked for whose load failed stayed wanted, and its fixed files then loaded.
+    assert step("b", every_folder, only_a) == (
+        "unload", ": nereid.yaml now lists the models to serve (models:), and not this one; unloading it")
 
 
 def test_an_empty_backends_section_changes_no_backend(tmp_path: Path) -> None:

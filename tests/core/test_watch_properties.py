@@ -309,8 +309,11 @@ class Disk:
         """The watcher reads nereid.yaml listing ``listed`` (README: added entries load, removed ones unload)."""
         old = outlook.listed
         for name in NAMES:
-            was, now = old is not None and name in old, listed is not None and name in listed
-            if listed is not None and was and not now:  # unloaded (a new folder may load after that, though)
+            # Served as settings_changes.served has it: listed, or nothing is (no models: key serves every
+            # folder). (Found by a helper: taking "no key" for "nothing listed", this oracle expected a folder an
+            # added models: key leaves out to stay served, and failed about one example in a hundred.)
+            was, now = old is None or name in old, listed is None or name in listed
+            if was and not now:  # unloaded (a new folder may load after that, though)
                 settled = name in self.folders and time.monotonic() - self.created.get(name, 0) > FRESH_S
                 outlook.want[name] = F if settled else EITHER
             elif now and not was:  # loaded
@@ -510,6 +513,10 @@ async def scenario(base: Path, disk: Disk, steps: list[tuple[tuple, float]], fir
 @given(START, STEPS, st.sampled_from([0.0, 0.05]))
 @example(({"a": 1, "b": 2}, ("a",)), [(("swap", "a", "b", "swap-tmp"), 0.0)], 0.0)
 @example(({"a": 1}, None), [(("mv", "a", "b"), 0.0), (("half", "a", 3), 0.12), (("rsync", "c", 4, 0.0), 0.0)], 0.0)
+@example(({"a": 6}, None), [(("yaml", ("b",), 1), 0.0)], 0.0)  # (the oracle's own defect, above)
+# A wanted folder whose load failed, left out by an added models: key, is no longer wanted: its fixed files do not
+# load (found by a helper: they did, where a restart with the new file would not load them).
+@example(({}, None), [(("half", "c", 4), 1.2), (("yaml", ("a",), 1), 0.3)], 0.0)
 def test_the_repository_converges_to_its_folders(start, steps, first_pause) -> None:
     run_example(start, steps, first_pause)
 
