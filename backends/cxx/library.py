@@ -14,11 +14,12 @@ import functools
 import logging
 import mmap
 import os
+import re
 import shutil
 import struct
 import uuid
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Callable
 
 from nereid.backends.scratch import require_executable_folder, scratch_folder_refused
 from nereid.errors import ConfigError
@@ -76,6 +77,45 @@ def _elf_machine(path: Path | str) -> int | None:
     if len(header) < 20 or header[:4] != b"\x7fELF" or header[5] not in (1, 2):
         return None
     return int.from_bytes(header[18:20], "little" if header[5] == 1 else "big")
+
+
+# A C++ name as the linker sees it (Itanium ABI mangling): what the loader names an undefined symbol by.
+_MANGLED = re.compile(r"\b_Z[0-9A-Za-z_]+")
+
+
+def _demangled(message: str) -> str:
+    """``message`` with each C++ mangled name followed by its readable form, as ``c++filt`` gives it
+    (``_Z20not_defined_anywherev (not_defined_anywhere())``); as it is where none can be demangled."""
+    demangle = _demangler()
+    if demangle is None:
+        return message
+    return _MANGLED.sub(lambda match: f"{match[0]} ({readable})" if (readable := demangle(match[0])) else match[0],
+                        message)
+
+
+@functools.cache
+def _demangler() -> Callable[[str], str | None] | None:
+    """The C++ runtime's own ``__cxa_demangle``, wrapped; None where there is no libstdc++ to ask."""
+    try:
+        runtime = ctypes.CDLL("libstdc++.so.6")
+        cxa_demangle = runtime.__cxa_demangle
+    except (OSError, AttributeError):
+        return None
+    cxa_demangle.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)]
+    cxa_demangle.restype = ctypes.c_void_p
+    libc = ctypes.CDLL(None)
+    libc.free.argtypes, libc.free.restype = [ctypes.c_void_p], None
+
+    def demangle(name: str) -> str | None:
+        status = ctypes.c_int(-1)
+        text = cxa_demangle(name.encode(), None, None, ctypes.byref(status))
+        if not text:
+            return None
+        try:
+            return ctypes.string_at(text).decode("utf-8", errors="replace") if status.value == 0 else None
+        finally:
+            libc.free(text)  # (malloc'd by the runtime for the caller)
+    return demangle
 
 
 def _foreign_machine(path: Path) -> str | None:
@@ -281,7 +321,7 @@ class NativeLibrary:
             # which the fault may be of rather than the file's (a file system that refuses to map code).
             message = self._dlerror().removeprefix(f"{self._copy}: ").replace(str(self._copy), str(path))
             # glibc says "No such file or directory" of a library built for another machine.
-            message = _foreign_machine(self._copy) or message
+            message = _foreign_machine(self._copy) or _demangled(message)
             shutil.rmtree(self._folder, ignore_errors=True)
             raise ConfigError(f"model '{model}': cannot load shared library {path} (dlopened from its copy in "
                               f"{scratch_dir}): {message}")

@@ -951,3 +951,20 @@ def test_a_library_that_crashes_the_process_says_where(repo, tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="nereid.backends.cxx.library"):
         NativeLibrary("plain", tmp_path / "libplain.so", tmp_path / "scratch").close()
     assert f"model 'plain': opening shared library {tmp_path / 'libplain.so'}" in caplog.text
+
+
+@pytest.mark.skipif(CXX is None, reason="needs a C++ compiler")
+def test_an_undefined_cxx_symbol_is_named_readably_too(tmp_path):
+    """Found by a bug hunt: the loader's mangled name alone (_Z20not_defined_anywherev) was all the reason said."""
+    import subprocess as sp
+
+    from nereid.backends.cxx.library import NativeLibrary
+    from nereid.errors import ConfigError
+
+    source = tmp_path / "undefined.cpp"
+    source.write_text('#include <cstddef>\nint not_defined_anywhere();\nextern "C" int nereid_infer(void*, const void*, '
+                      "size_t, void*, size_t, char*, size_t) { return not_defined_anywhere(); }\n")
+    sp.run([CXX, "-shared", "-fPIC", str(source), "-o", str(tmp_path / "libundefined.so")], check=True)
+    (tmp_path / "scratch").mkdir()
+    with pytest.raises(ConfigError, match=r"undefined symbol: _Z20not_defined_anywherev \(not_defined_anywhere\(\)\)"):
+        NativeLibrary("undefined", tmp_path / "libundefined.so", tmp_path / "scratch")
