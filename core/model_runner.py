@@ -14,8 +14,8 @@ from typing import Any, Awaitable, Callable, Protocol, TypeVar
 
 from nereid.backend import ChecksInputs, Model, Postprocesses, Preprocesses
 from nereid.daemon_pool import DaemonThreadPool
-from nereid.errors import (ConfigError, InvalidArgument, LoggedModelFailure, ModelFailure, NereidError,
-                           describe_exception, naming_model, without_stop_iteration)
+from nereid.errors import (ConfigError, InvalidArgument, ModelFailure, NereidError, describe_exception,
+                           naming_model, without_stop_iteration)
 from nereid.scheduler import REQUEST_STARTED, ModelScheduler
 from nereid.signature import ModelSignature, brief_repr, check_outputs, validate_inputs
 from nereid.stats import RequestTiming
@@ -155,11 +155,7 @@ def _input_check(backend: ChecksInputs, scheduler: ModelScheduler) -> Callable[[
                 raise
             raise named from err
         except BaseException as err:
-            message = f"model '{scheduler.name}' failed: input check: {describe_exception(err)}"
-            failure = ModelFailure(message)
-            failure.__cause__ = err  # (the traceback the log shows)
-            scheduler.log_fault(failure)
-            raise LoggedModelFailure(message) from err
+            raise scheduler.model_fault(err, "input check") from err
     return checked
 
 

@@ -436,14 +436,14 @@ class ModelScheduler:
             # own (an awaited call of the model's was cancelled) is the model's fault, and must not pass
             # for the caller going away, which would leave the request unanswered.
             if self._inline and not asyncio.current_task().cancelling():
-                raise self._model_fault(err) from err
+                raise self.model_fault(err) from err
             raise
         except BaseException as err:
             # A model fault, whatever the backend raised: an Exception, or what is none and yet no business of the
             # server's (sys.exit() in a plugin, a KeyboardInterrupt of its own: the server takes Ctrl-C with a
             # signal handler on the loop; a GeneratorExit, a BaseException of the author's), which ended the
             # server, or left the batch's requests unanswered.
-            raise self._model_fault(err) from err
+            raise self.model_fault(err) from err
         finally:
             if not counted_later:
                 self._stats.execution_finished(total, cost, len(requests), input_ns, infer_ns, output_ns, succeeded)
@@ -462,8 +462,9 @@ class ModelScheduler:
         if not isinstance(failure, LoggedModelFailure):
             self._fault_log.error("%s", failure, exc_info=failure.__cause__)
 
-    def _model_fault(self, error: BaseException, during: str = "") -> ModelFailure:
-        """The ModelFailure a caller gets for ``error`` raised by model code (logged with its traceback)."""
+    def model_fault(self, error: BaseException, during: str = "") -> ModelFailure:
+        """The ModelFailure a caller gets for ``error`` raised by model code (logged with its traceback, under the
+        model's limit); ``during``: what the model was asked (``padded_rows(5)``, ``input check``)."""
         self._fault_log.error("model '%s' raised%s", self.name, f" in {during}" if during else "", exc_info=error)
         return LoggedModelFailure(f"model '{self.name}' failed: {during + ': ' if during else ''}"
                                    f"{describe_exception(error)}")
@@ -480,7 +481,7 @@ class ModelScheduler:
         try:
             padded = operator.index(self._backend.padded_rows(rows))
         except Exception as err:
-            raise self._model_fault(err, f"padded_rows({rows})") from err
+            raise self.model_fault(err, f"padded_rows({rows})") from err
         if padded < rows:  # fewer rows would cut requests' rows off the batch
             raise ModelFailure(f"model '{self.name}' failed: padded_rows({rows}) returned {padded}, "
                                f"expected at least {rows}")
@@ -538,11 +539,11 @@ class ModelScheduler:
             return self._backend.infer(inputs)
         except (concurrent.futures.CancelledError, StopIteration) as err:
             # (No future can carry a StopIteration: its caller would wait for ever.)
-            raise self._model_fault(err) from err
+            raise self.model_fault(err) from err
         except Exception:
             raise
         except BaseException as err:  # sys.exit(), an asyncio.CancelledError: none is meant for the server
-            raise self._model_fault(err) from err
+            raise self.model_fault(err) from err
 
     def _thread_done(self, call: _ThreadCall, result: list[NamedTensor] | None, error: BaseException | None) -> None:
         """On the loop: a worker thread's call ended; answer its caller, or free the slot it kept."""
