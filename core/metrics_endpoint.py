@@ -49,7 +49,7 @@ class MetricsEndpoint:
             # Every address of a name (localhost: both loopbacks), as the other listeners: a WSGI server each.
             sockets = bind_listening_sockets(*host_and_port(addr))
         except OSError as err:
-            raise OSError(f"cannot serve metrics on {addr} ({origin}): {err.strerror or err}") from err
+            raise OSError(f"cannot listen on {addr} ({origin}): {err.strerror or err}") from err
         app, handler = make_wsgi_app(self._registry), type("Handler", (_QuietHandler,), {"timeout": idle_timeout_s})
         servers: list[_BoundedThreadingServer] = []
         slots = threading.BoundedSemaphore(MAX_CONNECTIONS)  # one bound for the endpoint, whatever its addresses
@@ -61,7 +61,7 @@ class MetricsEndpoint:
                     unused.close()
                 for server in servers:
                     server.server_close()  # (not shutdown(): it waits for a serve_forever that never ran)
-                raise OSError(f"cannot serve metrics on {addr} ({origin}): {err.strerror or err}") from err
+                raise OSError(f"cannot listen on {addr} ({origin}): {err.strerror or err}") from err
         for server in servers:
             # A short poll interval keeps shutdown quick (the default waits up to 0.5 s).
             threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05},

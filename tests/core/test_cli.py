@@ -306,7 +306,7 @@ def test_serve_reports_an_address_in_use_and_exits_non_zero(repo) -> None:
         result = subprocess.run([*NEREID, "serve", "--config", str(config), "--bind", f"127.0.0.1:{free_port()}"],
                                 capture_output=True, text=True, timeout=60)
     assert result.returncode == 1
-    assert f"cannot serve metrics on 127.0.0.1:{port} (server.metrics_addr)" in result.stderr
+    assert f"cannot listen on 127.0.0.1:{port} (server.metrics_addr)" in result.stderr
 
     with nereid_serve(repo.write_config(metrics_addr="")) as (first, _client):
         taken_port = int(first.args[first.args.index("--bind") + 1].rsplit(":", 1)[1])
@@ -321,7 +321,7 @@ def test_serve_flags_move_or_turn_off_http_and_metrics_and_errors_name_the_flag(
     repo.python("echo")
     config = repo.write_config()
     for flag, message in (("--http-bind", "cannot listen on 127.0.0.1:{port} (--http-bind)"),
-                          ("--metrics-bind", "cannot serve metrics on 127.0.0.1:{port} (--metrics-bind)")):
+                          ("--metrics-bind", "cannot listen on 127.0.0.1:{port} (--metrics-bind)")):
         with socket.socket() as taken:
             taken.bind(("127.0.0.1", 0))
             taken.listen()
