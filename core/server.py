@@ -21,7 +21,7 @@ from nereid.listening import bind_problem
 from nereid.loop_watch import LoopWatch
 from nereid.metrics import ServerMetrics
 from nereid.plugins import make_plugin_manager
-from nereid.protocol.grpc_service import SERVICE_NAME, InferenceServicer, generic_handler
+from nereid.protocol.grpc_service import SERVICE_NAME, InferenceServicer, generic_handler, status_message
 from nereid.protocol.http_listener import HttpListener
 from nereid.protocol.http_service import HttpSurface
 from nereid.repository import ModelRepository
@@ -66,7 +66,7 @@ class HealthService(health_pb2_grpc.HealthServicer):
                     context: grpc.aio.ServicerContext) -> health_pb2.HealthCheckResponse:
         status = self._status.get(request.service)
         if status is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
+            await context.abort(grpc.StatusCode.NOT_FOUND, status_message(f"unknown service {request.service!r}"))
         return health_pb2.HealthCheckResponse(status=status)
 
     async def Watch(self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext) -> None:

@@ -79,6 +79,34 @@ class _Wake:
 
 _WAKE = _Wake()
 
+# What a status message may take once gRPC has percent-encoded it into the grpc-message trailer: each byte
+# outside printable ASCII, and "%", takes three. Clients refuse a response whose metadata passes 8 KiB at
+# random and 16 KiB always (RESOURCE_EXHAUSTED "Stream removed", the real status lost), so a message of
+# 4,096 non-ASCII characters (a model name in Cyrillic, a model's own error) must be cut shorter.
+STATUS_MESSAGE_BYTES = 6144
+
+
+def status_message(text: str, limit: int = STATUS_MESSAGE_BYTES) -> str:
+    """``text`` capped as :func:`cap_message` caps it, and cut shorter (on a character) when its
+    percent-encoded form would pass ``limit`` bytes, saying how much was cut."""
+    capped = cap_message(text)
+    if _encoded_size(capped) <= limit:
+        return capped
+    room, size = limit - 64, 0  # 64: the note, which is ASCII
+    for index, char in enumerate(text):
+        size += _encoded_size(char)
+        if size > room:
+            return text[:index] + f" ... [{len(text) - index} more characters cut]"
+    return capped  # (not reached: a capped text past the limit has a prefix past room)
+
+
+def _encoded_size(text: str) -> int:
+    """Bytes ``text`` takes percent-encoded as gRPC encodes a status message."""
+    raw = text.encode("utf-8", "surrogatepass")
+    printable = sum(1 for byte in raw if 0x20 <= byte <= 0x7E and byte != 0x25)
+    return printable + 3 * (len(raw) - printable)
+
+
 # Requests at least this large are decoded on a worker thread, so that splitting many
 # BYTES elements or converting typed contents never stalls the event loop.
 DECODE_OFF_LOOP_BYTES = 256 << 10
@@ -160,7 +188,7 @@ def _maps_errors(handler: Handler) -> Handler:
         # whose traceback holds the frames holding the request, and that reference cycle kept rejected
         # gigabyte requests alive until the garbage collector happened to run.
         del request
-        await context.abort(code, cap_message(message))
+        await context.abort(code, status_message(message))
     return wrapper
 
 

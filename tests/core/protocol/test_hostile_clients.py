@@ -160,6 +160,22 @@ def test_a_huge_model_name_is_not_found_with_a_capped_message(echo_server):
     assert code == grpc.StatusCode.INVALID_ARGUMENT and len(details) <= 4096
 
 
+def test_a_non_ascii_name_is_answered_with_its_status_not_resource_exhausted(echo_server):
+    """3,000 'é' fit the 4,096-character cap, but gRPC percent-encodes each of their bytes into three: the
+    18 KiB trailer passed the clients' 16 KiB metadata limit, and they got RESOURCE_EXHAUSTED instead."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    name = "é" * 3000
+    code, details = call_raw(echo_server, MODEL_INFER, infer_request(name, "input", "INT8", [4], b"\0" * 4))
+    assert code == grpc.StatusCode.NOT_FOUND and "unknown model 'éé" in details and "characters cut" in details
+    code, details = call_raw(echo_server, MODEL_INFER, infer_request("echo", "模型" * 2000, "INT8", [4], b"\0" * 4))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "'echo'" in details
+    with raw_channel(echo_server) as channel:
+        with pytest.raises(grpc.RpcError) as info:
+            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="%" * 9000), timeout=30)
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND and "unknown service '%%%" in info.value.details()
+
+
 def test_error_messages_do_not_reveal_server_paths(echo_server):
     expect_grpc_error("NOT_FOUND", lambda: echo_server.client.get_model_metadata("nope"), "unknown model 'nope'")
     with pytest.raises(InferenceServerException) as info:
