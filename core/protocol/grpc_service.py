@@ -364,7 +364,9 @@ class InferenceServicer:
 
     async def ModelStreamInfer(self, requests: AsyncIterator[Received | Unreadable],
                                context) -> AsyncIterator[pb.ModelStreamInferResponse | bytes]:
-        """Requests run concurrently; each answer (or error) is sent as soon as it is ready.
+        """Requests run concurrently; their answers (or errors) are sent in the order the requests were read,
+        as Triton sends a non-decoupled model's: tritonclient's stream callback gets no request, so a client
+        may pair answers with requests by position.
 
         Every request read gets exactly one answer, even when a later message is
         unreadable or the client's side of the stream fails: the stream ends
@@ -372,7 +374,8 @@ class InferenceServicer:
         (UNAVAILABLE) as soon as none is left unanswered; :meth:`end_at_grace`
         answers those still running then.
         """
-        answers: asyncio.Queue[pb.ModelStreamInferResponse | bytes | _Wake | None] = asyncio.Queue()
+        # Each finished answer with its request's place in the stream (from 0, in reading order).
+        answers: asyncio.Queue[tuple[int, pb.ModelStreamInferResponse | bytes] | _Wake | None] = asyncio.Queue()
         pending: set[asyncio.Task] = set()
         # Requests read and not yet answered on the wire: counted from the moment each is read (before its task
         # exists), so that a stream closed at shutdown never drops one.
@@ -381,11 +384,11 @@ class InferenceServicer:
         # takes answers, so a client that sends without reading cannot pile up answers in memory.
         in_flight = asyncio.Semaphore(STREAM_IN_FLIGHT)
 
-        async def answer(received: Received | Unreadable) -> None:
+        async def answer(place: int, received: Received | Unreadable) -> None:
             if isinstance(received, Unreadable):
                 message = self._refuse_unreadable("ModelStreamInfer", received, context)
-                await answers.put(pb.ModelStreamInferResponse(error_message=message,
-                                                              infer_response=mark_final(pb.ModelInferResponse())))
+                await answers.put((place, pb.ModelStreamInferResponse(
+                    error_message=message, infer_response=mark_final(pb.ModelInferResponse()))))
                 return
             model, request_id = received.message.model_name, received.message.id
             try:
@@ -401,21 +404,24 @@ class InferenceServicer:
                 log.exception("ModelStreamInfer: request '%s' failed", cap_message(request_id, 256))
                 message = self.dataplane.error_text(err)
             else:
-                await answers.put(serialize_infer_response(result, streamed=True))
+                await answers.put((place, serialize_infer_response(result, streamed=True)))
                 return
             # The error answers this request only; the stream stays open.
             # Triton's error answer: the request's id, model and version, and the final-response flag.
             stub = mark_final(pb.ModelInferResponse(model_name=model, model_version=received.message.model_version,
                                                     id=request_id))
-            await answers.put(pb.ModelStreamInferResponse(error_message=cap_message(message), infer_response=stub))
+            await answers.put((place, pb.ModelStreamInferResponse(error_message=cap_message(message),
+                                                                  infer_response=stub)))
 
         async def read() -> None:
             nonlocal unanswered
+            read_count = 0
             try:
                 async for received in requests:
                     unanswered += 1
                     await in_flight.acquire()
-                    task = asyncio.create_task(answer(received))
+                    task = asyncio.create_task(answer(read_count, received))
+                    read_count += 1
                     pending.add(task)
                     task.add_done_callback(pending.discard)
                     self._running.add(task)
@@ -433,6 +439,8 @@ class InferenceServicer:
 
         self._streams.add(answers)
         reader = asyncio.create_task(read())
+        finished: dict[int, pb.ModelStreamInferResponse | bytes] = {}  # answers waiting for an earlier one
+        next_place = 0
         try:
             while not (self._closing_streams and unanswered == 0):
                 item = await answers.get()
@@ -440,9 +448,14 @@ class InferenceServicer:
                     return
                 if item is _WAKE:
                     continue
-                yield item
-                unanswered -= 1
-                in_flight.release()
+                finished[item[0]] = item[1]
+                # A slow request holds the answers after it; the in-flight cap then pauses reading, so they
+                # stay bounded in memory.
+                while next_place in finished:
+                    yield finished.pop(next_place)
+                    next_place += 1
+                    unanswered -= 1
+                    in_flight.release()
             # Ended here rather than by the client: a request it sends from now on is not read (the status says so).
             # The reader ends first: its read would otherwise fail on the abort, and log the stream as broken.
             reader.cancel()

@@ -167,12 +167,13 @@ def test_at_shutdown_an_idle_inference_stream_ends_and_a_busy_one_once_its_reque
         stopping = begin_stop(server)
         assert idle.next() == ("ended", "UNAVAILABLE", STREAM_CLOSED_AT_SHUTDOWN)
         assert watcher.next() == "NOT_SERVING" and watcher.next()[:2] == ("ended", "UNAVAILABLE")
-        # The busy stream stays open for its running request; one sent now is refused inside the stream.
+        # The busy stream stays open for its running request; one sent now is refused inside the stream, its
+        # answer after the running one's (a stream answers in the order it was sent).
         busy.send("steady", "late")
-        assert busy.next() == ("late", "model 'steady': the server is shutting down; the request was not run")
         assert not stopping.done()
         plugin.release.set()
-        assert busy.next() == ("running", "")  # its answer, once, then the stream ends
+        assert busy.next() == ("running", "")  # its answer, once
+        assert busy.next() == ("late", "model 'steady': the server is shutting down; the request was not run")
         assert busy.next() == ("ended", "UNAVAILABLE", STREAM_CLOSED_AT_SHUTDOWN)
         stopping.result(PROMPT_S)  # nothing left open: the stop ends without waiting out the grace
         assert time.monotonic() - started < PROMPT_S

@@ -538,6 +538,28 @@ def test_stream_answers_each_request_and_survives_errors(repo, serve):
     assert "unknown model 'nope'" in errors[1]
 
 
+def test_stream_answers_come_back_in_the_order_the_requests_were_sent(repo, serve):
+    """Answers went out as they finished, a slow model's after a fast one's sent later: a client written for
+    Triton (whose stream keeps a non-decoupled model's order, and whose callback gets no request) pairs
+    answers with requests by position, and gave results to the wrong requests."""
+    repo.python("slow", main="import time\ntime.sleep(1)\n" + ECHO_MAIN, textproto=textproto_single("INT8"))
+    repo.python("m", textproto=textproto_single("INT8"))
+    server = serve(repo.write_config())
+    answers: queue.Queue = queue.Queue()
+    server.client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    try:
+        server.client.async_stream_infer("slow", [int8_input([1, 1, 1, 1])])
+        server.client.async_stream_infer("m", [int8_input([2, 2, 2, 2])])
+        server.client.async_stream_infer("m", [int8_input([3, 3, 3])])  # refused at once: wrong shape
+        server.client.async_stream_infer("m", [int8_input([4, 4, 4, 4])])
+        got = [answers.get(timeout=30) for _ in range(4)]
+    finally:
+        server.client.stop_stream()
+    assert [error is None for _, error in got] == [True, True, False, True]
+    assert "[3]" in got[2][1].message()
+    assert [got[i][0].as_numpy("output").tolist() for i in (0, 1, 3)] == [[1] * 4, [2] * 4, [4] * 4]
+
+
 def test_stream_error_responses_carry_the_request_id(repo, serve):
     repo.python("m", textproto=textproto_single("INT8"))
     server = serve(repo.write_config())
