@@ -10,6 +10,7 @@ its errors to their status codes.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from typing import Awaitable, Callable, Iterable, NoReturn, TypeVar
 
@@ -68,6 +69,26 @@ def cancellation_reason(deadline_ns: int, now_ns: int) -> str:
     if deadline_ns != 0 and now_ns >= deadline_ns - CLIENT_DEADLINE_SLACK_NS:
         return DeadlineExceeded.reason
     return CANCELLED
+
+
+# std::stol's reading: leading white space, a sign, the digits; whatever follows them is ignored.
+_LEADING_NUMBER = re.compile(r"[ \t\n\v\f\r]*([+-]?)0*([0-9]+)")
+_LONG_MAX = 2**63 - 1
+
+
+def version_number(name: str, version: str) -> int:
+    """A model version as Triton reads one (its std::stol: "01", "+1" and "1abc" are version 1); InvalidArgument
+    for a string with no leading number or one out of a long's range, and for a negative one, as Triton answers."""
+    number = _LEADING_NUMBER.match(version)
+    # (Past 19 digits no long holds it; and int() of thousands of digits would raise.)
+    value = None if number is None or len(number.group(2)) > 19 else int(number.group(1) + number.group(2))
+    if value is None or not -_LONG_MAX - 1 <= value <= _LONG_MAX:
+        raise InvalidArgument(PublicText(f"model '{name}': cannot read version '{version}' as a number (a version "
+                                         "is an integer > 0)"))
+    if value < 0:
+        raise InvalidArgument(PublicText(f"model '{name}': invalid version '{version}' (a version is an "
+                                         "integer > 0)"))
+    return value
 
 
 class DataPlane:
@@ -168,8 +189,7 @@ class DataPlane:
         NOT_FOUND whatever its body holds, as Triton answers it.
         """
         self.repository.entry(name)  # NotFound for a name with no folder
-        # Read as a number, as Triton reads it (its std::stol): "01" is version 1.
-        if version and not (version.isascii() and version.isdigit() and version.lstrip("0") == MODEL_VERSION):
+        if version and version_number(name, version) != int(MODEL_VERSION):
             raise NotFound(PublicText(f"model '{name}' has no version '{version}' (nereid serves version "
                                       f"{MODEL_VERSION})"))
 

@@ -239,6 +239,9 @@ class HttpSurface:
                 raise HttpError(404, f"model '{model}': the path names no version before /{version} "
                                      f"({cap_message(scope['path'], 256)}); give one (.../versions/1/{version}) "
                                      f"or leave out /versions/")
+            if not (version.isascii() and version.isdigit()):  # Triton's routes take a version of digits only
+                raise HttpError(400, f"model '{model}': the path's version '{cap_message(version, 64)}' is no "
+                                     f"number (a version is digits only: .../versions/1/...)")
         action = rest[0] if len(rest) == 1 else "" if not rest else None
         # (Each endpoint below is in MODEL_ENDPOINTS too, where a wrong method's 405 finds what it takes.)
         if action == "" and method == "GET":

@@ -44,6 +44,28 @@ def test_infer_metadata_config_statistics_and_index(tmp_path):
     asyncio.run(scenario())
 
 
+def test_versions_are_read_as_triton_reads_them(tmp_path):
+    """'+1' and '1abc' were NOT_FOUND and 'abc' or '-1' NOT_FOUND (not ready for ModelReady); Triton reads a
+    version with std::stol, and answers INVALID_ARGUMENT on every call for one it cannot read."""
+    plane = toy_dataplane(tmp_path)
+
+    async def scenario():
+        await plane.load("toy")
+        for version in ("1", "01", "+1", " 1", "1abc", "0" * 40 + "1"):
+            assert plane.model_metadata("toy", version).name == "toy" and plane.model_ready("toy", version)
+        for version in ("0", "2", "9223372036854775807"):
+            with pytest.raises(NotFound, match=f"model 'toy' has no version '{version}'"):
+                plane.model_config("toy", version)
+            assert not plane.model_ready("toy", version)
+        for version, problem in (("abc", "cannot read version 'abc' as a number"), ("-", "cannot read version '-'"),
+                                 ("9223372036854775808", "cannot read version '9223372036854775808'"),
+                                 ("9" * 5000, "cannot read version '999"), ("-1", "invalid version '-1'")):
+            for call in (plane.model_metadata, plane.model_config, plane.statistics, plane.model_ready):
+                with pytest.raises(InvalidArgument, match=f"^model 'toy': {problem}"):
+                    call("toy", version)
+    asyncio.run(scenario())
+
+
 def test_errors_carry_their_meaning(tmp_path):
     plane = toy_dataplane(tmp_path)
 
@@ -272,9 +294,10 @@ def test_names_the_client_sent_are_echoed_as_sent_never_rewritten_by_the_path_sc
             assert refused.startswith(f"model 'toy': load parameters '{f'file:{name}'[:64]}"), refused
             refused = await refusal(plane.load("toy", [name]))
             assert refused.startswith(f"model 'toy': unrecognized load parameter(s) '{name[:64]}"), refused
-            with pytest.raises(NotFound) as caught:
+            with pytest.raises(InvalidArgument) as caught:
                 plane.model_metadata("toy", name)
-            assert public(str(caught.value)) == f"model 'toy' has no version '{name}' (nereid serves version 1)"
+            assert public(str(caught.value)) == (f"model 'toy': cannot read version '{name}' as a number (a version "
+                                                 "is an integer > 0)")
             plane.shutting_down = True
             with pytest.raises(Unavailable) as caught:
                 plane.admit(name)

@@ -881,9 +881,18 @@ def test_a_version_is_read_as_a_number_as_triton_reads_it(served):
     answer = http.InferenceServerClient(base).infer("echo", [tensor], model_version="001")
     np.testing.assert_array_equal(answer.as_numpy("output"), np.ones((1, 4)))
     assert server.client.get_model_metadata("echo", model_version="01").name == "echo"
-    for version in ("2", "10", "1.0", "+1", "١"):  # (the last: an Arabic-Indic one, a digit to str.isdigit)
+    for version in ("2", "10"):
         status, answer, _ = call(base, "GET", f"/v2/models/echo/versions/{quote(version)}/ready")
         assert status == 400, (version, answer)  # not ready: no such version
+        assert call(base, "GET", f"/v2/models/echo/versions/{version}")[0] == 404
+    # Triton's routes take digits only: anything else in the path is a 400, on every endpoint.
+    for version in ("1.0", "+1", "abc", "١"):  # (the last: an Arabic-Indic one, a digit to str.isdigit)
+        for method, endpoint in (("GET", "/ready"), ("GET", ""), ("GET", "/config"), ("POST", "/infer")):
+            status, answer, _ = call(base, method, f"/v2/models/echo/versions/{quote(version)}{endpoint}", b"{}",
+                                     {"Content-Type": "application/json"})
+            assert status == 400 and json.loads(answer)["error"] == (
+                f"model 'echo': the path's version '{version}' is no number (a version is digits only: "
+                ".../versions/1/...)"), (version, endpoint, answer)
 
 
 def test_content_encoding_identity_in_any_case_is_an_uncompressed_body(served):
