@@ -12,8 +12,9 @@ from nereid.classification import CLASSIFICATION_PARAMETER
 from nereid.dtypes import DType
 from nereid.errors import InvalidArgument
 from nereid.model_info import MODEL_VERSION
-from nereid.protocol.wire import (SHARED_MEMORY_PARAMETER, TIMEOUT_PARAMETER, class_count, decode_raw,
-                                  refuse_shared_memory, wire_dtype, wire_shape)
+from nereid.protocol.wire import (SEQUENCE_ID_PARAMETER, SHARED_MEMORY_PARAMETER, TIMEOUT_PARAMETER,
+                                  check_no_sequence, class_count, decode_raw, refuse_shared_memory, wire_dtype,
+                                  wire_shape)
 from nereid.errors import PublicText
 from nereid.tensors import InferRequest, InferResponse, NamedTensor, bytes_array, tensor_buffer, tensor_bytes
 
@@ -147,6 +148,10 @@ def _decode_infer_request(msg: pb.ModelInferRequest, time_remaining_s: float | N
         if timeout_us > 0:
             deadlines.append(time.monotonic_ns() + timeout_us * 1000)
     deadline = min(deadlines, default=0)
+    if SEQUENCE_ID_PARAMETER in msg.parameters:
+        parameter = msg.parameters[SEQUENCE_ID_PARAMETER]
+        kind = parameter.WhichOneof("parameter_choice")
+        check_no_sequence(model, getattr(parameter, kind) if kind else None)
     classifications = {}
     for out in msg.outputs:
         if SHARED_MEMORY_PARAMETER in out.parameters:
@@ -210,13 +215,16 @@ def _decode_contents(where: str, dtype: DType, shape: tuple[int, ...], count: in
         raise InvalidArgument(f"{where}: {dtype.kserve} data must be sent in raw_input_contents "
                               "(the typed contents message has no field for it)")
     values = getattr(contents, field)
+    others = [other.name for other, _ in contents.ListFields() if other.name != field]
     if len(values) != count:
         # Another typed field filled instead (fp32_contents for an INT32 input) is named as such: "holds 0
         # elements" alone sent the client counting its data.
-        others = [other.name for other, _ in contents.ListFields() if other.name != field]
         filled = f"; the request filled contents.{others[0]} instead" if others and not values else ""
         raise InvalidArgument(f"{where}: contents.{field} holds {len(values)} elements, expected {count} for shape "
                               f"{list(shape)} ({dtype.kserve} data goes in contents.{field}{filled})")
+    if others:  # their values would be dropped without a word: refused, as Triton refuses them
+        raise InvalidArgument(f"{where}: {dtype.kserve} data goes in contents.{field}, and the request filled "
+                              f"{', '.join('contents.' + other for other in others)} too; send it in one field")
     if dtype is DType.BYTES:
         return bytes_array(list(values), shape)
     # Read in the field's own width first: numpy's cast to a narrower type would silently wrap

@@ -21,6 +21,8 @@ from nereid.tensors import bytes_array, split_bytes_elements
 TIMEOUT_PARAMETER = "timeout"
 # The tensor parameter that points Triton at a registered shared-memory region instead of inline data.
 SHARED_MEMORY_PARAMETER = "shared_memory_region"
+# The request parameter that puts a request in a sequence (Triton's correlation ID) for a stateful model.
+SEQUENCE_ID_PARAMETER = "sequence_id"
 
 
 # The most elements the non-zero dimensions of an empty tensor may multiply to: far past any tensor a
@@ -105,6 +107,20 @@ def class_count(where: str, value: object, quote: Callable[[object], str] | None
         raise InvalidArgument(f"{where}: parameter 'classification' must be a non-negative integer count of "
                               f"classes, got {shown}")
     return value
+
+
+def check_no_sequence(model: str, value: object, quote: Callable[[object], str] | None = None) -> None:
+    """InvalidArgument for a ``sequence_id`` other than 0 or "" (none), as Triton refuses a correlation ID for a
+    model without sequence batching: no nereid model keeps state between requests, so running the request on
+    its own would answer it as though it were the first of its sequence."""
+    if not isinstance(value, bool) and value in (0, ""):
+        return
+    shown = quote(value) if quote else repr(value[:64]) if isinstance(value, str) else brief_repr(value, 64)
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise InvalidArgument(f"model '{model}': parameter 'sequence_id' must be an integer or a string, got {shown}")
+    raise InvalidArgument(f"model '{model}': parameter 'sequence_id' {shown} names a sequence, but nereid has no "
+                          "sequence batching (no model keeps state between requests); leave it out (or send 0) to "
+                          "run the request on its own")
 
 
 def refuse_shared_memory(where: str) -> InvalidArgument:

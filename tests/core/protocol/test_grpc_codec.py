@@ -21,6 +21,9 @@ import tritonclient.grpc as triton
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
+from nereid.errors import InvalidArgument
+from nereid.protocol.grpc_codec import decode_infer_request
+
 from support import (ECHO_MAIN, FRAMED_ECHO_MAIN, ModelRepo, RunningServer, expect_grpc_error, private_names,
                      textproto_single)
 
@@ -245,6 +248,36 @@ def test_typed_contents_alongside_raw_contents_are_invalid_argument(server):
 
     expect_grpc_error("INVALID_ARGUMENT", lambda: raw_infer(server, request),
                  "model 'echo_INT8'", "input 'input'", "contents", "raw_input_contents")
+
+
+def test_typed_contents_in_two_fields_are_invalid_argument():
+    """int_contents beside the fp32_contents an FP32 input reads were dropped without a word (Triton refuses)."""
+    request = service_pb2.ModelInferRequest(model_name="m")
+    contents = request.inputs.add(name="x", datatype="FP32", shape=[2]).contents
+    contents.fp32_contents.extend([1, 2])
+    contents.int_contents.extend([7, 7, 7])
+    with pytest.raises(InvalidArgument) as refused:
+        decode_infer_request(request, None)
+    assert str(refused.value) == ("model 'm': input 'x': FP32 data goes in contents.fp32_contents, and the request "
+                                  "filled contents.int_contents too; send it in one field")
+
+
+@pytest.mark.parametrize(("parameter", "problem"), [
+    (service_pb2.InferParameter(int64_param=7), "parameter 'sequence_id' 7 names a sequence, but nereid has no "
+                                                "sequence batching"),
+    (service_pb2.InferParameter(uint64_param=7), "parameter 'sequence_id' 7 names a sequence"),
+    (service_pb2.InferParameter(string_param="user-1"), "parameter 'sequence_id' 'user-1' names a sequence"),
+    (service_pb2.InferParameter(bool_param=True), "parameter 'sequence_id' must be an integer or a string, got True"),
+])
+def test_a_sequence_id_is_refused_as_triton_refuses_it_for_a_model_without_sequence_batching(parameter, problem):
+    """A stateful client's sequence_id was ignored: each request ran as though it were its sequence's first."""
+    request = raw_request("m", ("x", "INT8", [4], bytes(4)))
+    request.parameters["sequence_id"].CopyFrom(parameter)
+    with pytest.raises(InvalidArgument, match=f"^model 'm': {re.escape(problem)}"):
+        decode_infer_request(request, None)
+    for none in (service_pb2.InferParameter(int64_param=0), service_pb2.InferParameter(string_param="")):
+        request.parameters["sequence_id"].CopyFrom(none)  # no sequence, as Triton reads 0 and ""
+        assert decode_infer_request(request, None).model_name == "m"
 
 
 def test_large_tensor_over_the_default_grpc_message_limit_round_trips(server):

@@ -33,6 +33,18 @@ def body(*inputs, **extra) -> bytes:
     return json.dumps({"inputs": list(inputs), **extra}).encode()
 
 
+def test_a_sequence_id_is_refused_and_zero_or_empty_means_none():
+    """A stateful client's sequence_id was ignored: each request ran as though it were its sequence's first."""
+    for raw, problem in ((b"7", "parameter 'sequence_id' 7 names a sequence, but nereid has no sequence batching"),
+                         (b'"user-1"', 'parameter \'sequence_id\' "user-1" names a sequence'),
+                         (b"1.5", "parameter 'sequence_id' must be an integer or a string, got 1.5"),
+                         (b"true", "parameter 'sequence_id' must be an integer or a string, got true")):
+        with pytest.raises(InvalidArgument, match=f"^model 'm': {re.escape(problem)}"):
+            decode_infer("m", with_parameter("sequence_id", raw), None)
+    for raw in (b"0", b'""'):
+        assert decode_infer("m", with_parameter("sequence_id", raw), None)[0].model_name == "m"
+
+
 def test_json_nested_and_flat_lists_give_the_same_tensor():
     flat, _ = decode_infer("m", body({"name": "x", "shape": [2, 2], "datatype": "INT32", "data": [1, 2, 3, 4]}), None)
     nested, _ = decode_infer("m", body({"name": "x", "shape": [2, 2], "datatype": "INT32",
