@@ -739,6 +739,11 @@ class ModelRepository:
         busy = [loaded.scheduler for _, loaded in self.versions() if not loaded.scheduler.idle]
         return all(await asyncio.gather(*(scheduler.wait_idle(timeout_s) for scheduler in busy)))
 
+    def stop_starting(self) -> None:
+        """Have every held version start no execution from now on (the server's shutdown grace has passed)."""
+        for _, loaded in self.versions():
+            loaded.scheduler.stop_starting()
+
     async def terminate_running(self) -> None:
         """Ask every loaded backend that can, and still runs something, to end its running executions now.
 

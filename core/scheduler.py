@@ -87,6 +87,7 @@ class ModelScheduler:
         self._idle = asyncio.Event()
         self._idle.set()
         self._accepting = True
+        self._starting = True  # False once the server's shutdown grace has passed (see stop_starting)
         self._inline = inspect.iscoroutinefunction(backend.infer)
         self._pads = isinstance(backend, PadsBatches)
         self._variable_axes = any(-1 in spec.dims for spec in signature.inputs)  # else a request costs its rows
@@ -197,8 +198,14 @@ class ModelScheduler:
         if nearest:
             self._expire_at(nearest)
 
+    def stop_starting(self) -> None:
+        """Start no execution from now on: the server's shutdown grace has passed. An execution ended at the
+        grace frees its slot, and a request queued behind it started then was answered "its answer is lost"
+        a moment later: queued, it is answered as not run, safe to send again."""
+        self._starting = False
+
     def _can_start_at_once(self) -> bool:
-        return (self._free_slots > 0 and not self._pending
+        return (self._free_slots > 0 and not self._pending and self._starting
                 and (not self.policy.enabled or self.policy.max_delay_ns == 0))
 
     @property
@@ -244,7 +251,9 @@ class ModelScheduler:
                 log.error("model '%s': %d execution(s) did not end; abandoning them", self.name, self._executions())
                 for work in self._pending:
                     if not work.future.done():
-                        work.future.set_exception(Unavailable(f"model '{self.name}' was unloaded"))
+                        work.future.set_exception(Unavailable(
+                            f"model '{self.name}' was unloaded before this request could start (what ran ahead of "
+                            "it did not end within the grace); it was not run: send it again"))
                 self._pending.clear()
                 self._update_idle()  # (idle once the abandoned executions' slots come back)
                 # Their callers still wait (without a deadline, for ever): the batcher's are answered here
@@ -276,7 +285,7 @@ class ModelScheduler:
                 self._update_idle()
                 self._arrived.clear()
                 await self._arrived.wait()
-            while self._free_slots <= 0:  # form a batch only when an execution can start
+            while self._free_slots <= 0 or not self._starting:  # form a batch only when an execution can start
                 self._slot_freed.clear()
                 await self._slot_freed.wait()
             self._arrived.clear()  # before deciding: an arrival from here on wakes the wait below

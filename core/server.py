@@ -324,10 +324,12 @@ class NereidServer:
             # gRPC's stop would cancel every call still open at its deadline, so that a stream's requests got no
             # answer: nereid ends them itself at the grace, each with its answer, and gRPC's deadline comes later.
             stopping = asyncio.gather(self._grpc.stop(grace + ANSWER_AT_GRACE_S),
-                                      *([self._http.stop()] if self._http is not None else []))
+                                      *([self._http.stop(grace)] if self._http is not None else []))
             done, _ = await asyncio.wait([stopping], timeout=grace)
             if not done:
                 self.dataplane.grace_passed = True
+                # Before the running calls end: each frees a slot that would start a queued request.
+                self.repository.stop_starting()
                 assert self._servicer is not None  # (set with _grpc)
                 ended = self._servicer.end_at_grace()
                 if ended:

@@ -143,9 +143,12 @@ class HttpListener:
             raise OSError(f"the HTTP listener on {addr} ({origin}) did not start")
         return sockets[0].getsockname()[1]
 
-    async def stop(self) -> None:
-        """Stop accepting, let requests in progress finish (bounded by the grace), close."""
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Stop accepting, let requests in progress finish (bounded by ``grace_s``, by default the listener's
+        grace), close."""
         if self._server is not None and self._task is not None:
+            if grace_s is not None:  # (uvicorn reads it as its shutdown begins)
+                self._server.config.timeout_graceful_shutdown = grace_s
             self._server.should_exit = True
             try:
                 await self._task

@@ -220,6 +220,63 @@ def test_at_the_grace_a_queued_request_is_told_it_was_not_run_and_a_running_one_
         stream.close()
 
 
+class AsyncHeldInfers(HeldInfers):
+    """HeldInfers whose model's infer is ``async def``: a call the server cancels frees its instance at once.
+    ``starts`` counts the infers begun."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.starts = 0
+
+    def _create(self, context: ModelContext) -> ToyModel:
+        plugin = self
+
+        class AsyncHeldModel(ToyModel):
+            async def infer(self, inputs):
+                plugin.starts += 1
+                plugin.running.set()
+                await asyncio.sleep(PROMPT_S * 3)
+                return ToyModel.infer(self, inputs)
+
+        return AsyncHeldModel(context)
+
+
+def test_a_request_queued_when_the_grace_passes_is_not_started_by_the_slot_the_ended_ones_free(repo, serve):
+    """At the grace the gRPC call running on the model was ended, which freed its instance, and the batcher
+    started the HTTP request queued behind it: 0.2 s later that one was told "its answer is lost", and the
+    model ran after the grace."""
+    import http.client
+    import json
+
+    plugin = AsyncHeldInfers()
+    server = start(repo, serve, plugin)
+    stream = Stream(server.url)
+    held = server.server.repository.ready_model("held")
+    answer: list = []
+
+    def queued_over_http() -> None:
+        connection = http.client.HTTPConnection("127.0.0.1", server.server.http_port, timeout=PROMPT_S * 3)
+        body = json.dumps({"inputs": [{"name": "input", "shape": [1, 4], "datatype": "FP32", "data": [1] * 4}]})
+        connection.request("POST", "/v2/models/held/infer", body, {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        answer.append((response.status, json.loads(response.read())))
+
+    caller = threading.Thread(target=queued_over_http, daemon=True)
+    try:
+        stream.send("held", "running")
+        assert plugin.running.wait(PROMPT_S)
+        caller.start()
+        assert wait_until(lambda: held.scheduler.queue_depth == 1, PROMPT_S)
+        stopping = asyncio.run_coroutine_threadsafe(server.server.stop(grace_s=0.5), server.loop)
+        assert stream.next() == ("running", LOST)
+        caller.join(PROMPT_S)
+        assert answer == [(503, {"error": NOT_RUN})]
+        assert plugin.starts == 1
+        stopping.result(PROMPT_S)
+    finally:
+        stream.close()
+
+
 class HeldHook(HeldInfers):
     """HeldInfers whose model's ``preprocess`` or ``postprocess`` hook waits for ``release`` (``running``: in
     the hook), its infer counted in ``infers``."""
