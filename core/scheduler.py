@@ -244,18 +244,21 @@ class ModelScheduler:
             # (A grace of 0: the server's shutdown_grace_s has already been spent waiting for its listeners.)
             log.warning("model '%s': %d execution(s) still running after %s; ending them", self.name,
                         self._executions() or 1, f"the {grace_s:g} s grace" if grace_s else "the grace")
+            # The grace is spent: what is still queued is not started by the slots the ended executions free
+            # (it would start after the grace, and be abandoned or cut short in turn), and is told so now.
+            self.stop_starting()
+            for work in self._pending:
+                if not work.future.done():
+                    work.future.set_exception(Unavailable(
+                        f"model '{self.name}' was unloaded before this request could start (what ran ahead of it "
+                        "did not end within the grace); it was not run: send it again"))
+            self._pending.clear()
+            self._update_idle()
             if terminate is not None:
                 await terminate()
             finished = await _wait_event(self._idle, terminate_wait_s)
             if not finished:
                 log.error("model '%s': %d execution(s) did not end; abandoning them", self.name, self._executions())
-                for work in self._pending:
-                    if not work.future.done():
-                        work.future.set_exception(Unavailable(
-                            f"model '{self.name}' was unloaded before this request could start (what ran ahead of "
-                            "it did not end within the grace); it was not run: send it again"))
-                self._pending.clear()
-                self._update_idle()  # (idle once the abandoned executions' slots come back)
                 # Their callers still wait (without a deadline, for ever): the batcher's are answered here
                 # (a coroutine infer that swallows its cancellation would never hand it back), and a caller
                 # running its own request as it is cancelled (see submit); a thread runs on regardless.

@@ -292,7 +292,8 @@ def test_drain_after_an_abandoned_request_never_blocks_the_loop_and_is_bounded_b
         assert terminated and terminated[0] - started >= 0.29  # ended only once the grace had passed
         assert elapsed < 3
         assert ticks >= 15  # the loop kept running the whole time
-        assert float((await queued)[0].data[0, 0]) == 4  # the queued request was still answered
+        with pytest.raises(Unavailable, match="it was not run"):  # answered: not started after the grace
+            await queued
     run(scenario())
 
 
@@ -334,6 +335,33 @@ def test_drain_abandons_work_that_ignores_termination() -> None:
         assert not finished
         assert time.monotonic() - started < 1.5
         backend.gate.set()
+    run(scenario())
+
+
+@pytest.mark.parametrize("batching", [False, True], ids=["run by its caller", "run by the batcher"])
+def test_a_request_queued_when_an_unloads_grace_ends_is_answered_not_run_and_never_started(batching) -> None:
+    """The slot that terminating the running execution freed started the queued request after the grace:
+    cut short or abandoned in turn, it was told its execution "did not end within the grace", and the unload
+    took the termination wait twice."""
+    async def scenario() -> None:
+        backend = GatedDouble()
+        policy = BatchPolicy(True, max_rows=1, max_delay_ns=1) if batching else None
+        scheduler = ModelScheduler("m", backend, SIGNATURE, capacity=4, instances=1, stats=ModelStats(),
+                                   policy=policy)
+        running = asyncio.create_task(scheduler.submit(rows(1), 1, 0))
+        await until(lambda: scheduler.running_threads == 1)
+        queued = asyncio.create_task(scheduler.submit(rows(2), 1, 0))
+        await until(lambda: scheduler.queue_depth == 1)
+
+        async def terminate() -> None:  # the backend ends its running work at once
+            backend.gate.set()
+
+        assert await scheduler.drain(0.1, terminate=terminate, terminate_wait_s=5)
+        np.testing.assert_array_equal((await running)[0].data, [[2, 2]])
+        with pytest.raises(Unavailable, match=r"^model 'm' was unloaded before this request could start .*it was "
+                                              "not run: send it again$"):
+            await queued
+        assert backend.ran == [1.0]  # the queued request never ran
     run(scenario())
 
 
