@@ -31,6 +31,12 @@ class DependentStates:
         that calls none)."""
         return _verdicts(entries).get(name, READY)
 
+    @staticmethod
+    def verdict_calling(entries: Mapping[str, ModelEntry], name: str, depends_on: tuple[str, ...]) -> Readiness:
+        """Whether the model ``name`` could serve if its loaded version called ``depends_on``: a reload's new
+        version, judged before it replaces the running one."""
+        return _verdicts(entries, {name: depends_on}).get(name, READY)
+
     def refresh(self, entries: Mapping[str, ModelEntry], repeated: bool = False) -> None:
         """Make each model that calls others READY or UNAVAILABLE as the models it calls are now.
 
@@ -74,11 +80,16 @@ def log_unavailable(entry: ModelEntry, verdict: Readiness, detail: str = "", rep
     log.log(level, "model '%s' is UNAVAILABLE: %s%s", entry.name, verdict.why, detail)
 
 
-def _verdicts(entries: Mapping[str, ModelEntry]) -> dict[str, Readiness]:
+def _verdicts(entries: Mapping[str, ModelEntry],
+              instead: Mapping[str, tuple[str, ...]] | None = None) -> dict[str, Readiness]:
     """Whether each loaded model that calls other models can serve now (an UNLOADING one takes no requests
-    whatever it calls: not judged)."""
+    whatever it calls: not judged); ``instead``: models judged as calling these rather than what they call."""
     callers = {entry.name: entry.loaded.depends_on for entry in entries.values()
                if entry.loaded is not None and entry.loaded.depends_on and entry.state is not ModelState.UNLOADING}
+    for name, depends_on in (instead or {}).items():
+        callers.pop(name, None)
+        if depends_on:
+            callers[name] = depends_on
     if not callers:
         return {}
     states = {entry.name: (entry.state.value, entry.reason) for entry in entries.values()}

@@ -35,7 +35,7 @@ from nereid.settings_changes import changed_backends, settings_step
 from nereid.stats import ModelStats
 from nereid.storage import (StorageError, failure_kind, forget_listed_folder, mirror_leftovers, model_folder_exists,
                             scan_model_folders, store_failed, store_holds_folder)
-from nereid.version_loader import VersionLoader
+from nereid.version_loader import VersionLoader, discard_version
 
 log = logging.getLogger(__name__)
 
@@ -503,6 +503,16 @@ class ModelRepository:
                 self._record(name, "reload_failed")
                 return entry
             entry.store_fault = ""
+            blocked = self._kept_from_serving(entry, new)
+            if blocked is not None:
+                # As any failed reload: the running version serves on (Triton keeps an ensemble whose new
+                # version misses a model it calls). Swapped in, it would have taken down every caller with it.
+                await discard_version(name, new)
+                log.error("model '%s': reload failed (load %d), the running version keeps serving: %s", name,
+                          entry.generation, blocked)
+                entry.reason = self.public_text(f"reload failed, the running version keeps serving: {blocked}")
+                self._record(name, "reload_failed")
+                return entry
             entry.loaded = new
             self._enter_loaded_version(entry)  # the new version may call other models
             self._record(name, "reload")
@@ -824,6 +834,17 @@ class ModelRepository:
             loaded.hook_threads.release()
             self._retiring.pop(id(loaded), None)
         await self._cleanup.drop_scratch(retiring.scratch_names)
+
+    def _kept_from_serving(self, entry: ModelEntry, new: LoadedModel) -> str | None:
+        """Why a reload's ``new`` version must not replace the READY one running: the models it calls leave
+        it unable ever to be READY (one missing, failed, or a cycle it closes). None when it may replace it:
+        the running version is not READY either, or the new one is READY or waits only on a model LOADING."""
+        if entry.state is not ModelState.READY or not new.depends_on:
+            return None
+        verdict = DependentStates.verdict_calling(self._entries, entry.name, new.depends_on)
+        if verdict.ready or verdict.loading:
+            return None
+        return f"its new version could not be READY: {verdict.why}"
 
     def _enter_loaded_version(self, entry: ModelEntry) -> None:
         """Make a version just loaded (or reloaded) serve, and log that in one line.

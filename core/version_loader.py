@@ -51,6 +51,16 @@ def warn_if_instances_ignored(name: str, configured: int, running: int) -> None:
                     "at once (its backend's count; queue_capacity for a meta model)", name, configured, running)
 
 
+async def discard_version(name: str, loaded: LoadedModel) -> None:
+    """Release a version that never served (nothing was ever queued in it): its batcher, its backend and its
+    hook threads."""
+    try:
+        await loaded.scheduler.drain(0)
+        await unload_backend(name, loaded.backend)
+    finally:
+        loaded.hook_threads.release()
+
+
 class VersionLoader:
     """Loads versions of model folders for one repository.
 

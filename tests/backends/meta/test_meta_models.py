@@ -270,6 +270,30 @@ def index(client: triton.InferenceServerClient) -> dict[str, dict]:
     return {m["name"]: m for m in client.get_model_repository_index(as_json=True)["models"]}
 
 
+def test_a_reload_whose_new_version_could_never_be_ready_keeps_the_running_one(repo, serve) -> None:
+    """Reloading a serving meta model edited to call a model not deployed (or to close a cycle) swapped the
+    new version in: UNAVAILABLE at once, and every meta model calling it with it (Triton keeps the old)."""
+    repo.python("echo")
+    relay = add_meta(repo, "relay", RELAY.format(target="echo"), ["echo"])
+    add_meta(repo, "relay2", RELAY.format(target="relay"), ["relay"])
+    server = serve(repo.write_config(server_extra="  strict_readiness: false\n"))
+    client = server.client
+    manifest = relay / "manifest.yaml"
+    for depends_on, why in ((["echo", "not_deployed"], "its new version could not be READY: dependency "
+                                                       "'not_deployed' is not a model of this server"),
+                            (["echo", "relay2"], "forms a cycle 'relay' -> 'relay2' -> 'relay'")):
+        manifest.write_text(manifest.read_text().replace("depends_on: ['echo']", f"depends_on: {depends_on}"))
+        expect_grpc_error("INTERNAL", lambda: client.load_model("relay"), "failed to load model 'relay'",
+                          "reload failed, the running version keeps serving: ", why)
+        models = index(client)
+        assert models["relay"]["state"] == models["relay2"]["state"] == "READY", models
+        assert why in models["relay"]["reason"]
+        np.testing.assert_array_equal(infer(client, "relay2", X), X)  # the running versions serve on
+        manifest.write_text(manifest.read_text().replace(f"depends_on: {depends_on}", "depends_on: ['echo']"))
+    client.load_model("relay")  # a reload that can be READY replaces it, as before
+    assert index(client)["relay"] == {"name": "relay", "version": "1", "state": "READY"}
+
+
 def test_depends_on_readiness_cycles_and_bad_folders(repo, serve) -> None:
     repo.python("echo")
     add_meta(repo, "relay", RELAY.format(target="echo"), ["echo"])
