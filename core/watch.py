@@ -118,7 +118,9 @@ class RepositoryWatcher:
         # looked the same for the settle time, as a folder is (an editor that truncates, then writes, showed a
         # half-written file that was applied: models unloaded, or reloaded with every default).
         self._config_pending: tuple[bytes | None, float] | None = None
-        self._config_refused = False  # the last nereid.yaml read was refused (the running one kept)
+        # The last nereid.yaml read that was refused (the running one kept), and why: tried again at each later
+        # scan, for a refusal may pass (ml_backends_path moved away a moment, a TLS file being replaced).
+        self._config_refused: tuple[bytes | None, str] | None = None
         self._stop = asyncio.Event()
         self._applying = asyncio.Lock()  # the two watches never apply at once
         self.scans = 0  # completed scans (read by tests)
@@ -533,6 +535,9 @@ class RepositoryWatcher:
         text = await asyncio.to_thread(self._read_config)  # never read a file on the loop
         if text == self._config_text:
             self._config_pending = None  # (back as it was)
+            if self._config_refused is not None:
+                log.info("dynamic repository: %s is back to the running configuration", self.config_path.name)
+                self._config_refused = None
             return None
         now = time.monotonic()
         if self._config_pending is None or self._config_pending[0] != text:
@@ -540,14 +545,17 @@ class RepositoryWatcher:
         if now - self._config_pending[1] < self.settle_ms / 1000:
             return None  # (the scan that apply schedules comes back for it)
         self._config_pending = None
-        self._config_text = text
         try:  # (load_settings explains bytes that are not UTF-8, as `nereid check` does)
             new = await asyncio.to_thread(load_settings, self.config_path)
             self.repository.check_settings(new)  # (refused before it is said to apply)
         except ConfigError as err:
-            log.error("dynamic repository: %s; keeping the running configuration", err)
-            self._config_refused = True
+            # Once per refusal: the same file refused again for the same reason, at a later scan, is no news.
+            repeated = self._config_refused == (text, str(err))
+            log.log(logging.DEBUG if repeated else logging.ERROR,
+                    "dynamic repository: %s; keeping the running configuration", err)
+            self._config_refused = (text, str(err))
             return None
+        self._config_text = text
         old = self.settings
         if new.server != old.server:
             changed = [key for key in new.server.__dataclass_fields__
@@ -560,8 +568,8 @@ class RepositoryWatcher:
         self.settings = new
         # (An operator who fixed a refused file learns it took: nothing else says so when no model changes.)
         log.info("dynamic repository: %s changed; applying it%s", self.config_path.name,
-                 " (it is valid again)" if self._config_refused else "")
-        self._config_refused = False
+                 " (it is valid again)" if self._config_refused is not None else "")
+        self._config_refused = None
         return self.repository.start_settings(new)
 
     def _read_config(self) -> bytes | None:

@@ -251,6 +251,28 @@ def test_nereid_yaml_edits(repo, serve, caplog):
     assert "dynamic repository: nereid.yaml changed; applying it (it is valid again)" in caplog.messages
 
 
+def test_a_nereid_yaml_refused_for_a_passing_reason_is_applied_once_it_passes(repo, serve, caplog):
+    """Defect (found by a bug hunt): an edit refused while ml_backends_path was moved away a moment was never
+    tried again (its text was taken as seen), even once the folder was back and the file touched."""
+    for name in ("a", "c"):
+        write_model(repo.models_dir / name, name)
+    config = repo.write_config("- name: a\n", server_extra=SETTLE)
+    server = serve(config)
+    caplog.set_level(logging.DEBUG)
+    away = repo.models_dir.with_name("away")
+    repo.models_dir.rename(away)
+    try:
+        config.write_text(config.read_text().replace("  - name: a\n", "  - name: a\n  - name: c\n"))
+        wait_for(lambda: _messages(caplog, "keeping the running configuration"))
+        assert "server.ml_backends_path" in _messages(caplog, "keeping the running configuration")[0]
+    finally:
+        away.rename(repo.models_dir)
+    os.utime(config)  # (any later scan tries it again: a touch starts one)
+    wait_for(lambda: index(server)["c"][0] == "READY")
+    assert "dynamic repository: nereid.yaml changed; applying it (it is valid again)" in caplog.messages
+    assert len([r for r in caplog.records if "keeping the running" in r.message and r.levelno >= logging.ERROR]) == 1
+
+
 def test_removing_and_adding_the_models_key_serves_what_a_restart_would(repo, serve):
     """Defect (found by a bug hunt): with the models: key removed, a folder it had not listed stayed "not listed"
     (without the key every folder is served); with it added again, that folder kept serving."""
