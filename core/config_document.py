@@ -36,6 +36,19 @@ class _StrictLoader(yaml.SafeLoader):
                                               event.start_mark)
         return super().compose_node(parent, index)
 
+    def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
+        # An explicit tag on a value its constructor cannot read (!!bool maybe, !!float "", !!timestamp x) made
+        # PyYAML's constructors raise KeyError, IndexError or AttributeError: a traceback, naming no line.
+        try:
+            return super().construct_object(node, deep)
+        except (yaml.YAMLError, RecursionError):
+            raise
+        except (ValueError, KeyError, IndexError, AttributeError, TypeError, OverflowError) as err:
+            shown = cap_message(repr(node.value), 64) if isinstance(node, yaml.ScalarNode) else "this value"
+            raise yaml.constructor.ConstructorError(
+                None, None, f"{shown} cannot be read as {node.tag.rsplit(':', 1)[-1]} ({type(err).__name__}: "
+                f"{cap_message(str(err), 128)})", node.start_mark) from None
+
 
 def _construct_unique_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
     loader.flatten_mapping(node)
@@ -56,9 +69,16 @@ def _construct_unique_mapping(loader: _StrictLoader, node: yaml.MappingNode, dee
 _MOST_DIGITS = 4300  # Python's own bound on the decimal digits int() converts
 
 
+# What an integer may be written as, tagged !!int or not (int() alone also took "+-5", " 7 " and non-ASCII digits).
+_INTEGER = re.compile(r"[-+]?(?:[0-9][0-9_]*|0o[0-7_]+|0x[0-9a-fA-F_]+|0b[01_]+)", re.ASCII)
+
+
 def _construct_int(loader: _StrictLoader, node: yaml.ScalarNode) -> int:
     """A plain integer as YAML 1.2 reads it: ``010`` is ten, ``0o10`` eight (YAML 1.1 read ``010`` as eight)."""
     written = str(loader.construct_scalar(node))
+    if not _INTEGER.fullmatch(written):
+        raise yaml.constructor.ConstructorError(None, None, f"{cap_message(repr(written), 64)} is not an integer",
+                                                node.start_mark)
     text = written.replace("_", "")
     sign = -1 if text.startswith("-") else 1
     digits = text.lstrip("+-")

@@ -71,3 +71,24 @@ def test_a_hexadecimal_integer_too_long_or_empty_is_refused_too(text: str, probl
     repr (a traceback from nereid check)."""
     with pytest.raises(ConfigError, match=problem):
         load_yaml(f"a: {text}\n", Path("x.yaml"))
+
+
+@pytest.mark.parametrize("text, problem", [
+    ("!!bool maybe", "'maybe' cannot be read as bool"),
+    ('!!float ""', "'' cannot be read as float"),
+    ("!!timestamp x", "'x' cannot be read as timestamp"),
+    ("[1, !!bool maybe]", "'maybe' cannot be read as bool"),
+])
+def test_an_explicit_tag_on_a_value_it_cannot_read_is_refused_with_its_line(text: str, problem: str) -> None:
+    """Found by a bug hunt: PyYAML's constructors raised KeyError, IndexError or AttributeError, which `nereid
+    check` and `nereid serve` printed as a traceback (exit 1, not 2), naming no line."""
+    with pytest.raises(ConfigError, match=rf"x.yaml: not valid YAML: {problem} \(.*\)\s+in \"x.yaml\", line 2"):
+        load_yaml(f"server: {{}}\na: {text}\n", Path("x.yaml"))
+
+
+@pytest.mark.parametrize("text", ['!!int "+-5"', '!!int " 7 "', '!!int "٣"', '!!int "1e3"'])
+def test_a_tagged_integer_is_read_as_a_plain_one_would_be(text: str) -> None:
+    """Found by a bug hunt: int() took "+-5" as 5, and " 7 " or an Arabic-Indic digit as 7 and 3."""
+    with pytest.raises(ConfigError, match="is not an integer"):
+        load_yaml(f"a: {text}\n", Path("x.yaml"))
+    assert load_yaml('a: !!int "-0x1F"\nb: !!int "1_000"\n', Path("x.yaml")) == {"a": -31, "b": 1000}
