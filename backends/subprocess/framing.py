@@ -73,12 +73,23 @@ def _representable(dtype: DType, shape: tuple[int, ...]) -> bool:
     return math.prod(d for d in shape if d) * (dtype.itemsize or _OBJECT_ITEMSIZE) <= _MAX_ARRAY_BYTES
 
 
-def read_body(stream: BinaryIO, dtype: DType, shape: tuple[int, ...], where: str) -> np.ndarray:
-    """Read the data of a frame whose header was already read and checked."""
+def read_body(stream: BinaryIO, dtype: DType, shape: tuple[int, ...], where: str, max_bytes: int | None = None,
+              bound: str = "") -> np.ndarray:
+    """Read the data of a frame whose header was already read and checked.
+
+    ``max_bytes`` (None: no bound) is the most the data may take: a header that
+    promises more, or BYTES elements that add up to more, fail before that data
+    is read, the message ending with ``bound`` (where the bound comes from).
+    """
     count = math.prod(shape)
     if dtype is DType.BYTES:
-        return _read_bytes_body(stream, count, shape, where)
+        return _read_bytes_body(stream, count, shape, where, max_bytes, bound)
     size = count * dtype.itemsize
+    if max_bytes is not None and size > max_bytes:
+        held = _remaining(stream)  # said too when the file is short of it: both are the model's to fix
+        short = f", file holds {held}" if held is not None and held < size else ""
+        raise ModelFailure(f"{where}: header promises {size} bytes of {contract_name(dtype)} {list(shape)}{short}; "
+                           f"{bound}")
     data = _read_at_most(stream, size)
     if len(data) != size:
         raise ModelFailure(f"{where}: header promises {size} bytes of {contract_name(dtype)} {list(shape)}, "
@@ -86,15 +97,23 @@ def read_body(stream: BinaryIO, dtype: DType, shape: tuple[int, ...], where: str
     return np.frombuffer(data, dtype=dtype.little_endian).reshape(shape)
 
 
-def _read_bytes_body(stream: BinaryIO, count: int, shape: tuple[int, ...], where: str) -> np.ndarray:
+def _read_bytes_body(stream: BinaryIO, count: int, shape: tuple[int, ...], where: str, max_bytes: int | None,
+                     bound: str) -> np.ndarray:
     # Elements are collected as they are read: a header promising billions of
     # elements fails on the first missing one instead of allocating them all.
+    if max_bytes is not None and 4 * count > max_bytes:  # their length prefixes alone
+        raise ModelFailure(f"{where}: header promises {count} BYTES elements, at least {4 * count} bytes; {bound}")
     elements: list[bytes] = []
+    size = 0  # the elements' bytes so far, with their length prefixes (as KServe's serialization carries them)
     for index in range(count):
         prefix = stream.read(4)
         if len(prefix) != 4:
             raise ModelFailure(f"{where}: BYTES data ends before element {index} of {count}")
         length = int.from_bytes(prefix, "little")
+        size += 4 + length
+        if max_bytes is not None and size > max_bytes:
+            raise ModelFailure(f"{where}: BYTES element {index} of {count} ({length} bytes) brings the data to "
+                               f"{size} bytes; {bound}")
         element = _read_at_most(stream, length)
         if len(element) != length:
             raise ModelFailure(f"{where}: BYTES element {index} is truncated")

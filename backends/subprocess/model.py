@@ -45,6 +45,10 @@ INHERITED_ENV = ("PATH", "LANG", "LC_ALL", "HOME", "SYSTEMROOT", "LD_LIBRARY_PAT
 NAMES_SEPARATOR = ","
 # Linux's MAX_ARG_STRLEN: the longest "NAME=value" string (with its NUL) that exec passes to a program.
 MAX_ENV_STRING_BYTES = 32 * 4096
+# The most the outputs of one run may take in all. One gRPC message carries at most 2 GiB - 1 bytes (grpcio sends
+# no more: nereid.server.MAX_SEND_MESSAGE_BYTES), whatever server.max_message_bytes says (that bounds requests):
+# larger outputs could never reach their client, so they are refused from their header, never read into memory.
+MAX_OUTPUT_BYTES = (1 << 31) - 1
 
 class SubprocessModel:
     """Shared machinery of the python and cpp backends; subclasses say what to run."""
@@ -279,6 +283,7 @@ class SubprocessModel:
     def _read_outputs(self, path: Path, batch: int) -> list[NamedTensor]:
         signature = self.signature()
         outputs: list[NamedTensor] = []
+        taken = 0  # the bytes of the outputs read so far (BYTES with their length prefixes, as a response has them)
         with os.fdopen(self._open_output(path), "rb") as stream:
             for spec in signature.outputs:
                 where = f"model '{self.context.name}': output '{spec.name}'"
@@ -287,7 +292,9 @@ class SubprocessModel:
                     raise ModelFailure(f"{where}: the model wrote {contract_name(dtype)}, "
                                        f"expected {contract_name(spec.dtype)}")
                 shape = self._check_shape(where, spec, shape, batch)
-                data = read_body(stream, dtype, shape, where)
+                start = stream.tell()
+                data = read_body(stream, dtype, shape, where, MAX_OUTPUT_BYTES - taken, _output_bound(taken))
+                taken += stream.tell() - start
                 outputs.append(NamedTensor(spec.name, dtype, data))
             if stream.read(1):
                 extra = os.fstat(stream.fileno()).st_size - stream.tell() + 1  # the byte just read included
@@ -332,6 +339,14 @@ class SubprocessModel:
             return (1, *shape)  # a batch-1 result written without its batch axis
         raise ModelFailure(f"{where}: the model wrote shape {list(shape)}, expected {[batch, *spec.dims]} "
                            f"(batch size {batch})")
+
+
+def _output_bound(taken: int) -> str:
+    """Why an output's data may take no more than :data:`MAX_OUTPUT_BYTES` less ``taken`` (the outputs before it)."""
+    bound = f"a response can carry at most {MAX_OUTPUT_BYTES} bytes of outputs (gRPC's message limit)"
+    if taken:
+        bound += f" and the outputs before it took {taken}"
+    return bound
 
 
 def _trailing_data_hint(last: NamedTensor, declared: int, extra: int) -> str:

@@ -309,8 +309,11 @@ class _Tail:
 
     def text(self) -> str:
         omitted = self.total - len(self.head) - len(self.data)
-        if omitted <= 0 or not self.head_size:  # (a tail alone is a tail: a model's output, its last lines)
+        if omitted <= 0:
             return (self.head + self.data).decode("utf-8", errors="replace").strip()
+        if not self.head_size:  # (a tail alone is a tail: a model's output, its last lines)
+            # Cut at a character's edge too: the first bytes kept may be the end of a character dropped before.
+            return _whole_characters(self.data, at_end=False).decode("utf-8", errors="replace").strip()
         # Each part cut at a character's edge: a cut inside one (gcc's ‘quotes’) would show a stray U+FFFD.
         head = _whole_characters(self.head, at_end=True).decode("utf-8", errors="replace").rstrip()
         tail = _whole_characters(self.data, at_end=False).decode("utf-8", errors="replace").strip()

@@ -293,3 +293,47 @@ def test_large_frame_on_a_pipe_round_trips() -> None:
         back = read_body(stream, dtype, shape, WHERE)
     writer_thread.join()
     assert shape == array.shape and np.array_equal(back, array)
+
+
+# -- a bound on the data ------------------------------------------------------
+
+BOUND = "a response can carry at most N bytes"
+
+
+def test_a_header_promising_more_than_the_bound_fails_before_its_data_is_read() -> None:
+    """Defect: a header alone decided how much the server read: a 2.2 GB frame (a sparse file, free for the model)
+    was read whole into memory, to be refused by grpcio afterwards without the model named."""
+    header = b"float32 2,3\n"
+    stream = io.BytesIO(header + bytes(24))
+    dtype, shape = read_header(stream, WHERE)
+    with pytest.raises(ModelFailure) as caught:
+        read_body(stream, dtype, shape, WHERE, 23, BOUND)
+    assert str(caught.value) == f"{WHERE}: header promises 24 bytes of float32 [2, 3]; {BOUND}"
+    assert stream.tell() == len(header)  # none of the data read
+    assert read_body(stream, dtype, shape, WHERE, 24, BOUND).shape == (2, 3)  # the bound itself fits
+
+
+def test_a_header_past_the_bound_over_a_short_file_says_both() -> None:
+    stream = io.BytesIO(b"float64 1000000000\n" + bytes(8))
+    dtype, shape = read_header(stream, WHERE)
+    with pytest.raises(ModelFailure) as caught:
+        read_body(stream, dtype, shape, WHERE, 1 << 20, BOUND)
+    assert str(caught.value) == (f"{WHERE}: header promises 8000000000 bytes of float64 [1000000000], file holds 8; "
+                                 f"{BOUND}")
+
+
+def test_bytes_data_past_the_bound_fails_before_the_element_that_passes_it_is_read() -> None:
+    prefixes_alone = io.BytesIO(b"bytes 7\n")
+    dtype, shape = read_header(prefixes_alone, WHERE)
+    with pytest.raises(ModelFailure) as caught:
+        read_body(prefixes_alone, dtype, shape, WHERE, 27, BOUND)
+    assert str(caught.value) == f"{WHERE}: header promises 7 BYTES elements, at least 28 bytes; {BOUND}"
+    frame = encode_frame(NamedTensor.from_array("t", np.array([b"abc", b"defgh"], dtype=object)))
+    stream = io.BytesIO(frame)
+    dtype, shape = read_header(stream, WHERE)
+    with pytest.raises(ModelFailure) as caught:
+        read_body(stream, dtype, shape, WHERE, 15, BOUND)
+    assert str(caught.value) == f"{WHERE}: BYTES element 1 of 2 (5 bytes) brings the data to 16 bytes; {BOUND}"
+    assert stream.tell() == len(frame) - 5  # element 1's length read, never its bytes
+    stream.seek(len(frame) - 16)
+    assert read_body(stream, dtype, shape, WHERE, 16, BOUND).tolist() == [b"abc", b"defgh"]  # exactly the bound

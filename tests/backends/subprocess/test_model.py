@@ -20,6 +20,7 @@ from nereid.settings import Device, ModelSettings
 from nereid.tensors import NamedTensor
 
 from nereid.backends.subprocess import runner
+from nereid.backends.subprocess import model as model_module
 from nereid.backends.subprocess.model import MAX_ENV_STRING_BYTES, MAX_FOLDER_FDS, SubprocessModel
 
 from support import fake_gpu_machine as machine, textproto_single
@@ -357,6 +358,64 @@ def test_data_after_the_last_output_is_measured(tmp_path, after, expected) -> No
         model.unload()
     assert str(caught.value) == ("model 'wide': output file has data after the last declared output: output "
                                  f"'output' (float32 [2, 4]) took 32 bytes; {expected}")
+
+
+def test_an_output_larger_than_a_response_can_carry_is_refused_from_its_header(tmp_path) -> None:
+    """Defect: a header promising 2.2 GB over a sparse file of that size was read whole into the server's memory,
+    then grpcio refused the response (RESOURCE_EXHAUSTED, no model named) and the request counted as a success."""
+    main = "cat > /dev/null; printf 'float32 1,600000000\\n' > \"$NEREID_OUTPUT_PATH\"\n"
+    model = loaded(tmp_path, name="big", main=main, textproto=textproto_single("FP32", "[4]", "[-1]"))
+    try:
+        with pytest.raises(ModelFailure) as caught:
+            model.infer([NamedTensor.from_array("input", np.ones((1, 4), np.float32))])
+    finally:
+        model.unload()
+    assert str(caught.value) == ("model 'big': output 'output': header promises 2400000000 bytes of float32 "
+                                 "[1, 600000000], file holds 0; a response can carry at most 2147483647 bytes of "
+                                 "outputs (gRPC's message limit)")
+
+
+def test_an_output_within_the_bound_over_a_short_file_is_refused_at_once(tmp_path) -> None:
+    main = "cat > /dev/null; printf 'float32 1,500000000\\n' > \"$NEREID_OUTPUT_PATH\"\n"
+    model = loaded(tmp_path, name="short", main=main, textproto=textproto_single("FP32", "[4]", "[-1]"))
+    started = time.monotonic()
+    try:
+        with pytest.raises(ModelFailure) as caught:
+            model.infer([NamedTensor.from_array("input", np.ones((1, 4), np.float32))])
+    finally:
+        model.unload()
+    assert time.monotonic() - started < 2  # 2 GB promised: neither allocated nor waited for
+    assert str(caught.value) == ("model 'short': output 'output': header promises 2000000000 bytes of float32 "
+                                 "[1, 500000000], file holds 0")
+
+
+TWO_OUTPUTS = """input { name: "x" data_type: "FP32" dims: [4] }
+output { name: "s" data_type: "BYTES" dims: [1] }
+output { name: "y" data_type: "FP32" dims: [-1] }
+max_batch_size: 4
+"""
+# Output s: one 3-byte element (7 bytes with its length prefix); output y: as many float32 zeros as the file size says.
+TWO_OUTPUTS_SH = """cat > /dev/null
+{ printf 'bytes 1,1\\n\\003\\000\\000\\000abc'; printf 'float32 1,%s\\n' "$(cat size)"
+  head -c "$(($(cat size) * 4))" /dev/zero; } > "$NEREID_OUTPUT_PATH"
+"""
+
+
+def test_the_bound_is_on_all_the_outputs_of_a_run_together(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(model_module, "MAX_OUTPUT_BYTES", 31)
+    model = loaded(tmp_path, name="two", main=TWO_OUTPUTS_SH, textproto=TWO_OUTPUTS)
+    request = [NamedTensor.from_array("x", np.ones((1, 4), np.float32))]
+    try:
+        (model.context.folder / "size").write_text("6")  # 7 + 24 bytes: just fits
+        assert [output.shape for output in model.infer(request)] == [(1, 1), (1, 6)]
+        (model.context.folder / "size").write_text("7")
+        with pytest.raises(ModelFailure) as caught:
+            model.infer(request)
+    finally:
+        model.unload()
+    assert str(caught.value) == ("model 'two': output 'y': header promises 28 bytes of float32 [1, 7]; a response "
+                                 "can carry at most 31 bytes of outputs (gRPC's message limit) and the outputs "
+                                 "before it took 7")
 
 
 def on(tmp_path: Path, device: str, root: Path) -> ShellModel:

@@ -52,6 +52,20 @@ def test_output_is_kept_only_as_a_bounded_tail(tmp_path):
     assert result.output_tail.endswith("line 019999")
 
 
+# 'é€😀' is 2 + 3 + 4 UTF-8 bytes: with these pads the tail's first kept byte falls inside each of the three
+# characters, after each of its bytes.
+@pytest.mark.parametrize("pad", [3, 5, 6, 8, 0, 1])
+def test_a_tail_alone_is_kept_whole_characters(tmp_path, pad):
+    """Defect: a model's output tail cut inside a character ("é" * 3000 on stderr, then exit 9) started with a
+    U+FFFD in its INTERNAL message and the server's ERROR log line."""
+    text = "é€😀" * 1000 + "e" * pad
+    result = run(tmp_path, f"import sys; sys.stderr.buffer.write({text!r}.encode()); sys.exit(9)")
+    assert result.returncode == 9
+    assert "\ufffd" not in result.output_tail, result.output_tail[:10]
+    assert text.endswith(result.output_tail)
+    assert runner.STDERR_TAIL_BYTES - 3 <= len(result.output_tail.encode()) < runner.STDERR_TAIL_BYTES
+
+
 @pytest.mark.parametrize("pad", range(4))
 def test_a_head_and_a_tail_are_kept_whole_characters_with_what_was_left_out_said(tmp_path, pad):
     """gcc quotes with ‘’ (3 bytes each in UTF-8): a cut inside one showed a stray U+FFFD. A head of whitespace
