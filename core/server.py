@@ -21,7 +21,8 @@ from nereid.listening import bind_problem
 from nereid.loop_watch import LoopWatch
 from nereid.metrics import ServerMetrics
 from nereid.plugins import make_plugin_manager
-from nereid.protocol.grpc_service import SERVICE_NAME, InferenceServicer, generic_handler, status_message
+from nereid.protocol.grpc_service import (MAX_SEND_MESSAGE_BYTES, SERVICE_NAME, InferenceServicer, generic_handler,
+                                          status_message)
 from nereid.protocol.http_listener import HttpListener
 from nereid.protocol.http_service import HttpSurface
 from nereid.repository import ModelRepository
@@ -32,9 +33,6 @@ from nereid.tls import server_credentials, ssl_context
 from nereid.watch import RepositoryWatcher
 
 log = logging.getLogger(__name__)
-
-# Responses are not capped by server.max_message_bytes (that bounds what clients send).
-MAX_SEND_MESSAGE_BYTES = (1 << 31) - 1
 
 # At shutdown, how long past shutdown_grace_s gRPC's stop still waits before cancelling the calls left: the
 # requests still running at the grace are answered then (UNAVAILABLE), and their answers need time to be sent.

@@ -46,8 +46,9 @@ NAMES_SEPARATOR = ","
 # Linux's MAX_ARG_STRLEN: the longest "NAME=value" string (with its NUL) that exec passes to a program.
 MAX_ENV_STRING_BYTES = 32 * 4096
 # The most the outputs of one run may take in all. One gRPC message carries at most 2 GiB - 1 bytes (grpcio sends
-# no more: nereid.server.MAX_SEND_MESSAGE_BYTES), whatever server.max_message_bytes says (that bounds requests):
-# larger outputs could never reach their client, so they are refused from their header, never read into memory.
+# no more: nereid.protocol.grpc_service.MAX_SEND_MESSAGE_BYTES), whatever server.max_message_bytes says (that
+# bounds requests): larger outputs could never reach their client, so they are refused from their header, never
+# read into memory.
 MAX_OUTPUT_BYTES = (1 << 31) - 1
 
 class SubprocessModel:

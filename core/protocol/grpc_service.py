@@ -110,6 +110,12 @@ def _encoded_size(text: str) -> int:
 # Requests at least this large are decoded on a worker thread, so that splitting many
 # BYTES elements or converting typed contents never stalls the event loop.
 DECODE_OFF_LOOP_BYTES = 256 << 10
+# Answers whose outputs take at least this much are serialized on a worker thread (the one copy of their data
+# costs about a millisecond per 1 MiB here; the hand-off about 50 µs).
+SERIALIZE_OFF_LOOP_BYTES = 4 << 20
+# The most one gRPC message may take: grpcio sends nothing larger. Answers are not capped by
+# server.max_message_bytes (that bounds what clients send).
+MAX_SEND_MESSAGE_BYTES = (1 << 31) - 1
 
 
 # nereid_protocol_refused_total's reason for a request gRPC delivered but protobuf cannot parse.
@@ -168,6 +174,20 @@ def request_parser(message_type: type) -> Callable[[bytes], Any]:
     if message_type is pb.ModelInferRequest:
         return _parse_infer
     return functools.partial(_parse, message_type)
+
+
+async def _serialized(response: InferResponse, streamed: bool) -> bytes:
+    """``response``'s wire bytes, with one copy of the outputs (see serialize_infer_response): made off the event
+    loop when large (a 1 GB answer held it for a second), and refused as the model's fault past what one gRPC
+    message carries (grpcio's own refusal named no model, after the request was counted a success)."""
+    if sum(tensor.data.nbytes for tensor in response.outputs) >= SERIALIZE_OFF_LOOP_BYTES:
+        wire = await asyncio.to_thread(serialize_infer_response, response, streamed=streamed)
+    else:
+        wire = serialize_infer_response(response, streamed=streamed)
+    if len(wire) > MAX_SEND_MESSAGE_BYTES:
+        raise ModelFailure(f"model '{response.model_name}': its answer takes {len(wire)} bytes, more than one gRPC "
+                           f"message carries ({MAX_SEND_MESSAGE_BYTES}); ask for fewer outputs, or call it over HTTP")
+    return wire
 
 
 def _maps_errors(handler: Handler) -> Handler:
@@ -307,8 +327,7 @@ class InferenceServicer:
         task = asyncio.current_task()
         self._running.add(task)
         try:
-            # Serialized here, with one copy of the outputs (see serialize_infer_response).
-            return serialize_infer_response(await self._infer(request, context))
+            return await self._infer(request, context)
         except asyncio.CancelledError:
             if not self._answered_at_grace():
                 raise
@@ -316,7 +335,8 @@ class InferenceServicer:
         finally:
             self._running.discard(task)
 
-    async def _infer(self, received: Received, context) -> InferResponse:
+    async def _infer(self, received: Received, context, streamed: bool = False) -> bytes:
+        """Run one request; its answer serialized (``streamed``: as a ModelStreamInferResponse)."""
         request = received.message
         if received.size >= TRIM_AFTER_BYTES:
             # gRPC's copies of this message are freed by now: give their pages back, off the loop.
@@ -344,6 +364,7 @@ class InferenceServicer:
         del request, received  # the decoded tensors are all that is needed from here on
         try:
             response = await self.dataplane.infer(decoded)
+            wire = await _serialized(response, streamed)
         except NereidError as err:
             self._counted(decoded.model_name, err.reason)
             raise
@@ -351,7 +372,7 @@ class InferenceServicer:
             self._counted(decoded.model_name, self._ended_reason(decoded.deadline_ns))
             raise
         self._counted(decoded.model_name, "success")
-        return response
+        return wire
 
     def _ended_reason(self, deadline_ns: int) -> str:
         """What a request whose task was cancelled counts as: ``unavailable`` when the server ended it at the
@@ -392,7 +413,7 @@ class InferenceServicer:
                 return
             model, request_id = received.message.model_name, received.message.id
             try:
-                result = await self._infer(received, context)
+                wire = await self._infer(received, context, streamed=True)
             except NereidError as err:
                 message = self.dataplane.error_text(err)
             except asyncio.CancelledError:
@@ -404,7 +425,7 @@ class InferenceServicer:
                 log.exception("ModelStreamInfer: request '%s' failed", cap_message(request_id, 256))
                 message = self.dataplane.error_text(err)
             else:
-                await answers.put((place, serialize_infer_response(result, streamed=True)))
+                await answers.put((place, wire))
                 return
             # The error answers this request only; the stream stays open.
             # Triton's error answer: the request's id, model and version, and the final-response flag.

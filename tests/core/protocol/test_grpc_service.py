@@ -811,3 +811,34 @@ def test_client_lines_name_a_peer_as_http_s_lines_do():
     # An IPv4 client of a dual-stack [::] listener: gRPC names it ipv4:, the HTTP socket ::ffff:-mapped.
     assert http_line_peer(("::ffff:127.0.0.1", 40312)) == grpc_line_peer("ipv4:127.0.0.1:40312")
     assert grpc_line_peer("unix:/run/nereid.sock") == "unix:/run/nereid.sock"
+
+
+def test_an_answer_past_one_grpc_message_is_the_models_fault_and_a_large_one_is_made_off_the_loop(monkeypatch):
+    """A 2.2 GB answer was refused by grpcio (RESOURCE_EXHAUSTED naming no model) after the request was counted a
+    success; and a 1 GB one was serialized on the event loop, holding every other call for a second."""
+    import asyncio
+
+    from nereid.dtypes import DType
+    from nereid.errors import ModelFailure
+    from nereid.protocol import grpc_service
+    from nereid.protocol.grpc_codec import serialize_infer_response
+    from nereid.tensors import InferResponse, NamedTensor
+
+    response = InferResponse("m", [NamedTensor("y", DType.FP32, np.arange(1024, dtype=np.float32))], "r1")
+    threads: list[str] = []
+    real = grpc_service.serialize_infer_response
+
+    def serialize(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(grpc_service, "serialize_infer_response", serialize)
+    monkeypatch.setattr(grpc_service, "SERIALIZE_OFF_LOOP_BYTES", 4096)
+    for streamed in (False, True):
+        assert asyncio.run(grpc_service._serialized(response, streamed)) == serialize_infer_response(
+            response, streamed=streamed)
+    assert all(name != threading.main_thread().name for name in threads) and len(threads) == 2
+    monkeypatch.setattr(grpc_service, "MAX_SEND_MESSAGE_BYTES", 4000)
+    with pytest.raises(ModelFailure, match=r"^model 'm': its answer takes 41\d\d bytes, more than one gRPC message "
+                                           r"carries \(4000\); ask for fewer outputs, or call it over HTTP$"):
+        asyncio.run(grpc_service._serialized(response, False))
