@@ -32,8 +32,8 @@ from nereid.backends.xla.manifest import MANIFEST_NAME, Manifest, declares_meta,
 from nereid.backends.xla.signatures import batch_mode, build_signature
 from nereid.daemon_pool import DaemonThreadPool
 from nereid.dependencies import describe_cycle, find_cycle
-from nereid.errors import (ConfigError, DeadlineExceeded, LoggedModelFailure, ModelFailure, NereidError, Unavailable,
-                           describe_exception, same_kind, without_stop_iteration)
+from nereid.errors import (ConfigError, DeadlineExceeded, LoggedModelFailure, ModelFailure, NereidError, NotFound,
+                           Unavailable, describe_exception, same_kind, without_stop_iteration)
 from nereid.files import not_regular_reason
 from nereid.model_hooks import load_model_hooks
 from nereid.runtime_options import RuntimeOptions
@@ -324,6 +324,10 @@ class MetaModel:
             # The sub-model's scheduler logged this fault of its run (with the traceback, if any): the same
             # status and message for the client, but no second line in the log for this model.
             raise LoggedModelFailure(f"meta model '{name}': sub-call to '{sub}' failed: {err}") from err
+        except NotFound as err:
+            # NOT_FOUND would say the meta model is unknown (a router then treats its URL as wrong): it is loaded,
+            # and a model it calls is gone, as requests a moment later are told (UNAVAILABLE).
+            raise Unavailable(f"meta model '{name}': sub-call to '{sub}' failed: {err}") from err
         except NereidError as err:
             raise same_kind(err, f"meta model '{name}': sub-call to '{sub}' failed: {err}") from err
         return response.outputs

@@ -403,3 +403,39 @@ def test_a_device_is_warned_of_and_ignored(tmp_path: Path, caplog) -> None:
     assert [r.getMessage() for r in caplog.records if r.name == "nereid.backends.meta.model"] == [
         "model 'a': device: cuda:1 does not apply to a meta model (its orchestration runs on the server's event "
         "loop; each model it calls runs on its own device); ignored"]
+
+
+def test_a_sub_call_to_a_model_gone_is_unavailable_not_not_found(tmp_path: Path) -> None:
+    """Found by a bug hunt: a model a meta model calls, its folder deleted while a request ran, made that request
+    NOT_FOUND (HTTP 404): a router takes that to mean the meta model itself is unknown, where requests a moment
+    later are told UNAVAILABLE."""
+    from toy_backends import toy_dataplane
+
+    from nereid.tensors import InferRequest
+
+    plane = toy_dataplane(tmp_path / "server")  # the real data plane, which has no model 'a'
+    folder = meta_folder(tmp_path, "m")
+    built = build_model(make_plugin_manager(load_entry_points=False),
+                        ModelContext("m", folder, ModelSettings("m"), tmp_path, "test", plane))
+    x = [NamedTensor.from_array("x", np.ones((2, 4), np.float32))]
+    with pytest.raises(Unavailable, match=r"^meta model 'm': sub-call to 'a' failed: unknown model 'a'"):
+        asyncio.run(built.backend.call(InferRequest("a", x)))
+
+
+def test_a_meta_models_reason_follows_a_dependency_that_gets_an_entry(tmp_path: Path) -> None:
+    """Found by a bug hunt: a meta model kept saying its dependency "is not a model of this server (no folder
+    ...)" after that folder appeared (or nereid.yaml came to list it): a new entry settled no caller again."""
+    root = tmp_path / "ml-backends"
+    root.mkdir()
+    meta_folder(root, "pair", manifest=META.replace("[a, b]", "[ghost]"))
+    repo = meta_repository(tmp_path)
+
+    async def scenario() -> None:
+        pair = await repo.load("pair")
+        assert pair.reason.startswith("dependency 'ghost' is not a model of this server (no folder 'ghost'")
+        meta_folder(root, "ghost", manifest=META.replace("[a, b]", "[]"))
+        repo.rescan()  # (as RepositoryIndex does)
+        assert pair.reason.startswith("dependency 'ghost' is not ready (UNAVAILABLE: "), pair.reason
+        await repo.unload_all()
+
+    asyncio.run(scenario())
