@@ -612,18 +612,23 @@ def run_main(path: str) -> int:
         if isinstance(code_object, BaseException):
             raise code_object
         exec(code_object, module.__dict__)
+        _flush_io()
         code = 0
     except SystemExit as exit_request:
-        code = _exit_code(exit_request.code)
+        _flush_io()
+        code = _exit_code(exit_request)
     except BaseException as err:  # noqa: BLE001 - reported like the interpreter does
+        _flush_io()
         # Without this function's own frame: the traceback starts in main.py, as python main.py's does
         # (the hook prints the exception's own __traceback__, so that is what is trimmed).
         if err.__traceback__ is not None:
             err.__traceback__ = err.__traceback__.tb_next
         if sys.excepthook is sys.__excepthook__:
             # The interpreter's own hook reads source lines from the files on disk; traceback's reads them
-            # through linecache, which holds the loaded main.py (see entry_code).
-            traceback.print_exception(type(err), err, err.__traceback__)
+            # through linecache, which holds the loaded main.py (see entry_code). With sys.stderr None, the
+            # interpreter's prints nothing, where traceback's would print to sys.stdout.
+            if sys.stderr is not None:
+                traceback.print_exception(type(err), err, err.__traceback__)
         else:  # main.py's own hook
             sys.excepthook(type(err), err, err.__traceback__)
         # An uncaught KeyboardInterrupt ends CPython by SIGINT, which the server reports as such.
@@ -633,15 +638,127 @@ def run_main(path: str) -> int:
     # ThreadPoolExecutor hung every run until timeout_s), then a join of the non-daemon threads, then atexit's.
     threading._shutdown()  # type: ignore[attr-defined]
     atexit._run_exitfuncs()
+    if not _flush_std_files() and code >= 0:
+        code = 120  # what CPython exits with when its finalization fails, whatever main.py's exit status was
+    # As CPython's shutdown does before it clears the modules: an object finalized then prints to the
+    # interpreter's own streams, and a stream main.py put in their place is released (and closed) with it.
+    sys.stdin, sys.stdout, sys.stderr = sys.__stdin__, sys.__stdout__, sys.__stderr__
     # (A module found after the folder was renamed has its path under the new name.)
     folders = [folder, *([finder.root] if finder.root else [])]
     _release_model_modules(folders, [module, *itertools.islice(sys.modules.values(), preloaded, None)])
-    for stream in (sys.stdout, sys.stderr):
+    # What the interpreter's own streams hold by now: written out as they are when CPython closes them
+    # last, a failure ignored.
+    for stream in (sys.__stdout__, sys.__stderr__):
         try:
-            stream.flush()
-        except (OSError, ValueError):
+            stream.flush()  # type: ignore[union-attr]
+        except BaseException:  # noqa: BLE001 - ignored, as CPython ignores it
             pass
     return code
+
+
+def _flush_io() -> None:
+    """Flush ``sys.stderr`` then ``sys.stdout``, any failure ignored: what ``python main.py`` does as
+    main.py's code ends, before it prints an uncaught exception or a ``sys.exit`` message."""
+    for name in ("stderr", "stdout"):
+        try:
+            getattr(sys, name).flush()
+        except BaseException:  # noqa: BLE001 - CPython clears it, whatever it is
+            pass
+
+
+def _flush_std_files() -> bool:
+    """Flush ``sys.stdout`` and ``sys.stderr`` as CPython's shutdown does; False when either failed.
+
+    A stream that is None or closed is left alone (a ``closed`` that cannot
+    be read counts as open). ``sys.stdout``'s failure is reported as an
+    unraisable exception (``Exception ignored in: <stream>``), ``sys.stderr``'s
+    is not reported: the interpreter then exits with 120.
+    """
+    flushed = True
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name, None)
+        if stream is None or _is_closed(stream):
+            continue
+        try:
+            stream.flush()
+        except BaseException as err:  # noqa: BLE001 - any failure, KeyboardInterrupt and SystemExit too
+            flushed = False
+            if name == "stdout":
+                _write_unraisable(_from_caller(err), stream)
+    return flushed
+
+
+def _from_caller(err: BaseException) -> BaseException:
+    """``err`` without the frame that caught it (this module's): its traceback starts where the interpreter's
+    would, in what that frame called."""
+    if err.__traceback__ is not None:
+        err.__traceback__ = err.__traceback__.tb_next
+    return err
+
+
+def _is_closed(stream: object) -> bool:
+    try:
+        return bool(stream.closed)  # type: ignore[attr-defined]
+    except BaseException:  # noqa: BLE001 - CPython then takes the stream for open
+        return False
+
+
+def _write_unraisable(err: BaseException, obj: object) -> None:
+    """Report ``err`` as the interpreter reports an exception it cannot raise: through main.py's own
+    ``sys.unraisablehook`` if it set one, else as the default hook prints it."""
+    hook = getattr(sys, "unraisablehook", None)
+    if hook is not None and hook is not sys.__unraisablehook__:
+        try:
+            hook(_unraisable_hook_args(err, obj))
+            return
+        except BaseException as hook_err:  # noqa: BLE001 - CPython reports the hook's own failure
+            err, obj, message = _from_caller(hook_err), hook, "Exception ignored in sys.unraisablehook"
+    else:
+        message = "Exception ignored in"
+    file = getattr(sys, "stderr", None)
+    if file is None:
+        return
+    # The default hook's text (Python/errors.c: write_unraisable_exc_file); traceback's functions read main.py's
+    # lines through linecache, which holds the loaded main.py (see entry_code).
+    try:
+        try:
+            shown = repr(obj)
+        except BaseException:  # noqa: BLE001 - as the default hook words it
+            shown = "<object repr() failed>"
+        file.write(f"{message}: {shown}\n")
+        if err.__traceback__ is not None:
+            file.write("Traceback (most recent call last):\n")
+            traceback.print_tb(err.__traceback__, file=file)
+        kind = type(err)
+        module = getattr(kind, "__module__", None)
+        name = "<unknown>" if not isinstance(module, str) else (
+            kind.__qualname__ if module in ("builtins", "__main__") else f"{module}.{kind.__qualname__}")
+        try:
+            text = str(err)
+        except BaseException:  # noqa: BLE001 - as the default hook words it
+            text = "<exception str() failed>"
+        file.write(f"{name}: {text}\n")
+        file.flush()
+    except BaseException:  # noqa: BLE001 - a stream that fails here has nowhere else to report to
+        pass
+
+
+def _unraisable_hook_args(err: BaseException, obj: object) -> object:
+    """A ``sys.UnraisableHookArgs`` for ``err`` and ``obj``: of the interpreter's own type, which
+    ``sys.__unraisablehook__`` requires (a hook of main.py's may hand it on). The type is not exposed:
+    it is taken from an unraisable exception the interpreter reports itself."""
+    caught: list[object] = []
+    hook, sys.unraisablehook = sys.unraisablehook, caught.append
+
+    class Unraisable:
+        def __del__(self) -> None:
+            raise RuntimeError
+
+    try:
+        Unraisable()  # its __del__'s exception: reported to the hook as the object is released
+    finally:
+        sys.unraisablehook = hook
+    return type(caught[0])((type(err), err, err.__traceback__, None, obj))  # type: ignore[call-arg]
 
 
 def working_directory_identity() -> tuple[int, int] | None:
@@ -842,13 +959,47 @@ def _release_model_modules(folders: list[str], run_modules: list[types.ModuleTyp
                 namespace["__builtins__"] = builtins
 
 
-def _exit_code(value: object) -> int:
+# C long's range: CPython's exit status from sys.exit(n) is `(int)PyLong_AsLong(n)`, -1 when n is out of it.
+_LONG_BITS = ctypes.sizeof(ctypes.c_long) * 8
+
+
+def _exit_code(exit_request: SystemExit) -> int:
+    """The exit status of ``python main.py`` ended by ``exit_request``, printing its message as CPython does
+    (Python/pythonrun.c: _Py_HandleSystemExit)."""
+    try:
+        value = exit_request.code
+    except BaseException:  # noqa: BLE001 - CPython prints the exception itself then
+        value = exit_request
     if value is None:
         return 0
     if isinstance(value, int):
+        if not -(1 << (_LONG_BITS - 1)) <= value < 1 << (_LONG_BITS - 1):
+            return 255
         return value & 0xFF
-    print(value, file=sys.stderr)
+    stderr = getattr(sys, "stderr", None)
+    if stderr is not None:
+        try:
+            stderr.write(str(value))
+        except BaseException:  # noqa: BLE001 - CPython drops it, and still ends the line
+            pass
+    else:  # to the C-level stderr, as PyObject_Print writes it
+        try:
+            text = str(value)
+        except BaseException:  # noqa: BLE001 - nothing printed then
+            text = ""
+        _write_fd2(text.encode("utf-8", "backslashreplace"))
+    try:
+        sys.stderr.write("\n")
+    except BaseException:  # noqa: BLE001 - PySys_WriteStderr falls back to the C-level stderr
+        _write_fd2(b"\n")
     return 1
+
+
+def _write_fd2(data: bytes) -> None:
+    try:
+        os.write(2, data)
+    except OSError:
+        pass  # descriptor 2 closed by main.py: the interpreter's C-level write fails silently too
 
 
 def _die_with_parent(parent: int) -> None:

@@ -13,6 +13,7 @@ closed the run's reply socket.
 from __future__ import annotations
 
 import json
+import re
 import os
 import select
 import signal
@@ -265,3 +266,72 @@ def test_a_compile_error_in_main_py_is_reported_as_python_main_py_reports_it(tmp
             assert parent.outcome(*run) == (1, python.stderr.decode())
     finally:
         parent.stop()
+
+
+# How main.py ends, each after writing: what `python main.py` prints and exits with there is what the interpreter's
+# end does (flushing sys.stdout and sys.stderr, sys.exit's value as an exit status); W writes but cannot flush.
+ENDINGS = {
+    "stdout None": "print('out'); sys.stdout = None",
+    "stderr None": "print('out'); sys.stderr = None",
+    "stdout None, a finalizer prints": "exec('class D:\\n def __del__(s): print(\"finalized\")'); d = D(); "
+                                       "sys.stdout = None",
+    "stdout unflushable": "sys.stdout = W()",
+    "stdout unflushable, exit 4": "sys.stdout = W(); sys.exit(4)",
+    "stdout unflushable, uncaught": "sys.stdout = W(); raise ValueError('v')",
+    "stderr unflushable": "sys.stderr = W()",
+    "flush raises": "exec('class F:\\n def write(s, x): return len(x)\\n def flush(s): raise KeyError(\"k\")'); "
+                    "sys.stdout = F()",
+    "own unraisablehook": "sys.unraisablehook = lambda a: (print('hook', a.exc_type.__name__, file=sys.__stderr__), "
+                          "sys.__unraisablehook__(a)); sys.stdout = 3",
+    "unraisablehook raises": "sys.unraisablehook = lambda a: 1 / 0; sys.stdout = 3",
+    "flushes once only": "exec('class O:\n n = 0\n def write(s, x): return len(x)\n def flush(s):\n  O.n += 1\n"
+                         "  if O.n == 1: raise OSError(\"first\")'); sys.stdout = O()",
+    "pending stdout closed": "sys.stdout.write('pending'); os.close(1)",
+    "pending stdout closed, exit 5": "sys.stdout.write('pending'); os.close(1); sys.exit(5)",
+    "pending stdout closed, interrupted": "sys.stdout.write('pending'); os.close(1); raise KeyboardInterrupt",
+    "pending stdout, exit message": "sys.stdout.write('pending'); sys.exit('bye')",
+    "stderr None, exit message": "sys.stderr = None; sys.exit('bye')",
+    "stderr None, uncaught": "sys.stderr = None; raise ValueError('v')",
+    "exit 2**70": "sys.exit(2**70)",
+    "exit -2**70": "sys.exit(-2**70)",
+    "exit 2**32+7": "sys.exit(2**32 + 7)",
+    "exit -9": "sys.exit(-9)",
+    "exit 3.0": "sys.exit(3.0)",
+    "exit code unreadable": "exec('class E(SystemExit):\\n @property\\n def code(s): raise ValueError()'); raise E(3)",
+}
+
+ENDING_MAIN = """
+import os, sys
+class W:
+    def write(self, text):
+        return len(text)
+sys.stdin.read()
+exec(open("ending.py").read())
+"""
+
+
+def test_main_py_ends_warm_as_python_main_py_ends(tmp_path) -> None:
+    """Found by a bug hunt: warm, the end of a run was not the interpreter's. sys.stdout or sys.stderr set to None
+    failed a run that python main.py ends with 0 (the traceback of the warm parent's own flush); a flush that
+    failed at exit (an unflushable sys.stdout, pending output on a closed descriptor) ended it with 0 or 1, or
+    main.py's own code, where python main.py ends with 120; sys.exit(2**70) ended it with 0, not 255."""
+    (tmp_path / "main.py").write_text(ENDING_MAIN)
+    # As the server starts both: no PYTHONUNBUFFERED (with it, nothing is left to flush at exit).
+    env = {"PATH": os.environ.get("PATH", "")}
+    parent = WarmParent(tmp_path, env=env)
+    try:
+        for case, ending in ENDINGS.items():
+            (tmp_path / "ending.py").write_text(ending)
+            python = subprocess.run([sys.executable, "main.py"], cwd=tmp_path, env=env, stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=30)
+            run = parent.send_run()
+            parent.started(run[0])
+            status, output = parent.outcome(*run)
+            expected = (python.returncode, _no_addresses(python.stdout.decode()))
+            assert (status, _no_addresses(output)) == expected, f"{case}: python main.py's ending expected"
+    finally:
+        parent.stop()
+
+
+def _no_addresses(text: str) -> str:
+    return re.sub(r" at 0x[0-9a-f]+>", " at 0x...>", text)
