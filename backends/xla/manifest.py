@@ -21,6 +21,7 @@ from typing import Any, Mapping
 from nereid.config_document import KeyedReader, load_yaml
 from nereid.dtypes import DType
 from nereid.files import read_text_file
+from nereid.settings import INT32_MAX
 from nereid.signature import MAX_DECLARED_TENSORS
 
 from nereid.backends.xla.dtype_tokens import dtype_of_token, token_of
@@ -292,6 +293,10 @@ def _meta(reader: KeyedReader, top: dict[str, Any]) -> tuple[bool, tuple[str, ..
     return True, tuple(names)
 
 
+# Past it, the model would load READY and then fail every gRPC ModelConfig call.
+_MAX_BATCH_SIZE_FIELD = "ModelConfig's max_batch_size is an int32"
+
+
 def _meta_batching(reader: KeyedReader, top: dict[str, Any],
                    tensors: tuple[ManifestTensor, ...]) -> BatchingSpec | None:
     """A meta model's ``batching: {max_batch_size: N}``: the most rows a request may carry."""
@@ -306,6 +311,8 @@ def _meta_batching(reader: KeyedReader, top: dict[str, Any],
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         reader.fail("batching.max_batch_size", "must be a positive integer (a meta model compiles nothing, so it "
                                                "has no compiled_batch_sizes)", size)
+    if size > INT32_MAX:
+        reader.fail("batching.max_batch_size", f"must be at most {INT32_MAX} ({_MAX_BATCH_SIZE_FIELD})", size)
     if not batched:
         reader.fail("batching.max_batch_size", "no client tensor has a batch axis (n or b)", size)
     return BatchingSpec((size,))
@@ -439,6 +446,9 @@ def _batching(reader: KeyedReader, top: dict[str, Any], tensors: tuple[ManifestT
     for size in sizes:
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             reader.fail("batching.compiled_batch_sizes", f"must hold positive integers, found {size!r}", sizes)
+    if any(size > INT32_MAX for size in sizes):  # the largest is the model's max_batch_size
+        reader.fail("batching.compiled_batch_sizes", f"must hold sizes of at most {INT32_MAX} "
+                                                     f"({_MAX_BATCH_SIZE_FIELD})", sizes)
     if len(set(sizes)) != len(sizes):
         reader.fail("batching.compiled_batch_sizes", "lists a size twice", sizes)
     if not batched:

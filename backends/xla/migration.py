@@ -51,7 +51,7 @@ from nereid.backends.xla.safetensors import (AXIS_ORDER_KEY, AXIS_ORDER_XLA, SAF
                                              SafetensorsHeader, TensorEntry,
                                              encode_header, read_entry, read_header, read_header_fd)
 from nereid.backends.xla.weights import INDEX_FILE, LocalBundleFiles, WeightSet, resolve_weights
-from nereid.errors import ConfigError
+from nereid.errors import ConfigError, describe_exception
 from nereid.files import atomic_write, descriptor_path, fsync_folder, locked
 
 log = logging.getLogger(__name__)
@@ -106,12 +106,20 @@ def migrate_for_load(folder: Path, mode: str, model: str) -> bool:
         return False
     try:
         outcome = migrate_bundle(folder, mode)
-    except (MigrationError, ConfigError, OSError) as err:
-        log.error("model '%s': weights migration (%s) did not run: %s; the bundle loads as it is", model, mode, err)
+    except Exception as err:  # an unforeseen failure too is the migration's, not the load's
+        log.error("model '%s': weights migration (%s) did not run: %s; the bundle loads as it is", model, mode,
+                  failure_reason(err))
         return True  # a step may have completed before the failure: re-read the bundle
     if outcome.changed:
         log.info("model '%s': weights migration (%s): %s", model, mode, outcome.what)
     return outcome.changed
+
+
+def failure_reason(err: Exception) -> str:
+    """Why a migration failed: nereid's own reasons as they are, any other error with its type, on one line."""
+    if isinstance(err, (MigrationError, ConfigError, OSError)):
+        return str(err)
+    return describe_exception(err, one_line=True)
 
 
 @dataclass(frozen=True)

@@ -82,8 +82,10 @@ def check_bundles(dirs: list[Path]) -> int:
         elif directory.is_dir() and not os.path.lexists(directory / MANIFEST_NAME):
             # A meta model's manifest (meta: true) describes no program: it is not a bundle to check. A
             # manifest that is not a regular file (a FIFO) is a bundle's, reported with what is wrong.
-            found = sorted(p for p in directory.iterdir() if p.is_dir() and has_bundle_manifest(p))
-            bundles.extend(found or [directory])  # no bundle inside: report the folder itself
+            manifested = sorted(p for p in directory.iterdir() if p.is_dir() and os.path.lexists(p / MANIFEST_NAME))
+            # No manifest inside at all: report the folder itself ("missing manifest.yaml"). Only meta models
+            # inside: nothing to check, which is no unservable bundle either.
+            bundles.extend([p for p in manifested if has_bundle_manifest(p)] if manifested else [directory])
         else:
             bundles.append(directory)
     unservable = 0

@@ -209,6 +209,12 @@ def _entry_signature(module, where: str, ir) -> ProgramSignature:
     if entry is None:
         raise ConfigError(f"{where}: the module has no '{ENTRY_FUNCTION}' function "
                           f"(functions: {', '.join(sorted(functions)) or 'none'})")
+    # XLA's conversion looks for a public main only: a private one would fail to compile with an MLIR dump.
+    visibility = (ir.StringAttr(entry.attributes["sym_visibility"]).value
+                  if "sym_visibility" in entry.attributes else "public")  # (absent: public, MLIR's default)
+    if visibility != "public":
+        raise ConfigError(f"{where}: the entry function '{ENTRY_FUNCTION}' is {visibility} "
+                          f'(sym_visibility = "{visibility}"); it must be public')
     function_type = ir.FunctionType(ir.TypeAttr(entry.attributes["function_type"]).value)
     parameters = tuple(_tensor(t, where, f"parameter {i}", ir) for i, t in enumerate(function_type.inputs))
     results = tuple(_tensor(t, where, f"result {i}", ir) for i, t in enumerate(function_type.results))

@@ -4,7 +4,8 @@ A file is an 8-byte little-endian header length, a JSON header, then the data.
 The header is validated in full before a byte of data is read, accepting
 exactly the files the safetensors library (the reference) accepts, within
 nereid's limits: a sane header length, the tensors tiling the data region from
-byte 0 to the end of the file, byte sizes matching dtype and shape, and
+byte 0 to the end of the file, byte sizes matching dtype and shape, shapes
+numpy can allocate (an empty tensor's other dimensions included), and
 ``__metadata__.format`` ``pt`` or ``nereid`` when present. Data is read with ``os.preadv`` straight into preallocated
 numpy arrays (large tensors in parallel chunks), never through one Python
 ``bytes`` object holding the whole file.
@@ -311,6 +312,8 @@ def _parse_header(path: Path | str, document: dict, data_start: int, data_len: i
 
 _ENTRY_FIELDS = ("dtype", "shape", "data_offsets")
 _USIZE_LIMIT = 1 << 64
+# numpy sizes every array, empty ones included, in bytes as an intp: a tensor past it cannot be allocated.
+MAX_ARRAY_BYTES = int(np.iinfo(np.intp).max)
 
 
 def _is_usize(value: object) -> bool:
@@ -355,6 +358,12 @@ def _parse_entry(path: Path | str, name: str, spec: object, data_start: int, dat
             raise ConfigError(f"{where}.shape: the element count of {_shown(shape)} overflows 64 bits")
     if elements * dtype.numpy.itemsize * 8 >= _USIZE_LIMIT:
         raise ConfigError(f"{where}.shape: the bit count of {token} {_shown(shape)} overflows 64 bits")
+    # Past the library's checks, a tensor with a 0 may still have other dimensions numpy cannot allocate, even empty.
+    spanned = math.prod(d for d in shape if d) * dtype.numpy.itemsize
+    if spanned > MAX_ARRAY_BYTES:
+        raise ConfigError(f"{where}.shape: {token} {_shown(shape)} is past what nereid can hold: its non-zero "
+                          f"dimensions span {spanned} bytes, and numpy sizes an array (even an empty one) in a "
+                          f"signed {np.dtype(np.intp).itemsize * 8}-bit integer, at most {MAX_ARRAY_BYTES}")
     expected = elements * dtype.numpy.itemsize
     if end - begin != expected:
         raise ConfigError(f"{where}.data_offsets: holds {end - begin} bytes but {token} {shape} needs "

@@ -14,8 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from nereid.backends.xla.migration import MigrationError, migrate_bundle
-from nereid.errors import ConfigError
+from nereid.backends.xla.migration import failure_reason, migrate_bundle
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,9 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     for bundle in args.bundles:
         try:
             outcome = migrate_bundle(bundle, args.mode)
-        except (MigrationError, ConfigError, OSError) as err:
+        except Exception as err:  # an unforeseen failure too is this bundle's line: the bundles after it still run
             failures += 1
-            print(f"{bundle}: FAILED: {err}")
+            print(f"{bundle}: FAILED: {failure_reason(err)}")
             continue
         print(f"{bundle}: {outcome.what}")
     return 1 if failures else 0

@@ -8,11 +8,14 @@ import struct
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from nereid.backend import ModelContext
 from nereid.backends.xla.cache import HASHES_FILE
 from nereid.backends.xla.model import XlaModel
 from nereid.backends.xla.export import examples, export_bundle
+from nereid.errors import ConfigError
+from nereid.files import check_confined
 from nereid.settings import ModelSettings
 
 
@@ -76,6 +79,25 @@ def test_entries_that_are_no_files_or_nest_their_header_deeply_are_rebuilt(tmp_p
     assert (reloaded.report.cache.hits, reloaded.report.cache.rebuilt, reloaded.report.cache.compiled) == (1, 2, 2)
     assert all(path.is_file() for path in paths)  # rebuilt over
     assert load(folder, tmp_path).report.cache.hits == 3
+
+
+def test_a_symlink_in_the_cache_is_under_the_folders_symlink_rule(tmp_path, add_bundle) -> None:
+    """Deliberate, not a cache mistake: the cache reads through a link, so an entry linked to an executable
+    outside ml_backends_path would be deserialized and run. The repository's rule that no file of a model
+    folder leads outside it covers .cache/ too; with follow_symlinks the entry is judged like any other."""
+    root = tmp_path / "repository"
+    folder = add_bundle(root, "mlp_bundle")
+    load(folder, tmp_path)
+    path = sorted((folder / ".cache").glob("*.xlaexe"))[0]
+    path.unlink()
+    path.symlink_to("/dev/zero")
+    with pytest.raises(ConfigError, match=r"\.cache/model\.b1\.mlir\.\w+\.xlaexe is a symlink to a path outside "
+                                          "ml_backends_path; set server.follow_symlinks: true"):
+        check_confined(folder, root, follow_symlinks=False)
+    check_confined(folder, root, follow_symlinks=True)
+    reloaded = load(folder, tmp_path)  # /dev/zero is no regular file: never opened, rebuilt over the link
+    assert (reloaded.report.cache.hits, reloaded.report.cache.rebuilt) == (2, 1)
+    assert path.is_file() and not path.is_symlink()
 
 
 def test_stale_entries_are_rebuilt_and_old_ones_removed(tmp_path, add_bundle) -> None:

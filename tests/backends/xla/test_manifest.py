@@ -168,6 +168,34 @@ def test_each_mistake_names_the_manifest_key_and_value(tmp_path, mutate, key, pr
     assert problem in message and ", got " in message, message
 
 
+def test_batch_sizes_past_modelconfigs_int32_are_refused(tmp_path) -> None:
+    """3000000000 was accepted: the model was READY, then every gRPC ModelConfig failed INTERNAL "Value out of
+    range" (max_batch_size, the largest compiled size, is an int32 there)."""
+    document = copy.deepcopy(BASE)
+    document["batching"]["compiled_batch_sizes"] = [1, 3000000000]
+    path = write(tmp_path, document)
+    with pytest.raises(ConfigError) as caught:
+        load_manifest(path)
+    assert str(caught.value) == (f"{path}: batching.compiled_batch_sizes: must hold sizes of at most 2147483647 "
+                                 "(ModelConfig's max_batch_size is an int32), got [1, 3000000000]")
+    document["batching"]["compiled_batch_sizes"] = [1, 2 ** 31 - 1]
+    assert load_manifest(write(tmp_path, document)).batching.compiled_batch_sizes == (1, 2 ** 31 - 1)
+
+
+def test_a_meta_models_max_batch_size_past_modelconfigs_int32_is_refused(tmp_path) -> None:
+    document = {"format_version": "2.1", "meta": True, "depends_on": ["net"],
+                "client_inputs": [{"name": "x", "dtype": "f32", "shape": "an", "dims": {"a": 2}}],
+                "client_outputs": [{"name": "y", "dtype": "f32", "shape": "an", "dims": {"a": 2}}],
+                "batching": {"max_batch_size": 2 ** 31}}
+    path = write(tmp_path, document)
+    with pytest.raises(ConfigError) as caught:
+        load_manifest(path)
+    assert str(caught.value) == (f"{path}: batching.max_batch_size: must be at most 2147483647 (ModelConfig's "
+                                 "max_batch_size is an int32), got 2147483648")
+    document["batching"]["max_batch_size"] = 2 ** 31 - 1
+    assert load_manifest(write(tmp_path, document)).batching.largest == 2 ** 31 - 1
+
+
 def test_batch_sizes_without_any_batch_axis(tmp_path) -> None:
     document = copy.deepcopy(BASE)
     document["executable_inputs"][0]["shape"] = "chw"

@@ -168,3 +168,61 @@ def test_offline_tool(legacy, tmp_path, capsys) -> None:
     assert lines[1].startswith(f"{tmp_path / 'absent'}: FAILED:")
     assert main([str(legacy)]) == 0
     assert capsys.readouterr().out.strip() == f"{legacy}: weights already in the program's axis order"
+
+
+def _add_empty_tensor(path: Path, shape: list[int]) -> None:
+    """Give a safetensors file one more tensor, of zero elements, at the end of its data."""
+    length = int.from_bytes(path.read_bytes()[:8], "little")
+    raw = path.read_bytes()
+    header, data = json.loads(raw[8:8 + length]), raw[8 + length:]
+    header["z"] = {"dtype": "F32", "shape": shape, "data_offsets": [len(data), len(data)]}
+    metadata = header["__metadata__"]
+    metadata["argument_order"] = json.dumps([*json.loads(metadata["argument_order"]), "z"])
+    encoded = json.dumps(header).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    path.write_bytes(len(encoded).to_bytes(8, "little") + encoded + data)
+
+
+def test_offline_tool_names_a_tensor_numpy_cannot_hold_and_goes_on(legacy, tmp_path, add_bundle, capsys) -> None:
+    """An empty tensor with a dimension of 2**64-1 (the safetensors library accepts it) ended the tool in a
+    traceback, a bare ValueError from numpy, and the bundles after it were never migrated."""
+    from nereid.backends.xla.export.migrate import main
+
+    _add_empty_tensor(legacy / "weights.safetensors", [0, 2 ** 64 - 1])
+    after = add_bundle(tmp_path, "mlp_legacy", as_name="after")
+    assert main([str(legacy), str(after)]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f"{legacy}: FAILED: {legacy / 'weights.safetensors'}: z.shape: F32 "
+                               f"[0, {2 ** 64 - 1}] is past what nereid can hold")
+    assert lines[1] == f"{after}: wrote {COPY_FILE}"
+
+
+def test_offline_tool_reports_any_failure_on_its_line_and_goes_on(legacy, tmp_path, add_bundle, capsys,
+                                                                   monkeypatch) -> None:
+    from nereid.backends.xla.export import migrate
+
+    def failing_first(folder, mode):
+        if Path(folder) == legacy:
+            raise ValueError("unforeseen\nacross lines")
+        return migrate_bundle(folder, mode)
+
+    monkeypatch.setattr(migrate, "migrate_bundle", failing_first)
+    after = add_bundle(tmp_path, "mlp_legacy", as_name="after")
+    assert migrate.main([str(legacy), str(after)]) == 1
+    assert capsys.readouterr().out.splitlines() == [f"{legacy}: FAILED: ValueError: unforeseen across lines",
+                                                    f"{after}: wrote {COPY_FILE}"]
+
+
+def test_an_unforeseen_migration_failure_is_logged_and_the_bundle_loads(legacy, tmp_path, caplog,
+                                                                        monkeypatch) -> None:
+    from nereid.backends.xla import migration
+
+    def unforeseen(folder, mode):
+        raise ValueError("unforeseen")
+
+    monkeypatch.setattr(migration, "migrate_bundle", unforeseen)
+    expected = np.asarray(examples.mlp(X, *examples.mlp_weights().values()))
+    with caplog.at_level(logging.ERROR):
+        served = serve_once(legacy, tmp_path, weights_migration="copy", executable_cache=False)
+    np.testing.assert_allclose(served, expected, rtol=1e-5, atol=1e-5)
+    assert "weights migration (copy) did not run: ValueError: unforeseen; the bundle loads as it is" in caplog.text

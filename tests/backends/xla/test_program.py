@@ -85,6 +85,18 @@ def test_unreadable_modules_name_the_file(tmp_path) -> None:
         bundle_entry_arity(tmp_path / "absent.mlir")
 
 
+def test_a_private_main_is_refused_naming_the_file() -> None:
+    """A private main was read as the entry: the check called the bundle servable, and XLA's compile then failed
+    with "conversion requires module with `main` function" and an MLIR dump."""
+    body = "@main(%arg0: tensor<2xf32>) -> tensor<2xf32> { return %arg0 : tensor<2xf32> }"
+    with pytest.raises(ConfigError) as caught:
+        read_program(f"func.func private {body}", "model.mlir")
+    assert str(caught.value) == ("model.mlir: the entry function 'main' is private (sym_visibility = \"private\"); "
+                                 "it must be public")
+    assert read_program(f"func.func public {body}", "model.mlir").arity == 1
+    assert read_program(f"func.func {body}", "model.mlir").arity == 1  # (no visibility: public)
+
+
 def test_a_cut_short_artifact_says_why_and_prints_nothing(capfd) -> None:
     # MLIR's reader reports its reason as a diagnostic, which it would print to the server's stderr.
     artifact = exported_artifact()

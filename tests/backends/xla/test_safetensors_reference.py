@@ -4,8 +4,8 @@
   nereid writes (the exporter, the writer, the migration) load through the
   library to the same arrays.
 * nereid accepts a header exactly when the library does, within nereid's own
-  documented limits (header size, rank, the dtypes it can hold, the
-  ``__metadata__.format`` rule): a hand-made corpus of edge cases and a few
+  documented limits (header size, rank, the dtypes it can hold, shapes
+  numpy can allocate, the ``__metadata__.format`` rule): a hand-made corpus of edge cases and a few
   hundred seeded mutations of valid files.
 """
 
@@ -302,6 +302,30 @@ def test_nereids_own_limits_are_named(tmp_path) -> None:
     with pytest.raises(ConfigError, match="nereid reads headers of up to 16777216 bytes, the safetensors library "
                                           "up to 100,000,000"):
         read_header(path)
+
+
+@pytest.mark.parametrize("shape", [[0, 2 ** 64 - 1], [0, 2 ** 40, 2 ** 40], [2 ** 61, 0]])
+def test_an_empty_tensor_numpy_cannot_allocate_is_refused_naming_it(tmp_path, shape) -> None:
+    """The library accepts these (0 elements, no overflow left to right); nereid accepted them too, then np.empty
+    raised a bare ValueError ("Maximum allowed dimension exceeded", "array is too big") naming no file or tensor."""
+    path = tmp_path / "w.safetensors"
+    path.write_bytes(_file(b'{"a":{' + T + b'},"z":{"dtype":"F32","shape":' + json.dumps(shape).encode()
+                           + b',"data_offsets":[8,8]}}'))
+    assert _reference_accepts(path.read_bytes())
+    with pytest.raises(ConfigError) as caught:
+        load_weights(path)
+    assert str(caught.value).startswith(f"{path}: z.shape: F32 {shape} is past what nereid can hold: its non-zero "
+                                        "dimensions span ")
+    assert str(caught.value).endswith("numpy sizes an array (even an empty one) in a signed 64-bit integer, at most "
+                                      f"{2 ** 63 - 1}")
+
+
+def test_the_largest_empty_tensor_numpy_can_allocate_loads(tmp_path) -> None:
+    path = tmp_path / "w.safetensors"
+    largest = (2 ** 63 - 1) // 4  # F32: 4 bytes an element
+    path.write_bytes(_file(b'{"__metadata__":{"axis_order":"xla"},"a":{' + T + b'},"z":{"dtype":"F32","shape":['
+                           + str(largest).encode() + b',0],"data_offsets":[8,8]}}'))
+    assert dict(load_weights(path))["z"].shape == (largest, 0)
 
 
 def test_the_migrations_second_read_is_the_librarys_and_follows_the_open_file(tmp_path) -> None:

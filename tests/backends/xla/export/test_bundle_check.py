@@ -32,6 +32,14 @@ def test_a_meta_model_named_on_its_own_is_skipped_not_unservable(capsys) -> None
     assert lines[-1] == "1 bundle(s), 0 unservable"
 
 
+def test_a_folder_of_meta_models_only_has_no_bundle_to_check(tmp_path, capsys) -> None:
+    """Scanned, a folder whose only models are meta models was itself "UNSERVABLE: missing manifest.yaml", and
+    the command exited 1; the README says meta folders are skipped, not counted."""
+    shutil.copytree(SHIPPED / "circle_score", tmp_path / "circle_score")
+    assert main(["bundle", "check", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.splitlines() == ["0 bundle(s), 0 unservable"]
+
+
 def test_triage_of_a_directory_of_bundles(tmp_path, capsys) -> None:
     good = examples.write_mlp(tmp_path, provenance=False)
     broken = tmp_path / "broken"
@@ -104,3 +112,15 @@ def test_bundles_whose_types_the_load_refuses_are_unservable(tmp_path, capsys) -
         f"{swapped}: UNSERVABLE: model.b8.mlir: parameter 0 (input 'input', manifest shape 'an') is "
         "tensor<1x16xf32> in the program but the bundle declares tensor<8x16xf32>")
     assert by_bundle[str(good)].startswith(f"{good}: servable: 1 input(s) + 4 weight(s) = 5 argument(s)")
+
+
+def test_a_private_main_is_unservable(tmp_path, capsys) -> None:
+    """The check called a bundle whose main is private servable; the server's compile then failed with XLA's dump."""
+    bundle = Path(shutil.copytree(SHIPPED / "mlp_bundle", tmp_path / "private_main",
+                                  ignore=shutil.ignore_patterns(".cache")))
+    (bundle / "model.b1.mlir").write_text(
+        "func.func private @main(%arg0: tensor<1x16xf32>) -> tensor<1x16xf32> { return %arg0 : tensor<1x16xf32> }")
+    assert main(["bundle", "check", str(bundle)]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f"{bundle}: UNSERVABLE: ")
+    assert f"{bundle / 'model.b1.mlir'}: the entry function 'main' is private" in lines[0]
