@@ -17,11 +17,13 @@ import sys
 import time
 import textwrap
 import threading
+import urllib.request
 from pathlib import Path
 from typing import Any, Callable, Coroutine
 
 import pytest
 import tritonclient.grpc as triton
+from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.utils import InferenceServerException
 
 from nereid.server import NereidServer
@@ -283,3 +285,13 @@ def fake_gpu_machine(tmp_path: Path, gpus: int | None = None, wsl: bool = False)
     if wsl:
         (root / "dev" / "dxg").write_text("")
     return root
+
+
+def scrape(port: int, query: str = "") -> dict[tuple[str, tuple], float]:
+    """The samples of the metrics endpoint on ``port``: (name, sorted labels) -> value."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics{query}", timeout=10).read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples

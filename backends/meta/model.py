@@ -33,7 +33,7 @@ from nereid.backends.xla.signatures import batch_mode, build_signature
 from nereid.daemon_pool import DaemonThreadPool
 from nereid.dependencies import describe_cycle, find_cycle
 from nereid.errors import (ConfigError, DeadlineExceeded, LoggedModelFailure, ModelFailure, NereidError, NotFound,
-                           Unavailable, describe_exception, same_kind, without_stop_iteration)
+                           QueueFull, Unavailable, describe_exception, same_kind, without_stop_iteration)
 from nereid.files import not_regular_reason
 from nereid.model_hooks import load_model_hooks
 from nereid.runtime_options import RuntimeOptions
@@ -255,8 +255,13 @@ class MetaModel:
                 raise  # a sub-call's error, already naming both models, with its status
             # The orchestration's own refusal (raise InvalidArgument(...)): its status, naming the model.
             raise same_kind(err, f"meta model '{self.context.name}': {err}") from err
-        except asyncio.CancelledError:
-            raise  # the client went away, or the server stops (the scheduler tells the model's own apart)
+        except asyncio.CancelledError as err:
+            task = asyncio.current_task()
+            if task is None or task.cancelling():
+                raise  # the client went away, or the server stops (the scheduler tells the model's own apart)
+            # Raised by the orchestration itself, this task not cancelled: its fault, as any other exception.
+            raise ModelFailure(f"meta model '{self.context.name}': orchestrate failed{self._line_of(err)}: "
+                               f"{describe_exception(err)}") from err
         except BaseException as err:
             # Any other exception, and what is none (sys.exit(), a KeyboardInterrupt or GeneratorExit of its own, a
             # BaseException of the author's): the model's fault, never the server's end nor a request left
@@ -328,6 +333,10 @@ class MetaModel:
             # NOT_FOUND would say the meta model is unknown (a router then treats its URL as wrong): it is loaded,
             # and a model it calls is gone, as requests a moment later are told (UNAVAILABLE).
             raise Unavailable(f"meta model '{name}': sub-call to '{sub}' failed: {err}") from err
+        except QueueFull as err:
+            # UNAVAILABLE to the client either way; counted as this model's queue_full it would send an operator
+            # to this model's queue_capacity, which was not the one full.
+            raise Unavailable(f"meta model '{name}': sub-call to '{sub}' failed: {err}") from err
         except NereidError as err:
             raise same_kind(err, f"meta model '{name}': sub-call to '{sub}' failed: {err}") from err
         return response.outputs
@@ -395,9 +404,17 @@ class MetaModel:
             return ()
 
     def _line_of(self, err: BaseException) -> str:
-        """`` at model.py:<line>`` of the innermost frame in model.py, for the error message."""
-        frames = [f for f in traceback.extract_tb(err.__traceback__) if Path(f.filename) == self._model_py]
-        return f" at {MODEL_PY}:{frames[-1].lineno}" if frames else ""
+        """`` at model.py:<line>`` of the innermost frame in model.py, for the error message: in ``err``'s own
+        traceback, else in its cause's (a StopIteration the coroutine machinery turned into a RuntimeError)."""
+        seen: BaseException | None = err
+        for _ in range(8):  # (a bounded walk: a cause chain may loop)
+            if seen is None:
+                break
+            frames = [f for f in traceback.extract_tb(seen.__traceback__) if Path(f.filename) == self._model_py]
+            if frames:
+                return f" at {MODEL_PY}:{frames[-1].lineno}"
+            seen = seen.__cause__ or seen.__context__
+        return ""
 
 
 class _NotInDependsOn(ModelFailure):

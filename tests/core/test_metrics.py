@@ -13,22 +13,13 @@ import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as triton
-from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.utils import InferenceServerException
 
 import toy_backends
-from support import ECHO_MAIN, until, wait_until
+from support import ECHO_MAIN, scrape, until, wait_until
 from nereid.backend import BackendClaim, RuntimeReport
 from nereid.hookspecs import hookimpl
 
-
-def scrape(port: int, query: str = "") -> dict[tuple[str, tuple], float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics{query}", timeout=10).read().decode()
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-    return samples
 
 
 def test_metrics_describe_requests_batches_and_models(repo, serve) -> None:

@@ -439,3 +439,19 @@ def test_a_meta_models_reason_follows_a_dependency_that_gets_an_entry(tmp_path: 
         await repo.unload_all()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("raised, problem", [
+    ("asyncio.CancelledError()", "CancelledError"),
+    ("StopIteration()", "RuntimeError: coroutine raised StopIteration"),
+])
+def test_an_orchestrations_own_cancel_or_stop_iteration_is_its_fault_with_its_line(tmp_path: Path, raised: str,
+                                                                                   problem: str) -> None:
+    """Found by a bug hunt: a CancelledError the orchestration raised itself passed as the request's
+    cancellation ("model 'm' failed: CancelledError", no meta model, no line); a StopIteration lost its line."""
+    model_py = f"import asyncio\nimport nereid\nasync def f(inputs, ctx):\n    raise {raised}\n" \
+               "nereid.register_model(orchestrate=f)\n"
+    built = build(meta_folder(tmp_path, "m", model_py))
+    x = [NamedTensor.from_array("x", np.ones((2, 4), np.float32))]
+    with pytest.raises(ModelFailure, match=rf"^meta model 'm': orchestrate failed at model.py:4: {problem}$"):
+        asyncio.run(built.backend.infer(x))

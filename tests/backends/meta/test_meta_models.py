@@ -20,7 +20,7 @@ import tritonclient.grpc as triton
 import tritonclient.http as triton_http
 from tritonclient.utils import InferenceServerException
 
-from support import ModelRepo, expect_grpc_error
+from support import ModelRepo, expect_grpc_error, scrape
 
 SHIPPED = Path(__file__).resolve().parents[3] / "ml-backends"
 
@@ -292,6 +292,24 @@ def test_a_reload_whose_new_version_could_never_be_ready_keeps_the_running_one(r
         manifest.write_text(manifest.read_text().replace(f"depends_on: {depends_on}", "depends_on: ['echo']"))
     client.load_model("relay")  # a reload that can be READY replaces it, as before
     assert index(client)["relay"] == {"name": "relay", "version": "1", "state": "READY"}
+
+
+def test_a_sub_models_full_queue_is_not_counted_as_the_meta_models_own(repo, serve) -> None:
+    """Found by a bug hunt: a fan-out past a sub-model's queue counted reason="queue_full" against the meta
+    model, sending an operator to a queue_capacity that was not the one full."""
+    add_counting(repo, "worker", sleep_s=1.5)
+    add_meta(repo, "relay", RELAY.format(target="worker"), ["worker"])
+    server = serve(repo.write_config("- name: relay\n- name: worker\n  queue_capacity: 1\n"))
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        calls = [pool.submit(infer, triton.InferenceServerClient(server.url), "relay", X) for _ in range(3)]
+        errors = [call.exception(30) for call in calls]
+    refused = [err for err in errors if err is not None]
+    assert len(refused) == 1 and refused[0].status() == "StatusCode.UNAVAILABLE", errors
+    assert refused[0].message().startswith("meta model 'relay': sub-call to 'worker' failed: model 'worker': queue "
+                                           "is full")
+    samples = scrape(server.server.metrics_port)
+    assert samples[("nereid_request_failure_total", (("model", "relay"), ("reason", "unavailable")))] == 1
+    assert ("nereid_request_failure_total", (("model", "relay"), ("reason", "queue_full"))) not in samples
 
 
 def test_depends_on_readiness_cycles_and_bad_folders(repo, serve) -> None:
