@@ -55,6 +55,13 @@ class BatchPolicy:
     @classmethod
     def resolve(cls, settings: BatchingSettings, signature: ModelSignature, origin: str) -> BatchPolicy:
         """Combine settings with the model's contract; ConfigError names the setting and value."""
+        if settings.enabled and not signature.batches and (settings.max_batch_size or settings.preferred_batch_sizes):
+            # A size asked of a model that takes one request at a time was ignored without a word, where a size
+            # past a batching model's max_batch_size is refused: the same rule, at 0.
+            key, value = (("max_batch_size", settings.max_batch_size) if settings.max_batch_size
+                          else ("preferred_batch_sizes", list(settings.preferred_batch_sizes)))
+            raise ConfigError(f"{origin}.batching.{key}: the model does not batch (its max_batch_size is 0: one "
+                              f"request per execution), got {value}")
         if not settings.enabled or not signature.batches or not signature.inputs:
             # Without inputs nothing would tell the model how many requests a batch holds.
             return cls(enabled=False)

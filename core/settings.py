@@ -339,7 +339,9 @@ def parse_settings(document: Any, path: Path) -> Settings:
             if model.name in seen:
                 reader.fail(f"models[{index}].name", "is listed twice", model.name)
             seen.add(model.name)
-    backend_defaults = top.get("backends") or {}
+    backend_defaults = top.get("backends")
+    if backend_defaults is None:  # left out, or a section with its keys commented out
+        backend_defaults = {}
     if not isinstance(backend_defaults, dict):
         reader.fail("backends", "must map backend names to their runtime defaults", backend_defaults)
     for backend, defaults in backend_defaults.items():

@@ -155,6 +155,14 @@ def test_policy_is_checked_against_the_model() -> None:
         policy(max_batch_size=32)
     unbatched = ModelSignature(FIXED.inputs, FIXED.outputs, 0)
     assert not BatchPolicy.resolve(BatchingSettings(), unbatched, "x").enabled
+    assert not BatchPolicy.resolve(BatchingSettings(enabled=False, max_batch_size=4), unbatched, "x").enabled
+    # A size asked of a model that does not batch was ignored without a word (found by a bug hunt), where one
+    # past a batching model's max_batch_size is refused: the same rule, at 0.
+    for given, refused in (({"max_batch_size": 4}, r"max_batch_size: the model does not batch \(its max_batch_size "
+                                                   r"is 0: one request per execution\), got 4"),
+                           ({"preferred_batch_sizes": (2,)}, r"preferred_batch_sizes: .*, got \[2\]")):
+        with pytest.raises(ConfigError, match=rf"^x\.batching\.{refused}$"):
+            BatchPolicy.resolve(BatchingSettings(**given), unbatched, "x")
     # Requests without inputs are never merged: the model could not tell how many rows to answer.
     no_inputs = ModelSignature((), FIXED.outputs, 16)
     assert not BatchPolicy.resolve(BatchingSettings(), no_inputs, "x").enabled

@@ -89,6 +89,10 @@ def refusal(root: Path, body: str) -> tuple[Path, str]:
     ("server:\n  ml_backends_path: elsewhere\n", "server.ml_backends_path", "'elsewhere'"),
     ("server:\n  strict_readiness: maybe\n", "server.strict_readiness", "'maybe'"),
     ("unknown: 1\n", "unknown", "1"),
+    # (Found by a bug hunt: an empty-looking wrong value passed as no defaults at all.)
+    ("backends: false\n", "backends", "False"),
+    ("backends: []\n", "backends", "[]"),
+    ("backends: ''\n", "backends", "''"),
 ])
 def test_mistakes_name_file_key_and_value(root: Path, body: str, key: str, value: str) -> None:
     path, message = refusal(root, body)
