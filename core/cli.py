@@ -32,6 +32,7 @@ from nereid.leftovers import ScratchFolderError, make_scratch_folder, remove_scr
 from nereid.log_format import one_record_per_line, stderr_handler
 from nereid.log_limit import EndedCallFilter, RateLimitFilter
 from nereid.model_building import build_model
+from nereid.model_entry import waiting_for_folder
 from nereid.processes import kill_children, not_ignored
 from nereid.plugins import NereidPluginManager, add_commands, check_backend_defaults, error_text, make_plugin_manager
 from nereid.storage import list_model_folders, materialize_model_folder
@@ -331,6 +332,11 @@ def check(settings: Settings, manager: NereidPluginManager | None = None) -> int
             else:
                 problems += 0 if checked.status == "OK" else 1
                 print(checked.line())
+        for model in settings.models:
+            if model.name not in states:  # listed before its folder, as dynamic mode allows
+                states[model.name] = ("UNAVAILABLE", waiting_for_folder(model.name))
+                print(f"{model.name}: WAITING: {waiting_for_folder(model.name)} (server.watch loads it when the "
+                      "folder lands; the server is not ready until then)")
         problems += _check_callers(callers, states)
     except KeyboardInterrupt as stop:
         signals.close()  # (a second signal, or a delivery pending, must not interrupt what follows)

@@ -25,6 +25,11 @@ from nereid.stats import ModelStats
 NOT_LISTED_REASON = "not listed in nereid.yaml"
 
 
+def waiting_for_folder(name: str) -> str:
+    """The reason of a listed model whose folder is not in the repository (dynamic mode loads it once it lands)."""
+    return f"waiting for its folder '{name}' in ml_backends_path"
+
+
 class ModelState(str, enum.Enum):
     """Triton's model states, as RepositoryIndex reports them."""
 

@@ -28,7 +28,7 @@ from nereid.folder_states import folder_stamp
 from nereid.log_limit import RateLimitedLog
 from nereid.model_building import BackendRaised
 from nereid.model_entry import (NOT_LISTED_REASON, LoadAbandoned, LoadedModel, ModelEntry, ModelState,
-                                RetiringVersion)
+                                RetiringVersion, waiting_for_folder)
 from nereid.plugins import check_backend_defaults
 from nereid.settings import Settings
 from nereid.settings_changes import changed_backends, settings_step
@@ -219,7 +219,7 @@ class ModelRepository:
             if settings.name not in self._entries:
                 self._entries[settings.name] = ModelEntry(
                     settings.name, self.root / settings.name, settings, f"{self.settings.source}: models[{index}]",
-                    reason=_waiting_for_folder(settings.name))
+                    reason=waiting_for_folder(settings.name))
         if present is not None:
             self._forget_gone(set(present))
         if len(self._entries) > known and any(entry.loaded is not None and entry.loaded.depends_on
@@ -279,7 +279,7 @@ class ModelRepository:
             elif entry.folder_seen:
                 entry.folder_seen = False
                 entry.awaiting_folder = entry.name in self._exposed
-                entry.state, entry.reason = ModelState.UNAVAILABLE, _waiting_for_folder(entry.name)
+                entry.state, entry.reason = ModelState.UNAVAILABLE, waiting_for_folder(entry.name)
             else:
                 continue  # listed, its folder never seen yet: it still waits for it, as it did at start
             self._exposed.discard(entry.name)
@@ -435,7 +435,7 @@ class ModelRepository:
         name = entry.name
         # (A folder in an object store is fetched by the version loader, which reports the store's error.)
         if self.settings.server.ml_backends_url is None and not entry.folder.is_dir():
-            entry.state, entry.reason = ModelState.UNAVAILABLE, f"no folder '{name}' in ml_backends_path (yet)"
+            entry.state, entry.reason = ModelState.UNAVAILABLE, waiting_for_folder(name)
             log.warning("model '%s' is UNAVAILABLE: %s", name, entry.reason)
             self._refresh_dependents()
             return entry
@@ -905,11 +905,6 @@ def _no_folder(name: str) -> NotFound:
     """The error for a name with no model folder (and nothing else keeping it)."""
     # The folder relative to ml_backends_path: clients never see the server's absolute paths.
     return NotFound(PublicText(f"unknown model '{name}' (no folder '{name}' under ml_backends_path)"))
-
-
-def _waiting_for_folder(name: str) -> str:
-    """The reason of a listed model whose folder is not in the repository."""
-    return f"waiting for its folder '{name}' in ml_backends_path"
 
 
 def _repeats(reason: str, retrying: str | None) -> bool:

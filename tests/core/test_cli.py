@@ -82,6 +82,21 @@ def test_check_runs_off_the_main_thread_too(repo, capsys) -> None:
     assert results == [0], results
 
 
+def test_check_shows_a_model_listed_before_its_folder_in_dynamic_mode(repo, capsys) -> None:
+    """Found by a bug hunt: nereid check printed nothing of it, where the server starts not ready until it
+    loads."""
+    from nereid.cli import check
+    from nereid.plugins import make_plugin_manager
+    from nereid.settings import load_settings
+
+    toy_backends.write_toy(repo.models_dir, "steady")
+    settings = load_settings(repo.write_config("- name: steady\n- name: ghost\n",
+                                               server_extra="  watch: true\n"))
+    assert check(settings, make_plugin_manager(load_entry_points=False, extra_plugins=(toy_backends,))) == 0
+    assert ("ghost: WAITING: waiting for its folder 'ghost' in ml_backends_path (server.watch loads it when the "
+            "folder lands; the server is not ready until then)") in capsys.readouterr().out.splitlines()
+
+
 def test_check_reports_each_broken_model_and_fails(repo) -> None:
     repo.python("good")
     repo.python("warns", main=ECHO_MAIN + "\nif len(sys.argv) is 1:\n    pass\n")  # a SyntaxWarning at load
