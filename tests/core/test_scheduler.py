@@ -338,20 +338,26 @@ def test_drain_abandons_work_that_ignores_termination() -> None:
     run(scenario())
 
 
+async def one_running_one_queued(batching: bool) -> tuple[GatedDouble, ModelScheduler, asyncio.Task, asyncio.Task]:
+    """A one-instance scheduler (batching or not) running one request (value 1, held by the backend's gate) and
+    holding one more (value 2) in its queue."""
+    backend = GatedDouble()
+    policy = BatchPolicy(True, max_rows=1, max_delay_ns=1) if batching else None
+    scheduler = ModelScheduler("m", backend, SIGNATURE, capacity=4, instances=1, stats=ModelStats(), policy=policy)
+    running = asyncio.create_task(scheduler.submit(rows(1), 1, 0))
+    await until(lambda: scheduler.running_threads == 1)
+    queued = asyncio.create_task(scheduler.submit(rows(2), 1, 0))
+    await until(lambda: scheduler.queue_depth == 1)
+    return backend, scheduler, running, queued
+
+
 @pytest.mark.parametrize("batching", [False, True], ids=["run by its caller", "run by the batcher"])
 def test_a_request_queued_when_an_unloads_grace_ends_is_answered_not_run_and_never_started(batching) -> None:
     """The slot that terminating the running execution freed started the queued request after the grace:
     cut short or abandoned in turn, it was told its execution "did not end within the grace", and the unload
     took the termination wait twice."""
     async def scenario() -> None:
-        backend = GatedDouble()
-        policy = BatchPolicy(True, max_rows=1, max_delay_ns=1) if batching else None
-        scheduler = ModelScheduler("m", backend, SIGNATURE, capacity=4, instances=1, stats=ModelStats(),
-                                   policy=policy)
-        running = asyncio.create_task(scheduler.submit(rows(1), 1, 0))
-        await until(lambda: scheduler.running_threads == 1)
-        queued = asyncio.create_task(scheduler.submit(rows(2), 1, 0))
-        await until(lambda: scheduler.queue_depth == 1)
+        backend, scheduler, running, queued = await one_running_one_queued(batching)
 
         async def terminate() -> None:  # the backend ends its running work at once
             backend.gate.set()
@@ -370,14 +376,7 @@ def test_callers_of_an_abandoned_execution_are_answered_unavailable(batching) ->
     """Defect: drain answered the queued requests of a model whose execution ignored termination, but the
     callers of that execution waited on (without a deadline, for ever) after the unload."""
     async def scenario() -> None:
-        backend = GatedDouble()
-        policy = BatchPolicy(True, max_rows=1, max_delay_ns=1) if batching else None
-        scheduler = ModelScheduler("m", backend, SIGNATURE, capacity=4, instances=1, stats=ModelStats(),
-                                   policy=policy)
-        running = asyncio.create_task(scheduler.submit(rows(1), 1, 0))
-        await until(lambda: scheduler.running_threads == 1)
-        queued = asyncio.create_task(scheduler.submit(rows(1), 1, 0))
-        await asyncio.sleep(0.01)
+        backend, scheduler, running, queued = await one_running_one_queued(batching)
         assert not await scheduler.drain(0.1, terminate_wait_s=0.1)
         with pytest.raises(Unavailable, match="model 'm' was unloaded while this request ran; its execution did "
                                               "not end within the grace and was abandoned"):
