@@ -158,15 +158,27 @@ def scan_store(location: StoreURL) -> dict[str, FolderState]:
     """Every model folder under ``location`` and its state, from one listing (StorageError on failure).
 
     A folder's stamp is its objects' names, sizes and ETags (no mtimes: a store
-    has none worth comparing), and that is also its identity.
+    has none worth comparing), and that is also its identity. The folders are
+    those the repository's listing has: one holding only ignored files, or
+    only its own folder object (a console's "Create folder"), is there with
+    nothing in its stamp, as an empty local folder is.
     """
-    from nereid.storage.mirror import list_objects
+    from nereid.storage.mirror import folder_objects, list_objects
 
     objects: dict[str, list[tuple[str, int, int | str]]] = {}
+    lone: dict[str, str] = {}  # objects directly under location: a file, or a folder's own object "<name>/"
     for relative, size, etag in list_objects(location):
         name, _, rest = relative.partition("/")
-        if rest and not name.startswith(".") and not any(ignored_name(part) for part in rest.split("/")):
+        if name.startswith("."):
+            continue
+        if not rest:
+            lone[name] = str(etag)
+        elif not any(ignored_name(part) for part in rest.split("/")):
             objects.setdefault(name, []).append((rest, size, etag))
+        else:
+            objects.setdefault(name, [])
+    for name in folder_objects(location, {name: etag for name, etag in lone.items() if name not in objects}):
+        objects[name] = []
     states = {}
     for name, files in sorted(objects.items()):
         stamp = tuple(sorted(files))

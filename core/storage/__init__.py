@@ -63,6 +63,11 @@ class _Listing:
     forgotten: dict[str, float] = field(default_factory=dict)
 
 
+# Beside a mirror's folder (``.<its name>`` and this): a server of this version uses it. A server at the provider's
+# own endpoint names its mirror as earlier versions named every one, so that name alone does not tell an abandoned
+# mirror from one in use. (Beside it, not in it: the mirror holds only model folders and their locks.)
+IN_USE_SUFFIX = ".in-use"
+_marked_mirrors: set[Path] = set()
 # Longer than any listing of a store takes (its client's retries give up after a few minutes).
 _LISTING_SLOW_S = 900.0
 _listings: dict[str, _Listing] = {}
@@ -100,34 +105,63 @@ def scan_model_folders(server: ServerSettings) -> list[str]:
     root = Path(server.ml_backends_path)
     if location is None:
         return local_model_folders(root)
+    _mark_mirror(root)
     names = _list_remote(location, root)
     _note_earlier_mirror(location, root)
     for name in names:
-        _make_mirror_folder(root, name)
+        _make_mirror_folder(location, root, name)
     return names
+
+
+def _mark_mirror(root: Path) -> None:
+    """Mark the mirror ``root`` as one a server of this version uses (see :func:`_note_earlier_mirror`), once per
+    process; a cache that refuses it is left alone (the folders' own writes say why)."""
+    if root in _marked_mirrors:
+        return
+    try:
+        root.parent.mkdir(parents=True, exist_ok=True)
+        _in_use_mark(root).touch()
+    except OSError:
+        return
+    _marked_mirrors.add(root)
+
+
+def _in_use_mark(root: Path) -> Path:
+    """The file saying a server of this version uses the mirror ``root`` (see :func:`_mark_mirror`)."""
+    return root.parent / f".{root.name}{IN_USE_SUFFIX}"
 
 
 def _note_earlier_mirror(location: StoreURL, root: Path) -> None:
     """Say once that the mirror an earlier nereid made for ``location`` (named by the URL alone, before mirrors
     were told apart by the store's endpoint) is not used any more: it holds fetched files and compiled programs
-    that nothing removes."""
+    that nothing removes.
+
+    That name is also the one a server at the provider's own endpoint uses
+    now: one that carries the mark of a server of this version is never said
+    to be unused.
+    """
     earlier = root.parent / location.cache_name()
-    if earlier != root and earlier.is_dir():
+    if earlier != root and earlier.is_dir() and not os.path.lexists(_in_use_mark(earlier)):
         _folder_warnings.warning(str(earlier), "%s: the local mirror %s, made by an earlier nereid before mirrors "
                                  "were told apart by the store's endpoint, is no longer used (the models are "
-                                 "fetched again into %s); delete it", location, earlier, root)
+                                 "fetched again into %s); delete it, unless a server of a nereid older than this "
+                                 "one at the store provider's own endpoint shares this cache_dir", location,
+                                 earlier, root)
 
 
-def _make_mirror_folder(root: Path, name: str) -> None:
-    """Make the (empty until materialized) mirror folder of ``name``; a failure is logged once, never raised.
+def _make_mirror_folder(location: StoreURL, root: Path, name: str) -> None:
+    """Make the (empty until materialized) mirror folder of ``name`` (a stray file in its place removed, see
+    :func:`nereid.storage.mirror.make_mirror_folder`); a failure is logged once, never raised.
 
     A bucket takes folder names the local file system refuses (longer than 255
     bytes, say): such a folder stays listed, and its load reports why. The
     warning names the folder and the system's reason.
     """
+    from nereid.storage.mirror import make_mirror_folder
+
     folder = root / name
     try:
-        folder.mkdir(parents=True, exist_ok=True)
+        make_mirror_folder(location, root, name)
     except OSError as err:
         # A long name is cut, with its length said; a short one is named as it is.
         shown = name if len(name) <= 80 else f"{name[:80]}... ({len(name)} characters)"

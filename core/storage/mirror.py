@@ -6,12 +6,12 @@ fetched into ``<cache_dir>/repositories/<repository>/<model>/``, except, in a
 bundle (a folder with a ``manifest.yaml``), the weights (``*.safetensors``),
 which stay in the store and are streamed by the bundle's loader. A file is fetched again only when its ETag (or
 version) changed since it was last fetched, or its local copy's size or modification time since it was written;
-the folder's ``.nereid-remote.json`` records them, and the weights the backend must stream. Files are written under
-temporary names and renamed into place, so a running model never sees a half
-file, and files gone from the store are removed. Nothing is ever written to
-the store. A model folder whose prefix is gone from the store is removed from
-the cache as a whole (see :func:`drop_mirror`) once the repository has
-forgotten it.
+the folder's ``.nereid-remote.json`` records them, and the weights the backend must stream. Files are written as
+they arrive (never held whole in memory) under temporary names and renamed
+into place, so a running model never sees a half file, and files gone from
+the store are removed. Nothing is ever written to the store. A model folder
+whose prefix is gone from the store is removed from the cache as a whole
+(see :func:`drop_mirror`) once the repository has forgotten it.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
+from nereid.errors import ConfigError
 from nereid.files import atomic_write
 from nereid.log_limit import OnceLog
 from nereid.storage.client import (StorageError, describe_error, endpoint_identity, is_not_found, open_store,
@@ -52,6 +53,10 @@ STAGING_PREFIX = ".nereid-fetching-"
 # Small files are fetched this many at a time: a folder with a vendored package holds hundreds, and a
 # store answers each GET in tens of milliseconds.
 FETCH_CONCURRENCY = 16
+# A fetched file is written to disk as it arrives, in pieces of about this many bytes (at least, but for the
+# last): a folder's files are fetched FETCH_CONCURRENCY at a time, so memory holds about that many pieces
+# however large the files are (a python model's own weights may be gigabytes each).
+FETCH_CHUNK_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -165,6 +170,33 @@ def list_objects(location: StoreURL) -> list[tuple[str, int, str]]:
         entries.extend((f"{name}/{_stamp_name(key[len(prefix) + len(name) + 1:])}", -1, "unreadable key")
                        for key in unreadable)
     return entries
+
+
+def folder_objects(location: StoreURL, entries: Mapping[str, str]) -> set[str]:
+    """Which of ``entries`` (name: ETag), objects a listing gave directly under ``location`` with no key below
+    them, are a folder's own object ``<name>/`` (a console's "Create folder"), not a file (blocking).
+
+    The listing drops a key's trailing ``/``, so the two look alike there,
+    while the repository's listing by folder counts such a folder: asked of
+    the store once per ETag. One that cannot be asked is taken as a file
+    until the next call.
+    """
+    key = location.key()
+    seen = _folder_objects.setdefault(str(location), {})
+    store = None
+    answers: dict[tuple[str, str], bool] = {}
+    for name, etag in entries.items():
+        answer = seen.get((name, etag))
+        if answer is None:
+            store = store or open_store(location)
+            answer = _is_folder_object(store, location.scheme, f"{key}/{name}" if key else name)
+        answers[(name, etag)] = answer
+    _folder_objects[str(location)] = answers  # (only the entries there now: a listing's worth at most)
+    return {name for (name, _), answer in answers.items() if answer}
+
+
+# The answers of folder_objects, by repository: (name, ETag) -> whether it is a folder's own object.
+_folder_objects: dict[str, dict[tuple[str, str], bool]] = {}
 
 
 # obstore (the Rust object_store under it) refuses keys with an empty segment ('a//b'), a '.' or '..'
@@ -324,8 +356,8 @@ def _stamp_name(relative: str) -> str:
 def materialize(location: StoreURL, name: str, folder: Path) -> RemoteFolder:
     """Bring ``folder`` up to date with the model folder ``location/name``; returns what it holds.
 
-    Raises StorageError naming the URL when the folder is empty or gone, a key
-    is unsafe, or a fetch fails.
+    Raises StorageError naming the URL when the folder is gone, a key is
+    unsafe, or a fetch fails; ConfigError when it holds only folder objects.
     """
     import obstore
 
@@ -340,11 +372,18 @@ def materialize(location: StoreURL, name: str, folder: Path) -> RemoteFolder:
             raise StorageError(f"{folder_url}: object key {key!r} cannot be read: {_UNREADABLE_HINT}") from None
         raise StorageError(f"{folder_url}: cannot list the model folder: {describe_error(err, location.scheme)}") \
             from None
-    objects = _without_folder_markers(str(folder_url), folder_url.key(), objects)
+    listed = bool(objects)
+    objects = _without_folder_markers(store, folder_url, objects)
+    if not objects and listed:
+        # As an empty local folder's load fails for want of files (the model's own fault: not tried again
+        # until the folder changes), never as the store's.
+        raise ConfigError(f"{folder_url}: the model folder holds no files, only folder objects (keys ending in "
+                          "'/', as a console's \"Create folder\" makes): upload the model's files into it")
     if not objects:
         raise StorageError(f"{folder_url}: no such model folder (no objects under it)")
     with _fetch_lock(str(folder_url), folder.parent / _lock_name(name)):
         try:  # under the lock: a removal of the folder (drop_mirror) may have just ended
+            _remove_stray_file(folder, str(folder_url))
             folder.mkdir(parents=True, exist_ok=True)
         except OSError as err:
             raise _cache_write_failed(str(folder_url), "make its folder in", folder, err) from None
@@ -424,6 +463,30 @@ def _fetch_staged(store: Any, folder_url: StoreURL, folder: Path, stale: list[tu
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return arrived
+
+
+def make_mirror_folder(location: StoreURL, root: Path, name: str) -> None:
+    """Make ``root/name``, the (empty until materialized) mirror folder of the model folder ``location/name``;
+    a file in its place is removed first (see :func:`_remove_stray_file`). OSError when the cache refuses."""
+    folder = root / name
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        return
+    except FileExistsError:
+        pass
+    with _folder_lock(root / _lock_name(name)):
+        _remove_stray_file(folder, str(location.child(name)))
+        folder.mkdir(parents=True, exist_ok=True)
+
+
+def _remove_stray_file(folder: Path, url: str) -> None:
+    """Remove what is at ``folder``, a model's mirror folder, unless it is a folder (or a link to one): the cache
+    is nereid's, and nereid never makes a file there, so it is a damaged cache's, which would fail every load
+    (logged). Called under the folder's lock."""
+    if os.path.lexists(folder) and not folder.is_dir():
+        folder.unlink()
+        log.warning("%s: removed %s from the local cache: a file where the model's folder belongs (a damaged "
+                    "cache?); the folder is fetched again", url, folder)
 
 
 def _lock_name(name: str) -> str:
@@ -550,7 +613,7 @@ def leftover_names(root: Path, present: Iterable[str]) -> list[str]:
     return sorted(name for name in names if name and not name.startswith("."))
 
 
-def _without_folder_markers(url: str, folder_key: str, objects: list[dict]) -> list[dict]:
+def _without_folder_markers(store: Any, folder_url: StoreURL, objects: list[dict]) -> list[dict]:
     """The listing without the folder markers it can recognise: the zero-byte objects a console's "Create folder" makes.
 
     Their keys end in ``/``, which the listing drops, so a marker shows as an
@@ -560,6 +623,7 @@ def _without_folder_markers(url: str, folder_key: str, objects: list[dict]) -> l
     of an empty folder looks like an empty file here; :func:`_fetch` tells them
     apart (the key without the ``/`` does not exist).
     """
+    folder_key = folder_url.key()
     folders = {folder_key}
     for meta in objects:
         parts = meta["path"][len(folder_key) + 1:].split("/")
@@ -572,9 +636,34 @@ def _without_folder_markers(url: str, folder_key: str, objects: list[dict]) -> l
         if meta["path"] not in folders:
             kept.append(meta)
         elif int(meta["size"]):
-            raise StorageError(f"{url}: object key {meta['path']!r} is both a file ({int(meta['size'])} bytes) and "
-                               "the folder of other objects; a model folder cannot hold both")
+            # Listed under "<folder_key>/", the folder's own entry can only be its object "<folder_key>/".
+            if meta["path"] == folder_key or _is_folder_object(store, folder_url.scheme, meta["path"]):
+                raise _folder_object_with_bytes(folder_url, meta["path"], int(meta["size"]))
+            raise StorageError(f"{folder_url}: object key {meta['path']!r} is both a file ({int(meta['size'])} "
+                               "bytes) and the folder of other objects; a model folder cannot hold both")
     return kept
+
+
+def _is_folder_object(store: Any, scheme: str, key: str) -> bool:
+    """Whether the listing's entry ``key`` is the object ``key + "/"`` (a folder's own object, whose trailing
+    ``/`` the listing drops) rather than the file ``key``: a listing of ``key + "/"`` holds it, and would not hold
+    the file. False when that cannot be listed (the caller's own message stands then)."""
+    import obstore
+
+    try:
+        with store_call(scheme):
+            for chunk in obstore.list(store, key + "/", chunk_size=1):
+                return any(meta["path"] == key for meta in chunk)  # (sorted first under its own prefix)
+    except Exception:  # a second look only: the first error is the one to report
+        return False
+    return False
+
+
+def _folder_object_with_bytes(folder_url: StoreURL, key: str, size: int) -> StorageError:
+    """The error of the object ``key + "/"`` holding ``size`` bytes: a folder's own object, never a model file."""
+    return StorageError(f"{folder_url}: object key {key + '/'!r} holds {size} bytes, but a key ending in '/' is a "
+                        "folder's own object, which nereid's store client (obstore) cannot read: delete it, or "
+                        "upload the file under a key without the trailing '/'")
 
 
 def read_marker(folder: Path) -> RemoteFolder | None:
@@ -613,18 +702,19 @@ def _fetch(store: Any, folder_url: StoreURL, item: RemoteObject, target: Path) -
     try:
         with store_call(folder_url.scheme):
             result = obstore.get(store, item.key, options=options)
-            data = result.bytes()
     except Exception as err:
         if not item.size and is_not_found(err):
             # The listing drops a key's trailing "/", so an empty folder's marker "empty/" shows as a
             # zero-byte "empty" that does not exist: a folder marker, skipped as the others are.
             return None
+        if is_not_found(err) and _is_folder_object(store, folder_url.scheme, item.key):
+            raise _folder_object_with_bytes(folder_url, item.key, item.size) from None
         raise StorageError(f"{url}: cannot fetch: {describe_error(err, folder_url.scheme)}") from None
-    if len(data) != item.size:
-        raise StorageError(f"{url}: fetched {len(data)} bytes, but the listing says {item.size}")
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(target, [memoryview(data)])
+        # Written piece by piece as the bytes arrive (a StorageError from the store mid-way, or a size other than
+        # the listing's, removes the temporary file and leaves ``target`` as it was).
+        atomic_write(target, _received(result, url, item.size, folder_url.scheme))
         written = os.lstat(target)
     except OSError as err:
         raise _cache_write_failed(url, "write it into", target, err) from None
@@ -632,6 +722,36 @@ def _fetch(store: Any, folder_url: StoreURL, item: RemoteObject, target: Path) -
     # the version (a versioned bucket) where a listing says none, and the file would never match again. The
     # written file's mtime is recorded too: a copy changed in place since, even to the same size, is fetched again.
     return replace(item, mtime_ns=written.st_mtime_ns)
+
+
+def _received(result: Any, url: str, size: int, scheme: str) -> Iterator[memoryview]:
+    """The bytes of the GET ``result`` of ``url`` as they arrive, about FETCH_CHUNK_BYTES at a time.
+
+    StorageError naming ``url`` when the store fails mid-way or sends other
+    than the ``size`` bytes the listing gave (it stops reading as soon as it
+    has more).
+    """
+    received = 0
+    try:
+        with store_call(scheme):
+            stream = result.stream(min_chunk_size=FETCH_CHUNK_BYTES)
+    except Exception as err:
+        raise StorageError(f"{url}: cannot fetch: {describe_error(err, scheme)}") from None
+    while True:
+        try:  # (not around the yield: only the store's own failures are said to be the store's)
+            with store_call(scheme):
+                chunk = next(stream, None)
+        except Exception as err:
+            raise StorageError(f"{url}: cannot fetch: the store failed after {received} of {size} bytes: "
+                               f"{describe_error(err, scheme)}") from None
+        if chunk is None:
+            break
+        received += len(chunk)
+        if received > size:
+            raise StorageError(f"{url}: fetched at least {received} bytes, but the listing says {size}")
+        yield memoryview(chunk)
+    if received != size:
+        raise StorageError(f"{url}: fetched {received} bytes, but the listing says {size}")
 
 
 def _cache_write_failed(url: str, what: str, path: Path, err: OSError) -> StorageError:

@@ -91,7 +91,32 @@ def test_a_mirror_an_earlier_nereid_named_by_the_url_alone_is_said_to_be_unused(
     assert [r.getMessage() for r in caplog.records if "earlier nereid" in r.getMessage()] == [
         f"{s3.url()}: the local mirror {earlier}, made by an earlier nereid before mirrors were told apart by the "
         f"store's endpoint, is no longer used (the models are fetched again into {server.ml_backends_path}); "
-        "delete it"]
+        "delete it, unless a server of a nereid older than this one at the store provider's own endpoint shares "
+        "this cache_dir"]
+
+
+def test_the_mirror_of_a_server_at_the_providers_own_endpoint_is_never_said_to_be_unused(s3, tmp_path, caplog,
+                                                                                          monkeypatch) -> None:
+    """Defect (found by a bug hunt): a server at the provider's own endpoint (AWS) names its mirror by the URL
+    alone, as earlier versions named every one; a server at another endpoint (a MinIO) sharing the cache_dir said
+    at WARNING that this live mirror, fetched files and compiled programs, was an earlier nereid's: "delete it"."""
+    import nereid.storage
+    from nereid.storage import scan_model_folders
+
+    obstore.put(s3.store, f"{s3.prefix}/m/main.py", b"print(1)")
+    config = _config(tmp_path, s3.url())
+    with monkeypatch.context() as aws:  # AWS itself, which this machine cannot reach: its listing is made up
+        for variable in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ENDPOINT"):
+            aws.delenv(variable, raising=False)
+        aws.setattr(nereid.storage, "_list_remote", lambda location, root: ["m"])
+        at_aws = load_settings(config).server
+        assert at_aws.ml_backends_path.name == parse_store_url(s3.url()).cache_name()
+        assert scan_model_folders(at_aws) == ["m"]
+    server = load_settings(config).server
+    assert server.ml_backends_path != at_aws.ml_backends_path
+    with caplog.at_level(logging.WARNING, logger="nereid.storage"):
+        assert scan_model_folders(server) == ["m"]
+    assert [r.getMessage() for r in caplog.records if "earlier nereid" in r.getMessage()] == []
 
 
 def test_a_url_repository_mirrors_into_the_cache_folder(tmp_path) -> None:
@@ -449,6 +474,71 @@ def test_the_marker_of_an_empty_folder_is_skipped_and_empty_files_are_kept(s3, t
     assert materialize_model_folder(server, "m3") == local  # and again, from the cache
 
 
+def test_a_folder_of_only_its_folder_object_is_a_model_folder_to_the_watcher_as_to_the_listing(s3, tmp_path) -> None:
+    """Defect (found by a bug hunt): the repository's listing counted a folder holding only its "Create folder"
+    object ("newmodel/") and the watcher's scan did not, so under a watch it said "new folder: it loads once it
+    has been unchanged..." for ever. Both count it, as both count an empty local folder; its load names why it
+    cannot load. A file directly under the URL, and a folder of hidden files, are no model folders to either."""
+    from nereid.errors import ConfigError
+    from nereid.folder_states import scan_store
+    from nereid.storage import StorageError, materialize_model_folder
+    from nereid.storage.mirror import list_remote_folders
+    from moto_s3 import BUCKET
+
+    client = _boto(s3)
+    for key, body in [("newmodel/", b""), ("junk/main.py~", b"x"), ("README", b""), ("notes.txt", b"text"),
+                      (".hidden/main.py", b"x"), ("echo/", b""), ("echo/main.py", b"print()")]:
+        client.put_object(Bucket=BUCKET, Key=f"{s3.prefix}/{key}", Body=body)
+    location = parse_store_url(s3.url())
+    for _ in range(2):  # (the second from what the first asked of the store)
+        states = scan_store(location)
+        assert sorted(states) == list_remote_folders(location) == ["echo", "junk", "newmodel"]
+    assert states["newmodel"].stamp == states["junk"].stamp == ()
+    server = load_settings(_config(tmp_path, s3.url())).server
+    with pytest.raises(ConfigError) as raised:
+        materialize_model_folder(server, "newmodel")
+    assert not isinstance(raised.value, StorageError)  # the folder's own fault: not tried again until it changes
+    assert str(raised.value) == (f"{s3.url('newmodel')}: the model folder holds no files, only folder objects (keys "
+                                 "ending in '/', as a console's \"Create folder\" makes): upload the model's files "
+                                 "into it")
+
+
+def test_a_folder_object_holding_bytes_is_named_by_its_own_key(s3, tmp_path) -> None:
+    """Defect (found by a bug hunt): obstore lists "m/dir/" as "m/dir", and a load of a folder holding such an
+    object with bytes named a key that does not exist ("cannot fetch: ... NoSuchKey", "object key 'm2' is both
+    a file and the folder of other objects"). It names the key that is in the bucket."""
+    from moto_s3 import BUCKET
+    from nereid.storage import StorageError, materialize_model_folder
+
+    client = _boto(s3)
+    for key, body in [("m/main.py", b"print()"), ("m/dir/", b"abc"), ("m2/", b"abc"), ("m2/main.py", b"print()"),
+                      ("m3/main.py", b"print()"), ("m3/pkg/", b"abc"), ("m3/pkg/x.py", b"")]:
+        client.put_object(Bucket=BUCKET, Key=f"{s3.prefix}/{key}", Body=body)
+    server = load_settings(_config(tmp_path, s3.url())).server
+    for name, key in [("m", "m/dir/"), ("m2", "m2/"), ("m3", "m3/pkg/")]:
+        with pytest.raises(StorageError) as raised:
+            materialize_model_folder(server, name)
+        assert str(raised.value) == (
+            f"{s3.url(name)}: object key '{s3.prefix}/{key}' holds 3 bytes, but a key ending in '/' is a folder's "
+            "own object, which nereid's store client (obstore) cannot read: delete it, or upload the file under a "
+            "key without the trailing '/'")
+
+
+def test_a_watched_folder_of_only_its_folder_object_says_why_and_loads_once_files_come(s3, serve, tmp_path) -> None:
+    server, source, x = _watched_bucket_serving_first(s3, serve, tmp_path, 0.2, 300)
+    _boto(s3).put_object(Bucket="models", Key=f"{s3.prefix}/newmodel/", Body=b"")
+
+    def reason() -> str:
+        return {m.name: m.reason for m in server.client.get_model_repository_index().models}.get("newmodel", "")
+
+    _until(lambda: "holds no files" in reason(), "the folder's load says why it cannot load")
+    assert reason().endswith("upload the model's files into it")
+    _python_folder(source, "newmodel")
+    upload_folder(s3.store, source / "newmodel", f"{s3.prefix}/newmodel")
+    _until(lambda: server.client.is_model_ready("newmodel"), "the folder loads once its files are there")
+    np.testing.assert_array_equal(_echo(server.client, "newmodel", x), x)
+
+
 def test_a_key_obstore_cannot_read_fails_only_its_folder(s3, serve, tmp_path, caplog) -> None:
     # S3 takes keys with a tab, '//' or '..' segments; obstore refuses them and drops the whole listing page
     # holding one. Only the folder holding one may fail (naming the key); a stray one is skipped with a warning.
@@ -513,10 +603,12 @@ def test_a_folder_name_too_long_for_the_local_disk_fails_only_its_own_load(s3, s
 
 def test_a_mirror_folder_that_cannot_be_made_is_logged_with_its_path_and_the_reason(s3, tmp_path, caplog) -> None:
     """Defect: the listing's WARNING "cannot make its local mirror folder" named the model but not the folder
-    it could not make: it names the folder (under cache_dir) and the system's reason, once."""
+    it could not make: it names the folder (under cache_dir) and the system's reason, once. Defect (found by a
+    bug hunt): a stray file where a mirror folder belongs failed every load of that model ("File exists"): the
+    cache is nereid's, so the file is removed (logged) and the folder made."""
     import logging
 
-    from nereid.storage import scan_model_folders
+    from nereid.storage import materialize_model_folder, scan_model_folders
 
     server = load_settings(_config(tmp_path, s3.url())).server
     long_name = "m" * 300
@@ -529,11 +621,18 @@ def test_a_mirror_folder_that_cannot_be_made_is_logged_with_its_path_and_the_rea
             assert scan_model_folders(server) == ["blocked", long_name]
     lines = [r.getMessage() for r in caplog.records if "cannot make its local mirror folder" in r.getMessage()]
     assert lines == [
-        f"model folder 'blocked': cannot make its local mirror folder "
-        f"{server.ml_backends_path / 'blocked'}: File exists; it cannot load",
         f"model folder '{long_name[:80]}... (300 characters)': cannot make its local mirror folder "
         f"{server.ml_backends_path / long_name}: File name too long (a local file system allows 255 bytes per "
         "name); it cannot load"], lines
+    blocked = server.ml_backends_path / "blocked"
+    assert [r.getMessage() for r in caplog.records if "removed" in r.getMessage()] == [
+        f"{s3.url('blocked')}: removed {blocked} from the local cache: a file where the model's folder belongs (a "
+        "damaged cache?); the folder is fetched again"]
+    assert blocked.is_dir()
+    # Found at a load (a file put there after the listing): removed under the folder's lock, and the load goes on.
+    blocked.rmdir()
+    blocked.write_text("a file where the mirror folder goes")
+    assert (materialize_model_folder(server, "blocked") / "main.py").read_bytes() == b"print()"
 
 
 def test_a_path_that_turns_from_a_file_into_a_folder_and_back_is_fetched(s3, tmp_path) -> None:

@@ -898,8 +898,8 @@ def test_a_start_up_load_the_store_failed_is_tried_again_though_its_folder_never
 
 
 def test_a_store_failure_that_repeats_is_an_error_once_then_debug_until_its_reason_changes(s3, tmp_path, caplog):
-    """Defect: a load the store fails the same way at every try (here a file in the cache where the model's
-    mirror folder must be; a name too long for the local disk does the same) logged the repository's ERROR at
+    """Defect: a load the store fails the same way at every try (here a lock file of the model's cache copy that
+    cannot be made; a name too long for the local disk does the same) logged the repository's ERROR at
     every try, every 5 minutes for ever. The first failure is an ERROR; the tries that fail as the last one
     did are DEBUG; another reason is an ERROR (and the watcher's WARNING) again; the load that works says so."""
     import asyncio
@@ -918,16 +918,15 @@ def test_a_store_failure_that_repeats_is_an_error_once_then_debug_until_its_reas
     async def scenario() -> None:
         repository, watcher = await store.watched()
         folder.parent.mkdir(parents=True, exist_ok=True)
-        folder.write_text("in the way")  # the mirror folder cannot be made: File exists
+        lock = folder.parent / f".m{LOCK_SUFFIX}"
+        lock.symlink_to(folder.parent / "missing" / "lock")  # its lock file cannot be made: No such file or directory
         store.upload("m")
         polling = asyncio.create_task(watcher.run())
         try:
             await _until(lambda: len(failures()) >= 3, "'m' failed and was tried again twice", timeout_s=3)
             # Another reason: a folder where its copy's lock file must be.
-            lock = folder.parent / f".m{LOCK_SUFFIX}"
-            lock.unlink(missing_ok=True)
+            lock.unlink()
             lock.mkdir()
-            folder.unlink()
             await _until(lambda: failures("Is a directory"), "'m' tried again, failing for another reason", 3)
             lock.rmdir()
             await _until(lambda: _entry(repository, "m").state is ModelState.READY, "'m' loaded once fixed", 3)
@@ -936,13 +935,13 @@ def test_a_store_failure_that_repeats_is_an_error_once_then_debug_until_its_reas
             await polling
             await repository.unload_all()
     asyncio.run(scenario())
-    repeated = failures("File exists")
+    repeated = failures("No such file or directory")
     assert len(repeated) >= 3 and repeated == ["ERROR"] + ["DEBUG"] * (len(repeated) - 1), repeated
     assert failures("Is a directory") == ["ERROR"]
     said = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "nereid.watch"
             and r.getMessage().startswith("dynamic repository: folder 'm'")]
     assert [level for level, _ in said if level != "DEBUG"] == ["WARNING", "WARNING", "INFO"], said
     warnings = [message for level, message in said if level == "WARNING"]
-    assert "did not load because of the store" in warnings[0] and "File exists" in warnings[0]
+    assert "did not load because of the store" in warnings[0] and "No such file or directory" in warnings[0]
     assert "failed it again, for another reason" in warnings[1] and "Is a directory" in warnings[1]
     assert f"loaded; the store had failed it {len(repeated) + 1} time(s)" in said[-1][1]

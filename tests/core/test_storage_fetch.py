@@ -1,0 +1,103 @@
+"""Fetching a model folder's files from object storage into the cache, against a real S3 API (moto; see
+tests/moto_s3.py): how the bytes travel from the store to the local file."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Iterator
+
+import obstore
+import pytest
+
+from nereid.settings import load_settings
+from nereid.storage import StorageError, materialize_model_folder
+from nereid.storage import mirror
+from nereid.storage.mirror import read_marker
+
+
+def _config(tmp_path: Path, url: str) -> Path:
+    config = tmp_path / "nereid.yaml"
+    config.write_text(f'server:\n  bind_addr: "127.0.0.1:0"\n  metrics_addr: ""\n  http_addr: ""\n'
+                      f'  ml_backends_path: "{url}"\n  cache_dir: "{tmp_path / "cache"}"\n')
+    return config
+
+
+class _WatchedGet:
+    """A GET result that records the size of every buffer it hands out, whichever way it is read."""
+
+    def __init__(self, result: Any, pieces: list[int]) -> None:
+        self._result, self._pieces = result, pieces
+
+    def bytes(self) -> Any:
+        data = self._result.bytes()
+        self._pieces.append(len(data))
+        return data
+
+    def stream(self, min_chunk_size: int = 10 * 1024 * 1024) -> Iterator[bytes]:
+        for chunk in self._result.stream(min_chunk_size=min_chunk_size):
+            self._pieces.append(len(chunk))
+            yield chunk
+
+    def __iter__(self) -> Iterator[bytes]:
+        return self.stream()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._result, name)
+
+
+def test_a_large_file_is_written_as_it_arrives_never_held_whole(s3, tmp_path, monkeypatch) -> None:
+    """Defect (found by a bug hunt): every fetched file was read whole into memory, 16 at a time, so a python
+    model's own weights (16 x 2 GB shards) needed 32 GB just to be copied to disk. Each file is written piece by
+    piece as it arrives; the bytes, and the record that saves refetching them, are as before."""
+    data = os.urandom(6 << 20)
+    obstore.put(s3.store, f"{s3.prefix}/big/main.py", b"print()")
+    obstore.put(s3.store, f"{s3.prefix}/big/weights.bin", data)
+    monkeypatch.setattr(mirror, "FETCH_CHUNK_BYTES", 256 << 10, raising=False)
+    pieces: list[int] = []
+    real_get = obstore.get
+    monkeypatch.setattr(obstore, "get", lambda store, key, **kwargs: _WatchedGet(real_get(store, key, **kwargs),
+                                                                                pieces if key.endswith(".bin") else []))
+    server = load_settings(_config(tmp_path, s3.url())).server
+    local = materialize_model_folder(server, "big")
+    assert (local / "weights.bin").read_bytes() == data
+    assert sum(pieces) == len(data) and len(pieces) > 4
+    assert max(pieces) < len(data) // 4, pieces  # (a piece is at least FETCH_CHUNK_BYTES, plus what the socket gave)
+    assert read_marker(local).fetched["weights.bin"].size == len(data)
+    # Recorded as before: current, it is not fetched again; changed in the bucket, it is.
+    materialize_model_folder(server, "big")
+    assert len(s3.gets("big/weights.bin")) == 1
+    obstore.put(s3.store, f"{s3.prefix}/big/weights.bin", data[::-1])
+    materialize_model_folder(server, "big")
+    assert (local / "weights.bin").read_bytes() == data[::-1]
+
+
+class _Answer:
+    """A GET result whose stream gives ``chunks``, then raises ``failure`` (if any)."""
+
+    def __init__(self, chunks: list[bytes], failure: Exception | None = None) -> None:
+        self.chunks, self.failure = chunks, failure
+
+    def stream(self, min_chunk_size: int) -> Iterator[bytes]:
+        yield from self.chunks
+        if self.failure is not None:
+            raise self.failure
+
+
+@pytest.mark.parametrize("answer, expected", [
+    (_Answer([b"abc", b"de"]), "fetched 5 bytes, but the listing says 8"),
+    (_Answer([b"abcd", b"efgh", b"ij"]), "fetched at least 10 bytes, but the listing says 8"),
+    (_Answer([b"abc"], ConnectionResetError("connection reset by peer")),
+     "cannot fetch: the store failed after 3 of 8 bytes: ConnectionResetError: connection reset by peer"),
+])
+def test_a_file_that_arrives_short_long_or_broken_is_named_and_never_written(tmp_path, answer, expected) -> None:
+    from nereid.files import atomic_write
+
+    target = tmp_path / "data.bin"
+    target.write_bytes(b"previous")
+    url = "s3://models/prod/m/data.bin"
+    with pytest.raises(StorageError) as raised:
+        atomic_write(target, mirror._received(answer, url, 8, "s3"))
+    assert str(raised.value) == f"{url}: {expected}"
+    assert target.read_bytes() == b"previous"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data.bin"]  # (no temporary file left)
