@@ -46,6 +46,9 @@ class ModelContext:
     ``settings`` came from (``"<file>: models[2]"``), for error messages about
     backend-specific ``runtime`` options. ``models`` calls the server's other
     models (None where there is no server, as in ``nereid check``).
+    ``folder`` is what the model loads and runs from: for a repository in
+    object storage, a version folder of its own (``repository_folder`` is then
+    the model's folder in the local mirror, beside the other models').
     """
 
     name: str
@@ -54,6 +57,9 @@ class ModelContext:
     scratch_dir: Path
     settings_origin: str = ""
     models: ModelCaller | None = None
+    # The model's folder in the repository, where ``folder`` is a copy of it of this version's own (a model
+    # fetched from an object store runs from a version folder no later fetch changes); None: ``folder`` is it.
+    repository_folder: Path | None = None
 
     @property
     def device(self) -> Device:

@@ -112,6 +112,10 @@ def unload_unclaimed(name: str, built: BuiltModel) -> None:
         built.backend.unload()
     except Exception:
         log.exception("model '%s': unload after an abandoned load failed", name)
+    finally:
+        hold = getattr(built, "folder_hold", None)  # (a model from a store holds its version folder)
+        if hold is not None:
+            hold.release()
 
 
 async def terminate_backend(name: str, backend: Model) -> None:

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 from pathlib import Path
 
 import nereid
 from nereid.errors import PublicText, cap_message
+from nereid.storage.mirror import VERSIONS_FOLDER
 
 
 class ClientPaths:
@@ -28,6 +30,12 @@ class ClientPaths:
             (f"{Path(nereid.__file__).resolve().parent}{os.sep}", "<nereid>/"),
             (f"{_backends_folder()}{os.sep}", "<nereid.backends>/"),
         }, key=lambda pair: -len(pair[0]))
+        # A version folder of a model from an object store (<root>/<m>/.nereid-versions/<id>/<m>, see
+        # nereid.storage.mirror) reads as the model's folder, <m>, as a local folder's would.
+        roots = sorted({f"{ml_backends_path.resolve()}{os.sep}", f"{ml_backends_path}{os.sep}"}, key=len,
+                       reverse=True)
+        self._versions = re.compile("(" + "|".join(map(re.escape, roots)) + r")([^/]+)/" + re.escape(VERSIONS_FOLDER)
+                                    + r"/[0-9a-f]{16}(?:-[0-9a-f]{8})?/\2(?=/|$|[\s'\":,;)\]])")
 
     def public_text(self, text: str) -> str:
         """``text`` fit for clients: paths relative to ml_backends_path (or nereid.yaml's folder), capped.
@@ -37,6 +45,7 @@ class ClientPaths:
         """
         if isinstance(text, PublicText):
             return cap_message(text.plain())
+        text = self._versions.sub(r"\1\2", text)
         for prefix, replacement in self._prefixes:
             text = text.replace(prefix, replacement)
         return cap_message(text)

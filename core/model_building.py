@@ -30,6 +30,8 @@ class BuiltModel:
     signature: ModelSignature
     batch_signature: ModelSignature
     policy: BatchPolicy
+    # What keeps the version folder it was built from (a model from an object store): released with the model.
+    folder_hold: Any = None
 
 
 def build_model(manager: NereidPluginManager, context: ModelContext,

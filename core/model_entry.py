@@ -63,6 +63,14 @@ class LoadedModel:
     stamp: object = None
     settings: ModelSettings | None = None  # what it was built with (nereid.yaml may have changed since)
     backend_defaults: object = None  # nereid.yaml's backends: entry for its backend, as it was built with
+    # What keeps the version folder it runs from (a model from an object store; see nereid.storage.VersionHold):
+    # released with the version, once its requests have finished.
+    folder_hold: object = None
+
+    def release_folder(self) -> None:
+        """Let the version folder go (the version is released); nothing for a local folder, or a second time."""
+        if self.folder_hold is not None:
+            self.folder_hold.release()
 
 
 class LoadAbandoned(Unavailable):

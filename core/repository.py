@@ -837,6 +837,7 @@ class ModelRepository:
             await unload_backend(name, backend)
         finally:
             loaded.hook_threads.release()
+            loaded.release_folder()
             self._retiring.pop(id(loaded), None)
         await self._cleanup.drop_scratch(retiring.scratch_names)
 

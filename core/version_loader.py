@@ -12,6 +12,7 @@ import asyncio
 import functools
 import logging
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Protocol
 
@@ -29,7 +30,7 @@ from nereid.model_runner import HookThreads, make_runner
 from nereid.scheduler import ModelScheduler
 from nereid.settings import Settings
 from nereid.stats import ModelStats
-from nereid.storage import materialize_model_folder
+from nereid.storage import materialize_model_version
 from nereid.storage.mirror import CACHE_SUBFOLDER
 
 # The repository's logger: a load's warnings read as the repository's, as they always have.
@@ -59,6 +60,7 @@ async def discard_version(name: str, loaded: LoadedModel) -> None:
         await unload_backend(name, loaded.backend)
     finally:
         loaded.hook_threads.release()
+        loaded.release_folder()
 
 
 class VersionLoader:
@@ -146,18 +148,34 @@ class VersionLoader:
                                make_runner(built.backend, built.signature, built.batch_signature, scheduler,
                                            hook_threads),
                                hook_threads, depends_on, stamp, context.settings,
-                               backend_defaults.get(built.backend_name))
+                               backend_defaults.get(built.backend_name), built.folder_hold)
         except Exception:
             if scheduler is not None:  # its batcher task is running: end it, or asyncio logs it destroyed
                 await scheduler.drain(0)
             await unload_backend(name, built.backend)
+            if built.folder_hold is not None:
+                built.folder_hold.release()
             raise
 
     def _build(self, context: ModelContext, backend_defaults: dict, settings: Settings) -> BuiltModel:
         """Fetch the folder if it is in a store, check it stays inside the repository, then build the model
-        (blocking)."""
+        (blocking).
+
+        A folder in a store is fetched into the local mirror, and the version
+        is built from (and runs from) a version folder of its own made of those
+        files, held until the version is released: a later fetch (a reload of
+        this server's, or of one sharing the cache) never changes its files.
+        """
         server = settings.server
-        materialize_model_folder(server, context.name)
-        check_confined(context.folder, server.ml_backends_path, server.follow_symlinks)
-        remove_model_leftovers(context.folder, CACHE_SUBFOLDER)
-        return build_model(self.manager, context, backend_defaults, settings.source)
+        hold = materialize_model_version(server, context.name)
+        if hold is not None:
+            context = replace(context, folder=hold.folder, repository_folder=context.folder)
+        try:
+            check_confined(context.folder, server.ml_backends_path, server.follow_symlinks)
+            remove_model_leftovers(context.folder, CACHE_SUBFOLDER)
+            built = build_model(self.manager, context, backend_defaults, settings.source)
+        except BaseException:
+            if hold is not None:
+                hold.release()
+            raise
+        return replace(built, folder_hold=hold)

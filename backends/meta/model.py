@@ -395,7 +395,8 @@ class MetaModel:
         """``depends_on`` of a model as its folder declares it (empty for a bundle, or a manifest in error)."""
         if model == self.context.name:
             return self.depends_on
-        path = self.context.folder.parent / model / MANIFEST_NAME
+        # (The repository's folders: this version's own, from a store, is a copy of its folder there.)
+        path = (self.context.repository_folder or self.context.folder).parent / model / MANIFEST_NAME
         if not path.is_file() or not declares_meta(path):
             return ()
         try:

@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING
 from nereid.log_limit import OnceLog
 from nereid.storage.client import (StorageError, describe_error, failure_kind, open_store, read_ranges, RangeRead,
                                    store_failed)
-from nereid.storage.mirror import MARKER_FILE, RemoteFolder, RemoteObject, materialize, mirror_root, read_marker
+from nereid.storage.mirror import (MARKER_FILE, RemoteFolder, RemoteObject, VersionHold, materialize,
+                                   materialize_version, mirror_root, read_marker)
 from nereid.storage.url import SCHEMES, StoreURL, parse_store_url
 
 if TYPE_CHECKING:
@@ -40,9 +41,10 @@ log = logging.getLogger(__name__)
 __all__ = [
     "MARKER_FILE", "RangeRead", "RemoteFolder", "RemoteObject", "SCHEMES", "StorageError", "StoreURL",
     "decodable_name", "describe_error", "drop_mirror_folder", "failure_kind", "list_model_folders",
-    "local_model_folders", "materialize_model_folder", "mirror_leftovers", "mirror_root", "model_folder_exists",
+    "local_model_folders", "materialize_model_folder", "materialize_model_version", "mirror_leftovers",
+    "mirror_root", "model_folder_exists",
     "open_store", "parse_store_url", "read_marker", "read_ranges", "scan_model_folders", "store_failed",
-    "store_holds_folder",
+    "store_holds_folder", "VersionHold",
 ]
 
 # An unknown model name has the store listed at most this often, on a thread of its own (never on the
@@ -338,6 +340,16 @@ def materialize_model_folder(server: ServerSettings, name: str) -> Path:
         return folder
     materialize(location, name, folder)
     return folder
+
+
+def materialize_model_version(server: ServerSettings, name: str) -> VersionHold | None:
+    """:func:`materialize_model_folder` for a version about to load: None for a local folder (which the version
+    runs from); for a store, the hold of a version folder of its own, which no later fetch changes (blocking:
+    call off the loop). Release it with the version (see :class:`~nereid.storage.mirror.VersionHold`)."""
+    location = _location(server)
+    if location is None:
+        return None
+    return materialize_version(location, name, Path(server.ml_backends_path) / name)
 
 
 def _list_remote(location: StoreURL, root: Path) -> list[str]:

@@ -9,9 +9,19 @@ version) changed since it was last fetched, or its local copy's size or modifica
 the folder's ``.nereid-remote.json`` records them, and the weights the backend must stream. Files are written as
 they arrive (never held whole in memory) under temporary names and renamed
 into place, so a running model never sees a half file, and files gone from
-the store are removed. Nothing is ever written to the store. A model folder
-whose prefix is gone from the store is removed from the cache as a whole
-(see :func:`drop_mirror`) once the repository has forgotten it.
+the store are removed. Nothing is ever written to the store.
+
+A loaded version never runs from that folder, which the next fetch (this
+server's, or another's sharing the cache) changes: :func:`materialize_version`
+gives it a *version folder* of its own, ``<model>/.nereid-versions/<id>/<model>/``,
+made under the folder's lock from the files just fetched (hard links) and never
+changed after. The version holds it (a shared lock on ``<id>/.nereid-in-use``, see
+:class:`VersionHold`) until it is released; a version folder no server holds is
+removed at the next fetch of its model, or once released.
+
+A model folder whose prefix is gone from the store is removed from
+the cache as a whole (see :func:`drop_mirror`) once the repository has
+forgotten it.
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ import os
 import re
 import shutil
 import stat
+import threading
 import uuid
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -50,6 +61,12 @@ DROPPED_PREFIX = ".nereid-dropped-"
 LOCK_SUFFIX = ".lock"
 # Inside a model folder: the changed files of one fetch, moved into place only once every one is in.
 STAGING_PREFIX = ".nereid-fetching-"
+# Inside a model folder: the loaded versions' own folders, <id>/<model>/, immutable once made (see VersionHold).
+VERSIONS_FOLDER = ".nereid-versions"
+# Beside a version's folder (<id>/.nereid-in-use): each server running that version holds a shared lock on it.
+IN_USE_FILE = ".nereid-in-use"
+VERSION_BUILDING_PREFIX = ".building-"  # a version folder being made (a killed server's: removed under the lock)
+VERSION_DROPPED_PREFIX = ".dropped-"
 # Small files are fetched this many at a time: a folder with a vendored package holds hundreds, and a
 # store answers each GET in tens of milliseconds.
 FETCH_CONCURRENCY = 16
@@ -359,6 +376,23 @@ def materialize(location: StoreURL, name: str, folder: Path) -> RemoteFolder:
     Raises StorageError naming the URL when the folder is gone, a key is
     unsafe, or a fetch fails; ConfigError when it holds only folder objects.
     """
+    return _materialize(location, name, folder, False)[0]
+
+
+def materialize_version(location: StoreURL, name: str, folder: Path) -> VersionHold:
+    """:func:`materialize`, then a version folder of the files fetched, held (release it with the version).
+
+    The version folder is made (or the one of the same files reused) under the
+    folder's lock, and held before the lock is let go: no fetch or removal by
+    any server sharing the cache changes it while it is held.
+    """
+    hold = _materialize(location, name, folder, True)[1]
+    assert hold is not None
+    return hold
+
+
+def _materialize(location: StoreURL, name: str, folder: Path,
+                 version: bool) -> tuple[RemoteFolder, VersionHold | None]:
     import obstore
 
     folder_url = location.child(name)
@@ -427,9 +461,196 @@ def materialize(location: StoreURL, name: str, folder: Path) -> RemoteFolder:
             # room, where a bare OSError reads as the model's own fault (UNAVAILABLE for good).
             raise _cache_write_failed(str(folder_url), "record what it fetched in", folder / MARKER_FILE,
                                       err) from None
+        hold = None
+        if version:
+            try:
+                hold = _hold_version(_version_folder(folder, name, result))
+            except OSError as err:
+                raise _cache_write_failed(str(folder_url), "make its version folder in",
+                                          folder / VERSIONS_FOLDER, err) from None
+        _prune_versions(folder)
     log.info("%s: %d file(s) fetched or current in %s, %d weights file(s) left to stream", folder_url, len(fetched),
-             folder, len(streamed))
-    return result
+             hold.folder if hold is not None else folder, len(streamed))
+    return result, hold
+
+
+def _version_id(result: RemoteFolder) -> str:
+    """The name of the version folder of the files ``result`` records: a hash of the URL and their identities."""
+    document = {"url": result.url,
+                "fetched": {k: [v.key, *v.identity] for k, v in sorted(result.fetched.items())},
+                "streamed": {k: [v.key, *v.identity] for k, v in sorted(result.streamed.items())}}
+    return hashlib.sha256(json.dumps(document, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _version_folder(folder: Path, name: str, result: RemoteFolder) -> Path:
+    """The version folder ``<folder>/.nereid-versions/<id>/<name>`` of the files ``folder`` holds now, as
+    ``result`` records them: the one made before for the same files when it is intact, else a new one (under
+    the folder's lock; OSError when the cache refuses it).
+
+    Made aside and renamed into place whole. Each file is a hard link to the
+    folder's (a copy where the file system has none): a later fetch replaces
+    the folder's files by rename, never writing into one, so the version
+    folder's stay as they are. A bundle's ``.cache/`` is a link to the
+    folder's own, so compiled executables are shared by its versions.
+    """
+    versions = folder / VERSIONS_FOLDER
+    base = _version_id(result)
+    candidates = sorted((p for p in _listing(versions) if p.name == base or p.name.startswith(f"{base}-")),
+                        key=lambda p: p.name != base)
+    for candidate in candidates:
+        if _version_intact(candidate / name, result):
+            return candidate / name
+    top = versions / (base if not candidates else f"{base}-{uuid.uuid4().hex[:8]}")
+    building = versions / f"{VERSION_BUILDING_PREFIX}{uuid.uuid4().hex[:12]}"
+    target = building / name
+    try:
+        target.mkdir(parents=True)
+        for relative in [*result.fetched, MARKER_FILE]:
+            source, copy = folder.joinpath(*relative.split("/")), target.joinpath(*relative.split("/"))
+            copy.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(source, copy)
+            except OSError as err:
+                if err.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP):
+                    raise
+                shutil.copy2(source, copy)  # (keeps the modification time the record says)
+        if BUNDLE_MARKER in result.fetched:
+            (folder / CACHE_SUBFOLDER).mkdir(exist_ok=True)
+            os.symlink(os.path.join(os.pardir, os.pardir, os.pardir, CACHE_SUBFOLDER), target / CACHE_SUBFOLDER)
+        (building / IN_USE_FILE).touch()
+        os.rename(building, top)
+    finally:
+        shutil.rmtree(building, ignore_errors=True)
+    return top / name
+
+
+def _version_intact(path: Path, result: RemoteFolder) -> bool:
+    """Whether the version folder ``path`` still holds every file of ``result`` as written (a version folder is
+    never changed by nereid: one that was, by hand, is not reused)."""
+    return path.is_dir() and all(_is_as_written(path.joinpath(*relative.split("/")), item)
+                                 for relative, item in result.fetched.items())
+
+
+def _listing(folder: Path) -> list[Path]:
+    try:
+        with os.scandir(folder) as listing:
+            return [Path(entry.path) for entry in listing]
+    except OSError:
+        return []
+
+
+class VersionHold:
+    """A loaded version's claim on its version folder: no server sharing the cache removes the folder while held.
+
+    A shared flock on ``<id>/.nereid-in-use``, taken under the model folder's
+    lock (where every removal happens, trying an exclusive lock without
+    waiting). This process keeps one descriptor per version folder, counted,
+    and never tries its own: on NFS a flock is a POSIX lock, which a process
+    does not conflict with, and loses entirely when it closes any descriptor of
+    the file.
+    """
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder  # <model>/.nereid-versions/<id>/<model>: what the version runs from
+        self._released = False
+
+    def release(self) -> None:
+        """Let the version folder go (once; later calls do nothing); a folder no server holds any more is removed
+        on a thread of its own, unless a fetch of the model holds its lock (that fetch removes it)."""
+        if self._released:
+            return
+        self._released = True
+        top = self.folder.parent
+        with _held_lock:
+            fd, count = _held[top]
+            if count > 1:
+                _held[top] = (fd, count - 1)
+                return
+            del _held[top]
+            os.close(fd)
+        model_folder = top.parent.parent
+        threading.Thread(target=_prune_released, args=(model_folder, self.folder.name),
+                         name="nereid-version-prune", daemon=True).start()
+
+
+# This process's holds: the version folder's top (<id>) -> (the descriptor holding its shared lock, how many holds).
+_held: dict[Path, tuple[int, int]] = {}
+_held_lock = threading.Lock()
+
+
+def _hold_version(path: Path) -> VersionHold:
+    """Hold the version folder ``path`` (under the model folder's lock)."""
+    import fcntl
+
+    top = path.parent
+    with _held_lock:
+        if top in _held:
+            fd, count = _held[top]
+            _held[top] = (fd, count + 1)
+            return VersionHold(path)
+        fd = os.open(top / IN_USE_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)  # (nobody else takes it but a removal, under the lock this holds)
+        except BaseException:
+            os.close(fd)
+            raise
+        _held[top] = (fd, 1)
+    return VersionHold(path)
+
+
+def _held_here(top: Path) -> bool:
+    with _held_lock:
+        return top in _held
+
+
+def _prune_released(model_folder: Path, name: str) -> None:
+    """:func:`_prune_versions` after a release, when the model folder's lock is free (a thread of its own)."""
+    try:
+        with _folder_lock(model_folder.parent / _lock_name(name), wait=False) as held:
+            if held:
+                _prune_versions(model_folder)
+    except Exception:  # (a thread of its own: nothing above it would say)
+        log.exception("%s: removing the version folders no server holds failed", model_folder / VERSIONS_FOLDER)
+
+
+def _prune_versions(folder: Path) -> bool:
+    """Remove the version folders of ``folder`` that no server holds (under the folder's lock), and those a
+    killed server left half made; returns whether any is still held."""
+    import fcntl
+
+    busy = False
+    versions = folder / VERSIONS_FOLDER
+    for top in _listing(versions):
+        if top.name.startswith((VERSION_BUILDING_PREFIX, VERSION_DROPPED_PREFIX)):
+            shutil.rmtree(top, ignore_errors=True)
+            continue
+        if _held_here(top):
+            busy = True
+            continue
+        try:
+            fd = os.open(top / IN_USE_FILE, os.O_RDWR | os.O_CLOEXEC)
+        except FileNotFoundError:
+            fd = None  # (none: not a version folder nereid made whole; removed)
+        except OSError:
+            busy = True
+            continue
+        try:
+            if fd is not None:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    busy = True
+                    continue
+            doomed = versions / f"{VERSION_DROPPED_PREFIX}{uuid.uuid4().hex[:12]}"
+            try:
+                top.rename(doomed)
+            except OSError:
+                continue
+        finally:
+            if fd is not None:
+                os.close(fd)
+        shutil.rmtree(doomed, ignore_errors=True)
+    return busy
 
 
 def _fetch_staged(store: Any, folder_url: StoreURL, folder: Path, stale: list[tuple[str, RemoteObject, Path]],
@@ -558,9 +779,9 @@ def drop_mirror(location: StoreURL, name: str, folder: Path) -> bool:
     folder stays (a later call removes it). The folder is renamed aside under
     the lock and deleted after (a server making the folder anew meanwhile
     makes a new one); so are the ones an interrupted removal left. Returns
-    whether anything was removed. A server sharing the cache that still runs
-    a model of that prefix (loaded before the prefix was deleted) runs on from
-    what it loaded, as from a local folder deleted under it.
+    whether anything was removed. Not while a loaded version of any server
+    sharing the cache (loaded before the prefix was deleted) runs from one of
+    its version folders (see :class:`VersionHold`): a later call removes it.
     """
     root = folder.parent
     lock = root / _lock_name(name)
@@ -568,6 +789,8 @@ def drop_mirror(location: StoreURL, name: str, folder: Path) -> bool:
         return False
     with _folder_lock(lock, wait=False) as held:
         if not held or remote_folder_exists(location, name):
+            return False
+        if _prune_versions(folder):  # a version of it still runs (here, or on a server sharing the cache)
             return False
         with contextlib.suppress(FileNotFoundError):  # (a lock file left alone)
             folder.rename(root / f"{DROPPED_PREFIX}{uuid.uuid4().hex}")

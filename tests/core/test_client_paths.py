@@ -53,3 +53,14 @@ def test_a_long_message_is_capped_after_its_paths_are_rewritten(tmp_path):
     clients, root, _ = paths(tmp_path)
     text = clients.public_text(f"{root}/m: " + "y" * (MESSAGE_LIMIT * 2))
     assert text.startswith("m: y") and len(text) <= MESSAGE_LIMIT
+
+
+def test_a_version_folder_of_a_model_from_a_store_reads_as_the_models_folder(tmp_path) -> None:
+    from nereid.client_paths import ClientPaths
+
+    root = tmp_path / "cache" / "repositories" / "abc"
+    paths = ClientPaths(root, tmp_path / "scratch", tmp_path / "etc" / "nereid.yaml")
+    version = root / "m" / ".nereid-versions" / "0123456789abcdef" / "m"
+    assert paths.public_text(f'File "{version}/main.py", line 3') == 'File "m/main.py", line 3'
+    assert paths.public_text(f"{version} has no manifest.yaml") == "m has no manifest.yaml"
+    assert paths.public_text(f"{root}/m/main.py") == "m/main.py"

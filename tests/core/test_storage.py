@@ -1148,3 +1148,127 @@ def test_a_store_failures_kind_drops_its_timings_and_counts_but_keeps_its_status
     assert failure_kind("s3://b/m/x: HTTP 500") != failure_kind("s3://b/m/x: HTTP 503")
     assert failure_kind("m/model.b8: read failed after 4 attempt(s)") != \
         failure_kind("m/model.b32: read failed after 2 attempt(s)")
+
+
+# main.py of version <main> returns main * 10 + helper.FACTOR for every element, its helper.py read at each run:
+# 11 and 22 are real versions, 12 and 21 mixes of two that never existed together.
+MIX_MAIN = '''
+import array, os, sys
+import helper
+MAIN = {main}
+data = sys.stdin.buffer.read()
+values = array.array('f', data)
+with open(os.environ["NEREID_OUTPUT_PATH"], "wb") as out:
+    out.write(("%s %s\\n" % (os.environ["NEREID_INPUT_DTYPE"], os.environ["NEREID_INPUT_SHAPE"])).encode())
+    out.write(array.array('f', [MAIN * 10 + helper.FACTOR] * len(values)).tobytes())
+'''
+
+
+def _upload_mix(s3, tmp_path: Path, version: int) -> None:
+    source = tmp_path / f"mix-v{version}"
+    folder = source / "mix"
+    folder.mkdir(parents=True)
+    (folder / "model_inference.textproto").write_text(textproto_single())
+    (folder / "main.py").write_text(MIX_MAIN.format(main=version))
+    (folder / "helper.py").write_text(f"FACTOR = {version}\n")
+    upload_folder(s3.store, source, s3.prefix)
+
+
+def _mix(server) -> float:
+    values = set(_echo(server.client, "mix", np.zeros((1, 4), dtype=np.float32)).ravel().tolist())
+    assert len(values) == 1
+    return values.pop()
+
+
+def _version_folders(mirror: Path, name: str) -> list[str]:
+    import os
+
+    versions = mirror / name / ".nereid-versions"
+    return sorted(n for n in os.listdir(versions) if not n.startswith(".")) if versions.is_dir() else []
+
+
+def test_servers_sharing_the_cache_each_run_the_version_they_loaded(s3, serve, tmp_path) -> None:
+    # Defect: a server's fetch rewrote the mirror folder that the loaded versions ran from, file by file: a server
+    # sharing cache_dir that never reloaded (and, during a reload, a server's own old version) answered with its
+    # old main.py and the new helper.py, a version that never existed, for good.
+    _upload_mix(s3, tmp_path, 1)
+    config = _config(tmp_path, s3.url())
+    a, b = serve(config), serve(config)
+    assert (_mix(a), _mix(b)) == (11, 11)
+    _upload_mix(s3, tmp_path, 2)
+    a.client.load_model("mix")
+    assert _mix(a) == 22
+    assert _mix(b) == 11  # not reloaded: the version it loaded, whole (12 was old main.py + new helper.py)
+    mirror = a.server.settings.server.ml_backends_path
+    assert (mirror / "mix" / "helper.py").read_text() == "FACTOR = 2\n"  # the mirror itself is up to date
+    assert len(_version_folders(mirror, "mix")) == 2  # B's version keeps its own
+    b.client.load_model("mix")
+    assert _mix(b) == 22
+    # The version no server runs any more is removed; the one both run stays.
+    _until(lambda: len(_version_folders(mirror, "mix")) == 1, "the version folder nobody holds is removed")
+    b.client.unload_model("mix")
+    assert _mix(a) == 22
+
+
+def test_a_fetch_during_a_reload_leaves_the_running_version_whole(s3, serve, tmp_path) -> None:
+    # The fetch a reload makes before its new version is READY (here made by hand, as the reload's own) changes
+    # nothing the running version reads at each run.
+    from nereid.storage import materialize_model_version
+
+    _upload_mix(s3, tmp_path, 1)
+    server = serve(_config(tmp_path, s3.url()))
+    assert _mix(server) == 11
+    _upload_mix(s3, tmp_path, 2)
+    hold = materialize_model_version(server.server.settings.server, "mix")
+    try:
+        assert (hold.folder / "helper.py").read_text() == "FACTOR = 2\n"
+        assert hold.folder.name == "mix"  # (a model sees a folder named as itself)
+        assert _mix(server) == 11
+    finally:
+        hold.release()
+    server.client.load_model("mix")
+    assert _mix(server) == 22
+
+
+def test_a_version_folder_stays_while_any_server_holds_it(s3, tmp_path) -> None:
+    import subprocess
+    import sys
+
+    from nereid.storage import drop_mirror_folder, materialize_model_version
+    from nereid.storage.mirror import IN_USE_FILE
+
+    server = load_settings(_config(tmp_path, s3.url())).server
+    mirror = server.ml_backends_path
+    _upload_mix(s3, tmp_path, 1)
+    first = materialize_model_version(server, "mix")
+    again = materialize_model_version(server, "mix")  # the same files: the same folder
+    assert again.folder == first.folder and (first.folder / "main.py").read_text() == MIX_MAIN.format(main=1)
+    assert first.folder.is_relative_to(mirror / "mix")
+    _upload_mix(s3, tmp_path, 2)
+    second = materialize_model_version(server, "mix")
+    assert second.folder != first.folder
+    assert (first.folder / "helper.py").read_text() == "FACTOR = 1\n"  # no later fetch changes a version's files
+    assert (second.folder / "helper.py").read_text() == "FACTOR = 2\n"
+    # Another server holds the first version too (a real process: a flock of its own).
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR); "
+                               "fcntl.flock(fd, fcntl.LOCK_SH); print('held', flush=True); sys.stdin.read()",
+         str(first.folder.parent / IN_USE_FILE)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        first.release()
+        again.release()
+        first.release()  # (a second release does nothing)
+        time.sleep(0.3)
+        materialize_model_version(server, "mix").release()  # a fetch removes what no server holds
+        assert first.folder.is_dir()  # held by the other server
+        for key in bucket_state(s3.store, f"{s3.prefix}/mix/"):
+            obstore.delete(s3.store, key)
+        second.release()
+        assert not drop_mirror_folder(server, "mix")  # a version still runs from it
+        assert first.folder.is_dir()
+    finally:
+        holder.stdin.close()
+        holder.wait(10)
+    assert drop_mirror_folder(server, "mix")
+    assert not (mirror / "mix").exists()
