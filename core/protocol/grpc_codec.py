@@ -12,9 +12,9 @@ from nereid.classification import CLASSIFICATION_PARAMETER
 from nereid.dtypes import DType
 from nereid.errors import InvalidArgument
 from nereid.model_info import MODEL_VERSION
-from nereid.protocol.wire import (SEQUENCE_ID_PARAMETER, SHARED_MEMORY_PARAMETER, TIMEOUT_PARAMETER,
-                                  check_no_sequence, class_count, decode_raw, refuse_shared_memory, wire_dtype,
-                                  wire_shape)
+from nereid.protocol.wire import (SCHEDULING_PARAMETERS, SEQUENCE_ID_PARAMETER, SHARED_MEMORY_PARAMETER,
+                                  TIMEOUT_PARAMETER, check_no_sequence, check_scheduling_parameters, class_count,
+                                  decode_raw, refuse_shared_memory, wire_dtype, wire_shape)
 from nereid.errors import PublicText
 from nereid.tensors import InferRequest, InferResponse, NamedTensor, bytes_array, tensor_buffer, tensor_bytes
 
@@ -149,9 +149,10 @@ def _decode_infer_request(msg: pb.ModelInferRequest, time_remaining_s: float | N
             deadlines.append(time.monotonic_ns() + timeout_us * 1000)
     deadline = min(deadlines, default=0)
     if SEQUENCE_ID_PARAMETER in msg.parameters:
-        parameter = msg.parameters[SEQUENCE_ID_PARAMETER]
-        kind = parameter.WhichOneof("parameter_choice")
-        check_no_sequence(model, getattr(parameter, kind) if kind else None)
+        check_no_sequence(model, _value(msg.parameters[SEQUENCE_ID_PARAMETER]))
+    scheduling = {key: _value(msg.parameters[key]) for key in SCHEDULING_PARAMETERS if key in msg.parameters}
+    if scheduling:
+        check_scheduling_parameters(model, scheduling)
     classifications = {}
     for out in msg.outputs:
         if SHARED_MEMORY_PARAMETER in out.parameters:
@@ -168,6 +169,12 @@ def _decode_infer_request(msg: pb.ModelInferRequest, time_remaining_s: float | N
         deadline_ns=deadline,
         classifications=classifications,
     )
+
+
+def _value(parameter: pb.InferParameter) -> object:
+    """A parameter's value, whichever field holds it (None: none does)."""
+    kind = parameter.WhichOneof("parameter_choice")
+    return getattr(parameter, kind) if kind else None
 
 
 def _class_count(model: str, output: str, parameter: pb.InferParameter) -> int:

@@ -25,9 +25,9 @@ from nereid.classification import CLASSIFICATION_PARAMETER
 from nereid.dtypes import DType
 from nereid.errors import InvalidArgument
 from nereid.model_info import MODEL_VERSION
-from nereid.protocol.wire import (SEQUENCE_ID_PARAMETER, SHARED_MEMORY_PARAMETER, TIMEOUT_PARAMETER,
-                                  check_no_sequence, class_count, decode_raw, refuse_shared_memory,
-                                  timeout_deadline_ns, wire_dtype, wire_shape)
+from nereid.protocol.wire import (SCHEDULING_PARAMETERS, SEQUENCE_ID_PARAMETER, SHARED_MEMORY_PARAMETER,
+                                  TIMEOUT_PARAMETER, check_no_sequence, check_scheduling_parameters, class_count,
+                                  decode_raw, refuse_shared_memory, timeout_deadline_ns, wire_dtype, wire_shape)
 from nereid.errors import PublicText
 from nereid.signature import brief_repr
 from nereid.tensors import InferRequest, InferResponse, NamedTensor, bytes_array, tensor_buffer
@@ -112,6 +112,9 @@ def _decode_infer(model: str, body: bytes, header_length: int | None) -> tuple[I
     budgets = []
     if SEQUENCE_ID_PARAMETER in parameters:
         check_no_sequence(model, parameters[SEQUENCE_ID_PARAMETER], quoted)
+    scheduling = {key: parameters[key] for key in SCHEDULING_PARAMETERS if key in parameters}
+    if scheduling:
+        check_scheduling_parameters(model, scheduling, quoted)
     if TIMEOUT_PARAMETER in parameters:
         timeout_us = parameters[TIMEOUT_PARAMETER]
         if isinstance(timeout_us, float) and timeout_us >= 2 ** 64:

@@ -23,6 +23,8 @@ TIMEOUT_PARAMETER = "timeout"
 SHARED_MEMORY_PARAMETER = "shared_memory_region"
 # The request parameter that puts a request in a sequence (Triton's correlation ID) for a stateful model.
 SEQUENCE_ID_PARAMETER = "sequence_id"
+# Request parameters Triton reads to schedule a request (nereid by neither): checked only for their types.
+SCHEDULING_PARAMETERS = ("priority", "sequence_start", "sequence_end")
 
 
 # The most elements the non-zero dimensions of an empty tensor may multiply to: far past any tensor a
@@ -121,6 +123,23 @@ def check_no_sequence(model: str, value: object, quote: Callable[[object], str] 
     raise InvalidArgument(f"model '{model}': parameter 'sequence_id' {shown} names a sequence, but nereid has no "
                           "sequence batching (no model keeps state between requests); leave it out (or send 0) to "
                           "run the request on its own")
+
+
+def check_scheduling_parameters(model: str, values: dict[str, object],
+                                quote: Callable[[object], str] | None = None) -> None:
+    """InvalidArgument for a ``priority`` that is no integer >= 0, or a ``sequence_start`` / ``sequence_end`` that
+    is no boolean, as Triton refuses them: nereid schedules by neither, but a client sending them wrong is told.
+    ``values``: those of the three the request carries, as plain values."""
+    def shown(value: object) -> str:
+        return quote(value) if quote else repr(value[:64]) if isinstance(value, str) else brief_repr(value, 64)
+
+    priority = values.get("priority", 0)
+    if isinstance(priority, bool) or not isinstance(priority, int) or priority < 0:
+        raise InvalidArgument(f"model '{model}': parameter 'priority' must be an integer >= 0, got {shown(priority)}")
+    for flag in ("sequence_start", "sequence_end"):
+        if not isinstance(values.get(flag, False), bool):
+            raise InvalidArgument(f"model '{model}': parameter '{flag}' must be true or false, got "
+                                  f"{shown(values[flag])}")
 
 
 def refuse_shared_memory(where: str) -> InvalidArgument:

@@ -280,6 +280,28 @@ def test_a_sequence_id_is_refused_as_triton_refuses_it_for_a_model_without_seque
         assert decode_infer_request(request, None).model_name == "m"
 
 
+@pytest.mark.parametrize(("key", "parameter", "problem"), [
+    ("priority", service_pb2.InferParameter(string_param="high"), "parameter 'priority' must be an integer >= 0, "
+                                                                   "got 'high'"),
+    ("priority", service_pb2.InferParameter(int64_param=-1), "parameter 'priority' must be an integer >= 0, got -1"),
+    ("sequence_start", service_pb2.InferParameter(int64_param=1), "parameter 'sequence_start' must be true or "
+                                                                   "false, got 1"),
+    ("sequence_end", service_pb2.InferParameter(string_param="yes"), "parameter 'sequence_end' must be true or "
+                                                                      "false, got 'yes'"),
+])
+def test_scheduling_parameters_of_the_wrong_type_are_refused_as_triton_refuses_them(key, parameter, problem):
+    """Found by a bug hunt: accepted and ignored, where Triton answers INVALID_ARGUMENT."""
+    request = raw_request("m", ("x", "INT8", [4], bytes(4)))
+    request.parameters[key].CopyFrom(parameter)
+    with pytest.raises(InvalidArgument, match=f"^model 'm': {re.escape(problem)}$"):
+        decode_infer_request(request, None)
+    for key, good in (("priority", service_pb2.InferParameter(uint64_param=3)),
+                      ("sequence_start", service_pb2.InferParameter(bool_param=False))):
+        request = raw_request("m", ("x", "INT8", [4], bytes(4)))
+        request.parameters[key].CopyFrom(good)
+        assert decode_infer_request(request, None).model_name == "m"
+
+
 def test_large_tensor_over_the_default_grpc_message_limit_round_trips(server):
     values = np.random.default_rng(7).standard_normal(3_000_000).astype(np.float32)  # 12 MB
 

@@ -45,6 +45,16 @@ def test_a_sequence_id_is_refused_and_zero_or_empty_means_none():
         assert decode_infer("m", with_parameter("sequence_id", raw), None)[0].model_name == "m"
 
 
+def test_scheduling_parameters_of_the_wrong_type_are_refused():
+    """Found by a bug hunt: accepted and ignored, where Triton answers 400."""
+    for key, raw, problem in (("priority", b'"high"', "parameter 'priority' must be an integer >= 0, got \"high\""),
+                              ("priority", b"-1", "parameter 'priority' must be an integer >= 0, got -1"),
+                              ("sequence_end", b"1", "parameter 'sequence_end' must be true or false, got 1")):
+        with pytest.raises(InvalidArgument, match=f"^model 'm': {re.escape(problem)}$"):
+            decode_infer("m", with_parameter(key, raw), None)
+    assert decode_infer("m", with_parameter("priority", b"2"), None)[0].model_name == "m"
+
+
 def test_json_nested_and_flat_lists_give_the_same_tensor():
     flat, _ = decode_infer("m", body({"name": "x", "shape": [2, 2], "datatype": "INT32", "data": [1, 2, 3, 4]}), None)
     nested, _ = decode_infer("m", body({"name": "x", "shape": [2, 2], "datatype": "INT32",
