@@ -43,11 +43,11 @@ class _StrictLoader(yaml.SafeLoader):
             return super().construct_object(node, deep)
         except (yaml.YAMLError, RecursionError):
             raise
-        except (ValueError, KeyError, IndexError, AttributeError, TypeError, OverflowError) as err:
+        except (ValueError, KeyError, IndexError, AttributeError, TypeError, OverflowError):
+            # (The constructor's own error, "'NoneType' object has no attribute 'groupdict'", tells a reader nothing.)
             shown = cap_message(repr(node.value), 64) if isinstance(node, yaml.ScalarNode) else "this value"
             raise yaml.constructor.ConstructorError(
-                None, None, f"{shown} cannot be read as {node.tag.rsplit(':', 1)[-1]} ({type(err).__name__}: "
-                f"{cap_message(str(err), 128)})", node.start_mark) from None
+                None, None, f"{shown} cannot be read as {node.tag.rsplit(':', 1)[-1]}", node.start_mark) from None
 
 
 def _construct_unique_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
@@ -104,8 +104,8 @@ _StrictLoader.yaml_implicit_resolvers = {
     first: [(tag, pattern) for tag, pattern in resolvers
             if tag not in ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
-_StrictLoader.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(
-    r"^[-+]?(?:[0-9][0-9_]*|0o[0-7_]+|0x[0-9a-fA-F_]+|0b[01_]+)$"), list("-+0123456789"))
+_StrictLoader.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(f"^(?:{_INTEGER.pattern})$", re.ASCII),
+                                    list("-+0123456789"))
 _StrictLoader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(
     r"""^(?:[-+]?[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?
         |[-+]?\.[0-9][0-9_]*(?:[eE][-+]?[0-9]+)?

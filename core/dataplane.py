@@ -10,6 +10,7 @@ its errors to their status codes.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import re
 import time
 from typing import Awaitable, Callable, Iterable, NoReturn, TypeVar
@@ -301,9 +302,11 @@ class DataPlane:
         """Run one request; every accepted request gets exactly one answer, success or error."""
         return await self.infer_encoded(request, _as_is)
 
-    async def infer_encoded(self, request: InferRequest, encode: Callable[[InferResponse], Encoded]) -> Encoded:
-        """:meth:`infer`, with the answer put in its wire form by ``encode`` before the request counts as a
-        success: a NereidError from ``encode`` (an output its protocol cannot carry) is the request's failure."""
+    async def infer_encoded(self, request: InferRequest,
+                            encode: Callable[[InferResponse], Encoded | Awaitable[Encoded]]) -> Encoded:
+        """:meth:`infer`, with the answer put in its wire form by ``encode`` (awaited when it returns an
+        awaitable: a large answer encoded off the loop) before the request counts as a success: a NereidError
+        from ``encode`` (an output its protocol cannot carry) is the request's failure."""
         received_ns = time.monotonic_ns()
         model = self.repository.ready_model(request.model_name)
         timing = RequestTiming()
@@ -342,8 +345,15 @@ class DataPlane:
                        else t for t in outputs]
         try:
             encoded = encode(InferResponse(request.model_name, outputs, request.id))
+            if inspect.isawaitable(encoded):
+                encoded = await encoded
         except NereidError as err:
             model.stats.record_failure(time.monotonic_ns() - received_ns, err.reason)
+            raise
+        except asyncio.CancelledError:  # gone while its answer was encoded: counted as above
+            now = time.monotonic_ns()
+            reason = Unavailable.reason if self.grace_passed else cancellation_reason(request.deadline_ns, now)
+            model.stats.record_failure(now - received_ns, reason)
             raise
         model.stats.record_success(time.monotonic_ns() - received_ns, validated.batch_size, timing)
         return encoded

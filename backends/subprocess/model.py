@@ -344,7 +344,8 @@ class SubprocessModel:
 
 def _output_bound(taken: int) -> str:
     """Why an output's data may take no more than :data:`MAX_OUTPUT_BYTES` less ``taken`` (the outputs before it)."""
-    bound = f"a response can carry at most {MAX_OUTPUT_BYTES} bytes of outputs (gRPC's message limit)"
+    bound = (f"nereid reads at most {MAX_OUTPUT_BYTES} bytes of outputs from one run (what one gRPC answer "
+             "carries; over HTTP too)")
     if taken:
         bound += f" and the outputs before it took {taken}"
     return bound

@@ -363,8 +363,8 @@ class InferenceServicer:
             raise
         del request, received  # the decoded tensors are all that is needed from here on
         try:
-            response = await self.dataplane.infer(decoded)
-            wire = await _serialized(response, streamed)
+            # Serialized before the request counts as a success: an answer gRPC cannot carry is its failure.
+            wire = await self.dataplane.infer_encoded(decoded, functools.partial(_serialized, streamed=streamed))
         except NereidError as err:
             self._counted(decoded.model_name, err.reason)
             raise

@@ -490,8 +490,8 @@ def _version_folder(folder: Path, name: str, result: RemoteFolder) -> Path:
     Made aside and renamed into place whole. Each file is a hard link to the
     folder's (a copy where the file system has none): a later fetch replaces
     the folder's files by rename, never writing into one, so the version
-    folder's stay as they are. A bundle's ``.cache/`` is a link to the
-    folder's own, so compiled executables are shared by its versions.
+    folder's stay as they are. Its ``.cache/`` is a link to the folder's own,
+    so builds (executables, binaries) are shared by its versions.
     """
     versions = folder / VERSIONS_FOLDER
     base = _version_id(result)
@@ -514,9 +514,10 @@ def _version_folder(folder: Path, name: str, result: RemoteFolder) -> Path:
                 if err.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP):
                     raise
                 shutil.copy2(source, copy)  # (keeps the modification time the record says)
-        if BUNDLE_MARKER in result.fetched:
-            (folder / CACHE_SUBFOLDER).mkdir(exist_ok=True)
-            os.symlink(os.path.join(os.pardir, os.pardir, os.pardir, CACHE_SUBFOLDER), target / CACHE_SUBFOLDER)
+        # Builds (a bundle's executables, a cpp or cxx model's binary) stay the folder's, shared by its versions
+        # under their content keys: a version's own would go with it, and every restart would build again.
+        (folder / CACHE_SUBFOLDER).mkdir(exist_ok=True)
+        os.symlink(os.path.join(os.pardir, os.pardir, os.pardir, CACHE_SUBFOLDER), target / CACHE_SUBFOLDER)
         (building / IN_USE_FILE).touch()
         os.rename(building, top)
     finally:

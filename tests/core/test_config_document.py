@@ -82,7 +82,7 @@ def test_a_hexadecimal_integer_too_long_or_empty_is_refused_too(text: str, probl
 def test_an_explicit_tag_on_a_value_it_cannot_read_is_refused_with_its_line(text: str, problem: str) -> None:
     """Found by a bug hunt: PyYAML's constructors raised KeyError, IndexError or AttributeError, which `nereid
     check` and `nereid serve` printed as a traceback (exit 1, not 2), naming no line."""
-    with pytest.raises(ConfigError, match=rf"x.yaml: not valid YAML: {problem} \(.*\)\s+in \"x.yaml\", line 2"):
+    with pytest.raises(ConfigError, match=rf"x.yaml: not valid YAML: {problem}\s+in \"x.yaml\", line 2"):
         load_yaml(f"server: {{}}\na: {text}\n", Path("x.yaml"))
 
 

@@ -354,3 +354,27 @@ def test_a_load_an_unload_gave_up_on_is_unavailable_not_a_model_fault(tmp_path, 
         asyncio.run(scenario())
     finally:
         release.set()
+
+
+def test_an_answer_its_protocol_cannot_encode_counts_as_a_failure_even_when_encoded_off_the_loop(tmp_path):
+    """Review: a gRPC answer past one message was refused (INTERNAL) after the data plane had counted a success:
+    the gRPC path encoded it (off the loop, when large) after infer() returned."""
+    plane = toy_dataplane(tmp_path)
+
+    async def too_large(response):
+        await asyncio.sleep(0)  # as an encoding on a worker thread is awaited
+        raise ModelFailure(f"model '{response.model_name}': its answer is past what one message carries")
+
+    async def encoded(response):
+        await asyncio.sleep(0)
+        return b"wire"
+
+    async def scenario():
+        await plane.load("toy")
+        with pytest.raises(ModelFailure, match="past what one message carries"):
+            await plane.infer_encoded(request(), too_large)
+        assert await plane.infer_encoded(request(), encoded) == b"wire"
+        ((_, stats),) = plane.statistics("toy")
+        assert (stats.success.count, stats.fail.count) == (1, 1)
+        await plane.unload("toy")
+    asyncio.run(scenario())

@@ -929,7 +929,7 @@ def test_a_folder_deleted_from_the_bucket_leaves_the_cache_once_forgotten(s3, se
 
         _until(lambda: cached() == [".busy.lock", ".keep.lock", ".v1.lock", "busy", "keep", "v1"],
                "the leftovers 'old' and '.lockonly.lock' are removed at start, and only they")
-        (mirror / "v1" / ".cache").mkdir()  # what a bundle's compiled executables would be
+        (mirror / "v1" / ".cache").mkdir(exist_ok=True)  # what a bundle's compiled executables would be
         (mirror / "v1" / ".cache" / "executable.bin").write_bytes(b"compiled")
         for key in bucket_state(s3.store, f"{s3.prefix}/v1/"):
             obstore.delete(s3.store, key)
@@ -1244,6 +1244,9 @@ def test_a_version_folder_stays_while_any_server_holds_it(s3, tmp_path) -> None:
     again = materialize_model_version(server, "mix")  # the same files: the same folder
     assert again.folder == first.folder and (first.folder / "main.py").read_text() == MIX_MAIN.format(main=1)
     assert first.folder.is_relative_to(mirror / "mix")
+    # Builds (a cpp model's binary, say) go to the folder's own .cache/, shared by its versions: in a version's
+    # own, they went with it (review), and every restart of a cpp model from a bucket compiled it again.
+    assert (first.folder / ".cache").resolve() == (mirror / "mix" / ".cache").resolve()
     _upload_mix(s3, tmp_path, 2)
     second = materialize_model_version(server, "mix")
     assert second.folder != first.folder
@@ -1260,8 +1263,8 @@ def test_a_version_folder_stays_while_any_server_holds_it(s3, tmp_path) -> None:
         again.release()
         first.release()  # (a second release does nothing)
         time.sleep(0.3)
-        materialize_model_version(server, "mix").release()  # a fetch removes what no server holds
-        assert first.folder.is_dir()  # held by the other server
+        materialize_model_version(server, "mix").release()  # a fetch, which removes what no server holds...
+        assert first.folder.is_dir()  # ...leaves this one: held by the other server
         for key in bucket_state(s3.store, f"{s3.prefix}/mix/"):
             obstore.delete(s3.store, key)
         second.release()

@@ -371,8 +371,8 @@ def test_an_output_larger_than_a_response_can_carry_is_refused_from_its_header(t
     finally:
         model.unload()
     assert str(caught.value) == ("model 'big': output 'output': header promises 2400000000 bytes of float32 "
-                                 "[1, 600000000], file holds 0; a response can carry at most 2147483647 bytes of "
-                                 "outputs (gRPC's message limit)")
+                                 "[1, 600000000], file holds 0; nereid reads at most 2147483647 bytes of "
+                                 "outputs from one run (what one gRPC answer carries; over HTTP too)")
 
 
 def test_an_output_within_the_bound_over_a_short_file_is_refused_at_once(tmp_path) -> None:
@@ -413,9 +413,9 @@ def test_the_bound_is_on_all_the_outputs_of_a_run_together(tmp_path, monkeypatch
             model.infer(request)
     finally:
         model.unload()
-    assert str(caught.value) == ("model 'two': output 'y': header promises 28 bytes of float32 [1, 7]; a response "
-                                 "can carry at most 31 bytes of outputs (gRPC's message limit) and the outputs "
-                                 "before it took 7")
+    assert str(caught.value) == ("model 'two': output 'y': header promises 28 bytes of float32 [1, 7]; nereid reads "
+                                 "at most 31 bytes of outputs from one run (what one gRPC answer carries; over HTTP "
+                                 "too) and the outputs before it took 7")
 
 
 def on(tmp_path: Path, device: str, root: Path) -> ShellModel:

@@ -39,8 +39,8 @@ def test_an_output_past_what_a_response_carries_is_a_model_fault_and_the_server_
         infer(server.client, np.ones((1, 4), np.float32))
     assert caught.value.status() == "StatusCode.INTERNAL"
     assert caught.value.message() == ("model 'huge': output 'output': header promises 2400000000 bytes of float32 "
-                                      "[1, 600000000], file holds 0; a response can carry at most 2147483647 bytes "
-                                      "of outputs (gRPC's message limit)")
+                                      "[1, 600000000], file holds 0; nereid reads at most 2147483647 bytes "
+                                      "of outputs from one run (what one gRPC answer carries; over HTTP too)")
     stats = server.server.repository.ready_model("huge").stats.snapshot()
     assert (stats.success.count, stats.fail.count) == (0, 1)
     good = np.arange(4, dtype=np.float32).reshape(1, 4) + 2
