@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 BACKEND_NAME = "python"
 ENTRY_FILE = "main.py"
 LOADED_ENTRY_FILE = "main.py.loaded"  # in the parent's own folder: the bytes this version loaded
+COLD_BOOTSTRAP = Path(__file__).with_name("cold_bootstrap.py")
 
 
 class PythonModel(SubprocessModel):
@@ -91,7 +92,7 @@ class PythonModel(SubprocessModel):
         env["TMPDIR"] = str(parent_dir / "tmp")
         parent = WarmParent(name=self.context.name, folder=self.context.folder, env=env, modules=modules,
                             log_path=parent_dir / "log", entry_source=parent_dir / LOADED_ENTRY_FILE,
-                            entry_bytes=source, cold_argv=self.command(), folder_fd=self.folder_fd())
+                            entry_bytes=source, cold_argv=cold_command(), folder_fd=self.folder_fd())
         try:
             try:
                 parent.entry_source.write_bytes(source)
@@ -105,13 +106,16 @@ class PythonModel(SubprocessModel):
         return parent
 
     def command(self) -> list[str]:
+        """``python main.py``: only for a model left without a parent process (see ``prepare``), which holds no
+        loaded bytes to run; a cold run of a parent runs the bytes it holds (see :func:`cold_command`)."""
         return [sys.executable, ENTRY_FILE]
 
     def launch(self, *, env: dict[str, str], stdin: bytes) -> ProcessResult:
-        if self._parent is None:
+        parent = self._parent
+        if parent is None:
             return super().launch(env=env, stdin=stdin)
-        return self._parent.run(env=env, stdin=stdin, timeout_s=self.context.settings.timeout_s,
-                                groups=self._groups, exec_argv=None if self._warm else self.command())
+        return parent.run(env=env, stdin=stdin, timeout_s=self.context.settings.timeout_s,
+                          groups=self._groups, exec_argv=None if self._warm else parent.cold_argv)
 
     def relocate(self, context: ModelContext) -> None:
         """Serve on from a renamed folder: the parent stays, each child runs in the new folder."""
@@ -136,6 +140,13 @@ class PythonModel(SubprocessModel):
         if parent.cold_reason is not None:
             return RuntimeReport(f"warm_start=off since a restart ({parent.cold_reason})")
         return RuntimeReport("warm_start=on", parent.resident_bytes())
+
+
+def cold_command() -> list[str]:
+    """What a cold run execs (its warm parent adds a descriptor that holds the bytes of main.py this version
+    loaded): a fresh interpreter that runs those bytes as ``python main.py`` would run main.py, not the file as
+    it is on disk by then (an edit whose reload failed, or not loaded yet). See ``cold_bootstrap.py``."""
+    return [sys.executable, str(COLD_BOOTSTRAP)]
 
 
 @hookimpl

@@ -174,7 +174,9 @@ class WarmParent:
             groups: ProcessGroups, exec_argv: list[str] | None = None) -> ProcessResult:
         """Fork one child that runs ``main.py`` for this batch; as ``run_model_process`` for a cold one.
 
-        With ``exec_argv`` the child execs that program (a cold run) instead.
+        With ``exec_argv`` the child execs that program (a cold run) instead,
+        with one more argument: a descriptor that holds the loaded main.py's
+        bytes (see ``cold_bootstrap.py``).
         A parent found dead is restarted first. A parent that dies before it
         said it forked the run (found alive, killed a moment later) gets the
         batch sent once more, to its replacement: the run had not started (a
@@ -238,7 +240,9 @@ class WarmParent:
             try:
                 request = {"env": env, "cwd": str(self.folder)}
                 if exec_argv:
-                    request["exec"] = exec_argv
+                    # With the loaded main.py's bytes, which the parent holds (the scratch folder's copy may be
+                    # gone): exec_argv is cold_bootstrap.py's.
+                    request["exec"], request["entry"] = exec_argv, True
                 message = json.dumps(request).encode()
                 socket.send_fds(control, [message], [stdin_read, output_write, theirs.fileno(),
                                                      *([folder_fd] if folder_fd is not None else [])])

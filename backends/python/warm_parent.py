@@ -20,10 +20,12 @@ Protocol (``CONTROL_FD`` is an AF_UNIX SOCK_SEQPACKET socket to the server):
    library's banner) goes to the log, and only that line reaches the server.
 2. Each message on the control socket asks for one run: a JSON object
    ``{"env": {...}, "cwd": FOLDER}`` (and ``"exec": ARGV`` for a cold run,
-   which execs a fresh interpreter instead) with three or four descriptors attached: the read end of the
-   child's stdin pipe, the write end of its output pipe (stdout and stderr),
-   a reply socket, and (optional) an ``O_PATH`` descriptor of the loaded model
-   folder, which the child enters: ``FOLDER`` may name another folder by now.
+   which execs a fresh interpreter instead; with ``"entry": true`` too, ARGV gets one
+   more argument: an inherited descriptor that holds ``SOURCE``'s bytes) with three
+   or four descriptors attached: the read end of the child's stdin pipe, the
+   write end of its output pipe (stdout and stderr), a reply socket, and
+   (optional) an ``O_PATH`` descriptor of the loaded model folder, which the
+   child enters: ``FOLDER`` may name another folder by now.
    A child forked ahead of time (the spare) takes the run.
 3. On the reply socket the parent sends ``{"pid": N}`` once the child is
    forked and ``{"status": S}`` once it has ended (S as ``Popen.returncode``:
@@ -433,7 +435,7 @@ def run_spare(assignments: socket.socket, parent_fds: set[int], parent: int) -> 
         request = json.loads(message)
         stdin_fd, output_fd, *folder_fd = fds
         code = run_child(request["env"], request["cwd"], stdin_fd, output_fd, exec_argv=request.get("exec"),
-                         folder_fd=folder_fd[0] if folder_fd else None)
+                         folder_fd=folder_fd[0] if folder_fd else None, exec_entry=bool(request.get("entry")))
     except BaseException:  # noqa: BLE001 - nothing may escape into a copy of the parent's loop
         traceback.print_exc()
     finally:
@@ -451,12 +453,14 @@ def _exit(code: int) -> None:
 
 
 def run_child(env: dict[str, str], cwd: str, stdin_fd: int, output_fd: int,
-              exec_argv: list[str] | None = None, folder_fd: int | None = None) -> int:
+              exec_argv: list[str] | None = None, folder_fd: int | None = None, exec_entry: bool = False) -> int:
     """Become the model process for one run: take its folder, stdin, output and environment, run ``main.py``.
 
     With ``exec_argv`` (a cold run) the child execs that program instead: a
     fresh interpreter that still dies with this parent and whose detached
-    processes still come back to it. ``folder_fd``: a descriptor of the loaded
+    processes still come back to it; ``exec_entry``: with the number of a
+    descriptor that holds the loaded main.py's bytes as its last argument
+    (see ``cold_bootstrap.py``). ``folder_fd``: a descriptor of the loaded
     folder, entered rather than ``cwd`` (see :func:`enter_loaded_folder`).
     """
     os.dup2(stdin_fd, 0)
@@ -479,6 +483,8 @@ def run_child(env: dict[str, str], cwd: str, stdin_fd: int, output_fd: int,
         cwd = enter_loaded_folder(cwd, folder_fd)
         os.close(folder_fd)  # not needed past the chdir: the working directory is the loaded folder
     if exec_argv:
+        if exec_entry:
+            exec_argv = [*exec_argv, str(entry_descriptor())]
         os.execv(exec_argv[0], exec_argv)  # keeps the process, its session and its parent-death signal
     if _preload_sigchld is not None:  # what a preloaded import made of SIGCHLD, as importing it in main.py would
         signal.signal(signal.SIGCHLD, _preload_sigchld)
@@ -554,10 +560,10 @@ def compile_entry(path: str, source_file: str) -> None:
     then edited, must not execute what is on disk now. A compile error is kept
     too, and reported by every run as ``python main.py`` would report it.
     """
-    global _entry
+    global _entry, _entry_source
     try:
         with open(source_file, "rb") as f:
-            source = f.read()
+            source = _entry_source = f.read()
         # dont_inherit: this module's own `from __future__ import annotations` must not become main.py's.
         _entry = (path, compile(source, path, "exec", dont_inherit=True),
                   importlib.util.decode_source(source).splitlines(True))  # (split once, before any fork)
@@ -565,6 +571,26 @@ def compile_entry(path: str, source_file: str) -> None:
         # Without this function's frames: python main.py reports a compile error with no traceback, only
         # the error's own file, line and caret (the run that raises it adds only its own frame, dropped).
         _entry = (path, err.with_traceback(None), [])
+
+
+def entry_descriptor() -> int:
+    """An inheritable descriptor, at offset 0, of a file that holds the loaded main.py's bytes, for a cold run to
+    read them: this parent's copy on disk may be gone (a /tmp cleaner) or rewritten since it started."""
+    assert _entry is not None, "compile_entry() first"
+    if _entry_source is None:  # this parent could not read it: why, as a warm run reports it
+        raise _entry[1]  # type: ignore[misc]
+    try:
+        fd = os.memfd_create(ENTRY_FILE, 0)
+    except (AttributeError, OSError):  # no memfd here: an unlinked temporary file (imported in this child only)
+        import tempfile
+        with tempfile.TemporaryFile() as copy:
+            fd = os.dup(copy.fileno())
+    view = memoryview(_entry_source)
+    while view:
+        view = view[os.write(fd, view):]
+    os.lseek(fd, 0, os.SEEK_SET)
+    os.set_inheritable(fd, True)
+    return fd
 
 
 def entry_code(path: str) -> types.CodeType | BaseException:
@@ -1098,6 +1124,7 @@ _preload_environ: tuple[dict[str, str], list[str]] = ({}, [])
 _preload_sigchld: object = None
 # main.py's path at load, its code or why not, and its lines (for tracebacks).
 _entry: tuple[str, types.CodeType | BaseException, list[str]] | None = None
+_entry_source: bytes | None = None  # main.py's bytes, as loaded (a cold run execs a fresh interpreter on them)
 
 
 def main() -> int:

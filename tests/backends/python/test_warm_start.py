@@ -119,13 +119,18 @@ def test_numpys_global_random_state_is_drawn_afresh_in_every_run(repo, serve):
     assert len({draw["numpy"] for draw in draws}) == 3 and len({draw["python"] for draw in draws}) == 3, draws
 
 
-def test_main_py_runs_as_loaded_while_the_file_is_rewritten(repo, serve):
+@pytest.mark.parametrize("warm", [True, False], ids=["warm", "cold"])
+def test_main_py_runs_as_loaded_while_the_file_is_rewritten(repo, serve, warm):
     # An edit in place truncates main.py before writing it: runs that start meanwhile must run the
     # loaded version (with watch on, the new one is swapped in once it has loaded).
+    # Defect (cold): each cold run execed `python main.py`, so it ran the file on disk, not what loaded.
+    repo.python_warm_start = warm
     folder = repo.python("pinned", textproto=REPORT, main=reply_main('"loaded"'))
     server = serve(repo.write_config())
     assert ask(server, "pinned") == "loaded"
     (folder / "main.py").write_text("")
+    assert ask(server, "pinned") == "loaded"
+    (folder / "main.py").write_text("this is not python(\n")
     assert ask(server, "pinned") == "loaded"
     (folder / "main.py").write_text(reply_main('"edited"'))
     assert ask(server, "pinned") == "loaded"
@@ -133,8 +138,10 @@ def test_main_py_runs_as_loaded_while_the_file_is_rewritten(repo, serve):
     assert ask(server, "pinned") == "edited"
 
 
-def test_a_traceback_quotes_the_loaded_main_py_not_the_file_on_disk(repo, serve):
+@pytest.mark.parametrize("warm", [True, False], ids=["warm", "cold"])
+def test_a_traceback_quotes_the_loaded_main_py_not_the_file_on_disk(repo, serve, warm):
     # Compiled from what was loaded, a run's traceback quoted the lines of the edited file: a line that never ran.
+    repo.python_warm_start = warm
     folder = repo.python("quoted", textproto=REPORT, main="raise ValueError('raised by the loaded version')\n")
     server = serve(repo.write_config())
     (folder / "main.py").write_text("print('the edit, not loaded')\n")
@@ -158,9 +165,12 @@ def test_an_executor_main_py_never_shuts_down_ends_with_its_run_as_at_interprete
     assert time.monotonic() - started < 10
 
 
-def test_main_py_that_does_not_compile_is_a_load_failure_and_a_reload_keeps_the_old_version(repo, serve):
+@pytest.mark.parametrize("warm", [True, False], ids=["warm", "cold"])
+def test_main_py_that_does_not_compile_is_a_load_failure_and_a_reload_keeps_the_old_version(repo, serve, warm):
     """Defect: a main.py that parses but does not compile ('break' outside a loop) loaded READY and failed every
-    run; with watch: true, such an edit replaced the working version."""
+    run; with watch: true, such an edit replaced the working version. Cold (warm_start: false), the index said the
+    running version kept serving while every run execed the broken file."""
+    repo.python_warm_start = warm
     folder = repo.python("edited", textproto=REPORT, main=reply_main('"v1"'))
     repo.python("broken", textproto=REPORT, main="import json\nreturn 1\n")
     server = serve(repo.write_config(server_extra="  watch: true\n  watch_settle_ms: 100\n"))
@@ -197,10 +207,12 @@ def test_a_renamed_folder_runs_the_loaded_code_under_its_new_name(repo, serve):
     assert 'after/main.py", line' in error.message() and "before/" not in error.message()
 
 
+@pytest.mark.parametrize("warm", [True, False], ids=["warm", "cold"])
 @pytest.mark.parametrize("change", ["renamed", "deleted"])
-def test_a_run_that_finds_its_folder_gone_still_runs_the_loaded_code(repo, serve, change):
+def test_a_run_that_finds_its_folder_gone_still_runs_the_loaded_code(repo, serve, change, warm):
     # A request queued just before its folder moved or went away is run by a child that finds no
     # folder at the path it was given: it runs in the loaded folder, wherever that is now.
+    repo.python_warm_start = warm
     where = "try:\n    where = os.getcwd()\nexcept FileNotFoundError:\n    where = None  # a deleted folder"
     folder = repo.python("moving", textproto=REPORT, main=reply_main("[where, 'loaded']", prelude=where))
     server = serve(repo.write_config())  # no watch: the server never hears of the change
