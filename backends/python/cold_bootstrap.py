@@ -59,6 +59,8 @@ def _forget_shadowed(folder: str) -> None:
 
     ``python main.py`` has not imported ``linecache`` (or ``tokenize``...):
     its ``import linecache`` finds the folder's ``linecache.py`` if there is one.
+    (warm_parent's ``_unshadow`` does the same for the warm parent: each is a
+    program of its own, which imports nothing of the other.)
     """
     try:
         with os.scandir(folder) as entries:
