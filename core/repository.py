@@ -639,9 +639,17 @@ class ModelRepository:
         if entry is not None:
             if (self._entries.get(name) is entry and not entry.in_use() and await self._folder_gone(entry)
                     and self._entries.get(name) is entry and not entry.in_use()):  # (again: that was a wait)
-                self._entries.pop(name)
-                self._forgotten(name)  # before the removal is recorded: that one then names no forgotten model
-                self._cleanup.drop_mirrors_soon(self.settings.server, [name])
+                if self.settings.model(name) is not None:
+                    # Listed in nereid.yaml: it waits for its folder, as at start (forgotten, it answered NOT_FOUND
+                    # and its callers said it was no model of this server, until a listing made it anew).
+                    entry.folder_seen = False
+                    entry.awaiting_folder = name in self._exposed
+                    self._exposed.discard(name)
+                    entry.state, entry.reason = ModelState.UNAVAILABLE, waiting_for_folder(name)
+                else:
+                    self._entries.pop(name)
+                    self._forgotten(name)  # before the removal is recorded: that one then names no forgotten model
+                    self._cleanup.drop_mirrors_soon(self.settings.server, [name])
             self._refresh_dependents()
             if self._entries.get(name) is not entry:  # forgotten (or replaced by a model renamed onto the name)
                 await self._cleanup.drop_scratch(entry.scratch_names)

@@ -219,6 +219,24 @@ def test_deleted_folder_finishes_its_requests_then_is_gone(repo, serve):
     assert caught.value.status() == "StatusCode.NOT_FOUND"
 
 
+def test_a_listed_models_deleted_folder_leaves_it_waiting_for_its_folder(repo, serve):
+    """Found by a README walkthrough: once its removal finished, the listed model was forgotten (NOT_FOUND, and
+    its callers said it was no model of this server) until a RepositoryIndex made its entry anew."""
+    write_model(repo.models_dir / "listed", "1")
+    server = serve(repo.write_config("- name: listed\n", server_extra=SETTLE))
+    shutil.rmtree(repo.models_dir / "listed")
+    repository = server.server.repository
+    wait_for(lambda: (entry := repository._entries.get("listed")) is not None and entry.loaded is None
+             and entry.reason.startswith("waiting for its folder"))
+    with pytest.raises(InferenceServerException) as caught:  # (no RepositoryIndex before it: no rescan)
+        ask(server.client, "listed")
+    assert caught.value.status() == "StatusCode.UNAVAILABLE"
+    assert "waiting for its folder 'listed' in ml_backends_path" in caught.value.message()
+    write_model(repo.models_dir / "listed", "2")  # and it loads once its folder is back
+    wait_for(lambda: index(server)["listed"][0] == "READY")
+    assert ask(server.client, "listed")["version"] == "2"
+
+
 def test_nereid_yaml_edits(repo, serve, caplog):
     for name in ("a", "b", "c"):
         write_model(repo.models_dir / name, name)
