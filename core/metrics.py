@@ -26,7 +26,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from nereid.backend import ReportsRuntime, runtime_report_problem
-from nereid.errors import describe_exception
+from nereid.errors import describe_exception, plugin_failures
 from nereid.log_limit import OnceLog
 from nereid.metrics_endpoint import IDLE_TIMEOUT_S, MetricsEndpoint
 from nereid.model_entry import LoadedModel, ModelState
@@ -313,7 +313,7 @@ class _RepositoryCollector(Collector):
                     # the whole scrape (HTTP 500, every model's figures lost) after this loop had ended.
                     problem = runtime_report_problem(report)
                     resident = None if problem else report.warm_parent_resident_bytes
-                except Exception as err:  # a plugin's fault must not fail the whole scrape
+                except plugin_failures() as err:  # a plugin's fault (a sys.exit() too) must not fail the scrape
                     problem, resident = describe_exception(err), None
                 if problem:
                     _report_failures.warning(name, "model '%s': runtime_report() failed (%s); its warm "

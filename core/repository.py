@@ -9,6 +9,7 @@ reason when it is not ready.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -20,8 +21,8 @@ from nereid.backend import ModelCaller, ModelContext, Relocatable
 from nereid.backend_calls import terminate_backend, unload_backend
 from nereid.client_paths import ClientPaths
 from nereid.dependent_states import DependentStates, log_unavailable
-from nereid.errors import (ConfigError, NotFound, PublicText, Unavailable, cap_message, describe_exception,
-                           without_stop_iteration)
+from nereid.errors import (ConfigError, NotFound, PublicText, Unavailable, backend_exit, calling_plugin, cap_message,
+                           describe_exception, without_stop_iteration)
 from nereid.files import is_model_folder_name
 from nereid.folder_cleanup import FolderCleanup
 from nereid.folder_states import folder_stamp
@@ -550,7 +551,11 @@ class ModelRepository:
             try:
                 if not isinstance(loaded.backend, Relocatable):
                     raise ConfigError(f"backend '{loaded.backend_name}' cannot move a loaded model")
-                await asyncio.to_thread(without_stop_iteration, loaded.backend.relocate, context)
+                # Plugin code: a sys.exit() or KeyboardInterrupt of its own is its failure (the move is not made),
+                # never the server's end (it ended the server, exit status the plugin's, nothing logged).
+                await asyncio.to_thread(calling_plugin,
+                                        functools.partial(without_stop_iteration, loaded.backend.relocate, context),
+                                        lambda exit_: backend_exit(old, exit_, "while moving it"))
                 # (Looked at again after each wait: a request may have loaded the new name meanwhile, whose model
                 # this one must not replace unseen: it would never be unloaded.)
                 if self._taken(new, entry):

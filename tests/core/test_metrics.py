@@ -277,6 +277,9 @@ REPORTS = {
     "str": lambda: "warm_start=on",
     "ok": lambda: RuntimeReport("warm_start=on", warm_parent_resident_bytes=3 * 2**20),
     "ok_numpy": lambda: RuntimeReport(warm_parent_resident_bytes=np.int64(2048)),  # as a library may count it
+    # (Found by a bug hunt: an exit of the plugin's own failed every scrape, HTTP 500, every model's figures lost.)
+    "exits": lambda: sys.exit(3),
+    "interrupted": lambda: (_ for _ in ()).throw(KeyboardInterrupt()),
 }
 
 
@@ -346,7 +349,8 @@ def test_a_runtime_report_of_the_wrong_kind_leaves_out_one_gauge_not_the_scrape(
             ("bytes_negative", "its warm_parent_resident_bytes is -1 (int), expected an int >= 0 or None"),
             ("bytes_float", "its warm_parent_resident_bytes is 1500000000.0 (float), expected an int >= 0 or None"),
             ("none", "returned NoneType, expected a nereid RuntimeReport"),
-            ("str", "returned str, expected a nereid RuntimeReport")))
+            ("str", "returned str, expected a nereid RuntimeReport"),
+            ("exits", "SystemExit: 3"), ("interrupted", "KeyboardInterrupt")))
     assert not [r for r in caplog.records if r.exc_info]
 
 

@@ -137,6 +137,23 @@ def test_rename_moves_the_loaded_model_without_loading_again(tmp_path, root):
     asyncio.run(scenario())
 
 
+def test_a_plugins_exit_while_moving_its_model_is_its_failure_not_the_servers_end(tmp_path, root, caplog):
+    """Found by a bug hunt: a relocate() calling sys.exit() ended the server, with the plugin's exit status and
+    nothing logged."""
+    write_toy(root, "before")
+    repo = repository(tmp_path)
+
+    async def scenario():
+        await repo.load("before")
+        (root / "before" / "relocate_exit.txt").touch()
+        (root / "before").rename(root / "after")
+        await repo.rename("before", "after")  # moved it cannot be: loaded anew under its new name
+        assert await run_one(repo, "after") == [1] * 4
+        await repo.unload_all()
+    asyncio.run(scenario())
+    assert "its backend raised SystemExit: 8 while moving it" in caplog.text
+
+
 def test_a_rename_onto_a_name_a_request_loaded_first_reloads_it_and_leaks_no_version(tmp_path, root):
     """Defect (found by the repository's state tests): `mv before after`, then a RepositoryModelLoad of 'after'
     before the watcher's rename: the rename replaced the loaded 'after' in place, and that version was never
