@@ -106,6 +106,8 @@ def read_tls_material(tls: TlsSettings) -> TlsMaterial:
         except (ssl.SSLError, OSError) as err:
             raise TlsFileError("client_ca", f"{tls.client_ca} is not a PEM CA certificate: "
                                             f"{getattr(err, 'reason', None) or err}") from None
+        if not context.get_ca_certs():  # (OpenSSL takes a file of CRLs alone, then refuses every client)
+            raise TlsFileError("client_ca", f"{tls.client_ca} holds no PEM certificate to verify clients with")
     warnings = _check_dates(tls, contents)
     if not _grpc_serves(contents["cert"], contents["key"]):
         raise TlsFileError("key", f"gRPC (BoringSSL) cannot serve {tls.cert} with {tls.key}: it takes RSA keys, EC "
@@ -341,18 +343,21 @@ class _WatchedFiles:
         stamp = _stamp(self.tls)
         if stamp == self.stamp and (self.retry_at is None or time.time() < self.retry_at):
             return None
+        # Named by the files that changed: a new cert that does not match the key said "server.tls.key changed".
+        changed = ", ".join(f"server.tls.{name}" for name, old, new in zip(self.tls.files(), self.stamp, stamp)
+                            if old != new) or "server.tls"
         self.stamp, self.retry_at = stamp, None
         try:
             material = read_tls_material(self.tls)
         except TlsNotYetValid as err:
             self.retry_at = err.valid_from.timestamp()
-            log.error("server.tls.%s changed but cannot be used by the %s listener yet (keeping the previous "
-                      "certificate; it is read again at %s unless the files change before): %s",
-                      err.key, self.listener, _when(err.valid_from), err)
+            log.error("%s changed but cannot be used by the %s listener yet (keeping the previous certificate; "
+                      "it is read again at %s unless the files change before): %s",
+                      changed, self.listener, _when(err.valid_from), err)
             return None
         except TlsFileError as err:
-            log.error("server.tls.%s changed but cannot be used by the %s listener (keeping the previous "
-                      "certificate): %s", err.key, self.listener, err)
+            log.error("%s changed but cannot be used by the %s listener (keeping the previous certificate): %s",
+                      changed, self.listener, err)
             return None
         log.info("server.tls: certificate files changed on disk; new %s connections use them", self.listener)
         return material

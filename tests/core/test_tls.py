@@ -394,9 +394,40 @@ def test_files_that_cannot_be_served_rotated_in_are_logged_and_skipped_by_both_l
         replace(cert, new_cert)
         assert https_ok(https, ca.path) and grpc_ok(grpc_port, ca.path)  # the previous certificate
     assert "connections use them" not in caplog.text
-    for listener in ("HTTP", "gRPC"):
-        assert (f"server.tls.{which} changed but cannot be used by the {listener} listener (keeping the previous "
+    for listener in ("HTTP", "gRPC"):  # (named by the files seen changed: both, or each in turn)
+        assert (f" changed but cannot be used by the {listener} listener (keeping the previous "
                 f"certificate): {why}") in caplog.text
+
+
+def test_a_rotation_error_names_the_file_that_changed(folder, caplog):
+    """Found by a bug hunt: a new certificate that does not match the unchanged key was logged as
+    "server.tls.key changed": an operator looked at the wrong file."""
+    ca = Issuer(folder, "ca")
+    cert, key = ca.leaf("server")
+    other_cert, _ = ca.leaf("other")
+    tls = TlsSettings(cert, key)
+    with https_listener(tls) as https, grpc_listener(tls) as grpc_port:
+        replace(cert, other_cert)
+        assert https_ok(https, ca.path) and grpc_ok(grpc_port, ca.path)  # the previous certificate
+    for listener in ("HTTP", "gRPC"):
+        assert f"server.tls.cert changed but cannot be used by the {listener} listener" in caplog.text
+    assert "server.tls.key changed" not in caplog.text
+
+
+def test_a_client_ca_holding_no_certificate_is_refused_by_name(folder):
+    """Found by a bug hunt: a client_ca of CRLs alone passed nereid check; the server then failed to bind
+    ("cannot listen on ... (server.bind_addr)"), and swapped in, it made HTTPS refuse every client."""
+    from nereid.tls import TlsFileError, read_tls_material
+
+    ca = Issuer(folder, "ca")
+    cert, key = ca.leaf("server")
+    crl = (x509.CertificateRevocationListBuilder().issuer_name(_name("ca")).last_update(NOW)
+           .next_update(NOW + DAY).sign(ca.key, hashes.SHA256()))
+    crl_only = folder / "crl.pem"
+    crl_only.write_bytes(crl.public_bytes(serialization.Encoding.PEM))
+    with pytest.raises(TlsFileError, match="holds no PEM certificate to verify clients with") as refused:
+        read_tls_material(TlsSettings(cert, key, crl_only))
+    assert refused.value.key == "client_ca"
 
 
 def test_a_certificate_rotated_in_before_it_is_valid_is_served_once_it_is(folder, caplog):
@@ -414,7 +445,7 @@ def test_a_certificate_rotated_in_before_it_is_valid_is_served_once_it_is(folder
         assert https_ok(https, old_ca.path) and grpc_ok(grpc_port, old_ca.path)  # the previous certificate
         assert time.time() < start.timestamp(), "too slow to see the certificate before it is valid"
         for listener in ("HTTP", "gRPC"):
-            assert (f"server.tls.cert changed but cannot be used by the {listener} listener yet (keeping the "
+            assert (f" changed but cannot be used by the {listener} listener yet (keeping the "
                     f"previous certificate; it is read again at {when(start)} unless the files change before): "
                     f"{cert} is not valid until {when(start)}") in caplog.text
         time.sleep(start.timestamp() - time.time() + 0.05)
