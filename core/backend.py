@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Protocol, runtime_checkable
 
+from nereid.errors import ConfigError
 from nereid.settings import Device, ModelSettings
 from nereid.signature import ModelSignature, brief_repr
 from nereid.tensors import InferRequest, InferResponse, NamedTensor
@@ -257,6 +258,22 @@ class CallsModels(Protocol):
 
     def concurrent_executions(self) -> int:
         """How many of its executions may run at once."""
+
+
+def what_it_calls(name: str, model: CallsModels) -> tuple[int, tuple[str, ...]]:
+    """Model ``name``'s ``concurrent_executions()`` and ``dependencies()``, checked (ConfigError naming the
+    method and what it returned): the server and ``nereid check`` ask them alike. A string of names was taken letter by
+    letter, None as no dependency at all, and a count of 0 failed as a bare TypeError."""
+    executions = model.concurrent_executions()
+    if isinstance(executions, bool) or not isinstance(executions, int) or executions < 1:
+        raise ConfigError(f"model '{name}': its backend's concurrent_executions() returned {str(executions)[:64]!r} "
+                          f"({type(executions).__name__}), expected an int >= 1")
+    names = model.dependencies()
+    if isinstance(names, (str, bytes)) or not isinstance(names, (tuple, list)) or \
+            not all(isinstance(called, str) for called in names):
+        raise ConfigError(f"model '{name}': its backend's dependencies() returned {str(names)[:200]!r} "
+                          f"({type(names).__name__}), expected a tuple of model names")
+    return executions, tuple(names)
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, Coroutine
 
 import nereid.backend_calls
-from nereid.backend import CallsModels, ModelContext, ReportsRuntime, runtime_report_problem
+from nereid.backend import CallsModels, ModelContext, ReportsRuntime, runtime_report_problem, what_it_calls
 from nereid.backend_calls import bounded_backend_call
 from nereid.dependencies import callers_readiness
 from nereid.errors import ConfigError, backend_exit, plugin_failures
@@ -567,8 +567,8 @@ def _check_model(settings: Settings, manager: NereidPluginManager, scratch: Path
         from nereid.version_loader import warn_if_instances_ignored
 
         try:  # asked while it is loaded, as a server asks (and, when it raises, unloads it: UNAVAILABLE)
-            depends_on = tuple(built.backend.dependencies())
-            warn_if_instances_ignored(name, model_settings.instances, built.backend.concurrent_executions())
+            executions, depends_on = what_it_calls(name, built.backend)
+            warn_if_instances_ignored(name, model_settings.instances, executions)
         except model_faults() as err:
             unavailable = _load_failure_text(name, err)
     try:

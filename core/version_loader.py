@@ -18,7 +18,7 @@ from typing import Protocol
 
 import pluggy
 
-from nereid.backend import CallsModels, ModelCaller, ModelContext
+from nereid.backend import CallsModels, ModelCaller, ModelContext, what_it_calls
 from nereid.backend_calls import await_build, on_daemon_thread, unload_backend, unload_unclaimed
 from nereid.errors import backend_exit, calling_plugin
 from nereid.files import check_confined
@@ -137,7 +137,7 @@ class VersionLoader:
                 # Model code, on the event loop: a sys.exit() there must be its failure, not the server's end. So
                 # must a KeyboardInterrupt: the server takes Ctrl-C with the loop's signal handler, never as one.
                 instances, depends_on = calling_plugin(
-                    lambda: (built.backend.concurrent_executions(), built.backend.dependencies()),
+                    lambda: what_it_calls(name, built.backend),
                     lambda exit_: backend_exit(name, exit_, "while asked what it calls"), also=(KeyboardInterrupt,))
                 warn_if_instances_ignored(name, entry.settings.instances, instances)
             scheduler = ModelScheduler(name, built.backend, built.batch_signature, entry.settings.queue_capacity,
