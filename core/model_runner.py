@@ -145,6 +145,9 @@ def _input_check(backend: ChecksInputs, scheduler: ModelScheduler) -> Callable[[
         raise ConfigError(f"model '{scheduler.name}': input_check() failed: {describe_exception(err)}") from err
     if check is None:
         return None
+    if not callable(check):  # (it loaded READY, then every request failed INTERNAL)
+        raise ConfigError(f"model '{scheduler.name}': input_check() returned {str(check)[:64]!r} "
+                          f"({type(check).__name__}), expected a function of the inputs or None")
 
     def checked(inputs: list[NamedTensor]) -> None:
         try:

@@ -438,3 +438,19 @@ def test_an_input_check_that_cannot_be_had_fails_the_load() -> None:
             make_runner(model, SIGNATURE, SIGNATURE, scheduler, HookThreads("m"))
         await scheduler.drain()
     asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+def test_an_input_check_that_is_no_function_fails_the_load() -> None:
+    """Found by a bug hunt: input_check() returning 5 loaded READY (and nereid check said OK), then every
+    request failed INTERNAL."""
+    from nereid.errors import ConfigError
+
+    async def scenario() -> None:
+        model = Checking()
+        model.input_check = lambda: 5
+        scheduler = ModelScheduler("m", model, SIGNATURE, capacity=4, instances=1, stats=ModelStats())
+        with pytest.raises(ConfigError, match=r"^model 'm': input_check\(\) returned '5' \(int\), expected a "
+                                              r"function of the inputs or None$"):
+            make_runner(model, SIGNATURE, SIGNATURE, scheduler, HookThreads("m"))
+        await scheduler.drain()
+    asyncio.run(asyncio.wait_for(scenario(), 30))
