@@ -778,11 +778,12 @@ class ModelRepository:
         An idle model is not asked: its ``terminate_running`` is for a grace
         that has passed with work still running, not for every clean stop. One
         backend whose ``terminate_running`` fails is logged and passed over: the
-        others are still asked, and the unloads that follow go on.
+        others are still asked, and the unloads that follow go on. They are
+        asked all at once: one whose ``terminate_running`` hangs (bounded by the
+        backend-call wait) held up the others, one after another, at every stop.
         """
-        for name, loaded in self.versions():  # old versions still draining in the background too
-            if not loaded.scheduler.idle:
-                await terminate_backend(name, loaded.backend)
+        await asyncio.gather(*(terminate_backend(name, loaded.backend) for name, loaded in self.versions()
+                               if not loaded.scheduler.idle))  # (old versions still draining too)
 
     async def unload_all(self, grace_s: float | None = None) -> None:
         """Unload every loaded model (server shutdown), once the work left in the background is done (old

@@ -184,6 +184,17 @@ class TerminateFailsModel(FaultyModel):
         pass
 
 
+class TerminateSlowModel(FaultyModel):
+    """Runs each batch for 2.5 s (terminate_running ends none); its ``terminate_running`` takes 1 s to return."""
+
+    def infer(self, inputs: list[NamedTensor]) -> list[NamedTensor]:
+        time.sleep(2.5)
+        return super().infer(inputs)
+
+    def terminate_running(self) -> None:
+        time.sleep(1)
+
+
 class ReportFailsModel(FaultyModel):
     """Describes how it runs (ReportsRuntime), but its ``runtime_report()`` raises."""
 
@@ -238,7 +249,8 @@ class SignatureNoneModel(FaultyModel):
 
 FAULTS = {"signature_none": SignatureNoneModel, "no_platform": NoPlatformModel, "no_infer": NoInferModel, "dependencies_fail": DependenciesFailModel,
           "dependencies_exit": DependenciesExitModel, "dependencies_interrupt": DependenciesInterruptModel,
-          "terminate_fails": TerminateFailsModel, "report_fails": ReportFailsModel,
+          "terminate_fails": TerminateFailsModel, "terminate_slow": TerminateSlowModel,
+          "report_fails": ReportFailsModel,
           "stop_iteration": StopIterationModel, "unload_hangs": UnloadHangsModel, "caller": CallerModel,
           "key_error": KeyErrorModel, "create_fails": CreateFailsModel, "refuses": RefusesModel}
 

@@ -454,6 +454,29 @@ def test_a_model_object_lacking_part_of_the_protocol_is_unavailable_naming_its_b
     assert [toy_backends.UNLOADS[name] - before[name] for name in names] == [1] * len(names)
 
 
+def test_at_a_stop_every_busy_model_is_asked_to_end_its_work_at_once(tmp_path, root):
+    """Found by a bug hunt: asked one after another, one backend whose terminate_running hung held up the others
+    (a SIGTERM with a 3 s grace took 65 s)."""
+    import time
+
+    for name in ("slow1", "slow2", "slow3"):
+        toy_backends.write_faulty(root, name, "terminate_slow")
+    repo = repository(tmp_path, extra_plugins=(toy_backends.FaultyToys(),))
+
+    async def scenario() -> float:
+        for name in ("slow1", "slow2", "slow3"):
+            await repo.load(name)
+        running = [asyncio.ensure_future(run_one(repo, name)) for name in ("slow1", "slow2", "slow3")]
+        await asyncio.sleep(0.1)  # each inside its 2.5 s infer
+        started = time.monotonic()
+        await repo.terminate_running()  # 1 s each: 3 s one after another
+        took = time.monotonic() - started
+        await asyncio.gather(*running, return_exceptions=True)
+        await repo.unload_all(grace_s=0)
+        return took
+    assert asyncio.run(scenario()) < 2.5
+
+
 def test_a_failing_terminate_running_neither_stops_an_unload_nor_a_shutdown(tmp_path, root, caplog):
     # It used to leave the model UNLOADING for ever, its unload() never called, and end a SIGTERM in a traceback.
     toy_backends.write_faulty(root, "busy", "terminate_fails")
