@@ -108,6 +108,11 @@ def read_tls_material(tls: TlsSettings) -> TlsMaterial:
                                             f"{getattr(err, 'reason', None) or err}") from None
         if not context.get_ca_certs():  # (OpenSSL takes a file of CRLs alone, then refuses every client)
             raise TlsFileError("client_ca", f"{tls.client_ca} holds no PEM certificate to verify clients with")
+        weak = _weak_authority(contents["client_ca"])
+        if weak:
+            raise TlsFileError("client_ca", f"{tls.client_ca}: {weak}, too weak for the HTTP listener's OpenSSL (at "
+                                            "its default security level), which would refuse every client it signed "
+                                            "while gRPC let them in; use a 2048-bit RSA key or more, or an EC key")
     warnings = _check_dates(tls, contents)
     if not _grpc_serves(contents["cert"], contents["key"]):
         raise TlsFileError("key", f"gRPC (BoringSSL) cannot serve {tls.cert} with {tls.key}: it takes RSA keys, EC "
@@ -116,6 +121,24 @@ def read_tls_material(tls: TlsSettings) -> TlsMaterial:
     for name, warning in warnings:
         _warn_once(name, contents[name], warning)
     return TlsMaterial(contents["cert"], contents["key"], contents.get("client_ca"))
+
+
+def _weak_authority(pem: bytes) -> str:
+    """The first certificate of ``pem`` whose RSA or DSA key is under 2048 bits, said as ``certificate 'CN' has a
+    1024-bit RSA key``; "" when none (or when the bundle cannot be read here: OpenSSL took it)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives.asymmetric import dsa, rsa
+
+    try:
+        authorities = x509.load_pem_x509_certificates(pem)
+    except ValueError:
+        return ""
+    for authority in authorities:
+        key = authority.public_key()
+        if isinstance(key, (rsa.RSAPublicKey, dsa.DSAPublicKey)) and key.key_size < 2048:
+            kind = "RSA" if isinstance(key, rsa.RSAPublicKey) else "DSA"
+            return f"certificate '{authority.subject.rfc4514_string()[:128]}' has a {key.key_size}-bit {kind} key"
+    return ""
 
 
 def _when(moment: datetime.datetime) -> str:

@@ -582,3 +582,22 @@ def test_an_https_client_that_pipelined_a_request_and_left_is_seen_gone(folder, 
         left = time.monotonic()
         time.sleep(1.5)  # the answer still being made: only the listener's look can see the client gone
         assert lost and lost[0] - left < 1.5, (lost, left)
+
+
+def test_a_client_ca_too_weak_for_the_http_listener_is_refused_by_name(folder):
+    """Found by a bug hunt: with an RSA-1024 client CA, gRPC let its clients in while HTTPS (OpenSSL at its
+    default security level) refused them all, with nothing logged."""
+    from nereid.tls import TlsFileError, read_tls_material
+
+    cert, key = Issuer(folder, "ca").leaf("server")
+    weak_key = rsa.generate_private_key(65537, 1024)
+    weak = (x509.CertificateBuilder().subject_name(_name("weak-ca")).issuer_name(_name("weak-ca"))
+            .public_key(weak_key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(NOW - DAY).not_valid_after(NOW + DAY)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(weak_key, hashes.SHA256()))
+    weak_ca = folder / "weak-ca.pem"
+    weak_ca.write_bytes(weak.public_bytes(serialization.Encoding.PEM))
+    with pytest.raises(TlsFileError, match="certificate 'CN=weak-ca' has a 1024-bit RSA key, too weak") as refused:
+        read_tls_material(TlsSettings(cert, key, weak_ca))
+    assert refused.value.key == "client_ca"
