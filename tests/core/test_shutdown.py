@@ -170,6 +170,10 @@ def test_at_shutdown_an_idle_inference_stream_ends_and_a_busy_one_once_its_reque
         # The busy stream stays open for its running request; one sent now is refused inside the stream, its
         # answer after the running one's (a stream answers in the order it was sent).
         busy.send("steady", "late")
+        # Read (and refused) before the running request's answer: the stream ends as soon as every request read
+        # from it is answered, and one not read by then is the stream's end status's to tell.
+        steady = server.server.repository.ready_model("steady")
+        assert wait_until(lambda: steady.stats.snapshot().fail.count == 1, PROMPT_S)
         assert not stopping.done()
         plugin.release.set()
         assert busy.next() == ("running", "")  # its answer, once
