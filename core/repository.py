@@ -213,7 +213,7 @@ class ModelRepository:
 
     def _apply_scan(self, scan: RepositoryScan) -> None:
         present = scan.names
-        known = len(self._entries)
+        known = set(self._entries)
         for name in present or ():  # a local folder or an object store
             self._folder_found(name)
         for index, settings in enumerate(self.settings.models):
@@ -223,14 +223,14 @@ class ModelRepository:
                     reason=waiting_for_folder(settings.name))
         if present is not None:
             self._forget_gone(set(present))
-        if len(self._entries) > known and any(entry.loaded is not None and entry.loaded.depends_on
-                                              for entry in self._entries.values()):
-            # A model calling one that was no model of this server must now name what that one waits for.
-            self._refresh_dependents()
             # A name asked for while the store could not be listed (see load), which the store now answers it
             # does not hold: a typo, say; it must not wait, wanted, for a folder of that name for ever.
             self._exposed -= {name for name in self._exposed
                               if name not in self._entries and self.settings.model(name) is None}
+        if self._entries.keys() - known and any(entry.loaded is not None and entry.loaded.depends_on
+                                                for entry in self._entries.values()):
+            # A model calling one that was no model of this server must now name what that one waits for.
+            self._refresh_dependents()
         # Cached copies of store folders this server does not know (forgotten now, or before a restart): a server
         # fed versioned names must not keep one per name it ever served.
         self._cleanup.drop_mirrors_soon(self.settings.server, scan.leftovers)
