@@ -328,12 +328,7 @@ class DataPlane:
                 model.stats.record_failure(time.monotonic_ns() - received_ns, err.reason)
                 raise
             except asyncio.CancelledError:
-                # The client went away (it cancelled, its connection closed, or its deadline ended the
-                # call before the scheduler could answer DEADLINE_EXCEEDED): still one answer, counted.
-                # Past the grace, the server ended it (answered UNAVAILABLE).
-                now = time.monotonic_ns()
-                reason = Unavailable.reason if self.grace_passed else cancellation_reason(request.deadline_ns, now)
-                model.stats.record_failure(now - received_ns, reason)
+                self._count_ended(model, request, received_ns)
                 raise
         if wanted is not None:
             outputs = [t for t in outputs if t.name in wanted]
@@ -350,13 +345,19 @@ class DataPlane:
         except NereidError as err:
             model.stats.record_failure(time.monotonic_ns() - received_ns, err.reason)
             raise
-        except asyncio.CancelledError:  # gone while its answer was encoded: counted as above
-            now = time.monotonic_ns()
-            reason = Unavailable.reason if self.grace_passed else cancellation_reason(request.deadline_ns, now)
-            model.stats.record_failure(now - received_ns, reason)
+        except asyncio.CancelledError:  # gone while its answer was encoded
+            self._count_ended(model, request, received_ns)
             raise
         model.stats.record_success(time.monotonic_ns() - received_ns, validated.batch_size, timing)
         return encoded
+
+    def _count_ended(self, model: LoadedModel, request: InferRequest, received_ns: int) -> None:
+        """Count a request whose task was cancelled: the client went away (it cancelled, its connection closed,
+        or its deadline ended the call before the scheduler could answer DEADLINE_EXCEEDED), still one answer;
+        past the grace, the server ended it (answered UNAVAILABLE)."""
+        now = time.monotonic_ns()
+        reason = Unavailable.reason if self.grace_passed else cancellation_reason(request.deadline_ns, now)
+        model.stats.record_failure(now - received_ns, reason)
 
     def _serving(self, name: str) -> LoadedModel | None:
         """The version of ``name`` serving now; None when none is READY."""

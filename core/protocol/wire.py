@@ -117,7 +117,7 @@ def check_no_sequence(model: str, value: object, quote: Callable[[object], str] 
     its own would answer it as though it were the first of its sequence."""
     if not isinstance(value, bool) and value in (0, ""):
         return
-    shown = quote(value) if quote else repr(value[:64]) if isinstance(value, str) else brief_repr(value, 64)
+    shown = _shown(value, quote)
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise InvalidArgument(f"model '{model}': parameter 'sequence_id' must be an integer or a string, got {shown}")
     raise InvalidArgument(f"model '{model}': parameter 'sequence_id' {shown} names a sequence, but nereid has no "
@@ -130,16 +130,22 @@ def check_scheduling_parameters(model: str, values: dict[str, object],
     """InvalidArgument for a ``priority`` that is no integer >= 0, or a ``sequence_start`` / ``sequence_end`` that
     is no boolean, as Triton refuses them: nereid schedules by neither, but a client sending them wrong is told.
     ``values``: those of the three the request carries, as plain values."""
-    def shown(value: object) -> str:
-        return quote(value) if quote else repr(value[:64]) if isinstance(value, str) else brief_repr(value, 64)
-
     priority = values.get("priority", 0)
     if isinstance(priority, bool) or not isinstance(priority, int) or priority < 0:
-        raise InvalidArgument(f"model '{model}': parameter 'priority' must be an integer >= 0, got {shown(priority)}")
+        raise InvalidArgument(f"model '{model}': parameter 'priority' must be an integer >= 0, got "
+                              f"{_shown(priority, quote)}")
     for flag in ("sequence_start", "sequence_end"):
         if not isinstance(values.get(flag, False), bool):
             raise InvalidArgument(f"model '{model}': parameter '{flag}' must be true or false, got "
-                                  f"{shown(values[flag])}")
+                                  f"{_shown(values[flag], quote)}")
+
+
+def _shown(value: object, quote: Callable[[object], str] | None) -> str:
+    """A parameter's value as a message quotes it: as its protocol spells it (``quote``), else a bounded part
+    of its Python form (a string quoted)."""
+    if quote is not None:
+        return quote(value)
+    return repr(value[:64]) if isinstance(value, str) else brief_repr(value, 64)
 
 
 def refuse_shared_memory(where: str) -> InvalidArgument:
