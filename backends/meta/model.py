@@ -255,18 +255,13 @@ class MetaModel:
                 raise  # a sub-call's error, already naming both models, with its status
             # The orchestration's own refusal (raise InvalidArgument(...)): its status, naming the model.
             raise same_kind(err, f"meta model '{self.context.name}': {err}") from err
-        except asyncio.CancelledError as err:
-            task = asyncio.current_task()
-            if task is None or task.cancelling():
-                raise  # the client went away, or the server stops (the scheduler tells the model's own apart)
-            # Raised by the orchestration itself, this task not cancelled: its fault, as any other exception.
-            raise ModelFailure(f"meta model '{self.context.name}': orchestrate failed{self._line_of(err)}: "
-                               f"{describe_exception(err)}") from err
         except BaseException as err:
+            if isinstance(err, asyncio.CancelledError) and _being_cancelled():
+                raise  # the client went away, or the server stops (the scheduler tells the model's own apart)
             # Any other exception, and what is none (sys.exit(), a KeyboardInterrupt or GeneratorExit of its own, a
-            # BaseException of the author's): the model's fault, never the server's end nor a request left
-            # unanswered. Logged once, by this model's scheduler (under its per-model limit), with the author's
-            # traceback.
+            # CancelledError it raised itself, its task not cancelled, a BaseException of the author's): the
+            # model's fault, never the server's end nor a request left unanswered. Logged once, by this model's
+            # scheduler (under its per-model limit), with the author's traceback.
             raise ModelFailure(f"meta model '{self.context.name}': orchestrate failed{self._line_of(err)}: "
                                f"{describe_exception(err)}") from err
         return self._in_declared_order(result)
@@ -329,13 +324,11 @@ class MetaModel:
             # The sub-model's scheduler logged this fault of its run (with the traceback, if any): the same
             # status and message for the client, but no second line in the log for this model.
             raise LoggedModelFailure(f"meta model '{name}': sub-call to '{sub}' failed: {err}") from err
-        except NotFound as err:
-            # NOT_FOUND would say the meta model is unknown (a router then treats its URL as wrong): it is loaded,
-            # and a model it calls is gone, as requests a moment later are told (UNAVAILABLE).
-            raise Unavailable(f"meta model '{name}': sub-call to '{sub}' failed: {err}") from err
-        except QueueFull as err:
-            # UNAVAILABLE to the client either way; counted as this model's queue_full it would send an operator
-            # to this model's queue_capacity, which was not the one full.
+        except (NotFound, QueueFull) as err:
+            # UNAVAILABLE, whatever the sub-model's own: NOT_FOUND would say the meta model is unknown (a router
+            # then treats its URL as wrong), where a model it calls is gone, as requests a moment later are told;
+            # and counted as this model's queue_full, a full sub-model queue would send an operator to this
+            # model's queue_capacity, which was not the one full.
             raise Unavailable(f"meta model '{name}': sub-call to '{sub}' failed: {err}") from err
         except NereidError as err:
             raise same_kind(err, f"meta model '{name}': sub-call to '{sub}' failed: {err}") from err
@@ -416,6 +409,13 @@ class MetaModel:
                 return f" at {MODEL_PY}:{frames[-1].lineno}"
             seen = seen.__cause__ or seen.__context__
         return ""
+
+
+def _being_cancelled() -> bool:
+    """Whether the running task is being cancelled (or there is none): a CancelledError then is the request's
+    end, not an orchestration's own."""
+    task = asyncio.current_task()
+    return task is None or task.cancelling() > 0
 
 
 class _NotInDependsOn(ModelFailure):
