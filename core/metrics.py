@@ -19,6 +19,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_for_futures
 from typing import Any, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, PlatformCollector, ProcessCollector
@@ -52,6 +54,9 @@ _HISTOGRAMS = (
     ("nereid_batch_size", "Rows per execution.", "batch_rows"),
     ("nereid_batch_cost", "Summed request cost per execution.", "batch_cost"),
 )
+# How long one scrape waits for the models' runtime_report() calls, all of them together. A plugin's call that
+# hung held the scrape for ever, and with it every model's figures (a scraper gives up, so they were all lost).
+RUNTIME_REPORT_WAIT_S = 1.0
 
 
 class ServerMetrics:
@@ -245,6 +250,7 @@ class _RepositoryCollector(Collector):
 
     def __init__(self, repository: ModelRepository) -> None:
         self._repository = repository
+        self._runtime_reports = _RuntimeReports()
 
     def collect(self) -> Iterator[Metric]:
         success = CounterMetricFamily("nereid_request_success", "Requests answered with outputs.", labels=["model"])
@@ -292,6 +298,7 @@ class _RepositoryCollector(Collector):
         for name, loaded in self._repository.versions():
             versions.setdefault(name, loaded)
             waiting[name] = waiting.get(name, 0) + loaded.scheduler.queue_depth
+        reports = self._runtime_reports.ask({name: loaded.backend for name, loaded in versions.items()})
         for name, loaded in sorted(versions.items()):
             stats = loaded.stats.snapshot()
             success.add_metric([name], stats.success.count)
@@ -305,24 +312,75 @@ class _RepositoryCollector(Collector):
             utilization.add_metric([name], stats.batcher.utilization)
             running.add_metric([name], stats.running_executions)
             busy.add_metric([name], stats.batcher.busy_time_s)
-            backend = loaded.backend
-            if isinstance(backend, ReportsRuntime):
-                try:
-                    report = backend.runtime_report()
-                    # Judged here, not left to the exposition: a value prometheus_client cannot encode failed
-                    # the whole scrape (HTTP 500, every model's figures lost) after this loop had ended.
-                    problem = runtime_report_problem(report)
-                    resident = None if problem else report.warm_parent_resident_bytes
-                except plugin_failures() as err:  # a plugin's fault (a sys.exit() too) must not fail the scrape
-                    problem, resident = describe_exception(err), None
-                if problem:
-                    _report_failures.warning(name, "model '%s': runtime_report() failed (%s); its warm "
-                                             "parent gauge is left out", name, problem)
+            if name in reports:
+                resident = _warm_parent_bytes(name, reports[name])
                 if resident is not None:
-                    warm_parent.add_metric([name], int(resident))
+                    warm_parent.add_metric([name], resident)
         for name, count in sorted(waiting.items()):
             depth.add_metric([name], count)
         for state, count in counts.items():
             states.add_metric([state], count)
         yield from (success, failure, submitted, completed, *histograms.values(), depth, utilization, running, busy,
                     warm_parent, generation, states, model_state)
+
+
+def _warm_parent_bytes(name: str, report: Future) -> int | None:
+    """The warm parent gauge's value from model ``name``'s runtime_report() call; None (logged once per model)
+    when the call failed, returned what cannot be used, or has not returned yet."""
+    if not report.done():
+        _report_failures.warning(f"{name} hangs", "model '%s': runtime_report() has not returned within %g s; its warm "
+                                 "parent gauge is left out until it does", name, RUNTIME_REPORT_WAIT_S)
+        return None
+    try:
+        value = report.result()
+        # Judged here, not left to the exposition: a value prometheus_client cannot encode failed the whole
+        # scrape (HTTP 500, every model's figures lost) after the collector had ended.
+        problem = runtime_report_problem(value)
+    except plugin_failures() as err:  # a plugin's fault (a sys.exit() too) must not fail the scrape
+        problem = describe_exception(err)
+    if problem:
+        _report_failures.warning(name, "model '%s': runtime_report() failed (%s); its warm parent gauge is left "
+                                 "out", name, problem)
+        return None
+    resident = value.warm_parent_resident_bytes
+    return None if resident is None else int(resident)
+
+
+class _RuntimeReports:
+    """Models' ``runtime_report()`` calls, each on a thread of its own, waited for a bounded time.
+
+    A call that has not returned by the end of a scrape's wait is not asked again: later scrapes wait on the
+    same call, so a hung plugin holds one thread, not one more per scrape.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending: dict[str, tuple[object, Future]] = {}  # model name -> (backend asked, its call)
+
+    def ask(self, backends: dict[str, object]) -> dict[str, Future]:
+        """The calls of the backends (by model name) that report how they run, done or not after the wait."""
+        calls: dict[str, Future] = {}
+        with self._lock:
+            for name, backend in backends.items():
+                if not isinstance(backend, ReportsRuntime):
+                    continue
+                pending = self._pending.get(name)
+                # A new version's backend (a reload) is asked even while the old one's call hangs.
+                calls[name] = pending[1] if pending and pending[0] is backend else _call_on_thread(name, backend)
+        wait_for_futures(calls.values(), timeout=RUNTIME_REPORT_WAIT_S)
+        with self._lock:
+            self._pending = {name: (backends[name], call) for name, call in calls.items() if not call.done()}
+        return calls
+
+
+def _call_on_thread(name: str, backend: ReportsRuntime) -> Future:
+    """``backend.runtime_report()`` started on a daemon thread (one that hangs must not hold the server's exit)."""
+    call: Future = Future()
+
+    def run() -> None:
+        try:
+            call.set_result(backend.runtime_report())
+        except BaseException as err:  # noqa: B036 - handed to the scrape, which judges it as a plugin's fault
+            call.set_exception(err)
+    threading.Thread(target=run, name=f"nereid-runtime-report-{name}", daemon=True).start()
+    return call

@@ -354,6 +354,88 @@ def test_a_runtime_report_of_the_wrong_kind_leaves_out_one_gauge_not_the_scrape(
     assert not [r for r in caplog.records if r.exc_info]
 
 
+REPORT_RELEASE = threading.Event()
+report_calls: list[str] = []
+
+
+class HangingReportToy(toy_backends.ToyModel):
+    """A toy whose ``runtime_report()`` does not return until ``REPORT_RELEASE`` is set (a plugin's call hung
+    on a lock or a dead process)."""
+
+    def runtime_report(self):
+        report_calls.append(self.context.name)
+        REPORT_RELEASE.wait(60)
+        return RuntimeReport(warm_parent_resident_bytes=4096)
+
+
+class HangingReportBackend:
+    """The ``hanging_report`` backend: claims every folder, those holding ``hangs.txt`` with a hanging report."""
+
+    BACKEND_NAME = "hanging_report"
+
+    @hookimpl
+    def nereid_claim_model(self, folder, declared):
+        return BackendClaim(HangingReportToy if (folder / "hangs.txt").is_file() else toy_backends.ToyModel)
+
+
+def test_a_runtime_report_that_hangs_holds_a_scrape_for_a_bounded_time(tmp_path, caplog) -> None:
+    """Defect: a plugin's runtime_report() that hung held every /metrics scrape for ever (each on a thread of
+    its own), so a scraper lost every model's figures, not only that model's gauge."""
+    import asyncio
+
+    from nereid.metrics import RUNTIME_REPORT_WAIT_S, ServerMetrics
+    from nereid.plugins import make_plugin_manager
+    from nereid.repository import ModelRepository
+    from nereid.settings import load_settings
+
+    toy_backends.write_toy(tmp_path / "ml-backends", "plain")
+    for name in ("stuck", "stuck_too"):
+        toy_backends.write_toy(tmp_path / "ml-backends", name)
+        (tmp_path / "ml-backends" / name / "hangs.txt").write_text("")
+    (tmp_path / "nereid.yaml").write_text('server:\n  ml_backends_path: "ml-backends"\n')
+    (tmp_path / "scratch").mkdir()
+    repository = ModelRepository(load_settings(tmp_path / "nereid.yaml"),
+                                 make_plugin_manager(load_entry_points=False, extra_plugins=(HangingReportBackend(),)),
+                                 tmp_path / "scratch")
+    metrics = ServerMetrics()
+    metrics.collect_from(repository)
+    port = metrics.serve("127.0.0.1:0")
+    REPORT_RELEASE.clear()
+    report_calls.clear()
+
+    async def scrapes() -> tuple[list[float], dict, dict]:
+        try:
+            for name in ("plain", "stuck", "stuck_too"):
+                await repository.load(name)
+            took = []
+            for _ in range(2):
+                started = time.monotonic()
+                samples = await asyncio.to_thread(scrape, port)  # hung for ever before
+                took.append(time.monotonic() - started)
+            REPORT_RELEASE.set()
+            await asyncio.sleep(0.2)
+            return took, samples, await asyncio.to_thread(scrape, port)
+        finally:
+            REPORT_RELEASE.set()
+            await repository.unload_all()
+    try:
+        took, hung, released = asyncio.run(scrapes())
+    finally:
+        metrics.close()
+    # Both hung calls are waited for together, and a second scrape waits on the same calls, not new ones.
+    assert all(seconds < RUNTIME_REPORT_WAIT_S + 1.5 for seconds in took), took
+    assert sorted(report_calls) == ["stuck", "stuck_too"]  # the third scrape took the calls' late answers
+    assert {dict(labels)["model"] for (metric, labels) in hung if metric == "nereid_request_success_total"} \
+        == {"plain", "stuck", "stuck_too"}
+    assert not [labels for (metric, labels) in hung if metric == "nereid_warm_parent_resident_bytes"]
+    assert {dict(labels)["model"]: value for (metric, labels), value in released.items()
+            if metric == "nereid_warm_parent_resident_bytes"} == {"stuck": 4096, "stuck_too": 4096}
+    warnings = [r.getMessage() for r in caplog.records if "has not returned" in r.getMessage()]
+    assert sorted(warnings) == [  # once per model, not once per scrape
+        f"model '{name}': runtime_report() has not returned within {RUNTIME_REPORT_WAIT_S:g} s; its warm parent "
+        "gauge is left out until it does" for name in ("stuck", "stuck_too")]
+
+
 def test_a_model_name_the_repository_forgets_keeps_no_series(tmp_path) -> None:
     """Defect: every name a watch-mode server ever served kept 19 series in /metrics (load duration, its remove
     event, its protocol requests) after its folder was deleted: versioned names (model-<sha>) grew each scrape
