@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import grpc
+    from cryptography import x509
 
 log = logging.getLogger(__name__)
 
@@ -127,17 +128,25 @@ def _weak_authority(pem: bytes) -> str:
     """The first certificate of ``pem`` whose RSA or DSA key is under 2048 bits, said as ``certificate 'CN' has a
     1024-bit RSA key``; "" when none (or when the bundle cannot be read here: OpenSSL took it)."""
     from cryptography import x509
-    from cryptography.hazmat.primitives.asymmetric import dsa, rsa
 
     try:
         authorities = x509.load_pem_x509_certificates(pem)
     except ValueError:
         return ""
     for authority in authorities:
-        key = authority.public_key()
-        if isinstance(key, (rsa.RSAPublicKey, dsa.DSAPublicKey)) and key.key_size < 2048:
-            kind = "RSA" if isinstance(key, rsa.RSAPublicKey) else "DSA"
-            return f"certificate '{authority.subject.rfc4514_string()[:128]}' has a {key.key_size}-bit {kind} key"
+        weak = _weak_key(authority)
+        if weak:
+            return f"certificate '{authority.subject.rfc4514_string()[:128]}' has a {weak} key"
+    return ""
+
+
+def _weak_key(certificate: "x509.Certificate") -> str:
+    """``1024-bit RSA`` when ``certificate``'s key is RSA or DSA under 2048 bits, else ""."""
+    from cryptography.hazmat.primitives.asymmetric import dsa, rsa
+
+    key = certificate.public_key()
+    if isinstance(key, (rsa.RSAPublicKey, dsa.DSAPublicKey)) and key.key_size < 2048:
+        return f"{key.key_size}-bit {'RSA' if isinstance(key, rsa.RSAPublicKey) else 'DSA'}"
     return ""
 
 
@@ -260,8 +269,34 @@ def _load_cert_chain(context: ssl.SSLContext, tls: TlsSettings) -> None:
                                   f"openssl pkey -in {tls.key} -out decrypted.key, and point server.tls.key at "
                                   f"that file") from None
     except (ssl.SSLError, OSError) as err:
+        reason = getattr(err, "reason", None)
+        if reason in _TOO_WEAK:
+            # Not "is not the private key of ...": the pair matches, OpenSSL refuses it at its security level.
+            raise TlsFileError("key" if reason == "EE_KEY_TOO_SMALL" else "cert",
+                               f"{tls.cert}: {_TOO_WEAK[reason](tls.cert)} too weak for the HTTP listener's "
+                               f"OpenSSL (at its default security level), which refuses to serve with it; use a "
+                               f"2048-bit RSA key or more, or an EC key, signed with SHA-256 or better") from None
         raise TlsFileError("key", f"{tls.key} is not the private key of {tls.cert}, or one of them does not "
-                                  f"parse: {getattr(err, 'reason', None) or err}") from None
+                                  f"parse: {reason or err}") from None
+
+
+def _key_size_said(cert: Path) -> str:
+    """``its 1024-bit RSA key is``, of the first certificate in ``cert``; ``its key is`` when its size cannot be
+    told here (OpenSSL read it)."""
+    from cryptography import x509
+
+    try:
+        weak = _weak_key(x509.load_pem_x509_certificates(cert.read_bytes())[0])
+    except (ValueError, OSError):
+        weak = ""
+    return f"its {weak} key is" if weak else "its key is"
+
+
+# OpenSSL's reasons for refusing a certificate and key that match, and what to say of the certificate.
+_TOO_WEAK = {
+    "EE_KEY_TOO_SMALL": _key_size_said,
+    "CA_MD_TOO_WEAK": lambda cert: "its signature's digest (MD5 or SHA-1) is",
+}
 
 
 def server_credentials(tls: TlsSettings) -> "grpc.ServerCredentials":

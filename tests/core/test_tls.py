@@ -601,3 +601,18 @@ def test_a_client_ca_too_weak_for_the_http_listener_is_refused_by_name(folder):
     with pytest.raises(TlsFileError, match="certificate 'CN=weak-ca' has a 1024-bit RSA key, too weak") as refused:
         read_tls_material(TlsSettings(cert, key, weak_ca))
     assert refused.value.key == "client_ca"
+
+
+def test_a_server_key_too_weak_for_the_http_listener_is_refused_as_weak_not_as_a_mismatch(folder):
+    """Found by a bug hunt: an RSA-1024 server key was refused as "is not the private key of ..., or one of them
+    does not parse: EE_KEY_TOO_SMALL", which sent its user looking for a mismatch that was not there."""
+    from nereid.tls import TlsFileError, read_tls_material
+
+    cert, key = Issuer(folder, "ca").leaf("server", key=rsa.generate_private_key(65537, 1024))
+    with pytest.raises(TlsFileError) as refused:
+        read_tls_material(TlsSettings(cert, key))
+    assert str(refused.value) == (
+        f"{cert}: its 1024-bit RSA key is too weak for the HTTP listener's OpenSSL (at its default security "
+        "level), which refuses to serve with it; use a 2048-bit RSA key or more, or an EC key, signed with "
+        "SHA-256 or better")
+    assert refused.value.key == "key"
