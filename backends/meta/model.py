@@ -473,12 +473,18 @@ def contain_orchestration_tasks(loop: asyncio.AbstractEventLoop) -> None:
 
     def factory(loop: asyncio.AbstractEventLoop, coro: Any, **kwargs: Any) -> asyncio.Future:
         orchestration = _ORCHESTRATING.get()
+        inner = coro
         if orchestration is not None:
             coro = _contained(coro, orchestration.model)
         task = previous(loop, coro, **kwargs) if previous is not None else asyncio.Task(coro, loop=loop, **kwargs)
         if orchestration is not None:
             orchestration.tasks.add(task)
             task.add_done_callback(orchestration.tasks.discard)
+            if inspect.iscoroutine(inner):
+                # A task cancelled before its first step (the client left in the turn gather() made it) never
+                # starts _contained, so the author's coroutine was dropped unstarted and Python logged "coroutine
+                # 'MetaContext.infer' was never awaited", blaming a missing await that was not missing.
+                task.add_done_callback(lambda _task: inner.close())
         return task
     factory.contains_orchestrations = True  # type: ignore[attr-defined]
     loop.set_task_factory(factory)

@@ -7,6 +7,7 @@ a test can prove which of them ran.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import logging
 import shutil
@@ -722,3 +723,33 @@ def test_a_meta_model_s_faults_share_one_log_budget(repo, serve, caplog) -> None
                               "meta model 'errors'")
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("meta model 'errors'")]
     assert len(lines) == 10, lines
+
+
+def test_a_sub_call_task_cancelled_before_it_starts_is_not_reported_as_never_awaited() -> None:
+    """Found by a bug hunt: a client leaving in the loop turn in which asyncio.gather() made an orchestration's
+    sub-call tasks got "RuntimeWarning: coroutine 'MetaContext.infer' was never awaited" logged, telling the
+    operator the model's author forgot an await."""
+    import gc
+    import warnings
+
+    from nereid.backends.meta.model import _ORCHESTRATING, _Orchestration, contain_orchestration_tasks
+
+    async def sub_call() -> None:
+        await asyncio.sleep(0)
+
+    async def orchestrate() -> None:
+        contain_orchestration_tasks(asyncio.get_running_loop())
+        token = _ORCHESTRATING.set(_Orchestration("relay"))
+        try:
+            task = asyncio.ensure_future(sub_call())
+        finally:
+            _ORCHESTRATING.reset(token)
+        task.cancel()  # before its first step
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        asyncio.run(orchestrate())
+        gc.collect()
+    assert not [w for w in caught if "never awaited" in str(w.message)]
