@@ -12,6 +12,7 @@ Two encodings, as Triton's HTTP endpoint speaks them:
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ from nereid.signature import brief_repr
 from nereid.tensors import InferRequest, InferResponse, NamedTensor, bytes_array, tensor_buffer
 
 HEADER_LENGTH = "inference-header-content-length"
+HEADER_LENGTH_HEADER = "Inference-Header-Content-Length"  # as messages spell it
 
 
 @dataclass(frozen=True)
@@ -80,15 +82,7 @@ def _decode_infer(model: str, body: bytes, header_length: int | None) -> tuple[I
                                   f"but the body has {len(body)} bytes")
         view = memoryview(body)
         header_bytes, binary = view[:header_length], view[header_length:]
-    try:
-        # orjson: strict RFC 8259 (no NaN literals, valid UTF-8, depth limited), and 5x faster than
-        # the json module on these small headers, which every request pays.
-        document = orjson.loads(header_bytes)
-    except orjson.JSONDecodeError as err:
-        if is_allocation_failure(err):
-            # The server's failure, not the body's: the caller answers it as any MemoryError (503).
-            raise MemoryError(f"orjson: {err}") from None
-        raise InvalidArgument(f"model '{model}': the request body is not valid JSON ({err})") from None
+    document = _parse_json(model, header_bytes, header_length is None)
     if not isinstance(document, dict):
         raise InvalidArgument(f"model '{model}': the request body must be a JSON object")
     parameters = _object(model, document.get("parameters", {}), "parameters")
@@ -130,6 +124,60 @@ def _decode_infer(model: str, body: bytes, header_length: int | None) -> tuple[I
     request = InferRequest(model, inputs, request_id, list(choice.names),
                            timeout_deadline_ns(time.monotonic_ns(), budgets), choice.classifications)
     return request, choice
+
+
+def _parse_json(model: str, header: bytes | memoryview, whole_body: bool) -> Any:
+    """The JSON header as Python values; InvalidArgument naming the problem. ``whole_body``: no
+    Inference-Header-Content-Length was sent, so ``header`` is the whole body."""
+    try:
+        # orjson: strict RFC 8259 (valid UTF-8, depth limited), and 5x faster than the json module on these
+        # small headers, which every request pays.
+        return orjson.loads(header)
+    except orjson.JSONDecodeError as err:
+        if is_allocation_failure(err):
+            # The server's failure, not the body's: the caller answers it as any MemoryError (503).
+            raise MemoryError(f"orjson: {err}") from None
+        error = err
+    document = _with_non_finite_literals(header)
+    if document is not None:
+        return document
+    if whole_body:
+        _refuse_binary_without_header_length(model, bytes(header))
+    raise InvalidArgument(f"model '{model}': the request body is not valid JSON ({error})")
+
+
+def _with_non_finite_literals(header: bytes | memoryview) -> Any:
+    """The header read with the NaN, Infinity and -Infinity literals Triton reads and writes (and tritonclient.http
+    sends for such values), which orjson refuses; None when it still is not valid (orjson's reason is the one
+    told). Only bodies orjson refused come here, so the common path pays nothing."""
+    raw = bytes(header)
+    if b"NaN" not in raw and b"Infinity" not in raw:
+        return None
+    try:
+        document = json.loads(raw)
+        # Everything else as strictly as orjson reads it: orjson refuses a lone surrogate (an escape json lets
+        # through) when writing it back, and its depth limit is below the json module's.
+        orjson.dumps(document)
+    except (ValueError, RecursionError, orjson.JSONEncodeError):
+        return None
+    return document
+
+
+def _refuse_binary_without_header_length(model: str, body: bytes) -> None:
+    """InvalidArgument when ``body`` is a JSON document followed by more bytes: binary data sent without the
+    Inference-Header-Content-Length header that says where the JSON ends (orjson blamed character 0 of a valid
+    document, having found the binary tail not UTF-8). Returns when it is not that."""
+    text = body.decode("utf-8", "surrogateescape")  # one character per undecodable byte: offsets stay countable
+    try:
+        _, end = json.JSONDecoder().raw_decode(text)
+    except (ValueError, RecursionError):
+        return
+    if not text[end:].strip():
+        return
+    length = len(text[:end].encode("utf-8", "surrogateescape"))
+    raise InvalidArgument(f"model '{model}': the request body is a JSON document of {length} bytes followed by "
+                          f"{len(body) - length} more bytes, and has no {HEADER_LENGTH_HEADER} header; binary "
+                          f"tensor data needs {HEADER_LENGTH_HEADER}: {length}")
 
 
 # orjson reports failing to allocate its parse buffer as a JSONDecodeError with one of these messages.
@@ -218,8 +266,9 @@ def _json_array(where: str, dtype: DType, shape: tuple[int, ...], count: int, da
     exact = np.array(flat, dtype=np.float64)
     with np.errstate(over="ignore"):  # an overflow is refused just below, with the value
         array = (_to_bfloat16(exact) if dtype is DType.BF16 else exact.astype(dtype.numpy)).reshape(shape)
-    if not np.isfinite(array).all():  # JSON holds no infinity: a finite number overflowed the datatype
-        bad = flat[int(np.argmin(np.isfinite(array).reshape(-1)))]
+    overflowed = np.isfinite(exact) & ~np.isfinite(array.reshape(-1))  # (a NaN or Infinity literal is kept)
+    if overflowed.any():
+        bad = flat[int(np.argmax(overflowed))]
         raise InvalidArgument(f"{where}: value {bad} does not fit {dtype.kserve} "
                               f"(largest magnitude {float(ml_dtypes.finfo(dtype.numpy).max)})")
     return array
@@ -315,7 +364,7 @@ def _object(model: str, value: Any, what: str) -> dict:
 
 def encode_infer(response: InferResponse, choice: OutputChoice) -> tuple[list[bytes | memoryview], int | None]:
     """The response body's parts and, when any output is binary, the JSON header's length."""
-    outputs, binaries = [], []
+    outputs, binaries, finite = [], [], True
     for tensor in response.outputs:
         entry: dict[str, Any] = {"name": tensor.name, "datatype": tensor.dtype.kserve, "shape": list(tensor.shape)}
         if choice.is_binary(tensor.name):
@@ -323,13 +372,18 @@ def encode_infer(response: InferResponse, choice: OutputChoice) -> tuple[list[by
             entry["parameters"] = {"binary_data_size": len(raw)}
             binaries.append(raw)
         else:
-            entry["data"] = _json_data(response.model_name, tensor)
+            entry["data"] = data = _json_data(response.model_name, tensor)
+            if finite and (tensor.dtype.numpy.kind == "f" or tensor.dtype is DType.BF16):  # (bfloat16's is "V")
+                finite = all(math.isfinite(value) for value in data)
         outputs.append(entry)
     document: dict[str, Any] = {"model_name": response.model_name, "model_version": MODEL_VERSION,
                                 "outputs": outputs}
     if response.id:
         document["id"] = response.id
-    header = orjson.dumps(document)
+    # NaN and infinities as the NaN, Infinity and -Infinity literals Triton writes (and tritonclient.http reads):
+    # orjson would write null, a value the client cannot tell from a missing one.
+    header = orjson.dumps(document) if finite else json.dumps(document, ensure_ascii=False,
+                                                              separators=(",", ":")).encode()
     if not binaries:
         return [header], None
     return [header, *binaries], len(header)
@@ -345,9 +399,4 @@ def _json_data(model: str, tensor: NamedTensor) -> list:
                                   "ask for it as binary data (binary_data: true)") from None
     if tensor.dtype in (DType.FP16, DType.BF16):
         flat = flat.astype(np.float32)
-    values = flat.tolist()
-    # (The converted array's kind: bfloat16's own is "V", so a BF16 NaN or infinity went out as null.)
-    if flat.dtype.kind == "f" and not all(math.isfinite(v) for v in values):
-        raise InvalidArgument(f"model '{model}': output '{tensor.name}' holds NaN or infinity, which JSON cannot "
-                              "carry; ask for it as binary data (binary_data: true)")
-    return values
+    return flat.tolist()

@@ -8,6 +8,8 @@ import re
 
 import numpy as np
 import pytest
+import tritonclient.http as httpclient
+from tritonclient.http import _utils as http_utils
 
 import toy_backends
 from nereid.dtypes import DType
@@ -255,15 +257,63 @@ def test_an_outputs_own_binary_data_overrides_binary_data_output():
     assert [choice.is_binary(n) for n in "abc"] == [False, False, True]
 
 
-@pytest.mark.parametrize("tensor, message", [
-    (NamedTensor("y", DType.FP32, np.array([np.nan], np.float32)), "NaN or infinity"),
-    (NamedTensor("y", DType.BYTES, bytes_array([b"\xff"], (1,))), "not UTF-8 text"),
-])
-def test_outputs_json_cannot_carry_ask_for_binary(tensor, message):
-    with pytest.raises(InvalidArgument, match=message):
+def test_bytes_json_cannot_carry_ask_for_binary():
+    tensor = NamedTensor("y", DType.BYTES, bytes_array([b"\xff"], (1,)))
+    with pytest.raises(InvalidArgument, match="not UTF-8 text"):
         encode_infer(InferResponse("m", [tensor]), OutputChoice((), frozenset(), False))
     parts, length = encode_infer(InferResponse("m", [tensor]), OutputChoice((), frozenset(), True))
     assert length is not None
+
+
+def test_nan_and_infinities_go_both_ways_as_the_literals_triton_reads_and_writes():
+    """Found by a bug hunt: tritonclient.http sends a NaN or infinity of a JSON input as the NaN / Infinity
+    literals (as Triton, which reads and writes them), and nereid refused the body as "not valid JSON" naming a
+    parser position; an output holding one was refused with a 400 where Triton answers it."""
+    import rapidjson  # what tritonclient.http reads and writes JSON with
+
+    sent = np.array([np.nan, np.inf, -np.inf, 1.5], np.float32)
+    inputs = [httpclient.InferInput("x", [4], "FP32")]
+    inputs[0].set_data_from_numpy(sent, binary_data=False)
+    raw, header_length = http_utils._get_inference_request(
+        inputs=inputs, request_id="", outputs=None, sequence_id=0, sequence_start=False, sequence_end=False,
+        priority=0, timeout=None, custom_parameters=None)
+    assert header_length is None and b"[NaN,Infinity,-Infinity,1.5]" in raw.replace(b" ", b"")
+    request, _ = decode_infer("m", raw, None)
+    np.testing.assert_array_equal(request.inputs[0].data, sent)
+    parts, length = encode_infer(InferResponse("m", [NamedTensor("y", DType.FP32, sent)]),
+                                 OutputChoice((), frozenset(), False))
+    assert length is None
+    assert b'"data":[NaN,Infinity,-Infinity,1.5]' in parts[0]
+    np.testing.assert_array_equal(rapidjson.loads(parts[0])["outputs"][0]["data"], sent)
+
+
+@pytest.mark.parametrize("document", [
+    b'{"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [nan]}]}',  # not the literal's spelling
+    b'{"inputs": [{"name": "\\ud800", "datatype": "FP32", "shape": [1], "data": [NaN]}]}',  # a lone surrogate
+])
+def test_with_the_nan_literals_the_rest_of_the_body_is_read_as_strictly(document):
+    with pytest.raises(InvalidArgument, match="not valid JSON"):
+        decode_infer("m", document, None)
+
+
+def test_a_value_past_the_datatype_is_refused_beside_an_infinity_sent_as_one():
+    document = b'{"inputs": [{"name": "x", "datatype": "FP16", "shape": [2], "data": [Infinity, 70000]}]}'
+    with pytest.raises(InvalidArgument, match="value 70000 does not fit FP16"):
+        decode_infer("m", document, None)
+
+
+def test_binary_data_without_its_header_length_is_told_so():
+    """Found by a bug hunt: binary tensor data sent without Inference-Header-Content-Length got "not valid
+    JSON (str is not valid UTF-8: surrogates not allowed: line 1 column 1 (char 0))", blaming a valid header."""
+    header = json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [16],
+                                     "parameters": {"binary_data_size": 64}}]}).encode()
+    for tail in (np.full(16, np.nan, np.float32).tobytes(), b"A" * 64):
+        with pytest.raises(InvalidArgument) as refused:
+            decode_infer("m", header + tail, None)
+        assert str(refused.value) == (
+            f"model 'm': the request body is a JSON document of {len(header)} bytes followed by 64 more bytes, and "
+            f"has no Inference-Header-Content-Length header; binary tensor data needs "
+            f"Inference-Header-Content-Length: {len(header)}")
 
 
 def test_a_refused_body_leaves_nothing_it_decoded_behind_in_its_traceback() -> None:

@@ -598,8 +598,6 @@ def test_a_body_refused_while_decoding_counts_as_the_models_failure(served):
         *(({"Inference-Header-Content-Length": value, "Content-Type": "application/octet-stream"}, header,
            f"Inference-Header-Content-Length must be a whole number of bytes (digits only), got {value!r}")
           for value in (f"+{len(header)}", f"{len(header) // 10}_{len(header) % 10}", "-5")),
-        ({"Inference-Header-Content-Length": str(len(header)), "Content-Type": "application/octet-stream"},
-         header + np.full(4, np.inf, np.float32).tobytes(), "holds NaN or infinity, which JSON cannot carry"),
         # Found by a README check: a length past the body's was a 413 saying the JSON part "is" that long.
         ({"Inference-Header-Content-Length": "1000000000", "Content-Type": "application/octet-stream"}, header,
          f"Inference-Header-Content-Length is 1000000000, but the body has {len(header)} bytes (Content-Length)"),
@@ -610,6 +608,15 @@ def test_a_body_refused_while_decoding_counts_as_the_models_failure(served):
     stats = http.InferenceServerClient(base).get_inference_statistics("echo")["model_stats"][0]
     assert stats["inference_stats"]["fail"]["count"] == 1 + len(refusals)
     assert stats["inference_stats"]["success"]["count"] == 0
+    # An output JSON cannot carry (bytes that are not UTF-8), found after the model ran.
+    words = json.dumps({"inputs": [{"name": "input", "shape": [1, 2], "datatype": "BYTES",
+                                    "parameters": {"binary_data_size": 10}}]}).encode()
+    status, message = error_of(call(base, "POST", "/v2/models/words/infer", words + b"\x01\x00\x00\x00\xff" * 2,
+                                    {"Inference-Header-Content-Length": str(len(words)),
+                                     "Content-Type": "application/octet-stream"}))
+    assert status == 400 and "holds bytes that are not UTF-8 text" in message, message
+    stats = http.InferenceServerClient(base).get_inference_statistics("words")["model_stats"][0]
+    assert (stats["inference_stats"]["fail"]["count"], stats["inference_stats"]["success"]["count"]) == (1, 0)
 
 
 def _exchange(base: str, data: bytes, *later: bytes, wait_s: float = 5.0) -> bytes:
