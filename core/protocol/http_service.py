@@ -272,7 +272,7 @@ class HttpSurface:
             self._refused(model, err)
             raise
         try:
-            body, length = await self._infer_body(dict(scope["headers"]), receive, model)
+            body, length = await self._infer_body(request_headers(scope, model), receive, model)
         except HttpError as err:
             # Refused by this layer (a Content-Type, a size, a body the HTTP parser cannot read): still one
             # of the model's failures, as a body that does not decode is (the server out of memory: its own).
@@ -351,7 +351,8 @@ class HttpSurface:
     async def _infer_body(self, headers: dict[bytes, bytes], receive: Receive, model: str) -> tuple[bytes, int | None]:
         """An infer request's body and its JSON header's length (Inference-Header-Content-Length; None: all JSON),
         once its headers say it can be read; HttpError otherwise."""
-        if headers.get(b"content-encoding", b"identity").strip().lower() not in (b"identity", b""):  # (any case)
+        codings = headers.get(b"content-encoding", b"identity").lower().split(b",")  # (any case; a list)
+        if any(coding.strip() not in (b"identity", b"") for coding in codings):
             raise HttpError(400, f"model '{model}': compressed request bodies are not supported "
                                  f"(Content-Encoding: {headers[b'content-encoding'].decode('latin-1')[:64]}); "
                                  "send it uncompressed")
@@ -391,7 +392,7 @@ class HttpSurface:
     async def _repository(self, scope: Scope, receive: Receive,
                           rest: list[str]) -> tuple[int, list[bytes | memoryview], list]:
         if rest == ["index"]:
-            body = await self._read_body(dict(scope["headers"]), receive, "")
+            body = await self._read_body(request_headers(scope, ""), receive, "")
             options = _json_object(body, "the repository index request") if body.strip() else {}
             ready = options.get("ready", False)
             if not isinstance(ready, bool):  # as Triton refuses it: a 1 or "yes" taken for false listed everything
@@ -401,7 +402,7 @@ class HttpSurface:
                           for e in await self.dataplane.repository_index(ready)])
         if len(rest) == 3 and rest[0] == "models" and rest[2] in ("load", "unload"):
             model, action = rest[1], rest[2]
-            headers = dict(scope["headers"])
+            headers = request_headers(scope, model)
             if b"origin" in headers:
                 # A web page's request (browsers name its origin): a POST needing no CORS preflight would load or
                 # unload models for any page the server's user opens, through a loopback port that allows it.
@@ -563,6 +564,31 @@ def peer(client: tuple[str, int] | None) -> str:
     if host.startswith("::ffff:") and "." in host:  # an IPv4 client of a dual-stack [::] listener, as gRPC names it
         host = host.removeprefix("::ffff:")
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+# Header fields whose repeated lines make one comma-separated list (RFC 9110, 5.3), read as one.
+_LIST_FIELDS = frozenset((b"content-encoding", b"transfer-encoding", b"connection", b"upgrade"))
+# Header fields that hold one value: repeated with another value, which one counts is not known (a proxy in front
+# may read the first where the last won here: an Inference-Header-Content-Length splitting the body elsewhere).
+_SINGLE_FIELDS = {b"content-type": "Content-Type", b"content-length": "Content-Length", b"origin": "Origin",
+                  HEADER_LENGTH.encode(): "Inference-Header-Content-Length"}
+
+
+def request_headers(scope: Scope, model: str) -> dict[bytes, bytes]:
+    """The request's header fields by (lower-case) name, repeated lines of a list field combined; HttpError 400
+    for a one-value field repeated with different values. (A dict of the lines kept the last of each: a second
+    ``Content-Encoding: identity`` line hid a gzip body, a second ``Transfer-Encoding`` line a gzip coding.)"""
+    headers: dict[bytes, bytes] = {}
+    for name, value in scope["headers"]:
+        seen = headers.get(name)
+        if seen is not None and name in _LIST_FIELDS:
+            value = seen + b", " + value
+        elif seen is not None and seen != value and name in _SINGLE_FIELDS:
+            raise HttpError(400, f"{_who(model)}the request has {_SINGLE_FIELDS[name]} twice, with different "
+                                 f"values ({seen.decode('latin-1')[:64]!r} and {value.decode('latin-1')[:64]!r}); "
+                                 "send it once")
+        headers[name] = value
+    return headers
 
 
 def _who(model: str) -> str:

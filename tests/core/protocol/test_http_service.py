@@ -974,3 +974,39 @@ def test_the_surface_serves_each_listed_endpoint_and_refuses_other_methods_with_
             assert await call(other, path) == 405, (other, path)
         await plane.repository.unload_all()
     asyncio.run(scenario())
+
+
+def test_repeated_header_lines_are_read_as_one_field_or_refused(served):
+    """Found by a bug hunt: the header lines went into a dict, the last line of each name winning. A second
+    ``Content-Encoding: identity`` line hid a gzip body (refused as JSON that is not UTF-8), a second
+    ``Transfer-Encoding: chunked`` line hid a gzip coding (taken as plain chunked), and of two different
+    Inference-Header-Content-Length lines the last silently split the body."""
+    import gzip
+
+    _, base = served
+    body = json.dumps({"inputs": [{"name": "input", "shape": [1, 4], "datatype": "FP32",
+                                   "data": [1, 2, 3, 4]}]}).encode()
+
+    def answer(*lines: str, payload: bytes = body) -> tuple[int, str]:
+        head = "".join(f"{line}\r\n" for line in ("POST /v2/models/echo/infer HTTP/1.1", "Host: x",
+                                                    "Connection: close", *lines))
+        raw = _exchange(base, head.encode() + b"\r\n" + payload)
+        status_line, _, rest = raw.partition(b"\r\n")
+        return int(status_line.split()[1]), rest.partition(b"\r\n\r\n")[2].decode("latin-1")
+
+    zipped = gzip.compress(body)
+    status, text = answer(f"Content-Length: {len(zipped)}", "Content-Encoding: gzip", "Content-Encoding: identity",
+                          payload=zipped)
+    assert status == 400 and "compressed request bodies are not supported (Content-Encoding: gzip, identity)" in text
+    chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(zipped), zipped)
+    status, text = answer("Transfer-Encoding: gzip", "Transfer-Encoding: chunked", payload=chunked)
+    assert status == 501 and "Transfer-Encoding 'gzip, chunked' is not supported" in text, text
+    status, text = answer(f"Content-Length: {len(body)}", "Content-Type: application/octet-stream",
+                          f"Inference-Header-Content-Length: {len(body)}", "Inference-Header-Content-Length: 10")
+    assert status == 400 and text == json.dumps({"error": (
+        f"model 'echo': the request has Inference-Header-Content-Length twice, with different values "
+        f"('{len(body)}' and '10'); send it once")}, separators=(",", ":")), text
+    # The same value twice is one field, and the server serves on.
+    status, text = answer(f"Content-Length: {len(body)}", "Content-Type: application/json",
+                          "Content-Type: application/json")
+    assert status == 200 and json.loads(text)["outputs"][0]["data"] == [1, 2, 3, 4]
