@@ -10,17 +10,19 @@ its errors to their status codes.
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
+import logging
 import re
 import time
-from typing import Awaitable, Callable, Iterable, NoReturn, TypeVar
+from typing import Awaitable, Callable, Coroutine, Iterable, NoReturn, TypeVar
 
 from nereid import __version__
 from nereid.classification import check_classifiable, classify
 from nereid.errors import (DeadlineExceeded, InvalidArgument, ModelFailure, ModelRetired, NereidError, NotFound,
                            PermissionDenied, PublicText, Unavailable, Unimplemented, describe_exception,
                            shown_name)
-from nereid.model_entry import NOT_LISTED_REASON, LoadedModel, ModelState
+from nereid.model_entry import NOT_LISTED_REASON, LoadedModel, ModelEntry, ModelState
 from nereid.model_info import (MODEL_VERSION, IndexEntry, ModelConfig, ModelMetadata, describe_config,
                                describe_metadata)
 from nereid.repository import ModelRepository
@@ -29,6 +31,8 @@ from nereid.stats import ModelStats, RequestTiming
 from nereid.settings import Settings
 from nereid.signature import duplicated, validate_inputs
 from nereid.tensors import InferRequest, InferResponse, NamedTensor
+
+log = logging.getLogger(__name__)
 
 SERVER_NAME = "nereid"
 
@@ -47,6 +51,7 @@ CLIENT_DEADLINE_SLACK_NS = 50_000_000
 
 # What infer_encoded makes of an answer: its wire form (JSON and binary parts, a protobuf message, ...).
 Encoded = TypeVar("Encoded")
+T = TypeVar("T")
 
 
 def _as_is(response: InferResponse) -> InferResponse:
@@ -262,10 +267,7 @@ class DataPlane:
                 f"model '{name}': load parameters {', '.join(map(shown_name, keys[:4]))} are "
                 "not supported (nereid loads a model only from its folder in ml_backends_path and nereid.yaml); "
                 "change those and load again without parameters"))
-        entry = await self.repository.load(name)
-        abandoned = entry.abandoned  # (read before any wait: the next load clears it)
-        if self._on_change is not None:
-            await self._on_change()
+        entry, abandoned = await self._to_its_end(self._load(name), f"load of model '{name}'")
         if abandoned:  # an unload that came meanwhile gave up on it: no fault of the model's
             raise Unavailable(abandoned)
         if entry.waiting_on_dependencies():
@@ -287,9 +289,32 @@ class DataPlane:
         along with a meta model, so by that rule no other model is unloaded.
         """
         self._check_repository_control(rpc)
+        await self._to_its_end(self._unload(name), f"unload of model '{name}'")
+
+    async def _load(self, name: str) -> tuple[ModelEntry, str]:
+        """The repository's load of ``name``, then the change reported; the entry, and why it was abandoned."""
+        entry = await self.repository.load(name, requested=True)
+        abandoned = entry.abandoned  # (read before any wait: the next load clears it)
+        if self._on_change is not None:
+            await self._on_change()
+        return entry, abandoned
+
+    async def _unload(self, name: str) -> None:
         await self.repository.unload(name)
         if self._on_change is not None:
             await self._on_change()
+
+    async def _to_its_end(self, work: Coroutine[object, object, T], what: str) -> T:
+        """Run a client's load or unload (``work``) to its end, whether or not the client still waits, as Triton
+        does: a gRPC call's deadline or cancel (or an HTTP client gone) ends only the wait. Cancelled with the
+        call, a load was abandoned half-way, and ServerReady stayed false until the next load or unload of the
+        model. A server stop still abandons it (see ModelRepository.unload_all)."""
+        task = self.repository.accepted(work, what)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(functools.partial(_log_unanswered, what))
+            raise
 
     def _check_repository_control(self, rpc: str) -> None:
         if not self.repository_control:
@@ -384,6 +409,18 @@ class DataPlane:
             check_classifiable(request.model_name, name, declared[name].dtype)
         return wanted
 
+
+
+def _log_unanswered(what: str, task: asyncio.Task) -> None:
+    """Log how ``what``, a load or unload whose client stopped waiting, failed: nobody else is told (its model's
+    reason, if any, is also in RepositoryIndex)."""
+    if task.cancelled() or task.exception() is None:
+        return
+    err = task.exception()
+    if isinstance(err, NereidError):
+        log.info("%s, whose client stopped waiting: %s", what, err)
+    else:
+        log.error("%s, whose client stopped waiting, failed: %s", what, describe_exception(err))
 
 
 def _strip_batch_axis(tensor: NamedTensor) -> NamedTensor:

@@ -13,7 +13,7 @@ import functools
 import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Awaitable, Callable, Coroutine, Protocol
+from typing import Awaitable, Callable, Coroutine, Protocol, TypeVar
 
 import pluggy
 
@@ -39,6 +39,8 @@ from nereid.storage import (StorageError, failure_kind, forget_listed_folder, mi
 from nereid.version_loader import VersionLoader, discard_version
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -101,6 +103,8 @@ class ModelRepository:
         self._background: set[asyncio.Task] = set()
         self._retiring: dict[int, RetiringVersion] = {}  # by id() of its LoadedModel
         self._removing: dict[str, asyncio.Task] = {}  # the latest removal of each name, draining in the background
+        # The loads and unloads clients asked for, still running (see accepted): a stop abandons them (unload_all).
+        self._accepted: set[asyncio.Task] = set()
         self._cleanup = FolderCleanup(scratch_dir, self._scratch_kept, self._known_names, self.in_background)
         # Whether a watcher loads folders that appear from now on (dynamic mode, once it knows the folders
         # there at start: those are not loaded unless listed, exactly as without it).
@@ -152,6 +156,16 @@ class ModelRepository:
             if not task.cancelled() and task.exception() is not None:
                 log.error("%s failed: %s", what, describe_exception(task.exception()))
         task.add_done_callback(done)
+        return task
+
+    def accepted(self, work: Coroutine[object, object, T], what: str) -> asyncio.Task[T]:
+        """Run a load or unload a client asked for (``work``) as a task of the repository's own, which the client
+        awaits through :func:`asyncio.shield`: it runs to its end whatever the client does (its deadline passing,
+        its cancel), as Triton finishes an operation it has accepted. A server stop abandons the ones still
+        running (see :meth:`unload_all`)."""
+        task = asyncio.get_running_loop().create_task(work, name=f"nereid: {what}")
+        self._accepted.add(task)
+        task.add_done_callback(self._accepted.discard)
         return task
 
     def remove_in_background(self, name: str) -> asyncio.Task:
@@ -349,10 +363,14 @@ class ModelRepository:
         """True when every exposed model is READY (Triton's strict readiness)."""
         return all(self._entries[name].state is ModelState.READY for name in self._exposed if name in self._entries)
 
-    async def load(self, name: str, *, retrying: str | None = None) -> ModelEntry:
+    async def load(self, name: str, *, retrying: str | None = None, requested: bool = False) -> ModelEntry:
         """Load a model folder, or a loaded one again (see :meth:`reload`). A failure to load leaves it
         UNAVAILABLE with the reason; never raises for it. A name with no folder is NotFound; one that a store
         that cannot be listed may hold is Unavailable, with the store's reason.
+
+        ``requested``: a client's RepositoryModelLoad. A model nereid.yaml lists whose folder is missing is then
+        NotFound too, its entry left as it is (its old version may still be finishing its requests); loaded at
+        start (dynamic mode), it waits UNAVAILABLE for its folder instead.
 
         ``retrying``: this load tries again after the store failed the last one, for a reason of this
         :func:`~nereid.storage.failure_kind`. Failing for that reason again is no news, and is logged at DEBUG,
@@ -386,6 +404,11 @@ class ModelRepository:
             # Nothing keeps the name: its folder is gone, and at most its old model still finishes its requests
             # (a removal draining). The answer for a name that never had a folder.
             raise _no_folder(name)
+        if (requested and entry.loaded is None and self.settings.server.ml_backends_url is None
+                and not entry.folder.is_dir()):
+            # Listed, but nothing to load from: the client's mistake, not the model's fault ("failed to load",
+            # INTERNAL); and a version still draining keeps showing UNLOADING.
+            raise _listed_without_folder(name, self.settings.server.watch)
         self._exposed.add(name)
         entry.awaiting_folder = False  # (asked for again: counted as any other)
         if entry.loaded is not None:
@@ -436,6 +459,8 @@ class ModelRepository:
         name = entry.name
         # (A folder in an object store is fetched by the version loader, which reports the store's error.)
         if self.settings.server.ml_backends_url is None and not entry.folder.is_dir():
+            if entry.draining:  # its old version still finishes its requests: UNLOADING says so until then
+                return entry
             entry.state, entry.reason = ModelState.UNAVAILABLE, waiting_for_folder(name)
             log.warning("model '%s' is UNAVAILABLE: %s", name, entry.reason)
             self._refresh_dependents()
@@ -459,6 +484,7 @@ class ModelRepository:
             self._refresh_dependents(repeated=repeated)
             return entry
         except asyncio.CancelledError:
+            # Only a stop cancels a load: a client's is run apart from its call (see accepted).
             entry.state, entry.reason = ModelState.UNAVAILABLE, "load abandoned (the server is stopping)"
             raise
         entry.store_fault = ""
@@ -755,10 +781,14 @@ class ModelRepository:
         entry.awaiting_folder = False
         self._state_changed()  # no longer counted, even while it waits for a load to finish
         async with entry.held_for_unload():
-            if entry.loaded is not None:
-                await self._unload_locked(entry, grace_s)
-            entry.reason = "unloaded"
-            self._refresh_dependents()
+            try:
+                if entry.loaded is not None:
+                    await self._unload_locked(entry, grace_s)
+            finally:
+                # (Also when cancelled by a stop: an unload once begun is seen to its end, see _unload_locked.)
+                if entry.loaded is None:
+                    entry.reason = "unloaded"
+                    self._refresh_dependents()
         return entry
 
     async def wait_idle(self, timeout_s: float) -> bool:
@@ -787,7 +817,12 @@ class ModelRepository:
 
     async def unload_all(self, grace_s: float | None = None) -> None:
         """Unload every loaded model (server shutdown), once the work left in the background is done (old
-        versions draining, removals)."""
+        versions draining, removals). A load or unload a client asked for and still running is abandoned first: a
+        load's reason says the server is stopping, and an unload begun finishes its drain."""
+        # Not waited for: a backend's load() may take minutes, or never return (its late result is unloaded).
+        for task in list(self._accepted):
+            task.cancel()
+        await asyncio.gather(*self._accepted, return_exceptions=True)
         while self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
         # Callers first, layer by layer: a meta model unloaded after what it calls would first turn
@@ -909,6 +944,14 @@ class ModelRepository:
         """The names of the entries and of the old versions still finishing their requests (safe off the loop:
         each is read in one copy)."""
         return set(dict(self._entries)) | {retiring.name for retiring in list(self._retiring.values())}
+
+
+def _listed_without_folder(name: str, watched: bool) -> NotFound:
+    """The error for a load of ``name``, which nereid.yaml lists, while it has no model folder."""
+    then = ("it loads once its folder lands (server.watch)" if watched
+            else "put its folder back, then load it again")
+    return NotFound(PublicText(f"model '{name}': its folder '{name}' is missing from ml_backends_path, so it cannot "
+                               f"be loaded; nereid.yaml lists it: {then}"))
 
 
 def _store_cannot_tell(name: str, failure: StorageError, more: str = "") -> Unavailable:

@@ -89,8 +89,8 @@ class VersionLoader:
 
         A model that loaded but then cannot be wired up (its ``dependencies()``
         raises, say) is unloaded before the reason is raised: what its
-        ``load()`` acquired must not leak. An unload of the entry that came
-        first wins: :class:`~nereid.model_entry.LoadAbandoned`, nothing built.
+        ``load()`` acquired must not leak. An unload of the entry waiting for
+        its turn wins: :class:`~nereid.model_entry.LoadAbandoned`, nothing built.
         """
         name = entry.name
         entry.scratch_names.add(name)
@@ -100,8 +100,10 @@ class VersionLoader:
         if settings.server.watch and settings.server.ml_backends_url is None:
             stamped = await asyncio.to_thread(folder_stamp, entry.folder)  # before the build reads the files
             stamp = stamped[0] if stamped is not None else None
-        if entry.unloads_waiting:  # an unload came after this load: it wins, and nothing is built for nothing
-            raise LoadAbandoned(f"model '{name}': load abandoned: an unload or removal of it came first")
+        if entry.unloads_waiting:  # an unload waits for its turn: it wins, and nothing is built for nothing
+            # (Most often sent after this load, which waited for its turn behind another: not "came first".)
+            raise LoadAbandoned(f"model '{name}': load abandoned: an unload or removal of it is waiting for its "
+                                "turn, and wins over a load")
         started = time.monotonic()
         backend_defaults = settings.backend_defaults  # (read once: kept with what it builds)
         building = on_daemon_thread(functools.partial(self._build, context, backend_defaults, settings),

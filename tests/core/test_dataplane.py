@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from nereid.dataplane import CLIENT_DEADLINE_SLACK_NS, cancellation_reason, past_grace_message
+import toy_backends
+from nereid.dataplane import CLIENT_DEADLINE_SLACK_NS, DataPlane, cancellation_reason, past_grace_message
 from nereid.dtypes import DType
 from nereid.errors import InvalidArgument, ModelFailure, NereidError, NotFound, PermissionDenied, Unavailable
+from nereid.plugins import make_plugin_manager
+from nereid.repository import ModelRepository
+from nereid.settings import load_settings
 from nereid.tensors import InferRequest, NamedTensor
 from toy_backends import toy_dataplane
 
@@ -378,3 +383,195 @@ def test_an_answer_its_protocol_cannot_encode_counts_as_a_failure_even_when_enco
         assert (stats.success.count, stats.fail.count) == (1, 1)
         await plane.unload("toy")
     asyncio.run(scenario())
+
+
+def test_a_load_or_unload_whose_caller_stops_waiting_runs_to_its_end(tmp_path, monkeypatch):
+    """Found by a bug hunt: a gRPC RepositoryModelLoad whose client deadline passed (grpc.aio cancels the call's
+    task) cancelled the load: the model stayed UNAVAILABLE "load abandoned (the server is stopping)" and
+    ServerReady false until the next load or unload of it. An unload cancelled so kept the reason '' instead of
+    "unloaded". Triton finishes what it accepted; only the caller's wait ends."""
+    import threading
+
+    plane = toy_dataplane(tmp_path)
+    entered, release = threading.Event(), threading.Event()
+    load = toy_backends.ToyModel.load
+
+    def slow_load(self) -> None:
+        if self.context.name == "spare":
+            entered.set()
+            release.wait(10)
+        load(self)
+
+    monkeypatch.setattr(toy_backends.ToyModel, "load", slow_load)
+
+    async def scenario() -> None:
+        await plane.load("toy")
+        loading = asyncio.ensure_future(plane.load("spare"))
+        while not entered.is_set():
+            await asyncio.sleep(0.01)
+        loading.cancel()  # the client's deadline
+        with pytest.raises(asyncio.CancelledError):
+            await loading
+        release.set()
+        entry = plane.repository.entry("spare")
+        for _ in range(500):
+            if entry.state.value != "LOADING":
+                break
+            await asyncio.sleep(0.01)
+        assert (entry.state.value, entry.reason) == ("READY", "")
+        assert plane.ready()  # strict readiness: every model asked for is READY
+        unloading = asyncio.ensure_future(plane.unload("spare"))
+        await asyncio.sleep(0)  # in its drain
+        unloading.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await unloading
+        for _ in range(500):
+            if entry.state.value == "UNAVAILABLE" and entry.reason:
+                break
+            await asyncio.sleep(0.01)
+        assert (entry.state.value, entry.reason, entry.loaded) == ("UNAVAILABLE", "unloaded", None)
+        assert plane.ready()
+        await plane.repository.unload_all()
+    try:
+        asyncio.run(scenario())
+    finally:
+        release.set()
+
+
+def test_a_load_whose_caller_stops_waiting_for_its_turn_behind_an_unload_loads_after_it(tmp_path, monkeypatch):
+    """Found by a bug hunt: a load cancelled while it waited behind an unload draining a request left the model
+    "unloaded" but counted by ServerReady, which stayed false until a second unload."""
+    import threading
+
+    plane = toy_dataplane(tmp_path)
+    running, release = threading.Event(), threading.Event()
+    infer = toy_backends.ToyModel.infer
+
+    def held_infer(self, inputs):
+        running.set()
+        release.wait(10)
+        return infer(self, inputs)
+
+    monkeypatch.setattr(toy_backends.ToyModel, "infer", held_infer)
+
+    async def scenario() -> None:
+        await plane.load("toy")
+        answer = asyncio.ensure_future(plane.infer(request()))
+        while not running.is_set():
+            await asyncio.sleep(0.01)
+        unloading = asyncio.ensure_future(plane.unload("toy"))
+        loading = asyncio.ensure_future(plane.load("toy"))
+        await asyncio.sleep(0.05)  # the unload drains; the load waits for its turn
+        loading.cancel()  # the client's deadline
+        await asyncio.gather(loading, return_exceptions=True)
+        release.set()
+        await answer
+        await unloading
+        entry = plane.repository.entry("toy")
+        for _ in range(500):
+            if entry.state.value == "READY":
+                break
+            await asyncio.sleep(0.01)
+        assert (entry.state.value, entry.reason) == ("READY", "") and plane.ready()
+        await plane.repository.unload_all()
+    try:
+        asyncio.run(scenario())
+    finally:
+        release.set()
+
+
+def test_a_stop_abandons_a_load_whose_caller_stopped_waiting(tmp_path, monkeypatch):
+    """The load a client no longer waits for runs on, but a server stop does not wait for it: a backend's load()
+    may take minutes, or never return."""
+    import threading
+
+    plane = toy_dataplane(tmp_path)
+    entered, release = threading.Event(), threading.Event()
+    load = toy_backends.ToyModel.load
+
+    def hanging_load(self) -> None:
+        entered.set()
+        release.wait(10)
+        load(self)
+
+    monkeypatch.setattr(toy_backends.ToyModel, "load", hanging_load)
+
+    async def scenario() -> None:
+        loading = asyncio.ensure_future(plane.load("spare"))
+        while not entered.is_set():
+            await asyncio.sleep(0.01)
+        loading.cancel()
+        await asyncio.gather(loading, return_exceptions=True)
+        started = time.monotonic()
+        await asyncio.wait_for(plane.repository.unload_all(), 5)
+        assert time.monotonic() - started < 2
+        entry = plane.repository.entry("spare")
+        assert (entry.state.value, entry.reason) == ("UNAVAILABLE", "load abandoned (the server is stopping)")
+    try:
+        asyncio.run(scenario())
+    finally:
+        release.set()
+
+
+def listed_plane(root: Path, watch: bool) -> DataPlane:
+    """A data plane over ``root/ml-backends`` whose nereid.yaml lists the toy model ``m`` (its folder there, not
+    loaded yet), with or without dynamic mode (no watcher runs: only its settings matter here)."""
+    toy_backends.write_toy(root / "ml-backends", "m")
+    (root / "nereid.yaml").write_text(f'server:\n  ml_backends_path: "ml-backends"\n  watch: {str(watch).lower()}\n'
+                                      "models:\n  - name: m\n")
+    settings = load_settings(root / "nereid.yaml")
+    manager = make_plugin_manager(load_entry_points=False, extra_plugins=(toy_backends,))
+    (root / "scratch").mkdir()
+    return DataPlane(ModelRepository(settings, manager, root / "scratch"), settings)
+
+
+@pytest.mark.parametrize("watch", [False, True])
+def test_loading_a_listed_model_whose_folder_is_missing_is_not_found_and_leaves_its_drain_shown(tmp_path,
+                                                                                                monkeypatch, watch):
+    """Found by a bug hunt: it was INTERNAL "failed to load model 'm': waiting for its folder" (a server fault),
+    where the README says NOT_FOUND as for a name that never had a folder; and the load turned the UNLOADING of
+    the old version, still finishing its requests, into UNAVAILABLE."""
+    import shutil
+    import threading
+
+    plane = listed_plane(tmp_path, watch)
+    repository = plane.repository
+    running, release = threading.Event(), threading.Event()
+    infer = toy_backends.ToyModel.infer
+
+    def held_infer(self, inputs):
+        running.set()
+        release.wait(10)
+        return infer(self, inputs)
+
+    monkeypatch.setattr(toy_backends.ToyModel, "infer", held_infer)
+    then = ("it loads once its folder lands (server.watch)" if watch
+            else "put its folder back, then load it again")
+    missing = (rf"^model 'm': its folder 'm' is missing from ml_backends_path, so it cannot be loaded; nereid.yaml "
+               rf"lists it: {re.escape(then)}$")
+
+    async def scenario() -> None:
+        await plane.load("m")
+        answer = asyncio.ensure_future(plane.infer(request("m")))
+        while not running.is_set():
+            await asyncio.sleep(0.01)
+        shutil.rmtree(tmp_path / "ml-backends" / "m")
+        removal = repository.remove_in_background("m")
+        while repository.entry("m").state.value != "UNLOADING":
+            await asyncio.sleep(0.01)
+        with pytest.raises(NotFound, match=missing):
+            await plane.load("m")
+        entry = repository.entry("m")
+        assert (entry.state.value, entry.reason) == ("UNLOADING", "")  # its old version still runs a request
+        release.set()
+        assert (await answer).outputs[0].data.tolist() == [[2.0] * 4] * 2
+        await removal
+        await repository.unload_all()
+        assert entry.state.value == "UNAVAILABLE" and "waiting for its folder 'm'" in entry.reason
+        with pytest.raises(NotFound, match=missing):  # not draining any more: the same answer
+            await plane.load("m")
+        assert "waiting for its folder 'm'" in entry.reason
+    try:
+        asyncio.run(scenario())
+    finally:
+        release.set()

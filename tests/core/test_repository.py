@@ -657,7 +657,8 @@ def test_an_unload_or_removal_abandons_a_load_that_never_returns(tmp_path, root,
     assert "model 'hang' is UNAVAILABLE: model 'hang': load abandoned after " in caplog.text
     assert ("an unload or removal of it came while its backend's load() was still running (if that ever returns, "
             "what it built is unloaded)") in caplog.text
-    assert "model 'hang': load abandoned: an unload or removal of it came first" in caplog.text
+    assert ("model 'hang': load abandoned: an unload or removal of it is waiting for its turn, and wins over a "
+            "load") in caplog.text
     assert "model 'hang': load finished after it was abandoned; unloading it" in caplog.text
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 

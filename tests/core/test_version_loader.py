@@ -82,13 +82,15 @@ def test_in_dynamic_mode_a_version_keeps_the_stamp_of_the_files_it_was_built_fro
     assert asyncio.run(scenario()).stamp is not None
 
 
-def test_an_unload_that_came_first_wins_and_nothing_is_built(tmp_path):
+def test_an_unload_waiting_for_its_turn_wins_and_nothing_is_built(tmp_path):
+    """Found by a bug hunt: the message said the unload "came first", though it was most often sent after the
+    load (which waited for its turn behind another load): it sent a client looking for an unload that never was."""
     loader, settings, heard = setup(tmp_path)
     write_toy(settings.server.ml_backends_path, "waited")
     entry = entry_for(settings, "waited")
     entry.unloads_waiting = 1
     loads = LOADS["waited"]
-    with pytest.raises(LoadAbandoned, match="an unload or removal of it came first"):
+    with pytest.raises(LoadAbandoned, match="an unload or removal of it is waiting for its turn, and wins over a load"):
         asyncio.run(loader.load(entry, ModelStats(), settings))
     assert LOADS["waited"] == loads and heard.loaded == [] and entry.generation == 0
 

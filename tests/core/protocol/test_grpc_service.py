@@ -505,6 +505,57 @@ def test_unload_lets_running_and_queued_requests_finish_first(repo, serve):
     expect_grpc_error("UNAVAILABLE", lambda: server.client.infer("slow", [int8_input([1] * 4)]), "model 'slow'")
 
 
+def index_of(server, model: str) -> tuple[str, str]:
+    """The model's (state, reason) in RepositoryIndex."""
+    return next((m.state, m.reason) for m in server.client.get_model_repository_index().models if m.name == model)
+
+
+def test_a_load_whose_client_deadline_passes_still_loads_and_the_server_stays_ready(repo, serve, tmp_path):
+    """Found by a bug hunt: grpc.aio cancels a call's task at its client's deadline, and that cancelled the load:
+    the model stayed UNAVAILABLE "load abandoned (the server is stopping)" and ServerReady false until someone
+    loaded or unloaded it again; a reload was dropped. Triton (and nereid over HTTP) finishes an accepted load."""
+    import toy_backends
+    from nereid.plugins import make_plugin_manager
+
+    repo.python("m", textproto=textproto_single("INT8"))
+    slow = toy_backends.write_toy(repo.models_dir, "slow")
+    release = tmp_path / "release"
+    (slow / "gate.txt").write_text(str(release))  # its load waits for this file
+    server = serve(repo.write_config('- name: "m"\n'),
+                   manager=make_plugin_manager(extra_plugins=(toy_backends,)))
+    try:
+        expect_grpc_error("DEADLINE_EXCEEDED", lambda: server.client.load_model("slow", client_timeout=0.3))
+        assert index_of(server, "slow") == ("LOADING", "")
+        release.write_text("")
+        wait_for(lambda: index_of(server, "slow")[0] != "LOADING", "the load to end")
+        assert index_of(server, "slow") == ("READY", "")
+        assert server.client.is_server_ready() and health_status(server) == health_pb2.HealthCheckResponse.SERVING
+        # A reload whose client leaves is carried out too (it was dropped: the old version served on).
+        release.unlink()
+        loads = toy_backends.LOADS["slow"]
+        expect_grpc_error("DEADLINE_EXCEEDED", lambda: server.client.load_model("slow", client_timeout=0.3))
+        release.write_text("")
+        wait_for(lambda: toy_backends.LOADS["slow"] == loads + 1
+                 and server.server.repository.generation("slow") == 2, "the reload to end")
+        assert index_of(server, "slow") == ("READY", "") and server.client.is_server_ready()
+    finally:
+        release.write_text("")
+
+
+def test_an_unload_whose_client_deadline_passes_ends_unloaded(repo, serve):
+    """Found by a bug hunt: an unload whose client deadline passed during the drain left the reason '' instead of
+    "unloaded" (and did not refresh the meta models calling it): the cancel skipped the end of the unload."""
+    server, folder = start_slow(repo, serve)
+    answers = Answers()
+    server.client.async_infer("slow", [int8_input([1] * 4)], callback=answers.callback("running"))
+    wait_for(lambda: runs(folder) == 1, "the request to run")
+    expect_grpc_error("DEADLINE_EXCEEDED", lambda: server.client.unload_model("slow", client_timeout=0.1))
+    result, error = answers.collect(1)["running"]
+    assert error is None, error
+    wait_for(lambda: index_of(server, "slow")[0] == "UNAVAILABLE", "the unload to end")
+    assert index_of(server, "slow") == ("UNAVAILABLE", "unloaded")
+
+
 # --------------------------------------------------------------------------- streaming
 
 
