@@ -12,12 +12,14 @@ The rules (Triton's dynamic batcher, with the cost budget of a token batcher):
   can form a preferred size (it is then cut back to the largest preferred
   size it reached, the rest staying first in line); otherwise once its first
   request has waited ``max_delay_ns`` for company, counted from its arrival or
-  from the moment an execution slot last came free, whichever is later. Time
-  spent waiting because every instance was busy is not time spent waiting for
-  company: without this rule, under load, the requests that queued during one
-  execution would leave at once as the next batch, while the clients answered
-  by that execution could never join it, and a saturated model would alternate
-  between two half batches;
+  from the moment an instance last came free after every instance was busy,
+  whichever is later. Time spent waiting because every instance was busy is
+  not time spent waiting for company: without this rule, under load, the
+  requests that queued during one execution would leave at once as the next
+  batch, while the clients answered by that execution could never join it,
+  and a saturated model would alternate between two half batches. Only that
+  time is left out: an instance freed while another stood free restarts no
+  window;
 * a request whose caller went away, or whose deadline passed, never runs: it
   leaves the queue at the next decision and is handed back to be answered.
 
@@ -136,9 +138,10 @@ class Decision(Generic[Q]):
 def take_batch(queue: collections.deque[Q], policy: BatchPolicy, now_ns: int, free_since_ns: int = 0) -> Decision[Q]:
     """Take the next batch off the front of ``queue`` if the rules say it goes at ``now_ns``.
 
-    ``free_since_ns``: when the execution slot the batch would use came free
-    (the delay window starts no earlier). Removes from ``queue`` exactly the
-    returned batch and dropped requests.
+    ``free_since_ns``: since when an instance has been free without a break,
+    that is when the last stretch with every instance busy ended (the delay
+    window starts no earlier). Removes from ``queue`` exactly the returned
+    batch and dropped requests.
     """
     decision: Decision[Q] = Decision()
     while queue and will_not_run(queue[0], now_ns):
@@ -183,14 +186,15 @@ def deadline_passed(deadline_ns: int, now_ns: int) -> bool:
 
 def stack_rows(requests: list[list[NamedTensor]], rows: int) -> list[NamedTensor]:
     """One tensor of ``rows`` rows per input: the requests' rows stacked in order, then zero rows (a bundle's
-    padding), written straight into one buffer: one copy."""
+    padding; empty elements ``b""`` in a BYTES input), written straight into one buffer: one copy."""
     stacked = []
     for tensors in zip(*requests):
         first = tensors[0].data
         buffer = np.empty((rows, *first.shape[1:]), first.dtype)
         filled = sum(len(t.data) for t in tensors)
         np.concatenate([t.data for t in tensors], out=buffer[:filled])
-        buffer[filled:] = 0
+        # A BYTES tensor holds bytes elements (an object array): a 0 there fails a model's len() or b"".join.
+        buffer[filled:] = b"" if buffer.dtype == object else 0
         stacked.append(NamedTensor(tensors[0].name, tensors[0].dtype, buffer))
     return stacked
 

@@ -20,6 +20,8 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 from typing import Awaitable, Callable
 
+import numpy as np
+
 from nereid.backend import REQUEST_DEADLINE_NS, Model, PadsBatches
 from nereid.batching import (BatchPolicy, batch_key, deadline_passed, request_cost, split_rows, stack_rows, take_batch,
                              will_not_run)
@@ -78,7 +80,7 @@ class ModelScheduler:
         self._pending: collections.deque[Work] = collections.deque()
         self._arrived = asyncio.Event()
         self._free_slots = instances  # executions that may start now
-        self._freed_ns = 0  # when an execution slot was last given back
+        self._freed_ns = 0  # when the model last went from every instance busy to one free
         self._slot_freed = asyncio.Event()
         # The batcher's execution tasks (kept referenced), each with its batch.
         self._running: dict[asyncio.Task, list[Work]] = {}
@@ -315,7 +317,11 @@ class ModelScheduler:
         self._release_slot()
 
     def _release_slot(self) -> None:
-        self._freed_ns = time.monotonic_ns()
+        # Only the end of a stretch with every instance busy moves the delay window's start (see
+        # nereid.batching): a slot freed while another stood free ended no one's wait for an instance, and
+        # restarting the window there kept a request waiting past max_queue_delay with an instance free.
+        if self._free_slots == 0:
+            self._freed_ns = time.monotonic_ns()
         self._free_slots += 1
         self._slot_freed.set()
         self._update_idle()
@@ -414,7 +420,7 @@ class ModelScheduler:
                 if succeeded:
                     try:
                         self._own_rows(outputs, padded, total)
-                    except NereidError:
+                    except Exception:  # whatever the outputs raise when read: no answer could have been sent
                         succeeded = False
                 self._stats.execution_finished(total, cost, len(requests), input_ns, time.monotonic_ns() - start, 0,
                                                succeeded)
@@ -463,7 +469,7 @@ class ModelScheduler:
     def _own_rows(self, outputs: list[NamedTensor], padded: bool, total: int) -> list[NamedTensor]:
         """An execution's outputs without the rows it was padded with, checked against the signature."""
         if padded:
-            outputs = [NamedTensor(t.name, t.dtype, t.data[:total]) for t in outputs]
+            outputs = _without_padding(outputs, total, len(self._signature.outputs))
         check_outputs(self.name, self._signature, outputs, total)
         return outputs
 
@@ -566,8 +572,12 @@ class ModelScheduler:
                 # Its caller's task has not run since its waiter was cancelled: _infer tells it there.
                 call.ended = (result, error)
             else:
-                call.when_abandoned(result, error)
-                self._release_slot()  # the slot _infer took back when its caller went away
+                try:
+                    call.when_abandoned(result, error)
+                finally:
+                    # The slot _infer took back when its caller went away: kept for good, the model could
+                    # never be idle again, and would run one instance short.
+                    self._release_slot()
         elif isinstance(error, concurrent.futures.CancelledError):
             # Dropped unstarted by the pool's shutdown (_infer_on_thread lets no other through).
             waiter.set_exception(Unavailable(f"model '{self.name}' was unloaded before this execution started"))
@@ -575,6 +585,18 @@ class ModelScheduler:
             waiter.set_exception(error)
         else:
             waiter.set_result(result)
+
+
+def _without_padding(outputs: list[NamedTensor], rows: int, expected: int) -> list[NamedTensor]:
+    """A padded execution's outputs cut to their first ``rows`` rows, those that can be: a NamedTensor holding an
+    array with a batch axis. Any other item (a bare array, a 0-d output), or a list not of ``expected`` items, is
+    left as it is, for check_outputs to refuse as it refuses it from a lone request's execution: cut first, it
+    failed with an AttributeError or IndexError naming neither the model's fault nor the output."""
+    if not isinstance(outputs, list) or len(outputs) != expected:  # (a huge list is not copied to be refused)
+        return outputs
+    return [NamedTensor(t.name, t.dtype, t.data[:rows])
+            if isinstance(t, NamedTensor) and isinstance(t.data, np.ndarray) and t.data.ndim else t
+            for t in outputs]
 
 
 # What a worker thread's end is told to once its caller has gone: (its outputs, its error).

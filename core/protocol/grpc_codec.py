@@ -16,6 +16,7 @@ from nereid.protocol.wire import (SCHEDULING_PARAMETERS, SEQUENCE_ID_PARAMETER, 
                                   TIMEOUT_PARAMETER, check_no_sequence, check_scheduling_parameters, class_count,
                                   decode_raw, refuse_shared_memory, wire_dtype, wire_shape)
 from nereid.errors import PublicText
+from nereid.signature import brief_repr
 from nereid.tensors import InferRequest, InferResponse, NamedTensor, bytes_array, tensor_buffer, tensor_bytes
 
 
@@ -179,9 +180,15 @@ def _value(parameter: pb.InferParameter) -> object:
 
 def _class_count(model: str, output: str, parameter: pb.InferParameter) -> int:
     """An output's ``classification`` parameter; tritonclient sends it as int64."""
+    where = f"model '{model}': output '{output[:256]}'"
     kind = parameter.WhichOneof("parameter_choice")
-    value = getattr(parameter, kind) if kind in ("int64_param", "uint64_param") else f"a {kind}"
-    return class_count(f"model '{model}': output '{output[:256]}'", value)
+    if kind not in ("int64_param", "uint64_param"):
+        # Named by its field and its value, as _timeout_us names them: "got 'a string_param'" (for a
+        # string_param "3") read as though the client had sent that text.
+        shown = f"{kind} {brief_repr(getattr(parameter, kind), 64)}" if kind else "no value"
+        raise InvalidArgument(f"{where}: parameter 'classification' must be a non-negative integer count of classes "
+                              f"(int64_param or uint64_param), got {shown}")
+    return class_count(where, getattr(parameter, kind))
 
 
 def _timeout_us(model: str, parameter: pb.InferParameter) -> int:

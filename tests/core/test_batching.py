@@ -13,7 +13,7 @@ from nereid.dtypes import DType
 from nereid.errors import ConfigError
 from nereid.settings import BatchingSettings
 from nereid.signature import ModelSignature, TensorSpec
-from nereid.tensors import NamedTensor
+from nereid.tensors import NamedTensor, bytes_array
 
 FIXED = ModelSignature((TensorSpec("x", DType.FP32, (2,)),), (TensorSpec("y", DType.FP32, (2,)),), 16)
 VARIABLE = ModelSignature((TensorSpec("x", DType.FP32, (-1,)),), (TensorSpec("y", DType.FP32, (-1,)),), 16)
@@ -177,3 +177,12 @@ def test_requests_are_stacked_into_one_padded_buffer_and_split_back_into_views()
     [[own_first], [own_second]] = split_rows([stacked], [2, 1])
     assert own_first.data.tolist() == [[0, 1, 2], [3, 4, 5]] and own_second.data.tolist() == [[7, 7, 7]]
     assert np.shares_memory(own_second.data, stacked.data)  # views of the execution's output, no copies
+
+
+def test_the_padding_rows_of_a_bytes_input_are_empty_bytes() -> None:
+    """Defect: a BYTES input's padding rows were the int 0, which a padding model's len() or b"".join fails on."""
+    first = [NamedTensor("s", DType.BYTES, bytes_array([b"ab"], (1,)))]
+    second = [NamedTensor("s", DType.BYTES, bytes_array([b"cd"], (1,)))]
+    [stacked] = stack_rows([first, second], rows=4)
+    assert stacked.data.tolist() == [b"ab", b"cd", b"", b""]
+    assert all(type(element) is bytes for element in stacked.data)

@@ -60,6 +60,13 @@ def run(coroutine):
     return asyncio.run(asyncio.wait_for(coroutine, 30))
 
 
+async def until(predicate, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.005)
+
+
 def test_queued_requests_are_coalesced_up_to_the_cap_and_split_back_by_rows() -> None:
     async def scenario() -> None:
         backend = RecordingBackend()
@@ -340,3 +347,134 @@ def test_a_failing_padded_rows_fails_each_request_of_the_batch_and_the_model_ser
         assert float((await scheduler.submit(request(5), 1, 0))[0].data[0, 0]) == 10
         await scheduler.drain()
     run(scenario())
+
+
+class TimedGates:
+    """Doubles its input; records when each execution started, by its first value; holds the values that have a
+    gate until it opens."""
+
+    platform = "test"
+
+    def __init__(self, *held: float) -> None:
+        self.gates = {value: threading.Event() for value in held}
+        self.started: dict[float, float] = {}
+
+    def infer(self, inputs: list[NamedTensor]) -> list[NamedTensor]:
+        value = float(inputs[0].data[0, 0])
+        self.started[value] = time.monotonic()
+        if value in self.gates:
+            self.gates[value].wait(10)
+        return [NamedTensor("y", DType.FP32, inputs[0].data * 2)]
+
+
+async def until_started(backend: TimedGates, value: float) -> None:
+    deadline = time.monotonic() + 5
+    while value not in backend.started:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.005)
+
+
+# Two-row requests go at once (a preferred size); a one-row request waits 300 ms for company.
+DELAY_S = 0.3
+
+
+def two_instances(backend: TimedGates) -> ModelScheduler:
+    return ModelScheduler("m", backend, FIXED, 64, 2, ModelStats(),
+                          policy(preferred_batch_sizes=[2], max_queue_delay_ms=DELAY_S * 1000))
+
+
+def test_a_request_with_an_instance_free_waits_its_delay_though_another_instance_frees_meanwhile() -> None:
+    """Defect: every execution's end restarted the first request's window, also while another instance stood
+    free: with 2 instances, a request waited up to twice max_queue_delay_ms."""
+    async def scenario() -> None:
+        backend = TimedGates(1)
+        scheduler = two_instances(backend)
+        running = asyncio.create_task(scheduler.submit(request(1, rows=2), 2, 0))
+        await until_started(backend, 1)
+        arrived = time.monotonic()
+        waiting = asyncio.create_task(scheduler.submit(request(2), 1, 0))  # the second instance is free
+        await asyncio.sleep(0.2)
+        backend.gates[1].set()  # the first instance frees inside the waiting request's window
+        await asyncio.gather(running, waiting)
+        # It went at arrival + 300 ms; from the other instance's end it would have gone at arrival + 500 ms.
+        assert DELAY_S - 0.05 <= backend.started[2] - arrived < DELAY_S + 0.15
+        await scheduler.drain()
+    run(scenario())
+
+
+def test_a_request_queued_while_every_instance_is_busy_waits_its_delay_from_when_the_first_one_frees() -> None:
+    """Time spent waiting for a busy model does not count as waiting for company; the second instance's end,
+    with the first one free already, does not start the wait again."""
+    async def scenario() -> None:
+        backend = TimedGates(1, 2)
+        scheduler = two_instances(backend)
+        running = [asyncio.create_task(scheduler.submit(request(v, rows=2), 2, 0)) for v in (1, 2)]
+        await until_started(backend, 2)
+        waiting = asyncio.create_task(scheduler.submit(request(3), 1, 0))  # every instance busy
+        await asyncio.sleep(0.1)
+        backend.gates[1].set()
+        await running[0]
+        freed = time.monotonic()
+        await asyncio.sleep(0.2)
+        backend.gates[2].set()  # inside the waiting request's window, with the first instance free
+        await asyncio.gather(running[1], waiting)
+        assert DELAY_S - 0.05 <= backend.started[3] - freed < DELAY_S + 0.15
+        await scheduler.drain()
+    run(scenario())
+
+
+class BareArrays(PaddingBackend):
+    """A padding model that returns its output as a bare array, or as a 0-d NamedTensor."""
+
+    def __init__(self, fault: str) -> None:
+        super().__init__()
+        self.fault = fault
+
+    def infer(self, inputs: list[NamedTensor]) -> list[NamedTensor]:
+        doubled = super().infer(inputs)[0].data
+        return [doubled] if self.fault == "bare" else [NamedTensor("y", DType.FP32, np.array(doubled[0, 0]))]
+
+
+@pytest.mark.parametrize("fault, message", [
+    ("bare", r"returned a list whose item 0 is ndarray array\(.*, expected a list of NamedTensor \(outputs \['y'\]\)$"),
+    ("0-d", r"returned output 'y' with shape \[\], expected \[2, 2\]$"),
+])
+def test_malformed_outputs_of_a_padded_batch_are_refused_as_a_lone_requests_are(fault, message) -> None:
+    """Defect: the padding rows were cut off before the outputs were checked: a bare array failed the batch with
+    "AttributeError: 'numpy.ndarray' object has no attribute 'name'", logged as a crash and naming no output."""
+    async def scenario() -> None:
+        backend = BareArrays(fault)
+        scheduler = ModelScheduler("m", backend, FIXED, 64, 1, ModelStats(), policy())
+        blocker = asyncio.create_task(scheduler.submit(request(-1, rows=2), 2, 0))  # (alone: not padded)
+        await asyncio.sleep(0.05)
+        doomed = [asyncio.create_task(scheduler.submit(request(v), 1, 0)) for v in (1, 2)]
+        await asyncio.sleep(0.05)
+        backend.gate.set()
+        await asyncio.gather(blocker, return_exceptions=True)
+        for task in doomed:
+            with pytest.raises(ModelFailure, match=f"(?s)^model 'm' {message}") as caught:
+                await task
+            assert type(caught.value) is ModelFailure  # the model's fault as check_outputs words it, no crash
+        assert backend.arrays[1].shape == (4, 2)  # the two requests ran padded
+        await scheduler.drain()
+    run(scenario())
+
+
+def test_an_abandoned_padded_batch_with_malformed_outputs_gives_its_instance_back_when_its_thread_ends() -> None:
+    """Defect: the end of the abandoned execution's thread raised in the loop's callback, before the slot it kept
+    was given back: the model ran one instance short for good, was never idle, and counted an execution running."""
+    async def scenario() -> None:
+        backend, stats = BareArrays("bare"), ModelStats()
+        scheduler = ModelScheduler("m", backend, FIXED, 64, 1, stats, policy(max_queue_delay_ms=20))
+        callers = [asyncio.create_task(scheduler.submit(request(v), 1, 0)) for v in (1, 2)]
+        await until(lambda: scheduler.running_threads == 1)
+        assert not await scheduler.drain(0.05, terminate_wait_s=0.05)  # an unload whose grace passed
+        await asyncio.gather(*callers, return_exceptions=True)
+        backend.gate.set()
+        await until(lambda: scheduler.running_threads == 0)
+        await asyncio.sleep(0.05)
+        assert backend.arrays[0].shape == (4, 2)
+        assert scheduler.idle and scheduler._free_slots == 1 and stats.running_executions == 0
+        assert stats.batcher.total_batches == 1 and stats.execution_count == 0  # counted when it ended, as failed
+    run(scenario())
+

@@ -656,6 +656,26 @@ def test_shared_memory_tensors_and_bad_classification_counts_are_refused_directl
         decode_infer_request(negative, None)
 
 
+@pytest.mark.parametrize(("field", "value", "shown"), [
+    ("string_param", "3", "string_param '3'"),
+    ("double_param", 3.0, "double_param 3.0"),
+    ("bool_param", True, "bool_param True"),
+    (None, None, "no value"),
+])
+def test_a_classification_count_of_the_wrong_type_is_named_by_its_field_and_value(field, value, shown):
+    """Defect: it read "got 'a string_param'" (and "got 'a None'"), as though the client had sent that text."""
+    request = _request()
+    requested = request.outputs.add(name="y")
+    if field is None:
+        requested.parameters["classification"].SetInParent()  # present, no field of it set
+    else:
+        setattr(requested.parameters["classification"], field, value)
+    message = (f"model 'm': output 'y': parameter 'classification' must be a non-negative integer count of classes "
+               f"(int64_param or uint64_param), got {shown}")
+    with pytest.raises(InvalidArgument, match=f"^{re.escape(message)}$"):
+        decode_infer_request(request, None)
+
+
 def test_large_requests_keep_raw_inputs_as_views_of_the_wire_bytes():
     from nereid.protocol.grpc_codec import parse_infer_request
 
