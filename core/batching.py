@@ -75,7 +75,7 @@ class BatchPolicy:
         if too_big:
             raise ConfigError(f"{origin}.batching.preferred_batch_sizes: must not exceed max_batch_size {cap}, "
                               f"got {list(settings.preferred_batch_sizes)}")
-        return cls(True, cap, int(settings.max_queue_delay_ms * 1_000_000), settings.preferred_batch_sizes,
+        return cls(True, cap, round(settings.max_queue_delay_ms * 1_000_000), settings.preferred_batch_sizes,
                    settings.max_batch_cost)
 
     def over_budget(self, cost: int) -> bool:

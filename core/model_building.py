@@ -13,10 +13,12 @@ from typing import Any, Callable, Mapping, TypeVar
 
 from nereid.backend import CallsModels, HasBatchSignature, Model, ModelContext, missing_model_parts
 from nereid.batching import BatchPolicy
-from nereid.errors import ConfigError, NereidError, backend_exit, calling_plugin, describe_exception
+from nereid.errors import (ConfigError, NereidError, backend_exit, calling_plugin, describe_exception,
+                           same_kind)
 from nereid.plugins import NereidPluginManager, claim_folder
 from nereid.runtime_options import LayeredRuntime
 from nereid.signature import ModelSignature, brief_repr
+from nereid.triton_hints import folder_hint
 
 T = TypeVar("T")
 
@@ -49,9 +51,17 @@ def build_model(manager: NereidPluginManager, context: ModelContext,
     A ``sys.exit()`` (or any exit) in the backend's code is its failure, a
     ConfigError naming the model, never an exit of the server or the check.
     """
-    return calling_plugin(
-        lambda: _build_model(manager, context, backend_defaults, defaults_source),
-        lambda exit_: backend_exit(context.name, exit_, "while loading it"))
+    try:
+        return calling_plugin(
+            lambda: _build_model(manager, context, backend_defaults, defaults_source),
+            lambda exit_: backend_exit(context.name, exit_, "while loading it"))
+    except ConfigError as err:
+        # A Triton folder a backend was told to take (nereid.yaml's backend:) failed on the files it lacks
+        # ("missing main.py") without a word of what the folder is.
+        hint = folder_hint(context.folder)
+        if hint is None or hint in str(err):
+            raise
+        raise same_kind(err, f"{err}; {hint}") from err.__cause__
 
 
 def _build_model(manager: NereidPluginManager, context: ModelContext,

@@ -98,8 +98,9 @@ def describe_config(name: str, model: LoadedModel, settings: ModelSettings) -> M
         return TensorInfo(spec.name, spec.dtype.kserve, tuple(spec.dims))
 
     policy = model.scheduler.policy
-    # Off for max_batch_size 0 or `batching: enabled: false`: what the scheduler really does.
-    batching = DynamicBatching(policy.max_delay_ns // 1000, tuple(policy.preferred_sizes)) if policy.enabled else None
+    # Off for max_batch_size 0 or `batching: enabled: false`: what the scheduler really does. Rounded, not cut: a
+    # Triton config's 1001 us, written as 1.001 ms, came back as 1000.
+    batching = DynamicBatching(round(policy.max_delay_ns / 1000), tuple(policy.preferred_sizes)) if policy.enabled else None
     device = settings.device
     # The scheduler's count: a meta model runs up to queue_capacity orchestrations, whatever `instances` says.
     group = InstanceGroup(model.scheduler.instances, "KIND_GPU" if device.is_gpu else "KIND_CPU",

@@ -29,6 +29,7 @@ from pluggy._hooks import _SubsetHookCaller  # (pluggy's own subset caller; see 
 from nereid import hookspecs
 from nereid.backend import BackendClaim
 from nereid.errors import ConfigError, cap_message, describe_exception, plugin_failures
+from nereid.triton_hints import folder_hint
 
 log = logging.getLogger(__name__)
 
@@ -442,7 +443,8 @@ def claim_folder(manager: NereidPluginManager, folder: Path, backend: str | None
             return ClaimResult(None, f"the folder {folder} is gone (deleted or moved while it was being loaded)")
         failures = "".join(f"; {manager.describe(name)} is taken as not claiming it: its nereid_claim_model {what}"
                            for name, what in asked.failures)
-        hints = "".join(f"; {hint}" for hint in [*_hints(manager, folder), *_triton_hint(folder)])
+        triton = folder_hint(folder)
+        hints = "".join(f"; {hint}" for hint in [*_hints(manager, folder), *([triton] if triton else [])])
         left_out = manager.left_out_names()
         unusable = (f"; plugin(s) left out at start-up (the log and nereid check say why): {', '.join(left_out)}"
                     if left_out else "")
@@ -453,16 +455,6 @@ def claim_folder(manager: NereidPluginManager, folder: Path, backend: str | None
     names = ", ".join(sorted(name for name, _ in asked.claims))
     return ClaimResult(None, f"several backends claim the folder {folder} ({names}); "
                              "set backend: in nereid.yaml to choose one")
-
-
-def _triton_hint(folder: Path) -> list[str]:
-    """A hint for a folder laid out for Triton (its config.pbtxt), which no backend reads: where the README maps it."""
-    try:
-        triton = (folder / "config.pbtxt").is_file()
-    except OSError:
-        return []
-    return (["it looks like a Triton model folder (config.pbtxt): nereid reads no config.pbtxt and no version "
-             "folders; the README's 'Coming from Triton' maps each part"] if triton else [])
 
 
 def _claim_signs(manager: NereidPluginManager) -> str:

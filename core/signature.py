@@ -26,6 +26,7 @@ from nereid.dtypes import DType
 from nereid.errors import ConfigError, InvalidArgument, ModelFailure, PublicText, cap_message
 from nereid.files import read_text_file
 from nereid.tensors import NamedTensor
+from nereid.triton_hints import datatype_hint, textproto_hint
 
 TEXTPROTO_NAME = "model_inference.textproto"
 
@@ -104,7 +105,8 @@ def load_textproto_signature(path: Path) -> ModelSignature:
     try:
         text_format.Parse(text, message)
     except text_format.ParseError as err:
-        raise ConfigError(cap_message(f"{path}:{_parse_problem(err, text)}")) from None
+        problem = _parse_problem(err, text)
+        raise ConfigError(cap_message(f"{path}:{problem}{textproto_hint(problem)}")) from None
     except RecursionError:
         raise ConfigError(f"{path}: nested too deeply to parse") from None
     return _signature_from_message(message, path, _shapes_written(text))
@@ -192,7 +194,8 @@ def _tensor_spec(name: str, data_type: str, dims, where: str, path: Path) -> Ten
     except ValueError as err:
         # (Only the single form has a default, FP32: a block without data_type said "unknown datatype ''".)
         problem = "missing" + str(err).removeprefix("unknown datatype ''") if not data_type else str(err)
-        raise ConfigError(f"{path}: {where} ({name}): data_type: {problem}") from None
+        hint = datatype_hint(data_type)
+        raise ConfigError(f"{path}: {where} ({name}): data_type: {problem}{f'; {hint}' if hint else ''}") from None
     for dim in dims:
         if dim == 0 or dim < -1:
             raise ConfigError(

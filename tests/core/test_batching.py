@@ -186,3 +186,10 @@ def test_the_padding_rows_of_a_bytes_input_are_empty_bytes() -> None:
     [stacked] = stack_rows([first, second], rows=4)
     assert stacked.data.tolist() == [b"ab", b"cd", b"", b""]
     assert all(type(element) is bytes for element in stacked.data)
+
+
+def test_a_delay_in_milliseconds_is_rounded_to_the_nanosecond_not_cut() -> None:
+    """Found by a hunt acting as a Triton user: max_queue_delay_microseconds 1001 written as 1.001 ms came back
+    from ModelConfig as 1000 (1.001 * 1e6 is 1000999.99...), 2,985 of the values 1 to 200,000 us one less."""
+    assert policy(max_queue_delay_ms=1.001).max_delay_ns == 1_001_000
+    assert all(policy(max_queue_delay_ms=us / 1000).max_delay_ns == us * 1000 for us in range(1, 20_001))

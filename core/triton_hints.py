@@ -1,0 +1,78 @@
+"""Hints for a Triton user: what a Triton model folder, or a config.pbtxt copied into a textproto, becomes here.
+
+nereid reads no ``config.pbtxt`` and no version folders (the README's
+"Coming from Triton" maps each part). Without a hint, such a user got only
+protobuf's "has no field named ..." or the generic list of each backend's files.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from pathlib import Path
+
+COMING_FROM_TRITON = "the README's 'Coming from Triton' maps each part"
+# How many entries of a folder are looked at for version folders (a folder of thousands costs no more).
+_SCANNED_ENTRIES = 64
+# Triton's model file names in a version folder (its backends' defaults), when no config.pbtxt says more.
+_TRITON_MODEL_FILE = re.compile(r"model\.(py|onnx|plan|pt|savedmodel|graphdef|netdef)$")
+
+# config.pbtxt fields a textproto cannot hold, and where each goes here.
+_TRITON_FIELDS = {
+    "dynamic_batching": "dynamic batching is nereid.yaml's batching: (max_queue_delay_ms, preferred_batch_sizes)",
+    "instance_group": "instances are nereid.yaml's instances: and device:",
+    "name": "a model's name is its folder's",
+    "backend": "a model's backend is told by its files (or nereid.yaml's backend:)",
+    "platform": "a model's backend is told by its files (or nereid.yaml's backend:)",
+    "optional": "nereid has no optional inputs: every declared input is sent (a -1 dim lets a client send one "
+                "with no elements)",
+    "version_policy": "every model has the one version 1",
+    "reshape": "nereid has no reshape: declare the shape the model takes",
+}
+
+
+def folder_hint(folder: Path) -> str | None:
+    """``it looks like a Triton model folder (...)`` when ``folder`` holds a config.pbtxt, or a version folder
+    with a Triton model file (``1/model.onnx``: Triton completes the config of some backends itself); else None."""
+    try:
+        if (folder / "config.pbtxt").is_file():
+            return _looks_like("config.pbtxt")
+        for entry in itertools.islice(folder.iterdir(), _SCANNED_ENTRIES):
+            if entry.name.isdigit() and entry.is_dir():
+                model_file = next((f.name for f in itertools.islice(entry.iterdir(), _SCANNED_ENTRIES)
+                                   if _TRITON_MODEL_FILE.match(f.name)), None)
+                if model_file is not None:
+                    return _looks_like(f"{entry.name}/{model_file}")
+    except OSError:
+        return None
+    return None
+
+
+def _looks_like(sign: str) -> str:
+    return (f"it looks like a Triton model folder ({sign}): nereid reads no config.pbtxt and no version folders; "
+            f"{COMING_FROM_TRITON}")
+
+
+def textproto_hint(problem: str) -> str:
+    """What to add to protobuf's ``problem`` with a model_inference.textproto written as a config.pbtxt ("" when
+    it is no such problem): a Triton field, or an unquoted ``TYPE_FP32``."""
+    field = re.search(r'has no field named "(\w+)"', problem)
+    if field is not None:
+        where = _TRITON_FIELDS.get(field.group(1))
+        if where is not None:
+            return f" ({field.group(1)} is a field of Triton's config.pbtxt: {where}; {COMING_FROM_TRITON})"
+        return ""
+    enum = re.search(r"Expected string but found: '(TYPE_\w+)'", problem)
+    if enum is not None:
+        return f" ({datatype_hint(enum.group(1))})"
+    return ""
+
+
+def datatype_hint(data_type: str) -> str:
+    """For a datatype spelled as Triton spells it (``TYPE_FP32``, ``STRING``), the spelling here; "" otherwise."""
+    bare = data_type.removeprefix("TYPE_")
+    if bare == "STRING":
+        return 'write data_type: "BYTES" (KServe\'s name for Triton\'s TYPE_STRING)'
+    if bare != data_type:
+        return f'write data_type: "{bare}" (KServe\'s name for Triton\'s {data_type}, quoted)'
+    return ""
