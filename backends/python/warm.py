@@ -34,6 +34,10 @@ REPLY_TIMEOUT_S = 30.0    # the parent answers a fork at once; this only bounds 
 STOP_GRACE_S = 5.0
 MAX_REPLY_BYTES = 4096
 STARTUP_TAIL_BYTES = 2000
+# Parents in a row that ended while starting (killed, crashed, silent) before a model goes cold: one that always
+# dies (an installed module that now crashes the interpreter as it is imported) is not started again at every batch.
+MAX_START_DEATHS = 3
+WATCH_RETRY_S = 0.2  # how soon the exit watcher tries again to clear a dead parent whose model was busy
 
 
 class WarmStartUnavailable(Exception):
@@ -47,6 +51,24 @@ class EntryImportFailed(WarmStartUnavailable):
     cold instead, as for any other reason it cannot preload (the model is
     already serving, and the import may work again).
     """
+
+
+class WarmParentDied(WarmStartUnavailable):
+    """The warm parent ended while it started, before it answered: killed (the out-of-memory killer), crashed,
+    exited, or silent until START_TIMEOUT_S and killed.
+
+    A fault of that process, not a verdict on its imports: a restart
+    starts another one (see ``WarmParent._restart``); a load that meets it
+    runs the model cold, as for any WarmStartUnavailable. ``how`` says how
+    it ended (``was killed by signal SIGKILL``), ``killed`` whether a signal
+    ended it (not ours: one silent until START_TIMEOUT_S is ``timed_out``).
+    """
+
+    def __init__(self, message: str, how: str, *, killed: bool, timed_out: bool) -> None:
+        super().__init__(message)
+        self.how = how
+        self.killed = killed
+        self.timed_out = timed_out
 
 
 class WarmParent:
@@ -71,6 +93,7 @@ class WarmParent:
         self._lock = threading.Lock()
         self._process: subprocess.Popen | None = None
         self._control: socket.socket | None = None
+        self._start_deaths = 0  # parents in a row that ended while starting (see _restart)
 
     # -- life cycle -------------------------------------------------------
     def start(self) -> None:
@@ -100,14 +123,30 @@ class WarmParent:
         if line != "ready":
             ours.close()
             _end(process)
-            if line.startswith("broken "):
+            if line is not None and line.startswith("broken "):
                 raise EntryImportFailed(line.removeprefix("broken "))
-            if line.startswith("fallback "):
+            if line is not None and line.startswith("fallback "):
                 raise WarmStartUnavailable(line.removeprefix("fallback "))
-            tail = self.log_path.read_bytes()[-STARTUP_TAIL_BYTES:].decode("utf-8", errors="replace").strip()
-            raise WarmStartUnavailable(f"the warm parent did not start ({line or 'no answer'})"
-                                       + (f"; output tail: {tail}" if tail else ""))
+            tail = self._log_tail()
+            tail = f"; output tail: {tail}" if tail else ""
+            if line is None:
+                how = f"did not answer within {START_TIMEOUT_S:g} s and was killed"
+                raise WarmParentDied(f"the warm parent {how} while starting{tail}", how, killed=False,
+                                     timed_out=True)
+            if not line:  # its answer's pipe closed unanswered: it ended (no answer is ever written by halves)
+                how = _describe_exit(process.returncode)
+                raise WarmParentDied(f"the warm parent {how} while starting{tail}", how,
+                                     killed=process.returncode < 0, timed_out=False)
+            raise WarmStartUnavailable(f"the warm parent did not start ({line}){tail}")
         self._process, self._control = process, ours
+        _EXITS.watch(self, process)
+
+    def _log_tail(self) -> str:
+        """The end of the parent's log (what its imports printed, a traceback), or "" when it cannot be read."""
+        try:
+            return self.log_path.read_bytes()[-STARTUP_TAIL_BYTES:].decode("utf-8", errors="replace").strip()
+        except OSError:  # the scratch folder removed meanwhile: the reason is told without it
+            return ""
 
     def _prepare_folder(self) -> None:
         """Give the parent what its start reads and writes: its log's folder, its temporary folder (TMPDIR), and
@@ -209,7 +248,7 @@ class WarmParent:
                                                   f"(pid {parent.pid}) did not report its end within "
                                                   f"{STOP_GRACE_S:g} s (stopped or wedged?)")
         if "status" not in ended:
-            raise self._died("it ended while the run was in progress")
+            raise self._died(parent, "it ended while the run was in progress")
         return ProcessResult(ended["status"], not exited, tail, terminated)
 
     @staticmethod
@@ -254,7 +293,7 @@ class WarmParent:
                         f"model '{self.name}': this run's request to its warm parent ({len(message)} bytes: its "
                         "environment, with every tensor name, dtype and shape) is more than one message of a "
                         "local socket holds here (net.core.wmem_default); shorten the tensor names") from None
-                raise self._not_started(f"sending it the run failed: {err.strerror or err}") from None
+                raise self._not_started(parent, f"sending it the run failed: {err.strerror or err}") from None
             finally:
                 os.close(stdin_read)
                 os.close(output_write)
@@ -269,7 +308,7 @@ class WarmParent:
                                    f"not answer within {REPLY_TIMEOUT_S:g} s; the batch was not run; the parent "
                                    "was killed, and the next batch starts a new one")
             if "pid" not in started:
-                raise self._not_started("it did not fork the run")
+                raise self._not_started(parent, "it did not fork the run")
         except BaseException:
             os.close(stdin_write)
             os.close(output_read)
@@ -281,51 +320,109 @@ class WarmParent:
         """The running parent (started, or restarted if found dead) and its control socket."""
         with self._lock:
             if self._process is not None and self._process.poll() is not None:
-                log.warning("model '%s': warm parent (pid %d) %s; starting a new one", self.name,
-                            self._process.pid, _describe_exit(self._process.returncode))
-                assert self._control is not None
-                self._control.close()
-                self._process = self._control = None
+                self._forget(self._process, "starting a new one")
             if self._process is None:
-                try:
-                    self._start()
-                except WarmStartUnavailable as err:
-                    if not self.modules or self.cold_argv is None:
-                        raise ModelFailure(f"model '{self.name}': its warm parent could not be restarted: "
-                                           f"{err}") from None
-                    # Its imports changed under it (one now fails, starts a thread or initialises CUDA): run cold from
-                    # now on, as a load finding the same would.
-                    log.warning("model '%s': its restarted warm parent cannot preload (%s); from now on every "
-                                "batch starts a fresh interpreter", self.name, err)
-                    self.modules, self.cold_reason = Preloads(), str(err)
-                    try:
-                        self._start()
-                    except WarmStartUnavailable as again:
-                        raise ModelFailure(f"model '{self.name}': its warm parent could not be restarted: "
-                                           f"{again}") from None
+                self._restart()
             assert self._process is not None and self._control is not None
             return self._process, self._control
 
-    def _not_started(self, what: str) -> ModelFailure | _RunNotStarted:
-        """The failure of a run the parent never started (its end of the sockets closed): _RunNotStarted
-        (sent again) once the parent has exited; the failure itself should it still run after the grace
-        (no new parent is started for a running one, so sending the batch again would go to it once more)."""
-        failure = self._died(what)
-        process = self._process
-        return _RunNotStarted(failure) if process is None or process.poll() is not None else failure
+    def _forget(self, process: subprocess.Popen, then: str) -> None:
+        """Let go of ``process``, our parent found exited (and reaped): its control socket and lifeline are
+        closed. Under the lock."""
+        log.warning("model '%s': warm parent (pid %d) %s; %s", self.name, process.pid,
+                    _describe_exit(process.returncode), then)
+        assert self._control is not None
+        self._control.close()
+        if process.stdin is not None:
+            process.stdin.close()
+        self._process = self._control = None
 
-    def _died(self, what: str) -> ModelFailure:
-        """The failure of a run whose parent died; the parent is reaped so the reason is known: ModelKilled
-        when a signal ended it (the OOM killer's SIGKILL, a crash), a plain ModelFailure otherwise."""
-        process = self._process
-        reason, fault = "is not running", ModelFailure
-        if process is not None:
-            # The socket closed, so the parent is exiting right now.
-            if wait_for_exit(process, STOP_GRACE_S):
-                reason = _describe_exit(process.returncode)
-                fault = ModelKilled if process.returncode < 0 else ModelFailure
-            else:
-                reason = "stopped answering"
+    def _parent_exited(self, process: subprocess.Popen) -> bool:
+        """Told by the exit watcher that ``process``, a parent of ours, has exited: reap it and close its
+        descriptors now, not at the model's next batch (a model may stay idle for hours). The next batch starts
+        a new one, as ever. False when that cannot be done at once (another thread holds the parent, and may
+        well be clearing it itself): the watcher asks again shortly."""
+        if not self._lock.acquire(blocking=False):  # a start holds it for as long as its imports take
+            return False
+        try:
+            if self._process is not process:  # stopped, or found dead by a batch: reaped already
+                return True
+            if process.poll() is None:  # a thread waiting on it holds its waitpid lock: it reaps it
+                return False
+            self._forget(process, "the model's next batch starts a new one")
+            return True
+        finally:
+            self._lock.release()
+
+    def _restart(self) -> None:
+        """Start a parent for a batch that found none running (the last one died). Under the lock.
+
+        A parent that dies while it starts (killed again, as an out-of-memory
+        killer acting twice does) tells nothing about its imports: another one
+        is started for the batch, which had not run, as a batch whose parent
+        died before forking it is sent once more. Should that one die too (or
+        one be silent until START_TIMEOUT_S), the batch fails saying how it
+        ended, and the next batch tries warm again. Only the parent's own answer
+        (a preload that now fails, starts a thread or initialises CUDA) turns
+        warm start off, or MAX_START_DEATHS parents in a row ending so: one that
+        always dies is not started again at every batch.
+        """
+        for attempt in (1, 2):
+            try:
+                self._start()
+                self._start_deaths = 0
+                return
+            except WarmParentDied as err:
+                self._start_deaths += 1
+                if self._start_deaths >= MAX_START_DEATHS and self.modules and self.cold_argv is not None:
+                    self._go_cold("its warm parents keep ending while they start",
+                                  f"{self._start_deaths} warm parents in a row ended while starting, the last one "
+                                  f"{err.how}")
+                    return
+                if attempt == 2 or err.timed_out:  # (one silent for minutes is not waited on twice per batch)
+                    fault = ModelKilled if err.killed else ModelFailure
+                    raise fault(f"model '{self.name}': its new warm parent process {err.how} while starting"
+                                f"{', as did the one started before it' if attempt == 2 else ''}; the batch was "
+                                "not run, and the next batch starts a new one") from None
+                log.warning("model '%s': %s; starting another for the batch", self.name, err)
+            except WarmStartUnavailable as err:
+                if not self.modules or self.cold_argv is None:
+                    raise ModelFailure(f"model '{self.name}': its warm parent could not be restarted: "
+                                       f"{err}") from None
+                # Its imports changed under it (one now fails, starts a thread or initialises CUDA): run cold from
+                # now on, as a load finding the same would.
+                self._go_cold("its restarted warm parent cannot preload", str(err))
+                return
+
+    def _go_cold(self, what: str, reason: str) -> None:
+        """Run every batch from now on in a fresh interpreter, forked by a parent that preloads nothing, for
+        ``reason`` (shown by ``nereid check``). Under the lock."""
+        log.warning("model '%s': %s (%s); from now on every batch starts a fresh interpreter", self.name, what,
+                    reason)
+        self.modules, self.cold_reason = Preloads(), reason
+        try:
+            self._start()
+        except WarmStartUnavailable as again:
+            fault = ModelKilled if isinstance(again, WarmParentDied) and again.killed else ModelFailure
+            raise fault(f"model '{self.name}': its warm parent could not be restarted: {again}") from None
+
+    def _not_started(self, process: subprocess.Popen, what: str) -> ModelFailure | _RunNotStarted:
+        """The failure of a run ``process`` (its parent) never started (its end of the sockets closed):
+        _RunNotStarted (sent again) once the parent has exited; the failure itself should it still run after the
+        grace (no new parent is started for a running one, so sending the batch again would go to it once more)."""
+        failure = self._died(process, what)
+        return _RunNotStarted(failure) if process.poll() is not None else failure
+
+    def _died(self, process: subprocess.Popen, what: str) -> ModelFailure:
+        """The failure of a run whose parent, ``process``, died; the parent is reaped so the reason is known:
+        ModelKilled when a signal ended it (the OOM killer's SIGKILL, a crash), a plain ModelFailure otherwise.
+        (The parent the run went to: by now the exit watcher may have let go of it.)"""
+        # The socket closed, so the parent is exiting right now.
+        if wait_for_exit(process, STOP_GRACE_S):
+            reason = _describe_exit(process.returncode)
+            fault = ModelKilled if process.returncode < 0 else ModelFailure
+        else:
+            reason, fault = "stopped answering", ModelFailure
         return fault(f"model '{self.name}': its warm parent process {reason} ({what}); "
                      "it is restarted for the next request")
 
@@ -337,6 +434,74 @@ class _RunNotStarted(Exception):
     def __init__(self, failure: ModelFailure) -> None:
         super().__init__(str(failure))
         self.failure = failure
+
+
+class _ExitWatcher:
+    """Notices warm parents that exit while their model is idle (killed by the out-of-memory killer, say), so
+    that each is reaped and its control socket and lifeline closed at once: a batch would otherwise be the first
+    to look, and a rarely used model kept a zombie and two descriptors for as long as it had no traffic.
+
+    One daemon thread for every parent of the process, waiting on their
+    pidfds (as ``wait_for_exit`` waits on one); it runs only while there are
+    parents to watch. A pidfd is the watcher's own, closed once its parent has
+    exited, so a parent's own descriptors are never polled while it closes them.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._watched: dict[int, tuple[WarmParent, subprocess.Popen]] = {}  # by pidfd
+        self._thread: threading.Thread | None = None
+        self._wake: tuple[int, int] | None = None  # a pipe that has the thread look at _watched again
+
+    def watch(self, parent: WarmParent, process: subprocess.Popen) -> None:
+        """Have ``parent`` told (``_parent_exited``) when ``process``, its running parent and our child, exits."""
+        try:
+            pidfd = os.pidfd_open(process.pid)  # not reaped yet (nothing but its owner reaps it), so still ours
+        except OSError as err:  # out of descriptors: its next batch finds it dead, as ever
+            log.debug("model '%s': warm parent (pid %d) not watched: %s", parent.name, process.pid, err)
+            return
+        with self._lock:
+            self._watched[pidfd] = (parent, process)
+            if self._wake is None:
+                self._wake = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="nereid-warm-parent-exits", daemon=True)
+                self._thread.start()
+                return
+        try:
+            os.write(self._wake[1], b"\0")
+        except BlockingIOError:  # full of wake-ups the thread has yet to read: it looks again anyway
+            pass
+
+    def _run(self) -> None:
+        busy: list[tuple[WarmParent, subprocess.Popen]] = []  # exited, but their model held them: asked again
+        while True:
+            with self._lock:
+                if not self._watched and not busy:
+                    self._thread = None  # a watch from now on starts another thread
+                    return
+                assert self._wake is not None
+                wake, pidfds = self._wake[0], list(self._watched)
+            poller = select.poll()
+            for fd in (wake, *pidfds):
+                poller.register(fd, select.POLLIN)
+            ready = {fd for fd, _ in poller.poll(int(WATCH_RETRY_S * 1000) if busy else None)}
+            if wake in ready:
+                while True:
+                    try:
+                        if not os.read(wake, 4096):
+                            break
+                    except BlockingIOError:
+                        break
+            exited = []
+            with self._lock:
+                for fd in ready & self._watched.keys():
+                    exited.append(self._watched.pop(fd))
+                    os.close(fd)
+            busy = [(parent, process) for parent, process in busy + exited if not parent._parent_exited(process)]
+
+
+_EXITS = _ExitWatcher()
 
 
 def _run_channels() -> tuple[int, int, int, int, socket.socket, socket.socket]:
@@ -356,15 +521,16 @@ def _run_channels() -> tuple[int, int, int, int, socket.socket, socket.socket]:
     return stdin_read, stdin_write, output_read, output_write, reply, theirs
 
 
-def _read_line(fd: int, deadline: float) -> str:
-    """One line from ``fd`` (the parent's stdout), waiting at most until ``deadline``."""
+def _read_line(fd: int, deadline: float) -> str | None:
+    """One line from ``fd`` (the parent's stdout), waiting at most until ``deadline``: "" when it closed with
+    none, None at the deadline."""
     data = b""
     poller = select.poll()
     poller.register(fd, select.POLLIN)
     while b"\n" not in data:
         remaining_ms = int((deadline - time.monotonic()) * 1000)
         if remaining_ms <= 0 or not poller.poll(remaining_ms):
-            return f"no answer within {START_TIMEOUT_S:g} s"
+            return None
         chunk = os.read(fd, 65536)
         if not chunk:
             break

@@ -1,0 +1,187 @@
+"""A warm parent that dies on its own: while it restarts (before it says ready), and while its model is idle.
+
+Real warm parents, started and driven as the python backend drives them (a
+:class:`WarmParent` in this process), killed with ``os.kill`` as the
+out-of-memory killer kills them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from nereid.backends.python.plugin import cold_command
+from nereid.backends.python.preload import Preloads
+from nereid.backends.python.warm import MAX_START_DEATHS, WarmParent
+from nereid.backends.subprocess.runner import ProcessGroups
+from nereid.errors import ModelKilled
+
+from support import process_alive, wait_until, zombie_children
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the warm parent needs Linux")
+
+# Preloaded by the parent: while the file NEREID_TEST_STALL names exists, it writes its pid beside it (one file
+# per parent) and sleeps, a parent still importing; while NEREID_TEST_DIE names one, it kills itself (a module
+# that now crashes the interpreter).
+STALLS_IF_ASKED = """
+import os, signal, time
+stall, die = os.environ["NEREID_TEST_STALL"], os.environ["NEREID_TEST_DIE"]
+if os.path.exists(die):
+    os.kill(os.getpid(), signal.SIGKILL)
+if os.path.exists(stall):
+    with open(f"{stall}.{os.getpid()}", "w") as pid_file:
+        pid_file.write(str(os.getpid()))
+    time.sleep(60)
+"""
+
+
+class Model:
+    """A model folder whose warm parent preloads ``stalls_if_asked``, and the switches that module reads."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.folder = tmp_path / "model"
+        self.folder.mkdir()
+        (self.folder / "main.py").write_text("import sys\nsys.stdin.buffer.read()\n")
+        site = tmp_path / "site"
+        site.mkdir()
+        (site / "stalls_if_asked.py").write_text(STALLS_IF_ASKED)
+        self.stall, self.die = tmp_path / "stall", tmp_path / "die"
+        scratch = tmp_path / "scratch"
+        scratch.mkdir()
+        env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(site), "NEREID_TEST_STALL": str(self.stall),
+               "NEREID_TEST_DIE": str(self.die)}
+        self.parent = WarmParent(name="m", folder=self.folder, env=env, modules=Preloads(extra=("stalls_if_asked",)),
+                                 log_path=scratch / "log", entry_source=scratch / "main.py.loaded",
+                                 entry_bytes=(self.folder / "main.py").read_bytes(), cold_argv=cold_command())
+
+    def run(self) -> int:
+        """One batch; its exit status."""
+        return self.parent.run(env={}, stdin=b"x", timeout_s=30, groups=ProcessGroups()).returncode
+
+    def stalled_parents(self) -> list[int]:
+        """The pids of the parents stalled in their imports so far, oldest first."""
+        files = sorted(self.stall.parent.glob(f"{self.stall.name}.*"), key=lambda file: file.stat().st_mtime_ns)
+        return [int(file.read_text() or 0) for file in files]
+
+    def stop(self) -> None:
+        self.parent.stop()
+        for pid in self.stalled_parents():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def model(tmp_path):
+    model = Model(tmp_path)
+    model.parent.start()
+    yield model
+    model.stop()
+
+
+def kill_the_restarting_parents(model: Model, count: int) -> list[int]:
+    """Kill (SIGKILL) the next ``count`` parents started, each as it stalls in its imports, unstalling the last
+    before it is killed; the pids killed."""
+    killed: list[int] = []
+    while len(killed) < count:
+        pid = wait_until(lambda: next((pid for pid in model.stalled_parents() if pid and pid not in killed), None))
+        assert pid, f"no new warm parent stalled in its imports after {killed}"
+        if len(killed) == count - 1:
+            model.stall.unlink()  # the parent started after this one imports at once
+        os.kill(pid, signal.SIGKILL)
+        killed.append(pid)
+    return killed
+
+
+def run_in_background(model: Model) -> tuple[list, threading.Thread]:
+    """One batch on a thread of its own: its exit status, or what it raised, is appended to the list."""
+    outcome: list = []
+
+    def run() -> None:
+        try:
+            outcome.append(model.run())
+        except Exception as err:  # the test looks at it
+            outcome.append(err)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return outcome, thread
+
+
+def test_a_parent_killed_while_it_restarts_is_started_again_and_the_model_stays_warm(model, no_zombies):
+    """Defect (found by a leak hunt): a restarted parent killed before it said ready (an out-of-memory killer
+    acting twice) was taken for one whose imports now fail: the model ran cold until reloaded, logging "its
+    restarted warm parent cannot preload (the warm parent did not start (no answer))"."""
+    first = model.parent.pid
+    os.kill(first, signal.SIGKILL)
+    model.stall.write_text("")
+    outcome, thread = run_in_background(model)
+    killed = kill_the_restarting_parents(model, 1)
+    thread.join(30)
+    assert outcome == [0]  # the batch, which had not run, went to the parent started after the killed one
+    assert model.parent.cold_reason is None
+    assert model.parent.modules == Preloads(extra=("stalls_if_asked",))  # still preloaded: warm
+    assert process_alive(model.parent.pid) and model.parent.pid not in (first, *killed)
+    assert model.run() == 0 and model.parent.cold_reason is None
+
+
+def test_a_batch_whose_restarting_parents_are_killed_twice_fails_saying_so_and_the_next_runs_warm(model, no_zombies):
+    first = model.parent.pid
+    os.kill(first, signal.SIGKILL)
+    model.stall.write_text("")
+    outcome, thread = run_in_background(model)
+    kill_the_restarting_parents(model, 2)
+    thread.join(30)
+    assert len(outcome) == 1 and isinstance(outcome[0], ModelKilled), outcome
+    assert str(outcome[0]) == ("model 'm': its new warm parent process was killed by signal SIGKILL while starting, "
+                               "as did the one started before it; the batch was not run, and the next batch starts "
+                               "a new one")
+    assert model.parent.pid is None and model.parent.cold_reason is None
+    assert model.run() == 0  # a new parent, warm
+    assert model.parent.cold_reason is None and model.parent.modules == Preloads(extra=("stalls_if_asked",))
+
+
+def test_parents_that_keep_dying_as_they_start_turn_warm_start_off_saying_so(model, no_zombies):
+    # A preloaded module that now kills the interpreter: not started again at every batch for ever.
+    model.die.write_text("")
+    first = model.parent.pid
+    os.kill(first, signal.SIGKILL)
+    assert wait_until(lambda: not process_alive(first))
+    with pytest.raises(ModelKilled, match=r"its new warm parent process was killed by signal SIGKILL while starting, "
+                                          r"as did the one started before it"):
+        model.run()
+    assert MAX_START_DEATHS == 3
+    assert model.run() == 0  # the third death: cold from now on
+    assert model.parent.cold_reason == ("3 warm parents in a row ended while starting, the last one was killed by "
+                                        "signal SIGKILL")
+    assert model.parent.modules == Preloads()
+    assert model.run() == 0
+
+
+def open_descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_parent_that_dies_while_its_model_is_idle_is_reaped_at_once(tmp_path, no_zombies):
+    """Defect (found by a leak hunt): a dead parent was noticed only by its model's next batch; a model without
+    traffic kept it a zombie, with its control socket and lifeline open in the server, for hours."""
+    model = Model(tmp_path)
+    try:
+        model.parent.start()
+        model.parent.stop()  # the watcher's own pipe, made once per process, is open from here on
+        descriptors = open_descriptors()
+        model.parent.start()
+        pid = model.parent.pid
+        os.kill(pid, signal.SIGKILL)
+        assert wait_until(lambda: model.parent.pid is None and pid not in zombie_children(), timeout_s=5), \
+            f"warm parent {pid} left a zombie: {zombie_children()}"
+        assert wait_until(lambda: open_descriptors() == descriptors, timeout_s=2), (open_descriptors(), descriptors)
+        assert model.run() == 0 and process_alive(model.parent.pid)  # the next batch starts a new one, warm
+        assert model.parent.cold_reason is None
+    finally:
+        model.stop()
