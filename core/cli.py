@@ -35,7 +35,7 @@ from nereid.model_building import build_model
 from nereid.model_entry import waiting_for_folder
 from nereid.processes import kill_children, not_ignored
 from nereid.plugins import NereidPluginManager, add_commands, check_backend_defaults, error_text, make_plugin_manager
-from nereid.storage import list_model_folders, materialize_model_folder
+from nereid.storage import StorageError, materialize_model_folder, scan_model_folders
 from nereid.settings import Listeners, Settings, address_problem, load_settings
 
 DEFAULT_CONFIG = Path("nereid.yaml")
@@ -290,6 +290,7 @@ def check(settings: Settings, manager: NereidPluginManager | None = None) -> int
         print(f"{problem.plugin}: {problem.what}")
     problems = 0
     config_problems = 0  # the backends: section's, counted apart: they are no model's
+    listing_problem = ""  # why the model folders could not be listed, when that leaves nothing to check
     try:
         check_backend_defaults(manager, settings.backend_defaults, settings.source)
     except ConfigError as err:
@@ -314,7 +315,18 @@ def check(settings: Settings, manager: NereidPluginManager | None = None) -> int
     unraisable_hook = sys.unraisablehook
     sys.unraisablehook = signals.quiet_unraisable(unraisable_hook)
     try:
-        names = list_model_folders(settings.server)
+        try:
+            names = scan_model_folders(settings.server)
+        except StorageError as err:
+            names = []
+            if settings.models_listed:
+                logging.getLogger("nereid.storage").error("%s", err)  # (each listed model's line has the reason)
+            else:
+                # Every folder is what a server would serve: one that cannot list them serves nothing, and the
+                # store's reason was only a log line on stderr before "OK" and exit 0. (With a models: key each
+                # listed model is looked for by its own prefix, and its line says what failed.)
+                listing_problem = str(err)
+                print(listing_problem)
         if settings.server.ml_backends_url is not None:  # a store that cannot be listed: check the listed models
             names = sorted({*names, *(m.name for m in settings.models)})
         states: dict[str, tuple[str, str]] = {}  # each model as a server would have it at start
@@ -354,12 +366,14 @@ def check(settings: Settings, manager: NereidPluginManager | None = None) -> int
         sys.unraisablehook = unraisable_hook
         remove_scratch_folder(scratch)
     summary = [f"{config_problems} problem(s) in its backends: section"] if config_problems else []
+    if listing_problem:
+        summary.append("its model folders cannot be listed")
     if problems:
         summary.append(f"{problems} model(s) with problems")
     if manager.problems:
         summary.append(f"{len(manager.problems)} plugin problem(s)")
     print(f"{settings.source}: {', '.join(summary) or 'OK'}")
-    return 1 if problems or config_problems or manager.problems else 0
+    return 1 if problems or config_problems or listing_problem or manager.problems else 0
 
 
 NOT_LISTED = "not listed in nereid.yaml"

@@ -18,7 +18,7 @@ from typing import Awaitable, Callable, Coroutine, Protocol, TypeVar
 import pluggy
 
 from nereid.backend import ModelCaller, ModelContext, Relocatable
-from nereid.backend_calls import terminate_backend, unload_backend
+from nereid.backend_calls import on_daemon_thread, terminate_backend, unload_backend
 from nereid.client_paths import ClientPaths
 from nereid.dependent_states import DependentStates, log_unavailable
 from nereid.errors import (ConfigError, NotFound, PublicText, Unavailable, backend_exit, calling_plugin, cap_message,
@@ -34,6 +34,7 @@ from nereid.plugins import check_backend_defaults
 from nereid.settings import Settings
 from nereid.settings_changes import changed_backends, settings_step
 from nereid.stats import ModelStats
+from nereid.store_retries import StartupListing
 from nereid.storage import (StorageError, failure_kind, forget_listed_folder, mirror_leftovers, model_folder_exists,
                             scan_model_folders, store_failed, store_holds_folder)
 from nereid.version_loader import VersionLoader, discard_version
@@ -113,7 +114,17 @@ class ModelRepository:
         # Start-up models count from the first moment, so the server never
         # reports ready before they have loaded.
         self._exposed: set[str] = set()
-        self.rescan()
+        # A store that could not be listed at start with no models: key (and no watcher, which loads the folders
+        # it finds later): ServerReady is false until a listing has answered, and the folders it finds then load
+        # as at start (see list_until_answered). The store's error meanwhile.
+        self._startup_listing: StorageError | None = None
+        self._listed = asyncio.Event()  # set once a listing has answered after the failed one at start
+        self._found_late: list[str] = []  # the folders that listing found, to be loaded as at start
+        scan = self._scan()
+        self._apply_scan(scan)
+        if (scan.error is not None and settings.server.ml_backends_url is not None and not settings.models_listed
+                and not settings.server.watch):
+            self._startup_listing = scan.error
         self._exposed.update(self.startup_models())
         for name in self._exposed:
             self._entries[name].state, self._entries[name].reason = ModelState.LOADING, "waiting to load"
@@ -230,6 +241,8 @@ class ModelRepository:
         known = set(self._entries)
         for name in present or ():  # a local folder or an object store
             self._folder_found(name)
+        if present is not None and self._startup_listing is not None:
+            self._listed_at_last(present)
         for index, settings in enumerate(self.settings.models):
             if settings.name not in self._entries:
                 self._entries[settings.name] = ModelEntry(
@@ -249,6 +262,64 @@ class ModelRepository:
         # fed versioned names must not keep one per name it ever served.
         self._cleanup.drop_mirrors_soon(self.settings.server, scan.leftovers)
 
+    def _listed_at_last(self, present: list[str]) -> None:
+        """The store's listing has answered after the one at start failed (no models: key): every folder it
+        found is a start-up model, counted by ServerReady from now on and waiting for its load (see
+        :meth:`list_until_answered`), unless a client has loaded it or is loading it meanwhile."""
+        self._startup_listing = None
+        for name in present:
+            entry = self._entries[name]
+            if name in self._exposed or entry.loaded is not None or entry.holders:
+                continue
+            self._exposed.add(name)
+            entry.state, entry.reason = ModelState.LOADING, "waiting to load"
+            self._found_late.append(name)
+        self._listed.set()
+        self._state_changed()
+
+    def waiting_for_listing(self) -> bool:
+        """Whether the store could not be listed at start (no models: key, no watcher), and has not been since:
+        see :meth:`list_until_answered`."""
+        return self._startup_listing is not None
+
+    async def list_until_answered(self) -> list[str]:
+        """When the store could not be listed at start (no models: key, no watcher), list it again, ever less
+        often (see :class:`~nereid.store_retries.StartupListing`), until it answers; returns the folders found
+        then, for the server to load as at start ([] when the listing at start answered).
+
+        Another call's listing (a RepositoryIndex, a load) that answers first ends the wait. Each try runs on a
+        daemon thread of its own: a stop cancels this at once, and never waits for a listing the store is slow to
+        answer.
+        """
+        failure = self._startup_listing
+        if failure is None:
+            return []
+        retry = StartupListing(str(self.settings.server.ml_backends_url), failure)
+        while self._startup_listing is not None:
+            try:
+                await asyncio.wait_for(self._listed.wait(), retry.delay_s)
+            except asyncio.TimeoutError:
+                pass
+            if self._startup_listing is None:
+                break
+            try:
+                scan = await on_daemon_thread(functools.partial(self._scan, logged=False), "nereid-store-listing")
+            except Exception as err:  # not the store's (the local cache refusing a mirror folder, say): tried again
+                log.error("%s: listing the model folders failed: %s", self.settings.server.ml_backends_url,
+                          describe_exception(err), exc_info=err)
+                retry.failed(err)
+                continue
+            self._apply_scan(scan)
+            if scan.error is not None and self._startup_listing is not None:
+                retry.failed(scan.error)
+        # (Less any a client has unloaded since: an unload lists the store too, and may have been the one.)
+        found = [name for name in self._found_late if name in self._exposed]
+        self._found_late = []
+        log.info("%s: the model folders are listed at last (%d failed tr%s since the start); loading %s",
+                 self.settings.server.ml_backends_url, retry.tries, "y" if retry.tries == 1 else "ies",
+                 ", ".join(f"'{name}'" for name in found) or "nothing (no model folder there)")
+        return found
+
     def _folder_found(self, name: str) -> None:
         """Give the folder ``name``, just seen, an entry unless it has one."""
         if name not in self._entries:
@@ -256,19 +327,22 @@ class ModelRepository:
             # In dynamic mode the watcher loads every folder added once it has settled; say so rather than ask
             # for a load. Not for a folder there before it started watching: it never loads that one by itself.
             unlisted = (f"new folder: it loads once it has been unchanged for server.watch_settle_ms "
-                        f"({server.watch_settle_ms:g} ms)" if server.watch and self._watched else NOT_LISTED_REASON)
+                        f"({server.watch_settle_ms:g} ms)" if server.watch and self._watched
+                        # Nothing is listed in nereid.yaml: every folder loads once the store's listing answers.
+                        else _WAITING_FOR_LISTING if self._startup_listing is not None else NOT_LISTED_REASON)
             settings, origin = self.settings.model_or_default(name)
             self._entries[name] = ModelEntry(name, self.root / name, settings, origin, reason=unlisted)
         self._entries[name].folder_seen = True
 
-    def _scan(self) -> RepositoryScan:
-        """The model folders now (blocking); without names, with the error, when they cannot be listed (logged)."""
+    def _scan(self, logged: bool = True) -> RepositoryScan:
+        """The model folders now (blocking); without names, with the error, when they cannot be listed (logged
+        unless not ``logged``: the caller says it its own way)."""
         server = self.settings.server
         try:
             names = scan_model_folders(server)
         except StorageError as err:
-            # Rate-limited: RepositoryIndex rescans, so a client can ask for this line at will.
-            self._scan_errors.error("%s", err)
+            if logged:  # rate-limited: RepositoryIndex rescans, so a client can ask for this line at will
+                self._scan_errors.error("%s", err)
             return RepositoryScan(None, err)
         return RepositoryScan(names, leftovers=tuple(mirror_leftovers(server, names)))
 
@@ -360,8 +434,10 @@ class ModelRepository:
         return any(entry.state is ModelState.LOADING for entry in self.entries())
 
     def server_ready(self) -> bool:
-        """True when every exposed model is READY (Triton's strict readiness)."""
-        return all(self._entries[name].state is ModelState.READY for name in self._exposed if name in self._entries)
+        """True when every exposed model is READY (Triton's strict readiness), and, for a store that could not be
+        listed at start with no models: key, once it has been (it would otherwise be ready serving nothing)."""
+        return self._startup_listing is None and all(self._entries[name].state is ModelState.READY
+                                                     for name in self._exposed if name in self._entries)
 
     async def load(self, name: str, *, retrying: str | None = None, requested: bool = False) -> ModelEntry:
         """Load a model folder, or a loaded one again (see :meth:`reload`). A failure to load leaves it
@@ -376,10 +452,12 @@ class ModelRepository:
         :func:`~nereid.storage.failure_kind`. Failing for that reason again is no news, and is logged at DEBUG,
         not ERROR: a store down for hours, or a key the local disk cannot hold, fails every try the same way.
         """
+        looked_up = False  # a store's listing has just found this very name: not asked about it again
         if name not in self._entries and is_model_folder_name(name):
             # Look again now (off the loop): a store's listing is otherwise reused for a few seconds,
             # and a model just uploaded must load.
             failure = await self.refresh()
+            looked_up = name in self._entries
             if name not in self._entries and self.settings.server.ml_backends_url is not None:
                 # A listing of every folder can miss one (a listing page the store client drops for an
                 # unreadable key): asked for by name, it is looked for by name.
@@ -389,6 +467,7 @@ class ModelRepository:
                     held, failure = False, failure or err
                 if held:
                     self._folder_found(name)
+                    looked_up = True
                 elif failure is not None:
                     # The store did not answer: the folder may well be there. NOT_FOUND would send the client
                     # looking for a typo while the reason (credentials, endpoint) is only in the server's log.
@@ -399,13 +478,12 @@ class ModelRepository:
                     raise _store_cannot_tell(name, failure) from failure
         entry = self.entry(name)
         entry.abandoned = ""  # (this load's own outcome from here on)
-        if (entry.loaded is None and self.settings.server.ml_backends_url is None and not entry.folder.is_dir()
-                and self.settings.model(name) is None):
+        missing = await self._folder_missing(entry, requested and not looked_up)
+        if entry.loaded is None and missing and self.settings.model(name) is None:
             # Nothing keeps the name: its folder is gone, and at most its old model still finishes its requests
             # (a removal draining). The answer for a name that never had a folder.
             raise _no_folder(name)
-        if (requested and entry.loaded is None and self.settings.server.ml_backends_url is None
-                and not entry.folder.is_dir()):
+        if requested and entry.loaded is None and missing:
             # Listed, but nothing to load from: the client's mistake, not the model's fault ("failed to load",
             # INTERNAL); and a version still draining keeps showing UNLOADING.
             raise _listed_without_folder(name, self.settings.server.watch)
@@ -414,8 +492,7 @@ class ModelRepository:
         if entry.loaded is not None:
             # (Not while another operation holds it, a removal under way say: this load waits for it, then
             # answers for the name as it is then.)
-            if (self.settings.server.ml_backends_url is None and not entry.holders
-                    and self.removal_of(name) is None and not entry.folder.is_dir()):
+            if missing and not entry.holders and self.removal_of(name) is None:
                 # Nothing to load from: the client's mistake, not a fault of the model's ("failed to load",
                 # INTERNAL, said the folder went "while it was being loaded").
                 serves = ("until the watcher unloads it" if self.settings.server.watch
@@ -439,6 +516,24 @@ class ModelRepository:
         # Loaded meanwhile, but from other files or settings than the folder's and nereid.yaml's now (a load
         # started before an edit): loaded again, as asked.
         return await self.reload(name, retrying=retrying)
+
+    async def _folder_missing(self, entry: ModelEntry, requested: bool) -> bool:
+        """Whether ``entry``'s folder is not there to load from: locally, no folder; in a store, for a client's
+        load (``requested``), the store answered and holds nothing under its prefix.
+
+        A store that cannot be listed cannot tell (False: the load goes on and reports the store's failure). A
+        load nobody asked for (at start, nereid.yaml's, the watcher's) is left to its fetch, whose failure is the
+        model's reason in RepositoryIndex; a client's is answered NOT_FOUND, as for a local folder (it was
+        INTERNAL "failed to load ...: no such model folder (no objects under it)").
+        """
+        if self.settings.server.ml_backends_url is None:
+            return not entry.folder.is_dir()
+        if not requested:
+            return False
+        try:
+            return not await asyncio.to_thread(store_holds_folder, self.settings.server, entry.name)
+        except StorageError:
+            return False
 
     async def _loaded_as_now(self, entry: ModelEntry) -> bool:
         """Whether the running version was built with the entry's settings as they are now and, where the files
@@ -944,6 +1039,10 @@ class ModelRepository:
         """The names of the entries and of the old versions still finishing their requests (safe off the loop:
         each is read in one copy)."""
         return set(dict(self._entries)) | {retiring.name for retiring in list(self._retiring.values())}
+
+
+_WAITING_FOR_LISTING = ("waiting to load: the model folders could not be listed at start; every folder loads once "
+                        "they are")
 
 
 def _listed_without_folder(name: str, watched: bool) -> NotFound:

@@ -141,6 +141,8 @@ class NereidServer:
         self._stopping: asyncio.Task | None = None  # the one stop, which a second call waits for
         self.watcher: RepositoryWatcher | None = None
         self._watching: asyncio.Task | None = None
+        # The store could not be listed at start: listing it until it answers, then loading what it holds.
+        self._loading_once_listed: asyncio.Task | None = None
         self._loop_watch: LoopWatch | None = None
 
     async def infer(self, request: InferRequest) -> InferResponse:
@@ -261,7 +263,18 @@ class NereidServer:
             log.info("not listed in nereid.yaml, so not loaded: %s (%s)", ", ".join(f"'{name}'" for name in unlisted),
                      "RepositoryModelLoad loads one" if self.repository_control
                      else "list one under models: to serve it; RepositoryModelLoad is off")
+        if self.repository.waiting_for_listing() and self._loading_once_listed is None:
+            # Not awaited here: a store down for an hour must not hold up load_models (nor a stop, which cancels it).
+            self._loading_once_listed = asyncio.create_task(self._load_once_listed(),
+                                                            name="nereid: listing the store until it answers")
         await asyncio.gather(*(self.repository.load(name) for name in starting))
+        await self.update_health()
+
+    async def _load_once_listed(self) -> None:
+        """List the store that could not be listed at start until it answers, then load every folder it holds,
+        as at start (ServerReady is false until then)."""
+        found = await self.repository.list_until_answered()
+        await asyncio.gather(*(self.repository.load(name) for name in found))
         await self.update_health()
 
     async def update_health(self) -> None:
@@ -312,6 +325,9 @@ class NereidServer:
             self.watcher.stop()
             self._watching.cancel()
             await asyncio.gather(self._watching, return_exceptions=True)
+        if self._loading_once_listed is not None:  # (its loads are abandoned, as start-up loads are)
+            self._loading_once_listed.cancel()
+            await asyncio.gather(self._loading_once_listed, return_exceptions=True)
         if self._grpc is not None:
             await self.update_health()  # NOT_SERVING (shutting down), before any listener closes
             # The graceful stop below waits for every open call, idle streams too: end those with nothing left to

@@ -8,6 +8,9 @@ failure is a WARNING, and so is one for another reason than the last; a try
 that fails as the last one did is DEBUG (a key the local disk cannot hold
 fails every 5 minutes for ever). The watcher (:mod:`nereid.watch`) decides
 when a folder is due; this module keeps the count and the backoff.
+
+Without a watcher, one listing is tried again the same way (:class:`StartupListing`): a store that could not be
+listed at start with no ``models:`` key, where the server would otherwise be ready serving nothing.
 """
 
 from __future__ import annotations
@@ -78,3 +81,41 @@ class StoreRetries:
                     name, "" if level == logging.DEBUG else ", for another reason", fault, retry.delay_s)
         self._retries[name] = retry
         return retry
+
+
+# A server whose store could not be listed at start, with no models: key, would serve nothing: it lists the store
+# again after STARTUP_LISTING_FIRST_S, then twice as long after each failure, at most every STARTUP_LISTING_CAP_S.
+# Shorter than a load's cap: the server is not ready meanwhile, and one listing costs the store little.
+STARTUP_LISTING_FIRST_S = 1.0
+STARTUP_LISTING_CAP_S = 30.0
+
+
+class StartupListing:
+    """The listing of a store's model folders that failed at start (no ``models:`` key, no ``server.watch``):
+    the wait before its next try and how many were made, logged as the store's load failures are (the first
+    failure and one for another reason at WARNING, one that fails as the last did at DEBUG)."""
+
+    def __init__(self, url: str, failure: Exception) -> None:
+        self.url = url
+        self.delay_s = STARTUP_LISTING_FIRST_S
+        self.tries = 1
+        self._kind = failure_kind(str(failure))
+        # (The repository has logged the store's error, at ERROR.)
+        _startup_log.warning("%s: the server is not ready until its model folders can be listed: listing them again "
+                             "in %g s, then less often (at most every %g s); every folder found then loads, as at "
+                             "start", url, self.delay_s, max(STARTUP_LISTING_CAP_S, STARTUP_LISTING_FIRST_S))
+
+    def failed(self, failure: Exception) -> float:
+        """Another try failed with ``failure``: count and log it; returns the wait before the next one."""
+        self.tries += 1
+        self.delay_s = min(self.delay_s * 2, max(STARTUP_LISTING_CAP_S, STARTUP_LISTING_FIRST_S))
+        kind = failure_kind(str(failure))
+        level = logging.DEBUG if kind == self._kind else logging.WARNING
+        self._kind = kind
+        _startup_log.log(level, "%s; the server is still not ready (its model folders cannot be listed%s): listing "
+                         "them again in %g s", failure, "" if level == logging.DEBUG else ", for another reason",
+                         self.delay_s)
+        return self.delay_s
+
+
+_startup_log = logging.getLogger("nereid.repository")

@@ -36,6 +36,19 @@ _ALLOW_HTTP_HINT = {"s3": "set AWS_ALLOW_HTTP=true for a plain-http endpoint (AW
 # obstore panics on a malformed one at the first request instead of raising an error.
 ENDPOINT_VARIABLES = {"s3": ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ENDPOINT"), "gs": ("GOOGLE_BASE_URL",),
                       "az": ("AZURE_STORAGE_ENDPOINT", "AZURE_ENDPOINT")}
+# The variables obstore reads as booleans, by scheme. It takes 1, true, on, yes, y and 0, false, off, no, n (any
+# case), and refuses anything else naming only the value ("failed to parse "" as boolean"): an empty one, common
+# from templated environments (Helm's `value: ""`), failed every load without saying which variable it was.
+BOOLEAN_VARIABLES = {
+    "s3": ("AWS_ALLOW_HTTP", "AWS_ALLOW_INVALID_CERTIFICATES", "AWS_SKIP_SIGNATURE", "AWS_VIRTUAL_HOSTED_STYLE_REQUEST",
+           "AWS_S3_EXPRESS", "AWS_UNSIGNED_PAYLOAD", "AWS_REQUEST_PAYER", "AWS_DISABLE_TAGGING", "AWS_HTTP1_ONLY",
+           "AWS_HTTP2_ONLY"),
+    "gs": ("GOOGLE_ALLOW_HTTP", "GOOGLE_ALLOW_INVALID_CERTIFICATES", "GOOGLE_SKIP_SIGNATURE", "GOOGLE_HTTP1_ONLY",
+           "GOOGLE_HTTP2_ONLY"),
+    "az": ("AZURE_ALLOW_HTTP", "AZURE_ALLOW_INVALID_CERTIFICATES", "AZURE_SKIP_SIGNATURE", "AZURE_USE_FABRIC_ENDPOINT",
+           "AZURE_DISABLE_TAGGING", "AZURE_STORAGE_USE_EMULATOR", "AZURE_HTTP1_ONLY", "AZURE_HTTP2_ONLY"),
+}
+_BOOLEAN_SPELLINGS = frozenset({"1", "true", "on", "yes", "y", "0", "false", "off", "no", "n"})
 # Two spellings of one setting: obstore takes whichever comes last in the process's environment, so two that
 # disagree reach a store that depends on their order (and the mirror, named after the first, would be shared
 # with another store's). AWS_ENDPOINT_URL_S3 is no alias: it wins over both, as the AWS SDKs have it.
@@ -101,7 +114,7 @@ def open_store(location: StoreURL, *, max_retries: int = DEFAULT_RETRIES) -> Any
     except ImportError:  # a dependency, but say so plainly if it is missing
         raise StorageError(f"{location}: reading models from object storage needs obstore "
                            "(pip install obstore)") from None
-    problem = endpoint_problem(location.scheme)
+    problem = endpoint_problem(location.scheme) or boolean_problem(location.scheme)
     if problem is not None:
         raise StorageError(f"{location}: cannot set up the store: {problem}")
     try:
@@ -160,6 +173,18 @@ def endpoint_problem(scheme: str) -> str | None:
         if not parts.hostname:
             return f"{variable} {shown!r} names no host; {expected}"
     return _aliases_disagree(scheme)
+
+
+def boolean_problem(scheme: str) -> str | None:
+    """Which boolean variable obstore would read for ``scheme`` holds a value it cannot parse, named with that
+    value; None when none does (see BOOLEAN_VARIABLES)."""
+    for variable in BOOLEAN_VARIABLES.get(scheme, ()):
+        value = os.environ.get(variable)
+        if value is not None and value.lower() not in _BOOLEAN_SPELLINGS:
+            shown = value if len(value) <= 40 else f"{value[:40]}... ({len(value)} characters)"
+            return (f"{variable} {shown!r} is not true or false (the store client reads true, yes, on, y, 1 or "
+                    f"false, no, off, n, 0, in any case); set it to true or false, or unset it")
+    return None
 
 
 def _aliases_disagree(scheme: str) -> str | None:

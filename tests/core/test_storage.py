@@ -216,6 +216,93 @@ def test_a_model_uploaded_late_loads_at_once_and_one_deleted_leaves_once_unloade
     assert [m.name for m in server.client.get_model_repository_index().models] == ["late"]
 
 
+def test_a_load_of_a_model_whose_prefix_is_gone_is_not_found_as_for_a_local_folder(s3, serve, tmp_path,
+                                                                                     monkeypatch) -> None:
+    """Defect (found by a bug hunt): RepositoryModelLoad of a loaded model whose prefix was deleted, or of a listed
+    model with no prefix, answered INTERNAL "failed to load model ...: no such model folder (no objects under it)",
+    where a local folder (and the README's Errors table) answer NOT_FOUND; INTERNAL says the model is broken."""
+    from support import expect_grpc_error
+
+    source = tmp_path / "source"
+    _python_folder(source, "m")
+    _python_folder(source, "unlisted")
+    upload_folder(s3.store, source, s3.prefix)
+    server = serve(_config(tmp_path, s3.url(), "- name: m\n- name: listed_missing\n"))
+    assert server.client.is_model_ready("m")
+    for key in bucket_state(s3.store, f"{s3.prefix}/"):
+        obstore.delete(s3.store, key)
+    expect_grpc_error("NOT_FOUND", lambda: server.client.load_model("unlisted"),
+                      "unknown model 'unlisted' (no folder 'unlisted' under ml_backends_path)")
+    expect_grpc_error("NOT_FOUND", lambda: server.client.load_model("m"),
+                      "model 'm': its folder 'm' is gone from ml_backends_path, so it cannot be loaded again; the "
+                      "version loaded before serves on (nothing follows the folder without server.watch)")
+    assert server.client.is_model_ready("m")  # (it serves on)
+    expect_grpc_error("NOT_FOUND", lambda: server.client.load_model("listed_missing"),
+                      "model 'listed_missing': its folder 'listed_missing' is missing from ml_backends_path, so it "
+                      "cannot be loaded; nereid.yaml lists it: put its folder back, then load it again")
+    server.client.unload_model("m")
+    expect_grpc_error("NOT_FOUND", lambda: server.client.load_model("m"), "model 'm': its folder 'm' is missing")
+    # NOT_FOUND only when the store answered that it holds nothing: one that cannot be listed cannot tell.
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAWRONGKEY")
+    expect_grpc_error("INTERNAL", lambda: server.client.load_model("m"), "HTTP 403 Forbidden InvalidAccessKeyId")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3.env()["AWS_ACCESS_KEY_ID"])
+    upload_folder(s3.store, source, s3.prefix)
+    server.client.load_model("m")
+    assert server.client.is_model_ready("m")
+
+
+def test_a_bucket_that_cannot_be_listed_at_start_keeps_the_server_not_ready_until_its_folders_load(
+        s3, serve, tmp_path, monkeypatch, caplog) -> None:
+    """Defect (found by a bug hunt): with no models: key and no watch, a server started while its bucket could not be
+    listed (an outage of a few seconds, wrong credentials) was ready serving nothing, for good: the folders found
+    later were UNAVAILABLE "not listed in nereid.yaml", which lists nothing."""
+    import nereid.store_retries
+
+    monkeypatch.setattr(nereid.store_retries, "STARTUP_LISTING_FIRST_S", 0.1, raising=False)
+    source = tmp_path / "source"
+    _python_folder(source, "echo")
+    upload_folder(s3.store, source, s3.prefix)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAWRONGKEY")
+    with caplog.at_level(logging.DEBUG, logger="nereid.repository"):
+        server = serve(_config(tmp_path, s3.url()))
+        assert not server.client.is_server_ready()  # a readiness probe must not route to it
+        assert (f"{s3.url()}: the server is not ready until its model folders can be listed: listing them again in "
+                "0.1 s, then less often (at most every 30 s); every folder found then loads, as at start"
+                in caplog.text)
+        _until(lambda: "the server is still not ready (its model folders cannot be listed)" in caplog.text,
+               "a try that failed too")
+        assert not server.client.is_server_ready()
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3.env()["AWS_ACCESS_KEY_ID"])  # the store answers again
+        _until(server.client.is_server_ready, "ServerReady once the folders have loaded")
+    index = {m.name: (m.state, m.reason) for m in server.client.get_model_repository_index().models}
+    assert index == {"echo": ("READY", "")}
+    x = np.arange(4, dtype=np.float32).reshape(1, 4)
+    np.testing.assert_array_equal(_echo(server.client, "echo", x), x)
+    assert f"{s3.url()}: the model folders are listed at last" in caplog.text and "loading 'echo'" in caplog.text
+    assert "not listed in nereid.yaml" not in caplog.text
+
+
+def test_a_stop_while_the_bucket_is_listed_again_at_start_is_prompt(s3, tmp_path, monkeypatch) -> None:
+    """The listing tried again at start (above) never holds up a stop, not even one the store does not answer."""
+    import socket
+
+    import nereid.store_retries
+    from support import RunningServer
+
+    monkeypatch.setattr(nereid.store_retries, "STARTUP_LISTING_FIRST_S", 0.05, raising=False)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAWRONGKEY")
+    server = RunningServer(_config(tmp_path, s3.url()))
+    with socket.socket() as silent:  # accepts connections (its backlog) and never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{silent.getsockname()[1]}")
+        time.sleep(0.3)  # a listing is under way now, waiting for the silent endpoint
+        assert not server.client.is_server_ready()
+        started = time.monotonic()
+        server.stop()
+        assert time.monotonic() - started < 3
+
+
 def _watched_bucket_serving_first(s3, serve, tmp_path: Path, poll_s: float, settle_ms: int):
     """A bucket holding the echo model 'first', served with ``watch`` (polled every ``poll_s``); (server, the
     local source folder to upload more from, an input 'first' echoed)."""
@@ -414,6 +501,33 @@ def test_nereid_check_reads_an_s3_repository(s3, tmp_path, capsys) -> None:
     assert main(["check", "--config", str(_config(tmp_path, s3.url()))]) == 0
     assert capsys.readouterr().out.splitlines()[0].startswith("echo: OK backend=python")
     assert not any(p.suffix == ".safetensors" for p in iter_files(tmp_path / "cache"))
+
+
+def test_nereid_check_on_a_bucket_it_cannot_list_prints_the_stores_reason_and_fails(s3, tmp_path, capsys,
+                                                                                    monkeypatch) -> None:
+    """Defect (found by a bug hunt): without a models: key, a bucket that could not be listed (wrong credentials,
+    no such bucket, nothing at the endpoint) printed only "nereid.yaml: OK" and exited 0; the store's reason was
+    an ERROR line on stderr. CI gating on the check passed a deployment that serves nothing."""
+    from nereid.cli import main
+
+    source = tmp_path / "source"
+    _python_folder(source, "echo")
+    upload_folder(s3.store, source, s3.prefix)
+    config = _config(tmp_path, s3.url())
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAWRONGKEY")
+    assert main(["check", "--config", str(config)]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f"{s3.url()}: cannot list the model folders: HTTP 403 Forbidden InvalidAccessKeyId"), \
+        lines
+    assert "check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY" in lines[0]
+    assert lines[1:] == [f"{config}: its model folders cannot be listed"]
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3.env()["AWS_ACCESS_KEY_ID"])
+    missing = f"s3://no-such-bucket/{s3.prefix}"
+    assert main(["check", "--config", str(_config(tmp_path, missing))]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f"{missing}: cannot list the model folders: HTTP 404 Not Found NoSuchBucket"), lines
+    assert main(["check", "--config", str(_config(tmp_path, s3.url()))]) == 0  # (the store answers: checked)
+    assert capsys.readouterr().out.splitlines()[0].startswith("echo: OK backend=python")
 
 
 def test_the_shipped_examples_and_config_serve_from_a_bucket(s3, tmp_path, capsys) -> None:
@@ -735,6 +849,26 @@ def test_a_malformed_endpoint_is_named_instead_of_crashing_the_check(s3, tmp_pat
     assert main(["check", "--config", str(_config(tmp_path, s3.url(), "- name: echo\n"))]) == 1
     line = capsys.readouterr().out.splitlines()[0]
     assert line == f"echo: UNAVAILABLE: {s3.url()}: cannot set up the store: {problem.format(port=port)}"
+
+
+@pytest.mark.parametrize("variable, value", [("AWS_ALLOW_HTTP", ""), ("AWS_ALLOW_HTTP", "maybe"),
+                                             ("AWS_SKIP_SIGNATURE", "T"), ("AWS_VIRTUAL_HOSTED_STYLE_REQUEST", " ")],
+                         ids=["empty", "maybe", "T", "a space"])
+def test_a_boolean_variable_the_store_client_cannot_read_is_named_with_its_value(s3, tmp_path, monkeypatch, capsys,
+                                                                               variable, value) -> None:
+    """Defect (found by a bug hunt): obstore refuses such a value naming only the value ('failed to parse "" as
+    boolean'); an empty AWS_ALLOW_HTTP (Helm's `value: ""`) failed every load without saying which variable."""
+    from nereid.cli import main
+
+    monkeypatch.setenv(variable, value)
+    assert main(["check", "--config", str(_config(tmp_path, s3.url(), "- name: echo\n"))]) == 1
+    line = capsys.readouterr().out.splitlines()[0]
+    assert line == (f"echo: UNAVAILABLE: {s3.url()}: cannot set up the store: {variable} {value!r} is not true or "
+                    "false (the store client reads true, yes, on, y, 1 or false, no, off, n, 0, in any case); set it "
+                    "to true or false, or unset it"), line
+    monkeypatch.setenv(variable, "Yes" if variable != "AWS_ALLOW_HTTP" else "TRUE")  # any case of its spellings
+    main(["check", "--config", str(_config(tmp_path, s3.url(), "- name: echo\n"))])
+    assert variable not in capsys.readouterr().out
 
 
 def test_a_store_client_panic_leaves_the_server_up_with_the_reason(s3, serve, tmp_path, monkeypatch) -> None:
