@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any, Callable, Coroutine
 
 import nereid.backend_calls
-from nereid.backend import CallsModels, ModelContext, ReportsRuntime, runtime_report_problem, what_it_calls
+from nereid.backend import (CallsModels, ChecksInputs, ModelContext, ReportsRuntime, runtime_report_problem,
+                            what_it_calls)
 from nereid.backend_calls import bounded_backend_call
 from nereid.dependencies import callers_readiness
 from nereid.errors import ConfigError, backend_exit, plugin_failures
@@ -33,6 +34,7 @@ from nereid.log_format import one_record_per_line, stderr_handler
 from nereid.log_limit import EndedCallFilter, RateLimitFilter
 from nereid.model_building import build_model
 from nereid.model_entry import waiting_for_folder
+from nereid.model_runner import checked_input_check
 from nereid.processes import kill_children, not_ignored
 from nereid.plugins import NereidPluginManager, add_commands, check_backend_defaults, error_text, make_plugin_manager
 from nereid.storage import StorageError, materialize_model_folder, scan_model_folders
@@ -551,8 +553,10 @@ def _check_model(settings: Settings, manager: NereidPluginManager, scratch: Path
     model_settings, origin = settings.model_or_default(name)
     listed = settings.model(name) is not None
     suffix = "" if listed or not settings.models_listed else f" ({NOT_LISTED})"
-    context = ModelContext(name, root / name, model_settings, scratch, origin)
+    # A folder of its own in the scratch folder, as a server gives each model (messages name it alike).
+    context = ModelContext(name, root / name, model_settings, scratch / name, origin)
     try:
+        context.scratch_dir.mkdir(exist_ok=True)
         materialize_model_folder(settings.server, name)  # from an object store: fetch it first
         check_confined(root / name, root, settings.server.follow_symlinks)
         built = build_model(manager, context, settings.backend_defaults, settings.source)
@@ -584,6 +588,11 @@ def _check_model(settings: Settings, manager: NereidPluginManager, scratch: Path
             executions, depends_on = what_it_calls(name, built.backend)
             warn_if_instances_ignored(name, model_settings.instances, executions)
         except model_faults() as err:
+            unavailable = _load_failure_text(name, err)
+    if unavailable is None and isinstance(built.backend, ChecksInputs):
+        try:  # asked while it is loaded, as a server asks (and refuses the model with this reason)
+            checked_input_check(name, built.backend)
+        except ConfigError as err:
             unavailable = _load_failure_text(name, err)
     try:
         # Bounded, as the server's: a native library's nereid_unload that never returns must not hang the check.

@@ -17,7 +17,7 @@ from nereid.daemon_pool import DaemonThreadPool
 from nereid.errors import (ConfigError, InvalidArgument, ModelFailure, NereidError, describe_exception,
                            naming_model, without_stop_iteration)
 from nereid.scheduler import REQUEST_STARTED, ModelScheduler
-from nereid.signature import ModelSignature, brief_repr, check_outputs, validate_inputs
+from nereid.signature import ModelSignature, brief_description, check_outputs, validate_inputs
 from nereid.stats import RequestTiming
 from nereid.tensors import NamedTensor
 
@@ -135,19 +135,31 @@ def make_runner(backend: Model, signature: ModelSignature, batch_signature: Mode
     return run
 
 
+def checked_input_check(name: str, backend: ChecksInputs) -> Callable[[list[NamedTensor]], object] | None:
+    """What the model ``name``'s ``input_check()`` returns: its check of a request's inputs, or None for none.
+
+    ConfigError naming the model when ``input_check()`` raises (anything,
+    sys.exit() included) or returns something that is neither a function nor
+    None: the model fails its load. Asked once per load, by the server
+    (:func:`make_runner`) and by ``nereid check``, so both refuse the same models.
+    """
+    try:
+        check = backend.input_check()
+    except BaseException as err:  # (a load failure: the model is not served)
+        raise ConfigError(f"model '{name}': input_check() failed: {describe_exception(err)}") from err
+    if check is not None and not callable(check):  # (it loaded READY, then every request failed INTERNAL)
+        raise ConfigError(f"model '{name}': input_check() returned {str(check)[:64]!r} "
+                          f"({type(check).__name__}), expected a function of the inputs or None")
+    return check
+
+
 def _input_check(backend: ChecksInputs, scheduler: ModelScheduler) -> Callable[[list[NamedTensor]], None] | None:
     """The model's input check (asked for once, at load), guarded as the model code it is: its refusal names
     the model; anything else it raises (sys.exit() included) is the model's logged fault, INTERNAL, never an
     error that escapes the data plane uncounted."""
-    try:
-        check = backend.input_check()
-    except BaseException as err:  # (a load failure: the model is not served)
-        raise ConfigError(f"model '{scheduler.name}': input_check() failed: {describe_exception(err)}") from err
+    check = checked_input_check(scheduler.name, backend)
     if check is None:
         return None
-    if not callable(check):  # (it loaded READY, then every request failed INTERNAL)
-        raise ConfigError(f"model '{scheduler.name}': input_check() returned {str(check)[:64]!r} "
-                          f"({type(check).__name__}), expected a function of the inputs or None")
 
     def checked(inputs: list[NamedTensor]) -> None:
         try:
@@ -256,7 +268,7 @@ def _checked_hook_result(model: str, hook: str, result: Any) -> list[NamedTensor
                "coroutine never runs: make it a plain function)")
     elif isinstance(result, (list, tuple)):
         index, item = next((i, item) for i, item in enumerate(result) if not isinstance(item, NamedTensor))
-        got = f"a {type(result).__name__} whose item {index} is {type(item).__name__} {brief_repr(item)}"
+        got = f"a {type(result).__name__} whose item {index} is {brief_description(item)}"
     else:
-        got = f"{type(result).__name__} {brief_repr(result)}"
+        got = brief_description(result)
     raise ModelFailure(f"model '{model}': the {hook} hook returned {got}, expected a list of NamedTensor")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 import reprlib
 import collections.abc
 from collections import Counter
@@ -301,7 +302,7 @@ def check_outputs(model: str, signature: ModelSignature, outputs: list[NamedTens
     """
     expected = signature.outputs
     if not isinstance(outputs, list):
-        raise ModelFailure(f"model '{model}' returned {type(outputs).__name__} {brief_repr(outputs)}, expected a "
+        raise ModelFailure(f"model '{model}' returned {brief_description(outputs)}, expected a "
                            f"list of NamedTensor (outputs {signature.output_names})")
     # The length first: a model that returns a huge list costs no list of its names.
     if len(outputs) != len(expected) or any(getattr(t, "name", None) != spec.name
@@ -309,8 +310,8 @@ def check_outputs(model: str, signature: ModelSignature, outputs: list[NamedTens
         # An item that is no NamedTensor (a bare array) is named as such: its "name" would read as None.
         for index, item in enumerate(islice(outputs, BRIEF_LIMIT)):
             if not isinstance(item, NamedTensor):
-                raise ModelFailure(f"model '{model}' returned a list whose item {index} is {type(item).__name__} "
-                                   f"{brief_repr(item)}, expected a list of NamedTensor "
+                raise ModelFailure(f"model '{model}' returned a list whose item {index} is "
+                                   f"{brief_description(item)}, expected a list of NamedTensor "
                                    f"(outputs {signature.output_names})")
         # The names of a bounded prefix: each takes a character at least, so the message shows no more.
         names = [getattr(t, "name", None) for t in islice(outputs, BRIEF_LIMIT)]
@@ -359,6 +360,42 @@ def brief_repr(value: object, limit: int = BRIEF_LIMIT) -> str:
     A value whose repr fits in ``limit`` characters reads as ``repr`` writes it.
     """
     return _BoundedRepr(limit).repr(value)[:limit]
+
+
+def brief_description(value: object, limit: int = BRIEF_LIMIT) -> str:
+    """``value``'s type and :func:`brief_repr`, on one line, for a message about a wrong result: ``tuple ('y', 1)``.
+
+    Where that repr would be cut (a dict or tuple of tensors, whose arrays
+    alone take more), it reads as the value's shape instead: a numpy array's
+    dtype and shape, a mapping's keys, a collection's length and the types of
+    its first items (``dict with 1 key(s) 'input'``, ``tuple of 2 item(s):
+    ndarray, ndarray``): a repr cut mid-token says less. Never raises.
+    """
+    kind = type(value).__name__
+    text = brief_repr(value, limit)
+    # numpy writes an array's rows on lines of their own: a message is one line (a str's repr has no line break).
+    flat = _LINE_BREAK.sub(" ", text)
+    if len(text) < limit:  # (limit characters: possibly cut)
+        return f"{kind} {flat}"
+    try:
+        if isinstance(value, np.ndarray):
+            return f"{kind} of {value.dtype} with shape {list(value.shape)}"
+        if isinstance(value, collections.abc.Mapping):
+            keys = list(islice(value, _SHOWN_ITEMS + 1))
+            shown = ", ".join(brief_repr(key, 40) for key in keys[:_SHOWN_ITEMS])
+            return f"{kind} with {len(value)} key(s) {shown}{', ...' if len(keys) > _SHOWN_ITEMS else ''}"
+        if isinstance(value, collections.abc.Collection) and not isinstance(value, (str, bytes, bytearray)):
+            items = list(islice(value, _SHOWN_ITEMS + 1))
+            shown = ", ".join(type(item).__name__ for item in items[:_SHOWN_ITEMS])
+            return f"{kind} of {len(value)} item(s): {shown}{', ...' if len(items) > _SHOWN_ITEMS else ''}"
+    except Exception:  # a container whose len() or iteration fails: quoted as any other value
+        pass
+    return f"{kind} {flat}"
+
+
+# How many keys or item types of a wrong container :func:`brief_description` names.
+_SHOWN_ITEMS = 8
+_LINE_BREAK = re.compile(r"\s*\n\s*")
 
 
 class _BoundedRepr(reprlib.Repr):

@@ -202,6 +202,13 @@ class ReportFailsModel(FaultyModel):
         raise RuntimeError("no report today")
 
 
+class InputCheckIntModel(FaultyModel):
+    """Its ``input_check()`` returns 42, no function of the inputs: the server refuses it at load."""
+
+    def input_check(self):
+        return 42
+
+
 class UnloadHangsModel(FaultyModel):
     """Its ``unload()`` does not return until ``UNLOAD_RELEASE`` is set (a native nereid_unload that blocks)."""
 
@@ -250,7 +257,7 @@ class SignatureNoneModel(FaultyModel):
 FAULTS = {"signature_none": SignatureNoneModel, "no_platform": NoPlatformModel, "no_infer": NoInferModel, "dependencies_fail": DependenciesFailModel,
           "dependencies_exit": DependenciesExitModel, "dependencies_interrupt": DependenciesInterruptModel,
           "terminate_fails": TerminateFailsModel, "terminate_slow": TerminateSlowModel,
-          "report_fails": ReportFailsModel,
+          "report_fails": ReportFailsModel, "input_check_int": InputCheckIntModel,
           "stop_iteration": StopIterationModel, "unload_hangs": UnloadHangsModel, "caller": CallerModel,
           "key_error": KeyErrorModel, "create_fails": CreateFailsModel, "refuses": RefusesModel}
 

@@ -9,7 +9,9 @@ models:
       # sources: [ml-backends/my_model/my_model.cpp]   # compiled at load into <model>/.cache/
 ```
 
-Exactly one of ``library`` and ``sources``. Paths are absolute, relative to
+Exactly one of ``library`` and ``sources``: they are alternatives, so a
+model's own one replaces the other inherited from ``backends: {cxx: ...}``.
+Paths are absolute, relative to
 the nereid.yaml that lists the model, or start with ``$MODEL_FOLDER/``: the
 model's own folder, wherever it is (a bucket's model runs from its local
 mirror, whose path nereid.yaml cannot know).
@@ -59,11 +61,7 @@ def parse_options(model: str, runtime: Mapping[str, Any], origin: str, folder: P
     """
     options = RuntimeOptions(runtime, origin, "cxx", ALLOWED_KEYS, prefix=f"model '{model}': ")
     fail = options.fail
-    if ("library" in runtime) == ("sources" in runtime):
-        raise ConfigError(
-            f"model '{model}': backend cxx needs exactly one of runtime.library (a shared library) or "
-            f"runtime.sources (C++ files to build one from) in {origin or 'nereid.yaml'}, e.g. "
-            "runtime: {library: build/libmodel.so}")
+    chosen = _chosen_alternative(model, runtime, options.origins, origin)
     config = config_file(origin)
 
     def resolve(key: str, value: Any) -> Path:
@@ -82,9 +80,31 @@ def parse_options(model: str, runtime: Mapping[str, Any], origin: str, folder: P
             path = beside_config(config, path)
         return path
 
-    if "library" in runtime:
+    if chosen == "library":
         return CxxOptions(library=resolve("library", runtime["library"]))
     sources = runtime["sources"]
     if not isinstance(sources, list) or not sources:
         fail("sources", "must be a non-empty list of C++ source files", sources)
     return CxxOptions(sources=tuple(resolve("sources", item) for item in sources))
+
+
+def _chosen_alternative(model: str, runtime: Mapping[str, Any], inherited: Mapping[str, str], origin: str) -> str:
+    """``"library"`` or ``"sources"``, whichever ``runtime`` gives; ConfigError naming where both (or neither) came
+    from otherwise.
+
+    ``inherited`` maps each key taken from a ``backends.cxx`` default to where
+    that default is. The two are alternatives, not independent keys: a model
+    that names its own library under a default of ``sources`` (or the reverse)
+    means its own one, and merging key by key would hand it both.
+    """
+    given = [key for key in ALLOWED_KEYS if key in runtime]
+    own = [key for key in given if key not in inherited]
+    if len(given) == 1:
+        return given[0]
+    if len(given) == 2 and len(own) == 1:
+        return own[0]
+    places = " and ".join(dict.fromkeys(inherited.get(key, origin or "nereid.yaml") for key in given)) \
+        or origin or "nereid.yaml"
+    raise ConfigError(
+        f"model '{model}': backend cxx needs exactly one of runtime.library (a shared library) or "
+        f"runtime.sources (C++ files to build one from) in {places}, e.g. runtime: {{library: build/libmodel.so}}")

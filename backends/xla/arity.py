@@ -17,7 +17,7 @@ from typing import Sequence
 from nereid.backends.xla.bundle import DEFAULT_WEIGHTS_FILE, open_bundle
 from nereid.backends.xla.conformance import check_program_types
 from nereid.backends.xla.manifest import MANIFEST_NAME, declares_meta
-from nereid.backends.xla.program import ProgramSignature, read_program
+from nereid.backends.xla.program import ProgramSignature, python_callback_problem, read_program
 from nereid.backends.xla.migration import local_weight_set
 from nereid.errors import ConfigError
 
@@ -179,8 +179,9 @@ def bundle_type_problem(folder: Path | str) -> str | None:
     each parameter and result against the manifest and the weights file, for
     every compiled size and variant), without compiling: a wrong dim or dtype
     in the manifest, a weight of another dtype or shape, or the b1 program
-    copied over the b4 one pass the arity report yet never load. Meant for a
-    bundle whose arity report is servable.
+    copied over the b4 one pass the arity report yet never load. A program
+    that takes over a weight's buffer, or calls back into Python, is refused
+    as the load refuses it. Meant for a bundle whose arity report is servable.
     """
     folder = Path(folder)
     try:
@@ -188,15 +189,21 @@ def bundle_type_problem(folder: Path | str) -> str | None:
         weight_set = local_weight_set(layout)
         weights = weight_set.weights if weight_set else ()
         weight_types = [(w.entry.name, w.program_shape, w.entry.dtype) for w in weights]
-        programs: dict[Path, ProgramSignature] = {}
+        # Each file's program and its Python callbacks (the text itself is not kept: programs can be large).
+        programs: dict[Path, tuple[ProgramSignature, str | None]] = {}
         for key, path in layout.modules.items():
             if path not in programs:  # a file serving several keys is read once
-                programs[path] = read_program(path.read_bytes(), str(path))
-            check_program_types(path.name, programs[path], key, layout.manifest, weight_types)
-            donated = donated_weights_problem(path.name, programs[path], len(layout.manifest.executable_inputs),
+                data = path.read_bytes()
+                programs[path] = read_program(data, str(path)), python_callback_problem(data)
+            program, callback = programs[path]
+            # In the order the load checks them, so both name the same first problem.
+            check_program_types(path.name, program, key, layout.manifest, weight_types)
+            donated = donated_weights_problem(path.name, program, len(layout.manifest.executable_inputs),
                                               [name for name, _, _ in weight_types])
             if donated is not None:
                 return donated
+            if callback is not None:  # (text matching, as the load does before compiling: no client needed)
+                return f"{path.name}: {callback}"
     except Exception as err:  # a report, not a check: every failure becomes the reason
         return str(err).strip() or type(err).__name__
     return None

@@ -147,6 +147,12 @@ def header_length(where: object, size: int, prefix: bytes) -> int:
     if len(prefix) < _LENGTH.size:
         raise ConfigError(f"{where}: file is {size} bytes, shorter than the 8-byte header length")
     (length,) = _LENGTH.unpack_from(prefix)
+    if MAX_HEADER_BYTES < length <= min(size - _LENGTH.size, REFERENCE_MAX_HEADER_BYTES):
+        # A length the file holds and the format allows: a real header, only too long for nereid (quoting it is
+        # safe: the first 8 bytes of a file that is not safetensors give no such length).
+        raise ConfigError(f"{where}: its header is {length:,} bytes, over nereid's limit of 16 MiB "
+                          f"({MAX_HEADER_BYTES:,} bytes; the safetensors library allows up to "
+                          f"{REFERENCE_MAX_HEADER_BYTES:,})")
     if length == 0 or length > MAX_HEADER_BYTES or length > size - _LENGTH.size:
         # The length field is not quoted: for a file that is not safetensors at all (a symlink
         # to /etc/passwd) it is the file's first 8 bytes.

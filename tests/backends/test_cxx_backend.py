@@ -7,6 +7,7 @@ nereid.yaml and talks to the server with tritonclient over gRPC.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -549,6 +550,29 @@ def test_model_folder_paths_resolve_per_model_and_need_a_folder(tmp_path):
         parse_options("m", {"library": "$MODEL_FOLDER/lib.so"}, "")
 
 
+def test_a_models_own_library_or_sources_replaces_the_other_from_backends_cxx(tmp_path):
+    """Found by a README check: under `backends: {cxx: {sources: [...]}}` (as the README suggests) a model with its
+    own `library:` inherited `sources:` too, and was refused ("needs exactly one of ... in nereid.yaml: models[1]")
+    naming only its own entry, which held one."""
+    from nereid.backends.cxx.options import parse_options
+    from nereid.errors import ConfigError
+    from nereid.runtime_options import LayeredRuntime
+
+    folder = tmp_path / "m"
+    sources = {"sources": ["$MODEL_FOLDER/model.cpp"]}
+    library = {"library": "$MODEL_FOLDER/libm.so"}
+    defaults = "nereid.yaml: backends.cxx"
+    own_library = parse_options("m", LayeredRuntime(library, sources, defaults), "nereid.yaml: models[1]", folder)
+    assert own_library == parse_options("m", library, "", folder)
+    own_sources = parse_options("m", LayeredRuntime(sources, library, defaults), "nereid.yaml: models[1]", folder)
+    assert own_sources == parse_options("m", sources, "", folder)
+    # Both in the default: named there, not under the model that wrote neither.
+    with pytest.raises(ConfigError, match=r"needs exactly one of runtime.library .* in nereid.yaml: backends.cxx, "):
+        parse_options("m", LayeredRuntime({}, {**library, **sources}, defaults), "nereid.yaml: models[1]", folder)
+    with pytest.raises(ConfigError, match=r"needs exactly one of runtime.library .* in nereid.yaml: models\[1\], "):
+        parse_options("m", LayeredRuntime({**library, **sources}, {}, defaults), "nereid.yaml: models[1]", folder)
+
+
 def test_relative_paths_are_taken_next_to_a_symlinked_nereid_yaml_as_named(tmp_path):
     """In a Kubernetes ConfigMap nereid.yaml is a symlink into a versioned folder: a library named relative to it
     was looked for in that folder (where no library is), unlike every relative path the core resolves."""
@@ -968,3 +992,11 @@ def test_an_undefined_cxx_symbol_is_named_readably_too(tmp_path):
     (tmp_path / "scratch").mkdir()
     with pytest.raises(ConfigError, match=r"undefined symbol: _Z20not_defined_anywherev \(not_defined_anywhere\(\)\)"):
         NativeLibrary("undefined", tmp_path / "libundefined.so", tmp_path / "scratch")
+
+
+def test_check_names_a_cxx_library_s_copy_folder_as_the_server_does(repo, libs, capsys):
+    """Found by a README check: nereid check named the scratch root, not <scratch>/NAME as serve does."""
+    scale_model(repo, "undefined")
+    config = repo.write_config(entry("undefined", f'{{library: "{libs["undefined"]}"}}'))
+    assert nereid_main(["check", "--config", str(config)]) == 1
+    assert re.search(r"\(dlopened from its copy in \S+check-\S+/undefined\): ", capsys.readouterr().out)

@@ -591,7 +591,10 @@ def test_check_reports_a_failing_unload_on_its_line_and_goes_on(repo, tmp_path, 
     ("report_fails", "a_faulty: RUNTIME REPORT FAILED: RuntimeError: no report today; loaded as backend=faulty "),
     # A meta model's dependencies() that raised ended it too (a server has that model UNAVAILABLE).
     ("dependencies_fail", "a_faulty: UNAVAILABLE: dependencies unknown"),
-], ids=["runtime_report", "dependencies"])
+    # Found by a README walkthrough: an input_check() the server refuses at load passed the check ("OK", exit 0).
+    ("input_check_int", "a_faulty: UNAVAILABLE: model 'a_faulty': input_check() returned '42' (int), expected a "
+                        "function of the inputs or None"),
+], ids=["runtime_report", "dependencies", "input_check"])
 def test_check_reports_a_model_failing_after_its_load_on_its_line_and_goes_on(tmp_path, capsys, fault: str,
                                                                                 line: str) -> None:
     from nereid.cli import check

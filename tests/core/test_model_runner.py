@@ -234,6 +234,26 @@ def test_a_hook_s_huge_wrong_result_is_quoted_from_a_bounded_part_of_it(result: 
     asyncio.run(asyncio.wait_for(scenario(), 30))
 
 
+@pytest.mark.parametrize("result, described", [
+    (lambda tensors: {"x": NamedTensor("x", DType.FP32, np.linspace(0, 1, 64, dtype=np.float32).reshape(32, 2))},
+     "dict with 1 key(s) 'x'"),
+    (lambda tensors: (np.linspace(0, 1, 64, dtype=np.float32).reshape(32, 2),),
+     "a tuple whose item 0 is ndarray of float32 with shape [32, 2]"),
+], ids=["dict of tensors", "tuple of an array"])
+def test_a_hook_returning_a_container_of_arrays_is_named_by_its_type_not_a_cut_printout(result: Hook,
+                                                                                        described: str) -> None:
+    """Found by a README check: a preprocess hook returning a dict got numpy's printout of its arrays in the
+    message, over several lines and cut mid-token ("...0.40784314]], dtype, expected ...")."""
+    async def scenario() -> None:
+        run, scheduler = await serve(Hooked(pre=result))
+        with pytest.raises(ModelFailure) as caught:
+            await asyncio.wait_for(run(rows(1), 1, 0), 5)
+        assert str(caught.value) == (f"model 'm': the preprocess hook returned {described}, expected a list of "
+                                     "NamedTensor")
+        await scheduler.drain()
+    asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
 @pytest.mark.parametrize("hook", ["preprocess", "postprocess"])
 def test_a_hook_s_fault_is_logged_once_with_its_traceback(hook: str, caplog: pytest.LogCaptureFixture) -> None:
     """Defect: a hook's fault reached the client as INTERNAL but was logged nowhere (an execution's fault is logged
@@ -454,3 +474,26 @@ def test_an_input_check_that_is_no_function_fails_the_load() -> None:
             make_runner(model, SIGNATURE, SIGNATURE, scheduler, HookThreads("m"))
         await scheduler.drain()
     asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+def test_the_input_check_nereid_check_asks_for_is_refused_as_the_server_refuses_it() -> None:
+    """Found by a README check: `nereid check` said OK of a model whose input_check() returned 42 (or raised),
+    which the server refused at load. Both ask through checked_input_check, with the server's message."""
+    from nereid.errors import ConfigError
+    from nereid.model_runner import checked_input_check
+
+    model = Checking()
+    check = checked_input_check("m", model)
+    assert callable(check) and check(rows(1)) is None
+    model.input_check = lambda: None
+    assert checked_input_check("m", model) is None
+    model.input_check = lambda: 42
+    with pytest.raises(ConfigError, match=r"^model 'm': input_check\(\) returned '42' \(int\), expected a "
+                                          r"function of the inputs or None$"):
+        checked_input_check("m", model)
+
+    def broken() -> None:
+        raise KeyError("scale")
+    model.input_check = broken
+    with pytest.raises(ConfigError, match=r"^model 'm': input_check\(\) failed: KeyError: 'scale'$"):
+        checked_input_check("m", model)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -278,15 +279,17 @@ def test_a_bare_array_among_the_outputs_is_named_as_what_it_is() -> None:
 # Each output made by its test, not at collection: every xdist worker collects every test, and would otherwise
 # build (and keep through the run, slowing each full garbage collection) 400,000 objects.
 @pytest.mark.parametrize("make_outputs, quoted", [
-    (lambda: tuple(CountedRepr() for _ in range(100_000)), "returned tuple (e, e, e, "),  # not a list
+    # Not a list: its repr would be cut, so its length and the types of its first items.
+    (lambda: tuple(CountedRepr() for _ in range(100_000)), "returned tuple of 100000 item(s): CountedRepr, "),
     (lambda: [CountedRepr() for _ in range(100_000)], "returned a list whose item 0 is CountedRepr e, expected a "
                                                       "list of NamedTensor"),  # a list of no NamedTensor
     (lambda: [NamedTensor("y", DType.BYTES, objects(b"a", *(CountedRepr() for _ in range(3))))],
      "holding element 1 of type CountedRepr (e)"),
     # Subclasses of the containers, which reprlib would quote with their whole repr.
     (lambda: collections.OrderedDict((i, CountedRepr()) for i in range(100_000)),
-     "returned OrderedDict OrderedDict({0: e, "),
-    (lambda: collections.UserList(CountedRepr() for _ in range(100_000)), "returned UserList UserList([e, e, "),
+     "returned OrderedDict with 100000 key(s) 0, 1, 2, 3, 4, 5, 6, 7, ..., expected"),
+    (lambda: collections.UserList(CountedRepr() for _ in range(100_000)),
+     "returned UserList of 100000 item(s): CountedRepr, "),
 ], ids=["tuple", "list", "bytes-tensor-element", "OrderedDict", "UserList"])
 def test_a_huge_wrong_output_is_quoted_from_a_bounded_part_of_it(make_outputs, quoted: str) -> None:
     """Defect: the message took the full repr of a model's wrong output before cutting it to 100 characters:
@@ -330,7 +333,7 @@ def test_an_element_or_tag_whose_repr_cannot_be_written_still_fails_as_the_model
         check_outputs("m", BYTES_OUT, [NamedTensor("y", DType.BYTES, objects(b"a", 10**5000))], 1)
     with pytest.raises(ModelFailure, match=r"^model 'm' returned output 'y' as <NoRepr instance at 0x"):
         check_outputs("m", FP32_OUT, [NamedTensor("y", NoRepr(), np.zeros((1, 2), np.float32))], 1)
-    with pytest.raises(ModelFailure, match=r"^model 'm' returned tuple \(\(\(\("):
+    with pytest.raises(ModelFailure, match=r"^model 'm' returned tuple of 1 item\(s\): tuple, expected"):
         check_outputs("m", FP32_OUT, nested, 1)
 
 
@@ -339,18 +342,44 @@ def test_an_element_or_tag_whose_repr_cannot_be_written_still_fails_as_the_model
     tuple(range(40)), "x" * 200, np.zeros((2, 2), np.float32), 10**120, ([],) * 3, bytearray(b"ab")])
 def test_a_small_wrong_output_reads_as_before(value: object) -> None:
     """The bounded message quotes what the full repr cut to 100 characters quoted, for any value that fits
-    (any but a list, which is taken for the outputs: see the test below)."""
+    (any but a list, which is taken for the outputs: see the test below), on one line."""
     with pytest.raises(ModelFailure) as caught:
         check_outputs("m", FP32_OUT, value, 1)
-    if len(repr(value)) <= 100:
-        assert str(caught.value) == (f"model 'm' returned {type(value).__name__} {value!r:.100}, expected a list of "
+    if len(repr(value)) < 100:
+        one_line = re.sub(r"\s*\n\s*", " ", repr(value))
+        assert str(caught.value) == (f"model 'm' returned {type(value).__name__} {one_line}, expected a list of "
                                      "NamedTensor (outputs ['y'])")
+    elif isinstance(value, tuple):  # a long container: its length and item types (see the test below)
+        assert str(caught.value).startswith(f"model 'm' returned tuple of {len(value)} item(s): int, int, ")
     else:  # a long one is cut as before, to 100 characters
         assert str(caught.value).startswith(f"model 'm' returned {type(value).__name__} {repr(value)[:40]}")
     tag = value if isinstance(value, str) else repr(value)
     with pytest.raises(ModelFailure) as caught:
         check_outputs("m", FP32_OUT, [NamedTensor("y", tag, np.zeros((1, 2), np.float32))], 1)
     assert str(caught.value).startswith(f"model 'm' returned output 'y' as {tag!r:.40}")
+
+
+@pytest.mark.parametrize("make_outputs, described", [
+    (lambda: (np.full((3, 2), 5, np.float32), np.full((3, 2), 6, np.float32)),
+     "tuple of 2 item(s): ndarray, ndarray"),
+    (lambda: {"y": NamedTensor("y", DType.FP32, np.linspace(0, 1, 64, dtype=np.float32).reshape(32, 2))},
+     "dict with 1 key(s) 'y'"),
+    (lambda: np.linspace(0, 1, 64, dtype=np.float32).reshape(32, 2), "ndarray of float32 with shape [32, 2]"),
+], ids=["tuple of arrays", "dict of tensors", "array"])
+def test_a_container_of_arrays_is_named_by_its_type_not_a_cut_printout(make_outputs, described: str) -> None:
+    """Found by a README check: a plugin's infer returning a tuple (or a hook a dict) got a message holding
+    numpy's printout of its arrays, over several lines and cut mid-token ("5., 5.]],\n      dtype=float32), ")."""
+    with pytest.raises(ModelFailure) as caught:
+        check_outputs("m", FP32_OUT, make_outputs(), 1)
+    assert str(caught.value) == f"model 'm' returned {described}, expected a list of NamedTensor (outputs ['y'])"
+
+
+def test_a_bare_array_among_the_outputs_is_quoted_on_one_line() -> None:
+    outputs = [np.zeros((2, 2), np.float32)]
+    with pytest.raises(ModelFailure) as caught:
+        check_outputs("m", FP32_OUT, outputs, 2)
+    assert str(caught.value) == ("model 'm' returned a list whose item 0 is ndarray array([[0., 0.], [0., 0.]], "
+                                 "dtype=float32), expected a list of NamedTensor (outputs ['y'])")
 
 
 def test_a_short_list_of_wrong_outputs_is_named_as_before() -> None:

@@ -136,8 +136,9 @@ def test_hook_returning_the_wrong_type_is_an_internal_error(repo, serve, add_bun
     with pytest.raises(InferenceServerException) as caught:
         server.client.infer("mlp_hooks", [tensor])
     assert caught.value.status() == "StatusCode.INTERNAL"
-    assert caught.value.message().startswith("model 'mlp_hooks': the preprocess hook returned dict {'x': ")
-    assert caught.value.message().endswith("expected a list of NamedTensor")
+    # Named by its type and keys: numpy's printout of the arrays inside spanned lines and was cut mid-token.
+    assert caught.value.message() == ("model 'mlp_hooks': the preprocess hook returned dict with 1 key(s) 'x', "
+                                      "expected a list of NamedTensor")
     # A tuple of NamedTensor is taken, as plugin hooks' is.
     (bundle / "model.py").write_text(text.replace("return [NamedTensor.from_array(\"input\"",
                                                   "return (NamedTensor.from_array(\"input\"").replace(
@@ -251,3 +252,18 @@ def test_bundle_check_refuses_a_program_that_donates_a_weight(tmp_path) -> None:
     problem = bundle_type_problem(folder)
     assert problem is not None and problem.startswith("model.mlir: the program takes over the buffers of weight(s) "
                                                       "'w' (donated"), problem
+
+
+def test_bundle_check_refuses_a_program_that_calls_back_into_python(tmp_path) -> None:
+    """Found by a README check: `nereid bundle check` called such a bundle servable (exit 0), which the server then
+    refused at load; both now give the same reason."""
+    from nereid.backends.xla.arity import bundle_type_problem
+
+    folder = tmp_path / "callback"
+    folder.mkdir()
+    (folder / "model.mlir").write_text(_PYTHON_CALLBACK)
+    write_safetensors(folder / "weights.safetensors", [("w", np.array([10, 20], np.float32))])
+    (folder / "manifest.yaml").write_text(_TWO_FLOATS)
+    problem = bundle_type_problem(folder)
+    assert problem is not None and problem.startswith("model.mlir: the program calls back into Python "
+                                                      "(xla_ffi_python_cpu_callback: "), problem

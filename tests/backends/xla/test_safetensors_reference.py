@@ -304,6 +304,20 @@ def test_nereids_own_limits_are_named(tmp_path) -> None:
         read_header(path)
 
 
+def test_a_valid_header_over_nereids_limit_is_called_too_long_not_corrupt(tmp_path) -> None:
+    """Found by a README check: a header of 17 MiB, which the library reads, was called "not a safetensors file"
+    (sending the user to look for corruption); its length is quoted now, with nereid's limit."""
+    path = tmp_path / "w.safetensors"
+    header = json.dumps({"__metadata__": {"pad": "x" * MAX_HEADER_BYTES}, "a": {"dtype": "F32", "shape": [2],
+                                                                              "data_offsets": [0, 8]}}).encode()
+    path.write_bytes(_file(header))
+    assert _reference_accepts(path.read_bytes())
+    with pytest.raises(ConfigError) as caught:
+        read_header(path)
+    assert str(caught.value) == (f"{path}: its header is {len(header):,} bytes, over nereid's limit of 16 MiB "
+                                 "(16,777,216 bytes; the safetensors library allows up to 100,000,000)")
+
+
 @pytest.mark.parametrize("shape", [[0, 2 ** 64 - 1], [0, 2 ** 40, 2 ** 40], [2 ** 61, 0]])
 def test_an_empty_tensor_numpy_cannot_allocate_is_refused_naming_it(tmp_path, shape) -> None:
     """The library accepts these (0 elements, no overflow left to right); nereid accepted them too, then np.empty
