@@ -230,7 +230,7 @@ def test_classification_returns_each_items_top_classes_as_strings(repo, serve):
             service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer(wrong, timeout=10)
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert ("model 'm': output 'output': parameter 'classification' must be a non-negative integer count of "
-            "classes, got 'a string_param'") in caught.value.details()
+            "classes (int64_param or uint64_param), got string_param '2'") in caught.value.details()
     assert server.client.get_inference_statistics("h").model_stats[0].execution_count == 0  # refused before running
 
 
