@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import threading
 import time
 from pathlib import Path
 
@@ -327,24 +328,29 @@ def test_a_long_load_parameter_name_is_quoted_up_to_its_first_64_characters(tmp_
     asyncio.run(scenario())
 
 
-def test_a_load_an_unload_gave_up_on_is_unavailable_not_a_model_fault(tmp_path, monkeypatch):
-    """Defect: a RepositoryModelLoad given up because an unload came while its backend's load() ran answered
-    INTERNAL ("failed to load model"), as a model fault; the unload asked for it."""
-    import threading
-
-    import toy_backends
-
-    plane = toy_dataplane(tmp_path)
+def held_load(monkeypatch, name: str) -> tuple[threading.Event, threading.Event]:
+    """Make the toy backend's load() of model ``name`` wait (at most 10 s) until the second event is set; the
+    first is set once it has begun."""
     entered, release = threading.Event(), threading.Event()
     load = toy_backends.ToyModel.load
 
-    def slow_load(self) -> None:
-        if self.context.name == "spare":
+    def held(self) -> None:
+        if self.context.name == name:
             entered.set()
             release.wait(10)
         load(self)
 
-    monkeypatch.setattr(toy_backends.ToyModel, "load", slow_load)
+    monkeypatch.setattr(toy_backends.ToyModel, "load", held)
+    return entered, release
+
+
+def test_a_load_an_unload_gave_up_on_is_unavailable_not_a_model_fault(tmp_path, monkeypatch):
+    """Defect: a RepositoryModelLoad given up because an unload came while its backend's load() ran answered
+    INTERNAL ("failed to load model"), as a model fault; the unload asked for it."""
+    import toy_backends
+
+    plane = toy_dataplane(tmp_path)
+    entered, release = held_load(monkeypatch, "spare")
 
     async def scenario() -> None:
         loading = asyncio.ensure_future(plane.load("spare"))
@@ -390,19 +396,8 @@ def test_a_load_or_unload_whose_caller_stops_waiting_runs_to_its_end(tmp_path, m
     task) cancelled the load: the model stayed UNAVAILABLE "load abandoned (the server is stopping)" and
     ServerReady false until the next load or unload of it. An unload cancelled so kept the reason '' instead of
     "unloaded". Triton finishes what it accepted; only the caller's wait ends."""
-    import threading
-
     plane = toy_dataplane(tmp_path)
-    entered, release = threading.Event(), threading.Event()
-    load = toy_backends.ToyModel.load
-
-    def slow_load(self) -> None:
-        if self.context.name == "spare":
-            entered.set()
-            release.wait(10)
-        load(self)
-
-    monkeypatch.setattr(toy_backends.ToyModel, "load", slow_load)
+    entered, release = held_load(monkeypatch, "spare")
 
     async def scenario() -> None:
         await plane.load("toy")
@@ -441,8 +436,6 @@ def test_a_load_or_unload_whose_caller_stops_waiting_runs_to_its_end(tmp_path, m
 def test_a_load_whose_caller_stops_waiting_for_its_turn_behind_an_unload_loads_after_it(tmp_path, monkeypatch):
     """Found by a bug hunt: a load cancelled while it waited behind an unload draining a request left the model
     "unloaded" but counted by ServerReady, which stayed false until a second unload."""
-    import threading
-
     plane = toy_dataplane(tmp_path)
     running, release = threading.Event(), threading.Event()
     infer = toy_backends.ToyModel.infer
@@ -483,18 +476,8 @@ def test_a_load_whose_caller_stops_waiting_for_its_turn_behind_an_unload_loads_a
 def test_a_stop_abandons_a_load_whose_caller_stopped_waiting(tmp_path, monkeypatch):
     """The load a client no longer waits for runs on, but a server stop does not wait for it: a backend's load()
     may take minutes, or never return."""
-    import threading
-
     plane = toy_dataplane(tmp_path)
-    entered, release = threading.Event(), threading.Event()
-    load = toy_backends.ToyModel.load
-
-    def hanging_load(self) -> None:
-        entered.set()
-        release.wait(10)
-        load(self)
-
-    monkeypatch.setattr(toy_backends.ToyModel, "load", hanging_load)
+    entered, release = held_load(monkeypatch, "spare")
 
     async def scenario() -> None:
         loading = asyncio.ensure_future(plane.load("spare"))
@@ -532,8 +515,6 @@ def test_loading_a_listed_model_whose_folder_is_missing_is_not_found_and_leaves_
     where the README says NOT_FOUND as for a name that never had a folder; and the load turned the UNLOADING of
     the old version, still finishing its requests, into UNAVAILABLE."""
     import shutil
-    import threading
-
     plane = listed_plane(tmp_path, watch)
     repository = plane.repository
     running, release = threading.Event(), threading.Event()
