@@ -154,13 +154,30 @@ def _with_non_finite_literals(header: bytes | memoryview) -> Any:
     if b"NaN" not in raw and b"Infinity" not in raw:
         return None
     try:
-        document = json.loads(raw)
-        # Everything else as strictly as orjson reads it: orjson refuses a lone surrogate (an escape json lets
-        # through) when writing it back, and its depth limit is below the json module's.
+        # Everything else as strictly as orjson reads it: UTF-8 (json.loads of bytes also takes UTF-16 and a BOM;
+        # of a str, refuses a BOM), a number too large for a double refused, an integer past 64 bits read as a
+        # float; orjson refuses a lone surrogate (an escape json lets through) when writing it back, and its
+        # depth limit is below the json module's.
+        document = json.loads(raw.decode("utf-8"), parse_float=_finite_float, parse_int=_as_orjson_reads_it)
         orjson.dumps(document)
     except (ValueError, RecursionError, orjson.JSONEncodeError):
         return None
     return document
+
+
+def _finite_float(text: str) -> float:
+    """A JSON number with a fraction or exponent, refused (ValueError) when a double cannot hold it (``1e400``),
+    as orjson refuses it: only the literals stand for an infinity."""
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"number {text[:32]} is infinity when parsed as double")
+    return value
+
+
+def _as_orjson_reads_it(text: str) -> int | float:
+    """A JSON integer as orjson reads it: an int within 64 bits (signed or not), a float past them."""
+    value = int(text)
+    return value if -2 ** 63 <= value < 2 ** 64 else float(value)
 
 
 def _refuse_binary_without_header_length(model: str, body: bytes) -> None:
@@ -339,6 +356,8 @@ def quoted(value: Any) -> str:
     """A client's JSON value as a message quotes it: as JSON (``"yes"``, ``true``), cut to 64 characters; one
     nested past orjson's depth (a thousand levels made json.dumps raise RecursionError: a 500) from a bounded
     part of it, as Python writes it."""
+    if isinstance(value, float) and not math.isfinite(value):  # (orjson writes them as null)
+        return "NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity"
     try:
         text = orjson.dumps(value).decode()
     except (orjson.JSONEncodeError, TypeError):

@@ -342,3 +342,36 @@ def test_orjsons_allocation_failure_is_a_memory_error_not_invalid_json(monkeypat
     monkeypatch.setattr(http_codec.orjson, "loads", loads)
     with pytest.raises(MemoryError, match="Not enough memory"):
         decode_infer("m", b'{"inputs": []}', None)
+
+
+def _fp64_body(data: str, extra: str = "") -> bytes:
+    return ('{"inputs": [{"name": "x", "datatype": "FP64", "shape": [2], "data": ' + data + '}]' + extra
+            + '}').encode()
+
+
+@pytest.mark.parametrize("document", [
+    _fp64_body("[1e400, Infinity]"),  # a number past a double is no infinity literal
+    _fp64_body("[1e400, 1]", ', "id": "NaN"'),  # "NaN" in a string let the rest be read leniently
+    b"\xef\xbb\xbf" + _fp64_body("[1, NaN]"),  # a byte order mark
+    _fp64_body("[1, NaN]").decode().encode("utf-16"),
+])
+def test_the_literals_are_the_only_leniency(document):
+    """Found by a review: a body holding NaN or Infinity anywhere (a string included) was read again by
+    json.loads, which also took a number past a double as infinity, a byte order mark, and UTF-16."""
+    with pytest.raises(InvalidArgument, match="not valid JSON"):
+        decode_infer("m", document, None)
+
+
+def test_an_integer_past_64_bits_beside_a_literal_is_read_as_orjson_reads_it():
+    """Found by a review: with a NaN in the data, a parameter of 2**64 failed the whole body as "not valid JSON"
+    pointing at the NaN; orjson reads such an integer as a float, which the parameter's check names."""
+    with pytest.raises(InvalidArgument, match="parameter 'timeout' must be a non-negative integer number of "
+                                              "microseconds of at most 64 bits; got about 1.84467e"):
+        decode_infer("m", _fp64_body("[1, NaN]", ', "parameters": {"timeout": 18446744073709551616}'), None)
+
+
+@pytest.mark.parametrize("value, shown", [("NaN", "NaN"), ("Infinity", "Infinity"), ("-Infinity", "-Infinity")])
+def test_a_parameter_sent_as_a_literal_is_quoted_as_sent(value, shown):
+    """Found by a review: quoted through orjson, a NaN parameter read "got null"."""
+    with pytest.raises(InvalidArgument, match=f"parameter 'priority' .*got {shown}$"):
+        decode_infer("m", _fp64_body("[1, 2]", ', "parameters": {"priority": ' + value + '}'), None)
