@@ -29,6 +29,7 @@ from nereid.backend_calls import bounded_backend_call
 from nereid.dependencies import callers_readiness
 from nereid.errors import ConfigError, backend_exit, plugin_failures
 from nereid.files import check_confined
+from nereid.init_process import fork_init_if_pid_1
 from nereid.leftovers import ScratchFolderError, make_scratch_folder, remove_scratch_folder
 from nereid.log_format import one_record_per_line, stderr_handler
 from nereid.log_limit import EndedCallFilter, RateLimitFilter
@@ -194,6 +195,9 @@ def serve_command(settings: Settings, listeners: Listeners, manager: NereidPlugi
     An installed plugin that could not be loaded was logged and is left out: the
     server serves what the others claim.
     """
+    # As a container's PID 1, the server runs as a child of nereid's own init, which reaps the orphans the kernel
+    # hands PID 1 (see init_process): before the server's imports and threads, once nereid.yaml has been read.
+    fork_init_if_pid_1()
     from nereid.server import NereidServer  # grpc is only needed to serve
 
     manager = manager or make_plugin_manager()
