@@ -361,15 +361,22 @@ class _RuntimeReports:
         """The calls of the backends (by model name) that report how they run, done or not after the wait."""
         calls: dict[str, Future] = {}
         with self._lock:
+            for gone in self._pending.keys() - backends.keys():  # (unloaded while its call hung)
+                del self._pending[gone]
             for name, backend in backends.items():
                 if not isinstance(backend, ReportsRuntime):
                     continue
                 pending = self._pending.get(name)
                 # A new version's backend (a reload) is asked even while the old one's call hangs.
-                calls[name] = pending[1] if pending and pending[0] is backend else _call_on_thread(name, backend)
+                if pending is None or pending[0] is not backend:
+                    # Recorded before the wait: a scrape overlapping this one waits on the same call.
+                    pending = self._pending[name] = (backend, _call_on_thread(name, backend))
+                calls[name] = pending[1]
         wait_for_futures(calls.values(), timeout=RUNTIME_REPORT_WAIT_S)
         with self._lock:
-            self._pending = {name: (backends[name], call) for name, call in calls.items() if not call.done()}
+            for name, call in calls.items():
+                if call.done() and self._pending.get(name, (None, None))[1] is call:
+                    del self._pending[name]  # answered: the next scrape asks again
         return calls
 
 
