@@ -278,46 +278,49 @@ class ModelRepository:
         self._state_changed()
 
     def waiting_for_listing(self) -> bool:
-        """Whether the store could not be listed at start (no models: key, no watcher), and has not been since:
-        see :meth:`list_until_answered`."""
-        return self._startup_listing is not None
+        """Whether the store could not be listed at start (no models: key, no watcher) and the folders a later
+        listing finds are still to be loaded: see :meth:`list_until_answered`."""
+        return self._startup_listing is not None or bool(self._found_late)
 
     async def list_until_answered(self) -> list[str]:
         """When the store could not be listed at start (no models: key, no watcher), list it again, ever less
         often (see :class:`~nereid.store_retries.StartupListing`), until it answers; returns the folders found
         then, for the server to load as at start ([] when the listing at start answered).
 
-        Another call's listing (a RepositoryIndex, a load) that answers first ends the wait. Each try runs on a
-        daemon thread of its own: a stop cancels this at once, and never waits for a listing the store is slow to
-        answer.
+        Another call's listing (a RepositoryIndex, a load) that answers first ends the wait, and its folders are
+        returned the same. Each try runs on a daemon thread of its own: a stop cancels this at once, and never
+        waits for a listing the store is slow to answer.
         """
         failure = self._startup_listing
-        if failure is None:
-            return []
-        retry = StartupListing(str(self.settings.server.ml_backends_url), failure)
-        while self._startup_listing is not None:
-            try:
-                await asyncio.wait_for(self._listed.wait(), retry.delay_s)
-            except asyncio.TimeoutError:
-                pass
-            if self._startup_listing is None:
-                break
-            try:
-                scan = await on_daemon_thread(functools.partial(self._scan, logged=False), "nereid-store-listing")
-            except Exception as err:  # not the store's (the local cache refusing a mirror folder, say): tried again
-                log.error("%s: listing the model folders failed: %s", self.settings.server.ml_backends_url,
-                          describe_exception(err), exc_info=err)
-                retry.failed(err)
-                continue
-            self._apply_scan(scan)
-            if scan.error is not None and self._startup_listing is not None:
-                retry.failed(scan.error)
+        if failure is not None:
+            retry = StartupListing(str(self.settings.server.ml_backends_url), failure)
+            while self._startup_listing is not None:
+                try:
+                    await asyncio.wait_for(self._listed.wait(), retry.delay_s)
+                except asyncio.TimeoutError:
+                    pass
+                if self._startup_listing is None:
+                    break
+                try:
+                    scan = await on_daemon_thread(functools.partial(self._scan, logged=False),
+                                                  "nereid-store-listing")
+                except Exception as err:  # not the store's (the local cache refusing a mirror folder): tried again
+                    log.error("%s: listing the model folders failed: %s", self.settings.server.ml_backends_url,
+                              describe_exception(err), exc_info=err)
+                    retry.failed(err)
+                    continue
+                self._apply_scan(scan)
+                if scan.error is not None and self._startup_listing is not None:
+                    retry.failed(scan.error)
+            tries = f" ({retry.tries} failed tr{'y' if retry.tries == 1 else 'ies'} since the start)"
+        else:  # (answered first by a RepositoryIndex's or a load's listing, before this began)
+            tries = ""
         # (Less any a client has unloaded since: an unload lists the store too, and may have been the one.)
         found = [name for name in self._found_late if name in self._exposed]
         self._found_late = []
-        log.info("%s: the model folders are listed at last (%d failed tr%s since the start); loading %s",
-                 self.settings.server.ml_backends_url, retry.tries, "y" if retry.tries == 1 else "ies",
-                 ", ".join(f"'{name}'" for name in found) or "nothing (no model folder there)")
+        if failure is not None or found:
+            log.info("%s: the model folders are listed at last%s; loading %s", self.settings.server.ml_backends_url,
+                     tries, ", ".join(f"'{name}'" for name in found) or "nothing (no model folder there)")
         return found
 
     def _folder_found(self, name: str) -> None:

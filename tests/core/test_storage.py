@@ -6,6 +6,7 @@ into the cache folder, refreshed by ETag, and nothing is written to the bucket.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import textwrap
 import threading
@@ -280,6 +281,38 @@ def test_a_bucket_that_cannot_be_listed_at_start_keeps_the_server_not_ready_unti
     np.testing.assert_array_equal(_echo(server.client, "echo", x), x)
     assert f"{s3.url()}: the model folders are listed at last" in caplog.text and "loading 'echo'" in caplog.text
     assert "not listed in nereid.yaml" not in caplog.text
+
+
+def test_folders_a_repository_index_lists_first_are_loaded_as_at_start(s3, tmp_path, monkeypatch) -> None:
+    """Found by the session's review: a RepositoryIndex (or a load) whose listing answered before the start-up
+    retry's first step exposed the folders "waiting to load", and nothing ever loaded them: ServerReady false
+    for good."""
+    from nereid.plugins import make_plugin_manager
+    from nereid.repository import ModelRepository
+    from nereid.settings import load_settings
+
+    source = tmp_path / "source"
+    _python_folder(source, "echo")
+    upload_folder(s3.store, source, s3.prefix)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAWRONGKEY")
+    (tmp_path / "scratch").mkdir()
+    repository = ModelRepository(load_settings(_config(tmp_path, s3.url())), make_plugin_manager(),
+                                 tmp_path / "scratch")
+    assert repository.waiting_for_listing()
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3.env()["AWS_ACCESS_KEY_ID"])
+
+    async def scenario() -> list[str]:
+        try:
+            await repository.refresh()  # a RepositoryIndex that came first
+            assert repository.waiting_for_listing()  # (the server starts its loading task on this)
+            found = await asyncio.wait_for(repository.list_until_answered(), 10)
+            for name in found:
+                await repository.load(name)
+            return found
+        finally:
+            await repository.unload_all()
+    assert asyncio.run(scenario()) == ["echo"]
+    assert not repository.waiting_for_listing()
 
 
 def test_a_stop_while_the_bucket_is_listed_again_at_start_is_prompt(s3, tmp_path, monkeypatch) -> None:
