@@ -188,7 +188,7 @@ def _class_count(model: str, output: str, parameter: pb.InferParameter) -> int:
         shown = f"{kind} {brief_repr(getattr(parameter, kind), 64)}" if kind else "no value"
         raise InvalidArgument(f"{where}: parameter 'classification' must be a non-negative integer count of classes "
                               f"(int64_param or uint64_param), got {shown}")
-    return class_count(where, getattr(parameter, kind))
+    return class_count(where, getattr(parameter, kind), lambda value: f"{kind} {value}")  # (as above)
 
 
 def _timeout_us(model: str, parameter: pb.InferParameter) -> int:

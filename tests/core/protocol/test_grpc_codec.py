@@ -652,7 +652,7 @@ def test_shared_memory_tensors_and_bad_classification_counts_are_refused_directl
     negative = request_with(triton.InferRequestedOutput("y"))
     negative.outputs[0].parameters["classification"].int64_param = -2
     with pytest.raises(InvalidArgument, match="output 'y': parameter 'classification' must be a non-negative "
-                                              "integer count of classes, got '-2'"):
+                                              "integer count of classes, got int64_param -2"):
         decode_infer_request(negative, None)
 
 
