@@ -619,10 +619,13 @@ def test_a_body_refused_while_decoding_counts_as_the_models_failure(served):
     assert (stats["inference_stats"]["fail"]["count"], stats["inference_stats"]["success"]["count"]) == (1, 0)
 
 
-def _exchange(base: str, data: bytes, *later: bytes, wait_s: float = 5.0) -> bytes:
-    """Send ``data`` (then each of ``later``, 0.3 s apart) on one raw connection; all it answers until closed."""
+def _exchange(base: str, data: bytes, *later: bytes, wait_s: float = 5.0, ports: list[int] | None = None) -> bytes:
+    """Send ``data`` (then each of ``later``, 0.3 s apart) on one raw connection; all it answers until closed.
+    ``ports`` gets the connection's own port (to tell its log lines from those of other connections)."""
     host, port = base.rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=wait_s) as conn:
+        if ports is not None:
+            ports.append(conn.getsockname()[1])
         conn.sendall(data)
         for part in later:
             time.sleep(0.3)
@@ -696,11 +699,13 @@ def test_connections_silent_in_the_middle_of_a_request_are_closed(served, monkey
     for partial in (b"", b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n",
                     b"POST /v2/models/echo/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"in"):
         caplog.clear()
-        started = time.monotonic()
-        assert _exchange(base, partial, wait_s=10) == b""  # closed, unanswered
+        started, ports = time.monotonic(), []
+        assert _exchange(base, partial, wait_s=10, ports=ports) == b""  # closed, unanswered
         assert time.monotonic() - started < 5, partial
-        # Found by a README check: a stalled body was logged twice, the second line blaming the client.
-        lines = [r.getMessage() for r in caplog.records if r.name in (http_service.__name__, http_listener.__name__)]
+        # Found by a README check: a stalled body was logged twice, the second line blaming the client. (This
+        # connection's lines only: an earlier test's connection, closed late, may log meanwhile.)
+        lines = [r.getMessage() for r in caplog.records if r.name in (http_service.__name__, http_listener.__name__)
+                 and f"127.0.0.1:{ports[0]} " in r.getMessage()]
         assert len(lines) == 1 and "closed: it sent no complete request for" in lines[0], (partial, lines)
     # A slow model's request is not cut: the client is waiting for the server, not the other way round.
     body = json.dumps({"inputs": [{"name": "input", "shape": [1, 4], "datatype": "FP32", "data": [0] * 4}]})
