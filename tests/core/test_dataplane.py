@@ -344,6 +344,21 @@ def held_load(monkeypatch, name: str) -> tuple[threading.Event, threading.Event]
     return entered, release
 
 
+def held_infer(monkeypatch) -> tuple[threading.Event, threading.Event]:
+    """Make the toy backend's infer() wait (at most 10 s) until the second event is set; the first is set once
+    one has begun."""
+    running, release = threading.Event(), threading.Event()
+    infer = toy_backends.ToyModel.infer
+
+    def held(self, inputs):
+        running.set()
+        release.wait(10)
+        return infer(self, inputs)
+
+    monkeypatch.setattr(toy_backends.ToyModel, "infer", held)
+    return running, release
+
+
 def test_a_load_an_unload_gave_up_on_is_unavailable_not_a_model_fault(tmp_path, monkeypatch):
     """Defect: a RepositoryModelLoad given up because an unload came while its backend's load() ran answered
     INTERNAL ("failed to load model"), as a model fault; the unload asked for it."""
@@ -437,15 +452,7 @@ def test_a_load_whose_caller_stops_waiting_for_its_turn_behind_an_unload_loads_a
     """Found by a bug hunt: a load cancelled while it waited behind an unload draining a request left the model
     "unloaded" but counted by ServerReady, which stayed false until a second unload."""
     plane = toy_dataplane(tmp_path)
-    running, release = threading.Event(), threading.Event()
-    infer = toy_backends.ToyModel.infer
-
-    def held_infer(self, inputs):
-        running.set()
-        release.wait(10)
-        return infer(self, inputs)
-
-    monkeypatch.setattr(toy_backends.ToyModel, "infer", held_infer)
+    running, release = held_infer(monkeypatch)
 
     async def scenario() -> None:
         await plane.load("toy")
@@ -517,15 +524,7 @@ def test_loading_a_listed_model_whose_folder_is_missing_is_not_found_and_leaves_
     import shutil
     plane = listed_plane(tmp_path, watch)
     repository = plane.repository
-    running, release = threading.Event(), threading.Event()
-    infer = toy_backends.ToyModel.infer
-
-    def held_infer(self, inputs):
-        running.set()
-        release.wait(10)
-        return infer(self, inputs)
-
-    monkeypatch.setattr(toy_backends.ToyModel, "infer", held_infer)
+    running, release = held_infer(monkeypatch)
     then = ("it loads once its folder lands (server.watch)" if watch
             else "put its folder back, then load it again")
     missing = (rf"^model 'm': its folder 'm' is missing from ml_backends_path, so it cannot be loaded; nereid.yaml "
