@@ -13,7 +13,7 @@ from nereid.backend import BackendClaim, ModelContext, RuntimeReport
 from nereid.errors import ConfigError
 from nereid.backends.python.options import PythonOptions, parse_options
 from nereid.backends.python.preload import Preloads, modules_to_preload
-from nereid.backends.python.warm import EntryImportFailed, WarmParent, WarmStartUnavailable
+from nereid.backends.python.warm import EntryImportFailed, WarmParent, WarmParentDied, WarmStartUnavailable
 from nereid.backends.scratch import scratch_folder_refused
 from nereid.backends.subprocess.model import SubprocessModel
 from nereid.backends.subprocess.runner import ProcessResult
@@ -61,7 +61,7 @@ class PythonModel(SubprocessModel):
             self._cold_reason = f"{origin.rpartition(': ')[2] if origin else 'runtime'}.warm_start is false"
         else:
             try:
-                self._parent = self._start_parent(modules, source)
+                self._parent = self._start_warm_parent(modules, source)
                 self._warm = True
                 return
             except EntryImportFailed as err:
@@ -77,6 +77,22 @@ class PythonModel(SubprocessModel):
             self._parent = self._start_parent(Preloads(), source)
         except WarmStartUnavailable as err:
             log.warning("model '%s': no parent process (%s); runs are spawned directly", self.context.name, err)
+
+    def _start_warm_parent(self, modules: Preloads, source: bytes) -> WarmParent:
+        """The warm parent that preloads ``modules``, started once more should the first end while starting.
+
+        A parent that dies while it starts (an out-of-memory killer during a
+        big import) tells nothing about its imports, as at a restart (see
+        ``WarmParent._restart``): the model is not made cold for good by one
+        such death. One silent until START_TIMEOUT_S is not waited on twice.
+        """
+        try:
+            return self._start_parent(modules, source)
+        except WarmParentDied as err:
+            if err.timed_out:
+                raise
+            log.warning("model '%s': %s; starting another for the load", self.context.name, err)
+        return self._start_parent(modules, source)
 
     def _start_parent(self, modules: Preloads, source: bytes) -> WarmParent:
         # A folder of its own: while a changed model reloads, two versions' parents run side by side.

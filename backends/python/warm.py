@@ -58,8 +58,9 @@ class WarmParentDied(WarmStartUnavailable):
     exited, or silent until START_TIMEOUT_S and killed.
 
     A fault of that process, not a verdict on its imports: a restart
-    starts another one (see ``WarmParent._restart``); a load that meets it
-    runs the model cold, as for any WarmStartUnavailable. ``how`` says how
+    starts another one (see ``WarmParent._restart``), and so does a load
+    (``PythonModel._start_warm_parent``), which runs the model cold only if
+    that one ends too. ``how`` says how
     it ended (``was killed by signal SIGKILL``), ``killed`` whether a signal
     ended it (not ours: one silent until START_TIMEOUT_S is ``timed_out``).
     """

@@ -8,6 +8,7 @@ out-of-memory killer kills them.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import sys
@@ -16,13 +17,15 @@ from pathlib import Path
 
 import pytest
 
-from nereid.backends.python.plugin import cold_command
+from nereid.backend import ModelContext
+from nereid.backends.python.plugin import PythonModel, cold_command
 from nereid.backends.python.preload import Preloads
 from nereid.backends.python.warm import MAX_START_DEATHS, WarmParent
 from nereid.backends.subprocess.runner import ProcessGroups
 from nereid.errors import ModelKilled
+from nereid.settings import ModelSettings
 
-from support import process_alive, wait_until, zombie_children
+from support import process_alive, textproto_single, wait_until, zombie_children
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the warm parent needs Linux")
 
@@ -181,3 +184,39 @@ def test_a_parent_that_dies_while_its_model_is_idle_is_reaped_at_once(tmp_path, 
         assert model.parent.cold_reason is None
     finally:
         model.stop()
+
+
+def test_a_parent_killed_while_its_model_loads_is_started_again_and_the_model_loads_warm(tmp_path, caplog,
+                                                                                          no_zombies):
+    """Defect: a warm parent killed once while its model loaded (an out-of-memory killer during a big import) was
+    taken for one that cannot preload: the model ran cold until reloaded, its reason "the warm parent was killed by
+    signal SIGKILL while starting"."""
+    switches = Model(tmp_path)  # its site, its stall switch, and its folder: loaded here as a python model
+    (switches.folder / "model_inference.textproto").write_text(textproto_single())
+    scratch = tmp_path / "server_scratch"
+    scratch.mkdir()
+    settings = ModelSettings("m", runtime={"preload": ["stalls_if_asked"]})
+    model = PythonModel(ModelContext("m", switches.folder, settings, scratch, "nereid.yaml: models[0]"))
+    base_environment = model.base_environment
+    # The model's processes inherit no PYTHONPATH: the parent finds stalls_if_asked, and its switches, so.
+    model.base_environment = lambda: {**base_environment(), **switches.parent.env}
+    switches.stall.write_text("")
+    loading = threading.Thread(target=model.load)
+    try:
+        with caplog.at_level(logging.WARNING, logger="nereid.backends.python.plugin"):
+            loading.start()
+            [killed] = kill_the_restarting_parents(switches, 1)
+            loading.join(30)
+        assert not loading.is_alive()
+        assert model.runtime_report().summary == "warm_start=on"
+        parent = model._parent
+        assert parent is not None and parent.cold_reason is None and parent.pid != killed
+        assert parent.modules == Preloads(imports=("sys",), extra=("stalls_if_asked",))  # preloaded: warm
+        assert [record.getMessage() for record in caplog.records] == [
+            "model 'm': the warm parent was killed by signal SIGKILL while starting; starting another for the load"]
+        assert model.launch(env=model.base_environment(), stdin=b"x").returncode == 0  # forked, warm
+        assert parent.cold_reason is None and process_alive(parent.pid)
+    finally:
+        loading.join(30)
+        model.unload()
+        switches.stop()
