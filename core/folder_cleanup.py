@@ -16,6 +16,7 @@ import functools
 import logging
 import shutil
 import threading
+import time
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Coroutine, Iterable
@@ -27,6 +28,15 @@ if TYPE_CHECKING:
     from nereid.settings import ServerSettings
 
 log = logging.getLogger(__name__)
+
+
+# The pauses before a copy that stayed is tried again (see FolderCleanup._drop_mirrors).
+MIRROR_DROP_RETRIES_S = (0.25, 1.0)
+
+
+def _cached(server: ServerSettings, name: str) -> bool:
+    """Whether the store folder ``name`` still has a copy in the local mirror."""
+    return (Path(server.ml_backends_path) / name).exists()
 
 
 class FolderCleanup:
@@ -115,11 +125,18 @@ class FolderCleanup:
                              daemon=True).start()
 
     def _drop_mirrors(self, server: ServerSettings, names: list[str]) -> None:
-        """:meth:`drop_mirrors_soon`'s thread."""
+        """:meth:`drop_mirrors_soon`'s thread. A copy that stays is tried again a moment later, a few times: the
+        prune a version's release starts takes the folder's lock as a removal does, neither waiting, so a copy
+        forgotten as its last version was released stayed until the next listing (none, without a client)."""
         try:
-            for name in names:
-                if name not in self._known_names():  # (again: a load of the name may have started meanwhile)
-                    drop_mirror_folder(server, name)
+            left = list(names)
+            for pause_s in (*MIRROR_DROP_RETRIES_S, None):
+                # (Known again: a load of the name may have started meanwhile.)
+                left = [name for name in left if name not in self._known_names()
+                        and not drop_mirror_folder(server, name) and _cached(server, name)]
+                if not left or pause_s is None:
+                    break
+                time.sleep(pause_s)
         except Exception:  # a thread of its own: nothing above it would report it
             log.exception("removing the cached copies of store folders %s failed", names)
         finally:
