@@ -14,8 +14,9 @@ from pathlib import Path
 COMING_FROM_TRITON = "the README's 'Coming from Triton' maps each part"
 # How many entries of a folder are looked at for version folders (a folder of thousands costs no more).
 _SCANNED_ENTRIES = 64
-# Triton's model file names in a version folder (its backends' defaults), when no config.pbtxt says more.
-_TRITON_MODEL_FILE = re.compile(r"model\.(py|onnx|plan|pt|savedmodel|graphdef|netdef)$")
+# Triton's model file names in a version folder (its backends' defaults), when no config.pbtxt says more; and
+# nereid's own entry files put there by a user who kept Triton's layout while converting.
+_TRITON_MODEL_FILE = re.compile(r"model\.(py|onnx|plan|pt|savedmodel|graphdef|netdef)$|main\.(py|cpp)$")
 
 # config.pbtxt fields a textproto cannot hold, and where each goes here.
 _TRITON_FIELDS = {

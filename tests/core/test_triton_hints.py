@@ -22,6 +22,7 @@ LOOKS_LIKE = ("it looks like a Triton model folder ({}): nereid reads no config.
     # Triton completes the config of an ONNX, TensorRT or TensorFlow model itself: no config.pbtxt at all.
     ({"1/model.onnx": "onnx"}, "1/model.onnx"),
     ({"3/model.plan": "plan", "notes.txt": ""}, "3/model.plan"),
+    ({"1/main.py": "print()"}, "1/main.py"),  # converted, but still in a version folder
     ({"1/weights.bin": ""}, None),  # a numbered folder holding no Triton model file
     ({"v1/model.onnx": ""}, None),  # no version folder
     ({"main.py": ""}, None),
