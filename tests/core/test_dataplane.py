@@ -8,6 +8,7 @@ import re
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -328,6 +329,14 @@ def test_a_long_load_parameter_name_is_quoted_up_to_its_first_64_characters(tmp_
     asyncio.run(scenario())
 
 
+async def settled(condition: Callable[[], object], timeout_s: float = 5.0) -> None:
+    """Wait (on the loop, at most ``timeout_s``) until ``condition()`` holds; the caller asserts what it expects."""
+    for _ in range(int(timeout_s / 0.01)):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+
+
 def held_load(monkeypatch, name: str) -> tuple[threading.Event, threading.Event]:
     """Make the toy backend's load() of model ``name`` wait (at most 10 s) until the second event is set; the
     first is set once it has begun."""
@@ -424,10 +433,7 @@ def test_a_load_or_unload_whose_caller_stops_waiting_runs_to_its_end(tmp_path, m
             await loading
         release.set()
         entry = plane.repository.entry("spare")
-        for _ in range(500):
-            if entry.state.value != "LOADING":
-                break
-            await asyncio.sleep(0.01)
+        await settled(lambda: entry.state.value != "LOADING")
         assert (entry.state.value, entry.reason) == ("READY", "")
         assert plane.ready()  # strict readiness: every model asked for is READY
         unloading = asyncio.ensure_future(plane.unload("spare"))
@@ -435,10 +441,7 @@ def test_a_load_or_unload_whose_caller_stops_waiting_runs_to_its_end(tmp_path, m
         unloading.cancel()
         with pytest.raises(asyncio.CancelledError):
             await unloading
-        for _ in range(500):
-            if entry.state.value == "UNAVAILABLE" and entry.reason:
-                break
-            await asyncio.sleep(0.01)
+        await settled(lambda: entry.state.value == "UNAVAILABLE" and entry.reason)
         assert (entry.state.value, entry.reason, entry.loaded) == ("UNAVAILABLE", "unloaded", None)
         assert plane.ready()
         await plane.repository.unload_all()
@@ -468,10 +471,7 @@ def test_a_load_whose_caller_stops_waiting_for_its_turn_behind_an_unload_loads_a
         await answer
         await unloading
         entry = plane.repository.entry("toy")
-        for _ in range(500):
-            if entry.state.value == "READY":
-                break
-            await asyncio.sleep(0.01)
+        await settled(lambda: entry.state.value == "READY")
         assert (entry.state.value, entry.reason) == ("READY", "") and plane.ready()
         await plane.repository.unload_all()
     try:
