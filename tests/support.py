@@ -155,11 +155,28 @@ def expect_grpc_error(status: str, call: Callable[[], object], *fragments: str) 
 NEREID = [sys.executable, "-m", "nereid.cli"]
 
 
+# Ports handed to another process come from a band of this xdist worker's own, below Linux's ephemeral range
+# (32768-60999). A port the kernel picked (bind to 0) is free only until the next pick: another worker's server
+# once got the same one between the pick and the child's bind, and the test spoke to that server instead.
+_PORT_BASE, _PORT_BAND, _PORT_BANDS = 20000, 200, 63  # 20000-32599
+_next_port_in_band = int.from_bytes(os.urandom(2), "little") % _PORT_BAND  # two runs at once start apart
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1, free a moment ago, that no other test worker of this run is handed."""
+    global _next_port_in_band
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw-1")
+    band_start = _PORT_BASE + (int(worker.removeprefix("gw")) + 1) % _PORT_BANDS * _PORT_BAND
+    for _ in range(_PORT_BAND):
+        port = band_start + _next_port_in_band
+        _next_port_in_band = (_next_port_in_band + 1) % _PORT_BAND
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:  # held by another run, or a server of this worker's still closing
+                continue
+            return port
+    raise RuntimeError(f"no free port in 127.0.0.1:{band_start}-{band_start + _PORT_BAND - 1}")
 
 
 @contextlib.contextmanager
