@@ -508,8 +508,9 @@ class ModelRepository:
             if entry.loaded is not None and self._entries.get(name) is entry:
                 return entry
             # Unloaded or forgotten while the reload waited for it (its folder removed, renamed onto): this
-            # load comes after that, so it looks again, as a load of the name as it is now.
-            return await self.load(name, retrying=retrying)
+            # load comes after that, so it looks again, as a load of the name as it is now (still the client's:
+            # a folder gone meanwhile is NOT_FOUND, not "failed to load ...: waiting for its folder").
+            return await self.load(name, retrying=retrying, requested=requested)
         self._state_changed()  # counted from now on: ServerReady is false until it is READY
         async with entry.held():
             if entry.loaded is None:

@@ -555,3 +555,37 @@ def test_loading_a_listed_model_whose_folder_is_missing_is_not_found_and_leaves_
         asyncio.run(scenario())
     finally:
         release.set()
+
+
+@pytest.mark.parametrize("watch", [False, True])
+def test_a_listed_models_folder_removed_while_its_load_waits_for_an_unload_is_not_found(tmp_path, monkeypatch,
+                                                                                         watch):
+    """Noticed at an earlier stop: the folder was there when the client's load was checked, then removed while
+    the load waited for an unload still draining; the load answered INTERNAL "failed to load model 'm': waiting
+    for its folder", a server fault, where the same load a moment later is NOT_FOUND (the look again after the
+    unload lost that the load was a client's)."""
+    import shutil
+    plane = listed_plane(tmp_path, watch)
+    running, release = held_infer(monkeypatch)
+
+    async def scenario() -> None:
+        await plane.load("m")
+        answer = asyncio.ensure_future(plane.infer(request("m")))
+        while not running.is_set():
+            await asyncio.sleep(0.01)
+        unloading = asyncio.ensure_future(plane.unload("m"))
+        await settled(lambda: plane.repository.entry("m").state.value == "UNLOADING")
+        loading = asyncio.ensure_future(plane.load("m"))
+        await asyncio.sleep(0.1)  # the load has found the folder and waits for the unload
+        assert not loading.done()
+        shutil.rmtree(tmp_path / "ml-backends" / "m")
+        release.set()
+        await answer
+        await unloading
+        with pytest.raises(NotFound, match=r"^model 'm': its folder 'm' is missing from ml_backends_path"):
+            await asyncio.wait_for(loading, 5)
+        await plane.repository.unload_all()
+    try:
+        asyncio.run(scenario())
+    finally:
+        release.set()
