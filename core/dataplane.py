@@ -275,6 +275,11 @@ class DataPlane:
             # said otherwise, and a client could not tell why the model was READY a moment later.
             raise Unavailable(f"model '{name}' is loaded but not ready: {entry.reason}; it becomes READY by itself "
                               "once every model it calls is READY (unload it to stop it waiting)")
+        if entry.store_fault and (entry.state is not ModelState.READY or entry.reason):
+            # The store could not be read (down, credentials): for the client to try again, as a load the store
+            # cannot answer before it starts is; INTERNAL would blame the model.
+            raise Unavailable(f"failed to load model '{name}' from its store: {entry.reason}; load it again once "
+                              "the store answers")
         if entry.state is not ModelState.READY or entry.reason:  # (READY with a reason: the old version serves on)
             raise ModelFailure(f"failed to load model '{name}': {entry.reason}")
 
