@@ -278,8 +278,8 @@ class DataPlane:
         if entry.store_fault and (entry.state is not ModelState.READY or entry.reason):
             # The store could not be read (down, credentials): for the client to try again, as a load the store
             # cannot answer before it starts is; INTERNAL would blame the model.
-            raise Unavailable(f"failed to load model '{name}' from its store: {entry.reason}; load it again once "
-                              "the store answers")
+            # (The store's reason says what to do: check a variable, load again once an upload is complete.)
+            raise Unavailable(f"failed to load model '{name}' from its store: {entry.reason}")
         if entry.state is not ModelState.READY or entry.reason:  # (READY with a reason: the old version serves on)
             raise ModelFailure(f"failed to load model '{name}': {entry.reason}")
 

@@ -1201,7 +1201,7 @@ def test_a_load_during_a_store_outage_is_unavailable_with_the_stores_reason(s3, 
     # of the model's), and the version loaded before serves on.
     message = expect_grpc_error("UNAVAILABLE", lambda: server.client.load_model("p0"),
                                 "failed to load model 'p0' from its store: reload failed, the running version "
-                                "keeps serving: ", "cannot reach the store", "; load it again once the store answers")
+                                "keeps serving: ", "cannot reach the store", "check the endpoint (AWS_ENDPOINT_URL")
     assert server.client.is_model_ready("p0"), message
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3.endpoint)  # back: it loads, and a name it lacks is NOT_FOUND again
     # Without watch nothing loads it by itself, so the loads that failed leave the server ready once listed
