@@ -2,7 +2,10 @@
 
 The repository materialized the bundle's small files (manifest, programs,
 model.py, the shard index) into the local cache; its ``*.safetensors`` objects
-stayed in the store (see :mod:`nereid.storage.mirror`). Here each weights
+stayed in the store (see :mod:`nereid.storage.mirror`). A weights file named
+otherwise (a manifest's ``weights_file: weights.bin``, a shard an index names
+``part-1.st``) was fetched whole with the other files and is read as a local
+bundle's. Here each streamed weights
 file's header is fetched first (one ranged GET of its first 64 KiB, a second
 one when the header is longer) and validated in full by the same parser as a
 local file. Then the tensors are read with parallel ranged GETs of
@@ -23,7 +26,7 @@ import numpy as np
 
 from nereid.backends.xla.safetensors import (SafetensorsHeader, empty_for, header_length, parse_header_bytes,
                                              to_program_array)
-from nereid.backends.xla.weights import LocalBundleFiles, WeightSet
+from nereid.backends.xla.weights import LocalBundleFiles, WeightSet, read_local_into
 from nereid.errors import ConfigError
 from nereid.storage import MARKER_FILE, RangeRead, RemoteFolder, StoreURL, open_store, read_marker, read_ranges
 
@@ -74,8 +77,10 @@ class RemoteBundle:
     def header(self, name: str) -> SafetensorsHeader:
         item = self.remote.streamed.get(name)
         if item is None:
+            if name in self.remote.fetched:  # not a *.safetensors name: fetched whole, read as locally
+                return self._local.header(name)
             raise ConfigError(f"{self.location}: no weights file {name!r} in the model folder (files: "
-                              f"{', '.join(sorted(self.remote.streamed)) or 'none'})")
+                              f"{', '.join(sorted({*self.remote.streamed, *self.remote.fetched})) or 'none'})")
         url = self.where(name)
         head = bytearray(min(item.size, HEAD_BYTES))
         if head:  # an empty object has no range to read: header_length says what is wrong with it
@@ -93,12 +98,19 @@ class RemoteBundle:
 
     def read_weights(self, weight_set: WeightSet, *, chunk_bytes: int,
                      concurrency: int) -> list[tuple[str, np.ndarray]]:
-        """Every weight in argument order, streamed with parallel ranged GETs into fresh arrays."""
+        """Every weight in argument order, streamed with parallel ranged GETs into fresh arrays (those of a file
+        fetched whole read from the local copy)."""
         arrays = [empty_for(w.entry) for w in weight_set.weights]
-        etags = {item.key: item.etag for item in self.remote.streamed.values()}
-        reads = plan_reads([(self.remote.streamed[w.file].key, w.entry.start, w.entry.name, a)
-                            for w, a in zip(weight_set.weights, arrays)], chunk_bytes)
-        read_ranges(self.store, self.location, reads, concurrency=concurrency, retries=self.retries, etags=etags)
+        streamed = [(w, a) for w, a in zip(weight_set.weights, arrays) if w.file in self.remote.streamed]
+        if streamed:
+            etags = {item.key: item.etag for item in self.remote.streamed.values()}
+            reads = plan_reads([(self.remote.streamed[w.file].key, w.entry.start, w.entry.name, a)
+                                for w, a in streamed], chunk_bytes)
+            read_ranges(self.store, self.location, reads, concurrency=concurrency, retries=self.retries,
+                        etags=etags)
+        if len(streamed) < len(arrays):
+            read_local_into(self.folder, [(w, a) for w, a in zip(weight_set.weights, arrays)
+                                          if w.file not in self.remote.streamed])
         return [(w.entry.name, to_program_array(a, w.header.legacy)) for w, a in zip(weight_set.weights, arrays)]
 
     def _read(self, reads: list[RangeRead], key: str) -> None:

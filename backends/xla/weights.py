@@ -262,11 +262,17 @@ def read_local_weights(folder: Path, weight_set: WeightSet, *, threads: int = DE
                        chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> list[tuple[str, np.ndarray]]:
     """Read every weight of a local bundle with ``pread`` into fresh arrays, in argument order."""
     arrays = [empty_for(w.entry) for w in weight_set.weights]
-    by_file: dict[str, tuple[list[TensorEntry], list[np.ndarray]]] = {}
-    for weight, array in zip(weight_set.weights, arrays):
-        entries, targets = by_file.setdefault(weight.file, ([], []))
-        entries.append(weight.entry)
-        targets.append(array)
-    read_entries_into([(Path(folder) / file, entries, targets) for file, (entries, targets) in by_file.items()],
-                      threads=threads, chunk_bytes=chunk_bytes)
+    read_local_into(folder, list(zip(weight_set.weights, arrays)), threads=threads, chunk_bytes=chunk_bytes)
     return [(w.entry.name, to_program_array(array, w.header.legacy)) for w, array in zip(weight_set.weights, arrays)]
+
+
+def read_local_into(folder: Path, targets: Sequence[tuple[Weight, np.ndarray]], *,
+                    threads: int = DEFAULT_READ_THREADS, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+    """Read each weight from its file in ``folder`` (``pread``, in parallel) into the array paired with it."""
+    by_file: dict[str, tuple[list[TensorEntry], list[np.ndarray]]] = {}
+    for weight, array in targets:
+        entries, arrays = by_file.setdefault(weight.file, ([], []))
+        entries.append(weight.entry)
+        arrays.append(array)
+    read_entries_into([(Path(folder) / file, entries, arrays) for file, (entries, arrays) in by_file.items()],
+                      threads=threads, chunk_bytes=chunk_bytes)

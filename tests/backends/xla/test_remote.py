@@ -124,6 +124,34 @@ def test_a_sharded_bundle_and_a_legacy_one_are_served_from_s3(s3, pristine, tmp_
     assert not [p for p in iter_files(tmp_path / "cache") if p.suffix == ".safetensors"]
 
 
+def test_weights_files_named_otherwise_than_safetensors_load_from_s3_as_locally(s3, pristine, tmp_path) -> None:
+    """Found by a bug hunt: a manifest's ``weights_file: weights.bin`` or an index naming a shard ``part-1.st``
+    loaded locally, but from a bucket failed "no weights file 'weights.bin' in the model folder (files: none)":
+    only names ending in .safetensors are streamed, and the loader looked for the weights among those alone."""
+    def renamed(folder: Path) -> None:
+        (folder / "weights.safetensors").rename(folder / "weights.bin")
+        manifest = folder / "manifest.yaml"
+        manifest.write_text(manifest.read_text() + "weights_file: weights.bin\n")
+
+    def one_shard_renamed(folder: Path) -> None:  # the other two still streamed: both ways in one load
+        (folder / SHARDS[1]).rename(folder / "part-2.st")
+        index = json.loads((folder / "weights.safetensors.index.json").read_text())
+        index["weight_map"] = {k: "part-2.st" if v == SHARDS[1] else v for k, v in index["weight_map"].items()}
+        (folder / "weights.safetensors.index.json").write_text(json.dumps(index))
+
+    _uploaded(s3, pristine, "mlp_bundle", edit=renamed)
+    _uploaded(s3, pristine, "mlp_sharded", edit=one_shard_renamed)
+    _, server = _settings(tmp_path, s3.url())
+    for name in ("mlp_bundle", "mlp_sharded"):
+        model = _load(server, name, batch_sizes="largest")
+        _mlp_check(model)
+        model.unload()
+    assert s3.gets(f"/mlp_sharded/{SHARDS[0]}") and s3.gets(f"/mlp_sharded/{SHARDS[2]}")
+    # Fetched whole with the folder's other files, as the README says of a name without the suffix.
+    assert sorted(p.name for p in iter_files(tmp_path / "cache") if p.name in ("weights.bin", "part-2.st")) == [
+        "part-2.st", "weights.bin"]
+
+
 def test_a_tensor_missing_from_its_shard_names_the_tensor_and_the_url(s3, pristine, tmp_path) -> None:
     def edit(folder: Path) -> None:
         index = json.loads((folder / "weights.safetensors.index.json").read_text())
