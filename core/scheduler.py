@@ -407,7 +407,7 @@ class ModelScheduler:
         input_ns = infer_ns = output_ns = 0
         succeeded = counted_later = False
         try:
-            inputs, padded = self._assemble(requests, total)
+            inputs, run_rows = self._assemble(requests, total)
             start = time.monotonic_ns()
             if assembly_start_ns:
                 input_ns = start - assembly_start_ns
@@ -419,7 +419,7 @@ class ModelScheduler:
                 succeeded = error is None
                 if succeeded:
                     try:
-                        self._own_rows(outputs, padded, total)
+                        self._own_rows(outputs, run_rows, total)
                     except Exception:  # whatever the outputs raise when read: no answer could have been sent
                         succeeded = False
                 self._stats.execution_finished(total, cost, len(requests), input_ns, time.monotonic_ns() - start, 0,
@@ -431,7 +431,7 @@ class ModelScheduler:
                 counted_later = not self._inline  # _infer handed the counting to count_when_ended
                 raise
             infer_ns = time.monotonic_ns() - start
-            outputs = self._own_rows(outputs, padded, total)
+            outputs = self._own_rows(outputs, run_rows, total)
             results = [outputs] if len(rows) == 1 else split_rows(outputs, rows)
             output_ns = time.monotonic_ns() - start - infer_ns
             succeeded = True
@@ -466,12 +466,12 @@ class ModelScheduler:
             if not counted_later:
                 self._stats.execution_finished(total, cost, len(requests), input_ns, infer_ns, output_ns, succeeded)
 
-    def _own_rows(self, outputs: list[NamedTensor], padded: bool, total: int) -> list[NamedTensor]:
-        """An execution's outputs without the rows it was padded with, checked against the signature."""
-        if padded:
-            outputs = _without_padding(outputs, total, len(self._signature.outputs))
-        check_outputs(self.name, self._signature, outputs, total)
-        return outputs
+    def _own_rows(self, outputs: list[NamedTensor], run_rows: int, total: int) -> list[NamedTensor]:
+        """An execution's outputs, checked against the signature for the ``run_rows`` rows it was given, without
+        the rows it was padded with (beyond ``total``)."""
+        # Checked before the cut: cut first, 6 rows answered for 8 given passed for the 5 asked for.
+        check_outputs(self.name, self._signature, outputs, run_rows)
+        return _without_padding(outputs, total) if run_rows > total else outputs
 
     def log_fault(self, failure: ModelFailure) -> None:
         """Log a fault of this model's code (an execution's, or a preprocess or postprocess hook's) under the
@@ -487,12 +487,13 @@ class ModelScheduler:
         return LoggedModelFailure(f"model '{self.name}' failed: {during + ': ' if during else ''}"
                                    f"{describe_exception(error)}")
 
-    def _assemble(self, requests: list[list[NamedTensor]], total: int) -> tuple[list[NamedTensor], bool]:
-        """An execution's inputs: a lone request's own, or the requests' rows stacked; and whether padded."""
+    def _assemble(self, requests: list[list[NamedTensor]], total: int) -> tuple[list[NamedTensor], int]:
+        """An execution's inputs: a lone request's own, or the requests' rows stacked; and their rows, padding
+        included."""
         if len(requests) == 1:
-            return requests[0], False  # a lone request: the model pads it itself if it must
+            return requests[0], total  # a lone request: the model pads it itself if it must
         run_rows = self._padded_rows(total) if self._pads else total
-        return stack_rows(requests, run_rows), run_rows > total
+        return stack_rows(requests, run_rows), run_rows
 
     def _padded_rows(self, rows: int) -> int:
         """The backend's run size for a batch of ``rows`` rows, held to being at least ``rows``."""
@@ -587,16 +588,10 @@ class ModelScheduler:
             waiter.set_result(result)
 
 
-def _without_padding(outputs: list[NamedTensor], rows: int, expected: int) -> list[NamedTensor]:
-    """A padded execution's outputs cut to their first ``rows`` rows, those that can be: a NamedTensor holding an
-    array with a batch axis. Any other item (a bare array, a 0-d output), or a list not of ``expected`` items, is
-    left as it is, for check_outputs to refuse as it refuses it from a lone request's execution: cut first, it
-    failed with an AttributeError or IndexError naming neither the model's fault nor the output."""
-    if not isinstance(outputs, list) or len(outputs) != expected:  # (a huge list is not copied to be refused)
-        return outputs
-    return [NamedTensor(t.name, t.dtype, t.data[:rows])
-            if isinstance(t, NamedTensor) and isinstance(t.data, np.ndarray) and t.data.ndim else t
-            for t in outputs]
+def _without_padding(outputs: list[NamedTensor], rows: int) -> list[NamedTensor]:
+    """A padded execution's checked outputs cut to their first ``rows`` rows (an output without a batch axis, of
+    a model whose outputs are not all batched, as it is)."""
+    return [NamedTensor(t.name, t.dtype, t.data[:rows]) if t.data.ndim else t for t in outputs]
 
 
 # What a worker thread's end is told to once its caller has gone: (its outputs, its error).

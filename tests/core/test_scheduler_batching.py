@@ -349,6 +349,39 @@ def test_a_failing_padded_rows_fails_each_request_of_the_batch_and_the_model_ser
     run(scenario())
 
 
+class ShortPadding(PaddingBackend):
+    """Given a padded batch (8 rows), answers ``rows`` of them."""
+
+    def __init__(self, rows: int) -> None:
+        super().__init__()
+        self.rows = rows
+
+    def infer(self, inputs: list[NamedTensor]) -> list[NamedTensor]:
+        (output,) = super().infer(inputs)
+        return [NamedTensor(output.name, output.dtype, output.data[:self.rows]) if len(output.data) == 8 else output]
+
+
+@pytest.mark.parametrize("answered", [6, 4])
+def test_a_padded_batch_answered_with_other_than_its_padded_rows_is_a_model_fault(answered) -> None:
+    """Found by a bug hunt: a backend handed 8 rows (5 of requests, padded) that answered 6 was taken (its rows
+    cut to 5, as if right), and one that answered 4 was refused as "expected [5, 2]": the rows were cut before
+    the check, which then held the model to the requests' rows, not to those it was given."""
+    async def scenario() -> None:
+        backend = ShortPadding(answered)
+        scheduler = ModelScheduler("m", backend, FIXED, 64, 1, ModelStats(), policy())
+        blocker = await start_blocked(scheduler, backend)
+        doomed = [asyncio.create_task(scheduler.submit(request(v, rows), rows, 0)) for v, rows in ((1, 2), (2, 3))]
+        await asyncio.sleep(0.05)
+        backend.gate.set()
+        await blocker
+        for task in doomed:
+            with pytest.raises(ModelFailure, match=rf"^model 'm' returned output 'y' .*\[{answered}, 2\].*\[8, 2\]"):
+                await asyncio.wait_for(task, 5)
+        assert float((await scheduler.submit(request(5), 1, 0))[0].data[0, 0]) == 10
+        await scheduler.drain()
+    run(scenario())
+
+
 class TimedGates:
     """Doubles its input; records when each execution started, by its first value; holds the values that have a
     gate until it opens."""
@@ -437,7 +470,7 @@ class BareArrays(PaddingBackend):
 
 @pytest.mark.parametrize("fault, message", [
     ("bare", r"returned a list whose item 0 is ndarray array\(.*, expected a list of NamedTensor \(outputs \['y'\]\)$"),
-    ("0-d", r"returned output 'y' with shape \[\], expected \[2, 2\]$"),
+    ("0-d", r"returned output 'y' with shape \[\], expected \[4, 2\]$"),  # the rows it was given, padding too
 ])
 def test_malformed_outputs_of_a_padded_batch_are_refused_as_a_lone_requests_are(fault, message) -> None:
     """Defect: the padding rows were cut off before the outputs were checked: a bare array failed the batch with
