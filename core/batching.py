@@ -57,11 +57,14 @@ class BatchPolicy:
     @classmethod
     def resolve(cls, settings: BatchingSettings, signature: ModelSignature, origin: str) -> BatchPolicy:
         """Combine settings with the model's contract; ConfigError names the setting and value."""
-        if settings.enabled and not signature.batches and (settings.max_batch_size or settings.preferred_batch_sizes):
-            # A size asked of a model that takes one request at a time was ignored without a word, where a size
-            # past a batching model's max_batch_size is refused: the same rule, at 0.
-            key, value = (("max_batch_size", settings.max_batch_size) if settings.max_batch_size
-                          else ("preferred_batch_sizes", list(settings.preferred_batch_sizes)))
+        asked = [(key, value) for key, value in (("max_batch_size", settings.max_batch_size),
+                                                 ("preferred_batch_sizes", list(settings.preferred_batch_sizes)),
+                                                 ("max_queue_delay_ms", settings.max_queue_delay_ms),
+                                                 ("max_batch_cost", settings.max_batch_cost)) if value]
+        if settings.enabled and not signature.batches and asked:
+            # A batching rule asked of a model that takes one request at a time was ignored without a word, where
+            # a size past a batching model's max_batch_size is refused: the same rule, at 0.
+            key, value = asked[0]
             raise ConfigError(f"{origin}.batching.{key}: the model does not batch (its max_batch_size is 0: one "
                               f"request per execution), got {value}")
         if not settings.enabled or not signature.batches or not signature.inputs:

@@ -160,7 +160,10 @@ def test_policy_is_checked_against_the_model() -> None:
     # past a batching model's max_batch_size is refused: the same rule, at 0.
     for given, refused in (({"max_batch_size": 4}, r"max_batch_size: the model does not batch \(its max_batch_size "
                                                    r"is 0: one request per execution\), got 4"),
-                           ({"preferred_batch_sizes": (2,)}, r"preferred_batch_sizes: .*, got \[2\]")):
+                           ({"preferred_batch_sizes": (2,)}, r"preferred_batch_sizes: .*, got \[2\]"),
+                           # (and, found by a later hunt, the window and the cost budget were ignored too)
+                           ({"max_queue_delay_ms": 5.0}, r"max_queue_delay_ms: .*, got 5.0"),
+                           ({"max_batch_cost": 64}, r"max_batch_cost: .*, got 64")):
         with pytest.raises(ConfigError, match=rf"^x\.batching\.{refused}$"):
             BatchPolicy.resolve(BatchingSettings(**given), unbatched, "x")
     # Requests without inputs are never merged: the model could not tell how many rows to answer.
