@@ -92,10 +92,11 @@ def batch_key(inputs: list[NamedTensor]) -> tuple:
 
 
 def request_cost(signature: ModelSignature, inputs: list[NamedTensor], rows: int) -> int:
-    """Rows times the largest number of elements along any input's variable (-1) axes.
+    """Rows times the largest number of elements along any input's variable (-1) axes, at least one per row.
 
     A model without variable axes costs one per row; a request of 2 rows of
-    37 tokens on a ``dims: [-1]`` input costs 74.
+    37 tokens on a ``dims: [-1]`` input costs 74, one of 2 rows of 0 tokens 2
+    (an empty request still takes an execution's place in the batch).
     """
     per_row = 1
     offset = 1 if signature.batches else 0  # skip the batch axis

@@ -145,6 +145,7 @@ def test_an_empty_queue_decides_nothing() -> None:
 def test_request_cost_counts_elements_along_variable_axes() -> None:
     tokens = [NamedTensor("x", DType.FP32, np.zeros((2, 37), np.float32))]
     assert request_cost(VARIABLE, tokens, 2) == 74
+    assert request_cost(VARIABLE, [NamedTensor("x", DType.FP32, np.zeros((2, 0), np.float32))], 2) == 2  # as README
     assert request_cost(FIXED, [NamedTensor("x", DType.FP32, np.zeros((3, 2), np.float32))], 3) == 3
 
 
