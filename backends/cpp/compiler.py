@@ -38,6 +38,10 @@ VERSION_PROBE_TIMEOUT_S = 30  # a compiler's --version, asked for its identity i
 _COMPILE_SLOTS = threading.BoundedSemaphore(max(1, len(os.sched_getaffinity(0))))  # compilers at once
 # A source or header larger than this is refused rather than read into memory to be hashed.
 MAX_CODE_FILE_BYTES = 1 << 30
+# The PATH a compiler runs with when the server has none (env -i, a bare init): find_compiler still finds
+# c++ through the system's default path (shutil.which), but gcc's driver looks for as and ld on PATH. The
+# same default as a model's own runs get.
+DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +62,15 @@ def find_compiler() -> Compiler:
         where = "is not an executable file" if os.sep in words[0] else "is not on PATH"
         raise ConfigError(f"no C++ compiler: '{words[0]}' {where} (set CXX or install g++)")
     return (path, *words[1:])
+
+
+def compiler_environment(**extra: str) -> dict[str, str]:
+    """The server's environment plus ``extra``, for running the compiler; PATH is DEFAULT_PATH when unset or empty."""
+    env = {**os.environ, **extra}
+    # (An empty PATH too: CXX=/usr/bin/g++ is found without one, and its driver would not find ld all the same.)
+    if not env.get("PATH"):
+        env["PATH"] = DEFAULT_PATH
+    return env
 
 
 def compiler_key(compiler: Compiler) -> bytes:
@@ -94,7 +107,7 @@ def compiler_version(compiler: Compiler) -> str:
     if known is not None:
         return known
     try:
-        probe = run_model_process([*compiler, "--version"], cwd="/", env=dict(os.environ), stdin=b"",
+        probe = run_model_process([*compiler, "--version"], cwd="/", env=compiler_environment(), stdin=b"",
                                   timeout_s=VERSION_PROBE_TIMEOUT_S)
         version = "" if probe.timed_out else probe.output_tail
     except OSError:
@@ -202,7 +215,7 @@ def compile_to(compiler: Compiler, arguments: list[str], target: Path, cwd: Path
             if new_children_stopped():  # the server stopped while this load waited for a slot
                 raise ConfigError(f"{what}: not compiled: the server is stopping")
             completed = run_model_process([*compiler, *arguments, "-o", str(partial)], cwd=cwd,
-                                          env={**os.environ, "TMPDIR": str(work)}, stdin=b"",
+                                          env=compiler_environment(TMPDIR=str(work)), stdin=b"",
                                           timeout_s=COMPILE_TIMEOUT_S, head_bytes=MESSAGE_HEAD_CHARS,
                                           tail_bytes=MESSAGE_TAIL_CHARS - MESSAGE_HEAD_CHARS)
     finally:

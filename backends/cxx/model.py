@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import threading
 from dataclasses import dataclass
 
@@ -39,6 +40,10 @@ ERROR_ECHO_CHARS = 1024
 GUARD_BYTE = 0xA5
 MIN_GUARD_BYTES = 64
 MAX_GUARD_BYTES = 65536
+# The most bytes one output's buffer may take with its batch axis: numpy's limit on an array (a signed 64-bit
+# size), less the guard zones around it. A declared output past it could never be allocated; one below it may
+# still not fit in memory, which a call reports as a failure naming the output.
+MAX_OUTPUT_BYTES = int(np.iinfo(np.intp).max) - 2 * MAX_GUARD_BYTES
 
 
 @dataclass(frozen=True)
@@ -135,8 +140,7 @@ class CxxModel:
         described: list[tuple[int, ctypes.Array]] = []
         guarded: list[_GuardedBuffer] = []
         for c_tensor, slot in zip(c_outputs, self._outputs):
-            buffer = _GuardedBuffer((batch, *slot.spec.dims) if signature.batches else slot.spec.dims,
-                                    slot.spec.dtype.numpy)
+            buffer = self._allocate(slot.spec, (batch, *slot.spec.dims) if signature.batches else slot.spec.dims)
             guarded.append(buffer)
             outputs.append(NamedTensor(slot.spec.name, slot.spec.dtype, buffer.data))
             described.append(_describe(c_tensor, slot, buffer.data, keep))
@@ -189,11 +193,28 @@ class CxxModel:
                 if spec.dtype is DType.BYTES:
                     raise ConfigError(f"model '{name}': {kind} '{spec.name}' is BYTES, which the cxx backend "
                                       "does not support (fixed-size datatypes only); use the python or cpp backend")
+        rows = max(1, signature.max_batch_size)
         for spec in signature.outputs:
             if -1 in spec.dims:
                 raise ConfigError(f"model '{name}': output '{spec.name}' has a -1 dimension {list(spec.dims)}; "
                                   "the cxx backend preallocates outputs, so their dims must be fixed")
+            nbytes = rows * math.prod(spec.dims) * spec.dtype.numpy.itemsize
+            if nbytes > MAX_OUTPUT_BYTES:
+                batch = f"{rows} rows (max_batch_size) of " if signature.batches else ""
+                raise ConfigError(f"model '{name}': output '{spec.name}' ({spec.dtype.name} {list(spec.dims)}) "
+                                  f"takes {nbytes} bytes for {batch}its declared shape, more than the "
+                                  f"{MAX_OUTPUT_BYTES} bytes an output buffer can hold; the cxx backend preallocates "
+                                  f"outputs: check its dims in {path}")
         return signature
+
+    def _allocate(self, spec: TensorSpec, shape: tuple[int, ...]) -> _GuardedBuffer:
+        """The buffer of one output; a ModelFailure naming it when memory runs short (the load bounded its size)."""
+        try:
+            return _GuardedBuffer(shape, spec.dtype.numpy)
+        except MemoryError:
+            nbytes = math.prod(shape) * spec.dtype.numpy.itemsize
+            raise ModelFailure(f"model '{self.context.name}': cannot allocate output '{spec.name}' "
+                               f"({spec.dtype.name} {list(shape)}, {nbytes} bytes): out of memory") from None
 
     def _check_outputs_untouched(self, c_outputs: ctypes.Array, outputs: list[NamedTensor],
                                  described: list[tuple[int, ctypes.Array]]) -> None:

@@ -23,9 +23,10 @@ from tritonclient.utils import InferenceServerException
 from nereid.backend import ModelContext
 from nereid.backends.cxx.build import header_dir, library_hash, shared_flags
 from nereid.backends.cxx.library import needed_libraries
-from nereid.backends.cxx.model import CxxModel
+from nereid.backends.cxx.model import MAX_OUTPUT_BYTES, CxxModel
 from nereid.cli import main as nereid_main
 from nereid.dtypes import DType
+from nereid.errors import ConfigError, ModelFailure
 from nereid.settings import ModelSettings
 from nereid.tensors import NamedTensor
 from support import NEREID, expect_grpc_error, run_with_tmpdir_mounted_noexec
@@ -637,6 +638,58 @@ def test_check_reports_cxx_models_and_cxx_header_prints_the_header(repo, libs, c
     text = header.read_text()
     for declaration in ("int nereid_infer(", "int nereid_load(", "void nereid_unload(", "typedef struct nereid_tensor"):
         assert declaration in text
+
+
+HUGE_OUTPUTS = {  # a typo'd dimension: no buffer of that size can exist
+    "one_row": ('input_shape: [1]\noutput_shape: [4611686018427387904]\n',
+                "output 'output' (FP32 [4611686018427387904]) takes 18446744073709551616 bytes for its declared "
+                "shape"),
+    # Each row fits; the max_batch_size rows the buffer is allocated for do not.
+    "batched": ('input { name: "x" data_type: "FP32" dims: [1] }\n'
+                'output { name: "y" data_type: "INT64" dims: [576460752303423488] }\nmax_batch_size: 2\n',
+                "output 'y' (INT64 [576460752303423488]) takes 9223372036854775808 bytes for 2 rows "
+                "(max_batch_size) of its declared shape"),
+}
+
+
+@pytest.mark.parametrize("case", HUGE_OUTPUTS)
+def test_an_output_too_large_for_any_buffer_is_refused_at_load_naming_it(repo, tmp_path, case):
+    """Found by a bug hunt: output_shape: [4611686018427387904] loaded READY, then every request failed with a
+    bare "OverflowError: cannot fit 'int' into an index-sized integer", logged as a crash."""
+    textproto, fragment = HUGE_OUTPUTS[case]
+    folder = repo.add("huge", textproto)
+    # Refused from the textproto alone: the library is never looked for.
+    model = CxxModel(ModelContext("huge", folder, ModelSettings("huge", runtime={"library": str(tmp_path / "x.so")}),
+                                  tmp_path, "test"))
+    with pytest.raises(ConfigError) as refused:
+        model.load()
+    assert str(refused.value) == (f"model 'huge': {fragment}, more than the {MAX_OUTPUT_BYTES} bytes an output "
+                                  "buffer can hold; the cxx backend preallocates outputs: check its dims in "
+                                  f"{folder / 'model_inference.textproto'}")
+
+
+def test_check_reports_an_output_too_large_for_any_buffer_as_unavailable(repo, libs, capsys):
+    repo.add("huge", HUGE_OUTPUTS["one_row"][0])
+    config = repo.write_config(entry("huge", f'{{library: "{libs["multi"]}"}}'))
+    assert nereid_main(["check", "--config", str(config)]) == 1
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("huge:"))
+    assert line.startswith(f"huge: UNAVAILABLE: model 'huge': {HUGE_OUTPUTS['one_row'][1]}, more than the "), line
+
+
+def test_an_output_that_memory_cannot_hold_fails_the_call_naming_it(repo, libs, tmp_path):
+    """Below the array limit but past any memory (an exbibyte): a ModelFailure naming the output, not a
+    MemoryError logged as a crash."""
+    folder = repo.add("exbi", 'input_shape: [1]\noutput_shape: [288230376151711744]\n')
+    model = CxxModel(ModelContext("exbi", folder, ModelSettings("exbi", runtime={"library": str(libs["multi"])}),
+                                  tmp_path, "test"))
+    model.load()
+    try:
+        with pytest.raises(ModelFailure, match=re.escape(
+                "model 'exbi': cannot allocate output 'output' (FP32 [288230376151711744], 1152921504606846976 "
+                "bytes): out of memory")):
+            model.infer([NamedTensor("input", DType.FP32, np.ones(1, np.float32))])
+    finally:
+        model.unload()
 
 
 def test_a_scratch_folder_on_a_noexec_mount_makes_the_model_unavailable_saying_so(repo, libs, tmp_path):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -86,3 +88,24 @@ def test_the_build_key_covers_hidden_headers_and_headers_in_a_linked_folder(tmp_
     (shared / "scale.h").write_text("#define SCALE 2\n")
     keys.append(cpp_compiler.source_hash(folder, compiler, "m"))
     assert len(set(keys)) == 3, keys
+
+
+@pytest.mark.parametrize("path", [None, ""], ids=["PATH unset", "PATH empty, CXX a full path"])
+def test_a_server_without_path_runs_the_compiler_with_the_default_path(tmp_path, monkeypatch, path):
+    """Found by a bug hunt: under env -i, c++ was found through Python's default path but ran with no PATH,
+    and gcc's driver failed "collect2: fatal error: cannot find 'ld'" (cpp and cxx builds alike)."""
+    found = shutil.which("c++")
+    assert found is not None, "these tests need a C++ compiler"
+    if path is None:
+        monkeypatch.delenv("PATH")
+        monkeypatch.delenv("CXX", raising=False)
+    else:
+        monkeypatch.setenv("PATH", path)
+        monkeypatch.setenv("CXX", found)
+    (tmp_path / "main.cpp").write_text("int main() { return 0; }\n")
+    (tmp_path / "out").mkdir()
+    target = tmp_path / "out" / "main-abc"
+    compiler = cpp_compiler.find_compiler()
+    assert cpp_compiler.compiler_version(compiler)  # the probe runs with the same environment
+    cpp_compiler.compile_to(compiler, [*cpp_compiler.CXX_FLAGS, "main.cpp"], target, tmp_path, "model 'm'", "m")
+    assert os.access(target, os.X_OK)
