@@ -79,9 +79,10 @@ def on_daemon_thread(call: Callable[[], T], thread_name: str,
 LONG_LOAD_NOTE_S = 60.0  # a backend's load() running this long is said in the log, and again each as long
 
 
-async def await_build(name: str, building: asyncio.Future, started: float) -> BuiltModel:
+async def await_build(name: str, building: asyncio.Future, started: float,
+                      running_long: Callable[[], None] | None = None) -> BuiltModel:
     """Await ``building`` (a model's build on :func:`on_daemon_thread`); every LONG_LOAD_NOTE_S while it runs,
-    say so in the log.
+    say so in the log (and call ``running_long`` the first time).
 
     A load that takes minutes (a large model compiling) or never returns was
     otherwise silent between "loading it" (dynamic mode) or nothing at all (a
@@ -101,6 +102,9 @@ async def await_build(name: str, building: asyncio.Future, started: float) -> Bu
             raise
         if done:
             return building.result()
+        if running_long is not None:
+            running_long()
+            running_long = None
         log.warning("model '%s' is still loading after %.0f s: its backend's load() has not returned (a "
                     "RepositoryModelUnload of it gives up on the load)", name, time.monotonic() - started)
 

@@ -95,7 +95,7 @@ class ModelRepository:
         self.scratch_dir = scratch_dir
         self.root = settings.server.ml_backends_path
         self._client_paths = ClientPaths(self.root, scratch_dir, settings.source)
-        self._loader = VersionLoader(manager, scratch_dir, models, events)
+        self._loader = VersionLoader(manager, scratch_dir, models, events, settings.server.model_load_threads)
         self._entries: dict[str, ModelEntry] = {}
         self._dependents = DependentStates()
         self._scan_errors = RateLimitedLog(log)

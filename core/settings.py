@@ -30,6 +30,8 @@ DEFAULT_METRICS_ADDR = "127.0.0.1:8002"
 DEFAULT_HTTP_ADDR = "[::1]:8000"
 DEFAULT_WATCH_SETTLE_MS = 1000.0
 DEFAULT_WATCH_POLL_S = 10.0  # how often a watched object store is listed (it sends no events)
+DEFAULT_MODEL_LOAD_THREADS = 4  # model folders loading at once, as Triton's --model-load-thread-count default
+MAX_MODEL_LOAD_THREADS = 1024
 # Like Triton's default; up to 2 GiB - 1 (gRPC's own ceiling) may be configured.
 # nereid.yaml is written by an operator, but a mistake (a binary file, a FIFO) must still be an error.
 MAX_CONFIG_BYTES = 4 << 20
@@ -166,6 +168,9 @@ class ServerSettings:
     # After a stop signal, how long the server reports not ready while still serving everything, before the
     # drain: a load balancer (a Kubernetes Service's endpoints) takes a moment to stop sending it new clients.
     shutdown_delay_s: float = 0.0
+    # How many model folders load at once (Triton's --model-load-thread-count): at start with hundreds of
+    # folders, every load's thread at once kept the event loop from answering even liveness for seconds.
+    model_load_threads: int = DEFAULT_MODEL_LOAD_THREADS
 
 
 @dataclass(frozen=True)
@@ -354,7 +359,8 @@ def _parse_server(reader: KeyedReader, raw: Any, path: Path) -> ServerSettings:
     section = reader.mapping(raw, "server", {"bind_addr", "ml_backends_path", "strict_readiness", "shutdown_grace_s",
                                              "metrics_addr", "http_addr", "follow_symlinks", "max_message_bytes",
                                              "repository_control", "tls", "watch", "watch_settle_ms", "watch_poll_s",
-                                             "cache_dir", "http_max_json_bytes", "shutdown_delay_s"})
+                                             "cache_dir", "http_max_json_bytes", "shutdown_delay_s",
+                                             "model_load_threads"})
     bind_addr = _address(reader, section, "server.bind_addr", DEFAULT_BIND_ADDR, off=None)
     backends_text = reader.string(section, "server.ml_backends_path", "ml-backends")
     if not backends_text.strip():  # ("" would serve nereid.yaml's own folder)
@@ -403,10 +409,12 @@ def _parse_server(reader: KeyedReader, raw: Any, path: Path) -> ServerSettings:
                            maximum=(_A_DAY_S * 1000, "a day"))
     poll = reader.number(section, "server.watch_poll_s", DEFAULT_WATCH_POLL_S, minimum=0.1,
                          maximum=(_A_DAY_S, "a day"))
+    load_threads = reader.integer(section, "server.model_load_threads", DEFAULT_MODEL_LOAD_THREADS, minimum=1,
+                                  maximum=(MAX_MODEL_LOAD_THREADS, "one thread each"))
     return ServerSettings(bind_addr, backends, strict, grace, metrics_addr, follow, max_message, control, tls,
                           watch, settle, poll, ml_backends_url=str(location) if location else None,
                           cache_dir=cache_dir, http_addr=http_addr, http_max_json_bytes=max_json,
-                          shutdown_delay_s=delay)
+                          shutdown_delay_s=delay, model_load_threads=load_threads)
 
 
 def _address(reader: KeyedReader, section: Mapping[str, Any], key: str, default: str, *, off: str | None) -> str:

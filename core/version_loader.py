@@ -28,7 +28,7 @@ from nereid.model_building import BuiltModel, build_model
 from nereid.model_entry import LoadAbandoned, LoadedModel, ModelEntry
 from nereid.model_runner import HookThreads, make_runner
 from nereid.scheduler import ModelScheduler
-from nereid.settings import Settings
+from nereid.settings import DEFAULT_MODEL_LOAD_THREADS, Settings
 from nereid.stats import ModelStats
 from nereid.storage import materialize_model_version
 from nereid.storage.mirror import CACHE_SUBFOLDER
@@ -71,11 +71,15 @@ class VersionLoader:
     """
 
     def __init__(self, manager: pluggy.PluginManager, scratch_dir: Path, models: ModelCaller | None = None,
-                 events: LoadListener | None = None) -> None:
+                 events: LoadListener | None = None, load_threads: int = DEFAULT_MODEL_LOAD_THREADS) -> None:
         self.manager = manager
         self.scratch_dir = scratch_dir
         self.models = models
         self.events = events
+        # At most ``load_threads`` builds at once (server.model_load_threads). Hundreds of folders at start, each
+        # build's thread importing and reading at once, kept the event loop from the GIL: liveness went
+        # unanswered for 10-30 s on two cores, long enough for a liveness probe to kill the server.
+        self._build_slots = asyncio.Semaphore(load_threads)
 
     def scratch_for(self, name: str) -> Path:
         """The scratch folder for the model ``name`` (made if it is not there)."""
@@ -100,17 +104,28 @@ class VersionLoader:
         if settings.server.watch and settings.server.ml_backends_url is None:
             stamped = await asyncio.to_thread(folder_stamp, entry.folder)  # before the build reads the files
             stamp = stamped[0] if stamped is not None else None
-        if entry.unloads_waiting:  # an unload waits for its turn: it wins, and nothing is built for nothing
-            # (Most often sent after this load, which waited for its turn behind another: not "came first".)
-            raise LoadAbandoned(f"model '{name}': load abandoned: an unload or removal of it is waiting for its "
-                                "turn, and wins over a load")
-        started = time.monotonic()
-        backend_defaults = settings.backend_defaults  # (read once: kept with what it builds)
-        building = on_daemon_thread(functools.partial(self._build, context, backend_defaults, settings),
-                                    f"nereid-load-{name}", functools.partial(unload_unclaimed, name))
-        entry.building = building
+        await self._build_slots.acquire()
+        slot_held = True
+
+        def release_slot() -> None:
+            nonlocal slot_held
+            if slot_held:
+                slot_held = False
+                self._build_slots.release()
+
         try:
-            built = await await_build(name, building, started)
+            if entry.unloads_waiting:  # an unload waits for its turn: it wins, and nothing is built for nothing
+                # (Most often sent after this load, which waited for its turn behind another: not "came first".)
+                raise LoadAbandoned(f"model '{name}': load abandoned: an unload or removal of it is waiting for "
+                                    "its turn, and wins over a load")
+            started = time.monotonic()
+            backend_defaults = settings.backend_defaults  # (read once: kept with what it builds)
+            building = on_daemon_thread(functools.partial(self._build, context, backend_defaults, settings),
+                                        f"nereid-load-{name}", functools.partial(unload_unclaimed, name))
+            entry.building = building
+            # A build still running after LONG_LOAD_NOTE_S gives its slot up: a load() that never returns must
+            # not keep every other folder from loading.
+            built = await await_build(name, building, started, running_long=release_slot)
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if task is not None and task.cancelling():  # this task was cancelled (the server stopping)
@@ -121,6 +136,7 @@ class VersionLoader:
                                 "that ever returns, what it built is unloaded)") from None
         finally:
             entry.building = None
+            release_slot()
         load_seconds = time.monotonic() - started
         loaded = await self._wired(entry, built, stats, load_seconds, stamp, context, backend_defaults)
         if self.events is not None:

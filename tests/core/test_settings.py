@@ -181,6 +181,8 @@ def test_nan_and_infinity_are_refused_like_a_wrong_type(root: Path, body: str, k
      "1e+300"),
     ("server:\n  watch_poll_s: 86401\n", "server.watch_poll_s", "must be at most 86400 (a day)", "86401"),
     ("server:\n  shutdown_delay_s: 86401\n", "server.shutdown_delay_s", "must be at most 86400 (a day)", "86401"),
+    ("server:\n  model_load_threads: 1025\n", "server.model_load_threads", "must be at most 1024 (one thread each)",
+     "1025"),
     # Defect: exponent form without a dot is YAML 1.2's float but PyYAML's string: "must be a number".
     ("models:\n  - name: a\n    timeout_s: 1e300\n", "models[0].timeout_s", "must be at most 31536000 (a year)",
      "1e+300"),
@@ -195,8 +197,8 @@ def test_nan_and_infinity_are_refused_like_a_wrong_type(root: Path, body: str, k
     ("models:\n  - name: a\n    batching: {preferred_batch_sizes: [4, 2147483648]}\n",
      "models[0].batching.preferred_batch_sizes",
      "must hold sizes of at most 2147483647 (ModelConfig's preferred_batch_size is an int32)", "[4, 2147483648]"),
-], ids=["instances", "delay", "timeout", "grace", "settle", "poll", "shutdown-delay", "timeout-exponent",
-        "device-index", "queue-capacity", "max-batch-size", "preferred-size"])
+], ids=["instances", "delay", "timeout", "grace", "settle", "poll", "shutdown-delay", "load-threads",
+        "timeout-exponent", "device-index", "queue-capacity", "max-batch-size", "preferred-size"])
 def test_values_past_what_the_waits_and_the_wire_take_are_refused(root: Path, body: str, key: str, problem: str,
                                                                   value: str) -> None:
     """Defect: accepted, then every request failed (a timeout poll() overflowed), every ModelConfig failed

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -114,3 +115,69 @@ def test_a_folder_leading_outside_the_repository_is_refused_before_its_backend_s
     with pytest.raises(ConfigError, match="symlink to a path outside ml_backends_path"):
         asyncio.run(loader.load(entry_for(settings, "escape"), ModelStats(), settings))
     assert LOADS["escape"] == loads
+
+
+
+def counting_loads(monkeypatch, hangs: str = "") -> tuple[list[int], threading.Event]:
+    """Have the toy backend's load() take 0.2 s (model ``hangs``: until the event is set, at most 10 s), and
+    count the most load() calls running at once (the list's one item)."""
+    running, most, lock, release = set(), [0], threading.Lock(), threading.Event()
+    load = toy_backends.ToyModel.load
+
+    def counted(self) -> None:
+        with lock:
+            running.add(self.context.name)
+            most[0] = max(most[0], len(running))
+        release.wait(10 if self.context.name == hangs else 0.2)
+        with lock:
+            running.discard(self.context.name)
+        load(self)
+
+    monkeypatch.setattr(toy_backends.ToyModel, "load", counted)
+    return most, release
+
+
+def test_at_most_model_load_threads_builds_run_at_once(tmp_path, monkeypatch):
+    """Found by a scale hunt: every folder's build started at once (300-500 at start), their threads kept the
+    event loop from the GIL, and liveness went unanswered for 10-30 s (a liveness probe kills such a server)."""
+    _, settings, _ = setup(tmp_path)
+    loader = VersionLoader(make_plugin_manager(load_entry_points=False, extra_plugins=(toy_backends,)),
+                           tmp_path / "scratch", load_threads=2)
+    names = [f"m{i}" for i in range(5)]
+    for name in names:
+        write_toy(settings.server.ml_backends_path, name)
+    most, _ = counting_loads(monkeypatch)
+
+    async def scenario() -> None:
+        versions = await asyncio.gather(*(loader.load(entry_for(settings, n), ModelStats(), settings) for n in names))
+        for loaded in versions:
+            await released(loaded)
+    asyncio.run(scenario())
+    assert most[0] == 2  # five asked for at once
+
+
+def test_a_build_running_long_gives_its_turn_up(tmp_path, monkeypatch):
+    """A load() still running after LONG_LOAD_NOTE_S lets the next build start: one that never returns must not
+    keep every other folder from loading."""
+    from nereid import backend_calls
+
+    _, settings, _ = setup(tmp_path)
+    loader = VersionLoader(make_plugin_manager(load_entry_points=False, extra_plugins=(toy_backends,)),
+                           tmp_path / "scratch", load_threads=1)
+    for name in ("hung", "next"):
+        write_toy(settings.server.ml_backends_path, name)
+    most, release = counting_loads(monkeypatch, hangs="hung")
+    monkeypatch.setattr(backend_calls, "LONG_LOAD_NOTE_S", 0.3)
+
+    async def scenario() -> None:
+        hung = asyncio.ensure_future(loader.load(entry_for(settings, "hung"), ModelStats(), settings))
+        await asyncio.sleep(0.05)
+        following = await asyncio.wait_for(loader.load(entry_for(settings, "next"), ModelStats(), settings), 8)
+        assert not hung.done() and most[0] == 2  # (one slot: the second started once the first gave it up)
+        release.set()
+        for loaded in (following, await hung):
+            await released(loaded)
+    try:
+        asyncio.run(scenario())
+    finally:
+        release.set()
