@@ -14,7 +14,9 @@ import hashlib
 import logging
 import os
 import secrets
+import shutil
 import stat
+import sys
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
@@ -214,6 +216,61 @@ def fsync_folder(folder: Path) -> None:
     fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def remove_tree(path: Path | str) -> bool:
+    """Remove the folder ``path`` and all it holds, even the folders in it that a run made read-only; never raises.
+
+    Returns whether it is gone. A model's program may leave a folder of mode 0555 in its TMPDIR (a ``tar``
+    extraction, Go's module cache): a server that is not root (without CAP_DAC_OVERRIDE) cannot remove what is in
+    it, and ``shutil.rmtree(..., ignore_errors=True)`` left the whole tree on disk for good. As
+    ``tempfile.TemporaryDirectory`` does, a removal refused for want of permission makes the folder holding the
+    entry writable by its owner and tries once more. Symlinks are removed, never followed (nor changed through),
+    and nothing outside ``path`` is changed. What still cannot be removed is logged at DEBUG and left.
+    """
+    root = os.fspath(path)
+    _remove_tree(root, root, set())
+    return not os.path.lexists(root)
+
+
+def _remove_tree(top: str, root: str, retried: set[str]) -> None:
+    """shutil.rmtree of ``top`` (``root`` or a folder in it), retrying each entry refused for want of permission
+    once (``retried``: the ones tried again already, so that a folder still refused is not recursed into again)."""
+    def on_error(_function: object, failed: str, error: BaseException) -> None:
+        if isinstance(error, FileNotFoundError):  # (removed meanwhile)
+            return
+        if not isinstance(error, PermissionError) or failed in retried:
+            log.debug("cannot remove %s: %s", failed, error)
+            return
+        retried.add(failed)
+        try:
+            if failed != root:  # (the folder above root is not the tree's: never changed)
+                _allow_owner(os.path.dirname(failed))
+            if stat.S_ISDIR(os.lstat(failed).st_mode):
+                _allow_owner(failed)  # (one that cannot be listed or entered: mode 0000 or 0111)
+                _remove_tree(failed, root, retried)
+            else:
+                os.unlink(failed)
+        except FileNotFoundError:
+            pass
+        except OSError as err:  # not its owner, a read-only file system, an immutable file...
+            log.debug("cannot remove %s: %s", failed, err)
+
+    if sys.version_info >= (3, 12):
+        shutil.rmtree(top, onexc=on_error)
+    else:
+        shutil.rmtree(top, onerror=lambda function, failed, info: on_error(function, failed, info[1]))
+
+
+def _allow_owner(folder: str) -> None:
+    """Give the owner of ``folder`` read, write and search on it; OSError when it is not a folder (a symlink
+    put in a folder's place is never followed: the mode of what it leads to stays)."""
+    fd = os.open(folder, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        # chmod through /proc/self/fd changes the very folder opened, whatever its path leads to now.
+        os.chmod(descriptor_path(fd), stat.S_IMODE(os.fstat(fd).st_mode) | stat.S_IRWXU)
     finally:
         os.close(fd)
 

@@ -16,10 +16,11 @@ import fcntl
 import logging
 import os
 import re
-import shutil
 import tempfile
 import time
 from pathlib import Path
+
+from nereid.files import remove_tree
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +166,7 @@ def _hold_lock(folder: Path) -> None:
 
 def remove_scratch_folder(folder: Path) -> None:
     """Remove a folder :func:`make_scratch_folder` made, and let its lock go."""
-    shutil.rmtree(folder, ignore_errors=True)
+    remove_tree(folder)
     descriptor = _held.pop(folder, None)
     if descriptor is not None:
         os.close(descriptor)
@@ -207,7 +208,7 @@ def remove_stale_scratch(parent: Path) -> int:
         except OSError:
             continue
         if _owner_gone(entry.path, int(match.group(1))):
-            shutil.rmtree(entry.path, ignore_errors=True)
+            remove_tree(entry.path)
             removed += 1
     if removed:
         log.info("removed %d scratch folder(s) left by nereid processes that no longer run", removed)

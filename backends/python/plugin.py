@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import sys
 import tempfile
 from pathlib import Path
 
 from nereid.backend import BackendClaim, ModelContext, RuntimeReport
 from nereid.errors import ConfigError
+from nereid.files import remove_tree
 from nereid.backends.python.options import PythonOptions, parse_options
 from nereid.backends.python.preload import Preloads, modules_to_preload
 from nereid.backends.python.warm import EntryImportFailed, WarmParent, WarmParentDied, WarmStartUnavailable
@@ -117,7 +117,7 @@ class PythonModel(SubprocessModel):
                                              err) from None
             parent.start()
         except BaseException:
-            shutil.rmtree(parent_dir, ignore_errors=True)
+            remove_tree(parent_dir)
             raise
         return parent
 
@@ -145,7 +145,7 @@ class PythonModel(SubprocessModel):
         parent, self._parent = self._parent, None
         if parent is not None:
             parent.stop()
-            shutil.rmtree(parent.log_path.parent, ignore_errors=True)
+            remove_tree(parent.log_path.parent)  # (with what main.py made read-only in its TMPDIR)
         super().unload()
 
     def runtime_report(self) -> RuntimeReport:

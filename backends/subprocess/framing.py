@@ -46,14 +46,18 @@ def read_header(stream: BinaryIO, where: str) -> tuple[DType, tuple[int, ...]]:
     except UnicodeDecodeError:
         raise ModelFailure(f"{where}: header line is not UTF-8: {line[:80]!r}") from None
     parts = text.split(" ")
+    if len(parts) == 1 and parts[0]:
+        # The contract's header has one space, a scalar's too ("float32 "): without it, a header cut short (or a
+        # program that never writes the shape) would pass for a scalar.
+        raise ModelFailure(f"{where}: header {text[:80]!r} has no space after its dtype (expected \"<dtype> "
+                           f"d0,d1,...\", with one space; a scalar's is \"<dtype> \", nothing after the space)")
     if len(parts) > 2 or not parts[0]:
         raise ModelFailure(f"{where}: malformed header {text[:80]!r} (expected \"<dtype> d0,d1,...\")")
     try:
         dtype = dtype_of_contract_name(parts[0])
     except ValueError as err:
         raise ModelFailure(f"{where}: header {text[:80]!r}: {err}") from None
-    dims_text = parts[1] if len(parts) == 2 else ""
-    dims = dims_text.split(",") if dims_text else []
+    dims = parts[1].split(",") if parts[1] else []
     # ASCII digits only: int() alone would also take '+4', '0_4', '4\r' and non-ASCII digits.
     if not all(d.isascii() and d.isdigit() for d in dims):
         raise ModelFailure(f"{where}: header {text[:80]!r}: dimensions must be comma-separated decimal integers "

@@ -16,15 +16,15 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
 import stat
 import uuid
 from pathlib import Path
+from typing import BinaryIO
 
 from nereid.backend import ModelContext
 from nereid.dtypes import DType
 from nereid.errors import ConfigError, ModelFailure, ModelKilled, Unavailable, cap_message
-from nereid.files import descriptor_path, not_regular_reason
+from nereid.files import descriptor_path, not_regular_reason, remove_tree
 from nereid.leftovers import make_private_folder
 from nereid.runtime_options import RuntimeOptions
 from nereid.signature import TEXTPROTO_NAME, ModelSignature, TensorSpec, dims_match, load_textproto_signature
@@ -125,7 +125,7 @@ class SubprocessModel:
                     raise fault(f"model '{name}' {result.describe()}{tail}")
                 return self._read_outputs(output_path, batch)
             finally:
-                shutil.rmtree(work_dir, ignore_errors=True)
+                remove_tree(work_dir)  # (with what the program made read-only in its TMPDIR)
 
     def relocate(self, context: ModelContext) -> None:
         """Serve on from a renamed folder with the same files (``nereid.backend.Relocatable``)."""
@@ -286,9 +286,15 @@ class SubprocessModel:
         outputs: list[NamedTensor] = []
         taken = 0  # the bytes of the outputs read so far (BYTES with their length prefixes, as a response has them)
         with os.fdopen(self._open_output(path), "rb") as stream:
+            start = 0  # where the body of the output before this one began
             for spec in signature.outputs:
                 where = f"model '{self.context.name}': output '{spec.name}'"
-                dtype, shape = read_header(stream, where)
+                try:
+                    dtype, shape = read_header(stream, where)
+                except ModelFailure:
+                    if outputs and (hint := _overrun_hint(stream, start, outputs[-1], spec.name, where)):
+                        raise ModelFailure(f"model '{self.context.name}': {hint}") from None
+                    raise
                 if dtype is not spec.dtype:
                     raise ModelFailure(f"{where}: the model wrote {contract_name(dtype)}, "
                                        f"expected {contract_name(spec.dtype)}")
@@ -349,6 +355,28 @@ def _output_bound(taken: int) -> str:
     if taken:
         bound += f" and the outputs before it took {taken}"
     return bound
+
+
+def _overrun_hint(stream: BinaryIO, start: int, before: NamedTensor, name: str, where: str) -> str | None:
+    """Why output ``name`` has no valid header where output ``before`` (whose body began at ``start``) ends, when
+    that body was written in a wider dtype than its header says; None when that is not what happened.
+
+    Such a body (float64 from numpy under a ``float32`` header) is 2, 4 or 8 times what its header promises: the
+    next header, read from inside it, is binary bytes, which named neither the output at fault nor the cause.
+    """
+    took = before.data.nbytes
+    if before.dtype is DType.BYTES or not took:
+        return None
+    for times in (2, 4, 8):
+        stream.seek(start + times * took)
+        try:
+            read_header(stream, where)
+        except ModelFailure:
+            continue
+        return (f"output '{before.name}' ({contract_name(before.dtype)} {list(before.shape)}) took {took} bytes, "
+                f"but the header of output '{name}' comes {(times - 1) * took} bytes after them (was "
+                f"'{before.name}' written as a wider dtype than declared?)")
+    return None
 
 
 def _trailing_data_hint(last: NamedTensor, declared: int, extra: int) -> str:

@@ -952,3 +952,67 @@ def test_a_main_py_a_full_scratch_folder_cannot_take_names_the_folder(repo, tmp_
     assert child.stdout.splitlines() == [
         f"ConfigError model 'full': cannot write a copy of its main.py into the server's scratch folder {scratch}: "
         "File too large (the server makes its scratch folder in TMPDIR)", "[]"], child.stdout
+
+
+# A main.py that leaves a read-only folder (holding a file and a read-only folder) in its TMPDIR, as a tar
+# extraction or Go's module cache does, and echoes its input.
+READ_ONLY_TMPDIR_MAIN = '''
+import os, sys
+data = sys.stdin.buffer.read()
+extracted = os.path.join(os.environ["TMPDIR"], "extracted")
+os.makedirs(os.path.join(extracted, "nested"))
+open(os.path.join(extracted, "nested", "file"), "w").write("x")
+os.chmod(os.path.join(extracted, "nested"), 0o555)
+os.chmod(extracted, 0o555)
+with open(os.environ["NEREID_OUTPUT_PATH"], "wb") as out:
+    out.write(("%s %s\\n" % (os.environ["NEREID_INPUT_DTYPE"], os.environ["NEREID_INPUT_SHAPE"])).encode())
+    out.write(data)
+'''
+
+# Loads the model, runs it twice, and prints the output and what the scratch folder holds then, and after unload.
+_RUN_AS_NON_ROOT = """
+import sys
+from pathlib import Path
+import numpy as np
+from nereid.backend import ModelContext
+from nereid.backends.python.plugin import PythonModel
+from nereid.dtypes import DType
+from nereid.settings import ModelSettings
+from nereid.tensors import NamedTensor
+folder, scratch = Path(sys.argv[1]), Path(sys.argv[2])
+model = PythonModel(ModelContext("rotmp", folder, ModelSettings("rotmp", runtime={"warm_start": sys.argv[3] == "warm"}),
+                                 scratch, "test"))
+model.load()
+for _ in range(2):
+    [output] = model.infer([NamedTensor("input", DType.FP32, np.arange(4, dtype=np.float32).reshape(1, 4))])
+print(output.data.tolist())
+print(sorted(p.name for p in scratch.rglob("run-*")))
+model.unload()
+print(sorted(str(p.relative_to(scratch)) for p in scratch.rglob("*")))
+"""
+
+
+def test_a_run_that_leaves_a_read_only_folder_in_its_tmpdir_leaves_no_run_folder(repo, tmp_path, start_mode):
+    """Defect (found by a bug hunt): under a server that is not root, each such run kept its run folder for good,
+    past the server's stop and the next start's clean-up (one folder per request). Root obeys no permission bits,
+    so the model runs in a child without those capabilities, as a non-root server does."""
+    import subprocess
+
+    if shutil.which("setpriv") is None:
+        pytest.skip("needs setpriv to drop root's right to write into any folder")
+    folder = repo.python("rotmp", main=READ_ONLY_TMPDIR_MAIN)
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    command = [sys.executable, "-c", _RUN_AS_NON_ROOT, str(folder), str(scratch), start_mode]
+    if os.geteuid() == 0:
+        command = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search,-fowner", *command]
+    try:
+        child = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    finally:
+        for parent, subfolders, _ in os.walk(scratch):  # (so that pytest can remove what a failed run left)
+            for name in subfolders:
+                os.chmod(os.path.join(parent, name), 0o755)
+    if "setpriv:" in child.stderr:
+        pytest.skip(f"setpriv cannot drop capabilities here: {child.stderr.strip()}")
+    assert child.returncode == 0, child.stderr
+    assert child.stdout.splitlines() == ["[[0.0, 1.0, 2.0, 3.0]]", "[]", "[]"], child.stdout

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
 import stat
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -11,7 +14,7 @@ import pytest
 
 from nereid.errors import ConfigError
 from nereid.files import (NAME_MAX, atomic_write, check_confined, escaping_link, is_model_folder_name, locked,
-                          not_regular_reason, read_regular_file, read_text_file, temporary_name)
+                          not_regular_reason, read_regular_file, read_text_file, remove_tree, temporary_name)
 
 
 @pytest.mark.parametrize("name, valid", [
@@ -139,3 +142,55 @@ def test_a_lock_makes_holders_take_turns(tmp_path):
     for thread in threads:
         thread.join()
     assert overlaps == [] and lock_file.exists()
+
+
+# A run's TMPDIR as a program may leave it (a tar extraction, Go's module cache): read-only folders, one in another,
+# one that cannot even be listed, and a symlink to a read-only folder outside, whose mode must stay. Prints
+# what remove_tree returned, whether the tree is still there, and the outside folder's mode.
+_REMOVE_READ_ONLY_TREE = """
+import os, sys
+from pathlib import Path
+from nereid.files import remove_tree
+tree, outside = Path(sys.argv[1]), Path(sys.argv[2])
+(tree / "extracted" / "nested").mkdir(parents=True)
+(tree / "extracted" / "file").write_text("x")
+(tree / "extracted" / "nested" / "file").write_text("y")
+(tree / "extracted" / "outside").symlink_to(outside)
+(tree / "unlisted").mkdir()
+(tree / "unlisted" / "file").write_text("z")
+for folder, mode in (("extracted/nested", 0o555), ("extracted", 0o555), ("unlisted", 0)):
+    os.chmod(tree / folder, mode)
+print(remove_tree(tree), tree.exists(), oct(outside.stat().st_mode & 0o777))
+"""
+
+
+def test_a_tree_with_read_only_folders_is_removed_whole_as_a_server_that_is_not_root(tmp_path):
+    """Defect (found by a bug hunt): a run that left a read-only folder in its TMPDIR kept its whole run folder
+    on disk for good under a server that is not root: every removal was rmtree(ignore_errors=True). Root (with
+    CAP_DAC_OVERRIDE) obeys no permission bits, so the child drops those capabilities, as a non-root server runs."""
+    command = [sys.executable, "-c", _REMOVE_READ_ONLY_TREE, str(tmp_path / "run"), str(tmp_path / "outside")]
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("needs setpriv to drop root's right to write into any folder")
+        command = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search,-fowner", *command]
+    (tmp_path / "run").mkdir()
+    (tmp_path / "outside").mkdir(mode=0o555)
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    finally:
+        for folder, subfolders, _ in os.walk(tmp_path):  # (so that pytest can remove what a failed removal left)
+            for name in subfolders:
+                os.chmod(os.path.join(folder, name), 0o755)
+    if "setpriv:" in done.stderr:
+        pytest.skip(f"setpriv cannot drop capabilities here: {done.stderr.strip()}")
+    assert (done.returncode, done.stdout.split()) == (0, ["True", "False", "0o555"]), done.stderr
+
+
+def test_removing_a_tree_never_raises_nor_follows_a_symlink(tmp_path):
+    assert remove_tree(tmp_path / "absent") is True
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "kept").write_text("x")
+    (tmp_path / "link").symlink_to(target)
+    assert remove_tree(tmp_path / "link") is False  # (rmtree refuses a symlink: nothing is removed through it)
+    assert (target / "kept").exists() and (tmp_path / "link").is_symlink()

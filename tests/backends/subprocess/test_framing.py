@@ -142,10 +142,16 @@ def test_largest_representable_empty_tensor_is_read() -> None:
 
 
 def test_scalar_header_without_dims() -> None:
-    # "<dtype>\n" and "<dtype> \n" both declare a scalar (rank 0).
-    for header in (b"int16\n", b"int16 \n"):
-        dtype, shape, array = read_frame(header + struct.pack("<h", -7))
-        assert (dtype, shape, array.tolist()) == (DType.INT16, (), -7)
+    # "<dtype> \n": one space, then no dimensions, declares a scalar (rank 0).
+    dtype, shape, array = read_frame(b"int16 \n" + struct.pack("<h", -7))
+    assert (dtype, shape, array.tolist()) == (DType.INT16, (), -7)
+
+
+def test_a_header_without_its_space_is_refused_even_for_a_scalar() -> None:
+    """Found by a bug hunt: "float32\\n" passed for a scalar, where the README says the header has one space."""
+    assert failure(b"float32\n" + struct.pack("<f", 1.5)) == (
+        f"{WHERE}: header 'float32' has no space after its dtype (expected \"<dtype> d0,d1,...\", with one space; "
+        "a scalar's is \"<dtype> \", nothing after the space)")
 
 
 def test_header_at_the_size_limit_is_accepted() -> None:

@@ -360,6 +360,37 @@ def test_data_after_the_last_output_is_measured(tmp_path, after, expected) -> No
                                  f"'output' (float32 [2, 4]) took 32 bytes; {expected}")
 
 
+# Two outputs, 'a' then 'b', of a model without inputs.
+A_THEN_B = ('output { name: "a" data_type: "FP32" dims: [-1] }\n'
+            'output { name: "b" data_type: "INT8" dims: [2] }\n')
+
+
+@pytest.mark.parametrize("written,expected", [
+    # 'a' written as float64 (16 bytes) under its float32 header (8 bytes).
+    (r"float32 2\n\0\0\0\0\0\0\360?\0\0\0\0\0\0\0@int8 2\n\1\2",
+     "output 'a' (float32 [2]) took 8 bytes, but the header of output 'b' comes 8 bytes after them (was 'a' "
+     "written as a wider dtype than declared?)"),
+    # As float64 again, of a 1-element output: 16 bytes, 4 times what its header promised.
+    (r"float32 1\n\0\0\0\0\0\0\360?\0\0\0\0\0\0\0@int8 2\n\1\2",
+     "output 'a' (float32 [1]) took 4 bytes, but the header of output 'b' comes 12 bytes after them (was 'a' "
+     "written as a wider dtype than declared?)"),
+    # 'a' is right and 'b''s header is wrong: the fault is 'b''s, as it was.
+    (r"float32 2\n\0\0\200?\0\0\0@int8 2,\n\1\2",
+     "output 'b': header 'int8 2,': dimensions must be comma-separated decimal integers (ASCII digits)"),
+], ids=["twice_as_wide", "four_times_as_wide", "the_next_header_at_fault"])
+def test_a_body_wider_than_its_header_before_another_output_is_named(tmp_path, written, expected) -> None:
+    """Found by a bug hunt: the output after it was blamed, as an 'unknown dtype' quoting binary bytes
+    ("output 'b': header '\\x00...@int8 2': unknown dtype ..."); the last output got the hint already."""
+    main = f"cat > /dev/null; printf '{written}' > \"$NEREID_OUTPUT_PATH\"\n"  # (printf's octal escapes)
+    model = loaded(tmp_path, name="two", main=main, textproto=A_THEN_B)
+    try:
+        with pytest.raises(ModelFailure) as caught:
+            model.infer([])
+    finally:
+        model.unload()
+    assert str(caught.value) == f"model 'two': {expected}"
+
+
 def test_an_output_larger_than_a_response_can_carry_is_refused_from_its_header(tmp_path) -> None:
     """Defect: a header promising 2.2 GB over a sparse file of that size was read whole into the server's memory,
     then grpcio refused the response (RESOURCE_EXHAUSTED, no model named) and the request counted as a success."""
