@@ -16,11 +16,11 @@ names, dtypes, byte counts, argument order and metadata, each header shape
 reversed, and every tensor equal byte for byte (NaN payloads and signed zeros
 count) to the array the legacy path reads, which is read twice, by the
 server's pread loader and independently by the safetensors library (its own
-header parser and reader). The copy records
-the original's size, modification time and SHA-256. Before the swap the copy
-is proved again against the original, and after it the file under the
-original's name is proved against the original, still open, before anything
-else is removed.
+header parser and reader). The copy records the original's SHA-256, and its
+size, modification time, change time and inode, which spare a load the hash
+while none of them changed. Before the swap the copy is proved again against
+the original, and after it the file under the original's name is proved
+against the original, still open, before anything else is removed.
 
 Files are written under temporary names, fsynced, proved from disk and renamed
 into place, and manifest edits change only the ``weights_file`` and
@@ -31,7 +31,9 @@ a copy that fails its proof) is logged and the bundle loads as it was.
 
 A copy whose original has changed since (a redeployed ``weights.safetensors``)
 is stale: the server loads the original instead and, with migration on,
-rebuilds the copy.
+rebuilds the copy, or removes it (and its ``weights_file`` line) when the
+original was redeployed in the program's axis order. A manifest that names
+``weights.safetensors`` itself is migrated like one that names no file.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ import hashlib
 import logging
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -62,7 +64,9 @@ LOCK_FILE = "weights-migration.lock"
 FROM_SIZE = "migrated_from_size"
 FROM_MTIME = "migrated_from_mtime_ns"
 FROM_SHA256 = "migrated_from_sha256"
-_ADDED_KEYS = frozenset({AXIS_ORDER_KEY, FROM_SIZE, FROM_MTIME, FROM_SHA256})
+FROM_CTIME = "migrated_from_ctime_ns"
+FROM_INODE = "migrated_from_inode"
+_ADDED_KEYS = frozenset({AXIS_ORDER_KEY, FROM_SIZE, FROM_MTIME, FROM_SHA256, FROM_CTIME, FROM_INODE})
 _HASH_CHUNK = 8 * 1024 * 1024
 _KEEP = object()
 
@@ -73,11 +77,22 @@ class MigrationError(Exception):
 
 @dataclass(frozen=True)
 class FileStamp:
-    """What a copy records about its original."""
+    """What a copy records about its original.
+
+    ``sha256`` says which file it is; the stat fields only let a load skip
+    hashing the original when none of them changed (see :func:`_is_stale`).
+    """
 
     size: int
     mtime_ns: int
     sha256: str
+    ctime_ns: int
+    inode: int
+
+    def recorded(self) -> dict[str, str]:
+        """The copy's metadata entries for this stamp."""
+        return {FROM_SIZE: str(self.size), FROM_MTIME: str(self.mtime_ns), FROM_SHA256: self.sha256,
+                FROM_CTIME: str(self.ctime_ns), FROM_INODE: str(self.inode)}
 
 
 def weights_to_load(layout: BundleLayout) -> Path | None:
@@ -145,8 +160,8 @@ def migrate_bundle(folder: Path | str, mode: str) -> Outcome:
         manifest_path = folder / MANIFEST_NAME
         original, copy = folder / DEFAULT_WEIGHTS_FILE, folder / COPY_FILE
         declared = layout.manifest.weights_file
-        if declared is None:
-            if (folder / INDEX_FILE).exists():
+        if declared is None or declared == DEFAULT_WEIGHTS_FILE:  # the manifest may name the original itself
+            if declared is None and (folder / INDEX_FILE).exists():
                 # The index picks the weights, not a weights.safetensors beside it: the copy's
                 # weights_file line would win over the index and serve that file's tensors instead.
                 return Outcome(f"a sharded bundle ({INDEX_FILE}); left alone", False)
@@ -158,9 +173,13 @@ def migrate_bundle(folder: Path | str, mode: str) -> Outcome:
                 return Outcome("no weights file", False)
             if not read_header(original).legacy:
                 return Outcome("weights already in the program's axis order", False)
-            make_copy(original, copy)
+            if _up_to_date_copy(copy, original):
+                # Written and proved by a run whose manifest edit then failed: retrying the edit is enough.
+                what = f"kept the up-to-date {COPY_FILE}"
+            else:
+                make_copy(original, copy)
+                what = f"wrote {COPY_FILE}"
             _edit_manifest(manifest_path, weights_file=COPY_FILE)
-            what = f"wrote {COPY_FILE}"
         elif declared == COPY_FILE:
             if original.is_file() and _same(copy, original):
                 _finish_replace(folder, manifest_path, copy)
@@ -170,6 +189,12 @@ def migrate_bundle(folder: Path | str, mode: str) -> Outcome:
                 return Outcome(f"{COPY_FILE} is not a migration copy; left alone", False)
             if not original.is_file():
                 return Outcome(f"{DEFAULT_WEIGHTS_FILE} is gone; {COPY_FILE} kept", False)
+            if not read_header(original).legacy:
+                # Redeployed in the program's axis order (so it changed since the copy, made from a legacy
+                # file): nothing to migrate any more, and the stale copy must not stay named in the manifest.
+                _finish_replace(folder, manifest_path, copy)
+                return Outcome(f"removed the stale {COPY_FILE}: {DEFAULT_WEIGHTS_FILE} is already in the "
+                               "program's axis order", True)
             if _is_stale(header, original):
                 make_copy(original, copy)
                 what = f"rebuilt the stale {COPY_FILE}"
@@ -183,6 +208,24 @@ def migrate_bundle(folder: Path | str, mode: str) -> Outcome:
             _replace(folder, manifest_path, original, copy)
             what += f", swapped in as {DEFAULT_WEIGHTS_FILE}"
         return Outcome(what, True)
+
+
+def _up_to_date_copy(copy: Path, original: Path) -> bool:
+    """Whether ``copy``, not named by the manifest yet, is a faithful copy of the original as it is now.
+
+    Proved again, not trusted: it is about to be served. A proof reads the
+    files but writes nothing, so it is still much cheaper than rewriting them.
+    """
+    if not copy.is_file():
+        return False
+    fd = os.open(original, os.O_RDONLY)
+    try:
+        prove_copy(fd, original, copy)
+    except (MigrationError, ConfigError):
+        return False  # someone else's file, a copy of an earlier original, or damaged: rewritten
+    finally:
+        os.close(fd)
+    return True
 
 
 def make_copy(original: Path, copy: Path) -> None:
@@ -199,8 +242,7 @@ def make_copy(original: Path, copy: Path) -> None:
         if not header.legacy:
             raise MigrationError(f"{original} is not in the legacy layout")
         stamp = _stamp(fd)
-        metadata = {**header.metadata, AXIS_ORDER_KEY: AXIS_ORDER_XLA, FROM_SIZE: str(stamp.size),
-                    FROM_MTIME: str(stamp.mtime_ns), FROM_SHA256: stamp.sha256}
+        metadata = {**header.metadata, AXIS_ORDER_KEY: AXIS_ORDER_XLA, **stamp.recorded()}
         in_file_order = sorted(header.tensors, key=lambda e: e.start)  # keeps the argument order without the key
 
         def parts():
@@ -233,9 +275,13 @@ def prove_copy(original_fd: int, original: Path, copy: Path) -> None:
     kept = {k: v for k, v in target.metadata.items() if k not in _ADDED_KEYS}
     if kept != {k: v for k, v in source.metadata.items() if k != AXIS_ORDER_KEY}:
         fail(f"metadata {kept}, expected {dict(source.metadata)}")
-    recorded = (target.metadata.get(FROM_SIZE), target.metadata.get(FROM_MTIME), target.metadata.get(FROM_SHA256))
-    if recorded != (str(stamp.size), str(stamp.mtime_ns), stamp.sha256):
-        fail(f"it records the original as {recorded}, but the original is {stamp}")
+    # Not the ctime: the swap itself changes the open original's (its link count drops) before the last proof.
+    # The inode only where recorded: a copy an earlier nereid made records size, mtime and hash alone.
+    expected = {k: v for k, v in stamp.recorded().items()
+                if k != FROM_CTIME and (k != FROM_INODE or k in target.metadata)}
+    recorded = {k: target.metadata.get(k) for k in expected}
+    if recorded != expected:
+        fail(f"it records the original as {recorded}, but the original is {expected}")
     copy_fd = os.open(copy, os.O_RDONLY)
     try:
         with _ReferenceRead(original_fd, original) as reference:
@@ -357,46 +403,88 @@ def _restore(fd: int, original: Path) -> None:
 
 
 def _edit_manifest(path: Path, *, weights_file: object = _KEEP, format_version: object = _KEEP) -> None:
-    """Change only the weights_file / format_version lines; comments and formatting stay."""
+    """Change only the weights_file / format_version lines; comments and formatting stay.
+
+    The edited text replaces the manifest only once it parses to the same
+    manifest with just these fields changed. A new weights_file line goes at
+    the end of the document (before a document-end marker ``...``), else
+    right after the format_version line, indented like the top-level keys.
+    """
     text = path.read_text(encoding="utf-8")
-    edited = text
-    if format_version is not _KEEP:
-        edited, count = re.subn(r"^format_version:[ \t]*(\"[^\"\n]*\"|'[^'\n]*'|[^\s#]+)",
-                                f'format_version: "{format_version}"', edited, count=1, flags=re.M)
-        if count != 1:
-            raise MigrationError(f"{path}: no top-level format_version line to change")
-    if weights_file is not _KEEP:
-        pattern = re.compile(r"^weights_file:.*(?:\n|$)", flags=re.M)
-        if weights_file is None:
-            edited = pattern.sub("", edited, count=1)
-        elif pattern.search(edited):
-            edited = pattern.sub(f"weights_file: {weights_file}\n", edited, count=1)
-        else:
-            edited = edited + ("" if edited.endswith("\n") or not edited else "\n") + f"weights_file: {weights_file}\n"
-    # Proof before the rename: the edited text parses to the same manifest with just these fields changed.
     try:
         before = parse_manifest_text(text, path)
-        after = parse_manifest_text(edited, path)
     except ConfigError as err:
-        raise MigrationError(f"the edited manifest does not parse: {err}") from None
-    expected_weights = before.weights_file if weights_file is _KEEP else weights_file
-    expected_version = before.format_version if format_version is _KEEP else format_version
-    if (after.weights_file, after.format_version) != (expected_weights, expected_version) or (
-            after.executable_inputs, after.executable_outputs, after.batching) != (
-            before.executable_inputs, before.executable_outputs, before.batching):
-        raise MigrationError(f"{path}: could not change only the weights_file / format_version lines")
-    atomic_write(path, [edited.encode("utf-8")], durable=True, mode=path.stat().st_mode & 0o7777)
+        raise MigrationError(f"the manifest does not parse: {err}") from None
+    wanted = replace(before, weights_file=before.weights_file if weights_file is _KEEP else weights_file,
+                     format_version=before.format_version if format_version is _KEEP else format_version)
+    indent = _top_level_indent(text)  # spaces only: nothing to escape in a pattern
+    edited = text
+    if format_version is not _KEEP:
+        edited, count = re.subn(rf"^({indent})format_version:[ \t]*(\"[^\"\n]*\"|'[^'\n]*'|[^\s#]+)",
+                                rf'\g<1>format_version: "{format_version}"', edited, count=1, flags=re.M)
+        if count != 1:
+            raise MigrationError(f"{path}: no top-level format_version line to change")
+    candidates = [edited] if weights_file is _KEEP else _weights_file_edits(edited, indent, weights_file)
+    problem = "changes more than the weights_file / format_version lines"
+    for candidate in candidates:
+        try:
+            after = parse_manifest_text(candidate, path)
+        except ConfigError as err:
+            problem = f"does not parse: {err}"
+            continue
+        if after == wanted:
+            atomic_write(path, [candidate.encode("utf-8")], durable=True, mode=path.stat().st_mode & 0o7777)
+            return
+    raise MigrationError(f"{path}: could not change only the weights_file / format_version lines: the edited "
+                         f"manifest {problem}")
+
+
+def _top_level_indent(text: str) -> str:
+    """The indentation of the manifest's top-level keys: that of its first line holding YAML content."""
+    for line in text.splitlines():
+        if not re.match(r"[ \t]*(#.*)?$|%|---[ \t]*(#.*)?$", line):
+            return line[:len(line) - len(line.lstrip(" "))]
+    return ""
+
+
+def _weights_file_edits(text: str, indent: str, weights_file: object) -> list[str]:
+    """Ways to set (or, for None, remove) the weights_file line, the most natural first."""
+    existing = re.compile(rf"^{indent}weights_file:[^\n]*(?:\n|$)", flags=re.M)
+    if weights_file is None:
+        return [existing.sub("", text, count=1)]
+    line = f"{indent}weights_file: {weights_file}\n"
+    if existing.search(text):
+        return [existing.sub(lambda _: line, text, count=1)]
+    # The end of the document: before a trailing document-end marker, which nothing may follow but comments
+    # (a key after it would start a second document and the manifest would no longer parse).
+    end = re.search(r"^\.\.\.[ \t]*(?:#[^\n]*)?(?:\n[ \t]*(?:#[^\n]*)?)*\Z", text, flags=re.M)
+    if end is not None:
+        at_end = text[:end.start()] + line + text[end.start():]
+    else:
+        at_end = text + ("" if text.endswith("\n") or not text else "\n") + line
+    after_version = re.sub(rf"^{indent}format_version:[^\n]*(?:\n|\Z)",
+                           lambda m: m.group(0).rstrip("\n") + "\n" + line, text, count=1, flags=re.M)
+    return [at_end] if after_version == text else [at_end, after_version]
 
 
 def _is_stale(copy_header: SafetensorsHeader, original: Path) -> bool:
     """True when the original no longer is the file the copy was made from."""
     stat = original.stat()
     metadata = copy_header.metadata
-    if (str(stat.st_size), str(stat.st_mtime_ns)) == (metadata.get(FROM_SIZE), metadata.get(FROM_MTIME)):
+    # Size and mtime alone are not enough: cp -p, rsync -a, tar and reproducible builds redeploy new weights of
+    # the same size with the same mtime. With the ctime and inode they are: no tool can set a ctime (utime()
+    # sets it to now), and a file written in place gets a new ctime, one written anew a new inode too (the rule
+    # the dynamic repository's watcher uses). So the hash is read only when one of the four changed, which also
+    # happens to an unchanged file (chmod, a bundle copied with cp -a): it is then hashed at each load. Hashing
+    # every load would be simpler, but costs a read of the whole original through SHA-256: 1.1 s per GiB on a
+    # 2-core machine with SHA instructions, page-cached, against 0.2 s for the read the load does anyway. A
+    # copy made before the ctime and inode were recorded is always hashed.
+    now = (str(stat.st_size), str(stat.st_mtime_ns), str(stat.st_ctime_ns), str(stat.st_ino))
+    if now == tuple(metadata.get(key) for key in (FROM_SIZE, FROM_MTIME, FROM_CTIME, FROM_INODE)):
         return False
     fd = os.open(original, os.O_RDONLY)
     try:
-        return _stamp(fd).sha256 != metadata.get(FROM_SHA256)  # touched but unchanged is not stale
+        return _stamp(fd).sha256 != metadata.get(FROM_SHA256)  # touched, copied or moved but unchanged: not stale
     finally:
         os.close(fd)
 
@@ -411,7 +499,7 @@ def _stamp(fd: int) -> FileStamp:
             break
         digest.update(chunk)
         offset += len(chunk)
-    return FileStamp(stat.st_size, stat.st_mtime_ns, digest.hexdigest())
+    return FileStamp(stat.st_size, stat.st_mtime_ns, digest.hexdigest(), stat.st_ctime_ns, stat.st_ino)
 
 
 def _same(a: Path, b: Path) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +13,10 @@ import pytest
 
 from nereid.backend import ModelContext
 from nereid.backends.xla.manifest import load_manifest
-from nereid.backends.xla.migration import COPY_FILE, MigrationError, make_copy, migrate_bundle, prove_copy
+from nereid.backends.xla import migration
+from nereid.backends.xla.bundle import open_bundle
+from nereid.backends.xla.migration import (COPY_FILE, MigrationError, make_copy, migrate_bundle, prove_copy,
+                                           weights_to_load)
 from nereid.backends.xla.model import XlaModel
 from nereid.backends.xla.safetensors import load_weights, read_header, write_safetensors
 from nereid.backends.xla.export import examples
@@ -121,6 +125,130 @@ def test_a_stale_copy_is_noticed_and_rebuilt(legacy, tmp_path, caplog) -> None:
     assert migrate_bundle(legacy, "copy").what == f"rebuilt the stale {COPY_FILE}"
     np.testing.assert_allclose(serve_once(legacy, tmp_path), expected, rtol=1e-5, atol=1e-5)
     assert [a.tobytes() for _, a in load_weights(legacy / COPY_FILE)] == [a.tobytes() for _, a in redeployed]
+
+
+def _mlp(weights: list[tuple[str, np.ndarray]]) -> np.ndarray:
+    w1, b1, w2, b2 = (a for _, a in weights)
+    return np.maximum(X @ w1 + b1, 0) @ w2 + b2
+
+
+def test_a_redeploy_with_the_same_size_and_mtime_is_noticed(legacy, tmp_path, caplog) -> None:
+    """cp -p, rsync -a, tar and reproducible builds redeploy new weights of the same size with the same mtime:
+    the old copy was served, since only a changed size or mtime led to the recorded SHA-256 being compared."""
+    original = legacy / "weights.safetensors"
+    os.utime(original, ns=(1_700_000_000 * 10 ** 9, 1_700_000_000 * 10 ** 9))
+    migrate_bundle(legacy, "copy")
+    redeployed = [(n, a * 1000) for n, a in load_weights(original)]
+    write_safetensors(legacy / "new.tmp", redeployed, legacy=True)
+    os.replace(legacy / "new.tmp", original)
+    os.utime(original, ns=(1_700_000_000 * 10 ** 9, 1_700_000_000 * 10 ** 9))
+    with caplog.at_level(logging.WARNING):
+        served = serve_once(legacy, tmp_path)  # migration off: the original, not the stale copy
+    np.testing.assert_allclose(served, _mlp(redeployed), rtol=1e-5)
+    assert "was made from an earlier weights.safetensors" in caplog.text
+    assert migrate_bundle(legacy, "copy").what == f"rebuilt the stale {COPY_FILE}"
+    np.testing.assert_allclose(serve_once(legacy, tmp_path), _mlp(redeployed), rtol=1e-5)
+
+
+def test_an_unchanged_original_is_hashed_only_when_its_stat_changed(legacy, tmp_path, monkeypatch) -> None:
+    migrate_bundle(legacy, "copy")
+    copied = legacy.parent / "copied"
+    shutil.copytree(legacy, copied)  # same bytes and mtime; a new inode and ctime: hashed, found unchanged
+    assert weights_to_load(open_bundle(copied)) == copied / COPY_FILE
+    assert migrate_bundle(copied, "copy").what == f"{COPY_FILE} is up to date"
+
+    def unexpected(fd):
+        raise AssertionError("the original was hashed although nothing about it changed")
+
+    monkeypatch.setattr(migration, "_stamp", unexpected)
+    assert weights_to_load(open_bundle(legacy)) == legacy / COPY_FILE
+    assert migrate_bundle(legacy, "copy").what == f"{COPY_FILE} is up to date"
+
+
+def test_a_copy_that_records_no_ctime_or_inode_is_still_checked_and_swapped(legacy, tmp_path) -> None:
+    """A copy an earlier nereid made records the original's size, mtime and SHA-256 only."""
+    expected = serve_once(legacy, tmp_path)
+    migrate_bundle(legacy, "copy")
+    metadata = {k: v for k, v in read_header(legacy / COPY_FILE).metadata.items()
+                if k not in (migration.FROM_CTIME, migration.FROM_INODE)}
+    write_safetensors(legacy / COPY_FILE, load_weights(legacy / COPY_FILE), metadata=metadata)
+    assert migrate_bundle(legacy, "copy").what == f"{COPY_FILE} is up to date"  # by its hash
+    assert "swapped in" in migrate_bundle(legacy, "replace").what
+    assert np.array_equal(serve_once(legacy, tmp_path), expected)
+
+
+@pytest.mark.parametrize("end", ["...\n", "...\n# after the end\n\n", "... # the end"])
+def test_a_manifest_ending_with_a_document_end_marker_gets_its_line_before_it(legacy, tmp_path, end) -> None:
+    """The line was appended after '...', the edit did not parse, and every load wrote the whole copy again."""
+    expected = serve_once(legacy, tmp_path)
+    manifest = legacy / "manifest.yaml"
+    before = manifest.read_text() + end
+    manifest.write_text(before)
+    outcome = migrate_bundle(legacy, "copy")
+    assert outcome.what == f"wrote {COPY_FILE}"
+    assert manifest.read_text() == before.replace("...", "weights_file: weights.T.safetensors\n...")
+    assert migrate_bundle(legacy, "copy").changed is False
+    assert np.array_equal(serve_once(legacy, tmp_path, weights_migration="replace"), expected)
+    assert manifest.read_text().endswith(end) and 'format_version: "2.1"' in manifest.read_text()
+
+
+def test_a_manifest_with_indented_top_level_keys_is_edited_at_their_indentation(legacy, tmp_path) -> None:
+    expected = serve_once(legacy, tmp_path)
+    manifest = legacy / "manifest.yaml"
+    manifest.write_text("".join(f"  {line}" if line.strip() else line
+                                for line in manifest.read_text().splitlines(keepends=True)))
+    assert np.array_equal(serve_once(legacy, tmp_path, weights_migration="copy"), expected)
+    assert "\n  weights_file: weights.T.safetensors\n" in manifest.read_text()
+    assert np.array_equal(serve_once(legacy, tmp_path, weights_migration="replace"), expected)
+    text = manifest.read_text()
+    assert '\n  format_version: "2.1"' in text and "weights_file" not in text
+    assert not read_header(legacy / "weights.safetensors").legacy
+
+
+def test_a_proved_copy_is_kept_when_only_the_manifest_edit_is_left_to_do(legacy) -> None:
+    """A run that wrote the copy but could not edit the manifest: the next one wrote the whole copy again."""
+    make_copy(legacy / "weights.safetensors", legacy / COPY_FILE)
+    written = (legacy / COPY_FILE).stat()
+    outcome = migrate_bundle(legacy, "copy")
+    assert outcome.changed and outcome.what == f"kept the up-to-date {COPY_FILE}"
+    now = (legacy / COPY_FILE).stat()
+    assert (now.st_ino, now.st_mtime_ns) == (written.st_ino, written.st_mtime_ns)
+    assert load_manifest(legacy / "manifest.yaml").weights_file == COPY_FILE
+    # A file under the copy's name that is not a copy of the original as it is now is written anew.
+    (legacy / "manifest.yaml").write_text((legacy / "manifest.yaml").read_text().replace(
+        "weights_file: weights.T.safetensors\n", ""))
+    write_safetensors(legacy / COPY_FILE, [(n, a + 1) for n, a in load_weights(legacy / "weights.safetensors")])
+    assert migrate_bundle(legacy, "copy").what == f"wrote {COPY_FILE}"
+
+
+def test_a_copy_whose_original_was_redeployed_in_program_order_is_removed(legacy, tmp_path, caplog) -> None:
+    """The copy and its weights_file line stayed for good, and every load logged that the migration failed."""
+    manifest_before = (legacy / "manifest.yaml").read_text()
+    migrate_bundle(legacy, "copy")
+    redeployed = [(n, a * 100) for n, a in load_weights(legacy / "weights.safetensors")]
+    write_safetensors(legacy / "weights.safetensors", redeployed)  # axis_order: xla
+    with caplog.at_level(logging.INFO):
+        served = serve_once(legacy, tmp_path, weights_migration="copy")
+    np.testing.assert_allclose(served, _mlp(redeployed), rtol=1e-5)
+    assert (f"removed the stale {COPY_FILE}: weights.safetensors is already in the program's axis order"
+            in caplog.text)
+    assert "did not run" not in caplog.text
+    assert not (legacy / COPY_FILE).exists() and (legacy / "manifest.yaml").read_text() == manifest_before
+    assert migrate_bundle(legacy, "replace").what == "weights already in the program's axis order"
+
+
+def test_a_legacy_bundle_whose_manifest_names_its_own_weights_file_is_migrated(legacy, tmp_path) -> None:
+    """weights_file: weights.safetensors names the original: it was called 'not a migration copy' and left."""
+    expected = serve_once(legacy, tmp_path)
+    manifest = legacy / "manifest.yaml"
+    before = manifest.read_text().replace("# trailing note\n", "weights_file: weights.safetensors\n# trailing note\n")
+    manifest.write_text(before)
+    assert migrate_bundle(legacy, "copy").what == f"wrote {COPY_FILE}"
+    assert manifest.read_text() == before.replace("weights.safetensors", COPY_FILE)
+    assert np.array_equal(serve_once(legacy, tmp_path), expected)
+    assert "swapped in" in migrate_bundle(legacy, "replace").what
+    assert not read_header(legacy / "weights.safetensors").legacy
+    assert np.array_equal(serve_once(legacy, tmp_path), expected)
 
 
 def test_a_copy_that_differs_is_refused(legacy) -> None:
