@@ -14,15 +14,18 @@ checks that need the bundle's other files live in :mod:`.bundle`.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, Mapping
+
+import yaml
 
 from nereid.config_document import KeyedReader, load_yaml
 from nereid.dtypes import DType
 from nereid.files import read_text_file
 from nereid.settings import INT32_MAX
-from nereid.signature import MAX_DECLARED_TENSORS
+from nereid.signature import MAX_DECLARED_TENSORS, MAX_RANK
 
 from nereid.backends.xla.dtype_tokens import dtype_of_token, token_of
 
@@ -208,14 +211,20 @@ def load_manifest(path: Path | str) -> Manifest:
 
 def parse_manifest_text(text: str, path: Path) -> Manifest:
     """Parse manifest YAML text as if it were the file at ``path``."""
-    return parse_manifest(load_yaml(text, path), path)
+    return parse_manifest(load_yaml(text, path), path, source=text)
 
 
-def parse_manifest(document: Any, path: Path) -> Manifest:
-    """Check an already-loaded YAML document as if it came from ``path``."""
+def parse_manifest(document: Any, path: Path, source: str | None = None) -> Manifest:
+    """Check an already-loaded YAML document as if it came from ``path``.
+
+    ``source``: the YAML text the document was loaded from, which an unquoted
+    ``format_version`` is read from as written (YAML's number has lost the
+    spelling: ``2.10`` and ``2.1`` are one float). Without it (a document built
+    in Python) a number is read as Python writes it.
+    """
     reader = KeyedReader(path)
     top = reader.mapping(document, "", _TOP_KEYS)
-    version = _format_version(reader, top)
+    version = _format_version(reader, top, source)
     meta, depends_on = _meta(reader, top)
     executable_inputs = _tensors(reader, top, "executable_inputs", required=not meta, executable=True) or ()
     executable_outputs = _tensors(reader, top, "executable_outputs", required=not meta, executable=True) or ()
@@ -234,14 +243,8 @@ def parse_manifest(document: Any, path: Path) -> Manifest:
         batching = _batching(reader, top, executable_inputs + executable_outputs)
     input_shapes = _input_shapes(reader, top, executable_inputs, executable_outputs)
     weights_file = _weights_file(reader, top)
-    name = top.get("name")
-    if name is not None and not isinstance(name, str):
-        reader.fail("name", "must be a string", name)
-    description = top.get("description", "")
-    if description is None:
-        description = ""
-    if not isinstance(description, str):
-        reader.fail("description", "must be a string", description)
+    name = _informational_text(reader, top, "name")
+    description = _informational_text(reader, top, "description") or ""
     provenance = top.get("provenance", {}) or {}
     if not isinstance(provenance, dict):
         reader.fail("provenance", "must be a mapping", provenance)
@@ -251,6 +254,17 @@ def parse_manifest(document: Any, path: Path) -> Manifest:
                                                     "such as cpu or cuda", platform)
     return Manifest(path, version, executable_inputs, executable_outputs, client_inputs, client_outputs,
                     batching, input_shapes, weights_file, name, description, provenance, meta, depends_on)
+
+
+def _informational_text(reader: KeyedReader, top: dict[str, Any], key: str) -> str | None:
+    """``name`` or ``description`` as text: any YAML scalar (an unquoted ``name: 2024`` is a number, and the
+    field only informs); None when absent or null."""
+    value = top.get(key)
+    if value is None:
+        return None
+    if isinstance(value, (dict, list)):
+        reader.fail(key, "must be a string (informational text), not a mapping or a list", value)
+    return value if isinstance(value, str) else str(value)
 
 
 def declares_meta(path: Path) -> bool:
@@ -318,10 +332,17 @@ def _meta_batching(reader: KeyedReader, top: dict[str, Any],
     return BatchingSpec((size,))
 
 
+# ModelMetadata's and ModelConfig's dims are int64: a larger size loaded READY, then failed every such call.
+INT64_MAX = 2 ** 63 - 1
+_DIMS_FIELD = "ModelMetadata's and ModelConfig's dims are int64"
+
+
 def _parse_shape(text: Any, dims: Any, where: str, reader: KeyedReader) -> tuple[Dim, ...]:
     """Parse an einsum-style shape string and its ``dims`` map into Dims."""
     if not isinstance(text, str):
         reader.fail(f"{where}.shape", "must be a string of axis letters such as \"chwn\"", text)
+    if len(text) > MAX_RANK:  # (as a model_inference.textproto's and a weights file's tensors)
+        reader.fail(f"{where}.shape", f"has {len(text)} axes; at most {MAX_RANK} are supported", text)
     seen: set[str] = set()
     markers = [c for c in text if c in BATCH_MARKERS]
     for letter in text:
@@ -341,10 +362,14 @@ def _parse_shape(text: Any, dims: Any, where: str, reader: KeyedReader) -> tuple
         if letter in BATCH_MARKERS and isinstance(letter, str) and letter in text:
             reader.fail(f"{where}.dims.{letter}", f"'{letter}' is the batch axis; its size comes from "
                                                   "batching.compiled_batch_sizes", size)
-        if not isinstance(letter, str) or letter not in text:
-            reader.fail(f"{where}.dims.{letter}", f"names no axis of shape {text!r}", size)
+        # One letter: a longer key such as 'hw' is in the shape string, but names no one axis.
+        if not isinstance(letter, str) or len(letter) != 1 or letter not in text:
+            reader.fail(f"{where}.dims.{letter}", f"names no axis of shape {text!r} (each key is one of its "
+                                                  "letters)", size)
         if isinstance(size, bool) or not isinstance(size, int) or (size < 1 and size != -1):
             reader.fail(f"{where}.dims.{letter}", "must be a positive integer or -1 (variable)", size)
+        if size > INT64_MAX:
+            reader.fail(f"{where}.dims.{letter}", f"must be at most {INT64_MAX} ({_DIMS_FIELD})", size)
     result: list[Dim] = []
     for letter in text:
         if letter in BATCH_MARKERS:
@@ -358,17 +383,36 @@ def _parse_shape(text: Any, dims: Any, where: str, reader: KeyedReader) -> tuple
     return tuple(result)
 
 
-def _format_version(reader: KeyedReader, top: dict[str, Any]) -> str:
+def _format_version(reader: KeyedReader, top: dict[str, Any], source: str | None) -> str:
     if "format_version" not in top:
         reader.fail("format_version", f"is required (one of {', '.join(FORMAT_VERSIONS)})", None)
     raw = top["format_version"]
-    # YAML reads an unquoted 2.1 as a float and 2 as an int; both spellings are accepted.
-    text = raw if isinstance(raw, str) else (repr(raw) if isinstance(raw, (int, float)) and
-                                             not isinstance(raw, bool) else None)
+    text = raw if isinstance(raw, str) else None
+    if isinstance(raw, (int, float)) and not isinstance(raw, bool):
+        # YAML reads an unquoted 2.1 as a float and 2 as an int: accepted as written, and only so. Read by its
+        # value, 2.10 was 2.1 and 0x2 was 2, so a newer format's bundle would pass for one this server reads.
+        text = _written_scalar(source, "format_version") if source is not None else repr(raw)
     if text not in FORMAT_VERSIONS:
         reader.fail("format_version", f"unsupported bundle format (this server reads {', '.join(FORMAT_VERSIONS)})",
-                    raw)
+                    raw if text is None else text)
     return text
+
+
+def _written_scalar(source: str, key: str) -> str | None:
+    """The text of the top-level scalar ``key`` as ``source`` writes it; None when it is not written there as one.
+
+    Only composed (nodes, no values), from text that has already loaded.
+    """
+    try:
+        node = yaml.compose(source, Loader=yaml.SafeLoader)
+    except yaml.YAMLError:
+        return None
+    if not isinstance(node, yaml.MappingNode):
+        return None
+    for key_node, value_node in node.value:
+        if isinstance(key_node, yaml.ScalarNode) and key_node.value == key and isinstance(value_node, yaml.ScalarNode):
+            return value_node.value
+    return None
 
 
 def _tensors(reader: KeyedReader, top: dict[str, Any], key: str, *, required: bool,
@@ -400,8 +444,19 @@ def _tensors(reader: KeyedReader, top: dict[str, Any], key: str, *, required: bo
         names.add(name)
         dtype = _dtype(reader, entry["dtype"], f"{where}.dtype", executable)
         shape = _parse_shape(entry["shape"], entry.get("dims"), where, reader)
+        _check_row_bytes(reader, where, dtype, shape, entry.get("dims"))
         tensors.append(ManifestTensor(name, dtype, shape))
     return tuple(tensors)
+
+
+def _check_row_bytes(reader: KeyedReader, where: str, dtype: DType, shape: tuple[Dim, ...], dims: Any) -> None:
+    """The fixed axes' bytes must fit a signed 64-bit integer, which numpy and XLA size every array in."""
+    elements = math.prod(d.size for d in shape if d.kind is DimKind.FIXED)
+    itemsize = dtype.numpy.itemsize  # (BYTES: an object array, a pointer per element)
+    if elements * itemsize > INT64_MAX:
+        reader.fail(f"{where}.dims", f"its fixed sizes make {elements} {token_of(dtype)} elements, "
+                                     f"{elements * itemsize} bytes, past {INT64_MAX} (numpy and XLA size an "
+                                     "array's bytes in a signed 64-bit integer)", dims)
 
 
 def _dtype(reader: KeyedReader, token: Any, where: str, executable: bool) -> DType:

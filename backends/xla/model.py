@@ -26,7 +26,9 @@ from nereid.backends.xla.cache import (CacheKey, CacheStats, CompileFunctions, E
                                       file_sha256)
 from nereid.backends.xla.conformance import check_program_types
 from nereid.backends.xla.device import PjrtTarget, host_lapack_problem, resolve_device
-from nereid.backends.xla.manifest import EXPORT_PLATFORM, MANIFEST_NAME, Manifest, smallest_fitting
+from nereid.backends.xla.dtype_tokens import token_of
+from nereid.backends.xla.manifest import (EXPORT_PLATFORM, MANIFEST_NAME, DimKind, Manifest, ManifestTensor,
+                                          smallest_fitting)
 from nereid.backends.xla.migration import local_weight_set, migrate_for_load
 from nereid.backends.xla.options import parse_options
 from nereid.backends.xla.program import python_callback_problem, read_program
@@ -35,7 +37,7 @@ from nereid.backends.xla.weights import read_local_weights, resolve_weights
 from nereid.backends.xla.signatures import BatchMode, batch_mode, build_signature, client_axis
 from nereid.backends.xla.transfer import DeviceTransfer
 from nereid.errors import ConfigError, InvalidArgument, ModelFailure
-from nereid.model_hooks import ModelHooks, load_model_hooks
+from nereid.model_hooks import ModelHooks, identity, load_model_hooks
 from nereid.settings import Device
 from nereid.signature import ModelSignature
 from nereid.tensors import NamedTensor
@@ -333,7 +335,9 @@ class HookedXlaModel(XlaModel):
 
     def _load_hooks(self, layout: BundleLayout) -> None:
         assert layout.model_py is not None
-        self._hooks = load_model_hooks(layout.model_py, self.context.name)
+        hooks = load_model_hooks(layout.model_py, self.context.name)
+        check_omitted_hooks(layout.manifest, hooks, layout.model_py)
+        self._hooks = hooks
 
     def load(self) -> None:
         """Load as a plain bundle, then derive the client signature."""
@@ -361,9 +365,82 @@ class HookedXlaModel(XlaModel):
         return self._hooks.preprocess(inputs)
 
     def postprocess(self, outputs: list[NamedTensor]) -> list[NamedTensor]:
-        """model.py's postprocess hook (identity when it registered none)."""
-        assert self._hooks is not None
-        return self._hooks.postprocess(outputs)
+        """model.py's postprocess hook (identity when it registered none), its outputs in declared order.
+
+        Matched by name, as a preprocess result is: hooks exchange named tensors,
+        so a result naming each declared output once, in another order, is put
+        in order rather than failing every request.
+        """
+        assert self._hooks is not None and self._client_signature is not None
+        return in_declared_order(self._hooks.postprocess(outputs), self._client_signature.output_names)
+
+
+def in_declared_order(result: Any, names: Sequence[str]) -> Any:
+    """``result`` reordered to ``names`` when it is a list (or tuple) of NamedTensor naming each of them once;
+    otherwise as it is, for the check of the hook's result to judge and describe."""
+    if not isinstance(result, (list, tuple)) or len(result) != len(names):
+        return result
+    if not all(isinstance(tensor, NamedTensor) for tensor in result):
+        return result
+    if [tensor.name for tensor in result] == list(names):
+        return result
+    by_name = {tensor.name: tensor for tensor in result}
+    if len(by_name) != len(names) or set(by_name) != set(names):
+        return result
+    return [by_name[name] for name in names]
+
+
+def check_omitted_hooks(manifest: Manifest, hooks: ModelHooks, model_py: Path) -> None:
+    """Refuse client tensors that an omitted (identity) hook cannot turn into the executable's, or back.
+
+    Without ``preprocess`` the client's inputs go to the program as they are,
+    so ``client_inputs`` must be ``executable_inputs`` (the same names, dtypes
+    and row-major shapes, in any order); without ``postprocess`` the same holds
+    for ``client_outputs``. Otherwise the model loaded READY and failed every
+    request, blaming a hook model.py never registered. ConfigError naming the
+    manifest keys and the missing hook.
+    """
+    for client_key, client, executable_key, executable, hook, registered in (
+            ("client_inputs", manifest.client_inputs, "executable_inputs", manifest.executable_inputs,
+             "preprocess", hooks.preprocess),
+            ("client_outputs", manifest.client_outputs, "executable_outputs", manifest.executable_outputs,
+             "postprocess", hooks.postprocess)):
+        if client is None or registered is not identity:
+            continue
+        difference = _tensors_difference(client, client_key, executable, executable_key)
+        if difference is not None:
+            raise ConfigError(f"{manifest.path}: {client_key}: {difference}, but {model_py} registers no {hook} "
+                              f"hook (an omitted hook is the identity, so {client_key} must be {executable_key}): "
+                              f"register {hook} to convert them, or remove {client_key}")
+
+
+def _tensors_difference(client: Sequence[ManifestTensor], client_key: str, executable: Sequence[ManifestTensor],
+                        executable_key: str) -> str | None:
+    """How the ``client`` tensors differ from the ``executable`` ones (names, dtypes, row-major shapes; the order
+    aside); None when they are the same."""
+    by_name = {tensor.name: tensor for tensor in executable}
+    for tensor in client:
+        other = by_name.get(tensor.name)
+        if other is None:
+            return (f"'{tensor.name}' is not in {executable_key} "
+                    f"({', '.join(repr(t.name) for t in executable)})")
+        if tensor.dtype is not other.dtype or _row_major(tensor) != _row_major(other):
+            return (f"'{tensor.name}' is {_described(tensor)} there and {_described(other)} in {executable_key}")
+    names = {tensor.name for tensor in client}
+    missing = [tensor.name for tensor in executable if tensor.name not in names]
+    if missing:
+        return f"lacks {executable_key[:-1].replace('_', ' ')} '{missing[0]}'"
+    return None
+
+
+def _row_major(tensor: ManifestTensor) -> tuple[tuple[DimKind, int], ...]:
+    return tuple((dim.kind, dim.size) for dim in tensor.row_major)
+
+
+def _described(tensor: ManifestTensor) -> str:
+    """``f32 [batch, 64, 2]``: the dtype token and the row-major shape (-1: a variable axis)."""
+    dims = ", ".join("batch" if dim.kind is DimKind.BATCH else str(dim.client_size) for dim in tensor.row_major)
+    return f"{token_of(tensor.dtype)} [{dims}]"
 
 
 def create_model(context: ModelContext) -> XlaModel:

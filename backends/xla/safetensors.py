@@ -182,7 +182,9 @@ def parse_header_bytes(where: Path | str, raw: bytes, size: int) -> SafetensorsH
     The library parses the header with serde_json into a typed struct, so its
     rules are serde's, and these are emulated here: a duplicate ``__metadata__``
     or a duplicate field inside a tensor entry is refused, a duplicate tensor
-    name or metadata key is won by its last occurrence, unknown fields of an
+    name or metadata key is won by its last occurrence (serde types every
+    occurrence first, so an earlier one that is no tensor entry, or no string,
+    is refused all the same), unknown fields of an
     entry are ignored, an entry may be a 3-element array, NaN, infinities,
     ``-0``, lone surrogates and nesting deeper than 127 are refused. Then the
     tensors, sorted by offset, must cover the data region exactly: contiguous
@@ -214,16 +216,27 @@ def parse_header_bytes(where: Path | str, raw: bytes, size: int) -> SafetensorsH
 
 
 class _JsonObject(dict):
-    """A JSON object with the keys that appeared more than once (the last occurrence is kept)."""
+    """A JSON object with the keys that appeared more than once (the last occurrence is kept).
+
+    ``earlier`` holds the values of a repeated key's occurrences before the
+    last, in document order: serde deserialises each of them into its typed
+    form before the map keeps the last, so each must pass the same type checks.
+    """
 
     duplicates: frozenset = frozenset()
+    earlier: Mapping[str, list[object]] = {}
 
     @classmethod
     def of(cls, pairs: list[tuple[str, object]]) -> "_JsonObject":
         result = cls(pairs)
         if len(result) != len(pairs):
-            seen: set[str] = set()
-            result.duplicates = frozenset(k for k, _ in pairs if k in seen or seen.add(k))
+            earlier: dict[str, list[object]] = {}
+            last = {key: index for index, (key, _) in enumerate(pairs)}
+            for index, (key, value) in enumerate(pairs):
+                if last[key] != index:
+                    earlier.setdefault(key, []).append(value)
+            result.duplicates = frozenset(earlier)
+            result.earlier = earlier
         return result
 
 
@@ -264,6 +277,9 @@ def _serde_problem(document: object) -> str:
             for key, item in value.items():
                 stack.append((key, depth))
                 stack.append((item, depth + 1))
+            # serde parsed the occurrences a repeated key's last one replaced, too.
+            for items in getattr(value, "earlier", {}).values():
+                stack.extend((item, depth + 1) for item in items)
         elif isinstance(value, list):
             if depth > _MAX_JSON_DEPTH:
                 return f"nested deeper than {_MAX_JSON_DEPTH} levels"
@@ -282,6 +298,12 @@ def _parse_header(path: Path | str, document: dict, data_start: int, data_len: i
         metadata = {}
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise ConfigError(f"{path}: {METADATA_KEY}: must map names to strings, got {_shown(metadata)}")
+    for key, values in getattr(metadata, "earlier", {}).items():
+        for value in values:
+            if not isinstance(value, str):
+                raise ConfigError(f"{path}: {METADATA_KEY}.{key}: must be a string in every occurrence of the "
+                                  f"repeated key (the last one counts, but the safetensors library reads each), "
+                                  f"got {_shown(value)}")
     file_format = metadata.get(FORMAT_KEY)
     if file_format is not None and file_format not in ACCEPTED_FORMATS:
         raise ConfigError(f"{path}: {METADATA_KEY}.{FORMAT_KEY}: must be {' or '.join(map(repr, ACCEPTED_FORMATS))} "
@@ -290,6 +312,10 @@ def _parse_header(path: Path | str, document: dict, data_start: int, data_len: i
     if axis_order is not None and axis_order != AXIS_ORDER_XLA:
         raise ConfigError(f"{path}: {METADATA_KEY}.{AXIS_ORDER_KEY}: unknown weights layout (expected "
                           f"{AXIS_ORDER_XLA!r}, or no key for the legacy layout), got {axis_order!r}")
+    for name, specs in getattr(document, "earlier", {}).items():
+        for spec in specs:
+            _typed_fields(f"{path}: {name} (an earlier occurrence of the repeated tensor name: the last one "
+                          "counts, but the safetensors library reads each)", spec)
     entries: list[TensorEntry] = []
     for name, spec in document.items():
         if name == METADATA_KEY:
@@ -326,8 +352,14 @@ def _is_usize(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < _USIZE_LIMIT
 
 
-def _parse_entry(path: Path | str, name: str, spec: object, data_start: int, data_len: int) -> TensorEntry:
-    where = f"{path}: {name}"
+def _typed_fields(where: str, spec: object) -> tuple[str, list, list]:
+    """An entry as serde types it into the library's TensorInfo: its dtype token, shape and data offsets.
+
+    Only the types: a dtype the library knows (nereid holds fewer), lists of
+    unsigned 64-bit integers, two offsets. What an occurrence of a repeated
+    tensor name before its last one must pass, and the last one before the
+    rest of :func:`_parse_entry`.
+    """
     if isinstance(spec, list) and len(spec) == len(_ENTRY_FIELDS):  # serde reads a struct from a sequence too
         spec = dict(zip(_ENTRY_FIELDS, spec))
     elif isinstance(spec, dict):
@@ -339,19 +371,27 @@ def _parse_entry(path: Path | str, name: str, spec: object, data_start: int, dat
     token = spec["dtype"]
     if isinstance(token, dict) and len(token) == 1 and next(iter(token.values())) is None:
         token = next(iter(token))  # serde's other spelling of a unit variant: {"F32": null}
-    dtype = SAFETENSORS_DTYPES.get(token) if isinstance(token, str) else None
-    if dtype is None:
-        known = isinstance(token, str) and token in REFERENCE_ONLY_DTYPES
-        raise ConfigError(f"{where}.dtype: {'a safetensors dtype nereid cannot load' if known else 'unknown safetensors dtype'} "
-                          f"(expected one of {', '.join(SAFETENSORS_DTYPES)}), got {_shown(token)}")
+    if not isinstance(token, str) or (token not in SAFETENSORS_DTYPES and token not in REFERENCE_ONLY_DTYPES):
+        raise ConfigError(f"{where}.dtype: unknown safetensors dtype (expected one of "
+                          f"{', '.join(SAFETENSORS_DTYPES)}), got {_shown(token)}")
     shape = spec["shape"]
     if not isinstance(shape, list) or not all(_is_usize(d) for d in shape):
         raise ConfigError(f"{where}.shape: must be a list of non-negative integers, got {_shown(shape)}")
-    if len(shape) > MAX_RANK:
-        raise ConfigError(f"{where}.shape: has {len(shape)} dims; at most {MAX_RANK} are supported")
     offsets = spec["data_offsets"]
     if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_usize(o) for o in offsets):
         raise ConfigError(f"{where}.data_offsets: must be [begin, end], got {_shown(offsets)}")
+    return token, shape, offsets
+
+
+def _parse_entry(path: Path | str, name: str, spec: object, data_start: int, data_len: int) -> TensorEntry:
+    where = f"{path}: {name}"
+    token, shape, offsets = _typed_fields(where, spec)
+    dtype = SAFETENSORS_DTYPES.get(token)
+    if dtype is None:
+        raise ConfigError(f"{where}.dtype: a safetensors dtype nereid cannot load "
+                          f"(expected one of {', '.join(SAFETENSORS_DTYPES)}), got {_shown(token)}")
+    if len(shape) > MAX_RANK:
+        raise ConfigError(f"{where}.shape: has {len(shape)} dims; at most {MAX_RANK} are supported")
     begin, end = offsets
     if not 0 <= begin <= end <= data_len:
         raise ConfigError(f"{where}.data_offsets: must lie inside the {data_len}-byte data region "

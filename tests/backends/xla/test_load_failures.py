@@ -267,3 +267,37 @@ def test_bundle_check_refuses_a_program_that_calls_back_into_python(tmp_path) ->
     problem = bundle_type_problem(folder)
     assert problem is not None and problem.startswith("model.mlir: the program calls back into Python "
                                                       "(xla_ffi_python_cpu_callback: "), problem
+
+
+CLIENT_INPUTS_PTS = """client_inputs:
+- {name: pts, dtype: f64, shape: ac, dims: {a: 2, c: 64}}
+"""
+
+
+def test_client_tensors_that_an_omitted_hook_cannot_convert_are_refused_at_load(repo, serve, add_bundle) -> None:
+    """An omitted hook is the identity: circle_select registers only postprocess, so client_inputs that differ from
+    executable_inputs loaded READY and every request failed INTERNAL, blaming the preprocess hook it does not
+    have. The same for client_outputs without postprocess; equal client tensors (in any order) are fine."""
+    no_preprocess = add_bundle(repo.models_dir, "circle_select", "no_preprocess")
+    with open(no_preprocess / "manifest.yaml", "a") as manifest:
+        manifest.write(CLIENT_INPUTS_PTS)
+    same_inputs = add_bundle(repo.models_dir, "circle_select", "same_inputs")
+    with open(same_inputs / "manifest.yaml", "a") as manifest:
+        manifest.write(CLIENT_INPUTS_PTS.replace("pts, dtype: f64", "points, dtype: f32"))
+    no_postprocess = add_bundle(repo.models_dir, "mlp_hooks", "no_postprocess")
+    text = (no_postprocess / "model.py").read_text()
+    (no_postprocess / "model.py").write_text(text.replace("postprocess=to_class", ""))
+    server = serve(repo.write_config("- name: no_preprocess\n- name: same_inputs\n- name: no_postprocess\n"))
+    index = reasons(server)
+    state, reason = index["no_preprocess"]
+    assert state == "UNAVAILABLE"
+    # (Paths as the repository index reports them to clients: from the model repository.)
+    assert ("no_preprocess/manifest.yaml: client_inputs: 'pts' is not in executable_inputs ('points'), but "
+            "no_preprocess/model.py registers no preprocess hook (an omitted hook is the identity, so "
+            "client_inputs must be executable_inputs): register preprocess to convert them, or remove "
+            "client_inputs") in reason, reason
+    assert index["same_inputs"][0] == "READY"
+    state, reason = index["no_postprocess"]
+    assert state == "UNAVAILABLE"
+    assert ("no_postprocess/manifest.yaml: client_outputs: 'class' is not in executable_outputs ('logits'), but "
+            "no_postprocess/model.py registers no postprocess hook") in reason, reason

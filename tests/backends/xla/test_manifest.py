@@ -48,6 +48,35 @@ def test_accepted_format_versions(tmp_path, version) -> None:
     assert load_manifest(write(tmp_path, document)).format_version in ("2.1", "2.0", "2")
 
 
+@pytest.mark.parametrize("written", ["2.1", "2.0", "2", '"2.1"', "'2.0'", "!!float 2.1"])
+def test_format_versions_are_read_as_written(tmp_path, written) -> None:
+    text = yaml.safe_dump({k: v for k, v in BASE.items() if k != "format_version"})
+    manifest = load_manifest(write(tmp_path, None, raw=f"format_version: {written}\n{text}"))
+    assert manifest.format_version == written.strip("'\"").removeprefix("!!float ")
+
+
+@pytest.mark.parametrize("written", ["2.10", "2.100", "2.00", "02", "0x2", "0o2", "+2", "2.0e0", "20e-1", '"2.10"'])
+def test_other_spellings_of_a_format_version_are_refused_as_written(tmp_path, written) -> None:
+    """Read by its value, an unquoted 2.10 was 2.1 and 0x2 was 2: a bundle of a newer format (which this server
+    may misread) passed for one it reads."""
+    text = yaml.safe_dump({k: v for k, v in BASE.items() if k != "format_version"})
+    path = write(tmp_path, None, raw=f"format_version: {written}\n{text}")
+    with pytest.raises(ConfigError) as caught:
+        load_manifest(path)
+    assert str(caught.value) == (f"{path}: format_version: unsupported bundle format (this server reads 2.1, 2.0, "
+                                 f"2), got {written.strip(chr(34))!r}")
+
+
+@pytest.mark.parametrize("written, read", [("2024", "2024"), ("1.5", "1.5"), ("true", "True"), ("null", None),
+                                           ("'net'", "net")])
+def test_name_and_description_take_any_scalar(tmp_path, written, read) -> None:
+    """An unquoted name: 2024 (a folder named 2024, or a YAML writer that leaves numbers unquoted) made the bundle
+    UNAVAILABLE, though the name is informational."""
+    text = yaml.safe_dump({k: v for k, v in BASE.items() if k != "name"})
+    manifest = load_manifest(write(tmp_path, None, raw=f"name: {written}\ndescription: {written}\n{text}"))
+    assert manifest.name == read and manifest.description == (read or "")
+
+
 def test_variable_axes_and_variants(tmp_path) -> None:
     document = copy.deepcopy(BASE)
     document["executable_inputs"][0]["dims"] = {"c": 3, "h": -1, "w": -1}
@@ -108,6 +137,20 @@ MISTAKES = [
     (_set("executable_inputs.0.dims", {"c": 3, "h": 4}), "executable_inputs[0].dims", "no size for axis 'w'"),
     (_set("executable_inputs.0.dims.z", 2), "executable_inputs[0].dims.z", "names no axis"),
     (_set("executable_inputs.0.dims.n", 2), "executable_inputs[0].dims.n", "is the batch axis"),
+    # A key that is part of the shape string but not one letter of it (it was ignored).
+    (_set("executable_inputs.0.dims.hw", 5), "executable_inputs[0].dims.hw", "names no axis of shape 'chwn'"),
+    (_set("executable_inputs.0.dims.chwn", 5), "executable_inputs[0].dims.chwn", "names no axis of shape 'chwn'"),
+    (_set("executable_inputs.0.dims.", 5), "executable_inputs[0].dims.", "names no axis of shape 'chwn'"),
+    # Past int64 it loaded READY, then every ModelMetadata and ModelConfig call failed INTERNAL.
+    (_set("client_outputs", [{"name": "c", "dtype": "f32", "shape": "cd", "dims": {"c": 99999999999999999999,
+                                                                                   "d": -1}}]),
+     "client_outputs[0].dims.c", "must be at most 9223372036854775807 (ModelMetadata's and ModelConfig's dims "
+                                 "are int64)"),
+    (_set("executable_inputs.0.dims.c", 2 ** 63), "executable_inputs[0].dims.c", "must be at most"),
+    (_set("executable_inputs.0.dims.c", 2 ** 57), "executable_inputs[0].dims",  # 2**57 x 4 x 5 f32
+     "its fixed sizes make 2882303761517117440 f32 elements, 11529215046068469760 bytes, past 9223372036854775807"),
+    (_set("executable_inputs.0.shape", "abcdefghijklmopqrstuvwxyzABCDEFGH"), "executable_inputs[0].shape",
+     "has 33 axes; at most 32 are supported"),
     (_set("executable_inputs.0.dims.c", 0), "executable_inputs[0].dims.c", "positive integer or -1"),
     (_set("executable_inputs.0.dims.c", "3"), "executable_inputs[0].dims.c", "positive integer or -1"),
     (_set("executable_inputs.0.dims.c", -1), "executable_inputs[0].dims.c", "needs an input_shapes block"),
@@ -133,7 +176,8 @@ MISTAKES = [
     (_set("weights_file", "/abs/weights.safetensors"), "weights_file", "inside the bundle"),
     (_set("weights_file", 3), "weights_file", "file name"),
     (_set("description", ["x"]), "description", "must be a string"),
-    (_set("name", 3), "name", "must be a string"),
+    (_set("name", ["net"]), "name", "must be a string"),
+    (_set("name", {"net": 1}), "name", "must be a string"),
     (_set("executable_inputs.0", "image"), "executable_inputs[0]", "must be a mapping"),
     (_set("executable_inputs.0.dims", [3, 4, 5]), "executable_inputs[0].dims", "must be a mapping"),
     (_set("executable_inputs.0.dtype", 32), "executable_inputs[0].dtype", "dtype token such as f32"),

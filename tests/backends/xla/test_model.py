@@ -10,7 +10,7 @@ from nereid.backend import ModelContext, PadsBatches
 from nereid.settings import ModelSettings
 from nereid.tensors import NamedTensor
 
-from nereid.backends.xla.model import XlaModel
+from nereid.backends.xla.model import XlaModel, check_omitted_hooks, in_declared_order
 
 
 def load(folder: Path, tmp_path: Path) -> XlaModel:
@@ -168,3 +168,66 @@ def test_a_request_no_compiled_variant_takes_is_refused_before_it_queues_with_it
     finally:
         model.unload()
         plain.unload()
+
+
+def _manifest(tmp_path: Path, extra: str):
+    from nereid.backends.xla.manifest import load_manifest
+
+    path = tmp_path / "manifest.yaml"
+    path.write_text("""format_version: "2.1"
+executable_inputs:
+- {name: a, dtype: f32, shape: xn, dims: {x: 2}}
+- {name: b, dtype: i64, shape: n}
+executable_outputs:
+- {name: y, dtype: f32, shape: xn, dims: {x: 2}}
+batching: {compiled_batch_sizes: [1, 4]}
+""" + extra)
+    return load_manifest(path)
+
+
+def test_client_tensors_without_their_hook_must_be_the_executables(tmp_path) -> None:
+    """An omitted hook is the identity, so the client tensors it passes on must be the executable's (any order)."""
+    import pytest
+
+    from nereid.errors import ConfigError
+    from nereid.model_hooks import ModelHooks
+
+    def convert(tensors):
+        return tensors
+
+    model_py = tmp_path / "model.py"
+    same = _manifest(tmp_path, """client_inputs:
+- {name: b, dtype: i64, shape: n}
+- {name: a, dtype: f32, shape: xn, dims: {x: 2}}
+""")
+    check_omitted_hooks(same, ModelHooks(), model_py)
+    for client_inputs, difference in [
+        ("- {name: a, dtype: f64, shape: xn, dims: {x: 2}}\n- {name: b, dtype: i64, shape: n}\n",
+         "'a' is f64 [batch, 2] there and f32 [batch, 2] in executable_inputs"),
+        ("- {name: a, dtype: f32, shape: nx, dims: {x: 2}}\n- {name: b, dtype: i64, shape: n}\n",
+         "'a' is f32 [2, batch] there and f32 [batch, 2] in executable_inputs"),
+        ("- {name: a, dtype: f32, shape: xn, dims: {x: 2}}\n", "lacks executable input 'b'")]:
+        manifest = _manifest(tmp_path, f"client_inputs:\n{client_inputs}")
+        with pytest.raises(ConfigError) as caught:
+            check_omitted_hooks(manifest, ModelHooks(postprocess=convert), model_py)
+        assert str(caught.value) == (f"{manifest.path}: client_inputs: {difference}, but {model_py} registers no "
+                                     "preprocess hook (an omitted hook is the identity, so client_inputs must be "
+                                     "executable_inputs): register preprocess to convert them, or remove "
+                                     "client_inputs")
+        check_omitted_hooks(manifest, ModelHooks(preprocess=convert), model_py)  # the hook converts them
+    outputs = _manifest(tmp_path, "client_outputs:\n- {name: y, dtype: f32, shape: xn, dims: {x: -1}}\n")
+    with pytest.raises(ConfigError, match=r"client_outputs: 'y' is f32 \[batch, -1\] there and f32 \[batch, 2\] "
+                                          r"in executable_outputs, but .* registers no postprocess hook"):
+        check_omitted_hooks(outputs, ModelHooks(preprocess=convert), model_py)
+
+
+def test_hook_outputs_are_put_in_declared_order_by_name() -> None:
+    """A postprocess result in another order failed every request, where a preprocess one is matched by name."""
+    t, y = (NamedTensor.from_array(name, np.zeros(1, np.float32)) for name in ("t", "y"))
+    assert in_declared_order([t, y], ["y", "t"]) == [y, t]
+    assert in_declared_order((t, y), ["y", "t"]) == [y, t]
+    same = [y, t]
+    assert in_declared_order(same, ["y", "t"]) is same
+    # Anything but each declared name once is left as it is, for the check of the hook's result to describe.
+    for result in ([t, t], [t], [t, y, y], [t, "y"], {"t": t, "y": y}, None):
+        assert in_declared_order(result, ["y", "t"]) is result

@@ -124,6 +124,28 @@ CORPUS: dict[str, bytes] = {
         b'{"a":{' + T + b'},"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}'),
     "__metadata__ twice": _file(b'{"__metadata__":{},"a":{' + T + b'},"__metadata__":{}}'),
     "a repeated metadata key": _file(b'{"__metadata__":{"k":"1","k":"2"},"a":{' + T + b'}}'),
+    # serde types every occurrence of a repeated key before the last one wins: an invalid earlier one is refused.
+    "a repeated tensor name, the first no entry": _file(b'{"a":"junk","a":{' + T + b'}}'),
+    "a repeated tensor name, the first of an unknown dtype": _file(b'{"a":{"dtype":"BAD"},"a":{' + T + b'}}'),
+    "a repeated tensor name, the first missing a field": _file(b'{"a":{"dtype":"F32","shape":[2]},"a":{' + T + b'}}'),
+    "a repeated tensor name, the first with a float dimension": _file(
+        b'{"a":{"dtype":"F32","shape":[2.5],"data_offsets":[0,8]},"a":{' + T + b'}}'),
+    "a repeated tensor name, the first with three offsets": _file(
+        b'{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8,8]},"a":{' + T + b'}}'),
+    "a repeated tensor name, the first with a repeated field": _file(
+        b'{"a":{"dtype":"F32",' + T + b'},"a":{' + T + b'}}'),
+    "a repeated tensor name, the first an array": _file(b'{"a":["F32",[2],[0,8]],"a":{' + T + b'}}'),
+    "a repeated tensor name, the first of a dtype only the library holds": _file(
+        b'{"a":{"dtype":"C64","shape":[9],"data_offsets":[5,5]},"a":{' + T + b'}}'),
+    "a repeated tensor name, the first with a lone surrogate": _file(
+        b'{"a":{' + T + b',"x":"\\ud800"},"a":{' + T + b'}}'),
+    "a repeated tensor name three times, the middle invalid": _file(
+        b'{"a":{' + T + b'},"a":{"dtype":"BAD"},"a":{' + T + b'}}'),
+    "a repeated metadata key, the first null": _file(
+        b'{"__metadata__":{"format":null,"format":"pt"},"a":{' + T + b'}}'),
+    "a repeated metadata key, the first a number": _file(b'{"__metadata__":{"k":1,"k":"2"},"a":{' + T + b'}}'),
+    "a repeated metadata key, the first another format": _file(
+        b'{"__metadata__":{"format":"tf","format":"pt"},"a":{' + T + b'}}'),
     "null metadata": _file(b'{"__metadata__":null,"a":{' + T + b'}}'),
     "a number in the metadata": _file(b'{"__metadata__":{"k":1},"a":{' + T + b'}}'),
     "metadata a list": _file(b'{"__metadata__":[],"a":{' + T + b'}}'),

@@ -127,6 +127,24 @@ def test_model_py_hooks_transform_client_tensors(repo, serve, add_bundle) -> Non
     np.testing.assert_array_equal(result.as_numpy("class"), np.argmax(expected, axis=1))
 
 
+def test_postprocess_outputs_are_matched_by_name_in_any_order(repo, serve, add_bundle) -> None:
+    """Outputs in another order than client_outputs failed every request INTERNAL ("returned outputs ['logits',
+    'class'], expected ['class', 'logits']"), where a preprocess result is matched by name."""
+    bundle = add_bundle(repo.models_dir, "mlp_hooks")
+    text = (bundle / "model.py").read_text()
+    (bundle / "model.py").write_text(text.replace("    return [NamedTensor.from_array(\"class\"",
+                                                  "    return [*reversed([NamedTensor.from_array(\"class\"", 1)
+                                     .replace("NamedTensor.from_array(\"logits\", logits.data)]",
+                                              "NamedTensor.from_array(\"logits\", logits.data)])]", 1))
+    server = serve(repo.write_config("- name: mlp_hooks\n"))
+    pixels = np.random.default_rng(6).integers(0, 256, (3, 16), dtype=np.uint8)
+    result = infer(server.client, "mlp_hooks", "pixels", pixels, "UINT8")
+    expected = mlp_reference(pixels.astype(np.float32) / 255.0)
+    np.testing.assert_allclose(result.as_numpy("logits"), expected, rtol=RTOL, atol=ATOL)
+    np.testing.assert_array_equal(result.as_numpy("class"), np.argmax(expected, axis=1))
+    assert [o["name"] for o in result.get_response(as_json=True)["outputs"]] == ["class", "logits"]
+
+
 def test_a_preprocess_result_that_misfits_is_internal_and_a_hook_refusal_names_the_model(repo, serve,
                                                                                          add_bundle) -> None:
     bundle = add_bundle(repo.models_dir, "mlp_hooks")
