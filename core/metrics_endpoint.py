@@ -15,7 +15,8 @@ import logging
 import socket
 import threading
 import time
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
 from wsgiref.simple_server import WSGIRequestHandler
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
@@ -50,7 +51,8 @@ class MetricsEndpoint:
             sockets = bind_listening_sockets(*host_and_port(addr))
         except OSError as err:
             raise OSError(f"cannot listen on {addr} ({origin}): {err.strerror or err}") from err
-        app, handler = make_wsgi_app(self._registry), type("Handler", (_QuietHandler,), {"timeout": idle_timeout_s})
+        app = _SharedRenderings(make_wsgi_app(self._registry))
+        handler = type("Handler", (_QuietHandler,), {"timeout": idle_timeout_s})
         servers: list[_BoundedThreadingServer] = []
         slots = threading.BoundedSemaphore(MAX_CONNECTIONS)  # one bound for the endpoint, whatever its addresses
         for index, sock in enumerate(sockets):
@@ -75,6 +77,62 @@ class MetricsEndpoint:
         for server in servers:
             server.shutdown()
             server.server_close()
+
+
+@dataclass
+class _Rendering:
+    """One run of the metrics app, shared by the scrapes that asked for the same answer meanwhile."""
+
+    done: threading.Event = field(default_factory=threading.Event)
+    answer: tuple[str, list[tuple[str, str]], bytes] | None = None  # status, headers, body; None: it failed
+
+
+class _SharedRenderings:
+    """A WSGI app that runs ``app`` once for scrapes asking for the same answer at the same time.
+
+    Each scrape reads every model's figures and renders them (at 500 models, 4 MB of text and about 1.4 s of
+    CPU): scrapers that came together (two Prometheus replicas, a dashboard) each rendered their own, on the
+    server's cores. A scrape that arrives while a rendering of the same answer (method, path, query, format,
+    encoding) is under way waits for it, and gets figures at most that rendering's age.
+    """
+
+    def __init__(self, app: Callable[..., Iterable[bytes]]) -> None:
+        self._app = app
+        self._lock = threading.Lock()
+        self._running: dict[tuple[str, ...], _Rendering] = {}
+
+    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:
+        key = tuple(environ.get(name, "") for name in ("REQUEST_METHOD", "PATH_INFO", "QUERY_STRING", "HTTP_ACCEPT",
+                                                        "HTTP_ACCEPT_ENCODING"))
+        with self._lock:
+            rendering = self._running.get(key)
+            leads = rendering is None
+            if rendering is None:
+                rendering = self._running[key] = _Rendering()
+        if leads:
+            try:
+                rendering.answer = self._render(environ)
+            finally:
+                with self._lock:
+                    del self._running[key]
+                rendering.done.set()
+        else:
+            rendering.done.wait()
+        answer = rendering.answer if rendering.answer is not None else self._render(environ)  # (its own, then)
+        status, headers, body = answer
+        start_response(status, headers)
+        return [body]
+
+    def _render(self, environ: dict[str, Any]) -> tuple[str, list[tuple[str, str]], bytes]:
+        """Run the app to its end: its status, headers and body."""
+        started: list[Any] = []
+
+        def start_response(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Callable:
+            started[:] = [status, headers]
+            return lambda data: None  # (the write() callable: prometheus_client's app returns its body instead)
+
+        body = b"".join(self._app(environ, start_response))
+        return started[0], started[1], body
 
 
 class _QuietHandler(WSGIRequestHandler):
