@@ -18,7 +18,7 @@ from nereid.files import not_regular_reason, read_regular_file, temporary_name
 from nereid.leftovers import remove_stale_partials
 from nereid.processes import new_children_stopped
 
-from nereid.backends.subprocess.runner import run_model_process
+from nereid.backends.subprocess.runner import DEFAULT_PATH, run_model_process
 
 # What an #include can reach: sources, headers, and the inline and template files some projects include.
 # (.def: X-macro tables; .cuh: CUDA headers; .txx / .ixx / .cppm: template and module units.)
@@ -38,10 +38,6 @@ VERSION_PROBE_TIMEOUT_S = 30  # a compiler's --version, asked for its identity i
 _COMPILE_SLOTS = threading.BoundedSemaphore(max(1, len(os.sched_getaffinity(0))))  # compilers at once
 # A source or header larger than this is refused rather than read into memory to be hashed.
 MAX_CODE_FILE_BYTES = 1 << 30
-# The PATH a compiler runs with when the server has none (env -i, a bare init): find_compiler still finds
-# c++ through the system's default path (shutil.which), but gcc's driver looks for as and ld on PATH. The
-# same default as a model's own runs get.
-DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +61,11 @@ def find_compiler() -> Compiler:
 
 
 def compiler_environment(**extra: str) -> dict[str, str]:
-    """The server's environment plus ``extra``, for running the compiler; PATH is DEFAULT_PATH when unset or empty."""
+    """The server's environment plus ``extra``, for running the compiler; PATH is DEFAULT_PATH when unset or empty.
+
+    Without a PATH (env -i, a bare init) find_compiler still finds c++ through the system's default path
+    (shutil.which), but gcc's driver looks for as and ld on PATH.
+    """
     env = {**os.environ, **extra}
     # (An empty PATH too: CXX=/usr/bin/g++ is found without one, and its driver would not find ld all the same.)
     if not env.get("PATH"):

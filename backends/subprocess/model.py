@@ -33,7 +33,8 @@ from nereid.tensors import NamedTensor, tensor_bytes
 from nereid.backends.subprocess.dtype_names import contract_name
 from nereid.backends.subprocess.framing import encode_frame, read_body, read_header
 from nereid.backends.subprocess.gpus import visible_gpus
-from nereid.backends.subprocess.runner import ProcessGroups, ProcessResult, run_model_process, timed_out
+from nereid.backends.subprocess.runner import (DEFAULT_PATH, ProcessGroups, ProcessResult, run_model_process,
+                                               timed_out)
 
 # Descriptors of the model folder kept across renames (the oldest is closed past this).
 MAX_FOLDER_FDS = 8
@@ -238,7 +239,7 @@ class SubprocessModel:
     def base_environment(self) -> dict[str, str]:
         """What every run of this model sees: the inherited few variables, the model name, its GPU."""
         env = {key: os.environ[key] for key in INHERITED_ENV if key in os.environ}
-        env.setdefault("PATH", "/usr/local/bin:/usr/bin:/bin")
+        env.setdefault("PATH", DEFAULT_PATH)
         env["NEREID_MODEL_NAME"] = self.context.name
         # A CPU model sees no GPU; a GPU model sees exactly its own.
         env["CUDA_VISIBLE_DEVICES"] = self._cuda_visible_devices

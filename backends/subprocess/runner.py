@@ -25,6 +25,8 @@ from typing import Iterator
 from nereid.errors import ModelTimedOut
 
 STDERR_TAIL_BYTES = 2000
+# The PATH a model's runs and a compiler get when the server has none (env -i, a bare init).
+DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
 DRAIN_MAX_READS = 64  # after the exit: at most 4 MiB more, so a chatty leftover process cannot hold the run
 # ``poll`` takes its timeout as a C int of milliseconds (about 24.8 days): a longer wait (timeout_s may be
 # any finite number) is made of several polls of at most this, until the real deadline.
