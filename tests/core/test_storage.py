@@ -243,9 +243,10 @@ def test_a_load_of_a_model_whose_prefix_is_gone_is_not_found_as_for_a_local_fold
                       "cannot be loaded; nereid.yaml lists it: put its folder back, then load it again")
     server.client.unload_model("m")
     expect_grpc_error("NOT_FOUND", lambda: server.client.load_model("m"), "model 'm': its folder 'm' is missing")
-    # NOT_FOUND only when the store answered that it holds nothing: one that cannot be listed cannot tell.
+    # NOT_FOUND only when the store answered that it holds nothing: one that cannot be listed cannot tell (and
+    # a load it fails is UNAVAILABLE, the store's fault, not the model's).
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAWRONGKEY")
-    expect_grpc_error("INTERNAL", lambda: server.client.load_model("m"), "HTTP 403 Forbidden InvalidAccessKeyId")
+    expect_grpc_error("UNAVAILABLE", lambda: server.client.load_model("m"), "HTTP 403 Forbidden InvalidAccessKeyId")
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3.env()["AWS_ACCESS_KEY_ID"])
     upload_folder(s3.store, source, s3.prefix)
     server.client.load_model("m")
