@@ -20,7 +20,6 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 from typing import Awaitable, Callable
 
-import numpy as np
 
 from nereid.backend import REQUEST_DEADLINE_NS, Model, PadsBatches
 from nereid.batching import (BatchPolicy, batch_key, deadline_passed, request_cost, split_rows, stack_rows, take_batch,

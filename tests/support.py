@@ -216,6 +216,26 @@ def popen_with_ctrl_c(args: list[str], **kwargs: Any) -> subprocess.Popen:
         signal.signal(signal.SIGINT, previous)
 
 
+def run_as_non_root(command: list[str], writable_after: Path, timeout_s: float = 60) -> subprocess.CompletedProcess:
+    """Run ``command`` (its output captured as text) as a server that is not root runs: from root, under setpriv
+    without the capabilities that override permission bits (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH, CAP_FOWNER).
+    Skips the test where setpriv is missing or cannot drop them. Afterwards every folder under
+    ``writable_after`` is made writable again, so that pytest can remove what the command left."""
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("needs setpriv to drop root's right to read and write any folder")
+        command = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search,-fowner", *command]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+    finally:
+        for folder, subfolders, _ in os.walk(writable_after):
+            for name in subfolders:
+                os.chmod(os.path.join(folder, name), 0o755)
+    if "setpriv:" in done.stderr:
+        pytest.skip(f"setpriv cannot drop capabilities here: {done.stderr.strip()}")
+    return done
+
+
 def process_alive(pid: int) -> bool:
     """True while ``pid`` runs (False when it is gone, or a zombie waiting for its reaper)."""
     try:

@@ -971,8 +971,8 @@ def test_rewriting_a_dependency_beside_the_library_leaves_the_running_model_alon
 def test_a_library_in_a_folder_that_cannot_be_listed_still_loads(libs, tmp_path):
     """Linking the library's neighbours is a service: a folder that may be entered but not listed (mode 0311)
     failed the load, calling the folder a shared library."""
-    if shutil.which("setpriv") is None:
-        pytest.skip("needs setpriv to drop root's right to list any folder")
+    from support import run_as_non_root
+
     folder = tmp_path / "lib"
     folder.mkdir()
     shutil.copy(libs["multi"], folder / "libmulti.so")
@@ -981,14 +981,8 @@ def test_a_library_in_a_folder_that_cannot_be_listed_still_loads(libs, tmp_path)
     load = ("import sys\nfrom pathlib import Path\nfrom nereid.backends.cxx.library import NativeLibrary\n"
             "library = NativeLibrary('m', Path(sys.argv[1]), Path(sys.argv[2]))\nprint(library.infer is not None)\n"
             "library.close()\n")
-    try:
-        done = subprocess.run(["setpriv", "--bounding-set", "-dac_override,-dac_read_search", sys.executable, "-c",
-                               load, str(folder / "libmulti.so"), str(tmp_path / "scratch")],
-                              capture_output=True, text=True, timeout=60)
-    finally:
-        folder.chmod(0o755)
-    if "setpriv:" in done.stderr:
-        pytest.skip(f"setpriv cannot drop capabilities here: {done.stderr.strip()}")
+    done = run_as_non_root([sys.executable, "-c", load, str(folder / "libmulti.so"), str(tmp_path / "scratch")],
+                           tmp_path)
     assert (done.returncode, done.stdout.strip()) == (0, "True"), done.stderr
 
 

@@ -996,23 +996,11 @@ def test_a_run_that_leaves_a_read_only_folder_in_its_tmpdir_leaves_no_run_folder
     """Defect (found by a bug hunt): under a server that is not root, each such run kept its run folder for good,
     past the server's stop and the next start's clean-up (one folder per request). Root obeys no permission bits,
     so the model runs in a child without those capabilities, as a non-root server does."""
-    import subprocess
+    from support import run_as_non_root
 
-    if shutil.which("setpriv") is None:
-        pytest.skip("needs setpriv to drop root's right to write into any folder")
     folder = repo.python("rotmp", main=READ_ONLY_TMPDIR_MAIN)
     scratch = tmp_path / "scratch"
     scratch.mkdir()
-    command = [sys.executable, "-c", _RUN_AS_NON_ROOT, str(folder), str(scratch), start_mode]
-    if os.geteuid() == 0:
-        command = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search,-fowner", *command]
-    try:
-        child = subprocess.run(command, capture_output=True, text=True, timeout=60)
-    finally:
-        for parent, subfolders, _ in os.walk(scratch):  # (so that pytest can remove what a failed run left)
-            for name in subfolders:
-                os.chmod(os.path.join(parent, name), 0o755)
-    if "setpriv:" in child.stderr:
-        pytest.skip(f"setpriv cannot drop capabilities here: {child.stderr.strip()}")
+    child = run_as_non_root([sys.executable, "-c", _RUN_AS_NON_ROOT, str(folder), str(scratch), start_mode], scratch)
     assert child.returncode == 0, child.stderr
     assert child.stdout.splitlines() == ["[[0.0, 1.0, 2.0, 3.0]]", "[]", "[]"], child.stdout

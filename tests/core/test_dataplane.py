@@ -371,8 +371,6 @@ def held_infer(monkeypatch) -> tuple[threading.Event, threading.Event]:
 def test_a_load_an_unload_gave_up_on_is_unavailable_not_a_model_fault(tmp_path, monkeypatch):
     """Defect: a RepositoryModelLoad given up because an unload came while its backend's load() ran answered
     INTERNAL ("failed to load model"), as a model fault; the unload asked for it."""
-    import toy_backends
-
     plane = toy_dataplane(tmp_path)
     entered, release = held_load(monkeypatch, "spare")
 

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import os
-import shutil
 import stat
-import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -168,21 +166,12 @@ def test_a_tree_with_read_only_folders_is_removed_whole_as_a_server_that_is_not_
     """Defect (found by a bug hunt): a run that left a read-only folder in its TMPDIR kept its whole run folder
     on disk for good under a server that is not root: every removal was rmtree(ignore_errors=True). Root (with
     CAP_DAC_OVERRIDE) obeys no permission bits, so the child drops those capabilities, as a non-root server runs."""
-    command = [sys.executable, "-c", _REMOVE_READ_ONLY_TREE, str(tmp_path / "run"), str(tmp_path / "outside")]
-    if os.geteuid() == 0:
-        if shutil.which("setpriv") is None:
-            pytest.skip("needs setpriv to drop root's right to write into any folder")
-        command = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search,-fowner", *command]
+    from support import run_as_non_root
+
     (tmp_path / "run").mkdir()
     (tmp_path / "outside").mkdir(mode=0o555)
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=60)
-    finally:
-        for folder, subfolders, _ in os.walk(tmp_path):  # (so that pytest can remove what a failed removal left)
-            for name in subfolders:
-                os.chmod(os.path.join(folder, name), 0o755)
-    if "setpriv:" in done.stderr:
-        pytest.skip(f"setpriv cannot drop capabilities here: {done.stderr.strip()}")
+    done = run_as_non_root([sys.executable, "-c", _REMOVE_READ_ONLY_TREE, str(tmp_path / "run"),
+                            str(tmp_path / "outside")], tmp_path)
     assert (done.returncode, done.stdout.split()) == (0, ["True", "False", "0o555"]), done.stderr
 
 
