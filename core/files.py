@@ -277,10 +277,11 @@ def _allow_owner(folder: str) -> None:
 
 @contextlib.contextmanager
 def locked(path: Path) -> Iterator[None]:
-    """Hold an exclusive lock on ``path`` (created if absent): processes on one machine take turns."""
+    """Hold an exclusive lock on ``path`` (created if absent, and its folder; not the folders above that, which
+    may have been removed meanwhile, a model folder say): processes on one machine take turns."""
     import fcntl  # POSIX only: imported where a lock is taken, so the module imports anywhere
 
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(exist_ok=True)
     with open(path, "a") as handle:
         fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
         try:

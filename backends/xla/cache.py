@@ -139,6 +139,10 @@ class ExecutableCache:
         executable = functions.compile()
         try:
             self._store(module_name, key, path, functions.serialize(executable))
+        except FileNotFoundError:
+            # The bundle folder was removed or renamed during the compile: nothing to cache into (and making it
+            # again, as mkdir(parents=True) did, brought back a folder of one .cache/ that no backend claims).
+            log.debug("%s: not cached: the bundle folder is gone", self.directory.parent.name)
         except Exception as err:  # a read-only bundle still serves, it just recompiles next time
             if not self._write_failed:
                 log.warning("%s: cannot write the executable cache (%s: %s); its programs will be compiled again "
@@ -174,7 +178,7 @@ class ExecutableCache:
         return payload, ""
 
     def _store(self, module_name: str, key: CacheKey, path: Path, payload: bytes) -> None:
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self.directory.mkdir(exist_ok=True)  # (inside the bundle folder, never the folder itself: see above)
         header = json.dumps({"key": key.fields(), "module": module_name, "payload_bytes": len(payload),
                              "payload_sha256": hashlib.sha256(payload).hexdigest()}).encode()
         atomic_write(path, [_MAGIC, _LENGTH.pack(len(header)), header, payload])

@@ -170,3 +170,23 @@ def test_an_entry_written_before_xla_flags_were_keyed_is_still_found() -> None:
     flagged = CacheKey(**before, xla_flags="--xla_cpu_enable_fast_math=true")
     assert flagged.fields() == {**before, "xla_flags": "--xla_cpu_enable_fast_math=true"}
     assert flagged.digest != key.digest
+
+
+def test_a_bundle_folder_removed_during_its_compile_is_not_made_again_by_the_cache(tmp_path, caplog) -> None:
+    """Found by a bug hunt: a bundle folder deleted or renamed while it loaded came back, holding only
+    .cache/<program>.xlaexe (the entry's write made every folder above it), and stayed listed as a folder no
+    backend claims; a server restarted with it was never ready."""
+    from nereid.backends.xla.cache import CacheKey, CompileFunctions, ExecutableCache
+
+    folder = tmp_path / "gone"  # removed before the compile ended: never made
+    cache = ExecutableCache(folder / ".cache")
+    key = CacheKey(module_sha256="ab" * 32, jaxlib_version="0", platform="cpu", platform_version="cpu",
+                   device_kind="cpu")
+    functions = CompileFunctions(compile=lambda: "executable", serialize=lambda _: b"payload",
+                                 deserialize=lambda _: "executable")
+    with caplog.at_level("WARNING"):
+        assert cache.load_or_compile("model.mlir", key, functions) == "executable"
+    assert not folder.exists() and not caplog.records  # (nothing to warn about: the bundle itself is gone)
+    folder.mkdir()  # one that is there gets its .cache
+    assert cache.load_or_compile("model.mlir", key, functions) == "executable"
+    assert (folder / ".cache" / HASHES_FILE).is_file()
