@@ -124,7 +124,7 @@ class SubprocessModel:
                     tail = f"; output tail: {result.output_tail}" if result.output_tail else ""
                     fault = ModelKilled if result.returncode < 0 else ModelFailure
                     raise fault(f"model '{name}' {result.describe()}{tail}")
-                return self._read_outputs(output_path, batch)
+                return self._read_outputs(output_path, batch, result.output_tail)
             finally:
                 remove_tree(work_dir)  # (with what the program made read-only in its TMPDIR)
 
@@ -282,11 +282,13 @@ class SubprocessModel:
             return tensor_bytes(inputs[0]) if inputs else b""
         return b"".join(encode_frame(tensor) for tensor in inputs)
 
-    def _read_outputs(self, path: Path, batch: int) -> list[NamedTensor]:
+    def _read_outputs(self, path: Path, batch: int, output_tail: str = "") -> list[NamedTensor]:
+        """The framed outputs at ``path``; ``output_tail``: what the run printed last, for an output it never
+        wrote."""
         signature = self.signature()
         outputs: list[NamedTensor] = []
         taken = 0  # the bytes of the outputs read so far (BYTES with their length prefixes, as a response has them)
-        with os.fdopen(self._open_output(path), "rb") as stream:
+        with os.fdopen(self._open_output(path, output_tail), "rb") as stream:
             start = 0  # where the body of the output before this one began
             for spec in signature.outputs:
                 where = f"model '{self.context.name}': output '{spec.name}'"
@@ -310,7 +312,7 @@ class SubprocessModel:
                                    f"output: {_trailing_data_hint(outputs[-1], len(outputs), extra)}")
         return outputs
 
-    def _open_output(self, path: Path) -> int:
+    def _open_output(self, path: Path, output_tail: str = "") -> int:
         """A descriptor of the regular file at ``path``, neither a symlink followed nor a FIFO waited on.
 
         The file itself is checked, once opened, never its path beforehand: a
@@ -324,7 +326,13 @@ class SubprocessModel:
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except FileNotFoundError:
-            raise ModelFailure(missing) from None
+            # What the run printed last often says why (a run that returned early); np.save adds ".npy" to a
+            # name without it, so its array lands beside the path, not at it.
+            saved = path.with_name(path.name + ".npy").exists()
+            npy = (" (an output.npy is there: np.save adds .npy to the name and writes no framed tensor; write the "
+                   "header line and the array's bytes to the path itself)" if saved else "")
+            tail = f"; output tail: {output_tail}" if output_tail else ""
+            raise ModelFailure(f"{missing}{npy}{tail}") from None
         except OSError as err:
             if err.errno == errno.ELOOP:  # O_NOFOLLOW's answer for a symlink
                 raise ModelFailure(f"{missing} (a symlink is there)") from None

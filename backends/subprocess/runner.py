@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Iterator
 
 from nereid.errors import ModelTimedOut
+from nereid.settings import DEFAULT_TIMEOUT_S
 
 STDERR_TAIL_BYTES = 2000
 # The PATH a model's runs and a compiler get when the server has none (env -i, a bare init).
@@ -60,7 +61,9 @@ class ProcessResult:
 def timed_out(name: str, timeout_s: float, how_it_ended: str) -> ModelTimedOut:
     """The error for a run of model ``name`` still going at its ``timeout_s``: one wording for a cold run and a
     warm one, ``how_it_ended`` saying what was done about it."""
-    return ModelTimedOut(f"model '{name}' timed out after {timeout_s:g} s (timeout_s in nereid.yaml); {how_it_ended}")
+    # (Which setting, and its default: a model without one was told of a timeout_s nowhere written.)
+    return ModelTimedOut(f"model '{name}' timed out after {timeout_s:g} s (the model's timeout_s in nereid.yaml, "
+                         f"default {DEFAULT_TIMEOUT_S:g} s); {how_it_ended}")
 
 
 @dataclass
