@@ -97,6 +97,20 @@ def version_number(name: str, version: str) -> int:
     return value
 
 
+def _encodable(text: str) -> str:
+    """``text`` with each lone surrogate written as its escape (``\\udce9``), which every protocol can encode.
+
+    Model code makes them: a client's bytes or a file name decoded with ``surrogateescape``. gRPC could not
+    encode such a status message: the call went unanswered until the client's deadline, and a stream answered
+    no request after it.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
+
+
 class DataPlane:
     """Inference, introspection and repository control over a :class:`ModelRepository`.
 
@@ -145,9 +159,9 @@ class DataPlane:
         """What a client is told of ``err``: a NereidError's message, anything else as an internal error (of
         ``where``, if given); the server's paths relative, capped (see ModelRepository.public_text)."""
         if isinstance(err, NereidError):
-            return self.repository.public_text(str(err))
-        return self.repository.public_text(f"internal error{f' in {where}' if where else ''}: "
-                                           f"{describe_exception(err)}")
+            return _encodable(self.repository.public_text(str(err)))
+        return _encodable(self.repository.public_text(f"internal error{f' in {where}' if where else ''}: "
+                                                      f"{describe_exception(err)}"))
 
     def refused(self, model_name: str, error: NereidError) -> None:
         """Count against its model a request its protocol refused before :meth:`infer` (unreadable, ...)."""

@@ -257,6 +257,44 @@ def test_sub_call_errors_keep_their_status_and_name_both_models(repo, serve) -> 
                       "ValueError: no mode 7")
 
 
+UNDECODED = """
+import nereid
+from nereid.errors import InvalidArgument
+
+async def orchestrate(inputs, ctx):
+    # A label from bytes that are not UTF-8, decoded as Python decodes file names: a lone surrogate in the text.
+    raise InvalidArgument("unknown label " + b"caf\\xe9".decode("utf-8", "surrogateescape"))
+
+nereid.register_model(orchestrate=orchestrate)
+"""
+
+
+def test_an_error_text_holding_a_lone_surrogate_is_answered_once_over_grpc_and_in_a_stream(repo, serve) -> None:
+    """Found by a bug hunt: gRPC could not encode such a status message ("Unexpected [UnicodeEncodeError] raised
+    by servicer method"), so ModelInfer got no answer until the client's deadline, and a stream answered neither
+    that request nor any later one."""
+    import queue
+
+    repo.python("echo")
+    add_meta(repo, "undecoded", UNDECODED, ["echo"])
+    server = serve(repo.write_config())
+    client = server.client
+    expect_grpc_error("INVALID_ARGUMENT", lambda: infer(client, "undecoded", X, client_timeout=10),
+                      "unknown label caf\\udce9")
+    answers: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    try:
+        for model in ("undecoded", "echo"):
+            tensor = triton.InferInput("input", [4], "FP32")
+            tensor.set_data_from_numpy(X)
+            client.async_stream_infer(model, [tensor], request_id=model)
+        (_, error), (result, late) = answers.get(timeout=10), answers.get(timeout=10)
+    finally:
+        client.stop_stream()
+    assert "unknown label caf\\udce9" in str(error) and late is None
+    np.testing.assert_array_equal(result.as_numpy("output"), X)
+
+
 RELAY = '''
 import nereid
 
