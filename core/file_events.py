@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from pathlib import Path
 from typing import Awaitable, Callable
 
@@ -20,7 +21,8 @@ import watchfiles
 from nereid.folder_states import ignored_name
 from nereid.settling import MAX_GROUPING_FACTOR
 from nereid.storage import StoreURL
-from nereid.watched_paths import WatchedPaths, links_on_the_way, symlinked_folders
+from nereid.watched_paths import (WatchedPaths, awaited_targets, links_on_the_way, nearest_folder,
+                                  symlinked_folders)
 
 # The watcher's logger: operators follow dynamic mode's lines in one place.
 log = logging.getLogger("nereid.watch")
@@ -88,6 +90,9 @@ class RepositoryFollower:
         self._models = Follow(True, self._models_paths, stop) if location is None else None
         self._outer = Follow(False, self._outer_paths, stop)
         self._targets: tuple[Path, ...] = ()  # where symlinked model folders lead, as the models watch follows
+        # Where model folder links that lead nowhere yet would lead: their target's arrival is a change (see
+        # _outer_paths), which no watch of the target itself can report.
+        self._awaited: tuple[Path, ...] = ()
 
     async def run(self) -> None:
         """Follow changes until ``stop`` is set."""
@@ -181,10 +186,20 @@ class RepositoryFollower:
         return WatchedPaths.of((self.root, *symlinked_folders(self.root, self.follow_symlinks)))
 
     def _outer_paths(self) -> WatchedPaths:
-        """The folders holding nereid.yaml, ml_backends_path and each link on their way (blocking)."""
+        """The folders holding nereid.yaml, ml_backends_path and each link on their way, and the nearest folder
+        there on the way to each model folder link's missing target (blocking)."""
         ends = [self.config_path] + ([self.root] if self.location is None else [])
         folders = {path.parent for path in ends}
         folders.update(Path(link).parent for end in ends for link in links_on_the_way(end))
+        if self.location is None:
+            # A link whose target is not there yet (deployed later, or removed and deployed again) was never loaded
+            # once it was: no event came. Its target's arrival shows in the nearest folder that is there (one
+            # inside ml_backends_path is in the models watch already, where only the filter hid it).
+            self._awaited = awaited_targets(self.root, self.follow_symlinks)
+            real_root = os.path.realpath(self.root)
+            folders.update(folder for target in self._awaited
+                           if (folder := nearest_folder(target)) is not None
+                           and not folder.is_relative_to(real_root) and not folder.is_relative_to(self.root))
         return WatchedPaths.of(folder for folder in folders if folder.is_dir())
 
     def relevant(self, change: watchfiles.Change, path: str) -> bool:
@@ -193,6 +208,11 @@ class RepositoryFollower:
         candidate = Path(path)
         if candidate == self.config_path:
             return True
+        for target in self._awaited:  # a missing link target arriving, or a folder on its way to it
+            if candidate == target or target.is_relative_to(candidate):
+                return True
+            if candidate.is_relative_to(target):
+                return not any(ignored_name(part) for part in candidate.relative_to(target).parts)
         # A file of a symlinked model folder comes by the path of where it leads: only the part inside the model
         # folder is judged (a target inside a hidden folder of ml_backends_path, .versions/m-v1, still counts).
         for base in (*self._targets, self.root):

@@ -11,7 +11,7 @@ states and times: the watcher scans and says when; nothing here reads a file.
 from __future__ import annotations
 
 import time
-from typing import Iterator, Mapping
+from typing import AbstractSet, Iterator, Mapping
 
 from nereid.folder_states import FolderState
 
@@ -80,10 +80,11 @@ class SettlingFolders:
         self._seen[name] = (state, when - self.settle_s)
         self._busy_until.pop(name, None)
 
-    def next_due(self) -> float | None:
-        """When the first folder settling is due (a monotonic time; None: none settles)."""
+    def next_due(self, held: AbstractSet[str] = frozenset()) -> float | None:
+        """When the first folder settling, not one of ``held`` (waiting for something else), is due (a monotonic
+        time; None: none settles)."""
         return min((max(since + self.settle_s, self._busy_until.get(name, 0.0))
-                    for name, (_, since) in self._seen.items()), default=None)
+                    for name, (_, since) in self._seen.items() if name not in held), default=None)
 
     def _transfer_wait_s(self, state: FolderState | None, waited_s: float) -> float:
         """How much longer a folder unchanged for ``waited_s`` waits because a hidden file in it was written just

@@ -46,10 +46,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Awaitable, Callable
 
+from nereid.config_document import load_yaml
 from nereid.errors import ConfigError, NotFound, Unavailable
 from nereid.file_events import Follow, RepositoryFollower
 from nereid.folder_states import FolderState, plan_changes, scan_repository, scan_store
-from nereid.settings import Settings, load_settings
+from nereid.settings import Settings, load_settings, parse_settings
 from nereid.settling import SettlingFolders
 from nereid.storage import StorageError, failure_kind, parse_store_url, store_failed
 from nereid.store_retries import StoreRetries
@@ -121,6 +122,10 @@ class RepositoryWatcher:
         # The last nereid.yaml read that was refused (the running one kept), and why: tried again at each later
         # scan, for a refusal may pass (ml_backends_path moved away a moment, a TLS file being replaced).
         self._config_refused: tuple[bytes | None, str] | None = None
+        # The pending nereid.yaml's settings, read ahead to know which folders' steps wait for it (see
+        # _held_for_config): (its bytes, its settings; None when it does not read).
+        self._config_ahead: tuple[bytes | None, Settings | None] | None = None
+        self._held: set[str] = set()  # the folders whose steps the last scan held for it
         self._stop = asyncio.Event()
         self._applying = asyncio.Lock()  # the two watches never apply at once
         self.scans = 0  # completed scans (read by tests)
@@ -266,8 +271,12 @@ class RepositoryWatcher:
             self._adopt_store_failures(current)
         self._know_requested_loads(current)
         plan = plan_changes(self._folders, current, renames_too=self.location is None)
+        renamed = {name for pair in plan.renames for name in pair}
+        held = self._held = await self._held_for_config({*plan.added, *plan.changed, *renamed})
         repository = self.repository
         for old, new in plan.renames:
+            if old in held or new in held:
+                continue  # (still a rename at the scan that applies nereid.yaml: the watcher's known states wait)
             log.info("dynamic repository: folder '%s' renamed to '%s'", old, new)
             # The files the watcher knew for the old name may not be the ones its running version loaded: a
             # reload of them that failed (moved away as it read them) left the version before. Moved in place,
@@ -283,7 +292,8 @@ class RepositoryWatcher:
         for kind in due:
             for name in getattr(plan, kind):
                 state = current.get(name)
-                if self._pending.settled(name, state, now):
+                # Settled or not, a step held for the pending nereid.yaml stays pending: due at the scan applying it.
+                if self._pending.settled(name, state, now) and name not in held:
                     due[kind].append(name)
                     previous[name] = self._folders.get(name)
                     self._accept(name, state)
@@ -503,7 +513,9 @@ class RepositoryWatcher:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        dues = [] if (folders_due := self._pending.next_due()) is None else [folders_due]
+        # (A folder held for the pending nereid.yaml is due when the file is: it would have a scan every moment.)
+        held = self._held if self._config_pending is not None else set()
+        dues = [] if (folders_due := self._pending.next_due(held)) is None else [folders_due]
         if self._config_pending is not None:
             dues.append(self._config_pending[1] + self.settle_ms / 1000)
         if not dues:
@@ -571,6 +583,36 @@ class RepositoryWatcher:
                  " (it is valid again)" if self._config_refused is not None else "")
         self._config_refused = None
         return self.repository.start_settings(new)
+
+    async def _held_for_config(self, names: set[str]) -> set[str]:
+        """Those of ``names`` whose folder steps wait for the nereid.yaml still settling: the ones it gives other
+        settings than the running file (all of them when it lists models otherwise, or changes a backend's
+        defaults). None waits when no edit is pending, or the pending file does not read (it will be refused).
+
+        A folder renamed together with its entry (one git checkout) was loaded under the running file, which
+        does not list the new name: with default settings (a cxx model, which only nereid.yaml declares, with
+        an ERROR), then again once the file settled. Held, it is loaded once, with the new entry.
+        """
+        pending = self._config_pending
+        if not names or pending is None:
+            return set()
+        if self._config_ahead is None or self._config_ahead[0] != pending[0]:
+            self._config_ahead = (pending[0], await asyncio.to_thread(self._settings_of, pending[0]))
+        new, running = self._config_ahead[1], self.settings
+        if new is None:
+            return set()
+        if new.models_listed != running.models_listed or new.backend_defaults != running.backend_defaults:
+            return set(names)
+        return {name for name in names if new.model_or_default(name)[0] != running.model_or_default(name)[0]}
+
+    def _settings_of(self, text: bytes | None) -> Settings | None:
+        """The settings nereid.yaml's bytes ``text`` give, None when they do not read (blocking)."""
+        if text is None:
+            return None
+        try:
+            return parse_settings(load_yaml(text.decode(), self.config_path) or {}, self.config_path)
+        except Exception:  # (refused when it settles, with the reason: nothing to say here)
+            return None
 
     def _read_config(self) -> bytes | None:
         """nereid.yaml's bytes, compared as bytes: one that is not UTF-8 is load_settings' to explain."""

@@ -110,3 +110,43 @@ def symlinked_folders(root: Path, follow_symlinks: bool) -> tuple[Path, ...]:
         if target.is_dir() and (inside or follow_symlinks) and not real_root.is_relative_to(target):
             targets.add(target)
     return tuple(sorted(targets))
+
+
+def awaited_targets(root: Path, follow_symlinks: bool) -> tuple[Path, ...]:
+    """Where the model folder links under ``root`` that lead nowhere yet would lead (resolved as far as can be).
+
+    No watch can be started on a folder that is not there, and a listing of
+    ``root`` skips the link: without these, a link made before its target was
+    deployed (or whose target was removed and deployed again) was never
+    loaded. Without ``follow_symlinks`` only targets inside ``root`` count, as
+    for :func:`symlinked_folders`; a target inside ``root`` is given as the
+    path under ``root`` too, as its events name it.
+    """
+    try:
+        real_root = root.resolve(strict=True)
+        with os.scandir(root) as listing:
+            links = [Path(entry.path) for entry in listing if not entry.name.startswith(".") and entry.is_symlink()]
+    except (OSError, RuntimeError):
+        return ()
+    awaited: set[Path] = set()
+    for link in links:
+        if os.path.exists(link):
+            continue  # (a folder is watched where it leads: see symlinked_folders)
+        target = Path(os.path.realpath(link))
+        if os.path.lexists(target):
+            continue  # a loop of links: resolving ends on one of them, where no folder is to arrive
+        inside = target.is_relative_to(real_root)
+        if not (inside or follow_symlinks) or real_root.is_relative_to(target):
+            continue
+        awaited.add(target)
+        if inside:
+            awaited.add(root / target.relative_to(real_root))
+    return tuple(sorted(awaited))
+
+
+def nearest_folder(path: Path) -> Path | None:
+    """The nearest folder that is there among ``path``'s parents (None: none, which a real path never meets)."""
+    for parent in path.parents:
+        if parent.is_dir():
+            return parent
+    return None

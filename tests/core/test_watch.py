@@ -269,6 +269,24 @@ def test_nereid_yaml_edits(repo, serve, caplog):
     assert "dynamic repository: nereid.yaml changed; applying it (it is valid again)" in caplog.messages
 
 
+def test_a_folder_renamed_with_its_nereid_yaml_entry_loads_once_with_the_new_entry(repo, serve, caplog):
+    # One git checkout that does `git mv a a2` and renames the entry: the rename needs no settle time, the file
+    # does, so a2 was loaded under the running file (default settings; a cxx model not claimed at all, an
+    # ERROR), then again once the file settled: two loads for one change.
+    write_model(repo.models_dir / "a", "a")
+    config = repo.write_config("- name: a\n  queue_capacity: 5\n",
+                               server_extra="  watch: true\n  watch_settle_ms: 500\n")
+    server = serve(config)
+    caplog.set_level(logging.INFO)
+    config.write_text(config.read_text().replace("name: a\n", "name: a2\n").replace("capacity: 5", "capacity: 7"))
+    os.rename(repo.models_dir / "a", repo.models_dir / "a2")
+    wait_for(lambda: index(server).get("a2", ("",))[0] == "READY" and "a" not in index(server))
+    assert server.server.repository.entry("a2").loaded.scheduler.capacity == 7
+    assert generation(server, "a2") == 1  # loaded once, with the new entry
+    assert _scrape(server)['nereid_model_version{model="a2"}'] == 1
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
 def test_a_nereid_yaml_refused_for_a_passing_reason_is_applied_once_it_passes(repo, serve, caplog):
     """Defect (found by a bug hunt): an edit refused while ml_backends_path was moved away a moment was never
     tried again (its text was taken as seen), even once the folder was back and the file touched."""

@@ -242,6 +242,41 @@ def test_edits_in_a_symlinked_model_folder_reload_it(tmp_path, root, where):
     asyncio.run(scenario())
 
 
+# -- defect: a symlinked model folder whose target was missing never loaded when the target came --------------
+
+@pytest.mark.parametrize("where", ["outside, link made first", "inside, removed and deployed again"])
+def test_a_model_folder_link_loads_when_its_missing_target_arrives(tmp_path, root, where):
+    """A listing skips a link that leads nowhere and no watch can start on a folder that is not there: the
+    target's arrival made no event that counted (one in .versions/ was hidden), so the model loaded only at some
+    unrelated change."""
+    inside = where.startswith("inside")
+    versions = root / ".versions" if inside else tmp_path / "ext" / "deep"  # (ext/ itself not there yet)
+    if inside:
+        write_toy(versions, "m-v1")
+    os.symlink(".versions/m-v1" if inside else versions / "m-v1", root / "m")
+    repository, watcher = setup(tmp_path, root, settle_ms=50, extra="  follow_symlinks: true\n")
+
+    async def scenario() -> None:
+        await start(repository, watcher)
+        running = asyncio.create_task(watcher.run())
+        try:
+            await asyncio.sleep(0.2)  # the watches are up
+            if inside:
+                assert generation(repository, "m") == 1
+                shutil.rmtree(versions / "m-v1")
+                await until(lambda: "m" not in repository._entries, what="'m' unloaded once its target went")
+                await asyncio.sleep(0.2)  # (the watches follow the link's way now)
+            write_toy(versions, "m-v1")
+            await until(lambda: generation(repository, "m") == 1, what="'m' loaded once its target arrived")
+            edit(root / "m", "edited through the link")
+            await until(lambda: generation(repository, "m") == 2, what="the edit reloaded 'm'")
+        finally:
+            watcher.stop()
+            await running
+            await repository.unload_all()
+    asyncio.run(scenario())
+
+
 # -- defect: an edit loaded models deliberately not served ---------------------------------------------------
 
 def test_an_edit_never_loads_a_model_that_is_not_served(tmp_path, root):

@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from nereid.watched_paths import WatchedPaths, identity_of, links_on_the_way, symlinked_folders
+from nereid.watched_paths import (WatchedPaths, awaited_targets, identity_of, links_on_the_way, nearest_folder,
+                                  symlinked_folders)
 
 
 def test_the_links_on_the_way_to_a_configmaps_file_are_the_file_and_the_data_link(tmp_path: Path) -> None:
@@ -53,3 +54,20 @@ def test_symlinked_model_folders_are_followed_where_they_lead_when_allowed(tmp_p
     assert symlinked_folders(root, follow_symlinks=True) == tuple(sorted(
         [(root / ".store" / "inside").resolve(), (elsewhere / "outside").resolve()]))
     assert symlinked_folders(tmp_path / "missing", follow_symlinks=True) == ()
+
+
+def test_model_folder_links_that_lead_nowhere_yet_are_awaited_where_they_lead(tmp_path: Path) -> None:
+    # No watch can start on a folder that is not there: where it will be, and the nearest folder there on the way.
+    models = tmp_path / "ml-backends"
+    (models / ".versions").mkdir(parents=True)
+    (models / "inside").symlink_to(".versions/m-v1")
+    (models / "outside").symlink_to(tmp_path / "ext" / "deep" / "m")
+    (models / ".hidden").symlink_to(tmp_path / "ext" / "hidden")  # (hidden names are never models)
+    (models / "loop").symlink_to("loop")
+    real = models.resolve()
+    assert awaited_targets(models, follow_symlinks=False) == (real / ".versions" / "m-v1",)
+    assert set(awaited_targets(models, follow_symlinks=True)) == {
+        real / ".versions" / "m-v1", (tmp_path / "ext" / "deep" / "m").resolve()}
+    assert nearest_folder(tmp_path / "ext" / "deep" / "m") == tmp_path
+    (tmp_path / "ext" / "deep" / "m").mkdir(parents=True)  # arrived: followed as a symlinked folder from now on
+    assert awaited_targets(models, follow_symlinks=True) == (real / ".versions" / "m-v1",)
