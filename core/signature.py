@@ -259,6 +259,9 @@ def validate_inputs(model: str, signature: ModelSignature, tensors: list[NamedTe
                 tensor = NamedTensor(tensor.name, tensor.dtype, tensor.data.astype(held.newbyteorder("=")))
         if spec.dtype is DType.BYTES:
             _check_text_elements(model, spec.name, tensor.data)
+        elif spec.dtype is DType.BOOL and (problem := _bool_problem(tensor.data)) is not None:
+            # (A client's are refused by the decoders already; a meta model's sub-call or a hook's come here.)
+            raise _refusal(f"model '{model}': input '{spec.name}' is tagged BOOL but holds {problem}")
         shape = tensor.data.shape
         if not signature.batches:
             if not dims_match(shape, spec.dims):

@@ -252,6 +252,17 @@ def test_a_bytes_input_whose_elements_are_not_text_is_refused_before_it_is_queue
     validate_inputs("m", BYTES_IN, [NamedTensor("s", DType.BYTES, objects(b"a", "né"))])
 
 
+def test_a_bool_input_holding_other_bytes_than_0_or_1_is_refused_before_it_is_queued() -> None:
+    """Found by a bug hunt: a meta model's sub-call passing a BOOL tensor that holds byte 2 reached the model
+    called, where a client's same bytes are refused (the README: a sub-call's data is checked as a client's)."""
+    sig = ModelSignature((TensorSpec("b", DType.BOOL, (3,)),), (), 4)
+    raw = np.frombuffer(b"\x00\x01\x02", np.bool_).reshape(1, 3)
+    with pytest.raises(InvalidArgument, match=r"^model 'm': input 'b' is tagged BOOL but holds byte 2 at element 2; "
+                                              r"each element must be 0 \(false\) or 1 \(true\)$"):
+        validate_inputs("m", sig, [NamedTensor("b", DType.BOOL, raw)])
+    validate_inputs("m", sig, [NamedTensor("b", DType.BOOL, np.array([[True, False, True]]))])
+
+
 def test_check_outputs_names_a_tag_that_is_no_dtype() -> None:
     with pytest.raises(ModelFailure, match="^model 'm' returned output 'y' as 'FP32', expected FP32$"):
         check_outputs("m", FP32_OUT, [NamedTensor("y", "FP32", np.zeros((1, 2), np.float32))], 1)
