@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import ast
 import importlib.machinery
+import os
+import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,15 +51,9 @@ def _checked_tree(main_py: Path, source: bytes) -> ast.Module:
 
 def _top_level_imports(names: list[tuple[str, bool, bool]]) -> list[tuple[str, bool]]:
     """Each module the body's ``import`` / ``from`` statements name (of :func:`_top_level_names`), first
-    occurrence only, with whether only imports and docstrings come before it (``__future__`` skipped)."""
+    occurrence only, with whether only imports and statements that cannot change what they find come before it
+    (``__future__`` skipped)."""
     return [(name, leading) for name, leading, taken in names if not taken and name != "__future__"]
-
-
-def _from_names(names: list[tuple[str, bool, bool]]) -> list[str]:
-    """``package.name`` for each ``from package import name`` of the body (of :func:`_top_level_names`): a
-    submodule when the package has no attribute of that name (``from scipy import signal``), which Python then
-    imports."""
-    return [name for name, _, taken in names if taken and not name.startswith("__future__.")]
 
 
 def _top_level_names(tree: ast.Module) -> list[tuple[str, bool, bool]]:
@@ -71,10 +67,7 @@ def _top_level_names(tree: ast.Module) -> list[tuple[str, bool, bool]]:
             names = [(statement.module, False), *((f"{statement.module}.{alias.name}", True)
                                                   for alias in statement.names if alias.name != "*")]
         else:
-            # Anything else may change what an import after it finds (a sys.path entry, an environment variable);
-            # a string on its own (a docstring) cannot.
-            docstring = isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Constant)
-            leading = leading and docstring
+            leading = leading and _leaves_imports_alone(statement)
             continue
         for name, taken in names:
             if name not in found or (found[name][1] and not taken):
@@ -84,20 +77,112 @@ def _top_level_names(tree: ast.Module) -> list[tuple[str, bool, bool]]:
     return [(name, leading, taken) for name, (leading, taken) in found.items()]
 
 
+# Dunder names a plain constant may be given before an import without ending main.py's leading imports: they
+# are only read by tools. Any other (``__builtins__``, which ``import`` itself goes through; ``__path__``,
+# ``__spec__``...) ends them.
+_INERT_DUNDERS = frozenset({"__all__", "__version__", "__author__", "__doc__"})
+
+
+def _leaves_imports_alone(statement: ast.stmt) -> bool:
+    """Whether a statement of main.py's body (not an import) cannot change what an import after it finds, or
+    how the imported module runs: a constant on its own (a docstring), ``pass``, or a plain constant
+    assignment (``VERSION = "1.2"``, ``SIZES: tuple = (1, 2)``: names, a literal, no call).
+
+    Anything else may: ``os.environ["JAX_ENABLE_X64"] = "1"`` or
+    ``sys.path.insert(0, "vendor")`` before ``import jax`` changes what that
+    import loads (libraries read such variables as they are imported), and
+    no reading of the source can tell which call does.
+    """
+    if isinstance(statement, ast.Pass):
+        return True
+    if isinstance(statement, ast.Expr):
+        return isinstance(statement.value, ast.Constant)
+    if isinstance(statement, ast.Assign):
+        targets, value = statement.targets, statement.value
+    elif isinstance(statement, ast.AnnAssign):
+        # (the annotation is evaluated too, unless `from __future__ import annotations`: a name or a string only)
+        if not isinstance(statement.annotation, (ast.Name, ast.Constant)):
+            return False
+        targets, value = [statement.target], statement.value
+    else:
+        return False
+    if not all(isinstance(target, ast.Name) and (not _dunder(target.id) or target.id in _INERT_DUNDERS)
+               for target in targets):
+        return False
+    if value is None:
+        return True
+    try:
+        ast.literal_eval(value)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return False
+    return True
+
+
+def _dunder(name: str) -> bool:
+    return len(name) > 4 and name.startswith("__") and name.endswith("__")
+
+
+def _first_unsafe_line(tree: ast.Module) -> int | None:
+    """The line of main.py's first top-level statement that may change what an import after it finds."""
+    for statement in tree.body:
+        if isinstance(statement, ast.Import) or (
+                isinstance(statement, ast.ImportFrom) and statement.level == 0 and statement.module):
+            continue
+        if not _leaves_imports_alone(statement):
+            return statement.lineno
+    return None
+
+
 # The file names import finds a module by in a folder: extensions, sources, then bytecode (as its FileFinder).
 MODULE_SUFFIXES = tuple(importlib.machinery.all_suffixes())
 
 
 def lives_in_folder(module: str, folder: Path) -> bool:
-    """True when ``module``'s top-level package is a file or package in the model folder.
+    """True when ``module``'s top-level package is a file or package in the model folder that ``python main.py``
+    would import from there.
 
     Those are the model's own helpers: a child imports them fresh, so an edit
-    takes effect on the next request, exactly as with a cold start.
+    takes effect on the next request, exactly as with a cold start. A folder
+    without ``__init__.py`` (a checkpoint folder ``jax/``, ``numpy/`` of
+    ``.npy`` files) is the model's own only when nothing else provides the name:
+    a namespace portion, first on ``sys.path`` as it is, loses to any module or
+    regular package found later on it.
     """
     top = module.split(".", 1)[0]
     # Any file import finds there: a compiled extension (Cython, pybind11) or a sourceless .pyc too, which were
     # taken for installed modules, preloaded where the folder is not on sys.path, and the load failed.
-    return (folder / top).is_dir() or any((folder / f"{top}{suffix}").is_file() for suffix in MODULE_SUFFIXES)
+    if any((folder / f"{top}{suffix}").is_file() for suffix in MODULE_SUFFIXES):
+        return True
+    package = folder / top
+    if not package.is_dir():
+        return False
+    # A regular package (its __init__ of any kind import takes) comes first on sys.path, as the folder does.
+    regular = any((package / f"__init__{suffix}").is_file() for suffix in MODULE_SUFFIXES)
+    return regular or not _provided_elsewhere(top, folder)
+
+
+def _provided_elsewhere(top: str, folder: Path) -> bool:
+    """Whether ``import top`` finds a module or regular package outside ``folder``: built in, frozen, or on the
+    server's ``sys.path`` (the interpreter the warm parent runs)."""
+    if importlib.machinery.BuiltinImporter.find_spec(top) or importlib.machinery.FrozenImporter.find_spec(top):
+        return True
+    try:
+        resolved = folder.resolve()
+    except OSError:
+        resolved = folder
+    path = [entry for entry in sys.path if entry and entry != os.curdir and _resolved(entry) != resolved]
+    try:
+        spec = importlib.machinery.PathFinder.find_spec(top, path)
+    except (ImportError, ValueError, OSError):
+        return False
+    return spec is not None and spec.origin is not None  # (a namespace package has none: the folder joins it)
+
+
+def _resolved(entry: str) -> Path | None:
+    try:
+        return Path(entry).resolve()
+    except OSError:
+        return None
 
 
 @dataclass(frozen=True)
@@ -105,11 +190,10 @@ class Preloads:
     """What a warm parent imports before it forks its first child, in order.
 
     ``imports``: main.py's own top-level imports that nothing but other such
-    imports precedes. One that fails would stop every run at that line, so it
-    fails the load. ``extra``: main.py's later imports (after a statement that
-    may change what they find, such as a ``sys.path.insert``), then the
-    model's ``runtime.preload`` list, imported only to save each run the time;
-    one that fails turns warm start off instead.
+    imports, docstrings and plain constant assignments precedes. One that
+    fails would stop every run at that line, so it fails the load. ``extra``:
+    the model's ``runtime.preload`` list, imported only to save each run the
+    time; one that fails turns warm start off instead.
     """
 
     imports: tuple[str, ...] = ()
@@ -118,6 +202,10 @@ class Preloads:
     # ``name`` is a submodule, not an attribute (``from scipy import signal`` imports scipy.signal, which the
     # package alone does not); one that fails turns warm start off, as an ``extra`` does.
     submodules: tuple[str, ...] = ()
+    # main.py's imports that are not preloaded, each run importing them as python main.py does (they come after
+    # a statement that may change what they find), and why (empty when none is).
+    left: tuple[str, ...] = ()
+    left_because: str = ""
 
     def __bool__(self) -> bool:
         return bool(self.imports or self.extra)
@@ -131,29 +219,43 @@ def modules_to_preload(folder: Path, entry_file: str, extra: tuple[str, ...], so
     """``main.py``'s installed and standard-library imports, then ``extra``, minus the folder's own.
 
     ``imports`` are those the warm parent reaches as ``python main.py`` does:
-    with only other such imports and docstrings before them. An import after
-    any other statement (a ``sys.path.insert``, say) or after an import of the
-    folder's own modules (which the parent leaves to each run) goes with
-    ``extra``: it may fail in the parent and work in ``main.py``. ``source``:
+    with only other such imports, docstrings and plain constant assignments
+    before them. An import after any other statement (``os.environ[...] =``,
+    ``sys.path.insert``) or after an import of the folder's own modules (which
+    may do the same) is left to each run, as ``python main.py`` imports it then
+    (``left``): preloaded, it would be imported without what that statement
+    did. ``extra`` (``runtime.preload``) is preloaded all the same. ``source``:
     ``main.py``'s bytes, as the caller read them once.
     """
+    tree = _checked_tree(folder / entry_file, source)
+    names = _top_level_names(tree)  # (read once, for both kinds)
     imports: list[str] = []
-    later: list[str] = []
-    reached = True  # by the parent as by main.py: no statement it skips has come before
-    names = _top_level_names(_checked_tree(folder / entry_file, source))  # (read once, for both kinds)
-    for name, leading in _top_level_imports(names):
+    left: list[str] = []
+    from_names: list[str] = []  # of the from-statements main.py reaches as the parent does
+    because = ""  # why the imports from here on are left to each run
+    for name, leading, taken in names:
+        if name == "__future__" or name.startswith("__future__."):
+            continue
+        if not because and not leading:
+            because = (f"they come after line {_first_unsafe_line(tree)} of main.py, which may change what they find "
+                       "(an environment variable, a sys.path entry)")
         if lives_in_folder(name, folder):
-            reached = False
-        elif leading and reached:
-            imports.append(name)
+            if not because and not taken:
+                because = f"they come after main.py imports its own '{name}', which may change what they find"
+        elif taken:
+            if not because:
+                from_names.append(name)
+        elif because:
+            left.append(name)
         else:
-            later.append(name)
-    chosen = [*later, *(name for name in extra if name not in imports)]
-    extra_kept = tuple(name for name in dict.fromkeys(chosen) if not lives_in_folder(name, folder))
+            imports.append(name)
+    extra_kept = tuple(name for name in dict.fromkeys(extra)
+                       if name not in imports and not lives_in_folder(name, folder))
     preloaded = {*imports, *extra_kept}
     submodules: list[str] = []
-    for name in _from_names(names):  # in order: a submodule's own submodules come after it
+    for name in from_names:  # in order: a submodule's own submodules come after it
         if name.rpartition(".")[0] in preloaded:
             submodules.append(name)
             preloaded.add(name)
-    return Preloads(tuple(imports), extra_kept, tuple(submodules))
+    left = [name for name in left if name not in preloaded]
+    return Preloads(tuple(imports), extra_kept, tuple(submodules), tuple(left), because if left else "")

@@ -101,6 +101,12 @@ class WarmParent:
         """Start the parent and wait until its imports are done; WarmStartUnavailable if it cannot serve."""
         with self._lock:
             self._start()
+        if self.modules.left:
+            # Once per load (a restart calls _start): main.py's own imports that each run imports itself, with
+            # what a statement before them did (an environment variable, a sys.path entry), as python main.py does.
+            log.info("model '%s': main.py's imports %s are not preloaded, each run imports them: %s; name them in "
+                     "runtime.preload to preload them anyway", self.name,
+                     ", ".join(f"'{name}'" for name in self.modules.left), self.modules.left_because)
 
     def _start(self) -> None:
         self._prepare_folder()

@@ -10,8 +10,10 @@ Protocol (``CONTROL_FD`` is an AF_UNIX SOCK_SEQPACKET socket to the server):
 
 1. Import the modules of ``MODULES_JSON`` (``{"imports": [...], "extra": [...], "submodules": [...]}``:
    main.py's own top-level imports, then the model's other preloads, then the submodules main.py's
-   ``from package import name`` statements import) and compile ``SOURCE`` as
-   ``FOLDER/main.py`` (each run executes that code, not the file as it is then), then write
+   ``from package import name`` statements import), as ``python main.py`` would import them (the
+   folder first on ``sys.path``, ``sys.argv == ["main.py"]``, a ``__main__`` named by ``main.py``:
+   see :func:`preload_as_script`), and compile ``SOURCE`` as the folder's ``main.py`` by its
+   physical path (each run executes that code, not the file as it is then), then write
    one line to the stdout it was started with: ``ready``; ``broken <reason>`` and exit (one
    of main.py's own imports failed: every run would stop there); or ``fallback <reason>``
    and exit (an extra preload failed, imports started Python threads: forking a threaded
@@ -52,7 +54,9 @@ import sys
 INTERPRETER_MODULES = frozenset(sys.modules)
 
 import atexit  # noqa: E402 - after the snapshot above
+import collections.abc
 import ctypes
+import functools
 import gc
 import importlib
 import importlib.machinery
@@ -109,6 +113,143 @@ def preload(imports: list[str], extra: list[str], submodules: tuple[str, ...] | 
         return (f"fallback preloading started threads ({', '.join(extra_threads[:5])}); forking a threaded process "
                 "is unsafe")
     return None
+
+
+def preload_as_script(folder: str, imports: list[str], extra: list[str],
+                      submodules: tuple[str, ...] | list[str] = ()) -> str | None:
+    """:func:`preload` as ``python main.py`` would import the modules: with ``folder`` first on ``sys.path``,
+    ``sys.argv == ["main.py"]``, ``sys.orig_argv`` ending in ``main.py``, and a stand-in ``__main__`` whose
+    ``__file__`` is ``folder/main.py`` (kept in :data:`_main_module` for the runs). All but what the imports
+    themselves did is put back afterwards.
+
+    An installed package that reads its app's settings module from the
+    script's folder, or its program name from ``sys.argv[0]``, as it is
+    imported, found this program's instead (its argv, the interpreter's
+    ``sys.path`` under ``-P``): every warm run got what no ``python main.py``
+    gets.
+    """
+    global _main_module
+    argv, orig_argv, main_module = sys.argv, sys.orig_argv, sys.modules.get("__main__")
+    stand_in = _main_module = _script_module(os.path.join(folder, ENTRY_FILE))
+    sys.argv, sys.orig_argv = [ENTRY_FILE], [*orig_argv[:1], ENTRY_FILE]
+    sys.path.insert(0, folder)
+    sys.modules["__main__"] = stand_in
+    watch = SeedWatch()
+    try:
+        with watch:
+            return preload(imports, extra, submodules)
+    finally:
+        _keep_seeded_states(watch.seeded)
+        sys.argv, sys.orig_argv = argv, orig_argv
+        try:
+            sys.path.remove(folder)  # (each run puts it first again; what the imports added stays, as for main.py)
+        except ValueError:
+            pass
+        if main_module is not None:
+            sys.modules["__main__"] = main_module
+
+
+# The functions that give a module's global random state an explicit seed, by module: a call with a seed that is
+# not None, or any call of the state setters.
+SEEDERS = {"random": ("seed", "setstate"), "numpy.random": ("seed", "set_state")}
+
+
+class SeedWatch:
+    """While entered, records which of :data:`SEEDERS`' modules a preloaded import seeds explicitly (a project
+    package's ``random.seed(123); np.random.seed(123)`` for reproducible runs): ``seeded``.
+
+    Each module's seeding functions are wrapped where it is already imported,
+    and as it is imported otherwise (a finder first on ``sys.meta_path``): no
+    module is imported for the watch. The wrappers are taken away on exit; one
+    that an import kept (``from random import seed``) still seeds, and records
+    nothing any more.
+    """
+
+    def __init__(self) -> None:
+        self.seeded: set[str] = set()
+        self._wrapped: list[tuple[types.ModuleType, str, object]] = []
+        self._active = False
+
+    def __enter__(self) -> SeedWatch:
+        self._active = True
+        for name in SEEDERS:
+            if name in sys.modules:
+                self._wrap(sys.modules[name])
+        sys.meta_path.insert(0, self)  # type: ignore[arg-type]
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._active = False
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)  # type: ignore[arg-type]
+        for module, attribute, original in reversed(self._wrapped):
+            setattr(module, attribute, original)
+        self._wrapped.clear()
+
+    def find_spec(self, fullname: str, path: object = None, target: object = None) -> object:
+        """None for every module (the other finders find it); a watched one's loader wraps its seeders once it
+        has run the module."""
+        if fullname not in SEEDERS or not self._active:
+            return None
+        try:
+            spec = importlib.machinery.PathFinder.find_spec(fullname, path)  # type: ignore[arg-type]
+        except BaseException:  # noqa: BLE001 - the import itself reports it, through the other finders
+            return None
+        loader = getattr(spec, "loader", None)
+        exec_module = getattr(loader, "exec_module", None)
+        if exec_module is None:
+            return None
+
+        def exec_then_watch(module: types.ModuleType) -> None:
+            exec_module(module)
+            if self._active:
+                self._wrap(module)
+
+        loader.exec_module = exec_then_watch  # (this module's own loader)
+        return spec
+
+    def _wrap(self, module: types.ModuleType) -> None:
+        for attribute in SEEDERS[module.__name__]:
+            original = getattr(module, attribute, None)
+            if not callable(original):
+                continue
+            setattr(module, attribute, self._recording(module.__name__, attribute, original))
+            self._wrapped.append((module, attribute, original))
+
+    def _recording(self, name: str, attribute: str, original: collections.abc.Callable) -> collections.abc.Callable:
+        def seeder(*args: object, **kwargs: object) -> object:
+            if self._active and (attribute != "seed" or next(iter([*args, *kwargs.values()]), None) is not None):
+                self.seeded.add(name)
+            return original(*args, **kwargs)
+
+        functools.update_wrapper(seeder, original)
+        return seeder
+
+
+def _keep_seeded_states(seeded: set[str]) -> None:
+    """Keep the global random state of each module in ``seeded`` as the preload left it, for every run."""
+    global _seeded_random_state
+    random = sys.modules.get("random") if "random" in seeded else None
+    try:
+        _seeded_random_state = (random.getstate() if random is not None else None,  # type: ignore[union-attr]
+                                "numpy.random" in seeded)
+    except Exception:  # noqa: BLE001 - a random module without getstate: drawn afresh, as before
+        _seeded_random_state = (None, "numpy.random" in seeded)
+
+
+def _script_module(path: str) -> types.ModuleType:
+    """A ``__main__`` module as ``python main.py`` makes it for ``path``, not yet run."""
+    module = types.ModuleType("__main__")
+    _name_script_module(module, path)
+    return module
+
+
+def _name_script_module(module: types.ModuleType, path: str) -> None:
+    # The globals python main.py gives its __main__ (code reading __annotations__ without annotations of its
+    # own, typing.get_type_hints on the module, or __cached__, fails without them).
+    module.__file__, module.__cached__, module.__annotations__ = path, None, {}
+    module.__loader__ = importlib.machinery.SourceFileLoader("__main__", path)
+    module.__builtins__ = __builtins__
 
 
 def _submodule_to_import(name: str) -> bool:
@@ -493,15 +634,23 @@ def run_child(env: dict[str, str], cwd: str, stdin_fd: int, output_fd: int,
 
 
 def reseed_random_state() -> None:
-    """Draw the global random state of preloaded libraries afresh, as a fresh interpreter's import draws it.
+    """Give the global random state of preloaded libraries what a fresh interpreter's imports give it: drawn
+    afresh, or as a preloaded import seeded it.
 
     Python's ``random`` reseeds itself after a fork; numpy's legacy global
     state (``np.random.rand``, ``choice``, ``normal``; seeded from the OS once,
     in the parent, by a preloaded ``numpy.random``, ``scipy.stats`` or
-    ``sklearn``) does not: every run would draw the same numbers.
+    ``sklearn``) does not: every run would draw the same numbers. But a state
+    a preloaded import seeded explicitly (``random.seed(123)`` in a project
+    package's ``__init__``, see :class:`SeedWatch`) is what ``python main.py``
+    starts with every time: each run gets it as the preload left it.
     """
+    random_state, numpy_seeded = _seeded_random_state
+    random = sys.modules.get("random")
+    if random_state is not None and random is not None:
+        random.setstate(random_state)  # (the fork's own reseed drew it afresh)
     numpy_random = sys.modules.get("numpy.random")
-    if numpy_random is not None:
+    if numpy_random is not None and not numpy_seeded:  # (seeded: this child's copy is as the preload left it)
         try:
             numpy_random.seed()  # (no argument: from the OS's entropy)
         except Exception:  # a numpy too broken to reseed: main.py's own use of it will say so
@@ -511,21 +660,20 @@ def reseed_random_state() -> None:
 def enter_loaded_folder(path: str, folder_fd: int) -> str:
     """Make the loaded model folder (``folder_fd``) this process's working directory; returns a path to it.
 
-    ``path`` is where the server last saw the folder. It names the run's folder
-    (``__file__``, ``sys.path``, tracebacks) only while it still leads to the
-    loaded folder: a folder deleted, or renamed, with a new one put under its
-    name before the server has loaded that, must not lend the loaded code the
-    new version's files. Renamed: the folder's new path. Deleted: ``path``
-    marked ``(deleted)``, a path that leads nowhere (tracebacks then say where
-    the code came from, which a /proc/self/fd path would not; the folder's
-    files are gone either way).
+    ``path`` is where the server last saw the folder. The run's folder
+    (``__file__``, ``sys.path``, tracebacks) is named by the loaded folder's
+    physical path, as ``python main.py`` names it: never ``path`` itself, which
+    may lead elsewhere by now (a folder deleted, or renamed, with a new one
+    put under its name before the server has loaded that, must not lend the
+    loaded code the new version's files), nor through a symlink (``current ->
+    release-7``: ``os.path.dirname(__file__) == os.getcwd()`` holds, as in a
+    cold run). Deleted: ``path`` marked ``(deleted)``, a path that leads nowhere
+    (tracebacks then say where the code came from, which a /proc/self/fd path
+    would not; the folder's files are gone either way).
     """
     os.fchdir(folder_fd)
-    loaded = os.fstat(folder_fd)
-    if _identity(path) == (loaded.st_dev, loaded.st_ino):
-        return path
     try:
-        return os.getcwd()  # the renamed folder's new path
+        return os.getcwd()
     except OSError:
         return f"{path} (deleted)"  # only the working directory leads to it
 
@@ -543,7 +691,7 @@ def enter_folder(path: str) -> str:
     """
     try:
         os.chdir(path)
-        return path
+        return os.getcwd()  # its physical path, as python main.py names it (see enter_loaded_folder)
     except OSError:
         try:
             return os.getcwd()  # the renamed folder's new path
@@ -620,16 +768,15 @@ def run_main(path: str) -> int:
     folder wherever it is by then (see :class:`LoadedFolderFinder`).
     """
     sys.argv = [ENTRY_FILE]
+    sys.orig_argv = [*sys.orig_argv[:1], ENTRY_FILE]  # as a cold run has it: not this parent's command line
     folder = os.path.dirname(path)
     sys.path.insert(0, folder)
     finder = LoadedFolderFinder(folder, working_directory_identity())
     sys.path_importer_cache[folder] = finder
-    module = type(sys)("__main__")
-    # The globals python main.py gives its __main__ (code reading __annotations__ without annotations of its
-    # own, typing.get_type_hints on the module, or __cached__, fails without them).
-    module.__file__, module.__cached__, module.__annotations__ = path, None, {}
-    module.__loader__ = importlib.machinery.SourceFileLoader("__main__", path)
-    module.__builtins__ = __builtins__
+    # The module the preloaded imports saw as __main__ (one that kept a reference to it sees main.py's globals,
+    # as with python main.py), named by this run's path.
+    module = _main_module if _main_module is not None else types.ModuleType("__main__")
+    _name_script_module(module, path)
     sys.modules["__main__"] = module
     _unshadow(folder)
     preloaded = len(sys.modules)  # modules imported from here on come after these (dicts keep order)
@@ -1125,6 +1272,10 @@ _preload_sigchld: object = None
 # main.py's path at load, its code or why not, and its lines (for tracebacks).
 _entry: tuple[str, types.CodeType | BaseException, list[str]] | None = None
 _entry_source: bytes | None = None  # main.py's bytes, as loaded (a cold run execs a fresh interpreter on them)
+_main_module: types.ModuleType | None = None  # the __main__ the preloaded imports saw (see preload_as_script)
+# Python random's state as a preloaded import seeded it (None: not seeded, drawn afresh in each run), and
+# whether one seeded numpy's global state (see reseed_random_state).
+_seeded_random_state: tuple[object, bool] = (None, False)
 
 
 def main() -> int:
@@ -1140,8 +1291,14 @@ def main() -> int:
     # to a private copy of the pipe (not inheritable, and closed before any child is forked).
     answer = os.dup(sys.stdout.fileno())
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    # The folder's physical path, as python main.py computes sys.path[0] and __file__ (a symlinked folder is
+    # named by what it leads to); the path the server named it by if the working directory has none.
+    try:
+        folder = os.getcwd()
+    except OSError:
+        folder = sys.argv[3]
     before = dict(os.environ)
-    refusal = preload(modules["imports"], modules["extra"], modules.get("submodules", []))
+    refusal = preload_as_script(folder, modules["imports"], modules["extra"], modules.get("submodules", []))
     after = dict(os.environ)
     _preload_environ = ({k: v for k, v in after.items() if before.get(k) != v}, [k for k in before if k not in after])
     # A preloaded import that ignores SIGCHLD (or handles it) would have the kernel reap this parent's children
@@ -1157,7 +1314,7 @@ def main() -> int:
     if refusal is not None:
         _answer(answer, refusal)
         return 0
-    compile_entry(os.path.join(sys.argv[3], ENTRY_FILE), sys.argv[4])  # named as each run's "cwd" names it
+    compile_entry(os.path.join(folder, ENTRY_FILE), sys.argv[4])  # named as each run names it (enter_loaded_folder)
     gc.freeze()  # the preloaded objects stay out of the collector's reach, so children share their pages
     _answer(answer, "ready")
     serve(control)

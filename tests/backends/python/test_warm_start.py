@@ -20,7 +20,7 @@ import pytest
 import tritonclient.grpc as triton
 from tritonclient.utils import InferenceServerException
 
-from nereid.backends.python.preload import Preloads, imported_modules, modules_to_preload
+from nereid.backends.python.preload import Preloads, imported_modules, lives_in_folder, modules_to_preload
 from nereid.cli import main as cli_main
 
 from support import nereid_serve, process_alive, textproto_single, wait_until, zombie_children
@@ -117,6 +117,23 @@ def test_numpys_global_random_state_is_drawn_afresh_in_every_run(repo, serve):
     assert backend_of(server, "sampler").runtime_report().summary == "warm_start=on"
     draws = [ask(server, "sampler") for _ in range(3)]
     assert len({draw["numpy"] for draw in draws}) == 3 and len({draw["python"] for draw in draws}) == 3, draws
+
+
+def test_a_seed_a_preloaded_import_sets_is_what_every_run_starts_with(repo, serve, user_site):
+    """Defect (h7 #3): a project package that seeds random and numpy in its __init__ (for reproducible runs) had
+    its seed thrown away in every warm run (random reseeds itself after a fork, nereid reseeded numpy); a fresh
+    interpreter that imports it is seeded: `python main.py` and cold runs draw the same numbers every time."""
+    (user_site / "seeds_everything.py").write_text(
+        "import random\nimport numpy as np\nrandom.seed(123)\nnp.random.seed(123)\nDRAWN = random.random()\n")
+    repo.python("seeded", textproto=REPORT, main=reply_main(
+        "[random.random(), float(np.random.rand())]",
+        prelude="import random\nimport numpy as np\nimport seeds_everything"))
+    server = serve(repo.write_config())
+    assert backend_of(server, "seeded").runtime_report().summary == "warm_start=on"
+    python_random = __import__("random").Random(123)
+    python_random.random()  # (the package's own draw, DRAWN)
+    expected = [python_random.random(), float(np.random.RandomState(123).rand())]
+    assert [ask(server, "seeded") for _ in range(3)] == [expected] * 3
 
 
 @pytest.mark.parametrize("warm", [True, False], ids=["warm", "cold"])
@@ -385,17 +402,17 @@ def test_a_submodule_a_from_import_takes_from_its_package_is_preloaded_and_an_at
     """Defect: `from scipy import signal` preloaded scipy alone, and every run imported scipy.signal again (0.6 s
     a run against 11 ms for `import scipy.signal`)."""
     (user_site / "pkg").mkdir()
-    (user_site / "pkg" / "__init__.py").write_text("name = 'an attribute'\n")
-    (user_site / "pkg" / "sub.py").write_text("")
+    (user_site / "pkg" / "__init__.py").write_text("import os\nPID = os.getpid()\nname = 'an attribute'\n")
+    (user_site / "pkg" / "sub.py").write_text("import os\nPID = os.getpid()\n")
     (user_site / "pkg" / "name.py").write_text("raise RuntimeError('imported though the attribute was taken')\n")
+    # (main.py's imports come first: an import after another statement is left to each run)
     repo.python("taker", textproto=REPORT, main=reply_main(
-        '{"before": before, "name": name}',
-        prelude="before = sorted(m for m in sys.modules if m in ('pkg', 'pkg.sub', 'pkg.name', 'xml', 'xml.dom'))\n"
-                "from pkg import sub, name\nfrom xml import dom\n"))
+        '{"preloaded": [pkg.PID != os.getpid(), sub.PID != os.getpid()], "name": name}',
+        prelude="from pkg import sub, name\nimport pkg\n"))
     server = serve(repo.write_config())
     assert backend_of(server, "taker").runtime_report().summary == "warm_start=on"
     # Imported by the parent before the child ran main.py: pkg.name never (the package's attribute is taken).
-    assert ask(server, "taker") == {"before": ["pkg", "pkg.sub", "xml", "xml.dom"], "name": "an attribute"}
+    assert ask(server, "taker") == {"preloaded": [True, True], "name": "an attribute"}
 
 
 def test_preloaded_modules_are_already_imported_in_the_child(repo, serve):
@@ -491,23 +508,110 @@ def test_a_top_level_import_of_main_py_that_fails_is_a_load_failure(repo, serve,
     assert ask(server, "edited") == "v3"
 
 
-def test_an_import_after_main_py_changes_sys_path_runs_cold_if_the_parent_cannot_import_it(repo, serve, tmp_path):
-    """Defect (of the load failure above): a main.py that puts a folder on sys.path and then imports from it failed
-    its load, since the warm parent imports without running the statements between; `python main.py` works. Only
-    an import that nothing but imports precedes fails the load; a later one that fails turns warm start off."""
-    source = "import sys\nsys.path.insert(0, 'vendor')\nimport vendored_helper\nimport json\n"
-    (tmp_path / "main.py").write_text(source)
-    assert modules_to_preload(tmp_path, "main.py", ("json", "csv"), source.encode()) == Preloads(
-        imports=("sys",), extra=("vendored_helper", "json", "csv"))
-    folder = repo.python("vendoring", textproto=REPORT,
-                         main=reply_main("vendored_helper.ANSWER",
-                                         prelude="sys.path.insert(0, 'vendor')\nimport vendored_helper"))
+def test_an_import_after_main_py_changes_sys_path_or_the_environment_is_left_to_each_run(repo, serve, user_site,
+                                                                                          caplog):
+    """Defect (h7 #1): an import after another statement was preloaded anyway, before any of main.py had run: a
+    `sys.path.insert` of a vendored copy then got the installed copy, and an environment variable set for a library
+    that reads it as it is imported (JAX_ENABLE_X64, OMP_NUM_THREADS) was not set yet; warm runs computed other
+    numbers than cold runs and `python main.py`, silently. Such an import is left to each run, and logged once."""
+    (user_site / "vendored_helper.py").write_text("ANSWER = 'installed'\n")
+    (user_site / "reads_env.py").write_text("import os\nMODE = os.environ.get('NEREID_TEST_MODE', 'unset')\n")
+    folder = repo.python("vendoring", textproto=REPORT, main=reply_main(
+        "[vendored_helper.ANSWER, reads_env.MODE]",
+        prelude="sys.path.insert(0, 'vendor')\nos.environ['NEREID_TEST_MODE'] = 'set by main.py'\n"
+                "import vendored_helper\nimport reads_env"))
     (folder / "vendor").mkdir()
     (folder / "vendor" / "vendored_helper.py").write_text("ANSWER = 'from vendor'\n")
+    with caplog.at_level("INFO", logger="nereid.backends.python.warm"):
+        server = serve(repo.write_config())
+        assert ask(server, "vendoring") == ["from vendor", "set by main.py"]
+        assert ask(server, "vendoring") == ["from vendor", "set by main.py"]  # (and so in every run)
+    assert backend_of(server, "vendoring").runtime_report().summary == "warm_start=on"
+    assert [r.message for r in caplog.records if "not preloaded" in r.message] == [
+        "model 'vendoring': main.py's imports 'vendored_helper', 'reads_env' are not preloaded, each run imports "
+        "them: they come after line 3 of main.py, which may change what they find (an environment variable, a "
+        "sys.path entry); name them in runtime.preload to preload them anyway"]
+
+
+def test_only_imports_docstrings_and_plain_constants_before_an_import_let_it_be_preloaded(tmp_path):
+    """Defect (h7 #1), the rule itself: what may come before an import that is preloaded."""
+    source = (b'"""A model."""\nfrom __future__ import annotations\n__version__ = "1.0"\nSIZES: tuple = (1, -2)\n'
+              b"pass\nimport json\nLIMIT = len('abc')\nimport csv\nfrom xml import dom\nimport zlib\n")
+    (tmp_path / "main.py").write_bytes(source)
+    # A call (len) ends the leading imports; runtime.preload still names what it wants preloaded.
+    assert modules_to_preload(tmp_path, "main.py", ("zlib",), source) == Preloads(
+        imports=("json",), extra=("zlib",), left=("csv", "xml"),
+        left_because="they come after line 7 of main.py, which may change what they find (an environment variable, "
+                     "a sys.path entry)")
+    for before in ["__builtins__ = {}\n", "import os\nos.environ['A'] = '1'\n", "x = f()\n", "x: f() = 1\n",
+                   "a.b = 1\n", "if True:\n    pass\n", "from . import sibling\n"]:
+        source = f"{before}import json\n".encode()
+        assert modules_to_preload(tmp_path, "main.py", (), source).left == ("json",), before
+    # An import of the folder's own module runs its code first: what comes after it is left to each run too.
+    (tmp_path / "helper.py").write_text("")
+    source = b"import json\nimport helper\nimport csv\n"
+    assert modules_to_preload(tmp_path, "main.py", (), source) == Preloads(
+        imports=("json",), left=("csv",),
+        left_because="they come after main.py imports its own 'helper', which may change what they find")
+
+
+def test_a_preloaded_module_is_imported_as_python_main_py_would_import_it(repo, serve, user_site):
+    """Defect (h7 #2): the warm parent preloaded without the model folder on sys.path, with its own sys.argv and
+    __main__: an installed package that reads its app's settings module from the script's folder, or the program's
+    name, as it is imported got the parent's, in every warm run; and a run's sys.orig_argv was the parent's
+    command line, with the server's scratch paths in it."""
+    (user_site / "reads_its_app.py").write_text(
+        "import sys\ntry:\n    import user_settings\n    SCALE = user_settings.SCALE\nexcept ImportError:\n"
+        "    SCALE = None\nPROG = sys.argv\nMAIN = getattr(sys.modules['__main__'], '__file__', None)\n"
+        "MAIN_MODULE = sys.modules['__main__']\n")
+    folder = repo.python("app", textproto=REPORT, main="import reads_its_app\n" + reply_main(
+        '{"scale": reads_its_app.SCALE, "prog": reads_its_app.PROG, "main": reads_its_app.MAIN, '
+        '"same_main": reads_its_app.MAIN_MODULE is sys.modules["__main__"], "orig_argv": sys.orig_argv[1:], '
+        '"path0": sys.path[0], "preloaded": "reads_its_app" in before}',
+        prelude="before = sys.modules"))
+    (folder / "user_settings.py").write_text("SCALE = 7.0\n")
     server = serve(repo.write_config())
-    assert ask(server, "vendoring") == "from vendor"
-    assert backend_of(server, "vendoring").runtime_report().summary.startswith(
-        "warm_start=off (preloading 'vendored_helper' failed (ModuleNotFoundError")
+    assert backend_of(server, "app").runtime_report().summary == "warm_start=on"
+    for _ in range(2):
+        assert ask(server, "app") == {"scale": 7.0, "prog": ["main.py"], "main": str(folder / "main.py"),
+                                      "same_main": True, "orig_argv": ["main.py"], "path0": str(folder),
+                                      "preloaded": True}
+
+
+def test_a_data_folder_named_like_an_installed_package_does_not_stop_its_preload(tmp_path):
+    """Defect (h7 #4): a checkpoint folder `jax/` (no __init__.py) in the model folder was taken for the model's own
+    package, so `import jax` was not preloaded (673 ms a run against 219 ms), and every import after it was left to
+    each run. Python imports the installed package there: a namespace portion loses to a module or regular package
+    found anywhere on sys.path."""
+    (tmp_path / "json").mkdir()  # (a standard-library package, found on sys.path as any installed one)
+    (tmp_path / "json" / "params.msgpack").write_bytes(b"\x80")
+    (tmp_path / "zlib").mkdir()  # (built into the interpreter)
+    (tmp_path / "checkpoints").mkdir()  # provided by nothing else: a namespace package of the folder's own
+    source = b"import json\nimport zlib\nimport checkpoints\nimport csv\n"
+    (tmp_path / "main.py").write_bytes(source)
+    assert lives_in_folder("json", tmp_path) is False and lives_in_folder("json.decoder", tmp_path) is False
+    assert lives_in_folder("zlib", tmp_path) is False
+    assert lives_in_folder("checkpoints", tmp_path) is True
+    preloads = modules_to_preload(tmp_path, "main.py", (), source)
+    assert preloads.imports == ("json", "zlib") and preloads.left == ("csv",)
+    (tmp_path / "json" / "__init__.py").write_text("")  # a regular package: first on sys.path, it wins
+    assert lives_in_folder("json", tmp_path) is True
+
+
+def test_a_symlinked_model_folder_is_named_by_its_physical_path_as_python_main_py_names_it(repo, serve, tmp_path):
+    """Defect (h7 #5): with `ml-backends/linked -> releases/r1` (a `current -> release-N` deploy) warm runs saw
+    __file__ and sys.path[0] under the link path, cold runs and `python main.py` under the physical path: code that
+    compares os.path.dirname(__file__) with os.getcwd() behaved differently in the two modes."""
+    folder = repo.python("r1", textproto=REPORT, main=reply_main(
+        '{"file": __file__, "path0": sys.path[0], "cwd": os.getcwd()}'))
+    release = tmp_path / "releases" / "r1"
+    release.parent.mkdir()
+    folder.rename(release)
+    (repo.models_dir / "linked").symlink_to(release, target_is_directory=True)
+    server = serve(repo.write_config(server_extra="  follow_symlinks: true\n"))
+    assert backend_of(server, "linked").runtime_report().summary == "warm_start=on"
+    real = str(release.resolve())
+    assert ask(server, "linked") == {"file": os.path.join(real, "main.py"), "path0": real, "cwd": real}
 
 
 def test_a_preload_that_initialises_cuda_runs_cold_and_one_that_only_loads_it_stays_warm(repo, serve, user_site,
