@@ -586,11 +586,11 @@ def _check_model(settings: Settings, manager: NereidPluginManager, scratch: Path
     unavailable: str | None = None  # why a server, having loaded it, would not serve it
     if isinstance(built.backend, CallsModels):
         # (Imported here: the server's loading machinery, which the check needs for this one warning only.)
-        from nereid.version_loader import warn_if_instances_ignored
+        from nereid.version_loader import warn_if_settings_ignored
 
         try:  # asked while it is loaded, as a server asks (and, when it raises, unloads it: UNAVAILABLE)
             executions, depends_on = what_it_calls(name, built.backend)
-            warn_if_instances_ignored(name, model_settings.instances, executions)
+            warn_if_settings_ignored(name, model_settings, executions)
         except model_faults() as err:
             unavailable = _load_failure_text(name, err)
     if unavailable is None and isinstance(built.backend, ChecksInputs):

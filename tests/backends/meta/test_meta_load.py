@@ -344,7 +344,7 @@ def test_model_config_counts_the_orchestrations_that_run_at_once_and_instances_i
                                                                                             caplog) -> None:
     """Defect: a meta model's ModelConfig gave instance_group count `instances` (1 by default, or what a ported
     Triton ensemble's instance_group said), while up to queue_capacity orchestrations run at once; and an
-    `instances` that does nothing was accepted without a word."""
+    `instances` that does nothing was accepted without a word (batching rules too, found by a later hunt)."""
     import logging
 
     from nereid.model_info import describe_config
@@ -352,7 +352,8 @@ def test_model_config_counts_the_orchestrations_that_run_at_once_and_instances_i
     root = tmp_path / "ml-backends"
     root.mkdir()
     meta_folder(root, "a", manifest=META.replace("[a, b]", "[]"))
-    repo = meta_repository(tmp_path, "models:\n  - {name: a, queue_capacity: 8, instances: 4}\n")
+    repo = meta_repository(tmp_path, "models:\n  - {name: a, queue_capacity: 8, instances: 4, batching: "
+                                     "{max_queue_delay_ms: 200, preferred_batch_sizes: [4]}}\n")
 
     async def scenario() -> int:
         entry = await repo.load("a")
@@ -364,7 +365,10 @@ def test_model_config_counts_the_orchestrations_that_run_at_once_and_instances_i
     assert asyncio.run(scenario()) == 8
     assert [r.getMessage() for r in caplog.records] == [
         "model 'a': instances: 4 does not apply to a model that calls models; 8 of its requests run at once (its "
-        "backend's count; queue_capacity for a meta model)"]
+        "backend's count; queue_capacity for a meta model)",
+        "model 'a': batching: max_queue_delay_ms, preferred_batch_sizes does not apply to a model that calls "
+        "models; each of its requests runs alone, as an orchestration with its own deadline (the models it calls "
+        "batch their sub-calls)"]
 
 
 def test_nereid_check_warns_of_instances_on_a_meta_model_as_the_server_does(tmp_path: Path, caplog, capsys) -> None:
