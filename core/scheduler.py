@@ -37,6 +37,11 @@ from nereid.tensors import NamedTensor
 # answer says whether the model may have acted on it (False, the default: it never left a queue, or never
 # reached one). Only ever set to True, so a sub-call of a meta model still queued does not undo its caller's.
 REQUEST_STARTED: ContextVar[bool] = ContextVar("nereid_request_started", default=False)
+# How many coroutine infers (meta models' orchestrations) run nested in the current task, each started at once in
+# its caller's. Past MAX_INLINE_DEPTH a call goes through the queue, whose execution is a task of its own: a chain
+# of 120 meta models on an idle server ran every level on one Python stack and failed with a RecursionError.
+_INLINE_DEPTH: ContextVar[int] = ContextVar("nereid_inline_depth", default=0)
+MAX_INLINE_DEPTH = 16
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +133,8 @@ class ModelScheduler:
         arrived_ns = time.monotonic_ns()
         cost = request_cost(self._signature, inputs, rows) if self._variable_axes else rows
         self._stats.record_submitted()
-        if self._can_start_at_once():
+        depth = _INLINE_DEPTH.get()
+        if self._can_start_at_once() and not (self._inline and depth >= MAX_INLINE_DEPTH):
             # Nothing waits and an instance is free: batching could add no company, so run
             # here and spare the hand-offs to the batcher task.
             if deadline_passed(deadline_ns, arrived_ns):
@@ -137,6 +143,7 @@ class ModelScheduler:
             self._free_slots -= 1
             # A coroutine infer runs in this very task and reads its deadline from the context.
             deadline = REQUEST_DEADLINE_NS.set(deadline_ns) if self._inline else None
+            nested = _INLINE_DEPTH.set(depth + 1) if self._inline else None
             caller = asyncio.current_task()
             self._direct.add(caller)
             try:
@@ -153,6 +160,8 @@ class ModelScheduler:
                 self._direct.discard(caller)
                 if deadline is not None:
                     REQUEST_DEADLINE_NS.reset(deadline)
+                if nested is not None:
+                    _INLINE_DEPTH.reset(nested)
                 self._release_slot()
         work = Work(inputs, rows, cost, batch_key(inputs), deadline_ns, asyncio.get_running_loop().create_future(),
                     arrived_ns, timing)

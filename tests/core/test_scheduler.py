@@ -689,3 +689,37 @@ def test_a_caller_going_away_still_cancels_a_running_coroutine_infer() -> None:
         assert float((await scheduler.submit(rows(2), 1, 0))[0].data[0, 0]) == 4
         await scheduler.drain()
     run(scenario())
+
+
+class Relay:
+    """A coroutine backend (a meta model) that passes its inputs on to the next scheduler of a chain."""
+
+    platform = "test"
+
+    def __init__(self) -> None:
+        self.next: ModelScheduler | None = None
+
+    async def infer(self, inputs: list[NamedTensor]) -> list[NamedTensor]:
+        if self.next is None:
+            return [NamedTensor("y", DType.FP32, inputs[0].data + 1)]
+        (out,) = await self.next.submit([NamedTensor("x", DType.FP32, inputs[0].data)], inputs[0].shape[0], 0)
+        return [NamedTensor("y", DType.FP32, out.data)]
+
+
+def test_a_chain_of_many_coroutine_models_answers_on_an_idle_server() -> None:
+    """Found by a bug hunt: on an idle server each level of a chain of meta models started at once in its
+    caller's task, so 120 levels ran on one Python stack and failed with a RecursionError (under load the same
+    request passed: queued levels run in tasks of their own). Past MAX_INLINE_DEPTH a level goes through the
+    queue."""
+    async def scenario() -> None:
+        relays = [Relay() for _ in range(300)]
+        schedulers = [ModelScheduler(f"m{i}", relay, SIGNATURE, capacity=4, instances=1, stats=ModelStats(),
+                                     policy=BatchPolicy(enabled=False)) for i, relay in enumerate(relays)]
+        for relay, following in zip(relays, schedulers[1:]):
+            relay.next = following
+        x = np.zeros((1, 2), np.float32)
+        (out,) = await schedulers[0].submit([NamedTensor("x", DType.FP32, x)], 1, 0)
+        assert out.data.tolist() == [[1.0, 1.0]]
+        for scheduler in schedulers:
+            await scheduler.drain()
+    asyncio.run(scenario())
