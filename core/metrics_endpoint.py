@@ -120,7 +120,7 @@ class _SharedRenderings:
             rendering.done.wait()
         answer = rendering.answer if rendering.answer is not None else self._render(environ)  # (its own, then)
         status, headers, body = answer
-        start_response(status, headers)
+        start_response(status, list(headers))  # (a copy each: wsgiref adds its Content-Length to the list it gets)
         return [body]
 
     def _render(self, environ: dict[str, Any]) -> tuple[str, list[tuple[str, str]], bytes]:

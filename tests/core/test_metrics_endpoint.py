@@ -158,3 +158,32 @@ def test_scrapes_arriving_during_a_rendering_share_it() -> None:
     finally:
         slow.release.set()
         endpoint.close()
+
+
+def test_scrapes_sharing_a_rendering_get_headers_of_their_own() -> None:
+    """Found by the session's review: the scrapes sharing a rendering were handed one header list, to which
+    wsgiref adds Content-Length in each scrape's thread: some answers carried it twice."""
+    gate, shared = threading.Event(), metrics_endpoint._SharedRenderings(None)  # type: ignore[arg-type]
+
+    def app(environ, start_response):
+        gate.wait(5)
+        start_response("200 OK", [("Content-Type", "text/plain")])
+        return [b"figures"]
+
+    shared._app = app
+    seen: list[list] = []
+
+    def scrape() -> None:
+        def start_response(status, headers, exc_info=None):
+            headers.append(("Content-Length", "7"))  # as wsgiref's handler does
+            seen.append(headers)
+        shared({"REQUEST_METHOD": "GET", "PATH_INFO": "/metrics"}, start_response)
+
+    scrapes = [threading.Thread(target=scrape) for _ in range(3)]
+    for thread in scrapes:
+        thread.start()
+    time.sleep(0.2)  # all three wait for the one rendering
+    gate.set()
+    for thread in scrapes:
+        thread.join(5)
+    assert [headers.count(("Content-Length", "7")) for headers in seen] == [1, 1, 1]
