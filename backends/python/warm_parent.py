@@ -149,8 +149,8 @@ def preload_as_script(folder: str, imports: list[str], extra: list[str],
             sys.modules["__main__"] = main_module
 
 
-# The functions that give a module's global random state an explicit seed, by module: a call with a seed that is
-# not None, or any call of the state setters.
+# The functions that set a module's global random state, by module: a seed() with a seed that is not None seeds
+# it; seed() without one, or a state setter after it, leaves it as random as before (see SeedWatch).
 SEEDERS = {"random": ("seed", "setstate"), "numpy.random": ("seed", "set_state")}
 
 
@@ -218,8 +218,14 @@ class SeedWatch:
 
     def _recording(self, name: str, attribute: str, original: collections.abc.Callable) -> collections.abc.Callable:
         def seeder(*args: object, **kwargs: object) -> object:
-            if self._active and (attribute != "seed" or next(iter([*args, *kwargs.values()]), None) is not None):
-                self.seeded.add(name)
+            if self._active:
+                # seed(x) seeds; seed() draws from the OS again; a set_state after it is most often a library
+                # putting back the state it saved before seeding for its own use (state = get_state(); seed(0);
+                # ...; set_state(state)), which leaves the global state as random as before: not seeded.
+                if attribute == "seed" and next(iter([*args, *kwargs.values()]), None) is not None:
+                    self.seeded.add(name)
+                else:
+                    self.seeded.discard(name)
             return original(*args, **kwargs)
 
         functools.update_wrapper(seeder, original)

@@ -134,6 +134,17 @@ def test_a_seed_a_preloaded_import_sets_is_what_every_run_starts_with(repo, serv
     python_random.random()  # (the package's own draw, DRAWN)
     expected = [python_random.random(), float(np.random.RandomState(123).rand())]
     assert [ask(server, "seeded") for _ in range(3)] == [expected] * 3
+    # (Found by the session's review: a package seeding for its own use, then putting the state back, made every
+    # warm run draw the same numbers: the global state is as random as before, and runs draw afresh.)
+    (user_site / "seeds_and_restores.py").write_text(
+        "import random\nimport numpy as np\nsaved, np_saved = random.getstate(), np.random.get_state()\n"
+        "random.seed(0)\nnp.random.seed(0)\nrandom.setstate(saved)\nnp.random.set_state(np_saved)\n")
+    repo.python("restored", textproto=REPORT, main=reply_main(
+        "[random.random(), float(np.random.rand())]",
+        prelude="import random\nimport numpy as np\nimport seeds_and_restores"))
+    server.client.load_model("restored")
+    drawn = [ask(server, "restored") for _ in range(3)]
+    assert len({tuple(values) for values in drawn}) == 3, drawn
 
 
 @pytest.mark.parametrize("warm", [True, False], ids=["warm", "cold"])
