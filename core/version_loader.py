@@ -115,7 +115,22 @@ class VersionLoader:
         if settings.server.watch and settings.server.ml_backends_url is None:
             stamped = await asyncio.to_thread(folder_stamp, entry.folder)  # before the build reads the files
             stamp = stamped[0] if stamped is not None else None
-        await self._build_slots.acquire()
+        # Waited for as a task the entry holds as its build: an unload or removal coming meanwhile cancels it
+        # (held_for_unload), and is not kept waiting behind every other folder's build.
+        turn = asyncio.ensure_future(self._build_slots.acquire())
+        entry.building = turn
+        try:
+            await turn
+        except asyncio.CancelledError:
+            if turn.done() and not turn.cancelled():
+                self._build_slots.release()  # (taken just before the cancellation came)
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():  # this task was cancelled (the server stopping)
+                raise
+            raise LoadAbandoned(f"model '{name}': load abandoned: an unload or removal of it came while it waited "
+                                "for its turn to load (server.model_load_threads)") from None
+        finally:
+            entry.building = None
         slot_held = True
 
         def release_slot() -> None:

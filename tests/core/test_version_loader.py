@@ -181,3 +181,39 @@ def test_a_build_running_long_gives_its_turn_up(tmp_path, monkeypatch):
         asyncio.run(scenario())
     finally:
         release.set()
+
+
+def test_an_unload_does_not_wait_for_a_load_waiting_for_its_turn(tmp_path, monkeypatch):
+    """Found by the session's review: a load waiting for a build's place held its model, and an unload of it
+    (which can give up only on a build under way) waited for every build before it (16.7 s in its run)."""
+    _, settings, _ = setup(tmp_path)
+    loader = VersionLoader(make_plugin_manager(load_entry_points=False, extra_plugins=(toy_backends,)),
+                           tmp_path / "scratch", load_threads=1)
+    for name in ("slow", "quick"):
+        write_toy(settings.server.ml_backends_path, name)
+    _, release = counting_loads(monkeypatch, hangs="slow")
+    quick = entry_for(settings, "quick")
+
+    async def scenario() -> None:
+        slow = asyncio.ensure_future(loader.load(entry_for(settings, "slow"), ModelStats(), settings))
+        await asyncio.sleep(0.05)
+        waiting = asyncio.ensure_future(loader.load(quick, ModelStats(), settings))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+
+        async def unload() -> None:
+            async with quick.held_for_unload():
+                pass
+        started = asyncio.get_running_loop().time()
+        await asyncio.gather(unload(), asyncio.wait_for(asyncio.shield(waiting), 5), return_exceptions=True)
+        assert asyncio.get_running_loop().time() - started < 2
+        with pytest.raises(LoadAbandoned, match="came while it waited for its turn to load"):
+            waiting.result()
+        release.set()
+        await released(await slow)
+        loaded = await asyncio.wait_for(loader.load(quick, ModelStats(), settings), 5)  # the place was given back
+        await released(loaded)
+    try:
+        asyncio.run(scenario())
+    finally:
+        release.set()
