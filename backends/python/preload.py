@@ -163,14 +163,20 @@ def lives_in_folder(module: str, folder: Path) -> bool:
 
 def _provided_elsewhere(top: str, folder: Path) -> bool:
     """Whether ``import top`` finds a module or regular package outside ``folder``: built in, frozen, or on the
-    server's ``sys.path`` (the interpreter the warm parent runs)."""
+    ``sys.path`` the runs have (the server's interpreter started with ``-P`` and without ``PYTHONPATH``)."""
     if importlib.machinery.BuiltinImporter.find_spec(top) or importlib.machinery.FrozenImporter.find_spec(top):
         return True
     try:
         resolved = folder.resolve()
     except OSError:
         resolved = folder
-    path = [entry for entry in sys.path if entry and entry != os.curdir and _resolved(entry) != resolved]
+    # Not the server's working directory (``python -m nereid.cli`` puts it first) nor its PYTHONPATH, which runs
+    # do not have: a package of the name there made the model's own namespace folder pass for installed, and
+    # the parent's copy of it was served, stale, after an edit (found by the session's review).
+    server_only = {_resolved(os.curdir), *(_resolved(entry) for entry in os.environ.get("PYTHONPATH", "").split(
+        os.pathsep) if entry)}
+    path = [entry for entry in sys.path if entry and entry != os.curdir
+            and _resolved(entry) not in (resolved, *server_only)]
     try:
         spec = importlib.machinery.PathFinder.find_spec(top, path)
     except (ImportError, ValueError, OSError):

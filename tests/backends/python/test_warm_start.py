@@ -609,6 +609,27 @@ def test_a_data_folder_named_like_an_installed_package_does_not_stop_its_preload
     assert lives_in_folder("json", tmp_path) is True
 
 
+def test_a_package_on_the_servers_own_path_does_not_make_a_models_namespace_folder_pass_for_installed(
+        tmp_path, monkeypatch):
+    """Found by the session's review: a server started (python -m) in a folder holding a package `mhelp`, or with
+    it on PYTHONPATH, took the model's own `mhelp/` (no __init__.py) for that package: it was preloaded, and an
+    edit of the model's helper never served. Runs have neither the server's working directory nor PYTHONPATH."""
+    import sys
+
+    model = tmp_path / "model"
+    (model / "mhelp").mkdir(parents=True)
+    (model / "mhelp" / "calc.py").write_text("VALUE = 1\n")
+    for where in ("cwd", "pythonpath"):
+        elsewhere = tmp_path / where
+        (elsewhere / "mhelp").mkdir(parents=True)
+        (elsewhere / "mhelp" / "__init__.py").write_text("")
+    monkeypatch.chdir(tmp_path / "cwd")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "pythonpath"))
+    for entry in (str(tmp_path / "cwd"), str(tmp_path / "pythonpath")):
+        monkeypatch.setattr(sys, "path", [entry, *sys.path])
+        assert lives_in_folder("mhelp.calc", model) is True, entry
+
+
 def test_a_symlinked_model_folder_is_named_by_its_physical_path_as_python_main_py_names_it(repo, serve, tmp_path):
     """Defect (h7 #5): with `ml-backends/linked -> releases/r1` (a `current -> release-N` deploy) warm runs saw
     __file__ and sys.path[0] under the link path, cold runs and `python main.py` under the physical path: code that
