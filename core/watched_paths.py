@@ -106,10 +106,15 @@ def symlinked_folders(root: Path, follow_symlinks: bool) -> tuple[Path, ...]:
             target = link.resolve(strict=True)
         except (OSError, RuntimeError):  # gone, or a loop of links
             continue
-        inside = target.is_relative_to(real_root)
-        if target.is_dir() and (inside or follow_symlinks) and not real_root.is_relative_to(target):
+        if target.is_dir() and _followed(target, real_root, follow_symlinks):
             targets.add(target)
     return tuple(sorted(targets))
+
+
+def _followed(target: Path, real_root: Path, follow_symlinks: bool) -> bool:
+    """Whether a model folder link's (resolved) ``target`` is followed: inside the resolved root, or anywhere with
+    ``follow_symlinks``, but never a folder holding the root (that would watch its whole surroundings)."""
+    return (target.is_relative_to(real_root) or follow_symlinks) and not real_root.is_relative_to(target)
 
 
 def awaited_targets(root: Path, follow_symlinks: bool) -> tuple[Path, ...]:
@@ -135,11 +140,10 @@ def awaited_targets(root: Path, follow_symlinks: bool) -> tuple[Path, ...]:
         target = Path(os.path.realpath(link))
         if os.path.lexists(target):
             continue  # a loop of links: resolving ends on one of them, where no folder is to arrive
-        inside = target.is_relative_to(real_root)
-        if not (inside or follow_symlinks) or real_root.is_relative_to(target):
+        if not _followed(target, real_root, follow_symlinks):
             continue
         awaited.add(target)
-        if inside:
+        if target.is_relative_to(real_root):
             awaited.add(root / target.relative_to(real_root))
     return tuple(sorted(awaited))
 
