@@ -31,12 +31,17 @@ class Heard:
         self.loaded.append((model, seconds))
 
 
-def setup(tmp_path: Path, server_yaml: str = "") -> tuple[VersionLoader, Settings, Heard]:
+def setup(tmp_path: Path, server_yaml: str = "", load_threads: int = 4,
+          toys: tuple[str, ...] = ()) -> tuple[VersionLoader, Settings, Heard]:
+    """A loader of ``load_threads`` builds at once over ``tmp_path/ml-backends``, holding the toy models ``toys``."""
     (tmp_path / "ml-backends").mkdir()
     (tmp_path / "nereid.yaml").write_text(f'server:\n  ml_backends_path: "ml-backends"\n{server_yaml}')
     manager = make_plugin_manager(load_entry_points=False, extra_plugins=(toy_backends, FaultyToys()))
     heard = Heard()
-    return VersionLoader(manager, tmp_path / "scratch", events=heard), load_settings(tmp_path / "nereid.yaml"), heard
+    settings = load_settings(tmp_path / "nereid.yaml")
+    for name in toys:
+        write_toy(settings.server.ml_backends_path, name)
+    return VersionLoader(manager, tmp_path / "scratch", events=heard, load_threads=load_threads), settings, heard
 
 
 def entry_for(settings: Settings, name: str) -> ModelEntry:
@@ -140,12 +145,8 @@ def counting_loads(monkeypatch, hangs: str = "") -> tuple[list[int], threading.E
 def test_at_most_model_load_threads_builds_run_at_once(tmp_path, monkeypatch):
     """Found by a scale hunt: every folder's build started at once (300-500 at start), their threads kept the
     event loop from the GIL, and liveness went unanswered for 10-30 s (a liveness probe kills such a server)."""
-    _, settings, _ = setup(tmp_path)
-    loader = VersionLoader(make_plugin_manager(load_entry_points=False, extra_plugins=(toy_backends,)),
-                           tmp_path / "scratch", load_threads=2)
     names = [f"m{i}" for i in range(5)]
-    for name in names:
-        write_toy(settings.server.ml_backends_path, name)
+    loader, settings, _ = setup(tmp_path, load_threads=2, toys=tuple(names))
     most, _ = counting_loads(monkeypatch)
 
     async def scenario() -> None:
@@ -161,11 +162,7 @@ def test_a_build_running_long_gives_its_turn_up(tmp_path, monkeypatch):
     keep every other folder from loading."""
     from nereid import backend_calls
 
-    _, settings, _ = setup(tmp_path)
-    loader = VersionLoader(make_plugin_manager(load_entry_points=False, extra_plugins=(toy_backends,)),
-                           tmp_path / "scratch", load_threads=1)
-    for name in ("hung", "next"):
-        write_toy(settings.server.ml_backends_path, name)
+    loader, settings, _ = setup(tmp_path, load_threads=1, toys=("hung", "next"))
     most, release = counting_loads(monkeypatch, hangs="hung")
     monkeypatch.setattr(backend_calls, "LONG_LOAD_NOTE_S", 0.3)
 
@@ -186,11 +183,7 @@ def test_a_build_running_long_gives_its_turn_up(tmp_path, monkeypatch):
 def test_an_unload_does_not_wait_for_a_load_waiting_for_its_turn(tmp_path, monkeypatch):
     """Found by the session's review: a load waiting for a build's place held its model, and an unload of it
     (which can give up only on a build under way) waited for every build before it (16.7 s in its run)."""
-    _, settings, _ = setup(tmp_path)
-    loader = VersionLoader(make_plugin_manager(load_entry_points=False, extra_plugins=(toy_backends,)),
-                           tmp_path / "scratch", load_threads=1)
-    for name in ("slow", "quick"):
-        write_toy(settings.server.ml_backends_path, name)
+    loader, settings, _ = setup(tmp_path, load_threads=1, toys=("slow", "quick"))
     _, release = counting_loads(monkeypatch, hangs="slow")
     quick = entry_for(settings, "quick")
 

@@ -239,34 +239,22 @@ def test_programs_that_would_fail_after_their_first_run_or_crash_the_server_are_
     assert server.client.is_server_live()
 
 
-def test_bundle_check_refuses_a_program_that_donates_a_weight(tmp_path) -> None:
-    """Found by a README check: `nereid bundle check` called such a bundle servable, which the server then
-    refused at load."""
-    from nereid.backends.xla.arity import bundle_type_problem
-
-    folder = tmp_path / "donated"
-    folder.mkdir()
-    (folder / "model.mlir").write_text(_DONATED_WEIGHT)
-    write_safetensors(folder / "weights.safetensors", [("w", np.array([10, 20], np.float32))])
-    (folder / "manifest.yaml").write_text(_TWO_FLOATS)
-    problem = bundle_type_problem(folder)
-    assert problem is not None and problem.startswith("model.mlir: the program takes over the buffers of weight(s) "
-                                                      "'w' (donated"), problem
-
-
-def test_bundle_check_refuses_a_program_that_calls_back_into_python(tmp_path) -> None:
-    """Found by a README check: `nereid bundle check` called such a bundle servable (exit 0), which the server then
+@pytest.mark.parametrize("program, refused", [
+    (_DONATED_WEIGHT, "model.mlir: the program takes over the buffers of weight(s) 'w' (donated"),
+    (_PYTHON_CALLBACK, "model.mlir: the program calls back into Python (xla_ffi_python_cpu_callback: "),
+], ids=["donates-a-weight", "calls-back-into-python"])
+def test_bundle_check_refuses_a_program_the_server_refuses(tmp_path, program: str, refused: str) -> None:
+    """Found by README checks: `nereid bundle check` called such bundles servable (exit 0), which the server then
     refused at load; both now give the same reason."""
     from nereid.backends.xla.arity import bundle_type_problem
 
-    folder = tmp_path / "callback"
+    folder = tmp_path / "refused"
     folder.mkdir()
-    (folder / "model.mlir").write_text(_PYTHON_CALLBACK)
+    (folder / "model.mlir").write_text(program)
     write_safetensors(folder / "weights.safetensors", [("w", np.array([10, 20], np.float32))])
     (folder / "manifest.yaml").write_text(_TWO_FLOATS)
     problem = bundle_type_problem(folder)
-    assert problem is not None and problem.startswith("model.mlir: the program calls back into Python "
-                                                      "(xla_ffi_python_cpu_callback: "), problem
+    assert problem is not None and problem.startswith(refused), problem
 
 
 CLIENT_INPUTS_PTS = """client_inputs:
