@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
-from nereid.errors import cap_message
+from nereid.errors import ConfigError, cap_message
 
 
 def find_cycle(start: str, depends_on: Callable[[str], Iterable[str]]) -> list[str] | None:
@@ -45,6 +45,16 @@ def find_cycle(start: str, depends_on: Callable[[str], Iterable[str]]) -> list[s
 def describe_cycle(cycle: list[str]) -> str:
     """``'a' -> 'b' -> 'a'``: a cycle as error messages show it."""
     return " -> ".join(f"'{name}'" for name in cycle)
+
+
+class DependencyCycle(ConfigError):
+    """A load refused because the model's ``depends_on`` closes a cycle; ``cycle`` is the path (as
+    :func:`find_cycle` gives it). In dynamic mode the repository tries the load again once another model on
+    the cycle has loaded a new version or gone, which may have broken it."""
+
+    def __init__(self, message: str, cycle: list[str]) -> None:
+        super().__init__(message)
+        self.cycle = tuple(cycle)
 
 
 @dataclass(frozen=True)

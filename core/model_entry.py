@@ -112,6 +112,16 @@ class ModelEntry:
     # Why its last load or reload was given up for an unload or removal (LoadAbandoned); "" otherwise. Set when
     # that load returns, cleared when the next starts: its caller reads it at once.
     abandoned: str = ""
+    # Its last load or reload refused for the models it calls, which a change of theirs may let through (in
+    # dynamic mode it is tried again then, see ModelRepository): what a new version kept from serving calls,
+    # or the other models on the depends_on cycle a load closed. Cleared when the next load or reload starts.
+    kept_calling: tuple[str, ...] = ()
+    cycle_through: frozenset[str] = frozenset()
+
+    def clear_refusal(self) -> None:
+        """Forget the last load's outcome (a load or reload is starting)."""
+        self.abandoned = ""
+        self.kept_calling, self.cycle_through = (), frozenset()
 
     @contextlib.asynccontextmanager
     async def held_for_unload(self) -> AsyncIterator[None]:

@@ -20,6 +20,7 @@ import pluggy
 from nereid.backend import ModelCaller, ModelContext, Relocatable
 from nereid.backend_calls import on_daemon_thread, terminate_backend, unload_backend
 from nereid.client_paths import ClientPaths
+from nereid.dependencies import DependencyCycle
 from nereid.dependent_states import DependentStates, log_unavailable
 from nereid.errors import (ConfigError, NotFound, PublicText, Unavailable, backend_exit, calling_plugin, cap_message,
                            describe_exception, without_stop_iteration)
@@ -389,6 +390,7 @@ class ModelRepository:
         forget_listed_folder(self.settings.server, name)
         if self.events is not None:
             self.events.model_forgotten(name)
+        self._retry_cycles_through(name)
 
     def entries(self) -> list[ModelEntry]:
         """Every known model folder, by name."""
@@ -480,7 +482,7 @@ class ModelRepository:
                         self._exposed.add(name)
                     raise _store_cannot_tell(name, failure) from failure
         entry = self.entry(name)
-        entry.abandoned = ""  # (this load's own outcome from here on)
+        entry.clear_refusal()  # (this load's own outcome from here on)
         missing = await self._folder_missing(entry, requested and not looked_up)
         if entry.loaded is None and missing and self.settings.model(name) is None:
             # Nothing keeps the name: its folder is gone, and at most its old model still finishes its requests
@@ -579,6 +581,7 @@ class ModelRepository:
             entry.state, entry.reason = ModelState.UNAVAILABLE, self.public_text(reason)
             entry.abandoned = entry.reason if abandoned else ""
             entry.store_fault = reason if store_failed(err) else ""
+            entry.cycle_through = _cycle_through(err, name)
             # The models calling it wait again (they waited on it LOADING meanwhile): no news either then.
             self._refresh_dependents(repeated=repeated)
             return entry
@@ -613,7 +616,7 @@ class ModelRepository:
             if only_if_changed and await self._loaded_as_now(entry):
                 log.info("model '%s' is loaded already as its folder and settings are now", name)
                 return entry
-            entry.abandoned = ""
+            entry.clear_refusal()
             try:
                 new = await self._loader.load(entry, old.stats, self.settings)
             except LoadAbandoned as err:
@@ -631,6 +634,7 @@ class ModelRepository:
                 # (Not "version N": the protocol's model version is always 1; N counts loads.)
                 entry.reason = self.public_text(f"reload failed, the running version keeps serving: {reason}")
                 entry.store_fault = reason if store_failed(err) else ""
+                entry.cycle_through = _cycle_through(err, name)
                 self._record(name, "reload_failed")
                 return entry
             entry.store_fault = ""
@@ -642,6 +646,7 @@ class ModelRepository:
                 log.error("model '%s': reload failed (load %d), the running version keeps serving: %s", name,
                           entry.generation, blocked)
                 entry.reason = self.public_text(f"reload failed, the running version keeps serving: {blocked}")
+                entry.kept_calling = new.depends_on
                 self._record(name, "reload_failed")
                 return entry
             entry.loaded = new
@@ -1018,6 +1023,7 @@ class ModelRepository:
             entry.state, entry.reason = ModelState.UNAVAILABLE, verdict.why
             log_unavailable(entry, verdict, f" (loaded: {done})")
         self._refresh_dependents()  # the models calling it
+        self._retry_cycles_through(entry.name)
 
     def _refresh_dependents(self, repeated: bool = False) -> None:
         """Keep models that call other models READY exactly while those are READY (issue 14; see
@@ -1028,6 +1034,37 @@ class ModelRepository:
         """
         self._dependents.refresh(self._entries, repeated)
         self._state_changed()
+        self._retry_kept_versions()
+
+    def _retry_kept_versions(self) -> None:
+        """In dynamic mode, load again each model whose new version was kept from serving for the models
+        it calls (see :meth:`_kept_from_serving`), once they are all READY: a new meta model version copied in
+        before a model it calls, that model arriving later (Triton's poll retries an ensemble whose composing
+        model appears). Not for models only LOADING: the retry would swap the running version out for one
+        that waits on them, and then on their failure."""
+        for entry in list(self._entries.values()):
+            if (entry.kept_calling
+                    and DependentStates.verdict_calling(self._entries, entry.name, entry.kept_calling).ready):
+                self._try_refused_again(entry, "the models its new version calls are READY now")
+
+    def _retry_cycles_through(self, name: str) -> None:
+        """In dynamic mode, load again each model refused for a depends_on cycle through ``name``, which has
+        just loaded a new version or gone: its manifest may no longer close the cycle. (Only then: a failed
+        load changes no manifest, so two models refused for one cycle never retry each other in turn.)"""
+        for entry in list(self._entries.values()):
+            if name in entry.cycle_through:
+                self._try_refused_again(entry, f"model '{name}' on its depends_on cycle has changed")
+
+    def _try_refused_again(self, entry: ModelEntry, why: str) -> None:
+        """Load ``entry`` again (in the background) after its refusal for the models it calls, when a watcher
+        follows the repository and it is still wanted; the refusal is forgotten either way."""
+        entry.kept_calling, entry.cycle_through = (), frozenset()
+        if not (self.settings.server.watch and self.wanted(entry.name)):
+            return
+        log.info("model '%s': %s; loading it again", entry.name, why)
+        # (only_if_changed: a reload of the watcher's may have loaded the new version meanwhile.)
+        self.in_background(self.reload(entry.name, only_if_changed=True),
+                           f"model '{entry.name}': loading it again ({why})")
 
     def _state_changed(self) -> None:
         """Tell ``on_state_change`` that ServerReady may have moved (the health service follows it)."""
@@ -1077,6 +1114,11 @@ def _plugin_traceback(err: BaseException) -> BaseException | None:
     """What a load failure's log line shows the traceback of: the exception a backend's create() or load()
     raised that was not nereid's (a bug, most likely: the plugin's author needs where), else nothing."""
     return err.__cause__ if isinstance(err, BackendRaised) else None
+
+
+def _cycle_through(err: BaseException, name: str) -> frozenset[str]:
+    """The other models on the depends_on cycle a load of ``name`` was refused for (none for another failure)."""
+    return frozenset(err.cycle) - {name} if isinstance(err, DependencyCycle) else frozenset()
 
 
 def _reason(err: BaseException) -> str:

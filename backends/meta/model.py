@@ -31,7 +31,7 @@ from nereid.batching import deadline_passed
 from nereid.backends.xla.manifest import MANIFEST_NAME, Manifest, declares_meta, load_manifest
 from nereid.backends.xla.signatures import batch_mode, build_signature
 from nereid.daemon_pool import DaemonThreadPool
-from nereid.dependencies import describe_cycle, find_cycle
+from nereid.dependencies import DependencyCycle, describe_cycle, find_cycle
 from nereid.errors import (ConfigError, DeadlineExceeded, LoggedModelFailure, ModelFailure, NereidError, NotFound,
                            QueueFull, Unavailable, describe_exception, same_kind, without_stop_iteration)
 from nereid.files import not_regular_reason
@@ -205,8 +205,8 @@ class MetaModel:
         self._callable = frozenset(self.depends_on)
         cycle = find_cycle(name, self._declared_dependencies)
         if cycle is not None:
-            raise ConfigError(f"model '{name}': depends_on forms a cycle {describe_cycle(cycle)} "
-                              f"({manifest_path}): a meta model must not reach itself through depends_on")
+            raise DependencyCycle(f"model '{name}': depends_on forms a cycle {describe_cycle(cycle)} "
+                                  f"({manifest_path}): a meta model must not reach itself through depends_on", cycle)
         hooks = load_model_hooks(model_py, name, meta=True)
         if hooks.orchestrate is None:
             raise ConfigError(f"model '{name}': {model_py} registered no orchestration: a meta model's "

@@ -21,7 +21,7 @@ import tritonclient.grpc as triton
 import tritonclient.http as triton_http
 from tritonclient.utils import InferenceServerException
 
-from support import ModelRepo, expect_grpc_error, scrape
+from support import ModelRepo, expect_grpc_error, scrape, wait_until
 
 SHIPPED = Path(__file__).resolve().parents[3] / "ml-backends"
 
@@ -331,6 +331,46 @@ def test_a_reload_whose_new_version_could_never_be_ready_keeps_the_running_one(r
         manifest.write_text(manifest.read_text().replace(f"depends_on: {depends_on}", "depends_on: ['echo']"))
     client.load_model("relay")  # a reload that can be READY replaces it, as before
     assert index(client)["relay"] == {"name": "relay", "version": "1", "state": "READY"}
+
+
+def test_in_dynamic_mode_a_load_refused_for_the_models_it_calls_is_tried_again_when_they_change(repo,
+                                                                                                   serve) -> None:
+    """Found by a bug hunt: a meta model's new version copied in before a model it calls was kept from serving
+    (right), and never tried again once that model arrived; a meta model refused for a cycle kept that reason
+    after the cycle was broken. Both stayed so until their own folder changed again."""
+    repo.python("echo")
+    relay = add_meta(repo, "relay", RELAY.format(target="echo"), ["echo"])
+    add_meta(repo, "cycle_a", RELAY.format(target="cycle_b"), ["cycle_b"])
+    cycle_b = add_meta(repo, "cycle_b", RELAY.format(target="cycle_a"), ["cycle_a"])
+    server = serve(repo.write_config(server_extra="  strict_readiness: false\n  watch: true\n"
+                                                  "  watch_settle_ms: 100\n"))
+    client = server.client
+    repository = server.server.repository
+    models = index(client)
+    assert models["relay"]["state"] == "READY"
+    assert "depends_on forms a cycle" in models["cycle_a"]["reason"], models
+    # Two models refused for one cycle do not retry each other in turn: their loads stay as they were.
+    loads = (repository.generation("cycle_a"), repository.generation("cycle_b"))
+    time.sleep(1)
+    assert (repository.generation("cycle_a"), repository.generation("cycle_b")) == loads
+
+    # A new version calling a model not there yet is kept from serving, then serves once that model is READY.
+    manifest = relay / "manifest.yaml"
+    manifest.write_text(manifest.read_text().replace("depends_on: ['echo']", "depends_on: ['echo', 'late']"))
+    assert wait_until(lambda: "its new version could not be READY" in index(client)["relay"].get("reason", ""))
+    running = repository.generation("relay")
+    repo.python("late")
+    assert wait_until(lambda: index(client)["relay"] == {"name": "relay", "version": "1", "state": "READY"}
+                      and repository.generation("relay") > running), index(client)
+    assert repository.ready_model("relay").depends_on == ("echo", "late")
+    np.testing.assert_array_equal(infer(client, "relay", X), X)
+
+    # The cycle broken by an edit of one of its models: the other loads too.
+    (cycle_b / "manifest.yaml").write_text((cycle_b / "manifest.yaml").read_text().replace("['cycle_a']", "['echo']"))
+    (cycle_b / "model.py").write_text(textwrap.dedent(RELAY.format(target="echo")))
+    assert wait_until(lambda: {index(client)[n]["state"] for n in ("cycle_a", "cycle_b")} == {"READY"}), \
+        index(client)
+    np.testing.assert_array_equal(infer(client, "cycle_a", X), X)
 
 
 def test_a_sub_models_full_queue_is_not_counted_as_the_meta_models_own(repo, serve) -> None:
