@@ -166,11 +166,18 @@ MESSAGE_LIMIT = 4096
 
 
 def cap_message(text: str, limit: int = MESSAGE_LIMIT) -> str:
-    """``text`` cut to ``limit`` characters, saying how much was cut when it was."""
+    """``text`` cut to ``limit`` characters in its middle, saying how much was cut when it was.
+
+    Its end is kept as well as its start: that is where a message names what
+    was expected, and where a chain of causes (a meta model's sub-call, that
+    model's own sub-call, ...) names the first.
+    """
     if len(text) <= limit:
         return text
-    keep = max(limit - 64, 0)  # room for the note, so the result stays within ``limit``
-    return text[:keep] + f" ... [{len(text) - keep} more characters cut]"
+    room = max(limit - 64, 0)  # room for the note, so the result stays within ``limit``
+    tail = min(room // 4, 1024)
+    head = room - tail
+    return f"{text[:head]} ... [{len(text) - head - tail} characters cut] ... {text[len(text) - tail:]}"
 
 
 # What plugin code may raise that is no Exception yet is never meant for this process.

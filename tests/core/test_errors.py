@@ -1,10 +1,10 @@
-"""errors.same_kind: passing an error on with the model's name, its status and attributes kept."""
+"""errors.same_kind: passing an error on with the model's name, its status and attributes kept; cap_message."""
 
 from __future__ import annotations
 
 import pytest
 
-from nereid.errors import InvalidArgument, ModelFailure, NotFound, Unavailable, same_kind
+from nereid.errors import MESSAGE_LIMIT, InvalidArgument, ModelFailure, NotFound, Unavailable, cap_message, same_kind
 
 
 class OwnStr(InvalidArgument):
@@ -55,3 +55,16 @@ def test_an_error_keeps_its_slots_and_its_type() -> None:
 
 def test_a_plain_error_is_passed_on_as_its_own_type() -> None:
     assert type(same_kind(ModelFailure("x"), "model 'm': x")) is ModelFailure
+
+
+def test_a_capped_message_keeps_its_end_where_a_chain_of_causes_names_the_first():
+    # Found by a bug hunt: a deep chain of meta models failing kept the outer levels' "sub-call to ... failed"
+    # and cut the cause itself, the one line that said what went wrong.
+    chain = "".join(f"meta model 'relay{i:03}': sub-call to 'relay{i + 1:03}' failed: " for i in range(100))
+    message = chain + "model 'scorer': input 'x': expected FP32, got INT64"
+    capped = cap_message(message)
+    assert len(capped) <= MESSAGE_LIMIT
+    assert capped.startswith("meta model 'relay000': sub-call to 'relay001' failed: ")
+    assert capped.endswith("model 'scorer': input 'x': expected FP32, got INT64")
+    assert f" ... [{len(message) - (MESSAGE_LIMIT - 64)} characters cut] ... " in capped
+    assert cap_message("short") == "short"
