@@ -258,7 +258,7 @@ def validate_inputs(model: str, signature: ModelSignature, tensors: list[NamedTe
                 # the wire decoders make them; a program reading its bytes as they lie would compute garbage.
                 tensor = NamedTensor(tensor.name, tensor.dtype, tensor.data.astype(held.newbyteorder("=")))
         if spec.dtype is DType.BYTES:
-            _check_text_elements(model, spec.name, tensor.data)
+            tensor = _as_bytes_elements(model, spec.name, tensor)
         elif spec.dtype is DType.BOOL and (problem := _bool_problem(tensor.data)) is not None:
             # (A client's are refused by the decoders already; a meta model's sub-call or a hook's come here.)
             raise _refusal(f"model '{model}': input '{spec.name}' is tagged BOOL but holds {problem}")
@@ -474,17 +474,27 @@ def _array_text(data: Any) -> str:
     return f"a {name}" + (f" of {dtype}" if dtype is not None else "")
 
 
-def _check_text_elements(model: str, name: str, data: np.ndarray) -> None:
-    """Refuse a BYTES input whose elements are not all bytes, or str that UTF-8 can encode.
+def _as_bytes_elements(model: str, name: str, tensor: NamedTensor) -> NamedTensor:
+    """A BYTES input whose elements are all bytes: ``tensor`` itself, or a copy with its str elements UTF-8
+    encoded; refused when an element is neither, or a str UTF-8 cannot encode.
 
     The wire decoders make bytes elements (one C-level pass finds them so); a
     meta model's sub-call or a preprocess hook may pass anything. Queued, such
     an element failed its whole batch, other clients' requests with it, and was
-    blamed on the model that received it.
+    blamed on the model that received it. A str reached the model as a str,
+    where a client's request always brings bytes: a model (or hook) written for
+    its clients' requests failed on a pipeline's (``element.decode()``).
     """
+    data = tensor.data
+    flat = data.ravel()
+    if all(map(isinstance, flat, repeat(bytes))):  # (a client's: one C-level pass)
+        return tensor
     problem = _text_problem(data)
     if problem is not None:
         raise _refusal(f"model '{model}': input '{name}' is tagged BYTES but holds {problem}")
+    encoded = np.empty(data.shape, dtype=object)
+    encoded.ravel()[:] = [e.encode("utf-8") if isinstance(e, str) else e for e in flat]
+    return NamedTensor(tensor.name, tensor.dtype, encoded)
 
 
 def _bool_problem(data: np.ndarray) -> str | None:

@@ -252,6 +252,17 @@ def test_a_bytes_input_whose_elements_are_not_text_is_refused_before_it_is_queue
     validate_inputs("m", BYTES_IN, [NamedTensor("s", DType.BYTES, objects(b"a", "né"))])
 
 
+def test_str_elements_of_a_bytes_input_reach_the_model_as_utf8_bytes() -> None:
+    """Found by a bug hunt: a meta model's sub-call passing str elements handed them to the model as str, where
+    its clients' requests always bring bytes (a model calling element.decode() failed on the pipeline's only)."""
+    sent = NamedTensor("s", DType.BYTES, objects(b"a", "né"))
+    received, = validate_inputs("m", BYTES_IN, [sent]).tensors
+    assert received.data.tolist() == [[b"a", "né".encode()]] and received.data.shape == (1, 2)
+    assert sent.data[0, 1] == "né"  # the caller's own array is left as it was
+    client = NamedTensor("s", DType.BYTES, objects(b"a", b"b"))
+    assert validate_inputs("m", BYTES_IN, [client]).tensors[0] is client  # bytes only: passed on as it is
+
+
 def test_a_bool_input_holding_other_bytes_than_0_or_1_is_refused_before_it_is_queued() -> None:
     """Found by a bug hunt: a meta model's sub-call passing a BOOL tensor that holds byte 2 reached the model
     called, where a client's same bytes are refused (the README: a sub-call's data is checked as a client's)."""
