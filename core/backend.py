@@ -61,11 +61,20 @@ class ModelContext:
     # The model's folder in the repository, where ``folder`` is a copy of it of this version's own (a model
     # fetched from an object store runs from a version folder no later fetch changes); None: ``folder`` is it.
     repository_folder: Path | None = None
+    # What folder_rewritten() tells (the repository's loader); None: nobody follows the folder.
+    on_folder_rewritten: Callable[[], None] | None = None
 
     @property
     def device(self) -> Device:
         """The device nereid.yaml assigned to the model."""
         return self.settings.device
+
+    def folder_rewritten(self) -> None:
+        """Say, from ``load()``, that it has just rewritten files of ``folder`` itself (a weights migration): in
+        dynamic mode the folder as it is now is then what this version loaded, and the watcher, seeing those
+        writes, does not load the model a second time. Call it after the last write."""
+        if self.on_folder_rewritten is not None:
+            self.on_folder_rewritten()
 
 
 @runtime_checkable

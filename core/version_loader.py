@@ -109,10 +109,16 @@ class VersionLoader:
         """
         name = entry.name
         entry.scratch_names.add(name)
-        context = ModelContext(name, entry.folder, entry.settings, self.scratch_for(name), entry.settings_origin,
-                               self.models)
         stamp = None
-        if settings.server.watch and settings.server.ml_backends_url is None:
+        restamped: list[object] = []  # the folder's stamp after load() rewrote it (ModelContext.folder_rewritten)
+        watched = settings.server.watch and settings.server.ml_backends_url is None
+
+        def folder_rewritten() -> None:
+            stamped = folder_stamp(entry.folder)  # (on the build's thread)
+            restamped.append(stamped[0] if stamped is not None else None)
+        context = ModelContext(name, entry.folder, entry.settings, self.scratch_for(name), entry.settings_origin,
+                               self.models, on_folder_rewritten=folder_rewritten if watched else None)
+        if watched:
             stamped = await asyncio.to_thread(folder_stamp, entry.folder)  # before the build reads the files
             stamp = stamped[0] if stamped is not None else None
         # Waited for as a task the entry holds as its build: an unload or removal coming meanwhile cancels it
@@ -164,6 +170,8 @@ class VersionLoader:
             entry.building = None
             release_slot()
         load_seconds = time.monotonic() - started
+        if restamped:
+            stamp = restamped[-1]
         loaded = await self._wired(entry, built, stats, load_seconds, stamp, context, backend_defaults)
         if self.events is not None:
             self.events.model_loaded(name, load_seconds)

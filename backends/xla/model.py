@@ -93,7 +93,8 @@ class XlaModel:
         options = parse_options(context.settings.runtime, context.settings_origin)
         remote = RemoteBundle.of(context.folder, retries=options.weights_read_retries)
         if remote is None:
-            migrate_for_load(context.folder, options.weights_migration, context.name)
+            if migrate_for_load(context.folder, options.weights_migration, context.name):
+                context.folder_rewritten()  # (in dynamic mode, not a change to load again)
         elif options.weights_migration != "off":  # nothing is ever written into the bucket
             log.warning("model '%s': weights_migration does not run for a bundle in object storage (%s)",
                         context.name, remote.location)

@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +23,7 @@ from nereid.backends.xla.safetensors import load_weights, read_header, write_saf
 from nereid.backends.xla.export import examples
 from nereid.settings import ModelSettings
 from nereid.tensors import NamedTensor
+from support import wait_until
 
 X = np.random.default_rng(9).standard_normal((3, 16)).astype(np.float32)
 
@@ -354,3 +356,20 @@ def test_an_unforeseen_migration_failure_is_logged_and_the_bundle_loads(legacy, 
         served = serve_once(legacy, tmp_path, weights_migration="copy", executable_cache=False)
     np.testing.assert_allclose(served, expected, rtol=1e-5, atol=1e-5)
     assert "weights migration (copy) did not run: ValueError: unforeseen; the bundle loads as it is" in caplog.text
+
+
+def test_in_dynamic_mode_the_migrations_own_writes_load_nothing_a_second_time(repo, serve, add_bundle):
+    """The migration's copy and manifest line were seen as an edit of the folder: the model loaded a second
+    time once they settled (for a large bundle, its weights read twice)."""
+    folder = add_bundle(repo.models_dir, "mlp_legacy")
+    server = serve(repo.write_config("- name: mlp_legacy\n  runtime: {weights_migration: copy}\n",
+                                     server_extra="  watch: true\n  watch_settle_ms: 100\n"))
+    assert (folder / COPY_FILE).is_file() and server.client.is_model_ready("mlp_legacy")
+    repository = server.server.repository
+    time.sleep(1.5)  # fifteen settle times: the watcher has seen the writes and acted on them
+    assert repository.generation("mlp_legacy") == 1
+    # An edit of the folder after the load is still a change to load.
+    manifest = folder / "manifest.yaml"
+    manifest.write_text(manifest.read_text() + "# edited\n")
+    assert wait_until(lambda: repository.generation("mlp_legacy") == 2)
+    assert server.client.is_model_ready("mlp_legacy")
