@@ -84,15 +84,17 @@ _LONG_MAX = 2**63 - 1
 
 def version_number(name: str, version: str) -> int:
     """A model version as Triton reads one (its std::stol: "01", "+1" and "1abc" are version 1); InvalidArgument
-    for a string with no leading number or one out of a long's range, and for a negative one, as Triton answers."""
+    for a string with no leading number or one out of a long's range, and for a negative one, as Triton answers.
+    ``name`` empty: the version asked of every model (ModelStatistics)."""
     number = _LEADING_NUMBER.match(version)
     # (Past 19 digits no long holds it; and int() of thousands of digits would raise.)
     value = None if number is None or len(number.group(2)) > 19 else int(number.group(1) + number.group(2))
+    subject = f"model '{name}'" if name else "statistics of every model"
     if value is None or not -_LONG_MAX - 1 <= value <= _LONG_MAX:
-        raise InvalidArgument(PublicText(f"model '{name}': cannot read version '{version}' as a number (a version "
+        raise InvalidArgument(PublicText(f"{subject}: cannot read version '{version}' as a number (a version "
                                          "is an integer > 0)"))
     if value < 0:
-        raise InvalidArgument(PublicText(f"model '{name}': invalid version '{version}' (a version is an "
+        raise InvalidArgument(PublicText(f"{subject}: invalid version '{version}' (a version is an "
                                          "integer > 0)"))
     return value
 
@@ -233,6 +235,8 @@ class DataPlane:
                 # INVALID_ARGUMENT as Triton answers it: UNAVAILABLE would tell a poller to retry as it is.
                 raise InvalidArgument(f"model '{name}' is not loaded ({entry.state.value}); no statistics")
             return [(name, loaded.stats.snapshot())]
+        if version:  # (read as for one model, so that every RPC refuses a version that is no number)
+            version_number("", version)
         return [(entry.name, loaded.stats.snapshot()) for entry in self.repository.entries()
                 if (loaded := entry.loaded) is not None]
 
@@ -352,7 +356,15 @@ class DataPlane:
         awaitable: a large answer encoded off the loop) before the request counts as a success: a NereidError
         from ``encode`` (an output its protocol cannot carry) is the request's failure."""
         received_ns = time.monotonic_ns()
-        model = self.repository.ready_model(request.model_name)
+        try:
+            model = self.repository.ready_model(request.model_name)
+        except Unavailable as err:
+            # Loaded but not READY (a meta model waiting for a model it calls): its statistics, which list it,
+            # count the refusal, as its nereid_protocol_requests_total does.
+            waiting = self.repository.loaded_version(request.model_name)
+            if waiting is not None:
+                waiting.stats.record_failure(0, err.reason)
+            raise
         timing = RequestTiming()
         for attempt in (1, 2):
             try:

@@ -244,11 +244,9 @@ class ModelRepository:
             self._folder_found(name)
         if present is not None and self._startup_listing is not None:
             self._listed_at_last(present)
-        for index, settings in enumerate(self.settings.models):
+        for settings in self.settings.models:
             if settings.name not in self._entries:
-                self._entries[settings.name] = ModelEntry(
-                    settings.name, self.root / settings.name, settings, f"{self.settings.source}: models[{index}]",
-                    reason=waiting_for_folder(settings.name))
+                self._entries[settings.name] = self._listed_entry(settings.name)
         if present is not None:
             self._forget_gone(set(present))
             # A name asked for while the store could not be listed (see load), which the store now answers it
@@ -262,6 +260,12 @@ class ModelRepository:
         # Cached copies of store folders this server does not know (forgotten now, or before a restart): a server
         # fed versioned names must not keep one per name it ever served.
         self._cleanup.drop_mirrors_soon(self.settings.server, scan.leftovers)
+
+    def _listed_entry(self, name: str) -> ModelEntry:
+        """A new entry for ``name``, which nereid.yaml lists, whose folder is not there: UNAVAILABLE, waiting."""
+        index, settings = next((i, s) for i, s in enumerate(self.settings.models) if s.name == name)
+        return ModelEntry(name, self.root / name, settings, f"{self.settings.source}: models[{index}]",
+                          reason=waiting_for_folder(name))
 
     def _listed_at_last(self, present: list[str]) -> None:
         """The store's listing has answered after the one at start failed (no models: key): every folder it
@@ -433,6 +437,11 @@ class ModelRepository:
         if entry is None or entry.state is not ModelState.READY:
             return None
         return entry.loaded
+
+    def loaded_version(self, name: str) -> LoadedModel | None:
+        """The version of ``name`` loaded now, READY or not (a model waiting for those it calls); a dict lookup."""
+        entry = self._entries.get(name)
+        return entry.loaded if entry is not None else None
 
     def loading(self) -> bool:
         """True while some model is LOADING."""
@@ -705,9 +714,15 @@ class ModelRepository:
                 if self.events is not None:  # its loads, requests and events follow it, as its version does
                     self.events.model_renamed(old, new)
                 self._forgotten(old)  # (nothing is left under the old name: the model's figures are the new one's)
-                if old in self._exposed:
+                exposed = old in self._exposed
+                if exposed:
                     self._exposed.discard(old)
                     self._exposed.add(new)
+                if self.settings.model(old) is not None:
+                    # Listed in nereid.yaml: it waits for its folder, as a listed model whose folder was removed
+                    # (it answered NOT_FOUND, "no folder", and left the counts of ServerReady and /metrics).
+                    self._entries[old] = self._listed_entry(old)
+                    self._entries[old].awaiting_folder = exposed
                 loaded.scheduler.name = new
                 self._record(new, "rename")
                 self._refresh_dependents()  # models calling the old name wait for it again

@@ -254,6 +254,9 @@ class HttpSurface:
         if action == "config" and method == "GET":
             return _json(_config_json(self.dataplane.model_config(model, version)))
         if action == "stats" and method == "GET":
+            if not model:  # (the dataplane would read it as every model's, as Triton's route never does)
+                raise HttpError(404, f"no such endpoint: GET {_shown_path(scope)} (the path names no model; every "
+                                     "model's statistics are at /v2/models/stats)")
             return _json(_statistics(self.dataplane.statistics(model, version)))
         if action == "infer" and method == "POST":
             return await self._infer(scope, receive, model, version)

@@ -70,6 +70,10 @@ def test_versions_are_read_as_triton_reads_them(tmp_path):
             for call in (plane.model_metadata, plane.model_config, plane.statistics, plane.model_ready):
                 with pytest.raises(InvalidArgument, match=f"^model 'toy': {problem}"):
                     call("toy", version)
+            # Found by a bug hunt: every model's statistics (no name) took any version string.
+            with pytest.raises(InvalidArgument, match=f"^statistics of every model: {problem}"):
+                plane.statistics("", version)
+        assert [name for name, _ in plane.statistics("", "1")] == ["toy"]
     asyncio.run(scenario())
 
 

@@ -41,10 +41,10 @@ class Events:
 
 
 def repository(tmp_path: Path, models_yaml: str = "", events: Events | None = None,
-               extra_plugins: tuple[object, ...] = ()) -> ModelRepository:
+               extra_plugins: tuple[object, ...] = (), server_extra: str = "") -> ModelRepository:
     config = tmp_path / "nereid.yaml"
     config.write_text('server:\n  ml_backends_path: "ml-backends"\n  metrics_addr: ""\n  http_addr: ""\n'
-                      + (f"models:\n{models_yaml}" if models_yaml else ""))
+                      + server_extra + (f"models:\n{models_yaml}" if models_yaml else ""))
     manager = make_plugin_manager(load_entry_points=False, extra_plugins=(toy_backends, *extra_plugins))
     scratch = tmp_path / "scratch"
     scratch.mkdir(exist_ok=True)
@@ -144,6 +144,27 @@ def test_rename_moves_the_loaded_model_without_loading_again(tmp_path, root):
         assert LOADS["before"] == loads and LOADS["after"] == 0
         assert "before" not in [e.name for e in repo.entries()]
         assert await run_one(repo, "after") == [1] * 4
+        await repo.unload_all()
+    asyncio.run(scenario())
+
+
+def test_a_folder_renamed_away_from_a_name_nereid_yaml_lists_leaves_that_name_waiting_for_its_folder(tmp_path,
+                                                                                                       root):
+    """Found by a bug hunt: `mv a d` with both listed moved the model to 'd' and forgot 'a' altogether: NOT_FOUND
+    "no folder 'a'", gone from /metrics' model states and from ServerReady's count, until a rescan made it anew.
+    A listed model whose folder is removed waits for it, UNAVAILABLE; so must one whose folder is renamed."""
+    write_toy(root, "a")
+    repo = repository(tmp_path, "  - name: a\n  - name: d\n", server_extra="  watch: true\n")
+
+    async def scenario():
+        await repo.load("a")
+        (root / "a").rename(root / "d")
+        await repo.rename("a", "d")
+        assert repo.ready_model("d") is not None
+        waiting = repo.entry("a")
+        assert (waiting.state, waiting.reason) == (ModelState.UNAVAILABLE, "waiting for its folder 'a' in "
+                                                                          "ml_backends_path")
+        assert waiting.loaded is None and waiting.settings.name == "a"
         await repo.unload_all()
     asyncio.run(scenario())
 

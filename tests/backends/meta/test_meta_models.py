@@ -426,6 +426,9 @@ def test_depends_on_readiness_cycles_and_bad_folders(repo, serve) -> None:
     assert "dependency 'relay' is not ready" in models["relay2"]["reason"]
     expect_grpc_error("UNAVAILABLE", lambda: infer(client, "relay2", X), "model 'relay2' is not ready",
                       "dependency 'relay'")
+    # Found by a bug hunt: listed in ModelStatistics, it counted none of the requests it refused (its
+    # nereid_protocol_requests_total did).
+    assert statistics(client, "relay2").inference_stats.fail.count == 1
     # Loading a caller while a model it calls is unloaded: it is loaded, and waits. Defect: the load answered
     # INTERNAL "failed to load model", and the model turned READY later by itself.
     client.unload_model("relay")

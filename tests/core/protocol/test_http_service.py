@@ -893,6 +893,9 @@ def test_a_version_is_read_as_a_number_as_triton_reads_it(served):
     answer = http.InferenceServerClient(base).infer("echo", [tensor], model_version="001")
     np.testing.assert_array_equal(answer.as_numpy("output"), np.ones((1, 4)))
     assert server.client.get_model_metadata("echo", model_version="01").name == "echo"
+    # Found by a bug hunt: an empty model name read as every model's statistics (Triton's route needs a name).
+    for path in ("/v2/models//stats", "/v2/models//versions/7/stats"):
+        assert call(base, "GET", path)[0] == 404
     for version in ("2", "10"):
         status, answer, _ = call(base, "GET", f"/v2/models/echo/versions/{quote(version)}/ready")
         assert status == 400, (version, answer)  # not ready: no such version
