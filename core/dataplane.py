@@ -223,7 +223,10 @@ class DataPlane:
     def model_config(self, name: str, version: str = "") -> ModelConfig:
         """The ready model's configuration."""
         self.check_version(name, version)
-        return describe_config(name, self.model(name), self.repository.entry(name).settings)
+        model = self.model(name)
+        # The settings the serving version was built with: after a reload that failed (a device it cannot
+        # have), nereid.yaml's entry holds the refused ones while the running version serves on.
+        return describe_config(name, model, model.settings or self.repository.entry(name).settings)
 
     def statistics(self, name: str = "", version: str = "") -> list[tuple[str, ModelStats]]:
         """Snapshots of one loaded model's statistics, or of every loaded model's (``name`` empty)."""

@@ -624,6 +624,8 @@ class ModelRepository:
                 return entry
             if only_if_changed and await self._loaded_as_now(entry):
                 log.info("model '%s' is loaded already as its folder and settings are now", name)
+                if entry.state is ModelState.READY:
+                    entry.reason = ""  # (a failed reload's, of files or settings that are no longer so)
                 return entry
             entry.clear_refusal()
             try:
@@ -860,8 +862,9 @@ class ModelRepository:
 
     async def _reload_entry(self, entry: ModelEntry) -> ModelEntry:
         """Reload ``entry``'s model under the name it has when this starts: a rename (dynamic mode) may have
-        moved it since the reload was asked for, and the old name would find no model to reload."""
-        return await self.reload(entry.name)
+        moved it since the reload was asked for, and the old name would find no model to reload. Not when its
+        running version has these settings already: an edit whose reload failed, then undone."""
+        return await self.reload(entry.name, only_if_changed=True)
 
     async def _settled(self, steps: list[asyncio.Future]) -> None:
         for outcome in await asyncio.gather(*steps, return_exceptions=True):

@@ -269,6 +269,23 @@ def test_nereid_yaml_edits(repo, serve, caplog):
     assert "dynamic repository: nereid.yaml changed; applying it (it is valid again)" in caplog.messages
 
 
+def test_a_settings_edit_whose_reload_failed_shows_the_running_config_and_undone_reloads_nothing(repo, serve):
+    """Found by a bug hunt: after `device: cuda:1` failed to reload on a machine without that GPU, ModelConfig
+    said KIND_GPU while the running version served on the CPU; undoing the edit reloaded an identical version."""
+    write_model(repo.models_dir / "a", "a")
+    config = repo.write_config("- name: a\n", server_extra=SETTLE)
+    server = serve(config)
+    text = config.read_text()
+    config.write_text(text.replace("  - name: a\n", '  - name: a\n    device: "cuda:1"\n'))
+    wait_for(lambda: "reload failed" in index(server)["a"][1])
+    assert index(server)["a"][0] == "READY" and generation(server, "a") == 1
+    group = server.client.get_model_config("a").config.instance_group[0]
+    assert (triton.model_config_pb2.ModelInstanceGroup.Kind.Name(group.kind), list(group.gpus)) == ("KIND_CPU", [])
+    config.write_text(text)
+    wait_for(lambda: index(server)["a"] == ("READY", ""))
+    assert generation(server, "a") == 1 and ask(server.client, "a")["version"] == "a"
+
+
 def test_a_folder_renamed_with_its_nereid_yaml_entry_loads_once_with_the_new_entry(repo, serve, caplog):
     # One git checkout that does `git mv a a2` and renames the entry: the rename needs no settle time, the file
     # does, so a2 was loaded under the running file (default settings; a cxx model not claimed at all, an
