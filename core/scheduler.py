@@ -430,6 +430,10 @@ class ModelScheduler:
                         self._own_rows(outputs, run_rows, total)
                     except Exception:  # whatever the outputs raise when read: no answer could have been sent
                         succeeded = False
+                else:
+                    # Logged as a fault answered to its callers is: a model hanging (killed at timeout_s) or
+                    # crashing on every request whose client gives up first left no trace otherwise.
+                    self._log_abandoned_fault(error)
                 self._stats.execution_finished(total, cost, len(requests), input_ns, time.monotonic_ns() - start, 0,
                                                succeeded)
 
@@ -480,6 +484,20 @@ class ModelScheduler:
         # Checked before the cut: cut first, 6 rows answered for 8 given passed for the 5 asked for.
         check_outputs(self.name, self._signature, outputs, run_rows)
         return _without_padding(outputs, total) if run_rows > total else outputs
+
+    def _log_abandoned_fault(self, error: BaseException) -> None:
+        """Log the fault of an execution whose callers had all gone (see :meth:`_run`) as :meth:`log_fault`
+        logs one that is answered; what the model ended with for another reason (an unload) is no fault."""
+        if isinstance(error, concurrent.futures.CancelledError):  # dropped unstarted by the pool's shutdown
+            return
+        if isinstance(error, NereidError):
+            named = naming_model(self.name, error)
+            if isinstance(named, ModelFailure):
+                if named is not error:
+                    named.__cause__ = error.__cause__
+                self.log_fault(named)
+        else:  # (_infer_on_thread lets only Exceptions through; a backend's bug, as in _run)
+            self.model_fault(error)
 
     def log_fault(self, failure: ModelFailure) -> None:
         """Log a fault of this model's code (an execution's, or a preprocess or postprocess hook's) under the

@@ -322,6 +322,34 @@ def test_an_execution_whose_caller_left_counts_when_and_as_its_thread_ends(fails
     run(scenario())
 
 
+@pytest.mark.parametrize("fault", ["model_failure", "bug"])
+def test_the_fault_of_an_execution_whose_callers_left_is_logged(fault: str, caplog) -> None:
+    """Found by a bug hunt: a run killed at timeout_s (or crashing) after its client's deadline had passed was
+    neither logged nor anything else: a model hanging on every request whose clients give up first left no
+    trace. It is logged as a fault answered to its caller is (the requests count once, as they ended)."""
+    class Failing(GatedDouble):
+        def infer(self, inputs: list[NamedTensor]) -> list[NamedTensor]:
+            self.gate.wait(10)
+            if fault == "model_failure":
+                raise ModelFailure("model 'm' timed out after 1 s (timeout_s in nereid.yaml)")
+            raise KeyError("weights")
+
+    async def scenario() -> None:
+        backend = Failing()
+        scheduler = ModelScheduler("m", backend, SIGNATURE, capacity=4, instances=1, stats=ModelStats())
+        caller = asyncio.create_task(scheduler.submit(rows(1), 1, 0))
+        await until(lambda: scheduler.running_threads == 1)
+        caller.cancel()
+        await asyncio.gather(caller, return_exceptions=True)
+        backend.gate.set()
+        await until(lambda: scheduler.running_threads == 0)
+        await asyncio.wait_for(scheduler.drain(), 5)
+    run(scenario())
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    expected = ("model 'm' timed out after 1 s" if fault == "model_failure" else "model 'm' raised")
+    assert len(errors) == 1 and errors[0].startswith(expected), errors
+
+
 class UnreadableOutput:
     """An output whose name raises when read (a model's own wrapper object, half built)."""
 
