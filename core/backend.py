@@ -7,6 +7,7 @@ then on talks to the returned :class:`Model` directly.
 
 from __future__ import annotations
 
+import logging
 import numbers
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -14,7 +15,7 @@ from pathlib import Path
 from typing import Callable, Protocol, runtime_checkable
 
 from nereid.errors import ConfigError
-from nereid.settings import Device, ModelSettings
+from nereid.settings import DEFAULT_TIMEOUT_S, Device, ModelSettings
 from nereid.signature import ModelSignature, brief_repr
 from nereid.tensors import InferRequest, InferResponse, NamedTensor
 
@@ -68,6 +69,15 @@ class ModelContext:
     def device(self) -> Device:
         """The device nereid.yaml assigned to the model."""
         return self.settings.device
+
+    def warn_timeout_ignored(self, why: str) -> None:
+        """Log, from a backend that cannot stop a run at ``timeout_s``, that the one nereid.yaml gives this model
+        does not apply (``why``); nothing for the default, which every entry has."""
+        timeout_s = self.settings.timeout_s
+        if timeout_s != DEFAULT_TIMEOUT_S:
+            logging.getLogger("nereid.backend").warning(
+                "model '%s': timeout_s: %s does not apply: %s", self.name,
+                "null" if timeout_s is None else f"{timeout_s:g}", why)
 
     def folder_rewritten(self) -> None:
         """Say, from ``load()``, that it has just rewritten files of ``folder`` itself (a weights migration): in

@@ -80,6 +80,8 @@ class CxxModel:
         if self.context.device.is_gpu:
             raise ConfigError(f"model '{name}': the cxx backend runs on the CPU (its ABI passes no device), "
                               f"got device {self.context.device} in {self.context.settings_origin or 'nereid.yaml'}")
+        self.context.warn_timeout_ignored("a cxx model's call into its library runs in the server's process and "
+                                          "cannot be interrupted")
         signature = self._load_signature()
         options = parse_options(name, self.context.settings.runtime, self.context.settings_origin, folder)
         if options.library is not None:

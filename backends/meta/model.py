@@ -179,6 +179,8 @@ class MetaModel:
             log.warning("model '%s': device: %s does not apply to a meta model (its orchestration runs on the "
                         "server's event loop; each model it calls runs on its own device); ignored",
                         name, self.context.device)
+        self.context.warn_timeout_ignored("a meta model's requests are bounded by their deadlines (the gRPC deadline "
+                                          "or the timeout parameter), and the models it calls by their own")
         manifest_path = folder / MANIFEST_NAME
         if (reason := not_regular_reason(manifest_path)) is not None:
             raise ConfigError(reason)

@@ -91,6 +91,8 @@ class XlaModel:
         started = time.monotonic()
         context = self.context
         options = parse_options(context.settings.runtime, context.settings_origin)
+        context.warn_timeout_ignored("a bundle's compiled program runs to its end once started (its requests' "
+                                     "deadlines still bound their wait in the queue)")
         remote = RemoteBundle.of(context.folder, retries=options.weights_read_retries)
         if remote is None:
             if migrate_for_load(context.folder, options.weights_migration, context.name):

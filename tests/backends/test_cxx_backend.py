@@ -6,6 +6,7 @@ nereid.yaml and talks to the server with tritonclient over gRPC.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
@@ -273,13 +274,16 @@ def test_multi_tensor_model_round_trips_every_fixed_size_dtype(repo, serve, libs
     assert result.as_numpy("diff").tolist() == (a - b).tolist()  # the library got textproto order
 
 
-def test_buffers_are_passed_without_copies(repo, libs, tmp_path):
+def test_buffers_are_passed_without_copies(repo, libs, tmp_path, caplog):
     """In-process (the wire plays no part): the library sees the request array's memory and writes the reply's."""
     folder = repo.add("address", 'input { name: "x" data_type: "INT32" dims: [4] }\n'
                                  'output { name: "where" data_type: "UINT64" dims: [2] }\n')
-    settings = ModelSettings("address", runtime={"library": str(libs["multi"])})
+    settings = ModelSettings("address", runtime={"library": str(libs["multi"])}, timeout_s=2)
     model = CxxModel(ModelContext("address", folder, settings, tmp_path, "test"))
-    model.load()
+    with caplog.at_level(logging.WARNING, logger="nereid.backend"):
+        model.load()
+    # Found by a bug hunt: accepted without a word, though a call into the library cannot be stopped.
+    assert "model 'address': timeout_s: 2 does not apply: a cxx model's call into its library" in caplog.text
     try:
         x = np.arange(4, dtype=np.int32)
         [where] = model.infer([NamedTensor("x", DType.INT32, x)])
@@ -998,7 +1002,6 @@ def test_a_library_that_crashes_the_process_says_where(repo, tmp_path, caplog):
     """Found by a bug hunt: a cxx library whose static constructor crashed (or exited) ended `nereid check` and
     `nereid serve` with no word of which model; a crash in a call left the log at "is READY". The server now
     says which library it opens before it runs any of its code, and a crash prints every thread's stack."""
-    import logging
     import subprocess as sp
 
     source = tmp_path / "crash.cpp"

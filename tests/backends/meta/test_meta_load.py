@@ -409,6 +409,31 @@ def test_a_device_is_warned_of_and_ignored(tmp_path: Path, caplog) -> None:
         "loop; each model it calls runs on its own device); ignored"]
 
 
+@pytest.mark.parametrize("timeout", ["0.5", "null", "60"])
+def test_a_timeout_s_is_warned_of_and_ignored(tmp_path: Path, caplog, timeout: str) -> None:
+    """Found by a bug hunt: `timeout_s` on a meta model (as on a bundle or a cxx model) was accepted without a
+    word, though nothing stops one of its requests at that time (the default, which every entry has, is quiet)."""
+    import logging
+
+    root = tmp_path / "ml-backends"
+    root.mkdir()
+    meta_folder(root, "a", manifest=META.replace("[a, b]", "[]"))
+    repo = meta_repository(tmp_path, f"models:\n  - {{name: a, timeout_s: {timeout}}}\n")
+
+    async def scenario() -> str:
+        entry = await repo.load("a")
+        state = entry.state.value
+        await repo.unload_all(grace_s=0)
+        return state
+
+    caplog.set_level(logging.WARNING, logger="nereid.backend")
+    assert asyncio.run(scenario()) == "READY"
+    warned = [r.getMessage() for r in caplog.records if r.name == "nereid.backend"]
+    assert warned == ([] if timeout == "60" else [
+        f"model 'a': timeout_s: {timeout} does not apply: a meta model's requests are bounded by their deadlines "
+        "(the gRPC deadline or the timeout parameter), and the models it calls by their own"])
+
+
 def test_a_sub_call_to_a_model_gone_is_unavailable_not_not_found(tmp_path: Path) -> None:
     """Found by a bug hunt: a model a meta model calls, its folder deleted while a request ran, made that request
     NOT_FOUND (HTTP 404): a router takes that to mean the meta model itself is unknown, where requests a moment

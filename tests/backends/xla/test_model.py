@@ -231,3 +231,14 @@ def test_hook_outputs_are_put_in_declared_order_by_name() -> None:
     # Anything but each declared name once is left as it is, for the check of the hook's result to describe.
     for result in ([t, t], [t], [t, y, y], [t, "y"], {"t": t, "y": y}, None):
         assert in_declared_order(result, ["y", "t"]) is result
+
+
+def test_a_timeout_s_is_warned_of_as_a_bundle_cannot_apply_it(tmp_path, add_bundle, caplog) -> None:
+    """Found by a bug hunt: `timeout_s: 0.001` on a bundle was accepted without a word and did nothing."""
+    folder = add_bundle(tmp_path, "mlp_bundle")
+    model = XlaModel(ModelContext(folder.name, folder, ModelSettings(folder.name, timeout_s=0.001), tmp_path, "t"))
+    model.load()
+    model.unload()
+    assert [r.getMessage() for r in caplog.records if r.name == "nereid.backend"] == [
+        "model 'mlp_bundle': timeout_s: 0.001 does not apply: a bundle's compiled program runs to its end once started (its "
+        "requests' deadlines still bound their wait in the queue)"]
