@@ -33,7 +33,7 @@ from nereid.model_entry import (NOT_LISTED_REASON, LoadAbandoned, LoadedModel, M
                                 RetiringVersion, waiting_for_folder)
 from nereid.plugins import check_backend_defaults
 from nereid.settings import Settings
-from nereid.settings_changes import changed_backends, settings_step
+from nereid.settings_changes import changed_backends, served, settings_step
 from nereid.stats import ModelStats
 from nereid.store_retries import StartupListing
 from nereid.storage import (StorageError, failure_kind, forget_listed_folder, mirror_leftovers, model_folder_exists,
@@ -853,12 +853,24 @@ class ModelRepository:
                 continue
             log.info("model '%s'%s", entry.name, step.why)
             if step.action == "unload":
-                work.append(self.unload(entry.name))
+                work.append(self._unlisted(entry.name))
             elif step.action == "load":
                 work.append(self.load(entry.name))
             else:
                 work.append(self._reload_entry(entry))
+        for model in settings.models:  # listed by this edit before its folder is there: one line for it too
+            if model.name not in self._entries and old.model(model.name) is None:
+                log.info("model '%s' is now listed in nereid.yaml; it loads once its folder '%s' is in "
+                         "ml_backends_path", model.name, model.name)
         return self._settled([asyncio.ensure_future(step) for step in work])
+
+    async def _unlisted(self, name: str) -> ModelEntry:
+        """Unload ``name``, which nereid.yaml no longer lists: its reason is then what a folder not listed at
+        start shows, not "unloaded" (which reads as an operator's unload)."""
+        entry = await self.unload(name)
+        if entry.loaded is None and entry.state is ModelState.UNAVAILABLE and not served(self.settings, name):
+            entry.reason = NOT_LISTED_REASON
+        return entry
 
     async def _reload_entry(self, entry: ModelEntry) -> ModelEntry:
         """Reload ``entry``'s model under the name it has when this starts: a rename (dynamic mode) may have

@@ -47,8 +47,10 @@ def settings_step(name: str, old: Settings, new: Settings, before: ModelSettings
     changed = new.model_or_default(name)[0] != before
     # (One asked for but not loaded, its load having failed, too: wanted no more, its fixed files must not load.)
     if served(old, name) and not served(new, name) and (was_listed or loaded_backend is not None or asked_for):
-        return SettingsStep("unload", " is no longer listed in nereid.yaml; unloading it" if was_listed else
-                            ": nereid.yaml now lists the models to serve (models:), and not this one; unloading it")
+        # (Not "unloading it" for one never loaded: listed before its folder landed, or whose load failed.)
+        then = "unloading it" if loaded_backend is not None else "no longer served (it was not loaded)"
+        return SettingsStep("unload", f" is no longer listed in nereid.yaml; {then}" if was_listed else
+                            f": nereid.yaml now lists the models to serve (models:), and not this one; {then}")
     if loaded_backend is None:
         # A model that is not loaded loads when its entry is new or changed: a fix to the entry of one that
         # failed (an unknown backend, a bad runtime option) must not wait for a restart.

@@ -30,6 +30,9 @@ def test_listing_and_unlisting_load_and_unload(tmp_path: Path) -> None:
     assert step("b", two, one, loaded_backend="python") == ("unload", " is no longer listed in nereid.yaml; "
                                                                       "unloading it")
     assert step("a", one, two, loaded_backend="python") is None  # its entry is as it was
+    # Found by a bug hunt: one never loaded (listed before its folder, or its load failed) was "unloading it".
+    assert step("b", two, one) == ("unload", " is no longer listed in nereid.yaml; no longer served (it was not "
+                                             "loaded)")
 
 
 def test_a_changed_entry_reloads_a_loaded_model_and_loads_one_that_is_not(tmp_path: Path) -> None:
@@ -67,7 +70,8 @@ def test_adding_or_removing_the_models_key_serves_what_a_restart_would(tmp_path:
     assert step("b", every_folder, only_a, asked_for=False) is None
     # Found by a helper: one asked for whose load failed stayed wanted, and its fixed files then loaded.
     assert step("b", every_folder, only_a) == (
-        "unload", ": nereid.yaml now lists the models to serve (models:), and not this one; unloading it")
+        "unload", ": nereid.yaml now lists the models to serve (models:), and not this one; no longer served (it "
+                  "was not loaded)")
 
 
 def test_an_empty_backends_section_changes_no_backend(tmp_path: Path) -> None:

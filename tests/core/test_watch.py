@@ -246,12 +246,18 @@ def test_nereid_yaml_edits(repo, serve, caplog):
     caplog.set_level(logging.INFO)
     text = config.read_text()
     # a changed entry reloads, an added one loads, a removed one unloads
-    edited = text.replace("  - name: a\n  - name: b\n", "  - name: a\n    queue_capacity: 7\n  - name: c\n")
+    edited = text.replace("  - name: a\n  - name: b\n",
+                          "  - name: a\n    queue_capacity: 7\n  - name: c\n  - name: later\n")
     assert edited != text
     config.write_text(edited)
     wait_for(lambda: index(server)["c"][0] == "READY" and index(server)["b"][0] == "UNAVAILABLE")
     wait_for(lambda: generation(server, "a") == 2)
     assert server.server.repository.entry("a").loaded.scheduler.capacity == 7
+    # Found by a bug hunt: an unlisted model showed "unloaded", as if an operator had unloaded it, and an entry
+    # added before its folder was not said a word of.
+    assert index(server)["b"][1] == "not listed in nereid.yaml; load it with RepositoryModelLoad"
+    assert "model 'later' is now listed in nereid.yaml; it loads once its folder 'later' is in ml_backends_path" \
+        in caplog.messages
     # a nereid.yaml that no longer parses is refused; the running configuration stays
     config.write_text("models: [\n")
     wait_for(lambda: any("keeping the running configuration" in r.message for r in caplog.records))

@@ -306,7 +306,7 @@ def test_an_edit_never_loads_a_model_that_is_not_served(tmp_path, root):
         assert repository.entry("dropped").loaded is None
         edit(root / "dropped", "edited")
         await settled(watcher)
-        assert (repository.entry("dropped").loaded, repository.entry("dropped").reason) == (None, "unloaded")
+        assert (repository.entry("dropped").loaded, repository.entry("dropped").reason) == (None, NOT_LISTED_REASON)
         # A listed model whose load failed is still tried again when its files change.
         (root / "broken" / "fail.txt").unlink()
         await settled(watcher)
