@@ -10,12 +10,15 @@ from __future__ import annotations
 import asyncio
 import inspect
 import os
+import threading
+import time
 from typing import Any, Awaitable, Callable, Protocol, TypeVar
 
 from nereid.backend import ChecksInputs, Model, Postprocesses, Preprocesses
+from nereid.batching import deadline_passed
 from nereid.daemon_pool import DaemonThreadPool
-from nereid.errors import (ConfigError, InvalidArgument, ModelFailure, NereidError, describe_exception,
-                           naming_model, without_stop_iteration)
+from nereid.errors import (ConfigError, DeadlineExceeded, InvalidArgument, ModelFailure, NereidError,
+                           describe_exception, naming_model, without_stop_iteration)
 from nereid.scheduler import REQUEST_STARTED, ModelScheduler
 from nereid.signature import ModelSignature, brief_description, check_outputs, validate_inputs
 from nereid.stats import RequestTiming
@@ -99,9 +102,13 @@ def make_runner(backend: Model, signature: ModelSignature, batch_signature: Mode
         name = scheduler.name  # a renamed model reports its new name
         program_rows = batch_size
         if preprocess is not None:
+            arrived_ns = time.monotonic_ns()
+            if deadline_passed(deadline_ns, arrived_ns):
+                # Refused as the scheduler refuses it: no model code runs for a request already out of time.
+                raise _not_started(name, deadline_ns, arrived_ns)
             REQUEST_STARTED.set(True)  # the model's own code runs from here (see its answer past the grace)
             try:
-                inputs = await _call_hook(hook_threads, name, "preprocess", preprocess, inputs)
+                inputs = await _call_hook(hook_threads, name, "preprocess", preprocess, inputs, deadline_ns)
                 inputs = _program_inputs(name, batch_signature, inputs, check_inputs)
             except ModelFailure as err:
                 raise _logged(scheduler, err)
@@ -112,6 +119,11 @@ def make_runner(backend: Model, signature: ModelSignature, batch_signature: Mode
             check_inputs(inputs)
         try:
             outputs = await scheduler.submit(inputs, program_rows, deadline_ns, timing)  # (logs its own faults)
+        except DeadlineExceeded as err:
+            if preprocess is None:
+                raise
+            # "It was not run" is the program's part: the model's own code did run for it.
+            raise DeadlineExceeded(f"{err} (only its preprocess hook was)") from None
         except InvalidArgument as err:
             if preprocess is None:
                 raise
@@ -221,14 +233,84 @@ def _program_inputs(model: str, batch_signature: ModelSignature, tensors: list[N
     raise _hook_result_failure(model, "preprocess", PROGRAM_CANNOT_TAKE, detail) from None
 
 
+def _not_started(model: str, deadline_ns: int, now_ns: int, waited_ns: int = 0) -> DeadlineExceeded:
+    """The answer of a request whose deadline passed before its preprocess hook began (in the scheduler's
+    words for an expired request: nothing of the model ran)."""
+    waited = f" (its preprocess hook waited {waited_ns / 1e6:.1f} ms for a worker thread)" if waited_ns else ""
+    return DeadlineExceeded(f"model '{model}': deadline passed {(now_ns - deadline_ns) / 1e6:.1f} ms before the "
+                            f"request could start{waited}; it was not run")
+
+
+class _HookStart:
+    """Whether one hook call has begun on its worker thread, or was given up before it did (it then never begins:
+    a request answered DEADLINE_EXCEEDED, or whose client went away, while it waited for a thread)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # (begun on the worker thread, given up on the event loop)
+        self._given_up = False
+        self.begun_ns = 0  # time.monotonic_ns() when it began; 0: it has not
+
+    def begin(self) -> bool:
+        """On the worker thread: True when the hook may run (it was not given up)."""
+        with self._lock:
+            if self._given_up:
+                return False
+            self.begun_ns = time.monotonic_ns()
+            return True
+
+    def give_up(self) -> int:
+        """The caller no longer waits: when the hook began (0: it had not, and now never will)."""
+        with self._lock:
+            self._given_up = True
+            return self.begun_ns
+
+
 async def _call_hook(threads: HookThreads, model: str, hook: str,
                      function: Callable[[list[NamedTensor]], list[NamedTensor]],
-                     tensors: list[NamedTensor]) -> list[NamedTensor]:
+                     tensors: list[NamedTensor], deadline_ns: int = 0) -> list[NamedTensor]:
     """Run a hook on a worker thread (so hooks of different requests overlap); its result, checked there too (the
-    message about a wrong result quotes part of it: none of that work on the event loop)."""
+    message about a wrong result quotes part of it: none of that work on the event loop).
+
+    A preprocess hook gets the request's deadline (``time.monotonic_ns()``;
+    0: none; a postprocess runs after the program, and running work is not
+    interrupted): its caller waits until then at most, and gets
+    DeadlineExceeded saying whether the hook had begun. A thread cannot be
+    stopped, so one that began runs on and its result is dropped (the thread
+    serves the model's other hooks once it returns); one still waiting for a
+    thread never begins.
+    """
+    start = _HookStart()
+
     def run_and_check() -> list[NamedTensor]:
+        if not start.begin():
+            return []  # (its caller was answered already)
         return _checked_hook_result(model, hook, without_stop_iteration(function, tensors))
 
+    queued_ns = time.monotonic_ns()
+    # A little after the deadline: the loop may run a timer early (as the scheduler's expiry timer allows).
+    timer = asyncio.timeout(max(0, deadline_ns - queued_ns) / 1e9 + 0.001 if deadline_ns else None)
+    try:
+        async with timer:
+            return await _hook_result(threads, model, hook, run_and_check)
+    except TimeoutError:
+        if not timer.expired():  # (never: the hook's own errors come out of _hook_result as NereidError)
+            raise
+        now_ns = time.monotonic_ns()
+        begun_ns = start.give_up()
+        if not begun_ns:
+            raise _not_started(model, deadline_ns, now_ns, now_ns - queued_ns) from None
+        raise DeadlineExceeded(
+            f"model '{model}': deadline passed while the request's {hook} hook ran (for "
+            f"{(now_ns - begun_ns) / 1e6:.1f} ms so far); the program was not run, and the hook runs on with its "
+            "result dropped") from None
+    finally:
+        start.give_up()  # (when it returned or failed: no-op; a caller gone while it waited for a thread: never runs)
+
+
+async def _hook_result(threads: HookThreads, model: str, hook: str,
+                       run_and_check: Callable[[], list[NamedTensor]]) -> list[NamedTensor]:
+    """``run_and_check()`` on one of ``threads``; what it raises, named as the model's (a hook's BaseException
+    as its ModelFailure): a caller's cancellation is all that comes out otherwise."""
     try:
         return await threads.run(run_and_check)
     except NereidError as err:
