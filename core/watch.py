@@ -39,18 +39,20 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import logging
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Awaitable, Callable
 
 from nereid.config_document import load_yaml
 from nereid.errors import ConfigError, NotFound, Unavailable
 from nereid.file_events import Follow, RepositoryFollower
+from nereid.files import decode_text, read_regular_file
 from nereid.folder_states import FolderState, plan_changes, scan_repository, scan_store
-from nereid.settings import Settings, load_settings, parse_settings
+from nereid.settings import MAX_CONFIG_BYTES, Settings, parse_settings
 from nereid.settling import SettlingFolders
 from nereid.storage import StorageError, failure_kind, parse_store_url, store_failed
 from nereid.store_retries import StoreRetries
@@ -87,6 +89,47 @@ async def _logged(name: str, step: Awaitable[object]) -> None:
 
 
 @dataclass(frozen=True)
+class ConfigLook:
+    """What one read of nereid.yaml found: its content, or why it cannot be read (see :func:`look_at_config`).
+
+    ``digest`` tells one look from another (a SHA-256 of the bytes, or the
+    refusal): it is all the watcher keeps of a file it has applied or refused.
+    ``data``, the bytes (at most MAX_CONFIG_BYTES), is kept only while the file
+    settles, to read it ahead and then to apply it.
+    """
+
+    digest: str
+    data: bytes | None = field(default=None, compare=False, repr=False)
+    refusal: str | None = None  # (None: ``data`` holds the file)
+
+
+def look_at_config(path: Path) -> ConfigLook:
+    """Read nereid.yaml as the start-up does (blocking): only a regular file of at most MAX_CONFIG_BYTES is read.
+
+    A FIFO put in its place blocked the watcher for good (and the process at
+    exit, which joins that thread), a symlink to /dev/zero was read without
+    end, and a 45 MB file was kept in memory and parsed for a minute and a
+    half: each is a refusal, read no further.
+    """
+    try:
+        data = read_regular_file(path, MAX_CONFIG_BYTES)
+    except ConfigError as err:  # (a missing file too: "cannot read: No such file or directory")
+        return ConfigLook(f"refused: {err}", refusal=str(err))
+    return ConfigLook(hashlib.sha256(data).hexdigest(), data)
+
+
+def _settings_from(look: ConfigLook, path: Path) -> Settings:
+    """The settings the file ``look`` saw at ``path`` gives, checked as load_settings checks them (blocking);
+    ConfigError when it was refused or does not load. These bytes, not the file read again: the ones that
+    settled are the ones applied."""
+    if look.data is None:
+        raise ConfigError(look.refusal or f"{path}: cannot read")
+    # (Bytes that are not UTF-8 are explained, with the offset of the first bad one, as load_settings does.)
+    document = load_yaml(decode_text(look.data, path), path)
+    return parse_settings(document if document is not None else {}, path)
+
+
+@dataclass(frozen=True)
 class Step:
     """One change the watcher carries out (a load, a reload, a rename): ``run()`` makes its work when it starts.
 
@@ -114,17 +157,18 @@ class RepositoryWatcher:
         self.settle_ms = settings.server.watch_settle_ms
         self.poll_s = settings.server.watch_poll_s
         self._folders: dict[str, FolderState] = {}
-        self._config_text = self._read_config()
-        # nereid.yaml's new bytes, not yet applied, and since when it has held them: a file is applied once it has
+        # The running nereid.yaml's digest (see ConfigLook): what each later look is compared with.
+        self._config_digest = look_at_config(self.config_path).digest
+        # nereid.yaml's new look, not yet applied, and since when it has held it: a file is applied once it has
         # looked the same for the settle time, as a folder is (an editor that truncates, then writes, showed a
         # half-written file that was applied: models unloaded, or reloaded with every default).
-        self._config_pending: tuple[bytes | None, float] | None = None
-        # The last nereid.yaml read that was refused (the running one kept), and why: tried again at each later
-        # scan, for a refusal may pass (ml_backends_path moved away a moment, a TLS file being replaced).
-        self._config_refused: tuple[bytes | None, str] | None = None
+        self._config_pending: tuple[ConfigLook, float] | None = None
+        # The digest of the last nereid.yaml look that was refused (the running one kept), and why: tried again at
+        # each later scan, for a refusal may pass (ml_backends_path moved away a moment, a TLS file being replaced).
+        self._config_refused: tuple[str, str] | None = None
         # The pending nereid.yaml's settings, read ahead to know which folders' steps wait for it (see
-        # _held_for_config): (its bytes, its settings; None when it does not read).
-        self._config_ahead: tuple[bytes | None, Settings | None] | None = None
+        # _held_for_config): (its digest, its settings; None when it does not read).
+        self._config_ahead: tuple[str, Settings | None] | None = None
         self._held: set[str] = set()  # the folders whose steps the last scan held for it
         self._stop = asyncio.Event()
         self._applying = asyncio.Lock()  # the two watches never apply at once
@@ -544,30 +588,30 @@ class RepositoryWatcher:
         The new settings are in force on return; the loads, reloads and unloads they call for are started, and
         returned (None: nothing was applied).
         """
-        text = await asyncio.to_thread(self._read_config)  # never read a file on the loop
-        if text == self._config_text:
+        look = await asyncio.to_thread(look_at_config, self.config_path)  # never read a file on the loop
+        if look.digest == self._config_digest:
             self._config_pending = None  # (back as it was)
             if self._config_refused is not None:
                 log.info("dynamic repository: %s is back to the running configuration", self.config_path.name)
                 self._config_refused = None
             return None
         now = time.monotonic()
-        if self._config_pending is None or self._config_pending[0] != text:
-            self._config_pending = (text, now)  # changed (again): its settle time starts
+        if self._config_pending is None or self._config_pending[0] != look:
+            self._config_pending = (look, now)  # changed (again): its settle time starts
         if now - self._config_pending[1] < self.settle_ms / 1000:
             return None  # (the scan that apply schedules comes back for it)
         self._config_pending = None
-        try:  # (load_settings explains bytes that are not UTF-8, as `nereid check` does)
-            new = await asyncio.to_thread(load_settings, self.config_path)
+        try:
+            new = await asyncio.to_thread(_settings_from, look, self.config_path)
             self.repository.check_settings(new)  # (refused before it is said to apply)
         except ConfigError as err:
             # Once per refusal: the same file refused again for the same reason, at a later scan, is no news.
-            repeated = self._config_refused == (text, str(err))
+            repeated = self._config_refused == (look.digest, str(err))
             log.log(logging.DEBUG if repeated else logging.ERROR,
                     "dynamic repository: %s; keeping the running configuration", err)
-            self._config_refused = (text, str(err))
+            self._config_refused = (look.digest, str(err))
             return None
-        self._config_text = text
+        self._config_digest = look.digest
         old = self.settings
         if new.server != old.server:
             changed = [key for key in new.server.__dataclass_fields__
@@ -596,8 +640,8 @@ class RepositoryWatcher:
         pending = self._config_pending
         if not names or pending is None:
             return set()
-        if self._config_ahead is None or self._config_ahead[0] != pending[0]:
-            self._config_ahead = (pending[0], await asyncio.to_thread(self._settings_of, pending[0]))
+        if self._config_ahead is None or self._config_ahead[0] != pending[0].digest:
+            self._config_ahead = (pending[0].digest, await asyncio.to_thread(self._settings_of, pending[0]))
         new, running = self._config_ahead[1], self.settings
         if new is None:
             return set()
@@ -605,18 +649,11 @@ class RepositoryWatcher:
             return set(names)
         return {name for name in names if new.model_or_default(name)[0] != running.model_or_default(name)[0]}
 
-    def _settings_of(self, text: bytes | None) -> Settings | None:
-        """The settings nereid.yaml's bytes ``text`` give, None when they do not read (blocking)."""
-        if text is None:
-            return None
+    def _settings_of(self, look: ConfigLook) -> Settings | None:
+        """The settings nereid.yaml's ``look`` gives, None when it does not read (blocking)."""
+        if look.data is None:
+            return None  # (a refused file: never parsed)
         try:
-            return parse_settings(load_yaml(text.decode(), self.config_path) or {}, self.config_path)
+            return _settings_from(look, self.config_path)
         except Exception:  # (refused when it settles, with the reason: nothing to say here)
-            return None
-
-    def _read_config(self) -> bytes | None:
-        """nereid.yaml's bytes, compared as bytes: one that is not UTF-8 is load_settings' to explain."""
-        try:
-            return self.config_path.read_bytes()
-        except OSError:
             return None
