@@ -128,6 +128,14 @@ def load_yaml(text: str, path: Path) -> Any:
         raise ConfigError(cap_message(f"{path}: not valid YAML: {err}")) from None
 
 
+def yaml_spelling(value: Any) -> str:
+    """``value`` as an error message quotes it: the scalars a document spells ``true``, ``false`` and ``null`` as it
+    spells them (not Python's ``True`` / ``None``), anything else by its ``repr``."""
+    if value is True or value is False:
+        return "true" if value else "false"
+    return "null" if value is None else repr(value)
+
+
 class KeyedReader:
     """Typed getters over a loaded document that fail with the file, the key path and the bad value.
 
@@ -142,7 +150,7 @@ class KeyedReader:
         """Raise ConfigError for ``key``."""
         where = f"{self.path}: {key}" if key else str(self.path)
         # The value is quoted, but cut short: a document's values can be megabytes long.
-        raise ConfigError(cap_message(f"{where}: {problem}, got {cap_message(repr(value), 512)}"))
+        raise ConfigError(cap_message(f"{where}: {problem}, got {cap_message(yaml_spelling(value), 512)}"))
 
     def mapping(self, raw: Any, key: str, allowed: AbstractSet[str]) -> dict[str, Any]:
         """``raw`` as a mapping whose keys are all in ``allowed``."""

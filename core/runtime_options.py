@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping, NoReturn
 
+from nereid.config_document import yaml_spelling
 from nereid.errors import ConfigError, cap_message
 
 
@@ -44,7 +45,7 @@ class RuntimeOptions:
     def fail(self, key: str, problem: str, value: Any) -> NoReturn:
         """Raise ConfigError naming ``runtime.<key>``, the problem and the (capped) value."""
         where = self.origins.get(key, self.where)
-        raise ConfigError(f"{self.prefix}{where}.{key}: {problem}, got {cap_message(repr(value), 200)}")
+        raise ConfigError(f"{self.prefix}{where}.{key}: {problem}, got {cap_message(yaml_spelling(value), 200)}")
 
     def get(self, key: str, default: Any) -> Any:
         """The raw value of ``key``, or ``default``."""

@@ -83,14 +83,14 @@ def refusal(root: Path, body: str) -> tuple[Path, str]:
     ("models:\n  - name: nope\n", "models[0].name", "'nope'"),
     ('models:\n  - name: "a\\0b"\n', "models[0].name", "'a\\x00b'"),
     ('models:\n  - name: "a\\ud800b"\n', "models[0].name", "'a\\ud800b'"),
-    ("models:\n  - device: cpu\n", "models[0].name", "None"),
+    ("models:\n  - device: cpu\n", "models[0].name", "null"),
     ("models:\n  - name: a\n  - name: a\n", "models[1].name", "'a'"),
     ("models: {a: 1}\n", "models", "{'a': 1}"),
     ("server:\n  ml_backends_path: elsewhere\n", "server.ml_backends_path", "'elsewhere'"),
     ("server:\n  strict_readiness: maybe\n", "server.strict_readiness", "'maybe'"),
     ("unknown: 1\n", "unknown", "1"),
     # (Found by a bug hunt: an empty-looking wrong value passed as no defaults at all.)
-    ("backends: false\n", "backends", "False"),
+    ("backends: false\n", "backends", "false"),
     ("backends: []\n", "backends", "[]"),
     ("backends: ''\n", "backends", "''"),
 ])
@@ -375,6 +375,8 @@ def test_http_max_json_bytes(root: Path) -> None:
         assert settings.server.http_max_json_bytes == value
     for value, problem in (("4095", "must be >= 4096, got 4095"), ("2147483648", "must be at most 2147483647 (as "
                                                                                 "max_message_bytes), got 2147483648"),
-                           ("true", "must be an integer, got True"), ('"1M"', "must be an integer, got '1M'")):
+                           # (YAML's true and null as the file spells them: "got True" was Python's word)
+                           ("true", "must be an integer, got true"), ("null", "must be an integer, got null"),
+                           ('"1M"', "must be an integer, got '1M'")):
         path, message = refusal(root, f"server:\n  http_max_json_bytes: {value}\n")
         assert message == f"{path}: server.http_max_json_bytes: {problem}", value

@@ -31,7 +31,7 @@ def test_runtime_options_and_backend_defaults_are_refused(repo, capsys) -> None:
     shutil.copytree(EXAMPLES / "cpp_scale", repo.models_dir / "scale", ignore=shutil.ignore_patterns(".cache"))
     lines = check(repo, capsys, "- {name: scale, runtime: {warm_start: false}}\n")
     assert lines["scale"] == (f"scale: UNAVAILABLE: model 'scale': {repo.root / 'nereid.yaml'}: models[0].runtime."
-                              "warm_start: unknown option of the cpp backend (it has no runtime options), got False")
+                              "warm_start: unknown option of the cpp backend (it has no runtime options), got false")
     assert not (repo.models_dir / "scale" / ".cache").exists()  # refused before the compile
     lines = check(repo, capsys, "- {name: scale}\n", "backends:\n  cpp: {typo_default: 2}\n")
     assert lines["scale"] == (f"scale: UNAVAILABLE: model 'scale': {repo.root / 'nereid.yaml'}: backends.cpp."

@@ -304,7 +304,7 @@ def test_a_backend_without_runtime_options_refuses_every_key_where_it_was_writte
     """Unknown options were accepted silently by the cpp backend, in runtime: and in backends: defaults."""
     own = unloaded(tmp_path, "own", runtime={"warm_start": False})
     assert load_error(own) == ("model 'own': nereid.yaml: models[0].runtime.warm_start: unknown option of the "
-                               "subprocess backend (it has no runtime options), got False")
+                               "subprocess backend (it has no runtime options), got false")
     layered = LayeredRuntime({}, {"typo_default": 2}, "nereid.yaml: backends.subprocess")
     default = unloaded(tmp_path, "default", runtime=layered)
     assert load_error(default) == ("model 'default': nereid.yaml: backends.subprocess.typo_default: unknown option "
