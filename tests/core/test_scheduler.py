@@ -57,6 +57,15 @@ def run(coroutine):
     return asyncio.run(asyncio.wait_for(coroutine, 30))
 
 
+async def caller_gone_while_it_runs(scheduler: ModelScheduler) -> None:
+    """Submit one request and cancel its caller once its execution runs on a worker thread (a client whose
+    deadline passed, or who went away: the thread cannot be stopped), the caller's task ended."""
+    caller = asyncio.create_task(scheduler.submit(rows(1), 1, 0))
+    await until(lambda: scheduler.running_threads == 1)
+    caller.cancel()
+    await asyncio.gather(caller, return_exceptions=True)
+
+
 def test_full_queue_refuses_at_once_and_memory_stays_bounded() -> None:
     async def scenario() -> None:
         backend = GatedDouble()
@@ -261,10 +270,7 @@ def test_drain_after_an_abandoned_request_never_blocks_the_loop_and_is_bounded_b
     async def scenario() -> None:
         backend = GatedDouble()
         scheduler = ModelScheduler("m", backend, SIGNATURE, capacity=4, instances=1, stats=ModelStats())
-        caller = asyncio.create_task(scheduler.submit(rows(1), 1, 0))
-        await until(lambda: scheduler.running_threads == 1)
-        caller.cancel()  # the client's deadline passed; the thread cannot be stopped
-        await asyncio.gather(caller, return_exceptions=True)
+        await caller_gone_while_it_runs(scheduler)
         assert scheduler.running_threads == 1
         # The slot stays taken while the thread runs: a new request queues instead of overcommitting.
         queued = asyncio.create_task(scheduler.submit(rows(2), 1, 0))
@@ -306,10 +312,7 @@ def test_an_execution_whose_caller_left_counts_when_and_as_its_thread_ends(fails
         backend, stats = GatedDouble(), ModelStats()
         backend.fail_next = fails
         scheduler = ModelScheduler("m", backend, SIGNATURE, capacity=4, instances=1, stats=stats)
-        caller = asyncio.create_task(scheduler.submit(rows(1), 1, 0))
-        await until(lambda: scheduler.running_threads == 1)
-        caller.cancel()
-        await asyncio.gather(caller, return_exceptions=True)
+        await caller_gone_while_it_runs(scheduler)
         assert stats.batcher.total_batches == 0 and stats._running == 1  # still running: not counted yet
         time.sleep(0.05)
         backend.gate.set()
@@ -337,10 +340,7 @@ def test_the_fault_of_an_execution_whose_callers_left_is_logged(fault: str, capl
     async def scenario() -> None:
         backend = Failing()
         scheduler = ModelScheduler("m", backend, SIGNATURE, capacity=4, instances=1, stats=ModelStats())
-        caller = asyncio.create_task(scheduler.submit(rows(1), 1, 0))
-        await until(lambda: scheduler.running_threads == 1)
-        caller.cancel()
-        await asyncio.gather(caller, return_exceptions=True)
+        await caller_gone_while_it_runs(scheduler)
         backend.gate.set()
         await until(lambda: scheduler.running_threads == 0)
         await asyncio.wait_for(scheduler.drain(), 5)
@@ -373,10 +373,7 @@ def test_an_execution_whose_caller_left_gives_its_slot_back_whatever_its_outputs
     async def scenario() -> None:
         backend, stats = GatedUnreadable(), ModelStats()
         scheduler = ModelScheduler("m", backend, SIGNATURE, capacity=4, instances=1, stats=stats)
-        caller = asyncio.create_task(scheduler.submit(rows(1), 1, 0))
-        await until(lambda: scheduler.running_threads == 1)
-        caller.cancel()
-        await asyncio.gather(caller, return_exceptions=True)
+        await caller_gone_while_it_runs(scheduler)
         backend.gate.set()
         await until(lambda: scheduler.running_threads == 0)
         await asyncio.sleep(0.02)  # (the thread's end reaches the loop)

@@ -387,24 +387,30 @@ def test_nereid_check_warns_of_instances_on_a_meta_model_as_the_server_does(tmp_
         caplog.text, (caplog.text, capsys.readouterr())
 
 
-def test_a_device_is_warned_of_and_ignored(tmp_path: Path, caplog) -> None:
-    """Defect: `device: cuda:1` on a meta model was accepted without a word, though nothing runs there."""
+def warnings_of_loading(tmp_path: Path, caplog, entry: str, logger: str) -> list[str]:
+    """Load a meta model 'a' (calling none) listed as ``entry`` (a flow mapping); the WARNING lines ``logger``
+    logged, once it is checked to be READY."""
     import logging
 
     root = tmp_path / "ml-backends"
     root.mkdir()
     meta_folder(root, "a", manifest=META.replace("[a, b]", "[]"))
-    repo = meta_repository(tmp_path, "models:\n  - {name: a, device: 'cuda:1'}\n")
+    repo = meta_repository(tmp_path, f"models:\n  - {entry}\n")
 
     async def scenario() -> str:
-        entry = await repo.load("a")
-        state = entry.state.value
+        loaded = await repo.load("a")
+        state = loaded.state.value
         await repo.unload_all(grace_s=0)
         return state
 
-    caplog.set_level(logging.WARNING, logger="nereid.backends.meta.model")
+    caplog.set_level(logging.WARNING, logger=logger)
     assert asyncio.run(scenario()) == "READY"
-    assert [r.getMessage() for r in caplog.records if r.name == "nereid.backends.meta.model"] == [
+    return [r.getMessage() for r in caplog.records if r.name == logger]
+
+
+def test_a_device_is_warned_of_and_ignored(tmp_path: Path, caplog) -> None:
+    """Defect: `device: cuda:1` on a meta model was accepted without a word, though nothing runs there."""
+    assert warnings_of_loading(tmp_path, caplog, "{name: a, device: 'cuda:1'}", "nereid.backends.meta.model") == [
         "model 'a': device: cuda:1 does not apply to a meta model (its orchestration runs on the server's event "
         "loop; each model it calls runs on its own device); ignored"]
 
@@ -413,22 +419,7 @@ def test_a_device_is_warned_of_and_ignored(tmp_path: Path, caplog) -> None:
 def test_a_timeout_s_is_warned_of_and_ignored(tmp_path: Path, caplog, timeout: str) -> None:
     """Found by a bug hunt: `timeout_s` on a meta model (as on a bundle or a cxx model) was accepted without a
     word, though nothing stops one of its requests at that time (the default, which every entry has, is quiet)."""
-    import logging
-
-    root = tmp_path / "ml-backends"
-    root.mkdir()
-    meta_folder(root, "a", manifest=META.replace("[a, b]", "[]"))
-    repo = meta_repository(tmp_path, f"models:\n  - {{name: a, timeout_s: {timeout}}}\n")
-
-    async def scenario() -> str:
-        entry = await repo.load("a")
-        state = entry.state.value
-        await repo.unload_all(grace_s=0)
-        return state
-
-    caplog.set_level(logging.WARNING, logger="nereid.backend")
-    assert asyncio.run(scenario()) == "READY"
-    warned = [r.getMessage() for r in caplog.records if r.name == "nereid.backend"]
+    warned = warnings_of_loading(tmp_path, caplog, f"{{name: a, timeout_s: {timeout}}}", "nereid.backend")
     assert warned == ([] if timeout == "60" else [
         f"model 'a': timeout_s: {timeout} does not apply: a meta model's requests are bounded by their deadlines "
         "(the gRPC deadline or the timeout parameter), and the models it calls by their own"])
