@@ -19,7 +19,7 @@ import pytest
 import tritonclient.grpc as triton
 
 from nereid.dtypes import DType
-from nereid.errors import DeadlineExceeded
+from nereid.errors import DeadlineExceeded, QueueFull
 from nereid.model_runner import HOOK_THREADS, HookThreads, Runner, make_runner
 from nereid.scheduler import ModelScheduler
 from nereid.signature import ModelSignature, TensorSpec
@@ -239,3 +239,25 @@ def test_a_served_request_out_of_time_before_or_during_its_hook_is_answered_on_t
     failures = {labels: value for (name, labels), value in scrape(server.server.metrics_port).items()
                 if name == "nereid_request_failure_total" and ("model", "slow_hook") in labels}
     assert failures == {(("model", "slow_hook"), ("reason", "deadline_exceeded")): 2}
+
+
+def test_requests_waiting_for_a_hook_thread_count_against_queue_capacity() -> None:
+    """Found by a bug hunt of isolation between models: a flood of a model whose preprocess hook is slow (or
+    hangs) was all accepted, each request waiting on a hook thread, whatever its queue_capacity (1,000 of 1,000,
+    where a model without hooks refused 990 at once)."""
+    async def scenario() -> None:
+        backend, hooks = Slow(), HookThreads("m")
+        run, scheduler = runner(backend, hooks)
+        admitted = scheduler.capacity  # (more than the hook threads: two of them wait for one)
+        calls = [asyncio.create_task(run(rows(1), 1, 0)) for _ in range(admitted)]
+        await until(lambda: len(backend.hooks_begun) == HOOK_THREADS)
+        with pytest.raises(QueueFull, match=r"^model 'm': queue is full \(queue_capacity \d+ in nereid.yaml, "
+                                            r"requests in its preprocess hook included\); retry later"):
+            await run(rows(1), 1, 0)
+        assert not any(call.done() for call in calls)
+        backend.hook_release.set()
+        assert len(await asyncio.gather(*calls)) == admitted  # every one admitted is answered
+        assert (await run(rows(3), 1, 0))[0].data.tolist() == [[6, 6]]  # and the stage is free again
+        await scheduler.drain()
+        hooks.release()
+    asyncio.run(asyncio.wait_for(scenario(), 30))
