@@ -670,7 +670,8 @@ class ModelRepository:
     async def rename(self, old: str, new: str) -> ModelEntry:
         """Move a loaded model to a renamed folder with the same files, keeping everything it loaded.
 
-        The old name answers NOT_FOUND at once; requests already running under
+        The old name answers NOT_FOUND at once (UNAVAILABLE, waiting for its
+        folder, when nereid.yaml lists it); requests already running under
         it finish. When the backend cannot move (or the new name has other
         settings in nereid.yaml, or a model of its own, loaded or loading), the
         new folder is loaded anew (a loaded model there is reloaded without

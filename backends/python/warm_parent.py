@@ -338,6 +338,9 @@ class Runs:
         # fd -> pid, pidfd, reply socket).
         self.reported: dict[int, tuple[int, int, socket.socket]] = {}
         self.spare: tuple[int, int, socket.socket] | None = None  # pid, pidfd, assignment socket
+        # Why the last spare could not be forked, as said in the log (None: the last one was): said once while it
+        # lasts, not at every run (under a process limit that lasts, one line a run grew the log without end).
+        self.spare_failure: str | None = None
 
     def fork_spare(self) -> None:
         """Fork the next child; it waits for a run on its assignment socket.
@@ -410,8 +413,12 @@ class Runs:
         try:
             self.fork_spare()
         except OSError as err:
-            print(f"nereid warm parent: cannot fork a spare child now ({err}); the next run forks its own",
-                  file=sys.stderr, flush=True)
+            if str(err) != self.spare_failure:
+                print(f"nereid warm parent: cannot fork a spare child now ({err}); the next run forks its own "
+                      "(said once while it lasts)", file=sys.stderr, flush=True)
+            self.spare_failure = str(err)
+        else:
+            self.spare_failure = None
 
     def _assign(self, message: bytes, fds: list[int]) -> tuple[int, int]:
         """Give the run to the spare (forking one if there is none or it died); its pid and pidfd."""

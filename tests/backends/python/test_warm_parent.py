@@ -41,6 +41,25 @@ def test_a_run_whose_child_cannot_be_forked_fails_saying_why_and_the_parent_serv
             sock.close()
 
 
+def test_a_spare_that_cannot_be_forked_is_said_once_while_the_reason_lasts(monkeypatch, capsys):
+    """Found by a leak hunt (from the code): under a process limit that lasts, every run added one line to the
+    warm parent's log, which grew without end."""
+    reason = [errno.EAGAIN]
+
+    def no_fork() -> int:
+        raise OSError(reason[0], os.strerror(reason[0]))
+
+    monkeypatch.setattr(warm_parent.os, "fork", no_fork)
+    runs = warm_parent.Runs(select.poll(), set())
+    for _ in range(5):
+        runs.try_fork_spare()
+    assert capsys.readouterr().err.count("cannot fork a spare child now") == 1
+    reason[0] = errno.ENOMEM  # another reason is said again
+    runs.try_fork_spare()
+    runs.try_fork_spare()
+    assert capsys.readouterr().err.count("Cannot allocate memory") == 1
+
+
 # Preloads, in one warm-parent interpreter, each list of modules in argv[2] (JSON) in turn; prints, for each, what
 # preload() answered (as extra preloads) and whether a libcuda was mapped into the process after it.
 PRELOAD_IN_TURN = """
