@@ -112,7 +112,8 @@ def make_runner(backend: Model, signature: ModelSignature, batch_signature: Mode
             REQUEST_STARTED.set(True)  # the model's own code runs from here (see its answer past the grace)
             try:
                 with in_hooks:
-                    inputs = await _call_hook(hook_threads, name, "preprocess", preprocess, inputs, deadline_ns)
+                    inputs = await _call_hook(hook_threads, name, "preprocess", preprocess, inputs, deadline_ns,
+                                              in_hooks)
                 inputs = _program_inputs(name, batch_signature, inputs, check_inputs)
             except ModelFailure as err:
                 raise _logged(scheduler, err)
@@ -244,15 +245,19 @@ class _HookStage:
     They count against ``queue_capacity`` with the scheduler's queue, which each enters next: without that, a
     flood of a model whose ``preprocess`` is slow (or hangs) was all accepted, each request waiting on a thread,
     however small its ``queue_capacity`` (1,000 of 1,000 where a model without hooks refused 990). Counted
-    together, the requests leaving the stage always find a place in the queue.
+    together, the requests leaving the stage always find a place in the queue. A call given up before a thread
+    took it (its request answered DEADLINE_EXCEEDED, or its client gone) still counts until one does: behind a
+    hook that hangs, none ever does, and requests with short deadlines were each admitted and left there.
     """
 
     def __init__(self) -> None:
         self.count = 0
+        self._lock = threading.Lock()  # (dropped: raised on the event loop, lowered on a hook thread)
+        self.dropped = 0
 
     def admit(self, scheduler: ModelScheduler) -> None:
         """Refuse a request (QueueFull, as the scheduler words it) when the stage and the queue are full."""
-        if self.count + scheduler.queue_depth >= scheduler.capacity:
+        if self.count + self.dropped + scheduler.queue_depth >= scheduler.capacity:
             raise QueueFull(f"model '{scheduler.name}': queue is full (queue_capacity {scheduler.capacity} in "
                             "nereid.yaml, requests in its preprocess hook included); retry later")
 
@@ -261,6 +266,11 @@ class _HookStage:
 
     def __exit__(self, *exc_info: object) -> None:
         self.count -= 1
+
+    def call_dropped(self, taken: bool) -> None:
+        """A call was given up before a thread took it (``taken``: a thread has now taken it, and skips it)."""
+        with self._lock:
+            self.dropped += -1 if taken else 1
 
 
 def _not_started(model: str, deadline_ns: int, now_ns: int, waited_ns: int = 0) -> DeadlineExceeded:
@@ -275,29 +285,41 @@ class _HookStart:
     """Whether one hook call has begun on its worker thread, or was given up before it did (it then never begins:
     a request answered DEADLINE_EXCEEDED, or whose client went away, while it waited for a thread)."""
 
-    def __init__(self) -> None:
+    def __init__(self, stage: _HookStage | None, tensors: list[NamedTensor]) -> None:
         self._lock = threading.Lock()  # (begun on the worker thread, given up on the event loop)
         self._given_up = False
+        self._stage = stage
         self.begun_ns = 0  # time.monotonic_ns() when it began; 0: it has not
+        # The request's tensors, until the hook takes them: a call given up before it began holds none of the
+        # request's data while it waits in the pool's queue (behind a hung hook, for good).
+        self.tensors: list[NamedTensor] | None = tensors
 
-    def begin(self) -> bool:
-        """On the worker thread: True when the hook may run (it was not given up)."""
+    def begin(self) -> list[NamedTensor] | None:
+        """On the worker thread: the tensors to run the hook on; None when it was given up (it is not run)."""
         with self._lock:
             if self._given_up:
-                return False
+                if self._stage is not None:
+                    self._stage.call_dropped(taken=True)
+                return None
             self.begun_ns = time.monotonic_ns()
-            return True
+            tensors, self.tensors = self.tensors, None
+            return tensors
 
     def give_up(self) -> int:
         """The caller no longer waits: when the hook began (0: it had not, and now never will)."""
         with self._lock:
+            if not self._given_up and not self.begun_ns:
+                self.tensors = None
+                if self._stage is not None:
+                    self._stage.call_dropped(taken=False)  # (counted until a thread takes the call and skips it)
             self._given_up = True
             return self.begun_ns
 
 
 async def _call_hook(threads: HookThreads, model: str, hook: str,
                      function: Callable[[list[NamedTensor]], list[NamedTensor]],
-                     tensors: list[NamedTensor], deadline_ns: int = 0) -> list[NamedTensor]:
+                     tensors: list[NamedTensor], deadline_ns: int = 0,
+                     stage: _HookStage | None = None) -> list[NamedTensor]:
     """Run a hook on a worker thread (so hooks of different requests overlap); its result, checked there too (the
     message about a wrong result quotes part of it: none of that work on the event loop).
 
@@ -309,12 +331,14 @@ async def _call_hook(threads: HookThreads, model: str, hook: str,
     serves the model's other hooks once it returns); one still waiting for a
     thread never begins.
     """
-    start = _HookStart()
+    start = _HookStart(stage, tensors)
+    del tensors  # (held by ``start`` until the hook takes them)
 
     def run_and_check() -> list[NamedTensor]:
-        if not start.begin():
+        taken = start.begin()
+        if taken is None:
             return []  # (its caller was answered already)
-        return _checked_hook_result(model, hook, without_stop_iteration(function, tensors))
+        return _checked_hook_result(model, hook, without_stop_iteration(function, taken))
 
     queued_ns = time.monotonic_ns()
     # A little after the deadline: the loop may run a timer early (as the scheduler's expiry timer allows).

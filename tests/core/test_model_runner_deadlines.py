@@ -261,3 +261,28 @@ def test_requests_waiting_for_a_hook_thread_count_against_queue_capacity() -> No
         await scheduler.drain()
         hooks.release()
     asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+def test_requests_given_up_while_waiting_for_a_hung_hook_still_count_until_a_thread_takes_them() -> None:
+    """Found by the review of this session's diff: behind a hook that hangs, a request whose deadline passed
+    while it waited for a thread left the stage's count, but its call (holding its tensors) stayed in the pool's
+    queue for good; requests with short deadlines were all admitted, and memory grew with each."""
+    async def scenario() -> None:
+        backend, hooks = Slow(), HookThreads("m")
+        run, scheduler = runner(backend, hooks)
+        hung = [asyncio.create_task(run(rows(1), 1, 0)) for _ in range(HOOK_THREADS)]
+        await until(lambda: len(backend.hooks_begun) == HOOK_THREADS)
+        waiting = scheduler.capacity - HOOK_THREADS
+        for _ in range(waiting):
+            with pytest.raises(DeadlineExceeded, match="before the request could start"):
+                await run(rows(1), 1, in_ms(20))
+        with pytest.raises(QueueFull):  # (the old code admitted it: it waited, then expired in turn)
+            await run(rows(1), 1, in_ms(200))
+        backend.hook_release.set()  # the threads take the given-up calls, skip them, and the stage is free
+        await asyncio.gather(*hung)
+        await until(lambda: len(backend.hooks_ended) == HOOK_THREADS)
+        assert (await run(rows(3), 1, 0))[0].data.tolist() == [[6, 6]]
+        assert backend.hooks_begun.count(1) == HOOK_THREADS  # the given-up calls never ran
+        await scheduler.drain()
+        hooks.release()
+    asyncio.run(asyncio.wait_for(scenario(), 30))
