@@ -12,7 +12,7 @@ import numbers
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Protocol, runtime_checkable
+from typing import Callable, Iterable, Protocol, runtime_checkable
 
 from nereid.errors import ConfigError
 from nereid.settings import DEFAULT_TIMEOUT_S, Device, ModelSettings
@@ -63,7 +63,7 @@ class ModelContext:
     # fetched from an object store runs from a version folder no later fetch changes); None: ``folder`` is it.
     repository_folder: Path | None = None
     # What folder_rewritten() tells (the repository's loader); None: nobody follows the folder.
-    on_folder_rewritten: Callable[[], None] | None = None
+    on_folder_rewritten: Callable[[frozenset[str]], None] | None = None
 
     @property
     def device(self) -> Device:
@@ -79,12 +79,14 @@ class ModelContext:
                 "model '%s': timeout_s: %s does not apply: %s", self.name,
                 "null" if timeout_s is None else f"{timeout_s:g}", why)
 
-    def folder_rewritten(self) -> None:
-        """Say, from ``load()``, that it has just rewritten files of ``folder`` itself (a weights migration): in
-        dynamic mode the folder as it is now is then what this version loaded, and the watcher, seeing those
-        writes, does not load the model a second time. Call it after the last write."""
+    def folder_rewritten(self, names: Iterable[str]) -> None:
+        """Say, from ``load()``, that it has just rewritten (or removed) the files ``names`` of ``folder`` itself
+        (paths relative to it: a weights migration's): in dynamic mode those files as they are now are then part
+        of what this version loaded, and the watcher, seeing the writes, does not load the model a second time.
+        Call it after the last write. Any other file changed meanwhile (an operator's edit during the load)
+        is still a change to load."""
         if self.on_folder_rewritten is not None:
-            self.on_folder_rewritten()
+            self.on_folder_rewritten(frozenset(names))
 
 
 @runtime_checkable

@@ -44,6 +44,11 @@ class LoadListener(Protocol):
         """One model version loaded in ``seconds``."""
 
 
+def _without(stamp: object, names: frozenset[str]) -> tuple:
+    """A folder stamp's files (see :func:`~nereid.folder_states.folder_stamp`) but ``names``."""
+    return tuple(file for file in stamp if file[0] not in names)  # type: ignore[attr-defined]
+
+
 def warn_if_settings_ignored(name: str, settings: ModelSettings, running: int) -> None:
     """Log the settings of model ``name``, which calls models and runs ``running`` requests at once (its backend's
     count), that do not apply to it: ``instances`` other than 1, and batching rules (each of its requests is an
@@ -113,9 +118,11 @@ class VersionLoader:
         restamped: list[object] = []  # the folder's stamp after load() rewrote it (ModelContext.folder_rewritten)
         watched = settings.server.watch and settings.server.ml_backends_url is None
 
-        def folder_rewritten() -> None:
+        def folder_rewritten(names: frozenset[str]) -> None:
             stamped = folder_stamp(entry.folder)  # (on the build's thread)
-            restamped.append(stamped[0] if stamped is not None else None)
+            # Taken for the version's only when nothing but those files changed since the build began.
+            if stamped is not None and stamp is not None and _without(stamped[0], names) == _without(stamp, names):
+                restamped.append(stamped[0])
         context = ModelContext(name, entry.folder, entry.settings, self.scratch_for(name), entry.settings_origin,
                                self.models, on_folder_rewritten=folder_rewritten if watched else None)
         if watched:

@@ -60,6 +60,8 @@ log = logging.getLogger(__name__)
 
 MIGRATION_MODES = ("off", "copy", "replace")
 COPY_FILE = "weights.T.safetensors"
+# The files of a bundle folder a migration may write or remove (hidden temporary names apart).
+MIGRATED_FILES = frozenset({MANIFEST_NAME, DEFAULT_WEIGHTS_FILE, COPY_FILE})
 LOCK_FILE = "weights-migration.lock"
 FROM_SIZE = "migrated_from_size"
 FROM_MTIME = "migrated_from_mtime_ns"

@@ -29,7 +29,7 @@ from nereid.backends.xla.device import PjrtTarget, host_lapack_problem, resolve_
 from nereid.backends.xla.dtype_tokens import token_of
 from nereid.backends.xla.manifest import (EXPORT_PLATFORM, MANIFEST_NAME, DimKind, Manifest, ManifestTensor,
                                           smallest_fitting)
-from nereid.backends.xla.migration import local_weight_set, migrate_for_load
+from nereid.backends.xla.migration import MIGRATED_FILES, local_weight_set, migrate_for_load
 from nereid.backends.xla.options import parse_options
 from nereid.backends.xla.program import python_callback_problem, read_program
 from nereid.backends.xla.remote import RemoteBundle
@@ -96,7 +96,7 @@ class XlaModel:
         remote = RemoteBundle.of(context.folder, retries=options.weights_read_retries)
         if remote is None:
             if migrate_for_load(context.folder, options.weights_migration, context.name):
-                context.folder_rewritten()  # (in dynamic mode, not a change to load again)
+                context.folder_rewritten(MIGRATED_FILES)  # (in dynamic mode, not a change to load again)
         elif options.weights_migration != "off":  # nothing is ever written into the bucket
             log.warning("model '%s': weights_migration does not run for a bundle in object storage (%s)",
                         context.name, remote.location)

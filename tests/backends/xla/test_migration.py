@@ -373,3 +373,23 @@ def test_in_dynamic_mode_the_migrations_own_writes_load_nothing_a_second_time(re
     manifest.write_text(manifest.read_text() + "# edited\n")
     assert wait_until(lambda: repository.generation("mlp_legacy") == 2)
     assert server.client.is_model_ready("mlp_legacy")
+
+
+def test_in_dynamic_mode_an_edit_made_while_the_migration_runs_is_still_loaded(repo, serve, add_bundle,
+                                                                                 monkeypatch):
+    """Found by the review of this session's diff: the folder's stamp taken after the migration's writes took in
+    an operator's edit made meanwhile, so the version kept serving the old files while the watcher thought it
+    had them."""
+    from nereid.backends.xla import model as xla_model
+
+    folder = add_bundle(repo.models_dir, "mlp_legacy")
+    real = xla_model.migrate_for_load
+
+    def migrating_during_an_edit(*args, **kwargs):
+        changed = real(*args, **kwargs)
+        (folder / "NOTES.txt").write_text("an operator's edit, landed during the load\n")
+        return changed
+    monkeypatch.setattr(xla_model, "migrate_for_load", migrating_during_an_edit)
+    server = serve(repo.write_config("- name: mlp_legacy\n  runtime: {weights_migration: copy}\n",
+                                     server_extra="  watch: true\n  watch_settle_ms: 100\n"))
+    assert wait_until(lambda: server.server.repository.generation("mlp_legacy") >= 2)  # loaded again for the edit
