@@ -180,10 +180,18 @@ class LoopWatch:
             if held_s < self._warn_after_s:
                 return
             self._reported = True
-            log.warning("the event loop has been held for %.1f s by one callback, so every model and client "
-                        "waits: an async def that blocks (time.sleep, blocking I/O, a long computation) "
-                        "belongs on a worker thread (a plain def infer, or asyncio.to_thread). It is running: %s",
-                        held_s, _innermost(frame))
+            running, in_model_code = _innermost(frame)
+            if in_model_code:
+                log.warning("the event loop has been held for %.1f s by one callback, so every model and client "
+                            "waits: an async def that blocks (time.sleep, blocking I/O, a long computation) "
+                            "belongs on a worker thread (a plain def infer, or asyncio.to_thread). It is running: "
+                            "%s", held_s, running)
+            else:
+                # (The advice above misled here: a stall inside grpcio, or nereid's own code, is no model author's
+                # to move. The callback names what the frames cannot, when no Python frame runs in it.)
+                log.warning("the event loop has been held for %.1f s by one callback, so every model and client "
+                            "waits; no model code runs in it (the server's own work, or a library's): it is "
+                            "running %s (callback %s)", held_s, running, repr(holder)[:200])
 
     def _callback_frame(self) -> tuple[types.FrameType | None, asyncio.Handle | None]:
         """The frame of asyncio's ``Handle._run`` the loop's thread is in, and its handle, when it is one of this
@@ -200,10 +208,11 @@ class LoopWatch:
         return top, handle
 
 
-def _innermost(frame: types.FrameType | None) -> str:
+def _innermost(frame: types.FrameType | None) -> tuple[str, bool]:
     """The innermost frames of the callback ``frame`` runs, outermost first, as ``file:line in function``: what is
     inside asyncio's ``Handle._run``, less asyncio's own frames. When those are all a library's (a blocking call
-    deep in ``subprocess``), the innermost frame of a model's own code comes first: the call that blocks.
+    deep in ``subprocess``), the innermost frame of a model's own code comes first: the call that blocks. And
+    whether a model's own code is among them (not only the standard library's, a package's or nereid's).
 
     Read from the frames alone, never from their source files (as ``traceback`` would, for lines it shows none
     of): the beat waits on this under the watch's lock.
@@ -216,15 +225,15 @@ def _innermost(frame: types.FrameType | None) -> str:
     starts = [index for index, (filename, _, name) in enumerate(stack) if name == "_run" and filename == _HANDLE_FILE]
     inside = [entry for entry in stack[starts[-1] + 1:] if not entry[0].startswith(_ASYNCIO)] if starts else []
     if not inside:
-        return "(asyncio's own code)"
+        return "(asyncio's own code)", False
     shown = inside[-_SHOWN_FRAMES:]
     text = " > ".join(f"{filename}:{line} in {name}" for filename, line, name in shown)
     libraries = _library_folders()
     own = next((entry for entry in reversed(inside)
                 if not entry[0].startswith(libraries) and not entry[0].startswith("<")), None)
     if own is not None and own not in shown:
-        return f"{own[0]}:{own[1]} in {own[2]} > ... > {text}"
-    return text
+        return f"{own[0]}:{own[1]} in {own[2]} > ... > {text}", True
+    return text, own is not None
 
 
 @functools.cache

@@ -70,6 +70,30 @@ def test_a_coroutine_that_blocks_is_named_while_it_holds_the_loop_and_its_end_is
     assert 0.6 <= float(again.split("after ")[1].split(" s")[0]) < 1.5
 
 
+def test_a_hold_with_no_model_code_in_it_names_its_callback_and_gives_no_advice_to_model_authors(caplog):
+    """Found by a bug hunt of isolation between models: a stall inside grpcio (or nereid's own code) was
+    reported as "(asyncio's own code)" with the advice to move an async def to a worker thread, which no
+    model author could follow."""
+    caplog.set_level(logging.WARNING, "nereid.loop")
+
+    def held_by(callback, *args) -> str:
+        async def server_work() -> None:
+            asyncio.get_running_loop().call_soon(callback, *args)
+            await asyncio.sleep(WARN_AFTER_S * 3)
+        caplog.clear()
+        watched(server_work)
+        [line] = [line for line in watch_lines(caplog) if "has been held" in line]
+        assert "no model code runs in it (the server's own work, or a library's)" in line, line
+        assert "asyncio.to_thread" not in line
+        return line
+
+    # A C call with no Python frame: named by its callback.
+    assert "running (asyncio's own code) (callback <Handle sleep(" in held_by(time.sleep, WARN_AFTER_S * 2.5)
+    # The standard library's frames only (a library blocking the loop).
+    line = held_by(subprocess.run, ["sleep", str(WARN_AFTER_S * 2.5)])
+    assert "subprocess.py" in line and "(callback <Handle run(" in line, line
+
+
 def test_a_loop_that_only_awaits_and_a_short_hold_log_nothing(caplog):
     caplog.set_level(logging.WARNING, "nereid.loop")
 
