@@ -126,7 +126,7 @@ class PythonModel(SubprocessModel):
         loaded bytes to run; a cold run of a parent runs the bytes it holds (see :func:`cold_command`)."""
         return [sys.executable, ENTRY_FILE]
 
-    def launch(self, *, env: dict[str, str], stdin: bytes) -> ProcessResult:
+    def launch(self, *, env: dict[str, str], stdin: bytes | memoryview) -> ProcessResult:
         parent = self._parent
         if parent is None:
             return super().launch(env=env, stdin=stdin)

@@ -216,7 +216,7 @@ class WarmParent:
         return None
 
     # -- runs ---------------------------------------------------------------
-    def run(self, *, env: dict[str, str], stdin: bytes, timeout_s: float | None,
+    def run(self, *, env: dict[str, str], stdin: bytes | memoryview, timeout_s: float | None,
             groups: ProcessGroups, exec_argv: list[str] | None = None) -> ProcessResult:
         """Fork one child that runs ``main.py`` for this batch; as ``run_model_process`` for a cold one.
 

@@ -150,7 +150,7 @@ class ProcessGroups:
             return len(self._groups) + starting
 
 
-def run_model_process(argv: list[str], *, cwd: Path | str, env: dict[str, str], stdin: bytes,
+def run_model_process(argv: list[str], *, cwd: Path | str, env: dict[str, str], stdin: bytes | memoryview,
                       timeout_s: float | None, groups: ProcessGroups | None = None,
                       tail_bytes: int = STDERR_TAIL_BYTES, head_bytes: int = 0) -> ProcessResult:
     """Run ``argv`` to completion; on timeout kill its whole process group.
@@ -201,7 +201,7 @@ def run_model_process(argv: list[str], *, cwd: Path | str, env: dict[str, str], 
         return ProcessResult(process.returncode, not exited, tail, terminated)
 
 
-def feed_and_wait(stdin_fd: int, data: bytes, exit_fd: int, deadline: float | None,
+def feed_and_wait(stdin_fd: int, data: bytes | memoryview, exit_fd: int, deadline: float | None,
                   output_fd: int, tail_bytes: int = STDERR_TAIL_BYTES, head_bytes: int = 0) -> tuple[bool, str]:
     """Write ``data`` to the child's stdin, keep the tail of its output, wait until ``exit_fd`` is readable.
 
