@@ -55,7 +55,7 @@ class OutputChoice:
         return name in self.binary or (self.binary_by_default and name not in self.json)
 
 
-def decode_infer(model: str, body: bytes, header_length: int | None) -> tuple[InferRequest, OutputChoice]:
+def decode_infer(model: str, body: bytes | memoryview, header_length: int | None) -> tuple[InferRequest, OutputChoice]:
     """Decode an infer body; InvalidArgument naming the problem for anything malformed, MemoryError when the
     server runs out of memory decoding it (orjson's allocation failure included).
 
@@ -73,7 +73,7 @@ def decode_infer(model: str, body: bytes, header_length: int | None) -> tuple[In
         raise err.with_traceback(None)
 
 
-def _decode_infer(model: str, body: bytes, header_length: int | None) -> tuple[InferRequest, OutputChoice]:
+def _decode_infer(model: str, body: bytes | memoryview, header_length: int | None) -> tuple[InferRequest, OutputChoice]:
     if header_length is None:
         header_bytes, binary = body, memoryview(b"")
     else:

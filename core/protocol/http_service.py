@@ -330,7 +330,7 @@ class HttpSurface:
         return 200, parts, [(b"content-type", b"application/octet-stream"),
                             (HEADER_LENGTH.encode(), str(binary_header).encode())]
 
-    async def _decode_large(self, model: str, body: bytes, length: int | None) -> tuple[Any, Any]:
+    async def _decode_large(self, model: str, body: bytes | memoryview, length: int | None) -> tuple[Any, Any]:
         """:func:`decode_infer` of a large JSON part on a worker thread, one such decode at a time.
 
         The semaphore is released when the thread ends, not when this handler
@@ -351,7 +351,8 @@ class HttpSurface:
         if not future.cancelled():
             future.exception()  # retrieved here: a cancelled handler no longer awaits it, and asyncio would log it
 
-    async def _infer_body(self, headers: dict[bytes, bytes], receive: Receive, model: str) -> tuple[bytes, int | None]:
+    async def _infer_body(self, headers: dict[bytes, bytes], receive: Receive,
+                          model: str) -> tuple[bytes | memoryview, int | None]:
         """An infer request's body and its JSON header's length (Inference-Header-Content-Length; None: all JSON),
         once its headers say it can be read; HttpError otherwise."""
         codings = headers.get(b"content-encoding", b"identity").lower().split(b",")  # (any case; a list)
@@ -382,7 +383,7 @@ class HttpSurface:
             if length > self.max_json_bytes:  # refused before its body is read
                 raise self._json_too_large(model, f"is {length} bytes")
         # Without the header, the whole body is JSON: bounded as it is read (before, when its length is declared).
-        return await self._read_body(headers, receive, model, all_json=length is None), length
+        return await self._read_body(headers, receive, model, all_json=length is None, as_view=True), length
 
     def _json_too_large(self, model: str, size: str) -> HttpError:
         """413 for an infer request whose JSON part ``size`` ("is N bytes", "exceeds ...") passes the limit."""
@@ -426,9 +427,14 @@ class HttpSurface:
         raise HttpError(404, f"no such endpoint: POST {_shown_path(scope)}")
 
     async def _read_body(self, headers: dict[bytes, bytes], receive: Receive, model: str,
-                         all_json: bool = False) -> bytes:
+                         all_json: bool = False, as_view: bool = False) -> bytes | memoryview:
         """The whole body, refused with 413 past the limit (before reading it, when its length is declared); with
-        ``all_json`` (an infer body that is all JSON), past server.http_max_json_bytes too."""
+        ``all_json`` (an infer body that is all JSON), past server.http_max_json_bytes too.
+
+        ``as_view``: a body of several chunks comes as a read-only view of one buffer they are appended to as
+        they arrive (an infer body, which the codec reads through views): joined at the end instead, a 500 MB
+        body held the event loop, and every other client, for half a second to three.
+        """
         declared = headers.get(b"content-length")
         coding = headers.get(b"transfer-encoding")
         codings = None if coding is None else b"".join(coding.split()).lower()  # (any whitespace: "gzip,\tchunked")
@@ -456,7 +462,9 @@ class HttpSurface:
         if all_json and declared is not None and declared.isdigit() and int(declared) > self.max_json_bytes:
             raise self._json_too_large(model, f"is {int(declared)} bytes (all of the body: it has no "
                                               "Inference-Header-Content-Length)")
-        chunks, size = [], 0
+        chunks: list[bytes] = []
+        gathered: bytearray | None = None  # (as_view, from the second chunk on)
+        size = 0
         try:
             while True:
                 message = await receive()
@@ -476,14 +484,23 @@ class HttpSurface:
                 if all_json and size > self.max_json_bytes:
                     raise self._json_too_large(model, "passes the limit (all of the body is JSON: it has no "
                                                       "Inference-Header-Content-Length)")
-                chunks.append(chunk)
+                if gathered is not None:
+                    gathered += chunk  # (a copy of this chunk only: a large buffer grows in place)
+                elif as_view and chunks:
+                    gathered = bytearray(chunks.pop())
+                    gathered += chunk
+                else:
+                    chunks.append(chunk)
                 if not message.get("more_body", False):
                     break
             if declared is not None and declared.isdigit() and size != int(declared):
                 raise HttpError(400, f"{_who(model)}the body is {size} bytes, but Content-Length says {int(declared)}")
+            if gathered is not None:
+                return memoryview(gathered).toreadonly()  # (read-only: a raw tensor is a view of it)
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
         except MemoryError as lost:
             chunks.clear()  # what was read is let go before the answer is made
+            gathered = None
             lost.__traceback__ = None
             raise out_of_memory(model, "reading", int(declared) if declared is not None and declared.isdigit()
                                 else size) from None
@@ -498,7 +515,7 @@ class HttpSurface:
         self._counted(model, error.reason)
 
 
-def _decode_without_gc(model: str, body: bytes, length: int | None) -> tuple[Any, Any]:
+def _decode_without_gc(model: str, body: bytes | memoryview, length: int | None) -> tuple[Any, Any]:
     """:func:`decode_infer` with the cyclic garbage collector paused (called one at a time, see _decode_large).
 
     A decoded body holds no reference cycles, but its millions of lists, floats
