@@ -8,10 +8,12 @@ where the file watch itself matters, through ``run()`` with a short settle time.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import time
 from pathlib import Path
+from typing import AsyncIterator
 
 import numpy as np
 import pytest
@@ -105,6 +107,21 @@ async def start(repository: ModelRepository, watcher: RepositoryWatcher) -> None
     await asyncio.gather(*(repository.load(name) for name in repository.startup_models()))
 
 
+@contextlib.asynccontextmanager
+async def following(repository: ModelRepository, watcher: RepositoryWatcher) -> AsyncIterator[None]:
+    """The server in dynamic mode, its watcher following the folder (its watches up) for the body's length; then
+    stopped, and every model unloaded."""
+    await start(repository, watcher)
+    running = asyncio.create_task(watcher.run())
+    try:
+        await asyncio.sleep(0.2)  # the watches are up
+        yield
+    finally:
+        watcher.stop()
+        await running
+        await repository.unload_all()
+
+
 async def apply(watcher: RepositoryWatcher) -> None:
     """One scan, taking turns with the scans the watcher schedules itself (as its watches do), and the loads,
     reloads and unloads under way once it is done: its own, and those of a scan the watcher scheduled (with a
@@ -178,10 +195,7 @@ def test_a_replaced_ml_backends_path_is_followed_anew(tmp_path, how):
     repository, watcher = setup(tmp_path, root, settle_ms=50, config_dir=tmp_path / "cfg")
 
     async def scenario() -> None:
-        await start(repository, watcher)
-        running = asyncio.create_task(watcher.run())
-        try:
-            await asyncio.sleep(0.2)  # the watches are up
+        async with following(repository, watcher):
             shutil.copytree(root, srv / "v2")
             if how == "symlink":
                 os.symlink("v2", srv / "new-link")
@@ -199,10 +213,6 @@ def test_a_replaced_ml_backends_path_is_followed_anew(tmp_path, how):
             await until(lambda: generation(repository, "later") == 1, what="'later' in the new folder loaded")
             edit(root / "later", "edited")
             await until(lambda: generation(repository, "later") == 2, what="the edit of 'later' reloaded")
-        finally:
-            watcher.stop()
-            await running
-            await repository.unload_all()
     asyncio.run(scenario())
 
 
@@ -222,10 +232,7 @@ def test_edits_in_a_symlinked_model_folder_reload_it(tmp_path, root, where):
     repository, watcher = setup(tmp_path, root, settle_ms=50, extra="  follow_symlinks: true\n")
 
     async def scenario() -> None:
-        await start(repository, watcher)
-        running = asyncio.create_task(watcher.run())
-        try:
-            await asyncio.sleep(0.2)  # the watches are up
+        async with following(repository, watcher):
             if where == "added":
                 os.symlink(versions / "m-v1", root / "m")
             elif where == "switched":
@@ -235,10 +242,6 @@ def test_edits_in_a_symlinked_model_folder_reload_it(tmp_path, root, where):
             await until(lambda: generation(repository, "m") == expected, what=f"'m' at version {expected}")
             edit(root / "m", "edited through the link")
             await until(lambda: generation(repository, "m") == expected + 1, what="the edit reloaded 'm'")
-        finally:
-            watcher.stop()
-            await running
-            await repository.unload_all()
     asyncio.run(scenario())
 
 
@@ -257,10 +260,7 @@ def test_a_model_folder_link_loads_when_its_missing_target_arrives(tmp_path, roo
     repository, watcher = setup(tmp_path, root, settle_ms=50, extra="  follow_symlinks: true\n")
 
     async def scenario() -> None:
-        await start(repository, watcher)
-        running = asyncio.create_task(watcher.run())
-        try:
-            await asyncio.sleep(0.2)  # the watches are up
+        async with following(repository, watcher):
             if inside:
                 assert generation(repository, "m") == 1
                 shutil.rmtree(versions / "m-v1")
@@ -270,10 +270,6 @@ def test_a_model_folder_link_loads_when_its_missing_target_arrives(tmp_path, roo
             await until(lambda: generation(repository, "m") == 1, what="'m' loaded once its target arrived")
             edit(root / "m", "edited through the link")
             await until(lambda: generation(repository, "m") == 2, what="the edit reloaded 'm'")
-        finally:
-            watcher.stop()
-            await running
-            await repository.unload_all()
     asyncio.run(scenario())
 
 
