@@ -19,7 +19,7 @@ from nereid.batching import deadline_passed
 from nereid.daemon_pool import DaemonThreadPool
 from nereid.errors import (ConfigError, DeadlineExceeded, InvalidArgument, ModelFailure, NereidError, QueueFull,
                            describe_exception, naming_model, without_stop_iteration)
-from nereid.scheduler import REQUEST_STARTED, ModelScheduler
+from nereid.scheduler import REQUEST_STARTED, ModelScheduler, not_started
 from nereid.signature import ModelSignature, brief_description, check_outputs, validate_inputs
 from nereid.stats import RequestTiming
 from nereid.tensors import NamedTensor
@@ -108,7 +108,7 @@ def make_runner(backend: Model, signature: ModelSignature, batch_signature: Mode
             arrived_ns = time.monotonic_ns()
             if deadline_passed(deadline_ns, arrived_ns):
                 # Refused as the scheduler refuses it: no model code runs for a request already out of time.
-                raise _not_started(name, deadline_ns, arrived_ns)
+                raise not_started(name, deadline_ns, arrived_ns)
             REQUEST_STARTED.set(True)  # the model's own code runs from here (see its answer past the grace)
             try:
                 with in_hooks:
@@ -273,14 +273,6 @@ class _HookStage:
             self.dropped += -1 if taken else 1
 
 
-def _not_started(model: str, deadline_ns: int, now_ns: int, waited_ns: int = 0) -> DeadlineExceeded:
-    """The answer of a request whose deadline passed before its preprocess hook began (in the scheduler's
-    words for an expired request: nothing of the model ran)."""
-    waited = f" (its preprocess hook waited {waited_ns / 1e6:.1f} ms for a worker thread)" if waited_ns else ""
-    return DeadlineExceeded(f"model '{model}': deadline passed {(now_ns - deadline_ns) / 1e6:.1f} ms before the "
-                            f"request could start{waited}; it was not run")
-
-
 class _HookStart:
     """Whether one hook call has begun on its worker thread, or was given up before it did (it then never begins:
     a request answered DEADLINE_EXCEEDED, or whose client went away, while it waited for a thread)."""
@@ -352,7 +344,8 @@ async def _call_hook(threads: HookThreads, model: str, hook: str,
         now_ns = time.monotonic_ns()
         begun_ns = start.give_up()
         if not begun_ns:
-            raise _not_started(model, deadline_ns, now_ns, now_ns - queued_ns) from None
+            waited = f"its preprocess hook waited {(now_ns - queued_ns) / 1e6:.1f} ms for a worker thread"
+            raise not_started(model, deadline_ns, now_ns, waited) from None
         raise DeadlineExceeded(
             f"model '{model}': deadline passed while the request's {hook} hook ran (for "
             f"{(now_ns - begun_ns) / 1e6:.1f} ms so far); the program was not run, and the hook runs on with its "

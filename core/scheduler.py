@@ -345,11 +345,7 @@ class ModelScheduler:
             work.future.set_exception(self._deadline_error(work.deadline_ns, work.enqueued_ns, time.monotonic_ns()))
 
     def _deadline_error(self, deadline_ns: int, enqueued_ns: int, now: int) -> DeadlineExceeded:
-        late_ms = (now - deadline_ns) / 1e6
-        waited_ms = (now - enqueued_ns) / 1e6
-        return DeadlineExceeded(
-            f"model '{self.name}': deadline passed {late_ms:.1f} ms before the request could start "
-            f"(waited {waited_ms:.1f} ms in the queue); it was not run")
+        return not_started(self.name, deadline_ns, now, f"waited {(now - enqueued_ns) / 1e6:.1f} ms in the queue")
 
     # -- execution ----------------------------------------------------------
     async def _execute(self, batch: list[Work]) -> None:
@@ -612,6 +608,14 @@ class ModelScheduler:
             waiter.set_exception(error)
         else:
             waiter.set_result(result)
+
+
+def not_started(model: str, deadline_ns: int, now_ns: int, waited: str = "") -> DeadlineExceeded:
+    """The answer of a request whose deadline passed before any of the model's code ran for it; ``waited``: where
+    it waited, and how long (the queue, a hook's thread)."""
+    where = f" ({waited})" if waited else ""
+    return DeadlineExceeded(f"model '{model}': deadline passed {(now_ns - deadline_ns) / 1e6:.1f} ms before the "
+                            f"request could start{where}; it was not run")
 
 
 def _without_padding(outputs: list[NamedTensor], rows: int) -> list[NamedTensor]:
