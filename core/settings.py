@@ -16,7 +16,7 @@ from typing import Any, Mapping
 
 from nereid.config_document import KeyedReader, load_yaml
 from nereid.errors import ConfigError
-from nereid.files import NAME_MAX, is_model_folder_name, read_text_file
+from nereid.files import NAME_MAX, decode_text, is_model_folder_name, read_regular_file
 from nereid.listening import host_and_port
 from nereid.storage.mirror import mirror_root
 from nereid.storage.url import parse_store_url
@@ -316,8 +316,13 @@ def load_settings(path: Path) -> Settings:
     """Read and check ``nereid.yaml``; relative paths resolve against its folder."""
     path = Path(path)
     # A FIFO, a binary file or a huge one fails with a ConfigError naming the file (never a traceback).
-    text = read_text_file(path, MAX_CONFIG_BYTES)
-    document = load_yaml(text, path)
+    return settings_from_bytes(read_regular_file(path, MAX_CONFIG_BYTES), path)
+
+
+def settings_from_bytes(data: bytes, path: Path) -> Settings:
+    """Check nereid.yaml's bytes ``data`` (already read) as if read from ``path``: bytes that are not UTF-8 are
+    explained with the offset of the first bad one."""
+    document = load_yaml(decode_text(data, path), path)
     return parse_settings(document if document is not None else {}, path)
 
 

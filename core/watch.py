@@ -47,12 +47,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Awaitable, Callable
 
-from nereid.config_document import load_yaml
 from nereid.errors import ConfigError, NotFound, Unavailable
 from nereid.file_events import Follow, RepositoryFollower
-from nereid.files import decode_text, read_regular_file
+from nereid.files import read_regular_file
 from nereid.folder_states import FolderState, plan_changes, scan_repository, scan_store
-from nereid.settings import MAX_CONFIG_BYTES, Settings, parse_settings
+from nereid.settings import MAX_CONFIG_BYTES, Settings, settings_from_bytes
 from nereid.settling import SettlingFolders
 from nereid.storage import StorageError, failure_kind, parse_store_url, store_failed
 from nereid.store_retries import StoreRetries
@@ -124,9 +123,7 @@ def _settings_from(look: ConfigLook, path: Path) -> Settings:
     settled are the ones applied."""
     if look.data is None:
         raise ConfigError(look.refusal or f"{path}: cannot read")
-    # (Bytes that are not UTF-8 are explained, with the offset of the first bad one, as load_settings does.)
-    document = load_yaml(decode_text(look.data, path), path)
-    return parse_settings(document if document is not None else {}, path)
+    return settings_from_bytes(look.data, path)
 
 
 @dataclass(frozen=True)

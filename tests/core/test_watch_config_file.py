@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+import nereid.settings
 import nereid.watch
 from nereid.settings import MAX_CONFIG_BYTES
 from support import nereid_serve, textproto_single, wait_until
@@ -119,9 +120,10 @@ def test_a_server_with_a_fifo_in_nereid_yaml_exits_promptly_on_sigterm(repo):
 
 def test_a_huge_file_put_in_nereid_yaml_is_refused_unparsed_and_the_watch_goes_on(repo, serve, caplog, monkeypatch):
     caplog.set_level(logging.INFO)
-    parsed: list[int] = []  # the length of each text the watcher parses
-    load_yaml = nereid.watch.load_yaml
-    monkeypatch.setattr(nereid.watch, "load_yaml", lambda text, path: parsed.append(len(text)) or load_yaml(text, path))
+    parsed: list[int] = []  # the length of each nereid.yaml text parsed (the watcher's, the start's)
+    load_yaml = nereid.settings.load_yaml
+    monkeypatch.setattr(nereid.settings, "load_yaml",
+                        lambda text, path: parsed.append(len(text)) or load_yaml(text, path))
     write_model(repo.models_dir / "first")
     config = repo.write_config("- name: first\n", server_extra=SETTLE)
     text = config.read_text()
