@@ -24,7 +24,8 @@ import sys
 # What the interpreter has imported before main.py runs: those the bootstrap adds are candidates to forget.
 INTERPRETER_MODULES = frozenset(sys.modules)
 
-import builtins  # noqa: E402 - after the snapshot above
+import atexit  # noqa: E402 - after the snapshot above
+import builtins  # noqa: E402
 import importlib.machinery  # noqa: E402
 import io  # noqa: E402
 import linecache  # noqa: E402
@@ -32,6 +33,9 @@ import os  # noqa: E402
 import tokenize  # noqa: E402
 
 ENTRY_FILE = "main.py"
+# How long the interpreter's exit waits for multiprocessing's resource tracker (see end_resource_tracker).
+TRACKER_EXIT_WAIT_S = 2.0
+TRACKER_POLL_S = 0.002
 
 
 def entry_path() -> str:
@@ -171,6 +175,9 @@ def run(loaded: int) -> None:
         linecache.cache[path] = (len(source), None, lines, path)
     module = main_module(path)
     sys.modules["__main__"] = module
+    # First registered, so last to run: after main.py's own exit functions and multiprocessing's (which joins
+    # and ends the processes it started, each a holder of the tracker's pipe).
+    atexit.register(end_resource_tracker)
     try:
         # dont_inherit: no future flag of this file's; the bytes' own encoding cookie is honoured.
         code = compile(source, path, "exec", dont_inherit=True)
@@ -187,6 +194,63 @@ def run(loaded: int) -> None:
         _hand_over(err)
         raise
     _forget_file(module)
+
+
+def end_resource_tracker() -> None:
+    """Let the ``multiprocessing`` resource tracker this run started clean up before the interpreter exits,
+    waiting for it :data:`TRACKER_EXIT_WAIT_S` at most: the last exit function (registered before main.py ran).
+
+    The tracker unlinks what was registered with it and never unlinked (a
+    leaked ``SharedMemory``), with a ``UserWarning`` on the run's stderr, once
+    the last holder of its pipe has closed it: at the interpreter's exit, in
+    ``python main.py``. Here the run's process group is killed as soon as the
+    interpreter has exited, the tracker with it, before it had cleaned up. So
+    the pipe is ended now (a ``forkserver``'s hold on it too: its own pipe
+    ended), and the tracker awaited. (warm_parent's ``end_resource_tracker``
+    does the same for warm runs.)
+    """
+    tracker = getattr(sys.modules.get("multiprocessing.resource_tracker"), "_resource_tracker", None)
+    fd, pid = getattr(tracker, "_fd", None), getattr(tracker, "_pid", None)
+    if not isinstance(fd, int) or not isinstance(pid, int):
+        return  # none started: the common case costs a lookup
+    forkserver = getattr(sys.modules.get("multiprocessing.forkserver"), "_forkserver", None)
+    alive = getattr(forkserver, "_forkserver_alive_fd", None)
+    for held in (fd, alive):
+        if isinstance(held, int):
+            _to_devnull(held)
+    _wait_for_child(pid)
+
+
+def _to_devnull(fd: int) -> None:
+    """Close what ``fd`` holds, leaving ``fd`` open on ``/dev/null``: a finalizer's late message to the tracker
+    then goes nowhere, where a closed descriptor would have the tracker started again."""
+    try:
+        null = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        os.dup2(null, fd, inheritable=False)
+    except OSError:
+        pass
+    finally:
+        os.close(null)
+
+
+def _wait_for_child(pid: int) -> None:
+    """Reap the child ``pid`` once it ends, TRACKER_EXIT_WAIT_S at most (polled: ``select``, not imported
+    here, could be a module of the model folder by now); one still running is left to the group kill."""
+    import time  # (built in: no file of the folder can stand for it)
+    deadline = time.monotonic() + TRACKER_EXIT_WAIT_S
+    while True:
+        try:
+            if os.waitpid(pid, os.WNOHANG)[0]:
+                return
+        except OSError:  # not this process's child (reaped by main.py's own os.wait)
+            return
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        time.sleep(min(TRACKER_POLL_S, left))
 
 
 def _forget_file(module: object) -> None:

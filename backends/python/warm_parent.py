@@ -81,6 +81,10 @@ PR_SET_CHILD_SUBREAPER = 36
 MAX_SWEEPS = 1024
 # What every CUDA driver API call but cuInit returns until cuInit has been called (CUresult 3).
 CUDA_ERROR_NOT_INITIALIZED = 3
+# How long a run's end waits for multiprocessing's resource tracker to unlink what the run leaked (see
+# end_resource_tracker): a fresh interpreter's start and a few unlinks take tens of ms; one that hangs is killed
+# with the run's group.
+TRACKER_EXIT_WAIT_S = 2.0
 
 
 def preload(imports: list[str], extra: list[str], submodules: tuple[str, ...] | list[str] = ()) -> str | None:
@@ -839,7 +843,79 @@ def run_main(path: str) -> int:
             stream.flush()  # type: ignore[union-attr]
         except BaseException:  # noqa: BLE001 - ignored, as CPython ignores it
             pass
+    try:
+        end_resource_tracker()
+    except BaseException:  # noqa: BLE001 - the run's status stands; the group kill ends the tracker anyway
+        pass
     return code
+
+
+def end_resource_tracker() -> None:
+    """Let the ``multiprocessing`` resource tracker this run started clean up as at ``python main.py``'s exit,
+    waiting for it :data:`TRACKER_EXIT_WAIT_S` at most.
+
+    The tracker (a process started on first use of a ``SharedMemory``, a
+    named semaphore, a ``spawn`` or ``forkserver`` start) unlinks what was
+    registered with it and never unlinked, with a ``UserWarning`` on the
+    run's stderr, once the last holder of its pipe has closed it: the
+    interpreter's exit, in ``python main.py``. Here the run's process group
+    is killed as soon as the run ends, the tracker with it, before it had
+    cleaned up: each run left its leaked ``/dev/shm`` segments behind for
+    good. So the pipe is ended now (a ``forkserver``'s hold on it too), and
+    the tracker awaited. A run that never started one pays a module lookup.
+    """
+    tracker = getattr(sys.modules.get("multiprocessing.resource_tracker"), "_resource_tracker", None)
+    fd, pid = getattr(tracker, "_fd", None), getattr(tracker, "_pid", None)
+    if not isinstance(fd, int) or not isinstance(pid, int) or not _is_child(pid):
+        return  # none started, or the warm parent's (inherited: not this run's to end)
+    forkserver = getattr(sys.modules.get("multiprocessing.forkserver"), "_forkserver", None)
+    alive = getattr(forkserver, "_forkserver_alive_fd", None)
+    for held in (fd, alive):
+        if isinstance(held, int):
+            _to_devnull(held)
+    _wait_for_child(pid, TRACKER_EXIT_WAIT_S)
+
+
+def _is_child(pid: int) -> bool:
+    """Whether ``pid`` is a child of this process, ended or not, and not reaped yet."""
+    try:
+        os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except OSError:  # ChildProcessError: another process's, or reaped by main.py's own os.wait()
+        return False
+    return True
+
+
+def _to_devnull(fd: int) -> None:
+    """Close what ``fd`` holds, leaving ``fd`` open on ``/dev/null``: a finalizer's late message to the tracker
+    then goes nowhere, where a closed descriptor would have the tracker started again (or write into whatever
+    took the number)."""
+    try:
+        null = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        os.dup2(null, fd, inheritable=False)
+    except OSError:
+        pass
+    finally:
+        os.close(null)
+
+
+def _wait_for_child(pid: int, timeout_s: float) -> None:
+    """Reap the child ``pid`` once it ends, ``timeout_s`` at most; one still running is left to the group kill."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError:
+        return
+    try:
+        poller = select.poll()  # (not select.select: main.py may have left descriptors past FD_SETSIZE open)
+        poller.register(pidfd, select.POLLIN)
+        if poller.poll(timeout_s * 1000):
+            os.waitpid(pid, os.WNOHANG)
+    except OSError:
+        pass  # reaped meanwhile (main.py set SIGCHLD to SIG_IGN)
+    finally:
+        os.close(pidfd)
 
 
 def _flush_io() -> None:

@@ -812,6 +812,38 @@ def test_a_process_the_model_detaches_ends_with_its_run(repo, serve, no_zombies,
     assert wait_until(lambda: not process_alive(detached))
 
 
+# A run that creates a shared memory segment (named PREFIX + its pid) and never unlinks it; it fails after that
+# when the folder holds a file "fail" (its stderr tail is then the answer).
+LEAKING_SHM_MAIN = reply_main("segment.name", prelude='''from multiprocessing import shared_memory
+segment = shared_memory.SharedMemory(name=f"{PREFIX}{os.getpid()}", create=True, size=4096)
+if os.path.exists("fail"):
+    sys.exit("failed after leaking " + segment.name)''')
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm to look into")
+@pytest.mark.parametrize("warm", [True, False], ids=["warm", "cold"])
+def test_a_shared_memory_segment_a_run_leaks_is_unlinked_when_it_ends(repo, serve, warm):
+    """Defect: multiprocessing's resource tracker, which unlinks a leaked SharedMemory at `python main.py`'s exit
+    (with a UserWarning), was SIGKILLed with the run's process group before it could: every run left its segment
+    in /dev/shm (RAM) for good."""
+    repo.python_warm_start = warm
+    prefix = f"nereid_test_{uuid.uuid4().hex[:12]}_"
+    folder = repo.python("leaky", textproto=REPORT, main=f"PREFIX = {prefix!r}\n" + LEAKING_SHM_MAIN)
+    try:
+        server = serve(repo.write_config())
+        assert ask(server, "leaky").startswith(prefix)
+        assert list(Path("/dev/shm").glob(f"{prefix}*")) == []
+        (folder / "fail").write_text("")
+        error = _error_of(lambda: ask(server, "leaky"))
+        assert error is not None and "failed after leaking" in error.message(), error
+        # The tracker's warning is part of the run's stderr, as under python main.py.
+        assert "There appear to be 1 leaked shared_memory objects to clean up at shutdown" in error.message()
+        assert list(Path("/dev/shm").glob(f"{prefix}*")) == []
+    finally:
+        for leaked in Path("/dev/shm").glob(f"{prefix}*"):
+            leaked.unlink(missing_ok=True)
+
+
 CHAIN_MAIN = reply_main("1", prelude='''import os, time
 def link(depth):  # each link: a session of its own, one child, then a long sleep
     os.setsid()
