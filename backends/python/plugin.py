@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -13,11 +14,13 @@ from nereid.errors import ConfigError
 from nereid.files import remove_tree
 from nereid.backends.python.options import PythonOptions, parse_options
 from nereid.backends.python.preload import Preloads, modules_to_preload
-from nereid.backends.python.warm import EntryImportFailed, WarmParent, WarmParentDied, WarmStartUnavailable
+from nereid.backends.python.warm import (EntryImportFailed, WarmParent, WarmParentDied, WarmStartUnavailable,
+                                        max_request_bytes, run_request)
 from nereid.backends.scratch import scratch_folder_refused
 from nereid.backends.subprocess.model import SubprocessModel
-from nereid.backends.subprocess.runner import ProcessResult
+from nereid.backends.subprocess.runner import ProcessResult, StdinData
 from nereid.hookspecs import hookimpl
+from nereid.signature import TEXTPROTO_NAME
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +54,7 @@ class PythonModel(SubprocessModel):
         self.options = parse_options(self.context.settings.runtime, self.context.settings_origin)
 
     def prepare(self) -> None:
+        self._check_run_request()
         # Read once: the imports are scanned from these bytes and the warm parent compiles these
         # same bytes, even if main.py is rewritten while the model loads.
         source = (self.context.folder / ENTRY_FILE).read_bytes()
@@ -77,6 +81,25 @@ class PythonModel(SubprocessModel):
             self._parent = self._start_parent(Preloads(), source)
         except WarmStartUnavailable as err:
             log.warning("model '%s': no parent process (%s); runs are spawned directly", self.context.name, err)
+
+    def _check_run_request(self) -> None:
+        """Refuse tensor names too long for the request each run sends its parent (every run would fail, the model
+        READY): the request is one local socket message, which the names of a multi-tensor model can outgrow.
+
+        Measured on the request a run sends (with the cold run's program, which
+        a warm parent that goes cold adds), names JSON-escaped as it carries them.
+        """
+        env = self.environment_at_load()
+        size = len(run_request(env, str(self.context.folder), cold_command()))
+        limit, bound = max_request_bytes()
+        if size <= limit:
+            return
+        names = sum(len(json.dumps(env[variable])) - 2 for variable in ("NEREID_INPUT_NAMES", "NEREID_OUTPUT_NAMES")
+                    if variable in env)
+        raise ConfigError(f"model '{self.context.name}': {self.context.folder / TEXTPROTO_NAME}: its tensor names "
+                          f"add up to {names} bytes in the request each run sends its parent process ({size} bytes "
+                          f"in all, with the run's environment), more than the {limit} bytes a request may take "
+                          f"({bound}); shorten the tensor names")
 
     def _start_warm_parent(self, modules: Preloads, source: bytes) -> WarmParent:
         """The warm parent that preloads ``modules``, started once more should the first end while starting.
@@ -126,7 +149,7 @@ class PythonModel(SubprocessModel):
         loaded bytes to run; a cold run of a parent runs the bytes it holds (see :func:`cold_command`)."""
         return [sys.executable, ENTRY_FILE]
 
-    def launch(self, *, env: dict[str, str], stdin: bytes | memoryview) -> ProcessResult:
+    def launch(self, *, env: dict[str, str], stdin: StdinData) -> ProcessResult:
         parent = self._parent
         if parent is None:
             return super().launch(env=env, stdin=stdin)

@@ -18,13 +18,14 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Mapping
 
 from nereid.errors import ModelFailure, ModelKilled
 from nereid.files import descriptor_path
 
 from nereid.backends.python.preload import Preloads
-from nereid.backends.subprocess.runner import (ProcessGroups, ProcessResult, close_descriptors, feed_and_wait,
-                                               kill_group, open_pipes, timed_out, wait_for_exit)
+from nereid.backends.subprocess.runner import (ProcessGroups, ProcessResult, StdinData, close_descriptors,
+                                               feed_and_wait, kill_group, open_pipes, timed_out, wait_for_exit)
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,41 @@ STARTUP_TAIL_BYTES = 2000
 # dies (an installed module that now crashes the interpreter as it is imported) is not started again at every batch.
 MAX_START_DEATHS = 3
 WATCH_RETRY_S = 0.2  # how soon the exit watcher tries again to clear a dead parent whose model was busy
+
+
+# What the warm parent reads of one request (warm_parent.MAX_REQUEST_BYTES; a test keeps the two equal).
+PARENT_MAX_REQUEST_BYTES = 1 << 20
+# What Linux keeps for itself of an AF_UNIX socket's send buffer: it refuses (EMSGSIZE) a SOCK_SEQPACKET message
+# longer than SO_SNDBUF less this (unix_dgram_sendmsg); 212960 bytes with the default net.core.wmem_default.
+UNIX_MESSAGE_OVERHEAD = 32
+
+
+def run_request(env: Mapping[str, str], cwd: str, exec_argv: list[str] | None) -> bytes:
+    """The message that hands the warm parent one run: its environment and folder, and with ``exec_argv`` the
+    program a cold run execs."""
+    request: dict[str, object] = {"env": dict(env), "cwd": cwd}
+    if exec_argv:
+        # With the loaded main.py's bytes, which the parent holds (the scratch folder's copy may be gone):
+        # exec_argv is cold_bootstrap.py's.
+        request["exec"], request["entry"] = exec_argv, True
+    return json.dumps(request).encode()
+
+
+def max_request_bytes() -> tuple[int, str]:
+    """The longest run request the warm parent can be sent here, and what bounds it (for messages).
+
+    A request is one message of a local SOCK_SEQPACKET socket, which its send
+    buffer bounds (SO_SNDBUF: net.core.wmem_default for a new socket), and the
+    parent reads no more than :data:`PARENT_MAX_REQUEST_BYTES` of it.
+    """
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)  # made as each parent's control is
+    with ours, theirs:
+        send_buffer = ours.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+    by_socket = send_buffer - UNIX_MESSAGE_OVERHEAD
+    if by_socket <= PARENT_MAX_REQUEST_BYTES:
+        return by_socket, (f"one message of a local socket here: its send buffer of {send_buffer} bytes "
+                           f"(net.core.wmem_default) less {UNIX_MESSAGE_OVERHEAD}")
+    return PARENT_MAX_REQUEST_BYTES, "what the warm parent reads of one request"
 
 
 class WarmStartUnavailable(Exception):
@@ -216,7 +252,7 @@ class WarmParent:
         return None
 
     # -- runs ---------------------------------------------------------------
-    def run(self, *, env: dict[str, str], stdin: bytes | memoryview, timeout_s: float | None,
+    def run(self, *, env: dict[str, str], stdin: StdinData, timeout_s: float | None,
             groups: ProcessGroups, exec_argv: list[str] | None = None) -> ProcessResult:
         """Fork one child that runs ``main.py`` for this batch; as ``run_model_process`` for a cold one.
 
@@ -284,12 +320,7 @@ class WarmParent:
         folder_fd = self.folder_fd  # read once: a relocate may replace it meanwhile
         try:
             try:
-                request = {"env": env, "cwd": str(self.folder)}
-                if exec_argv:
-                    # With the loaded main.py's bytes, which the parent holds (the scratch folder's copy may be
-                    # gone): exec_argv is cold_bootstrap.py's.
-                    request["exec"], request["entry"] = exec_argv, True
-                message = json.dumps(request).encode()
+                message = run_request(env, str(self.folder), exec_argv)
                 socket.send_fds(control, [message], [stdin_read, output_write, theirs.fileno(),
                                                      *([folder_fd] if folder_fd is not None else [])])
             except OSError as err:

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import io
 import math
-from typing import BinaryIO
+from typing import BinaryIO, Iterable
 
 import numpy as np
 
 from nereid.dtypes import DType
 from nereid.backends.subprocess.dtype_names import contract_name, dtype_of_contract_name
 from nereid.errors import ModelFailure
-from nereid.tensors import NamedTensor, bytes_array, tensor_bytes
+from nereid.tensors import NamedTensor, bytes_array, tensor_buffer, tensor_bytes
 
 MAX_HEADER_BYTES = 4096
 MAX_RANK = 32
@@ -28,8 +28,23 @@ _OBJECT_ITEMSIZE = np.dtype(object).itemsize  # a BYTES element is held as an ob
 
 def encode_frame(tensor: NamedTensor) -> bytes:
     """One framed tensor: header line then its bytes."""
-    header = f"{contract_name(tensor.dtype)} {','.join(str(d) for d in tensor.shape)}\n".encode("utf-8")
-    return header + tensor_bytes(tensor)
+    return frame_header(tensor) + tensor_bytes(tensor)
+
+
+def frame_header(tensor: NamedTensor) -> bytes:
+    """The header line of ``tensor``'s frame: ``"<dtype> d0,d1,...\\n"``."""
+    return f"{contract_name(tensor.dtype)} {','.join(str(d) for d in tensor.shape)}\n".encode("utf-8")
+
+
+def frame_buffers(tensors: Iterable[NamedTensor]) -> list[bytes | memoryview]:
+    """The frames of ``tensors`` as buffers to write one after the other: the bytes of :func:`encode_frame`, each
+    header followed by a read-only view of its tensor's data (no copy of a contiguous little-endian array; a BYTES
+    tensor is serialized once, as ``encode_frame`` serializes it)."""
+    buffers: list[bytes | memoryview] = []
+    for tensor in tensors:
+        data = tensor_buffer(tensor)
+        buffers += [frame_header(tensor), data.toreadonly() if isinstance(data, memoryview) else data]
+    return buffers
 
 
 def read_header(stream: BinaryIO, where: str) -> tuple[DType, tuple[int, ...]]:

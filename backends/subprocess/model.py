@@ -31,10 +31,10 @@ from nereid.signature import TEXTPROTO_NAME, ModelSignature, TensorSpec, dims_ma
 from nereid.tensors import NamedTensor, tensor_buffer, tensor_bytes
 
 from nereid.backends.subprocess.dtype_names import contract_name
-from nereid.backends.subprocess.framing import encode_frame, read_body, read_header
+from nereid.backends.subprocess.framing import frame_buffers, read_body, read_header
 from nereid.backends.subprocess.gpus import visible_gpus
-from nereid.backends.subprocess.runner import (DEFAULT_PATH, ProcessGroups, ProcessResult, run_model_process,
-                                               timed_out)
+from nereid.backends.subprocess.runner import (DEFAULT_PATH, ProcessGroups, ProcessResult, StdinData,
+                                               run_model_process, timed_out)
 
 # Descriptors of the model folder kept across renames (the oldest is closed past this).
 MAX_FOLDER_FDS = 8
@@ -231,8 +231,9 @@ class SubprocessModel:
         """The argv to run, with the model folder as working directory."""
         raise NotImplementedError
 
-    def launch(self, *, env: dict[str, str], stdin: bytes | memoryview) -> ProcessResult:
-        """Run the program once for a batch: by default a fresh process running ``command()``."""
+    def launch(self, *, env: dict[str, str], stdin: StdinData) -> ProcessResult:
+        """Run the program once for a batch (``stdin``: what its stdin gets, see ``runner.StdinData``): by default
+        a fresh process running ``command()``."""
         return run_model_process(self.command(), cwd=self.run_folder(), env=env, stdin=stdin,
                                  timeout_s=self.context.settings.timeout_s, groups=self._groups)
 
@@ -277,12 +278,24 @@ class SubprocessModel:
             env["NEREID_INPUT_NAMES"] = NAMES_SEPARATOR.join(t.name for t in inputs)
         return env
 
-    def _stdin(self, inputs: list[NamedTensor]) -> bytes | memoryview:
+    def environment_at_load(self) -> dict[str, str]:
+        """A run's environment as far as load can tell it, for a bound on what every run sends: the names of the
+        textproto's tensors, TMPDIR and the output path as long as a run's (a single-tensor run's input shape and
+        dtype, a few bytes, are left out)."""
+        signature = self.signature()
+        work_dir = self.context.scratch_dir / f"run-{uuid.UUID(int=0).hex}"
+        env = self._environment([], work_dir / "output", work_dir)
+        if not signature.single_tensor_form:
+            env["NEREID_INPUT_NAMES"] = NAMES_SEPARATOR.join(spec.name for spec in signature.inputs)
+        return env
+
+    def _stdin(self, inputs: list[NamedTensor]) -> StdinData:
+        # Views of the inputs where they already hold the bytes: a copy of a 500 MB input held the GIL for 2.5 s
+        # on the run's thread, and with it every health probe of the server (found by a bug hunt). The frames of
+        # several inputs are written one after the other, never joined into one copy.
         if self.signature().single_tensor_form:
-            # A view of the input where it already holds the bytes: a copy of a 500 MB input held the GIL for
-            # 2.5 s on the run's thread, and with it every health probe of the server (found by a bug hunt).
             return tensor_buffer(inputs[0]) if inputs else b""
-        return b"".join(encode_frame(tensor) for tensor in inputs)
+        return frame_buffers(inputs)
 
     def _read_outputs(self, path: Path, batch: int, output_tail: str = "") -> list[NamedTensor]:
         """The framed outputs at ``path``; ``output_tail``: what the run printed last, for an output it never

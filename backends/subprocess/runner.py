@@ -17,10 +17,13 @@ import signal
 import subprocess
 import threading
 import time
+from collections import deque
+from collections.abc import Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, TypeAlias
 
 from nereid.errors import ModelTimedOut
 from nereid.settings import DEFAULT_TIMEOUT_S
@@ -32,6 +35,14 @@ DRAIN_MAX_READS = 64  # after the exit: at most 4 MiB more, so a chatty leftover
 # ``poll`` takes its timeout as a C int of milliseconds (about 24.8 days): a longer wait (timeout_s may be
 # any finite number) is made of several polls of at most this, until the real deadline.
 MAX_POLL_MS = 2**31 - 1
+# Buffers handed to one writev: far under Linux's IOV_MAX (1024), and plenty for a request's frames.
+WRITEV_MAX_BUFFERS = 64
+
+# What a run writes to its program's stdin: one buffer, or several written one after the other as if joined (a
+# multi-tensor model's frames: each header's bytes, then a view of its tensor's data), so that no tensor is
+# copied to be sent.
+StdinBuffer: TypeAlias = bytes | memoryview
+StdinData: TypeAlias = StdinBuffer | Sequence[StdinBuffer]
 
 
 @dataclass(frozen=True)
@@ -150,7 +161,7 @@ class ProcessGroups:
             return len(self._groups) + starting
 
 
-def run_model_process(argv: list[str], *, cwd: Path | str, env: dict[str, str], stdin: bytes | memoryview,
+def run_model_process(argv: list[str], *, cwd: Path | str, env: dict[str, str], stdin: StdinData,
                       timeout_s: float | None, groups: ProcessGroups | None = None,
                       tail_bytes: int = STDERR_TAIL_BYTES, head_bytes: int = 0) -> ProcessResult:
     """Run ``argv`` to completion; on timeout kill its whole process group.
@@ -161,6 +172,7 @@ def run_model_process(argv: list[str], *, cwd: Path | str, env: dict[str, str], 
     always killed at the end, so nothing the model started outlives the
     request, and the child is always reaped. While it runs, from before its
     program starts, it is counted in ``groups`` (see :meth:`ProcessGroups.running`).
+    ``stdin`` is written as :func:`feed_and_wait` writes it.
     """
     # Counted as running before its program starts: a kill_all from here on ends it (see ProcessGroups).
     with groups.running() if groups is not None else nullcontext():
@@ -201,28 +213,29 @@ def run_model_process(argv: list[str], *, cwd: Path | str, env: dict[str, str], 
         return ProcessResult(process.returncode, not exited, tail, terminated)
 
 
-def feed_and_wait(stdin_fd: int, data: bytes | memoryview, exit_fd: int, deadline: float | None,
+def feed_and_wait(stdin_fd: int, data: StdinData, exit_fd: int, deadline: float | None,
                   output_fd: int, tail_bytes: int = STDERR_TAIL_BYTES, head_bytes: int = 0) -> tuple[bool, str]:
     """Write ``data`` to the child's stdin, keep the tail of its output, wait until ``exit_fd`` is readable.
 
-    ``exit_fd`` becomes readable when the child has exited (a pidfd, or a socket
+    ``data`` is one buffer or a sequence of them, written one after the other
+    (each as it is: none is copied). ``exit_fd`` becomes readable when the child has exited (a pidfd, or a socket
     on which its warm parent reports the exit). Returns whether the child exited
     (False: ``deadline``, a ``time.monotonic()`` value, passed first; None: no
     deadline) and the last ``tail_bytes`` of its output, decoded. A child
     that exits or closes stdin before reading everything ends the writing: its
     exit status tells the story. ``stdin_fd`` and ``output_fd`` are closed on return.
     """
-    view = memoryview(data)
+    pending = _pending_views(data)
     tail = _Tail(output_fd, tail_bytes, head_bytes)
     poller = select.poll()
     poller.register(exit_fd, select.POLLIN)
     poller.register(output_fd, select.POLLIN)
     stdin_open = True
     try:
-        if view:
+        if pending:
             os.set_blocking(stdin_fd, False)
-            view = _write_some(stdin_fd, view)  # a small input fits in the pipe at once
-        if view:
+            _write_some(stdin_fd, pending)  # a small input fits in the pipe at once
+        if pending:
             poller.register(stdin_fd, select.POLLOUT)
         else:
             stdin_open = False
@@ -242,10 +255,10 @@ def feed_and_wait(stdin_fd: int, data: bytes | memoryview, exit_fd: int, deadlin
                         poller.unregister(output_fd)  # every writer closed it: no more events
                     continue
                 if event & (select.POLLERR | select.POLLHUP):
-                    view = memoryview(b"")  # the child closed its stdin
+                    pending.clear()  # the child closed its stdin
                 else:
-                    view = _write_some(stdin_fd, view)
-                if not view:
+                    _write_some(stdin_fd, pending)
+                if not pending:
                     poller.unregister(stdin_fd)
                     stdin_open = False
                     os.close(stdin_fd)
@@ -253,6 +266,13 @@ def feed_and_wait(stdin_fd: int, data: bytes | memoryview, exit_fd: int, deadlin
         if stdin_open:  # closed exactly once: a second close could hit a descriptor another thread reuses
             os.close(stdin_fd)
         os.close(output_fd)
+
+
+def _pending_views(data: StdinData) -> deque[memoryview]:
+    """``data`` as the byte views still to write, in order; empty ones left out (nothing to write)."""
+    buffers = [data] if isinstance(data, (bytes, bytearray, memoryview)) else data
+    views = (memoryview(buffer).cast("B") for buffer in buffers)  # flat bytes: sliced by the bytes written
+    return deque(view for view in views if view)
 
 
 def _whole_characters(data: bytes, *, at_end: bool) -> bytes:
@@ -325,16 +345,28 @@ class _Tail:
         return f"{head}\n... ({omitted} bytes left out) ...\n{tail}"
 
 
-def _write_some(fd: int, view: memoryview) -> memoryview:
-    """Write what the pipe takes now; the rest of ``view`` (empty when done or the reader is gone)."""
+def _write_some(fd: int, pending: deque[memoryview]) -> None:
+    """Write what the pipe takes now from the front of ``pending``, dropping what was written (all of it when the
+    reader is gone: nothing more can be written)."""
     try:
-        while view:
-            view = view[os.write(fd, view):]
+        while pending:
+            written = os.writev(fd, list(islice(pending, WRITEV_MAX_BUFFERS)))
+            _drop_written(pending, written)
     except BlockingIOError:
         pass
     except BrokenPipeError:
-        return memoryview(b"")
-    return view
+        pending.clear()
+
+
+def _drop_written(pending: deque[memoryview], written: int) -> None:
+    """Take ``written`` bytes off the front of ``pending``: the buffers written whole, and the start of the next."""
+    while written:
+        first = pending[0]
+        if written < first.nbytes:
+            pending[0] = first[written:]
+            return
+        written -= first.nbytes
+        pending.popleft()
 
 
 def wait_for_exit(process: subprocess.Popen, timeout_s: float) -> bool:

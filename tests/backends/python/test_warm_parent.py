@@ -151,3 +151,37 @@ def test_a_module_file_of_any_kind_in_the_folder_hides_the_parent_s_module_of_it
     finally:
         for name in names:
             sys.modules.pop(name, None)
+
+
+def test_the_longest_run_request_is_what_one_message_of_the_control_socket_takes_here() -> None:
+    """The bound a python model's tensor names are checked against at load (see PythonModel._check_run_request)
+    is the real one: a request of that many bytes, with a run's descriptors, goes to the parent in one message, one
+    byte more does not; and it is no more than the parent reads of a request."""
+    import pytest
+
+    from nereid.backends.python.warm import PARENT_MAX_REQUEST_BYTES, max_request_bytes, run_request
+
+    assert PARENT_MAX_REQUEST_BYTES == warm_parent.MAX_REQUEST_BYTES
+    limit, bound = max_request_bytes()
+    assert limit <= warm_parent.MAX_REQUEST_BYTES and bound
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    read, write = os.pipe()
+    try:
+        base = len(run_request({"X": ""}, "/", None))
+        fits = run_request({"X": "x" * (limit - base)}, "/", None)
+        assert len(fits) == limit
+        socket.send_fds(ours, [fits], [read, write, theirs.fileno()])
+        message, fds, _, _ = socket.recv_fds(theirs, warm_parent.MAX_REQUEST_BYTES, 4)
+        for fd in fds:
+            os.close(fd)
+        assert message == fits and json.loads(message)["cwd"] == "/"
+        too_long = run_request({"X": "x" * (limit - base + 1)}, "/", None)
+        if limit < warm_parent.MAX_REQUEST_BYTES:  # bound by the socket: refused by the kernel
+            with pytest.raises(OSError) as refused:
+                socket.send_fds(ours, [too_long], [read, write, theirs.fileno()])
+            assert refused.value.errno == errno.EMSGSIZE
+    finally:
+        for fd in (read, write):
+            os.close(fd)
+        ours.close()
+        theirs.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import subprocess
@@ -11,6 +12,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from nereid.backends.subprocess import runner
@@ -42,6 +44,21 @@ def test_large_stdin_is_delivered_whole(tmp_path):
     result = run(tmp_path, code, stdin=payload)
     import hashlib
     assert result.returncode == 0 and result.output_tail == hashlib.sha256(payload).hexdigest()
+
+
+def test_stdin_given_as_several_buffers_is_delivered_as_their_join(tmp_path):
+    """A multi-tensor model's frames go to its stdin as buffers written one after the other (each header, then a
+    view of its tensor's data), never joined into one copy: the program reads exactly what the join would hold,
+    whatever the pipe takes at each write (the 1 MiB part is many times its capacity)."""
+    big = np.arange(1 << 18, dtype=np.float32).reshape(512, 512)  # a non-byte, 2-D view: written as its bytes
+    parts = [b"float32 512,512\n", memoryview(big), b"", b"int32 3\n", memoryview(bytes(range(12)))]
+    code = ("import sys, hashlib; data = sys.stdin.buffer.read(); "
+            "sys.stdout.write(hashlib.sha256(data).hexdigest())")
+    result = run(tmp_path, code, stdin=parts)
+    assert result.returncode == 0
+    assert result.output_tail == hashlib.sha256(b"".join(bytes(part) for part in parts)).hexdigest()
+    # A program that reads nothing ends the writing, as with one buffer.
+    assert run(tmp_path, "import sys; sys.exit(0)", stdin=[b"x", memoryview(big)]).returncode == 0
 
 
 def test_output_is_kept_only_as_a_bounded_tail(tmp_path):
