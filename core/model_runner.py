@@ -111,9 +111,7 @@ def make_runner(backend: Model, signature: ModelSignature, batch_signature: Mode
                 raise not_started(name, deadline_ns, arrived_ns)
             REQUEST_STARTED.set(True)  # the model's own code runs from here (see its answer past the grace)
             try:
-                with in_hooks:
-                    inputs = await _call_hook(hook_threads, name, "preprocess", preprocess, inputs, deadline_ns,
-                                              in_hooks)
+                inputs = await _call_hook(hook_threads, name, "preprocess", preprocess, inputs, deadline_ns, in_hooks)
                 inputs = _program_inputs(name, batch_signature, inputs, check_inputs)
             except ModelFailure as err:
                 raise _logged(scheduler, err)
@@ -251,21 +249,28 @@ class _HookStage:
     """
 
     def __init__(self) -> None:
-        self.count = 0
+        self.calls: set[_HookStart] = set()  # the stage's requests' hook calls (see _call_hook)
         self._lock = threading.Lock()  # (dropped: raised on the event loop, lowered on a hook thread)
         self.dropped = 0
 
     def admit(self, scheduler: ModelScheduler) -> None:
-        """Refuse a request (QueueFull, as the scheduler words it) when the stage and the queue are full."""
-        if self.count + self.dropped + scheduler.queue_depth >= scheduler.capacity:
+        """Refuse a request (QueueFull, as the scheduler words it) when the stage and the queue are full of
+        requests still in time.
+
+        As the scheduler's own admission does, the queued requests whose
+        deadline has passed are answered and removed first, and a request
+        whose hook runs past its deadline holds no place: both are answered
+        within about a millisecond anyway, by their timers, and a request
+        refused in that millisecond was refused for nothing.
+        """
+        if len(self.calls) + self.dropped + scheduler.queue_depth < scheduler.capacity:
+            return
+        scheduler.drop_dead()
+        now_ns = time.monotonic_ns()
+        late = sum(call.running_late(now_ns) for call in self.calls)  # (one pass, and only when full)
+        if len(self.calls) - late + self.dropped + scheduler.queue_depth >= scheduler.capacity:
             raise QueueFull(f"model '{scheduler.name}': queue is full (queue_capacity {scheduler.capacity} in "
                             "nereid.yaml, requests in its preprocess hook included); retry later")
-
-    def __enter__(self) -> None:
-        self.count += 1
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.count -= 1
 
     def call_dropped(self, taken: bool) -> None:
         """A call was given up before a thread took it (``taken``: a thread has now taken it, and skips it)."""
@@ -277,10 +282,11 @@ class _HookStart:
     """Whether one hook call has begun on its worker thread, or was given up before it did (it then never begins:
     a request answered DEADLINE_EXCEEDED, or whose client went away, while it waited for a thread)."""
 
-    def __init__(self, stage: _HookStage | None, tensors: list[NamedTensor]) -> None:
+    def __init__(self, stage: _HookStage | None, tensors: list[NamedTensor], deadline_ns: int = 0) -> None:
         self._lock = threading.Lock()  # (begun on the worker thread, given up on the event loop)
         self._given_up = False
         self._stage = stage
+        self._deadline_ns = deadline_ns
         self.begun_ns = 0  # time.monotonic_ns() when it began; 0: it has not
         # The request's tensors, until the hook takes them: a call given up before it began holds none of the
         # request's data while it waits in the pool's queue (behind a hung hook, for good).
@@ -307,6 +313,12 @@ class _HookStart:
             self._given_up = True
             return self.begun_ns
 
+    def running_late(self, now_ns: int) -> bool:
+        """Its hook began and the request's deadline has passed at ``now_ns``: its caller is answered
+        DEADLINE_EXCEEDED by its timer and leaves the stage, the hook running on with no place in it. (One still
+        waiting for a thread keeps its place until a thread takes it: see :class:`_HookStage`.)"""
+        return bool(self.begun_ns) and deadline_passed(self._deadline_ns, now_ns)
+
 
 async def _call_hook(threads: HookThreads, model: str, hook: str,
                      function: Callable[[list[NamedTensor]], list[NamedTensor]],
@@ -323,7 +335,7 @@ async def _call_hook(threads: HookThreads, model: str, hook: str,
     serves the model's other hooks once it returns); one still waiting for a
     thread never begins.
     """
-    start = _HookStart(stage, tensors)
+    start = _HookStart(stage, tensors, deadline_ns)
     del tensors  # (held by ``start`` until the hook takes them)
 
     def run_and_check() -> list[NamedTensor]:
@@ -335,6 +347,8 @@ async def _call_hook(threads: HookThreads, model: str, hook: str,
     queued_ns = time.monotonic_ns()
     # A little after the deadline: the loop may run a timer early (as the scheduler's expiry timer allows).
     timer = asyncio.timeout(max(0, deadline_ns - queued_ns) / 1e9 + 0.001 if deadline_ns else None)
+    if stage is not None:
+        stage.calls.add(start)
     try:
         async with timer:
             return await _hook_result(threads, model, hook, run_and_check)
@@ -352,6 +366,8 @@ async def _call_hook(threads: HookThreads, model: str, hook: str,
             "result dropped") from None
     finally:
         start.give_up()  # (when it returned or failed: no-op; a caller gone while it waited for a thread: never runs)
+        if stage is not None:
+            stage.calls.discard(start)  # (after give_up: a call given up unbegun is counted as dropped first)
 
 
 async def _hook_result(threads: HookThreads, model: str, hook: str,

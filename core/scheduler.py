@@ -126,7 +126,7 @@ class ModelScheduler:
         if not self._accepting:
             raise ModelRetired(f"model '{self.name}' is being unloaded", self)
         if len(self._pending) >= self.capacity:
-            self._drop_dead()
+            self.drop_dead()
         if len(self._pending) >= self.capacity:
             raise QueueFull(f"model '{self.name}': queue is full (queue_capacity {self.capacity} in nereid.yaml); "
                             "retry later")
@@ -183,8 +183,9 @@ class ModelScheduler:
                 self._update_idle()
             raise
 
-    def _drop_dead(self) -> None:
-        """Answer and remove the queued requests whose deadline passed (a full queue takes no dead weight)."""
+    def drop_dead(self) -> None:
+        """Answer and remove the queued requests whose deadline passed (a full queue takes no dead weight): what
+        :meth:`submit` does before it refuses a request, and the model's preprocess stage before it does."""
         now = time.monotonic_ns()
         dead = [work for work in self._pending if will_not_run(work, now)]
         for work in dead:
@@ -203,7 +204,7 @@ class ModelScheduler:
     def _expire(self) -> None:
         """The expiry timer: answer the expired queued requests, then wait for the next deadline in the queue."""
         self._expiry, self._expiry_ns = None, 0
-        self._drop_dead()
+        self.drop_dead()
         nearest = min((work.deadline_ns for work in self._pending if work.deadline_ns), default=0)
         if nearest:
             self._expire_at(nearest)
@@ -483,17 +484,38 @@ class ModelScheduler:
 
     def _log_abandoned_fault(self, error: BaseException) -> None:
         """Log the fault of an execution whose callers had all gone (see :meth:`_run`) as :meth:`log_fault`
-        logs one that is answered; what the model ended with for another reason (an unload) is no fault."""
+        logs one that is answered; what the model ended with for another reason (an unload) is no fault. One
+        that an unload abandoned (see :meth:`drain`) is logged as such, at WARNING: the model is gone, and no
+        request waits for it."""
         if isinstance(error, concurrent.futures.CancelledError):  # dropped unstarted by the pool's shutdown
             return
         if isinstance(error, NereidError):
             named = naming_model(self.name, error)
-            if isinstance(named, ModelFailure):
-                if named is not error:
-                    named.__cause__ = error.__cause__
+            if not isinstance(named, ModelFailure):
+                return
+            if named is not error:
+                named.__cause__ = error.__cause__
+            if self._abandoned:
+                self._log_fault_after_unload(named)
+            else:
                 self.log_fault(named)
+        elif self._abandoned:
+            self._log_fault_after_unload(error)
         else:  # (_infer_on_thread lets only Exceptions through; a backend's bug, as in _run)
             self.model_fault(error)
+
+    def _log_fault_after_unload(self, error: BaseException) -> None:
+        """Log the failure of a run that drain abandoned (its unload's grace and termination wait had passed):
+        a WARNING naming the model and the error, not the ERROR of a loaded model's fault. One already logged
+        where it happened (a backend's ``sys.exit()``, see :meth:`_infer_on_thread`) is not logged again."""
+        if isinstance(error, LoggedModelFailure):
+            return
+        if isinstance(error, ModelFailure):
+            detail = str(error).removeprefix(f"model '{self.name}': ").removeprefix(f"model '{self.name}' ")
+        else:
+            detail = describe_exception(error)
+        self._fault_log.warning("model '%s': a run its unload abandoned (it had not ended within the grace) failed "
+                                "afterwards, with no request waiting for it: %s", self.name, detail)
 
     def log_fault(self, failure: ModelFailure) -> None:
         """Log a fault of this model's code (an execution's, or a preprocess or postprocess hook's) under the

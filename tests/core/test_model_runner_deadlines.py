@@ -286,3 +286,61 @@ def test_requests_given_up_while_waiting_for_a_hung_hook_still_count_until_a_thr
         await scheduler.drain()
         hooks.release()
     asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+def test_queued_requests_out_of_time_hold_no_place_from_a_request_of_the_preprocess_stage() -> None:
+    """Found by a review: the preprocess stage refused a request QueueFull while the queue's places were held by
+    requests whose deadline had passed (the expiry timer answers them about 1 ms later); the scheduler's own
+    admission answers and removes those first."""
+    async def scenario() -> None:
+        backend, hooks = Slow(), HookThreads("m")
+        scheduler = ModelScheduler("m", backend, SIGNATURE, capacity=3, instances=1, stats=ModelStats())
+        run = make_runner(backend, SIGNATURE, SIGNATURE, scheduler, hooks)
+        try:
+            running = asyncio.create_task(run(rows(2), 1, 0))  # holds the one instance
+            await until(lambda: backend.programs_run == [2])
+            deadline_ns = in_ms(200)
+            queued = [asyncio.create_task(run(rows(3), 1, deadline_ns)) for _ in range(scheduler.capacity)]
+            await until(lambda: scheduler.queue_depth == scheduler.capacity)
+            # Past their deadline, the loop held: the expiry timer has not run yet.
+            time.sleep(max(0, deadline_ns - time.monotonic_ns()) / 1e9 + 0.002)
+            # Admitted (the old code refused it QueueFull): it waits in the queue behind the running program.
+            with pytest.raises(DeadlineExceeded, match=r"in the queue\); it was not run \(only its preprocess hook "
+                                                       r"was\)$"):
+                await run(rows(4), 1, in_ms(100))
+            for call in queued:
+                with pytest.raises(DeadlineExceeded, match=r"in the queue\); it was not run"):
+                    await call
+            backend.program_release.set()
+            assert (await running)[0].data.tolist() == [[4, 4]]
+            assert backend.programs_run == [2]
+        finally:
+            backend.program_release.set()
+            await scheduler.drain()
+            hooks.release()
+    asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+def test_requests_whose_preprocess_hook_runs_past_their_deadline_hold_no_place_in_the_stage() -> None:
+    """As queued requests out of time hold none: a request whose hook runs past its deadline is answered by its
+    timer about 1 ms later, the hook running on with no place; a request refused QueueFull in that millisecond
+    was refused for nothing."""
+    async def scenario() -> None:
+        backend, hooks = Slow(), HookThreads("m")
+        scheduler = ModelScheduler("m", backend, SIGNATURE, capacity=2, instances=1, stats=ModelStats())
+        run = make_runner(backend, SIGNATURE, SIGNATURE, scheduler, hooks)
+        try:
+            deadline_ns = in_ms(200)
+            late = [asyncio.create_task(run(rows(1), 1, deadline_ns)) for _ in range(scheduler.capacity)]
+            await until(lambda: backend.hooks_begun == [1] * scheduler.capacity)
+            time.sleep(max(0, deadline_ns - time.monotonic_ns()) / 1e9 + 0.002)  # (their timers have not run)
+            assert (await run(rows(3), 1, 0))[0].data.tolist() == [[6, 6]]  # the old code refused it QueueFull
+            for call in late:
+                with pytest.raises(DeadlineExceeded, match="while the request's preprocess hook ran"):
+                    await call
+            assert backend.programs_run == [3]
+        finally:
+            backend.hook_release.set()
+            await scheduler.drain()
+            hooks.release()
+    asyncio.run(asyncio.wait_for(scenario(), 30))

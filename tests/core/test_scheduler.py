@@ -453,6 +453,42 @@ def test_callers_of_an_abandoned_execution_are_answered_unavailable(batching) ->
     run(scenario())
 
 
+
+@pytest.mark.parametrize("batching, error, said", [
+    (False, KeyError("weights"), "KeyError: 'weights'"),
+    (True, ModelFailure("model 'm' timed out after 1 s (timeout_s in nereid.yaml)"),
+     "timed out after 1 s (timeout_s in nereid.yaml)"),
+], ids=["run by its caller, a bug", "run by the batcher, its own failure"])
+def test_a_run_failing_after_its_unload_abandoned_it_is_a_warning_saying_so(batching, error, said, caplog) -> None:
+    """Found by a review: a run on a backend that cannot be stopped (a bundle's, a cxx model's), abandoned by an
+    unload past its grace, that failed afterwards was logged at ERROR as a loaded model's fault, though the model
+    was gone and its caller had been answered."""
+    class FailingWhenReleased(GatedDouble):
+        def infer(self, inputs: list[NamedTensor]) -> list[NamedTensor]:
+            self.gate.wait(10)
+            raise error
+
+    async def scenario() -> None:
+        backend = FailingWhenReleased()
+        policy = BatchPolicy(True, max_rows=1, max_delay_ns=1) if batching else None
+        scheduler = ModelScheduler("m", backend, SIGNATURE, capacity=4, instances=1, stats=ModelStats(),
+                                   policy=policy)
+        running = asyncio.create_task(scheduler.submit(rows(1), 1, 0))
+        await until(lambda: scheduler.running_threads == 1)
+        assert not await scheduler.drain(0.05, terminate_wait_s=0.05)
+        with pytest.raises(Unavailable, match="was abandoned"):
+            await asyncio.wait_for(running, 1)
+        backend.gate.set()  # the abandoned run ends now, failing
+        await until(lambda: scheduler.running_threads == 0)
+
+    caplog.set_level("INFO", logger="nereid.scheduler")
+    run(scenario())
+    logged = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "nereid.scheduler"]
+    assert [message for level, message in logged if level == "ERROR"] == [
+        "model 'm': 1 execution(s) did not end; abandoning them"]  # the unload's own line only
+    assert logged[-1] == ("WARNING", "model 'm': a run its unload abandoned (it had not ended within the grace) "
+                                     f"failed afterwards, with no request waiting for it: {said}")
+
 def test_a_stuck_backend_call_does_not_keep_the_process_from_exiting() -> None:
     """ThreadPoolExecutor joins its threads at exit: one call that never returned made exit hang."""
     import subprocess
