@@ -16,9 +16,10 @@ from typing import TYPE_CHECKING, Callable, TypeVar
 
 from nereid.backend import Model, Terminable
 from nereid.errors import calling_plugin, describe_exception, without_stop_iteration
+from nereid.model_building import LOAD_CALL
 
 if TYPE_CHECKING:
-    from nereid.model_building import BuiltModel
+    from nereid.model_building import BuildStage, BuiltModel
 
 log = logging.getLogger(__name__)
 
@@ -76,18 +77,20 @@ def on_daemon_thread(call: Callable[[], T], thread_name: str,
     return future
 
 
-LONG_LOAD_NOTE_S = 60.0  # a backend's load() running this long is said in the log, and again each as long
+LONG_LOAD_NOTE_S = 60.0  # a build running this long is said in the log, and again each as long
 
 
 async def await_build(name: str, building: asyncio.Future, started: float,
-                      running_long: Callable[[], None] | None = None) -> BuiltModel:
+                      running_long: Callable[[], None] | None = None,
+                      stage: BuildStage | None = None) -> BuiltModel:
     """Await ``building`` (a model's build on :func:`on_daemon_thread`); every LONG_LOAD_NOTE_S while it runs,
-    say so in the log (and call ``running_long`` the first time).
+    say so in the log, naming the step ``stage`` says it is in (and call ``running_long`` the first time).
 
     A load that takes minutes (a large model compiling) or never returns was
     otherwise silent between "loading it" (dynamic mode) or nothing at all (a
     start) and its end. Awaited the way ``await building`` would be: this
-    task's cancellation cancels the build too.
+    task's cancellation cancels the build too. Without ``stage``, the build is
+    said to wait for its backend's load().
     """
     while True:
         try:
@@ -105,8 +108,10 @@ async def await_build(name: str, building: asyncio.Future, started: float,
         if running_long is not None:
             running_long()
             running_long = None
-        log.warning("model '%s' is still loading after %.0f s: its backend's load() has not returned (a "
-                    "RepositoryModelUnload of it gives up on the load)", name, time.monotonic() - started)
+        # A plugin's claim hook or create() that hangs was said to be load(), which was never called.
+        log.warning("model '%s' is still loading after %.0f s: %s has not returned (a RepositoryModelUnload of it "
+                    "gives up on the load)", name, time.monotonic() - started,
+                    stage.call() if stage is not None else LOAD_CALL)
 
 
 def unload_unclaimed(name: str, built: BuiltModel) -> None:

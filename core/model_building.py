@@ -7,6 +7,7 @@ a server.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, TypeVar
@@ -21,6 +22,32 @@ from nereid.signature import ModelSignature, brief_repr
 from nereid.triton_hints import folder_hint
 
 T = TypeVar("T")
+
+# The load() step as the note of a long load and the reason of an abandoned one have always named it.
+LOAD_CALL = "its backend's load()"
+
+
+class BuildStage:
+    """The step of one model's build that runs now, as the call that has not returned: set on the build's thread,
+    read by whoever waits for it (the note of a load running long, the reason of a load abandoned).
+
+    A build held by a plugin's claim hook (or by its backend's create()) was
+    said to wait for its backend's load(), which had never been called.
+    """
+
+    def __init__(self, call: str) -> None:
+        self._lock = threading.Lock()  # (set on the build's thread, read on the event loop's)
+        self._call = call
+
+    def enter(self, call: str) -> None:
+        """The build calls ``call`` from now on ("its backend's load()", say)."""
+        with self._lock:
+            self._call = call
+
+    def call(self) -> str:
+        """What the build waits for now: "the create() of plugin 'x' (...)", "its backend's load()", ..."""
+        with self._lock:
+            return self._call
 
 
 @dataclass(frozen=True)
@@ -38,7 +65,7 @@ class BuiltModel:
 
 def build_model(manager: NereidPluginManager, context: ModelContext,
                 backend_defaults: Mapping[str, Mapping[str, Any]] | None = None,
-                defaults_source: Path | str = "") -> BuiltModel:
+                defaults_source: Path | str = "", stage: BuildStage | None = None) -> BuiltModel:
     """Claim, create and load one model; raise with the reason when it cannot be served.
 
     ``backend_defaults`` (nereid.yaml's ``backends:``, from the file
@@ -50,10 +77,12 @@ def build_model(manager: NereidPluginManager, context: ModelContext,
     Blocking (backends compile and read files here): call it on a worker thread.
     A ``sys.exit()`` (or any exit) in the backend's code is its failure, a
     ConfigError naming the model, never an exit of the server or the check.
+    ``stage``, when given, is told each step as it starts (see :class:`BuildStage`).
     """
+    stage = stage if stage is not None else BuildStage("the claim of its folder")
     try:
         return calling_plugin(
-            lambda: _build_model(manager, context, backend_defaults, defaults_source),
+            lambda: _build_model(manager, context, backend_defaults, defaults_source, stage),
             lambda exit_: backend_exit(context.name, exit_, "while loading it"))
     except ConfigError as err:
         # A Triton folder a backend was told to take (nereid.yaml's backend:) failed on the files it lacks
@@ -65,8 +94,10 @@ def build_model(manager: NereidPluginManager, context: ModelContext,
 
 
 def _build_model(manager: NereidPluginManager, context: ModelContext,
-                 backend_defaults: Mapping[str, Mapping[str, Any]] | None, defaults_source: Path | str) -> BuiltModel:
-    result = claim_folder(manager, context.folder, context.settings.backend)
+                 backend_defaults: Mapping[str, Mapping[str, Any]] | None, defaults_source: Path | str,
+                 stage: BuildStage) -> BuiltModel:
+    result = claim_folder(manager, context.folder, context.settings.backend,
+                          asking=lambda name: stage.enter(f"the nereid_claim_model hook of {manager.describe(name)}"))
     if result.claim is None:
         raise ConfigError(result.reason)
     defaults = (backend_defaults or {}).get(result.backend_name)
@@ -75,25 +106,31 @@ def _build_model(manager: NereidPluginManager, context: ModelContext,
                                  f"{defaults_source}: backends.{result.backend_name}" if defaults_source
                                  else f"backends.{result.backend_name}")
         context = replace(context, settings=replace(context.settings, runtime=runtime))
+    stage.enter(f"the create() of {manager.describe(result.backend_name)}")
     backend = _plugin_step(manager, result.backend_name, context.name, "create()",
                            lambda: result.claim.create(context))
     missing = missing_model_parts(backend)
     if "load()" in missing:  # nothing to load: refused at once
         raise _lacking(manager, result.backend_name, backend, missing)
+    stage.enter(LOAD_CALL)
     _plugin_step(manager, result.backend_name, context.name, "load()", backend.load)
     try:
         missing = missing_model_parts(backend)
         if missing:
             raise _lacking(manager, result.backend_name, backend, missing)
+        stage.enter("its backend's signature()")
         signature = _checked_signature(manager, result.backend_name, backend, "signature", backend.signature())
-        batch_signature = (_checked_signature(manager, result.backend_name, backend, "batch_signature",
-                                              backend.batch_signature())
-                           if isinstance(backend, HasBatchSignature) else signature)
+        batch_signature = signature
+        if isinstance(backend, HasBatchSignature):
+            stage.enter("its backend's batch_signature()")
+            batch_signature = _checked_signature(manager, result.backend_name, backend, "batch_signature",
+                                                 backend.batch_signature())
         policy = BatchPolicy.resolve(context.settings.batching, batch_signature, context.settings_origin)
         if isinstance(backend, CallsModels):  # each request is an orchestration with its own deadline
             policy = BatchPolicy(enabled=False)
     except BaseException:
         if "unload()" not in missing:  # what load() acquired must not leak
+            stage.enter("its backend's unload()")
             backend.unload()
         raise
     return BuiltModel(result.backend_name, backend, signature, batch_signature, policy)

@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 ENTRY_POINT_GROUP = "nereid.backends"
 
 # A claim hook still running this long is said in the log, naming its plugin: a claim only looks at files and
-# returns at once, and the folder's load waits for it (the load's own note, after 60 s, speaks of load()).
+# returns at once, and the folder's load waits for it (the load's own note comes only after 60 s).
 SLOW_CLAIM_NOTE_S = 10.0
 
 # Built-in backends, registered exactly like third-party ones: each module is a
@@ -207,7 +207,7 @@ class NereidPluginManager(pluggy.PluginManager):
 
     def claim_slow(self, name: str, running_s: float, folder: Path) -> None:
         """Plugin ``name``'s claim hook, asked about ``folder``, has run ``running_s`` seconds and not returned:
-        log it at WARNING, naming the plugin (the load waiting for it otherwise speaks of its backend's load())."""
+        log it at WARNING, naming the plugin (the note of the load waiting for it comes only after 60 s)."""
         log.warning("%s: its nereid_claim_model has not returned after %.1f s (folder %s); the model's load waits "
                     "for it (a claim hook should only look at the folder's files, and return at once)",
                     self.describe(name), running_s, folder)
@@ -424,13 +424,16 @@ def _answers_alone(manager: NereidPluginManager, hook: str, impl: pluggy.HookImp
     return answers if current else ask(kept)
 
 
-def claim_folder(manager: NereidPluginManager, folder: Path, backend: str | None = None) -> ClaimResult:
+def claim_folder(manager: NereidPluginManager, folder: Path, backend: str | None = None,
+                 asking: Callable[[str], None] | None = None) -> ClaimResult:
     """Ask the backends about ``folder``; with ``backend`` set, ask only that one.
 
     Each claim is attributed to the plugin that made it, by its registration
     name. A plugin whose hook raises, or answers something other than a
     BackendClaim or None, is taken as not claiming the folder; when nobody
-    claims it, the reason says what went wrong with that plugin.
+    claims it, the reason says what went wrong with that plugin. ``asking`` is
+    told the registration name of each plugin just before its hook is asked
+    (the step a model's build waits for: see :class:`~nereid.model_building.BuildStage`).
     """
     if backend is not None:
         if backend not in backend_names(manager):
@@ -441,12 +444,12 @@ def claim_folder(manager: NereidPluginManager, folder: Path, backend: str | None
             return ClaimResult(None, f"backend '{backend}' (from nereid.yaml) is not installed (no plugin of that "
                                      "name claims model folders); "
                                      f"installed backends: {', '.join(backend_names(manager))}")
-        asked = _ask(manager, folder, declared=True, only=backend)
+        asked = _ask(manager, folder, declared=True, only=backend, asking=asking)
         if not asked.claims:
             failed = "".join(f": its nereid_claim_model {what}" for _, what in asked.failures)
             return ClaimResult(None, f"backend '{backend}' does not recognise the folder {folder}{failed}")
         return ClaimResult(asked.claims[0][1], backend_name=backend)
-    asked = _ask(manager, folder, declared=False)
+    asked = _ask(manager, folder, declared=False, asking=asking)
     if len(asked.claims) == 1:
         name, claim = asked.claims[0]
         return ClaimResult(claim, backend_name=name)
@@ -484,8 +487,10 @@ class _Answers:
     failures: list[tuple[str, str]]  # what its hook did: "raised ...", "returned a bool, ..."
 
 
-def _ask(manager: NereidPluginManager, folder: Path, declared: bool, only: str | None = None) -> _Answers:
-    """Each claiming plugin's registration name and claim (of plugin ``only``, when given).
+def _ask(manager: NereidPluginManager, folder: Path, declared: bool, only: str | None = None,
+         asking: Callable[[str], None] | None = None) -> _Answers:
+    """Each claiming plugin's registration name and claim (of plugin ``only``, when given); ``asking`` is told
+    each plugin's name before its hook is asked.
 
     Each backend is asked through pluggy on its own, the other backends left
     out, so that its claim (or its failure) is attributed to it and the hook's
@@ -500,6 +505,8 @@ def _ask(manager: NereidPluginManager, folder: Path, declared: bool, only: str |
             if only is not None and impl.plugin_name != only:
                 continue
             slow.asking(impl.plugin_name)
+            if asking is not None:
+                asking(impl.plugin_name)
             try:
                 answers = _answers_alone(manager, "nereid_claim_model", impl, backends,
                                          {"folder": folder, "declared": declared}, about=f"folder {folder}")

@@ -24,7 +24,7 @@ from nereid.errors import backend_exit, calling_plugin
 from nereid.files import check_confined
 from nereid.folder_states import folder_stamp
 from nereid.leftovers import remove_model_leftovers
-from nereid.model_building import BuiltModel, build_model
+from nereid.model_building import BuildStage, BuiltModel, build_model
 from nereid.model_entry import LoadAbandoned, LoadedModel, ModelEntry
 from nereid.model_runner import HookThreads, make_runner
 from nereid.scheduler import ModelScheduler
@@ -145,6 +145,7 @@ class VersionLoader:
         finally:
             entry.building = None
         slot_held = True
+        stage = BuildStage("the check of its folder's files")  # the step the build is in, for its note and reason
 
         def release_slot() -> None:
             nonlocal slot_held
@@ -159,19 +160,19 @@ class VersionLoader:
                                     "its turn, and wins over a load")
             started = time.monotonic()
             backend_defaults = settings.backend_defaults  # (read once: kept with what it builds)
-            building = on_daemon_thread(functools.partial(self._build, context, backend_defaults, settings),
+            building = on_daemon_thread(functools.partial(self._build, context, backend_defaults, settings, stage),
                                         f"nereid-load-{name}", functools.partial(unload_unclaimed, name))
             entry.building = building
             # A build still running after LONG_LOAD_NOTE_S gives its slot up: a load() that never returns must
             # not keep every other folder from loading.
-            built = await await_build(name, building, started, running_long=release_slot)
+            built = await await_build(name, building, started, running_long=release_slot, stage=stage)
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if task is not None and task.cancelling():  # this task was cancelled (the server stopping)
                 raise
             # Only the build was: an unload or removal gave up on it (held_for_unload).
             raise LoadAbandoned(f"model '{name}': load abandoned after {time.monotonic() - started:.1f} s: an "
-                                "unload or removal of it came while its backend's load() was still running (if "
+                                f"unload or removal of it came while {stage.call()} was still running (if "
                                 "that ever returns, what it built is unloaded)") from None
         finally:
             entry.building = None
@@ -216,9 +217,10 @@ class VersionLoader:
                 built.folder_hold.release()
             raise
 
-    def _build(self, context: ModelContext, backend_defaults: dict, settings: Settings) -> BuiltModel:
+    def _build(self, context: ModelContext, backend_defaults: dict, settings: Settings,
+               stage: BuildStage) -> BuiltModel:
         """Fetch the folder if it is in a store, check it stays inside the repository, then build the model
-        (blocking).
+        (blocking), telling ``stage`` each step as it starts.
 
         A folder in a store is fetched into the local mirror, and the version
         is built from (and runs from) a version folder of its own made of those
@@ -226,13 +228,16 @@ class VersionLoader:
         this server's, or of one sharing the cache) never changes its files.
         """
         server = settings.server
+        if server.ml_backends_url:
+            stage.enter("the fetch of its folder from the object store")
         hold = materialize_model_version(server, context.name)
         if hold is not None:
             context = replace(context, folder=hold.folder, repository_folder=context.folder)
         try:
+            stage.enter("the check of its folder's files")
             check_confined(context.folder, server.ml_backends_path, server.follow_symlinks)
             remove_model_leftovers(context.folder, CACHE_SUBFOLDER)
-            built = build_model(self.manager, context, backend_defaults, settings.source)
+            built = build_model(self.manager, context, backend_defaults, settings.source, stage)
         except BaseException:
             if hold is not None:
                 hold.release()

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import re
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from nereid.backend import BackendClaim
 from nereid.dtypes import DType
 from nereid.errors import ConfigError
+from nereid.hookspecs import hookimpl
 from nereid.model_entry import LoadAbandoned, LoadedModel, ModelEntry
 from nereid.plugins import make_plugin_manager
 from nereid.settings import Settings, load_settings
@@ -210,3 +215,103 @@ def test_an_unload_does_not_wait_for_a_load_waiting_for_its_turn(tmp_path, monke
         asyncio.run(scenario())
     finally:
         release.set()
+
+
+class StuckBackend:
+    """The ``stuck`` backend plugin: it claims folders holding ``stuck.txt`` as a toy model that counts its unloads
+    (toy_backends.FaultyModel), its claim hook (``stuck.txt`` says "claim") or its create() ("create") blocking
+    until ``release`` is set (10 s at most)."""
+
+    BACKEND_NAME = "stuck"
+
+    def __init__(self) -> None:
+        self.release, self.entered = threading.Event(), threading.Event()
+
+    def _held(self) -> None:
+        self.entered.set()
+        self.release.wait(10)
+
+    def _create(self, context):
+        self._held()
+        return toy_backends.FaultyModel(context)
+
+    @hookimpl
+    def nereid_claim_model(self, folder: Path, declared: bool) -> BackendClaim | None:
+        marker = folder / "stuck.txt"
+        if not marker.is_file():
+            return None
+        if marker.read_text() == "claim":
+            self._held()
+            return BackendClaim(toy_backends.FaultyModel)
+        return BackendClaim(self._create)
+
+
+def stuck_loader(tmp_path: Path, step: str) -> tuple[VersionLoader, Settings, StuckBackend, ModelEntry]:
+    """A loader whose plugins include a :class:`StuckBackend`, and the entry of a folder it hangs on at ``step``."""
+    _, settings, _ = setup(tmp_path)
+    stuck = StuckBackend()
+    folder = write_toy(settings.server.ml_backends_path, "held")
+    (folder / "toy.txt").unlink()  # the stuck backend's alone
+    (folder / "stuck.txt").write_text(step)
+    manager = make_plugin_manager(load_entry_points=False, extra_plugins=(toy_backends, stuck))
+    return VersionLoader(manager, tmp_path / "scratch"), settings, stuck, entry_for(settings, "held")
+
+
+@pytest.mark.parametrize("step, held_by", [("claim", "the nereid_claim_model hook of plugin 'stuck'"),
+                                           ("create", "the create() of plugin 'stuck'")])
+def test_the_note_of_a_load_running_long_names_the_plugin_step_that_holds_it(tmp_path, monkeypatch, caplog,
+                                                                             step, held_by):
+    """Found by a bug hunt: a plugin's claim hook (or its create()) that hung was said, every minute, to be the
+    backend's load(), which had never been called: the operator looked in the wrong code."""
+    from nereid import backend_calls
+
+    loader, settings, stuck, entry = stuck_loader(tmp_path, step)
+    monkeypatch.setattr(backend_calls, "LONG_LOAD_NOTE_S", 0.1)
+    caplog.set_level(logging.WARNING, "nereid.backend_calls")
+
+    def notes() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "still loading" in r.getMessage()]
+
+    async def scenario() -> None:
+        loading = asyncio.ensure_future(loader.load(entry, ModelStats(), settings))
+        for _ in range(100):
+            if notes():
+                break
+            await asyncio.sleep(0.05)
+        stuck.release.set()
+        await released(await asyncio.wait_for(loading, 5))  # (its load goes on once the step returns)
+    try:
+        asyncio.run(scenario())
+    finally:
+        stuck.release.set()
+    assert notes() and notes()[0] == (f"model 'held' is still loading after 0 s: {held_by} has not returned (a "
+                                      "RepositoryModelUnload of it gives up on the load)")
+
+
+def test_a_load_abandoned_while_a_claim_hook_hangs_says_the_claim_held_it(tmp_path):
+    """Found by a bug hunt: an unload giving up on a load held by a plugin's claim hook said the load was
+    abandoned "while its backend's load() was still running", a load() never called."""
+    loader, settings, stuck, entry = stuck_loader(tmp_path, "claim")
+
+    async def scenario() -> None:
+        loading = asyncio.ensure_future(loader.load(entry, ModelStats(), settings))
+        assert await asyncio.to_thread(stuck.entered.wait, 5)
+
+        async def unload() -> None:
+            async with entry.held_for_unload():
+                pass
+        await unload()
+        with pytest.raises(LoadAbandoned) as abandoned:
+            await asyncio.wait_for(loading, 5)
+        assert re.fullmatch(r"model 'held': load abandoned after \d+\.\d s: an unload or removal of it came while "
+                            r"the nereid_claim_model hook of plugin 'stuck' was still running \(if that ever "
+                            r"returns, what it built is unloaded\)", str(abandoned.value)), abandoned.value
+    unloads = UNLOADS["held"]
+    try:
+        asyncio.run(scenario())
+    finally:
+        stuck.release.set()
+    deadline = time.monotonic() + 5  # what the claim let the build load once released is unloaded, not leaked
+    while UNLOADS["held"] == unloads and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert UNLOADS["held"] == unloads + 1
