@@ -14,8 +14,8 @@ from nereid.errors import ConfigError
 from nereid.files import remove_tree
 from nereid.backends.python.options import PythonOptions, parse_options
 from nereid.backends.python.preload import Preloads, modules_to_preload
-from nereid.backends.python.warm import (EntryImportFailed, WarmParent, WarmParentDied, WarmStartUnavailable,
-                                        max_request_bytes, run_request)
+from nereid.backends.python.warm import (EntryImportFailed, WarmParent, WarmParentBlocked, WarmParentDied,
+                                        WarmStartUnavailable, max_request_bytes, run_request)
 from nereid.backends.scratch import scratch_folder_refused
 from nereid.backends.subprocess.model import SubprocessModel
 from nereid.backends.subprocess.runner import ProcessResult, StdinData
@@ -138,7 +138,13 @@ class PythonModel(SubprocessModel):
             except OSError as err:  # a full disk: named, where a bare "[Errno 28] No space left" named nothing
                 raise scratch_folder_refused(self.context.name, f"write a copy of its {ENTRY_FILE} into", scratch,
                                              err) from None
-            parent.start()
+            try:
+                parent.start()
+            except WarmParentBlocked as err:
+                # The server's condition (a full disk, out of descriptors), not the model's: never a reason to load
+                # it cold for good, nor without a parent; the load fails saying so, and a later load may work.
+                raise ConfigError(f"model '{self.context.name}': its parent process could not be started: "
+                                  f"{err}") from None
         except BaseException:
             remove_tree(parent_dir)
             raise

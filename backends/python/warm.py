@@ -89,6 +89,17 @@ class EntryImportFailed(WarmStartUnavailable):
     """
 
 
+class WarmParentBlocked(WarmStartUnavailable):
+    """The server could not start a warm parent at all, for a reason of its own, not of the model's imports: the
+    parent's folder in the scratch folder could not be prepared (a full disk, the folder removed and a file put
+    in its place), or a resource limit refused the socket or the process (EMFILE, EAGAIN, ENOMEM).
+
+    Transient, and a parent that preloads nothing meets it just the same, so
+    it never turns warm start off: a restart that meets it fails its batch,
+    and the next batch tries again (see ``WarmParent._restart``).
+    """
+
+
 class WarmParentDied(WarmStartUnavailable):
     """The warm parent ended while it started, before it answered: killed (the out-of-memory killer), crashed,
     exited, or silent until START_TIMEOUT_S and killed.
@@ -131,6 +142,7 @@ class WarmParent:
         self._process: subprocess.Popen | None = None
         self._control: socket.socket | None = None
         self._start_deaths = 0  # parents in a row that ended while starting (see _restart)
+        self._blocked: str | None = None  # why restarts could not start a parent since the last one started
 
     # -- life cycle -------------------------------------------------------
     def start(self) -> None:
@@ -146,7 +158,10 @@ class WarmParent:
 
     def _start(self) -> None:
         self._prepare_folder()
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        except OSError as err:  # EMFILE, ENFILE, ENOMEM: the server's limits, not the model's
+            raise WarmParentBlocked(f"no socket for it: {err.strerror or err}") from None
         try:
             with open(self.log_path, "ab") as log_file:
                 process = subprocess.Popen(
@@ -155,6 +170,9 @@ class WarmParent:
                     cwd=self._folder_path(), env=self.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                     stderr=log_file,
                     pass_fds=(theirs.fileno(),), start_new_session=True)
+        except OSError as err:  # its log (a full disk), the fork (EAGAIN, ENOMEM), the descriptors of its pipes
+            ours.close()
+            raise WarmParentBlocked(f"its process could not be started: {err.strerror or err}") from None
         except BaseException:
             ours.close()
             raise
@@ -212,8 +230,8 @@ class WarmParent:
             if current != self.entry_bytes:
                 self.entry_source.write_bytes(self.entry_bytes)
         except OSError as err:  # a full disk, a scratch folder made unwritable
-            raise WarmStartUnavailable(f"cannot prepare its folder {self.log_path.parent}: "
-                                       f"{err.strerror or err}") from None
+            raise WarmParentBlocked(f"cannot prepare its folder {self.log_path.parent}: "
+                                    f"{err.strerror or err}") from None
 
     def _folder_path(self) -> str:
         """The loaded folder as a path that leads to it (through its descriptor when there is one)."""
@@ -404,12 +422,20 @@ class WarmParent:
         (a preload that now fails, starts a thread or initialises CUDA) turns
         warm start off, or MAX_START_DEATHS parents in a row ending so: one that
         always dies is not started again at every batch.
+
+        Nor does a parent the server cannot start at all (WarmParentBlocked:
+        its folder cannot be prepared, a resource limit): a parent that
+        preloads nothing would meet it just the same, so the batch fails, and
+        the next one tries a warm parent again (a failed mkdir or fork: cheap).
         """
         for attempt in (1, 2):
             try:
                 self._start()
                 self._start_deaths = 0
+                self._unblocked()
                 return
+            except WarmParentBlocked as err:
+                raise self._blocked_failure(err) from None
             except WarmParentDied as err:
                 self._start_deaths += 1
                 if self._start_deaths >= MAX_START_DEATHS and self.modules and self.cold_argv is not None:
@@ -440,9 +466,31 @@ class WarmParent:
         self.modules, self.cold_reason = Preloads(), reason
         try:
             self._start()
+            self._unblocked()
+        except WarmParentBlocked as again:
+            raise self._blocked_failure(again) from None
         except WarmStartUnavailable as again:
             fault = ModelKilled if isinstance(again, WarmParentDied) and again.killed else ModelFailure
             raise fault(f"model '{self.name}': its warm parent could not be restarted: {again}") from None
+
+    def _blocked_failure(self, err: WarmParentBlocked) -> ModelFailure:
+        """The failure of a batch whose restart could not start a parent, for ``err``; logged once until a parent
+        starts again. Under the lock."""
+        if self._blocked is None:
+            log.warning("model '%s': its warm parent process could not be restarted (%s); batches fail until one "
+                        "can be, each trying again", self.name, err)
+        self._blocked = str(err)
+        return ModelFailure(f"model '{self.name}': its warm parent process could not be restarted: {err}; the "
+                            "batch was not run, and the next batch tries again")
+
+    def _unblocked(self) -> None:
+        """Say once that a parent started again after restarts that could not start one. Under the lock."""
+        if self._blocked is None:
+            return
+        self._blocked = None
+        warm = "warm start is back" if self.cold_reason is None else f"runs stay cold ({self.cold_reason})"
+        log.info("model '%s': a new warm parent process (pid %s) started; batches run again, %s", self.name,
+                 self.pid, warm)
 
     def _not_started(self, process: subprocess.Popen, what: str) -> ModelFailure | _RunNotStarted:
         """The failure of a run ``process`` (its parent) never started (its end of the sockets closed):

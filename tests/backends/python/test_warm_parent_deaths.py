@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -22,7 +23,7 @@ from nereid.backends.python.plugin import PythonModel, cold_command
 from nereid.backends.python.preload import Preloads
 from nereid.backends.python.warm import MAX_START_DEATHS, WarmParent
 from nereid.backends.subprocess.runner import ProcessGroups
-from nereid.errors import ModelKilled
+from nereid.errors import ModelFailure, ModelKilled
 from nereid.settings import ModelSettings
 
 from support import process_alive, textproto_single, wait_until, zombie_children
@@ -220,3 +221,35 @@ def test_a_parent_killed_while_its_model_loads_is_started_again_and_the_model_lo
         loading.join(30)
         model.unload()
         switches.stop()
+
+
+def test_a_parent_that_cannot_be_restarted_for_a_while_leaves_the_model_warm_once_it_can(model, caplog, no_zombies):
+    """Defect (carried for several releases): a dead parent whose restart met a folder it could not prepare (a
+    full disk) turned warm start off: once the disk had room again, every batch started a fresh interpreter until
+    the model was reloaded, logging "its restarted warm parent cannot preload"."""
+    folder = model.parent.log_path.parent
+    first = model.parent.pid
+    shutil.rmtree(folder)
+    folder.write_text("")  # a file where its folder must be (root ignores permission bits): mkdir fails
+    os.kill(first, signal.SIGKILL)
+    assert wait_until(lambda: model.parent.pid is None)
+    with caplog.at_level(logging.INFO, logger="nereid.backends.python.warm"):
+        failures = []
+        for _ in range(2):  # a parent that preloads nothing could not start either: each batch fails, tries again
+            with pytest.raises(ModelFailure) as failure:
+                model.run()
+            failures.append(str(failure.value))
+        folder.unlink()
+        assert model.run() == 0
+    assert model.parent.cold_reason is None
+    assert model.parent.modules == Preloads(extra=("stalls_if_asked",))  # preloaded: warm again
+    assert process_alive(model.parent.pid) and model.parent.pid != first
+    assert failures == [f"model 'm': its warm parent process could not be restarted: cannot prepare its folder "
+                        f"{folder}: File exists; the batch was not run, and the next batch tries again"] * 2
+    said = [(record.levelname, record.getMessage()) for record in caplog.records if "restarted" in record.getMessage()
+            or "started;" in record.getMessage()]
+    assert said == [
+        ("WARNING", f"model 'm': its warm parent process could not be restarted (cannot prepare its folder {folder}: "
+                    "File exists); batches fail until one can be, each trying again"),
+        ("INFO", f"model 'm': a new warm parent process (pid {model.parent.pid}) started; batches run again, warm "
+                 "start is back")]
