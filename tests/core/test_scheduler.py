@@ -453,7 +453,6 @@ def test_callers_of_an_abandoned_execution_are_answered_unavailable(batching) ->
     run(scenario())
 
 
-
 @pytest.mark.parametrize("batching, error, said", [
     (False, KeyError("weights"), "KeyError: 'weights'"),
     (True, ModelFailure("model 'm' timed out after 1 s (timeout_s in nereid.yaml)"),
@@ -488,6 +487,7 @@ def test_a_run_failing_after_its_unload_abandoned_it_is_a_warning_saying_so(batc
         "model 'm': 1 execution(s) did not end; abandoning them"]  # the unload's own line only
     assert logged[-1] == ("WARNING", "model 'm': a run its unload abandoned (it had not ended within the grace) "
                                      f"failed afterwards, with no request waiting for it: {said}")
+
 
 def test_a_stuck_backend_call_does_not_keep_the_process_from_exiting() -> None:
     """ThreadPoolExecutor joins its threads at exit: one call that never returned made exit hang."""
