@@ -19,7 +19,6 @@ import inspect
 import logging
 import re
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -35,10 +34,6 @@ from nereid.triton_hints import folder_hint
 log = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "nereid.backends"
-
-# A claim hook still running this long is said in the log, naming its plugin: a claim only looks at files and
-# returns at once, and the folder's load waits for it (the load's own note comes only after 60 s).
-SLOW_CLAIM_NOTE_S = 10.0
 
 # Built-in backends, registered exactly like third-party ones: each module is a
 # plugin whose ``BACKEND_NAME`` is its registration name.
@@ -204,13 +199,6 @@ class NereidPluginManager(pluggy.PluginManager):
         later = " (its later failures are logged at DEBUG)" if first else ""
         log.log(logging.ERROR if first else logging.DEBUG, "%s: %s %s; its answer is ignored%s",
                 self.describe(name), hook, what, later)
-
-    def claim_slow(self, name: str, running_s: float, folder: Path) -> None:
-        """Plugin ``name``'s claim hook, asked about ``folder``, has run ``running_s`` seconds and not returned:
-        log it at WARNING, naming the plugin (the note of the load waiting for it comes only after 60 s)."""
-        log.warning("%s: its nereid_claim_model has not returned after %.1f s (folder %s); the model's load waits "
-                    "for it (a claim hook should only look at the folder's files, and return at once)",
-                    self.describe(name), running_s, folder)
 
     def wrapper_failed(self, name: str, hook: str, what: str) -> None:
         """Plugin ``name``'s wrapper of ``hook`` failed where the backend it wrapped did not: leave it out of ``hook``.
@@ -500,83 +488,26 @@ def _ask(manager: NereidPluginManager, folder: Path, declared: bool, only: str |
     backends = _plain_impls(manager.hook.nereid_claim_model)
     claims: list[tuple[str, BackendClaim]] = []
     failures: list[tuple[str, str]] = []
-    with _SlowClaimNote(manager, folder) as slow:
-        for impl in backends:
-            if only is not None and impl.plugin_name != only:
-                continue
-            slow.asking(impl.plugin_name)
-            if asking is not None:
-                asking(impl.plugin_name)
-            try:
-                answers = _answers_alone(manager, "nereid_claim_model", impl, backends,
-                                         {"folder": folder, "declared": declared}, about=f"folder {folder}")
-            except plugin_failures() as err:  # its bug (a sys.exit() too) must not take other backends' folders
-                failures.append((impl.plugin_name, f"raised {error_text(err)}"))
-                continue
-            finally:
-                slow.asking(None)
-            for answer in answers:  # (pluggy drops None: no claim)
-                if isinstance(answer, BackendClaim):
-                    claims.append((impl.plugin_name, answer))
-                elif answer:  # a falsy answer (False, "") only declines, as None does
-                    failures.append((impl.plugin_name,
-                                     f"returned a {type(answer).__name__}, not a BackendClaim or None"))
+    for impl in backends:
+        if only is not None and impl.plugin_name != only:
+            continue
+        if asking is not None:
+            asking(impl.plugin_name)
+        try:
+            answers = _answers_alone(manager, "nereid_claim_model", impl, backends,
+                                     {"folder": folder, "declared": declared}, about=f"folder {folder}")
+        except plugin_failures() as err:  # its bug (a sys.exit() too) must not take other backends' folders
+            failures.append((impl.plugin_name, f"raised {error_text(err)}"))
+            continue
+        for answer in answers:  # (pluggy drops None: no claim)
+            if isinstance(answer, BackendClaim):
+                claims.append((impl.plugin_name, answer))
+            elif answer:  # a falsy answer (False, "") only declines, as None does
+                failures.append((impl.plugin_name,
+                                 f"returned a {type(answer).__name__}, not a BackendClaim or None"))
     for name, what in failures:
         manager.hook_failed(name, "nereid_claim_model", f"{what} (folder {folder})")
     return _Answers(claims, failures)
-
-
-class _SlowClaimNote:
-    """Says in the log whose claim hook is still running after SLOW_CLAIM_NOTE_S, as the plugins are asked about
-    one folder one after another: once per question.
-
-    A claim hook that hung held the folder's load with nothing in the log
-    but, a minute later, the load's own note that its backend's ``load()``
-    had not returned: neither the hook nor its plugin was named. One timer
-    thread at a time, from the first question to the end (and again after a
-    note): not one per plugin asked.
-    """
-
-    def __init__(self, manager: NereidPluginManager, folder: Path) -> None:
-        self._manager, self._folder = manager, folder
-        self._lock = threading.Lock()  # (asked on the loading thread, looked at on the timer's)
-        self._asking: str | None = None  # the plugin whose hook runs now
-        self._since = 0.0  # time.monotonic() when it was asked
-        self._timer: threading.Timer | None = None
-
-    def __enter__(self) -> _SlowClaimNote:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        with self._lock:
-            self._asking = None
-            if self._timer is not None:
-                self._timer.cancel()  # (its thread ends at once)
-                self._timer = None
-
-    def asking(self, name: str | None) -> None:
-        """Plugin ``name``'s hook is asked from now on; None: it has answered."""
-        with self._lock:
-            self._asking, self._since = name, time.monotonic()
-            if name is not None and self._timer is None:
-                self._start_timer(SLOW_CLAIM_NOTE_S)
-
-    def _start_timer(self, delay_s: float) -> None:
-        self._timer = threading.Timer(delay_s, self._due)
-        self._timer.name = "nereid-slow-claim-note"
-        self._timer.daemon = True  # a hook that never returns must not keep the process from exiting
-        self._timer.start()
-
-    def _due(self) -> None:
-        with self._lock:
-            self._timer = None
-            name, running_s = self._asking, time.monotonic() - self._since
-            if name is None:  # between questions, or done: the next question starts a timer again
-                return
-            if running_s < SLOW_CLAIM_NOTE_S:  # a later question than the one it was started for
-                self._start_timer(SLOW_CLAIM_NOTE_S - running_s)
-                return
-        self._manager.claim_slow(name, running_s, self._folder)
 
 
 def _hints(manager: NereidPluginManager, folder: Path) -> list[str]:

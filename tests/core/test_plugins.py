@@ -634,32 +634,3 @@ def test_an_unclaimed_folder_says_what_makes_each_backend_claim_one(installed_ad
         (claimed / file).write_text(text)
         assert claim_folder(manager, claimed).backend_name == backend
     assert claim_folder(manager, folder, "cxx").backend_name == "cxx"
-
-
-SLOW_CLAIM_PLUGIN = ("slow-claims", "slowpoke", "slowpoke_plugin",
-                     "import time\nfrom nereid.hookspecs import hookimpl\n"
-                     "@hookimpl\ndef nereid_claim_model(folder, declared):\n"
-                     "    if (folder / 'slow.txt').exists():\n        time.sleep(0.5)\n    return None\n")
-
-
-def test_a_slow_claim_hook_is_logged_naming_the_hook_and_its_plugin(site, repo, caplog, monkeypatch) -> None:
-    """Found by a bug hunt: a claim hook that hung held its folder's load, and the log said only, a minute later,
-    that the model's backend's load() had not returned: neither the hook nor its plugin was named."""
-    _install(site, [SLOW_CLAIM_PLUGIN])
-    monkeypatch.setattr("nereid.plugins.SLOW_CLAIM_NOTE_S", 0.1, raising=False)  # (the old code had none)
-    caplog.set_level(logging.WARNING, logger="nereid.plugins")
-    try:
-        manager = make_plugin_manager()
-        quick, slow = repo.python("quick"), repo.python("slow")
-        (slow / "slow.txt").write_text("")
-        assert claim_folder(manager, quick).backend_name == "python"
-        assert claim_folder(manager, slow).backend_name == "python"  # (its claim is not affected)
-    finally:
-        sys.modules.pop("slowpoke_plugin", None)
-    logged = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "nereid.plugins"]
-    assert len(logged) == 1, logged  # the quick folder's claim, and the slow hook's other questions, say nothing
-    level, message = logged[0]
-    assert level == "WARNING" and re.fullmatch(
-        r"plugin 'slowpoke' \(distribution slow-claims 1\.0, entry point slowpoke = slowpoke_plugin\): its "
-        rf"nereid_claim_model has not returned after 0\.\d s \(folder {re.escape(str(slow))}\); the model's load "
-        r"waits for it \(a claim hook should only look at the folder's files, and return at once\)", message), message
