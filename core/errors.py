@@ -150,6 +150,12 @@ def naming_model(model: str, error: NereidError) -> NereidError:
     return same_kind(error, f"model '{model}': {error}")
 
 
+def without_model_name(model: str, message: str) -> str:
+    """``message`` without the leading ``model 'NAME': `` (or ``model 'NAME' ``) that :func:`naming_model` puts
+    in front: for a message that names the model itself around it."""
+    return message.removeprefix(f"model '{model}': ").removeprefix(f"model '{model}' ")
+
+
 def _slots(kind: type) -> list[str]:
     """The ``__slots__`` names declared along ``kind``'s classes."""
     names: list[str] = []

@@ -18,7 +18,7 @@ from nereid.backend import ChecksInputs, Model, Postprocesses, Preprocesses
 from nereid.batching import deadline_passed
 from nereid.daemon_pool import DaemonThreadPool
 from nereid.errors import (ConfigError, DeadlineExceeded, InvalidArgument, ModelFailure, NereidError, QueueFull,
-                           describe_exception, naming_model, without_stop_iteration)
+                           describe_exception, naming_model, without_model_name, without_stop_iteration)
 from nereid.scheduler import REQUEST_STARTED, ModelScheduler, not_started
 from nereid.signature import ModelSignature, brief_description, check_outputs, validate_inputs
 from nereid.stats import RequestTiming
@@ -133,7 +133,7 @@ def make_runner(backend: Model, signature: ModelSignature, batch_signature: Mode
             # What the program refused (a shape no compiled variant takes) is what the hook made of a valid
             # request: the model's fault, not the client's.
             raise _logged(scheduler, _hook_result_failure(name, "preprocess", PROGRAM_CANNOT_TAKE,
-                                                           _without_model(name, str(err)))) from None
+                                                           without_model_name(name, str(err)))) from None
         if postprocess is not None:
             REQUEST_STARTED.set(True)  # (the execution has run; submit's return set nothing)
             try:
@@ -142,7 +142,7 @@ def make_runner(backend: Model, signature: ModelSignature, batch_signature: Mode
                     check_outputs(name, signature, outputs, batch_size)
                 except ModelFailure as err:  # (named as the hook's: the program's outputs were checked already)
                     raise _hook_result_failure(name, "postprocess", "outputs that do not match the model's",
-                                               _without_model(name, str(err))) from None
+                                               without_model_name(name, str(err))) from None
             except ModelFailure as err:
                 raise _logged(scheduler, err)
         return outputs
@@ -206,11 +206,6 @@ def _hook_result_failure(model: str, hook: str, what: str, detail: str) -> Model
     return ModelFailure(f"model '{model}': the {hook} hook returned {what}: {detail}")
 
 
-def _without_model(model: str, message: str) -> str:
-    """A refusal's message without its leading model name (the hook's failure names the model itself)."""
-    return message.removeprefix(f"model '{model}': ").removeprefix(f"model '{model}' ")
-
-
 def _program_inputs(model: str, batch_signature: ModelSignature, tensors: list[NamedTensor],
                     check_inputs: Callable[[list[NamedTensor]], object] | None) -> list[NamedTensor]:
     """The preprocess hook's result checked against the program's inputs (and the model's ``check_inputs``).
@@ -222,7 +217,7 @@ def _program_inputs(model: str, batch_signature: ModelSignature, tensors: list[N
     try:
         tensors = validate_inputs(model, batch_signature, tensors).tensors
     except InvalidArgument as err:
-        detail = _without_model(model, str(err))
+        detail = without_model_name(model, str(err))
     except Exception as err:  # a NamedTensor whose data is no array (validation reads its shape)
         detail = describe_exception(err)
     else:
@@ -232,7 +227,7 @@ def _program_inputs(model: str, batch_signature: ModelSignature, tensors: list[N
             check_inputs(tensors)  # (a fault of the check itself comes out as the model's own ModelFailure)
             return tensors
         except InvalidArgument as err:
-            detail = _without_model(model, str(err))
+            detail = without_model_name(model, str(err))
     raise _hook_result_failure(model, "preprocess", PROGRAM_CANNOT_TAKE, detail) from None
 
 

@@ -26,7 +26,7 @@ from nereid.batching import (BatchPolicy, batch_key, deadline_passed, request_co
                              will_not_run)
 from nereid.daemon_pool import DaemonThreadPool
 from nereid.errors import (DeadlineExceeded, LoggedModelFailure, ModelFailure, ModelRetired, NereidError, QueueFull,
-                           Unavailable, describe_exception, naming_model)
+                           Unavailable, describe_exception, naming_model, without_model_name)
 from nereid.log_limit import RateLimitedLog
 from nereid.signature import ModelSignature, check_outputs
 from nereid.stats import ModelStats, RequestTiming
@@ -511,7 +511,7 @@ class ModelScheduler:
         if isinstance(error, LoggedModelFailure):
             return
         if isinstance(error, ModelFailure):
-            detail = str(error).removeprefix(f"model '{self.name}': ").removeprefix(f"model '{self.name}' ")
+            detail = without_model_name(self.name, str(error))
         else:
             detail = describe_exception(error)
         self._fault_log.warning("model '%s': a run its unload abandoned (it had not ended within the grace) failed "
