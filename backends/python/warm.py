@@ -23,6 +23,7 @@ from typing import Mapping
 from nereid.errors import ModelFailure, ModelKilled
 from nereid.files import descriptor_path
 
+from nereid.backends.python.compiled_script import runnable_script
 from nereid.backends.python.preload import Preloads
 from nereid.backends.subprocess.runner import (ProcessGroups, ProcessResult, StdinData, close_descriptors,
                                                feed_and_wait, kill_group, open_pipes, timed_out, wait_for_exit)
@@ -165,7 +166,7 @@ class WarmParent:
         try:
             with open(self.log_path, "ab") as log_file:
                 process = subprocess.Popen(
-                    [sys.executable, "-P", str(WARM_PARENT_SCRIPT), str(theirs.fileno()),
+                    [sys.executable, "-P", str(runnable_script(WARM_PARENT_SCRIPT)), str(theirs.fileno()),
                      json.dumps(self.modules.as_json()), str(self.folder), str(self.entry_source)],
                     cwd=self._folder_path(), env=self.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                     stderr=log_file,

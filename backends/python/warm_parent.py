@@ -1,10 +1,11 @@
 """The warm parent of one python model: imports once, then forks one child per batch.
 
 Run by the server as ``python -P warm_parent.py CONTROL_FD MODULES_JSON FOLDER SOURCE``
-with the model folder as working directory and the model's minimal environment
-(``SOURCE``: the bytes of ``main.py`` the server read when it loaded the model). It
-is a program of its own, standard library only, so that a child inherits
-nothing but what the model imports: not nereid, not grpc.
+(from its cached bytecode when fresh: see ``compiled_script.py``) with the model
+folder as working directory and the model's minimal environment (``SOURCE``: the
+bytes of ``main.py`` the server read when it loaded the model). It is a program
+of its own, standard library only, so that a child inherits nothing but what
+the model imports: not nereid, not grpc.
 
 Protocol (``CONTROL_FD`` is an AF_UNIX SOCK_SEQPACKET socket to the server):
 
