@@ -90,6 +90,7 @@ class ModelScheduler:
         self._running: dict[asyncio.Task, list[Work]] = {}
         self._direct: set[asyncio.Task] = set()  # callers running their own request (see submit)
         self._abandoned = False  # drain gave up on what still runs: its callers are answered Unavailable
+        self._backlog = 0  # requests run and still in the model's postprocess stage (see set_backlog)
         self._idle = asyncio.Event()
         self._idle.set()
         self._accepting = True
@@ -183,6 +184,16 @@ class ModelScheduler:
                 self._update_idle()
             raise
 
+    def set_backlog(self, requests: int) -> None:
+        """How many of the model's requests have had their execution and still wait for (or run) their postprocess
+        hook (told by the model's runner). While ``capacity`` of them do, no execution starts: the queue fills and
+        refuses new requests. Without that, a program faster than its postprocess ran request after request
+        into the hook threads' queue, each holding its outputs, and the queue never filled."""
+        held = self._backlog >= self.capacity
+        self._backlog = requests
+        if held and requests < self.capacity:
+            self._slot_freed.set()  # (the batcher waits for a slot, or for this)
+
     def drop_dead(self) -> None:
         """Answer and remove the queued requests whose deadline passed (a full queue takes no dead weight): what
         :meth:`submit` does before it refuses a request, and the model's preprocess stage before it does."""
@@ -216,7 +227,7 @@ class ModelScheduler:
         self._starting = False
 
     def _can_start_at_once(self) -> bool:
-        return (self._free_slots > 0 and not self._pending and self._starting
+        return (self._free_slots > 0 and not self._pending and self._starting and self._backlog < self.capacity
                 and (not self.policy.enabled or self.policy.max_delay_ns == 0))
 
     @property
@@ -299,7 +310,8 @@ class ModelScheduler:
                 self._update_idle()
                 self._arrived.clear()
                 await self._arrived.wait()
-            while self._free_slots <= 0 or not self._starting:  # form a batch only when an execution can start
+            # Form a batch only when an execution can start (and its answers have room in a postprocess stage).
+            while self._free_slots <= 0 or not self._starting or self._backlog >= self.capacity:
                 self._slot_freed.clear()
                 await self._slot_freed.wait()
             self._arrived.clear()  # before deciding: an arrival from here on wakes the wait below

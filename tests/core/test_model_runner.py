@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from nereid.dtypes import DType
-from nereid.errors import ModelFailure
+from nereid.errors import ModelFailure, QueueFull
 from nereid.model_runner import HOOK_THREADS, HookThreads, Runner, make_runner
 from nereid.scheduler import ModelScheduler
 from nereid.signature import ModelSignature, TensorSpec
@@ -51,10 +51,73 @@ def rows(value: float) -> list[NamedTensor]:
     return [NamedTensor("x", DType.FP32, np.full((1, 2), value, dtype=np.float32))]
 
 
-async def serve(backend: Hooked, hook_threads: HookThreads | None = None, capacity: int = 4
+async def serve(backend: Hooked | PostprocessOnly, hook_threads: HookThreads | None = None, capacity: int = 4
                 ) -> tuple[Runner, ModelScheduler]:
     scheduler = ModelScheduler("m", backend, SIGNATURE, capacity=capacity, instances=1, stats=ModelStats())
     return make_runner(backend, SIGNATURE, SIGNATURE, scheduler, hook_threads or HookThreads("m")), scheduler
+
+
+class PostprocessOnly:
+    """Doubles its input, then a postprocess hook whose body is ``post``; keeps the first value of each request
+    its program ran."""
+
+    platform = "test"
+
+    def __init__(self, post: Hook) -> None:
+        self.post = post
+        self.runs: list[float] = []
+
+    def infer(self, inputs: list[NamedTensor]) -> list[NamedTensor]:
+        self.runs.extend(inputs[0].data[:, 0].tolist())
+        return [NamedTensor("y", DType.FP32, inputs[0].data * 2)]
+
+    def postprocess(self, outputs: list[NamedTensor]) -> list[NamedTensor]:
+        return self.post(outputs)
+
+
+def test_requests_waiting_for_their_postprocess_hook_hold_the_next_executions_back() -> None:
+    """Defect (carried since a bug hunt of isolation between models): behind a postprocess slower than the program,
+    each request arriving ran at once, then waited for a hook thread holding its outputs, so the queue never filled
+    and nothing was refused: memory and latency grew with every request (40 of 40 accepted at queue_capacity 4).
+    Now, while queue_capacity requests wait for (or run) their postprocess, no execution starts: the queue fills
+    and refuses the rest, and every request accepted is answered once the hooks move."""
+    release = threading.Event()
+    in_hook: list[float] = []
+
+    def held(tensors: list[NamedTensor]) -> list[NamedTensor]:
+        in_hook.append(float(tensors[0].data[0, 0]) / 2)
+        release.wait(10)
+        return [NamedTensor("y", DType.FP32, tensors[0].data + 1)]
+
+    async def scenario() -> None:
+        backend = PostprocessOnly(held)
+        run, scheduler = await serve(backend, capacity=4)
+        calls = []
+        for value in range(40):  # one at a time, each after the last has run (and is in its hook), queued or refused
+            call = asyncio.create_task(run(rows(value), 1, 0))
+            calls.append(call)
+            depth = scheduler.queue_depth
+            await until(lambda: call.done() or value in backend.runs or scheduler.queue_depth > depth)
+            if value in backend.runs:  # (its hook begins once a thread is free)
+                await until(lambda: value in in_hook or len(in_hook) == HOOK_THREADS)
+        refused = [call for call in calls if call.done()]
+        assert all(isinstance(call.exception(), QueueFull) for call in refused)
+        assert backend.runs == [0, 1, 2, 3] and scheduler.queue_depth == 4 and len(refused) == 32
+        release.set()
+        answers = await asyncio.gather(*(call for call in calls if call not in refused))
+        assert [answer[0].data.tolist() for answer in answers] == [[[v * 2 + 1] * 2] for v in range(8)]
+        assert backend.runs == list(range(8))
+        assert (await run(rows(20), 1, 0))[0].data.tolist() == [[41, 41]]  # the stage is free again
+        await scheduler.drain()
+    asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+async def until(condition: Callable[[], object]) -> None:
+    for _ in range(1000):
+        if condition():
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError("the condition never held")
 
 
 async def coroutine_hook(tensors: list[NamedTensor]) -> list[NamedTensor]:
