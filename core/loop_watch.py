@@ -8,7 +8,10 @@ whole server, and nothing else would say so: the requests merely get slow.
 daemon thread. When the heartbeat is late by more than ``warn_after_s``, the
 thread logs one WARNING naming the code the loop is running at that moment
 (its own stack, read with ``sys._current_frames``), while it still runs; when
-the loop runs again, the heartbeat logs how long it was held.
+the loop runs again, the heartbeat logs how long it was held. When the thread
+itself wakes late by as long (a thread held the GIL in a long C call: no Python
+code of the process ran, the loop's and the watch's alike), it says so once it
+runs, naming the threads then in a model's code.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ _ASYNCIO = str(Path(asyncio.__file__).parent)
 _HANDLE_FILE = str(Path(asyncio.__file__).parent / "events.py")  # where Handle._run runs every callback
 STOP_JOIN_S = 5.0  # the watching thread wakes at once; only a log handler that blocks could hold it
 _SHOWN_FRAMES = 4  # of the callback's stack, innermost last: enough to name the caller of a blocking call
+_SHOWN_THREADS = 8  # in a stall's report: a server runs many threads, few of them in model code
 
 
 class _CollectorClock:
@@ -151,11 +155,23 @@ class LoopWatch:
             self._handle = self._loop.call_later(self._interval_s, self._beat)
 
     def _watch(self) -> None:
+        slept_at = time.monotonic()
+        collected_at = _COLLECTOR.seconds(slept_at)
         while not self._stopping.wait(self._interval_s):
             if self._loop.is_closed():
                 self._detach_collector()
                 return  # a loop closed without stop(): nothing of it runs any more
+            # Woken late: this thread, too, could not run. A look cannot see that stall while it lasts (it needs
+            # the GIL as much as the loop does), so it is said once it is over. The collector's time is not
+            # counted, as for a callback's hold.
+            now = time.monotonic()
+            collected = _COLLECTOR.seconds(now)
+            stalled_s = now - slept_at - self._interval_s - (collected - collected_at)
+            if stalled_s >= self._warn_after_s:
+                _report_stall(stalled_s)
             self._look()  # (a method of its own: nothing it read of the loop's thread outlives the look)
+            slept_at = time.monotonic()
+            collected_at = _COLLECTOR.seconds(slept_at)
 
     def _look(self) -> None:
         # Under the beat's lock: a beat that ran meanwhile would make the stack read below another callback's.
@@ -206,6 +222,36 @@ class LoopWatch:
         if not isinstance(handle, asyncio.Handle) or handle._loop is not self._loop:
             return None, None  # another loop's, on the same thread (this one's ended without stop())
         return top, handle
+
+
+def _report_stall(stalled_s: float) -> None:
+    """Log that no Python code of the process ran for ``stalled_s`` seconds, naming the threads that are in a
+    model's own code now (the one that held the GIL may still be: it ran on after its long call)."""
+    suspects = _threads_in_model_code(threading.get_ident())
+    shown = "; ".join(suspects[:_SHOWN_THREADS]) + ("; ..." if len(suspects) > _SHOWN_THREADS else "")
+    log.warning("no Python code of the server could run for %.1f s (this watch of its event loop included), so "
+                "every model and client waited: a thread held the GIL through a long call into code that does "
+                "not release it (sum() over a huge range, a regular expression, a C extension's loop), or the "
+                "process got no CPU. %s", stalled_s,
+                f"Threads in a model's code now: {shown}" if suspects else "No thread is in a model's code now.")
+
+
+def _threads_in_model_code(skip: int) -> list[str]:
+    """Each thread but ``skip`` whose stack holds a model's own code, as ``name (file:line in function)`` for the
+    innermost such frame (a thread idle in a pool, or in the server's own code, has none)."""
+    names = {thread.ident: thread.name for thread in threading.enumerate()}
+    libraries = _library_folders()
+    found = []
+    for ident, frame in sys._current_frames().items():
+        if ident == skip:
+            continue
+        while frame is not None and (frame.f_code.co_filename.startswith(libraries)
+                                     or frame.f_code.co_filename.startswith("<")):
+            frame = frame.f_back
+        if frame is not None:
+            code = frame.f_code
+            found.append(f"{names.get(ident, ident)} ({code.co_filename}:{frame.f_lineno} in {code.co_name})")
+    return found
 
 
 def _innermost(frame: types.FrameType | None) -> tuple[str, bool]:

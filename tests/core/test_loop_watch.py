@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import gc
 import logging
 import re
 import subprocess
+import sys
 import threading
 import os
 import time
@@ -103,6 +105,41 @@ def test_a_loop_that_only_awaits_and_a_short_hold_log_nothing(caplog):
         await asyncio.to_thread(time.sleep, WARN_AFTER_S * 2)  # the blocking call on a worker thread
     watched(model)
     assert watch_lines(caplog) == []
+
+
+def hold_the_gil(seconds: float) -> None:
+    ctypes.PyDLL(None).usleep(int(seconds * 1e6))  # a C call that keeps the GIL (PyDLL: ctypes does not drop it)
+    time.sleep(WARN_AFTER_S)  # still in this function when the other threads run again
+
+
+def test_a_thread_holding_the_gil_is_reported_once_the_stall_is_over_naming_the_threads_in_model_code(caplog):
+    """Carried since a bug hunt of isolation between models: a model holding the GIL on a worker thread (a plain
+    def orchestration summing 1.5e8 numbers) froze the server, health included, for 3.5-8.3 s with no line in the
+    log: the loop ran no callback, and the watching thread could not run either."""
+    caplog.set_level(logging.WARNING, "nereid.loop")
+
+    async def model() -> None:
+        worker = threading.Thread(target=hold_the_gil, args=(WARN_AFTER_S * 3,), name="model-worker")
+        worker.start()
+        await asyncio.to_thread(worker.join)
+    watched(model)
+    [line] = watch_lines(caplog)
+    assert re.match(r"no Python code of the server could run for \d+\.\d s \(this watch of its event loop included\), "
+                    r"so every model and client waited: a thread held the GIL", line), line
+    assert "Threads in a model's code now: " in line and f"model-worker ({__file__}:" in line, line
+    assert " in hold_the_gil)" in line, line
+    stalled_s = float(line.split("could run for ")[1].split(" s")[0])
+    assert WARN_AFTER_S * 2 <= stalled_s < WARN_AFTER_S * 6, line
+
+
+def test_a_stall_with_no_thread_in_model_code_left_says_so():
+    # A process whose only code outside nereid and the libraries is `python -c`'s (no file: not a model's).
+    report = ("import logging; from nereid import loop_watch; logging.basicConfig(format='%(message)s'); "
+              "loop_watch._report_stall(2.04)")
+    printed = subprocess.run([sys.executable, "-c", report], capture_output=True, text=True, check=True).stderr
+    assert printed.startswith("no Python code of the server could run for 2.0 s (this watch of its event loop "
+                              "included)"), printed
+    assert printed.endswith("or the process got no CPU. No thread is in a model's code now.\n"), printed
 
 
 def test_a_late_beat_while_the_loop_waits_in_its_selector_is_not_blamed_on_a_callback():
