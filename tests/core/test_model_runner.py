@@ -19,6 +19,7 @@ from nereid.scheduler import ModelScheduler
 from nereid.signature import ModelSignature, TensorSpec
 from nereid.stats import ModelStats
 from nereid.tensors import NamedTensor
+from support import until
 
 SIGNATURE = ModelSignature((TensorSpec("x", DType.FP32, (2,)),), (TensorSpec("y", DType.FP32, (2,)),), 4)
 
@@ -110,14 +111,6 @@ def test_requests_waiting_for_their_postprocess_hook_hold_the_next_executions_ba
         assert (await run(rows(20), 1, 0))[0].data.tolist() == [[41, 41]]  # the stage is free again
         await scheduler.drain()
     asyncio.run(asyncio.wait_for(scenario(), 30))
-
-
-async def until(condition: Callable[[], object]) -> None:
-    for _ in range(1000):
-        if condition():
-            return
-        await asyncio.sleep(0.005)
-    raise AssertionError("the condition never held")
 
 
 async def coroutine_hook(tensors: list[NamedTensor]) -> list[NamedTensor]:
