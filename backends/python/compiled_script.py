@@ -27,7 +27,8 @@ def runnable_script(source: Path) -> Path:
     """The file to give the interpreter to run ``source`` as a script: its cached bytecode when that is up to
     date (compiled here first, unless the interpreter writes no bytecode: PYTHONDONTWRITEBYTECODE), else
     ``source`` itself (no bytecode, a stale one that cannot be rewritten, a read-only install)."""
-    cached = Path(importlib.util.cache_from_source(str(source)))
+    # The plain bytecode even under `python -O`: the interpreter it is given to runs without -O (asserts kept).
+    cached = Path(importlib.util.cache_from_source(str(source), optimization=""))
     if bytecode_is_fresh(cached, source):
         return cached
     if sys.dont_write_bytecode:

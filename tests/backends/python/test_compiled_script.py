@@ -117,3 +117,14 @@ def test_a_served_python_model_starts_its_warm_parent_from_bytecode(repo, serve)
     tensor = triton.InferInput("input", [4], "FP32")
     tensor.set_data_from_numpy(np.arange(4, dtype=np.float32))
     np.testing.assert_array_equal(server.client.infer("echo", [tensor]).as_numpy("output"), np.arange(4))
+
+
+def test_a_server_run_with_dash_o_still_runs_the_plain_bytecode(script):
+    # The interpreter the script is given to runs without -O: its optimized bytecode (asserts stripped) is not it.
+    py_compile.compile(str(script), doraise=True)
+    chosen = subprocess.run(
+        [sys.executable, "-O", "-c", "import sys; from pathlib import Path; "
+         "from nereid.backends.python.compiled_script import runnable_script; "
+         "print(runnable_script(Path(sys.argv[1])))", str(script)],
+        capture_output=True, text=True, check=True, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}).stdout
+    assert chosen.strip() == str(cached_of(script))
