@@ -15,7 +15,7 @@ import json
 import logging
 import time
 from typing import Any, Awaitable, Callable
-from urllib.parse import unquote
+from urllib.parse import quote, unquote
 
 import orjson
 
@@ -222,7 +222,7 @@ class HttpSurface:
         if parts[:1] == ["repository"] and method == "POST":
             return await self._repository(scope, receive, parts[1:])
         if parts[:1] == ["models"] and len(parts) >= 2:
-            return await self._model(scope, receive, method, parts[1], parts[2:])
+            return await self._model(scope, receive, method, _model_name(parts[1]), parts[2:])
         if parts[:1] and parts[0] in REFUSED_ENDPOINTS:
             self.dataplane.refuse_extension(REFUSED_ENDPOINTS[parts[0]])
         raise _not_found(scope, parts)
@@ -231,7 +231,7 @@ class HttpSurface:
                      rest: list[str]) -> tuple[int, list[bytes | memoryview], list]:
         version = ""
         if rest[:1] == ["versions"] and len(rest) >= 2:
-            version, rest = rest[1], rest[2:]
+            version, rest = unquote(rest[1]), rest[2:]
             if not version:  # ".../versions//infer" is no request for the default version: a client's slip
                 raise HttpError(404, f"model '{model}': the path names an empty version "
                                      f"({cap_message(scope['path'], 256)}); give one (1) or leave out /versions/")
@@ -405,7 +405,7 @@ class HttpSurface:
             return _json([{"name": e.name, "version": e.version, "state": e.state, "reason": e.reason}
                           for e in await self.dataplane.repository_index(ready)])
         if len(rest) == 3 and rest[0] == "models" and rest[2] in ("load", "unload"):
-            model, action = rest[1], rest[2]
+            model, action = _model_name(rest[1]), rest[2]
             headers = request_headers(scope, model)
             if b"origin" in headers:
                 # A web page's request (browsers name its origin): a POST needing no CORS preflight would load or
@@ -616,16 +616,24 @@ def _who(model: str) -> str:
 
 
 def _path_segments(scope: Scope) -> list[str]:
-    """The request path's segments, each percent-decoded on its own (leading and trailing slashes dropped).
+    """The request path's segments as sent, still percent-encoded (a model's name is decoded where it is read:
+    :func:`_model_name`): split at every "/" after the leading one, empty segments kept.
 
-    An encoded slash (``%2F``) is a character of its segment, never a separator (RFC 3986 2.2), as Triton
-    matches its routes on the raw path: decoded first, ``/v2/repository%2Fmodels%2Fm%2Funload`` unloaded
-    ``m``, past a proxy's rule on ``/v2/repository/``.
+    Triton matches its routes on the raw path, whole: ``//v2/repository/...``, a slash at the end, or an
+    endpoint's word spelled encoded (``/v2/%72epository/...``) match none, and neither does an encoded
+    slash (``%2F``), which is a character of its segment, never a separator (RFC 3986 2.2). Each of these
+    once reached the endpoint, past a proxy's rule on ``/v2/repository/`` that matches the raw prefix:
+    stripped of its slashes, or decoded first (``/v2/repository%2Fmodels%2Fm%2Funload`` unloaded ``m``).
     """
     raw = scope.get("raw_path")
-    if raw is None:  # (an ASGI server that gives none: only the decoded path is known)
-        return scope["path"].strip("/").split("/")
-    return [unquote(segment) for segment in raw.split(b"?", 1)[0].decode("latin-1").strip("/").split("/")]
+    # (An ASGI server that gives no raw path: only the decoded one is known, encoded again here.)
+    path = quote(scope["path"], safe="/") if raw is None else raw.split(b"?", 1)[0].decode("latin-1")
+    return path[1:].split("/") if path.startswith("/") else [path]
+
+
+def _model_name(segment: str) -> str:
+    """A model's name from its path segment: percent-decoded, so it may hold any character (``my%20model``)."""
+    return unquote(segment)
 
 
 def _shown_path(scope: Scope) -> str:

@@ -858,6 +858,25 @@ def test_an_encoded_slash_is_part_of_its_segment_never_a_separator(served):
     assert call(base, "GET", "/v2/models/%65cho/ready")[0] == 200
 
 
+def test_a_path_is_matched_whole_as_sent(served):
+    """Found by a bug hunt: the router stripped every slash at either end and decoded an endpoint's own words, so
+    //v2/repository/models/echo/unload (and /v2/%72epository/..., and one ending in //) unloaded echo past a
+    proxy's rule on /v2/repository/ that matches the raw prefix; Triton matches its routes on the whole raw
+    path, and answers each of these 404."""
+    server, base = served
+    for path in ("//v2/repository/models/echo/unload", "///v2/repository/models/echo/unload/",
+                 "/v2/repository/models/echo/unload//", "/%76%32/%72epository/models/echo/unload",
+                 "/v2/repository/models/echo/%75nload"):
+        status, answer, _ = call(base, "POST", path, b"")
+        assert status == 404 and json.loads(answer)["error"].startswith(("no such endpoint: POST " + path,
+                                                                          "no such endpoint: " + path)), path
+        assert server.client.is_model_ready("echo"), path
+    for path in ("//v2/health/live", "/v2/health/live/", "/%76%32/health/live", "/v2/", "/v2/models/echo/ready/"):
+        assert call(base, "GET", path)[0] == 404, path
+    # A model's name and a version are values, decoded: they may be spelled encoded.
+    assert call(base, "GET", "/v2/models/%65cho/versions/%31/ready")[0] == 200
+
+
 def test_http_1_1_requests_need_exactly_one_valid_host_and_http_1_0_ones_none(served):
     """RFC 9112 3.2: a request without Host, with two, or with one that is no host[:port] is answered 400 (a proxy
     and this server disagreeing on the Host is how requests get routed past the proxy's rules)."""
@@ -972,7 +991,7 @@ def test_the_surface_serves_each_listed_endpoint_and_refuses_other_methods_with_
 
     async def scenario() -> None:
         await plane.repository.load("toy")
-        paths = {"/v2/" + "/".join(parts): method for parts, method in SERVER_ENDPOINTS.items()}
+        paths = {"/v2" + "".join(f"/{part}" for part in parts): method for parts, method in SERVER_ENDPOINTS.items()}
         for action, method in MODEL_ENDPOINTS.items():
             for model in ("/v2/models/toy", "/v2/models/toy/versions/1"):
                 paths[f"{model}/{action}" if action else model] = method
