@@ -78,7 +78,7 @@ class PythonModel(SubprocessModel):
         # Cold: a parent that imports nothing forks each run, which execs a fresh interpreter, so cold runs
         # too die with the server and leave no detached process behind.
         try:
-            self._parent = self._start_parent(Preloads(), source)
+            self._parent = self._start_parent(Preloads(), source, warm=False)
         except WarmStartUnavailable as err:
             log.warning("model '%s': no parent process (%s); runs are spawned directly", self.context.name, err)
 
@@ -117,7 +117,7 @@ class PythonModel(SubprocessModel):
             log.warning("model '%s': %s; starting another for the load", self.context.name, err)
         return self._start_parent(modules, source)
 
-    def _start_parent(self, modules: Preloads, source: bytes) -> WarmParent:
+    def _start_parent(self, modules: Preloads, source: bytes, warm: bool = True) -> WarmParent:
         # A folder of its own: while a changed model reloads, two versions' parents run side by side.
         scratch = self.context.scratch_dir
         try:
@@ -131,7 +131,7 @@ class PythonModel(SubprocessModel):
         env["TMPDIR"] = str(parent_dir / "tmp")
         parent = WarmParent(name=self.context.name, folder=self.context.folder, env=env, modules=modules,
                             log_path=parent_dir / "log", entry_source=parent_dir / LOADED_ENTRY_FILE,
-                            entry_bytes=source, cold_argv=cold_command(), folder_fd=self.folder_fd())
+                            entry_bytes=source, cold_argv=cold_command(), folder_fd=self.folder_fd(), warm=warm)
         try:
             try:
                 parent.entry_source.write_bytes(source)

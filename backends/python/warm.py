@@ -125,8 +125,11 @@ class WarmParent:
 
     def __init__(self, *, name: str, folder: Path, env: dict[str, str], modules: Preloads, log_path: Path,
                  entry_source: Path, entry_bytes: bytes, cold_argv: list[str] | None = None,
-                 folder_fd: int | None = None) -> None:
+                 folder_fd: int | None = None, warm: bool = True) -> None:
+        """``warm``: it serves warm runs (False: a cold model's parent, which preloads nothing and execs each run,
+        named only "parent" in messages: its model has warm start off)."""
         self.name = name
+        self.warm = warm
         # What a cold run execs, should a restarted parent find it can no longer preload.
         self.cold_argv = cold_argv
         self.cold_reason: str | None = None  # why runs went cold after a restart (None: they did not)
@@ -144,6 +147,12 @@ class WarmParent:
         self._control: socket.socket | None = None
         self._start_deaths = 0  # parents in a row that ended while starting (see _restart)
         self._blocked: str | None = None  # why restarts could not start a parent since the last one started
+
+    @property
+    def called(self) -> str:
+        """What messages call it: "warm parent", or "parent" once its runs are cold (a model with warm start off,
+        or one gone cold), where "warm" sent its reader to a setting that is off."""
+        return "warm parent" if self.warm and self.cold_reason is None else "parent"
 
     # -- life cycle -------------------------------------------------------
     def start(self) -> None:
@@ -193,13 +202,13 @@ class WarmParent:
             tail = f"; output tail: {tail}" if tail else ""
             if line is None:
                 how = f"did not answer within {START_TIMEOUT_S:g} s and was killed"
-                raise WarmParentDied(f"the warm parent {how} while starting{tail}", how, killed=False,
+                raise WarmParentDied(f"the {self.called} {how} while starting{tail}", how, killed=False,
                                      timed_out=True)
             if not line:  # its answer's pipe closed unanswered: it ended (no answer is ever written by halves)
                 how = _describe_exit(process.returncode)
-                raise WarmParentDied(f"the warm parent {how} while starting{tail}", how,
+                raise WarmParentDied(f"the {self.called} {how} while starting{tail}", how,
                                      killed=process.returncode < 0, timed_out=False)
-            raise WarmStartUnavailable(f"the warm parent did not start ({line}){tail}")
+            raise WarmStartUnavailable(f"the {self.called} did not start ({line}){tail}")
         self._process, self._control = process, ours
         _EXITS.watch(self, process)
 
@@ -306,7 +315,7 @@ class WarmParent:
         if ended.get("silent"):
             # Not killed for it: its other runs may be fine and about to report. A parent really wedged fails
             # the next batch's fork request, and is replaced then.
-            raise timed_out(self.name, timeout_s, f"its process group was killed, but its warm parent process "
+            raise timed_out(self.name, timeout_s, f"its process group was killed, but its {self.called} process "
                                                   f"(pid {parent.pid}) did not report its end within "
                                                   f"{STOP_GRACE_S:g} s (stopped or wedged?)")
         if "status" not in ended:
@@ -347,7 +356,7 @@ class WarmParent:
                     # The run's own size, not the parent's fault: said at once, the parent left alone (it used
                     # to wait 5 s for a live parent, then call it unresponsive).
                     raise ModelFailure(
-                        f"model '{self.name}': this run's request to its warm parent ({len(message)} bytes: its "
+                        f"model '{self.name}': this run's request to its {self.called} ({len(message)} bytes: its "
                         "environment, with every tensor name, dtype and shape) is more than one message of a "
                         "local socket holds here (net.core.wmem_default); shorten the tensor names") from None
                 raise self._not_started(parent, f"sending it the run failed: {err.strerror or err}") from None
@@ -358,10 +367,10 @@ class WarmParent:
             reply.settimeout(REPLY_TIMEOUT_S)
             started = _receive(reply)
             if "error" in started:  # the parent is fine, but could not start this run (a fork failed)
-                raise ModelFailure(f"model '{self.name}': its warm parent could not start the run: "
+                raise ModelFailure(f"model '{self.name}': its {self.called} could not start the run: "
                                    f"{started['error']}")
             if started.get("silent"):  # alive (stopped, wedged): killed, and the batch not sent again
-                raise ModelFailure(f"model '{self.name}': its warm parent process (pid {self._kill_silent(parent)}) did "
+                raise ModelFailure(f"model '{self.name}': its {self.called} process (pid {self._kill_silent(parent)}) did "
                                    f"not answer within {REPLY_TIMEOUT_S:g} s; the batch was not run; the parent "
                                    "was killed, and the next batch starts a new one")
             if "pid" not in started:
@@ -386,7 +395,7 @@ class WarmParent:
     def _forget(self, process: subprocess.Popen, then: str) -> None:
         """Let go of ``process``, our parent found exited (and reaped): its control socket and lifeline are
         closed. Under the lock."""
-        log.warning("model '%s': warm parent (pid %d) %s; %s", self.name, process.pid,
+        log.warning("model '%s': %s (pid %d) %s; %s", self.name, self.called, process.pid,
                     _describe_exit(process.returncode), then)
         assert self._control is not None
         self._control.close()
@@ -446,13 +455,13 @@ class WarmParent:
                     return
                 if attempt == 2 or err.timed_out:  # (one silent for minutes is not waited on twice per batch)
                     fault = ModelKilled if err.killed else ModelFailure
-                    raise fault(f"model '{self.name}': its new warm parent process {err.how} while starting"
+                    raise fault(f"model '{self.name}': its new {self.called} process {err.how} while starting"
                                 f"{', as did the one started before it' if attempt == 2 else ''}; the batch was "
                                 "not run, and the next batch starts a new one") from None
                 log.warning("model '%s': %s; starting another for the batch", self.name, err)
             except WarmStartUnavailable as err:
                 if not self.modules or self.cold_argv is None:
-                    raise ModelFailure(f"model '{self.name}': its warm parent could not be restarted: "
+                    raise ModelFailure(f"model '{self.name}': its {self.called} could not be restarted: "
                                        f"{err}") from None
                 # Its imports changed under it (one now fails, starts a thread or initialises CUDA): run cold from
                 # now on, as a load finding the same would.
@@ -472,16 +481,16 @@ class WarmParent:
             raise self._blocked_failure(again) from None
         except WarmStartUnavailable as again:
             fault = ModelKilled if isinstance(again, WarmParentDied) and again.killed else ModelFailure
-            raise fault(f"model '{self.name}': its warm parent could not be restarted: {again}") from None
+            raise fault(f"model '{self.name}': its {self.called} could not be restarted: {again}") from None
 
     def _blocked_failure(self, err: WarmParentBlocked) -> ModelFailure:
         """The failure of a batch whose restart could not start a parent, for ``err``; logged once until a parent
         starts again. Under the lock."""
         if self._blocked is None:
-            log.warning("model '%s': its warm parent process could not be restarted (%s); batches fail until one "
-                        "can be, each trying again", self.name, err)
+            log.warning("model '%s': its %s process could not be restarted (%s); batches fail until one "
+                        "can be, each trying again", self.name, self.called, err)
         self._blocked = str(err)
-        return ModelFailure(f"model '{self.name}': its warm parent process could not be restarted: {err}; the "
+        return ModelFailure(f"model '{self.name}': its {self.called} process could not be restarted: {err}; the "
                             "batch was not run, and the next batch tries again")
 
     def _unblocked(self) -> None:
@@ -490,8 +499,8 @@ class WarmParent:
             return
         self._blocked = None
         warm = "warm start is back" if self.cold_reason is None else f"runs stay cold ({self.cold_reason})"
-        log.info("model '%s': a new warm parent process (pid %s) started; batches run again, %s", self.name,
-                 self.pid, warm)
+        log.info("model '%s': a new %s process (pid %s) started; batches run again, %s", self.name,
+                 self.called, self.pid, warm)
 
     def _not_started(self, process: subprocess.Popen, what: str) -> ModelFailure | _RunNotStarted:
         """The failure of a run ``process`` (its parent) never started (its end of the sockets closed):
@@ -510,7 +519,7 @@ class WarmParent:
             fault = ModelKilled if process.returncode < 0 else ModelFailure
         else:
             reason, fault = "stopped answering", ModelFailure
-        return fault(f"model '{self.name}': its warm parent process {reason} ({what}); "
+        return fault(f"model '{self.name}': its {self.called} process {reason} ({what}); "
                      "it is restarted for the next request")
 
 
@@ -545,7 +554,7 @@ class _ExitWatcher:
         try:
             pidfd = os.pidfd_open(process.pid)  # not reaped yet (nothing but its owner reaps it), so still ours
         except OSError as err:  # out of descriptors: its next batch finds it dead, as ever
-            log.debug("model '%s': warm parent (pid %d) not watched: %s", parent.name, process.pid, err)
+            log.debug("model '%s': %s (pid %d) not watched: %s", parent.name, parent.called, process.pid, err)
             return
         with self._lock:
             self._watched[pidfd] = (parent, process)

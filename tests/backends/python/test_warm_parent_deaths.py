@@ -253,3 +253,30 @@ def test_a_parent_that_cannot_be_restarted_for_a_while_leaves_the_model_warm_onc
                     "File exists); batches fail until one can be, each trying again"),
         ("INFO", f"model 'm': a new warm parent process (pid {model.parent.pid}) started; batches run again, warm "
                  "start is back")]
+
+
+@pytest.mark.parametrize("warm", [True, False], ids=["warm", "cold"])
+def test_a_cold_model_s_parent_is_not_called_warm_in_its_faults(tmp_path, warm, no_zombies):
+    """Found by a bug hunt: with warm_start off, a run that killed its parent failed with "its warm parent process
+    was killed by signal SIGKILL", sending its reader to a setting that was off."""
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "model_inference.textproto").write_text(textproto_single())
+    (folder / "main.py").write_text("import os, signal, sys\nsys.stdin.buffer.read()\n"
+                                    "os.kill(os.getppid(), signal.SIGKILL)\n")
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    settings = ModelSettings("m", runtime={"warm_start": warm})
+    model = PythonModel(ModelContext("m", folder, settings, scratch, "nereid.yaml: models[0]"))
+    model.load()
+    try:
+        assert model.runtime_report().summary == ("warm_start=on" if warm else "warm_start=off (runtime.warm_start "
+                                                                               "is false)")
+        with pytest.raises(ModelKilled) as killed:
+            model.launch(env=model.base_environment(), stdin=b"x")
+        called = "warm parent" if warm else "parent"
+        assert str(killed.value).startswith(f"model 'm': its {called} process was killed by signal SIGKILL ("), \
+            str(killed.value)
+        assert "warm" not in str(killed.value) or warm
+    finally:
+        model.unload()
