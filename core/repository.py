@@ -115,6 +115,9 @@ class ModelRepository:
         # Start-up models count from the first moment, so the server never
         # reports ready before they have loaded.
         self._exposed: set[str] = set()
+        # Of those, the ones the watcher loads by itself (a folder dropped in, a model an edit of nereid.yaml
+        # lists), which ServerReady counts only once they serve: see load's ``counted``.
+        self._counted_once_ready: set[str] = set()
         # A store that could not be listed at start with no models: key (and no watcher, which loads the folders
         # it finds later): ServerReady is false until a listing has answered, and the folders it finds then load
         # as at start (see list_until_answered). The store's error meanwhile.
@@ -123,9 +126,13 @@ class ModelRepository:
         self._found_late: list[str] = []  # the folders that listing found, to be loaded as at start
         scan = self._scan()
         self._apply_scan(scan)
-        if (scan.error is not None and settings.server.ml_backends_url is not None and not settings.models_listed
-                and not settings.server.watch):
+        unlisted_store = (scan.error is not None and settings.server.ml_backends_url is not None
+                          and not settings.models_listed)
+        if unlisted_store and not settings.server.watch:
             self._startup_listing = scan.error
+        # The same under a watcher, whose first listing loads the folders as at start (see store_listed_at_last):
+        # ServerReady is false until then, where it was true serving nothing.
+        self._awaiting_watch_listing = unlisted_store and settings.server.watch
         self._exposed.update(self.startup_models())
         for name in self._exposed:
             self._entries[name].state, self._entries[name].reason = ModelState.LOADING, "waiting to load"
@@ -280,6 +287,19 @@ class ModelRepository:
             entry.state, entry.reason = ModelState.LOADING, "waiting to load"
             self._found_late.append(name)
         self._listed.set()
+        self._state_changed()
+
+    def store_listed_at_last(self, names: list[str]) -> None:
+        """The watcher's first listing of a store that could not be listed at start: ``names`` load now as at
+        start, counted by ServerReady at once (which was false until this listing, when nereid.yaml lists no
+        models)."""
+        self._exposed.update(names)
+        self._counted_once_ready.difference_update(names)
+        for name in names:
+            entry = self._entries.get(name)
+            if entry is not None and entry.loaded is None:
+                entry.state, entry.reason = ModelState.LOADING, "waiting to load"
+        self._awaiting_watch_listing = False
         self._state_changed()
 
     def waiting_for_listing(self) -> bool:
@@ -448,12 +468,15 @@ class ModelRepository:
         return any(entry.state is ModelState.LOADING for entry in self.entries())
 
     def server_ready(self) -> bool:
-        """True when every exposed model is READY (Triton's strict readiness), and, for a store that could not be
-        listed at start with no models: key, once it has been (it would otherwise be ready serving nothing)."""
-        return self._startup_listing is None and all(self._entries[name].state is ModelState.READY
-                                                     for name in self._exposed if name in self._entries)
+        """True when every exposed model is READY (Triton's strict readiness; one the watcher loaded by itself
+        counts once it has served), and, for a store that could not be listed at start with no models: key, once
+        it has been (it would otherwise be ready serving nothing)."""
+        return (self._startup_listing is None and not self._awaiting_watch_listing
+                and all(self._entries[name].state is ModelState.READY
+                        for name in self._exposed - self._counted_once_ready if name in self._entries))
 
-    async def load(self, name: str, *, retrying: str | None = None, requested: bool = False) -> ModelEntry:
+    async def load(self, name: str, *, retrying: str | None = None, requested: bool = False,
+                   counted: bool = True) -> ModelEntry:
         """Load a model folder, or a loaded one again (see :meth:`reload`). A failure to load leaves it
         UNAVAILABLE with the reason; never raises for it. A name with no folder is NotFound; one that a store
         that cannot be listed may hold is Unavailable, with the store's reason.
@@ -465,6 +488,11 @@ class ModelRepository:
         ``retrying``: this load tries again after the store failed the last one, for a reason of this
         :func:`~nereid.storage.failure_kind`. Failing for that reason again is no news, and is logged at DEBUG,
         not ERROR: a store down for hours, or a key the local disk cannot hold, fails every try the same way.
+
+        ``counted``: ServerReady counts the model from this load on (a start-up model's, a client's). False, for
+        what the watcher loads by itself (a folder dropped in, a model an edit of nereid.yaml lists): only once
+        it is READY, so that a broken folder copied into a serving repository, or a model loading for a
+        minute, does not take the server out of its load balancer. A model counted already stays counted.
         """
         looked_up = False  # a store's listing has just found this very name: not asked about it again
         if name not in self._entries and is_model_folder_name(name):
@@ -501,6 +529,10 @@ class ModelRepository:
             # Listed, but nothing to load from: the client's mistake, not the model's fault ("failed to load",
             # INTERNAL); and a version still draining keeps showing UNLOADING.
             raise _listed_without_folder(name, self.settings.server.watch)
+        if counted:
+            self._counted_once_ready.discard(name)
+        elif name not in self._exposed:
+            self._counted_once_ready.add(name)
         self._exposed.add(name)
         entry.awaiting_folder = False  # (asked for again: counted as any other)
         if entry.loaded is not None:
@@ -525,7 +557,10 @@ class ModelRepository:
         self._state_changed()  # counted from now on: ServerReady is false until it is READY
         async with entry.held():
             if entry.loaded is None:
-                return await self._load_locked(entry, retrying)
+                await self._load_locked(entry, retrying)
+                if entry.state is ModelState.READY:
+                    self._counted_once_ready.discard(name)  # (it serves: counted from now on)
+                return entry
             if await self._loaded_as_now(entry):  # loaded meanwhile, by a load that held the model first
                 return entry
         # Loaded meanwhile, but from other files or settings than the folder's and nereid.yaml's now (a load
@@ -617,7 +652,9 @@ class ModelRepository:
         """
         entry = self._entries.get(name)
         if entry is None or entry.loaded is None:
-            return await self.load(name, retrying=retrying)  # (which looks for a folder it does not know yet)
+            # (Which looks for a folder it does not know yet.) Counted by ServerReady as it was: a start-up model
+            # at once, one the watcher found once it serves (see load's counted).
+            return await self.load(name, retrying=retrying, counted=False)
         async with entry.held():
             old = entry.loaded
             if old is None:  # unloaded while we waited for the lock
@@ -721,6 +758,9 @@ class ModelRepository:
                 if exposed:
                     self._exposed.discard(old)
                     self._exposed.add(new)
+                    if old in self._counted_once_ready:
+                        self._counted_once_ready.discard(old)
+                        self._counted_once_ready.add(new)
                 if self.settings.model(old) is not None:
                     # Listed in nereid.yaml: it waits for its folder, as a listed model whose folder was removed
                     # (it answered NOT_FOUND, "no folder", and left the counts of ServerReady and /metrics).
@@ -856,7 +896,7 @@ class ModelRepository:
             if step.action == "unload":
                 work.append(self._unlisted(entry.name))
             elif step.action == "load":
-                work.append(self.load(entry.name))
+                work.append(self.load(entry.name, counted=False))  # (listed by the edit: counted once it serves)
             else:
                 work.append(self._reload_entry(entry))
         for model in settings.models:  # listed by this edit before its folder is there: one line for it too

@@ -231,6 +231,7 @@ class RepositoryWatcher:
                   and (not settings.models_listed or settings.model(name) is not None)]
         log.info("dynamic repository: the store can be listed again; loading %s",
                  ", ".join(f"'{name}'" for name in served) or "nothing (no listed model has a folder yet)")
+        self.repository.store_listed_at_last(served)
         return asyncio.gather(*(_logged(name, self._from_store(name, current[name], None,
                                                                functools.partial(self.repository.reload, name)))
                                 for name in served))
@@ -343,7 +344,8 @@ class RepositoryWatcher:
             log.info("dynamic repository: folder '%s' removed; unloading it", name)
             repository.remove_in_background(name)
         # (A store's folder seen "added" may already be loaded, by a RepositoryModelLoad.)
-        load = repository.load if self.location is None else repository.reload
+        # (Counted by ServerReady once it serves: see ModelRepository.load's counted.)
+        load = functools.partial(repository.load, counted=False) if self.location is None else repository.reload
         for kind, name in [("added", name) for name in due["added"]] + [("changed", name) for name in due["changed"]]:
             retry = self._store_retries.get(name)
             if retry is not None and not repository.wanted(name):

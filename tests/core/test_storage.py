@@ -284,6 +284,24 @@ def test_a_bucket_that_cannot_be_listed_at_start_keeps_the_server_not_ready_unti
     assert "not listed in nereid.yaml" not in caplog.text
 
 
+def test_under_a_watch_a_bucket_that_cannot_be_listed_at_start_keeps_the_server_not_ready_too(
+        s3, serve, tmp_path, monkeypatch) -> None:
+    """Found by a bug hunt: with watch: true (and no models: key) a server started while its bucket could not be
+    listed answered ready serving nothing, until its watcher's first listing; the README makes no exception."""
+    source = tmp_path / "source"
+    _python_folder(source, "echo")
+    upload_folder(s3.store, source, s3.prefix)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAWRONGKEY")
+    config = _config(tmp_path, s3.url())
+    config.write_text(config.read_text().replace("server:\n", "server:\n  watch: true\n  watch_poll_s: 0.2\n"))
+    server = serve(config)
+    time.sleep(0.5)  # a few polls that cannot list it
+    assert not server.client.is_server_ready()
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3.env()["AWS_ACCESS_KEY_ID"])  # the store answers again
+    _until(server.client.is_server_ready, "ServerReady once the watcher has listed the bucket and loaded 'echo'")
+    assert {m.name: m.state for m in server.client.get_model_repository_index().models} == {"echo": "READY"}
+
+
 def test_folders_a_repository_index_lists_first_are_loaded_as_at_start(s3, tmp_path, monkeypatch) -> None:
     """Found by the session's review: a RepositoryIndex (or a load) whose listing answered before the start-up
     retry's first step exposed the folders "waiting to load", and nothing ever loaded them: ServerReady false

@@ -101,9 +101,13 @@ def test_dropped_folder_loads_and_a_half_copy_is_retried(repo, serve):
     (half / "model_inference.textproto").write_text(REPORT)
     wait_for(lambda: index(server).get("dropped", ("", ""))[1].startswith("no backend claims the folder"))
     assert index(server)["dropped"][0] == "UNAVAILABLE"
+    # Found by a bug hunt: the broken folder took the serving server out of its load balancer (ServerReady
+    # false) until it was fixed; a folder the watcher loads by itself counts once it has served.
+    assert server.client.is_server_ready()
     (half / "main.py").write_text(version_main("dropped"))
     wait_for(lambda: index(server)["dropped"][0] == "READY")
     assert ask(server.client, "dropped")["version"] == "dropped"
+    assert server.client.is_server_ready()
 
 
 def test_a_new_folder_asked_for_before_it_settles_says_when_it_will_load(repo, serve):
