@@ -288,7 +288,9 @@ class DataPlane:
                 f"model '{name}': load parameters {', '.join(map(shown_name, keys[:4]))} are "
                 "not supported (nereid loads a model only from its folder in ml_backends_path and nereid.yaml); "
                 "change those and load again without parameters"))
-        entry, abandoned = await self._to_its_end(self._load(name), f"load of model '{name}'")
+        entry, abandoned = await self._to_its_end(self._load(name), f"load of model '{name}'",
+                                                  abandoned=f"model '{name}': load abandoned (the server is "
+                                                            "stopping); load it again once the server serves")
         if abandoned:  # an unload that came meanwhile gave up on it: no fault of the model's
             raise Unavailable(abandoned)
         if entry.waiting_on_dependencies():
@@ -330,15 +332,18 @@ class DataPlane:
         if self._on_change is not None:
             await self._on_change()
 
-    async def _to_its_end(self, work: Coroutine[object, object, T], what: str) -> T:
+    async def _to_its_end(self, work: Coroutine[object, object, T], what: str, abandoned: str = "") -> T:
         """Run a client's load or unload (``work``) to its end, whether or not the client still waits, as Triton
         does: a gRPC call's deadline or cancel (or an HTTP client gone) ends only the wait. Cancelled with the
         call, a load was abandoned half-way, and ServerReady stayed false until the next load or unload of the
-        model. A server stop still abandons it (see ModelRepository.unload_all)."""
-        task = self.repository.accepted(work, what)
+        model. A server stop still abandons a load (``abandoned``: its client's answer then, UNAVAILABLE; see
+        ModelRepository.abandon_loads)."""
+        task = self.repository.accepted(work, what, load=bool(abandoned))
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
+            if task.cancelled() and not asyncio.current_task().cancelling():
+                raise Unavailable(abandoned or f"{what} abandoned: the server is stopping") from None
             task.add_done_callback(functools.partial(_log_unanswered, what))
             raise
 

@@ -107,6 +107,7 @@ class ModelRepository:
         self._removing: dict[str, asyncio.Task] = {}  # the latest removal of each name, draining in the background
         # The loads and unloads clients asked for, still running (see accepted): a stop abandons them (unload_all).
         self._accepted: set[asyncio.Task] = set()
+        self._accepted_loads: set[asyncio.Task] = set()  # of those, the loads (see abandon_loads)
         self._cleanup = FolderCleanup(scratch_dir, self._scratch_kept, self._known_names, self.in_background)
         # Whether a watcher loads folders that appear from now on (dynamic mode, once it knows the folders
         # there at start: those are not loaded unless listed, exactly as without it).
@@ -177,15 +178,26 @@ class ModelRepository:
         task.add_done_callback(done)
         return task
 
-    def accepted(self, work: Coroutine[object, object, T], what: str) -> asyncio.Task[T]:
-        """Run a load or unload a client asked for (``work``) as a task of the repository's own, which the client
-        awaits through :func:`asyncio.shield`: it runs to its end whatever the client does (its deadline passing,
-        its cancel), as Triton finishes an operation it has accepted. A server stop abandons the ones still
-        running (see :meth:`unload_all`)."""
+    def accepted(self, work: Coroutine[object, object, T], what: str, load: bool = False) -> asyncio.Task[T]:
+        """Run a load or unload a client asked for (``work``; ``load``: a load) as a task of the repository's own,
+        which the client awaits through :func:`asyncio.shield`: it runs to its end whatever the client does (its
+        deadline passing, its cancel), as Triton finishes an operation it has accepted. A server stop abandons
+        the loads still running as it begins (see :meth:`abandon_loads`), and the rest at its end (see
+        :meth:`unload_all`)."""
         task = asyncio.get_running_loop().create_task(work, name=f"nereid: {what}")
         self._accepted.add(task)
         task.add_done_callback(self._accepted.discard)
+        if load:
+            self._accepted_loads.add(task)
+            task.add_done_callback(self._accepted_loads.discard)
         return task
+
+    def abandon_loads(self) -> None:
+        """Abandon the loads clients asked for that still run: a server stop begins. Their clients are answered
+        at once (UNAVAILABLE, see the data plane), where the drain waited for each, a backend's load() taking
+        minutes or never returning, and the client was then told its model had loaded, on a server stopping."""
+        for task in list(self._accepted_loads):
+            task.cancel()
 
     def remove_in_background(self, name: str) -> asyncio.Task:
         """:meth:`remove` as background work (after any removal of ``name`` still going): nothing waits for

@@ -325,6 +325,9 @@ class NereidServer:
             self.watcher.stop()
             self._watching.cancel()
             await asyncio.gather(self._watching, return_exceptions=True)
+        # A client's load still running is abandoned now, its client answered: the drain below would wait for its
+        # call, as long as the backend's load() takes.
+        self.repository.abandon_loads()
         if self._loading_once_listed is not None:  # (its loads are abandoned, as start-up loads are)
             self._loading_once_listed.cancel()
             await asyncio.gather(self._loading_once_listed, return_exceptions=True)

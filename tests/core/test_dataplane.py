@@ -505,6 +505,31 @@ def test_a_stop_abandons_a_load_whose_caller_stopped_waiting(tmp_path, monkeypat
         release.set()
 
 
+def test_a_stop_answers_a_client_still_waiting_for_its_load_at_once(tmp_path, monkeypatch):
+    """Found by a bug hunt: SIGTERM during a RepositoryModelLoad waited for the load (a 6 s compile) inside the
+    drain, which waits for every call, then told the client the model had loaded, on a server stopping; the
+    README says a stop abandons a load still running."""
+    plane = toy_dataplane(tmp_path)
+    entered, release = held_load(monkeypatch, "spare")
+
+    async def scenario() -> None:
+        loading = asyncio.ensure_future(plane.load("spare"))
+        while not entered.is_set():
+            await asyncio.sleep(0.01)
+        plane.repository.abandon_loads()  # as the server's stop begins
+        with pytest.raises(Unavailable) as refused:
+            await asyncio.wait_for(loading, 2)  # (the backend's load() still waits, for up to 10 s)
+        assert str(refused.value) == ("model 'spare': load abandoned (the server is stopping); load it again once "
+                                      "the server serves")
+        entry = plane.repository.entry("spare")
+        assert (entry.state.value, entry.reason) == ("UNAVAILABLE", "load abandoned (the server is stopping)")
+        await asyncio.wait_for(plane.repository.unload_all(), 5)
+    try:
+        asyncio.run(scenario())
+    finally:
+        release.set()
+
+
 def listed_plane(root: Path, watch: bool) -> DataPlane:
     """A data plane over ``root/ml-backends`` whose nereid.yaml lists the toy model ``m`` (its folder there, not
     loaded yet), with or without dynamic mode (no watcher runs: only its settings matter here)."""
