@@ -90,7 +90,7 @@ class MetaContext:
 
     async def infer(self, model_name: str, inputs: Sequence[NamedTensor],
                     outputs: Sequence[str] | None = None) -> list[NamedTensor]:
-        """Run ``model_name`` on ``inputs``; its outputs (only ``outputs``, when given), in its declared order.
+        """Run ``model_name`` on ``inputs``; its outputs in its declared order, or only ``outputs`` in that order.
 
         Raises DeadlineExceeded without calling when the deadline has passed,
         and the sub-call's own error (a :mod:`nereid.errors` exception, naming
@@ -334,7 +334,12 @@ class MetaModel:
             raise Unavailable(f"meta model '{name}': sub-call to '{sub}' failed: {err}") from err
         except NereidError as err:
             raise same_kind(err, f"meta model '{name}': sub-call to '{sub}' failed: {err}") from err
-        return response.outputs
+        if not request.requested_outputs:
+            return response.outputs
+        # In the order asked for, as `qs, y = await ctx.infer(m, x, outputs=["qs", "y"])` reads them (the data
+        # plane answers in the model's declared order: that unpacking swapped the two).
+        by_name = {tensor.name: tensor for tensor in response.outputs}
+        return [by_name[output] for output in request.requested_outputs]
 
     # -- helpers ------------------------------------------------------------------------------------
 

@@ -834,3 +834,31 @@ def test_a_sub_call_task_cancelled_before_it_starts_is_not_reported_as_never_awa
         asyncio.run(orchestrate())
         gc.collect()
     assert not [w for w in caught if "never awaited" in str(w.message)]
+
+
+ORDERED = '''
+import nereid
+from nereid.tensors import NamedTensor
+
+async def orchestrate(inputs, ctx):
+    row = inputs[0].data.reshape(1, 16)
+    ab = [NamedTensor.from_array("a", row), NamedTensor.from_array("b", row)]
+    prod, total = await ctx.infer("multi_sumprod", ab, outputs=["prod", "sum"])
+    assert (prod.name, total.name) == ("prod", "sum"), (prod.name, total.name)
+    (only,) = await ctx.infer("multi_sumprod", ab, outputs=["sum"])
+    return [NamedTensor.from_array("output", (prod.data - total.data + only.data).reshape(16))]
+
+nereid.register_model(orchestrate=orchestrate)
+'''
+
+
+def test_a_sub_call_s_outputs_come_in_the_order_asked_for(repo, serve) -> None:
+    """Found by a bug hunt: ctx.infer(..., outputs=["prod", "sum"]) returned them in the model's declared order
+    (sum, prod), so unpacking them by position, as the README's examples do, silently swapped the two."""
+    add_shipped(repo, "multi_sumprod")
+    add_meta(repo, "ordered", ORDERED, ["multi_sumprod"],
+             tensors="client_inputs: [{name: input, dtype: f32, shape: a, dims: {a: 16}}]\n"
+                     "client_outputs: [{name: output, dtype: f32, shape: a, dims: {a: 16}}]\n")
+    server = serve(repo.write_config())
+    x = np.arange(16, dtype=np.float32)
+    np.testing.assert_array_equal(infer(server.client, "ordered", x), x * x)  # x*x - 2x + 2x
