@@ -329,6 +329,14 @@ def _meta_batching(reader: KeyedReader, top: dict[str, Any],
         reader.fail("batching.max_batch_size", f"must be at most {INT32_MAX} ({_MAX_BATCH_SIZE_FIELD})", size)
     if not batched:
         reader.fail("batching.max_batch_size", "no client tensor has a batch axis (n or b)", size)
+    unbatched = [t for t in tensors if t.batch_axis is None]
+    if unbatched:
+        # As Triton has it (max_batch_size > 0 batches every tensor): with one tensor unbatched, the model was
+        # served with max_batch_size 0, the batch a free dimension, and this cap silently never applied.
+        reader.fail("batching.max_batch_size", f"tensor '{unbatched[0].name}' ({unbatched[0].shape_string!r}) has "
+                                               "no batch axis (n or b): a meta model that batches needs one in "
+                                               "every client tensor; add it, or drop the batch axes and batching",
+                    size)
     return BatchingSpec((size,))
 
 

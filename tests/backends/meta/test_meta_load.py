@@ -51,6 +51,12 @@ def test_a_meta_manifest_is_parsed_like_any_other() -> None:
     (META.replace("depends_on: [a, b]", "depends_on: [../x]"), "depends_on[0]: must be a model name"),
     (META.replace("max_batch_size: 8", "compiled_batch_sizes: [8]"), "batching.compiled_batch_sizes: unknown key (allowed: max_batch_size)"),
     (META.replace("batching: {max_batch_size: 8}\n", ""), "give batching: {max_batch_size: N}"),
+    # Found by a bug hunt: with one tensor unbatched, the cap was silently never applied (max_batch_size 0 served).
+    (META.replace("client_inputs: [{name: x, dtype: f32, shape: an, dims: {a: 4}}]",
+                  "client_inputs: [{name: x, dtype: f32, shape: an, dims: {a: 4}}, "
+                  "{name: mode, dtype: i32, shape: a, dims: {a: 1}}]"),
+     "batching.max_batch_size: tensor 'mode' ('a') has no batch axis (n or b): a meta model that batches needs one "
+     "in every client tensor"),
 ])
 def test_meta_manifest_mistakes_name_the_key(text: str, fragment: str) -> None:
     with pytest.raises(ConfigError, match="manifest.yaml") as info:
