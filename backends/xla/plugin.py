@@ -57,6 +57,24 @@ def nereid_add_commands(commands: Any) -> None:
     check.set_defaults(run=lambda args: check_bundles(args.dirs))
 
 
+HOOKS_FILE = "model.py"
+
+
+def _hooks_problem(bundle: Path) -> str | None:
+    """Why the bundle's ``model.py`` cannot load, as far as compiling it tells (not running it: running a
+    bundle's own code is ``nereid check``'s, which loads the model); None when it compiles, or there is none."""
+    hooks = bundle / HOOKS_FILE
+    if not os.path.lexists(hooks):
+        return None
+    try:
+        compile(hooks.read_bytes(), str(hooks), "exec")
+    except SyntaxError as err:
+        return f"{HOOKS_FILE}: not valid Python (line {err.lineno}: {err.msg})"
+    except (OSError, ValueError) as err:  # unreadable, a folder, NUL bytes
+        return f"{HOOKS_FILE}: cannot be read as Python ({err})"
+    return None
+
+
 def check_bundles(dirs: list[Path]) -> int:
     """Print one arity report line per bundle (never raising); 1 if any is unservable, 2 if a path named is
     not a folder (said on stderr; the others are still checked).
@@ -82,18 +100,25 @@ def check_bundles(dirs: list[Path]) -> int:
         elif directory.is_dir() and not os.path.lexists(directory / MANIFEST_NAME):
             # A meta model's manifest (meta: true) describes no program: it is not a bundle to check. A
             # manifest that is not a regular file (a FIFO) is a bundle's, reported with what is wrong.
-            manifested = sorted(p for p in directory.iterdir() if p.is_dir() and os.path.lexists(p / MANIFEST_NAME))
+            manifested = sorted(p for p in directory.iterdir() if p.is_dir() and (
+                os.path.lexists(p / MANIFEST_NAME) or any(p.glob("*.mlir"))))
             # No manifest inside at all: report the folder itself ("missing manifest.yaml"). Only meta models
-            # inside: nothing to check, which is no unservable bundle either.
-            bundles.extend([p for p in manifested if has_bundle_manifest(p)] if manifested else [directory])
+            # inside: nothing to check, which is no unservable bundle either. A folder holding a program but no
+            # manifest is a broken bundle (its manifest lost): reported, where a scan once skipped it unsaid.
+            bundles.extend([p for p in manifested if has_bundle_manifest(p) or not os.path.lexists(p / MANIFEST_NAME)]
+                           if manifested else [directory])
         else:
             bundles.append(directory)
     unservable = 0
     for path in bundles:
         report = bundle_arity_report(path)
         problem = bundle_type_problem(path) if report.servable else None
+        problem = problem or (_hooks_problem(path) if report.servable else None)
         unservable += not report.servable or problem is not None
-        print(report.line() if problem is None else f"{path}: UNSERVABLE: {problem}")
+        line = report.line() if problem is None else f"{path}: UNSERVABLE: {problem}"
+        if problem is None and os.path.lexists(path / HOOKS_FILE):
+            line += f" ({HOOKS_FILE} compiled, not run: nereid check loads it)"
+        print(line)
     print(f"{len(bundles)} bundle(s), {unservable} unservable")
     return 2 if not_folders else 1 if unservable else 0
 

@@ -124,3 +124,37 @@ def test_a_private_main_is_unservable(tmp_path, capsys) -> None:
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith(f"{bundle}: UNSERVABLE: ")
     assert f"{bundle / 'model.b1.mlir'}: the entry function 'main' is private" in lines[0]
+
+
+def test_a_bundle_s_model_py_that_does_not_compile_is_unservable_and_one_that_does_is_said_not_run(
+        tmp_path, capsys) -> None:
+    """Found by a bug hunt: a bundle whose model.py had a syntax error was "servable" (exit 0), though the server
+    refuses it at load; bundle check runs no bundle's code, but compiling it costs nothing."""
+    good = examples.write_mlp(tmp_path, provenance=False)
+    hooked = tmp_path / "hooked"
+    shutil.copytree(good, hooked)
+    (hooked / "model.py").write_text("import nereid\n")
+    broken = tmp_path / "broken_hooks"
+    shutil.copytree(good, broken)
+    (broken / "model.py").write_text("import nereid\ndef preprocess(inputs)\n    return inputs\n")
+    assert main(["bundle", "check", str(hooked), str(broken)]) == 1
+    first, second, total = capsys.readouterr().out.splitlines()
+    assert first.startswith(f"{hooked}: servable: ") and first.endswith(
+        " (model.py compiled, not run: nereid check loads it)"), first
+    assert second == f"{broken}: UNSERVABLE: model.py: not valid Python (line 2: expected ':')", second
+    assert total == "2 bundle(s), 1 unservable"
+
+
+def test_a_scanned_folder_holding_a_program_but_no_manifest_is_reported_not_skipped(tmp_path, capsys) -> None:
+    """Found by a bug hunt: scanning a folder passed over a bundle that had lost its manifest.yaml (exit 0), though
+    named on its own it was UNSERVABLE."""
+    good = examples.write_mlp(tmp_path, provenance=False)
+    lost = tmp_path / "lost"
+    shutil.copytree(good, lost)
+    (lost / "manifest.yaml").unlink()
+    (tmp_path / "python_model").mkdir()  # a folder of another kind: still not a bundle
+    (tmp_path / "python_model" / "main.py").write_text("")
+    assert main(["bundle", "check", str(tmp_path)]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1] == "2 bundle(s), 1 unservable"
+    assert any(line.startswith(f"{lost}: UNSERVABLE") and "missing manifest.yaml" in line for line in lines), lines
