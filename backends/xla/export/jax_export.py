@@ -23,6 +23,10 @@ from nereid.backends.xla.export.writer import (ExportError, checked_batch_sizes,
                                                 write_bundle)
 
 
+# The PJRT platforms jax lowers a program for.
+EXPORT_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
+
+
 def export_bundle(fn: Callable[..., Any], example_inputs: Sequence[Any],
                   weights: Mapping[str, Any] | Iterable[tuple[str, Any]], *, directory: Path | str,
                   name: str | None = None, batch_sizes: Sequence[int] | None = None,
@@ -55,6 +59,8 @@ def export_bundle(fn: Callable[..., Any], example_inputs: Sequence[Any],
 
     # Checked before tracing: jax would fail on a bad size with an error that names no argument.
     batch_sizes = checked_batch_sizes(batch_sizes)
+    if platform not in EXPORT_PLATFORMS:  # (jax lowers for a misspelt one too, and the server then warned of it)
+        raise ExportError(f"platform must be one of {', '.join(EXPORT_PLATFORMS)}, got {platform!r}")
     directory = Path(directory)
     name = name or directory.name
     in_names = _names(input_names, len(example_inputs), "input")

@@ -219,6 +219,12 @@ def test_the_platform_the_programs_are_lowered_for_is_recorded_in_the_provenance
     manifest = load_manifest(given / "manifest.yaml")
     assert manifest.provenance == {"built_by": "ci", "export_platform": "cuda"}  # what the export did wins
     assert manifest.export_platform == "cuda"
+    # Found by a bug hunt: a misspelt platform was exported (jax lowers for it too), and the server then warned
+    # the bundle was "exported for cpux".
+    with pytest.raises(ExportError, match=r"^platform must be one of cpu, cuda, rocm, tpu, got 'cpux'$"):
+        export_bundle(f, [np.zeros(3, np.float32)], {"w": np.float32(2)}, directory=tmp_path / "typo",
+                      platform="cpux", provenance=False)
+    assert not (tmp_path / "typo").exists()
 
 
 def test_a_cuda_export_that_carries_shardy_attributes_is_written_and_read(tmp_path) -> None:
