@@ -183,6 +183,7 @@ class RepositoryWatcher:
         self._scheduled: asyncio.Task | None = None
         self._after_apply = after_apply
         self._primed = False  # whether the repository as it was at start is known
+        self._server_ignored: object | None = None  # nereid.yaml's edited server: section, said to need a restart
         self._listing_failure: str | None = None  # why the store last could not be listed (None: it could)
         self._follower = RepositoryFollower(self.root, self.config_path, self.location,
                                             settings.server.follow_symlinks, self.settle_ms, self.poll_s,
@@ -612,11 +613,13 @@ class RepositoryWatcher:
             return None
         self._config_digest = look.digest
         old = self.settings
-        if new.server != old.server:
+        if new.server != old.server and new.server != self._server_ignored:
             changed = [key for key in new.server.__dataclass_fields__
                        if getattr(new.server, key) != getattr(old.server, key)]
             log.warning("dynamic repository: %s changed server.%s: needs a restart; ignored",
                         self.config_path.name, ", server.".join(changed))
+        # Said once per server: section as edited, not again at each later edit of the models that leaves it be.
+        self._server_ignored = new.server if new.server != old.server else None
         new = replace(new, server=old.server)
         if self._stop.is_set():
             return None  # (stop() came while the file was read: its work would start after it)

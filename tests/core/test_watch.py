@@ -280,6 +280,11 @@ def test_nereid_yaml_edits(repo, serve, caplog):
     assert ask(server.client, "a")["version"] == "a"
     # The fixed file is said to be valid again (nothing else says it took when no model changes).
     assert "dynamic repository: nereid.yaml changed; applying it (it is valid again)" in caplog.messages
+    # Found by a bug hunt: the warning came again at every later edit that left the server: section as it was.
+    config.write_text(text.replace('bind_addr: "127.0.0.1:0"', 'bind_addr: "127.0.0.1:1"')
+                      .replace("  - name: b\n", "  - name: b\n    queue_capacity: 9\n"))
+    wait_for(lambda: server.server.repository.entry("b").settings.queue_capacity == 9)
+    assert len(_messages(caplog, "needs a restart")) == 1
 
 
 def test_a_settings_edit_whose_reload_failed_shows_the_running_config_and_undone_reloads_nothing(repo, serve):
