@@ -255,8 +255,13 @@ class NereidServer:
             # Folders found from here on are the watcher's to load; unlisted ones seen so far wait for a load.
             self.repository.watch_started()
             self._watching = asyncio.create_task(self.watcher.run())
-            log.info("dynamic repository: watching %s and %s (settle %g ms)", self.settings.server.ml_backends_path,
-                     self.settings.source, self.settings.server.watch_settle_ms)
+            server = self.settings.server
+            if server.ml_backends_url is None:
+                log.info("dynamic repository: watching %s and %s (settle %g ms)", server.ml_backends_path,
+                         self.settings.source, server.watch_settle_ms)
+            else:  # (ml_backends_path is then the bucket's local cache folder: not what the operator named)
+                log.info("dynamic repository: polling %s every %g s and watching %s (settle %g ms)",
+                         server.ml_backends_url, server.watch_poll_s, self.settings.source, server.watch_settle_ms)
         starting = self.repository.startup_models()
         unlisted = sorted({entry.name for entry in self.repository.entries()} - set(starting))
         if unlisted:  # (their index entries say it too; a folder dropped in under a watch, then a restart)

@@ -285,7 +285,7 @@ def test_a_bucket_that_cannot_be_listed_at_start_keeps_the_server_not_ready_unti
 
 
 def test_under_a_watch_a_bucket_that_cannot_be_listed_at_start_keeps_the_server_not_ready_too(
-        s3, serve, tmp_path, monkeypatch) -> None:
+        s3, serve, tmp_path, monkeypatch, caplog) -> None:
     """Found by a bug hunt: with watch: true (and no models: key) a server started while its bucket could not be
     listed answered ready serving nothing, until its watcher's first listing; the README makes no exception."""
     source = tmp_path / "source"
@@ -294,7 +294,11 @@ def test_under_a_watch_a_bucket_that_cannot_be_listed_at_start_keeps_the_server_
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAWRONGKEY")
     config = _config(tmp_path, s3.url())
     config.write_text(config.read_text().replace("server:\n", "server:\n  watch: true\n  watch_poll_s: 0.2\n"))
-    server = serve(config)
+    with caplog.at_level(logging.INFO, logger="nereid.server"):
+        server = serve(config)
+    # Found by the same hunt: the start-up line named the bucket's local cache folder as what was watched.
+    assert f"dynamic repository: polling {s3.url()} every 0.2 s and watching {config} (settle 1000 ms)" \
+        in caplog.messages, caplog.messages
     time.sleep(0.5)  # a few polls that cannot list it
     assert not server.client.is_server_ready()
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3.env()["AWS_ACCESS_KEY_ID"])  # the store answers again
