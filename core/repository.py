@@ -308,8 +308,9 @@ class ModelRepository:
         self._exposed.update(names)
         self._counted_once_ready.difference_update(names)
         for name in names:
-            entry = self._entries.get(name)
-            if entry is not None and entry.loaded is None:
+            self._folder_found(name)  # (an entry now: ServerReady passes over a name that has none)
+            entry = self._entries[name]
+            if entry.loaded is None:
                 entry.state, entry.reason = ModelState.LOADING, "waiting to load"
         self._awaiting_watch_listing = False
         self._state_changed()
