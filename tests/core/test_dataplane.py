@@ -357,6 +357,14 @@ def held_load(monkeypatch, name: str) -> tuple[threading.Event, threading.Event]
     return entered, release
 
 
+async def load_begun(plane: DataPlane, name: str, entered: threading.Event) -> asyncio.Future:
+    """A client's load of ``name`` (see :func:`held_load`), once its backend's load() has begun."""
+    loading = asyncio.ensure_future(plane.load(name))
+    while not entered.is_set():
+        await asyncio.sleep(0.01)
+    return loading
+
+
 def held_infer(monkeypatch) -> tuple[threading.Event, threading.Event]:
     """Make the toy backend's infer() wait (at most 10 s) until the second event is set; the first is set once
     one has begun."""
@@ -379,9 +387,7 @@ def test_a_load_an_unload_gave_up_on_is_unavailable_not_a_model_fault(tmp_path, 
     entered, release = held_load(monkeypatch, "spare")
 
     async def scenario() -> None:
-        loading = asyncio.ensure_future(plane.load("spare"))
-        while not entered.is_set():
-            await asyncio.sleep(0.01)
+        loading = await load_begun(plane, "spare", entered)
         await asyncio.wait_for(plane.unload("spare"), 5)
         with pytest.raises(Unavailable, match=r"^model 'spare': load abandoned after [\d.]+ s: an unload or "
                                               r"removal of it came while its backend's load\(\) was still running"):
@@ -427,9 +433,7 @@ def test_a_load_or_unload_whose_caller_stops_waiting_runs_to_its_end(tmp_path, m
 
     async def scenario() -> None:
         await plane.load("toy")
-        loading = asyncio.ensure_future(plane.load("spare"))
-        while not entered.is_set():
-            await asyncio.sleep(0.01)
+        loading = await load_begun(plane, "spare", entered)
         loading.cancel()  # the client's deadline
         with pytest.raises(asyncio.CancelledError):
             await loading
@@ -489,9 +493,7 @@ def test_a_stop_abandons_a_load_whose_caller_stopped_waiting(tmp_path, monkeypat
     entered, release = held_load(monkeypatch, "spare")
 
     async def scenario() -> None:
-        loading = asyncio.ensure_future(plane.load("spare"))
-        while not entered.is_set():
-            await asyncio.sleep(0.01)
+        loading = await load_begun(plane, "spare", entered)
         loading.cancel()
         await asyncio.gather(loading, return_exceptions=True)
         started = time.monotonic()
@@ -513,9 +515,7 @@ def test_a_stop_answers_a_client_still_waiting_for_its_load_at_once(tmp_path, mo
     entered, release = held_load(monkeypatch, "spare")
 
     async def scenario() -> None:
-        loading = asyncio.ensure_future(plane.load("spare"))
-        while not entered.is_set():
-            await asyncio.sleep(0.01)
+        loading = await load_begun(plane, "spare", entered)
         plane.repository.abandon_loads()  # as the server's stop begins
         with pytest.raises(Unavailable) as refused:
             await asyncio.wait_for(loading, 2)  # (the backend's load() still waits, for up to 10 s)
