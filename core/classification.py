@@ -43,10 +43,17 @@ def classify(tensor: NamedTensor, count: int, batched: bool) -> NamedTensor:
     items = data.reshape(data.shape[0], -1) if batched and data.ndim > 0 else data.reshape(1, -1)
     width = items.shape[1]
     kept = min(count, width)
-    # A stable ascending sort of the reversed items, read backwards: descending values, and among
-    # equal values the lower original index first (negating would overflow unsigned integers).
-    order = (width - 1) - np.argsort(items[:, ::-1], axis=1, kind="stable")[:, ::-1][:, :kept]
     floating = data.dtype.kind == "f"
+    if floating:
+        # Descending values, the lower index first among equal ones, and NaN (no score at all) last: read
+        # backwards, an ascending sort put NaN first, where Triton's order for it is undefined.
+        missing = np.isnan(items)
+        keys = (np.broadcast_to(np.arange(width), items.shape), -np.where(missing, 0, items), missing)
+        order = np.lexsort(keys, axis=1)[:, :kept]
+    else:
+        # A stable ascending sort of the reversed items, read backwards: descending values, and among
+        # equal values the lower original index first (negating would overflow unsigned integers).
+        order = (width - 1) - np.argsort(items[:, ::-1], axis=1, kind="stable")[:, ::-1][:, :kept]
     elements = []
     for item, indices in zip(items, order):
         for index in indices.tolist():

@@ -42,6 +42,14 @@ def test_unsigned_and_64_bit_extremes_are_ordered_and_printed_exactly():
         [["9223372036854775807:2", "-1:1", "-9223372036854775808:0"]]
 
 
+def test_float_scores_tie_by_index_and_a_nan_comes_last():
+    """Found by a bug hunt: a NaN score was put first ("nan:1" above 2.0), since the descending order read an
+    ascending sort (which puts NaN last) backwards; it is no score at all."""
+    scores = np.array([[0.5, np.nan, 2.0, -1.0, 0.5, -np.inf, np.nan]], np.float64)
+    assert strings(classify(NamedTensor.from_array("s", scores), 7, batched=True)) == [
+        ["2.000000:2", "0.500000:0", "0.500000:4", "-1.000000:3", "-inf:5", "nan:1", "nan:6"]]
+
+
 def test_only_integer_and_fp32_fp64_outputs_can_be_classified():
     check_classifiable("m", "out", DType.FP64)
     for dtype in (DType.FP16, DType.BF16, DType.BOOL, DType.BYTES):
