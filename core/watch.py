@@ -519,17 +519,22 @@ class RepositoryWatcher:
 
     def _adopt_store_failures(self, current: dict[str, FolderState]) -> None:
         """Try again, as the watcher's own, the loads the store failed that the watcher did not start: the
-        start-up loads (loaded by the server once the watcher was primed), a RepositoryModelLoad's.
+        start-up loads (loaded by the server once the watcher was primed), a RepositoryModelLoad's, and a
+        RepositoryModelLoad's reload of a serving model.
 
-        Only a model that is not serving, still wanted, not loading now, whose folder is as the watcher knows
-        it (a folder changed since is loaded anew anyway) and is not being tried again already.
+        Only a model that is still wanted, not loading now, whose folder is as the watcher knows it (a folder
+        changed since is loaded anew anyway) and is not being tried again already.
         """
         for entry in self.repository.entries():
             name, state = entry.name, current.get(entry.name)
-            if (entry.store_fault and entry.loaded is None and not entry.holders and state is not None
+            if (entry.store_fault and not entry.holders and state is not None
                     and self._folders.get(name) == state and name not in self._pending
                     and name not in self._store_retries and self.repository.wanted(name)):
-                self._try_again_later(name, state, None, entry.store_fault)
+                # A serving model's reload goes back to a state no scan can see, so that the scan after the
+                # backoff finds the folder changed and reloads it: its files are those it serves, and were
+                # never seen as a change (the reload's failed reason stayed beside READY for good).
+                previous = None if entry.loaded is None else replace(state, stamp=(("reload the store failed",),))
+                self._try_again_later(name, state, previous, entry.store_fault)
 
     def _try_again_later(self, name: str, state: FolderState, previous: FolderState | None, fault: str) -> None:
         """The store failed the load (or reload, with ``previous`` the state loaded) of the folder ``name`` seen

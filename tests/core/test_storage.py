@@ -374,6 +374,26 @@ def _watched_bucket_serving_first(s3, serve, tmp_path: Path, poll_s: float, sett
     return server, source, x
 
 
+def test_a_reload_of_a_serving_model_the_store_failed_is_tried_again_once_it_answers(s3, serve, tmp_path,
+                                                                                      monkeypatch) -> None:
+    """Found by a bug hunt: a RepositoryModelLoad of a serving model while the store was unreachable failed (503,
+    right), and nothing tried it again: the index kept "reload failed ... cannot reach the store" beside READY for
+    good, where an unloaded model's failed load is tried again."""
+    server, _, x = _watched_bucket_serving_first(s3, serve, tmp_path, 0.2, 300)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAWRONGKEY")
+    with pytest.raises(InferenceServerException) as failed:
+        server.client.load_model("first")
+    assert failed.value.status() == "StatusCode.UNAVAILABLE", failed.value.message()
+    index = {m.name: (m.state, m.reason) for m in server.client.get_model_repository_index().models}
+    assert index["first"][0] == "READY" and "InvalidAccessKeyId" in index["first"][1], index
+    generation = server.server.repository.generation("first")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3.env()["AWS_ACCESS_KEY_ID"])  # the store answers again
+    _until(lambda: server.server.repository.generation("first") > generation, "the reload tried again")
+    index = {m.name: (m.state, m.reason) for m in server.client.get_model_repository_index().models}
+    assert index["first"] == ("READY", ""), index
+    np.testing.assert_array_equal(_echo(server.client, "first", x), x)
+
+
 def test_a_watched_bucket_is_polled_models_appear_change_and_go(s3, serve, tmp_path) -> None:
     server, source, x = _watched_bucket_serving_first(s3, serve, tmp_path, 0.2, 300)
 
