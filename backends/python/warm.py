@@ -370,9 +370,9 @@ class WarmParent:
                 raise ModelFailure(f"model '{self.name}': its {self.called} could not start the run: "
                                    f"{started['error']}")
             if started.get("silent"):  # alive (stopped, wedged): killed, and the batch not sent again
-                raise ModelFailure(f"model '{self.name}': its {self.called} process (pid {self._kill_silent(parent)}) did "
-                                   f"not answer within {REPLY_TIMEOUT_S:g} s; the batch was not run; the parent "
-                                   "was killed, and the next batch starts a new one")
+                raise ModelFailure(f"model '{self.name}': its {self.called} process "
+                                   f"(pid {self._kill_silent(parent)}) did not answer within {REPLY_TIMEOUT_S:g} s; "
+                                   "the batch was not run; the parent was killed, and the next batch starts a new one")
             if "pid" not in started:
                 raise self._not_started(parent, "it did not fork the run")
         except BaseException:
