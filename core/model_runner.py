@@ -98,11 +98,9 @@ def make_runner(backend: Model, signature: ModelSignature, batch_signature: Mode
         return checked
 
     in_hooks = _HookStage()
-    after_program = 0  # requests run by the program and not yet through postprocess (see set_backlog)
 
     async def run(inputs: list[NamedTensor], batch_size: int, deadline_ns: int,
                   timing: RequestTiming | None = None) -> list[NamedTensor]:
-        nonlocal after_program
         name = scheduler.name  # a renamed model reports its new name
         program_rows = batch_size
         if preprocess is not None:
@@ -138,20 +136,16 @@ def make_runner(backend: Model, signature: ModelSignature, batch_signature: Mode
                                                            without_model_name(name, str(err)))) from None
         if postprocess is not None:
             REQUEST_STARTED.set(True)  # (the execution has run; submit's return set nothing)
-            after_program += 1
-            scheduler.set_backlog(after_program)
             try:
-                outputs = await _call_hook(hook_threads, name, "postprocess", postprocess, outputs)
-                try:
-                    check_outputs(name, signature, outputs, batch_size)
-                except ModelFailure as err:  # (named as the hook's: the program's outputs were checked already)
-                    raise _hook_result_failure(name, "postprocess", "outputs that do not match the model's",
-                                               without_model_name(name, str(err))) from None
+                with scheduler.in_postprocess():
+                    outputs = await _call_hook(hook_threads, name, "postprocess", postprocess, outputs)
+                    try:
+                        check_outputs(name, signature, outputs, batch_size)
+                    except ModelFailure as err:  # (named as the hook's: the program's outputs were checked already)
+                        raise _hook_result_failure(name, "postprocess", "outputs that do not match the model's",
+                                                   without_model_name(name, str(err))) from None
             except ModelFailure as err:
                 raise _logged(scheduler, err)
-            finally:
-                after_program -= 1
-                scheduler.set_backlog(after_program)
         return outputs
 
     return run

@@ -12,13 +12,14 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import inspect
 import logging
 import operator
 import time
 from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Iterator
 
 
 from nereid.backend import REQUEST_DEADLINE_NS, Model, PadsBatches
@@ -90,7 +91,7 @@ class ModelScheduler:
         self._running: dict[asyncio.Task, list[Work]] = {}
         self._direct: set[asyncio.Task] = set()  # callers running their own request (see submit)
         self._abandoned = False  # drain gave up on what still runs: its callers are answered Unavailable
-        self._backlog = 0  # requests run and still in the model's postprocess stage (see set_backlog)
+        self._backlog = 0  # requests run and still in the model's postprocess stage (see in_postprocess)
         self._idle = asyncio.Event()
         self._idle.set()
         self._accepting = True
@@ -184,15 +185,19 @@ class ModelScheduler:
                 self._update_idle()
             raise
 
-    def set_backlog(self, requests: int) -> None:
-        """How many of the model's requests have had their execution and still wait for (or run) their postprocess
-        hook (told by the model's runner). While ``capacity`` of them do, no execution starts: the queue fills and
+    @contextlib.contextmanager
+    def in_postprocess(self) -> Iterator[None]:
+        """Count one request that has had its execution and waits for (or runs) its postprocess hook, while the
+        model's runner is inside. While ``capacity`` of them are counted, no execution starts: the queue fills and
         refuses new requests. Without that, a program faster than its postprocess ran request after request
         into the hook threads' queue, each holding its outputs, and the queue never filled."""
-        held = self._backlog >= self.capacity
-        self._backlog = requests
-        if held and requests < self.capacity:
-            self._slot_freed.set()  # (the batcher waits for a slot, or for this)
+        self._backlog += 1
+        try:
+            yield
+        finally:
+            self._backlog -= 1
+            if self._backlog == self.capacity - 1:
+                self._slot_freed.set()  # (no longer full: the batcher waits for a slot, or for this)
 
     def drop_dead(self) -> None:
         """Answer and remove the queued requests whose deadline passed (a full queue takes no dead weight): what
