@@ -240,13 +240,11 @@ def _threads_in_model_code(skip: int) -> list[str]:
     """Each thread but ``skip`` whose stack holds a model's own code, as ``name (file:line in function)`` for the
     innermost such frame (a thread idle in a pool, or in the server's own code, has none)."""
     names = {thread.ident: thread.name for thread in threading.enumerate()}
-    libraries = _library_folders()
     found = []
     for ident, frame in sys._current_frames().items():
         if ident == skip:
             continue
-        while frame is not None and (frame.f_code.co_filename.startswith(libraries)
-                                     or frame.f_code.co_filename.startswith("<")):
+        while frame is not None and not _is_model_code(frame.f_code.co_filename):
             frame = frame.f_back
         if frame is not None:
             code = frame.f_code
@@ -274,12 +272,16 @@ def _innermost(frame: types.FrameType | None) -> tuple[str, bool]:
         return "(asyncio's own code)", False
     shown = inside[-_SHOWN_FRAMES:]
     text = " > ".join(f"{filename}:{line} in {name}" for filename, line, name in shown)
-    libraries = _library_folders()
-    own = next((entry for entry in reversed(inside)
-                if not entry[0].startswith(libraries) and not entry[0].startswith("<")), None)
+    own = next((entry for entry in reversed(inside) if _is_model_code(entry[0])), None)
     if own is not None and own not in shown:
         return f"{own[0]}:{own[1]} in {own[2]} > ... > {text}", True
     return text, own is not None
+
+
+def _is_model_code(filename: str) -> bool:
+    """Whether code of ``filename`` is a model's own: neither a library's (see :func:`_library_folders`) nor
+    code with no file (``<string>``, ``<frozen ...>``)."""
+    return not filename.startswith(_library_folders()) and not filename.startswith("<")
 
 
 @functools.cache
