@@ -222,7 +222,7 @@ class HttpSurface:
         if parts[:1] == ["repository"] and method == "POST":
             return await self._repository(scope, receive, parts[1:])
         if parts[:1] == ["models"] and len(parts) >= 2:
-            return await self._model(scope, receive, method, _model_name(parts[1]), parts[2:])
+            return await self._model(scope, receive, method, _path_value(parts[1]), parts[2:])
         if parts[:1] and parts[0] in REFUSED_ENDPOINTS:
             self.dataplane.refuse_extension(REFUSED_ENDPOINTS[parts[0]])
         raise _not_found(scope, parts)
@@ -231,7 +231,7 @@ class HttpSurface:
                      rest: list[str]) -> tuple[int, list[bytes | memoryview], list]:
         version = ""
         if rest[:1] == ["versions"] and len(rest) >= 2:
-            version, rest = unquote(rest[1]), rest[2:]
+            version, rest = _path_value(rest[1]), rest[2:]
             if not version:  # ".../versions//infer" is no request for the default version: a client's slip
                 raise HttpError(404, f"model '{model}': the path names an empty version "
                                      f"({cap_message(scope['path'], 256)}); give one (1) or leave out /versions/")
@@ -405,7 +405,7 @@ class HttpSurface:
             return _json([{"name": e.name, "version": e.version, "state": e.state, "reason": e.reason}
                           for e in await self.dataplane.repository_index(ready)])
         if len(rest) == 3 and rest[0] == "models" and rest[2] in ("load", "unload"):
-            model, action = _model_name(rest[1]), rest[2]
+            model, action = _path_value(rest[1]), rest[2]
             headers = request_headers(scope, model)
             if b"origin" in headers:
                 # A web page's request (browsers name its origin): a POST needing no CORS preflight would load or
@@ -616,8 +616,8 @@ def _who(model: str) -> str:
 
 
 def _path_segments(scope: Scope) -> list[str]:
-    """The request path's segments as sent, still percent-encoded (a model's name is decoded where it is read:
-    :func:`_model_name`): split at every "/" after the leading one, empty segments kept.
+    """The request path's segments as sent, still percent-encoded (a model's name or a version is decoded where
+    it is read: :func:`_path_value`): split at every "/" after the leading one, empty segments kept.
 
     Triton matches its routes on the raw path, whole: ``//v2/repository/...``, a slash at the end, or an
     endpoint's word spelled encoded (``/v2/%72epository/...``) match none, and neither does an encoded
@@ -631,8 +631,9 @@ def _path_segments(scope: Scope) -> list[str]:
     return path[1:].split("/") if path.startswith("/") else [path]
 
 
-def _model_name(segment: str) -> str:
-    """A model's name from its path segment: percent-decoded, so it may hold any character (``my%20model``)."""
+def _path_value(segment: str) -> str:
+    """A value the path holds (a model's name, a version) from its segment: percent-decoded, so a name may hold
+    any character (``my%20model``); an endpoint's own words are matched as sent (see :func:`_path_segments`)."""
     return unquote(segment)
 
 
