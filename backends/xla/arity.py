@@ -10,15 +10,16 @@ functions read all three numbers back out of the files, whoever wrote them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from nereid.backends.xla.bundle import DEFAULT_WEIGHTS_FILE, open_bundle
+from nereid.backends.xla.bundle import DEFAULT_WEIGHTS_FILE, BundleLayout, open_bundle
 from nereid.backends.xla.conformance import check_program_types
 from nereid.backends.xla.manifest import MANIFEST_NAME, declares_meta
 from nereid.backends.xla.program import ProgramSignature, python_callback_problem, read_program
 from nereid.backends.xla.migration import local_weight_set
+from nereid.backends.xla.weights import WeightSet
 from nereid.errors import ConfigError
 
 _SHOWN_PARAMETERS = 6
@@ -126,11 +127,7 @@ def bundle_entry_arity(module_path: Path | str) -> int:
 
 def bundle_arity_report(folder: Path | str) -> BundleArity:
     """The three numbers of a bundle (inputs, weights, what each program takes). Never raises."""
-    folder = Path(folder)
-    try:
-        return _report(folder)
-    except Exception as err:  # a report, not a check: every failure becomes the reason
-        return BundleArity(folder, False, None, None, None, (), str(err).strip() or type(err).__name__)
+    return check_bundle(folder, types=False)[0]
 
 
 def assert_bundle_arity(folder: Path | str) -> BundleArity:
@@ -141,21 +138,82 @@ def assert_bundle_arity(folder: Path | str) -> BundleArity:
     return report
 
 
-def _report(folder: Path) -> BundleArity:
-    if declares_meta(folder / MANIFEST_NAME):
-        raise ConfigError(f"{folder}: a meta model (meta: true in {MANIFEST_NAME}), not a bundle: it has no "
-                          "program to check (nereid check loads it)")
-    layout = open_bundle(folder)
+def bundle_type_problem(folder: Path | str) -> str | None:
+    """Why the server's load would refuse the bundle's program types, or None when they conform. Never raises.
+
+    The same check the load runs before compiling (:func:`check_program_types`:
+    each parameter and result against the manifest and the weights file, for
+    every compiled size and variant), without compiling: a wrong dim or dtype
+    in the manifest, a weight of another dtype or shape, or the b1 program
+    copied over the b4 one pass the arity report yet never load. A program
+    that takes over a weight's buffer, or calls back into Python, is refused
+    as the load refuses it. Meant for a bundle whose arity report is servable.
+    """
+    try:
+        return _type_problem(_OpenedBundle.open(Path(folder)))
+    except Exception as err:  # a report, not a check: every failure becomes the reason
+        return str(err).strip() or type(err).__name__
+
+
+def check_bundle(folder: Path | str, types: bool = True) -> tuple[BundleArity, str | None]:
+    """The arity report of a bundle and, when it is servable and ``types`` is True, why its program types
+    would be refused (:func:`bundle_type_problem`; None when they conform). Never raises.
+
+    The bundle's manifest, weights index and programs are read once for both
+    (``nereid bundle check`` runs both: reading them twice doubled every
+    warning a broken index logs).
+    """
+    folder = Path(folder)
+    try:
+        bundle = _OpenedBundle.open(folder)
+        report = _report(folder, bundle)
+    except Exception as err:  # a report, not a check: every failure becomes the reason
+        return BundleArity(folder, False, None, None, None, (), str(err).strip() or type(err).__name__), None
+    if not (types and report.servable):
+        return report, None
+    try:
+        return report, _type_problem(bundle)
+    except Exception as err:
+        return report, str(err).strip() or type(err).__name__
+
+
+@dataclass
+class _OpenedBundle:
+    """A bundle's layout and weights, read once, and its programs, each file parsed once when first asked for."""
+
+    layout: BundleLayout
+    weight_set: WeightSet | None
+    # Each file's program and its Python callbacks (the text itself is not kept: programs can be large).
+    programs: dict[Path, tuple[ProgramSignature, str | None]] = field(default_factory=dict)
+
+    @classmethod
+    def open(cls, folder: Path) -> _OpenedBundle:
+        """Read the manifest and the weights' index (ConfigError, OSError when they cannot be)."""
+        if declares_meta(folder / MANIFEST_NAME):
+            raise ConfigError(f"{folder}: a meta model (meta: true in {MANIFEST_NAME}), not a bundle: it has no "
+                              "program to check (nereid check loads it)")
+        layout = open_bundle(folder)
+        return cls(layout, local_weight_set(layout))
+
+    def program(self, path: Path) -> tuple[ProgramSignature, str | None]:
+        """The program in ``path`` and why it cannot serve for calling back into Python (None if it does not)."""
+        if path not in self.programs:  # a file serving several keys is read once
+            data = path.read_bytes()
+            self.programs[path] = read_program(data, str(path)), python_callback_problem(data)
+        return self.programs[path]
+
+
+def _report(folder: Path, bundle: _OpenedBundle) -> BundleArity:
+    layout, weight_set = bundle.layout, bundle.weight_set
     n_inputs = len(layout.manifest.executable_inputs)
-    weight_set = local_weight_set(layout)
     n_weights = len(weight_set.weights) if weight_set else 0
     weights_name = weight_set.describe() if weight_set else DEFAULT_WEIGHTS_FILE
     modules: list[ModuleArity] = []
     problems: list[str] = []
     causes: dict[str, None] = {}  # of the arity mismatches, each said once after them all
-    for path in dict.fromkeys(layout.modules.values()):  # a file serving several keys is read once
+    for path in dict.fromkeys(layout.modules.values()):
         try:
-            program = read_program(path.read_bytes(), str(path))
+            program, _ = bundle.program(path)
         except (ConfigError, OSError) as err:
             modules.append(ModuleArity(path.name, None, str(err)))
             problems.append(str(err))
@@ -172,38 +230,19 @@ def _report(folder: Path) -> BundleArity:
     return BundleArity(folder, not problems, n_inputs, n_weights, common, tuple(modules), error, weights_name)
 
 
-def bundle_type_problem(folder: Path | str) -> str | None:
-    """Why the server's load would refuse the bundle's program types, or None when they conform. Never raises.
-
-    The same check the load runs before compiling (:func:`check_program_types`:
-    each parameter and result against the manifest and the weights file, for
-    every compiled size and variant), without compiling: a wrong dim or dtype
-    in the manifest, a weight of another dtype or shape, or the b1 program
-    copied over the b4 one pass the arity report yet never load. A program
-    that takes over a weight's buffer, or calls back into Python, is refused
-    as the load refuses it. Meant for a bundle whose arity report is servable.
-    """
-    folder = Path(folder)
-    try:
-        layout = open_bundle(folder)
-        weight_set = local_weight_set(layout)
-        weights = weight_set.weights if weight_set else ()
-        weight_types = [(w.entry.name, w.program_shape, w.entry.dtype) for w in weights]
-        # Each file's program and its Python callbacks (the text itself is not kept: programs can be large).
-        programs: dict[Path, tuple[ProgramSignature, str | None]] = {}
-        for key, path in layout.modules.items():
-            if path not in programs:  # a file serving several keys is read once
-                data = path.read_bytes()
-                programs[path] = read_program(data, str(path)), python_callback_problem(data)
-            program, callback = programs[path]
-            # In the order the load checks them, so both name the same first problem.
-            check_program_types(path.name, program, key, layout.manifest, weight_types)
-            donated = donated_weights_problem(path.name, program, len(layout.manifest.executable_inputs),
-                                              [name for name, _, _ in weight_types])
-            if donated is not None:
-                return donated
-            if callback is not None:  # (text matching, as the load does before compiling: no client needed)
-                return f"{path.name}: {callback}"
-    except Exception as err:  # a report, not a check: every failure becomes the reason
-        return str(err).strip() or type(err).__name__
+def _type_problem(bundle: _OpenedBundle) -> str | None:
+    """:func:`bundle_type_problem` of an opened bundle (raising what it turns into the reason)."""
+    layout = bundle.layout
+    weights = bundle.weight_set.weights if bundle.weight_set else ()
+    weight_types = [(w.entry.name, w.program_shape, w.entry.dtype) for w in weights]
+    for key, path in layout.modules.items():
+        program, callback = bundle.program(path)
+        # In the order the load checks them, so both name the same first problem.
+        check_program_types(path.name, program, key, layout.manifest, weight_types)
+        donated = donated_weights_problem(path.name, program, len(layout.manifest.executable_inputs),
+                                          [name for name, _, _ in weight_types])
+        if donated is not None:
+            return donated
+        if callback is not None:  # (text matching, as the load does before compiling: no client needed)
+            return f"{path.name}: {callback}"
     return None

@@ -83,7 +83,7 @@ def check_bundles(dirs: list[Path]) -> int:
     the server's load runs: one that passes the arity report but never loads
     (a wrong dim or dtype in the manifest, a wrong weight) is UNSERVABLE here too.
     """
-    from nereid.backends.xla.arity import bundle_arity_report, bundle_type_problem
+    from nereid.backends.xla.arity import check_bundle
 
     bundles: list[Path] = []
     not_folders = 0
@@ -111,8 +111,7 @@ def check_bundles(dirs: list[Path]) -> int:
             bundles.append(directory)
     unservable = 0
     for path in bundles:
-        report = bundle_arity_report(path)
-        problem = bundle_type_problem(path) if report.servable else None
+        report, problem = check_bundle(path)
         problem = problem or (_hooks_problem(path) if report.servable else None)
         unservable += not report.servable or problem is not None
         line = report.line() if problem is None else f"{path}: UNSERVABLE: {problem}"

@@ -105,6 +105,15 @@ def test_an_undecodable_index_falls_back_to_the_files_in_name_order(sharded, cap
     _serve_once(sharded)
 
 
+def test_bundle_check_warns_of_an_undecodable_index_once(sharded, caplog, capsys) -> None:
+    """The check read the bundle twice (arity, then types), so it printed the index's warning twice."""
+    (sharded / INDEX_FILE).write_text("{not json")
+    with caplog.at_level(logging.WARNING):
+        assert main(["bundle", "check", str(sharded)]) == 0
+    assert caplog.text.count("reading every *.safetensors file in name order instead") == 1
+    assert capsys.readouterr().out.splitlines()[-1] == "1 bundle(s), 0 unservable"
+
+
 def test_without_an_index_the_first_occurrence_of_a_name_wins(sharded) -> None:
     (sharded / INDEX_FILE).unlink()
     weights = examples.mlp_weights()
