@@ -14,6 +14,7 @@ import pytest
 import tritonclient.grpc as triton
 
 from nereid.backends.python.compiled_script import bytecode_is_fresh, runnable_script
+from nereid.backends.python.plugin import COLD_BOOTSTRAP
 from nereid.backends.python.warm import WARM_PARENT_SCRIPT
 
 SCRIPT = 'import sys\nprint("ran", sys.argv[1:])\nif sys.argv[1:] == ["fail"]:\n    raise ValueError("asked to")\n'
@@ -106,7 +107,7 @@ def test_bytecode_of_another_interpreter_or_unknown_flags_is_not_fresh(script):
     assert not bytecode_is_fresh(cached, script)
 
 
-def test_a_served_python_model_starts_its_warm_parent_from_bytecode(repo, serve):
+def test_a_served_python_model_starts_its_parent_and_cold_runs_from_bytecode(repo, serve):
     # The suite's conftest compiles the package once: the warm parent runs from its bytecode, not the source.
     assert bytecode_is_fresh(cached_of(WARM_PARENT_SCRIPT), WARM_PARENT_SCRIPT)
     repo.python("echo")
@@ -114,6 +115,8 @@ def test_a_served_python_model_starts_its_warm_parent_from_bytecode(repo, serve)
     parent = server.server.repository.entry("echo").loaded.backend._parent
     command = Path(f"/proc/{parent.pid}/cmdline").read_bytes().split(b"\0")
     assert command[2] == bytes(cached_of(WARM_PARENT_SCRIPT))
+    # So does each cold run it execs (a cold model's, or this one's after its parent goes cold): fixed at load.
+    assert parent.cold_argv[1:] == [str(cached_of(COLD_BOOTSTRAP))]
     tensor = triton.InferInput("input", [4], "FP32")
     tensor.set_data_from_numpy(np.arange(4, dtype=np.float32))
     np.testing.assert_array_equal(server.client.infer("echo", [tensor]).as_numpy("output"), np.arange(4))
