@@ -570,9 +570,7 @@ class ModelRepository:
         self._state_changed()  # counted from now on: ServerReady is false until it is READY
         async with entry.held():
             if entry.loaded is None:
-                await self._load_locked(entry, retrying)
-                if entry.state is ModelState.READY:
-                    self._counted_once_ready.discard(name)  # (it serves: counted from now on)
+                await self._load_locked(entry, retrying)  # (READY: counted from now on, see _state_changed)
                 return entry
             if await self._loaded_as_now(entry):  # loaded meanwhile, by a load that held the model first
                 return entry
@@ -1151,7 +1149,12 @@ class ModelRepository:
                            f"model '{entry.name}': loading it again ({why})")
 
     def _state_changed(self) -> None:
-        """Tell ``on_state_change`` that ServerReady may have moved (the health service follows it)."""
+        """Count from now on each model the watcher loaded that serves (see :meth:`load`'s ``counted``), then tell
+        ``on_state_change`` that ServerReady may have moved (the health service follows it)."""
+        # Whatever made it READY: its own load, or (a model calling others) theirs, through _refresh_dependents.
+        self._counted_once_ready.difference_update([
+            name for name in self._counted_once_ready
+            if (entry := self._entries.get(name)) is not None and entry.state is ModelState.READY])
         if self.on_state_change is not None:
             self.on_state_change()
 

@@ -389,6 +389,27 @@ def test_a_listed_model_whose_folder_went_while_not_loaded_no_longer_holds_readi
     asyncio.run(scenario())
 
 
+def test_a_model_the_watcher_found_counts_once_it_serves_even_when_the_models_it_calls_made_it_ready(tmp_path,
+                                                                                                     root):
+    """A caller the watcher loaded (``counted=False``) before the model it calls turned READY through the
+    dependents' refresh, not its own load, and stayed uncounted: ServerReady ignored it when it failed later."""
+    repo = repository(tmp_path, extra_plugins=(toy_backends.FaultyToys(),))
+    write_toy(root, "callee")  # both dropped in after the start, as the watcher finds them
+    caller = toy_backends.write_faulty(root, "caller", "caller")
+    (caller / "calls.txt").write_text("callee")
+
+    async def scenario():
+        entry = await repo.load("caller", counted=False)  # as the watcher loads a folder it found
+        assert entry.state is ModelState.UNAVAILABLE and repo.server_ready()  # never served: not counted yet
+        await repo.load("callee", counted=False)
+        assert entry.state is ModelState.READY and repo.server_ready()  # made READY by callee's load
+        await repo.unload("callee")
+        assert entry.state is ModelState.UNAVAILABLE
+        assert not repo.server_ready()  # it served: counted, as the caller's own load would have made it
+        await repo.unload_all()
+    asyncio.run(scenario())
+
+
 def _bucket_repository(tmp_path: Path, url: str, events: Events | None = None) -> ModelRepository:
     """A repository on the bucket ``url`` (an s3:// URL on the moto server), with the toy backends."""
     config = tmp_path / "nereid.yaml"
