@@ -62,7 +62,9 @@ def test_unload_after_an_abandoned_request_keeps_the_server_answering(repo, serv
     unloader.join(10)
     took = time.monotonic() - started
     assert not unloader.is_alive()
-    assert latencies and max(latencies) < 0.5, latencies  # the loop never blocked
+    # The loop never blocked: the defect froze every RPC until the model's 10 s run ended (a ServerLive on a
+    # fresh channel took 0.56 s once, the 2-core machine busy with the suite and more: the bound is not 0.5 s).
+    assert latencies and max(latencies) < 2, latencies
     assert took < 5, took  # grace 1 s, then the running program was killed (not 10 s)
     index = {m.name: m for m in server.client.get_model_repository_index().models}
     assert (index["sleepy"].state, index["sleepy"].reason) == ("UNAVAILABLE", "unloaded")
