@@ -381,9 +381,9 @@ class DataPlane:
                 outputs = await model.run(validated.tensors, validated.batch_size, request.deadline_ns, timing)
                 break
             except NereidError as err:
-                # A reload may have swapped versions while this request ran a hook: the old version
-                # refused it at admission, so it goes to the new one (once). Only that refusal: an
-                # error from work that ran (a meta model's sub-call) must not run that work again.
+                # A reload may have swapped versions since ready_model: the old version refused it at
+                # admission, before any of its code ran, so it goes to the new one (once). Only that refusal:
+                # an error from work that ran (a meta model's sub-call) must not run that work again.
                 if attempt == 1 and isinstance(err, ModelRetired) and err.scheduler is model.scheduler:
                     current = self._serving(request.model_name)
                     if current is not None and current is not model:

@@ -101,6 +101,12 @@ def make_runner(backend: Model, signature: ModelSignature, batch_signature: Mode
 
     async def run(inputs: list[NamedTensor], batch_size: int, deadline_ns: int,
                   timing: RequestTiming | None = None) -> list[NamedTensor]:
+        # Admitted once, before any hook: an unload waits for the request until it is answered (see hooked_request).
+        with scheduler.hooked_request():
+            return await run_hooked(inputs, batch_size, deadline_ns, timing)
+
+    async def run_hooked(inputs: list[NamedTensor], batch_size: int, deadline_ns: int,
+                         timing: RequestTiming | None) -> list[NamedTensor]:
         name = scheduler.name  # a renamed model reports its new name
         program_rows = batch_size
         if preprocess is not None:
@@ -121,7 +127,8 @@ def make_runner(backend: Model, signature: ModelSignature, batch_signature: Mode
         elif check_inputs is not None:  # (a model with a postprocess hook only: the client's inputs are checked)
             check_inputs(inputs)
         try:
-            outputs = await scheduler.submit(inputs, program_rows, deadline_ns, timing)  # (logs its own faults)
+            # (Logs its own faults.)
+            outputs = await scheduler.submit(inputs, program_rows, deadline_ns, timing, admitted=True)
         except DeadlineExceeded as err:
             if preprocess is None:
                 raise

@@ -92,6 +92,8 @@ class ModelScheduler:
         self._direct: set[asyncio.Task] = set()  # callers running their own request (see submit)
         self._abandoned = False  # drain gave up on what still runs: its callers are answered Unavailable
         self._backlog = 0  # requests run and still in the model's postprocess stage (see in_postprocess)
+        # The tasks of requests inside a model's hook stages (see hooked_request), each with how many times it is.
+        self._in_hooks: collections.Counter[asyncio.Task] = collections.Counter()
         self._idle = asyncio.Event()
         self._idle.set()
         self._accepting = True
@@ -117,16 +119,21 @@ class ModelScheduler:
         return len(self._pending)
 
     async def submit(self, inputs: list[NamedTensor], rows: int, deadline_ns: int,
-                     timing: RequestTiming | None = None) -> list[NamedTensor]:
+                     timing: RequestTiming | None = None, *, admitted: bool = False) -> list[NamedTensor]:
         """Queue one validated request and wait for its own rows of the result.
 
         Raises Unavailable at once when the queue is full or the model is being
         unloaded. Cancelling the caller drops the request if it has not started.
         When the execution that answers it succeeds, its queue and compute times
         go into ``timing``, for the statistics of the request's success.
+        ``admitted``: the request was admitted by :meth:`hooked_request`, which
+        it is inside, so a drain that began since takes it in still.
         """
         if not self._accepting:
-            raise ModelRetired(f"model '{self.name}' is being unloaded", self)
+            if not admitted:
+                raise ModelRetired(f"model '{self.name}' is being unloaded", self)
+            if not self._starting:
+                raise Unavailable(self._not_started_message())
         if len(self._pending) >= self.capacity:
             self.drop_dead()
         if len(self._pending) >= self.capacity:
@@ -186,6 +193,37 @@ class ModelScheduler:
             raise
 
     @contextlib.contextmanager
+    def hooked_request(self) -> Iterator[None]:
+        """Admit one request of a model with hooks, for the whole of its way through them and the queue (its
+        :meth:`submit` inside, ``admitted=True``); ModelRetired at once, before any hook, once the model is being
+        unloaded (the data plane then sends it to the new version, if a reload made one).
+
+        The model is not idle while one is inside, so a drain waits for it as for a queued request: an unload
+        left a request in its preprocess hook behind, which the retired queue refused once the hook returned
+        (and a reload sent it to the new version, which ran its hook a second time), and went on to unload the
+        model under a running postprocess hook. One still inside when the drain abandons the model's work
+        is answered Unavailable, as a running execution's callers are.
+        """
+        if not self._accepting:
+            raise ModelRetired(f"model '{self.name}' is being unloaded", self)
+        caller = asyncio.current_task()
+        assert caller is not None  # (the data plane runs every request in a task of its own)
+        self._in_hooks[caller] += 1
+        self._idle.clear()
+        try:
+            yield
+        except asyncio.CancelledError:
+            if not self._abandoned:
+                raise
+            caller.uncancel()  # drain's cancellation, not the caller's: answer it
+            raise Unavailable(self._abandoned_message()) from None
+        finally:
+            self._in_hooks[caller] -= 1
+            if not self._in_hooks[caller]:
+                del self._in_hooks[caller]
+            self._update_idle()
+
+    @contextlib.contextmanager
     def in_postprocess(self) -> Iterator[None]:
         """Count one request that has had its execution and waits for (or runs) its postprocess hook, while the
         model's runner is inside. While ``capacity`` of them are counted, no execution starts: the queue fills and
@@ -242,7 +280,8 @@ class ModelScheduler:
 
     @property
     def idle(self) -> bool:
-        """True when nothing is queued or running (a call whose caller went away included)."""
+        """True when nothing is queued, running (a call whose caller went away included) or inside the model's
+        hooks."""
         return self._idle.is_set()
 
     async def wait_idle(self, timeout_s: float) -> bool:
@@ -276,9 +315,7 @@ class ModelScheduler:
             self.stop_starting()
             for work in self._pending:
                 if not work.future.done():
-                    work.future.set_exception(Unavailable(
-                        f"model '{self.name}' was unloaded before this request could start (what ran ahead of it "
-                        "did not end within the grace); it was not run: send it again"))
+                    work.future.set_exception(Unavailable(self._not_started_message()))
             self._pending.clear()
             self._update_idle()
             if terminate is not None:
@@ -296,6 +333,9 @@ class ModelScheduler:
                             work.future.set_exception(Unavailable(self._abandoned_message()))
                     execution.cancel()
                 for caller in list(self._direct):
+                    caller.cancel()
+                # (Not those running their own request: cancelled once above, as one cancellation answers both.)
+                for caller in [task for task in self._in_hooks if task not in self._direct]:
                     caller.cancel()
         if self._expiry is not None:
             self._expiry.cancel()
@@ -353,8 +393,8 @@ class ModelScheduler:
         self._update_idle()
 
     def _update_idle(self) -> None:
-        # Every execution holds a slot: all slots free and nothing queued means idle.
-        if not self._pending and self._free_slots == self._instances:
+        # Every execution holds a slot: all slots free, nothing queued and no request in a hook means idle.
+        if not self._pending and self._free_slots == self._instances and not self._in_hooks:
             self._idle.set()
 
     def _answer_dropped(self, work: Work) -> None:
@@ -407,6 +447,10 @@ class ModelScheduler:
         """Executions still running: on worker threads (a caller's gone one included), or on the loop (a
         coroutine infer's, which counts no thread)."""
         return max(self._threads, len(self._running) + len(self._direct))
+
+    def _not_started_message(self) -> str:
+        return (f"model '{self.name}' was unloaded before this request could start (what ran ahead of it did not "
+                "end within the grace); it was not run: send it again")
 
     def _abandoned_message(self) -> str:
         return (f"model '{self.name}' was unloaded while this request ran; its execution did not end within the "

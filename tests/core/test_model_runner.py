@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from nereid.dtypes import DType
-from nereid.errors import ModelFailure, QueueFull
+from nereid.errors import ModelFailure, ModelRetired, QueueFull, Unavailable
 from nereid.model_runner import HOOK_THREADS, HookThreads, Runner, make_runner
 from nereid.scheduler import ModelScheduler
 from nereid.signature import ModelSignature, TensorSpec
@@ -355,11 +355,14 @@ def test_hooks_that_never_return_hold_neither_the_default_executor_nor_the_exit_
         # The server's own work on the default executor goes on.
         assert await asyncio.wait_for(asyncio.to_thread(lambda: "scanned"), 5) == "scanned"
         assert all(thread.daemon for thread in hook_threads_alive())  # never waited for at exit
-        await scheduler.drain()
-        hooks.release()  # unloaded while requests are still in hooks (and queued for one): they finish
+        drained = asyncio.create_task(scheduler.drain())
+        await asyncio.sleep(0.2)
+        assert not drained.done()  # an unload waits for the requests in the model's hooks (and queued for one)
         release.set()
         outputs = await asyncio.wait_for(asyncio.gather(*callers), 10)
         assert [output[0].data.tolist() for output in outputs] == [[[2, 2]]] * hung
+        assert await asyncio.wait_for(drained, 10)
+        hooks.release()
         # A request reaching a hook after the release (its execution ended just before it): a thread of its own.
         assert await asyncio.wait_for(hooks.run(lambda: threading.current_thread().name), 10) == \
             "nereid-stuck-hooks_0"
@@ -553,3 +556,87 @@ def test_the_input_check_nereid_check_asks_for_is_refused_as_the_server_refuses_
     model.input_check = broken
     with pytest.raises(ConfigError, match=r"^model 'm': input_check\(\) failed: KeyError: 'scale'$"):
         checked_input_check("m", model)
+
+
+class Gate:
+    """A hook body that counts its calls and waits (on its worker thread) until opened, at most 30 s."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.entered = threading.Event()
+        self.opened = threading.Event()
+
+    def __call__(self, tensors: list[NamedTensor]) -> list[NamedTensor]:
+        self.calls += 1
+        self.entered.set()
+        self.opened.wait(30)
+        return tensors
+
+
+@pytest.mark.parametrize("hook", ["pre", "post"])
+def test_an_unload_waits_for_the_requests_in_a_hook_and_refuses_new_ones_before_their_hook(hook: str) -> None:
+    """Found by a bug hunt: an unload (drain) waited only for the queue and the executions. A request in its
+    preprocess hook was refused once the hook returned ("is being unloaded", and a reload then sent it to the
+    new version, running the hook twice); one in its postprocess hook ran on after the model was unloaded."""
+    gate = Gate()
+
+    async def scenario() -> None:
+        run, scheduler = await serve(Hooked(**{hook: gate}))
+        inside = asyncio.create_task(run(rows(1), 1, 0))
+        await asyncio.to_thread(gate.entered.wait, 10)
+        drained = asyncio.create_task(scheduler.drain())
+        await asyncio.sleep(0.2)
+        assert not drained.done() and not scheduler.idle
+        with pytest.raises(ModelRetired, match="^model 'm' is being unloaded$"):
+            await run(rows(5), 1, 0)  # refused before any hook: safe to send to a new version
+        gate.opened.set()
+        assert (await asyncio.wait_for(inside, 10))[0].data.tolist() == [[2, 2]]
+        assert await asyncio.wait_for(drained, 10) and gate.calls == 1
+
+    try:
+        asyncio.run(asyncio.wait_for(scenario(), 30))
+    finally:
+        gate.opened.set()
+
+
+def test_a_request_whose_hook_outlives_the_drain_s_grace_is_answered_when_its_work_is_abandoned() -> None:
+    gate = Gate()
+
+    async def scenario() -> None:
+        run, scheduler = await serve(Hooked(pre=gate))
+        inside = asyncio.create_task(run(rows(1), 1, 0))
+        await asyncio.to_thread(gate.entered.wait, 10)
+        assert not await scheduler.drain(grace_s=0.1, terminate_wait_s=0.1)
+        with pytest.raises(Unavailable, match="^model 'm' was unloaded while this request ran; its execution did "
+                                              "not end within the grace and was abandoned$"):
+            await asyncio.wait_for(inside, 5)
+
+    try:
+        asyncio.run(asyncio.wait_for(scenario(), 30))
+    finally:
+        gate.opened.set()
+
+
+def test_a_request_leaving_its_preprocess_hook_after_the_grace_is_told_it_was_not_run() -> None:
+    """Past the grace no execution starts: a request whose hook returned then is not queued to wait for none."""
+    gate = Gate()
+
+    async def scenario() -> None:
+        run, scheduler = await serve(Hooked(pre=gate))
+        inside = asyncio.create_task(run(rows(1), 1, 0))
+        await asyncio.to_thread(gate.entered.wait, 10)
+
+        async def open_after_the_grace() -> None:
+            await asyncio.sleep(0.3)
+            gate.opened.set()
+        opener = asyncio.create_task(open_after_the_grace())
+        assert await scheduler.drain(grace_s=0.1, terminate_wait_s=5)  # it left before the work was abandoned
+        await opener
+        with pytest.raises(Unavailable, match="^model 'm' was unloaded before this request could start .*it was "
+                                              "not run: send it again$"):
+            await asyncio.wait_for(inside, 5)
+
+    try:
+        asyncio.run(asyncio.wait_for(scenario(), 30))
+    finally:
+        gate.opened.set()
