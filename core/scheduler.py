@@ -147,7 +147,7 @@ class ModelScheduler:
             # Nothing waits and an instance is free: batching could add no company, so run
             # here and spare the hand-offs to the batcher task.
             if deadline_passed(deadline_ns, arrived_ns):
-                raise self._deadline_error(deadline_ns, arrived_ns, arrived_ns)
+                raise not_started(self.name, deadline_ns, arrived_ns)  # (it never queued: no wait to tell of)
             self._idle.clear()
             self._free_slots -= 1
             # A coroutine infer runs in this very task and reads its deadline from the context.

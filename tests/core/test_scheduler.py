@@ -112,6 +112,19 @@ def test_expired_request_is_answered_and_never_runs() -> None:
     run(scenario())
 
 
+def test_a_request_out_of_time_on_arrival_at_an_idle_model_is_not_said_to_have_queued() -> None:
+    """Found by a bug hunt: it was told "(waited 0.0 ms in the queue)", though it never queued."""
+    async def scenario() -> None:
+        backend = GatedDouble()
+        scheduler = ModelScheduler("m", backend, SIGNATURE, capacity=4, instances=1, stats=ModelStats())
+        with pytest.raises(DeadlineExceeded, match=r"^model 'm': deadline passed [0-9.]+ ms before the request could "
+                                                   r"start; it was not run$"):
+            await scheduler.submit(rows(1), 1, time.monotonic_ns() - 1_000_000)
+        assert backend.ran == []
+        await scheduler.drain()
+    run(scenario())
+
+
 def test_cancelled_queued_request_is_dropped() -> None:
     async def scenario() -> None:
         backend = GatedDouble()
