@@ -336,7 +336,11 @@ class _LingeringClose:
         transport = self._transport
         if transport.is_closing():
             return
-        transport.write_eof()  # (sent once what is buffered is out)
+        try:
+            transport.write_eof()  # (sent once what is buffered is out)
+        except OSError:  # the client reset the connection since close(): nothing is left to end (asyncio logged
+            transport.abort()  # an ERROR traceback per reset, without limit, for a client to cause at will)
+            return
         transport.resume_reading()  # (reading may be paused: a pipelined request waited; nothing is queued now)
         self._until = self._loop.time() + LINGER_MOST_S
         self._timer = self._loop.call_later(LINGER_S, self._end)

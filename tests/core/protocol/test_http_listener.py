@@ -593,3 +593,35 @@ def test_a_refusal_counter_given_as_a_plain_function_is_called_with_the_reason_a
         thread.join(10)
         loop.close()
     assert reasons == ["unparsable"]
+
+
+def test_a_connection_the_client_reset_before_its_half_close_is_aborted_without_an_error_logged() -> None:
+    """Found by a bug hunt: a client resetting its connection between the answer's close() and the half-close at
+    the loop's next turn made write_eof() raise ENOTCONN, which asyncio logged as an ERROR traceback, once per
+    connection and without limit: a line any client could write at will."""
+    from nereid.protocol.http_listener import _LingeringClose
+
+    async def scenario() -> list[dict]:
+        loop = asyncio.get_running_loop()
+        errors: list[dict] = []
+        loop.set_exception_handler(lambda _, context: errors.append(context))
+        accepted: asyncio.Future[asyncio.Transport] = loop.create_future()
+
+        class Accepting(asyncio.Protocol):
+            def connection_made(self, transport: asyncio.BaseTransport) -> None:
+                transport.pause_reading()  # (so that the reset is not seen before the half-close)
+                accepted.set_result(transport)
+
+        server = await loop.create_server(Accepting, "127.0.0.1", 0)
+        client = socket.create_connection(server.sockets[0].getsockname()[:2])
+        transport = await asyncio.wait_for(accepted, 5)
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        client.close()  # a reset (linger 0)
+        await asyncio.sleep(0.1)
+        _LingeringClose(transport, loop).close()
+        await asyncio.sleep(0.1)  # the half-close's turn
+        assert transport.is_closing()
+        server.close()
+        return errors
+
+    assert asyncio.run(scenario()) == []
