@@ -156,13 +156,32 @@ def _with_non_finite_literals(header: bytes | memoryview) -> Any:
     try:
         # Everything else as strictly as orjson reads it: UTF-8 (json.loads of bytes also takes UTF-16 and a BOM;
         # of a str, refuses a BOM), a number too large for a double refused, an integer past 64 bits read as a
-        # float; orjson refuses a lone surrogate (an escape json lets through) when writing it back, and its
-        # depth limit is below the json module's.
+        # float, and (below) no lone surrogate, which json lets through.
         document = json.loads(raw.decode("utf-8"), parse_float=_finite_float, parse_int=_as_orjson_reads_it)
-        orjson.dumps(document)
-    except (ValueError, RecursionError, orjson.JSONEncodeError):
+    except (ValueError, RecursionError):
         return None
-    return document
+    return document if _has_no_lone_surrogate(document) else None
+
+
+def _has_no_lone_surrogate(document: Any) -> bool:
+    """Whether every string of ``document`` (a parsed JSON value) encodes as UTF-8: orjson refuses a lone
+    surrogate's escape (``"\\ud800"``), which json reads. Walked without recursion: orjson.dumps, which checked
+    it before, stops at 255 levels of nesting, where reading takes 1024 (a body nested deeper with a NaN in it
+    was refused as invalid JSON, blamed on the NaN)."""
+    pending = [document]
+    while pending:
+        value = pending.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return False
+        elif isinstance(value, list):
+            pending.extend(value)
+        elif isinstance(value, dict):
+            pending.extend(value)  # (its keys)
+            pending.extend(value.values())
+    return True
 
 
 def _finite_float(text: str) -> float:

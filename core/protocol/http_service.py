@@ -242,7 +242,8 @@ class HttpSurface:
             if not (version.isascii() and version.isdigit()):  # Triton's routes take a version of digits only
                 raise HttpError(400, f"model '{model}': the path's version '{cap_message(version, 64)}' is no "
                                      f"number (a version is digits only: .../versions/1/...)")
-        action = rest[0] if len(rest) == 1 else "" if not rest else None
+        # ".../echo/" (rest [""]) names no endpoint: the metadata's path is the model's own, with no slash after it.
+        action = (rest[0] or None) if len(rest) == 1 else "" if not rest else None
         # (Each endpoint below is in MODEL_ENDPOINTS too, where a wrong method's 405 finds what it takes.)
         if action == "" and method == "GET":
             metadata = self.dataplane.model_metadata(model, version)

@@ -115,8 +115,8 @@ def check_no_sequence(model: str, value: object, quote: Callable[[object], str] 
     """InvalidArgument for a ``sequence_id`` other than 0 or "" (none), as Triton refuses a correlation ID for a
     model without sequence batching: no nereid model keeps state between requests, so running the request on
     its own would answer it as though it were the first of its sequence."""
-    if not isinstance(value, bool) and value in (0, ""):
-        return
+    if isinstance(value, (int, str)) and not isinstance(value, bool) and value in (0, ""):
+        return  # (0.0 equals 0, but is no integer: refused below as a 5.0 is)
     shown = _shown(value, quote)
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise InvalidArgument(f"model '{model}': parameter 'sequence_id' must be an integer or a string, got {shown}")

@@ -40,7 +40,10 @@ def test_a_sequence_id_is_refused_and_zero_or_empty_means_none():
     for raw, problem in ((b"7", "parameter 'sequence_id' 7 names a sequence, but nereid has no sequence batching"),
                          (b'"user-1"', 'parameter \'sequence_id\' "user-1" names a sequence'),
                          (b"1.5", "parameter 'sequence_id' must be an integer or a string, got 1.5"),
-                         (b"true", "parameter 'sequence_id' must be an integer or a string, got true")):
+                         (b"true", "parameter 'sequence_id' must be an integer or a string, got true"),
+                         # (Found by a bug hunt: 0.0 equals 0, and was read as none where 5.0 was refused.)
+                         (b"0.0", "parameter 'sequence_id' must be an integer or a string, got 0.0"),
+                         (b"-0.0", "parameter 'sequence_id' must be an integer or a string, got -0.0")):
         with pytest.raises(InvalidArgument, match=f"^model 'm': {re.escape(problem)}"):
             decode_infer("m", with_parameter("sequence_id", raw), None)
     for raw in (b"0", b'""'):
@@ -294,6 +297,18 @@ def test_nan_and_infinities_go_both_ways_as_the_literals_triton_reads_and_writes
 def test_with_the_nan_literals_the_rest_of_the_body_is_read_as_strictly(document):
     with pytest.raises(InvalidArgument, match="not valid JSON"):
         decode_infer("m", document, None)
+
+
+def test_a_nan_literal_is_read_however_deep_the_body_nests_within_the_parsers_limit():
+    """Found by a bug hunt: the check behind the literals (orjson.dumps) stops at 255 levels, so a body nested
+    deeper with a NaN was refused as invalid JSON, blamed on the NaN, where the same body with 1.0 was read."""
+    deep = 300
+    body = ('{"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": ' + "[" * deep + "NaN" + "]" * deep
+            + '}], "parameters": {"' + "k" * 3 + '": {"\\ud800": 1}}}').encode()
+    with pytest.raises(InvalidArgument, match="not valid JSON"):  # a lone surrogate in a key: still refused
+        decode_infer("m", body, None)
+    request = decode_infer("m", body.replace(b', "parameters": {"kkk": {"\\ud800": 1}}', b""), None)[0]
+    assert np.isnan(request.inputs[0].data).all()
 
 
 def test_a_value_past_the_datatype_is_refused_beside_an_infinity_sent_as_one():

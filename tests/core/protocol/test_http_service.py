@@ -871,8 +871,11 @@ def test_a_path_is_matched_whole_as_sent(served):
         assert status == 404 and json.loads(answer)["error"].startswith(("no such endpoint: POST " + path,
                                                                           "no such endpoint: " + path)), path
         assert server.client.is_model_ready("echo"), path
-    for path in ("//v2/health/live", "/v2/health/live/", "/%76%32/health/live", "/v2/", "/v2/models/echo/ready/"):
+    for path in ("//v2/health/live", "/v2/health/live/", "/%76%32/health/live", "/v2/", "/v2/models/echo/ready/",
+                 "/v2/models/echo/", "/v2/models/echo/versions/1/"):  # (the last two: metadata, once)
         assert call(base, "GET", path)[0] == 404, path
+        assert call(base, "HEAD", path)[0] == 404, path
+    assert call(base, "GET", "/v2/models/echo/versions/1")[0] == 200
     # A model's name and a version are values, decoded: they may be spelled encoded.
     assert call(base, "GET", "/v2/models/%65cho/versions/%31/ready")[0] == 200
 
