@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None, extra_plugins: tuple[object, ...] = ()) 
         if (clash := listeners.clash(settings.server)) is not None:
             raise ConfigError(f"{settings.source}: {clash}")
     except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(one_record_per_line(f"error: {err}"), file=sys.stderr)
         return 2
     if not serving:
         return _reading_stopped_quietly(lambda: check(settings, manager))
@@ -204,7 +204,7 @@ def serve_command(settings: Settings, listeners: Listeners, manager: NereidPlugi
     try:
         check_backend_defaults(manager, settings.backend_defaults, settings.source)
     except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(one_record_per_line(f"error: {err}"), file=sys.stderr)
         return 2
 
     limit_repeated_library_lines()
@@ -216,7 +216,7 @@ def serve_command(settings: Settings, listeners: Listeners, manager: NereidPlugi
     try:
         ended = run_to_the_end(run())
     except OSError as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(one_record_per_line(f"error: {err}"), file=sys.stderr)
         return _exit_past_abandoned_threads(1)
     return _exit_past_abandoned_threads(0, force=not ended)
 
@@ -293,7 +293,7 @@ def check(settings: Settings, manager: NereidPluginManager | None = None) -> int
     """
     manager = manager or make_plugin_manager()
     for problem in manager.problems:
-        print(f"{problem.plugin}: {problem.what}")
+        print(one_record_per_line(f"{problem.plugin}: {problem.what}"))
     problems = 0
     config_problems = 0  # the backends: section's, counted apart: they are no model's
     listing_problem = ""  # why the model folders could not be listed, when that leaves nothing to check
@@ -301,13 +301,13 @@ def check(settings: Settings, manager: NereidPluginManager | None = None) -> int
         check_backend_defaults(manager, settings.backend_defaults, settings.source)
     except ConfigError as err:
         config_problems += 1
-        print(err)
+        print(one_record_per_line(str(err)))
     # Named as a server's scratch (nereid-<pid>-...): a check that is killed leaves it for the next server
     # start to remove, as that server removes any dead process's.
     try:
         scratch = make_scratch_folder("check-")
     except ScratchFolderError as err:  # TMPDIR set to a folder that cannot be used: as serve says it
-        print(f"error: {err}", file=sys.stderr)
+        print(one_record_per_line(f"error: {err}"), file=sys.stderr)
         return 1
     # SIGTERM (`timeout 60 nereid check` in CI) and SIGHUP (a closed terminal) stop the check as Ctrl-C does: a
     # compiler it started must not run on under init, writing into a scratch folder nobody will clean.
@@ -332,7 +332,7 @@ def check(settings: Settings, manager: NereidPluginManager | None = None) -> int
                 # store's reason was only a log line on stderr before "OK" and exit 0. (With a models: key each
                 # listed model is looked for by its own prefix, and its line says what failed.)
                 listing_problem = str(err)
-                print(listing_problem)
+                print(one_record_per_line(listing_problem))
         if settings.server.ml_backends_url is not None:  # a store that cannot be listed: check the listed models
             names = sorted({*names, *(m.name for m in settings.models)})
         states: dict[str, tuple[str, str]] = {}  # each model as a server would have it at start
@@ -353,8 +353,8 @@ def check(settings: Settings, manager: NereidPluginManager | None = None) -> int
         for model in settings.models:
             if model.name not in states:  # listed before its folder, as dynamic mode allows
                 states[model.name] = ("UNAVAILABLE", waiting_for_folder(model.name))
-                print(f"{model.name}: WAITING: {waiting_for_folder(model.name)} (server.watch loads it when the "
-                      "folder lands; the server is not ready until then)")
+                print(one_record_per_line(f"{model.name}: WAITING: {waiting_for_folder(model.name)} (server.watch "
+                                          "loads it when the folder lands; the server is not ready until then)"))
         problems += _check_callers(callers, states)
     except KeyboardInterrupt as stop:
         signals.close()  # (a second signal, or a delivery pending, must not interrupt what follows)
@@ -362,8 +362,9 @@ def check(settings: Settings, manager: NereidPluginManager | None = None) -> int
         signum = stop.signum if isinstance(stop, _Terminated) else signal.SIGINT
         # A terminal that hung up (SIGHUP) refuses the line (EIO): the exit status still says what happened.
         with contextlib.suppress(OSError):
-            print(f"{settings.source}: interrupted by {signum.name}"
-                  f"{f' ({killed} program(s) it had started killed)' if killed else ''}", file=sys.stderr)
+            print(one_record_per_line(f"{settings.source}: interrupted by {signum.name}"
+                                      f"{f' ({killed} program(s) it had started killed)' if killed else ''}"),
+                  file=sys.stderr)
         return 128 + signum  # as the shell reports a process that the signal ended
     finally:
         signals.close()
@@ -378,7 +379,7 @@ def check(settings: Settings, manager: NereidPluginManager | None = None) -> int
         summary.append(f"{problems} model(s) with problems")
     if manager.problems:
         summary.append(f"{len(manager.problems)} plugin problem(s)")
-    print(f"{settings.source}: {', '.join(summary) or 'OK'}")
+    print(one_record_per_line(f"{settings.source}: {', '.join(summary) or 'OK'}"))
     return 1 if problems or config_problems or listing_problem or manager.problems else 0
 
 

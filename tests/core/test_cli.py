@@ -97,6 +97,20 @@ def test_check_shows_a_model_listed_before_its_folder_in_dynamic_mode(repo, caps
             "folder lands; the server is not ready until then)") in capsys.readouterr().out.splitlines()
 
 
+@pytest.mark.parametrize("command", ["check", "serve"])
+def test_a_config_error_quoting_a_line_break_or_an_escape_cannot_forge_a_line(repo, capsys, command: str) -> None:
+    """Found by a bug hunt: nereid.yaml's errors were printed as they were, so a model name holding a line break
+    wrote a line reading as a log record of its own, and a terminal escape went out raw (the log's lines are made
+    safe by its formatter; these bypass it)."""
+    from nereid.cli import main
+
+    config = repo.write_config('- name: "ok\\n2026-12-01T10:00:00.000+00:00 ERROR nereid.server: FORGED\\e[31m"\n')
+    assert main([command, "--config", str(config)]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].startswith(f"error: {config}: models[0].name: ") and "\x1b" not in "".join(lines), lines
+    assert all(line.startswith("    ") for line in lines[1:]), lines  # a continuation, never a record of its own
+
+
 def test_check_reports_each_broken_model_and_fails(repo) -> None:
     repo.python("good")
     repo.python("warns", main=ECHO_MAIN + "\nif len(sys.argv) is 1:\n    pass\n")  # a SyntaxWarning at load
