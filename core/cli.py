@@ -108,7 +108,9 @@ def main(argv: list[str] | None = None, extra_plugins: tuple[object, ...] = ()) 
         print(one_record_per_line(f"error: {err}"), file=sys.stderr)
         return 2
     if not serving:
-        return _reading_stopped_quietly(lambda: check(settings, manager))
+        # (argv None: the command line's own process, which exits once check returns; callers in a process
+        # that goes on pass their argv, and get their signal handlers back.)
+        return _reading_stopped_quietly(lambda: check(settings, manager, ends_process=argv is None))
     return serve_command(settings, listeners, manager)
 
 
@@ -284,12 +286,14 @@ def _exit_past_abandoned_threads(code: int, force: bool = False) -> int:
     os._exit(code)
 
 
-def check(settings: Settings, manager: NereidPluginManager | None = None) -> int:
+def check(settings: Settings, manager: NereidPluginManager | None = None, *, ends_process: bool = False) -> int:
     """Load every model folder once and print one line per model; 1 if any has a problem.
 
     An installed plugin left out (it cannot be loaded, or its
     ``nereid_add_commands`` failed) is a problem too, listed before the models:
     what it should serve would otherwise only show as unclaimed folders.
+    ``ends_process``: it is the ``nereid check`` command, whose process exits
+    once it returns: a stop signal from its end on is ignored (see below).
     """
     manager = manager or make_plugin_manager()
     for problem in manager.problems:
@@ -369,7 +373,9 @@ def check(settings: Settings, manager: NereidPluginManager | None = None) -> int
     finally:
         signals.close()
         for signum, handler in previous.items():
-            signal.signal(signum, handler)
+            # As the command, from here the process only prints its verdict and exits: a signal put back to its
+            # default then (a CI timeout just as the check ends) killed it with 143 and no line, after "OK".
+            signal.signal(signum, signal.SIG_IGN if ends_process else handler)
         sys.unraisablehook = unraisable_hook
         remove_scratch_folder(scratch)
     summary = [f"{config_problems} problem(s) in its backends: section"] if config_problems else []

@@ -111,6 +111,27 @@ def test_a_config_error_quoting_a_line_break_or_an_escape_cannot_forge_a_line(re
     assert all(line.startswith("    ") for line in lines[1:]), lines  # a continuation, never a record of its own
 
 
+def test_a_stop_signal_after_the_checks_leaves_the_verdict_as_the_exit_status(repo) -> None:
+    """Found by a bug hunt: a signal just after the verdict ("nereid.yaml: OK") found the default handlers put
+    back, and ended the check with 143 and no line (a CI timeout firing as the check ends)."""
+    repo.python("echo")
+    config = repo.write_config()
+    check = subprocess.Popen([*NEREID, "check", "--config", str(config)], stdout=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        while not (lines and lines[-1].startswith(f"{config}: ")):
+            line = check.stdout.readline()
+            assert line, lines  # (the verdict line comes)
+            lines.append(line.rstrip("\n"))
+        while check.poll() is None:  # until the process has ended
+            check.send_signal(signal.SIGTERM)
+            time.sleep(0.002)
+        assert (check.wait(30), lines[-1]) == (0, f"{config}: OK")
+    finally:
+        check.kill()
+        check.wait()
+
+
 def test_check_reports_each_broken_model_and_fails(repo) -> None:
     repo.python("good")
     repo.python("warns", main=ECHO_MAIN + "\nif len(sys.argv) is 1:\n    pass\n")  # a SyntaxWarning at load
