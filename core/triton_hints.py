@@ -11,6 +11,8 @@ import itertools
 import re
 from pathlib import Path
 
+from nereid.dtypes import DType
+
 COMING_FROM_TRITON = "the README's 'Coming from Triton' maps each part"
 # How many entries of a folder are looked at for version folders (a folder of thousands costs no more).
 _SCANNED_ENTRIES = 64
@@ -63,17 +65,30 @@ def textproto_hint(problem: str) -> str:
         if where is not None:
             return f" ({field.group(1)} is a field of Triton's config.pbtxt: {where}; {COMING_FROM_TRITON})"
         return ""
-    enum = re.search(r"Expected string but found: '(TYPE_\w+)'", problem)
-    if enum is not None:
-        return f" ({datatype_hint(enum.group(1))})"
+    unquoted = re.search(r"Expected string but found: '(\w+)'", problem)
+    if unquoted is not None:
+        found = unquoted.group(1)
+        hint = datatype_hint(found) or (f'write data_type: "{found}" (quoted)' if _is_datatype(found) else "")
+        return f" ({hint})" if hint else ""
     return ""
 
 
 def datatype_hint(data_type: str) -> str:
-    """For a datatype spelled as Triton spells it (``TYPE_FP32``, ``STRING``), the spelling here; "" otherwise."""
+    """For a datatype spelled as Triton spells it (``TYPE_FP32``, ``STRING``), or in lower case (``fp32``), the
+    spelling here; "" otherwise."""
     bare = data_type.removeprefix("TYPE_")
     if bare == "STRING":
         return 'write data_type: "BYTES" (KServe\'s name for Triton\'s TYPE_STRING)'
     if bare != data_type:
         return f'write data_type: "{bare}" (KServe\'s name for Triton\'s {data_type}, quoted)'
+    if data_type != data_type.upper() and _is_datatype(data_type.upper()):
+        return f'write data_type: "{data_type.upper()}" (datatypes are written in capitals)'
     return ""
+
+
+def _is_datatype(name: str) -> bool:
+    try:
+        DType.from_kserve(name)
+    except ValueError:
+        return False
+    return True

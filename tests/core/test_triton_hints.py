@@ -51,6 +51,11 @@ def test_a_triton_model_folder_is_told_by_its_config_or_its_version_folder(tmp_p
      """; write data_type: "INT8" (KServe's name for Triton's TYPE_INT8, quoted)"""),
     ('input [ { name: "x" data_type: "STRING" dims: [ 4 ] } ]\n',
      """; write data_type: "BYTES" (KServe's name for Triton's TYPE_STRING)"""),
+    # (Found by a README check: the right name unquoted, or in lower case, got no hint.)
+    ('input [ { name: "x" data_type: FP32 dims: [ 4 ] } ]\n',
+     """Expected string but found: 'FP32' (write data_type: "FP32" (quoted))"""),
+    ('input [ { name: "x" data_type: "fp32" dims: [ 4 ] } ]\n',
+     """; write data_type: "FP32" (datatypes are written in capitals)"""),
 ])
 def test_a_config_pbtxt_written_as_a_textproto_is_told_where_each_triton_field_goes(tmp_path, text, hint) -> None:
     """Defect: protobuf's 'has no field named "dynamic_batching"' or 'Expected string but found: TYPE_FP32', or a
