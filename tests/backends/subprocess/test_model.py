@@ -82,6 +82,20 @@ def test_runs_start_in_the_model_folder(tmp_path) -> None:
         model.unload()
 
 
+def test_a_model_declaring_the_most_dims_answers_with_its_batch_axis_in_front(tmp_path) -> None:
+    """Found by a bug hunt: the frame reader took at most 32 dims, the batch axis included, so a batching model
+    declaring 32 dims (as many as a textproto takes) was refused the [batch, *dims] answer the server itself had
+    sent it: "bad shape (rank over 32)"."""
+    dims = "[" + ", ".join(["1"] * 32) + "]"
+    model = loaded(tmp_path, textproto=textproto_single(input_shape=dims))
+    try:
+        x = np.arange(3, dtype=np.float32).reshape((3,) + (1,) * 32)
+        [output] = model.infer([NamedTensor.from_array("input", x)])
+        np.testing.assert_array_equal(output.data, x)
+    finally:
+        model.unload()
+
+
 def test_a_run_after_its_folder_was_renamed_starts_in_the_renamed_folder(tmp_path) -> None:
     model = loaded(tmp_path)
     try:
