@@ -416,6 +416,20 @@ def test_a_build_is_keyed_by_the_compiler_that_runs_not_only_its_name(tmp_path, 
     assert keys[0] != keys[1] and keys[0] == keys[2]
 
 
+@pytest.mark.parametrize("damage", ["cut short", "not a program"])
+def test_a_damaged_build_in_the_cache_is_built_again(tmp_path, damage):
+    """Found by a bug hunt: a cached build was used if it was an executable file, so one a deploy's copy cut short
+    (or any file under its name) turned the model READY, and every run failed "Exec format error"."""
+    folder = tmp_path / "model"
+    shutil.copytree(EXAMPLES / "cpp_scale", folder, ignore=shutil.ignore_patterns(".cache"))
+    (tmp_path / "scratch").mkdir()
+    built = compiler.build_binary(folder, "main.cpp", tmp_path / "scratch", "m")
+    whole = built.read_bytes()
+    built.write_bytes(whole[:len(whole) // 2] if damage == "cut short" else b"#garbage\n" * 100)
+    assert compiler.build_binary(folder, "main.cpp", tmp_path / "scratch", "m") == built
+    assert built.read_bytes()[:4] == b"\x7fELF" and len(built.read_bytes()) == len(whole)  # (a build is the same size)
+
+
 def test_sources_edited_while_they_compile_are_built_but_not_cached(tmp_path, monkeypatch):
     """Defect: the key was taken before the compiler read the sources, so an edit saved during a build was cached
     under the old sources' key, and served by every later start that found those sources again."""
