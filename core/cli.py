@@ -36,7 +36,7 @@ from nereid.log_limit import EndedCallFilter, RateLimitFilter
 from nereid.model_building import build_model
 from nereid.model_entry import waiting_for_folder
 from nereid.model_runner import checked_input_check
-from nereid.processes import kill_children, not_ignored
+from nereid.processes import kill_children, not_ignored, record_early_stops
 from nereid.plugins import NereidPluginManager, add_commands, check_backend_defaults, error_text, make_plugin_manager
 from nereid.storage import StorageError, materialize_model_folder, scan_model_folders
 from nereid.settings import Listeners, Settings, address_problem, load_settings
@@ -94,6 +94,8 @@ def main(argv: list[str] | None = None, extra_plugins: tuple[object, ...] = ()) 
         return _reading_stopped_quietly(lambda: args.run(args))
 
     serving = args.command == "serve"
+    if serving:  # (the server takes them over once it serves: one that comes before stops it then)
+        record_early_stops([signal.SIGTERM, signal.SIGINT, *not_ignored(signal.SIGHUP)])
     _report_crashes()
     # The addresses this run listens on: the file's keys, and serve's flags in their place.
     listeners = (Listeners(args.bind, http_addr=args.http_bind, metrics_addr=args.metrics_bind) if serving

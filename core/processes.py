@@ -21,6 +21,32 @@ def not_ignored(*signums: signal.Signals) -> list[signal.Signals]:
     return [signum for signum in signums if signal.getsignal(signum) is not signal.SIG_IGN]
 
 
+# Stop signals that came while ``nereid serve`` started, before its server took them over (see record_early_stops).
+_early_stops: list[signal.Signals] = []
+
+
+def record_early_stops(signums: list[signal.Signals]) -> None:
+    """From now until the server takes ``signums`` over, record them rather than die of them: the server then
+    stops as soon as it serves (:func:`take_early_stop`). A SIGTERM in the half second of imports before the
+    server set its handlers ended ``nereid serve`` with 143, no drain, and its new scratch folder left behind.
+    On the main thread only (where handlers can be set; elsewhere this does nothing)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for signum in signums:
+        signal.signal(signum, _record_early_stop)
+
+
+def _record_early_stop(signum: int, frame: object) -> None:
+    _early_stops.append(signal.Signals(signum))
+
+
+def take_early_stop() -> signal.Signals | None:
+    """The first stop signal :func:`record_early_stops` recorded, if one came; forgotten once taken."""
+    came = _early_stops[0] if _early_stops else None
+    _early_stops.clear()
+    return came
+
+
 def child_pids(parent: int | None = None) -> list[int]:
     """PIDs of the live (not zombie) children of ``parent`` (default: this process), from /proc."""
     parent = os.getpid() if parent is None else parent

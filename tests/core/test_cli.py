@@ -270,6 +270,27 @@ def test_an_in_process_serve_leaves_no_signal_wakeup_descriptor_behind(repo) -> 
     assert result.stdout.split() == ["0", "-1"], (result.stdout, result.stderr[-2000:])
 
 
+EARLY_STOP_SERVE = '''
+import os, signal, sys
+from nereid.cli import main
+from nereid.processes import record_early_stops
+
+record_early_stops([signal.SIGTERM])  # as main does once it knows it serves, before its slow imports
+os.kill(os.getpid(), signal.SIGTERM)  # a stop during those imports
+print(main(["serve", "--config", sys.argv[1], "--bind", sys.argv[2]]))
+'''
+
+
+def test_a_stop_signal_while_serve_starts_is_a_graceful_stop_once_it_serves(repo) -> None:
+    """Found by a bug hunt: a SIGTERM in the first second of `nereid serve` (its imports, before the server set
+    its handlers) killed it with 143: no drain, and its new scratch folder left behind."""
+    repo.python("echo")
+    result = subprocess.run([sys.executable, "-c", EARLY_STOP_SERVE, str(repo.write_config()),
+                             f"127.0.0.1:{free_port()}"], capture_output=True, text=True, timeout=60)
+    assert result.stdout.split() == ["0"], (result.returncode, result.stderr[-2000:])
+    assert "signal received: draining (SIGTERM" in result.stderr and "nereid stopped" in result.stderr
+
+
 def test_serve_stopped_while_a_bundle_compiles_exits_zero(repo) -> None:
     """Defect: SIGTERM while an XLA bundle compiled at start aborted the server (SIGABRT, exit 134, "FATAL:
     exception not rethrown") after "nereid stopped": the interpreter's shutdown unwound the abandoned load's
