@@ -356,9 +356,13 @@ class NereidServer:
                 ended = self._servicer.end_at_grace()
                 if ended:
                     # (Queued or running: "in flight" says both; a queued one's answer says it was not run.)
-                    log.warning("%d gRPC inference request(s) still in flight after the %g s grace: answered "
-                                "UNAVAILABLE", ended, grace)
+                    log.warning("%d gRPC inference request(s) still in flight after the %g s grace: answering "
+                                "them UNAVAILABLE", ended, grace)
             await stopping
+            if self._servicer is not None and (stuck := self._servicer.still_running_after_grace()):
+                # Said after the fact: the line above only asked them to end.
+                log.warning("%d of them never answered: their model's code did not end when cancelled (a coroutine "
+                            "that swallows CancelledError), so gRPC's stop cut their clients off", stuck)
         # The listeners are closed once every client has its answer, but a run whose client went away holds its
         # slot until its program ends, at a stop as at an unload: it has what is left of the grace. Then what
         # still runs is ended rather than waited for.

@@ -267,6 +267,11 @@ class InferenceServicer:
             loop.call_soon(self._end, task)
         return len(running)
 
+    def still_running_after_grace(self) -> int:
+        """How many of the requests :meth:`end_at_grace` ended are still running: their model's code did not end
+        when cancelled (a coroutine that swallows CancelledError), so no answer of nereid's reached their clients."""
+        return sum(1 for task in self._ended_at_grace if not task.done())
+
     @property
     def running_requests(self) -> int:
         """How many inference requests (ModelInfer calls, stream requests) are running: what the grace waits for."""
