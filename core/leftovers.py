@@ -16,6 +16,7 @@ import fcntl
 import logging
 import os
 import re
+import signal
 import tempfile
 import time
 from pathlib import Path
@@ -208,11 +209,50 @@ def remove_stale_scratch(parent: Path) -> int:
         except OSError:
             continue
         if _owner_gone(entry.path, int(match.group(1))):
+            killed = _kill_programs_run_from(entry.path)
+            if killed:
+                log.info("ended %d process(es) still running a program from %s, a scratch folder of a nereid "
+                         "process that no longer runs (a model's run it could not end)", killed, entry.path)
             remove_tree(entry.path)
             removed += 1
     if removed:
         log.info("removed %d scratch folder(s) left by nereid processes that no longer run", removed)
     return removed
+
+
+def _kill_programs_run_from(folder: str) -> int:
+    """SIGKILL the process group of each process whose program file is in ``folder``; returns how many.
+
+    A ``cpp`` model's run executes its binary from the server's scratch folder,
+    in a session of its own. A server that was SIGKILLed could not end its runs:
+    one that hangs, or ignores SIGTERM, ran on past its ``timeout_s`` for good,
+    from a folder this start then removed. Only this PID namespace's processes
+    are seen (/proc), and only programs under a dead server's own folder match.
+    """
+    inside = os.path.join(folder, "")
+    killed = 0
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return 0
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            program = os.readlink(f"/proc/{entry}/exe")
+        except OSError:  # gone, a kernel thread, or another user's
+            continue
+        if not program.startswith(inside):
+            continue
+        pid = int(entry)
+        with contextlib.suppress(OSError):
+            group = os.getpgid(pid)
+            if group != os.getpgrp():  # (a run has a session of its own; this server's group is never ended)
+                os.killpg(group, signal.SIGKILL)  # (the run's group: what it started too)
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+            killed += 1
+    return killed
 
 
 def remove_stale_partials(folder: Path) -> int:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import re
+import signal
 import shutil
 import subprocess
 import sys
@@ -42,6 +45,42 @@ def test_stale_scratch_folders_and_partials_go_live_ones_stay(tmp_path):
         settled(partial)
     assert remove_stale_partials(tmp_path) == 1
     assert [p.name for p in tmp_path.glob("*.partial")] == [being_written.name]
+
+
+def test_a_run_a_killed_server_could_not_end_is_ended_with_its_group_by_the_next_start(tmp_path, caplog):
+    """Found by a bug hunt: a cpp run that ignores SIGTERM (or hangs) outlived its SIGKILLed server for good, past
+    its timeout_s and past the next start, which removed the folder its program ran from."""
+    stale = tmp_path / f"nereid-{dead_pid()}-abc"
+    binary = stale / "m" / "cpp-1" / "main-0"
+    binary.parent.mkdir(parents=True)
+    shutil.copy2(shutil.which("sleep"), binary)
+    # As the runner starts one, in a session of its own; here with a child of its own in that group, too.
+    run = subprocess.Popen(["/bin/sh", "-c", f'trap "" TERM; "{binary}" 300 & "{binary}" 300; wait'],
+                           start_new_session=True)
+    bystander = subprocess.Popen(["sleep", "300"], start_new_session=True)  # (not run from the folder)
+    try:
+        deadline = time.monotonic() + 10
+        while sum(1 for pid in os.listdir("/proc") if pid.isdigit() and _runs(int(pid), binary)) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        settled(stale)
+        with caplog.at_level(logging.INFO, "nereid.leftovers"):
+            assert remove_stale_scratch(tmp_path) == 1
+        assert run.wait(10) == -signal.SIGKILL and not stale.exists()  # its whole group: the shell too
+        assert bystander.poll() is None
+        assert any(re.match(r"ended 2 process\(es\) still running a program from ", m) for m in caplog.messages)
+    finally:
+        for process in (run, bystander):
+            with contextlib.suppress(OSError):
+                os.killpg(process.pid, signal.SIGKILL)  # (each leads a group of its own)
+            process.wait()
+
+
+def _runs(pid: int, program: Path) -> bool:
+    try:
+        return os.readlink(f"/proc/{pid}/exe") == str(program)
+    except OSError:
+        return False
 
 
 def test_a_partial_written_within_the_last_minute_stays_whatever_its_pid(tmp_path):
