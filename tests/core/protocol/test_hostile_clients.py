@@ -207,7 +207,9 @@ def test_surplus_tiny_bytes_elements_are_refused_at_once_without_stalling_others
     assert code == grpc.StatusCode.INVALID_ARGUMENT
     assert "more than the 1 BYTES element(s) the shape allows" in details
     assert took < 2.5, took
-    assert max(latencies) < 0.5, latencies
+    # The defect stalled the loop for 6.5 s; a busy 2-core machine stretched a ServerLive past 0.5 s once (0.67 s
+    # in a full run that took twice its usual time), grpcio's own receive of 32 MiB included.
+    assert max(latencies) < 1.5, latencies
 
 
 def test_a_stream_with_more_requests_than_the_in_flight_cap_answers_them_all(echo_server):
