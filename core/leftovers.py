@@ -230,29 +230,29 @@ def _kill_programs_run_from(folder: str) -> int:
     are seen (/proc), and only programs under a dead server's own folder match.
     """
     inside = os.path.join(folder, "")
-    killed = 0
     try:
         entries = os.listdir("/proc")
     except OSError:
         return 0
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            program = os.readlink(f"/proc/{entry}/exe")
-        except OSError:  # gone, a kernel thread, or another user's
-            continue
-        if not program.startswith(inside):
-            continue
-        pid = int(entry)
+    # All found first: killing one's group makes the others in it zombies, whose program can no longer be read.
+    found = [int(entry) for entry in entries if entry.isdigit() and _program_of(entry).startswith(inside)]
+    for pid in found:
         with contextlib.suppress(OSError):
             group = os.getpgid(pid)
             if group != os.getpgrp():  # (a run has a session of its own; this server's group is never ended)
                 os.killpg(group, signal.SIGKILL)  # (the run's group: what it started too)
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
-            killed += 1
-    return killed
+    return len(found)
+
+
+def _program_of(pid: str) -> str:
+    """The program file the process ``pid`` runs; "" when that cannot be read (gone, a kernel thread, a zombie,
+    another user's)."""
+    try:
+        return os.readlink(f"/proc/{pid}/exe")
+    except OSError:
+        return ""
 
 
 def remove_stale_partials(folder: Path) -> int:
