@@ -7,7 +7,7 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
-from typing import Callable
+from typing import Awaitable, Callable
 
 import numpy as np
 import pytest
@@ -573,17 +573,30 @@ class Gate:
         return tensors
 
 
-@pytest.mark.parametrize("hook", ["pre", "post"])
-def test_an_unload_waits_for_the_requests_in_a_hook_and_refuses_new_ones_before_their_hook(hook: str) -> None:
-    """Found by a bug hunt: an unload (drain) waited only for the queue and the executions. A request in its
-    preprocess hook was refused once the hook returned ("is being unloaded", and a reload then sent it to the
-    new version, running the hook twice); one in its postprocess hook ran on after the model was unloaded."""
+def with_a_request_in_its_hook(hook: str, then: Callable[[Runner, ModelScheduler, Gate, asyncio.Task],
+                                                          Awaitable[None]]) -> None:
+    """Serve a model whose ``hook`` ("pre" or "post") waits on a Gate, send it one request, and once that request
+    is inside the hook, await ``then(run, scheduler, gate, request)``; the gate is opened at the end regardless."""
     gate = Gate()
 
     async def scenario() -> None:
         run, scheduler = await serve(Hooked(**{hook: gate}))
         inside = asyncio.create_task(run(rows(1), 1, 0))
         await asyncio.to_thread(gate.entered.wait, 10)
+        await then(run, scheduler, gate, inside)
+
+    try:
+        asyncio.run(asyncio.wait_for(scenario(), 30))
+    finally:
+        gate.opened.set()
+
+
+@pytest.mark.parametrize("hook", ["pre", "post"])
+def test_an_unload_waits_for_the_requests_in_a_hook_and_refuses_new_ones_before_their_hook(hook: str) -> None:
+    """Found by a bug hunt: an unload (drain) waited only for the queue and the executions. A request in its
+    preprocess hook was refused once the hook returned ("is being unloaded", and a reload then sent it to the
+    new version, running the hook twice); one in its postprocess hook ran on after the model was unloaded."""
+    async def then(run: Runner, scheduler: ModelScheduler, gate: Gate, inside: asyncio.Task) -> None:
         drained = asyncio.create_task(scheduler.drain())
         await asyncio.sleep(0.2)
         assert not drained.done() and not scheduler.idle
@@ -592,40 +605,21 @@ def test_an_unload_waits_for_the_requests_in_a_hook_and_refuses_new_ones_before_
         gate.opened.set()
         assert (await asyncio.wait_for(inside, 10))[0].data.tolist() == [[2, 2]]
         assert await asyncio.wait_for(drained, 10) and gate.calls == 1
-
-    try:
-        asyncio.run(asyncio.wait_for(scenario(), 30))
-    finally:
-        gate.opened.set()
+    with_a_request_in_its_hook(hook, then)
 
 
 def test_a_request_whose_hook_outlives_the_drain_s_grace_is_answered_when_its_work_is_abandoned() -> None:
-    gate = Gate()
-
-    async def scenario() -> None:
-        run, scheduler = await serve(Hooked(pre=gate))
-        inside = asyncio.create_task(run(rows(1), 1, 0))
-        await asyncio.to_thread(gate.entered.wait, 10)
+    async def then(run: Runner, scheduler: ModelScheduler, gate: Gate, inside: asyncio.Task) -> None:
         assert not await scheduler.drain(grace_s=0.1, terminate_wait_s=0.1)
         with pytest.raises(Unavailable, match="^model 'm' was unloaded while this request ran; its execution did "
                                               "not end within the grace and was abandoned$"):
             await asyncio.wait_for(inside, 5)
-
-    try:
-        asyncio.run(asyncio.wait_for(scenario(), 30))
-    finally:
-        gate.opened.set()
+    with_a_request_in_its_hook("pre", then)
 
 
 def test_a_request_leaving_its_preprocess_hook_after_the_grace_is_told_it_was_not_run() -> None:
     """Past the grace no execution starts: a request whose hook returned then is not queued to wait for none."""
-    gate = Gate()
-
-    async def scenario() -> None:
-        run, scheduler = await serve(Hooked(pre=gate))
-        inside = asyncio.create_task(run(rows(1), 1, 0))
-        await asyncio.to_thread(gate.entered.wait, 10)
-
+    async def then(run: Runner, scheduler: ModelScheduler, gate: Gate, inside: asyncio.Task) -> None:
         async def open_after_the_grace() -> None:
             await asyncio.sleep(0.3)
             gate.opened.set()
@@ -635,8 +629,4 @@ def test_a_request_leaving_its_preprocess_hook_after_the_grace_is_told_it_was_no
         with pytest.raises(Unavailable, match="^model 'm' was unloaded before this request could start .*it was "
                                               "not run: send it again$"):
             await asyncio.wait_for(inside, 5)
-
-    try:
-        asyncio.run(asyncio.wait_for(scenario(), 30))
-    finally:
-        gate.opened.set()
+    with_a_request_in_its_hook("pre", then)
