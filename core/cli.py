@@ -36,7 +36,7 @@ from nereid.log_limit import EndedCallFilter, RateLimitFilter
 from nereid.model_building import build_model
 from nereid.model_entry import waiting_for_folder
 from nereid.model_runner import checked_input_check
-from nereid.processes import kill_children, not_ignored, record_early_stops
+from nereid.processes import kill_children, not_ignored, record_early_stops, release_early_stops
 from nereid.plugins import NereidPluginManager, add_commands, check_backend_defaults, error_text, make_plugin_manager
 from nereid.storage import StorageError, materialize_model_folder, scan_model_folders
 from nereid.settings import Listeners, Settings, address_problem, load_settings
@@ -94,26 +94,50 @@ def main(argv: list[str] | None = None, extra_plugins: tuple[object, ...] = ()) 
         return _reading_stopped_quietly(lambda: args.run(args))
 
     serving = args.command == "serve"
-    if serving:  # (the server takes them over once it serves: one that comes before stops it then)
-        record_early_stops([signal.SIGTERM, signal.SIGINT, *not_ignored(signal.SIGHUP)])
-    _report_crashes()
-    # The addresses this run listens on: the file's keys, and serve's flags in their place.
-    listeners = (Listeners(args.bind, http_addr=args.http_bind, metrics_addr=args.metrics_bind) if serving
-                 else Listeners())
-    if serving:  # before nereid.yaml is read: what its reading logs (a certificate about to expire) obeys it too
-        _set_log_level(args.log_level)
+    if not serving:
+        return _check_command(args, argv, manager)
+    # Until the server starts (see serve_command), a stop signal is recorded: its imports take half a second.
+    record_early_stops([signal.SIGTERM, signal.SIGINT, *not_ignored(signal.SIGHUP)])
     try:
-        settings = load_settings(args.config)
+        return _serve_command(args, manager)
+    finally:
+        release_early_stops()  # (a way out before the server started: the caller's handlers back)
+
+
+def _check_command(args: argparse.Namespace, argv: list[str] | None, manager: NereidPluginManager) -> int:
+    """``nereid check``: nereid.yaml read, then every model checked (see :func:`check`)."""
+    _report_crashes()
+    settings = _read_settings(args.config, Listeners())
+    if settings is None:
+        return 2
+    # (argv None: the command line's own process, which exits once check returns; callers in a process that goes
+    # on pass their argv, and get their signal handlers back.)
+    return _reading_stopped_quietly(lambda: check(settings, manager, ends_process=argv is None))
+
+
+def _serve_command(args: argparse.Namespace, manager: NereidPluginManager) -> int:
+    """``nereid serve``: nereid.yaml read, with the command line's addresses in place of its own, then served."""
+    _report_crashes()
+    # Before nereid.yaml is read: what its reading logs (a certificate about to expire) obeys it too.
+    _set_log_level(args.log_level)
+    listeners = Listeners(args.bind, http_addr=args.http_bind, metrics_addr=args.metrics_bind)
+    settings = _read_settings(args.config, listeners)
+    if settings is None:
+        return 2
+    return serve_command(settings, listeners, manager)
+
+
+def _read_settings(config: Path, listeners: Listeners) -> Settings | None:
+    """nereid.yaml, its addresses checked for clashes with ``listeners``' in place; None (after the error on
+    stderr) when it cannot be used."""
+    try:
+        settings = load_settings(config)
         if (clash := listeners.clash(settings.server)) is not None:
             raise ConfigError(f"{settings.source}: {clash}")
     except ConfigError as err:
         print(one_record_per_line(f"error: {err}"), file=sys.stderr)
-        return 2
-    if not serving:
-        # (argv None: the command line's own process, which exits once check returns; callers in a process
-        # that goes on pass their argv, and get their signal handlers back.)
-        return _reading_stopped_quietly(lambda: check(settings, manager, ends_process=argv is None))
-    return serve_command(settings, listeners, manager)
+        return None
+    return settings
 
 
 def _report_crashes() -> None:
@@ -216,6 +240,15 @@ def serve_command(settings: Settings, listeners: Listeners, manager: NereidPlugi
 
     async def run() -> None:
         await NereidServer(settings, manager, listeners=listeners).serve_until_signalled()
+
+    # From here a stop signal acts as before, the server setting its own handlers once it serves (its start may
+    # list a bucket for minutes: a stop put off until then would go unheeded). One that came during the imports
+    # above ends the command before the server starts (nothing has been served, or made, yet).
+    came = release_early_stops()
+    if came is not None:
+        logging.getLogger("nereid.server").info("signal received (%s) before the server started: not starting",
+                                                came.name)
+        return 0
 
     try:
         ended = run_to_the_end(run())

@@ -21,17 +21,21 @@ def not_ignored(*signums: signal.Signals) -> list[signal.Signals]:
     return [signum for signum in signums if signal.getsignal(signum) is not signal.SIG_IGN]
 
 
-# Stop signals that came while ``nereid serve`` started, before its server took them over (see record_early_stops).
+# Stop signals that came while ``nereid serve`` imported what it serves with, and the handlers they replaced (see
+# record_early_stops); None when nothing records them.
 _early_stops: list[signal.Signals] = []
+_replaced: dict[signal.Signals, object] | None = None
 
 
 def record_early_stops(signums: list[signal.Signals]) -> None:
-    """From now until the server takes ``signums`` over, record them rather than die of them: the server then
-    stops as soon as it serves (:func:`take_early_stop`). A SIGTERM in the half second of imports before the
-    server set its handlers ended ``nereid serve`` with 143, no drain, and its new scratch folder left behind.
+    """Record ``signums`` rather than die of them, until :func:`release_early_stops`: ``nereid serve`` spends its
+    first half second importing what it serves with, and a SIGTERM then ended it with 143 (no line, no clean-up).
     On the main thread only (where handlers can be set; elsewhere this does nothing)."""
-    if threading.current_thread() is not threading.main_thread():
+    global _replaced
+    if threading.current_thread() is not threading.main_thread() or _replaced is not None:
         return
+    _early_stops.clear()
+    _replaced = {signum: signal.getsignal(signum) for signum in signums}
     for signum in signums:
         signal.signal(signum, _record_early_stop)
 
@@ -40,8 +44,17 @@ def _record_early_stop(signum: int, frame: object) -> None:
     _early_stops.append(signal.Signals(signum))
 
 
-def take_early_stop() -> signal.Signals | None:
-    """The first stop signal :func:`record_early_stops` recorded, if one came; forgotten once taken."""
+def release_early_stops() -> signal.Signals | None:
+    """Put back the handlers :func:`record_early_stops` replaced, and return the first stop signal it recorded
+    (None if none came, or nothing was recording). Called before the server starts: from there a signal acts as
+    it did before (the server sets its own handlers as it serves), and a start that a stop came during does not
+    begin; and on every other way out of ``serve``, so an in-process caller gets its handlers back."""
+    global _replaced
+    if _replaced is None:
+        return None
+    for signum, handler in _replaced.items():
+        signal.signal(signum, handler)  # type: ignore[arg-type]
+    _replaced = None
     came = _early_stops[0] if _early_stops else None
     _early_stops.clear()
     return came

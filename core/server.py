@@ -26,7 +26,7 @@ from nereid.protocol.grpc_service import (MAX_SEND_MESSAGE_BYTES, SERVICE_NAME, 
 from nereid.protocol.http_listener import HttpListener
 from nereid.protocol.http_service import HttpSurface
 from nereid.repository import ModelRepository
-from nereid.processes import kill_children, not_ignored, stop_new_children, take_early_stop
+from nereid.processes import kill_children, not_ignored, stop_new_children
 from nereid.settings import Listeners, Settings, repository_control_allowed
 from nereid.tensors import InferRequest, InferResponse
 from nereid.tls import server_credentials, ssl_context
@@ -415,8 +415,6 @@ class NereidServer:
 
         for signum in stop_signals:
             loop.add_signal_handler(signum, request_stop, signum)
-        if (early := take_early_stop()) is not None:  # came while `nereid serve` started: a stop as any other
-            request_stop(early)
         await self.start()
         loader = asyncio.create_task(self.load_models())
         await stop_requested.wait()
