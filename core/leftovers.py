@@ -229,7 +229,8 @@ def _kill_programs_run_from(folder: str) -> int:
     from a folder this start then removed. Only this PID namespace's processes
     are seen (/proc), and only programs under a dead server's own folder match.
     """
-    inside = os.path.join(folder, "")
+    # /proc gives the program's real path: a TMPDIR through a symlink, or relative, matched none.
+    inside = os.path.join(os.path.realpath(folder), "")
     try:
         entries = os.listdir("/proc")
     except OSError:
@@ -237,6 +238,8 @@ def _kill_programs_run_from(folder: str) -> int:
     # All found first: killing one's group makes the others in it zombies, whose program can no longer be read.
     found = [int(entry) for entry in entries if entry.isdigit() and _program_of(entry).startswith(inside)]
     for pid in found:
+        if not _program_of(str(pid)).startswith(inside):  # (ended since, its id perhaps another's now; or a zombie
+            continue  # of a group killed already)
         with contextlib.suppress(OSError):
             group = os.getpgid(pid)
             if group != os.getpgrp():  # (a run has a session of its own; this server's group is never ended)

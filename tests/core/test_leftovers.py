@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from nereid.leftovers import (OWNER_LOCK, make_scratch_folder, remove_scratch_folder, remove_stale_partials,
                               remove_stale_scratch, scratch_prefix)
 
@@ -47,10 +49,17 @@ def test_stale_scratch_folders_and_partials_go_live_ones_stay(tmp_path):
     assert [p.name for p in tmp_path.glob("*.partial")] == [being_written.name]
 
 
-def test_a_run_a_killed_server_could_not_end_is_ended_with_its_group_by_the_next_start(tmp_path, caplog):
+@pytest.mark.parametrize("tmpdir", ["real", "through a symlink"])
+def test_a_run_a_killed_server_could_not_end_is_ended_with_its_group_by_the_next_start(tmp_path, caplog, tmpdir):
     """Found by a bug hunt: a cpp run that ignores SIGTERM (or hangs) outlived its SIGKILLed server for good, past
-    its timeout_s and past the next start, which removed the folder its program ran from."""
-    stale = tmp_path / f"nereid-{dead_pid()}-abc"
+    its timeout_s and past the next start, which removed the folder its program ran from. (A review found a
+    TMPDIR through a symlink matched no program: /proc gives real paths.)"""
+    real = tmp_path / "real"
+    real.mkdir()
+    parent = real if tmpdir == "real" else tmp_path / "linked"
+    if parent != real:
+        parent.symlink_to(real)
+    stale = parent / f"nereid-{dead_pid()}-abc"
     binary = stale / "m" / "cpp-1" / "main-0"
     binary.parent.mkdir(parents=True)
     shutil.copy2(shutil.which("sleep"), binary)
@@ -65,7 +74,7 @@ def test_a_run_a_killed_server_could_not_end_is_ended_with_its_group_by_the_next
             time.sleep(0.01)
         settled(stale)
         with caplog.at_level(logging.INFO, "nereid.leftovers"):
-            assert remove_stale_scratch(tmp_path) == 1
+            assert remove_stale_scratch(parent) == 1
         assert run.wait(10) == -signal.SIGKILL and not stale.exists()  # its whole group: the shell too
         assert bystander.poll() is None
         assert any(re.match(r"ended 2 process\(es\) still running a program from ", m) for m in caplog.messages)
@@ -78,7 +87,7 @@ def test_a_run_a_killed_server_could_not_end_is_ended_with_its_group_by_the_next
 
 def _runs(pid: int, program: Path) -> bool:
     try:
-        return os.readlink(f"/proc/{pid}/exe") == str(program)
+        return os.readlink(f"/proc/{pid}/exe") == os.path.realpath(program)
     except OSError:
         return False
 
