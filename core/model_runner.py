@@ -8,6 +8,8 @@ request which hooks a model has.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import inspect
 import os
 import threading
@@ -19,7 +21,8 @@ from nereid.batching import deadline_passed
 from nereid.daemon_pool import DaemonThreadPool
 from nereid.errors import (ConfigError, DeadlineExceeded, InvalidArgument, ModelFailure, NereidError, QueueFull,
                            describe_exception, naming_model, without_model_name, without_stop_iteration)
-from nereid.scheduler import REQUEST_STARTED, ModelScheduler, not_started
+from nereid.scheduler import (REQUEST_STARTED, ModelScheduler, UnloadedBeforeStart, not_started,
+                              unloaded_before_start)
 from nereid.signature import ModelSignature, brief_description, check_outputs, validate_inputs
 from nereid.stats import RequestTiming
 from nereid.tensors import NamedTensor
@@ -57,17 +60,19 @@ class HookThreads:
         self._pool: DaemonThreadPool | None = None  # made at the first call
         self._released = False
 
-    async def run(self, call: Callable[[], T]) -> T:
-        """``call()`` on one of the threads; its result."""
+    async def run(self, call: Callable[[], T], scheduler: ModelScheduler | None = None) -> T:
+        """``call()`` on one of the threads; its result. ``scheduler``: the model's, told when the call is handed
+        to the threads and when it has ended there (its caller may have stopped waiting long before: see
+        :meth:`ModelScheduler.hook_call_began`)."""
         loop = asyncio.get_running_loop()
         if not self._released:
             if self._pool is None:
                 self._pool = DaemonThreadPool(HOOK_THREADS, thread_name_prefix=f"nereid-{self._name}-hooks")
-            return await loop.run_in_executor(self._pool, call)
+            return await _on_thread(loop, self._pool, call, scheduler)
         # A request still finishing on a version already released: a thread of its own, gone with the call.
         straggler = DaemonThreadPool(1, thread_name_prefix=f"nereid-{self._name}-hooks")
         try:
-            return await loop.run_in_executor(straggler, call)
+            return await _on_thread(loop, straggler, call, scheduler)
         finally:
             straggler.shutdown(wait=False)
 
@@ -78,6 +83,21 @@ class HookThreads:
         if self._pool is not None:
             self._pool.shutdown(wait=False)  # (calls already queued still run: the ends queue behind them)
             self._pool = None
+
+
+async def _on_thread(loop: asyncio.AbstractEventLoop, pool: DaemonThreadPool, call: Callable[[], T],
+                     scheduler: ModelScheduler | None) -> T:
+    """``call()`` on ``pool``, awaited; ``scheduler`` (if any) counts it from now until it has ended on its thread
+    (one cancelled before a thread took it ends then), whether or not its caller still waits."""
+    future = pool.submit(call)
+    if scheduler is not None:
+        scheduler.hook_call_began()
+
+        def ended(_: concurrent.futures.Future) -> None:
+            with contextlib.suppress(RuntimeError):  # (the loop closed: nothing is left to tell)
+                loop.call_soon_threadsafe(scheduler.hook_call_ended)
+        future.add_done_callback(ended)
+    return await asyncio.wrap_future(future, loop=loop)
 
 
 def make_runner(backend: Model, signature: ModelSignature, batch_signature: ModelSignature,
@@ -117,7 +137,8 @@ def make_runner(backend: Model, signature: ModelSignature, batch_signature: Mode
                 raise not_started(name, deadline_ns, arrived_ns)
             REQUEST_STARTED.set(True)  # the model's own code runs from here (see its answer past the grace)
             try:
-                inputs = await _call_hook(hook_threads, name, "preprocess", preprocess, inputs, deadline_ns, in_hooks)
+                inputs = await _call_hook(hook_threads, scheduler, "preprocess", preprocess, inputs, deadline_ns,
+                                          in_hooks)
                 inputs = _program_inputs(name, batch_signature, inputs, check_inputs)
             except ModelFailure as err:
                 raise _logged(scheduler, err)
@@ -134,6 +155,10 @@ def make_runner(backend: Model, signature: ModelSignature, batch_signature: Mode
                 raise
             # "It was not run" is the program's part: the model's own code did run for it.
             raise DeadlineExceeded(f"{err} (only its preprocess hook was)") from None
+        except UnloadedBeforeStart:
+            if preprocess is None:
+                raise
+            raise UnloadedBeforeStart(unloaded_before_start(name, "preprocess hook")) from None
         except InvalidArgument as err:
             if preprocess is None:
                 raise
@@ -145,7 +170,7 @@ def make_runner(backend: Model, signature: ModelSignature, batch_signature: Mode
             REQUEST_STARTED.set(True)  # (the execution has run; submit's return set nothing)
             try:
                 with scheduler.in_postprocess():
-                    outputs = await _call_hook(hook_threads, name, "postprocess", postprocess, outputs)
+                    outputs = await _call_hook(hook_threads, scheduler, "postprocess", postprocess, outputs)
                     try:
                         check_outputs(name, signature, outputs, batch_size)
                     except ModelFailure as err:  # (named as the hook's: the program's outputs were checked already)
@@ -323,7 +348,7 @@ class _HookStart:
         return bool(self.begun_ns) and deadline_passed(self._deadline_ns, now_ns)
 
 
-async def _call_hook(threads: HookThreads, model: str, hook: str,
+async def _call_hook(threads: HookThreads, scheduler: ModelScheduler, hook: str,
                      function: Callable[[list[NamedTensor]], list[NamedTensor]],
                      tensors: list[NamedTensor], deadline_ns: int = 0,
                      stage: _HookStage | None = None) -> list[NamedTensor]:
@@ -336,8 +361,10 @@ async def _call_hook(threads: HookThreads, model: str, hook: str,
     DeadlineExceeded saying whether the hook had begun. A thread cannot be
     stopped, so one that began runs on and its result is dropped (the thread
     serves the model's other hooks once it returns); one still waiting for a
-    thread never begins.
+    thread never begins. The model's scheduler counts the call until it has ended on its thread, so an unload
+    waits for a hook still running after its caller stopped waiting (a deadline, a client gone).
     """
+    model = scheduler.name
     start = _HookStart(stage, tensors, deadline_ns)
     del tensors  # (held by ``start`` until the hook takes them)
 
@@ -354,7 +381,7 @@ async def _call_hook(threads: HookThreads, model: str, hook: str,
         stage.calls.add(start)
     try:
         async with timer:
-            return await _hook_result(threads, model, hook, run_and_check)
+            return await _hook_result(threads, scheduler, hook, run_and_check)
     except TimeoutError:
         if not timer.expired():  # (never: the hook's own errors come out of _hook_result as NereidError)
             raise
@@ -373,12 +400,13 @@ async def _call_hook(threads: HookThreads, model: str, hook: str,
             stage.calls.discard(start)  # (after give_up: a call given up unbegun is counted as dropped first)
 
 
-async def _hook_result(threads: HookThreads, model: str, hook: str,
+async def _hook_result(threads: HookThreads, scheduler: ModelScheduler, hook: str,
                        run_and_check: Callable[[], list[NamedTensor]]) -> list[NamedTensor]:
     """``run_and_check()`` on one of ``threads``; what it raises, named as the model's (a hook's BaseException
     as its ModelFailure): a caller's cancellation is all that comes out otherwise."""
+    model = scheduler.name
     try:
-        return await threads.run(run_and_check)
+        return await threads.run(run_and_check, scheduler)
     except NereidError as err:
         # A hook's own refusal (InvalidArgument, ...): same kind, naming the model as every message does (the
         # check's verdict names it already).

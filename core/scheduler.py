@@ -94,6 +94,7 @@ class ModelScheduler:
         self._backlog = 0  # requests run and still in the model's postprocess stage (see in_postprocess)
         # The tasks of requests inside a model's hook stages (see hooked_request), each with how many times it is.
         self._in_hooks: collections.Counter[asyncio.Task] = collections.Counter()
+        self._hook_calls = 0  # hook calls handed to the model's hook threads and not ended there (see hook_call_began)
         self._idle = asyncio.Event()
         self._idle.set()
         self._accepting = True
@@ -133,7 +134,7 @@ class ModelScheduler:
             if not admitted:
                 raise ModelRetired(f"model '{self.name}' is being unloaded", self)
             if not self._starting:
-                raise Unavailable(self._not_started_message())
+                raise UnloadedBeforeStart(unloaded_before_start(self.name))
         if len(self._pending) >= self.capacity:
             self.drop_dead()
         if len(self._pending) >= self.capacity:
@@ -216,12 +217,26 @@ class ModelScheduler:
             if not self._abandoned:
                 raise
             caller.uncancel()  # drain's cancellation, not the caller's: answer it
-            raise Unavailable(self._abandoned_message()) from None
+            raise Unavailable(f"model '{self.name}' was unloaded while this request ran (in a hook or an "
+                              "execution), which did not end within the grace and was abandoned") from None
         finally:
             self._in_hooks[caller] -= 1
             if not self._in_hooks[caller]:
                 del self._in_hooks[caller]
             self._update_idle()
+
+    def hook_call_began(self) -> None:
+        """One of the model's hook calls was handed to its hook threads: the model is not idle until
+        :meth:`hook_call_ended` (told from the thread's end, through the loop), whether or not its request still
+        waits. A hook that runs on after its caller left (a deadline passed, a client gone) held nothing: an
+        unload went on and unloaded the model under it."""
+        self._hook_calls += 1
+        self._idle.clear()
+
+    def hook_call_ended(self) -> None:
+        """A call :meth:`hook_call_began` counted has ended on its thread (or was dropped before one took it)."""
+        self._hook_calls -= 1
+        self._update_idle()
 
     @contextlib.contextmanager
     def in_postprocess(self) -> Iterator[None]:
@@ -308,21 +323,21 @@ class ModelScheduler:
         finished = await _wait_event(self._idle, grace_s)
         if not finished:
             # (A grace of 0: the server's shutdown_grace_s has already been spent waiting for its listeners.)
-            log.warning("model '%s': %d execution(s) still running after %s; ending them", self.name,
-                        self._executions() or 1, f"the {grace_s:g} s grace" if grace_s else "the grace")
+            log.warning("model '%s': %s still running after %s; ending them", self.name, self._work_left(),
+                        f"the {grace_s:g} s grace" if grace_s else "the grace")
             # The grace is spent: what is still queued is not started by the slots the ended executions free
             # (it would start after the grace, and be abandoned or cut short in turn), and is told so now.
             self.stop_starting()
             for work in self._pending:
                 if not work.future.done():
-                    work.future.set_exception(Unavailable(self._not_started_message()))
+                    work.future.set_exception(UnloadedBeforeStart(unloaded_before_start(self.name)))
             self._pending.clear()
             self._update_idle()
             if terminate is not None:
                 await terminate()
             finished = await _wait_event(self._idle, terminate_wait_s)
             if not finished:
-                log.error("model '%s': %d execution(s) did not end; abandoning them", self.name, self._executions())
+                log.error("model '%s': %s did not end; abandoning them", self.name, self._work_left())
                 # Their callers still wait (without a deadline, for ever): the batcher's are answered here
                 # (a coroutine infer that swallows its cancellation would never hand it back), and a caller
                 # running its own request as it is cancelled (see submit); a thread runs on regardless.
@@ -394,7 +409,7 @@ class ModelScheduler:
 
     def _update_idle(self) -> None:
         # Every execution holds a slot: all slots free, nothing queued and no request in a hook means idle.
-        if not self._pending and self._free_slots == self._instances and not self._in_hooks:
+        if not self._pending and self._free_slots == self._instances and not self._in_hooks and not self._hook_calls:
             self._idle.set()
 
     def _answer_dropped(self, work: Work) -> None:
@@ -448,9 +463,18 @@ class ModelScheduler:
         coroutine infer's, which counts no thread)."""
         return max(self._threads, len(self._running) + len(self._direct))
 
-    def _not_started_message(self) -> str:
-        return (f"model '{self.name}' was unloaded before this request could start (what ran ahead of it did not "
-                "end within the grace); it was not run: send it again")
+    def _work_left(self) -> str:
+        """What a drain still waits for, in words: executions, and hook calls."""
+        executions, in_hooks = self._executions(), self.requests_in_hooks
+        parts = [f"{executions} execution(s)"] if executions or not in_hooks else []
+        return " and ".join([*parts, *([f"{in_hooks} request(s) in its hooks"] if in_hooks else [])])
+
+    @property
+    def requests_in_hooks(self) -> int:
+        """The model's hook calls running, or waiting for one of its hook threads (a request whose caller has
+        left while its hook runs on included)."""
+        return self._hook_calls
+
 
     def _abandoned_message(self) -> str:
         return (f"model '{self.name}' was unloaded while this request ran; its execution did not end within the "
@@ -691,6 +715,18 @@ class ModelScheduler:
             waiter.set_exception(error)
         else:
             waiter.set_result(result)
+
+
+class UnloadedBeforeStart(Unavailable):
+    """The answer of a request whose model was unloaded before the request could start: none of the model's code
+    ran for it, but a hook it went through first (see :func:`unloaded_before_start`)."""
+
+
+def unloaded_before_start(model: str, only: str = "") -> str:
+    """The text of :class:`UnloadedBeforeStart`; ``only``: what of the model's did run for it ("preprocess hook")."""
+    ran = f" (only its {only} was)" if only else ""
+    return (f"model '{model}' was unloaded before this request could start (what ran ahead of it did not end "
+            f"within the grace); it was not run{ran}: send it again")
 
 
 def not_started(model: str, deadline_ns: int, now_ns: int, waited: str = "") -> DeadlineExceeded:

@@ -380,11 +380,14 @@ class NereidServer:
         """Say, as the drain starts, what each model still has to do: what the grace is for."""
         running: Counter[str] = Counter()
         queued: Counter[str] = Counter()
+        in_hooks: Counter[str] = Counter()
         for name, loaded in self.repository.versions():  # (an old version still draining counts with its name's)
             running[name] += loaded.stats.running_executions
             queued[name] += loaded.scheduler.queue_depth
+            in_hooks[name] += loaded.scheduler.requests_in_hooks
         busy = [f"model '{name}': {running[name]} execution(s) running, {queued[name]} request(s) queued"
-                for name in sorted(running | queued) if running[name] or queued[name]]
+                + (f", {in_hooks[name]} in its hooks" if in_hooks[name] else "")
+                for name in sorted(running | queued | in_hooks) if running[name] or queued[name] or in_hooks[name]]
         if busy:
             log.info("draining: %s", "; ".join(busy))
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import threading
 from typing import Awaitable, Callable
@@ -611,14 +612,15 @@ def test_an_unload_waits_for_the_requests_in_a_hook_and_refuses_new_ones_before_
 def test_a_request_whose_hook_outlives_the_drain_s_grace_is_answered_when_its_work_is_abandoned() -> None:
     async def then(run: Runner, scheduler: ModelScheduler, gate: Gate, inside: asyncio.Task) -> None:
         assert not await scheduler.drain(grace_s=0.1, terminate_wait_s=0.1)
-        with pytest.raises(Unavailable, match="^model 'm' was unloaded while this request ran; its execution did "
-                                              "not end within the grace and was abandoned$"):
+        with pytest.raises(Unavailable, match=r"^model 'm' was unloaded while this request ran \(in a hook or an "
+                                              r"execution\), which did not end within the grace and was abandoned$"):
             await asyncio.wait_for(inside, 5)
     with_a_request_in_its_hook("pre", then)
 
 
-def test_a_request_leaving_its_preprocess_hook_after_the_grace_is_told_it_was_not_run() -> None:
-    """Past the grace no execution starts: a request whose hook returned then is not queued to wait for none."""
+def test_a_request_leaving_its_preprocess_hook_after_the_grace_is_told_only_its_hook_ran() -> None:
+    """Past the grace no execution starts: a request whose hook returned then is not queued to wait for none. (A
+    review found it told "it was not run: send it again" though its preprocess hook had run.)"""
     async def then(run: Runner, scheduler: ModelScheduler, gate: Gate, inside: asyncio.Task) -> None:
         async def open_after_the_grace() -> None:
             await asyncio.sleep(0.3)
@@ -626,7 +628,23 @@ def test_a_request_leaving_its_preprocess_hook_after_the_grace_is_told_it_was_no
         opener = asyncio.create_task(open_after_the_grace())
         assert await scheduler.drain(grace_s=0.1, terminate_wait_s=5)  # it left before the work was abandoned
         await opener
-        with pytest.raises(Unavailable, match="^model 'm' was unloaded before this request could start .*it was "
-                                              "not run: send it again$"):
+        with pytest.raises(Unavailable, match=r"^model 'm' was unloaded before this request could start .*it was "
+                                              r"not run \(only its preprocess hook was\): send it again$"):
             await asyncio.wait_for(inside, 5)
     with_a_request_in_its_hook("pre", then)
+
+
+@pytest.mark.parametrize("hook", ["pre", "post"])
+def test_an_unload_waits_for_a_hook_still_running_after_its_caller_left(hook: str) -> None:
+    """Found by a review: the unload counted requests, not hook calls, so one whose client left (or whose deadline
+    passed) while its hook ran let the model be unloaded under that hook."""
+    async def then(run: Runner, scheduler: ModelScheduler, gate: Gate, inside: asyncio.Task) -> None:
+        inside.cancel()  # the client goes away; the hook runs on, on its thread
+        with contextlib.suppress(asyncio.CancelledError):
+            await inside
+        drained = asyncio.create_task(scheduler.drain())
+        await asyncio.sleep(0.2)
+        assert not drained.done() and scheduler.requests_in_hooks == 1
+        gate.opened.set()
+        assert await asyncio.wait_for(drained, 10) and scheduler.requests_in_hooks == 0
+    with_a_request_in_its_hook(hook, then)
