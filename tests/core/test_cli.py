@@ -282,8 +282,10 @@ def read_after_a_stop(path):
     return read(path)
 
 nereid.cli.load_settings = read_after_a_stop
-print(main(["serve", "--config", sys.argv[1], "--bind", sys.argv[2]]), signal.getsignal(signal.SIGTERM) is signal.SIG_DFL)
-print(main(["serve", "--config", "/nonexistent/nereid.yaml"]), signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+code = main(["serve", "--config", sys.argv[1], "--bind", sys.argv[2]])
+print(code, signal.getsignal(signal.SIGTERM) is signal.SIG_DFL)
+code = main(["serve", "--config", "/nonexistent/nereid.yaml"])
+print(code, signal.getsignal(signal.SIGINT) is signal.default_int_handler)
 '''
 
 
