@@ -68,7 +68,9 @@ def textproto_hint(problem: str) -> str:
     unquoted = re.search(r"Expected string but found: '(\w+)'", problem)
     if unquoted is not None:
         found = unquoted.group(1)
-        hint = datatype_hint(found) or (f'write data_type: "{found}" (quoted)' if _is_datatype(found) else "")
+        # (The message names no field: a datatype's name unquoted is most likely data_type's, but say only what
+        # holds for any string field.)
+        hint = datatype_hint(found) or (f'a string is quoted: "{found}"' if _is_datatype(found) else "")
         return f" ({hint})" if hint else ""
     return ""
 

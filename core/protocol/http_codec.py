@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -160,7 +161,13 @@ def _with_non_finite_literals(header: bytes | memoryview) -> Any:
         document = json.loads(raw.decode("utf-8"), parse_float=_finite_float, parse_int=_as_orjson_reads_it)
     except (ValueError, RecursionError):
         return None
+    # (A surrogate can only come from a \uD800-\uDFFF escape, raw UTF-8 holds none: most bodies skip the walk.)
+    if _SURROGATE_ESCAPE.search(raw) is None:
+        return document
     return document if _has_no_lone_surrogate(document) else None
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # (an escaped backslash before "ud8..." too: then walked)
 
 
 def _has_no_lone_surrogate(document: Any) -> bool:

@@ -53,7 +53,7 @@ def test_a_triton_model_folder_is_told_by_its_config_or_its_version_folder(tmp_p
      """; write data_type: "BYTES" (KServe's name for Triton's TYPE_STRING)"""),
     # (Found by a README check: the right name unquoted, or in lower case, got no hint.)
     ('input [ { name: "x" data_type: FP32 dims: [ 4 ] } ]\n',
-     """Expected string but found: 'FP32' (write data_type: "FP32" (quoted))"""),
+     """Expected string but found: 'FP32' (a string is quoted: "FP32")"""),
     ('input [ { name: "x" data_type: "fp32" dims: [ 4 ] } ]\n',
      """; write data_type: "FP32" (datatypes are written in capitals)"""),
 ])

@@ -214,7 +214,8 @@ def test_dims_that_are_not_ascii_decimal_integers(dims: bytes) -> None:
 
 def test_rank_over_limit() -> None:
     # rank MAX_RANK itself is fine, one more is refused
-    assert MAX_RANK == 33  # (found by a bug hunt: 32, a batching model declaring 32 dims could not answer)
+    if np.lib.NumpyVersion(np.__version__) >= "2.0.0":  # (numpy 1 holds 32 dims at most)
+        assert MAX_RANK == 33  # (found by a bug hunt: 32, a batching model declaring 32 dims could not answer)
     dtype, shape, _ = read_frame(b"float32 " + b",".join([b"1"] * MAX_RANK) + b"\n" + b"\x00" * 4)
     assert len(shape) == MAX_RANK
     assert "bad shape" in failure(b"float32 " + b",".join([b"1"] * (MAX_RANK + 1)) + b"\n" + b"\x00" * 4)
