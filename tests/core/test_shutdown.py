@@ -506,14 +506,14 @@ def test_a_second_stop_during_a_stop_waits_for_it_and_the_models_are_unloaded_on
 
 
 SWALLOWS_CANCELLATION = '''
-import asyncio, time
+import asyncio, os, time
 import nereid
 
 async def orchestrate(inputs, ctx):
-    ends = time.monotonic() + 2.5
-    while time.monotonic() < ends:  # every cancellation swallowed, for 2.5 s
-        try:
-            await asyncio.sleep(ends - time.monotonic())
+    ends = time.monotonic() + 30
+    while time.monotonic() < ends and not os.path.exists(os.environ.get("NEREID_TEST_RELEASE", "")):
+        try:  # every cancellation swallowed, until the test releases it (30 s at most)
+            await asyncio.sleep(0.05)
         except asyncio.CancelledError:
             pass
     return [type(inputs[0])("y", inputs[0].dtype, inputs[0].data)]
@@ -523,7 +523,7 @@ nereid.register_model(orchestrate=orchestrate)
 
 
 def test_a_request_whose_model_swallows_the_cancellation_at_the_grace_is_not_said_to_be_answered(repo, serve,
-                                                                                                 caplog):
+                                                                                                 caplog, monkeypatch):
     """Found by a bug hunt: the WARNING at the grace said each request still in flight was "answered UNAVAILABLE",
     but one whose model swallows its cancellation (an orchestration's bare except) never was: gRPC's stop cut its
     client off a second later. The server says so now, after the fact."""
@@ -534,6 +534,8 @@ def test_a_request_whose_model_swallows_the_cancellation_at_the_grace_is_not_sai
         "client_inputs: [{name: x, dtype: f32, shape: a, dims: {a: 4}}]\n"
         "client_outputs: [{name: y, dtype: f32, shape: a, dims: {a: 4}}]\n")
     (folder / "model.py").write_text(SWALLOWS_CANCELLATION)
+    release = repo.root / "release"
+    monkeypatch.setenv("NEREID_TEST_RELEASE", str(release))  # (the model runs in this process)
     server = serve(repo.write_config())
     answers: list[str] = []
 
@@ -549,16 +551,19 @@ def test_a_request_whose_model_swallows_the_cancellation_at_the_grace_is_not_sai
                 answers.append(f"{err.code().name}: {err.details()}")
 
     caller = threading.Thread(target=infer_once, daemon=True)
-    caller.start()
-    assert wait_until(lambda: server.server._servicer.running_requests == 1, PROMPT_S)
-    caplog.set_level(logging.WARNING, "nereid.server")
-    asyncio.run_coroutine_threadsafe(server.server.stop(grace_s=0.3), server.loop).result(PROMPT_S * 2)
-    caller.join(PROMPT_S)
-    assert answers and "Cancelling all calls" in answers[0], answers  # gRPC's, not nereid's
-    warnings = [message for message in caplog.messages if "gRPC inference request(s)" in message
-                or "never answered" in message]
-    assert warnings == ["1 gRPC inference request(s) still in flight after the 0.3 s grace: answering them "
-                        "UNAVAILABLE",
-                        "1 of them never answered: their model's code did not end when cancelled (a coroutine that "
-                        "swallows CancelledError), so gRPC's stop cut their clients off"], caplog.messages
+    try:
+        caller.start()
+        assert wait_until(lambda: server.server._servicer.running_requests == 1, PROMPT_S)
+        caplog.set_level(logging.WARNING, "nereid.server")
+        asyncio.run_coroutine_threadsafe(server.server.stop(grace_s=0.3), server.loop).result(PROMPT_S * 2)
+        caller.join(PROMPT_S)
+        assert answers and "Cancelling all calls" in answers[0], answers  # gRPC's, not nereid's
+        warnings = [message for message in caplog.messages if "gRPC inference request(s)" in message
+                    or "never answered" in message]
+        assert warnings == ["1 gRPC inference request(s) still in flight after the 0.3 s grace: answering them "
+                            "UNAVAILABLE",
+                            "1 of them never answered: their model's code did not end when cancelled (a coroutine that "
+                            "swallows CancelledError), so gRPC's stop cut their clients off"], caplog.messages
+    finally:
+        release.touch()
     assert wait_until(lambda: server.server._servicer.still_running_after_grace() == 0, PROMPT_S)  # (it ends)
