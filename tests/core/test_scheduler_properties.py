@@ -43,7 +43,7 @@ from hypothesis import strategies as st
 from nereid.batching import BatchPolicy
 from nereid.dtypes import DType
 from nereid.errors import DeadlineExceeded, ModelFailure, ModelRetired, QueueFull, Unavailable
-from nereid.scheduler import ModelScheduler
+from nereid.scheduler import ModelScheduler, UnloadedBeforeStart
 from nereid.signature import ModelSignature, TensorSpec
 from nereid.stats import ModelStats, RequestTiming
 from nereid.tensors import NamedTensor
@@ -483,6 +483,6 @@ def test_an_abandoned_execution_with_wrong_outputs_is_not_a_success() -> None:
 def test_requests_queued_when_drain_abandons_a_model_are_answered_and_charged_nothing() -> None:
     played, backend, stats, _ = run_scenario(ABANDONED_WHILE_QUEUED)
     assert played.drain_finished is False
-    assert [type(r.outcome) for r in played.requests] == [Unavailable, Unavailable]
+    assert [type(r.outcome) for r in played.requests] == [Unavailable, UnloadedBeforeStart]  # (abandoned; not run)
     assert [r.timing.compute_ns for r in played.requests] == [None, None]
     assert (stats.batcher.total_submitted, stats.queue.count, sum(stats.queue_seconds.counts)) == (2, 0, 0)
