@@ -119,7 +119,8 @@ def check_no_sequence(model: str, value: object, quote: Callable[[object], str] 
         return  # (0.0 equals 0, but is no integer: refused below as a 5.0 is)
     shown = _shown(value, quote)
     if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise InvalidArgument(f"model '{model}': parameter 'sequence_id' must be an integer or a string, got {shown}")
+        raise InvalidArgument(f"model '{model}': parameter 'sequence_id' must be an integer or a string, got "
+                              f"{_past_64_bits(value) or shown}")
     raise InvalidArgument(f"model '{model}': parameter 'sequence_id' {shown} names a sequence, but nereid has no "
                           "sequence batching (no model keeps state between requests); leave it out (or send 0) to "
                           "run the request on its own")
@@ -133,11 +134,19 @@ def check_scheduling_parameters(model: str, values: dict[str, object],
     priority = values.get("priority", 0)
     if isinstance(priority, bool) or not isinstance(priority, int) or priority < 0:
         raise InvalidArgument(f"model '{model}': parameter 'priority' must be an integer >= 0, got "
-                              f"{_shown(priority, quote)}")
+                              f"{_past_64_bits(priority) or _shown(priority, quote)}")
     for flag in ("sequence_start", "sequence_end"):
         if not isinstance(values.get(flag, False), bool):
             raise InvalidArgument(f"model '{model}': parameter '{flag}' must be true or false, got "
                                   f"{_shown(values[flag], quote)}")
+
+
+def _past_64_bits(value: object) -> str:
+    """How to quote a number past 64 bits: orjson reads such an integer literal as a float, which quoted as it is
+    (``1.8446744073709552e+19``) read as a float sent as one; "" for any other value."""
+    if isinstance(value, float) and math.isfinite(value) and abs(value) >= 2 ** 63:
+        return f"a number past 64 bits (about {value:.6g})"
+    return ""
 
 
 def _shown(value: object, quote: Callable[[object], str] | None) -> str:

@@ -43,7 +43,9 @@ def test_a_sequence_id_is_refused_and_zero_or_empty_means_none():
                          (b"true", "parameter 'sequence_id' must be an integer or a string, got true"),
                          # (Found by a bug hunt: 0.0 equals 0, and was read as none where 5.0 was refused.)
                          (b"0.0", "parameter 'sequence_id' must be an integer or a string, got 0.0"),
-                         (b"-0.0", "parameter 'sequence_id' must be an integer or a string, got -0.0")):
+                         (b"-0.0", "parameter 'sequence_id' must be an integer or a string, got -0.0"),
+                         (b"18446744073709551616", "parameter 'sequence_id' must be an integer or a string, got a "
+                                                   "number past 64 bits (about 1.84467e+19)")):
         with pytest.raises(InvalidArgument, match=f"^model 'm': {re.escape(problem)}"):
             decode_infer("m", with_parameter("sequence_id", raw), None)
     for raw in (b"0", b'""'):
@@ -54,6 +56,9 @@ def test_scheduling_parameters_of_the_wrong_type_are_refused():
     """Found by a bug hunt: accepted and ignored, where Triton answers 400."""
     for key, raw, problem in (("priority", b'"high"', "parameter 'priority' must be an integer >= 0, got \"high\""),
                               ("priority", b"-1", "parameter 'priority' must be an integer >= 0, got -1"),
+                              # (Found by a bug hunt: "got 1.8446744073709552e+19", as though a float was sent.)
+                              ("priority", b"18446744073709551616", "parameter 'priority' must be an integer >= 0, "
+                                                                    "got a number past 64 bits (about 1.84467e+19)"),
                               ("sequence_end", b"1", "parameter 'sequence_end' must be true or false, got 1")):
         with pytest.raises(InvalidArgument, match=f"^model 'm': {re.escape(problem)}$"):
             decode_infer("m", with_parameter(key, raw), None)
