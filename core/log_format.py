@@ -21,9 +21,11 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 CONTINUATION = "\n    "
 
 # C0 and C1 controls but tab, DEL, the Unicode line and paragraph separators (which some log readers
-# break lines at) and lone surrogates (a name that is not UTF-8, which the stream could not encode); a
-# newline is matched apart, to be kept as an indented break.
-_UNSAFE = re.compile("(\r\n|\n)|[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
+# break lines at), the bidirectional formatting characters (which make a terminal show a line's text in another
+# order than it holds: "Trojan Source") and lone surrogates (a name that is not UTF-8, which the stream could not
+# encode); a newline is matched apart, to be kept as an indented break.
+_UNSAFE = re.compile("(\r\n|\n)|[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069"
+                     "\ud800-\udfff]")
 
 
 def _replace(match: re.Match[str]) -> str:

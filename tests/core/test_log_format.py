@@ -18,6 +18,11 @@ def test_a_line_break_becomes_an_indented_continuation_and_other_controls_are_es
     assert one_record_per_line(FORGED) == "ok\n    2026-12-01 10:00:00,000 ERROR nereid.server: FORGED"
     assert one_record_per_line("a\r\nb\rc\x1b[2Jd\u2028e\x85f\udcff") == "a\n    b\\rc\\x1b[2Jd\\u2028e\\x85f\\udcff"
     assert one_record_per_line("model 'it's' is READY\t(é, 🙂)") == "model 'it's' is READY\t(é, 🙂)"  # unchanged
+    # (Found by a bug hunt: the bidirectional formatting characters, which reorder what a terminal shows, went out
+    # as they were; Arabic, Hebrew and joiners stay.)
+    assert (one_record_per_line("m\u202etxt.exe\u2066x\u2069\u200f\u061c")
+            == "m\\u202etxt.exe\\u2066x\\u2069\\u200f\\u061c")
+    assert one_record_per_line("نموذج מודל a\u200db") == "نموذج מודל a\u200db"
 
 
 def test_a_traceback_stays_readable_and_every_line_but_the_first_is_indented() -> None:
