@@ -135,7 +135,6 @@ def make_runner(backend: Model, signature: ModelSignature, batch_signature: Mode
             if deadline_passed(deadline_ns, arrived_ns):
                 # Refused as the scheduler refuses it: no model code runs for a request already out of time.
                 raise not_started(name, deadline_ns, arrived_ns)
-            REQUEST_STARTED.set(True)  # the model's own code runs from here (see its answer past the grace)
             try:
                 inputs = await _call_hook(hook_threads, scheduler, "preprocess", preprocess, inputs, deadline_ns,
                                           in_hooks)
@@ -395,7 +394,11 @@ async def _call_hook(threads: HookThreads, scheduler: ModelScheduler, hook: str,
             f"{(now_ns - begun_ns) / 1e6:.1f} ms so far); the program was not run, and the hook runs on with its "
             "result dropped") from None
     finally:
-        start.give_up()  # (when it returned or failed: no-op; a caller gone while it waited for a thread: never runs)
+        # (When it returned or failed: no-op; a caller gone while it waited for a thread: it never runs.)
+        if start.give_up():
+            # The model's own code ran for the request (see its answer past the grace): only once a thread took
+            # the call. One still waiting for a thread when it was stopped was told "its answer is lost".
+            REQUEST_STARTED.set(True)
         if stage is not None:
             stage.calls.discard(start)  # (after give_up: a call given up unbegun is counted as dropped first)
 

@@ -217,6 +217,8 @@ class ModelScheduler:
             if not self._abandoned:
                 raise
             caller.uncancel()  # drain's cancellation, not the caller's: answer it
+            if not REQUEST_STARTED.get():  # (still waiting for a hook thread: none of the model's code ran)
+                raise UnloadedBeforeStart(unloaded_before_start(self.name)) from None
             raise Unavailable(f"model '{self.name}' was unloaded while this request ran (in a hook or an "
                               "execution), which did not end within the grace and was abandoned") from None
         finally:

@@ -648,3 +648,24 @@ def test_an_unload_waits_for_a_hook_still_running_after_its_caller_left(hook: st
         gate.opened.set()
         assert await asyncio.wait_for(drained, 10) and scheduler.requests_in_hooks == 0
     with_a_request_in_its_hook(hook, then)
+
+
+def test_a_request_still_waiting_for_a_hook_thread_when_the_work_is_abandoned_is_told_it_was_not_run(
+        monkeypatch) -> None:
+    """Found by a bug hunt: one whose hook call had not begun (every hook thread busy) was told it "ran (in a hook
+    or an execution)", and at a server's stop "its answer is lost", though none of the model's code ran for it."""
+    from nereid import model_runner
+
+    monkeypatch.setattr(model_runner, "HOOK_THREADS", 1)  # (read as the model's pool is made, at its first call)
+
+    async def then(run: Runner, scheduler: ModelScheduler, gate: Gate, inside: asyncio.Task) -> None:
+        waiting = asyncio.create_task(run(rows(2), 1, 0))
+        await asyncio.sleep(0.1)
+        assert not waiting.done() and gate.calls == 1  # behind the first, on the one thread
+        assert not await scheduler.drain(grace_s=0.1, terminate_wait_s=0.1)
+        with pytest.raises(Unavailable, match=r"^model 'm' was unloaded while this request ran \(in a hook"):
+            await asyncio.wait_for(inside, 5)
+        with pytest.raises(Unavailable, match=r"^model 'm' was unloaded before this request could start .*it was "
+                                              r"not run: send it again$"):
+            await asyncio.wait_for(waiting, 5)
+    with_a_request_in_its_hook("pre", then)
