@@ -8,6 +8,7 @@ import concurrent.futures
 import contextlib
 import logging
 import threading
+import time
 from typing import Awaitable, Callable
 
 import numpy as np
@@ -669,3 +670,40 @@ def test_a_request_still_waiting_for_a_hook_thread_when_the_work_is_abandoned_is
                                               r"not run: send it again$"):
             await asyncio.wait_for(waiting, 5)
     with_a_request_in_its_hook("pre", then)
+
+
+def test_a_postprocess_does_not_wait_behind_other_requests_preprocess_calls(monkeypatch) -> None:
+    """Found by a bug hunt: both hooks shared one first-come pool, so a request whose execution had run waited for
+    a thread behind later requests' preprocess calls (and, at an unload, was abandoned for it)."""
+    from nereid import model_runner
+
+    monkeypatch.setattr(model_runner, "HOOK_THREADS", 1)  # (read as each pool is made)
+    release = threading.Event()
+    ran = threading.Event()
+
+    def preprocess(tensors: list[NamedTensor]) -> list[NamedTensor]:
+        if tensors[0].data[0, 0] == 2:  # the second request's: holds its pool's one thread
+            release.wait(30)
+        return tensors
+
+    class SlowProgram(Hooked):
+        def infer(self, inputs: list[NamedTensor]) -> list[NamedTensor]:
+            ran.set()
+            time.sleep(0.3)  # (the second request's preprocess takes the thread meanwhile)
+            return super().infer(inputs)
+
+    async def scenario() -> None:
+        run, scheduler = await serve(SlowProgram(pre=preprocess))
+        first = asyncio.create_task(run(rows(1), 1, 0))
+        await asyncio.to_thread(ran.wait, 10)
+        second = asyncio.create_task(run(rows(2), 1, 0))
+        assert (await asyncio.wait_for(first, 5))[0].data.tolist() == [[2, 2]]  # its postprocess found a thread
+        assert not second.done()
+        release.set()
+        assert (await asyncio.wait_for(second, 5))[0].data.tolist() == [[4, 4]]
+        await scheduler.drain()
+
+    try:
+        asyncio.run(asyncio.wait_for(scenario(), 30))
+    finally:
+        release.set()
