@@ -383,11 +383,11 @@ def test_files_that_cannot_be_served_rotated_in_are_logged_and_skipped_by_both_l
     cert, key = ca.leaf("server")
     if unusable == "grpc_cannot_serve":
         new_cert, new_key = ca.leaf("secp256k1", ec.generate_private_key(ec.SECP256K1()))
-        which, why = "key", f"gRPC (BoringSSL) cannot serve {cert} with {key}"
+        why = f"gRPC (BoringSSL) cannot serve {cert} with {key}"
     else:
         new_cert, new_key = ca.leaf("expired", valid_from=NOW - 10 * DAY, valid_to=NOW - DAY)
-        which, why = "cert", (f"{cert} expired at {when(NOW - DAY)} (valid from {when(NOW - 10 * DAY)} to "
-                              f"{when(NOW - DAY)}, now ")
+        why = (f"{cert} expired at {when(NOW - DAY)} (valid from {when(NOW - 10 * DAY)} to "
+               f"{when(NOW - DAY)}, now ")
     tls = TlsSettings(cert, key)
     with https_listener(tls) as https, grpc_listener(tls) as grpc_port:
         replace(key, new_key)
