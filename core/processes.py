@@ -35,8 +35,9 @@ def record_early_stops(signums: list[signal.Signals]) -> None:
     if threading.current_thread() is not threading.main_thread() or _replaced is not None:
         return
     _early_stops.clear()
-    _replaced = {signum: signal.getsignal(signum) for signum in signums}
-    for signum in signums:
+    # (A handler set outside Python reads as None and could not be put back: that signal is left as it is.)
+    _replaced = {signum: handler for signum in signums if (handler := signal.getsignal(signum)) is not None}
+    for signum in _replaced:
         signal.signal(signum, _record_early_stop)
 
 
