@@ -138,6 +138,9 @@ class ModelScheduler:
         if len(self._pending) >= self.capacity:
             self.drop_dead()
         if len(self._pending) >= self.capacity:
+            now_ns = time.monotonic_ns()
+            if deadline_passed(deadline_ns, now_ns):  # (a hook's request, say): its deadline is the news, not the queue
+                raise not_started(self.name, deadline_ns, now_ns)
             raise QueueFull(f"model '{self.name}': queue is full (queue_capacity {self.capacity} in nereid.yaml); "
                             "retry later")
         arrived_ns = time.monotonic_ns()

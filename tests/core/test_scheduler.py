@@ -125,6 +125,28 @@ def test_a_request_out_of_time_on_arrival_at_an_idle_model_is_not_said_to_have_q
     run(scenario())
 
 
+def test_a_request_out_of_time_meeting_a_full_queue_is_told_its_deadline_passed() -> None:
+    """A request that reaches a full queue after its deadline (one whose hook ran late, say) was told QueueFull
+    ("retry later"), where DEADLINE_EXCEEDED was due; a request still in time is told QueueFull."""
+    async def scenario() -> None:
+        backend = GatedDouble()
+        scheduler = ModelScheduler("m", backend, SIGNATURE, capacity=1, instances=1, stats=ModelStats())
+        blocker = asyncio.create_task(scheduler.submit(rows(1), 1, 0))
+        await until(lambda: scheduler.running_threads == 1)
+        queued = asyncio.create_task(scheduler.submit(rows(2), 1, 0))
+        await until(lambda: scheduler.queue_depth == 1)
+        with pytest.raises(DeadlineExceeded, match=r"^model 'm': deadline passed [0-9.]+ ms before the request could "
+                                                   r"start; it was not run$"):
+            await scheduler.submit(rows(3), 1, time.monotonic_ns() - 1_000_000)
+        with pytest.raises(Unavailable, match="queue is full"):
+            await scheduler.submit(rows(4), 1, time.monotonic_ns() + 60_000_000_000)
+        backend.gate.set()
+        await asyncio.gather(blocker, queued)
+        assert backend.ran == [1, 2]
+        await scheduler.drain()
+    run(scenario())
+
+
 def test_cancelled_queued_request_is_dropped() -> None:
     async def scenario() -> None:
         backend = GatedDouble()
