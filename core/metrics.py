@@ -24,8 +24,10 @@ from concurrent.futures import wait as wait_for_futures
 from typing import Any, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, PlatformCollector, ProcessCollector
+from prometheus_client import metrics as prometheus_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
 
 from nereid.backend import ReportsRuntime, runtime_report_problem
 from nereid.errors import describe_exception, plugin_failures
@@ -301,17 +303,23 @@ class _RepositoryCollector(Collector):
         reports = self._runtime_reports.ask({name: loaded.backend for name, loaded in versions.items()})
         for name, loaded in sorted(versions.items()):
             stats = loaded.stats.snapshot()
-            success.add_metric([name], stats.success.count)
-            submitted.add_metric([name], stats.batcher.total_submitted)
-            completed.add_metric([name], stats.batcher.total_completed)
+            # As prometheus_client's own counters: none where PROMETHEUS_DISABLE_CREATED_SERIES (or its
+            # disable_created_metrics()) turned the series off; it keeps that choice in a module global.
+            created = stats.created if getattr(prometheus_metrics, "_use_created", True) else None
+            success.add_metric([name], stats.success.count, created=created)
+            submitted.add_metric([name], stats.batcher.total_submitted, created=created)
+            completed.add_metric([name], stats.batcher.total_completed, created=created)
             for reason, count in sorted(stats.failures_by_reason.items()):
-                failure.add_metric([name, reason], count)
+                failure.add_metric([name, reason], count, created=created)
             for attr, family in histograms.items():
                 histogram: StatsHistogram = getattr(stats, attr)
                 family.add_metric([name], histogram.cumulative(), histogram.sum)
+                # (HistogramMetricFamily.add_metric takes no created= as the counters' does)
+                if created is not None:
+                    family.samples.append(Sample(f"{family.name}_created", {"model": name}, created))
             utilization.add_metric([name], stats.batcher.utilization)
             running.add_metric([name], stats.running_executions)
-            busy.add_metric([name], stats.batcher.busy_time_s)
+            busy.add_metric([name], stats.batcher.busy_time_s, created=created)
             if name in reports:
                 resident = _warm_parent_bytes(name, reports[name])
                 if resident is not None:

@@ -145,6 +145,9 @@ class ModelStats:
         self.batch_cost = Histogram(SIZE_BUCKETS)
         self._running = 0
         self._since = time.monotonic()
+        # When these figures began (seconds since the epoch): their Prometheus series' _created, so that a scraper
+        # tells an unload and load's fresh figures from counters that went back.
+        self.created = time.time()
 
     def snapshot(self) -> ModelStats:
         """A consistent copy, for reporting while requests keep running.

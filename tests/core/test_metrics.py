@@ -11,6 +11,7 @@ import urllib.request
 
 import grpc
 import numpy as np
+import prometheus_client
 import pytest
 import tritonclient.grpc as triton
 from tritonclient.utils import InferenceServerException
@@ -120,6 +121,35 @@ def test_scrapes_during_loads_and_unloads_never_fail(repo, serve) -> None:
         sys.setswitchinterval(previous)
     assert scrapes > 20
     assert failures == []
+
+
+def test_a_models_counters_and_histograms_carry_when_their_figures_began(repo, serve) -> None:
+    """Their ``_created`` series (as prometheus_client's own counters carry): an unload and load starts the figures
+    again from 0, and a scraper must tell that from a counter that went back."""
+    repo.python("echo")
+    repo.python_warm_start = False
+    server = serve(repo.write_config("- name: echo\n"))
+    x = triton.InferInput("input", [1, 4], "FP32")
+    x.set_data_from_numpy(np.ones((1, 4), np.float32))
+    server.client.infer("echo", [x])
+    model = (("model", "echo"),)
+    series = ("nereid_request_success_created", "nereid_batcher_submitted_created", "nereid_busy_seconds_created",
+              "nereid_request_duration_seconds_created", "nereid_batch_size_created")
+    first = scrape(server.server.metrics_port)
+    assert first[("nereid_request_success_total", model)] == 1
+    began = {first[(name, model)] for name in series}
+    assert len(began) == 1 and time.time() - 120 < began.pop() <= time.time()
+    server.client.unload_model("echo")
+    server.client.load_model("echo")
+    again = scrape(server.server.metrics_port)
+    assert again[("nereid_request_success_total", model)] == 0
+    assert {again[(name, model)] for name in series} == {again[("nereid_request_success_created", model)]}
+    assert again[("nereid_request_success_created", model)] > first[("nereid_request_success_created", model)]
+    prometheus_client.disable_created_metrics()  # (what PROMETHEUS_DISABLE_CREATED_SERIES does at import)
+    try:
+        assert not [name for name, _ in scrape(server.server.metrics_port) if name.endswith("_created")]
+    finally:
+        prometheus_client.enable_created_metrics()
 
 
 def test_made_up_model_names_add_no_series(repo, serve) -> None:
@@ -234,7 +264,8 @@ def test_queue_depth_counts_the_requests_waiting_on_a_version_that_drains(tmp_pa
 
     def gauge(name: str = "nereid_queue_depth") -> dict[str, float]:
         family = next(f for f in collector.collect() if f.name == name)
-        return {sample.labels["model"]: sample.value for sample in family.samples}
+        return {sample.labels["model"]: sample.value for sample in family.samples
+                if not sample.name.endswith("_created")}
 
     async def scenario() -> list[dict[str, float]]:
         x = NamedTensor("input", DType.FP32, np.zeros((1, 4), np.float32))
