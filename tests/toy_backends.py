@@ -118,6 +118,7 @@ def toy_dataplane(root: Path, control: bool = True) -> DataPlane:
 # claims folders holding ``faulty.txt``; its text picks the fault. Each model's unload() is counted
 # in UNLOADS (by model name), so tests can tell that what load() acquired was released.
 UNLOADS: Counter[str] = Counter()
+TERMINATES: Counter[str] = Counter()  # terminate_running() calls of the models that count them, by name
 
 
 class FaultyModel(ToyModel):
@@ -192,6 +193,7 @@ class TerminateSlowModel(FaultyModel):
         return super().infer(inputs)
 
     def terminate_running(self) -> None:
+        TERMINATES[self.context.name] += 1
         time.sleep(1)
 
 

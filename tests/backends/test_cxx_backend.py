@@ -30,7 +30,7 @@ from nereid.dtypes import DType
 from nereid.errors import ConfigError, ModelFailure
 from nereid.settings import ModelSettings
 from nereid.tensors import NamedTensor
-from support import NEREID, expect_grpc_error, run_with_tmpdir_mounted_noexec
+from support import NEREID, expect_grpc_error, run_with_tmpdir_mounted_noexec, wait_until
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "ml-backends"
 CXX = shutil.which(os.environ.get("CXX", "c++"))
@@ -304,7 +304,8 @@ def test_an_unload_during_a_running_call_waits_for_it_to_return(repo, libs, tmp_
     call = threading.Thread(target=lambda: results.append(model.infer([NamedTensor("x", DType.INT64,
                                                                                    np.array([1], np.int64))])))
     call.start()
-    time.sleep(0.1)  # inside its 300 ms nereid_infer
+    # Inside its 300 ms nereid_infer (a fixed sleep could end before the call began, on a slow machine).
+    assert wait_until(lambda: model._running_calls == 1)
     model.unload()  # returns at once; nereid_unload and dlclose wait for the call
     assert (folder / "events.log").read_text() == "load slow\n" and len(private_copies(tmp_path)) == 1
     call.join(timeout=10)

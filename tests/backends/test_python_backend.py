@@ -813,7 +813,7 @@ def test_a_run_ends_as_python_main_py_ends(repo, serve):
         assert detaching.result(timeout=30).as_numpy("output")[0, 0] == 1, "its detached process was killed"
 
 
-def test_a_batch_whose_parent_dies_before_forking_it_runs_on_a_new_parent(repo, serve, start_mode):
+def test_a_batch_whose_parent_dies_before_forking_it_runs_on_a_new_parent(repo, serve, start_mode, monkeypatch):
     """A parent found alive and killed a moment later failed the batch it had been handed ("it did not fork
     the run"), though the run had not started: under load, the first request after a kill could fail."""
     if start_mode == "cold":
@@ -822,11 +822,23 @@ def test_a_batch_whose_parent_dies_before_forking_it_runs_on_a_new_parent(repo, 
     server = serve(repo.write_config())
     backend = server.server.repository.entry("echo4").loaded.backend
     assert infer(server, "echo4", FOUR).as_numpy("output").tolist() == FOUR.tolist()
+    from nereid.backends.python import warm
+
+    # Waiting for the parent's "forked" reply: noted, so that the kill comes then (a fixed sleep let it come
+    # before the batch was handed over, on a slow machine, and the test passed without its case).
+    waiting_for_reply = threading.Event()
+    receive = warm._receive
+
+    def receive_noted(reply):
+        waiting_for_reply.set()
+        return receive(reply)
+    monkeypatch.setattr(warm, "_receive", receive_noted)
     stopped = backend._parent.pid
     os.kill(stopped, signal.SIGSTOP)  # alive, so the batch is handed to it, but it cannot fork the run
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         answer = pool.submit(infer, server, "echo4", FOUR)
-        time.sleep(0.5)  # the batch waits for the parent's "forked" reply now
+        assert waiting_for_reply.wait(30)
+        time.sleep(0.1)  # (inside the wait itself)
         os.kill(stopped, signal.SIGKILL)
         assert answer.result(timeout=60).as_numpy("output").tolist() == FOUR.tolist()
     assert backend._parent.pid not in (None, stopped)

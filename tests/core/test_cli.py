@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
+import resource
 import shutil
 import signal
 import socket
@@ -25,6 +27,7 @@ from tritonclient.utils import InferenceServerException
 
 import toy_backends
 from support import ECHO_MAIN, NEREID, free_port, nereid_serve, popen_with_ctrl_c, process_alive, wait_until
+from nereid.cli import limit_repeated_library_lines, raise_open_file_limit
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -1161,3 +1164,61 @@ def test_a_stop_signal_during_a_python_module_s_import_stops_it_at_once(tmp_path
         finally:
             sys.modules.pop(module, None)
         assert time.monotonic() - started < 5
+
+
+def test_asyncio_out_of_descriptors_lines_are_limited_while_others_pass(caplog):
+    """Out of file descriptors, asyncio logged "socket.accept() out of system resource" with a traceback for
+    every pending connection: about 12,000 lines a second, 109 MB of log in 22 s."""
+    asyncio_log = logging.getLogger("asyncio")
+    filters = list(asyncio_log.filters)
+    limit_repeated_library_lines()
+    try:
+        with caplog.at_level(logging.ERROR, logger="asyncio"):
+            for _ in range(1000):
+                asyncio_log.error("socket.accept() out of system resource\nsocket: <socket>")
+            asyncio_log.error("Task exception was never retrieved")
+    finally:
+        asyncio_log.filters[:] = filters
+    messages = [r.getMessage() for r in caplog.records if r.name == "asyncio"]
+    assert sum(m.startswith("socket.accept() out of system resource") for m in messages) == 5
+    assert "Task exception was never retrieved" in messages  # other lines pass untouched
+
+
+def test_grpc_s_error_for_an_answer_to_an_ended_call_is_a_debug_line(caplog):
+    """A deadline passing in gRPC's core as nereid answered DEADLINE_EXCEEDED logged an ERROR and a traceback
+    (the client had its status either way): about one in thirty requests expiring in a queue."""
+    grpc_log, nereid_log = logging.getLogger("grpc._cython.cygrpc"), logging.getLogger("nereid")
+    filters, level = list(grpc_log.filters), nereid_log.level
+    limit_repeated_library_lines()
+
+    def ended_call() -> None:
+        try:
+            raise RuntimeError('Failed "execute_batch"')
+        except RuntimeError:
+            grpc_log.exception("ExecuteBatchError raised in core by servicer method [%s]", "/inference/ModelInfer")
+    try:
+        with caplog.at_level(logging.DEBUG):
+            nereid_log.setLevel(logging.INFO)  # as nereid serve logs by default
+            ended_call()
+            grpc_log.error("Unexpected [ValueError] raised by servicer method [/x]")  # others pass untouched
+            nereid_log.setLevel(logging.DEBUG)
+            ended_call()
+    finally:
+        grpc_log.filters[:] = filters
+        nereid_log.setLevel(level)
+    records = [r for r in caplog.records if r.name == "grpc._cython.cygrpc"]
+    assert [(r.levelname, r.getMessage(), r.exc_info) for r in records] == [
+        ("ERROR", "Unexpected [ValueError] raised by servicer method [/x]", None),
+        ("DEBUG", "gRPC could not send the answer of [/inference/ModelInfer]: the call had already ended", None)]
+
+
+def test_serving_raises_the_soft_open_file_limit_to_the_hard_one():
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY:
+        pytest.skip("no finite hard limit to raise to")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(256, hard), hard))
+    try:
+        raise_open_file_limit()
+        assert resource.getrlimit(resource.RLIMIT_NOFILE) == (hard, hard)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -15,6 +15,7 @@ import pytest
 from nereid.backend import BackendClaim
 from nereid.dtypes import DType
 from nereid.errors import ConfigError
+from nereid.folder_states import folder_stamp
 from nereid.hookspecs import hookimpl
 from nereid.model_entry import LoadAbandoned, LoadedModel, ModelEntry
 from nereid.plugins import make_plugin_manager
@@ -84,13 +85,16 @@ def test_a_folder_loads_into_a_version_that_answers_and_is_heard_of(tmp_path):
 
 def test_in_dynamic_mode_a_version_keeps_the_stamp_of_the_files_it_was_built_from(tmp_path):
     loader, settings, _ = setup(tmp_path, "  watch: true\n")
-    write_toy(settings.server.ml_backends_path, "adder")
+    folder = write_toy(settings.server.ml_backends_path, "adder")
 
     async def scenario() -> LoadedModel:
         loaded = await loader.load(entry_for(settings, "adder"), ModelStats(), settings)
         await released(loaded)
         return loaded
-    assert asyncio.run(scenario()).stamp is not None
+    stamp = asyncio.run(scenario()).stamp
+    assert stamp is not None and stamp == folder_stamp(folder)[0]  # the files as they are, unchanged since
+    (folder / "toy.txt").write_text("edited")
+    assert folder_stamp(folder)[0] != stamp  # (an edit since the build is told apart)
 
 
 def test_an_unload_waiting_for_its_turn_wins_and_nothing_is_built(tmp_path):
@@ -111,7 +115,7 @@ def test_a_model_that_loads_but_cannot_be_wired_is_unloaded_before_its_reason_is
     write_faulty(settings.server.ml_backends_path, "unwired", "dependencies_fail")
     entry = entry_for(settings, "unwired")
     loads, unloads = LOADS["unwired"], UNLOADS["unwired"]
-    with pytest.raises(Exception, match="dependencies unknown"):
+    with pytest.raises(RuntimeError, match="^dependencies unknown$"):  # (the backend's own, as it raised it)
         asyncio.run(loader.load(entry, ModelStats(), settings))
     assert (LOADS["unwired"], UNLOADS["unwired"]) == (loads + 1, unloads + 1)  # what load() acquired was released
     assert heard.loaded == [] and entry.generation == 0

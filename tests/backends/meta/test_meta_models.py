@@ -25,9 +25,12 @@ from support import ModelRepo, expect_grpc_error, scrape, wait_until
 
 SHIPPED = Path(__file__).resolve().parents[3] / "ml-backends"
 
-# An echo of one FP32 tensor that sleeps SLEEP_S first and counts its runs in calls.txt.
+# An echo of one FP32 tensor that sleeps SLEEP_S first and counts its runs in calls.txt (its starts in
+# started.txt).
 COUNTING_MAIN = '''
 import os, sys, time
+with open("started.txt", "a") as started:
+    started.write("1\\n")
 time.sleep({sleep_s})
 with open("calls.txt", "a") as calls:
     calls.write("1\\n")
@@ -69,9 +72,9 @@ def statistics(client: triton.InferenceServerClient, model: str):
     return client.get_inference_statistics(model, as_json=False).model_stats[0]
 
 
-def calls(folder: Path) -> int:
-    """How many times the counting model in ``folder`` ran."""
-    path = folder / "calls.txt"
+def calls(folder: Path, file: str = "calls.txt") -> int:
+    """How many times the counting model in ``folder`` ran (``started.txt``: began to)."""
+    path = folder / file
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
@@ -575,14 +578,16 @@ def test_a_client_that_goes_away_stops_its_orchestration_whether_it_queued_or_no
     tensor.set_data_from_numpy(X)
     first = client.async_infer("three_steps", [tensor], lambda result, error: None)
     second = client.async_infer("three_steps", [tensor], lambda result, error: None)
-    time.sleep(0.15)
-    first.cancel()  # started at once, in its caller's task
-    time.sleep(0.3)
-    second.cancel()  # started by the batcher once the first stopped
+    # (The review of the tests: fixed sleeps let both cancels land before either ran, on a slow machine.)
+    assert wait_until(lambda: calls(step, "started.txt") == 1)
+    first.cancel()  # started at once, in its caller's task; now inside its first step
+    assert wait_until(lambda: calls(step, "started.txt") == 2)
+    second.cancel()  # started by the batcher once the first stopped; now inside its first step
     time.sleep(1.5)  # what a forgotten orchestration would use to issue its other steps
-    assert calls(step) <= 2, "each cancelled orchestration may finish the step it was in, and issue no other"
+    assert (calls(step, "started.txt"), calls(step)) == (2, 2), \
+        "each cancelled orchestration may finish the step it was in, and issue no other"
     np.testing.assert_array_equal(infer(client, "three_steps", X), X)  # and the model serves on
-    assert calls(step) <= 5
+    assert calls(step) == 5
 
 
 def test_a_normal_start_logs_no_warning_for_a_meta_model_waiting_on_a_loading_dependency(repo, serve,
