@@ -114,7 +114,10 @@ def weights_to_load(layout: BundleLayout) -> Path | None:
 def local_weight_set(layout: BundleLayout) -> WeightSet | None:
     """The weights a local bundle serves: its one file (see :func:`weights_to_load`), or its shards."""
     chosen = weights_to_load(layout) if layout.manifest.weights_file is not None else None
-    return resolve_weights(LocalBundleFiles(layout.folder), chosen.name if chosen is not None else None)
+    # Its path in the bundle, not its name: a weights_file in a sub-folder (v2/weights.safetensors) read the
+    # top-level file of that name (found by a bug hunt: another version's weights, served without a word).
+    return resolve_weights(LocalBundleFiles(layout.folder),
+                           chosen.relative_to(layout.folder).as_posix() if chosen is not None else None)
 
 
 def migrate_for_load(folder: Path, mode: str, model: str) -> bool:

@@ -5,11 +5,18 @@ from __future__ import annotations
 import os
 import shutil
 
+import numpy as np
 import pytest
 
+from nereid.backend import ModelContext
+from nereid.backends.xla.arity import check_bundle
 from nereid.backends.xla.bundle import ProgramKey, open_bundle
+from nereid.backends.xla.model import XlaModel
+from nereid.backends.xla.safetensors import load_weights, write_safetensors
 from nereid.errors import ConfigError
 from nereid.plugins import claim_folder, make_plugin_manager
+from nereid.settings import ModelSettings
+from nereid.tensors import NamedTensor
 
 
 def test_program_files_per_batch_size(tmp_path, add_bundle) -> None:
@@ -55,6 +62,29 @@ def test_weights_file_key(tmp_path, add_bundle) -> None:
     manifest.write_text(manifest.read_text().replace("weights.T.safetensors", "other.safetensors"))
     with pytest.raises(ConfigError, match=r"manifest.yaml: weights_file: no such file .*got 'other.safetensors'"):
         open_bundle(folder)
+
+
+def test_a_weights_file_in_a_sub_folder_is_the_one_served(tmp_path, add_bundle) -> None:
+    """Found by a bug hunt: ``weights_file: v2/weights.safetensors`` served the top-level weights.safetensors (the
+    other version's weights, without a word), and without one failed naming a path nobody wrote."""
+    folder = add_bundle(tmp_path, "mlp_bundle")
+    (folder / "v2").mkdir()
+    weights = load_weights(folder / "weights.safetensors")
+    write_safetensors(folder / "v2" / "weights.safetensors", [(name, np.zeros_like(array)) for name, array in weights])
+    manifest = folder / "manifest.yaml"
+    manifest.write_text(manifest.read_text() + "weights_file: v2/weights.safetensors\n")
+    x = np.random.default_rng(3).standard_normal((2, 16)).astype(np.float32)
+    for top_level in (True, False):
+        if not top_level:
+            (folder / "weights.safetensors").unlink()
+        model = XlaModel(ModelContext("mlp", folder, ModelSettings("mlp"), tmp_path, "t"))
+        model.load()
+        try:
+            assert model.infer([NamedTensor.from_array("input", x)])[0].data.tolist() == [[0.0] * 4] * 2
+        finally:
+            model.unload()
+        report, problem = check_bundle(folder)  # the check reads the same file (it failed without the other)
+        assert report.servable and problem is None, report.line()
 
 
 def test_the_plugin_claims_folders_with_a_manifest(tmp_path, add_bundle) -> None:
