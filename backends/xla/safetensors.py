@@ -429,7 +429,7 @@ def _argument_order(path: Path, metadata: Mapping[str, str], by_offset: list[Ten
     where = f"{path}: {METADATA_KEY}.{ARGUMENT_ORDER_KEY}"
     try:
         names = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):  # (a list nested past the parser's depth: no list of names either)
         names = None
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
         raise ConfigError(f"{where}: must be a JSON list of tensor names, got {_shown(raw)}")

@@ -187,7 +187,7 @@ def _read_index(files: BundleFiles) -> tuple[dict[str, str], list[str] | None] |
     if isinstance(order, str):  # also accepted as a JSON string, as in a safetensors header
         try:
             order = json.loads(order)
-        except ValueError:
+        except (ValueError, RecursionError):  # (nested past the parser's depth): refused below, as any string
             pass
     if order is not None and (not isinstance(order, list) or not all(isinstance(n, str) for n in order)):
         raise ConfigError(f"{where}: metadata.argument_order: must be a list of tensor names, got "

@@ -102,6 +102,9 @@ HEADER_MISTAKES = [
     ({**GOOD, "__metadata__": {"axis_order": "julia"}}, 16, "__metadata__.axis_order: unknown weights layout"),
     ({**GOOD, "__metadata__": {"n": 1}}, 16, "__metadata__: must map names to strings"),
     ({**GOOD, "__metadata__": {"argument_order": "w"}}, 16, "argument_order: must be a JSON list"),
+    # Found by a bug hunt: a RecursionError, naming neither the file nor the key.
+    ({**GOOD, "__metadata__": {"argument_order": "[" * 100_000 + "]" * 100_000}}, 16,
+     "argument_order: must be a JSON list"),
     ({**GOOD, "__metadata__": {"argument_order": '["w", "w"]'}}, 16, "names ['w'] twice"),
     ({**GOOD, "__metadata__": {"argument_order": '["w", "x"]'}}, 16, "names ['x'], which the file does not hold"),
     ({**GOOD, "v": {"dtype": "F32", "shape": [0], "data_offsets": [16, 16]},

@@ -138,6 +138,11 @@ def test_the_index_argument_order_decides_the_program_order(sharded) -> None:
     (sharded / INDEX_FILE).write_text(json.dumps(index))
     with pytest.raises(ConfigError, match=r"metadata.argument_order: must name every tensor .* omitted: \['b2'\]"):
         resolve_weights(LocalBundleFiles(sharded))
+    # Found by a bug hunt: as a JSON string nested past the parser's depth, a RecursionError naming nothing.
+    index["metadata"]["argument_order"] = "[" * 100_000 + "]" * 100_000
+    (sharded / INDEX_FILE).write_text(json.dumps(index))
+    with pytest.raises(ConfigError, match=r"index.json: metadata.argument_order: must be a list of tensor names"):
+        resolve_weights(LocalBundleFiles(sharded))
 
 
 def test_shards_must_share_one_layout(sharded) -> None:
