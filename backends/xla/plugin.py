@@ -115,7 +115,7 @@ def check_bundles(dirs: list[Path]) -> int:
         problem = problem or (_hooks_problem(path) if report.servable else None)
         unservable += not report.servable or problem is not None
         line = report.line() if problem is None else f"{path}: UNSERVABLE: {problem}"
-        if problem is None and os.path.lexists(path / HOOKS_FILE):
+        if report.servable and problem is None and os.path.lexists(path / HOOKS_FILE):  # (said of servable ones only)
             line += f" ({HOOKS_FILE} compiled, not run: nereid check loads it)"
         print(line)
     print(f"{len(bundles)} bundle(s), {unservable} unservable")

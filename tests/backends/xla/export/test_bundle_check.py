@@ -137,12 +137,17 @@ def test_a_bundle_s_model_py_that_does_not_compile_is_unservable_and_one_that_do
     broken = tmp_path / "broken_hooks"
     shutil.copytree(good, broken)
     (broken / "model.py").write_text("import nereid\ndef preprocess(inputs)\n    return inputs\n")
-    assert main(["bundle", "check", str(hooked), str(broken)]) == 1
-    first, second, total = capsys.readouterr().out.splitlines()
+    # Found by a bug hunt: an UNSERVABLE line (its weights missing) ended with the note of servable ones.
+    no_weights = tmp_path / "no_weights"
+    shutil.copytree(broken, no_weights)
+    (no_weights / "weights.safetensors").unlink()
+    assert main(["bundle", "check", str(hooked), str(broken), str(no_weights)]) == 1
+    first, second, third, total = capsys.readouterr().out.splitlines()
     assert first.startswith(f"{hooked}: servable: ") and first.endswith(
         " (model.py compiled, not run: nereid check loads it)"), first
     assert second == f"{broken}: UNSERVABLE: model.py: not valid Python (line 2: expected ':')", second
-    assert total == "2 bundle(s), 1 unservable"
+    assert third.startswith(f"{no_weights}: UNSERVABLE: ") and "not run" not in third, third
+    assert total == "3 bundle(s), 2 unservable"
 
 
 def test_a_scanned_folder_holding_a_program_but_no_manifest_is_reported_not_skipped(tmp_path, capsys) -> None:
