@@ -304,7 +304,7 @@ class _HookStage:
         scheduler.drop_dead()
         now_ns = time.monotonic_ns()
         late = sum(call.running_late(now_ns) for call in self.calls)  # (one pass, and only when full)
-        if len(self.calls) - late + self.dropped + scheduler.queue_depth >= scheduler.capacity:
+        if len(self.calls) - late + self.dropped + scheduler.queued_past_free_instances >= scheduler.capacity:
             raise QueueFull(f"model '{scheduler.name}': queue is full (queue_capacity {scheduler.capacity} in "
                             "nereid.yaml, requests in its preprocess hook included); retry later")
 

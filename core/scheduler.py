@@ -119,6 +119,20 @@ class ModelScheduler:
         """Requests waiting (not yet in an execution)."""
         return len(self._pending)
 
+    @property
+    def queued_past_free_instances(self) -> int:
+        """The queued requests that wait for an instance: those a free one takes at the batcher's next turn (one
+        each, at least) left out; what ``queue_capacity`` bounds.
+
+        An instance freed by an execution's end takes its next batch a loop
+        turn later: a model calling this one, its call just answered, made
+        its next call in between and was refused QueueFull, the queue full
+        only of a request about to start (found by a bug hunt: every time,
+        for a pipeline's sequential calls to a model of queue_capacity 1).
+        """
+        ready = self._free_slots if self._starting and self._backlog < self.capacity else 0
+        return max(0, len(self._pending) - ready)
+
     async def submit(self, inputs: list[NamedTensor], rows: int, deadline_ns: int,
                      timing: RequestTiming | None = None, *, admitted: bool = False) -> list[NamedTensor]:
         """Queue one validated request and wait for its own rows of the result.
@@ -137,7 +151,7 @@ class ModelScheduler:
                 raise UnloadedBeforeStart(unloaded_before_start(self.name))
         if len(self._pending) >= self.capacity:
             self.drop_dead()
-        if len(self._pending) >= self.capacity:
+        if len(self._pending) >= self.capacity and self.queued_past_free_instances >= self.capacity:
             now_ns = time.monotonic_ns()
             if deadline_passed(deadline_ns, now_ns):  # (a hook's request, say): its deadline is the news, not the queue
                 raise not_started(self.name, deadline_ns, now_ns)
@@ -399,8 +413,12 @@ class ModelScheduler:
                     timer.cancel()
 
     def _execution_done(self, task: asyncio.Task) -> None:
-        self._running.pop(task, None)  # (cancelled by drain before its first step: drain answered its requests)
-        self._release_slot()
+        self._end_execution(task)  # (if its answers have not: cancelled, by drain before its first step say)
+
+    def _end_execution(self, task: asyncio.Task) -> None:
+        """The batcher's execution ``task`` holds its instance no more (once: at its answers, or at its end)."""
+        if self._running.pop(task, None) is not None:
+            self._release_slot()
 
     def _release_slot(self) -> None:
         # Only the end of a stretch with every instance busy moves the delay window's start (see
@@ -448,6 +466,7 @@ class ModelScheduler:
             results = await self._run([w.inputs for w in live], [w.rows for w in live], sum(w.cost for w in live),
                                       [now - w.enqueued_ns for w in live], now, [w.timing for w in live])
         except NereidError as error:  # every failure _run reports (a CancelledError is this task's own)
+            self._end_execution(asyncio.current_task())
             for work in live:
                 if not work.future.done():  # (cancelled by its caller, or answered by drain)
                     work.future.set_exception(error)
@@ -459,6 +478,10 @@ class ModelScheduler:
                 if not work.future.done():
                     work.future.set_exception(Unavailable(self._abandoned_message()))
             raise
+        # Its instance is free before its callers hear (not at this task's end, a loop turn after they resume): a
+        # caller calling again at once (a pipeline's next sub-call) finds the request queued behind it taken by
+        # then, not a full queue (found by a bug hunt: QueueFull every time, at queue_capacity 1).
+        self._end_execution(asyncio.current_task())
         for work, result in zip(live, results):
             if not work.future.done():
                 work.future.set_result(result)

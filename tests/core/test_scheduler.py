@@ -147,6 +147,74 @@ def test_a_request_out_of_time_meeting_a_full_queue_is_told_its_deadline_passed(
     run(scenario())
 
 
+def test_a_call_made_as_soon_as_the_last_one_is_answered_finds_room_in_the_queue() -> None:
+    """Found by a bug hunt: a pipeline's sequential sub-calls to a model of queue_capacity 1 were refused QueueFull,
+    every time: the call after an answered one came before the freed instance had taken the queued request."""
+    async def scenario() -> None:
+        backend = GatedDouble()
+        scheduler = ModelScheduler("m", backend, SIGNATURE, capacity=1, instances=1, stats=ModelStats())
+        depth_seen = []
+
+        async def two_calls_in_a_row() -> list[float]:  # as a pipeline makes them
+            (one,) = await scheduler.submit(rows(1), 1, 0)
+            depth_seen.append(scheduler.queue_depth)
+            (two,) = await scheduler.submit(rows(4), 1, 0)
+            return [float(one.data[0, 0]), float(two.data[0, 0])]
+        pipeline = asyncio.create_task(two_calls_in_a_row())
+        await until(lambda: scheduler.running_threads == 1)
+        queued = asyncio.create_task(scheduler.submit(rows(2), 1, 0))
+        await until(lambda: scheduler.queue_depth == 1)
+        with pytest.raises(Unavailable, match="queue is full"):  # (while every instance is busy: full indeed)
+            await scheduler.submit(rows(3), 1, 0)
+        backend.gate.set()
+        assert await pipeline == [2, 8] and float((await queued)[0].data[0, 0]) == 4
+        assert depth_seen == [1]  # the second call came while the queued request had not been taken yet
+        assert backend.ran == [1, 2, 4]
+        await scheduler.drain()
+    run(scenario())
+
+
+class SteppedDouble(GatedDouble):
+    """A GatedDouble whose executions each wait for a permit of their own (``permits.release()``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.permits = threading.Semaphore(0)
+
+    def infer(self, inputs: list[NamedTensor]) -> list[NamedTensor]:
+        self.permits.acquire(timeout=10)
+        self.gate.set()
+        return super().infer(inputs)
+
+
+def test_a_call_made_as_soon_as_a_queued_one_is_answered_finds_room_in_the_queue() -> None:
+    """The same through the batcher (the pipeline's first call queued): its execution freed its instance only at its
+    task's end, a loop turn after the caller had resumed and been refused."""
+    async def scenario() -> None:
+        backend = SteppedDouble()
+        scheduler = ModelScheduler("m", backend, SIGNATURE, capacity=1, instances=1, stats=ModelStats())
+        blocker = asyncio.create_task(scheduler.submit(rows(1), 1, 0))
+        await until(lambda: scheduler.running_threads == 1)
+
+        async def two_calls_in_a_row() -> list[float]:
+            (one,) = await scheduler.submit(rows(2), 1, 0)  # queued behind the blocker
+            (two,) = await scheduler.submit(rows(4), 1, 0)
+            return [float(one.data[0, 0]), float(two.data[0, 0])]
+        pipeline = asyncio.create_task(two_calls_in_a_row())
+        await until(lambda: scheduler.queue_depth == 1)
+        backend.permits.release()  # the blocker ends; the pipeline's first call runs, waiting for its permit
+        await until(lambda: scheduler.queue_depth == 0 and scheduler.running_threads == 1 and backend.ran == [1])
+        other = asyncio.create_task(scheduler.submit(rows(3), 1, 0))  # the queue is full again
+        await until(lambda: scheduler.queue_depth == 1)
+        backend.permits.release()  # the pipeline's first call is answered: it calls again at once
+        for _ in range(2):
+            backend.permits.release()
+        assert await pipeline == [4, 8] and float((await other)[0].data[0, 0]) == 6
+        assert float((await blocker)[0].data[0, 0]) == 2 and backend.ran == [1, 2, 3, 4]
+        await scheduler.drain()
+    run(scenario())
+
+
 def test_cancelled_queued_request_is_dropped() -> None:
     async def scenario() -> None:
         backend = GatedDouble()
