@@ -19,7 +19,7 @@ from nereid.errors import ConfigError, cap_message
 
 
 class _StrictLoader(yaml.SafeLoader):
-    """A SafeLoader that refuses duplicate mapping keys, and anchors and aliases.
+    """A SafeLoader that refuses duplicate mapping keys, anchors, aliases and merge keys.
 
     Configuration needs neither anchors nor aliases, and aliases are how a 1 KB
     "billion laughs" document expands to gigabytes (one froze the server for
@@ -51,6 +51,12 @@ class _StrictLoader(yaml.SafeLoader):
 
 
 def _construct_unique_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    for key_node, _ in node.value:
+        # A merge needs an alias to be of use, and aliases are refused; an inline one (<<: {a: 1}) beside a key
+        # of its own was called a duplicate key, though a merged key gives way to an explicit one.
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            raise yaml.constructor.ConstructorError(None, None, "merge keys (<<) are not allowed: write the keys "
+                                                    "out", key_node.start_mark)
     loader.flatten_mapping(node)
     seen: set[Any] = set()
     for key_node, _ in node.value:

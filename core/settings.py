@@ -50,7 +50,7 @@ _LONGEST_WAIT_S = (365 * _A_DAY_S, "a year")
 
 # ASCII digits only, and nothing after (\d takes "٣"; $ lets a trailing newline through).
 _DEVICE_PATTERN = re.compile(r"(cpu|cuda)(?::([0-9]+))?")
-_ADDRESS_PATTERN = re.compile(r"^(\[[^\]]+\]|[^:\[\]]*):([0-9]+)$")  # host:port, [v6 host]:port
+_ADDRESS_PATTERN = re.compile(r"(\[[^\]]+\]|[^:\[\]]*):([0-9]+)")  # host:port, [v6 host]:port
 MAX_PORT = 65535
 INT32_MAX = 2**31 - 1  # ModelConfig's counts and sizes are int32 fields
 MAX_DEVICE_INDEX = INT32_MAX
@@ -64,7 +64,7 @@ def address_problem(address: str) -> str | None:
     An empty host (``:8000``) failed in gRPC only once serving, and meant every
     interface to the HTTP and metrics listeners: the host is named, always.
     """
-    match = _ADDRESS_PATTERN.match(address)
+    match = _ADDRESS_PATTERN.fullmatch(address)  # (match's $ let a trailing newline through)
     if match is None:
         return "must be host:port"
     if not match.group(1):
@@ -355,6 +355,8 @@ def parse_settings(document: Any, path: Path) -> Settings:
     if not isinstance(backend_defaults, dict):
         reader.fail("backends", "must map backend names to their runtime defaults", backend_defaults)
     for backend, defaults in backend_defaults.items():
+        if defaults is None:  # its keys commented out, as a section's above
+            backend_defaults[backend] = defaults = {}
         if not isinstance(defaults, dict):
             reader.fail(f"backends.{backend}", "must be a mapping of runtime options", defaults)
     return Settings(path, server, tuple(models), models_listed="models" in top, backend_defaults=backend_defaults)
@@ -379,11 +381,16 @@ def _parse_server(reader: KeyedReader, raw: Any, path: Path) -> ServerSettings:
         assert cache_dir is not None
         backends = mirror_root(cache_dir, location)
     else:
-        backends = Path(backends_text)
+        try:
+            backends = Path(backends_text).expanduser()  # (as cache_dir is: "~/models" was a folder named "~")
+        except RuntimeError:  # "~" with no home directory known
+            reader.fail("server.ml_backends_path", "starts with ~, but no home directory is known here (HOME is "
+                        "unset): write the whole path", backends_text)
         if not backends.is_absolute():
             backends = beside_config(path, backends)
         if not backends.is_dir():
-            reader.fail("server.ml_backends_path", f"is not a folder ({backends})", section.get("ml_backends_path", "ml-backends"))
+            reader.fail("server.ml_backends_path", f"is not a folder ({backends})",
+                        section.get("ml_backends_path", "ml-backends"))
     strict = section.get("strict_readiness", True)
     if not isinstance(strict, bool):
         reader.fail("server.strict_readiness", "must be true or false", strict)
@@ -535,11 +542,18 @@ def _parse_model(reader: KeyedReader, raw: Any, where: str, backends_path: Path,
     else:
         timeout = reader.number(entry, f"{where}.timeout_s", DEFAULT_TIMEOUT_S, minimum=0, exclusive=True,
                                 maximum=_LONGEST_WAIT_S)
-    runtime = entry.get("runtime", {})
+    # (None: the section is there with its keys commented out, as a top-level one may be)
+    runtime = _section_or_empty(entry, "runtime")
     if not isinstance(runtime, dict):
         reader.fail(f"{where}.runtime", "must be a mapping of backend options", runtime)
-    batching = _parse_batching(reader, entry.get("batching", {}), f"{where}.batching")
+    batching = _parse_batching(reader, _section_or_empty(entry, "batching"), f"{where}.batching")
     return ModelSettings(name, device, capacity, backend, instances, timeout, runtime, batching)
+
+
+def _section_or_empty(entry: dict, key: str) -> Any:
+    """``entry[key]``; {} where it is left out, or written with no keys (YAML reads ``batching:`` as null)."""
+    section = entry.get(key)
+    return {} if section is None else section
 
 
 def _parse_batching(reader: KeyedReader, raw: Any, where: str) -> BatchingSettings:

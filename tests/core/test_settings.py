@@ -117,6 +117,33 @@ def test_unreadable_and_invalid_yaml(root: Path) -> None:
     # A list as a key (found by tests/core/test_properties.py in a manifest): the file's error, not a TypeError.
     with pytest.raises(ConfigError, match=r"(?s)not valid YAML: while constructing a mapping.*found unhashable key"):
         load_settings(write(root, "server: {[ml_backends_path]: x}\n"))
+    # Found by a bug hunt: a merged key given way to by an explicit one was called a duplicate key; merges need an
+    # alias to be of use, and aliases are refused: so are merges, each case alike.
+    for text in ("server: {strict_readiness: true, <<: {strict_readiness: false}}\n",
+                 "server: {<<: {strict_readiness: false}}\n"):
+        with pytest.raises(ConfigError, match=r"(?s)not valid YAML: merge keys \(<<\) are not allowed: write the keys "
+                                              r"out.*line 1"):
+            load_settings(write(root, text))
+
+
+def test_a_sub_section_with_its_keys_commented_out_is_one_with_no_keys(root: Path) -> None:
+    """Found by a bug hunt: ``batching:`` with every key commented out (YAML's null) stopped the server, where an
+    empty ``server:`` or ``models:`` was taken for one with no keys."""
+    settings = load_settings(write(root, "models:\n  - name: a\n    batching:\n    #  max_queue_delay_ms: 2\n"
+                                         "    runtime:\nbackends:\n  python:\n"))
+    assert settings.models[0].batching == load_settings(write(root, "models:\n  - name: a\n")).models[0].batching
+    assert settings.models[0].runtime == {} and settings.backend_defaults == {"python": {}}
+    for text in ("models:\n  - name: a\n    batching: 0\n", "models:\n  - name: a\n    runtime: ''\n"):
+        with pytest.raises(ConfigError, match="must be a mapping"):  # (other values that are no mapping still fail)
+            load_settings(write(root, text))
+
+
+def test_a_repository_path_starting_with_a_tilde_is_in_the_home_directory(root: Path, monkeypatch) -> None:
+    """Found by a bug hunt: ``~/models`` named a folder "~" beside nereid.yaml, where cache_dir's ``~`` was the
+    home directory."""
+    monkeypatch.setenv("HOME", str(root))
+    assert load_settings(write(root, "server:\n  ml_backends_path: ~/ml-backends\n")).server.ml_backends_path == (
+        root / "ml-backends")
 
 
 @pytest.mark.parametrize("text, expected", [("cpu", Device("cpu")), ("cuda", Device("cuda", 0)),
@@ -238,6 +265,15 @@ def test_listener_addresses_need_a_port_of_0_to_65535(root: Path, key: str, addr
         load_settings(path)
     assert str(caught.value).startswith(f"{path}: server.{key}: {problem}"), caught.value
     assert f"got '{address[:30]}" in str(caught.value)  # (a 5000-digit value is quoted cut short)
+
+
+@pytest.mark.parametrize("key", ["bind_addr", "metrics_addr", "http_addr"])
+def test_a_listener_address_ending_in_a_newline_is_refused(root: Path, key: str) -> None:
+    # Found by a bug hunt: accepted ($ lets a trailing newline through), its log line broken in two.
+    path = write(root, f'server:\n  ml_backends_path: ml-backends\n  {key}: "127.0.0.1:8000\\n"\n')
+    with pytest.raises(ConfigError, match=rf"server.{key}: must be host:port"):
+        load_settings(path)
+    assert address_problem("127.0.0.1:8000\n") == "must be host:port"
 
 
 @pytest.mark.parametrize("key", ["bind_addr", "metrics_addr", "http_addr"])
