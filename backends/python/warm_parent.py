@@ -117,7 +117,29 @@ def preload(imports: list[str], extra: list[str], submodules: tuple[str, ...] | 
     if extra_threads:
         return (f"fallback preloading started threads ({', '.join(extra_threads[:5])}); forking a threaded process "
                 "is unsafe")
+    # A process an import started (a helper it talks to through pipes, multiprocessing's resource tracker) would
+    # be one process shared by every run at once, where `python main.py` has its own; and each run's end sweeps
+    # this parent's other children away (found by a bug hunt: the first run worked, every later one broke).
+    started = _live_children()
+    if started:
+        return (f"fallback preloading started a process ({', '.join(started[:3])}) that every run would share; "
+                "start it in the code that runs per batch (main.py's body or a function it calls), not at import")
     return None
+
+
+def _live_children() -> list[str]:
+    """This process's children still running (zombies left out), each as ``name (pid N)``."""
+    live = []
+    for pid in _children():
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:  # gone (and reaped) meanwhile
+            continue
+        name_end = stat.rfind(b")")
+        if stat[name_end + 2:name_end + 3] != b"Z":
+            live.append(f"{stat[stat.find(b'(') + 1:name_end].decode(errors='replace')} (pid {pid})")
+    return live
 
 
 def preload_as_script(folder: str, imports: list[str], extra: list[str],

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -447,6 +448,9 @@ def user_site(tmp_path) -> Path:
     (site / "starts_a_thread.py").write_text(
         "import threading, time\nthreading.Thread(target=time.sleep, args=(60,), name='busy', daemon=True).start()\n")
     (site / "fails_on_import.py").write_text("raise RuntimeError('cannot import me')\n")
+    (site / "starts_a_process.py").write_text(
+        "import subprocess\nhelper = subprocess.Popen(['sleep', '60'])\n")
+    (site / "ran_a_process.py").write_text("import subprocess\nsubprocess.run(['true'], check=True)\n")
     # Imported by a warm parent (whose working directory is the model folder) before it compiles main.py.
     (site / "rewrites_main.py").write_text("open('main.py', 'w').write('def broken(:\\n')\n")
     pth = Path(sysconfig.get_paths()["purelib"]) / f"nereid-test-{uuid.uuid4().hex}.pth"
@@ -469,15 +473,26 @@ def test_the_parent_compiles_the_main_py_the_server_read_at_load(repo, serve, us
 @pytest.mark.parametrize("module, reason", [
     ("starts_a_thread", "preloading started threads (busy); forking a threaded process is unsafe"),
     ("fails_on_import", "preloading 'fails_on_import' failed (RuntimeError: cannot import me)"),
+    # Found by a bug hunt: the first run after each load worked, every later one broke (the process was swept).
+    ("starts_a_process", r"preloading started a process \(sleep \(pid \d+\)\) that every run would share; start it "
+                         r"in the code that runs per batch \(main.py's body or a function it calls\), not at import"),
 ])
 def test_unsafe_preload_falls_back_to_cold_starts(repo, serve, user_site, caplog, module, reason):
     repo.python("fallback", textproto=REPORT, main=reply_main('{"ok": True}'))
     config = repo.write_config(f"- name: fallback\n  runtime: {{preload: [{module}]}}\n")
     server = serve(config)
-    assert backend_of(server, "fallback").runtime_report().summary == f"warm_start=off ({reason})"
+    assert re.fullmatch(rf"warm_start=off \({reason if module == 'starts_a_process' else re.escape(reason)}\)",
+                        backend_of(server, "fallback").runtime_report().summary)
     assert backend_of(server, "fallback").runtime_report().warm_parent_resident_bytes is None
     assert [r.message for r in caplog.records if "warm start is off" in r.message] != []
     assert ask(server, "fallback") == {"ok": True}  # served, cold
+
+
+def test_a_preload_that_ran_a_process_to_its_end_keeps_warm_start_on(repo, serve, user_site):
+    repo.python("ran", textproto=REPORT, main=reply_main('{"ok": True}'))
+    server = serve(repo.write_config("- name: ran\n  runtime: {preload: [ran_a_process]}\n"))
+    assert backend_of(server, "ran").runtime_report().summary == "warm_start=on"
+    assert [ask(server, "ran") for _ in range(2)] == [{"ok": True}] * 2
 
 
 
