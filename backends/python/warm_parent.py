@@ -167,6 +167,7 @@ def preload_as_script(folder: str, imports: list[str], extra: list[str],
             return preload(imports, extra, submodules)
     finally:
         _keep_seeded_states(watch.seeded)
+        _keep_fresh_generators(watch)
         sys.argv, sys.orig_argv = argv, orig_argv
         try:
             sys.path.remove(folder)  # (each run puts it first again; what the imports added stays, as for main.py)
@@ -179,6 +180,9 @@ def preload_as_script(folder: str, imports: list[str], extra: list[str],
 # The functions that set a module's global random state, by module: a seed() with a seed that is not None seeds
 # it; seed() without one, or a state setter after it, leaves it as random as before (see SeedWatch).
 SEEDERS = {"random": ("seed", "setstate"), "numpy.random": ("seed", "set_state")}
+# Where numpy draws a new generator's seed from the OS (SeedSequence(None)): looked up at each call, so a wrapper
+# sees every entropy drawn (see SeedWatch.entropies).
+NUMPY_ENTROPY = ("numpy.random.bit_generator", "randbits")
 
 
 class SeedWatch:
@@ -194,12 +198,16 @@ class SeedWatch:
 
     def __init__(self) -> None:
         self.seeded: set[str] = set()
-        self._wrapped: list[tuple[types.ModuleType, str, object]] = []
+        # Generator objects seeded from the OS, by id: random.Random instances (their last seed() had no seed),
+        # and the entropies numpy drew for new generators (see fresh_generators).
+        self.fresh_randoms: dict[int, object] = {}
+        self.entropies: set[int] = set()
+        self._wrapped: list[tuple[object, str, object]] = []
         self._active = False
 
     def __enter__(self) -> SeedWatch:
         self._active = True
-        for name in SEEDERS:
+        for name in (*SEEDERS, NUMPY_ENTROPY[0]):
             if name in sys.modules:
                 self._wrap(sys.modules[name])
         sys.meta_path.insert(0, self)  # type: ignore[arg-type]
@@ -216,7 +224,7 @@ class SeedWatch:
     def find_spec(self, fullname: str, path: object = None, target: object = None) -> object:
         """None for every module (the other finders find it); a watched one's loader wraps its seeders once it
         has run the module."""
-        if fullname not in SEEDERS or not self._active:
+        if (fullname not in SEEDERS and fullname != NUMPY_ENTROPY[0]) or not self._active:
             return None
         try:
             spec = importlib.machinery.PathFinder.find_spec(fullname, path)  # type: ignore[arg-type]
@@ -236,12 +244,44 @@ class SeedWatch:
         return spec
 
     def _wrap(self, module: types.ModuleType) -> None:
+        if module.__name__ == NUMPY_ENTROPY[0]:
+            self._replace(module, NUMPY_ENTROPY[1], self._entropy_recording)
+            return
         for attribute in SEEDERS[module.__name__]:
-            original = getattr(module, attribute, None)
-            if not callable(original):
-                continue
-            setattr(module, attribute, self._recording(module.__name__, attribute, original))
-            self._wrapped.append((module, attribute, original))
+            self._replace(module, attribute, functools.partial(self._recording, module.__name__, attribute))
+        generator = getattr(module, "Random", None) if module.__name__ == "random" else None
+        if isinstance(generator, type):  # its instances' own seeding, as the module's global one is watched
+            for attribute in ("seed", "setstate"):
+                self._replace(generator, attribute, functools.partial(self._instance_recording, attribute))
+
+    def _replace(self, owner: object, attribute: str,
+                 wrapper: collections.abc.Callable[[collections.abc.Callable], collections.abc.Callable]) -> None:
+        original = getattr(owner, attribute, None)
+        if callable(original):
+            setattr(owner, attribute, wrapper(original))
+            self._wrapped.append((owner, attribute, original))
+
+    def _instance_recording(self, attribute: str, original: collections.abc.Callable) -> collections.abc.Callable:
+        def seeder(generator: object, *args: object, **kwargs: object) -> object:
+            if self._active:
+                if attribute == "seed" and next(iter([*args, *kwargs.values()]), None) is None:
+                    self.fresh_randoms[id(generator)] = generator  # drawn from the OS: afresh in each run
+                else:
+                    self.fresh_randoms.pop(id(generator), None)  # as the import seeded it, in each run
+            return original(generator, *args, **kwargs)
+
+        functools.update_wrapper(seeder, original)
+        return seeder
+
+    def _entropy_recording(self, original: collections.abc.Callable) -> collections.abc.Callable:
+        def randbits(*args: object, **kwargs: object) -> object:
+            entropy = original(*args, **kwargs)
+            if self._active and isinstance(entropy, int):
+                self.entropies.add(entropy)
+            return entropy
+
+        functools.update_wrapper(randbits, original)
+        return randbits
 
     def _recording(self, name: str, attribute: str, original: collections.abc.Callable) -> collections.abc.Callable:
         def seeder(*args: object, **kwargs: object) -> object:
@@ -257,6 +297,54 @@ class SeedWatch:
 
         functools.update_wrapper(seeder, original)
         return seeder
+
+
+def _keep_fresh_generators(watch: SeedWatch) -> None:
+    """Keep the generator objects the preloaded imports made and seeded from the OS (``random.Random()``,
+    ``np.random.default_rng()``, ``RandomState()`` at a module's top level), to be seeded afresh in each run.
+
+    Found by a bug hunt: every run forked from the parent drew the same numbers from them (sympy's ``randprime``
+    gave one prime), where each ``python main.py`` draws them afresh. One seeded explicitly (``Random(0)``,
+    ``default_rng(42)``) is left as the preload left it, as ``python main.py`` would have it. The module globals
+    ``random`` and ``numpy.random`` use are not among them (see :func:`reseed_random_state`).
+    """
+    global _fresh_generators
+    random = sys.modules.get("random")
+    randoms = [g for g in watch.fresh_randoms.values() if g is not getattr(random, "_inst", None)]
+    bit_generators = []
+    numpy_random = sys.modules.get("numpy.random")
+    entropies = set(watch.entropies)
+    try:
+        global_seeds = numpy_random.mtrand._rand._bit_generator.seed_seq  # type: ignore[union-attr]
+        entropies.discard(global_seeds.entropy)
+    except Exception:  # noqa: BLE001 - no numpy, or one laid out otherwise: nothing to leave out
+        global_seeds = None
+    if entropies and numpy_random is not None:
+        # Found once, at the parent's start (a pass over the objects the collector tracks: tens of ms after
+        # heavy imports), and only when a generator beside numpy's global one drew its seed from the OS.
+        kind = getattr(sys.modules.get(NUMPY_ENTROPY[0]), "BitGenerator", None)
+        if isinstance(kind, type):
+            for found in gc.get_objects():
+                if isinstance(found, kind):
+                    seeds = getattr(found, "seed_seq", None)
+                    if seeds is not global_seeds and getattr(seeds, "entropy", None) in entropies:
+                        bit_generators.append(found)
+    _fresh_generators = (randoms, bit_generators)
+
+
+def _reseed_fresh_generators() -> None:
+    """Seed the generators :func:`_keep_fresh_generators` kept from the OS again, in this run."""
+    randoms, bit_generators = _fresh_generators
+    for generator in randoms:
+        try:
+            generator.seed()  # type: ignore[attr-defined]
+        except Exception:  # noqa: BLE001 - a subclass whose seed() needs more: left as it was
+            pass
+    for bit_generator in bit_generators:
+        try:
+            bit_generator.state = type(bit_generator)().state  # (a new one of its kind draws from the OS)
+        except Exception:  # noqa: BLE001 - a kind that cannot be made so: left as it was
+            pass
 
 
 def _keep_seeded_states(seeded: set[str]) -> None:
@@ -695,6 +783,7 @@ def reseed_random_state() -> None:
             numpy_random.seed()  # (no argument: from the OS's entropy)
         except Exception:  # a numpy too broken to reseed: main.py's own use of it will say so
             pass
+    _reseed_fresh_generators()
 
 
 def enter_loaded_folder(path: str, folder_fd: int) -> str:
@@ -1388,6 +1477,9 @@ _main_module: types.ModuleType | None = None  # the __main__ the preloaded impor
 # Python random's state as a preloaded import seeded it (None: not seeded, drawn afresh in each run), and
 # whether one seeded numpy's global state (see reseed_random_state).
 _seeded_random_state: tuple[object, bool] = (None, False)
+# The generator objects of the preloaded imports seeded from the OS: random.Random instances and numpy bit
+# generators (see _keep_fresh_generators).
+_fresh_generators: tuple[list[object], list[object]] = ([], [])
 
 
 def main() -> int:

@@ -148,6 +148,32 @@ def test_a_seed_a_preloaded_import_sets_is_what_every_run_starts_with(repo, serv
     assert len({tuple(values) for values in drawn}) == 3, drawn
 
 
+def test_generators_a_preloaded_import_made_are_drawn_afresh_in_every_run_unless_it_seeded_them(repo, serve,
+                                                                                                  user_site):
+    """Found by a bug hunt: a generator object made at an installed module's top level (sympy's random.Random(),
+    a package's np.random.default_rng()) was copied into every fork as the parent had it: every warm run drew the
+    same numbers (randprime gave one prime), where each `python main.py` draws them afresh. One the module
+    seeded itself is what every run starts with, as in `python main.py`."""
+    (user_site / "makes_generators.py").write_text(
+        "import random\nimport numpy as np\n"
+        "python_rng, numpy_rng, legacy = random.Random(), np.random.default_rng(), np.random.RandomState()\n"
+        "spawned = np.random.default_rng().spawn(1)[0]\n"
+        "reseeded = random.Random(); reseeded.seed(5)\n"  # seeded after all: as the module left it
+        "python_fixed, numpy_fixed = random.Random(0), np.random.default_rng(42)\n")
+    repo.python("generators", textproto=REPORT, main=reply_main(
+        "[g.python_rng.random(), float(g.numpy_rng.random()), float(g.legacy.rand()), float(g.spawned.random()), "
+        "g.reseeded.random(), g.python_fixed.random(), float(g.numpy_fixed.random())]",
+        prelude="import makes_generators as g"))
+    server = serve(repo.write_config())
+    assert backend_of(server, "generators").runtime_report().summary == "warm_start=on"
+    draws = [ask(server, "generators") for _ in range(3)]
+    fresh = [len({draw[i] for draw in draws}) for i in range(4)]
+    assert fresh == [3, 3, 3, 3], draws
+    import random
+    expected = [random.Random(5).random(), random.Random(0).random(), float(np.random.default_rng(42).random())]
+    assert [draw[4:] for draw in draws] == [expected] * 3
+
+
 @pytest.mark.parametrize("warm", [True, False], ids=["warm", "cold"])
 def test_main_py_runs_as_loaded_while_the_file_is_rewritten(repo, serve, warm):
     # An edit in place truncates main.py before writing it: runs that start meanwhile must run the
