@@ -246,7 +246,12 @@ def validate_inputs(model: str, signature: ModelSignature, tensors: list[NamedTe
                 f"model '{model}': input '{spec.name}' has datatype {tensor.dtype.kserve}, "
                 f"expected {spec.dtype.kserve}"
             )
-        held = tensor.data.dtype
+        data = tensor.data
+        if type(data) is not np.ndarray and not isinstance(data, np.ndarray):
+            # (A meta model's sub-call, a hook's tensors: a list failed with an AttributeError, uncounted.)
+            raise _refusal(f"model '{model}': input '{spec.name}' holds a {type(data).__name__}, expected a numpy "
+                           f"ndarray of {spec.dtype.numpy} (NamedTensor.from_array makes one)")
+        held = data.dtype
         if held is not spec.dtype.numpy:  # the wire decoders make exactly that dtype: nothing more to ask
             if held.newbyteorder("=") != spec.dtype.numpy:
                 # Data that disagrees with its tag (a meta model's or a hook's tensors): backends read it by

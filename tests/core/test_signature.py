@@ -113,6 +113,15 @@ def test_an_input_whose_data_disagrees_with_its_tag_is_refused(data: np.ndarray)
         validate_inputs("m", BATCHED, [NamedTensor("x", DType.FP32, data)])
 
 
+@pytest.mark.parametrize("data", [[[[1.0] * 3] * 4], (1.0,), memoryview(b"1234")], ids=["list", "tuple", "memoryview"])
+def test_an_input_whose_data_is_no_numpy_array_is_refused(data) -> None:
+    """Found by a bug hunt: a meta model's sub-call with a list for data failed with an AttributeError, counted as
+    no failure of the model it called; a client's is told, as for data of the wrong dtype."""
+    with pytest.raises(InvalidArgument, match=rf"^model 'm': input 'x' holds a {type(data).__name__}, expected a numpy "
+                                              r"ndarray of float32 \(NamedTensor.from_array makes one\)$"):
+        validate_inputs("m", BATCHED, [NamedTensor("x", DType.FP32, data)])
+
+
 def test_batched_request_within_cap() -> None:
     result = validate_inputs("m", BATCHED, [tensor("x", (5, 4, 7))])
     assert result.batch_size == 5 and not result.batch_axis_added
