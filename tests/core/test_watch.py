@@ -211,14 +211,14 @@ def test_renamed_bundle_is_not_compiled_or_read_again(repo, serve):
 
 def test_deleted_folder_finishes_its_requests_then_is_gone(repo, serve):
     folder = repo.models_dir / "doomed"
-    write_model(folder, "1")
-    (folder / "main.py").write_text("import time\ntime.sleep(1)\n" + version_main("1"))
+    _gated_model(folder, "1", repo.root)
     server = serve(repo.write_config(server_extra=SETTLE))
-    results = []
-    caller = threading.Thread(target=lambda: results.append(ask(triton.InferenceServerClient(server.url), "doomed")))
-    caller.start()
-    time.sleep(0.3)  # the request is running
+    caller, results = _in_flight(server, "doomed")
+    # Running when its folder goes (the review of the tests: a fixed sleep let it start after, or end before).
+    wait_for(lambda: (repo.root / "started").exists())
     shutil.rmtree(folder)
+    wait_for(lambda: index(server).get("doomed", ("", ""))[0] == "UNLOADING")  # (the removal waits for it)
+    (repo.root / "release").touch()
     caller.join(30)
     assert results and results[0]["version"] == "1"  # in flight: answered
     wait_for(lambda: "doomed" not in index(server))

@@ -101,6 +101,7 @@ def test_child_state_leaves_no_trace_and_helpers_are_fresh(repo, serve):
         prelude="import helper\njson.count = getattr(json, 'count', 0) + 1"))
     (folder / "helper.py").write_text("VALUE = 'first'\n")
     server = serve(repo.write_config())
+    assert backend_of(server, "stateful").runtime_report().summary == "warm_start=on"  # (cold, it proved nothing)
     assert ask(server, "stateful") == {"count": 1, "helper": "first"}
     assert ask(server, "stateful") == {"count": 1, "helper": "first"}  # json is preloaded, yet untouched
     (folder / "helper.py").write_text("VALUE = 'edited'\n")
