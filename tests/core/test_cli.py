@@ -33,6 +33,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 SLOW_MAIN = '''
 import os, sys, time
+open("started", "w").close()  # (in the model folder: a test waits for it)
 time.sleep(1.0)
 data = sys.stdin.buffer.read()
 with open(os.environ["NEREID_OUTPUT_PATH"], "wb") as out:
@@ -166,7 +167,7 @@ def test_check_rejects_a_bad_config_with_its_key(repo) -> None:
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
 def test_serve_finishes_accepted_requests_on_sigterm_or_sighup_and_exits_zero(repo, signum) -> None:
     # SIGHUP (a closed terminal, a dropped ssh session) used to end the server at once, its requests unanswered.
-    repo.python("slow", main=SLOW_MAIN)
+    folder = repo.python("slow", main=SLOW_MAIN)
     with nereid_serve(repo.write_config()) as (process, client):
         x = np.ones((1, 4), dtype=np.float32)
         tensor = triton.InferInput("input", [1, 4], "FP32")
@@ -174,7 +175,7 @@ def test_serve_finishes_accepted_requests_on_sigterm_or_sighup_and_exits_zero(re
         results: list = []
         worker = threading.Thread(target=lambda: results.append(client.infer("slow", [tensor]).as_numpy("output")))
         worker.start()
-        time.sleep(0.4)  # the request is now running inside the 1 s model
+        assert wait_until(lambda: (folder / "started").exists())  # the request is running inside the 1 s model
         process.send_signal(signum)
         worker.join(30)
         assert process.wait(30) == 0

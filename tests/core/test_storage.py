@@ -24,7 +24,7 @@ from nereid.errors import ConfigError
 from nereid.settings import load_settings
 from nereid.storage import StoreURL, mirror_root, parse_store_url
 from nereid.storage.mirror import MARKER_FILE, read_marker
-from support import ECHO_MAIN, textproto_single
+from support import ECHO_MAIN, textproto_single, wait_until
 
 DOUBLE_MAIN = ECHO_MAIN.replace("out.write(data)", "import array; a = array.array('f', data); "
                                                    "out.write(array.array('f', [2 * v for v in a]).tobytes())")
@@ -1206,7 +1206,11 @@ def test_a_lock_deleted_by_its_holder_is_taken_anew_by_the_one_waiting(tmp_path)
         assert held
         thread = threading.Thread(target=waiter)
         thread.start()
-        time.sleep(0.2)  # it waits for the lock
+        # It waits for the lock: blocked on this very file (a fixed sleep let it come after the unlink, take a
+        # fresh file at once and pass without the case; the review of the tests).
+        inode = lock.stat().st_ino
+        assert wait_until(lambda: any(line.split()[1:2] == ["->"] and f":{inode} " in line
+                                      for line in Path("/proc/locks").read_text().splitlines()))
         lock.unlink()
     assert waited.wait(10)
     with _folder_lock(lock, wait=False) as third:

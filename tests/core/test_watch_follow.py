@@ -12,6 +12,7 @@ import contextlib
 import os
 import shutil
 import time
+from collections import Counter
 from pathlib import Path
 from typing import AsyncIterator
 
@@ -35,11 +36,22 @@ from support import until
 
 
 class SlowToy(ToyModel):
-    """A toy whose every batch takes ``slow.txt``'s seconds."""
+    """A toy whose every batch takes ``slow.txt``'s seconds; ``started[name]`` counts the batches that have read
+    it (a test waits for one to be running: nothing written into a folder the watcher follows)."""
+
+    started: Counter[str] = Counter()
 
     def infer(self, inputs: list[NamedTensor]) -> list[NamedTensor]:
-        time.sleep(float((self.context.folder / "slow.txt").read_text()))
+        seconds = float((self.context.folder / "slow.txt").read_text())
+        SlowToy.started[self.context.name] += 1
+        time.sleep(seconds)
         return super().infer(inputs)
+
+
+async def running(name: str, before: int) -> None:
+    """Until a slow toy's batch of model ``name`` beyond the first ``before`` has begun (a fixed sleep let the test
+    go on before it had: the review of the tests)."""
+    await until(lambda: SlowToy.started[name] > before, what=f"a batch of '{name}' running")
 
 
 class PickyToy(ToyModel):
@@ -550,8 +562,9 @@ def test_an_unload_cancelled_once_begun_is_seen_to_its_end_and_unloads_the_model
 
     async def scenario() -> None:
         await start(repository, watcher)
+        before = SlowToy.started["slow"]
         request = submitted(repository, "slow")
-        await asyncio.sleep(0.1)  # running
+        await running("slow", before)
         unload = asyncio.create_task(repository.unload("slow"))
         await until(lambda: repository.entry("slow").state is ModelState.UNLOADING, what="draining")
         unload.cancel()
@@ -574,8 +587,9 @@ def test_a_draining_model_holds_up_no_other_change(tmp_path, root, change):
 
     async def scenario() -> None:
         await start(repository, watcher)
+        before = SlowToy.started["slow"]
         request = submitted(repository, "slow")
-        await asyncio.sleep(0.2)  # running
+        await running("slow", before)
         if change == "remove":
             shutil.rmtree(slow)
         else:
@@ -682,8 +696,9 @@ def test_a_load_waiting_on_a_removal_that_drains_loads_once_it_is_done(tmp_path,
     async def scenario() -> None:
         await repository.load("m")
         x = NamedTensor("input", DType.FP32, np.zeros((1, 4), np.float32))
+        before = SlowToy.started["m"]
         request = asyncio.create_task(repository.ready_model("m").scheduler.submit([x], 1, 0))
-        await asyncio.sleep(0.1)
+        await running("m", before)
         shutil.rmtree(folder)
         removal = asyncio.create_task(repository.remove("m"))
         await asyncio.sleep(0.05)
@@ -708,8 +723,9 @@ def test_a_rename_that_loads_anew_holds_up_nothing_and_a_load_after_it_never_hol
     async def scenario() -> None:
         await start(repository, watcher)
         x = NamedTensor("input", DType.FP32, np.zeros((1, 4), np.float32))
+        before = SlowToy.started["a"]
         request = asyncio.create_task(repository.ready_model("a").scheduler.submit([x], 1, 0))
-        await asyncio.sleep(0.2)  # running
+        await running("a", before)
         os.rename(root / "a", root / "b")
         started = time.monotonic()
         await apply(watcher)

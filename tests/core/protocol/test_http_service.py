@@ -185,7 +185,7 @@ def test_every_json_datatype_round_trips_as_plain_json(repo, serve):
 
 
 def test_outputs_selection_binary_data_output_and_timeout(served):
-    _, base = served
+    server, base = served
     header = json.dumps({"inputs": [{"name": "input", "shape": [1, 4], "datatype": "FP32",
                                      "parameters": {"binary_data_size": 16}}],
                          "parameters": {"binary_data_output": True}}).encode()
@@ -202,7 +202,9 @@ def test_outputs_selection_binary_data_output_and_timeout(served):
     plain = {"inputs": [{"name": "input", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}]}
     busy = threading.Thread(target=call, args=(base, "POST", "/v2/models/slow/infer", json.dumps(plain).encode()))
     busy.start()
-    time.sleep(0.3)
+    # Running (the review of the tests: after a fixed sleep, the timed request could find the instance idle).
+    slow = server.server.repository.ready_model("slow").scheduler
+    assert wait_until(lambda: slow.running_threads == 1)
     timed = json.dumps({**plain, "parameters": {"timeout": 100_000}}).encode()
     status, message = error_of(call(base, "POST", "/v2/models/slow/infer", timed))
     busy.join()
