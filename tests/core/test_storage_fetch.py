@@ -26,8 +26,10 @@ def _config(tmp_path: Path, url: str) -> Path:
 class _WatchedGet:
     """A GET result that records the size of every buffer it hands out, whichever way it is read."""
 
-    def __init__(self, result: Any, pieces: list[int]) -> None:
+    def __init__(self, result: Any, pieces: list[int], on_disk: Any = None) -> None:
         self._result, self._pieces = result, pieces
+        self._on_disk = on_disk  # called as each piece is handed out: what the fetch has written so far
+        self.written: list[int] = []
 
     def bytes(self) -> Any:
         data = self._result.bytes()
@@ -37,6 +39,8 @@ class _WatchedGet:
     def stream(self, min_chunk_size: int = 10 * 1024 * 1024) -> Iterator[bytes]:
         for chunk in self._result.stream(min_chunk_size=min_chunk_size):
             self._pieces.append(len(chunk))
+            if self._on_disk is not None:
+                self.written.append(self._on_disk())
             yield chunk
 
     def __iter__(self) -> Iterator[bytes]:
@@ -55,14 +59,26 @@ def test_a_large_file_is_written_as_it_arrives_never_held_whole(s3, tmp_path, mo
     obstore.put(s3.store, f"{s3.prefix}/big/weights.bin", data)
     monkeypatch.setattr(mirror, "FETCH_CHUNK_BYTES", 256 << 10, raising=False)
     pieces: list[int] = []
+    gets: list[_WatchedGet] = []
     real_get = obstore.get
-    monkeypatch.setattr(obstore, "get", lambda store, key, **kwargs: _WatchedGet(real_get(store, key, **kwargs),
-                                                                                pieces if key.endswith(".bin") else []))
+
+    def on_disk() -> int:  # the bytes in the cache's files by now (the one being written among them)
+        return sum(path.stat().st_size for path in (tmp_path / "cache").rglob("*") if path.is_file())
+
+    def watched_get(store: Any, key: str, **kwargs: Any) -> _WatchedGet:
+        big = key.endswith(".bin")
+        gets.append(_WatchedGet(real_get(store, key, **kwargs), pieces if big else [], on_disk if big else None))
+        return gets[-1]
+    monkeypatch.setattr(obstore, "get", watched_get)
     server = load_settings(_config(tmp_path, s3.url())).server
     local = materialize_model_folder(server, "big")
     assert (local / "weights.bin").read_bytes() == data
     assert sum(pieces) == len(data) and len(pieces) > 4
     assert max(pieces) < len(data) // 4, pieces  # (a piece is at least FETCH_CHUNK_BYTES, plus what the socket gave)
+    # Written as it arrived (the review of the tests: a fetch that joined the pieces, then wrote them, passed too):
+    # when the last piece came, all but it was on disk already.
+    (written,) = [get.written for get in gets if get.written]
+    assert written[-1] >= len(data) - pieces[-1], (written, pieces)
     assert read_marker(local).fetched["weights.bin"].size == len(data)
     # Recorded as before: current, it is not fetched again; changed in the bucket, it is.
     materialize_model_folder(server, "big")
