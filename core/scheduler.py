@@ -154,6 +154,7 @@ class ModelScheduler:
         if len(self._pending) >= self.capacity and self.queued_past_free_instances >= self.capacity:
             now_ns = time.monotonic_ns()
             if deadline_passed(deadline_ns, now_ns):  # (a hook's request, say): its deadline is the news, not the queue
+                self._stats.record_submitted()  # (counted as one out of time on arrival at an idle model is)
                 raise not_started(self.name, deadline_ns, now_ns)
             raise QueueFull(f"model '{self.name}': queue is full (queue_capacity {self.capacity} in nereid.yaml); "
                             "retry later")

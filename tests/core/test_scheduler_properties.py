@@ -283,7 +283,10 @@ async def play(scenario: Scenario, backend: Backend, stats: ModelStats) -> Model
             time.sleep(step.ms / 1000)
         elif isinstance(step, Drain):
             draining = asyncio.create_task(drain(step.grace_s))
-        assert scheduler.queue_depth <= scenario.capacity
+        # Bounded: queue_capacity waiting for an instance, beside the requests free instances are about to take
+        # (each takes one at least).
+        assert scheduler.queued_past_free_instances <= scenario.capacity
+        assert scheduler.queue_depth <= scenario.capacity + scenario.instances
     if draining is None:
         draining = asyncio.create_task(drain(scenario.final_grace_s))
     await draining
