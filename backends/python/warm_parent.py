@@ -199,7 +199,7 @@ class SeedWatch:
     def __init__(self) -> None:
         self.seeded: set[str] = set()
         # Generator objects seeded from the OS, by id: random.Random instances (their last seed() had no seed),
-        # and the entropies numpy drew for new generators (see fresh_generators).
+        # and the entropies numpy drew for new generators (see _keep_fresh_generators).
         self.fresh_randoms: dict[int, object] = {}
         self.entropies: set[int] = set()
         self._wrapped: list[tuple[object, str, object]] = []
