@@ -1260,6 +1260,11 @@ class LoadedFolderLoader(importlib.machinery.SourceFileLoader):
         finally:
             self._in_folder = None
 
+    # Named as importlib's own frames are, so that the interpreter strips this one from a traceback with theirs:
+    # a helper module's SyntaxError showed five frames of the import machinery (this one among them) between
+    # main.py's line and the error, where `python main.py` shows none (found by a bug hunt).
+    get_code.__code__ = get_code.__code__.replace(co_filename="<frozen importlib._bootstrap_external>")
+
     def _through_folder(self, path: str) -> str:
         in_folder = self._in_folder if self._in_folder is not None else working_directory_identity() == self._identity
         if in_folder and path.startswith(self._prefix):

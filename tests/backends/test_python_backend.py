@@ -813,6 +813,17 @@ def test_a_run_ends_as_python_main_py_ends(repo, serve):
         assert detaching.result(timeout=30).as_numpy("output")[0, 0] == 1, "its detached process was killed"
 
 
+def test_a_helper_modules_syntax_error_is_told_as_python_main_py_tells_it(repo, serve, start_mode):
+    """Found by a bug hunt: warm, the traceback showed five frames of the import machinery (one of them the warm
+    parent's loader) between main.py's line and the SyntaxError; `python main.py` shows none."""
+    folder = repo.python("bad_helper", main="import helper_bad\n")
+    (folder / "helper_bad.py").write_text("def f(:\n")
+    server = serve(repo.write_config())
+    tail = expect_error(server, "bad_helper", np.zeros((1, 4), np.float32))
+    assert "import helper_bad" in tail and "SyntaxError" in tail, tail
+    assert "frozen importlib" not in tail and "warm_parent" not in tail and "get_code" not in tail, tail
+
+
 def test_a_batch_whose_parent_dies_before_forking_it_runs_on_a_new_parent(repo, serve, start_mode, monkeypatch):
     """A parent found alive and killed a moment later failed the batch it had been handed ("it did not fork
     the run"), though the run had not started: under load, the first request after a kill could fail."""
