@@ -215,6 +215,29 @@ class DataPlane:
             raise NotFound(PublicText(f"model '{name}' has no version '{version}' (nereid serves version "
                                       f"{MODEL_VERSION})"))
 
+    def check_target(self, name: str, version: str) -> None:
+        """What the protocols ask before they read a request's body: :meth:`check_version`, then Unavailable for a
+        model that is not ready (counted as :meth:`infer` counts it).
+
+        As Triton answers: it finds the model before it reads the inputs, so a
+        malformed request to a model still loading is told to come back later
+        (UNAVAILABLE), not that its request is wrong (found by a bug hunt).
+        """
+        self.check_version(name, version)
+        self._ready_or_refused(name)
+
+    def _ready_or_refused(self, name: str) -> LoadedModel:
+        """The ready model behind ``name``; NotFound, or Unavailable counted against a version loaded but not
+        READY (a meta model waiting for a model it calls), whose statistics list it, as its
+        nereid_protocol_requests_total does."""
+        try:
+            return self.repository.ready_model(name)
+        except Unavailable as err:
+            waiting = self.repository.loaded_version(name)
+            if waiting is not None:
+                waiting.stats.record_failure(0, err.reason)
+            raise
+
     def model_metadata(self, name: str, version: str = "") -> ModelMetadata:
         """The ready model's metadata (shapes with a leading -1 when it batches)."""
         self.check_version(name, version)
@@ -364,15 +387,7 @@ class DataPlane:
         awaitable: a large answer encoded off the loop) before the request counts as a success: a NereidError
         from ``encode`` (an output its protocol cannot carry) is the request's failure."""
         received_ns = time.monotonic_ns()
-        try:
-            model = self.repository.ready_model(request.model_name)
-        except Unavailable as err:
-            # Loaded but not READY (a meta model waiting for a model it calls): its statistics, which list it,
-            # count the refusal, as its nereid_protocol_requests_total does.
-            waiting = self.repository.loaded_version(request.model_name)
-            if waiting is not None:
-                waiting.stats.record_failure(0, err.reason)
-            raise
+        model = self._ready_or_refused(request.model_name)  # (again: it may have changed while the body decoded)
         timing = RequestTiming()
         for attempt in (1, 2):
             try:

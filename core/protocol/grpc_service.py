@@ -351,7 +351,7 @@ class InferenceServicer:
         sampled_ns, remaining_s = time.monotonic_ns(), context.time_remaining()
         try:
             self.dataplane.admit(model_name)
-            self.dataplane.check_version(model_name, request.model_version)
+            self.dataplane.check_target(model_name, request.model_version)
             if received.size >= DECODE_OFF_LOOP_BYTES:
                 decoded = await asyncio.to_thread(decode_infer_request, request, remaining_s, received.raws,
                                                   sampled_ns)

@@ -271,7 +271,7 @@ class HttpSurface:
                      version: str) -> tuple[int, list[bytes | memoryview], list]:
         try:
             self.dataplane.admit(model)
-            self.dataplane.check_version(model, version)
+            self.dataplane.check_target(model, version)
         except NereidError as err:
             self._refused(model, err)
             raise

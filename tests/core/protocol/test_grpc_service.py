@@ -234,6 +234,30 @@ def test_classification_returns_each_items_top_classes_as_strings(repo, serve):
     assert server.client.get_inference_statistics("h").model_stats[0].execution_count == 0  # refused before running
 
 
+def test_a_malformed_request_to_a_model_not_ready_is_told_the_model_is_not_ready(repo, serve):
+    """Found by a bug hunt: it was INVALID_ARGUMENT (the body decoded first), where Triton finds the model before it
+    reads the inputs and answers UNAVAILABLE: a client is told to come back, not that its request is wrong."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    repo.add("broken", "input_shape: [4\n", main_py="print()")  # fails to load
+    server = serve(repo.write_config())
+    malformed = service_pb2.ModelInferRequest(model_name="broken")
+    malformed.inputs.add(name="input", datatype="XX", shape=[1])
+    with channel_to(server) as channel:
+        with pytest.raises(grpc.RpcError) as caught:
+            service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer(malformed, timeout=10)
+    assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert caught.value.details().startswith("model 'broken' is not ready (UNAVAILABLE: "), caught.value.details()
+    body = json.dumps({"inputs": [{"name": "input", "shape": [1], "datatype": "XX", "data": [1]}]}).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{server.server.http_port}/v2/models/broken/infer",
+                                     data=body, method="POST")
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=10)
+    assert refused.value.code == 503 and "model 'broken' is not ready" in json.loads(refused.value.read())["error"]
+
+
 def test_model_metadata_has_the_batch_dim_and_platform(repo, serve):
     repo.python("batched", textproto=textproto_single("UINT16", "[3, 5]", "[7]", max_batch_size=8))
     repo.python("plain", textproto=textproto_single("BYTES", "[-1]", max_batch_size=0))
