@@ -116,6 +116,7 @@ def make_runner(backend: Model, signature: ModelSignature, batch_signature: Mode
     postprocess = backend.postprocess if isinstance(backend, Postprocesses) else None
     # Refused before queueing: a request no execution could run must not wait for one, nor fail the batch it joins.
     check_inputs = _input_check(backend, scheduler) if isinstance(backend, ChecksInputs) else None
+    scheduler.postprocessed = postprocess is not None
     if preprocess is None and postprocess is None:
         if check_inputs is None:
             return scheduler.submit
@@ -304,7 +305,9 @@ class _HookStage:
         scheduler.drop_dead()
         now_ns = time.monotonic_ns()
         late = sum(call.running_late(now_ns) for call in self.calls)  # (one pass, and only when full)
-        if len(self.calls) - late + self.dropped + scheduler.queued_past_free_instances >= scheduler.capacity:
+        # (The whole queue, not queued_past_free_instances: a free instance that holds off for a batching window, or
+        # for a full postprocess stage, takes none of it at once, and an admitted request must find its place.)
+        if len(self.calls) - late + self.dropped + scheduler.queue_depth >= scheduler.capacity:
             raise QueueFull(f"model '{scheduler.name}': queue is full (queue_capacity {scheduler.capacity} in "
                             "nereid.yaml, requests in its preprocess hook included); retry later")
 

@@ -92,6 +92,7 @@ class ModelScheduler:
         self._direct: set[asyncio.Task] = set()  # callers running their own request (see submit)
         self._abandoned = False  # drain gave up on what still runs: its callers are answered Unavailable
         self._backlog = 0  # requests run and still in the model's postprocess stage (see in_postprocess)
+        self.postprocessed = False  # whether every answer goes on to a postprocess hook (set by the model's runner)
         # The tasks of requests inside a model's hook stages (see hooked_request), each with how many times it is.
         self._in_hooks: collections.Counter[asyncio.Task] = collections.Counter()
         self._hook_calls = 0  # hook calls handed to the model's hook threads and not ended there (see hook_call_began)
@@ -121,8 +122,8 @@ class ModelScheduler:
 
     @property
     def queued_past_free_instances(self) -> int:
-        """The queued requests that wait for an instance: those a free one takes at the batcher's next turn (one
-        each, at least) left out; what ``queue_capacity`` bounds.
+        """The queued requests that wait for an instance: those a free one takes next (one each, at least: at the
+        batcher's next turn, or at the end of a batching window) left out; what ``queue_capacity`` bounds.
 
         An instance freed by an execution's end takes its next batch a loop
         turn later: a model calling this one, its call just answered, made
@@ -151,6 +152,7 @@ class ModelScheduler:
                 raise UnloadedBeforeStart(unloaded_before_start(self.name))
         if len(self._pending) >= self.capacity:
             self.drop_dead()
+        # (The first test alone is the common case's: the second is never true without it.)
         if len(self._pending) >= self.capacity and self.queued_past_free_instances >= self.capacity:
             now_ns = time.monotonic_ns()
             if deadline_passed(deadline_ns, now_ns):  # (a hook's request, say): its deadline is the news, not the queue
@@ -414,7 +416,9 @@ class ModelScheduler:
                     timer.cancel()
 
     def _execution_done(self, task: asyncio.Task) -> None:
-        self._end_execution(task)  # (if its answers have not: cancelled, by drain before its first step say)
+        # (Its instance is still held if the execution ended without answering, or answered callers that go on to a
+        # postprocess hook; _end_execution frees it once.)
+        self._end_execution(task)
 
     def _end_execution(self, task: asyncio.Task) -> None:
         """The batcher's execution ``task`` holds its instance no more (once: at its answers, or at its end)."""
@@ -481,8 +485,11 @@ class ModelScheduler:
             raise
         # Its instance is free before its callers hear (not at this task's end, a loop turn after they resume): a
         # caller calling again at once (a pipeline's next sub-call) finds the request queued behind it taken by
-        # then, not a full queue (found by a bug hunt: QueueFull every time, at queue_capacity 1).
-        self._end_execution(asyncio.current_task())
+        # then, not a full queue (found by a bug hunt: QueueFull every time, at queue_capacity 1). Not where the
+        # callers go on to a postprocess hook: they must be counted in its stage (in_postprocess) before the
+        # batcher, woken by the freed instance, looks whether that stage is full.
+        if not self.postprocessed:
+            self._end_execution(asyncio.current_task())
         for work, result in zip(live, results):
             if not work.future.done():
                 work.future.set_result(result)

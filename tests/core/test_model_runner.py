@@ -14,6 +14,7 @@ from typing import Awaitable, Callable
 import numpy as np
 import pytest
 
+from nereid.batching import BatchPolicy
 from nereid.dtypes import DType
 from nereid.errors import ModelFailure, ModelRetired, QueueFull, Unavailable
 from nereid.model_runner import HOOK_THREADS, HookThreads, Runner, make_runner
@@ -113,6 +114,79 @@ def test_requests_waiting_for_their_postprocess_hook_hold_the_next_executions_ba
         assert (await run(rows(20), 1, 0))[0].data.tolist() == [[41, 41]]  # the stage is free again
         await scheduler.drain()
     asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+class GatedPostprocess(PostprocessOnly):
+    """A PostprocessOnly whose program waits for ``ran_gate`` and whose hook waits for ``hook_gate``."""
+
+    def __init__(self) -> None:
+        self.ran_gate, self.hook_gate = threading.Event(), threading.Event()
+        super().__init__(self._held)
+
+    def infer(self, inputs: list[NamedTensor]) -> list[NamedTensor]:
+        self.ran_gate.wait(10)
+        return super().infer(inputs)
+
+    def _held(self, tensors: list[NamedTensor]) -> list[NamedTensor]:
+        self.hook_gate.wait(10)
+        return tensors
+
+
+def test_a_batch_formed_by_the_batcher_holds_the_next_back_while_its_requests_enter_their_postprocess() -> None:
+    """Found by the review of a change that frees an execution's instance before its callers hear: the batcher,
+    woken first, started the next execution before the answered callers were counted in the postprocess stage
+    (three ran at queue_capacity 2 with both in their hook)."""
+    async def scenario() -> None:
+        backend = GatedPostprocess()
+        run, scheduler = await serve(backend, capacity=2)
+        calls = [asyncio.create_task(run(rows(0), 1, 0))]  # runs at once, waiting at the gate
+        await until(lambda: scheduler.running_threads == 1)
+        calls += [asyncio.create_task(run(rows(value), 1, 0)) for value in (1, 2)]
+        await until(lambda: scheduler.queue_depth == 2)
+        backend.ran_gate.set()  # 0 then 1 run and wait for their hook: the stage is full, 2 must wait
+        await until(lambda: backend.runs == [0, 1] and scheduler.queue_depth == 1)
+        await asyncio.sleep(0.2)
+        assert backend.runs == [0, 1]
+        backend.hook_gate.set()
+        answers = await asyncio.gather(*calls)
+        assert [answer[0].data.tolist() for answer in answers] == [[[0, 0]], [[2, 2]], [[4, 4]]]
+        await scheduler.drain()
+    asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+def test_a_request_admitted_to_its_preprocess_hook_finds_its_place_in_the_queue() -> None:
+    """Found by the same review: admission to the preprocess stage counted a request queued for a free instance out,
+    as the queue's own admission now does; an instance held off by a batching window took none of it, and the
+    request, its preprocess run, was refused QueueFull."""
+    gates = {value: threading.Event() for value in range(1, 6)}
+    for value in (1, 2, 3):
+        gates[value].set()
+
+    def gated(tensors: list[NamedTensor]) -> list[NamedTensor]:
+        gates[int(tensors[0].data[0, 0])].wait(10)
+        return tensors
+
+    async def scenario() -> list[object]:
+        backend = Hooked(pre=gated)
+        policy = BatchPolicy(enabled=True, max_rows=2, max_delay_ns=5_000_000_000)
+        scheduler = ModelScheduler("m", backend, SIGNATURE, capacity=2, instances=2, stats=ModelStats(),
+                                   policy=policy)
+        run = make_runner(backend, SIGNATURE, SIGNATURE, scheduler, HookThreads("m"))
+        calls = [asyncio.create_task(run(rows(value), 1, 0)) for value in (1, 2)]  # one batch of two, at once
+        await until(lambda: scheduler.queue_depth == 0 and scheduler.running_threads == 0 and all(
+            call.done() for call in calls))
+        blocker = asyncio.create_task(run(rows(3), 1, 0))  # waits its window with an instance free
+        await until(lambda: scheduler.queue_depth == 1)
+        in_hook = asyncio.create_task(run(rows(4), 1, 0))  # in its hook: with the queued one, the stage is full
+        await asyncio.sleep(0.05)
+        refused = asyncio.create_task(run(rows(5), 1, 0))
+        await asyncio.sleep(0.05)
+        assert refused.done() and isinstance(refused.exception(), QueueFull)  # refused before its hook
+        gates[4].set()
+        gates[5].set()
+        return await asyncio.gather(blocker, in_hook, return_exceptions=True)
+    answers = asyncio.run(asyncio.wait_for(scenario(), 30))
+    assert [answer[0].data.tolist() for answer in answers] == [[[6, 6]], [[8, 8]]]
 
 
 async def coroutine_hook(tensors: list[NamedTensor]) -> list[NamedTensor]:
