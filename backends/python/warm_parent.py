@@ -70,6 +70,7 @@ import select
 import signal
 import socket
 import threading
+import time
 import traceback
 import types
 
@@ -82,6 +83,9 @@ PR_SET_CHILD_SUBREAPER = 36
 MAX_SWEEPS = 1024
 # What every CUDA driver API call but cuInit returns until cuInit has been called (CUresult 3).
 CUDA_ERROR_NOT_INITIALIZED = 3
+# How long a preload's child process may take to end before it counts as one the runs would share (a short-lived
+# Popen an import did not wait for is still running a moment later; found by the review of the change).
+SHORT_LIVED_CHILD_S = 0.2
 # How long a run's end waits for multiprocessing's resource tracker to unlink what the run leaked (see
 # end_resource_tracker): a fresh interpreter's start and a few unlinks take tens of ms; one that hangs is killed
 # with the run's group.
@@ -121,6 +125,10 @@ def preload(imports: list[str], extra: list[str], submodules: tuple[str, ...] | 
     # be one process shared by every run at once, where `python main.py` has its own; and each run's end sweeps
     # this parent's other children away (found by a bug hunt: the first run worked, every later one broke).
     started = _live_children()
+    deadline = time.monotonic() + SHORT_LIVED_CHILD_S
+    while started and time.monotonic() < deadline:  # (one about to end, not yet waited for, is no shared process)
+        time.sleep(0.01)
+        started = _live_children()
     if started:
         return (f"fallback preloading started a process ({', '.join(started[:3])}) that every run would share; "
                 "start it in the code that runs per batch (main.py's body or a function it calls), not at import")
@@ -182,7 +190,7 @@ def preload_as_script(folder: str, imports: list[str], extra: list[str],
 SEEDERS = {"random": ("seed", "setstate"), "numpy.random": ("seed", "set_state")}
 # Where numpy draws a new generator's seed from the OS (SeedSequence(None)): looked up at each call, so a wrapper
 # sees every entropy drawn (see SeedWatch.entropies).
-NUMPY_ENTROPY = ("numpy.random.bit_generator", "randbits")
+NUMPY_ENTROPY = types.SimpleNamespace(module="numpy.random.bit_generator", function="randbits")
 
 
 class SeedWatch:
@@ -207,7 +215,7 @@ class SeedWatch:
 
     def __enter__(self) -> SeedWatch:
         self._active = True
-        for name in (*SEEDERS, NUMPY_ENTROPY[0]):
+        for name in (*SEEDERS, NUMPY_ENTROPY.module):
             if name in sys.modules:
                 self._wrap(sys.modules[name])
         sys.meta_path.insert(0, self)  # type: ignore[arg-type]
@@ -224,7 +232,7 @@ class SeedWatch:
     def find_spec(self, fullname: str, path: object = None, target: object = None) -> object:
         """None for every module (the other finders find it); a watched one's loader wraps its seeders once it
         has run the module."""
-        if (fullname not in SEEDERS and fullname != NUMPY_ENTROPY[0]) or not self._active:
+        if (fullname not in SEEDERS and fullname != NUMPY_ENTROPY.module) or not self._active:
             return None
         try:
             spec = importlib.machinery.PathFinder.find_spec(fullname, path)  # type: ignore[arg-type]
@@ -244,8 +252,8 @@ class SeedWatch:
         return spec
 
     def _wrap(self, module: types.ModuleType) -> None:
-        if module.__name__ == NUMPY_ENTROPY[0]:
-            self._replace(module, NUMPY_ENTROPY[1], self._entropy_recording)
+        if module.__name__ == NUMPY_ENTROPY.module:  # (no global state: where new generators draw their seeds)
+            self._replace(module, NUMPY_ENTROPY.function, self._entropy_recording)
             return
         for attribute in SEEDERS[module.__name__]:
             self._replace(module, attribute, functools.partial(self._recording, module.__name__, attribute))
@@ -322,13 +330,18 @@ def _keep_fresh_generators(watch: SeedWatch) -> None:
     if entropies and numpy_random is not None:
         # Found once, at the parent's start (a pass over the objects the collector tracks: tens of ms after
         # heavy imports), and only when a generator beside numpy's global one drew its seed from the OS.
-        kind = getattr(sys.modules.get(NUMPY_ENTROPY[0]), "BitGenerator", None)
+        kind = getattr(sys.modules.get(NUMPY_ENTROPY.module), "BitGenerator", None)
         if isinstance(kind, type):
-            for found in gc.get_objects():
-                if isinstance(found, kind):
-                    seeds = getattr(found, "seed_seq", None)
-                    if seeds is not global_seeds and getattr(seeds, "entropy", None) in entropies:
-                        bit_generators.append(found)
+            try:
+                for found in gc.get_objects():
+                    # type(), not isinstance(): that reads __class__, which a lazy proxy computes (Django's
+                    # settings: configured, or raising, in the parent; found by the review of the change).
+                    if issubclass(type(found), kind):
+                        seeds = found.seed_seq
+                        if seeds is not global_seeds and getattr(seeds, "entropy", None) in entropies:
+                            bit_generators.append(found)
+            except Exception:  # noqa: BLE001 - a numpy laid out otherwise: its generators left as they are
+                bit_generators.clear()
     _fresh_generators = (randoms, bit_generators)
 
 
@@ -1262,7 +1275,8 @@ class LoadedFolderLoader(importlib.machinery.SourceFileLoader):
 
     # Named as importlib's own frames are, so that the interpreter strips this one from a traceback with theirs:
     # a helper module's SyntaxError showed five frames of the import machinery (this one among them) between
-    # main.py's line and the error, where `python main.py` shows none (found by a bug hunt).
+    # main.py's line and the error, where `python main.py` shows none (found by a bug hunt). (A fault of its own
+    # would be named so too, with this file's line numbers.)
     get_code.__code__ = get_code.__code__.replace(co_filename="<frozen importlib._bootstrap_external>")
 
     def _through_folder(self, path: str) -> str:

@@ -165,11 +165,21 @@ def test_generators_a_preloaded_import_made_are_drawn_afresh_in_every_run_unless
         "[g.python_rng.random(), float(g.numpy_rng.random()), float(g.legacy.rand()), float(g.spawned.random()), "
         "g.reseeded.random(), g.python_fixed.random(), float(g.numpy_fixed.random())]",
         prelude="import makes_generators as g"))
+    # Beside a lazy proxy whose __class__ raises until configured, as Django's settings do (found by the review of
+    # the change: the parent's search for generators read it, and the parent died at each start).
+    (user_site / "lazy_settings.py").write_text(
+        "import numpy as np\nrng = np.random.default_rng()\n"
+        "class LazySettings:\n    @property\n    def __class__(self):\n"
+        "        raise RuntimeError('settings are not configured')\nsettings = LazySettings()\n")
+    repo.python("lazy", textproto=REPORT, main=reply_main("float(lazy_settings.rng.random())",
+                                                          prelude="import lazy_settings"))
     server = serve(repo.write_config())
     assert backend_of(server, "generators").runtime_report().summary == "warm_start=on"
     draws = [ask(server, "generators") for _ in range(3)]
     fresh = [len({draw[i] for draw in draws}) for i in range(4)]
     assert fresh == [3, 3, 3, 3], draws
+    assert backend_of(server, "lazy").runtime_report().summary == "warm_start=on"
+    assert len({ask(server, "lazy") for _ in range(3)}) == 3
     import random
     expected = [random.Random(5).random(), random.Random(0).random(), float(np.random.default_rng(42).random())]
     assert [draw[4:] for draw in draws] == [expected] * 3
@@ -477,7 +487,8 @@ def user_site(tmp_path) -> Path:
     (site / "fails_on_import.py").write_text("raise RuntimeError('cannot import me')\n")
     (site / "starts_a_process.py").write_text(
         "import subprocess\nhelper = subprocess.Popen(['sleep', '60'])\n")
-    (site / "ran_a_process.py").write_text("import subprocess\nsubprocess.run(['true'], check=True)\n")
+    (site / "ran_a_process.py").write_text("import subprocess\nsubprocess.run(['true'], check=True)\n"
+                                           "left = subprocess.Popen(['sleep', '0.05'])\n")  # (not waited for)
     # Imported by a warm parent (whose working directory is the model folder) before it compiles main.py.
     (site / "rewrites_main.py").write_text("open('main.py', 'w').write('def broken(:\\n')\n")
     pth = Path(sysconfig.get_paths()["purelib"]) / f"nereid-test-{uuid.uuid4().hex}.pth"
