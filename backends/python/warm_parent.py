@@ -272,7 +272,7 @@ class SeedWatch:
     def _instance_recording(self, attribute: str, original: collections.abc.Callable) -> collections.abc.Callable:
         def seeder(generator: object, *args: object, **kwargs: object) -> object:
             if self._active:
-                if attribute == "seed" and next(iter([*args, *kwargs.values()]), None) is None:
+                if attribute == "seed" and _seed_given(args, kwargs) is None:
                     self.fresh_randoms[id(generator)] = generator  # drawn from the OS: afresh in each run
                 else:
                     self.fresh_randoms.pop(id(generator), None)  # as the import seeded it, in each run
@@ -297,7 +297,7 @@ class SeedWatch:
                 # seed(x) seeds; seed() draws from the OS again; a set_state after it is most often a library
                 # putting back the state it saved before seeding for its own use (state = get_state(); seed(0);
                 # ...; set_state(state)), which leaves the global state as random as before: not seeded.
-                if attribute == "seed" and next(iter([*args, *kwargs.values()]), None) is not None:
+                if attribute == "seed" and _seed_given(args, kwargs) is not None:
                     self.seeded.add(name)
                 else:
                     self.seeded.discard(name)
@@ -305,6 +305,12 @@ class SeedWatch:
 
         functools.update_wrapper(seeder, original)
         return seeder
+
+
+def _seed_given(args: tuple, kwargs: dict) -> object:
+    """The seed a ``seed()`` call was given (``random``'s ``a``, numpy's ``seed``): None for one drawn from the OS
+    (``seed(version=2)`` too)."""
+    return args[0] if args else kwargs.get("a", kwargs.get("seed"))
 
 
 def _keep_fresh_generators(watch: SeedWatch) -> None:
