@@ -248,9 +248,12 @@ def validate_inputs(model: str, signature: ModelSignature, tensors: list[NamedTe
             )
         data = tensor.data
         if type(data) is not np.ndarray and not isinstance(data, np.ndarray):
-            # (A meta model's sub-call, a hook's tensors: a list failed with an AttributeError, uncounted.)
-            raise _refusal(f"model '{model}': input '{spec.name}' holds a {type(data).__name__}, expected a numpy "
-                           f"ndarray of {spec.dtype.numpy} (NamedTensor.from_array makes one)")
+            if not isinstance(data, np.generic):
+                # (A meta model's sub-call, a hook's tensors: a list failed with an AttributeError, uncounted.)
+                raise _refusal(f"model '{model}': input '{spec.name}' holds a {type(data).__name__}, expected a "
+                               f"numpy ndarray of {spec.dtype.numpy} (NamedTensor.from_array makes one)")
+            data = np.asarray(data)  # a numpy scalar (a sum passed on): the 0-d array it is, as before
+            tensor = NamedTensor(tensor.name, tensor.dtype, data)
         held = data.dtype
         if held is not spec.dtype.numpy:  # the wire decoders make exactly that dtype: nothing more to ask
             if held.newbyteorder("=") != spec.dtype.numpy:

@@ -122,6 +122,14 @@ def test_an_input_whose_data_is_no_numpy_array_is_refused(data) -> None:
         validate_inputs("m", BATCHED, [NamedTensor("x", DType.FP32, data)])
 
 
+def test_a_numpy_scalar_is_taken_as_the_0_d_array_it_is() -> None:
+    # (The review of the change: the refusal above took numpy scalars too, which a 0-d input had accepted.)
+    scalar = ModelSignature((TensorSpec("x", DType.FP32, ()),), (TensorSpec("y", DType.FP32, ()),), 0)
+    result = validate_inputs("m", scalar, [NamedTensor("x", DType.FP32, np.float32(2.5))])
+    data = result.tensors[0].data
+    assert isinstance(data, np.ndarray) and data.shape == () and data.dtype == np.float32 and float(data) == 2.5
+
+
 def test_batched_request_within_cap() -> None:
     result = validate_inputs("m", BATCHED, [tensor("x", (5, 4, 7))])
     assert result.batch_size == 5 and not result.batch_axis_added
