@@ -52,8 +52,8 @@ class _StrictLoader(yaml.SafeLoader):
 
 def _construct_unique_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
     for key_node, _ in node.value:
-        # A merge needs an alias to be of use, and aliases are refused; an inline one (<<: {a: 1}) beside a key
-        # of its own was called a duplicate key, though a merged key gives way to an explicit one.
+        # Refused as anchors and aliases are: a merge is of use only with an alias, and an inline one beside the
+        # same key (<<: {a: 1} with a: 2), which YAML reads as a: 2, would otherwise be called a duplicate key.
         if key_node.tag == "tag:yaml.org,2002:merge":
             raise yaml.constructor.ConstructorError(None, None, "merge keys (<<) are not allowed: write the keys "
                                                     "out", key_node.start_mark)

@@ -381,11 +381,9 @@ def _parse_server(reader: KeyedReader, raw: Any, path: Path) -> ServerSettings:
         assert cache_dir is not None
         backends = mirror_root(cache_dir, location)
     else:
-        try:
-            backends = Path(backends_text).expanduser()  # (as cache_dir is: "~/models" was a folder named "~")
-        except RuntimeError:  # "~" with no home directory known
-            reader.fail("server.ml_backends_path", "starts with ~, but no home directory is known here (HOME is "
-                        "unset): write the whole path", backends_text)
+        backends = _home_expanded(backends_text)  # (as cache_dir is: "~/models" was a folder named "~")
+        if backends is None:
+            reader.fail("server.ml_backends_path", _UNKNOWN_HOME, backends_text)
         if not backends.is_absolute():
             backends = beside_config(path, backends)
         if not backends.is_dir():
@@ -452,13 +450,11 @@ def _cache_dir(reader: KeyedReader, section: Mapping[str, Any], path: Path, need
         text = reader.string(section, "server.cache_dir", "")
         if not text:
             reader.fail("server.cache_dir", "must be a folder path", text)
-        try:
-            folder = Path(text).expanduser()
-        except RuntimeError:  # "~" with no home directory known
+        folder = _home_expanded(text)
+        if folder is None:
             if not needed:  # (the reference nereid.yaml writes ~/.cache/nereid: a local repository serves)
                 return None
-            reader.fail("server.cache_dir", "starts with ~, but no home directory is known here (HOME is unset and "
-                                            "this user has no passwd entry); give an absolute path", text)
+            reader.fail("server.cache_dir", _UNKNOWN_HOME, text)
         return folder if folder.is_absolute() else beside_config(path, folder)
     base = os.environ.get("XDG_CACHE_HOME")
     if not base:
@@ -548,6 +544,18 @@ def _parse_model(reader: KeyedReader, raw: Any, where: str, backends_path: Path,
         reader.fail(f"{where}.runtime", "must be a mapping of backend options", runtime)
     batching = _parse_batching(reader, _section_or_empty(entry, "batching"), f"{where}.batching")
     return ModelSettings(name, device, capacity, backend, instances, timeout, runtime, batching)
+
+
+_UNKNOWN_HOME = ("starts with ~, but that home directory is not known here (HOME is unset and this user has no "
+                 "passwd entry, or ~name names no user); give an absolute path")
+
+
+def _home_expanded(text: str) -> Path | None:
+    """``text`` as a path, a leading ``~`` or ``~name`` made the home directory; None when that is not known."""
+    try:
+        return Path(text).expanduser()
+    except RuntimeError:
+        return None
 
 
 def _section_or_empty(entry: dict, key: str) -> Any:

@@ -394,8 +394,12 @@ def test_no_home_directory_stops_only_a_repository_that_needs_the_cache(root: Pa
         load_settings(write(root, "server:\n  ml_backends_path: s3://bucket/models\n"))
     settings = load_settings(write(root, "server:\n  ml_backends_path: s3://bucket/models\n  cache_dir: cache\n"))
     assert settings.server.cache_dir == root / "cache"
-    with pytest.raises(ConfigError, match="starts with ~, but no home directory is known here"):
+    with pytest.raises(ConfigError, match="server.cache_dir: starts with ~, but that home directory is not known "
+                                          "here"):
         load_settings(write(root, "server:\n  ml_backends_path: s3://bucket/models\n  cache_dir: ~/cache\n"))
+    with pytest.raises(ConfigError, match="server.ml_backends_path: starts with ~, but that home directory is not "
+                                          r"known here \(HOME is unset .*, or ~name names no user\)"):
+        load_settings(write(root, "server:\n  ml_backends_path: ~/models\n"))
     # The reference nereid.yaml's ~/.cache/nereid with a local repository: unused, so no reason to stop.
     assert load_settings(write(root, "server:\n  cache_dir: ~/.cache/nereid\n")).server.cache_dir is None
 
