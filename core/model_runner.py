@@ -140,11 +140,12 @@ def make_runner(backend: Model, signature: ModelSignature, batch_signature: Mode
         name = scheduler.name  # a renamed model reports its new name
         program_rows = batch_size
         if preprocess is not None:
-            in_hooks.admit(scheduler)
             arrived_ns = time.monotonic_ns()
             if deadline_passed(deadline_ns, arrived_ns):
-                # Refused as the scheduler refuses it: no model code runs for a request already out of time.
+                # Refused as the scheduler refuses it: no model code runs for a request already out of time (told
+                # so before a full stage's QueueFull, as the queue tells it).
                 raise not_started(name, deadline_ns, arrived_ns)
+            in_hooks.admit(scheduler)
             try:
                 inputs = await _call_hook(hook_threads, scheduler, "preprocess", preprocess, inputs, deadline_ns,
                                           in_hooks)

@@ -16,7 +16,7 @@ import pytest
 
 from nereid.batching import BatchPolicy
 from nereid.dtypes import DType
-from nereid.errors import ModelFailure, ModelRetired, QueueFull, Unavailable
+from nereid.errors import DeadlineExceeded, ModelFailure, ModelRetired, QueueFull, Unavailable
 from nereid.model_runner import HOOK_THREADS, HookThreads, Runner, make_runner
 from nereid.scheduler import ModelScheduler
 from nereid.signature import ModelSignature, TensorSpec
@@ -187,6 +187,29 @@ def test_a_request_admitted_to_its_preprocess_hook_finds_its_place_in_the_queue(
         return await asyncio.gather(blocker, in_hook, return_exceptions=True)
     answers = asyncio.run(asyncio.wait_for(scenario(), 30))
     assert [answer[0].data.tolist() for answer in answers] == [[[6, 6]], [[8, 8]]]
+
+
+def test_a_request_out_of_time_at_a_full_preprocess_stage_is_told_its_deadline_passed() -> None:
+    """(The review of the change: the queue told it DEADLINE_EXCEEDED, the preprocess stage still QueueFull.)"""
+    release = threading.Event()
+
+    def held(tensors: list[NamedTensor]) -> list[NamedTensor]:
+        release.wait(10)
+        return tensors
+
+    async def scenario() -> None:
+        run, scheduler = await serve(Hooked(pre=held), capacity=1)
+        in_hook = asyncio.create_task(run(rows(1), 1, 0))  # fills the stage
+        await until(lambda: scheduler.requests_in_hooks == 1)
+        with pytest.raises(DeadlineExceeded, match=r"^model 'm': deadline passed [0-9.]+ ms before the request could "
+                                                   r"start; it was not run$"):
+            await run(rows(2), 1, time.monotonic_ns() - 1_000_000)
+        with pytest.raises(QueueFull):
+            await run(rows(3), 1, 0)
+        release.set()
+        assert (await in_hook)[0].data.tolist() == [[2, 2]]
+        await scheduler.drain()
+    asyncio.run(asyncio.wait_for(scenario(), 30))
 
 
 async def coroutine_hook(tensors: list[NamedTensor]) -> list[NamedTensor]:
