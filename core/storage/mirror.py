@@ -551,8 +551,9 @@ class VersionHold:
     the file.
     """
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, key: _HeldKey) -> None:
         self.folder = folder  # <model>/.nereid-versions/<id>/<model>: what the version runs from
+        self._key = key
         self._released = False
 
     def release(self) -> None:
@@ -561,21 +562,26 @@ class VersionHold:
         if self._released:
             return
         self._released = True
-        top = self.folder.parent
         with _held_lock:
-            fd, count = _held[top]
+            fd, count = _held[self._key]
             if count > 1:
-                _held[top] = (fd, count - 1)
+                _held[self._key] = (fd, count - 1)
                 return
-            del _held[top]
+            del _held[self._key]
             os.close(fd)
-        model_folder = top.parent.parent
+        model_folder = self.folder.parent.parent.parent
         threading.Thread(target=_prune_released, args=(model_folder, self.folder.name),
                          name="nereid-version-prune", daemon=True).start()
 
 
-# This process's holds: the version folder's top (<id>) -> (the descriptor holding its shared lock, how many holds).
-_held: dict[Path, tuple[int, int]] = {}
+# A version folder's top (<id>) with the device and inode of its in-use file: a folder made anew under the same
+# path (the cache deleted, then the model loaded again) is another folder, to be held of its own. Keyed by the
+# path alone, its load counted one more hold on the deleted folder's descriptor and took no lock on the new one,
+# so another server sharing the cache (or nereid check) removed the folder the model ran from (found by a bug
+# hunt: READY, and every request failed).
+_HeldKey = tuple[Path, int, int]
+# This process's holds: the version folder's key -> (the descriptor holding its shared lock, how many holds).
+_held: dict[_HeldKey, tuple[int, int]] = {}
 _held_lock = threading.Lock()
 
 
@@ -585,23 +591,37 @@ def _hold_version(path: Path) -> VersionHold:
 
     top = path.parent
     with _held_lock:
-        if top in _held:
-            fd, count = _held[top]
-            _held[top] = (fd, count + 1)
-            return VersionHold(path)
+        key = _key_of(top)
+        if key is not None and key in _held:
+            # (Not opened again: on NFS, closing any descriptor of the file would drop the process's lock.)
+            fd, count = _held[key]
+            _held[key] = (fd, count + 1)
+            return VersionHold(path, key)
         fd = os.open(top / IN_USE_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)  # (nobody else takes it but a removal, under the lock this holds)
+            stat = os.fstat(fd)
         except BaseException:
             os.close(fd)
             raise
-        _held[top] = (fd, 1)
-    return VersionHold(path)
+        key = (top, stat.st_dev, stat.st_ino)
+        _held[key] = (fd, 1)
+    return VersionHold(path, key)
+
+
+def _key_of(top: Path) -> _HeldKey | None:
+    """The key of the version folder at ``top`` as it is now; None when it has no in-use file."""
+    try:
+        stat = os.stat(top / IN_USE_FILE)
+    except OSError:
+        return None
+    return (top, stat.st_dev, stat.st_ino)
 
 
 def _held_here(top: Path) -> bool:
     with _held_lock:
-        return top in _held
+        key = _key_of(top)
+        return key is not None and key in _held
 
 
 def _prune_released(model_folder: Path, name: str) -> None:

@@ -1502,6 +1502,42 @@ def test_a_version_folder_stays_while_any_server_holds_it(s3, tmp_path) -> None:
     assert not (mirror / "mix").exists()
 
 
+def test_a_version_folder_made_anew_under_the_same_path_is_held_of_its_own(s3, tmp_path) -> None:
+    """Found by a bug hunt: after the cache was deleted and the model loaded again, its version folder (the same
+    path, made anew) counted one more hold on the deleted folder's lock and took none on its own; another server
+    sharing the cache (or nereid check) then removed the folder the model ran from: READY, every request failing."""
+    import shutil
+    import subprocess
+    import sys
+
+    from nereid.storage import materialize_model_version
+    from nereid.storage.mirror import IN_USE_FILE
+
+    server = load_settings(_config(tmp_path, s3.url())).server
+    _upload_mix(s3, tmp_path, 1)
+    first = materialize_model_version(server, "mix")
+    shutil.rmtree(server.ml_backends_path / "mix")  # a cache cleaner, an operator
+    again = materialize_model_version(server, "mix")
+    assert again.folder == first.folder and (again.folder / "helper.py").is_file()
+
+    def other_server_may_remove() -> bool:  # what another server's removal tries: an exclusive lock, no wait
+        probe = subprocess.run(
+            [sys.executable, "-c", "import fcntl, os, sys\ntry:\n    fd = os.open(sys.argv[1], os.O_RDWR)\n"
+                                   "except FileNotFoundError:\n    print('gone'); sys.exit()\n"
+                                   "try:\n    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)\n"
+                                   "except BlockingIOError:\n    print('held')\nelse:\n    print('free')",
+             str(again.folder.parent / IN_USE_FILE)], capture_output=True, text=True, timeout=30)
+        return probe.stdout.strip() in ("free", "gone")  # (gone: this server's own prune after the releases)
+    try:
+        assert not other_server_may_remove()
+        first.release()  # the deleted folder's hold: the new folder's stays
+        assert not other_server_may_remove()
+    finally:
+        first.release()
+        again.release()
+    assert other_server_may_remove()
+
+
 def test_a_forgotten_copy_whose_lock_is_held_a_moment_is_removed_without_another_listing(s3, tmp_path) -> None:
     """The prune a released version starts and the removal of a forgotten copy both take the folder's lock
     without waiting: the removal gave up, and the copy stayed until the next listing (a flaky full-suite run of
