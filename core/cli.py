@@ -26,6 +26,7 @@ import nereid.backend_calls
 from nereid.backend import (CallsModels, ChecksInputs, ModelContext, ReportsRuntime, runtime_report_problem,
                             what_it_calls)
 from nereid.backend_calls import bounded_backend_call
+from nereid.daemon_pool import release_io_threads
 from nereid.dependencies import callers_readiness
 from nereid.errors import ConfigError, backend_exit, plugin_failures
 from nereid.files import check_confined
@@ -296,6 +297,7 @@ def run_to_the_end(main: Coroutine[Any, Any, None], left_tasks_wait_s: float = L
             asyncio.set_event_loop(None)
             if ended:
                 loop.close()
+            release_io_threads()  # (a listing still waiting on a store is left to the process's end, see below)
     return ended
 
 

@@ -9,10 +9,15 @@ reused) on daemon threads: what is abandoned stays abandoned.
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
+import functools
 import queue
 import threading
 from concurrent.futures import CancelledError, Executor, Future
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
+
+T = TypeVar("T")
 
 _STOP = None
 
@@ -109,3 +114,40 @@ def _run_submitted(future: Future, fn: Callable[..., Any], args: tuple, kwargs: 
         del error  # no cycle through this frame's traceback
     else:
         future.set_result(result)
+
+
+# The server's own work off the event loop that may wait on the network: a bucket's listing, a store's answer.
+_IO_THREADS = 16
+_io_pool: DaemonThreadPool | None = None
+_io_lock = threading.Lock()
+
+
+async def on_io_thread(fn: Callable[..., T], /, *args: Any) -> T:
+    """``fn(*args)`` awaited on a daemon thread of the process's I/O pool, in this task's context, as
+    ``asyncio.to_thread`` runs it.
+
+    Not asyncio's default executor, whose threads the interpreter joins at
+    exit: a listing stuck on a store that did not answer held a stopped
+    server's exit for up to the store client's 30 s timeout, after "nereid
+    stopped" (found by a bug hunt).
+    """
+    global _io_pool
+    with _io_lock:
+        if _io_pool is None:
+            _io_pool = DaemonThreadPool(_IO_THREADS, thread_name_prefix="nereid-io")
+        pool = _io_pool
+    context = contextvars.copy_context()
+    return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(context.run, fn, *args))
+
+
+def release_io_threads(wait_s: float = 0.1) -> None:
+    """End the I/O pool's idle threads (each waits up to ``wait_s``); a busy one is left to the process's end. The
+    next :func:`on_io_thread` starts a new pool."""
+    global _io_pool
+    with _io_lock:
+        pool, _io_pool = _io_pool, None
+    if pool is None:
+        return
+    pool.shutdown(wait=False)
+    for thread in list(pool._threads):
+        thread.join(wait_s)

@@ -20,6 +20,7 @@ import pluggy
 from nereid.backend import ModelCaller, ModelContext, Relocatable
 from nereid.backend_calls import on_daemon_thread, terminate_backend, unload_backend
 from nereid.client_paths import ClientPaths
+from nereid.daemon_pool import on_io_thread
 from nereid.dependencies import DependencyCycle
 from nereid.dependent_states import DependentStates, log_unavailable
 from nereid.errors import (ConfigError, NotFound, PublicText, Unavailable, backend_exit, calling_plugin, cap_message,
@@ -252,7 +253,7 @@ class ModelRepository:
     async def refresh(self) -> StorageError | None:
         """:meth:`rescan`, with the listing (a directory, or a store's paged listing) off the event loop; returns
         why the folders could not be listed (None: they could)."""
-        scan = await asyncio.to_thread(self._scan)
+        scan = await on_io_thread(self._scan)
         self._apply_scan(scan)
         return scan.error
 
@@ -517,7 +518,7 @@ class ModelRepository:
                 # A listing of every folder can miss one (a listing page the store client drops for an
                 # unreadable key): asked for by name, it is looked for by name.
                 try:
-                    held = await asyncio.to_thread(store_holds_folder, self.settings.server, name)
+                    held = await on_io_thread(store_holds_folder, self.settings.server, name)
                 except StorageError as err:
                     held, failure = False, failure or err
                 if held:
@@ -592,7 +593,7 @@ class ModelRepository:
         if not requested:
             return False
         try:
-            return not await asyncio.to_thread(store_holds_folder, self.settings.server, entry.name)
+            return not await on_io_thread(store_holds_folder, self.settings.server, entry.name)
         except StorageError:
             return False
 
@@ -869,7 +870,7 @@ class ModelRepository:
         if self.settings.server.ml_backends_url is None:
             return not entry.folder.is_dir()
         try:
-            return not await asyncio.to_thread(store_holds_folder, self.settings.server, entry.name)
+            return not await on_io_thread(store_holds_folder, self.settings.server, entry.name)
         except StorageError as err:
             log.info("model '%s': its folder's removal cannot be confirmed (%s); a later listing forgets it",
                      entry.name, err)

@@ -47,6 +47,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Awaitable, Callable
 
+from nereid.daemon_pool import on_io_thread
 from nereid.errors import ConfigError, NotFound, Unavailable
 from nereid.file_events import Follow, RepositoryFollower
 from nereid.files import read_regular_file
@@ -192,7 +193,7 @@ class RepositoryWatcher:
     async def prime(self) -> None:
         """Remember the repository as it is now (call once the start-up models are loaded)."""
         try:
-            self._folders = await asyncio.to_thread(self._scan)
+            self._folders = await on_io_thread(self._scan)
         except StorageError as err:  # the first poll that can list the store catches up
             self._cannot_list(err)
         else:
@@ -300,7 +301,7 @@ class RepositoryWatcher:
                 started.append(asyncio.ensure_future(_logged_settings(self.config_path, settings_work)))
         now = time.monotonic()
         try:
-            current, wanted = await asyncio.to_thread(self._look)
+            current, wanted = await on_io_thread(self._look)
         except StorageError as err:  # never read as "every folder is gone"
             self._cannot_list(err)
             return

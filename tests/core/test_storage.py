@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import textwrap
 import threading
 import time
@@ -360,6 +361,46 @@ def test_a_stop_while_the_bucket_is_listed_again_at_start_is_prompt(s3, tmp_path
             started = time.monotonic()
             server.stop()
             assert time.monotonic() - started < 3
+
+
+def test_a_stopped_server_exits_at_once_while_a_listing_waits_on_a_store_that_does_not_answer(tmp_path) -> None:
+    """Found by a bug hunt: "nereid stopped" came at once, but the process exited about 27 s later, when the
+    watcher's listing (on asyncio's default executor, whose threads the interpreter joins) got the store client's
+    timeout; Kubernetes' 30 s grace then nearly ran out."""
+    import signal
+    import socket
+    import subprocess
+
+    from support import NEREID, free_port
+
+    with socket.socket() as silent:  # refuses connections at first (the start lists the bucket), then never answers
+        silent.bind(("127.0.0.1", 0))
+        config = tmp_path / "nereid.yaml"
+        config.write_text(f'server:\n  bind_addr: "127.0.0.1:{free_port()}"\n  http_addr: ""\n  metrics_addr: ""\n'
+                          f'  ml_backends_path: "s3://bucket/models"\n  cache_dir: "{tmp_path / "cache"}"\n'
+                          "  watch: true\n  watch_poll_s: 0.2\n")
+        env = {**os.environ, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{silent.getsockname()[1]}",
+               "AWS_ACCESS_KEY_ID": "id", "AWS_SECRET_ACCESS_KEY": "secret", "AWS_ALLOW_HTTP": "true",
+               "AWS_REGION": "us-east-1"}
+        process = subprocess.Popen([*NEREID, "serve", "--config", str(config)], env=env, stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True)
+        try:
+            lines = []
+            for line in process.stdout:
+                lines.append(line)
+                if "listening" in line:
+                    break
+            silent.listen(64)  # from now on a store that takes connections and never answers
+            silent.settimeout(20)
+            silent.accept()[0].close()  # a listing is under way, waiting on the silent store
+            started = time.monotonic()
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(20) == 0, "".join(lines) + process.stdout.read()
+            assert time.monotonic() - started < 5, "".join(lines) + process.stdout.read()
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
 
 
 def _watched_bucket_serving_first(s3, serve, tmp_path: Path, poll_s: float, settle_ms: int):
