@@ -269,10 +269,13 @@ class DataPlane:
     async def repository_index(self, ready_only: bool = False) -> list[IndexEntry]:
         """Every model folder (picking up new ones, forgetting gone ones) with its state and reason."""
         ready = self.ready()
-        await self.repository.refresh()
+        unlisted = await self.repository.refresh()
         # Forgetting a gone folder can make the server ready: the health service must say so before we answer.
         if self._on_change is not None and self.ready() != ready:
             await self._on_change()
+        if unlisted is not None and not self.repository.entries():
+            # Not an empty repository, which an empty list would say (found by a bug hunt): why it is not known.
+            raise Unavailable(f"the model repository cannot be listed now, so its models are not known: {unlisted}")
         return [IndexEntry(entry.name, MODEL_VERSION, entry.state.value, self._index_reason(entry.reason))
                 for entry in self.repository.entries() if not ready_only or entry.state is ModelState.READY]
 

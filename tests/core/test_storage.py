@@ -308,6 +308,23 @@ def test_under_a_watch_a_bucket_that_cannot_be_listed_at_start_keeps_the_server_
     assert {m.name: m.state for m in server.client.get_model_repository_index().models} == {"echo": "READY"}
 
 
+def test_the_index_of_a_bucket_that_cannot_be_listed_says_why_rather_than_list_nothing(s3, serve, tmp_path,
+                                                                                       monkeypatch) -> None:
+    """Found by a bug hunt: RepositoryIndex answered an empty list, as for an empty repository."""
+    source = tmp_path / "source"
+    _python_folder(source, "echo")
+    upload_folder(s3.store, source, s3.prefix)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAWRONGKEY")
+    server = serve(_config(tmp_path, s3.url()))
+    with pytest.raises(InferenceServerException) as caught:
+        server.client.get_model_repository_index()
+    assert caught.value.status() == "StatusCode.UNAVAILABLE"
+    assert caught.value.message().startswith("the model repository cannot be listed now, so its models are not "
+                                             f"known: {s3.url()}"), caught.value.message()
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3.env()["AWS_ACCESS_KEY_ID"])  # the store answers again
+    assert [m.name for m in server.client.get_model_repository_index().models] == ["echo"]
+
+
 def test_folders_a_repository_index_lists_first_are_loaded_as_at_start(s3, tmp_path, monkeypatch) -> None:
     """Found by the session's review: a RepositoryIndex (or a load) whose listing answered before the start-up
     retry's first step exposed the folders "waiting to load", and nothing ever loaded them: ServerReady false
