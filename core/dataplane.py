@@ -22,7 +22,7 @@ from nereid.classification import check_classifiable, classify
 from nereid.errors import (DeadlineExceeded, InvalidArgument, ModelFailure, ModelRetired, NereidError, NotFound,
                            PermissionDenied, PublicText, Unavailable, Unimplemented, describe_exception,
                            shown_name)
-from nereid.model_entry import NOT_LISTED_REASON, LoadedModel, ModelEntry, ModelState
+from nereid.model_entry import FOUND_AFTER_START_REASON, NOT_LISTED_REASON, LoadedModel, ModelEntry, ModelState
 from nereid.model_info import (MODEL_VERSION, IndexEntry, ModelConfig, ModelMetadata, describe_config,
                                describe_metadata)
 from nereid.repository import ModelRepository
@@ -281,7 +281,7 @@ class DataPlane:
 
     def _index_reason(self, reason: str) -> str:
         """An index entry's reason, with how to load an unlisted folder where this server takes that call."""
-        if reason == NOT_LISTED_REASON and self.repository_control:
+        if reason in (NOT_LISTED_REASON, FOUND_AFTER_START_REASON) and self.repository_control:
             return f"{reason}; load it with RepositoryModelLoad"
         return reason
 

@@ -23,6 +23,9 @@ from nereid.stats import ModelStats
 
 # (The data plane adds "; load it with RepositoryModelLoad" where that call is served.)
 NOT_LISTED_REASON = "not listed in nereid.yaml"
+# A folder that appeared after the start of a server with no models: key (every folder loads at start) and no
+# server.watch: "not listed in nereid.yaml" said so of a file that lists nothing (found by a bug hunt).
+FOUND_AFTER_START_REASON = "found after the start (without server.watch, a folder added later is not loaded by itself)"
 
 
 def waiting_for_folder(name: str) -> str:

@@ -30,8 +30,8 @@ from nereid.folder_cleanup import FolderCleanup
 from nereid.folder_states import folder_stamp
 from nereid.log_limit import RateLimitedLog
 from nereid.model_building import BackendRaised
-from nereid.model_entry import (NOT_LISTED_REASON, LoadAbandoned, LoadedModel, ModelEntry, ModelState,
-                                RetiringVersion, waiting_for_folder)
+from nereid.model_entry import (FOUND_AFTER_START_REASON, NOT_LISTED_REASON, LoadAbandoned, LoadedModel, ModelEntry,
+                                ModelState, RetiringVersion, waiting_for_folder)
 from nereid.plugins import check_backend_defaults
 from nereid.settings import Settings
 from nereid.settings_changes import changed_backends, served, settings_step
@@ -371,7 +371,8 @@ class ModelRepository:
             unlisted = (f"new folder: it loads once it has been unchanged for server.watch_settle_ms "
                         f"({server.watch_settle_ms:g} ms)" if server.watch and self._watched
                         # Nothing is listed in nereid.yaml: every folder loads once the store's listing answers.
-                        else _WAITING_FOR_LISTING if self._startup_listing is not None else NOT_LISTED_REASON)
+                        else _WAITING_FOR_LISTING if self._startup_listing is not None
+                        else NOT_LISTED_REASON if self.settings.models_listed else FOUND_AFTER_START_REASON)
             settings, origin = self.settings.model_or_default(name)
             self._entries[name] = ModelEntry(name, self.root / name, settings, origin, reason=unlisted)
         self._entries[name].folder_seen = True

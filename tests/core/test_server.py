@@ -27,7 +27,7 @@ import toy_backends
 from nereid.backend import BackendClaim, ModelContext
 from nereid.hookspecs import hookimpl
 from nereid.plugins import make_plugin_manager
-from nereid.model_entry import NOT_LISTED_REASON
+from nereid.model_entry import FOUND_AFTER_START_REASON, NOT_LISTED_REASON
 from nereid.server import NereidServer
 from nereid.settings import load_settings
 from support import RunningServer, expect_grpc_error, free_port, wait_until
@@ -120,6 +120,17 @@ def test_health_follows_a_rescan_that_forgets_a_failed_model(repo, serve):
     shutil.rmtree(broken)
     assert "broken" not in index(server)
     assert agrees(server, True)
+
+
+def test_a_folder_added_after_the_start_without_a_models_key_or_a_watch_says_so(repo, serve):
+    """Found by a bug hunt: it said "not listed in nereid.yaml", of a nereid.yaml that lists nothing (with no
+    models: key every folder loads at start)."""
+    write_toy(repo.models_dir, "steady")
+    server = serve(repo.write_config(), manager=manager())
+    write_toy(repo.models_dir, "later")
+    assert index(server)["later"] == ("UNAVAILABLE", f"{FOUND_AFTER_START_REASON}; load it with RepositoryModelLoad")
+    server.client.load_model("later")
+    assert index(server)["later"] == ("READY", "")
 
 
 def test_an_unlisted_folder_present_at_start_waits_for_a_load_in_dynamic_mode(repo, serve, caplog):
