@@ -338,16 +338,17 @@ def _keep_fresh_generators(watch: SeedWatch) -> None:
         # heavy imports), and only when a generator beside numpy's global one drew its seed from the OS.
         kind = getattr(sys.modules.get(NUMPY_ENTROPY.module), "BitGenerator", None)
         if isinstance(kind, type):
-            try:
-                for found in gc.get_objects():
-                    # type(), not isinstance(): that reads __class__, which a lazy proxy computes (Django's
-                    # settings: configured, or raising, in the parent; found by the review of the change).
-                    if issubclass(type(found), kind):
-                        seeds = found.seed_seq
-                        if seeds is not global_seeds and getattr(seeds, "entropy", None) in entropies:
-                            bit_generators.append(found)
-            except Exception:  # noqa: BLE001 - a numpy laid out otherwise: its generators left as they are
-                bit_generators.clear()
+            for found in gc.get_objects():
+                # type(), not isinstance(): that reads __class__, which a lazy proxy computes (Django's settings:
+                # configured, or raising, in the parent; found by the review of the change).
+                if not issubclass(type(found), kind):
+                    continue
+                try:
+                    seeds = found.seed_seq
+                    if seeds is not global_seeds and getattr(seeds, "entropy", None) in entropies:
+                        bit_generators.append(found)
+                except Exception:  # noqa: BLE001 - a generator laid out otherwise: left as it is
+                    continue
     _fresh_generators = (randoms, bit_generators)
 
 

@@ -569,7 +569,7 @@ class VersionHold:
                 return
             del _held[self._key]
             os.close(fd)
-        model_folder = self.folder.parent.parent.parent
+        model_folder = self._key[0].parent.parent  # (<model>/.nereid-versions/<id>)
         threading.Thread(target=_prune_released, args=(model_folder, self.folder.name),
                          name="nereid-version-prune", daemon=True).start()
 
@@ -600,11 +600,14 @@ def _hold_version(path: Path) -> VersionHold:
         fd = os.open(top / IN_USE_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)  # (nobody else takes it but a removal, under the lock this holds)
-            stat = os.fstat(fd)
+            key = _key_of(top)  # (as every lookup reads it: stat, not fstat, which an overlay may number apart)
         except BaseException:
             os.close(fd)
             raise
-        key = (top, stat.st_dev, stat.st_ino)
+        if key is None:  # (removed as it was opened: not by a removal, which takes the lock this holds)
+            os.close(fd)
+            raise FileNotFoundError(errno.ENOENT, "the version folder's in-use file went as it was locked",
+                                    str(top / IN_USE_FILE))
         _held[key] = (fd, 1)
     return VersionHold(path, key)
 
@@ -619,9 +622,11 @@ def _key_of(top: Path) -> _HeldKey | None:
 
 
 def _held_here(top: Path) -> bool:
+    """Whether this process holds a version folder at ``top``: the one there now, or one made there before (its
+    in-use file deleted, by a cleaner say, leaves the folder held, never removed under a model running from it;
+    found by the review of the change)."""
     with _held_lock:
-        key = _key_of(top)
-        return key is not None and key in _held
+        return any(key[0] == top for key in _held)
 
 
 def _prune_released(model_folder: Path, name: str) -> None:

@@ -1596,6 +1596,23 @@ def test_a_version_folder_made_anew_under_the_same_path_is_held_of_its_own(s3, t
     assert other_server_may_remove()
 
 
+def test_a_held_version_folder_whose_in_use_file_was_deleted_is_kept(s3, tmp_path) -> None:
+    """(The review of the change above: keyed by the in-use file, a folder whose file a cleaner deleted was no longer
+    seen as held, and this process's own prune removed the folder its model ran from.)"""
+    from nereid.storage import materialize_model_version
+    from nereid.storage.mirror import IN_USE_FILE, _prune_versions
+
+    server = load_settings(_config(tmp_path, s3.url())).server
+    _upload_mix(s3, tmp_path, 1)
+    hold = materialize_model_version(server, "mix")
+    try:
+        (hold.folder.parent / IN_USE_FILE).unlink()
+        assert _prune_versions(server.ml_backends_path / "mix")  # still held: kept
+        assert (hold.folder / "helper.py").is_file()
+    finally:
+        hold.release()
+
+
 def test_a_forgotten_copy_whose_lock_is_held_a_moment_is_removed_without_another_listing(s3, tmp_path) -> None:
     """The prune a released version starts and the removal of a forgotten copy both take the folder's lock
     without waiting: the removal gave up, and the copy stayed until the next listing (a flaky full-suite run of
