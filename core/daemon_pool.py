@@ -14,6 +14,7 @@ import contextvars
 import functools
 import queue
 import threading
+import time
 from concurrent.futures import CancelledError, Executor, Future
 from typing import Any, Callable, TypeVar
 
@@ -141,13 +142,14 @@ async def on_io_thread(fn: Callable[..., T], /, *args: Any) -> T:
 
 
 def release_io_threads(wait_s: float = 0.1) -> None:
-    """End the I/O pool's idle threads (each waits up to ``wait_s``); a busy one is left to the process's end. The
-    next :func:`on_io_thread` starts a new pool."""
+    """End the I/O pool's idle threads (waiting up to ``wait_s`` in all); a busy one is left to the process's end.
+    The next :func:`on_io_thread` starts a new pool."""
     global _io_pool
     with _io_lock:
         pool, _io_pool = _io_pool, None
     if pool is None:
         return
     pool.shutdown(wait=False)
+    deadline = time.monotonic() + wait_s
     for thread in list(pool._threads):
-        thread.join(wait_s)
+        thread.join(max(0.0, deadline - time.monotonic()))

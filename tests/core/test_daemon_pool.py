@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
+import contextvars
 import threading
 import time
 
 import pytest
 
-from nereid.daemon_pool import DaemonThreadPool
+from nereid.daemon_pool import DaemonThreadPool, on_io_thread, release_io_threads
 
 
 def wait_running(futures, timeout: float = 5.0) -> None:
@@ -65,3 +67,37 @@ def test_a_call_dropped_by_shutdown_is_told_so() -> None:
     assert len(dropped) == 1 and isinstance(dropped[0], concurrent.futures.CancelledError)
     gate.set()
     assert blocked.result(5)
+
+
+def test_the_io_pool_runs_calls_as_to_thread_does_on_daemon_threads_and_lets_a_stuck_one_go() -> None:
+    """A listing stuck on a store that does not answer must not hold the process's exit (asyncio's default executor
+    is joined at exit): its threads are daemon ones, and the pool's release waits for none past a moment."""
+    request = contextvars.ContextVar("request", default="none")
+    stuck = threading.Event()
+
+    def where() -> tuple[str, str, bool]:
+        thread = threading.current_thread()
+        return request.get(), thread.name, thread.daemon
+
+    async def scenario() -> None:
+        request.set("r1")
+        context, name, daemon = await on_io_thread(where)
+        assert context == "r1" and name.startswith("nereid-io_") and daemon  # in the caller's context
+        with pytest.raises(ZeroDivisionError):
+            await on_io_thread(lambda: 1 / 0)
+        asyncio.get_running_loop().run_in_executor(None, lambda: None)  # (the default executor is left alone)
+        waiting = asyncio.ensure_future(on_io_thread(stuck.wait, 10))
+        await asyncio.sleep(0.05)
+        waiting.cancel()  # its thread runs on, as to_thread's does
+    try:
+        asyncio.run(scenario())
+        started = time.monotonic()
+        release_io_threads(wait_s=0.2)
+        assert time.monotonic() - started < 1  # the stuck call is not waited for
+        assert any(t.name.startswith("nereid-io") and t.daemon for t in threading.enumerate())
+    finally:
+        stuck.set()
+    # A later call gets a pool of its own.
+    assert asyncio.run(on_io_thread(lambda: 42)) == 42
+    release_io_threads()
+
