@@ -7,6 +7,8 @@ a server.
 
 from __future__ import annotations
 
+import inspect
+import logging
 import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -20,6 +22,8 @@ from nereid.plugins import NereidPluginManager, claim_folder
 from nereid.runtime_options import LayeredRuntime
 from nereid.signature import ModelSignature, brief_repr
 from nereid.triton_hints import folder_hint
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -112,6 +116,14 @@ def _build_model(manager: NereidPluginManager, context: ModelContext,
     missing = missing_model_parts(backend)
     if "load()" in missing:  # nothing to load: refused at once
         raise _lacking(manager, result.backend_name, backend, missing)
+    coroutines = [f"{method}()" for method in ("load", "unload")
+                  if inspect.iscoroutinefunction(getattr(backend, method, None))]
+    if coroutines:
+        # Called as plain functions (on a thread), they would only make a coroutine that never runs: a model READY
+        # with nothing loaded, an unload said done that never ran (found by a bug hunt).
+        raise ConfigError(f"{manager.describe(result.backend_name)} made a model object ({type(backend).__name__}) "
+                          f"whose {' and '.join(coroutines)} {'is' if len(coroutines) == 1 else 'are'} async def: "
+                          "they are called as plain functions, on a thread; make them plain def")
     stage.enter(LOAD_CALL)
     _plugin_step(manager, result.backend_name, context.name, "load()", backend.load)
     try:
@@ -131,7 +143,10 @@ def _build_model(manager: NereidPluginManager, context: ModelContext,
     except BaseException:
         if "unload()" not in missing:  # what load() acquired must not leak
             stage.enter("its backend's unload()")
-            backend.unload()
+            try:
+                calling_plugin(backend.unload, lambda exit_: RuntimeError(describe_exception(exit_)))
+            except Exception:  # logged: the reason the load is refused is the one raised here, not the cleanup's
+                log.exception("model '%s': unload failed (cleaning up after its load was refused)", context.name)
         raise
     return BuiltModel(result.backend_name, backend, signature, batch_signature, policy)
 

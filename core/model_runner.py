@@ -208,6 +208,9 @@ def checked_input_check(name: str, backend: ChecksInputs) -> Callable[[list[Name
     if check is not None and not callable(check):  # (it loaded READY, then every request failed INTERNAL)
         raise ConfigError(f"model '{name}': input_check() returned {str(check)[:64]!r} "
                           f"({type(check).__name__}), expected a function of the inputs or None")
+    if inspect.iscoroutinefunction(check):  # (each call made a coroutine that never ran: nothing was checked)
+        raise ConfigError(f"model '{name}': input_check() returned an async def function; the check is called as a "
+                          "plain function, before the request queues: make it plain def")
     return check
 
 

@@ -256,12 +256,45 @@ class SignatureNoneModel(FaultyModel):
         return None
 
 
+class SignatureNoneUnloadFailsModel(SignatureNoneModel):
+    """Its ``signature()`` returns None, and the ``unload()`` that cleans up after the refused load raises."""
+
+    def unload(self) -> None:
+        super().unload()
+        raise RuntimeError("unload exploded during cleanup")
+
+
+class AsyncLoadModel(FaultyModel):
+    """Its ``load()`` is ``async def``: called as a plain function, it would never run."""
+
+    async def load(self) -> None:  # type: ignore[override]
+        super().load()
+
+
+class AsyncUnloadModel(FaultyModel):
+    """Its ``unload()`` is ``async def``: called as a plain function, it would never run."""
+
+    async def unload(self) -> None:  # type: ignore[override]
+        super().unload()
+
+
+class InputCheckAsyncModel(FaultyModel):
+    """Its ``input_check()`` returns an ``async def`` check: called as a plain function, it would check nothing."""
+
+    def input_check(self):
+        async def check(inputs):
+            raise AssertionError("never awaited")
+        return check
+
+
 FAULTS = {"signature_none": SignatureNoneModel, "no_platform": NoPlatformModel, "no_infer": NoInferModel, "dependencies_fail": DependenciesFailModel,
           "dependencies_exit": DependenciesExitModel, "dependencies_interrupt": DependenciesInterruptModel,
           "terminate_fails": TerminateFailsModel, "terminate_slow": TerminateSlowModel,
           "report_fails": ReportFailsModel, "input_check_int": InputCheckIntModel,
           "stop_iteration": StopIterationModel, "unload_hangs": UnloadHangsModel, "caller": CallerModel,
-          "key_error": KeyErrorModel, "create_fails": CreateFailsModel, "refuses": RefusesModel}
+          "key_error": KeyErrorModel, "create_fails": CreateFailsModel, "refuses": RefusesModel,
+          "signature_none_unload_fails": SignatureNoneUnloadFailsModel, "async_load": AsyncLoadModel,
+          "async_unload": AsyncUnloadModel, "input_check_async": InputCheckAsyncModel}
 
 
 class FaultyToys:

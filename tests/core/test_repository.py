@@ -507,6 +507,32 @@ def test_a_model_object_lacking_part_of_the_protocol_is_unavailable_naming_its_b
     assert [toy_backends.UNLOADS[name] - before[name] for name in names] == [1] * len(names)
 
 
+def test_a_model_object_whose_methods_cannot_run_as_called_is_refused_with_the_real_reason(tmp_path, root, caplog):
+    """Found by a plugin hunt: an unload() failing while it cleaned up after a refused load replaced the reason
+    (the load's own, "returned NoneType None from signature()", was lost); an async def load() or unload() was
+    accepted and never ran (READY with nothing loaded; an unload said done); an async input check checked nothing."""
+    names = {"cleanup": "signature_none_unload_fails", "aload": "async_load", "aunload": "async_unload",
+             "acheck": "input_check_async"}
+    for name, fault in names.items():
+        toy_backends.write_faulty(root, name, fault)
+    repo = repository(tmp_path, extra_plugins=(toy_backends.FaultyToys(),))
+
+    async def scenario():
+        return {name: await repo.load(name) for name in names}
+    entries = asyncio.run(scenario())
+    assert {name: e.state for name, e in entries.items()} == dict.fromkeys(names, ModelState.UNAVAILABLE)
+    assert entries["cleanup"].reason == ("plugin 'faulty': its model object (SignatureNoneUnloadFailsModel) "
+                                         "returned NoneType None from signature(), expected a "
+                                         "nereid.signature.ModelSignature")
+    assert "model 'cleanup': unload failed (cleaning up after its load was refused)" in caplog.text
+    assert entries["aload"].reason == ("plugin 'faulty' made a model object (AsyncLoadModel) whose load() is async "
+                                       "def: they are called as plain functions, on a thread; make them plain def")
+    assert entries["aunload"].reason.startswith("plugin 'faulty' made a model object (AsyncUnloadModel) whose "
+                                                "unload() is async def")
+    assert entries["acheck"].reason == ("model 'acheck': input_check() returned an async def function; the check is "
+                                        "called as a plain function, before the request queues: make it plain def")
+
+
 def test_at_a_stop_every_busy_model_is_asked_to_end_its_work_at_once(tmp_path, root):
     """Found by a bug hunt: asked one after another, one backend whose terminate_running hung held up the others
     (a SIGTERM with a 3 s grace took 65 s)."""
