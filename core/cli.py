@@ -231,7 +231,8 @@ def serve_command(settings: Settings, listeners: Listeners, manager: NereidPlugi
 
     manager = manager or make_plugin_manager()
     try:
-        check_backend_defaults(manager, settings.backend_defaults, settings.source)
+        for note in check_backend_defaults(manager, settings.backend_defaults, settings.source):
+            logging.getLogger("nereid.server").warning("%s", note)
     except ConfigError as err:
         print(one_record_per_line(f"error: {err}"), file=sys.stderr)
         return 2
@@ -339,10 +340,12 @@ def check(settings: Settings, manager: NereidPluginManager | None = None, *, end
     config_problems = 0  # the backends: section's, counted apart: they are no model's
     listing_problem = ""  # why the model folders could not be listed, when that leaves nothing to check
     try:
-        check_backend_defaults(manager, settings.backend_defaults, settings.source)
+        notes = check_backend_defaults(manager, settings.backend_defaults, settings.source)
     except ConfigError as err:
+        notes = [str(err)]
+    for note in notes:
         config_problems += 1
-        print(one_record_per_line(str(err)))
+        print(one_record_per_line(note))
     # Named as a server's scratch (nereid-<pid>-...): a check that is killed leaves it for the next server
     # start to remove, as that server removes any dead process's.
     try:

@@ -339,19 +339,25 @@ def backend_names(manager: pluggy.PluginManager) -> list[str]:
     return sorted(impl.plugin_name for impl in _plain_impls(manager.hook.nereid_claim_model))
 
 
-def check_backend_defaults(manager: pluggy.PluginManager, defaults: Iterable[str], source: object) -> None:
-    """ConfigError naming ``backends.<name>`` in ``source`` for defaults given to a backend that is not installed.
+def check_backend_defaults(manager: pluggy.PluginManager, defaults: Iterable[str], source: object) -> list[str]:
+    """ConfigError naming ``backends.<name>`` in ``source`` for defaults given to a backend that is not installed;
+    for one installed but left out (it could not be loaded), a line saying so is returned instead.
 
     nereid.yaml is read before plugins are known, so a misspelt backend name
-    there would otherwise be taken silently and apply to nothing.
+    there would otherwise be taken silently and apply to nothing. A plugin
+    left out is the plugin's problem, not the file's: the server serves what
+    the others claim (it refused to start, found by a plugin hunt).
     """
     installed = backend_names(manager)
+    notes = []
     for name in defaults:
         if name not in installed:
             left_out = manager.left_out(name) if isinstance(manager, NereidPluginManager) else ""
-            raise ConfigError(f"{source}: backends.{name}: {left_out}" if left_out else
-                              f"{source}: backends.{name}: no such backend is installed "
-                              f"(installed: {', '.join(installed)})")
+            if not left_out:
+                raise ConfigError(f"{source}: backends.{name}: no such backend is installed "
+                                  f"(installed: {', '.join(installed)})")
+            notes.append(f"{source}: backends.{name}: {left_out}; its defaults apply to nothing")
+    return notes
 
 
 def _plain_impls(hook: pluggy.HookCaller) -> list[pluggy.HookImpl]:

@@ -884,7 +884,8 @@ class ModelRepository:
     def check_settings(self, settings: Settings) -> None:
         """ConfigError when ``settings`` ask what only the plugins can refuse (defaults for a backend that is not
         installed); :meth:`start_settings` applies nothing of such settings."""
-        check_backend_defaults(self.manager, settings.backend_defaults, settings.source)
+        for note in check_backend_defaults(self.manager, settings.backend_defaults, settings.source):
+            log.warning("%s", note)
 
     def start_settings(self, settings: Settings) -> Awaitable[None]:
         """:meth:`apply_settings`, started: the settings are in force on return, and their loads, reloads and
