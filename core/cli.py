@@ -95,6 +95,13 @@ def main(argv: list[str] | None = None, extra_plugins: tuple[object, ...] = ()) 
         return _reading_stopped_quietly(lambda: args.run(args))
 
     serving = args.command == "serve"
+    if not serving and args.command != "check":
+        # A plugin's command that set no run function ran `nereid check` in its place, or failed in it with a
+        # traceback (found by a plugin hunt): the plugin's mistake, said as such.
+        print(one_record_per_line(f"error: the command '{args.command}' (a plugin's) sets no function to run: its "
+                                  "nereid_add_commands hook must call set_defaults(run=FUNCTION) on its parser"),
+              file=sys.stderr)
+        return 2
     if not serving:
         return _check_command(args, argv, manager)
     # Until the server starts (see serve_command), a stop signal is recorded: its imports take half a second.

@@ -1234,3 +1234,21 @@ def test_serving_raises_the_soft_open_file_limit_to_the_hard_one():
         assert resource.getrlimit(resource.RLIMIT_NOFILE) == (hard, hard)
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_plugin_command_that_sets_no_function_to_run_is_told_as_the_plugin_s_mistake(capsys) -> None:
+    """Found by a plugin hunt: it ran `nereid check` in its place (reading the plugin's own --config default), or
+    ended in a traceback inside it."""
+    from nereid.cli import main
+    from nereid.hookspecs import hookimpl
+
+    class NoRun:
+        @hookimpl
+        def nereid_add_commands(self, commands):
+            commands.add_parser("mytool").add_argument("--config", default="other.yaml")
+
+    assert main(["mytool"], extra_plugins=(NoRun(),)) == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: the command 'mytool' (a plugin's) sets no function to run: its nereid_add_commands hook must call "
+        "set_defaults(run=FUNCTION) on its parser")
+
