@@ -131,12 +131,18 @@ def _build_model(manager: NereidPluginManager, context: ModelContext,
         if missing:
             raise _lacking(manager, result.backend_name, backend, missing)
         stage.enter("its backend's signature()")
-        signature = _checked_signature(manager, result.backend_name, backend, "signature", backend.signature())
+        # (Through _plugin_step, as load(): what they raise is named with its type and plugin, where a bare
+        # "no sig" was all the reason said; found by a plugin hunt.)
+        signature = _checked_signature(manager, result.backend_name, backend, "signature",
+                                       _plugin_step(manager, result.backend_name, context.name, "signature()",
+                                                    backend.signature))
         batch_signature = signature
         if isinstance(backend, HasBatchSignature):
             stage.enter("its backend's batch_signature()")
-            batch_signature = _checked_signature(manager, result.backend_name, backend, "batch_signature",
-                                                 backend.batch_signature())
+            batch_signature = _checked_signature(
+                manager, result.backend_name, backend, "batch_signature",
+                _plugin_step(manager, result.backend_name, context.name, "batch_signature()",
+                             backend.batch_signature))
         policy = BatchPolicy.resolve(context.settings.batching, batch_signature, context.settings_origin)
         if isinstance(backend, CallsModels):  # each request is an orchestration with its own deadline
             policy = BatchPolicy(enabled=False)

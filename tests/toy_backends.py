@@ -264,6 +264,13 @@ class SignatureNoneUnloadFailsModel(SignatureNoneModel):
         raise RuntimeError("unload exploded during cleanup")
 
 
+class SignatureRaisesModel(FaultyModel):
+    """Its ``signature()`` raises a ValueError of its own."""
+
+    def signature(self):
+        raise ValueError("no sig")
+
+
 class AsyncLoadModel(FaultyModel):
     """Its ``load()`` is ``async def``: called as a plain function, it would never run."""
 
@@ -294,7 +301,8 @@ FAULTS = {"signature_none": SignatureNoneModel, "no_platform": NoPlatformModel, 
           "stop_iteration": StopIterationModel, "unload_hangs": UnloadHangsModel, "caller": CallerModel,
           "key_error": KeyErrorModel, "create_fails": CreateFailsModel, "refuses": RefusesModel,
           "signature_none_unload_fails": SignatureNoneUnloadFailsModel, "async_load": AsyncLoadModel,
-          "async_unload": AsyncUnloadModel, "input_check_async": InputCheckAsyncModel}
+          "async_unload": AsyncUnloadModel, "input_check_async": InputCheckAsyncModel,
+          "signature_raises": SignatureRaisesModel}
 
 
 class FaultyToys:

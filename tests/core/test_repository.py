@@ -512,7 +512,7 @@ def test_a_model_object_whose_methods_cannot_run_as_called_is_refused_with_the_r
     (the load's own, "returned NoneType None from signature()", was lost); an async def load() or unload() was
     accepted and never ran (READY with nothing loaded; an unload said done); an async input check checked nothing."""
     names = {"cleanup": "signature_none_unload_fails", "aload": "async_load", "aunload": "async_unload",
-             "acheck": "input_check_async"}
+             "acheck": "input_check_async", "sigraise": "signature_raises"}
     for name, fault in names.items():
         toy_backends.write_faulty(root, name, fault)
     repo = repository(tmp_path, extra_plugins=(toy_backends.FaultyToys(),))
@@ -529,6 +529,9 @@ def test_a_model_object_whose_methods_cannot_run_as_called_is_refused_with_the_r
                                        "def: they are called as plain functions, on a thread; make them plain def")
     assert entries["aunload"].reason.startswith("plugin 'faulty' made a model object (AsyncUnloadModel) whose "
                                                 "unload() is async def")
+    # (A signature() raising was said as its bare message, "no sig", naming neither the plugin nor the method.)
+    assert entries["sigraise"].reason == ("model 'sigraise': ValueError: no sig (raised by the signature() of plugin "
+                                          "'faulty')")
     assert entries["acheck"].reason == ("model 'acheck': input_check() returned an async def function; the check is "
                                         "called as a plain function, before the request queues: make it plain def")
 
