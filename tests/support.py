@@ -199,6 +199,19 @@ def nereid_serve(config: Path, *extra_args: str, ignore_sighup: bool = False):
             process.wait()
 
 
+def serve_until_listening(config: Path, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, list[str]]:
+    """``nereid serve --config CONFIG`` in its own process (stdout and stderr as one text pipe), read until its
+    gRPC listener is up; (the process, its lines so far). The caller ends it."""
+    process = subprocess.Popen([*NEREID, "serve", "--config", str(config)], env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in process.stdout:
+        lines.append(line)
+        if "listening" in line:
+            break
+    return process, lines
+
+
 def popen_with_ctrl_c(args: list[str], **kwargs: Any) -> subprocess.Popen:
     """``subprocess.Popen``, with SIGINT at its default in the child, as a command started from a terminal has it.
 

@@ -26,7 +26,8 @@ import tritonclient.grpc as triton
 from tritonclient.utils import InferenceServerException
 
 import toy_backends
-from support import ECHO_MAIN, NEREID, free_port, nereid_serve, popen_with_ctrl_c, process_alive, wait_until
+from support import (ECHO_MAIN, NEREID, free_port, nereid_serve, popen_with_ctrl_c, process_alive,
+                     serve_until_listening, wait_until)
 from nereid.cli import limit_repeated_library_lines, raise_open_file_limit
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -323,14 +324,8 @@ def test_serve_stopped_while_a_bundle_compiles_exits_zero(repo) -> None:
         f"import atexit, nereid\natexit.register(lambda: open({str(repo.root / 'atexit.ran')!r}, 'w').close())\n"
         "async def orchestrate(inputs, ctx):\n    return [nereid.tensors.NamedTensor('y', inputs[0].dtype, "
         "inputs[0].data)]\nnereid.register_model(orchestrate=orchestrate)\n")
-    process = subprocess.Popen([*NEREID, "serve", "--config", str(repo.write_config())],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process, lines = serve_until_listening(repo.write_config())
     try:
-        lines = []
-        for line in process.stdout:
-            lines.append(line)
-            if "listening" in line:
-                break
         time.sleep(0.25)  # inside the compile
         process.send_signal(signal.SIGTERM)
         assert process.wait(30) == 0, "".join(lines) + process.stdout.read()

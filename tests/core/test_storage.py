@@ -386,9 +386,8 @@ def test_a_stopped_server_exits_at_once_while_a_listing_waits_on_a_store_that_do
     timeout; Kubernetes' 30 s grace then nearly ran out."""
     import signal
     import socket
-    import subprocess
 
-    from support import NEREID, free_port
+    from support import free_port, serve_until_listening
 
     with socket.socket() as silent:  # refuses connections at first (the start lists the bucket), then never answers
         silent.bind(("127.0.0.1", 0))
@@ -399,14 +398,8 @@ def test_a_stopped_server_exits_at_once_while_a_listing_waits_on_a_store_that_do
         env = {**os.environ, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{silent.getsockname()[1]}",
                "AWS_ACCESS_KEY_ID": "id", "AWS_SECRET_ACCESS_KEY": "secret", "AWS_ALLOW_HTTP": "true",
                "AWS_REGION": "us-east-1"}
-        process = subprocess.Popen([*NEREID, "serve", "--config", str(config)], env=env, stdout=subprocess.PIPE,
-                                   stderr=subprocess.STDOUT, text=True)
+        process, lines = serve_until_listening(config, env)
         try:
-            lines = []
-            for line in process.stdout:
-                lines.append(line)
-                if "listening" in line:
-                    break
             silent.listen(64)  # from now on a store that takes connections and never answers
             silent.settimeout(20)
             silent.accept()[0].close()  # a listing is under way, waiting on the silent store
