@@ -509,11 +509,15 @@ def _ask(manager: NereidPluginManager, folder: Path, declared: bool, only: str |
             if isinstance(answer, BackendClaim):
                 claims.append((impl.plugin_name, answer))
             elif answer:  # a falsy answer (False, "") only declines, as None does
-                failures.append((impl.plugin_name,
-                                 f"returned a {type(answer).__name__}, not a BackendClaim or None"))
+                failures.append((impl.plugin_name, f"returned {_a(type(answer).__name__)}, not a BackendClaim or None"))
     for name, what in failures:
         manager.hook_failed(name, "nereid_claim_model", f"{what} (folder {folder})")
     return _Answers(claims, failures)
+
+
+def _a(noun: str) -> str:
+    """``noun`` with its indefinite article: "an int", "a str" (the log said "a int")."""
+    return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
 
 
 def _hints(manager: NereidPluginManager, folder: Path) -> list[str]:
@@ -537,5 +541,5 @@ def _sentences(manager: NereidPluginManager, hook: str, **arguments: object) -> 
             if isinstance(answer, str):
                 sentences.append((impl.plugin_name, answer))
             elif answer:
-                manager.hook_failed(impl.plugin_name, hook, f"returned a {type(answer).__name__}, not a str or None")
+                manager.hook_failed(impl.plugin_name, hook, f"returned {_a(type(answer).__name__)}, not a str or None")
     return sentences

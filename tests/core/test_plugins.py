@@ -220,6 +220,22 @@ def test_a_plugin_that_cannot_be_loaded_is_left_out_with_one_error_naming_it(sit
             "python (a name another backend took)") in unclaimed.reason
 
 
+def test_a_claim_hook_s_wrong_answer_is_told_with_its_article(repo) -> None:
+    """(The log said "returned a int", found by a plugin hunt.)"""
+    from nereid.hookspecs import hookimpl
+
+    class Counting:
+        BACKEND_NAME = "counting"
+
+        @hookimpl
+        def nereid_claim_model(self, folder, declared):
+            return 5
+
+    manager = make_plugin_manager(load_entry_points=False, extra_plugins=(Counting(),))
+    unclaimed = claim_folder(manager, repo.add("nobodys", "input_shape: [1]\noutput_shape: [1]\n"))
+    assert "its nereid_claim_model returned an int, not a BackendClaim or None" in unclaimed.reason, unclaimed.reason
+
+
 def test_a_claim_hook_that_fails_is_taken_as_not_claiming_and_named(site, repo, caplog) -> None:
     _install(site, toy_backends.FAULTY_HOOKS[:3])
     caplog.set_level(logging.ERROR, logger="nereid.plugins")
