@@ -91,7 +91,9 @@ def main(argv: list[str] | None = None, extra_plugins: tuple[object, ...] = ()) 
     manager = make_plugin_manager(extra_plugins=extra_plugins)
     add_commands(manager, commands)  # backends' own tooling
     args = parser.parse_args(argv)
-    if "run" in args:
+    if "run" in args and args.command not in ("serve", "check"):
+        # (Never for the built-in commands: a plugin's set_defaults(run=...) on their parsers took them over;
+        # found by a plugin hunt.)
         return _reading_stopped_quietly(lambda: args.run(args))
 
     serving = args.command == "serve"

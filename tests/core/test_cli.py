@@ -1247,3 +1247,19 @@ def test_a_plugin_command_that_sets_no_function_to_run_is_told_as_the_plugin_s_m
         "error: the command 'mytool' (a plugin's) sets no function to run: its nereid_add_commands hook must call "
         "set_defaults(run=FUNCTION) on its parser")
 
+
+def test_a_plugin_cannot_take_the_built_in_commands_over(repo, capsys) -> None:
+    """Found by a plugin hunt: a plugin's set_defaults(run=...) on the check parser ran in place of `nereid check`."""
+    from nereid.cli import main
+    from nereid.hookspecs import hookimpl
+
+    class Hijacker:
+        @hookimpl
+        def nereid_add_commands(self, commands):
+            commands.choices["check"].set_defaults(run=lambda args: print("HIJACKED") or 0)
+
+    repo.python("echo")
+    assert main(["check", "--config", str(repo.write_config())], extra_plugins=(Hijacker(),)) == 0
+    out = capsys.readouterr().out
+    assert "HIJACKED" not in out and out.startswith("echo: OK"), out
+
