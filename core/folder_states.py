@@ -199,6 +199,23 @@ class Plan:
         return bool(self.renames or self.removed or self.added or self.changed)
 
 
+def moved_files_unloaded(loaded: object, known: FolderState | None, moved: FolderState) -> bool:
+    """Whether a model moved with its folder (a rename the watcher paired by content) runs other files than the
+    new folder holds, and must load them after the move.
+
+    ``loaded``: the stamp of the files its running version loaded (anything else: not known); ``known``: the old folder as
+    the watcher last acted on it; ``moved``: the new folder now. A ``mv`` keeps every file, inodes and times
+    included, so any difference from ``loaded`` is an edit made before the move (one the watcher may never have
+    seen: same size, same ends). A copy (the original deleted after) has new files throughout and matches no
+    stamp: it holds what was loaded when the running version had loaded the old folder as the watcher knew it
+    (a reload of it that failed, the files moved away, left the version before: that one is stale).
+    """
+    if not isinstance(loaded, tuple) or loaded == moved.stamp:
+        return False
+    copied = not {file[3] for file in loaded} & {file[3] for file in moved.stamp}  # no inode in common
+    return not (copied and known is not None and loaded == known.stamp)
+
+
 def plan_changes(before: dict[str, FolderState], after: dict[str, FolderState], renames_too: bool = True) -> Plan:
     """Compare two scans: renames (same identity, one name gone, one new), removals, additions, edits."""
     gone = [name for name in before if name not in after]

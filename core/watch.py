@@ -51,7 +51,7 @@ from nereid.daemon_pool import on_io_thread
 from nereid.errors import ConfigError, NotFound, Unavailable
 from nereid.file_events import Follow, RepositoryFollower
 from nereid.files import read_regular_file
-from nereid.folder_states import FolderState, plan_changes, scan_repository, scan_store
+from nereid.folder_states import FolderState, moved_files_unloaded, plan_changes, scan_repository, scan_store
 from nereid.settings import MAX_CONFIG_BYTES, Settings, settings_from_bytes
 from nereid.settling import SettlingFolders
 from nereid.storage import StorageError, failure_kind, parse_store_url, store_failed
@@ -322,12 +322,12 @@ class RepositoryWatcher:
             if old in held or new in held:
                 continue  # (still a rename at the scan that applies nereid.yaml: the watcher's known states wait)
             log.info("dynamic repository: folder '%s' renamed to '%s'", old, new)
-            # The files the watcher knew for the old name may not be the ones its running version loaded: a
-            # reload of them that failed (moved away as it read them) left the version before. Moved in place,
-            # that version would serve the new folder's files as loaded for good: they are loaded after the move.
-            # Compared with the files as they are now, not as the watcher knew them: an edit it never saw
-            # (same size, same ends, made just before the move) leaves the identity it pairs folders by alone.
-            stale = self.location is None and repository.loaded_stamp(old) not in (None, current[new].stamp)
+            # The files the watcher knew for the old name may not be the ones its running version loaded (a
+            # reload of them that failed, moved away as it read them, left the version before), nor may the
+            # moved files be (an edit it never saw, same size and same ends, made just before a mv): moved in
+            # place, that version would serve them as loaded for good, so they are loaded after the move.
+            stale = self.location is None and moved_files_unloaded(repository.loaded_stamp(old),
+                                                                   self._folders.get(old), current[new])
             self._accept(old, None)
             self._accept(new, current[new])
             steps.append(Step((new, old), functools.partial(self._renamed, old, new, stale, current[new].stamp)))

@@ -8,7 +8,7 @@ import os
 import shutil
 import time
 
-from nereid.folder_states import plan_changes, scan_folder, scan_repository
+from nereid.folder_states import moved_files_unloaded, plan_changes, scan_folder, scan_repository
 
 
 def test_scan_ignores_server_and_editor_files_and_sees_copies_as_the_same(tmp_path):
@@ -54,6 +54,32 @@ def test_a_move_beside_a_copy_of_the_same_files_is_paired_with_the_move(tmp_path
     shutil.copytree(tmp_path / "c", tmp_path / "b", copy_function=shutil.copy)
     plan = plan_changes(before, scan_repository(tmp_path))
     assert plan.renames == (("a", "c"),) and plan.added == ("b",)
+
+
+def test_a_copy_of_the_loaded_files_needs_no_load_and_an_edit_moved_with_a_mv_does(tmp_path):
+    """A copy then the original deleted was loaded again after the move (its new inodes differ from every
+    stamp), where the README says nothing is read again; the suite's copy-then-delete test raced that reload."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "main.py").write_text("# a\n")
+    (tmp_path / "a" / "weights.bin").write_bytes(bytes(192 * 1024))
+    known = scan_folder(tmp_path / "a")
+    loaded = known.stamp  # the running version loaded the folder as the watcher knows it
+    shutil.copytree(tmp_path / "a", tmp_path / "copy", copy_function=shutil.copy)
+    copy = scan_folder(tmp_path / "copy")
+    assert copy.stamp != loaded and not moved_files_unloaded(loaded, known, copy)
+    assert not moved_files_unloaded(None, known, copy)  # (nothing known of what was loaded)
+    os.rename(tmp_path / "a", tmp_path / "moved")
+    assert not moved_files_unloaded(loaded, known, scan_folder(tmp_path / "moved"))  # a mv keeps every stamp
+    with open(tmp_path / "moved" / "weights.bin", "r+b") as weights:  # an edit the watcher never saw: same
+        os.pwrite(weights.fileno(), b"edited" * 16, 96 * 1024)        # size, same ends, same inode
+    edited = scan_folder(tmp_path / "moved")
+    assert edited.identity == known.identity and moved_files_unloaded(loaded, known, edited)
+    # An edit the watcher saw whose reload failed: the running version is the one before; a copy of the edited
+    # folder holds other files than it loaded.
+    (tmp_path / "moved" / "main.py").write_text("# b\n")
+    seen = scan_folder(tmp_path / "moved")
+    shutil.copytree(tmp_path / "moved", tmp_path / "copy2", copy_function=shutil.copy)
+    assert moved_files_unloaded(loaded, seen, scan_folder(tmp_path / "copy2"))
 
 
 def test_a_fifo_in_a_model_folder_is_stamped_without_being_opened_for_a_read(tmp_path):

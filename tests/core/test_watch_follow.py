@@ -515,6 +515,25 @@ def test_a_load_that_takes_long_is_said_in_the_log_while_it_runs(tmp_path, root,
     assert note.startswith("model 'slow_to_load' is still loading after 0 s: its backend's load() has not returned")
 
 
+def test_a_folder_copied_then_deleted_moves_its_model_and_loads_nothing(tmp_path, root):
+    """A copy then the original deleted was moved, then loaded again from the copy (its new inodes matched no
+    stamp), where the README says nothing is read again: the server's copy-then-delete test raced that reload."""
+    folder = write_toy(root, "a")
+    repository, watcher = setup(tmp_path, root)
+
+    async def scenario() -> None:
+        await start(repository, watcher)
+        backend = repository.entry("a").loaded.backend
+        shutil.copytree(folder, root / "b", copy_function=shutil.copy)
+        shutil.rmtree(folder)
+        await apply(watcher)
+        while watcher._changes:
+            await asyncio.gather(*watcher._changes)
+        assert repository.entry("b").loaded.backend is backend and repository.generation("b") == 1
+        await repository.unload_all()
+    asyncio.run(scenario())
+
+
 def test_a_folder_edited_unseen_then_moved_is_loaded_as_it_is_under_its_new_name(tmp_path, root):
     """A fuzzing review: an edit the watcher never saw (same size, same ends: folders are paired by a sample of
     their files) made just before a move was taken as loaded, and the new name served the old bytes for good."""
