@@ -600,7 +600,7 @@ class ModelScheduler:
         """An execution's outputs, checked against the signature for the ``run_rows`` rows it was given, without
         the rows it was padded with (beyond ``total``)."""
         # Checked before the cut: cut first, 6 rows answered for 8 given passed for the 5 asked for.
-        check_outputs(self.name, self._signature, outputs, run_rows)
+        outputs = check_outputs(self.name, self._signature, outputs, run_rows)
         return _without_padding(outputs, total) if run_rows > total else outputs
 
     def _log_abandoned_fault(self, error: BaseException) -> None:

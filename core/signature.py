@@ -17,7 +17,7 @@ from collections import Counter
 from dataclasses import dataclass
 from itertools import islice, repeat
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 from google.protobuf import text_format
@@ -301,8 +301,10 @@ def validate_inputs(model: str, signature: ModelSignature, tensors: list[NamedTe
     return ValidatedInputs(ordered, first or 1, signature.batches and first is None)
 
 
-def check_outputs(model: str, signature: ModelSignature, outputs: list[NamedTensor], batch_size: int) -> None:
-    """Hold a backend (or hook) to the declared outputs, so a bad one fails loudly, not on the wire.
+def check_outputs(model: str, signature: ModelSignature, outputs: Sequence[NamedTensor],
+                  batch_size: int) -> list[NamedTensor]:
+    """Hold a backend (or hook) to the declared outputs, so a bad one fails loudly, not on the wire; returns them
+    as a list (a tuple of them is taken too, as from the hooks).
 
     Raises ModelFailure naming the model, the output, and what was expected.
     The data must be what its DType says (a numpy array of the DType's numpy
@@ -312,6 +314,8 @@ def check_outputs(model: str, signature: ModelSignature, outputs: list[NamedTens
     model.
     """
     expected = signature.outputs
+    if isinstance(outputs, tuple) and all(isinstance(item, NamedTensor) for item in outputs):
+        outputs = list(outputs)  # (anything else in a tuple is described as the tuple it is)
     if not isinstance(outputs, list):
         raise ModelFailure(f"model '{model}' returned {brief_description(outputs)}, expected a "
                            f"list of NamedTensor (outputs {signature.output_names})")
@@ -355,6 +359,7 @@ def check_outputs(model: str, signature: ModelSignature, outputs: list[NamedTens
         if not ok:
             raise ModelFailure(f"model '{model}' returned output '{spec.name}' with shape "
                                f"{list(shape)}, expected {expected_shape}")
+    return outputs
 
 
 # How many characters of a model's wrong value a message quotes.

@@ -333,6 +333,23 @@ def test_outputs_are_held_to_the_signature(outputs, message) -> None:
     run(scenario())
 
 
+def test_outputs_returned_as_a_tuple_are_taken_as_the_hooks_take_them() -> None:
+    """Found by a plugin hunt: a backend's infer returning a tuple of NamedTensor was refused ("returned tuple of
+    1 item(s)"), where the hooks take "a list (or tuple)"."""
+    class AsTuple:
+        platform = "test"
+
+        def infer(self, inputs):
+            return (NamedTensor("y", DType.FP32, inputs[0].data * 3),)
+
+    async def scenario() -> None:
+        scheduler = ModelScheduler("m", AsTuple(), SIGNATURE, capacity=4, instances=1, stats=ModelStats())
+        (out,) = await scheduler.submit(rows(2), 1, 0)
+        assert out.name == "y" and float(out.data[0, 0]) == 6
+        await scheduler.drain()
+    run(scenario())
+
+
 def test_a_queued_request_is_answered_at_its_deadline_while_every_instance_is_busy() -> None:
     """Defect: the batcher looks at the queue only when an instance comes free, so a request that expired
     behind a long execution was told so only when that execution ended."""
