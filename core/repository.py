@@ -105,6 +105,7 @@ class ModelRepository:
         # by unload_all; the versions draining are also ended by terminate_running.
         self._background: set[asyncio.Task] = set()
         self._retiring: dict[int, RetiringVersion] = {}  # by id() of its LoadedModel
+        self._terminated: set[int] = set()  # id() of the backends the shutdown's terminate_running asked
         self._removing: dict[str, asyncio.Task] = {}  # the latest removal of each name, draining in the background
         # The loads and unloads clients asked for, still running (see accepted): a stop abandons them (unload_all).
         self._accepted: set[asyncio.Task] = set()
@@ -1001,8 +1002,11 @@ class ModelRepository:
         asked all at once: one whose ``terminate_running`` hangs (bounded by the
         backend-call wait) held up the others, one after another, at every stop.
         """
-        await asyncio.gather(*(terminate_backend(name, loaded.backend) for name, loaded in self.versions()
-                               if not loaded.scheduler.idle))  # (old versions still draining too)
+        running = [(name, loaded.backend) for name, loaded in self.versions()
+                   if not loaded.scheduler.idle]  # (old versions still draining too)
+        # Asked once: the unloads that follow (grace 0) do not ask again, nor log the same failure twice.
+        self._terminated.update(id(backend) for _, backend in running)
+        await asyncio.gather(*(terminate_backend(name, backend) for name, backend in running))
 
     async def unload_all(self, grace_s: float | None = None) -> None:
         """Unload every loaded model (server shutdown), once the work left in the background is done (old
@@ -1066,7 +1070,8 @@ class ModelRepository:
         backend = loaded.backend
 
         async def end_running() -> None:
-            await terminate_backend(name, backend)  # never raises: the unload goes on past a failing terminate
+            if id(backend) not in self._terminated:  # (the shutdown's terminate_running asked it already)
+                await terminate_backend(name, backend)  # never raises: the unload goes on past a failing terminate
 
         try:
             # Bounded by the grace: an abandoned request's thread must not hold the unload (or the loop).
@@ -1077,6 +1082,7 @@ class ModelRepository:
             loaded.hook_threads.release()
             loaded.release_folder()
             self._retiring.pop(id(loaded), None)
+            self._terminated.discard(id(backend))
         await self._cleanup.drop_scratch(retiring.scratch_names)
 
     def _kept_from_serving(self, entry: ModelEntry, new: LoadedModel) -> str | None:
