@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Protocol, runtime_checkable
 
-from nereid.errors import ConfigError
+from nereid.errors import ConfigError, describe_exception
 from nereid.settings import DEFAULT_TIMEOUT_S, Device, ModelSettings
 from nereid.signature import ModelSignature, brief_repr
 from nereid.tensors import InferRequest, InferResponse, NamedTensor
@@ -128,11 +128,26 @@ def missing_model_parts(model: object) -> list[str]:
     a model is created, and names what is missing, rather than fail later at
     the first request (or the first ModelMetadata) that needs it.
     """
-    missing = [f"{name} (a str)" for name in Model.__annotations__
-               if not isinstance(getattr(model, name, None), str)]
-    missing += [f"{name}()" for name, member in vars(Model).items()
-                if callable(member) and not name.startswith("_") and not callable(getattr(model, name, None))]
+    missing = []
+    for name in Model.__annotations__:
+        value, failure = _read_member(model, name)
+        if not isinstance(value, str):
+            missing.append(f"{name} (a str{failure})")
+    for name, member in vars(Model).items():
+        if callable(member) and not name.startswith("_"):
+            value, failure = _read_member(model, name)
+            if not callable(value):
+                missing.append(f"{name}(){failure}")
     return missing
+
+
+def _read_member(model: object, name: str) -> tuple[object, str]:
+    """``model.name`` (None when it has none) and, where reading it raised (a property), what it raised for the
+    reason: the bare message was the model's reason, naming neither the member nor the plugin."""
+    try:
+        return getattr(model, name, None), ""
+    except Exception as err:
+        return None, f"; reading it raised {describe_exception(err, one_line=True)}"
 
 
 # Optional capabilities: small Protocols that a backend's model object may also

@@ -134,6 +134,14 @@ class NoPlatformModel(FaultyModel):
     platform = None
 
 
+class PlatformRaisesModel(FaultyModel):
+    """Its ``platform`` is a property that raises (its bare message was the model's reason)."""
+
+    @property
+    def platform(self) -> str:
+        raise RuntimeError("no platform configured")
+
+
 class NoInferModel(FaultyModel):
     """Lacks ``infer`` (nothing could run)."""
 
@@ -302,7 +310,7 @@ FAULTS = {"signature_none": SignatureNoneModel, "no_platform": NoPlatformModel, 
           "key_error": KeyErrorModel, "create_fails": CreateFailsModel, "refuses": RefusesModel,
           "signature_none_unload_fails": SignatureNoneUnloadFailsModel, "async_load": AsyncLoadModel,
           "async_unload": AsyncUnloadModel, "input_check_async": InputCheckAsyncModel,
-          "signature_raises": SignatureRaisesModel}
+          "signature_raises": SignatureRaisesModel, "platform_raises": PlatformRaisesModel}
 
 
 class FaultyToys:

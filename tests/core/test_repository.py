@@ -478,7 +478,7 @@ def test_a_model_object_lacking_part_of_the_protocol_is_unavailable_naming_its_b
     # after load() had acquired its resources, which nothing released.
     # (And a dependencies() calling sys.exit() or raising KeyboardInterrupt, on the event loop, ended the server.)
     names = {"nosig": "signature_none", "noplat": "no_platform", "noinfer": "no_infer", "nodeps": "dependencies_fail",
-             "depsexit": "dependencies_exit", "depsint": "dependencies_interrupt"}
+             "depsexit": "dependencies_exit", "depsint": "dependencies_interrupt", "platraises": "platform_raises"}
     for name, fault in names.items():
         toy_backends.write_faulty(root, name, fault)
     repo = repository(tmp_path, extra_plugins=(toy_backends.FaultyToys(),))
@@ -495,6 +495,10 @@ def test_a_model_object_lacking_part_of_the_protocol_is_unavailable_naming_its_b
     assert entries["noplat"].reason == ("plugin 'faulty' made a model object (NoPlatformModel) without platform "
                                         "(a str): see the Model protocol in nereid.backend")
     assert "(NoInferModel) without infer()" in entries["noinfer"].reason
+    # A platform property that raised gave its bare message ("no platform configured") as the reason.
+    assert entries["platraises"].reason == (
+        "plugin 'faulty' made a model object (PlatformRaisesModel) without platform (a str; reading it raised "
+        "RuntimeError: no platform configured): see the Model protocol in nereid.backend")
     # It read "'NoneType' object has no attribute 'batches'", naming no plugin and no expectation.
     assert entries["nosig"].reason == ("plugin 'faulty': its model object (SignatureNoneModel) returned NoneType None "
                                        "from signature(), expected a nereid.signature.ModelSignature")
