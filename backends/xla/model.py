@@ -136,6 +136,12 @@ class XlaModel:
                                             for a in t.variable_axes))
                            for t in manifest.executable_inputs)
         self._output_axes = tuple(t.row_major_batch_axis for t in manifest.executable_outputs)
+        if (self._mode is BatchMode.EXACT and len(self._sizes) > 1
+                and all(axes.batch is None for axes in self._axes)):
+            # (The exporter never makes one: without a batched input, each size traces the same program.)
+            log.warning("model '%s': the manifest lists batch sizes %s, but no input has a batch axis, so no "
+                        "request can choose among them: only size %d ever runs (list that one alone)",
+                        context.name, list(self._sizes), self._sizes[0])
         self._batch_signature = build_signature(manifest.executable_inputs, manifest.executable_outputs,
                                                 self._mode, self._sizes[-1] if self._sizes else 0)
         self.report = LoadReport(tuple(p.name for p in dict.fromkeys(layout.modules.values())), cache.stats,

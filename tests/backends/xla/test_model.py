@@ -242,3 +242,35 @@ def test_a_timeout_s_is_warned_of_as_a_bundle_cannot_apply_it(tmp_path, add_bund
     assert [r.getMessage() for r in caplog.records if r.name == "nereid.backend"] == [
         "model 'mlp_bundle': timeout_s: 0.001 does not apply: a bundle's compiled program runs to its end once started (its "
         "requests' deadlines still bound their wait in the queue)"]
+
+
+def test_a_bundle_of_several_sizes_without_a_batched_input_warns_that_only_its_first_runs(tmp_path, caplog) -> None:
+    """From a bundle hunt: sizes [1, 2] with no input batched (a hand-made bundle; the exporter cannot make one)
+    compiled both programs and ran only the first, without a word."""
+    import jax.numpy as jnp
+
+    from nereid.backends.xla.export import export_bundle
+
+    weights = {"w": np.arange(4, dtype=np.float32)}
+    folder = tmp_path / "gen"
+    folder.mkdir()
+    for rows in (1, 2):  # y = x * w repeated in `rows` rows: the program of each size
+        export_bundle(lambda x, w, rows=rows: jnp.broadcast_to(x * w, (rows, 4)), [np.ones((4,), np.float32)],
+                      weights, directory=tmp_path / f"b{rows}", input_names=["x"], output_names=["y"],
+                      provenance=False)
+        (folder / f"model.b{rows}.mlir").write_bytes((tmp_path / f"b{rows}" / "model.mlir").read_bytes())
+    (folder / "weights.safetensors").write_bytes((tmp_path / "b1" / "weights.safetensors").read_bytes())
+    (folder / "manifest.yaml").write_text(
+        "format_version: '2.1'\nname: gen\n"
+        "executable_inputs:\n- {name: x, dtype: f32, shape: a, dims: {a: 4}}\n"
+        "executable_outputs:\n- {name: y, dtype: f32, shape: an, dims: {a: 4}}\n"
+        "batching:\n  compiled_batch_sizes: [1, 2]\n")
+    model = load(folder, tmp_path)
+    try:
+        (y,) = model.infer([NamedTensor.from_array("x", np.ones((4,), np.float32))])
+        assert y.data.shape == (1, 4)  # the first size, whatever is asked
+    finally:
+        model.unload()
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+        "model 'gen': the manifest lists batch sizes [1, 2], but no input has a batch axis, so no request can "
+        "choose among them: only size 1 ever runs (list that one alone)"]
