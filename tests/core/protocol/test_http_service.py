@@ -1044,6 +1044,36 @@ def test_repeated_header_lines_are_read_as_one_field_or_refused(served):
     assert status == 200 and json.loads(text)["outputs"][0]["data"] == [1, 2, 3, 4]
 
 
+def test_the_chunks_of_an_infer_body_are_let_go_as_they_are_gathered(tmp_path):
+    """The review of the tests: the test below checked the view it got, not that the chunks were appended as they
+    came. Kept until the end and joined there, a body costs twice its size at the end (the chunks and their join);
+    appended as they arrive, about its size."""
+    import tracemalloc
+
+    from nereid.protocol.http_service import HttpSurface
+    from toy_backends import toy_dataplane
+
+    size, piece = 24 << 20, 1 << 20
+    surface = HttpSurface(toy_dataplane(tmp_path), max_body_bytes=size)
+    source = bytes(size)
+    offsets = list(range(0, size, piece))
+
+    async def receive() -> dict:  # each chunk made as it is read, and kept by nobody but the reader
+        start = offsets.pop(0)
+        return {"type": "http.request", "body": source[start:start + piece], "more_body": bool(offsets)}
+
+    async def scenario() -> memoryview:
+        return await surface._read_body({b"content-length": str(size).encode()}, receive, "toy", as_view=True)
+    tracemalloc.start()
+    try:
+        gathered = asyncio.run(scenario())
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert len(gathered) == size
+    assert peak < 1.5 * size, f"{peak / size:.2f} times the body's size at the peak"
+
+
 def test_an_infer_body_of_many_chunks_is_gathered_as_it_arrives_into_one_read_only_view(tmp_path):
     """Found by a bug hunt of isolation between models: the chunks of a body were joined once it had all
     arrived, on the event loop: for a 500 MB body that held every other client for half a second to three."""
