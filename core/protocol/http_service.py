@@ -273,7 +273,9 @@ class HttpSurface:
             self.dataplane.admit(model)
             self.dataplane.check_target(model, version)
         except NereidError as err:
-            self._refused(model, err)
+            # Counted as what the client was told: the listener may have answered already, the HTTP parser unable
+            # to read a body that came with the head (it was counted "unavailable", where the client got a 400).
+            self._refused(model, _listener_refusal(receive, model) or err)
             raise
         try:
             body, length = await self._infer_body(request_headers(scope, model), receive, model)
@@ -474,7 +476,7 @@ class HttpSurface:
                     cycle = getattr(receive, "__self__", None)
                     unparsable = getattr(cycle, "nereid_unparsable", None)
                     if unparsable is not None:
-                        raise Unparsable(f"{_who(model)}{unparsable}", getattr(cycle, "nereid_unparsable_status", 400))
+                        raise Unparsable(f"{_who(model)}{unparsable}", _unparsable_status(cycle))
                     raise Disconnected("before sending its whole body",
                                        logged=getattr(cycle, "nereid_closed_idle", False))
                 chunk = message.get("body", b"")
@@ -610,6 +612,22 @@ def request_headers(scope: Scope, model: str) -> dict[bytes, bytes]:
                                  "send it once")
         headers[name] = value
     return headers
+
+
+def _unparsable_status(cycle: object) -> int:
+    """The status the listener answered a request whose body the HTTP parser could not read with."""
+    return getattr(cycle, "nereid_unparsable_status", 400)
+
+
+def _listener_refusal(receive: Receive, model: str) -> NereidError | None:
+    """What the listener has already answered this request with, as the failure it counts as (a body the HTTP
+    parser could not read: InvalidArgument for its 400, OutOfMemory for a 503); None while it is the handler's."""
+    cycle = getattr(receive, "__self__", None)
+    unparsable = getattr(cycle, "nereid_unparsable", None)
+    if unparsable is None:
+        return None
+    kind = OutOfMemory if _unparsable_status(cycle) == 503 else InvalidArgument
+    return kind(f"{_who(model)}{unparsable}")
 
 
 def _who(model: str) -> str:
