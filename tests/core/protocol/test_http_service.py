@@ -270,6 +270,25 @@ with open(os.environ["NEREID_OUTPUT_PATH"], "wb") as out:
 '''
 
 
+def test_an_unreadable_body_to_a_model_not_ready_is_counted_as_the_400_it_was_answered(repo, serve):
+    """From the hunt of the not-ready paths: a chunked body whose bad chunk came in the same read as its head got
+    the HTTP parser's 400, but was counted "unavailable" (the readiness check ran after the listener answered)."""
+    from support import scrape
+
+    repo.add("broken", "input_shape: [4\n", main_py="print()")  # fails to load
+    server = serve(repo.write_config())
+    with socket.create_connection(("127.0.0.1", server.server.http_port), timeout=10) as connection:
+        connection.sendall(b"POST /v2/models/broken/infer HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+                           b"Content-Type: application/json\r\n\r\nzz\r\n{}\r\n0\r\n\r\n")
+        answer = b""
+        while chunk := connection.recv(65536):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 400 "), answer
+    outcomes = {dict(labels)["outcome"]: value for (name, labels), value in scrape(server.server.metrics_port).items()
+                if name == "nereid_protocol_requests_total" and dict(labels)["model"] == "broken"}
+    assert outcomes == {"invalid_argument": 1}, outcomes  # (as a 400 for a model that is READY is counted)
+
+
 def test_a_model_without_inputs_is_called_with_an_empty_inputs_list(repo, serve):
     repo.python("constant", main=CONSTANT_MAIN, textproto="output_shape: [3]\nmax_batch_size: 4\n")
     repo.python("echo")
