@@ -15,7 +15,7 @@ import time
 from typing import TYPE_CHECKING, Callable, TypeVar
 
 from nereid.backend import Model, Terminable
-from nereid.errors import calling_plugin, describe_exception, without_stop_iteration
+from nereid.errors import calling_plugin, describe_exception, loop_safe_call
 from nereid.model_building import LOAD_CALL
 
 if TYPE_CHECKING:
@@ -59,7 +59,7 @@ def on_daemon_thread(call: Callable[[], T], thread_name: str,
     def run() -> None:
         result, error = None, None
         try:
-            result = without_stop_iteration(call)
+            result = loop_safe_call(call)
         except BaseException as err:  # handed to the caller, whatever it is
             error = err
         if not future.cancelled():

@@ -224,18 +224,21 @@ def backend_exit(model: str, exit_: BaseException, during: str) -> ConfigError:
                        "a model by raising an Exception with the reason)")
 
 
-def without_stop_iteration(function: Callable[..., T], *args: Any) -> T:
-    """Call ``function``; a StopIteration it raises comes out as a RuntimeError chained to it.
+def loop_safe_call(function: Callable[..., T], *args: Any) -> T:
+    """Call ``function`` (a model's code, on a worker thread) so that what it raises reaches the event loop
+    intact: a StopIteration or GeneratorExit comes out as a RuntimeError chained to it.
 
-    For a model's code run on a worker thread: an asyncio future cannot carry a
-    StopIteration (``set_exception`` raises TypeError on the loop), so a stray
-    ``next()`` in a plugin or a ``model.py`` left its caller waiting for ever
-    and its execution slot taken. Generators do the same since PEP 479.
+    An asyncio future cannot carry a StopIteration (``set_exception`` raises
+    TypeError on the loop), so a stray ``next()`` in a plugin or a ``model.py``
+    left its caller waiting for ever and its execution slot taken; generators
+    do the same since PEP 479. A GeneratorExit can be carried, but thrown into
+    the awaiting coroutines it closes each inner one with a bare
+    ``GeneratorExit()`` first, so the model's message (and line) was lost.
     """
     try:
         return function(*args)
-    except StopIteration as err:
-        raise RuntimeError(f"StopIteration raised{f': {err}' if str(err) else ''}") from err
+    except (StopIteration, GeneratorExit) as err:
+        raise RuntimeError(f"{type(err).__name__} raised{f': {err}' if str(err) else ''}") from err
 
 
 def describe_exception(error: BaseException, one_line: bool = False) -> str:

@@ -20,7 +20,7 @@ from nereid.backend import ChecksInputs, Model, Postprocesses, Preprocesses
 from nereid.batching import deadline_passed
 from nereid.daemon_pool import DaemonThreadPool
 from nereid.errors import (ConfigError, DeadlineExceeded, InvalidArgument, ModelFailure, NereidError, QueueFull,
-                           describe_exception, naming_model, without_model_name, without_stop_iteration)
+                           describe_exception, loop_safe_call, naming_model, without_model_name)
 from nereid.scheduler import (REQUEST_STARTED, ModelScheduler, UnloadedBeforeStart, not_started,
                               unloaded_before_start)
 from nereid.signature import ModelSignature, brief_description, check_outputs, validate_inputs
@@ -387,7 +387,7 @@ async def _call_hook(threads: HookThreads, scheduler: ModelScheduler, hook: str,
         taken = start.begin()
         if taken is None:
             return []  # (its caller was answered already)
-        return _checked_hook_result(model, hook, without_stop_iteration(function, taken))
+        return _checked_hook_result(model, hook, loop_safe_call(function, taken))
 
     queued_ns = time.monotonic_ns()
     # A little after the deadline: the loop may run a timer early (as the scheduler's expiry timer allows).

@@ -24,7 +24,7 @@ from nereid.daemon_pool import on_io_thread
 from nereid.dependencies import DependencyCycle
 from nereid.dependent_states import DependentStates, log_unavailable
 from nereid.errors import (ConfigError, NotFound, PublicText, Unavailable, backend_exit, calling_plugin, cap_message,
-                           describe_exception, without_stop_iteration)
+                           describe_exception, loop_safe_call)
 from nereid.files import is_model_folder_name
 from nereid.folder_cleanup import FolderCleanup
 from nereid.folder_states import folder_stamp
@@ -747,7 +747,7 @@ class ModelRepository:
                 # Plugin code: a sys.exit() or KeyboardInterrupt of its own is its failure (the move is not made),
                 # never the server's end (it ended the server, exit status the plugin's, nothing logged).
                 await asyncio.to_thread(calling_plugin,
-                                        functools.partial(without_stop_iteration, loaded.backend.relocate, context),
+                                        functools.partial(loop_safe_call, loaded.backend.relocate, context),
                                         lambda exit_: backend_exit(old, exit_, "while moving it"))
                 # (Looked at again after each wait: a request may have loaded the new name meanwhile, whose model
                 # this one must not replace unseen: it would never be unloaded.)

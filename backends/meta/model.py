@@ -33,7 +33,7 @@ from nereid.backends.xla.signatures import batch_mode, build_signature
 from nereid.daemon_pool import DaemonThreadPool
 from nereid.dependencies import DependencyCycle, describe_cycle, find_cycle
 from nereid.errors import (ConfigError, DeadlineExceeded, LoggedModelFailure, ModelFailure, NereidError, NotFound,
-                           QueueFull, Unavailable, describe_exception, same_kind, without_stop_iteration)
+                           QueueFull, Unavailable, describe_exception, loop_safe_call, same_kind)
 from nereid.files import not_regular_reason
 from nereid.model_hooks import load_model_hooks
 from nereid.runtime_options import RuntimeOptions
@@ -349,7 +349,7 @@ class MetaModel:
         if pool is None:
             raise Unavailable(f"model '{self.context.name}' is being unloaded")
         context = BlockingMetaContext(self, deadline_ns, asyncio.get_running_loop())
-        submitted = pool.submit(without_stop_iteration, self._start_blocking, orchestrate, inputs, context)
+        submitted = pool.submit(loop_safe_call, self._start_blocking, orchestrate, inputs, context)
         future = asyncio.wrap_future(submitted)
         try:
             return await asyncio.shield(future)

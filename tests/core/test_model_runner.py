@@ -243,14 +243,17 @@ FAILURES = [
     (raises(StopIteration()), "failed: RuntimeError: StopIteration raised$"),
     # Defect (found by a bug hunt of meta models): neither an Exception nor a model exit, it left the request
     # unanswered.
-    (raises(GeneratorExit()), "failed: GeneratorExit$"),
+    (raises(GeneratorExit()), "failed: RuntimeError: GeneratorExit raised$"),
+    # Its message was lost: thrown into the awaiting coroutines, it closed the inner ones with a bare one first.
+    (raises(GeneratorExit("from a hook")), "failed: RuntimeError: GeneratorExit raised: from a hook$"),
 ]
 
 
 @pytest.mark.parametrize("hook", ["preprocess", "postprocess"])
 @pytest.mark.parametrize("body, message", RESULTS + FAILURES,
                          ids=["None", "arrays", "tuple of arrays", "async def", "sys.exit", "KeyboardInterrupt",
-                              "futures.CancelledError", "StopIteration", "GeneratorExit"])
+                              "futures.CancelledError", "StopIteration", "GeneratorExit",
+                              "GeneratorExit with a message"])
 def test_a_hook_returning_or_raising_anything_is_a_model_fault_naming_it(hook: str, body: Hook,
                                                                          message: str) -> None:
     """Defects: a hook returning the wrong type let a raw TypeError / AttributeError escape, naming no model

@@ -681,8 +681,9 @@ nereid.register_model(orchestrate=orchestrate)
     (2, "exits", "a task its orchestration started raised KeyboardInterrupt: from a helper"),
     (3, "exits", "orchestrate failed at model.py:19: GeneratorExit: from the orchestration"),
     (4, "exits", "orchestrate failed at model.py:21: Fatal: of the author's own"),
-    # (asyncio's future hands the awaiting task a bare GeneratorExit: its message and line are lost on the way)
-    (5, "exits_on_a_thread", "orchestrate failed: GeneratorExit"),
+    # It read "orchestrate failed: GeneratorExit": thrown into the awaiting coroutines, a GeneratorExit closes each
+    # inner one with a bare GeneratorExit() first, so its message and line were lost on the way from the thread.
+    (5, "exits_on_a_thread", "orchestrate failed at model.py:6: RuntimeError: GeneratorExit raised: from a thread"),
 ], ids=["sys.exit in a gathered task", "KeyboardInterrupt in a gathered task", "GeneratorExit", "a BaseException",
         "GeneratorExit on a thread"])
 def test_what_is_no_exception_fails_the_request_and_never_the_server(repo, serve, how, model, said) -> None:
