@@ -203,12 +203,12 @@ def moved_files_unloaded(loaded: object, known: FolderState | None, moved: Folde
     """Whether a model moved with its folder (a rename the watcher paired by content) runs other files than the
     new folder holds, and must load them after the move.
 
-    ``loaded``: the stamp of the files its running version loaded (anything else: not known); ``known``: the old folder as
-    the watcher last acted on it; ``moved``: the new folder now. A ``mv`` keeps every file, inodes and times
-    included, so any difference from ``loaded`` is an edit made before the move (one the watcher may never have
-    seen: same size, same ends). A copy (the original deleted after) has new files throughout and matches no
-    stamp: it holds what was loaded when the running version had loaded the old folder as the watcher knew it
-    (a reload of it that failed, the files moved away, left the version before: that one is stale).
+    ``loaded``: the stamp of the files its running version loaded (anything else: not known); ``known``: the
+    old folder as the watcher last acted on it; ``moved``: the new folder now. A ``mv`` keeps every file, inodes
+    and times included, so any difference from ``loaded`` is an edit made before the move (one the watcher may
+    never have seen: same size, same ends). A copy (the original deleted after) has new files throughout and
+    matches no stamp: it holds what was loaded when the running version had loaded the old folder as the watcher
+    knew it (a reload of it that failed, the files moved away, left the version before: that one is stale).
     """
     if not isinstance(loaded, tuple) or loaded == moved.stamp:
         return False
