@@ -326,8 +326,10 @@ class RepositoryWatcher:
             # reload of them that failed, moved away as it read them, left the version before), nor may the
             # moved files be (an edit it never saw, same size and same ends, made just before a mv): moved in
             # place, that version would serve them as loaded for good, so they are loaded after the move.
+            # (As last seen: an edit seen but not yet settled when the folder was copied away is in the copy.)
+            seen = self._pending.state(old) if old in self._pending else None
             stale = self.location is None and moved_files_unloaded(repository.loaded_stamp(old),
-                                                                   self._folders.get(old), current[new])
+                                                                   seen or self._folders.get(old), current[new])
             self._accept(old, None)
             self._accept(new, current[new])
             steps.append(Step((new, old), functools.partial(self._renamed, old, new, stale, current[new].stamp)))

@@ -534,6 +534,29 @@ def test_a_folder_copied_then_deleted_moves_its_model_and_loads_nothing(tmp_path
     asyncio.run(scenario())
 
 
+def test_a_folder_edited_then_copied_away_before_the_edit_settled_is_loaded_as_it_is(tmp_path, root):
+    """The review of the copy fix above: an edit the watcher had seen but not yet acted on (same size, same ends:
+    the copy is still paired with the folder) was taken for the files loaded, and the copy served the old bytes."""
+    folder = write_toy(root, "a")
+    (folder / "weights.bin").write_bytes(bytes(192 * 1024))
+    repository, watcher = setup(tmp_path, root)
+
+    async def scenario() -> None:
+        await start(repository, watcher)
+        with open(folder / "weights.bin", "r+b") as weights:
+            os.pwrite(weights.fileno(), b"edited" * 16, 96 * 1024)  # the middle only
+        await apply(watcher)  # seen, not yet settled
+        shutil.copytree(folder, root / "b", copy_function=shutil.copy)
+        shutil.rmtree(folder)
+        await apply(watcher)
+        while watcher._changes:
+            await asyncio.gather(*watcher._changes)
+        assert repository.entry("b").state is ModelState.READY
+        assert repository.loaded_stamp("b") == scan_repository(root)["b"].stamp
+        await repository.unload_all()
+    asyncio.run(scenario())
+
+
 def test_a_folder_edited_unseen_then_moved_is_loaded_as_it_is_under_its_new_name(tmp_path, root):
     """A fuzzing review: an edit the watcher never saw (same size, same ends: folders are paired by a sample of
     their files) made just before a move was taken as loaded, and the new name served the old bytes for good."""
