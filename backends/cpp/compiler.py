@@ -57,7 +57,9 @@ def find_compiler() -> Compiler:
     if path is None:
         where = "is not an executable file" if os.sep in words[0] else "is not on PATH"
         raise ConfigError(f"no C++ compiler: '{words[0]}' {where} (set CXX or install g++)")
-    return (path, *words[1:])
+    # Absolute: a relative one (CXX=./cxxwrap, or "." on PATH) is the server's working directory's, and builds run
+    # in the model's folder (they failed with a raw FileNotFoundError naming './cxxwrap').
+    return (os.path.abspath(path), *words[1:])
 
 
 def compiler_environment(**extra: str) -> dict[str, str]:

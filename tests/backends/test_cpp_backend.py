@@ -578,6 +578,12 @@ def test_cxx_may_hold_a_wrapper_and_its_words_as_make_takes_it(tmp_path, monkeyp
     monkeypatch.setenv("CXX", "no-such-compiler-xyz")
     with pytest.raises(ConfigError, match="'no-such-compiler-xyz' is not on PATH"):
         compiler.find_compiler()
+    # Found: a relative path (a wrapper beside where the server starts) is the working directory's, whatever the
+    # folder a build runs in (from the native hunt: every build failed, FileNotFoundError: './cc-wrap').
+    monkeypatch.chdir(wrapper.parent)
+    monkeypatch.setenv("CXX", "./cc-wrap c++")
+    assert compiler.find_compiler() == (str(wrapper), "c++")
+    assert os.access(compiler.build_binary(folder, "main.cpp", tmp_path / "scratch", "relative"), os.X_OK)
 
 
 # A child whose files may not grow past 4 KiB (RLIMIT_FSIZE, SIGXFSZ ignored so that a write fails with EFBIG): a
