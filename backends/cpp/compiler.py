@@ -18,6 +18,7 @@ from nereid.files import not_regular_reason, read_regular_file, temporary_name
 from nereid.leftovers import remove_stale_partials
 from nereid.processes import new_children_stopped
 
+from nereid.backends.elf_files import whole_elf_file
 from nereid.backends.subprocess.runner import DEFAULT_PATH, run_model_process
 
 # What an #include can reach: sources, headers, and the inline and template files some projects include.
@@ -285,30 +286,7 @@ def cached_build(compiler: Compiler, arguments: list[str], name: str, stale: str
 
 
 def _usable(path: Path, executable: bool) -> bool:
-    return path.is_file() and (not executable or os.access(path, os.X_OK)) and _whole_elf_file(path)
-
-
-def _whole_elf_file(path: Path) -> bool:
-    """Whether ``path`` is an ELF file as long as its header says (its section headers, which the linker
-    writes last, inside it). A build cached by another tool (a deploy's copy cut short, a volume half
-    synced) was taken as it was: the model turned READY, and every run failed "Exec format error"."""
-    try:
-        with open(path, "rb") as file:
-            header = file.read(64)
-            size = os.fstat(file.fileno()).st_size
-    except OSError:
-        return False
-    if len(header) < 52 or header[:4] != b"\x7fELF" or header[4] not in (1, 2) or header[5] not in (1, 2):
-        return False
-    order = "little" if header[5] == 1 else "big"
-    if header[4] == 2:  # 64-bit
-        if len(header) < 64:
-            return False
-        offset, entry, count = header[0x28:0x30], header[0x3A:0x3C], header[0x3C:0x3E]
-    else:
-        offset, entry, count = header[0x20:0x24], header[0x2E:0x30], header[0x30:0x32]
-    end = int.from_bytes(offset, order) + int.from_bytes(entry, order) * int.from_bytes(count, order)
-    return end <= size
+    return path.is_file() and (not executable or os.access(path, os.X_OK)) and whole_elf_file(str(path))
 
 
 def _publish(source: Path, target: Path) -> None:

@@ -12,15 +12,14 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import mmap
 import os
 import re
 import shutil
-import struct
 import uuid
 from pathlib import Path
 from typing import BinaryIO, Callable
 
+from nereid.backends.elf_files import elf_cut_short, needed_libraries
 from nereid.backends.scratch import require_executable_folder, scratch_folder_refused
 from nereid.errors import ConfigError
 from nereid.files import not_regular_reason
@@ -131,61 +130,6 @@ def _foreign_machine(path: Path) -> str | None:
 _COPY_CHUNK = 1 << 20  # bytes read and written at a time by a library's copy
 
 
-def needed_libraries(path: str) -> list[str]:
-    """The DT_NEEDED names of the ELF shared object ``path`` (the libraries it asks the loader for); [] for a file
-    that is no readable ELF file, or one whose dynamic section cannot be followed.
-
-    Read through a memory map: only the headers, the dynamic section and the
-    names are touched, however large the library.
-    """
-    try:
-        with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            return _needed_in(data)
-    except (OSError, ValueError, struct.error):  # unreadable, empty (mmap refuses it), cut short
-        return []
-
-
-def _needed_in(data: mmap.mmap) -> list[str]:
-    if data[:4] != b"\x7fELF" or data[4] not in (1, 2) or data[5] not in (1, 2):
-        return []
-    wide, order = data[4] == 2, "<" if data[5] == 1 else ">"
-    word = "Q" if wide else "I"
-    phoff, = struct.unpack_from(order + word, data, 0x20 if wide else 0x1C)
-    phentsize, phnum = struct.unpack_from(order + "HH", data, 0x36 if wide else 0x2A)
-    loads, dynamic = [], None  # (vaddr, offset, filesz) of each PT_LOAD; (offset, filesz) of PT_DYNAMIC
-    for index in range(phnum):
-        at = phoff + index * phentsize
-        if wide:
-            kind, _, offset, vaddr, _, filesz = struct.unpack_from(order + "IIQQQQ", data, at)
-        else:
-            kind, offset, vaddr, _, filesz = struct.unpack_from(order + "IIIII", data, at)
-        if kind == 1:
-            loads.append((vaddr, offset, filesz))
-        elif kind == 2:
-            dynamic = (offset, filesz)
-    if dynamic is None:
-        return []
-    entry = struct.Struct(order + ("qQ" if wide else "iI"))
-    needed, strtab = [], None
-    for at in range(dynamic[0], dynamic[0] + dynamic[1] - entry.size + 1, entry.size):
-        tag, value = entry.unpack_from(data, at)
-        if tag == 0:  # DT_NULL
-            break
-        if tag == 1:  # DT_NEEDED: an offset into the string table
-            needed.append(value)
-        elif tag == 5:  # DT_STRTAB: its address, mapped to the file by the segment holding it
-            strtab = next((value - vaddr + offset for vaddr, offset, size in loads if vaddr <= value < vaddr + size),
-                          None)
-    if strtab is None:
-        return []
-    names = []
-    for offset in needed:
-        end = data.find(b"\0", strtab + offset)
-        if end >= 0:
-            names.append(data[strtab + offset:end].decode("utf-8", "replace"))
-    return names
-
-
 def _shipped_dependencies(path: Path) -> set[str]:
     """The names of the entries beside ``path`` that it needs, directly or through each other: each DT_NEEDED
     name found there, and the neighbours its links lead to (``libdep.so.1 -> libdep.so.1.2``)."""
@@ -220,8 +164,12 @@ def _copy_siblings(model: str, path: Path, folder: Path, scratch_dir: Path) -> N
     shipped = _shipped_dependencies(path)
     for sibling in siblings:
         target = folder / sibling.name
+        if sibling.name in shipped and (reason := not_regular_reason(Path(sibling.path))) is not None:
+            # (A FIFO: the loader would wait on it for ever, holding the load.)
+            raise ConfigError(f"model '{model}': shared library {path} needs {sibling.name}, and {reason}")
         if sibling.name in shipped and sibling.is_file(follow_symlinks=False):
             _copy_library(model, Path(sibling.path), target, scratch_dir)
+            _require_whole(model, Path(sibling.path), target, f"shared library {path} needs {sibling.name}, but")
             continue
         try:
             link = os.readlink(sibling.path) if sibling.name in shipped else None  # (shipped: a file, or a link)
@@ -232,6 +180,13 @@ def _copy_siblings(model: str, path: Path, folder: Path, scratch_dir: Path) -> N
         except OSError as err:
             raise scratch_folder_refused(model, f"link the files beside shared library {path} into", scratch_dir,
                                          err) from None
+
+
+def _require_whole(model: str, path: Path, copy: Path, what: str) -> None:
+    """ConfigError unless ``copy`` (of the library ``path``) is a whole ELF file: dlopen maps it, and a part
+    missing (a file cut short, or still being written) faults at the first touch, ending the server (SIGBUS)."""
+    if (reason := elf_cut_short(str(copy))) is not None:
+        raise ConfigError(f"model '{model}': {what} {path} cannot be loaded: {reason}")
 
 
 def _copy_library(model: str, path: Path, copy: Path, scratch_dir: Path) -> None:
@@ -299,7 +254,8 @@ class NativeLibrary:
         # The copy keeps its name, in a folder of its own beside copies of the libraries it needs from its folder
         # and links to the rest: a library that finds the libraries it needs beside it (a RUNPATH of $ORIGIN)
         # finds them there.
-        self._folder = scratch_dir / f"{path.stem}-{uuid.uuid4().hex[:12]}"
+        # (The stem cut: a name near the file system's limit of 255 bytes left no room for the suffix.)
+        self._folder = scratch_dir / f"{path.stem[:100]}-{uuid.uuid4().hex[:12]}"
         self._copy = self._folder / path.name
         try:
             self._folder.mkdir()
@@ -307,6 +263,7 @@ class NativeLibrary:
             raise scratch_folder_refused(model, f"copy shared library {path} into", scratch_dir, err) from None
         try:
             _copy_library(model, path, self._copy, scratch_dir)
+            _require_whole(model, path, self._copy, "shared library")
             _copy_siblings(model, path, self._folder, scratch_dir)
         except BaseException:
             shutil.rmtree(self._folder, ignore_errors=True)

@@ -23,7 +23,7 @@ from tritonclient.utils import InferenceServerException
 
 from nereid.backend import ModelContext
 from nereid.backends.cxx.build import header_dir, library_hash, shared_flags
-from nereid.backends.cxx.library import needed_libraries
+from nereid.backends.elf_files import needed_libraries
 from nereid.backends.cxx.model import MAX_OUTPUT_BYTES, CxxModel
 from nereid.cli import main as nereid_main
 from nereid.dtypes import DType
@@ -225,7 +225,9 @@ def libs(tmp_path_factory) -> dict[str, Path]:
     foreign = bytearray((root / "libnoinfer.so").read_bytes())
     foreign[18:20] = (62 if foreign[18:20] == (183).to_bytes(2, "little") else 183).to_bytes(2, "little")
     (root / "libforeign.so").write_bytes(foreign)
-    return {name: root / f"lib{name}.so" for name in (*sources, "garbage", "foreign")}
+    whole = (root / "libnoinfer.so").read_bytes()  # a copy cut short (a deploy's, still arriving)
+    (root / "libcutshort.so").write_bytes(whole[:len(whole) // 2])
+    return {name: root / f"lib{name}.so" for name in (*sources, "garbage", "foreign", "cutshort")}
 
 
 def index_of(server) -> dict[str, tuple[str, str]]:
@@ -382,7 +384,8 @@ def test_model_faults_are_internal_with_the_library_text(repo, serve, libs):
 
 def test_models_the_cxx_backend_refuses_are_unavailable_with_a_reason(repo, serve, libs, tmp_path):
     for name in ("missing", "garbage", "foreign", "undefined", "noinfer", "refuse_load", "no_runtime", "both_options",
-                 "unknown_option", "on_gpu", "textproto_only", "broken_source", "library_folder", "source_fifo"):
+                 "unknown_option", "on_gpu", "textproto_only", "broken_source", "library_folder", "source_fifo",
+                 "cut_short"):
         scale_model(repo, name)
     repo.add("no_textproto", None)
     repo.add("bytes_input", 'input_shape: [4]\noutput_shape: [4]\ndata_type: "BYTES"\n')
@@ -409,6 +412,7 @@ def test_models_the_cxx_backend_refuses_are_unavailable_with_a_reason(repo, serv
         entry("broken_source", f'{{sources: ["{broken}"]}}') +
         entry("library_folder", f'{{library: "{tmp_path / "folder.so"}"}}') +
         entry("source_fifo", f'{{sources: ["{tmp_path / "fifo.cpp"}"]}}') +
+        entry("cut_short", f'{{library: "{libs["cutshort"]}"}}') +
         entry("no_textproto", multi) + entry("bytes_input", multi) + entry("dynamic_output", multi)))
     index = index_of(server)
     expected = {
@@ -434,6 +438,9 @@ def test_models_the_cxx_backend_refuses_are_unavailable_with_a_reason(repo, serv
         # Defect: both were said not to exist.
         "library_folder": ["shared library ", "folder.so: is a directory, not a regular file"],
         "source_fifo": ["runtime.sources: ", "fifo.cpp: is a FIFO, not a regular file"],
+        # Defect (the native hunt): dlopen mapped the part that was missing, and the server died of SIGBUS.
+        "cut_short": [f"shared library {libs['cutshort']} cannot be loaded: it is ", " bytes, and its ELF headers say "
+                      "at least ", "a copy cut short, or still being written"],
         "no_textproto": ["missing model_inference.textproto"],
         "bytes_input": ["input 'input' is BYTES", "fixed-size datatypes only"],
         "dynamic_output": ["output 'y' has a -1 dimension", "preallocates outputs"],
@@ -1051,3 +1058,46 @@ def test_check_names_a_cxx_library_s_copy_folder_as_the_server_does(repo, libs, 
     config = repo.write_config(entry("undefined", f'{{library: "{libs["undefined"]}"}}'))
     assert nereid_main(["check", "--config", str(config)]) == 1
     assert re.search(r"\(dlopened from its copy in \S+check-\S+/undefined\): ", capsys.readouterr().out)
+
+
+def test_a_dependency_beside_the_library_that_is_no_file_or_is_cut_short_is_refused_not_waited_on(tmp_path):
+    """From the native hunt: a FIFO where the library's dependency should be held the load for ever (the scan of
+    what it needs opened it, as the loader would); a dependency cut short ended the server (SIGBUS)."""
+    from nereid.backends.cxx.library import NativeLibrary
+
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    (tmp_path / "helper.cpp").write_text('#include <cstdint>\nextern "C" int64_t helper_value() { return 5; }\n')
+    (lib / "model.cpp").write_text(_DEPENDENT_MODEL)
+    subprocess.run([CXX, "-shared", "-fPIC", "-o", str(lib / "libhelper.so"), str(tmp_path / "helper.cpp")],
+                   check=True, capture_output=True, timeout=120)
+    subprocess.run([CXX, "-shared", "-fPIC", "-std=c++17", f"-I{header_dir()}", "-o", str(lib / "libmodel.so"),
+                    str(lib / "model.cpp"), f"-L{lib}", "-lhelper", "-Wl,-rpath,$ORIGIN"],
+                   check=True, capture_output=True, timeout=120)
+    whole = (lib / "libhelper.so").read_bytes()
+    (tmp_path / "scratch").mkdir()
+    (lib / "libhelper.so").write_bytes(whole[:len(whole) // 2])
+    with pytest.raises(ConfigError, match=r"^model 'm': shared library .*libmodel.so needs libhelper.so, but "
+                                          r".*libhelper.so cannot be loaded: it is \d+ bytes, and its ELF headers say"):
+        NativeLibrary("m", lib / "libmodel.so", tmp_path / "scratch")
+    (lib / "libhelper.so").unlink()
+    os.mkfifo(lib / "libhelper.so")
+    with pytest.raises(ConfigError, match=r"^model 'm': shared library .*libmodel.so needs libhelper.so, and "
+                                          r".*libhelper.so: is a FIFO, not a regular file$"):
+        NativeLibrary("m", lib / "libmodel.so", tmp_path / "scratch")
+    assert list((tmp_path / "scratch").iterdir()) == []  # no copy left behind
+
+
+def test_a_library_whose_name_is_near_the_file_systems_limit_loads(tmp_path, libs):
+    """From the native hunt: a 251-byte file name (legal; the compiler makes it) left no room for the private
+    copy's folder suffix, and the load failed blaming TMPDIR ("File name too long")."""
+    from nereid.backends.cxx.library import NativeLibrary
+
+    long = tmp_path / f"lib{'a' * 245}.so"
+    shutil.copy(libs["multi"], long)
+    (tmp_path / "scratch").mkdir()
+    library = NativeLibrary("m", long, tmp_path / "scratch")
+    try:
+        assert library.infer is not None
+    finally:
+        library.close()

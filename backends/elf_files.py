@@ -1,0 +1,171 @@
+"""What the native backends read of an ELF file before they run or load it: whether it is whole, and which
+libraries it needs.
+
+Read with ``pread`` on a descriptor opened without blocking, never through a
+memory map: a file cut short under a map (a library being rewritten in place,
+a copy still arriving) raises SIGBUS, which ends the whole server, where a
+short read is only a short read. And a FIFO is never waited on.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import struct
+from typing import Callable
+
+Read = Callable[[int, int], bytes]  # (offset, size) -> up to size bytes of the file at offset
+
+_MAX_NAME_BYTES = 4096  # read for one DT_NEEDED name (names are short; one without its NUL in it is skipped)
+
+
+def _opened(path: str) -> int | None:
+    """A descriptor of ``path`` when it is a regular file (opened without blocking: a FIFO is not waited on)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return None
+    try:
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            return fd
+    except OSError:
+        pass
+    os.close(fd)
+    return None
+
+
+def elf_cut_short(path: str) -> str | None:
+    """Why the ELF file ``path`` cannot be mapped whole (shorter than its headers say: a copy cut short, or still
+    being written); None when it is whole, and when it is no ELF file (the loader says what it is then).
+
+    Whole: its section header table (which the linker writes last) and every
+    segment it loads lie inside the file. dlopen maps the segments: one past
+    the file's end faults (SIGBUS) at the first touch, in the server.
+    """
+    fd = _opened(path)
+    if fd is None:
+        return None
+    try:
+        size = os.fstat(fd).st_size
+        return _cut_short(lambda offset, count: os.pread(fd, count, offset), size)
+    except (OSError, struct.error, ValueError):
+        return "its ELF headers cannot be read whole: a copy cut short, or still being written"
+    finally:
+        os.close(fd)
+
+
+def whole_elf_file(path: str) -> bool:
+    """Whether ``path`` is a regular ELF file no shorter than its headers say (see :func:`elf_cut_short`)."""
+    fd = _opened(path)
+    if fd is None:
+        return False
+    try:
+        read: Read = lambda offset, count: os.pread(fd, count, offset)  # noqa: E731
+        return _elf_header(read(0, 64)) is not None and _cut_short(read, os.fstat(fd).st_size) is None
+    except (OSError, struct.error, ValueError):
+        return False
+    finally:
+        os.close(fd)
+
+
+def _elf_header(header: bytes) -> tuple[bool, str] | None:
+    """(64-bit, struct byte order) of an ELF file whose first 64 bytes are ``header``; None for anything else."""
+    if len(header) < 52 or header[:4] != b"\x7fELF" or header[4] not in (1, 2) or header[5] not in (1, 2):
+        return None
+    if header[4] == 2 and len(header) < 64:
+        return None
+    return header[4] == 2, "<" if header[5] == 1 else ">"
+
+
+def _cut_short(read: Read, size: int) -> str | None:
+    header = read(0, 64)
+    kind = _elf_header(header)
+    if kind is None:
+        return None
+    wide, order = kind
+    if wide:
+        phoff, shoff = struct.unpack_from(order + "QQ", header, 0x20)
+        phentsize, phnum, shentsize, shnum = struct.unpack_from(order + "HHHH", header, 0x36)
+    else:
+        phoff, shoff = struct.unpack_from(order + "II", header, 0x1C)
+        phentsize, phnum, shentsize, shnum = struct.unpack_from(order + "HHHH", header, 0x2A)
+    needed = shoff + shentsize * shnum
+    for kind, offset, _, filesz in _program_headers(read, wide, order, phoff, phentsize, phnum):
+        if kind in (1, 2):  # PT_LOAD, PT_DYNAMIC
+            needed = max(needed, offset + filesz)
+    if needed > size:
+        return (f"it is {size} bytes, and its ELF headers say at least {needed}: a copy cut short, or still being "
+                "written")
+    return None
+
+
+def _program_headers(read: Read, wide: bool, order: str, phoff: int, phentsize: int,
+                     phnum: int) -> list[tuple[int, int, int, int]]:
+    """(p_type, p_offset, p_vaddr, p_filesz) of each program header; struct.error when the table is cut short."""
+    table = read(phoff, phentsize * phnum)
+    headers = []
+    for index in range(phnum):
+        at = index * phentsize
+        if wide:
+            kind, _, offset, vaddr, _, filesz = struct.unpack_from(order + "IIQQQQ", table, at)
+        else:
+            kind, offset, vaddr, _, filesz = struct.unpack_from(order + "IIIII", table, at)
+        headers.append((kind, offset, vaddr, filesz))
+    return headers
+
+
+def needed_libraries(path: str) -> list[str]:
+    """The DT_NEEDED names of the ELF shared object ``path`` (the libraries it asks the loader for); [] for a file
+    that is no readable, regular ELF file, or one whose dynamic section cannot be followed.
+
+    Only the headers, the dynamic section and the names are read, however large the library.
+    """
+    fd = _opened(path)
+    if fd is None:
+        return []
+    try:
+        return _needed_in(lambda offset, count: os.pread(fd, count, offset))
+    except (OSError, ValueError, struct.error):  # unreadable, cut short
+        return []
+    finally:
+        os.close(fd)
+
+
+def _needed_in(read: Read) -> list[str]:
+    header = read(0, 64)
+    kind = _elf_header(header)
+    if kind is None:
+        return []
+    wide, order = kind
+    word = "Q" if wide else "I"
+    phoff, = struct.unpack_from(order + word, header, 0x20 if wide else 0x1C)
+    phentsize, phnum = struct.unpack_from(order + "HH", header, 0x36 if wide else 0x2A)
+    loads, dynamic = [], None  # (vaddr, offset, filesz) of each PT_LOAD; (offset, filesz) of PT_DYNAMIC
+    for kind, offset, vaddr, filesz in _program_headers(read, wide, order, phoff, phentsize, phnum):
+        if kind == 1:
+            loads.append((vaddr, offset, filesz))
+        elif kind == 2:
+            dynamic = (offset, filesz)
+    if dynamic is None:
+        return []
+    section = read(dynamic[0], dynamic[1])
+    entry = struct.Struct(order + ("qQ" if wide else "iI"))
+    needed, strtab = [], None
+    for at in range(0, len(section) - entry.size + 1, entry.size):
+        tag, value = entry.unpack_from(section, at)
+        if tag == 0:  # DT_NULL
+            break
+        if tag == 1:  # DT_NEEDED: an offset into the string table
+            needed.append(value)
+        elif tag == 5:  # DT_STRTAB: its address, mapped to the file by the segment holding it
+            strtab = next((value - vaddr + offset for vaddr, offset, size in loads if vaddr <= value < vaddr + size),
+                          None)
+    if strtab is None:
+        return []
+    names = []
+    for offset in needed:
+        text = read(strtab + offset, _MAX_NAME_BYTES)
+        end = text.find(b"\0")
+        if end >= 0:
+            names.append(text[:end].decode("utf-8", "replace"))
+    return names
