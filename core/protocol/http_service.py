@@ -24,11 +24,13 @@ from nereid.errors import (ConfigError, DeadlineExceeded, InvalidArgument, Model
                            PermissionDenied, QueueFull, Unavailable, Unimplemented, cap_message)
 from nereid.log_limit import RateLimitedLog
 from nereid.model_info import MODEL_VERSION, ModelConfig
-from nereid.protocol.http_codec import HEADER_LENGTH, decode_infer, encode_infer, quoted
+from nereid.protocol.http_codec import HEADER_LENGTH, OutputChoice, decode_infer, encode_infer, quoted
 from nereid.settings import DEFAULT_HTTP_MAX_JSON_BYTES
 from nereid.stats import ModelStats
+from nereid.tensors import InferResponse
 
 log = logging.getLogger(__name__)
+EncodedAnswer = tuple[list[bytes | memoryview], int | None]  # (body parts, binary header length)
 # What any client can make happen at will (a disconnect mid-upload, a body the parser cannot read; and, through
 # the listener's share of it, a head too large or too slow, a silent connection) is logged through this: at most
 # 10 lines per 10 s in all, then a count of those suppressed, as gRPC's client errors are, so one client cannot
@@ -68,6 +70,12 @@ DECODE_OFF_LOOP_BYTES = 256 << 10
 SERIAL_DECODE_JSON_BYTES = 1 << 20
 # Responses up to this size are joined into one write (a copy costs less than a second write).
 JOIN_BELOW_BYTES = 64 << 10
+# Answers are encoded on a worker thread when their outputs take this many bytes, or hold this many elements in
+# all: the encode works element by element for a JSON output (a list of numbers, then orjson's dump) and for
+# BYTES (joined with their lengths), so a 64 MB JSON answer, or 4M empty BYTES elements, held the event loop, and
+# every other client, for over a second (the bug hunt of the HTTP surface).
+ENCODE_OFF_LOOP_BYTES = 4 << 20
+ENCODE_OFF_LOOP_ELEMENTS = 1 << 16
 # curl -d sends application/x-www-form-urlencoded unless told otherwise: accepted as JSON, as Triton does.
 # So is application/octet-stream without Inference-Header-Content-Length (the whole body is the JSON
 # header): tritonclient.http.aio labels every body so, even one whose tensors are all JSON.
@@ -309,7 +317,7 @@ class HttpSurface:
         try:
             # Encoded before the success is counted: an output JSON cannot carry (NaN) fails the request.
             parts, binary_header = await _unless_disconnected(
-                self.dataplane.infer_encoded(request, lambda response: encode_infer(response, choice)), receive)
+                self.dataplane.infer_encoded(request, lambda response: encoded_answer(response, choice)), receive)
         except NereidError as err:
             self._counted(model, err.reason)
             raise
@@ -612,6 +620,18 @@ def request_headers(scope: Scope, model: str) -> dict[bytes, bytes]:
                                  "send it once")
         headers[name] = value
     return headers
+
+
+def encoded_answer(response: InferResponse, choice: OutputChoice) -> EncodedAnswer | Awaitable[EncodedAnswer]:
+    """:func:`encode_infer` of ``response``: at once when small, on a worker thread (an awaitable) when its outputs
+    take :data:`ENCODE_OFF_LOOP_BYTES` or hold :data:`ENCODE_OFF_LOOP_ELEMENTS` elements."""
+    size = elements = 0
+    for tensor in response.outputs:
+        size += tensor.data.nbytes
+        elements += tensor.data.size
+    if size >= ENCODE_OFF_LOOP_BYTES or elements >= ENCODE_OFF_LOOP_ELEMENTS:
+        return asyncio.to_thread(encode_infer, response, choice)
+    return encode_infer(response, choice)
 
 
 def _unparsable_status(cycle: object) -> int:

@@ -1063,6 +1063,36 @@ def test_repeated_header_lines_are_read_as_one_field_or_refused(served):
     assert status == 200 and json.loads(text)["outputs"][0]["data"] == [1, 2, 3, 4]
 
 
+@pytest.mark.parametrize("elements, datatype, off_loop", [
+    (16, "FP32", False), (1 << 16, "FP32", True), (1 << 20, "UINT8", True), (1 << 16, "BYTES", True)],
+    ids=["small", "many elements", "4 MiB", "many BYTES elements"])
+def test_a_large_answer_is_encoded_on_a_worker_thread(monkeypatch, elements, datatype, off_loop):
+    """From the bug hunt of the HTTP surface: every answer was encoded on the event loop; a 64 MB JSON answer or
+    4M empty BYTES elements held it, and every other client, for over a second (gRPC's are made off the loop)."""
+    from nereid.dtypes import DType
+    from nereid.protocol import http_service
+    from nereid.protocol.http_codec import OutputChoice
+    from nereid.tensors import InferResponse, NamedTensor
+
+    on_loop: list[bool] = []
+    real = http_service.encode_infer
+
+    def recording(response, choice):
+        on_loop.append(threading.current_thread() is threading.main_thread())
+        return real(response, choice)
+    monkeypatch.setattr(http_service, "encode_infer", recording)
+    dtype = DType.from_kserve(datatype)
+    data = (np.full(elements, b"", dtype=object) if dtype is DType.BYTES else np.zeros(elements, dtype.numpy))
+    response = InferResponse("m", [NamedTensor("y", dtype, data)], "")
+
+    async def scenario():
+        answer = http_service.encoded_answer(response, OutputChoice((), frozenset(), binary_by_default=False))
+        return await answer if asyncio.iscoroutine(answer) else answer
+    parts, binary_header = asyncio.run(scenario())
+    assert on_loop == [not off_loop] and binary_header is None
+    assert len(json.loads(b"".join(parts))["outputs"][0]["data"]) == elements
+
+
 def test_the_chunks_of_an_infer_body_are_let_go_as_they_are_gathered(tmp_path):
     """The review of the tests: the test below checked the view it got, not that the chunks were appended as they
     came. Kept until the end and joined there, a body costs twice its size at the end (the chunks and their join);
