@@ -420,6 +420,18 @@ class _BoundedHeadProtocol(HttpToolsProtocol):
         # The requests of this connection not answered yet: the one being answered and any pipelined behind
         # it (uvicorn's ``cycle`` is only the newest, so a lost connection would reach only that one).
         self._unanswered: list[Any] = []
+        self._close_after_head = False  # a stop came while a head was arriving: answer that request, then close
+
+    def shutdown(self) -> None:
+        """A graceful stop: as uvicorn's (an idle connection is closed, one answering closes once answered), but a
+        connection a request's head is arriving on is let finish it and is answered, then closed. Closed at once,
+        its client could not know whether its request ran (a POST may not be sent again): now it is told, 503
+        "the server is shutting down; the request was not run", as a pipelined request is (from the HTTP hunt).
+        The head timeout and the stop's grace bound the wait."""
+        if self._head_begun and (self.cycle is None or self.cycle.response_complete):
+            self._close_after_head = True
+            return
+        super().shutdown()
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -620,6 +632,8 @@ class _BoundedHeadProtocol(HttpToolsProtocol):
         self._head_begun = False
         if self.cycle is not None:
             self.cycle.default_headers = _HeadersAtAnswer()
+            if self._close_after_head:
+                self.cycle.keep_alive = False
         if self.flow.read_paused:  # a pipelined request, behind one still being answered: reading stops here
             self._check_idle_in(PAUSED_PEER_CHECK_S)
         if self.cycle is not None and all(cycle is not self.cycle for cycle in self._unanswered):

@@ -309,6 +309,39 @@ def _assert_dated_now(head: bytes) -> None:
     assert abs(sent.timestamp() - time.time()) < 5, dates
 
 
+@pytest.mark.parametrize("kept_alive", [False, True], ids=["first request", "a kept-alive connection's next"])
+def test_a_request_whose_head_is_arriving_when_the_stop_begins_is_answered_then_closed(kept_alive):
+    """From the bug hunt of the HTTP surface: its connection was closed at the stop with no answer, while the server
+    drained on for a second more; a POST's client could not know whether it ran."""
+    from nereid.protocol.http_listener import HttpListener
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    http = HttpListener(_answer_with_body_size, grace_s=5)
+    try:
+        port = asyncio.run_coroutine_threadsafe(http.start("127.0.0.1:0"), loop).result(10)
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as connection, \
+                socket.create_connection(("127.0.0.1", port), timeout=5) as busy:
+            busy.sendall(b"GET /late HTTP/1.1\r\nHost: x\r\n\r\n")  # keeps the stop draining a while
+            if kept_alive:
+                connection.sendall(b"POST /first HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\n\r\na")
+                assert _read_response(connection).endswith(b"\r\n\r\n1")
+            connection.sendall(b"POST /x HTTP/1.1\r\nHost: x\r\nContent-Length: 2")  # a head in flight
+            time.sleep(0.1)  # (the server has read it)
+            stopping = asyncio.run_coroutine_threadsafe(http.stop(), loop)
+            time.sleep(0.2)  # the stop has begun
+            connection.sendall(b"\r\n\r\nab")
+            answer = _read_all(connection)
+            stopping.result(10)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 ") and b"connection: close" in head.split(b"\r\n") and body == b"2", answer
+
+
 def test_answers_carry_a_date_header(listener):
     """No answer had one: caches and clients that compute an age from it had nothing to go by."""
     with socket.create_connection(("127.0.0.1", listener), timeout=5) as connection:
