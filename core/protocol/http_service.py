@@ -379,9 +379,13 @@ class HttpSurface:
         length = None
         if header_length is not None:
             # Digits only, as Content-Length (int() also takes "+148", "1_0", " 12 " and "-5").
-            if not (header_length.isdigit() and len(header_length) <= 20):
+            if not header_length.isdigit():
                 raise HttpError(400, f"model '{model}': Inference-Header-Content-Length must be a whole number of "
                                      f"bytes (digits only), got {header_length.decode('latin-1')[:64]!r}")
+            if len(header_length) > 20:  # (it said "digits only" of a number made of digits: the HTTP hunt)
+                raise HttpError(400, f"model '{model}': Inference-Header-Content-Length "
+                                     f"{header_length.decode('latin-1')[:64]} has {len(header_length)} digits, more "
+                                     "than any request body's length")
             length = int(header_length)
             if length == 0:
                 raise HttpError(400, f"model '{model}': Inference-Header-Content-Length 0 (Triton's raw binary "

@@ -619,6 +619,9 @@ def test_a_body_refused_while_decoding_counts_as_the_models_failure(served):
         *(({"Inference-Header-Content-Length": value, "Content-Type": "application/octet-stream"}, header,
            f"Inference-Header-Content-Length must be a whole number of bytes (digits only), got {value!r}")
           for value in (f"+{len(header)}", f"{len(header) // 10}_{len(header) % 10}", "-5")),
+        # From the HTTP hunt: a 30-digit length was told it must be "digits only".
+        ({"Inference-Header-Content-Length": "1" * 30, "Content-Type": "application/octet-stream"}, header,
+         f"Inference-Header-Content-Length {'1' * 30} has 30 digits, more than any request body's length"),
         # Found by a README check: a length past the body's was a 413 saying the JSON part "is" that long.
         ({"Inference-Header-Content-Length": "1000000000", "Content-Type": "application/octet-stream"}, header,
          f"Inference-Header-Content-Length is 1000000000, but the body has {len(header)} bytes (Content-Length)"),
