@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import re
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,8 @@ from pathlib import Path
 from nereid.storage import StoreURL, local_model_folders
 
 SAMPLE_BYTES = 64 * 1024  # hashed from each end of a file for the content identity
+# What a transfer's temporary file is named: rsync's ``.name.XXXXXX`` (six random letters and digits).
+TRANSFER_TEMPORARY = re.compile(r"\..+\.[A-Za-z0-9]{6}")
 
 
 def ignored_name(name: str) -> bool:
@@ -63,11 +66,20 @@ def folder_stamp(folder: Path) -> tuple[tuple[FileStamp, ...], int] | None:
     hidden_mtime_ns = 0
     for directory, subdirs, names in os.walk(folder):
         subdirs[:] = sorted(d for d in subdirs if not ignored_name(d))
+        for name in subdirs:
+            path = os.path.join(directory, name)
+            if os.path.islink(path):  # (not walked into) the link itself: re-pointed (ln -sfn), it is a new link
+                with contextlib.suppress(OSError):
+                    info = os.lstat(path)
+                    files.append((os.path.relpath(path, folder), info.st_size, info.st_mtime_ns, info.st_ino,
+                                  info.st_ctime_ns))
         for name in sorted(names):
             path = os.path.join(directory, name)
             if ignored_name(name):
-                if name.startswith(".") and not name.endswith((".swp", ".swx")):
-                    # A transfer's temporary file (rsync's .name.XXXXXX), say: when was it last written?
+                if TRANSFER_TEMPORARY.fullmatch(name):
+                    # A transfer's temporary file (rsync's .name.XXXXXX): when was it last written? Only one named
+                    # so: a hidden file a model writes itself (.last_run.txt, as the README advises) held up every
+                    # edit of its folder for 20 settle times while the model served (found by a hunt).
                     with contextlib.suppress(OSError):
                         hidden_mtime_ns = max(hidden_mtime_ns, os.stat(path).st_mtime_ns)
                 continue

@@ -163,6 +163,13 @@ class ModelRepository:
         entry = self._entries.get(name)
         return entry.generation if entry is not None else 0
 
+    def forget_failed_reload(self, name: str) -> None:
+        """The folder of ``name`` holds the files its running version loaded again: the reason a reload of other
+        files failed for (shown READY in RepositoryIndex) is no longer true, and goes."""
+        entry = self._entries.get(name)
+        if entry is not None and entry.state is ModelState.READY and entry.loaded is not None:
+            entry.reason = ""
+
     def loaded_stamp(self, name: str) -> object:
         """The watcher's stamp of the files the running version of ``name`` loaded from (None: not known)."""
         entry = self._entries.get(name)

@@ -365,8 +365,10 @@ class RepositoryWatcher:
                          "no longer listed), so nothing is loaded", name)
                 continue
             if self.location is None and repository.loaded_stamp(name) == current[name].stamp:
-                # Loaded already from these very files (a RepositoryModelLoad of a folder just copied).
+                # Loaded already from these very files (a RepositoryModelLoad of a folder just copied, or an edit
+                # undone after its reload failed: that failure's reason, of files no longer there, goes).
                 log.info("dynamic repository: folder '%s' is loaded already as it is now", name)
+                repository.forget_failed_reload(name)
                 continue
             if retry is not None:  # (its first failure was logged at WARNING: once, not per try)
                 log.debug("dynamic repository: folder '%s': trying again the %s the store failed %d time(s)", name,

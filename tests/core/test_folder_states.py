@@ -8,7 +8,7 @@ import os
 import shutil
 import time
 
-from nereid.folder_states import moved_files_unloaded, plan_changes, scan_folder, scan_repository
+from nereid.folder_states import folder_stamp, moved_files_unloaded, plan_changes, scan_folder, scan_repository
 
 
 def test_scan_ignores_server_and_editor_files_and_sees_copies_as_the_same(tmp_path):
@@ -135,3 +135,28 @@ def test_a_fifo_is_never_opened_so_a_writer_waiting_on_it_is_left_alone(tmp_path
     with open(fifo, "rb"):  # (let it go)
         writer.join(5)
     opened[0].close()
+
+
+def test_only_a_transfers_temporary_file_counts_as_a_hidden_file_being_written(tmp_path):
+    """From the dynamic-mode hunt: a hidden file a model writes itself (.last_run.txt, as the README advises) was
+    taken for a transfer under way, and held up every edit of its folder for 20 settle times."""
+    (tmp_path / "main.py").write_text("print(1)\n")
+    for name in (".last_run.txt", ".gitignore", ".state"):
+        (tmp_path / name).write_text("written by the model")
+    assert folder_stamp(tmp_path)[1] == 0
+    (tmp_path / ".main.py.Xy12ab").write_text("rsync filling it")  # rsync's .name.XXXXXX
+    assert folder_stamp(tmp_path)[1] == os.stat(tmp_path / ".main.py.Xy12ab").st_mtime_ns
+
+
+def test_a_linked_sub_folder_pointed_elsewhere_is_a_change(tmp_path):
+    """From the dynamic-mode hunt: `ln -sfn .w2 w` (a bundle's weights_file: w/weights.safetensors) was never
+    seen: a link to a folder is not walked into, and was not stamped either."""
+    (tmp_path / "manifest.yaml").write_text("name: m\n")
+    for version in (".w1", ".w2"):
+        (tmp_path / version).mkdir()
+        (tmp_path / version / "weights.safetensors").write_text(version)
+    (tmp_path / "w").symlink_to(".w1")
+    before = scan_folder(tmp_path)
+    (tmp_path / "w.new").symlink_to(".w2")
+    os.replace(tmp_path / "w.new", tmp_path / "w")  # what ln -sfn does
+    assert scan_folder(tmp_path).stamp != before.stamp

@@ -557,6 +557,25 @@ def test_a_folder_edited_then_copied_away_before_the_edit_settled_is_loaded_as_i
     asyncio.run(scenario())
 
 
+def test_an_edit_undone_after_its_reload_failed_takes_the_failures_reason_away(tmp_path, root):
+    """From the dynamic-mode hunt: a stray file whose reload failed, then removed, left READY with "reload failed,
+    the running version keeps serving: ..." in RepositoryIndex for good (the log said it was loaded already)."""
+    folder = write_toy(root, "a")
+    repository, watcher = setup(tmp_path, root)
+
+    async def scenario() -> None:
+        await start(repository, watcher)
+        (folder / "fail.txt").write_text("broken on purpose")
+        await settled(watcher)
+        assert repository.entry("a").reason.startswith("reload failed, the running version keeps serving: ")
+        (folder / "fail.txt").unlink()
+        await settled(watcher)
+        entry = repository.entry("a")
+        assert (entry.state, entry.reason, repository.generation("a")) == (ModelState.READY, "", 1)
+        await repository.unload_all()
+    asyncio.run(scenario())
+
+
 def test_a_folder_edited_unseen_then_moved_is_loaded_as_it_is_under_its_new_name(tmp_path, root):
     """A fuzzing review: an edit the watcher never saw (same size, same ends: folders are paired by a sample of
     their files) made just before a move was taken as loaded, and the new name served the old bytes for good."""

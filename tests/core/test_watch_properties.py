@@ -280,7 +280,7 @@ class Disk:
             elif folders[name][1]:
                 files["vtoy.txt"] = ""  # (completes a half-written folder)
             for file, text in files.items():
-                temporary = folder / f".{file}.X{index}"
+                temporary = folder / f".{file}.X{index:05d}"  # (rsync's: six letters and digits)
                 temporary.write_text(text)
                 time.sleep(pause)  # longer than the settle time: the partial folder may be tried (documented)
                 os.replace(temporary, folder / file)
