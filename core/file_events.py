@@ -98,7 +98,18 @@ class RepositoryFollower:
         """Follow changes until ``stop`` is set."""
         models = self._follow(self._models, self.root) if self._models is not None else self._poll()
         await asyncio.gather(self._guarded(models, self.root if self.location is None else self.location),
-                             self._guarded(self._follow(self._outer, self.config_path.parent), self.config_path))
+                             self._guarded(self._follow(self._outer, self.config_path.parent), self.config_path),
+                             *([self._guarded(self._check_moved(), "what the watches follow")]
+                               if self.location is None else []))
+
+    async def _check_moved(self) -> None:
+        """Every ``poll_s``, look again if what a watch follows is no longer what it follows there: a folder
+        above ml_backends_path (or above a symlinked model folder's target) renamed, a release folder swapped
+        with ``mv``, sends no event to any watch (found by a hunt: the old tree served on, for good)."""
+        while not await self._stopped_within(self.poll_s):
+            wanted = await asyncio.to_thread(self.wanted_now)
+            if any(follow.current is not None and paths != follow.current for follow, paths in wanted):
+                await self._look()  # (which restarts those watches: see restart_moved)
 
     def cancel(self) -> None:
         """Cancel the looks that a watch's start scheduled and that have not ended (the watcher stopping): one

@@ -93,7 +93,8 @@ class Plugins:
 
 
 def setup(tmp_path: Path, root: Path, models: str = "", settle_ms: int = 0, extra: str = "",
-          config_dir: Path | None = None, tail: str = "") -> tuple[ModelRepository, RepositoryWatcher]:
+          config_dir: Path | None = None, tail: str = "", poll_s: float = 60) -> tuple[ModelRepository,
+                                                                                      RepositoryWatcher]:
     """A toy repository over ``root`` (nereid.yaml in ``config_dir``, default tmp_path) and its watcher.
 
     ``extra`` goes into the ``server:`` section, ``tail`` after ``models:``.
@@ -101,7 +102,7 @@ def setup(tmp_path: Path, root: Path, models: str = "", settle_ms: int = 0, extr
     config = (config_dir or tmp_path) / "nereid.yaml"
     config.parent.mkdir(parents=True, exist_ok=True)
     config.write_text(f'server:\n  ml_backends_path: "{root}"\n  metrics_addr: ""\n  http_addr: ""\n'
-                      f"  watch: true\n  watch_settle_ms: {settle_ms}\n  watch_poll_s: 60\n{extra}"
+                      f"  watch: true\n  watch_settle_ms: {settle_ms}\n  watch_poll_s: {poll_s}\n{extra}"
                       + (f"models:\n{models}" if models else "") + tail)
     settings = load_settings(config)
     manager = make_plugin_manager(load_entry_points=False,
@@ -573,6 +574,41 @@ def test_an_edit_undone_after_its_reload_failed_takes_the_failures_reason_away(t
         entry = repository.entry("a")
         assert (entry.state, entry.reason, repository.generation("a")) == (ModelState.READY, "", 1)
         await repository.unload_all()
+    asyncio.run(scenario())
+
+
+def test_a_release_folder_above_ml_backends_path_swapped_with_mv_is_followed(tmp_path):
+    """From the dynamic-mode hunt: `ml_backends_path: rel/current/repo`, then `mv rel/current rel/old && mv rel/new
+    rel/current` (a blue/green release) sent no event to any watch, and the old tree served on for good."""
+    root = tmp_path / "rel" / "current" / "repo"
+    write_toy(root, "m")
+    write_toy(tmp_path / "rel" / "new" / "repo", "m")
+    (tmp_path / "rel" / "new" / "repo" / "m" / "toy.txt").write_text("release 2")
+    repository, watcher = setup(tmp_path, root, settle_ms=50, poll_s=0.2)
+
+    async def scenario() -> None:
+        async with following(repository, watcher):
+            assert repository.generation("m") == 1
+            os.rename(tmp_path / "rel" / "current", tmp_path / "rel" / "old")
+            os.rename(tmp_path / "rel" / "new", tmp_path / "rel" / "current")
+            await until(lambda: repository.generation("m") == 2, what="the new release loaded")
+            assert repository.loaded_stamp("m") == scan_repository(root)["m"].stamp
+    asyncio.run(scenario())
+
+
+def test_a_linked_model_whose_target_moves_with_a_folder_above_it_is_followed(tmp_path, root):
+    """From the dynamic-mode hunt: `m -> .versions/m-v1` (the README's layout), then `mv .versions .versions-old`:
+    `m` led nowhere, yet stayed READY serving the moved files until something else changed in the repository."""
+    write_toy(root / ".versions", "m-v1")
+    (root / "m").symlink_to(".versions/m-v1")
+    repository, watcher = setup(tmp_path, root, settle_ms=50, poll_s=0.2)
+
+    async def scenario() -> None:
+        async with following(repository, watcher):
+            assert repository.entry("m").state is ModelState.READY
+            os.rename(root / ".versions", root / ".versions-old")
+            await until(lambda: all(e.name != "m" or e.state is not ModelState.READY for e in repository.entries()),
+                        what="m no longer served")
     asyncio.run(scenario())
 
 
