@@ -516,6 +516,20 @@ def test_a_load_that_takes_long_is_said_in_the_log_while_it_runs(tmp_path, root,
     assert note.startswith("model 'slow_to_load' is still loading after 0 s: its backend's load() has not returned")
 
 
+def toy_with_weights(root: Path, name: str) -> Path:
+    """A toy model folder with a 192 KiB ``weights.bin``, whose middle an edit can change leaving the folder's
+    content identity (names, sizes, the bytes at both ends of each file) as it was."""
+    folder = write_toy(root, name)
+    (folder / "weights.bin").write_bytes(bytes(192 * 1024))
+    return folder
+
+
+def edit_the_middle(folder: Path) -> None:
+    """Rewrite the middle of ``folder``'s weights.bin in place: same size, same ends, same inode."""
+    with open(folder / "weights.bin", "r+b") as weights:
+        os.pwrite(weights.fileno(), b"edited" * 16, 96 * 1024)
+
+
 def test_a_folder_copied_then_deleted_moves_its_model_and_loads_nothing(tmp_path, root):
     """A copy then the original deleted was moved, then loaded again from the copy (its new inodes matched no
     stamp), where the README says nothing is read again: the server's copy-then-delete test raced that reload."""
@@ -538,14 +552,12 @@ def test_a_folder_copied_then_deleted_moves_its_model_and_loads_nothing(tmp_path
 def test_a_folder_edited_then_copied_away_before_the_edit_settled_is_loaded_as_it_is(tmp_path, root):
     """The review of the copy fix above: an edit the watcher had seen but not yet acted on (same size, same ends:
     the copy is still paired with the folder) was taken for the files loaded, and the copy served the old bytes."""
-    folder = write_toy(root, "a")
-    (folder / "weights.bin").write_bytes(bytes(192 * 1024))
+    folder = toy_with_weights(root, "a")
     repository, watcher = setup(tmp_path, root)
 
     async def scenario() -> None:
         await start(repository, watcher)
-        with open(folder / "weights.bin", "r+b") as weights:
-            os.pwrite(weights.fileno(), b"edited" * 16, 96 * 1024)  # the middle only
+        edit_the_middle(folder)
         await apply(watcher)  # seen, not yet settled
         shutil.copytree(folder, root / "b", copy_function=shutil.copy)
         shutil.rmtree(folder)
@@ -615,14 +627,12 @@ def test_a_linked_model_whose_target_moves_with_a_folder_above_it_is_followed(tm
 def test_a_folder_edited_unseen_then_moved_is_loaded_as_it_is_under_its_new_name(tmp_path, root):
     """A fuzzing review: an edit the watcher never saw (same size, same ends: folders are paired by a sample of
     their files) made just before a move was taken as loaded, and the new name served the old bytes for good."""
-    folder = write_toy(root, "a")
-    (folder / "weights.bin").write_bytes(bytes(192 * 1024))
+    folder = toy_with_weights(root, "a")
     repository, watcher = setup(tmp_path, root)
 
     async def scenario() -> None:
         await start(repository, watcher)
-        with open(folder / "weights.bin", "r+b") as weights:
-            os.pwrite(weights.fileno(), b"edited" * 16, 96 * 1024)  # the middle only
+        edit_the_middle(folder)
         os.rename(folder, root / "b")
         await apply(watcher)
         await apply(watcher)
