@@ -30,7 +30,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 
 from nereid.backend import ReportsRuntime, runtime_report_problem
-from nereid.errors import describe_exception, plugin_failures
+from nereid.errors import NotFound, describe_exception, plugin_failures
 from nereid.log_limit import OnceLog
 from nereid.metrics_endpoint import IDLE_TIMEOUT_S, MetricsEndpoint
 from nereid.model_entry import LoadedModel, ModelState
@@ -44,6 +44,7 @@ _report_failures = OnceLog(log)  # one line per model, not one per scrape
 # (a folder name has no "/"), and one label for all of them keeps the series bounded by the folders:
 # a client inventing names must not add a series (and memory, and scrape time) per name.
 UNKNOWN_MODEL = "/unknown"
+MAX_RENAMES_KEPT = 256  # names renamed away remembered for the requests still in flight under them
 # nereid_model_load_duration_seconds's buckets (upper bounds, seconds).
 LOAD_BUCKETS = (0.01, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -88,6 +89,9 @@ class ServerMetrics:
         # what a forgotten model had is dropped with it (model_forgotten), so this stays as small as the series.
         self._request_counters: dict[str, dict[tuple[str, str], Any]] = {}
         self._events: dict[str, set[str]] = {}  # the events counted under each model, to remove them by name
+        # Names renamed away (old -> new), the latest MAX_RENAMES_KEPT: a request in flight under the old name
+        # when its model moved is answered by the moved model, and counts under its new name.
+        self._renamed: dict[str, str] = {}
         # Held from "does the repository know this name" to the series made for it, and while a forgotten name's
         # series are removed: a series is never made for a name just after its series were dropped.
         self._names_lock = threading.Lock()
@@ -123,7 +127,12 @@ class ServerMetrics:
     def _request_counter(self, protocol: str, model: str, outcome: str) -> Any:
         with self._names_lock:
             if not self._knows(model):
-                model = UNKNOWN_MODEL
+                # One answered under a name renamed since it came (in flight when its model moved) counts under the
+                # model's new name, as its statistics do (it counted as /unknown: the dynamic-mode hunt); a request
+                # that came after the rename is NOT_FOUND, and counts as any unknown name.
+                moved = self._renamed.get(model)
+                model = moved if moved is not None and outcome != NotFound.reason and self._knows(moved) \
+                    else UNKNOWN_MODEL
             counters = self._request_counters.setdefault(model, {})
             counter = counters.get((protocol, outcome))
             if counter is None:
@@ -169,6 +178,8 @@ class ServerMetrics:
         its name is still in RepositoryIndex, and its requests still count under it.
         """
         with self._names_lock:
+            # (Not the names renamed away from: each is forgotten right after its rename, and is what is looked up.)
+            self._renamed = {old: new for old, new in self._renamed.items() if new != model}
             for protocol, outcome in self._request_counters.pop(model, {}):
                 _remove_series(self.protocol_requests, model, protocol, outcome)
             for event in self._events.pop(model, ()):
@@ -181,11 +192,17 @@ class ServerMetrics:
 
         ``nereid_model_version`` and the request statistics follow the moved model: without this its loads were
         dropped with the old name, and the new name had a version but no load. Called once ``new`` is known and
-        ``old`` is not (a late request for ``old`` counts as :data:`UNKNOWN_MODEL`, not under ``old`` again).
+        ``old`` is not. A request answered under ``old`` from then on counts under ``new`` when it was in flight
+        (any outcome but NOT_FOUND), as :data:`UNKNOWN_MODEL` otherwise: never under ``old`` again.
         """
         if old == new:
             return
         with self._names_lock:
+            self._renamed = {name: (new if moved == old else moved) for name, moved in self._renamed.items()
+                             if name != new}  # (a chain of renames leads to the last name; new is known now)
+            self._renamed[old] = new
+            while len(self._renamed) > MAX_RENAMES_KEPT:
+                del self._renamed[next(iter(self._renamed))]
             loads = self._load_seconds.pop(old, None)
             if loads is not None:
                 kept = self._load_seconds.get(new)

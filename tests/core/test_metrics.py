@@ -547,6 +547,18 @@ def test_a_model_name_the_repository_forgets_keeps_no_series(tmp_path) -> None:
         # Its load, and its requests, moved with it (nereid_model_version{model="renamed"} is 1).
         assert value("nereid_model_load_duration_seconds_count", model="renamed") == 1
         assert value("nereid_protocol_requests_total", model="renamed", outcome="success", protocol="grpc") == 1
+        # A request in flight under the old name when the model moved counts under its new name, as the model's
+        # statistics do (it counted success under /unknown: the dynamic-mode hunt); one that came after the
+        # rename is NOT_FOUND, counted as any unknown name, never under the new one.
+        unknown_before = value("nereid_protocol_requests_total", model=UNKNOWN_MODEL, outcome="success",
+                               protocol="grpc")
+        metrics.count_request("grpc", "ver-000000", "success")
+        metrics.count_request("grpc", "ver-000000", "not_found")
+        assert value("nereid_protocol_requests_total", model="renamed", outcome="success", protocol="grpc") == 2
+        assert value("nereid_protocol_requests_total", model=UNKNOWN_MODEL, outcome="success",
+                     protocol="grpc") == unknown_before
+        assert value("nereid_protocol_requests_total", model=UNKNOWN_MODEL, outcome="not_found", protocol="grpc") == 1
+        assert series("ver-000000") == []
 
         # A folder that failed to load, forgotten by a rescan before the watcher's removal.
         toy_backends.write_toy(root, "broken")
