@@ -153,10 +153,11 @@ class ServerMetrics:
                 loads = self._load_seconds[model] = StatsHistogram(LOAD_BUCKETS)
             loads.observe(seconds)
 
-    def load_durations(self) -> list[tuple[str, list[tuple[str, int]], float]]:
-        """``(model, cumulative buckets, sum)`` of every model's loads, by name (what /metrics shows)."""
+    def load_durations(self) -> list[tuple[str, list[tuple[str, int]], float, float]]:
+        """``(model, cumulative buckets, sum, created)`` of every model's loads, by name (what /metrics shows)."""
         with self._names_lock:
-            return [(name, loads.cumulative(), loads.sum) for name, loads in sorted(self._load_seconds.items())]
+            return [(name, loads.cumulative(), loads.sum, loads.created)
+                    for name, loads in sorted(self._load_seconds.items())]
 
     def repository_event(self, model: str, event: str) -> None:
         """Count one reload, failed reload, rename or removal.
@@ -259,8 +260,11 @@ class _LoadDurations(Collector):
     def collect(self) -> Iterator[Metric]:
         family = HistogramMetricFamily("nereid_model_load_duration_seconds", "Time to load a model.",
                                        labels=["model"])
-        for name, buckets, total in self._metrics.load_durations():
+        created = getattr(prometheus_metrics, "_use_created", True)  # (see _RepositoryCollector.collect)
+        for name, buckets, total, since in self._metrics.load_durations():
             family.add_metric([name], buckets, total)
+            if created:  # (it had none: the README walkthrough; add_metric takes no created= for a histogram)
+                family.samples.append(Sample(f"{family.name}_created", {"model": name}, since))
         yield family
 
 

@@ -411,7 +411,9 @@ def _parse_server(reader: KeyedReader, raw: Any, path: Path) -> ServerSettings:
     if control is not None and not isinstance(control, bool):
         reader.fail("server.repository_control",
                     "must be true or false (unset: true when bind_addr and http_addr are loopback)", control)
-    tls = _parse_tls(reader, section.get("tls"), path) if "tls" in section else None
+    # (tls: with its keys commented out is a section with no keys, as every other: told what it lacks, where it
+    # was told it "must be a mapping, got null"; found by the README walkthrough.)
+    tls = _parse_tls(reader, {} if section.get("tls") is None else section["tls"], path) if "tls" in section else None
     watch = section.get("watch", False)
     if not isinstance(watch, bool):
         reader.fail("server.watch", "must be true or false", watch)

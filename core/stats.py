@@ -85,6 +85,7 @@ class Histogram:
         self.bounds = bounds
         self.counts = [0] * (len(bounds) + 1)  # the last one is +Inf
         self.sum = 0.0
+        self.created = time.time()  # when it began counting: its Prometheus series' _created
 
     def observe(self, value: float) -> None:
         self.counts[bisect.bisect_left(self.bounds, value)] += 1

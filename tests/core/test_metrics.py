@@ -145,6 +145,10 @@ def test_a_models_counters_and_histograms_carry_when_their_figures_began(repo, s
     assert again[("nereid_request_success_total", model)] == 0
     assert {again[(name, model)] for name in series} == {again[("nereid_request_success_created", model)]}
     assert again[("nereid_request_success_created", model)] > first[("nereid_request_success_created", model)]
+    # The loads' histogram too (the README walkthrough: the one series without it); it counts every load of the
+    # name, so it began with the first, before the second load's figures.
+    loads_began = again[("nereid_model_load_duration_seconds_created", model)]
+    assert time.time() - 120 < loads_began < again[("nereid_request_success_created", model)]
     prometheus_client.disable_created_metrics()  # (what PROMETHEUS_DISABLE_CREATED_SERIES does at import)
     try:
         assert not [name for name, _ in scrape(server.server.metrics_port) if name.endswith("_created")]

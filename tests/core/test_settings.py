@@ -136,6 +136,9 @@ def test_a_sub_section_with_its_keys_commented_out_is_one_with_no_keys(root: Pat
     for text in ("models:\n  - name: a\n    batching: 0\n", "models:\n  - name: a\n    runtime: ''\n"):
         with pytest.raises(ConfigError, match="must be a mapping"):  # (other values that are no mapping still fail)
             load_settings(write(root, text))
+    # tls: too (the README walkthrough: it was "must be a mapping, got null"); a TLS section lacks its files then.
+    with pytest.raises(ConfigError, match=r"server\.tls\.cert: is required \(a PEM file\)"):
+        load_settings(write(root, "server:\n  tls:\n  #  cert: server.pem\n"))
 
 
 def test_a_repository_path_starting_with_a_tilde_is_in_the_home_directory(root: Path, monkeypatch) -> None:
