@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Protocol, runtime_checkable
 
-from nereid.errors import ConfigError, describe_exception
+from nereid.errors import ConfigError, NereidError, describe_exception
 from nereid.settings import DEFAULT_TIMEOUT_S, Device, ModelSettings
 from nereid.signature import ModelSignature, brief_repr
 from nereid.tensors import InferRequest, InferResponse, NamedTensor
@@ -300,16 +300,29 @@ def what_it_calls(name: str, model: CallsModels) -> tuple[int, tuple[str, ...]]:
     """Model ``name``'s ``concurrent_executions()`` and ``dependencies()``, checked (ConfigError naming the
     method and what it returned): the server and ``nereid check`` ask them alike. A string of names was taken letter by
     letter, None as no dependency at all, and a count of 0 failed as a bare TypeError."""
-    executions = model.concurrent_executions()
+    executions = _asked(name, "concurrent_executions", model.concurrent_executions)
     if isinstance(executions, bool) or not isinstance(executions, int) or executions < 1:
         raise ConfigError(f"model '{name}': its backend's concurrent_executions() returned {str(executions)[:64]!r} "
                           f"({type(executions).__name__}), expected an int >= 1")
-    names = model.dependencies()
+    names = _asked(name, "dependencies", model.dependencies)
     if isinstance(names, (str, bytes)) or not isinstance(names, (tuple, list)) or \
             not all(isinstance(called, str) for called in names):
         raise ConfigError(f"model '{name}': its backend's dependencies() returned {str(names)[:200]!r} "
                           f"({type(names).__name__}), expected a tuple of model names")
     return executions, tuple(names)
+
+
+def _asked(name: str, method: str, call: Callable[[], object]) -> object:
+    """``call()``, a model object's ``method``; what it raises, but a nereid error (a refusal with its reason), as a
+    ConfigError naming the model, the method and the exception (the bare "'weights'" of a KeyError was the
+    model's whole reason: the README walkthrough)."""
+    try:
+        return call()
+    except NereidError:
+        raise
+    except Exception as err:
+        raise ConfigError(f"model '{name}': its backend's {method}() raised {describe_exception(err, one_line=True)}"
+                          ) from err
 
 
 @dataclass(frozen=True)

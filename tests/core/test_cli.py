@@ -657,7 +657,8 @@ def test_check_reports_a_failing_unload_on_its_line_and_goes_on(repo, tmp_path, 
     # A runtime_report() that raised ended the check with a traceback, the models after it unchecked.
     ("report_fails", "a_faulty: RUNTIME REPORT FAILED: RuntimeError: no report today; loaded as backend=faulty "),
     # A meta model's dependencies() that raised ended it too (a server has that model UNAVAILABLE).
-    ("dependencies_fail", "a_faulty: UNAVAILABLE: dependencies unknown"),
+    ("dependencies_fail", "a_faulty: UNAVAILABLE: model 'a_faulty': its backend's dependencies() raised RuntimeError: "
+                          "dependencies unknown"),
     # Found by a README walkthrough: an input_check() the server refuses at load passed the check ("OK", exit 0).
     ("input_check_int", "a_faulty: UNAVAILABLE: model 'a_faulty': input_check() returned '42' (int), expected a "
                         "function of the inputs or None"),

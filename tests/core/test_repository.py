@@ -502,7 +502,9 @@ def test_a_model_object_lacking_part_of_the_protocol_is_unavailable_naming_its_b
     # It read "'NoneType' object has no attribute 'batches'", naming no plugin and no expectation.
     assert entries["nosig"].reason == ("plugin 'faulty': its model object (SignatureNoneModel) returned NoneType None "
                                        "from signature(), expected a nereid.signature.ModelSignature")
-    assert entries["nodeps"].reason == "dependencies unknown"
+    # (It was the bare "dependencies unknown": the README walkthrough.)
+    assert entries["nodeps"].reason == ("model 'nodeps': its backend's dependencies() raised RuntimeError: "
+                                        "dependencies unknown")
     assert entries["depsexit"].reason == ("model 'depsexit': its backend raised SystemExit: 4 while asked what it "
                                           "calls (a backend refuses a model by raising an Exception with the reason)")
     assert entries["depsint"].reason.startswith("model 'depsint': its backend raised KeyboardInterrupt: no "
