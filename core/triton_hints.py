@@ -31,6 +31,24 @@ _TRITON_FIELDS = {
                 "with no elements)",
     "version_policy": "every model has the one version 1",
     "reshape": "nereid has no reshape: declare the shape the model takes",
+    # (The rest of the fields a config.pbtxt holds: each had only protobuf's bare "no field named"; the README
+    # walkthrough.)
+    "ensemble_scheduling": "an ensemble is a meta model (manifest.yaml with meta: true and an orchestrate in "
+                           "model.py)",
+    "sequence_batching": "nereid has no sequence batching: a stateful model keeps its state itself (a backend "
+                         "plugin)",
+    "parameters": "a model's own settings are nereid.yaml's runtime: (or its files)",
+    "model_warmup": "nereid sends no warm-up requests: a model warms itself in its load (a bundle is compiled "
+                    "at load)",
+    "response_cache": "nereid has no response cache",
+    "default_model_filename": "a model's files are named by its backend (main.py, main.cpp, manifest.yaml)",
+    "label_filename": "nereid has no label files: classification answers with class indexes",
+    "model_transaction_policy": "nereid models answer each request once (no decoupled models)",
+    "model_operations": "nereid has no model operations settings",
+    "model_repository_agents": "nereid has no repository agents",
+    "cc_model_filenames": "a model's files are named by its backend",
+    "metric_tags": "metrics are labelled by model name",
+    "format": "an input has no image format here: declare the shape the model takes",
 }
 
 

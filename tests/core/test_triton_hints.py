@@ -56,6 +56,15 @@ def test_a_triton_model_folder_is_told_by_its_config_or_its_version_folder(tmp_p
      """Expected string but found: 'FP32' (a string is quoted: "FP32")"""),
     ('input [ { name: "x" data_type: "fp32" dims: [ 4 ] } ]\n',
      """; write data_type: "FP32" (datatypes are written in capitals)"""),
+    # (The README walkthrough: the other fields of a config.pbtxt had only protobuf's bare "no field named".)
+    ('ensemble_scheduling { step [ ] }\n',
+     "(ensemble_scheduling is a field of Triton's config.pbtxt: an ensemble is a meta model (manifest.yaml with "
+     "meta: true and an orchestrate in model.py); "),
+    ('input [ { name: "x" data_type: "FP32" format: FORMAT_NHWC dims: [ 4 ] } ]\n',
+     "(format is a field of Triton's config.pbtxt: an input has no image format here: declare the shape the model "
+     "takes; "),
+    ('input [ { name: "x" data_type: "FP32" dims: [ 4 ] } ]\nparameters { key: "k" value { string_value: "v" } }\n',
+     "(parameters is a field of Triton's config.pbtxt: a model's own settings are nereid.yaml's runtime: "),
 ])
 def test_a_config_pbtxt_written_as_a_textproto_is_told_where_each_triton_field_goes(tmp_path, text, hint) -> None:
     """Defect: protobuf's 'has no field named "dynamic_batching"' or 'Expected string but found: TYPE_FP32', or a
