@@ -115,8 +115,10 @@ def test_a_model_that_loads_but_cannot_be_wired_is_unloaded_before_its_reason_is
     write_faulty(settings.server.ml_backends_path, "unwired", "dependencies_fail")
     entry = entry_for(settings, "unwired")
     loads, unloads = LOADS["unwired"], UNLOADS["unwired"]
-    with pytest.raises(RuntimeError, match="^dependencies unknown$"):  # (the backend's own, as it raised it)
+    with pytest.raises(ConfigError, match="^model 'unwired': its backend's dependencies\\(\\) raised RuntimeError: "
+                                          "dependencies unknown$") as refused:  # (named: e819604)
         asyncio.run(loader.load(entry, ModelStats(), settings))
+    assert isinstance(refused.value.__cause__, RuntimeError)  # (the backend's own, as it raised it)
     assert (LOADS["unwired"], UNLOADS["unwired"]) == (loads + 1, unloads + 1)  # what load() acquired was released
     assert heard.loaded == [] and entry.generation == 0
 
