@@ -212,6 +212,22 @@ class ReportFailsModel(FaultyModel):
         raise RuntimeError("no report today")
 
 
+class ReportAndUnloadFailModel(ReportFailsModel):
+    """Its ``runtime_report()`` raises, and so does its ``unload()``: two problems for one line of nereid check."""
+
+    def unload(self) -> None:
+        super().unload()
+        raise RuntimeError("sticky unload")
+
+
+class DependenciesAndUnloadFailModel(DependenciesFailModel):
+    """Its ``dependencies()`` raises (UNAVAILABLE after load), and so does its ``unload()``."""
+
+    def unload(self) -> None:
+        super().unload()
+        raise RuntimeError("sticky unload")
+
+
 class InputCheckIntModel(FaultyModel):
     """Its ``input_check()`` returns 42, no function of the inputs: the server refuses it at load."""
 
@@ -310,7 +326,9 @@ FAULTS = {"signature_none": SignatureNoneModel, "no_platform": NoPlatformModel, 
           "key_error": KeyErrorModel, "create_fails": CreateFailsModel, "refuses": RefusesModel,
           "signature_none_unload_fails": SignatureNoneUnloadFailsModel, "async_load": AsyncLoadModel,
           "async_unload": AsyncUnloadModel, "input_check_async": InputCheckAsyncModel,
-          "signature_raises": SignatureRaisesModel, "platform_raises": PlatformRaisesModel}
+          "signature_raises": SignatureRaisesModel, "platform_raises": PlatformRaisesModel,
+          "report_and_unload_fail": ReportAndUnloadFailModel,
+          "dependencies_and_unload_fail": DependenciesAndUnloadFailModel}
 
 
 class FaultyToys:

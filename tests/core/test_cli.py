@@ -662,7 +662,12 @@ def test_check_reports_a_failing_unload_on_its_line_and_goes_on(repo, tmp_path, 
     # Found by a README walkthrough: an input_check() the server refuses at load passed the check ("OK", exit 0).
     ("input_check_int", "a_faulty: UNAVAILABLE: model 'a_faulty': input_check() returned '42' (int), expected a "
                         "function of the inputs or None"),
-], ids=["runtime_report", "dependencies", "input_check"])
+    # The README walkthrough: the unload's failure overwrote the report's, and was not said of a model UNAVAILABLE.
+    ("report_and_unload_fail", "a_faulty: RUNTIME REPORT FAILED: RuntimeError: no report today; UNLOAD FAILED: "
+                               "RuntimeError: sticky unload; loaded as backend=faulty "),
+    ("dependencies_and_unload_fail", "a_faulty: UNAVAILABLE: model 'a_faulty': its backend's dependencies() raised "
+                                     "RuntimeError: dependencies unknown; UNLOAD FAILED: RuntimeError: sticky unload"),
+], ids=["runtime_report", "dependencies", "input_check", "runtime_report and unload", "dependencies and unload"])
 def test_check_reports_a_model_failing_after_its_load_on_its_line_and_goes_on(tmp_path, capsys, fault: str,
                                                                                 line: str) -> None:
     from nereid.cli import check
