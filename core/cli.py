@@ -624,8 +624,8 @@ def _check_model(settings: Settings, manager: NereidPluginManager, scratch: Path
         # (A folder's name or a compiler's message may hold line breaks: one model starts each line.)
         print(one_record_per_line(f"{name}: UNAVAILABLE: {_load_failure_text(name, err)}{suffix}"))
         return None
-    runtime = ""
-    problems: list[str] = []  # each on the model's line (one overwrote the other: the README walkthrough)
+    # Each on the model's line (the unload's overwrote the report's: the README walkthrough).
+    runtime, report_problem, unload_problem = "", "", ""
     if isinstance(built.backend, ReportsRuntime):
         try:
             report = built.backend.runtime_report()
@@ -634,7 +634,7 @@ def _check_model(settings: Settings, manager: NereidPluginManager, scratch: Path
         except model_faults() as err:  # the model's fault, not the check's: say so on its line and go on
             problem = error_text(err)
         if problem is not None:
-            problems.append(f"RUNTIME REPORT FAILED: {problem}")
+            report_problem = f"RUNTIME REPORT FAILED: {problem}"
         else:
             runtime = f" {report.summary}" if report.summary else ""
             if report.warm_parent_resident_bytes is not None:
@@ -658,13 +658,14 @@ def _check_model(settings: Settings, manager: NereidPluginManager, scratch: Path
     try:
         # Bounded, as the server's: a native library's nereid_unload that never returns must not hang the check.
         if not asyncio.run(bounded_backend_call(name, "unload", built.backend.unload)):
-            problems.append(f"UNLOAD DID NOT RETURN within {nereid.backend_calls.BACKEND_CALL_WAIT_S:g} s")
+            unload_problem = f"UNLOAD DID NOT RETURN within {nereid.backend_calls.BACKEND_CALL_WAIT_S:g} s"
     except Exception as err:
-        problems.append(f"UNLOAD FAILED: {error_text(err)}")
+        unload_problem = f"UNLOAD FAILED: {error_text(err)}"
     if unavailable is not None:  # (and its unload's failure, if that failed too: it was not said)
-        unloads = "".join(f"; {problem}" for problem in problems if problem.startswith("UNLOAD"))
-        print(one_record_per_line(f"{name}: UNAVAILABLE: {unavailable}{unloads}{suffix}"))
+        print(one_record_per_line(f"{name}: UNAVAILABLE: {'; '.join(filter(None, (unavailable, unload_problem)))}"
+                                  f"{suffix}"))
         return None
+    problems = [problem for problem in (report_problem, unload_problem) if problem]
     status = "; ".join(problems) + "; loaded as" if problems else "OK"
     signature = built.signature
     inputs = ", ".join(f"{s.name} {s.dtype.kserve}{list(s.dims)}" for s in signature.inputs)

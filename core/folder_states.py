@@ -70,9 +70,7 @@ def folder_stamp(folder: Path) -> tuple[tuple[FileStamp, ...], int] | None:
             path = os.path.join(directory, name)
             if os.path.islink(path):  # (not walked into) the link itself: re-pointed (ln -sfn), it is a new link
                 with contextlib.suppress(OSError):
-                    info = os.lstat(path)
-                    files.append((os.path.relpath(path, folder), info.st_size, info.st_mtime_ns, info.st_ino,
-                                  info.st_ctime_ns))
+                    files.append(_file_stamp(folder, path, os.lstat(path)))
         for name in sorted(names):
             path = os.path.join(directory, name)
             if ignored_name(name):
@@ -85,13 +83,17 @@ def folder_stamp(folder: Path) -> tuple[tuple[FileStamp, ...], int] | None:
                 continue
             info = _file_info(path)
             if info is not None:
-                files.append((os.path.relpath(path, folder), info.st_size, info.st_mtime_ns, info.st_ino,
-                              info.st_ctime_ns))
+                files.append(_file_stamp(folder, path, info))
     # Only the folder itself gone means it vanished (os.walk of a missing folder yields nothing): a file inside
     # that cannot be stat-ed (a link to nothing, one removed meanwhile) is a change of the folder, not its end.
     if not folder.is_dir():
         return None
     return tuple(files), hidden_mtime_ns
+
+
+def _file_stamp(folder: Path, path: str, info: os.stat_result) -> FileStamp:
+    """The stamp of the file ``path`` in ``folder``, from its stat ``info``."""
+    return os.path.relpath(path, folder), info.st_size, info.st_mtime_ns, info.st_ino, info.st_ctime_ns
 
 
 def _file_info(path: str) -> os.stat_result | None:

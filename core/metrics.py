@@ -235,6 +235,22 @@ class ServerMetrics:
         self.endpoint.close()
 
 
+def _created_series_on() -> bool:
+    """Whether series carry ``_created``, as prometheus_client's own counters do: not where
+    PROMETHEUS_DISABLE_CREATED_SERIES (or its disable_created_metrics()) turned them off, a choice it keeps in a
+    module global (read here alone; on if the name goes away)."""
+    return getattr(prometheus_metrics, "_use_created", True)
+
+
+def _add_histogram(family: HistogramMetricFamily, model: str, buckets: list[tuple[str, int]], total: float,
+                   created: float | None) -> None:
+    """One model's histogram in ``family``, with its ``_created`` sample when ``created`` is given
+    (HistogramMetricFamily.add_metric takes no created= as the counters' does)."""
+    family.add_metric([model], buckets, total)
+    if created is not None:
+        family.samples.append(Sample(f"{family.name}_created", {"model": model}, created))
+
+
 def _remove_series(metric: Counter, *labels: str) -> None:
     """Remove one label set of ``metric``; one that was never made is no error."""
     with contextlib.suppress(KeyError):  # (older prometheus_client releases raise KeyError for it)
@@ -260,11 +276,8 @@ class _LoadDurations(Collector):
     def collect(self) -> Iterator[Metric]:
         family = HistogramMetricFamily("nereid_model_load_duration_seconds", "Time to load a model.",
                                        labels=["model"])
-        created = getattr(prometheus_metrics, "_use_created", True)  # (see _RepositoryCollector.collect)
-        for name, buckets, total, since in self._metrics.load_durations():
-            family.add_metric([name], buckets, total)
-            if created:  # (it had none: the README walkthrough; add_metric takes no created= for a histogram)
-                family.samples.append(Sample(f"{family.name}_created", {"model": name}, since))
+        for name, buckets, total, since in self._metrics.load_durations():  # (_created: the README walkthrough)
+            _add_histogram(family, name, buckets, total, since if _created_series_on() else None)
         yield family
 
 
@@ -324,9 +337,7 @@ class _RepositoryCollector(Collector):
         reports = self._runtime_reports.ask({name: loaded.backend for name, loaded in versions.items()})
         for name, loaded in sorted(versions.items()):
             stats = loaded.stats.snapshot()
-            # As prometheus_client's own counters: none where PROMETHEUS_DISABLE_CREATED_SERIES (or its
-            # disable_created_metrics()) turned the series off; it keeps that choice in a module global.
-            created = stats.created if getattr(prometheus_metrics, "_use_created", True) else None
+            created = stats.created if _created_series_on() else None
             success.add_metric([name], stats.success.count, created=created)
             submitted.add_metric([name], stats.batcher.total_submitted, created=created)
             completed.add_metric([name], stats.batcher.total_completed, created=created)
@@ -334,10 +345,7 @@ class _RepositoryCollector(Collector):
                 failure.add_metric([name, reason], count, created=created)
             for attr, family in histograms.items():
                 histogram: StatsHistogram = getattr(stats, attr)
-                family.add_metric([name], histogram.cumulative(), histogram.sum)
-                # (HistogramMetricFamily.add_metric takes no created= as the counters' does)
-                if created is not None:
-                    family.samples.append(Sample(f"{family.name}_created", {"model": name}, created))
+                _add_histogram(family, name, histogram.cumulative(), histogram.sum, created)
             utilization.add_metric([name], stats.batcher.utilization)
             running.add_metric([name], stats.running_executions)
             busy.add_metric([name], stats.batcher.busy_time_s, created=created)

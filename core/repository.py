@@ -164,8 +164,8 @@ class ModelRepository:
         return entry.generation if entry is not None else 0
 
     def forget_failed_reload(self, name: str) -> None:
-        """The folder of ``name`` holds the files its running version loaded again: the reason a reload of other
-        files failed for (shown READY in RepositoryIndex) is no longer true, and goes."""
+        """The folder of ``name`` (and its settings) are again what its running version loaded: the reason a
+        reload of others failed for (shown READY in RepositoryIndex) is no longer true, and goes."""
         entry = self._entries.get(name)
         if entry is not None and entry.state is ModelState.READY and entry.loaded is not None:
             entry.reason = ""
@@ -682,8 +682,7 @@ class ModelRepository:
                 return entry
             if only_if_changed and await self._loaded_as_now(entry):
                 log.info("model '%s' is loaded already as its folder and settings are now", name)
-                if entry.state is ModelState.READY:
-                    entry.reason = ""  # (a failed reload's, of files or settings that are no longer so)
+                self.forget_failed_reload(name)  # (of files or settings that are no longer so)
                 return entry
             entry.clear_refusal()
             try:

@@ -485,10 +485,10 @@ class HttpSurface:
                 message = await receive()
                 if message["type"] == "http.disconnect":
                     # The listener ends a body the parser cannot read as a lost connection, marking the request.
-                    cycle = getattr(receive, "__self__", None)
-                    unparsable = getattr(cycle, "nereid_unparsable", None)
+                    unparsable = _listener_mark(receive)
                     if unparsable is not None:
-                        raise Unparsable(f"{_who(model)}{unparsable}", _unparsable_status(cycle))
+                        raise Unparsable(f"{_who(model)}{unparsable[0]}", unparsable[1])
+                    cycle = getattr(receive, "__self__", None)
                     raise Disconnected("before sending its whole body",
                                        logged=getattr(cycle, "nereid_closed_idle", False))
                 chunk = message.get("body", b"")
@@ -638,20 +638,22 @@ def encoded_answer(response: InferResponse, choice: OutputChoice) -> EncodedAnsw
     return encode_infer(response, choice)
 
 
-def _unparsable_status(cycle: object) -> int:
-    """The status the listener answered a request whose body the HTTP parser could not read with."""
-    return getattr(cycle, "nereid_unparsable_status", 400)
+def _listener_mark(receive: Receive) -> tuple[str, int] | None:
+    """How the listener has answered this request already, a body the HTTP parser could not read (see
+    http_listener's _refuse_unparsable): (why, the status it answered); None while the request is the handler's."""
+    cycle = getattr(receive, "__self__", None)
+    unparsable = getattr(cycle, "nereid_unparsable", None)
+    return None if unparsable is None else (unparsable, getattr(cycle, "nereid_unparsable_status", 400))
 
 
 def _listener_refusal(receive: Receive, model: str) -> NereidError | None:
-    """What the listener has already answered this request with, as the failure it counts as (a body the HTTP
-    parser could not read: InvalidArgument for its 400, OutOfMemory for a 503); None while it is the handler's."""
-    cycle = getattr(receive, "__self__", None)
-    unparsable = getattr(cycle, "nereid_unparsable", None)
-    if unparsable is None:
+    """What the listener has already answered this request with, as the failure it counts as (InvalidArgument for
+    its 400, OutOfMemory for a 503); None while the request is the handler's."""
+    mark = _listener_mark(receive)
+    if mark is None:
         return None
-    kind = OutOfMemory if _unparsable_status(cycle) == 503 else InvalidArgument
-    return kind(f"{_who(model)}{unparsable}")
+    kind = OutOfMemory if mark[1] == 503 else InvalidArgument
+    return kind(f"{_who(model)}{mark[0]}")
 
 
 def _who(model: str) -> str:
