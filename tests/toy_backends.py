@@ -212,20 +212,22 @@ class ReportFailsModel(FaultyModel):
         raise RuntimeError("no report today")
 
 
-class ReportAndUnloadFailModel(ReportFailsModel):
+class UnloadRaises:
+    """Mixed in before a toy model: its ``unload()`` counts as the toy's, then raises ``unload_error``."""
+
+    unload_error = "sticky unload"
+
+    def unload(self) -> None:
+        super().unload()  # type: ignore[misc]
+        raise RuntimeError(self.unload_error)
+
+
+class ReportAndUnloadFailModel(UnloadRaises, ReportFailsModel):
     """Its ``runtime_report()`` raises, and so does its ``unload()``: two problems for one line of nereid check."""
 
-    def unload(self) -> None:
-        super().unload()
-        raise RuntimeError("sticky unload")
 
-
-class DependenciesAndUnloadFailModel(DependenciesFailModel):
+class DependenciesAndUnloadFailModel(UnloadRaises, DependenciesFailModel):
     """Its ``dependencies()`` raises (UNAVAILABLE after load), and so does its ``unload()``."""
-
-    def unload(self) -> None:
-        super().unload()
-        raise RuntimeError("sticky unload")
 
 
 class InputCheckIntModel(FaultyModel):
@@ -280,12 +282,10 @@ class SignatureNoneModel(FaultyModel):
         return None
 
 
-class SignatureNoneUnloadFailsModel(SignatureNoneModel):
+class SignatureNoneUnloadFailsModel(UnloadRaises, SignatureNoneModel):
     """Its ``signature()`` returns None, and the ``unload()`` that cleans up after the refused load raises."""
 
-    def unload(self) -> None:
-        super().unload()
-        raise RuntimeError("unload exploded during cleanup")
+    unload_error = "unload exploded during cleanup"
 
 
 class SignatureRaisesModel(FaultyModel):
