@@ -29,6 +29,7 @@ import threading
 import time
 import types
 import weakref
+from collections.abc import Iterable
 from pathlib import Path
 
 log = logging.getLogger("nereid.loop")
@@ -96,8 +97,13 @@ _COLLECTOR = _CollectorClock()
 class LoopWatch:
     """Log the code holding ``loop`` once it has held it ``warn_after_s`` seconds; start on the loop's thread."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, warn_after_s: float = DEFAULT_WARN_AFTER_S) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, warn_after_s: float = DEFAULT_WARN_AFTER_S,
+                 plugin_code: Iterable[str] = ()) -> None:
+        """``plugin_code``: where installed backend plugins' code lives (see :func:`nereid.plugins.plugin_code`):
+        under site-packages, which holds library code, but a hold in it is a model author's to fix (a plugin's
+        ``async def infer`` that blocks)."""
         self._loop = loop
+        self._plugin_folders = tuple(plugin_code)
         self._warn_after_s = warn_after_s
         # A beat (and a look) every tenth of the limit: a hold is seen within 10% of it, at ten wake-ups a second.
         self._interval_s = warn_after_s / 10
@@ -168,7 +174,7 @@ class LoopWatch:
             collected = _COLLECTOR.seconds(now)
             stalled_s = now - slept_at - self._interval_s - (collected - collected_at)
             if stalled_s >= self._warn_after_s:
-                _report_stall(stalled_s)
+                _report_stall(stalled_s, self._plugin_folders)
             self._look()  # (a method of its own: nothing it read of the loop's thread outlives the look)
             slept_at = time.monotonic()
             collected_at = _COLLECTOR.seconds(slept_at)
@@ -196,7 +202,7 @@ class LoopWatch:
             if held_s < self._warn_after_s:
                 return
             self._reported = True
-            running, in_model_code = _innermost(frame)
+            running, in_model_code = _innermost(frame, self._plugin_folders)
             if in_model_code:
                 log.warning("the event loop has been held for %.1f s by one callback, so every model and client "
                             "waits: an async def that blocks (time.sleep, blocking I/O, a long computation) "
@@ -224,10 +230,10 @@ class LoopWatch:
         return top, handle
 
 
-def _report_stall(stalled_s: float) -> None:
+def _report_stall(stalled_s: float, plugin_folders: tuple[str, ...] = ()) -> None:
     """Log that no Python code of the process ran for ``stalled_s`` seconds, naming the threads that are in a
     model's own code now (the one that held the GIL may still be: it ran on after its long call)."""
-    suspects = _threads_in_model_code(threading.get_ident())
+    suspects = _threads_in_model_code(threading.get_ident(), plugin_folders)
     shown = "; ".join(suspects[:_SHOWN_THREADS]) + ("; ..." if len(suspects) > _SHOWN_THREADS else "")
     log.warning("no Python code of the server could run for %.1f s (this watch of its event loop included), so "
                 "every model and client waited: a thread held the GIL through a long call into code that does "
@@ -236,7 +242,7 @@ def _report_stall(stalled_s: float) -> None:
                 f"Threads in a model's code now: {shown}" if suspects else "No thread is in a model's code now.")
 
 
-def _threads_in_model_code(skip: int) -> list[str]:
+def _threads_in_model_code(skip: int, plugin_folders: tuple[str, ...] = ()) -> list[str]:
     """Each thread but ``skip`` whose stack holds a model's own code, as ``name (file:line in function)`` for the
     innermost such frame (a thread idle in a pool, or in the server's own code, has none)."""
     names = {thread.ident: thread.name for thread in threading.enumerate()}
@@ -244,7 +250,7 @@ def _threads_in_model_code(skip: int) -> list[str]:
     for ident, frame in sys._current_frames().items():
         if ident == skip:
             continue
-        while frame is not None and not _is_model_code(frame.f_code.co_filename):
+        while frame is not None and not _is_model_code(frame.f_code.co_filename, plugin_folders):
             frame = frame.f_back
         if frame is not None:
             code = frame.f_code
@@ -252,7 +258,7 @@ def _threads_in_model_code(skip: int) -> list[str]:
     return found
 
 
-def _innermost(frame: types.FrameType | None) -> tuple[str, bool]:
+def _innermost(frame: types.FrameType | None, plugin_folders: tuple[str, ...] = ()) -> tuple[str, bool]:
     """The innermost frames of the callback ``frame`` runs, outermost first, as ``file:line in function``: what is
     inside asyncio's ``Handle._run``, less asyncio's own frames. When those are all a library's (a blocking call
     deep in ``subprocess``), the innermost frame of a model's own code comes first: the call that blocks. And
@@ -272,15 +278,18 @@ def _innermost(frame: types.FrameType | None) -> tuple[str, bool]:
         return "(asyncio's own code)", False
     shown = inside[-_SHOWN_FRAMES:]
     text = " > ".join(f"{filename}:{line} in {name}" for filename, line, name in shown)
-    own = next((entry for entry in reversed(inside) if _is_model_code(entry[0])), None)
+    own = next((entry for entry in reversed(inside) if _is_model_code(entry[0], plugin_folders)), None)
     if own is not None and own not in shown:
         return f"{own[0]}:{own[1]} in {own[2]} > ... > {text}", True
     return text, own is not None
 
 
-def _is_model_code(filename: str) -> bool:
-    """Whether code of ``filename`` is a model's own: neither a library's (see :func:`_library_folders`) nor
-    code with no file (``<string>``, ``<frozen ...>``)."""
+def _is_model_code(filename: str, plugin_folders: tuple[str, ...] = ()) -> bool:
+    """Whether code of ``filename`` is a model's own: an installed backend plugin's (``plugin_folders``: package
+    folders, each ending in a separator, and module files), or neither a library's (see :func:`_library_folders`) nor code with no file
+    (``<string>``, ``<frozen ...>``)."""
+    if filename.startswith(plugin_folders):
+        return True
     return not filename.startswith(_library_folders()) and not filename.startswith("<")
 
 

@@ -17,7 +17,9 @@ import importlib
 import importlib.metadata
 import inspect
 import logging
+import os
 import re
+import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -264,6 +266,27 @@ def make_plugin_manager(*, load_entry_points: bool = True,
     for plugin in extra_plugins:
         manager.register(plugin, name=getattr(plugin, "BACKEND_NAME", None))
     return manager
+
+
+def plugin_code(manager: pluggy.PluginManager) -> list[str]:
+    """Where the registered backend plugins' code lives, but nereid's own: each plugin's top-level package
+    folder (ending in a separator), or its module's file when it is a module alone. An installed plugin lives in
+    site-packages, beside the libraries, yet it is model code: the event-loop watch blames a hold in it on it.
+    """
+    found: list[str] = []
+    for _, plugin in manager.list_name_plugin():
+        module = plugin if inspect.ismodule(plugin) else inspect.getmodule(plugin if inspect.isclass(plugin) else type(plugin))
+        top_name = getattr(module, "__name__", "").partition(".")[0]
+        top = sys.modules.get(top_name)
+        if top is None or top_name in ("nereid", "__main__", "builtins"):
+            continue
+        spec = getattr(top, "__spec__", None)
+        locations = list(spec.submodule_search_locations or ()) if spec is not None else []
+        if locations:
+            found.extend(f"{Path(location)}{os.sep}" for location in locations)
+        elif getattr(top, "__file__", None):
+            found.append(str(Path(top.__file__)))
+    return sorted(set(found))
 
 
 def add_commands(manager: NereidPluginManager, commands: Any) -> None:

@@ -20,7 +20,7 @@ from nereid.leftovers import (asked_temporary_directory, make_scratch_folder, re
 from nereid.listening import bind_problem
 from nereid.loop_watch import LoopWatch
 from nereid.metrics import ServerMetrics
-from nereid.plugins import make_plugin_manager
+from nereid.plugins import make_plugin_manager, plugin_code
 from nereid.protocol.grpc_service import (MAX_SEND_MESSAGE_BYTES, SERVICE_NAME, InferenceServicer, generic_handler,
                                           status_message)
 from nereid.protocol.http_listener import HttpListener
@@ -198,7 +198,7 @@ class NereidServer:
         port = self._add_grpc_port(server)
         await server.start()
         self._grpc, self._servicer, self.port = server, servicer, port
-        self._loop_watch = LoopWatch(asyncio.get_running_loop())
+        self._loop_watch = LoopWatch(asyncio.get_running_loop(), plugin_code=plugin_code(self.manager))
         self._loop_watch.start()
         await self.update_health()
         log.info("nereid listening on %s (port %d, %s, repository control %s)", self.bind_addr, port,

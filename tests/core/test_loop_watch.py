@@ -22,10 +22,10 @@ from nereid.loop_watch import LoopWatch
 WARN_AFTER_S = 0.3
 
 
-def watched(body, warn_after_s: float = WARN_AFTER_S) -> None:
+def watched(body, warn_after_s: float = WARN_AFTER_S, plugin_code: tuple[str, ...] = ()) -> None:
     """Run ``body()`` (a coroutine function) on a fresh loop under a LoopWatch of ``warn_after_s``."""
     async def main() -> None:
-        watch = LoopWatch(asyncio.get_running_loop(), warn_after_s)
+        watch = LoopWatch(asyncio.get_running_loop(), warn_after_s, plugin_code=plugin_code)
         watch.start()
         try:
             await asyncio.sleep(0.05)
@@ -94,6 +94,27 @@ def test_a_hold_with_no_model_code_in_it_names_its_callback_and_gives_no_advice_
     # The standard library's frames only (a library blocking the loop).
     line = held_by(subprocess.run, ["sleep", str(WARN_AFTER_S * 2.5)])
     assert "subprocess.py" in line and "(callback <Handle run(" in line, line
+
+
+def test_a_hold_in_an_installed_plugin_s_code_is_blamed_on_it(caplog):
+    """From the README walkthrough: a pip-installed backend plugin whose async infer blocked the loop was said to
+    run "no model code" (site-packages holds libraries), although the stack named the plugin's infer."""
+    import sysconfig
+    plugin_file = Path(sysconfig.get_paths()["purelib"]) / "acme_backend" / "backend.py"
+    namespace: dict = {}
+    exec(compile(f"import time\ndef infer():\n    time.sleep({WARN_AFTER_S * 2.5})\n", str(plugin_file), "exec"),
+         namespace)  # (its frames name the file; nothing reads it)
+
+    async def plugin_call() -> None:
+        asyncio.get_running_loop().call_soon(namespace["infer"])  # (its frames alone in the callback)
+        await asyncio.sleep(WARN_AFTER_S * 3)
+    caplog.set_level(logging.WARNING, "nereid.loop")
+    watched(plugin_call)
+    assert "no model code runs in it" in watch_lines(caplog)[0]  # a library's code, unless it is a plugin's
+    caplog.clear()
+    watched(plugin_call, plugin_code=(f"{plugin_file.parent}{os.sep}",))
+    held = watch_lines(caplog)[0]
+    assert "asyncio.to_thread" in held and f"{plugin_file}:3 in infer" in held, held
 
 
 def test_a_loop_that_only_awaits_and_a_short_hold_log_nothing(caplog):

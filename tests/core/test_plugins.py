@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 import re
 import sys
 import textwrap
@@ -17,7 +18,7 @@ from tritonclient.utils import InferenceServerException
 import toy_backends
 from nereid import hookspecs
 from nereid.backend import BackendClaim
-from nereid.plugins import backend_names, claim_folder, hook_problems, make_plugin_manager
+from nereid.plugins import backend_names, claim_folder, hook_problems, make_plugin_manager, plugin_code
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
@@ -79,6 +80,26 @@ def installed_addone(tmp_path: Path):
 
 def test_builtin_backends_are_registered_like_plugins() -> None:
     assert backend_names(make_plugin_manager(load_entry_points=False)) == ["cpp", "cxx", "meta", "python", "xla"]
+
+
+def test_plugin_code_names_each_installed_plugin_s_package_or_module_and_none_of_nereid_s(installed_addone,
+                                                                                          tmp_path) -> None:
+    """What the event-loop watch counts as model code although it lies in site-packages."""
+    site = tmp_path / "site"
+    (site / "acme_backends").mkdir()
+    (site / "acme_backends" / "__init__.py").write_text("")
+    (site / "acme_backends" / "plus.py").write_text(THIRD_PARTY_MODULE)
+    (site / "acme-1.0.dist-info").mkdir()
+    (site / "acme-1.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: acme\nVersion: 1.0\n")
+    (site / "acme-1.0.dist-info" / "entry_points.txt").write_text("[nereid.backends]\nacme = acme_backends.plus\n")
+    try:
+        manager = make_plugin_manager()
+        assert {"addone", "acme"} <= set(backend_names(manager))
+        assert plugin_code(manager) == sorted([str(site / "nereid_addone.py"), f"{site / 'acme_backends'}{os.sep}"])
+    finally:
+        for name in ("acme_backends", "acme_backends.plus"):
+            sys.modules.pop(name, None)
+    assert plugin_code(make_plugin_manager(load_entry_points=False)) == []
 
 
 def test_installed_backend_serves_a_model(installed_addone, repo, serve) -> None:
