@@ -171,7 +171,7 @@ class KeyedReader:
     def string(self, section: dict[str, Any], key: str, default: str) -> str:
         value = section.get(_last(key), default)
         if not isinstance(value, str):
-            self.fail(key, "must be a string", value)
+            self.fail(key, f"must be a string{_quoting_hint(value)}", value)
         return value
 
     def integer(self, section: dict[str, Any], key: str, default: int, *, minimum: int,
@@ -211,6 +211,16 @@ class KeyedReader:
         if maximum is not None and number > maximum[0]:
             bound = maximum[0]
             self.fail(key, f"must be at most {int(bound) if bound == int(bound) else bound} ({maximum[1]})", value)
+
+
+def _quoting_hint(value: Any) -> str:
+    """What to do about a scalar YAML read as other than text where text is due (``- name: no``, ``name: 1e5``):
+    the value quoted only shows what it became (false, 100000.0), not what was written."""
+    if isinstance(value, bool):
+        return " (YAML reads an unquoted yes, no, on, off, true or false as a boolean: put the text in quotes)"
+    if isinstance(value, (int, float)):
+        return " (YAML reads an unquoted number as a number, 1e5 as 100000.0: put the text in quotes)"
+    return ""
 
 
 def _last(key: str) -> str:

@@ -100,6 +100,18 @@ def test_mistakes_name_file_key_and_value(root: Path, body: str, key: str, value
     assert message.endswith(f"got {value}"), message
 
 
+@pytest.mark.parametrize("written, read_as, hint", [("no", "false", "yes, no, on, off, true or false as a boolean"),
+                                                    ("1e5", "100000.0", "number as a number, 1e5 as 100000.0"),
+                                                    ("30", "30", "number as a number, 1e5 as 100000.0")])
+def test_a_name_yaml_reads_as_a_boolean_or_a_number_is_told_to_be_quoted(root: Path, written: str, read_as: str,
+                                                                         hint: str) -> None:
+    """From the README walkthrough: `- name: no` was refused as "must be a string, got false", which names
+    neither what was written nor what to do."""
+    path, message = refusal(root, f"models:\n  - name: {written}\n")
+    assert message == (f"{path}: models[0].name: must be a string (YAML reads an unquoted {hint}: put the text in "
+                       f"quotes), got {read_as}")
+
+
 def test_a_model_name_too_long_for_a_folder_is_a_config_error(root: Path) -> None:
     # Looking up its folder raised ENAMETOOLONG: nereid check and serve ended in a traceback.
     path, message = refusal(root, f"models:\n  - name: {'m' * 256}\n")
