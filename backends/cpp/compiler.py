@@ -277,8 +277,10 @@ def cached_build(compiler: Compiler, arguments: list[str], name: str, stale: str
     try:
         _publish(fallback, built)
     except OSError as err:
+        # (mkdir's EEXIST is about a file of that name, which is no folder: "File exists" would puzzle.)
+        why = "it is a file, not a folder" if cache.exists() and not cache.is_dir() else err.strerror or err
         log.warning("model '%s': cannot write the build cache %s (%s); serving the build in the server's scratch "
-                    "folder (built again at the next start)", model, cache, err.strerror or err)
+                    "folder (built again at the next start)", model, cache, why)
         return fallback
     fallback.unlink(missing_ok=True)
     _remove_stale(cache, stale, built)

@@ -366,6 +366,7 @@ def test_an_unwritable_cache_builds_in_the_scratch_folder_and_serves(repo, serve
     assert infer(server, "scale", ROWS).as_numpy("output").tolist() == (ROWS * 2).tolist()
     [warning] = [r.getMessage() for r in caplog.records if "build cache" in r.getMessage()]
     assert "model 'scale'" in warning and str(folder / ".cache") in warning and "scratch folder" in warning
+    assert "(it is a file, not a folder)" in warning, warning  # (it said "(File exists)")
     assert (folder / ".cache").read_text() == "not a folder\n"
     # A reload in this server reuses its scratch build: no second compile, no second warning.
     caplog.clear()

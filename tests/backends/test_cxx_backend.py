@@ -730,6 +730,7 @@ def test_sources_in_an_unwritable_cache_build_in_the_scratch_folder_and_serve(re
         (ROWS * 2).tolist()
     [warning] = [r.getMessage() for r in caplog.records if "build cache" in r.getMessage()]
     assert "model 'cxx_scale'" in warning and str(folder / ".cache") in warning
+    assert "(it is a file, not a folder)" in warning, warning  # (it said "(File exists)")
     assert (folder / ".cache").read_text() == "not a folder\n"
 
 
