@@ -7,3 +7,4 @@ the backend's modules.
 """
 
 HEADER_NAME = "nereid_cxx.h"
+API_VERSION = 1  # NEREID_CXX_API_VERSION in the header: the ABI this server calls

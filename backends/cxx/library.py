@@ -19,6 +19,7 @@ import uuid
 from pathlib import Path
 from typing import BinaryIO, Callable
 
+from nereid.backends.cxx import API_VERSION
 from nereid.backends.elf_files import elf_cut_short, needed_libraries
 from nereid.backends.scratch import require_executable_folder, scratch_folder_refused
 from nereid.errors import ConfigError
@@ -283,6 +284,7 @@ class NativeLibrary:
             raise ConfigError(f"model '{model}': cannot load shared library {path} (dlopened from its copy in "
                               f"{scratch_dir}): {message}")
         try:
+            self._check_api_version(model, path)
             infer = self._symbol("nereid_infer")
             if infer is None:
                 raise ConfigError(f"model '{model}': shared library {path} does not export nereid_infer "
@@ -294,6 +296,20 @@ class NativeLibrary:
         except BaseException:
             self.close()
             raise
+
+    def _check_api_version(self, model: str, path: Path) -> None:
+        """ConfigError when the library was built against another version of nereid_cxx.h's ABI: its functions'
+        arguments would not be what this server passes (as Triton checks a backend's TRITONBACKEND_ApiVersion).
+        A library without ``nereid_cxx_api_version`` (built before the header defined it) is taken as version 1.
+        """
+        address = self._symbol("nereid_cxx_api_version")
+        if address is None:
+            return
+        version = ctypes.c_uint32.from_address(address).value
+        if version != API_VERSION:
+            raise ConfigError(f"model '{model}': shared library {path} was built against nereid_cxx.h's API version "
+                              f"{version}; this server's is {API_VERSION}: build it again against the header "
+                              "`nereid cxx-header` prints")
 
     def _symbol(self, name: str) -> int | None:
         assert self._handle, "library closed"

@@ -95,6 +95,16 @@ typedef struct nereid_tensor {
     uint64_t       byte_size;
 } nereid_tensor;
 
+/* The ABI version the library was built against, exported so that nereid refuses a library built for
+ * another version (one built before this symbol existed is taken as version 1). Weak: every source file
+ * that includes this header defines it, and the linker keeps one. */
+#if defined(__GNUC__)
+#ifdef __cplusplus
+extern
+#endif
+NEREID_EXPORT __attribute__((weak)) const uint32_t nereid_cxx_api_version = NEREID_CXX_API_VERSION;
+#endif
+
 /* Required. Run one batch: read `inputs`, write every output's data. 0: success. */
 NEREID_EXPORT int nereid_infer(void *state,
                                const nereid_tensor *inputs, size_t n_inputs,

@@ -6,6 +6,7 @@ nereid.yaml and talks to the server with tritonclient over gRPC.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import re
@@ -179,6 +180,12 @@ int nereid_infer(void *state, const nereid_tensor *inputs, size_t n_inputs,
 
 NO_INFER = '#include <cstddef>\nextern "C" int nereid_load(const char*, const char*, void**, char*, size_t) { return 0; }\n'
 
+# A library built against a later version of the header, whose functions take other arguments.
+FUTURE_ABI_C = (
+    '#include <stddef.h>\n#include <stdint.h>\n'
+    '__attribute__((visibility("default"))) const uint32_t nereid_cxx_api_version = 2;\n'
+    'int nereid_infer(void *s, const void *i, size_t n, void *o, size_t m, char *e, size_t k) { return 0; }\n')
+
 UNDEFINED_SYMBOL = r'''
 #include "nereid_cxx.h"
 extern "C" int nereid_missing_dependency_xyz(void);
@@ -209,7 +216,8 @@ def libs(tmp_path_factory) -> dict[str, Path]:
     """Every test library, compiled once, in parallel."""
     root = tmp_path_factory.mktemp("cxx-libs")
     sources = {"multi": ("cpp", TEST_LIBRARY), "noload": ("c", NO_LOAD_C), "noinfer": ("cpp", NO_INFER),
-               "undefined": ("cpp", UNDEFINED_SYMBOL), "triple": ("cpp", TRIPLE)}
+               "undefined": ("cpp", UNDEFINED_SYMBOL), "triple": ("cpp", TRIPLE),
+               "future": ("c", FUTURE_ABI_C)}
     builds = {}
     for name, (language, text) in sources.items():
         source = root / f"{name}.{language}"
@@ -228,6 +236,16 @@ def libs(tmp_path_factory) -> dict[str, Path]:
     whole = (root / "libnoinfer.so").read_bytes()  # a copy cut short (a deploy's, still arriving)
     (root / "libcutshort.so").write_bytes(whole[:len(whole) // 2])
     return {name: root / f"lib{name}.so" for name in (*sources, "garbage", "foreign", "cutshort")}
+
+
+def test_a_library_built_with_the_header_exports_the_api_version_the_server_calls(libs) -> None:
+    """What the load checks (see the refusal of a library of another version below); one built before the header
+    exported it (the version-less ones here) is taken as version 1."""
+    from nereid.backends.cxx import API_VERSION
+    header = (header_dir() / "nereid_cxx.h").read_text()
+    assert f"#define NEREID_CXX_API_VERSION {API_VERSION}\n" in header
+    library = ctypes.CDLL(str(libs["multi"]))
+    assert ctypes.c_uint32.in_dll(library, "nereid_cxx_api_version").value == API_VERSION
 
 
 def index_of(server) -> dict[str, tuple[str, str]]:
@@ -385,7 +403,7 @@ def test_model_faults_are_internal_with_the_library_text(repo, serve, libs):
 def test_models_the_cxx_backend_refuses_are_unavailable_with_a_reason(repo, serve, libs, tmp_path):
     for name in ("missing", "garbage", "foreign", "undefined", "noinfer", "refuse_load", "no_runtime", "both_options",
                  "unknown_option", "on_gpu", "textproto_only", "broken_source", "library_folder", "source_fifo",
-                 "cut_short"):
+                 "cut_short", "future_abi"):
         scale_model(repo, name)
     repo.add("no_textproto", None)
     repo.add("bytes_input", 'input_shape: [4]\noutput_shape: [4]\ndata_type: "BYTES"\n')
@@ -413,6 +431,7 @@ def test_models_the_cxx_backend_refuses_are_unavailable_with_a_reason(repo, serv
         entry("library_folder", f'{{library: "{tmp_path / "folder.so"}"}}') +
         entry("source_fifo", f'{{sources: ["{tmp_path / "fifo.cpp"}"]}}') +
         entry("cut_short", f'{{library: "{libs["cutshort"]}"}}') +
+        entry("future_abi", f'{{library: "{libs["future"]}"}}') +
         entry("no_textproto", multi) + entry("bytes_input", multi) + entry("dynamic_output", multi)))
     index = index_of(server)
     expected = {
@@ -441,6 +460,9 @@ def test_models_the_cxx_backend_refuses_are_unavailable_with_a_reason(repo, serv
         # Defect (the native hunt): dlopen mapped the part that was missing, and the server died of SIGBUS.
         "cut_short": [f"shared library {libs['cutshort']} cannot be loaded: it is ", " bytes, and its ELF headers say "
                       "at least ", "a copy cut short, or still being written"],
+        # (Triton checks a backend's TRITONBACKEND_ApiVersion; the header's version was exported by nothing.)
+        "future_abi": [f"shared library {libs['future']} was built against nereid_cxx.h's API version 2; this "
+                       "server's is 1: build it again against the header `nereid cxx-header` prints"],
         "no_textproto": ["missing model_inference.textproto"],
         "bytes_input": ["input 'input' is BYTES", "fixed-size datatypes only"],
         "dynamic_output": ["output 'y' has a -1 dimension", "preallocates outputs"],
