@@ -803,6 +803,9 @@ def _statistics(models: list[tuple[str, ModelStats]]) -> dict:
                              **{field: _duration(getattr(stats.batches[size], field))
                                 for field in ("compute_input", "compute_infer", "compute_output")}}
                             for size in sorted(stats.batches)],
+            # Triton's per-device memory of the model (2.41's document always has the list, empty when unknown);
+            # nereid measures none, as its gRPC ModelStatistics leaves the repeated field empty.
+            "memory_usage": [],
         })
     return {"model_stats": stats_json}
 

@@ -413,6 +413,7 @@ def test_stats_index_and_repository_control(repo, serve):
     assert sorted(stats["inference_stats"]) == ["cache_hit", "cache_miss", "compute_infer", "compute_input",
                                                 "compute_output", "fail", "queue", "success"]
     assert stats["inference_stats"]["cache_hit"] == stats["inference_stats"]["cache_miss"] == {"count": 0, "ns": 0}
+    assert stats["memory_usage"] == []  # (the HTTP hunt: Triton 2.41's document has the list; it was missing)
     assert [s["name"] for s in client.get_inference_statistics()["model_stats"]] == ["echo"]
     index = {m["name"]: m["state"] for m in client.get_model_repository_index()}
     assert index == {"echo": "READY", "other": "UNAVAILABLE"}
