@@ -917,3 +917,18 @@ def test_an_answer_past_one_grpc_message_is_the_models_fault_and_a_large_one_is_
     with pytest.raises(ModelFailure, match=r"^model 'm': its answer takes 41\d\d bytes, more than one gRPC message "
                                            r"carries \(4000\); ask for fewer outputs, or call it over HTTP$"):
         asyncio.run(grpc_service._serialized(response, False))
+
+
+@pytest.mark.parametrize("start", ["入力の検証に失敗しました。", "ошибка проверки ", "100% ", "ascii "])
+def test_a_status_message_too_long_for_the_metadata_keeps_its_end_where_the_first_cause_is(start) -> None:
+    """Found by a bug hunt: a long non-ASCII message (a model's error in Japanese, passed up a meta chain) was cut
+    to its start over unary gRPC, losing the cause at its end that HTTP and ModelStreamInfer kept."""
+    from nereid.protocol.grpc_service import STATUS_MESSAGE_BYTES, _encoded_size, status_message
+    text = start * (8000 // len(start)) + " THE REAL CAUSE: weights missing"
+    shown = status_message(text)
+    assert _encoded_size(shown) <= STATUS_MESSAGE_BYTES
+    assert shown.startswith(start * 3) and shown.endswith(" THE REAL CAUSE: weights missing"), shown
+    head, _, rest = shown.partition(" ... [")
+    count, _, tail = rest.partition(" characters cut] ... ")
+    assert head + text[len(head):len(head) + int(count)] + tail == text  # what is said to be cut is what was
+    assert status_message("short, ç") == "short, ç"
