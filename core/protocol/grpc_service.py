@@ -156,15 +156,22 @@ def _parse(message_type: type, data: bytes) -> Any:
     try:
         return message_type.FromString(data)
     except Exception as err:  # DecodeError, or any other failure of the parser on hostile bytes
-        return Unreadable(message_type.DESCRIPTOR.name, len(data), str(err) or type(err).__name__)
+        return _unreadable(message_type, data, err)
 
 
 def _parse_infer(data: bytes) -> Received | Unreadable:
     try:
         message, raws = parse_infer_request(data)
     except Exception as err:
-        return Unreadable(pb.ModelInferRequest.DESCRIPTOR.name, len(data), str(err) or type(err).__name__)
+        return _unreadable(pb.ModelInferRequest, data, err)
     return Received(message, raws, len(data))
+
+
+def _unreadable(message_type: type, data: bytes, err: Exception) -> Unreadable:
+    # protobuf names the type by nereid's own copy of the protocol's package ('nereid.v2.ModelInferRequest'),
+    # which no client's .proto has: named as on the wire (the bug hunt of the gRPC surface).
+    problem = (str(err) or type(err).__name__).replace(f"'{message_type.DESCRIPTOR.file.package}.", "'inference.")
+    return Unreadable(message_type.DESCRIPTOR.name, len(data), problem)
 
 
 def request_parser(message_type: type) -> Callable[[bytes], Any]:

@@ -135,6 +135,8 @@ def test_unparseable_request_is_invalid_argument_and_logs_one_line(echo_server, 
     code, details = call_raw(echo_server, MODEL_INFER, b"\xff" * 16)
     assert code == grpc.StatusCode.INVALID_ARGUMENT
     assert "cannot parse the 16-byte request as ModelInferRequest" in details
+    # (The gRPC hunt: protobuf's text named nereid's own copy of the package, 'nereid.v2.ModelInferRequest'.)
+    assert "with type 'inference.ModelInferRequest'" in details, details
     logged = [r for r in caplog.records if "cannot parse" in r.getMessage()]
     assert len(logged) == 1 and logged[0].exc_info is None and "\n" not in logged[0].getMessage()
     assert logged[0].getMessage().startswith("ModelInfer from 127.0.0.1:")  # naming the client
