@@ -156,6 +156,23 @@ def _read_member(model: object, name: str) -> tuple[object, str]:
 
 
 @runtime_checkable
+class UsesNoDevice(Protocol):
+    """A model that runs nothing on a device of its own (a meta model orchestrates others from the event loop):
+    nereid.yaml's ``device:`` does not apply to it, and it is reported on the CPU."""
+
+    def uses_no_device(self) -> bool:
+        """True; asked where the model's device is reported (ModelConfig's instance group, ``nereid check``)."""
+
+
+def reported_device(model: object, assigned: Device) -> Device:
+    """The device a loaded ``model`` runs on, as ModelConfig and ``nereid check`` report it: the one nereid.yaml
+    ``assigned``, but the CPU for a model that uses none (its load said the assignment was ignored)."""
+    if isinstance(model, UsesNoDevice) and model.uses_no_device():
+        return Device("cpu")
+    return assigned
+
+
+@runtime_checkable
 class HasBatchSignature(Protocol):
     """A model whose ``infer`` takes and returns other tensors than its clients send and get."""
 

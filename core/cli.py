@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any, Callable, Coroutine
 
 import nereid.backend_calls
-from nereid.backend import (CallsModels, ChecksInputs, ModelContext, ReportsRuntime, runtime_report_problem,
-                            what_it_calls)
+from nereid.backend import (CallsModels, ChecksInputs, ModelContext, ReportsRuntime, reported_device,
+                            runtime_report_problem, what_it_calls)
 from nereid.backend_calls import bounded_backend_call
 from nereid.daemon_pool import release_io_threads
 from nereid.dependencies import callers_readiness
@@ -671,7 +671,8 @@ def _check_model(settings: Settings, manager: NereidPluginManager, scratch: Path
     inputs = ", ".join(f"{s.name} {s.dtype.kserve}{list(s.dims)}" for s in signature.inputs)
     outputs = ", ".join(f"{s.name} {s.dtype.kserve}{list(s.dims)}" for s in signature.outputs)
     batching = "on" if built.policy.enabled else "off"
-    return _Checked(name, status, f"backend={built.backend_name} device={model_settings.device} "
+    device = reported_device(built.backend, model_settings.device)
+    return _Checked(name, status, f"backend={built.backend_name} device={device} "
                                   f"max_batch_size={signature.max_batch_size} batching={batching} "
                                   f"inputs=[{inputs}] outputs=[{outputs}]{runtime}{suffix}",
                     depends_on, listed or not settings.models_listed)

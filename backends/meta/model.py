@@ -171,6 +171,10 @@ class MetaModel:
 
     # -- Model protocol ---------------------------------------------------------------------------
 
+    def uses_no_device(self) -> bool:
+        """Its orchestration runs on the server's event loop; each model it calls runs on its own device."""
+        return True
+
     def load(self) -> None:
         """Read the manifest and model.py; refuse runtime options, program files, a missing orchestration and cycles."""
         name, folder = self.context.name, self.context.folder

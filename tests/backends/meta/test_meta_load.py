@@ -421,6 +421,29 @@ def test_a_device_is_warned_of_and_ignored(tmp_path: Path, caplog) -> None:
         "loop; each model it calls runs on its own device); ignored"]
 
 
+def test_a_device_ignored_is_not_reported_as_the_model_s(tmp_path: Path, capsys) -> None:
+    """Found by a bug hunt: the device said to be ignored was still the model's in `nereid check` (device=cuda:1)
+    and in ModelConfig (KIND_GPU, gpus [1]), on a machine with no GPU."""
+    from nereid.cli import main as cli_main
+    from nereid.model_info import describe_config
+
+    root = tmp_path / "ml-backends"
+    root.mkdir()
+    meta_folder(root, "a", manifest=META.replace("[a, b]", "[]"))
+    repo = meta_repository(tmp_path, "models:\n  - {name: a, device: 'cuda:1'}\n")  # (writes nereid.yaml)
+    assert cli_main(["check", "--config", str(tmp_path / "nereid.yaml")]) == 0
+    assert "a: OK backend=meta device=cpu " in capsys.readouterr().out
+
+    async def scenario():
+        entry = await repo.load("a")
+        try:
+            return describe_config("a", entry.loaded, repo.settings.model("a")).instance_group
+        finally:
+            await repo.unload_all(grace_s=0)
+    group = asyncio.run(scenario())
+    assert (group.kind, group.gpus) == ("KIND_CPU", ())
+
+
 @pytest.mark.parametrize("timeout", ["0.5", "null", "60"])
 def test_a_timeout_s_is_warned_of_and_ignored(tmp_path: Path, caplog, timeout: str) -> None:
     """Found by a bug hunt: `timeout_s` on a meta model (as on a bundle or a cxx model) was accepted without a
