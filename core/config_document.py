@@ -164,7 +164,9 @@ class KeyedReader:
             self.fail(key or "top level", "must be a mapping", raw)
         for name in raw:
             if name not in allowed:
-                path = f"{key}.{name}" if key else str(name)
+                # (A key YAML read as other than text is spelled as the document spells it: `yes:` as true.)
+                shown = name if isinstance(name, str) else yaml_spelling(name)
+                path = f"{key}.{shown}" if key else shown
                 self.fail(path, f"unknown key (allowed: {', '.join(sorted(allowed))})", raw[name])
         return raw
 

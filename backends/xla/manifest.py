@@ -245,7 +245,9 @@ def parse_manifest(document: Any, path: Path, source: str | None = None) -> Mani
     weights_file = _weights_file(reader, top)
     name = _informational_text(reader, top, "name")
     description = _informational_text(reader, top, "description") or ""
-    provenance = top.get("provenance", {}) or {}
+    provenance = top.get("provenance", {})
+    if provenance is None:  # (`provenance:` with nothing under it: none; an empty list or string is a mistake)
+        provenance = {}
     if not isinstance(provenance, dict):
         reader.fail("provenance", "must be a mapping", provenance)
     platform = provenance.get(EXPORT_PLATFORM)

@@ -89,6 +89,9 @@ def refusal(root: Path, body: str) -> tuple[Path, str]:
     ("server:\n  ml_backends_path: elsewhere\n", "server.ml_backends_path", "'elsewhere'"),
     ("server:\n  strict_readiness: maybe\n", "server.strict_readiness", "'maybe'"),
     ("unknown: 1\n", "unknown", "1"),
+    # (The config hunt: keys YAML reads as a boolean or null were named True and None.)
+    ("yes: 1\n", "true", "1"),
+    ("models:\n  - name: a\n    ~: cpu\n", "models[0].null", "'cpu'"),
     # (Found by a bug hunt: an empty-looking wrong value passed as no defaults at all.)
     ("backends: false\n", "backends", "false"),
     ("backends: []\n", "backends", "[]"),

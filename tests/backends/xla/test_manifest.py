@@ -176,6 +176,7 @@ MISTAKES = [
     (_set("weights_file", "/abs/weights.safetensors"), "weights_file", "inside the bundle"),
     (_set("weights_file", 3), "weights_file", "file name"),
     (_set("description", ["x"]), "description", "must be a string"),
+    (_set("provenance", []), "provenance", "must be a mapping"),  # (the config hunt: [] passed, [1] did not)
     (_set("name", ["net"]), "name", "must be a string"),
     (_set("name", {"net": 1}), "name", "must be a string"),
     (_set("executable_inputs.0", "image"), "executable_inputs[0]", "must be a mapping"),
