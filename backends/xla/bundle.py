@@ -9,6 +9,7 @@ directory.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
@@ -81,6 +82,31 @@ def program_keys(manifest: Manifest, largest_only: bool = False) -> list[Program
     return [ProgramKey(v, s) for v in variants for s in sizes]
 
 
+def not_a_folder_reason(path: Path, wanted: str = "a bundle's folder, or a folder of bundles") -> str | None:
+    """Why ``path`` cannot be a bundle (or a folder of bundles: ``wanted`` says which a command takes): it is
+    missing, or not a folder; None if it is a folder."""
+    if path.is_dir():
+        return None
+    if not os.path.lexists(path):
+        return "no such file or folder"
+    if not path.exists():
+        return f"is a symlink to {os.readlink(path)}, which does not exist"
+    if path.name == MANIFEST_NAME:
+        return f"is a file, not a folder: name the bundle's folder ({path.parent}), not its {MANIFEST_NAME}"
+    return f"is a file, not a folder: name {wanted}"
+
+
+def require_manifest(folder: Path) -> Path:
+    """``folder``'s manifest path; ConfigError when it has no manifest that is a regular file (it is no bundle)."""
+    manifest_path = folder / MANIFEST_NAME
+    if (reason := not_regular_reason(manifest_path)) is not None:
+        raise ConfigError(reason)
+    if not manifest_path.is_file():
+        raise ConfigError(f"{folder}: missing {MANIFEST_NAME} (a bundle holds {MANIFEST_NAME}, model*.mlir and "
+                          "usually weights.safetensors)")
+    return manifest_path
+
+
 def open_bundle(folder: Path, largest_only: bool = False, weights_elsewhere: bool = False) -> BundleLayout:
     """Read the manifest and find every file the bundle is served from.
 
@@ -91,12 +117,7 @@ def open_bundle(folder: Path, largest_only: bool = False, weights_elsewhere: boo
     ConfigError naming the manifest key or the missing file.
     """
     folder = Path(folder)
-    manifest_path = folder / MANIFEST_NAME
-    if (reason := not_regular_reason(manifest_path)) is not None:
-        raise ConfigError(reason)
-    if not manifest_path.is_file():
-        raise ConfigError(f"{folder}: missing {MANIFEST_NAME} (a bundle holds {MANIFEST_NAME}, model*.mlir and "
-                          "usually weights.safetensors)")
+    manifest_path = require_manifest(folder)
     manifest = load_manifest(manifest_path)
     model_py = folder / MODEL_PY
     if (reason := not_regular_reason(model_py)) is not None:

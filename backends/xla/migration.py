@@ -47,7 +47,8 @@ from pathlib import Path
 
 import numpy as np
 
-from nereid.backends.xla.bundle import CACHE_DIR, DEFAULT_WEIGHTS_FILE, BundleLayout, open_bundle
+from nereid.backends.xla.bundle import (CACHE_DIR, DEFAULT_WEIGHTS_FILE, BundleLayout, not_a_folder_reason, open_bundle,
+                                        require_manifest)
 from nereid.backends.xla.manifest import CURRENT_FORMAT_VERSION, MANIFEST_NAME, parse_manifest_text
 from nereid.backends.xla.safetensors import (AXIS_ORDER_KEY, AXIS_ORDER_XLA, SAFETENSORS_DTYPES,
                                              SafetensorsHeader, TensorEntry,
@@ -159,6 +160,11 @@ def migrate_bundle(folder: Path | str, mode: str) -> Outcome:
     folder = Path(folder)
     if mode not in ("copy", "replace"):
         raise ValueError(f"mode must be copy or replace, got {mode!r}")
+    # Before the lock, which writes .cache/ into the folder: a folder that is no bundle is left as it was (the
+    # offline tool named on a python model's folder left a lock there; the config hunt).
+    if (problem := not_a_folder_reason(folder, "a bundle's folder")) is not None:
+        raise ConfigError(f"{folder}: {problem}")
+    require_manifest(folder)
     with locked(folder / CACHE_DIR / LOCK_FILE):
         # Read under the lock: another worker may have just migrated the bundle.
         layout = open_bundle(folder)

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from nereid.backend import BackendClaim
+from nereid.backends.xla.bundle import not_a_folder_reason
 from nereid.backends.xla.manifest import MANIFEST_NAME, declares_meta
 from nereid.backends.xla.model import create_model
 from nereid.hookspecs import hookimpl
@@ -88,7 +89,7 @@ def check_bundles(dirs: list[Path]) -> int:
     bundles: list[Path] = []
     not_folders = 0
     for directory in dirs:
-        if (problem := _not_a_folder(directory)) is not None:
+        if (problem := not_a_folder_reason(directory)) is not None:
             # Checked as a bundle, a mistyped path was only "UNSERVABLE: missing manifest.yaml".
             print(f"error: {directory}: {problem}", file=sys.stderr)
             not_folders += 1
@@ -122,15 +123,3 @@ def check_bundles(dirs: list[Path]) -> int:
     return 2 if not_folders else 1 if unservable else 0
 
 
-def _not_a_folder(path: Path) -> str | None:
-    """Why ``path`` cannot be a bundle or a folder of bundles (it is missing, or not a folder); None if it is a
-    folder."""
-    if path.is_dir():
-        return None
-    if not os.path.lexists(path):
-        return "no such file or folder"
-    if not path.exists():
-        return f"is a symlink to {os.readlink(path)}, which does not exist"
-    if path.name == MANIFEST_NAME:
-        return f"is a file, not a folder: name the bundle's folder ({path.parent}), not its {MANIFEST_NAME}"
-    return "is a file, not a folder: name a bundle's folder, or a folder of bundles"

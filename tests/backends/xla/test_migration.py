@@ -300,6 +300,25 @@ def test_offline_tool(legacy, tmp_path, capsys) -> None:
     assert capsys.readouterr().out.strip() == f"{legacy}: weights already in the program's axis order"
 
 
+def test_offline_tool_writes_nothing_into_what_is_no_bundle_and_names_what_it_is(tmp_path, capsys) -> None:
+    """Found by the config hunt: the tool took its lock in <folder>/.cache/ before reading the bundle, so a python
+    model's folder got a .cache/ it never had, and a missing path or a file was named as '<path>/.cache'."""
+    from nereid.backends.xla.export.migrate import main
+
+    python_model = tmp_path / "py"
+    python_model.mkdir()
+    (python_model / "main.py").write_text("")
+    (tmp_path / "file.py").write_text("")
+    assert main([str(python_model), str(tmp_path / "absent"), str(tmp_path / "file.py")]) == 1
+    assert capsys.readouterr().out.splitlines() == [
+        f"{python_model}: FAILED: {python_model}: missing manifest.yaml (a bundle holds manifest.yaml, model*.mlir "
+        "and usually weights.safetensors)",
+        f"{tmp_path / 'absent'}: FAILED: {tmp_path / 'absent'}: no such file or folder",
+        f"{tmp_path / 'file.py'}: FAILED: {tmp_path / 'file.py'}: is a file, not a folder: name a bundle's folder"]
+    assert sorted(p.name for p in python_model.iterdir()) == ["main.py"]
+    assert not (tmp_path / "absent").exists()
+
+
 def _add_empty_tensor(path: Path, shape: list[int]) -> None:
     """Give a safetensors file one more tensor, of zero elements, at the end of its data."""
     length = int.from_bytes(path.read_bytes()[:8], "little")
