@@ -29,7 +29,8 @@ def check_program_types(where: str, program: ProgramSignature, key: ProgramKey, 
     offset = len(manifest.executable_inputs)
     for index, (name, shape, dtype) in enumerate(weights):
         _compare(where, f"parameter {offset + index} (weight '{name}')", program.parameters[offset + index],
-                 shape, dtype, manifest_order=tuple(reversed(shape)))
+                 shape, dtype, manifest_order=tuple(reversed(shape)), declared_by="the weights file holds",
+                 reversed_hint=_WEIGHTS_REVERSED)
     outputs = manifest.executable_outputs
     if len(program.results) != len(outputs):
         raise ConfigError(f"{where}: the program returns {len(program.results)} result(s) but the manifest "
@@ -48,8 +49,16 @@ def _output_shape(tensor: ManifestTensor, batch_size: int | None) -> tuple[int, 
     return tuple(reversed(sizes))
 
 
+# A weight's shape is the weights file's, never the manifest's (the config hunt: blamed on the manifest's order).
+_WEIGHTS_REVERSED = (" (the shapes are reversed: a weights file whose __metadata__ lacks axis_order: xla is read in "
+                     "the legacy layout, its shapes column-major; export it again, or migrate its weights)")
+_MANIFEST_REVERSED = (" (the shapes are reversed: manifest shapes are column-major, batch axis last, and the "
+                      "program sees them reversed)")
+
+
 def _compare(where: str, what: str, actual: ProgramTensor, expected: tuple[int, ...], dtype: DType,
-             manifest_order: tuple[int, ...]) -> None:
+             manifest_order: tuple[int, ...], declared_by: str = "the bundle declares",
+             reversed_hint: str = _MANIFEST_REVERSED) -> None:
     if any(d < 0 for d in actual.shape):
         raise ConfigError(f"{where}: {what} has a dynamic shape {actual.describe()}; bundles need static "
                           "shapes (export one program per size)")
@@ -58,12 +67,9 @@ def _compare(where: str, what: str, actual: ProgramTensor, expected: tuple[int, 
     if shape_ok and actual.dtype is dtype:
         return
     wanted = ProgramTensor(expected, _element_type(dtype)).describe()
-    hint = ""
-    if not shape_ok and actual.shape == manifest_order and expected != manifest_order:
-        hint = (" (the shapes are reversed: manifest shapes are column-major, batch axis last, and the "
-                "program sees them reversed)")
-    raise ConfigError(f"{where}: {what} is {actual.describe()} in the program but the bundle declares "
-                      f"{wanted}{hint}")
+    reversed_shape = not shape_ok and actual.shape == manifest_order and expected != manifest_order
+    raise ConfigError(f"{where}: {what} is {actual.describe()} in the program but {declared_by} "
+                      f"{wanted}{reversed_hint if reversed_shape else ''}")
 
 
 def _element_type(dtype: DType) -> str:

@@ -94,13 +94,17 @@ def test_bundles_whose_types_the_load_refuses_are_unservable(tmp_path, capsys) -
     weights = load_weights(wrong_weight / "weights.safetensors")
     write_safetensors(wrong_weight / "weights.safetensors",
                       [(n, a.astype(np.float64) if n == weights[1][0] else a) for n, a in weights])
+    transposed = copy("transposed")  # a 2-D weight written the other way round
+    first_matrix = next(n for n, a in weights if a.ndim == 2)
+    write_safetensors(transposed / "weights.safetensors",
+                      [(n, np.ascontiguousarray(a.T) if n == first_matrix else a) for n, a in weights])
     swapped = copy("swapped")
     shutil.copyfile(swapped / "model.b1.mlir", swapped / "model.b8.mlir")
     good = copy("good")
     assert all(bundle_arity_report(b).servable for b in (wrong_dim, wrong_weight, swapped))
     assert main(["bundle", "check", str(tmp_path)]) == 1
     lines = capsys.readouterr().out.splitlines()
-    assert lines[-1] == "4 bundle(s), 3 unservable"
+    assert lines[-1] == "5 bundle(s), 4 unservable"
     by_bundle = {line.split(": ", 1)[0]: line for line in lines[:-1]}
     assert by_bundle[str(wrong_dim)] == (
         f"{wrong_dim}: UNSERVABLE: model.b1.mlir: parameter 0 (input 'input', manifest shape 'an') is "
@@ -108,6 +112,11 @@ def test_bundles_whose_types_the_load_refuses_are_unservable(tmp_path, capsys) -
     assert by_bundle[str(wrong_weight)].startswith(
         f"{wrong_weight}: UNSERVABLE: model.b1.mlir: parameter 2 (weight '{weights[1][0]}') is ")
     assert by_bundle[str(wrong_weight)].endswith("xf64>")
+    # (The config hunt: a weight's shape was said to be the bundle's declaration, with the manifest's hint.)
+    assert "in the program but the weights file holds tensor<" in by_bundle[str(transposed)]
+    assert by_bundle[str(transposed)].endswith(
+        "(the shapes are reversed: a weights file whose __metadata__ lacks axis_order: xla is read in the legacy "
+        "layout, its shapes column-major; export it again, or migrate its weights)"), by_bundle[str(transposed)]
     assert by_bundle[str(swapped)] == (
         f"{swapped}: UNSERVABLE: model.b8.mlir: parameter 0 (input 'input', manifest shape 'an') is "
         "tensor<1x16xf32> in the program but the bundle declares tensor<8x16xf32>")
