@@ -93,14 +93,53 @@ def split_bytes_elements(raw: bytes | memoryview, limit: int | None = None) -> l
     return elements
 
 
+# Up to this many elements, BYTES are joined from a list of parts; more, from arrays (see bytes_elements_buffer).
+_JOIN_AS_PARTS_UP_TO = 64
+
+
 def join_bytes_elements(array: np.ndarray) -> bytes:
     """KServe's BYTES serialization of an object array of ``bytes`` (str is UTF-8 encoded)."""
-    parts: list[bytes] = []
-    for element in array.reshape(-1):
-        data = element.encode("utf-8") if isinstance(element, str) else bytes(element)
-        parts.append(_LENGTH.pack(len(data)))
-        parts.append(data)
-    return b"".join(parts)
+    buffer = bytes_elements_buffer(array)
+    return buffer if isinstance(buffer, bytes) else bytes(buffer)
+
+
+def bytes_elements_buffer(array: np.ndarray) -> bytes | memoryview:
+    """:func:`join_bytes_elements`, as a view of a buffer of its own where that saves a copy.
+
+    Each element is its 4-byte little-endian length, then its bytes. Many
+    elements are laid out with numpy, never one Python object per length
+    prefix: a tensor of 20 million empty elements took 4.6 GiB joined from
+    parts (220 bytes an element), and its collection stalled the event loop
+    for seconds (a bug hunt); it takes about 40 bytes an element so.
+    """
+    flat = array.reshape(-1)
+    elements = [element if type(element) is bytes else
+                element.encode("utf-8") if isinstance(element, str) else bytes(element) for element in flat]
+    if len(elements) <= _JOIN_AS_PARTS_UP_TO:
+        parts: list[bytes] = []
+        for data in elements:
+            parts.append(_LENGTH.pack(len(data)))
+            parts.append(data)
+        return b"".join(parts)
+    count = len(elements)
+    lengths = np.fromiter(map(len, elements), dtype=np.int64, count=count)
+    if int(lengths.max()) > 0xFFFFFFFF:
+        raise ValueError(f"a BYTES element of {int(lengths.max())} bytes is past the 4-byte length prefix's bound")
+    data = b"".join(elements)
+    del elements
+    out = np.empty(4 * count + len(data), dtype=np.uint8)
+    prefix_at = np.cumsum(lengths)
+    prefix_at -= lengths
+    prefix_at += np.arange(0, 4 * count, 4, dtype=np.int64)  # where each element's length prefix starts
+    prefix_bytes = lengths.astype("<u4").view(np.uint8).reshape(count, 4)
+    del lengths
+    is_prefix = np.zeros(len(out), dtype=bool)
+    for byte in range(4):
+        out[prefix_at + byte] = prefix_bytes[:, byte]
+        is_prefix[prefix_at + byte] = True
+    if data:
+        out[~is_prefix] = np.frombuffer(data, dtype=np.uint8)
+    return memoryview(out)
 
 
 def tensor_bytes(tensor: NamedTensor) -> bytes:
@@ -125,6 +164,8 @@ def tensor_buffer(tensor: NamedTensor) -> bytes | memoryview:
             and data.dtype == tensor.dtype.little_endian):
         # A uint8 view first: extension dtypes (bfloat16) have no buffer format of their own.
         return memoryview(data.reshape(-1).view(np.uint8))
+    if tensor.dtype is DType.BYTES:
+        return bytes_elements_buffer(data)
     return tensor_bytes(tensor)
 
 

@@ -35,3 +35,41 @@ def test_bytes_elements_round_trip_and_reject_truncation() -> None:
         split_bytes_elements(raw[:-1])
     with pytest.raises(ValueError, match="inside a 4-byte length prefix"):
         split_bytes_elements(b"\x01\x00")
+
+
+@pytest.mark.parametrize("count", [0, 1, 64, 65, 3000])
+def test_many_bytes_elements_join_as_few_do(count: int) -> None:
+    """Past 64 elements the join is laid out with numpy: the same bytes as the element-by-element form."""
+    import random
+    import struct
+    from nereid.tensors import bytes_array, tensor_buffer
+
+    chooser = random.Random(count)
+    elements = [bytes(chooser.randrange(256) for _ in range(chooser.choice([0, 1, 3, 300]))) for _ in range(count)]
+    texts = np.empty(count, dtype=object)
+    texts[:] = [element if index % 7 else "héllo" for index, element in enumerate(elements)]
+    expected = b"".join(struct.pack("<I", len(e)) + e for e in
+                        (t.encode() if isinstance(t, str) else t for t in texts))
+    assert join_bytes_elements(texts) == expected
+    assert bytes(tensor_buffer(NamedTensor("x", DType.BYTES, texts))) == expected
+    assert split_bytes_elements(expected) == [t.encode() if isinstance(t, str) else t for t in texts]
+    assert join_bytes_elements(bytes_array(elements, (count,)).reshape(-1, 1) if count else bytes_array([], (0,))) \
+        == b"".join(struct.pack("<I", len(e)) + e for e in elements)
+
+
+def test_a_million_empty_bytes_elements_join_in_a_few_bytes_each() -> None:
+    """Found by a bug hunt: one Python object per 4-byte length prefix made a model's 20 million empty BYTES
+    elements take 4.6 GiB of the server (218 bytes an element) and stall its event loop for seconds."""
+    import tracemalloc
+    from nereid.tensors import bytes_array
+
+    count = 1_000_000
+    elements = bytes_array([b""] * count, (count,))
+    tracemalloc.start()
+    try:
+        joined = join_bytes_elements(elements)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert joined == b"\0" * (4 * count)
+    assert peak / count < 120, f"{peak / count:.0f} bytes an element"
