@@ -243,8 +243,9 @@ def validate_inputs(model: str, signature: ModelSignature, tensors: list[NamedTe
             )
         if tensor.dtype is not spec.dtype:
             raise _refusal(
-                f"model '{model}': input '{spec.name}' has datatype {tensor.dtype.kserve}, "
+                f"model '{model}': input '{spec.name}' has datatype {_tag(tensor.dtype)}, "
                 f"expected {spec.dtype.kserve}"
+                + ("" if isinstance(tensor.dtype, DType) else f" (a nereid DType: DType.{spec.dtype.name})")
             )
         data = tensor.data
         if type(data) is not np.ndarray and not isinstance(data, np.ndarray):
@@ -332,7 +333,10 @@ def check_outputs(model: str, signature: ModelSignature, outputs: Sequence[Named
         names = [getattr(t, "name", None) for t in islice(outputs, BRIEF_LIMIT)]
         raise ModelFailure(f"model '{model}' returned outputs {brief_repr(names)}, "
                            f"expected {signature.output_names}")
-    for tensor, spec in zip(outputs, expected):
+    for index, (tensor, spec) in enumerate(zip(outputs, expected)):
+        if not isinstance(tensor, NamedTensor):  # (named right, it passed, and failed on the wire: a bug hunt)
+            raise ModelFailure(f"model '{model}' returned a list whose item {index} is {brief_description(tensor)}, "
+                               f"expected a list of NamedTensor (outputs {signature.output_names})")
         if tensor.dtype is not spec.dtype:
             raise ModelFailure(f"model '{model}' returned output '{spec.name}' as "
                                f"{_tag(tensor.dtype)}, expected {spec.dtype.kserve}")

@@ -315,6 +315,24 @@ def test_a_bare_array_among_the_outputs_is_named_as_what_it_is() -> None:
         check_outputs("m", FP32_OUT, outputs, 1)
 
 
+def test_an_output_that_only_looks_like_a_named_tensor_is_named_as_what_it_is() -> None:
+    """Found by a bug hunt: an item with the right name, dtype and data passed, then failed on the wire with an
+    AttributeError naming no model (HTTP 500, gRPC INTERNAL), counted as neither a success nor a failure."""
+    import types
+    outputs = [types.SimpleNamespace(name="y", dtype=DType.FP32, data=np.zeros((1, 2), np.float32))]
+    with pytest.raises(ModelFailure, match=r"^model 'm' returned a list whose item 0 is SimpleNamespace .*, expected "
+                                           r"a list of NamedTensor \(outputs \['y'\]\)$"):
+        check_outputs("m", FP32_OUT, outputs, 1)
+
+
+def test_an_input_tagged_with_a_string_is_told_what_its_datatype_should_be() -> None:
+    """Found by a bug hunt: a meta model's sub-call input NamedTensor("x", "FP32", ...) failed with AttributeError:
+    'str' object has no attribute 'kserve', naming neither the input nor what was expected."""
+    with pytest.raises(InvalidArgument) as caught:
+        validate_inputs("m", BATCHED, [NamedTensor("x", "FP32", np.zeros((4, 3), np.float32))])
+    assert str(caught.value) == "model 'm': input 'x' has datatype 'FP32', expected FP32 (a nereid DType: DType.FP32)"
+
+
 # Each output made by its test, not at collection: every xdist worker collects every test, and would otherwise
 # build (and keep through the run, slowing each full garbage collection) 400,000 objects.
 @pytest.mark.parametrize("make_outputs, quoted", [
