@@ -393,6 +393,14 @@ class MetaModel:
         declared = self.signature().output_names
         if isinstance(result, list) and [getattr(t, "name", None) for t in result] == declared:
             return result  # the usual case; the scheduler checks each output's type and shape next
+        if inspect.iscoroutine(result):
+            # A plain function returning a coroutine (a lambda or functools.partial around an async def) runs on a
+            # worker thread and never awaits it: said so, and closed (never awaited, Python warned of it at a
+            # random later line of the log; a bug hunt).
+            result.close()
+            raise ModelFailure(f"meta model '{name}': orchestrate returned a coroutine, which nothing awaits: it is "
+                               "a plain function (a lambda or functools.partial around an async def, say); register "
+                               "the async def itself")
         if not isinstance(result, (list, tuple)) or not all(isinstance(t, NamedTensor) for t in result):
             raise ModelFailure(f"meta model '{name}': orchestrate must return a list of nereid.tensors.NamedTensor "
                                f"(outputs {declared}), got {type(result).__name__}")

@@ -504,3 +504,21 @@ def test_an_orchestrations_own_cancel_or_stop_iteration_is_its_fault_with_its_li
     x = [NamedTensor.from_array("x", np.ones((2, 4), np.float32))]
     with pytest.raises(ModelFailure, match=rf"^meta model 'm': orchestrate failed at model.py:4: {problem}$"):
         asyncio.run(built.backend.infer(x))
+
+
+def test_a_plain_function_returning_a_coroutine_is_told_to_register_the_async_def(tmp_path: Path) -> None:
+    """Found by a bug hunt: register_model(orchestrate=lambda i, c: real(i, c)) ran on a worker thread and failed
+    with "got coroutine", and Python's "never awaited" warning surfaced later at an unrelated line."""
+    import warnings
+
+    model_py = ("import nereid\nfrom nereid.tensors import NamedTensor\n"
+                "async def real(inputs, ctx):\n    return [NamedTensor('y', inputs[0].dtype, inputs[0].data)]\n"
+                "nereid.register_model(orchestrate=lambda inputs, ctx: real(inputs, ctx))\n")
+    built = build(meta_folder(tmp_path, "m", model_py))
+    x = [NamedTensor.from_array("x", np.ones((2, 4), np.float32))]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (the coroutine is closed: no "never awaited" warning)
+        with pytest.raises(ModelFailure, match=r"^meta model 'm': orchestrate returned a coroutine, which nothing "
+                                               r"awaits: it is a plain function .*register the async def itself$"):
+            asyncio.run(built.backend.infer(x))
+    built.backend.unload()
