@@ -33,6 +33,9 @@ def parse_options(runtime: Mapping[str, Any], origin: str) -> PythonOptions:
     options = RuntimeOptions(runtime, origin, "python", ("warm_start", "preload"))
     warm_start = options.boolean("warm_start", True)
     preload = options.get("preload", [])
-    if not isinstance(preload, list) or not all(isinstance(m, str) and _MODULE_NAME.match(m) for m in preload):
+    if not isinstance(preload, list):
         options.fail("preload", "must be a list of module names", preload)
+    for index, module in enumerate(preload):
+        if not isinstance(module, str) or not _MODULE_NAME.match(module):  # (the list alone named none: a bug hunt)
+            options.fail(f"preload[{index}]", "must be a module name such as numpy or sklearn.linear_model", module)
     return PythonOptions(warm_start, tuple(preload))

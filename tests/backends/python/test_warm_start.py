@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -470,6 +471,18 @@ def test_preloaded_modules_are_already_imported_in_the_child(repo, serve):
         '{"before": before}', prelude='before = sorted(m for m in ("decimal", "fractions") if m in sys.modules)'))
     server = serve(repo.write_config('- name: preloaded\n  runtime: {preload: [decimal, fractions]}\n'))
     assert ask(server, "preloaded") == {"before": ["decimal", "fractions"]}
+
+
+def test_a_preload_of_the_model_s_own_module_is_said_to_be_left_to_each_run(repo, serve, caplog):
+    """Found by a bug hunt: `preload: [helper]` naming the folder's own helper.py was skipped without a word."""
+    folder = repo.python("own", textproto=REPORT, main=reply_main('{"ok": 1}'))
+    (folder / "helper.py").write_text("VALUE = 1\n")
+    caplog.set_level(logging.WARNING, "nereid.backends.python.plugin")
+    server = serve(repo.write_config('- name: own\n  runtime: {preload: [decimal, helper]}\n'))
+    assert ask(server, "own") == {"ok": 1}
+    assert [r.getMessage() for r in caplog.records if "runtime.preload" in r.getMessage()] == [
+        "model 'own': runtime.preload names 'helper' of the model's own folder, which is never preloaded: each run "
+        "imports it fresh, so an edit takes effect on the next batch"]
 
 
 # -- falling back to cold starts ------------------------------------------------
