@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import pluggy
 
@@ -80,4 +80,23 @@ def nereid_add_commands(commands: Any) -> None:
         ``commands.add_parser(name, help=...)`` and give it
         ``set_defaults(run=fn)``, where ``fn(args) -> int`` runs the command
         and returns the exit code.
+    """
+
+
+@hookspec
+def nereid_check_defaults(defaults: Mapping[str, Any], origin: str) -> None:
+    """Refuse a mistake in this backend's defaults, nereid.yaml's ``backends: {<name>: {...}}``.
+
+    Asked of this backend alone, when nereid.yaml is read (``nereid serve``,
+    ``nereid check``, each edit in dynamic mode), whether or not a model of
+    this backend is served: a misspelt option is found before a model that
+    would use it arrives. Raise ConfigError naming ``<origin>.<key>``, as the
+    model's own runtime options are refused (``RuntimeOptions`` over
+    ``LayeredRuntime({}, defaults, origin)`` does that). The server logs it as
+    a WARNING and serves on (its models are refused with it when they load);
+    ``nereid check`` fails. Optional: without it, defaults are checked only as
+    each model of the backend loads.
+
+    :param defaults: the backend's defaults, as nereid.yaml gives them.
+    :param origin: where they are, for the message (``nereid.yaml: backends.python``).
     """

@@ -23,7 +23,7 @@ import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 import pluggy
 from pluggy._hooks import _SubsetHookCaller  # (pluggy's own subset caller; see subset_hook_caller)
@@ -362,9 +362,10 @@ def backend_names(manager: pluggy.PluginManager) -> list[str]:
     return sorted(impl.plugin_name for impl in _plain_impls(manager.hook.nereid_claim_model))
 
 
-def check_backend_defaults(manager: pluggy.PluginManager, defaults: Iterable[str], source: object) -> list[str]:
+def check_backend_defaults(manager: pluggy.PluginManager, defaults: Mapping[str, Any], source: object) -> list[str]:
     """ConfigError naming ``backends.<name>`` in ``source`` for defaults given to a backend that is not installed;
-    for one installed but left out (it could not be loaded), a line saying so is returned instead.
+    for one installed but left out (it could not be loaded), and for a mistake its backend finds in its defaults
+    (see :func:`defaults_problem`), a line saying so is returned instead.
 
     nereid.yaml is read before plugins are known, so a misspelt backend name
     there would otherwise be taken silently and apply to nothing. A plugin
@@ -380,7 +381,30 @@ def check_backend_defaults(manager: pluggy.PluginManager, defaults: Iterable[str
                 raise ConfigError(f"{source}: backends.{name}: no such backend is installed "
                                   f"(installed: {', '.join(installed)})")
             notes.append(f"{source}: backends.{name}: {left_out}; its defaults apply to nothing")
+        elif (problem := defaults_problem(manager, name, defaults[name] or {}, f"{source}: backends.{name}")):
+            notes.append(problem)
     return notes
+
+
+def defaults_problem(manager: pluggy.PluginManager, name: str, values: Mapping[str, Any], origin: str) -> str:
+    """What the backend ``name`` finds wrong in its ``values`` (nereid.yaml's ``backends.<name>``, at ``origin``),
+    asked through its ``nereid_check_defaults`` hook alone; "" when nothing, or when it has no such hook (its
+    models' loads check them). A model of it would be refused with the same reason when it loads; asked
+    beforehand, a misspelt option is found with no model of that backend served (a bug hunt: ``nereid check``
+    passed it)."""
+    plugin = manager.get_plugin(name)
+    if plugin is None or not any(impl.plugin is plugin for impl in manager.hook.nereid_check_defaults.get_hookimpls()):
+        return ""
+    others = [other for other_name, other in manager.list_name_plugin() if other_name != name]
+    try:
+        manager.subset_hook_caller("nereid_check_defaults", remove_plugins=others)(defaults=dict(values),
+                                                                                    origin=origin)
+    except ConfigError as err:
+        return str(err)
+    except plugin_failures() as err:
+        described = manager.describe(name) if isinstance(manager, NereidPluginManager) else f"plugin '{name}'"
+        return f"{origin}: the {described}'s nereid_check_defaults raised {error_text(err)}"
+    return ""
 
 
 def _plain_impls(hook: pluggy.HookCaller) -> list[pluggy.HookImpl]:

@@ -64,3 +64,9 @@ class RuntimeOptions:
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             self.fail(key, f"must be an integer >= {minimum}", value)
         return value
+
+
+def defaults_options(defaults: Mapping[str, Any], origin: str, backend: str, allowed: Iterable[str]) -> RuntimeOptions:
+    """A backend's defaults (nereid.yaml's ``backends.<backend>``, at ``origin``) read as a model's runtime would
+    read them, unknown keys refused: for a backend's ``nereid_check_defaults`` hook."""
+    return RuntimeOptions(LayeredRuntime({}, defaults, origin), origin, backend, allowed)

@@ -13,6 +13,7 @@ from nereid.backends.scratch import require_executable_folder, scratch_folder_re
 from nereid.backends.subprocess.model import SubprocessModel
 from nereid.errors import ModelFailure
 from nereid.hookspecs import hookimpl
+from nereid.runtime_options import defaults_options
 from nereid.leftovers import make_private_folder
 
 BACKEND_NAME = "cpp"
@@ -107,3 +108,9 @@ def nereid_claim_model(folder: Path, declared: bool) -> BackendClaim | None:
 def nereid_claim_signs() -> str:
     """What makes this backend claim a folder, for the reason of a folder no backend claimed."""
     return "main.cpp"
+
+
+@hookimpl
+def nereid_check_defaults(defaults: dict, origin: str) -> None:
+    """The cpp backend has no runtime options: any key in nereid.yaml's ``backends.cpp`` is refused."""
+    defaults_options(defaults, origin, BACKEND_NAME, ())

@@ -12,7 +12,9 @@ from typing import Any
 from nereid.backend import BackendClaim
 from nereid.backends.cxx.build import header_path
 from nereid.backends.cxx.model import CxxModel
+from nereid.backends.cxx.options import ALLOWED_KEYS
 from nereid.hookspecs import hookimpl
+from nereid.runtime_options import defaults_options
 from nereid.signature import TEXTPROTO_NAME
 
 BACKEND_NAME = "cxx"
@@ -49,3 +51,10 @@ def nereid_add_commands(commands: Any) -> None:
     """``nereid cxx-header``: print where the cxx backend's C header is installed."""
     command = commands.add_parser("cxx-header", help="print the path of nereid_cxx.h, the C header of the cxx backend")
     command.set_defaults(run=lambda args: print(header_path()) or 0)
+
+
+@hookimpl
+def nereid_check_defaults(defaults: dict, origin: str) -> None:
+    """Refuse an unknown key in nereid.yaml's ``backends.cxx``, served model or not (a library or sources there
+    are read, against each model's folder, when a model loads)."""
+    defaults_options(defaults, origin, BACKEND_NAME, ALLOWED_KEYS)

@@ -21,6 +21,7 @@ from nereid.backends.scratch import scratch_folder_refused
 from nereid.backends.subprocess.model import SubprocessModel
 from nereid.backends.subprocess.runner import ProcessResult, StdinData
 from nereid.hookspecs import hookimpl
+from nereid.runtime_options import LayeredRuntime
 from nereid.signature import TEXTPROTO_NAME
 
 log = logging.getLogger(__name__)
@@ -220,3 +221,9 @@ def nereid_claim_model(folder: Path, declared: bool) -> BackendClaim | None:
 def nereid_claim_signs() -> str:
     """What makes this backend claim a folder, for the reason of a folder no backend claimed."""
     return "main.py"
+
+
+@hookimpl
+def nereid_check_defaults(defaults: dict, origin: str) -> None:
+    """Refuse a mistake in nereid.yaml's ``backends.python`` (``warm_sart``), served model or not."""
+    parse_options(LayeredRuntime({}, defaults, origin), origin)

@@ -11,7 +11,9 @@ from nereid.backend import BackendClaim
 from nereid.backends.xla.bundle import not_a_folder_reason
 from nereid.backends.xla.manifest import MANIFEST_NAME, declares_meta
 from nereid.backends.xla.model import create_model
+from nereid.backends.xla.options import parse_options
 from nereid.hookspecs import hookimpl
+from nereid.runtime_options import LayeredRuntime
 
 BACKEND_NAME = "xla"
 
@@ -123,3 +125,7 @@ def check_bundles(dirs: list[Path]) -> int:
     return 2 if not_folders else 1 if unservable else 0
 
 
+@hookimpl
+def nereid_check_defaults(defaults: dict, origin: str) -> None:
+    """Refuse a mistake in nereid.yaml's ``backends.xla`` (``batch_sizes: smallest``), served model or not."""
+    parse_options(LayeredRuntime({}, defaults, origin), origin)

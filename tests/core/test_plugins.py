@@ -18,7 +18,8 @@ from tritonclient.utils import InferenceServerException
 import toy_backends
 from nereid import hookspecs
 from nereid.backend import BackendClaim
-from nereid.plugins import backend_names, claim_folder, hook_problems, make_plugin_manager, plugin_code
+from nereid.plugins import (backend_names, check_backend_defaults, claim_folder, hook_problems,
+                            make_plugin_manager, plugin_code)
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
@@ -100,6 +101,45 @@ def test_plugin_code_names_each_installed_plugin_s_package_or_module_and_none_of
         for name in ("acme_backends", "acme_backends.plus"):
             sys.modules.pop(name, None)
     assert plugin_code(make_plugin_manager(load_entry_points=False)) == []
+
+
+def test_each_backend_checks_its_defaults_with_no_model_of_it_served() -> None:
+    """Found by a bug hunt: `backends: {cxx: {bogus: 1}}` passed nereid check (exit 0) and serve said nothing when
+    no cxx model was served: the options were read only by a model's load."""
+    manager = make_plugin_manager(load_entry_points=False)
+    defaults = {"python": {"warm_sart": False}, "xla": {"batch_sizes": "smallest"}, "cxx": {"bogus": 1},
+                "cpp": {"flags": "-O3"}, "meta": {"x": 1}}
+    assert check_backend_defaults(manager, defaults, "n.yaml") == [
+        "n.yaml: backends.python.warm_sart: unknown option of the python backend (allowed: preload, warm_start), "
+        "got false",
+        "n.yaml: backends.xla.batch_sizes: must be one of all, largest, got 'smallest'",
+        "n.yaml: backends.cxx.bogus: unknown option of the cxx backend (allowed: library, sources), got 1",
+        "n.yaml: backends.cpp.flags: unknown option of the cpp backend (it has no runtime options), got '-O3'",
+        "n.yaml: backends.meta.x: unknown option of the meta backend (it has no runtime options), got 1"]
+    good = {"python": {"warm_start": False, "preload": ["numpy"]}, "xla": {"batch_sizes": "largest"},
+            "cxx": {"sources": ["a.cpp"]}, "cpp": None, "meta": {}}
+    assert check_backend_defaults(manager, good, "n.yaml") == []
+
+
+class FussyDefaults:
+    """A backend whose defaults check raises what is no ConfigError."""
+
+    BACKEND_NAME = "fussy"
+
+    @hookspecs.hookimpl
+    def nereid_claim_model(self, folder, declared):
+        return None
+
+    @hookspecs.hookimpl
+    def nereid_check_defaults(self, defaults, origin):
+        raise RuntimeError("checker bug")
+
+
+def test_a_defaults_check_that_fails_is_the_plugin_s_named_problem_and_one_without_it_is_not_asked() -> None:
+    manager = make_plugin_manager(load_entry_points=False, extra_plugins=(FussyDefaults(), toy_backends))
+    notes = check_backend_defaults(manager, {"fussy": {"a": 1}, "toy": {"anything": 1}}, "n.yaml")
+    assert notes == ["n.yaml: backends.fussy: the plugin 'fussy''s nereid_check_defaults raised RuntimeError: "
+                     "checker bug"]
 
 
 def test_installed_backend_serves_a_model(installed_addone, repo, serve) -> None:
@@ -619,7 +659,7 @@ def test_a_plugin_implementing_no_nereid_hook_is_left_out_saying_what_to_fix(sit
     finally:
         for *_, module, _source in HOOKLESS_PLUGINS:
             sys.modules.pop(module, None)
-    hooks = "nereid_add_commands, nereid_claim_model, nereid_claim_signs, nereid_declaration_hint"
+    hooks = "nereid_add_commands, nereid_check_defaults, nereid_claim_model, nereid_claim_signs, nereid_declaration_hint"
     assert {p.plugin.split(" ")[1]: p.what for p in manager.problems} == {
         "'typo_hook'": f"left out: unknown hook 'nereid_claim_models' (did you mean nereid_claim_model?); "
                        f"nereid's hooks are: {hooks}",
