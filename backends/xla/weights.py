@@ -54,7 +54,8 @@ class BundleFiles(Protocol):
     """The files of one bundle folder, wherever it lives."""
 
     def names(self) -> list[str]:
-        """The names of the regular files directly in the folder."""
+        """The names of the entries directly in the folder, of any type: one that should be a weights file and is
+        a folder or a FIFO is named as such when it is read (left out, it was skipped without a word)."""
 
     def where(self, name: str) -> str:
         """The file's path or URL, for messages."""
@@ -74,7 +75,7 @@ class LocalBundleFiles:
 
     def names(self) -> list[str]:
         try:
-            return sorted(p.name for p in self.folder.iterdir() if p.is_file())
+            return sorted(p.name for p in self.folder.iterdir())
         except OSError as err:
             raise ConfigError(f"{self.folder}: cannot list: {err.strerror or err}") from None
 

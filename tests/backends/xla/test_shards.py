@@ -93,6 +93,21 @@ def test_a_shard_the_map_names_that_is_not_there_fails(sharded) -> None:
         resolve_weights(LocalBundleFiles(sharded))
 
 
+@pytest.mark.parametrize("with_index", [True, False])
+@pytest.mark.parametrize("kind", ["FIFO", "directory"])
+def test_a_folder_or_fifo_where_a_shard_should_be_is_named_as_such(sharded, with_index: bool, kind: str) -> None:
+    """Found by the config hunt: a FIFO or folder in a shard's place was said to be "not a file of the bundle" with
+    an index, and skipped without a word without one (then the program's argument count failed, with a hint
+    about captured constants)."""
+    import os
+    (sharded / SHARDS[2]).unlink()
+    os.mkfifo(sharded / SHARDS[2]) if kind == "FIFO" else (sharded / SHARDS[2]).mkdir()
+    if not with_index:
+        (sharded / INDEX_FILE).unlink()
+    with pytest.raises(ConfigError, match=rf"{SHARDS[2]}: is a {kind}, not a regular file"):
+        resolve_weights(LocalBundleFiles(sharded))
+
+
 @pytest.mark.parametrize("index_text", ["{not json", '{"metadata": {}}', "\xff"],
                          ids=["undecodable", "no weight_map", "not UTF-8"])
 def test_an_undecodable_index_falls_back_to_the_files_in_name_order(sharded, caplog, index_text) -> None:
