@@ -427,6 +427,9 @@ class DataPlane:
         except NereidError as err:
             model.stats.record_failure(time.monotonic_ns() - received_ns, err.reason)
             raise
+        except Exception:  # a failure of the encoder itself (the caller answers INTERNAL): still counted, once
+            model.stats.record_failure(time.monotonic_ns() - received_ns, NereidError.reason)
+            raise
         except asyncio.CancelledError:  # gone while its answer was encoded
             self._count_ended(model, request, received_ns)
             raise

@@ -417,8 +417,12 @@ def test_an_answer_its_protocol_cannot_encode_counts_as_a_failure_even_when_enco
         with pytest.raises(ModelFailure, match="past what one message carries"):
             await plane.infer_encoded(request(), too_large)
         assert await plane.infer_encoded(request(), encoded) == b"wire"
+        # An encoder that fails on its own (the pipeline hunt: an output it could not read, AttributeError) is the
+        # caller's INTERNAL answer: counted as a failure too, where it was counted nowhere.
+        with pytest.raises(AttributeError):
+            await plane.infer_encoded(request(), lambda response: response.nothing_there)
         ((_, stats),) = plane.statistics("toy")
-        assert (stats.success.count, stats.fail.count) == (1, 1)
+        assert (stats.success.count, stats.fail.count) == (1, 2)
         await plane.unload("toy")
     asyncio.run(scenario())
 
