@@ -286,8 +286,8 @@ def _innermost(frame: types.FrameType | None, plugin_folders: tuple[str, ...] = 
 
 def _is_model_code(filename: str, plugin_folders: tuple[str, ...] = ()) -> bool:
     """Whether code of ``filename`` is a model's own: an installed backend plugin's (``plugin_folders``: package
-    folders, each ending in a separator, and module files), or neither a library's (see :func:`_library_folders`) nor code with no file
-    (``<string>``, ``<frozen ...>``)."""
+    folders, each ending in a separator, and module files), or neither a library's (see
+    :func:`_library_folders`) nor code with no file (``<string>``, ``<frozen ...>``)."""
     if filename.startswith(plugin_folders):
         return True
     return not filename.startswith(_library_folders()) and not filename.startswith("<")

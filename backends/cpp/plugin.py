@@ -13,8 +13,8 @@ from nereid.backends.scratch import require_executable_folder, scratch_folder_re
 from nereid.backends.subprocess.model import SubprocessModel
 from nereid.errors import ModelFailure
 from nereid.hookspecs import hookimpl
-from nereid.runtime_options import defaults_options
 from nereid.leftovers import make_private_folder
+from nereid.runtime_options import defaults_options
 
 BACKEND_NAME = "cpp"
 SOURCE_FILE = "main.cpp"
