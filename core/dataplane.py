@@ -15,6 +15,7 @@ import inspect
 import logging
 import re
 import time
+from dataclasses import dataclass
 from typing import Awaitable, Callable, Coroutine, Iterable, NoReturn, TypeVar
 
 from nereid import __version__
@@ -22,7 +23,7 @@ from nereid.classification import check_classifiable, classify
 from nereid.errors import (DeadlineExceeded, InvalidArgument, ModelFailure, ModelRetired, NereidError, NotFound,
                            PermissionDenied, PublicText, Unavailable, Unimplemented, describe_exception,
                            shown_name)
-from nereid.model_entry import FOUND_AFTER_START_REASON, NOT_LISTED_REASON, LoadedModel, ModelEntry, ModelState
+from nereid.model_entry import FOUND_AFTER_START_REASON, NOT_LISTED_REASON, LoadedModel, ModelState
 from nereid.model_info import (MODEL_VERSION, IndexEntry, ModelConfig, ModelMetadata, describe_config,
                                describe_metadata)
 from nereid.repository import ModelRepository
@@ -111,6 +112,17 @@ def _encodable(text: str) -> str:
     except UnicodeEncodeError:
         return text.encode("utf-8", "backslashreplace").decode("utf-8")
     return text
+
+
+@dataclass(frozen=True)
+class _LoadOutcome:
+    """How one client's load ended, read from its model's entry as it ended."""
+
+    state: ModelState
+    reason: str
+    store_fault: bool
+    waiting_on_dependencies: bool
+    abandoned: str  # why an unload gave up on it ("" if none did)
 
 
 class DataPlane:
@@ -314,23 +326,23 @@ class DataPlane:
                 f"model '{name}': load parameters {', '.join(map(shown_name, keys[:4]))} are "
                 "not supported (nereid loads a model only from its folder in ml_backends_path and nereid.yaml); "
                 "change those and load again without parameters"))
-        entry, abandoned = await self._to_its_end(self._load(name), f"load of model '{name}'",
-                                                  abandoned=f"model '{name}': load abandoned (the server is "
-                                                            "stopping); load it again once the server serves")
-        if abandoned:  # an unload that came meanwhile gave up on it: no fault of the model's
-            raise Unavailable(abandoned)
-        if entry.waiting_on_dependencies():
+        outcome = await self._to_its_end(self._load(name), f"load of model '{name}'",
+                                         abandoned=f"model '{name}': load abandoned (the server is stopping); load "
+                                                   "it again once the server serves")
+        if outcome.abandoned:  # an unload that came meanwhile gave up on it: no fault of the model's
+            raise Unavailable(outcome.abandoned)
+        if outcome.waiting_on_dependencies:
             # Loaded, and kept: it turns READY by itself once the models it calls are. "failed to load" (INTERNAL)
             # said otherwise, and a client could not tell why the model was READY a moment later.
-            raise Unavailable(f"model '{name}' is loaded but not ready: {entry.reason}; it becomes READY by itself "
+            raise Unavailable(f"model '{name}' is loaded but not ready: {outcome.reason}; it becomes READY by itself "
                               "once every model it calls is READY (unload it to stop it waiting)")
-        if entry.store_fault and (entry.state is not ModelState.READY or entry.reason):
+        if outcome.store_fault and (outcome.state is not ModelState.READY or outcome.reason):
             # The store could not be read (down, credentials): for the client to try again, as a load the store
             # cannot answer before it starts is; INTERNAL would blame the model.
             # (The store's reason says what to do: check a variable, load again once an upload is complete.)
-            raise Unavailable(f"failed to load model '{name}' from its store: {entry.reason}")
-        if entry.state is not ModelState.READY or entry.reason:  # (READY with a reason: the old version serves on)
-            raise ModelFailure(f"failed to load model '{name}': {entry.reason}")
+            raise Unavailable(f"failed to load model '{name}' from its store: {outcome.reason}")
+        if outcome.state is not ModelState.READY or outcome.reason:  # (READY with a reason: the old version serves on)
+            raise ModelFailure(f"failed to load model '{name}': {outcome.reason}")
 
     async def unload(self, name: str, unload_dependents: bool = False, rpc: str = "RepositoryModelUnload") -> None:
         """Unload a model once its queued and running requests have finished.
@@ -345,13 +357,17 @@ class DataPlane:
         self._check_repository_control(rpc)
         await self._to_its_end(self._unload(name), f"unload of model '{name}'")
 
-    async def _load(self, name: str) -> tuple[ModelEntry, str]:
-        """The repository's load of ``name``, then the change reported; the entry, and why it was abandoned."""
+    async def _load(self, name: str) -> _LoadOutcome:
+        """The repository's load of ``name``, then the change reported; how this load ended."""
         entry = await self.repository.load(name, requested=True)
-        abandoned = entry.abandoned  # (read before any wait: the next load clears it)
+        # Read before any wait: a load of the name that waited for this one starts as soon as this task yields,
+        # and sets the entry LOADING with no reason (two overlapping loads answered the first one's failure
+        # "failed to load model 'm': ", its reason lost; a bug hunt).
+        outcome = _LoadOutcome(entry.state, entry.reason, entry.store_fault, entry.waiting_on_dependencies(),
+                               entry.abandoned)
         if self._on_change is not None:
             await self._on_change()
-        return entry, abandoned
+        return outcome
 
     async def _unload(self, name: str) -> None:
         await self.repository.unload(name)

@@ -16,7 +16,7 @@ import pytest
 import toy_backends
 from nereid.dataplane import CLIENT_DEADLINE_SLACK_NS, DataPlane, cancellation_reason, past_grace_message
 from nereid.dtypes import DType
-from nereid.errors import InvalidArgument, ModelFailure, NereidError, NotFound, PermissionDenied, Unavailable
+from nereid.errors import ConfigError, InvalidArgument, ModelFailure, NereidError, NotFound, PermissionDenied, Unavailable
 from nereid.plugins import make_plugin_manager
 from nereid.repository import ModelRepository
 from nereid.settings import load_settings
@@ -378,6 +378,34 @@ def held_infer(monkeypatch) -> tuple[threading.Event, threading.Event]:
 
     monkeypatch.setattr(toy_backends.ToyModel, "infer", held)
     return running, release
+
+
+def test_two_overlapping_loads_that_fail_each_answer_with_the_reason(tmp_path, monkeypatch):
+    """Found by a bug hunt: of two RepositoryModelLoads of a failing model sent 0.1 s apart, the first answered
+    "failed to load model 'spare': " with nothing after the colon: it read the entry after the second load had
+    begun, LOADING with no reason yet."""
+    plane = toy_dataplane(tmp_path)
+    entered, release = threading.Event(), threading.Event()
+
+    def failing(self) -> None:
+        entered.set()
+        release.wait(10)
+        raise ConfigError(f"model '{self.context.name}': weights.bin is cut short")
+
+    monkeypatch.setattr(toy_backends.ToyModel, "load", failing)
+
+    async def scenario() -> None:
+        first = await load_begun(plane, "spare", entered)
+        second = asyncio.ensure_future(plane.load("spare"))
+        await asyncio.sleep(0.1)  # (the second waits for the first to end)
+        release.set()
+        for load in (first, second):
+            with pytest.raises(ModelFailure, match=r"^failed to load model 'spare': .*weights.bin is cut short"):
+                await asyncio.wait_for(load, 5)
+    try:
+        asyncio.run(scenario())
+    finally:
+        release.set()
 
 
 def test_a_load_an_unload_gave_up_on_is_unavailable_not_a_model_fault(tmp_path, monkeypatch):
