@@ -437,8 +437,8 @@ def _materialize(location: StoreURL, name: str, folder: Path,
             parts = relative.split("/")
             if any(p in ("", ".", "..") for p in parts):
                 raise StorageError(f"{folder_url}: object key {meta['path']!r} is not a safe relative path")
-            if any(p.startswith(".") for p in parts):
-                continue  # hidden, as locally (a .cache/ uploaded by mistake)
+            if _mirror_internal(parts[0]):
+                continue  # the server's own names (a .cache/ uploaded by mistake); other hidden files are the model's
             item = RemoteObject(meta["path"], int(meta["size"]), meta.get("e_tag"), meta.get("version"))
             if streams and relative.endswith(STREAMED_SUFFIX):
                 streamed[relative] = item
@@ -1038,11 +1038,19 @@ def _clear_conflicts(folder: Path, relatives: Iterable[str]) -> None:
             shutil.rmtree(target)
 
 
+def _mirror_internal(name: str) -> bool:
+    """Whether ``name``, directly in a mirrored model folder, is the server's own (the executable cache, the
+    record of what was fetched, the versions, a fetch's staging folder): never fetched, never removed as stale.
+    Any other hidden file is the model's, fetched as any file is (`.scale` beside main.py, a cpp model's
+    `.gen/factor.h`: skipped, the model worked from a local folder and failed from a bucket; a bug hunt)."""
+    return name == CACHE_SUBFOLDER or name.startswith(".nereid-")
+
+
 def _remove_others(folder: Path, keep: set[str]) -> None:
     """Remove local files the store no longer has (the executable cache and the marker stay)."""
     for path in sorted(folder.rglob("*"), reverse=True):
         relative = path.relative_to(folder)
-        if relative.parts[0] in (CACHE_SUBFOLDER, MARKER_FILE) or relative.parts[0].startswith("."):
+        if _mirror_internal(relative.parts[0]):
             continue
         if path.is_dir() and not path.is_symlink():
             with contextlib.suppress(OSError):

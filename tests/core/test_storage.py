@@ -20,7 +20,7 @@ import pytest
 import tritonclient.grpc as triton
 from tritonclient.utils import InferenceServerException
 
-from moto_s3 import bucket_state, iter_files, upload_folder
+from moto_s3 import BUCKET, bucket_state, iter_files, upload_folder
 from nereid.errors import ConfigError
 from nereid.settings import load_settings
 from nereid.storage import StoreURL, mirror_root, parse_store_url
@@ -564,6 +564,32 @@ def test_a_python_model_gets_its_own_safetensors_files_on_disk(s3, tmp_path) -> 
     local = materialize_model_folder(load_settings(config).server, "reader")
     assert (local / "table.safetensors").read_bytes() == b"not really, but a file"
     assert read_marker(local).streamed == {}
+
+
+def test_a_model_s_hidden_files_are_fetched_and_the_server_s_own_names_are_not(s3, tmp_path) -> None:
+    """Found by a bug hunt: hidden files were skipped, so a main.py reading its .scale, or a cpp model including
+    .gen/factor.h, worked from a local folder and failed from a bucket. A .cache/ (a build uploaded by mistake)
+    and the server's .nereid-* names stay out; a hidden file gone from the bucket goes from the mirror."""
+    from nereid.storage import materialize_model_folder
+
+    source = tmp_path / "source"
+    folder = _python_folder(source, "hid")
+    (folder / ".scale").write_text("160")
+    (folder / ".gen").mkdir()
+    (folder / ".gen" / "factor.h").write_text("#define FACTOR 3\n")
+    (folder / ".cache").mkdir()
+    (folder / ".cache" / "built.so").write_bytes(b"not for the server")
+    (folder / ".nereid-remote.json").write_text("{}")
+    upload_folder(s3.store, source, s3.prefix)
+    server = load_settings(_config(tmp_path, s3.url())).server
+    local = materialize_model_folder(server, "hid")
+    assert (local / ".scale").read_text() == "160" and (local / ".gen" / "factor.h").exists()
+    assert not (local / ".cache" / "built.so").exists()
+    assert {".scale", ".gen/factor.h"} <= set(read_marker(local).fetched)
+    assert not {name for name in read_marker(local).fetched if name.startswith((".cache", ".nereid-"))}
+    _boto(s3).delete_object(Bucket=BUCKET, Key=f"{s3.prefix}/hid/.scale")
+    local = materialize_model_folder(server, "hid")
+    assert not (local / ".scale").exists() and (local / ".gen" / "factor.h").exists()
 
 
 def test_console_folder_markers_are_skipped_and_a_file_folder_clash_is_named(s3, tmp_path) -> None:
