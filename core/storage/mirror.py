@@ -74,6 +74,8 @@ FETCH_CONCURRENCY = 16
 # last): a folder's files are fetched FETCH_CONCURRENCY at a time, so memory holds about that many pieces
 # however large the files are (a python model's own weights may be gigabytes each).
 FETCH_CHUNK_BYTES = 1 << 20
+# A file larger than this is fetched one range of it per request (see _received_whole).
+FETCH_RANGE_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -948,6 +950,8 @@ def _fetch(store: Any, folder_url: StoreURL, item: RemoteObject, target: Path) -
 
     url = f"{folder_url.bucket_url}/{item.key}"
     options: dict[str, Any] = {"if_match": item.etag} if item.etag else {}
+    if item.size > FETCH_RANGE_BYTES:
+        options["range"] = (0, FETCH_RANGE_BYTES)
     try:
         with store_call(folder_url.scheme):
             result = obstore.get(store, item.key, options=options)
@@ -963,7 +967,7 @@ def _fetch(store: Any, folder_url: StoreURL, item: RemoteObject, target: Path) -
         target.parent.mkdir(parents=True, exist_ok=True)
         # Written piece by piece as the bytes arrive (a StorageError from the store mid-way, or a size other than
         # the listing's, removes the temporary file and leaves ``target`` as it was).
-        atomic_write(target, _received(result, url, item.size, folder_url.scheme))
+        atomic_write(target, _received_whole(store, result, url, item, folder_url.scheme))
         written = os.lstat(target)
     except OSError as err:
         raise _cache_write_failed(url, "write it into", target, err) from None
@@ -973,13 +977,41 @@ def _fetch(store: Any, folder_url: StoreURL, item: RemoteObject, target: Path) -
     return replace(item, mtime_ns=written.st_mtime_ns)
 
 
-def _received(result: Any, url: str, size: int, scheme: str) -> Iterator[memoryview]:
+def _received_whole(store: Any, first: Any, url: str, item: RemoteObject, scheme: str) -> Iterator[memoryview]:
+    """The bytes of ``item`` as they arrive: those of the GET ``first``, then, for a file of more than
+    FETCH_RANGE_BYTES, of one ranged GET after another (each must match the listing's ETag).
+
+    Each request is bounded by the store client's timeout (30 s), so a whole-file GET of a large file on a slow
+    link could never finish, and every retry failed the same way (a bug hunt: 100 MB at 3 MB/s); a range of
+    FETCH_RANGE_BYTES fits it down to about half a megabyte a second.
+    """
+    import obstore
+
+    yield from _received(first, url, min(item.size, FETCH_RANGE_BYTES), scheme, total=item.size)
+    for start in range(FETCH_RANGE_BYTES, item.size, FETCH_RANGE_BYTES):
+        end = min(start + FETCH_RANGE_BYTES, item.size)
+        options: dict[str, Any] = {"range": (start, end)}
+        if item.etag:
+            options["if_match"] = item.etag  # (a file replaced mid-fetch fails, never mixes two versions)
+        try:
+            with store_call(scheme):
+                result = obstore.get(store, item.key, options=options)
+        except Exception as err:
+            raise StorageError(f"{url}: cannot fetch: the store failed after {start} of {item.size} bytes: "
+                               f"{describe_error(err, scheme)}") from None
+        yield from _received(result, url, end - start, scheme, offset=start, total=item.size)
+
+
+def _received(result: Any, url: str, size: int, scheme: str, offset: int = 0,
+              total: int | None = None) -> Iterator[memoryview]:
     """The bytes of the GET ``result`` of ``url`` as they arrive, about FETCH_CHUNK_BYTES at a time.
 
     StorageError naming ``url`` when the store fails mid-way or sends other
-    than the ``size`` bytes the listing gave (it stops reading as soon as it
-    has more).
+    than the ``size`` bytes asked for (it stops reading as soon as it has
+    more). ``offset`` and ``total``: where those bytes lie in the file, and its
+    size (the listing's), for the messages; by default, the whole file.
     """
+    total = size if total is None else total
     received = 0
     try:
         with store_call(scheme):
@@ -991,16 +1023,16 @@ def _received(result: Any, url: str, size: int, scheme: str) -> Iterator[memoryv
             with store_call(scheme):
                 chunk = next(stream, None)
         except Exception as err:
-            raise StorageError(f"{url}: cannot fetch: the store failed after {received} of {size} bytes: "
+            raise StorageError(f"{url}: cannot fetch: the store failed after {offset + received} of {total} bytes: "
                                f"{describe_error(err, scheme)}") from None
         if chunk is None:
             break
         received += len(chunk)
         if received > size:
-            raise StorageError(f"{url}: fetched at least {received} bytes, but the listing says {size}")
+            raise StorageError(f"{url}: fetched at least {offset + received} bytes, but the listing says {total}")
         yield memoryview(chunk)
     if received != size:
-        raise StorageError(f"{url}: fetched {received} bytes, but the listing says {size}")
+        raise StorageError(f"{url}: fetched {offset + received} bytes, but the listing says {total}")
 
 
 def _cache_write_failed(url: str, what: str, path: Path, err: OSError) -> StorageError:

@@ -592,6 +592,32 @@ def test_a_model_s_hidden_files_are_fetched_and_the_server_s_own_names_are_not(s
     assert not (local / ".scale").exists() and (local / ".gen" / "factor.h").exists()
 
 
+def test_a_large_file_is_fetched_one_range_per_request(s3, tmp_path, monkeypatch) -> None:
+    """Found by a bug hunt: each file came in one GET, which the store client ends at 30 s, so a 100 MB file at
+    3 MB/s could never be fetched, however often it was tried. Ranges of FETCH_RANGE_BYTES each (small here)."""
+    import obstore
+    from nereid.storage import materialize_model_folder, mirror
+
+    monkeypatch.setattr(mirror, "FETCH_RANGE_BYTES", 100_000)
+    get = obstore.get
+    ranges = []
+
+    def counted(store, key, options=None):
+        if key.endswith("data.bin"):
+            ranges.append((options or {}).get("range"))
+        return get(store, key, options=options)
+
+    monkeypatch.setattr(obstore, "get", counted)
+    source = tmp_path / "source"
+    folder = _python_folder(source, "big")
+    data = bytes(range(256)) * 1368 + b"!"  # 350,209 bytes: three whole ranges and a part
+    (folder / "data.bin").write_bytes(data)
+    upload_folder(s3.store, source, s3.prefix)
+    local = materialize_model_folder(load_settings(_config(tmp_path, s3.url())).server, "big")
+    assert (local / "data.bin").read_bytes() == data
+    assert ranges == [(0, 100_000), (100_000, 200_000), (200_000, 300_000), (300_000, 350_209)]
+
+
 def test_console_folder_markers_are_skipped_and_a_file_folder_clash_is_named(s3, tmp_path) -> None:
     # The AWS console's "Create folder" (and `aws s3api put-object --key dir/`) stores a zero-byte object
     # whose key ends in "/"; the listing shows it without the slash, named like the folder itself.
