@@ -184,7 +184,9 @@ class DataPlane:
     def count_failure(self, model_name: str, reason: str) -> None:
         """Count against its model a request that failed before :meth:`infer` with ``reason`` (a client gone
         before its request could start: ``cancelled``)."""
-        model = self._serving(model_name)
+        # (Or the version loaded but not READY, a meta model waiting for a model it calls: its statistics list the
+        # requests it refuses, a wrong version or an unreadable body included; a bug hunt found them uncounted.)
+        model = self._serving(model_name) or self.repository.loaded_version(model_name)
         if model is not None:
             model.stats.record_failure(0, reason)
 
@@ -229,14 +231,16 @@ class DataPlane:
 
     def check_target(self, name: str, version: str) -> None:
         """What the protocols ask before they read a request's body: :meth:`check_version`, then Unavailable for a
-        model that is not ready (counted as :meth:`infer` counts it).
+        model that is not ready; the caller counts what it answers with :meth:`refused`.
 
         As Triton answers: it finds the model before it reads the inputs, so a
         malformed request to a model still loading is told to come back later
         (UNAVAILABLE), not that its request is wrong (found by a bug hunt).
         """
         self.check_version(name, version)
-        self._ready_or_refused(name)
+        # Not counted here: the protocols count what they answer (refused), which may be the listener's 400 for a
+        # body it could not read rather than this (a waiting model's statistics said "unavailable"; a bug hunt).
+        self.repository.ready_model(name)
 
     def _ready_or_refused(self, name: str) -> LoadedModel:
         """The ready model behind ``name``; NotFound, or Unavailable counted against a version loaded but not

@@ -248,8 +248,11 @@ class HttpSurface:
                                      f"({cap_message(scope['path'], 256)}); give one (.../versions/1/{version}) "
                                      f"or leave out /versions/")
             if not (version.isascii() and version.isdigit()):  # Triton's routes take a version of digits only
-                raise HttpError(400, f"model '{model}': the path's version '{cap_message(version, 64)}' is no "
-                                     f"number (a version is digits only: .../versions/1/...)")
+                message = (f"model '{model}': the path's version '{cap_message(version, 64)}' is no number (a "
+                           "version is digits only: .../versions/1/...)")
+                if rest == ["infer"] and method == "POST":  # counted as the same mistake over gRPC is (a bug hunt)
+                    self._refused(model, InvalidArgument(message))
+                raise HttpError(400, message)
         # ".../echo/" (rest [""]) names no endpoint: the metadata's path is the model's own, with no slash after it.
         action = (rest[0] or None) if len(rest) == 1 else "" if not rest else None
         # (Each endpoint below is in MODEL_ENDPOINTS too, where a wrong method's 405 finds what it takes.)

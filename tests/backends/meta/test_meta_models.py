@@ -655,6 +655,38 @@ def test_a_normal_start_logs_no_warning_for_a_meta_model_waiting_on_a_loading_de
     assert server.client.is_model_ready("relay4")
 
 
+def test_a_waiting_meta_model_counts_each_refusal_as_what_its_client_was_told(repo, serve) -> None:
+    """Found by the accounting hunt: a meta model loaded but waiting for a model it calls counted an unreadable
+    chunked body (answered 400) as "unavailable", and a wrong version (404) not at all; and over HTTP a version
+    that is no number was counted nowhere, where gRPC counted it."""
+    import socket
+    repo.python("echo")
+    add_meta(repo, "relay", RELAY.format(target="echo"), ["echo"])
+    server = serve(repo.write_config())
+    server.client.unload_model("echo")
+    assert not server.client.is_model_ready("relay")
+    with socket.create_connection(("127.0.0.1", server.server.http_port), timeout=10) as connection:
+        connection.sendall(b"POST /v2/models/relay/infer HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+                           b"Content-Type: application/json\r\n\r\nzz\r\n{}\r\n0\r\n\r\n")
+        answer = b""
+        while chunk := connection.recv(65536):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 400 "), answer
+    tensor = triton.InferInput("input", [4], "FP32")
+    tensor.set_data_from_numpy(X)
+    expect_grpc_error("NOT_FOUND", lambda: server.client.infer("relay", [tensor], model_version="7"), "version '7'")
+    import urllib.error
+    import urllib.request
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(urllib.request.Request(
+            f"http://127.0.0.1:{server.server.http_port}/v2/models/relay/versions/abc/infer", b'{"inputs": []}'),
+            timeout=10)
+    assert refused.value.code == 400
+    failures = {dict(labels)["reason"]: value for (name, labels), value in scrape(server.server.metrics_port).items()
+                if name == "nereid_request_failure_total" and dict(labels)["model"] == "relay"}
+    assert failures == {"invalid_argument": 2, "not_found": 1}, failures
+
+
 STRAY_NEXT = '''
 import nereid
 
