@@ -118,6 +118,9 @@ class ModelRepository:
         # Start-up models count from the first moment, so the server never
         # reports ready before they have loaded.
         self._exposed: set[str] = set()
+        # Names a client unloaded while the store could not be listed, before they had an entry: neither the
+        # listing that answers at last nor the watcher loads them, until a client loads them (a bug hunt).
+        self._declined: set[str] = set()
         # Of those, the ones the watcher loads by itself (a folder dropped in, a model an edit of nereid.yaml
         # lists), which ServerReady counts only once they serve: see load's ``counted``.
         self._counted_once_ready: set[str] = set()
@@ -146,6 +149,11 @@ class ModelRepository:
         Folders found before keep "not listed": nothing loads them by itself.
         """
         self._watched = True
+
+    def declined(self, name: str) -> bool:
+        """Whether a client unloaded ``name`` while the store could not be listed (it had no entry then), and has
+        not loaded it since: a folder of that name found later is not loaded by itself."""
+        return name in self._declined
 
     def wanted(self, name: str) -> bool:
         """Whether the server means to serve ``name``: loaded or loading, or asked for (listed, loaded at start,
@@ -304,6 +312,9 @@ class ModelRepository:
             entry = self._entries[name]
             if name in self._exposed or entry.loaded is not None or entry.holders:
                 continue
+            if name in self._declined:
+                entry.reason = "unloaded"
+                continue
             self._exposed.add(name)
             entry.state, entry.reason = ModelState.LOADING, "waiting to load"
             self._found_late.append(name)
@@ -314,6 +325,7 @@ class ModelRepository:
         """The watcher's first listing of a store that could not be listed at start: ``names`` load now as at
         start, counted by ServerReady at once (which was false until this listing, when nereid.yaml lists no
         models)."""
+        names = [name for name in names if name not in self._declined]
         self._exposed.update(names)
         self._counted_once_ready.difference_update(names)
         for name in names:
@@ -376,7 +388,8 @@ class ModelRepository:
             server = self.settings.server
             # In dynamic mode the watcher loads every folder added once it has settled; say so rather than ask
             # for a load. Not for a folder there before it started watching: it never loads that one by itself.
-            unlisted = (f"new folder: it loads once it has been unchanged for server.watch_settle_ms "
+            unlisted = ("unloaded" if name in self._declined  # (by a client, before the store could be listed)
+                        else f"new folder: it loads once it has been unchanged for server.watch_settle_ms "
                         f"({server.watch_settle_ms:g} ms)" if server.watch and self._watched
                         # Nothing is listed in nereid.yaml: every folder loads once the store's listing answers.
                         else _WAITING_FOR_LISTING if self._startup_listing is not None
@@ -518,6 +531,8 @@ class ModelRepository:
         minute, does not take the server out of its load balancer. A model counted already stays counted.
         """
         looked_up = False  # a store's listing has just found this very name: not asked about it again
+        if requested:
+            self._declined.discard(name)  # asked for again
         if name not in self._entries and is_model_folder_name(name):
             # Look again now (off the loop): a store's listing is otherwise reused for a few seconds,
             # and a model just uploaded must load.
@@ -970,6 +985,7 @@ class ModelRepository:
             failure = await self.refresh()
             self._exposed.discard(name)  # (again: a load of it may have come in while the store was listed)
             if name not in self._entries and failure is not None:
+                self._declined.add(name)
                 # As a load then answers: NOT_FOUND would say there is no such folder, which nobody can tell.
                 raise _store_cannot_tell(name, failure, "; nothing is loaded under this name, and it will not be "
                                                         "loaded until asked for again") from failure

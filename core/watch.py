@@ -229,7 +229,7 @@ class RepositoryWatcher:
         self._folders = dict(current)
         settings = self.repository.settings
         loaded = {entry.name for entry in self.repository.entries() if entry.loaded is not None}
-        served = [name for name in current if name not in loaded
+        served = [name for name in current if name not in loaded and not self.repository.declined(name)
                   and (not settings.models_listed or settings.model(name) is not None)]
         log.info("dynamic repository: the store can be listed again; loading %s",
                  ", ".join(f"'{name}'" for name in served) or "nothing (no listed model has a folder yet)")
@@ -357,6 +357,10 @@ class RepositoryWatcher:
                 self._store_retries.forget(name)
                 log.info("dynamic repository: folder '%s' is no longer served (unloaded or no longer listed); "
                          "its load the store failed is not tried again", name)
+                continue
+            if kind == "added" and repository.declined(name):
+                log.info("dynamic repository: new folder '%s' is not loaded: a client unloaded it while the store "
+                         "could not be listed (load it to serve it)", name)
                 continue
             if kind == "changed" and not repository.wanted(name):
                 # Unlisted at start, unloaded by RepositoryModelUnload, its nereid.yaml entry removed: an edit

@@ -25,7 +25,7 @@ from nereid.errors import ConfigError
 from nereid.settings import load_settings
 from nereid.storage import StoreURL, mirror_root, parse_store_url
 from nereid.storage.mirror import MARKER_FILE, read_marker
-from support import ECHO_MAIN, textproto_single, wait_until
+from support import ECHO_MAIN, expect_grpc_error, textproto_single, wait_until
 
 DOUBLE_MAIN = ECHO_MAIN.replace("out.write(data)", "import array; a = array.array('f', data); "
                                                    "out.write(array.array('f', [2 * v for v in a]).tobytes())")
@@ -306,6 +306,41 @@ def test_under_a_watch_a_bucket_that_cannot_be_listed_at_start_keeps_the_server_
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3.env()["AWS_ACCESS_KEY_ID"])  # the store answers again
     _until(server.client.is_server_ready, "ServerReady once the watcher has listed the bucket and loaded 'echo'")
     assert {m.name: m.state for m in server.client.get_model_repository_index().models} == {"echo": "READY"}
+
+
+@pytest.mark.parametrize("watch", [False, True])
+def test_an_unload_while_the_bucket_cannot_be_listed_keeps_that_name_unloaded_until_a_load(
+        s3, serve, tmp_path, monkeypatch, watch: bool) -> None:
+    """Found by the storage hunt: RepositoryModelUnload of a name the failed listing could not confirm answered
+    "it will not be loaded until asked for again", and the listing that answered at last (or the watcher, for a
+    folder uploaded later) loaded it all the same."""
+    import nereid.store_retries
+
+    monkeypatch.setattr(nereid.store_retries, "STARTUP_LISTING_FIRST_S", 0.1, raising=False)
+    source = tmp_path / "source"
+    for name in ("echo", "other"):
+        _python_folder(source, name)
+    upload_folder(s3.store, source, s3.prefix)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAWRONGKEY")
+    config = _config(tmp_path, s3.url())
+    if watch:
+        config.write_text(config.read_text().replace("server:\n", "server:\n  watch: true\n  watch_poll_s: 0.2\n"))
+    server = serve(config)
+    for name in ("echo", "late"):
+        expect_grpc_error("UNAVAILABLE", lambda: server.client.unload_model(name),
+                          "it will not be loaded until asked for again")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3.env()["AWS_ACCESS_KEY_ID"])  # the store answers again
+    _until(server.client.is_server_ready, "ServerReady once 'other' has loaded")
+    late = tmp_path / "late-source"
+    _python_folder(late, "late")
+    upload_folder(s3.store, late, s3.prefix)  # (under a watch, a new folder of a name unloaded)
+    time.sleep(1.5 if watch else 0)  # a few polls, and more than watch_settle_ms
+    index = {m.name: (m.state, m.reason) for m in server.client.get_model_repository_index().models}
+    assert index["other"] == ("READY", "") and index["echo"] == ("UNAVAILABLE", "unloaded"), index
+    assert index["late"][0] == "UNAVAILABLE", index
+    server.client.load_model("echo")  # asked for again
+    x = np.arange(4, dtype=np.float32).reshape(1, 4)
+    np.testing.assert_array_equal(_echo(server.client, "echo", x), x)
 
 
 def test_the_index_of_a_bucket_that_cannot_be_listed_says_why_rather_than_list_nothing(s3, serve, tmp_path,
