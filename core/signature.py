@@ -341,6 +341,12 @@ def check_outputs(model: str, signature: ModelSignature, outputs: Sequence[Named
             raise ModelFailure(f"model '{model}' returned output '{spec.name}' as "
                                f"{_tag(tensor.dtype)}, expected {spec.dtype.kserve}")
         data = tensor.data
+        if type(data) is not np.ndarray and isinstance(data, np.ndarray) and not isinstance(data, np.memmap):
+            # A subclass reshapes and views as its own rules say (np.matrix stays 2-D, a masked array carries a
+            # mask the wire has no room for): encoded as an ndarray, its answer was corrupt, yet counted a success
+            # (the plugin hunt). A memmap is an ndarray in all but where its bytes live.
+            raise ModelFailure(f"model '{model}' returned output '{spec.name}' as a {type(data).__module__}."
+                               f"{type(data).__qualname__}, expected a plain numpy ndarray (np.asarray makes one)")
         wanted = spec.dtype.numpy
         # ``is`` first: numpy's built-in dtypes are shared objects, so the usual case costs no comparison.
         # Either byte order is the datatype (the encoders convert a big-endian array).

@@ -325,6 +325,24 @@ def test_an_output_that_only_looks_like_a_named_tensor_is_named_as_what_it_is() 
         check_outputs("m", FP32_OUT, outputs, 1)
 
 
+@pytest.mark.filterwarnings("ignore::PendingDeprecationWarning")  # (numpy's of np.matrix)
+@pytest.mark.parametrize("make", [lambda: np.matrix([[1.0, 2.0]], np.float32),
+                                  lambda: np.ma.masked_array(np.ones((1, 2), np.float32), mask=[[0, 1]])],
+                         ids=["matrix", "masked"])
+def test_an_output_of_an_ndarray_subclass_is_refused_naming_it(make) -> None:
+    """Found by the plugin hunt: an np.matrix output (right dtype and shape) was encoded as a flat array would
+    be, the answer corrupt (gRPC: "Exception deserializing response!") and counted a success."""
+    data = make()
+    with pytest.raises(ModelFailure, match=rf"^model 'm' returned output 'y' as a numpy\.\S+, expected a plain "
+                                           r"numpy ndarray \(np\.asarray makes one\)$"):
+        check_outputs("m", FP32_OUT, [NamedTensor("y", DType.FP32, data)], 1)
+
+
+def test_a_memmap_output_is_taken_as_the_ndarray_it_is(tmp_path) -> None:
+    data = np.memmap(tmp_path / "y.bin", np.float32, "w+", shape=(1, 2))
+    assert check_outputs("m", FP32_OUT, [NamedTensor("y", DType.FP32, data)], 1)[0].data is data
+
+
 def test_an_input_tagged_with_a_string_is_told_what_its_datatype_should_be() -> None:
     """Found by a bug hunt: a meta model's sub-call input NamedTensor("x", "FP32", ...) failed with AttributeError:
     'str' object has no attribute 'kserve', naming neither the input nor what was expected."""
