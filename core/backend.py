@@ -161,15 +161,14 @@ class UsesNoDevice(Protocol):
     nereid.yaml's ``device:`` does not apply to it, and it is reported on the CPU."""
 
     def uses_no_device(self) -> bool:
-        """True; asked where the model's device is reported (ModelConfig's instance group, ``nereid check``)."""
+        """True for such a model; asked once, after ``load()`` (raising, or answering other than a bool, fails the
+        load), for what ModelConfig's instance group and ``nereid check`` report."""
 
 
-def reported_device(model: object, assigned: Device) -> Device:
-    """The device a loaded ``model`` runs on, as ModelConfig and ``nereid check`` report it: the one nereid.yaml
-    ``assigned``, but the CPU for a model that uses none (its load said the assignment was ignored)."""
-    if isinstance(model, UsesNoDevice) and model.uses_no_device():
-        return Device("cpu")
-    return assigned
+def reported_device(assigned: Device, uses_device: bool) -> Device:
+    """The device a loaded model runs on, as ModelConfig and ``nereid check`` report it: the one nereid.yaml
+    ``assigned``, but the CPU for a model that uses none (see :class:`UsesNoDevice`, asked once at load)."""
+    return assigned if uses_device else Device("cpu")
 
 
 @runtime_checkable

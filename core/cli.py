@@ -671,7 +671,7 @@ def _check_model(settings: Settings, manager: NereidPluginManager, scratch: Path
     inputs = ", ".join(f"{s.name} {s.dtype.kserve}{list(s.dims)}" for s in signature.inputs)
     outputs = ", ".join(f"{s.name} {s.dtype.kserve}{list(s.dims)}" for s in signature.outputs)
     batching = "on" if built.policy.enabled else "off"
-    device = reported_device(built.backend, model_settings.device)
+    device = reported_device(model_settings.device, built.uses_device)
     return _Checked(name, status, f"backend={built.backend_name} device={device} "
                                   f"max_batch_size={signature.max_batch_size} batching={batching} "
                                   f"inputs=[{inputs}] outputs=[{outputs}]{runtime}{suffix}",

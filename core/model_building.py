@@ -14,13 +14,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, TypeVar
 
-from nereid.backend import CallsModels, HasBatchSignature, Model, ModelContext, missing_model_parts
+from nereid.backend import CallsModels, HasBatchSignature, Model, ModelContext, UsesNoDevice, missing_model_parts
 from nereid.batching import BatchPolicy
 from nereid.errors import (ConfigError, NereidError, backend_exit, calling_plugin, describe_exception,
                            same_kind)
 from nereid.plugins import NereidPluginManager, claim_folder
 from nereid.runtime_options import LayeredRuntime
-from nereid.signature import ModelSignature, brief_repr
+from nereid.signature import ModelSignature, brief_description, brief_repr
 from nereid.triton_hints import folder_hint
 
 log = logging.getLogger(__name__)
@@ -65,6 +65,7 @@ class BuiltModel:
     policy: BatchPolicy
     # What keeps the version folder it was built from (a model from an object store): released with the model.
     folder_hold: Any = None
+    uses_device: bool = True  # False: it runs nothing on a device (see UsesNoDevice), reported on the CPU
 
 
 def build_model(manager: NereidPluginManager, context: ModelContext,
@@ -143,6 +144,17 @@ def _build_model(manager: NereidPluginManager, context: ModelContext,
                 manager, result.backend_name, backend, "batch_signature",
                 _plugin_step(manager, result.backend_name, context.name, "batch_signature()",
                              backend.batch_signature))
+        uses_device = True
+        if isinstance(backend, UsesNoDevice):
+            # Asked once, here: a plugin's that raised on each ModelConfig failed it naming no model, and ended
+            # nereid check in a traceback (the plugin hunt).
+            answer = _plugin_step(manager, result.backend_name, context.name, "uses_no_device()",
+                                  backend.uses_no_device)
+            if not isinstance(answer, bool):
+                raise ConfigError(f"model '{context.name}': uses_no_device() of "
+                                  f"{manager.describe(result.backend_name)} returned {brief_description(answer)}, "
+                                  "expected True or False")
+            uses_device = not answer
         policy = BatchPolicy.resolve(context.settings.batching, batch_signature, context.settings_origin)
         if isinstance(backend, CallsModels):  # each request is an orchestration with its own deadline
             policy = BatchPolicy(enabled=False)
@@ -154,7 +166,7 @@ def _build_model(manager: NereidPluginManager, context: ModelContext,
             except Exception:  # logged: the reason the load is refused is the one raised here, not the cleanup's
                 log.exception("model '%s': unload failed (cleaning up after its load was refused)", context.name)
         raise
-    return BuiltModel(result.backend_name, backend, signature, batch_signature, policy)
+    return BuiltModel(result.backend_name, backend, signature, batch_signature, policy, uses_device=uses_device)
 
 
 class BackendRaised(ConfigError):

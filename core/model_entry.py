@@ -69,6 +69,7 @@ class LoadedModel:
     # What keeps the version folder it runs from (a model from an object store; see nereid.storage.VersionHold):
     # released with the version, once its requests have finished.
     folder_hold: object = None
+    uses_device: bool = True  # False: it runs nothing on a device (see UsesNoDevice), reported on the CPU
 
     def release_folder(self) -> None:
         """Let the version folder go (the version is released); nothing for a local folder, or a second time."""

@@ -102,7 +102,7 @@ def describe_config(name: str, model: LoadedModel, settings: ModelSettings) -> M
     # Off for max_batch_size 0 or `batching: enabled: false`: what the scheduler really does. Rounded, not cut: a
     # Triton config's 1001 us, written as 1.001 ms, came back as 1000.
     batching = DynamicBatching(round(policy.max_delay_ns / 1000), tuple(policy.preferred_sizes)) if policy.enabled else None
-    device = reported_device(model.backend, settings.device)  # (a meta model's cuda:0 is ignored: on the CPU)
+    device = reported_device(settings.device, model.uses_device)  # (a meta model's cuda:0 is ignored: on the CPU)
     # The scheduler's count: a meta model runs up to queue_capacity orchestrations, whatever `instances` says.
     group = InstanceGroup(model.scheduler.instances, "KIND_GPU" if device.is_gpu else "KIND_CPU",
                           (device.index,) if device.is_gpu else ())

@@ -275,7 +275,8 @@ def plugin_code(manager: pluggy.PluginManager) -> list[str]:
     """
     found: list[str] = []
     for _, plugin in manager.list_name_plugin():
-        module = plugin if inspect.ismodule(plugin) else inspect.getmodule(plugin if inspect.isclass(plugin) else type(plugin))
+        owner = plugin if inspect.ismodule(plugin) or inspect.isclass(plugin) else type(plugin)
+        module = inspect.getmodule(owner)
         top_name = getattr(module, "__name__", "").partition(".")[0]
         top = sys.modules.get(top_name)
         if top is None or top_name in ("nereid", "__main__", "builtins"):

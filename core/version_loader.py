@@ -208,7 +208,7 @@ class VersionLoader:
                                make_runner(built.backend, built.signature, built.batch_signature, scheduler,
                                            hook_threads),
                                hook_threads, depends_on, stamp, context.settings,
-                               backend_defaults.get(built.backend_name), built.folder_hold)
+                               backend_defaults.get(built.backend_name), built.folder_hold, built.uses_device)
         except Exception:
             if scheduler is not None:  # its batcher task is running: end it, or asyncio logs it destroyed
                 await scheduler.drain(0)

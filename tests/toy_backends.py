@@ -318,6 +318,20 @@ class InputCheckAsyncModel(FaultyModel):
         return check
 
 
+class NoDeviceRaisesModel(FaultyModel):
+    """Its ``uses_no_device()`` raises (asked on every ModelConfig, it failed each naming no model)."""
+
+    def uses_no_device(self) -> bool:
+        raise RuntimeError("uses_no_device exploded")
+
+
+class NoDeviceStrModel(FaultyModel):
+    """Its ``uses_no_device()`` answers a str."""
+
+    def uses_no_device(self):
+        return "yes"
+
+
 FAULTS = {"signature_none": SignatureNoneModel, "no_platform": NoPlatformModel, "no_infer": NoInferModel, "dependencies_fail": DependenciesFailModel,
           "dependencies_exit": DependenciesExitModel, "dependencies_interrupt": DependenciesInterruptModel,
           "terminate_fails": TerminateFailsModel, "terminate_slow": TerminateSlowModel,
@@ -328,7 +342,8 @@ FAULTS = {"signature_none": SignatureNoneModel, "no_platform": NoPlatformModel, 
           "async_unload": AsyncUnloadModel, "input_check_async": InputCheckAsyncModel,
           "signature_raises": SignatureRaisesModel, "platform_raises": PlatformRaisesModel,
           "report_and_unload_fail": ReportAndUnloadFailModel,
-          "dependencies_and_unload_fail": DependenciesAndUnloadFailModel}
+          "dependencies_and_unload_fail": DependenciesAndUnloadFailModel, "no_device_raises": NoDeviceRaisesModel,
+          "no_device_str": NoDeviceStrModel}
 
 
 class FaultyToys:
