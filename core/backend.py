@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Protocol, runtime_checkable
 
 from nereid.errors import ConfigError, NereidError, describe_exception
-from nereid.settings import DEFAULT_TIMEOUT_S, Device, ModelSettings
+from nereid.settings import DEFAULT_TIMEOUT_S, INT32_MAX, Device, ModelSettings
 from nereid.signature import ModelSignature, brief_repr
 from nereid.tensors import InferRequest, InferResponse, NamedTensor
 
@@ -317,9 +317,10 @@ def what_it_calls(name: str, model: CallsModels) -> tuple[int, tuple[str, ...]]:
     method and what it returned): the server and ``nereid check`` ask them alike. A string of names was taken letter by
     letter, None as no dependency at all, and a count of 0 failed as a bare TypeError."""
     executions = _asked(name, "concurrent_executions", model.concurrent_executions)
-    if isinstance(executions, bool) or not isinstance(executions, int) or executions < 1:
+    if (isinstance(executions, bool) or not isinstance(executions, int) or executions < 1
+            or executions > INT32_MAX):  # (ModelConfig's instance_group count, an int32: past it, gRPC's failed)
         raise ConfigError(f"model '{name}': its backend's concurrent_executions() returned {str(executions)[:64]!r} "
-                          f"({type(executions).__name__}), expected an int >= 1")
+                          f"({type(executions).__name__}), expected an int from 1 to {INT32_MAX}")
     names = _asked(name, "dependencies", model.dependencies)
     if isinstance(names, (str, bytes)) or not isinstance(names, (tuple, list)) or \
             not all(isinstance(called, str) for called in names):

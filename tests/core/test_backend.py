@@ -22,9 +22,11 @@ class Caller:
 
 
 @pytest.mark.parametrize("executions, names, problem", [
-    (0, (), "concurrent_executions() returned '0' (int), expected an int >= 1"),
-    ("2", (), "concurrent_executions() returned '2' (str), expected an int >= 1"),
-    (True, (), "concurrent_executions() returned 'True' (bool), expected an int >= 1"),
+    (0, (), "concurrent_executions() returned '0' (int), expected an int from 1 to 2147483647"),
+    ("2", (), "concurrent_executions() returned '2' (str), expected an int from 1 to 2147483647"),
+    (True, (), "concurrent_executions() returned 'True' (bool), expected an int from 1 to 2147483647"),
+    # (The plugin hunt: 10**12 loaded READY, and gRPC's ModelConfig, an int32 count, failed on it.)
+    (10 ** 12, (), "concurrent_executions() returned '1000000000000' (int), expected an int from 1 to 2147483647"),
     (1, None, "dependencies() returned 'None' (NoneType), expected a tuple of model names"),
     (1, "ab", "dependencies() returned 'ab' (str), expected a tuple of model names"),
     (1, ("a", 2), "dependencies() returned \"('a', 2)\" (tuple), expected a tuple of model names"),
