@@ -68,6 +68,15 @@ class BuiltModel:
     uses_device: bool = True  # False: it runs nothing on a device (see UsesNoDevice), reported on the CPU
 
 
+# A model object's methods the core calls as plain functions (on a thread, or inline): an ``async def`` one only
+# makes a coroutine that never runs (a READY model with nothing loaded; every request failing on a coroutine from
+# its preprocess hook; a rename said done in place whose relocate never ran: the plugin hunt). Only ``infer`` may
+# be ``async def``.
+PLAIN_METHODS = ("load", "unload", "signature", "batch_signature", "preprocess", "postprocess", "padded_rows",
+                 "input_check", "terminate_running", "relocate", "runtime_report", "dependencies",
+                 "concurrent_executions", "uses_no_device")
+
+
 def build_model(manager: NereidPluginManager, context: ModelContext,
                 backend_defaults: Mapping[str, Mapping[str, Any]] | None = None,
                 defaults_source: Path | str = "", stage: BuildStage | None = None) -> BuiltModel:
@@ -117,14 +126,15 @@ def _build_model(manager: NereidPluginManager, context: ModelContext,
     missing = missing_model_parts(backend)
     if "load()" in missing:  # nothing to load: refused at once
         raise _lacking(manager, result.backend_name, backend, missing)
-    coroutines = [f"{method}()" for method in ("load", "unload")
+    coroutines = [f"{method}()" for method in PLAIN_METHODS
                   if inspect.iscoroutinefunction(getattr(backend, method, None))]
     if coroutines:
         # Called as plain functions (on a thread), they would only make a coroutine that never runs: a model READY
         # with nothing loaded, an unload said done that never ran (found by a bug hunt).
         raise ConfigError(f"{manager.describe(result.backend_name)} made a model object ({type(backend).__name__}) "
                           f"whose {' and '.join(coroutines)} {'is' if len(coroutines) == 1 else 'are'} async def: "
-                          "they are called as plain functions, on a thread; make them plain def")
+                          "they are called as plain functions (only infer() may be async def); make them plain "
+                          "def")
     stage.enter(LOAD_CALL)
     _plugin_step(manager, result.backend_name, context.name, "load()", backend.load)
     try:

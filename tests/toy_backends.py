@@ -302,6 +302,17 @@ class AsyncLoadModel(FaultyModel):
         super().load()
 
 
+class AsyncHooksModel(FaultyModel):
+    """Its ``preprocess`` hook and ``relocate()`` are ``async def``: every request would fail on a coroutine, and
+    a rename would be said done in place without relocate running."""
+
+    async def preprocess(self, inputs):
+        return inputs
+
+    async def relocate(self, context) -> None:
+        self.context = context
+
+
 class AsyncUnloadModel(FaultyModel):
     """Its ``unload()`` is ``async def``: called as a plain function, it would never run."""
 
@@ -343,6 +354,7 @@ FAULTS = {"signature_none": SignatureNoneModel, "no_platform": NoPlatformModel, 
           "signature_raises": SignatureRaisesModel, "platform_raises": PlatformRaisesModel,
           "report_and_unload_fail": ReportAndUnloadFailModel,
           "dependencies_and_unload_fail": DependenciesAndUnloadFailModel, "no_device_raises": NoDeviceRaisesModel,
+          "async_hooks": AsyncHooksModel,
           "no_device_str": NoDeviceStrModel}
 
 

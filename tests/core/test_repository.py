@@ -518,7 +518,7 @@ def test_a_model_object_whose_methods_cannot_run_as_called_is_refused_with_the_r
     (the load's own, "returned NoneType None from signature()", was lost); an async def load() or unload() was
     accepted and never ran (READY with nothing loaded; an unload said done); an async input check checked nothing."""
     names = {"cleanup": "signature_none_unload_fails", "aload": "async_load", "aunload": "async_unload",
-             "acheck": "input_check_async", "sigraise": "signature_raises"}
+             "acheck": "input_check_async", "sigraise": "signature_raises", "ahooks": "async_hooks"}
     for name, fault in names.items():
         toy_backends.write_faulty(root, name, fault)
     repo = repository(tmp_path, extra_plugins=(toy_backends.FaultyToys(),))
@@ -532,7 +532,11 @@ def test_a_model_object_whose_methods_cannot_run_as_called_is_refused_with_the_r
                                          "nereid.signature.ModelSignature")
     assert "model 'cleanup': unload failed (cleaning up after its load was refused)" in caplog.text
     assert entries["aload"].reason == ("plugin 'faulty' made a model object (AsyncLoadModel) whose load() is async "
-                                       "def: they are called as plain functions, on a thread; make them plain def")
+                                       "def: they are called as plain functions (only infer() may be async def); "
+                                       "make them plain def")
+    # (The plugin hunt: async hooks were accepted, and failed every request, or a rename, later.)
+    assert entries["ahooks"].reason.startswith("plugin 'faulty' made a model object (AsyncHooksModel) whose "
+                                               "preprocess() and relocate() are async def")
     assert entries["aunload"].reason.startswith("plugin 'faulty' made a model object (AsyncUnloadModel) whose "
                                                 "unload() is async def")
     # (A signature() raising was said as its bare message, "no sig", naming neither the plugin nor the method.)
