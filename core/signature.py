@@ -110,7 +110,11 @@ def load_textproto_signature(path: Path) -> ModelSignature:
         raise ConfigError(cap_message(f"{path}:{problem}{textproto_hint(problem)}")) from None
     except RecursionError:
         raise ConfigError(f"{path}: nested too deeply to parse") from None
-    return _signature_from_message(message, path, _shapes_written(text))
+    signature = _signature_from_message(message, path, _shapes_written(text))
+    if not signature.outputs:  # (for every backend that reads one: a plugin's loaded READY, serving nothing)
+        raise ConfigError(f"{path}: a model must declare its output (output_shape, or output {{}} blocks); this "
+                          "file declares none (an empty or half-written file?)")
+    return signature
 
 
 def _shapes_written(text: str) -> frozenset[str]:

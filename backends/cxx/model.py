@@ -188,8 +188,6 @@ class CxxModel:
         if not path.is_file():
             raise ConfigError(f"model '{name}': missing {TEXTPROTO_NAME} in {folder}")
         signature = load_textproto_signature(path)
-        if not signature.outputs:
-            raise ConfigError(f"{path}: a cxx model must declare its outputs (output_shape, or output {{}} blocks)")
         for kind, specs in (("input", signature.inputs), ("output", signature.outputs)):
             for spec in specs:
                 if spec.dtype is DType.BYTES:

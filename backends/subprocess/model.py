@@ -82,9 +82,6 @@ class SubprocessModel:
             path = self.context.folder / TEXTPROTO_NAME
             self._require_file(TEXTPROTO_NAME)
             signature = load_textproto_signature(path)
-            if not signature.outputs:
-                raise ConfigError(f"{path}: a subprocess model must declare its output "
-                                  "(output_shape, or output {} blocks)")
             self._check_tensor_names(path, signature)
             self._require_file(self.entry_file)
             self._signature = signature

@@ -475,4 +475,18 @@ def test_an_empty_shape_in_the_single_tensor_form_is_a_scalar(tmp_path: Path, te
     assert [(spec.name, spec.dims) for spec in declared[scalar]] == [(scalar, ())]
     assert len(signature.inputs) == len(signature.outputs) == 1
     path.write_text("# output_shape: []\ninput_shape: [4]\n")  # a comment writes nothing
-    assert load_textproto_signature(path).outputs == ()
+    with pytest.raises(ConfigError, match="a model must declare its output"):
+        load_textproto_signature(path)
+
+
+@pytest.mark.parametrize("text", ["", "# nothing yet\n", "input_shape: [4]\n", 'input { name: "x" data_type: "FP32" '
+                                  "dims: [4] }\n"])
+def test_a_textproto_declaring_no_output_is_refused_for_every_backend(tmp_path: Path, text: str) -> None:
+    """Found by the plugin hunt: an empty model_inference.textproto loaded a plugin's model READY with no tensors
+    (the python and cxx backends refused it themselves; a plugin using load_textproto_signature did not)."""
+    path = tmp_path / "model_inference.textproto"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as refused:
+        load_textproto_signature(path)
+    assert str(refused.value) == (f"{path}: a model must declare its output (output_shape, or output {{}} blocks); "
+                                  "this file declares none (an empty or half-written file?)")
