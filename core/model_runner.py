@@ -184,8 +184,13 @@ def make_runner(backend: Model, signature: ModelSignature, batch_signature: Mode
                     try:
                         check_outputs(name, signature, outputs, batch_size)
                     except ModelFailure as err:  # (named as the hook's: the program's outputs were checked already)
+                        # (A preprocess that changed the rows is named too: the postprocess hook turns the program's
+                        # rows back into the request's, which a plugin hunt took for the wrong hook's blame.)
+                        rows = (f" (the preprocess hook made {program_rows} row(s) of the request's {batch_size}: "
+                                "the postprocess hook returns the request's own rows)"
+                                if program_rows != batch_size else "")
                         raise _hook_result_failure(name, "postprocess", "outputs that do not match the model's",
-                                                   without_model_name(name, str(err))) from None
+                                                   without_model_name(name, str(err)) + rows) from None
             except ModelFailure as err:
                 raise _logged(scheduler, err)
         return outputs
