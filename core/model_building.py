@@ -17,7 +17,7 @@ from typing import Any, Callable, Mapping, TypeVar
 from nereid.backend import CallsModels, HasBatchSignature, Model, ModelContext, UsesNoDevice, missing_model_parts
 from nereid.batching import BatchPolicy
 from nereid.errors import (ConfigError, NereidError, backend_exit, calling_plugin, describe_exception,
-                           same_kind)
+                           plugin_failures, same_kind)
 from nereid.plugins import NereidPluginManager, claim_folder
 from nereid.runtime_options import LayeredRuntime
 from nereid.signature import ModelSignature, brief_description, brief_repr
@@ -192,7 +192,7 @@ def _plugin_step(manager: NereidPluginManager, backend_name: str, model: str, st
         return call()
     except NereidError:
         raise
-    except Exception as err:
+    except plugin_failures() as err:  # (a sys.exit() too: named as any exception is, with the plugin and the step)
         raise BackendRaised(f"model '{model}': {describe_exception(err, one_line=True)} (raised by the {step} of "
                             f"{manager.describe(backend_name)})") from err
 
