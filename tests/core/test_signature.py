@@ -333,7 +333,7 @@ def test_an_output_of_an_ndarray_subclass_is_refused_naming_it(make) -> None:
     """Found by the plugin hunt: an np.matrix output (right dtype and shape) was encoded as a flat array would
     be, the answer corrupt (gRPC: "Exception deserializing response!") and counted a success."""
     data = make()
-    with pytest.raises(ModelFailure, match=rf"^model 'm' returned output 'y' as a numpy\.\S+, expected a plain "
+    with pytest.raises(ModelFailure, match=r"^model 'm' returned output 'y' as a numpy\.\S+, expected a plain "
                                            r"numpy ndarray \(np\.asarray makes one\)$"):
         check_outputs("m", FP32_OUT, [NamedTensor("y", DType.FP32, data)], 1)
 
