@@ -9,6 +9,7 @@ given its scheduler, request runner and hook threads.
 from __future__ import annotations
 
 import asyncio
+import errno
 import functools
 import logging
 import time
@@ -20,7 +21,7 @@ import pluggy
 
 from nereid.backend import CallsModels, ModelCaller, ModelContext, what_it_calls
 from nereid.backend_calls import await_build, on_daemon_thread, unload_backend, unload_unclaimed
-from nereid.errors import backend_exit, calling_plugin
+from nereid.errors import ConfigError, backend_exit, calling_plugin
 from nereid.files import check_confined
 from nereid.folder_states import folder_stamp
 from nereid.leftovers import remove_model_leftovers
@@ -98,9 +99,19 @@ class VersionLoader:
         self._build_slots = asyncio.Semaphore(load_threads)
 
     def scratch_for(self, name: str) -> Path:
-        """The scratch folder for the model ``name`` (made if it is not there)."""
+        """The scratch folder for the model ``name`` (made if it is not there); ConfigError naming the model when
+        it cannot be made (a name an object store takes, past a local file system's 255 bytes: the raw OSError
+        named only the scratch path; a bug hunt)."""
         path = self.scratch_dir / name
-        path.mkdir(parents=True, exist_ok=True)
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            if err.errno == errno.ENAMETOOLONG:
+                raise ConfigError(f"model '{name[:64]}...': its name is {len(name.encode('utf-8', 'surrogateescape'))} "
+                                  "bytes, and the server keeps a local folder of that name (its scratch folder, a "
+                                  "bucket's mirror): a local file system allows 255 bytes per name; give the model "
+                                  "folder a shorter name") from None
+            raise ConfigError(f"model '{name}': cannot make its scratch folder {path}: {err.strerror or err}") from None
         return path
 
     async def load(self, entry: ModelEntry, stats: ModelStats, settings: Settings) -> LoadedModel:
