@@ -285,7 +285,7 @@ class DataPlane:
     async def repository_index(self, ready_only: bool = False) -> list[IndexEntry]:
         """Every model folder (picking up new ones, forgetting gone ones) with its state and reason."""
         ready = self.ready()
-        unlisted = await self.repository.refresh()
+        unlisted = await self.repository.refresh(join=True)
         # Forgetting a gone folder can make the server ready: the health service must say so before we answer.
         if self._on_change is not None and self.ready() != ready:
             await self._on_change()

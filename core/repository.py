@@ -121,6 +121,8 @@ class ModelRepository:
         # Names a client unloaded while the store could not be listed, before they had an entry: neither the
         # listing that answers at last nor the watcher loads them, until a client loads them (a bug hunt).
         self._declined: set[str] = set()
+        # The listing RepositoryIndex calls share while it runs (see refresh's join).
+        self._shared_refresh: asyncio.Future[StorageError | None] | None = None
         # Of those, the ones the watcher loads by itself (a folder dropped in, a model an edit of nereid.yaml
         # lists), which ServerReady counts only once they serve: see load's ``counted``.
         self._counted_once_ready: set[str] = set()
@@ -266,12 +268,30 @@ class ModelRepository:
         """
         self._apply_scan(self._scan())
 
-    async def refresh(self) -> StorageError | None:
+    async def refresh(self, *, join: bool = False) -> StorageError | None:
         """:meth:`rescan`, with the listing (a directory, or a store's paged listing) off the event loop; returns
-        why the folders could not be listed (None: they could)."""
+        why the folders could not be listed (None: they could).
+
+        ``join``: share a listing another joining caller started and that still runs (RepositoryIndex's: a flood
+        of them while a store hung ran one 30 s listing each, 16 at a time, and loads and the watcher's listings
+        waited behind them; a bug hunt). A load lists on its own: it must see a folder uploaded just before it.
+        """
+        if join and self._shared_refresh is not None:
+            return await asyncio.shield(self._shared_refresh)
+        refreshing = asyncio.ensure_future(self._refresh_now())
+        if join:
+            self._shared_refresh = refreshing
+            refreshing.add_done_callback(self._shared_refresh_done)
+        return await asyncio.shield(refreshing)  # (a caller gone leaves the listing to finish and be applied)
+
+    async def _refresh_now(self) -> StorageError | None:
         scan = await on_io_thread(self._scan)
         self._apply_scan(scan)
         return scan.error
+
+    def _shared_refresh_done(self, done: asyncio.Future) -> None:
+        if self._shared_refresh is done:
+            self._shared_refresh = None
 
     def _apply_scan(self, scan: RepositoryScan) -> None:
         present = scan.names

@@ -648,3 +648,27 @@ def test_a_listed_models_folder_removed_while_its_load_waits_for_an_unload_is_no
         asyncio.run(scenario())
     finally:
         release.set()
+
+
+def test_repository_index_calls_at_once_share_one_listing_and_a_load_lists_on_its_own(tmp_path, monkeypatch):
+    """Found by the storage hunt: 24 RepositoryIndex calls while a store hung each ran its own 30 s listing, 16 at
+    a time on the I/O threads, and loads and the watcher's listings waited behind them."""
+    plane = toy_dataplane(tmp_path)
+    scans = []
+    scan = plane.repository._scan
+
+    def slow_scan(*args, **kwargs):
+        scans.append(threading.get_ident())
+        time.sleep(0.3)  # (a slow store)
+        return scan(*args, **kwargs)
+
+    monkeypatch.setattr(plane.repository, "_scan", slow_scan)
+
+    async def scenario() -> None:
+        indexes = await asyncio.gather(*(plane.repository_index() for _ in range(8)))
+        assert len(scans) == 1 and all([e.name for e in index] == ["spare", "toy"] for index in indexes)
+        await plane.repository_index()  # (a later one lists again)
+        assert len(scans) == 2
+        await plane.load("spare")  # (a load lists on its own, whatever index listing runs)
+        await plane.unload("spare")
+    asyncio.run(scenario())
