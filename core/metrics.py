@@ -386,8 +386,9 @@ def _warm_parent_bytes(name: str, report: Future) -> int | None:
 class _RuntimeReports:
     """Models' ``runtime_report()`` calls, each on a thread of its own, waited for a bounded time.
 
-    A call that has not returned by the end of a scrape's wait is not asked again: later scrapes wait on the
-    same call, so a hung plugin holds one thread, not one more per scrape.
+    A call that has not returned by the end of a scrape's wait is not asked again: later scrapes take the same
+    call's answer once it comes, so a hung plugin holds one thread, not one more per scrape; and they do not wait
+    for it again (every later scrape took the full second while it hung; the plugin hunt).
     """
 
     def __init__(self) -> None:
@@ -397,6 +398,7 @@ class _RuntimeReports:
     def ask(self, backends: dict[str, object]) -> dict[str, Future]:
         """The calls of the backends (by model name) that report how they run, done or not after the wait."""
         calls: dict[str, Future] = {}
+        started: list[Future] = []  # asked by this scrape: the only calls it waits for
         with self._lock:
             for gone in self._pending.keys() - backends.keys():  # (unloaded while its call hung)
                 del self._pending[gone]
@@ -408,8 +410,9 @@ class _RuntimeReports:
                 if pending is None or pending[0] is not backend:
                     # Recorded before the wait: a scrape overlapping this one waits on the same call.
                     pending = self._pending[name] = (backend, _call_on_thread(name, backend))
+                    started.append(pending[1])
                 calls[name] = pending[1]
-        wait_for_futures(calls.values(), timeout=RUNTIME_REPORT_WAIT_S)
+        wait_for_futures(started, timeout=RUNTIME_REPORT_WAIT_S)
         with self._lock:
             for name, call in calls.items():
                 if call.done() and self._pending.get(name, (None, None))[1] is call:

@@ -465,6 +465,8 @@ def test_a_runtime_report_that_hangs_holds_a_scrape_for_a_bounded_time(tmp_path,
         metrics.close()
     # Both hung calls are waited for together, and a second scrape waits on the same calls, not new ones.
     assert all(seconds < RUNTIME_REPORT_WAIT_S + 1.5 for seconds in took), took
+    # A scrape after the one that waited does not wait for the hung calls again (the plugin hunt: each took 1 s).
+    assert took[3] < RUNTIME_REPORT_WAIT_S / 2, took
     assert sorted(report_calls) == ["stuck", "stuck_too"]  # the third scrape took the calls' late answers
     assert {dict(labels)["model"] for (metric, labels) in hung if metric == "nereid_request_success_total"} \
         == {"plain", "stuck", "stuck_too"}
