@@ -483,9 +483,15 @@ def claim_folder(manager: NereidPluginManager, folder: Path, backend: str | None
             if left_out:  # installed, but unusable: "not installed" would send its author looking elsewhere
                 return ClaimResult(None, f"backend '{backend}' (from nereid.yaml) cannot be used: {left_out} "
                                          "(fix the plugin, then restart nereid: plugins are loaded at start-up)")
-            return ClaimResult(None, f"backend '{backend}' (from nereid.yaml) is not installed (no plugin of that "
-                                     "name claims model folders); "
-                                     f"installed backends: {', '.join(backend_names(manager))}")
+            installed = backend_names(manager)
+            # (Names are case-sensitive: `backend: upper` for an installed UPPER got no hint; the plugin hunt.)
+            by_case = {name.lower(): name for name in installed}
+            close = ([by_case[backend.lower()]] if backend.lower() in by_case
+                     else difflib.get_close_matches(backend, installed, n=1))
+            guess = f" (did you mean '{close[0]}'?)" if close else ""
+            return ClaimResult(None, f"backend '{backend}' (from nereid.yaml) is not installed{guess} (no plugin of "
+                                     "that name claims model folders); "
+                                     f"installed backends: {', '.join(installed)}")
         asked = _ask(manager, folder, declared=True, only=backend, asking=asking)
         if not asked.claims:
             failed = "".join(f": its nereid_claim_model {what}" for _, what in asked.failures)

@@ -186,7 +186,11 @@ def test_declared_backend_checks_only_its_own_files(repo) -> None:
     assert claim_folder(manager, folder).backend_name == "python"
     assert claim_folder(manager, folder, "cpp").backend_name == "cpp"
     missing = claim_folder(manager, folder, "tensorflow")
-    assert missing.claim is None and "backend 'tensorflow' (from nereid.yaml) is not installed" in missing.reason
+    assert missing.claim is None and "backend 'tensorflow' (from nereid.yaml) is not installed (no" in missing.reason
+    # A misspelling, or another case, is told the installed name (the plugin hunt: `backend: upper` got no hint).
+    for written, meant in (("Python", "python"), ("pyhton", "python"), ("XLA", "xla")):
+        assert (f"backend '{written}' (from nereid.yaml) is not installed (did you mean '{meant}'?)"
+                in claim_folder(manager, folder, written).reason)
 
 
 class ClaimTracer:
