@@ -456,3 +456,24 @@ def test_any_frame_is_read_or_a_model_failure(frame: bytes) -> None:
         assert isinstance(array, np.ndarray) and array.shape == shape
     except ModelFailure as err:
         assert str(err).startswith("output 'y'")
+
+
+@BOUNDED
+@given(st.lists(st.one_of(st.binary(max_size=40), st.text(max_size=8)), max_size=300), st.integers(1, 3))
+def test_any_bytes_elements_join_as_the_element_by_element_form_and_split_back(elements: list, rows: int) -> None:
+    """The numpy layout of many BYTES elements (past 64) gives exactly the form of one element after another."""
+    import struct
+
+    from nereid.tensors import join_bytes_elements, split_bytes_elements
+
+    elements = elements[:len(elements) - len(elements) % rows]  # (a whole number of rows)
+    array = np.empty(len(elements), dtype=object)
+    array[:] = elements
+    array = array.reshape(rows, -1) if elements else array
+    encoded = [e.encode("utf-8", "surrogatepass") if isinstance(e, str) else e for e in elements]
+    try:
+        expected = b"".join(struct.pack("<I", len(e)) + e for e in encoded)
+        assert join_bytes_elements(array) == expected
+    except UnicodeEncodeError:  # a lone surrogate: no UTF-8 form (refused before here on every path)
+        return
+    assert split_bytes_elements(expected) == encoded
