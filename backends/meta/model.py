@@ -96,11 +96,6 @@ class MetaContext:
         and the sub-call's own error (a :mod:`nereid.errors` exception, naming
         this model and the sub-model) when it fails.
         """
-        if _being_cancelled():
-            # An orchestration that caught its request's cancellation (a bare `except`, a broad `except
-            # BaseException`) and went on: its client has gone, so no further sub-call is issued (a bug hunt).
-            raise asyncio.CancelledError(f"meta model '{self.model_name}': the request was cancelled; the sub-call "
-                                         f"to '{model_name}' was not issued")
         request = self._model.sub_request(model_name, inputs, outputs, self.deadline_ns)
         return await self._model.call(request)
 
@@ -254,8 +249,6 @@ class MetaModel:
                 orchestrating = _ORCHESTRATING.set(orchestration)
                 try:
                     result = await orchestrate(inputs, MetaContext(self, deadline_ns))
-                    if _being_cancelled():  # it caught its request's cancellation and returned: still cancelled
-                        raise asyncio.CancelledError()
                 finally:
                     _ORCHESTRATING.reset(orchestrating)
                     orchestration.end()

@@ -522,3 +522,22 @@ def test_a_plain_function_returning_a_coroutine_is_told_to_register_the_async_de
                                                r"awaits: it is a plain function .*register the async def itself$"):
             asyncio.run(built.backend.infer(x))
     built.backend.unload()
+
+
+def test_an_orchestration_whose_task_group_caught_a_failure_answers(tmp_path: Path) -> None:
+    """Found by the regression hunt: on Python 3.11 a TaskGroup whose child fails cancels its parent task and never
+    uncancels it, so a check of task.cancelling() (taken for "the client has gone") refused the orchestration's
+    later sub-calls and turned its answer into a cancellation nobody answered (gRPC: no answer until the
+    deadline). Such an orchestration answers."""
+    model_py = ("import asyncio\nimport nereid\nfrom nereid.tensors import NamedTensor\n"
+                "async def fails():\n    raise ValueError('child')\n"
+                "async def orchestrate(inputs, ctx):\n"
+                "    try:\n        async with asyncio.TaskGroup() as group:\n"
+                "            group.create_task(asyncio.sleep(0.01))\n            group.create_task(fails())\n"
+                "    except* ValueError:\n        pass\n"
+                "    return [NamedTensor('y', inputs[0].dtype, inputs[0].data * 2)]\n"
+                "nereid.register_model(orchestrate=orchestrate)\n")
+    built = build(meta_folder(tmp_path, "m", model_py))
+    x = [NamedTensor.from_array("x", np.ones((2, 4), np.float32))]
+    (y,) = asyncio.run(built.backend.infer(x))
+    np.testing.assert_array_equal(y.data, np.full((2, 4), 2, np.float32))
