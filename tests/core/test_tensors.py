@@ -73,3 +73,20 @@ def test_a_million_empty_bytes_elements_join_in_a_few_bytes_each() -> None:
         tracemalloc.stop()
     assert joined == b"\0" * (4 * count)
     assert peak / count < 120, f"{peak / count:.0f} bytes an element"
+
+
+def test_many_large_bytes_elements_join_with_one_copy_of_their_bytes() -> None:
+    """Found by the regression hunt: laid out with numpy, 1,000 elements of 100 KB (a batch of images) took 2.6
+    times as long as joined from parts, and four times their size in memory; they are joined from parts."""
+    import tracemalloc
+    from nereid.tensors import bytes_array
+
+    elements = bytes_array([bytes([index % 256]) * 100_000 for index in range(200)], (200,))
+    tracemalloc.start()
+    try:
+        joined = join_bytes_elements(elements)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert len(joined) == 200 * 100_004 and joined[4:8] == b"\0" * 4
+    assert peak < 1.5 * len(joined), f"{peak / len(joined):.1f} times the joined size"
