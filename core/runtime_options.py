@@ -44,7 +44,9 @@ class RuntimeOptions:
 
     def fail(self, key: str, problem: str, value: Any) -> NoReturn:
         """Raise ConfigError naming ``runtime.<key>``, the problem and the (capped) value."""
-        where = self.origins.get(key, self.where)
+        # (An item's key, ``preload[1]``, is where its option is: a default's said "backends.python.runtime.preload[1]"
+        # and was blamed on every model under it; the regression hunt.)
+        where = self.origins.get(key.partition("[")[0], self.where)
         raise ConfigError(f"{self.prefix}{where}.{key}: {problem}, got {cap_message(yaml_spelling(value), 200)}")
 
     def get(self, key: str, default: Any) -> Any:

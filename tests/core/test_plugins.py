@@ -116,6 +116,9 @@ def test_each_backend_checks_its_defaults_with_no_model_of_it_served() -> None:
         "n.yaml: backends.cxx.bogus: unknown option of the cxx backend (allowed: library, sources), got 1",
         "n.yaml: backends.cpp.flags: unknown option of the cpp backend (it has no runtime options), got '-O3'",
         "n.yaml: backends.meta.x: unknown option of the meta backend (it has no runtime options), got 1"]
+    # (The regression hunt: an item's mistake was said to be at "backends.python.runtime.preload[1]".)
+    assert check_backend_defaults(manager, {"python": {"preload": ["numpy", "1bad"]}}, "n.yaml") == [
+        "n.yaml: backends.python.preload[1]: must be a module name such as numpy or sklearn.linear_model, got '1bad'"]
     good = {"python": {"warm_start": False, "preload": ["numpy"]}, "xla": {"batch_sizes": "largest"},
             "cxx": {"sources": ["a.cpp"]}, "cpp": None, "meta": {}}
     assert check_backend_defaults(manager, good, "n.yaml") == []
