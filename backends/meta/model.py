@@ -37,7 +37,7 @@ from nereid.errors import (ConfigError, DeadlineExceeded, LoggedModelFailure, Mo
 from nereid.files import not_regular_reason
 from nereid.model_hooks import load_model_hooks
 from nereid.runtime_options import RuntimeOptions
-from nereid.signature import ModelSignature
+from nereid.signature import ModelSignature, brief_description
 from nereid.tensors import InferRequest, NamedTensor
 
 log = logging.getLogger(__name__)
@@ -387,16 +387,23 @@ class MetaModel:
         if isinstance(result, list) and [getattr(t, "name", None) for t in result] == declared:
             return result  # the usual case; the scheduler checks each output's type and shape next
         if inspect.iscoroutine(result):
-            # A plain function returning a coroutine (a lambda or functools.partial around an async def) runs on a
-            # worker thread and never awaits it: said so, and closed (never awaited, Python warned of it at a
-            # random later line of the log; a bug hunt).
+            # A plain function returning a coroutine (a lambda around an async def) runs on a worker thread and
+            # never awaits it: said so, and closed (never awaited, Python warned of it at a random later line of
+            # the log; a bug hunt).
             result.close()
+            if self._is_async:  # (an async def returning f(...) where it meant await f(...): the regression hunt)
+                raise ModelFailure(f"meta model '{name}': orchestrate returned a coroutine it did not await "
+                                   "(return await f(...), not return f(...))")
             raise ModelFailure(f"meta model '{name}': orchestrate returned a coroutine, which nothing awaits: it is "
-                               "a plain function (a lambda or functools.partial around an async def, say); register "
-                               "the async def itself")
+                               "a plain function (a lambda around an async def, say); register the async def itself")
         if not isinstance(result, (list, tuple)) or not all(isinstance(t, NamedTensor) for t in result):
+            # (A list's bad item is named: "[None]" said only "got list"; the regression hunt.)
+            bad = next(((index, item) for index, item in enumerate(result) if not isinstance(item, NamedTensor)),
+                       None) if isinstance(result, (list, tuple)) else None
+            got = (f"a {type(result).__name__} whose item {bad[0]} is {brief_description(bad[1])}" if bad is not None
+                   else type(result).__name__)
             raise ModelFailure(f"meta model '{name}': orchestrate must return a list of nereid.tensors.NamedTensor "
-                               f"(outputs {declared}), got {type(result).__name__}")
+                               f"(outputs {declared}), got {got}")
         by_name = {t.name: t for t in result}
         if len(by_name) != len(result) or set(by_name) != set(declared):
             raise ModelFailure(f"meta model '{name}': orchestrate returned outputs {[t.name for t in result]}, "

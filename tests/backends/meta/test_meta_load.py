@@ -522,6 +522,18 @@ def test_a_plain_function_returning_a_coroutine_is_told_to_register_the_async_de
                                                r"awaits: it is a plain function .*register the async def itself$"):
             asyncio.run(built.backend.infer(x))
     built.backend.unload()
+    # An async def that returns f(...) unawaited is told that, not that it is a plain function (the regression hunt).
+    model_py = model_py.replace("orchestrate=lambda inputs, ctx: real(inputs, ctx)", "orchestrate=forgets") + \
+        "async def forgets(inputs, ctx):\n    return real(inputs, ctx)\n"
+    model_py = model_py.replace("nereid.register_model(orchestrate=forgets)\n", "") + \
+        "nereid.register_model(orchestrate=forgets)\n"
+    (tmp_path / "second").mkdir()
+    built = build(meta_folder(tmp_path / "second", "m", model_py))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ModelFailure, match=r"^meta model 'm': orchestrate returned a coroutine it did not await "
+                                               r"\(return await f\(\.\.\.\), not return f\(\.\.\.\)\)$"):
+            asyncio.run(built.backend.infer(x))
 
 
 def test_an_orchestration_whose_task_group_caught_a_failure_answers(tmp_path: Path) -> None:
@@ -541,3 +553,19 @@ def test_an_orchestration_whose_task_group_caught_a_failure_answers(tmp_path: Pa
     x = [NamedTensor.from_array("x", np.ones((2, 4), np.float32))]
     (y,) = asyncio.run(built.backend.infer(x))
     np.testing.assert_array_equal(y.data, np.full((2, 4), 2, np.float32))
+
+
+@pytest.mark.parametrize("returned, got", [("[None]", "a list whose item 0 is NoneType None"),
+                                            ("(y, 3)", "a tuple whose item 1 is int 3"), ("y", "NamedTensor")])
+def test_an_orchestration_returning_other_than_named_tensors_is_told_which_item(tmp_path: Path, returned: str,
+                                                                               got: str) -> None:
+    """The regression hunt: `return [None]` was told only "got list"."""
+    model_py = ("import nereid\nfrom nereid.tensors import NamedTensor\nasync def orchestrate(inputs, ctx):\n"
+                f"    y = NamedTensor('y', inputs[0].dtype, inputs[0].data)\n    return {returned}\n"
+                "nereid.register_model(orchestrate=orchestrate)\n")
+    built = build(meta_folder(tmp_path, "m", model_py))
+    x = [NamedTensor.from_array("x", np.ones((2, 4), np.float32))]
+    with pytest.raises(ModelFailure) as caught:
+        asyncio.run(built.backend.infer(x))
+    assert str(caught.value) == ("meta model 'm': orchestrate must return a list of nereid.tensors.NamedTensor "
+                                 f"(outputs ['y']), got {got}")
