@@ -676,8 +676,15 @@ class ModelRepository:
             # (The log keeps absolute paths.) An abandoned load is what its unload asked for: no fault.
             abandoned = isinstance(err, LoadAbandoned)
             level = logging.WARNING if abandoned else logging.ERROR
+            moved = not abandoned and self.settings.server.ml_backends_url is None and not entry.folder.is_dir()
+            if moved:
+                # Moved (or deleted) while its backend read it, a folder renamed during its first load: that is
+                # the reason, not the file the backend then missed, and no fault to log at ERROR (the soak hunt:
+                # "missing manifest.yaml" of a bundle only renamed).
+                reason = f"the folder {entry.folder} is gone (deleted or moved while it was being loaded)"
+                level = logging.WARNING
             log.log(logging.DEBUG if repeated else level, "model '%s' is UNAVAILABLE: %s", name, reason,
-                    exc_info=_plugin_traceback(err))
+                    exc_info=None if moved else _plugin_traceback(err))
             entry.state, entry.reason = ModelState.UNAVAILABLE, self.public_text(reason)
             entry.abandoned = entry.reason if abandoned else ""
             entry.store_fault = reason if store_failed(err) else ""

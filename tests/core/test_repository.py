@@ -999,3 +999,30 @@ def test_a_load_retried_after_a_store_failure_logs_the_same_failure_again_at_deb
         assert [level for level, message in lines() if "reload failed" in message] == ["ERROR"]
         await repo.unload_all()
     asyncio.run(scenario())
+
+
+def test_a_folder_moved_while_it_first_loads_is_said_to_be_gone_not_to_lack_a_file(tmp_path, root, caplog,
+                                                                                      monkeypatch):
+    """Found by the soak hunt: a new folder renamed during its first load (`mv x y` as the watcher loads x) logged
+    `ERROR ... missing manifest.yaml` of a bundle only moved; the reason is that its folder went."""
+    import logging
+    import shutil
+
+    folder = write_toy(root, "moving")
+    load = toy_backends.ToyModel.load
+
+    def moved_away(self) -> None:
+        shutil.move(str(self.context.folder), str(root / "moved"))  # (as `mv` does, while load() reads)
+        load(self)  # (its textproto gone: FileNotFoundError, the backend's own word)
+
+    monkeypatch.setattr(toy_backends.ToyModel, "load", moved_away)
+    repo = repository(tmp_path)
+    caplog.set_level(logging.WARNING, logger="nereid.repository")
+
+    async def scenario():
+        return await repo.load("moving")
+    entry = asyncio.run(scenario())
+    assert entry.state is ModelState.UNAVAILABLE
+    assert entry.reason.endswith("moving is gone (deleted or moved while it was being loaded)"), entry.reason
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    assert not folder.exists()
