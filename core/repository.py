@@ -23,8 +23,8 @@ from nereid.client_paths import ClientPaths
 from nereid.daemon_pool import on_io_thread
 from nereid.dependencies import DependencyCycle
 from nereid.dependent_states import DependentStates, log_unavailable
-from nereid.errors import (ConfigError, NotFound, PublicText, Unavailable, backend_exit, calling_plugin, cap_message,
-                           describe_exception, loop_safe_call)
+from nereid.errors import (ConfigError, NereidError, NotFound, PublicText, Unavailable, backend_exit, calling_plugin,
+                           cap_message, describe_exception, loop_safe_call)
 from nereid.files import is_model_folder_name
 from nereid.folder_cleanup import FolderCleanup
 from nereid.folder_states import folder_stamp
@@ -802,7 +802,12 @@ class ModelRepository:
                 if self._taken(new, entry):
                     raise ConfigError(f"'{new}' has a model of its own, loaded or loading")
             except Exception as err:
-                log.warning("model '%s': cannot be renamed in place (%s); loading '%s' anew", old, _reason(err), new)
+                # (A plugin's own exception is named with its type and the backend: its bare message named neither;
+                # the plugin hunt.)
+                why = _reason(err) if isinstance(err, NereidError) else \
+                    f"relocate() of backend '{loaded.backend_name}' raised {describe_exception(err, one_line=True)}"
+                log.warning("model '%s': cannot be renamed in place (%s); loading '%s' anew", old, cap_message(why),
+                            new)
                 moved = False
             else:
                 moved = True

@@ -68,6 +68,8 @@ class ToyModel:
     def relocate(self, context: ModelContext) -> None:
         if (context.folder / "relocate_exit.txt").is_file():  # a plugin's own sys.exit() in its move
             raise SystemExit(8)
+        if (context.folder / "relocate_raises.txt").is_file():  # a plugin's own bug in its move
+            raise KeyError("weights")
         self.context = context
 
     def unload(self) -> None:

@@ -186,6 +186,24 @@ def test_a_plugins_exit_while_moving_its_model_is_its_failure_not_the_servers_en
     assert "its backend raised SystemExit: 8 while moving it" in caplog.text
 
 
+def test_a_plugins_relocate_that_raises_is_named_with_its_backend_and_the_exception(tmp_path, root, caplog):
+    """The plugin hunt: the WARNING of a refused move gave the plugin's bare message ('weights'), naming neither
+    the backend nor the exception's type."""
+    write_toy(root, "before")
+    repo = repository(tmp_path)
+
+    async def scenario():
+        await repo.load("before")
+        (root / "before" / "relocate_raises.txt").touch()
+        (root / "before").rename(root / "after")
+        await repo.rename("before", "after")
+        assert await run_one(repo, "after") == [1] * 4
+        await repo.unload_all()
+    asyncio.run(scenario())
+    assert ("model 'before': cannot be renamed in place (relocate() of backend 'toy' raised KeyError: 'weights'); "
+            "loading 'after' anew") in caplog.text, caplog.text
+
+
 def test_a_rename_onto_a_name_a_request_loaded_first_reloads_it_and_leaks_no_version(tmp_path, root):
     """Defect (found by the repository's state tests): `mv before after`, then a RepositoryModelLoad of 'after'
     before the watcher's rename: the rename replaced the loaded 'after' in place, and that version was never
