@@ -345,3 +345,17 @@ def scrape(port: int, query: str = "") -> dict[tuple[str, tuple], float]:
         for sample in family.samples:
             samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
     return samples
+
+
+def unreadable_chunked_infer(port: int, model: str) -> bytes:
+    """The whole answer to an HTTP infer of ``model`` whose chunked body the HTTP parser cannot read, sent in the
+    same packet as its head (the listener answers it before the server's handler runs)."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as connection:
+        connection.sendall(f"POST /v2/models/{model}/infer HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+                           "Content-Type: application/json\r\n\r\nzz\r\n{}\r\n0\r\n\r\n".encode())
+        answer = b""
+        while chunk := connection.recv(65536):
+            answer += chunk
+    return answer

@@ -169,39 +169,28 @@ def test_a_folder_renamed_away_from_a_name_nereid_yaml_lists_leaves_that_name_wa
     asyncio.run(scenario())
 
 
-def test_a_plugins_exit_while_moving_its_model_is_its_failure_not_the_servers_end(tmp_path, root, caplog):
-    """Found by a bug hunt: a relocate() calling sys.exit() ended the server, with the plugin's exit status and
-    nothing logged."""
+@pytest.mark.parametrize("marker, logged", [
+    # Found by a bug hunt: a relocate() calling sys.exit() ended the server, with the plugin's exit status and
+    # nothing logged.
+    ("relocate_exit.txt", "its backend raised SystemExit: 8 while moving it"),
+    # The plugin hunt: the WARNING gave a plugin's own exception as its bare message ('weights').
+    ("relocate_raises.txt", "model 'before': cannot be renamed in place (relocate() of backend 'toy' raised KeyError: "
+                            "'weights'); loading 'after' anew"),
+], ids=["sys.exit", "an exception"])
+def test_a_plugins_relocate_that_fails_is_its_failure_named_and_the_model_is_loaded_anew(tmp_path, root, caplog,
+                                                                                         marker: str, logged: str):
     write_toy(root, "before")
     repo = repository(tmp_path)
 
     async def scenario():
         await repo.load("before")
-        (root / "before" / "relocate_exit.txt").touch()
+        (root / "before" / marker).touch()
         (root / "before").rename(root / "after")
         await repo.rename("before", "after")  # moved it cannot be: loaded anew under its new name
         assert await run_one(repo, "after") == [1] * 4
         await repo.unload_all()
     asyncio.run(scenario())
-    assert "its backend raised SystemExit: 8 while moving it" in caplog.text
-
-
-def test_a_plugins_relocate_that_raises_is_named_with_its_backend_and_the_exception(tmp_path, root, caplog):
-    """The plugin hunt: the WARNING of a refused move gave the plugin's bare message ('weights'), naming neither
-    the backend nor the exception's type."""
-    write_toy(root, "before")
-    repo = repository(tmp_path)
-
-    async def scenario():
-        await repo.load("before")
-        (root / "before" / "relocate_raises.txt").touch()
-        (root / "before").rename(root / "after")
-        await repo.rename("before", "after")
-        assert await run_one(repo, "after") == [1] * 4
-        await repo.unload_all()
-    asyncio.run(scenario())
-    assert ("model 'before': cannot be renamed in place (relocate() of backend 'toy' raised KeyError: 'weights'); "
-            "loading 'after' anew") in caplog.text, caplog.text
+    assert logged in caplog.text, caplog.text
 
 
 def test_a_rename_onto_a_name_a_request_loaded_first_reloads_it_and_leaks_no_version(tmp_path, root):

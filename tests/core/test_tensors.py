@@ -57,20 +57,25 @@ def test_many_bytes_elements_join_as_few_do(count: int) -> None:
         == b"".join(struct.pack("<I", len(e)) + e for e in elements)
 
 
-def test_a_million_empty_bytes_elements_join_in_a_few_bytes_each() -> None:
-    """Found by a bug hunt: one Python object per 4-byte length prefix made a model's 20 million empty BYTES
-    elements take 4.6 GiB of the server (218 bytes an element) and stall its event loop for seconds."""
+def _joined_and_peak(elements: np.ndarray) -> tuple[bytes, int]:
+    """``join_bytes_elements(elements)`` and the peak of the memory Python traced while it ran."""
     import tracemalloc
-    from nereid.tensors import bytes_array
 
-    count = 1_000_000
-    elements = bytes_array([b""] * count, (count,))
     tracemalloc.start()
     try:
         joined = join_bytes_elements(elements)
-        peak = tracemalloc.get_traced_memory()[1]
+        return joined, tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
+
+
+def test_a_million_empty_bytes_elements_join_in_a_few_bytes_each() -> None:
+    """Found by a bug hunt: one Python object per 4-byte length prefix made a model's 20 million empty BYTES
+    elements take 4.6 GiB of the server (218 bytes an element) and stall its event loop for seconds."""
+    from nereid.tensors import bytes_array
+
+    count = 1_000_000
+    joined, peak = _joined_and_peak(bytes_array([b""] * count, (count,)))
     assert joined == b"\0" * (4 * count)
     assert peak / count < 120, f"{peak / count:.0f} bytes an element"
 
@@ -78,15 +83,8 @@ def test_a_million_empty_bytes_elements_join_in_a_few_bytes_each() -> None:
 def test_many_large_bytes_elements_join_with_one_copy_of_their_bytes() -> None:
     """Found by the regression hunt: laid out with numpy, 1,000 elements of 100 KB (a batch of images) took 2.6
     times as long as joined from parts, and four times their size in memory; they are joined from parts."""
-    import tracemalloc
     from nereid.tensors import bytes_array
 
-    elements = bytes_array([bytes([index % 256]) * 100_000 for index in range(200)], (200,))
-    tracemalloc.start()
-    try:
-        joined = join_bytes_elements(elements)
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    joined, peak = _joined_and_peak(bytes_array([bytes([index % 256]) * 100_000 for index in range(200)], (200,)))
     assert len(joined) == 200 * 100_004 and joined[4:8] == b"\0" * 4
     assert peak < 1.5 * len(joined), f"{peak / len(joined):.1f} times the joined size"

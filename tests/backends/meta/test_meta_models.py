@@ -21,7 +21,7 @@ import tritonclient.grpc as triton
 import tritonclient.http as triton_http
 from tritonclient.utils import InferenceServerException
 
-from support import ModelRepo, expect_grpc_error, scrape, wait_until
+from support import ModelRepo, expect_grpc_error, scrape, unreadable_chunked_infer, wait_until
 
 SHIPPED = Path(__file__).resolve().parents[3] / "ml-backends"
 
@@ -620,18 +620,12 @@ def test_a_waiting_meta_model_counts_each_refusal_as_what_its_client_was_told(re
     """Found by the accounting hunt: a meta model loaded but waiting for a model it calls counted an unreadable
     chunked body (answered 400) as "unavailable", and a wrong version (404) not at all; and over HTTP a version
     that is no number was counted nowhere, where gRPC counted it."""
-    import socket
     repo.python("echo")
     add_meta(repo, "relay", RELAY.format(target="echo"), ["echo"])
     server = serve(repo.write_config())
     server.client.unload_model("echo")
     assert not server.client.is_model_ready("relay")
-    with socket.create_connection(("127.0.0.1", server.server.http_port), timeout=10) as connection:
-        connection.sendall(b"POST /v2/models/relay/infer HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
-                           b"Content-Type: application/json\r\n\r\nzz\r\n{}\r\n0\r\n\r\n")
-        answer = b""
-        while chunk := connection.recv(65536):
-            answer += chunk
+    answer = unreadable_chunked_infer(server.server.http_port, "relay")
     assert answer.startswith(b"HTTP/1.1 400 "), answer
     tensor = triton.InferInput("input", [4], "FP32")
     tensor.set_data_from_numpy(X)

@@ -20,7 +20,7 @@ import tritonclient.http as http
 import tritonclient.http.aio as http_aio
 from tritonclient.utils import InferenceServerException
 
-from support import ECHO_MAIN, textproto_single, wait_until
+from support import ECHO_MAIN, textproto_single, unreadable_chunked_infer, wait_until
 
 SLOW_MAIN = '''
 import os, sys, time
@@ -277,12 +277,7 @@ def test_an_unreadable_body_to_a_model_not_ready_is_counted_as_the_400_it_was_an
 
     repo.add("broken", "input_shape: [4\n", main_py="print()")  # fails to load
     server = serve(repo.write_config())
-    with socket.create_connection(("127.0.0.1", server.server.http_port), timeout=10) as connection:
-        connection.sendall(b"POST /v2/models/broken/infer HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
-                           b"Content-Type: application/json\r\n\r\nzz\r\n{}\r\n0\r\n\r\n")
-        answer = b""
-        while chunk := connection.recv(65536):
-            answer += chunk
+    answer = unreadable_chunked_infer(server.server.http_port, "broken")
     assert answer.startswith(b"HTTP/1.1 400 "), answer
     outcomes = {dict(labels)["outcome"]: value for (name, labels), value in scrape(server.server.metrics_port).items()
                 if name == "nereid_protocol_requests_total" and dict(labels)["model"] == "broken"}
