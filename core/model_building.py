@@ -14,6 +14,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, TypeVar
 
+import numpy as np
+
 from nereid.backend import CallsModels, HasBatchSignature, Model, ModelContext, UsesNoDevice, missing_model_parts
 from nereid.batching import BatchPolicy
 from nereid.errors import (ConfigError, NereidError, backend_exit, calling_plugin, describe_exception,
@@ -77,6 +79,14 @@ PLAIN_METHODS = ("load", "unload", "signature", "batch_signature", "preprocess",
                  "concurrent_executions", "uses_no_device")
 
 
+def _is_async_def(backend: object, method: str) -> bool:
+    """Whether ``backend``'s ``method`` is an ``async def``, read without running its code: before ``load()`` a
+    ``__getattr__`` forwarding to what load() makes, or a property, may fail (a wrapper plugin's recursed for
+    ever; the hunt of the check)."""
+    member = inspect.getattr_static(backend, method, None)
+    return inspect.iscoroutinefunction(getattr(member, "__func__", member))  # (a staticmethod's or classmethod's)
+
+
 def build_model(manager: NereidPluginManager, context: ModelContext,
                 backend_defaults: Mapping[str, Mapping[str, Any]] | None = None,
                 defaults_source: Path | str = "", stage: BuildStage | None = None) -> BuiltModel:
@@ -126,8 +136,7 @@ def _build_model(manager: NereidPluginManager, context: ModelContext,
     missing = missing_model_parts(backend)
     if "load()" in missing:  # nothing to load: refused at once
         raise _lacking(manager, result.backend_name, backend, missing)
-    coroutines = [f"{method}()" for method in PLAIN_METHODS
-                  if inspect.iscoroutinefunction(getattr(backend, method, None))]
+    coroutines = [f"{method}()" for method in PLAIN_METHODS if _is_async_def(backend, method)]
     if coroutines:
         # Called as plain functions (on a thread), they would only make a coroutine that never runs: a model READY
         # with nothing loaded, an unload said done that never ran (found by a bug hunt).
@@ -160,11 +169,11 @@ def _build_model(manager: NereidPluginManager, context: ModelContext,
             # nereid check in a traceback (the plugin hunt).
             answer = _plugin_step(manager, result.backend_name, context.name, "uses_no_device()",
                                   backend.uses_no_device)
-            if not isinstance(answer, bool):
+            if not isinstance(answer, (bool, np.bool_)):  # (numpy's True, as a computed answer may be)
                 raise ConfigError(f"model '{context.name}': uses_no_device() of "
                                   f"{manager.describe(result.backend_name)} returned {brief_description(answer)}, "
                                   "expected True or False")
-            uses_device = not answer
+            uses_device = not bool(answer)
         policy = BatchPolicy.resolve(context.settings.batching, batch_signature, context.settings_origin)
         if isinstance(backend, CallsModels):  # each request is an orchestration with its own deadline
             policy = BatchPolicy(enabled=False)

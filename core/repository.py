@@ -121,8 +121,9 @@ class ModelRepository:
         # Names a client unloaded while the store could not be listed, before they had an entry: neither the
         # listing that answers at last nor the watcher loads them, until a client loads them (a bug hunt).
         self._declined: set[str] = set()
-        # The listing RepositoryIndex calls share while it runs (see refresh's join).
+        # The listing RepositoryIndex calls share while it runs, and the one they share next (see refresh's join).
         self._shared_refresh: asyncio.Future[StorageError | None] | None = None
+        self._next_refresh: asyncio.Future[StorageError | None] | None = None
         # Of those, the ones the watcher loads by itself (a folder dropped in, a model an edit of nereid.yaml
         # lists), which ServerReady counts only once they serve: see load's ``counted``.
         self._counted_once_ready: set[str] = set()
@@ -272,17 +273,32 @@ class ModelRepository:
         """:meth:`rescan`, with the listing (a directory, or a store's paged listing) off the event loop; returns
         why the folders could not be listed (None: they could).
 
-        ``join``: share a listing another joining caller started and that still runs (RepositoryIndex's: a flood
-        of them while a store hung ran one 30 s listing each, 16 at a time, and loads and the watcher's listings
-        waited behind them; a bug hunt). A load lists on its own: it must see a folder uploaded just before it.
+        ``join``: share a listing with the other joining callers (RepositoryIndex's: a flood of them while a store
+        hung ran one 30 s listing each, 16 at a time, and loads and the watcher's listings waited behind them; a
+        bug hunt). Only one that starts after this call: a caller arriving while one runs shares the next,
+        which starts once it ends, so a folder made before the call is always seen (a hunt of that fix found a
+        joined listing that had begun earlier miss it). A load lists on its own.
         """
-        if join and self._shared_refresh is not None:
-            return await asyncio.shield(self._shared_refresh)
-        refreshing = asyncio.ensure_future(self._refresh_now())
-        if join:
-            self._shared_refresh = refreshing
-            refreshing.add_done_callback(self._shared_refresh_done)
-        return await asyncio.shield(refreshing)  # (a caller gone leaves the listing to finish and be applied)
+        if not join:
+            return await asyncio.shield(asyncio.ensure_future(self._refresh_now()))
+        if self._next_refresh is None:
+            after = self._shared_refresh
+            listing = asyncio.ensure_future(self._refresh_after(after))
+            if after is None:
+                self._shared_refresh = listing
+            else:
+                self._next_refresh = listing
+            listing.add_done_callback(self._shared_refresh_done)
+        else:
+            listing = self._next_refresh
+        return await asyncio.shield(listing)  # (a caller gone leaves the listing to finish and be applied)
+
+    async def _refresh_after(self, running: asyncio.Future | None) -> StorageError | None:
+        if running is not None:
+            await asyncio.gather(running, return_exceptions=True)
+            # Running now: callers arriving from here share the listing after this one.
+            self._shared_refresh, self._next_refresh = self._next_refresh, None
+        return await self._refresh_now()
 
     async def _refresh_now(self) -> StorageError | None:
         scan = await on_io_thread(self._scan)
@@ -292,6 +308,8 @@ class ModelRepository:
     def _shared_refresh_done(self, done: asyncio.Future) -> None:
         if self._shared_refresh is done:
             self._shared_refresh = None
+        if self._next_refresh is done:  # (ended before it ran: cancelled at a stop)
+            self._next_refresh = None
 
     def _apply_scan(self, scan: RepositoryScan) -> None:
         present = scan.names

@@ -99,6 +99,14 @@ _JOIN_AS_PARTS_UP_TO = 64
 _JOIN_AS_PARTS_FROM_BYTES = 128
 
 
+_MAX_ELEMENT_BYTES = 0xFFFFFFFF  # what a 4-byte length prefix can say
+
+
+def _element_too_long(length: int) -> ValueError:
+    """The refusal of a BYTES element too long for its length prefix (struct.pack's own error named no bound)."""
+    return ValueError(f"a BYTES element of {length} bytes is past the 4-byte length prefix's bound")
+
+
 def join_bytes_elements(array: np.ndarray) -> bytes:
     """KServe's BYTES serialization of an object array of ``bytes`` (str is UTF-8 encoded)."""
     buffer = bytes_elements_buffer(array)
@@ -125,11 +133,13 @@ def bytes_elements_buffer(array: np.ndarray) -> bytes | memoryview:
         # regression hunt: 1,000 elements of 100 KB took 2.6 times as long, and 4 times the memory).
         parts: list[bytes] = []
         for data in elements:
+            if len(data) > _MAX_ELEMENT_BYTES:
+                raise _element_too_long(len(data))
             parts.append(_LENGTH.pack(len(data)))
             parts.append(data)
         return b"".join(parts)
-    if int(lengths.max()) > 0xFFFFFFFF:
-        raise ValueError(f"a BYTES element of {int(lengths.max())} bytes is past the 4-byte length prefix's bound")
+    if int(lengths.max()) > _MAX_ELEMENT_BYTES:
+        raise _element_too_long(int(lengths.max()))
     data = b"".join(elements)
     del elements
     out = np.empty(4 * count + len(data), dtype=np.uint8)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+import types
 from collections import Counter
 from pathlib import Path
 
@@ -345,6 +346,26 @@ class NoDeviceStrModel(FaultyModel):
         return "yes"
 
 
+class ForwardingModel(FaultyModel):
+    """Forwards what it lacks to an object its ``load()`` makes (a wrapper plugin's pattern): before the load, reading
+    any method it lacks recurses for ever. Not a fault: it must load."""
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
+
+    def load(self) -> None:
+        super().load()
+        self._inner = types.SimpleNamespace()
+
+
+class NoDeviceNumpyModel(FaultyModel):
+    """Its ``uses_no_device()`` answers numpy's True, as a computed answer may be. Not a fault: it must load."""
+
+    def uses_no_device(self):
+        import numpy
+        return numpy.bool_(True)
+
+
 FAULTS = {"signature_none": SignatureNoneModel, "no_platform": NoPlatformModel, "no_infer": NoInferModel, "dependencies_fail": DependenciesFailModel,
           "dependencies_exit": DependenciesExitModel, "dependencies_interrupt": DependenciesInterruptModel,
           "terminate_fails": TerminateFailsModel, "terminate_slow": TerminateSlowModel,
@@ -356,7 +377,7 @@ FAULTS = {"signature_none": SignatureNoneModel, "no_platform": NoPlatformModel, 
           "signature_raises": SignatureRaisesModel, "platform_raises": PlatformRaisesModel,
           "report_and_unload_fail": ReportAndUnloadFailModel,
           "dependencies_and_unload_fail": DependenciesAndUnloadFailModel, "no_device_raises": NoDeviceRaisesModel,
-          "async_hooks": AsyncHooksModel,
+          "async_hooks": AsyncHooksModel, "forwarding": ForwardingModel, "no_device_numpy": NoDeviceNumpyModel,
           "no_device_str": NoDeviceStrModel}
 
 

@@ -650,7 +650,7 @@ def test_a_listed_models_folder_removed_while_its_load_waits_for_an_unload_is_no
         release.set()
 
 
-def test_repository_index_calls_at_once_share_one_listing_and_a_load_lists_on_its_own(tmp_path, monkeypatch):
+def test_repository_index_calls_share_listings_never_one_begun_before_they_asked(tmp_path, monkeypatch):
     """Found by the storage hunt: 24 RepositoryIndex calls while a store hung each ran its own 30 s listing, 16 at
     a time on the I/O threads, and loads and the watcher's listings waited behind them."""
     plane = toy_dataplane(tmp_path)
@@ -665,10 +665,17 @@ def test_repository_index_calls_at_once_share_one_listing_and_a_load_lists_on_it
     monkeypatch.setattr(plane.repository, "_scan", slow_scan)
 
     async def scenario() -> None:
+        # The first lists at once; the seven arriving while it runs share the next one: two listings, not eight.
         indexes = await asyncio.gather(*(plane.repository_index() for _ in range(8)))
-        assert len(scans) == 1 and all([e.name for e in index] == ["spare", "toy"] for index in indexes)
-        await plane.repository_index()  # (a later one lists again)
-        assert len(scans) == 2
+        assert len(scans) == 2 and all([e.name for e in index] == ["spare", "toy"] for index in indexes)
+        # A caller never gets a listing begun before it asked (the hunt of this fix: a folder made meanwhile was
+        # missing from a joined listing that had begun earlier).
+        first = asyncio.ensure_future(plane.repository_index())
+        await asyncio.sleep(0.1)  # (inside its listing)
+        toy_backends.write_toy(tmp_path / "ml-backends", "late")
+        second = await plane.repository_index()
+        assert "late" in [e.name for e in second] and len(scans) == 4
+        await first
         await plane.load("spare")  # (a load lists on its own, whatever index listing runs)
         await plane.unload("spare")
     asyncio.run(scenario())

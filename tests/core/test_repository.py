@@ -553,6 +553,24 @@ def test_a_model_object_whose_methods_cannot_run_as_called_is_refused_with_the_r
                                         "called as a plain function, before the request queues: make it plain def")
 
 
+def test_model_objects_the_load_time_checks_must_not_refuse_load(tmp_path, root):
+    """The hunt of this session's fixes: the check for async def methods read a wrapper's __getattr__ before its
+    load() (recursion for ever: the model refused), and a uses_no_device() answering numpy's True was refused."""
+    for name, fault in (("forwards", "forwarding"), ("numpy_true", "no_device_numpy")):
+        toy_backends.write_faulty(root, name, fault)
+    repo = repository(tmp_path, extra_plugins=(toy_backends.FaultyToys(),))
+
+    async def scenario():
+        entries = {name: await repo.load(name) for name in ("forwards", "numpy_true")}
+        states = {name: (e.state, e.reason) for name, e in entries.items()}
+        uses_device = entries["numpy_true"].loaded.uses_device if entries["numpy_true"].loaded else None
+        await repo.unload_all()
+        return states, uses_device
+    states, uses_device = asyncio.run(scenario())
+    assert states == dict.fromkeys(("forwards", "numpy_true"), (ModelState.READY, ""))
+    assert uses_device is False
+
+
 def test_at_a_stop_every_busy_model_is_asked_to_end_its_work_at_once(tmp_path, root):
     """Found by a bug hunt: asked one after another, one backend whose terminate_running hung held up the others
     (a SIGTERM with a 3 s grace took 65 s)."""

@@ -88,3 +88,17 @@ def test_many_large_bytes_elements_join_with_one_copy_of_their_bytes() -> None:
     joined, peak = _joined_and_peak(bytes_array([bytes([index % 256]) * 100_000 for index in range(200)], (200,)))
     assert len(joined) == 200 * 100_004 and joined[4:8] == b"\0" * 4
     assert peak < 1.5 * len(joined), f"{peak / len(joined):.1f} times the joined size"
+
+
+@pytest.mark.parametrize("count, size", [(2, 4), (100, 200), (100, 4)], ids=["few", "many large", "many small"])
+def test_an_element_past_the_length_prefix_is_refused_naming_the_bound_on_every_path(monkeypatch, count: int,
+                                                                                      size: int) -> None:
+    """The hunt of the join's fix: the parts path gave struct.error ("'I' format requires ...") for an element of
+    4 GiB or more, naming no bound (the bound made small here: the same check)."""
+    from nereid import tensors
+
+    monkeypatch.setattr(tensors, "_MAX_ELEMENT_BYTES", size - 1)
+    elements = tensors.bytes_array([b"x" * size] * count, (count,))
+    with pytest.raises(ValueError, match=rf"^a BYTES element of {size} bytes is past the 4-byte length prefix's "
+                                         r"bound$"):
+        join_bytes_elements(elements)
