@@ -238,7 +238,8 @@ def _type_problem(bundle: _OpenedBundle) -> str | None:
     for key, path in layout.modules.items():
         program, callback = bundle.program(path)
         # In the order the load checks them, so both name the same first problem.
-        check_program_types(path.name, program, key, layout.manifest, weight_types)
+        check_program_types(path.name, program, key, layout.manifest, weight_types,
+                            bundle.weight_set is not None and bundle.weight_set.legacy)
         donated = donated_weights_problem(path.name, program, len(layout.manifest.executable_inputs),
                                           [name for name, _, _ in weight_types])
         if donated is not None:

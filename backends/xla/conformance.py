@@ -18,8 +18,9 @@ from nereid.errors import ConfigError
 
 
 def check_program_types(where: str, program: ProgramSignature, key: ProgramKey, manifest: Manifest,
-                        weights: Sequence[tuple[str, tuple[int, ...], DType]]) -> None:
-    """Raise ConfigError at the first parameter or result that disagrees (arity is checked before)."""
+                        weights: Sequence[tuple[str, tuple[int, ...], DType]], legacy_weights: bool = False) -> None:
+    """Raise ConfigError at the first parameter or result that disagrees (arity is checked before).
+    ``legacy_weights``: the weights file has no ``axis_order: xla`` (the hint for a reversed weight names it)."""
     variant = manifest.input_shapes[key.variant - 1] if key.variant is not None and manifest.input_shapes else ()
     per_input = manifest.variant_sizes(variant) if variant else tuple(() for _ in manifest.executable_inputs)
     for index, (tensor, sizes) in enumerate(zip(manifest.executable_inputs, per_input)):
@@ -30,7 +31,7 @@ def check_program_types(where: str, program: ProgramSignature, key: ProgramKey, 
     for index, (name, shape, dtype) in enumerate(weights):
         _compare(where, f"parameter {offset + index} (weight '{name}')", program.parameters[offset + index],
                  shape, dtype, manifest_order=tuple(reversed(shape)), declared_by="the weights file holds",
-                 reversed_hint=_WEIGHTS_REVERSED)
+                 reversed_hint=_LEGACY_WEIGHTS_REVERSED if legacy_weights else _WEIGHTS_REVERSED)
     outputs = manifest.executable_outputs
     if len(program.results) != len(outputs):
         raise ConfigError(f"{where}: the program returns {len(program.results)} result(s) but the manifest "
@@ -50,8 +51,13 @@ def _output_shape(tensor: ManifestTensor, batch_size: int | None) -> tuple[int, 
 
 
 # A weight's shape is the weights file's, never the manifest's (the config hunt: blamed on the manifest's order).
-_WEIGHTS_REVERSED = (" (the shapes are reversed: a weights file whose __metadata__ lacks axis_order: xla is read in "
-                     "the legacy layout, its shapes column-major; export it again, or migrate its weights)")
+_LEGACY_WEIGHTS_REVERSED = (" (the shapes are reversed: this weights file's __metadata__ lacks axis_order: xla, so "
+                            "it is read in the legacy layout, its shapes column-major; export it again, or migrate "
+                            "its weights)")
+# (A file in the program's order that holds a weight transposed: the README walkthrough found the legacy hint given
+# of one that has axis_order: xla, whose migration does nothing.)
+_WEIGHTS_REVERSED = (" (the shapes are reversed: the weights file, in the program's axis order, holds this weight "
+                     "transposed; export it again)")
 _MANIFEST_REVERSED = (" (the shapes are reversed: manifest shapes are column-major, batch axis last, and the "
                       "program sees them reversed)")
 

@@ -113,7 +113,8 @@ class XlaModel:
         cache = ExecutableCache(context.folder / CACHE_DIR, options.executable_cache)
         weights_name = weight_set.describe() if weight_set else DEFAULT_WEIGHTS_FILE
         programs = {key: self._program(key, path, layout.manifest, weight_types, weights_name,
-                                       weight_set is not None, target, cache, elsewhere)
+                                       weight_set is not None, target, cache, elsewhere,
+                                       legacy_weights=weight_set is not None and weight_set.legacy)
                     for key, path in layout.modules.items()}
         if weight_set is None:
             arrays = []
@@ -222,7 +223,8 @@ class XlaModel:
 
     def _program(self, key: ProgramKey, path: Path, manifest: Manifest,
                  weight_types: Sequence[tuple[str, tuple[int, ...], Any]], weights_name: str, weights_present: bool,
-                 target: PjrtTarget, cache: ExecutableCache, elsewhere: str | None = None) -> Any:
+                 target: PjrtTarget, cache: ExecutableCache, elsewhere: str | None = None,
+                 legacy_weights: bool = False) -> Any:
         """The executable of one program file; ``elsewhere``: why it may not suit the device (see
         :func:`exported_elsewhere`), added to a compile error's reason."""
         import jaxlib
@@ -238,7 +240,7 @@ class XlaModel:
                                   weights_name, weights_present)
         if mismatch:
             raise ConfigError(mismatch)
-        check_program_types(path.name, program, key, manifest, weight_types)
+        check_program_types(path.name, program, key, manifest, weight_types, legacy_weights)
         donated = donated_weights_problem(path.name, program, len(manifest.executable_inputs),
                                           [name for name, _, _ in weight_types])
         if donated is not None:

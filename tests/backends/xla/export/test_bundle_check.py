@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
 import numpy as np
+import safetensors.numpy
 
 from nereid.backends.xla.safetensors import load_weights, write_safetensors
 from nereid.cli import main
@@ -98,13 +100,16 @@ def test_bundles_whose_types_the_load_refuses_are_unservable(tmp_path, capsys) -
     first_matrix = next(n for n, a in weights if a.ndim == 2)
     write_safetensors(transposed / "weights.safetensors",
                       [(n, np.ascontiguousarray(a.T) if n == first_matrix else a) for n, a in weights])
+    unmarked = copy("unmarked")  # the same weights, the file without its axis_order: read in the legacy layout
+    safetensors.numpy.save_file(dict(weights), str(unmarked / "weights.safetensors"),
+                                metadata={"argument_order": json.dumps([name for name, _ in weights])})
     swapped = copy("swapped")
     shutil.copyfile(swapped / "model.b1.mlir", swapped / "model.b8.mlir")
     good = copy("good")
     assert all(bundle_arity_report(b).servable for b in (wrong_dim, wrong_weight, swapped))
     assert main(["bundle", "check", str(tmp_path)]) == 1
     lines = capsys.readouterr().out.splitlines()
-    assert lines[-1] == "5 bundle(s), 4 unservable"
+    assert lines[-1] == "6 bundle(s), 5 unservable"
     by_bundle = {line.split(": ", 1)[0]: line for line in lines[:-1]}
     assert by_bundle[str(wrong_dim)] == (
         f"{wrong_dim}: UNSERVABLE: model.b1.mlir: parameter 0 (input 'input', manifest shape 'an') is "
@@ -114,9 +119,13 @@ def test_bundles_whose_types_the_load_refuses_are_unservable(tmp_path, capsys) -
     assert by_bundle[str(wrong_weight)].endswith("xf64>")
     # (The config hunt: a weight's shape was said to be the bundle's declaration, with the manifest's hint.)
     assert "in the program but the weights file holds tensor<" in by_bundle[str(transposed)]
+    # (The README walkthrough: the legacy-layout hint was given of this file, which has axis_order: xla.)
     assert by_bundle[str(transposed)].endswith(
-        "(the shapes are reversed: a weights file whose __metadata__ lacks axis_order: xla is read in the legacy "
-        "layout, its shapes column-major; export it again, or migrate its weights)"), by_bundle[str(transposed)]
+        "(the shapes are reversed: the weights file, in the program's axis order, holds this weight transposed; "
+        "export it again)"), by_bundle[str(transposed)]
+    assert by_bundle[str(unmarked)].endswith(
+        "(the shapes are reversed: this weights file's __metadata__ lacks axis_order: xla, so it is read in the legacy "
+        "layout, its shapes column-major; export it again, or migrate its weights)"), by_bundle[str(unmarked)]
     assert by_bundle[str(swapped)] == (
         f"{swapped}: UNSERVABLE: model.b8.mlir: parameter 0 (input 'input', manifest shape 'an') is "
         "tensor<1x16xf32> in the program but the bundle declares tensor<8x16xf32>")
