@@ -93,8 +93,9 @@ def nereid_check_defaults(defaults: Mapping[str, Any], origin: str) -> None:
     would use it arrives. Raise ConfigError naming ``<origin>.<key>``, as the
     model's own runtime options are refused (``RuntimeOptions`` over
     ``LayeredRuntime({}, defaults, origin)`` does that). The server logs it as
-    a WARNING and serves on (its models are refused with it when they load);
-    ``nereid check`` fails. Optional: without it, defaults are checked only as
+    a WARNING and serves on (the backend's own ``load()`` decides whether its
+    models are refused for it, as the built-in backends' do); ``nereid check``
+    fails. Optional: without it, defaults are checked only as
     each model of the backend loads.
 
     :param defaults: the backend's defaults, as nereid.yaml gives them.

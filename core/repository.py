@@ -124,6 +124,7 @@ class ModelRepository:
         # The listing RepositoryIndex calls share while it runs, and the one they share next (see refresh's join).
         self._shared_refresh: asyncio.Future[StorageError | None] | None = None
         self._next_refresh: asyncio.Future[StorageError | None] | None = None
+        self._settings_noted: Settings | None = None  # the settings check_settings logged the notes of
         # Of those, the ones the watcher loads by itself (a folder dropped in, a model an edit of nereid.yaml
         # lists), which ServerReady counts only once they serve: see load's ``counted``.
         self._counted_once_ready: set[str] = set()
@@ -955,9 +956,14 @@ class ModelRepository:
 
     def check_settings(self, settings: Settings) -> None:
         """ConfigError when ``settings`` ask what only the plugins can refuse (defaults for a backend that is not
-        installed); :meth:`start_settings` applies nothing of such settings."""
-        for note in check_backend_defaults(self.manager, settings.backend_defaults, settings.source):
-            log.warning("%s", note)
+        installed); :meth:`start_settings` applies nothing of such settings. What they find short of that (a
+        backend's own refusal of an option) is logged, once for these settings however often they are checked
+        (the watcher checks them, then starts them: the same WARNING came twice; the README walkthrough)."""
+        notes = check_backend_defaults(self.manager, settings.backend_defaults, settings.source)
+        if self._settings_noted is not settings:
+            self._settings_noted = settings
+            for note in notes:
+                log.warning("%s", note)
 
     def start_settings(self, settings: Settings) -> Awaitable[None]:
         """:meth:`apply_settings`, started: the settings are in force on return, and their loads, reloads and

@@ -1051,3 +1051,22 @@ def test_a_folder_moved_while_it_first_loads_is_said_to_be_gone_not_to_lack_a_fi
     assert entry.reason.endswith("moving is gone (deleted or moved while it was being loaded)"), entry.reason
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
     assert not folder.exists()
+
+
+def test_the_notes_on_new_settings_are_logged_once_however_often_they_are_checked(tmp_path, root, caplog):
+    """The README walkthrough: an edit of nereid.yaml adding a bad backends: option logged the same WARNING twice
+    (the watcher checks new settings, then starts them, which checks them again)."""
+    import logging
+
+    from nereid.settings import load_settings
+
+    repo = repository(tmp_path)
+    (tmp_path / "nereid.yaml").write_text((tmp_path / "nereid.yaml").read_text()
+                                          + "backends:\n  python: {warm_sart: true}\n")
+    edited = load_settings(tmp_path / "nereid.yaml")
+    caplog.set_level(logging.WARNING, logger="nereid.repository")
+    repo.check_settings(edited)
+    asyncio.run(repo.apply_settings(edited))
+    assert [r.getMessage() for r in caplog.records if "warm_sart" in r.getMessage()] == [
+        f"{tmp_path / 'nereid.yaml'}: backends.python.warm_sart: unknown option of the python backend (allowed: "
+        "preload, warm_start), got true"]
