@@ -173,7 +173,7 @@ class KeyedReader:
     def string(self, section: dict[str, Any], key: str, default: str) -> str:
         value = section.get(_last(key), default)
         if not isinstance(value, str):
-            self.fail(key, f"must be a string{_quoting_hint(value)}", value)
+            self.fail(key, f"must be a string{quoting_hint(value)}", value)
         return value
 
     def integer(self, section: dict[str, Any], key: str, default: int, *, minimum: int,
@@ -215,9 +215,10 @@ class KeyedReader:
             self.fail(key, f"must be at most {int(bound) if bound == int(bound) else bound} ({maximum[1]})", value)
 
 
-def _quoting_hint(value: Any) -> str:
-    """What to do about a scalar YAML read as other than text where text is due (``- name: no``, ``name: 1e5``):
-    the value quoted only shows what it became (false, 100000.0), not what was written."""
+def quoting_hint(value: Any) -> str:
+    """A message's advice (with its leading space; "" for none) on a scalar YAML read as other than text where text
+    is due (``- name: no``, ``name: 1e5``): the value quoted only shows what it became (false, 100000.0), not what
+    was written."""
     if isinstance(value, bool):
         return " (YAML reads an unquoted yes, no, on, off, true or false as a boolean: put the text in quotes)"
     if isinstance(value, (int, float)):

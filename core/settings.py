@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from nereid.config_document import KeyedReader, load_yaml
+from nereid.config_document import KeyedReader, load_yaml, quoting_hint
 from nereid.errors import ConfigError
 from nereid.files import NAME_MAX, decode_text, is_model_folder_name, read_regular_file
 from nereid.listening import host_and_port
@@ -533,7 +533,7 @@ def _parse_model(reader: KeyedReader, raw: Any, where: str, backends_path: Path,
                                maximum=(INT32_MAX, "ModelConfig's instance_group count is an int32"))
     backend = entry.get("backend")
     if backend is not None and (not isinstance(backend, str) or not backend):
-        reader.fail(f"{where}.backend", "must be a backend name", backend)
+        reader.fail(f"{where}.backend", f"must be a backend name{quoting_hint(backend)}", backend)
     timeout: float | None = DEFAULT_TIMEOUT_S
     if "timeout_s" in entry and entry["timeout_s"] is None:
         timeout = None

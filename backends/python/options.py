@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from nereid.config_document import quoting_hint
 from nereid.runtime_options import RuntimeOptions
 
 _MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
@@ -37,5 +38,6 @@ def parse_options(runtime: Mapping[str, Any], origin: str) -> PythonOptions:
         options.fail("preload", "must be a list of module names", preload)
     for index, module in enumerate(preload):
         if not isinstance(module, str) or not _MODULE_NAME.match(module):  # (the list alone named none: a bug hunt)
-            options.fail(f"preload[{index}]", "must be a module name such as numpy or sklearn.linear_model", module)
+            options.fail(f"preload[{index}]", "must be a module name such as numpy or sklearn.linear_model"
+                         f"{quoting_hint(module)}", module)
     return PythonOptions(warm_start, tuple(preload))

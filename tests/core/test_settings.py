@@ -115,6 +115,13 @@ def test_a_name_yaml_reads_as_a_boolean_or_a_number_is_told_to_be_quoted(root: P
                        f"quotes), got {read_as}")
 
 
+def test_a_backend_yaml_reads_as_a_boolean_is_told_to_be_quoted_too(root: Path) -> None:
+    """The README walkthrough: `backend: yes` was refused as `must be a backend name, got true`, without the advice."""
+    path, message = refusal(root, "models:\n  - name: a\n    backend: yes\n")
+    assert message == (f"{path}: models[0].backend: must be a backend name (YAML reads an unquoted yes, no, on, off, "
+                       "true or false as a boolean: put the text in quotes), got true")
+
+
 def test_a_model_name_too_long_for_a_folder_is_a_config_error(root: Path) -> None:
     # Looking up its folder raised ENAMETOOLONG: nereid check and serve ended in a traceback.
     path, message = refusal(root, f"models:\n  - name: {'m' * 256}\n")

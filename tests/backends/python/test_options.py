@@ -27,3 +27,11 @@ def test_a_bad_preload_entry_is_named_by_its_index(preload, key: str, value: str
         parse_options({"preload": preload}, "f: models[0]")
     assert str(caught.value).startswith(f"f: models[0].runtime.{key}: must be ")
     assert str(caught.value).endswith(f", got {value}")
+
+
+def test_a_preload_item_yaml_reads_as_a_boolean_is_told_to_be_quoted() -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_options({"preload": ["numpy", False]}, "f: models[0]")
+    assert str(caught.value) == ("f: models[0].runtime.preload[1]: must be a module name such as numpy or "
+                                 "sklearn.linear_model (YAML reads an unquoted yes, no, on, off, true or false as a "
+                                 "boolean: put the text in quotes), got false")
