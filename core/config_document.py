@@ -134,12 +134,28 @@ def load_yaml(text: str, path: Path) -> Any:
         raise ConfigError(cap_message(f"{path}: not valid YAML: {err}")) from None
 
 
-def yaml_spelling(value: Any) -> str:
+def yaml_spelling(value: Any, depth: int = 0) -> str:
     """``value`` as an error message quotes it: the scalars a document spells ``true``, ``false`` and ``null`` as it
-    spells them (not Python's ``True`` / ``None``), anything else by its ``repr``."""
+    spells them (not Python's ``True`` / ``None``), in lists and mappings too (``[true, null]``, where the README
+    walkthrough found ``[True, None]``), anything else by its ``repr``; a few levels and items of a container are
+    shown, the rest as ``...`` (a document's values can be deep and long)."""
     if value is True or value is False:
         return "true" if value else "false"
-    return "null" if value is None else repr(value)
+    if value is None:
+        return "null"
+    if isinstance(value, (list, dict)):
+        if depth >= _SPELLED_DEPTH:
+            return "[...]" if isinstance(value, list) else "{...}"
+        items = list(value.items() if isinstance(value, dict) else value)[:_SPELLED_ITEMS]
+        shown = [f"{yaml_spelling(k, depth + 1)}: {yaml_spelling(v, depth + 1)}" for k, v in items] \
+            if isinstance(value, dict) else [yaml_spelling(item, depth + 1) for item in items]
+        more = ", ..." if len(value) > _SPELLED_ITEMS else ""
+        return f"{{{', '.join(shown)}{more}}}" if isinstance(value, dict) else f"[{', '.join(shown)}{more}]"
+    return repr(value)
+
+
+_SPELLED_DEPTH = 4  # levels of a container an error message shows
+_SPELLED_ITEMS = 32  # items of each
 
 
 class KeyedReader:

@@ -122,6 +122,16 @@ def test_a_backend_yaml_reads_as_a_boolean_is_told_to_be_quoted_too(root: Path) 
                        "true or false as a boolean: put the text in quotes), got true")
 
 
+def test_a_list_or_mapping_quoted_in_a_message_is_spelled_as_yaml_spells_it(root: Path) -> None:
+    """The README walkthrough: `{sclae: [on, null]}` was quoted `[True, None]`; a deep or long one is cut short."""
+    from nereid.config_document import yaml_spelling
+
+    path, message = refusal(root, "models:\n  - name: a\n    queue_capacity: [on, null, {x: off}]\n")
+    assert message == f"{path}: models[0].queue_capacity: must be an integer, got [true, null, {{'x': false}}]"
+    assert yaml_spelling([[[[[[1]]]]]]) == "[[[[[...]]]]]"
+    assert yaml_spelling(list(range(40))).endswith(", 31, ...]")
+
+
 def test_a_model_name_too_long_for_a_folder_is_a_config_error(root: Path) -> None:
     # Looking up its folder raised ENAMETOOLONG: nereid check and serve ended in a traceback.
     path, message = refusal(root, f"models:\n  - name: {'m' * 256}\n")
