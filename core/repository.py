@@ -124,7 +124,7 @@ class ModelRepository:
         # The listing RepositoryIndex calls share while it runs, and the one they share next (see refresh's join).
         self._shared_refresh: asyncio.Future[StorageError | None] | None = None
         self._next_refresh: asyncio.Future[StorageError | None] | None = None
-        self._settings_noted: Settings | None = None  # the settings check_settings logged the notes of
+        self._settings_checked: Settings | None = None  # the last settings check_settings passed (and logged)
         # Of those, the ones the watcher loads by itself (a folder dropped in, a model an edit of nereid.yaml
         # lists), which ServerReady counts only once they serve: see load's ``counted``.
         self._counted_once_ready: set[str] = set()
@@ -351,8 +351,7 @@ class ModelRepository:
             entry = self._entries[name]
             if name in self._exposed or entry.loaded is not None or entry.holders:
                 continue
-            if name in self._declined:
-                entry.reason = "unloaded"
+            if name in self._declined:  # (its entry says "unloaded": see _folder_found)
                 continue
             self._exposed.add(name)
             entry.state, entry.reason = ModelState.LOADING, "waiting to load"
@@ -957,13 +956,14 @@ class ModelRepository:
     def check_settings(self, settings: Settings) -> None:
         """ConfigError when ``settings`` ask what only the plugins can refuse (defaults for a backend that is not
         installed); :meth:`start_settings` applies nothing of such settings. What they find short of that (a
-        backend's own refusal of an option) is logged, once for these settings however often they are checked
-        (the watcher checks them, then starts them: the same WARNING came twice; the README walkthrough)."""
+        backend's own refusal of an option) is logged. Settings that passed are not checked again (the watcher
+        checks them, then starts them: the same WARNING came twice, the hooks asked twice; the README walkthrough)."""
+        if self._settings_checked is settings:
+            return  # (checked already, and passed: the plugins' hooks are not asked twice)
         notes = check_backend_defaults(self.manager, settings.backend_defaults, settings.source)
-        if self._settings_noted is not settings:
-            self._settings_noted = settings
-            for note in notes:
-                log.warning("%s", note)
+        self._settings_checked = settings
+        for note in notes:
+            log.warning("%s", note)
 
     def start_settings(self, settings: Settings) -> Awaitable[None]:
         """:meth:`apply_settings`, started: the settings are in force on return, and their loads, reloads and
