@@ -387,24 +387,23 @@ def check_backend_defaults(manager: pluggy.PluginManager, defaults: Mapping[str,
     return notes
 
 
-def defaults_problem(manager: pluggy.PluginManager, name: str, values: Mapping[str, Any], origin: str) -> str:
+def defaults_problem(manager: NereidPluginManager, name: str, values: Mapping[str, Any], origin: str) -> str:
     """What the backend ``name`` finds wrong in its ``values`` (nereid.yaml's ``backends.<name>``, at ``origin``),
-    asked through its ``nereid_check_defaults`` hook alone; "" when nothing, or when it has no such hook (its
-    models' loads check them). A model of it would be refused with the same reason when it loads; asked
-    beforehand, a misspelt option is found with no model of that backend served (a bug hunt: ``nereid check``
-    passed it)."""
-    plugin = manager.get_plugin(name)
-    if plugin is None or not any(impl.plugin is plugin for impl in manager.hook.nereid_check_defaults.get_hookimpls()):
+    asked through its ``nereid_check_defaults`` hook alone (inside the hook's wrappers, as every hook a backend
+    answers alone: see :func:`_answers_alone`); "" when nothing, or when it has no such hook (its models' loads
+    check them). Asked beforehand, a misspelt option is found with no model of that backend served (a bug hunt:
+    ``nereid check`` passed it)."""
+    impls = _plain_impls(manager.hook.nereid_check_defaults)
+    impl = next((impl for impl in impls if impl.plugin_name == name), None)
+    if impl is None:
         return ""
-    others = [other for other_name, other in manager.list_name_plugin() if other_name != name]
     try:
-        manager.subset_hook_caller("nereid_check_defaults", remove_plugins=others)(defaults=dict(values),
-                                                                                    origin=origin)
+        _answers_alone(manager, "nereid_check_defaults", impl, impls, {"defaults": dict(values), "origin": origin},
+                       about=origin)
     except ConfigError as err:
         return str(err)
     except plugin_failures() as err:
-        described = manager.describe(name) if isinstance(manager, NereidPluginManager) else f"plugin '{name}'"
-        return f"{origin}: the {described}'s nereid_check_defaults raised {error_text(err)}"
+        return f"{origin}: the {manager.describe(name)}'s nereid_check_defaults raised {error_text(err)}"
     return ""
 
 
