@@ -12,6 +12,7 @@ import asyncio
 import errno
 import functools
 import logging
+import os
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -21,7 +22,7 @@ import pluggy
 
 from nereid.backend import CallsModels, ModelCaller, ModelContext, what_it_calls
 from nereid.backend_calls import await_build, on_daemon_thread, unload_backend, unload_unclaimed
-from nereid.errors import ConfigError, backend_exit, calling_plugin
+from nereid.errors import ConfigError, backend_exit, calling_plugin, shown_name
 from nereid.files import check_confined
 from nereid.folder_states import folder_stamp
 from nereid.leftovers import remove_model_leftovers
@@ -107,11 +108,12 @@ class VersionLoader:
             path.mkdir(parents=True, exist_ok=True)
         except OSError as err:
             if err.errno == errno.ENAMETOOLONG:
-                raise ConfigError(f"model '{name[:64]}...': its name is {len(name.encode('utf-8', 'surrogateescape'))} "
-                                  "bytes, and the server keeps a local folder of that name (its scratch folder, a "
-                                  "bucket's mirror): a local file system allows 255 bytes per name; give the model "
-                                  "folder a shorter name") from None
-            raise ConfigError(f"model '{name}': cannot make its scratch folder {path}: {err.strerror or err}") from None
+                raise ConfigError(f"model {shown_name(name)}: its name is {len(os.fsencode(name))} bytes, and the "
+                                  "server keeps a local folder of that name (its scratch folder, a bucket's mirror): a "
+                                  "local file system allows 255 bytes per name; give the model folder a shorter "
+                                  "name") from None
+            raise ConfigError(f"model {shown_name(name)}: cannot make its scratch folder {path}: "
+                              f"{err.strerror or err}") from None
         return path
 
     async def load(self, entry: ModelEntry, stats: ModelStats, settings: Settings) -> LoadedModel:

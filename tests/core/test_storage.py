@@ -924,9 +924,10 @@ def test_a_folder_name_too_long_for_the_local_disk_fails_only_its_own_load(s3, s
     index = {m.name: (m.state, m.reason) for m in server.client.get_model_repository_index().models}
     assert index["echo"] == ("READY", "")
     # (The storage hunt: the reason was the raw "[Errno 36] File name too long: '<scratch>/mmm...'".)
-    assert index[long_name] == ("UNAVAILABLE", f"model '{'m' * 64}...': its name is 300 bytes, and the server keeps a "
-                                "local folder of that name (its scratch folder, a bucket's mirror): a local file "
-                                "system allows 255 bytes per name; give the model folder a shorter name"), index
+    assert index[long_name] == ("UNAVAILABLE", f"model '{'m' * 64}' (236 more characters cut): its name is 300 bytes, "
+                                "and the server keeps a local folder of that name (its scratch folder, a bucket's "
+                                "mirror): a local file system allows 255 bytes per name; give the model folder a "
+                                "shorter name"), index
     x = np.arange(4, dtype=np.float32).reshape(1, 4)
     np.testing.assert_array_equal(_echo(server.client, "echo", x), x)
     from nereid.storage import materialize_model_folder
