@@ -81,6 +81,9 @@ class MetaContext:
         self.model_name = model.context.name
         self.deadline_ns = deadline_ns
         self.depends_on = model.depends_on
+        # Set once the request's own task is cancelled (its client went away, or the server stops): no further
+        # sub-call is issued, whatever the orchestration does with the CancelledError it was sent.
+        self.request_cancelled = False
 
     def time_remaining(self) -> float | None:
         """Seconds left before the request's deadline (negative once past; None: no deadline)."""
@@ -96,6 +99,11 @@ class MetaContext:
         and the sub-call's own error (a :mod:`nereid.errors` exception, naming
         this model and the sub-model) when it fails.
         """
+        if self.request_cancelled:
+            # An orchestration that caught its request's cancellation (a bare `except`, a broad `except
+            # BaseException`) and went on: its client has gone, so nothing more is run for it (a bug hunt).
+            raise asyncio.CancelledError(f"meta model '{self.model_name}': the request was cancelled; the sub-call "
+                                         f"to '{model_name}' was not issued")
         request = self._model.sub_request(model_name, inputs, outputs, self.deadline_ns)
         return await self._model.call(request)
 
@@ -242,16 +250,10 @@ class MetaModel:
         orchestrate = self._orchestrate
         assert orchestrate is not None, "load() first"
         deadline_ns = REQUEST_DEADLINE_NS.get()  # the request's, set by the scheduler
+        ctx = MetaContext(self, deadline_ns) if self._is_async else None
         try:
-            if self._is_async:
-                contain_orchestration_tasks(asyncio.get_running_loop())
-                orchestration = _Orchestration(self.context.name)
-                orchestrating = _ORCHESTRATING.set(orchestration)
-                try:
-                    result = await orchestrate(inputs, MetaContext(self, deadline_ns))
-                finally:
-                    _ORCHESTRATING.reset(orchestrating)
-                    orchestration.end()
+            if ctx is not None:
+                result = await self._run_async(orchestrate, inputs, ctx)
             else:
                 result = await self._run_blocking(orchestrate, inputs, deadline_ns)
         except _NotInDependsOn as err:  # (with the line of model.py that made the call)
@@ -262,7 +264,7 @@ class MetaModel:
             # The orchestration's own refusal (raise InvalidArgument(...)): its status, naming the model.
             raise same_kind(err, f"meta model '{self.context.name}': {err}") from err
         except BaseException as err:
-            if isinstance(err, asyncio.CancelledError) and _being_cancelled():
+            if isinstance(err, asyncio.CancelledError) and (ctx.request_cancelled if ctx else _being_cancelled()):
                 raise  # the client went away, or the server stops (the scheduler tells the model's own apart)
             # Any other exception, and what is none (sys.exit(), a KeyboardInterrupt or GeneratorExit of its own, a
             # CancelledError it raised itself, its task not cancelled, a BaseException of the author's): the
@@ -271,6 +273,46 @@ class MetaModel:
             raise ModelFailure(f"meta model '{self.context.name}': orchestrate failed{self._line_of(err)}: "
                                f"{describe_exception(err)}") from err
         return self._in_declared_order(result)
+
+    async def _run_async(self, orchestrate: Callable[..., Any], inputs: list[NamedTensor], ctx: MetaContext) -> Any:
+        """What an ``async def`` orchestration returns, run in a task of its own.
+
+        Its own task tells the request's cancellation (this task's: the client
+        went away, or the server stops) from what the orchestration does with
+        its own: one it caught and went on from, or one a TaskGroup of its own
+        left counted (Python 3.11 leaves a task's ``cancelling()`` at 1 when a
+        TaskGroup's child fails while it waits). On the request's cancellation
+        the orchestration is cancelled and waited for, and ``ctx.infer`` issues
+        nothing more; the request then ends cancelled, whatever it returns.
+        """
+        loop = asyncio.get_running_loop()
+        contain_orchestration_tasks(loop)
+        orchestration = _Orchestration(self.context.name)
+        # Made outside any calling orchestration (a meta model calling this one), whose task it would be counted as.
+        calling = _ORCHESTRATING.set(None)
+        try:
+            task = loop.create_task(_orchestrated(orchestration, orchestrate, inputs, ctx))
+        finally:
+            _ORCHESTRATING.reset(calling)
+        task.add_done_callback(_retrieve)
+        try:
+            try:
+                await asyncio.wait((task,))
+            except asyncio.CancelledError:
+                ctx.request_cancelled = True
+                while not task.done():  # (an orchestration that catches its CancelledError runs on to its end)
+                    task.cancel()
+                    try:
+                        await asyncio.wait((task,))
+                    except asyncio.CancelledError:  # cancelled again (the server stopping): still waited for
+                        pass
+                raise
+        finally:
+            orchestration.end()
+        try:
+            return task.result()
+        except _Escaped as escaped:
+            raise escaped.error from None
 
     def unload(self) -> None:
         """Release the worker threads of a plain-def orchestration."""
@@ -435,6 +477,27 @@ class MetaModel:
                 return f" at {MODEL_PY}:{frames[-1].lineno}"
             seen = seen.__cause__ or seen.__context__
         return ""
+
+
+async def _orchestrated(orchestration: _Orchestration, orchestrate: Callable[..., Any], inputs: list[NamedTensor],
+                        ctx: MetaContext) -> Any:
+    """``await orchestrate(inputs, ctx)`` in its own task, whose tasks are ``orchestration``'s; what is no Exception
+    comes out in an :class:`_Escaped` (asyncio lets a task's SystemExit or KeyboardInterrupt out of the event loop)."""
+    _ORCHESTRATING.set(orchestration)  # (this task's own copy of the context)
+    try:
+        return await orchestrate(inputs, ctx)
+    except (Exception, asyncio.CancelledError):
+        raise
+    except BaseException as err:
+        raise _Escaped(err) from None
+
+
+class _Escaped(Exception):
+    """What an orchestration raised that is no Exception, carried out of its task to the request's."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(error)
+        self.error = error
 
 
 def _being_cancelled() -> bool:

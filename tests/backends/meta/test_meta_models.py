@@ -590,6 +590,47 @@ def test_a_client_that_goes_away_stops_its_orchestration_whether_it_queued_or_no
     assert calls(step) == 5
 
 
+SWALLOWS_ITS_CANCEL = '''
+import asyncio
+import nereid
+from nereid.tensors import NamedTensor
+
+async def orchestrate(inputs, ctx):
+    (x,) = inputs
+    try:
+        (x,) = await ctx.infer("step", [NamedTensor("input", x.dtype, x.data)])
+    except asyncio.CancelledError:  # its client went away: it carries on all the same
+        for _ in range(3):
+            try:
+                await ctx.infer("step", [NamedTensor("input", x.dtype, x.data)])
+            except asyncio.CancelledError:
+                pass
+    return [NamedTensor("output", x.dtype, x.data)]
+
+nereid.register_model(orchestrate=orchestrate)
+'''
+
+
+def test_an_orchestration_that_catches_its_cancel_issues_no_further_sub_call_and_counts_as_cancelled(repo,
+                                                                                                     serve) -> None:
+    """Found by a bug hunt: an async orchestration that caught the CancelledError of its client's going away
+    issued every later sub-call, and its request counted as a success. (A first fix read the task's
+    ``cancelling()``, which a TaskGroup also leaves set on Python 3.11: test_meta_load keeps that case.)"""
+    step = add_counting(repo, "step", 0.3)
+    add_meta(repo, "stubborn", SWALLOWS_ITS_CANCEL, ["step"])
+    server = serve(repo.write_config("- name: stubborn\n- name: step\n"))
+    tensor = triton.InferInput("input", [4], "FP32")
+    tensor.set_data_from_numpy(X)
+    call = server.client.async_infer("stubborn", [tensor], lambda result, error: None)
+    assert wait_until(lambda: calls(step, "started.txt") == 1)
+    call.cancel()
+    time.sleep(1.2)  # what its three further steps would take
+    assert calls(step, "started.txt") == 1
+    stats = statistics(server.client, "stubborn").inference_stats
+    assert (stats.success.count, stats.fail.count) == (0, 1)
+    np.testing.assert_array_equal(infer(server.client, "stubborn", X), X)  # a request of a client that stays runs
+
+
 def test_a_normal_start_logs_no_warning_for_a_meta_model_waiting_on_a_loading_dependency(repo, serve,
                                                                                           caplog) -> None:
     """Every normal start warned "'relay' is UNAVAILABLE: dependency 'echo' is not ready (LOADING)" before the
