@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+from nereid.config_document import quoting_hint
 from nereid.errors import ConfigError
 from nereid.runtime_options import RuntimeOptions
 from nereid.settings import beside_config
@@ -66,7 +67,8 @@ def parse_options(model: str, runtime: Mapping[str, Any], origin: str, folder: P
 
     def resolve(key: str, value: Any) -> Path:
         if not isinstance(value, str) or not value:
-            fail(key, f"must be a path (absolute, relative to nereid.yaml, or under {MODEL_FOLDER}/)", value)
+            fail(key, f"must be a path (absolute, relative to nereid.yaml, or under {MODEL_FOLDER}/)"
+                      f"{quoting_hint(value)}", value)
         if value.startswith(MODEL_FOLDER + "/"):
             if folder is None:
                 fail(key, f"uses {MODEL_FOLDER}, but no model folder is known here", value)
@@ -85,7 +87,7 @@ def parse_options(model: str, runtime: Mapping[str, Any], origin: str, folder: P
     sources = runtime["sources"]
     if not isinstance(sources, list) or not sources:
         fail("sources", "must be a non-empty list of C++ source files", sources)
-    return CxxOptions(sources=tuple(resolve("sources", item) for item in sources))
+    return CxxOptions(sources=tuple(resolve(f"sources[{index}]", item) for index, item in enumerate(sources)))
 
 
 def _chosen_alternative(model: str, runtime: Mapping[str, Any], inherited: Mapping[str, str], origin: str) -> str:

@@ -21,7 +21,7 @@ from typing import Any, Mapping
 
 import yaml
 
-from nereid.config_document import KeyedReader, load_yaml
+from nereid.config_document import KeyedReader, load_yaml, quoting_hint
 from nereid.dtypes import DType
 from nereid.files import read_text_file
 from nereid.settings import INT32_MAX
@@ -302,7 +302,8 @@ def _meta(reader: KeyedReader, top: dict[str, Any]) -> tuple[bool, tuple[str, ..
     names: list[str] = []
     for index, name in enumerate(raw):
         if not isinstance(name, str) or not name or "/" in name or name.startswith("."):
-            reader.fail(f"depends_on[{index}]", "must be a model name (a folder name in ml_backends_path)", name)
+            reader.fail(f"depends_on[{index}]", "must be a model name (a folder name in ml_backends_path)"
+                        f"{quoting_hint(name)}", name)
         if name in names:
             reader.fail(f"depends_on[{index}]", "is listed twice", name)
         names.append(name)
@@ -448,7 +449,7 @@ def _tensors(reader: KeyedReader, top: dict[str, Any], key: str, *, required: bo
                 reader.fail(f"{where}.{needed}", "is required", None)
         name = entry["name"]
         if not isinstance(name, str) or not name:
-            reader.fail(f"{where}.name", "must be a non-empty string", name)
+            reader.fail(f"{where}.name", f"must be a non-empty string{quoting_hint(name)}", name)
         if name in names:
             reader.fail(f"{where}.name", f"is used twice in {key}", name)
         names.add(name)

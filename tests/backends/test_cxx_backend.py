@@ -585,6 +585,18 @@ def test_model_folder_paths_resolve_per_model_and_need_a_folder(tmp_path):
         parse_options("m", {"library": "$MODEL_FOLDER/lib.so"}, "")
 
 
+def test_a_source_yaml_read_as_a_boolean_is_named_by_its_item_with_the_advice_to_quote(tmp_path):
+    """Stop 48's walkthrough: `sources: [a.cpp, on]` said only "runtime.sources: must be a path ..., got true",
+    with neither the item nor the advice to quote that `backend: on` gets."""
+    from nereid.backends.cxx.options import parse_options
+    from nereid.errors import ConfigError
+
+    with pytest.raises(ConfigError) as refused:
+        parse_options("m", {"sources": ["/abs/a.cpp", True]}, "", tmp_path / "m")
+    assert "runtime.sources[1]: must be a path" in str(refused.value)
+    assert "put the text in quotes" in str(refused.value) and str(refused.value).endswith("got true")
+
+
 def test_a_models_own_library_or_sources_replaces_the_other_from_backends_cxx(tmp_path):
     """Found by a README check: under `backends: {cxx: {sources: [...]}}` (as the README suggests) a model with its
     own `library:` inherited `sources:` too, and was refused ("needs exactly one of ... in nereid.yaml: models[1]")

@@ -49,6 +49,12 @@ def test_a_meta_manifest_is_parsed_like_any_other() -> None:
     (META.replace("client_outputs", "other_outputs"), "unknown key"),
     (META.replace("depends_on: [a, b]", "depends_on: [a, a]"), "depends_on[1]: is listed twice"),
     (META.replace("depends_on: [a, b]", "depends_on: [../x]"), "depends_on[0]: must be a model name"),
+    (META.replace("client_inputs: [{name: x,", "client_inputs: [{name: on,"), "client_inputs[0].name: must be a "
+     "non-empty string (YAML reads an unquoted yes, no, on, off, true or false as a boolean: put the text in quotes), "
+     "got true"),
+    (META.replace("depends_on: [a, b]", "depends_on: [a, yes]"), "depends_on[1]: must be a model name (a folder "
+     "name in ml_backends_path) (YAML reads an unquoted yes, no, on, off, true or false as a boolean: put the text in "
+     "quotes), got true"),
     (META.replace("max_batch_size: 8", "compiled_batch_sizes: [8]"), "batching.compiled_batch_sizes: unknown key (allowed: max_batch_size)"),
     (META.replace("batching: {max_batch_size: 8}\n", ""), "give batching: {max_batch_size: N}"),
     # Found by a bug hunt: with one tensor unbatched, the cap was silently never applied (max_batch_size 0 served).
