@@ -28,7 +28,7 @@ from nereid.backend import (CallsModels, ChecksInputs, ModelContext, ReportsRunt
 from nereid.backend_calls import bounded_backend_call
 from nereid.daemon_pool import release_io_threads
 from nereid.dependencies import callers_readiness
-from nereid.errors import ConfigError, backend_exit, plugin_failures
+from nereid.errors import ConfigError, backend_exit, cap_message, plugin_failures
 from nereid.files import check_confined
 from nereid.init_process import fork_init_if_pid_1
 from nereid.leftovers import ScratchFolderError, make_scratch_folder, remove_scratch_folder
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None, extra_plugins: tuple[object, ...] = ()) 
     if "run" in args and args.command not in ("serve", "check"):
         # (Never for the built-in commands: a plugin's set_defaults(run=...) on their parsers took them over;
         # found by a plugin hunt.)
-        return _reading_stopped_quietly(lambda: args.run(args))
+        return _plugin_command_status(args.command, _reading_stopped_quietly(lambda: args.run(args)))
 
     serving = args.command == "serve"
     if not serving and args.command != "check":
@@ -112,6 +112,20 @@ def main(argv: list[str] | None = None, extra_plugins: tuple[object, ...] = ()) 
         return _serve_command(args, manager)
     finally:
         release_early_stops()  # (a way out before the server started: the caller's handlers back)
+
+
+def _plugin_command_status(command: str, status: Any) -> int:
+    """The exit status of a plugin's command from what its run function returned: an int from 0 to 255, or None
+    for 0. Anything else is the plugin's mistake, said as such (status 2): Python's exit turned 300 into 44 and
+    printed a string as if it were the command's message (found by a plugin hunt)."""
+    if status is None:
+        return 0
+    if isinstance(status, int) and 0 <= status <= 255:
+        return int(status)
+    print(one_record_per_line(f"error: the command '{command}' (a plugin's) returned {cap_message(repr(status), 200)}"
+                              ": its run function must return an exit status from 0 to 255 (or None for 0)"),
+          file=sys.stderr)
+    return 2
 
 
 def _check_command(args: argparse.Namespace, argv: list[str] | None, manager: NereidPluginManager) -> int:

@@ -1260,6 +1260,31 @@ def test_a_plugin_command_that_sets_no_function_to_run_is_told_as_the_plugin_s_m
         "set_defaults(run=FUNCTION) on its parser")
 
 
+@pytest.mark.parametrize("returned, status, said", [
+    (None, 0, ""), (0, 0, ""), (3, 3, ""), (255, 255, ""),
+    (300, 2, "returned 300"), (-1, 2, "returned -1"), ("bad", 2, "returned 'bad'"),
+])
+def test_a_plugin_command_s_exit_status_is_what_it_returned_or_its_mistake_is_said(capsys, returned, status,
+                                                                                    said) -> None:
+    """Found by a plugin hunt: a run function returning 300 exited 44 (Python's exit keeps the low byte), and one
+    returning "bad" printed it as if it were the command's message and exited 1."""
+    from nereid.cli import main
+    from nereid.hookspecs import hookimpl
+
+    class Tool:
+        @hookimpl
+        def nereid_add_commands(self, commands):
+            commands.add_parser("mytool").set_defaults(run=lambda args: returned)
+
+    assert main(["mytool"], extra_plugins=(Tool(),)) == status
+    err = capsys.readouterr().err.strip()
+    if said:
+        assert err == (f"error: the command 'mytool' (a plugin's) {said}: its run function must return an exit "
+                       "status from 0 to 255 (or None for 0)"), err
+    else:
+        assert err == ""
+
+
 def test_a_plugin_cannot_take_the_built_in_commands_over(repo, capsys) -> None:
     """Found by a plugin hunt: a plugin's set_defaults(run=...) on the check parser ran in place of `nereid check`."""
     from nereid.cli import main
