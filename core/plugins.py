@@ -57,6 +57,10 @@ class ClaimResult:
     backend_name: str = ""
 
 
+# The hooks asked once, as a command starts: a plugin's failure in one is among the ``problems`` nereid check reports.
+_STARTUP_HOOKS = frozenset({"nereid_add_commands"})
+
+
 @dataclass(frozen=True)
 class PluginProblem:
     """An installed plugin that was left out (or one of its start-up hooks that failed), and why."""
@@ -69,7 +73,7 @@ class NereidPluginManager(pluggy.PluginManager):
     """pluggy's plugin manager, knowing where each installed plugin came from and what went wrong with it.
 
     ``problems`` lists the plugins left out at start-up and the ``nereid_add_commands``
-    hooks that failed (what ``nereid check`` reports); a claim or hint hook that
+    hooks (or wrappers of it) that failed (what ``nereid check`` reports); a claim or hint hook that
     fails is only logged, once per plugin and hook, and said in the reason of
     each model it leaves unclaimed.
     """
@@ -216,6 +220,8 @@ class NereidPluginManager(pluggy.PluginManager):
         log.log(logging.ERROR if first else logging.DEBUG,
                 "%s: its %s wrapper %s; it is left out of %s from now on (the backends are asked without it)",
                 self.describe(name), hook, what, hook)
+        if first and hook in _STARTUP_HOOKS:  # (as the hook's own failure is: nereid check counts it)
+            self.problems.append(PluginProblem(self.describe(name), f"its {hook} wrapper {what}; it is left out"))
 
     def wrapper_left_out(self, name: str, hook: str) -> bool:
         """Whether plugin ``name``'s wrapper of ``hook`` failed, and is no longer called."""
