@@ -15,7 +15,7 @@ import time
 from typing import TYPE_CHECKING, Callable, TypeVar
 
 from nereid.backend import Model, Terminable
-from nereid.errors import calling_plugin, describe_exception, loop_safe_call
+from nereid.errors import RaisedExit, calling_plugin, loop_safe_call
 from nereid.model_building import LOAD_CALL
 
 if TYPE_CHECKING:
@@ -156,7 +156,7 @@ async def bounded_backend_call(name: str, what: str, call: Callable[[], object])
     and False returned. What it raises is raised.
     """
     # sys.exit() in a backend's unload is no exit of the server's.
-    guarded = functools.partial(calling_plugin, call, lambda exit_: RuntimeError(describe_exception(exit_)))
+    guarded = functools.partial(calling_plugin, call, RaisedExit)
     done = on_daemon_thread(guarded, f"nereid-{what}-{name}")
     try:
         await asyncio.wait_for(asyncio.shield(done), BACKEND_CALL_WAIT_S)

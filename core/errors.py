@@ -217,6 +217,15 @@ def calling_plugin(call: Callable[[], T], failure: Callable[[BaseException], Exc
         raise failure(err) from None
 
 
+class RaisedExit(RuntimeError):
+    """What plugin or model code raised that is no Exception (a ``sys.exit()`` in an ``unload()``), carried as one;
+    :func:`describe_exception` says it as what was raised (``SystemExit: 3``), not as a RuntimeError."""
+
+    def __init__(self, exit_: BaseException) -> None:
+        super().__init__(describe_exception(exit_))
+        self.exit = exit_
+
+
 def backend_exit(model: str, exit_: BaseException, during: str) -> ConfigError:
     """The load failure of ``model`` whose backend raised ``exit_`` (a ``sys.exit()``, ...) ``during`` (``loading
     it``): said as such, since it is no reason a backend gave."""
@@ -247,6 +256,8 @@ def describe_exception(error: BaseException, one_line: bool = False) -> str:
     ``one_line``: the message's runs of whitespace, newlines included, as single
     spaces (a plugin's exception may span lines).
     """
+    if isinstance(error, RaisedExit):
+        error = error.exit
     text = " ".join(str(error).split()) if one_line else str(error)
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from nereid.backend import CallsModels, HasBatchSignature, Model, ModelContext, UsesNoDevice, missing_model_parts
 from nereid.batching import BatchPolicy
-from nereid.errors import (ConfigError, NereidError, backend_exit, calling_plugin, describe_exception,
+from nereid.errors import (ConfigError, NereidError, RaisedExit, backend_exit, calling_plugin, describe_exception,
                            plugin_failures, same_kind)
 from nereid.plugins import NereidPluginManager, claim_folder
 from nereid.runtime_options import LayeredRuntime
@@ -181,7 +181,7 @@ def _build_model(manager: NereidPluginManager, context: ModelContext,
         if "unload()" not in missing:  # what load() acquired must not leak
             stage.enter("its backend's unload()")
             try:
-                calling_plugin(backend.unload, lambda exit_: RuntimeError(describe_exception(exit_)))
+                calling_plugin(backend.unload, RaisedExit)
             except Exception:  # logged: the reason the load is refused is the one raised here, not the cleanup's
                 log.exception("model '%s': unload failed (cleaning up after its load was refused)", context.name)
         raise

@@ -233,6 +233,14 @@ class DependenciesAndUnloadFailModel(UnloadRaises, DependenciesFailModel):
     """Its ``dependencies()`` raises (UNAVAILABLE after load), and so does its ``unload()``."""
 
 
+class UnloadExitsModel(FaultyModel):
+    """Its ``unload()`` calls ``sys.exit(3)``."""
+
+    def unload(self) -> None:
+        super().unload()
+        sys.exit(3)
+
+
 class InputCheckIntModel(FaultyModel):
     """Its ``input_check()`` returns 42, no function of the inputs: the server refuses it at load."""
 
@@ -375,7 +383,7 @@ FAULTS = {"signature_none": SignatureNoneModel, "no_platform": NoPlatformModel, 
           "signature_none_unload_fails": SignatureNoneUnloadFailsModel, "async_load": AsyncLoadModel,
           "async_unload": AsyncUnloadModel, "input_check_async": InputCheckAsyncModel,
           "signature_raises": SignatureRaisesModel, "platform_raises": PlatformRaisesModel,
-          "report_and_unload_fail": ReportAndUnloadFailModel,
+          "report_and_unload_fail": ReportAndUnloadFailModel, "unload_exits": UnloadExitsModel,
           "dependencies_and_unload_fail": DependenciesAndUnloadFailModel, "no_device_raises": NoDeviceRaisesModel,
           "async_hooks": AsyncHooksModel, "forwarding": ForwardingModel, "no_device_numpy": NoDeviceNumpyModel,
           "no_device_str": NoDeviceStrModel}

@@ -667,13 +667,15 @@ def test_check_reports_a_failing_unload_on_its_line_and_goes_on(repo, tmp_path, 
                                "RuntimeError: sticky unload; loaded as backend=faulty "),
     ("dependencies_and_unload_fail", "a_faulty: UNAVAILABLE: model 'a_faulty': its backend's dependencies() raised "
                                      "RuntimeError: dependencies unknown; UNLOAD FAILED: RuntimeError: sticky unload"),
+    # The plugin hunt: a sys.exit(3) in unload() was said as "UNLOAD FAILED: RuntimeError: SystemExit: 3".
+    ("unload_exits", "a_faulty: UNLOAD FAILED: SystemExit: 3; loaded as backend=faulty "),
     # The plugin hunt: a uses_no_device() that raised ended the check in a traceback (and failed each ModelConfig).
     ("no_device_raises", "a_faulty: UNAVAILABLE: model 'a_faulty': RuntimeError: uses_no_device exploded (raised by "
                          "the uses_no_device() of plugin 'faulty')"),
     ("no_device_str", "a_faulty: UNAVAILABLE: model 'a_faulty': uses_no_device() of plugin 'faulty' returned str 'yes', "
                       "expected True or False"),
 ], ids=["runtime_report", "dependencies", "input_check", "runtime_report and unload", "dependencies and unload",
-        "uses_no_device raising", "uses_no_device a str"])
+        "unload exits", "uses_no_device raising", "uses_no_device a str"])
 def test_check_reports_a_model_failing_after_its_load_on_its_line_and_goes_on(tmp_path, capsys, fault: str,
                                                                                 line: str) -> None:
     from nereid.cli import check
