@@ -755,9 +755,11 @@ class ModelRepository:
                 return entry
             except Exception as err:
                 reason = _reason(err)
+                # (The running version's number: "(load N+1)" here was the number the next reload that succeeds
+                # is logged READY with.)
                 log.log(logging.DEBUG if _repeats(reason, retrying) else logging.ERROR,
-                        "model '%s': reload failed (load %d), the running version keeps serving: %s", name,
-                        entry.generation + 1, reason,
+                        "model '%s': reload failed, the running version (load %d) keeps serving: %s", name,
+                        entry.generation, reason,
                         exc_info=_plugin_traceback(err))
                 # (Not "version N": the protocol's model version is always 1; N counts loads.)
                 entry.reason = self.public_text(f"reload failed, the running version keeps serving: {reason}")
@@ -771,7 +773,8 @@ class ModelRepository:
                 # As any failed reload: the running version serves on (Triton keeps an ensemble whose new
                 # version misses a model it calls). Swapped in, it would have taken down every caller with it.
                 await discard_version(name, new)
-                log.error("model '%s': reload failed (load %d), the running version keeps serving: %s", name,
+                entry.generation -= 1  # (that version never served: versions count what served, as the metric says)
+                log.error("model '%s': reload failed, the running version (load %d) keeps serving: %s", name,
                           entry.generation, blocked)
                 entry.reason = self.public_text(f"reload failed, the running version keeps serving: {blocked}")
                 entry.kept_calling = new.depends_on

@@ -1026,6 +1026,30 @@ def test_a_load_retried_after_a_store_failure_logs_the_same_failure_again_at_deb
     asyncio.run(scenario())
 
 
+def test_a_failed_reload_names_the_running_version_not_the_number_the_next_load_takes(tmp_path, root, caplog):
+    """Found by a plugin hunt: a failed reload was logged "(load 2)", and the next reload that succeeded was
+    READY "(load 2)" too."""
+    import logging
+
+    folder = write_toy(root, "m")
+    repo = repository(tmp_path, extra_plugins=(toy_backends.FaultyToys(),))
+
+    async def scenario() -> None:
+        caplog.set_level(logging.INFO, logger="nereid.repository")
+        await repo.load("m")
+        (folder / "fail.txt").write_text("the model's own fault")
+        await repo.reload("m")
+        (folder / "fail.txt").unlink()
+        await repo.reload("m")
+        said = [r.getMessage() for r in caplog.records if r.name == "nereid.repository" and "model 'm'" in r.getMessage()]
+        loads = [message.split("(load ")[1].split(")")[0].split(",")[0] for message in said if "(load " in message]
+        assert loads == ["1", "1", "2"], said
+        assert "reload failed, the running version (load 1) keeps serving" in said[1], said
+        assert repo.generation("m") == 2
+        await repo.unload_all()
+    asyncio.run(scenario())
+
+
 def test_a_folder_moved_while_it_first_loads_is_said_to_be_gone_not_to_lack_a_file(tmp_path, root, caplog,
                                                                                       monkeypatch):
     """Found by the soak hunt: a new folder renamed during its first load (`mv x y` as the watcher loads x) logged

@@ -345,7 +345,7 @@ def undocumented(line: str) -> bool:
     (half-written, an rsync paused mid-transfer, a file read while an editor wrote it, deleted as it was read)
     fails with the reason, and is tried again when the folder changes (README "Dynamic mode")."""
     return not (line.startswith("nereid.repository: model '")
-                and (" is UNAVAILABLE: " in line or ": reload failed (load " in line))
+                and (" is UNAVAILABLE: " in line or ": reload failed, the running version (load " in line))
 
 
 async def problems(repository: ModelRepository, disk: Disk) -> list[str]:

@@ -332,8 +332,11 @@ def test_a_reload_whose_new_version_could_never_be_ready_keeps_the_running_one(r
         assert why in models["relay"]["reason"]
         np.testing.assert_array_equal(infer(client, "relay2", X), X)  # the running versions serve on
         manifest.write_text(manifest.read_text().replace(f"depends_on: {depends_on}", "depends_on: ['echo']"))
+    # (Each refused version was loaded, then discarded: neither counts among the versions that served.)
+    assert server.server.repository.generation("relay") == 1
     client.load_model("relay")  # a reload that can be READY replaces it, as before
     assert index(client)["relay"] == {"name": "relay", "version": "1", "state": "READY"}
+    assert server.server.repository.generation("relay") == 2
 
 
 def test_in_dynamic_mode_a_load_refused_for_the_models_it_calls_is_tried_again_when_they_change(repo,
