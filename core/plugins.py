@@ -369,7 +369,7 @@ def backend_names(manager: pluggy.PluginManager) -> list[str]:
     return sorted(impl.plugin_name for impl in _plain_impls(manager.hook.nereid_claim_model))
 
 
-def check_backend_defaults(manager: pluggy.PluginManager, defaults: Mapping[str, Any], source: object) -> list[str]:
+def check_backend_defaults(manager: NereidPluginManager, defaults: Mapping[str, Any], source: object) -> list[str]:
     """ConfigError naming ``backends.<name>`` in ``source`` for defaults given to a backend that is not installed;
     for one installed but left out (it could not be loaded), and for a mistake its backend finds in its defaults
     (see :func:`defaults_problem`), a line saying so is returned instead.
@@ -383,7 +383,7 @@ def check_backend_defaults(manager: pluggy.PluginManager, defaults: Mapping[str,
     notes = []
     for name in defaults:
         if name not in installed:
-            left_out = manager.left_out(name) if isinstance(manager, NereidPluginManager) else ""
+            left_out = manager.left_out(name)
             if not left_out:
                 raise ConfigError(f"{source}: backends.{name}: no such backend is installed "
                                   f"(installed: {', '.join(installed)})")
