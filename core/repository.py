@@ -38,7 +38,7 @@ from nereid.settings_changes import changed_backends, served, settings_step
 from nereid.stats import ModelStats
 from nereid.store_retries import StartupListing
 from nereid.storage import (StorageError, failure_kind, forget_listed_folder, mirror_leftovers, model_folder_exists,
-                            scan_model_folders, store_failed, store_holds_folder)
+                            scan_model_folders, store_failed, store_holds_folder, store_unreachable)
 from nereid.version_loader import VersionLoader, discard_version
 
 log = logging.getLogger(__name__)
@@ -578,9 +578,11 @@ class ModelRepository:
             looked_up = name in self._entries
             if name not in self._entries and self.settings.server.ml_backends_url is not None:
                 # A listing of every folder can miss one (a listing page the store client drops for an
-                # unreadable key): asked for by name, it is looked for by name.
+                # unreadable key): asked for by name, it is looked for by name. Not when the store could not be
+                # reached at all: a store that hangs then held the load for two timeouts (60 s; a bug hunt).
                 try:
-                    held = await on_io_thread(store_holds_folder, self.settings.server, name)
+                    held = (failure is None or not store_unreachable(failure)) and \
+                        await on_io_thread(store_holds_folder, self.settings.server, name)
                 except StorageError as err:
                     held, failure = False, failure or err
                 if held:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from nereid.log_limit import OnceLog
 from nereid.storage.client import (StorageError, describe_error, failure_kind, open_store, read_ranges, RangeRead,
-                                   store_failed)
+                                   store_failed, store_unreachable)
 from nereid.storage.mirror import (MARKER_FILE, RemoteFolder, RemoteObject, VersionHold, materialize,
                                    materialize_version, mirror_root, read_marker)
 from nereid.storage.url import SCHEMES, StoreURL, parse_store_url
@@ -44,6 +44,7 @@ __all__ = [
     "local_model_folders", "materialize_model_folder", "materialize_model_version", "mirror_leftovers",
     "mirror_root", "model_folder_exists",
     "open_store", "parse_store_url", "read_marker", "read_ranges", "scan_model_folders", "store_failed",
+    "store_unreachable",
     "store_holds_folder", "VersionHold",
 ]
 

@@ -85,6 +85,15 @@ def store_failed(error: BaseException) -> bool:
     return False
 
 
+_UNREACHABLE = "cannot reach the store"
+
+
+def store_unreachable(error: StorageError) -> bool:
+    """Whether ``error`` says the store could not be reached at all (refused, unresolved, timed out): a second
+    request to it now would fail the same way, after as long (30 s for a store that hangs)."""
+    return _UNREACHABLE in str(error)
+
+
 def failure_kind(reason: str) -> str:
     """A store failure's ``reason`` without its counts and timings, to tell a new reason from the same one again:
     the store client's words time each try ("in 425.37ms, after 3 retries").
@@ -346,7 +355,7 @@ def describe_error(err: BaseException, scheme: str = "s3") -> str:
         return cap_message(f"the store's endpoint is plain http://, which the client refuses "
                            f"({text.splitlines()[0][:300]}); {hint}", 600)
     if re.search(r"[Cc]onnection refused|error sending request|dns error|timed out", text):
-        return cap_message(f"cannot reach the store ({text.splitlines()[0][:300]}); check the endpoint "
+        return cap_message(f"{_UNREACHABLE} ({text.splitlines()[0][:300]}); check the endpoint "
                            "(AWS_ENDPOINT_URL, and AWS_ALLOW_HTTP for http://)", 600)
     first = text.splitlines()[0] if text else kind
     return cap_message(f"{kind}: {first}", 600)

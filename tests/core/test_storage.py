@@ -1388,8 +1388,16 @@ def test_a_load_during_a_store_outage_is_unavailable_with_the_stores_reason(s3, 
     expect_grpc_error("NOT_FOUND", lambda: server.client.unload_model(".hidden"), "unknown model '.hidden'")
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3.env()["AWS_ACCESS_KEY_ID"])
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    import nereid.repository
+
+    looked_up: list[str] = []
+    holds = nereid.repository.store_holds_folder
+    monkeypatch.setattr(nereid.repository, "store_holds_folder",
+                        lambda server, name: looked_up.append(name) or holds(server, name))
     expect_grpc_error("UNAVAILABLE", lambda: server.client.load_model("p-new"), "cannot reach the store",
                       "check the endpoint (AWS_ENDPOINT_URL")
+    # (A bug hunt: against a store that hangs, the load listed by name after the listing failed: 60 s, not 30.)
+    assert looked_up == [], "the folder was looked for by name in a store that could not be reached"
     # A load of a model loaded already, its store down: UNAVAILABLE too, not INTERNAL "failed to load" (a fault
     # of the model's), and the version loaded before serves on.
     message = expect_grpc_error("UNAVAILABLE", lambda: server.client.load_model("p0"),
