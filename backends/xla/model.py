@@ -31,7 +31,7 @@ from nereid.backends.xla.manifest import (EXPORT_PLATFORM, MANIFEST_NAME, DimKin
                                           smallest_fitting)
 from nereid.backends.xla.migration import MIGRATED_FILES, local_weight_set, migrate_for_load
 from nereid.backends.xla.options import parse_options
-from nereid.backends.xla.program import python_callback_problem, read_program
+from nereid.backends.xla.program import parameter_layout_problem, python_callback_problem, read_program
 from nereid.backends.xla.remote import RemoteBundle
 from nereid.backends.xla.weights import read_local_weights, resolve_weights
 from nereid.backends.xla.signatures import BatchMode, batch_mode, build_signature, client_axis
@@ -261,9 +261,13 @@ class XlaModel:
                 raise ConfigError(f"{path.name}: XLA could not compile the program for {target.describe()}: "
                                   f"{err}{f'; {elsewhere}' if elsewhere else ''}") from None
 
-        return cache.load_or_compile(path.name, key_fields, CompileFunctions(
+        executable = cache.load_or_compile(path.name, key_fields, CompileFunctions(
             compile_program, client.serialize_executable,
             lambda payload: client.deserialize_executable(payload, devices, options)))
+        problem = parameter_layout_problem(path.name, program, executable, client, target.device)
+        if problem is not None:
+            raise ConfigError(problem)
+        return executable
 
     def _select(self, inputs: list[NamedTensor]) -> tuple[ProgramKey, int]:
         """The program for these inputs and the request's row count (LEADING mode)."""

@@ -220,7 +220,53 @@ def _entry_signature(module, where: str, ir) -> ProgramSignature:
     results = tuple(_tensor(t, where, f"result {i}", ir) for i, t in enumerate(function_type.results))
     # (Large constants elided: a program with weights inlined as dense<> would print them whole.)
     _refuse_unsizable_tensors(module.operation.get_asm(large_elements_limit=16), where)
+    _refuse_custom_parameter_layouts(entry, parameters, where, ir)
     return ProgramSignature(parameters, results, _donated(entry, ir))
+
+
+def _refuse_custom_parameter_layouts(entry, parameters: tuple[ProgramTensor, ...], where: str, ir) -> None:
+    """ConfigError for a parameter exported with a layout of its own (``mhlo.layout_mode = "{0,1}"``: jax.jit's
+    ``in_shardings`` with a ``Layout``): nereid passes every argument row-major, which such a program reads as its
+    own layout, answering wrong numbers without a word (a bug hunt). ``"default"`` and ``"auto"`` are the
+    compiler's to choose; what it chose is checked once compiled (see ``parameter_layout_problem``)."""
+    if "arg_attrs" not in entry.attributes:
+        return
+    for index, attributes in enumerate(ir.ArrayAttr(entry.attributes["arg_attrs"])):
+        named = {attribute.name: attribute.attr for attribute in ir.DictAttr(attributes)}
+        if LAYOUT_MODE not in named:
+            continue
+        try:
+            mode = ir.StringAttr(named[LAYOUT_MODE]).value
+        except (TypeError, ValueError):  # (not a string attribute: shown as MLIR prints it)
+            mode = str(named[LAYOUT_MODE])
+        if mode not in ("default", "auto"):
+            described = parameters[index].describe() if index < len(parameters) else "?"
+            raise ConfigError(f"{where}: parameter {index} ({described}) was exported with a layout of its own "
+                              f"({LAYOUT_MODE} = {cap_message(mode, 64)}), but nereid passes every argument in the "
+                              "default row-major layout, which the program would read wrongly: export it without a "
+                              "custom input layout (no Layout in jax.jit's in_shardings)")
+
+
+def parameter_layout_problem(where: str, program: ProgramSignature, executable, client, device) -> str | None:
+    """Why ``executable`` cannot take row-major arguments (None: it can): a parameter compiled for another layout
+    than ``client``'s default for its shape on ``device``, as a program's ``"auto"`` layout may be on a GPU."""
+    try:
+        layouts = executable.get_parameter_layouts()
+    except Exception:  # (an executable without layouts to tell: nothing to compare)
+        return None
+    for index, (tensor, layout) in enumerate(zip(program.parameters, layouts)):
+        if tensor.dtype is None or any(d < 0 for d in tensor.shape):
+            continue
+        default = client.get_default_layout(tensor.dtype.numpy, tensor.shape, device)
+        if layout != default:
+            return (f"{where}: parameter {index} ({tensor.describe()}) was compiled for the layout {layout}, not "
+                    f"the default {default} in which nereid passes its arguments, so the program would read them "
+                    "wrongly: export it without a custom or automatic input layout")
+    return None
+
+
+# The argument attribute with which a jax export fixes a parameter's layout ("default", "auto", or "{0,1}").
+LAYOUT_MODE = "mhlo.layout_mode"
 
 
 # A tensor type as MLIR prints it, its static dimensions and element type's name: tensor<3x?x4xf32> (a scalar,

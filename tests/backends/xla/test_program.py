@@ -108,3 +108,41 @@ def test_a_cut_short_artifact_says_why_and_prints_nothing(capfd) -> None:
         assert "failed to deserialize portable artifact" in message  # the reader's own words
         assert "damaged or cut short" in message
     assert capfd.readouterr().err == ""
+
+
+LAYOUT_PROGRAM = """
+func.func public @main(%arg0: tensor<2x3xf32> {mhlo.layout_mode = "MODE"}, %arg1: tensor<2x3xf32>)
+    -> tensor<2x3xf32> {
+  %0 = stablehlo.multiply %arg0, %arg1 : tensor<2x3xf32>
+  return %0 : tensor<2x3xf32>
+}
+"""
+
+
+def test_a_parameter_exported_with_a_layout_of_its_own_is_refused_and_the_compilers_choice_is_checked() -> None:
+    """Found by a bug hunt: a program exported with a column-major input (jax.jit's in_shardings with a Layout)
+    loaded READY and answered wrong numbers, reading nereid's row-major arguments as column-major; `nereid bundle
+    check` called it servable. An "auto" layout is the compiler's choice (row-major on CPU, maybe not on a GPU):
+    what was compiled is checked."""
+    from jax._src.lib import xla_client
+
+    from nereid.backends.xla.program import parameter_layout_problem
+
+    with pytest.raises(ConfigError) as refused:
+        read_program(LAYOUT_PROGRAM.replace("MODE", "{0,1}"), "model.mlir")
+    assert str(refused.value).startswith("model.mlir: parameter 0 (tensor<2x3xf32>) was exported with a layout of "
+                                         "its own (mhlo.layout_mode = {0,1}), but nereid passes every argument in "
+                                         "the default row-major layout"), refused.value
+    device = jax.devices("cpu")[0]
+    for mode in ("default", "auto", "{0,1}"):
+        text = LAYOUT_PROGRAM.replace("MODE", mode)
+        program = read_program(LAYOUT_PROGRAM.replace("MODE", "default"), "model.mlir")  # (read, not refused)
+        executable = device.client.compile_and_load(to_portable_artifact(text), [device],
+                                                    xla_client.CompileOptions())
+        problem = parameter_layout_problem("model.mlir", program, executable, device.client, device)
+        if mode == "{0,1}":  # as a compiler choosing a layout of its own for "auto" would leave it
+            assert problem == ("model.mlir: parameter 0 (tensor<2x3xf32>) was compiled for the layout {0,1}, not the "
+                               "default {1,0} in which nereid passes its arguments, so the program would read them "
+                               "wrongly: export it without a custom or automatic input layout"), problem
+        else:
+            assert problem is None, (mode, problem)
