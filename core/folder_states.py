@@ -54,6 +54,9 @@ class FolderState:
     stamp: Stamp
     identity: str
     hidden_mtime_ns: int = field(default=0, compare=False)
+    # Whether ``identity`` covers every byte (a local folder whose files are all within two samples; a store's
+    # folder, named by its objects' ETags): only then does an equal identity prove a copy equal (see plan_changes).
+    complete: bool = field(default=True, compare=False)
 
 
 def folder_stamp(folder: Path) -> tuple[tuple[FileStamp, ...], int] | None:
@@ -114,6 +117,7 @@ def scan_folder(folder: Path) -> FolderState | None:
         return None
     files, hidden_mtime_ns = stamped
     digest = hashlib.sha256()
+    complete = True
     for relative, size, *_ in files:
         # (A file name that is not UTF-8 is read with surrogate escapes; its own bytes go into the digest.)
         digest.update(f"{relative}\0{size}\0".encode("utf-8", "surrogateescape"))
@@ -125,7 +129,8 @@ def scan_folder(folder: Path) -> FolderState | None:
         # Never opened unless a regular file: even a non-blocking open of a FIFO wakes a writer waiting for a
         # reader, whose next write then fails (EPIPE) once the scan closes it again; a device is no model file.
         digest.update(_sampled_bytes(path, size) if regular else b"\0not a regular file")
-    return FolderState(files, digest.hexdigest(), hidden_mtime_ns)
+        complete = complete and not (regular and size > 2 * SAMPLE_BYTES)
+    return FolderState(files, digest.hexdigest(), hidden_mtime_ns, complete)
 
 
 def _sampled_bytes(path: Path, size: int) -> bytes:
@@ -230,13 +235,22 @@ def moved_files_unloaded(loaded: object, known: FolderState | None, moved: Folde
     return not (copied and known is not None and loaded == known.stamp)
 
 
+def _shares_a_file(before: FolderState, after: FolderState) -> bool:
+    """Whether two local folder states hold a file in common (an inode): one was moved to the other."""
+    return bool({file[3] for file in before.stamp} & {file[3] for file in after.stamp})
+
+
 def plan_changes(before: dict[str, FolderState], after: dict[str, FolderState], renames_too: bool = True) -> Plan:
     """Compare two scans: renames (same identity, one name gone, one new), removals, additions, edits."""
     gone = [name for name in before if name not in after]
     new = [name for name in after if name not in before]
     renames = []
     for old in list(gone) if renames_too else ():
-        same = [name for name in new if after[name].identity == before[old].identity]
+        # A copy proves equal only where the identity covers every byte: a file past two samples can differ in
+        # its middle alone (a fine-tune's weights, a constant in a long main.py), and the copy, paired, was moved
+        # in place serving the old files (two bug hunts). A ``mv`` keeps the files, inodes included.
+        same = [name for name in new if after[name].identity == before[old].identity
+                and (after[name].complete or _shares_a_file(before[old], after[name]))]
         # A folder moved keeps its files' stamps; a copy of it made beside the move has new ones: the move wins.
         match = next((name for name in same if after[name].stamp == before[old].stamp), same[0] if same else None)
         if match is not None:

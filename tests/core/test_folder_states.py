@@ -44,6 +44,45 @@ def test_plan_finds_renames_removals_additions_and_edits(tmp_path):
     assert plan.removed == ("gone",) and plan.added == ("new",) and plan.changed == ("edit",)
 
 
+def test_a_copy_is_paired_as_a_rename_only_where_its_identity_covers_every_byte(tmp_path):
+    """Found by two bug hunts: a different folder copied in (`cp -r stage/v2 b && rm -rf a`), whose files differed
+    from a's only between their sampled ends (a fine-tune's middle layers, a constant in a long main.py), was
+    paired with a as a rename and moved in place, serving a's files until its folder changed again."""
+    from nereid.folder_states import SAMPLE_BYTES
+
+    middle = SAMPLE_BYTES + 100  # outside both samples of a file of 3 samples
+    for version, offset in (("v1", b"1"), ("v2", b"2")):
+        folder = tmp_path / "stage" / version
+        folder.mkdir(parents=True)
+        data = bytearray(3 * SAMPLE_BYTES)
+        data[middle:middle + 1] = offset
+        (folder / "weights.bin").write_bytes(bytes(data))
+        (folder / "main.py").write_text("print(1)\n")
+    repository = tmp_path / "repo"
+    repository.mkdir()
+    shutil.copytree(tmp_path / "stage" / "v1", repository / "a", copy_function=shutil.copy)
+    before = scan_repository(repository)
+    assert not before["a"].complete
+    shutil.copytree(tmp_path / "stage" / "v2", repository / "b", copy_function=shutil.copy)
+    shutil.rmtree(repository / "a")
+    after = scan_repository(repository)
+    assert after["b"].identity == before["a"].identity  # (the ends are the same)
+    plan = plan_changes(before, after)
+    assert plan.renames == () and plan.removed == ("a",) and plan.added == ("b",)
+    # A mv of it keeps its files (inodes): still a rename, whatever the sizes.
+    os.rename(repository / "b", repository / "c")
+    assert plan_changes(after, scan_repository(repository)).renames == (("b", "c"),)
+    # A copy of files each within two samples is compared whole: still a rename.
+    small = tmp_path / "small"
+    (small / "d").mkdir(parents=True)
+    (small / "d" / "main.py").write_text("x" * (2 * SAMPLE_BYTES))
+    first = scan_repository(small)
+    assert first["d"].complete
+    shutil.copytree(small / "d", small / "e", copy_function=shutil.copy)
+    shutil.rmtree(small / "d")
+    assert plan_changes(first, scan_repository(small)).renames == (("d", "e"),)
+
+
 def test_a_move_beside_a_copy_of_the_same_files_is_paired_with_the_move(tmp_path):
     """A fuzzing review: `mv a c; cp -r c b` paired a with the copy b (the first name with the same identity),
     so b's model held c's stamps and c loaded anew."""
