@@ -617,7 +617,11 @@ class RepositoryWatcher:
         self._config_pending = None
         try:
             new = await asyncio.to_thread(_settings_from, look, self.config_path)
-            self.repository.check_settings(new)  # (refused before it is said to apply)
+            # The settings served: a server: section changed needs a restart. Checked as served, so that the
+            # repository knows them checked already when they are applied (an edit adding a bad backends: option
+            # logged its WARNING twice; a bug hunt).
+            served = replace(new, server=self.settings.server)
+            self.repository.check_settings(served)  # (refused before it is said to apply)
         except ConfigError as err:
             # Once per refusal: the same file refused again for the same reason, at a later scan, is no news.
             repeated = self._config_refused == (look.digest, str(err))
@@ -634,7 +638,7 @@ class RepositoryWatcher:
                         self.config_path.name, ", server.".join(changed))
         # Said once per server: section as edited, not again at each later edit of the models that leaves it be.
         self._server_ignored = new.server if new.server != old.server else None
-        new = replace(new, server=old.server)
+        new = served
         if self._stop.is_set():
             return None  # (stop() came while the file was read: its work would start after it)
         self.settings = new

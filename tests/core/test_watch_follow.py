@@ -643,6 +643,26 @@ def test_a_folder_edited_unseen_then_moved_is_loaded_as_it_is_under_its_new_name
     asyncio.run(scenario())
 
 
+def test_an_edit_of_nereid_yaml_adding_a_bad_backends_option_warns_once(tmp_path, root, caplog):
+    """A bug hunt: the watcher checked the edited settings, then applied a copy of them (its server: section the
+    running one's), which the repository checked again: the WARNING twice, the plugins' hooks asked twice."""
+    import logging
+
+    write_toy(root, "a")
+    repository, watcher = setup(tmp_path, root, models="  - name: a\n")
+    config = Path(repository.settings.source)
+
+    async def scenario() -> None:
+        await start(repository, watcher)
+        caplog.set_level(logging.WARNING, logger="nereid")
+        config.write_text(config.read_text() + "backends:\n  python: {warm_sart: true}\n")
+        await settled(watcher)
+        warned = [r.getMessage() for r in caplog.records if "warm_sart" in r.getMessage()]
+        assert len(warned) == 1, warned
+        await repository.unload_all()
+    asyncio.run(scenario())
+
+
 def test_after_stop_a_scan_applies_no_nereid_yaml_edit(tmp_path, root):
     """A fuzzing review: a scan after stop() still applied nereid.yaml, and its unloads then met the shutdown's
     own (a backend unloaded twice)."""
