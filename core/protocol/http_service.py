@@ -237,7 +237,7 @@ class HttpSurface:
 
     async def _model(self, scope: Scope, receive: Receive, method: str, model: str,
                      rest: list[str]) -> tuple[int, list[bytes | memoryview], list]:
-        version = ""
+        version, path_rest = "", rest
         if rest[:1] == ["versions"] and len(rest) >= 2:
             version, rest = _path_value(rest[1]), rest[2:]
             if not version:  # ".../versions//infer" is no request for the default version: a client's slip
@@ -276,7 +276,9 @@ class HttpSurface:
             self.dataplane.refuse_extension("trace")
         if action in ("generate", "generate_stream"):  # Triton's generate extension (LLM-style requests)
             self.dataplane.refuse_extension("generate")
-        raise _not_found(scope, ["models", model, *rest])
+        # (The path as sent, its version included: .../versions/1/versions/1 stripped of one was a known endpoint,
+        # and got a 405 telling the client to use the method it had used; a bug hunt.)
+        raise _not_found(scope, ["models", model, *path_rest])
 
     async def _infer(self, scope: Scope, receive: Receive, model: str,
                      version: str) -> tuple[int, list[bytes | memoryview], list]:

@@ -94,6 +94,12 @@ def test_health_metadata_config_with_tritonclient(served):
         404, "model 'echo': the path names no version before /infer (/v2/models/echo/versions/infer); give one "
              "(.../versions/1/infer) or leave out /versions/")
     assert error_of(call(base, "GET", "/v2/models/echo/versions/ready"))[0] == 404
+    # A path naming a version twice is no endpoint (a bug hunt: 405 "GET is not allowed ... (use GET)").
+    for method, path in (("GET", "/v2/models/echo/versions/1/versions/1"),
+                         ("GET", "/v2/models/echo/versions/1/versions/1/config"),
+                         ("POST", "/v2/models/echo/versions/1/versions/1/infer")):
+        assert error_of(call(base, method, path, b"{}" if method == "POST" else None)) == (
+            404, f"no such endpoint: {method} {path}"), path
     # An unknown model or version is not ready (Triton's 400), not missing, as gRPC's ModelReady answers it.
     for path, name in (("/v2/models/nope/ready", "nope"), ("/v2/models/echo/versions/2/ready", "echo")):
         status, raw, _ = call(base, "GET", path)
