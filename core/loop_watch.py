@@ -295,10 +295,11 @@ def _is_model_code(filename: str, plugin_folders: tuple[str, ...] = ()) -> bool:
 
 @functools.cache
 def _library_folders() -> tuple[str, ...]:
-    """The folders of code that is no model's own: the standard library, installed packages, and nereid (the core
-    and the built-in backends, apart in an editable install)."""
+    """The folders of code that is no model's own: the standard library, installed packages, their console
+    scripts (the ``nereid`` command, whose frame is the main thread's outermost: every stall report named it a
+    model's code; a bug hunt), and nereid (the core and the built-in backends, apart in an editable install)."""
     folders = {Path(path) for key, path in sysconfig.get_paths().items()
-               if key in ("stdlib", "platstdlib", "purelib", "platlib")}
+               if key in ("stdlib", "platstdlib", "purelib", "platlib", "scripts")}
     folders.update(Path(path) for path in (*site.getsitepackages(), site.getusersitepackages()))
     folders.add(Path(__file__).parent)
     spec = importlib.util.find_spec("nereid.backends")  # (found, not imported: the core imports no backend)

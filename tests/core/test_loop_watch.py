@@ -289,6 +289,22 @@ def test_a_hold_inside_an_import_names_the_model_s_line_not_importlib_s(tmp_path
     assert re.match(rf"{re.escape(__file__)}:\d+ in model > \.\.\. > ", running), running
 
 
+def test_the_nereid_command_s_own_script_is_no_model_s_code() -> None:
+    """A bug hunt: every stall report of a server started with the `nereid` command said "Threads in a model's code
+    now: MainThread (.../bin/nereid:8 in <module>)": the console script, the main thread's outermost frame."""
+    import shutil
+    import sysconfig
+
+    from nereid import loop_watch
+
+    script = os.path.join(sysconfig.get_paths()["scripts"], "nereid")
+    assert not loop_watch._is_model_code(script)
+    installed = shutil.which("nereid")
+    if installed is not None and os.path.dirname(installed) == sysconfig.get_paths()["scripts"]:
+        assert not loop_watch._is_model_code(installed)
+    assert loop_watch._is_model_code(__file__)  # (a file of no library's folder still is)
+
+
 class Big:
     """Something a held callback holds (a large request, say)."""
 
