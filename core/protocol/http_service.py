@@ -340,6 +340,12 @@ class HttpSurface:
             asyncio.current_task().uncancel()
             self._counted(model, "unavailable")
             raise Unavailable(past_grace_message(model)) from None
+        except Exception:
+            # The encoder's own failure (out of memory answering: 503; a bug: 500), which the data plane counted
+            # as the model's: counted here too, as what the client is told (it was counted in ModelStatistics
+            # and not among the protocol's requests; a bug hunt).
+            self._counted(model, NereidError.reason)
+            raise
         self._counted(model, "success")
         if binary_header is None:
             return 200, parts, JSON_HEADERS

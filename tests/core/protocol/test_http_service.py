@@ -1168,3 +1168,25 @@ def test_an_infer_body_of_many_chunks_is_gathered_as_it_arrives_into_one_read_on
         assert sent[0]["status"] == 200, sent
         await plane.repository.unload_all()
     asyncio.run(scenario())
+
+
+def test_an_answer_whose_encoding_runs_out_of_memory_is_a_503_counted_once_everywhere(repo, serve, monkeypatch):
+    """Found by the HTTP hunt (under `ulimit -v`): the 503 was counted in ModelStatistics ("internal") but missing
+    from nereid_protocol_requests_total, which counts what clients were answered."""
+    from nereid.protocol import http_service
+
+    def out_of_memory(response, choice):
+        raise MemoryError("no room for the answer")
+
+    monkeypatch.setattr(http_service, "encoded_answer", out_of_memory)
+    repo.python("echo")
+    server = serve(repo.write_config())
+    base = f"127.0.0.1:{server.server.http_port}"
+    body = json.dumps({"inputs": [{"name": "input", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}]})
+    status, message = error_of(call(base, "POST", "/v2/models/echo/infer", body.encode()))
+    assert status == 503 and "ran out of memory answering" in message, message
+    stats = server.server.repository.ready_model("echo").stats
+    assert (stats.success.count, stats.fail.count, stats.failures_by_reason) == (0, 1, {"internal": 1})
+    samples = urllib.request.urlopen(f"http://127.0.0.1:{server.server.metrics_port}/metrics").read().decode()
+    assert 'nereid_protocol_requests_total{model="echo",outcome="internal",protocol="http"} 1.0' in samples
+    assert 'nereid_protocol_requests_total{model="echo",outcome="success"' not in samples
