@@ -408,34 +408,80 @@ def _object(model: str, value: Any, what: str) -> dict:
 
 
 def encode_infer(response: InferResponse, choice: OutputChoice) -> tuple[list[bytes | memoryview], int | None]:
-    """The response body's parts and, when any output is binary, the JSON header's length."""
+    """The response body's parts and, when any output is binary, the JSON header's length (its parts' together).
+
+    An output of more than :data:`JSON_CHUNK_ELEMENTS` elements answered as
+    JSON is written a chunk at a time into parts of its own: as one list of
+    Python values it cost about 40 bytes an element on top of the answer (a
+    64 MB FP32 output answered as JSON took 1 GB, four at once 3 GiB), and
+    held the GIL, the event loop's included, for seconds (the HTTP hunt).
+    """
     outputs, binaries, finite = [], [], True
+    chunked: dict[bytes, list[bytes | memoryview]] = {}  # a placeholder's JSON -> the data's parts
     for tensor in response.outputs:
         entry: dict[str, Any] = {"name": tensor.name, "datatype": tensor.dtype.kserve, "shape": list(tensor.shape)}
         if choice.is_binary(tensor.name):
             raw = tensor_buffer(tensor)
             entry["parameters"] = {"binary_data_size": len(raw)}
             binaries.append(raw)
+        elif tensor.data.size > JSON_CHUNK_ELEMENTS:
+            placeholder = f"{_PLACEHOLDER}{len(chunked)}\0"
+            entry["data"] = placeholder
+            chunked[orjson.dumps(placeholder)] = _json_chunks(response.model_name, tensor)
         else:
-            entry["data"] = data = _json_data(response.model_name, tensor)
-            if finite and (tensor.dtype.numpy.kind == "f" or tensor.dtype is DType.BF16):  # (bfloat16's is "V")
+            entry["data"] = data = _json_data(response.model_name, tensor.data.reshape(-1), tensor)
+            if finite and _is_float(tensor.dtype):
                 finite = all(math.isfinite(value) for value in data)
         outputs.append(entry)
     document: dict[str, Any] = {"model_name": response.model_name, "model_version": MODEL_VERSION,
                                 "outputs": outputs}
     if response.id:
         document["id"] = response.id
-    # NaN and infinities as the NaN, Infinity and -Infinity literals Triton writes (and tritonclient.http reads):
-    # orjson would write null, a value the client cannot tell from a missing one.
-    header = orjson.dumps(document) if finite else json.dumps(document, ensure_ascii=False,
-                                                              separators=(",", ":")).encode()
+    header = _dumps(document, finite)
+    parts: list[bytes | memoryview] = [header]
+    for placeholder, data in chunked.items():  # (in the header's order: the outputs' own)
+        before, after = parts.pop().split(placeholder, 1)
+        parts += [before, *data, after]
     if not binaries:
-        return [header], None
-    return [header, *binaries], len(header)
+        return parts, None
+    return [*parts, *binaries], sum(len(part) for part in parts)
 
 
-def _json_data(model: str, tensor: NamedTensor) -> list:
+# An output of more elements than this answered as JSON is written a chunk of this many elements at a time.
+JSON_CHUNK_ELEMENTS = 1 << 18
+# Stands for a chunked output's data in the answer's JSON until its parts are put in its place: NUL characters,
+# which JSON writes escaped, and no tensor name or text of a model's holds this one.
+_PLACEHOLDER = "\0nereid-chunked-output-data-"
+
+
+def _dumps(value: Any, finite: bool) -> bytes:
+    """``value`` as JSON; NaN and infinities (``finite`` False) as the NaN, Infinity and -Infinity literals Triton
+    writes (and tritonclient.http reads): orjson would write null, a value the client cannot tell from a missing
+    one."""
+    return orjson.dumps(value) if finite else json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def _is_float(dtype: DType) -> bool:
+    return dtype.numpy.kind == "f" or dtype is DType.BF16  # (bfloat16's kind is "V")
+
+
+def _json_chunks(model: str, tensor: NamedTensor) -> list[bytes | memoryview]:
+    """The JSON array of ``tensor``'s elements, flattened, as parts written a chunk of elements at a time."""
     flat = tensor.data.reshape(-1)
+    parts: list[bytes | memoryview] = [b"["]
+    for start in range(0, flat.size, JSON_CHUNK_ELEMENTS):
+        chunk = flat[start:start + JSON_CHUNK_ELEMENTS]
+        finite = not _is_float(tensor.dtype) or bool(np.isfinite(
+            chunk.astype(np.float32) if tensor.dtype is DType.BF16 else chunk).all())
+        if start:
+            parts.append(b",")
+        parts.append(memoryview(_dumps(_json_data(model, chunk, tensor), finite))[1:-1])  # (without [ and ])
+    parts.append(b"]")
+    return parts
+
+
+def _json_data(model: str, flat: np.ndarray, tensor: NamedTensor) -> list:
+    """The elements ``flat`` (of ``tensor``, flattened) as JSON values: numbers, booleans or text."""
     if tensor.dtype is DType.BYTES:
         try:
             return [bytes(e).decode("utf-8") if not isinstance(e, str) else e for e in flat]

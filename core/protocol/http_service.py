@@ -9,12 +9,13 @@ mapped to HTTP statuses in one table, as Triton's endpoint answers them.
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import inspect
 import json
 import logging
 import time
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, TypeVar
 from urllib.parse import quote, unquote
 
 import orjson
@@ -36,6 +37,8 @@ EncodedAnswer = tuple[list[bytes | memoryview], int | None]  # (body parts, bina
 # 10 lines per 10 s in all, then a count of those suppressed, as gRPC's client errors are, so one client cannot
 # fill the disk (1,000 requests wrote 1,000 lines).
 client_log = RateLimitedLog(log)
+T = TypeVar("T")
+
 STATUS_OF_ERROR: dict[type[NereidError], int] = {
     InvalidArgument: 400,
     ConfigError: 400,
@@ -76,6 +79,8 @@ JOIN_BELOW_BYTES = 64 << 10
 # every other client, for over a second (the bug hunt of the HTTP surface).
 ENCODE_OFF_LOOP_BYTES = 4 << 20
 ENCODE_OFF_LOOP_ELEMENTS = 1 << 16
+# Answers of at least this many elements as JSON are encoded one at a time (see HttpSurface._encoded).
+SERIAL_ENCODE_JSON_ELEMENTS = 1 << 20
 # curl -d sends application/x-www-form-urlencoded unless told otherwise: accepted as JSON, as Triton does.
 # So is application/octet-stream without Inference-Header-Content-Length (the whole body is the JSON
 # header): tritonclient.http.aio labels every body so, even one whose tensors are all JSON.
@@ -156,6 +161,7 @@ class HttpSurface:
         self._count = count_request
         # Held from a large JSON decode's start until its thread ends (see _decode_large).
         self._large_decodes = asyncio.Semaphore(1)
+        self._large_encodes = asyncio.Semaphore(1)  # answers of many elements as JSON (see _encoded)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -322,7 +328,7 @@ class HttpSurface:
         try:
             # Encoded before the success is counted: an output JSON cannot carry (NaN) fails the request.
             parts, binary_header = await _unless_disconnected(
-                self.dataplane.infer_encoded(request, lambda response: encoded_answer(response, choice)), receive)
+                self.dataplane.infer_encoded(request, lambda response: self._encoded(response, choice)), receive)
         except NereidError as err:
             self._counted(model, err.reason)
             raise
@@ -352,6 +358,27 @@ class HttpSurface:
         return 200, parts, [(b"content-type", b"application/octet-stream"),
                             (HEADER_LENGTH.encode(), str(binary_header).encode())]
 
+    def _encoded(self, response: InferResponse, choice: OutputChoice) -> EncodedAnswer | Awaitable[EncodedAnswer]:
+        """:func:`encoded_answer`; one answering :data:`SERIAL_ENCODE_JSON_ELEMENTS` elements or more as JSON is
+        encoded on a worker thread one at a time, as a large JSON request is decoded: each costs its Python values
+        a chunk at a time and its JSON text whole, and holds the GIL while it makes them (four at once took 3 GiB
+        and held the event loop 3 s; the HTTP hunt). Released when its thread ends (see :meth:`_decode_large`)."""
+        if sum(t.data.size for t in response.outputs if not choice.is_binary(t.name)) < SERIAL_ENCODE_JSON_ELEMENTS:
+            return encoded_answer(response, choice)
+        return self._one_at_a_time(self._large_encodes, encode_infer, response, choice)
+
+    async def _one_at_a_time(self, turn: asyncio.Semaphore, function: Callable[..., T], *args: Any) -> T:
+        """``function(*args)`` on a worker thread once ``turn`` is free, holding it until the thread ends (a
+        handler cancelled, its client gone, leaves the work running: the next must not start beside it)."""
+        await turn.acquire()
+        try:
+            future = asyncio.get_running_loop().run_in_executor(None, function, *args)
+        except BaseException:
+            turn.release()
+            raise
+        future.add_done_callback(functools.partial(_ended_turn, turn))
+        return await asyncio.shield(future)
+
     async def _decode_large(self, model: str, body: bytes | memoryview, length: int | None) -> tuple[Any, Any]:
         """:func:`decode_infer` of a large JSON part on a worker thread, one such decode at a time.
 
@@ -359,19 +386,7 @@ class HttpSurface:
         does: a handler cancelled (its client gone) leaves its decode running,
         and the next must not start beside it.
         """
-        await self._large_decodes.acquire()
-        try:
-            future = asyncio.get_running_loop().run_in_executor(None, _decode_without_gc, model, body, length)
-        except BaseException:
-            self._large_decodes.release()
-            raise
-        future.add_done_callback(self._large_decode_done)
-        return await asyncio.shield(future)
-
-    def _large_decode_done(self, future: asyncio.Future) -> None:
-        self._large_decodes.release()
-        if not future.cancelled():
-            future.exception()  # retrieved here: a cancelled handler no longer awaits it, and asyncio would log it
+        return await self._one_at_a_time(self._large_decodes, _decode_without_gc, model, body, length)
 
     async def _infer_body(self, headers: dict[bytes, bytes], receive: Receive,
                           model: str) -> tuple[bytes | memoryview, int | None]:
@@ -635,6 +650,12 @@ def request_headers(scope: Scope, model: str) -> dict[bytes, bytes]:
                                  "send it once")
         headers[name] = value
     return headers
+
+
+def _ended_turn(turn: asyncio.Semaphore, future: asyncio.Future) -> None:
+    turn.release()
+    if not future.cancelled():
+        future.exception()  # retrieved here: a cancelled handler no longer awaits it, and asyncio would log it
 
 
 def encoded_answer(response: InferResponse, choice: OutputChoice) -> EncodedAnswer | Awaitable[EncodedAnswer]:

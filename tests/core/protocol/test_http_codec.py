@@ -395,3 +395,32 @@ def test_a_parameter_sent_as_a_literal_is_quoted_as_sent(value, shown):
     """Found by a review: quoted through orjson, a NaN parameter read "got null"."""
     with pytest.raises(InvalidArgument, match=f"parameter 'priority' .*got {shown}$"):
         decode_infer("m", _fp64_body("[1, 2]", ', "parameters": {"priority": ' + value + '}'), None)
+
+
+def test_large_json_outputs_are_written_a_chunk_at_a_time_into_the_same_answer(monkeypatch):
+    """Found by the HTTP hunt: a 64 MB FP32 output answered as JSON cost about 1 GB (a list of Python floats,
+    then its text), and held the GIL for its whole encode. Outputs past JSON_CHUNK_ELEMENTS are written a chunk at
+    a time: the answer is the one the whole list made, NaN literals and binary outputs around it included."""
+    from nereid.protocol import http_codec
+
+    rng = np.random.default_rng(5)
+    floats = rng.standard_normal(70).astype(np.float32)
+    floats[33] = np.nan  # in the third chunk only
+    outputs = [NamedTensor("f", DType.FP32, floats.reshape(7, 10)),
+               NamedTensor("small", DType.INT32, np.arange(3, dtype=np.int32)),
+               NamedTensor("h", DType.FP16, rng.standard_normal(41).astype(np.float16)),
+               NamedTensor("b", DType.BF16, rng.standard_normal(17).astype(DType.BF16.numpy)),
+               NamedTensor("raw", DType.INT64, np.arange(20, dtype=np.int64)),
+               NamedTensor("s", DType.BYTES, bytes_array([f"é{i}".encode() for i in range(25)], (25,))),
+               NamedTensor("flags", DType.BOOL, np.arange(30) % 3 == 0)]
+    response = InferResponse("m", outputs, "req-7")
+    choice = OutputChoice((), frozenset({"raw"}), False)
+    whole_parts, whole_length = encode_infer(response, choice)  # (every output under the chunk size: one list)
+    monkeypatch.setattr(http_codec, "JSON_CHUNK_ELEMENTS", 16)
+    parts, length = encode_infer(response, choice)
+    assert len(parts) > len(whole_parts) + 10  # chunked
+    assert b"".join(parts) == b"".join(whole_parts) and length == whole_length
+    assert b"NaN" in b"".join(parts[:-1])
+    header = json.loads(b"".join(parts)[:length].decode())
+    assert header["outputs"][0]["data"][33] != header["outputs"][0]["data"][33]  # NaN
+    assert header["id"] == "req-7" and [o["name"] for o in header["outputs"]] == [o.name for o in outputs]
