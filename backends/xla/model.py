@@ -23,7 +23,7 @@ from nereid.backend import ModelContext
 from nereid.backends.xla.arity import arity_mismatch, donated_weights_problem
 from nereid.backends.xla.bundle import CACHE_DIR, DEFAULT_WEIGHTS_FILE, BundleLayout, ProgramKey, open_bundle
 from nereid.backends.xla.cache import (CacheKey, CacheStats, CompileFunctions, ExecutableCache, compilation_flags,
-                                      file_sha256)
+                                      file_sha256, host_cpu)
 from nereid.backends.xla.conformance import check_program_types
 from nereid.backends.xla.device import PjrtTarget, host_lapack_problem, resolve_device
 from nereid.backends.xla.dtype_tokens import token_of
@@ -251,7 +251,7 @@ class XlaModel:
             raise ConfigError(f"{path.name}: {problem}")
         key_fields = CacheKey(file_sha256(data), jaxlib.__version__, target.platform,
                               target.client.platform_version, target.device.device_kind,
-                              compilation_flags(os.environ))
+                              compilation_flags(os.environ), host_cpu() if target.platform == "cpu" else "")
         client, devices, options = target.client, [target.device], target.compile_options
 
         def compile_program() -> Any:
