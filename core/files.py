@@ -10,13 +10,12 @@ problem, and never quotes the file's contents.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import logging
 import os
 import secrets
-import shutil
 import stat
-import sys
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
@@ -229,45 +228,133 @@ def remove_tree(path: Path | str) -> bool:
     ``tempfile.TemporaryDirectory`` does, a removal refused for want of permission makes the folder holding the
     entry writable by its owner and tries once more. Symlinks are removed, never followed (nor changed through),
     and nothing outside ``path`` is changed. What still cannot be removed is logged at DEBUG and left.
+
+    However deep the tree: each folder's subfolders are moved up to ``path`` before it is emptied, so the walk
+    holds two descriptors and no recursion. ``shutil.rmtree`` recurses once per level: a run that left 3,000
+    nested folders in its TMPDIR raised RecursionError out of its cleanup, failing its request, the server's
+    stop, and every later start on that TMPDIR, which removes stale scratch folders (a bug hunt).
     """
     root = os.fspath(path)
-    _remove_tree(root, root, set())
+    try:
+        _remove_tree(root)
+    except Exception as err:  # (a bug of its own, or of the platform's: still never raised)
+        log.debug("cannot remove %s: %s", root, err)
     return not os.path.lexists(root)
 
 
-def _remove_tree(top: str, root: str, retried: set[str]) -> None:
-    """shutil.rmtree of ``top`` (``root`` or a folder in it), retrying each entry refused for want of permission
-    once (``retried``: the ones tried again already, so that a folder still refused is not recursed into again)."""
-    def on_error(_function: object, failed: str, error: BaseException) -> None:
-        if isinstance(error, FileNotFoundError):  # (removed meanwhile)
-            return
-        if not isinstance(error, PermissionError) or failed in retried:
-            log.debug("cannot remove %s: %s", failed, error)
-            return
-        retried.add(failed)
+def _remove_tree(root: str) -> None:
+    """Empty the folder ``root`` breadth-wise through descriptors (see :func:`remove_tree`), then remove it."""
+    try:
+        root_fd = _open_folder(root, None, root)
+    except FileNotFoundError:
+        return
+    except OSError as err:  # a symlink (never followed), a file, a folder that cannot be opened
+        log.debug("cannot remove %s: %s", root, err)
+        return
+    moved = 0  # folders moved up into root so far (their names: .nereid-removing-N)
+    try:
+        pending = [None]  # folders in root to empty and remove (None: root itself)
+        while pending:
+            name = pending.pop()
+            shown = root if name is None else os.path.join(root, name)
+            try:
+                fd = root_fd if name is None else _open_folder(name, root_fd, shown)
+            except OSError as err:
+                log.debug("cannot remove %s: %s", shown, err)
+                continue
+            try:
+                for entry in list(os.scandir(fd)):
+                    if not entry.is_dir(follow_symlinks=False):
+                        _unlink(entry.name, fd, os.path.join(shown, entry.name))
+                    elif name is None:
+                        pending.append(entry.name)
+                    else:
+                        moved, up = _moved_up(entry.name, fd, root_fd, moved, os.path.join(shown, entry.name))
+                        if up is not None:
+                            pending.append(up)
+            except OSError as err:
+                log.debug("cannot list %s: %s", shown, err)
+            finally:
+                if fd != root_fd:
+                    os.close(fd)
+            if name is not None:
+                _with_write_access(lambda: os.rmdir(name, dir_fd=root_fd), root_fd, shown)
+    finally:
+        os.close(root_fd)
+    with contextlib.suppress(FileNotFoundError):
         try:
-            if failed != root:  # (the folder above root is not the tree's: never changed)
-                _allow_owner(os.path.dirname(failed))
-            if stat.S_ISDIR(os.lstat(failed).st_mode):
-                _allow_owner(failed)  # (one that cannot be listed or entered: mode 0000 or 0111)
-                _remove_tree(failed, root, retried)
-            else:
-                os.unlink(failed)
-        except FileNotFoundError:
-            pass
-        except OSError as err:  # not its owner, a read-only file system, an immutable file...
-            log.debug("cannot remove %s: %s", failed, err)
-
-    if sys.version_info >= (3, 12):
-        shutil.rmtree(top, onexc=on_error)
-    else:
-        shutil.rmtree(top, onerror=lambda function, failed, info: on_error(function, failed, info[1]))
+            os.rmdir(root)
+        except OSError as err:
+            log.debug("cannot remove %s: %s", root, err)
 
 
-def _allow_owner(folder: str) -> None:
-    """Give the owner of ``folder`` read, write and search on it; OSError when it is not a folder (a symlink
-    put in a folder's place is never followed: the mode of what it leads to stays)."""
-    fd = os.open(folder, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+def _open_folder(name: str, dir_fd: int | None, shown: str) -> int:
+    """A descriptor of the folder ``name`` (in ``dir_fd``), never through a symlink; one that cannot be listed
+    (mode 0000 or 0111, for a server that is not root) is given to its owner first and opened once more."""
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        return os.open(name, flags, dir_fd=dir_fd)
+    except PermissionError:
+        _allow_owner(name, dir_fd)
+        return os.open(name, flags, dir_fd=dir_fd)
+
+
+def _unlink(name: str, dir_fd: int, shown: str) -> None:
+    """Remove the file (or symlink, or other non-folder) ``name`` in the folder ``dir_fd``."""
+    _with_write_access(lambda: os.unlink(name, dir_fd=dir_fd), dir_fd, shown)
+
+
+def _moved_up(name: str, dir_fd: int, root_fd: int, moved: int, shown: str) -> tuple[int, str | None]:
+    """Move the folder ``name`` (in ``dir_fd``) up into the tree's root as ``.nereid-removing-N``; (the count of
+    folders moved, its new name or None when it could not be moved: left, and logged)."""
+    for _ in range(8):  # (a name taken already: the next number)
+        moved += 1
+        up = f".nereid-removing-{moved}"
+        try:
+            # Moving a folder rewrites its ".." entry: its own write access is needed, as its parent's.
+            _with_write_access(lambda: os.rename(name, up, src_dir_fd=dir_fd, dst_dir_fd=root_fd), dir_fd, shown,
+                               then=lambda: (_allow_owner(name, dir_fd), _allow_owner_of(root_fd)), quiet=True)
+            return moved, up
+        except (FileExistsError, IsADirectoryError):
+            continue
+        except OSError as err:
+            if err.errno == errno.ENOTEMPTY:
+                continue
+            log.debug("cannot remove %s: %s", shown, err)
+            return moved, None
+    return moved, None
+
+
+def _with_write_access(change: Callable[[], object], dir_fd: int, shown: str, *,
+                       then: Callable[[], None] | None = None, quiet: bool = False) -> None:
+    """``change()``, something done in the folder ``dir_fd``; refused for want of permission, that folder (and
+    with ``then``, whatever else it does) is given to its owner and it is tried once more. Other failures are
+    logged at DEBUG, or raised with ``quiet``."""
+    try:
+        try:
+            change()
+        except PermissionError:
+            _allow_owner_of(dir_fd)
+            if then is not None:
+                then()
+            change()
+    except FileNotFoundError:  # (removed meanwhile)
+        pass
+    except OSError as err:  # not its owner, a read-only file system, an immutable file...
+        if quiet:
+            raise
+        log.debug("cannot remove %s: %s", shown, err)
+
+
+def _allow_owner_of(fd: int) -> None:
+    """Give the owner of the folder open as ``fd`` read, write and search on it."""
+    os.fchmod(fd, stat.S_IMODE(os.fstat(fd).st_mode) | stat.S_IRWXU)
+
+
+def _allow_owner(folder: str, dir_fd: int | None) -> None:
+    """Give the owner of ``folder`` (in ``dir_fd``) read, write and search on it; OSError when it is not a folder
+    (a symlink put in a folder's place is never followed: the mode of what it leads to stays)."""
+    fd = os.open(folder, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
     try:
         # chmod through /proc/self/fd changes the very folder opened, whatever its path leads to now.
         os.chmod(descriptor_path(fd), stat.S_IMODE(os.fstat(fd).st_mode) | stat.S_IRWXU)

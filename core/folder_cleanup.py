@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import shutil
 import threading
 import time
 import uuid
@@ -22,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Coroutine, Iterable
 
 from nereid.backend_calls import on_daemon_thread
+from nereid.files import remove_tree
 from nereid.storage import drop_mirror_folder
 
 if TYPE_CHECKING:
@@ -100,8 +100,8 @@ class FolderCleanup:
             except OSError as err:
                 log.warning("model '%s': cannot remove its scratch folder: %s", name, err)
                 continue
-            await on_daemon_thread(functools.partial(shutil.rmtree, doomed, ignore_errors=True),
-                                   f"nereid-drop-scratch-{name}")
+            # (What its runs left in it too: read-only folders, a tree deeper than rmtree's recursion.)
+            await on_daemon_thread(functools.partial(remove_tree, doomed), f"nereid-drop-scratch-{name}")
 
     def drop_mirrors_soon(self, server: ServerSettings, names: Iterable[str]) -> None:
         """Remove the cached copies of the store folders ``names`` that the repository does not know (no entry,

@@ -175,6 +175,32 @@ def test_a_tree_with_read_only_folders_is_removed_whole_as_a_server_that_is_not_
     assert (done.returncode, done.stdout.split()) == (0, ["True", "False", "0o555"]), done.stderr
 
 
+def test_a_tree_deeper_than_python_s_recursion_limit_or_path_max_is_removed(tmp_path):
+    """Found by the warm-start hunt: a run that left 3,000 nested folders in its TMPDIR failed its own request
+    (RecursionError out of shutil.rmtree in its cleanup), its server's stop (exit 1), and every later start on that
+    TMPDIR (the stale scratch folder's removal raised). The path is past PATH_MAX too: made through descriptors."""
+    tree = tmp_path / "run"
+    tree.mkdir()
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "outside" / "kept").write_text("x")
+    fd = os.open(tree, os.O_RDONLY | os.O_DIRECTORY)
+    for level in range(3000):
+        os.mkdir("d", dir_fd=fd)
+        if level % 500 == 0:
+            os.symlink(str(tmp_path / "outside"), "link", dir_fd=fd)
+            os.mkdir("side", dir_fd=fd)
+            with open(os.open("file", os.O_WRONLY | os.O_CREAT, dir_fd=fd), "w") as file:
+                file.write("y")
+        inner = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+        os.close(fd)
+        fd = inner
+    os.close(fd)
+    descriptors = len(os.listdir("/proc/self/fd"))
+    assert remove_tree(tree) is True and not tree.exists()
+    assert len(os.listdir("/proc/self/fd")) == descriptors  # (none left open)
+    assert (tmp_path / "outside" / "kept").read_text() == "x"  # (the links removed, never followed)
+
+
 def test_removing_a_tree_never_raises_nor_follows_a_symlink(tmp_path):
     assert remove_tree(tmp_path / "absent") is True
     target = tmp_path / "target"
