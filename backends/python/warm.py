@@ -293,7 +293,6 @@ class WarmParent:
         child it had forked dies with it). If it dies during the run, the run
         fails with ModelFailure giving the reason; the next run restarts it.
         """
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         for attempt in (1, 2):
             try:
                 pid, stdin_write, output_read, reply, parent = self._start_run(env, exec_argv)
@@ -302,6 +301,10 @@ class WarmParent:
                 if attempt == 2:
                     raise err.failure from None
                 log.warning("%s; the batch goes to a new parent", err.failure)
+        # timeout_s bounds the run from its fork, as a cold run's from its start: a parent restarted first (its
+        # preloads imported again, a second or more) had taken it all, and the run was killed at once, "timed out
+        # after 0.5 s" (the warm-start hunt).
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with reply:
             groups.add(pid)
             try:

@@ -791,6 +791,27 @@ def test_dead_warm_parent_fails_the_running_request_and_is_restarted(repo, serve
     assert ask(server, "fragile") == warm.pid != parent
 
 
+def test_a_parent_restarted_for_a_run_does_not_spend_the_run_s_timeout(repo, serve, no_zombies, monkeypatch):
+    """Found by the warm-start hunt: the run's timeout_s started before its dead parent was restarted, so a model
+    whose preloads take longer than its timeout_s failed the first request after any parent's death ("timed out
+    after 0.5 s", its run killed at once). A restart as slow as such preloads: 0.8 s before the run is handed on."""
+    from nereid.backends.python import warm
+
+    repo.python("heavy", textproto=REPORT, main=reply_main("os.getppid()"))
+    server = serve(repo.write_config("- name: heavy\n  timeout_s: 0.5\n"))
+    parent = ask(server, "heavy")
+    handed_on = warm.WarmParent._start_run
+
+    def after_a_slow_restart(self, *args):
+        time.sleep(0.8)
+        return handed_on(self, *args)
+
+    monkeypatch.setattr(warm.WarmParent, "_start_run", after_a_slow_restart)
+    os.kill(parent, signal.SIGKILL)
+    assert wait_until(lambda: not process_alive(parent))
+    assert ask(server, "heavy") == backend_of(server, "heavy")._parent.pid != parent
+
+
 def test_unload_ends_the_parent_and_its_children_and_removes_its_folder(repo, serve, no_zombies):
     folder = repo.python("longrun", textproto=REPORT, main=reply_main("1", prelude=SLOW_IF_ASKED))
     (folder / "slow").write_text("")
