@@ -62,6 +62,7 @@ import gc
 import importlib
 import importlib.machinery
 import importlib.util
+import io
 import itertools
 import json
 import linecache
@@ -936,6 +937,7 @@ def run_main(path: str) -> int:
         exec(code_object, module.__dict__)
         _flush_io()
         code = 0
+        _forget_file(module)
     except SystemExit as exit_request:
         _flush_io()
         code = _exit_code(exit_request)
@@ -945,16 +947,14 @@ def run_main(path: str) -> int:
         # (the hook prints the exception's own __traceback__, so that is what is trimmed).
         if err.__traceback__ is not None:
             err.__traceback__ = err.__traceback__.tb_next
-        if sys.excepthook is sys.__excepthook__:
-            # The interpreter's own hook reads source lines from the files on disk; traceback's reads them
-            # through linecache, which holds the loaded main.py (see entry_code). With sys.stderr None, the
-            # interpreter's prints nothing, where traceback's would print to sys.stdout.
-            if sys.stderr is not None:
-                traceback.print_exception(type(err), err, err.__traceback__)
-        else:  # main.py's own hook
-            sys.excepthook(type(err), err, err.__traceback__)
-        # An uncaught KeyboardInterrupt ends CPython by SIGINT, which the server reports as such.
-        code = -signal.SIGINT if isinstance(err, KeyboardInterrupt) else 1
+        try:
+            _report_uncaught(err)
+        except SystemExit as exit_request:  # main.py's hook ended it: the interpreter exits by that, at once
+            code = _exit_code(exit_request)
+        else:
+            # An uncaught KeyboardInterrupt ends CPython by SIGINT, which the server reports as such.
+            code = -signal.SIGINT if isinstance(err, KeyboardInterrupt) else 1
+            _forget_file(module)
     # What the interpreter does at exit, in its order: threading's own exit hooks first (concurrent.futures
     # wakes its idle workers there, so that a pool never shut down does not hold the exit: a module-level
     # ThreadPoolExecutor hung every run until timeout_s), then a join of the non-daemon threads, then atexit's.
@@ -968,6 +968,7 @@ def run_main(path: str) -> int:
     # (A module found after the folder was renamed has its path under the new name.)
     folders = [folder, *([finder.root] if finder.root else [])]
     _release_model_modules(folders, [module, *itertools.islice(sys.modules.values(), preloaded, None)])
+    _flush_files_left_open()
     # What the interpreter's own streams hold by now: written out as they are when CPython closes them
     # last, a failure ignored.
     for stream in (sys.__stdout__, sys.__stderr__):
@@ -1048,6 +1049,60 @@ def _wait_for_child(pid: int, timeout_s: float) -> None:
         pass  # reaped meanwhile (main.py set SIGCHLD to SIG_IGN)
     finally:
         os.close(pidfd)
+
+
+def _report_uncaught(err: BaseException) -> None:
+    """Print the uncaught ``err`` as the interpreter's ``PyErr_Print`` does: ``sys.last_*`` set, main.py's own
+    ``sys.excepthook`` called (one that fails is reported, then ``err``; its ``SystemExit`` is raised, to end the
+    run by), none missing said so. (cold_bootstrap's ``report`` does the same for cold runs: each is a program of
+    its own.) A hook that raised or exited skipped the run's atexit functions, thread joins and flushes, and
+    ended it with status 1 and this program's traceback (the warm-start hunt)."""
+    sys.last_type, sys.last_value, sys.last_traceback = type(err), err, err.__traceback__
+    hook = getattr(sys, "excepthook", None)
+    if hook is not None and hook is not sys.__excepthook__:
+        try:
+            hook(type(err), err, err.__traceback__)
+            return
+        except SystemExit:
+            raise
+        except BaseException as hook_err:  # noqa: BLE001 - reported as the interpreter reports it
+            hook_err.__traceback__ = hook_err.__traceback__.tb_next if hook_err.__traceback__ else None
+            if hook_err.__context__ is err:  # the interpreter calls the hook with no exception being handled
+                hook_err.__context__ = None
+            _write_stderr("Error in sys.excepthook:\n")
+            _print_exception(hook_err)
+            _write_stderr("\nOriginal exception was:\n")
+    elif hook is None:
+        _write_stderr("sys.excepthook is missing\n")
+    _print_exception(err)
+
+
+def _print_exception(err: BaseException) -> None:
+    """``err``'s traceback on ``sys.stderr`` (nothing when it is None, as the interpreter prints nothing then),
+    its lines quoted through linecache, which holds the loaded main.py (see entry_code), not the file on disk
+    as the interpreter's own hook reads them; a failure to write ignored, as the interpreter ignores it."""
+    stderr = getattr(sys, "stderr", None)
+    if stderr is None:
+        return
+    try:
+        traceback.print_exception(type(err), err, err.__traceback__, file=stderr)
+        stderr.flush()
+    except BaseException:  # noqa: BLE001 - ignored, as the interpreter ignores it
+        pass
+
+
+def _write_stderr(text: str) -> None:
+    try:
+        sys.stderr.write(text)
+    except BaseException:  # noqa: BLE001 - PySys_WriteStderr ignores it
+        pass
+
+
+def _forget_file(module: types.ModuleType) -> None:
+    """Remove ``__file__`` and ``__cached__`` from ``__main__`` as the interpreter does once the script's code has
+    ended (its exit functions and threads no longer find them), unless that was by ``SystemExit``."""
+    for name in ("__file__", "__cached__"):
+        module.__dict__.pop(name, None)
 
 
 def _flush_io() -> None:
@@ -1357,6 +1412,22 @@ def _release_model_modules(folders: list[str], run_modules: list[types.ModuleTyp
             namespace.clear()
             if builtins is not None:
                 namespace["__builtins__"] = builtins
+
+
+def _flush_files_left_open() -> None:
+    """Flush the files the run left open where clearing its own modules does not reach them (``np._out =
+    open(...)``, ``sys._out``: a preloaded module's attribute), as the interpreter's shutdown does in clearing every
+    module; their buffered bytes were lost (the warm-start hunt). The parent's own objects are frozen
+    (``gc.freeze``), out of ``gc.get_objects``: what is looked at is what the run made and still holds."""
+    for found in gc.get_objects():
+        # type(), not isinstance(): that reads __class__, which a lazy proxy computes.
+        if not issubclass(type(found), io.IOBase):
+            continue
+        try:
+            if not found.closed and found.writable():
+                found.flush()
+        except BaseException:  # noqa: BLE001 - one that cannot be flushed loses its bytes, as at CPython's exit
+            pass
 
 
 # C long's range: CPython's exit status from sys.exit(n) is `(int)PyLong_AsLong(n)`, -1 when n is out of it.

@@ -298,6 +298,18 @@ ENDINGS = {
     "exit -9": "sys.exit(-9)",
     "exit 3.0": "sys.exit(3.0)",
     "exit code unreadable": "exec('class E(SystemExit):\\n @property\\n def code(s): raise ValueError()'); raise E(3)",
+    # The warm-start hunt: a hook that exits or raises, or none, ended the run with status 1 and the warm parent's
+    # traceback, skipping atexit; __file__ was still there at exit, sys.last_value was not; a file held by another
+    # module than main.py's own lost its buffered bytes.
+    "excepthook exits": "import atexit; atexit.register(lambda: print('atexit')); "
+                        "sys.excepthook = lambda *a: (print('hook', a[1]), sys.exit(5)); raise ValueError('boom')",
+    "excepthook raises": "import atexit; atexit.register(lambda: print('atexit')); sys.excepthook = lambda *a: 1 / 0; "
+                         "raise ValueError('boom')",
+    "excepthook missing": "del sys.excepthook; raise ValueError('boom')",
+    "what is left at exit": "import atexit; atexit.register(lambda: print(repr(getattr(sys, 'last_value', None)), "
+                            "'__file__' in globals(), '__cached__' in globals())); raise ValueError('boom')",
+    "what is left at a clean exit": "import atexit; atexit.register(lambda: print('__file__' in globals()))",
+    "a file held by another module": "sys.kept = os.fdopen(os.dup(1), 'w'); sys.kept.write('held bytes')",
 }
 
 ENDING_MAIN = """
