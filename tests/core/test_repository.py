@@ -819,16 +819,18 @@ def test_a_removed_models_scratch_folder_is_deleted_off_the_loop_and_never_under
     import shutil
     import threading
 
-    real_rmtree = shutil.rmtree
+    from nereid import folder_cleanup
+
+    real_remove_tree = folder_cleanup.remove_tree
     started, release = threading.Event(), threading.Event()
     deleted_on: list[threading.Thread] = []
 
-    def slow_rmtree(path, *args, **kwargs):  # a big folder: it takes until released
+    def slow_remove_tree(path):  # a big folder: it takes until released
         deleted_on.append(threading.current_thread())
         started.set()
         if threading.current_thread() is not threading.main_thread():  # (never blocks the loop: fails instead)
             release.wait(10)
-        real_rmtree(path, *args, **kwargs)
+        return real_remove_tree(path)
 
     folder = write_toy(root, "big")
     repo = repository(tmp_path)
@@ -837,8 +839,8 @@ def test_a_removed_models_scratch_folder_is_deleted_off_the_loop_and_never_under
     async def scenario():
         await repo.load("big")
         (scratch / "big" / "old.bin").write_text("what the first version made")
-        real_rmtree(folder)
-        monkeypatch.setattr(shutil, "rmtree", slow_rmtree)
+        shutil.rmtree(folder)
+        monkeypatch.setattr(folder_cleanup, "remove_tree", slow_remove_tree)
         removal = asyncio.ensure_future(repo.remove("big"))
         for _ in range(500):  # the loop runs on while the folder is deleted
             if started.is_set():
