@@ -13,7 +13,7 @@ import functools
 import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Awaitable, Callable, Coroutine, Protocol, TypeVar
+from typing import Awaitable, Callable, Container, Coroutine, Protocol, TypeVar
 
 import pluggy
 
@@ -970,9 +970,14 @@ class ModelRepository:
         for note in notes:
             log.warning("%s", note)
 
-    def start_settings(self, settings: Settings) -> Awaitable[None]:
+    def start_settings(self, settings: Settings, settling: Container[str] = ()) -> Awaitable[None]:
         """:meth:`apply_settings`, started: the settings are in force on return, and their loads, reloads and
-        unloads run in tasks of their own; what is returned ends once they have ended."""
+        unloads run in tasks of their own; what is returned ends once they have ended.
+
+        ``settling``: the folders the watcher has seen change and not yet acted on (dynamic mode). Their loads and
+        reloads are the watcher's, once they have settled, with these settings: an edit listing a folder still
+        being copied loaded it half-copied (its requests failing) and again once whole (a bug hunt).
+        """
         try:
             self.check_settings(settings)
         except ConfigError as err:
@@ -988,6 +993,10 @@ class ModelRepository:
                                  entry.name in self._exposed and entry.folder_seen, backends_changed)
             entry.settings, entry.settings_origin = settings.model_or_default(entry.name)
             if step is None:
+                continue
+            if step.action != "unload" and entry.name in settling:
+                log.info("model '%s'%s; it loads once its folder, which is changing, has settled", entry.name,
+                         step.why.rsplit(";", 1)[0])
                 continue
             log.info("model '%s'%s", entry.name, step.why)
             if step.action == "unload":

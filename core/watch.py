@@ -646,7 +646,7 @@ class RepositoryWatcher:
         log.info("dynamic repository: %s changed; applying it%s", self.config_path.name,
                  " (it is valid again)" if self._config_refused is not None else "")
         self._config_refused = None
-        return self.repository.start_settings(new)
+        return self.repository.start_settings(new, settling=self._pending)
 
     async def _held_for_config(self, names: set[str]) -> set[str]:
         """Those of ``names`` whose folder steps wait for the nereid.yaml still settling: the ones it gives other

@@ -663,6 +663,34 @@ def test_an_edit_of_nereid_yaml_adding_a_bad_backends_option_warns_once(tmp_path
     asyncio.run(scenario())
 
 
+def test_an_edit_listing_a_folder_still_changing_leaves_its_load_to_the_watcher(tmp_path, root):
+    """Found by the dynamic-repository hunt: nereid.yaml edited to list a folder while it was still being copied
+    loaded it at once, half-copied (its requests failing), then again once it had settled."""
+    write_toy(root, "a")
+    repository, watcher = setup(tmp_path, root, models="  - name: a\n", settle_ms=300)
+    config = Path(repository.settings.source)
+
+    async def scenario() -> None:
+        await start(repository, watcher)
+        folder = write_toy(root, "d")
+        config.write_text(config.read_text().replace("  - name: a\n", "  - name: a\n  - name: d\n"))
+        for part in range(8):  # the copy goes on, a file every 0.1 s: past nereid.yaml's settle time
+            await apply(watcher)
+            await repository.refresh(join=True)  # (a RepositoryIndex meanwhile: the folder has an entry)
+            assert repository.generation("d") == 0, "loaded while its folder was still changing"
+            (folder / f"part{part}.txt").write_text("more")
+            await asyncio.sleep(0.1)
+        assert repository.settings.model("d") is not None  # (the edit applied meanwhile)
+        await apply(watcher)  # (the last part seen)
+        await asyncio.sleep(0.35)
+        await apply(watcher)
+        while watcher._changes:
+            await asyncio.gather(*watcher._changes)
+        assert repository.entry("d").state is ModelState.READY and repository.generation("d") == 1
+        await repository.unload_all()
+    asyncio.run(scenario())
+
+
 def test_after_stop_a_scan_applies_no_nereid_yaml_edit(tmp_path, root):
     """A fuzzing review: a scan after stop() still applied nereid.yaml, and its unloads then met the shutdown's
     own (a backend unloaded twice)."""
