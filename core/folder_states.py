@@ -15,6 +15,7 @@ import hashlib
 import os
 import re
 import stat
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -111,11 +112,37 @@ def _file_info(path: str) -> os.stat_result | None:
 
 
 def scan_folder(folder: Path) -> FolderState | None:
-    """The state of one model folder (None when it vanished during the scan)."""
+    """The state of one model folder (None when it vanished during the scan).
+
+    The content identity is computed again only when the stamp changed: a file with the same name, size,
+    mtime, inode and ctime has the same bytes. Every scan read the ends of every file of every model folder
+    (4.3 s of CPU in 5 s for a folder of 30,000 files and a file written beside it every 0.1 s; a bug hunt).
+    """
     stamped = folder_stamp(folder)
     if stamped is None:
         return None
     files, hidden_mtime_ns = stamped
+    key = os.fspath(folder)
+    with _IDENTITIES_LOCK:
+        known = _IDENTITIES.get(key)
+    if known is not None and known[0] == files:
+        return FolderState(files, known[1], hidden_mtime_ns, known[2])
+    state = _identified(folder, files, hidden_mtime_ns)
+    with _IDENTITIES_LOCK:  # (scans run on I/O threads, several at once)
+        if len(_IDENTITIES) >= _MAX_IDENTITIES and key not in _IDENTITIES:
+            del _IDENTITIES[next(iter(_IDENTITIES))]  # (the oldest: a repository this large reads more often)
+        _IDENTITIES[key] = (files, state.identity, state.complete)
+    return state
+
+
+# The last identity computed for each folder (by path), with the stamp it was computed for (see scan_folder).
+_IDENTITIES: dict[str, tuple[tuple[FileStamp, ...], str, bool]] = {}
+_IDENTITIES_LOCK = threading.Lock()
+_MAX_IDENTITIES = 8192
+
+
+def _identified(folder: Path, files: tuple[FileStamp, ...], hidden_mtime_ns: int) -> FolderState:
+    """The state of ``folder`` whose files have the stamps ``files``: their content identity read from them."""
     digest = hashlib.sha256()
     complete = True
     for relative, size, *_ in files:
