@@ -351,8 +351,11 @@ class InferenceServicer:
         finally:
             self._running.discard(task)
 
-    async def _infer(self, received: Received, context, streamed: bool = False) -> bytes:
-        """Run one request; its answer serialized (``streamed``: as a ModelStreamInferResponse)."""
+    async def _infer(self, received: Received, context, streamed: bool = False,
+                     counted: Callable[[str, str], None] | None = None) -> bytes:
+        """Run one request; its answer serialized (``streamed``: as a ModelStreamInferResponse). Its outcome is
+        counted among the protocol's requests, or given to ``counted`` (a stream's: counted once sent)."""
+        count = counted or self._counted
         request = received.message
         if received.size >= TRIM_AFTER_BYTES:
             # gRPC's copies of this message are freed by now: give their pages back, off the loop.
@@ -370,24 +373,24 @@ class InferenceServicer:
                 decoded = decode_infer_request(request, remaining_s, received.raws, sampled_ns)
         except NereidError as err:  # refused before the data plane: counted like its own refusals
             self.dataplane.refused(model_name, err)
-            self._counted(model_name, err.reason)
+            count(model_name, err.reason)
             raise
         except asyncio.CancelledError:  # gone while a large request was decoded off the loop: it never started
             reason = self._ended_reason(sampled_ns + int(remaining_s * 1e9) if remaining_s is not None else 0)
             self.dataplane.count_failure(model_name, reason)
-            self._counted(model_name, reason)
+            count(model_name, reason)
             raise
         del request, received  # the decoded tensors are all that is needed from here on
         try:
             # Serialized before the request counts as a success: an answer gRPC cannot carry is its failure.
             wire = await self.dataplane.infer_encoded(decoded, functools.partial(_serialized, streamed=streamed))
         except NereidError as err:
-            self._counted(decoded.model_name, err.reason)
+            count(decoded.model_name, err.reason)
             raise
         except asyncio.CancelledError:  # the client cancelled, gRPC ended the call at its deadline, or the grace
-            self._counted(decoded.model_name, self._ended_reason(decoded.deadline_ns))
+            count(decoded.model_name, self._ended_reason(decoded.deadline_ns))
             raise
-        self._counted(decoded.model_name, "success")
+        count(decoded.model_name, "success")
         return wire
 
     def _ended_reason(self, deadline_ns: int) -> str:
@@ -421,6 +424,20 @@ class InferenceServicer:
         # takes answers, so a client that sends without reading cannot pile up answers in memory.
         in_flight = asyncio.Semaphore(STREAM_IN_FLIGHT)
 
+        # The outcomes of requests answered, kept until the answer is sent: one the stream ended before it was
+        # sent counts as cancelled (it counted as a success the moment it was ready, and was never answered; the
+        # scheduler hunt). Once the stream is over, an outcome (a request cancelled with it) counts at once.
+        outcomes: dict[int, tuple[str, str]] = {}
+        stream_over = False
+
+        def recorder(place: int) -> Callable[[str, str], None]:
+            def record(model: str, outcome: str) -> None:
+                if stream_over:
+                    self._counted(model, outcome)
+                else:
+                    outcomes[place] = (model, outcome)
+            return record
+
         async def answer(place: int, received: Received | Unreadable) -> None:
             if isinstance(received, Unreadable):
                 message = self._refuse_unreadable("ModelStreamInfer", received, context)
@@ -429,7 +446,7 @@ class InferenceServicer:
                 return
             model, request_id = received.message.model_name, received.message.id
             try:
-                wire = await self._infer(received, context, streamed=True)
+                wire = await self._infer(received, context, streamed=True, counted=recorder(place))
             except NereidError as err:
                 message = self.dataplane.error_text(err)
             except asyncio.CancelledError:
@@ -490,6 +507,8 @@ class InferenceServicer:
                 # stay bounded in memory.
                 while next_place in finished:
                     yield finished.pop(next_place)
+                    if (sent := outcomes.pop(next_place, None)) is not None:
+                        self._counted(*sent)
                     next_place += 1
                     unanswered -= 1
                     in_flight.release()
@@ -499,6 +518,11 @@ class InferenceServicer:
             await asyncio.gather(reader, return_exceptions=True)
             await context.abort(grpc.StatusCode.UNAVAILABLE, STREAM_CLOSED_AT_SHUTDOWN)
         finally:
+            stream_over = True
+            unsent = "unavailable" if self._past_grace() else "cancelled"
+            for model, _ in outcomes.values():  # ready, never sent: the stream ended first
+                self._counted(model, unsent)
+            outcomes.clear()
             self._streams.discard(answers)
             reader.cancel()
             for task in list(pending):

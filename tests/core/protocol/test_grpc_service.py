@@ -21,7 +21,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 import nereid
-from support import ECHO_MAIN, FRAMED_ECHO_MAIN, expect_grpc_error, textproto_single
+from support import ECHO_MAIN, FRAMED_ECHO_MAIN, expect_grpc_error, textproto_single, wait_until
 
 NOT_LISTED = "not listed in nereid.yaml"
 
@@ -633,6 +633,34 @@ def test_stream_answers_come_back_in_the_order_the_requests_were_sent(repo, serv
     assert [error is None for _, error in got] == [True, True, False, True]
     assert "[3]" in got[2][1].message()
     assert [got[i][0].as_numpy("output").tolist() for i in (0, 1, 3)] == [[1] * 4, [2] * 4, [4] * 4]
+
+
+def test_stream_answers_held_behind_a_slow_one_and_never_sent_count_as_cancelled(repo, serve):
+    """Found by the scheduler hunt: answers ready but held behind a slow earlier request counted as successes in
+    nereid_protocol_requests_total (which counts what was answered) though the client, gone first, got none."""
+    import urllib.request
+
+    repo.python("slow", main="import time\ntime.sleep(1.5)\n" + ECHO_MAIN, textproto=textproto_single("INT8"))
+    repo.python("m", textproto=textproto_single("INT8"))
+    server = serve(repo.write_config())
+    answers: queue.Queue = queue.Queue()
+    server.client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    try:
+        server.client.async_stream_infer("slow", [int8_input([1, 1, 1, 1])])
+        for value in (2, 3, 4):
+            server.client.async_stream_infer("m", [int8_input([value] * 4)])
+        stats = server.server.repository.ready_model("m").stats
+        assert wait_until(lambda: stats.success.count == 3)  # ready, held behind 'slow'
+    finally:
+        server.client.stop_stream(cancel_requests=True)
+    assert answers.empty() or all(error is not None for _, error in list(answers.queue))
+
+    def counted() -> dict[str, float]:
+        samples = urllib.request.urlopen(f"http://127.0.0.1:{server.server.metrics_port}/metrics").read().decode()
+        return {line.split("{")[1].split("}")[0]: float(line.rsplit(" ", 1)[1]) for line in samples.splitlines()
+                if line.startswith('nereid_protocol_requests_total{model="m"')}
+    assert wait_until(lambda: sum(counted().values()) == 3), counted()
+    assert counted() == {'model="m",outcome="cancelled",protocol="grpc"': 3.0}, counted()
 
 
 def test_stream_error_responses_carry_the_request_id(repo, serve):
