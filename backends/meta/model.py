@@ -44,6 +44,8 @@ log = logging.getLogger(__name__)
 
 PLATFORM = "nereid_meta"
 MODEL_PY = "model.py"
+# How long a cancelled request waits for its async orchestration to end before leaving it (see _run_async).
+ORCHESTRATION_END_WAIT_S = 2.0
 
 
 class _Orchestration:
@@ -283,7 +285,8 @@ class MetaModel:
         left counted (Python 3.11 leaves a task's ``cancelling()`` at 1 when a
         TaskGroup's child fails while it waits). On the request's cancellation
         the orchestration is cancelled and waited for, and ``ctx.infer`` issues
-        nothing more; the request then ends cancelled, whatever it returns.
+        nothing more; the request then ends cancelled, whatever it returns. One
+        that has not ended :data:`ORCHESTRATION_END_WAIT_S` later is left running.
         """
         loop = asyncio.get_running_loop()
         contain_orchestration_tasks(loop)
@@ -300,12 +303,17 @@ class MetaModel:
                 await asyncio.wait((task,))
             except asyncio.CancelledError:
                 ctx.request_cancelled = True
-                while not task.done():  # (an orchestration that catches its CancelledError runs on to its end)
-                    task.cancel()
-                    try:
-                        await asyncio.wait((task,))
-                    except asyncio.CancelledError:  # cancelled again (the server stopping): still waited for
-                        pass
+                task.cancel()
+                # An orchestration that catches its CancelledError runs on: waited for a while, then left to end by
+                # itself (it can issue no further sub-call), so that the request ends. Waited for without a bound,
+                # one that swallowed every cancellation kept its request, and an unload abandoning it at its grace,
+                # waiting for ever (its client, without a deadline, was never answered; the native hunt).
+                # (Cancelled again meanwhile, the wait ends at once.)
+                await asyncio.wait((task,), timeout=ORCHESTRATION_END_WAIT_S)
+                if not task.done():
+                    log.warning("meta model '%s': an orchestration did not end within %g s of its request's "
+                                "cancellation (it catches CancelledError); leaving it to end by itself: it can call "
+                                "no other model", self.context.name, ORCHESTRATION_END_WAIT_S)
                 raise
         finally:
             orchestration.end()
@@ -481,14 +489,13 @@ class MetaModel:
 
 async def _orchestrated(orchestration: _Orchestration, orchestrate: Callable[..., Any], inputs: list[NamedTensor],
                         ctx: MetaContext) -> Any:
-    """``await orchestrate(inputs, ctx)`` in its own task, whose tasks are ``orchestration``'s; what is no Exception
-    comes out in an :class:`_Escaped` (asyncio lets a task's SystemExit or KeyboardInterrupt out of the event loop)."""
+    """``await orchestrate(inputs, ctx)`` in its own task, whose tasks are ``orchestration``'s; a SystemExit or
+    KeyboardInterrupt comes out in an :class:`_Escaped` (asyncio lets a task's out of the event loop; the task keeps
+    any other exception, a GeneratorExit the coroutine is closed with included)."""
     _ORCHESTRATING.set(orchestration)  # (this task's own copy of the context)
     try:
         return await orchestrate(inputs, ctx)
-    except (Exception, asyncio.CancelledError):
-        raise
-    except BaseException as err:
+    except (SystemExit, KeyboardInterrupt) as err:
         raise _Escaped(err) from None
 
 

@@ -634,6 +634,41 @@ def test_an_orchestration_that_catches_its_cancel_issues_no_further_sub_call_and
     np.testing.assert_array_equal(infer(server.client, "stubborn", X), X)  # a request of a client that stays runs
 
 
+NEVER_ENDS = '''
+import asyncio
+import nereid
+
+async def orchestrate(inputs, ctx):
+    while True:  # deaf to its cancellation
+        try:
+            await asyncio.sleep(0.2)
+        except asyncio.CancelledError:
+            pass
+
+nereid.register_model(orchestrate=orchestrate)
+'''
+
+
+def test_an_unload_answers_the_request_of_an_orchestration_deaf_to_its_cancellation(repo, serve,
+                                                                                      monkeypatch) -> None:
+    """Found by the native hunt: an async orchestration that swallows every CancelledError, running in its
+    caller's task, kept its client (no deadline) waiting for ever after its unload abandoned it."""
+    from nereid.backends.meta import model
+
+    monkeypatch.setattr(model, "ORCHESTRATION_END_WAIT_S", 0.2)
+    add_meta(repo, "deaf", NEVER_ENDS, [])
+    server = serve(repo.write_config("- name: deaf\n", server_extra="  shutdown_grace_s: 0.5\n"))
+    tensor = triton.InferInput("input", [4], "FP32")
+    tensor.set_data_from_numpy(X)
+    outcome: list = []
+    server.client.async_infer("deaf", [tensor], lambda result, error: outcome.append(error))
+    time.sleep(0.5)
+    server.client.unload_model("deaf")
+    assert wait_until(lambda: outcome, timeout_s=10), "never answered"
+    assert outcome[0] is not None and outcome[0].status() == "StatusCode.UNAVAILABLE", outcome
+    assert "unloaded while this request ran" in outcome[0].message()
+
+
 def test_a_normal_start_logs_no_warning_for_a_meta_model_waiting_on_a_loading_dependency(repo, serve,
                                                                                           caplog) -> None:
     """Every normal start warned "'relay' is UNAVAILABLE: dependency 'echo' is not ready (LOADING)" before the
