@@ -261,11 +261,17 @@ class MetaModel:
         except _NotInDependsOn as err:  # (with the line of model.py that made the call)
             raise ModelFailure(f"{err}{self._line_of(err).replace(' at ', '; called at ')}") from None
         except NereidError as err:
-            if str(err).startswith(f"meta model '{self.context.name}'"):
-                raise  # a sub-call's error, already naming both models, with its status
-            # The orchestration's own refusal (raise InvalidArgument(...)): its status, naming the model.
-            raise same_kind(err, f"meta model '{self.context.name}': {err}") from err
+            answered = self._as_answered(err)
+            if answered is err:
+                raise
+            raise answered from err
         except BaseException as err:
+            # A TaskGroup's failure (Python 3.11's fan-out): its sub-calls' errors in a group, which said only
+            # "ExceptionGroup: unhandled errors in a TaskGroup", INTERNAL, logged again (the native hunt).
+            leaf = _sole_kind_leaf(err)
+            if leaf is not None:
+                answered = self._as_answered(leaf)
+                raise answered from (leaf if answered is not leaf else leaf.__cause__)
             if isinstance(err, asyncio.CancelledError) and (ctx.request_cancelled if ctx else _being_cancelled()):
                 raise  # the client went away, or the server stops (the scheduler tells the model's own apart)
             # Any other exception, and what is none (sys.exit(), a KeyboardInterrupt or GeneratorExit of its own, a
@@ -275,6 +281,14 @@ class MetaModel:
             raise ModelFailure(f"meta model '{self.context.name}': orchestrate failed{self._line_of(err)}: "
                                f"{describe_exception(err)}") from err
         return self._in_declared_order(result)
+
+    def _as_answered(self, err: NereidError) -> NereidError:
+        """What the client is told of an error out of the orchestration: a sub-call's as it is (it names both
+        models, with its status), the orchestration's own refusal (``raise InvalidArgument(...)``) naming this
+        model, with its status."""
+        if str(err).startswith(f"meta model '{self.context.name}'"):
+            return err
+        return same_kind(err, f"meta model '{self.context.name}': {err}")
 
     async def _run_async(self, orchestrate: Callable[..., Any], inputs: list[NamedTensor], ctx: MetaContext) -> Any:
         """What an ``async def`` orchestration returns, run in a task of its own.
@@ -505,6 +519,21 @@ class _Escaped(Exception):
     def __init__(self, error: BaseException) -> None:
         super().__init__(error)
         self.error = error
+
+
+def _sole_kind_leaf(err: BaseException) -> NereidError | None:
+    """The first error of an exception group made only of nereid's errors (each sub-call's, with its status and
+    both models' names); None for anything else."""
+    if not isinstance(err, BaseExceptionGroup):
+        return None
+    leaves: list[BaseException] = []
+    groups = [err]
+    while groups and len(leaves) < 1024:  # (a bounded walk: groups nest)
+        for inner in groups.pop().exceptions:
+            (groups if isinstance(inner, BaseExceptionGroup) else leaves).append(inner)
+    if groups or not leaves or not all(isinstance(leaf, NereidError) for leaf in leaves):
+        return None
+    return leaves[0]  # type: ignore[return-value]
 
 
 def _being_cancelled() -> bool:

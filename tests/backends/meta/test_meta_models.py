@@ -213,6 +213,7 @@ def test_no_sub_call_starts_after_the_deadline(repo, serve, kind: str) -> None:
 
 
 ERRORS = '''
+import asyncio
 import numpy as np
 import nereid
 from nereid.errors import ModelFailure
@@ -232,6 +233,13 @@ async def orchestrate(inputs, ctx):
         return await ctx.infer("echo", [NamedTensor.from_array("input", np.zeros((1, 3), np.float32))])
     if mode == 3:    # a model missing from depends_on
         return await ctx.infer("unlisted", inputs)
+    if mode in (4, 5):  # two sub-calls in a TaskGroup (Python 3.11's fan-out), one or both refused
+        wrong = [NamedTensor.from_array("input", np.zeros((1, 3), np.float32))]
+        async with asyncio.TaskGroup() as group:
+            group.create_task(ctx.infer("echo", wrong))
+            group.create_task(ctx.infer("echo", wrong if mode == 5 else inputs))
+    if mode == 6:    # a group of an error of the orchestration's own beside a sub-call's: its fault
+        raise ExceptionGroup("mixed", [ValueError("own"), ModelFailure("meta model 'errors': sub-call")])
     raise ValueError(f"no mode {mode}")
 
 nereid.register_model(orchestrate=orchestrate)
@@ -254,10 +262,15 @@ def test_sub_call_errors_keep_their_status_and_name_both_models(repo, serve) -> 
     expect_grpc_error("INVALID_ARGUMENT", call(2), "meta model 'errors'", "sub-call to 'echo'", "shape [1, 3]")
     # (Found by a README check: with the line of model.py that made the call, as the README says.)
     expect_grpc_error("INTERNAL", call(3), "meta model 'errors'", "ctx.infer('unlisted') refused",
-                      "not in depends_on", "list every model it calls; called at model.py:20")
+                      "not in depends_on", "list every model it calls; called at model.py:21")
     assert statistics(client, "unlisted").inference_count == 0
     expect_grpc_error("INTERNAL", call(7), "meta model 'errors': orchestrate failed at model.py:",
                       "ValueError: no mode 7")
+    # (The native hunt: a TaskGroup's group of sub-call errors was INTERNAL "ExceptionGroup: unhandled errors in a
+    # TaskGroup", without the sub-model, the tensor or the status.)
+    for mode in (4, 5):
+        expect_grpc_error("INVALID_ARGUMENT", call(mode), "meta model 'errors'", "sub-call to 'echo'", "shape [1, 3]")
+    expect_grpc_error("INTERNAL", call(6), "meta model 'errors': orchestrate failed", "ExceptionGroup: mixed")
 
 
 UNDECODED = """
