@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import logging
 import numbers
+import threading
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Protocol, runtime_checkable
 
@@ -64,6 +65,10 @@ class ModelContext:
     repository_folder: Path | None = None
     # What folder_rewritten() tells (the repository's loader); None: nobody follows the folder.
     on_folder_rewritten: Callable[[frozenset[str]], None] | None = None
+    # Set when the server gives up on this load while create() or load() still run (an unload or removal of the
+    # model came, or the server stops): a long build may stop early (the cpp and cxx backends kill their
+    # compilers), since what it builds is unloaded at once if it ever returns.
+    abandoned: threading.Event = field(default_factory=threading.Event, compare=False, repr=False)
 
     @property
     def device(self) -> Device:

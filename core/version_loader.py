@@ -180,6 +180,7 @@ class VersionLoader:
             # not keep every other folder from loading.
             built = await await_build(name, building, started, running_long=release_slot, stage=stage)
         except asyncio.CancelledError:
+            context.abandoned.set()  # (a build that can stop early does: a compiler held its slot for nothing)
             task = asyncio.current_task()
             if task is not None and task.cancelling():  # this task was cancelled (the server stopping)
                 raise

@@ -11,7 +11,7 @@ import shutil
 import tempfile
 import threading
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from nereid.errors import ConfigError
 from nereid.files import not_regular_reason, read_regular_file, temporary_name
@@ -19,7 +19,7 @@ from nereid.leftovers import remove_stale_partials
 from nereid.processes import new_children_stopped
 
 from nereid.backends.elf_files import whole_elf_file
-from nereid.backends.subprocess.runner import DEFAULT_PATH, run_model_process
+from nereid.backends.subprocess.runner import DEFAULT_PATH, ProcessGroups, run_model_process
 
 # What an #include can reach: sources, headers, and the inline and template files some projects include.
 # (.def: X-macro tables; .cuh: CUDA headers; .txx / .ixx / .cppm: template and module units.)
@@ -37,6 +37,8 @@ MESSAGE_TAIL_CHARS = 4000
 MESSAGE_HEAD_CHARS = 3000
 VERSION_PROBE_TIMEOUT_S = 30  # a compiler's --version, asked for its identity in a build's key
 _COMPILE_SLOTS = threading.BoundedSemaphore(max(1, len(os.sched_getaffinity(0))))  # compilers at once
+# How often a compile, or its wait for a slot, looks whether its load was abandoned.
+ABANDON_POLL_S = 0.2
 # A source or header larger than this is refused rather than read into memory to be hashed.
 MAX_CODE_FILE_BYTES = 1 << 30
 
@@ -195,7 +197,8 @@ def read_code_file(path: Path, prefix: str, covered: str) -> bytes:
     raise ConfigError(f"{prefix}{reason}; the build reads {covered}: make it a regular file or remove it")
 
 
-def compile_to(compiler: Compiler, arguments: list[str], target: Path, cwd: Path, what: str, model: str = "") -> None:
+def compile_to(compiler: Compiler, arguments: list[str], target: Path, cwd: Path, what: str, model: str = "",
+               abandoned: threading.Event | None = None) -> None:
     """Run ``compiler arguments -o TARGET`` through a temporary name renamed into place.
 
     An interrupted or concurrent build never leaves a half-written file under
@@ -203,8 +206,12 @@ def compile_to(compiler: Compiler, arguments: list[str], target: Path, cwd: Path
     compiler's exit is noticed at once and its group killed past
     COMPILE_TIMEOUT_S. A failure raises ConfigError naming ``what`` with the
     compiler's message; what it printed for a build that succeeded (warnings) is
-    logged once as a WARNING naming ``model``.
+    logged once as a WARNING naming ``model``. ``abandoned`` set (the server gave
+    up on the load: an unload or removal of the model came) stops the compile,
+    waiting for a slot or running: compilers of models no longer served held the
+    slots, and every other model's build waited behind them (a bug hunt).
     """
+    abandoned = abandoned or threading.Event()
     remove_stale_partials(target.parent)
     partial = target.parent / temporary_name(target.name)
     # The compiler's intermediate files (.s, .o) go to TMPDIR: in a folder of its own beside the target (in the
@@ -214,15 +221,30 @@ def compile_to(compiler: Compiler, arguments: list[str], target: Path, cwd: Path
     try:
         # At most one compiler per CPU: a repository of many models loads them all at once, and as many
         # template-heavy compilers at once can run the machine out of memory, to finish no sooner.
-        with _COMPILE_SLOTS:
+        while not _COMPILE_SLOTS.acquire(timeout=ABANDON_POLL_S):
+            if new_children_stopped():
+                raise ConfigError(f"{what}: not compiled: the server is stopping")
+            if abandoned.is_set():
+                raise ConfigError(f"{what}: not compiled: its load was abandoned")
+        try:
             if new_children_stopped():  # the server stopped while this load waited for a slot
                 raise ConfigError(f"{what}: not compiled: the server is stopping")
-            completed = run_model_process([*compiler, *arguments, "-o", str(partial)], cwd=cwd,
-                                          env=compiler_environment(TMPDIR=str(work)), stdin=b"",
-                                          timeout_s=COMPILE_TIMEOUT_S, head_bytes=MESSAGE_HEAD_CHARS,
-                                          tail_bytes=MESSAGE_TAIL_CHARS - MESSAGE_HEAD_CHARS)
+            if abandoned.is_set():
+                raise ConfigError(f"{what}: not compiled: its load was abandoned")
+            groups = ProcessGroups()
+            with _killed_once_set(abandoned, groups):
+                completed = run_model_process([*compiler, *arguments, "-o", str(partial)], cwd=cwd,
+                                              env=compiler_environment(TMPDIR=str(work)), stdin=b"",
+                                              timeout_s=COMPILE_TIMEOUT_S, groups=groups,
+                                              head_bytes=MESSAGE_HEAD_CHARS,
+                                              tail_bytes=MESSAGE_TAIL_CHARS - MESSAGE_HEAD_CHARS)
+        finally:
+            _COMPILE_SLOTS.release()
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    if abandoned.is_set() and completed.returncode != 0:
+        partial.unlink(missing_ok=True)
+        raise ConfigError(f"{what}: compilation stopped: its load was abandoned")
     if completed.timed_out or completed.returncode != 0:
         partial.unlink(missing_ok=True)
         if completed.timed_out:
@@ -234,9 +256,27 @@ def compile_to(compiler: Compiler, arguments: list[str], target: Path, cwd: Path
     os.replace(partial, target)
 
 
+@contextlib.contextmanager
+def _killed_once_set(abandoned: threading.Event, groups: ProcessGroups) -> Iterator[None]:
+    """For the time of the block, kill the processes of ``groups`` as soon as ``abandoned`` is set."""
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(ABANDON_POLL_S):
+            if abandoned.is_set():
+                groups.kill_all()
+                return
+    watcher = threading.Thread(target=watch, name="nereid-compile-watch", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+
+
 def cached_build(compiler: Compiler, arguments: list[str], name: str, stale: str, *, model: str, folder: Path,
                  scratch: Path, what: str, executable: bool = False,
-                 name_now: Callable[[], str] | None = None) -> Path:
+                 name_now: Callable[[], str] | None = None, abandoned: threading.Event | None = None) -> Path:
     """``<folder>/.cache/<name>``, compiled only when missing; in ``scratch`` when .cache/ cannot be written.
 
     An up-to-date build in .cache/ is used as it is, even read-only. Otherwise
@@ -251,7 +291,8 @@ def cached_build(compiler: Compiler, arguments: list[str], name: str, stale: str
     compiler's message. ``name_now``, asked again once the compiler has run,
     gives the name the sources have then: another name means they were edited
     while they were compiled, so the build is of no one version of them; it is
-    served this once, under a name of its own, and never cached.
+    served this once, under a name of its own, and never cached. ``abandoned``:
+    see :func:`compile_to`.
     """
     cache = folder / CACHE_DIR
     built = cache / name
@@ -262,7 +303,7 @@ def cached_build(compiler: Compiler, arguments: list[str], name: str, stale: str
     if _usable(fallback, executable):  # an earlier load in this server found .cache/ unwritable
         return fallback
     scratch_cache.mkdir(parents=True, exist_ok=True)
-    compile_to(compiler, arguments, fallback, folder, what, model)
+    compile_to(compiler, arguments, fallback, folder, what, model, abandoned)
     try:
         name_changed = name_now is not None and name_now() != name
     except BaseException:  # a source gone since (read again to name it): no build of those sources is kept
@@ -313,7 +354,8 @@ def _remove_stale(folder: Path, pattern: str, keep: Path) -> None:
                 path.unlink(missing_ok=True)
 
 
-def build_binary(folder: Path, source: str, scratch: Path, model: str) -> Path:
+def build_binary(folder: Path, source: str, scratch: Path, model: str,
+                 abandoned: threading.Event | None = None) -> Path:
     """The compiled program for ``folder/source``, compiling it only when the sources changed.
 
     Cached as ``.cache/main-<hash>`` (see :func:`cached_build`; ``scratch`` is
@@ -325,4 +367,5 @@ def build_binary(folder: Path, source: str, scratch: Path, model: str) -> Path:
     def name_now() -> str:
         return f"main-{source_hash(folder, compiler, model)}"
     return cached_build(compiler, [*CXX_FLAGS, source], name_now(), "main-*", model=model, folder=folder,
-                        scratch=scratch, what=str(folder / source), executable=True, name_now=name_now)
+                        scratch=scratch, what=str(folder / source), executable=True, name_now=name_now,
+                        abandoned=abandoned)

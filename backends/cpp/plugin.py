@@ -33,7 +33,8 @@ class CppModel(SubprocessModel):
         # Before the compile: the binary runs from the scratch folder (its link below, or a build made there
         # when .cache/ cannot be written), which a noexec /tmp would let load and then fail every request.
         require_executable_folder(self.context.name, self.context.scratch_dir, "its binary runs from")
-        self._built = build_binary(self.context.folder, SOURCE_FILE, self.context.scratch_dir, self.context.name)
+        self._built = build_binary(self.context.folder, SOURCE_FILE, self.context.scratch_dir, self.context.name,
+                                   self.context.abandoned)
         self._binary = self._own_link(self._built)
 
     def _own_link(self, built: Path) -> Path:

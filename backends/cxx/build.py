@@ -15,6 +15,7 @@ and the load, until the compile's time limit.
 from __future__ import annotations
 
 import hashlib
+import threading
 from importlib import resources
 from pathlib import Path
 
@@ -88,12 +89,14 @@ def _key_name(path: Path, folder: Path) -> str:
     return str(path)
 
 
-def build_library(model: str, folder: Path, sources: tuple[Path, ...], scratch: Path) -> Path:
+def build_library(model: str, folder: Path, sources: tuple[Path, ...], scratch: Path,
+                  abandoned: threading.Event | None = None) -> Path:
     """The shared library built from ``sources``, compiling only when they changed.
 
     Cached as ``.cache/lib-<hash>.so`` (see the cpp backend's ``cached_build``;
     ``scratch`` is the model's scratch folder, used when .cache/ cannot be
-    written). ConfigError carries the compiler's message on failure.
+    written). ConfigError carries the compiler's message on failure. ``abandoned``
+    set stops the compile (see the cpp backend's ``compile_to``).
     """
     for source in sources:
         if (reason := not_regular_reason(source)) is not None:  # a folder, a FIFO: named as such
@@ -107,4 +110,5 @@ def build_library(model: str, folder: Path, sources: tuple[Path, ...], scratch: 
         return f"lib-{library_hash(sources, compiler, folder, model=model)}.so"
     # Loaded models run private copies of the library: replacing or removing it is safe.
     return cached_build(compiler, arguments, name_now(), "lib-*.so", model=model, folder=folder, scratch=scratch,
-                        what=f"model '{model}': {', '.join(map(str, sources))}", name_now=name_now)
+                        what=f"model '{model}': {', '.join(map(str, sources))}", name_now=name_now,
+                        abandoned=abandoned)

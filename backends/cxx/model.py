@@ -87,7 +87,7 @@ class CxxModel:
         if options.library is not None:
             path = options.library
         else:
-            path = build_library(name, folder, options.sources, self.context.scratch_dir)
+            path = build_library(name, folder, options.sources, self.context.scratch_dir, self.context.abandoned)
         library = NativeLibrary(name, path, self.context.scratch_dir)
         try:
             if library.load is not None:

@@ -478,6 +478,50 @@ def test_compilers_run_at_most_one_per_slot(tmp_path, monkeypatch):
     assert all(list((folder / ".cache").glob("main-*")) for folder in folders)
 
 
+def test_an_abandoned_load_stops_its_compile_and_frees_its_slot(tmp_path, monkeypatch):
+    """Found by the native hunt: a load abandoned by an unload (its compile hung on a FIFO it includes) left its
+    compiler running for up to 600 s, holding one of the compile slots: every other model's build waited."""
+    import threading
+    import time
+
+    from nereid.errors import ConfigError
+
+    hanging = tmp_path / "cc-hangs"  # hangs compiling a folder holding "hang"
+    hanging.write_text('#!/bin/sh\n[ "$1" = --version ] && exec c++ --version\n[ -e hang ] && sleep 60\n'
+                       'exec c++ "$@"\n')
+    hanging.chmod(0o755)
+    monkeypatch.setenv("CXX", str(hanging))
+    monkeypatch.setattr(compiler, "_COMPILE_SLOTS", threading.BoundedSemaphore(1))
+    folders = {}
+    for name in ("stuck", "next"):
+        folder = folders[name] = tmp_path / name
+        shutil.copytree(EXAMPLES / "cpp_scale", folder, ignore=shutil.ignore_patterns(".cache"))
+        (folder / "scratch").mkdir()
+    (folders["stuck"] / "hang").write_text("")
+    abandoned = threading.Event()
+    outcome: dict[str, BaseException | Path] = {}
+
+    def build(name: str, event: threading.Event | None) -> None:
+        try:
+            outcome[name] = compiler.build_binary(folders[name], "main.cpp", folders[name] / "scratch", name, event)
+        except BaseException as err:  # noqa: BLE001 - the test looks at it
+            outcome[name] = err
+
+    stuck = threading.Thread(target=build, args=("stuck", abandoned))
+    stuck.start()
+    time.sleep(0.5)  # (its compiler started, the slot taken)
+    waiting = threading.Thread(target=build, args=("next", None))
+    waiting.start()
+    time.sleep(0.3)
+    assert "next" not in outcome  # (behind the slot)
+    started = time.monotonic()
+    abandoned.set()
+    stuck.join(10)
+    waiting.join(60)
+    assert isinstance(outcome["stuck"], ConfigError) and "its load was abandoned" in str(outcome["stuck"])
+    assert isinstance(outcome["next"], Path) and time.monotonic() - started < 30, outcome
+
+
 def test_a_compile_waiting_for_its_slot_when_the_server_stops_never_starts(tmp_path, monkeypatch):
     """Defect: a load waiting for a compile slot took it once the stop had killed every child, and its compiler
     ran on under init, with no time limit, writing into a scratch folder being removed."""

@@ -238,6 +238,7 @@ class StuckBackend:
         self.release.wait(10)
 
     def _create(self, context):
+        self.context = context
         self._held()
         return toy_backends.FaultyModel(context)
 
@@ -292,6 +293,26 @@ def test_the_note_of_a_load_running_long_names_the_plugin_step_that_holds_it(tmp
         stuck.release.set()
     assert notes() and notes()[0] == (f"model 'held' is still loading after 0 s: {held_by} has not returned (a "
                                       "RepositoryModelUnload of it gives up on the load)")
+
+
+def test_a_build_given_up_on_is_told_through_its_context(tmp_path):
+    """The native hunt: a compile went on for up to 600 s after its load was abandoned, holding a compile slot.
+    The context's ``abandoned`` is set as the load is given up on, so a build can stop early."""
+    loader, settings, stuck, entry = stuck_loader(tmp_path, "create")
+
+    async def scenario() -> None:
+        loading = asyncio.ensure_future(loader.load(entry, ModelStats(), settings))
+        assert await asyncio.to_thread(stuck.entered.wait, 5)
+        assert not stuck.context.abandoned.is_set()
+        async with entry.held_for_unload():
+            pass
+        with pytest.raises(LoadAbandoned):
+            await asyncio.wait_for(loading, 5)
+        assert stuck.context.abandoned.is_set()
+    try:
+        asyncio.run(scenario())
+    finally:
+        stuck.release.set()
 
 
 def test_a_load_abandoned_while_a_claim_hook_hangs_says_the_claim_held_it(tmp_path):
