@@ -37,6 +37,8 @@ MESSAGE_TAIL_CHARS = 4000
 MESSAGE_HEAD_CHARS = 3000
 VERSION_PROBE_TIMEOUT_S = 30  # a compiler's --version, asked for its identity in a build's key
 _COMPILE_SLOTS = threading.BoundedSemaphore(max(1, len(os.sched_getaffinity(0))))  # compilers at once
+# A build of sources edited while they compiled is kept under a name of its own (hidden, with this prefix).
+EDITED_PREFIX = "edited-"
 # How often a compile, or its wait for a slot, looks whether its load was abandoned.
 ABANDON_POLL_S = 0.2
 # A source or header larger than this is refused rather than read into memory to be hashed.
@@ -309,9 +311,12 @@ def cached_build(compiler: Compiler, arguments: list[str], name: str, stale: str
     except BaseException:  # a source gone since (read again to name it): no build of those sources is kept
         fallback.unlink(missing_ok=True)
         raise
+    # The one-off builds of earlier loads (their versions run from links or copies of their own, and loads of one
+    # model take turns): they piled up in the scratch folder for the server's life (the native hunt).
+    _remove_stale(scratch_cache, f".{EDITED_PREFIX}*", fallback)
     if name_changed:
         log.info("model '%s': its sources changed while they were compiled; this build is not cached", model)
-        once = scratch_cache / temporary_name(f"edited-{name}")
+        once = scratch_cache / temporary_name(f"{EDITED_PREFIX}{name}")
         os.replace(fallback, once)
         return once
     _remove_stale(scratch_cache, stale, fallback)

@@ -595,6 +595,27 @@ def test_a_build_whose_sources_cannot_be_read_again_after_it_is_not_kept(tmp_pat
     assert not (scratch / compiler.SCRATCH_CACHE_DIR / "main-x").exists()
 
 
+def test_builds_of_sources_edited_while_they_compiled_do_not_pile_up(tmp_path):
+    """Found by the native hunt: each build served once, its sources edited while they compiled, stayed in the
+    scratch folder (.edited-main-...) for the server's life. The next build of the model removes them."""
+    folder = tmp_path / "model"
+    shutil.copytree(EXAMPLES / "cpp_scale", folder, ignore=shutil.ignore_patterns(".cache"))
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    names = iter(["main-edited-1", "main-edited-2", "main-3"])
+
+    def build(name: str) -> Path:
+        return compiler.cached_build(compiler.find_compiler(), [*compiler.CXX_FLAGS, "main.cpp"], name, "main-*",
+                                     model="m", folder=folder, scratch=scratch, what="main.cpp", executable=True,
+                                     name_now=lambda: next(names))
+    first = build("main-x")  # edited meanwhile: served once, not cached
+    assert first.name.startswith(".edited-main-x.")
+    second = build("main-y")
+    assert second.name.startswith(".edited-main-y.") and not first.exists()
+    build("main-3")  # (its sources as named: cached)
+    assert not second.exists() and list((scratch / compiler.SCRATCH_CACHE_DIR).iterdir()) == []
+
+
 def test_cxx_may_hold_a_wrapper_and_its_words_as_make_takes_it(tmp_path, monkeypatch):
     """Defect: CXX="ccache g++" was looked up as one program named 'ccache g++' (no compiler on PATH)."""
     log = tmp_path / "wrapper.log"
