@@ -253,13 +253,6 @@ def serve_command(settings: Settings, listeners: Listeners, manager: NereidPlugi
     from nereid.server import NereidServer  # grpc is only needed to serve
 
     manager = manager or make_plugin_manager()
-    try:
-        for note in check_backend_defaults(manager, settings.backend_defaults, settings.source):
-            logging.getLogger("nereid.server").warning("%s", note)
-    except ConfigError as err:
-        print(one_record_per_line(f"error: {err}"), file=sys.stderr)
-        return 2
-
     limit_repeated_library_lines()
     raise_open_file_limit()
 
@@ -274,6 +267,17 @@ def serve_command(settings: Settings, listeners: Listeners, manager: NereidPlugi
         logging.getLogger("nereid.server").info("signal received (%s) before the server started: not starting",
                                                 came.name)
         return 0
+    # After the release: a plugin's defaults hook that hangs is stopped by a signal's default, where, recorded
+    # until the server started, SIGTERM and SIGINT went unheeded while it ran (the config hunt).
+    try:
+        for note in check_backend_defaults(manager, settings.backend_defaults, settings.source):
+            logging.getLogger("nereid.server").warning("%s", note)
+    except ConfigError as err:
+        print(one_record_per_line(f"error: {err}"), file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # Ctrl-C while a hook ran: nothing started yet, no traceback
+        logging.getLogger("nereid.server").info("interrupted (SIGINT) before the server started: not starting")
+        return 128 + signal.SIGINT
 
     try:
         ended = run_to_the_end(run())
@@ -362,13 +366,6 @@ def check(settings: Settings, manager: NereidPluginManager | None = None, *, end
     problems = 0
     config_problems = 0  # the backends: section's, counted apart: they are no model's
     listing_problem = ""  # why the model folders could not be listed, when that leaves nothing to check
-    try:
-        notes = check_backend_defaults(manager, settings.backend_defaults, settings.source)
-    except ConfigError as err:
-        notes = [str(err)]
-    for note in notes:
-        config_problems += 1
-        print(one_record_per_line(note))
     # Named as a server's scratch (nereid-<pid>-...): a check that is killed leaves it for the next server
     # start to remove, as that server removes any dead process's.
     try:
@@ -388,6 +385,16 @@ def check(settings: Settings, manager: NereidPluginManager | None = None, *, end
     unraisable_hook = sys.unraisablehook
     sys.unraisablehook = signals.quiet_unraisable(unraisable_hook)
     try:
+        # (Under the stop signals' handlers: a plugin's defaults hook that hangs is interrupted as a model's load
+        # is, where a Ctrl-C gave a traceback and a SIGTERM killed the check without its line; the config hunt.)
+        try:
+            notes = check_backend_defaults(manager, settings.backend_defaults, settings.source)
+        except ConfigError as err:
+            notes = [str(err)]
+        signals.stop_if_came()  # (a hook may have caught the interrupt and gone on)
+        for note in notes:
+            config_problems += 1
+            print(one_record_per_line(note))
         try:
             names = scan_model_folders(settings.server)
         except StorageError as err:

@@ -378,6 +378,45 @@ def test_check_stopped_by_sigterm_sigint_or_sighup_kills_its_compiler_and_says_s
                 process.wait()
 
 
+SLOW_DEFAULTS_PLUGIN = (
+    "import os, time\nfrom nereid.hookspecs import hookimpl\nBACKEND_NAME = 'slowdef'\n"
+    "@hookimpl\ndef nereid_claim_model(folder, declared):\n    return None\n"
+    "@hookimpl\ndef nereid_check_defaults(defaults, origin):\n"
+    "    open(os.environ['SLOWDEF_STARTED'], 'w').close()\n    time.sleep(30)\n")
+
+
+def test_a_plugin_s_defaults_hook_that_hangs_is_stopped_by_sigterm_or_sigint(repo, tmp_path, monkeypatch) -> None:
+    """Found by the config hunt: with a plugin's nereid_check_defaults hanging, `nereid serve` recorded SIGTERM and
+    SIGINT until the hook returned (the server was not started yet), and `nereid check` printed a traceback on
+    Ctrl-C and died of SIGTERM without its line."""
+    _with_plugins(tmp_path, monkeypatch, [("slowdef", "slowdef", "slowdef_plugin", SLOW_DEFAULTS_PLUGIN)])
+    repo.python("echo")
+    config = repo.write_config()
+    config.write_text(config.read_text() + "backends:\n  slowdef: {any: 1}\n")
+    started = tmp_path / "hook.started"
+    for command, signum, code in (("check", signal.SIGTERM, 143), ("check", signal.SIGINT, 130),
+                                  ("serve", signal.SIGTERM, -signal.SIGTERM), ("serve", signal.SIGINT, None)):
+        started.unlink(missing_ok=True)
+        process = popen_with_ctrl_c([*NEREID, command, "--config", str(config)], stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True,
+                                    env={**os.environ, "SLOWDEF_STARTED": str(started)})
+        try:
+            assert wait_until(started.exists, 30), process.stderr.read() if process.poll() is not None else ""
+            ahead = time.monotonic()
+            process.send_signal(signum)
+            status = process.wait(10)
+            assert time.monotonic() - ahead < 5
+            assert code is None or status == code, (command, signum, status)
+            stderr = process.stderr.read()
+            assert "Traceback" not in stderr, stderr
+            if command == "check":
+                assert f"interrupted by {signum.name}" in stderr, stderr
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
+
 def test_serve_reports_an_address_in_use_and_exits_non_zero(repo) -> None:
     repo.python("echo")
     with socket.socket() as taken:
