@@ -621,7 +621,9 @@ class RepositoryWatcher:
             # repository knows them checked already when they are applied (an edit adding a bad backends: option
             # logged its WARNING twice; a bug hunt).
             served = replace(new, server=self.settings.server)
-            self.repository.check_settings(served)  # (refused before it is said to apply)
+            # (Refused before it is said to apply.) Off the loop: the plugins' defaults hooks run there, and a slow
+            # one held every request for as long, at each edit (the config hunt).
+            await asyncio.to_thread(self.repository.check_settings, served)
         except ConfigError as err:
             # Once per refusal: the same file refused again for the same reason, at a later scan, is no news.
             repeated = self._config_refused == (look.digest, str(err))

@@ -691,6 +691,42 @@ def test_an_edit_listing_a_folder_still_changing_leaves_its_load_to_the_watcher(
     asyncio.run(scenario())
 
 
+def test_an_edit_of_nereid_yaml_is_checked_off_the_event_loop(tmp_path, root, monkeypatch):
+    """Found by the config hunt: the plugins' defaults hooks ran on the event loop at each edit of nereid.yaml, so a
+    slow one (5 s) held every request, liveness included, for as long."""
+    write_toy(root, "a")
+    repository, watcher = setup(tmp_path, root, models="  - name: a\n")
+    config = Path(repository.settings.source)
+    checked = repository.check_settings
+
+    def slow_check(settings) -> None:
+        if repository._settings_checked is not settings:  # (the hooks run: once per settings)
+            time.sleep(0.6)  # (a plugin's hook taking its time)
+        checked(settings)
+
+    async def scenario() -> None:
+        await start(repository, watcher)
+        monkeypatch.setattr(repository, "check_settings", slow_check)
+        config.write_text(config.read_text().replace("  - name: a\n", "  - name: a\n    queue_capacity: 5\n"))
+        gaps, ticking = [], True
+
+        async def tick() -> None:
+            last = time.monotonic()
+            while ticking:
+                await asyncio.sleep(0.02)
+                now = time.monotonic()
+                gaps.append(now - last)
+                last = now
+        ticker = asyncio.ensure_future(tick())
+        await settled(watcher)
+        ticking = False
+        await ticker
+        assert repository.settings.model("a").queue_capacity == 5
+        assert max(gaps) < 0.4, f"the event loop was held {max(gaps):.2f} s"
+        await repository.unload_all()
+    asyncio.run(scenario())
+
+
 def test_after_stop_a_scan_applies_no_nereid_yaml_edit(tmp_path, root):
     """A fuzzing review: a scan after stop() still applied nereid.yaml, and its unloads then met the shutdown's
     own (a backend unloaded twice)."""
