@@ -341,6 +341,12 @@ def hook_problems(manager: pluggy.PluginManager, plugin: object) -> list[str]:
             close = difflib.get_close_matches(caller.name, specs, n=1)
             guess = f" (did you mean {close[0]}?)" if close else ""
             problems.append(f"unknown hook '{caller.name}'{guess}; nereid's hooks are: {listed}")
+        for impl in impls:
+            # pluggy calls it and takes the coroutine it returns for the answer: a check that never ran passed,
+            # commands were never added, a warning named nereid's own file (the config hunt).
+            if inspect.iscoroutinefunction(impl.function) or inspect.isasyncgenfunction(impl.function):
+                problems.append(f"its {caller.name} is an async def: nereid calls its hooks as plain functions "
+                                "(make it a plain def)")
     implemented = {caller.name for caller in callers}
     others: list[str] = []  # its nereid_* functions that are no hook of nereid's
     for name in dir(plugin):
