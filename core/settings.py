@@ -69,10 +69,24 @@ def address_problem(address: str) -> str | None:
         return "must be host:port"
     if not match.group(1):
         return "must name a host before the port (0.0.0.0 or [::] for every interface)"
+    host = match.group(1)
+    if host.startswith("[") and not _is_ipv6(host[1:-1]):
+        # gRPC takes only an IPv6 address in brackets: [127.0.0.1]:8001 passed nereid check and the HTTP and
+        # metrics listeners, then failed gRPC's bind (the config hunt).
+        return f"brackets hold an IPv6 address ({host[1:-1]} is none: write it without them)"
     port = match.group(2).lstrip("0")
     if len(port) > len(str(MAX_PORT)) or int(port or "0") > MAX_PORT:  # (int() refuses 4300+ digits)
         return f"port must be 0-{MAX_PORT}"
     return None
+
+
+def _is_ipv6(text: str) -> bool:
+    """Whether ``text`` is an IPv6 address, a zone (``fe80::1%eth0``) allowed."""
+    try:
+        ipaddress.IPv6Address(text)
+    except ValueError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)
