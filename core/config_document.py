@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import datetime
 import io
 import math
 import re
@@ -143,6 +144,8 @@ def yaml_spelling(value: Any, depth: int = 0) -> str:
         return "true" if value else "false"
     if value is None:
         return "null"
+    if isinstance(value, (datetime.date, datetime.datetime)):
+        return value.isoformat()
     if isinstance(value, (list, dict)):
         if depth >= _SPELLED_DEPTH:
             return "[...]" if isinstance(value, list) else "{...}"
@@ -239,6 +242,8 @@ def quoting_hint(value: Any) -> str:
         return " (YAML reads an unquoted yes, no, on, off, true or false as a boolean: put the text in quotes)"
     if isinstance(value, (int, float)):
         return " (YAML reads an unquoted number as a number, 1e5 as 100000.0: put the text in quotes)"
+    if isinstance(value, (datetime.date, datetime.datetime)):  # (- name: 2001-12-14; the config hunt)
+        return " (YAML reads an unquoted 2001-12-14 as a date: put the text in quotes)"
     return ""
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from nereid.config_document import KeyedReader, load_yaml, quoting_hint
+from nereid.config_document import KeyedReader, load_yaml, quoting_hint, yaml_spelling
 from nereid.errors import ConfigError
 from nereid.files import NAME_MAX, decode_text, is_model_folder_name, read_regular_file
 from nereid.listening import host_and_port
@@ -377,6 +377,9 @@ def parse_settings(document: Any, path: Path) -> Settings:
     if not isinstance(backend_defaults, dict):
         reader.fail("backends", "must map backend names to their runtime defaults", backend_defaults)
     for backend, defaults in backend_defaults.items():
+        if not isinstance(backend, str):  # (`~: {}` was "backends.None: no such backend is installed")
+            reader.fail(f"backends.{yaml_spelling(backend)}", f"must be a backend's name{quoting_hint(backend)}",
+                        backend)
         if defaults is None:  # its keys commented out, as a section's above
             backend_defaults[backend] = defaults = {}
         if not isinstance(defaults, dict):

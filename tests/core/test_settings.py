@@ -459,3 +459,19 @@ def test_http_max_json_bytes(root: Path) -> None:
                            ('"1M"', "must be an integer, got '1M'")):
         path, message = refusal(root, f"server:\n  http_max_json_bytes: {value}\n")
         assert message == f"{path}: server.http_max_json_bytes: {problem}", value
+
+
+@pytest.mark.parametrize("text, said", [
+    ("backends:\n  ~: {}\n", "backends.null: must be a backend's name, got null"),
+    ("backends:\n  1: {}\n", "backends.1: must be a backend's name (YAML reads an unquoted number as a number, 1e5 as "
+                              "100000.0: put the text in quotes), got 1"),
+    ("models:\n  - name: 2001-12-14\n", "models[0].name: must be a string (YAML reads an unquoted 2001-12-14 as a "
+                                         "date: put the text in quotes), got 2001-12-14"),
+], ids=["null-backend", "number-backend", "date-name"])
+def test_names_yaml_reads_as_no_text_are_refused_as_such(root: Path, text: str, said: str) -> None:
+    """Found by the config hunt: `backends: {~: {}}` was "backends.None: no such backend is installed", and a model
+    named 2001-12-14 "got datetime.date(2001, 12, 14)", without the advice to quote it."""
+    path = write(root, 'server:\n  ml_backends_path: ml-backends\n' + text)
+    with pytest.raises(ConfigError) as caught:
+        load_settings(path)
+    assert str(caught.value) == f"{path}: {said}"
