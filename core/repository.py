@@ -757,12 +757,17 @@ class ModelRepository:
                 return entry
             except Exception as err:
                 reason = _reason(err)
+                # As a first load's: moved (a swap by rename) while its backend read it is the reason, at WARNING,
+                # not the file the backend then missed, at ERROR (the dynamic-repository hunt).
+                moved = self.settings.server.ml_backends_url is None and not entry.folder.is_dir()
+                if moved:
+                    reason = f"the folder {entry.folder} is gone (deleted or moved while it was being loaded)"
                 # (The running version's number: "(load N+1)" here was the number the next reload that succeeds
                 # is logged READY with.)
-                log.log(logging.DEBUG if _repeats(reason, retrying) else logging.ERROR,
+                log.log(logging.DEBUG if _repeats(reason, retrying) else logging.WARNING if moved else logging.ERROR,
                         "model '%s': reload failed, the running version (load %d) keeps serving: %s", name,
                         entry.generation, reason,
-                        exc_info=_plugin_traceback(err))
+                        exc_info=None if moved else _plugin_traceback(err))
                 # (Not "version N": the protocol's model version is always 1; N counts loads.)
                 entry.reason = self.public_text(f"reload failed, the running version keeps serving: {reason}")
                 entry.store_fault = reason if store_failed(err) else ""

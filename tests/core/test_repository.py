@@ -1077,6 +1077,22 @@ def test_a_folder_moved_while_it_first_loads_is_said_to_be_gone_not_to_lack_a_fi
     assert entry.reason.endswith("moving is gone (deleted or moved while it was being loaded)"), entry.reason
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
     assert not folder.exists()
+    # A reload the same (the dynamic-repository hunt: logged at ERROR as the file the backend then missed).
+    shutil.move(str(root / "moved"), str(folder))
+
+    async def reloaded():
+        monkeypatch.setattr(toy_backends.ToyModel, "load", load)
+        first = await repo.load("moving")
+        monkeypatch.setattr(toy_backends.ToyModel, "load", moved_away)
+        caplog.clear()
+        entry = await repo.reload("moving")
+        state, reason = entry.state, entry.reason
+        await repo.unload_all()
+        return state, reason
+    state, reason = asyncio.run(reloaded())
+    assert state is ModelState.READY  # (the running version serves on)
+    assert reason.endswith("moving is gone (deleted or moved while it was being loaded)"), reason
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
 
 
 def test_the_notes_on_new_settings_are_logged_once_however_often_they_are_checked(tmp_path, root, caplog):
