@@ -113,11 +113,21 @@ def read_body(stream: BinaryIO, dtype: DType, shape: tuple[int, ...], where: str
         short = f", file holds {held}" if held is not None and held < size else ""
         raise ModelFailure(f"{where}: header promises {size} bytes of {contract_name(dtype)} {list(shape)}{short}; "
                            f"{bound}")
+    held = _remaining(stream)
+    if held is not None and held < size:  # said before reading: what a short file holds was read whole first
+        raise ModelFailure(f"{where}: header promises {size} bytes of {contract_name(dtype)} {list(shape)}, "
+                           f"file holds {held}")
     data = _read_at_most(stream, size)
     if len(data) != size:
         raise ModelFailure(f"{where}: header promises {size} bytes of {contract_name(dtype)} {list(shape)}, "
                            f"file holds {len(data)}")
     return np.frombuffer(data, dtype=dtype.little_endian).reshape(shape)
+
+
+# The most BYTES elements one output may hold: each is an object of the server's (tens of bytes of memory, however
+# short), so a run's 2 GiB of outputs could be 536 million of them, tens of GiB (the warm-start hunt). As many as
+# a 64 MiB request (max_message_bytes' default) can carry.
+MAX_BYTES_ELEMENTS = 1 << 24
 
 
 def _read_bytes_body(stream: BinaryIO, count: int, shape: tuple[int, ...], where: str, max_bytes: int | None,
@@ -126,6 +136,9 @@ def _read_bytes_body(stream: BinaryIO, count: int, shape: tuple[int, ...], where
     # elements fails on the first missing one instead of allocating them all.
     if max_bytes is not None and 4 * count > max_bytes:  # their length prefixes alone
         raise ModelFailure(f"{where}: header promises {count} BYTES elements, at least {4 * count} bytes; {bound}")
+    if count > MAX_BYTES_ELEMENTS:
+        raise ModelFailure(f"{where}: header promises {count} BYTES elements, past the {MAX_BYTES_ELEMENTS} one "
+                           "output may hold (each is an object in the server's memory)")
     elements: list[bytes] = []
     size = 0  # the elements' bytes so far, with their length prefixes (as KServe's serialization carries them)
     for index in range(count):

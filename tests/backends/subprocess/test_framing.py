@@ -259,11 +259,11 @@ def test_huge_declared_shape_with_little_data(tmp_path: Path) -> None:
 
 def test_huge_bytes_count_or_length_with_little_data(tmp_path: Path) -> None:
     path = tmp_path / "output"
-    path.write_bytes(b"bytes 4000000000\n" + struct.pack("<I", 1) + b"a")
+    path.write_bytes(b"bytes 4000000\n" + struct.pack("<I", 1) + b"a")
     with open(path, "rb") as stream, pytest.raises(ModelFailure) as caught:
         dtype, shape = read_header(stream, WHERE)
         read_body(stream, dtype, shape, WHERE)
-    assert "BYTES data ends before element 1 of 4000000000" in str(caught.value)
+    assert "BYTES data ends before element 1 of 4000000" in str(caught.value)
     path.write_bytes(b"bytes 1\n" + struct.pack("<I", 0xFFFFFFF0) + b"abc")
     with open(path, "rb") as stream, pytest.raises(ModelFailure) as caught:
         dtype, shape = read_header(stream, WHERE)
@@ -345,3 +345,20 @@ def test_bytes_data_past_the_bound_fails_before_the_element_that_passes_it_is_re
     assert stream.tell() == len(frame) - 5  # element 1's length read, never its bytes
     stream.seek(len(frame) - 16)
     assert read_body(stream, dtype, shape, WHERE, 16, BOUND).tolist() == [b"abc", b"defgh"]  # exactly the bound
+
+
+def test_outputs_past_what_the_server_can_hold_or_the_file_holds_are_refused_before_reading(tmp_path, monkeypatch):
+    """Found by the warm-start hunt: a model could write `bytes N` and truncate the file up (a sparse file) to make
+    the server build half a billion BYTES objects (tens of GiB); a fixed-size body promising more than its file
+    held was read whole (2.3 GB) before it was refused."""
+    from nereid.backends.subprocess import framing
+
+    with pytest.raises(ModelFailure, match=r"header promises 16777217 BYTES elements, past the 16777216 one output "
+                                           r"may hold"):
+        read_body(io.BytesIO(b""), DType.BYTES, (framing.MAX_BYTES_ELEMENTS + 1,), "output 'o'", 1 << 31, "")
+    sparse = tmp_path / "out.bin"
+    with open(sparse, "wb") as f:
+        f.truncate(64 << 20)  # 64 MiB of (sparse) zeros, 8 bytes short of 16M+2 FP32
+    monkeypatch.setattr(framing, "_read_at_most", lambda stream, size: pytest.fail("read before it was refused"))
+    with open(sparse, "rb") as f, pytest.raises(ModelFailure, match=r"file holds 67108864"):
+        read_body(f, DType.FP32, ((16 << 20) + 2,), "output 'o'", 1 << 31, "")
