@@ -10,7 +10,7 @@ import queue
 import threading
 import time
 from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import grpc
 import numpy as np
@@ -613,17 +613,24 @@ def test_stream_answers_each_request_and_survives_errors(repo, serve):
     assert "unknown model 'nope'" in errors[1]
 
 
-def test_stream_answers_come_back_in_the_order_the_requests_were_sent(repo, serve):
-    """Answers went out as they finished, a slow model's after a fast one's sent later: a client written for
-    Triton (whose stream keeps a non-decoupled model's order, and whose callback gets no request) pairs
-    answers with requests by position, and gave results to the wrong requests."""
-    repo.python("slow", main="import time\ntime.sleep(1)\n" + ECHO_MAIN, textproto=textproto_single("INT8"))
+def slow_then_fast_stream(repo, serve, sleep_s: float) -> tuple[Any, queue.Queue]:
+    """A server of a model 'slow' (sleeping ``sleep_s``) and a model 'm' (both INT8 echoes), a stream started, its
+    first request sent to 'slow'; (the server, the queue its answers come to)."""
+    repo.python("slow", main=f"import time\ntime.sleep({sleep_s})\n" + ECHO_MAIN, textproto=textproto_single("INT8"))
     repo.python("m", textproto=textproto_single("INT8"))
     server = serve(repo.write_config())
     answers: queue.Queue = queue.Queue()
     server.client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    server.client.async_stream_infer("slow", [int8_input([1, 1, 1, 1])])
+    return server, answers
+
+
+def test_stream_answers_come_back_in_the_order_the_requests_were_sent(repo, serve):
+    """Answers went out as they finished, a slow model's after a fast one's sent later: a client written for
+    Triton (whose stream keeps a non-decoupled model's order, and whose callback gets no request) pairs
+    answers with requests by position, and gave results to the wrong requests."""
+    server, answers = slow_then_fast_stream(repo, serve, 1.0)
     try:
-        server.client.async_stream_infer("slow", [int8_input([1, 1, 1, 1])])
         server.client.async_stream_infer("m", [int8_input([2, 2, 2, 2])])
         server.client.async_stream_infer("m", [int8_input([3, 3, 3])])  # refused at once: wrong shape
         server.client.async_stream_infer("m", [int8_input([4, 4, 4, 4])])
@@ -640,13 +647,8 @@ def test_stream_answers_held_behind_a_slow_one_and_never_sent_count_as_cancelled
     nereid_protocol_requests_total (which counts what was answered) though the client, gone first, got none."""
     import urllib.request
 
-    repo.python("slow", main="import time\ntime.sleep(1.5)\n" + ECHO_MAIN, textproto=textproto_single("INT8"))
-    repo.python("m", textproto=textproto_single("INT8"))
-    server = serve(repo.write_config())
-    answers: queue.Queue = queue.Queue()
-    server.client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    server, answers = slow_then_fast_stream(repo, serve, 1.5)
     try:
-        server.client.async_stream_infer("slow", [int8_input([1, 1, 1, 1])])
         for value in (2, 3, 4):
             server.client.async_stream_infer("m", [int8_input([value] * 4)])
         stats = server.server.repository.ready_model("m").stats
