@@ -392,11 +392,7 @@ class HttpSurface:
                           model: str) -> tuple[bytes | memoryview, int | None]:
         """An infer request's body and its JSON header's length (Inference-Header-Content-Length; None: all JSON),
         once its headers say it can be read; HttpError otherwise."""
-        codings = headers.get(b"content-encoding", b"identity").lower().split(b",")  # (any case; a list)
-        if any(coding.strip() not in (b"identity", b"") for coding in codings):
-            raise HttpError(400, f"model '{model}': compressed request bodies are not supported "
-                                 f"(Content-Encoding: {headers[b'content-encoding'].decode('latin-1')[:64]}); "
-                                 "send it uncompressed")
+        _refuse_compressed(headers, f"model '{model}': ")
         header_length = headers.get(HEADER_LENGTH.encode())
         content_type = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
         if content_type not in BODY_TYPES:
@@ -437,7 +433,9 @@ class HttpSurface:
     async def _repository(self, scope: Scope, receive: Receive,
                           rest: list[str]) -> tuple[int, list[bytes | memoryview], list]:
         if rest == ["index"]:
-            body = await self._read_body(request_headers(scope, ""), receive, "")
+            headers = request_headers(scope, "")
+            _refuse_compressed(headers, "the repository index request: ")
+            body = await self._read_body(headers, receive, "")
             options = _json_object(body, "the repository index request") if body.strip() else {}
             ready = options.get("ready", False)
             if not isinstance(ready, bool):  # as Triton refuses it: a 1 or "yes" taken for false listed everything
@@ -454,6 +452,7 @@ class HttpSurface:
                 raise HttpError(403, f"model '{model}': a repository {action} from a web page (Origin: "
                                      f"{headers[b'origin'].decode('latin-1')[:64]!r}) is refused; send it from a "
                                      "client that is not a browser")
+            _refuse_compressed(headers, f"model '{model}': the {action} request: ")
             body = await self._read_body(headers, receive, model)
             parameters = _parameters(body, f"model '{model}': the {action} request")
             if action == "load":
@@ -650,6 +649,16 @@ def request_headers(scope: Scope, model: str) -> dict[bytes, bytes]:
                                  "send it once")
         headers[name] = value
     return headers
+
+
+def _refuse_compressed(headers: dict[bytes, bytes], who: str) -> None:
+    """HttpError 400 for a compressed body (nereid reads none; a repository request's gzip body was read as JSON
+    and refused as invalid JSON, where an infer request's was refused as compressed; the HTTP hunt)."""
+    codings = headers.get(b"content-encoding", b"identity").lower().split(b",")  # (any case; a list)
+    if any(coding.strip() not in (b"identity", b"") for coding in codings):
+        raise HttpError(400, f"{who}compressed request bodies are not supported "
+                             f"(Content-Encoding: {headers[b'content-encoding'].decode('latin-1')[:64]}); "
+                             "send it uncompressed")
 
 
 def _ended_turn(turn: asyncio.Semaphore, future: asyncio.Future) -> None:

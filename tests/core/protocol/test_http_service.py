@@ -1190,3 +1190,16 @@ def test_an_answer_whose_encoding_runs_out_of_memory_is_a_503_counted_once_every
     samples = urllib.request.urlopen(f"http://127.0.0.1:{server.server.metrics_port}/metrics").read().decode()
     assert 'nereid_protocol_requests_total{model="echo",outcome="internal",protocol="http"} 1.0' in samples
     assert 'nereid_protocol_requests_total{model="echo",outcome="success"' not in samples
+
+
+def test_a_compressed_repository_request_is_refused_as_an_infer_request_is(served):
+    """Found by the HTTP hunt: a gzip-encoded repository index (or load) body was read as JSON and refused as invalid
+    JSON, where an infer request is told compressed bodies are not supported."""
+    import gzip
+
+    _, base = served
+    body = gzip.compress(b'{"ready": true}')
+    for path, who in (("/v2/repository/index", "the repository index request: "),
+                      ("/v2/repository/models/echo/load", "model 'echo': the load request: ")):
+        assert error_of(call(base, "POST", path, body, {"Content-Encoding": "gzip"})) == (
+            400, f"{who}compressed request bodies are not supported (Content-Encoding: gzip); send it uncompressed")
