@@ -55,9 +55,12 @@ def main(argv: list[str] | None = None, extra_plugins: tuple[object, ...] = ()) 
     """
     # gRPC's core writes its own lines to stderr, at INFO by default, in its own format and past --log-level: one
     # per failed TLS handshake (a plaintext probe on a TLS port, any client from the internet), with no limit.
-    # Set before grpc is first imported (reading TLS settings imports it), which reads it once; an operator's
-    # own value wins.
-    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+    # Not even its errors: a TLS client naming a server the certificate does not (SNI) got one ERROR line per
+    # connection, without a client certificate, its text the client's own, line breaks included, so that it
+    # could forge records of the log (the storage hunt). What nereid needs of gRPC's failures (a port it cannot
+    # bind) it says itself. Set before grpc is first imported (reading TLS settings imports it), which reads it
+    # once; an operator's own value wins.
+    os.environ.setdefault("GRPC_VERBOSITY", "NONE")
     # gRPC's core registers fork handlers that stop its threads before each fork() and start them again after;
     # one that cannot (pthread_create failing at a process or thread limit) aborts the whole server (SIGABRT,
     # "Failed to start lifeguard thread"). subprocess.Popen falls back from vfork to fork() exactly when the
