@@ -1039,8 +1039,15 @@ def _cache_write_failed(url: str, what: str, path: Path, err: OSError) -> Storag
     """The error of ``url``'s copy that the local cache refused: a name the bucket takes but the local file
     system does not (over 255 bytes), a full disk."""
     hint = " (a local file system allows 255 bytes per name)" if err.errno == errno.ENAMETOOLONG else ""
-    return StorageError(f"{url}: cannot {what} the local cache ({path}, under server.cache_dir): "
+    # Named where the file goes, not by the staging folder it is fetched into: its random name made each try's
+    # reason new, so a full cache_dir was an ERROR at every retry, for ever (the storage hunt).
+    shown = _STAGING_PART.sub("", str(path))
+    return StorageError(f"{url}: cannot {what} the local cache ({shown}, under server.cache_dir): "
                         f"{err.strerror or err}{hint}")
+
+
+# A fetch's staging folder in a path (see STAGING_PREFIX): its name is random.
+_STAGING_PART = re.compile(rf"/{re.escape(STAGING_PREFIX)}[0-9a-f]+(?=/|$)")
 
 
 def _is_as_written(path: Path, item: RemoteObject) -> bool:

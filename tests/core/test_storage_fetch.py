@@ -117,3 +117,20 @@ def test_a_file_that_arrives_short_long_or_broken_is_named_and_never_written(tmp
     assert str(raised.value) == f"{url}: {expected}"
     assert target.read_bytes() == b"previous"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data.bin"]  # (no temporary file left)
+
+
+def test_a_cache_write_failure_names_the_file_where_it_goes_so_a_repeat_is_the_same_reason(tmp_path) -> None:
+    """Found by the storage hunt: a full cache_dir's reason named the fetch's staging folder, whose name is random,
+    so each retry's failure was a new reason: an ERROR, and "failed again, for another reason", every time."""
+    import errno
+
+    from nereid.storage import failure_kind
+    from nereid.storage.mirror import STAGING_PREFIX, _cache_write_failed
+
+    full = OSError(errno.ENOSPC, "No space left on device")
+    reasons = [str(_cache_write_failed("s3://b/p/big/data.bin", "write it into",
+                                       tmp_path / "big" / f"{STAGING_PREFIX}{token}" / "data.bin", full))
+               for token in ("2206c07d9273", "458a2eb9dbe1")]
+    assert reasons[0] == (f"s3://b/p/big/data.bin: cannot write it into the local cache ({tmp_path}/big/data.bin, "
+                          "under server.cache_dir): No space left on device")
+    assert failure_kind(reasons[0]) == failure_kind(reasons[1])
