@@ -123,7 +123,8 @@ def open_store(location: StoreURL, *, max_retries: int = DEFAULT_RETRIES) -> Any
     except ImportError:  # a dependency, but say so plainly if it is missing
         raise StorageError(f"{location}: reading models from object storage needs obstore "
                            "(pip install obstore)") from None
-    problem = endpoint_problem(location.scheme) or boolean_problem(location.scheme)
+    problem = (endpoint_problem(location.scheme) or boolean_problem(location.scheme)
+               or header_value_problem(location.scheme))
     if problem is not None:
         raise StorageError(f"{location}: cannot set up the store: {problem}")
     try:
@@ -182,6 +183,28 @@ def endpoint_problem(scheme: str) -> str | None:
         if not parts.hostname:
             return f"{variable} {shown!r} names no host; {expected}"
     return _aliases_disagree(scheme)
+
+
+# The variables obstore puts into a request's headers, by scheme: a control character in one (the newline a secret
+# file mounted from a Kubernetes Secret ends with) made obstore panic at every request, naming the endpoint
+# variables, and Rust wrote its panic to stderr each time, a backtrace with RUST_BACKTRACE (the storage hunt).
+HEADER_VARIABLES = {
+    "s3": ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_REGION", "AWS_DEFAULT_REGION"),
+    "az": ("AZURE_STORAGE_ACCOUNT_NAME", "AZURE_STORAGE_ACCOUNT_KEY", "AZURE_STORAGE_SAS_KEY",
+           "AZURE_STORAGE_TOKEN"),
+}
+
+
+def header_value_problem(scheme: str) -> str | None:
+    """Which variable obstore would put into a request's headers for ``scheme`` holds a control character (named,
+    its value never shown: it may be a secret); None when none does (see HEADER_VARIABLES)."""
+    for variable in HEADER_VARIABLES.get(scheme, ()):
+        value = os.environ.get(variable)
+        if value is not None and any(ord(c) < 32 or ord(c) == 127 for c in value):
+            where = "ends with a line break" if value.endswith(("\n", "\r")) else "holds a control character"
+            return (f"{variable} {where} (a secret read from a file keeps its newline), which no request header "
+                    "can carry; remove it")
+    return None
 
 
 def boolean_problem(scheme: str) -> str | None:

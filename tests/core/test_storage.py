@@ -1093,6 +1093,23 @@ def test_a_boolean_variable_the_store_client_cannot_read_is_named_with_its_value
     assert variable not in out and "cannot set up the store" not in out and out.startswith("echo: UNAVAILABLE: "), out
 
 
+@pytest.mark.parametrize("variable", ["AWS_SESSION_TOKEN", "AWS_SECRET_ACCESS_KEY", "AWS_REGION"])
+def test_a_header_variable_ending_in_a_newline_is_named_without_its_value(s3, tmp_path, monkeypatch, capsys,
+                                                                          variable) -> None:
+    """Found by the storage hunt: a credential read from a secret file keeps its newline, and obstore panicked at
+    every request (a Rust panic on stderr each time), its reason naming the endpoint variables."""
+    from nereid.cli import main
+
+    secret = "s3cr3t-value"
+    monkeypatch.setenv(variable, secret + "\n")
+    assert main(["check", "--config", str(_config(tmp_path, s3.url(), "- name: echo\n"))]) == 1
+    captured = capsys.readouterr()
+    line = captured.out.splitlines()[0]
+    assert line == (f"echo: UNAVAILABLE: {s3.url()}: cannot set up the store: {variable} ends with a line break (a "
+                    "secret read from a file keeps its newline), which no request header can carry; remove it"), line
+    assert secret not in captured.out + captured.err and "panicked" not in captured.err
+
+
 def test_a_store_client_panic_leaves_the_server_up_with_the_reason(s3, serve, tmp_path, monkeypatch) -> None:
     from moto_s3 import BUCKET
     from nereid.storage import RangeRead, StorageError, open_store, read_ranges
