@@ -125,6 +125,9 @@ class ModelRepository:
         self._shared_refresh: asyncio.Future[StorageError | None] | None = None
         self._next_refresh: asyncio.Future[StorageError | None] | None = None
         self._settings_checked: Settings | None = None  # the last settings check_settings passed (and logged)
+        # Models whose load or reload an edit of nereid.yaml left to the watcher, their folders changing (see
+        # start_settings): "load" or "reload", until the watcher acts on the folder, or takes the step back.
+        self._deferred_steps: dict[str, str] = {}
         # Of those, the ones the watcher loads by itself (a folder dropped in, a model an edit of nereid.yaml
         # lists), which ServerReady counts only once they serve: see load's ``counted``.
         self._counted_once_ready: set[str] = set()
@@ -1002,7 +1005,9 @@ class ModelRepository:
             if step.action != "unload" and entry.name in settling:
                 log.info("model '%s'%s; it loads once its folder, which is changing, has settled", entry.name,
                          step.why.rsplit(";", 1)[0])
+                self._deferred_steps[entry.name] = step.action
                 continue
+            self._deferred_steps.pop(entry.name, None)
             log.info("model '%s'%s", entry.name, step.why)
             if step.action == "unload":
                 work.append(self._unlisted(entry.name))
@@ -1015,6 +1020,27 @@ class ModelRepository:
                 log.info("model '%s' is now listed in nereid.yaml; it loads once its folder '%s' is in "
                          "ml_backends_path", model.name, model.name)
         return self._settled([asyncio.ensure_future(step) for step in work])
+
+    def take_deferred_step(self, name: str) -> Awaitable[ModelEntry] | None:
+        """The load or reload of ``name`` that an edit of nereid.yaml left to the watcher (see :meth:`start_settings`),
+        for the watcher to await once the folder has settled, or its change was undone before it settled (then
+        the folder is never acted on, and the edit was dropped for good; the hunt of that change); None when
+        there is none."""
+        action = self._deferred_steps.pop(name, None)
+        entry = self._entries.get(name)
+        if action is None or entry is None:
+            return None
+        log.info("model '%s': its folder has settled (or is as it was); %s it with its settings now in nereid.yaml",
+                 name, "loading" if action == "load" else "reloading")
+        return self.load(name, counted=False) if action == "load" else self._reload_entry(entry)
+
+    def deferred_step(self, name: str) -> str | None:
+        """The step (``load``, ``reload``) of ``name`` an edit of nereid.yaml left to the watcher; None: none."""
+        return self._deferred_steps.get(name)
+
+    def forget_deferred_step(self, name: str) -> None:
+        """The watcher acts on ``name``'s folder (a load or reload with the settings in force): no step is left."""
+        self._deferred_steps.pop(name, None)
 
     async def _unlisted(self, name: str) -> ModelEntry:
         """Unload ``name``, which nereid.yaml no longer lists: its reason is then what a folder not listed at

@@ -68,11 +68,13 @@ class SettlingFolders:
         self._seen.pop(name, None)
         self._busy_until.pop(name, None)
 
-    def drop_undone(self, known: Mapping[str, FolderState], current: Mapping[str, FolderState]) -> None:
+    def drop_undone(self, known: Mapping[str, FolderState], current: Mapping[str, FolderState]) -> list[str]:
         """Stop waiting for the folders back in the state ``known`` for them (a change undone before it
-        settled), as ``current`` shows them."""
-        for name in [name for name in self._seen if known.get(name) == current.get(name)]:
+        settled), as ``current`` shows them; returns their names."""
+        undone = [name for name in self._seen if known.get(name) == current.get(name)]
+        for name in undone:
             self.done(name)
+        return undone
 
     def due_at(self, name: str, state: FolderState, when: float) -> None:
         """Hold the folder ``name`` settling in ``state`` until ``when`` (a monotonic time): the scan after that

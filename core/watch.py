@@ -343,14 +343,24 @@ class RepositoryWatcher:
                     due[kind].append(name)
                     previous[name] = self._folders.get(name)
                     self._accept(name, state)
-        self._pending.drop_undone(self._folders, current)
+        for name in self._pending.drop_undone(self._folders, current):
+            # Undone before it settled: nothing is done with the folder, so a load or reload an edit of nereid.yaml
+            # left to this one is done now.
+            if repository.deferred_step(name) is not None:
+                steps.append(Step((name,), functools.partial(self._deferred_step, name)))
         for name in due["removed"]:
+            repository.forget_deferred_step(name)
             log.info("dynamic repository: folder '%s' removed; unloading it", name)
             repository.remove_in_background(name)
         # (A store's folder seen "added" may already be loaded, by a RepositoryModelLoad.)
         # (Counted by ServerReady once it serves: see ModelRepository.load's counted.)
         load = functools.partial(repository.load, counted=False) if self.location is None else repository.reload
         for kind, name in [("added", name) for name in due["added"]] + [("changed", name) for name in due["changed"]]:
+            if repository.deferred_step(name) is not None:
+                # Settled: the load or reload an edit of nereid.yaml left to the watcher, with its settings (the
+                # folder, listed by that edit, was not served before it: no "changed" reload would load it).
+                steps.append(Step((name,), functools.partial(self._deferred_step, name)))
+                continue
             retry = self._store_retries.get(name)
             if retry is not None and not repository.wanted(name):
                 # Unloaded (RepositoryModelUnload) or unlisted since the store failed its load: not tried again.
@@ -391,6 +401,12 @@ class RepositoryWatcher:
                 steps.append(Step((name,), functools.partial(self._reloaded_if_wanted, name)))
         self.scans += 1
         self._schedule_settled_scan()
+
+    async def _deferred_step(self, name: str) -> None:
+        """The load or reload of ``name`` an edit of nereid.yaml left to the watcher, if it is still left."""
+        work = self.repository.take_deferred_step(name)
+        if work is not None:
+            await work
 
     def _start(self, started: list[asyncio.Future], steps: list[Step]) -> asyncio.Future:
         """Carry out one scan's ``steps`` (with the work ``started`` already) beside the scans that follow; then

@@ -691,6 +691,34 @@ def test_an_edit_listing_a_folder_still_changing_leaves_its_load_to_the_watcher(
     asyncio.run(scenario())
 
 
+def test_an_edit_left_to_the_watcher_is_carried_out_when_the_folder_s_change_is_undone(tmp_path, root):
+    """The hunt of the fix above: a folder whose change was undone before it settled (a scratch file written and
+    removed) is never acted on, so the load an edit of nereid.yaml had left to the watcher never came."""
+    write_toy(root, "a")
+    fresh = write_toy(root, "fresh")
+    repository, watcher = setup(tmp_path, root, models="  - name: a\n", settle_ms=300)
+    config = Path(repository.settings.source)
+
+    async def scenario() -> None:
+        await start(repository, watcher)
+        (fresh / "scratch.out").write_text("a file written and removed")
+        config.write_text(config.read_text().replace("  - name: a\n", "  - name: a\n  - name: fresh\n"))
+        await apply(watcher)  # both seen, neither settled
+        await asyncio.sleep(0.35)
+        (fresh / "scratch.out").unlink()
+        await apply(watcher)  # nereid.yaml applied, its load left to the watcher; the folder as it was
+        for _ in range(30):  # (the watcher's own scans run meanwhile: within a few settle times)
+            while watcher._changes:
+                await asyncio.gather(*watcher._changes)
+            if repository.entry("fresh").state is ModelState.READY:
+                break
+            await asyncio.sleep(0.1)
+            await apply(watcher)
+        assert repository.entry("fresh").state is ModelState.READY, repository.entry("fresh").reason
+        await repository.unload_all()
+    asyncio.run(scenario())
+
+
 def test_an_edit_of_nereid_yaml_is_checked_off_the_event_loop(tmp_path, root, monkeypatch):
     """Found by the config hunt: the plugins' defaults hooks ran on the event loop at each edit of nereid.yaml, so a
     slow one (5 s) held every request, liveness included, for as long."""
