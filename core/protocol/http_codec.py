@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -418,6 +419,7 @@ def encode_infer(response: InferResponse, choice: OutputChoice) -> tuple[list[by
     """
     outputs, binaries, finite = [], [], True
     chunked: dict[bytes, list[bytes | memoryview]] = {}  # a placeholder's JSON -> the data's parts
+    nonce = ""  # (made for an answer that chunks: see _PLACEHOLDER)
     for tensor in response.outputs:
         entry: dict[str, Any] = {"name": tensor.name, "datatype": tensor.dtype.kserve, "shape": list(tensor.shape)}
         if choice.is_binary(tensor.name):
@@ -425,7 +427,8 @@ def encode_infer(response: InferResponse, choice: OutputChoice) -> tuple[list[by
             entry["parameters"] = {"binary_data_size": len(raw)}
             binaries.append(raw)
         elif tensor.data.size > JSON_CHUNK_ELEMENTS:
-            placeholder = f"{_PLACEHOLDER}{len(chunked)}\0"
+            nonce = nonce or secrets.token_hex(16)
+            placeholder = f"{_PLACEHOLDER}{nonce}-{len(chunked)}\0"
             entry["data"] = placeholder
             chunked[orjson.dumps(placeholder)] = _json_chunks(response.model_name, tensor)
         else:
@@ -449,8 +452,9 @@ def encode_infer(response: InferResponse, choice: OutputChoice) -> tuple[list[by
 
 # An output of more elements than this answered as JSON is written a chunk of this many elements at a time.
 JSON_CHUNK_ELEMENTS = 1 << 18
-# Stands for a chunked output's data in the answer's JSON until its parts are put in its place: NUL characters,
-# which JSON writes escaped, and no tensor name or text of a model's holds this one.
+# Stands for a chunked output's data in the answer's JSON until its parts are put in its place, with a random nonce
+# of the answer's own: a fixed text was found in a BYTES output (the client's own text echoed) or a tensor name
+# first, and the data went to the wrong output (the hunt of this change). 128 random bits no one can guess.
 _PLACEHOLDER = "\0nereid-chunked-output-data-"
 
 

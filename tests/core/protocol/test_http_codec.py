@@ -424,3 +424,20 @@ def test_large_json_outputs_are_written_a_chunk_at_a_time_into_the_same_answer(m
     header = json.loads(b"".join(parts)[:length].decode())
     assert header["outputs"][0]["data"][33] != header["outputs"][0]["data"][33]  # NaN
     assert header["id"] == "req-7" and [o["name"] for o in header["outputs"]] == [o.name for o in outputs]
+
+
+def test_a_text_like_the_placeholder_of_a_chunked_output_cannot_take_its_data(monkeypatch):
+    """The hunt of the chunked answers: a BYTES output echoing the client's "\\0nereid-chunked-output-data-0\\0",
+    written before a chunked output, was where that output's data went (and its own text into the other): the
+    placeholder was a fixed text. It now holds a nonce of the answer's own."""
+    from nereid.protocol import http_codec
+
+    monkeypatch.setattr(http_codec, "JSON_CHUNK_ELEMENTS", 4)
+    forged = f"{http_codec._PLACEHOLDER}0\0"
+    outputs = [NamedTensor("echo", DType.BYTES, bytes_array([forged.encode()], (1,))),
+               NamedTensor(forged, DType.INT32, np.arange(10, dtype=np.int32)),
+               NamedTensor("big", DType.FP32, np.arange(10, dtype=np.float32))]
+    parts, _ = encode_infer(InferResponse("m", outputs), OutputChoice((), frozenset(), False))
+    answer = json.loads(b"".join(parts))
+    assert [(o["name"], o["data"]) for o in answer["outputs"]] == [
+        ("echo", [forged]), (forged, list(range(10))), ("big", [float(i) for i in range(10)])]
