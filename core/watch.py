@@ -639,7 +639,8 @@ class RepositoryWatcher:
             served = replace(new, server=self.settings.server)
             # (Refused before it is said to apply.) Off the loop: the plugins' defaults hooks run there, and a slow
             # one held every request for as long, at each edit (the config hunt).
-            await asyncio.to_thread(self.repository.check_settings, served)
+            # (A daemon thread: one held by a hook that never returns must not keep the process from exiting.)
+            await on_io_thread(self.repository.check_settings, served)
         except ConfigError as err:
             # Once per refusal: the same file refused again for the same reason, at a later scan, is no news.
             repeated = self._config_refused == (look.digest, str(err))

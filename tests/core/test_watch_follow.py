@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import os
 import shutil
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -727,8 +728,11 @@ def test_an_edit_of_nereid_yaml_is_checked_off_the_event_loop(tmp_path, root, mo
     config = Path(repository.settings.source)
     checked = repository.check_settings
 
+    threads: list[threading.Thread] = []
+
     def slow_check(settings) -> None:
         if repository._settings_checked is not settings:  # (the hooks run: once per settings)
+            threads.append(threading.current_thread())
             time.sleep(0.6)  # (a plugin's hook taking its time)
         checked(settings)
 
@@ -751,6 +755,9 @@ def test_an_edit_of_nereid_yaml_is_checked_off_the_event_loop(tmp_path, root, mo
         await ticker
         assert repository.settings.model("a").queue_capacity == 5
         assert max(gaps) < 0.4, f"the event loop was held {max(gaps):.2f} s"
+        # On a daemon thread: one held by a hook that never returns kept a stopped server from exiting (asyncio's
+        # threads are joined at exit; the hunt of this fix).
+        assert threads and all(thread.daemon for thread in threads), threads
         await repository.unload_all()
     asyncio.run(scenario())
 
