@@ -129,16 +129,15 @@ def scan_folder(folder: Path) -> FolderState | None:
         return FolderState(files, known[1], hidden_mtime_ns, known[2])
     state = _identified(folder, files, hidden_mtime_ns)
     with _IDENTITIES_LOCK:  # (scans run on I/O threads, several at once)
-        if len(_IDENTITIES) >= _MAX_IDENTITIES and key not in _IDENTITIES:
-            del _IDENTITIES[next(iter(_IDENTITIES))]  # (the oldest: a repository this large reads more often)
         _IDENTITIES[key] = (files, state.identity, state.complete)
     return state
 
 
-# The last identity computed for each folder (by path), with the stamp it was computed for (see scan_folder).
+# The last identity computed for each folder (by path), with the stamp it was computed for (see scan_folder). Kept
+# for every folder a scan of its repository finds, and forgotten with the folder (see scan_repository): a cap that
+# dropped the oldest missed every folder, scanned in the same order each time, past its size (the hunt of this).
 _IDENTITIES: dict[str, tuple[tuple[FileStamp, ...], str, bool]] = {}
 _IDENTITIES_LOCK = threading.Lock()
-_MAX_IDENTITIES = 8192
 
 
 def _identified(folder: Path, files: tuple[FileStamp, ...], hidden_mtime_ns: int) -> FolderState:
@@ -197,6 +196,11 @@ def scan_repository(root: Path) -> dict[str, FolderState]:
         state = scan_folder(root / name)
         if state is not None:
             states[name] = state
+    prefix = os.path.join(os.fspath(root), "")
+    found = {os.fspath(root / name) for name in states}
+    with _IDENTITIES_LOCK:
+        for gone in [key for key in _IDENTITIES if key.startswith(prefix) and key not in found]:
+            del _IDENTITIES[gone]
     return states
 
 

@@ -221,3 +221,25 @@ def test_a_folder_scanned_again_unchanged_reads_none_of_its_files(tmp_path, monk
     (folder / "f3.bin").write_bytes(os.urandom(1000))  # same size, new bytes
     edited = scan_folder(folder)
     assert edited.identity != first.identity and len(reads) == 40
+
+
+def test_the_identities_kept_follow_the_repository_whatever_its_size(tmp_path, monkeypatch):
+    """The hunt of the fix above: its cache dropped the oldest entry past 8,192 folders, and a scan visits the
+    folders in the same order each time, so past that size every folder's files were read at every scan. Entries
+    go with their folders instead."""
+    from nereid import folder_states
+
+    for index in range(30):
+        (tmp_path / f"m{index}").mkdir()
+        (tmp_path / f"m{index}" / "w.bin").write_bytes(b"x")
+    reads: list[str] = []
+    sampled = folder_states._sampled_bytes
+    monkeypatch.setattr(folder_states, "_sampled_bytes", lambda path, size: reads.append(path.name) or
+                        sampled(path, size))
+    scan_repository(tmp_path)
+    assert len(reads) == 30
+    scan_repository(tmp_path)
+    assert len(reads) == 30
+    shutil.rmtree(tmp_path / "m3")
+    scan_repository(tmp_path)
+    assert not [key for key in folder_states._IDENTITIES if key.endswith(os.sep + "m3")]
