@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None, extra_plugins: tuple[object, ...] = ()) 
     if "run" in args and args.command not in ("serve", "check"):
         # (Never for the built-in commands: a plugin's set_defaults(run=...) on their parsers took them over;
         # found by a plugin hunt.)
-        return _plugin_command_status(args.command, _reading_stopped_quietly(lambda: args.run(args)))
+        return _plugin_command_status(args.command, _reading_stopped_quietly(lambda: _ran(args.run, args)))
 
     serving = args.command == "serve"
     if not serving and args.command != "check":
@@ -115,6 +115,17 @@ def main(argv: list[str] | None = None, extra_plugins: tuple[object, ...] = ()) 
         return _serve_command(args, manager)
     finally:
         release_early_stops()  # (a way out before the server started: the caller's handlers back)
+
+
+def _ran(run: Callable[[argparse.Namespace], Any], args: argparse.Namespace) -> Any:
+    """What a plugin command's ``run`` returned, or the code of the ``sys.exit`` it called (checked as a returned
+    status is: sys.exit(300) exited 44); a Ctrl-C is 130 without a traceback."""
+    try:
+        return run(args)
+    except SystemExit as exit_request:
+        return exit_request.code
+    except KeyboardInterrupt:
+        return 128 + signal.SIGINT
 
 
 def _plugin_command_status(command: str, status: Any) -> int:

@@ -1317,6 +1317,13 @@ def test_a_plugin_command_s_exit_status_is_what_it_returned_or_its_mistake_is_sa
         def nereid_add_commands(self, commands):
             commands.add_parser("mytool").set_defaults(run=lambda args: returned)
 
+    class Exits:  # (the hunt of this check: sys.exit(300) in run still exited 44)
+        @hookimpl
+        def nereid_add_commands(self, commands):
+            commands.add_parser("mytool").set_defaults(run=lambda args: sys.exit(returned))
+
+    assert main(["mytool"], extra_plugins=(Exits(),)) == status
+    capsys.readouterr()
     assert main(["mytool"], extra_plugins=(Tool(),)) == status
     err = capsys.readouterr().err.strip()
     if said:
