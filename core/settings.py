@@ -75,6 +75,8 @@ def address_problem(address: str) -> str | None:
         # gRPC takes only an IPv6 address in brackets: [127.0.0.1]:8001 passed nereid check and the HTTP and
         # metrics listeners, then failed gRPC's bind (the config hunt).
         return f"brackets hold an IPv6 address ({host[1:-1]} is none: write it without them)"
+    if "%" in host:  # (a zone: the listeners cannot resolve [::1%lo], and serve failed where check passed)
+        return f"an IPv6 address with a zone ({host}) cannot be listened on; give the address without it"
     port = match.group(2).lstrip("0")
     if len(port) > len(str(MAX_PORT)) or int(port or "0") > MAX_PORT:  # (int() refuses 4300+ digits)
         return f"port must be 0-{MAX_PORT}"
@@ -82,7 +84,7 @@ def address_problem(address: str) -> str | None:
 
 
 def _is_ipv6(text: str) -> bool:
-    """Whether ``text`` is an IPv6 address, a zone (``fe80::1%eth0``) allowed."""
+    """Whether ``text`` is an IPv6 address (with or without a zone, ``fe80::1%eth0``)."""
     try:
         ipaddress.IPv6Address(text)
     except ValueError:

@@ -295,7 +295,8 @@ def test_the_largest_values_allowed_are_taken(root: Path) -> None:
     # (The config hunt: passed nereid check and the HTTP listener, then failed gRPC's bind.)
     ("[127.0.0.1]:8001", "brackets hold an IPv6 address (127.0.0.1 is none: write it without them)"),
     ("[localhost]:8001", "brackets hold an IPv6 address (localhost is none: write it without them)"),
-], ids=["99999", "65536", "5000-digits", "no-port", "bracketed-ipv4", "bracketed-name"])
+    ("[::1%lo]:8001", "an IPv6 address with a zone ([::1%lo]) cannot be listened on; give the address without it"),
+], ids=["99999", "65536", "5000-digits", "no-port", "bracketed-ipv4", "bracketed-name", "zone"])
 def test_listener_addresses_need_a_port_of_0_to_65535(root: Path, key: str, address: str, problem: str) -> None:
     # gRPC used to wrap 99999 to another port silently; metrics and HTTP died with an OverflowError.
     path = write(root, f"server:\n  ml_backends_path: ml-backends\n  {key}: \"{address}\"\n")
@@ -326,8 +327,7 @@ def test_listener_addresses_need_a_host(root: Path, key: str) -> None:
 
 
 @pytest.mark.parametrize("key", ["bind_addr", "metrics_addr", "http_addr"])
-@pytest.mark.parametrize("address", ["[::1]:0", "127.0.0.1:65535", "localhost:8000", "[::]:00080", "0.0.0.0:50051",
-                                     "[fe80::1%lo]:8000"])
+@pytest.mark.parametrize("address", ["[::1]:0", "127.0.0.1:65535", "localhost:8000", "[::]:00080", "0.0.0.0:50051"])
 def test_listener_addresses_in_range_are_kept(root: Path, key: str, address: str) -> None:
     path = write(root, f"server:\n  ml_backends_path: ml-backends\n  {key}: \"{address}\"\n")
     assert getattr(load_settings(path).server, key) == address
