@@ -17,6 +17,7 @@ runs, naming the threads then in a model's code.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import gc
 import importlib.util
@@ -300,6 +301,8 @@ def _library_folders() -> tuple[str, ...]:
     model's code; a bug hunt), and nereid (the core and the built-in backends, apart in an editable install)."""
     folders = {Path(path) for key, path in sysconfig.get_paths().items()
                if key in ("stdlib", "platstdlib", "purelib", "platlib", "scripts")}
+    with contextlib.suppress(KeyError):  # (pip install --user puts the command in ~/.local/bin)
+        folders.add(Path(sysconfig.get_path("scripts", f"{os.name}_user")))
     folders.update(Path(path) for path in (*site.getsitepackages(), site.getusersitepackages()))
     folders.add(Path(__file__).parent)
     spec = importlib.util.find_spec("nereid.backends")  # (found, not imported: the core imports no backend)

@@ -302,6 +302,8 @@ def test_the_nereid_command_s_own_script_is_no_model_s_code() -> None:
     installed = shutil.which("nereid")
     if installed is not None and os.path.dirname(installed) == sysconfig.get_paths()["scripts"]:
         assert not loop_watch._is_model_code(installed)
+    # (A `pip install --user`'s, in ~/.local/bin, too: the hunt of this fix.)
+    assert not loop_watch._is_model_code(os.path.join(sysconfig.get_path("scripts", f"{os.name}_user"), "nereid"))
     assert loop_watch._is_model_code(__file__)  # (a file of no library's folder still is)
 
 
