@@ -31,7 +31,16 @@ _CREDENTIAL_HINT = {
     "az": "check AZURE_STORAGE_ACCOUNT_NAME / AZURE_STORAGE_ACCOUNT_KEY (or another AZURE_* credential)",
 }
 
-_ALLOW_HTTP_HINT = {"s3": "set AWS_ALLOW_HTTP=true for a plain-http endpoint (AWS_ENDPOINT_URL=http://...)"}
+_ALLOW_HTTP_HINT = {"s3": "set AWS_ALLOW_HTTP=true for a plain-http endpoint (AWS_ENDPOINT_URL=http://...)",
+                    "gs": "set GOOGLE_ALLOW_HTTP=true for a plain-http endpoint (GOOGLE_BASE_URL=http://...)",
+                    "az": "set AZURE_ALLOW_HTTP=true for a plain-http endpoint (AZURE_STORAGE_ENDPOINT=http://...)"}
+# Where a store that cannot be reached is configured, by scheme (gs:// and az:// were told of AWS_ENDPOINT_URL).
+_ENDPOINT_HINT = {"s3": "AWS_ENDPOINT_URL, and AWS_ALLOW_HTTP for http://",
+                  "gs": "GOOGLE_BASE_URL, and GOOGLE_ALLOW_HTTP for http://",
+                  "az": "AZURE_STORAGE_ENDPOINT, and AZURE_ALLOW_HTTP for http://"}
+# The variable that lets the store client take a certificate no CA vouches for, by scheme.
+_INVALID_CERTIFICATES = {"s3": "AWS_ALLOW_INVALID_CERTIFICATES", "gs": "GOOGLE_ALLOW_INVALID_CERTIFICATES",
+                         "az": "AZURE_ALLOW_INVALID_CERTIFICATES"}
 # The variables obstore reads a store's endpoint from, by scheme (AWS_ENDPOINT_URL_S3 wins over the others).
 # obstore panics on a malformed one at the first request instead of raising an error.
 ENDPOINT_VARIABLES = {"s3": ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ENDPOINT"), "gs": ("GOOGLE_BASE_URL",),
@@ -377,9 +386,16 @@ def describe_error(err: BaseException, scheme: str = "s3") -> str:
         hint = _ALLOW_HTTP_HINT.get(scheme, "allow plain http for the store, or use https")
         return cap_message(f"the store's endpoint is plain http://, which the client refuses "
                            f"({text.splitlines()[0][:300]}); {hint}", 600)
+    # The TLS client's reason is only in the debug dump (rustls: InvalidCertificate(UnknownIssuer), ...): the store
+    # was reached, its certificate refused; told as unreachable, with an http hint (the storage hunt).
+    certificate = re.search(r"InvalidCertificate\((\w{1,40})", str(err))
+    if certificate is not None:
+        return cap_message(f"the store's TLS certificate is not trusted ({certificate.group(1)}); set SSL_CERT_FILE "
+                           f"to the CA that signed it (or {_INVALID_CERTIFICATES.get(scheme, 'the store client')}"
+                           "=true, for a test store only)", 600)
     if re.search(r"[Cc]onnection refused|error sending request|dns error|timed out", text):
         return cap_message(f"{_UNREACHABLE} ({text.splitlines()[0][:300]}); check the endpoint "
-                           "(AWS_ENDPOINT_URL, and AWS_ALLOW_HTTP for http://)", 600)
+                           f"({_ENDPOINT_HINT.get(scheme, _ENDPOINT_HINT['s3'])})", 600)
     first = text.splitlines()[0] if text else kind
     return cap_message(f"{kind}: {first}", 600)
 

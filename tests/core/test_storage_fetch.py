@@ -134,3 +134,27 @@ def test_a_cache_write_failure_names_the_file_where_it_goes_so_a_repeat_is_the_s
     assert reasons[0] == (f"s3://b/p/big/data.bin: cannot write it into the local cache ({tmp_path}/big/data.bin, "
                           "under server.cache_dir): No space left on device")
     assert failure_kind(reasons[0]) == failure_kind(reasons[1])
+
+
+def test_a_store_whose_certificate_is_refused_is_told_so_and_each_scheme_its_own_variables() -> None:
+    """Found by the storage hunt: an https store with a certificate no CA vouches for (or expired) was "cannot reach
+    the store ... (AWS_ENDPOINT_URL, and AWS_ALLOW_HTTP for http://)": the reason was only in obstore's debug dump;
+    and gs:// and az:// stores were told of the AWS variables."""
+    from nereid.storage import describe_error, store_unreachable
+    from nereid.storage.client import StorageError
+
+    class GenericError(Exception):
+        pass
+
+    refused = GenericError("Generic S3 error: Error performing list request: error sending request\n\nDebug source:\n"
+                           "Generic { source: hyper_util::client::legacy::Error(Connect, Custom { kind: Other, error: "
+                           "InvalidCertificate(UnknownIssuer) }) }")
+    said = describe_error(refused, "s3")
+    assert said == ("the store's TLS certificate is not trusted (UnknownIssuer); set SSL_CERT_FILE to the CA that "
+                    "signed it (or AWS_ALLOW_INVALID_CERTIFICATES=true, for a test store only)"), said
+    assert not store_unreachable(StorageError(said))
+    unreachable = GenericError("Generic error: error sending request for url (http://127.0.0.1:1/b)")
+    assert describe_error(unreachable, "gs").endswith("check the endpoint (GOOGLE_BASE_URL, and GOOGLE_ALLOW_HTTP "
+                                                      "for http://)")
+    assert describe_error(unreachable, "az").endswith("check the endpoint (AZURE_STORAGE_ENDPOINT, and "
+                                                      "AZURE_ALLOW_HTTP for http://)")
