@@ -91,11 +91,17 @@ class RemoteObject:
     etag: str | None = None
     version: str | None = None
     mtime_ns: int | None = None
+    # The listing's last-modified time, for a store that gives no ETag (some S3-compatible ones): without it a
+    # same-size edit was never seen (the storage hunt).
+    modified: str | None = None
 
     @property
-    def identity(self) -> tuple[str | None, str | None, int]:
-        """What says the object's bytes are unchanged."""
-        return (self.etag, self.version, self.size)
+    def identity(self) -> tuple[str | int | None, ...]:
+        """What says the object's bytes are unchanged (its modification time only where there is no ETag: the
+        identity of an object that has one is what it was before the time joined it)."""
+        if self.etag:
+            return (self.etag, self.version, self.size)
+        return (self.etag, self.version, self.size, self.modified)
 
 
 @dataclass(frozen=True)
@@ -159,8 +165,17 @@ def remote_folder_exists(location: StoreURL, name: str) -> bool:
     return _folder_exists(location, open_store(location), f"{prefix}{name}/")
 
 
+def _modified(meta: Any) -> str | None:
+    """An object's last-modified time as its listing gives it, for a store that gives no ETag (None: one does)."""
+    if meta.get("e_tag"):
+        return None
+    modified = meta.get("last_modified")
+    return None if modified is None else f"modified {modified}"
+
+
 def list_objects(location: StoreURL) -> list[tuple[str, int, str]]:
-    """Every object under ``location``: its key relative to it, its size and ETag; StorageError on failure.
+    """Every object under ``location``: its key relative to it, its size and ETag (where the store gives none, its
+    modification time); StorageError on failure.
 
     A folder holding a key obstore cannot read gets one entry for it instead
     (named after the key, size -1), so that it is still there, changes when the
@@ -172,7 +187,7 @@ def list_objects(location: StoreURL) -> list[tuple[str, int, str]]:
     prefix = location.key() + "/" if location.key() else ""
     try:
         with store_call(location.scheme):
-            entries = [(meta["path"][len(prefix):], int(meta["size"]), meta.get("e_tag") or "")
+            entries = [(meta["path"][len(prefix):], int(meta["size"]), meta.get("e_tag") or _modified(meta) or "")
                        for chunk in obstore.list(store, prefix or None) for meta in chunk]
         _known_folders[str(location)] = {folder for relative, _, _ in entries
                                          for folder, slash, _ in [relative.partition("/")] if slash}
@@ -185,7 +200,8 @@ def list_objects(location: StoreURL) -> list[tuple[str, int, str]]:
     entries = []
     for name in list_remote_folders(location):
         objects, unreadable = _list_keys(location.child(name), store, f"{prefix}{name}/")
-        entries.extend((meta["path"][len(prefix):], int(meta["size"]), meta.get("e_tag") or "") for meta in objects)
+        entries.extend((meta["path"][len(prefix):], int(meta["size"]), meta.get("e_tag") or _modified(meta) or "")
+                       for meta in objects)
         entries.extend((f"{name}/{_stamp_name(key[len(prefix) + len(name) + 1:])}", -1, "unreadable key")
                        for key in unreadable)
     return entries
@@ -441,7 +457,8 @@ def _materialize(location: StoreURL, name: str, folder: Path,
                 raise StorageError(f"{folder_url}: object key {meta['path']!r} is not a safe relative path")
             if _mirror_internal(parts[0]):
                 continue  # the server's own names (a .cache/ uploaded by mistake); other hidden files are the model's
-            item = RemoteObject(meta["path"], int(meta["size"]), meta.get("e_tag"), meta.get("version"))
+            item = RemoteObject(meta["path"], int(meta["size"]), meta.get("e_tag"), meta.get("version"),
+                                modified=_modified(meta))
             if streams and relative.endswith(STREAMED_SUFFIX):
                 streamed[relative] = item
                 continue

@@ -158,3 +158,20 @@ def test_a_store_whose_certificate_is_refused_is_told_so_and_each_scheme_its_own
                                                       "for http://)")
     assert describe_error(unreachable, "az").endswith("check the endpoint (AZURE_STORAGE_ENDPOINT, and "
                                                       "AZURE_ALLOW_HTTP for http://)")
+
+
+def test_an_object_of_a_store_that_gives_no_etag_is_known_by_its_modification_time_too() -> None:
+    """Found by the storage hunt: behind a store that lists no ETags (some S3-compatible ones), an edit that kept a
+    file's size was never seen, by the watcher nor by a RepositoryModelLoad. An object with an ETag keeps the
+    identity it had (its version folders' names depend on it)."""
+    import datetime
+
+    from nereid.storage.mirror import RemoteObject, _modified
+
+    earlier, later = (datetime.datetime(2026, 12, 4, 17, minute, tzinfo=datetime.timezone.utc) for minute in (1, 2))
+    assert _modified({"e_tag": None, "last_modified": earlier}) != _modified({"e_tag": None, "last_modified": later})
+    assert _modified({"e_tag": '"abc"', "last_modified": earlier}) is None
+    unlabelled = [RemoteObject("p/m/w.bin", 4, None, None, modified=_modified({"last_modified": when}))
+                  for when in (earlier, later)]
+    assert unlabelled[0].identity != unlabelled[1].identity
+    assert RemoteObject("p/m/w.bin", 4, '"abc"', None).identity == ('"abc"', None, 4)
