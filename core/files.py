@@ -15,7 +15,9 @@ import hashlib
 import logging
 import os
 import secrets
+import shutil
 import stat
+import sys
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
@@ -251,7 +253,8 @@ def _remove_tree(root: str) -> None:
     except OSError as err:  # a symlink (never followed), a file, a folder that cannot be opened
         log.debug("cannot remove %s: %s", root, err)
         return
-    moved = 0  # folders moved up into root so far (their names: .nereid-removing-N)
+    moved = 0  # folders moved up into root so far (their names: .nereid-removing-<token>-N)
+    token = secrets.token_hex(4)  # (a tree may hold such names of an earlier removal: they never collide)
     try:
         pending = [None]  # folders in root to empty and remove (None: root itself)
         while pending:
@@ -269,9 +272,11 @@ def _remove_tree(root: str) -> None:
                     elif name is None:
                         pending.append(entry.name)
                     else:
-                        moved, up = _moved_up(entry.name, fd, root_fd, moved, os.path.join(shown, entry.name))
+                        moved, up = _moved_up(entry.name, fd, root_fd, moved, token, os.path.join(shown, entry.name))
                         if up is not None:
                             pending.append(up)
+                        else:  # (overlayfs refuses to move a folder of a lower layer: EXDEV) removed where it is
+                            _remove_in_place(entry.name, fd, os.path.join(shown, entry.name))
             except OSError as err:
                 log.debug("cannot list %s: %s", shown, err)
             finally:
@@ -304,12 +309,12 @@ def _unlink(name: str, dir_fd: int, shown: str) -> None:
     _with_write_access(lambda: os.unlink(name, dir_fd=dir_fd), dir_fd, shown)
 
 
-def _moved_up(name: str, dir_fd: int, root_fd: int, moved: int, shown: str) -> tuple[int, str | None]:
-    """Move the folder ``name`` (in ``dir_fd``) up into the tree's root as ``.nereid-removing-N``; (the count of
-    folders moved, its new name or None when it could not be moved: left, and logged)."""
+def _moved_up(name: str, dir_fd: int, root_fd: int, moved: int, token: str, shown: str) -> tuple[int, str | None]:
+    """Move the folder ``name`` (in ``dir_fd``) up into the tree's root as ``.nereid-removing-<token>-N``; (the count
+    of folders moved, its new name or None when it could not be moved)."""
     for _ in range(8):  # (a name taken already: the next number)
         moved += 1
-        up = f".nereid-removing-{moved}"
+        up = f".nereid-removing-{token}-{moved}"
         try:
             # Moving a folder rewrites its ".." entry: its own write access is needed, as its parent's.
             _with_write_access(lambda: os.rename(name, up, src_dir_fd=dir_fd, dst_dir_fd=root_fd), dir_fd, shown,
@@ -323,6 +328,20 @@ def _moved_up(name: str, dir_fd: int, root_fd: int, moved: int, shown: str) -> t
             log.debug("cannot remove %s: %s", shown, err)
             return moved, None
     return moved, None
+
+
+def _remove_in_place(name: str, dir_fd: int, shown: str) -> None:
+    """Remove the folder ``name`` (in ``dir_fd``) where it is, one that cannot be moved up: recursively, through
+    descriptors (``shutil.rmtree``), its depth what an image's layer holds; what it cannot is logged and left."""
+    def failed(function: object, path: str, error: BaseException) -> None:
+        log.debug("cannot remove %s: %s", os.path.join(shown, os.path.relpath(path, name)), error)
+    try:
+        if sys.version_info >= (3, 12):
+            shutil.rmtree(name, dir_fd=dir_fd, onexc=failed)
+        else:
+            shutil.rmtree(name, dir_fd=dir_fd, onerror=lambda function, path, info: failed(function, path, info[1]))
+    except RecursionError:  # (deeper than an interpreter's recursion: left)
+        log.debug("cannot remove %s: nested too deep to remove where it is", shown)
 
 
 def _with_write_access(change: Callable[[], object], dir_fd: int, shown: str, *,

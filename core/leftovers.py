@@ -213,8 +213,11 @@ def remove_stale_scratch(parent: Path) -> int:
             if killed:
                 log.info("ended %d process(es) still running a program from %s, a scratch folder of a nereid "
                          "process that no longer runs (a model's run it could not end)", killed, entry.path)
-            remove_tree(entry.path)
-            removed += 1
+            if remove_tree(entry.path):
+                removed += 1
+            else:  # (what could not be removed is named at DEBUG: a start must not say it was)
+                log.warning("cannot remove all of %s, a scratch folder of a nereid process that no longer runs",
+                            entry.path)
     if removed:
         log.info("removed %d scratch folder(s) left by nereid processes that no longer run", removed)
     return removed

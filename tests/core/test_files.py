@@ -209,3 +209,27 @@ def test_removing_a_tree_never_raises_nor_follows_a_symlink(tmp_path):
     (tmp_path / "link").symlink_to(target)
     assert remove_tree(tmp_path / "link") is False  # (rmtree refuses a symlink: nothing is removed through it)
     assert (target / "kept").exists() and (tmp_path / "link").is_symlink()
+
+
+def test_a_folder_that_cannot_be_moved_up_is_removed_where_it_is_and_earlier_names_never_collide(tmp_path,
+                                                                                                  monkeypatch):
+    """The hunt of the rewrite: on overlayfs a folder of a lower layer cannot be moved (EXDEV), and nothing below it
+    was removed, while the start said the stale scratch folder was; and after eight names left by an earlier removal
+    (.nereid-removing-N) a folder was given up."""
+    import errno
+
+    from nereid import files
+
+    tree = tmp_path / "run"
+    (tree / "a" / "b" / "c").mkdir(parents=True)
+    (tree / "a" / "b" / "c" / "f").write_text("x")
+    for index in range(1, 21):  # an earlier removal's names, in the way of a fixed numbering
+        (tree / f".nereid-removing-{index}" / "x").mkdir(parents=True)
+    real_rename = os.rename
+
+    def cross_device(src, dst, *, src_dir_fd=None, dst_dir_fd=None):
+        if src == "b":  # (a folder of an image's lower layer)
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+        return real_rename(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)
+    monkeypatch.setattr(files.os, "rename", cross_device)
+    assert remove_tree(tree) is True and not tree.exists()
