@@ -269,6 +269,8 @@ class MetaModel:
             # A TaskGroup's failure (Python 3.11's fan-out): its sub-calls' errors in a group, which said only
             # "ExceptionGroup: unhandled errors in a TaskGroup", INTERNAL, logged again (the native hunt).
             leaf = _sole_kind_leaf(err)
+            if isinstance(leaf, _NotInDependsOn):  # (with its line, as out of the orchestration itself)
+                raise ModelFailure(f"{leaf}{self._line_of(leaf).replace(' at ', '; called at ')}") from None
             if leaf is not None:
                 answered = self._as_answered(leaf)
                 raise answered from (leaf if answered is not leaf else leaf.__cause__)
@@ -308,7 +310,8 @@ class MetaModel:
         # Made outside any calling orchestration (a meta model calling this one), whose task it would be counted as.
         calling = _ORCHESTRATING.set(None)
         try:
-            task = loop.create_task(_orchestrated(orchestration, orchestrate, inputs, ctx))
+            task = loop.create_task(_orchestrated(orchestration, orchestrate, inputs, ctx),
+                                    name=f"nereid-orchestration-{self.context.name}")
         finally:
             _ORCHESTRATING.reset(calling)
         task.add_done_callback(_retrieve)

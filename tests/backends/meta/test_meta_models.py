@@ -238,6 +238,9 @@ async def orchestrate(inputs, ctx):
         async with asyncio.TaskGroup() as group:
             group.create_task(ctx.infer("echo", wrong))
             group.create_task(ctx.infer("echo", wrong if mode == 5 else inputs))
+    if mode == 8:    # a model missing from depends_on, called in a TaskGroup
+        async with asyncio.TaskGroup() as group:
+            group.create_task(ctx.infer("unlisted", inputs))
     if mode == 6:    # a group of an error of the orchestration's own beside a sub-call's: its fault
         raise ExceptionGroup("mixed", [ValueError("own"), ModelFailure("meta model 'errors': sub-call")])
     raise ValueError(f"no mode {mode}")
@@ -271,6 +274,8 @@ def test_sub_call_errors_keep_their_status_and_name_both_models(repo, serve) -> 
     for mode in (4, 5):
         expect_grpc_error("INVALID_ARGUMENT", call(mode), "meta model 'errors'", "sub-call to 'echo'", "shape [1, 3]")
     expect_grpc_error("INTERNAL", call(6), "meta model 'errors': orchestrate failed", "ExceptionGroup: mixed")
+    # (A call made in a task it started has no line of model.py on its stack: the task ran the coroutine.)
+    expect_grpc_error("INTERNAL", call(8), "meta model 'errors': ctx.infer('unlisted') refused", "not in depends_on")
 
 
 UNDECODED = """
