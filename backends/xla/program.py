@@ -239,7 +239,8 @@ def _refuse_custom_parameter_layouts(entry, parameters: tuple[ProgramTensor, ...
             mode = ir.StringAttr(named[LAYOUT_MODE]).value
         except (TypeError, ValueError):  # (not a string attribute: shown as MLIR prints it)
             mode = str(named[LAYOUT_MODE])
-        if mode not in ("default", "auto"):
+        shape = parameters[index].shape if index < len(parameters) else ()
+        if mode not in ("default", "auto") and not _is_row_major(mode, shape):
             described = parameters[index].describe() if index < len(parameters) else "?"
             raise ConfigError(f"{where}: parameter {index} ({described}) was exported with a layout of its own "
                               f"({LAYOUT_MODE} = {cap_message(mode, 64)}), but nereid passes every argument in the "
@@ -263,6 +264,21 @@ def parameter_layout_problem(where: str, program: ProgramSignature, executable, 
                     f"the default {default} in which nereid passes its arguments, so the program would read them "
                     "wrongly: export it without a custom or automatic input layout")
     return None
+
+
+def _is_row_major(mode: str, shape: tuple[int, ...]) -> bool:
+    """Whether the layout ``mode`` (``"{1,0}"``: minor to major) lays ``shape`` out as row-major does: the same
+    order of its dimensions of more than one element (an older exporter writes the default layout out: the hunt
+    of this check)."""
+    match = re.fullmatch(r"\{\s*((?:\d+\s*,\s*)*\d+)?\s*\}", mode)
+    if match is None:
+        return False
+    minor_to_major = [int(d) for d in (match.group(1) or "").replace(" ", "").split(",") if d]
+    if sorted(minor_to_major) != list(range(len(shape))):
+        return False
+    row_major = list(range(len(shape)))[::-1]
+    kept = [d for d in minor_to_major if shape[d] != 1]
+    return kept == [d for d in row_major if shape[d] != 1]
 
 
 # The argument attribute with which a jax export fixes a parameter's layout ("default", "auto", or "{0,1}").

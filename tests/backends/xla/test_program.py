@@ -146,3 +146,15 @@ def test_a_parameter_exported_with_a_layout_of_its_own_is_refused_and_the_compil
                                "wrongly: export it without a custom or automatic input layout"), problem
         else:
             assert problem is None, (mode, problem)
+
+
+@pytest.mark.parametrize("mode, shape", [("{1,0}", "2x3"), ("{0}", "5"), ("{}", ""), ("{0,1}", "2x1")],
+                         ids=["row-major", "rank-1", "scalar", "size-1-axis"])
+def test_a_layout_written_out_that_is_row_major_is_taken(mode: str, shape: str) -> None:
+    """The hunt of the layout check: an older exporter writes the default layout out (mhlo.layout_mode = "{1,0}"),
+    and such programs, which loaded and answered right, were refused. So is any order differing only in axes of
+    one element."""
+    tensor = f"tensor<{shape + 'x' if shape else ''}f32>"
+    text = (f'func.func public @main(%arg0: {tensor} {{mhlo.layout_mode = "{mode}"}}) -> {tensor} {{\n'
+            f"  return %arg0 : {tensor}\n}}\n")
+    assert read_program(text, "model.mlir").arity == 1
