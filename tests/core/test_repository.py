@@ -1082,7 +1082,7 @@ def test_a_folder_moved_while_it_first_loads_is_said_to_be_gone_not_to_lack_a_fi
 
     async def reloaded():
         monkeypatch.setattr(toy_backends.ToyModel, "load", load)
-        first = await repo.load("moving")
+        assert (await repo.load("moving")).state is ModelState.READY
         monkeypatch.setattr(toy_backends.ToyModel, "load", moved_away)
         caplog.clear()
         entry = await repo.reload("moving")
