@@ -97,16 +97,17 @@ def _representable(dtype: DType, shape: tuple[int, ...]) -> bool:
 
 
 def read_body(stream: BinaryIO, dtype: DType, shape: tuple[int, ...], where: str, max_bytes: int | None = None,
-              bound: str = "") -> np.ndarray:
+              bound: str = "", max_elements: int = 0) -> np.ndarray:
     """Read the data of a frame whose header was already read and checked.
 
     ``max_bytes`` (None: no bound) is the most the data may take: a header that
     promises more, or BYTES elements that add up to more, fail before that data
     is read, the message ending with ``bound`` (where the bound comes from).
+    ``max_elements`` (0: :data:`MAX_BYTES_ELEMENTS`) bounds a BYTES tensor's elements.
     """
     count = math.prod(shape)
     if dtype is DType.BYTES:
-        return _read_bytes_body(stream, count, shape, where, max_bytes, bound)
+        return _read_bytes_body(stream, count, shape, where, max_bytes, bound, max_elements or MAX_BYTES_ELEMENTS)
     size = count * dtype.itemsize
     if max_bytes is not None and size > max_bytes:
         held = _remaining(stream)  # said too when the file is short of it: both are the model's to fix
@@ -124,21 +125,23 @@ def read_body(stream: BinaryIO, dtype: DType, shape: tuple[int, ...], where: str
     return np.frombuffer(data, dtype=dtype.little_endian).reshape(shape)
 
 
-# The most BYTES elements one output may hold: each is an object of the server's (tens of bytes of memory, however
-# short), so a run's 2 GiB of outputs could be 536 million of them, tens of GiB (the warm-start hunt). As many as
-# a 64 MiB request (max_message_bytes' default) can carry.
+# The most BYTES elements an output may hold per request row of its run: each is an object of the server's (tens of
+# bytes of memory, however short), so a run's 2 GiB of outputs could be 536 million of them, tens of GiB (the
+# warm-start hunt). As many as a 64 MiB request (max_message_bytes' default) can carry; a batch's run may hold as
+# many per row it was given (a cap per run failed two such requests batched; the hunt of that cap).
 MAX_BYTES_ELEMENTS = 1 << 24
 
 
 def _read_bytes_body(stream: BinaryIO, count: int, shape: tuple[int, ...], where: str, max_bytes: int | None,
-                     bound: str) -> np.ndarray:
+                     bound: str, max_elements: int) -> np.ndarray:
     # Elements are collected as they are read: a header promising billions of
     # elements fails on the first missing one instead of allocating them all.
     if max_bytes is not None and 4 * count > max_bytes:  # their length prefixes alone
         raise ModelFailure(f"{where}: header promises {count} BYTES elements, at least {4 * count} bytes; {bound}")
-    if count > MAX_BYTES_ELEMENTS:
-        raise ModelFailure(f"{where}: header promises {count} BYTES elements, past the {MAX_BYTES_ELEMENTS} one "
-                           "output may hold (each is an object in the server's memory)")
+    if count > max_elements:
+        raise ModelFailure(f"{where}: header promises {count} BYTES elements, past the {max_elements} this run's "
+                           f"output may hold ({MAX_BYTES_ELEMENTS} per row it was given: each is an object in the "
+                           "server's memory)")
     elements: list[bytes] = []
     size = 0  # the elements' bytes so far, with their length prefixes (as KServe's serialization carries them)
     for index in range(count):

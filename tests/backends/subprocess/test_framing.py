@@ -353,9 +353,13 @@ def test_outputs_past_what_the_server_can_hold_or_the_file_holds_are_refused_bef
     held was read whole (2.3 GB) before it was refused."""
     from nereid.backends.subprocess import framing
 
-    with pytest.raises(ModelFailure, match=r"header promises 16777217 BYTES elements, past the 16777216 one output "
-                                           r"may hold"):
+    with pytest.raises(ModelFailure, match=r"header promises 16777217 BYTES elements, past the 16777216 this run's "
+                                           r"output may hold \(16777216 per row it was given"):
         read_body(io.BytesIO(b""), DType.BYTES, (framing.MAX_BYTES_ELEMENTS + 1,), "output 'o'", 1 << 31, "")
+    # A batch's run holds as many per row (two such requests batched failed together: the hunt of the cap).
+    with pytest.raises(ModelFailure, match=r"BYTES data ends before element 0 of 16777218"):
+        read_body(io.BytesIO(b""), DType.BYTES, (2, (framing.MAX_BYTES_ELEMENTS + 1) // 2 + 1), "output 'o'",
+                  1 << 31, "", max_elements=2 * framing.MAX_BYTES_ELEMENTS)
     sparse = tmp_path / "out.bin"
     with open(sparse, "wb") as f:
         f.truncate(64 << 20)  # 64 MiB of (sparse) zeros, 8 bytes short of 16M+2 FP32
