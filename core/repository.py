@@ -1006,6 +1006,12 @@ class ModelRepository:
                 log.info("model '%s'%s; it loads once its folder, which is changing, has settled", entry.name,
                          step.why.rsplit(";", 1)[0])
                 self._deferred_steps[entry.name] = step.action
+                if step.action == "load":
+                    # Wanted from now, as the load would have made it, so that the watcher's own step for the
+                    # settled folder loads it (a store's retry included); counted by ServerReady once it serves.
+                    if entry.name not in self._exposed:
+                        self._counted_once_ready.add(entry.name)
+                    self._exposed.add(entry.name)
                 continue
             self._deferred_steps.pop(entry.name, None)
             log.info("model '%s'%s", entry.name, step.why)
@@ -1028,7 +1034,7 @@ class ModelRepository:
         there is none."""
         action = self._deferred_steps.pop(name, None)
         entry = self._entries.get(name)
-        if action is None or entry is None:
+        if action is None or entry is None or not self.wanted(name):
             return None
         log.info("model '%s': its folder has settled (or is as it was); %s it with its settings now in nereid.yaml",
                  name, "loading" if action == "load" else "reloading")
@@ -1079,8 +1085,10 @@ class ModelRepository:
         Running work gets ``grace_s`` (default ``shutdown_grace_s``) before it is ended.
         """
         # Wanted no more, whatever follows: a load the store failed (and a watcher retries) stops here, even for
-        # a name the store's failed listing cannot confirm.
+        # a name the store's failed listing cannot confirm; and a step an edit of nereid.yaml left to the watcher
+        # (it reloaded a model a client had unloaded since; the hunt of that step).
         self._exposed.discard(name)
+        self._deferred_steps.pop(name, None)
         if (name not in self._entries and is_model_folder_name(name)
                 and self.settings.server.ml_backends_url is not None):
             failure = await self.refresh()

@@ -322,6 +322,9 @@ class RepositoryWatcher:
             if old in held or new in held:
                 continue  # (still a rename at the scan that applies nereid.yaml: the watcher's known states wait)
             log.info("dynamic repository: folder '%s' renamed to '%s'", old, new)
+            # (A step an edit of nereid.yaml left for the old name is the old name's: a new folder of that name
+            # later was taken for it, and never loaded; the hunt of that step.)
+            repository.forget_deferred_step(old)
             # The files the watcher knew for the old name may not be the ones its running version loaded (a
             # reload of them that failed, moved away as it read them, left the version before), nor may the
             # moved files be (an edit it never saw, same size and same ends, made just before a mv): moved in
@@ -356,11 +359,10 @@ class RepositoryWatcher:
         # (Counted by ServerReady once it serves: see ModelRepository.load's counted.)
         load = functools.partial(repository.load, counted=False) if self.location is None else repository.reload
         for kind, name in [("added", name) for name in due["added"]] + [("changed", name) for name in due["changed"]]:
-            if repository.deferred_step(name) is not None:
-                # Settled: the load or reload an edit of nereid.yaml left to the watcher, with its settings (the
-                # folder, listed by that edit, was not served before it: no "changed" reload would load it).
-                steps.append(Step((name,), functools.partial(self._deferred_step, name)))
-                continue
+            # Settled: the step below loads or reloads it with the settings in force, which does what a step an edit
+            # of nereid.yaml left to the watcher would (that edit made the folder wanted: see start_settings).
+            deferred = repository.deferred_step(name) is not None
+            repository.forget_deferred_step(name)
             retry = self._store_retries.get(name)
             if retry is not None and not repository.wanted(name):
                 # Unloaded (RepositoryModelUnload) or unlisted since the store failed its load: not tried again.
@@ -378,7 +380,7 @@ class RepositoryWatcher:
                 log.info("dynamic repository: folder '%s' changed; it is not served (not listed, unloaded or "
                          "no longer listed), so nothing is loaded", name)
                 continue
-            if self.location is None and repository.loaded_stamp(name) == current[name].stamp:
+            if self.location is None and repository.loaded_stamp(name) == current[name].stamp and not deferred:
                 # Loaded already from these very files (a RepositoryModelLoad of a folder just copied, or an edit
                 # undone after its reload failed: that failure's reason, of files no longer there, goes).
                 log.info("dynamic repository: folder '%s' is loaded already as it is now", name)

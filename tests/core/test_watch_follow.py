@@ -720,6 +720,60 @@ def test_an_edit_left_to_the_watcher_is_carried_out_when_the_folder_s_change_is_
     asyncio.run(scenario())
 
 
+async def changing(watcher: RepositoryWatcher, path: Path, times: int) -> None:
+    """Write ``path`` every 0.1 s, ``times`` times, the watcher scanning after each (its folder keeps changing)."""
+    for index in range(times):
+        path.write_text(f"version {index}")
+        await apply(watcher)
+        await asyncio.sleep(0.1)
+
+
+def test_a_step_left_to_the_watcher_never_loads_what_a_client_unloaded_nor_outlives_a_rename(tmp_path, root):
+    """The hunt of the deferred steps: a reload an edit left to the watcher reloaded a model a client had unloaded
+    meanwhile; and one left for a folder renamed since was taken for a new folder of the old name, never loaded."""
+    folder = write_toy(root, "a")
+    repository, watcher = setup(tmp_path, root, models="  - name: a\n", settle_ms=300)
+    config = Path(repository.settings.source)
+
+    async def scenario() -> None:
+        await start(repository, watcher)
+        config.write_text(config.read_text().replace("  - name: a\n", "  - name: a\n    queue_capacity: 7\n"))
+        await changing(watcher, folder / "toy.txt", 8)  # nereid.yaml applied meanwhile, its reload left over
+        assert repository.deferred_step("a") == "reload"
+        await repository.unload("a")  # (RepositoryModelUnload)
+        assert repository.deferred_step("a") is None
+        await asyncio.sleep(0.4)
+        await settled(watcher)
+        assert repository.entry("a").state is not ModelState.READY, "loaded again after a client unloaded it"
+        await repository.unload_all()
+    asyncio.run(scenario())
+
+    renamed = tmp_path / "renamed"
+    renamed.mkdir()
+    root = renamed / "ml-backends"
+    folder = write_toy(root, "b")
+    repository, watcher = setup(renamed, root, settle_ms=300)  # (no models: key: every folder is served)
+    config = Path(repository.settings.source)
+
+    async def rename() -> None:
+        await start(repository, watcher)
+        config.write_text(config.read_text() + "backends:\n  toy: {}\n")
+        await changing(watcher, folder / "toy.txt", 8)
+        folder.rename(root / "b2")
+        await asyncio.sleep(0.4)
+        await settled(watcher)
+        assert repository.deferred_step("b") is None
+        write_toy(root, "b")  # a new folder of the old name
+        for _ in range(10):
+            await settled(watcher)
+            if repository.entry("b").state is ModelState.READY:
+                break
+            await asyncio.sleep(0.1)
+        assert repository.entry("b").state is ModelState.READY, repository.entry("b").reason
+        await repository.unload_all()
+    asyncio.run(rename())
+
+
 def test_an_edit_of_nereid_yaml_is_checked_off_the_event_loop(tmp_path, root, monkeypatch):
     """Found by the config hunt: the plugins' defaults hooks ran on the event loop at each edit of nereid.yaml, so a
     slow one (5 s) held every request, liveness included, for as long."""
