@@ -15,6 +15,7 @@ import pluggy
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from nereid.dataplane import DataPlane
+from nereid.descriptor_watch import DescriptorWatch
 from nereid.leftovers import (asked_temporary_directory, make_scratch_folder, remove_scratch_folder,
                               remove_stale_scratch)
 from nereid.listening import bind_problem
@@ -144,6 +145,7 @@ class NereidServer:
         # The store could not be listed at start: listing it until it answers, then loading what it holds.
         self._loading_once_listed: asyncio.Task | None = None
         self._loop_watch: LoopWatch | None = None
+        self._descriptor_watch = DescriptorWatch()  # (gRPC's core, silenced, says nothing of a refusing port)
 
     async def infer(self, request: InferRequest) -> InferResponse:
         """Run a request from inside the server (a meta model's sub-call), exactly as a client's would run."""
@@ -200,6 +202,7 @@ class NereidServer:
         self._grpc, self._servicer, self.port = server, servicer, port
         self._loop_watch = LoopWatch(asyncio.get_running_loop(), plugin_code=plugin_code(self.manager))
         self._loop_watch.start()
+        self._descriptor_watch.start()
         await self.update_health()
         log.info("nereid listening on %s (port %d, %s, repository control %s)", self.bind_addr, port,
                  "mutual TLS" if config.tls and config.tls.client_ca else "TLS" if config.tls else "plaintext",
@@ -242,6 +245,7 @@ class NereidServer:
         finally:
             if self._loop_watch is not None:
                 self._loop_watch.stop()
+            self._descriptor_watch.stop()
             remove_scratch_folder(self.scratch_dir)
 
     async def load_models(self) -> None:
@@ -374,6 +378,7 @@ class NereidServer:
         remove_scratch_folder(self.scratch_dir)
         if self._loop_watch is not None:
             self._loop_watch.stop()
+        self._descriptor_watch.stop()
         log.info("nereid stopped")
 
     def _log_work_left(self) -> None:
