@@ -123,7 +123,10 @@ def _ran(run: Callable[[argparse.Namespace], Any], args: argparse.Namespace) -> 
     try:
         return run(args)
     except SystemExit as exit_request:
-        return exit_request.code
+        if exit_request.code is None or isinstance(exit_request.code, int):
+            return exit_request.code
+        print(exit_request.code, file=sys.stderr)  # sys.exit("message"): said, status 1, as Python does
+        return 1
     except KeyboardInterrupt:
         return 128 + signal.SIGINT
 

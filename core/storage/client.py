@@ -198,7 +198,8 @@ def endpoint_problem(scheme: str) -> str | None:
 # file mounted from a Kubernetes Secret ends with) made obstore panic at every request, naming the endpoint
 # variables, and Rust wrote its panic to stderr each time, a backtrace with RUST_BACKTRACE (the storage hunt).
 HEADER_VARIABLES = {
-    "s3": ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_REGION", "AWS_DEFAULT_REGION"),
+    "s3": ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_TOKEN", "AWS_REGION",
+           "AWS_DEFAULT_REGION"),
     "az": ("AZURE_STORAGE_ACCOUNT_NAME", "AZURE_STORAGE_ACCOUNT_KEY", "AZURE_STORAGE_SAS_KEY",
            "AZURE_STORAGE_TOKEN"),
 }

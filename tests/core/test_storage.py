@@ -1093,7 +1093,7 @@ def test_a_boolean_variable_the_store_client_cannot_read_is_named_with_its_value
     assert variable not in out and "cannot set up the store" not in out and out.startswith("echo: UNAVAILABLE: "), out
 
 
-@pytest.mark.parametrize("variable", ["AWS_SESSION_TOKEN", "AWS_SECRET_ACCESS_KEY", "AWS_REGION"])
+@pytest.mark.parametrize("variable", ["AWS_SESSION_TOKEN", "AWS_SECRET_ACCESS_KEY", "AWS_REGION", "AWS_TOKEN"])
 def test_a_header_variable_ending_in_a_newline_is_named_without_its_value(s3, tmp_path, monkeypatch, capsys,
                                                                           variable) -> None:
     """Found by the storage hunt: a credential read from a secret file keeps its newline, and obstore panicked at
