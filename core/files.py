@@ -272,11 +272,13 @@ def _remove_tree(root: str) -> None:
                     elif name is None:
                         pending.append(entry.name)
                     else:
-                        moved, up = _moved_up(entry.name, fd, root_fd, moved, token, os.path.join(shown, entry.name))
+                        moved, up, refused = _moved_up(entry.name, fd, root_fd, moved, token,
+                                                       os.path.join(shown, entry.name))
                         if up is not None:
                             pending.append(up)
-                        else:  # (overlayfs refuses to move a folder of a lower layer: EXDEV) removed where it is
+                        elif refused == errno.EXDEV:  # (overlayfs refuses to move a lower layer's folder) in place
                             _remove_in_place(entry.name, fd, os.path.join(shown, entry.name))
+                        # (Anything else, a mount point's EBUSY, is left, and logged: not a mounted file system.)
             except OSError as err:
                 log.debug("cannot list %s: %s", shown, err)
             finally:
@@ -309,9 +311,10 @@ def _unlink(name: str, dir_fd: int, shown: str) -> None:
     _with_write_access(lambda: os.unlink(name, dir_fd=dir_fd), dir_fd, shown)
 
 
-def _moved_up(name: str, dir_fd: int, root_fd: int, moved: int, token: str, shown: str) -> tuple[int, str | None]:
+def _moved_up(name: str, dir_fd: int, root_fd: int, moved: int, token: str,
+              shown: str) -> tuple[int, str | None, int | None]:
     """Move the folder ``name`` (in ``dir_fd``) up into the tree's root as ``.nereid-removing-<token>-N``; (the count
-    of folders moved, its new name or None when it could not be moved)."""
+    of folders moved, its new name or None when it could not be moved, and then why: an errno)."""
     for _ in range(8):  # (a name taken already: the next number)
         moved += 1
         up = f".nereid-removing-{token}-{moved}"
@@ -319,15 +322,16 @@ def _moved_up(name: str, dir_fd: int, root_fd: int, moved: int, token: str, show
             # Moving a folder rewrites its ".." entry: its own write access is needed, as its parent's.
             _with_write_access(lambda: os.rename(name, up, src_dir_fd=dir_fd, dst_dir_fd=root_fd), dir_fd, shown,
                                then=lambda: (_allow_owner(name, dir_fd), _allow_owner_of(root_fd)), quiet=True)
-            return moved, up
+            return moved, up, None
         except (FileExistsError, IsADirectoryError):
             continue
         except OSError as err:
             if err.errno == errno.ENOTEMPTY:
                 continue
-            log.debug("cannot remove %s: %s", shown, err)
-            return moved, None
-    return moved, None
+            if err.errno != errno.EXDEV:  # (that one is removed where it is)
+                log.debug("cannot remove %s: %s", shown, err)
+            return moved, None, err.errno
+    return moved, None, None
 
 
 def _remove_in_place(name: str, dir_fd: int, shown: str) -> None:

@@ -233,3 +233,24 @@ def test_a_folder_that_cannot_be_moved_up_is_removed_where_it_is_and_earlier_nam
         return real_rename(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)
     monkeypatch.setattr(files.os, "rename", cross_device)
     assert remove_tree(tree) is True and not tree.exists()
+
+
+def test_a_folder_that_is_a_mount_point_is_left_as_it_is(tmp_path, monkeypatch):
+    """The hunt of the in-place removal: a mount point cannot be moved either (EBUSY), and removing it in place
+    would empty the file system mounted there. Only EXDEV (overlayfs) is removed in place; the rest is left."""
+    import errno
+
+    from nereid import files
+
+    tree = tmp_path / "run"
+    (tree / "a" / "mnt" / "data").mkdir(parents=True)
+    (tree / "a" / "mnt" / "data" / "kept").write_text("x")
+    real_rename = os.rename
+
+    def busy(src, dst, *, src_dir_fd=None, dst_dir_fd=None):
+        if src == "mnt":
+            raise OSError(errno.EBUSY, "Device or resource busy")
+        return real_rename(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)
+    monkeypatch.setattr(files.os, "rename", busy)
+    assert remove_tree(tree) is False
+    assert [p.read_text() for p in tree.rglob("kept")] == ["x"]
