@@ -390,6 +390,10 @@ def describe_error(err: BaseException, scheme: str = "s3") -> str:
     # The TLS client's reason is only in the debug dump (rustls: InvalidCertificate(UnknownIssuer), ...): the store
     # was reached, its certificate refused; told as unreachable, with an http hint (the storage hunt).
     certificate = re.search(r"InvalidCertificate\((\w{1,40})", str(err))
+    if certificate is not None and certificate.group(1).startswith("NotValidFor"):
+        return cap_message(f"the store's TLS certificate is not for the name it was reached by "
+                           f"({certificate.group(1)}); check the endpoint's host name "
+                           f"({_ENDPOINT_HINT.get(scheme, _ENDPOINT_HINT['s3']).split(',')[0]})", 600)
     if certificate is not None:
         return cap_message(f"the store's TLS certificate is not trusted ({certificate.group(1)}); set SSL_CERT_FILE "
                            f"to the CA that signed it (or {_INVALID_CERTIFICATES.get(scheme, 'the store client')}"

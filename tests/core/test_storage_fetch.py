@@ -153,6 +153,9 @@ def test_a_store_whose_certificate_is_refused_is_told_so_and_each_scheme_its_own
     assert said == ("the store's TLS certificate is not trusted (UnknownIssuer); set SSL_CERT_FILE to the CA that "
                     "signed it (or AWS_ALLOW_INVALID_CERTIFICATES=true, for a test store only)"), said
     assert not store_unreachable(StorageError(said))
+    wrong_name = GenericError("error sending request\n\nDebug source:\nInvalidCertificate(NotValidForName)")
+    assert describe_error(wrong_name, "s3") == ("the store's TLS certificate is not for the name it was reached by "
+                                                "(NotValidForName); check the endpoint's host name (AWS_ENDPOINT_URL)")
     unreachable = GenericError("Generic error: error sending request for url (http://127.0.0.1:1/b)")
     assert describe_error(unreachable, "gs").endswith("check the endpoint (GOOGLE_BASE_URL, and GOOGLE_ALLOW_HTTP "
                                                       "for http://)")
