@@ -211,9 +211,11 @@ def header_value_problem(scheme: str) -> str | None:
     for variable in HEADER_VARIABLES.get(scheme, ()):
         value = os.environ.get(variable)
         if value is not None and any(ord(c) < 32 or ord(c) == 127 for c in value):
-            where = "ends with a line break" if value.endswith(("\n", "\r")) else "holds a control character"
-            return (f"{variable} {where} (a secret read from a file keeps its newline), which no request header "
-                    "can carry; remove it")
+            if value.endswith(("\n", "\r")):
+                where = "ends with a line break (a secret read from a file keeps its newline)"
+            else:
+                where = "holds a control character (a tab, a line break)"
+            return f"{variable} {where}, which no request header can carry; remove it"
     return None
 
 
@@ -389,7 +391,14 @@ def describe_error(err: BaseException, scheme: str = "s3") -> str:
                            f"({text.splitlines()[0][:300]}); {hint}", 600)
     # The TLS client's reason is only in the debug dump (rustls: InvalidCertificate(UnknownIssuer), ...): the store
     # was reached, its certificate refused; told as unreachable, with an http hint (the storage hunt).
-    certificate = re.search(r"InvalidCertificate\((\w{1,40})", str(err))
+    # (Pretty-printed: "InvalidCertificate(\n    UnknownIssuer,", or nested, "Other(\n OtherError(\n CaUsedAsEndEntity":
+    # the innermost name is the reason; the README walkthrough found the one-line pattern never matched.)
+    certificate = re.search(r"InvalidCertificate\(\s*((?:\w{1,40}\(\s*){0,3}\w{1,40})", str(err))
+    if certificate is not None:
+        certificate = re.search(r"(\w{1,40})$", certificate.group(1))
+    if certificate is not None and certificate.group(1) in ("Expired", "NotValidYet"):
+        return cap_message(f"the store's TLS certificate is out of its validity period ({certificate.group(1)}); "
+                           "the store needs a current one (or the clock is wrong)", 600)
     if certificate is not None and certificate.group(1).startswith("NotValidFor"):
         return cap_message(f"the store's TLS certificate is not for the name it was reached by "
                            f"({certificate.group(1)}); check the endpoint's host name "

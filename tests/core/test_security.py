@@ -634,3 +634,38 @@ def test_failed_tls_handshakes_write_no_lines_of_grpc_core(repo, pki):
             process.wait()
     assert "Handshake failed" not in stderr and "ssl_transport_security" not in stderr, stderr
     assert "No match found for server name" not in stderr, stderr
+
+
+def test_a_store_with_a_certificate_no_trusted_ca_signed_is_said_so(pki, monkeypatch) -> None:
+    """The README walkthrough of the certificate hint: obstore's real dump is pretty-printed ("InvalidCertificate(\\n
+    UnknownIssuer,"), and the one-line pattern never matched: the reason stayed "cannot reach the store"."""
+    import threading
+
+    import obstore
+
+    from nereid.storage import StoreURL, describe_error, open_store
+
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(pki["rogue_cert"], pki["rogue_key"])  # (its CA is no one's)
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def serve() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                connection, _ = listener.accept()
+                with contextlib.suppress(OSError, ssl.SSLError), context.wrap_socket(connection, server_side=True):
+                    pass
+    threading.Thread(target=serve, daemon=True).start()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"https://127.0.0.1:{port}")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
+    monkeypatch.setenv("AWS_REGION", "us-east-1")
+    try:
+        store = open_store(StoreURL("s3", "models", ""), max_retries=0)
+        with pytest.raises(Exception) as refused:
+            list(obstore.list(store))
+    finally:
+        listener.close()
+    said = describe_error(refused.value, "s3")
+    assert said.startswith("the store's TLS certificate is not trusted (UnknownIssuer); set SSL_CERT_FILE"), said
