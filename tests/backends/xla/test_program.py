@@ -157,4 +157,13 @@ def test_a_layout_written_out_that_is_row_major_is_taken(mode: str, shape: str) 
     tensor = f"tensor<{shape + 'x' if shape else ''}f32>"
     text = (f'func.func public @main(%arg0: {tensor} {{mhlo.layout_mode = "{mode}"}}) -> {tensor} {{\n'
             f"  return %arg0 : {tensor}\n}}\n")
-    assert read_program(text, "model.mlir").arity == 1
+    program = read_program(text, "model.mlir")
+    assert program.arity == 1
+    # Compiled, the layout XLA keeps for it is taken too (the README walkthrough: a 4x1 input's {0,1} refused).
+    from jax._src.lib import xla_client
+
+    from nereid.backends.xla.program import parameter_layout_problem
+
+    device = jax.devices("cpu")[0]
+    executable = device.client.compile_and_load(to_portable_artifact(text), [device], xla_client.CompileOptions())
+    assert parameter_layout_problem("model.mlir", program, executable, device.client, device) is None
