@@ -11,6 +11,7 @@ it falls back.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import resource
@@ -24,8 +25,14 @@ SHORT_FRACTION = 0.9  # of the soft limit: past it, the next clients may be refu
 
 
 def open_descriptors() -> int:
-    """How many file descriptors this process has open."""
-    return len(os.listdir("/proc/self/fd"))
+    """How many file descriptors this process has open (the listing's own left out); at the limit, the listing
+    cannot open one: EMFILE, taken as the limit itself."""
+    try:
+        return len(os.listdir("/proc/self/fd")) - 1
+    except OSError as err:
+        if err.errno in (errno.EMFILE, errno.ENFILE):
+            return descriptor_limit()
+        raise
 
 
 def descriptor_limit() -> int:

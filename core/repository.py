@@ -1009,9 +1009,11 @@ class ModelRepository:
                 if step.action == "load":
                     # Wanted from now, as the load would have made it, so that the watcher's own step for the
                     # settled folder loads it (a store's retry included); counted by ServerReady once it serves.
+                    # Listed by this edit, it is no longer one a client declined (the hunt of this step).
                     if entry.name not in self._exposed:
                         self._counted_once_ready.add(entry.name)
                     self._exposed.add(entry.name)
+                    self._declined.discard(entry.name)
                 continue
             self._deferred_steps.pop(entry.name, None)
             log.info("model '%s'%s", entry.name, step.why)
@@ -1088,6 +1090,7 @@ class ModelRepository:
         # a name the store's failed listing cannot confirm; and a step an edit of nereid.yaml left to the watcher
         # (it reloaded a model a client had unloaded since; the hunt of that step).
         self._exposed.discard(name)
+        self._counted_once_ready.discard(name)  # (a later exposure counts it afresh: see load)
         self._deferred_steps.pop(name, None)
         if (name not in self._entries and is_model_folder_name(name)
                 and self.settings.server.ml_backends_url is not None):

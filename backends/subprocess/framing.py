@@ -130,6 +130,9 @@ def read_body(stream: BinaryIO, dtype: DType, shape: tuple[int, ...], where: str
 # warm-start hunt). As many as a 64 MiB request (max_message_bytes' default) can carry; a batch's run may hold as
 # many per row it was given (a cap per run failed two such requests batched; the hunt of that cap).
 MAX_BYTES_ELEMENTS = 1 << 24
+# The most rows a run's BYTES cap grows by: past it, 32 one-number rows would let a model answer half a billion
+# elements, the case the cap is for (the hunt of the per-row cap). 4 x 2**24 elements: a few GiB at most.
+MAX_BYTES_ROWS = 4
 
 
 def _read_bytes_body(stream: BinaryIO, count: int, shape: tuple[int, ...], where: str, max_bytes: int | None,

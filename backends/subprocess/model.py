@@ -31,7 +31,8 @@ from nereid.signature import TEXTPROTO_NAME, ModelSignature, TensorSpec, dims_ma
 from nereid.tensors import NamedTensor, tensor_buffer, tensor_bytes
 
 from nereid.backends.subprocess.dtype_names import contract_name
-from nereid.backends.subprocess.framing import MAX_BYTES_ELEMENTS, frame_buffers, read_body, read_header
+from nereid.backends.subprocess.framing import (MAX_BYTES_ELEMENTS, MAX_BYTES_ROWS, frame_buffers, read_body,
+                                               read_header)
 from nereid.backends.subprocess.gpus import visible_gpus
 from nereid.backends.subprocess.runner import (DEFAULT_PATH, ProcessGroups, ProcessResult, StdinData,
                                                run_model_process, timed_out)
@@ -316,7 +317,7 @@ class SubprocessModel:
                 shape = self._check_shape(where, spec, shape, batch)
                 start = stream.tell()
                 data = read_body(stream, dtype, shape, where, MAX_OUTPUT_BYTES - taken, _output_bound(taken),
-                                 MAX_BYTES_ELEMENTS * max(1, batch))
+                                 MAX_BYTES_ELEMENTS * min(max(1, batch), MAX_BYTES_ROWS))
                 taken += stream.tell() - start
                 outputs.append(NamedTensor(spec.name, dtype, data))
             if stream.read(1):

@@ -396,7 +396,7 @@ def describe_error(err: BaseException, scheme: str = "s3") -> str:
     certificate = re.search(r"InvalidCertificate\(\s*((?:\w{1,40}\(\s*){0,3}\w{1,40})", str(err))
     if certificate is not None:
         certificate = re.search(r"(\w{1,40})$", certificate.group(1))
-    if certificate is not None and certificate.group(1) in ("Expired", "NotValidYet"):
+    if certificate is not None and certificate.group(1).startswith(("Expired", "NotValidYet")):  # (...Context)
         return cap_message(f"the store's TLS certificate is out of its validity period ({certificate.group(1)}); "
                            "the store needs a current one (or the clock is wrong)", 600)
     if certificate is not None and certificate.group(1).startswith("NotValidFor"):

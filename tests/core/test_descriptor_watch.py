@@ -29,3 +29,21 @@ def test_it_reads_this_process_s_descriptors_and_limit_and_stops() -> None:
     watch.stop()
     watch._thread.join(2)
     assert not watch._thread.is_alive() and not watch.short
+
+
+def test_at_the_limit_the_count_is_the_limit_where_listing_them_fails(monkeypatch) -> None:
+    """The hunt of the watch: a flood fills the table between two looks, and at the limit listing /proc/self/fd
+    needs a descriptor of its own: EMFILE, which the look took for "nothing to watch", saying nothing."""
+    import errno
+
+    from nereid import descriptor_watch
+
+    def full(path):
+        raise OSError(errno.EMFILE, "Too many open files")
+    monkeypatch.setattr(descriptor_watch.os, "listdir", full)
+    assert descriptor_watch.open_descriptors() == descriptor_limit()
+    watch = DescriptorWatch()
+    watch.look()
+    assert watch.short
+    monkeypatch.setattr(descriptor_watch.os, "listdir", lambda path: ["0", "1", "2"])
+    assert descriptor_watch.open_descriptors() == 2  # (the listing's own left out)

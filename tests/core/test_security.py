@@ -636,9 +636,14 @@ def test_failed_tls_handshakes_write_no_lines_of_grpc_core(repo, pki):
     assert "No match found for server name" not in stderr, stderr
 
 
-def test_a_store_with_a_certificate_no_trusted_ca_signed_is_said_so(pki, monkeypatch) -> None:
+@pytest.mark.parametrize("case, said", [
+    ("rogue", "the store's TLS certificate is not trusted (UnknownIssuer); set SSL_CERT_FILE"),
+    ("expired", "the store's TLS certificate is out of its validity period (ExpiredContext)"),
+])
+def test_a_store_whose_certificate_is_refused_is_said_why(pki, monkeypatch, case, said) -> None:
     """The README walkthrough of the certificate hint: obstore's real dump is pretty-printed ("InvalidCertificate(\\n
-    UnknownIssuer,"), and the one-line pattern never matched: the reason stayed "cannot reach the store"."""
+    UnknownIssuer,"), and the one-line pattern never matched: the reason stayed "cannot reach the store". The hunt
+    of the fix: an expired certificate is rustls' ExpiredContext, and was given the CA advice."""
     import threading
 
     import obstore
@@ -646,7 +651,23 @@ def test_a_store_with_a_certificate_no_trusted_ca_signed_is_said_so(pki, monkeyp
     from nereid.storage import StoreURL, describe_error, open_store
 
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.load_cert_chain(pki["rogue_cert"], pki["rogue_key"])  # (its CA is no one's)
+    if case == "rogue":
+        context.load_cert_chain(pki["rogue_cert"], pki["rogue_key"])  # (its CA is no one's)
+    else:  # signed by the trusted CA, expired yesterday
+        key = ec.generate_private_key(ec.SECP256R1())
+        now = datetime.datetime.now(datetime.timezone.utc)
+        cert = (x509.CertificateBuilder().subject_name(_name("old")).issuer_name(pki["ca_cert"].subject)
+                .public_key(key.public_key()).serial_number(x509.random_serial_number())
+                .not_valid_before(now - datetime.timedelta(days=30)).not_valid_after(now - datetime.timedelta(days=1))
+                .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                               critical=False)
+                .sign(pki["ca_key"], hashes.SHA256()))
+        (pki["folder"] / "old.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        (pki["folder"] / "old.key").write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                                                  serialization.PrivateFormat.PKCS8,
+                                                                  serialization.NoEncryption()))
+        context.load_cert_chain(pki["folder"] / "old.crt", pki["folder"] / "old.key")
+        monkeypatch.setenv("SSL_CERT_FILE", str(pki["ca"]))
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
 
@@ -667,5 +688,4 @@ def test_a_store_with_a_certificate_no_trusted_ca_signed_is_said_so(pki, monkeyp
             list(obstore.list(store))
     finally:
         listener.close()
-    said = describe_error(refused.value, "s3")
-    assert said.startswith("the store's TLS certificate is not trusted (UnknownIssuer); set SSL_CERT_FILE"), said
+    assert describe_error(refused.value, "s3").startswith(said), describe_error(refused.value, "s3")

@@ -356,7 +356,9 @@ def test_outputs_past_what_the_server_can_hold_or_the_file_holds_are_refused_bef
     with pytest.raises(ModelFailure, match=r"header promises 16777217 BYTES elements, past the 16777216 this run's "
                                            r"output may hold \(16777216 per row it was given"):
         read_body(io.BytesIO(b""), DType.BYTES, (framing.MAX_BYTES_ELEMENTS + 1,), "output 'o'", 1 << 31, "")
-    # A batch's run holds as many per row (two such requests batched failed together: the hunt of the cap).
+    # A batch's run holds as many per row (two such requests batched failed together: the hunt of the cap), up to
+    # MAX_BYTES_ROWS rows (32 one-number rows let a model answer half a billion: the hunt of that).
+    assert framing.MAX_BYTES_ROWS == 4
     with pytest.raises(ModelFailure, match=r"BYTES data ends before element 0 of 16777218"):
         read_body(io.BytesIO(b""), DType.BYTES, (2, (framing.MAX_BYTES_ELEMENTS + 1) // 2 + 1), "output 'o'",
                   1 << 31, "", max_elements=2 * framing.MAX_BYTES_ELEMENTS)

@@ -580,3 +580,21 @@ def test_the_frames_of_several_inputs_reach_the_program_without_a_copy(tmp_path)
             assert output.data.tolist() == array.tolist()
     finally:
         model.unload()
+
+
+def test_the_bytes_cap_of_a_run_grows_with_its_rows_up_to_a_ceiling(tmp_path) -> None:
+    """The hunt of the per-row cap: it grew without bound with the batch, so 32 one-element rows let a model
+    answer half a billion BYTES elements (tens of GiB of objects). It stops at MAX_BYTES_ROWS rows' worth."""
+    from nereid.backends.subprocess.framing import MAX_BYTES_ELEMENTS, MAX_BYTES_ROWS
+
+    columns = MAX_BYTES_ELEMENTS * MAX_BYTES_ROWS // 32 + 1
+    main = f"cat > /dev/null; printf 'bytes 32,{columns}\\n' > \"$NEREID_OUTPUT_PATH\"\n"
+    model = loaded(tmp_path, name="many", main=main,
+                   textproto=textproto_single("BYTES", "[1]", "[-1]", max_batch_size=32))
+    try:
+        with pytest.raises(ModelFailure) as caught:
+            model.infer([NamedTensor.from_array("input", np.full((32, 1), b"x", dtype=object))])
+    finally:
+        model.unload()
+    assert f"header promises {32 * columns} BYTES elements, past the {MAX_BYTES_ELEMENTS * MAX_BYTES_ROWS} this " \
+           "run's output may hold" in str(caught.value), caught.value
