@@ -774,6 +774,28 @@ def test_a_step_left_to_the_watcher_never_loads_what_a_client_unloaded_nor_outli
     asyncio.run(rename())
 
 
+def test_a_deferred_load_overrides_an_earlier_decline_and_an_unload_its_readiness_mark(tmp_path, root):
+    """The hunt of the deferred steps: a name a client had unloaded while the store could not be listed stayed
+    "declined" though an edit then listed it; and an unload left the name in ServerReady's once-counted set, which a
+    later exposure that does not reset it (a load the store cannot tell of) would have trusted."""
+    write_toy(root, "a")
+    fresh = write_toy(root, "fresh")
+    repository, watcher = setup(tmp_path, root, models="  - name: a\n", settle_ms=300)
+    config = Path(repository.settings.source)
+
+    async def scenario() -> None:
+        await start(repository, watcher)
+        repository._declined.add("fresh")  # (as a client's unload while the store could not be listed leaves it)
+        config.write_text(config.read_text().replace("  - name: a\n", "  - name: a\n  - name: fresh\n"))
+        await changing(watcher, fresh / "toy.txt", 8)
+        assert repository.deferred_step("fresh") == "load" and not repository.declined("fresh")
+        assert "fresh" in repository._counted_once_ready
+        await repository.unload("fresh")
+        assert "fresh" not in repository._counted_once_ready and repository.deferred_step("fresh") is None
+        await repository.unload_all()
+    asyncio.run(scenario())
+
+
 def test_an_edit_of_nereid_yaml_is_checked_off_the_event_loop(tmp_path, root, monkeypatch):
     """Found by the config hunt: the plugins' defaults hooks ran on the event loop at each edit of nereid.yaml, so a
     slow one (5 s) held every request, liveness included, for as long."""
