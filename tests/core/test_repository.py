@@ -1043,7 +1043,8 @@ def test_a_failed_reload_names_the_running_version_not_the_number_the_next_load_
         await repo.reload("m")
         (folder / "fail.txt").unlink()
         await repo.reload("m")
-        said = [r.getMessage() for r in caplog.records if r.name == "nereid.repository" and "model 'm'" in r.getMessage()]
+        said = [r.getMessage() for r in caplog.records
+                if r.name == "nereid.repository" and "model 'm'" in r.getMessage()]
         loads = [message.split("(load ")[1].split(")")[0].split(",")[0] for message in said if "(load " in message]
         assert loads == ["1", "1", "2"], said
         assert "reload failed, the running version (load 1) keeps serving" in said[1], said

@@ -692,13 +692,19 @@ def test_an_edit_listing_a_folder_still_changing_leaves_its_load_to_the_watcher(
     asyncio.run(scenario())
 
 
-def test_an_edit_left_to_the_watcher_is_carried_out_when_the_folder_s_change_is_undone(tmp_path, root):
-    """The hunt of the fix above: a folder whose change was undone before it settled (a scratch file written and
-    removed) is never acted on, so the load an edit of nereid.yaml had left to the watcher never came."""
+def served_a_and_fresh(tmp_path: Path, root: Path) -> tuple[Path, ModelRepository, RepositoryWatcher, Path]:
+    """Folders 'a' (listed) and 'fresh' (not), watched with a 300 ms settle time: (fresh's folder, the repository,
+    its watcher, nereid.yaml)."""
     write_toy(root, "a")
     fresh = write_toy(root, "fresh")
     repository, watcher = setup(tmp_path, root, models="  - name: a\n", settle_ms=300)
-    config = Path(repository.settings.source)
+    return fresh, repository, watcher, Path(repository.settings.source)
+
+
+def test_an_edit_left_to_the_watcher_is_carried_out_when_the_folder_s_change_is_undone(tmp_path, root):
+    """The hunt of the fix above: a folder whose change was undone before it settled (a scratch file written and
+    removed) is never acted on, so the load an edit of nereid.yaml had left to the watcher never came."""
+    fresh, repository, watcher, config = served_a_and_fresh(tmp_path, root)
 
     async def scenario() -> None:
         await start(repository, watcher)
@@ -778,10 +784,7 @@ def test_a_deferred_load_overrides_an_earlier_decline_and_an_unload_its_readines
     """The hunt of the deferred steps: a name a client had unloaded while the store could not be listed stayed
     "declined" though an edit then listed it; and an unload left the name in ServerReady's once-counted set, which a
     later exposure that does not reset it (a load the store cannot tell of) would have trusted."""
-    write_toy(root, "a")
-    fresh = write_toy(root, "fresh")
-    repository, watcher = setup(tmp_path, root, models="  - name: a\n", settle_ms=300)
-    config = Path(repository.settings.source)
+    fresh, repository, watcher, config = served_a_and_fresh(tmp_path, root)
 
     async def scenario() -> None:
         await start(repository, watcher)
