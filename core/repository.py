@@ -797,8 +797,9 @@ class ModelRepository:
                            f"model '{name}': unloading the version load {entry.generation} replaced")
         return entry
 
-    async def rename(self, old: str, new: str) -> ModelEntry:
-        """Move a loaded model to a renamed folder with the same files, keeping everything it loaded.
+    async def rename(self, old: str, new: str) -> bool:
+        """Move a loaded model to a renamed folder with the same files, keeping everything it loaded. Returns
+        whether it was moved in place (False: the new folder was loaded anew, whatever that load's outcome).
 
         The old name answers NOT_FOUND at once (UNAVAILABLE, waiting for its
         folder, when nereid.yaml lists it); requests already running under
@@ -813,7 +814,8 @@ class ModelRepository:
         if (entry is None or loaded is None or settings != replace(entry.settings, name=new)
                 or self._taken(new, entry)):
             self.remove_in_background(old)  # the old model finishes its requests meanwhile
-            return await self.load(new)
+            await self.load(new)
+            return False
         async with entry.held():
             # Claimed before the move (which waits on a thread): a removal finishing meanwhile must not delete
             # the scratch folder the moved model is given.
@@ -872,8 +874,8 @@ class ModelRepository:
                 self._cleanup.drop_empty_scratch(old)  # left empty by the move: nothing kept there
         if not moved:
             self.remove_in_background(old)  # the new folder loads at once; the old model finishes its requests
-            return await self.load(new)
-        return entry
+            await self.load(new)
+        return moved
 
     def _taken(self, name: str, moving: ModelEntry) -> bool:
         """Whether ``name`` has a model of its own that a model ``moving`` there would replace: loaded, or a load

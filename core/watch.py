@@ -476,9 +476,10 @@ class RepositoryWatcher:
 
     async def _renamed(self, old: str, new: str, stale: bool, stamp: object) -> None:
         """Move the model of folder ``old`` to ``new`` (see ModelRepository.rename); ``stale``: its running version
-        had not loaded the files the watcher knew, so they are loaded after the move."""
-        await self.repository.rename(old, new)
-        if stale and self.repository.loaded_stamp(new) != stamp:
+        had not loaded the files the watcher knew, so they are loaded after the move (unless the move loaded
+        them anew: a failed load of them has no stamp, and was loaded once more, its ERROR twice; the soak)."""
+        moved_in_place = await self.repository.rename(old, new)
+        if moved_in_place and stale and self.repository.loaded_stamp(new) != stamp:
             log.info("dynamic repository: folder '%s' holds files its model had not loaded; reloading it", new)
             await self.repository.reload(new)
 

@@ -1017,3 +1017,20 @@ def test_a_store_failure_that_repeats_is_an_error_once_then_debug_until_its_reas
     assert "did not load because of the store" in warnings[0] and "No such file or directory" in warnings[0]
     assert "failed it again, for another reason" in warnings[1] and "Is a directory" in warnings[1]
     assert f"loaded; the store had failed it {len(repeated) + 1} time(s)" in said[-1][1]
+
+
+def test_a_broken_folder_renamed_to_a_name_with_other_settings_is_loaded_once(repo, serve, caplog):
+    """Defect (found by the soak): the move's new load read the broken files and failed; the rename then took the
+    failed load for a model that had not loaded the moved files, and loaded them once more (the ERROR twice)."""
+    write_model(repo.models_dir / "a", "a")
+    config = repo.write_config("- name: a\n- name: b2\n  queue_capacity: 7\n", server_extra=SETTLE)
+    server = serve(config)
+    caplog.set_level(logging.INFO)
+    (repo.models_dir / "a" / "model_inference.textproto").write_text("not a textproto {")  # (in place: same inode)
+    wait_for(lambda: "failed" in index(server)["a"][1] or "textproto" in index(server)["a"][1])
+    os.rename(repo.models_dir / "a", repo.models_dir / "b2")
+    wait_for(lambda: "textproto" in index(server).get("b2", ("", ""))[1])
+    time.sleep(1)  # (a second load would come within the settle time)
+    loads = [r for r in caplog.records if r.levelno >= logging.ERROR and "'b2'" in r.getMessage()]
+    assert len(loads) == 1, [r.getMessage() for r in loads]
+    assert "holds files its model had not loaded" not in caplog.text
