@@ -21,7 +21,7 @@ from nereid.batching import deadline_passed
 from nereid.daemon_pool import DaemonThreadPool
 from nereid.errors import (ConfigError, DeadlineExceeded, InvalidArgument, ModelFailure, NereidError, QueueFull,
                            describe_exception, loop_safe_call, naming_model, without_model_name)
-from nereid.scheduler import (REQUEST_STARTED, ModelScheduler, UnloadedBeforeStart, not_started,
+from nereid.scheduler import (REQUEST_STARTED, ModelScheduler, UnloadedBeforeStart, not_started, queue_full,
                               unloaded_before_start)
 from nereid.signature import ModelSignature, brief_description, check_outputs, validate_inputs
 from nereid.stats import RequestTiming
@@ -317,8 +317,7 @@ class _HookStage:
         # (The whole queue, not queued_past_free_instances: a free instance that holds off for a batching window, or
         # for a full postprocess stage, takes none of it at once, and an admitted request must find its place.)
         if len(self.calls) - late + self.dropped + scheduler.queue_depth >= scheduler.capacity:
-            raise QueueFull(f"model '{scheduler.name}': queue is full (queue_capacity {scheduler.capacity} in "
-                            "nereid.yaml, requests in its preprocess hook included); retry later")
+            raise queue_full(scheduler.name, scheduler.capacity, ", requests in its preprocess hook included")
 
     def call_dropped(self, taken: bool) -> None:
         """A call was given up before a thread took it (``taken``: a thread has now taken it, and skips it)."""

@@ -29,6 +29,7 @@ from nereid.daemon_pool import DaemonThreadPool
 from nereid.errors import (DeadlineExceeded, LoggedModelFailure, ModelFailure, ModelRetired, NereidError, QueueFull,
                            Unavailable, describe_exception, naming_model, without_model_name)
 from nereid.log_limit import RateLimitedLog
+from nereid.settings import DEFAULT_QUEUE_CAPACITY
 from nereid.signature import ModelSignature, check_outputs
 from nereid.stats import ModelStats, RequestTiming
 from nereid.tensors import NamedTensor
@@ -158,8 +159,7 @@ class ModelScheduler:
             if deadline_passed(deadline_ns, now_ns):  # (a hook's request, say): its deadline is the news, not the queue
                 self._stats.record_submitted()  # (counted as one out of time on arrival at an idle model is)
                 raise not_started(self.name, deadline_ns, now_ns)
-            raise QueueFull(f"model '{self.name}': queue is full (queue_capacity {self.capacity} in nereid.yaml); "
-                            "retry later")
+            raise queue_full(self.name, self.capacity)
         arrived_ns = time.monotonic_ns()
         cost = request_cost(self._signature, inputs, rows) if self._variable_axes else rows
         self._stats.record_submitted()
@@ -763,6 +763,15 @@ def unloaded_before_start(model: str, only: str = "") -> str:
     ran = f" (only its {only} was)" if only else ""
     return (f"model '{model}' was unloaded before this request could start (what ran ahead of it did not end "
             f"within the grace); it was not run{ran}: send it again")
+
+
+def queue_full(model: str, capacity: int, counted: str = "") -> QueueFull:
+    """The answer of a request refused because ``model``'s queue holds ``capacity`` requests (``counted``: what
+    the count takes in besides). The default is said as such: a Triton user's queue is unbounded by default, and
+    "in nereid.yaml" sent them looking for a value nereid.yaml did not hold (the Triton client hunt)."""
+    where = " (the default)" if capacity == DEFAULT_QUEUE_CAPACITY else ""
+    return QueueFull(f"model '{model}': queue is full (queue_capacity {capacity}{where}, models[].queue_capacity in "
+                     f"nereid.yaml{counted}); retry later")
 
 
 def not_started(model: str, deadline_ns: int, now_ns: int, waited: str = "") -> DeadlineExceeded:

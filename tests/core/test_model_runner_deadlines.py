@@ -251,8 +251,9 @@ def test_requests_waiting_for_a_hook_thread_count_against_queue_capacity() -> No
         admitted = scheduler.capacity  # (more than the hook threads: two of them wait for one)
         calls = [asyncio.create_task(run(rows(1), 1, 0)) for _ in range(admitted)]
         await until(lambda: len(backend.hooks_begun) == HOOK_THREADS)
-        with pytest.raises(QueueFull, match=r"^model 'm': queue is full \(queue_capacity \d+ in nereid.yaml, "
-                                            r"requests in its preprocess hook included\); retry later"):
+        with pytest.raises(QueueFull, match=r"^model 'm': queue is full \(queue_capacity \d+( \(the default\))?, "
+                                            r"models\[\]\.queue_capacity in nereid.yaml, requests in its preprocess "
+                                            r"hook included\); retry later"):
             await run(rows(1), 1, 0)
         assert not any(call.done() for call in calls)
         backend.hook_release.set()

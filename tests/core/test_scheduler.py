@@ -14,8 +14,8 @@ from nereid.backend import REQUEST_DEADLINE_NS
 from nereid.batching import BatchPolicy
 from nereid.dtypes import DType
 from nereid.errors import DeadlineExceeded, InvalidArgument, ModelFailure, Unavailable
-from nereid.scheduler import ModelScheduler
-from nereid.settings import BatchingSettings
+from nereid.scheduler import ModelScheduler, queue_full
+from nereid.settings import DEFAULT_QUEUE_CAPACITY, BatchingSettings
 from nereid.signature import ModelSignature, TensorSpec
 from nereid.stats import ModelStats, RequestTiming
 from nereid.tensors import NamedTensor
@@ -77,7 +77,8 @@ def test_full_queue_refuses_at_once_and_memory_stays_bounded() -> None:
         await until(lambda: scheduler.queue_depth == 3)
         refused = 0
         for i in range(40):  # offer many times the capacity: each is refused at once
-            with pytest.raises(Unavailable, match=r"model 'm': queue is full \(queue_capacity 3 in nereid.yaml\)"):
+            with pytest.raises(Unavailable, match=r"model 'm': queue is full \(queue_capacity 3, "
+                                                  r"models\[\]\.queue_capacity in nereid.yaml\)"):
                 await scheduler.submit(rows(100 + i), 1, 0)
             refused += 1
         assert scheduler.queue_depth == 3 and refused == 40
@@ -87,6 +88,15 @@ def test_full_queue_refuses_at_once_and_memory_stays_bounded() -> None:
         assert backend.ran == [0, 1, 2, 3]  # arrival order; nothing refused ever ran
         await scheduler.drain()
     run(scenario())
+
+
+def test_a_full_queue_of_the_default_capacity_says_it_is_the_default() -> None:
+    # A Triton user's queue is unbounded by default: "queue_capacity 128 in nereid.yaml" sent them looking for a
+    # value their nereid.yaml did not hold (the Triton client hunt).
+    message = str(queue_full("m", DEFAULT_QUEUE_CAPACITY))
+    assert message == ("model 'm': queue is full (queue_capacity 128 (the default), models[].queue_capacity in "
+                       "nereid.yaml); retry later")
+    assert "default" not in str(queue_full("m", 3))
 
 
 def test_expired_request_is_answered_and_never_runs() -> None:

@@ -399,6 +399,17 @@ def test_an_expect_100_continue_request_answered_before_its_body_closes_its_conn
         assert _answer_on(connection)[0].startswith(b"HTTP/1.1 200 OK\r\n")
 
 
+def test_a_model_named_stats_has_its_metadata_under_its_version(repo, serve):
+    # /v2/models/stats is every model's statistics (the README says where a model of that name has its metadata).
+    repo.python("stats")
+    server = serve(repo.write_config())
+    base = f"127.0.0.1:{server.server.http_port}"
+    status, body, _ = call(base, "GET", "/v2/models/stats/versions/1")
+    assert status == 200 and json.loads(body)["name"] == "stats"
+    status, body, _ = call(base, "GET", "/v2/models/stats")
+    assert status == 200 and [s["name"] for s in json.loads(body)["model_stats"]] == ["stats"]
+
+
 def test_stats_index_and_repository_control(repo, serve):
     repo.python("echo")
     repo.python("other")
