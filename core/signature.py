@@ -137,12 +137,17 @@ def _parse_problem(error: text_format.ParseError, text: str) -> str:
     names stays.
     """
     problem = str(error)
-    line = error.GetLine()
+    line, column = error.GetLine(), error.GetColumn()
     # protobuf numbers lines by "\n" alone (a "\r" or a U+2028 stays in the line it quotes).
     if line is not None and 0 < line <= len(lines := text.split("\n")):
-        quoted = f"{line}:{error.GetColumn()} : '{lines[line - 1]}': "
+        quoted = f"{line}:{column} : '{lines[line - 1]}': "
         if problem.startswith(quoted):
-            problem = f"{line}:{error.GetColumn()} : {problem[len(quoted):]}"
+            problem = f"{line}:{column} : {problem[len(quoted):]}"
+        if column is not None and not "\n".join(lines[line - 1:])[max(column - 1, 0):].strip():
+            # At the end of the text protobuf names an empty token ("'': Couldn't parse integer: "): the file
+            # was cut short, which is the news (the Triton client hunt).
+            said = problem.split(" : ", 1)[-1].removeprefix("'': ").replace(" but found: ''", "").strip().rstrip(":.")
+            problem = f"{line}:{column} : the file ends before this field is complete ({said}); was it cut short?"
     return problem
 
 

@@ -61,6 +61,21 @@ def test_textproto_errors(tmp_path: Path, text: str, message: str) -> None:
         parse(tmp_path, text)
 
 
+@pytest.mark.parametrize("text, problem", [
+    ("input_shape: [4", "1:16 : the file ends before this field is complete (Expected \",\"); was it cut short?"),
+    ("output_shape: [1]\nmax_batch_size:\n\n",
+     "4:1 : the file ends before this field is complete (Couldn't parse integer); was it cut short?"),
+    ('output { name: "y" dims: [1] data_type: ',
+     "1:41 : the file ends before this field is complete (Expected string); was it cut short?"),
+])
+def test_a_textproto_cut_short_is_said_to_end_there(tmp_path: Path, text: str, problem: str) -> None:
+    """Defect (the Triton client hunt): a file cut short was refused with protobuf's words for an empty token at
+    its end, "'': Couldn't parse integer: " and nothing after it."""
+    with pytest.raises(ConfigError) as caught:
+        parse(tmp_path, text)
+    assert str(caught.value).endswith(f"model_inference.textproto:{problem}")
+
+
 def test_a_byte_order_mark_is_no_part_of_the_textproto(tmp_path: Path) -> None:
     """Defect: a textproto saved with a UTF-8 byte order mark (some Windows editors add one) was refused at 1:1,
     "Expected identifier or number, got" the invisible character."""
