@@ -16,6 +16,8 @@ import threading
 import time
 from typing import Any, Awaitable, Callable, Protocol, TypeVar
 
+import numpy as np
+
 from nereid.backend import ChecksInputs, Model, Postprocesses, Preprocesses
 from nereid.batching import deadline_passed
 from nereid.daemon_pool import DaemonThreadPool
@@ -139,6 +141,7 @@ def make_runner(backend: Model, signature: ModelSignature, batch_signature: Mode
                          timing: RequestTiming | None) -> list[NamedTensor]:
         name = scheduler.name  # a renamed model reports its new name
         program_rows = batch_size
+        client_inputs = inputs
         if preprocess is not None:
             arrived_ns = time.monotonic_ns()
             if deadline_passed(deadline_ns, arrived_ns):
@@ -170,7 +173,9 @@ def make_runner(backend: Model, signature: ModelSignature, batch_signature: Mode
                 raise
             raise UnloadedBeforeStart(unloaded_before_start(name, "preprocess hook")) from None
         except InvalidArgument as err:
-            if preprocess is None:
+            if preprocess is None or _same_tensors(inputs, client_inputs):
+                # (A hook that passed the client's tensors on made nothing the program could refuse: the refusal,
+                # a plugin's InvalidArgument say, is of the client's request; the fault hunt.)
                 raise
             # What the program refused (a shape no compiled variant takes) is what the hook made of a valid
             # request: the model's fault, not the client's.
@@ -255,6 +260,14 @@ def _hook_result_failure(model: str, hook: str, what: str, detail: str) -> Model
     """A hook's result refused downstream (by the program's input check or the program, or the output check),
     named as the hook's fault: the client's request was valid, so it is not blamed."""
     return ModelFailure(f"model '{model}': the {hook} hook returned {what}: {detail}")
+
+
+def _same_tensors(made: list[NamedTensor], sent: list[NamedTensor]) -> bool:
+    """Whether a preprocess hook's result ``made`` holds the client's tensors ``sent`` as they came: the same
+    names, datatypes and values, in the same order (compared only when the program refused them)."""
+    return len(made) == len(sent) and all(
+        a.name == b.name and a.dtype == b.dtype and (a.data is b.data or (
+            a.data.shape == b.data.shape and np.array_equal(a.data, b.data))) for a, b in zip(made, sent))
 
 
 def _program_inputs(model: str, batch_signature: ModelSignature, tensors: list[NamedTensor],

@@ -16,7 +16,7 @@ import pytest
 
 from nereid.batching import BatchPolicy
 from nereid.dtypes import DType
-from nereid.errors import DeadlineExceeded, ModelFailure, ModelRetired, QueueFull, Unavailable
+from nereid.errors import DeadlineExceeded, InvalidArgument, ModelFailure, ModelRetired, QueueFull, Unavailable
 from nereid.model_runner import HOOK_THREADS, HookThreads, Runner, make_runner
 from nereid.scheduler import ModelScheduler
 from nereid.signature import ModelSignature, TensorSpec
@@ -305,9 +305,22 @@ def test_what_the_program_refuses_after_a_preprocess_hook_is_the_hook_s_fault() 
     """Found by a bug hunt: a hook that padded a valid request to a shape no variant takes made the client's
     request INVALID_ARGUMENT, quoting a shape the client never sent."""
     async def scenario() -> None:
-        run, scheduler = await serve(Refusing())
+        run, scheduler = await serve(Refusing(pre=lambda t: [NamedTensor("x", DType.FP32, t[0].data + 1)]))
         with pytest.raises(ModelFailure, match=r"^model 'm': the preprocess hook returned tensors the program "
                                                r"cannot take: input 'x' has shape \[1, 4, 2\]"):
+            await run(rows(1), 1, 0)
+        await scheduler.drain()
+    asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+@pytest.mark.parametrize("hook", [identity, lambda t: [NamedTensor(x.name, x.dtype, x.data.copy()) for x in t]],
+                         ids=["the same tensors", "equal copies"])
+def test_what_the_program_refuses_of_the_client_s_own_tensors_stays_the_client_s(hook) -> None:
+    """Defect (the fault hunt): a plugin's InvalidArgument, its documented way to refuse a request, came back
+    INTERNAL, blamed on a preprocess hook that had passed the client's tensors on unchanged."""
+    async def scenario() -> None:
+        run, scheduler = await serve(Refusing(pre=hook))
+        with pytest.raises(InvalidArgument, match=r"^model 'm': input 'x' has shape \[1, 4, 2\]; the bundle"):
             await run(rows(1), 1, 0)
         await scheduler.drain()
     asyncio.run(asyncio.wait_for(scenario(), 30))
