@@ -520,8 +520,11 @@ class InferenceServicer:
         finally:
             stream_over = True
             unsent = "unavailable" if self._past_grace() else "cancelled"
-            for model, _ in outcomes.values():  # ready, never sent: the stream ended first
-                self._counted(model, unsent)
+            for model, outcome in outcomes.values():  # ready, never sent: the stream ended first
+                # A success the client never got is no success; a failure is the failure it was, as its model's
+                # statistics count it (a deadline passing in a hook as the stream's own ended was counted
+                # deadline_exceeded there and cancelled here; the fault hunt).
+                self._counted(model, unsent if outcome == "success" else outcome)
             outcomes.clear()
             self._streams.discard(answers)
             reader.cancel()

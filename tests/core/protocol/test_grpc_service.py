@@ -645,8 +645,6 @@ def test_stream_answers_come_back_in_the_order_the_requests_were_sent(repo, serv
 def test_stream_answers_held_behind_a_slow_one_and_never_sent_count_as_cancelled(repo, serve):
     """Found by the scheduler hunt: answers ready but held behind a slow earlier request counted as successes in
     nereid_protocol_requests_total (which counts what was answered) though the client, gone first, got none."""
-    import urllib.request
-
     server, answers = slow_then_fast_stream(repo, serve, 1.5)
     try:
         for value in (2, 3, 4):
@@ -656,13 +654,32 @@ def test_stream_answers_held_behind_a_slow_one_and_never_sent_count_as_cancelled
     finally:
         server.client.stop_stream(cancel_requests=True)
     assert answers.empty() or all(error is not None for _, error in list(answers.queue))
+    assert wait_until(lambda: sum(protocol_counts(server, "m").values()) == 3), protocol_counts(server, "m")
+    assert protocol_counts(server, "m") == {'model="m",outcome="cancelled",protocol="grpc"': 3.0}
 
-    def counted() -> dict[str, float]:
-        samples = urllib.request.urlopen(f"http://127.0.0.1:{server.server.metrics_port}/metrics").read().decode()
-        return {line.split("{")[1].split("}")[0]: float(line.rsplit(" ", 1)[1]) for line in samples.splitlines()
-                if line.startswith('nereid_protocol_requests_total{model="m"')}
-    assert wait_until(lambda: sum(counted().values()) == 3), counted()
-    assert counted() == {'model="m",outcome="cancelled",protocol="grpc"': 3.0}, counted()
+
+def test_stream_failures_held_behind_a_slow_one_and_never_sent_count_as_the_failures_they_were(repo, serve):
+    """Defect (the fault hunt): a failure ready but never sent counted as cancelled, where the model's statistics
+    and nereid_request_failure_total counted its own reason (a deadline passing in a hook as the stream's did)."""
+    server, answers = slow_then_fast_stream(repo, serve, 1.5)
+    try:
+        for value in (2, 3):
+            server.client.async_stream_infer("m", [int8_input([value] * 3)])  # refused: the wrong shape
+        stats = server.server.repository.ready_model("m").stats
+        assert wait_until(lambda: stats.fail.count == 2)  # answered, held behind 'slow'
+    finally:
+        server.client.stop_stream(cancel_requests=True)
+    assert wait_until(lambda: sum(protocol_counts(server, "m").values()) == 2), protocol_counts(server, "m")
+    assert protocol_counts(server, "m") == {'model="m",outcome="invalid_argument",protocol="grpc"': 2.0}
+
+
+def protocol_counts(server, model: str) -> dict[str, float]:
+    """``model``'s nereid_protocol_requests_total samples: {labels: value}."""
+    import urllib.request
+
+    samples = urllib.request.urlopen(f"http://127.0.0.1:{server.server.metrics_port}/metrics").read().decode()
+    return {line.split("{")[1].split("}")[0]: float(line.rsplit(" ", 1)[1]) for line in samples.splitlines()
+            if line.startswith(f'nereid_protocol_requests_total{{model="{model}"')}
 
 
 def test_stream_error_responses_carry_the_request_id(repo, serve):
