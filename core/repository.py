@@ -666,14 +666,14 @@ class ModelRepository:
 
     async def _loaded_as_now(self, entry: ModelEntry) -> bool:
         """Whether the running version was built with the entry's settings as they are now and, where the files
-        were stamped (dynamic mode, a local folder), from the folder's files as they are now."""
+        were stamped (a local folder), from the folder's files as they are now."""
         loaded = entry.loaded
         if (loaded is None or loaded.settings != entry.settings
                 or loaded.backend_defaults != self.settings.backend_defaults.get(loaded.backend_name)):
             return False
         if loaded.stamp is None:
-            # Files not stamped: a bucket's (their state is the watcher's, not known here), or no dynamic mode,
-            # where nothing follows the files and a load that came second has nothing newer to load.
+            # Files not stamped: a bucket's (their state is the watcher's, not known here; without one, nothing
+            # follows them, and a load that came second has nothing newer to load).
             return not self.settings.server.watch
         stamped = await asyncio.to_thread(folder_stamp, entry.folder)
         return stamped is not None and stamped[0] == loaded.stamp
@@ -814,7 +814,7 @@ class ModelRepository:
         if (entry is None or loaded is None or settings != replace(entry.settings, name=new)
                 or self._taken(new, entry)):
             self.remove_in_background(old)  # the old model finishes its requests meanwhile
-            await self.load(new)
+            await self.load(new, counted=False)
             return False
         async with entry.held():
             # Claimed before the move (which waits on a thread): a removal finishing meanwhile must not delete
@@ -874,7 +874,7 @@ class ModelRepository:
                 self._cleanup.drop_empty_scratch(old)  # left empty by the move: nothing kept there
         if not moved:
             self.remove_in_background(old)  # the new folder loads at once; the old model finishes its requests
-            await self.load(new)
+            await self.load(new, counted=False)
         return moved
 
     def _taken(self, name: str, moving: ModelEntry) -> bool:

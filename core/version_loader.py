@@ -129,7 +129,10 @@ class VersionLoader:
         entry.scratch_names.add(name)
         stamp = None
         restamped: list[object] = []  # the folder's stamp after load() rewrote it (ModelContext.folder_rewritten)
-        watched = settings.server.watch and settings.server.ml_backends_url is None
+        # A local folder's files are stamped whatever server.watch says: a client's load that waited behind
+        # another one compares them (see ModelRepository._loaded_as_now), and without the stamp it took the files
+        # the first had read for the folder's now (an edit between the two was never loaded; the races hunt).
+        stamped_here = settings.server.ml_backends_url is None
 
         def folder_rewritten(names: frozenset[str]) -> None:
             stamped = folder_stamp(entry.folder)  # (on the build's thread)
@@ -137,8 +140,8 @@ class VersionLoader:
             if stamped is not None and stamp is not None and _without(stamped[0], names) == _without(stamp, names):
                 restamped.append(stamped[0])
         context = ModelContext(name, entry.folder, entry.settings, self.scratch_for(name), entry.settings_origin,
-                               self.models, on_folder_rewritten=folder_rewritten if watched else None)
-        if watched:
+                               self.models, on_folder_rewritten=folder_rewritten if stamped_here else None)
+        if stamped_here:
             stamped = await asyncio.to_thread(folder_stamp, entry.folder)  # before the build reads the files
             stamp = stamped[0] if stamped is not None else None
         # Waited for as a task the entry holds as its build: an unload or removal coming meanwhile cancels it

@@ -1113,3 +1113,66 @@ def test_the_notes_on_new_settings_are_logged_once_however_often_they_are_checke
     assert [r.getMessage() for r in caplog.records if "warm_sart" in r.getMessage()] == [
         f"{tmp_path / 'nereid.yaml'}: backends.python.warm_sart: unknown option of the python backend (allowed: "
         "preload, warm_start), got true"]
+
+
+@pytest.mark.parametrize("edited", [True, False], ids=["files edited meanwhile", "nothing changed"])
+def test_a_load_asked_for_while_another_runs_loads_the_files_as_they_are_when_asked(tmp_path, root, monkeypatch,
+                                                                                   edited):
+    """Defect (the races hunt): without server.watch, a client's load that waited behind another one answered OK
+    and left the model serving the files the first had read, though they were edited before it asked (a deploy
+    script retrying a load that timed out, after fixing a file, was told the fix was loaded)."""
+    import threading
+
+    write_toy(root, "m")
+    repo = repository(tmp_path)
+    assert not repo.settings.server.watch
+    read, release = threading.Event(), threading.Event()
+    load = toy_backends.ToyModel.load
+
+    def held_load(self) -> None:
+        load(self)  # (the files read)
+        if not release.is_set():
+            read.set()
+            release.wait(30)
+    monkeypatch.setattr(toy_backends.ToyModel, "load", held_load)
+    before = toy_backends.LOADS["m"]
+
+    async def scenario():
+        first = asyncio.create_task(repo.load("m", requested=True))
+        await until(read.is_set)
+        if edited:
+            (root / "m" / "model_inference.textproto").write_text("input_shape: [5]\noutput_shape: [5]\n"
+                                                                  "max_batch_size: 8\n")
+        second = asyncio.create_task(repo.load("m", requested=True))
+        await asyncio.sleep(0.1)  # (waiting behind the first)
+        release.set()
+        await asyncio.gather(first, second)
+        shape = repo.ready_model("m").signature.inputs[0].dims
+        await repo.unload_all()
+        return shape
+    shape = asyncio.run(scenario())
+    assert (shape, toy_backends.LOADS["m"] - before) == (((5,), 2) if edited else ((4,), 1))
+
+
+def test_a_folder_renamed_and_loaded_anew_counts_for_server_ready_once_it_serves(tmp_path, root):
+    """Defect (the races hunt): a rename that loads the new folder anew (a folder never loaded, a backend that
+    cannot move, other settings) loaded it as counted at once: an unlisted broken folder renamed with `mv` took
+    the server out of readiness for good, where the same folder copied in under the new name did not."""
+    folder = write_toy(root, "broken")
+    (folder / "fail.txt").write_text("a broken model")
+    write_toy(root, "good")
+    repo = repository(tmp_path, models_yaml="  - name: good\n")
+
+    async def scenario():
+        await repo.load("good")
+        assert repo.server_ready()
+        folder.rename(root / "broken2")
+        assert not await repo.rename("broken", "broken2")  # never loaded: loaded anew
+        assert repo.entry("broken2").state is ModelState.UNAVAILABLE and repo.server_ready()
+        (root / "broken2" / "fail.txt").unlink()
+        await repo.load("broken2", counted=False)  # (the watcher's, once the folder is mended)
+        (root / "broken2" / "fail.txt").write_text("broken again")
+        await repo.reload("broken2")
+        assert repo.server_ready()  # a failed reload keeps the running version READY
+        await repo.unload_all()
+    asyncio.run(scenario())
