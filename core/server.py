@@ -386,8 +386,11 @@ class NereidServer:
         running: Counter[str] = Counter()
         queued: Counter[str] = Counter()
         in_hooks: Counter[str] = Counter()
+        counted_stats: set[int] = set()
         for name, loaded in self.repository.versions():  # (an old version still draining counts with its name's)
-            running[name] += loaded.stats.running_executions
+            if id(loaded.stats) not in counted_stats:  # (a reload's versions share one ModelStats: counted once)
+                counted_stats.add(id(loaded.stats))
+                running[name] += loaded.stats.running_executions
             queued[name] += loaded.scheduler.queue_depth
             in_hooks[name] += loaded.scheduler.requests_in_hooks
         busy = [f"model '{name}': {running[name]} execution(s) running, {queued[name]} request(s) queued"

@@ -245,6 +245,28 @@ class AsyncHeldInfers(HeldInfers):
         return AsyncHeldModel(context)
 
 
+def test_the_drain_note_counts_a_reloaded_model_s_running_execution_once(repo, serve, caplog):
+    """Defect (the races hunt): a reload's new version shares the old one's statistics, and the note added them
+    up for each version: one execution running on the old version was said to be two."""
+    plugin = HeldInfers()
+    server = start(repo, serve, plugin)
+    stream = Stream(server.url)
+    try:
+        stream.send("held", "running")
+        assert plugin.running.wait(PROMPT_S)
+        server.call(server.server.repository.reload("held"))  # the old version drains beside the new one
+        assert len([name for name, _ in server.server.repository.versions() if name == "held"]) == 2
+        caplog.set_level(logging.INFO, "nereid.server")
+        stopping = asyncio.run_coroutine_threadsafe(server.server.stop(grace_s=0.5), server.loop)
+        assert stream.next() == ("running", LOST)
+        plugin.release.set()
+        stopping.result(PROMPT_S)
+        assert "draining: model 'held': 1 execution(s) running, 0 request(s) queued" in caplog.messages
+    finally:
+        plugin.release.set()
+        stream.close()
+
+
 def test_a_request_queued_when_the_grace_passes_is_not_started_by_the_slot_the_ended_ones_free(repo, serve):
     """At the grace the gRPC call running on the model was ended, which freed its instance, and the batcher
     started the HTTP request queued behind it: 0.2 s later that one was told "its answer is lost", and the
