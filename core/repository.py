@@ -839,8 +839,11 @@ class ModelRepository:
                 # the plugin hunt.)
                 why = _reason(err) if isinstance(err, NereidError) else \
                     f"relocate() of backend '{loaded.backend_name}' raised {describe_exception(err, one_line=True)}"
-                log.warning("model '%s': cannot be renamed in place (%s); loading '%s' anew", old, cap_message(why),
-                            new)
+                # A backend that never moves models (meta) is loaded anew as it always is: no news, not a WARNING
+                # at every rename (the races hunt). A move tried and failed is.
+                level = logging.WARNING if isinstance(loaded.backend, Relocatable) else logging.INFO
+                log.log(level, "model '%s': cannot be renamed in place (%s); loading '%s' anew", old,
+                        cap_message(why), new)
                 moved = False
             else:
                 moved = True

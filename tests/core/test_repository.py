@@ -193,6 +193,57 @@ def test_a_plugins_relocate_that_fails_is_its_failure_named_and_the_model_is_loa
     assert logged in caplog.text, caplog.text
 
 
+class UnmovableToys:
+    """Claims folders holding ``unmovable.txt``: toy models whose backend has no ``relocate`` (as meta's)."""
+
+    BACKEND_NAME = "unmovable"
+
+    class Model:
+        platform = "toy_platform"
+
+        def __init__(self, context) -> None:
+            self._toy = toy_backends.ToyModel(context)
+
+        def load(self) -> None:
+            self._toy.load()
+
+        def signature(self):
+            return self._toy.signature()
+
+        def infer(self, inputs):
+            return self._toy.infer(inputs)
+
+        def unload(self) -> None:
+            pass
+
+    @toy_backends.hookimpl
+    def nereid_claim_model(self, folder: Path, declared: bool):
+        return toy_backends.BackendClaim(self.Model) if (folder / "unmovable.txt").is_file() else None
+
+
+def test_a_backend_that_never_moves_models_is_loaded_anew_at_a_rename_without_a_warning(tmp_path, root, caplog):
+    """The races hunt: every rename of a meta model logged a WARNING that it cannot be renamed in place; loading
+    anew is what such a backend always gets, so it is said at INFO (a relocate() that fails stays a WARNING)."""
+    import logging
+
+    folder = write_toy(root, "before")
+    (folder / "toy.txt").rename(folder / "unmovable.txt")
+    repo = repository(tmp_path, extra_plugins=(UnmovableToys(),))
+    caplog.set_level(logging.INFO)
+
+    async def scenario():
+        await repo.load("before")
+        (root / "before").rename(root / "after")
+        assert not await repo.rename("before", "after")
+        assert await run_one(repo, "after") == [1] * 4
+        await repo.unload_all()
+    asyncio.run(scenario())
+    said = [r for r in caplog.records if "cannot be renamed in place" in r.getMessage()]
+    assert [(r.levelno, r.getMessage()) for r in said] == [
+        (logging.INFO, "model 'before': cannot be renamed in place (backend 'unmovable' cannot move a loaded "
+                       "model); loading 'after' anew")]
+
+
 def test_a_rename_onto_a_name_a_request_loaded_first_reloads_it_and_leaks_no_version(tmp_path, root):
     """Defect (found by the repository's state tests): `mv before after`, then a RepositoryModelLoad of 'after'
     before the watcher's rename: the rename replaced the loaded 'after' in place, and that version was never
