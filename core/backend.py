@@ -63,7 +63,8 @@ class ModelContext:
     # The model's folder in the repository, where ``folder`` is a copy of it of this version's own (a model
     # fetched from an object store runs from a version folder no later fetch changes); None: ``folder`` is it.
     repository_folder: Path | None = None
-    # What folder_rewritten() tells (the repository's loader); None: nobody follows the folder.
+    # What folder_rewritten() tells (the repository's loader: the version's stamp of its files); None: nobody
+    # keeps one (a model from a bucket, or built outside a repository).
     on_folder_rewritten: Callable[[frozenset[str]], None] | None = None
     # Set when the server gives up on this load while create() or load() still run (an unload or removal of the
     # model came, or the server stops): a long build may stop early (the cpp and cxx backends kill their

@@ -61,8 +61,8 @@ class LoadedModel:
     run: Runner
     hook_threads: HookThreads  # what ``run`` runs its hooks on: released with the version
     depends_on: tuple[str, ...] = ()  # models it calls (a meta model): READY only while they are
-    # The folder's files as the watcher stamps them, taken before the build (dynamic mode with a local folder):
-    # a watcher seeing the same files needs not load them again.
+    # The folder's files as the watcher stamps them, taken before the build (a local folder; None: a bucket's):
+    # a watcher seeing the same files needs not load them again, nor a client's load behind another.
     stamp: object = None
     settings: ModelSettings | None = None  # what it was built with (nereid.yaml may have changed since)
     backend_defaults: object = None  # nereid.yaml's backends: entry for its backend, as it was built with

@@ -672,9 +672,10 @@ class ModelRepository:
                 or loaded.backend_defaults != self.settings.backend_defaults.get(loaded.backend_name)):
             return False
         if loaded.stamp is None:
-            # Files not stamped: a bucket's (their state is the watcher's, not known here; without one, nothing
-            # follows them, and a load that came second has nothing newer to load).
-            return not self.settings.server.watch
+            # Files not stamped (a bucket's: their state is the watcher's, not known here): loaded again, as
+            # asked. A client's load that waited behind another was answered OK with the objects the first had
+            # fetched, though they were replaced before it asked (the hunt of the fixes).
+            return False
         stamped = await asyncio.to_thread(folder_stamp, entry.folder)
         return stamped is not None and stamped[0] == loaded.stamp
 
