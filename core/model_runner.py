@@ -21,7 +21,7 @@ import numpy as np
 from nereid.backend import ChecksInputs, Model, Postprocesses, Preprocesses
 from nereid.batching import deadline_passed
 from nereid.daemon_pool import DaemonThreadPool
-from nereid.errors import (ConfigError, DeadlineExceeded, InvalidArgument, ModelFailure, NereidError, QueueFull,
+from nereid.errors import (ConfigError, DeadlineExceeded, InvalidArgument, ModelFailure, NereidError,
                            describe_exception, loop_safe_call, naming_model, without_model_name)
 from nereid.scheduler import (REQUEST_STARTED, ModelScheduler, UnloadedBeforeStart, not_started, queue_full,
                               unloaded_before_start)
