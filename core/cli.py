@@ -38,7 +38,8 @@ from nereid.memory import pin_mmap_threshold
 from nereid.model_building import build_model
 from nereid.model_entry import waiting_for_folder
 from nereid.model_runner import checked_input_check
-from nereid.processes import kill_children, not_ignored, record_early_stops, release_early_stops
+from nereid.processes import (kill_children, not_ignored, record_early_stops, redeliver_early_stops,
+                              release_early_stops)
 from nereid.plugins import NereidPluginManager, add_commands, check_backend_defaults, error_text, make_plugin_manager
 from nereid.storage import StorageError, materialize_model_folder, scan_model_folders
 from nereid.settings import Listeners, Settings, address_problem, load_settings
@@ -95,12 +96,14 @@ def main(argv: list[str] | None = None, extra_plugins: tuple[object, ...] = ()) 
     manager = make_plugin_manager(extra_plugins=extra_plugins)
     add_commands(manager, commands)  # backends' own tooling
     args = parser.parse_args(argv)
+    serving = args.command == "serve"
+    if not serving:  # (the console script recorded stop signals from its start: see nereid.entry)
+        redeliver_early_stops()
     if "run" in args and args.command not in ("serve", "check"):
         # (Never for the built-in commands: a plugin's set_defaults(run=...) on their parsers took them over;
         # found by a plugin hunt.)
         return _plugin_command_status(args.command, _reading_stopped_quietly(lambda: _ran(args.run, args)))
 
-    serving = args.command == "serve"
     if not serving and args.command != "check":
         # A plugin's command that set no run function ran `nereid check` in its place, or failed in it with a
         # traceback (found by a plugin hunt): the plugin's mistake, said as such.
@@ -111,6 +114,7 @@ def main(argv: list[str] | None = None, extra_plugins: tuple[object, ...] = ()) 
     if not serving:
         return _check_command(args, argv, manager)
     # Until the server starts (see serve_command), a stop signal is recorded: its imports take half a second.
+    # (From the console script's first instant already: see nereid.entry. Here for a caller in-process.)
     record_early_stops([signal.SIGTERM, signal.SIGINT, *not_ignored(signal.SIGHUP)])
     try:
         return _serve_command(args, manager)

@@ -45,6 +45,15 @@ def _record_early_stop(signum: int, frame: object) -> None:
     _early_stops.append(signal.Signals(signum))
 
 
+def redeliver_early_stops() -> None:
+    """Put back the handlers :func:`record_early_stops` replaced, and raise again the first stop signal it recorded:
+    for a command that does not start a server, a stop during its imports acts as the signal does (its default:
+    143 for SIGTERM), only later."""
+    came = release_early_stops()
+    if came is not None:
+        signal.raise_signal(came)
+
+
 def release_early_stops() -> signal.Signals | None:
     """Put back the handlers :func:`record_early_stops` replaced, and return the first stop signal it recorded
     (None if none came, or nothing was recording). Called before the server starts: from there a signal acts as

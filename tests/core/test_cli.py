@@ -305,6 +305,51 @@ def test_a_stop_signal_while_serve_starts_ends_it_cleanly_before_the_server_star
     assert "signal received (SIGTERM) before the server started: not starting" in result.stderr
 
 
+def _catches_sigterm(pid: int) -> bool:
+    """Whether process ``pid`` has a handler for SIGTERM (its SigCgt mask, /proc/PID/status)."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (signal.SIGTERM - 1) & 1)
+    except OSError:
+        pass
+    return False
+
+
+@pytest.mark.parametrize("command", ["serve", "check"])
+def test_the_console_script_records_a_stop_from_before_the_server_s_imports(repo, command) -> None:
+    """Defect (the operator hunt): the console script took stop signals only once nereid.cli was imported (about
+    half a second): a SIGTERM before then ended it with 143, and a container's PID 1, to which the kernel gives
+    no default action, dropped it, the server starting and serving on until the orchestrator's SIGKILL. Any
+    other command gets the signal back once it has read its command line (its default: 143)."""
+    repo.python("echo")
+    bind = ["--bind", f"127.0.0.1:{free_port()}"] if command == "serve" else []
+    process = subprocess.Popen([sys.executable, "-c", "import sys\nfrom nereid.entry import main\nsys.exit(main())",
+                                command, "--config", str(repo.write_config()), *bind],
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not _catches_sigterm(process.pid):
+            assert time.monotonic() < deadline and process.poll() is None
+            time.sleep(0.0002)
+        os.kill(process.pid, signal.SIGSTOP)  # (held where it is, a moment after it began to record)
+        with open(f"/proc/{process.pid}/maps") as maps:
+            assert "numpy" not in maps.read()  # recorded before the server's imports: numpy's among them
+        os.kill(process.pid, signal.SIGTERM)
+        os.kill(process.pid, signal.SIGCONT)
+        _, stderr = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    if command == "check":
+        assert process.returncode == -signal.SIGTERM, stderr[-2000:]
+        return
+    assert process.returncode == 0, stderr[-2000:]
+    assert "signal received (SIGTERM) before the server started: not starting" in stderr
+
+
 def test_serve_stopped_while_a_bundle_compiles_exits_zero(repo) -> None:
     """Defect: SIGTERM while an XLA bundle compiled at start aborted the server (SIGABRT, exit 134, "FATAL:
     exception not rethrown") after "nereid stopped": the interpreter's shutdown unwound the abandoned load's

@@ -1,0 +1,23 @@
+"""The ``nereid`` console script's entry point: stop signals are recorded from its first instant.
+
+``nereid`` imports for half a second or more (the command line's modules, numpy, the plugins) before it reads its
+command line. A stop signal in that time ended it with 143, no line said, and a container's PID 1, which the
+kernel gives no default action, dropped it: the server started and served on until the orchestrator's SIGKILL
+(the operator hunt). Here, before anything of the server is imported, the stop signals are recorded instead (see
+:func:`nereid.processes.record_early_stops`): ``nereid serve`` then ends before it starts, with its line; any other
+command gets the signal back, as its default, once it has read its command line.
+"""
+
+from __future__ import annotations
+
+import signal
+
+from nereid.processes import not_ignored, record_early_stops
+
+
+def main() -> int:
+    """Run the ``nereid`` command (see :func:`nereid.cli.main`), its stop signals recorded until it has started."""
+    record_early_stops([signal.SIGTERM, signal.SIGINT, *not_ignored(signal.SIGHUP)])
+    from nereid.cli import main as run_command  # (the half second)
+
+    return run_command()
