@@ -32,9 +32,12 @@ IDLE_TIMEOUT_S = 5.0
 MAX_CONNECTIONS = 64
 
 
+# The one path served; any other is a 404, as Triton's metrics port answers.
+METRICS_PATH = "/metrics"
+
+
 class MetricsEndpoint:
-    """Serves one registry at ``/metrics`` (any path, as prometheus_client's app answers), on one or more
-    addresses."""
+    """Serves one registry at ``/metrics`` (only there), on one or more addresses."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self._registry = registry
@@ -102,6 +105,12 @@ class _SharedRenderings:
         self._running: dict[tuple[str, ...], _Rendering] = {}
 
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:
+        if environ.get("PATH_INFO", "") != METRICS_PATH:
+            # prometheus_client's app answers every path with the metrics: a probe of /v2/health/ready or /healthz
+            # on this port got 200 while the server was not ready (the operator hunt). A 404 says where to look.
+            start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
+            return [f"not found: this port serves Prometheus metrics at {METRICS_PATH} only (health is on the "
+                    "gRPC and HTTP listeners)\n".encode()]
         key = tuple(environ.get(name, "") for name in ("REQUEST_METHOD", "PATH_INFO", "QUERY_STRING", "HTTP_ACCEPT",
                                                         "HTTP_ACCEPT_ENCODING"))
         with self._lock:

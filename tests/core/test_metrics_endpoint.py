@@ -187,3 +187,22 @@ def test_scrapes_sharing_a_rendering_get_headers_of_their_own() -> None:
     for thread in scrapes:
         thread.join(5)
     assert [headers.count(("Content-Length", "7")) for headers in seen] == [1, 1, 1]
+
+
+def test_only_the_metrics_path_is_served() -> None:
+    """Defect (the operator hunt): every path answered 200 with the metrics, /v2/health/ready included, so a
+    readiness probe pointed at this port passed while the server was not ready."""
+    import urllib.error
+
+    endpoint, port = served(idle_timeout_s=5.0)
+    try:
+        for path in ("/v2/health/ready", "/healthz", "/", "/metrics/extra"):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10)
+                raise AssertionError(f"{path} was answered")
+            except urllib.error.HTTPError as refused:
+                assert refused.code == 404 and b"metrics at /metrics only" in refused.read()
+        assert b"nereid_test_total" in urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics?x=1",
+                                                              timeout=10).read()
+    finally:
+        endpoint.close()
