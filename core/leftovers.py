@@ -270,7 +270,11 @@ def remove_stale_partials(folder: Path) -> int:
     """
     removed = 0
     settled = time.time() - SETTLED_S
-    for path in folder.glob("*.partial"):
+    try:
+        found = list(folder.glob("*.partial"))
+    except OSError:  # (a folder the server cannot read: the model's load says so, not this clean-up)
+        return 0
+    for path in found:
         match = _PARTIAL.search(path.name)
         try:
             if not match or path.lstat().st_mtime >= settled or process_alive(int(match.group(1))):

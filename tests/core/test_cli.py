@@ -1397,3 +1397,22 @@ def test_a_plugin_cannot_take_the_built_in_commands_over(repo, capsys) -> None:
     out = capsys.readouterr().out
     assert "HIJACKED" not in out and out.startswith("echo: OK"), out
 
+
+
+def test_a_model_folder_the_server_s_user_cannot_read_is_said_to_be_unreadable(repo) -> None:
+    """Defect (the operator hunt): as a user that cannot list the folder, `nereid serve` blamed a file the folder
+    does not hold ("Permission denied: .../secret/.cache", from the clean-up of stale partial files) and `nereid
+    check` called it unclaimed, logging a fault of the meta backend's claim hook."""
+    from support import run_as_non_root
+
+    repo.python("echo")
+    secret = repo.python("secret")
+    config = repo.write_config()
+    secret.chmod(0)
+    try:
+        done = run_as_non_root([*NEREID, "check", "--config", str(config)], writable_after=repo.models_dir)
+    finally:
+        secret.chmod(0o755)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert f"the folder {secret} cannot be read by the server's user (uid 0): Permission denied" in done.stdout
+    assert "no backend claims" not in done.stdout + done.stderr and "raised PermissionError" not in done.stderr
