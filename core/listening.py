@@ -26,6 +26,25 @@ def host_and_port(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def cannot_listen(address: str, origin: str, why: OSError | str | None = None) -> OSError:
+    """The error of a listener that cannot listen on ``address`` (from ``origin``, a nereid.yaml key or a flag),
+    with the system's reason. An IPv6 address the host does not have is said to be one: nereid's defaults are
+    ``[::1]``, and a container without IPv6 (Docker's default network) refused them with only "Cannot assign
+    requested address" (the operator hunt)."""
+    reason = f": {why.strerror or why}" if isinstance(why, OSError) else f": {why}" if why else ""
+    host, _ = host_and_port(address)
+    if isinstance(why, OSError) and why.errno in _ABSENT and ":" in host and host != "::":
+        reason += " (this host has no IPv6 address there: listen on 127.0.0.1 or 0.0.0.0 instead)"
+    return OSError(f"cannot listen on {address} ({origin}){reason}")
+
+
+def with_port(address: str, port: int) -> str:
+    """``address`` (``host:port``, as configured) with the port it was bound to: the one to connect to when it
+    asked for 0 (the log said ``http://localhost:0/metrics``; the operator hunt)."""
+    host, _ = host_and_port(address)
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def bind_listening_sockets(host: str, port: int) -> list[socket.socket]:
     """Bound sockets (not listening yet) for ``host`` (brackets stripped) and ``port``; OSError when none binds.
 

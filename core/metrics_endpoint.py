@@ -22,7 +22,7 @@ from wsgiref.simple_server import WSGIRequestHandler
 from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
 
-from nereid.listening import bind_listening_sockets, host_and_port
+from nereid.listening import bind_listening_sockets, cannot_listen, host_and_port
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class MetricsEndpoint:
             # Every address of a name (localhost: both loopbacks), as the other listeners: a WSGI server each.
             sockets = bind_listening_sockets(*host_and_port(addr))
         except OSError as err:
-            raise OSError(f"cannot listen on {addr} ({origin}): {err.strerror or err}") from err
+            raise cannot_listen(addr, origin, err) from err
         app = _SharedRenderings(make_wsgi_app(self._registry))
         handler = type("Handler", (_QuietHandler,), {"timeout": idle_timeout_s})
         servers: list[_BoundedThreadingServer] = []
@@ -66,7 +66,7 @@ class MetricsEndpoint:
                     unused.close()
                 for server in servers:
                     server.server_close()  # (not shutdown(): it waits for a serve_forever that never ran)
-                raise OSError(f"cannot listen on {addr} ({origin}): {err.strerror or err}") from err
+                raise cannot_listen(addr, origin, err) from err
         for server in servers:
             # A short poll interval keeps shutdown quick (the default waits up to 0.5 s).
             threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05},

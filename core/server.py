@@ -18,7 +18,7 @@ from nereid.dataplane import DataPlane
 from nereid.descriptor_watch import DescriptorWatch
 from nereid.leftovers import (asked_temporary_directory, make_scratch_folder, remove_scratch_folder,
                               remove_stale_scratch)
-from nereid.listening import bind_problem
+from nereid.listening import bind_problem, cannot_listen, with_port
 from nereid.loop_watch import LoopWatch
 from nereid.metrics import ServerMetrics
 from nereid.plugins import make_plugin_manager, plugin_code
@@ -182,7 +182,7 @@ class NereidServer:
         self._check_grpc_address()  # before anything is opened
         if self.metrics_addr:
             self.metrics_port = self.metrics.serve(self.metrics_addr, origin=self.metrics_origin)
-            log.info("metrics at http://%s/metrics (port %d)", self.metrics_addr, self.metrics_port)
+            log.info("metrics at http://%s/metrics", with_port(self.metrics_addr, self.metrics_port))
         if self.http_addr:
             surface = HttpSurface(self.dataplane, config.max_message_bytes,
                                   functools.partial(self.metrics.count_request, "http"),
@@ -193,7 +193,7 @@ class NereidServer:
                                       config.shutdown_grace_s + HTTP_END_AFTER_GRACE_S,
                                       count_refused=functools.partial(self.metrics.count_refused, "http"))
             self.http_port = await self._http.start(self.http_addr, origin=self.http_origin)
-            log.info("KServe V2 REST on %s (port %d)", self.http_addr, self.http_port)
+            log.info("KServe V2 REST on %s", with_port(self.http_addr, self.http_port))
         # Bound last and started at once: a gRPC server that is never started keeps its port open until the
         # process exits, stopped or not. Tried again first: the HTTP or metrics listener may have taken it.
         self._check_grpc_address()
@@ -204,7 +204,7 @@ class NereidServer:
         self._loop_watch.start()
         self._descriptor_watch.start()
         await self.update_health()
-        log.info("nereid listening on %s (port %d, %s, repository control %s)", self.bind_addr, port,
+        log.info("nereid listening on %s (%s, repository control %s)", with_port(self.bind_addr, port),
                  "mutual TLS" if config.tls and config.tls.client_ca else "TLS" if config.tls else "plaintext",
                  "on" if control else "off")
         return port
@@ -217,7 +217,7 @@ class NereidServer:
         """
         problem = bind_problem(self.bind_addr)
         if problem is not None:
-            raise OSError(f"cannot listen on {self.bind_addr} ({self.bind_origin}): {problem.strerror or problem}")
+            raise cannot_listen(self.bind_addr, self.bind_origin, problem)
 
     def _add_grpc_port(self, server: grpc.aio.Server) -> int:
         """Bind :attr:`bind_addr` on ``server``; an OSError naming the address and where it came from if not."""
@@ -228,9 +228,9 @@ class NereidServer:
             else:
                 port = server.add_insecure_port(self.bind_addr)
         except RuntimeError as err:  # grpc raises when the address cannot be bound (taken since it was tried)
-            raise OSError(f"cannot listen on {self.bind_addr} ({self.bind_origin}): {err}") from None
+            raise cannot_listen(self.bind_addr, self.bind_origin, str(err)) from None
         if port == 0:
-            raise OSError(f"cannot listen on {self.bind_addr} ({self.bind_origin})")
+            raise cannot_listen(self.bind_addr, self.bind_origin)
         return port
 
     async def _close_after_failed_start(self, server: grpc.aio.Server) -> None:

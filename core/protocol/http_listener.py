@@ -29,7 +29,7 @@ import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from nereid.errors import cap_message
-from nereid.listening import bind_listening_sockets, host_and_port
+from nereid.listening import bind_listening_sockets, cannot_listen, host_and_port
 from nereid.log_limit import RateLimitedLog
 from nereid.protocol.http_service import HttpSurface, client_log, error_body, peer
 
@@ -111,7 +111,7 @@ class HttpListener:
         try:
             sockets = bind_listening_sockets(*host_and_port(addr))
         except OSError as err:
-            raise OSError(f"cannot listen on {addr} ({origin}): {err.strerror or err}") from None
+            raise cannot_listen(addr, origin, err) from None
         # No log_config and no log_level: uvicorn would otherwise give its loggers handlers of its own, in its
         # own format, that do not propagate, and a level of their own that ignores --log-level. Its records
         # go to the root logger's handler, at the root logger's level, through _UvicornRecords.

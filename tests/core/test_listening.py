@@ -127,3 +127,19 @@ def test_grpc_s_address_is_probed_as_grpc_binds_it():
         assert isinstance(problem, OSError) and problem.errno == errno.EADDRINUSE
     assert bind_problem(f"127.0.0.1:{port}") is None  # let go
     assert isinstance(bind_problem("no-such-host.invalid:8001"), socket.gaierror)
+
+
+def test_an_ipv6_address_the_host_lacks_is_said_to_be_one():
+    """The operator hunt: in a container without IPv6 the default [::1] addresses were refused with only "Cannot
+    assign requested address". (2001:db8::/32 is for documentation: no host has it.)"""
+    from nereid.listening import bind_problem, cannot_listen
+    from nereid.metrics_endpoint import MetricsEndpoint
+    from prometheus_client import CollectorRegistry
+
+    with pytest.raises(OSError) as refused:
+        MetricsEndpoint(CollectorRegistry()).serve("[2001:db8::1]:0")
+    assert str(refused.value).startswith("cannot listen on [2001:db8::1]:0 (server.metrics_addr): ")
+    assert str(refused.value).endswith("(this host has no IPv6 address there: listen on 127.0.0.1 or 0.0.0.0 instead)")
+    problem = bind_problem("[2001:db8::1]:0")  # as gRPC's address is probed
+    assert problem is not None and "no IPv6 address there" in str(cannot_listen("[2001:db8::1]:0", "--bind", problem))
+    assert "IPv6" not in str(cannot_listen("192.0.2.1:0", "--bind", bind_problem("192.0.2.1:0")))
