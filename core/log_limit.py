@@ -13,6 +13,7 @@ import asyncio
 import logging
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 
 # A report timer that finds this much of a window left ran after a line began a new window (and told the count).
@@ -78,6 +79,7 @@ class RateLimitedLog:
         self._budget = _Budget(burst, window_s)
         # A flood that stops would otherwise never say how large it was.
         self._report = _CountReport()
+        _LOGS.add(self)
 
     def sharing(self, logger: logging.Logger) -> RateLimitedLog:
         """A log writing through ``logger`` within this one's limit: the lines of both count together."""
@@ -139,7 +141,18 @@ class RateLimitedLog:
             if self._budget.refused():
                 self._schedule(loop, left)
             return
-        suppressed = self._budget.take_refused()
+        self._say_count(self._budget.take_refused())
+
+    def say_suppressed_now(self) -> None:
+        """Say now how many lines were suppressed and not yet told, rather than at the window's end."""
+        report = self._report
+        if report.handle is not None:
+            report.handle.cancel()
+            report.handle = None
+        self._say_count(self._budget.take_refused())
+
+    def _say_count(self, suppressed: int) -> None:
+        report = self._report
         if not suppressed or report.last is None:
             return
         logger, level, message, args = report.last
@@ -149,6 +162,18 @@ class RateLimitedLog:
             last = f"{message} {args!r}"
         logger.log(level, "%d similar message(s) suppressed in the last %g s (at most %d written per window); "
                    "the last: %s", suppressed, self._budget.window_s, self._budget.burst, last)
+
+
+# Every RateLimitedLog made, for say_suppressed_counts_now (held weakly: a log goes with its owner).
+_LOGS: weakref.WeakSet[RateLimitedLog] = weakref.WeakSet()
+
+
+def say_suppressed_counts_now() -> None:
+    """Have every rate-limited log say now what it suppressed and has not told yet: called as the server stops,
+    whose loop closes before the windows' timers run (a flood just before a stop was never told; the operator
+    hunt). On the event loop the timers were set on."""
+    for log in list(_LOGS):
+        log.say_suppressed_now()
 
 
 class OnceLog:

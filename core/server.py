@@ -19,6 +19,7 @@ from nereid.descriptor_watch import DescriptorWatch
 from nereid.leftovers import (asked_temporary_directory, make_scratch_folder, remove_scratch_folder,
                               remove_stale_scratch)
 from nereid.listening import bind_problem, cannot_listen, with_port
+from nereid.log_limit import say_suppressed_counts_now
 from nereid.loop_watch import LoopWatch
 from nereid.metrics import ServerMetrics
 from nereid.plugins import make_plugin_manager, plugin_code
@@ -379,6 +380,7 @@ class NereidServer:
         if self._loop_watch is not None:
             self._loop_watch.stop()
         self._descriptor_watch.stop()
+        say_suppressed_counts_now()  # (their windows' timers would never run: the loop closes)
         log.info("nereid stopped")
 
     def _log_work_left(self) -> None:

@@ -6,7 +6,7 @@ import asyncio
 import logging
 import time
 
-from nereid.log_limit import RateLimitedLog, RateLimitFilter
+from nereid.log_limit import RateLimitedLog, RateLimitFilter, say_suppressed_counts_now
 
 
 def test_the_next_line_let_through_says_how_many_were_dropped():
@@ -41,6 +41,23 @@ def test_a_flood_that_stops_still_says_how_many_lines_were_suppressed(caplog):
                      ("WARNING", "4 similar message(s) suppressed in the last 0.2 s (at most 2 written per window); "
                                  "the last: other garbage")]
     assert [r.name for r in caplog.records if r.name.startswith("nereid.test_flood")][-1] == "nereid.test_flood.other"
+
+
+def test_the_counts_not_yet_told_are_told_at_once_when_asked(caplog):
+    """Defect (the operator hunt): a flood just before the server stopped was never told, its window's timer
+    cancelled with the loop; the stop asks every log to tell its count now."""
+    limited = RateLimitedLog(logging.getLogger("nereid.test_stop"), burst=1, window_s=10)
+
+    async def flood_then_stop() -> None:
+        for i in range(4):
+            limited.warning("garbage %d", i)
+        say_suppressed_counts_now()  # (as the server's stop does)
+
+    with caplog.at_level(logging.INFO, logger="nereid.test_stop"):
+        asyncio.run(flood_then_stop())
+    assert [r.getMessage() for r in caplog.records if r.name == "nereid.test_stop"] == [
+        "garbage 0", "3 similar message(s) suppressed in the last 10 s (at most 1 written per window); the last: "
+                     "garbage 3"]
 
 
 def test_a_line_written_after_the_window_carries_the_count_instead(caplog):
