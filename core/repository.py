@@ -552,6 +552,11 @@ class ModelRepository:
                 and all(self._entries[name].state is ModelState.READY
                         for name in self._exposed - self._counted_once_ready if name in self._entries))
 
+    def holding_readiness(self) -> list[tuple[str, str]]:
+        """The models that keep :meth:`server_ready` false, with their states (sorted by name)."""
+        return sorted((name, self._entries[name].state.value) for name in self._exposed - self._counted_once_ready
+                      if name in self._entries and self._entries[name].state is not ModelState.READY)
+
     async def load(self, name: str, *, retrying: str | None = None, requested: bool = False,
                    counted: bool = True) -> ModelEntry:
         """Load a model folder, or a loaded one again (see :meth:`reload`). A failure to load leaves it

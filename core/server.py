@@ -297,6 +297,18 @@ class NereidServer:
             for service in ("", SERVICE_NAME):
                 await self._health.set(service, status)
             self._published = status
+            self._log_readiness(status)
+
+    def _log_readiness(self, status: int) -> None:
+        """Say each change of the server's readiness, and what holds it back: an operator chasing a pod that is
+        not ready had only the models' own lines to infer it from (the operator hunt)."""
+        if status == health_pb2.HealthCheckResponse.SERVING:
+            log.info("server ready (ServerReady, /v2/health/ready and the gRPC health service say so)")
+        elif not (self.dataplane.shutting_down or self.dataplane.leaving):  # (the stop says so itself)
+            held = [f"'{name}' {state}" for name, state in self.repository.holding_readiness()]
+            why = ", ".join(held[:5]) + (f" and {len(held) - 5} more" if len(held) > 5 else "")
+            log.info("server not ready: %s", f"model(s) not READY: {why}" if held else "the repository is not "
+                     "listed yet")
 
     def _health_status(self) -> int:
         return (health_pb2.HealthCheckResponse.SERVING if self.dataplane.ready()

@@ -122,6 +122,18 @@ def test_health_follows_a_rescan_that_forgets_a_failed_model(repo, serve):
     assert agrees(server, True)
 
 
+def test_each_change_of_readiness_is_logged_with_what_holds_it_back(repo, serve, caplog):
+    """The operator hunt: no line said the server had become ready, or why it was not."""
+    write_toy(repo.models_dir, "steady")
+    broken = write_toy(repo.models_dir, "broken")
+    (broken / "fail.txt").write_text("weights are corrupt")
+    caplog.set_level(logging.INFO, "nereid.server")
+    server = serve(repo.write_config("- name: steady\n"), manager=manager())
+    assert "server ready (ServerReady, /v2/health/ready and the gRPC health service say so)" in caplog.messages
+    expect_grpc_error("INTERNAL", lambda: server.client.load_model("broken"), "weights are corrupt")
+    assert "server not ready: model(s) not READY: 'broken' LOADING" in caplog.messages  # (its load began)
+
+
 def test_a_folder_added_after_the_start_without_a_models_key_or_a_watch_says_so(repo, serve):
     """Found by a bug hunt: it said "not listed in nereid.yaml", of a nereid.yaml that lists nothing (with no
     models: key every folder loads at start)."""
