@@ -464,12 +464,6 @@ class DataPlane:
         reason = Unavailable.reason if self.grace_passed else cancellation_reason(request.deadline_ns, now)
         model.stats.record_failure(now - received_ns, reason)
 
-    def queue_full(self, name: str) -> bool:
-        """Whether the version of ``name`` serving now has no place in its queue for one more request (False when
-        none serves: its infer answers why)."""
-        model = self._serving(name)
-        return model is not None and model.scheduler.full
-
     def _serving(self, name: str) -> LoadedModel | None:
         """The version of ``name`` serving now; None when none is READY."""
         return self.repository.serving(name)

@@ -122,12 +122,6 @@ class ModelScheduler:
         return len(self._pending)
 
     @property
-    def full(self) -> bool:
-        """Whether a request submitted now would find no place in the queue (as far as the queue and the hook
-        stage's count tell: the exact test is the submit's own)."""
-        return self.queued_past_free_instances + self._hook_calls >= self.capacity
-
-    @property
     def queued_past_free_instances(self) -> int:
         """The queued requests that wait for an instance: those a free one takes next (one each, at least: at the
         batcher's next turn, or at the end of a batching window) left out; what ``queue_capacity`` bounds.

@@ -352,11 +352,9 @@ class InferenceServicer:
             self._running.discard(task)
 
     async def _infer(self, received: Received, context, streamed: bool = False,
-                     counted: Callable[[str, str], None] | None = None,
-                     read_at: tuple[int, float | None] | None = None) -> bytes:
+                     counted: Callable[[str, str], None] | None = None) -> bytes:
         """Run one request; its answer serialized (``streamed``: as a ModelStreamInferResponse). Its outcome is
-        counted among the protocol's requests, or given to ``counted`` (a stream's: counted once sent).
-        ``read_at``: the instant the request was read and the gRPC time remaining then (by default, now)."""
+        counted among the protocol's requests, or given to ``counted`` (a stream's: counted once sent)."""
         count = counted or self._counted
         request = received.message
         if received.size >= TRIM_AFTER_BYTES:
@@ -364,7 +362,7 @@ class InferenceServicer:
             asyncio.get_running_loop().run_in_executor(None, release_free_heap)
         model_name = request.model_name
         # The gRPC deadline, read with the instant it was read: a large request's decode must not move it.
-        sampled_ns, remaining_s = read_at or (time.monotonic_ns(), context.time_remaining())
+        sampled_ns, remaining_s = time.monotonic_ns(), context.time_remaining()
         try:
             self.dataplane.admit(model_name)
             self.dataplane.check_target(model_name, request.model_version)
@@ -419,8 +417,6 @@ class InferenceServicer:
         # Each finished answer with its request's place in the stream (from 0, in reading order).
         answers: asyncio.Queue[tuple[int, pb.ModelStreamInferResponse | bytes] | _Wake | None] = asyncio.Queue()
         pending: set[asyncio.Task] = set()
-        # The requests still running, by place: their model's name and task.
-        running: dict[int, tuple[str, asyncio.Task]] = {}
         # Requests read and not yet answered on the wire: counted from the moment each is read (before its task
         # exists), so that a stream closed at shutdown never drops one.
         unanswered = 0
@@ -450,9 +446,7 @@ class InferenceServicer:
                 return
             model, request_id = received.message.model_name, received.message.id
             try:
-                read_at = (time.monotonic_ns(), context.time_remaining())
-                await room_after_earlier(place, model)
-                wire = await self._infer(received, context, streamed=True, counted=recorder(place), read_at=read_at)
+                wire = await self._infer(received, context, streamed=True, counted=recorder(place))
             except NereidError as err:
                 message = self.dataplane.error_text(err)
             except asyncio.CancelledError:
@@ -473,20 +467,6 @@ class InferenceServicer:
             await answers.put((place, pb.ModelStreamInferResponse(error_message=cap_message(message),
                                                                   infer_response=stub)))
 
-        async def room_after_earlier(place: int, model: str) -> None:
-            """While ``model``'s queue is full, wait for this stream's own earlier requests to it to be answered.
-
-            Answers go out in the order requests were read, so one behind them could not be answered sooner:
-            refused instead (queue full), a stream that sent more at once than the model's queue_capacity got
-            those refusals where Triton, its queue unbounded by default, queued them all (the Triton client
-            hunt). A queue full of other clients' requests still refuses it at once.
-            """
-            while self.dataplane.queue_full(model):
-                earlier = [task for at, (name, task) in running.items() if at < place and name == model]
-                if not earlier:
-                    return
-                await asyncio.wait(earlier, return_when=asyncio.FIRST_COMPLETED)
-
         async def read() -> None:
             nonlocal unanswered
             read_count = 0
@@ -495,9 +475,6 @@ class InferenceServicer:
                     unanswered += 1
                     await in_flight.acquire()
                     task = asyncio.create_task(answer(read_count, received))
-                    if not isinstance(received, Unreadable):
-                        running[read_count] = (received.message.model_name, task)
-                        task.add_done_callback(functools.partial(lambda at, _: running.pop(at, None), read_count))
                     read_count += 1
                     pending.add(task)
                     task.add_done_callback(pending.discard)

@@ -848,24 +848,6 @@ def test_requests_beyond_queue_capacity_are_unavailable_and_the_rest_succeed(rep
     echo(server, "slow", [7] * 4)  # capacity frees up again once the queue drains
 
 
-def test_a_stream_sending_more_than_the_queue_holds_waits_for_its_own_earlier_answers(repo, serve):
-    """Defect (the Triton client hunt): one stream's burst past queue_capacity got "queue is full" for the
-    rest, where Triton (its queue unbounded by default) queued them all; its answers go out in order, so a
-    request behind its own earlier ones could not have been answered sooner."""
-    repo.python("m", textproto=textproto_single("INT8", max_batch_size=0))
-    server = serve(repo.write_config('- name: "m"\n  instances: 1\n  queue_capacity: 1\n'))
-    answers: queue.Queue = queue.Queue()
-    server.client.start_stream(callback=lambda result, error: answers.put((result, error)))
-    try:
-        for value in range(12):
-            server.client.async_stream_infer("m", [int8_input([value] * 4)], request_id=str(value))
-        got = [answers.get(timeout=30) for _ in range(12)]
-    finally:
-        server.client.stop_stream()
-    assert [error for _, error in got] == [None] * 12
-    assert [result.as_numpy("output").tolist() for result, _ in got] == [[value] * 4 for value in range(12)]
-
-
 def test_a_stream_request_meeting_a_queue_full_of_other_clients_requests_is_refused_at_once(repo, serve):
     server, folder = start_slow(repo, serve, extra="  queue_capacity: 1\n")
     others = Answers()
