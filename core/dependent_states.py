@@ -76,7 +76,11 @@ def log_unavailable(entry: ModelEntry, verdict: Readiness, detail: str = "", rep
     cause is a store failure ``repeated`` (see ``ModelRepository.load``'s
     ``retrying``); at WARNING otherwise.
     """
-    level = logging.INFO if verdict.loading else logging.DEBUG if repeated else logging.WARNING
+    if verdict.loading:  # (worded as the wait it is: a line saying UNAVAILABLE at every clean start tripped log
+        # alerts that look for the word; the operator hunt. Its reason in RepositoryIndex stays the state's.)
+        log.info("model '%s' is waiting for the models it calls: %s%s", entry.name, verdict.why, detail)
+        return
+    level = logging.DEBUG if repeated else logging.WARNING
     log.log(level, "model '%s' is UNAVAILABLE: %s%s", entry.name, verdict.why, detail)
 
 
