@@ -34,7 +34,6 @@ from nereid.init_process import fork_init_if_pid_1
 from nereid.leftovers import ScratchFolderError, make_scratch_folder, remove_scratch_folder
 from nereid.log_format import one_record_per_line, stderr_handler
 from nereid.log_limit import EndedCallFilter, RateLimitFilter
-from nereid.memory import pin_mmap_threshold
 from nereid.model_building import build_model
 from nereid.model_entry import waiting_for_folder
 from nereid.model_runner import checked_input_check
@@ -272,7 +271,6 @@ def serve_command(settings: Settings, listeners: Listeners, manager: NereidPlugi
     # As a container's PID 1, the server runs as a child of nereid's own init, which reaps the orphans the kernel
     # hands PID 1 (see init_process): before the server's imports and threads, once nereid.yaml has been read.
     fork_init_if_pid_1()
-    pin_mmap_threshold()  # (before any thread of the server's: see nereid.memory)
     from nereid.server import NereidServer  # grpc is only needed to serve
 
     manager = manager or make_plugin_manager()
