@@ -53,7 +53,7 @@ def test_waiting_on_a_model_loading_is_info_and_its_failure_then_a_warning(caplo
     known["b"].state, known["b"].reason = ModelState.UNAVAILABLE, "bad weights"
     states.refresh(known)  # UNAVAILABLE already, but now on a failure, not a model READY soon: said again
     assert lines(caplog) == [
-        (logging.INFO, "model 'a' is UNAVAILABLE: dependency 'b' is not ready (LOADING)"),
+        (logging.INFO, "model 'a' is waiting for the models it calls: dependency 'b' is not ready (LOADING)"),
         (logging.WARNING, "model 'a' is UNAVAILABLE: dependency 'b' is not ready (UNAVAILABLE: bad weights)")]
 
 
