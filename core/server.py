@@ -376,7 +376,7 @@ class NereidServer:
                     log.warning("%d gRPC inference request(s) still in flight after the %g s grace: answering "
                                 "them UNAVAILABLE", ended, grace)
             await stopping
-            if self._servicer is not None and (stuck := self._servicer.still_running_after_grace()):
+            if self._servicer is not None and (stuck := self._servicer.never_answered_after_grace()):
                 # Said after the fact: the line above only asked them to end.
                 log.warning("%d of them never answered: their model's code did not end when cancelled (a coroutine "
                             "that swallows CancelledError), so gRPC's stop cut their clients off", stuck)

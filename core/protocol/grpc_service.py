@@ -243,6 +243,9 @@ class InferenceServicer:
         # client gone or gRPC's own).
         self._running: set[asyncio.Task] = set()
         self._ended_at_grace: weakref.WeakSet[asyncio.Task] = weakref.WeakSet()
+        # Of those, how many were answered only once gRPC's stop had cut their call off, and which.
+        self._cut_off_at_grace = 0
+        self._cut_off: weakref.WeakSet[asyncio.Task] = weakref.WeakSet()
 
     def _refuse_unreadable(self, rpc: str, request: Unreadable, context: grpc.aio.ServicerContext) -> str:
         """Count and log (naming its client) a request that cannot be parsed; the client's answer."""
@@ -278,10 +281,12 @@ class InferenceServicer:
             loop.call_soon(self._end, task)
         return len(running)
 
-    def still_running_after_grace(self) -> int:
-        """How many of the requests :meth:`end_at_grace` ended are still running: their model's code did not end
-        when cancelled (a coroutine that swallows CancelledError), so no answer of nereid's reached their clients."""
-        return sum(1 for task in self._ended_at_grace if not task.done())
+    def never_answered_after_grace(self) -> int:
+        """How many of the requests :meth:`end_at_grace` ended got no answer of nereid's: their model's code did not
+        end when cancelled (a coroutine that swallows CancelledError), and they are still running, or they ended only
+        once cancelled again (gRPC's stop cutting their call off at its deadline), their answer too late."""
+        return self._cut_off_at_grace + sum(1 for task in self._ended_at_grace
+                                            if not task.done() and task not in self._cut_off)
 
     @property
     def running_requests(self) -> int:
@@ -302,7 +307,14 @@ class InferenceServicer:
         request is answered (UNAVAILABLE) rather than cancelled."""
         if not self._past_grace():
             return False
-        asyncio.current_task().uncancel()
+        task = asyncio.current_task()
+        if task.cancelling() > 1:
+            # Cancelled again since end_at_grace's (gRPC's stop cut the call off, a meta model's orchestration
+            # having swallowed the first): the answer reaches no one. Counted here, as it happens: whether the task
+            # is still running when gRPC's stop returns depends on which of the two the loop runs first.
+            self._cut_off_at_grace += 1
+            self._cut_off.add(task)  # (counted once, if it still runs, answering)
+        task.uncancel()
         return True
 
     @_maps_errors
