@@ -38,9 +38,9 @@ def watched(body, warn_after_s: float = WARN_AFTER_S, plugin_code: tuple[str, ..
     asyncio.run(main())
 
 
-def a_large_heap() -> tuple[list, float]:
+def a_large_heap(objects: int = 400_000) -> tuple[list, float]:
     """A heap whose full collection takes a while (kept alive by the caller), and how long one took."""
-    heap = [(index, [index]) for index in range(400_000)]
+    heap = [(index, [index]) for index in range(objects)]
     started = time.monotonic()
     gc.collect()
     return heap, time.monotonic() - started
@@ -402,7 +402,10 @@ def test_a_collection_that_a_look_triggers_is_not_blamed_on_the_callback_by_the_
     """An allocation of the watching thread's own look can start a collection, after the look read the time:
     counted before the hold was first seen, it was the callback's at the next look."""
     caplog.set_level(logging.WARNING, "nereid.loop")
-    heap, one_collection_s = a_large_heap()
+    # A limit of about 0.15 s, of which the callback's own code takes half: the other half is the margin for the
+    # process waiting for a core, which the watch cannot tell from a hold (0.015 s at 400,000 objects and 0.7 of
+    # the limit: a CI run under load failed on it).
+    heap, one_collection_s = a_large_heap(1_200_000)
     warn_after_s = one_collection_s * 0.9  # the collection alone lasts longer than the limit
     looked: list[bool] = []
     callback_frame = LoopWatch._callback_frame
@@ -416,10 +419,10 @@ def test_a_collection_that_a_look_triggers_is_not_blamed_on_the_callback_by_the_
     monkeypatch.setattr(LoopWatch, "_callback_frame", callback_frame_then_a_collection, raising=True)
 
     async def model() -> None:
-        # The callback's own code, for 0.7 of the limit (the time the look's collection stops it is not its):
+        # The callback's own code, for half the limit (the time the look's collection stops it is not its):
         # the watch looks again after its collection, while the callback still holds the loop.
         own_s, last = 0.0, time.monotonic()
-        while own_s < warn_after_s * 0.7:
+        while own_s < warn_after_s * 0.5:
             now = time.monotonic()
             if now - last < warn_after_s / 4:
                 own_s += now - last

@@ -57,7 +57,7 @@ def test_metrics_connections_trickling_a_request_are_closed_at_the_deadline() ->
     try:
         for connection in trickling:
             connection.sendall(b"GET /metrics HTTP/1.1\r\n")
-        while len(closed_after) < len(trickling) and time.monotonic() - started < 4:
+        while len(closed_after) < len(trickling) and time.monotonic() - started < 8:
             time.sleep(0.1)  # far less than the timeout between lines, far more than it in all
             for index, connection in enumerate(trickling):
                 if index not in closed_after:
@@ -66,7 +66,9 @@ def test_metrics_connections_trickling_a_request_are_closed_at_the_deadline() ->
                     except OSError:  # the server closed it and answered the next line with a reset
                         closed_after[index] = time.monotonic() - started
         assert len(closed_after) == len(trickling)
-        assert max(closed_after.values()) < 2.5
+        # Closed at the 1 s deadline, the trickle notwithstanding; the bound leaves room for a loaded machine
+        # (2.67 s seen in a run beside three busy loops), far below the 8 s the trickle goes on for.
+        assert max(closed_after.values()) < 4
         assert b"nereid_test_total" in urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
     finally:
         for connection in trickling:
