@@ -1,12 +1,30 @@
 """nereid: a Triton-compatible model server (KServe V2 / Open Inference Protocol over gRPC and HTTP)."""
 
-from importlib.metadata import PackageNotFoundError, version
+from __future__ import annotations
 
-try:
-    __version__ = version("nereid")
-except PackageNotFoundError:  # running from a source tree that was never installed
-    __version__ = "0.0.0"
+from typing import TYPE_CHECKING, Any
 
-from nereid.model_hooks import register_model  # noqa: E402  (stdlib only: keeps `import nereid` light)
+if TYPE_CHECKING:
+    from nereid.model_hooks import register_model
 
 __all__ = ["__version__", "register_model"]
+
+
+def __getattr__(name: str) -> Any:
+    """``register_model`` and ``__version__``, looked up on first use (PEP 562) rather than when the package is
+    imported: the console script (:mod:`nereid.entry`) records stop signals once ``import nereid`` has run, and
+    these two, importing asyncio and importlib.metadata, had doubled Python's own start before it (the hunt of
+    the console script's fix: a SIGTERM in that window, to a container's PID 1, was dropped)."""
+    if name == "register_model":
+        from nereid.model_hooks import register_model
+        globals()[name] = register_model  # (looked up once)
+        return register_model
+    if name == "__version__":
+        from importlib.metadata import PackageNotFoundError, version
+        try:
+            found = version("nereid")
+        except PackageNotFoundError:  # running from a source tree that was never installed
+            found = "0.0.0"
+        globals()[name] = found
+        return found
+    raise AttributeError(f"module 'nereid' has no attribute {name!r}")

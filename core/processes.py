@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 
 
@@ -42,16 +43,47 @@ def record_early_stops(signums: list[signal.Signals]) -> None:
 
 
 def _record_early_stop(signum: int, frame: object) -> None:
+    if _early_stops:
+        # A second stop while still importing: the first waited for the command to be able to act on it, and an
+        # import that never returns (a plugin's, hung on a network mount) would keep it waiting for ever, Ctrl-C
+        # pressed twice included (the hunt of the console script's fix). The second is taken to mean it: nothing
+        # that needs a clean-up has been started yet.
+        _say(f"nereid: {signal.Signals(signum).name} again while starting: stopping now\n")
+        die_of(signal.Signals(signum))
     _early_stops.append(signal.Signals(signum))
 
 
+def _say(line: str) -> None:
+    try:
+        os.write(2, line.encode())
+    except OSError:  # (no stderr left: the exit status still says it)
+        pass
+
+
+def die_of(signum: signal.Signals) -> None:
+    """End this process as ``signum``'s default action does (its wait status names the signal: a shell says 143 for
+    SIGTERM, 130 for SIGINT; no KeyboardInterrupt traceback), or, where the kernel gives that signal no default
+    action (a PID namespace's init, a container's PID 1), exit with 128 + its number. Never returns."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None:
+                stream.flush()
+        except (OSError, ValueError):
+            pass
+    signal.signal(signum, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signum])
+    signal.raise_signal(signum)
+    os._exit(128 + signum)  # (still here: the default is ignored in this process)
+
+
 def redeliver_early_stops() -> None:
-    """Put back the handlers :func:`record_early_stops` replaced, and raise again the first stop signal it recorded:
-    for a command that does not start a server, a stop during its imports acts as the signal does (its default:
-    143 for SIGTERM), only later."""
+    """Put back the handlers :func:`record_early_stops` replaced, and end the process as the first stop signal it
+    recorded would have (:func:`die_of`): for a command that does not start a server, a stop during its imports
+    acts as the signal does (143 for SIGTERM, 130 without a traceback for Ctrl-C), only later; as PID 1 too, where
+    raising it again was ignored and the command ran on."""
     came = release_early_stops()
     if came is not None:
-        signal.raise_signal(came)
+        die_of(came)
 
 
 def release_early_stops() -> signal.Signals | None:

@@ -352,6 +352,77 @@ def test_the_console_script_records_a_stop_from_before_the_server_s_imports(repo
     assert "signal received (SIGTERM) before the server started: not starting" in stderr
 
 
+def _console_script_in_a_slow_plugin_import(tmp_path: Path, args: list[str], import_s: float) -> subprocess.Popen:
+    """The console script (nereid.entry) running ``args``, with an installed plugin whose import takes ``import_s``
+    (a license server, a network mount); returned once that import has begun."""
+    site, began = tmp_path / "site", tmp_path / "import.began"
+    toy_backends.install_plugin(site, "slow-import", "slow_import", "slow_import_plugin",
+                                f"import pathlib, time\npathlib.Path({str(began)!r}).touch()\ntime.sleep({import_s})\n")
+    process = subprocess.Popen([sys.executable, "-c", "import sys\nfrom nereid.entry import main\nsys.exit(main())",
+                                *args], stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (
+                                   str(site), os.environ.get("PYTHONPATH"))))})
+    deadline = time.monotonic() + 60
+    while not began.exists():
+        assert time.monotonic() < deadline and process.poll() is None, process.stderr.read()
+        time.sleep(0.01)
+    return process
+
+
+@pytest.mark.parametrize("command", ["serve", "check"])
+def test_a_second_stop_signal_ends_a_command_whose_plugin_import_hangs(repo, tmp_path, command) -> None:
+    """Defect (the hunt of the console script's fix): a stop is recorded while the command imports, and acted on
+    once it can; a plugin's import that hung kept every SIGTERM, and Ctrl-C pressed twice, waiting with it (only
+    SIGKILL ended it). The second is taken to mean it."""
+    repo.python("echo")
+    bind = ["--bind", f"127.0.0.1:{free_port()}"] if command == "serve" else []
+    process = _console_script_in_a_slow_plugin_import(
+        tmp_path, [command, "--config", str(repo.write_config()), *bind], import_s=60)
+    try:
+        process.send_signal(signal.SIGTERM)
+        time.sleep(0.2)
+        assert process.poll() is None  # (the first waits for the command)
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=20)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == -signal.SIGTERM, stderr[-2000:]
+    assert "nereid: SIGTERM again while starting: stopping now" in stderr
+
+
+def test_a_ctrl_c_during_a_command_s_imports_ends_it_as_ctrl_c_does_without_a_traceback(repo, tmp_path) -> None:
+    """Defect (the hunt of the console script's fix): the Ctrl-C recorded while `nereid check` imported was raised
+    again once it had read its command line, as a KeyboardInterrupt out of nereid's own code: a traceback, where
+    a Ctrl-C at any other time of a check prints none."""
+    repo.python("echo")
+    process = _console_script_in_a_slow_plugin_import(tmp_path, ["check", "--config", str(repo.write_config())],
+                                                      import_s=0.5)
+    try:
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == -signal.SIGINT, stderr[-2000:]
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-2000:]
+
+
+def test_importing_nereid_imports_nothing_heavy_before_the_console_script_records_stops() -> None:
+    """Defect (the hunt of the console script's fix): `import nereid`, which `nereid.entry` runs before it records
+    stop signals, imported asyncio and importlib.metadata (for register_model and __version__): 56 ms on a quiet
+    machine, 150-270 ms on a busy one, in which a SIGTERM to a container's PID 1 was dropped. Both are looked up
+    on first use now, and still there."""
+    probe = ("import sys\nimport nereid.entry\nprint(sorted(m for m in ('asyncio', 'importlib.metadata', "
+             "'nereid.model_hooks') if m in sys.modules))\nimport nereid\nfrom nereid import register_model\n"
+             "print(nereid.register_model is register_model, nereid.__version__ == __import__('importlib.metadata')"
+             ".metadata.version('nereid'))")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert result.stdout.split("\n")[:2] == ["[]", "True True"], result.stderr[-2000:]
+
+
 def test_serve_stopped_while_a_bundle_compiles_exits_zero(repo) -> None:
     """Defect: SIGTERM while an XLA bundle compiled at start aborted the server (SIGABRT, exit 134, "FATAL:
     exception not rethrown") after "nereid stopped": the interpreter's shutdown unwound the abandoned load's

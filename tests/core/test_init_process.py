@@ -10,6 +10,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 
 import numpy as np
@@ -18,6 +19,7 @@ import tritonclient.grpc as triton
 
 from nereid.init_process import exit_status
 from support import NEREID, free_port, server_ready, wait_until
+from toy_backends import install_plugin
 
 # Doubles its float32 input; first forks a helper that it never waits for, as plenty of real programs do: the
 # helper outlives the run, and its parent's end hands it to the namespace's PID 1.
@@ -155,6 +157,31 @@ def test_the_init_exits_with_the_servers_status_and_nereid_no_init_leaves_serve_
             [server] = _children(pid_1)
             os.kill(server, signal.SIGKILL)
             assert unshare.wait(30) == 128 + signal.SIGKILL
+    finally:
+        if unshare.poll() is None:
+            unshare.kill()
+            unshare.wait()
+
+
+def test_a_stop_during_a_check_s_imports_ends_it_as_pid_1_too(repo, tmp_path, as_pid_1) -> None:
+    """Defect (the hunt of the console script's fix): a SIGTERM recorded while `nereid check` imported was raised
+    again once it had read its command line; as PID 1, whose signals the kernel gives no default action, that was
+    ignored, and the check ran to its end with 0. It exits 143 now, as the signal would have ended it."""
+    repo.python("echo")
+    site, began = tmp_path / "site", tmp_path / "import.began"
+    install_plugin(site, "slow-import", "slow_import", "slow_import_plugin",
+                   f"import pathlib, time\npathlib.Path({str(began)!r}).touch()\ntime.sleep(0.5)\n")
+    unshare = subprocess.Popen([*UNSHARE, sys.executable, "-c", "import sys\nfrom nereid.entry import main\n"
+                                "sys.exit(main())", "check", "--config", str(repo.write_config())],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (
+                                   str(site), os.environ.get("PYTHONPATH")))), "NEREID_NO_INIT": "1"})
+    try:
+        pid_1 = _namespace_pid_1(unshare)
+        assert wait_until(lambda: began.exists() or unshare.poll() is not None, 60) and unshare.poll() is None
+        os.kill(pid_1, signal.SIGTERM)
+        assert unshare.wait(60) == 128 + signal.SIGTERM, unshare.stdout.read()[-2000:]
+        assert "echo" not in unshare.stdout.read()  # (the check's report of the model: it never ran)
     finally:
         if unshare.poll() is None:
             unshare.kill()
