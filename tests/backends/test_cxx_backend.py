@@ -492,14 +492,13 @@ def test_instances_calls_run_at_once_with_the_gil_released(repo, serve, libs):
         results.append(int(error is None and result.as_numpy("max_in_flight")[0]))
         done.release()
 
-    started = time.monotonic()
     for _ in range(4):
         server.client.async_infer("slow", [tensor("x", np.array([1], np.int64), "INT64")], answered)
     for _ in range(4):
         assert done.acquire(timeout=30)
-    elapsed = time.monotonic() - started
-    assert max(results) == 2 and min(results) >= 1, results  # two native calls overlapped, never three
-    assert elapsed < 1.0, elapsed  # 4 calls of 300 ms on 2 instances: two rounds (0.6 s), not four (1.2 s)
+    # Two native calls overlapped (the GIL held, none could), never three. (What the library counted, not the
+    # time taken: a bound of 1 s on the four calls failed on a starved machine.)
+    assert max(results) == 2 and min(results) >= 1, results
 
 
 def test_coalesced_requests_make_one_call(repo, serve, libs):

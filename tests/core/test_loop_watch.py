@@ -228,7 +228,9 @@ def test_many_short_callbacks_in_one_pass_of_the_loop_blame_none_of_them(caplog)
         await asyncio.gather(*tasks)
         assert time.monotonic() - started > WARN_AFTER_S * 2  # the pass was late enough to be taken for a hold
     watched(model)
-    assert watch_lines(caplog) == []
+    # None blamed. (A process starved of CPU is said to be, rightly: a run at nice 19 beside busy loops said so.)
+    assert [line for line in watch_lines(caplog) if not line.startswith("no Python code of the server could run")] \
+        == []
 
 
 def test_a_watch_whose_loop_ended_without_stop_blames_nothing_of_a_later_loop_and_ends(caplog):

@@ -300,7 +300,8 @@ def test_queued_requests_out_of_time_hold_no_place_from_a_request_of_the_preproc
         try:
             running = asyncio.create_task(run(rows(2), 1, 0))  # holds the one instance
             await until(lambda: backend.programs_run == [2])
-            deadline_ns = in_ms(200)
+            # (Time for the hooks to begin and the requests to queue, on a starved machine too.)
+            deadline_ns = in_ms(1000)
             queued = [asyncio.create_task(run(rows(3), 1, deadline_ns)) for _ in range(scheduler.capacity)]
             await until(lambda: scheduler.queue_depth == scheduler.capacity)
             # Past their deadline, the loop held: the expiry timer has not run yet.
@@ -331,7 +332,7 @@ def test_requests_whose_preprocess_hook_runs_past_their_deadline_hold_no_place_i
         scheduler = ModelScheduler("m", backend, SIGNATURE, capacity=2, instances=1, stats=ModelStats())
         run = make_runner(backend, SIGNATURE, SIGNATURE, scheduler, hooks)
         try:
-            deadline_ns = in_ms(200)
+            deadline_ns = in_ms(1000)  # (time for their hooks to begin, on a starved machine too)
             late = [asyncio.create_task(run(rows(1), 1, deadline_ns)) for _ in range(scheduler.capacity)]
             await until(lambda: backend.hooks_begun == [1] * scheduler.capacity)
             time.sleep(max(0, deadline_ns - time.monotonic_ns()) / 1e9 + 0.002)  # (their timers have not run)
