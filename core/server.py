@@ -378,8 +378,9 @@ class NereidServer:
             await stopping
             if self._servicer is not None and (stuck := self._servicer.never_answered_after_grace()):
                 # Said after the fact: the line above only asked them to end.
-                log.warning("%d of them never answered: their model's code did not end when cancelled (a coroutine "
-                            "that swallows CancelledError), so gRPC's stop cut their clients off", stuck)
+                log.warning("%d of them never answered: gRPC's stop cut their clients off, their model's code (or, "
+                            "in a stream, an earlier request's) not having ended when cancelled (a coroutine that "
+                            "swallows CancelledError)", stuck)
         # The listeners are closed once every client has its answer, but a run whose client went away holds its
         # slot until its program ends, at a stop as at an unload: it has what is left of the grace. Then what
         # still runs is ended rather than waited for.

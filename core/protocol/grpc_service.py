@@ -246,6 +246,9 @@ class InferenceServicer:
         # Of those, how many were answered only once gRPC's stop had cut their call off, and which.
         self._cut_off_at_grace = 0
         self._cut_off: weakref.WeakSet[asyncio.Task] = weakref.WeakSet()
+        # And how many stream requests were answered at the grace and their answer not yet sent: one waits behind
+        # an earlier request of its stream whose model did not end (answers go out in the stream's order).
+        self._unsent_at_grace = 0
 
     def _refuse_unreadable(self, rpc: str, request: Unreadable, context: grpc.aio.ServicerContext) -> str:
         """Count and log (naming its client) a request that cannot be parsed; the client's answer."""
@@ -284,9 +287,11 @@ class InferenceServicer:
     def never_answered_after_grace(self) -> int:
         """How many of the requests :meth:`end_at_grace` ended got no answer of nereid's: their model's code did not
         end when cancelled (a coroutine that swallows CancelledError), and they are still running, or they ended only
-        once cancelled again (gRPC's stop cutting their call off at its deadline), their answer too late."""
-        return self._cut_off_at_grace + sum(1 for task in self._ended_at_grace
-                                            if not task.done() and task not in self._cut_off)
+        once cancelled again (gRPC's stop cutting their call off at its deadline), their answer too late; or, in a
+        stream, their answer waits behind an earlier request's of that stream (the hunt of fa51e5c: two of a stream's
+        requests behind a stuck one were counted nowhere)."""
+        return self._cut_off_at_grace + self._unsent_at_grace + sum(
+            1 for task in self._ended_at_grace if not task.done() and task not in self._cut_off)
 
     @property
     def running_requests(self) -> int:
@@ -441,6 +446,8 @@ class InferenceServicer:
         # scheduler hunt). Once the stream is over, an outcome (a request cancelled with it) counts at once.
         outcomes: dict[int, tuple[str, str]] = {}
         stream_over = False
+        # The places of requests answered at the grace whose answer is not sent yet (see _unsent_at_grace).
+        given_at_grace: set[int] = set()
 
         def recorder(place: int) -> Callable[[str, str], None]:
             def record(model: str, outcome: str) -> None:
@@ -465,6 +472,9 @@ class InferenceServicer:
                 if not self._answered_at_grace():
                     raise
                 message = past_grace_message(model)  # answered in the stream, which then ends
+                if asyncio.current_task() not in self._cut_off:  # (counted already: its stream was over)
+                    given_at_grace.add(place)
+                    self._unsent_at_grace += 1
             except Exception as err:
                 # Every request gets exactly one answer, even when the failure is a bug.
                 log.exception("ModelStreamInfer: request '%s' failed", cap_message(request_id, 256))
@@ -519,6 +529,9 @@ class InferenceServicer:
                 # stay bounded in memory.
                 while next_place in finished:
                     yield finished.pop(next_place)
+                    if next_place in given_at_grace:
+                        given_at_grace.discard(next_place)
+                        self._unsent_at_grace -= 1
                     if (sent := outcomes.pop(next_place, None)) is not None:
                         self._counted(*sent)
                     next_place += 1

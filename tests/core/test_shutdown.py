@@ -544,6 +544,11 @@ nereid.register_model(orchestrate=orchestrate)
 '''
 
 
+NEVER_ANSWERED = ("{} of them never answered: gRPC's stop cut their clients off, their model's code (or, in a "
+                  "stream, an earlier request's) not having ended when cancelled (a coroutine that swallows "
+                  "CancelledError)")
+
+
 def test_a_request_whose_model_swallows_the_cancellation_at_the_grace_is_not_said_to_be_answered(repo, serve,
                                                                                                  caplog, monkeypatch):
     """Found by a bug hunt: the WARNING at the grace said each request still in flight was "answered UNAVAILABLE",
@@ -584,8 +589,7 @@ def test_a_request_whose_model_swallows_the_cancellation_at_the_grace_is_not_sai
                     or "never answered" in message]
         assert warnings == ["1 gRPC inference request(s) still in flight after the 0.3 s grace: answering them "
                             "UNAVAILABLE",
-                            "1 of them never answered: their model's code did not end when cancelled (a coroutine that "
-                            "swallows CancelledError), so gRPC's stop cut their clients off"], caplog.messages
+                            NEVER_ANSWERED.format(1)], caplog.messages
         # Cut off, the request's task ends at once (its meta model leaves the orchestration running): whether it had
         # ended when gRPC's stop returned was the loop's choice, and the count above was 0 when it had (CI, under
         # load). It counts still.
@@ -593,3 +597,42 @@ def test_a_request_whose_model_swallows_the_cancellation_at_the_grace_is_not_sai
         assert server.server._servicer.never_answered_after_grace() == 1
     finally:
         release.touch()
+
+
+def test_stream_requests_answered_at_the_grace_behind_one_whose_model_swallows_it_count_as_never_answered(
+        repo, serve, caplog, monkeypatch):
+    """Found by the hunt of fa51e5c: a stream's answers go out in its order, so the requests after one whose model
+    swallowed its cancellation, answered at the grace, waited behind it until gRPC's stop cut the stream: no
+    client got them, and the WARNING counted only the stuck one."""
+    folder = repo.models_dir / "stuck"
+    folder.mkdir(parents=True)
+    (folder / "manifest.yaml").write_text(
+        'format_version: "2.1"\nmeta: true\ndepends_on: []\n'
+        "client_inputs: [{name: input, dtype: f32, shape: ca, dims: {c: 4, a: 1}}]\n"
+        "client_outputs: [{name: y, dtype: f32, shape: ca, dims: {c: 4, a: 1}}]\n")
+    (folder / "model.py").write_text(SWALLOWS_CANCELLATION)
+    release = repo.root / "release"
+    monkeypatch.setenv("NEREID_TEST_RELEASE", str(release))  # (the model runs in this process)
+    plugin = HeldInfers()
+    write_toy(repo.models_dir, "held")
+    manager = make_plugin_manager(load_entry_points=False, extra_plugins=(toy_backends, plugin))
+    server = serve(repo.write_config("- name: stuck\n- name: held\n  backend: held\n"), manager=manager)
+    stream = Stream(server.url)
+    try:
+        stream.send("stuck", "first")
+        stream.send("held", "second")
+        stream.send("held", "third")
+        assert wait_until(lambda: server.server._servicer.running_requests == 3, PROMPT_S)
+        caplog.set_level(logging.WARNING, "nereid.server")
+        asyncio.run_coroutine_threadsafe(server.server.stop(grace_s=0.3), server.loop).result(PROMPT_S * 2)
+        seen = [stream.next()]
+        while seen[-1][0] != "ended":
+            seen.append(stream.next())
+        assert [(request_id, details) for request_id, _, details in seen] == [("ended", "Cancelling all calls")], \
+            seen  # none of the three answered: gRPC's stop cut the stream
+        warnings = [message for message in caplog.messages if "never answered" in message]
+        assert warnings == [NEVER_ANSWERED.format(3)], caplog.messages
+    finally:
+        plugin.release.set()
+        release.touch()
+        stream.close()
