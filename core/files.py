@@ -144,13 +144,42 @@ def escaping_link(folder: Path, root: Path) -> tuple[Path, Path] | None:
     return None
 
 
+def check_readable(folder: Path) -> None:
+    """ConfigError when the server's user cannot list ``folder``, or open what it lists: said so, where each
+    backend's claim failed on it apart (a plugin fault logged, then "no backend claims the folder"), and the load
+    blamed a file the folder does not hold (the operator hunt). Nothing for a folder that is gone or no folder:
+    each load path says that its own way."""
+    try:
+        with os.scandir(folder) as entries:
+            first = next(entries, None)
+    except PermissionError as err:
+        raise ConfigError(f"the folder {folder} cannot be read by the server's user (uid {os.geteuid()}): "
+                          f"{err.strerror}") from None
+    except OSError:  # (gone, or not a folder: each load path says that its own way)
+        return
+    if first is None:
+        return
+    try:
+        # Listed, but its files may still be out of reach: a folder without search (x) permission, as
+        # `chmod -R 644` leaves one, lists its names and opens none (a bare errno on main.py; the hunt of edc6865).
+        os.stat(first.path, follow_symlinks=False)
+    except PermissionError as err:
+        raise ConfigError(f"the files of the folder {folder} cannot be opened by the server's user (uid "
+                          f"{os.geteuid()}): {err.strerror} (a folder needs search permission, x, as well as "
+                          "read)") from None
+    except OSError:
+        pass
+
+
 def check_confined(folder: Path, root: Path, follow_symlinks: bool) -> None:
     """ConfigError when ``folder`` (or a file in it) is a symlink leading outside ``root``.
 
-    ``follow_symlinks`` (``server.follow_symlinks``) turns the check off.
+    ``follow_symlinks`` (``server.follow_symlinks``) turns the check off. A folder the server's user cannot read
+    is said to be (:func:`check_readable`) rather than fail the walk with a bare errno naming a file in it.
     """
     if follow_symlinks:
         return
+    check_readable(folder)
     escape = escaping_link(folder, root)
     if escape is not None:
         link, target = escape

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import os
 import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -21,6 +20,7 @@ from nereid.backend import CallsModels, HasBatchSignature, Model, ModelContext, 
 from nereid.batching import BatchPolicy
 from nereid.errors import (ConfigError, NereidError, RaisedExit, backend_exit, calling_plugin, describe_exception,
                            plugin_failures, same_kind)
+from nereid.files import check_readable
 from nereid.plugins import NereidPluginManager, claim_folder
 from nereid.runtime_options import LayeredRuntime
 from nereid.signature import ModelSignature, brief_description, brief_repr
@@ -88,19 +88,6 @@ def _is_async_def(backend: object, method: str) -> bool:
     return inspect.iscoroutinefunction(getattr(member, "__func__", member))  # (a staticmethod's or classmethod's)
 
 
-def _check_readable(folder: Path) -> None:
-    """ConfigError when the server's user cannot list ``folder``: said so, where each backend's claim failed on
-    it apart (a plugin fault logged, then "no backend claims the folder"), and the load blamed a file the folder
-    does not hold (the operator hunt)."""
-    try:
-        os.scandir(folder).close()
-    except PermissionError as err:
-        raise ConfigError(f"the folder {folder} cannot be read by the server's user (uid {os.geteuid()}): "
-                          f"{err.strerror}") from None
-    except OSError:  # (gone, or not a folder: each load path says that its own way)
-        pass
-
-
 def build_model(manager: NereidPluginManager, context: ModelContext,
                 backend_defaults: Mapping[str, Mapping[str, Any]] | None = None,
                 defaults_source: Path | str = "", stage: BuildStage | None = None) -> BuiltModel:
@@ -134,7 +121,7 @@ def build_model(manager: NereidPluginManager, context: ModelContext,
 def _build_model(manager: NereidPluginManager, context: ModelContext,
                  backend_defaults: Mapping[str, Mapping[str, Any]] | None, defaults_source: Path | str,
                  stage: BuildStage) -> BuiltModel:
-    _check_readable(context.folder)
+    check_readable(context.folder)
     result = claim_folder(manager, context.folder, context.settings.backend,
                           asking=lambda name: stage.enter(f"the nereid_claim_model hook of {manager.describe(name)}"))
     if result.claim is None:

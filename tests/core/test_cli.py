@@ -1489,3 +1489,22 @@ def test_a_model_folder_the_server_s_user_cannot_read_is_said_to_be_unreadable(r
     assert done.returncode == 1, done.stderr[-2000:]
     assert f"the folder {secret} cannot be read by the server's user (uid 0): Permission denied" in done.stdout
     assert "no backend claims" not in done.stdout + done.stderr and "raised PermissionError" not in done.stderr
+
+
+def test_a_model_folder_the_server_s_user_can_list_but_not_search_is_said_to_be_so(repo) -> None:
+    """Defect (the hunt of edc6865): a folder as `chmod -R 644` leaves it (read, no search permission) lists its
+    names and opens none of its files: the check said only "[Errno 13] Permission denied: '.../main.py'"."""
+    from support import run_as_non_root
+
+    repo.python("echo")
+    listed = repo.python("listed")
+    config = repo.write_config()
+    listed.chmod(0o644)
+    try:
+        done = run_as_non_root([*NEREID, "check", "--config", str(config)], writable_after=repo.models_dir)
+    finally:
+        listed.chmod(0o755)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert (f"the files of the folder {listed} cannot be opened by the server's user (uid 0): Permission denied (a "
+            "folder needs search permission, x, as well as read)") in done.stdout, done.stdout[-2000:]
+    assert "echo: OK" in done.stdout
