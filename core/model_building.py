@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -204,6 +205,12 @@ def _plugin_step(manager: NereidPluginManager, backend_name: str, model: str, st
     except NereidError:
         raise
     except plugin_failures() as err:  # (a sys.exit() too: named as any exception is, with the plugin and the step)
+        if isinstance(err, PermissionError) and err.filename is not None:
+            # A file's mode, the operator's to fix, not a fault of the backend's code: said as such, without the
+            # traceback a backend's own exception is logged with (the hunt of edc6865).
+            raise ConfigError(f"model '{model}': {err.filename}: {err.strerror}: the server's user (uid "
+                              f"{os.geteuid()}) cannot open it (met by the {step} of "
+                              f"{manager.describe(backend_name)})") from None
         raise BackendRaised(f"model '{model}': {describe_exception(err, one_line=True)} (raised by the {step} of "
                             f"{manager.describe(backend_name)})") from err
 

@@ -1491,6 +1491,24 @@ def test_a_model_folder_the_server_s_user_cannot_read_is_said_to_be_unreadable(r
     assert "no backend claims" not in done.stdout + done.stderr and "raised PermissionError" not in done.stderr
 
 
+def test_a_model_file_the_server_s_user_cannot_open_is_said_so_without_blaming_the_backend(repo) -> None:
+    """Defect (the hunt of edc6865): a main.py the server's user cannot read failed the load as the python
+    backend's own exception ("PermissionError ... (raised by the load() of built-in backend 'python')"), which
+    serve logs with a whole traceback, as a fault of the backend's code."""
+    from support import run_as_non_root
+
+    main = repo.python("locked") / "main.py"
+    config = repo.write_config()
+    main.chmod(0)
+    try:
+        done = run_as_non_root([*NEREID, "check", "--config", str(config)], writable_after=repo.models_dir)
+    finally:
+        main.chmod(0o644)
+    assert (f"model 'locked': {main}: Permission denied: the server's user (uid 0) cannot open it (met by the "
+            "load() of built-in backend 'python')") in done.stdout + done.stderr, (done.stdout + done.stderr)[-3000:]
+    assert "Traceback" not in done.stdout + done.stderr
+
+
 def test_a_model_folder_the_server_s_user_can_list_but_not_search_is_said_to_be_so(repo) -> None:
     """Defect (the hunt of edc6865): a folder as `chmod -R 644` leaves it (read, no search permission) lists its
     names and opens none of its files: the check said only "[Errno 13] Permission denied: '.../main.py'"."""
