@@ -109,3 +109,24 @@ def test_a_server_without_path_runs_the_compiler_with_the_default_path(tmp_path,
     assert cpp_compiler.compiler_version(compiler)  # the probe runs with the same environment
     cpp_compiler.compile_to(compiler, [*cpp_compiler.CXX_FLAGS, "main.cpp"], target, tmp_path, "model 'm'", "m")
     assert os.access(target, os.X_OK)
+
+
+def test_a_source_the_server_s_user_cannot_read_is_told_to_be_made_readable(tmp_path: Path) -> None:
+    """Defect (the hunt of edc6865): an unreadable main.cpp, a regular file, was told "make it a regular file or
+    remove it"."""
+    import sys
+
+    from support import run_as_non_root
+
+    source = tmp_path / "main.cpp"
+    source.write_text("int main() { return 0; }\n")
+    source.chmod(0)
+    probe = ("import sys\nfrom pathlib import Path\nfrom nereid.backends.cpp.compiler import read_code_file\n"
+             "from nereid.errors import ConfigError\ntry:\n    read_code_file(Path(sys.argv[1]), 'model m: ', 'main.cpp')\n"
+             "except ConfigError as err:\n    print(err)\n")
+    try:
+        done = run_as_non_root([sys.executable, "-c", probe, str(source)], writable_after=tmp_path)
+    finally:
+        source.chmod(0o644)
+    assert done.stdout.strip() == (f"model m: {source}: cannot read: Permission denied; the build reads main.cpp: "
+                                   "make it readable by the server's user (uid 0) or remove it"), done
