@@ -15,6 +15,7 @@ import logging
 import socket
 import threading
 import time
+import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 from wsgiref.simple_server import WSGIRequestHandler
@@ -34,6 +35,15 @@ MAX_CONNECTIONS = 64
 
 # The one path served; any other is a 404, as Triton's metrics port answers.
 METRICS_PATH = "/metrics"
+
+
+def _request_path(environ: dict[str, Any]) -> str:
+    """The request's path; from a target in absolute form too (``GET http://host:port/metrics``, which a server
+    must accept, RFC 9112 3.2.2, and a scrape through a forward proxy sends), which wsgiref leaves whole."""
+    path = environ.get("PATH_INFO", "")
+    if path.startswith(("http://", "https://")):
+        path = urllib.parse.urlsplit(path).path or "/"
+    return path
 
 
 class MetricsEndpoint:
@@ -105,7 +115,7 @@ class _SharedRenderings:
         self._running: dict[tuple[str, ...], _Rendering] = {}
 
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:
-        if environ.get("PATH_INFO", "") != METRICS_PATH:
+        if _request_path(environ) != METRICS_PATH:
             # prometheus_client's app answers every path with the metrics: a probe of /v2/health/ready or /healthz
             # on this port got 200 while the server was not ready (the operator hunt). A 404 says where to look.
             start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])

@@ -207,5 +207,11 @@ def test_only_the_metrics_path_is_served() -> None:
                 assert refused.code == 404 and b"metrics at /metrics only" in refused.read()
         assert b"nereid_test_total" in urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics?x=1",
                                                               timeout=10).read()
+        # A target in absolute form, which a server must accept (RFC 9112 3.2.2): the hunt of the fix found it 404.
+        for target, status in ((f"http://127.0.0.1:{port}/metrics", b" 200 "),
+                               (f"http://127.0.0.1:{port}/x", b" 404 ")):
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as connection:
+                connection.sendall(f"GET {target} HTTP/1.0\r\n\r\n".encode())
+                assert status in connection.recv(64).split(b"\r\n")[0] + b" ", target
     finally:
         endpoint.close()
