@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import typing
 
-if TYPE_CHECKING:
+if typing.TYPE_CHECKING:
     from nereid.model_hooks import register_model
 
 __all__ = ["__version__", "register_model"]
 
 
-def __getattr__(name: str) -> Any:
+def __dir__() -> list[str]:
+    """What the package offers, before its first use too (``dir(nereid)``, an editor's completion)."""
+    return sorted({*__all__, *globals()} - {"typing", "annotations"})
+
+
+def __getattr__(name: str) -> typing.Any:
     """``register_model`` and ``__version__``, looked up on first use (PEP 562) rather than when the package is
     imported: the console script (:mod:`nereid.entry`) records stop signals once ``import nereid`` has run, and
     these two, importing asyncio and importlib.metadata, had doubled Python's own start before it (the hunt of

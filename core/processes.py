@@ -36,8 +36,11 @@ def record_early_stops(signums: list[signal.Signals]) -> None:
     if threading.current_thread() is not threading.main_thread() or _replaced is not None:
         return
     _early_stops.clear()
-    # (A handler set outside Python reads as None and could not be put back: that signal is left as it is.)
-    _replaced = {signum: handler for signum in signums if (handler := signal.getsignal(signum)) is not None}
+    # (A handler set outside Python reads as None and could not be put back: that signal is left as it is. An
+    # ignored one stays ignored, as whoever started the process asked: a SIGINT that reached `nereid check &` in a
+    # script during its imports, recorded, ended it; the hunt of the redelivery.)
+    _replaced = {signum: handler for signum in signums
+                 if (handler := signal.getsignal(signum)) is not None and handler is not signal.SIG_IGN}
     for signum in _replaced:
         signal.signal(signum, _record_early_stop)
 
