@@ -7,6 +7,7 @@ a server.
 
 from __future__ import annotations
 
+import errno
 import inspect
 import logging
 import os
@@ -134,7 +135,7 @@ def _build_model(manager: NereidPluginManager, context: ModelContext,
                                  else f"backends.{result.backend_name}")
         context = replace(context, settings=replace(context.settings, runtime=runtime))
     stage.enter(f"the create() of {manager.describe(result.backend_name)}")
-    backend = _plugin_step(manager, result.backend_name, context.name, "create()",
+    backend = _plugin_step(manager, result.backend_name, context, "create()",
                            lambda: result.claim.create(context))
     missing = missing_model_parts(backend)
     if "load()" in missing:  # nothing to load: refused at once
@@ -148,7 +149,7 @@ def _build_model(manager: NereidPluginManager, context: ModelContext,
                           "they are called as plain functions (only infer() may be async def); make them plain "
                           "def")
     stage.enter(LOAD_CALL)
-    _plugin_step(manager, result.backend_name, context.name, "load()", backend.load)
+    _plugin_step(manager, result.backend_name, context, "load()", backend.load)
     try:
         missing = missing_model_parts(backend)
         if missing:
@@ -157,20 +158,20 @@ def _build_model(manager: NereidPluginManager, context: ModelContext,
         # (Through _plugin_step, as load(): what they raise is named with its type and plugin, where a bare
         # "no sig" was all the reason said; found by a plugin hunt.)
         signature = _checked_signature(manager, result.backend_name, backend, "signature",
-                                       _plugin_step(manager, result.backend_name, context.name, "signature()",
+                                       _plugin_step(manager, result.backend_name, context, "signature()",
                                                     backend.signature))
         batch_signature = signature
         if isinstance(backend, HasBatchSignature):
             stage.enter("its backend's batch_signature()")
             batch_signature = _checked_signature(
                 manager, result.backend_name, backend, "batch_signature",
-                _plugin_step(manager, result.backend_name, context.name, "batch_signature()",
+                _plugin_step(manager, result.backend_name, context, "batch_signature()",
                              backend.batch_signature))
         uses_device = True
         if isinstance(backend, UsesNoDevice):
             # Asked once, here: a plugin's that raised on each ModelConfig failed it naming no model, and ended
             # nereid check in a traceback (the plugin hunt).
-            answer = _plugin_step(manager, result.backend_name, context.name, "uses_no_device()",
+            answer = _plugin_step(manager, result.backend_name, context, "uses_no_device()",
                                   backend.uses_no_device)
             if not isinstance(answer, (bool, np.bool_)):  # (numpy's True, as a computed answer may be)
                 raise ConfigError(f"model '{context.name}': uses_no_device() of "
@@ -197,7 +198,8 @@ class BackendRaised(ConfigError):
     whose traceback the load failure's log line carries."""
 
 
-def _plugin_step(manager: NereidPluginManager, backend_name: str, model: str, step: str, call: Callable[[], T]) -> T:
+def _plugin_step(manager: NereidPluginManager, backend_name: str, context: ModelContext, step: str,
+                 call: Callable[[], T]) -> T:
     """``call()``, a backend's ``create()`` or ``load()``. A nereid error (a ConfigError with the reason, the
     way a backend refuses a model) passes as it is; any other exception becomes :class:`BackendRaised`."""
     try:
@@ -205,14 +207,26 @@ def _plugin_step(manager: NereidPluginManager, backend_name: str, model: str, st
     except NereidError:
         raise
     except plugin_failures() as err:  # (a sys.exit() too: named as any exception is, with the plugin and the step)
-        if isinstance(err, PermissionError) and err.filename is not None:
+        if _mode_of_a_model_file(err, context.folder):
             # A file's mode, the operator's to fix, not a fault of the backend's code: said as such, without the
             # traceback a backend's own exception is logged with (the hunt of edc6865).
-            raise ConfigError(f"model '{model}': {err.filename}: {err.strerror}: the server's user (uid "
+            raise ConfigError(f"model '{context.name}': {err.filename}: {err.strerror}: the server's user (uid "
                               f"{os.geteuid()}) cannot open it (met by the {step} of "
                               f"{manager.describe(backend_name)})") from None
-        raise BackendRaised(f"model '{model}': {describe_exception(err, one_line=True)} (raised by the {step} of "
-                            f"{manager.describe(backend_name)})") from err
+        raise BackendRaised(f"model '{context.name}': {describe_exception(err, one_line=True)} (raised by the "
+                            f"{step} of {manager.describe(backend_name)})") from err
+
+
+def _mode_of_a_model_file(err: BaseException, folder: Path) -> bool:
+    """Whether ``err`` is a file of the model's folder that its mode keeps from the server's user: EACCES naming a
+    path inside ``folder``. Anything else (EPERM from a chmod, a library's cache elsewhere) is the backend's, said
+    with its traceback (the hunt of the rewording)."""
+    if not isinstance(err, PermissionError) or err.errno != errno.EACCES or not isinstance(err.filename, str):
+        return False
+    try:
+        return Path(os.path.abspath(err.filename)).is_relative_to(os.path.abspath(folder))
+    except (OSError, ValueError):
+        return False
 
 
 def _checked_signature(manager: NereidPluginManager, backend_name: str, model: object, method: str,

@@ -60,3 +60,24 @@ def test_what_create_or_load_raises_is_named_with_its_type_and_plugin_unless_it_
         build_model(_manager(), _context(folder, tmp_path))
     assert str(caught.value) == reason
     assert (caught.value.__cause__ is not None) == (fault != "refuses")  # whose traceback the log line shows
+
+
+def test_only_a_permission_denied_on_a_file_of_the_model_s_folder_is_said_to_be_the_operator_s() -> None:
+    """The hunt of the rewording: every PermissionError naming a file became "the server's user cannot open it",
+    without its traceback: a chmod's EPERM, a library's cache outside the folder, a plugin's own bug."""
+    import errno
+    from pathlib import Path
+
+    from nereid.model_building import _mode_of_a_model_file
+
+    folder = Path("/srv/models/m")
+    assert _mode_of_a_model_file(PermissionError(errno.EACCES, "Permission denied", "/srv/models/m/main.py"), folder)
+    assert _mode_of_a_model_file(PermissionError(errno.EACCES, "Permission denied", "/srv/models/m/sub/w.bin"),
+                                 folder)
+    assert not _mode_of_a_model_file(PermissionError(errno.EPERM, "Operation not permitted", "/srv/models/m/x"),
+                                     folder)
+    assert not _mode_of_a_model_file(PermissionError(errno.EACCES, "Permission denied", "/var/cache/lib/lock"),
+                                     folder)
+    assert not _mode_of_a_model_file(PermissionError(errno.EACCES, "Permission denied", "/srv/models/m2/main.py"),
+                                     folder)
+    assert not _mode_of_a_model_file(PermissionError(errno.EACCES, "Permission denied"), folder)
