@@ -137,7 +137,13 @@ def escaping_link(folder: Path, root: Path) -> tuple[Path, Path] | None:
             if seen > MAX_FOLDER_ENTRIES:
                 raise ConfigError(f"{folder}: holds more than {MAX_FOLDER_ENTRIES} files and folders")
             path = Path(directory, name)
-            if path.is_symlink():
+            try:
+                linked = path.is_symlink()
+            except PermissionError:
+                # In a subfolder the server's user can list but not search: nothing in it can be reached through
+                # it either, by the server or a model (a folder it cannot list at all os.walk passes over alike).
+                continue
+            if linked:
                 target = path.resolve()
                 if not _inside(target, root):
                     return path, target
@@ -150,19 +156,17 @@ def check_readable(folder: Path) -> None:
     blamed a file the folder does not hold (the operator hunt). Nothing for a folder that is gone or no folder:
     each load path says that its own way."""
     try:
-        with os.scandir(folder) as entries:
-            first = next(entries, None)
+        os.scandir(folder).close()
     except PermissionError as err:
         raise ConfigError(f"the folder {folder} cannot be read by the server's user (uid {os.geteuid()}): "
                           f"{err.strerror}") from None
     except OSError:  # (gone, or not a folder: each load path says that its own way)
         return
-    if first is None:
-        return
     try:
         # Listed, but its files may still be out of reach: a folder without search (x) permission, as
         # `chmod -R 644` leaves one, lists its names and opens none (a bare errno on main.py; the hunt of edc6865).
-        os.stat(first.path, follow_symlinks=False)
+        # A name it does not hold tells, an empty folder too: EACCES without x, ENOENT with it.
+        os.stat(os.path.join(folder, ".nereid-search-probe"), follow_symlinks=False)
     except PermissionError as err:
         raise ConfigError(f"the files of the folder {folder} cannot be opened by the server's user (uid "
                           f"{os.geteuid()}): {err.strerror} (a folder needs search permission, x, as well as "

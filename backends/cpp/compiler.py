@@ -197,7 +197,10 @@ def read_code_file(path: Path, prefix: str, covered: str) -> bytes:
             return read_regular_file(path, MAX_CODE_FILE_BYTES)
         except ConfigError as err:
             reason = str(err)
-        if not os.access(path, os.R_OK):  # (a regular file its mode keeps from the server: the hunt of edc6865)
+        if not os.access(path.parent, os.X_OK):  # (its folder's mode keeps every file in it from the server)
+            remedy = (f"give its folder {path.parent} search permission (x) for the server's user (uid "
+                      f"{os.geteuid()})")
+        elif not os.access(path, os.R_OK):  # (a regular file its mode keeps from the server: the hunt of edc6865)
             remedy = f"make it readable by the server's user (uid {os.geteuid()}) or remove it"
     raise ConfigError(f"{prefix}{reason}; the build reads {covered}: {remedy}")
 

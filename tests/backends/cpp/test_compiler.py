@@ -130,3 +130,12 @@ def test_a_source_the_server_s_user_cannot_read_is_told_to_be_made_readable(tmp_
         source.chmod(0o644)
     assert done.stdout.strip() == (f"model m: {source}: cannot read: Permission denied; the build reads main.cpp: "
                                    "make it readable by the server's user (uid 0) or remove it"), done
+    # Readable, in a folder that is not searchable: the folder is what to fix.
+    tmp_path.chmod(0o644)
+    try:
+        done = run_as_non_root([sys.executable, "-c", probe, str(source)], writable_after=tmp_path)
+    finally:
+        tmp_path.chmod(0o755)
+    assert done.stdout.strip() == (f"model m: {source}: cannot read: Permission denied; the build reads main.cpp: "
+                                   f"give its folder {tmp_path} search permission (x) for the server's user (uid 0)"
+                                   ), done
