@@ -370,7 +370,7 @@ class NereidServer:
                 # Before the running calls end: each frees a slot that would start a queued request.
                 self.repository.stop_starting()
                 assert self._servicer is not None  # (set with _grpc)
-                ended = self._servicer.end_at_grace()
+                ended = self._servicer.end_at_grace(cut_in_s=ANSWER_AT_GRACE_S)
                 if ended:
                     # (Queued or running: "in flight" says both; a queued one's answer says it was not run.)
                     log.warning("%d gRPC inference request(s) still in flight after the %g s grace: answering "
@@ -378,9 +378,9 @@ class NereidServer:
             await stopping
             if self._servicer is not None and (stuck := self._servicer.never_answered_after_grace()):
                 # Said after the fact: the line above only asked them to end.
-                log.warning("%d of them never answered: gRPC's stop cut their clients off, their model's code (or, "
-                            "in a stream, an earlier request's) not having ended when cancelled (a coroutine that "
-                            "swallows CancelledError)", stuck)
+                log.warning("%d answer(s) never reached their clients: gRPC's stop cut their calls off, a model's "
+                            "code not having ended when cancelled (a coroutine that swallows CancelledError), and in "
+                            "a stream the answers after its request waiting behind it", stuck)
         # The listeners are closed once every client has its answer, but a run whose client went away holds its
         # slot until its program ends, at a stop as at an unload: it has what is left of the grace. Then what
         # still runs is ended rather than waited for.

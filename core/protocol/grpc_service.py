@@ -71,6 +71,10 @@ STREAM_IN_FLIGHT = 256
 STREAM_CLOSED_AT_SHUTDOWN = ("the server is shutting down: this stream takes no new request and was closed once "
                              "every request read from it had its answer; send what was not answered elsewhere")
 
+# A call cancelled again this close to gRPC's expected cut, or after it, was cut off by the stop (its deadline and
+# the loop's turn that cancels the calls are not exactly the moment end_at_grace expects).
+CUT_TOLERANCE_S = 0.1
+
 
 class _Wake:
     """What :meth:`InferenceServicer.close_streams` puts in each open stream's answer queue: a sign to look at
@@ -246,9 +250,12 @@ class InferenceServicer:
         # Of those, how many were answered only once gRPC's stop had cut their call off, and which.
         self._cut_off_at_grace = 0
         self._cut_off: weakref.WeakSet[asyncio.Task] = weakref.WeakSet()
-        # And how many stream requests were answered at the grace and their answer not yet sent: one waits behind
-        # an earlier request of its stream whose model did not end (answers go out in the stream's order).
-        self._unsent_at_grace = 0
+        # Stream answers ready and not yet sent, in every stream: an answer waits behind an earlier request's of its
+        # stream (answers go out in the stream's order), which at a stop may be one whose model did not end.
+        self._stream_answers_unsent = 0
+        # When gRPC's stop is to cut the calls still open (end_at_grace): a call cancelled again before then was
+        # its client's doing, not the cut's.
+        self._cut_expected_at = float("inf")
 
     def _refuse_unreadable(self, rpc: str, request: Unreadable, context: grpc.aio.ServicerContext) -> str:
         """Count and log (naming its client) a request that cannot be parsed; the client's answer."""
@@ -269,7 +276,7 @@ class InferenceServicer:
         for answers in self._streams:
             answers.put_nowait(_WAKE)
 
-    def end_at_grace(self) -> int:
+    def end_at_grace(self, cut_in_s: float) -> int:
         """At shutdown, once the grace has passed: end every inference request still running, each answered
         UNAVAILABLE (:func:`past_grace_message`): a ModelInfer call with that status, a stream's request in its
         stream, which then ends as :meth:`close_streams` says. Returns how many were ended.
@@ -277,6 +284,7 @@ class InferenceServicer:
         gRPC's own stop would cancel them at its deadline instead: a stream's requests then got no answer at all.
         """
         running = list(self._running)
+        self._cut_expected_at = time.monotonic() + cut_in_s
         loop = asyncio.get_running_loop()
         for task in running:
             # Cancelled from the next turn of the loop: a task created in this one has then taken its first
@@ -285,12 +293,12 @@ class InferenceServicer:
         return len(running)
 
     def never_answered_after_grace(self) -> int:
-        """How many of the requests :meth:`end_at_grace` ended got no answer of nereid's: their model's code did not
-        end when cancelled (a coroutine that swallows CancelledError), and they are still running, or they ended only
-        once cancelled again (gRPC's stop cutting their call off at its deadline), their answer too late; or, in a
-        stream, their answer waits behind an earlier request's of that stream (the hunt of fa51e5c: two of a stream's
-        requests behind a stuck one were counted nowhere)."""
-        return self._cut_off_at_grace + self._unsent_at_grace + sum(
+        """How many answers gRPC's stop cut off, read once it has returned: requests :meth:`end_at_grace` ended whose
+        model's code did not end when cancelled (a coroutine that swallows CancelledError), still running or ended
+        only once gRPC's stop had cut their call off; and stream answers ready but not sent, waiting behind such a
+        request of their stream (the hunts of fa51e5c and 20eccc6: counted nowhere, whether answered at the grace
+        or before it)."""
+        return self._cut_off_at_grace + self._stream_answers_unsent + sum(
             1 for task in self._ended_at_grace if not task.done() and task not in self._cut_off)
 
     @property
@@ -313,10 +321,11 @@ class InferenceServicer:
         if not self._past_grace():
             return False
         task = asyncio.current_task()
-        if task.cancelling() > 1:
-            # Cancelled again since end_at_grace's (gRPC's stop cut the call off, a meta model's orchestration
-            # having swallowed the first): the answer reaches no one. Counted here, as it happens: whether the task
-            # is still running when gRPC's stop returns depends on which of the two the loop runs first.
+        if task.cancelling() > 1 and time.monotonic() >= self._cut_expected_at - CUT_TOLERANCE_S:
+            # Cancelled again since end_at_grace's, by gRPC's stop cutting the call off (a meta model's
+            # orchestration having swallowed the first): the answer reaches no one. Counted here, as it happens:
+            # whether the task is still running when gRPC's stop returns depends on which of the two the loop runs
+            # first. (Cancelled again before the cut, its client left: not the stop's doing; the hunt of 20eccc6.)
             self._cut_off_at_grace += 1
             self._cut_off.add(task)  # (counted once, if it still runs, answering)
         task.uncancel()
@@ -446,8 +455,15 @@ class InferenceServicer:
         # scheduler hunt). Once the stream is over, an outcome (a request cancelled with it) counts at once.
         outcomes: dict[int, tuple[str, str]] = {}
         stream_over = False
-        # The places of requests answered at the grace whose answer is not sent yet (see _unsent_at_grace).
-        given_at_grace: set[int] = set()
+        # The places of answers given and not yet sent (counted in _stream_answers_unsent until sent, or until the
+        # stream ends otherwise than by the stop's cut).
+        given: set[int] = set()
+
+        async def give(place: int, message: pb.ModelStreamInferResponse | bytes) -> None:
+            if not stream_over and asyncio.current_task() not in self._cut_off:  # (the cut off: counted already)
+                given.add(place)
+                self._stream_answers_unsent += 1
+            await answers.put((place, message))
 
         def recorder(place: int) -> Callable[[str, str], None]:
             def record(model: str, outcome: str) -> None:
@@ -460,8 +476,8 @@ class InferenceServicer:
         async def answer(place: int, received: Received | Unreadable) -> None:
             if isinstance(received, Unreadable):
                 message = self._refuse_unreadable("ModelStreamInfer", received, context)
-                await answers.put((place, pb.ModelStreamInferResponse(
-                    error_message=message, infer_response=mark_final(pb.ModelInferResponse()))))
+                await give(place, pb.ModelStreamInferResponse(
+                    error_message=message, infer_response=mark_final(pb.ModelInferResponse())))
                 return
             model, request_id = received.message.model_name, received.message.id
             try:
@@ -472,22 +488,18 @@ class InferenceServicer:
                 if not self._answered_at_grace():
                     raise
                 message = past_grace_message(model)  # answered in the stream, which then ends
-                if asyncio.current_task() not in self._cut_off:  # (counted already: its stream was over)
-                    given_at_grace.add(place)
-                    self._unsent_at_grace += 1
             except Exception as err:
                 # Every request gets exactly one answer, even when the failure is a bug.
                 log.exception("ModelStreamInfer: request '%s' failed", cap_message(request_id, 256))
                 message = self.dataplane.error_text(err)
             else:
-                await answers.put((place, wire))
+                await give(place, wire)
                 return
             # The error answers this request only; the stream stays open.
             # Triton's error answer: the request's id, model and version, and the final-response flag.
             stub = mark_final(pb.ModelInferResponse(model_name=model, model_version=received.message.model_version,
                                                     id=request_id))
-            await answers.put((place, pb.ModelStreamInferResponse(error_message=cap_message(message),
-                                                                  infer_response=stub)))
+            await give(place, pb.ModelStreamInferResponse(error_message=cap_message(message), infer_response=stub))
 
         async def read() -> None:
             nonlocal unanswered
@@ -529,9 +541,9 @@ class InferenceServicer:
                 # stay bounded in memory.
                 while next_place in finished:
                     yield finished.pop(next_place)
-                    if next_place in given_at_grace:
-                        given_at_grace.discard(next_place)
-                        self._unsent_at_grace -= 1
+                    if next_place in given:
+                        given.discard(next_place)
+                        self._stream_answers_unsent -= 1
                     if (sent := outcomes.pop(next_place, None)) is not None:
                         self._counted(*sent)
                     next_place += 1
@@ -551,6 +563,9 @@ class InferenceServicer:
                 # deadline_exceeded there and cancelled here; the fault hunt).
                 self._counted(model, unsent if outcome == "success" else outcome)
             outcomes.clear()
+            if not self.dataplane.grace_passed:  # (ended by its client, or an error: no answer of it is the stop's)
+                self._stream_answers_unsent -= len(given)
+                given.clear()
             self._streams.discard(answers)
             reader.cancel()
             for task in list(pending):

@@ -27,6 +27,7 @@ from nereid.backend import BackendClaim, ModelContext
 from nereid.hookspecs import hookimpl
 from nereid.plugins import make_plugin_manager
 from nereid.protocol.grpc_service import STREAM_CLOSED_AT_SHUTDOWN
+from nereid.server import ANSWER_AT_GRACE_S
 from support import RunningServer, wait_until
 from toy_backends import ToyModel, write_toy
 
@@ -544,9 +545,9 @@ nereid.register_model(orchestrate=orchestrate)
 '''
 
 
-NEVER_ANSWERED = ("{} of them never answered: gRPC's stop cut their clients off, their model's code (or, in a "
-                  "stream, an earlier request's) not having ended when cancelled (a coroutine that swallows "
-                  "CancelledError)")
+NEVER_ANSWERED = ("{} answer(s) never reached their clients: gRPC's stop cut their calls off, a model's code not "
+                  "having ended when cancelled (a coroutine that swallows CancelledError), and in a stream the "
+                  "answers after its request waiting behind it")
 
 
 def test_a_request_whose_model_swallows_the_cancellation_at_the_grace_is_not_said_to_be_answered(repo, serve,
@@ -586,7 +587,7 @@ def test_a_request_whose_model_swallows_the_cancellation_at_the_grace_is_not_sai
         caller.join(PROMPT_S)
         assert answers and "Cancelling all calls" in answers[0], answers  # gRPC's, not nereid's
         warnings = [message for message in caplog.messages if "gRPC inference request(s)" in message
-                    or "never answered" in message]
+                    or "never reached" in message]
         assert warnings == ["1 gRPC inference request(s) still in flight after the 0.3 s grace: answering them "
                             "UNAVAILABLE",
                             NEVER_ANSWERED.format(1)], caplog.messages
@@ -599,11 +600,11 @@ def test_a_request_whose_model_swallows_the_cancellation_at_the_grace_is_not_sai
         release.touch()
 
 
-def test_stream_requests_answered_at_the_grace_behind_one_whose_model_swallows_it_count_as_never_answered(
+def test_stream_answers_behind_one_whose_model_swallows_the_cancellation_count_as_never_answered(
         repo, serve, caplog, monkeypatch):
-    """Found by the hunt of fa51e5c: a stream's answers go out in its order, so the requests after one whose model
-    swallowed its cancellation, answered at the grace, waited behind it until gRPC's stop cut the stream: no
-    client got them, and the WARNING counted only the stuck one."""
+    """Found by the hunts of fa51e5c and 20eccc6: a stream's answers go out in its order, so the answers after a
+    request whose model swallowed its cancellation, given at the grace or before it, waited behind it until gRPC's
+    stop cut the stream: no client got them, and the WARNING counted only the stuck one."""
     folder = repo.models_dir / "stuck"
     folder.mkdir(parents=True)
     (folder / "manifest.yaml").write_text(
@@ -615,13 +616,17 @@ def test_stream_requests_answered_at_the_grace_behind_one_whose_model_swallows_i
     monkeypatch.setenv("NEREID_TEST_RELEASE", str(release))  # (the model runs in this process)
     plugin = HeldInfers()
     write_toy(repo.models_dir, "held")
+    write_toy(repo.models_dir, "steady")
     manager = make_plugin_manager(load_entry_points=False, extra_plugins=(toy_backends, plugin))
-    server = serve(repo.write_config("- name: stuck\n- name: held\n  backend: held\n"), manager=manager)
+    server = serve(repo.write_config("- name: stuck\n- name: held\n  backend: held\n- name: steady\n"),
+                   manager=manager)
     stream = Stream(server.url)
     try:
         stream.send("stuck", "first")
-        stream.send("held", "second")
-        stream.send("held", "third")
+        stream.send("steady", "second")  # answered at once, then held behind the first
+        assert wait_until(lambda: server.server._servicer._stream_answers_unsent == 1, PROMPT_S)
+        stream.send("held", "third")  # these two answered at the grace
+        stream.send("held", "fourth")
         assert wait_until(lambda: server.server._servicer.running_requests == 3, PROMPT_S)
         caplog.set_level(logging.WARNING, "nereid.server")
         asyncio.run_coroutine_threadsafe(server.server.stop(grace_s=0.3), server.loop).result(PROMPT_S * 2)
@@ -629,10 +634,47 @@ def test_stream_requests_answered_at_the_grace_behind_one_whose_model_swallows_i
         while seen[-1][0] != "ended":
             seen.append(stream.next())
         assert [(request_id, details) for request_id, _, details in seen] == [("ended", "Cancelling all calls")], \
-            seen  # none of the three answered: gRPC's stop cut the stream
-        warnings = [message for message in caplog.messages if "never answered" in message]
-        assert warnings == [NEVER_ANSWERED.format(3)], caplog.messages
+            seen  # none of the four answered: gRPC's stop cut the stream
+        warnings = [message for message in caplog.messages if "never reached" in message]
+        assert warnings == [NEVER_ANSWERED.format(4)], caplog.messages
     finally:
         plugin.release.set()
         release.touch()
         stream.close()
+
+
+def test_a_client_that_leaves_after_the_grace_is_not_counted_as_cut_off_by_the_stop(repo, serve, caplog,
+                                                                                     monkeypatch):
+    """Found by the hunt of 20eccc6: a request cancelled a second time was taken for one gRPC's stop cut off, but a
+    client that left between the grace and the cut (its own cancellation) was counted too: 4 said, 1 cut."""
+    folder = repo.models_dir / "stuck"
+    folder.mkdir(parents=True)
+    (folder / "manifest.yaml").write_text(
+        'format_version: "2.1"\nmeta: true\ndepends_on: []\n'
+        "client_inputs: [{name: x, dtype: f32, shape: a, dims: {a: 4}}]\n"
+        "client_outputs: [{name: y, dtype: f32, shape: a, dims: {a: 4}}]\n")
+    (folder / "model.py").write_text(SWALLOWS_CANCELLATION)
+    release = repo.root / "release"
+    monkeypatch.setenv("NEREID_TEST_RELEASE", str(release))  # (the model runs in this process)
+    server = serve(repo.write_config())
+    request = pb.ModelInferRequest(model_name="stuck")
+    request.inputs.add(name="x", datatype="FP32", shape=[4])
+    request.raw_input_contents.append(np.ones(4, np.float32).tobytes())
+    channels = [grpc.insecure_channel(server.url) for _ in range(2)]
+    try:
+        calls = [pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer.future(request, timeout=PROMPT_S)
+                 for channel in channels]
+        assert wait_until(lambda: server.server._servicer.running_requests == 2, PROMPT_S)
+        caplog.set_level(logging.WARNING, "nereid.server")
+        grace_s = 0.5
+        stopping = asyncio.run_coroutine_threadsafe(server.server.stop(grace_s=grace_s), server.loop)
+        time.sleep(grace_s + ANSWER_AT_GRACE_S / 2)  # between the grace and gRPC's cut
+        calls[0].cancel()  # (its client leaves)
+        stopping.result(PROMPT_S * 2)
+        warnings = [message for message in caplog.messages if "never reached" in message]
+        assert warnings == [NEVER_ANSWERED.format(1)], caplog.messages
+        assert calls[1].exception() is not None and "Cancelling all calls" in calls[1].exception().details()
+    finally:
+        release.touch()
+        for channel in channels:
+            channel.close()
