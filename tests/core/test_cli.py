@@ -373,6 +373,22 @@ def _console_script_in_a_slow_plugin_import(tmp_path: Path, args: list[str], imp
     return process
 
 
+def _signalled(process: subprocess.Popen, *signums: signal.Signals) -> tuple[str, str]:
+    """Send ``signums`` to ``process`` (0.2 s apart, each but the last leaving it running), then its output once it
+    has ended; killed if it has not within a minute."""
+    try:
+        for index, signum in enumerate(signums):
+            if index:
+                time.sleep(0.2)
+                assert process.poll() is None  # (the one before did not end it)
+            process.send_signal(signum)
+        return process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
 @pytest.mark.parametrize("command", ["serve", "check"])
 def test_a_second_stop_signal_ends_a_command_whose_plugin_import_hangs(repo, tmp_path, command) -> None:
     """Defect (the hunt of the console script's fix): a stop is recorded while the command imports, and acted on
@@ -382,16 +398,7 @@ def test_a_second_stop_signal_ends_a_command_whose_plugin_import_hangs(repo, tmp
     bind = ["--bind", f"127.0.0.1:{free_port()}"] if command == "serve" else []
     process = _console_script_in_a_slow_plugin_import(
         tmp_path, [command, "--config", str(repo.write_config()), *bind], import_s=60)
-    try:
-        process.send_signal(signal.SIGTERM)
-        time.sleep(0.2)
-        assert process.poll() is None  # (the first waits for the command)
-        process.send_signal(signal.SIGTERM)
-        _, stderr = process.communicate(timeout=20)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+    _, stderr = _signalled(process, signal.SIGTERM, signal.SIGTERM)  # (the first waits for the command)
     assert process.returncode == -signal.SIGTERM, stderr[-2000:]
     assert "nereid: SIGTERM again while starting: stopping now" in stderr
 
@@ -403,13 +410,7 @@ def test_a_ctrl_c_during_a_command_s_imports_ends_it_as_ctrl_c_does_without_a_tr
     repo.python("echo")
     process = _console_script_in_a_slow_plugin_import(tmp_path, ["check", "--config", str(repo.write_config())],
                                                       import_s=0.5)
-    try:
-        process.send_signal(signal.SIGINT)
-        _, stderr = process.communicate(timeout=60)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+    _, stderr = _signalled(process, signal.SIGINT)
     assert process.returncode == -signal.SIGINT, stderr[-2000:]
     assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-2000:]
 
@@ -421,13 +422,7 @@ def test_a_ctrl_c_the_command_was_started_ignoring_is_ignored_during_its_imports
     repo.python("echo")
     process = _console_script_in_a_slow_plugin_import(tmp_path, ["check", "--config", str(repo.write_config())],
                                                       import_s=0.5, sigint_ignored=True)
-    try:
-        process.send_signal(signal.SIGINT)
-        stdout, stderr = process.communicate(timeout=60)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+    stdout, stderr = _signalled(process, signal.SIGINT)
     assert process.returncode >= 0, stderr[-2000:]  # (1: the slow plugin, which implements no hook, is a problem)
     assert "echo: OK" in stdout, stdout[-2000:] + stderr[-2000:]
 
@@ -1494,20 +1489,28 @@ def test_a_plugin_cannot_take_the_built_in_commands_over(repo, capsys) -> None:
 
 
 
+def _checked_as_non_root(repo, modes: dict[Path, int]) -> subprocess.CompletedProcess:
+    """`nereid check` of ``repo`` run as a server that is not root runs, with ``modes`` given to those paths for
+    the while (folders get 0o755 back, files 0o644)."""
+    from support import run_as_non_root
+
+    config = repo.write_config()
+    for path, mode in modes.items():
+        path.chmod(mode)
+    try:
+        return run_as_non_root([*NEREID, "check", "--config", str(config)], writable_after=repo.models_dir)
+    finally:
+        for path in modes:
+            path.chmod(0o755 if path.is_dir() else 0o644)
+
+
 def test_a_model_folder_the_server_s_user_cannot_read_is_said_to_be_unreadable(repo) -> None:
     """Defect (the operator hunt): as a user that cannot list the folder, `nereid serve` blamed a file the folder
     does not hold ("Permission denied: .../secret/.cache", from the clean-up of stale partial files) and `nereid
     check` called it unclaimed, logging a fault of the meta backend's claim hook."""
-    from support import run_as_non_root
-
     repo.python("echo")
     secret = repo.python("secret")
-    config = repo.write_config()
-    secret.chmod(0)
-    try:
-        done = run_as_non_root([*NEREID, "check", "--config", str(config)], writable_after=repo.models_dir)
-    finally:
-        secret.chmod(0o755)
+    done = _checked_as_non_root(repo, {secret: 0})
     assert done.returncode == 1, done.stderr[-2000:]
     assert f"the folder {secret} cannot be read by the server's user (uid 0): Permission denied" in done.stdout
     assert "no backend claims" not in done.stdout + done.stderr and "raised PermissionError" not in done.stderr
@@ -1517,15 +1520,8 @@ def test_a_model_file_the_server_s_user_cannot_open_is_said_so_without_blaming_t
     """Defect (the hunt of edc6865): a main.py the server's user cannot read failed the load as the python
     backend's own exception ("PermissionError ... (raised by the load() of built-in backend 'python')"), which
     serve logs with a whole traceback, as a fault of the backend's code."""
-    from support import run_as_non_root
-
     main = repo.python("locked") / "main.py"
-    config = repo.write_config()
-    main.chmod(0)
-    try:
-        done = run_as_non_root([*NEREID, "check", "--config", str(config)], writable_after=repo.models_dir)
-    finally:
-        main.chmod(0o644)
+    done = _checked_as_non_root(repo, {main: 0})
     assert (f"model 'locked': {main}: Permission denied: the server's user (uid 0) cannot open it (met by the "
             "load() of built-in backend 'python')") in done.stdout + done.stderr, (done.stdout + done.stderr)[-3000:]
     assert "Traceback" not in done.stdout + done.stderr
@@ -1534,8 +1530,6 @@ def test_a_model_file_the_server_s_user_cannot_open_is_said_so_without_blaming_t
 def test_a_model_folder_the_server_s_user_can_list_but_not_search_is_said_to_be_so(repo) -> None:
     """Defect (the hunt of edc6865): a folder as `chmod -R 644` leaves it (read, no search permission) lists its
     names and opens none of its files: the check said only "[Errno 13] Permission denied: '.../main.py'"."""
-    from support import run_as_non_root
-
     repo.python("echo")
     listed = repo.python("listed")
     empty = repo.models_dir / "empty"  # (no entry to stat: the meta backend's claim failed on it, logged as its fault)
@@ -1545,14 +1539,7 @@ def test_a_model_folder_the_server_s_user_can_list_but_not_search_is_said_to_be_
     data = repo.python("with_data") / "data"
     data.mkdir()
     (data / "f").write_text("x")
-    config = repo.write_config()
-    for folder in (listed, empty, data):
-        folder.chmod(0o644)
-    try:
-        done = run_as_non_root([*NEREID, "check", "--config", str(config)], writable_after=repo.models_dir)
-    finally:
-        for folder in (listed, empty, data):
-            folder.chmod(0o755)
+    done = _checked_as_non_root(repo, {listed: 0o644, empty: 0o644, data: 0o644})
     assert done.returncode == 1, done.stderr[-2000:]
     for folder in (listed, empty):
         assert (f"the files of the folder {folder} cannot be opened by the server's user (uid 0): Permission denied "

@@ -545,6 +545,21 @@ nereid.register_model(orchestrate=orchestrate)
 '''
 
 
+def swallowing_model(repo, monkeypatch, input_name: str, shape: str, dims: str) -> Path:
+    """The meta model ``stuck`` (SWALLOWS_CANCELLATION) with one FP32 input ``input_name`` of manifest ``shape`` and
+    ``dims``; the file whose creation lets its orchestrations end."""
+    folder = repo.models_dir / "stuck"
+    folder.mkdir(parents=True)
+    (folder / "manifest.yaml").write_text(
+        'format_version: "2.1"\nmeta: true\ndepends_on: []\n'
+        f"client_inputs: [{{name: {input_name}, dtype: f32, shape: {shape}, dims: {dims}}}]\n"
+        f"client_outputs: [{{name: y, dtype: f32, shape: {shape}, dims: {dims}}}]\n")
+    (folder / "model.py").write_text(SWALLOWS_CANCELLATION)
+    release = repo.root / "release"
+    monkeypatch.setenv("NEREID_TEST_RELEASE", str(release))  # (the model runs in this process)
+    return release
+
+
 NEVER_ANSWERED = ("{} answer(s) never reached their clients: gRPC's stop cut their calls off, a model's code not "
                   "having ended when cancelled (a coroutine that swallows CancelledError), and in a stream the "
                   "answers after its request waiting behind it")
@@ -555,15 +570,7 @@ def test_a_request_whose_model_swallows_the_cancellation_at_the_grace_is_not_sai
     """Found by a bug hunt: the WARNING at the grace said each request still in flight was "answered UNAVAILABLE",
     but one whose model swallows its cancellation (an orchestration's bare except) never was: gRPC's stop cut its
     client off a second later. The server says so now, after the fact."""
-    folder = repo.models_dir / "stuck"
-    folder.mkdir(parents=True)
-    (folder / "manifest.yaml").write_text(
-        'format_version: "2.1"\nmeta: true\ndepends_on: []\n'
-        "client_inputs: [{name: x, dtype: f32, shape: a, dims: {a: 4}}]\n"
-        "client_outputs: [{name: y, dtype: f32, shape: a, dims: {a: 4}}]\n")
-    (folder / "model.py").write_text(SWALLOWS_CANCELLATION)
-    release = repo.root / "release"
-    monkeypatch.setenv("NEREID_TEST_RELEASE", str(release))  # (the model runs in this process)
+    release = swallowing_model(repo, monkeypatch, "x", "a", "{a: 4}")
     server = serve(repo.write_config())
     answers: list[str] = []
 
@@ -605,15 +612,7 @@ def test_stream_answers_behind_one_whose_model_swallows_the_cancellation_count_a
     """Found by the hunts of fa51e5c and 20eccc6: a stream's answers go out in its order, so the answers after a
     request whose model swallowed its cancellation, given at the grace or before it, waited behind it until gRPC's
     stop cut the stream: no client got them, and the WARNING counted only the stuck one."""
-    folder = repo.models_dir / "stuck"
-    folder.mkdir(parents=True)
-    (folder / "manifest.yaml").write_text(
-        'format_version: "2.1"\nmeta: true\ndepends_on: []\n'
-        "client_inputs: [{name: input, dtype: f32, shape: ca, dims: {c: 4, a: 1}}]\n"
-        "client_outputs: [{name: y, dtype: f32, shape: ca, dims: {c: 4, a: 1}}]\n")
-    (folder / "model.py").write_text(SWALLOWS_CANCELLATION)
-    release = repo.root / "release"
-    monkeypatch.setenv("NEREID_TEST_RELEASE", str(release))  # (the model runs in this process)
+    release = swallowing_model(repo, monkeypatch, "input", "ca", "{c: 4, a: 1}")  # (Stream's [1, 4] input)
     plugin = HeldInfers()
     write_toy(repo.models_dir, "held")
     write_toy(repo.models_dir, "steady")
@@ -647,15 +646,7 @@ def test_a_client_that_leaves_after_the_grace_is_not_counted_as_cut_off_by_the_s
                                                                                      monkeypatch):
     """Found by the hunt of 20eccc6: a request cancelled a second time was taken for one gRPC's stop cut off, but a
     client that left between the grace and the cut (its own cancellation) was counted too: 4 said, 1 cut."""
-    folder = repo.models_dir / "stuck"
-    folder.mkdir(parents=True)
-    (folder / "manifest.yaml").write_text(
-        'format_version: "2.1"\nmeta: true\ndepends_on: []\n'
-        "client_inputs: [{name: x, dtype: f32, shape: a, dims: {a: 4}}]\n"
-        "client_outputs: [{name: y, dtype: f32, shape: a, dims: {a: 4}}]\n")
-    (folder / "model.py").write_text(SWALLOWS_CANCELLATION)
-    release = repo.root / "release"
-    monkeypatch.setenv("NEREID_TEST_RELEASE", str(release))  # (the model runs in this process)
+    release = swallowing_model(repo, monkeypatch, "x", "a", "{a: 4}")
     server = serve(repo.write_config())
     request = pb.ModelInferRequest(model_name="stuck")
     request.inputs.add(name="x", datatype="FP32", shape=[4])
