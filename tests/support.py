@@ -279,8 +279,9 @@ def wait_until(condition: Callable[[], Any], timeout_s: float = 10) -> Any:
     return value
 
 
-async def until(condition: Callable[[], object], timeout_s: float = 5.0, what: str = "") -> None:
-    """In a test's event loop: poll ``condition`` until it is truthy; AssertionError after ``timeout_s``."""
+async def until(condition: Callable[[], object], timeout_s: float = 30.0, what: str = "") -> None:
+    """In a test's event loop: poll ``condition`` until it is truthy; AssertionError after ``timeout_s`` (long: it
+    costs only a test that fails, and a starved machine took past 5 s to load a model from a moto bucket)."""
     deadline = time.monotonic() + timeout_s
     while not condition():
         assert time.monotonic() < deadline, f"not met within {timeout_s} s: {what}"

@@ -675,18 +675,25 @@ def test_an_edit_of_nereid_yaml_adding_a_bad_backends_option_warns_once(tmp_path
     asyncio.run(scenario())
 
 
+# The settle time of tests whose folder keeps changing, a write every 0.1 s and a scan after each: each pass must
+# stay within it, which at 300 ms a starved machine's did not (the folder taken as settled; the flaky-test hunt).
+SLOW_SETTLE_MS = 1000
+# Passes of such a test's writes: past nereid.yaml's settle time (an edit of it is applied meanwhile).
+PASSES = SLOW_SETTLE_MS // 100 + 4
+
+
 def test_an_edit_listing_a_folder_still_changing_leaves_its_load_to_the_watcher(tmp_path, root):
     """Found by the dynamic-repository hunt: nereid.yaml edited to list a folder while it was still being copied
     loaded it at once, half-copied (its requests failing), then again once it had settled."""
     write_toy(root, "a")
-    repository, watcher = setup(tmp_path, root, models="  - name: a\n", settle_ms=300)
+    repository, watcher = setup(tmp_path, root, models="  - name: a\n", settle_ms=SLOW_SETTLE_MS)
     config = Path(repository.settings.source)
 
     async def scenario() -> None:
         await start(repository, watcher)
         folder = write_toy(root, "d")
         config.write_text(config.read_text().replace("  - name: a\n", "  - name: a\n  - name: d\n"))
-        for part in range(8):  # the copy goes on, a file every 0.1 s: past nereid.yaml's settle time
+        for part in range(PASSES):  # the copy goes on, a file every 0.1 s: past nereid.yaml's settle time
             await apply(watcher)
             await repository.refresh(join=True)  # (a RepositoryIndex meanwhile: the folder has an entry)
             assert repository.generation("d") == 0, "loaded while its folder was still changing"
@@ -694,7 +701,7 @@ def test_an_edit_listing_a_folder_still_changing_leaves_its_load_to_the_watcher(
             await asyncio.sleep(0.1)
         assert repository.settings.model("d") is not None  # (the edit applied meanwhile)
         await apply(watcher)  # (the last part seen)
-        await asyncio.sleep(0.35)
+        await asyncio.sleep(SLOW_SETTLE_MS / 1000 + 0.05)
         await apply(watcher)
         while watcher._changes:
             await asyncio.gather(*watcher._changes)
@@ -704,11 +711,11 @@ def test_an_edit_listing_a_folder_still_changing_leaves_its_load_to_the_watcher(
 
 
 def served_a_and_fresh(tmp_path: Path, root: Path) -> tuple[Path, ModelRepository, RepositoryWatcher, Path]:
-    """Folders 'a' (listed) and 'fresh' (not), watched with a 300 ms settle time: (fresh's folder, the repository,
-    its watcher, nereid.yaml)."""
+    """Folders 'a' (listed) and 'fresh' (not), watched with SLOW_SETTLE_MS: (fresh's folder, the repository, its
+    watcher, nereid.yaml)."""
     write_toy(root, "a")
     fresh = write_toy(root, "fresh")
-    repository, watcher = setup(tmp_path, root, models="  - name: a\n", settle_ms=300)
+    repository, watcher = setup(tmp_path, root, models="  - name: a\n", settle_ms=SLOW_SETTLE_MS)
     return fresh, repository, watcher, Path(repository.settings.source)
 
 
@@ -722,7 +729,7 @@ def test_an_edit_left_to_the_watcher_is_carried_out_when_the_folder_s_change_is_
         (fresh / "scratch.out").write_text("a file written and removed")
         config.write_text(config.read_text().replace("  - name: a\n", "  - name: a\n  - name: fresh\n"))
         await apply(watcher)  # both seen, neither settled
-        await asyncio.sleep(0.35)
+        await asyncio.sleep(SLOW_SETTLE_MS / 1000 + 0.05)
         (fresh / "scratch.out").unlink()
         await apply(watcher)  # nereid.yaml applied, its load left to the watcher; the folder as it was
         for _ in range(30):  # (the watcher's own scans run meanwhile: within a few settle times)
@@ -801,7 +808,7 @@ def test_a_deferred_load_overrides_an_earlier_decline_and_an_unload_its_readines
         await start(repository, watcher)
         repository._declined.add("fresh")  # (as a client's unload while the store could not be listed leaves it)
         config.write_text(config.read_text().replace("  - name: a\n", "  - name: a\n  - name: fresh\n"))
-        await changing(watcher, fresh / "toy.txt", 8)
+        await changing(watcher, fresh / "toy.txt", PASSES)
         assert repository.deferred_step("fresh") == "load" and not repository.declined("fresh")
         assert "fresh" in repository._counted_once_ready
         await repository.unload("fresh")

@@ -693,14 +693,28 @@ def test_a_normal_start_logs_no_warning_for_a_meta_model_waiting_on_a_loading_de
     meta model turned READY; a dependency that is only loading is said at INFO. One that failed still warns.
     Defects: a meta model calling a meta model that waited on a LOADING model warned all the same; and each
     level of a chain nested the whole reason of the next (past 4 KiB at a hundred levels)."""
-    repo.python("echo")
+    import threading
+
+    import toy_backends
+    from nereid.plugins import make_plugin_manager
+
+    # 'echo' (a toy) loads once 'relay' has said it waits for it: the other order (a starved machine's) had
+    # nothing to say (the flaky-test hunt).
+    release = repo.root / "echo.release"
+    (toy_backends.write_toy(repo.models_dir, "echo") / "gate.txt").write_text(str(release))
     add_meta(repo, "relay", RELAY.format(target="echo"), ["echo"])
     for upper, lower in (("relay2", "relay"), ("relay3", "relay2"), ("relay4", "relay3")):
         add_meta(repo, upper, RELAY.format(target=lower), [lower])
     add_meta(repo, "orphan", RELAY.format(target="ghost"), ["ghost"])
     caplog.set_level(logging.INFO, logger="nereid.repository")
-    server = serve(repo.write_config(server_extra="  strict_readiness: false\n"))
-    assert server.client.is_model_ready("relay") and server.client.is_model_ready("relay4")
+
+    def release_once_relay_waits() -> None:
+        wait_until(lambda: any("model 'relay' is waiting" in r.getMessage() for r in list(caplog.records)), 30)
+        release.touch()
+    threading.Thread(target=release_once_relay_waits, daemon=True).start()
+    server = serve(repo.write_config(server_extra="  strict_readiness: false\n"),
+                   manager=make_plugin_manager(load_entry_points=False, extra_plugins=(toy_backends,)))
+    assert wait_until(lambda: server.client.is_model_ready("relay") and server.client.is_model_ready("relay4"), 30)
     warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert not [message for message in warned if "'relay" in message], warned
     # Nor "UNAVAILABLE" at INFO, which log alerts look for (the operator hunt): said as the wait it is.
