@@ -360,12 +360,12 @@ def _console_script_in_a_slow_plugin_import(tmp_path: Path, args: list[str], imp
     site, began = tmp_path / "site", tmp_path / "import.began"
     toy_backends.install_plugin(site, "slow-import", "slow_import", "slow_import_plugin",
                                 f"import pathlib, time\npathlib.Path({str(began)!r}).touch()\ntime.sleep({import_s})\n")
-    process = subprocess.Popen([sys.executable, "-c", "import sys\nfrom nereid.entry import main\nsys.exit(main())",
-                                *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    command = [sys.executable, "-c", "import sys\nfrom nereid.entry import main\nsys.exit(main())", *args]
+    if sigint_ignored:  # (as a shell does: through one, where a preexec_fn would fork this threaded process)
+        command = ["sh", "-c", 'trap "" INT; exec "$@"', "sh", *command]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (
-                                   str(site), os.environ.get("PYTHONPATH"))))},
-                               preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored
-                               else None)
+                                   str(site), os.environ.get("PYTHONPATH"))))})
     deadline = time.monotonic() + 60
     while not began.exists():
         assert time.monotonic() < deadline and process.poll() is None, process.stderr.read()

@@ -25,6 +25,7 @@ from nereid.tensors import NamedTensor
 from nereid.version_loader import VersionLoader
 from tests import toy_backends
 from tests.toy_backends import LOADS, UNLOADS, FaultyToys, write_faulty, write_toy
+from tests.support import until
 
 
 class Heard:
@@ -197,14 +198,16 @@ def test_an_unload_does_not_wait_for_a_load_waiting_for_its_turn(tmp_path, monke
     """Found by the session's review: a load waiting for a build's place held its model, and an unload of it
     (which can give up only on a build under way) waited for every build before it (16.7 s in its run)."""
     loader, settings, _ = setup(tmp_path, load_threads=1, toys=("slow", "quick"))
-    _, release = counting_loads(monkeypatch, hangs="slow")
+    most, release = counting_loads(monkeypatch, hangs="slow")
     quick = entry_for(settings, "quick")
 
     async def scenario() -> None:
         slow = asyncio.ensure_future(loader.load(entry_for(settings, "slow"), ModelStats(), settings))
-        await asyncio.sleep(0.05)
+        # (Waited for, not slept: 0.05 s once left 'quick' stamping its folder, not yet waiting, so the unload had
+        # nothing to give up and waited 5 s; a full run on a quiet machine.)
+        await until(lambda: most[0] == 1, what="the slow load holding the one place")
         waiting = asyncio.ensure_future(loader.load(quick, ModelStats(), settings))
-        await asyncio.sleep(0.05)
+        await until(lambda: quick.building is not None, what="the quick load waiting for its turn")
         assert not waiting.done()
 
         async def unload() -> None:
