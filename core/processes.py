@@ -11,6 +11,7 @@ import os
 import signal
 import sys
 import threading
+from typing import NoReturn
 
 
 def not_ignored(*signums: signal.Signals) -> list[signal.Signals]:
@@ -63,7 +64,7 @@ def _say(line: str) -> None:
         pass
 
 
-def die_of(signum: signal.Signals) -> None:
+def die_of(signum: signal.Signals) -> NoReturn:
     """End this process as ``signum``'s default action does (its wait status names the signal: a shell says 143 for
     SIGTERM, 130 for SIGINT; no KeyboardInterrupt traceback), or, where the kernel gives that signal no default
     action (a PID namespace's init, a container's PID 1), exit with 128 + its number. Never returns."""
