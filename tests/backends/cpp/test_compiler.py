@@ -123,7 +123,8 @@ def test_a_source_the_server_s_user_cannot_read_is_told_to_be_made_readable(tmp_
     source.chmod(0)
     probe = ("import sys\nfrom pathlib import Path\nfrom nereid.backends.cpp.compiler import read_code_file\n"
              "from nereid.errors import ConfigError\ntry:\n"
-             "    read_code_file(Path(sys.argv[1]), 'model m: ', 'main.cpp')\nexcept ConfigError as err:\n    print(err)\n")
+             "    read_code_file(Path(sys.argv[1]), 'model m: ', 'main.cpp')\n"
+             "except ConfigError as err:\n    print(err)\n")
     try:
         done = run_as_non_root([sys.executable, "-c", probe, str(source)], writable_after=tmp_path)
     finally:

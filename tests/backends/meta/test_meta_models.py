@@ -720,7 +720,8 @@ def test_a_normal_start_logs_no_warning_for_a_meta_model_waiting_on_a_loading_de
     # Nor "UNAVAILABLE" at INFO, which log alerts look for (the operator hunt): said as the wait it is.
     said = [r.getMessage() for r in caplog.records if "'relay'" in r.getMessage().split(":")[0]]
     assert not [line for line in said if "UNAVAILABLE" in line.split(":")[0]], said
-    assert said[0].startswith("model 'relay' is waiting for the models it calls: dependency 'echo' is not ready (LOADING)")
+    assert said[0].startswith("model 'relay' is waiting for the models it calls: dependency 'echo' is not ready "
+                              "(LOADING)"), said
     assert any("model 'orphan' is UNAVAILABLE: dependency 'ghost'" in message for message in warned), warned
     server.client.unload_model("echo")
     reasons = {m.name: m.reason for m in server.client.get_model_repository_index().models}
