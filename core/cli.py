@@ -38,7 +38,7 @@ from nereid.model_building import build_model
 from nereid.model_entry import waiting_for_folder
 from nereid.model_runner import checked_input_check
 from nereid.processes import (kill_children, not_ignored, record_early_stops, redeliver_early_stops,
-                              release_early_stops)
+                              release_early_stops, stop_signals)
 from nereid.plugins import NereidPluginManager, add_commands, check_backend_defaults, error_text, make_plugin_manager
 from nereid.storage import StorageError, materialize_model_folder, scan_model_folders
 from nereid.settings import Listeners, Settings, address_problem, load_settings
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None, extra_plugins: tuple[object, ...] = ()) 
         return _check_command(args, argv, manager)
     # Until the server starts (see serve_command), a stop signal is recorded: its imports take half a second.
     # (From the console script's first instant already: see nereid.entry. Here for a caller in-process.)
-    record_early_stops([signal.SIGTERM, signal.SIGINT, *not_ignored(signal.SIGHUP)])
+    record_early_stops(stop_signals())
     try:
         return _serve_command(args, manager)
     finally:

@@ -10,14 +10,12 @@ command gets the signal back, as its default, once it has read its command line.
 
 from __future__ import annotations
 
-import signal
-
-from nereid.processes import not_ignored, record_early_stops
+from nereid.processes import record_early_stops, stop_signals
 
 
 def main() -> int:
     """Run the ``nereid`` command (see :func:`nereid.cli.main`), its stop signals recorded until it has started."""
-    record_early_stops([signal.SIGTERM, signal.SIGINT, *not_ignored(signal.SIGHUP)])
+    record_early_stops(stop_signals())
     from nereid.cli import main as run_command  # (the half second)
 
     return run_command()

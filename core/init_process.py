@@ -20,7 +20,7 @@ import os
 import signal
 import sys
 
-from nereid.processes import not_ignored
+from nereid.processes import stop_signals
 
 # Set to 1 where the container already has an init (tini, ``docker run --init``): serve then stays PID 1 itself.
 NO_INIT_VARIABLE = "NEREID_NO_INIT"
@@ -28,7 +28,7 @@ NO_INIT_VARIABLE = "NEREID_NO_INIT"
 
 def forwarded_signals() -> list[signal.Signals]:
     """The signals ``nereid serve`` stops on, as the server takes them: an ignored SIGHUP (``nohup``) stays so."""
-    return [signal.SIGTERM, signal.SIGINT, *not_ignored(signal.SIGHUP)]
+    return stop_signals()
 
 
 def exit_status(wait_status: int) -> int:

@@ -23,6 +23,12 @@ def not_ignored(*signums: signal.Signals) -> list[signal.Signals]:
     return [signum for signum in signums if signal.getsignal(signum) is not signal.SIG_IGN]
 
 
+def stop_signals() -> list[signal.Signals]:
+    """The signals a ``nereid`` process stops on: SIGTERM, SIGINT, and SIGHUP (a closed terminal, a dropped ssh
+    session) unless it was started ignoring it (``nohup``)."""
+    return [signal.SIGTERM, signal.SIGINT, *not_ignored(signal.SIGHUP)]
+
+
 # Stop signals that came while ``nereid serve`` imported what it serves with, and the handlers they replaced (see
 # record_early_stops); None when nothing records them.
 _early_stops: list[signal.Signals] = []

@@ -28,7 +28,7 @@ from nereid.protocol.grpc_service import (MAX_SEND_MESSAGE_BYTES, SERVICE_NAME, 
 from nereid.protocol.http_listener import HttpListener
 from nereid.protocol.http_service import HttpSurface
 from nereid.repository import ModelRepository
-from nereid.processes import kill_children, not_ignored, stop_new_children
+from nereid.processes import kill_children, stop_new_children, stop_signals
 from nereid.settings import Listeners, Settings, repository_control_allowed
 from nereid.tensors import InferRequest, InferResponse
 from nereid.tls import server_credentials, ssl_context
@@ -433,13 +433,13 @@ class NereidServer:
         stop_requested = asyncio.Event()
         came: list[signal.Signals] = []
         # SIGHUP too: a closed terminal or an ssh session that drops must not cut accepted requests off.
-        stop_signals = [signal.SIGTERM, signal.SIGINT, *not_ignored(signal.SIGHUP)]
+        stopping_on = stop_signals()
 
         def request_stop(signum: signal.Signals) -> None:
             came.append(signum)
             stop_requested.set()
 
-        for signum in stop_signals:
+        for signum in stopping_on:
             loop.add_signal_handler(signum, request_stop, signum)
         await self.start()
         loader = asyncio.create_task(self.load_models())
@@ -461,7 +461,7 @@ class NereidServer:
         # signals it handles, whose close would otherwise put back the defaults (no public call lets one go
         # without that reset, which would leave a moment with the default in place).
         handled = getattr(loop, "_signal_handlers", {})
-        for signum in stop_signals:
+        for signum in stopping_on:
             signal.signal(signum, signal.SIG_IGN)
             handled.pop(signum, None)
         if not handled:  # what asyncio's removal of its last handler does: the loop's socket is closed next
