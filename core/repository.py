@@ -1057,9 +1057,10 @@ class ModelRepository:
         """The step (``load``, ``reload``) of ``name`` an edit of nereid.yaml left to the watcher; None: none."""
         return self._deferred_steps.get(name)
 
-    def forget_deferred_step(self, name: str) -> None:
-        """The watcher acts on ``name``'s folder (a load or reload with the settings in force): no step is left."""
-        self._deferred_steps.pop(name, None)
+    def forget_deferred_step(self, name: str) -> str | None:
+        """The watcher acts on ``name``'s folder (a load or reload with the settings in force): no step is left.
+        Returns the step that was (see :meth:`deferred_step`)."""
+        return self._deferred_steps.pop(name, None)
 
     async def _unlisted(self, name: str) -> ModelEntry:
         """Unload ``name``, which nereid.yaml no longer lists: its reason is then what a folder not listed at

@@ -361,8 +361,7 @@ class RepositoryWatcher:
         for kind, name in [("added", name) for name in due["added"]] + [("changed", name) for name in due["changed"]]:
             # Settled: the step below loads or reloads it with the settings in force, which does what a step an edit
             # of nereid.yaml left to the watcher would (that edit made the folder wanted: see start_settings).
-            deferred = repository.deferred_step(name) is not None
-            repository.forget_deferred_step(name)
+            deferred = repository.forget_deferred_step(name) is not None
             retry = self._store_retries.get(name)
             if retry is not None and not repository.wanted(name):
                 # Unloaded (RepositoryModelUnload) or unlisted since the store failed its load: not tried again.
