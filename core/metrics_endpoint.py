@@ -115,6 +115,8 @@ class _SharedRenderings:
         self._running: dict[tuple[str, ...], _Rendering] = {}
 
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:
+        if environ.get("REQUEST_METHOD") == "HEAD":
+            return self._head(environ, start_response)
         if _request_path(environ) != METRICS_PATH:
             # prometheus_client's app answers every path with the metrics: a probe of /v2/health/ready or /healthz
             # on this port got 200 while the server was not ready (the operator hunt). A 404 says where to look.
@@ -141,6 +143,20 @@ class _SharedRenderings:
         status, headers, body = answer
         start_response(status, list(headers))  # (a copy each: wsgiref adds its Content-Length to the list it gets)
         return [body]
+
+    def _head(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:
+        """A HEAD answered as the GET of the same target would be, without its body (RFC 9110 9.3.2).
+
+        prometheus_client's app answers HEAD 405 and wsgiref sends whatever body an app returns: a HEAD got
+        bytes after its headers, which a client reading the next answer on the connection takes as that answer.
+        """
+        got: list[Any] = []
+        body = b"".join(self({**environ, "REQUEST_METHOD": "GET"}, lambda status, headers, exc_info=None:
+                             got.extend((status, headers))))
+        status, headers = got
+        headers = [(name, value) for name, value in headers if name.lower() != "content-length"]
+        start_response(status, headers + [("Content-Length", str(len(body)))])
+        return []
 
     def _render(self, environ: dict[str, Any]) -> tuple[str, list[tuple[str, str]], bytes]:
         """Run the app to its end: its status, headers and body."""

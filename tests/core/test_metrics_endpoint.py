@@ -215,3 +215,29 @@ def test_only_the_metrics_path_is_served() -> None:
                 assert status in connection.recv(64).split(b"\r\n")[0] + b" ", target
     finally:
         endpoint.close()
+
+
+def answer_to(port: int, request: bytes) -> bytes:
+    """Everything the endpoint sends back to ``request`` on a connection of its own, until it closes it."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as connection:
+        connection.sendall(request)
+        received = b""
+        while chunk := connection.recv(65536):
+            received += chunk
+    return received
+
+
+def test_a_head_is_answered_as_its_get_without_a_body() -> None:
+    """Defect (the operator hunt): a HEAD of /metrics got prometheus_client's 405 with a body, and a HEAD of any
+    other path its 404 with a body; a HEAD's answer carries the GET's status and headers and no body."""
+    endpoint, port = served(idle_timeout_s=5.0)
+    try:
+        for path, status in (("/metrics", b"200"), ("/healthz", b"404")):
+            got = answer_to(port, f"GET {path} HTTP/1.0\r\n\r\n".encode())
+            head, _, body = answer_to(port, f"HEAD {path} HTTP/1.0\r\n\r\n".encode()).partition(b"\r\n\r\n")
+            assert head.split(b"\r\n")[0].split(b" ")[1] == status, head
+            assert body == b"", (path, body)
+            length = [line for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")]
+            assert length == [b"Content-Length: %d" % len(got.partition(b"\r\n\r\n")[2])], head
+    finally:
+        endpoint.close()
