@@ -143,12 +143,25 @@ def _parse_problem(error: text_format.ParseError, text: str) -> str:
         quoted = f"{line}:{column} : '{lines[line - 1]}': "
         if problem.startswith(quoted):
             problem = f"{line}:{column} : {problem[len(quoted):]}"
-        if column is not None and not "\n".join(lines[line - 1:])[max(column - 1, 0):].strip():
+        rest = "\n".join(lines[line - 1:])[max(column - 1, 0):].strip() if column is not None else None
+        if rest == "":
             # At the end of the text protobuf names an empty token ("'': Couldn't parse integer: "): the file
             # was cut short, which is the news (the Triton client hunt).
             said = problem.split(" : ", 1)[-1].removeprefix("'': ").replace(" but found: ''", "").strip().rstrip(":.")
             problem = f"{line}:{column} : the file ends before this field is complete ({said}); was it cut short?"
+        elif rest is not None and _ends_inside_a_token(rest, problem):
+            # The last token broken off (`inpu`, `"FP`): protobuf's complaint about the fragment hid the news.
+            problem = f"{problem.rstrip('.')}; the file ends right there: was it cut short?"
     return problem
+
+
+def _ends_inside_a_token(rest: str, problem: str) -> bool:
+    """Whether ``rest``, the text from protobuf's error to the end, is the one token its ``problem`` refuses: a
+    field name broken off, or a string never closed."""
+    unknown_field = re.search(r'has no field named "(\w+)"', problem)
+    if unknown_field is not None:
+        return rest == unknown_field.group(1)
+    return "String missing ending quote" in problem and "\n" not in rest
 
 
 def _signature_from_message(msg: model_inference_pb2.ModelInference, path: Path,

@@ -67,6 +67,15 @@ def test_textproto_errors(tmp_path: Path, text: str, message: str) -> None:
      "4:1 : the file ends before this field is complete (Couldn't parse integer); was it cut short?"),
     ('output { name: "y" dims: [1] data_type: ',
      "1:41 : the file ends before this field is complete (Expected string); was it cut short?"),
+    # Cut inside its last token (the operator hunt): protobuf's words for the fragment alone hid the news.
+    ('output_shape: [1]\ninpu\n',
+     '2:1 : Message type "nereid.ModelInference" has no field named "inpu"; the file ends right there: was it cut '
+     'short?'),
+    ('output { name: "y" di',
+     '1:20 : Message type "nereid.TensorDeclaration" has no field named "di"; the file ends right there: was it '
+     'cut short?'),
+    ('output { name: "y" dims: [1] data_type: "FP',
+     "1:41 : String missing ending quote: '\"FP'; the file ends right there: was it cut short?"),
 ])
 def test_a_textproto_cut_short_is_said_to_end_there(tmp_path: Path, text: str, problem: str) -> None:
     """Defect (the Triton client hunt): a file cut short was refused with protobuf's words for an empty token at
@@ -74,6 +83,12 @@ def test_a_textproto_cut_short_is_said_to_end_there(tmp_path: Path, text: str, p
     with pytest.raises(ConfigError) as caught:
         parse(tmp_path, text)
     assert str(caught.value).endswith(f"model_inference.textproto:{problem}")
+
+
+def test_an_unknown_field_before_the_end_is_not_said_to_be_cut_short(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse(tmp_path, 'output_shape: [1]\ninpu: 3\n')
+    assert str(caught.value).endswith('2:1 : Message type "nereid.ModelInference" has no field named "inpu".')
 
 
 def test_a_byte_order_mark_is_no_part_of_the_textproto(tmp_path: Path) -> None:
