@@ -22,6 +22,7 @@ from nereid.listening import bind_problem, cannot_listen, with_port
 from nereid.log_limit import say_suppressed_counts_now
 from nereid.loop_watch import LoopWatch
 from nereid.metrics import ServerMetrics
+from nereid.model_entry import ModelState
 from nereid.plugins import make_plugin_manager, plugin_code
 from nereid.protocol.grpc_service import (MAX_SEND_MESSAGE_BYTES, SERVICE_NAME, InferenceServicer, generic_handler,
                                           status_message)
@@ -139,6 +140,7 @@ class NereidServer:
         self._health = HealthService()
         self._health_lock = asyncio.Lock()  # one update at a time: each publishes readiness as it is then
         self._published: int | None = None  # the status the health service has (None: not set yet)
+        self._holders_said = ""  # what the last "server not ready" line named as holding readiness back
         self._health_updates: set[asyncio.Task] = set()  # scheduled updates, kept until done
         self._stopping: asyncio.Task | None = None  # the one stop, which a second call waits for
         self.watcher: RepositoryWatcher | None = None
@@ -293,6 +295,7 @@ class NereidServer:
         async with self._health_lock:  # (a set awaits its watchers: an older update must not land last)
             status = self._health_status()
             if status == self._published:
+                self._log_holders_settled(status)
                 return
             for service in ("", SERVICE_NAME):
                 await self._health.set(service, status)
@@ -305,10 +308,26 @@ class NereidServer:
         if status == health_pb2.HealthCheckResponse.SERVING:
             log.info("server ready (ServerReady, /v2/health/ready and the gRPC health service say so)")
         elif not (self.dataplane.shutting_down or self.dataplane.leaving):  # (the stop says so itself)
-            held = [f"'{name}' {state}" for name, state in self.repository.holding_readiness()]
-            why = ", ".join(held[:5]) + (f" and {len(held) - 5} more" if len(held) > 5 else "")
-            log.info("server not ready: %s", f"model(s) not READY: {why}" if held else "the repository is not "
-                     "listed yet")
+            self._say_not_ready("server not ready")
+
+    def _log_holders_settled(self, status: int) -> None:
+        """Say again what holds readiness back once the loads it named have ended, still not READY: the line
+        said as readiness turned named them LOADING, and stayed the last word after they ended UNAVAILABLE (the
+        operator hunt). Only at such settled points, so a start of 500 models says it twice, not 500 times."""
+        if status == health_pb2.HealthCheckResponse.SERVING or self.dataplane.shutting_down or self.dataplane.leaving:
+            return
+        held = self.repository.holding_readiness()
+        if held and all(state == ModelState.UNAVAILABLE.value for _, state in held):
+            self._say_not_ready("server still not ready")
+
+    def _say_not_ready(self, opening: str) -> None:
+        """Log ``opening``: the models holding readiness back, unless this very list was the last one said."""
+        held = [f"'{name}' {state}" for name, state in self.repository.holding_readiness()]
+        why = ", ".join(held[:5]) + (f" and {len(held) - 5} more" if len(held) > 5 else "")
+        said = f"model(s) not READY: {why}" if held else "the repository is not listed yet"
+        if opening == "server not ready" or said != self._holders_said:
+            self._holders_said = said
+            log.info("%s: %s", opening, said)
 
     def _health_status(self) -> int:
         return (health_pb2.HealthCheckResponse.SERVING if self.dataplane.ready()

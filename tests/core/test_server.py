@@ -132,6 +132,11 @@ def test_each_change_of_readiness_is_logged_with_what_holds_it_back(repo, serve,
     assert "server ready (ServerReady, /v2/health/ready and the gRPC health service say so)" in caplog.messages
     expect_grpc_error("INTERNAL", lambda: server.client.load_model("broken"), "weights are corrupt")
     assert "server not ready: model(s) not READY: 'broken' LOADING" in caplog.messages  # (its load began)
+    # The operator hunt: that LOADING line stayed the last word after the load ended; once it has, it is said again.
+    assert caplog.messages.count("server still not ready: model(s) not READY: 'broken' UNAVAILABLE") == 1
+    expect_grpc_error("INTERNAL", lambda: server.client.load_model("broken"), "weights are corrupt")
+    assert caplog.messages.count("server still not ready: model(s) not READY: 'broken' UNAVAILABLE") == 1, \
+        "said again though nothing changed"
 
 
 def test_a_folder_added_after_the_start_without_a_models_key_or_a_watch_says_so(repo, serve):
