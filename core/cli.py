@@ -96,8 +96,8 @@ def main(argv: list[str] | None = None, extra_plugins: tuple[object, ...] = ()) 
     add_commands(manager, commands)  # backends' own tooling
     args = parser.parse_args(argv)
     serving = args.command == "serve"
-    if not serving:  # (the console script recorded stop signals from its start: see nereid.entry)
-        redeliver_early_stops()
+    if not serving and args.command != "check":  # (the console script recorded stop signals from its start: see
+        redeliver_early_stops()                  # nereid.entry; check and serve hand them over themselves)
     if "run" in args and args.command not in ("serve", "check"):
         # (Never for the built-in commands: a plugin's set_defaults(run=...) on their parsers took them over;
         # found by a plugin hunt.)
@@ -154,6 +154,7 @@ def _check_command(args: argparse.Namespace, argv: list[str] | None, manager: Ne
     _report_crashes()
     settings = _read_settings(args.config, Listeners())
     if settings is None:
+        redeliver_early_stops()
         return 2
     # (argv None: the command line's own process, which exits once check returns; callers in a process that goes
     # on pass their argv, and get their signal handlers back.)
@@ -271,7 +272,7 @@ def serve_command(settings: Settings, listeners: Listeners, manager: NereidPlugi
     # As a container's PID 1, the server runs as a child of nereid's own init, which reaps the orphans the kernel
     # hands PID 1 (see init_process): before the server's imports and threads, once nereid.yaml has been read.
     fork_init_if_pid_1()
-    from nereid.server import NereidServer  # grpc is only needed to serve
+    from nereid.server import NereidServer, say_not_starting  # grpc is only needed to serve
 
     manager = manager or make_plugin_manager()
     limit_repeated_library_lines()
@@ -285,8 +286,7 @@ def serve_command(settings: Settings, listeners: Listeners, manager: NereidPlugi
     # above ends the command before the server starts (nothing has been served, or made, yet).
     came = release_early_stops()
     if came is not None:
-        logging.getLogger("nereid.server").info("signal received (%s) before the server started: not starting",
-                                                came.name)
+        say_not_starting(came)
         return 0
     # After the release: a plugin's defaults hook that hangs is stopped by a signal's default, where, recorded
     # until the server started, SIGTERM and SIGINT went unheeded while it ran (the config hunt).
@@ -300,11 +300,16 @@ def serve_command(settings: Settings, listeners: Listeners, manager: NereidPlugi
         logging.getLogger("nereid.server").info("interrupted (SIGINT) before the server started: not starting")
         return 128 + signal.SIGINT
 
+    # Recorded again until the server's own handlers go in (NereidServer.serve_until_signalled hands them over):
+    # between here and there it makes its scratch folder, and a Ctrl-C gave a traceback, a SIGTERM left the folder.
+    record_early_stops(stop_signals())
     try:
         ended = run_to_the_end(run())
     except OSError as err:
         print(one_record_per_line(f"error: {err}"), file=sys.stderr)
         return _exit_past_abandoned_threads(1)
+    finally:
+        release_early_stops()  # (when the server never got as far as its handlers: a failed construction)
     return _exit_past_abandoned_threads(0, force=not ended)
 
 
@@ -387,6 +392,10 @@ def check(settings: Settings, manager: NereidPluginManager | None = None, *, end
     problems = 0
     config_problems = 0  # the backends: section's, counted apart: they are no model's
     listing_problem = ""  # why the model folders could not be listed, when that leaves nothing to check
+    # A stop the console script recorded (see nereid.entry) acts from here, right before the check's own handlers
+    # go in: redelivered after the command line was read, one during nereid.yaml's reading gave a Ctrl-C traceback,
+    # and as PID 1 a SIGTERM was dropped (the hunt of the redelivery).
+    redeliver_early_stops()
     # Named as a server's scratch (nereid-<pid>-...): a check that is killed leaves it for the next server
     # start to remove, as that server removes any dead process's.
     try:

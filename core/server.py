@@ -29,7 +29,7 @@ from nereid.protocol.grpc_service import (MAX_SEND_MESSAGE_BYTES, SERVICE_NAME, 
 from nereid.protocol.http_listener import HttpListener
 from nereid.protocol.http_service import HttpSurface
 from nereid.repository import ModelRepository
-from nereid.processes import kill_children, stop_new_children, stop_signals
+from nereid.processes import kill_children, release_early_stops, stop_new_children, stop_signals
 from nereid.settings import Listeners, Settings, repository_control_allowed
 from nereid.tensors import InferRequest, InferResponse
 from nereid.tls import server_credentials, ssl_context
@@ -102,6 +102,11 @@ class HealthService(health_pb2_grpc.HealthServicer):
                 self._status[service] = health_pb2.HealthCheckResponse.NOT_SERVING
             self._closing = True
             self._changed.notify_all()
+
+
+def say_not_starting(came: signal.Signals) -> None:
+    """Say that the stop signal ``came`` before the server started, which therefore does not start."""
+    log.info("signal received (%s) before the server started: not starting", came.name)
 
 
 class NereidServer:
@@ -458,8 +463,15 @@ class NereidServer:
             came.append(signum)
             stop_requested.set()
 
+        # `nereid serve` records stop signals until here (see nereid.cli.serve_command): handed over right where
+        # the loop's handlers go in, one that came meanwhile means not starting.
+        came_early = release_early_stops()
         for signum in stopping_on:
             loop.add_signal_handler(signum, request_stop, signum)
+        if came_early is not None:
+            say_not_starting(came_early)
+            remove_scratch_folder(self.scratch_dir)
+            return
         await self.start()
         loader = asyncio.create_task(self.load_models())
         await stop_requested.wait()

@@ -307,6 +307,60 @@ def test_a_stop_signal_while_serve_starts_ends_it_cleanly_before_the_server_star
     assert "signal received (SIGTERM) before the server started: not starting" in result.stderr
 
 
+STOP_IN_A_STEP = '''
+import os, signal, sys
+import {module}
+from nereid.entry import main
+
+step = {module}.{function}
+
+def step_after_a_stop(*args, **kwargs):
+    os.kill(os.getpid(), signal.{signal})  # a stop in a step between the start's imports and the command's handlers
+    return step(*args, **kwargs)
+
+{module}.{function} = step_after_a_stop
+sys.exit(main())
+'''
+
+
+def _stopped_in_a_step(repo, module: str, function: str, signum: signal.Signals, args: list[str],
+                       scratch: Path) -> subprocess.CompletedProcess:
+    """The console script running ``args`` (TMPDIR ``scratch``), ``signum`` sent to it as ``module.function``
+    is called."""
+    script = STOP_IN_A_STEP.format(module=module, function=function, signal=signum.name)
+    return subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "TMPDIR": str(scratch)})
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_stop_while_serve_makes_its_server_ends_it_before_the_server_starts(repo, tmp_path, signum) -> None:
+    """Defect (the hunt of the early record): between the record's release and the server's own handlers, serve
+    made its server (its scratch folder among other things): a Ctrl-C there gave a traceback, a SIGTERM ended it
+    with 143 and left the folder. The record now lasts until the server's handlers go in."""
+    repo.python("echo")
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    result = _stopped_in_a_step(repo, "nereid.server", "make_scratch_folder", signum,
+                                ["serve", "--config", str(repo.write_config()), "--bind", f"127.0.0.1:{free_port()}"],
+                                scratch)
+    assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
+    assert f"signal received ({signum.name}) before the server started: not starting" in result.stderr
+    assert "Traceback" not in result.stderr and list(scratch.iterdir()) == [], result.stderr[-2000:]
+
+
+def test_a_stop_while_check_reads_nereid_yaml_acts_as_its_signal_does(repo, tmp_path) -> None:
+    """Defect (the hunt of the early record): `nereid check` got the recorded stops back as soon as its command
+    line was read, before it read nereid.yaml: a Ctrl-C there gave a KeyboardInterrupt traceback. They act from
+    right before the check's own handlers go in."""
+    repo.python("echo")
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    result = _stopped_in_a_step(repo, "nereid.cli", "load_settings", signal.SIGINT,
+                                ["check", "--config", str(repo.write_config())], scratch)
+    assert result.returncode == -signal.SIGINT, (result.returncode, result.stderr[-2000:])
+    assert "Traceback" not in result.stderr and list(scratch.iterdir()) == [], result.stderr[-2000:]
+
+
 def _catches_sigterm(pid: int) -> bool:
     """Whether process ``pid`` has a handler for SIGTERM (its SigCgt mask, /proc/PID/status)."""
     try:
