@@ -131,7 +131,8 @@ def escaping_link(folder: Path, root: Path) -> tuple[Path, Path] | None:
     if folder.is_symlink() and not _inside(folder.resolve(), root):
         return folder, folder.resolve()
     seen = 0
-    for directory, subdirs, files in os.walk(folder):  # os.walk does not descend into symlinked folders
+    # os.walk does not descend into symlinked folders, and passes over a subfolder it cannot list.
+    for directory, subdirs, files in os.walk(folder, onerror=_refuse_unlisted_reachable):
         for name in (*subdirs, *files):
             seen += 1
             if seen > MAX_FOLDER_ENTRIES:
@@ -148,6 +149,23 @@ def escaping_link(folder: Path, root: Path) -> tuple[Path, Path] | None:
                 if not _inside(target, root):
                     return path, target
     return None
+
+
+def _refuse_unlisted_reachable(error: OSError) -> None:
+    """os.walk's ``onerror``: ConfigError for a subfolder the server's user cannot list but can search (mode 311):
+    a model opens what it holds by name, a symlink leading out included, which the walk cannot see (the operator
+    hunt). One that cannot be searched either holds nothing anyone here can reach, and is passed over."""
+    if not isinstance(error, PermissionError) or error.filename is None:
+        return
+    try:
+        os.stat(os.path.join(error.filename, ".nereid-search-probe"), follow_symlinks=False)
+    except PermissionError:
+        return  # (no search permission: nothing in it can be opened)
+    except OSError:
+        pass
+    raise ConfigError(f"the folder {error.filename} cannot be listed by the server's user (uid {os.geteuid()}), but "
+                      "what it holds can be opened by name: its symlinks cannot be checked (give it read permission, "
+                      "r, or set server.follow_symlinks: true in nereid.yaml)")
 
 
 def check_readable(folder: Path) -> None:

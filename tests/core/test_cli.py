@@ -1581,6 +1581,23 @@ def test_a_model_file_the_server_s_user_cannot_open_is_said_so_without_blaming_t
     assert "Traceback" not in done.stdout + done.stderr
 
 
+def test_a_subfolder_the_server_s_user_can_search_but_not_list_is_refused_by_the_symlink_check(repo) -> None:
+    """Defect (the operator hunt): a symlink leading outside ml_backends_path, inside a subfolder the server's user
+    can enter but not list (mode 311), passed the check, which could not list it, and a model naming it read
+    through it. Such a subfolder is refused; one that cannot be entered either holds nothing reachable."""
+    hidden = repo.python("hidden") / "data"
+    hidden.mkdir()
+    (hidden / "escape").symlink_to("/etc/hostname")
+    closed = repo.python("closed") / "data"
+    closed.mkdir()
+    (closed / "escape").symlink_to("/etc/hostname")
+    done = _checked_as_non_root(repo, {hidden: 0o311, closed: 0})
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert (f"the folder {hidden} cannot be listed by the server's user (uid 0), but what it holds can be opened by "
+            "name: its symlinks cannot be checked") in done.stdout, done.stdout[-2000:]
+    assert "closed: OK" in done.stdout, done.stdout[-2000:]
+
+
 def test_a_model_folder_the_server_s_user_can_list_but_not_search_is_said_to_be_so(repo) -> None:
     """Defect (the hunt of edc6865): a folder as `chmod -R 644` leaves it (read, no search permission) lists its
     names and opens none of its files: the check said only "[Errno 13] Permission denied: '.../main.py'"."""
