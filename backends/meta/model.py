@@ -44,8 +44,10 @@ log = logging.getLogger(__name__)
 
 PLATFORM = "nereid_meta"
 MODEL_PY = "model.py"
-# How long a cancelled request waits for its async orchestration to end before leaving it (see _run_async).
-ORCHESTRATION_END_WAIT_S = 2.0
+# How long a cancelled request waits for its async orchestration to end before leaving it (see _run_async). Below
+# the second gRPC gives requests past a stop's grace to be answered (nereid.server.ANSWER_AT_GRACE_S): at 2 s, the
+# request of an orchestration that swallows its cancellation was cut off there, never answered.
+ORCHESTRATION_END_WAIT_S = 0.5
 
 
 class _Orchestration:

@@ -24,6 +24,8 @@ from tritonclient.grpc import service_pb2 as pb, service_pb2_grpc as pb_grpc
 
 import toy_backends
 from nereid.backend import BackendClaim, ModelContext
+from nereid.backends.meta import model as meta_model
+from nereid.backends.meta.model import ORCHESTRATION_END_WAIT_S
 from nereid.hookspecs import hookimpl
 from nereid.plugins import make_plugin_manager
 from nereid.protocol.grpc_service import STREAM_CLOSED_AT_SHUTDOWN
@@ -557,6 +559,9 @@ def swallowing_model(repo, monkeypatch, input_name: str, shape: str, dims: str) 
     (folder / "model.py").write_text(SWALLOWS_CANCELLATION)
     release = repo.root / "release"
     monkeypatch.setenv("NEREID_TEST_RELEASE", str(release))  # (the model runs in this process)
+    # Waited for past gRPC's cut at the grace, the orchestration keeps its request from being answered: what these
+    # tests are about (a model's own coroutine that swallows, with no task of its own, does that at any wait).
+    monkeypatch.setattr(meta_model, "ORCHESTRATION_END_WAIT_S", 30.0)
     return release
 
 
@@ -603,6 +608,41 @@ def test_a_request_whose_model_swallows_the_cancellation_at_the_grace_is_not_sai
         # load). It counts still.
         assert wait_until(lambda: server.server._servicer.running_requests == 0, PROMPT_S)
         assert server.server._servicer.never_answered_after_grace() == 1
+    finally:
+        release.touch()
+
+
+def test_a_meta_request_whose_orchestration_swallows_the_cancellation_is_answered_at_a_stop(repo, serve, caplog,
+                                                                                             monkeypatch):
+    """Left open by the last session: the meta backend waited 2 s for a cancelled orchestration to end, gRPC's stop
+    cut the request's call off 1 s past the grace, and its client got `Cancelling all calls` where nereid would
+    have answered UNAVAILABLE. The wait ends before the cut now."""
+    release = swallowing_model(repo, monkeypatch, "x", "a", "{a: 4}")
+    monkeypatch.setattr(meta_model, "ORCHESTRATION_END_WAIT_S", ORCHESTRATION_END_WAIT_S)  # (as shipped)
+    server = serve(repo.write_config())
+    answers: list[str] = []
+
+    def infer_once() -> None:
+        request = pb.ModelInferRequest(model_name="stuck")
+        request.inputs.add(name="x", datatype="FP32", shape=[4])
+        request.raw_input_contents.append(np.ones(4, np.float32).tobytes())
+        with grpc.insecure_channel(server.url) as channel:
+            try:
+                pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(request, timeout=PROMPT_S)
+                answers.append("OK")
+            except grpc.RpcError as err:
+                answers.append(f"{err.code().name}: {err.details()}")
+
+    caller = threading.Thread(target=infer_once, daemon=True)
+    try:
+        caller.start()
+        assert wait_until(lambda: server.server._servicer.running_requests == 1, PROMPT_S)
+        caplog.set_level(logging.WARNING, "nereid.server")
+        asyncio.run_coroutine_threadsafe(server.server.stop(grace_s=0.3), server.loop).result(PROMPT_S * 2)
+        caller.join(PROMPT_S)
+        assert len(answers) == 1 and answers[0].startswith("UNAVAILABLE: "), answers
+        assert "Cancelling all calls" not in answers[0] and not [
+            message for message in caplog.messages if "never reached" in message], caplog.messages
     finally:
         release.touch()
 
