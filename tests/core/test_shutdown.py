@@ -570,13 +570,9 @@ NEVER_ANSWERED = ("{} answer(s) never reached their clients: gRPC's stop cut the
                   "answers after its request waiting behind it")
 
 
-def test_a_request_whose_model_swallows_the_cancellation_at_the_grace_is_not_said_to_be_answered(repo, serve,
-                                                                                                 caplog, monkeypatch):
-    """Found by a bug hunt: the WARNING at the grace said each request still in flight was "answered UNAVAILABLE",
-    but one whose model swallows its cancellation (an orchestration's bare except) never was: gRPC's stop cut its
-    client off a second later. The server says so now, after the fact."""
-    release = swallowing_model(repo, monkeypatch, "x", "a", "{a: 4}")
-    server = serve(repo.write_config())
+def _answer_to_a_call_stopped_at_the_grace(server: RunningServer, caplog) -> str:
+    """What the client of one ModelInfer of ``stuck`` got, the server stopped with a 0.3 s grace while it ran (the
+    server's WARNINGs from the stop on in ``caplog``)."""
     answers: list[str] = []
 
     def infer_once() -> None:
@@ -591,13 +587,25 @@ def test_a_request_whose_model_swallows_the_cancellation_at_the_grace_is_not_sai
                 answers.append(f"{err.code().name}: {err.details()}")
 
     caller = threading.Thread(target=infer_once, daemon=True)
+    caller.start()
+    assert wait_until(lambda: server.server._servicer.running_requests == 1, PROMPT_S)
+    caplog.set_level(logging.WARNING, "nereid.server")
+    asyncio.run_coroutine_threadsafe(server.server.stop(grace_s=0.3), server.loop).result(PROMPT_S * 2)
+    caller.join(PROMPT_S)
+    assert len(answers) == 1, answers
+    return answers[0]
+
+
+def test_a_request_whose_model_swallows_the_cancellation_at_the_grace_is_not_said_to_be_answered(repo, serve,
+                                                                                                 caplog, monkeypatch):
+    """Found by a bug hunt: the WARNING at the grace said each request still in flight was "answered UNAVAILABLE",
+    but one whose model swallows its cancellation (an orchestration's bare except) never was: gRPC's stop cut its
+    client off a second later. The server says so now, after the fact."""
+    release = swallowing_model(repo, monkeypatch, "x", "a", "{a: 4}")
+    server = serve(repo.write_config())
     try:
-        caller.start()
-        assert wait_until(lambda: server.server._servicer.running_requests == 1, PROMPT_S)
-        caplog.set_level(logging.WARNING, "nereid.server")
-        asyncio.run_coroutine_threadsafe(server.server.stop(grace_s=0.3), server.loop).result(PROMPT_S * 2)
-        caller.join(PROMPT_S)
-        assert answers and "Cancelling all calls" in answers[0], answers  # gRPC's, not nereid's
+        answer = _answer_to_a_call_stopped_at_the_grace(server, caplog)
+        assert "Cancelling all calls" in answer, answer  # gRPC's, not nereid's
         warnings = [message for message in caplog.messages if "gRPC inference request(s)" in message
                     or "never reached" in message]
         assert warnings == ["1 gRPC inference request(s) still in flight after the 0.3 s grace: answering them "
@@ -620,29 +628,10 @@ def test_a_meta_request_whose_orchestration_swallows_the_cancellation_is_answere
     release = swallowing_model(repo, monkeypatch, "x", "a", "{a: 4}")
     monkeypatch.setattr(meta_model, "ORCHESTRATION_END_WAIT_S", ORCHESTRATION_END_WAIT_S)  # (as shipped)
     server = serve(repo.write_config())
-    answers: list[str] = []
-
-    def infer_once() -> None:
-        request = pb.ModelInferRequest(model_name="stuck")
-        request.inputs.add(name="x", datatype="FP32", shape=[4])
-        request.raw_input_contents.append(np.ones(4, np.float32).tobytes())
-        with grpc.insecure_channel(server.url) as channel:
-            try:
-                pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(request, timeout=PROMPT_S)
-                answers.append("OK")
-            except grpc.RpcError as err:
-                answers.append(f"{err.code().name}: {err.details()}")
-
-    caller = threading.Thread(target=infer_once, daemon=True)
     try:
-        caller.start()
-        assert wait_until(lambda: server.server._servicer.running_requests == 1, PROMPT_S)
-        caplog.set_level(logging.WARNING, "nereid.server")
-        asyncio.run_coroutine_threadsafe(server.server.stop(grace_s=0.3), server.loop).result(PROMPT_S * 2)
-        caller.join(PROMPT_S)
-        assert len(answers) == 1 and answers[0].startswith("UNAVAILABLE: "), answers
-        assert "Cancelling all calls" not in answers[0] and not [
-            message for message in caplog.messages if "never reached" in message], caplog.messages
+        answer = _answer_to_a_call_stopped_at_the_grace(server, caplog)
+        assert answer.startswith("UNAVAILABLE: ") and "Cancelling all calls" not in answer, answer
+        assert not [message for message in caplog.messages if "never reached" in message], caplog.messages
     finally:
         release.touch()
 
