@@ -26,7 +26,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from support import free_port
+from support import free_port, wait_until
 
 NEREID = [sys.executable, "-m", "nereid.cli"]
 
@@ -311,6 +311,15 @@ def _assert_dated_now(head: bytes) -> None:
     assert abs(sent.timestamp() - time.time()) < 5, dates
 
 
+def _connection_with_a_head_arriving(http: Any) -> Any:
+    """The listener's one connection (its protocol) that has part of a request's head and not the rest."""
+    def arriving() -> list[Any]:  # (uvicorn's own set of the connections it serves)
+        return [protocol for protocol in list(http._server.server_state.connections) if protocol._head_begun]
+
+    assert wait_until(lambda: len(arriving()) == 1, 30)
+    return arriving()[0]
+
+
 @pytest.mark.parametrize("kept_alive", [False, True], ids=["first request", "a kept-alive connection's next"])
 def test_a_request_whose_head_is_arriving_when_the_stop_begins_is_answered_then_closed(kept_alive):
     """From the bug hunt of the HTTP surface: its connection was closed at the stop with no answer, while the server
@@ -330,9 +339,11 @@ def test_a_request_whose_head_is_arriving_when_the_stop_begins_is_answered_then_
                 connection.sendall(b"POST /first HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\n\r\na")
                 assert _read_response(connection).endswith(b"\r\n\r\n1")
             connection.sendall(b"POST /x HTTP/1.1\r\nHost: x\r\nContent-Length: 2")  # a head in flight
-            time.sleep(0.1)  # (the server has read it)
+            # Waited for, not slept on: starved, the server had not read the head 0.1 s later, or begun the stop
+            # 0.2 s after it was asked to, and the request was answered as one before the stop (the flaky-test hunt).
+            arriving = _connection_with_a_head_arriving(http)
             stopping = asyncio.run_coroutine_threadsafe(http.stop(), loop)
-            time.sleep(0.2)  # the stop has begun
+            assert wait_until(lambda: arriving._close_after_head, 30)  # the stop has reached that connection
             connection.sendall(b"\r\n\r\nab")
             answer = _read_all(connection)
             stopping.result(10)
