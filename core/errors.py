@@ -82,6 +82,21 @@ class ModelKilled(ModelFailure):
     reason = "killed"
 
 
+class NotStarted(ModelFailure):
+    """A backend's execution that ended before any of the model's code ran for it, so that it may be given to the
+    backend once more: a python model's warm parent died before it forked the run (a new one started since).
+
+    The scheduler sends the batch again, once, as it starts a batch taken from
+    the queue: less its requests whose deadline has passed by then (answered
+    DEADLINE_EXCEEDED, never run) and those whose caller has gone. A second one
+    fails the batch with ``failure``, the backend's word for what happened.
+    """
+
+    def __init__(self, failure: ModelFailure) -> None:
+        super().__init__(str(failure))
+        self.failure = failure
+
+
 class LoggedModelFailure(ModelFailure):
     """A model fault already logged where it happened (with its traceback): the scheduler does not log it again.
 

@@ -26,8 +26,8 @@ from nereid.backend import REQUEST_DEADLINE_NS, Model, PadsBatches
 from nereid.batching import (BatchPolicy, batch_key, deadline_passed, request_cost, split_rows, stack_rows, take_batch,
                              will_not_run)
 from nereid.daemon_pool import DaemonThreadPool
-from nereid.errors import (DeadlineExceeded, LoggedModelFailure, ModelFailure, ModelRetired, NereidError, QueueFull,
-                           Unavailable, describe_exception, naming_model, without_model_name)
+from nereid.errors import (DeadlineExceeded, LoggedModelFailure, ModelFailure, ModelRetired, NereidError, NotStarted,
+                           QueueFull, Unavailable, describe_exception, naming_model, without_model_name)
 from nereid.log_limit import RateLimitedLog
 from nereid.settings import DEFAULT_QUEUE_CAPACITY
 from nereid.signature import ModelSignature, check_outputs
@@ -177,8 +177,16 @@ class ModelScheduler:
             caller = asyncio.current_task()
             self._direct.add(caller)
             try:
-                (outputs,) = await self._run([inputs], [rows], cost, [time.monotonic_ns() - arrived_ns], 0,
-                                             [timing])
+                try:
+                    (outputs,) = await self._run([inputs], [rows], cost, [time.monotonic_ns() - arrived_ns], 0,
+                                                 [timing])
+                except NotStarted as not_run:
+                    # Sent once more, as a batch of the batcher's is (see _execute): unless its deadline passed.
+                    now_ns = self._sending_again(not_run)
+                    if deadline_passed(deadline_ns, now_ns):
+                        raise self._deadline_error(deadline_ns, arrived_ns, now_ns, not_run) from None
+                    (outputs,) = await self._run([inputs], [rows], cost, [now_ns - arrived_ns], 0, [timing],
+                                                 resent=True)
                 return outputs
             except asyncio.CancelledError:
                 REQUEST_STARTED.set(True)
@@ -440,24 +448,44 @@ class ModelScheduler:
         if not self._pending and self._free_slots == self._instances and not self._in_hooks and not self._hook_calls:
             self._idle.set()
 
-    def _answer_dropped(self, work: Work) -> None:
-        """Answer a request that will never run: an expired one (its caller still waits) gets DeadlineExceeded."""
+    def _answer_dropped(self, work: Work, not_run: NotStarted | None = None) -> None:
+        """Answer a request that will never run: an expired one (its caller still waits) gets DeadlineExceeded;
+        ``not_run``: why its batch was to be sent again (see :meth:`_execute`)."""
         if not work.future.done():
-            work.future.set_exception(self._deadline_error(work.deadline_ns, work.enqueued_ns, time.monotonic_ns()))
+            work.future.set_exception(self._deadline_error(work.deadline_ns, work.enqueued_ns, time.monotonic_ns(),
+                                                           not_run))
 
-    def _deadline_error(self, deadline_ns: int, enqueued_ns: int, now: int) -> DeadlineExceeded:
-        return not_started(self.name, deadline_ns, now, f"waited {(now - enqueued_ns) / 1e6:.1f} ms in the queue")
+    def _deadline_error(self, deadline_ns: int, enqueued_ns: int, now: int,
+                        not_run: NotStarted | None = None) -> DeadlineExceeded:
+        waited = f"waited {(now - enqueued_ns) / 1e6:.1f} ms"
+        if not_run is None:
+            return not_started(self.name, deadline_ns, now, f"{waited} in the queue")
+        return not_started(self.name, deadline_ns, now, f"{waited} since it was queued; its batch, which had not "
+                                                        "started, was to be sent again: "
+                                                        f"{without_model_name(self.name, str(not_run))}")
+
+    def _still_to_run(self, batch: list[Work], now: int, not_run: NotStarted | None = None) -> list[Work]:
+        """The requests of ``batch`` to run at ``now``: those whose deadline has passed, or whose caller has gone,
+        are answered (see :meth:`_answer_dropped`) and left out."""
+        live = []
+        for work in batch:
+            if will_not_run(work, now):
+                self._answer_dropped(work, not_run)
+            else:
+                live.append(work)
+        return live
+
+    def _sending_again(self, not_run: NotStarted) -> int:
+        """Say that a batch the backend did not start (``not_run``) is sent once more; the time it is."""
+        log.warning("%s; the batch had not started: it is sent once more, less any request whose deadline has passed",
+                    naming_model(self.name, not_run))
+        return time.monotonic_ns()
 
     # -- execution ----------------------------------------------------------
     async def _execute(self, batch: list[Work]) -> None:
         """Run a batch formed by the batcher and answer each of its requests."""
         now = time.monotonic_ns()
-        live = []
-        for work in batch:  # the batch left the queue one loop turn ago: look again
-            if will_not_run(work, now):
-                self._answer_dropped(work)
-            else:
-                live.append(work)
+        live = self._still_to_run(batch, now)  # the batch left the queue one loop turn ago: look again
         if not live:
             return
         if self._inline and len(live) == 1:
@@ -465,11 +493,18 @@ class ModelScheduler:
             # caller goes away, as it does when it started at once in the caller's own task.
             execution = asyncio.current_task()
             live[0].future.add_done_callback(lambda future: future.cancelled() and execution.cancel())
-        # This task's own context: the batch's earliest deadline, for a coroutine infer.
-        REQUEST_DEADLINE_NS.set(min((w.deadline_ns for w in live if w.deadline_ns), default=0))
         try:
-            results = await self._run([w.inputs for w in live], [w.rows for w in live], sum(w.cost for w in live),
-                                      [now - w.enqueued_ns for w in live], now, [w.timing for w in live])
+            try:
+                results = await self._run_works(live, now)
+            except NotStarted as not_run:
+                # None of the model's code ran (a python model's warm parent died before it forked the run): sent
+                # once more, as a batch taken from the queue is started, so that a request whose deadline passed
+                # meanwhile (the new parent's start included) is answered DEADLINE_EXCEEDED and never runs late.
+                now = self._sending_again(not_run)
+                live = self._still_to_run(live, now, not_run)
+                if not live:
+                    return
+                results = await self._run_works(live, now, resent=True)
         except NereidError as error:  # every failure _run reports (a CancelledError is this task's own)
             self._end_execution(asyncio.current_task())
             for work in live:
@@ -494,6 +529,13 @@ class ModelScheduler:
             if not work.future.done():
                 work.future.set_result(result)
 
+    async def _run_works(self, live: list[Work], now: int, resent: bool = False) -> list[list[NamedTensor]]:
+        """:meth:`_run` of the requests ``live``, whose assembly starts at ``now``."""
+        # This task's own context: the batch's earliest deadline, for a coroutine infer.
+        REQUEST_DEADLINE_NS.set(min((w.deadline_ns for w in live if w.deadline_ns), default=0))
+        return await self._run([w.inputs for w in live], [w.rows for w in live], sum(w.cost for w in live),
+                               [now - w.enqueued_ns for w in live], now, [w.timing for w in live], resent=resent)
+
     def _executions(self) -> int:
         """Executions still running: on worker threads (a caller's gone one included), or on the loop (a
         coroutine infer's, which counts no thread)."""
@@ -517,7 +559,8 @@ class ModelScheduler:
                 "grace and was abandoned")
 
     async def _run(self, requests: list[list[NamedTensor]], rows: list[int], cost: int, queue_ns: list[int],
-                   assembly_start_ns: int, timings: list[RequestTiming | None]) -> list[list[NamedTensor]]:
+                   assembly_start_ns: int, timings: list[RequestTiming | None],
+                   resent: bool = False) -> list[list[NamedTensor]]:
         """One execution of ``requests`` (of ``rows`` rows each); returns each one's rows of the outputs.
 
         Several requests are stacked into one batch first; ``assembly_start_ns``
@@ -526,7 +569,9 @@ class ModelScheduler:
         ``queue_ns`` and the execution's compute times. Any failure,
         the batch's assembly included, is raised as a NereidError naming the
         model: model code can raise anything (``sys.exit()`` included), and a
-        request of the batch must never be left unanswered.
+        request of the batch must never be left unanswered. A backend that did not
+        start the run raises NotStarted, for the caller to send it once more
+        (``resent``: this is that once; its failure is then the batch's).
         """
         self._stats.execution_started()
         total = sum(rows)
@@ -571,14 +616,17 @@ class ModelScheduler:
                     timing.queue_ns, timing.compute_ns = waited_ns, compute_ns
             return results
         except NereidError as err:
-            named = naming_model(self.name, err)
-            if named is not err:
-                named.__cause__ = err.__cause__  # what it was raised from, for the log's traceback
+            if isinstance(err, NotStarted) and not resent:
+                raise  # no fault yet: the caller sends the batch once more
+            failure = err.failure if isinstance(err, NotStarted) else err
+            named = naming_model(self.name, failure)
+            if named is not failure:
+                named.__cause__ = failure.__cause__  # what it was raised from, for the log's traceback
             if isinstance(named, ModelFailure):
                 self.log_fault(named)  # the backend's own word for its fault (a run that failed)
             if named is err:
                 raise
-            raise named from err.__cause__
+            raise named from failure.__cause__
         except asyncio.CancelledError as err:
             # A coroutine infer runs in this very task: a cancellation out of it that was not this task's
             # own (an awaited call of the model's was cancelled) is the model's fault, and must not pass

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Mapping
 
-from nereid.errors import ModelFailure, ModelKilled
+from nereid.errors import ModelFailure, ModelKilled, NotStarted
 from nereid.files import descriptor_path
 
 from nereid.backends.python.compiled_script import runnable_script
@@ -288,19 +288,20 @@ class WarmParent:
         with one more argument: a descriptor that holds the loaded main.py's
         bytes (see ``cold_bootstrap.py``).
         A parent found dead is restarted first. A parent that dies before it
-        said it forked the run (found alive, killed a moment later) gets the
-        batch sent once more, to its replacement: the run had not started (a
-        child it had forked dies with it). If it dies during the run, the run
-        fails with ModelFailure giving the reason; the next run restarts it.
+        said it forked the run (found alive, killed a moment later) is replaced
+        at once, and the run raises NotStarted: the run had not started (a
+        child it had forked dies with it), so the scheduler sends the batch
+        once more, to the new parent, less the requests whose deadline passed
+        meanwhile. If it dies during the run, the run fails with ModelFailure
+        giving the reason; the next run restarts it.
         """
-        for attempt in (1, 2):
-            try:
-                pid, stdin_write, output_read, reply, parent = self._start_run(env, exec_argv)
-                break
-            except _RunNotStarted as err:
-                if attempt == 2:
-                    raise err.failure from None
-                log.warning("%s; the batch goes to a new parent", err.failure)
+        try:
+            pid, stdin_write, output_read, reply, parent = self._start_run(env, exec_argv)
+        except _RunNotStarted as err:
+            # Started here, before the batch is given back: the scheduler looks at its requests' deadlines once the
+            # wait for the new parent (its preloads imported again, a second or more) is over, not before it.
+            self._running_control()  # (a ModelFailure when none can be started: the batch's)
+            raise NotStarted(err.failure) from None
         # timeout_s bounds the run from its fork, as a cold run's from its start: a parent restarted first (its
         # preloads imported again, a second or more) had taken it all, and the run was killed at once, "timed out
         # after 0.5 s" (the warm-start hunt).
@@ -527,8 +528,8 @@ class WarmParent:
 
 
 class _RunNotStarted(Exception):
-    """The parent was gone before it said it forked the run: sending the batch again runs it once. ``failure``
-    is what the run fails with if it cannot be sent again."""
+    """The parent was gone before it said it forked the run: sending the batch again runs it once (see
+    NotStarted). ``failure`` is what the run fails with if it cannot be sent again."""
 
     def __init__(self, failure: ModelFailure) -> None:
         super().__init__(str(failure))

@@ -855,6 +855,49 @@ def test_a_batch_whose_parent_dies_before_forking_it_runs_on_a_new_parent(repo, 
     assert backend._parent.pid not in (None, stopped)
 
 
+def test_a_batch_sent_again_after_its_parent_died_is_not_run_past_its_deadline(repo, serve, start_mode,
+                                                                              monkeypatch):
+    """A batch whose parent died before forking it was sent again to a new parent whatever its request's deadline
+    (`timeout` parameter): one that passed meanwhile was run late and answered, where a first send answers
+    DEADLINE_EXCEEDED and never runs it. The deadline passes for sure before the parent dies: the request is
+    handed to a stopped parent, and the parent is killed only once its whole timeout has gone by since then."""
+    if start_mode == "cold":
+        pytest.skip("about warm parents")
+    repo.python("echo6")
+    server = serve(repo.write_config())
+    backend = server.server.repository.entry("echo6").loaded.backend
+    from nereid.backends.python import warm
+
+    handed_over = threading.Event()  # the request is decoded (its deadline set) and waits for the parent's reply
+    receive = warm._receive
+
+    def receive_noted(reply):
+        handed_over.set()
+        return receive(reply)
+    monkeypatch.setattr(warm, "_receive", receive_noted)
+    stopped = backend._parent.pid
+    os.kill(stopped, signal.SIGSTOP)
+    timeout_s = 0.3
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(server.client.infer, "echo6", [make_input("input", FOUR, "FP32")],
+                             timeout=int(timeout_s * 1e6))  # (µs; no gRPC deadline: the server's answer is seen)
+        assert handed_over.wait(30)
+        time.sleep(timeout_s + 0.2)  # its deadline, counted from before the hand-over, has passed
+        os.kill(stopped, signal.SIGKILL)
+        with pytest.raises(InferenceServerException) as caught:
+            answer.result(timeout=60)
+    assert caught.value.status() == "StatusCode.DEADLINE_EXCEEDED", caught.value.message()
+    assert re.search(r"^model 'echo6': deadline passed [0-9.]+ ms before the "
+                     r"request could start \(waited [0-9.]+ ms since it was queued; its batch, which had not started, "
+                     r"was to be sent again: its warm parent process was killed by signal SIGKILL \(it did not fork "
+                     r"the run\).*\); it was not run$", caught.value.message()), caught.value.message()
+    stats = server.server.repository.ready_model("echo6").stats.snapshot()
+    assert stats.failures_by_reason == {"deadline_exceeded": 1} and stats.execution_count == 0
+    # The new parent, started for the batch, serves the next request.
+    assert backend._parent.pid not in (None, stopped)
+    assert infer(server, "echo6", FOUR).as_numpy("output").tolist() == FOUR.tolist()
+
+
 def test_a_parent_alive_but_not_answering_fails_the_batch_once_without_resending_it(repo, serve, start_mode,
                                                                                      monkeypatch, caplog):
     """A stopped parent got the batch sent back to itself (no new parent is started for a live one): the

@@ -13,7 +13,7 @@ import pytest
 from nereid.backend import REQUEST_DEADLINE_NS
 from nereid.batching import BatchPolicy
 from nereid.dtypes import DType
-from nereid.errors import DeadlineExceeded, InvalidArgument, ModelFailure, Unavailable
+from nereid.errors import DeadlineExceeded, InvalidArgument, ModelFailure, ModelKilled, NotStarted, Unavailable
 from nereid.scheduler import ModelScheduler, queue_full
 from nereid.settings import DEFAULT_QUEUE_CAPACITY, BatchingSettings
 from nereid.signature import ModelSignature, TensorSpec
@@ -914,3 +914,76 @@ def test_a_chain_of_many_coroutine_models_answers_on_an_idle_server() -> None:
         for scheduler in schedulers:
             await scheduler.drain()
     asyncio.run(scenario())
+
+
+class NotStartedFirst:
+    """Raises NotStarted (none of its code ran: a python model's warm parent died before it forked the run) on
+    its first ``times`` calls, each once ``gate`` opens; doubles its input after. Records each call's rows."""
+
+    platform = "test"
+
+    def __init__(self, times: int = 1) -> None:
+        self.gate = threading.Event()
+        self.times = times
+        self.calls: list[list[float]] = []
+
+    def infer(self, inputs: list[NamedTensor]) -> list[NamedTensor]:
+        self.calls.append([float(v) for v in inputs[0].data[:, 0]])
+        if len(self.calls) <= self.times:
+            assert self.gate.wait(10)
+            raise NotStarted(ModelKilled("model 'm': its warm parent process was killed by signal SIGKILL (it did "
+                                         "not fork the run); it is restarted for the next request"))
+        return [NamedTensor("y", DType.FP32, inputs[0].data * 2)]
+
+
+@pytest.mark.parametrize("deadline", [False, True])
+def test_a_run_the_backend_did_not_start_is_sent_once_more_unless_its_deadline_passed(deadline, caplog) -> None:
+    """A lone request (run in its caller's task) whose run the backend did not start is sent again; not once its
+    deadline has passed: it is answered DEADLINE_EXCEEDED, never run late (the warm parent hunt)."""
+    async def scenario() -> None:
+        backend = NotStartedFirst()
+        stats = ModelStats()
+        scheduler = ModelScheduler("m", backend, SIGNATURE, capacity=4, instances=1, stats=stats)
+        deadline_ns = time.monotonic_ns() + 200_000_000 if deadline else 0
+        answer = asyncio.create_task(scheduler.submit(rows(3), 1, deadline_ns))
+        await until(lambda: backend.calls == [[3.0]])
+        if deadline:
+            await until(lambda: time.monotonic_ns() > deadline_ns)  # it passes while the first send is under way
+        backend.gate.set()
+        if deadline:
+            with pytest.raises(DeadlineExceeded, match=r"^model 'm': deadline passed [0-9.]+ ms before the request "
+                                                       r"could start \(waited [0-9.]+ ms since it was queued; its "
+                                                       r"batch, which had not started, was to be sent again: its warm "
+                                                       r"parent process was killed by signal SIGKILL \(.*\); it was "
+                                                       r"not run$"):
+                await answer
+            assert backend.calls == [[3.0]]
+        else:
+            assert float((await answer)[0].data[0, 0]) == 6
+            assert backend.calls == [[3.0], [3.0]] and stats.execution_count == 1
+        await scheduler.drain()
+    with caplog.at_level("WARNING", logger="nereid.scheduler"):
+        run(scenario())
+    logged = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "nereid.scheduler"]
+    assert logged == [("WARNING", "model 'm': its warm parent process was killed by signal SIGKILL (it did not fork "
+                                  "the run); it is restarted for the next request; the batch had not started: it is "
+                                  "sent once more, less any request whose deadline has passed")]
+
+
+@pytest.mark.parametrize("batching", [False, True])
+def test_a_run_the_backend_did_not_start_twice_fails_with_the_backends_failure(batching, caplog) -> None:
+    async def scenario() -> None:
+        backend = NotStartedFirst(times=2)
+        backend.gate.set()
+        stats = ModelStats()
+        policy = BatchPolicy.resolve(BatchingSettings(), SIGNATURE, "test") if batching else None
+        scheduler = ModelScheduler("m", backend, SIGNATURE, capacity=4, instances=1, stats=stats, policy=policy)
+        with pytest.raises(ModelKilled, match=r"^model 'm': its warm parent process was killed by signal SIGKILL"):
+            await scheduler.submit(rows(3), 1, 0)
+        assert backend.calls == [[3.0], [3.0]]  # sent once more, not twice
+        assert float((await scheduler.submit(rows(4), 1, 0))[0].data[0, 0]) == 8
+        await scheduler.drain()
+    with caplog.at_level("WARNING", logger="nereid.scheduler"):
+        run(scenario())
+    levels = [r.levelname for r in caplog.records if r.name == "nereid.scheduler"]
+    assert levels == ["WARNING", "ERROR"]  # sent once more; then the batch's fault, logged once

@@ -12,7 +12,7 @@ import pytest
 
 from nereid.batching import BatchPolicy
 from nereid.dtypes import DType
-from nereid.errors import DeadlineExceeded, ModelFailure
+from nereid.errors import DeadlineExceeded, ModelFailure, ModelKilled, NotStarted
 from nereid.scheduler import ModelScheduler
 from nereid.settings import BatchingSettings
 from nereid.signature import ModelSignature, TensorSpec
@@ -511,3 +511,40 @@ def test_an_abandoned_padded_batch_with_malformed_outputs_gives_its_instance_bac
         assert stats.batcher.total_batches == 1 and stats.execution_count == 0  # counted when it ended, as failed
     run(scenario())
 
+
+
+class NotStartedFirst(RecordingBackend):
+    """Raises NotStarted (none of its code ran: a python model's warm parent died before it forked the run) on its
+    first call, once ``gate`` opens; doubles its input after."""
+
+    def infer(self, inputs: list[NamedTensor]) -> list[NamedTensor]:
+        if not self.batches:
+            self.batches.append([float(v) for v in inputs[0].data[:, 0]])
+            assert self.gate.wait(10)
+            raise NotStarted(ModelKilled("model 'm': its warm parent process was killed by signal SIGKILL (it did "
+                                         "not fork the run)"))
+        return super().infer(inputs)
+
+
+def test_a_batch_the_backend_did_not_start_is_sent_again_without_its_requests_out_of_time() -> None:
+    """Each request of a batch sent once more is looked at as when the batch left the queue: one whose deadline
+    passed meanwhile is answered DEADLINE_EXCEEDED and not run; the others run (the warm parent hunt)."""
+    async def scenario() -> None:
+        backend = NotStartedFirst()
+        stats = ModelStats()
+        scheduler = ModelScheduler("m", backend, FIXED, 64, 1, stats, policy(max_batch_size=2,
+                                                                            max_queue_delay_ms=60_000))
+        deadline_ns = time.monotonic_ns() + 1_000_000_000  # (the two are batched at once, well before it)
+        expiring = asyncio.create_task(scheduler.submit(request(1), 1, deadline_ns))
+        keeps = asyncio.create_task(scheduler.submit(request(2), 1, time.monotonic_ns() + 60_000_000_000))
+        await until(lambda: backend.batches == [[1.0, 2.0]])
+        await until(lambda: time.monotonic_ns() > deadline_ns)
+        backend.gate.set()
+        with pytest.raises(DeadlineExceeded, match=r"^model 'm': deadline passed .* its batch, which had not "
+                                                   r"started, was to be sent again: .*; it was not run$"):
+            await expiring
+        assert float((await keeps)[0].data[0, 0]) == 4
+        assert backend.batches == [[1.0, 2.0], [2.0]]
+        assert stats.execution_count == 1
+        await scheduler.drain()
+    run(scenario())
