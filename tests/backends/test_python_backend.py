@@ -1090,3 +1090,76 @@ def test_a_run_that_leaves_a_read_only_folder_in_its_tmpdir_leaves_no_run_folder
     child = run_as_non_root([sys.executable, "-c", _RUN_AS_NON_ROOT, str(folder), str(scratch), start_mode], scratch)
     assert child.returncode == 0, child.stderr
     assert child.stdout.splitlines() == ["[[0.0, 1.0, 2.0, 3.0]]", "[]", "[]"], child.stdout
+
+
+# Serves the model through its scheduler (which logs its faults, to stderr here) while its folder's mode is 000:
+# three requests, then one more after its parent process was killed (restarted in the folder), then the mode back.
+# Prints each request's answer: its outputs, or its error's class and message.
+_SERVE_WITH_FOLDER_MODE_000 = """
+import asyncio, logging, os, signal, sys
+from pathlib import Path
+import numpy as np
+from nereid.backend import ModelContext
+from nereid.backends.python.plugin import PythonModel
+from nereid.dtypes import DType
+from nereid.scheduler import ModelScheduler
+from nereid.settings import ModelSettings
+from nereid.stats import ModelStats
+from nereid.tensors import NamedTensor
+from support import wait_until, process_alive
+logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s %(message)s")
+folder, scratch = Path(sys.argv[1]), Path(sys.argv[2])
+settings = ModelSettings("locked", runtime={"warm_start": sys.argv[3] == "warm"})
+model = PythonModel(ModelContext("locked", folder, settings, scratch, "test"))
+model.load()
+x = [NamedTensor("input", DType.FP32, np.arange(4, dtype=np.float32).reshape(1, 4))]
+
+async def serve():
+    scheduler = ModelScheduler("locked", model, model.signature(), capacity=4, instances=1, stats=ModelStats())
+    async def answer():
+        try:
+            return (await scheduler.submit(x, 1, 0))[0].data.tolist()
+        except Exception as err:
+            return f"{type(err).__name__}: {err}"
+    print(await answer())
+    folder.chmod(0)
+    for _ in range(3):
+        print(await answer())
+    parent = model._parent.pid
+    os.kill(parent, signal.SIGKILL)
+    assert wait_until(lambda: not process_alive(parent))
+    print(await answer())
+    folder.chmod(0o755)
+    print(await answer())
+    await scheduler.drain()
+
+asyncio.run(serve())
+model.unload()
+"""
+
+
+def test_a_folder_given_mode_000_while_serving_fails_each_request_saying_so_without_a_traceback(repo, tmp_path,
+                                                                                                start_mode):
+    """Defect (the operator hunt): each request failed with the warm parent's own traceback as the run's output
+    (`os.fchdir(folder_fd)` ... `PermissionError: [Errno 13] Permission denied`), naming neither the folder nor
+    the remedy, and the log printed it for every request; a parent restarted meanwhile said `its process could
+    not be started: Permission denied`. Root obeys no permission bits: the model is served as a server that is
+    not root serves it."""
+    from support import run_as_non_root
+
+    folder = repo.python("locked")
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    tests = str(Path(__file__).resolve().parents[1])
+    child = run_as_non_root(["env", f"PYTHONPATH={tests}", sys.executable, "-c", _SERVE_WITH_FOLDER_MODE_000,
+                             str(folder), str(scratch), start_mode], repo.models_dir)
+    assert child.returncode == 0, child.stderr
+    refused = (f"ModelFailure: model 'locked': its folder {folder} cannot be entered by the server's user (uid "
+               f"{os.geteuid()}): Permission denied (its mode is 000 now), and every run starts in it: give "
+               f"it back read and search permission (chmod u+rx {folder}, or the mode it had); the version loaded "
+               "serves again as soon as it can be entered")
+    four = "[[0.0, 1.0, 2.0, 3.0]]"
+    assert child.stdout.splitlines() == [four, refused, refused, refused, refused, four], child.stdout
+    assert "Traceback" not in child.stderr and "fchdir" not in child.stderr, child.stderr
+    faults = [line for line in child.stderr.splitlines() if line.startswith("ERROR ")]
+    assert faults == [f"ERROR nereid.scheduler {refused.removeprefix('ModelFailure: ')}"] * 4, child.stderr
