@@ -23,7 +23,7 @@ from nereid.backends.python.plugin import PythonModel, cold_command
 from nereid.backends.python.preload import Preloads
 from nereid.backends.python.warm import MAX_START_DEATHS, WarmParent
 from nereid.backends.subprocess.runner import ProcessGroups
-from nereid.errors import ModelFailure, ModelKilled
+from nereid.errors import ModelFailure, ModelKilled, NotStarted
 from nereid.settings import ModelSettings
 
 from support import process_alive, textproto_single, wait_until, zombie_children
@@ -65,7 +65,17 @@ class Model:
                                  entry_bytes=(self.folder / "main.py").read_bytes(), cold_argv=cold_command())
 
     def run(self) -> int:
-        """One batch; its exit status."""
+        """One batch; its exit status. Sent once more when its parent did not start it (NotStarted), and failing
+        with the backend's failure when it does not start again, as the scheduler does."""
+        try:
+            return self._run_once()
+        except NotStarted:
+            try:
+                return self._run_once()
+            except NotStarted as again:
+                raise again.failure from None
+
+    def _run_once(self) -> int:
         return self.parent.run(env={}, stdin=b"x", timeout_s=30, groups=ProcessGroups()).returncode
 
     def stalled_parents(self) -> list[int]:
