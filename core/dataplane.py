@@ -27,7 +27,7 @@ from nereid.model_entry import FOUND_AFTER_START_REASON, NOT_LISTED_REASON, Load
 from nereid.model_info import (MODEL_VERSION, IndexEntry, ModelConfig, ModelMetadata, describe_config,
                                describe_metadata)
 from nereid.repository import ModelRepository
-from nereid.scheduler import REQUEST_STARTED
+from nereid.scheduler import REQUEST_STARTED, ModelScheduler, QueueRefusal
 from nereid.stats import ModelStats, RequestTiming
 from nereid.settings import Settings
 from nereid.signature import duplicated, validate_inputs
@@ -405,10 +405,18 @@ class DataPlane:
         return await self.infer_encoded(request, _as_is)
 
     async def infer_encoded(self, request: InferRequest,
-                            encode: Callable[[InferResponse], Encoded | Awaitable[Encoded]]) -> Encoded:
+                            encode: Callable[[InferResponse], Encoded | Awaitable[Encoded]], *,
+                            on_room_wait: Callable[[bool], None] | None = None) -> Encoded:
         """:meth:`infer`, with the answer put in its wire form by ``encode`` (awaited when it returns an
         awaitable: a large answer encoded off the loop) before the request counts as a success: a NereidError
-        from ``encode`` (an output its protocol cannot carry) is the request's failure."""
+        from ``encode`` (an output its protocol cannot carry) is the request's failure.
+
+        ``on_room_wait`` None: a full queue refuses the request at once (QueueFull), as it does a unary call's
+        (many clients past capacity are an overload to shed). Given (a gRPC stream's request): the request waits
+        for room instead (see :meth:`ModelScheduler.wait_for_room`), and ``on_room_wait(True)``, then
+        ``on_room_wait(False)``, tell when it starts and stops waiting (its stream reads no further request
+        meanwhile, so that flow control holds the client back, as Triton's unbounded queue never needs to).
+        """
         received_ns = time.monotonic_ns()
         model = self._ready_or_refused(request.model_name)  # (again: it may have changed while the body decoded)
         timing = RequestTiming()
@@ -416,7 +424,11 @@ class DataPlane:
             try:
                 validated = validate_inputs(request.model_name, model.signature, request.inputs)
                 wanted = self._requested_outputs(request, model)
-                outputs = await model.run(validated.tensors, validated.batch_size, request.deadline_ns, timing)
+                if on_room_wait is None:
+                    outputs = await model.run(validated.tensors, validated.batch_size, request.deadline_ns, timing)
+                else:
+                    outputs = await _run_when_room(model, validated.tensors, validated.batch_size, request.deadline_ns,
+                                                   timing, on_room_wait)
                 break
             except NereidError as err:
                 # A reload may have swapped versions since ready_model: the old version refused it at
@@ -489,6 +501,36 @@ class DataPlane:
             check_classifiable(request.model_name, name, declared[name].dtype)
         return wanted
 
+
+
+async def _run_when_room(model: LoadedModel, tensors: list[NamedTensor], batch_size: int, deadline_ns: int,
+                         timing: RequestTiming, on_wait: Callable[[bool], None]) -> list[NamedTensor]:
+    """``model.run``, for a request that waits for room where a full queue would refuse it (see
+    :meth:`DataPlane.infer_encoded`): behind the requests waiting already, if any, and again each time the queue
+    refuses it before any of the model's code ran for it."""
+    scheduler = model.scheduler
+    woken = False
+    if scheduler.waiting_for_room:  # (tried at once, it could take a room freed for the first of them)
+        await _wait_for_room(scheduler, deadline_ns, on_wait, again=False)
+        woken = True
+    while True:
+        try:
+            return await model.run(tensors, batch_size, deadline_ns, timing)
+        except QueueRefusal:
+            if REQUEST_STARTED.get():  # (a hook ran for it: never run again)
+                raise
+        # (Waited here, out of the except block: the error's traceback would hold the request's frames meanwhile.)
+        await _wait_for_room(scheduler, deadline_ns, on_wait, again=woken)
+        woken = True
+
+
+async def _wait_for_room(scheduler: ModelScheduler, deadline_ns: int, on_wait: Callable[[bool], None],
+                         again: bool) -> None:
+    on_wait(True)
+    try:
+        await scheduler.wait_for_room(deadline_ns, again=again)
+    finally:
+        on_wait(False)
 
 
 def _log_unanswered(what: str, task: asyncio.Task) -> None:

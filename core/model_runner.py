@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import inspect
 import os
 import threading
@@ -130,6 +131,8 @@ def make_runner(backend: Model, signature: ModelSignature, batch_signature: Mode
         return checked
 
     in_hooks = _HookStage()
+    if preprocess is not None:  # (the stage admits: a stream's request waiting for room waits for the stage's)
+        scheduler.stage_full = functools.partial(in_hooks.full, scheduler)
 
     async def run(inputs: list[NamedTensor], batch_size: int, deadline_ns: int,
                   timing: RequestTiming | None = None) -> list[NamedTensor]:
@@ -334,7 +337,7 @@ class _HookStage:
         within about a millisecond anyway, by their timers, and a request
         refused in that millisecond was refused for nothing.
         """
-        if len(self.calls) + self.dropped + scheduler.queue_depth < scheduler.capacity:
+        if not self.full(scheduler):
             return
         scheduler.drop_dead()
         now_ns = time.monotonic_ns()
@@ -343,6 +346,11 @@ class _HookStage:
         # for a full postprocess stage, takes none of it at once, and an admitted request must find its place.)
         if len(self.calls) - late + self.dropped + scheduler.queue_depth >= scheduler.capacity:
             raise queue_full(scheduler.name, scheduler.capacity, ", requests in its preprocess hook included")
+
+    def full(self, scheduler: ModelScheduler) -> bool:
+        """Whether the stage and the queue hold ``capacity`` requests, the expired and late ones counted: true
+        whenever :meth:`admit` refuses."""
+        return len(self.calls) + self.dropped + scheduler.queue_depth >= scheduler.capacity
 
     def call_dropped(self, taken: bool) -> None:
         """A call was given up before a thread took it (``taken``: a thread has now taken it, and skips it)."""

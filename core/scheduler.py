@@ -115,6 +115,14 @@ class ModelScheduler:
         self._batcher = asyncio.create_task(self._batch_loop(), name=f"nereid-{name}-batcher")
         # Named for the server's last WARNING, should one swallow its cancellation and outlive the loop.
         self._execution_name = f"nereid-{name}-execution"
+        # The requests waiting for room in the full queue (see wait_for_room), first come first, not yet woken; and
+        # how many were woken and have not tried again yet. Each change that frees room wakes the first alone:
+        # waking every waiter at every answer made a burst's requests try again by the hundred for one place.
+        self._room_waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._room_woken = 0
+        # Whether the model's own admission is full when it is not the queue's (a model runner's preprocess stage,
+        # whose requests count against capacity beside the queue's): what wakes a waiter asks first.
+        self.stage_full: Callable[[], bool] | None = None
 
     @property
     def queue_depth(self) -> int:
@@ -153,8 +161,7 @@ class ModelScheduler:
                 raise UnloadedBeforeStart(unloaded_before_start(self.name))
         if len(self._pending) >= self.capacity:
             self.drop_dead()
-        # (The first test alone is the common case's: the second is never true without it.)
-        if len(self._pending) >= self.capacity and self.queued_past_free_instances >= self.capacity:
+        if self._queue_full():
             now_ns = time.monotonic_ns()
             if deadline_passed(deadline_ns, now_ns):  # (a hook's request, say): its deadline is the news, not the queue
                 self._stats.record_submitted()  # (counted as one out of time on arrival at an idle model is)
@@ -219,7 +226,97 @@ class ModelScheduler:
                 self._pending.remove(work)
                 self._answer_dropped(work)
                 self._update_idle()
+                self._room_freed()
             raise
+
+    def _queue_full(self) -> bool:
+        """Whether the queue refuses a request now (its expired requests, which :meth:`submit` drops first, counted)."""
+        # (The first test alone is the common case's: the second is never true without it.)
+        return len(self._pending) >= self.capacity and self.queued_past_free_instances >= self.capacity
+
+    def _refuses(self) -> bool:
+        """Whether the model's admission may refuse a request now: true whenever it would (what wakes a waiter for
+        room asks: a waiter woken while it is true would be refused again)."""
+        return self.stage_full() if self.stage_full is not None else self._queue_full()
+
+    @property
+    def waiting_for_room(self) -> int:
+        """Requests waiting for room in the full queue (see :meth:`wait_for_room`), those woken included."""
+        return len(self._room_waiters) + self._room_woken
+
+    async def wait_for_room(self, deadline_ns: int, *, again: bool = False) -> None:
+        """Wait, behind the requests waiting already, until the model's admission (its queue, or a preprocess stage
+        and the queue) has room: what a gRPC stream's request does that the full queue refused, or that finds
+        others waiting (a Triton client's stream queues everything it sends, as Triton's unbounded queue takes
+        it). The caller tries again at once when this returns, in the same turn of the loop, and waits ``again``
+        (at the front, keeping its turn) if the queue is full still, another caller having taken the room first.
+
+        Waiters are woken one at a time, in order, each time room frees. Returns at once once the model is being
+        unloaded (the caller's try is then refused as retired). DeadlineExceeded when ``deadline_ns`` (0: none)
+        passes first: it was not run. A waiter cancelled after it was woken hands its room to the next.
+        """
+        if not self._accepting:
+            return
+        waited_ns = time.monotonic_ns()
+        if deadline_passed(deadline_ns, waited_ns):
+            self._stats.record_submitted()  # (counted as one whose deadline passes in the queue is)
+            raise not_started(self.name, deadline_ns, waited_ns)
+        woken: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if again:
+            self._room_waiters.appendleft(woken)
+        else:
+            self._room_waiters.append(woken)
+        self._room_freed()  # (room there already, when the room it was refused was freed since: it is not lost)
+        # A little after the deadline: the loop may run a timer early (as the expiry timer allows).
+        timer = asyncio.timeout(max(0, deadline_ns - waited_ns) / 1e9 + 0.001 if deadline_ns else None)
+        try:
+            async with timer:
+                await woken
+        except TimeoutError:
+            if not timer.expired():
+                raise
+            self._leave_room_waiters(woken)
+            now_ns = time.monotonic_ns()
+            self._stats.record_submitted()
+            raise not_started(self.name, deadline_ns, now_ns,
+                              f"waited {(now_ns - waited_ns) / 1e6:.1f} ms for room in the full queue") from None
+        except asyncio.CancelledError:
+            self._leave_room_waiters(woken)
+            raise
+        self._room_woken -= 1
+        # Once the caller has tried (it does in this turn): room left over (a batch took several requests at once)
+        # goes to the next waiter.
+        asyncio.get_running_loop().call_soon(self._room_freed)
+
+    def _leave_room_waiters(self, woken: asyncio.Future[None]) -> None:
+        """A waiter leaves without trying (its deadline, its client gone): a room it was woken for goes to the next."""
+        if woken.done() and not woken.cancelled():
+            self._room_woken -= 1
+            self._room_freed()
+        else:
+            with contextlib.suppress(ValueError):  # (not there: drain woke every waiter)
+                self._room_waiters.remove(woken)
+
+    def _room_freed(self) -> None:
+        """Something that may free room happened (a request left the queue or the preprocess stage, an instance or
+        a place in the postprocess stage freed): the first waiter is woken if there is room now, and none is awake
+        already (one at a time: each hands what room is left to the next once it has tried)."""
+        if not self._room_waiters or self._room_woken:
+            return
+        while self._room_waiters and not self._refuses():
+            woken = self._room_waiters.popleft()
+            if not woken.done():  # (cancelled: its task leaves by itself)
+                self._room_woken += 1
+                woken.set_result(None)
+                return
+
+    def _wake_every_waiter(self) -> None:
+        """The model is being unloaded: every waiter tries now, and is refused as retired."""
+        while self._room_waiters:
+            woken = self._room_waiters.popleft()
+            if not woken.done():
+                self._room_woken += 1
+                woken.set_result(None)
 
     @contextlib.contextmanager
     def hooked_request(self) -> Iterator[None]:
@@ -254,6 +351,8 @@ class ModelScheduler:
             if not self._in_hooks[caller]:
                 del self._in_hooks[caller]
             self._update_idle()
+            # (Here, not at hook_call_ended: that is told before the request's task has left the preprocess stage.)
+            self._room_freed()
 
     def hook_call_began(self) -> None:
         """One of the model's hook calls was handed to its hook threads: the model is not idle until
@@ -267,6 +366,7 @@ class ModelScheduler:
         """A call :meth:`hook_call_began` counted has ended on its thread (or was dropped before one took it)."""
         self._hook_calls -= 1
         self._update_idle()
+        self._room_freed()  # (a call given up before a thread took it held its place until now)
 
     @contextlib.contextmanager
     def in_postprocess(self) -> Iterator[None]:
@@ -281,6 +381,7 @@ class ModelScheduler:
             self._backlog -= 1
             if self._backlog == self.capacity - 1:
                 self._slot_freed.set()  # (no longer full: the batcher waits for a slot, or for this)
+                self._room_freed()
 
     def drop_dead(self) -> None:
         """Answer and remove the queued requests whose deadline passed (a full queue takes no dead weight): what
@@ -291,6 +392,8 @@ class ModelScheduler:
             self._pending.remove(work)
             self._answer_dropped(work)
         self._update_idle()
+        if dead:
+            self._room_freed()
 
     def _expire_at(self, deadline_ns: int) -> None:
         """(Re)set the expiry timer to ``deadline_ns`` (a little after it: the loop may run a timer early)."""
@@ -350,6 +453,7 @@ class ModelScheduler:
         """
         self._accepting = False
         self._arrived.set()  # a batch waiting for company that can no longer come goes now (see _batch_loop)
+        self._wake_every_waiter()
         finished = await _wait_event(self._idle, grace_s)
         if not finished:
             # (A grace of 0: the server's shutdown_grace_s has already been spent waiting for its listeners.)
@@ -415,7 +519,9 @@ class ModelScheduler:
                 task = asyncio.create_task(self._execute(decision.batch), name=self._execution_name)
                 self._running[task] = decision.batch
                 task.add_done_callback(self._execution_done)
-            elif decision.wake_ns is not None:
+            if decision.dropped or len(decision.batch) > 1:  # (a batch of one takes its place and an instance's)
+                self._room_freed()
+            if not decision.batch and decision.wake_ns is not None:
                 # One wake-up at the first request's window end; arrivals wake the loop in between.
                 timer = loop.call_later(max(0, decision.wake_ns - time.monotonic_ns()) / 1e9, self._arrived.set)
                 try:
@@ -442,6 +548,7 @@ class ModelScheduler:
         self._free_slots += 1
         self._slot_freed.set()
         self._update_idle()
+        self._room_freed()
 
     def _update_idle(self) -> None:
         # Every execution holds a slot: all slots free, nothing queued and no request in a hook means idle.
@@ -813,13 +920,19 @@ def unloaded_before_start(model: str, only: str = "") -> str:
             f"within the grace); it was not run{ran}: send it again")
 
 
-def queue_full(model: str, capacity: int, counted: str = "") -> QueueFull:
+class QueueRefusal(QueueFull):
+    """A model's admission refused a request, its queue (or preprocess stage) full: none of the model's code ran for
+    it, so a request that may wait for room can try again (a QueueFull out of a model's own code, a plugin's or a
+    meta model's orchestration's, must not make it run twice)."""
+
+
+def queue_full(model: str, capacity: int, counted: str = "") -> QueueRefusal:
     """The answer of a request refused because ``model``'s queue holds ``capacity`` requests (``counted``: what
     the count takes in besides). The default is said as such: a Triton user's queue is unbounded by default, and
     "in nereid.yaml" sent them looking for a value nereid.yaml did not hold (the Triton client hunt)."""
     where = " (the default)" if capacity == DEFAULT_QUEUE_CAPACITY else ""
-    return QueueFull(f"model '{model}': queue is full (queue_capacity {capacity}{where}, models[].queue_capacity in "
-                     f"nereid.yaml{counted}); retry later")
+    return QueueRefusal(f"model '{model}': queue is full (queue_capacity {capacity}{where}, models[].queue_capacity "
+                        f"in nereid.yaml{counted}); retry later")
 
 
 def not_started(model: str, deadline_ns: int, now_ns: int, waited: str = "") -> DeadlineExceeded:

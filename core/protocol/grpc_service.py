@@ -378,9 +378,12 @@ class InferenceServicer:
             self._running.discard(task)
 
     async def _infer(self, received: Received, context, streamed: bool = False,
-                     counted: Callable[[str, str], None] | None = None) -> bytes:
+                     counted: Callable[[str, str], None] | None = None,
+                     on_room_wait: Callable[[bool], None] | None = None) -> bytes:
         """Run one request; its answer serialized (``streamed``: as a ModelStreamInferResponse). Its outcome is
-        counted among the protocol's requests, or given to ``counted`` (a stream's: counted once sent)."""
+        counted among the protocol's requests, or given to ``counted`` (a stream's: counted once sent).
+        ``on_room_wait``: the request waits for room in a full queue rather than be refused (see
+        DataPlane.infer_encoded)."""
         count = counted or self._counted
         request = received.message
         if received.size >= TRIM_AFTER_BYTES:
@@ -409,7 +412,8 @@ class InferenceServicer:
         del request, received  # the decoded tensors are all that is needed from here on
         try:
             # Serialized before the request counts as a success: an answer gRPC cannot carry is its failure.
-            wire = await self.dataplane.infer_encoded(decoded, functools.partial(_serialized, streamed=streamed))
+            wire = await self.dataplane.infer_encoded(decoded, functools.partial(_serialized, streamed=streamed),
+                                                      on_room_wait=on_room_wait)
         except NereidError as err:
             count(decoded.model_name, err.reason)
             raise
@@ -449,6 +453,20 @@ class InferenceServicer:
         # Requests read but not yet answered on the wire. At the cap, reading pauses until the client
         # takes answers, so a client that sends without reading cannot pile up answers in memory.
         in_flight = asyncio.Semaphore(STREAM_IN_FLIGHT)
+        # A request that meets its model's full queue waits for room there, as Triton's unbounded queue would take it
+        # (a burst of perf_analyzer --streaming past queue_capacity was refused); reading pauses meanwhile, so that
+        # gRPC's flow control holds the client back.
+        waiting_for_room = 0
+        room_waits_over = asyncio.Event()
+        room_waits_over.set()
+
+        def room_wait(started: bool) -> None:
+            nonlocal waiting_for_room
+            waiting_for_room += 1 if started else -1
+            if waiting_for_room:
+                room_waits_over.clear()
+            else:
+                room_waits_over.set()
 
         # The outcomes of requests answered, kept until the answer is sent: one the stream ended before it was
         # sent counts as cancelled (it counted as a success the moment it was ready, and was never answered; the
@@ -481,7 +499,8 @@ class InferenceServicer:
                 return
             model, request_id = received.message.model_name, received.message.id
             try:
-                wire = await self._infer(received, context, streamed=True, counted=recorder(place))
+                wire = await self._infer(received, context, streamed=True, counted=recorder(place),
+                                         on_room_wait=room_wait)
             except NereidError as err:
                 message = self.dataplane.error_text(err)
             except asyncio.CancelledError:
@@ -514,6 +533,8 @@ class InferenceServicer:
                     task.add_done_callback(pending.discard)
                     self._running.add(task)
                     task.add_done_callback(self._running.discard)
+                    if not room_waits_over.is_set():
+                        await room_waits_over.wait()
             except Exception as err:  # the client's side broke off: still answer what was accepted
                 self.client_log.warning("ModelStreamInfer from %s: reading the stream failed (%s); answering the %d "
                                         "accepted request(s)", peer(context.peer()),

@@ -6,6 +6,7 @@ import asyncio
 import concurrent.futures
 import threading
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -13,8 +14,10 @@ import pytest
 from nereid.backend import REQUEST_DEADLINE_NS
 from nereid.batching import BatchPolicy
 from nereid.dtypes import DType
-from nereid.errors import DeadlineExceeded, InvalidArgument, ModelFailure, ModelKilled, NotStarted, Unavailable
-from nereid.scheduler import ModelScheduler, queue_full
+from nereid.dataplane import _run_when_room
+from nereid.errors import (DeadlineExceeded, InvalidArgument, ModelFailure, ModelKilled, ModelRetired, NotStarted,
+                           Unavailable)
+from nereid.scheduler import ModelScheduler, QueueRefusal, queue_full
 from nereid.settings import DEFAULT_QUEUE_CAPACITY, BatchingSettings
 from nereid.signature import ModelSignature, TensorSpec
 from nereid.stats import ModelStats, RequestTiming
@@ -987,3 +990,111 @@ def test_a_run_the_backend_did_not_start_twice_fails_with_the_backends_failure(b
         run(scenario())
     levels = [r.levelname for r in caplog.records if r.name == "nereid.scheduler"]
     assert levels == ["WARNING", "ERROR"]  # sent once more; then the batch's fault, logged once
+
+
+# --------------------------------------------------------------------------- requests waiting for room (streams')
+
+
+class Waiting:
+    """Requests sent as a gRPC stream's are (DataPlane.infer_encoded's ``on_room_wait``): each waits for room in the
+    full queue rather than be refused. Counts the queue's refusals, and the requests waiting at once."""
+
+    def __init__(self, scheduler: ModelScheduler) -> None:
+        self.scheduler = scheduler
+        self.refusals = 0
+        self.waiting = 0
+        self.most_waiting = 0
+
+    async def submit(self, value: float, deadline_ns: int = 0) -> list[NamedTensor]:
+        model = SimpleNamespace(scheduler=self.scheduler, run=self._run)
+        return await _run_when_room(model, rows(value), 1, deadline_ns, RequestTiming(), self._on_wait)
+
+    async def _run(self, *args) -> list[NamedTensor]:
+        try:
+            return await self.scheduler.submit(*args)
+        except QueueRefusal:
+            self.refusals += 1
+            raise
+
+    def _on_wait(self, started: bool) -> None:
+        self.waiting += 1 if started else -1
+        self.most_waiting = max(self.most_waiting, self.waiting)
+
+    async def line(self, values: list[float], deadline_ns: int = 0) -> list[asyncio.Task]:
+        """One request of each value, each waiting for room before the next is sent (their order is the line's)."""
+        tasks = []
+        for value in values:
+            before = self.scheduler.waiting_for_room
+            tasks.append(asyncio.create_task(self.submit(value, deadline_ns)))
+            await until(lambda: self.scheduler.waiting_for_room == before + 1)
+        return tasks
+
+
+async def running_and_queue_full(capacity: int) -> tuple[GatedDouble, ModelScheduler, list[asyncio.Task]]:
+    """A model of one instance running a request (held at its gate) with ``capacity`` more queued (0, 1, ...)."""
+    backend = GatedDouble()
+    scheduler = ModelScheduler("m", backend, SIGNATURE, capacity=capacity, instances=1, stats=ModelStats())
+    admitted = [asyncio.create_task(scheduler.submit(rows(0), 1, 0))]
+    await until(lambda: scheduler.running_threads == 1)
+    admitted += [asyncio.create_task(scheduler.submit(rows(i), 1, 0)) for i in range(1, capacity + 1)]
+    await until(lambda: scheduler.queue_depth == capacity)
+    return backend, scheduler, admitted
+
+
+def test_requests_waiting_for_room_are_woken_one_at_a_time_in_the_order_they_came() -> None:
+    """A first try woke every waiter at each answer: each freed place was tried for by all of them (slow, and by
+    chance which one got it). Each freed place wakes the first alone; those that came behind a waiter do not try
+    before their turn."""
+    async def scenario() -> None:
+        backend, scheduler, admitted = await running_and_queue_full(2)
+        waiting = Waiting(scheduler)
+        line = await waiting.line([10, 11, 12, 13, 14, 15])
+        assert waiting.refusals == 1  # the first alone tried; the others found it waiting
+        backend.gate.set()
+        results = await asyncio.gather(*admitted, *line)
+        assert [float(r[0].data[0, 0]) for r in results] == [0, 2, 4, 20, 22, 24, 26, 28, 30]
+        assert backend.ran == [0, 1, 2, 10, 11, 12, 13, 14, 15]
+        assert waiting.refusals == 1  # woken only with room for them: never refused again
+        assert waiting.most_waiting == 6 and waiting.waiting == 0 and scheduler.waiting_for_room == 0
+        await scheduler.drain()
+    run(scenario())
+
+
+def test_a_request_whose_deadline_passes_while_it_waits_for_room_is_not_run_and_the_next_gets_its_turn() -> None:
+    async def scenario() -> None:
+        backend, scheduler, admitted = await running_and_queue_full(1)
+        waiting = Waiting(scheduler)
+        (expiring,) = await waiting.line([10], deadline_ns=time.monotonic_ns() + 50_000_000)
+        (keeps,) = await waiting.line([11])
+        with pytest.raises(DeadlineExceeded, match=r"^model 'm': deadline passed [0-9.]+ ms before the request could "
+                                                   r"start \(waited [0-9.]+ ms for room in the full queue\); it was "
+                                                   r"not run$"):
+            await expiring
+        assert scheduler.waiting_for_room == 1
+        backend.gate.set()
+        results = await asyncio.gather(*admitted, keeps)
+        assert [float(r[0].data[0, 0]) for r in results] == [0, 2, 22]
+        assert backend.ran == [0, 1, 11]
+        await scheduler.drain()
+    run(scenario())
+
+
+def test_a_cancelled_waiter_leaves_the_line_and_an_unload_answers_the_others_at_once() -> None:
+    async def scenario() -> None:
+        backend, scheduler, admitted = await running_and_queue_full(1)
+        waiting = Waiting(scheduler)
+        first, gone, last = await waiting.line([10, 11, 12])
+        gone.cancel()
+        await asyncio.gather(gone, return_exceptions=True)
+        assert scheduler.waiting_for_room == 2 and waiting.waiting == 2
+        drain = asyncio.create_task(scheduler.drain())
+        # Answered as the model starts its drain, before what it had admitted has run.
+        for waiter in (first, last):
+            with pytest.raises(ModelRetired, match="^model 'm' is being unloaded$"):
+                await waiter
+        assert backend.ran == [] and scheduler.waiting_for_room == 0 and waiting.waiting == 0
+        backend.gate.set()
+        assert await drain
+        assert [float(r[0].data[0, 0]) for r in await asyncio.gather(*admitted)] == [0, 2]
+        assert backend.ran == [0, 1]
+    run(scenario())

@@ -848,7 +848,9 @@ def test_requests_beyond_queue_capacity_are_unavailable_and_the_rest_succeed(rep
     echo(server, "slow", [7] * 4)  # capacity frees up again once the queue drains
 
 
-def test_a_stream_request_meeting_a_queue_full_of_other_clients_requests_is_refused_at_once(repo, serve):
+def test_a_stream_request_meeting_a_queue_full_of_other_clients_requests_waits_for_room(repo, serve):
+    """It was refused at once ("queue is full"), where Triton's unbounded queue takes it: a stream's request waits
+    for room instead, behind the unary calls already queued."""
     server, folder = start_slow(repo, serve, extra="  queue_capacity: 1\n")
     others = Answers()
     server.client.async_infer("slow", [int8_input([0] * 4)], callback=others.callback("running"))
@@ -859,11 +861,131 @@ def test_a_stream_request_meeting_a_queue_full_of_other_clients_requests_is_refu
     server.client.start_stream(callback=lambda result, error: answers.put((result, error)))
     try:
         server.client.async_stream_infer("slow", [int8_input([2] * 4)])
-        _, error = answers.get(timeout=30)
+        result, error = answers.get(timeout=30)
     finally:
         server.client.stop_stream()
-    assert error is not None and "model 'slow': queue is full" in error.message()
+    assert error is None, error
+    assert result.as_numpy("output").tolist() == [2] * 4
     assert [error for _, error in others.collect(2).values()] == [None, None]
+    assert runs(folder) == 3
+
+
+# An INT8 echo that runs once a file named "gate" is in its folder, and logs each run to runs.log first.
+GATED_MAIN = '''
+import os, sys, time
+with open("runs.log", "a") as log:
+    log.write("run\\n")
+while not os.path.exists("gate"):
+    time.sleep(0.01)
+data = sys.stdin.buffer.read()
+with open(os.environ["NEREID_OUTPUT_PATH"], "wb") as out:
+    out.write(("%s %s\\n" % (os.environ["NEREID_INPUT_DTYPE"], os.environ["NEREID_INPUT_SHAPE"])).encode())
+    out.write(data)
+'''
+
+
+def start_gated(repo, serve, capacity: int):
+    """A server of one model 'gated' (GATED_MAIN, one instance, no batching) of ``queue_capacity``; (the server,
+    its folder)."""
+    folder = repo.python("gated", main=GATED_MAIN, textproto=textproto_single("INT8", max_batch_size=0))
+    server = serve(repo.write_config(f'- name: "gated"\n  instances: 1\n  queue_capacity: {capacity}\n'))
+    return server, folder
+
+
+def waiting_for_room(server, model: str) -> int:
+    """A model's requests waiting for room in its full queue (read from the running server)."""
+    return server.server.repository.entry(model).loaded.scheduler.waiting_for_room
+
+
+def test_a_stream_burst_past_queue_capacity_is_answered_in_order_and_the_stream_pauses_its_reading(repo, serve):
+    """A burst of one stream past its model's queue_capacity (perf_analyzer --streaming's, a client written for
+    Triton, whose queue has no bound) had the surplus refused "queue is full": each waits for room instead, the
+    stream reading no further request meanwhile (gRPC's flow control then holds the client back)."""
+    capacity = 3
+    server, folder = start_gated(repo, serve, capacity)
+    answers: queue.Queue = queue.Queue()
+    server.client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    try:
+        for value in range(3 * capacity):
+            server.client.async_stream_infer("gated", [int8_input([value] * 4)], request_id=str(value))
+        # One running, the queue full, and the next waiting for room: reading paused there (one request read past
+        # it, at most), not every request of the burst read and waiting.
+        wait_for(lambda: runs(folder) == 1 and queued(server, "gated") == capacity
+                 and waiting_for_room(server, "gated") >= 1, "the burst to fill the queue")
+        assert waiting_for_room(server, "gated") <= 2
+        (folder / "gate").write_text("")
+        got = [answers.get(timeout=60) for _ in range(3 * capacity)]
+    finally:
+        server.client.stop_stream()
+    assert [error for _, error in got] == [None] * (3 * capacity)
+    assert [result.get_response().id for result, _ in got] == [str(value) for value in range(3 * capacity)]
+    assert [result.as_numpy("output").tolist() for result, _ in got] == [[value] * 4 for value in range(3 * capacity)]
+    stats = server.client.get_inference_statistics("gated").model_stats[0].inference_stats
+    assert (stats.success.count, stats.fail.count) == (3 * capacity, 0)
+    assert waiting_for_room(server, "gated") == 0
+
+
+def test_a_stream_request_waiting_for_room_whose_client_leaves_is_cancelled_and_hands_its_turn_on(repo, serve):
+    """A request waiting for room whose stream is cancelled counts as cancelled and leaves the line: the room goes
+    to the request behind it (another stream's), which is answered."""
+    server, folder = start_gated(repo, serve, 1)
+    leaving = triton.InferenceServerClient(server.url)
+    staying = triton.InferenceServerClient(server.url)
+    left: queue.Queue = queue.Queue()
+    stayed: queue.Queue = queue.Queue()
+    leaving.start_stream(callback=lambda result, error: left.put((result, error)))
+    staying.start_stream(callback=lambda result, error: stayed.put((result, error)))
+    try:
+        for value in range(3):  # running, queued, waiting for room
+            leaving.async_stream_infer("gated", [int8_input([value] * 4)])
+        wait_for(lambda: runs(folder) == 1 and waiting_for_room(server, "gated") == 1, "a request waiting for room")
+        staying.async_stream_infer("gated", [int8_input([7] * 4)])
+        wait_for(lambda: waiting_for_room(server, "gated") == 2, "another stream's request waiting behind it")
+        leaving.stop_stream(cancel_requests=True)
+        stats = server.server.repository.ready_model("gated").stats
+        # The three of the stream gone (running, queued, waiting) counted as cancelled, as a client's cancel is.
+        wait_for(lambda: stats.failures_by_reason.get("cancelled") == 3, "the stream's requests to count as cancelled")
+        wait_for(lambda: waiting_for_room(server, "gated") == 0, "the other stream's request to take the room")
+        (folder / "gate").write_text("")
+        result, error = stayed.get(timeout=60)
+    finally:
+        leaving.stop_stream()
+        staying.stop_stream()
+        leaving.close()
+        staying.close()
+    assert error is None, error
+    assert result.as_numpy("output").tolist() == [7] * 4
+    assert protocol_counts(server, "gated")['model="gated",outcome="cancelled",protocol="grpc"'] == 3.0
+
+
+def test_a_stream_request_waiting_for_room_when_its_model_unloads_is_answered_unavailable_once(repo, serve):
+    """An unload while a stream's request waits for room: the request is answered UNAVAILABLE at once (the model is
+    being unloaded), as one sent then is, and the requests queued before it are run and answered first."""
+    server, folder = start_gated(repo, serve, 1)
+    answers: queue.Queue = queue.Queue()
+    server.client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    unloader = threading.Thread(target=server.client.unload_model, args=("gated",))
+    try:
+        for value in range(3):  # running, queued, waiting for room
+            server.client.async_stream_infer("gated", [int8_input([value] * 4)], request_id=str(value))
+        wait_for(lambda: runs(folder) == 1 and waiting_for_room(server, "gated") == 1, "a request waiting for room")
+        scheduler = server.server.repository.entry("gated").loaded.scheduler
+        stats = server.server.repository.entry("gated").loaded.stats
+        unloader.start()
+        # Answered while the model drains (its answer held behind the two before it, in the stream's order).
+        wait_for(lambda: scheduler.waiting_for_room == 0 and stats.failures_by_reason.get("unavailable") == 1,
+                 "the waiting request to be answered")
+        (folder / "gate").write_text("")
+        got = [answers.get(timeout=60) for _ in range(3)]
+        unloader.join(30)
+        assert not unloader.is_alive()
+    finally:
+        server.client.stop_stream()
+    assert [error is None for _, error in got] == [True, True, False]
+    assert [result.as_numpy("output").tolist() for result, _ in got[:2]] == [[0] * 4, [1] * 4]
+    assert got[2][1].message() == "model 'gated' is being unloaded"
+    assert runs(folder) == 2
+    assert answers.empty()
 
 
 # --------------------------------------------------------------------------- large requests, decoded off the loop
