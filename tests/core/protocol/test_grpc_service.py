@@ -988,6 +988,34 @@ def test_a_stream_request_waiting_for_room_when_its_model_unloads_is_answered_un
     assert answers.empty()
 
 
+def test_a_stream_request_waiting_for_room_at_a_stop_is_answered_once_and_the_stop_ends(repo, serve):
+    """A server stop while a stream's request waits for room (the one running and the one queued held past the
+    grace): each of the three gets exactly one answer, and the stop does not wait on the waiter."""
+    import asyncio
+
+    server, folder = start_gated(repo, serve, 1)
+    answers: queue.Queue = queue.Queue()
+    server.client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    try:
+        for value in range(3):  # running, queued, waiting for room
+            server.client.async_stream_infer("gated", [int8_input([value] * 4)], request_id=str(value))
+        wait_for(lambda: runs(folder) == 1 and waiting_for_room(server, "gated") == 1, "a request waiting for room")
+        asyncio.run_coroutine_threadsafe(server.server.stop(grace_s=0.3), server.loop).result(60)
+        got = [answers.get(timeout=60)[1].message() for _ in range(4)]  # three answers, then the stream's end
+        time.sleep(0.2)  # (a second answer to any of them would have come with the others)
+        assert answers.empty()
+    finally:
+        (folder / "gate").write_text("")
+        server.client.stop_stream()
+    not_run = ("model 'gated': the server is shutting down, and shutdown_grace_s passed before the request could "
+               "start; it was not run: send it again to another server")
+    assert got[:3] == ["model 'gated': the server is shutting down, and shutdown_grace_s passed before the request "
+                       "finished; its answer is lost", not_run, not_run], got
+    assert got[3].startswith("the server is shutting down: this stream takes no new request and was closed once "
+                             "every request read from it had its answer"), got
+    assert runs(folder) == 1  # neither the queued nor the waiting request ran
+
+
 # --------------------------------------------------------------------------- large requests, decoded off the loop
 
 
