@@ -511,7 +511,7 @@ async def _run_when_room(model: LoadedModel, tensors: list[NamedTensor], batch_s
     scheduler = model.scheduler
     woken = False
     if scheduler.waiting_for_room:  # (tried at once, it could take a room freed for the first of them)
-        await _wait_for_room(scheduler, deadline_ns, on_wait, again=False)
+        await _wait_for_room(scheduler, deadline_ns, on_wait, timing, again=False)
         woken = True
     while True:
         try:
@@ -520,17 +520,21 @@ async def _run_when_room(model: LoadedModel, tensors: list[NamedTensor], batch_s
             if REQUEST_STARTED.get():  # (a hook ran for it: never run again)
                 raise
         # (Waited here, out of the except block: the error's traceback would hold the request's frames meanwhile.)
-        await _wait_for_room(scheduler, deadline_ns, on_wait, again=woken)
+        await _wait_for_room(scheduler, deadline_ns, on_wait, timing, again=woken)
         woken = True
 
 
 async def _wait_for_room(scheduler: ModelScheduler, deadline_ns: int, on_wait: Callable[[bool], None],
-                         again: bool) -> None:
+                         timing: RequestTiming, again: bool) -> None:
     on_wait(True)
+    # Queue time, as Triton's unbounded queue would have counted it: left out, perf_analyzer showed the wait as the
+    # server's overhead (the statistics hunt).
+    began_ns = time.monotonic_ns()
     try:
         await scheduler.wait_for_room(deadline_ns, again=again)
     finally:
         on_wait(False)
+        timing.queue_ns += time.monotonic_ns() - began_ns
 
 
 def _log_unanswered(what: str, task: asyncio.Task) -> None:

@@ -720,7 +720,9 @@ class ModelScheduler:
             compute_ns = (input_ns, infer_ns, output_ns)
             for timing, waited_ns in zip(timings, queue_ns):
                 if timing is not None:
-                    timing.queue_ns, timing.compute_ns = waited_ns, compute_ns
+                    # (Added to: a stream's request may have waited for room in the full queue first.)
+                    timing.queue_ns += waited_ns
+                    timing.compute_ns = compute_ns
             return results
         except NereidError as err:
             if isinstance(err, NotStarted) and not resent:

@@ -110,7 +110,7 @@ class RequestTiming:
     __slots__ = ("queue_ns", "compute_ns")
 
     def __init__(self) -> None:
-        self.queue_ns = 0
+        self.queue_ns = 0  # in the queue, and waiting for room in it (a stream's request)
         # The execution's (input, infer, output) times, shared by its requests; None: none succeeded for it.
         self.compute_ns: tuple[int, int, int] | None = None
 
