@@ -420,7 +420,7 @@ class DataPlane:
         received_ns = time.monotonic_ns()
         model = self._ready_or_refused(request.model_name)  # (again: it may have changed while the body decoded)
         timing = RequestTiming()
-        for attempt in (1, 2):
+        while True:
             try:
                 validated = validate_inputs(request.model_name, model.signature, request.inputs)
                 wanted = self._requested_outputs(request, model)
@@ -432,9 +432,11 @@ class DataPlane:
                 break
             except NereidError as err:
                 # A reload may have swapped versions since ready_model: the old version refused it at
-                # admission, before any of its code ran, so it goes to the new one (once). Only that refusal:
-                # an error from work that ran (a meta model's sub-call) must not run that work again.
-                if attempt == 1 and isinstance(err, ModelRetired) and err.scheduler is model.scheduler:
+                # admission, before any of its code ran, so it goes to the new one. Only that refusal: an error
+                # from work that ran (a meta model's sub-call) must not run that work again. Each time a newer
+                # version serves (a retired one never serves again, so this ends): a stream's request waits for
+                # room for seconds, and a second reload meanwhile refused it once more (the hunt of its wait).
+                if isinstance(err, ModelRetired) and err.scheduler is model.scheduler:
                     current = self._serving(request.model_name)
                     if current is not None and current is not model:
                         model = current

@@ -995,6 +995,38 @@ def test_a_stream_request_waiting_for_room_when_its_model_unloads_is_answered_un
     assert answers.empty()
 
 
+def test_stream_requests_waiting_for_room_through_two_reloads_are_all_answered(repo, serve):
+    """Found by the hunt of the wait for room: a request refused by a retired version went to the serving one once
+    only. A stream's request waits for room for seconds: moved to the second version by a reload, it waited there
+    again, and a second reload answered it "model 'gated' is being unloaded", the model READY throughout."""
+    server, folder = start_gated(repo, serve, 2)
+    answers: list[queue.Queue] = [queue.Queue() for _ in range(6)]
+    clients = [triton.InferenceServerClient(server.url) for _ in answers]
+    for client, got in zip(clients, answers):
+        client.start_stream(callback=lambda result, error, got=got: got.put((result, error)))
+    try:
+        for index, client in enumerate(clients):
+            for value in range(2):
+                client.async_stream_infer("gated", [int8_input([10 * index + value] * 4)])
+        wait_for(lambda: runs(folder) == 1 and waiting_for_room(server, "gated") >= 4, "requests waiting for room")
+        first = server.server.repository.entry("gated").loaded
+        server.client.load_model("gated")  # (returns once the new version serves; the old one drains)
+        wait_for(lambda: server.server.repository.entry("gated").loaded is not first
+                 and waiting_for_room(server, "gated") >= 1, "requests waiting for room in the second version")
+        server.client.load_model("gated")
+        (folder / "gate").write_text("")
+        got = [[got.get(timeout=60) for _ in range(2)] for got in answers]
+    finally:
+        (folder / "gate").write_text("")
+        for client in clients:
+            client.stop_stream()
+            client.close()
+    assert [[error.message() if error else None for _, error in pair] for pair in got] == [[None, None]] * 6
+    assert [[result.as_numpy("output").tolist() for result, _ in pair] for pair in got] == [
+        [[10 * index + value] * 4 for value in range(2)] for index in range(6)]
+    assert runs(folder) == 12
+
+
 def test_a_stream_request_waiting_for_room_at_a_stop_is_answered_once_and_the_stop_ends(repo, serve):
     """A server stop while a stream's request waits for room (the one running and the one queued held past the
     grace): each of the three gets exactly one answer, and the stop does not wait on the waiter."""
