@@ -519,7 +519,9 @@ class ModelScheduler:
                 task = asyncio.create_task(self._execute(decision.batch), name=self._execution_name)
                 self._running[task] = decision.batch
                 task.add_done_callback(self._execution_done)
-            if decision.dropped or len(decision.batch) > 1:  # (a batch of one takes its place and an instance's)
+            if decision.dropped or decision.batch:
+                # (Even a batch of one, which takes an instance as well as leaving the queue: a preprocess stage
+                # counts the whole queue, and its waiter stayed out until the execution ended; the hunt of the wait.)
                 self._room_freed()
             if not decision.batch and decision.wake_ns is not None:
                 # One wake-up at the first request's window end; arrivals wake the loop in between.

@@ -1041,6 +1041,43 @@ async def running_and_queue_full(capacity: int) -> tuple[GatedDouble, ModelSched
     return backend, scheduler, admitted
 
 
+class OneRunAtATime(GatedDouble):
+    """Doubles its input, each run waiting for a permit of its own (``permits.release()`` lets one through)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.permits = threading.Semaphore(0)
+
+    def infer(self, inputs: list[NamedTensor]) -> list[NamedTensor]:
+        self.permits.acquire(timeout=10)
+        self.gate.set()
+        return super().infer(inputs)
+
+
+def test_a_waiter_for_a_preprocess_stage_is_woken_when_a_lone_request_leaves_the_queue() -> None:
+    """Found by the hunt of the wait for room: a model whose preprocess stage counts the whole queue got room when
+    the batcher took a lone request from it, but only a batch of several woke a waiter; it stayed out until that
+    execution ended, and a unary request arriving meanwhile went in ahead of it."""
+    async def scenario() -> None:
+        backend = OneRunAtATime()
+        scheduler = ModelScheduler("m", backend, SIGNATURE, capacity=1, instances=1, stats=ModelStats())
+        scheduler.stage_full = lambda: scheduler.queue_depth >= scheduler.capacity  # (a stage with no call in it)
+        first = asyncio.create_task(scheduler.submit(rows(1), 1, 0))
+        await until(lambda: scheduler.running_threads == 1)
+        second = asyncio.create_task(scheduler.submit(rows(2), 1, 0))
+        await until(lambda: scheduler.queue_depth == 1)
+        waiter = asyncio.create_task(Waiting(scheduler).submit(3))
+        await until(lambda: scheduler.waiting_for_room == 1)
+        backend.permits.release()  # the first ends; the second is taken from the queue and runs (held)
+        await first
+        await until(lambda: backend.ran == [1.0] and scheduler.running_threads == 1)
+        await until(lambda: scheduler.waiting_for_room == 0 and scheduler.queue_depth == 1)  # in, the second running
+        backend.permits.release(2)
+        assert [float(r[0].data[0, 0]) for r in await asyncio.gather(second, waiter)] == [4, 6]
+        await scheduler.drain()
+    asyncio.run(scenario())
+
+
 def test_requests_waiting_for_room_are_woken_one_at_a_time_in_the_order_they_came() -> None:
     """A first try woke every waiter at each answer: each freed place was tried for by all of them (slow, and by
     chance which one got it). Each freed place wakes the first alone; those that came behind a waiter do not try
