@@ -258,8 +258,7 @@ class ModelScheduler:
         if not self._accepting:
             return
         waited_ns = time.monotonic_ns()
-        if deadline_passed(deadline_ns, waited_ns):
-            self._stats.record_submitted()  # (counted as one whose deadline passes in the queue is)
+        if deadline_passed(deadline_ns, waited_ns):  # (not counted as submitted: it never entered the queue)
             raise not_started(self.name, deadline_ns, waited_ns)
         woken: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         if again:
@@ -277,7 +276,6 @@ class ModelScheduler:
                 raise
             self._leave_room_waiters(woken)
             now_ns = time.monotonic_ns()
-            self._stats.record_submitted()
             raise not_started(self.name, deadline_ns, now_ns,
                               f"waited {(now_ns - waited_ns) / 1e6:.1f} ms for room in the full queue") from None
         except asyncio.CancelledError:
