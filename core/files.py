@@ -126,13 +126,20 @@ def escaping_link(folder: Path, root: Path) -> tuple[Path, Path] | None:
 
     Returns (the link, where it leads), or None when every link stays inside.
     Raises ConfigError when the folder has more than :data:`MAX_FOLDER_ENTRIES`.
+    A linked folder that stays inside ``root`` is walked too, for a link in it may lead out (the hunt of the
+    symlink check: ``v2 -> ../.shared``, ``.shared/w.safetensors -> /elsewhere``, loaded through the two hops);
+    each real folder once, so that a link back to a folder walked already ends the walk there.
     """
     root = root.resolve()
     if folder.is_symlink() and not _inside(folder.resolve(), root):
         return folder, folder.resolve()
     seen = 0
-    # os.walk does not descend into symlinked folders, and passes over a subfolder it cannot list.
-    for directory, subdirs, files in os.walk(folder, onerror=_refuse_unlisted_reachable):
+    real_of = {str(folder): os.path.realpath(folder)}  # each folder still to walk: where it really is
+    walked = set(real_of.values())
+    # os.walk passes over a subfolder it cannot list (see _refuse_unlisted_reachable for those a model can reach).
+    for directory, subdirs, files in os.walk(folder, onerror=_refuse_unlisted_reachable, followlinks=True):
+        real_directory = real_of.pop(directory, None) or os.path.realpath(directory)
+        links_in = set()  # the names here that are links (inside the root: the others end the walk)
         for name in (*subdirs, *files):
             seen += 1
             if seen > MAX_FOLDER_ENTRIES:
@@ -148,6 +155,16 @@ def escaping_link(folder: Path, root: Path) -> tuple[Path, Path] | None:
                 target = path.resolve()
                 if not _inside(target, root):
                     return path, target
+                links_in.add(name)
+        entered = []
+        for name in subdirs:
+            path = os.path.join(directory, name)
+            real = os.path.realpath(path) if name in links_in else os.path.join(real_directory, name)
+            if real not in walked:
+                walked.add(real)
+                real_of[path] = real
+                entered.append(name)
+        subdirs[:] = entered
     return None
 
 

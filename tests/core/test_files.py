@@ -86,6 +86,30 @@ def test_a_model_folder_that_is_itself_a_symlink_out_is_found(tmp_path):
     assert escaping_link(root / "m", root) == (root / "m", outside)
 
 
+def test_a_link_out_behind_a_linked_folder_inside_the_repository_is_found(tmp_path):
+    """Found by the hunt of the symlink check: a linked folder that stays inside the repository was not walked
+    (os.walk does not follow links), so a link in it leading out passed, and a bundle loaded its weights through
+    the two hops (``v2 -> ../.shared``, ``.shared/w.safetensors -> outside``)."""
+    root, outside = tmp_path / "repo", tmp_path / "outside"
+    (root / "m").mkdir(parents=True)
+    (root / ".shared").mkdir()
+    outside.mkdir()
+    (outside / "w.safetensors").write_text("x")
+    (root / "m" / "v2").symlink_to("../.shared")
+    assert escaping_link(root / "m", root) is None  # (a link inside, to a folder inside, holding nothing out)
+    (root / ".shared" / "w.safetensors").symlink_to(outside / "w.safetensors")
+    assert escaping_link(root / "m", root) == (root / "m" / "v2" / "w.safetensors", outside / "w.safetensors")
+
+
+def test_links_between_folders_in_a_circle_end_the_walk(tmp_path):
+    root = tmp_path / "repo"
+    (root / "m" / "a").mkdir(parents=True)
+    (root / "m" / "a" / "up").symlink_to("..")  # a circle through the model folder itself
+    (root / "m" / "b").symlink_to("a")  # the same folder twice
+    (root / "m" / "a" / "weights.bin").write_text("x")
+    assert escaping_link(root / "m", root) is None
+
+
 def test_an_atomic_write_replaces_the_file_whole_and_leaves_no_temporary_file(tmp_path):
     target = tmp_path / "weights.safetensors"
     target.write_bytes(b"old")
