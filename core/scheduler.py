@@ -584,8 +584,10 @@ class ModelScheduler:
 
     def _sending_again(self, not_run: NotStarted) -> int:
         """Say that a batch the backend did not start (``not_run``) is sent once more; the time it is."""
-        log.warning("%s; the batch had not started: it is sent once more, less any request whose deadline has passed",
-                    naming_model(self.name, not_run))
+        # (Under the model's limit: a parent killed again and again, say by the out-of-memory killer, wrote it for
+        # every batch; the hunt of the re-send.)
+        self._fault_log.warning("%s; the batch had not started: it is sent once more, less any request whose "
+                                "deadline has passed", naming_model(self.name, not_run))
         return time.monotonic_ns()
 
     # -- execution ----------------------------------------------------------
@@ -683,7 +685,7 @@ class ModelScheduler:
         self._stats.execution_started()
         total = sum(rows)
         input_ns = infer_ns = output_ns = 0
-        succeeded = counted_later = False
+        succeeded = counted_later = not_started = False
         try:
             inputs, run_rows = self._assemble(requests, total)
             start = time.monotonic_ns()
@@ -726,6 +728,7 @@ class ModelScheduler:
             return results
         except NereidError as err:
             if isinstance(err, NotStarted) and not resent:
+                not_started = True
                 raise  # no fault yet: the caller sends the batch once more
             failure = err.failure if isinstance(err, NotStarted) else err
             named = naming_model(self.name, failure)
@@ -750,7 +753,9 @@ class ModelScheduler:
             # server, or left the batch's requests unanswered.
             raise self.model_fault(err) from err
         finally:
-            if not counted_later:
+            if not_started:  # (no execution: nereid_batch_size counted it, and then its second send, the hunt)
+                self._stats.execution_not_started()
+            elif not counted_later:
                 self._stats.execution_finished(total, cost, len(requests), input_ns, infer_ns, output_ns, succeeded)
 
     def _own_rows(self, outputs: list[NamedTensor], run_rows: int, total: int) -> list[NamedTensor]:

@@ -203,6 +203,13 @@ class ModelStats:
             self._advance_busy_idle(time.monotonic())
             self._running += 1
 
+    def execution_not_started(self) -> None:
+        """What ``execution_started`` counted did not start (its backend raised NotStarted): no execution, no
+        batch, whatever is sent again counted when it is."""
+        with self._lock:
+            self._advance_busy_idle(time.monotonic())
+            self._running -= 1
+
     def execution_finished(self, rows: int, cost: int, requests: int, input_ns: int, infer_ns: int,
                            output_ns: int, succeeded: bool) -> None:
         """An execution of ``rows`` rows serving ``requests`` requests ended (after ``execution_started``)."""

@@ -964,6 +964,8 @@ def test_a_run_the_backend_did_not_start_is_sent_once_more_unless_its_deadline_p
         else:
             assert float((await answer)[0].data[0, 0]) == 6
             assert backend.calls == [[3.0], [3.0]] and stats.execution_count == 1
+            # A send not started is no execution: nereid_batch_size counted it too (the hunt of the re-send).
+            assert stats.batcher.total_batches == 1 and stats.running_executions == 0
         await scheduler.drain()
     with caplog.at_level("WARNING", logger="nereid.scheduler"):
         run(scenario())
