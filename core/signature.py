@@ -156,11 +156,13 @@ def _parse_problem(error: text_format.ParseError, text: str) -> str:
 
 
 def _ends_inside_a_token(rest: str, problem: str) -> bool:
-    """Whether ``rest``, the text from protobuf's error to the end, is the one token its ``problem`` refuses: a
-    field name broken off, or a string never closed."""
+    """Whether ``rest``, the text from protobuf's error to the end, is the one token its ``problem`` refuses (a
+    field name broken off, a string never closed), or ends a block never closed."""
     unknown_field = re.search(r'has no field named "(\w+)"', problem)
     if unknown_field is not None:
         return rest == unknown_field.group(1)
+    if 'Expected "}"' in problem:  # a block still open at the end: protobuf points at its last field's value
+        return "}" not in rest
     return "String missing ending quote" in problem and "\n" not in rest
 
 

@@ -76,6 +76,9 @@ def test_textproto_errors(tmp_path: Path, text: str, message: str) -> None:
      'cut short?'),
     ('output { name: "y" dims: [1] data_type: "FP',
      "1:41 : String missing ending quote: '\"FP'; the file ends right there: was it cut short?"),
+    # A block still open at the end (the hunt of the cut-short note): protobuf points at its last value.
+    ('input { name: "a" data_type: "FP32" dims: [2] }\noutput { name: "b" dims: [2]\n\n',
+     '2:28 : Expected "}"; the file ends right there: was it cut short?'),
 ])
 def test_a_textproto_cut_short_is_said_to_end_there(tmp_path: Path, text: str, problem: str) -> None:
     """Defect (the Triton client hunt): a file cut short was refused with protobuf's words for an empty token at
