@@ -10,7 +10,7 @@ import tempfile
 from pathlib import Path
 
 from nereid.backend import BackendClaim, ModelContext, RuntimeReport
-from nereid.errors import ConfigError, ModelFailure
+from nereid.errors import ConfigError
 from nereid.files import remove_tree
 from nereid.backends.python.compiled_script import runnable_script
 from nereid.backends.python.options import PythonOptions, parse_options
@@ -166,52 +166,9 @@ class PythonModel(SubprocessModel):
         parent = self._parent
         if parent is None:
             return super().launch(env=env, stdin=stdin)
-        try:
-            result = parent.run(env=env, stdin=stdin, timeout_s=self.context.settings.timeout_s,
-                                groups=self._groups, exec_argv=None if self._warm else parent.cold_argv)
-        except ModelFailure as err:
-            # A parent restarted meanwhile starts in the folder too: "its process could not be started:
-            # Permission denied" named neither. (Not a run killed, or past its timeout, nor one the scheduler
-            # sends again, NotStarted: each says what it is.)
-            if type(err) is ModelFailure and (unusable := self._unusable_folder()) is not None:
-                raise unusable from None
-            raise
-        if result.returncode != 0 and not result.timed_out and not result.terminated:
-            # Looked at only once a run failed: a run that succeeds pays nothing for it.
-            unusable = self._unusable_folder()
-            if unusable is not None:
-                raise unusable
-        return result
-
-    def _unusable_folder(self) -> ModelFailure | None:
-        """The failure of a run whose folder the server's user cannot enter now (its mode changed while the model
-        serves: ``chmod 000``), or None when it can.
-
-        Each run's child makes the loaded folder its working directory before
-        main.py runs, and failed there with the warm parent's own traceback
-        (``os.fchdir``: Permission denied) as the run's output, which named
-        neither the folder nor the remedy. INTERNAL (a ModelFailure), not
-        UNAVAILABLE: the model is loaded and READY, and its run failed on the
-        server's side, as Triton answers a failed execution (INTERNAL);
-        UNAVAILABLE tells clients and load balancers to retry at once, which
-        cannot help until an operator gives the folder its mode back.
-        """
-        fd, folder = self.folder_fd(), self.context.folder
-        try:
-            # Search permission (x), which the child's fchdir needs: "." is looked up in the folder itself.
-            os.stat(".", dir_fd=fd) if fd is not None else os.stat(folder / ".")
-        except PermissionError as err:
-            try:
-                mode = f"its mode is {os.stat(fd if fd is not None else folder).st_mode & 0o7777:03o} now"
-            except OSError:
-                mode = "its mode changed"
-            return ModelFailure(f"model '{self.context.name}': its folder {folder} cannot be entered by the "
-                                f"server's user (uid {os.geteuid()}): {err.strerror} ({mode}), and every run starts "
-                                f"in it: give it back read and search permission (chmod u+rx {folder}, or the mode "
-                                "it had); the version loaded serves again as soon as it can be entered")
-        except OSError:  # (gone: a run still starts in the loaded folder's descriptor, see run_folder)
-            return None
-        return None
+        # (A run refused by the folder, warm or cold, is told by its child: see SubprocessModel.folder_refused.)
+        return parent.run(env=env, stdin=stdin, timeout_s=self.context.settings.timeout_s, groups=self._groups,
+                          exec_argv=None if self._warm else parent.cold_argv)
 
     def relocate(self, context: ModelContext) -> None:
         """Serve on from a renamed folder: the parent stays, each child runs in the new folder."""

@@ -25,8 +25,9 @@ from nereid.files import descriptor_path
 
 from nereid.backends.python.compiled_script import runnable_script
 from nereid.backends.python.preload import Preloads
-from nereid.backends.subprocess.runner import (ProcessGroups, ProcessResult, StdinData, close_descriptors,
-                                               feed_and_wait, kill_group, open_pipes, timed_out, wait_for_exit)
+from nereid.backends.subprocess.runner import (FolderNotEntered, ProcessGroups, ProcessResult, StdinData,
+                                               close_descriptors, entering_failed, feed_and_wait, kill_group,
+                                               open_pipes, timed_out, wait_for_exit)
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,10 @@ WATCH_RETRY_S = 0.2  # how soon the exit watcher tries again to clear a dead par
 
 # What the warm parent reads of one request (warm_parent.MAX_REQUEST_BYTES; a test keeps the two equal).
 PARENT_MAX_REQUEST_BYTES = 1 << 20
+# How a run's child says it could not enter the loaded folder: its exit status, and the start of its last line of
+# output, then "ERRNO STRERROR" (warm_parent.FOLDER_NOT_ENTERED_EXIT and _LINE; a test keeps them equal).
+FOLDER_NOT_ENTERED_EXIT = 126
+FOLDER_NOT_ENTERED_LINE = "nereid warm parent: the run's child cannot enter the model folder: errno "
 # What Linux keeps for itself of an AF_UNIX socket's send buffer: it refuses (EMSGSIZE) a SOCK_SEQPACKET message
 # longer than SO_SNDBUF less this (unix_dgram_sendmsg); 212960 bytes with the default net.core.wmem_default.
 UNIX_MESSAGE_OVERHEAD = 32
@@ -98,7 +103,14 @@ class WarmParentBlocked(WarmStartUnavailable):
     Transient, and a parent that preloads nothing meets it just the same, so
     it never turns warm start off: a restart that meets it fails its batch,
     and the next batch tries again (see ``WarmParent._restart``).
+    ``folder_error``: the parent could not enter the model folder (its mode
+    changed while the model serves), which a restart's batch is failed with as
+    a run's (FolderNotEntered); None for any other reason.
     """
+
+    def __init__(self, message: str, folder_error: OSError | None = None) -> None:
+        super().__init__(message)
+        self.folder_error = folder_error
 
 
 class WarmParentDied(WarmStartUnavailable):
@@ -172,17 +184,18 @@ class WarmParent:
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         except OSError as err:  # EMFILE, ENFILE, ENOMEM: the server's limits, not the model's
             raise WarmParentBlocked(f"no socket for it: {err.strerror or err}") from None
+        cwd = self._folder_path()
         try:
             with open(self.log_path, "ab") as log_file:
                 process = subprocess.Popen(
                     [sys.executable, "-P", str(runnable_script(WARM_PARENT_SCRIPT)), str(theirs.fileno()),
                      json.dumps(self.modules.as_json()), str(self.folder), str(self.entry_source)],
-                    cwd=self._folder_path(), env=self.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                    stderr=log_file,
+                    cwd=cwd, env=self.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_file,
                     pass_fds=(theirs.fileno(),), start_new_session=True)
         except OSError as err:  # its log (a full disk), the fork (EAGAIN, ENOMEM), the descriptors of its pipes
             ours.close()
-            raise WarmParentBlocked(f"its process could not be started: {err.strerror or err}") from None
+            raise WarmParentBlocked(f"its process could not be started: {err.strerror or err}",
+                                    err if entering_failed(err, cwd) else None) from None
         except BaseException:
             ours.close()
             raise
@@ -324,6 +337,10 @@ class WarmParent:
                                                   f"{STOP_GRACE_S:g} s (stopped or wedged?)")
         if "status" not in ended:
             raise self._died(parent, "it ended while the run was in progress")
+        if ended["status"] == FOLDER_NOT_ENTERED_EXIT and exited and not terminated:
+            refused = folder_not_entered(tail)
+            if refused is not None:
+                raise refused
         return ProcessResult(ended["status"], not exited, tail, terminated)
 
     @staticmethod
@@ -487,9 +504,12 @@ class WarmParent:
             fault = ModelKilled if isinstance(again, WarmParentDied) and again.killed else ModelFailure
             raise fault(f"model '{self.name}': its {self.called} could not be restarted: {again}") from None
 
-    def _blocked_failure(self, err: WarmParentBlocked) -> ModelFailure:
+    def _blocked_failure(self, err: WarmParentBlocked) -> ModelFailure | FolderNotEntered:
         """The failure of a batch whose restart could not start a parent, for ``err``; logged once until a parent
-        starts again. Under the lock."""
+        starts again. Under the lock. A parent that could not enter the model folder is a run refused by it:
+        FolderNotEntered, which the model names as such (not logged here: each batch's failure is)."""
+        if err.folder_error is not None:
+            return FolderNotEntered(err.folder_error)
         if self._blocked is None:
             log.warning("model '%s': its %s process could not be restarted (%s); batches fail until one "
                         "can be, each trying again", self.name, self.called, err)
@@ -602,6 +622,19 @@ class _ExitWatcher:
 
 
 _EXITS = _ExitWatcher()
+
+
+def folder_not_entered(tail: str) -> FolderNotEntered | None:
+    """The refusal a run's child reported (exit status :data:`FOLDER_NOT_ENTERED_EXIT`) when ``tail``, the run's
+    output, ends with its line (:data:`FOLDER_NOT_ENTERED_LINE`); None when it does not (main.py's own exit)."""
+    last = tail.rsplit("\n", 1)[-1]
+    if not last.startswith(FOLDER_NOT_ENTERED_LINE):
+        return None
+    number, _, strerror = last.removeprefix(FOLDER_NOT_ENTERED_LINE).partition(" ")
+    if not number.isdigit():
+        return None
+    code = int(number)
+    return FolderNotEntered(OSError(code, strerror or os.strerror(code)))
 
 
 def _run_channels() -> tuple[int, int, int, int, socket.socket, socket.socket]:

@@ -91,6 +91,12 @@ SHORT_LIVED_CHILD_S = 0.2
 # end_resource_tracker): a fresh interpreter's start and a few unlinks take tens of ms; one that hangs is killed
 # with the run's group.
 TRACKER_EXIT_WAIT_S = 2.0
+# How a run's child that cannot enter the loaded folder (its mode changed while the model serves: chmod 000) tells
+# the server, which names the folder and the remedy: this exit status, with this line, then the errno's number and
+# message, as its last output (warm.py has the same two; a test keeps them equal). Told, not looked up by the server
+# once the run failed: the mode may be back by then, and the run's traceback was the answer.
+FOLDER_NOT_ENTERED_EXIT = 126
+FOLDER_NOT_ENTERED_LINE = "nereid warm parent: the run's child cannot enter the model folder: errno "
 
 
 def preload(imports: list[str], extra: list[str], submodules: tuple[str, ...] | list[str] = ()) -> str | None:
@@ -770,7 +776,10 @@ def run_child(env: dict[str, str], cwd: str, stdin_fd: int, output_fd: int,
     if folder_fd is None:
         cwd = enter_folder(cwd)
     else:
-        cwd = enter_loaded_folder(cwd, folder_fd)
+        try:
+            cwd = enter_loaded_folder(cwd, folder_fd)
+        except PermissionError as err:
+            return report_folder_not_entered(err)
         os.close(folder_fd)  # not needed past the chdir: the working directory is the loaded folder
     if exec_argv:
         if exec_entry:
@@ -826,6 +835,14 @@ def enter_loaded_folder(path: str, folder_fd: int) -> str:
         return os.getcwd()
     except OSError:
         return f"{path} (deleted)"  # only the working directory leads to it
+
+
+def report_folder_not_entered(err: OSError) -> int:
+    """Tell the server that this run's child could not enter the loaded folder (``err``): the line
+    :data:`FOLDER_NOT_ENTERED_LINE` on the run's output; returns :data:`FOLDER_NOT_ENTERED_EXIT`, its exit status.
+    Nothing of main.py has run."""
+    _write_fd2(f"{FOLDER_NOT_ENTERED_LINE}{err.errno} {err.strerror}\n".encode())
+    return FOLDER_NOT_ENTERED_EXIT
 
 
 def enter_folder(path: str) -> str:

@@ -34,8 +34,8 @@ from nereid.backends.subprocess.dtype_names import contract_name
 from nereid.backends.subprocess.framing import (MAX_BYTES_ELEMENTS, MAX_BYTES_ROWS, frame_buffers, read_body,
                                                read_header)
 from nereid.backends.subprocess.gpus import visible_gpus
-from nereid.backends.subprocess.runner import (DEFAULT_PATH, ProcessGroups, ProcessResult, StdinData,
-                                               run_model_process, timed_out)
+from nereid.backends.subprocess.runner import (DEFAULT_PATH, FolderNotEntered, ProcessGroups, ProcessResult,
+                                               StdinData, run_model_process, timed_out)
 
 # Descriptors of the model folder kept across renames (the oldest is closed past this).
 MAX_FOLDER_FDS = 8
@@ -109,7 +109,7 @@ class SubprocessModel:
             try:
                 output_path = work_dir / "output"
                 env = self._environment(inputs, output_path, work_dir)
-                result = self.launch(env=env, stdin=self._stdin(inputs))
+                result = self._launch_in_folder(env, self._stdin(inputs))
                 name = self.context.name
                 if result.terminated and result.returncode != 0:
                     # Killed by terminate_running, not a crash: the version was being retired.
@@ -125,6 +125,74 @@ class SubprocessModel:
                 return self._read_outputs(output_path, batch, result.output_tail)
             finally:
                 remove_tree(work_dir)  # (with what the program made read-only in its TMPDIR)
+
+    def _launch_in_folder(self, env: dict[str, str], stdin: StdinData) -> ProcessResult:
+        """``launch``, with a run that could not start in the loaded folder (or failed while the server's user
+        cannot enter it) failed saying so (see :meth:`folder_refused`): the same for every subprocess backend,
+        cold, warm and cpp."""
+        try:
+            result = self.launch(env=env, stdin=stdin)
+        except FolderNotEntered as err:
+            # Told by the launcher, whatever the folder's mode is by now (a mode put back a moment later let the
+            # run's traceback through as the answer).
+            raise self.folder_refused(err.error) from None
+        except ModelFailure as err:
+            # A plain failure to start the run (a python model's parent restarted in the folder meanwhile). Not a
+            # run killed, or past its timeout, nor one the scheduler sends again, NotStarted: each says what it is.
+            if type(err) is ModelFailure and (refused := self.folder_refused()) is not None:
+                raise refused from None
+            raise
+        if result.returncode != 0 and not result.timed_out and not result.terminated:
+            # A run that entered the folder and failed as its mode changed under it. Looked at only once a run
+            # failed: a run that succeeds pays nothing for it.
+            refused = self.folder_refused()
+            if refused is not None:
+                raise refused
+        return result
+
+    def folder_refused(self, error: OSError | None = None) -> ModelFailure | None:
+        """The failure of a run whose folder the server's user cannot enter (its mode changed while the model
+        serves: ``chmod 000``): ``error``, the refusal the run met; without it, None unless the folder cannot be
+        entered now.
+
+        Each run starts in the loaded folder, its working directory, and failed
+        there with the launcher's own error as the answer (the warm parent's
+        ``os.fchdir`` traceback, Popen's ``Permission denied:
+        '/proc/self/fd/18'``), which named neither the folder nor the remedy.
+        INTERNAL (a ModelFailure), not UNAVAILABLE: the model is loaded and
+        READY, and its run failed on the server's side, as Triton answers a
+        failed execution (INTERNAL); UNAVAILABLE tells clients and load
+        balancers to retry at once, which cannot help until an operator gives
+        the folder its mode back.
+        """
+        fd, folder, name = self.folder_fd(), self.context.folder, self.context.name
+        try:
+            # Search permission (x), which the run's chdir needs: "." is looked up in the folder itself.
+            os.stat(".", dir_fd=fd) if fd is not None else os.stat(folder / ".")
+        except PermissionError as err:
+            return ModelFailure(f"model '{name}': its folder {folder} cannot be entered by the server's user (uid "
+                                f"{os.geteuid()}): {err.strerror} ({self._folder_mode('its mode is {} now')}), and "
+                                "every run starts in it: give it back read and search permission (chmod u+rx "
+                                f"{folder}, or the mode it had); the version loaded serves again as soon as it can "
+                                "be entered")
+        except OSError:  # (gone: a run still starts in the loaded folder's descriptor, see run_folder)
+            pass
+        if error is None:
+            return None
+        # Refused when the run started, and not now: its mode was changed back meanwhile (or is being changed).
+        return ModelFailure(f"model '{name}': its folder {folder} could not be entered by the server's user (uid "
+                            f"{os.geteuid()}) when this run started: {error.strerror or error} (its mode was changed "
+                            f"while it serves; {self._folder_mode('it is {} now')}), and every run starts in it: "
+                            f"keep its read and search permission (chmod u+rx {folder}); the next run starts in it "
+                            "as long as it can be entered")
+
+    def _folder_mode(self, said: str) -> str:
+        """``said`` with the loaded folder's mode now (``000``); "its mode changed" when it cannot be read."""
+        fd = self.folder_fd()
+        try:
+            return said.format(f"{os.stat(fd if fd is not None else self.context.folder).st_mode & 0o7777:03o}")
+        except OSError:
+            return "its mode changed"
 
     def relocate(self, context: ModelContext) -> None:
         """Serve on from a renamed folder with the same files (``nereid.backend.Relocatable``)."""

@@ -77,6 +77,21 @@ def timed_out(name: str, timeout_s: float, how_it_ended: str) -> ModelTimedOut:
                          f"default {DEFAULT_TIMEOUT_S:g} s); {how_it_ended}")
 
 
+class FolderNotEntered(Exception):
+    """A run's program could not start: entering its model folder, the run's working directory, failed with
+    ``error`` (a PermissionError: the folder's mode was changed while the model serves, ``chmod 000``).
+
+    Raised by the launchers: :func:`run_model_process` when its child's chdir
+    fails, a warm parent's side when the run's child reports it could not
+    enter the folder. The model (``SubprocessModel``) answers it naming the
+    folder and the remedy; it never reaches a client as it is.
+    """
+
+    def __init__(self, error: OSError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 @dataclass
 class _Run:
     """A run in progress on one thread (see :meth:`ProcessGroups.running`)."""
@@ -184,8 +199,11 @@ def run_model_process(argv: list[str], *, cwd: Path | str, env: dict[str, str], 
         try:
             process = subprocess.Popen(argv, cwd=cwd, env=env, stdin=stdin_read, stdout=output_write,
                                        stderr=subprocess.STDOUT, start_new_session=True)
-        except BaseException:
+        except BaseException as err:
             close_descriptors(stdin_write, output_read)
+            if entering_failed(err, cwd):
+                # Told as such: the bare "[Errno 13] Permission denied: '/proc/self/fd/18'" named no folder.
+                raise FolderNotEntered(err) from None
             raise
         finally:
             close_descriptors(stdin_read, output_write)  # the child's ends: it has its own copies (or never ran)
@@ -211,6 +229,13 @@ def run_model_process(argv: list[str], *, cwd: Path | str, env: dict[str, str], 
             os.close(exit_fd)
             process.wait()  # returns at once: the child has exited or was just killed
         return ProcessResult(process.returncode, not exited, tail, terminated)
+
+
+def entering_failed(err: BaseException, cwd: Path | str) -> bool:
+    """Whether ``err``, raised by ``Popen`` started in ``cwd``, is its child's chdir into ``cwd`` refused by the
+    folder's permission bits (Popen names ``cwd`` as the file then; the program's own name when its exec failed)."""
+    return isinstance(err, PermissionError) and err.filename is not None and \
+        os.fsdecode(err.filename) == os.fsdecode(cwd)
 
 
 def feed_and_wait(stdin_fd: int, data: StdinData, exit_fd: int, deadline: float | None,

@@ -696,3 +696,90 @@ def test_a_binary_a_full_scratch_folder_cannot_take_is_named_and_leaves_nothing(
             "File too large (the server makes its scratch folder in TMPDIR)", "[]"], child.stdout
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+# Serves the model through its scheduler (which logs its faults, to stderr here) while its folder's mode changes:
+# a request with mode 000, one with 644 (read, no search), one whose run puts the mode back (755) the moment it has
+# ended, before the model looks at why it failed, then one more. Prints each request's answer: its outputs, or its
+# error's class and message.
+_SERVE_WITH_FOLDER_MODES = """
+import asyncio, logging, sys
+from pathlib import Path
+import numpy as np
+from nereid.backend import ModelContext
+from nereid.backends.cpp.plugin import CppModel
+from nereid.dtypes import DType
+from nereid.scheduler import ModelScheduler
+from nereid.settings import ModelSettings
+from nereid.stats import ModelStats
+from nereid.tensors import NamedTensor
+logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s %(message)s")
+folder, scratch = Path(sys.argv[1]), Path(sys.argv[2])
+model = CppModel(ModelContext("locked", folder, ModelSettings("locked"), scratch, "test"))
+model.load()
+x = [NamedTensor("input", DType.FP32, np.arange(8, dtype=np.float32).reshape(1, 8))]
+launch = model.launch
+
+def launch_then_mode_back(**kwargs):
+    try:
+        return launch(**kwargs)
+    finally:
+        folder.chmod(0o755)
+
+async def serve():
+    scheduler = ModelScheduler("locked", model, model.signature(), capacity=4, instances=1, stats=ModelStats())
+    async def answer():
+        try:
+            return (await scheduler.submit(x, 1, 0))[0].data.tolist()
+        except Exception as err:
+            return f"{type(err).__name__}: {err}"
+    for mode in (0, 0o644):
+        folder.chmod(mode)
+        print(await answer())
+    folder.chmod(0)
+    model.launch = launch_then_mode_back
+    print(await answer())
+    del model.launch
+    print(await answer())
+    await scheduler.drain()
+
+asyncio.run(serve())
+model.unload()
+"""
+
+
+def test_a_folder_whose_mode_changes_while_serving_fails_each_request_saying_so_without_a_traceback(tmp_path):
+    """Defect (the hunt of the folder's mode): a cpp model whose folder was given mode 000 (or 644) while serving
+    answered `PermissionError: [Errno 13] Permission denied: '/proc/self/fd/18'`, naming neither the folder nor the
+    remedy, and logged a traceback per request, where a python model's said what to do. Root obeys no permission
+    bits: the model is served as a server that is not root serves it."""
+    import sys
+
+    from support import run_as_non_root
+
+    folder = tmp_path / "models" / "locked"
+    shutil.copytree(EXAMPLES / "cpp_scale", folder, ignore=shutil.ignore_patterns(".cache"))
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    tests = str(Path(__file__).resolve().parents[1])
+    child = run_as_non_root(["env", f"PYTHONPATH={tests}", sys.executable, "-c", _SERVE_WITH_FOLDER_MODES,
+                             str(folder), str(scratch)], folder.parent)
+    assert child.returncode == 0, child.stderr
+    uid = os.geteuid()
+
+    def refused(mode: str) -> str:
+        return (f"model 'locked': its folder {folder} cannot be entered by the server's user (uid {uid}): "
+                f"Permission denied (its mode is {mode} now), and every run starts in it: give it back read and "
+                f"search permission (chmod u+rx {folder}, or the mode it had); the version loaded serves again as "
+                "soon as it can be entered")
+
+    put_back = (f"model 'locked': its folder {folder} could not be entered by the server's user (uid {uid}) when "
+                "this run started: Permission denied (its mode was changed while it serves; it is 755 now), and every "
+                f"run starts in it: keep its read and search permission (chmod u+rx {folder}); the next run starts in "
+                "it as long as it can be entered")
+    faults = [refused("000"), refused("644"), put_back]
+    assert child.stdout.splitlines() == [*(f"ModelFailure: {fault}" for fault in faults),
+                                         str([[float(2 * i) for i in range(8)]])], child.stdout
+    assert "Traceback" not in child.stderr and "/proc/self/fd" not in child.stderr, child.stderr
+    assert [line for line in child.stderr.splitlines() if line.startswith("ERROR ")] == \
+        [f"ERROR nereid.scheduler {fault}" for fault in faults], child.stderr

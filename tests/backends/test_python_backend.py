@@ -1163,3 +1163,84 @@ def test_a_folder_given_mode_000_while_serving_fails_each_request_saying_so_with
     assert "Traceback" not in child.stderr and "fchdir" not in child.stderr, child.stderr
     faults = [line for line in child.stderr.splitlines() if line.startswith("ERROR ")]
     assert faults == [f"ERROR nereid.scheduler {refused.removeprefix('ModelFailure: ')}"] * 4, child.stderr
+
+
+# As _SERVE_WITH_FOLDER_MODE_000, but each run puts the folder's mode back the moment it has ended, before the
+# model looks at why it failed (the operator's chmod racing the run): a request, then one after its parent process
+# was killed (the restarted parent starts in the folder too), then one more with the mode left as it is.
+_SERVE_WITH_THE_MODE_PUT_BACK_AS_THE_RUN_ENDS = """
+import asyncio, logging, os, signal, sys
+from pathlib import Path
+import numpy as np
+from nereid.backend import ModelContext
+from nereid.backends.python.plugin import PythonModel
+from nereid.dtypes import DType
+from nereid.scheduler import ModelScheduler
+from nereid.settings import ModelSettings
+from nereid.stats import ModelStats
+from nereid.tensors import NamedTensor
+from support import wait_until, process_alive
+logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s %(message)s")
+folder, scratch = Path(sys.argv[1]), Path(sys.argv[2])
+settings = ModelSettings("locked", runtime={"warm_start": sys.argv[3] == "warm"})
+model = PythonModel(ModelContext("locked", folder, settings, scratch, "test"))
+model.load()
+x = [NamedTensor("input", DType.FP32, np.arange(4, dtype=np.float32).reshape(1, 4))]
+parent = model._parent
+run = parent.run
+
+def run_then_mode_back(**kwargs):
+    try:
+        return run(**kwargs)
+    finally:
+        folder.chmod(0o755)
+
+parent.run = run_then_mode_back
+
+async def serve():
+    scheduler = ModelScheduler("locked", model, model.signature(), capacity=4, instances=1, stats=ModelStats())
+    async def answer():
+        try:
+            return (await scheduler.submit(x, 1, 0))[0].data.tolist()
+        except Exception as err:
+            return f"{type(err).__name__}: {err}"
+    folder.chmod(0)
+    print(await answer())
+    pid = parent.pid
+    os.kill(pid, signal.SIGKILL)
+    assert wait_until(lambda: not process_alive(pid))
+    folder.chmod(0)
+    print(await answer())
+    print(await answer())
+    await scheduler.drain()
+
+asyncio.run(serve())
+model.unload()
+"""
+
+
+def test_a_run_refused_by_its_folder_says_so_even_when_the_mode_is_back_by_the_time_the_model_looks(repo, tmp_path,
+                                                                                                     start_mode):
+    """Defect (the hunt of the folder's mode): the folder was looked at only once the run had failed; a mode put
+    back meanwhile (an operator's chmod racing the requests) let the run's output through as the answer and the
+    log line, the warm parent's own traceback (`enter_loaded_folder` ... `os.fchdir(folder_fd)` ...
+    `PermissionError`), and a parent restarted meanwhile said `its process could not be started: Permission
+    denied`. The run's child now tells the server it could not enter the folder."""
+    from support import run_as_non_root
+
+    folder = repo.python("locked")
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    tests = str(Path(__file__).resolve().parents[1])
+    child = run_as_non_root(["env", f"PYTHONPATH={tests}", sys.executable, "-c",
+                             _SERVE_WITH_THE_MODE_PUT_BACK_AS_THE_RUN_ENDS, str(folder), str(scratch), start_mode],
+                            repo.models_dir)
+    assert child.returncode == 0, child.stderr
+    refused = (f"ModelFailure: model 'locked': its folder {folder} could not be entered by the server's user (uid "
+               f"{os.geteuid()}) when this run started: Permission denied (its mode was changed while it serves; it "
+               f"is 755 now), and every run starts in it: keep its read and search permission (chmod u+rx "
+               f"{folder}); the next run starts in it as long as it can be entered")
+    assert child.stdout.splitlines() == [refused, refused, "[[0.0, 1.0, 2.0, 3.0]]"], child.stdout
+    assert "Traceback" not in child.stderr and "fchdir" not in child.stderr, child.stderr
+    faults = [line for line in child.stderr.splitlines() if line.startswith("ERROR ")]
+    assert faults == [f"ERROR nereid.scheduler {refused.removeprefix('ModelFailure: ')}"] * 2, child.stderr

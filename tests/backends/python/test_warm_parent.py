@@ -185,3 +185,25 @@ def test_the_longest_run_request_is_what_one_message_of_the_control_socket_takes
             os.close(fd)
         ours.close()
         theirs.close()
+
+
+def test_a_child_that_cannot_enter_the_folder_says_so_in_the_form_the_server_reads() -> None:
+    """The run's child reports a folder it cannot enter (its mode changed while the model serves) by an exit status
+    and a last line of output that the server's side reads back as that refusal, errno and all; the two programs'
+    constants are equal, and a model's own output that merely ends otherwise is no such report."""
+    from nereid.backends.python import warm
+    from nereid.backends.subprocess.runner import FolderNotEntered
+
+    assert (warm.FOLDER_NOT_ENTERED_EXIT, warm.FOLDER_NOT_ENTERED_LINE) == \
+        (warm_parent.FOLDER_NOT_ENTERED_EXIT, warm_parent.FOLDER_NOT_ENTERED_LINE)
+    child = subprocess.run([sys.executable, "-c", "import errno, os, sys\nfrom nereid.backends.python import "
+                            "warm_parent\nprint('a banner an at-fork handler printed', flush=True)\n"
+                            "sys.exit(warm_parent.report_folder_not_entered(PermissionError(errno.EACCES, "
+                            "os.strerror(errno.EACCES))))"], capture_output=True, text=True)
+    assert child.returncode == warm.FOLDER_NOT_ENTERED_EXIT, child.stderr
+    refused = warm.folder_not_entered(f"{child.stdout}{child.stderr}".strip())
+    assert isinstance(refused, FolderNotEntered)
+    assert isinstance(refused.error, PermissionError)
+    assert (refused.error.errno, refused.error.strerror) == (errno.EACCES, "Permission denied")
+    assert warm.folder_not_entered("Traceback (most recent call last):\nPermissionError: denied") is None
+    assert warm.folder_not_entered(f"{warm.FOLDER_NOT_ENTERED_LINE}x y") is None
