@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Mapping
 
-from nereid.errors import ModelFailure, ModelKilled, NotStarted
+from nereid.errors import ModelFailure, ModelKilled, NotStarted, Unavailable
 from nereid.files import descriptor_path
 
 from nereid.backends.python.compiled_script import runnable_script
@@ -159,6 +159,9 @@ class WarmParent:
         self._control: socket.socket | None = None
         self._start_deaths = 0  # parents in a row that ended while starting (see _restart)
         self._blocked: str | None = None  # why restarts could not start a parent since the last one started
+        # Set by stop (the model unloaded): no parent is started again, so a batch still going then (its parent
+        # stopped or killed under it) fails saying so, rather than start one for a model that is gone.
+        self._stopped = False
 
     @property
     def called(self) -> str:
@@ -170,6 +173,7 @@ class WarmParent:
     def start(self) -> None:
         """Start the parent and wait until its imports are done; WarmStartUnavailable if it cannot serve."""
         with self._lock:
+            self._stopped = False
             self._start()
         if self.modules.left:
             # Once per load (a restart calls _start): main.py's own imports that each run imports itself, with
@@ -262,8 +266,10 @@ class WarmParent:
         return descriptor_path(fd) if fd is not None else str(self.folder)
 
     def stop(self) -> None:
-        """End the parent and every child it runs; the parent is reaped."""
+        """End the parent and every child it runs; the parent is reaped. None is started again: a run from now on
+        fails (Unavailable, the model was unloaded)."""
         with self._lock:
+            self._stopped = True
             process, control = self._process, self._control
             self._process = self._control = None
         if process is None:
@@ -313,7 +319,8 @@ class WarmParent:
         except _RunNotStarted as err:
             # Started here, before the batch is given back: the scheduler looks at its requests' deadlines once the
             # wait for the new parent (its preloads imported again, a second or more) is over, not before it.
-            self._running_control()  # (a ModelFailure when none can be started: the batch's)
+            # (A ModelFailure when none can be started: the batch's; Unavailable once the model was unloaded.)
+            self._running_control()
             raise NotStarted(err.failure) from None
         # timeout_s bounds the run from its fork, as a cold run's from its start: a parent restarted first (its
         # preloads imported again, a second or more) had taken it all, and the run was killed at once, "timed out
@@ -404,8 +411,13 @@ class WarmParent:
         return started["pid"], stdin_write, output_read, reply, parent
 
     def _running_control(self) -> tuple[subprocess.Popen, socket.socket]:
-        """The running parent (started, or restarted if found dead) and its control socket."""
+        """The running parent (started, or restarted if found dead) and its control socket; Unavailable once
+        stopped (the model was unloaded: a parent started now would be left running for a model that is gone)."""
         with self._lock:
+            if self._stopped:
+                raise Unavailable(f"model '{self.name}' was unloaded (removed, replaced by a new version, or the "
+                                  f"server stopping) before this batch could run: its {self.called} process was "
+                                  "stopped; the batch was not run")
             if self._process is not None and self._process.poll() is not None:
                 self._forget(self._process, "starting a new one")
             if self._process is None:

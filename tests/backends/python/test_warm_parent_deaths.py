@@ -290,3 +290,39 @@ def test_a_cold_model_s_parent_is_not_called_warm_in_its_faults(tmp_path, warm, 
         assert "warm" not in str(killed.value) or warm
     finally:
         model.unload()
+
+
+def test_a_batch_whose_parent_is_stopped_by_the_model_s_unload_fails_and_starts_no_parent(model, caplog, monkeypatch,
+                                                                                          no_zombies):
+    """Defect (the warm-parent kill hunt): a batch sent to a parent that could not answer (SIGSTOPped) while its
+    model was unloaded found the parent gone and, as for a parent that died, started a new one for a model that
+    was unloaded (a parent left running), or logged `its warm parent process could not be restarted (its process
+    could not be started: No such file or directory); batches fail until one can be`. It fails saying the model
+    was unloaded, and no parent is started, for it or for a batch after it."""
+    from nereid.backends.python import warm
+    from nereid.errors import Unavailable
+
+    sent = threading.Event()
+    receive = warm._receive
+
+    def receive_once_sent(reply):  # the run's request is with the parent: it waits for the parent's answer
+        sent.set()
+        return receive(reply)
+
+    monkeypatch.setattr(warm, "_receive", receive_once_sent)
+    parent = model.parent.pid
+    os.kill(parent, signal.SIGSTOP)
+    with caplog.at_level(logging.INFO, logger="nereid.backends.python.warm"):
+        outcome, thread = run_in_background(model)
+        assert sent.wait(30)
+        model.parent.stop()  # (kills the stopped parent past its grace, as the model's unload does)
+        thread.join(60)
+        assert not thread.is_alive()
+        with pytest.raises(Unavailable) as later:
+            model.run()
+    unloaded = ("model 'm' was unloaded (removed, replaced by a new version, or the server stopping) before this batch "
+                "could run: its warm parent process was stopped; the batch was not run")
+    assert [type(failure) for failure in outcome] == [Unavailable], outcome
+    assert [str(outcome[0]), str(later.value)] == [unloaded] * 2
+    assert model.parent.pid is None and not process_alive(parent)
+    assert [record.getMessage() for record in caplog.records] == []
