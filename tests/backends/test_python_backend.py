@@ -1092,11 +1092,10 @@ def test_a_run_that_leaves_a_read_only_folder_in_its_tmpdir_leaves_no_run_folder
     assert child.stdout.splitlines() == ["[[0.0, 1.0, 2.0, 3.0]]", "[]", "[]"], child.stdout
 
 
-# Serves the model through its scheduler (which logs its faults, to stderr here) while its folder's mode is 000:
-# three requests, then one more after its parent process was killed (restarted in the folder), then the mode back.
-# Prints each request's answer: its outputs, or its error's class and message.
-_SERVE_WITH_FOLDER_MODE_000 = """
-import asyncio, logging, os, signal, sys
+# The model "locked" of the folder argv[1] (scratch argv[2], warm start when argv[3] is "warm"), loaded in a
+# program of its own, and its input x: what the folder-mode programs below start with.
+_LOCKED_MODEL = """
+import asyncio, functools, logging, os, signal, sys
 from pathlib import Path
 import numpy as np
 from nereid.backend import ModelContext
@@ -1114,13 +1113,22 @@ model = PythonModel(ModelContext("locked", folder, settings, scratch, "test"))
 model.load()
 x = [NamedTensor("input", DType.FP32, np.arange(4, dtype=np.float32).reshape(1, 4))]
 
+async def answered(scheduler):  # what one request of x got: its outputs, or its error's class and message
+    try:
+        return (await scheduler.submit(x, 1, 0))[0].data.tolist()
+    except Exception as err:
+        return f"{type(err).__name__}: {err}"
+"""
+
+
+# Serves the model through its scheduler (which logs its faults, to stderr here) while its folder's mode is 000:
+# three requests, then one more after its parent process was killed (restarted in the folder), then the mode back.
+# Prints each request's answer: its outputs, or its error's class and message.
+_SERVE_WITH_FOLDER_MODE_000 = _LOCKED_MODEL + """
+
 async def serve():
     scheduler = ModelScheduler("locked", model, model.signature(), capacity=4, instances=1, stats=ModelStats())
-    async def answer():
-        try:
-            return (await scheduler.submit(x, 1, 0))[0].data.tolist()
-        except Exception as err:
-            return f"{type(err).__name__}: {err}"
+    answer = functools.partial(answered, scheduler)
     print(await answer())
     folder.chmod(0)
     for _ in range(3):
@@ -1138,6 +1146,19 @@ model.unload()
 """
 
 
+def _locked_model_served_as_non_root(repo, tmp_path, program: str, start_mode: str):
+    """The python model "locked" made in ``repo`` and ``program`` (one of the _LOCKED_MODEL programs) run on it as a
+    server that is not root (root obeys no permission bits); (its folder, the finished program)."""
+    from support import run_as_non_root
+
+    folder = repo.python("locked")
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    tests = str(Path(__file__).resolve().parents[1])
+    return folder, run_as_non_root(["env", f"PYTHONPATH={tests}", sys.executable, "-c", program, str(folder),
+                                    str(scratch), start_mode], repo.models_dir)
+
+
 def test_a_folder_given_mode_000_while_serving_fails_each_request_saying_so_without_a_traceback(repo, tmp_path,
                                                                                                 start_mode):
     """Defect (the operator hunt): each request failed with the warm parent's own traceback as the run's output
@@ -1145,14 +1166,7 @@ def test_a_folder_given_mode_000_while_serving_fails_each_request_saying_so_with
     the remedy, and the log printed it for every request; a parent restarted meanwhile said `its process could
     not be started: Permission denied`. Root obeys no permission bits: the model is served as a server that is
     not root serves it."""
-    from support import run_as_non_root
-
-    folder = repo.python("locked")
-    scratch = tmp_path / "scratch"
-    scratch.mkdir()
-    tests = str(Path(__file__).resolve().parents[1])
-    child = run_as_non_root(["env", f"PYTHONPATH={tests}", sys.executable, "-c", _SERVE_WITH_FOLDER_MODE_000,
-                             str(folder), str(scratch), start_mode], repo.models_dir)
+    folder, child = _locked_model_served_as_non_root(repo, tmp_path, _SERVE_WITH_FOLDER_MODE_000, start_mode)
     assert child.returncode == 0, child.stderr
     refused = (f"ModelFailure: model 'locked': its folder {folder} cannot be entered by the server's user (uid "
                f"{os.geteuid()}): Permission denied (its mode is 000 now), and every run starts in it: give "
@@ -1168,24 +1182,7 @@ def test_a_folder_given_mode_000_while_serving_fails_each_request_saying_so_with
 # As _SERVE_WITH_FOLDER_MODE_000, but each run puts the folder's mode back the moment it has ended, before the
 # model looks at why it failed (the operator's chmod racing the run): a request, then one after its parent process
 # was killed (the restarted parent starts in the folder too), then one more with the mode left as it is.
-_SERVE_WITH_THE_MODE_PUT_BACK_AS_THE_RUN_ENDS = """
-import asyncio, logging, os, signal, sys
-from pathlib import Path
-import numpy as np
-from nereid.backend import ModelContext
-from nereid.backends.python.plugin import PythonModel
-from nereid.dtypes import DType
-from nereid.scheduler import ModelScheduler
-from nereid.settings import ModelSettings
-from nereid.stats import ModelStats
-from nereid.tensors import NamedTensor
-from support import wait_until, process_alive
-logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s %(message)s")
-folder, scratch = Path(sys.argv[1]), Path(sys.argv[2])
-settings = ModelSettings("locked", runtime={"warm_start": sys.argv[3] == "warm"})
-model = PythonModel(ModelContext("locked", folder, settings, scratch, "test"))
-model.load()
-x = [NamedTensor("input", DType.FP32, np.arange(4, dtype=np.float32).reshape(1, 4))]
+_SERVE_WITH_THE_MODE_PUT_BACK_AS_THE_RUN_ENDS = _LOCKED_MODEL + """
 parent = model._parent
 run = parent.run
 
@@ -1199,11 +1196,7 @@ parent.run = run_then_mode_back
 
 async def serve():
     scheduler = ModelScheduler("locked", model, model.signature(), capacity=4, instances=1, stats=ModelStats())
-    async def answer():
-        try:
-            return (await scheduler.submit(x, 1, 0))[0].data.tolist()
-        except Exception as err:
-            return f"{type(err).__name__}: {err}"
+    answer = functools.partial(answered, scheduler)
     folder.chmod(0)
     print(await answer())
     pid = parent.pid
@@ -1226,15 +1219,8 @@ def test_a_run_refused_by_its_folder_says_so_even_when_the_mode_is_back_by_the_t
     log line, the warm parent's own traceback (`enter_loaded_folder` ... `os.fchdir(folder_fd)` ...
     `PermissionError`), and a parent restarted meanwhile said `its process could not be started: Permission
     denied`. The run's child now tells the server it could not enter the folder."""
-    from support import run_as_non_root
-
-    folder = repo.python("locked")
-    scratch = tmp_path / "scratch"
-    scratch.mkdir()
-    tests = str(Path(__file__).resolve().parents[1])
-    child = run_as_non_root(["env", f"PYTHONPATH={tests}", sys.executable, "-c",
-                             _SERVE_WITH_THE_MODE_PUT_BACK_AS_THE_RUN_ENDS, str(folder), str(scratch), start_mode],
-                            repo.models_dir)
+    folder, child = _locked_model_served_as_non_root(repo, tmp_path, _SERVE_WITH_THE_MODE_PUT_BACK_AS_THE_RUN_ENDS,
+                                                     start_mode)
     assert child.returncode == 0, child.stderr
     refused = (f"ModelFailure: model 'locked': its folder {folder} could not be entered by the server's user (uid "
                f"{os.geteuid()}) when this run started: Permission denied (its mode was changed while it serves; it "

@@ -1043,25 +1043,12 @@ async def running_and_queue_full(capacity: int) -> tuple[GatedDouble, ModelSched
     return backend, scheduler, admitted
 
 
-class OneRunAtATime(GatedDouble):
-    """Doubles its input, each run waiting for a permit of its own (``permits.release()`` lets one through)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.permits = threading.Semaphore(0)
-
-    def infer(self, inputs: list[NamedTensor]) -> list[NamedTensor]:
-        self.permits.acquire(timeout=10)
-        self.gate.set()
-        return super().infer(inputs)
-
-
 def test_a_waiter_for_a_preprocess_stage_is_woken_when_a_lone_request_leaves_the_queue() -> None:
     """Found by the hunt of the wait for room: a model whose preprocess stage counts the whole queue got room when
     the batcher took a lone request from it, but only a batch of several woke a waiter; it stayed out until that
     execution ended, and a unary request arriving meanwhile went in ahead of it."""
     async def scenario() -> None:
-        backend = OneRunAtATime()
+        backend = SteppedDouble()
         scheduler = ModelScheduler("m", backend, SIGNATURE, capacity=1, instances=1, stats=ModelStats())
         scheduler.stage_full = lambda: scheduler.queue_depth >= scheduler.capacity  # (a stage with no call in it)
         first = asyncio.create_task(scheduler.submit(rows(1), 1, 0))
