@@ -559,12 +559,16 @@ class ModelScheduler:
         """Answer a request that will never run: an expired one (its caller still waits) gets DeadlineExceeded;
         ``not_run``: why its batch was to be sent again (see :meth:`_execute`)."""
         if not work.future.done():
+            # (Its timing's queue time, until an execution succeeds for it, is what it waited for room before: a
+            # stream's request told only of its time in the queue left that wait out; the hunt of the statistics.)
             work.future.set_exception(self._deadline_error(work.deadline_ns, work.enqueued_ns, time.monotonic_ns(),
-                                                           not_run))
+                                                           not_run, work.timing.queue_ns if work.timing else 0))
 
-    def _deadline_error(self, deadline_ns: int, enqueued_ns: int, now: int,
-                        not_run: NotStarted | None = None) -> DeadlineExceeded:
+    def _deadline_error(self, deadline_ns: int, enqueued_ns: int, now: int, not_run: NotStarted | None = None,
+                        room_wait_ns: int = 0) -> DeadlineExceeded:
         waited = f"waited {(now - enqueued_ns) / 1e6:.1f} ms"
+        if room_wait_ns:
+            waited = f"waited {room_wait_ns / 1e6:.1f} ms for room in the full queue, then {waited.split(' ', 1)[1]}"
         if not_run is None:
             return not_started(self.name, deadline_ns, now, f"{waited} in the queue")
         return not_started(self.name, deadline_ns, now, f"{waited} since it was queued; its batch, which had not "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import re
 import threading
 import time
 from types import SimpleNamespace
@@ -1103,6 +1104,27 @@ def test_a_request_whose_deadline_passes_while_it_waits_for_room_is_not_run_and_
         assert backend.ran == [0, 1, 11]
         # nereid_batcher_submitted_total counts what entered the queue (the hunt of the wait counted the expired too).
         assert scheduler._stats.batcher.total_submitted == 3
+        await scheduler.drain()
+    run(scenario())
+
+
+def test_a_request_that_waited_for_room_and_expired_in_the_queue_is_told_both_waits() -> None:
+    """Found by the statistics hunt: a stream's request that waited for room, then expired in the queue, was told
+    only of its time in the queue ("waited 392.5 ms in the queue"), after some 600 ms of waiting for room."""
+    async def scenario() -> None:
+        backend, scheduler, admitted = await running_and_queue_full(1)
+        waiting = Waiting(scheduler)
+        (expiring,) = await waiting.line([10], deadline_ns=time.monotonic_ns() + 300_000_000)
+        await asyncio.sleep(0.1)  # (a wait for room of 0.1 s at least)
+        admitted[1].cancel()  # the queued request's caller leaves: its room goes to the waiter, which expires there
+        await until(lambda: scheduler.waiting_for_room == 0 and scheduler.queue_depth == 1)
+        with pytest.raises(DeadlineExceeded, match=r"^model 'm': deadline passed [0-9.]+ ms before the request could "
+                                                   r"start \(waited (\d+)\.\d ms for room in the full queue, then "
+                                                   r"[0-9.]+ ms in the queue\); it was not run$") as told:
+            await expiring
+        assert int(re.search(r"waited (\d+)", str(told.value)).group(1)) >= 100
+        backend.gate.set()
+        await asyncio.gather(*admitted, return_exceptions=True)
         await scheduler.drain()
     run(scenario())
 
