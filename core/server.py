@@ -313,7 +313,7 @@ class NereidServer:
         if status == health_pb2.HealthCheckResponse.SERVING:
             log.info("server ready (ServerReady, /v2/health/ready and the gRPC health service say so)")
         elif not (self.dataplane.shutting_down or self.dataplane.leaving):  # (the stop says so itself)
-            self._say_not_ready("server not ready")
+            self._say_not_ready("server not ready", self.repository.holding_readiness(), again=True)
 
     def _log_holders_settled(self, status: int) -> None:
         """Say again what holds readiness back once the loads it named have ended, still not READY: the line
@@ -323,14 +323,15 @@ class NereidServer:
             return
         held = self.repository.holding_readiness()
         if held and all(state == ModelState.UNAVAILABLE.value for _, state in held):
-            self._say_not_ready("server still not ready")
+            self._say_not_ready("server still not ready", held, again=False)
 
-    def _say_not_ready(self, opening: str) -> None:
-        """Log ``opening``: the models holding readiness back, unless this very list was the last one said."""
-        held = [f"'{name}' {state}" for name, state in self.repository.holding_readiness()]
-        why = ", ".join(held[:5]) + (f" and {len(held) - 5} more" if len(held) > 5 else "")
-        said = f"model(s) not READY: {why}" if held else "the repository is not listed yet"
-        if opening == "server not ready" or said != self._holders_said:
+    def _say_not_ready(self, opening: str, held: list[tuple[str, str]], again: bool) -> None:
+        """Log ``opening``: the models ``held`` (name, state) holding readiness back; not ``again`` when this very
+        list was the last one said."""
+        named = [f"'{name}' {state}" for name, state in held]
+        why = ", ".join(named[:5]) + (f" and {len(named) - 5} more" if len(named) > 5 else "")
+        said = f"model(s) not READY: {why}" if named else "the repository is not listed yet"
+        if again or said != self._holders_said:
             self._holders_said = said
             log.info("%s: %s", opening, said)
 
