@@ -302,19 +302,23 @@ class ModelScheduler:
         if not self._room_waiters or self._room_woken:
             return
         while self._room_waiters and not self._refuses():
-            woken = self._room_waiters.popleft()
-            if not woken.done():  # (cancelled: its task leaves by itself)
-                self._room_woken += 1
-                woken.set_result(None)
+            if self._wake_first():
                 return
 
     def _wake_every_waiter(self) -> None:
         """The model is being unloaded: every waiter tries now, and is refused as retired."""
         while self._room_waiters:
-            woken = self._room_waiters.popleft()
-            if not woken.done():
-                self._room_woken += 1
-                woken.set_result(None)
+            self._wake_first()
+
+    def _wake_first(self) -> bool:
+        """Take the first waiter from the line and wake it; False when it had been cancelled (its task leaves by
+        itself)."""
+        woken = self._room_waiters.popleft()
+        if woken.done():
+            return False
+        self._room_woken += 1
+        woken.set_result(None)
+        return True
 
     @contextlib.contextmanager
     def hooked_request(self) -> Iterator[None]:
@@ -566,9 +570,9 @@ class ModelScheduler:
 
     def _deadline_error(self, deadline_ns: int, enqueued_ns: int, now: int, not_run: NotStarted | None = None,
                         room_wait_ns: int = 0) -> DeadlineExceeded:
-        waited = f"waited {(now - enqueued_ns) / 1e6:.1f} ms"
-        if room_wait_ns:
-            waited = f"waited {room_wait_ns / 1e6:.1f} ms for room in the full queue, then {waited.split(' ', 1)[1]}"
+        queued = f"{(now - enqueued_ns) / 1e6:.1f} ms"
+        waited = (f"waited {room_wait_ns / 1e6:.1f} ms for room in the full queue, then {queued}" if room_wait_ns
+                  else f"waited {queued}")
         if not_run is None:
             return not_started(self.name, deadline_ns, now, f"{waited} in the queue")
         return not_started(self.name, deadline_ns, now, f"{waited} since it was queued; its batch, which had not "
