@@ -174,12 +174,8 @@ def _refuse_unlisted_reachable(error: OSError) -> None:
     hunt). One that cannot be searched either holds nothing anyone here can reach, and is passed over."""
     if not isinstance(error, PermissionError) or error.filename is None:
         return
-    try:
-        os.stat(os.path.join(error.filename, ".nereid-search-probe"), follow_symlinks=False)
-    except PermissionError:
+    if _search_refused(error.filename) is not None:
         return  # (no search permission: nothing in it can be opened)
-    except OSError:
-        pass
     raise ConfigError(f"the folder {error.filename} cannot be listed by the server's user (uid {os.geteuid()}), but "
                       "what it holds can be opened by name: its symlinks cannot be checked (give it read permission, "
                       "r, or set server.follow_symlinks: true in nereid.yaml)")
@@ -197,17 +193,25 @@ def check_readable(folder: Path) -> None:
                           f"{err.strerror}") from None
     except OSError:  # (gone, or not a folder: each load path says that its own way)
         return
+    # Listed, but its files may still be out of reach: a folder without search (x) permission, as `chmod -R 644`
+    # leaves one, lists its names and opens none (a bare errno on main.py; the hunt of edc6865).
+    refused = _search_refused(folder)
+    if refused is not None:
+        raise ConfigError(f"the files of the folder {folder} cannot be opened by the server's user (uid "
+                          f"{os.geteuid()}): {refused.strerror} (a folder needs search permission, x, as well as "
+                          "read)")
+
+
+def _search_refused(folder: Path | str) -> PermissionError | None:
+    """The refusal of a look-up inside ``folder`` when the server's user has no search permission (x) on it; None
+    when it has. A name the folder does not hold tells, an empty folder too: EACCES without x, ENOENT with it."""
     try:
-        # Listed, but its files may still be out of reach: a folder without search (x) permission, as
-        # `chmod -R 644` leaves one, lists its names and opens none (a bare errno on main.py; the hunt of edc6865).
-        # A name it does not hold tells, an empty folder too: EACCES without x, ENOENT with it.
         os.stat(os.path.join(folder, ".nereid-search-probe"), follow_symlinks=False)
     except PermissionError as err:
-        raise ConfigError(f"the files of the folder {folder} cannot be opened by the server's user (uid "
-                          f"{os.geteuid()}): {err.strerror} (a folder needs search permission, x, as well as "
-                          "read)") from None
+        return err
     except OSError:
         pass
+    return None
 
 
 def check_confined(folder: Path, root: Path, follow_symlinks: bool) -> None:

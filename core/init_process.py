@@ -26,11 +26,6 @@ from nereid.processes import stop_signals
 NO_INIT_VARIABLE = "NEREID_NO_INIT"
 
 
-def forwarded_signals() -> list[signal.Signals]:
-    """The signals ``nereid serve`` stops on, as the server takes them: an ignored SIGHUP (``nohup``) stays so."""
-    return stop_signals()
-
-
 def exit_status(wait_status: int) -> int:
     """The status a shell gives a process that ended with ``wait_status``: its code, or 128 + the signal."""
     code = os.waitstatus_to_exitcode(wait_status)
@@ -45,7 +40,7 @@ def fork_init_if_pid_1() -> None:
     """
     if os.getpid() != 1 or os.environ.get(NO_INIT_VARIABLE) == "1":
         return
-    forwarded = forwarded_signals()
+    forwarded = stop_signals()  # (as the server takes them: an ignored SIGHUP, nohup's, stays so)
     # Blocked from before the fork until sigtimedwait takes them: a signal to a PID 1 with no handler is dropped
     # by the kernel, unless blocked (then it waits, pending). Blocking SIGCHLD queues it in the same way.
     waited = {*forwarded, signal.SIGCHLD}
