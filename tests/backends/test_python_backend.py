@@ -824,6 +824,20 @@ def test_a_helper_modules_syntax_error_is_told_as_python_main_py_tells_it(repo, 
     assert "frozen importlib" not in tail and "warm_parent" not in tail and "get_code" not in tail, tail
 
 
+def _noting_waits_for_replies(monkeypatch) -> threading.Event:
+    """An event set once a batch waits for its warm parent's reply (the batch handed over to the parent)."""
+    from nereid.backends.python import warm
+
+    waiting = threading.Event()
+    receive = warm._receive
+
+    def receive_noted(reply):
+        waiting.set()
+        return receive(reply)
+    monkeypatch.setattr(warm, "_receive", receive_noted)
+    return waiting
+
+
 def test_a_batch_whose_parent_dies_before_forking_it_runs_on_a_new_parent(repo, serve, start_mode, monkeypatch):
     """A parent found alive and killed a moment later failed the batch it had been handed ("it did not fork
     the run"), though the run had not started: under load, the first request after a kill could fail."""
@@ -833,17 +847,9 @@ def test_a_batch_whose_parent_dies_before_forking_it_runs_on_a_new_parent(repo, 
     server = serve(repo.write_config())
     backend = server.server.repository.entry("echo4").loaded.backend
     assert infer(server, "echo4", FOUR).as_numpy("output").tolist() == FOUR.tolist()
-    from nereid.backends.python import warm
-
     # Waiting for the parent's "forked" reply: noted, so that the kill comes then (a fixed sleep let it come
     # before the batch was handed over, on a slow machine, and the test passed without its case).
-    waiting_for_reply = threading.Event()
-    receive = warm._receive
-
-    def receive_noted(reply):
-        waiting_for_reply.set()
-        return receive(reply)
-    monkeypatch.setattr(warm, "_receive", receive_noted)
+    waiting_for_reply = _noting_waits_for_replies(monkeypatch)
     stopped = backend._parent.pid
     os.kill(stopped, signal.SIGSTOP)  # alive, so the batch is handed to it, but it cannot fork the run
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
@@ -866,15 +872,7 @@ def test_a_batch_sent_again_after_its_parent_died_is_not_run_past_its_deadline(r
     repo.python("echo6")
     server = serve(repo.write_config())
     backend = server.server.repository.entry("echo6").loaded.backend
-    from nereid.backends.python import warm
-
-    handed_over = threading.Event()  # the request is decoded (its deadline set) and waits for the parent's reply
-    receive = warm._receive
-
-    def receive_noted(reply):
-        handed_over.set()
-        return receive(reply)
-    monkeypatch.setattr(warm, "_receive", receive_noted)
+    handed_over = _noting_waits_for_replies(monkeypatch)  # the request is decoded (its deadline set) and waits
     stopped = backend._parent.pid
     os.kill(stopped, signal.SIGSTOP)
     timeout_s = 0.3
