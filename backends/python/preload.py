@@ -206,7 +206,8 @@ class Preloads:
     extra: tuple[str, ...] = ()
     # ``package.name`` of main.py's ``from package import name`` (of packages above): imported after them when
     # ``name`` is a submodule, not an attribute (``from scipy import signal`` imports scipy.signal, which the
-    # package alone does not); one that fails turns warm start off, as an ``extra`` does.
+    # package alone does not); one that fails turns warm start off, as an ``extra`` does (one that does not exist
+    # fails the load: see warm_parent._no_such_name).
     submodules: tuple[str, ...] = ()
     # main.py's imports that are not preloaded, each run importing them as python main.py does (they come after
     # a statement that may change what they find), and why (empty when none is).

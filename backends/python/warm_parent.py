@@ -116,7 +116,7 @@ def preload(imports: list[str], extra: list[str], submodules: tuple[str, ...] | 
                 importlib.import_module(name)
         except ModuleNotFoundError as err:
             if name in submodules and err.name == name:
-                continue  # no such submodule either: main.py's own run reports that ImportError
+                return _no_such_name(name)
             return _preload_failure(name, err, imports)
         except BaseException as err:  # noqa: BLE001 - any failure: the load fails, or runs go cold
             return _preload_failure(name, err, imports)
@@ -407,6 +407,17 @@ def _submodule_to_import(name: str) -> bool:
     package, _, attribute = name.rpartition(".")
     module = sys.modules.get(package)
     return module is not None and not hasattr(module, attribute)
+
+
+def _no_such_name(name: str) -> str:
+    """The start-up answer for main.py's ``from package import attribute`` (``name`` is ``package.attribute``)
+    when the package has neither that attribute nor a submodule of that name: ``python main.py`` stops there with
+    an ImportError on every run, as at one of its imports that fails (only main.py's leading ``from`` statements
+    are asked; a hunt found a misspelt name passing the load and every request failing)."""
+    package, _, attribute = name.rpartition(".")
+    return (f"broken {ENTRY_FILE} imports '{attribute}' from '{package}', which fails to import (ImportError: "
+            f"cannot import name '{attribute}' from '{package}': neither a name the package defines nor a "
+            "submodule of it)")
 
 
 def _preload_failure(name: str, err: BaseException, imports: list[str]) -> str:

@@ -557,8 +557,11 @@ def test_a_top_level_import_of_main_py_that_fails_is_a_load_failure(repo, serve,
     folder = repo.python("edited", textproto=REPORT, main=reply_main('"v1"'))
     repo.python("missing", textproto=REPORT, main=reply_main("1", prelude="import nereid_no_such_module"))
     repo.python("raising", textproto=REPORT, main=reply_main("1", prelude="from fails_on_import import x"))
+    # (Found by a hunt: a name the package neither defines nor has as a submodule loaded READY, warm start on,
+    # and every request failed with the ImportError.)
+    repo.python("misspelt", textproto=REPORT, main=reply_main("1", prelude="from json import dumpz"))
     repo.python("cold", textproto=REPORT, main=reply_main("1", prelude="import nereid_no_such_module"))
-    server = serve(repo.write_config("- name: edited\n- name: missing\n- name: raising\n"
+    server = serve(repo.write_config("- name: edited\n- name: missing\n- name: raising\n- name: misspelt\n"
                                      "- name: cold\n  runtime: {warm_start: false}\n",
                                      server_extra="  watch: true\n  watch_settle_ms: 100\n"))
 
@@ -570,6 +573,9 @@ def test_a_top_level_import_of_main_py_that_fails_is_a_load_failure(repo, serve,
                                   "every run would stop there")
     assert index()["raising"] == ("UNAVAILABLE", "model 'raising': main.py imports 'fails_on_import', which fails "
                                   "to import (RuntimeError: cannot import me); every run would stop there")
+    assert index()["misspelt"] == ("UNAVAILABLE", "model 'misspelt': main.py imports 'dumpz' from 'json', which "
+                                   "fails to import (ImportError: cannot import name 'dumpz' from 'json': neither a "
+                                   "name the package defines nor a submodule of it); every run would stop there")
     assert index()["cold"][0] == "READY"
     with pytest.raises(InferenceServerException, match="No module named 'nereid_no_such_module'"):
         ask(server, "cold")
