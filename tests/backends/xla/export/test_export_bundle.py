@@ -43,6 +43,18 @@ def test_batched_export_round_trips(tmp_path) -> None:
     np.testing.assert_allclose(s.data, expected_s, rtol=1e-6, atol=1e-6)
 
 
+def test_tensors_are_named_input_and_output_by_default_numbered_when_there_are_several(tmp_path) -> None:
+    """The names the README gives for an export without input_names= / output_names= (the new-user hunt found
+    them documented nowhere)."""
+    one = export_bundle(lambda x: x + 1, [np.zeros((1, 2), np.float32)], {}, directory=tmp_path / "one",
+                        batch_sizes=[1], provenance=False)
+    two = export_bundle(lambda x, y: (x + y, x - y), [np.zeros((1, 2), np.float32)] * 2, {},
+                        directory=tmp_path / "two", batch_sizes=[1], provenance=False)
+    names = {d.name: [[t.name for t in tensors] for tensors in (m.executable_inputs, m.executable_outputs)]
+             for d in (one, two) for m in [load_manifest(d / "manifest.yaml")]}
+    assert names == {"one": [["input"], ["output"]], "two": [["input_0", "input_1"], ["output_0", "output_1"]]}
+
+
 def test_unused_weights_still_count(tmp_path) -> None:
     # jax.export drops arguments the program never reads unless jitted with keep_unused.
     def f(x, used, unused):
