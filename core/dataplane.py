@@ -270,7 +270,12 @@ class DataPlane:
     def statistics(self, name: str = "", version: str = "") -> list[tuple[str, ModelStats]]:
         """Snapshots of one loaded model's statistics, or of every loaded model's (``name`` empty)."""
         if name:
-            self.check_version(name, version)
+            try:
+                self.check_version(name, version)
+            except NotFound as missing:
+                # INVALID_ARGUMENT, as Triton answers the statistics of a model or a version it does not have (its
+                # "requested model 'm' is not available"): a client matching Triton's codes was told NOT_FOUND.
+                raise InvalidArgument(str(missing)) from None
             entry = self.repository.entry(name)
             loaded = entry.loaded
             if loaded is None:

@@ -13,7 +13,7 @@ from nereid.dtypes import DType
 from nereid.errors import InvalidArgument
 from nereid.model_info import MODEL_VERSION
 from nereid.protocol.wire import (SCHEDULING_PARAMETERS, SEQUENCE_ID_PARAMETER, SHARED_MEMORY_PARAMETER,
-                                  TIMEOUT_PARAMETER, check_no_sequence, check_scheduling_parameters, class_count,
+                                  TIMEOUT_PARAMETER, check_scheduling_parameters, class_count,
                                   decode_raw, refuse_shared_memory, wire_dtype, wire_shape)
 from nereid.errors import PublicText
 from nereid.signature import brief_repr
@@ -150,7 +150,7 @@ def _decode_infer_request(msg: pb.ModelInferRequest, time_remaining_s: float | N
             deadlines.append(time.monotonic_ns() + timeout_us * 1000)
     deadline = min(deadlines, default=0)
     if SEQUENCE_ID_PARAMETER in msg.parameters:
-        check_no_sequence(model, _value(msg.parameters[SEQUENCE_ID_PARAMETER]))
+        _check_sequence_id(model, msg.parameters[SEQUENCE_ID_PARAMETER])
     scheduling = {key: _value(msg.parameters[key]) for key in SCHEDULING_PARAMETERS if key in msg.parameters}
     if scheduling:
         check_scheduling_parameters(model, scheduling)
@@ -176,6 +176,17 @@ def _value(parameter: pb.InferParameter) -> object:
     """A parameter's value, whichever field holds it (None: none does)."""
     kind = parameter.WhichOneof("parameter_choice")
     return getattr(parameter, kind) if kind else None
+
+
+def _check_sequence_id(model: str, parameter: pb.InferParameter) -> None:
+    """InvalidArgument unless the ``sequence_id`` parameter is a correlation ID in the fields Triton's gRPC endpoint
+    reads it from (int64_param or string_param; it refuses a uint64_param). A valid one is ignored, as Triton
+    ignores it for a model without sequence batching (see :func:`~nereid.protocol.wire.check_sequence_id`)."""
+    kind = parameter.WhichOneof("parameter_choice")
+    if kind not in ("int64_param", "string_param"):
+        shown = f"{kind} {brief_repr(getattr(parameter, kind), 64)}" if kind else "no value"
+        raise InvalidArgument(f"model '{model}': parameter 'sequence_id' must be a correlation ID in an int64_param "
+                              f"or a string_param, got {shown}")
 
 
 def _class_count(model: str, output: str, parameter: pb.InferParameter) -> int:

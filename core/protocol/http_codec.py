@@ -29,7 +29,7 @@ from nereid.dtypes import DType
 from nereid.errors import InvalidArgument
 from nereid.model_info import MODEL_VERSION
 from nereid.protocol.wire import (SCHEDULING_PARAMETERS, SEQUENCE_ID_PARAMETER, SHARED_MEMORY_PARAMETER,
-                                  TIMEOUT_PARAMETER, check_no_sequence, check_scheduling_parameters, class_count,
+                                  TIMEOUT_PARAMETER, check_sequence_id, check_scheduling_parameters, class_count,
                                   decode_raw, refuse_shared_memory, timeout_deadline_ns, wire_dtype, wire_shape)
 from nereid.errors import PublicText
 from nereid.signature import brief_repr
@@ -107,7 +107,7 @@ def _decode_infer(model: str, body: bytes | memoryview, header_length: int | Non
     choice = _output_choice(model, document.get("outputs", []), parameters)
     budgets = []
     if SEQUENCE_ID_PARAMETER in parameters:
-        check_no_sequence(model, parameters[SEQUENCE_ID_PARAMETER], quoted)
+        check_sequence_id(model, parameters[SEQUENCE_ID_PARAMETER], quoted)
     scheduling = {key: parameters[key] for key in SCHEDULING_PARAMETERS if key in parameters}
     if scheduling:
         check_scheduling_parameters(model, scheduling, quoted)

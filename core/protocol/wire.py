@@ -21,7 +21,8 @@ from nereid.tensors import bytes_array, split_bytes_elements
 TIMEOUT_PARAMETER = "timeout"
 # The tensor parameter that points Triton at a registered shared-memory region instead of inline data.
 SHARED_MEMORY_PARAMETER = "shared_memory_region"
-# The request parameter that puts a request in a sequence (Triton's correlation ID) for a stateful model.
+# The request parameter that puts a request in a sequence (Triton's correlation ID) for a stateful model:
+# checked for its type and ignored, as Triton ignores it for a model without sequence batching.
 SEQUENCE_ID_PARAMETER = "sequence_id"
 # Request parameters Triton reads to schedule a request (nereid by neither): checked only for their types.
 SCHEDULING_PARAMETERS = ("priority", "sequence_start", "sequence_end")
@@ -111,19 +112,15 @@ def class_count(where: str, value: object, quote: Callable[[object], str] | None
     return value
 
 
-def check_no_sequence(model: str, value: object, quote: Callable[[object], str] | None = None) -> None:
-    """InvalidArgument for a ``sequence_id`` other than 0 or "" (none), as Triton refuses a correlation ID for a
-    model without sequence batching: no nereid model keeps state between requests, so running the request on
-    its own would answer it as though it were the first of its sequence."""
-    if isinstance(value, (int, str)) and not isinstance(value, bool) and value in (0, ""):
-        return  # (0.0 equals 0, but is no integer: refused below as a 5.0 is)
-    shown = _shown(value, quote)
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise InvalidArgument(f"model '{model}': parameter 'sequence_id' must be an integer or a string, got "
-                              f"{_past_64_bits(value) or shown}")
-    raise InvalidArgument(f"model '{model}': parameter 'sequence_id' {shown} names a sequence, but nereid has no "
-                          "sequence batching (no model keeps state between requests); leave it out (or send 0) to "
-                          "run the request on its own")
+def check_sequence_id(model: str, value: object, quote: Callable[[object], str] | None = None) -> None:
+    """InvalidArgument unless ``value``, a ``sequence_id`` parameter over HTTP, is a correlation ID as Triton's HTTP
+    endpoint reads one: an integer from 0 to 2**64 - 1, or a string. A valid one is ignored, as Triton ignores it
+    for a model without sequence batching and runs the request on its own: nereid has none (no model keeps state
+    between requests). (nereid refused any but 0 and "" until a hunt read Triton 2.41's source: it runs them.)"""
+    if isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2 ** 64):
+        return
+    raise InvalidArgument(f"model '{model}': parameter 'sequence_id' must be a correlation ID: an integer from 0 to "
+                          f"2**64 - 1 or a string, got {_past_64_bits(value) or _shown(value, quote)}")
 
 
 def check_scheduling_parameters(model: str, values: dict[str, object],

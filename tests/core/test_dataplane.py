@@ -84,10 +84,16 @@ def test_errors_carry_their_meaning(tmp_path):
         await plane.load("toy")
         with pytest.raises(NotFound, match="model 'toy' has no version '2'"):
             plane.model_metadata("toy", "2")
-        for call in (plane.model_metadata, plane.model_config, plane.statistics):
+        for call in (plane.model_metadata, plane.model_config):
             # An unknown model is named as such, whatever version was asked.
             with pytest.raises(NotFound, match="^unknown model 'nope'"):
                 call("nope", "2")
+        # Statistics of a model or version not there: INVALID_ARGUMENT, as Triton answers them (the Triton client
+        # hunt: NOT_FOUND), with the same words.
+        with pytest.raises(InvalidArgument, match="^unknown model 'nope'"):
+            plane.statistics("nope", "2")
+        with pytest.raises(InvalidArgument, match="^model 'toy' has no version '2'"):
+            plane.statistics("toy", "2")
         with pytest.raises(NotFound, match="unknown model 'nope'"):
             await plane.infer(request("nope"))
         with pytest.raises(Unavailable, match="model 'spare' is not ready"):

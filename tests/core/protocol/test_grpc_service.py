@@ -332,7 +332,7 @@ def test_model_config_dynamic_batching_follows_the_batching_settings(repo, serve
 # --------------------------------------------------------------------------- unknown models and versions
 
 
-def test_unknown_model_is_not_found_everywhere_but_in_model_ready(repo, serve):
+def test_unknown_model_is_not_found_everywhere_but_in_model_ready_and_statistics(repo, serve):
     repo.python("m", textproto=textproto_single("INT8"))
     server = serve(repo.write_config())
     client = server.client
@@ -340,10 +340,11 @@ def test_unknown_model_is_not_found_everywhere_but_in_model_ready(repo, serve):
     for call in (lambda: client.infer("nope", [int8_input([1, 2, 3, 4])]),
                  lambda: client.get_model_metadata("nope"),
                  lambda: client.get_model_config("nope"),
-                 lambda: client.get_inference_statistics("nope"),
                  lambda: client.load_model("nope"),
                  lambda: client.unload_model("nope")):
         expect_grpc_error("NOT_FOUND", call, "'nope'")
+    # As Triton answers the statistics of a model it does not have (the Triton client hunt: NOT_FOUND).
+    expect_grpc_error("INVALID_ARGUMENT", lambda: client.get_inference_statistics("nope"), "'nope'")
     echo(server, "m", [1, 2, 3, 4])
 
 
@@ -354,9 +355,10 @@ def test_model_version_other_than_1_is_not_found(repo, serve):
 
     for call in (lambda: client.infer("m", [int8_input([1, 2, 3, 4])], model_version="2"),
                  lambda: client.get_model_metadata("m", model_version="2"),
-                 lambda: client.get_model_config("m", model_version="2"),
-                 lambda: client.get_inference_statistics("m", model_version="2")):
+                 lambda: client.get_model_config("m", model_version="2")):
         expect_grpc_error("NOT_FOUND", call, "model 'm'", "version '2'")
+    expect_grpc_error("INVALID_ARGUMENT", lambda: client.get_inference_statistics("m", model_version="2"),
+                      "model 'm'", "version '2'")
     echo(server, "m", [1, 2, 3, 4], model_version="1")
 
 
