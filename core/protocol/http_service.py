@@ -441,7 +441,9 @@ class HttpSurface:
             if not isinstance(ready, bool):  # as Triton refuses it: a 1 or "yes" taken for false listed everything
                 raise HttpError(400, f"the repository index request: 'ready' must be true or false, got "
                                      f"{quoted(ready)}")
-            return _json([{"name": e.name, "version": e.version, "state": e.state, "reason": e.reason}
+            # "reason" only when there is one, as Triton writes the index (a client may test for the key).
+            return _json([{"name": e.name, "version": e.version, "state": e.state,
+                           **({"reason": e.reason} if e.reason else {})}
                           for e in await self.dataplane.repository_index(ready)])
         if len(rest) == 3 and rest[0] == "models" and rest[2] in ("load", "unload"):
             model, action = _path_value(rest[1]), rest[2]
