@@ -186,13 +186,15 @@ class PythonModel(SubprocessModel):
         super().unload()
 
     def runtime_report(self) -> RuntimeReport:
-        """``warm_start=on`` (with the imports left to each run, if any), or ``warm_start=off (<reason>)``, and the
-        warm parent's memory."""
+        """``warm_start=on`` (with the imports left to each run, if any), or ``warm_start=off (<reason>)`` (``since a
+        restart``, with when warm start is tried again), and the warm parent's memory."""
         parent = self._parent
         if not self._warm or parent is None:
             return RuntimeReport(f"warm_start=off ({self._cold_reason})")
-        if parent.cold_reason is not None:
-            return RuntimeReport(f"warm_start=off since a restart ({parent.cold_reason})")
+        reason, retry = parent.cold_reason, parent.retry_state()
+        if reason is not None:
+            # (With where trying it again stands: gone cold at a restart, a model tries warm start again.)
+            return RuntimeReport(f"warm_start=off since a restart ({reason}){f', {retry}' if retry else ''}")
         left = parent.modules.left  # (main.py's imports each run makes itself: see the load's log line)
         shown = f" (not preloaded: {', '.join(left[:5])}{', ...' if len(left) > 5 else ''})" if left else ""
         return RuntimeReport(f"warm_start=on{shown}", parent.resident_bytes())

@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import math
 import os
 import select
 import socket
@@ -17,8 +18,9 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 
 from nereid.errors import ModelFailure, ModelKilled, NotStarted, Unavailable
 from nereid.files import descriptor_path
@@ -40,6 +42,17 @@ STARTUP_TAIL_BYTES = 2000
 # Parents in a row that ended while starting (killed, crashed, silent) before a model goes cold: one that always
 # dies (an installed module that now crashes the interpreter as it is imported) is not started again at every batch.
 MAX_START_DEATHS = 3
+# A model that a restart made cold (MAX_START_DEATHS deaths, or a preload that failed) tries warm start again: what
+# made it cold is often passing (an out-of-memory killer on a busy machine, a MemoryError while importing), and cold
+# runs cost each batch a fresh interpreter (~100 ms with numpy) until the model is loaded again. The first batch
+# WARM_RETRY_FIRST_S after it went cold starts a warm parent beside the cold one, and each try that fails doubles the
+# wait, up to WARM_RETRY_MAX_S: 30 s lets a burst of memory pressure pass, and at the cap a model whose preload is
+# broken for good costs one parent start (its imports: seconds of a core) every 30 minutes. Read when a batch looks,
+# so a test can change them.
+WARM_RETRY_FIRST_S = 30.0
+WARM_RETRY_MAX_S = 1800.0
+# How long a stop waits for a try's parent, killed as it started, to be reaped by the try's thread.
+RETRY_STOP_WAIT_S = 30.0
 WATCH_RETRY_S = 0.2  # how soon the exit watcher tries again to clear a dead parent whose model was busy
 
 
@@ -132,6 +145,36 @@ class WarmParentDied(WarmStartUnavailable):
         self.timed_out = timed_out
 
 
+@dataclass
+class _WarmRetry:
+    """A model gone cold at a restart trying warm start again (see ``WarmParent._try_warm_again``); read and
+    changed under its WarmParent's lock (``describe`` and ``wait_s`` excepted: a report reads them without it)."""
+
+    modules: Preloads  # what its warm parent preloaded, and a try's parent preloads
+    since: float  # (time.monotonic) when it went cold, or the last try failed: the wait counts from there
+    doublings: int = 0  # how many times the wait has doubled: the tries that failed, and a return that did not last
+    failed: int = 0  # the tries that failed since it went cold
+    thread: threading.Thread | None = None  # the try in progress
+    starting: subprocess.Popen | None = None  # that try's parent, while it starts (a stop kills it)
+
+    def wait_s(self) -> float:
+        """How long after ``since`` the next try may start."""
+        return min(WARM_RETRY_FIRST_S * 2 ** min(self.doublings, 32), WARM_RETRY_MAX_S)
+
+    def due(self, now: float) -> bool:
+        """Whether a batch at ``now`` starts the next try."""
+        return self.thread is None and now >= self.since + self.wait_s()
+
+    def describe(self) -> str:
+        """Where the tries stand, for the model's runtime report."""
+        failed = f" ({self.failed} {'try' if self.failed == 1 else 'tries'} failed so far)" if self.failed else ""
+        if self.thread is not None:
+            return f"being tried again: a warm parent is starting{failed}"
+        left = self.since + self.wait_s() - time.monotonic()
+        when = f"the first batch in {math.ceil(left)} s" if left > 0 else "the next batch"
+        return f"tried again at {when}{failed}"
+
+
 class WarmParent:
     """A running warm parent: started with the model's environment, imports preloaded."""
 
@@ -159,6 +202,14 @@ class WarmParent:
         self._control: socket.socket | None = None
         self._start_deaths = 0  # parents in a row that ended while starting (see _restart)
         self._blocked: str | None = None  # why restarts could not start a parent since the last one started
+        # Runs handed to each parent and not yet over (by parent): a parent replaced while it has some (a cold one
+        # when warm start came back) is ended only once the last is (``_retiring``), so none of them is lost.
+        self._in_flight: dict[subprocess.Popen, int] = {}
+        self._retiring: dict[subprocess.Popen, socket.socket] = {}  # replaced parents, with their control sockets
+        self._retry: _WarmRetry | None = None  # trying warm start again, while cold since a restart
+        # When warm start last came back, and the retry's doublings then: a model that goes cold again soon after
+        # (its parents dying again) waits longer than the last time, not WARM_RETRY_FIRST_S again.
+        self._came_back: tuple[float, int] | None = None
         # Set by stop (the model unloaded): no parent is started again, so a batch still going then (its parent
         # stopped or killed under it) fails saying so, rather than start one for a model that is gone.
         self._stopped = False
@@ -183,6 +234,23 @@ class WarmParent:
                      ", ".join(f"'{name}'" for name in self.modules.left), self.modules.left_because)
 
     def _start(self) -> None:
+        """Start the model's parent (warm or cold, as ``self.modules`` says) as the running one. Under the lock."""
+        self._adopt(*self._launch(self.modules, self.called))
+
+    def _adopt(self, process: subprocess.Popen, control: socket.socket) -> None:
+        """Make ``process``, a parent just started, the running one. Under the lock."""
+        self._process, self._control = process, control
+        _EXITS.watch(self, process)
+
+    def _launch(self, modules: Preloads, called: str, started: Callable[[subprocess.Popen | None], None] | None = None
+                ) -> tuple[subprocess.Popen, socket.socket]:
+        """A parent that preloads ``modules`` (``called`` so in messages), started and ready: its process and our
+        end of its control socket. WarmStartUnavailable if it cannot serve; the process is then reaped.
+
+        ``started`` is told the process as soon as it runs (before its
+        imports), and None before a process that failed is reaped: until then
+        its pid is still its own, so killing its group kills nothing else.
+        """
         self._prepare_folder()
         try:
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -193,7 +261,7 @@ class WarmParent:
             with open(self.log_path, "ab") as log_file:
                 process = subprocess.Popen(
                     [sys.executable, "-P", str(runnable_script(WARM_PARENT_SCRIPT)), str(theirs.fileno()),
-                     json.dumps(self.modules.as_json()), str(self.folder), str(self.entry_source)],
+                     json.dumps(modules.as_json()), str(self.folder), str(self.entry_source)],
                     cwd=cwd, env=self.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_file,
                     pass_fds=(theirs.fileno(),), start_new_session=True)
         except OSError as err:  # its log (a full disk), the fork (EAGAIN, ENOMEM), the descriptors of its pipes
@@ -205,11 +273,15 @@ class WarmParent:
             raise
         finally:
             theirs.close()
+        if started is not None:
+            started(process)
         assert process.stdout is not None
         line = _read_line(process.stdout.fileno(), time.monotonic() + START_TIMEOUT_S)
         process.stdout.close()
         if line != "ready":
             ours.close()
+            if started is not None:
+                started(None)
             _end(process)
             if line is not None and line.startswith("broken "):
                 raise EntryImportFailed(line.removeprefix("broken "))
@@ -219,15 +291,13 @@ class WarmParent:
             tail = f"; output tail: {tail}" if tail else ""
             if line is None:
                 how = f"did not answer within {START_TIMEOUT_S:g} s and was killed"
-                raise WarmParentDied(f"the {self.called} {how} while starting{tail}", how, killed=False,
-                                     timed_out=True)
+                raise WarmParentDied(f"the {called} {how} while starting{tail}", how, killed=False, timed_out=True)
             if not line:  # its answer's pipe closed unanswered: it ended (no answer is ever written by halves)
                 how = _describe_exit(process.returncode)
-                raise WarmParentDied(f"the {self.called} {how} while starting{tail}", how,
+                raise WarmParentDied(f"the {called} {how} while starting{tail}", how,
                                      killed=process.returncode < 0, timed_out=False)
-            raise WarmStartUnavailable(f"the {self.called} did not start ({line}){tail}")
-        self._process, self._control = process, ours
-        _EXITS.watch(self, process)
+            raise WarmStartUnavailable(f"the {called} did not start ({line}){tail}")
+        return process, ours
 
     def _log_tail(self) -> str:
         """The end of the parent's log (what its imports printed, a traceback), or "" when it cannot be read."""
@@ -267,11 +337,27 @@ class WarmParent:
 
     def stop(self) -> None:
         """End the parent and every child it runs; the parent is reaped. None is started again: a run from now on
-        fails (Unavailable, the model was unloaded)."""
+        fails (Unavailable, the model was unloaded). A try at warm start again ends with it: its parent, starting,
+        is killed and reaped before this returns, and none is tried later."""
         with self._lock:
             self._stopped = True
             process, control = self._process, self._control
             self._process = self._control = None
+            retiring, self._retiring = self._retiring, {}
+            retry, self._retry = self._retry, None
+            trying = retry.thread if retry is not None else None  # (the try clears it as it ends)
+            if retry is not None and retry.starting is not None:
+                # Its imports may take minutes: not waited for. (Not reaped yet: the try lets go of it under the
+                # lock first, so its pid, its group's id, is still its own.)
+                kill_group(retry.starting.pid)
+        if trying is not None:
+            trying.join(RETRY_STOP_WAIT_S)  # it reaps its parent, or ends the one it started meanwhile
+            if trying.is_alive():
+                log.warning("model '%s': its try at warm start again did not end within %g s of the model's unload",
+                            self.name, RETRY_STOP_WAIT_S)
+        for replaced, its_control in retiring.items():  # (their runs fail as the running parent's do)
+            its_control.close()
+            _end(replaced)
         if process is None:
             return
         assert control is not None
@@ -314,8 +400,19 @@ class WarmParent:
         meanwhile. If it dies during the run, the run fails with ModelFailure
         giving the reason; the next run restarts it.
         """
+        parent, control, cold = self._take_parent()
         try:
-            pid, stdin_write, output_read, reply, parent = self._start_run(env, exec_argv)
+            if exec_argv is None and cold:  # (a restart may have just made it cold)
+                exec_argv = self.cold_argv
+            return self._run_on(parent, control, env, stdin, timeout_s, groups, exec_argv)
+        finally:
+            self._let_go(parent)
+
+    def _run_on(self, parent: subprocess.Popen, control: socket.socket, env: dict[str, str], stdin: StdinData,
+                timeout_s: float | None, groups: ProcessGroups, exec_argv: list[str] | None) -> ProcessResult:
+        """``run``, on ``parent`` (``control``: its control socket)."""
+        try:
+            pid, stdin_write, output_read, reply, parent = self._start_run(parent, control, env, exec_argv)
         except _RunNotStarted as err:
             # Started here, before the batch is given back: the scheduler looks at its requests' deadlines once the
             # wait for the new parent (its preloads imported again, a second or more) is over, not before it.
@@ -361,17 +458,14 @@ class WarmParent:
         wait_for_exit(process, STOP_GRACE_S)
         return process.pid
 
-    def _start_run(self, env: dict[str, str],
+    def _start_run(self, parent: subprocess.Popen, control: socket.socket, env: dict[str, str],
                    exec_argv: list[str] | None) -> tuple[int, int, int, socket.socket, subprocess.Popen]:
-        """Hand the parent one run: its child's pid, our ends of its stdin and output pipes, the reply socket,
-        and the parent it went to.
+        """Hand ``parent`` (``control``: its control socket) one run: its child's pid, our ends of its stdin and
+        output pipes, the reply socket, and the parent it went to.
 
         Raises _RunNotStarted when the parent is gone before it said it forked
         the run.
         """
-        parent, control = self._running_control()
-        if exec_argv is None and self.cold_reason is not None:  # (a restart may have just set it)
-            exec_argv = self.cold_argv
         stdin_read, stdin_write, output_read, output_write, reply, theirs = _run_channels()
         folder_fd = self.folder_fd  # read once: a relocate may replace it meanwhile
         try:
@@ -410,20 +504,47 @@ class WarmParent:
             raise
         return started["pid"], stdin_write, output_read, reply, parent
 
+    def _take_parent(self) -> tuple[subprocess.Popen, socket.socket, bool]:
+        """The running parent for a run (as ``_running_control``), its control socket, and whether its runs are
+        cold; counted as the run's until ``_let_go``. Starts the next try at warm start again when one is due."""
+        with self._lock:
+            process, control = self._running()
+            self._in_flight[process] = self._in_flight.get(process, 0) + 1
+            if self._retry is not None and self._retry.due(time.monotonic()):
+                self._start_retry(self._retry)
+            return process, control, self.cold_reason is not None
+
+    def _let_go(self, process: subprocess.Popen) -> None:
+        """A run handed ``process`` (by ``_take_parent``) is over: a parent replaced meanwhile ends with the last
+        of its runs."""
+        with self._lock:
+            left = self._in_flight[process] - 1
+            if left:
+                self._in_flight[process] = left
+                return
+            del self._in_flight[process]
+            control = self._retiring.pop(process, None)
+        if control is not None:
+            _retire(process, control)
+
     def _running_control(self) -> tuple[subprocess.Popen, socket.socket]:
         """The running parent (started, or restarted if found dead) and its control socket; Unavailable once
         stopped (the model was unloaded: a parent started now would be left running for a model that is gone)."""
         with self._lock:
-            if self._stopped:
-                raise Unavailable(f"model '{self.name}' was unloaded (removed, replaced by a new version, or the "
-                                  f"server stopping) before this batch could run: its {self.called} process was "
-                                  "stopped; the batch was not run")
-            if self._process is not None and self._process.poll() is not None:
-                self._forget(self._process, "starting a new one")
-            if self._process is None:
-                self._restart()
-            assert self._process is not None and self._control is not None
-            return self._process, self._control
+            return self._running()
+
+    def _running(self) -> tuple[subprocess.Popen, socket.socket]:
+        """``_running_control``, under the lock."""
+        if self._stopped:
+            raise Unavailable(f"model '{self.name}' was unloaded (removed, replaced by a new version, or the "
+                              f"server stopping) before this batch could run: its {self.called} process was "
+                              "stopped; the batch was not run")
+        if self._process is not None and self._process.poll() is not None:
+            self._forget(self._process, "starting a new one")
+        if self._process is None:
+            self._restart()
+        assert self._process is not None and self._control is not None
+        return self._process, self._control
 
     def _forget(self, process: subprocess.Popen, then: str) -> None:
         """Let go of ``process``, our parent found exited (and reaped): its control socket and lifeline are
@@ -464,7 +585,8 @@ class WarmParent:
         ended, and the next batch tries warm again. Only the parent's own answer
         (a preload that now fails, starts a thread or initialises CUDA) turns
         warm start off, or MAX_START_DEATHS parents in a row ending so: one that
-        always dies is not started again at every batch.
+        always dies is not started again at every batch. Off until a try at
+        warm start again, later, succeeds (``_try_warm_again``).
 
         Nor does a parent the server cannot start at all (WarmParentBlocked:
         its folder cannot be prepared, a resource limit): a parent that
@@ -502,11 +624,16 @@ class WarmParent:
                 return
 
     def _go_cold(self, what: str, reason: str) -> None:
-        """Run every batch from now on in a fresh interpreter, forked by a parent that preloads nothing, for
-        ``reason`` (shown by ``nereid check``). Under the lock."""
-        log.warning("model '%s': %s (%s); from now on every batch starts a fresh interpreter", self.name, what,
-                    reason)
-        self.modules, self.cold_reason = Preloads(), reason
+        """Run each batch in a fresh interpreter, forked by a parent that preloads nothing, for ``reason`` (shown by
+        ``nereid check``), until a try at warm start again succeeds (see ``_try_warm_again``). Under the lock."""
+        now = time.monotonic()
+        doublings = 0
+        if self._came_back is not None and now - self._came_back[0] < WARM_RETRY_MAX_S:
+            doublings = self._came_back[1] + 1  # back a short while ago: not tried again sooner than the last time
+        retry = _WarmRetry(self.modules, now, doublings)
+        log.warning("model '%s': %s (%s); every batch starts a fresh interpreter until warm start is back: a warm "
+                    "parent is tried again at the first batch after %g s", self.name, what, reason, retry.wait_s())
+        self.modules, self.cold_reason, self._retry = Preloads(), reason, retry
         try:
             self._start()
             self._unblocked()
@@ -515,6 +642,83 @@ class WarmParent:
         except WarmStartUnavailable as again:
             fault = ModelKilled if isinstance(again, WarmParentDied) and again.killed else ModelFailure
             raise fault(f"model '{self.name}': its {self.called} could not be restarted: {again}") from None
+
+    def _start_retry(self, retry: _WarmRetry) -> None:
+        """Start the next try at warm start again on a thread of its own, which the batch that starts it does not
+        wait for: batches run cold until its parent is ready. Under the lock; never raises (the batch runs on)."""
+        # Started by a batch rather than a timer: a model with no traffic costs nothing, and only batches gain.
+        thread = threading.Thread(target=self._try_warm_again, args=(retry,), name=f"nereid-warm-retry-{self.name}",
+                                  daemon=True)
+        retry.thread = thread
+        try:
+            thread.start()
+        except RuntimeError as err:  # no thread can be started now (a process limit): a try that failed
+            retry.thread = None
+            self._retry_failed(retry, f"no thread could be started for it: {err}")
+
+    def _try_warm_again(self, retry: _WarmRetry) -> None:
+        """One try at warm start again (on its own thread): a warm parent that preloads what the model's did is
+        started beside the cold one, which serves on meanwhile, then swapped in (``_swap_in``)."""
+
+        def started(process: subprocess.Popen | None) -> None:
+            with self._lock:
+                if self._retry is retry:
+                    retry.starting = process
+                elif process is not None:  # the model was unloaded meanwhile: its stop did not see this one
+                    kill_group(process.pid)
+
+        try:
+            process, control = self._launch(retry.modules, "warm parent", started)
+        except Exception as err:  # WarmStartUnavailable: it died or cannot preload; anything else alike
+            reason = str(err) if isinstance(err, WarmStartUnavailable) else f"{type(err).__name__}: {err}"
+            with self._lock:
+                retry.thread = None
+                leftover, retry.starting = retry.starting, None  # (None unless it failed in an unforeseen way)
+                self._retry_failed(retry, reason)
+            if leftover is not None:
+                kill_group(leftover.pid)
+                _end(leftover)
+            return
+        self._swap_in(retry, process, control)
+
+    def _retry_failed(self, retry: _WarmRetry, reason: str) -> None:
+        """Stay cold after a try at warm start again that failed for ``reason``, and wait twice as long for the next
+        (up to WARM_RETRY_MAX_S). Under the lock."""
+        if self._retry is not retry:  # the model was unloaded meanwhile: nothing is tried again
+            return
+        retry.since, retry.doublings, retry.failed = time.monotonic(), retry.doublings + 1, retry.failed + 1
+        log.warning("model '%s': a try at warm start again failed (%s); runs stay cold, the next try at the first "
+                    "batch after %g s", self.name, reason, retry.wait_s())
+
+    def _swap_in(self, retry: _WarmRetry, process: subprocess.Popen, control: socket.socket) -> None:
+        """Make ``process``, the ready warm parent of ``retry``, the running one: batches from now on are forked
+        from it; the cold parent is ended once its runs in progress are over (by the last, in ``_let_go``)."""
+        with self._lock:
+            retry.thread = retry.starting = None
+            if self._stopped or self._retry is not retry:  # unloaded meanwhile: ours to end, not to serve with
+                old, old_control = process, control
+            else:
+                old, old_control = self._process, self._control
+                self._adopt(process, control)
+                self.modules, self.cold_reason, self._retry = retry.modules, None, None
+                self._start_deaths, self._blocked = 0, None
+                self._came_back = (time.monotonic(), retry.doublings)
+                if old is not None and self._in_flight.get(old):
+                    self._retiring[old], old = old_control, None
+                log.warning("model '%s': warm start is back: a new warm parent (pid %d) started%s; batches are "
+                            "forked from it, and the cold parent ends once its runs in progress are over",
+                            self.name, process.pid,
+                            f" after {retry.failed} failed {'try' if retry.failed == 1 else 'tries'}"
+                            if retry.failed else "")
+        if old is not None:
+            assert old_control is not None
+            _retire(old, old_control)
+
+    def retry_state(self) -> str | None:
+        """Where trying warm start again stands (``tried again at the first batch in 25 s``), while runs are cold
+        since a restart; None otherwise. Read without the lock: a report must not wait for a restart."""
+        retry = self._retry
+        return retry.describe() if retry is not None else None
 
     def _blocked_failure(self, err: WarmParentBlocked) -> ModelFailure | FolderNotEntered:
         """The failure of a batch whose restart could not start a parent, for ``err``; logged once until a parent
@@ -693,6 +897,12 @@ def _receive(reply: socket.socket) -> dict:
     except OSError:
         return {}
     return json.loads(message) if message else {}
+
+
+def _retire(process: subprocess.Popen, control: socket.socket) -> None:
+    """End ``process``, a parent replaced whose runs are all over, and close our end of its control socket."""
+    control.close()
+    _end(process)
 
 
 def _end(process: subprocess.Popen) -> None:

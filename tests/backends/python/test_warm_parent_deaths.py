@@ -1,4 +1,5 @@
-"""A warm parent that dies on its own: while it restarts (before it says ready), and while its model is idle.
+"""A warm parent that dies on its own: while it restarts (before it says ready), and while its model is idle; and
+a model made cold by such deaths trying warm start again.
 
 Real warm parents, started and driven as the python backend drives them (a
 :class:`WarmParent` in this process), killed with ``os.kill`` as the
@@ -13,6 +14,7 @@ import os
 import shutil
 import signal
 import sys
+import re
 import threading
 from pathlib import Path
 
@@ -21,9 +23,10 @@ import pytest
 from nereid.backend import ModelContext
 from nereid.backends.python.plugin import PythonModel, cold_command
 from nereid.backends.python.preload import Preloads
+from nereid.backends.python import warm
 from nereid.backends.python.warm import MAX_START_DEATHS, WarmParent
 from nereid.backends.subprocess.runner import ProcessGroups
-from nereid.errors import ModelFailure, ModelKilled, NotStarted
+from nereid.errors import ModelFailure, ModelKilled, NotStarted, Unavailable
 from nereid.settings import ModelSettings
 
 from support import process_alive, textproto_single, wait_until, zombie_children
@@ -43,15 +46,31 @@ if os.path.exists(stall):
         pid_file.write(str(os.getpid()))
     time.sleep(60)
 """
+# A main.py that prints how it ran: "warm" (forked from a parent that preloaded stalls_if_asked) or "cold" (a fresh
+# interpreter); with NEREID_TEST_RUNS it notes each run there, and with NEREID_TEST_HOLD it says it runs (a file
+# HOLD.PID) and goes on only once the file HOLD is gone.
+TELLS_HOW_IT_RAN = """
+import os, sys, time
+sys.stdin.buffer.read()
+if "NEREID_TEST_RUNS" in os.environ:
+    with open(os.environ["NEREID_TEST_RUNS"], "a") as runs:
+        runs.write(f"{os.getpid()}\\n")
+hold = os.environ.get("NEREID_TEST_HOLD")
+if hold:
+    open(f"{hold}.{os.getpid()}", "w").close()
+    while os.path.exists(hold):
+        time.sleep(0.01)
+print("warm" if "stalls_if_asked" in sys.modules else "cold")
+"""
 
 
 class Model:
     """A model folder whose warm parent preloads ``stalls_if_asked``, and the switches that module reads."""
 
-    def __init__(self, tmp_path: Path) -> None:
+    def __init__(self, tmp_path: Path, main: str = "import sys\nsys.stdin.buffer.read()\n") -> None:
         self.folder = tmp_path / "model"
         self.folder.mkdir()
-        (self.folder / "main.py").write_text("import sys\nsys.stdin.buffer.read()\n")
+        (self.folder / "main.py").write_text(main)
         site = tmp_path / "site"
         site.mkdir()
         (site / "stalls_if_asked.py").write_text(STALLS_IF_ASKED)
@@ -77,6 +96,12 @@ class Model:
 
     def _run_once(self) -> int:
         return self.parent.run(env={}, stdin=b"x", timeout_s=30, groups=ProcessGroups()).returncode
+
+    def how_it_ran(self, env: dict[str, str] | None = None) -> str:
+        """One batch of a TELLS_HOW_IT_RAN main.py (with ``env``): "warm" or "cold", as it printed."""
+        result = self.parent.run(env=env or {}, stdin=b"x", timeout_s=60, groups=ProcessGroups())
+        assert result.returncode == 0, result
+        return result.output_tail.strip()
 
     def stalled_parents(self) -> list[int]:
         """The pids of the parents stalled in their imports so far, oldest first."""
@@ -326,3 +351,175 @@ def test_a_batch_whose_parent_is_stopped_by_the_model_s_unload_fails_and_starts_
     assert [str(outcome[0]), str(later.value)] == [unloaded] * 2
     assert model.parent.pid is None and not process_alive(parent)
     assert [record.getMessage() for record in caplog.records] == []
+
+
+# -- trying warm start again, once a restart made the model cold ----------------------------------------------------
+def go_cold(model: Model) -> int:
+    """Make ``model`` cold as parents that keep dying as they start do (its die switch is left on); the pid of the
+    parent its cold runs go to."""
+    model.die.write_text("")
+    first = model.parent.pid
+    os.kill(first, signal.SIGKILL)
+    assert wait_until(lambda: not process_alive(first))
+    with pytest.raises(ModelKilled):
+        model.parent.run(env={}, stdin=b"x", timeout_s=60, groups=ProcessGroups())
+    assert model.how_it_ran() == "cold"  # the third death: cold
+    assert model.parent.cold_reason == ("3 warm parents in a row ended while starting, the last one was killed by "
+                                        "signal SIGKILL")
+    return model.parent.pid
+
+
+@pytest.fixture
+def telling_model(tmp_path, monkeypatch):
+    """A Model whose main.py tells how it ran, started; a retry waits 10 minutes unless the test shortens it."""
+    monkeypatch.setattr(warm, "WARM_RETRY_FIRST_S", 600.0)
+    model = Model(tmp_path, main=TELLS_HOW_IT_RAN)
+    model.parent.start()
+    yield model
+    model.stop()
+
+
+def retries_running() -> list[threading.Thread]:
+    return [thread for thread in threading.enumerate() if thread.name.startswith("nereid-warm-retry-")]
+
+
+def test_a_model_made_cold_by_dying_parents_is_warm_again_after_the_back_off(tmp_path, monkeypatch, caplog, no_zombies):
+    """Defect (carried since stop 43): 3 parents in a row that died as they started (an out-of-memory killer on a
+    busy machine) made the model cold for good: every batch started a fresh interpreter until the model was loaded
+    again, though the next parent would have started. A batch after the back-off tries a warm parent again, beside
+    the cold one, and the batches after it are forked from it."""
+    monkeypatch.setattr(warm, "WARM_RETRY_FIRST_S", 600.0)
+    switches = Model(tmp_path, main=TELLS_HOW_IT_RAN)  # its site, its switches, and its folder, loaded as a model
+    (switches.folder / "model_inference.textproto").write_text(textproto_single())
+    scratch = tmp_path / "server_scratch"
+    scratch.mkdir()
+    settings = ModelSettings("m", runtime={"preload": ["stalls_if_asked"]})
+    model = PythonModel(ModelContext("m", switches.folder, settings, scratch, "nereid.yaml: models[0]"))
+    base_environment = model.base_environment
+    model.base_environment = lambda: {**base_environment(), **switches.parent.env}
+    try:
+        model.load()
+        switches.parent = model._parent  # (the switches' own parent never started)
+        with caplog.at_level(logging.WARNING, logger="nereid.backends.python.warm"):
+            cold = go_cold(switches)
+            off = ("warm_start=off since a restart (3 warm parents in a row ended while starting, the last one was "
+                   "killed by signal SIGKILL), tried again at ")
+            assert re.fullmatch(re.escape(off) + r"the first batch in (600|599) s", model.runtime_report().summary)
+            switches.die.unlink()  # what killed them has passed
+            assert switches.how_it_ran() == "cold" and not retries_running()  # not tried before the back-off
+            monkeypatch.setattr(warm, "WARM_RETRY_FIRST_S", 0.0)  # the back-off is over
+            assert model.runtime_report().summary == off + "the next batch"
+            assert switches.how_it_ran() == "cold"  # this batch starts the try, and does not wait for it
+            assert wait_until(lambda: model.runtime_report().summary == "warm_start=on", timeout_s=60)
+            assert switches.how_it_ran() == "warm"
+            assert wait_until(lambda: not process_alive(cold))  # the cold parent was ended, and reaped
+            back = model._parent.pid
+        said = [record.getMessage() for record in caplog.records]
+        assert said[-1] == (f"model 'm': warm start is back: a new warm parent (pid {back}) started; batches are "
+                            "forked from it, and the cold parent ends once its runs in progress are over")
+        assert said[-2] == ("model 'm': its warm parents keep ending while they start (3 warm parents in a row ended "
+                            "while starting, the last one was killed by signal SIGKILL); every batch starts a fresh "
+                            "interpreter until warm start is back: a warm parent is tried again at the first batch "
+                            "after 600 s")
+        assert model._parent.modules == Preloads(imports=("os", "sys", "time"), extra=("stalls_if_asked",))
+    finally:
+        model.unload()
+        switches.stop()
+    assert not retries_running()
+
+
+def test_a_try_at_warm_start_again_that_fails_stays_cold_and_waits_twice_as_long(telling_model, monkeypatch, caplog,
+                                                                                  no_zombies):
+    model = telling_model
+    go_cold(model)  # its die switch left on: each try's parent dies as it starts
+    monkeypatch.setattr(warm, "WARM_RETRY_FIRST_S", 0.2)
+    monkeypatch.setattr(warm, "WARM_RETRY_MAX_S", 0.8)
+
+    def failed_tries() -> list[str]:
+        return [record.getMessage() for record in caplog.records if "a try at warm start again failed" in
+                record.getMessage()]
+
+    with caplog.at_level(logging.WARNING, logger="nereid.backends.python.warm"):
+        # Batches go on, cold, and answered, until three tries failed: each batch after a try's wait starts one.
+        assert wait_until(lambda: model.how_it_ran() == "cold" and len(failed_tries()) >= 3, timeout_s=60)
+        assert model.parent.cold_reason is not None and model.parent.modules == Preloads()
+    failed = ("model 'm': a try at warm start again failed (the warm parent was killed by signal SIGKILL while "
+              "starting); runs stay cold, the next try at the first batch after {} s")
+    assert failed_tries()[:3] == [failed.format(0.4), failed.format(0.8), failed.format(0.8)]  # doubled, up to 0.8 s
+    assert re.fullmatch(r"tried again at (the next batch|the first batch in 1 s) \((\d+) tries failed so far\)|"
+                        r"being tried again: a warm parent is starting \((\d+) tries failed so far\)",
+                        model.parent.retry_state())
+    model.die.unlink()
+    assert wait_until(lambda: model.how_it_ran() == "warm", timeout_s=60)  # a later try, once it can start, is warm
+    assert model.parent.cold_reason is None and model.parent.retry_state() is None
+
+
+@pytest.mark.parametrize("when", ["pending", "starting"])
+def test_an_unload_while_warm_start_is_to_be_tried_again_leaves_no_process_and_tries_no_more(telling_model, when,
+                                                                                              monkeypatch, no_zombies):
+    model = telling_model
+    cold = go_cold(model)
+    model.die.unlink()
+    assert re.fullmatch(r"tried again at the first batch in (600|599) s", model.parent.retry_state())
+    model.stall.write_text("")  # a try's parent stalls in its imports until killed
+    trying = []
+    if when == "starting":
+        monkeypatch.setattr(warm, "WARM_RETRY_FIRST_S", 0.0)
+        assert model.how_it_ran() == "cold"
+        trying = [wait_until(lambda: next(iter(model.stalled_parents()), None), timeout_s=60)]
+        assert trying[0] and process_alive(trying[0])
+        assert model.parent.retry_state() == "being tried again: a warm parent is starting"
+    model.parent.stop()
+    assert not retries_running()  # its thread ended with the stop: nothing left to start a parent
+    assert not process_alive(cold) and not any(process_alive(pid) for pid in trying)
+    assert model.parent.retry_state() is None and model.parent.pid is None
+    monkeypatch.setattr(warm, "WARM_RETRY_FIRST_S", 0.0)
+    with pytest.raises(Unavailable, match="was unloaded"):
+        model.how_it_ran()
+    assert not retries_running() and model.stalled_parents() == trying  # no try after the unload
+
+
+def test_batches_running_cold_as_warm_start_comes_back_are_each_answered_once(telling_model, monkeypatch, no_zombies):
+    model = telling_model
+    cold = go_cold(model)
+    model.die.unlink()
+    runs, hold = model.folder.parent / "runs", model.folder.parent / "hold"
+    hold.write_text("")
+    held: list[tuple[list, threading.Thread]] = []
+    for _ in range(2):  # two batches running cold, each until the test lets it go on
+        outcome: list = []
+        thread = threading.Thread(target=lambda outcome=outcome: outcome.append(
+            model.how_it_ran({"NEREID_TEST_RUNS": str(runs), "NEREID_TEST_HOLD": str(hold)})))
+        thread.start()
+        held.append((outcome, thread))
+    assert wait_until(lambda: len(list(hold.parent.glob("hold.*"))) == 2, timeout_s=60)
+    monkeypatch.setattr(warm, "WARM_RETRY_FIRST_S", 0.0)
+    assert model.how_it_ran({"NEREID_TEST_RUNS": str(runs)}) == "cold"  # starts the try
+    assert wait_until(lambda: model.parent.cold_reason is None, timeout_s=60)  # swapped in
+    assert process_alive(cold)  # still running the two held batches
+    assert model.how_it_ran({"NEREID_TEST_RUNS": str(runs)}) == "warm"
+    hold.unlink()
+    for outcome, thread in held:
+        thread.join(60)
+        assert outcome == ["cold"]  # answered, by the parent they ran on
+    assert wait_until(lambda: not process_alive(cold))  # ended with the last of its runs
+    assert len(runs.read_text().split()) == 4  # each batch ran once: the two held, the cold one, the warm one
+
+
+def test_a_model_cold_again_soon_after_warm_start_came_back_waits_longer_than_the_last_time(telling_model, monkeypatch,
+                                                                                           caplog, no_zombies):
+    # Parents that die again and again, warm start coming back between: not a try every WARM_RETRY_FIRST_S.
+    model = telling_model
+    go_cold(model)
+    model.die.unlink()
+    monkeypatch.setattr(warm, "WARM_RETRY_FIRST_S", 0.0)
+    assert model.how_it_ran() == "cold"
+    assert wait_until(lambda: model.parent.cold_reason is None, timeout_s=60)
+    monkeypatch.setattr(warm, "WARM_RETRY_FIRST_S", 600.0)
+    with caplog.at_level(logging.WARNING, logger="nereid.backends.python.warm"):
+        go_cold(model)
+    went_cold = [record.getMessage() for record in caplog.records if "keep ending" in record.getMessage()]
+    assert [said.rpartition(": ")[2] for said in went_cold] == [
+        "a warm parent is tried again at the first batch after 600 s",
+        "a warm parent is tried again at the first batch after 1200 s"]  # the second time, twice as long
+    assert re.fullmatch(r"tried again at the first batch in (1200|1199) s", model.parent.retry_state())
