@@ -108,6 +108,18 @@ class Model:
         files = sorted(self.stall.parent.glob(f"{self.stall.name}.*"), key=lambda file: file.stat().st_mtime_ns)
         return [int(file.read_text() or 0) for file in files]
 
+    def python_model(self, tmp_path: Path) -> PythonModel:
+        """The folder loaded as a python model (not loaded yet) whose warm parent preloads ``stalls_if_asked`` and
+        reads these switches (the model's processes inherit no PYTHONPATH: the parent finds the module so)."""
+        (self.folder / "model_inference.textproto").write_text(textproto_single())
+        scratch = tmp_path / "server_scratch"
+        scratch.mkdir()
+        settings = ModelSettings("m", runtime={"preload": ["stalls_if_asked"]})
+        model = PythonModel(ModelContext("m", self.folder, settings, scratch, "nereid.yaml: models[0]"))
+        base_environment = model.base_environment
+        model.base_environment = lambda: {**base_environment(), **self.parent.env}
+        return model
+
     def stop(self) -> None:
         self.parent.stop()
         for pid in self.stalled_parents():
@@ -228,14 +240,7 @@ def test_a_parent_killed_while_its_model_loads_is_started_again_and_the_model_lo
     taken for one that cannot preload: the model ran cold until reloaded, its reason "the warm parent was killed by
     signal SIGKILL while starting"."""
     switches = Model(tmp_path)  # its site, its stall switch, and its folder: loaded here as a python model
-    (switches.folder / "model_inference.textproto").write_text(textproto_single())
-    scratch = tmp_path / "server_scratch"
-    scratch.mkdir()
-    settings = ModelSettings("m", runtime={"preload": ["stalls_if_asked"]})
-    model = PythonModel(ModelContext("m", switches.folder, settings, scratch, "nereid.yaml: models[0]"))
-    base_environment = model.base_environment
-    # The model's processes inherit no PYTHONPATH: the parent finds stalls_if_asked, and its switches, so.
-    model.base_environment = lambda: {**base_environment(), **switches.parent.env}
+    model = switches.python_model(tmp_path)
     switches.stall.write_text("")
     loading = threading.Thread(target=model.load)
     try:
@@ -390,13 +395,7 @@ def test_a_model_made_cold_by_dying_parents_is_warm_again_after_the_back_off(tmp
     the cold one, and the batches after it are forked from it."""
     monkeypatch.setattr(warm, "WARM_RETRY_FIRST_S", 600.0)
     switches = Model(tmp_path, main=TELLS_HOW_IT_RAN)  # its site, its switches, and its folder, loaded as a model
-    (switches.folder / "model_inference.textproto").write_text(textproto_single())
-    scratch = tmp_path / "server_scratch"
-    scratch.mkdir()
-    settings = ModelSettings("m", runtime={"preload": ["stalls_if_asked"]})
-    model = PythonModel(ModelContext("m", switches.folder, settings, scratch, "nereid.yaml: models[0]"))
-    base_environment = model.base_environment
-    model.base_environment = lambda: {**base_environment(), **switches.parent.env}
+    model = switches.python_model(tmp_path)
     try:
         model.load()
         switches.parent = model._parent  # (the switches' own parent never started)
