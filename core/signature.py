@@ -8,6 +8,7 @@ request is queued.
 
 from __future__ import annotations
 
+import difflib
 import functools
 import math
 import re
@@ -107,7 +108,8 @@ def load_textproto_signature(path: Path) -> ModelSignature:
         text_format.Parse(text, message)
     except text_format.ParseError as err:
         problem = _parse_problem(err, text)
-        raise ConfigError(cap_message(f"{path}:{problem}{textproto_hint(problem)}")) from None
+        hint = textproto_hint(problem) or unknown_field_hint(problem)
+        raise ConfigError(cap_message(f"{path}:{problem}{hint}")) from None
     except RecursionError:
         raise ConfigError(f"{path}: nested too deeply to parse") from None
     signature = _signature_from_message(message, path, _shapes_written(text))
@@ -129,6 +131,10 @@ def _shapes_written(text: str) -> frozenset[str]:
     return frozenset(written)
 
 
+# How a problem of a file cut short ends (see _parse_problem).
+_CUT_SHORT = "was it cut short?"
+
+
 def _parse_problem(error: text_format.ParseError, text: str) -> str:
     """ParseError's "line:column : problem", without the whole source line some of them quote.
 
@@ -148,11 +154,44 @@ def _parse_problem(error: text_format.ParseError, text: str) -> str:
             # At the end of the text protobuf names an empty token ("'': Couldn't parse integer: "): the file
             # was cut short, which is the news (the Triton client hunt).
             said = problem.split(" : ", 1)[-1].removeprefix("'': ").replace(" but found: ''", "").strip().rstrip(":.")
-            problem = f"{line}:{column} : the file ends before this field is complete ({said}); was it cut short?"
+            problem = f"{line}:{column} : the file ends before this field is complete ({said}); {_CUT_SHORT}"
         elif rest is not None and _ends_inside_a_token(rest, problem):
             # The last token broken off (`inpu`, `"FP`): protobuf's complaint about the fragment hid the news.
-            problem = f"{problem.rstrip('.')}; the file ends right there: was it cut short?"
+            problem = f"{problem.rstrip('.')}; the file ends right there: {_CUT_SHORT}"
     return problem
+
+
+# Fields written where another is meant, whose right name difflib cannot find: a bundle manifest's ``shape`` in an
+# input {} block, or a shape at the top (of which form?).
+_FIELD_MEANT = {
+    ("TensorDeclaration", "shape"): "an input {} / output {} block writes its shape as dims: dims: [4]",
+    ("ModelInference", "shape"): "the single-tensor form's shapes are input_shape and output_shape",
+    ("ModelInference", "dims"): "dims belongs in an input {} / output {} block; the single-tensor form's shapes are "
+                                "input_shape and output_shape",
+}
+# Where each message's fields are written, for the list of them.
+_MESSAGE_PLACE = {"ModelInference": f"{TEXTPROTO_NAME}'s", "TensorDeclaration": "an input {} / output {} block's"}
+
+
+def unknown_field_hint(problem: str) -> str:
+    """For protobuf's ``problem`` 'Message type "nereid.X" has no field named "f"' (a typo, or another format's
+    word), the field meant, or the fields there are (" (did you mean input_shape?)"); "" for any other problem, and
+    for a file cut short inside that field's name (the news is the cut)."""
+    found = re.search(r'Message type "nereid\.(\w+)" has no field named "(\w+)"', problem)
+    if found is None or problem.endswith(_CUT_SHORT):
+        return ""
+    message, field = found.groups()
+    descriptor = model_inference_pb2.DESCRIPTOR.message_types_by_name.get(message)
+    if descriptor is None:
+        return ""
+    meant = _FIELD_MEANT.get((message, field))
+    if meant is not None:
+        return f" ({meant})"
+    fields = [f.name for f in descriptor.fields]
+    close = difflib.get_close_matches(field, fields, n=1)
+    if close:
+        return f" (did you mean {close[0]}?)"
+    return f" ({_MESSAGE_PLACE.get(message, 'its')} fields are {', '.join(fields)})"
 
 
 def _ends_inside_a_token(rest: str, problem: str) -> bool:

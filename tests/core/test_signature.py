@@ -91,7 +91,32 @@ def test_a_textproto_cut_short_is_said_to_end_there(tmp_path: Path, text: str, p
 def test_an_unknown_field_before_the_end_is_not_said_to_be_cut_short(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as caught:
         parse(tmp_path, 'output_shape: [1]\ninpu: 3\n')
-    assert str(caught.value).endswith('2:1 : Message type "nereid.ModelInference" has no field named "inpu".')
+    assert str(caught.value).endswith('2:1 : Message type "nereid.ModelInference" has no field named "inpu". '
+                                      '(did you mean input?)')
+
+
+@pytest.mark.parametrize("text, hint", [
+    ("input_shap: [4]\noutput_shape: [4]\n",
+     '1:1 : Message type "nereid.ModelInference" has no field named "input_shap". (did you mean input_shape?)'),
+    ('input { name: "x" dtype: "FP32" dims: [4] }\n',
+     '1:19 : Message type "nereid.TensorDeclaration" has no field named "dtype". (did you mean data_type?)'),
+    # A bundle manifest's word for it (the new user's hunt).
+    ('input { name: "x" data_type: "FP32" shape: [4] }\n',
+     '"shape". (an input {} / output {} block writes its shape as dims: dims: [4])'),
+    ("shape: [4]\n", '"shape". (the single-tensor form\'s shapes are input_shape and output_shape)'),
+    ("input_shape: [4]\noutput_shape: [4]\nqueue_capacity: 3\n",
+     "\"queue_capacity\". (model_inference.textproto's fields are input_shape, output_shape, max_batch_size, "
+     "data_type, input, output)"),
+    ('output { name: "y" data_type: "FP32" dims: [1] size: 3 }\n',
+     "\"size\". (an input {} / output {} block's fields are name, data_type, dims)"),
+])
+def test_an_unknown_field_is_told_the_field_meant_or_the_fields_there_are(tmp_path: Path, text: str,
+                                                                         hint: str) -> None:
+    """Defect (the new user's hunt): a typo (`input_shap`) got protobuf's bare 'has no field named', naming none
+    of the fields the message has."""
+    with pytest.raises(ConfigError) as caught:
+        parse(tmp_path, text)
+    assert str(caught.value).endswith(hint), str(caught.value)
 
 
 def test_a_byte_order_mark_is_no_part_of_the_textproto(tmp_path: Path) -> None:
