@@ -14,6 +14,9 @@ from pathlib import Path
 from nereid.dtypes import DType
 
 COMING_FROM_TRITON = "the README's 'Coming from Triton' maps each part"
+# The wire datatypes by the subprocess contract's names (numpy's: float32, bfloat16; bytes for BYTES), which a
+# textproto's data_type does not take.
+_BY_CONTRACT_NAME = {d.numpy.name: d.kserve for d in DType if d.on_wire and d is not DType.BYTES} | {"bytes": "BYTES"}
 # How many entries of a folder are looked at for version folders (a folder of thousands costs no more).
 _SCANNED_ENTRIES = 64
 # Triton's model file names in a version folder (its backends' defaults), when no config.pbtxt says more; and
@@ -94,8 +97,8 @@ def textproto_hint(problem: str) -> str:
 
 
 def datatype_hint(data_type: str) -> str:
-    """For a datatype spelled as Triton spells it (``TYPE_FP32``, ``STRING``), or in lower case (``fp32``), the
-    spelling here; "" otherwise."""
+    """For a datatype spelled as Triton spells it (``TYPE_FP32``, ``STRING``), in lower case (``fp32``), or as the
+    subprocess contract names it (``float32``), the spelling here; "" otherwise."""
     bare = data_type.removeprefix("TYPE_")
     if bare == "STRING":
         return 'write data_type: "BYTES" (KServe\'s name for Triton\'s TYPE_STRING)'
@@ -103,6 +106,10 @@ def datatype_hint(data_type: str) -> str:
         return f'write data_type: "{bare}" (KServe\'s name for Triton\'s {data_type}, quoted)'
     if data_type != data_type.upper() and _is_datatype(data_type.upper()):
         return f'write data_type: "{data_type.upper()}" (datatypes are written in capitals)'
+    kserve = _BY_CONTRACT_NAME.get(data_type.lower())
+    if kserve is not None:  # (float32: what NEREID_INPUT_DTYPE and a frame header say, the README's dtype table)
+        return (f'write data_type: "{kserve}" ({data_type.lower()} is the subprocess contract\'s and numpy\'s name; a '
+                "textproto takes KServe's)")
     return ""
 
 

@@ -26,6 +26,28 @@ def contract_name(dtype: DType) -> str:
 
 
 def dtype_of_contract_name(name: str) -> DType:
-    """The element type a contract name names; ValueError lists the names a textproto can declare."""
+    """The element type a contract name names; ValueError lists the names a textproto can declare (and says the
+    contract's name for a datatype spelled as the textproto spells it, ``FP32``)."""
     dtype = _BY_NAME.get(name)
-    return dtype if dtype is not None else lookup_spelling(_DECLARABLE, name, "dtype")
+    if dtype is not None:
+        return dtype
+    try:
+        return lookup_spelling(_DECLARABLE, name, "dtype")
+    except ValueError as err:
+        meant = _meant(name)
+        if meant is None:
+            raise
+        raise ValueError(f"{err}; write {contract_name(meant)} (the subprocess contract's name for "
+                         f"{meant.kserve}, as in the README's dtype table)") from None
+
+
+def _meant(name: str) -> DType | None:
+    """The element type ``name`` names in another spelling: KServe's (``FP32``, as a textproto declares it),
+    Triton's (``TYPE_FP32``, ``STRING``) or the contract's in capitals (``FLOAT32``); None otherwise."""
+    if name.lower() in _DECLARABLE:
+        return _DECLARABLE[name.lower()]
+    bare = name.upper().removeprefix("TYPE_")
+    try:
+        return DType.BYTES if bare == "STRING" else DType.from_kserve(bare)
+    except ValueError:
+        return None

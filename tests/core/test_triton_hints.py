@@ -56,6 +56,15 @@ def test_a_triton_model_folder_is_told_by_its_config_or_its_version_folder(tmp_p
      """Expected string but found: 'FP32' (a string is quoted: "FP32")"""),
     ('input [ { name: "x" data_type: "fp32" dims: [ 4 ] } ]\n',
      """; write data_type: "FP32" (datatypes are written in capitals)"""),
+    # (The new user's hunt: the subprocess contract's name, from the README's dtype table, got no hint.)
+    ('input [ { name: "x" data_type: "float32" dims: [ 4 ] } ]\n',
+     """; write data_type: "FP32" (float32 is the subprocess contract's and numpy's name; a textproto takes """
+     "KServe's)"),
+    ('input_shape: [4]\noutput_shape: [4]\ndata_type: "FLOAT32"\n',
+     """; write data_type: "FP32" (float32 is the subprocess contract's and numpy's name; """),
+    ('input [ { name: "x" data_type: "bfloat16" dims: [ 4 ] } ]\n', """; write data_type: "BF16" (bfloat16 is """),
+    ('input [ { name: "x" data_type: float64 dims: [ 4 ] } ]\n',
+     """Expected string but found: 'float64' (write data_type: "FP64" (float64 is the subprocess contract's"""),
     # (The README walkthrough: the other fields of a config.pbtxt had only protobuf's bare "no field named".)
     ('ensemble_scheduling { step [ ] }\n',
      "(ensemble_scheduling is a field of Triton's config.pbtxt: an ensemble is a meta model (manifest.yaml with "

@@ -27,3 +27,9 @@ def test_unknown_names_list_only_the_types_a_textproto_can_declare() -> None:
         dtype_of_contract_name("f32")
     assert str(caught.value) == ("unknown dtype 'f32' (expected one of bfloat16, bool, bytes, float16, float32, "
                                  "float64, int16, int32, int64, int8, uint16, uint32, uint64, uint8)")
+
+
+def test_a_name_of_no_spelling_gets_no_hint() -> None:
+    with pytest.raises(ValueError) as caught:
+        dtype_of_contract_name("floaty")
+    assert "write" not in str(caught.value)

@@ -17,7 +17,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from nereid.backends.subprocess.dtype_names import contract_name
+from nereid.backends.subprocess.dtype_names import contract_name, dtype_of_contract_name
 from nereid.backends.subprocess.framing import MAX_HEADER_BYTES, MAX_RANK, encode_frame, read_body, read_header
 from nereid.dtypes import DType
 from nereid.errors import ModelFailure
@@ -203,6 +203,16 @@ def test_bad_dtype() -> None:
 
 def test_kserve_spelling_is_not_a_contract_dtype() -> None:
     assert "unknown dtype 'FP32'" in failure(b"FP32 4\n" + b"\x00" * 16)
+
+
+@pytest.mark.parametrize("written, meant", [("FP32", "float32"), ("BF16", "bfloat16"), ("TYPE_INT8", "int8"),
+                                            ("STRING", "bytes"), ("FLOAT64", "float64")])
+def test_a_header_in_another_spelling_is_told_the_contract_s(written: str, meant: str) -> None:
+    """Defect (the new user's hunt): a header written with the textproto's datatype (`FP32 4`) got only "unknown
+    dtype 'FP32'" and the list, not which of its names is the one meant."""
+    message = failure(f"{written} 4\n".encode() + b"\x00" * 16)
+    assert message.endswith(f"; write {meant} (the subprocess contract's name for "
+                            f"{dtype_of_contract_name(meant).kserve}, as in the README's dtype table)"), message
 
 
 # Python's int() would take '+4', '0_4', ' 4', '4\r' and non-ASCII digits; the contract's are ASCII.
