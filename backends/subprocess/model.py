@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import stat
 import uuid
 from pathlib import Path
@@ -30,7 +31,7 @@ from nereid.runtime_options import RuntimeOptions
 from nereid.signature import TEXTPROTO_NAME, ModelSignature, TensorSpec, dims_match, load_textproto_signature
 from nereid.tensors import NamedTensor, tensor_buffer, tensor_bytes
 
-from nereid.backends.subprocess.dtype_names import contract_name
+from nereid.backends.subprocess.dtype_names import CONTRACT_NAMES, contract_name
 from nereid.backends.subprocess.framing import (MAX_BYTES_ELEMENTS, MAX_BYTES_ROWS, frame_buffers, read_body,
                                                read_header)
 from nereid.backends.subprocess.gpus import visible_gpus
@@ -52,6 +53,12 @@ MAX_ENV_STRING_BYTES = 32 * 4096
 # bounds requests): larger outputs could never reach their client, so they are refused from their header, never
 # read into memory.
 MAX_OUTPUT_BYTES = (1 << 31) - 1
+# A frame header on a line of its own in what a run printed: its framed tensor went to stdout, not to the file.
+_PRINTED_HEADER = re.compile(rf"^(?:{'|'.join(CONTRACT_NAMES.values())}) [0-9,]*$", re.MULTILINE)
+# What a tensor's bytes decode to in a run's output (its text decoded with errors="replace"): none of it is text.
+_BINARY = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f\ufffd]")
+# The share of such characters past which a tail is binary data, not text with a stray byte.
+_BINARY_SHARE = 0.1
 
 class SubprocessModel:
     """Shared machinery of the python and cpp backends; subclasses say what to run."""
@@ -413,8 +420,7 @@ class SubprocessModel:
             saved = path.with_name(path.name + ".npy").exists()
             npy = (" (an output.npy is there: np.save adds .npy to the name and writes no framed tensor; write the "
                    "header line and the array's bytes to the path itself)" if saved else "")
-            tail = f"; output tail: {output_tail}" if output_tail else ""
-            raise ModelFailure(f"{missing}{npy}{tail}") from None
+            raise ModelFailure(f"{missing}{npy}{_missing_output_tail(output_tail)}") from None
         except OSError as err:
             if err.errno == errno.ELOOP:  # O_NOFOLLOW's answer for a symlink
                 raise ModelFailure(f"{missing} (a symlink is there)") from None
@@ -437,6 +443,27 @@ class SubprocessModel:
             return (1, *shape)  # a batch-1 result written without its batch axis
         raise ModelFailure(f"{where}: the model wrote shape {list(shape)}, expected {[batch, *spec.dims]} "
                            f"(batch size {batch})")
+
+
+def _missing_output_tail(output_tail: str) -> str:
+    """"; output tail: ..." for the message of a run that wrote no output file ("" when it printed nothing); a
+    tensor it printed to stdout said so, its bytes left out.
+
+    A program that writes its framed tensor to stdout, not to the file ``NEREID_OUTPUT_PATH`` names, is a
+    newcomer's slip (the new user's hunt): the message quoted the tensor's raw bytes and said nothing of it.
+    """
+    if not output_tail:
+        return ""
+    header = _PRINTED_HEADER.search(output_tail)
+    if header is not None:
+        shown = output_tail[:header.end()] + (" <binary data left out>" if output_tail[header.end():].strip() else "")
+        return (f"; it printed a frame header ('{header.group()}') to stdout: write the framed tensor to the file "
+                f"NEREID_OUTPUT_PATH names, not to stdout; output tail: {shown}")
+    if len(_BINARY.findall(output_tail)) > _BINARY_SHARE * len(output_tail):
+        # (The header scrolled out of the tail: only its data is left.)
+        return (f"; it printed binary data to stdout ({len(output_tail)} characters of its output tail, left out): "
+                "was its framed tensor written there, not to the file NEREID_OUTPUT_PATH names?")
+    return f"; output tail: {output_tail}"
 
 
 def _output_bound(taken: int) -> str:

@@ -497,6 +497,12 @@ elif mode == 13:  # a hang, with a grandchild in the same process group
     time.sleep(30)
 elif mode == 15:  # the output path a symlink to a file the server could read and quote
     os.symlink(os.path.abspath(__file__), path)
+elif mode == 16:  # the framed tensor printed to stdout, not written to the file
+    print("computing")
+    sys.stdout.flush()
+    sys.stdout.buffer.write(good)
+elif mode == 17:  # the same, its tensor so large that only its bytes are left in the tail
+    sys.stdout.buffer.write(b"float32 1,1000\\n" + struct.pack("<1000f", *range(1000)))
 elif mode == 14:  # a correct answer, leaving a background process behind
     child = subprocess.Popen(["sleep", "30"])
     with open("orphan.pid", "w") as f:
@@ -520,6 +526,14 @@ FAULTS = [  # (id, mode, substrings the INTERNAL message must contain)
     ("unknown_dtype", 11, ["unknown dtype 'float99'"]),
     ("negative_dim", 12, ["dimensions must be comma-separated decimal integers"]),
     ("output_symlink", 15, ["exited 0 without writing its output tensor to NEREID_OUTPUT_PATH (a symlink is there)"]),
+    # (The new user's hunt: the tensor's raw bytes were quoted, and nothing said where they went.)
+    ("framed_to_stdout", 16, ["exited 0 without writing its output tensor to NEREID_OUTPUT_PATH; it printed a frame "
+                              "header ('float32 1,4') to stdout: write the framed tensor to the file "
+                              "NEREID_OUTPUT_PATH names, not to stdout; output tail: computing\nfloat32 1,4 <binary "
+                              "data left out>"]),
+    ("binary_to_stdout", 17, ["exited 0 without writing its output tensor to NEREID_OUTPUT_PATH; it printed binary "
+                              "data to stdout (", "was its framed tensor written there, not to the file "
+                              "NEREID_OUTPUT_PATH names?"]),
 ]
 
 
@@ -557,6 +571,12 @@ def test_fault_is_internal_with_reason(faulty_server, no_zombies, mode, expected
     assert run_dirs(server, "faulty") == []
     assert list(server.server.scratch_dir.rglob("run-*")) == []
     assert zombie_children() == []
+
+
+@pytest.mark.parametrize("mode", [16, 17])
+def test_a_tensor_printed_to_stdout_is_not_quoted_byte_for_byte(faulty_server, mode):
+    message = expect_error(faulty_server, "faulty", good_row(mode))
+    assert not re.search("[\\x00-\\x08\\x0e-\\x1f\\ufffd]", message), repr(message)
 
 
 def test_nonzero_exit_reports_only_the_tail_of_stderr(faulty_server):
