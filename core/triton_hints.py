@@ -77,6 +77,15 @@ def _looks_like(sign: str) -> str:
             f"{COMING_FROM_TRITON}")
 
 
+def python_model_hint(sign: str = "") -> str:
+    """What to tell of a ``main.py`` that ``sign`` shows is a model of Triton's Python backend (``imports
+    triton_python_backend_utils``; no ``sign`` where the message names it already)."""
+    return (f"{f'main.py {sign}: ' if sign else ''}a model of Triton's Python backend? nereid calls no "
+            "TritonPythonModel: main.py's "
+            "top-level code is run once per batch, reading its inputs from stdin and writing its outputs to the file "
+            "NEREID_OUTPUT_PATH names (the README's 'Coming from Triton', its TritonPythonModel row)")
+
+
 def textproto_hint(problem: str) -> str:
     """What to add to protobuf's ``problem`` with a model_inference.textproto written as a config.pbtxt ("" when
     it is no such problem): a Triton field, or an unquoted ``TYPE_FP32``."""

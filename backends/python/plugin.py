@@ -14,7 +14,7 @@ from nereid.errors import ConfigError
 from nereid.files import remove_tree
 from nereid.backends.python.compiled_script import runnable_script
 from nereid.backends.python.options import PythonOptions, parse_options
-from nereid.backends.python.preload import Preloads, lives_in_folder, modules_to_preload
+from nereid.backends.python.preload import Preloads, lives_in_folder, modules_to_preload, triton_python_model
 from nereid.backends.python.warm import (EntryImportFailed, WarmParent, WarmParentBlocked, WarmParentDied,
                                         WarmStartUnavailable, max_request_bytes, run_request)
 from nereid.backends.scratch import scratch_folder_refused
@@ -23,6 +23,7 @@ from nereid.backends.subprocess.runner import ProcessResult, StdinData
 from nereid.hookspecs import hookimpl
 from nereid.runtime_options import LayeredRuntime
 from nereid.signature import TEXTPROTO_NAME
+from nereid.triton_hints import python_model_hint
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,8 @@ class PythonModel(SubprocessModel):
         self._parent: WarmParent | None = None  # forks every run; warm when it preloaded the imports
         self._warm = False
         self._cold_reason = ""
+        # What shows main.py is ported from Triton's Python backend as it is: said at load and with failures.
+        self._triton_sign: str | None = None
 
     def check_options(self) -> None:
         """``warm_start`` and ``preload`` (see ``options.py``); any other key is refused."""
@@ -61,6 +64,9 @@ class PythonModel(SubprocessModel):
         # same bytes, even if main.py is rewritten while the model loads.
         source = (self.context.folder / ENTRY_FILE).read_bytes()
         modules = modules_to_preload(self.context.folder, ENTRY_FILE, self.options.preload, source)
+        self._triton_sign = triton_python_model(source)
+        if self._triton_sign is not None:  # (a WARNING, never a refusal: such a main.py may be right; runs will tell)
+            log.warning("model '%s': %s", self.context.name, python_model_hint(self._triton_sign))
         own = [name for name in self.options.preload if lives_in_folder(name, self.context.folder)]
         if own:  # (left out without a word, what was asked for seemed preloaded: a bug hunt)
             log.warning("model '%s': runtime.preload names %s of the model's own folder, which is never preloaded: "
@@ -77,7 +83,8 @@ class PythonModel(SubprocessModel):
                 return
             except EntryImportFailed as err:
                 # Like a SyntaxError: `python main.py` would stop there on every run, so the model is not READY.
-                raise ConfigError(f"model '{self.context.name}': {err}; every run would stop there") from None
+                hint = f" ({python_model_hint()})" if self._triton_sign is not None else ""
+                raise ConfigError(f"model '{self.context.name}': {err}; every run would stop there{hint}") from None
             except WarmStartUnavailable as err:
                 self._cold_reason = str(err)
                 log.warning("model '%s': warm start is off, every batch starts a fresh interpreter: %s",
@@ -88,6 +95,10 @@ class PythonModel(SubprocessModel):
             self._parent = self._start_parent(Preloads(), source, warm=False)
         except WarmStartUnavailable as err:
             log.warning("model '%s': no parent process (%s); runs are spawned directly", self.context.name, err)
+
+    def failed_run_hint(self) -> str:
+        """``; main.py imports triton_python_backend_utils: ...`` for a main.py ported from Triton as it is."""
+        return f"; {python_model_hint(self._triton_sign)}" if self._triton_sign is not None else ""
 
     def _check_run_request(self) -> None:
         """Refuse tensor names too long for the request each run sends its parent (every run would fail, the model

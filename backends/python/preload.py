@@ -133,6 +133,46 @@ def _first_unsafe_line(tree: ast.Module) -> int | None:
     return None
 
 
+# The module of Triton's Python backend, and the class a model of that backend defines (which Triton instantiates).
+TRITON_UTILS = "triton_python_backend_utils"
+TRITON_MODEL_CLASS = "TritonPythonModel"
+
+
+def triton_python_model(source: bytes) -> str | None:
+    """What in ``main.py``'s ``source`` shows a model of Triton's Python backend, ported as it is (``imports
+    triton_python_backend_utils``; ``defines class TritonPythonModel and runs nothing at its top level``); None
+    for any other (a port that defines the class and calls it from its top-level code included).
+
+    nereid calls no ``TritonPythonModel``: main.py's top-level code is the run. Said at load and with the runs'
+    failures (the new user's hunt: such a model failed every run with "exited 0 without writing its output").
+    Most sources pass on a substring test; only those naming either are parsed.
+    """
+    if TRITON_UTILS.encode() not in source and TRITON_MODEL_CLASS.encode() not in source:
+        return None
+    try:
+        with _PARSING:
+            tree = ast.parse(source)
+    except (SyntaxError, ValueError):  # (the load refuses it, saying why: see _checked_tree)
+        return None
+    for node in ast.walk(tree):
+        names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                 else [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+        if any(name == TRITON_UTILS or (name or "").startswith(f"{TRITON_UTILS}.") for name in names):
+            return f"imports {TRITON_UTILS}"
+    defines = any(isinstance(statement, ast.ClassDef) and statement.name == TRITON_MODEL_CLASS
+                  for statement in tree.body)
+    if defines and all(_runs_nothing(statement) for statement in tree.body):
+        return f"defines class {TRITON_MODEL_CLASS} and runs nothing at its top level"
+    return None
+
+
+def _runs_nothing(statement: ast.stmt) -> bool:
+    """Whether a statement of main.py's body only defines (an import, a def, a class, a docstring, a constant): a
+    body made of such statements computes and writes nothing."""
+    return isinstance(statement, (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) \
+        or _leaves_imports_alone(statement)
+
+
 # The file names import finds a module by in a folder: extensions, sources, then bytecode (as its FileFinder).
 MODULE_SUFFIXES = tuple(importlib.machinery.all_suffixes())
 

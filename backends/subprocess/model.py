@@ -128,7 +128,7 @@ class SubprocessModel:
                 if result.returncode != 0:
                     tail = f"; output tail: {result.output_tail}" if result.output_tail else ""
                     fault = ModelKilled if result.returncode < 0 else ModelFailure
-                    raise fault(f"model '{name}' {result.describe()}{tail}")
+                    raise fault(f"model '{name}' {result.describe()}{tail}{self.failed_run_hint()}")
                 return self._read_outputs(output_path, batch, result.output_tail)
             finally:
                 remove_tree(work_dir)  # (with what the program made read-only in its TMPDIR)
@@ -401,6 +401,11 @@ class SubprocessModel:
                                    f"output: {_trailing_data_hint(outputs[-1], len(outputs), extra)}")
         return outputs
 
+    def failed_run_hint(self) -> str:
+        """What to add to the message of a run that exited non-zero or wrote no output ("; ..."): "" here; a
+        backend that can tell why every run fails so says it (a python model ported from Triton as it is)."""
+        return ""
+
     def _open_output(self, path: Path, output_tail: str = "") -> int:
         """A descriptor of the regular file at ``path``, neither a symlink followed nor a FIFO waited on.
 
@@ -420,7 +425,7 @@ class SubprocessModel:
             saved = path.with_name(path.name + ".npy").exists()
             npy = (" (an output.npy is there: np.save adds .npy to the name and writes no framed tensor; write the "
                    "header line and the array's bytes to the path itself)" if saved else "")
-            raise ModelFailure(f"{missing}{npy}{_missing_output_tail(output_tail)}") from None
+            raise ModelFailure(f"{missing}{npy}{_missing_output_tail(output_tail)}{self.failed_run_hint()}") from None
         except OSError as err:
             if err.errno == errno.ELOOP:  # O_NOFOLLOW's answer for a symlink
                 raise ModelFailure(f"{missing} (a symlink is there)") from None

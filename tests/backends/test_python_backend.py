@@ -758,6 +758,41 @@ def test_unservable_folders_are_unavailable_with_reason(repo, serve):
     assert server.client.is_model_ready("good")
 
 
+TRITON_PORT = "import numpy as np\n\nclass TritonPythonModel:\n    def execute(self, requests):\n        return []\n"
+TRITON_HINT = ("a model of Triton's Python backend? nereid calls no TritonPythonModel: main.py's top-level code is run "
+               "once per batch, reading its inputs from stdin and writing its outputs to the file NEREID_OUTPUT_PATH "
+               "names (the README's 'Coming from Triton', its TritonPythonModel row)")
+
+
+def test_a_main_py_ported_from_triton_as_it_is_is_told_so_at_load_and_with_each_failure(repo, serve, caplog,
+                                                                                       start_mode):
+    """Defect (the new user's hunt): a TritonPythonModel class alone loaded READY without a word, then every run
+    failed with "exited 0 without writing its output tensor", and an import of triton_python_backend_utils failed
+    the load with a ModuleNotFoundError; neither pointed at what replaces the class here."""
+    repo.python("port", main=TRITON_PORT)
+    repo.python("port_utils", main="import triton_python_backend_utils as pb_utils\n" + TRITON_PORT)
+    repo.python("good")
+    with caplog.at_level("WARNING", logger="nereid.backends.python.plugin"):
+        server = serve(repo.write_config())
+    warned = [r.getMessage() for r in caplog.records if r.name == "nereid.backends.python.plugin"]
+    assert f"model 'port': main.py defines class TritonPythonModel and runs nothing at its top level: {TRITON_HINT}" \
+        in warned, warned
+    assert not any("'good'" in line for line in warned)
+    index = index_of(server)
+    assert index["port"] == ("READY", "")  # (warned, never refused: its runs tell)
+    message = expect_error(server, "port", FOUR)
+    assert message.endswith(f"; main.py defines class TritonPythonModel and runs nothing at its top level: "
+                            f"{TRITON_HINT}"), message
+    state, reason = index["port_utils"]
+    if start_mode == "warm":  # (its parent imports what main.py imports)
+        assert state == "UNAVAILABLE" and reason.endswith(f"every run would stop there ({TRITON_HINT})"), reason
+    else:
+        message = expect_error(server, "port_utils", FOUR)
+        assert "exited with code 1" in message and "No module named 'triton_python_backend_utils'" in message
+        assert message.endswith(f"; main.py imports triton_python_backend_utils: {TRITON_HINT}"), message
+    assert infer(server, "good", FOUR).as_numpy("output").tolist() == FOUR.tolist()
+
+
 def test_declared_python_backend_needs_main_py(repo, serve):
     repo.add("declared", textproto_single())
     repo.python("good")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from nereid.backends.python.preload import imported_modules
+from nereid.backends.python.preload import imported_modules, triton_python_model
 from nereid.errors import ConfigError
 
 MAIN = "import json\nfrom os import path\n" + (
@@ -74,3 +74,22 @@ def test_main_py_that_python_would_not_run_is_refused_naming_the_file_line_and_e
     with pytest.raises(ConfigError) as caught:
         imported_modules(main_py, main_py.read_bytes())
     assert str(caught.value) == f"{main_py}: not valid Python (line {line}: {message})"
+
+
+TRITON_MODEL = "import numpy as np\n\n\nclass TritonPythonModel:\n    def execute(self, requests):\n        return []\n"
+
+
+@pytest.mark.parametrize("source, sign", [
+    ("import triton_python_backend_utils as pb_utils\n" + TRITON_MODEL, "imports triton_python_backend_utils"),
+    ("try:\n    from triton_python_backend_utils import Tensor\nexcept ImportError:\n    pass\n",
+     "imports triton_python_backend_utils"),
+    ('"""A port."""\nVERSION = 2\n' + TRITON_MODEL,
+     "defines class TritonPythonModel and runs nothing at its top level"),
+    # A port that calls its class from its own top-level code may be right: its runs tell.
+    (TRITON_MODEL + "TritonPythonModel().execute([])\n", None),
+    (TRITON_MODEL + "if __name__ == '__main__':\n    main()\n", None),
+    ("import os, sys\nraw = sys.stdin.buffer.read()\n", None),
+    ("# TritonPythonModel was here\nimport sys\n", None),
+])
+def test_a_main_py_ported_from_triton_as_it_is_is_told_by_its_source(source: str, sign: str | None) -> None:
+    assert triton_python_model(source.encode()) == sign
