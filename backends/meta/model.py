@@ -282,8 +282,9 @@ class MetaModel:
             # CancelledError it raised itself, its task not cancelled, a BaseException of the author's): the
             # model's fault, never the server's end nor a request left unanswered. Logged once, by this model's
             # scheduler (under its per-model limit), with the author's traceback.
+            hint = _AWAIT_HINT if ctx is not None and _used_a_coroutine(err) else ""
             raise ModelFailure(f"meta model '{self.context.name}': orchestrate failed{self._line_of(err)}: "
-                               f"{describe_exception(err)}") from err
+                               f"{describe_exception(err)}{hint}") from err
         return self._in_declared_order(result)
 
     def _as_answered(self, err: NereidError) -> NereidError:
@@ -524,6 +525,17 @@ class _Escaped(Exception):
     def __init__(self, error: BaseException) -> None:
         super().__init__(error)
         self.error = error
+
+
+# What an async orchestration that used a coroutine as a value is asked (ctx.infer's, most likely: the one coroutine
+# every orchestration gets): `(y,) = ctx.infer(...)` failed with "cannot unpack non-iterable coroutine object" alone.
+_AWAIT_HINT = " (did you forget `await` before ctx.infer(...)?)"
+
+
+def _used_a_coroutine(err: BaseException) -> bool:
+    """Whether ``err`` is Python's complaint about a coroutine used as a value (unpacked, indexed, its attribute
+    read): ``TypeError: cannot unpack non-iterable coroutine object``, ``'coroutine' object is not subscriptable``."""
+    return type(err) in (TypeError, AttributeError) and "coroutine" in str(err)
 
 
 def _sole_kind_leaf(err: BaseException) -> NereidError | None:

@@ -542,6 +542,36 @@ def test_a_plain_function_returning_a_coroutine_is_told_to_register_the_async_de
             asyncio.run(built.backend.infer(x))
 
 
+@pytest.mark.filterwarnings("ignore:coroutine .* was never awaited:RuntimeWarning")  # (the slip itself)
+@pytest.mark.parametrize("use, complaint", [
+    ("(y,) = ctx.infer('m2', inputs)\n    return [y]", "TypeError: cannot unpack non-iterable coroutine object"),
+    ("return [NamedTensor('y', x.dtype, ctx.infer('m2', inputs)[0].data)]",
+     "TypeError: 'coroutine' object is not subscriptable"),
+])
+def test_an_orchestration_that_forgets_await_before_ctx_infer_is_asked(tmp_path: Path, use: str,
+                                                                      complaint: str) -> None:
+    """Defect (the new user's hunt): `(y,) = ctx.infer(...)` in an async def failed with Python's "cannot unpack
+    non-iterable coroutine object" alone, where an `async def` returning f(...) unawaited is told so."""
+    model_py = ("import nereid\nfrom nereid.tensors import NamedTensor\n"
+                f"async def orchestrate(inputs, ctx):\n    (x,) = inputs\n    {use}\n"
+                "nereid.register_model(orchestrate=orchestrate)\n")
+    built = build(meta_folder(tmp_path, "m", model_py))
+    x = [NamedTensor.from_array("x", np.ones((2, 4), np.float32))]
+    with pytest.raises(ModelFailure) as failed:
+        asyncio.run(built.backend.infer(x))
+    assert str(failed.value).endswith(f"{complaint} (did you forget `await` before ctx.infer(...)?)"), failed.value
+    built.backend.unload()
+    # A plain def's ctx.infer blocks, returning no coroutine: a coroutine of its own is not ctx.infer's.
+    model_py = model_py.replace("async def orchestrate", "def orchestrate").replace("ctx.infer('m2', inputs)",
+                                                                                    "asyncio.sleep(0)")
+    (tmp_path / "plain").mkdir()
+    built = build(meta_folder(tmp_path / "plain", "m", "import asyncio\n" + model_py))
+    with pytest.raises(ModelFailure) as failed:
+        asyncio.run(built.backend.infer(x))
+    assert str(failed.value).endswith(complaint), failed.value
+    built.backend.unload()
+
+
 def test_an_orchestration_whose_task_group_caught_a_failure_answers(tmp_path: Path) -> None:
     """Found by the regression hunt: on Python 3.11 a TaskGroup whose child fails cancels its parent task and never
     uncancels it, so a check of task.cancelling() (taken for "the client has gone") refused the orchestration's
