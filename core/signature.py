@@ -337,9 +337,13 @@ def validate_inputs(model: str, signature: ModelSignature, tensors: list[NamedTe
         shape = tensor.data.shape
         if not signature.batches:
             if not dims_match(shape, spec.dims):
+                # A batch axis sent to a model without one (a client written for a batching model) is the one slip
+                # a newcomer cannot read from the two shapes: said so.
+                unbatched = len(shape) == len(spec.dims) + 1 and dims_match(shape[1:], spec.dims)
                 raise _refusal(
                     f"model '{model}': input '{spec.name}' has shape {list(shape)}, "
                     f"expected {_shape_text(spec.dims, batched=False)}"
+                    + (" (the model does not batch: max_batch_size 0)" if unbatched else "")
                 )
         elif len(shape) == len(spec.dims) + 1 and dims_match(shape[1:], spec.dims):  # the usual form
             if not 1 <= shape[0] <= signature.max_batch_size:

@@ -197,7 +197,11 @@ def test_batched_request_within_cap() -> None:
     (BATCHED, [tensor("x", (9, 4, 1))], "model 'm': input 'x' has batch size 9, expected 1 to max_batch_size 8"),
     (BATCHED, [tensor("x", (2, 5, 1))], r"input 'x' has shape \[2, 5, 1\], expected \[batch, 4, -1\] or \[4, -1\]"),
     (BATCHED, [tensor("x", (4,))], r"input 'x' has shape \[4\]"),
-    (UNBATCHED, [tensor("x", (1, 4))], r"input 'x' has shape \[1, 4\], expected \[4\]"),
+    # A batch axis sent to a model without one is said to be that (the new user's hunt), only where it is all.
+    (UNBATCHED, [tensor("x", (1, 4))],
+     r"input 'x' has shape \[1, 4\], expected \[4\] \(the model does not batch: max_batch_size 0\)$"),
+    (UNBATCHED, [tensor("x", (3, 4))], r"has shape \[3, 4\], expected \[4\] \(the model does not batch: "),
+    (UNBATCHED, [tensor("x", (1, 5))], r"input 'x' has shape \[1, 5\], expected \[4\]$"),
     (UNBATCHED, [tensor("x", (4,), np.float64)], "input 'x' has datatype FP64, expected FP32"),
     (UNBATCHED, [], "missing input 'x'"),
     (UNBATCHED, [tensor("x", (4,)), tensor("z", (4,))], "unexpected input 'z'"),
