@@ -9,11 +9,12 @@ reason when it is not ready.
 from __future__ import annotations
 
 import asyncio
+import difflib
 import functools
 import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Awaitable, Callable, Container, Coroutine, Protocol, TypeVar
+from typing import Awaitable, Callable, Collection, Container, Coroutine, Protocol, TypeVar
 
 import pluggy
 
@@ -25,7 +26,7 @@ from nereid.dependencies import DependencyCycle
 from nereid.dependent_states import DependentStates, log_unavailable
 from nereid.errors import (ConfigError, NereidError, NotFound, PublicText, Unavailable, backend_exit, calling_plugin,
                            cap_message, describe_exception, loop_safe_call)
-from nereid.files import is_model_folder_name
+from nereid.files import NAME_MAX, is_model_folder_name
 from nereid.folder_cleanup import FolderCleanup
 from nereid.folder_states import folder_stamp
 from nereid.log_limit import RateLimitedLog
@@ -511,7 +512,7 @@ class ModelRepository:
                 self._folder_found(name)  # the store was just listed: listing it here would stall the loop
             entry = self._entries.get(name)
         if entry is None:
-            raise _no_folder(name)
+            raise _no_folder(name, self._entries)
         return entry
 
     def ready_model(self, name: str) -> LoadedModel:
@@ -1341,10 +1342,20 @@ def _store_cannot_tell(name: str, failure: StorageError, more: str = "") -> Unav
     return Unavailable(f"model '{name}': cannot tell whether its folder is in the store: {failure}{more}")
 
 
-def _no_folder(name: str) -> NotFound:
-    """The error for a name with no model folder (and nothing else keeping it)."""
+# The most model names an unknown one is compared with for a "did you mean": each comparison costs, on the event loop,
+# for every NOT_FOUND (about 1 ms for 128 names alike; a flood of made-up names must stay cheap to refuse).
+SUGGESTED_AMONG = 64
+
+
+def _no_folder(name: str, known: Collection[str] = ()) -> NotFound:
+    """The error for a name with no model folder (and nothing else keeping it); with the closest of the ``known``
+    names (those RepositoryIndex lists), when there is one and they are few (see :data:`SUGGESTED_AMONG`)."""
     # The folder relative to ml_backends_path: clients never see the server's absolute paths.
-    return NotFound(PublicText(f"unknown model '{name}' (no folder '{name}' under ml_backends_path)"))
+    # (A copy of the names first, made at once: a dict of entries may change on another thread meanwhile.)
+    close = (difflib.get_close_matches(name, list(known), n=1)
+             if len(known) <= SUGGESTED_AMONG and len(name) <= NAME_MAX else [])
+    meant = f"; did you mean '{close[0]}'?" if close else ""
+    return NotFound(PublicText(f"unknown model '{name}' (no folder '{name}' under ml_backends_path{meant})"))
 
 
 def _repeats(reason: str, retrying: str | None) -> bool:

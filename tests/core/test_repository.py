@@ -12,7 +12,7 @@ import pytest
 import toy_backends
 from nereid.plugins import make_plugin_manager
 from nereid.model_entry import ModelState
-from nereid.repository import ModelRepository
+from nereid.repository import SUGGESTED_AMONG, ModelRepository, _no_folder
 from nereid.settings import load_settings
 from nereid.tensors import NamedTensor
 from nereid.dtypes import DType
@@ -1241,3 +1241,14 @@ def test_a_folder_renamed_and_loaded_anew_counts_for_server_ready_once_it_serves
         assert repo.server_ready()  # a failed reload keeps the running version READY
         await repo.unload_all()
     asyncio.run(scenario())
+
+
+def test_an_unknown_name_is_told_the_closest_known_one_among_few() -> None:
+    """A "did you mean" costs a comparison with each name, for every NOT_FOUND on the event loop: among more
+    names than SUGGESTED_AMONG none is made (a flood of made-up names stays cheap to refuse)."""
+    few = ["python_rowsum", "echo"]
+    assert str(_no_folder("python_rowsun", few)) == ("unknown model 'python_rowsun' (no folder 'python_rowsun' under "
+                                                     "ml_backends_path; did you mean 'python_rowsum'?)")
+    many = few + [f"other{i}" for i in range(SUGGESTED_AMONG)]
+    assert str(_no_folder("python_rowsun", many)) == \
+        "unknown model 'python_rowsun' (no folder 'python_rowsun' under ml_backends_path)"

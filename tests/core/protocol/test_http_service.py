@@ -860,6 +860,24 @@ def test_an_unknown_models_404_says_what_grpc_says_for_the_same_call(served):
             (call, version)
 
 
+def test_an_unknown_model_close_to_a_known_one_is_told_that_one_over_http_and_grpc(served):
+    """Defect (the new user's hunt): a typo in a model's name got "unknown model 'slwo'" alone, where the
+    repository knew a 'slow'."""
+    server, base = served
+    client = http.InferenceServerClient(base)
+    told = "unknown model 'slwo' (no folder 'slwo' under ml_backends_path; did you mean 'slow'?)"
+    for tritonclient in (client, server.client):
+        with pytest.raises(InferenceServerException) as refused:
+            tritonclient.get_model_metadata("slwo")
+        assert refused.value.message() == told
+    status, answer, _ = call(base, "POST", "/v2/models/slwo/infer", b"{}", {"Content-Type": "application/json"})
+    assert (status, json.loads(answer)) == (404, {"error": told})
+    # Nothing close: nothing suggested.
+    with pytest.raises(InferenceServerException) as refused:
+        server.client.get_model_metadata("nope")
+    assert refused.value.message() == "unknown model 'nope' (no folder 'nope' under ml_backends_path)"
+
+
 def test_an_unknown_model_is_404_whatever_its_body_holds(served):
     # A malformed body was decoded first for version "" or "1", and answered 400 naming the body's fault, where
     # Triton looks the model up first (and a version "2" was already 404).
