@@ -12,6 +12,7 @@ only converts.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import email.utils
 import logging
@@ -417,9 +418,10 @@ class _BoundedHeadProtocol(HttpToolsProtocol):
         self._head_begun = False  # whether any byte of the current head has arrived
         self._idle_check: asyncio.TimerHandle | None = None
         self._unread = False  # nothing more is read: refused over capacity, or asked to switch protocols
-        # The requests of this connection not answered yet: the one being answered and any pipelined behind
-        # it (uvicorn's ``cycle`` is only the newest, so a lost connection would reach only that one).
-        self._unanswered: list[Any] = []
+        # The requests of this connection not answered yet, in the order they came: the one being answered and any
+        # pipelined behind it (uvicorn's ``cycle`` is only the newest, so a lost connection would reach only that
+        # one). A deque: thousands of pipelined heads can arrive in one read, and each head touches only its ends.
+        self._unanswered: collections.deque[Any] = collections.deque()
         self._close_after_head = False  # a stop came while a head was arriving: answer that request, then close
 
     def shutdown(self) -> None:
@@ -568,7 +570,8 @@ class _BoundedHeadProtocol(HttpToolsProtocol):
         if dropped is not None:
             for queued in [item for item in self.pipeline if item[0] is dropped]:
                 self.pipeline.remove(queued)
-        due = [cycle for cycle in self._unanswered if cycle is not dropped and not cycle.response_complete]
+        due = collections.deque(cycle for cycle in self._unanswered
+                                if cycle is not dropped and not cycle.response_complete)
         if not due:
             return False
         self._unanswered = due
@@ -636,8 +639,12 @@ class _BoundedHeadProtocol(HttpToolsProtocol):
                 self.cycle.keep_alive = False
         if self.flow.read_paused:  # a pipelined request, behind one still being answered: reading stops here
             self._check_idle_in(PAUSED_PEER_CHECK_S)
-        if self.cycle is not None and all(cycle is not self.cycle for cycle in self._unanswered):
-            self._unanswered = [cycle for cycle in self._unanswered if not cycle.response_complete]
+        if self.cycle is not None and (not self._unanswered or self._unanswered[-1] is not self.cycle):
+            # Answers go out in the order the requests came, so the answered ones are at the front. (Each head
+            # scanned and rebuilt the whole list: thousands pipelined in one read took seconds of the loop, the
+            # time growing with their number squared, and held every client of both protocols; a bug hunt.)
+            while self._unanswered and self._unanswered[0].response_complete:
+                self._unanswered.popleft()
             self._unanswered.append(self.cycle)
 
     def on_message_complete(self) -> None:
