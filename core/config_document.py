@@ -157,6 +157,19 @@ def yaml_spelling(value: Any, depth: int = 0) -> str:
     return repr(value)
 
 
+def described(value: Any) -> str:
+    """``value`` (a YAML document's) said by its kind and size, never its contents: ``a string of 241
+    characters``, ``a list of 2 items``; a number, a boolean or null as written."""
+    if isinstance(value, str):
+        return f"a string of {len(value)} character{'s' if len(value) != 1 else ''}"
+    if isinstance(value, (list, dict)):
+        what, unit = ("a list", "item") if isinstance(value, list) else ("a mapping", "key")
+        return f"{what} of {len(value)} {unit}{'s' if len(value) != 1 else ''}"
+    if value is None or isinstance(value, (bool, int, float)):
+        return yaml_spelling(value)
+    return f"a value of type {type(value).__name__}"
+
+
 _SPELLED_DEPTH = 4  # levels of a container an error message shows
 _SPELLED_ITEMS = 32  # items of each
 
@@ -180,7 +193,12 @@ class KeyedReader:
     def mapping(self, raw: Any, key: str, allowed: AbstractSet[str]) -> dict[str, Any]:
         """``raw`` as a mapping whose keys are all in ``allowed``."""
         if not isinstance(raw, dict):
-            self.fail(key or "top level", "must be a mapping", raw)
+            if not key:
+                # Described, not quoted: a file that is no mapping at all is likely not the document it should be
+                # (a key or a credentials file copied or linked in its place), and its quote was the whole file.
+                where = f"{self.path}: top level"
+                raise ConfigError(f"{where}: must be a mapping of keys to values, got {described(raw)}")
+            self.fail(key, "must be a mapping", raw)
         for name in raw:
             if name not in allowed:
                 # (A key YAML read as other than text is spelled as the document spells it: `yes:` as true.)

@@ -267,8 +267,18 @@ def test_file_level_mistakes(tmp_path) -> None:
         load_manifest(write(tmp_path, None, raw="format_version: [\n"))
     with pytest.raises(ConfigError, match="duplicate key 'name'"):
         load_manifest(write(tmp_path, None, raw="name: a\nname: b\n"))
-    with pytest.raises(ConfigError, match="top level: must be a mapping"):
+    with pytest.raises(ConfigError, match="top level: must be a mapping of keys to values, got a list of 1 item$"):
         load_manifest(write(tmp_path, None, raw="- 1\n"))
+    # Described, never quoted (the security hunt: a key file in a manifest's place came back whole, 512 characters
+    # of it, in the load's reason that RepositoryIndex shows every client).
+    secret = "-----BEGIN PRIVATE KEY----- MIGHAgEAMBMGByqGSM49 -----END PRIVATE KEY-----"
+    with pytest.raises(ConfigError) as refused:
+        load_manifest(write(tmp_path, None, raw=secret + "\n"))
+    assert str(refused.value).endswith(f"manifest.yaml: top level: must be a mapping of keys to values, got a string "
+                                       f"of {len(secret)} characters")
+    with pytest.raises(ConfigError) as refused:
+        load_manifest(write(tmp_path, None, raw="- secret1\n- secret2\n"))
+    assert "secret" not in str(refused.value)
 
 
 def test_load_manifest_needs_no_bundle_directory(tmp_path) -> None:
