@@ -64,7 +64,7 @@ class MetricsEndpoint:
             sockets = bind_listening_sockets(*host_and_port(addr))
         except OSError as err:
             raise cannot_listen(addr, origin, err) from err
-        app = _SharedRenderings(make_wsgi_app(self._registry))
+        app = _named(_SharedRenderings(make_wsgi_app(self._registry)))
         handler = type("Handler", (_QuietHandler,), {"timeout": idle_timeout_s})
         servers: list[_BoundedThreadingServer] = []
         slots = threading.BoundedSemaphore(MAX_CONNECTIONS)  # one bound for the endpoint, whatever its addresses
@@ -100,6 +100,11 @@ class _Rendering:
     answer: tuple[str, list[tuple[str, str]], bytes] | None = None  # status, headers, body; None: it failed
 
 
+# The methods the port answers (OPTIONS too, saying so), as its 405s and OPTIONS list them.
+ALLOWED_METHODS = "GET, HEAD, OPTIONS"
+SERVER_NAME = "nereid"  # its answers' Server header
+
+
 class _SharedRenderings:
     """A WSGI app that runs ``app`` once for scrapes asking for the same answer at the same time.
 
@@ -115,8 +120,15 @@ class _SharedRenderings:
         self._running: dict[tuple[str, ...], _Rendering] = {}
 
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:
-        if environ.get("REQUEST_METHOD") == "HEAD":
+        method = environ.get("REQUEST_METHOD")
+        if method == "HEAD":
             return self._head(environ, start_response)
+        if method != "GET":
+            # prometheus_client's app answers with "Allow: OPTIONS,GET", though HEAD is served (the security hunt).
+            status = "200 OK" if method == "OPTIONS" else "405 Method Not Allowed"
+            start_response(status, [("Allow", ALLOWED_METHODS), ("Content-Type", "text/plain; charset=utf-8")])
+            return [] if method == "OPTIONS" else [f"method not allowed: this port serves GET and HEAD of "
+                                                   f"{METRICS_PATH}\n".encode()]
         if _request_path(environ) != METRICS_PATH:
             # prometheus_client's app answers every path with the metrics: a probe of /v2/health/ready or /healthz
             # on this port got 200 while the server was not ready (the operator hunt). A 404 says where to look.
@@ -170,6 +182,16 @@ class _SharedRenderings:
         return started[0], started[1], body
 
 
+def _named(app: Callable[..., Iterable[bytes]]) -> Callable[..., Iterable[bytes]]:
+    """``app`` answering with nereid's Server header: wsgiref adds its own to an answer without one, naming the
+    interpreter's version (``WSGIServer/0.2 CPython/3.11.7``; the security hunt)."""
+
+    def named(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        return app(environ, lambda status, headers, exc_info=None:
+                   start_response(status, [*headers, ("Server", SERVER_NAME)], exc_info))
+    return named
+
+
 class _QuietHandler(WSGIRequestHandler):
     """No access log on stderr for every scrape; a connection gets ``timeout`` seconds to send its request.
 
@@ -180,6 +202,19 @@ class _QuietHandler(WSGIRequestHandler):
     """
 
     timeout = IDLE_TIMEOUT_S
+    # A request line that cannot be read is answered with a status line (HTTP/0.9 has none: the answer was an HTML
+    # page alone), in text that names the status without echoing what was sent (the security hunt).
+    default_request_version = "HTTP/1.0"
+    error_message_format = "%(code)d %(explain)s\n"
+    error_content_type = "text/plain; charset=utf-8"
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        # The standard phrase for the status: wsgiref's message quotes the request line it could not read.
+        super().send_error(code, None, explain)
+
+    def version_string(self) -> str:
+        """The Server header of the answers wsgiref makes itself (errors): see :func:`_named`."""
+        return SERVER_NAME
 
     def setup(self) -> None:
         super().setup()

@@ -241,3 +241,23 @@ def test_a_head_is_answered_as_its_get_without_a_body() -> None:
             assert length == [b"Content-Length: %d" % len(got.partition(b"\r\n\r\n")[2])], head
     finally:
         endpoint.close()
+
+
+def test_other_methods_garbage_and_the_server_header_say_no_more_than_they_should() -> None:
+    """The security hunt: a POST's 405 said "Allow: OPTIONS,GET" (prometheus_client's), though HEAD is served;
+    bytes that are no request got an HTML page without a status line that echoed them; and every answer named
+    the interpreter's version (Server: WSGIServer/0.2 CPython/3.11.7)."""
+    endpoint, port = served(idle_timeout_s=5.0)
+    try:
+        for method, status in (("POST", b"405"), ("DELETE", b"405"), ("OPTIONS", b"200")):
+            head = answer_to(port, f"{method} /metrics HTTP/1.0\r\nContent-Length: 0\r\n\r\n".encode()).partition(
+                b"\r\n\r\n")[0].split(b"\r\n")
+            assert head[0].split(b" ")[1] == status, head
+            assert b"Allow: GET, HEAD, OPTIONS" in head, head
+        answer = answer_to(port, b"GARBAGE-SECRET-BYTES\r\n\r\n")
+        assert answer.startswith(b"HTTP/1.0 400 "), answer
+        assert b"SECRET" not in answer and b"<html" not in answer.lower(), answer
+        head = answer_to(port, b"GET /metrics HTTP/1.0\r\n\r\n").partition(b"\r\n\r\n")[0].split(b"\r\n")
+        assert [line for line in head if line.lower().startswith(b"server:")] == [b"Server: nereid"], head
+    finally:
+        endpoint.close()
