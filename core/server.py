@@ -30,7 +30,7 @@ from nereid.protocol.http_listener import HttpListener
 from nereid.protocol.http_service import HttpSurface
 from nereid.repository import ModelRepository
 from nereid.processes import kill_children, release_early_stops, stop_new_children, stop_signals
-from nereid.settings import Listeners, Settings, repository_control_allowed
+from nereid.settings import Listeners, ServerSettings, Settings, repository_control_allowed
 from nereid.tensors import InferRequest, InferResponse
 from nereid.tls import server_credentials, ssl_context
 from nereid.watch import RepositoryWatcher
@@ -201,7 +201,8 @@ class NereidServer:
                                       config.shutdown_grace_s + HTTP_END_AFTER_GRACE_S,
                                       count_refused=functools.partial(self.metrics.count_refused, "http"))
             self.http_port = await self._http.start(self.http_addr, origin=self.http_origin)
-            log.info("KServe V2 REST on %s", with_port(self.http_addr, self.http_port))
+            # (Said as the gRPC line says it: whether a client must speak TLS to it, as the security hunt asked.)
+            log.info("KServe V2 REST on %s (%s)", with_port(self.http_addr, self.http_port), _transport(config))
         # Bound last and started at once: a gRPC server that is never started keeps its port open until the
         # process exits, stopped or not. Tried again first: the HTTP or metrics listener may have taken it.
         self._check_grpc_address()
@@ -213,8 +214,7 @@ class NereidServer:
         self._descriptor_watch.start()
         await self.update_health()
         log.info("nereid listening on %s (%s, repository control %s)", with_port(self.bind_addr, port),
-                 "mutual TLS" if config.tls and config.tls.client_ca else "TLS" if config.tls else "plaintext",
-                 "on" if control else "off")
+                 _transport(config), "on" if control else "off")
         return port
 
     def _check_grpc_address(self) -> None:
@@ -498,3 +498,8 @@ class NereidServer:
             handled.pop(signum, None)
         if not handled:  # what asyncio's removal of its last handler does: the loop's socket is closed next
             signal.set_wakeup_fd(-1)
+
+
+def _transport(config: ServerSettings) -> str:
+    """What a client of the gRPC and HTTP listeners must speak: ``mutual TLS``, ``TLS`` or ``plaintext``."""
+    return "mutual TLS" if config.tls and config.tls.client_ca else "TLS" if config.tls else "plaintext"

@@ -129,10 +129,14 @@ def test_tls_serves_tls_clients_and_refuses_plaintext(repo, serve, pki):
         live(triton.InferenceServerClient(server.url))  # plaintext to a TLS port
 
 
-def test_mutual_tls_refuses_clients_without_a_certificate_from_the_client_ca(repo, serve, pki):
+def test_mutual_tls_refuses_clients_without_a_certificate_from_the_client_ca(repo, serve, pki, caplog):
     repo.python("echo")
+    caplog.set_level(logging.INFO, "nereid.server")
     server = serve(repo.write_config(server_extra=tls_yaml(pki, client_ca=True)))
     server.client.close()
+    # Both listeners' start lines say what a client must speak (the security hunt: the REST line did not).
+    http_line = f"KServe V2 REST on {server.server.http_addr.rpartition(':')[0]}:{server.server.http_port} (mutual TLS)"
+    assert http_line in caplog.text and "(mutual TLS, repository control" in caplog.text, caplog.text
     assert live(tls_client(server, pki, cert="client"))
     with pytest.raises(InferenceServerException):
         live(tls_client(server, pki))  # no client certificate
