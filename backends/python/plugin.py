@@ -86,6 +86,16 @@ class PythonModel(SubprocessModel):
                 hint = f" ({python_model_hint()})" if self._triton_sign is not None else ""
                 raise ConfigError(f"model '{self.context.name}': {err}; every run would stop there{hint}") from None
             except WarmStartUnavailable as err:
+                if isinstance(err, WarmParentDied) and not err.timed_out:
+                    # Killed as they started (an out-of-memory killer at a busy start), which tells nothing about
+                    # the imports: cold for now, warm start tried again later, as after a restart (it stayed cold
+                    # until the next load; the warm-retry hunt).
+                    try:
+                        self._parent = self._start_parent(modules, source, cold_for_now=str(err))
+                        self._warm = True
+                        return
+                    except WarmStartUnavailable as again:
+                        err = again
                 self._cold_reason = str(err)
                 log.warning("model '%s': warm start is off, every batch starts a fresh interpreter: %s",
                             self.context.name, err)
@@ -135,7 +145,10 @@ class PythonModel(SubprocessModel):
             log.warning("model '%s': %s; starting another for the load", self.context.name, err)
         return self._start_parent(modules, source)
 
-    def _start_parent(self, modules: Preloads, source: bytes, warm: bool = True) -> WarmParent:
+    def _start_parent(self, modules: Preloads, source: bytes, warm: bool = True,
+                      cold_for_now: str | None = None) -> WarmParent:
+        """A parent that preloads ``modules`` (forking cold runs, without ``warm``), started; with ``cold_for_now``,
+        the reason it runs cold until a try at warm start again works (see ``WarmParent.start_cold_for_now``)."""
         # A folder of its own: while a changed model reloads, two versions' parents run side by side.
         scratch = self.context.scratch_dir
         try:
@@ -157,7 +170,10 @@ class PythonModel(SubprocessModel):
                 raise scratch_folder_refused(self.context.name, f"write a copy of its {ENTRY_FILE} into", scratch,
                                              err) from None
             try:
-                parent.start()
+                if cold_for_now is not None:
+                    parent.start_cold_for_now(cold_for_now)
+                else:
+                    parent.start()
             except WarmParentBlocked as err:
                 # The server's condition (a full disk, out of descriptors), not the model's: never a reason to load
                 # it cold for good, nor without a parent; the load fails saying so, and a later load may work.
@@ -204,8 +220,10 @@ class PythonModel(SubprocessModel):
             return RuntimeReport(f"warm_start=off ({self._cold_reason})")
         reason, retry = parent.cold_reason, parent.retry_state()
         if reason is not None:
-            # (With where trying it again stands: gone cold at a restart, a model tries warm start again.)
-            return RuntimeReport(f"warm_start=off since a restart ({reason}){f', {retry}' if retry else ''}")
+            # (With where trying it again stands: gone cold at a restart, or its parents killed at load, a model
+            # tries warm start again.)
+            since = "" if parent.cold_since_load else " since a restart"
+            return RuntimeReport(f"warm_start=off{since} ({reason}){f', {retry}' if retry else ''}")
         left = parent.modules.left  # (main.py's imports each run makes itself: see the load's log line)
         shown = f" (not preloaded: {', '.join(left[:5])}{', ...' if len(left) > 5 else ''})" if left else ""
         return RuntimeReport(f"warm_start=on{shown}", parent.resident_bytes())

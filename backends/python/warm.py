@@ -188,6 +188,7 @@ class WarmParent:
         # What a cold run execs, should a restarted parent find it can no longer preload.
         self.cold_argv = cold_argv
         self.cold_reason: str | None = None  # why runs went cold after a restart (None: they did not)
+        self.cold_since_load = False  # cold_reason is the load's: its warm parents were killed as they started
         self.folder = folder
         # An O_PATH descriptor of the loaded folder (the model's, not ours to close), sent with each run: the
         # child enters that folder, never another one put under its name since. None: the path is used.
@@ -623,17 +624,20 @@ class WarmParent:
                 self._go_cold("its restarted warm parent cannot preload", str(err))
                 return
 
+    def start_cold_for_now(self, reason: str) -> None:
+        """Start for a load whose warm parents were killed as they started (``reason``), twice: an out-of-memory
+        killer at a busy start, as at a restart, tells nothing about the imports. Runs are cold, and warm start is
+        tried again later, as after a restart's (see ``_go_cold``); WarmStartUnavailable if no parent starts."""
+        with self._lock:
+            self._stopped = False
+            self._cold_with_retry("its warm parents were killed as they started while it loaded", reason,
+                                  at_load=True)
+            self._start()
+
     def _go_cold(self, what: str, reason: str) -> None:
         """Run each batch in a fresh interpreter, forked by a parent that preloads nothing, for ``reason`` (shown by
         ``nereid check``), until a try at warm start again succeeds (see ``_try_warm_again``). Under the lock."""
-        now = time.monotonic()
-        doublings = 0
-        if self._came_back is not None and now - self._came_back[0] < WARM_RETRY_MAX_S:
-            doublings = self._came_back[1] + 1  # back a short while ago: not tried again sooner than the last time
-        retry = _WarmRetry(self.modules, now, doublings)
-        log.warning("model '%s': %s (%s); every batch starts a fresh interpreter until warm start is back: a warm "
-                    "parent is tried again at the first batch after %g s", self.name, what, reason, retry.wait_s())
-        self.modules, self.cold_reason, self._retry = Preloads(), reason, retry
+        self._cold_with_retry(what, reason, at_load=False)
         try:
             self._start()
             self._unblocked()
@@ -642,6 +646,19 @@ class WarmParent:
         except WarmStartUnavailable as again:
             fault = ModelKilled if isinstance(again, WarmParentDied) and again.killed else ModelFailure
             raise fault(f"model '{self.name}': its {self.called} could not be restarted: {again}") from None
+
+    def _cold_with_retry(self, what: str, reason: str, at_load: bool) -> None:
+        """Make runs cold for ``reason`` (``what`` happened), warm start to be tried again after a back-off; said
+        at WARNING. The parent is the caller's to start. Under the lock."""
+        now = time.monotonic()
+        doublings = 0
+        if self._came_back is not None and now - self._came_back[0] < WARM_RETRY_MAX_S:
+            doublings = self._came_back[1] + 1  # back a short while ago: not tried again sooner than the last time
+        retry = _WarmRetry(self.modules, now, doublings)
+        log.warning("model '%s': %s (%s); every batch starts a fresh interpreter until warm start is back: a warm "
+                    "parent is tried again at the first batch after %g s", self.name, what, reason, retry.wait_s())
+        self.modules, self.cold_reason, self._retry = Preloads(), reason, retry
+        self.cold_since_load = at_load
 
     def _start_retry(self, retry: _WarmRetry) -> None:
         """Start the next try at warm start again on a thread of its own, which the batch that starts it does not
@@ -662,9 +679,11 @@ class WarmParent:
 
         def started(process: subprocess.Popen | None) -> None:
             with self._lock:
-                if self._retry is retry:
+                if self._retry is retry or process is None:
+                    # (None, about to be reaped, whatever happened meanwhile: an unload's stop that killed it left
+                    # it here, and the failure below killed the group of a pid reaped already; the warm-retry hunt.)
                     retry.starting = process
-                elif process is not None:  # the model was unloaded meanwhile: its stop did not see this one
+                else:  # the model was unloaded meanwhile: its stop did not see this one
                     kill_group(process.pid)
 
         try:
@@ -759,6 +778,11 @@ class WarmParent:
             fault = ModelKilled if process.returncode < 0 else ModelFailure
         else:
             reason, fault = "stopped answering", ModelFailure
+        if process in self._retiring:  # (read without the lock: only what a message says hangs on it)
+            # The cold parent that warm start came back from, ending with its last runs: not restarted, and not the
+            # warm parent "called" now names (the warm-retry hunt).
+            return fault(f"model '{self.name}': its parent process {reason} ({what}), as warm start came back; "
+                         "the next request goes to its new warm parent")
         return fault(f"model '{self.name}': its {self.called} process {reason} ({what}); "
                      "it is restarted for the next request")
 

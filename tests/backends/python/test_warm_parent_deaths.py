@@ -388,6 +388,40 @@ def retries_running() -> list[threading.Thread]:
     return [thread for thread in threading.enumerate() if thread.name.startswith("nereid-warm-retry-")]
 
 
+def test_a_model_whose_parents_are_killed_as_it_loads_loads_cold_and_is_warm_again_after_the_back_off(
+        tmp_path, monkeypatch, caplog, no_zombies):
+    """The warm-retry hunt: both warm parents killed as the model loaded (an out-of-memory killer at a busy start)
+    loaded it cold until its next load; it is cold for now, and warm once a try after the back-off works."""
+    monkeypatch.setattr(warm, "WARM_RETRY_FIRST_S", 600.0)
+    switches = Model(tmp_path, main=TELLS_HOW_IT_RAN)
+    model = switches.python_model(tmp_path)
+    switches.stall.write_text("")
+    loading = threading.Thread(target=model.load)
+    try:
+        with caplog.at_level(logging.WARNING, logger="nereid.backends.python.warm"):
+            loading.start()
+            kill_the_restarting_parents(switches, 2)
+            loading.join(30)
+            assert not loading.is_alive()
+            switches.parent = model._parent
+            off = "warm_start=off (the warm parent was killed by signal SIGKILL while starting), tried again at "
+            assert re.fullmatch(re.escape(off) + r"the first batch in (600|599) s", model.runtime_report().summary)
+            assert switches.how_it_ran() == "cold"
+            monkeypatch.setattr(warm, "WARM_RETRY_FIRST_S", 0.0)
+            assert switches.how_it_ran() == "cold"  # starts the try
+            assert wait_until(lambda: model.runtime_report().summary == "warm_start=on", timeout_s=60)
+            assert switches.how_it_ran() == "warm"
+        assert [record.getMessage() for record in caplog.records if record.name.endswith(".warm")][0] == (
+            "model 'm': its warm parents were killed as they started while it loaded (the warm parent was killed by "
+            "signal SIGKILL while starting); every batch starts a fresh interpreter until warm start is back: a warm "
+            "parent is tried again at the first batch after 600 s")
+    finally:
+        loading.join(30)
+        model.unload()
+        switches.stop()
+    assert not retries_running()
+
+
 def test_a_model_made_cold_by_dying_parents_is_warm_again_after_the_back_off(tmp_path, monkeypatch, caplog, no_zombies):
     """Defect (carried since stop 43): 3 parents in a row that died as they started (an out-of-memory killer on a
     busy machine) made the model cold for good: every batch started a fresh interpreter until the model was loaded
@@ -460,6 +494,10 @@ def test_an_unload_while_warm_start_is_to_be_tried_again_leaves_no_process_and_t
     cold = go_cold(model)
     model.die.unlink()
     assert re.fullmatch(r"tried again at the first batch in (600|599) s", model.parent.retry_state())
+    group_kills: list[tuple[int, bool]] = []  # each pid whose group was killed, and whether it was still unreaped
+    kill_group = warm.kill_group
+    monkeypatch.setattr(warm, "kill_group", lambda pid: (group_kills.append((pid, os.path.exists(f"/proc/{pid}"))),
+                                                         kill_group(pid)))
     model.stall.write_text("")  # a try's parent stalls in its imports until killed
     trying = []
     if when == "starting":
@@ -476,6 +514,9 @@ def test_an_unload_while_warm_start_is_to_be_tried_again_leaves_no_process_and_t
     with pytest.raises(Unavailable, match="was unloaded"):
         model.how_it_ran()
     assert not retries_running() and model.stalled_parents() == trying  # no try after the unload
+    # A group is killed only while its leader's pid is its own (the warm-retry hunt: the try's thread killed the
+    # group of the parent it had reaped already, after the stop had killed it).
+    assert all(unreaped for _, unreaped in group_kills), group_kills
 
 
 def test_batches_running_cold_as_warm_start_comes_back_are_each_answered_once(telling_model, monkeypatch, no_zombies):
@@ -503,6 +544,39 @@ def test_batches_running_cold_as_warm_start_comes_back_are_each_answered_once(te
         assert outcome == ["cold"]  # answered, by the parent they ran on
     assert wait_until(lambda: not process_alive(cold))  # ended with the last of its runs
     assert len(runs.read_text().split()) == 4  # each batch ran once: the two held, the cold one, the warm one
+
+
+def test_runs_on_the_cold_parent_warm_start_replaced_that_is_then_killed_are_told_so(telling_model, monkeypatch,
+                                                                                    no_zombies):
+    """The warm-retry hunt: such a run was told that its "warm parent" was killed and "is restarted for the next
+    request", but it ran on the cold parent, which is not restarted: the next request goes to the new warm one."""
+    model = telling_model
+    cold = go_cold(model)
+    model.die.unlink()
+    hold = model.folder.parent / "hold"
+    hold.write_text("")
+    outcome: list = []
+
+    def held_run() -> None:
+        try:
+            outcome.append(model.how_it_ran({"NEREID_TEST_HOLD": str(hold)}))
+        except Exception as err:  # the test looks at it
+            outcome.append(err)
+
+    thread = threading.Thread(target=held_run)
+    thread.start()
+    assert wait_until(lambda: len(list(hold.parent.glob("hold.*"))) == 1, timeout_s=60)
+    monkeypatch.setattr(warm, "WARM_RETRY_FIRST_S", 0.0)
+    assert model.how_it_ran() == "cold"  # starts the try
+    assert wait_until(lambda: model.parent.cold_reason is None, timeout_s=60)  # swapped in; the held run goes on
+    os.kill(cold, signal.SIGKILL)
+    thread.join(60)
+    hold.unlink()
+    [failure] = outcome
+    assert isinstance(failure, ModelKilled) and str(failure).startswith(
+        "model 'm': its parent process was killed by signal SIGKILL ("), failure
+    assert str(failure).endswith("), as warm start came back; the next request goes to its new warm parent")
+    assert model.how_it_ran() == "warm"
 
 
 def test_a_model_cold_again_soon_after_warm_start_came_back_waits_longer_than_the_last_time(telling_model, monkeypatch,
