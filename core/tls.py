@@ -19,12 +19,15 @@ import datetime
 import hashlib
 import logging
 import os
+import re
 import ssl
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from nereid.log_limit import RateLimitedLog
 
 if TYPE_CHECKING:
     import grpc
@@ -368,6 +371,7 @@ class _FollowingContext(ssl.SSLContext):
 
 def _http_context(tls: TlsSettings) -> ssl.SSLContext:
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.sslobject_class = _HandshakeSaysWhy
     _load_cert_chain(context, tls)
     if tls.client_ca is not None:
         context.load_verify_locations(cafile=tls.client_ca)
@@ -377,6 +381,32 @@ def _http_context(tls: TlsSettings) -> ssl.SSLContext:
         # HTTPS, silently, while gRPC accepted them.
         context.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN
     return context
+
+
+class _HandshakeSaysWhy(ssl.SSLObject):
+    """An HTTPS connection's TLS state (asyncio's, through ``wrap_bio``) that logs why a client's handshake failed.
+
+    asyncio says it only in debug mode, and the client is told nothing (the connection just closes): a client
+    refused under mutual TLS (no certificate, one from another CA, expired) left no trace on either side (the
+    security hunt). Logged at INFO within a limit, as other lines any client can cause; a connection that closes
+    mid-handshake (a TCP probe) is not. (gRPC's handshakes are its core's: it tells nothing of them.)
+    """
+
+    def do_handshake(self) -> None:
+        try:
+            super().do_handshake()
+        except (ssl.SSLWantReadError, ssl.SSLWantWriteError, ssl.SSLEOFError):
+            raise
+        except ssl.SSLError as err:
+            # (OpenSSL's words, less the line of CPython's _ssl.c they were raised at.)
+            why = ("it spoke plain HTTP to the HTTPS listener" if err.reason == "HTTP_REQUEST"
+                   else re.sub(r" \(_ssl\.c:\d+\)$", "", str(err)))
+            _handshake_log.log(logging.INFO, "HTTPS: a client's TLS handshake failed: %s", why)
+            raise
+
+
+# Failed HTTPS handshakes: any client can cause them at will.
+_handshake_log = RateLimitedLog(log)
 
 
 class _WatchedFiles:

@@ -201,6 +201,31 @@ def test_a_client_ca_of_only_an_intermediate_lets_its_clients_in_on_both_listene
             assert not https_ok(https, root.path)  # no certificate at all
 
 
+def test_a_client_refused_at_the_https_handshake_is_logged_with_the_reason(folder, caplog):
+    """The security hunt: a client refused under mutual TLS (no certificate, another CA) or speaking plain HTTP to
+    the HTTPS port left no trace in the log (asyncio says it in debug mode only), the client seeing only a closed
+    connection."""
+    root = Issuer(folder, "root")
+    server_cert, server_key = root.leaf("server")
+    rogue = Issuer(folder, "other-root").leaf("rogue", with_chain=True)
+    caplog.set_level(logging.INFO, "nereid.tls")
+    with https_listener(TlsSettings(server_cert, server_key, root.path)) as https:
+        assert not https_ok(https, root.path)  # no client certificate
+        assert not https_ok(https, root.path, rogue)  # one from another CA
+        with socket.create_connection(("127.0.0.1", https), timeout=10) as plain:
+            plain.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+            plain.recv(1024)  # (closed)
+        with socket.create_connection(("127.0.0.1", https), timeout=10):
+            pass  # a TCP probe: connects and leaves, nothing to say
+    # (Each logged before its connection was closed, so before its client saw it fail.)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("HTTPS: a client's TLS handshake")]
+    assert len(lines) == 3, lines
+    assert "PEER_DID_NOT_RETURN_A_CERTIFICATE" in lines[0] or "peer did not return a certificate" in lines[0], lines
+    assert "CERTIFICATE_VERIFY_FAILED" in lines[1] or "certificate verify failed" in lines[1], lines
+    assert lines[2] == "HTTPS: a client's TLS handshake failed: it spoke plain HTTP to the HTTPS listener", lines
+    assert not any("_ssl.c" in line for line in lines), lines
+
+
 @pytest.mark.parametrize("version", [ssl.TLSVersion.TLSv1_3, ssl.TLSVersion.TLSv1_2], ids=["TLS1.3", "TLS1.2"])
 def test_a_client_of_a_removed_client_ca_cannot_get_back_in_by_resuming_its_session(folder, version):
     """Session tickets (TLS 1.3 and 1.2) and TLS 1.2's session-ID cache belonged to the context the listener
