@@ -33,6 +33,8 @@ import weakref
 from collections.abc import Iterable
 from pathlib import Path
 
+from nereid.collector_pause import collector_paused
+
 log = logging.getLogger("nereid.loop")
 
 DEFAULT_WARN_AFTER_S = 1.0
@@ -219,7 +221,7 @@ class LoopWatch:
     def _callback_frame(self) -> tuple[types.FrameType | None, asyncio.Handle | None]:
         """The frame of asyncio's ``Handle._run`` the loop's thread is in, and its handle, when it is one of this
         loop's; (None, None) when it runs no callback (waiting in its selector, between callbacks)."""
-        top = sys._current_frames().get(self._loop_thread) if self._loop_thread is not None else None
+        top = current_frames().get(self._loop_thread) if self._loop_thread is not None else None
         frame = top
         while frame is not None and not (frame.f_code.co_name == "_run" and frame.f_code.co_filename == _HANDLE_FILE):
             frame = frame.f_back
@@ -229,6 +231,21 @@ class LoopWatch:
         if not isinstance(handle, asyncio.Handle) or handle._loop is not self._loop:
             return None, None  # another loop's, on the same thread (this one's ended without stop())
         return top, handle
+
+
+def current_frames() -> dict[int, types.FrameType]:
+    """``sys._current_frames()`` with the collector paused.
+
+    On Python 3.11 before 3.11.9 it makes frame objects while it holds the
+    runtime's lock on the list of threads. A collection triggered there runs
+    ``gc.callbacks`` (this module's clock among them), whose Python code can
+    hand the GIL to a thread that then starts or ends a thread, which waits for
+    that lock while holding the GIL: the whole process hung for good (CPython
+    gh-106883; the complexity hunt saw a server of 1,000 models hang at its
+    stop, the watch reading frames as the unload started threads).
+    """
+    with collector_paused():
+        return sys._current_frames()
 
 
 def _report_stall(stalled_s: float, plugin_folders: tuple[str, ...] = ()) -> None:
@@ -248,7 +265,7 @@ def _threads_in_model_code(skip: int, plugin_folders: tuple[str, ...] = ()) -> l
     innermost such frame (a thread idle in a pool, or in the server's own code, has none)."""
     names = {thread.ident: thread.name for thread in threading.enumerate()}
     found = []
-    for ident, frame in sys._current_frames().items():
+    for ident, frame in current_frames().items():
         if ident == skip:
             continue
         while frame is not None and not _is_model_code(frame.f_code.co_filename, plugin_folders):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import gc
 import inspect
 import json
 import logging
@@ -20,6 +19,7 @@ from urllib.parse import quote, unquote
 
 import orjson
 
+from nereid.collector_pause import collector_paused
 from nereid.dataplane import DataPlane, cancellation_reason, past_grace_message
 from nereid.errors import (ConfigError, DeadlineExceeded, InvalidArgument, ModelFailure, NereidError, NotFound,
                            PermissionDenied, QueueFull, Unavailable, Unimplemented, cap_message)
@@ -565,15 +565,10 @@ def _decode_without_gc(model: str, body: bytes | memoryview, length: int | None)
     nested ``[1]`` lists ran orjson's parse (which holds the GIL) 1.9 s with the
     collector, 0.3 s without, and its whole decode 3.6 s instead of 2.3 s. The
     collector is process-wide: it is turned back on only if it was on, and the
-    other threads' cycles wait for it no longer than one decode.
+    other threads' cycles wait for it no longer than one decode (see :mod:`nereid.collector_pause`).
     """
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with collector_paused():
         return decode_infer(model, body, length)
-    finally:
-        if enabled:
-            gc.enable()
 
 
 async def _unless_disconnected(call: Awaitable[Any], receive: Receive) -> Any:
