@@ -685,3 +685,31 @@ def test_repository_index_calls_share_listings_never_one_begun_before_they_asked
         await plane.load("spare")  # (a load lists on its own, whatever index listing runs)
         await plane.unload("spare")
     asyncio.run(scenario())
+
+
+def test_the_classes_of_a_large_output_are_made_off_the_event_loop(tmp_path, monkeypatch):
+    """The complexity hunt: each class is a string formatted in Python, on the loop: the top million of a large
+    FP64 output held it 9 s, every client of both protocols with it. A large one is classified on a worker thread,
+    a small one where it was (a thread hand-off would cost it more than the work)."""
+    import nereid.dataplane as dataplane
+
+    threads: list[int] = []
+    classify = dataplane.classify
+    monkeypatch.setattr(dataplane, "classify", lambda *args: (threads.append(threading.get_ident()), classify(*args))[1])
+    monkeypatch.setattr(dataplane, "CLASSIFY_ON_LOOP_ELEMENTS", 16)  # (the toy takes 8 rows of 4 at most)
+    plane = toy_dataplane(tmp_path)
+
+    async def scenario() -> list:
+        await plane.load("toy")
+        answers = []
+        for rows in (2, 8):
+            data = np.arange(rows * 4, dtype=np.float32).reshape(rows, 4)
+            asked = InferRequest("toy", [NamedTensor("input", DType.FP32, data)], classifications={"output": 2})
+            answers.append((await plane.infer(asked)).outputs[0])
+        return answers
+
+    small, large = asyncio.run(scenario())
+    loop_thread = threading.get_ident()  # (asyncio.run's loop ran on this thread)
+    assert threads[0] == loop_thread and threads[1] != loop_thread, threads
+    assert small.data.tolist() == [[b"4.000000:3", b"3.000000:2"], [b"8.000000:3", b"7.000000:2"]]
+    assert large.data.shape == (8, 2) and large.data[7].tolist() == [b"32.000000:3", b"31.000000:2"]
