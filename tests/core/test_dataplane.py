@@ -695,7 +695,8 @@ def test_the_classes_of_a_large_output_are_made_off_the_event_loop(tmp_path, mon
 
     threads: list[int] = []
     classify = dataplane.classify
-    monkeypatch.setattr(dataplane, "classify", lambda *args: (threads.append(threading.get_ident()), classify(*args))[1])
+    monkeypatch.setattr(dataplane, "classify",
+                        lambda *args: (threads.append(threading.get_ident()), classify(*args))[1])
     monkeypatch.setattr(dataplane, "CLASSIFY_ON_LOOP_ELEMENTS", 16)  # (the toy takes 8 rows of 4 at most)
     plane = toy_dataplane(tmp_path)
 
