@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import inspect
 import logging
 import threading
@@ -28,13 +29,14 @@ from typing import Any, Callable, Sequence
 
 from nereid.backend import REQUEST_DEADLINE_NS, ModelContext, RuntimeReport
 from nereid.batching import deadline_passed
-from nereid.backends.xla.manifest import MANIFEST_NAME, Manifest, declares_meta, load_manifest
+from nereid.backends.xla.manifest import (MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, load_manifest,
+                                          parse_manifest_text)
 from nereid.backends.xla.signatures import batch_mode, build_signature
 from nereid.daemon_pool import DaemonThreadPool
 from nereid.dependencies import DependencyCycle, describe_cycle, find_cycle
 from nereid.errors import (ConfigError, DeadlineExceeded, LoggedModelFailure, ModelFailure, NereidError, NotFound,
                            QueueFull, Unavailable, describe_exception, loop_safe_call, same_kind)
-from nereid.files import not_regular_reason
+from nereid.files import not_regular_reason, read_text_file
 from nereid.model_hooks import load_model_hooks
 from nereid.runtime_options import RuntimeOptions
 from nereid.signature import ModelSignature, brief_description
@@ -486,12 +488,13 @@ class MetaModel:
             return self.depends_on
         # (The repository's folders: this version's own, from a store, is a copy of its folder there.)
         path = (self.context.repository_folder or self.context.folder).parent / model / MANIFEST_NAME
-        if not path.is_file() or not declares_meta(path):
+        if not path.is_file():
             return ()
         try:
-            return load_manifest(path).depends_on
-        except ConfigError:  # that model reports its own manifest's error when it loads
+            text = read_text_file(path, MAX_MANIFEST_BYTES)
+        except (ConfigError, OSError):  # that model reports it when it loads
             return ()
+        return _depends_on(str(path), text)
 
     def _line_of(self, err: BaseException) -> str:
         """`` at model.py:<line>`` of the innermost frame in model.py, for the error message: in ``err``'s own
@@ -562,6 +565,19 @@ def _being_cancelled() -> bool:
 
 class _NotInDependsOn(ModelFailure):
     """An orchestration's sub-call of a model its manifest's depends_on does not list."""
+
+
+@functools.lru_cache(maxsize=4096)
+def _depends_on(path: str, text: str) -> tuple[str, ...]:
+    """``depends_on`` of the manifest ``text`` read from ``path``, empty for a bundle's or one in error. Kept by its
+    text: each meta model's load walks every manifest it reaches, and parsing is what costs (a file's read is a
+    fraction of it), so a chain of N meta models parsed N**2 / 2 manifests as it loaded (400 took 96 s of CPU;
+    the complexity hunt)."""
+    try:
+        manifest = parse_manifest_text(text, Path(path))
+    except ConfigError:  # that model reports its own manifest's error when it loads
+        return ()
+    return manifest.depends_on if manifest.is_meta else ()
 
 
 def _check_arity(model: str, model_py: Path, orchestrate: Callable[..., Any]) -> None:

@@ -605,3 +605,27 @@ def test_an_orchestration_returning_other_than_named_tensors_is_told_which_item(
         asyncio.run(built.backend.infer(x))
     assert str(caught.value) == ("meta model 'm': orchestrate must return a list of nereid.tensors.NamedTensor "
                                  f"(outputs ['y']), got {got}")
+
+
+def test_a_chain_of_meta_models_reads_each_manifest_it_reaches_once_while_it_is_unchanged(tmp_path: Path,
+                                                                                          monkeypatch) -> None:
+    """The complexity hunt: each meta model's load walked every manifest it reached, read from disk, so a chain of
+    N read N**2 / 2 of them as it loaded (400 took 96 s of CPU). A manifest is read again only once it changes."""
+    from nereid.backends.xla import manifest as manifests
+
+    reads: list[str] = []  # the folder of each manifest parsed
+    parse_manifest = manifests.parse_manifest
+    monkeypatch.setattr(manifests, "parse_manifest", lambda document, path, *rest, **named: (
+        reads.append(Path(path).parent.name), parse_manifest(document, path, *rest, **named))[1])
+    names = [f"c{i}" for i in range(6)]
+    for name, called in zip(names, [*names[1:], "leaf"]):
+        meta_folder(tmp_path, name, manifest=META.replace("depends_on: [a, b]", f"depends_on: [{called}]"))
+    for name in reversed(names):
+        build(tmp_path / name).backend.unload()
+    # Each parsed at its own load and once more when first reached (the walks parsed c5 six times, c4 five...).
+    assert max(reads.count(name) for name in names) == 2, reads
+    reads.clear()
+    (tmp_path / "c5" / "manifest.yaml").write_text(META.replace("depends_on: [a, b]", "depends_on: [c0]"))
+    with pytest.raises(Exception, match="cycle"):  # changed: read again, so the new cycle is seen
+        build(tmp_path / "c0")
+    assert "c5" in reads
