@@ -488,11 +488,9 @@ class MetaModel:
             return self.depends_on
         # (The repository's folders: this version's own, from a store, is a copy of its folder there.)
         path = (self.context.repository_folder or self.context.folder).parent / model / MANIFEST_NAME
-        if not path.is_file():
-            return ()
         try:
             text = read_text_file(path, MAX_MANIFEST_BYTES)
-        except (ConfigError, OSError):  # that model reports it when it loads
+        except ConfigError:  # none there, or no regular file of text (that model reports its own when it loads)
             return ()
         return _depends_on(str(path), text)
 
