@@ -243,19 +243,22 @@ class RuntimeReport:
 
     ``summary`` is one ``key=value`` phrase for the check line (``warm_start=on``);
     ``warm_parent_resident_bytes`` is the memory of a process kept warm between
-    requests (None: there is none).
+    requests (None: there is none); ``warm_start`` says whether the model's runs
+    start warm now (True), or each starts cold, from a fresh process (False), for a
+    backend that has both ways (None: it has not).
     """
 
     summary: str = ""
     warm_parent_resident_bytes: int | None = None
+    warm_start: bool | None = None
 
 
 def runtime_report_problem(report: object, *, with_summary: bool = False) -> str | None:
     """Why ``report``, what a model's ``runtime_report()`` returned, cannot be used; None when it can.
 
     It must be a :class:`RuntimeReport` whose ``warm_parent_resident_bytes`` is None or a
-    whole number of bytes >= 0 (a bool is not one). ``with_summary``: its ``summary`` is shown too
-    (``nereid check``), so that must be a str. A plugin builds the report, so nothing in it is trusted:
+    whole number of bytes >= 0 (a bool is not one), and whose ``warm_start`` is None or a bool.
+    ``with_summary``: its ``summary`` is shown too (``nereid check``), so that must be a str. A plugin builds the report, so nothing in it is trusted:
     a forgotten ``return`` (None) or a "lots" crashed ``nereid check`` and failed every ``/metrics`` scrape.
     """
     if not isinstance(report, RuntimeReport):
@@ -265,6 +268,9 @@ def runtime_report_problem(report: object, *, with_summary: bool = False) -> str
                                  or resident < 0):
         return (f"its warm_parent_resident_bytes is {brief_repr(resident)} ({_type_name(resident)}), "
                 "expected an int >= 0 or None")
+    if report.warm_start is not None and not isinstance(report.warm_start, bool):
+        return (f"its warm_start is {brief_repr(report.warm_start)} ({_type_name(report.warm_start)}), "
+                "expected a bool or None")
     if with_summary and not isinstance(report.summary, str):
         return f"its summary is {brief_repr(report.summary)} ({_type_name(report.summary)}), expected a str"
     return None

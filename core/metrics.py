@@ -29,7 +29,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 
-from nereid.backend import ReportsRuntime, runtime_report_problem
+from nereid.backend import ReportsRuntime, RuntimeReport, runtime_report_problem
 from nereid.errors import NotFound, describe_exception, plugin_failures
 from nereid.log_limit import OnceLog
 from nereid.metrics_endpoint import IDLE_TIMEOUT_S, MetricsEndpoint
@@ -312,6 +312,11 @@ class _RepositoryCollector(Collector):
         warm_parent = GaugeMetricFamily("nereid_warm_parent_resident_bytes",
                                         "Resident memory of the model's warm parent process (python backend).",
                                         labels=["model"])
+        # An alert's series: a python model gone cold (its warm parents dying as they start) still answers, each
+        # run a fresh interpreter's start slower, and said so only in its log.
+        warm_start = GaugeMetricFamily("nereid_warm_start", "1 while the model's runs start warm (forked from its "
+                                       "warm parent), 0 while each starts a fresh process (python backend).",
+                                       labels=["model"])
         generation = GaugeMetricFamily("nereid_model_version",
                                        "Versions of the model loaded so far (every load and reload adds one).",
                                        labels=["model"])
@@ -349,24 +354,25 @@ class _RepositoryCollector(Collector):
             utilization.add_metric([name], stats.batcher.utilization)
             running.add_metric([name], stats.running_executions)
             busy.add_metric([name], stats.batcher.busy_time_s, created=created)
-            if name in reports:
-                resident = _warm_parent_bytes(name, reports[name])
-                if resident is not None:
-                    warm_parent.add_metric([name], resident)
+            report = _usable_report(name, reports[name]) if name in reports else None
+            if report is not None and report.warm_parent_resident_bytes is not None:
+                warm_parent.add_metric([name], int(report.warm_parent_resident_bytes))
+            if report is not None and report.warm_start is not None:
+                warm_start.add_metric([name], 1 if report.warm_start else 0)
         for name, count in sorted(waiting.items()):
             depth.add_metric([name], count)
         for state, count in counts.items():
             states.add_metric([state], count)
         yield from (success, failure, submitted, completed, *histograms.values(), depth, utilization, running, busy,
-                    warm_parent, generation, states, model_state)
+                    warm_parent, warm_start, generation, states, model_state)
 
 
-def _warm_parent_bytes(name: str, report: Future) -> int | None:
-    """The warm parent gauge's value from model ``name``'s runtime_report() call; None (logged once per model)
-    when the call failed, returned what cannot be used, or has not returned yet."""
+def _usable_report(name: str, report: Future) -> RuntimeReport | None:
+    """Model ``name``'s runtime_report(), for its warm start gauges; None (logged once per model) when the call
+    failed, returned what cannot be used, or has not returned yet."""
     if not report.done():
         _report_failures.warning(f"{name} hangs", "model '%s': runtime_report() has not returned within %g s; its warm "
-                                 "parent gauge is left out until it does", name, RUNTIME_REPORT_WAIT_S)
+                                 "start gauges are left out until it does", name, RUNTIME_REPORT_WAIT_S)
         return None
     try:
         value = report.result()
@@ -376,11 +382,10 @@ def _warm_parent_bytes(name: str, report: Future) -> int | None:
     except plugin_failures() as err:  # a plugin's fault (a sys.exit() too) must not fail the scrape
         problem = describe_exception(err)
     if problem:
-        _report_failures.warning(name, "model '%s': runtime_report() failed (%s); its warm parent gauge is left "
+        _report_failures.warning(name, "model '%s': runtime_report() failed (%s); its warm start gauges are left "
                                  "out", name, problem)
         return None
-    resident = value.warm_parent_resident_bytes
-    return None if resident is None else int(resident)
+    return value
 
 
 class _RuntimeReports:

@@ -217,16 +217,16 @@ class PythonModel(SubprocessModel):
         restart``, with when warm start is tried again), and the warm parent's memory."""
         parent = self._parent
         if not self._warm or parent is None:
-            return RuntimeReport(f"warm_start=off ({self._cold_reason})")
+            return RuntimeReport(f"warm_start=off ({self._cold_reason})", warm_start=False)
         reason, retry = parent.cold_reason, parent.retry_state()
         if reason is not None:
             # (With where trying it again stands: gone cold at a restart, or its parents killed at load, a model
             # tries warm start again.)
             since = "" if parent.cold_since_load else " since a restart"
-            return RuntimeReport(f"warm_start=off{since} ({reason}){f', {retry}' if retry else ''}")
+            return RuntimeReport(f"warm_start=off{since} ({reason}){f', {retry}' if retry else ''}", warm_start=False)
         left = parent.modules.left  # (main.py's imports each run makes itself: see the load's log line)
         shown = f" (not preloaded: {', '.join(left[:5])}{', ...' if len(left) > 5 else ''})" if left else ""
-        return RuntimeReport(f"warm_start=on{shown}", parent.resident_bytes())
+        return RuntimeReport(f"warm_start=on{shown}", parent.resident_bytes(), warm_start=True)
 
 
 def cold_command() -> list[str]:

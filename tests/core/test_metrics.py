@@ -308,10 +308,13 @@ REPORTS = {
     "bytes_bool": lambda: RuntimeReport(warm_parent_resident_bytes=True),
     "bytes_negative": lambda: RuntimeReport(warm_parent_resident_bytes=-1),
     "bytes_float": lambda: RuntimeReport(warm_parent_resident_bytes=1.5e9),
+    "warm_str": lambda: RuntimeReport(warm_start="yes"),
+    "warm_int": lambda: RuntimeReport(warm_start=1),
     "none": lambda: None,  # a forgotten return
     "str": lambda: "warm_start=on",
     "ok": lambda: RuntimeReport("warm_start=on", warm_parent_resident_bytes=3 * 2**20),
     "ok_numpy": lambda: RuntimeReport(warm_parent_resident_bytes=np.int64(2048)),  # as a library may count it
+    "ok_cold": lambda: RuntimeReport("warm_start=off (a reason)", warm_start=False),
     # (Found by a bug hunt: an exit of the plugin's own failed every scrape, HTTP 500, every model's figures lost.)
     "exits": lambda: sys.exit(3),
     "interrupted": lambda: (_ for _ in ()).throw(KeyboardInterrupt()),
@@ -374,15 +377,20 @@ def test_a_runtime_report_of_the_wrong_kind_leaves_out_one_gauge_not_the_scrape(
     gauge = {dict(labels)["model"]: value for (metric, labels), value in samples.items()
              if metric == "nereid_warm_parent_resident_bytes"}
     assert gauge == {"ok": 3 * 2**20, "ok_numpy": 2048}
+    warm = {dict(labels)["model"]: value for (metric, labels), value in samples.items()
+            if metric == "nereid_warm_start"}
+    assert warm == {"ok_cold": 0}  # (the reports that leave warm_start None have no series)
     assert {dict(labels)["model"] for (metric, labels) in samples if metric == "nereid_request_success_total"} \
         == set(REPORTS)  # every model's other figures are there
     warnings = [r.getMessage() for r in caplog.records if "runtime_report() failed" in r.getMessage()]
     assert sorted(warnings) == sorted(  # once per model, not once per scrape; no traceback
-        f"model '{name}': runtime_report() failed ({why}); its warm parent gauge is left out" for name, why in (
+        f"model '{name}': runtime_report() failed ({why}); its warm start gauges are left out" for name, why in (
             ("bytes_str", "its warm_parent_resident_bytes is 'lots' (str), expected an int >= 0 or None"),
             ("bytes_bool", "its warm_parent_resident_bytes is True (bool), expected an int >= 0 or None"),
             ("bytes_negative", "its warm_parent_resident_bytes is -1 (int), expected an int >= 0 or None"),
             ("bytes_float", "its warm_parent_resident_bytes is 1500000000.0 (float), expected an int >= 0 or None"),
+            ("warm_str", "its warm_start is 'yes' (str), expected a bool or None"),
+            ("warm_int", "its warm_start is 1 (int), expected a bool or None"),
             ("none", "returned NoneType, expected a nereid RuntimeReport"),
             ("str", "returned str, expected a nereid RuntimeReport"),
             ("exits", "SystemExit: 3"), ("interrupted", "KeyboardInterrupt")))
@@ -475,8 +483,8 @@ def test_a_runtime_report_that_hangs_holds_a_scrape_for_a_bounded_time(tmp_path,
             if metric == "nereid_warm_parent_resident_bytes"} == {"stuck": 4096, "stuck_too": 4096}
     warnings = [r.getMessage() for r in caplog.records if "has not returned" in r.getMessage()]
     assert sorted(warnings) == [  # once per model, not once per scrape
-        f"model '{name}': runtime_report() has not returned within {RUNTIME_REPORT_WAIT_S:g} s; its warm parent "
-        "gauge is left out until it does" for name in ("stuck", "stuck_too")]
+        f"model '{name}': runtime_report() has not returned within {RUNTIME_REPORT_WAIT_S:g} s; its warm start "
+        "gauges are left out until it does" for name in ("stuck", "stuck_too")]
 
 
 def test_a_model_name_the_repository_forgets_keeps_no_series(tmp_path) -> None:

@@ -438,12 +438,14 @@ def test_a_model_made_cold_by_dying_parents_is_warm_again_after_the_back_off(tmp
             off = ("warm_start=off since a restart (3 warm parents in a row ended while starting, the last one was "
                    "killed by signal SIGKILL), tried again at ")
             assert re.fullmatch(re.escape(off) + r"the first batch in (600|599) s", model.runtime_report().summary)
+            assert model.runtime_report().warm_start is False  # (the nereid_warm_start gauge)
             switches.die.unlink()  # what killed them has passed
             assert switches.how_it_ran() == "cold" and not retries_running()  # not tried before the back-off
             monkeypatch.setattr(warm, "WARM_RETRY_FIRST_S", 0.0)  # the back-off is over
             assert model.runtime_report().summary == off + "the next batch"
             assert switches.how_it_ran() == "cold"  # this batch starts the try, and does not wait for it
             assert wait_until(lambda: model.runtime_report().summary == "warm_start=on", timeout_s=60)
+            assert model.runtime_report().warm_start is True
             assert switches.how_it_ran() == "warm"
             assert wait_until(lambda: not process_alive(cold))  # the cold parent was ended, and reaped
             back = model._parent.pid

@@ -860,13 +860,18 @@ def test_a_run_still_going_past_the_grace_of_an_unload_is_stopped_and_answered_u
                                    "(nereid.yaml): the run was stopped")
 
 
-def test_warm_parent_memory_is_a_metric(repo, serve):
+def test_warm_parent_memory_and_warm_start_are_metrics(repo, serve):
+    """The warm parent's memory, and whether runs start warm (a model gone cold said so only in its log)."""
     repo.python("measured", textproto=REPORT, main=reply_main("1"))
-    server = serve(repo.write_config())
+    repo.python("cold", textproto=REPORT, main=reply_main("1"))
+    server = serve(repo.write_config("- name: measured\n- name: cold\n  runtime: {warm_start: false}\n"))
     text = urllib.request.urlopen(f"http://127.0.0.1:{server.server.metrics_port}/metrics", timeout=10).read()
-    lines = [line for line in text.decode().splitlines()
-             if line.startswith('nereid_warm_parent_resident_bytes{model="measured"}')]
-    assert len(lines) == 1 and float(lines[0].split()[-1]) > 1 << 20
+    lines = [line for line in text.decode().splitlines() if line.startswith("nereid_warm_")]
+    resident = [line for line in lines if line.startswith('nereid_warm_parent_resident_bytes{model="measured"}')]
+    assert len(resident) == 1 and float(resident[0].split()[-1]) > 1 << 20
+    assert not [line for line in lines if line.startswith('nereid_warm_parent_resident_bytes{model="cold"}')]
+    assert sorted(line for line in lines if line.startswith("nereid_warm_start{")) == [
+        'nereid_warm_start{model="cold"} 0.0', 'nereid_warm_start{model="measured"} 1.0']
 
 
 def running_child(folder: Path) -> int:
