@@ -26,6 +26,8 @@ from nereid.errors import (ConfigError, DeadlineExceeded, InvalidArgument, Model
 from nereid.log_limit import RateLimitedLog
 from nereid.model_info import MODEL_VERSION, ModelConfig
 from nereid.protocol.http_codec import HEADER_LENGTH, OutputChoice, decode_infer, encode_infer, quoted
+from nereid.protocol.http_compression import compressed, decompressed, request_coding, response_coding
+from nereid.protocol.http_errors import HttpError
 from nereid.settings import DEFAULT_HTTP_MAX_JSON_BYTES
 from nereid.stats import ModelStats
 from nereid.tensors import InferResponse
@@ -73,6 +75,11 @@ DECODE_OFF_LOOP_BYTES = 256 << 10
 SERIAL_DECODE_JSON_BYTES = 1 << 20
 # Responses up to this size are joined into one write (a copy costs less than a second write).
 JOIN_BELOW_BYTES = 64 << 10
+# Compressed request bodies from this size on are decompressed on a worker thread, one at a time (see
+# HttpSurface._decompressed): a kilobyte of gzip can hold a megabyte, so below it the work is a millisecond at most.
+DECOMPRESS_OFF_LOOP_BYTES = 1 << 10
+# Answers to compress (Accept-Encoding) from this size on are compressed on a worker thread.
+COMPRESS_OFF_LOOP_BYTES = 64 << 10
 # Answers are encoded on a worker thread when their outputs take this many bytes, or hold this many elements in
 # all: the encode works element by element for a JSON output (a list of numbers, then orjson's dump) and for
 # BYTES (joined with their lengths), so a 64 MB JSON answer, or 4M empty BYTES elements, held the event loop, and
@@ -99,15 +106,6 @@ def status_of(error: NereidError) -> int:
         if kind in STATUS_OF_ERROR:
             return STATUS_OF_ERROR[kind]
     return 500
-
-
-class HttpError(Exception):
-    """A request the HTTP layer itself refuses (before any model is involved)."""
-
-    def __init__(self, status: int, message: str, headers: list | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.headers = headers or []
 
 
 class Unparsable(HttpError):
@@ -162,6 +160,7 @@ class HttpSurface:
         # Held from a large JSON decode's start until its thread ends (see _decode_large).
         self._large_decodes = asyncio.Semaphore(1)
         self._large_encodes = asyncio.Semaphore(1)  # answers of many elements as JSON (see _encoded)
+        self._decompressions = asyncio.Semaphore(1)  # compressed request bodies (see _decompressed)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -297,7 +296,8 @@ class HttpSurface:
             self._refused(model, _listener_refusal(receive, model) or err)
             raise
         try:
-            body, length = await self._infer_body(request_headers(scope, model), receive, model)
+            headers = request_headers(scope, model)
+            body, length = await self._infer_body(headers, receive, model)
         except HttpError as err:
             # Refused by this layer (a Content-Type, a size, a body the HTTP parser cannot read): still one
             # of the model's failures, as a body that does not decode is (the server out of memory: its own).
@@ -353,10 +353,12 @@ class HttpSurface:
             self._counted(model, NereidError.reason)
             raise
         self._counted(model, "success")
-        if binary_header is None:
-            return 200, parts, JSON_HEADERS
-        return 200, parts, [(b"content-type", b"application/octet-stream"),
-                            (HEADER_LENGTH.encode(), str(binary_header).encode())]
+        answer_headers = JSON_HEADERS if binary_header is None else [
+            (b"content-type", b"application/octet-stream"), (HEADER_LENGTH.encode(), str(binary_header).encode())]
+        coding = response_coding(headers)
+        if coding is None:
+            return 200, parts, answer_headers
+        return 200, *await _compressed_answer(parts, answer_headers, coding)
 
     def _encoded(self, response: InferResponse, choice: OutputChoice) -> EncodedAnswer | Awaitable[EncodedAnswer]:
         """:func:`encoded_answer`; one answering :data:`SERIAL_ENCODE_JSON_ELEMENTS` elements or more as JSON is
@@ -391,8 +393,10 @@ class HttpSurface:
     async def _infer_body(self, headers: dict[bytes, bytes], receive: Receive,
                           model: str) -> tuple[bytes | memoryview, int | None]:
         """An infer request's body and its JSON header's length (Inference-Header-Content-Length; None: all JSON),
-        once its headers say it can be read; HttpError otherwise."""
-        _refuse_compressed(headers, f"model '{model}': ")
+        once its headers say it can be read; HttpError otherwise. A compressed body (gzip, deflate) comes
+        decompressed, its limits (``server.max_message_bytes``, ``server.http_max_json_bytes``) applied to what
+        it decompresses to."""
+        coding = request_coding(headers, f"model '{model}': ")
         header_length = headers.get(HEADER_LENGTH.encode())
         content_type = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
         if content_type not in BODY_TYPES:
@@ -414,13 +418,40 @@ class HttpSurface:
                                      "request: the whole body as the data of a single input) is not supported; "
                                      "send the JSON inference header first and give its length")
             declared = headers.get(b"content-length", b"")
-            if declared.isdigit() and length > int(declared):  # (the JSON part cannot be longer than the body)
+            # (The JSON part cannot be longer than the body; a compressed one's, once decompressed, below.)
+            if coding is None and declared.isdigit() and length > int(declared):
                 raise HttpError(400, f"model '{model}': Inference-Header-Content-Length is {length}, but the body "
                                      f"has {int(declared)} bytes (Content-Length)")
             if length > self.max_json_bytes:  # refused before its body is read
                 raise self._json_too_large(model, f"is {length} bytes")
         # Without the header, the whole body is JSON: bounded as it is read (before, when its length is declared).
-        return await self._read_body(headers, receive, model, all_json=length is None, as_view=True), length
+        body = await self._read_body(headers, receive, model, all_json=length is None and coding is None,
+                                     as_view=True)
+        if coding is None:
+            return body, length
+        # (All of it JSON, it is decompressed no further than the JSON limit: a gzip body that holds the body
+        # limit's worth of JSON is refused when it passes the smaller limit, not once it is all made.)
+        limit = self.max_body_bytes if length is not None else min(self.max_body_bytes, self.max_json_bytes)
+        try:
+            body = await self._decompressed(body, coding, model, limit)
+        except HttpError as err:
+            if err.status == 413 and limit < self.max_body_bytes:
+                raise self._json_too_large(model, f"passes the limit once decompressed ({coding}; all of the body "
+                                                  "is JSON: it has no Inference-Header-Content-Length)") from None
+            raise
+        if length is not None and length > len(body):
+            raise HttpError(400, f"model '{model}': Inference-Header-Content-Length is {length}, but the body "
+                                 f"has {len(body)} bytes decompressed ({coding})")
+        return body, length
+
+    async def _decompressed(self, body: bytes | memoryview, coding: str, model: str, limit: int) -> bytes:
+        """:func:`~nereid.protocol.http_compression.decompressed` of an infer body (to at most ``limit`` bytes), on
+        a worker thread one at a time when it is large (a flood of small gzip bodies each holding the limit's
+        worth must not all expand at once)."""
+        who = f"model '{model}': "
+        if len(body) < DECOMPRESS_OFF_LOOP_BYTES:
+            return decompressed(body, coding, limit, who)
+        return await self._one_at_a_time(self._decompressions, decompressed, body, coding, limit, who)
 
     def _json_too_large(self, model: str, size: str) -> HttpError:
         """413 for an infer request whose JSON part ``size`` ("is N bytes", "exceeds ...") passes the limit."""
@@ -649,13 +680,27 @@ def request_headers(scope: Scope, model: str) -> dict[bytes, bytes]:
 
 
 def _refuse_compressed(headers: dict[bytes, bytes], who: str) -> None:
-    """HttpError 400 for a compressed body (nereid reads none; a repository request's gzip body was read as JSON
-    and refused as invalid JSON, where an infer request's was refused as compressed; the HTTP hunt)."""
+    """HttpError 400 for a compressed repository request body: only infer bodies are decompressed, as Triton
+    decompresses only those (a gzip body was read as JSON and refused as invalid JSON; the HTTP hunt)."""
     codings = headers.get(b"content-encoding", b"identity").lower().split(b",")  # (any case; a list)
     if any(coding.strip() not in (b"identity", b"") for coding in codings):
-        raise HttpError(400, f"{who}compressed request bodies are not supported "
+        raise HttpError(400, f"{who}compressed request bodies are taken by infer requests only "
                              f"(Content-Encoding: {headers[b'content-encoding'].decode('latin-1')[:64]}); "
                              "send it uncompressed")
+
+
+async def _compressed_answer(parts: list[bytes | memoryview], headers: list,
+                             coding: str) -> tuple[list[bytes | memoryview], list]:
+    """An infer answer's body and headers, compressed with ``coding`` (on a worker thread when large); as they
+    are, uncompressed, if that fails (out of memory), as Triton falls back."""
+    try:
+        if sum(len(part) for part in parts) < COMPRESS_OFF_LOOP_BYTES:
+            body = compressed(parts, coding)
+        else:
+            body = await asyncio.to_thread(compressed, parts, coding)
+    except MemoryError:
+        return parts, headers
+    return [body], [*headers, (b"content-encoding", coding.encode())]
 
 
 def _ended_turn(turn: asyncio.Semaphore, future: asyncio.Future) -> None:
