@@ -50,8 +50,9 @@ LOAD_BUCKETS = (0.01, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 # (metric name, help, ModelStats attribute)
 _HISTOGRAMS = (
-    ("nereid_request_duration_seconds", "Time from arrival to answer.", "request_seconds"),
-    ("nereid_queue_duration_seconds", "Time a request waited in the queue.", "queue_seconds"),
+    ("nereid_request_duration_seconds", "Time from arrival to answer, of successful requests.",
+     "request_seconds"),
+    ("nereid_queue_duration_seconds", "Time a successful request waited in the queue.", "queue_seconds"),
     ("nereid_compute_duration_seconds", "Time of one execution (batch assembly, inference, split).",
      "compute_seconds"),
     ("nereid_batch_size", "Rows per execution.", "batch_rows"),
@@ -317,9 +318,8 @@ class _RepositoryCollector(Collector):
         warm_start = GaugeMetricFamily("nereid_warm_start", "1 while the model's runs start warm (forked from its "
                                        "warm parent), 0 while each starts a fresh process (python backend).",
                                        labels=["model"])
-        generation = GaugeMetricFamily("nereid_model_version",
-                                       "Versions of the model loaded so far (every load and reload adds one).",
-                                       labels=["model"])
+        generation = GaugeMetricFamily("nereid_model_version", "Versions of the model loaded so far (every load "
+                                       "and reload that became READY adds one).", labels=["model"])
         states = GaugeMetricFamily("nereid_models", "Model folders by state.", labels=["state"])
         model_state = GaugeMetricFamily("nereid_model_state", "1 for the model's state, 0 for the others: which "
                                         "model is UNAVAILABLE, LOADING or UNLOADING.", labels=["model", "state"])

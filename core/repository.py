@@ -98,7 +98,7 @@ class ModelRepository:
         self.scratch_dir = scratch_dir
         self.root = settings.server.ml_backends_path
         self._client_paths = ClientPaths(self.root, scratch_dir, settings.source)
-        self._loader = VersionLoader(manager, scratch_dir, models, events, settings.server.model_load_threads)
+        self._loader = VersionLoader(manager, scratch_dir, models, settings.server.model_load_threads)
         self._entries: dict[str, ModelEntry] = {}
         self._dependents = DependentStates()
         self._scan_errors = RateLimitedLog(log)
@@ -727,6 +727,7 @@ class ModelRepository:
             entry.state, entry.reason = ModelState.UNAVAILABLE, "load abandoned (the server is stopping)"
             raise
         entry.store_fault = ""
+        self._heard_loaded(name, entry.loaded)
         self._enter_loaded_version(entry)
         return entry
 
@@ -798,6 +799,7 @@ class ModelRepository:
                 self._record(name, "reload_failed")
                 return entry
             entry.loaded = new
+            self._heard_loaded(name, new)
             self._enter_loaded_version(entry)  # the new version may call other models
             self._record(name, "reload")
         self.in_background(self._retire(self._retiring_version(name, old, entry)),
@@ -1231,6 +1233,13 @@ class ModelRepository:
             self._retiring.pop(id(loaded), None)
             self._terminated.discard(id(backend))
         await self._cleanup.drop_scratch(retiring.scratch_names)
+
+    def _heard_loaded(self, name: str, loaded: LoadedModel) -> None:
+        """Tell ``events`` of a version that serves from now on (``nereid_model_load_duration_seconds``): counted
+        here, not when the loader ends, so that it counts the loads ``nereid_model_version`` counts (a reload's
+        version refused by :meth:`_kept_from_serving` counted as a load, and as no version; the accounting hunt)."""
+        if self.events is not None:
+            self.events.model_loaded(name, loaded.load_seconds)
 
     def _kept_from_serving(self, entry: ModelEntry, new: LoadedModel) -> str | None:
         """Why a reload's ``new`` version must not replace the READY one running: the models it calls leave

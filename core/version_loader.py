@@ -16,7 +16,6 @@ import os
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Protocol
 
 import pluggy
 
@@ -37,13 +36,6 @@ from nereid.storage.mirror import CACHE_SUBFOLDER
 
 # The repository's logger: a load's warnings read as the repository's, as they always have.
 log = logging.getLogger("nereid.repository")
-
-
-class LoadListener(Protocol):
-    """Who hears that a version has loaded (the server's metrics)."""
-
-    def model_loaded(self, model: str, seconds: float) -> None:
-        """One model version loaded in ``seconds``."""
 
 
 def _without(stamp: object, names: frozenset[str]) -> tuple:
@@ -85,15 +77,15 @@ class VersionLoader:
     """Loads versions of model folders for one repository.
 
     ``models`` is handed to every model's context (how meta models call the
-    others); ``events`` hears of each version loaded.
+    others). A version it loads is counted (``nereid_model_load_duration_seconds``) by the repository once it
+    serves: a reload's new version may still be refused then.
     """
 
     def __init__(self, manager: pluggy.PluginManager, scratch_dir: Path, models: ModelCaller | None = None,
-                 events: LoadListener | None = None, load_threads: int = DEFAULT_MODEL_LOAD_THREADS) -> None:
+                 load_threads: int = DEFAULT_MODEL_LOAD_THREADS) -> None:
         self.manager = manager
         self.scratch_dir = scratch_dir
         self.models = models
-        self.events = events
         # At most ``load_threads`` builds at once (server.model_load_threads). Hundreds of folders at start, each
         # build's thread importing and reading at once, kept the event loop from the GIL: liveness went
         # unanswered for 10-30 s on two cores, long enough for a liveness probe to kill the server.
@@ -198,8 +190,6 @@ class VersionLoader:
         if restamped:
             stamp = restamped[-1]
         loaded = await self._wired(entry, built, stats, load_seconds, stamp, context, backend_defaults)
-        if self.events is not None:
-            self.events.model_loaded(name, load_seconds)
         entry.generation += 1
         return loaded
 

@@ -28,27 +28,16 @@ from tests.toy_backends import LOADS, UNLOADS, FaultyToys, write_faulty, write_t
 from tests.support import until
 
 
-class Heard:
-    """The loader's listener: each version loaded, with its seconds."""
-
-    def __init__(self) -> None:
-        self.loaded: list[tuple[str, float]] = []
-
-    def model_loaded(self, model: str, seconds: float) -> None:
-        self.loaded.append((model, seconds))
-
-
 def setup(tmp_path: Path, server_yaml: str = "", load_threads: int = 4,
-          toys: tuple[str, ...] = ()) -> tuple[VersionLoader, Settings, Heard]:
+          toys: tuple[str, ...] = ()) -> tuple[VersionLoader, Settings]:
     """A loader of ``load_threads`` builds at once over ``tmp_path/ml-backends``, holding the toy models ``toys``."""
     (tmp_path / "ml-backends").mkdir()
     (tmp_path / "nereid.yaml").write_text(f'server:\n  ml_backends_path: "ml-backends"\n{server_yaml}')
     manager = make_plugin_manager(load_entry_points=False, extra_plugins=(toy_backends, FaultyToys()))
-    heard = Heard()
     settings = load_settings(tmp_path / "nereid.yaml")
     for name in toys:
         write_toy(settings.server.ml_backends_path, name)
-    return VersionLoader(manager, tmp_path / "scratch", events=heard, load_threads=load_threads), settings, heard
+    return VersionLoader(manager, tmp_path / "scratch", load_threads=load_threads), settings
 
 
 def entry_for(settings: Settings, name: str) -> ModelEntry:
@@ -62,8 +51,8 @@ async def released(loaded: LoadedModel) -> None:
     loaded.backend.unload()
 
 
-def test_a_folder_loads_into_a_version_that_answers_and_is_heard_of(tmp_path):
-    loader, settings, heard = setup(tmp_path)
+def test_a_folder_loads_into_a_version_that_answers(tmp_path):
+    loader, settings = setup(tmp_path)
     write_toy(settings.server.ml_backends_path, "adder")
     entry = entry_for(settings, "adder")
 
@@ -78,16 +67,16 @@ def test_a_folder_loads_into_a_version_that_answers_and_is_heard_of(tmp_path):
         finally:
             await released(loaded)
         assert (loaded.backend_name, loaded.settings) == ("toy", entry.settings)
+        assert loaded.load_seconds >= 0  # (the repository counts it once the version serves)
     asyncio.run(scenario())
     assert entry.generation == 1 and entry.building is None
-    assert [name for name, _ in heard.loaded] == ["adder"] and heard.loaded[0][1] >= 0
     assert entry.scratch_names == {"adder"} and (tmp_path / "scratch" / "adder").is_dir()
 
 
 @pytest.mark.parametrize("watch", [True, False], ids=["dynamic mode", "no watch"])
 def test_a_version_keeps_the_stamp_of_the_local_files_it_was_built_from(tmp_path, watch):
     # (Without a watch too: a client's load that waited behind another compares them; the races hunt.)
-    loader, settings, _ = setup(tmp_path, "  watch: true\n" if watch else "")
+    loader, settings = setup(tmp_path, "  watch: true\n" if watch else "")
     folder = write_toy(settings.server.ml_backends_path, "adder")
 
     async def scenario() -> LoadedModel:
@@ -103,18 +92,18 @@ def test_a_version_keeps_the_stamp_of_the_local_files_it_was_built_from(tmp_path
 def test_an_unload_waiting_for_its_turn_wins_and_nothing_is_built(tmp_path):
     """Found by a bug hunt: the message said the unload "came first", though it was most often sent after the
     load (which waited for its turn behind another load): it sent a client looking for an unload that never was."""
-    loader, settings, heard = setup(tmp_path)
+    loader, settings = setup(tmp_path)
     write_toy(settings.server.ml_backends_path, "waited")
     entry = entry_for(settings, "waited")
     entry.unloads_waiting = 1
     loads = LOADS["waited"]
     with pytest.raises(LoadAbandoned, match="an unload or removal of it is waiting for its turn, and wins over a load"):
         asyncio.run(loader.load(entry, ModelStats(), settings))
-    assert LOADS["waited"] == loads and heard.loaded == [] and entry.generation == 0
+    assert LOADS["waited"] == loads and entry.generation == 0
 
 
 def test_a_model_that_loads_but_cannot_be_wired_is_unloaded_before_its_reason_is_raised(tmp_path):
-    loader, settings, heard = setup(tmp_path)
+    loader, settings = setup(tmp_path)
     write_faulty(settings.server.ml_backends_path, "unwired", "dependencies_fail")
     entry = entry_for(settings, "unwired")
     loads, unloads = LOADS["unwired"], UNLOADS["unwired"]
@@ -123,11 +112,11 @@ def test_a_model_that_loads_but_cannot_be_wired_is_unloaded_before_its_reason_is
         asyncio.run(loader.load(entry, ModelStats(), settings))
     assert isinstance(refused.value.__cause__, RuntimeError)  # (the backend's own, as it raised it)
     assert (LOADS["unwired"], UNLOADS["unwired"]) == (loads + 1, unloads + 1)  # what load() acquired was released
-    assert heard.loaded == [] and entry.generation == 0
+    assert entry.generation == 0
 
 
 def test_a_folder_leading_outside_the_repository_is_refused_before_its_backend_sees_it(tmp_path):
-    loader, settings, _ = setup(tmp_path)
+    loader, settings = setup(tmp_path)
     outside = write_toy(tmp_path / "elsewhere", "escape")
     (settings.server.ml_backends_path / "escape").symlink_to(outside)
     loads = LOADS["escape"]
@@ -160,7 +149,7 @@ def test_at_most_model_load_threads_builds_run_at_once(tmp_path, monkeypatch):
     """Found by a scale hunt: every folder's build started at once (300-500 at start), their threads kept the
     event loop from the GIL, and liveness went unanswered for 10-30 s (a liveness probe kills such a server)."""
     names = [f"m{i}" for i in range(5)]
-    loader, settings, _ = setup(tmp_path, load_threads=2, toys=tuple(names))
+    loader, settings = setup(tmp_path, load_threads=2, toys=tuple(names))
     most, _ = counting_loads(monkeypatch)
 
     async def scenario() -> None:
@@ -176,7 +165,7 @@ def test_a_build_running_long_gives_its_turn_up(tmp_path, monkeypatch):
     keep every other folder from loading."""
     from nereid import backend_calls
 
-    loader, settings, _ = setup(tmp_path, load_threads=1, toys=("hung", "next"))
+    loader, settings = setup(tmp_path, load_threads=1, toys=("hung", "next"))
     most, release = counting_loads(monkeypatch, hangs="hung")
     monkeypatch.setattr(backend_calls, "LONG_LOAD_NOTE_S", 0.3)
 
@@ -197,7 +186,7 @@ def test_a_build_running_long_gives_its_turn_up(tmp_path, monkeypatch):
 def test_an_unload_does_not_wait_for_a_load_waiting_for_its_turn(tmp_path, monkeypatch):
     """Found by the session's review: a load waiting for a build's place held its model, and an unload of it
     (which can give up only on a build under way) waited for every build before it (16.7 s in its run)."""
-    loader, settings, _ = setup(tmp_path, load_threads=1, toys=("slow", "quick"))
+    loader, settings = setup(tmp_path, load_threads=1, toys=("slow", "quick"))
     most, release = counting_loads(monkeypatch, hangs="slow")
     quick = entry_for(settings, "quick")
 
@@ -260,7 +249,7 @@ class StuckBackend:
 
 def stuck_loader(tmp_path: Path, step: str) -> tuple[VersionLoader, Settings, StuckBackend, ModelEntry]:
     """A loader whose plugins include a :class:`StuckBackend`, and the entry of a folder it hangs on at ``step``."""
-    _, settings, _ = setup(tmp_path)
+    _, settings = setup(tmp_path)
     stuck = StuckBackend()
     folder = write_toy(settings.server.ml_backends_path, "held")
     (folder / "toy.txt").unlink()  # the stuck backend's alone

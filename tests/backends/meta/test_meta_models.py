@@ -350,11 +350,17 @@ def test_a_reload_whose_new_version_could_never_be_ready_keeps_the_running_one(r
         assert why in models["relay"]["reason"]
         np.testing.assert_array_equal(infer(client, "relay2", X), X)  # the running versions serve on
         manifest.write_text(manifest.read_text().replace(f"depends_on: {depends_on}", "depends_on: ['echo']"))
-    # (Each refused version was loaded, then discarded: neither counts among the versions that served.)
-    assert server.server.repository.generation("relay") == 1
+    # (Each refused version was loaded, then discarded: neither counts among the versions that served, nor, found
+    # by the accounting hunt, among the loads of nereid_model_load_duration_seconds, which counted both.)
+    assert server.server.repository.generation("relay") == 1 == loads_counted(server, "relay")
     client.load_model("relay")  # a reload that can be READY replaces it, as before
     assert index(client)["relay"] == {"name": "relay", "version": "1", "state": "READY"}
-    assert server.server.repository.generation("relay") == 2
+    assert server.server.repository.generation("relay") == 2 == loads_counted(server, "relay")
+
+
+def loads_counted(server, model: str) -> int:
+    """``nereid_model_load_duration_seconds_count`` of ``model`` in a scrape of ``server``'s /metrics."""
+    return int(scrape(server.server.metrics_port)[("nereid_model_load_duration_seconds_count", (("model", model),))])
 
 
 def test_in_dynamic_mode_a_load_refused_for_the_models_it_calls_is_tried_again_when_they_change(repo,
