@@ -66,7 +66,8 @@ def test_a_body_that_decompresses_past_the_limit_is_refused_before_more_is_made(
     (b"", "the request body ends before its gzip data does"),
     (b"{not gzip}", "the request body is not valid gzip data (Content-Encoding: gzip): Error -3 while "
                     "decompressing data: incorrect header check; send it uncompressed, or compressed with gzip"),
-    (gzip.compress(b"x") + b"junk", "the request body is not valid gzip data")])
+    (gzip.compress(b"x") + b"junk", "the request body is not valid gzip data")],
+    ids=["truncated", "empty", "not_gzip", "junk_after"])  # (gzip's bytes hold a time: no ids from them)
 def test_a_body_that_is_no_whole_gzip_data_is_refused(body, says):
     with pytest.raises(HttpError) as refused:
         decompressed(body, "gzip", 1 << 20, WHO)
