@@ -40,7 +40,7 @@ class Runner(Protocol):
                  timing: RequestTiming | None = None) -> Awaitable[list[NamedTensor]]:
         """``inputs`` validated against the client-facing signature, their batch size and absolute deadline
         (``time.monotonic_ns()``; 0: none) -> the outputs; ``timing`` gets the request's queue and compute
-        times when its execution succeeds."""
+        times when its execution succeeds (its hooks' included: see :func:`_charge_hooks`)."""
 
 
 # As many as asyncio's default executor has: hooks of different requests run at once.
@@ -144,6 +144,8 @@ def make_runner(backend: Model, signature: ModelSignature, batch_signature: Mode
                          timing: RequestTiming | None) -> list[NamedTensor]:
         name = scheduler.name  # a renamed model reports its new name
         program_rows = batch_size
+        # The request's time in its hooks, charged to its timing once it has succeeded (see _charge_hooks).
+        hook_queue_ns = hook_input_ns = hook_output_ns = 0
         client_inputs = list(inputs)  # (a copy of the list: a hook may replace tensors in the one it is given)
         if preprocess is not None:
             arrived_ns = time.monotonic_ns()
@@ -153,11 +155,12 @@ def make_runner(backend: Model, signature: ModelSignature, batch_signature: Mode
                 raise not_started(name, deadline_ns, arrived_ns)
             in_hooks.admit(scheduler)
             try:
-                inputs = await _call_hook(hook_threads, scheduler, "preprocess", preprocess, inputs, deadline_ns,
-                                          in_hooks)
+                inputs, waited_ns = await _call_hook(hook_threads, scheduler, "preprocess", preprocess, inputs,
+                                                     deadline_ns, in_hooks)
                 inputs = _program_inputs(name, batch_signature, inputs, check_inputs)
             except ModelFailure as err:
                 raise _logged(scheduler, err)
+            hook_queue_ns, hook_input_ns = waited_ns, time.monotonic_ns() - arrived_ns - waited_ns
             if batch_signature.batches and inputs:
                 # A hook may tile, crop or split rows: the program runs its rows, the client gets its own.
                 program_rows = inputs[0].shape[0]
@@ -186,9 +189,11 @@ def make_runner(backend: Model, signature: ModelSignature, batch_signature: Mode
                                                            without_model_name(name, str(err)))) from None
         if postprocess is not None:
             REQUEST_STARTED.set(True)  # (the execution has run; submit's return set nothing)
+            began_ns = time.monotonic_ns()
             try:
                 with scheduler.in_postprocess():
-                    outputs = await _call_hook(hook_threads, scheduler, "postprocess", postprocess, outputs)
+                    outputs, waited_ns = await _call_hook(hook_threads, scheduler, "postprocess", postprocess,
+                                                          outputs)
                     try:
                         check_outputs(name, signature, outputs, batch_size)
                     except ModelFailure as err:  # (named as the hook's: the program's outputs were checked already)
@@ -201,9 +206,31 @@ def make_runner(backend: Model, signature: ModelSignature, batch_signature: Mode
                                                    without_model_name(name, str(err)) + rows) from None
             except ModelFailure as err:
                 raise _logged(scheduler, err)
+            hook_queue_ns += waited_ns
+            hook_output_ns = time.monotonic_ns() - began_ns - waited_ns
+        if timing is not None:
+            _charge_hooks(timing, hook_queue_ns, hook_input_ns, hook_output_ns)
         return outputs
 
     return run
+
+
+def _charge_hooks(timing: RequestTiming, queue_ns: int, input_ns: int, output_ns: int) -> None:
+    """Add a request's time in its hooks to ``timing``, whose execution succeeded: its waits for a hook thread
+    (``queue_ns``) to its queue time, its preprocess stage (the hook and the check of its result, ``input_ns``) to
+    its compute input time, its postprocess stage (``output_ns``) to its compute output time.
+
+    Left out, a slow hook's time was in no figure but the request's total, which perf_analyzer reads as the
+    server's own overhead (the accounting hunt). Triton's compute input is the preparing of the model's input
+    tensors, its compute output their extraction: what the hooks do. Per request, as hooks run: the execution's
+    times (``compute_ns``, one tuple shared by the requests of its batch) are not changed, a new tuple is this
+    request's; batch_stats and the per-execution histogram keep the execution's own.
+    """
+    if timing.compute_ns is None:  # (no execution succeeded for it: none of its time is charged)
+        return
+    timing.queue_ns += queue_ns
+    execution_input_ns, infer_ns, execution_output_ns = timing.compute_ns
+    timing.compute_ns = (execution_input_ns + input_ns, infer_ns, execution_output_ns + output_ns)
 
 
 def checked_input_check(name: str, backend: ChecksInputs) -> Callable[[list[NamedTensor]], object] | None:
@@ -403,9 +430,10 @@ class _HookStart:
 async def _call_hook(threads: HookThreads, scheduler: ModelScheduler, hook: str,
                      function: Callable[[list[NamedTensor]], list[NamedTensor]],
                      tensors: list[NamedTensor], deadline_ns: int = 0,
-                     stage: _HookStage | None = None) -> list[NamedTensor]:
+                     stage: _HookStage | None = None) -> tuple[list[NamedTensor], int]:
     """Run a hook on a worker thread (so hooks of different requests overlap); its result, checked there too (the
-    message about a wrong result quotes part of it: none of that work on the event loop).
+    message about a wrong result quotes part of it: none of that work on the event loop), and how long the call
+    waited for a thread to take it (ns: the request's queue time, see :func:`_charge_hooks`).
 
     A preprocess hook gets the request's deadline (``time.monotonic_ns()``;
     0: none; a postprocess runs after the program, and running work is not
@@ -433,7 +461,8 @@ async def _call_hook(threads: HookThreads, scheduler: ModelScheduler, hook: str,
         stage.calls.add(start)
     try:
         async with timer:
-            return await _hook_result(threads, scheduler, hook, run_and_check)
+            result = await _hook_result(threads, scheduler, hook, run_and_check)
+        return result, start.begun_ns - queued_ns
     except TimeoutError:
         if not timer.expired():  # (never: the hook's own errors come out of _hook_result as NereidError)
             raise

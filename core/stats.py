@@ -102,7 +102,8 @@ class Histogram:
 
 class RequestTiming:
     """Where one request's time went in the execution that answered it: filled in by the scheduler when that
-    execution succeeds, and charged to the model's statistics only if the request then succeeds.
+    execution succeeds (a model's hooks add the request's own time in them: nereid.model_runner), and charged to
+    the model's statistics only if the request then succeeds.
 
     A plain class with two slots: one is made per request.
     """
@@ -110,8 +111,9 @@ class RequestTiming:
     __slots__ = ("queue_ns", "compute_ns")
 
     def __init__(self) -> None:
-        self.queue_ns = 0  # in the queue, and waiting for room in it (a stream's request)
-        # The execution's (input, infer, output) times, shared by its requests; None: none succeeded for it.
+        self.queue_ns = 0  # in the queue, waiting for room in it (a stream's request) and for a hook thread
+        # The execution's (input, infer, output) times, shared by its requests (one with hooks gets its own tuple, its
+        # hooks' time added); None: none succeeded for it.
         self.compute_ns: tuple[int, int, int] | None = None
 
 

@@ -20,7 +20,7 @@ from nereid.errors import DeadlineExceeded, InvalidArgument, ModelFailure, Model
 from nereid.model_runner import HOOK_THREADS, HookThreads, Runner, make_runner
 from nereid.scheduler import ModelScheduler
 from nereid.signature import ModelSignature, TensorSpec
-from nereid.stats import ModelStats
+from nereid.stats import ModelStats, RequestTiming
 from nereid.tensors import NamedTensor
 from support import until
 
@@ -835,3 +835,39 @@ def test_a_postprocess_does_not_wait_behind_other_requests_preprocess_calls(monk
         asyncio.run(asyncio.wait_for(scenario(), 30))
     finally:
         release.set()
+
+
+@pytest.mark.parametrize("hook, phase", [("pre", 0), ("post", 2)])
+def test_a_request_s_hook_time_is_its_compute_time_and_its_wait_for_a_hook_thread_its_queue_time(
+        hook: str, phase: int, monkeypatch) -> None:
+    """Found by the accounting hunt: a hook's time was in no figure of the request's timing (perf_analyzer called a
+    slow hook the server's overhead). A preprocess hook is the request's compute input (``phase`` 0), a
+    postprocess hook its compute output (2), and a wait for a busy hook thread is queue time."""
+    from nereid import model_runner
+
+    monkeypatch.setattr(model_runner, "HOOK_THREADS", 1)  # (read as each pool is made)
+    held_ns = 400_000_000
+    gate = Gate()
+
+    async def scenario() -> tuple[RequestTiming, RequestTiming]:
+        run, scheduler = await serve(Hooked(**{hook: gate}))
+        held, waiting = RequestTiming(), RequestTiming()
+        first = asyncio.create_task(run(rows(1), 1, 0, held))
+        await asyncio.to_thread(gate.entered.wait, 10)
+        second = asyncio.create_task(run(rows(2), 1, 0, waiting))
+        await until(lambda: scheduler.requests_in_hooks == 2, what="the second call handed to the busy thread")
+        await asyncio.sleep(held_ns / 1e9)
+        gate.opened.set()
+        assert [out[0].data.tolist() for out in await asyncio.wait_for(asyncio.gather(first, second), 10)] == [
+            [[2, 2]], [[4, 4]]]
+        await scheduler.drain()
+        return held, waiting
+
+    try:
+        held, waiting = asyncio.run(asyncio.wait_for(scenario(), 30))
+    finally:
+        gate.opened.set()
+    assert held.compute_ns is not None and waiting.compute_ns is not None
+    assert held.compute_ns[phase] >= held_ns  # (was the execution's own, a few microseconds)
+    assert waiting.queue_ns >= held_ns  # it waited for the one thread all that while
+    assert waiting.compute_ns[phase] < held_ns  # and its own hook, the gate open by then, took next to nothing
