@@ -9,17 +9,26 @@ The rules (Triton's dynamic batcher, with the cost budget of a token batcher):
   it; the first request is always accepted, whatever its rows or cost;
 * a batch is dispatched as soon as it is full (the row cap, the cost budget,
   or an incompatible request next in line), or as soon as the requests waiting
-  can form a preferred size (it is then cut back to the largest preferred
-  size it reached, the rest staying first in line); otherwise once its first
-  request has waited ``max_delay_ns`` for company, counted from its arrival or
-  from the moment an instance last came free after every instance was busy,
-  whichever is later. Time spent waiting because every instance was busy is
-  not time spent waiting for company: without this rule, under load, the
-  requests that queued during one execution would leave at once as the next
-  batch, while the clients answered by that execution could never join it,
-  and a saturated model would alternate between two half batches. Only that
-  time is left out: an instance freed while another stood free restarts no
-  window;
+  reach a preferred size or would pass the largest one (below); otherwise once
+  its first request has waited ``max_delay_ns`` for company, counted from its
+  arrival or from the moment an instance last came free after every instance
+  was busy, whichever is later. Time spent waiting because every instance was
+  busy is not time spent waiting for company: without this rule, under load,
+  the requests that queued during one execution would leave at once as the
+  next batch, while the clients answered by that execution could never join
+  it, and a saturated model would alternate between two half batches. Only
+  that time is left out: an instance freed while another stood free restarts
+  no window;
+* preferred sizes form the batch Triton's dynamic batcher forms (2.41,
+  ``DynamicBatchScheduler::GetDynamicBatch``): it marks the longest prefix of
+  the requests that may share a batch whose rows are a preferred size, else,
+  when their rows pass the largest preferred size, the requests before the one
+  that passes it (at least the first). Until the delay has passed (always,
+  with a delay of 0) a marked batch goes at once, the rest staying first in
+  line; once it has passed, the batch takes every request the row cap and the
+  cost budget allow. Without preferred sizes the row cap plays their part, as
+  Triton makes ``max_batch_size`` the one preferred size then; the cost budget
+  (Triton has none) stops a batch as the row cap does;
 * a request whose caller went away, or whose deadline passed, never runs: it
   leaves the queue at the next decision and is handed back to be answered.
 
@@ -167,12 +176,15 @@ def take_batch(queue: collections.deque[Q], policy: BatchPolicy, now_ns: int, fr
             blocked = True  # it starts the next batch, keeping arrival order
             break
         count, rows, cost = count + 1, rows + candidate.rows, cost + candidate.cost
-    preferred = _preferred_prefix(queue, count, policy.preferred_sizes)
     full = blocked or rows >= policy.max_rows or policy.over_budget(cost)
     window_end = max(first.enqueued_ns, free_since_ns) + policy.max_delay_ns
-    if full or preferred or now_ns >= window_end:
-        # Cut back to the longest prefix that is a preferred size; the rest stays first in line.
-        decision.batch.extend(queue.popleft() for _ in range(preferred or count))
+    # Triton never finds a delay of 0 exceeded: a marked batch goes then too, not every request waiting.
+    waited_out = policy.max_delay_ns != 0 and now_ns >= window_end
+    marked = _preferred_mark(queue, count, policy.preferred_sizes) if policy.preferred_sizes else 0
+    if marked and not waited_out:
+        decision.batch.extend(queue.popleft() for _ in range(marked))  # the rest stays first in line
+    elif full or waited_out or policy.max_delay_ns == 0:
+        decision.batch.extend(queue.popleft() for _ in range(count))
     else:
         decision.wake_ns = window_end
     return decision
@@ -210,13 +222,21 @@ def split_rows(outputs: list[NamedTensor], rows: list[int]) -> list[list[NamedTe
             for i in range(len(rows))]
 
 
-def _preferred_prefix(queue: collections.deque[Q], count: int, preferred_sizes: tuple[int, ...]) -> int:
-    """How many of the first ``count`` requests form the longest prefix whose rows are a preferred size (0: none)."""
-    if not preferred_sizes:
-        return 0
+def _preferred_mark(queue: collections.deque[Q], count: int, preferred_sizes: tuple[int, ...]) -> int:
+    """How many of the first ``count`` requests Triton's batcher marks to go within the delay (0: none).
+
+    The longest prefix whose rows are a preferred size; else, once the rows
+    pass the largest preferred size, the requests before the one that passes
+    it (GetDynamicBatch's MarkCursor when the next request would pass it), at
+    least the first: a first request past it alone cannot grow to one, and
+    Triton sends it at once.
+    """
+    largest = max(preferred_sizes)
     rows, keep = 0, 0
     for index in range(count):
         rows += queue[index].rows
         if rows in preferred_sizes:
             keep = index + 1
+        elif rows > largest:
+            return keep or max(index, 1)  # no preferred size is reached past the largest
     return keep

@@ -114,6 +114,91 @@ def test_a_preferred_size_goes_early_and_an_oversized_run_is_cut_back_to_it() ->
         ["a", "b", "c"]
 
 
+# Preferred sizes as Triton 2.41 forms batches with them (core r23.12, DynamicBatchScheduler::GetDynamicBatch):
+# it marks the largest preferred size reached, or, reaching none, the batch so far where the next request would pass
+# the largest preferred size; the marked batch goes while the queue delay has not passed (a delay of 0 never has).
+# Found by a bug hunt: max_batch_size 8, preferred [4], two 3-row requests queued behind a running one ran as one
+# batch of 6 where Triton runs [3] then [3]; a mixed load formed batches of 5, 6, 7 and 8.
+PREFERRED_4 = {"max_batch_size": 8, "preferred_batch_sizes": [4]}
+
+
+@pytest.mark.parametrize("rows, delay_ms, now_ms, expected", [
+    # the next request would pass the largest preferred size, none reached: the batch so far is marked and goes,
+    # with a delay of 0 (never "exceeded" in Triton) as within a delay's window (the hunt's [3] then [3])
+    ([3, 3], 0, 0, ["0"]),
+    ([3, 3], 5, 0, ["0"]),
+    ([2, 1, 3, 1], 5, 0, ["0", "1"]),
+    # an exact preferred size reached (several rows each) is marked, the largest one reached wins
+    ([1, 3, 1], 5, 0, ["0", "1"]),
+    ([3, 1, 1, 1, 1], 5, 0, ["0", "1"]),
+    # a preferred size reached before the pass keeps the mark: the pass marks only when nothing is marked
+    ([4, 4], 5, 0, ["0"]),
+    # max_batch_size stops the batch, but the mark made before it (3 would pass 4 after 2) is what goes
+    ([2, 3, 4], 1000, 0, ["0"]),
+    # a request that alone passes the largest preferred size: the batch cannot reach one, so it goes at once...
+    ([5], 1000, 0, ["0"]),
+    # ...and alone when another waits (the mark falls before the second request, after the first)
+    ([5, 1], 1000, 0, ["0"]),
+    # the delay passed: the mark is ignored, and every request max_batch_size allows goes
+    ([3, 3], 5, 5, ["0", "1"]),
+    ([1, 1, 1, 1, 1, 1], 5, 5, ["0", "1", "2", "3", "4", "5"]),
+    ([2, 3, 4], 5, 5, ["0", "1"]),
+    # below every preferred size, nothing marked, a delay not passed: wait (Triton returns the wait)
+    ([1, 2], 5, 0, []),
+    # ...and with a delay of 0 what waits goes (Triton: "pending_batch_delay_ns_ == 0")
+    ([1, 2], 0, 0, ["0", "1"]),
+])
+def test_preferred_sizes_form_the_batches_triton_forms(rows, delay_ms, now_ms, expected) -> None:
+    waiting = queue(*(Req(str(i), r) for i, r in enumerate(rows)))
+    decision = take_batch(waiting, policy(max_queue_delay_ms=delay_ms, **PREFERRED_4), now_ns=now_ms * MS)
+    assert labels(decision.batch) == expected
+    assert labels(waiting) == [str(i) for i in range(len(expected), len(rows))]  # the rest stays first in line
+    assert decision.wake_ns == (None if expected else delay_ms * MS)
+
+
+def test_the_hunts_two_three_row_requests_run_as_two_batches() -> None:
+    """The hunt's repro step by step: [3] goes, then the second [3] alone (with a delay of 0; once its window
+    ends with one)."""
+    waiting = queue(Req("a", 3), Req("b", 3))
+    assert labels(take_batch(waiting, policy(**PREFERRED_4), now_ns=0).batch) == ["a"]
+    assert labels(take_batch(waiting, policy(**PREFERRED_4), now_ns=0).batch) == ["b"]
+    waiting = queue(Req("a", 3), Req("b", 3))
+    rules = policy(max_queue_delay_ms=0.1, **PREFERRED_4)
+    assert labels(take_batch(waiting, rules, now_ns=0).batch) == ["a"]  # at once, not after the 0.1 ms
+    assert take_batch(waiting, rules, now_ns=0).wake_ns == MS // 10
+    assert labels(take_batch(waiting, rules, now_ns=MS // 10).batch) == ["b"]
+
+
+def test_a_delay_window_restarted_by_a_freed_instance_keeps_the_preferred_mark() -> None:
+    """nereid's own rule kept beside Triton's: the delay counts from when an instance came free after all were
+    busy, so requests that queued behind a long execution are still within their window and the mark goes (Triton,
+    counting from the oldest request's arrival, would find the delay passed and send both)."""
+    waiting = queue(Req("a", 3, enqueued_ns=0), Req("b", 3, enqueued_ns=1 * MS))
+    rules = policy(max_queue_delay_ms=5, **PREFERRED_4)
+    assert labels(take_batch(waiting, rules, now_ns=100 * MS, free_since_ns=100 * MS).batch) == ["a"]
+
+
+def test_without_preferred_sizes_the_row_cap_is_the_preferred_size() -> None:
+    """Triton gives a dynamic batcher without preferred sizes max_batch_size as its one: nothing changes then."""
+    rules = policy(max_batch_size=4, max_queue_delay_ms=5)
+    waiting = queue(Req("a", 1), Req("b", 2), Req("c", 2))
+    assert labels(take_batch(waiting, rules, now_ns=0).batch) == ["a", "b"]  # c would pass 4: full, goes
+    assert take_batch(waiting, rules, now_ns=0).wake_ns == 5 * MS
+    assert labels(take_batch(queue(Req("a", 4), Req("b")), rules, now_ns=0).batch) == ["a"]
+
+
+def test_the_cost_budget_stops_a_batch_as_max_batch_size_does_and_the_preferred_mark_still_goes() -> None:
+    """nereid's cost budget (Triton has none) closes the batch where max_batch_size would: the mark made before
+    it goes within the delay, every request up to it once the delay has passed."""
+    rules = BatchPolicy(True, max_rows=8, max_delay_ns=5 * MS, preferred_sizes=(4,), max_cost=100)
+    waiting = queue(Req("a", 3, cost=30), Req("b", 3, cost=80), Req("c", 1))
+    assert labels(take_batch(waiting, rules, now_ns=0).batch) == ["a"]
+    waiting = queue(Req("a", 3, cost=30), Req("b", 3, cost=80), Req("c", 1))
+    assert labels(take_batch(waiting, rules, now_ns=5 * MS).batch) == ["a", "b"]
+    waiting = queue(Req("a", 1, cost=60), Req("b", 1, cost=60), Req("c", 1))
+    assert labels(take_batch(waiting, rules, now_ns=0).batch) == ["a", "b"]  # over budget, nothing marked: full
+
+
 def test_abandoned_and_expired_requests_are_dropped_wherever_they_wait() -> None:
     rules = policy(max_queue_delay_ms=1)
     waiting = queue(Req("gone", cancelled=True), Req("a"), Req("late", deadline_ns=5), Req("b", deadline_ns=50),

@@ -32,9 +32,11 @@ preferred sizes, cost budget, batching off), at a random instant:
 * the dropped requests are exactly the expired or abandoned ones among those
   it looked at, and no batched request is one of them;
 * no batch: the whole (live) queue could still grow, and ``wake_ns`` is the
-  window's end, in the future; a preferred-size cut is the longest prefix
-  whose rows are a preferred size; every decision is the one an independent
-  reference computes;
+  window's end, in the future; within the delay, a batch with preferred
+  sizes is Triton's marked one (the longest prefix whose rows are a
+  preferred size, else the prefix before the request that would pass the
+  largest), past the delay every request the row cap and budget allow;
+  every decision is the one an independent reference computes;
 * deciding again at ``wake_ns`` releases a batch unless a deadline passed in
   between, and deciding at each wake-up drains any queue, each request
   batched or dropped exactly once, in arrival order.
@@ -405,11 +407,18 @@ def reference(requests: list[Req], policy: BatchPolicy, now: int, free: int) -> 
             blocked = True
             break
         run.append(candidate)
-    preferred = max((k for k in range(1, len(run) + 1) if sum(r.rows for r in run[:k]) in policy.preferred_sizes),
-                    default=0)
+    # Triton's GetDynamicBatch marks the longest prefix whose rows are a preferred size, else the prefix before the
+    # first request that would pass the largest one (without preferred sizes: max_batch_size, the row cap here).
+    largest = max(policy.preferred_sizes, default=policy.max_rows)
+    sums = [sum(r.rows for r in run[:k]) for k in range(1, len(run) + 1)]
+    marked = max((k for k in range(1, len(run) + 1) if sums[k - 1] in policy.preferred_sizes),
+                 default=next((k for k in range(1, len(run)) if sums[k] > largest), 0))
     window_end = max(run[0].enqueued_ns, free) + policy.max_delay_ns
-    if blocked or full_run() or preferred or now >= window_end:
-        return run[:preferred or len(run)], dropped, None
+    waited_out = policy.max_delay_ns != 0 and now >= window_end  # a delay of 0 is never passed, in Triton
+    if marked and not waited_out:
+        return run[:marked], dropped, None
+    if blocked or full_run() or sums[-1] >= largest or waited_out or policy.max_delay_ns == 0:
+        return run, dropped, None
     return [], dropped, window_end
 
 
@@ -441,8 +450,9 @@ def check_decision(before: list[Req], queue: collections.deque, decision, policy
             assert len(batch) == 1
         if policy.max_cost is not None:  # the budget closes a batch: only its last request may reach it
             assert sum(r.cost for r in batch[:-1]) < policy.max_cost, batch
-        # A cut at a preferred size is the longest prefix of the run it could take whose rows are a preferred size;
-        # with no preferred size within reach, the batch is the whole run.
+        # Within the delay, a batch with preferred sizes is the longest prefix of the run it could take whose rows
+        # are a preferred size, else the prefix before the request that would pass the largest preferred size, else
+        # the whole run; once the delay has passed, the whole run (Triton's GetDynamicBatch).
         if policy.enabled and policy.preferred_sizes:
             run, run_rows, run_cost = list(batch), rows, sum(r.cost for r in batch)
             for extra in after:
@@ -454,13 +464,18 @@ def check_decision(before: list[Req], queue: collections.deque, decision, policy
                     break
                 run, run_rows, run_cost = run + [extra], run_rows + extra.rows, run_cost + extra.cost
             cuts = [k for k in range(1, len(run) + 1) if sum(r.rows for r in run[:k]) in policy.preferred_sizes]
-            assert len(batch) == (max(cuts) if cuts else len(run)), ("not the longest preferred prefix", batch, run)
+            passing = [k for k in range(1, len(run)) if sum(r.rows for r in run[:k + 1]) > max(policy.preferred_sizes)]
+            if policy.max_delay_ns and now >= max(batch[0].enqueued_ns, free) + policy.max_delay_ns:
+                assert len(batch) == len(run), ("the delay passed: not the whole run", batch, run)
+            else:
+                assert len(batch) == (max(cuts) if cuts else passing[0] if passing else len(run)), \
+                    ("not the batch Triton marks", batch, run)
     elif after:
         # Waiting: the whole queue is live and could still grow; the wake-up is the first one's window end.
         assert policy.enabled
         assert not any(dead(r, now) for r in after)
         assert len({r.key for r in after}) == 1
-        assert sum(r.rows for r in after) < policy.max_rows
+        assert sum(r.rows for r in after) < max(policy.preferred_sizes, default=policy.max_rows)
         assert not policy.over_budget(sum(r.cost for r in after))
         assert not any(sum(r.rows for r in after[:k]) in policy.preferred_sizes for k in range(1, len(after) + 1))
         assert decision.wake_ns == max(after[0].enqueued_ns, free) + policy.max_delay_ns
@@ -479,6 +494,49 @@ def test_take_batch_follows_the_rules(data: st.DataObject, requests: list[Req], 
     batch, dropped, wake = reference(requests, policy, now, free)
     assert (decision.batch, decision.dropped, decision.wake_ns) == (batch, dropped, wake), \
         (requests, policy, now, free)
+
+
+def tritons_batch_length(requests: list[Req], preferred_sizes: tuple[int, ...], max_batch_size: int, delay_ns: int,
+                         now: int) -> int:
+    """How many requests Triton 2.41's DynamicBatchScheduler::GetDynamicBatch (core r23.12) sends at ``now`` (0:
+    it waits), transliterated for the case nereid has: a fresh cursor, no payload being grown, one priority level,
+    every request live and within max_batch_size, the delay counted from the oldest request's arrival."""
+    preferred = set(preferred_sizes) or {max_batch_size}  # NormalizeModelConfig: max_batch_size, without any
+    max_preferred = max(preferred)
+    pending = count = best = best_count = 0
+    send_now = False
+    for request in requests:
+        batch_size = max(1, request.rows)
+        if count:
+            if pending + batch_size > max_preferred and best == 0:
+                best, best_count = pending, count  # MarkCursor
+            if pending + batch_size > max_batch_size or request.key != requests[0].key:
+                send_now = True
+                break
+        pending, count = pending + batch_size, count + 1
+        if pending in preferred:
+            best, best_count = pending, count
+    delay_is_exceeded = delay_ns != 0 and now - min(r.enqueued_ns for r in requests[:count]) >= delay_ns
+    if best != 0 and not delay_is_exceeded:
+        return best_count  # SetCursorToMark
+    if send_now or pending >= max_preferred or delay_is_exceeded or delay_ns == 0:
+        return count
+    return 0
+
+
+@BOUNDED
+@given(st.data(), queues(), policies())
+def test_take_batch_forms_tritons_batches(data: st.DataObject, requests: list[Req], policy: BatchPolicy) -> None:
+    """Where Triton's rules apply (no cost budget, no request gone or out of time, none over the row cap, the window
+    counted from arrival), each batch is the one Triton's batcher sends."""
+    requests = [r for r in requests if not r.gone and not r.deadline_ns and r.rows <= policy.max_rows]
+    if not policy.enabled or not requests:
+        return
+    policy = BatchPolicy(True, policy.max_rows, policy.max_delay_ns, policy.preferred_sizes)
+    now = data.draw(instants(requests))[0]
+    decision = take_batch(collections.deque(requests), policy, now, 0)
+    expected = tritons_batch_length(requests, policy.preferred_sizes, policy.max_rows, policy.max_delay_ns, now)
+    assert len(decision.batch) == expected, (requests, policy, now)
 
 
 @BOUNDED

@@ -159,6 +159,28 @@ def test_preferred_size_dispatches_early_and_cuts_an_oversized_batch() -> None:
     run(scenario())
 
 
+@pytest.mark.parametrize("delay_ms", [0, 300])
+def test_two_requests_passing_the_largest_preferred_size_together_run_apart_as_triton_runs_them(delay_ms) -> None:
+    """Found by a bug hunt: max_batch_size 8, preferred [4], two 3-row requests queued behind a running one ran as
+    one batch of 6 (ModelStatistics: sizes 1 and 6); Triton's batcher runs the batch marked before the request
+    that would pass 4, [3], and then [3] (with a delay, the first at once, not after the delay)."""
+    async def scenario() -> None:
+        backend = RecordingBackend()
+        stats = ModelStats()
+        scheduler = ModelScheduler("m", backend, FIXED, 64, 1, stats,
+                                   policy(max_batch_size=8, preferred_batch_sizes=[4], max_queue_delay_ms=delay_ms))
+        blocker = asyncio.create_task(scheduler.submit(request(-1, rows=4), 4, 0))  # a preferred size: goes at once
+        await until(lambda: stats.running_executions == 1)  # and holds the one instance (the gate is shut)
+        tasks = [asyncio.create_task(scheduler.submit(request(i, rows=3), 3, 0)) for i in range(2)]
+        await until(lambda: scheduler.queue_depth == 2)
+        backend.gate.set()
+        await asyncio.gather(blocker, *tasks)
+        assert backend.batches == [[-1] * 4, [0] * 3, [1] * 3]
+        await scheduler.drain()
+        assert {rows: b.compute_infer.count for rows, b in stats.snapshot().batches.items()} == {4: 1, 3: 2}
+    run(scenario())
+
+
 def test_expired_request_is_answered_when_its_batch_forms_and_the_others_run() -> None:
     async def scenario() -> None:
         backend = RecordingBackend()
@@ -309,6 +331,61 @@ def test_served_subprocess_model_runs_one_process_per_batch(repo, serve) -> None
     stats = server.client.get_inference_statistics("echo").model_stats[0]
     assert stats.execution_count == len(shapes) and stats.inference_count == 6
     assert sum(b.compute_infer.count * b.batch_size for b in stats.batch_stats) == 6
+
+
+GATED_ECHO_MAIN = '''
+import os, sys, time
+shape = os.environ["NEREID_INPUT_SHAPE"]
+with open("runs.log", "a") as log:
+    log.write(shape + "\\n")
+if shape.startswith("4,"):  # the first request: it holds the one instance until the test opens the gate
+    open("started", "w").close()
+    while not os.path.exists("gate"):
+        time.sleep(0.01)
+data = sys.stdin.buffer.read()
+with open(os.environ["NEREID_OUTPUT_PATH"], "wb") as out:
+    out.write(("float32 %s\\n" % shape).encode())
+    out.write(data)
+'''
+
+
+def test_served_preferred_size_batches_are_triton_s_in_model_statistics(repo, serve) -> None:
+    """The bug hunt's repro over gRPC: max_batch_size 8, preferred [4], delay 0, two 3-row requests queued behind
+    a running one; ModelStatistics said batch sizes 1 and 6 (one batch of both), Triton's batcher runs [3], [3]."""
+    import tritonclient.grpc as triton
+
+    folder = repo.python("pref", main=GATED_ECHO_MAIN)
+    server = serve(repo.write_config("""
+        - name: pref
+          batching: {max_batch_size: 8, preferred_batch_sizes: [4], max_queue_delay_ms: 0}
+    """))
+    answers: list = []
+
+    def send(rows: int) -> None:
+        tensor = triton.InferInput("input", [rows, 4], "FP32")
+        tensor.set_data_from_numpy(np.full((rows, 4), rows, dtype=np.float32))
+        server.client.async_infer("pref", [tensor], lambda result, error: answers.append(error or result))
+
+    def wait_for(predicate) -> None:
+        deadline = time.monotonic() + 30
+        while not predicate():
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+
+    send(4)
+    try:
+        wait_for((folder / "started").exists)
+        scheduler = server.server.repository.ready_model("pref").scheduler
+        send(3)
+        send(3)
+        wait_for(lambda: scheduler.queue_depth == 2)
+    finally:
+        (folder / "gate").touch()  # (a failure above leaves no run waiting for the server's stop to end it)
+    wait_for(lambda: len(answers) == 3)
+    assert all(isinstance(answer, triton.InferResult) for answer in answers), answers
+    assert (folder / "runs.log").read_text().split() == ["4,4", "3,4", "3,4"]
+    stats = server.client.get_inference_statistics("pref").model_stats[0]
+    assert {b.batch_size: b.compute_infer.count for b in stats.batch_stats} == {4: 1, 3: 2}
 
 
 class BadPadding(PaddingBackend):
