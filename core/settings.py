@@ -555,7 +555,8 @@ def _parse_model(reader: KeyedReader, raw: Any, where: str, backends_path: Path,
         reader.fail(f"{where}.device", str(err), device_text)
     # (A meta model's ModelConfig gives its queue_capacity as its instance count: concurrent orchestrations.)
     capacity = reader.integer(entry, f"{where}.queue_capacity", DEFAULT_QUEUE_CAPACITY, minimum=1,
-                              maximum=(INT32_MAX, "ModelConfig's instance_group count is an int32"))
+                              maximum=(INT32_MAX, "a meta model's ModelConfig gives it as its instance_group "
+                                                  "count, an int32"))
     instances = reader.integer(entry, f"{where}.instances", 1, minimum=1,
                                maximum=(INT32_MAX, "ModelConfig's instance_group count is an int32"))
     backend = entry.get("backend")

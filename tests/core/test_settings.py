@@ -252,8 +252,10 @@ def test_nan_and_infinity_are_refused_like_a_wrong_type(root: Path, body: str, k
     ("models:\n  - name: a\n    device: cuda:3000000000\n", "models[0].device",
      "expected a GPU index of at most 2147483647", "'cuda:3000000000'"),
     # Defect (found by a bug hunt): a meta model's gRPC ModelConfig failed (its instance count is its capacity).
+    # (Its reason was instances' own, which named nothing a python model's queue has to do with: the README hunt.)
     ("models:\n  - name: a\n    queue_capacity: 4294967296\n", "models[0].queue_capacity",
-     "must be at most 2147483647 (ModelConfig's instance_group count is an int32)", "4294967296"),
+     "must be at most 2147483647 (a meta model's ModelConfig gives it as its instance_group count, an int32)",
+     "4294967296"),
     ("models:\n  - name: a\n    batching: {max_batch_size: 2147483648}\n", "models[0].batching.max_batch_size",
      "must be at most 2147483647 (ModelConfig's max_batch_size is an int32)", "2147483648"),
     ("models:\n  - name: a\n    batching: {preferred_batch_sizes: [4, 2147483648]}\n",
