@@ -122,6 +122,14 @@ class ConfigError(NereidError):
     reason = "invalid_config"
 
 
+class MissingModelFile(ConfigError):
+    """A model folder lacks a file its backend requires (``missing main.py in ...``).
+
+    Told apart from other ConfigErrors so that the load adds what the folder looks like (a Triton model folder, see
+    :mod:`nereid.triton_hints`) to this reason alone: that explains a missing file, not a driver the device lacks.
+    """
+
+
 def same_kind(error: NereidError, message: str) -> NereidError:
     """A new error of ``error``'s type (so its status stays the same) carrying ``message``.
 

@@ -20,8 +20,8 @@ import numpy as np
 
 from nereid.backend import CallsModels, HasBatchSignature, Model, ModelContext, UsesNoDevice, missing_model_parts
 from nereid.batching import BatchPolicy
-from nereid.errors import (ConfigError, NereidError, RaisedExit, backend_exit, calling_plugin, describe_exception,
-                           plugin_failures, same_kind)
+from nereid.errors import (ConfigError, MissingModelFile, NereidError, RaisedExit, backend_exit, calling_plugin,
+                           describe_exception, plugin_failures, same_kind)
 from nereid.files import check_readable
 from nereid.plugins import NereidPluginManager, claim_folder
 from nereid.runtime_options import LayeredRuntime
@@ -111,9 +111,11 @@ def build_model(manager: NereidPluginManager, context: ModelContext,
         return calling_plugin(
             lambda: _build_model(manager, context, backend_defaults, defaults_source, stage),
             lambda exit_: backend_exit(context.name, exit_, "while loading it"))
-    except ConfigError as err:
+    except MissingModelFile as err:
         # A Triton folder a backend was told to take (nereid.yaml's backend:) failed on the files it lacks
-        # ("missing main.py") without a word of what the folder is.
+        # ("missing main.py") without a word of what the folder is. Only there: a Triton-looking folder failing for
+        # another reason (a device without its driver) was told it looked like one, which explained nothing. (A
+        # folder no backend claims has the hint in the claim's reason.)
         hint = folder_hint(context.folder)
         if hint is None or hint in str(err):
             raise

@@ -506,7 +506,9 @@ def claim_folder(manager: NereidPluginManager, folder: Path, backend: str | None
         asked = _ask(manager, folder, declared=True, only=backend, asking=asking)
         if not asked.claims:
             failed = "".join(f": its nereid_claim_model {what}" for _, what in asked.failures)
-            return ClaimResult(None, f"backend '{backend}' does not recognise the folder {folder}{failed}")
+            triton = folder_hint(folder)
+            return ClaimResult(None, f"backend '{backend}' does not recognise the folder {folder}{failed}"
+                                     f"{f'; {triton}' if triton else ''}")
         return ClaimResult(asked.claims[0][1], backend_name=backend)
     asked = _ask(manager, folder, declared=False, asking=asking)
     if len(asked.claims) == 1:

@@ -17,7 +17,7 @@ import numpy as np
 
 from nereid.backend import ModelContext
 from nereid.dtypes import DType
-from nereid.errors import ConfigError, ModelFailure
+from nereid.errors import ConfigError, MissingModelFile, ModelFailure
 from nereid.signature import TEXTPROTO_NAME, ModelSignature, TensorSpec, load_textproto_signature
 from nereid.tensors import NamedTensor
 
@@ -186,7 +186,7 @@ class CxxModel:
         name, folder = self.context.name, self.context.folder
         path = folder / TEXTPROTO_NAME
         if not path.is_file():
-            raise ConfigError(f"model '{name}': missing {TEXTPROTO_NAME} in {folder}")
+            raise MissingModelFile(f"model '{name}': missing {TEXTPROTO_NAME} in {folder}")
         signature = load_textproto_signature(path)
         for kind, specs in (("input", signature.inputs), ("output", signature.outputs)):
             for spec in specs:

@@ -34,8 +34,9 @@ from nereid.backends.xla.manifest import (MANIFEST_NAME, MAX_MANIFEST_BYTES, Man
 from nereid.backends.xla.signatures import batch_mode, build_signature
 from nereid.daemon_pool import DaemonThreadPool
 from nereid.dependencies import DependencyCycle, describe_cycle, find_cycle
-from nereid.errors import (ConfigError, DeadlineExceeded, LoggedModelFailure, ModelFailure, NereidError, NotFound,
-                           QueueFull, Unavailable, describe_exception, loop_safe_call, same_kind)
+from nereid.errors import (ConfigError, DeadlineExceeded, LoggedModelFailure, MissingModelFile, ModelFailure,
+                           NereidError, NotFound, QueueFull, Unavailable, describe_exception, loop_safe_call,
+                           same_kind)
 from nereid.files import not_regular_reason, read_text_file
 from nereid.model_hooks import load_model_hooks
 from nereid.runtime_options import RuntimeOptions
@@ -203,7 +204,7 @@ class MetaModel:
         if (reason := not_regular_reason(manifest_path)) is not None:
             raise ConfigError(reason)
         if not manifest_path.is_file():
-            raise ConfigError(f"model '{name}': {folder} has no {MANIFEST_NAME} (a meta model holds {MANIFEST_NAME} "
+            raise MissingModelFile(f"model '{name}': {folder} has no {MANIFEST_NAME} (a meta model holds {MANIFEST_NAME} "
                               f"with meta: true and a {MODEL_PY})")
         manifest = load_manifest(manifest_path)
         if not manifest.is_meta:

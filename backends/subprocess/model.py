@@ -24,7 +24,7 @@ from typing import BinaryIO
 
 from nereid.backend import ModelContext
 from nereid.dtypes import DType
-from nereid.errors import ConfigError, ModelFailure, ModelKilled, Unavailable, cap_message
+from nereid.errors import ConfigError, MissingModelFile, ModelFailure, ModelKilled, Unavailable, cap_message
 from nereid.files import descriptor_path, not_regular_reason, remove_tree
 from nereid.leftovers import make_private_folder
 from nereid.runtime_options import RuntimeOptions
@@ -254,7 +254,7 @@ class SubprocessModel:
         as such, not reported missing."""
         path = self.context.folder / file_name
         if not os.path.lexists(path):
-            raise ConfigError(f"model '{self.context.name}': missing {file_name} in {self.context.folder}")
+            raise MissingModelFile(f"model '{self.context.name}': missing {file_name} in {self.context.folder}")
         if (reason := not_regular_reason(path)) is not None:
             raise ConfigError(f"model '{self.context.name}': {reason}")
 

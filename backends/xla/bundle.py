@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Mapping
 
 from nereid.backends.xla.manifest import MANIFEST_NAME, Manifest, load_manifest
-from nereid.errors import ConfigError
+from nereid.errors import ConfigError, MissingModelFile
 from nereid.files import not_regular_reason
 
 MODEL_PY = "model.py"
@@ -102,7 +102,7 @@ def require_manifest(folder: Path) -> Path:
     if (reason := not_regular_reason(manifest_path)) is not None:
         raise ConfigError(reason)
     if not manifest_path.is_file():
-        raise ConfigError(f"{folder}: missing {MANIFEST_NAME} (a bundle holds {MANIFEST_NAME}, model*.mlir and "
+        raise MissingModelFile(f"{folder}: missing {MANIFEST_NAME} (a bundle holds {MANIFEST_NAME}, model*.mlir and "
                           "usually weights.safetensors)")
     return manifest_path
 

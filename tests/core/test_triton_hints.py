@@ -3,9 +3,12 @@ acting as a Triton user moving to nereid)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from nereid.backend import ModelContext
+from nereid import hookspecs
+from nereid.backend import BackendClaim, ModelContext
 from nereid.errors import ConfigError
 from nereid.model_building import build_model
 from nereid.plugins import make_plugin_manager
@@ -106,3 +109,75 @@ def test_a_triton_folder_given_a_backend_in_nereid_yaml_keeps_the_triton_hint(tm
         build_model(make_plugin_manager(load_entry_points=False), context)
     assert str(refused.value) == f"model 'm': missing model_inference.textproto in {folder}; " \
                                  + LOOKS_LIKE.format("config.pbtxt")
+
+
+def _triton_folder_ported_in_place(root: Path, name: str = "m") -> Path:
+    """A Triton folder (config.pbtxt, 1/model.py) with nereid's files added beside its own: a python model."""
+    folder = root / "ml-backends" / name
+    (folder / "1").mkdir(parents=True)
+    (folder / "config.pbtxt").write_text(f'name: "{name}"\nbackend: "python"\nmax_batch_size: 8\n')
+    (folder / "1" / "model.py").write_text("import triton_python_backend_utils as pb_utils\n")
+    (folder / "main.py").write_text("print('never run')\n")
+    (folder / "model_inference.textproto").write_text("input_shape: [4]\noutput_shape: [4]\n")
+    return folder
+
+
+def _build(root: Path, folder: Path, settings: ModelSettings, *plugins: object):
+    context = ModelContext(folder.name, folder, settings, root / "scratch", "nereid.yaml")
+    context.scratch_dir.mkdir(parents=True, exist_ok=True)
+    return build_model(make_plugin_manager(load_entry_points=False, extra_plugins=plugins), context)
+
+
+@pytest.mark.parametrize("settings, reason", [
+    (ModelSettings("m", runtime={"threshold": "0.5"}), "unknown option of the python backend"),
+    (ModelSettings("m", backend="Python"), "backend 'Python' (from nereid.yaml) is not installed (did you mean "
+                                           "'python'?)"),
+])
+def test_a_triton_folder_failing_for_another_reason_is_not_told_it_looks_like_one(tmp_path, settings,
+                                                                                  reason) -> None:
+    """Defect: the hint was added to any ConfigError of a folder holding a config.pbtxt (a device without its
+    driver: '...; set device: cpu; it looks like a Triton model folder (config.pbtxt)'), where it explained
+    nothing."""
+    folder = _triton_folder_ported_in_place(tmp_path)
+    with pytest.raises(ConfigError) as refused:
+        _build(tmp_path, folder, settings)
+    assert reason in str(refused.value), str(refused.value)
+    assert "Triton" not in str(refused.value), str(refused.value)
+
+
+class Picky:
+    """A backend that declines every folder, even one declared its own."""
+
+    BACKEND_NAME = "picky"
+
+    @hookspecs.hookimpl
+    def nereid_claim_model(self, folder: Path, declared: bool) -> BackendClaim | None:
+        return None
+
+
+def test_a_triton_folder_its_declared_backend_does_not_recognise_keeps_the_triton_hint(tmp_path) -> None:
+    folder = tmp_path / "ml-backends" / "m"
+    (folder / "1").mkdir(parents=True)
+    (folder / "1" / "model.onnx").write_bytes(b"onnx")
+    with pytest.raises(ConfigError) as refused:
+        _build(tmp_path, folder, ModelSettings("m", backend="picky"), Picky())
+    assert str(refused.value) == f"backend 'picky' does not recognise the folder {folder}; " \
+                                 + LOOKS_LIKE.format("1/model.onnx")
+
+
+@pytest.mark.parametrize("backend, missing", [
+    ("cpp", "missing model_inference.textproto in "),
+    ("cxx", "missing model_inference.textproto in "),
+    ("xla", ": missing manifest.yaml (a bundle holds "),
+    ("meta", " has no manifest.yaml (a meta model holds "),
+])
+def test_each_backend_missing_its_file_in_a_triton_folder_keeps_the_triton_hint(tmp_path, backend, missing) -> None:
+    """The hint explains a file a declared backend lacks, whichever backend: each raises MissingModelFile."""
+    folder = tmp_path / "ml-backends" / "m"
+    (folder / "1").mkdir(parents=True)
+    (folder / "config.pbtxt").write_text('name: "m"\n')
+    (folder / "1" / "model.onnx").write_bytes(b"onnx")
+    with pytest.raises(ConfigError) as refused:
+        _build(tmp_path, folder, ModelSettings("m", backend=backend))
+    assert missing in str(refused.value), str(refused.value)
+    assert str(refused.value).endswith("; " + LOOKS_LIKE.format("config.pbtxt")), str(refused.value)
