@@ -723,9 +723,11 @@ def _check_model(settings: Settings, manager: NereidPluginManager, scratch: Path
     outputs = ", ".join(f"{s.name} {s.dtype.kserve}{list(s.dims)}" for s in signature.outputs)
     batching = "on" if built.policy.enabled else "off"
     device = reported_device(model_settings.device, built.uses_device)
+    # What a server logs as a WARNING at the load, at the line's end: the model is fine, its folder misleads.
+    notes = "".join(f"; note: {note}" for note in built.notes)
     return _Checked(name, status, f"backend={built.backend_name} device={device} "
                                   f"max_batch_size={signature.max_batch_size} batching={batching} "
-                                  f"inputs=[{inputs}] outputs=[{outputs}]{runtime}{suffix}",
+                                  f"inputs=[{inputs}] outputs=[{outputs}]{runtime}{suffix}{notes}",
                     depends_on, listed or not settings.models_listed)
 
 

@@ -26,7 +26,7 @@ from nereid.files import check_readable
 from nereid.plugins import NereidPluginManager, claim_folder
 from nereid.runtime_options import LayeredRuntime
 from nereid.signature import ModelSignature, brief_description, brief_repr
-from nereid.triton_hints import folder_hint
+from nereid.triton_hints import folder_hint, leftovers_note
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +71,9 @@ class BuiltModel:
     # What keeps the version folder it was built from (a model from an object store): released with the model.
     folder_hold: Any = None
     uses_device: bool = True  # False: it runs nothing on a device (see UsesNoDevice), reported on the CPU
+    # What the operator should know of the folder, which does not keep it from serving (Triton's files left in
+    # it): a server logs each as a WARNING at the load, nereid check writes them on the model's line.
+    notes: tuple[str, ...] = ()
 
 
 # A model object's methods the core calls as plain functions (on a thread, or inline): an ``async def`` one only
@@ -105,10 +108,11 @@ def build_model(manager: NereidPluginManager, context: ModelContext,
     A ``sys.exit()`` (or any exit) in the backend's code is its failure, a
     ConfigError naming the model, never an exit of the server or the check.
     ``stage``, when given, is told each step as it starts (see :class:`BuildStage`).
+    The built model's ``notes`` name what its folder holds that nothing reads.
     """
     stage = stage if stage is not None else BuildStage("the claim of its folder")
     try:
-        return calling_plugin(
+        built = calling_plugin(
             lambda: _build_model(manager, context, backend_defaults, defaults_source, stage),
             lambda exit_: backend_exit(context.name, exit_, "while loading it"))
     except MissingModelFile as err:
@@ -120,6 +124,10 @@ def build_model(manager: NereidPluginManager, context: ModelContext,
         if hint is None or hint in str(err):
             raise
         raise same_kind(err, f"{err}; {hint}") from err.__cause__
+    # (A folder ported in place that kept Triton's config.pbtxt and version folders loaded READY without a word:
+    # its instances, batching window and version policy dropped, another version served than Triton's.)
+    leftovers = leftovers_note(context.folder)
+    return replace(built, notes=(leftovers,)) if leftovers is not None else built
 
 
 def _build_model(manager: NereidPluginManager, context: ModelContext,

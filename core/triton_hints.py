@@ -10,8 +10,13 @@ from __future__ import annotations
 import itertools
 import re
 from pathlib import Path
+from typing import Iterable
+
+from google.protobuf import text_format
 
 from nereid.dtypes import DType
+from nereid.errors import ConfigError
+from nereid.files import read_text_file
 
 COMING_FROM_TRITON = "the README's 'Coming from Triton' maps each part"
 # The wire datatypes by the subprocess contract's names (numpy's: float32, bfloat16; bytes for BYTES), which a
@@ -22,6 +27,12 @@ _SCANNED_ENTRIES = 64
 # Triton's model file names in a version folder (its backends' defaults), when no config.pbtxt says more; and
 # nereid's own entry files put there by a user who kept Triton's layout while converting.
 _TRITON_MODEL_FILE = re.compile(r"model\.(py|onnx|plan|pt|savedmodel|graphdef|netdef)$|main\.(py|cpp)$")
+# How many of a served folder's leftover version folders its note names (the rest are counted).
+_NAMED_VERSIONS = 8
+# How much of a leftover config.pbtxt is read to name the settings it holds (Triton's are a few KiB).
+_CONFIG_READ_BYTES = 1 << 20
+# A leftover config.pbtxt's fields that say nothing once the folder serves: its backend claimed it by its files.
+_MOOT_ONCE_SERVED = frozenset({"name", "backend", "platform"})
 
 # config.pbtxt fields a textproto cannot hold, and where each goes here.
 _TRITON_FIELDS = {
@@ -53,23 +64,110 @@ _TRITON_FIELDS = {
     "metric_tags": "metrics are labelled by model name",
     "format": "an input has no image format here: declare the shape the model takes",
 }
+# The fields of _TRITON_FIELDS that Triton writes in an input {} or output {} block (the rest at the top).
+_TENSOR_FIELDS = frozenset({"optional", "format", "reshape"})
 
 
 def folder_hint(folder: Path) -> str | None:
     """``it looks like a Triton model folder (...)`` when ``folder`` holds a config.pbtxt, or a version folder
-    with a Triton model file (``1/model.onnx``: Triton completes the config of some backends itself); else None."""
+    with a Triton model file (``1/model.onnx``: Triton completes the config of some backends itself); else None.
+
+    For a load error only where the folder explains it: no backend claimed it, or the backend lacks its file."""
     try:
         if (folder / "config.pbtxt").is_file():
             return _looks_like("config.pbtxt")
-        for entry in itertools.islice(folder.iterdir(), _SCANNED_ENTRIES):
-            if entry.name.isdigit() and entry.is_dir():
-                model_file = next((f.name for f in itertools.islice(entry.iterdir(), _SCANNED_ENTRIES)
-                                   if _TRITON_MODEL_FILE.match(f.name)), None)
-                if model_file is not None:
-                    return _looks_like(f"{entry.name}/{model_file}")
+        versions = _version_folders(folder)
     except OSError:
         return None
-    return None
+    return _looks_like(versions[0]) if versions else None
+
+
+def leftovers_note(folder: Path) -> str | None:
+    """What a folder that serves still holds of Triton's, which nothing reads, and where each setting goes here
+    (``its config.pbtxt and version folders 1/, 2/ are not read, ...; remove them``); None when it holds none.
+
+    Such a folder loaded READY without a word: Triton's instances, batching window and version policy silently
+    dropped, and a version other than the one Triton served in use.
+    """
+    try:
+        config = folder / "config.pbtxt"
+        has_config = config.is_file()
+        versions = _version_folders(folder)
+    except OSError:
+        return None
+    if not has_config and not versions:
+        return None
+    folders = [file.split("/")[0] for file in versions]
+    named = [f"{name}/" for name in folders[:_NAMED_VERSIONS]] + (
+        [f"{len(folders) - _NAMED_VERSIONS} more"] if len(folders) > _NAMED_VERSIONS else [])
+    what = [*(["config.pbtxt"] if has_config else []),
+            *([f"version folder{'s' if len(folders) > 1 else ''} {', '.join(named)}"] if folders else [])]
+    several = len(folders) + has_config > 1
+    unread = []
+    fields = [field for field in _config_fields(config) if field not in _MOOT_ONCE_SERVED] if has_config else []
+    if fields:
+        unread.append(f"its {_listed(f'{field} ({_TRITON_FIELDS[field]})' for field in fields)} "
+                      f"{'do' if len(fields) > 1 else 'does'} not apply")
+    if folders:
+        unread.append(f"{', '.join(versions[:_NAMED_VERSIONS])} {'do' if len(folders) > 1 else 'does'} not run (the "
+                      "model is the files at the top of its folder, its one version 1)")
+    return (f"its {' and '.join(what)} {'are' if several else 'is'} not read{': ' if unread else ''}"
+            f"{', and '.join(unread)}; remove {'them' if several else 'it'} ({COMING_FROM_TRITON})")
+
+
+def _config_fields(config: Path) -> list[str]:
+    """The Triton fields a config.pbtxt writes (none when it cannot be read: the note names the file alone)."""
+    try:
+        return triton_fields(read_text_file(config, _CONFIG_READ_BYTES))
+    except (ConfigError, OSError):
+        return []
+
+
+def _listed(items: Iterable[str]) -> str:
+    """``a``, ``a and b``, ``a, b and c``."""
+    items = list(items)
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
+
+
+def _version_folders(folder: Path) -> list[str]:
+    """``1/model.onnx`` for each numbered folder of ``folder`` holding a Triton model file, in version order
+    (among its first entries: a folder of thousands costs no more). Raises OSError."""
+    found = []
+    for entry in itertools.islice(folder.iterdir(), _SCANNED_ENTRIES):
+        if entry.name.isdigit() and entry.is_dir():
+            model_file = next((f.name for f in itertools.islice(entry.iterdir(), _SCANNED_ENTRIES)
+                               if _TRITON_MODEL_FILE.match(f.name)), None)
+            if model_file is not None:
+                found.append((int(entry.name), f"{entry.name}/{model_file}"))
+    return [file for _, file in sorted(found)]
+
+
+def triton_fields(text: str) -> list[str]:
+    """The fields of Triton's config.pbtxt that ``text`` writes (the keys of ``_TRITON_FIELDS``), each once, in
+    order: a model's at the top level, an input's or output's (``optional``, ``reshape``) in those blocks.
+
+    A scan of protobuf's tokens (comments skipped, strings whole), where protobuf's parser stops at the first
+    field it does not know.
+    """
+    tokenizer = text_format.Tokenizer(text.split("\n"))
+    found: dict[str, None] = {}
+    blocks: list[str] = []  # the field each open {} block is the value of, outermost first
+    field = ""  # the last field name met: the one a block opened next belongs to
+    previous = ""
+    while not tokenizer.AtEnd():
+        token = tokenizer.token
+        if token in (":", "{", "<", "[") and previous.isidentifier():
+            field = previous
+            if field in _TRITON_FIELDS and (field in _TENSOR_FIELDS) == (len(blocks) == 1) \
+                    and (not blocks or blocks[0] in ("input", "output")):
+                found[field] = None
+        if token in ("{", "<"):
+            blocks.append(field)
+        elif token in ("}", ">") and blocks:
+            field = blocks.pop()  # (a list of blocks, input [ {...}, {...} ]: the next one is the same field's)
+        previous = token
+        tokenizer.NextToken()
+    return list(found)
 
 
 def _looks_like(sign: str) -> str:

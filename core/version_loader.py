@@ -249,4 +249,6 @@ class VersionLoader:
             if hold is not None:
                 hold.release()
             raise
+        for note in built.notes:  # (once per load: what the folder holds that the model ignores)
+            log.warning("model '%s': %s", context.name, note)
         return replace(built, folder_hold=hold)

@@ -3,10 +3,12 @@ acting as a Triton user moving to nereid)."""
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
 
+from support import NEREID
 from nereid import hookspecs
 from nereid.backend import BackendClaim, ModelContext
 from nereid.errors import ConfigError
@@ -14,7 +16,7 @@ from nereid.model_building import build_model
 from nereid.plugins import make_plugin_manager
 from nereid.settings import ModelSettings
 from nereid.signature import load_textproto_signature
-from nereid.triton_hints import folder_hint
+from nereid.triton_hints import folder_hint, leftovers_note, triton_fields
 
 LOOKS_LIKE = ("it looks like a Triton model folder ({}): nereid reads no config.pbtxt and no version folders; "
               "the README's 'Coming from Triton' maps each part")
@@ -181,3 +183,78 @@ def test_each_backend_missing_its_file_in_a_triton_folder_keeps_the_triton_hint(
         _build(tmp_path, folder, ModelSettings("m", backend=backend))
     assert missing in str(refused.value), str(refused.value)
     assert str(refused.value).endswith("; " + LOOKS_LIKE.format("config.pbtxt")), str(refused.value)
+
+
+# A config.pbtxt as Triton's Python backend has it, with the settings a port must carry over.
+TRITON_CONFIG = """name: "text_len"
+backend: "python"
+max_batch_size: 8
+input [ { name: "TEXT" data_type: TYPE_STRING dims: [ 1 ] } ]
+output [ { name: "LEN" data_type: TYPE_INT32 dims: [ 1 ] } ]
+dynamic_batching { preferred_batch_size: [ 4 ] max_queue_delay_microseconds: 5000 }
+instance_group [ { count: 3 kind: KIND_CPU } ]
+version_policy: { specific: { versions: [2] } }
+"""
+DROPPED = ("its dynamic_batching (dynamic batching is nereid.yaml's batching: (max_queue_delay_ms, "
+           "preferred_batch_sizes)), instance_group (instances are nereid.yaml's instances: and device:) and "
+           "version_policy (every model has the one version 1) do not apply")
+
+
+def test_triton_fields_are_found_where_triton_writes_them() -> None:
+    text = TRITON_CONFIG + 'input [ { name: "B" reshape: { shape: [ ] } } ]\n# optional: true\nparameters {}\n'
+    assert triton_fields(text) == ["name", "backend", "dynamic_batching", "instance_group", "version_policy",
+                                   "reshape", "parameters"]
+    # A block's own "name" is no Triton field, nor one written as a value, in a string or in a comment.
+    assert triton_fields('input { name: "parameters" }\ninstance_group [ { name: "g" } ] # name: "x"\n') == [
+        "instance_group"]
+
+
+@pytest.mark.parametrize("files, note", [
+    ({"config.pbtxt": TRITON_CONFIG, "1/model.py": "", "2/model.py": ""},
+     f"its config.pbtxt and version folders 1/, 2/ are not read: {DROPPED}, and 1/model.py, 2/model.py do not run "
+     "(the model is the files at the top of its folder, its one version 1); remove them (the README's 'Coming from "
+     "Triton' maps each part)"),
+    ({"config.pbtxt": 'name: "m"\nbackend: "onnxruntime"\n'},  # (what is moot once served is not named)
+     "its config.pbtxt is not read; remove it (the README's 'Coming from Triton' maps each part)"),
+    ({"10/model.onnx": "", "9/model.plan": "", "3/weights.bin": ""},
+     "its version folders 9/, 10/ are not read: 9/model.plan, 10/model.onnx do not run (the model is the files at "
+     "the top of its folder, its one version 1); remove them ("),
+    ({"main.py": "", "model_inference.textproto": ""}, None),
+])
+def test_what_a_served_folder_keeps_of_triton_s_is_named_with_where_it_goes(tmp_path, files, note) -> None:
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    said = leftovers_note(tmp_path)
+    assert said == note if note is None or note.endswith(")") else said.startswith(note), said
+
+
+def _ported_text_len(models_dir: Path) -> Path:
+    """The migration hunt's folder: main.py and the textproto added in place, Triton's files kept."""
+    folder = models_dir / "text_len"
+    for version in ("1", "2"):
+        (folder / version).mkdir(parents=True)
+        (folder / version / "model.py").write_text("class TritonPythonModel:\n    pass\n")
+    (folder / "config.pbtxt").write_text(TRITON_CONFIG)
+    (folder / "main.py").write_text("print('never run here')\n")
+    (folder / "model_inference.textproto").write_text(
+        'max_batch_size: 8\ninput { name: "TEXT" data_type: "BYTES" dims: [1] }\n'
+        'output { name: "LEN" data_type: "INT32" dims: [1] }\n')
+    return folder
+
+
+def test_nereid_check_notes_the_triton_files_a_model_that_loads_ignores(repo) -> None:
+    """Defect: a folder ported in place that kept config.pbtxt (3 instances, a batching window, version 2) and its
+    version folders was 'OK' without a word, and served 1 instance, no window, version 1."""
+    _ported_text_len(repo.models_dir)
+    repo.python("clean")
+    result = subprocess.run([*NEREID, "check", "--config", str(repo.write_config())], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr  # (a note, not a problem: it serves)
+    lines = {line.split(":")[0]: line for line in result.stdout.splitlines()}
+    assert lines["text_len"].startswith("text_len: OK backend=python "), lines["text_len"]
+    assert lines["text_len"].endswith("; note: its config.pbtxt and version folders 1/, 2/ are not read: "
+                                      f"{DROPPED}, and 1/model.py, 2/model.py do not run (the model is the files "
+                                      "at the top of its folder, its one version 1); remove them (the README's "
+                                      "'Coming from Triton' maps each part)"), lines["text_len"]
+    assert "note" not in lines["clean"] and "Triton" not in result.stderr, lines["clean"]

@@ -336,3 +336,28 @@ def test_a_load_abandoned_while_a_claim_hook_hangs_says_the_claim_held_it(tmp_pa
     while UNLOADS["held"] == unloads and time.monotonic() < deadline:
         time.sleep(0.01)
     assert UNLOADS["held"] == unloads + 1
+
+
+def test_a_folder_that_keeps_triton_s_files_is_warned_of_once_per_load(tmp_path, caplog):
+    """The migration hunt: a folder that kept its config.pbtxt and version folders loaded READY without a word,
+    its instances, batching window and version policy dropped."""
+    loader, settings = setup(tmp_path, toys=("kept",))
+    folder = settings.server.ml_backends_path / "kept"
+    (folder / "config.pbtxt").write_text('name: "kept"\ninstance_group [ { count: 3 } ]\n')
+    (folder / "1").mkdir()
+    (folder / "1" / "model.py").write_text("")
+    entry = entry_for(settings, "kept")
+    caplog.set_level(logging.WARNING, "nereid.repository")
+
+    def warnings() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+    async def scenario() -> None:
+        for load in (1, 2):
+            await released(await loader.load(entry, ModelStats(), settings))
+            assert len(warnings()) == load, warnings()
+    asyncio.run(scenario())
+    assert warnings()[0] == ("model 'kept': its config.pbtxt and version folder 1/ are not read: its instance_group "
+                             "(instances are nereid.yaml's instances: and device:) does not apply, and 1/model.py does "
+                             "not run (the model is the files at the top of its folder, its one version 1); remove "
+                             "them (the README's 'Coming from Triton' maps each part)")
