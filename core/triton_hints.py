@@ -51,7 +51,11 @@ _TRITON_FIELDS = {
                            "model.py)",
     "sequence_batching": "nereid has no sequence batching: a stateful model keeps its state itself (a backend "
                          "plugin)",
-    "parameters": "a model's own settings are nereid.yaml's runtime: (or its files)",
+    # (runtime: refuses any key but its backend's options: the hint sent a python model's settings there, to be
+    # refused in turn; the migration hunt.)
+    "parameters": "nereid.yaml's runtime: holds its backend's options only, and refuses any other key: a python, "
+                  "cpp or meta model reads its own settings from a file in its folder (a python or cpp run starts "
+                  "in the folder; a meta model's model.py finds it beside its __file__)",
     "model_warmup": "nereid sends no warm-up requests: a model warms itself in its load (a bundle is compiled "
                     "at load)",
     "response_cache": "nereid has no response cache",

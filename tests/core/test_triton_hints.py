@@ -77,8 +77,11 @@ def test_a_triton_model_folder_is_told_by_its_config_or_its_version_folder(tmp_p
     ('input [ { name: "x" data_type: "FP32" format: FORMAT_NHWC dims: [ 4 ] } ]\n',
      "(format is a field of Triton's config.pbtxt: an input has no image format here: declare the shape the model "
      "takes; "),
+    # (The migration hunt: it sent a python model's settings to runtime:, which refuses them.)
     ('input [ { name: "x" data_type: "FP32" dims: [ 4 ] } ]\nparameters { key: "k" value { string_value: "v" } }\n',
-     "(parameters is a field of Triton's config.pbtxt: a model's own settings are nereid.yaml's runtime: "),
+     "(parameters is a field of Triton's config.pbtxt: nereid.yaml's runtime: holds its backend's options only, "
+     "and refuses any other key: a python, cpp or meta model reads its own settings from a file in its folder (a "
+     "python or cpp run starts in the folder; a meta model's model.py finds it beside its __file__); "),
 ])
 def test_a_config_pbtxt_written_as_a_textproto_is_told_where_each_triton_field_goes(tmp_path, text, hint) -> None:
     """Defect: protobuf's 'has no field named "dynamic_batching"' or 'Expected string but found: TYPE_FP32', or a
