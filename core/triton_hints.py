@@ -56,8 +56,11 @@ _TRITON_FIELDS = {
     "parameters": "nereid.yaml's runtime: holds its backend's options only, and refuses any other key: a python, "
                   "cpp or meta model reads its own settings from a file in its folder (a python or cpp run starts "
                   "in the folder; a meta model's model.py finds it beside its __file__)",
-    "model_warmup": "nereid sends no warm-up requests: a model warms itself in its load (a bundle is compiled "
-                    "at load)",
+    # (A python or cpp model has no load hook to warm itself in: say what each has.)
+    "model_warmup": "nereid sends no warm-up requests: a python model's warm start imports what main.py imports "
+                    "once, at its load (its top-level code runs per batch: the README's 'Warm start'), a cpp "
+                    "model's main.cpp and a bundle are compiled at their load, and a plugin's model warms itself "
+                    "in its load()",
     "response_cache": "nereid has no response cache",
     "default_model_filename": "a model's files are named by its backend (main.py, main.cpp, manifest.yaml)",
     "label_filename": "nereid has no label files: classification answers with class indexes",
@@ -67,9 +70,18 @@ _TRITON_FIELDS = {
     "cc_model_filenames": "a model's files are named by its backend",
     "metric_tags": "metrics are labelled by model name",
     "format": "an input has no image format here: declare the shape the model takes",
+    # (Ragged batching's: batch_input had "did you mean input?", the others only the list of valid fields.)
+    "batch_input": "nereid has no batch inputs (nor ragged batching): a batch's inputs hold its requests' rows "
+                   "along the batch axis, and their shapes tell the model how many",
+    "batch_output": "nereid has no batch outputs (nor ragged batching): each output is split back by rows along "
+                    "the batch axis",
+    "allow_ragged_batch": "nereid has no ragged batching: requests batch together only when their shapes past "
+                          "the batch axis match (one that differs starts the next batch)",
+    "is_shape_tensor": "nereid has no shape tensors: an input's values are data, and a model reads the shapes "
+                       "it needs from its tensors",
 }
 # The fields of _TRITON_FIELDS that Triton writes in an input {} or output {} block (the rest at the top).
-_TENSOR_FIELDS = frozenset({"optional", "format", "reshape"})
+_TENSOR_FIELDS = frozenset({"optional", "format", "reshape", "allow_ragged_batch", "is_shape_tensor"})
 
 
 def folder_hint(folder: Path) -> str | None:

@@ -77,6 +77,26 @@ def test_a_triton_model_folder_is_told_by_its_config_or_its_version_folder(tmp_p
     ('input [ { name: "x" data_type: "FP32" format: FORMAT_NHWC dims: [ 4 ] } ]\n',
      "(format is a field of Triton's config.pbtxt: an input has no image format here: declare the shape the model "
      "takes; "),
+    # (The migration hunt: batch_input had "did you mean input?", the others the list of valid fields; model_warmup
+    # said "a model warms itself in its load", which a python or cpp model has no hook for.)
+    ('input [ { name: "x" data_type: "FP32" dims: [ 4 ] } ]\nbatch_input [ { kind: BATCH_ELEMENT_COUNT } ]\n',
+     "(batch_input is a field of Triton's config.pbtxt: nereid has no batch inputs (nor ragged batching): a "
+     "batch's inputs hold its requests' rows along the batch axis, and their shapes tell the model how many; "),
+    ('input [ { name: "x" data_type: "FP32" dims: [ 4 ] } ]\nbatch_output [ { kind: BATCH_SCATTER_WITH_INPUT_SHAPE '
+     '} ]\n',
+     "(batch_output is a field of Triton's config.pbtxt: nereid has no batch outputs (nor ragged batching): each "
+     "output is split back by rows along the batch axis; "),
+    ('input [ { name: "x" data_type: "FP32" dims: [ -1 ] allow_ragged_batch: true } ]\n',
+     "(allow_ragged_batch is a field of Triton's config.pbtxt: nereid has no ragged batching: requests batch "
+     "together only when their shapes past the batch axis match (one that differs starts the next batch); "),
+    ('input [ { name: "x" data_type: "INT32" dims: [ 2 ] is_shape_tensor: true } ]\n',
+     "(is_shape_tensor is a field of Triton's config.pbtxt: nereid has no shape tensors: an input's values are "
+     "data, and a model reads the shapes it needs from its tensors; "),
+    ('input [ { name: "x" data_type: "FP32" dims: [ 4 ] } ]\nmodel_warmup [ { name: "w" batch_size: 1 } ]\n',
+     "(model_warmup is a field of Triton's config.pbtxt: nereid sends no warm-up requests: a python model's warm "
+     "start imports what main.py imports once, at its load (its top-level code runs per batch: the README's 'Warm "
+     "start'), a cpp model's main.cpp and a bundle are compiled at their load, and a plugin's model warms itself "
+     "in its load(); "),
     # (The migration hunt: it sent a python model's settings to runtime:, which refuses them.)
     ('input [ { name: "x" data_type: "FP32" dims: [ 4 ] } ]\nparameters { key: "k" value { string_value: "v" } }\n',
      "(parameters is a field of Triton's config.pbtxt: nereid.yaml's runtime: holds its backend's options only, "
