@@ -108,7 +108,7 @@ def load_textproto_signature(path: Path) -> ModelSignature:
         text_format.Parse(text, message)
     except text_format.ParseError as err:
         problem = _parse_problem(err, text)
-        hint = textproto_hint(problem) or unknown_field_hint(problem)
+        hint = textproto_hint(problem, text) or unknown_field_hint(problem)
         raise ConfigError(cap_message(f"{path}:{problem}{hint}")) from None
     except RecursionError:
         raise ConfigError(f"{path}: nested too deeply to parse") from None

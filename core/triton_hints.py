@@ -165,10 +165,17 @@ def triton_fields(text: str) -> list[str]:
     A scan of protobuf's tokens (comments skipped, strings whole), where protobuf's parser stops at the first
     field it does not know.
     """
+    return _scan(text)[0]
+
+
+def _scan(text: str) -> tuple[list[str], list[str]]:
+    """``text``'s Triton fields (see :func:`triton_fields`) and Triton datatypes (``TYPE_FP32``, quoted or not, as a
+    data_type's value), each once, in order."""
     tokenizer = text_format.Tokenizer(text.split("\n"))
-    found: dict[str, None] = {}
+    fields: dict[str, None] = {}
+    datatypes: dict[str, None] = {}
     blocks: list[str] = []  # the field each open {} block is the value of, outermost first
-    field = ""  # the last field name met: the one a block opened next belongs to
+    field = ""  # the last field name met: the one a block opened next (or a value) belongs to
     previous = ""
     while not tokenizer.AtEnd():
         token = tokenizer.token
@@ -176,14 +183,36 @@ def triton_fields(text: str) -> list[str]:
             field = previous
             if field in _TRITON_FIELDS and (field in _TENSOR_FIELDS) == (len(blocks) == 1) \
                     and (not blocks or blocks[0] in ("input", "output")):
-                found[field] = None
+                fields[field] = None
+        elif previous == ":" and field == "data_type" and token.strip('"').startswith("TYPE_"):
+            datatypes[token.strip('"')] = None
         if token in ("{", "<"):
             blocks.append(field)
         elif token in ("}", ">") and blocks:
             field = blocks.pop()  # (a list of blocks, input [ {...}, {...} ]: the next one is the same field's)
         previous = token
         tokenizer.NextToken()
-    return list(found)
+    return list(fields), list(datatypes)
+
+
+def _more_of_triton(text: str, said: str) -> str:
+    """``; the text holds more of Triton's config.pbtxt, ...``: each Triton field and datatype of ``text`` but
+    ``said`` (the one protobuf refused), with where it goes; "" when there is none.
+
+    protobuf stops at the first field it does not know: a config.pbtxt copied as the textproto took a run of
+    nereid check per field (seven for a typical one) to learn them all.
+    """
+    fields, datatypes = _scan(text) if text else ([], [])
+    more = [f"{field} ({_TRITON_FIELDS[field]})" for field in fields if field != said]
+    more += [f'data_type {name} (write "{_kserve_name(name)}")' for name in datatypes
+             if name != said and _is_datatype(_kserve_name(name))]
+    return f"; the text holds more of Triton's config.pbtxt, each refused in turn: {', '.join(more)}" if more else ""
+
+
+def _kserve_name(triton_datatype: str) -> str:
+    """KServe's name for a Triton datatype: TYPE_FP32 is FP32, TYPE_STRING is BYTES."""
+    bare = triton_datatype.removeprefix("TYPE_")
+    return "BYTES" if bare == "STRING" else bare
 
 
 def _looks_like(sign: str) -> str:
@@ -200,14 +229,16 @@ def python_model_hint(sign: str = "") -> str:
             "NEREID_OUTPUT_PATH names (the README's 'Coming from Triton', its TritonPythonModel row)")
 
 
-def textproto_hint(problem: str) -> str:
+def textproto_hint(problem: str, text: str = "") -> str:
     """What to add to protobuf's ``problem`` with a model_inference.textproto written as a config.pbtxt ("" when
-    it is no such problem): a Triton field, or an unquoted ``TYPE_FP32``."""
+    it is no such problem): a Triton field, or an unquoted ``TYPE_FP32``; and, given the file's ``text``, every
+    other Triton field and datatype it holds, which protobuf would refuse one run at a time."""
     field = re.search(r'has no field named "(\w+)"', problem)
     if field is not None:
         where = _TRITON_FIELDS.get(field.group(1))
         if where is not None:
-            return f" ({field.group(1)} is a field of Triton's config.pbtxt: {where}; {COMING_FROM_TRITON})"
+            return (f" ({field.group(1)} is a field of Triton's config.pbtxt: {where}"
+                    f"{_more_of_triton(text, field.group(1))}; {COMING_FROM_TRITON})")
         return ""
     unquoted = re.search(r"Expected string but found: '(\w+)'", problem)
     if unquoted is not None:
@@ -215,7 +246,8 @@ def textproto_hint(problem: str) -> str:
         # (The message names no field: a datatype's name unquoted is most likely data_type's, but say only what
         # holds for any string field.)
         hint = datatype_hint(found) or (f'a string is quoted: "{found}"' if _is_datatype(found) else "")
-        return f" ({hint})" if hint else ""
+        more = _more_of_triton(text, found) if found.startswith("TYPE_") else ""
+        return f" ({hint}{more}{f'; {COMING_FROM_TRITON}' if more else ''})" if hint else ""
     return ""
 
 

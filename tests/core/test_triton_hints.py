@@ -281,3 +281,34 @@ def test_nereid_check_notes_the_triton_files_a_model_that_loads_ignores(repo) ->
                                       "at the top of its folder, its one version 1); remove them (the README's "
                                       "'Coming from Triton' maps each part)"), lines["text_len"]
     assert "note" not in lines["clean"] and "Triton" not in result.stderr, lines["clean"]
+
+
+def test_a_config_pbtxt_copied_as_the_textproto_is_told_every_triton_field_in_one_refusal(tmp_path) -> None:
+    """Defect (the migration hunt): protobuf stops at the first field it does not know, so a typical config.pbtxt
+    took seven runs of nereid check, one Triton field (or datatype) told each time."""
+    path = tmp_path / "model_inference.textproto"
+    path.write_text(TRITON_CONFIG + 'parameters { key: "k" value { string_value: "v" } }\n')
+    with pytest.raises(ConfigError) as refused:
+        load_textproto_signature(path)
+    said = str(refused.value)
+    assert said.startswith(f'{path}:1:1 : Message type "nereid.ModelInference" has no field named "name". (name is '
+                           "a field of Triton's config.pbtxt: a model's name is its folder's; the text holds more of "
+                           "Triton's config.pbtxt, each refused in turn: backend (a model's backend is told by its "
+                           "files (or nereid.yaml's backend:)), dynamic_batching (dynamic batching is "), said
+    for more in ("), instance_group (instances are", "), version_policy (every model has the one version 1), "
+                 "parameters (nereid.yaml's runtime: holds", '), data_type TYPE_STRING (write "BYTES"), data_type '
+                 'TYPE_INT32 (write "INT32"); the README\'s \'Coming from Triton\' maps each part)'):
+        assert more in said, said
+    assert said.count("Triton's config.pbtxt") == 2 and said.count("(name is") == 1, said
+
+
+def test_a_triton_datatype_refused_first_is_told_with_the_triton_fields_after_it(tmp_path) -> None:
+    path = tmp_path / "model_inference.textproto"
+    path.write_text('input [ { name: "x" data_type: TYPE_FP32 dims: [ 4 ] } ]\n'
+                    'output [ { name: "y" data_type: TYPE_FP32 dims: [ 4 ] } ]\ninstance_group [ { count: 2 } ]\n')
+    with pytest.raises(ConfigError) as refused:
+        load_textproto_signature(path)
+    assert str(refused.value).endswith(
+        """Expected string but found: 'TYPE_FP32' (write data_type: "FP32" (KServe's name for Triton's TYPE_FP32, """
+        "quoted); the text holds more of Triton's config.pbtxt, each refused in turn: instance_group (instances are "
+        "nereid.yaml's instances: and device:); the README's 'Coming from Triton' maps each part)"), str(refused.value)
