@@ -8,6 +8,7 @@ protobuf's "has no field named ..." or the generic list of each backend's files.
 from __future__ import annotations
 
 import itertools
+import os
 import re
 from pathlib import Path
 from typing import Iterable
@@ -27,6 +28,12 @@ _SCANNED_ENTRIES = 64
 # Triton's model file names in a version folder (its backends' defaults), when no config.pbtxt says more; and
 # nereid's own entry files put there by a user who kept Triton's layout while converting.
 _TRITON_MODEL_FILE = re.compile(r"model\.(py|onnx|plan|pt|savedmodel|graphdef|netdef)$|main\.(py|cpp)$")
+# How much of a model.py is read for the signs of Triton's Python backend (its imports come first).
+_MODEL_PY_READ_BYTES = 1 << 16
+# What a model of Triton's Python backend is told of the python backend's contract.
+_PYTHON_CONTRACT = ("nereid calls no TritonPythonModel: main.py's top-level code is run once per batch, reading its "
+                    "inputs from stdin and writing its outputs to the file NEREID_OUTPUT_PATH names (the README's "
+                    "'Coming from Triton', its TritonPythonModel row)")
 # How many of a served folder's leftover version folders its note names (the rest are counted).
 _NAMED_VERSIONS = 8
 # How much of a leftover config.pbtxt is read to name the settings it holds (Triton's are a few KiB).
@@ -86,16 +93,37 @@ _TENSOR_FIELDS = frozenset({"optional", "format", "reshape", "allow_ragged_batch
 
 def folder_hint(folder: Path) -> str | None:
     """``it looks like a Triton model folder (...)`` when ``folder`` holds a config.pbtxt, or a version folder
-    with a Triton model file (``1/model.onnx``: Triton completes the config of some backends itself); else None.
+    with a Triton model file (``1/model.onnx``: Triton completes the config of some backends itself); that its
+    ``model.py`` is Triton's Python backend's file, under its name, where a python model's is main.py; else None.
 
     For a load error only where the folder explains it: no backend claimed it, or the backend lacks its file."""
     try:
         if (folder / "config.pbtxt").is_file():
-            return _looks_like("config.pbtxt")
-        versions = _version_folders(folder)
+            signs = [_looks_like("config.pbtxt")]
+        else:
+            signs = [_looks_like(file) for file in _version_folders(folder)[:1]]
+        model_py = _triton_model_py(folder)
     except OSError:
         return None
-    return _looks_like(versions[0]) if versions else None
+    if model_py is not None:
+        # (A Triton 1/model.py moved to the top, its name kept, got only "no backend claims the folder", or with
+        # backend: python "missing main.py", not a word of the file there.)
+        signs.append(f"model.py {model_py}, as Triton's Python backend's file does: the python backend's entry "
+                     f"file is main.py (rename model.py to main.py), and {_PYTHON_CONTRACT}")
+    return "; ".join(signs) or None
+
+
+def _triton_model_py(folder: Path) -> str | None:
+    """What shows a ``model.py`` at the top of ``folder`` is Triton's Python backend's (``names
+    TritonPythonModel``), when the folder has no main.py and no manifest.yaml (a bundle's or meta model's
+    model.py is theirs); else None. Raises OSError."""
+    path = folder / "model.py"
+    if not path.is_file() or any(os.path.lexists(folder / name) for name in ("main.py", "manifest.yaml")):
+        return None
+    with path.open("rb") as file:
+        head = file.read(_MODEL_PY_READ_BYTES)
+    return next((f"names {word.decode()}" for word in (b"triton_python_backend_utils", b"TritonPythonModel")
+                 if word in head), None)
 
 
 def leftovers_note(folder: Path) -> str | None:
@@ -223,10 +251,7 @@ def _looks_like(sign: str) -> str:
 def python_model_hint(sign: str = "") -> str:
     """What to tell of a ``main.py`` that ``sign`` shows is a model of Triton's Python backend (``imports
     triton_python_backend_utils``; no ``sign`` where the message names it already)."""
-    return (f"{f'main.py {sign}: ' if sign else ''}a model of Triton's Python backend? nereid calls no "
-            "TritonPythonModel: main.py's "
-            "top-level code is run once per batch, reading its inputs from stdin and writing its outputs to the file "
-            "NEREID_OUTPUT_PATH names (the README's 'Coming from Triton', its TritonPythonModel row)")
+    return f"{f'main.py {sign}: ' if sign else ''}a model of Triton's Python backend? {_PYTHON_CONTRACT}"
 
 
 def textproto_hint(problem: str, text: str = "") -> str:

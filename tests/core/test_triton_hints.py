@@ -312,3 +312,44 @@ def test_a_triton_datatype_refused_first_is_told_with_the_triton_fields_after_it
         """Expected string but found: 'TYPE_FP32' (write data_type: "FP32" (KServe's name for Triton's TYPE_FP32, """
         "quoted); the text holds more of Triton's config.pbtxt, each refused in turn: instance_group (instances are "
         "nereid.yaml's instances: and device:); the README's 'Coming from Triton' maps each part)"), str(refused.value)
+
+
+MODEL_PY_HINT = ("model.py names {}, as Triton's Python backend's file does: the python backend's entry file is "
+                 "main.py (rename model.py to main.py), and nereid calls no TritonPythonModel: main.py's top-level "
+                 "code is run once per batch, reading its inputs from stdin and writing its outputs to the file "
+                 "NEREID_OUTPUT_PATH names (the README's 'Coming from Triton', its TritonPythonModel row)")
+
+
+@pytest.mark.parametrize("files, hint", [
+    ({"model.py": "class TritonPythonModel:\n    pass\n"}, MODEL_PY_HINT.format("TritonPythonModel")),
+    ({"model.py": "import triton_python_backend_utils as pb_utils\n"},
+     MODEL_PY_HINT.format("triton_python_backend_utils")),
+    ({"model.py": "class TritonPythonModel: pass\n", "config.pbtxt": ""},
+     LOOKS_LIKE.format("config.pbtxt") + "; " + MODEL_PY_HINT.format("TritonPythonModel")),
+    ({"model.py": "print('a helper')\n"}, None),  # no sign of Triton's
+    ({"model.py": "class TritonPythonModel: pass\n", "main.py": ""}, None),  # a helper beside main.py
+    ({"model.py": "class TritonPythonModel: pass\n", "manifest.yaml": ""}, None),  # a bundle's or meta model's
+])
+def test_a_triton_model_py_at_the_top_is_told_the_python_entry_file_is_main_py(tmp_path, files, hint) -> None:
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    (tmp_path / "model_inference.textproto").write_text("input_shape: [4]\noutput_shape: [4]\n")
+    assert folder_hint(tmp_path) == hint
+
+
+@pytest.mark.parametrize("backend, reason", [
+    (None, "no backend claims the folder "),
+    ("python", "model 'm': missing main.py in "),
+])
+def test_a_triton_model_py_moved_to_the_top_is_told_to_be_main_py(tmp_path, backend, reason) -> None:
+    """Defect (the migration hunt): Triton's 1/model.py moved next to the textproto, its name kept, got only the
+    generic "no backend claims the folder" (with backend: python, only "missing main.py")."""
+    folder = tmp_path / "ml-backends" / "m"
+    folder.mkdir(parents=True)
+    (folder / "model.py").write_text("import triton_python_backend_utils as pb_utils\n\n\nclass TritonPythonModel:\n"
+                                     "    def execute(self, requests):\n        return []\n")
+    (folder / "model_inference.textproto").write_text("input_shape: [4]\noutput_shape: [4]\n")
+    with pytest.raises(ConfigError) as refused:
+        _build(tmp_path, folder, ModelSettings("m", backend=backend))
+    assert reason in str(refused.value), str(refused.value)
+    assert str(refused.value).endswith("; " + MODEL_PY_HINT.format("triton_python_backend_utils")), str(refused.value)
