@@ -204,8 +204,8 @@ class MetaModel:
         if (reason := not_regular_reason(manifest_path)) is not None:
             raise ConfigError(reason)
         if not manifest_path.is_file():
-            raise MissingModelFile(f"model '{name}': {folder} has no {MANIFEST_NAME} (a meta model holds {MANIFEST_NAME} "
-                              f"with meta: true and a {MODEL_PY})")
+            raise MissingModelFile(f"model '{name}': {folder} has no {MANIFEST_NAME} (a meta model holds "
+                                   f"{MANIFEST_NAME} with meta: true and a {MODEL_PY})")
         manifest = load_manifest(manifest_path)
         if not manifest.is_meta:
             raise ConfigError(f"model '{name}': {manifest_path}: meta: the meta backend serves manifests with "

@@ -102,8 +102,8 @@ def require_manifest(folder: Path) -> Path:
     if (reason := not_regular_reason(manifest_path)) is not None:
         raise ConfigError(reason)
     if not manifest_path.is_file():
-        raise MissingModelFile(f"{folder}: missing {MANIFEST_NAME} (a bundle holds {MANIFEST_NAME}, model*.mlir and "
-                          "usually weights.safetensors)")
+        raise MissingModelFile(f"{folder}: missing {MANIFEST_NAME} (a bundle holds {MANIFEST_NAME}, model*.mlir "
+                               "and usually weights.safetensors)")
     return manifest_path
 
 
