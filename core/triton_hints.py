@@ -2,7 +2,9 @@
 
 nereid reads no ``config.pbtxt`` and no version folders (the README's
 "Coming from Triton" maps each part). Without a hint, such a user got only
-protobuf's "has no field named ..." or the generic list of each backend's files.
+protobuf's "has no field named ..." or the generic list of each backend's files;
+and a folder that serves with Triton's files still in it, not a word of them
+(:func:`leftovers_note`).
 """
 
 from __future__ import annotations
