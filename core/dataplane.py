@@ -30,7 +30,7 @@ from nereid.repository import ModelRepository
 from nereid.scheduler import REQUEST_STARTED, ModelScheduler, QueueRefusal
 from nereid.stats import ModelStats, RequestTiming
 from nereid.settings import Settings
-from nereid.signature import duplicated, validate_inputs
+from nereid.signature import ModelSignature, duplicated, validate_inputs
 from nereid.tensors import InferRequest, InferResponse, NamedTensor
 
 log = logging.getLogger(__name__)
@@ -231,9 +231,11 @@ class DataPlane:
             raise NotFound(PublicText(f"model '{name}' has no version '{version}' (nereid serves version "
                                       f"{MODEL_VERSION})"))
 
-    def check_target(self, name: str, version: str) -> None:
+    def check_target(self, name: str, version: str) -> ModelSignature:
         """What the protocols ask before they read a request's body: :meth:`check_version`, then Unavailable for a
-        model that is not ready; the caller counts what it answers with :meth:`refused`.
+        model that is not ready; the caller counts what it answers with :meth:`refused`. Returns the ready model's
+        client-facing signature, whose input datatypes the decoders check before reading any tensor's elements
+        (:meth:`infer` validates the request against the version that serves it, all of it, again).
 
         As Triton answers: it finds the model before it reads the inputs, so a
         malformed request to a model still loading is told to come back later
@@ -242,7 +244,7 @@ class DataPlane:
         self.check_version(name, version)
         # Not counted here: the protocols count what they answer (refused), which may be the listener's 400 for a
         # body it could not read rather than this (a waiting model's statistics said "unavailable"; a bug hunt).
-        self.repository.ready_model(name)
+        return self.repository.ready_model(name).signature
 
     def _ready_or_refused(self, name: str) -> LoadedModel:
         """The ready model behind ``name``; NotFound, or Unavailable counted against a version loaded but not

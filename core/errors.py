@@ -36,6 +36,14 @@ class Unavailable(NereidError):
     reason = "unavailable"
 
 
+class OutOfMemory(Unavailable):
+    """The server ran out of memory reading or decoding a request (or answering one): UNAVAILABLE (HTTP 503), as
+    other passing conditions of the server are. Counted as a server-side failure (``internal``, as a model fault
+    is), not as the client's ``invalid_argument``: the same request may well succeed later."""
+
+    reason = "internal"
+
+
 class ModelRetired(Unavailable):
     """A model version that no longer takes requests refused one at admission (it is being unloaded or replaced).
 

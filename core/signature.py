@@ -82,6 +82,12 @@ class ModelSignature:
         """The declared output names, in order."""
         return [spec.name for spec in self.outputs]
 
+    @functools.cached_property
+    def input_datatypes(self) -> dict[str, DType]:
+        """Each declared input's datatype, by name (what the wire decoders check before reading a tensor's
+        elements: see :func:`check_datatype`)."""
+        return {spec.name: spec.dtype for spec in self.inputs}
+
 
 
 @dataclass(frozen=True)
@@ -304,12 +310,7 @@ def validate_inputs(model: str, signature: ModelSignature, tensors: list[NamedTe
                 f"model '{model}': missing input '{spec.name}' (expected inputs: {_names(specs)}; "
                 f"received: {', '.join(repr(t.name) for t in tensors) or 'none'})"
             )
-        if tensor.dtype is not spec.dtype:
-            raise _refusal(
-                f"model '{model}': input '{spec.name}' has datatype {_tag(tensor.dtype)}, "
-                f"expected {spec.dtype.kserve}"
-                + ("" if isinstance(tensor.dtype, DType) else f" (a nereid DType: DType.{spec.dtype.name})")
-            )
+        check_datatype(model, spec.name, tensor.dtype, spec.dtype)
         data = tensor.data
         if type(data) is not np.ndarray and not isinstance(data, np.ndarray):
             if not isinstance(data, np.generic):
@@ -367,6 +368,20 @@ def validate_inputs(model: str, signature: ModelSignature, tensors: list[NamedTe
         raise _refusal(f"model '{model}': inputs disagree on the batch size ({described})")
     first = sizes[0] if sizes else None
     return ValidatedInputs(ordered, first or 1, signature.batches and first is None)
+
+
+def check_datatype(model: str, name: str, dtype: Any, expected: DType) -> None:
+    """InvalidArgument (a PublicText) when input ``name``, tagged ``dtype``, is declared ``expected``.
+
+    :func:`validate_inputs` asks it of every input; the wire decoders ask it of a tensor the model declares as soon
+    as its datatype is read, before any of its elements is: a BYTES tensor of 13 million 1-byte elements sent to an
+    FP32 input was split into as many Python objects (4.9 s, +880 MiB) only to be refused with this message.
+    """
+    if dtype is not expected:
+        raise _refusal(
+            f"model '{model}': input '{name}' has datatype {_tag(dtype)}, expected {expected.kserve}"
+            + ("" if isinstance(dtype, DType) else f" (a nereid DType: DType.{expected.name})")
+        )
 
 
 def check_outputs(model: str, signature: ModelSignature, outputs: Sequence[NamedTensor],

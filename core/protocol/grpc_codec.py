@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Iterable
+from typing import Iterable, Mapping
 
 import numpy as np
 from google.protobuf.message import DecodeError
@@ -17,7 +17,7 @@ from nereid.protocol.wire import (SCHEDULING_PARAMETERS, SEQUENCE_ID_PARAMETER, 
                                   TIMEOUT_PARAMETER, check_scheduling_parameters, class_count,
                                   decode_raw, refuse_shared_memory, wire_dtype, wire_shape)
 from nereid.errors import PublicText
-from nereid.signature import brief_repr
+from nereid.signature import brief_repr, check_datatype
 from nereid.tensors import InferRequest, InferResponse, NamedTensor, bytes_array, tensor_buffer, tensor_bytes
 
 
@@ -106,9 +106,14 @@ def _varint(data: bytes, position: int) -> tuple[int, int]:
 
 def decode_infer_request(msg: pb.ModelInferRequest, time_remaining_s: float | None,
                          raws: list[bytes | memoryview] | None = None,
-                         sampled_ns: int | None = None) -> InferRequest:
+                         sampled_ns: int | None = None, declared: Mapping[str, DType] | None = None) -> InferRequest:
     """Decode a ModelInferRequest; ``time_remaining_s`` is the gRPC deadline's remaining budget at ``sampled_ns``
     (the monotonic instant it was read; None: as this call starts).
+
+    ``declared``: the model's input datatypes by name (its signature's ``input_datatypes``; None: not checked
+    here). A tensor of a declared input sent in another datatype is refused as the data plane refuses it, before
+    any of its elements is read (splitting millions of BYTES elements only to refuse them took seconds and
+    hundreds of MiB); everything else about the inputs is left to the data plane's validation.
 
     ``raws`` are the raw input contents when :func:`parse_infer_request` kept
     them out of ``msg`` (None: read them from ``msg``). The earlier of the gRPC
@@ -121,7 +126,7 @@ def decode_infer_request(msg: pb.ModelInferRequest, time_remaining_s: float | No
     if sampled_ns is None:
         sampled_ns = time.monotonic_ns()
     try:
-        return _decode_infer_request(msg, time_remaining_s, raws, sampled_ns)
+        return _decode_infer_request(msg, time_remaining_s, raws, sampled_ns, declared or {})
     except InvalidArgument as err:
         # Every refusal of the decode is built from the request alone (its model, tensor and parameter
         # names, datatypes, shapes, values): it echoes them as sent. Scrubbing server paths out of it
@@ -132,7 +137,8 @@ def decode_infer_request(msg: pb.ModelInferRequest, time_remaining_s: float | No
 
 
 def _decode_infer_request(msg: pb.ModelInferRequest, time_remaining_s: float | None,
-                          raws: list[bytes | memoryview] | None, sampled_ns: int) -> InferRequest:
+                          raws: list[bytes | memoryview] | None, sampled_ns: int,
+                          declared: Mapping[str, DType]) -> InferRequest:
     model = msg.model_name
     tensors = msg.inputs
     if raws is None:
@@ -142,10 +148,10 @@ def _decode_infer_request(msg: pb.ModelInferRequest, time_remaining_s: float | N
             f"model '{model}': {len(raws)} raw_input_contents for {len(tensors)} "
             "inputs; send raw contents for every input or for none")
     if raws:
-        inputs = [_decode_tensor(model, tensor, raw) for tensor, raw in zip(tensors, raws)]
+        inputs = [_decode_tensor(model, tensor, raw, declared) for tensor, raw in zip(tensors, raws)]
     else:
         _check_typed_size(model, tensors)
-        inputs = [_decode_tensor(model, tensor, None) for tensor in tensors]
+        inputs = [_decode_tensor(model, tensor, None, declared) for tensor in tensors]
     deadlines: list[int] = []
     if time_remaining_s is not None:
         deadlines.append(sampled_ns + int(time_remaining_s * 1e9))
@@ -221,13 +227,15 @@ def _timeout_us(model: str, parameter: pb.InferParameter) -> int:
 
 
 def _decode_tensor(model: str, tensor: pb.ModelInferRequest.InferInputTensor,
-                   raw: bytes | memoryview | None) -> NamedTensor:
+                   raw: bytes | memoryview | None, declared: Mapping[str, DType]) -> NamedTensor:
     where = f"model '{model}': input '{tensor.name}'"
     if SHARED_MEMORY_PARAMETER in tensor.parameters:
         raise refuse_shared_memory(where)
     dtype = wire_dtype(where, tensor.datatype)
     shape = tuple(tensor.shape)
     count = wire_shape(where, shape)
+    if tensor.name in declared:  # (an undeclared name: the data plane's validation names it unexpected)
+        check_datatype(model, tensor.name, dtype, declared[tensor.name])
     if raw is not None:
         if tensor.HasField("contents") and tensor.contents.ListFields():
             raise InvalidArgument(f"{where}: data sent both in contents and in raw_input_contents; "

@@ -19,8 +19,9 @@ import grpc
 from nereid._proto import grpc_service_pb2 as pb
 from nereid._proto import model_config_pb2 as mc
 from nereid.dataplane import DataPlane, cancellation_reason, past_grace_message
-from nereid.errors import (ConfigError, DeadlineExceeded, InvalidArgument, ModelFailure, NereidError,
-                           NotFound, PermissionDenied, PublicText, Unavailable, Unimplemented, cap_message, shown_name)
+from nereid.errors import (ConfigError, DeadlineExceeded, InvalidArgument, ModelFailure, NereidError, NotFound,
+                           OutOfMemory, PermissionDenied, PublicText, Unavailable, Unimplemented, cap_message,
+                           shown_name)
 from nereid.log_limit import RateLimitedLog
 from nereid.memory import TRIM_AFTER_BYTES, release_free_heap
 from nereid.model_info import MODEL_VERSION, ModelConfig
@@ -203,6 +204,13 @@ async def _serialized(response: InferResponse, streamed: bool) -> bytes:
         raise ModelFailure(f"model '{response.model_name}': its answer takes {len(wire)} bytes, more than one gRPC "
                            f"message carries ({MAX_SEND_MESSAGE_BYTES}); ask for fewer outputs, or call it over HTTP")
     return wire
+
+
+def decode_out_of_memory(model: str, size: int) -> OutOfMemory:
+    """The error for a MemoryError met decoding a ``size``-byte inference request to ``model`` (UNAVAILABLE,
+    counted ``internal``, as HTTP's 503 for it is)."""
+    return OutOfMemory(PublicText(f"model '{model}': the server ran out of memory decoding a {size}-byte request; "
+                                  "try again later, or send its tensors in smaller requests"))
 
 
 def _maps_errors(handler: Handler) -> Handler:
@@ -394,16 +402,27 @@ class InferenceServicer:
         sampled_ns, remaining_s = time.monotonic_ns(), context.time_remaining()
         try:
             self.dataplane.admit(model_name)
-            self.dataplane.check_target(model_name, request.model_version)
+            declared = self.dataplane.check_target(model_name, request.model_version).input_datatypes
             if received.size >= DECODE_OFF_LOOP_BYTES:
                 decoded = await asyncio.to_thread(decode_infer_request, request, remaining_s, received.raws,
-                                                  sampled_ns)
+                                                  sampled_ns, declared)
             else:
-                decoded = decode_infer_request(request, remaining_s, received.raws, sampled_ns)
+                decoded = decode_infer_request(request, remaining_s, received.raws, sampled_ns, declared)
         except NereidError as err:  # refused before the data plane: counted like its own refusals
             self.dataplane.refused(model_name, err)
             count(model_name, err.reason)
             raise
+        except MemoryError as lost:
+            # The server's passing condition, not a bug nor the client's fault: UNAVAILABLE naming the model, as HTTP
+            # answers it (503), without a traceback (formatting one may fail again). Its frames hold what the decode
+            # had built, and would stay reachable from the answer's context: let go.
+            lost.__traceback__ = None
+            error = decode_out_of_memory(model_name, received.size)
+            self.client_log.warning("%s from %s: %s; answered UNAVAILABLE", "ModelStreamInfer" if streamed
+                                    else "ModelInfer", peer(context.peer()), error)
+            self.dataplane.refused(model_name, error)
+            count(model_name, error.reason)
+            raise error from None
         except asyncio.CancelledError:  # gone while a large request was decoded off the loop: it never started
             reason = self._ended_reason(sampled_ns + int(remaining_s * 1e9) if remaining_s is not None else 0)
             self.dataplane.count_failure(model_name, reason)

@@ -18,7 +18,7 @@ import re
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 import ml_dtypes
 import numpy as np
@@ -32,7 +32,7 @@ from nereid.protocol.wire import (SCHEDULING_PARAMETERS, SEQUENCE_ID_PARAMETER, 
                                   TIMEOUT_PARAMETER, check_sequence_id, check_scheduling_parameters, class_count,
                                   decode_raw, refuse_shared_memory, timeout_deadline_ns, wire_dtype, wire_shape)
 from nereid.errors import PublicText
-from nereid.signature import brief_repr
+from nereid.signature import brief_repr, check_datatype
 from nereid.tensors import InferRequest, InferResponse, NamedTensor, bytes_array, tensor_buffer
 
 HEADER_LENGTH = "inference-header-content-length"
@@ -57,14 +57,19 @@ class OutputChoice:
         return name in self.binary or (self.binary_by_default and name not in self.json)
 
 
-def decode_infer(model: str, body: bytes | memoryview, header_length: int | None) -> tuple[InferRequest, OutputChoice]:
+def decode_infer(model: str, body: bytes | memoryview, header_length: int | None,
+                 declared: Mapping[str, DType] | None = None) -> tuple[InferRequest, OutputChoice]:
     """Decode an infer body; InvalidArgument naming the problem for anything malformed, MemoryError when the
     server runs out of memory decoding it (orjson's allocation failure included).
+
+    ``declared``: the model's input datatypes by name (None: not checked here). An input the model declares sent
+    in another datatype is refused as the data plane refuses it, before its data is converted or split (see
+    :func:`nereid.protocol.grpc_codec.decode_infer_request`).
 
     Its message is a :class:`PublicText`: built from the request alone, it echoes the client's names as sent.
     """
     try:
-        return _decode_infer(model, body, header_length)
+        return _decode_infer(model, body, header_length, declared or {})
     except InvalidArgument as err:
         # Scrubbing server paths out of it rewrote a name such as "/opt/nereid/core/x" into "<nereid>/x",
         # telling the client which absolute paths are the server's.
@@ -75,7 +80,8 @@ def decode_infer(model: str, body: bytes | memoryview, header_length: int | None
         raise err.with_traceback(None)
 
 
-def _decode_infer(model: str, body: bytes | memoryview, header_length: int | None) -> tuple[InferRequest, OutputChoice]:
+def _decode_infer(model: str, body: bytes | memoryview, header_length: int | None,
+                  declared: Mapping[str, DType]) -> tuple[InferRequest, OutputChoice]:
     if header_length is None:
         header_bytes, binary = body, memoryview(b"")
     else:
@@ -95,7 +101,7 @@ def _decode_infer(model: str, body: bytes | memoryview, header_length: int | Non
         raise InvalidArgument(f"model '{model}': 'inputs' must be a list of tensors")
     inputs, offset = [], 0
     for index, raw in enumerate(raw_inputs):
-        tensor, used = _decode_input(model, index, raw, binary, offset)
+        tensor, used = _decode_input(model, index, raw, binary, offset, declared)
         inputs.append(tensor)
         offset += used
     if offset != len(binary):
@@ -233,8 +239,10 @@ def is_allocation_failure(error: orjson.JSONDecodeError) -> bool:
     return str(error).startswith(_ORJSON_ALLOCATION_FAILURES)
 
 
-def _decode_input(model: str, index: int, raw: Any, binary: memoryview, offset: int) -> tuple[NamedTensor, int]:
-    """One input tensor and how many bytes of the binary section it took."""
+def _decode_input(model: str, index: int, raw: Any, binary: memoryview, offset: int,
+                  declared: Mapping[str, DType]) -> tuple[NamedTensor, int]:
+    """One input tensor and how many bytes of the binary section it took; refused before its data is read when
+    ``declared`` gives its name another datatype."""
     if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
         raise InvalidArgument(f"model '{model}': inputs[{index}] must be an object with a 'name'")
     where = f"model '{model}': input '{raw['name'][:256]}'"
@@ -256,6 +264,8 @@ def _decode_input(model: str, index: int, raw: Any, binary: memoryview, offset: 
     parameters = _object(model, raw.get("parameters", {}), f"inputs[{index}].parameters")
     if SHARED_MEMORY_PARAMETER in parameters:
         raise refuse_shared_memory(where)
+    if raw["name"] in declared:  # (an undeclared name: the data plane's validation names it unexpected)
+        check_datatype(model, raw["name"], dtype, declared[raw["name"]])
     size = parameters.get("binary_data_size")
     if size is not None:
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:

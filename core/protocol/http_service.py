@@ -14,15 +14,16 @@ import inspect
 import json
 import logging
 import time
-from typing import Any, Awaitable, Callable, TypeVar
+from typing import Any, Awaitable, Callable, Mapping, TypeVar
 from urllib.parse import quote, unquote
 
 import orjson
 
 from nereid.collector_pause import collector_paused
 from nereid.dataplane import DataPlane, cancellation_reason, past_grace_message
+from nereid.dtypes import DType
 from nereid.errors import (ConfigError, DeadlineExceeded, InvalidArgument, ModelFailure, NereidError, NotFound,
-                           PermissionDenied, QueueFull, Unavailable, Unimplemented, cap_message)
+                           OutOfMemory, PermissionDenied, QueueFull, Unavailable, Unimplemented, cap_message)
 from nereid.log_limit import RateLimitedLog
 from nereid.model_info import MODEL_VERSION, ModelConfig
 from nereid.protocol.http_codec import HEADER_LENGTH, OutputChoice, decode_infer, encode_infer, quoted
@@ -116,14 +117,6 @@ class Unparsable(HttpError):
 
     def __init__(self, message: str, status: int = 400) -> None:
         super().__init__(status, message)
-
-
-class OutOfMemory(Unavailable):
-    """The server ran out of memory reading or decoding a request (or answering one): 503, as other passing
-    conditions of the server are. Counted as a server-side failure (``internal``, as a model fault is), not as
-    the client's ``invalid_argument``: the same request may well succeed later."""
-
-    reason = "internal"
 
 
 def out_of_memory(model: str, doing: str, size: int | None) -> OutOfMemory:
@@ -289,7 +282,7 @@ class HttpSurface:
                      version: str) -> tuple[int, list[bytes | memoryview], list]:
         try:
             self.dataplane.admit(model)
-            self.dataplane.check_target(model, version)
+            declared = self.dataplane.check_target(model, version).input_datatypes
         except NereidError as err:
             # Counted as what the client was told: the listener may have answered already, the HTTP parser unable
             # to read a body that came with the head (it was counted "unavailable", where the client got a 400).
@@ -310,11 +303,11 @@ class HttpSurface:
         try:
             json_size = len(body) if length is None else length
             if json_size >= SERIAL_DECODE_JSON_BYTES:
-                request, choice = await self._decode_large(model, body, length)
+                request, choice = await self._decode_large(model, body, length, declared)
             elif len(body) >= DECODE_OFF_LOOP_BYTES:
-                request, choice = await asyncio.to_thread(decode_infer, model, body, length)
+                request, choice = await asyncio.to_thread(decode_infer, model, body, length, declared)
             else:
-                request, choice = decode_infer(model, body, length)
+                request, choice = decode_infer(model, body, length, declared)
         except NereidError as err:
             self._refused(model, err)
             raise
@@ -381,14 +374,15 @@ class HttpSurface:
         future.add_done_callback(functools.partial(_ended_turn, turn))
         return await asyncio.shield(future)
 
-    async def _decode_large(self, model: str, body: bytes | memoryview, length: int | None) -> tuple[Any, Any]:
+    async def _decode_large(self, model: str, body: bytes | memoryview, length: int | None,
+                            declared: Mapping[str, DType] | None = None) -> tuple[Any, Any]:
         """:func:`decode_infer` of a large JSON part on a worker thread, one such decode at a time.
 
         The semaphore is released when the thread ends, not when this handler
         does: a handler cancelled (its client gone) leaves its decode running,
         and the next must not start beside it.
         """
-        return await self._one_at_a_time(self._large_decodes, _decode_without_gc, model, body, length)
+        return await self._one_at_a_time(self._large_decodes, _decode_without_gc, model, body, length, declared)
 
     async def _infer_body(self, headers: dict[bytes, bytes], receive: Receive,
                           model: str) -> tuple[bytes | memoryview, int | None]:
@@ -588,7 +582,8 @@ class HttpSurface:
         self._counted(model, error.reason)
 
 
-def _decode_without_gc(model: str, body: bytes | memoryview, length: int | None) -> tuple[Any, Any]:
+def _decode_without_gc(model: str, body: bytes | memoryview, length: int | None,
+                       declared: Mapping[str, DType] | None = None) -> tuple[Any, Any]:
     """:func:`decode_infer` with the cyclic garbage collector paused (called one at a time, see _decode_large).
 
     A decoded body holds no reference cycles, but its millions of lists, floats
@@ -599,7 +594,7 @@ def _decode_without_gc(model: str, body: bytes | memoryview, length: int | None)
     other threads' cycles wait for it no longer than one decode (see :mod:`nereid.collector_pause`).
     """
     with collector_paused():
-        return decode_infer(model, body, length)
+        return decode_infer(model, body, length, declared)
 
 
 async def _unless_disconnected(call: Awaitable[Any], receive: Receive) -> Any:

@@ -6,6 +6,7 @@ extension (index, load, unload), streaming, deadlines and queue capacity.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -766,6 +767,89 @@ def test_requests_refused_while_decoding_are_counted_and_a_stream_refuses_new_on
         server.server.dataplane.shutting_down = False
     # (A stream carries an error as text only: tritonclient gives it without a status.)
     assert error.message() == "model 'm': the server is shutting down; the request was not run"
+
+
+def test_a_tensor_in_another_datatype_than_its_input_is_refused_before_any_element_is_read(repo, serve,
+                                                                                          monkeypatch):
+    """Defect (the limits hunt): a BYTES tensor of 13 million 1-byte elements sent to an FP32 input was split into
+    as many Python objects (4.9 s, +880 MB; out of memory under an address-space limit) before the data plane
+    refused its datatype; typed contents were converted first too. Refused now as the tensor's datatype is read,
+    in the data plane's words."""
+    from nereid.protocol import grpc_codec, wire
+
+    repo.python("m")  # input 'input': FP32 [4], batching
+    server = serve(repo.write_config())
+    read: list[str] = []
+    split, contents = wire.split_bytes_elements, grpc_codec._decode_contents
+    monkeypatch.setattr(wire, "split_bytes_elements", lambda *args: read.append("split") or split(*args))
+    monkeypatch.setattr(grpc_codec, "_decode_contents", lambda *args: read.append("contents") or contents(*args))
+
+    count = 100_000
+    as_bytes = service_pb2.ModelInferRequest(model_name="m")
+    as_bytes.inputs.add(name="input", datatype="BYTES", shape=[1, count])
+    as_bytes.raw_input_contents.append(b"\x01\x00\x00\x00x" * count)
+    as_ints = service_pb2.ModelInferRequest(model_name="m")
+    as_ints.inputs.add(name="input", datatype="INT32", shape=[1, 4]).contents.int_contents.extend([1, 2, 3, 4])
+    with channel_to(server) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        for message, datatype in ((as_bytes, "BYTES"), (as_ints, "INT32")):
+            with pytest.raises(grpc.RpcError) as info:
+                stub.ModelInfer(message, timeout=30)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert info.value.details() == f"model 'm': input 'input' has datatype {datatype}, expected FP32"
+    assert read == []  # neither split nor converted
+    stats = server.server.repository.ready_model("m").stats
+    assert (stats.fail.count, dict(stats.failures_by_reason)) == (2, {"invalid_argument": 2})
+    # The right datatype still decodes (through the same functions) and runs.
+    result = server.client.infer("m", [_fp32_input([[1, 2, 3, 4]])])
+    np.testing.assert_array_equal(result.as_numpy("output"), [[1, 2, 3, 4]])
+
+
+def _fp32_input(values) -> triton.InferInput:
+    array = np.asarray(values, dtype=np.float32)
+    tensor = triton.InferInput("input", list(array.shape), "FP32")
+    tensor.set_data_from_numpy(array)
+    return tensor
+
+
+def test_a_decode_out_of_memory_is_unavailable_naming_the_model_counted_internal_without_a_traceback(
+        repo, serve, monkeypatch, caplog):
+    """Defect (the limits hunt): a MemoryError while a request was decoded answered INTERNAL "internal error in
+    ModelInfer: MemoryError", naming no model, counted nowhere as the model's, with an ERROR traceback; HTTP
+    answers it 503 naming the model and the size, counted ``internal``. Unary and streamed alike."""
+    from nereid.protocol import grpc_service
+
+    repo.python("m")
+    server = serve(repo.write_config())
+
+    def out_of_memory(*args: Any) -> Any:
+        raise MemoryError()
+
+    monkeypatch.setattr(grpc_service, "decode_infer_request", out_of_memory)
+    message = service_pb2.ModelInferRequest(model_name="m", id="r1")
+    message.inputs.add(name="input", datatype="FP32", shape=[1, 4])
+    message.raw_input_contents.append(bytes(16))
+    size = message.ByteSize()
+    expected = (f"model 'm': the server ran out of memory decoding a {size}-byte request; try again later, or send "
+                "its tensors in smaller requests")
+    with caplog.at_level(logging.WARNING), channel_to(server) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.ModelInfer(message, timeout=30)
+        [streamed] = list(stub.ModelStreamInfer(iter([message]), timeout=30))
+    assert (info.value.code(), info.value.details()) == (grpc.StatusCode.UNAVAILABLE, expected)
+    assert (streamed.error_message, streamed.infer_response.id) == (expected, "r1")
+    stats = server.server.repository.ready_model("m").stats
+    assert (stats.fail.count, dict(stats.failures_by_reason)) == (2, {"internal": 2})
+    assert wait_until(lambda: sum(protocol_counts(server, "m").values()) == 2), protocol_counts(server, "m")
+    assert protocol_counts(server, "m") == {'model="m",outcome="internal",protocol="grpc"': 2.0}
+    assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []
+    warnings = [r.getMessage() for r in caplog.records if r.name == grpc_service.__name__]
+    assert [line.split(": ", 1)[1] for line in warnings] == [f"{expected}; answered UNAVAILABLE"] * 2
+    assert warnings[0].startswith("ModelInfer from ") and warnings[1].startswith("ModelStreamInfer from ")
+    monkeypatch.undo()  # the server keeps serving
+    result = server.client.infer("m", [_fp32_input([[1, 2, 3, 4]])])
+    np.testing.assert_array_equal(result.as_numpy("output"), [[1, 2, 3, 4]])
 
 
 # --------------------------------------------------------------------------- deadlines

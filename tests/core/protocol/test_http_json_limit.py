@@ -143,12 +143,12 @@ def test_large_json_decodes_run_one_at_a_time_with_the_collector_paused(repo, se
     running, seen = [], []
     real = http_service.decode_infer
 
-    def watched(model: str, body: bytes, length: int | None) -> Any:
+    def watched(model: str, body: bytes, length: int | None, declared: Any = None) -> Any:
         running.append(1)
         seen.append((len(running), gc.isenabled()))
         time.sleep(0.2)  # long enough that a second decode, were it let in, would overlap
         try:
-            return real(model, body, length)
+            return real(model, body, length, declared)
         finally:
             running.pop()
 
@@ -178,7 +178,7 @@ def test_a_cancelled_handler_keeps_the_next_large_decode_waiting_until_its_decod
     running, overlaps = [], []
     release = threading.Event()
 
-    def slow(model: str, body: bytes, length: int | None) -> Any:
+    def slow(model: str, body: bytes, length: int | None, declared: Any = None) -> Any:
         running.append(1)
         overlaps.append(len(running))
         release.wait(5)
@@ -213,7 +213,7 @@ def test_out_of_memory_decoding_is_503_counted_as_the_servers_failure(repo, serv
     repo.python("echo")
     server = serve(repo.write_config())
     if failure == "memory_error":
-        def fail(model: str, body: bytes, length: int | None) -> Any:
+        def fail(model: str, body: bytes, length: int | None, declared: Any = None) -> Any:
             raise MemoryError()
         monkeypatch.setattr(http_service, "decode_infer", fail)
     else:  # orjson's own report, as it raises it when its parse buffer cannot be allocated

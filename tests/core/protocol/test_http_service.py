@@ -231,9 +231,13 @@ BAD_REQUESTS = [
     ("wrong element count", json.dumps({"inputs": [{"name": "input", "shape": [1, 4], "datatype": "FP32",
                                                      "data": [1, 2, 3]}]}).encode(), {}, 400,
      "'data' holds 3 elements, expected 4 for shape [1, 4]"),
-    ("integer out of range", json.dumps({"inputs": [{"name": "input", "shape": [1, 4], "datatype": "INT8",
-                                                      "data": [1, 2, 3, 300]}]}).encode(), {}, 400,
-     "value 300 does not fit INT8"),
+    ("number out of range", json.dumps({"inputs": [{"name": "input", "shape": [1, 4], "datatype": "FP32",
+                                                     "data": [1, 2, 3, 1e39]}]}).encode(), {}, 400,
+     "value 1e+39 does not fit FP32"),
+    # Refused as its datatype is read, before its data is (its 300 would not fit INT8 either).
+    ("datatype mismatch", json.dumps({"inputs": [{"name": "input", "shape": [1, 4], "datatype": "INT8",
+                                                   "data": [1, 2, 3, 300]}]}).encode(), {}, 400,
+     "model 'echo': input 'input' has datatype INT8, expected FP32"),
     ("wrong shape for the model", json.dumps({"inputs": [{"name": "input", "shape": [1, 5], "datatype": "FP32",
                                                            "data": [1, 2, 3, 4, 5]}]}).encode(), {}, 400,
      "model 'echo'"),
@@ -640,6 +644,34 @@ def test_a_body_refused_while_decoding_counts_as_the_models_failure(served):
     assert status == 400 and "holds bytes that are not UTF-8 text" in message, message
     stats = http.InferenceServerClient(base).get_inference_statistics("words")["model_stats"][0]
     assert (stats["inference_stats"]["fail"]["count"], stats["inference_stats"]["success"]["count"]) == (1, 0)
+
+
+def test_a_tensor_in_another_datatype_than_its_input_is_refused_before_its_data_is_read(served, monkeypatch):
+    """Defect (the limits hunt, as over gRPC): a binary BYTES tensor of many elements sent to an FP32 input was
+    split into as many Python objects, and JSON data converted element by element, before the data plane refused
+    its datatype. Refused now as the tensor's datatype is read, in the data plane's words."""
+    from nereid.protocol import http_codec, wire
+
+    server, base = served
+    read: list[str] = []
+    split, convert = wire.split_bytes_elements, http_codec._json_array
+    monkeypatch.setattr(wire, "split_bytes_elements", lambda *args: read.append("split") or split(*args))
+    monkeypatch.setattr(http_codec, "_json_array", lambda *args: read.append("json") or convert(*args))
+    count = 100_000
+    header = json.dumps({"inputs": [{"name": "input", "shape": [1, count], "datatype": "BYTES",
+                                     "parameters": {"binary_data_size": 5 * count}}]}).encode()
+    binary = call(base, "POST", "/v2/models/echo/infer", header + b"\x01\x00\x00\x00x" * count,
+                  {"Inference-Header-Content-Length": str(len(header)), "Content-Type": "application/octet-stream"})
+    as_json = json.dumps({"inputs": [{"name": "input", "shape": [1, 4], "datatype": "INT32", "data": [1, 2, 3, 4]}]})
+    assert error_of(binary) == (400, "model 'echo': input 'input' has datatype BYTES, expected FP32")
+    assert error_of(call(base, "POST", "/v2/models/echo/infer", as_json.encode())) == (
+        400, "model 'echo': input 'input' has datatype INT32, expected FP32")
+    assert read == []  # neither split nor converted
+    stats = server.server.repository.ready_model("echo").stats
+    assert (stats.fail.count, dict(stats.failures_by_reason)) == (2, {"invalid_argument": 2})
+    right = json.dumps({"inputs": [{"name": "input", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}]})
+    status, body, _ = call(base, "POST", "/v2/models/echo/infer", right.encode())
+    assert status == 200 and json.loads(body)["outputs"][0]["data"] == [1, 2, 3, 4]
 
 
 def _exchange(base: str, data: bytes, *later: bytes, wait_s: float = 5.0, ports: list[int] | None = None) -> bytes:
