@@ -379,6 +379,10 @@ def _usable_report(name: str, report: Future) -> RuntimeReport | None:
         # Judged here, not left to the exposition: a value prometheus_client cannot encode failed the whole
         # scrape (HTTP 500, every model's figures lost) after the collector had ended.
         problem = runtime_report_problem(value)
+    except ReportNotStarted as err:  # the server's condition, not the plugin's fault: said so
+        _report_failures.warning(f"{name} no thread", "model '%s': its runtime_report() could not be asked (a thread "
+                                 "cannot start: %s); its warm start gauges are left out", name, err)
+        return None
     except plugin_failures() as err:  # a plugin's fault (a sys.exit() too) must not fail the scrape
         problem = describe_exception(err)
     if problem:
@@ -425,8 +429,13 @@ class _RuntimeReports:
         return calls
 
 
+class ReportNotStarted(RuntimeError):
+    """A model's runtime_report() call whose thread could not start (the process at its thread or memory limit)."""
+
+
 def _call_on_thread(name: str, backend: ReportsRuntime) -> Future:
-    """``backend.runtime_report()`` started on a daemon thread (one that hangs must not hold the server's exit)."""
+    """``backend.runtime_report()`` started on a daemon thread (one that hangs must not hold the server's exit);
+    its call fails with :class:`ReportNotStarted` when the thread cannot start."""
     call: Future = Future()
 
     def run() -> None:
@@ -434,5 +443,10 @@ def _call_on_thread(name: str, backend: ReportsRuntime) -> Future:
             call.set_result(backend.runtime_report())
         except BaseException as err:  # noqa: B036 - handed to the scrape, which judges it as a plugin's fault
             call.set_exception(err)
-    threading.Thread(target=run, name=f"nereid-runtime-report-{name}", daemon=True).start()
+    try:
+        threading.Thread(target=run, name=f"nereid-runtime-report-{name}", daemon=True).start()
+    except RuntimeError as err:
+        # "can't start new thread" (RLIMIT_NPROC, memory): it failed the whole scrape, whose connection then closed
+        # unanswered, a raw traceback on stderr. The model's gauges are left out; the next scrape asks again.
+        call.set_exception(ReportNotStarted(str(err) or type(err).__name__))
     return call

@@ -24,13 +24,19 @@ from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
 
 from nereid.listening import bind_listening_sockets, cannot_listen, host_and_port
+from nereid.log_limit import RateLimitedLog
 
 log = logging.getLogger(__name__)
+# Connections answered 503 for want of a thread: one line each, within a limit (a scraper retries every few seconds).
+_no_thread_log = RateLimitedLog(log)
 
 # A scrape connection that has not sent its whole request this long after connecting is closed;
 # at most this many are served at once.
 IDLE_TIMEOUT_S = 5.0
 MAX_CONNECTIONS = 64
+# How long a connection answered without a thread of its own (see _answer_without_a_thread) may take to send its
+# request, which is read before the connection closes.
+NO_THREAD_READ_S = 0.2
 
 
 # The one path served; any other is a 404, as Triton's metrics port answers.
@@ -281,6 +287,12 @@ class _BoundedThreadingServer(ThreadingWSGIServer):
             return
         try:
             super().process_request(request, client_address)
+        except RuntimeError as err:
+            # Its thread cannot start ("can't start new thread": RLIMIT_NPROC, memory): the connection was closed
+            # unanswered. Answered 503 here, on the listener's own thread.
+            self._slots.release()
+            _answer_without_a_thread(request, client_address, err)
+            self.shutdown_request(request)
         except BaseException:
             self._slots.release()
             raise
@@ -294,3 +306,35 @@ class _BoundedThreadingServer(ThreadingWSGIServer):
     def handle_error(self, request: socket.socket, client_address: object) -> None:
         # A client that timed out or vanished is not worth a traceback on stderr.
         log.debug("metrics connection from %s failed", client_address, exc_info=True)
+
+
+def _answer_without_a_thread(request: socket.socket, client_address: Any, error: RuntimeError) -> None:
+    """Answer 503 on a connection no thread could be started for, from the listener's thread, and log it.
+
+    The answer (a few hundred bytes) goes into the new socket's empty send buffer without waiting. The request is
+    then read, for at most :data:`NO_THREAD_READ_S`: closing a socket with bytes unread resets the connection,
+    which can discard the answer before the client reads it. A silent client costs the listener that long.
+    """
+    reason = str(error) or type(error).__name__
+    host, port = (client_address[0], client_address[1]) if isinstance(client_address, tuple) else ("unknown", "")
+    _no_thread_log.warning("metrics: no thread could start to serve the connection from %s (%s); answered 503",
+                           f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}", reason)
+    body = f"503 the server cannot start a thread to serve this request ({reason}); try again later\n".encode()
+    head = (f"HTTP/1.0 503 Service Unavailable\r\nServer: {SERVER_NAME}\r\nContent-Type: text/plain; charset=utf-8"
+            f"\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+    try:
+        request.setblocking(False)
+        request.send(head + body)
+        request.shutdown(socket.SHUT_WR)
+        deadline, tail, total = time.monotonic() + NO_THREAD_READ_S, b"", 0
+        while b"\r\n\r\n" not in tail and total < 65536:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            request.settimeout(left)
+            chunk = request.recv(65536)
+            if not chunk:
+                break
+            tail, total = tail[-3:] + chunk, total + len(chunk)  # (only the end of the head is looked for)
+    except OSError:  # the client gone, or silent past the bound: nothing more to do for it
+        pass

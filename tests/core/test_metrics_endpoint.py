@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import re
 import socket
 import threading
 import time
 import urllib.request
 
+import pytest
 from prometheus_client import CollectorRegistry, Counter
 
 from nereid import metrics_endpoint
@@ -261,3 +263,38 @@ def test_other_methods_garbage_and_the_server_header_say_no_more_than_they_shoul
         assert [line for line in head if line.lower().startswith(b"server:")] == [b"Server: nereid"], head
     finally:
         endpoint.close()
+
+
+def test_a_connection_no_thread_can_start_for_is_answered_503_and_logged_without_a_traceback(monkeypatch, capfd,
+                                                                                             caplog) -> None:
+    """Defect (the limits hunt): with the process at its thread limit, a scrape's connection was closed unanswered
+    (its thread's start raised "can't start new thread"), logged at DEBUG only. It is answered 503 saying why."""
+    import logging
+    import socketserver
+    import urllib.error
+
+    endpoint, port = served(idle_timeout_s=5.0)
+
+    def cannot_start(self, request, client_address) -> None:
+        raise RuntimeError("can't start new thread")
+
+    try:
+        with monkeypatch.context() as patched, caplog.at_level(logging.WARNING, logger=metrics_endpoint.__name__):
+            patched.setattr(socketserver.ThreadingMixIn, "process_request", cannot_start)
+            answers = []
+            for _ in range(2):
+                with pytest.raises(urllib.error.HTTPError) as refused:
+                    urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10)
+                answers.append((refused.value.code, refused.value.headers["Server"], refused.value.read()))
+        assert answers == [(503, "nereid", b"503 the server cannot start a thread to serve this request (can't "
+                                           b"start new thread); try again later\n")] * 2
+        lines = [r.getMessage() for r in caplog.records if r.name == metrics_endpoint.__name__]
+        assert len(lines) == 2 and all(re.fullmatch(r"metrics: no thread could start to serve the connection from "
+                                                    r"127\.0\.0\.1:\d+ \(can't start new thread\); answered 503", line)
+                                       for line in lines), lines
+        assert not [r for r in caplog.records if r.exc_info]
+        # Threads again: served as before, the 503s' slots given back.
+        assert b"nereid_test_total" in urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+    finally:
+        endpoint.close()
+    assert "Traceback" not in capfd.readouterr().err
