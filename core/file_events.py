@@ -60,6 +60,40 @@ def describe_error(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}"
 
 
+# What a file watcher's error says when the kernel's inotify limits of the server's user are what failed: each
+# process of the uid shares them, so another program holding them all fails the watch, read as "Too many open files".
+_INSTANCES_EXHAUSTED = ("os error 24", "Too many open files")
+_WATCHES_EXHAUSTED = ("os error 28", "No space left on device", "OS file watch limit reached")
+
+
+def watch_limit_hint(problem: str) -> str:
+    """What a file watcher's error (:func:`describe_error`'s text) means when it is an inotify limit, for its log
+    line: the sysctl to raise; "" for any other error.
+
+    inotify_init fails with EMFILE ("Too many open files") both when the process is out of file descriptors and
+    when the uid's ``fs.inotify.max_user_instances`` (128 on many distributions) are all taken, which a server with
+    descriptors to spare reads as the wrong limit (the limits hunt); inotify_add_watch fails with ENOSPC ("No space
+    left on device") at ``fs.inotify.max_user_watches``.
+    """
+    if any(sign in problem for sign in _INSTANCES_EXHAUSTED):
+        return ("; from the file watcher this is most often the inotify instances of the server's user all taken: "
+                "raise fs.inotify.max_user_instances (sysctl; every process of the user counts), or the server's own "
+                "limit of open files if it is at it")
+    if any(sign in problem for sign in _WATCHES_EXHAUSTED):
+        return ("; the inotify watches of the server's user are all taken (one per folder watched, every process "
+                "of the user counts): raise fs.inotify.max_user_watches (sysctl)")
+    return ""
+
+
+class _WatchHealth:
+    """Whether one watch runs: the failure logged last (None: it runs) and which of its starts failed last."""
+
+    def __init__(self) -> None:
+        self.failure: str | None = None
+        self.starts = 0
+        self.failed_start = 0
+
+
 class RepositoryFollower:
     """Calls ``look()`` after each batch of relevant file events under ``root`` and beside ``config_path`` (a
     store at ``location``: every ``poll_s`` instead), until ``stop`` is set.
@@ -160,16 +194,17 @@ class RepositoryFollower:
         every ``watch_poll_s`` instead, and the watch is tried again after each
         look. The failure is logged once (and again if it changes).
         """
-        failure: str | None = None
+        health = _WatchHealth()
         while not self._stop.is_set():
             follow.restart = False
+            health.starts += 1
             # What it resolves to is taken before the watch starts: a swap in between then shows as a change.
             current = follow.current = await asyncio.to_thread(follow.wanted)
             if follow is self._models:
                 self._targets = tuple(path for path in current.paths if path != self.root)
             # This task runs at the watch's first wait, when watchfiles has set up its watches (synchronously, as
             # the iteration starts): a change after that is an event, one before it is found by this look.
-            catch_up = asyncio.get_running_loop().create_task(self._look())
+            catch_up = asyncio.get_running_loop().create_task(self._catch_up(what, health, health.starts))
             self._catch_ups.add(catch_up)
             catch_up.add_done_callback(self._catch_ups.discard)
             try:
@@ -177,20 +212,31 @@ class RepositoryFollower:
                                                  step=EVENT_STEP_MS,
                                                  debounce=max(1600, int(self.settle_ms * MAX_GROUPING_FACTOR)),
                                                  stop_event=follow, recursive=follow.recursive):
-                    failure = None  # events arrive: the watch works
+                    health.failure = None  # events arrive: the watch works
                     await self._look()
                 if self._stop.is_set():
                     return
                 continue  # restarted by a look: on what is there now
             except Exception as err:
                 text = describe_error(err)
-                if text != failure:
+                if text != health.failure:
                     log.error("dynamic repository: cannot follow %s with file events (%s); looking at it every "
-                              "%g s (server.watch_poll_s) instead, until it can", what, text, self.poll_s)
-                failure = text
+                              "%g s (server.watch_poll_s) instead, until it can%s", what, text, self.poll_s,
+                              watch_limit_hint(text))
+                # (Before this task next waits: the catch-up look of this start then knows it failed.)
+                health.failure, health.failed_start = text, health.starts
             if await self._stopped_within(self.poll_s):
                 return
             await self._look()  # what changed while no events came
+
+    async def _catch_up(self, what: Path, health: _WatchHealth, start: int) -> None:
+        """The look a watch's ``start`` schedules, run once the watch is set up or has failed; first, when the
+        watch had failed before and this start did not, say that file events are followed again."""
+        if health.failure is not None and health.failed_start != start:
+            log.info("dynamic repository: following %s with file events again (they had failed: %s); no longer "
+                     "looking at it every %g s", what, health.failure, self.poll_s)
+            health.failure = None
+        await self._look()
 
     def _models_paths(self) -> WatchedPaths:
         """ml_backends_path and where its symlinked model folders lead (blocking)."""

@@ -138,3 +138,61 @@ def test_a_folder_that_cannot_be_watched_is_looked_at_every_poll_s_and_said_once
 def test_an_exception_group_is_described_one_error_at_a_time():
     group = ExceptionGroup("watch", [OSError("no such folder"), ValueError("not UTF-8")])
     assert describe_error(group) == "OSError: no such folder; ValueError: not UTF-8"
+
+
+def test_an_inotify_limit_is_named_and_the_watch_working_again_is_said(tmp_path, caplog, monkeypatch):
+    """Defect (the limits hunt): with every inotify instance of the uid held by another process, the watch's error
+    read "Too many open files (os error 24)" and named no inotify limit; when watches could start again nothing
+    said so. The line names fs.inotify.max_user_instances, and a line says when file events are followed again."""
+    from nereid import file_events
+
+    caplog.set_level(logging.INFO, logger="nereid.watch")
+    looks: list[str] = []
+    real = watchfiles.awatch
+    failing = {"instances": True}
+
+    def awatch(*paths, **kwargs):
+        if failing["instances"]:  # (as watchfiles raises it: at the watch's start, before its first wait)
+            raise RuntimeError("WatchfilesRustInternalError: Error creating recommended watcher: Too many open "
+                               "files (os error 24)")
+        return real(*paths, **kwargs)
+    monkeypatch.setattr(file_events.watchfiles, "awatch", awatch)
+
+    async def scenario() -> None:
+        stop = asyncio.Event()
+        events = follower(tmp_path, looks, stop=stop)
+        running = asyncio.create_task(events.run())
+        await until(lambda: len(looks) >= 6, "looks every poll_s while no watch can start")
+        failing["instances"] = False
+        await until(lambda: len(_lines(caplog, "with file events again")) == 2, "both watches said to be up again")
+        settled = len(looks)
+        (tmp_path / "ml-backends" / "m").mkdir()
+        await until(lambda: len(looks) > settled, "a look after a file event")
+        stop.set()
+        await asyncio.wait_for(running, 10)
+    asyncio.run(scenario())
+    failed = _lines(caplog, "cannot follow")
+    assert len(failed) == 2  # one per watch, once each
+    for line in failed:
+        assert line.endswith("(os error 24)); looking at it every 0.05 s (server.watch_poll_s) instead, until it "
+                             "can; from the file watcher this is most often the inotify instances of the server's "
+                             "user all taken: raise fs.inotify.max_user_instances (sysctl; every process of the user "
+                             "counts), or the server's own limit of open files if it is at it"), line
+    assert sorted(_lines(caplog, "with file events again")) == sorted(
+        f"dynamic repository: following {what} with file events again (they had failed: RuntimeError: "
+        "WatchfilesRustInternalError: Error creating recommended watcher: Too many open files (os error 24)); no "
+        "longer looking at it every 0.05 s" for what in (tmp_path / "ml-backends", tmp_path))
+
+
+def _lines(caplog, fragment: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records if fragment in r.getMessage()]
+
+
+def test_only_inotify_limits_get_a_hint():
+    from nereid.file_events import watch_limit_hint
+
+    assert "fs.inotify.max_user_instances" in watch_limit_hint("OSError: Too many open files (os error 24)")
+    for watches in ("WatchfilesRustInternalError: OS file watch limit reached. about [\"/m\"]",
+                    "OSError: No space left on device (os error 28)"):
+        assert "fs.inotify.max_user_watches" in watch_limit_hint(watches)
+    assert watch_limit_hint("FileNotFoundError: No path was found.") == ""
