@@ -18,9 +18,26 @@ import time
 from concurrent.futures import CancelledError, Executor, Future
 from typing import Any, Callable, TypeVar
 
+from nereid.errors import describe_exception
+
 T = TypeVar("T")
 
 _STOP = None
+
+
+class ThreadStartFailed(RuntimeError):
+    """A call the pool could not start a worker thread for; it was not queued, and never runs.
+
+    The process cannot start another thread now: a process or thread limit
+    (``ulimit -u``, a container's pids limit) is reached, as a rule. A
+    condition of the process that passes, not a fault of what was called.
+    ``cause`` is what the thread's start raised.
+    """
+
+    def __init__(self, cause: RuntimeError) -> None:
+        super().__init__(f"{describe_exception(cause)}: a process or thread limit, such as ulimit -u or a "
+                         "container's pids limit, is reached")
+        self.cause = cause
 
 
 class DaemonThreadPool(Executor):
@@ -38,7 +55,8 @@ class DaemonThreadPool(Executor):
         self._shut_down = False
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
-        """Schedule ``fn(*args, **kwargs)``; its future."""
+        """Schedule ``fn(*args, **kwargs)``; its future. ThreadStartFailed when it needed a new worker thread
+        that could not start (it never runs)."""
         future: Future = Future()
         self._put((future, fn, args, kwargs))
         return future
@@ -48,7 +66,8 @@ class DaemonThreadPool(Executor):
 
         The lean form of :meth:`submit` for a caller that hands the outcome on itself
         (the scheduler wakes its event loop once), with no Future in between. A call
-        dropped by ``shutdown(cancel_futures=True)`` gets ``done(None, CancelledError())``.
+        dropped by ``shutdown(cancel_futures=True)`` gets ``done(None, CancelledError())``. ThreadStartFailed
+        when it needed a new worker thread that could not start: ``done`` is never called, ``fn`` never runs.
         """
         self._put((None, fn, argument, done))
 
@@ -56,12 +75,27 @@ class DaemonThreadPool(Executor):
         with self._lock:
             if self._shut_down:
                 raise RuntimeError("cannot schedule new calls after shutdown")
-            self._work.put(item)
             if not self._idle.acquire(blocking=False) and len(self._threads) < self._max_workers:
-                thread = threading.Thread(target=self._run, name=f"{self._prefix}_{len(self._threads)}",
-                                          daemon=True)
-                thread.start()
-                self._threads.append(thread)
+                self._start_thread()
+            self._work.put(item)
+
+    def _start_thread(self) -> None:
+        """Start one more worker thread, for the call about to be queued; ThreadStartFailed if it cannot start.
+        Under the lock.
+
+        Started before the call is queued: queued first, a call whose thread
+        failed to start was reported failed to its caller and yet ran later, on
+        the next thread to come (a request answered INTERNAL still ran; found by
+        a resource-limits hunt). Nor is it queued for the busy threads then: one
+        of them may never return (a hung model), and the idle count would
+        promise a thread that never frees, so the pool would run short of one.
+        """
+        thread = threading.Thread(target=self._run, name=f"{self._prefix}_{len(self._threads)}", daemon=True)
+        try:
+            thread.start()
+        except RuntimeError as err:  # (the interpreter's "can't start new thread": EAGAIN from pthread_create)
+            raise ThreadStartFailed(err) from err
+        self._threads.append(thread)
 
     def _run(self) -> None:
         while (item := self._work.get()) is not _STOP:

@@ -21,7 +21,7 @@ import numpy as np
 
 from nereid.backend import ChecksInputs, Model, Postprocesses, Preprocesses
 from nereid.batching import deadline_passed
-from nereid.daemon_pool import DaemonThreadPool
+from nereid.daemon_pool import DaemonThreadPool, ThreadStartFailed
 from nereid.errors import (ConfigError, DeadlineExceeded, InvalidArgument, ModelFailure, NereidError,
                            describe_exception, loop_safe_call, naming_model, without_model_name)
 from nereid.scheduler import (REQUEST_STARTED, ModelScheduler, UnloadedBeforeStart, not_started, queue_full,
@@ -100,8 +100,12 @@ class HookThreads:
 async def _on_thread(loop: asyncio.AbstractEventLoop, pool: DaemonThreadPool, call: Callable[[], T],
                      scheduler: ModelScheduler | None) -> T:
     """``call()`` on ``pool``, awaited; ``scheduler`` (if any) counts it from now until it has ended on its thread
-    (one cancelled before a thread took it ends then), whether or not its caller still waits."""
-    future = pool.submit(call)
+    (one cancelled before a thread took it ends then), whether or not its caller still waits. _NoHookThread when
+    no thread could be started for it (it was not queued, and never runs)."""
+    try:
+        future = pool.submit(call)
+    except ThreadStartFailed as err:
+        raise _NoHookThread(err) from None
     if scheduler is not None:
         scheduler.hook_call_began()
 
@@ -110,6 +114,15 @@ async def _on_thread(loop: asyncio.AbstractEventLoop, pool: DaemonThreadPool, ca
                 loop.call_soon_threadsafe(scheduler.hook_call_ended)
         future.add_done_callback(ended)
     return await asyncio.wrap_future(future, loop=loop)
+
+
+class _NoHookThread(Exception):
+    """No thread could be started for a hook call (see ThreadStartFailed): told apart from what the hook itself
+    raises, which is the model's fault."""
+
+    def __init__(self, error: ThreadStartFailed) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 def make_runner(backend: Model, signature: ModelSignature, batch_signature: ModelSignature,
@@ -410,6 +423,13 @@ class _HookStart:
             tensors, self.tensors = self.tensors, None
             return tensors
 
+    def not_queued(self) -> None:
+        """No thread could be started for the call, which was never queued: given up, and not counted among the
+        calls a thread has yet to take and skip (it would have held a place in the stage for good)."""
+        with self._lock:
+            self.tensors = None
+            self._given_up = True
+
     def give_up(self) -> int:
         """The caller no longer waits: when the hook began (0: it had not, and now never will)."""
         with self._lock:
@@ -463,6 +483,10 @@ async def _call_hook(threads: HookThreads, scheduler: ModelScheduler, hook: str,
         async with timer:
             result = await _hook_result(threads, scheduler, hook, run_and_check)
         return result, start.begun_ns - queued_ns
+    except _NoHookThread as no_thread:
+        start.not_queued()
+        what = f"its {hook} hook" + (", after the model had run for it" if hook == "postprocess" else "")
+        raise scheduler.thread_refused(no_thread.error, what) from None
     except TimeoutError:
         if not timer.expired():  # (never: the hook's own errors come out of _hook_result as NereidError)
             raise
@@ -499,6 +523,8 @@ async def _hook_result(threads: HookThreads, scheduler: ModelScheduler, hook: st
         if named is err:
             raise
         raise named from err
+    except _NoHookThread:
+        raise  # (the server's condition, not the hook's: see _call_hook)
     except asyncio.CancelledError as err:
         # The hook's own (a future it waited on was cancelled; the thread's CancelledError arrives as
         # asyncio's), unless this request's task was cancelled: then the caller went away.

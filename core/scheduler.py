@@ -25,7 +25,7 @@ from typing import Awaitable, Callable, Iterator
 from nereid.backend import REQUEST_DEADLINE_NS, Model, PadsBatches
 from nereid.batching import (BatchPolicy, batch_key, deadline_passed, request_cost, split_rows, stack_rows, take_batch,
                              will_not_run)
-from nereid.daemon_pool import DaemonThreadPool
+from nereid.daemon_pool import DaemonThreadPool, ThreadStartFailed
 from nereid.errors import (DeadlineExceeded, LoggedModelFailure, ModelFailure, ModelRetired, NereidError, NotStarted,
                            QueueFull, Unavailable, describe_exception, naming_model, without_model_name)
 from nereid.log_limit import RateLimitedLog
@@ -688,7 +688,9 @@ class ModelScheduler:
         model: model code can raise anything (``sys.exit()`` included), and a
         request of the batch must never be left unanswered. A backend that did not
         start the run raises NotStarted, for the caller to send it once more
-        (``resent``: this is that once; its failure is then the batch's).
+        (``resent``: this is that once; its failure is then the batch's). One
+        no thread could be started for (ThreadStartFailed, out of the model's
+        pool or a meta model's) is answered Unavailable (see :meth:`thread_refused`).
         """
         self._stats.execution_started()
         total = sum(rows)
@@ -722,6 +724,11 @@ class ModelScheduler:
             except asyncio.CancelledError:
                 counted_later = not self._inline  # _infer handed the counting to count_when_ended
                 raise
+            except ThreadStartFailed as err:
+                # No worker thread could start for it (a process limit): none of the model's code ran, and none
+                # will (the call was not queued), so no execution and no batch is counted.
+                not_started = True
+                raise self.thread_refused(err) from None
             infer_ns = time.monotonic_ns() - start
             outputs = self._own_rows(outputs, run_rows, total)
             results = [outputs] if len(rows) == 1 else split_rows(outputs, rows)
@@ -815,6 +822,16 @@ class ModelScheduler:
         if not isinstance(failure, LoggedModelFailure):
             self._fault_log.error("%s", failure, exc_info=failure.__cause__)
 
+    def thread_refused(self, error: ThreadStartFailed, what: str = "this run") -> Unavailable:
+        """The answer of a request for which no worker thread could be started (``what``: what the thread was
+        for), logged at WARNING under the model's limit, without a traceback: the server's passing condition (a
+        process or thread limit), not a fault of the model's; what the thread was for never runs. (It was answered
+        INTERNAL, "can't start new thread", and ran all the same once a thread came: the resource-limits hunt.)"""
+        refusal = Unavailable(f"model '{self.name}': the server could not start a thread for {what} ({error}); "
+                              "try again later")
+        self._fault_log.warning("%s", refusal)
+        return refusal
+
     def model_fault(self, error: BaseException, during: str = "") -> ModelFailure:
         """The ModelFailure a caller gets for ``error`` raised by model code (logged with its traceback, under the
         model's limit); ``during``: what the model was asked (``padded_rows(5)``, ``input check``)."""
@@ -858,7 +875,7 @@ class ModelScheduler:
             if not loop.is_closed():  # closed: the server is gone and nobody waits
                 loop.call_soon_threadsafe(self._thread_done, call, result, error)
 
-        self._executor.call(self._infer_on_thread, inputs, done)
+        self._executor.call(self._infer_on_thread, inputs, done)  # (ThreadStartFailed: not queued, never runs)
         self._threads += 1
         try:
             return await call.waiter

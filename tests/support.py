@@ -279,6 +279,27 @@ def wait_until(condition: Callable[[], Any], timeout_s: float = 10) -> Any:
     return value
 
 
+def fail_thread_starts(monkeypatch: pytest.MonkeyPatch, prefix: str, times: int = 1) -> list[str]:
+    """Make the next ``times`` starts of a thread whose name begins with ``prefix`` raise what CPython raises at a
+    process or thread limit (RLIMIT_NPROC, a cgroup's pids.max), every other start left alone; the names of the
+    threads refused, as they are."""
+    real_start = threading.Thread.start
+    refused: list[str] = []
+    lock = threading.Lock()
+
+    def start(self: threading.Thread) -> None:
+        with lock:
+            refuse = len(refused) < times and self.name.startswith(prefix)
+            if refuse:
+                refused.append(self.name)
+        if refuse:
+            raise RuntimeError("can't start new thread")
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    return refused
+
+
 async def until(condition: Callable[[], object], timeout_s: float = 30.0, what: str = "") -> None:
     """In a test's event loop: poll ``condition`` until it is truthy; AssertionError after ``timeout_s`` (long: it
     costs only a test that fails, and a starved machine took past 5 s to load a model from a moto bucket)."""

@@ -32,7 +32,7 @@ from nereid.batching import deadline_passed
 from nereid.backends.xla.manifest import (MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, load_manifest,
                                           parse_manifest_text)
 from nereid.backends.xla.signatures import batch_mode, build_signature
-from nereid.daemon_pool import DaemonThreadPool
+from nereid.daemon_pool import DaemonThreadPool, ThreadStartFailed
 from nereid.dependencies import DependencyCycle, describe_cycle, find_cycle
 from nereid.errors import (ConfigError, DeadlineExceeded, LoggedModelFailure, MissingModelFile, ModelFailure,
                            NereidError, NotFound, QueueFull, Unavailable, describe_exception, loop_safe_call,
@@ -270,6 +270,10 @@ class MetaModel:
             if answered is err:
                 raise
             raise answered from err
+        except ThreadStartFailed:
+            # No thread could start for a plain def orchestration (a process limit): it did not run, and never
+            # will; its scheduler answers it UNAVAILABLE, as it does for a model's own worker thread.
+            raise
         except BaseException as err:
             # A TaskGroup's failure (Python 3.11's fan-out): its sub-calls' errors in a group, which said only
             # "ExceptionGroup: unhandled errors in a TaskGroup", INTERNAL, logged again (the native hunt).

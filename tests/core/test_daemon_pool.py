@@ -1,4 +1,4 @@
-"""The daemon thread pool: the Executor API, the lean call() form, reuse, shutdown."""
+"""The daemon thread pool: the Executor API, the lean call() form, reuse, shutdown, a thread that cannot start."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from nereid.daemon_pool import DaemonThreadPool, on_io_thread, release_io_threads
+from nereid.daemon_pool import DaemonThreadPool, ThreadStartFailed, on_io_thread, release_io_threads
+from support import fail_thread_starts
 
 
 def wait_running(futures, timeout: float = 5.0) -> None:
@@ -67,6 +68,49 @@ def test_a_call_dropped_by_shutdown_is_told_so() -> None:
     assert len(dropped) == 1 and isinstance(dropped[0], concurrent.futures.CancelledError)
     gate.set()
     assert blocked.result(5)
+
+
+LIMIT_REACHED = ("RuntimeError: can't start new thread: a process or thread limit, such as ulimit -u or a "
+                 "container's pids limit, is reached")
+
+
+def test_a_call_whose_thread_cannot_start_is_refused_and_never_runs(monkeypatch) -> None:
+    """Found by the resource-limits hunt: a call whose worker thread could not start (RLIMIT_NPROC) was reported
+    failed to its caller, yet stayed queued and ran on the next thread to start, ahead of the next call."""
+    refused = fail_thread_starts(monkeypatch, "limit")
+    pool = DaemonThreadPool(1, thread_name_prefix="limit")
+    ran: list[str] = []
+    told: list = []
+    with pytest.raises(ThreadStartFailed) as info:
+        pool.call(ran.append, "A", lambda result, error: told.append(error))
+    assert str(info.value) == LIMIT_REACHED and isinstance(info.value, RuntimeError)  # (what callers caught)
+    assert refused == ["limit_0"]
+    finished = threading.Event()
+    pool.call(ran.append, "B", lambda result, error: finished.set())
+    assert finished.wait(5)
+    assert pool.submit(ran.append, "C").result(5) is None
+    assert ran == ["B", "C"] and told == []  # A never ran, and its callback was never called
+    assert [thread.name for thread in pool._threads] == ["limit_0"]
+    pool.shutdown()
+
+
+def test_a_call_whose_thread_cannot_start_does_not_wait_behind_the_busy_ones(monkeypatch) -> None:
+    """Nor is it queued for the threads already busy (one may never return): the pool's next call gets the thread
+    it lacked, and runs beside the busy one at once."""
+    pool = DaemonThreadPool(2, thread_name_prefix="busy")
+    gate = threading.Event()
+    blocked = pool.submit(gate.wait, 30)
+    wait_running([blocked])
+    fail_thread_starts(monkeypatch, "busy")
+    ran: list[str] = []
+    with pytest.raises(ThreadStartFailed):
+        pool.submit(ran.append, "refused")
+    assert pool.submit(ran.append, "next").result(10) is None  # (queued behind the gate, it would wait 30 s)
+    assert not blocked.done()
+    gate.set()
+    assert blocked.result(5)
+    pool.shutdown()
+    assert ran == ["next"]
 
 
 def test_the_io_pool_runs_calls_as_to_thread_does_on_daemon_threads_and_lets_a_stuck_one_go() -> None:

@@ -22,7 +22,7 @@ from nereid.scheduler import ModelScheduler
 from nereid.signature import ModelSignature, TensorSpec
 from nereid.stats import ModelStats, RequestTiming
 from nereid.tensors import NamedTensor
-from support import until
+from support import fail_thread_starts, until
 
 SIGNATURE = ModelSignature((TensorSpec("x", DType.FP32, (2,)),), (TensorSpec("y", DType.FP32, (2,)),), 4)
 
@@ -458,6 +458,43 @@ def test_a_hook_s_fault_is_logged_once_with_its_traceback(hook: str, caplog: pyt
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert [r.getMessage() for r in errors] == [f"model 'm': {hook} hook failed: ValueError: bad token table"]
     assert errors[0].exc_info is not None and "bad token table" in str(errors[0].exc_info[1])
+
+
+@pytest.mark.parametrize("hook", ["preprocess", "postprocess"])
+def test_a_hook_no_thread_could_start_for_is_answered_unavailable_and_never_runs(hook: str, monkeypatch,
+                                                                                 caplog) -> None:
+    """Found by the resource-limits hunt: at a process limit (ulimit -u) a hook's thread could not start, and its
+    request was answered INTERNAL as the hook's fault, yet the hook call stayed queued and ran once a thread came.
+    It is answered UNAVAILABLE, logged as a WARNING without a traceback; the hook never runs, and the request
+    holds no place in the model's preprocess stage (at queue_capacity 1 the next request is served)."""
+    ran: list[float] = []
+
+    def counted(tensors: list[NamedTensor]) -> list[NamedTensor]:
+        ran.append(float(tensors[0].data[0, 0]))
+        return tensors
+
+    pool = "nereid-m-hooks" + ("-postprocess" if hook == "postprocess" else "")
+    after = ", after the model had run for it" if hook == "postprocess" else ""
+    expected = (f"model 'm': the server could not start a thread for its {hook} hook{after} (RuntimeError: can't "
+                "start new thread: a process or thread limit, such as ulimit -u or a container's pids limit, is "
+                "reached); try again later")
+
+    async def scenario() -> None:
+        run, scheduler = await serve(Hooked(**{hook[:-len("process")]: counted}), capacity=1)
+        refused = fail_thread_starts(monkeypatch, f"{pool}_")
+        with pytest.raises(Unavailable) as info:
+            await asyncio.wait_for(run(rows(1), 1, 0), 5)
+        assert type(info.value) is Unavailable and str(info.value) == expected
+        assert refused == [f"{pool}_0"] and scheduler.requests_in_hooks == 0
+        (y,) = await asyncio.wait_for(run(rows(2), 1, 0), 5)
+        assert y.data.tolist() == [[4, 4]]
+        assert await asyncio.wait_for(scheduler.drain(), 5)
+        # The first request's hook never ran (a postprocess hook sees the program's doubled rows).
+        assert ran == ([2.0] if hook == "preprocess" else [4.0])
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))
+    logged = [(r.levelname, r.getMessage(), r.exc_info) for r in caplog.records if r.levelno >= logging.WARNING]
+    assert logged == [("WARNING", expected, None)]
 
 
 def hook_threads_alive() -> list[threading.Thread]:

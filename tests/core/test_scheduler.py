@@ -23,6 +23,7 @@ from nereid.settings import DEFAULT_QUEUE_CAPACITY, BatchingSettings
 from nereid.signature import ModelSignature, TensorSpec
 from nereid.stats import ModelStats, RequestTiming
 from nereid.tensors import NamedTensor
+from support import expect_grpc_error, fail_thread_starts, scrape
 
 SIGNATURE = ModelSignature((TensorSpec("x", DType.FP32, (2,)),), (TensorSpec("y", DType.FP32, (2,)),), 4)
 
@@ -482,6 +483,75 @@ def test_the_fault_of_an_execution_whose_callers_left_is_logged(fault: str, capl
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     expected = ("model 'm' timed out after 1 s" if fault == "model_failure" else "model 'm' raised")
     assert len(errors) == 1 and errors[0].startswith(expected), errors
+
+
+NO_THREAD = ("model 'm': the server could not start a thread for this run (RuntimeError: can't start new thread: a "
+             "process or thread limit, such as ulimit -u or a container's pids limit, is reached); try again later")
+
+
+@pytest.mark.parametrize("batching", [False, True])
+def test_a_run_no_thread_could_start_for_is_answered_unavailable_and_never_runs(batching, monkeypatch, caplog) -> None:
+    """Found by the resource-limits hunt: at a process limit (ulimit -u, a pids limit) a run's worker thread could
+    not start, and its requests were answered INTERNAL as the model's fault (logged with a traceback), yet the run
+    stayed queued and ran once a thread came, and the count of running threads went below zero. They are answered
+    UNAVAILABLE, logged as a WARNING without a traceback; the run never happens, and counts as no execution."""
+    async def scenario() -> None:
+        backend = GatedDouble()
+        backend.gate.set()
+        stats = ModelStats()
+        policy = BatchPolicy(True, max_rows=2, max_delay_ns=50_000_000) if batching else None
+        scheduler = ModelScheduler("m", backend, SIGNATURE, capacity=4, instances=1, stats=stats, policy=policy)
+        refused = fail_thread_starts(monkeypatch, "nereid-m_")
+        answers = await asyncio.gather(*(scheduler.submit(rows(i), 1, 0) for i in range(2 if batching else 1)),
+                                       return_exceptions=True)
+        assert refused == ["nereid-m_0"]
+        assert [(type(answer), str(answer)) for answer in answers] == [(Unavailable, NO_THREAD)] * len(answers)
+        assert scheduler.running_threads == 0 and scheduler.idle
+        (y,) = await scheduler.submit(rows(5), 1, 0)  # the next thread starts: served
+        assert y.data.tolist() == [[10, 10]]
+        await asyncio.wait_for(scheduler.drain(), 5)
+        assert backend.ran == [5.0] and scheduler.running_threads == 0
+        snapshot = stats.snapshot()
+        assert (snapshot.execution_count, snapshot.batcher.total_batches, snapshot.running_executions) == (1, 1, 0)
+    run(scenario())
+    logged = [(r.levelname, r.getMessage(), r.exc_info) for r in caplog.records if r.name == "nereid.scheduler"]
+    assert logged == [("WARNING", NO_THREAD, None)]
+
+
+# An echo of one FP32 [4] tensor that counts its runs in calls.txt, in its folder.
+COUNTED_ECHO_MAIN = '''
+import os, sys
+with open("calls.txt", "a") as calls:
+    calls.write("1\\n")
+data = sys.stdin.buffer.read()
+with open(os.environ["NEREID_OUTPUT_PATH"], "wb") as out:
+    out.write(("%s %s\\n" % (os.environ["NEREID_INPUT_DTYPE"], os.environ["NEREID_INPUT_SHAPE"])).encode())
+    out.write(data)
+'''
+
+
+def test_a_served_request_no_thread_could_start_for_is_unavailable_and_never_runs(repo, serve, monkeypatch) -> None:
+    """The resource-limits hunt's case over gRPC: 200 requests answered INTERNAL "can't start new thread" all ran
+    once threads were available again, ahead of the next request. The one refused is UNAVAILABLE (counted as such),
+    and the model runs once, for the request that was served."""
+    import tritonclient.grpc as triton
+
+    folder = repo.python("counted", main=COUNTED_ECHO_MAIN)
+    server = serve(repo.write_config())
+    x = np.arange(4, dtype=np.float32).reshape(1, 4)
+    tensor = triton.InferInput("input", [1, 4], "FP32")
+    tensor.set_data_from_numpy(x)
+    refused = fail_thread_starts(monkeypatch, "nereid-counted_")
+    expect_grpc_error("UNAVAILABLE", lambda: server.client.infer("counted", [tensor]),
+                      "model 'counted': the server could not start a thread for this run (RuntimeError: can't start "
+                      "new thread: a process or thread limit", "try again later")
+    assert refused == ["nereid-counted_0"]
+    np.testing.assert_array_equal(server.client.infer("counted", [tensor]).as_numpy("output"), x)
+    assert (folder / "calls.txt").read_text() == "1\n"  # (the refused one, queued, ran ahead of this one)
+    stats = server.server.repository.ready_model("counted").stats.snapshot()
+    assert (stats.execution_count, stats.failures_by_reason) == (1, {"unavailable": 1})
+    samples = scrape(server.server.metrics_port)
+    assert samples[("nereid_request_failure_total", (("model", "counted"), ("reason", "unavailable")))] == 1
 
 
 class UnreadableOutput:

@@ -21,7 +21,7 @@ import tritonclient.grpc as triton
 import tritonclient.http as triton_http
 from tritonclient.utils import InferenceServerException
 
-from support import ModelRepo, expect_grpc_error, scrape, unreadable_chunked_infer, wait_until
+from support import ModelRepo, expect_grpc_error, fail_thread_starts, scrape, unreadable_chunked_infer, wait_until
 
 SHIPPED = Path(__file__).resolve().parents[3] / "ml-backends"
 
@@ -419,6 +419,35 @@ def test_a_sub_models_full_queue_is_not_counted_as_the_meta_models_own(repo, ser
     samples = scrape(server.server.metrics_port)
     assert samples[("nereid_request_failure_total", (("model", "relay"), ("reason", "unavailable")))] == 1
     assert ("nereid_request_failure_total", (("model", "relay"), ("reason", "queue_full"))) not in samples
+
+
+BLOCKING_RELAY = '''
+import nereid
+
+def orchestrate(inputs, ctx):
+    return ctx.infer("{target}", inputs)
+
+nereid.register_model(orchestrate=orchestrate)
+'''
+
+
+def test_a_plain_def_orchestration_no_thread_could_start_for_is_unavailable_and_never_runs(repo, serve,
+                                                                                          monkeypatch) -> None:
+    """Found by the resource-limits hunt: a plain def orchestration whose thread could not start (ulimit -u) was
+    answered INTERNAL as the orchestration's fault, and ran all the same once a thread came, its sub-calls too."""
+    worker = add_counting(repo, "worker")
+    add_meta(repo, "relay", BLOCKING_RELAY.format(target="worker"), ["worker"])
+    server = serve(repo.write_config())
+    refused = fail_thread_starts(monkeypatch, "nereid-meta-relay_")
+    expect_grpc_error("UNAVAILABLE", lambda: infer(server.client, "relay", X),
+                      "model 'relay': the server could not start a thread for this run (RuntimeError: can't start "
+                      "new thread: a process or thread limit", "try again later")
+    assert refused == ["nereid-meta-relay_0"]
+    np.testing.assert_array_equal(infer(server.client, "relay", X), X)
+    assert calls(worker) == 1  # (the refused one, queued, ran its sub-call ahead of this one)
+    assert statistics(server.client, "relay").execution_count == 1
+    samples = scrape(server.server.metrics_port)
+    assert samples[("nereid_request_failure_total", (("model", "relay"), ("reason", "unavailable")))] == 1
 
 
 def test_depends_on_readiness_cycles_and_bad_folders(repo, serve) -> None:
