@@ -180,7 +180,12 @@ class PythonModel(SubprocessModel):
                 raise ConfigError(f"model '{self.context.name}': its parent process could not be started: "
                                   f"{err}") from None
         except BaseException:
-            remove_tree(parent_dir)
+            # A failure after the parent had started (its exit watcher's thread not starting, as it once did) left
+            # it running for the server's life (the resource-limits hunt): stopped, a no-op when none had started.
+            try:
+                parent.stop()
+            finally:
+                remove_tree(parent_dir)
             raise
         return parent
 

@@ -825,13 +825,31 @@ class _ExitWatcher:
             if self._wake is None:
                 self._wake = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="nereid-warm-parent-exits", daemon=True)
-                self._thread.start()
+                self._start_thread(parent)
                 return
         try:
             os.write(self._wake[1], b"\0")
         except BlockingIOError:  # full of wake-ups the thread has yet to read: it looks again anyway
             pass
+
+    def _start_thread(self, parent: WarmParent) -> None:
+        """Start the watching thread, for ``parent`` just watched; when it cannot start (a process or thread
+        limit), say so and leave it to the next watch, the pidfds kept. Under the lock.
+
+        Kept as started before it was: an unstarted thread kept here passed
+        for a running one, so no watch ever started one again, and the load
+        that met the limit failed (the resource-limits hunt).
+        """
+        thread = threading.Thread(target=self._run, name="nereid-warm-parent-exits", daemon=True)
+        try:
+            thread.start()
+        except RuntimeError as err:  # ("can't start new thread")
+            log.warning("model '%s': the thread that notices warm parents exiting while idle could not start (%s: "
+                        "a process or thread limit, such as ulimit -u or a container's pids limit, is reached); "
+                        "it is started again at the next parent's start, and until then a parent that dies while "
+                        "its model is idle is reaped at the model's next batch", parent.name, err)
+            return
+        self._thread = thread
 
     def _run(self) -> None:
         busy: list[tuple[WarmParent, subprocess.Popen]] = []  # exited, but their model held them: asked again

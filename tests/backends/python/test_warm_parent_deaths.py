@@ -29,7 +29,7 @@ from nereid.backends.subprocess.runner import ProcessGroups
 from nereid.errors import ModelFailure, ModelKilled, NotStarted, Unavailable
 from nereid.settings import ModelSettings
 
-from support import process_alive, textproto_single, wait_until, zombie_children
+from support import fail_thread_starts, process_alive, textproto_single, wait_until, zombie_children
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the warm parent needs Linux")
 
@@ -232,6 +232,60 @@ def test_a_parent_that_dies_while_its_model_is_idle_is_reaped_at_once(tmp_path, 
         assert model.parent.cold_reason is None
     finally:
         model.stop()
+
+
+def test_an_exit_watcher_whose_thread_cannot_start_says_so_and_starts_it_at_the_next_parent(tmp_path, monkeypatch,
+                                                                                             caplog, no_zombies):
+    """Found by the resource-limits hunt: the exit watcher's thread failing to start (ulimit -u) failed the load
+    that started it, and the unstarted thread was kept for a running one, so none was started again: every warm
+    parent dying while its model was idle stayed a zombie until the model's next batch. The parent is still
+    watched, the failure is a WARNING, and the next parent's start starts the thread."""
+    assert wait_until(lambda: warm._EXITS._thread is None, timeout_s=30)  # (other tests' parents all gone)
+    (tmp_path / "first").mkdir()
+    (tmp_path / "second").mkdir()
+    first, second = Model(tmp_path / "first"), Model(tmp_path / "second")
+    refused = fail_thread_starts(monkeypatch, "nereid-warm-parent-exits")
+    try:
+        with caplog.at_level(logging.WARNING, logger="nereid.backends.python.warm"):
+            first.parent.start()
+        assert refused == ["nereid-warm-parent-exits"] and warm._EXITS._thread is None
+        assert [(r.levelname, r.getMessage()) for r in caplog.records] == [(
+            "WARNING", "model 'm': the thread that notices warm parents exiting while idle could not start (can't "
+            "start new thread: a process or thread limit, such as ulimit -u or a container's pids limit, is "
+            "reached); it is started again at the next parent's start, and until then a parent that dies while its "
+            "model is idle is reaped at the model's next batch")]
+        second.parent.start()
+        assert warm._EXITS._thread is not None
+        pid = first.parent.pid
+        os.kill(pid, signal.SIGKILL)  # the first parent, watched since its start, dies while its model is idle
+        assert wait_until(lambda: first.parent.pid is None and pid not in zombie_children(), timeout_s=10), \
+            f"warm parent {pid} left a zombie: {zombie_children()}"
+    finally:
+        first.stop()
+        second.stop()
+
+
+def test_a_load_failing_after_its_parent_started_stops_that_parent(tmp_path, monkeypatch, no_zombies):
+    """Found by the resource-limits hunt: a load that failed once its warm parent had started (its exit watcher's
+    thread could not start) removed the parent's folder but left the parent running, for the server's life."""
+    switches = Model(tmp_path)
+    model = switches.python_model(tmp_path)
+    started = []
+
+    def failing_watch(parent: WarmParent, process) -> None:
+        started.append(process)
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(warm._EXITS, "watch", failing_watch)
+    try:
+        with pytest.raises(RuntimeError, match="can't start new thread"):
+            model.load()
+        [process] = started
+        assert process.poll() is not None and not process_alive(process.pid)  # stopped and reaped
+        assert list((tmp_path / "server_scratch").glob("warm-parent-*")) == []
+    finally:
+        model.unload()
+        switches.stop()
 
 
 def test_a_parent_killed_while_its_model_loads_is_started_again_and_the_model_loads_warm(tmp_path, caplog,
