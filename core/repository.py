@@ -1039,8 +1039,12 @@ class ModelRepository:
                 work.append(self._reload_entry(entry))
         for model in settings.models:  # listed by this edit before its folder is there: one line for it too
             if model.name not in self._entries and old.model(model.name) is None:
-                log.info("model '%s' is now listed in nereid.yaml; it loads once its folder '%s' is in "
-                         "ml_backends_path", model.name, model.name)
+                if model.name in settling:  # (there, new and still changing: "is in ml_backends_path" misled)
+                    log.info("model '%s' is now listed in nereid.yaml; it loads once its folder, which is changing, "
+                             "has settled", model.name)
+                else:
+                    log.info("model '%s' is now listed in nereid.yaml; it loads once its folder '%s' is in "
+                             "ml_backends_path", model.name, model.name)
         return self._settled([asyncio.ensure_future(step) for step in work])
 
     def take_deferred_step(self, name: str) -> Awaitable[ModelEntry] | None:

@@ -1252,3 +1252,23 @@ def test_an_unknown_name_is_told_the_closest_known_one_among_few() -> None:
     many = few + [f"other{i}" for i in range(SUGGESTED_AMONG)]
     assert str(_no_folder("python_rowsun", many)) == \
         "unknown model 'python_rowsun' (no folder 'python_rowsun' under ml_backends_path)"
+
+
+def test_a_model_listed_while_its_new_folder_settles_is_said_to_wait_for_it_to_settle(tmp_path, caplog):
+    """Found by a bug hunt: a folder copied in and listed in nereid.yaml within its settle time was said to load
+    "once its folder 'x' is in ml_backends_path", though it was there already, being settled by the watcher."""
+    import logging
+
+    (tmp_path / "ml-backends").mkdir()
+    repo = repository(tmp_path, server_extra="  watch: true\n")
+    write_toy(tmp_path / "ml-backends", "copied")  # (copied in after the repository was listed: no entry yet)
+    edited = tmp_path / "edited.yaml"
+    edited.write_text('server:\n  ml_backends_path: "ml-backends"\n  metrics_addr: ""\n  http_addr: ""\n'
+                      "  watch: true\nmodels:\n  - name: copied\n  - name: absent\n")
+    with caplog.at_level(logging.INFO, logger="nereid.repository"):
+        asyncio.run(repo.start_settings(load_settings(edited), settling={"copied"}))
+    said = [m for m in caplog.messages if "is now listed in nereid.yaml" in m]
+    assert said == ["model 'copied' is now listed in nereid.yaml; it loads once its folder, which is changing, "
+                    "has settled",
+                    "model 'absent' is now listed in nereid.yaml; it loads once its folder 'absent' is in "
+                    "ml_backends_path"]
