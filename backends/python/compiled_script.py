@@ -9,13 +9,20 @@ import system keeps for the file (``__pycache__``, or ``sys.pycache_prefix``),
 which ``pip install`` writes; it is checked here against the source as the
 import system checks it, since the interpreter running a ``.pyc`` checks
 nothing. Its code keeps the source's path, so tracebacks still quote the source.
+A bytecode file whose header is right but whose code is not (cut short, damaged
+on disk) is compiled again, as a stale one is: run, it failed every warm parent's
+start and every cold run with "Bad code object in .pyc file".
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import marshal
+import os
 import py_compile
 import sys
+import types
 from pathlib import Path
 
 HEADER_BYTES = 16
@@ -29,7 +36,7 @@ def runnable_script(source: Path) -> Path:
     ``source`` itself (no bytecode, a stale one that cannot be rewritten, a read-only install)."""
     # The plain bytecode even under `python -O`: the interpreter it is given to runs without -O (asserts kept).
     cached = Path(importlib.util.cache_from_source(str(source), optimization=""))
-    if bytecode_is_fresh(cached, source):
+    if bytecode_is_fresh(cached, source) and holds_code(cached):
         return cached
     if sys.dont_write_bytecode:
         return source
@@ -37,7 +44,28 @@ def runnable_script(source: Path) -> Path:
         py_compile.compile(str(source), cfile=str(cached), doraise=True)
     except (OSError, py_compile.PyCompileError):  # (a read-only site-packages: the source still runs)
         return source
-    return cached if bytecode_is_fresh(cached, source) else source
+    return cached if bytecode_is_fresh(cached, source) and holds_code(cached) else source
+
+
+def holds_code(cached: Path) -> bool:
+    """Whether ``cached`` holds a whole code object after its header (checked once per version of the file: by
+    its inode, size and modification time). The header says only which source it was made from."""
+    try:
+        status = os.stat(cached)
+    except OSError:
+        return False
+    return _unmarshals(str(cached), status.st_ino, status.st_size, status.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _unmarshals(path: str, inode: int, size: int, mtime_ns: int) -> bool:
+    """(The version of the file ``path`` is part of the key: a file compiled again is read again.)"""
+    try:
+        with open(path, "rb") as file:
+            data = file.read()
+        return isinstance(marshal.loads(memoryview(data)[HEADER_BYTES:]), types.CodeType)
+    except (OSError, ValueError, EOFError, TypeError):  # (marshal's "bad marshal data", a file cut short)
+        return False
 
 
 def bytecode_is_fresh(cached: Path, source: Path) -> bool:

@@ -188,7 +188,7 @@ class WarmParent:
         # What a cold run execs, should a restarted parent find it can no longer preload.
         self.cold_argv = cold_argv
         self.cold_reason: str | None = None  # why runs went cold after a restart (None: they did not)
-        self.cold_since_load = False  # cold_reason is the load's: its warm parents were killed as they started
+        self.cold_since_load = False  # cold_reason is the load's: its warm parents ended as they started
         self.folder = folder
         # An O_PATH descriptor of the loaded folder (the model's, not ours to close), sent with each run: the
         # child enters that folder, never another one put under its name since. None: the path is used.
@@ -625,12 +625,12 @@ class WarmParent:
                 return
 
     def start_cold_for_now(self, reason: str) -> None:
-        """Start for a load whose warm parents were killed as they started (``reason``), twice: an out-of-memory
+        """Start for a load whose warm parents ended as they started (``reason``), twice: an out-of-memory
         killer at a busy start, as at a restart, tells nothing about the imports. Runs are cold, and warm start is
         tried again later, as after a restart's (see ``_go_cold``); WarmStartUnavailable if no parent starts."""
         with self._lock:
             self._stopped = False
-            self._cold_with_retry("its warm parents were killed as they started while it loaded", reason,
+            self._cold_with_retry("its warm parents ended as they started while it loaded", reason,
                                   at_load=True)
             self._start()
 

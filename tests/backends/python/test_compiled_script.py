@@ -50,6 +50,23 @@ def test_fresh_bytecode_is_run_and_behaves_as_the_source(script):
     assert f'File "{script}", line 4' in from_bytecode.stderr and 'raise ValueError("asked to")' in from_bytecode.stderr
 
 
+@pytest.mark.parametrize("damage", ["cut_short", "zeroed"])
+def test_bytecode_whose_header_is_right_but_code_damaged_is_compiled_anew(script, monkeypatch, damage):
+    """Found by a bug hunt of persistent caches: a .pyc cut short (or zeroed) past its 16-byte header passed the
+    header's check, and the interpreter it was given to ran nothing: "Bad code object in .pyc file" at every
+    warm parent's start and every cold run, never mended."""
+    monkeypatch.setattr(sys, "dont_write_bytecode", False)
+    py_compile.compile(str(script), doraise=True)
+    cached = cached_of(script)
+    data = cached.read_bytes()
+    damaged = data[:16] + (data[16:len(data) // 2] if damage == "cut_short" else bytes(len(data) - 16))
+    cached.write_bytes(damaged)
+    assert bytecode_is_fresh(cached, script)  # (the header still says it is the source's)
+    assert runnable_script(script) == cached and cached.read_bytes() == data  # compiled anew
+    ran = subprocess.run([sys.executable, "-P", str(cached), "x"], capture_output=True, text=True)
+    assert (ran.returncode, ran.stdout) == (0, "ran ['x']\n"), ran.stderr
+
+
 def test_no_bytecode_is_written_when_the_interpreter_writes_none(script, monkeypatch):
     monkeypatch.setattr(sys, "dont_write_bytecode", True)
     assert runnable_script(script) == script

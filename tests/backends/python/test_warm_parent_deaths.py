@@ -466,7 +466,7 @@ def test_a_model_whose_parents_are_killed_as_it_loads_loads_cold_and_is_warm_aga
             assert wait_until(lambda: model.runtime_report().summary == "warm_start=on", timeout_s=60)
             assert switches.how_it_ran() == "warm"
         assert [record.getMessage() for record in caplog.records if record.name.endswith(".warm")][0] == (
-            "model 'm': its warm parents were killed as they started while it loaded (the warm parent was killed by "
+            "model 'm': its warm parents ended as they started while it loaded (the warm parent was killed by "
             "signal SIGKILL while starting); every batch starts a fresh interpreter until warm start is back: a warm "
             "parent is tried again at the first batch after 600 s")
     finally:
