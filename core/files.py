@@ -131,8 +131,13 @@ def escaping_link(folder: Path, root: Path) -> tuple[Path, Path] | None:
     each real folder once, so that a link back to a folder walked already ends the walk there.
     """
     root = root.resolve()
-    if folder.is_symlink() and not _inside(folder.resolve(), root):
-        return folder, folder.resolve()
+    if folder.is_symlink():
+        target = _link_target(folder)
+        if target is None:
+            raise ConfigError(f"{folder}: is a symlink loop (it leads back to itself, through one link or more); "
+                              "replace it with the model's folder")
+        if not _inside(target, root):
+            return folder, target
     seen = 0
     real_of = {str(folder): os.path.realpath(folder)}  # each folder still to walk: where it really is
     walked = set(real_of.values())
@@ -152,7 +157,9 @@ def escaping_link(folder: Path, root: Path) -> tuple[Path, Path] | None:
                 # it either, by the server or a model (a folder it cannot list at all os.walk passes over alike).
                 continue
             if linked:
-                target = path.resolve()
+                target = _link_target(path)
+                if target is None:
+                    continue  # a loop leads nowhere, so not out: what opens it fails (it was a raw RuntimeError)
                 if not _inside(target, root):
                     return path, target
                 links_in.add(name)
@@ -166,6 +173,19 @@ def escaping_link(folder: Path, root: Path) -> tuple[Path, Path] | None:
                 entered.append(name)
         subdirs[:] = entered
     return None
+
+
+def _link_target(link: Path) -> Path | None:
+    """Where the symlink ``link`` leads (resolved, as far as it exists); None for a loop (Python 3.11 raises
+    RuntimeError for one, later versions OSError ELOOP)."""
+    try:
+        return link.resolve()
+    except RuntimeError:
+        return None
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            return None
+        raise
 
 
 def _refuse_unlisted_reachable(error: OSError) -> None:

@@ -101,6 +101,22 @@ def test_a_link_out_behind_a_linked_folder_inside_the_repository_is_found(tmp_pa
     assert escaping_link(root / "m", root) == (root / "m" / "v2" / "w.safetensors", outside / "w.safetensors")
 
 
+def test_a_symlink_loop_leads_nowhere_and_a_model_folder_that_is_one_is_said_to_be(tmp_path):
+    """Found by a bug hunt of persistent caches: a symlink loop anywhere in a model folder (its .cache/ too) made
+    it UNAVAILABLE with Python's bare "Symlink loop from '...'" (a RuntimeError of Path.resolve on 3.11)."""
+    root = tmp_path / "repo"
+    (root / "m" / ".cache").mkdir(parents=True)
+    (root / "m" / "loop").symlink_to("loop")
+    (root / "m" / ".cache" / "a").symlink_to("b")
+    (root / "m" / ".cache" / "b").symlink_to("a")
+    assert escaping_link(root / "m", root) is None  # (a loop leads nowhere, so not out)
+    (root / "n").symlink_to("n")
+    with pytest.raises(ConfigError) as caught:
+        escaping_link(root / "n", root)
+    assert str(caught.value) == (f"{root / 'n'}: is a symlink loop (it leads back to itself, through one link or "
+                                 "more); replace it with the model's folder")
+
+
 def test_links_between_folders_in_a_circle_end_the_walk(tmp_path):
     root = tmp_path / "repo"
     (root / "m" / "a").mkdir(parents=True)
