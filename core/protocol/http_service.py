@@ -443,9 +443,13 @@ class HttpSurface:
         a worker thread one at a time when it is large (a flood of small gzip bodies each holding the limit's
         worth must not all expand at once)."""
         who = f"model '{model}': "
-        if len(body) < DECOMPRESS_OFF_LOOP_BYTES:
-            return decompressed(body, coding, limit, who)
-        return await self._one_at_a_time(self._decompressions, decompressed, body, coding, limit, who)
+        try:
+            if len(body) < DECOMPRESS_OFF_LOOP_BYTES:
+                return decompressed(body, coding, limit, who)
+            return await self._one_at_a_time(self._decompressions, decompressed, body, coding, limit, who)
+        except MemoryError as lost:  # (counted as the model's, as a decode out of memory is: it reached __call__)
+            lost.__traceback__ = None
+            raise out_of_memory(model, f"decompressing ({coding})", len(body)) from None
 
     def _json_too_large(self, model: str, size: str) -> HttpError:
         """413 for an infer request whose JSON part ``size`` ("is N bytes", "exceeds ...") passes the limit."""
