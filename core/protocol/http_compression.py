@@ -9,6 +9,7 @@ its q-values; tritonclient's ``response_compression_algorithm``).
 
 from __future__ import annotations
 
+import re
 import zlib
 
 from nereid.protocol.http_errors import HttpError
@@ -24,6 +25,9 @@ _REQUEST_CODINGS = {b"gzip": "gzip", b"x-gzip": "gzip", b"deflate": "deflate"}
 # decompressor, and a body of millions of one-byte members is no client's. (HTTP's deflate is one zlib stream, and
 # Triton inflates one stream of either.)
 MAX_MEMBERS = 64
+# A weight in Accept-Encoding (RFC 9110 12.4.2: "q=" and 0 to 1 with up to three decimals; float() alone took
+# "q=1_0" for 10).
+_QVALUE = re.compile(r"[qQ]=((?:0(?:\.[0-9]{0,3})?)|(?:1(?:\.0{0,3})?))")
 # How much of a body is handed to zlib at a time (see decompressed).
 _FEED_BYTES = 64 << 10
 # Said to a client whose coding is refused (RFC 9110 15.5.16), as Triton says it.
@@ -105,10 +109,13 @@ def response_coding(headers: dict[bytes, bytes]) -> str | None:
     for entry in given.decode("latin-1").split(","):
         name, _, weight = entry.partition(";")
         name = name.strip().lower()
-        try:
-            quality = float(weight.strip()[2:]) if weight.strip().startswith("q=") else 1.0 if not weight else -1.0
-        except ValueError:
-            continue
+        if weight:
+            valid = _QVALUE.fullmatch(weight.strip())
+            if valid is None:
+                continue  # (a malformed weight, or another parameter)
+            quality = float(valid.group(1))
+        else:
+            quality = 1.0
         if name in ("identity", "gzip", "deflate") and quality > best:
             chosen, best = name, quality
     return None if chosen == "identity" else chosen

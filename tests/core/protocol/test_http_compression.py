@@ -106,7 +106,9 @@ def test_a_body_that_is_no_whole_gzip_data_is_refused(body, says):
     (None, None), ("identity", None), ("gzip", "gzip"), ("deflate", "deflate"), ("GZip", "gzip"),
     ("gzip;q=0.5, deflate", "deflate"), ("gzip;q=0.9, deflate;q=0.5", "gzip"), ("gzip, deflate", "gzip"),
     ("deflate, gzip", "deflate"), ("identity;q=1, gzip;q=0.9", None), ("gzip;q=0", None), ("br", None),
-    ("br;q=1, gzip;q=0.1", "gzip"), ("gzip;q=x, deflate;q=0.2", "deflate"), ("*", None)])
+    ("br;q=1, gzip;q=0.1", "gzip"), ("gzip;q=x, deflate;q=0.2", "deflate"), ("*", None),
+    ("gzip;q=1_0, deflate;q=0.5", "deflate"), ("gzip;Q=0.5, deflate;q=0.4", "gzip"), ("gzip; q=0.5", "gzip"),
+    ("gzip;q=2", None), ("gzip;level=1", None)])
 def test_an_answer_coding_follows_accept_encoding_as_triton_chooses_it(accepted, coding):
     assert response_coding({} if accepted is None else {b"accept-encoding": accepted.encode()}) == coding
 
