@@ -139,39 +139,66 @@ def source_hash(folder: Path, compiler: Compiler, model: str) -> str:
     digest = hashlib.sha256()
     digest.update(compiler_key(compiler))
     digest.update(" ".join(CXX_FLAGS).encode())
-    for path in code_files(folder, SOURCE_SUFFIXES):
+    files = code_files(folder, SOURCE_SUFFIXES)
+    if not files:
+        raise unkeyed_build(model, folder)
+    for path in files:
         content = read_code_file(path, f"model '{model}': ", "every C++ source and header in the model folder")
         digest.update(str(path.relative_to(folder)).encode() + b"\0" + content + b"\0")
     return digest.hexdigest()[:20]
+
+
+def unkeyed_build(model: str, folder: Path) -> ConfigError:
+    """The refusal of a build whose key would hold none of its sources: no edit would ever change it.
+
+    A bug of the walk (a model folder linked in from outside the repository was
+    walked not at all: every cpp model there had one key, and an edit was never
+    built), refused loudly rather than cached under a key that cannot go stale.
+    """
+    return ConfigError(f"model '{model}': no C++ source was found under {folder} for its build key, so no edit "
+                       "would ever rebuild it (a bug of nereid's: please report it); not compiled")
 
 
 def code_files(folder: Path, suffixes: tuple[str, ...]) -> list[Path]:
     """The entries under ``folder`` (subfolders too, but not hidden ones such as ``.cache``) with these suffixes.
 
     An #include may reach into a subfolder (``include/factor.h``), so an edit
-    there must change the key as much as one beside ``main.cpp``; a subfolder
-    that is a symlink (``inc -> ../shared``) is followed, as the compiler
-    follows it, when it leads to a folder beside the model folder's own (within
-    its parent: the repository's shared headers), each real folder once; a link
-    to that parent itself or further out (``data -> /usr``) is not walked. Hidden files count
+    there must change the key as much as one beside ``main.cpp``. ``folder``
+    itself is always walked, wherever it really is (a model folder linked in
+    from outside the repository, with follow_symlinks). A subfolder that is a
+    symlink (``inc -> ../shared``) is followed, as the compiler follows it, when
+    it leads to a folder beside the model folder (within the parent of its real
+    location, or within the folder that lists it: the repository's shared
+    headers), each real folder once; a link to such a parent itself or further
+    out (``data -> /usr``) is not walked: it would pull unrelated trees into
+    the key. Hidden files count
     (``#include ".factor.h"``), but not an editor's leftovers: a lock link
     (``.#main.cpp``), macOS's ``._`` files, a hidden link to nothing. Entries of
     every other kind are listed: an #include reaches a FIFO named ``x.h`` all the
     same, so it must be found, to be refused by :func:`read_code_file`.
     """
     found = []
-    bound = os.path.realpath(folder.parent)
-    seen: set[str] = set()
+    top = os.path.realpath(folder)
+    # Measured from the folder's real location too: a model folder linked in from elsewhere lies outside the
+    # folder that lists it, and was then skipped whole, its key holding no file at all.
+    bounds = {os.path.dirname(top), os.path.realpath(folder.parent)}
+    seen = {top}
     for root, folders, files in os.walk(folder, followlinks=True):
-        real = os.path.realpath(root)
-        if real in seen or real == bound or os.path.commonpath([bound, real]) != bound:
-            folders[:] = []
-            continue
-        seen.add(real)
+        if root != os.fspath(folder):  # a subfolder, maybe a symlink: only within the bounds, each real one once
+            real = os.path.realpath(root)
+            if real in seen or not any(_strictly_within(real, bound) for bound in bounds):
+                folders[:] = []
+                continue
+            seen.add(real)
         folders[:] = sorted(f for f in folders if not f.startswith("."))
         found.extend(Path(root) / name for name in sorted(files)
                      if name.endswith(suffixes) and not _editor_leftover(root, name))
     return found
+
+
+def _strictly_within(path: str, folder: str) -> bool:
+    """Whether the real path ``path`` lies inside the real folder ``folder`` (the folder itself is not inside)."""
+    return path != folder and os.path.commonpath([folder, path]) == folder
 
 
 def _editor_leftover(root: str, name: str) -> bool:

@@ -20,7 +20,8 @@ from importlib import resources
 from pathlib import Path
 
 from nereid.backends.cpp.compiler import (CXX_FLAGS, SOURCE_SUFFIXES, Compiler, cached_build, code_files,
-                                          compiler_key, compiler_version, find_compiler, read_code_file)
+                                          compiler_key, compiler_version, find_compiler, read_code_file,
+                                          unkeyed_build)
 from nereid.backends.cxx import HEADER_NAME
 from nereid.errors import ConfigError
 from nereid.files import not_regular_reason
@@ -72,6 +73,10 @@ def library_hash(sources: tuple[Path, ...], compiler: Compiler, folder: Path, *,
         parents.add(folder)
     # Sources too, not only headers: a listed source may #include another (a unity build's "impl.cc").
     headers = {p for parent in parents for p in code_files(parent, SOURCE_SUFFIXES)}
+    # Each source's own folder is walked, so a source with a C++ suffix missing from the walk is a bug of it (a
+    # model folder linked in from outside the repository was not walked: its headers were in no key).
+    if any(source.name.endswith(SOURCE_SUFFIXES) and source not in headers for source in sources):
+        raise unkeyed_build(model, folder)
     keyed = [(_key_name(path, folder), path) for path in sources]
     keyed += sorted((_key_name(path, folder), path) for path in headers - set(sources))
     for name, path in keyed:

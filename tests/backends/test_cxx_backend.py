@@ -832,6 +832,21 @@ def test_the_library_key_covers_sources_by_their_place_in_the_model_folder(tmp_p
     assert library_hash((nested / "src" / "model.cpp",), (CXX,), nested, model="m") != before
 
 
+def test_the_library_key_of_a_model_folder_linked_in_from_outside_the_repository_covers_its_headers(tmp_path):
+    """Found by a bug hunt: a model folder linked into the repository from elsewhere (follow_symlinks) was not
+    walked, so with sources: ["$MODEL_FOLDER/model.cpp"] only model.cpp was in the key: an edit of factor.h
+    (F=2 to F=5) served the old library after every reload and restart."""
+    (tmp_path / "elsewhere" / "m").mkdir(parents=True)
+    (tmp_path / "repo").mkdir()
+    (tmp_path / "repo" / "m").symlink_to(tmp_path / "elsewhere" / "m")
+    folder = tmp_path / "repo" / "m"
+    (folder / "model.cpp").write_text('#include "factor.h"\n')
+    (folder / "factor.h").write_text("constexpr float F = 2;\n")
+    before = library_hash((folder / "model.cpp",), (CXX,), folder, model="m")
+    (folder / "factor.h").write_text("constexpr float F = 5;\n")
+    assert library_hash((folder / "model.cpp",), (CXX,), folder, model="m") != before
+
+
 def test_the_compiler_version_probe_runs_in_its_own_process_group(tmp_path):
     """Like a build: a server stopped during a slow probe kills the group, a compiler wrapper's children too."""
     record = tmp_path / "probe"

@@ -90,6 +90,44 @@ def test_the_build_key_covers_hidden_headers_and_headers_in_a_linked_folder(tmp_
     assert len(set(keys)) == 3, keys
 
 
+def test_a_model_folder_linked_in_from_outside_the_repository_is_keyed_and_rebuilt_after_an_edit(tmp_path):
+    """Found by a bug hunt: a model folder linked into the repository from elsewhere (follow_symlinks) was not
+    walked at all, so its key held the compiler and flags only: every such model shared one build name, and an
+    edit of main.cpp or a header was never built, not by a reload, not by a restart."""
+    elsewhere, repository = tmp_path / "elsewhere", tmp_path / "repo"
+    (elsewhere / "m").mkdir(parents=True)
+    (elsewhere / "shared").mkdir()
+    repository.mkdir()
+    shutil.copy(Path(__file__).resolve().parents[3] / "ml-backends" / "cpp_scale" / "main.cpp", elsewhere / "m")
+    (elsewhere / "m" / "factor.h").write_text("#define FACTOR 2\n")
+    (elsewhere / "shared" / "k.h").write_text("#define K 1\n")
+    (elsewhere / "m" / "inc").symlink_to("../shared")  # beside the folder's real location: followed
+    (elsewhere / "m" / "data").symlink_to("/usr")  # out of there: still not walked
+    (repository / "m").symlink_to(elsewhere / "m")
+    folder = repository / "m"
+    names = [str(path.relative_to(folder)) for path in cpp_compiler.code_files(folder, cpp_compiler.SOURCE_SUFFIXES)]
+    assert names == ["factor.h", "main.cpp", "inc/k.h"], names
+    compiler = cpp_compiler.find_compiler()
+    keys = [cpp_compiler.source_hash(folder, compiler, "m")]
+    for path, text in (("factor.h", "#define FACTOR 5\n"), ("inc/k.h", "#define K 2\n")):
+        (folder / path).write_text(text)
+        keys.append(cpp_compiler.source_hash(folder, compiler, "m"))
+    assert len(set(keys)) == 3, keys
+    (tmp_path / "scratch").mkdir()
+    built = cpp_compiler.build_binary(folder, "main.cpp", tmp_path / "scratch", "m")
+    main = folder / "main.cpp"
+    main.write_text(main.read_text().replace("v *= 2.0f", "v *= 3.0f"))
+    rebuilt = cpp_compiler.build_binary(folder, "main.cpp", tmp_path / "scratch", "m")
+    assert rebuilt != built and rebuilt.is_file() and not built.exists()  # built again; the stale build removed
+
+
+def test_a_build_key_with_no_source_in_it_is_refused(tmp_path):
+    """A key holding no source would never go stale, whatever was edited: such a build is refused, not cached."""
+    (tmp_path / "weights.bin").write_bytes(b"\0")
+    with pytest.raises(ConfigError, match=r"model 'm': no C\+\+ source was found under .* for its build key"):
+        cpp_compiler.source_hash(tmp_path, ("c++",), "m")
+
+
 @pytest.mark.parametrize("path", [None, ""], ids=["PATH unset", "PATH empty, CXX a full path"])
 def test_a_server_without_path_runs_the_compiler_with_the_default_path(tmp_path, monkeypatch, path):
     """Found by a bug hunt: under env -i, c++ was found through Python's default path but ran with no PATH,
