@@ -1,17 +1,26 @@
-"""Compiling a model's ``main.cpp`` once, cached by the hash of its sources and compiler."""
+"""Compiling a model's ``main.cpp`` once, cached by the hash of its sources and compiler.
+
+A build's key covers the files in its model folder (see :func:`code_files`).
+What it includes from elsewhere (``#include "../../shared/k.h"``) is known
+only once it is compiled: the compiler lists it (``-MMD``), and a record
+beside the build (``<build>.deps``) keeps each such file's content hash; a
+build whose record no longer matches is built again.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import logging
 import os
+import re
 import shlex
 import shutil
 import tempfile
 import threading
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Collection, Iterator
 
 from nereid.errors import ConfigError
 from nereid.files import not_regular_reason, read_regular_file, temporary_name
@@ -43,6 +52,8 @@ EDITED_PREFIX = "edited-"
 ABANDON_POLL_S = 0.2
 # A source or header larger than this is refused rather than read into memory to be hashed.
 MAX_CODE_FILE_BYTES = 1 << 30
+# Beside each build: the files it included from outside its key, with their content hashes (see cached_build).
+RECORD_SUFFIX = ".deps"
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +147,11 @@ def source_hash(folder: Path, compiler: Compiler, model: str) -> str:
 
     ConfigError naming ``model`` and the file when one of them is not a regular file (see :func:`read_code_file`).
     """
+    return source_key(folder, compiler, model)[0]
+
+
+def source_key(folder: Path, compiler: Compiler, model: str) -> tuple[str, list[Path]]:
+    """:func:`source_hash`, and the files it covers."""
     digest = hashlib.sha256()
     digest.update(compiler_key(compiler))
     digest.update(" ".join(CXX_FLAGS).encode())
@@ -145,7 +161,7 @@ def source_hash(folder: Path, compiler: Compiler, model: str) -> str:
     for path in files:
         content = read_code_file(path, f"model '{model}': ", "every C++ source and header in the model folder")
         digest.update(str(path.relative_to(folder)).encode() + b"\0" + content + b"\0")
-    return digest.hexdigest()[:20]
+    return digest.hexdigest()[:20], files
 
 
 def unkeyed_build(model: str, folder: Path) -> ConfigError:
@@ -233,7 +249,7 @@ def read_code_file(path: Path, prefix: str, covered: str) -> bytes:
 
 
 def compile_to(compiler: Compiler, arguments: list[str], target: Path, cwd: Path, what: str, model: str = "",
-               abandoned: threading.Event | None = None) -> None:
+               abandoned: threading.Event | None = None, sources: tuple[str, ...] = ()) -> list[str] | None:
     """Run ``compiler arguments -o TARGET`` through a temporary name renamed into place.
 
     An interrupted or concurrent build never leaves a half-written file under
@@ -245,6 +261,12 @@ def compile_to(compiler: Compiler, arguments: list[str], target: Path, cwd: Path
     up on the load: an unload or removal of the model came) stops the compile,
     waiting for a slot or running: compilers of models no longer served held the
     slots, and every other model's build waited behind them (a bug hunt).
+
+    ``sources``, the translation units among ``arguments``, asks for the files
+    the build read, returned as the compiler named them (relative to ``cwd``,
+    or absolute), system headers aside: from ``-MMD -MF``, or, for several
+    sources (each would overwrite that list), from one ``-MM`` pass per source
+    after the compile. None when none are asked for or the compiler wrote none.
     """
     abandoned = abandoned or threading.Event()
     remove_stale_partials(target.parent)
@@ -267,17 +289,25 @@ def compile_to(compiler: Compiler, arguments: list[str], target: Path, cwd: Path
             if abandoned.is_set():
                 raise ConfigError(f"{what}: not compiled: its load was abandoned")
             groups = ProcessGroups()
+            listing = work / "dependencies.d"
+            listed = ["-MMD", "-MF", str(listing)] if len(sources) == 1 else []
+            dependencies = None
             with _killed_once_set(abandoned, groups):
-                completed = run_model_process([*compiler, *arguments, "-o", str(partial)], cwd=cwd,
+                completed = run_model_process([*compiler, *arguments, *listed, "-o", str(partial)], cwd=cwd,
                                               env=compiler_environment(TMPDIR=str(work)), stdin=b"",
                                               timeout_s=COMPILE_TIMEOUT_S, groups=groups,
                                               head_bytes=MESSAGE_HEAD_CHARS,
                                               tail_bytes=MESSAGE_TAIL_CHARS - MESSAGE_HEAD_CHARS)
+                if sources and completed.returncode == 0 and not completed.timed_out:
+                    text = (_read_listing(listing) if listed else
+                            _list_each_source(compiler, arguments, sources, cwd, work, groups))
+                    dependencies = None if text is None else make_prerequisites(text)
         finally:
             _COMPILE_SLOTS.release()
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    if abandoned.is_set() and completed.returncode != 0:
+    # (A listing pass killed by the abandon leaves no list: that is no compiler listing nothing.)
+    if abandoned.is_set() and (completed.returncode != 0 or (len(sources) > 1 and dependencies is None)):
         partial.unlink(missing_ok=True)
         raise ConfigError(f"{what}: compilation stopped: its load was abandoned")
     if completed.timed_out or completed.returncode != 0:
@@ -289,6 +319,47 @@ def compile_to(compiler: Compiler, arguments: list[str], target: Path, cwd: Path
     if completed.output_tail.strip():  # warnings (a #warning, a deprecation): shown once, at the build
         log.warning("model '%s': the compiler warned (the build succeeded):\n%s", model, completed.output_tail.rstrip())
     os.replace(partial, target)
+    return dependencies
+
+
+def _read_listing(path: Path) -> str | None:
+    """A dependency list the compiler wrote, or None when it wrote none (a compiler without ``-MMD``)."""
+    try:
+        return os.fsdecode(path.read_bytes())  # (file names are bytes: any that are not UTF-8 survive the trip)
+    except OSError:
+        return None
+
+
+def _list_each_source(compiler: Compiler, arguments: list[str], sources: tuple[str, ...], cwd: Path, work: Path,
+                      groups: ProcessGroups) -> str | None:
+    """The ``-MM`` lists of each source, preprocessed again one at a time; None when one cannot be made.
+
+    With several sources, ``-MMD -MF`` holds the last one's list only (g++
+    and clang write the file once per source).
+    """
+    flags = [word for word in arguments if word not in sources]
+    texts = []
+    for index, source in enumerate(sources):
+        listing = work / f"dependencies-{index}.d"
+        done = run_model_process([*compiler, *flags, "-MM", "-MF", str(listing), source], cwd=cwd,
+                                 env=compiler_environment(TMPDIR=str(work)), stdin=b"", timeout_s=COMPILE_TIMEOUT_S,
+                                 groups=groups)
+        text = None if done.timed_out or done.returncode != 0 else _read_listing(listing)
+        if text is None:
+            return None
+        texts.append(text)
+    return "\n".join(texts)
+
+
+def make_prerequisites(text: str) -> list[str]:
+    """The prerequisites of the make rules in ``text`` (what ``-MMD`` writes), each once, unescaped."""
+    found: dict[str, None] = {}
+    for rule in text.replace("\\\n", " ").splitlines():
+        _, colon, prerequisites = rule.partition(": ")
+        if colon:
+            for word in re.findall(r"(?:\\.|[^\s\\])+", prerequisites):
+                found[word.replace("\\ ", " ").replace("\\#", "#").replace("$$", "$")] = None
+    return list(found)
 
 
 @contextlib.contextmanager
@@ -310,8 +381,9 @@ def _killed_once_set(abandoned: threading.Event, groups: ProcessGroups) -> Itera
 
 
 def cached_build(compiler: Compiler, arguments: list[str], name: str, stale: str, *, model: str, folder: Path,
-                 scratch: Path, what: str, executable: bool = False,
-                 name_now: Callable[[], str] | None = None, abandoned: threading.Event | None = None) -> Path:
+                 scratch: Path, what: str, sources: tuple[str, ...], keyed: Collection[Path],
+                 executable: bool = False, name_now: Callable[[], str] | None = None,
+                 abandoned: threading.Event | None = None) -> Path:
     """``<folder>/.cache/<name>``, compiled only when missing; in ``scratch`` when .cache/ cannot be written.
 
     An up-to-date build in .cache/ is used as it is, even read-only. Otherwise
@@ -328,17 +400,25 @@ def cached_build(compiler: Compiler, arguments: list[str], name: str, stale: str
     while they were compiled, so the build is of no one version of them; it is
     served this once, under a name of its own, and never cached. ``abandoned``:
     see :func:`compile_to`.
+
+    The name covers ``keyed``, the files the key was taken over; the files
+    the compiler read from ``sources`` besides those (``#include
+    "../../shared/k.h"``) are kept with their content hashes in a record beside
+    the build (see :func:`_still_current`), and one of them edited builds it
+    again: they were in no key, and their edits were never built. A compiler
+    that lists no such files (no ``-MMD``) gives a build served once, not cached.
     """
     cache = folder / CACHE_DIR
     built = cache / name
-    if _usable(built, executable):
+    if _usable(built, executable) and _still_current(built, folder, model):
         return built
     scratch_cache = scratch / SCRATCH_CACHE_DIR
     fallback = scratch_cache / name
-    if _usable(fallback, executable):  # an earlier load in this server found .cache/ unwritable
+    # (An earlier load in this server found .cache/ unwritable.)
+    if _usable(fallback, executable) and _still_current(fallback, folder, model):
         return fallback
     scratch_cache.mkdir(parents=True, exist_ok=True)
-    compile_to(compiler, arguments, fallback, folder, what, model, abandoned)
+    dependencies = compile_to(compiler, arguments, fallback, folder, what, model, abandoned, sources)
     try:
         name_changed = name_now is not None and name_now() != name
     except BaseException:  # a source gone since (read again to name it): no build of those sources is kept
@@ -347,14 +427,24 @@ def cached_build(compiler: Compiler, arguments: list[str], name: str, stale: str
     # The one-off builds of earlier loads (their versions run from links or copies of their own, and loads of one
     # model take turns): they piled up in the scratch folder for the server's life (the native hunt).
     _remove_stale(scratch_cache, f".{EDITED_PREFIX}*", fallback)
-    if name_changed:
-        log.info("model '%s': its sources changed while they were compiled; this build is not cached", model)
+    if name_changed or dependencies is None:
+        if name_changed:
+            log.info("model '%s': its sources changed while they were compiled; this build is not cached", model)
+        else:
+            log.warning("model '%s': the compiler (%s) wrote no list of the files it included (-MMD -MF), so an "
+                        "edit of one outside the model folder could not be noticed; this build is not cached",
+                        model, os.path.basename(compiler[0]))
         once = scratch_cache / temporary_name(f"{EDITED_PREFIX}{name}")
         os.replace(fallback, once)
         return once
+    _write_record(fallback, _outside_the_key(dependencies, folder, keyed, model), model)
     _remove_stale(scratch_cache, stale, fallback)
     try:
+        # The old record gone first, the build then its record: a build found with no record is built again, where
+        # one found with the record of an earlier build of its name could be kept for a record it was not built from.
+        _record_path(built).unlink(missing_ok=True)
         _publish(fallback, built)
+        _publish(_record_path(fallback), _record_path(built))
     except OSError as err:
         # (mkdir's EEXIST is about a file of that name, which is no folder: "File exists" would puzzle.)
         why = "it is a file, not a folder" if cache.exists() and not cache.is_dir() else err.strerror or err
@@ -362,12 +452,80 @@ def cached_build(compiler: Compiler, arguments: list[str], name: str, stale: str
                     "folder (built again at the next start)", model, cache, why)
         return fallback
     fallback.unlink(missing_ok=True)
+    _record_path(fallback).unlink(missing_ok=True)
     _remove_stale(cache, stale, built)
     return built
 
 
 def _usable(path: Path, executable: bool) -> bool:
     return path.is_file() and (not executable or os.access(path, os.X_OK)) and whole_elf_file(str(path))
+
+
+def _record_path(build: Path) -> Path:
+    """Where the record of ``build``'s files from outside its key is kept: beside it, ``<build>.deps``."""
+    return build.with_name(build.name + RECORD_SUFFIX)
+
+
+def _outside_the_key(dependencies: list[str], folder: Path, keyed: Collection[Path], model: str) -> list[list[str]]:
+    """``[name, sha256]`` of each file the build read that its key does not cover (by real path, so a file reached
+    through a link is the file itself), named as the compiler named it; logged once, at the build."""
+    covered = {os.path.realpath(path) for path in keyed}
+    record: dict[str, str] = {}
+    for name in dependencies:
+        path = folder / name  # (an absolute name stays itself)
+        if name not in record and os.path.realpath(path) not in covered:
+            record[name] = _content_hash(path, model)
+    if record:
+        log.info("model '%s': its build includes files outside its build key, checked for edits at each load: %s",
+                 model, ", ".join(record))
+    return [[name, digest] for name, digest in sorted(record.items())]
+
+
+def _content_hash(path: Path, model: str) -> str:
+    """The sha256 of a file a build included from outside its key; "" (which matches none) when it is gone."""
+    if not os.path.lexists(path):
+        return ""
+    content = read_code_file(path, f"model '{model}': ", "every file its last build included")
+    return hashlib.sha256(content).hexdigest()
+
+
+def _write_record(build: Path, record: list[list[str]], model: str) -> None:
+    """Write ``build``'s record (see :func:`_outside_the_key`) through a temporary name renamed into place.
+
+    ConfigError naming ``model`` when it cannot be written (the build, which
+    no record vouches for, is removed: it would be built again anyway).
+    """
+    target = _record_path(build)
+    partial = target.parent / temporary_name(target.name)
+    try:
+        partial.write_text(json.dumps({"outside_key": record}, indent=1) + "\n")
+        os.replace(partial, target)
+    except OSError as err:
+        partial.unlink(missing_ok=True)
+        build.unlink(missing_ok=True)
+        raise ConfigError(f"model '{model}': cannot write the record of its build {target}: "
+                          f"{err.strerror or err}") from None
+
+
+def _still_current(build: Path, folder: Path, model: str) -> bool:
+    """Whether each file ``build`` included from outside its key still has the content it was built from.
+
+    No record (a build of an older nereid, or one being published: the
+    record follows its build) or an unreadable one is not current: the build is
+    made again. A file of it that is no longer a regular file is refused
+    (ConfigError naming it), as the key refuses one.
+    """
+    try:
+        record = json.loads(_record_path(build).read_bytes())["outside_key"]
+        entries = [(str(name), str(digest)) for name, digest in record]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    for name, digest in entries:
+        if _content_hash(folder / name, model) != digest:
+            log.info("model '%s': %s, which its build in %s included, has changed; building it again", model, name,
+                     build.parent)
+            return False
+    return True
 
 
 def _publish(source: Path, target: Path) -> None:
@@ -385,9 +543,10 @@ def _publish(source: Path, target: Path) -> None:
 
 
 def _remove_stale(folder: Path, pattern: str, keep: Path) -> None:
-    """Remove the other builds matching ``pattern`` (runs use their own links or copies: this is safe)."""
-    for path in folder.glob(pattern):
-        if path != keep:
+    """Remove the other builds matching ``pattern``, and their records (runs use their own links or copies: this is
+    safe)."""
+    for path in {*folder.glob(pattern), *folder.glob(pattern + RECORD_SUFFIX)}:
+        if path not in (keep, _record_path(keep)):
             with contextlib.suppress(OSError):
                 path.unlink(missing_ok=True)
 
@@ -404,6 +563,7 @@ def build_binary(folder: Path, source: str, scratch: Path, model: str,
 
     def name_now() -> str:
         return f"main-{source_hash(folder, compiler, model)}"
-    return cached_build(compiler, [*CXX_FLAGS, source], name_now(), "main-*", model=model, folder=folder,
-                        scratch=scratch, what=str(folder / source), executable=True, name_now=name_now,
-                        abandoned=abandoned)
+    digest, keyed = source_key(folder, compiler, model)
+    return cached_build(compiler, [*CXX_FLAGS, source], f"main-{digest}", "main-*", model=model, folder=folder,
+                        scratch=scratch, what=str(folder / source), sources=(source,), keyed=keyed, executable=True,
+                        name_now=name_now, abandoned=abandoned)

@@ -7,7 +7,9 @@ the compiler, the flags, nereid's header, every listed source and every header
 beside them: a restart reuses the library, an edit rebuilds it, and a copied,
 moved or remounted repository reuses it (sources inside the model folder are
 keyed by their relative path; any outside it, by their absolute path).
-A header there that is not a regular file (a FIFO, a socket, a symlink to
+A header included from anywhere else is kept, with its content hash, in a
+record beside the library, and its edit rebuilds it too (see the cpp
+backend's ``cached_build``). A header there that is not a regular file (a FIFO, a socket, a symlink to
 nothing) is refused at once: an #include of a FIFO would hold the compiler,
 and the load, until the compile's time limit.
 """
@@ -65,9 +67,15 @@ def library_hash(sources: tuple[Path, ...], compiler: Compiler, folder: Path, *,
     ConfigError, naming ``model`` and the file, when one of them is not a
     regular file or cannot be read.
     """
+    return library_key(sources, compiler, folder, model=model)[0]
+
+
+def library_key(sources: tuple[Path, ...], compiler: Compiler, folder: Path, *, model: str) -> tuple[str, list[Path]]:
+    """:func:`library_hash`, and the files it covers."""
     digest = hashlib.sha256()
     digest.update(compiler_key(compiler) + b"\0" + " ".join((*CXX_FLAGS, *shared_flags(compiler))).encode() + b"\0")
-    digest.update((header_dir() / HEADER_NAME).read_bytes() + b"\0")
+    header = header_dir() / HEADER_NAME
+    digest.update(header.read_bytes() + b"\0")
     parents = {s.parent for s in sources}
     if any(_key_name(source, folder) != str(source) for source in sources):  # a source in the model folder
         parents.add(folder)
@@ -83,7 +91,7 @@ def library_hash(sources: tuple[Path, ...], compiler: Compiler, folder: Path, *,
         content = read_code_file(path, f"model '{model}': runtime.sources: ", "the sources and every C++ file beside "
                                  "and below them (and in the model folder when a source is in it)")
         digest.update(name.encode() + b"\0" + content + b"\0")
-    return digest.hexdigest()[:20]
+    return digest.hexdigest()[:20], [header, *(path for _, path in keyed)]
 
 
 def _key_name(path: Path, folder: Path) -> str:
@@ -113,7 +121,8 @@ def build_library(model: str, folder: Path, sources: tuple[Path, ...], scratch: 
 
     def name_now() -> str:
         return f"lib-{library_hash(sources, compiler, folder, model=model)}.so"
+    digest, keyed = library_key(sources, compiler, folder, model=model)
     # Loaded models run private copies of the library: replacing or removing it is safe.
-    return cached_build(compiler, arguments, name_now(), "lib-*.so", model=model, folder=folder, scratch=scratch,
-                        what=f"model '{model}': {', '.join(map(str, sources))}", name_now=name_now,
-                        abandoned=abandoned)
+    return cached_build(compiler, arguments, f"lib-{digest}.so", "lib-*.so", model=model, folder=folder,
+                        scratch=scratch, what=f"model '{model}': {', '.join(map(str, sources))}",
+                        sources=tuple(map(str, sources)), keyed=keyed, name_now=name_now, abandoned=abandoned)

@@ -53,8 +53,10 @@ def copy_example(repo, name: str, as_name: str | None = None) -> Path:
 
 
 def cache_files(folder: Path) -> list[str]:
+    """The names in the model's .cache/, the records beside its builds (``<build>.deps``) left out."""
     cache = folder / ".cache"
-    return sorted(p.name for p in cache.iterdir()) if cache.is_dir() else []
+    names = sorted(p.name for p in cache.iterdir()) if cache.is_dir() else []
+    return [name for name in names if not name.endswith(compiler.RECORD_SUFFIX)]
 
 
 ROWS = np.arange(-8, 16, dtype=np.float32).reshape(3, 8) * 0.25
@@ -590,7 +592,8 @@ def test_a_build_whose_sources_cannot_be_read_again_after_it_is_not_kept(tmp_pat
         raise ConfigError("model 'm': main.cpp: gone")
     with pytest.raises(ConfigError, match="gone"):
         compiler.cached_build(compiler.find_compiler(), [*compiler.CXX_FLAGS, "main.cpp"], "main-x", "main-*",
-                              model="m", folder=folder, scratch=scratch, what="main.cpp", executable=True,
+                              model="m", folder=folder, scratch=scratch, what="main.cpp", sources=("main.cpp",),
+                              keyed=(), executable=True,
                               name_now=source_gone)
     assert not (scratch / compiler.SCRATCH_CACHE_DIR / "main-x").exists()
 
@@ -606,7 +609,8 @@ def test_builds_of_sources_edited_while_they_compiled_do_not_pile_up(tmp_path):
 
     def build(name: str) -> Path:
         return compiler.cached_build(compiler.find_compiler(), [*compiler.CXX_FLAGS, "main.cpp"], name, "main-*",
-                                     model="m", folder=folder, scratch=scratch, what="main.cpp", executable=True,
+                                     model="m", folder=folder, scratch=scratch, what="main.cpp",
+                                     sources=("main.cpp",), keyed=(), executable=True,
                                      name_now=lambda: next(names))
     first = build("main-x")  # edited meanwhile: served once, not cached
     assert first.name.startswith(".edited-main-x.")

@@ -652,7 +652,7 @@ def test_cxx_scale_example_builds_from_sources_once_and_serves(repo, serve):
     expect_grpc_error("INVALID_ARGUMENT",
                       lambda: server.client.infer("cxx_scale", [tensor("input", np.zeros((17, 8), np.float32))]),
                       "model 'cxx_scale'", "max_batch_size 16")
-    [built] = (folder / ".cache").iterdir()
+    [built] = (folder / ".cache").glob("lib-*.so")
     before = built.stat()
     # nereid check loads it through the same cache (no rebuild) and reports it
     assert nereid_main(["check", "--config", str(config)]) == 0
@@ -664,7 +664,7 @@ def test_cxx_scale_example_builds_from_sources_once_and_serves(repo, serve):
     server.client.load_model("cxx_scale")
     assert server.client.infer("cxx_scale", [tensor("input", ROWS)]).as_numpy("output").tolist() == \
         (ROWS * 4).tolist()
-    [rebuilt] = (folder / ".cache").iterdir()
+    [rebuilt] = (folder / ".cache").glob("lib-*.so")
     assert rebuilt.name != built.name and rebuilt.name.startswith("lib-")
 
 
@@ -773,7 +773,7 @@ def test_a_moved_read_only_repository_reuses_its_built_library(repo, serve, tmp_
     shutil.copytree(EXAMPLES / "cxx_scale", folder)
     shutil.rmtree(folder / ".cache", ignore_errors=True)
     serve(repo.write_config(entry("cxx_scale", '{sources: ["ml-backends/cxx_scale/scale.cpp"]}')))
-    [built] = (folder / ".cache").iterdir()
+    [built] = (folder / ".cache").glob("lib-*.so")
     moved = tmp_path / "moved"
     shutil.copytree(repo.root, moved, symlinks=True)
     for path in sorted(moved.rglob("*"), reverse=True):
@@ -784,7 +784,8 @@ def test_a_moved_read_only_repository_reuses_its_built_library(repo, serve, tmp_
         server = serve(moved / "nereid.yaml")
         assert server.client.infer("cxx_scale", [tensor("input", ROWS)]).as_numpy("output").tolist() == \
             (ROWS * 2).tolist()
-        assert [p.name for p in copy.parent.iterdir()] == [built.name]  # not rebuilt, nothing removed
+        # Not rebuilt, nothing removed (its record, beside it, holds no file: every one it read is in its key).
+        assert sorted(p.name for p in copy.parent.iterdir()) == [built.name, built.name + ".deps"]
         after = copy.stat()
         assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
         assert not list(server.server.scratch_dir.rglob("build-cache/*"))  # no scratch build either
@@ -845,6 +846,37 @@ def test_the_library_key_of_a_model_folder_linked_in_from_outside_the_repository
     before = library_hash((folder / "model.cpp",), (CXX,), folder, model="m")
     (folder / "factor.h").write_text("constexpr float F = 5;\n")
     assert library_hash((folder / "model.cpp",), (CXX,), folder, model="m") != before
+
+
+def test_an_edit_of_a_header_a_second_source_includes_from_outside_the_model_folder_rebuilds(tmp_path):
+    """Found by a bug hunt: a header included from outside the model folder was compiled in but in no key, so
+    its edit never rebuilt the library. With several sources the compiler's -MMD list holds only the last one's
+    headers: each source is listed on its own, and the first one's outside header counts too."""
+    import json
+
+    from nereid.backends.cxx import build
+
+    folder, shared = tmp_path / "repo" / "m", tmp_path / "shared"
+    folder.mkdir(parents=True)
+    shared.mkdir()
+    (folder / "a.cpp").write_text('#include "../../shared/a.h"\nextern "C" int first() { return A; }\n')
+    (folder / "b.cpp").write_text('#include "../../shared/b.h"\nextern "C" int second() { return B; }\n')
+    (shared / "a.h").write_text("constexpr int A = 1;\n")
+    (shared / "b.h").write_text("constexpr int B = 2;\n")
+    sources = (folder / "a.cpp", folder / "b.cpp")
+
+    def values(copy: str) -> tuple[int, int]:
+        # (A copy under a name of its own, as the backend loads it: dlopen hands back a library of a known name.)
+        library = tmp_path / copy
+        shutil.copy(build.build_library("m", folder, sources, tmp_path / "scratch"), library)
+        loaded = ctypes.CDLL(str(library))
+        return loaded.first(), loaded.second()
+    assert values("before.so") == (1, 2)
+    [record] = (folder / ".cache").glob("lib-*.so.deps")
+    assert [name for name, _ in json.loads(record.read_text())["outside_key"]] == [
+        str(folder / "../../shared/a.h"), str(folder / "../../shared/b.h")]  # (named as the compiler read them)
+    (shared / "a.h").write_text("constexpr int A = 5;\n")
+    assert values("after.so") == (5, 2)
 
 
 def test_the_compiler_version_probe_runs_in_its_own_process_group(tmp_path):

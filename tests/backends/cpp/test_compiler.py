@@ -178,3 +178,72 @@ def test_a_source_the_server_s_user_cannot_read_is_told_to_be_made_readable(tmp_
     assert done.stdout.strip() == (f"model m: {source}: cannot read: Permission denied; the build reads main.cpp: "
                                    f"give its folder {tmp_path} search permission (x) for the server's user (uid 0)"
                                    ), done
+
+
+def _model_including(tmp_path: Path, k: int) -> tuple[Path, Path]:
+    """A model folder whose main.cpp returns K from a header outside it (``../../shared/k.h``): its exit status."""
+    folder, shared = tmp_path / "repo" / "m", tmp_path / "shared"
+    folder.mkdir(parents=True)
+    shared.mkdir()
+    (folder / "main.cpp").write_text('#include "../../shared/k.h"\nint main() { return K; }\n')
+    (shared / "k.h").write_text(f"constexpr int K = {k};\n")
+    (tmp_path / "scratch").mkdir()
+    return folder, shared / "k.h"
+
+
+def _exit_status(binary: Path) -> int:
+    import subprocess
+
+    return subprocess.run([str(binary)], check=False, timeout=60).returncode
+
+
+def test_an_edit_of_a_header_included_from_outside_the_model_folder_rebuilds(tmp_path, caplog):
+    """Found by a bug hunt: `#include "../../shared/k.h"` was compiled in but in no key, so K = 2 edited to 3 left
+    the old binary serving after every reload and restart. The compiler's list of what it read (-MMD) is kept
+    beside the build with each outside file's hash, and a changed one builds it again."""
+    folder, header = _model_including(tmp_path, 2)
+    with caplog.at_level("INFO", logger=cpp_compiler.__name__):
+        built = cpp_compiler.build_binary(folder, "main.cpp", tmp_path / "scratch", "m")
+    assert built.parent == folder / ".cache" and _exit_status(built) == 2
+    assert ("model 'm': its build includes files outside its build key, checked for edits at each load: "
+            "../../shared/k.h") in caplog.messages
+    stamp = built.stat().st_mtime_ns, built.stat().st_ino
+    assert cpp_compiler.build_binary(folder, "main.cpp", tmp_path / "scratch", "m") == built
+    assert (built.stat().st_mtime_ns, built.stat().st_ino) == stamp  # unchanged: reused as it is
+    header.write_text("constexpr int K = 3;\n")
+    rebuilt = cpp_compiler.build_binary(folder, "main.cpp", tmp_path / "scratch", "m")
+    assert rebuilt == built and _exit_status(rebuilt) == 3  # the same key, built again from the edited header
+    assert sorted(p.name for p in (folder / ".cache").iterdir()) == [built.name, built.name + ".deps"]
+
+
+def test_a_build_without_its_record_is_built_again(tmp_path):
+    """A build in .cache/ with no record of what it included (made by an older nereid, or its record lost) may
+    hold any content of an outside header: it is built again, not trusted."""
+    folder, header = _model_including(tmp_path, 2)
+    built = cpp_compiler.build_binary(folder, "main.cpp", tmp_path / "scratch", "m")
+    (folder / ".cache" / (built.name + ".deps")).unlink()
+    header.write_text("constexpr int K = 4;\n")
+    assert _exit_status(cpp_compiler.build_binary(folder, "main.cpp", tmp_path / "scratch", "m")) == 4
+
+
+def test_a_compiler_that_lists_no_included_files_gives_a_build_served_once_not_cached(tmp_path, caplog,
+                                                                                      monkeypatch):
+    """Without -MMD's list an outside header's edit could not be noticed: the build is served, never cached."""
+    folder, _ = _model_including(tmp_path, 2)
+    script = tmp_path / "cc-no-list"  # drops -MMD and -MF FILE, then runs c++
+    script.write_text('#!/bin/sh\nfor a do\n  shift\n  if [ -n "$skip" ]; then skip=; continue; fi\n'
+                      '  case "$a" in -MMD) continue ;; -MF) skip=1; continue ;; esac\n  set -- "$@" "$a"\n'
+                      'done\nexec c++ "$@"\n')
+    script.chmod(0o755)
+    monkeypatch.setenv("CXX", str(script))
+    with caplog.at_level("WARNING", logger=cpp_compiler.__name__):
+        built = cpp_compiler.build_binary(folder, "main.cpp", tmp_path / "scratch", "m")
+    assert _exit_status(built) == 2 and not built.is_relative_to(folder) and not (folder / ".cache").exists()
+    assert [m for m in caplog.messages if "wrote no list" in m] == [
+        "model 'm': the compiler (cc-no-list) wrote no list of the files it included (-MMD -MF), so an edit of one "
+        "outside the model folder could not be noticed; this build is not cached"]
+
+
+def test_make_prerequisites_reads_every_rule_unescaped():
+    text = "a.o: a.cpp sp\\ ace/c$$h\\#.h \\\n ../x.h\nb.o: b.cpp \\\n  a.cpp\nlonely.o:\n"
+    assert cpp_compiler.make_prerequisites(text) == ["a.cpp", "sp ace/c$h#.h", "../x.h", "b.cpp"]
