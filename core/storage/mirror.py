@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
 from nereid.errors import ConfigError
-from nereid.files import atomic_write
+from nereid.files import atomic_write, read_text_file, remove_tree
 from nereid.log_limit import OnceLog
 from nereid.storage.client import (StorageError, describe_error, endpoint_identity, is_not_found, open_store,
                                    store_call)
@@ -76,6 +76,9 @@ FETCH_CONCURRENCY = 16
 FETCH_CHUNK_BYTES = 1 << 20
 # A file larger than this is fetched one range of it per request (see _received_whole).
 FETCH_RANGE_BYTES = 16 << 20
+# The most a folder's record (MARKER_FILE) may hold: each file's entry takes about 300 bytes, so this is over
+# 200,000 files, past the 100,000 entries a folder's check looks at before it fails the load (MAX_FOLDER_ENTRIES).
+MARKER_LIMIT_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -442,7 +445,9 @@ def _materialize(location: StoreURL, name: str, folder: Path,
         try:
             previous = read_marker(folder)
         except StorageError as err:  # the record only saves fetches: without it, every file is fetched again
-            log.warning("%s; fetching the whole folder again", err)
+            # A folder (or a FIFO...) where it belongs cannot be written over, as a regular file is below.
+            removed = _remove_unless_regular(folder / MARKER_FILE)
+            log.warning("%s; %sfetching the whole folder again", err, "removed it, " if removed else "")
             previous = None
         fetched: dict[str, RemoteObject] = {}
         streamed: dict[str, RemoteObject] = {}
@@ -935,16 +940,44 @@ def _folder_object_with_bytes(folder_url: StoreURL, key: str, size: int) -> Stor
 
 
 def read_marker(folder: Path) -> RemoteFolder | None:
-    """What :func:`materialize` recorded in ``folder``; None for a local (not mirrored) folder."""
+    """What :func:`materialize` recorded in ``folder``; None for a local (not mirrored) folder.
+
+    StorageError when the record is there but cannot be read. Read without
+    blocking, as a model's own files are: a FIFO in its place (a damaged
+    cache) is refused, where opening it waited for a writer for good, holding
+    the folder's lock, so that no later load of the model (nor any server
+    sharing ``cache_dir``) could fetch it again until a restart (a bug hunt).
+    """
+    marker = Path(folder) / MARKER_FILE
+    if not os.path.lexists(marker):
+        return None
     try:
-        document = json.loads((Path(folder) / MARKER_FILE).read_text(encoding="utf-8"))
+        document = json.loads(read_text_file(marker, MARKER_LIMIT_BYTES))
         return RemoteFolder(document["url"],
                             {k: RemoteObject(**v) for k, v in document["fetched"].items()},
                             {k: RemoteObject(**v) for k, v in document["streamed"].items()})
-    except FileNotFoundError:
-        return None
-    except Exception as err:  # any shape at all: garbage, another nereid version's fields, a folder in its place
-        raise StorageError(f"{folder / MARKER_FILE}: unreadable ({type(err).__name__}: {err})") from None
+    except ConfigError as err:  # not a regular file, too large, not text: its reason names the file already
+        raise StorageError(f"{marker}: unreadable ({str(err).removeprefix(f'{marker}: ')})") from None
+    except Exception as err:  # any shape at all: garbage, another nereid version's fields
+        raise StorageError(f"{marker}: unreadable ({type(err).__name__}: {err})") from None
+
+
+def _remove_unless_regular(path: Path) -> bool:
+    """Remove what is at ``path``, a name of nereid's own in the cache, unless it is a regular file (or nothing);
+    returns whether anything was removed. Never raises: what cannot be removed fails where it is written."""
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return False
+    if stat.S_ISREG(mode):
+        return False
+    if stat.S_ISDIR(mode):
+        return remove_tree(path)
+    try:
+        path.unlink()  # (a FIFO, a socket, a symlink: the link itself, never what it leads to)
+    except OSError:
+        return False
+    return True
 
 
 def _fetch_all(store: Any, folder_url: StoreURL,

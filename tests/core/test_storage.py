@@ -1254,6 +1254,50 @@ def test_an_unreadable_fetch_record_is_fetched_again_with_a_warning(s3, tmp_path
         warning.endswith("); fetching the whole folder again"), warning
 
 
+@pytest.mark.parametrize("damage", ["fifo", "folder"])
+def test_a_fetch_record_that_is_no_regular_file_is_removed_and_the_folder_fetched_again(s3, tmp_path, caplog,
+                                                                                         damage) -> None:
+    """Defect (a bug hunt of persistent caches): a FIFO in the record's place hung the load for good, opening it
+    to wait for a writer while it held the folder's lock, so that no later load of the model was answered until
+    a restart; a folder there failed every load ('cannot record what it fetched ...: Is a directory') though the
+    WARNING said the folder would be fetched again. Either is removed, and the load goes on."""
+    from nereid.storage import materialize_model_folder
+
+    server = load_settings(_config(tmp_path, s3.url())).server
+    obstore.put(s3.store, f"{s3.prefix}/m/main.py", b"print(1)")
+    local = materialize_model_folder(server, "m")
+    marker = local / MARKER_FILE
+    marker.unlink()
+    if damage == "fifo":
+        os.mkfifo(marker)
+    else:
+        marker.mkdir()
+        (marker / "inside").write_text("x")
+    outcome: dict[str, object] = {}
+
+    def load() -> None:
+        try:
+            outcome["folder"] = materialize_model_folder(server, "m")
+        except BaseException as err:  # (reported by the asserts below)
+            outcome["error"] = err
+
+    loading = threading.Thread(target=load, daemon=True)
+    with caplog.at_level(logging.WARNING, logger="nereid.storage"):
+        loading.start()
+        loading.join(30)
+        hung = loading.is_alive()
+        if hung:  # blocked opening the FIFO: a writer that closes at once lets it go, so the test ends
+            os.close(os.open(marker, os.O_WRONLY | os.O_NONBLOCK))
+            loading.join(30)
+    assert not hung, "the load waited for a writer of the record's FIFO"
+    assert outcome == {"folder": local}, outcome
+    assert marker.is_file() and set(read_marker(local).fetched) == {"main.py"}  # written again, whole
+    assert len(s3.gets("m/main.py")) == 2
+    kind = "a FIFO" if damage == "fifo" else "a directory"
+    assert [r.getMessage() for r in caplog.records if MARKER_FILE in r.getMessage()] == [
+        f"{marker}: unreadable (is {kind}, not a regular file); removed it, fetching the whole folder again"]
+
+
 def _until(check, what: str, timeout_s: float = 10) -> None:
     """Wait for ``check()`` (work done on a thread of the server's), failing after ``timeout_s`` naming ``what``."""
     deadline = time.monotonic() + timeout_s
