@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
 from nereid.errors import ConfigError
-from nereid.files import atomic_write, read_text_file, remove_tree
+from nereid.files import atomic_write, kind_of, read_text_file, remove_tree
 from nereid.log_limit import OnceLog
 from nereid.storage.client import (StorageError, describe_error, endpoint_identity, is_not_found, open_store,
                                    store_call)
@@ -443,6 +443,10 @@ def _materialize(location: StoreURL, name: str, folder: Path,
         except OSError as err:
             raise _cache_write_failed(str(folder_url), "make its folder in", folder, err) from None
         try:
+            _remove_stray_files(folder, str(folder_url))
+        except OSError as err:
+            raise _cache_write_failed(str(folder_url), "clear its own folders in", folder, err) from None
+        try:
             previous = read_marker(folder)
         except StorageError as err:  # the record only saves fetches: without it, every file is fetched again
             # A folder (or a FIFO...) where it belongs cannot be written over, as a regular file is below.
@@ -485,17 +489,27 @@ def _materialize(location: StoreURL, name: str, folder: Path,
             # room, where a bare OSError reads as the model's own fault (UNAVAILABLE for good).
             raise _cache_write_failed(str(folder_url), "record what it fetched in", folder / MARKER_FILE,
                                       err) from None
-        hold = None
-        if version:
-            try:
-                hold = _hold_version(_version_folder(folder, name, result))
-            except OSError as err:
-                raise _cache_write_failed(str(folder_url), "make its version folder in",
-                                          folder / VERSIONS_FOLDER, err) from None
+        hold = _held_version(folder, name, result) if version else None
         _prune_versions(folder)
     log.info("%s: %d file(s) fetched or current in %s, %d weights file(s) left to stream", folder_url, len(fetched),
              hold.folder if hold is not None else folder, len(streamed))
     return result, hold
+
+
+def _held_version(folder: Path, name: str, result: RemoteFolder) -> VersionHold:
+    """The held version folder of the files ``result`` records in ``folder`` (under the folder's lock); a
+    StorageError naming the path the cache refuses."""
+    cache = folder / CACHE_SUBFOLDER
+    try:
+        # Builds (a bundle's executables, a cpp or cxx model's binary) stay the folder's, shared by its versions
+        # under their content keys: a version's own would go with it, and every restart would build again.
+        cache.mkdir(exist_ok=True)
+    except OSError as err:
+        raise _cache_write_failed(result.url, "make its builds' folder in", cache, err) from None
+    try:
+        return _hold_version(_version_folder(folder, name, result))
+    except OSError as err:
+        raise _cache_write_failed(result.url, "make its version folder in", folder / VERSIONS_FOLDER, err) from None
 
 
 def _version_id(result: RemoteFolder) -> str:
@@ -514,8 +528,9 @@ def _version_folder(folder: Path, name: str, result: RemoteFolder) -> Path:
     Made aside and renamed into place whole. Each file is a hard link to the
     folder's (a copy where the file system has none): a later fetch replaces
     the folder's files by rename, never writing into one, so the version
-    folder's stay as they are. Its ``.cache/`` is a link to the folder's own,
-    so builds (executables, binaries) are shared by its versions.
+    folder's stay as they are. Its ``.cache/`` is a link to the folder's own
+    (made by the caller), so builds (executables, binaries) are shared by its
+    versions.
     """
     versions = folder / VERSIONS_FOLDER
     base = _version_id(result)
@@ -538,9 +553,6 @@ def _version_folder(folder: Path, name: str, result: RemoteFolder) -> Path:
                 if err.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP):
                     raise
                 shutil.copy2(source, copy)  # (keeps the modification time the record says)
-        # Builds (a bundle's executables, a cpp or cxx model's binary) stay the folder's, shared by its versions
-        # under their content keys: a version's own would go with it, and every restart would build again.
-        (folder / CACHE_SUBFOLDER).mkdir(exist_ok=True)
         os.symlink(os.path.join(os.pardir, os.pardir, os.pardir, CACHE_SUBFOLDER), target / CACHE_SUBFOLDER)
         (building / IN_USE_FILE).touch()
         os.rename(building, top)
@@ -745,19 +757,41 @@ def make_mirror_folder(location: StoreURL, root: Path, name: str) -> None:
         return
     except FileExistsError:
         pass
-    with _folder_lock(root / _lock_name(name)):
+    with _folder_lock(root / _lock_name(name), url=str(location.child(name))):
         _remove_stray_file(folder, str(location.child(name)))
         folder.mkdir(parents=True, exist_ok=True)
 
 
-def _remove_stray_file(folder: Path, url: str) -> None:
-    """Remove what is at ``folder``, a model's mirror folder, unless it is a folder (or a link to one): the cache
-    is nereid's, and nereid never makes a file there, so it is a damaged cache's, which would fail every load
-    (logged). Called under the folder's lock."""
+def _remove_stray_file(folder: Path, url: str, what: str = "the model's folder",
+                       then: str = "the folder is fetched again") -> None:
+    """Remove what is at ``folder``, a model's mirror folder (or another folder of nereid's own in it, ``what``),
+    unless it is a folder (or a link to one): the cache is nereid's, and nereid never makes a file there, so it is
+    a damaged cache's, which would fail every load (logged, saying ``then``). Called under the folder's lock."""
     if os.path.lexists(folder) and not folder.is_dir():
+        kind = _kind_of(folder).replace("a symlink", "a symlink to no folder")
         folder.unlink()
-        log.warning("%s: removed %s from the local cache: a file where the model's folder belongs (a damaged "
-                    "cache?); the folder is fetched again", url, folder)
+        log.warning("%s: removed %s from the local cache: %s where %s belongs (a damaged cache?); %s", url, folder,
+                    kind, what, then)
+
+
+def _remove_stray_files(folder: Path, url: str) -> None:
+    """:func:`_remove_stray_file` for the folders of nereid's own in the mirror folder ``folder`` (a file where one
+    belongs failed every load: 'cannot make its version folder ...: Not a directory', or 'File exists' naming
+    the versions for a ``.cache``, though a local folder's damaged ``.cache`` only makes its build a scratch one;
+    the bug hunt of persistent caches). OSError when one cannot be removed. Called under the folder's lock."""
+    _remove_stray_file(folder / VERSIONS_FOLDER, url, "the folder of its versions", "they are made again")
+    _remove_stray_file(folder / CACHE_SUBFOLDER, url, "the folder of its builds", "they are built again")
+
+
+def _kind_of(path: Path) -> str:
+    """What is at ``path``, for a message: "a file", "a folder", "a FIFO", "a symlink" (not followed)..."""
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return "a file"
+    if stat.S_ISLNK(mode):
+        return "a symlink"
+    return {stat.S_IFREG: "a file", stat.S_IFDIR: "a folder"}.get(stat.S_IFMT(mode)) or kind_of(mode)
 
 
 def _lock_name(name: str) -> str:
@@ -768,7 +802,7 @@ def _lock_name(name: str) -> str:
 
 
 @contextlib.contextmanager
-def _folder_lock(path: Path, wait: bool = True) -> Iterator[bool]:
+def _folder_lock(path: Path, wait: bool = True, url: str | None = None) -> Iterator[bool]:
     """Hold the exclusive lock ``path`` of a mirrored folder (processes sharing the cache take turns); yields True.
 
     With ``wait`` False, yields False at once when another holds it. A lock
@@ -777,13 +811,24 @@ def _folder_lock(path: Path, wait: bool = True) -> Iterator[bool]:
     which the next comer (making a new file) would not see, so the lock is
     taken again until the file locked is the one at ``path``. Taken through a
     read-write descriptor (on NFS flock is a POSIX lock, whose exclusive kind
-    needs one).
+    needs one). A folder or a symlink loop at ``path`` (a damaged cache,
+    which nobody can lock either) is removed first, logged naming ``url``
+    (the folder's URL) when given.
     """
     import fcntl  # POSIX only: imported where a lock is taken, so the module imports anywhere
 
     path.parent.mkdir(parents=True, exist_ok=True)
+    clearings = 2  # (bounded: a server sharing the cache might damage it as fast)
     while True:
-        descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        try:
+            descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        except OSError as err:
+            # Any other refusal (a full disk; a symlink into a folder not there, a mount not made yet?) is raised.
+            if err.errno not in (errno.EISDIR, errno.ELOOP) or not clearings:
+                raise
+            clearings -= 1
+            _remove_stray_lock(path, url)
+            continue
         try:
             try:
                 fcntl.flock(descriptor, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
@@ -799,6 +844,18 @@ def _folder_lock(path: Path, wait: bool = True) -> Iterator[bool]:
             os.close(descriptor)  # (lets the lock go)
 
 
+def _remove_stray_lock(path: Path, url: str | None) -> None:
+    """Remove what is at ``path``, a folder's lock file that cannot be opened (a folder, a symlink loop), unless it
+    is a regular file (or nothing) by now: a folder there failed every load of the model ('cannot make its lock
+    file ...: Is a directory'; the bug hunt of persistent caches). Nobody holds a lock on what cannot be opened,
+    so it goes without one; a server sharing the cache that removes it at the same time only makes the same
+    lock file. Logged."""
+    kind = _kind_of(path)
+    if _remove_unless_regular(path):
+        log.warning("%s: removed %s from the local cache: %s where the model folder's lock file belongs (a damaged "
+                    "cache?); it is made again", url or path.parent, path, kind)
+
+
 @contextlib.contextmanager
 def _fetch_lock(url: str, path: Path) -> Iterator[None]:
     """:func:`_folder_lock` for a fetch of ``url``'s folder: a lock file the local cache refuses (a full disk, a
@@ -806,7 +863,7 @@ def _fetch_lock(url: str, path: Path) -> Iterator[None]:
     tries the load again once the cache has room, where a bare OSError read as the model's own fault."""
     with contextlib.ExitStack() as stack:
         try:
-            stack.enter_context(_folder_lock(path))
+            stack.enter_context(_folder_lock(path, url=url))
         except OSError as err:
             raise _cache_write_failed(url, "make its lock file in", path, err) from None
         yield
@@ -837,7 +894,7 @@ def drop_mirror(location: StoreURL, name: str, folder: Path) -> bool:
     lock = root / _lock_name(name)
     if not os.path.lexists(folder) and not os.path.lexists(lock):
         return False
-    with _folder_lock(lock, wait=False) as held:
+    with _folder_lock(lock, wait=False, url=str(location.child(name))) as held:
         if not held or remote_folder_exists(location, name):
             return False
         if _prune_versions(folder):  # a version of it still runs (here, or on a server sharing the cache)

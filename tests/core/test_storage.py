@@ -22,6 +22,7 @@ from tritonclient.utils import InferenceServerException
 
 from moto_s3 import BUCKET, bucket_state, iter_files, upload_folder
 from nereid.errors import ConfigError
+from nereid.files import remove_tree
 from nereid.settings import load_settings
 from nereid.storage import StoreURL, mirror_root, parse_store_url
 from nereid.storage.mirror import MARKER_FILE, read_marker
@@ -1556,21 +1557,74 @@ def test_a_folder_loaded_by_request_and_deleted_before_the_watcher_saw_it_is_unl
 
 
 def test_a_lock_file_the_cache_refuses_is_a_storage_error_naming_it(s3, tmp_path) -> None:
-    """The folder's lock file was made unwrapped: one the local cache refused (a full directory, a folder in its
-    place) escaped as a bare OSError, which the watcher took for the model's own fault and never tried again."""
+    """The folder's lock file was made unwrapped: one the local cache refused (a full directory, a file where its
+    folder goes) escaped as a bare OSError, which the watcher took for the model's own fault and never tried
+    again. (A folder where the lock file goes is removed: see the test of nereid's own names below.)"""
     from nereid.storage import StorageError, materialize_model_folder
 
     config = _config(tmp_path, s3.url())
     obstore.put(s3.store, f"{s3.prefix}/locked/main.py", b"print()")
     server = load_settings(config).server
-    lock = Path(server.ml_backends_path) / ".locked.lock"
-    lock.mkdir(parents=True)  # no lock file can be made there
+    root = Path(server.ml_backends_path)
+    root.parent.mkdir(parents=True)
+    root.write_text("a file where the mirror's folder goes")  # no lock file can be made in it
     with pytest.raises(StorageError) as refused:
         materialize_model_folder(server, "locked")
-    assert str(refused.value) == (f"{s3.url('locked')}: cannot make its lock file in the local cache ({lock}, "
-                                  "under server.cache_dir): Is a directory")
-    lock.rmdir()
+    assert str(refused.value) == (f"{s3.url('locked')}: cannot make its lock file in the local cache "
+                                  f"({root / '.locked.lock'}, under server.cache_dir): File exists")
+    root.unlink()
     assert (materialize_model_folder(server, "locked") / "main.py").read_bytes() == b"print()"
+
+
+def _release(hold) -> None:
+    """Release a version folder, and wait for its removal's thread, which takes the folder's lock."""
+    hold.release()
+    for thread in threading.enumerate():
+        if thread.name == "nereid-version-prune":
+            thread.join(30)
+
+
+@pytest.mark.parametrize("name, damage, kind", [
+    (".nereid-versions", "file", "a file"), (".nereid-versions", "loop", "a symlink to no folder"),
+    (".cache", "file", "a file"), (".cache", "loop", "a symlink to no folder"),
+    ("../.m.lock", "folder", "a folder"), ("../.m.lock", "loop", "a symlink")])
+def test_nereid_s_own_names_of_the_wrong_kind_are_removed_and_the_load_goes_on(s3, tmp_path, caplog, name, damage,
+                                                                              kind) -> None:
+    """Defect (the bug hunt of persistent caches): a file (or a symlink loop) where a mirror folder's
+    .nereid-versions or .cache belongs, or a folder where its lock file belongs, failed every load of the model
+    UNAVAILABLE for good, a damaged .cache named as the versions' folder ('cannot make its version folder
+    (.../.nereid-versions ...): File exists'): each is removed under the folder's lock (the lock file before it
+    is taken), as a file where the model's folder belongs is, logged naming it."""
+    from nereid.storage import materialize_model_version
+
+    server = load_settings(_config(tmp_path, s3.url())).server
+    obstore.put(s3.store, f"{s3.prefix}/m/main.py", b"print(1)")
+    _release(materialize_model_version(server, "m"))
+    local = Path(server.ml_backends_path) / "m"
+    damaged = Path(os.path.normpath(local / name))
+    assert damaged.is_dir() if not name.endswith(".lock") else damaged.is_file()  # (as nereid made it)
+    remove_tree(damaged) if damaged.is_dir() else damaged.unlink()
+    if damage == "file":
+        damaged.write_text("x")
+    elif damage == "folder":
+        damaged.mkdir()
+        (damaged / "inside").write_text("x")
+    else:
+        damaged.symlink_to(damaged.name)
+    with caplog.at_level(logging.WARNING, logger="nereid.storage"):
+        hold = materialize_model_version(server, "m")
+    try:
+        assert (hold.folder / "main.py").read_bytes() == b"print(1)"
+        assert (hold.folder / ".cache").resolve() == (local / ".cache").resolve() and (local / ".cache").is_dir()
+    finally:
+        _release(hold)
+    assert not damaged.is_symlink() and (damaged.is_file() if name.endswith(".lock") else damaged.is_dir())
+    then = {".nereid-versions": "they are made again", ".cache": "they are built again"}.get(name, "it is made again")
+    belongs = {".nereid-versions": "the folder of its versions", ".cache": "the folder of its builds"}.get(
+        name, "the model folder's lock file")
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == [
+        f"{s3.url('m')}: removed {damaged} from the local cache: {kind} where {belongs} belongs (a damaged cache?); "
+        f"{then}"]
 
 
 def test_a_store_failures_kind_drops_its_timings_and_counts_but_keeps_its_status_and_names() -> None:

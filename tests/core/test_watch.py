@@ -996,11 +996,12 @@ def test_a_store_failure_that_repeats_is_an_error_once_then_debug_until_its_reas
         polling = asyncio.create_task(watcher.run())
         try:
             await _until(lambda: len(failures()) >= 3, "'m' failed and was tried again twice", timeout_s=3)
-            # Another reason: a folder where its copy's lock file must be.
+            # Another reason: its lock file a link through a file (a folder there would be removed as damage).
             lock.unlink()
-            lock.mkdir()
-            await _until(lambda: failures("Is a directory"), "'m' tried again, failing for another reason", 3)
-            lock.rmdir()
+            (folder.parent / "a-file").write_text("x")
+            lock.symlink_to(folder.parent / "a-file" / "lock")
+            await _until(lambda: failures("Not a directory"), "'m' tried again, failing for another reason", 3)
+            lock.unlink()
             await _until(lambda: _entry(repository, "m").state is ModelState.READY, "'m' loaded once fixed", 3)
         finally:
             watcher.stop()
@@ -1009,13 +1010,13 @@ def test_a_store_failure_that_repeats_is_an_error_once_then_debug_until_its_reas
     asyncio.run(scenario())
     repeated = failures("No such file or directory")
     assert len(repeated) >= 3 and repeated == ["ERROR"] + ["DEBUG"] * (len(repeated) - 1), repeated
-    assert failures("Is a directory") == ["ERROR"]
+    assert failures("Not a directory") == ["ERROR"]
     said = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "nereid.watch"
             and r.getMessage().startswith("dynamic repository: folder 'm'")]
     assert [level for level, _ in said if level != "DEBUG"] == ["WARNING", "WARNING", "INFO"], said
     warnings = [message for level, message in said if level == "WARNING"]
     assert "did not load because of the store" in warnings[0] and "No such file or directory" in warnings[0]
-    assert "failed it again, for another reason" in warnings[1] and "Is a directory" in warnings[1]
+    assert "failed it again, for another reason" in warnings[1] and "Not a directory" in warnings[1]
     assert f"loaded; the store had failed it {len(repeated) + 1} time(s)" in said[-1][1]
 
 
