@@ -813,12 +813,15 @@ def _folder_lock(path: Path, wait: bool = True, url: str | None = None) -> Itera
     read-write descriptor (on NFS flock is a POSIX lock, whose exclusive kind
     needs one). A folder or a symlink loop at ``path`` (a damaged cache,
     which nobody can lock either) is removed first, logged naming ``url``
-    (the folder's URL) when given.
+    (the folder's URL) when given. A wait for a lock another process holds
+    is logged once, naming that process where the system says (see
+    :func:`_say_waiting`).
     """
     import fcntl  # POSIX only: imported where a lock is taken, so the module imports anywhere
 
     path.parent.mkdir(parents=True, exist_ok=True)
     clearings = 2  # (bounded: a server sharing the cache might damage it as fast)
+    warned = False
     while True:
         try:
             descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
@@ -831,10 +834,15 @@ def _folder_lock(path: Path, wait: bool = True, url: str | None = None) -> Itera
             continue
         try:
             try:
-                fcntl.flock(descriptor, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+                fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                yield False
-                return
+                if not wait:
+                    yield False
+                    return
+                if not warned:
+                    warned = True
+                    _say_waiting(path, descriptor, url)
+                fcntl.flock(descriptor, fcntl.LOCK_EX)
             locked, current = os.fstat(descriptor), _stat_or_none(path)
             if current is None or (current.st_dev, current.st_ino) != (locked.st_dev, locked.st_ino):
                 continue  # deleted (or made anew) while this waited: lock the file there now
@@ -842,6 +850,41 @@ def _folder_lock(path: Path, wait: bool = True, url: str | None = None) -> Itera
             return
         finally:
             os.close(descriptor)  # (lets the lock go)
+
+
+def _say_waiting(path: Path, descriptor: int, url: str | None) -> None:
+    """Log that this waits for the lock ``path`` (open as ``descriptor``), which another holds.
+
+    A peer sharing ``cache_dir`` that hangs while it holds the lock (stopped,
+    stuck on NFS) keeps the wait going for good, and the only line was the
+    load's note after 60 s, blaming the store (the bug hunt of persistent
+    caches): a WARNING, with the holder's pid where ``/proc/locks`` gives it.
+    Held by this very server (a removal of its released versions, a listing
+    making the folder: a moment), only at DEBUG.
+    """
+    holder = _lock_holder(os.fstat(descriptor))
+    if holder == os.getpid():
+        log.debug("%s: waiting for %s, held by this server", url or path.parent, path)
+        return
+    log.warning("%s: waiting for %s, held by another process sharing cache_dir%s; this goes on once it lets go",
+                url or path.parent, path, f" (pid {holder})" if holder is not None else "")
+
+
+def _lock_holder(locked: os.stat_result) -> int | None:
+    """The pid of the process holding a lock on the file ``locked`` (its stat), as Linux's ``/proc/locks`` says;
+    None where it does not (another system; a holder in another PID namespace, shown as 0 or -1; on NFS, one on
+    another host)."""
+    wanted = f"{os.major(locked.st_dev):02x}:{os.minor(locked.st_dev):02x}:{locked.st_ino}"
+    try:
+        with open("/proc/locks", encoding="ascii", errors="replace") as locks:
+            for line in locks:
+                # "1: FLOCK  ADVISORY  WRITE 4242 fe:00:2188599 0 EOF"; a waiter's line has "->" after the number.
+                fields = line.split()
+                if len(fields) > 5 and fields[1] != "->" and fields[5] == wanted:
+                    return int(fields[4]) if fields[4].isdigit() and int(fields[4]) > 0 else None
+    except OSError:
+        pass
+    return None
 
 
 def _remove_stray_lock(path: Path, url: str | None) -> None:

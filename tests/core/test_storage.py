@@ -1320,6 +1320,75 @@ def _hold_lock(path: Path):
     return holder
 
 
+def test_a_fetch_waiting_for_a_lock_another_process_holds_says_so_once_naming_it(s3, tmp_path, caplog) -> None:
+    """Defect (the bug hunt of persistent caches): a peer sharing cache_dir that hung holding a folder's lock kept
+    the load waiting for good, and the only line, after 60 s, blamed the store ('the fetch of its folder from
+    the object store has not returned'). The wait is a WARNING at once, naming the lock and its holder."""
+    from nereid.storage import materialize_model_folder
+
+    server = load_settings(_config(tmp_path, s3.url())).server
+    obstore.put(s3.store, f"{s3.prefix}/m/main.py", b"print(1)")
+    lock = Path(server.ml_backends_path) / ".m.lock"
+    lock.parent.mkdir(parents=True)
+    holder = _hold_lock(lock)
+    outcome: dict[str, object] = {}
+
+    def load() -> None:
+        try:
+            outcome["folder"] = materialize_model_folder(server, "m")
+        except BaseException as err:  # (reported by the asserts below)
+            outcome["error"] = err
+
+    loading = threading.Thread(target=load, daemon=True)
+
+    def said() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "waiting for" in r.getMessage()]
+
+    try:
+        with caplog.at_level(logging.DEBUG, logger="nereid.storage"):
+            loading.start()
+            warned = wait_until(said, 30)
+            waiting = loading.is_alive() and not outcome
+            holder.stdin.close()
+            holder.wait(10)
+            loading.join(30)
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait()
+    assert warned and waiting, (warned, outcome)
+    assert outcome == {"folder": Path(server.ml_backends_path) / "m"}, outcome
+    assert said() == [f"{s3.url('m')}: waiting for {lock}, held by another process sharing cache_dir (pid "
+                      f"{holder.pid}); this goes on once it lets go"]
+    assert [r.levelname for r in caplog.records if "waiting for" in r.getMessage()] == ["WARNING"]
+
+
+def test_a_lock_held_by_this_very_server_is_waited_for_without_a_warning(tmp_path, caplog) -> None:
+    """Another thread of the same server (a removal of released versions, a listing making the folder) holds a
+    folder's lock a moment only: its wait is said at DEBUG, never blamed on a process sharing cache_dir."""
+    from nereid.storage.mirror import _folder_lock
+
+    lock = tmp_path / ".m.lock"
+    waited = threading.Event()
+
+    def waiter() -> None:
+        with _folder_lock(lock, url="s3://b/m") as held:
+            assert held
+            waited.set()
+
+    with caplog.at_level(logging.DEBUG, logger="nereid.storage"):
+        with _folder_lock(lock) as held:
+            assert held
+            thread = threading.Thread(target=waiter, daemon=True)
+            thread.start()
+            assert wait_until(lambda: [r for r in caplog.records if "waiting for" in r.getMessage()], 30)
+            assert not waited.is_set()
+        assert waited.wait(30)
+        thread.join(30)
+    assert [(r.levelname, r.getMessage()) for r in caplog.records if "waiting for" in r.getMessage()] == [
+        ("DEBUG", f"s3://b/m: waiting for {lock}, held by this server")]
+
+
 def test_a_folder_deleted_from_the_bucket_leaves_the_cache_once_forgotten(s3, serve, tmp_path) -> None:
     # Defect: every deleted model's copy stayed in cache_dir for ever ('<name>/' with its marker, main.py, the
     # textproto, a bundle's .cache/ executables, and '.<name>.lock'), across restarts: a server fed versioned
