@@ -8,6 +8,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -338,29 +339,34 @@ class ReportingBackend:
         return BackendClaim(ReportingToy) if (folder / "reports.txt").is_file() else None
 
 
+def reporting_models(tmp_path: Path, reports: dict[str, str]):
+    """A repository of ``reporting`` toys (model name -> the REPORTS key it answers), not loaded yet, with its
+    metrics served: (repository, metrics, port)."""
+    from nereid.metrics import ServerMetrics
+    from nereid.plugins import make_plugin_manager
+    from nereid.repository import ModelRepository
+    from nereid.settings import load_settings
+
+    for name, report in reports.items():
+        toy_backends.write_toy(tmp_path / "ml-backends", name)
+        (tmp_path / "ml-backends" / name / "reports.txt").write_text(report)
+    (tmp_path / "nereid.yaml").write_text('server:\n  ml_backends_path: "ml-backends"\n')
+    (tmp_path / "scratch").mkdir()
+    repository = ModelRepository(load_settings(tmp_path / "nereid.yaml"),
+                                 make_plugin_manager(load_entry_points=False, extra_plugins=(ReportingBackend(),)),
+                                 tmp_path / "scratch")
+    metrics = ServerMetrics()
+    metrics.collect_from(repository)
+    return repository, metrics, metrics.serve("127.0.0.1:0")
+
+
 def test_a_runtime_report_of_the_wrong_kind_leaves_out_one_gauge_not_the_scrape(tmp_path, caplog) -> None:
     """Defect: a plugin's RuntimeReport(warm_parent_resident_bytes="lots") made every /metrics scrape answer
     HTTP 500 with a traceback logged each time (prometheus_client failed on it while encoding, after the
     collector's guard); a report that is not a RuntimeReport at all failed the same way."""
     import asyncio
 
-    from nereid.metrics import ServerMetrics
-    from nereid.plugins import make_plugin_manager
-    from nereid.repository import ModelRepository
-    from nereid.settings import load_settings
-
-    for name in REPORTS:
-        toy_backends.write_toy(tmp_path / "ml-backends", name)
-        (tmp_path / "ml-backends" / name / "reports.txt").write_text(name)
-    (tmp_path / "nereid.yaml").write_text('server:\n  ml_backends_path: "ml-backends"\n')
-    (tmp_path / "scratch").mkdir()
-    repository = ModelRepository(load_settings(tmp_path / "nereid.yaml"),
-                                 make_plugin_manager(load_entry_points=False, extra_plugins=(ReportingBackend(),)),
-                                 tmp_path / "scratch")
-
-    metrics = ServerMetrics()
-    metrics.collect_from(repository)
-    port = metrics.serve("127.0.0.1:0")
+    repository, metrics, port = reporting_models(tmp_path, {name: name for name in REPORTS})
 
     async def scrapes() -> dict[tuple[str, tuple], float]:
         try:
@@ -405,23 +411,7 @@ def test_a_runtime_report_whose_thread_cannot_start_leaves_out_its_gauges_not_th
     asks again."""
     import asyncio
 
-    from nereid.metrics import ServerMetrics
-    from nereid.plugins import make_plugin_manager
-    from nereid.repository import ModelRepository
-    from nereid.settings import load_settings
-
-    for name in ("ok", "plain"):
-        toy_backends.write_toy(tmp_path / "ml-backends", name)
-    (tmp_path / "ml-backends" / "ok" / "reports.txt").write_text("ok")
-    (tmp_path / "ml-backends" / "plain" / "reports.txt").write_text("ok_cold")
-    (tmp_path / "nereid.yaml").write_text('server:\n  ml_backends_path: "ml-backends"\n')
-    (tmp_path / "scratch").mkdir()
-    repository = ModelRepository(load_settings(tmp_path / "nereid.yaml"),
-                                 make_plugin_manager(load_entry_points=False, extra_plugins=(ReportingBackend(),)),
-                                 tmp_path / "scratch")
-    metrics = ServerMetrics()
-    metrics.collect_from(repository)
-    port = metrics.serve("127.0.0.1:0")
+    repository, metrics, port = reporting_models(tmp_path, {"ok": "ok", "plain": "ok_cold"})
 
     class NoReportThreads(threading.Thread):
         """Threads as ever, but a runtime report's cannot start (as at RLIMIT_NPROC)."""

@@ -1274,15 +1274,7 @@ def test_a_fetch_record_that_is_no_regular_file_is_removed_and_the_folder_fetche
     else:
         marker.mkdir()
         (marker / "inside").write_text("x")
-    outcome: dict[str, object] = {}
-
-    def load() -> None:
-        try:
-            outcome["folder"] = materialize_model_folder(server, "m")
-        except BaseException as err:  # (reported by the asserts below)
-            outcome["error"] = err
-
-    loading = threading.Thread(target=load, daemon=True)
+    loading, outcome = _loading(server)
     with caplog.at_level(logging.WARNING, logger="nereid.storage"):
         loading.start()
         loading.join(30)
@@ -1297,6 +1289,21 @@ def test_a_fetch_record_that_is_no_regular_file_is_removed_and_the_folder_fetche
     kind = "a FIFO" if damage == "fifo" else "a directory"
     assert [r.getMessage() for r in caplog.records if MARKER_FILE in r.getMessage()] == [
         f"{marker}: unreadable (is {kind}, not a regular file); removed it, fetching the whole folder again"]
+
+
+def _loading(server) -> tuple[threading.Thread, dict[str, object]]:
+    """A thread (not started) that fetches model folder ``m`` of ``server``, and where it puts what it got: the
+    folder, or the error it raised."""
+    from nereid.storage import materialize_model_folder
+
+    outcome: dict[str, object] = {}
+
+    def load() -> None:
+        try:
+            outcome["folder"] = materialize_model_folder(server, "m")
+        except BaseException as err:  # (reported by the caller's asserts)
+            outcome["error"] = err
+    return threading.Thread(target=load, daemon=True), outcome
 
 
 def _until(check, what: str, timeout_s: float = 10) -> None:
@@ -1324,22 +1331,13 @@ def test_a_fetch_waiting_for_a_lock_another_process_holds_says_so_once_naming_it
     """Defect (the bug hunt of persistent caches): a peer sharing cache_dir that hung holding a folder's lock kept
     the load waiting for good, and the only line, after 60 s, blamed the store ('the fetch of its folder from
     the object store has not returned'). The wait is a WARNING at once, naming the lock and its holder."""
-    from nereid.storage import materialize_model_folder
 
     server = load_settings(_config(tmp_path, s3.url())).server
     obstore.put(s3.store, f"{s3.prefix}/m/main.py", b"print(1)")
     lock = Path(server.ml_backends_path) / ".m.lock"
     lock.parent.mkdir(parents=True)
     holder = _hold_lock(lock)
-    outcome: dict[str, object] = {}
-
-    def load() -> None:
-        try:
-            outcome["folder"] = materialize_model_folder(server, "m")
-        except BaseException as err:  # (reported by the asserts below)
-            outcome["error"] = err
-
-    loading = threading.Thread(target=load, daemon=True)
+    loading, outcome = _loading(server)
 
     def said() -> list[str]:
         return [r.getMessage() for r in caplog.records if "waiting for" in r.getMessage()]
