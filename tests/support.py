@@ -384,3 +384,27 @@ def unreadable_chunked_infer(port: int, model: str) -> bytes:
         while chunk := connection.recv(65536):
             answer += chunk
     return answer
+
+
+def zero_text_section(path: Path) -> int:
+    """Overwrite the ``.text`` section of the 64-bit little-endian ELF file ``path`` with zeros, its headers left
+    whole, as a torn write or bit-rot leaves a file: the same size, and still a whole ELF file. Returns how many
+    bytes were zeroed."""
+    import struct
+
+    data = bytearray(path.read_bytes())
+    shoff, = struct.unpack_from("<Q", data, 0x28)
+    entry_size, count, names_index = struct.unpack_from("<HHH", data, 0x3A)
+
+    def section(index: int) -> tuple[int, int, int]:  # (sh_name, sh_offset, sh_size)
+        name, = struct.unpack_from("<I", data, shoff + index * entry_size)
+        offset, size = struct.unpack_from("<QQ", data, shoff + index * entry_size + 0x18)
+        return name, offset, size
+    names_offset = section(names_index)[1]
+    for index in range(count):
+        name, offset, size = section(index)
+        if data[names_offset + name:].startswith(b".text\0"):
+            data[offset:offset + size] = bytes(size)
+            path.write_bytes(bytes(data))
+            return size
+    raise AssertionError(f"{path} has no .text section")

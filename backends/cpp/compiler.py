@@ -4,7 +4,11 @@ A build's key covers the files in its model folder (see :func:`code_files`).
 What it includes from elsewhere (``#include "../../shared/k.h"``) is known
 only once it is compiled: the compiler lists it (``-MMD``), and a record
 beside the build (``<build>.deps``) keeps each such file's content hash; a
-build whose record no longer matches is built again.
+build whose record no longer matches is built again. The record also holds
+the build's own name, size and SHA-256, taken when it was made: a cached build
+that no longer has them (a torn write, bit-rot, another build copied over it)
+is named in a WARNING and built again, before any run executes it or the server
+process dlopens it (a cxx library).
 """
 
 from __future__ import annotations
@@ -17,17 +21,17 @@ import os
 import re
 import shlex
 import shutil
+import stat
 import tempfile
 import threading
 from pathlib import Path
 from typing import Callable, Collection, Iterator
 
 from nereid.errors import ConfigError
-from nereid.files import not_regular_reason, read_regular_file, temporary_name
+from nereid.files import fsync_folder, kind_of, not_regular_reason, read_regular_file, temporary_name
 from nereid.leftovers import remove_stale_partials
 from nereid.processes import new_children_stopped
 
-from nereid.backends.elf_files import whole_elf_file
 from nereid.backends.subprocess.runner import DEFAULT_PATH, ProcessGroups, run_model_process
 
 # What an #include can reach: sources, headers, and the inline and template files some projects include.
@@ -52,8 +56,11 @@ EDITED_PREFIX = "edited-"
 ABANDON_POLL_S = 0.2
 # A source or header larger than this is refused rather than read into memory to be hashed.
 MAX_CODE_FILE_BYTES = 1 << 30
-# Beside each build: the files it included from outside its key, with their content hashes (see cached_build).
+# Beside each build: its name, size and sha256, and the files it included from outside its key, with their content
+# hashes (see cached_build).
 RECORD_SUFFIX = ".deps"
+MAX_RECORD_BYTES = 16 << 20  # a record is a few lines: a larger file under its name is no record
+HASH_CHUNK_BYTES = 1 << 20  # read at a time to hash a build (never mapped: a file cut short under a map is SIGBUS)
 
 log = logging.getLogger(__name__)
 
@@ -407,15 +414,21 @@ def cached_build(compiler: Compiler, arguments: list[str], name: str, stale: str
     the build (see :func:`_still_current`), and one of them edited builds it
     again: they were in no key, and their edits were never built. A compiler
     that lists no such files (no ``-MMD``) gives a build served once, not cached.
+
+    The record also holds the build's name, size and sha256; a cached build
+    that does not match them is never run nor dlopened: a WARNING names it and
+    why, and it is built again (see :func:`_reusable`). The build and its
+    record are published durably (each fsynced before its rename, the folder
+    after it), so a crash leaves the old state or the new one.
     """
     cache = folder / CACHE_DIR
     built = cache / name
-    if _usable(built, executable) and _still_current(built, folder, model):
+    if _reusable(built, folder, model, executable):
         return built
     scratch_cache = scratch / SCRATCH_CACHE_DIR
     fallback = scratch_cache / name
     # (An earlier load in this server found .cache/ unwritable.)
-    if _usable(fallback, executable) and _still_current(fallback, folder, model):
+    if _reusable(fallback, folder, model, executable):
         return fallback
     scratch_cache.mkdir(parents=True, exist_ok=True)
     dependencies = compile_to(compiler, arguments, fallback, folder, what, model, abandoned, sources)
@@ -457,8 +470,90 @@ def cached_build(compiler: Compiler, arguments: list[str], name: str, stale: str
     return built
 
 
-def _usable(path: Path, executable: bool) -> bool:
-    return path.is_file() and (not executable or os.access(path, os.X_OK)) and whole_elf_file(str(path))
+class _NotReusable(Exception):
+    """Why a cached build is built again, and at which level that is logged (damage: WARNING)."""
+
+    def __init__(self, reason: str, level: int = logging.WARNING) -> None:
+        super().__init__(reason)
+        self.level = level
+
+
+def _reusable(build: Path, folder: Path, model: str, executable: bool) -> bool:
+    """Whether the cached ``build`` is served as it is: its record vouches for its content, and each file it
+    included from outside its key is unchanged.
+
+    Checked before anything runs or dlopens it: a cxx library is mapped into
+    the server's own process, where a damaged one (its code zeroed by a torn
+    write, with its ELF headers whole) crashed the server at every start, and
+    a cpp binary swapped for another build's answered wrong with no word. A
+    build that does not match is named in a WARNING, with why, and built
+    again; one without a record (an older nereid's, or one being published)
+    is built again with an INFO line.
+    """
+    if not os.path.lexists(build):
+        return False  # (nothing cached under this name: the usual first build)
+    try:
+        entries = _verified_record(build, executable)
+    except _NotReusable as why:
+        log.log(why.level, "model '%s': ignoring its cached build %s: %s; building it again", model, build, why)
+        return False
+    return _still_current(entries, build, folder, model)
+
+
+def _verified_record(build: Path, executable: bool) -> list[tuple[str, str]]:
+    """The outside-the-key entries of ``build``'s record, once the record is read and the build checked against
+    it (its name, size and sha256); _NotReusable saying why not."""
+    record = _record_path(build)
+    if not os.path.lexists(record):
+        raise _NotReusable(f"it has no record {record.name} beside it (made by an older nereid, or its record is "
+                           "still being written)", logging.INFO)
+    try:
+        document = json.loads(read_regular_file(record, MAX_RECORD_BYTES))
+        made = document.get("build")
+        entries = [(str(name), str(digest)) for name, digest in document["outside_key"]]
+    except ConfigError as err:  # (its message names the record: not a regular file, unreadable, too large)
+        raise _NotReusable(f"its record {err}") from None
+    except (ValueError, RecursionError, KeyError, TypeError, AttributeError):
+        raise _NotReusable(f"its record {record} is damaged (not the JSON a build's record holds)") from None
+    if made is None:
+        raise _NotReusable(f"its record {record.name} holds no checksum of it (made by an older nereid)",
+                           logging.INFO)
+    if not isinstance(made, dict) or made.get("name") != build.name:
+        other = made.get("name") if isinstance(made, dict) else None
+        raise _NotReusable(f"its record {record.name} is the record of another build ({other!r})")
+    size, digest = _build_digest(build, executable)
+    if size != made.get("bytes"):
+        raise _NotReusable(f"it is {size} bytes, and it was {made.get('bytes')} bytes when it was built: cut short, "
+                           "damaged or replaced")
+    if digest != made.get("sha256"):
+        raise _NotReusable(f"its content is not the one it was built with (sha256 {digest[:16]}..., built "
+                           f"{str(made.get('sha256'))[:16]}...): damaged or replaced")
+    return entries
+
+
+def _build_digest(build: Path, executable: bool) -> tuple[int, str]:
+    """The size and sha256 of the cached ``build``, read in chunks from a descriptor opened without blocking (a FIFO
+    under its name is refused, not waited on); _NotReusable when it is no regular file, cannot be read, or is not
+    executable where it must be."""
+    try:
+        fd = os.open(build, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as err:
+        raise _NotReusable(f"it cannot be read ({err.strerror or err})") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise _NotReusable(f"it is {kind_of(mode)}, not a regular file")
+        if executable and not os.access(build, os.X_OK):
+            raise _NotReusable("it is not executable")
+        digest, size = hashlib.sha256(), 0
+        while chunk := os.read(fd, HASH_CHUNK_BYTES):
+            digest.update(chunk)
+            size += len(chunk)
+        return size, digest.hexdigest()
+    except OSError as err:
+        raise _NotReusable(f"it cannot be read ({err.strerror or err})") from None
+    finally:
+        os.close(fd)
 
 
 def _record_path(build: Path) -> Path:
@@ -490,7 +585,8 @@ def _content_hash(path: Path, model: str) -> str:
 
 
 def _write_record(build: Path, record: list[list[str]], model: str) -> None:
-    """Write ``build``'s record (see :func:`_outside_the_key`) through a temporary name renamed into place.
+    """Write ``build``'s record through a temporary name renamed into place: its name, size and sha256, and the
+    files it included from outside its key (see :func:`_outside_the_key`).
 
     ConfigError naming ``model`` when it cannot be written (the build, which
     no record vouches for, is removed: it would be built again anyway).
@@ -498,7 +594,13 @@ def _write_record(build: Path, record: list[list[str]], model: str) -> None:
     target = _record_path(build)
     partial = target.parent / temporary_name(target.name)
     try:
-        partial.write_text(json.dumps({"outside_key": record}, indent=1) + "\n")
+        size, digest = _build_digest(build, executable=False)
+    except _NotReusable as why:  # (the compiler's output, just renamed into place: gone only if removed meanwhile)
+        build.unlink(missing_ok=True)
+        raise ConfigError(f"model '{model}': cannot read its build {build}: {why}") from None
+    made = {"name": build.name, "bytes": size, "sha256": digest}
+    try:
+        partial.write_text(json.dumps({"build": made, "outside_key": record}, indent=1) + "\n")
         os.replace(partial, target)
     except OSError as err:
         partial.unlink(missing_ok=True)
@@ -507,19 +609,13 @@ def _write_record(build: Path, record: list[list[str]], model: str) -> None:
                           f"{err.strerror or err}") from None
 
 
-def _still_current(build: Path, folder: Path, model: str) -> bool:
-    """Whether each file ``build`` included from outside its key still has the content it was built from.
+def _still_current(entries: list[tuple[str, str]], build: Path, folder: Path, model: str) -> bool:
+    """Whether each file ``build`` included from outside its key (``entries``: names and content hashes, from its
+    record) still has the content it was built from.
 
-    No record (a build of an older nereid, or one being published: the
-    record follows its build) or an unreadable one is not current: the build is
-    made again. A file of it that is no longer a regular file is refused
-    (ConfigError naming it), as the key refuses one.
+    A file of it that is no longer a regular file is refused (ConfigError
+    naming it), as the key refuses one.
     """
-    try:
-        record = json.loads(_record_path(build).read_bytes())["outside_key"]
-        entries = [(str(name), str(digest)) for name, digest in record]
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
     for name, digest in entries:
         if _content_hash(folder / name, model) != digest:
             log.info("model '%s': %s, which its build in %s included, has changed; building it again", model, name,
@@ -529,17 +625,29 @@ def _still_current(build: Path, folder: Path, model: str) -> bool:
 
 
 def _publish(source: Path, target: Path) -> None:
-    """Copy ``source`` to ``target`` through a temporary name renamed into place; OSError when it cannot."""
+    """Copy ``source`` to ``target`` through a temporary name renamed into place, durably: the copy is fsynced
+    before the rename, the folder after it (as atomic_write's ``durable``); OSError when it cannot.
+
+    Without the fsyncs a crash or power loss after the rename could leave the
+    new name over blocks never written (zeros under whole ELF headers): a
+    build the next start would find damaged.
+    """
     target.parent.mkdir(exist_ok=True)
     remove_stale_partials(target.parent)
     partial = target.parent / temporary_name(target.name)
     try:
         shutil.copy2(source, partial)
+        fd = os.open(partial, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(partial, target)
     except BaseException:
         with contextlib.suppress(OSError):
             partial.unlink(missing_ok=True)
         raise
+    fsync_folder(target.parent)
 
 
 def _remove_stale(folder: Path, pattern: str, keep: Path) -> None:

@@ -31,7 +31,8 @@ from nereid.dtypes import DType
 from nereid.errors import ConfigError, ModelFailure
 from nereid.settings import ModelSettings
 from nereid.tensors import NamedTensor
-from support import NEREID, expect_grpc_error, run_with_tmpdir_mounted_noexec, wait_until
+from support import (NEREID, expect_grpc_error, nereid_serve, run_with_tmpdir_mounted_noexec, wait_until,
+                     zero_text_section)
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "ml-backends"
 CXX = shutil.which(os.environ.get("CXX", "c++"))
@@ -846,6 +847,33 @@ def test_the_library_key_of_a_model_folder_linked_in_from_outside_the_repository
     before = library_hash((folder / "model.cpp",), (CXX,), folder, model="m")
     (folder / "factor.h").write_text("constexpr float F = 5;\n")
     assert library_hash((folder / "model.cpp",), (CXX,), folder, model="m") != before
+
+
+def test_a_cached_library_whose_code_was_zeroed_is_built_again_never_dlopened(repo, tmp_path):
+    """Found by a bug hunt of persistent caches: .cache/lib-<hash>.so with its code zeroed (a torn write, bit-rot)
+    and its ELF headers whole passed the cache's one check; the server dlopened it and died of SIGSEGV, at that
+    start and at every later one, every other model with it. Its record's sha256 no longer matches: a WARNING names
+    it, and the library is built again before anything maps it. (The server runs as a process of its own: on the
+    old code it is that process that dies.)"""
+    from nereid.backends.cxx.build import build_library
+
+    folder = repo.models_dir / "cxx_scale"
+    shutil.copytree(EXAMPLES / "cxx_scale", folder, ignore=shutil.ignore_patterns(".cache"))
+    config = repo.write_config(entry("cxx_scale", '{sources: ["$MODEL_FOLDER/scale.cpp"]}'))
+    (tmp_path / "scratch").mkdir()
+    built = build_library("cxx_scale", folder, (folder / "scale.cpp",), tmp_path / "scratch")  # (built, not loaded)
+    size = built.stat().st_size
+    assert zero_text_section(built) > 0 and built.stat().st_size == size
+    with nereid_serve(config) as (process, client):
+        assert client.infer("cxx_scale", [tensor("input", ROWS)]).as_numpy("output").tolist() == (ROWS * 2).tolist()
+    lines = process.stdout.read().splitlines()
+    [warning] = [i for i, line in enumerate(lines) if f"ignoring its cached build {built}: " in line]
+    assert "WARNING" in lines[warning] and "model 'cxx_scale'" in lines[warning], lines[warning]
+    assert "its content is not the one it was built with" in lines[warning], lines[warning]
+    assert lines[warning].endswith("; building it again"), lines[warning]
+    # Opened once, after it was built again (under the same name: the same sources).
+    [opened] = [i for i, line in enumerate(lines) if "opening shared library" in line]
+    assert opened > warning, lines
 
 
 def test_an_edit_of_a_header_a_second_source_includes_from_outside_the_model_folder_rebuilds(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -10,6 +11,8 @@ import pytest
 
 from nereid.backends.cpp import compiler as cpp_compiler
 from nereid.errors import ConfigError
+from nereid.files import descriptor_path
+from support import zero_text_section
 
 # Writes an intermediate file into $TMPDIR and records where, then (with SLEEP set) hangs, else writes its -o.
 STAND_IN = '''#!/bin/sh
@@ -247,3 +250,71 @@ def test_a_compiler_that_lists_no_included_files_gives_a_build_served_once_not_c
 def test_make_prerequisites_reads_every_rule_unescaped():
     text = "a.o: a.cpp sp\\ ace/c$$h\\#.h \\\n ../x.h\nb.o: b.cpp \\\n  a.cpp\nlonely.o:\n"
     assert cpp_compiler.make_prerequisites(text) == ["a.cpp", "sp ace/c$h#.h", "../x.h", "b.cpp"]
+
+
+def _returning(folder: Path, k: int) -> Path:
+    """A model folder whose main.cpp returns ``k`` (its exit status)."""
+    folder.mkdir(parents=True)
+    (folder / "main.cpp").write_text(f"int main() {{ return {k}; }}\n")
+    return folder
+
+
+@pytest.mark.parametrize("damage", ["code zeroed", "cut short", "swapped", "swapped with its record"])
+def test_a_cached_build_that_is_not_the_one_built_is_named_and_built_again(tmp_path, caplog, damage):
+    """Found by a bug hunt of persistent caches: a cached build was used whenever it was a whole ELF file, so one
+    whose code a torn write zeroed (its headers whole) was run by every request (SIGSEGV; as a cxx library it
+    crashed the server), another build copied over its name answered for it (x3 where x2 was built), and one cut
+    short was built again without a word. Its record holds its name, size and sha256: a build that does not match
+    is named in a WARNING, with why, and built again."""
+    for name in ("scratch", "other-scratch"):
+        (tmp_path / name).mkdir()
+    folder = _returning(tmp_path / "m", 2)
+    built = cpp_compiler.build_binary(folder, "main.cpp", tmp_path / "scratch", "m")
+    record = built.with_name(built.name + cpp_compiler.RECORD_SUFFIX)
+    if damage == "code zeroed":
+        size = built.stat().st_size
+        assert zero_text_section(built) > 0 and built.stat().st_size == size
+        reason = "its content is not the one it was built with (sha256 "
+    elif damage == "cut short":
+        built.write_bytes(built.read_bytes()[:-1000])
+        reason = "bytes when it was built: cut short, damaged or replaced"
+    else:
+        other = cpp_compiler.build_binary(_returning(tmp_path / "other", 3), "main.cpp", tmp_path / "other-scratch",
+                                          "other")
+        shutil.copy(other, built)
+        reason = "its content is not the one it was built with"
+        if damage == "swapped with its record":
+            shutil.copy(other.with_name(other.name + cpp_compiler.RECORD_SUFFIX), record)
+            reason = f"its record {record.name} is the record of another build ('{other.name}')"
+    with caplog.at_level("INFO", logger=cpp_compiler.__name__):
+        rebuilt = cpp_compiler.build_binary(folder, "main.cpp", tmp_path / "scratch", "m")
+    assert rebuilt == built and _exit_status(rebuilt) == 2
+    [warning] = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warning.startswith(f"model 'm': ignoring its cached build {built}: ") and reason in warning, warning
+    assert warning.endswith("; building it again"), warning
+    caplog.clear()  # the build made again is reused as it is, with no word
+    stamp = built.stat().st_mtime_ns, built.stat().st_ino
+    assert cpp_compiler.build_binary(folder, "main.cpp", tmp_path / "scratch", "m") == built
+    assert (built.stat().st_mtime_ns, built.stat().st_ino) == stamp and not caplog.records
+
+
+def test_a_build_and_its_record_are_published_durably(tmp_path, monkeypatch):
+    """A build copied into .cache/ and renamed there with no fsync could be found, after a crash or a power loss, as
+    its name over blocks never written (zeros under whole headers). Each of the build and its record is fsynced
+    before its rename, and the folder after it, as atomic_write's ``durable`` does."""
+    synced: list[str] = []
+    fsync = os.fsync
+
+    def noting_fsync(fd: int) -> None:
+        synced.append(os.readlink(descriptor_path(fd)))  # (the file it is then)
+        fsync(fd)
+    (tmp_path / "scratch").mkdir()
+    folder = _returning(tmp_path / "m", 2)
+    monkeypatch.setattr(os, "fsync", noting_fsync)
+    built = cpp_compiler.build_binary(folder, "main.cpp", tmp_path / "scratch", "m")
+    monkeypatch.undo()
+    cache = str(folder / ".cache")
+    for name in (built.name, built.name + cpp_compiler.RECORD_SUFFIX):  # (.NAME.TOKEN.PID.partial, then renamed)
+        assert [path for path in synced if re.fullmatch(re.escape(f"{cache}/.{name}.") + r"[0-9a-f]+\.\d+\.partial",
+                                                           path)], (name, synced)
+    assert synced.count(cache) >= 2, synced
