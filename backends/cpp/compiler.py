@@ -33,6 +33,7 @@ from nereid.leftovers import remove_stale_partials
 from nereid.processes import new_children_stopped
 
 from nereid.backends.subprocess.runner import DEFAULT_PATH, ProcessGroups, run_model_process
+from nereid.backends.xla.cache import host_cpu
 
 # What an #include can reach: sources, headers, and the inline and template files some projects include.
 # (.def: X-macro tables; .cuh: CUDA headers; .txx / .ixx / .cppm: template and module units.)
@@ -61,6 +62,8 @@ MAX_CODE_FILE_BYTES = 1 << 30
 RECORD_SUFFIX = ".deps"
 MAX_RECORD_BYTES = 16 << 20  # a record is a few lines: a larger file under its name is no record
 HASH_CHUNK_BYTES = 1 << 20  # read at a time to hash a build (never mapped: a file cut short under a map is SIGBUS)
+# Compiler words (in $CXX) that target the machine the compiler runs on: its instruction set, or its tuning.
+NATIVE_FLAGS = ("-march=native", "-mcpu=native", "-mtune=native")
 
 log = logging.getLogger(__name__)
 
@@ -99,12 +102,19 @@ def compiler_environment(**extra: str) -> dict[str, str]:
 
 
 def compiler_key(compiler: Compiler) -> bytes:
-    """The compiler as a build key's part: its command, the file that runs and what ``--version`` says.
+    """The compiler as a build key's part: its command, the file that runs and what ``--version`` says, and this
+    machine's CPU when the command targets it (``CXX="g++ -march=native"``, see :data:`NATIVE_FLAGS`).
 
     The command alone kept a binary another compiler had built under the same name (``/usr/bin/c++``
     repointed by update-alternatives, a newer image): a server never runs a build its compiler did not make.
+    A ``-march=native`` build uses the instructions of the CPU it was built on (AVX-512...): one found in a
+    ``.cache/`` shipped to, or shared with, a machine without them would die of SIGILL at its first request
+    (a cxx library: in the server's process, taking every model down), so each CPU gets builds of its own.
     """
-    return "\0".join((*compiler, os.path.realpath(compiler[0]), compiler_version(compiler))).encode()
+    parts = (*compiler, os.path.realpath(compiler[0]), compiler_version(compiler))
+    if any(word.startswith(NATIVE_FLAGS) for word in compiler[1:]):
+        parts += (f"host cpu {host_cpu()}",)  # (as XLA's CPU executables are keyed: the model and feature flags)
+    return "\0".join(parts).encode()
 
 
 def compiler_version(compiler: Compiler) -> str:

@@ -14,6 +14,9 @@ from nereid.errors import ConfigError
 from nereid.files import descriptor_path
 from support import zero_text_section
 
+# The flags that have a compiler build for the machine it runs on.
+NATIVE_FLAGS = ("-march=native", "-mtune=native", "-mcpu=native")
+
 # Writes an intermediate file into $TMPDIR and records where, then (with SLEEP set) hangs, else writes its -o.
 STAND_IN = '''#!/bin/sh
 echo "$TMPDIR" > "{record}"
@@ -318,3 +321,20 @@ def test_a_build_and_its_record_are_published_durably(tmp_path, monkeypatch):
         assert [path for path in synced if re.fullmatch(re.escape(f"{cache}/.{name}.") + r"[0-9a-f]+\.\d+\.partial",
                                                            path)], (name, synced)
     assert synced.count(cache) >= 2, synced
+
+
+def test_a_compiler_told_to_build_for_this_machine_keys_its_builds_by_the_host_cpu(monkeypatch):
+    """CXX="g++ -march=native" builds for the instructions of the CPU it runs on: a build found in a .cache/ made on
+    another machine (shipped in an image, shared over NFS) could die of SIGILL, a cxx library in the server's own
+    process. With such a flag the key holds the host's CPU, as XLA's CPU executables' keys do; without one it does
+    not, so that a repository's builds move between machines."""
+    [program] = cpp_compiler.find_compiler()[:1]
+    plain = (program, "-O3")
+
+    def keys() -> list[bytes]:
+        return [cpp_compiler.compiler_key((*plain, flag)) for flag in NATIVE_FLAGS] + [cpp_compiler.compiler_key(plain)]
+    monkeypatch.setattr(cpp_compiler, "host_cpu", lambda: "a" * 16, raising=False)  # (none before)
+    here = keys()
+    monkeypatch.setattr(cpp_compiler, "host_cpu", lambda: "b" * 16, raising=False)
+    elsewhere = keys()
+    assert [a != b for a, b in zip(here, elsewhere)] == [True] * len(NATIVE_FLAGS) + [False]
