@@ -332,11 +332,20 @@ def compile_to(compiler: Compiler, arguments: list[str], target: Path, cwd: Path
         if completed.timed_out:
             raise ConfigError(f"{what}: compilation took longer than {COMPILE_TIMEOUT_S} s")
         raise ConfigError(f"{what}: compilation failed ({os.path.basename(compiler[0])} {completed.describe()}):\n"
-                          f"{completed.output_tail}")
+                          f"{completed.output_tail}{_link_hint(completed.output_tail)}")
     if completed.output_tail.strip():  # warnings (a #warning, a deprecation): shown once, at the build
         log.warning("model '%s': the compiler warned (the build succeeded):\n%s", model, completed.output_tail.rstrip())
     os.replace(partial, target)
     return dependencies
+
+
+def _link_hint(output: str) -> str:
+    """What to do about a link that missed a library (``undefined reference to `crc32'``): nothing but the C++
+    standard library is linked, which the linker's words alone did not say (the native backends hunt)."""
+    if "undefined reference to" not in output:
+        return ""
+    return ("\n(nothing beyond the C++ standard library is linked into a build: a model that needs another library "
+            "is a cxx model with a prebuilt library:, linked as it likes; see the README's cxx backend)")
 
 
 def _read_listing(path: Path) -> str | None:

@@ -338,3 +338,18 @@ def test_a_compiler_told_to_build_for_this_machine_keys_its_builds_by_the_host_c
     monkeypatch.setattr(cpp_compiler, "host_cpu", lambda: "b" * 16, raising=False)
     elsewhere = keys()
     assert [a != b for a, b in zip(here, elsewhere)] == [True] * len(NATIVE_FLAGS) + [False]
+
+
+def test_a_link_that_misses_a_library_says_that_only_the_standard_library_is_linked(tmp_path):
+    """Found by the native backends hunt: a cpp model calling zlib's crc32 got the linker's bare `undefined
+    reference to 'crc32'`, with no word that nothing beyond the C++ standard library is linked."""
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "main.cpp").write_text('extern "C" unsigned long crc32(unsigned long, const unsigned char*, unsigned);\n'
+                                     "int main() { return static_cast<int>(crc32(0, nullptr, 0)); }\n")
+    with pytest.raises(ConfigError) as failed:
+        cpp_compiler.build_binary(folder, "main.cpp", tmp_path / "scratch", "m")
+    assert "undefined reference to `crc32'" in str(failed.value)
+    assert str(failed.value).endswith(
+        "(nothing beyond the C++ standard library is linked into a build: a model that needs another library is a "
+        "cxx model with a prebuilt library:, linked as it likes; see the README's cxx backend)")
