@@ -50,7 +50,8 @@ def export_bundle(fn: Callable[..., Any], example_inputs: Sequence[Any],
     with ``provenance=False``) so that the server can tell a program lowered
     for another platform than it runs on. ``provenance=True`` records :func:`collect_provenance` of the
     working directory, ``directory`` itself left out of it. ``x64`` enables
-    64-bit types while tracing (default: when any input or weight is 64-bit).
+    64-bit types while tracing (default: when the session has ``jax_enable_x64`` on or any input or weight is
+    64-bit; ``x64=False`` traces in 32 bits whatever the session says).
     ``shard_bytes`` splits the weights into shards of about that size (see
     :func:`write_bundle`).
     """
@@ -70,8 +71,7 @@ def export_bundle(fn: Callable[..., Any], example_inputs: Sequence[Any],
     sizes: list[int | None] = list(batch_sizes) if batch_sizes is not None else [None]
     in_axes = _axes(input_batch_axes, len(examples), batch_sizes is not None, "input_batch_axes")
     if x64 is None:
-        x64 = any(np.dtype(d).itemsize == 8 and np.dtype(d).kind in "iuf"
-                  for _, d in [*examples, *((a.shape, a.dtype) for _, a in weight_items)])
+        x64 = _default_x64(jax, [d for _, d in examples] + [a.dtype for _, a in weight_items])
     weight_structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for _, a in weight_items]
     jitted = jax.jit(fn, keep_unused=True)
     modules: dict[int | None, bytes] = {}
@@ -148,6 +148,18 @@ def _static_size(size: Any) -> int | None:
         return operator.index(size)
     except Exception:  # jax raises its own InconclusiveDimensionOperation for a symbolic size
         return None
+
+
+def _default_x64(jax: Any, dtypes: Sequence[Any]) -> bool:
+    """x64 for an export that does not say: the session's ``jax_enable_x64``, or any 64-bit input or weight.
+
+    The session's setting is never turned off: ``with jax.enable_x64(False)`` traced a function written for x64
+    (a float64 accumulator) in 32 bits, so the bundle served other numbers and float32 where jax gives float64.
+    A 64-bit example turns it on even in a session without x64 (unlike ``jax.jit``, which would truncate it).
+    """
+    if jax.config.read("jax_enable_x64"):
+        return True
+    return any(np.dtype(d).itemsize == 8 and np.dtype(d).kind in "iuf" for d in dtypes)
 
 
 def _check_output_dtypes(avals: Sequence[Any], output_names: Sequence[str] | None) -> None:

@@ -88,6 +88,33 @@ def test_64_bit_types_are_kept(tmp_path) -> None:
     assert out.data.dtype == np.int64 and out.data.tolist() == [[2 ** 40 + 1, 2 ** 40 + 2]]
 
 
+
+def _wide_sum(x):
+    """1e8 + x - 1e8 in float64, handed back as float32 (0.25 in 32 bits is lost under 1e8), and x as float64."""
+    wide = x.astype(jnp.float64)
+    return ((wide + 1e8) - 1e8).astype(jnp.float32), wide
+
+
+def test_a_session_with_x64_on_gets_an_x64_bundle(tmp_path) -> None:
+    """Found by a bug hunt: with float32 examples the default x64 was False, and ``jax.enable_x64(False)`` turned
+    the session's own setting off, so the float64 accumulator was traced in 32 bits (0.0 served where jax gives
+    0.25) and the float64 output was served as FP32."""
+    x = np.array([[0.25, 0.5]], np.float32)
+    with jax.enable_x64(True):
+        expected = jax.jit(_wide_sum)(x)
+        directory = export_bundle(_wide_sum, [np.zeros((1, 2), np.float32)], {}, directory=tmp_path / "on",
+                                  batch_sizes=[1], provenance=False)
+    outputs = load_manifest(directory / "manifest.yaml").executable_outputs
+    assert [t.dtype.numpy for t in outputs] == [np.float32, np.float64]
+    total, wide = serve_once(directory, [NamedTensor.from_array("input", x)])
+    assert total.data.tolist() == np.asarray(expected[0]).tolist() == [[0.25, 0.5]]
+    assert wide.data.dtype == np.float64 and wide.data.tolist() == [[0.25, 0.5]]
+    with jax.enable_x64(True), pytest.warns(UserWarning, match="float64 .* truncated to dtype float32"):
+        narrow = export_bundle(_wide_sum, [np.zeros((1, 2), np.float32)], {}, directory=tmp_path / "off",
+                               batch_sizes=[1], provenance=False, x64=False)  # still 32 bits
+    assert [t.dtype.numpy for t in load_manifest(narrow / "manifest.yaml").executable_outputs] == [np.float32] * 2
+
+
 def test_argument_mistakes(tmp_path) -> None:
     with pytest.raises(ExportError, match="input_batch_axes has 2 entries for 1 tensor"):
         export_bundle(lambda x: x, [np.zeros((1, 2))], {}, directory=tmp_path / "f", batch_sizes=[1],
