@@ -83,14 +83,15 @@ def export_bundle(fn: Callable[..., Any], example_inputs: Sequence[Any],
             exported = jax_export.export(jitted, platforms=[platform])(*structs, *weight_structs)
             _check_exported(exported, len(structs) + len(weight_structs), size)
             if not out_avals_by_size:  # checked after the first trace: the others would fail alike
-                _check_output_dtypes(exported.out_avals, output_names)
+                out_names = _output_names(jax, exported.out_tree, output_names)
+                _check_output_dtypes(exported.out_avals, out_names)
             modules[size] = exported.mlir_module_serialized
             out_avals_by_size[size] = exported.out_avals
     n_outputs = len(next(iter(out_avals_by_size.values())))
     out_axes = _axes(output_batch_axes, n_outputs, batch_sizes is not None, "output_batch_axes")
     inputs = [IOSpec(n, as_dtype(d), _without(shape, axis), axis)
               for n, (shape, d), axis in zip(in_names, examples, in_axes)]
-    outputs = _output_specs(_names(output_names, n_outputs, "output"), out_avals_by_size, out_axes)
+    outputs = _output_specs(out_names, out_avals_by_size, out_axes)
     if provenance is True:
         # The bundle's own folder is no part of the exporting code: left out, a re-export does not record
         # the previous export as an uncommitted change (nor copy it into working_tree.patch).
@@ -162,9 +163,36 @@ def _default_x64(jax: Any, dtypes: Sequence[Any]) -> bool:
     return any(np.dtype(d).itemsize == 8 and np.dtype(d).kind in "iuf" for d in dtypes)
 
 
-def _check_output_dtypes(avals: Sequence[Any], output_names: Sequence[str] | None) -> None:
+def _output_names(jax: Any, out_tree: Any, output_names: Sequence[str] | None) -> list[str]:
+    """The outputs' names in the program's order, from what ``fn`` returns (``out_tree``) and ``output_names``.
+
+    One array, or a flat tuple or list of arrays: named by ``output_names`` in
+    order (or the default names). A flat dict of arrays: named by its keys, in
+    the order jax flattens it (sorted keys, not the order it was written in, so
+    naming its outputs by position gave each the wrong tensor). Anything else
+    (nested, None) is refused: its outputs have no order a client could name.
+    """
+    structure = jax.tree_util.tree_unflatten(out_tree, range(out_tree.num_leaves))
+    if isinstance(structure, int):
+        return _names(output_names, 1, "output")
+    if isinstance(structure, (tuple, list)) and structure and all(isinstance(v, int) for v in structure):
+        return _names(output_names, len(structure), "output")
+    if (isinstance(structure, dict) and structure and all(isinstance(k, str) and k for k in structure)
+            and all(isinstance(v, int) for v in structure.values())):
+        keys = [key for key, _ in sorted(structure.items(), key=lambda item: item[1])]
+        if output_names is not None and sorted(output_names) != sorted(keys):
+            raise ExportError(f"output_names {list(output_names)} are not the keys of the dict the function "
+                              f"returns ({keys}): a dict's outputs are named by its keys; give the same names "
+                              "(in any order) or leave output_names out")
+        return keys
+    raise ExportError(f"the function returns {out_tree} ({out_tree.num_leaves} array(s)), which a bundle cannot "
+                      "name: return one array, a flat tuple or list of arrays (named by output_names), or a flat "
+                      "dict of arrays (named by its keys); flatten a nested result, e.g. with "
+                      "jax.tree_util.tree_leaves")
+
+
+def _check_output_dtypes(avals: Sequence[Any], names: Sequence[str]) -> None:
     """ExportError naming the first output of a dtype nereid does not support (complex64, int4)."""
-    names = _names(output_names, len(avals), "output")
     for index, (aval, name) in enumerate(zip(avals, names)):
         supported_dtype(aval.dtype, f"output {index} ({name!r})")
 

@@ -115,6 +115,53 @@ def test_a_session_with_x64_on_gets_an_x64_bundle(tmp_path) -> None:
     assert [t.dtype.numpy for t in load_manifest(narrow / "manifest.yaml").executable_outputs] == [np.float32] * 2
 
 
+
+def _heads(x, w):
+    """A dict written in an order other than its sorted keys, with outputs of three dtypes and shapes."""
+    logits = x @ w
+    return {"logits": logits, "probs": jax.nn.softmax(logits), "argmax": jnp.argmax(logits, -1).astype(jnp.int32)}
+
+
+@pytest.mark.parametrize("output_names", [None, ["logits", "probs", "argmax"], ["probs", "argmax", "logits"]])
+def test_a_dict_result_is_served_under_its_keys(tmp_path, output_names) -> None:
+    """Found by a bug hunt: jax flattens a dict by its sorted keys, and the outputs were named by position, so
+    'logits' served the argmax, 'probs' the logits and 'argmax' the probabilities."""
+    w = np.random.default_rng(0).standard_normal((4, 3)).astype(np.float32)
+    directory = export_bundle(_heads, [np.zeros((1, 4), np.float32)], {"w": w}, directory=tmp_path / "heads",
+                              batch_sizes=[1, 2], output_names=output_names, provenance=False)
+    x = np.random.default_rng(1).standard_normal((2, 4)).astype(np.float32)
+    served = {t.name: t.data for t in serve_once(directory, [NamedTensor.from_array("input", x)])}
+    expected = jax.jit(_heads)(x, w)
+    assert sorted(served) == sorted(expected)
+    for key, value in expected.items():
+        assert served[key].dtype == value.dtype and served[key].shape == value.shape, key
+        np.testing.assert_allclose(served[key], value, rtol=1e-6, atol=1e-6, err_msg=key)
+
+
+def test_a_dict_result_refuses_output_names_that_are_not_its_keys(tmp_path) -> None:
+    with pytest.raises(ExportError, match=r"^output_names \['logits', 'p', 'argmax'\] are not the keys of the "
+                                          r"dict the function returns \(\['argmax', 'logits', 'probs'\]\)"):
+        export_bundle(_heads, [np.zeros((1, 4), np.float32)], {"w": np.ones((4, 3), np.float32)},
+                      directory=tmp_path / "f", output_names=["logits", "p", "argmax"], provenance=False)
+    assert not (tmp_path / "f").exists()
+
+
+@pytest.mark.parametrize("fn, structure", [
+    (lambda x: ((x, x * 2), x * 3), r"PyTreeDef\(\(\(\*, \*\), \*\)\) \(3 array\(s\)\)"),
+    (lambda x: {"a": x, "b": [x, x]}, r"PyTreeDef\(\{'a': \*, 'b': \[\*, \*\]\}\) \(3 array\(s\)\)"),
+    (lambda x: None, r"PyTreeDef\(None\) \(0 array\(s\)\)"),
+], ids=["nested tuple", "dict holding a list", "None"])
+def test_a_nested_result_is_refused_naming_its_structure(tmp_path, fn, structure) -> None:
+    """A nested tuple was refused as 'output_names has 2 names for 3 output(s)', which did not say why, and
+    without output_names it was exported with its leaves numbered."""
+    for output_names in (["pair", "triple"], None):
+        with pytest.raises(ExportError, match=rf"^the function returns {structure}, which a bundle cannot name: "
+                                              r"return one array, a flat tuple or list of arrays"):
+            export_bundle(fn, [np.zeros((1, 2), np.float32)], {}, directory=tmp_path / "f", batch_sizes=[1],
+                          output_names=output_names, provenance=False)
+    assert not (tmp_path / "f").exists()
+
+
 def test_argument_mistakes(tmp_path) -> None:
     with pytest.raises(ExportError, match="input_batch_axes has 2 entries for 1 tensor"):
         export_bundle(lambda x: x, [np.zeros((1, 2))], {}, directory=tmp_path / "f", batch_sizes=[1],
