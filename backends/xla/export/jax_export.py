@@ -36,7 +36,7 @@ def export_bundle(fn: Callable[..., Any], example_inputs: Sequence[Any],
                   client_inputs: Sequence[IOSpec] | None = None, client_outputs: Sequence[IOSpec] | None = None,
                   model_py: str | Path | None = None, layout: str = "xla",
                   provenance: Provenance | Mapping[str, Any] | bool | None = True, description: str = "",
-                  x64: bool | None = None, shard_bytes: int | None = None) -> Path:
+                  x64: bool | None = None, shard_bytes: int | None = None, check_rows: bool = True) -> Path:
     """Export ``fn(*inputs, *weights)`` as a bundle at ``directory``; returns the directory.
 
     ``example_inputs`` give each input's dtype and row-major shape; with
@@ -53,7 +53,10 @@ def export_bundle(fn: Callable[..., Any], example_inputs: Sequence[Any],
     64-bit types while tracing (default: when the session has ``jax_enable_x64`` on or any input or weight is
     64-bit; ``x64=False`` traces in 32 bits whatever the session says).
     ``shard_bytes`` splits the weights into shards of about that size (see
-    :func:`write_bundle`).
+    :func:`write_bundle`). ``check_rows`` (where a batch size above 1 is
+    compiled) runs ``fn`` on the CPU at the largest batch size twice, every row
+    but the first changed, and refuses a function whose first row of a batched
+    output changes (it mixes rows across the batch axis); ``False`` skips it.
     """
     import jax
     from jax import export as jax_export
@@ -92,6 +95,9 @@ def export_bundle(fn: Callable[..., Any], example_inputs: Sequence[Any],
     inputs = [IOSpec(n, as_dtype(d), _without(shape, axis), axis)
               for n, (shape, d), axis in zip(in_names, examples, in_axes)]
     outputs = _output_specs(out_names, out_avals_by_size, out_axes)
+    if check_rows and batch_sizes is not None and max(batch_sizes) > 1:
+        with jax.enable_x64(x64):
+            _check_rows_independent(jax, fn, examples, in_axes, weight_items, out_names, out_axes, max(batch_sizes))
     if provenance is True:
         # The bundle's own folder is no part of the exporting code: left out, a re-export does not record
         # the previous export as an uncommitted change (nor copy it into working_tree.patch).
@@ -105,6 +111,75 @@ def export_bundle(fn: Callable[..., Any], example_inputs: Sequence[Any],
                         client_inputs=client_inputs, client_outputs=client_outputs, layout=layout,
                         model_py=model_py, provenance=provenance, description=description,
                         shard_bytes=shard_bytes)
+
+
+def _check_rows_independent(jax: Any, fn: Callable[..., Any], examples: Sequence[tuple[tuple[int, ...], Any]],
+                            in_axes: Sequence[int | None], weight_items: Sequence[tuple[str, Any]],
+                            out_names: Sequence[str], out_axes: Sequence[int | None], size: int) -> None:
+    """ExportError naming the first batched output whose first row depends on the batch's other rows.
+
+    The server pads a batch with rows of its own and batches requests of
+    several clients together, so a function that mixes rows (``x -
+    x.mean(axis=0)``, BatchNorm in training mode) answers each client with
+    numbers that depend on the others. ``fn`` runs twice on the CPU, at
+    ``size`` rows: random rows, then the same first row and every other row
+    redrawn (unbatched inputs and the weights unchanged).
+    """
+    if all(axis is None for axis in in_axes) or all(axis is None for axis in out_axes):
+        return
+    rng = np.random.default_rng(0)
+    first = [_random_array(rng, _resized(shape, axis, size), dtype) for (shape, dtype), axis in zip(examples, in_axes)]
+    second = []
+    for array, (shape, dtype), axis in zip(first, examples, in_axes):
+        if axis is None:
+            second.append(array)
+            continue
+        redrawn = _random_array(rng, array.shape, dtype)
+        np.moveaxis(redrawn, axis, 0)[0] = np.moveaxis(array, axis, 0)[0]
+        second.append(redrawn)
+    weights = [np.asarray(a) for _, a in weight_items]  # on the host: a jax array on a GPU would run there
+    try:
+        with jax.default_device(jax.devices("cpu")[0]):
+            run = jax.jit(fn)
+            before, after = ([np.asarray(leaf) for leaf in jax.tree_util.tree_leaves(run(*arrays, *weights))]
+                             for arrays in (first, second))
+    except Exception as error:
+        raise ExportError(f"the row check (the function run on the CPU at batch size {size} on random rows) failed: "
+                          f"{type(error).__name__}: {error}; pass check_rows=False to export without it") from error
+    for index, (name, axis) in enumerate(zip(out_names, out_axes)):
+        if axis is not None and not _same_row(np.take(before[index], 0, axis), np.take(after[index], 0, axis)):
+            raise ExportError(
+                f"output {index} ({name!r}): its first row changed when only the other rows of the batch did (batch "
+                f"size {size}, random rows): the function mixes rows across the batch axis (as x - x.mean(axis=0) or "
+                "BatchNorm in training mode do), so a served answer would depend on the server's padding and on "
+                "other requests batched with it; the batch axis must be row-independent, or export without batching "
+                "(input_batch_axes=[None, ...] or batch_sizes=[1]); check_rows=False skips this check")
+
+
+def _random_array(rng: np.random.Generator, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """Random values of ``dtype``: small non-negative integers (valid indices into most tables), booleans, normals."""
+    kind = np.dtype(dtype).kind
+    if kind == "b":
+        return rng.random(shape) < 0.5
+    if kind in "iu":
+        return rng.integers(0, 8, shape).astype(dtype)
+    return rng.standard_normal(shape).astype(dtype)
+
+
+def _same_row(before: np.ndarray, after: np.ndarray) -> bool:
+    """Whether two runs gave one row alike: exactly for integers and booleans, to a few ulps for floats.
+
+    The same program at the same shape is deterministic on the CPU in practice, but a last-bit difference (a
+    threaded reduction) must not refuse a legitimate model; a function that mixes rows moves the row by far more
+    than a few ulps on random rows.
+    """
+    import jax.numpy as jnp
+
+    if not jnp.issubdtype(before.dtype, jnp.floating):  # (jnp's test knows bfloat16 and float8, numpy's does not)
+        return bool(np.array_equal(before, after))
+    tolerance = 16 * float(jnp.finfo(before.dtype).eps)
+    return bool(np.allclose(before.astype(np.float64), after.astype(np.float64), rtol=tolerance, atol=tolerance,
+                            equal_nan=True))
 
 
 def _with_platform(provenance: Provenance | Mapping[str, Any] | None, platform: str) -> Provenance:

@@ -162,6 +162,43 @@ def test_a_nested_result_is_refused_naming_its_structure(tmp_path, fn, structure
     assert not (tmp_path / "f").exists()
 
 
+
+def _centered(x, w):
+    """Each row less the batch's mean row: its answer depends on every row of the batch (BatchNorm in training)."""
+    return (x - x.mean(axis=0, keepdims=True)) @ w
+
+
+def test_a_function_that_mixes_rows_across_the_batch_is_refused(tmp_path) -> None:
+    """Found by a bug hunt: it was exported, and the server's padding and other clients' rows changed each
+    client's answer."""
+    w = np.eye(3, dtype=np.float32)
+    with pytest.raises(ExportError, match=r"^output 0 \('centered'\): its first row changed when only the other "
+                                          r"rows of the batch did \(batch size 4, random rows\): the function mixes "
+                                          r"rows across the batch axis .* export without batching "
+                                          r"\(input_batch_axes=\[None, \.\.\.\] or batch_sizes=\[1\]\); "
+                                          r"check_rows=False skips this check$"):
+        export_bundle(_centered, [np.zeros((1, 3), np.float32)], {"w": w}, directory=tmp_path / "f",
+                      batch_sizes=[1, 4], output_names=["centered"], provenance=False)
+    assert not (tmp_path / "f").exists()
+    directory = export_bundle(_centered, [np.zeros((1, 3), np.float32)], {"w": w}, directory=tmp_path / "f",
+                              batch_sizes=[1, 4], check_rows=False, provenance=False)
+    assert load_manifest(directory / "manifest.yaml").batching.compiled_batch_sizes == (1, 4)
+
+
+def test_row_independent_outputs_of_every_kind_pass_the_row_check(tmp_path) -> None:
+    """Integer, boolean and bfloat16 outputs, an integer input used as indices, and an unbatched output that
+    sums over the batch (only batched outputs are compared)."""
+    def f(ids, x, table):
+        rows = table[ids].sum(axis=1) * x
+        return rows, jnp.argmax(rows, -1), rows > 0, rows.astype(jnp.bfloat16), rows.sum(axis=0)
+
+    table = np.random.default_rng(0).standard_normal((8, 3)).astype(np.float32)
+    directory = export_bundle(f, [np.zeros((1, 2), np.int32), np.zeros((1, 3), np.float32)], {"table": table},
+                              directory=tmp_path / "f", batch_sizes=[1, 8],
+                              output_batch_axes=[0, 0, 0, 0, None], provenance=False)
+    assert load_manifest(directory / "manifest.yaml").batching.compiled_batch_sizes == (1, 8)
+
+
 def test_argument_mistakes(tmp_path) -> None:
     with pytest.raises(ExportError, match="input_batch_axes has 2 entries for 1 tensor"):
         export_bundle(lambda x: x, [np.zeros((1, 2))], {}, directory=tmp_path / "f", batch_sizes=[1],
