@@ -90,11 +90,14 @@ def export_bundle(fn: Callable[..., Any], example_inputs: Sequence[Any],
                 _check_output_dtypes(exported.out_avals, out_names)
             modules[size] = exported.mlir_module_serialized
             out_avals_by_size[size] = exported.out_avals
+        probe = _probe_size(batch_sizes, output_batch_axes)
+        if probe is not None:
+            out_avals_by_size[probe] = _probe_avals(jax, jitted, examples, in_axes, weight_structs, probe)
     n_outputs = len(next(iter(out_avals_by_size.values())))
     out_axes = _axes(output_batch_axes, n_outputs, batch_sizes is not None, "output_batch_axes")
     inputs = [IOSpec(n, as_dtype(d), _without(shape, axis), axis)
               for n, (shape, d), axis in zip(in_names, examples, in_axes)]
-    outputs = _output_specs(out_names, out_avals_by_size, out_axes)
+    outputs = _output_specs(out_names, out_avals_by_size, out_axes, probe)
     if check_rows and batch_sizes is not None and max(batch_sizes) > 1:
         with jax.enable_x64(x64):
             _check_rows_independent(jax, fn, examples, in_axes, weight_items, out_names, out_axes, max(batch_sizes))
@@ -315,8 +318,37 @@ def _check_exported(exported: Any, n_arguments: int, size: int | None) -> None:
         raise ExportError(f"{where}: jax dropped unused argument(s) {dropped} from the program")
 
 
+def _probe_size(batch_sizes: Sequence[int] | None, output_batch_axes: Sequence[int | None] | None) -> int | None:
+    """The batch size to trace once more, abstractly, to tell the outputs' batch axes; None when not needed.
+
+    With one batch size, an unbatched output whose length happens to equal it (a per-class table of 4 at
+    batch_sizes=[4]) looked batched, and was served cut to the request's rows; traced at another size too, its
+    length does not follow. Output axes the caller gives are taken as said.
+    """
+    if batch_sizes is None or len(batch_sizes) != 1 or output_batch_axes is not None:
+        return None
+    return batch_sizes[0] + 1
+
+
+def _probe_avals(jax: Any, jitted: Any, examples: Sequence[tuple[tuple[int, ...], Any]],
+                 in_axes: Sequence[int | None], weight_structs: Sequence[Any], size: int) -> list[Any]:
+    """The outputs' shapes and dtypes at ``size`` rows, from ``jax.eval_shape`` (traced, not lowered)."""
+    structs = [jax.ShapeDtypeStruct(_resized(shape, axis, size), dtype) for (shape, dtype), axis in zip(examples,
+                                                                                                      in_axes)]
+    try:
+        return jax.tree_util.tree_leaves(jax.eval_shape(jitted, *structs, *weight_structs))
+    except Exception as error:
+        raise ExportError(f"with a single batch size the function is traced once more, at batch size {size}, to tell "
+                          f"its outputs' batch axes, and that failed ({type(error).__name__}: {error}); pass "
+                          "output_batch_axes (None for an unbatched output) to say which they are") from error
+
+
 def _output_specs(names: list[str], avals_by_size: Mapping[int | None, Sequence[Any]],
-                  axes: list[int | None]) -> list[IOSpec]:
+                  axes: list[int | None], probe: int | None = None) -> list[IOSpec]:
+    """The outputs' IOSpecs; ExportError for an output whose batch axis does not follow the batch size.
+
+    ``probe`` is a batch size traced only to tell the batch axes (see :func:`_probe_size`), named so in errors.
+    """
     specs: list[IOSpec] = []
     for index, (name, axis) in enumerate(zip(names, axes)):
         shapes = {}
@@ -324,8 +356,11 @@ def _output_specs(names: list[str], avals_by_size: Mapping[int | None, Sequence[
             shape = tuple(int(d) for d in avals[index].shape)
             if axis is not None:
                 if axis >= len(shape) or shape[axis] != size:
-                    raise ExportError(f"output {index} ({name}) has shape {shape} at batch size {size}: axis {axis} "
-                                      "is not its batch axis; pass output_batch_axes (None for an unbatched output)")
+                    traced = ("" if size != probe else
+                              " (traced there only to tell the batch axes, as there is a single batch size)")
+                    raise ExportError(f"output {index} ({name}) has shape {shape} at batch size {size}{traced}: axis "
+                                      f"{axis} is not its batch axis; pass output_batch_axes (None for an unbatched "
+                                      "output)")
                 shape = _without(shape, axis)
             shapes[size] = shape
         if len(set(shapes.values())) != 1:

@@ -199,6 +199,42 @@ def test_row_independent_outputs_of_every_kind_pass_the_row_check(tmp_path) -> N
     assert load_manifest(directory / "manifest.yaml").batching.compiled_batch_sizes == (1, 8)
 
 
+
+def test_with_a_single_batch_size_an_unbatched_output_of_that_length_is_not_taken_for_batched(tmp_path) -> None:
+    """Found by a bug hunt: at batch_sizes=[4], a constant table of length 4 passed as batched, and a 1-row
+    request got one entry of it where jax gives all four."""
+    def f(x, w, prior):
+        return x @ w, prior * 2
+
+    weights = {"w": np.ones((3, 4), np.float32), "prior": np.array([0.1, 0.2, 0.3, 0.4], np.float32)}
+    with pytest.raises(ExportError, match=r"^output 1 \(output_1\) has shape \(4,\) at batch size 5 \(traced "
+                                          r"there only to tell the batch axes, as there is a single batch size\): "
+                                          r"axis 0 is not its batch axis; pass output_batch_axes"):
+        export_bundle(f, [np.zeros((1, 3), np.float32)], weights, directory=tmp_path / "f", batch_sizes=[4],
+                      provenance=False)
+    assert not (tmp_path / "f").exists()
+    directory = export_bundle(f, [np.zeros((1, 3), np.float32)], weights, directory=tmp_path / "f",
+                              batch_sizes=[4], output_batch_axes=[0, None], provenance=False)
+    assert [t.batch_axis for t in load_manifest(directory / "manifest.yaml").executable_outputs] == [1, None]
+    scores, table = serve_once(directory, [NamedTensor.from_array("input", np.ones((4, 3), np.float32))])
+    assert scores.data.shape == (4, 4)
+    np.testing.assert_allclose(table.data, [0.2, 0.4, 0.6, 0.8])
+
+
+def test_a_single_batch_size_function_that_cannot_trace_at_another_asks_for_output_batch_axes(tmp_path) -> None:
+    def f(x):
+        return x.reshape(4, 2, 2)  # written for 4 rows only
+
+    with pytest.raises(ExportError, match=r"^with a single batch size the function is traced once more, at batch "
+                                          r"size 5, to tell its outputs' batch axes, and that failed \(TypeError: "
+                                          r".*\); pass output_batch_axes \(None for an unbatched output\)"):
+        export_bundle(f, [np.zeros((1, 4), np.float32)], {}, directory=tmp_path / "f", batch_sizes=[4],
+                      provenance=False)
+    directory = export_bundle(f, [np.zeros((1, 4), np.float32)], {}, directory=tmp_path / "f", batch_sizes=[4],
+                              output_batch_axes=[0], provenance=False)
+    assert load_manifest(directory / "manifest.yaml").executable_outputs[0].shape_string == "acn"  # n: batch
+
+
 def test_argument_mistakes(tmp_path) -> None:
     with pytest.raises(ExportError, match="input_batch_axes has 2 entries for 1 tensor"):
         export_bundle(lambda x: x, [np.zeros((1, 2))], {}, directory=tmp_path / "f", batch_sizes=[1],
