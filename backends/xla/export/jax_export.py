@@ -73,6 +73,7 @@ def export_bundle(fn: Callable[..., Any], example_inputs: Sequence[Any],
     weight_items = weight_pairs(weights)
     sizes: list[int | None] = list(batch_sizes) if batch_sizes is not None else [None]
     in_axes = _axes(input_batch_axes, len(examples), batch_sizes is not None, "input_batch_axes")
+    _check_input_axes(in_names, examples, in_axes)
     if x64 is None:
         x64 = _default_x64(jax, [d for _, d in examples] + [a.dtype for _, a in weight_items])
     weight_structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for _, a in weight_items]
@@ -83,7 +84,7 @@ def export_bundle(fn: Callable[..., Any], example_inputs: Sequence[Any],
         for size in sizes:
             structs = [jax.ShapeDtypeStruct(_resized(shape, axis, size), dtype)
                        for (shape, dtype), axis in zip(examples, in_axes)]
-            exported = jax_export.export(jitted, platforms=[platform])(*structs, *weight_structs)
+            exported = _export(jax_export, jitted, platform, [*structs, *weight_structs], size)
             _check_exported(exported, len(structs) + len(weight_structs), size)
             if not out_avals_by_size:  # checked after the first trace: the others would fail alike
                 out_names = _output_names(jax, exported.out_tree, output_names)
@@ -193,6 +194,30 @@ def _with_platform(provenance: Provenance | Mapping[str, Any] | None, platform: 
     return Provenance({**dict(provenance or {}), EXPORT_PLATFORM: platform})
 
 
+def _export(jax_export: Any, jitted: Any, platform: str, structs: Sequence[Any], size: int | None) -> Any:
+    """``jax.export`` of ``jitted`` at ``structs``; ExportError for a function that calls back into Python."""
+    try:
+        return jax_export.export(jitted, platforms=[platform])(*structs)
+    except NotImplementedError as error:
+        if "host_callbacks" not in str(error):
+            raise
+        where = f"batch size {size}" if size is not None else "the program"
+        raise ExportError(f"{where}: the function calls back into Python (jax.pure_callback, io_callback or "
+                          f"jax.debug.print; jax: {error}), which a bundle cannot hold: the server runs the program "
+                          "alone; remove the callback from the exported function") from error
+
+
+def _check_input_axes(names: Sequence[str], examples: Sequence[tuple[tuple[int, ...], Any]],
+                      axes: Sequence[int | None]) -> None:
+    """ExportError naming the first input whose batch axis is not one of its axes (a scalar, by default)."""
+    for index, (name, (shape, _), axis) in enumerate(zip(names, examples, axes)):
+        if axis is not None and not 0 <= axis < len(shape):
+            suggestion = [None if i == index else a for i, a in enumerate(axes)]
+            raise ExportError(f"example input {index} ({name!r}) has shape {shape}: its batch axis {axis} is outside "
+                              f"it; an input without a batch axis (a scalar) takes None in input_batch_axes, e.g. "
+                              f"input_batch_axes={suggestion}")
+
+
 def _shape_dtype(value: Any, what: str) -> tuple[tuple[int, ...], Any]:
     """One example input's static row-major shape and supported dtype; ExportError naming it otherwise.
 
@@ -200,8 +225,12 @@ def _shape_dtype(value: Any, what: str) -> tuple[tuple[int, ...], Any]:
     deep in tracing, naming no input, and a bundle holds one static program per
     batch size anyway.
     """
+    if isinstance(value, Mapping):
+        raise ExportError(f"{what} is a dict (keys {', '.join(map(repr, value))}), not an array: pass each array as "
+                          "its own input (the function then takes them as separate arguments)")
     if hasattr(value, "shape") and hasattr(value, "dtype"):
         shape, dtype = tuple(value.shape), value.dtype
+        _refuse_typed_key(dtype, what)
     else:
         array = np.asarray(value)
         shape, dtype = array.shape, array.dtype
@@ -217,6 +246,20 @@ def _shape_dtype(value: Any, what: str) -> tuple[tuple[int, ...], Any]:
                           "input_shapes)")
     supported_dtype(dtype, what)
     return tuple(int(size) for size in sizes), dtype
+
+
+def _refuse_typed_key(dtype: Any, what: str) -> None:
+    """ExportError for a typed PRNG key (``jax.random.key``): a bundle's tensors hold numbers, so pass its data."""
+    import jax
+
+    try:
+        typed_key = jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+    except TypeError:
+        return
+    if typed_key:
+        raise ExportError(f"{what} is a typed PRNG key ({dtype}), which a bundle cannot hold: pass "
+                          "jax.random.key_data(key) (uint32) and rebuild the key in the function with "
+                          "jax.random.wrap_key_data")
 
 
 def _static_size(size: Any) -> int | None:
@@ -302,6 +345,9 @@ def _names(names: Sequence[str] | None, count: int, stem: str) -> list[str]:
     if names is not None:
         if len(names) != count:
             raise ExportError(f"{stem}_names has {len(names)} names for {count} {stem}(s)")
+        for index, name in enumerate(names):
+            if not isinstance(name, str) or not name:  # (IOSpec's own ValueError came after every trace)
+                raise ExportError(f"{stem}_names[{index}] is {name!r}: each {stem} needs a non-empty name")
         return list(names)
     return [stem] if count == 1 else [f"{stem}_{i}" for i in range(count)]
 

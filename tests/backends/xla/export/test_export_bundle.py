@@ -235,6 +235,36 @@ def test_a_single_batch_size_function_that_cannot_trace_at_another_asks_for_outp
     assert load_manifest(directory / "manifest.yaml").executable_outputs[0].shape_string == "acn"  # n: batch
 
 
+
+_X1, _W = np.zeros((1, 4), np.float32), {"w": np.ones((4, 2), np.float32)}
+
+
+@pytest.mark.parametrize("fn, examples, options, problem", [
+    (lambda a, s, w: a @ w * s, [_X1, np.float32(2)], {"batch_sizes": [1, 2]},
+     r"^example input 1 \('input_1'\) has shape \(\): its batch axis 0 is outside it; an input without a batch "
+     r"axis \(a scalar\) takes None in input_batch_axes, e.g. input_batch_axes=\[0, None\]$"),
+    (lambda d, w: d["a"] @ w, [{"a": _X1, "b": _X1}], {"batch_sizes": [1]},
+     r"^example input 0 \('input'\) is a dict \(keys 'a', 'b'\), not an array: pass each array as its own input"),
+    (lambda k, a, w: a @ w + jax.random.normal(k, (2,)), [jax.random.key(0), _X1],
+     {"batch_sizes": [1], "input_batch_axes": [None, 0]},
+     r"^example input 0 \('input_0'\) is a typed PRNG key \(key<fry>\), which a bundle cannot hold: pass "
+     r"jax.random.key_data\(key\) \(uint32\) and rebuild the key in the function with jax.random.wrap_key_data$"),
+    (lambda a, w: a @ w, [_X1], {"batch_sizes": [1], "input_names": [""]},
+     r"^input_names\[0\] is '': each input needs a non-empty name$"),
+    (lambda a, w: jax.pure_callback(lambda v: v, jax.ShapeDtypeStruct((a.shape[0], 2), np.float32), a @ w), [_X1],
+     {"batch_sizes": [1]}, r"^batch size 1: the function calls back into Python \(jax.pure_callback, io_callback or "
+                           r"jax.debug.print; jax: .*host_callbacks.*\), which a bundle cannot hold"),
+    (lambda a, w: (jax.debug.print("{}", a), a @ w)[1], [_X1], {},
+     r"^the program: the function calls back into Python"),
+], ids=["scalar input", "dict input", "typed key", "empty name", "pure_callback", "debug.print"])
+def test_common_mistakes_are_export_errors_that_say_what_to_change(tmp_path, fn, examples, options, problem) -> None:
+    """Found by a bug hunt: a ValueError (empty name) or jax's NotImplementedError (callbacks), or an ExportError
+    naming no input ('batch axis 0 is outside an input of shape ()', 'has dtype object', 'has dtype key<fry>')."""
+    with pytest.raises(ExportError, match=problem):
+        export_bundle(fn, examples, _W, directory=tmp_path / "f", provenance=False, **options)
+    assert not (tmp_path / "f").exists()
+
+
 def test_argument_mistakes(tmp_path) -> None:
     with pytest.raises(ExportError, match="input_batch_axes has 2 entries for 1 tensor"):
         export_bundle(lambda x: x, [np.zeros((1, 2))], {}, directory=tmp_path / "f", batch_sizes=[1],
