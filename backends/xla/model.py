@@ -124,7 +124,7 @@ class XlaModel:
         else:
             arrays = read_local_weights(layout.folder, weight_set, threads=options.weights_read_threads)
         transfer = DeviceTransfer(target.device)
-        weights = transfer.put([array for _, array in arrays])
+        weights = place_weights(transfer, [array for _, array in arrays])
         self._manifest, self._programs, self._weights = manifest, programs, weights
         self._transfer = transfer
         self._sizes = layout.batch_sizes
@@ -488,6 +488,23 @@ def exported_elsewhere(manifest: Manifest, device: Device) -> str | None:
 
 # jax's names for one platform (jax.export takes cuda; "gpu" is its older generic name).
 _PLATFORM_ALIASES = {"gpu": "cuda"}
+
+
+def place_weights(transfer: DeviceTransfer, arrays: Sequence[np.ndarray]) -> list[Any]:
+    """The weights on the device, every transfer complete when this returns.
+
+    On CPU a weight read aligned (see ``aligned_empty``) becomes the device
+    buffer itself, not a copy: it is made read-only first, so that no later
+    write through the host array can change a weight under the programs.
+    Waiting for the transfers keeps none pending after load (and a transfer
+    that fails fails the load, not the first request).
+    """
+    for array in arrays:
+        array.flags.writeable = False
+    weights = transfer.put(arrays)
+    for weight in weights:
+        weight.block_until_ready()
+    return weights
 
 
 def _pad_rows(array: np.ndarray, rows: int) -> np.ndarray:

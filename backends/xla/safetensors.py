@@ -73,6 +73,10 @@ _LENGTH = struct.Struct("<Q")
 # in parallel, which also keeps several reads in flight on fast storage.
 DEFAULT_CHUNK_BYTES = 16 * 1024 * 1024
 DEFAULT_READ_THREADS = 8
+# jaxlib's CPU client takes a host array as the device buffer itself (no copy) only when its data is 64-byte
+# aligned; numpy's allocations are 16-byte aligned, so each weight was copied, and the copied-from array was
+# freed only at jax's next garbage collection: a loaded (idle) server held every weight twice.
+WEIGHT_ALIGNMENT = 64
 
 
 @dataclass(frozen=True)
@@ -470,19 +474,41 @@ def read_tensors(header: SafetensorsHeader, *, threads: int = DEFAULT_READ_THREA
 
 
 def empty_for(entry: TensorEntry) -> np.ndarray:
-    """A fresh array to read ``entry``'s data into: its header shape, its dtype, little-endian."""
-    return np.empty(entry.shape, dtype=_little_endian(entry.dtype.numpy))
+    """A fresh array to read ``entry``'s data into: its header shape, its dtype, little-endian, its data
+    :data:`WEIGHT_ALIGNMENT`-byte aligned (see :func:`aligned_empty`)."""
+    return aligned_empty(entry.shape, _little_endian(entry.dtype.numpy))
+
+
+def aligned_empty(shape: Sequence[int], dtype: np.dtype) -> np.ndarray:
+    """An uninitialised C-contiguous array whose data starts on a :data:`WEIGHT_ALIGNMENT`-byte boundary.
+
+    Such an array becomes a CPU device buffer without a copy (the device buffer
+    is this memory, kept alive by the jax array), where ``np.empty``'s would be
+    copied and held twice until jax's next garbage collection.
+    """
+    dtype = np.dtype(dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = np.empty(nbytes + WEIGHT_ALIGNMENT, np.uint8)
+    offset = -raw.ctypes.data % WEIGHT_ALIGNMENT
+    return raw[offset:offset + nbytes].view(dtype).reshape(tuple(shape))
 
 
 def to_program_array(array: np.ndarray, legacy: bool) -> np.ndarray:
-    """A tensor read in its header shape, as the program takes it (native byte order, transposed if legacy)."""
+    """A tensor read in its header shape, as the program takes it (native byte order, transposed if legacy);
+    a copy made here is aligned as :func:`aligned_empty`'s."""
     if not array.dtype.isnative:  # only on big-endian hosts: the file is little-endian
-        array = array.astype(array.dtype.newbyteorder("="))
+        array = _aligned_copy(array, array.dtype.newbyteorder("="))
     if legacy:
         # Legacy files hold the column-major (Julia) array row-major in its own
         # shape: the program's array is its transpose, copied into place.
-        array = np.asarray(array.transpose(), order="C")  # (ascontiguousarray would make 0-d 1-d)
+        array = _aligned_copy(array.transpose(), array.dtype)
     return array
+
+
+def _aligned_copy(array: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    copy = aligned_empty(array.shape, dtype)
+    np.copyto(copy, array)  # (a byte-order change at most: the values are kept)
+    return copy
 
 
 def read_into(header: SafetensorsHeader, arrays: Sequence[np.ndarray], *, threads: int = DEFAULT_READ_THREADS,
@@ -607,7 +633,7 @@ def _check_tensor_names(names: Sequence[str]) -> None:
 
 
 def read_entry(fd: int, entry: TensorEntry, path: Path) -> np.ndarray:
-    """One tensor, in its header shape, read with ``pread`` from an open file."""
-    array = np.empty(entry.shape, dtype=_little_endian(entry.dtype.numpy))
+    """One tensor, in its header shape, read with ``pread`` from an open file (aligned as :func:`empty_for`'s)."""
+    array = empty_for(entry)
     _pread_exactly(fd, memoryview(array.reshape(-1).view(np.uint8)), entry.start, path)
     return array

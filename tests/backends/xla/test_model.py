@@ -10,7 +10,9 @@ from nereid.backend import ModelContext, PadsBatches
 from nereid.settings import ModelSettings
 from nereid.tensors import NamedTensor
 
+from nereid.backends.xla import model as model_module
 from nereid.backends.xla.model import XlaModel, check_omitted_hooks, in_declared_order
+from nereid.backends.xla.transfer import DeviceTransfer
 
 
 def load(folder: Path, tmp_path: Path) -> XlaModel:
@@ -31,6 +33,33 @@ def test_padded_rows_name_the_compiled_size_and_a_prepadded_batch_gives_the_same
         given = model.infer([NamedTensor.from_array("input", padded)])[0].data
         assert own.shape == (5, 4) and given.shape == (8, 4)
         np.testing.assert_array_equal(own, given[:5])
+    finally:
+        model.unload()
+
+
+def test_a_loaded_bundles_weights_are_the_host_arrays_it_read_made_read_only(tmp_path, add_bundle,
+                                                                             monkeypatch) -> None:
+    # On CPU the device buffer is the array read from the file (no second copy of the weights): nothing may
+    # write into that array afterwards, or a weight would change under the compiled programs.
+    placed: list[tuple[list[np.ndarray], list]] = []
+    real_put = DeviceTransfer.put
+
+    def recording_put(self, arrays):
+        result = real_put(self, arrays)
+        placed.append((list(arrays), result))
+        return result
+
+    monkeypatch.setattr(model_module.DeviceTransfer, "put", recording_put)
+    model = load(add_bundle(tmp_path, "mlp_bundle"), tmp_path)
+    try:
+        hosts, weights = placed[0]  # the first transfer is the weights' (no request has run)
+        assert len(hosts) == len(weights) == 4
+        for host, weight in zip(hosts, weights):
+            assert not host.flags.writeable, f"weight {host.shape} is writable after its transfer"
+            assert weight.unsafe_buffer_pointer() == host.ctypes.data, f"weight {host.shape} was copied"
+            assert weight.is_ready()
+        x = np.ones((1, 16), np.float32)
+        assert model.infer([NamedTensor.from_array("input", x)])[0].data.shape == (1, 4)
     finally:
         model.unload()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import struct
 import time
 from pathlib import Path
@@ -11,7 +12,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from nereid.backends.xla.safetensors import (encode_header, load_weights, read_header, read_tensors,
+from nereid.backends.xla.safetensors import (encode_header, load_weights, read_entry, read_header, read_tensors,
                                              write_safetensors)
 from nereid.dtypes import DType
 from nereid.errors import ConfigError
@@ -58,6 +59,28 @@ def test_legacy_headers_hold_the_reversed_shape(tmp_path) -> None:
     write_safetensors(tmp_path / "xla.safetensors", weights)
     header = read_header(tmp_path / "xla.safetensors")
     assert not header.legacy and header.metadata["axis_order"] == "xla" and header.tensors[0].shape == (2, 3)
+
+
+def test_every_array_read_starts_on_a_64_byte_boundary_in_both_layouts(tmp_path) -> None:
+    # jaxlib's CPU client takes only such an array as the device buffer itself; any other it copies, and the
+    # copied-from array lingered until jax's next garbage collection (the weights held twice). The large
+    # tensor is one numpy's own allocation never aligns so (malloc gives it 16 bytes past a page).
+    weights = [*sample_weights(), ("large", np.arange(1 << 18, dtype=np.float32).reshape(512, 512))]
+    for legacy in (False, True):
+        path = tmp_path / f"legacy_{legacy}.safetensors"
+        write_safetensors(path, weights, legacy=legacy)
+        header = read_header(path)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            entries = [(entry.name, read_entry(fd, entry, path)) for entry in header.tensors]
+        finally:
+            os.close(fd)
+        for (name, expected), (_, array) in zip(weights, load_weights(path, threads=4, chunk_bytes=4097)):
+            assert array.tobytes() == expected.tobytes() and array.flags.c_contiguous, (legacy, name)
+            # (an empty tensor has no data to align)
+            assert array.nbytes == 0 or array.ctypes.data % 64 == 0, (legacy, name, array.ctypes.data % 64)
+        for name, array in entries:
+            assert array.nbytes == 0 or array.ctypes.data % 64 == 0, ("read_entry", legacy, name)
 
 
 def test_chunked_parallel_reads_match_sequential_ones(tmp_path) -> None:

@@ -86,3 +86,19 @@ def test_many_shapes_keep_arriving_past_the_cache_of_abstract_values() -> None:
     arrays = [np.full((rows,), rows, np.int32) for rows in range(1, transfer_module._MAX_AVALS + 40)]
     for array, result in zip(arrays, transfer.put(arrays)):
         np.testing.assert_array_equal(np.asarray(result), array)
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_weights_read_from_a_file_become_cpu_device_buffers_without_a_copy(direct, tmp_path) -> None:
+    # The device buffer is the host array itself, so a loaded bundle's weights are in memory once, not twice
+    # until jax's next garbage collection (which an idle server never reaches).
+    from nereid.backends.xla.safetensors import load_weights, write_safetensors
+
+    rng = np.random.default_rng(4)
+    write_safetensors(tmp_path / "w.safetensors", [("large", rng.standard_normal((512, 512)).astype(np.float32)),
+                                                   ("small", np.arange(12, dtype=np.int64).reshape(3, 4))])
+    arrays = [array for _, array in load_weights(tmp_path / "w.safetensors")]
+    transfer = DeviceTransfer(cpu_device(), direct=direct)
+    for array, result in zip(arrays, transfer.put(arrays)):
+        assert result.unsafe_buffer_pointer() == array.ctypes.data, f"{array.shape} {array.dtype} was copied"
+        np.testing.assert_array_equal(np.asarray(result), array)
