@@ -258,8 +258,9 @@ def runtime_report_problem(report: object, *, with_summary: bool = False) -> str
 
     It must be a :class:`RuntimeReport` whose ``warm_parent_resident_bytes`` is None or a
     whole number of bytes >= 0 (a bool is not one), and whose ``warm_start`` is None or a bool.
-    ``with_summary``: its ``summary`` is shown too (``nereid check``), so that must be a str. A plugin builds the report, so nothing in it is trusted:
-    a forgotten ``return`` (None) or a "lots" crashed ``nereid check`` and failed every ``/metrics`` scrape.
+    ``with_summary``: its ``summary`` is shown too (``nereid check``), so that must be a str. A plugin builds the
+    report, so nothing in it is trusted: a forgotten ``return`` (None) or a "lots" crashed ``nereid check`` and
+    failed every ``/metrics`` scrape.
     """
     if not isinstance(report, RuntimeReport):
         return f"returned {_type_name(report)}, expected a nereid RuntimeReport"
