@@ -37,6 +37,7 @@ import re
 import shutil
 import stat
 import threading
+import time
 import uuid
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -801,6 +802,11 @@ def _lock_name(name: str) -> str:
     return f".{hashlib.sha256(os.fsencode(name)).hexdigest()}{LOCK_SUFFIX}"
 
 
+# How long a wait for a folder's lock goes unsaid: replicas sharing cache_dir that start together take turns
+# for a second or less, and a WARNING each time taught operators to ignore the one for a peer hung holding it.
+QUIET_LOCK_WAIT_S = 5.0
+
+
 @contextlib.contextmanager
 def _folder_lock(path: Path, wait: bool = True, url: str | None = None) -> Iterator[bool]:
     """Hold the exclusive lock ``path`` of a mirrored folder (processes sharing the cache take turns); yields True.
@@ -814,8 +820,8 @@ def _folder_lock(path: Path, wait: bool = True, url: str | None = None) -> Itera
     needs one). A folder or a symlink loop at ``path`` (a damaged cache,
     which nobody can lock either) is removed first, logged naming ``url``
     (the folder's URL) when given. A wait for a lock another process holds
-    is logged once, naming that process where the system says (see
-    :func:`_say_waiting`).
+    is logged once if it lasts past QUIET_LOCK_WAIT_S, naming that process
+    where the system says (see :func:`_say_waiting`).
     """
     import fcntl  # POSIX only: imported where a lock is taken, so the module imports anywhere
 
@@ -839,10 +845,13 @@ def _folder_lock(path: Path, wait: bool = True, url: str | None = None) -> Itera
                 if not wait:
                     yield False
                     return
-                if not warned:
+                if warned:
+                    fcntl.flock(descriptor, fcntl.LOCK_EX)
+                else:
                     warned = True
-                    _say_waiting(path, descriptor, url)
-                fcntl.flock(descriptor, fcntl.LOCK_EX)
+                    if not _taken_within(descriptor, QUIET_LOCK_WAIT_S):
+                        _say_waiting(path, descriptor, url)
+                        fcntl.flock(descriptor, fcntl.LOCK_EX)
             locked, current = os.fstat(descriptor), _stat_or_none(path)
             if current is None or (current.st_dev, current.st_ino) != (locked.st_dev, locked.st_ino):
                 continue  # deleted (or made anew) while this waited: lock the file there now
@@ -850,6 +859,21 @@ def _folder_lock(path: Path, wait: bool = True, url: str | None = None) -> Itera
             return
         finally:
             os.close(descriptor)  # (lets the lock go)
+
+
+def _taken_within(descriptor: int, seconds: float) -> bool:
+    """Whether the lock open as ``descriptor`` was taken, tried without blocking every 50 ms for ``seconds``."""
+    import fcntl
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            pass
+    return False
 
 
 def _say_waiting(path: Path, descriptor: int, url: str | None) -> None:
