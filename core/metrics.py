@@ -30,6 +30,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 
 from nereid.backend import ReportsRuntime, RuntimeReport, runtime_report_problem
+from nereid.daemon_pool import ThreadStartFailed
 from nereid.errors import NotFound, describe_exception, plugin_failures
 from nereid.log_limit import OnceLog
 from nereid.metrics_endpoint import IDLE_TIMEOUT_S, MetricsEndpoint
@@ -379,9 +380,10 @@ def _usable_report(name: str, report: Future) -> RuntimeReport | None:
         # Judged here, not left to the exposition: a value prometheus_client cannot encode failed the whole
         # scrape (HTTP 500, every model's figures lost) after the collector had ended.
         problem = runtime_report_problem(value)
-    except ReportNotStarted as err:  # the server's condition, not the plugin's fault: said so
+    except ThreadStartFailed as err:  # the server's condition, not the plugin's fault: said so
         _report_failures.warning(f"{name} no thread", "model '%s': its runtime_report() could not be asked (a thread "
-                                 "cannot start: %s); its warm start gauges are left out", name, err)
+                                 "cannot start: %s); its warm start gauges are left out", name,
+                                 str(err.cause) or type(err.cause).__name__)
         return None
     except plugin_failures() as err:  # a plugin's fault (a sys.exit() too) must not fail the scrape
         problem = describe_exception(err)
@@ -429,13 +431,9 @@ class _RuntimeReports:
         return calls
 
 
-class ReportNotStarted(RuntimeError):
-    """A model's runtime_report() call whose thread could not start (the process at its thread or memory limit)."""
-
-
 def _call_on_thread(name: str, backend: ReportsRuntime) -> Future:
     """``backend.runtime_report()`` started on a daemon thread (one that hangs must not hold the server's exit);
-    its call fails with :class:`ReportNotStarted` when the thread cannot start."""
+    its call fails with :class:`~nereid.daemon_pool.ThreadStartFailed` when the thread cannot start."""
     call: Future = Future()
 
     def run() -> None:
@@ -448,5 +446,5 @@ def _call_on_thread(name: str, backend: ReportsRuntime) -> Future:
     except RuntimeError as err:
         # "can't start new thread" (RLIMIT_NPROC, memory): it failed the whole scrape, whose connection then closed
         # unanswered, a raw traceback on stderr. The model's gauges are left out; the next scrape asks again.
-        call.set_exception(ReportNotStarted(str(err) or type(err).__name__))
+        call.set_exception(ThreadStartFailed(err))
     return call
