@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Callable, Collection, Iterator
 
 from nereid.errors import ConfigError
-from nereid.files import fsync_folder, kind_of, not_regular_reason, read_regular_file, temporary_name
+from nereid.files import (atomic_write, fsync_folder, kind_of, not_regular_reason, read_regular_file,
+                          temporary_name)
 from nereid.leftovers import remove_stale_partials
 from nereid.processes import new_children_stopped
 
@@ -611,7 +612,6 @@ def _write_record(build: Path, record: list[list[str]], model: str) -> None:
     no record vouches for, is removed: it would be built again anyway).
     """
     target = _record_path(build)
-    partial = target.parent / temporary_name(target.name)
     try:
         size, digest = _build_digest(build, executable=False)
     except _NotReusable as why:  # (the compiler's output, just renamed into place: gone only if removed meanwhile)
@@ -619,10 +619,8 @@ def _write_record(build: Path, record: list[list[str]], model: str) -> None:
         raise ConfigError(f"model '{model}': cannot read its build {build}: {why}") from None
     made = {"name": build.name, "bytes": size, "sha256": digest}
     try:
-        partial.write_text(json.dumps({"build": made, "outside_key": record}, indent=1) + "\n")
-        os.replace(partial, target)
+        atomic_write(target, [(json.dumps({"build": made, "outside_key": record}, indent=1) + "\n").encode()])
     except OSError as err:
-        partial.unlink(missing_ok=True)
         build.unlink(missing_ok=True)
         raise ConfigError(f"model '{model}': cannot write the record of its build {target}: "
                           f"{err.strerror or err}") from None
