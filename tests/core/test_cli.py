@@ -515,7 +515,12 @@ def test_serve_stopped_while_a_bundle_compiles_exits_zero(repo) -> None:
         "inputs[0].data)]\nnereid.register_model(orchestrate=orchestrate)\n")
     process, lines = serve_until_listening(repo.write_config())
     try:
-        time.sleep(0.25)  # inside the compile
+        # Stopped as soon as goodbye's model.py has run, early in mlp_bundle's compile (about 0.5 s here): a fixed
+        # 0.25 s sleep came before goodbye's load on a loaded machine, and after the compile on a quiet one.
+        for line in process.stdout:
+            lines.append(line)
+            if "'goodbye' is READY" in line:
+                break
         process.send_signal(signal.SIGTERM)
         assert process.wait(30) == 0, "".join(lines) + process.stdout.read()
         output = "".join(lines) + process.stdout.read()
