@@ -43,6 +43,8 @@ ANSWER_AT_GRACE_S = 1.0
 # How long after shutdown_grace_s uvicorn ends the HTTP requests still running: after the data plane has
 # marked the grace as passed, so that they count as answered UNAVAILABLE rather than cancelled by a client.
 HTTP_END_AFTER_GRACE_S = 0.2
+# gRPC calls received but not yet taken by the server that gRPC's core holds rather than cancels (below).
+MAX_PENDING_CALLS = 100_000
 
 
 class HealthService(health_pb2_grpc.HealthServicer):
@@ -173,6 +175,12 @@ class NereidServer:
             ("grpc.max_receive_message_length", config.max_message_bytes),
             # Without this a second server on the same port starts silently and steals half the calls.
             ("grpc.so_reuseport", 0),
+            # grpcio's asyncio server takes new calls one per turn of the loop; gRPC's core answers the calls past
+            # its limit of those not yet taken (1,000 soft, 3,000 hard by default) CANCELLED, before nereid sees
+            # them. A burst of clients is answered whole instead; its data is held either way (it has arrived),
+            # and queue_capacity still bounds what waits for a model.
+            ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
+            ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS),
         ])
         try:
             return await self._start(server)

@@ -311,3 +311,28 @@ def test_an_async_infer_that_blocks_the_event_loop_is_named_in_the_log_while_it_
     assert again.startswith("the event loop runs again after 1.")
     # The server serves on.
     assert server.client.is_server_live()
+
+
+def test_a_burst_of_calls_larger_than_grpcs_default_pending_limit_is_answered_whole(repo, serve):
+    """Found by the complexity hunt: grpcio's asyncio server takes new calls one at a time, and gRPC's core
+    answered those past its default limit of calls not yet taken (about 1,000 to 3,000) CANCELLED before nereid
+    saw them, counted nowhere; a bare grpcio server does the same. The server lifts the limit."""
+    write_toy(repo.models_dir, "steady")
+    server = serve(repo.write_config("- name: steady\n"), manager=manager())
+
+    async def burst(calls: int) -> dict[str, int]:
+        codes: dict[str, int] = {}
+        async with grpc.aio.insecure_channel(server.url) as channel:
+            live = channel.unary_unary("/inference.GRPCInferenceService/ServerLive")  # (bytes in, bytes out)
+
+            async def one() -> None:
+                try:
+                    await live(b"", timeout=120)
+                    code = "OK"
+                except grpc.aio.AioRpcError as err:
+                    code = err.code().name
+                codes[code] = codes.get(code, 0) + 1
+            await asyncio.gather(*(one() for _ in range(calls)))
+        return codes
+
+    assert asyncio.run(burst(4000)) == {"OK": 4000}
