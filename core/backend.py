@@ -237,6 +237,14 @@ class Terminable(Protocol):
         groups), so that shutdown stays bounded."""
 
 
+@runtime_checkable
+class BoundsItsRuns(Protocol):
+    """A model that ends each of its executions itself within a bound (a subprocess model's ``timeout_s``)."""
+
+    def longest_run_s(self) -> float | None:
+        """The longest one execution may run before the model ends it; None: no bound."""
+
+
 @dataclass(frozen=True)
 class RuntimeReport:
     """How a backend runs one model, beyond its signature (``nereid check`` and ``/metrics`` show it).

@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import inspect
 import logging
+import math
 import os
 import threading
 from dataclasses import dataclass, replace
@@ -18,7 +19,8 @@ from typing import Any, Callable, Mapping, TypeVar
 
 import numpy as np
 
-from nereid.backend import CallsModels, HasBatchSignature, Model, ModelContext, UsesNoDevice, missing_model_parts
+from nereid.backend import (BoundsItsRuns, CallsModels, HasBatchSignature, Model, ModelContext, UsesNoDevice,
+                            missing_model_parts)
 from nereid.batching import BatchPolicy
 from nereid.errors import (ConfigError, MissingModelFile, NereidError, RaisedExit, backend_exit, calling_plugin,
                            describe_exception, plugin_failures, same_kind)
@@ -71,6 +73,7 @@ class BuiltModel:
     # What keeps the version folder it was built from (a model from an object store): released with the model.
     folder_hold: Any = None
     uses_device: bool = True  # False: it runs nothing on a device (see UsesNoDevice), reported on the CPU
+    longest_run_s: float | None = None  # the bound it ends each execution at itself (see BoundsItsRuns); None: none
     # What the operator should know of the folder, which does not keep it from serving (Triton's files left in
     # it): a server logs each as a WARNING at the load, nereid check writes them on the model's line.
     notes: tuple[str, ...] = ()
@@ -82,7 +85,7 @@ class BuiltModel:
 # be ``async def``.
 PLAIN_METHODS = ("load", "unload", "signature", "batch_signature", "preprocess", "postprocess", "padded_rows",
                  "input_check", "terminate_running", "relocate", "runtime_report", "dependencies",
-                 "concurrent_executions", "uses_no_device")
+                 "concurrent_executions", "uses_no_device", "longest_run_s")
 
 
 def _is_async_def(backend: object, method: str) -> bool:
@@ -188,6 +191,10 @@ def _build_model(manager: NereidPluginManager, context: ModelContext,
                                   f"{manager.describe(result.backend_name)} returned {brief_description(answer)}, "
                                   "expected True or False")
             uses_device = not bool(answer)
+        longest_run_s = None
+        if isinstance(backend, BoundsItsRuns):
+            stage.enter("its backend's longest_run_s()")
+            longest_run_s = _checked_run_bound(manager, result.backend_name, context, backend)
         policy = BatchPolicy.resolve(context.settings.batching, batch_signature, context.settings_origin)
         if isinstance(backend, CallsModels):  # each request is an orchestration with its own deadline
             policy = BatchPolicy(enabled=False)
@@ -199,7 +206,22 @@ def _build_model(manager: NereidPluginManager, context: ModelContext,
             except Exception:  # logged: the reason the load is refused is the one raised here, not the cleanup's
                 log.exception("model '%s': unload failed (cleaning up after its load was refused)", context.name)
         raise
-    return BuiltModel(result.backend_name, backend, signature, batch_signature, policy, uses_device=uses_device)
+    return BuiltModel(result.backend_name, backend, signature, batch_signature, policy, uses_device=uses_device,
+                      longest_run_s=longest_run_s)
+
+
+def _checked_run_bound(manager: NereidPluginManager, backend_name: str, context: ModelContext,
+                       backend: BoundsItsRuns) -> float | None:
+    """``longest_run_s()``, asked once after the load: None or a number of seconds above 0 (else the load fails
+    naming the plugin, as for uses_no_device())."""
+    answer = _plugin_step(manager, backend_name, context, "longest_run_s()", backend.longest_run_s)
+    if answer is None:
+        return None
+    if (isinstance(answer, (bool, np.bool_)) or not isinstance(answer, (int, float, np.integer, np.floating))
+            or not math.isfinite(answer) or answer <= 0):
+        raise ConfigError(f"model '{context.name}': longest_run_s() of {manager.describe(backend_name)} returned "
+                          f"{brief_description(answer)}, expected None or a number of seconds above 0")
+    return float(answer)
 
 
 class BackendRaised(ConfigError):

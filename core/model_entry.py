@@ -70,6 +70,7 @@ class LoadedModel:
     # released with the version, once its requests have finished.
     folder_hold: object = None
     uses_device: bool = True  # False: it runs nothing on a device (see UsesNoDevice), reported on the CPU
+    longest_run_s: float | None = None  # the bound it ends each execution at itself (see BoundsItsRuns)
 
     def release_folder(self) -> None:
         """Let the version folder go (the version is released); nothing for a local folder, or a second time."""

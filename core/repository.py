@@ -46,6 +46,10 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+# How long past its own bound (timeout_s) a run of a replaced version may still take to be ended and answered: a
+# warm parent that stops answering fails its runs at most 5 s past their timeout_s.
+RUN_END_MARGIN_S = 5.0
+
 
 @dataclass(frozen=True)
 class RepositoryScan:
@@ -802,7 +806,7 @@ class ModelRepository:
             self._heard_loaded(name, new)
             self._enter_loaded_version(entry)  # the new version may call other models
             self._record(name, "reload")
-        self.in_background(self._retire(self._retiring_version(name, old, entry)),
+        self.in_background(self._retire(self._retiring_version(name, old, entry), self._replaced_version_grace(old)),
                            f"model '{name}': unloading the version load {entry.generation} replaced")
         return entry
 
@@ -1206,6 +1210,17 @@ class ModelRepository:
         entry.loaded = None
         entry.state = ModelState.UNAVAILABLE
         log.info("model '%s' unloaded", entry.name)
+
+    def _replaced_version_grace(self, loaded: LoadedModel) -> float:
+        """How long a version a reload replaced may go on with its queued and running requests: shutdown_grace_s,
+        or, for a model that ends its own runs at a bound (a python or cpp model's timeout_s), until that bound.
+
+        Nothing waits on a replaced version (its successor serves): with the shutdown grace alone, an edit of
+        nereid.yaml ended every run of a python model past 30 s, though its timeout_s gave it 60 (the nereid.yaml
+        hunt). A server stop still ends it at the stop's own grace (see ModelScheduler.stop_starting).
+        """
+        grace = self.settings.server.shutdown_grace_s
+        return grace if loaded.longest_run_s is None else max(grace, loaded.longest_run_s + RUN_END_MARGIN_S)
 
     def _retiring_version(self, name: str, loaded: LoadedModel, entry: ModelEntry) -> RetiringVersion:
         """Count ``loaded`` as retiring from now on, before it is taken off its entry: a shutdown ends its

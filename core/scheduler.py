@@ -101,6 +101,7 @@ class ModelScheduler:
         self._idle.set()
         self._accepting = True
         self._starting = True  # False once the server's shutdown grace has passed (see stop_starting)
+        self._stopped_starting = asyncio.Event()  # set with _starting False: a drain's grace is over then too
         self._inline = inspect.iscoroutinefunction(backend.infer)
         self._pads = isinstance(backend, PadsBatches)
         self._variable_axes = any(-1 in spec.dims for spec in signature.inputs)  # else a request costs its rows
@@ -416,8 +417,10 @@ class ModelScheduler:
     def stop_starting(self) -> None:
         """Start no execution from now on: the server's shutdown grace has passed. An execution ended at the
         grace frees its slot, and a request queued behind it started then was answered "its answer is lost"
-        a moment later: queued, it is answered as not run, safe to send again."""
+        a moment later: queued, it is answered as not run, safe to send again. A drain still within its own grace
+        (a replaced version's may be longer than the server's) ends its wait now."""
         self._starting = False
+        self._stopped_starting.set()
 
     def _can_start_at_once(self) -> bool:
         return (self._free_slots > 0 and not self._pending and self._starting and self._backlog < self.capacity
@@ -456,11 +459,12 @@ class ModelScheduler:
         self._accepting = False
         self._arrived.set()  # a batch waiting for company that can no longer come goes now (see _batch_loop)
         self._wake_every_waiter()
-        finished = await _wait_event(self._idle, grace_s)
+        finished = await self._wait_idle_within(grace_s)
         if not finished:
             # (A grace of 0: the server's shutdown_grace_s has already been spent waiting for its listeners.)
             log.warning("model '%s': %s still running after %s; ending them", self.name, self._work_left(),
-                        f"the {grace_s:g} s grace" if grace_s else "the grace")
+                        f"the {grace_s:g} s grace" if grace_s and not self._stopped_starting.is_set()
+                        else "the grace")
             # The grace is spent: what is still queued is not started by the slots the ended executions free
             # (it would start after the grace, and be abandoned or cut short in turn), and is told so now.
             self.stop_starting()
@@ -496,6 +500,18 @@ class ModelScheduler:
             # wait=False: a thread that ignored termination must not freeze the loop (it ends on its own).
             self._executor.shutdown(wait=False, cancel_futures=True)
         return finished
+
+    async def _wait_idle_within(self, grace_s: float | None) -> bool:
+        """Wait until idle, at most ``grace_s`` and no longer than until :meth:`stop_starting`; True when idle."""
+        if self._idle.is_set() or self._stopped_starting.is_set():
+            return self._idle.is_set()
+        waits = [asyncio.ensure_future(self._idle.wait()), asyncio.ensure_future(self._stopped_starting.wait())]
+        try:
+            await asyncio.wait(waits, timeout=grace_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()
+        return self._idle.is_set()
 
     # -- batch formation ----------------------------------------------------
     async def _batch_loop(self) -> None:

@@ -215,7 +215,8 @@ class VersionLoader:
                                make_runner(built.backend, built.signature, built.batch_signature, scheduler,
                                            hook_threads),
                                hook_threads, depends_on, stamp, context.settings,
-                               backend_defaults.get(built.backend_name), built.folder_hold, built.uses_device)
+                               backend_defaults.get(built.backend_name), built.folder_hold, built.uses_device,
+                               built.longest_run_s)
         except Exception:
             if scheduler is not None:  # its batcher task is running: end it, or asyncio logs it destroyed
                 await scheduler.drain(0)

@@ -374,6 +374,20 @@ class NoDeviceNumpyModel(FaultyModel):
         return numpy.bool_(True)
 
 
+class RunBoundNegativeModel(FaultyModel):
+    """Its ``longest_run_s()`` answers a negative number of seconds."""
+
+    def longest_run_s(self):
+        return -1
+
+
+class RunBoundRaisesModel(FaultyModel):
+    """Its ``longest_run_s()`` raises."""
+
+    def longest_run_s(self):
+        raise RuntimeError("no bound today")
+
+
 FAULTS = {"signature_none": SignatureNoneModel, "no_platform": NoPlatformModel, "no_infer": NoInferModel, "dependencies_fail": DependenciesFailModel,
           "dependencies_exit": DependenciesExitModel, "dependencies_interrupt": DependenciesInterruptModel,
           "terminate_fails": TerminateFailsModel, "terminate_slow": TerminateSlowModel,
@@ -386,7 +400,8 @@ FAULTS = {"signature_none": SignatureNoneModel, "no_platform": NoPlatformModel, 
           "report_and_unload_fail": ReportAndUnloadFailModel, "unload_exits": UnloadExitsModel,
           "dependencies_and_unload_fail": DependenciesAndUnloadFailModel, "no_device_raises": NoDeviceRaisesModel,
           "async_hooks": AsyncHooksModel, "forwarding": ForwardingModel, "no_device_numpy": NoDeviceNumpyModel,
-          "no_device_str": NoDeviceStrModel}
+          "no_device_str": NoDeviceStrModel, "run_bound_negative": RunBoundNegativeModel,
+          "run_bound_raises": RunBoundRaisesModel}
 
 
 class FaultyToys:

@@ -244,6 +244,10 @@ class SubprocessModel:
         while len(self._folder_fds) > MAX_FOLDER_FDS:
             os.close(self._folder_fds.pop(0))
 
+    def longest_run_s(self) -> float | None:
+        """``timeout_s``: a run still going then is killed (a replaced version's drain waits that long)."""
+        return self.context.settings.timeout_s
+
     def terminate_running(self) -> None:
         """End every running program now (the server is stopping and its grace has passed), and the program of
         every run still starting (inside ``infer``, its program not yet listed) as soon as it starts."""

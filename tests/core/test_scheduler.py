@@ -604,6 +604,29 @@ def test_drain_abandons_work_that_ignores_termination() -> None:
     run(scenario())
 
 
+def test_a_drain_within_a_long_grace_ends_its_wait_when_the_server_stops_starting() -> None:
+    """A replaced version drains within its model's timeout_s, which may be longer than the server's grace: the
+    server's stop (its grace over: stop_starting) ends that wait, ends what runs, and answers what is queued."""
+    async def scenario() -> None:
+        backend, scheduler, running, queued = await one_running_one_queued(batching=False)
+        terminated = asyncio.Event()
+
+        async def terminate() -> None:
+            terminated.set()
+            backend.gate.set()  # (the running execution ends as a killed run would)
+        drained = asyncio.create_task(scheduler.drain(600, terminate, terminate_wait_s=5))
+        await asyncio.sleep(0.05)
+        assert not drained.done()
+        started = time.monotonic()
+        scheduler.stop_starting()
+        assert await drained and terminated.is_set() and time.monotonic() - started < 5
+        assert float(running.result()[0].data[0, 0]) == 2.0
+        with pytest.raises(Unavailable, match="not run"):
+            queued.result()
+        assert backend.ran == [1.0]
+    run(scenario())
+
+
 async def one_running_one_queued(batching: bool) -> tuple[GatedDouble, ModelScheduler, asyncio.Task, asyncio.Task]:
     """A one-instance scheduler (batching or not) running one request (value 1, held by the backend's gate) and
     holding one more (value 2) in its queue."""

@@ -860,6 +860,23 @@ def test_a_run_still_going_past_the_grace_of_an_unload_is_stopped_and_answered_u
                                    "(nereid.yaml): the run was stopped")
 
 
+def test_a_run_of_a_version_a_reload_replaced_goes_on_past_the_grace_within_its_timeout(repo, serve):
+    """Found by the nereid.yaml hunt: an edit of a model's entry (instances, say) ended its runs still going
+    after shutdown_grace_s, though its timeout_s allowed them longer and nothing waited on the old version."""
+    prelude = ("import time\nif os.path.exists('slow'):\n"
+               "    open('running.pid', 'w').write(str(os.getpid()))\n    time.sleep(1.5)")
+    folder = repo.python("steady", textproto=REPORT, main=reply_main("1", prelude=prelude))
+    (folder / "slow").write_text("")
+    server = serve(repo.write_config("- name: steady\n  timeout_s: 20\n", server_extra="  shutdown_grace_s: 0.2\n"))
+    answers, errors = [], []
+    caller = threading.Thread(target=lambda: errors.append(_error_of(lambda: answers.append(ask(server, "steady")))))
+    caller.start()
+    running_child(folder)
+    server.client.load_model("steady")  # a reload without downtime: the old version drains
+    caller.join(30)
+    assert not caller.is_alive() and errors == [None] and answers == [1]
+
+
 def test_warm_parent_memory_and_warm_start_are_metrics(repo, serve):
     """The warm parent's memory, and whether runs start warm (a model gone cold said so only in its log)."""
     repo.python("measured", textproto=REPORT, main=reply_main("1"))
