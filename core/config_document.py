@@ -8,11 +8,12 @@
 from __future__ import annotations
 
 import datetime
+import difflib
 import io
 import math
 import re
 from pathlib import Path
-from typing import AbstractSet, Any
+from typing import AbstractSet, Any, Mapping
 
 import yaml
 
@@ -190,8 +191,11 @@ class KeyedReader:
         # The value is quoted, but cut short: a document's values can be megabytes long.
         raise ConfigError(cap_message(f"{where}: {problem}, got {cap_message(yaml_spelling(value), 512)}"))
 
-    def mapping(self, raw: Any, key: str, allowed: AbstractSet[str]) -> dict[str, Any]:
-        """``raw`` as a mapping whose keys are all in ``allowed``."""
+    def mapping(self, raw: Any, key: str, allowed: AbstractSet[str],
+                hints: Mapping[str, str] | None = None) -> dict[str, Any]:
+        """``raw`` as a mapping whose keys are all in ``allowed``; an unknown key's refusal adds ``hints``' words
+        for it (where it is written instead: another section, another program's name for it), or else the allowed
+        key it is closest to (``(did you mean 'batching'?)``)."""
         if not isinstance(raw, dict):
             if not key:
                 # Described, not quoted: a file that is no mapping at all is likely not the document it should be
@@ -204,7 +208,8 @@ class KeyedReader:
                 # (A key YAML read as other than text is spelled as the document spells it: `yes:` as true.)
                 shown = name if isinstance(name, str) else yaml_spelling(name)
                 path = f"{key}.{shown}" if key else shown
-                self.fail(path, f"unknown key (allowed: {', '.join(sorted(allowed))})", raw[name])
+                listed = ", ".join(sorted(allowed))
+                self.fail(path, f"unknown key (allowed: {listed}){_key_hint(name, allowed, hints)}", raw[name])
         return raw
 
     def string(self, section: dict[str, Any], key: str, default: str) -> str:
@@ -263,6 +268,21 @@ def quoting_hint(value: Any) -> str:
     if isinstance(value, (datetime.date, datetime.datetime)):  # (- name: 2001-12-14; the config hunt)
         return " (YAML reads an unquoted 2001-12-14 as a date: put the text in quotes)"
     return ""
+
+
+def _key_hint(name: Any, allowed: AbstractSet[str], hints: Mapping[str, str] | None) -> str:
+    """What an unknown key ``name``'s refusal adds (with its leading space; "" for nothing): ``hints``' words for it,
+    or the key of ``allowed`` it is likely a misspelling of."""
+    if not isinstance(name, str):
+        return ""
+    if hints and name in hints:
+        return f" ({hints[name]})"
+    # get_close_matches' cutoff (a ratio of 0.6) is out of reach for a key over 7/3 times as long as the longest
+    # allowed one: one over 3 times is not compared at all, which would only cost (a key can be megabytes long).
+    if len(name) > 3 * max(map(len, allowed), default=0):
+        return ""
+    close = difflib.get_close_matches(name, sorted(allowed), n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""
 
 
 def _last(key: str) -> str:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from nereid.config_document import load_yaml
+from nereid.config_document import KeyedReader, load_yaml
 from nereid.errors import ConfigError
 from nereid.settings import load_settings
 
@@ -92,3 +92,33 @@ def test_a_tagged_integer_is_read_as_a_plain_one_would_be(text: str) -> None:
     with pytest.raises(ConfigError, match="is not an integer"):
         load_yaml(f"a: {text}\n", Path("x.yaml"))
     assert load_yaml('a: !!int "-0x1F"\nb: !!int "1_000"\n', Path("x.yaml")) == {"a": -31, "b": 1000}
+
+
+def refused_key(raw: dict, allowed: set[str], hints: dict[str, str] | None = None) -> str:
+    """KeyedReader.mapping's refusal of ``raw`` (a manifest's batching: section) for its unknown key."""
+    with pytest.raises(ConfigError) as caught:
+        KeyedReader(Path("x.yaml")).mapping(raw, "batching", allowed, hints)
+    return str(caught.value)
+
+
+def test_an_unknown_key_is_told_the_allowed_key_it_is_closest_to() -> None:
+    """Found by a bug hunt: a misspelt key was refused with the allowed keys alone, in nereid.yaml and manifests."""
+    message = refused_key({"max_bacth_size": 8}, {"max_batch_size", "enabled"})
+    assert message == ("x.yaml: batching.max_bacth_size: unknown key (allowed: enabled, max_batch_size) (did you "
+                       "mean 'max_batch_size'?), got 8")
+    assert refused_key({"zzz": 1}, {"max_batch_size"}) == ("x.yaml: batching.zzz: unknown key (allowed: "
+                                                           "max_batch_size), got 1")
+
+
+def test_a_hint_for_an_unknown_key_comes_before_the_closest_allowed_one() -> None:
+    message = refused_key({"preferred_batch_size": [4]}, {"preferred_batch_sizes"},
+                          {"preferred_batch_size": "Triton's name"})
+    assert message.endswith("(allowed: preferred_batch_sizes) (Triton's name), got [4]"), message
+
+
+@pytest.mark.parametrize("key", [True, None, 7])
+def test_a_key_yaml_read_as_no_text_is_told_no_guess(key: object) -> None:
+    # (get_close_matches takes text only: `yes:` read as true would have raised a TypeError.)
+    message = refused_key({key: 1}, {"yes", "true", "null", "7"}, {"True": "no hint for text"})
+    assert message.endswith("unknown key (allowed: 7, null, true, yes), got 1"), message
+
