@@ -11,6 +11,7 @@ import ipaddress
 import os
 import re
 import socket
+import types
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -22,6 +23,7 @@ from nereid.listening import host_and_port
 from nereid.storage.mirror import mirror_root
 from nereid.storage.url import parse_store_url
 from nereid.tls import TlsFileError, TlsSettings, read_tls_material
+from nereid.triton_hints import yaml_key_hints
 
 DEFAULT_BIND_ADDR = "[::1]:50051"
 DEFAULT_QUEUE_CAPACITY = 128
@@ -55,6 +57,36 @@ _ADDRESS_PATTERN = re.compile(r"(\[[^\]]+\]|[^:\[\]]*):([0-9]+)")  # host:port, 
 MAX_PORT = 65535
 INT32_MAX = 2**31 - 1  # ModelConfig's counts and sizes are int32 fields
 MAX_DEVICE_INDEX = INT32_MAX
+
+
+# Each section's keys (a key refused in one section is told the section that takes it: see _key_hints).
+_TOP_KEYS = frozenset({"server", "models", "backends"})
+_SERVER_KEYS = frozenset({"bind_addr", "ml_backends_path", "strict_readiness", "shutdown_grace_s", "metrics_addr",
+                          "http_addr", "follow_symlinks", "max_message_bytes", "repository_control", "tls", "watch",
+                          "watch_settle_ms", "watch_poll_s", "cache_dir", "http_max_json_bytes", "shutdown_delay_s",
+                          "model_load_threads"})
+_TLS_KEYS = frozenset({"cert", "key", "client_ca"})
+_MODEL_KEYS = frozenset({"name", "device", "queue_capacity", "backend", "instances", "timeout_s", "runtime",
+                         "batching"})
+_BATCHING_KEYS = frozenset({"enabled", "max_queue_delay_ms", "preferred_batch_sizes", "max_batch_size",
+                            "max_batch_cost"})
+# Each section by its keys: where a key is written, and how a message says a key was written there.
+_SECTIONS = {"top": (_TOP_KEYS, "a top-level key", "at the top level"),
+             "server": (_SERVER_KEYS, "a server: setting", "under server:"),
+             "tls": (_TLS_KEYS, "a server.tls: setting", "under tls:"),
+             "model": (_MODEL_KEYS, "a model entry's key", "in a model entry"),
+             "batching": (_BATCHING_KEYS, "a model's batching: setting", "under batching:")}
+
+
+@functools.cache
+def _key_hints(section: str) -> Mapping[str, str]:
+    """What the refusal of a key unknown in ``section`` adds for each key another section takes (a ``models:`` list
+    indented under ``server:`` was refused with the server's keys alone) or Triton's name for one (see
+    :func:`~nereid.triton_hints.yaml_key_hints`, whose words come first)."""
+    here = _SECTIONS[section][2]
+    hints = {key: f"{key} is {place}, not {here}" for other, (keys, place, _) in _SECTIONS.items() if other != section
+             for key in keys}
+    return types.MappingProxyType(hints | yaml_key_hints(section))  # (cached: shared by every read)
 
 
 def address_problem(address: str) -> str | None:
@@ -353,7 +385,7 @@ def settings_from_bytes(data: bytes, path: Path) -> Settings:
 def parse_settings(document: Any, path: Path) -> Settings:
     """Check an already-loaded YAML document as if it came from ``path``."""
     reader = KeyedReader(path)
-    top = reader.mapping(document, "", {"server", "models", "backends"})
+    top = reader.mapping(document, "", _TOP_KEYS, _key_hints("top"))
     raw_server = top.get("server", {})
     # (A section left empty, its keys commented out, is YAML's null: no server keys, as for models: and backends:.)
     server = _parse_server(reader, {} if raw_server is None else raw_server, path)
@@ -390,11 +422,7 @@ def parse_settings(document: Any, path: Path) -> Settings:
 
 
 def _parse_server(reader: KeyedReader, raw: Any, path: Path) -> ServerSettings:
-    section = reader.mapping(raw, "server", {"bind_addr", "ml_backends_path", "strict_readiness", "shutdown_grace_s",
-                                             "metrics_addr", "http_addr", "follow_symlinks", "max_message_bytes",
-                                             "repository_control", "tls", "watch", "watch_settle_ms", "watch_poll_s",
-                                             "cache_dir", "http_max_json_bytes", "shutdown_delay_s",
-                                             "model_load_threads"})
+    section = reader.mapping(raw, "server", _SERVER_KEYS, _key_hints("server"))
     bind_addr = _address(reader, section, "server.bind_addr", DEFAULT_BIND_ADDR, off=None)
     backends_text = reader.string(section, "server.ml_backends_path", "ml-backends")
     if not backends_text.strip():  # ("" would serve nereid.yaml's own folder)
@@ -515,7 +543,7 @@ def beside_config(config: Path, relative: Path) -> Path:
 
 
 def _parse_tls(reader: KeyedReader, raw: Any, path: Path) -> TlsSettings:
-    section = reader.mapping(raw, "server.tls", {"cert", "key", "client_ca"})
+    section = reader.mapping(raw, "server.tls", _TLS_KEYS, _key_hints("tls"))
     files: dict[str, Path | None] = {}
     for key in ("cert", "key", "client_ca"):
         if key not in section:
@@ -538,8 +566,7 @@ def _parse_tls(reader: KeyedReader, raw: Any, path: Path) -> TlsSettings:
 
 def _parse_model(reader: KeyedReader, raw: Any, where: str, backends_path: Path,
                  require_folder: bool = True) -> ModelSettings:
-    entry = reader.mapping(raw, where, {"name", "device", "queue_capacity", "backend", "instances", "timeout_s",
-                                        "runtime", "batching"})
+    entry = reader.mapping(raw, where, _MODEL_KEYS, _key_hints("model"))
     if "name" not in entry:
         reader.fail(f"{where}.name", "is required", None)
     name = reader.string(entry, f"{where}.name", "")
@@ -595,8 +622,7 @@ def _section_or_empty(entry: dict, key: str) -> Any:
 
 
 def _parse_batching(reader: KeyedReader, raw: Any, where: str) -> BatchingSettings:
-    section = reader.mapping(raw, where, {"enabled", "max_queue_delay_ms", "preferred_batch_sizes",
-                                          "max_batch_size", "max_batch_cost"})
+    section = reader.mapping(raw, where, _BATCHING_KEYS, _key_hints("batching"))
     enabled = section.get("enabled", True)
     if not isinstance(enabled, bool):
         reader.fail(f"{where}.enabled", "must be true or false", enabled)

@@ -92,6 +92,41 @@ _TRITON_FIELDS = {
 # The fields of _TRITON_FIELDS that Triton writes in an input {} or output {} block (the rest at the top).
 _TENSOR_FIELDS = frozenset({"optional", "format", "reshape", "allow_ragged_batch", "is_shape_tensor"})
 
+# Triton's names written as keys of nereid.yaml, by the section they were written in, with what nereid.yaml takes
+# instead: config.pbtxt's fields in a model entry (where a textproto's are told the same), dynamic_batching's in a
+# batching: section, Triton's command line flags under server:. Each was refused with the allowed keys alone.
+_YAML_KEYS = {
+    "model": {
+        **{field: f"{field} is a field of Triton's config.pbtxt: {where}"
+           for field, where in _TRITON_FIELDS.items() if field not in _TENSOR_FIELDS},
+        # (Triton's is the model's own: here that is its contract's, and nereid.yaml's only caps merged batches.)
+        "max_batch_size": "max_batch_size is a field of Triton's config.pbtxt: a model's own is in its "
+                          "model_inference.textproto (a bundle's manifest.yaml), and nereid.yaml's batching: "
+                          "{max_batch_size: N} caps the rows of the batches it merges",
+    },
+    "batching": {
+        "max_queue_delay_microseconds": "max_queue_delay_microseconds is Triton's: nereid.yaml's is "
+                                        "max_queue_delay_ms, in milliseconds (100 microseconds is 0.1)",
+        "preferred_batch_size": "preferred_batch_size is Triton's: nereid.yaml's is preferred_batch_sizes, a list "
+                                "of sizes",
+    },
+    "server": {
+        "grpc_port": 'grpc_port is Triton\'s --grpc-port: nereid.yaml\'s is bind_addr, a host:port ("[::1]:8001"; '
+                     "nereid serve --bind overrides it)",
+        "http_port": 'http_port is Triton\'s --http-port: nereid.yaml\'s is http_addr, a host:port ("[::1]:8000"; '
+                     "nereid serve --http-bind overrides it)",
+        "metrics_port": "metrics_port is Triton's --metrics-port: nereid.yaml's is metrics_addr, a host:port "
+                        '("127.0.0.1:8002"; nereid serve --metrics-bind overrides it)',
+        "model_repository": "model_repository is Triton's --model-repository: nereid.yaml's is ml_backends_path",
+    },
+}
+
+
+def yaml_key_hints(section: str) -> dict[str, str]:
+    """For each key written as Triton names it in nereid.yaml's ``section`` (``model``: an entry of models:,
+    ``batching``, ``server``), what to write instead: an unknown key's refusal adds it."""
+    return dict(_YAML_KEYS.get(section, {}))
+
 
 def folder_hint(folder: Path) -> str | None:
     """``it looks like a Triton model folder (...)`` when ``folder`` holds a config.pbtxt, or a version folder

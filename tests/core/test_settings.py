@@ -103,6 +103,69 @@ def test_mistakes_name_file_key_and_value(root: Path, body: str, key: str, value
     assert message.endswith(f"got {value}"), message
 
 
+MODEL_KEYS = "backend, batching, device, instances, name, queue_capacity, runtime, timeout_s"
+BATCHING_KEYS = "enabled, max_batch_cost, max_batch_size, max_queue_delay_ms, preferred_batch_sizes"
+
+
+@pytest.mark.parametrize("body, key, allowed, hint, value", [
+    # A misspelling: the allowed key it is closest to.
+    ("server:\n  bind_adr: x\n", "server.bind_adr", "bind_addr, ", "did you mean 'bind_addr'?", "'x'"),
+    ("models:\n  - name: a\n    batchng: {}\n", "models[0].batchng", MODEL_KEYS, "did you mean 'batching'?", "{}"),
+    # Triton's names, with what nereid.yaml takes instead.
+    ("models:\n  - name: a\n    dynamic_batching: {max_queue_delay_microseconds: 100}\n", "models[0].dynamic_batching",
+     MODEL_KEYS, "dynamic_batching is a field of Triton's config.pbtxt: dynamic batching is nereid.yaml's batching: "
+     "(max_queue_delay_ms, preferred_batch_sizes)", "{'max_queue_delay_microseconds': 100}"),
+    ("models:\n  - name: a\n    instance_group: [{count: 2}]\n", "models[0].instance_group", MODEL_KEYS,
+     "instance_group is a field of Triton's config.pbtxt: instances are nereid.yaml's instances: and device:",
+     "[{'count': 2}]"),
+    ("models:\n  - name: a\n    max_batch_size: 8\n", "models[0].max_batch_size", MODEL_KEYS,
+     "max_batch_size is a field of Triton's config.pbtxt: a model's own is in its model_inference.textproto (a "
+     "bundle's manifest.yaml), and nereid.yaml's batching: {max_batch_size: N} caps the rows of the batches it merges",
+     "8"),
+    ("models:\n  - name: a\n    batching: {max_queue_delay_microseconds: 100}\n",
+     "models[0].batching.max_queue_delay_microseconds", BATCHING_KEYS, "max_queue_delay_microseconds is Triton's: "
+     "nereid.yaml's is max_queue_delay_ms, in milliseconds (100 microseconds is 0.1)", "100"),
+    ("models:\n  - name: a\n    batching: {preferred_batch_size: [4]}\n", "models[0].batching.preferred_batch_size",
+     BATCHING_KEYS, "preferred_batch_size is Triton's: nereid.yaml's is preferred_batch_sizes, a list of sizes", "[4]"),
+    ("server:\n  grpc_port: 8001\n", "server.grpc_port", "bind_addr, ", "grpc_port is Triton's --grpc-port: "
+     'nereid.yaml\'s is bind_addr, a host:port ("[::1]:8001"; nereid serve --bind overrides it)', "8001"),
+    ("server:\n  http_port: 8000\n", "server.http_port", "bind_addr, ", "http_port is Triton's --http-port: "
+     'nereid.yaml\'s is http_addr, a host:port ("[::1]:8000"; nereid serve --http-bind overrides it)', "8000"),
+    ("server:\n  metrics_port: 8002\n", "server.metrics_port", "bind_addr, ", "metrics_port is Triton's "
+     '--metrics-port: nereid.yaml\'s is metrics_addr, a host:port ("127.0.0.1:8002"; nereid serve --metrics-bind '
+     "overrides it)", "8002"),
+    # A key of another section: where it belongs.
+    ("server:\n  models:\n    - name: a\n", "server.models", "bind_addr, ",
+     "models is a top-level key, not under server:", "[{'name': 'a'}]"),
+    ("server:\n  backends: {}\n", "server.backends", "bind_addr, ", "backends is a top-level key, not under server:",
+     "{}"),
+    ("models:\n  - name: a\n    server: {}\n", "models[0].server", MODEL_KEYS,
+     "server is a top-level key, not in a model entry", "{}"),
+    ("models:\n  - name: a\n    bind_addr: x\n", "models[0].bind_addr", MODEL_KEYS,
+     "bind_addr is a server: setting, not in a model entry", "'x'"),
+    ("models:\n  - name: a\n    max_queue_delay_ms: 2\n", "models[0].max_queue_delay_ms", MODEL_KEYS,
+     "max_queue_delay_ms is a model's batching: setting, not in a model entry", "2"),
+    ("server:\n  cert: x\n", "server.cert", "bind_addr, ", "cert is a server.tls: setting, not under server:", "'x'"),
+    ("server:\n  instances: 2\n", "server.instances", "bind_addr, ", "instances is a model entry's key, not under "
+     "server:", "2"),
+    ("bind_addr: x\n", "bind_addr", "backends, models, server", "bind_addr is a server: setting, not at the top level",
+     "'x'"),
+])
+def test_an_unknown_key_is_told_its_likely_meaning(root: Path, body: str, key: str, allowed: str, hint: str,
+                                                     value: str) -> None:
+    """Found by a bug hunt: a misspelling, Triton's name for a key or one written in another section was refused
+    with the section's keys alone (`server.models: unknown key (allowed: bind_addr, ...)`, a models: list indented
+    under server:). The message starts as it did, the hint after the allowed keys."""
+    path, message = refusal(root, body)
+    assert message.startswith(f"{path}: {key}: unknown key (allowed: {allowed}"), message
+    assert message.endswith(f") ({hint}), got {value}"), message
+
+
+def test_an_unknown_key_like_no_other_gets_the_allowed_keys_alone(root: Path) -> None:
+    path, message = refusal(root, "models:\n  - name: a\n    warm_start: true\n")
+    assert message == f"{path}: models[0].warm_start: unknown key (allowed: {MODEL_KEYS}), got true"
+
+
 @pytest.mark.parametrize("written, read_as, hint", [("no", "false", "yes, no, on, off, true or false as a boolean"),
                                                     ("1e5", "100000.0", "number as a number, 1e5 as 100000.0"),
                                                     ("30", "30", "number as a number, 1e5 as 100000.0")])
