@@ -12,7 +12,7 @@ from __future__ import annotations
 import numbers
 import operator
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, NoReturn, Sequence
 
 import numpy as np
 
@@ -54,9 +54,10 @@ def export_bundle(fn: Callable[..., Any], example_inputs: Sequence[Any],
     64-bit; ``x64=False`` traces in 32 bits whatever the session says).
     ``shard_bytes`` splits the weights into shards of about that size (see
     :func:`write_bundle`). ``check_rows`` (where a batch size above 1 is
-    compiled) runs ``fn`` on the CPU at the largest batch size twice, every row
-    but the first changed, and refuses a function whose first row of a batched
-    output changes (it mixes rows across the batch axis); ``False`` skips it.
+    compiled) runs ``fn`` on the CPU at the largest batch size three times:
+    random rows, every row but the first changed, only the first changed; it
+    refuses a function of which a row of a batched output changes with another
+    row (it mixes rows across the batch axis); ``False`` skips it.
     """
     import jax
     from jax import export as jax_export
@@ -120,44 +121,51 @@ def export_bundle(fn: Callable[..., Any], example_inputs: Sequence[Any],
 def _check_rows_independent(jax: Any, fn: Callable[..., Any], examples: Sequence[tuple[tuple[int, ...], Any]],
                             in_axes: Sequence[int | None], weight_items: Sequence[tuple[str, Any]],
                             out_names: Sequence[str], out_axes: Sequence[int | None], size: int) -> None:
-    """ExportError naming the first batched output whose first row depends on the batch's other rows.
+    """ExportError naming the first batched output, and its row, that depends on another row of the batch.
 
     The server pads a batch with rows of its own and batches requests of
     several clients together, so a function that mixes rows (``x -
-    x.mean(axis=0)``, BatchNorm in training mode) answers each client with
-    numbers that depend on the others. ``fn`` runs twice on the CPU, at
-    ``size`` rows: random rows, then the same first row and every other row
-    redrawn (unbatched inputs and the weights unchanged).
+    x.mean(axis=0)``, BatchNorm in training mode, ``jnp.cumsum(x, axis=0)``,
+    a scan over the batch axis) answers each client with numbers that depend
+    on the others. ``fn`` runs three times on the CPU, at ``size`` rows: random
+    rows; every row but the first redrawn (the first row must not change);
+    only the first row redrawn (no other row may change). The second run
+    catches a first row that reads other rows (a mean, a sort), the third any
+    row that reads the first (a running total, a scan, ``x - x[0]``, a shift
+    along the batch), which the second cannot see: the first row of a prefix
+    reads no other row. Unbatched inputs and the weights stay unchanged; each
+    row compared stays at its position, so the same program computes it the
+    same way (a permutation of the rows would catch more, but moves rows to
+    where the compiled program may round them otherwise).
     """
     if all(axis is None for axis in in_axes) or all(axis is None for axis in out_axes):
         return
     rng = np.random.default_rng(0)
-    first = [_random_array(rng, _resized(shape, axis, size), dtype) for (shape, dtype), axis in zip(examples, in_axes)]
-    second = []
-    for array, (shape, dtype), axis in zip(first, examples, in_axes):
-        if axis is None:
-            second.append(array)
-            continue
-        redrawn = _random_array(rng, array.shape, dtype)
-        np.moveaxis(redrawn, axis, 0)[0] = np.moveaxis(array, axis, 0)[0]
-        second.append(redrawn)
+    base = [_random_array(rng, _resized(shape, axis, size), dtype) for (shape, dtype), axis in zip(examples, in_axes)]
+    others_redrawn = [_rows_redrawn(rng, array, axis, slice(1, None)) for array, axis in zip(base, in_axes)]
+    first_redrawn = [_rows_redrawn(rng, array, axis, slice(0, 1)) for array, axis in zip(base, in_axes)]
     weights = [np.asarray(a) for _, a in weight_items]  # on the host: a jax array on a GPU would run there
     try:
         with jax.default_device(jax.devices("cpu")[0]):
-            run = jax.jit(fn)
-            before, after = ([np.asarray(leaf) for leaf in jax.tree_util.tree_leaves(run(*arrays, *weights))]
-                             for arrays in (first, second))
+            run = jax.jit(fn)  # one compile: the three runs share the shapes
+            before, after_others, after_first = (
+                [np.asarray(leaf) for leaf in jax.tree_util.tree_leaves(run(*arrays, *weights))]
+                for arrays in (base, others_redrawn, first_redrawn))
     except Exception as error:
         raise ExportError(f"the row check (the function run on the CPU at batch size {size} on random rows) failed: "
                           f"{type(error).__name__}: {error}; pass check_rows=False to export without it") from error
     for index, (name, axis) in enumerate(zip(out_names, out_axes)):
-        if axis is not None and not _same_row(np.take(before[index], 0, axis), np.take(after[index], 0, axis)):
-            raise ExportError(
-                f"output {index} ({name!r}): its first row changed when only the other rows of the batch did (batch "
-                f"size {size}, random rows): the function mixes rows across the batch axis (as x - x.mean(axis=0) or "
-                "BatchNorm in training mode do), so a served answer would depend on the server's padding and on "
-                "other requests batched with it; the batch axis must be row-independent, or export without batching "
-                "(input_batch_axes=[None, ...] or batch_sizes=[1]); check_rows=False skips this check")
+        if axis is None:
+            continue
+        if _changed_row(before[index], after_others[index], axis, range(1)) is not None:
+            _refuse_mixed_rows(index, name, size, "its first row changed when only the other rows of the batch did",
+                               "mixes rows across the batch axis (as x - x.mean(axis=0) or BatchNorm in training "
+                               "mode do)")
+        row = _changed_row(before[index], after_first[index], axis, range(1, size))
+        if row is not None:
+            _refuse_mixed_rows(index, name, size, f"its row {row} (counting from 0) changed when only the first "
+                               "row of the batch did", "carries rows along the batch axis (as jnp.cumsum(x, axis=0), "
+                               "a jax.lax.scan over it or x - x[0] do)")
 
 
 def _random_array(rng: np.random.Generator, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
@@ -168,6 +176,41 @@ def _random_array(rng: np.random.Generator, shape: tuple[int, ...], dtype: Any) 
     if kind in "iu":
         return rng.integers(0, 8, shape).astype(dtype)
     return rng.standard_normal(shape).astype(dtype)
+
+
+def _rows_redrawn(rng: np.random.Generator, array: np.ndarray, axis: int | None, rows: slice) -> np.ndarray:
+    """``array`` with ``rows`` of its batch axis redrawn, every value in them changed; unbatched, ``array`` itself.
+
+    Changed, not just redrawn: a boolean or small-integer row drawn again would often come out the same (a
+    one-element boolean row, half the time), and a row that did not change shows no dependency on it.
+    """
+    if axis is None:
+        return array
+    redrawn = array.copy()
+    old = np.moveaxis(array, axis, 0)[rows]
+    kind = array.dtype.kind
+    if kind == "b":
+        new = ~old
+    elif kind in "iu":  # another value in 0..7, as _random_array draws them
+        new = ((old.astype(np.int64) + rng.integers(1, 8, old.shape)) % 8).astype(array.dtype)
+    else:
+        new = _random_array(rng, old.shape, array.dtype)
+    np.moveaxis(redrawn, axis, 0)[rows] = new
+    return redrawn
+
+
+def _changed_row(before: np.ndarray, after: np.ndarray, axis: int, rows: Iterable[int]) -> int | None:
+    """The first of ``rows`` (along the batch ``axis``) that differs between two runs' output; None if none does."""
+    return next((row for row in rows if not _same_row(np.take(before, row, axis), np.take(after, row, axis))), None)
+
+
+def _refuse_mixed_rows(index: int, name: str, size: int, change: str, cause: str) -> NoReturn:
+    """The row check's ExportError for output ``index``: which row changed (``change``), and how ``fn`` mixes."""
+    raise ExportError(
+        f"output {index} ({name!r}): {change} (batch size {size}, random rows): the function {cause}, so a served "
+        "answer would depend on the server's padding and on other requests batched with it; the batch axis must be "
+        "row-independent, or export without batching (input_batch_axes=[None, ...] or batch_sizes=[1]); "
+        "check_rows=False skips this check")
 
 
 def _same_row(before: np.ndarray, after: np.ndarray) -> bool:
