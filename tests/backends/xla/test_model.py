@@ -297,7 +297,7 @@ def test_a_bundle_of_several_sizes_without_a_batched_input_warns_that_only_its_f
     model = load(folder, tmp_path)
     try:
         (y,) = model.infer([NamedTensor.from_array("x", np.ones((4,), np.float32))])
-        assert y.data.shape == (1, 4)  # the first size, whatever is asked
+        assert y.data.shape == (1, 4)  # the smallest size, whatever is asked
     finally:
         model.unload()
     assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
