@@ -2,10 +2,11 @@
 
 The model folders are watched recursively (with where symlinked model folders
 lead); nereid.yaml and ml_backends_path through the folders holding them (and
-the links on their way), not recursively: editors replace files, a release
-replaces the whole ml_backends_path, which a watch on the file or folder itself
-would lose, and those folders may hold a whole project. What a look finds is
-the watcher's business (:mod:`nereid.watch`); this module only says when.
+the links on their way, and the file a symlinked nereid.yaml leads to), not
+recursively: editors replace files, a release replaces the whole
+ml_backends_path, which a watch on the file or folder itself would lose, and
+those folders may hold a whole project. What a look finds is the watcher's
+business (:mod:`nereid.watch`); this module only says when.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import watchfiles
 from nereid.folder_states import ignored_name
 from nereid.settling import MAX_GROUPING_FACTOR
 from nereid.storage import StoreURL
-from nereid.watched_paths import (WatchedPaths, awaited_targets, links_on_the_way, nearest_folder,
+from nereid.watched_paths import (WatchedPaths, awaited_targets, identity_of, links_on_the_way, nearest_folder,
                                   symlinked_folders)
 
 # The watcher's logger: operators follow dynamic mode's lines in one place.
@@ -119,14 +120,18 @@ class RepositoryFollower:
         self._stop = stop
         self._catch_ups: set[asyncio.Task] = set()
         # The model folders, recursively (with where symlinked model folders lead), and, not recursively, the
-        # folders holding nereid.yaml, ml_backends_path and the links on their way (a replaced ml_backends_path
-        # or a switched link shows there, not in the watch of the folder it replaced).
+        # folders holding nereid.yaml, ml_backends_path, the links on their way and the file nereid.yaml leads
+        # to (a replaced ml_backends_path or a switched link shows there, not in the watch of the folder it
+        # replaced).
         self._models = Follow(True, self._models_paths, stop) if location is None else None
         self._outer = Follow(False, self._outer_paths, stop)
         self._targets: tuple[Path, ...] = ()  # where symlinked model folders lead, as the models watch follows
         # Where model folder links that lead nowhere yet would lead: their target's arrival is a change (see
         # _outer_paths), which no watch of the target itself can report.
         self._awaited: tuple[Path, ...] = ()
+        # The names under which an event of the file nereid.yaml leads to comes (see _outer_paths): a symlinked
+        # nereid.yaml's target edited in place sends its events there alone, never by the link's name.
+        self._config_files: frozenset[Path] = frozenset()
 
     async def run(self) -> None:
         """Follow changes until ``stop`` is set."""
@@ -243,11 +248,13 @@ class RepositoryFollower:
         return WatchedPaths.of((self.root, *symlinked_folders(self.root, self.follow_symlinks)))
 
     def _outer_paths(self) -> WatchedPaths:
-        """The folders holding nereid.yaml, ml_backends_path and each link on their way, and the nearest folder
-        there on the way to each model folder link's missing target (blocking)."""
+        """The folders holding nereid.yaml, ml_backends_path, each link on their way and the file nereid.yaml
+        leads to, and the nearest folder there on the way to each model folder link's missing target
+        (blocking)."""
         ends = [self.config_path] + ([self.root] if self.location is None else [])
         folders = {path.parent for path in ends}
         folders.update(Path(link).parent for end in ends for link in links_on_the_way(end))
+        folders.update(self._config_file_folders(folders))
         if self.location is None:
             # A link whose target is not there yet (deployed later, or removed and deployed again) was never loaded
             # once it was: no event came. Its target's arrival shows in the nearest folder that is there (one
@@ -259,11 +266,32 @@ class RepositoryFollower:
                            and not folder.is_relative_to(real_root) and not folder.is_relative_to(self.root))
         return WatchedPaths.of(folder for folder in folders if folder.is_dir())
 
+    def _config_file_folders(self, folders: set[Path]) -> set[Path]:
+        """The folders through which the file nereid.yaml leads to is followed, given the ``folders`` watched
+        for the links: those of them that are its folder, else its folder itself; sets the names its events
+        come by (blocking).
+
+        An edit of a symlinked nereid.yaml's target (in place, ``echo >>``,
+        ``touch``) changes neither the link nor its folder: it was never seen
+        (found by a bug hunt). inotify reports an event by the path its watch was
+        given, so the target's folder watched under another name (a folder on
+        the way that is a link) names the file by that name; a second watch of
+        the same folder is not added, as it would rename the events of the first.
+        Re-pointing a link changes the answer at the look its event brings.
+        """
+        target = Path(os.path.realpath(self.config_path))
+        folder = identity_of(target.parent)
+        same = {watched for watched in folders if folder is not None and identity_of(watched) == folder}
+        through = same or {target.parent}
+        self._config_files = frozenset(watched / target.name for watched in through)
+        return through
+
     def relevant(self, change: watchfiles.Change, path: str) -> bool:
         """Whether a file event at ``path`` counts as a change (watchfiles' filter): not a hidden or editor file
-        inside a model folder, except a Kubernetes volume's data link; nereid.yaml, or a link on its way."""
+        inside a model folder, except a Kubernetes volume's data link; nereid.yaml, the file it leads to, or a link
+        on its way."""
         candidate = Path(path)
-        if candidate == self.config_path:
+        if candidate == self.config_path or candidate in self._config_files:
             return True
         for target in self._awaited:  # a missing link target arriving, or a folder on its way to it
             if candidate == target or target.is_relative_to(candidate):

@@ -6,6 +6,7 @@ import asyncio
 import logging
 from pathlib import Path
 
+import pytest
 import watchfiles
 
 from nereid.file_events import RepositoryFollower, describe_error
@@ -116,6 +117,99 @@ def test_a_switched_release_link_is_followed_anew_once_and_its_files_bring_looks
         await asyncio.wait_for(running, 10)
     asyncio.run(scenario())
     assert len([r for r in caplog.records if "following anew" in r.getMessage()]) == 1
+
+
+@pytest.mark.parametrize("target", ["real/nereid.yaml", "nereid.prod.yaml"])
+def test_an_edit_in_place_of_the_file_a_symlinked_nereid_yaml_leads_to_brings_a_look(tmp_path, target):
+    """Defect (a bug hunt): with nereid.yaml a symlink, to a file in another folder or beside it, an edit in place
+    of that file (echo >>, touch) brought no look: only the folders of nereid.yaml and of the links on its way
+    were watched, and only their names counted. The target's folder is watched and its name counts."""
+    looks: list[str] = []
+    (tmp_path / target).parent.mkdir(exist_ok=True)
+    (tmp_path / target).write_text("models: []\n")
+    (tmp_path / "nereid.yaml").symlink_to(target)
+
+    async def scenario() -> None:
+        stop = asyncio.Event()
+        events = follower(tmp_path, looks, stop=stop)
+        running = asyncio.create_task(events.run())
+        await until(lambda: watching(events) and len(looks) == 2, "both watches up")
+        assert (tmp_path / target).parent in events.wanted_now()[-1][1].paths
+        with open(tmp_path / target, "a") as config:  # the same file written again: no name changes
+            config.write("# edited in place\n")
+        await until(lambda: len(looks) > 2, "a look after the target's edit")
+        stop.set()
+        await asyncio.wait_for(running, 10)
+    asyncio.run(scenario())
+
+
+def test_nereid_yaml_in_a_symlinked_folder_is_followed_by_that_folder_alone(tmp_path):
+    """nereid.yaml and ml_backends_path in ``etc -> srv``: the file's own folder, srv, is already watched as etc.
+    A second watch of one folder renames the events of the first (inotify gives the folder one watch, which
+    reports by the name added last): ml_backends_path replaced would come as srv/ml-backends, which counts not."""
+    looks: list[str] = []
+    (tmp_path / "srv" / "ml-backends").mkdir(parents=True)
+    (tmp_path / "srv" / "nereid.yaml").write_text("models: []\n")
+    (tmp_path / "etc").symlink_to("srv")
+
+    async def scenario() -> None:
+        stop = asyncio.Event()
+        events = RepositoryFollower(tmp_path / "etc" / "ml-backends", tmp_path / "etc" / "nereid.yaml", None, False,
+                                    50, 0.05, _counted(looks), stop)
+        running = asyncio.create_task(events.run())
+        await until(lambda: watching(events) and len(looks) == 2, "both watches up")
+        assert events.wanted_now()[-1][1].paths == (tmp_path, tmp_path / "etc")
+        with open(tmp_path / "srv" / "nereid.yaml", "a") as config:
+            config.write("# edited in place\n")
+        await until(lambda: len(looks) > 2, "a look after the edit")
+        stop.set()
+        await asyncio.wait_for(running, 10)
+    asyncio.run(scenario())
+
+
+def _counted(looks: list[str]):
+    """A look that counts itself in ``looks``."""
+    async def look() -> None:
+        looks.append("look")
+    return look
+
+
+@pytest.mark.parametrize("second", ["next/nereid.yaml", "real/nereid.next.yaml"])
+def test_a_re_pointed_nereid_yaml_link_follows_its_new_target_and_no_longer_the_old(tmp_path, second):
+    """The file nereid.yaml leads to is taken where the links on its way are: a link re-pointed moves the watch to
+    its new target's folder (or, in the same folder, the name that counts), as the look its event brings asks."""
+    looks: list[str] = []
+    old, new = tmp_path / "real" / "nereid.yaml", tmp_path / second
+    for path in (old, new):
+        path.parent.mkdir(exist_ok=True)
+        path.write_text("models: []\n")
+    link = tmp_path / "nereid.yaml"
+    link.symlink_to(old)
+
+    async def scenario() -> None:
+        stop = asyncio.Event()
+        events = follower(tmp_path, looks, stop=stop)
+        running = asyncio.create_task(events.run())
+        await until(lambda: watching(events) and len(looks) == 2, "both watches up")
+        (tmp_path / ".nereid.yaml.new").symlink_to(new)
+        (tmp_path / ".nereid.yaml.new").rename(link)  # ln -sfn's atomic form: the link re-pointed
+        await until(lambda: len(looks) > 2, "a look after the link was re-pointed")
+        wanted = events.wanted_now()  # (as the watcher's look asks, and hands to restart_moved)
+        events.restart_moved(wanted)
+        # A watch (re)started is up once its start's look has run (that look is scheduled as it starts); a link
+        # re-pointed within its folder changes no folder watched: nothing restarts.
+        await until(lambda: all(follow.current == paths for follow, paths in wanted) and not events._catch_ups,
+                    "the watches follow anew")
+        outer = wanted[-1][1].paths
+        assert new.parent in outer and (old.parent in outer) == (old.parent == new.parent)
+        assert not events.relevant(watchfiles.Change.modified, str(old))
+        assert events.relevant(watchfiles.Change.modified, str(new))
+        settled = len(looks)
+        new.write_text("models: []\n# edited in place\n")
+        await until(lambda: len(looks) > settled, "a look after the new target's edit")
+        stop.set()
+        await asyncio.wait_for(running, 10)
+    asyncio.run(scenario())
 
 
 def test_a_folder_that_cannot_be_watched_is_looked_at_every_poll_s_and_said_once(tmp_path, caplog):

@@ -1,4 +1,5 @@
-"""Dynamic mode: what is put in nereid.yaml's place is read as the start-up reads it (a regular file, 4 MiB at most).
+"""Dynamic mode: what is put in nereid.yaml's place is read as the start-up reads it (a regular file, 4 MiB at most),
+and the file a symlinked nereid.yaml leads to is followed.
 
 Found by a bug hunt: a FIFO moved over nereid.yaml blocked the watcher in open() for good (no folder loaded
 afterwards, and the process never exited on SIGTERM: the blocked thread is joined at exit); a 45 MB file was
@@ -175,3 +176,48 @@ def test_a_look_at_nereid_yaml_keeps_its_bytes_and_tells_contents_apart(tmp_path
     assert look.digest == hashlib.sha256(b"models: []\n").hexdigest()  # (all that is kept once it is applied)
     path.write_bytes(b"models: [] \n")
     assert nereid.watch.look_at_config(path) != look
+
+
+# A symlinked nereid.yaml, as a deployment keeps one: (the link, what it leads to, what it is re-pointed to).
+LINKED = {"to another folder": ("etc/nereid.yaml", "../real/nereid.yaml", "../next/nereid.yaml"),
+          "to a file beside it": ("nereid.yaml", "nereid.prod.yaml", "nereid.next.yaml")}
+
+
+def with_capacity(text: str, capacity: int) -> str:
+    """nereid.yaml's ``text`` with model first's queue_capacity set."""
+    return text.replace("  - name: first\n", f"  - name: first\n    queue_capacity: {capacity}\n")
+
+
+@pytest.mark.parametrize("layout", list(LINKED))
+def test_an_edit_in_place_of_the_file_a_symlinked_nereid_yaml_leads_to_is_applied(repo, serve, caplog, layout):
+    """Defect (a bug hunt): with nereid.yaml a symlink, an edit in place of the file it leads to (echo >>)
+    was never applied, nor after a ``touch`` of nereid.yaml (which follows the link): the watch saw only the
+    folders of nereid.yaml and of the links on its way. A link re-pointed leads the watch to its new target."""
+    caplog.set_level(logging.INFO, logger="nereid.watch")
+    write_model(repo.models_dir / "first")
+    text = repo.write_config("- name: first\n", server_extra=SETTLE).read_text().replace(
+        'ml_backends_path: "ml-backends"', f'ml_backends_path: "{repo.models_dir}"')
+    (repo.root / "nereid.yaml").unlink()
+    name, first, second = LINKED[layout]
+    link = repo.root / name
+    old, new = link.parent / first, link.parent / second
+    for target, capacity in ((old, 5), (new, 9)):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(with_capacity(text, capacity))
+    link.symlink_to(first)
+    server = serve(link)
+
+    def capacity() -> int:
+        return server.server.repository.entry("first").loaded.scheduler.capacity
+    assert capacity() == 5
+    old.write_text(with_capacity(text, 7))  # in place: the same file, no name changed
+    assert wait_until(lambda: capacity() == 7, PROMPT_S)
+    temporary = link.with_name(".nereid.yaml.new")
+    temporary.symlink_to(second)
+    os.rename(temporary, link)  # ln -sfn's atomic form: the link re-pointed
+    assert wait_until(lambda: capacity() == 9, PROMPT_S)
+    old.write_text(with_capacity(text, 11))  # no longer what nereid.yaml is
+    new.write_text(with_capacity(text, 13))
+    assert wait_until(lambda: capacity() == 13, PROMPT_S)
+    applied = [m for m in caplog.messages if m.startswith("dynamic repository: nereid.yaml changed; applying it")]
+    assert len(applied) == 3, applied  # 7, 9 and 13: never the old target's 11
