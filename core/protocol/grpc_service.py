@@ -129,21 +129,32 @@ MAX_SEND_MESSAGE_BYTES = (1 << 31) - 1
 
 # nereid_protocol_refused_total's reason for a request gRPC delivered but protobuf cannot parse.
 REFUSED_UNPARSABLE = "unparsable"
+REFUSED_OUT_OF_MEMORY = "out_of_memory"  # (HTTP's word for it too)
 
 
 class Unreadable:
-    """What a handler receives in place of a request whose bytes are not a valid message."""
+    """What a handler receives in place of a request whose bytes are not a valid message, or that the server ran
+    out of memory parsing (``out_of_memory``: the server's passing condition, not the client's fault)."""
 
-    __slots__ = ("message_type", "size", "problem")
+    __slots__ = ("message_type", "size", "problem", "out_of_memory")
 
-    def __init__(self, message_type: str, size: int, problem: str) -> None:
+    def __init__(self, message_type: str, size: int, problem: str, out_of_memory: bool = False) -> None:
         self.message_type = message_type
         self.size = size
         self.problem = problem
+        self.out_of_memory = out_of_memory
 
     def describe(self) -> str:
         """The client-facing reason (one line, capped)."""
+        if self.out_of_memory:
+            return (f"the server ran out of memory reading a {self.size}-byte {self.message_type}; try again later, "
+                    "or send its tensors in smaller requests")
         return cap_message(f"cannot parse the {self.size}-byte request as {self.message_type}: {self.problem}", 512)
+
+    @property
+    def status(self) -> grpc.StatusCode:
+        """UNAVAILABLE for a server out of memory (as HTTP's 503 for it), else INVALID_ARGUMENT."""
+        return grpc.StatusCode.UNAVAILABLE if self.out_of_memory else grpc.StatusCode.INVALID_ARGUMENT
 
 
 class Received:
@@ -173,6 +184,10 @@ def _parse_infer(data: bytes) -> Received | Unreadable:
 
 
 def _unreadable(message_type: type, data: bytes, err: Exception) -> Unreadable:
+    if isinstance(err, MemoryError):
+        # Not "cannot parse" (INVALID_ARGUMENT, counted unparsable): the message may be fine, the server was not.
+        err.__traceback__ = None  # (its frames hold what the parse had built)
+        return Unreadable(message_type.DESCRIPTOR.name, len(data), "", out_of_memory=True)
     # protobuf names the type by nereid's own copy of the protocol's package ('nereid.v2.ModelInferRequest'),
     # which no client's .proto has: named as on the wire (the bug hunt of the gRPC surface).
     problem = (str(err) or type(err).__name__).replace(f"'{message_type.DESCRIPTOR.file.package}.", "'inference.")
@@ -217,8 +232,7 @@ def _maps_errors(handler: Handler) -> Handler:
     @functools.wraps(handler)
     async def wrapper(self: "InferenceServicer", request: Any, context: grpc.aio.ServicerContext) -> Any:
         if isinstance(request, Unreadable):
-            code, message = grpc.StatusCode.INVALID_ARGUMENT, self._refuse_unreadable(handler.__name__, request,
-                                                                                      context)
+            code, message = request.status, self._refuse_unreadable(handler.__name__, request, context)
         else:
             try:
                 return await handler(self, request, context)
@@ -269,8 +283,9 @@ class InferenceServicer:
         """Count and log (naming its client) a request that cannot be parsed; the client's answer."""
         message = request.describe()
         if self._count_refused is not None:
-            self._count_refused(REFUSED_UNPARSABLE)
-        self.client_log.warning("%s from %s: %s", rpc, peer(context.peer()), message)
+            self._count_refused(REFUSED_OUT_OF_MEMORY if request.out_of_memory else REFUSED_UNPARSABLE)
+        self.client_log.warning("%s from %s: %s%s", rpc, peer(context.peer()), message,
+                                "; answered UNAVAILABLE" if request.out_of_memory else "")
         return message
 
     def close_streams(self) -> None:

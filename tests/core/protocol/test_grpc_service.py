@@ -22,7 +22,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 import nereid
-from support import ECHO_MAIN, FRAMED_ECHO_MAIN, expect_grpc_error, textproto_single, wait_until
+from support import ECHO_MAIN, FRAMED_ECHO_MAIN, expect_grpc_error, scrape, textproto_single, wait_until
 
 NOT_LISTED = "not listed in nereid.yaml"
 
@@ -847,6 +847,43 @@ def test_a_decode_out_of_memory_is_unavailable_naming_the_model_counted_internal
     warnings = [r.getMessage() for r in caplog.records if r.name == grpc_service.__name__]
     assert [line.split(": ", 1)[1] for line in warnings] == [f"{expected}; answered UNAVAILABLE"] * 2
     assert warnings[0].startswith("ModelInfer from ") and warnings[1].startswith("ModelStreamInfer from ")
+    monkeypatch.undo()  # the server keeps serving
+    result = server.client.infer("m", [_fp32_input([[1, 2, 3, 4]])])
+    np.testing.assert_array_equal(result.as_numpy("output"), [[1, 2, 3, 4]])
+
+
+def test_a_parse_out_of_memory_is_unavailable_counted_out_of_memory_not_unparsable(repo, serve, monkeypatch,
+                                                                                   caplog):
+    """Left by the limits hunt: a MemoryError while gRPC's bytes were parsed, before the model is known, answered
+    INVALID_ARGUMENT "cannot parse the request" and counted the request unparsable: the client's fault, where the
+    server was short of memory (its decode answers UNAVAILABLE, as HTTP's 503 does)."""
+    from nereid.protocol import grpc_service
+
+    repo.python("m")
+    server = serve(repo.write_config())
+
+    def out_of_memory(*args: Any) -> Any:
+        raise MemoryError()
+
+    monkeypatch.setattr(grpc_service, "parse_infer_request", out_of_memory)
+    message = service_pb2.ModelInferRequest(model_name="m", id="r1")
+    message.inputs.add(name="input", datatype="FP32", shape=[1, 4])
+    message.raw_input_contents.append(bytes(16))
+    size = message.ByteSize()
+    expected = (f"the server ran out of memory reading a {size}-byte ModelInferRequest; try again later, or send its "
+                "tensors in smaller requests")
+    with caplog.at_level(logging.WARNING), channel_to(server) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.ModelInfer(message, timeout=30)
+        [streamed] = list(stub.ModelStreamInfer(iter([message]), timeout=30))
+    assert (info.value.code(), info.value.details()) == (grpc.StatusCode.UNAVAILABLE, expected)
+    assert streamed.error_message == expected
+    refused = {labels: value for (name, labels), value in scrape(server.server.metrics_port).items()
+               if name == "nereid_protocol_refused_total"}
+    assert refused == {(("protocol", "grpc"), ("reason", "out_of_memory")): 2.0}, refused
+    warnings = [r.getMessage() for r in caplog.records if r.name == grpc_service.__name__]
+    assert [line.split(": ", 1)[1] for line in warnings] == [f"{expected}; answered UNAVAILABLE"] * 2
     monkeypatch.undo()  # the server keeps serving
     result = server.client.infer("m", [_fp32_input([[1, 2, 3, 4]])])
     np.testing.assert_array_equal(result.as_numpy("output"), [[1, 2, 3, 4]])
