@@ -149,6 +149,10 @@ def _run_submitted(future: Future, fn: Callable[..., Any], args: tuple, kwargs: 
         del error  # no cycle through this frame's traceback
     else:
         future.set_result(result)
+    finally:
+        # Nor through the future, which keeps the error (it held the failed call's frames, a plain-def
+        # orchestration's locals, until a garbage collection).
+        del future
 
 
 # The server's own work off the event loop that may wait on the network: a bucket's listing, a store's answer.

@@ -204,6 +204,10 @@ class ModelScheduler:
                 raise Unavailable(self._abandoned_message()) from None
             finally:
                 self._direct.discard(caller)
+                # What fails the request holds this frame in its traceback, and the task may keep it (the task of a
+                # meta model's orchestration, whose sub-call runs in it): no cycle through this local, which kept
+                # the failed run's frames until a garbage collection.
+                del caller
                 if deadline is not None:
                     REQUEST_DEADLINE_NS.reset(deadline)
                 if nested is not None:
@@ -229,6 +233,10 @@ class ModelScheduler:
                 self._update_idle()
                 self._room_freed()
             raise
+        finally:
+            # Its future keeps the error that failed it, whose traceback then holds this frame: no cycle through
+            # this local (see _execute).
+            del work
 
     def _queue_full(self) -> bool:
         """Whether the queue refuses a request now (its expired requests, which :meth:`submit` drops first, counted)."""
@@ -529,25 +537,36 @@ class ModelScheduler:
             self._arrived.clear()  # before deciding: an arrival from here on wakes the wait below
             # Draining, no request can join the queue: a batch does not wait for company any more.
             policy = self.policy if self._accepting else replace(self.policy, max_delay_ns=0)
-            decision = take_batch(self._pending, policy, time.monotonic_ns(), self._freed_ns)
-            for work in decision.dropped:
-                self._answer_dropped(work)
-            if decision.batch:
-                self._free_slots -= 1
-                task = asyncio.create_task(self._execute(decision.batch), name=self._execution_name)
-                self._running[task] = decision.batch
-                task.add_done_callback(self._execution_done)
-            if decision.dropped or decision.batch:
-                # (Even a batch of one, which takes an instance as well as leaving the queue: a preprocess stage
-                # counts the whole queue, and its waiter stayed out until the execution ended; the hunt of the wait.)
-                self._room_freed()
-            if not decision.batch and decision.wake_ns is not None:
+            wake_ns = self._start_batch(policy)
+            if wake_ns is not None:
                 # One wake-up at the first request's window end; arrivals wake the loop in between.
-                timer = loop.call_later(max(0, decision.wake_ns - time.monotonic_ns()) / 1e9, self._arrived.set)
+                timer = loop.call_later(max(0, wake_ns - time.monotonic_ns()) / 1e9, self._arrived.set)
                 try:
                     await self._arrived.wait()
                 finally:
                     timer.cancel()
+
+    def _start_batch(self, policy: BatchPolicy) -> int | None:
+        """Answer the requests :func:`take_batch` drops, and start the batch it releases, if any; when none, the
+        time to decide again at the latest (None: at the next arrival).
+
+        A method of its own so that the batcher, waiting, holds none of the requests it handed on: the last
+        batch's futures keep their answers (a failure's error, with the failed run's frames: a meta model's
+        orchestration, its inputs and intermediates) until the model's next batch.
+        """
+        decision = take_batch(self._pending, policy, time.monotonic_ns(), self._freed_ns)
+        for work in decision.dropped:
+            self._answer_dropped(work)
+        if decision.batch:
+            self._free_slots -= 1
+            task = asyncio.create_task(self._execute(decision.batch), name=self._execution_name)
+            self._running[task] = decision.batch
+            task.add_done_callback(self._execution_done)
+        if decision.dropped or decision.batch:
+            # (Even a batch of one, which takes an instance as well as leaving the queue: a preprocess stage
+            # counts the whole queue, and its waiter stayed out until the execution ended; the hunt of the wait.)
+            self._room_freed()
+        return None if decision.batch else decision.wake_ns
 
     def _execution_done(self, task: asyncio.Task) -> None:
         # (Its instance is still held if the execution ended without answering, or answered callers that go on to a
@@ -640,9 +659,11 @@ class ModelScheduler:
                 results = await self._run_works(live, now, resent=True)
         except NereidError as error:  # every failure _run reports (a CancelledError is this task's own)
             self._end_execution(asyncio.current_task())
-            for work in live:
-                if not work.future.done():  # (cancelled by its caller, or answered by drain)
-                    work.future.set_exception(error)
+            _fail_all(live, error)
+            # The requests' futures keep the error, whose traceback holds this frame: no cycle through these
+            # locals, which kept the failed run's frames (a meta model's orchestration, its inputs and
+            # intermediates) until a garbage collection.
+            batch = live = []
             return
         except asyncio.CancelledError:
             # Abandoned by drain (which answered the batch already), its lone caller gone (that future is
@@ -666,8 +687,10 @@ class ModelScheduler:
         """:meth:`_run` of the requests ``live``, whose assembly starts at ``now``."""
         # This task's own context: the batch's earliest deadline, for a coroutine infer.
         REQUEST_DEADLINE_NS.set(min((w.deadline_ns for w in live if w.deadline_ns), default=0))
-        return await self._run([w.inputs for w in live], [w.rows for w in live], sum(w.cost for w in live),
-                               [now - w.enqueued_ns for w in live], now, [w.timing for w in live], resent=resent)
+        run = self._run([w.inputs for w in live], [w.rows for w in live], sum(w.cost for w in live),
+                        [now - w.enqueued_ns for w in live], now, [w.timing for w in live], resent=resent)
+        del live  # (what fails the run holds this frame in its traceback: no cycle through the requests' futures)
+        return await run
 
     def _executions(self) -> int:
         """Executions still running: on worker threads (a caller's gone one included), or on the loop (a
@@ -763,13 +786,19 @@ class ModelScheduler:
                 raise  # no fault yet: the caller sends the batch once more
             failure = err.failure if isinstance(err, NotStarted) else err
             named = naming_model(self.name, failure)
-            if named is not failure:
-                named.__cause__ = failure.__cause__  # what it was raised from, for the log's traceback
-            if isinstance(named, ModelFailure):
-                self.log_fault(named)  # the backend's own word for its fault (a run that failed)
-            if named is err:
-                raise
-            raise named from failure.__cause__
+            try:
+                if named is not failure:
+                    named.__cause__ = failure.__cause__  # what it was raised from, for the log's traceback
+                if isinstance(named, ModelFailure):
+                    self.log_fault(named)  # the backend's own word for its fault (a run that failed)
+                if named is err:
+                    raise
+                raise named from failure.__cause__
+            finally:
+                # The error's traceback holds this frame: no cycle through these locals, which kept the failed
+                # run's frames (a meta model's orchestration, its inputs and intermediates) until a garbage
+                # collection (as ``err`` itself is cleared by Python).
+                del failure, named
         except asyncio.CancelledError as err:
             # A coroutine infer runs in this very task: a cancellation out of it that was not this task's
             # own (an awaited call of the model's was cancelled) is the model's fault, and must not pass
@@ -912,6 +941,12 @@ class ModelScheduler:
                 error = call.waiter.exception()
                 when_abandoned(None if error is not None else call.waiter.result(), error)
             raise
+        finally:
+            if not call.waiter.cancelled():
+                # The thread has ended and told ``done``, which set the waiter. It keeps the model's error, whose
+                # traceback holds this frame and the thread's, which holds ``done``: no cycle through this cell
+                # (``done``'s too), which kept the failed run's frames, its inputs, until a garbage collection.
+                del call
 
     def _infer_on_thread(self, inputs: list[NamedTensor]) -> list[NamedTensor]:
         """The backend's infer, on a worker thread; only an Exception comes out, and never a CancelledError.
@@ -989,6 +1024,13 @@ def not_started(model: str, deadline_ns: int, now_ns: int, waited: str = "") -> 
     where = f" ({waited})" if waited else ""
     return DeadlineExceeded(f"model '{model}': deadline passed {(now_ns - deadline_ns) / 1e6:.1f} ms before the "
                             f"request could start{where}; it was not run")
+
+
+def _fail_all(works: list[Work], error: NereidError) -> None:
+    """Answer each of ``works`` still waiting (not cancelled by its caller, nor answered by drain) with ``error``."""
+    for work in works:
+        if not work.future.done():
+            work.future.set_exception(error)
 
 
 def _without_padding(outputs: list[NamedTensor], rows: int) -> list[NamedTensor]:

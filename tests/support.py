@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import shutil
 import socket
@@ -19,13 +20,14 @@ import textwrap
 import threading
 import urllib.request
 from pathlib import Path
-from typing import Any, Callable, Coroutine
+from typing import Any, Callable, Coroutine, Iterator
 
 import pytest
 import tritonclient.grpc as triton
 from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.utils import InferenceServerException
 
+from nereid.collector_pause import collector_paused
 from nereid.server import NereidServer
 from nereid.settings import load_settings
 
@@ -52,6 +54,20 @@ def textproto_single(dtype: str = "FP32", input_shape: str = "[4]", output_shape
     """A single-tensor model_inference.textproto."""
     return (f'input_shape: {input_shape}\noutput_shape: {output_shape or input_shape}\n'
             f'max_batch_size: {max_batch_size}\ndata_type: "{dtype}"\n')
+
+
+@contextlib.contextmanager
+def reference_counting_only() -> Iterator[None]:
+    """Run the body as a server runs between two garbage collections: Python's cyclic collector paused, so what
+    only a collection frees stays; and nothing logged, since pytest's capture keeps every record, and with it an
+    error's traceback and the frames under test."""
+    logged = logging.root.manager.disable
+    logging.disable(logging.CRITICAL)
+    try:
+        with collector_paused():
+            yield
+    finally:
+        logging.disable(logged)
 
 
 class ModelRepo:
