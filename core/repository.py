@@ -33,6 +33,7 @@ from nereid.log_limit import RateLimitedLog
 from nereid.model_building import BackendRaised
 from nereid.model_entry import (FOUND_AFTER_START_REASON, NOT_LISTED_REASON, LoadAbandoned, LoadedModel, ModelEntry,
                                 ModelState, RetiringVersion, waiting_for_folder)
+from nereid.model_hooks import collect_released_code_soon
 from nereid.plugins import check_backend_defaults
 from nereid.settings import Settings
 from nereid.settings_changes import changed_backends, served, settings_step
@@ -1251,6 +1252,7 @@ class ModelRepository:
             loaded.release_folder()
             self._retiring.pop(id(loaded), None)
             self._terminated.discard(id(backend))
+            collect_released_code_soon()  # (a model.py's module, which only the collector frees)
         await self._cleanup.drop_scratch(retiring.scratch_names)
 
     def _heard_loaded(self, name: str, loaded: LoadedModel) -> None:
