@@ -45,8 +45,11 @@ class ModelContext:
     """Everything a backend needs to build one model.
 
     ``scratch_dir`` is a private, server-owned folder for temporary files
-    (emptied and removed when the server stops). ``settings_origin`` says where
-    ``settings`` came from (``"<file>: models[2]"``), for error messages about
+    (emptied and removed when the server stops). ``runs_dir`` is where a
+    backend that runs a program per request makes each run's own folder (its
+    TMPDIR): the server's, shared by its models, a short path that does not
+    name the model (see :mod:`nereid.run_folders`); None: ``scratch_dir``.
+    ``settings_origin`` says where ``settings`` came from (``"<file>: models[2]"``), for error messages about
     backend-specific ``runtime`` options. ``models`` calls the server's other
     models (None where there is no server, as in ``nereid check``).
     ``folder`` is what the model loads and runs from: for a repository in
@@ -66,6 +69,9 @@ class ModelContext:
     # What folder_rewritten() tells (the repository's loader: the version's stamp of its files); None: nobody
     # keeps one (a model from a bucket, or built outside a repository).
     on_folder_rewritten: Callable[[frozenset[str]], None] | None = None
+    # Where each run's folder is made (a short path: AF_UNIX sockets under a run's TMPDIR must fit); None:
+    # scratch_dir (a context made outside a server).
+    runs_dir: Path | None = None
     # Set when the server gives up on this load while create() or load() still run (an unload or removal of the
     # model came, or the server stops): a long build may stop early (the cpp and cxx backends kill their
     # compilers), since what it builds is unloaded at once if it ever returns.

@@ -40,6 +40,7 @@ from nereid.model_runner import checked_input_check
 from nereid.processes import (kill_children, not_ignored, record_early_stops, redeliver_early_stops,
                               release_early_stops, stop_signals)
 from nereid.plugins import NereidPluginManager, add_commands, check_backend_defaults, error_text, make_plugin_manager
+from nereid.run_folders import runs_folder
 from nereid.storage import StorageError, materialize_model_folder, scan_model_folders
 from nereid.settings import Listeners, Settings, address_problem, load_settings
 
@@ -665,7 +666,7 @@ def _check_model(settings: Settings, manager: NereidPluginManager, scratch: Path
     listed = settings.model(name) is not None
     suffix = "" if listed or not settings.models_listed else f" ({NOT_LISTED})"
     # A folder of its own in the scratch folder, as a server gives each model (messages name it alike).
-    context = ModelContext(name, root / name, model_settings, scratch / name, origin)
+    context = ModelContext(name, root / name, model_settings, scratch / name, origin, runs_dir=runs_folder(scratch))
     try:
         context.scratch_dir.mkdir(exist_ok=True)
         materialize_model_folder(settings.server, name)  # from an object store: fetch it first

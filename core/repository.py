@@ -835,7 +835,8 @@ class ModelRepository:
             # the scratch folder the moved model is given.
             claimed = new not in entry.scratch_names
             entry.scratch_names.add(new)
-            context = ModelContext(new, self.root / new, settings, self._loader.scratch_for(new), origin, self.models)
+            context = ModelContext(new, self.root / new, settings, self._loader.scratch_for(new), origin, self.models,
+                                   runs_dir=self._loader.runs_dir)
             try:
                 if not isinstance(loaded.backend, Relocatable):
                     raise ConfigError(f"backend '{loaded.backend_name}' cannot move a loaded model")

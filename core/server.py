@@ -29,6 +29,7 @@ from nereid.protocol.grpc_service import (MAX_SEND_MESSAGE_BYTES, SERVICE_NAME, 
 from nereid.protocol.http_listener import HttpListener
 from nereid.protocol.http_service import HttpSurface
 from nereid.repository import ModelRepository
+from nereid.run_folders import warn_if_sockets_cannot_fit
 from nereid.processes import kill_children, release_early_stops, stop_new_children, stop_signals
 from nereid.settings import Listeners, ServerSettings, Settings, repository_control_allowed
 from nereid.tensors import InferRequest, InferResponse
@@ -129,6 +130,7 @@ class NereidServer:
         # tempfile, and those folders would never be removed.
         remove_stale_scratch(asked_temporary_directory())
         self.scratch_dir = make_scratch_folder()
+        warn_if_sockets_cannot_fit(self.scratch_dir)
         self.metrics = ServerMetrics()
         # The server is the models' ModelCaller: a meta model's sub-calls go through the data plane.
         self.repository = ModelRepository(settings, self.manager, self.scratch_dir, events=self.metrics, models=self,

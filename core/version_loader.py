@@ -28,6 +28,7 @@ from nereid.leftovers import remove_model_leftovers
 from nereid.model_building import BuildStage, BuiltModel, build_model
 from nereid.model_entry import LoadAbandoned, LoadedModel, ModelEntry
 from nereid.model_runner import HookThreads, make_runner
+from nereid.run_folders import runs_folder
 from nereid.scheduler import ModelScheduler
 from nereid.settings import DEFAULT_MODEL_LOAD_THREADS, ModelSettings, Settings
 from nereid.stats import ModelStats
@@ -85,6 +86,9 @@ class VersionLoader:
                  load_threads: int = DEFAULT_MODEL_LOAD_THREADS) -> None:
         self.manager = manager
         self.scratch_dir = scratch_dir
+        # Every model's runs make their folders here, not in the model's scratch folder: a TMPDIR that named the
+        # model left no room for the AF_UNIX sockets a run makes (see nereid.run_folders).
+        self.runs_dir = runs_folder(scratch_dir)
         self.models = models
         # At most ``load_threads`` builds at once (server.model_load_threads). Hundreds of folders at start, each
         # build's thread importing and reading at once, kept the event loop from the GIL: liveness went
@@ -132,7 +136,8 @@ class VersionLoader:
             if stamped is not None and stamp is not None and _without(stamped[0], names) == _without(stamp, names):
                 restamped.append(stamped[0])
         context = ModelContext(name, entry.folder, entry.settings, self.scratch_for(name), entry.settings_origin,
-                               self.models, on_folder_rewritten=folder_rewritten if stamped_here else None)
+                               self.models, on_folder_rewritten=folder_rewritten if stamped_here else None,
+                               runs_dir=self.runs_dir)
         if stamped_here:
             stamped = await asyncio.to_thread(folder_stamp, entry.folder)  # before the build reads the files
             stamp = stamped[0] if stamped is not None else None

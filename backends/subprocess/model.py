@@ -18,7 +18,7 @@ import errno
 import os
 import re
 import stat
-import uuid
+import threading
 from pathlib import Path
 from typing import BinaryIO
 
@@ -26,7 +26,7 @@ from nereid.backend import ModelContext
 from nereid.dtypes import DType
 from nereid.errors import ConfigError, MissingModelFile, ModelFailure, ModelKilled, Unavailable, cap_message
 from nereid.files import descriptor_path, not_regular_reason, remove_tree
-from nereid.leftovers import make_private_folder
+from nereid.run_folders import longest_run_folder, make_run_folder
 from nereid.runtime_options import RuntimeOptions
 from nereid.signature import TEXTPROTO_NAME, ModelSignature, TensorSpec, dims_match, load_textproto_signature
 from nereid.tensors import NamedTensor, tensor_buffer, tensor_bytes
@@ -79,6 +79,10 @@ class SubprocessModel:
         self._folder_fds: list[int] = []
         # CUDA_VISIBLE_DEVICES of every run, set by load: none for a CPU model (and before load).
         self._cuda_visible_devices = ""
+        # Run folders that could not be removed whole after their run (see _remove_run_folder), tried again at
+        # unload.
+        self._runs_left: set[Path] = set()
+        self._runs_left_lock = threading.Lock()
 
     # -- Model protocol -------------------------------------------------
     def load(self) -> None:
@@ -111,8 +115,7 @@ class SubprocessModel:
         # Counted as running from here, before its program starts (cold or warm): a terminate_running
         # meanwhile ends it as soon as it starts, instead of missing it (see ProcessGroups.running).
         with self._groups.running():
-            work_dir = self.context.scratch_dir / f"run-{uuid.uuid4().hex}"
-            make_private_folder(work_dir)
+            work_dir = make_run_folder(self.runs_dir())
             try:
                 output_path = work_dir / "output"
                 env = self._environment(inputs, output_path, work_dir)
@@ -131,7 +134,20 @@ class SubprocessModel:
                     raise fault(f"model '{name}' {result.describe()}{tail}{self.failed_run_hint()}")
                 return self._read_outputs(output_path, batch, result.output_tail)
             finally:
-                remove_tree(work_dir)  # (with what the program made read-only in its TMPDIR)
+                self._remove_run_folder(work_dir)
+
+    def runs_dir(self) -> Path:
+        """Where this model's runs make their folders: the server's folder of run folders, shared by its models
+        (the context's ``runs_dir``), else the model's scratch folder."""
+        return self.context.runs_dir if self.context.runs_dir is not None else self.context.scratch_dir
+
+    def _remove_run_folder(self, work_dir: Path) -> None:
+        """Remove a run's folder, with what the program made read-only in its TMPDIR; one that stays (a process
+        the run detached still writing there) is tried again at unload. (The folder they share goes only with the
+        server's scratch folder: made in the model's scratch folder, they went with that, after the unload.)"""
+        if not remove_tree(work_dir):
+            with self._runs_left_lock:
+                self._runs_left.add(work_dir)
 
     def _launch_in_folder(self, env: dict[str, str], stdin: StdinData) -> ProcessResult:
         """``launch``, with a run that could not start in the loaded folder (or failed while the server's user
@@ -208,10 +224,14 @@ class SubprocessModel:
         self._hold_folder()
 
     def unload(self) -> None:
-        """Nothing stays running between requests; the folder is let go."""
+        """Nothing stays running between requests; the folder is let go, run folders left behind removed."""
         fds, self._folder_fds = self._folder_fds, []
         for fd in fds:
             os.close(fd)
+        with self._runs_left_lock:
+            left, self._runs_left = self._runs_left, set()
+        for work_dir in left:
+            remove_tree(work_dir)
 
     def run_folder(self) -> str:
         """The working directory of a run: the loaded folder, wherever it is now.
@@ -360,7 +380,7 @@ class SubprocessModel:
         textproto's tensors, TMPDIR and the output path as long as a run's (a single-tensor run's input shape and
         dtype, a few bytes, are left out)."""
         signature = self.signature()
-        work_dir = self.context.scratch_dir / f"run-{uuid.UUID(int=0).hex}"
+        work_dir = longest_run_folder(self.runs_dir())
         env = self._environment([], work_dir / "output", work_dir)
         if not signature.single_tensor_form:
             env["NEREID_INPUT_NAMES"] = NAMES_SEPARATOR.join(spec.name for spec in signature.inputs)

@@ -32,6 +32,7 @@ import tritonclient.grpc as triton
 from tritonclient.utils import InferenceServerException
 
 from nereid.errors import ModelFailure
+from nereid.run_folders import runs_folder
 
 from support import ECHO_MAIN, FRAMED_ECHO_MAIN, process_alive, textproto_single, zombie_children
 
@@ -66,10 +67,10 @@ def index_of(server) -> dict[str, tuple[str, str]]:
     return {m.name: (m.state, m.reason) for m in server.client.get_model_repository_index().models}
 
 
-def run_dirs(server, model: str) -> list[Path]:
-    """Per-request scratch folders left behind for ``model``."""
-    scratch = server.server.scratch_dir / model
-    return sorted(scratch.glob("run-*")) if scratch.exists() else []
+def run_dirs(server) -> list[Path]:
+    """Per-request folders left behind (those of every model: they share one folder of the scratch folder)."""
+    runs = runs_folder(server.server.scratch_dir)
+    return sorted(runs.iterdir()) if runs.exists() else []
 
 
 @pytest.fixture(autouse=True, params=["warm", "cold"])
@@ -137,11 +138,11 @@ def test_single_tensor_contract_environment_and_cwd(repo, serve, monkeypatch, no
     assert env["NEREID_INPUT_DTYPE"] == "bytes"
     assert env["NEREID_MODEL_NAME"] == "report_cpu"
     assert env["NEREID_OUTPUT_NAMES"] == "output"
-    # the output file and TMPDIR live in a private per-request scratch folder
-    scratch = os.path.realpath(server.server.scratch_dir / "report_cpu")
+    # the output file and TMPDIR live in a private per-request folder, in the server's folder of run folders
+    runs = os.path.realpath(runs_folder(server.server.scratch_dir))
     assert os.path.dirname(os.path.realpath(env["NEREID_OUTPUT_PATH"])) == os.path.realpath(env["TMPDIR"])
-    assert os.path.dirname(os.path.realpath(env["TMPDIR"])) == scratch
-    assert os.path.basename(env["TMPDIR"]).startswith("run-")
+    assert os.path.dirname(os.path.realpath(env["TMPDIR"])) == runs
+    assert re.fullmatch(r"[0-9a-f]{12}", os.path.basename(env["TMPDIR"])), env["TMPDIR"]
     # working directory: the model folder
     assert os.path.realpath(cpu["cwd"]) == os.path.realpath(cpu_folder)
     # a minimal environment: nothing arbitrary from the server's
@@ -167,7 +168,7 @@ def test_single_tensor_contract_environment_and_cwd(repo, serve, monkeypatch, no
     report = json.loads(result[2, 0])
     assert report["env"]["NEREID_INPUT_SHAPE"] == "3,4"
     assert bytes.fromhex(report["stdin"]) == b"".join(struct.pack("<I", len(e)) + e for e in batched.reshape(-1))
-    assert run_dirs(server, "report_cpu") == [] and run_dirs(server, "report_gpu") == []
+    assert run_dirs(server) == []
 
 
 CASES = [  # (datatype, request array)
@@ -568,8 +569,7 @@ def test_fault_is_internal_with_reason(faulty_server, no_zombies, mode, expected
     assert infer(server, "bystander", FOUR).as_numpy("output").tolist() == FOUR.tolist()
     assert server.client.is_server_live() and server.client.is_model_ready("faulty")
     # nothing left behind: no per-request folder (of any model), no unreaped child
-    assert run_dirs(server, "faulty") == []
-    assert list(server.server.scratch_dir.rglob("run-*")) == []
+    assert run_dirs(server) == []
     assert zombie_children() == []
 
 
@@ -605,7 +605,7 @@ def test_hang_past_timeout_kills_the_process_group(faulty_server, repo, no_zombi
     assert not process_alive(grandchild), f"grandchild {grandchild} survived the timeout"
     # the same model answers promptly afterwards, and nothing was left behind
     assert infer(server, "hang", good_row(0)).as_numpy("output").tolist() == good_row(0).tolist()
-    assert run_dirs(server, "hang") == []
+    assert run_dirs(server) == []
     assert zombie_children() == []
 
 
@@ -654,7 +654,7 @@ def test_concurrent_requests_and_faults(faulty_server, no_zombies):
         answers = list(pool.map(one, enumerate(modes)))
     for mode, answer in zip(modes, answers):
         assert answer in (("ok", "StatusCode.INTERNAL") if mode == 0 else ("StatusCode.INTERNAL",)), (mode, answer)
-    assert run_dirs(server, "faulty") == []
+    assert run_dirs(server) == []
     assert zombie_children() == []
     assert infer(server, "faulty", good_row(0)).as_numpy("output").tolist() == good_row(0).tolist()
 
@@ -725,7 +725,7 @@ def test_model_that_ignores_stdin(repo, serve, no_zombies):
     server = serve(repo.write_config())
     big = np.zeros((1, 4 << 20), dtype=np.uint8)  # far more than a pipe buffer
     assert infer(server, "deaf", big, "UINT8").as_numpy("output").tolist() == [[42]]
-    assert run_dirs(server, "deaf") == []
+    assert run_dirs(server) == []
 
 
 # -- folders that cannot be served -------------------------------------------
@@ -1110,7 +1110,7 @@ with open(os.environ["NEREID_OUTPUT_PATH"], "wb") as out:
 
 # Loads the model, runs it twice, and prints the output and what the scratch folder holds then, and after unload.
 _RUN_AS_NON_ROOT = """
-import sys
+import re, sys
 from pathlib import Path
 import numpy as np
 from nereid.backend import ModelContext
@@ -1125,7 +1125,7 @@ model.load()
 for _ in range(2):
     [output] = model.infer([NamedTensor("input", DType.FP32, np.arange(4, dtype=np.float32).reshape(1, 4))])
 print(output.data.tolist())
-print(sorted(p.name for p in scratch.rglob("run-*")))
+print(sorted(p.name for p in scratch.iterdir() if re.fullmatch("[0-9a-f]{12}", p.name)))  # (run folders)
 model.unload()
 print(sorted(str(p.relative_to(scratch)) for p in scratch.rglob("*")))
 """
