@@ -39,7 +39,7 @@ import stat
 import threading
 import time
 import uuid
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
@@ -483,8 +483,8 @@ def _materialize(location: StoreURL, name: str, folder: Path,
         result = RemoteFolder(str(folder_url), fetched, streamed)
         try:
             atomic_write(folder / MARKER_FILE, [json.dumps(
-                {"url": result.url, "fetched": {k: asdict(v) for k, v in fetched.items()},
-                 "streamed": {k: asdict(v) for k, v in streamed.items()}}, indent=1, sort_keys=True).encode()])
+                {"url": result.url, "fetched": {k: _recorded(v) for k, v in fetched.items()},
+                 "streamed": {k: _recorded(v) for k, v in streamed.items()}}, indent=1, sort_keys=True).encode()])
         except OSError as err:
             # A StorageError, as a refused copy of a file is: the watcher tries the load again once the cache has
             # room, where a bare OSError reads as the model's own fault (UNAVAILABLE for good).
@@ -1078,12 +1078,34 @@ def read_marker(folder: Path) -> RemoteFolder | None:
     try:
         document = json.loads(read_text_file(marker, MARKER_LIMIT_BYTES))
         return RemoteFolder(document["url"],
-                            {k: RemoteObject(**v) for k, v in document["fetched"].items()},
-                            {k: RemoteObject(**v) for k, v in document["streamed"].items()})
+                            {k: _recorded_object(v) for k, v in document["fetched"].items()},
+                            {k: _recorded_object(v) for k, v in document["streamed"].items()})
     except ConfigError as err:  # not a regular file, too large, not text: its reason names the file already
         raise StorageError(f"{marker}: unreadable ({str(err).removeprefix(f'{marker}: ')})") from None
     except Exception as err:  # any shape at all: garbage, another nereid version's fields
         raise StorageError(f"{marker}: unreadable ({type(err).__name__}: {err})") from None
+
+
+def _recorded(item: RemoteObject) -> dict[str, Any]:
+    """``item`` as the record holds it: its fields, less those left empty (None).
+
+    Servers of several nereid versions share a record (a rollback, a rolling
+    upgrade over one cache_dir), and a reader of an older version refuses a
+    field it does not know: every record this version wrote named
+    ``modified``, null for every object with an ETag, and an older server
+    fetched each folder whole again at every load, with a WARNING (the upgrade
+    hunt). A field left out is its default when read.
+    """
+    return {name: value for name, value in asdict(item).items() if value is not None}
+
+
+def _recorded_object(recorded: dict[str, Any]) -> RemoteObject:
+    """A record's object, the fields a later nereid version added passed over (compared with the listing by the
+    fields this version knows, as it would have recorded them)."""
+    return RemoteObject(**{name: value for name, value in recorded.items() if name in _REMOTE_OBJECT_FIELDS})
+
+
+_REMOTE_OBJECT_FIELDS = frozenset(known.name for known in fields(RemoteObject))
 
 
 def _remove_unless_regular(path: Path) -> bool:
