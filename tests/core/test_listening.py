@@ -129,6 +129,26 @@ def test_grpc_s_address_is_probed_as_grpc_binds_it():
     assert isinstance(bind_problem("no-such-host.invalid:8001"), socket.gaierror)
 
 
+def test_the_grpc_wildcard_taken_on_ipv6_is_a_problem_not_a_start_on_ipv4_alone():
+    """Found by the replicas hunt: with another server on [::1]:P, a second one told [::]:P started (gRPC fell back
+    to 0.0.0.0), said it listened on [::]:P, and IPv6 clients reached the other server; the HTTP listener refuses
+    the same address."""
+    try:
+        taken = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+    except OSError:
+        pytest.skip("no IPv6 here")
+    with taken:
+        try:
+            taken.bind(("::1", 0))
+        except OSError:
+            pytest.skip("no ::1 here")
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        problem = bind_problem(f"[::]:{port}")
+        assert isinstance(problem, OSError) and problem.errno == errno.EADDRINUSE, problem
+    assert bind_problem(f"[::]:{port}") is None  # let go
+
+
 def test_an_ipv6_address_the_host_lacks_is_said_to_be_one():
     """The operator hunt: in a container without IPv6 the default [::1] addresses were refused with only "Cannot
     assign requested address". (2001:db8::/32 is for documentation: no host has it.)"""
