@@ -217,11 +217,16 @@ def _checked_run_bound(manager: NereidPluginManager, backend_name: str, context:
     answer = _plugin_step(manager, backend_name, context, "longest_run_s()", backend.longest_run_s)
     if answer is None:
         return None
-    if (isinstance(answer, (bool, np.bool_)) or not isinstance(answer, (int, float, np.integer, np.floating))
-            or not math.isfinite(answer) or answer <= 0):
+    seconds = None
+    if isinstance(answer, (int, float, np.integer, np.floating)) and not isinstance(answer, (bool, np.bool_)):
+        try:
+            seconds = float(answer)
+        except OverflowError:  # (an int no float can hold: 10**400)
+            pass
+    if seconds is None or not math.isfinite(seconds) or seconds <= 0:
         raise ConfigError(f"model '{context.name}': longest_run_s() of {manager.describe(backend_name)} returned "
                           f"{brief_description(answer)}, expected None or a number of seconds above 0")
-    return float(answer)
+    return seconds
 
 
 class BackendRaised(ConfigError):

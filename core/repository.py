@@ -1162,7 +1162,8 @@ class ModelRepository:
         backend-call wait) held up the others, one after another, at every stop.
         """
         running = [(name, loaded.backend) for name, loaded in self.versions()
-                   if not loaded.scheduler.idle]  # (old versions still draining too)
+                   if not loaded.scheduler.idle  # (old versions still draining too)
+                   and id(loaded.backend) not in self._terminated]  # (a drain's own grace has asked it already)
         # Asked once: the unloads that follow (grace 0) do not ask again, nor log the same failure twice.
         self._terminated.update(id(backend) for _, backend in running)
         await asyncio.gather(*(terminate_backend(name, backend) for name, backend in running))
@@ -1241,6 +1242,7 @@ class ModelRepository:
 
         async def end_running() -> None:
             if id(backend) not in self._terminated:  # (the shutdown's terminate_running asked it already)
+                self._terminated.add(id(backend))  # (and is not to ask it again: a backend is asked once)
                 await terminate_backend(name, backend)  # never raises: the unload goes on past a failing terminate
 
         try:

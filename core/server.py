@@ -421,6 +421,9 @@ class NereidServer:
         # still runs is ended rather than waited for.
         if not self.dataplane.grace_passed:
             await self.repository.wait_idle(max(0.0, grace_ends - time.monotonic()))
+        # The grace is over: nothing starts from here on, and a version a reload replaced, which may drain within
+        # its model's timeout_s, ends now too (its clients all gone, only the listeners' wait had not said so).
+        self.repository.stop_starting()
         await self.repository.terminate_running()
         await self.repository.unload_all(grace_s=0)
         self.metrics.close()

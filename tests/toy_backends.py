@@ -381,6 +381,13 @@ class RunBoundNegativeModel(FaultyModel):
         return -1
 
 
+class RunBoundHugeModel(FaultyModel):
+    """Its ``longest_run_s()`` answers an int no float can hold."""
+
+    def longest_run_s(self):
+        return 10**400
+
+
 class RunBoundRaisesModel(FaultyModel):
     """Its ``longest_run_s()`` raises."""
 
@@ -401,7 +408,7 @@ FAULTS = {"signature_none": SignatureNoneModel, "no_platform": NoPlatformModel, 
           "dependencies_and_unload_fail": DependenciesAndUnloadFailModel, "no_device_raises": NoDeviceRaisesModel,
           "async_hooks": AsyncHooksModel, "forwarding": ForwardingModel, "no_device_numpy": NoDeviceNumpyModel,
           "no_device_str": NoDeviceStrModel, "run_bound_negative": RunBoundNegativeModel,
-          "run_bound_raises": RunBoundRaisesModel}
+          "run_bound_raises": RunBoundRaisesModel, "run_bound_huge": RunBoundHugeModel}
 
 
 class FaultyToys:

@@ -698,3 +698,52 @@ def test_a_client_that_leaves_after_the_grace_is_not_counted_as_cut_off_by_the_s
         release.touch()
         for channel in channels:
             channel.close()
+
+
+class BoundedHeldInfers(HeldInfers):
+    """HeldInfers whose model bounds its own runs (BoundsItsRuns: a replaced version drains for up to 600 s) and
+    records each terminate_running() call, which ends nothing (a run of native code, say)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.terminated: list[int] = []  # the id of each model asked
+
+    def _create(self, context: ModelContext) -> ToyModel:
+        model = super()._create(context)
+        plugin = self
+        model.longest_run_s = lambda: 600.0
+        model.terminate_running = lambda: plugin.terminated.append(id(model))
+        return model
+
+
+@pytest.mark.parametrize("client_waits", [False, True], ids=["client gone", "client waiting"])
+def test_a_stop_ends_a_replaced_versions_long_drain_at_its_grace_and_asks_its_backend_once(repo, serve,
+                                                                                           client_waits):
+    """Found by the hunt of this session's changes: a version a reload replaced drains within its model's own run
+    bound (timeout_s), and a stop whose clients had all gone waited for it: 29 s past a 3 s grace (57 s for a
+    50 s bound), and a stop whose client still waited asked the backend's terminate_running() twice."""
+    plugin = BoundedHeldInfers()
+    write_toy(repo.models_dir, "held")
+    manager = make_plugin_manager(load_entry_points=False, extra_plugins=(toy_backends, plugin))
+    server = serve(repo.write_config("- name: held\n  backend: held\n", server_extra="  shutdown_grace_s: 1\n"),
+                   manager=manager)
+    request = pb.ModelInferRequest(model_name="held")
+    request.inputs.add(name="input", datatype="FP32", shape=[1, 4])
+    request.raw_input_contents.append(np.ones((1, 4), np.float32).tobytes())
+    old = server.server.repository.ready_model("held")
+    try:
+        with grpc.insecure_channel(server.url) as channel:
+            call = pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer.future(request)
+            assert plugin.running.wait(PROMPT_S)
+            if not client_waits:
+                call.cancel()  # (its run holds its slot: the replaced version cannot finish its drain)
+            server.client.load_model("held")  # a reload: the old version drains in the background
+            assert server.server.repository.ready_model("held") is not old and not old.scheduler.idle
+            started = time.monotonic()
+            begin_stop(server).result(PROMPT_S)
+            assert time.monotonic() - started < PROMPT_S
+            if client_waits:  # (answered at the grace, its run still going)
+                assert call.exception(PROMPT_S).code() == grpc.StatusCode.UNAVAILABLE
+        assert plugin.terminated == [id(old.backend)]
+    finally:
+        plugin.release.set()
