@@ -55,6 +55,15 @@ _TOP_KEYS = frozenset({
 _PROGRAM_KEYS = ("executable_inputs", "executable_outputs", "input_shapes", "weights_file")
 _TENSOR_KEYS = frozenset({"name", "dtype", "shape", "dims"})
 _BATCHING_KEYS = frozenset({"compiled_batch_sizes"})
+# Triton's config.pbtxt fields written in a manifest, and where nereid takes what they say (an unknown key's
+# refusal adds it: `dynamic_batching` was told "did you mean 'batching'?", the manifest's compiled sizes).
+_TRITON_KEY_HINTS = {
+    "dynamic_batching": "dynamic batching is nereid.yaml's: models[].batching (max_queue_delay_ms, "
+                        "preferred_batch_sizes); a manifest's batching: says what the bundle is compiled for",
+    "max_batch_size": "a bundle's max_batch_size is its largest compiled batch size: batching: "
+                      "{compiled_batch_sizes: [...]} (a meta model's batching: {max_batch_size: N})",
+    "instance_group": "instances and the device are nereid.yaml's: models[].instances, models[].device",
+}
 
 
 class DimKind(enum.Enum):
@@ -223,7 +232,7 @@ def parse_manifest(document: Any, path: Path, source: str | None = None) -> Mani
     in Python) a number is read as Python writes it.
     """
     reader = KeyedReader(path)
-    top = reader.mapping(document, "", _TOP_KEYS)
+    top = reader.mapping(document, "", _TOP_KEYS, _TRITON_KEY_HINTS)
     version = _format_version(reader, top, source)
     meta, depends_on = _meta(reader, top)
     executable_inputs = _tensors(reader, top, "executable_inputs", required=not meta, executable=True) or ()

@@ -227,6 +227,26 @@ def test_batch_sizes_past_modelconfigs_int32_are_refused(tmp_path) -> None:
     assert load_manifest(write(tmp_path, document)).batching.compiled_batch_sizes == (1, 2 ** 31 - 1)
 
 
+@pytest.mark.parametrize("key, hint", [
+    ("dynamic_batching", "(dynamic batching is nereid.yaml's: models[].batching (max_queue_delay_ms, "
+                         "preferred_batch_sizes); a manifest's batching: says what the bundle is compiled for)"),
+    ("max_batch_size", "(a bundle's max_batch_size is its largest compiled batch size: batching: "
+                       "{compiled_batch_sizes: [...]} (a meta model's batching: {max_batch_size: N}))"),
+    ("instance_group", "(instances and the device are nereid.yaml's: models[].instances, models[].device)"),
+])
+def test_a_triton_field_in_a_manifest_is_told_where_nereid_takes_it(tmp_path, key, hint) -> None:
+    """The hunt of this session's changes: `dynamic_batching` in a manifest was told "did you mean 'batching'?",
+    the manifest's compiled sizes, where Triton's batching settings are nereid.yaml's; `max_batch_size` got no
+    hint."""
+    document = copy.deepcopy(BASE)
+    document[key] = {"count": 1} if key != "max_batch_size" else 8
+    path = write(tmp_path, document)
+    with pytest.raises(ConfigError) as caught:
+        load_manifest(path)
+    assert f"{path}: {key}: unknown key (allowed: " in str(caught.value)
+    assert f") {hint}, got " in str(caught.value), str(caught.value)
+
+
 def test_a_meta_models_max_batch_size_past_modelconfigs_int32_is_refused(tmp_path) -> None:
     document = {"format_version": "2.1", "meta": True, "depends_on": ["net"],
                 "client_inputs": [{"name": "x", "dtype": "f32", "shape": "an", "dims": {"a": 2}}],
