@@ -812,11 +812,10 @@ def _fp32_input(values) -> triton.InferInput:
     return tensor
 
 
-def test_a_decode_out_of_memory_is_unavailable_naming_the_model_counted_internal_without_a_traceback(
-        repo, serve, monkeypatch, caplog):
-    """Defect (the limits hunt): a MemoryError while a request was decoded answered INTERNAL "internal error in
-    ModelInfer: MemoryError", naming no model, counted nowhere as the model's, with an ERROR traceback; HTTP
-    answers it 503 naming the model and the size, counted ``internal``. Unary and streamed alike."""
+def _out_of_memory_in(step: str, repo, serve, monkeypatch, caplog) -> tuple[Any, int, Any, Any, list[str]]:
+    """A server whose gRPC ``step`` (a function of nereid.protocol.grpc_service) raises MemoryError, sent one
+    request as ModelInfer and as ModelStreamInfer: (the server, the request's size, the unary call's error, the
+    streamed answer, the module's log lines); the step is put back afterwards."""
     from nereid.protocol import grpc_service
 
     repo.python("m")
@@ -825,31 +824,44 @@ def test_a_decode_out_of_memory_is_unavailable_naming_the_model_counted_internal
     def out_of_memory(*args: Any) -> Any:
         raise MemoryError()
 
-    monkeypatch.setattr(grpc_service, "decode_infer_request", out_of_memory)
+    monkeypatch.setattr(grpc_service, step, out_of_memory)
     message = service_pb2.ModelInferRequest(model_name="m", id="r1")
     message.inputs.add(name="input", datatype="FP32", shape=[1, 4])
     message.raw_input_contents.append(bytes(16))
-    size = message.ByteSize()
-    expected = (f"model 'm': the server ran out of memory decoding a {size}-byte request; try again later, or send "
-                "its tensors in smaller requests")
     with caplog.at_level(logging.WARNING), channel_to(server) as channel:
         stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
         with pytest.raises(grpc.RpcError) as info:
             stub.ModelInfer(message, timeout=30)
         [streamed] = list(stub.ModelStreamInfer(iter([message]), timeout=30))
-    assert (info.value.code(), info.value.details()) == (grpc.StatusCode.UNAVAILABLE, expected)
+    monkeypatch.undo()
+    return (server, message.ByteSize(), info.value, streamed,
+            [r.getMessage() for r in caplog.records if r.name == grpc_service.__name__])
+
+
+def _still_serves(server) -> None:
+    result = server.client.infer("m", [_fp32_input([[1, 2, 3, 4]])])
+    np.testing.assert_array_equal(result.as_numpy("output"), [[1, 2, 3, 4]])
+
+
+def test_a_decode_out_of_memory_is_unavailable_naming_the_model_counted_internal_without_a_traceback(
+        repo, serve, monkeypatch, caplog):
+    """Defect (the limits hunt): a MemoryError while a request was decoded answered INTERNAL "internal error in
+    ModelInfer: MemoryError", naming no model, counted nowhere as the model's, with an ERROR traceback; HTTP
+    answers it 503 naming the model and the size, counted ``internal``. Unary and streamed alike."""
+    server, size, error, streamed, warnings = _out_of_memory_in("decode_infer_request", repo, serve, monkeypatch,
+                                                                caplog)
+    expected = (f"model 'm': the server ran out of memory decoding a {size}-byte request; try again later, or send "
+                "its tensors in smaller requests")
+    assert (error.code(), error.details()) == (grpc.StatusCode.UNAVAILABLE, expected)
     assert (streamed.error_message, streamed.infer_response.id) == (expected, "r1")
     stats = server.server.repository.ready_model("m").stats
     assert (stats.fail.count, dict(stats.failures_by_reason)) == (2, {"internal": 2})
     assert wait_until(lambda: sum(protocol_counts(server, "m").values()) == 2), protocol_counts(server, "m")
     assert protocol_counts(server, "m") == {'model="m",outcome="internal",protocol="grpc"': 2.0}
     assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []
-    warnings = [r.getMessage() for r in caplog.records if r.name == grpc_service.__name__]
     assert [line.split(": ", 1)[1] for line in warnings] == [f"{expected}; answered UNAVAILABLE"] * 2
     assert warnings[0].startswith("ModelInfer from ") and warnings[1].startswith("ModelStreamInfer from ")
-    monkeypatch.undo()  # the server keeps serving
-    result = server.client.infer("m", [_fp32_input([[1, 2, 3, 4]])])
-    np.testing.assert_array_equal(result.as_numpy("output"), [[1, 2, 3, 4]])
+    _still_serves(server)
 
 
 def test_a_parse_out_of_memory_is_unavailable_counted_out_of_memory_not_unparsable(repo, serve, monkeypatch,
@@ -857,36 +869,17 @@ def test_a_parse_out_of_memory_is_unavailable_counted_out_of_memory_not_unparsab
     """Left by the limits hunt: a MemoryError while gRPC's bytes were parsed, before the model is known, answered
     INVALID_ARGUMENT "cannot parse the request" and counted the request unparsable: the client's fault, where the
     server was short of memory (its decode answers UNAVAILABLE, as HTTP's 503 does)."""
-    from nereid.protocol import grpc_service
-
-    repo.python("m")
-    server = serve(repo.write_config())
-
-    def out_of_memory(*args: Any) -> Any:
-        raise MemoryError()
-
-    monkeypatch.setattr(grpc_service, "parse_infer_request", out_of_memory)
-    message = service_pb2.ModelInferRequest(model_name="m", id="r1")
-    message.inputs.add(name="input", datatype="FP32", shape=[1, 4])
-    message.raw_input_contents.append(bytes(16))
-    size = message.ByteSize()
+    server, size, error, streamed, warnings = _out_of_memory_in("parse_infer_request", repo, serve, monkeypatch,
+                                                                caplog)
     expected = (f"the server ran out of memory reading a {size}-byte ModelInferRequest; try again later, or send its "
                 "tensors in smaller requests")
-    with caplog.at_level(logging.WARNING), channel_to(server) as channel:
-        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
-        with pytest.raises(grpc.RpcError) as info:
-            stub.ModelInfer(message, timeout=30)
-        [streamed] = list(stub.ModelStreamInfer(iter([message]), timeout=30))
-    assert (info.value.code(), info.value.details()) == (grpc.StatusCode.UNAVAILABLE, expected)
+    assert (error.code(), error.details()) == (grpc.StatusCode.UNAVAILABLE, expected)
     assert streamed.error_message == expected
     refused = {labels: value for (name, labels), value in scrape(server.server.metrics_port).items()
                if name == "nereid_protocol_refused_total"}
     assert refused == {(("protocol", "grpc"), ("reason", "out_of_memory")): 2.0}, refused
-    warnings = [r.getMessage() for r in caplog.records if r.name == grpc_service.__name__]
     assert [line.split(": ", 1)[1] for line in warnings] == [f"{expected}; answered UNAVAILABLE"] * 2
-    monkeypatch.undo()  # the server keeps serving
-    result = server.client.infer("m", [_fp32_input([[1, 2, 3, 4]])])
-    np.testing.assert_array_equal(result.as_numpy("output"), [[1, 2, 3, 4]])
+    _still_serves(server)
 
 
 # --------------------------------------------------------------------------- deadlines
