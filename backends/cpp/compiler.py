@@ -583,17 +583,42 @@ def _record_path(build: Path) -> Path:
 
 def _outside_the_key(dependencies: list[str], folder: Path, keyed: Collection[Path], model: str) -> list[list[str]]:
     """``[name, sha256]`` of each file the build read that its key does not cover (by real path, so a file reached
-    through a link is the file itself), named as the compiler named it; logged once, at the build."""
+    through a link is the file itself), named as :func:`_record_name` says; logged once, at the build."""
     covered = {os.path.realpath(path) for path in keyed}
     record: dict[str, str] = {}
     for name in dependencies:
         path = folder / name  # (an absolute name stays itself)
-        if name not in record and os.path.realpath(path) not in covered:
-            record[name] = _content_hash(path, model)
+        kept = _record_name(name, folder)
+        if kept not in record and os.path.realpath(path) not in covered:
+            record[kept] = _content_hash(path, model)
     if record:
         log.info("model '%s': its build includes files outside its build key, checked for edits at each load: %s",
                  model, ", ".join(record))
     return [[name, digest] for name, digest in sorted(record.items())]
+
+
+def _record_name(name: str, folder: Path) -> str:
+    """How a build's record names ``name``, a file the compiler read: relative to the model ``folder`` when the
+    compiler reached it through the folder, else as the compiler named it.
+
+    A cpp build compiles ``main.cpp`` in its folder, so the compiler already
+    names ``#include "../../shared/k.h"`` relative to it; a cxx build compiles
+    ``$MODEL_FOLDER/scale.cpp`` by its absolute path, and the compiler names that
+    include ``/build/path/repo/m/../../shared/k.h``: kept so, a repository copied
+    elsewhere checked the original's header (an edit of its own copy never
+    built), and one shipped read-only without the original was built again at
+    every start. Relative, it is checked where the model folder now is (``..``
+    is taken from the folder's real location either way). A file reached by
+    another path (``/usr/local/include``, a source outside the folder) keeps
+    its absolute name: it does not move with the repository.
+    """
+    path = Path(name)
+    if not path.is_absolute():
+        return name
+    for outer in (folder, Path(os.path.realpath(folder))):  # (a source given by the folder's real path, too)
+        if outer.is_absolute() and path.is_relative_to(outer):
+            return path.relative_to(outer).as_posix()
+    return name
 
 
 def _content_hash(path: Path, model: str) -> str:
@@ -630,7 +655,9 @@ def _still_current(entries: list[tuple[str, str]], build: Path, folder: Path, mo
     """Whether each file ``build`` included from outside its key (``entries``: names and content hashes, from its
     record) still has the content it was built from.
 
-    A file of it that is no longer a regular file is refused (ConfigError
+    A relative name is taken from ``folder`` (see :func:`_record_name`); an
+    absolute one, as an older nereid wrote for any file a cxx build read, as it
+    is. A file of it that is no longer a regular file is refused (ConfigError
     naming it), as the key refuses one.
     """
     for name, digest in entries:

@@ -9,9 +9,10 @@ moved or remounted repository reuses it (sources inside the model folder are
 keyed by their relative path; any outside it, by their absolute path).
 A header included from anywhere else is kept, with its content hash, in a
 record beside the library, and its edit rebuilds it too (see the cpp
-backend's ``cached_build``). That record also holds the library's size and
-sha256: a cached library that no longer matches them (a torn write, another
-build copied over it) is named in a WARNING and built again before it is
+backend's ``cached_build``); the record names one a source in the model folder
+includes relative to that folder, so a copy of the repository checks its own.
+That record also holds the library's size and sha256: a cached library that
+no longer matches them (a torn write, another build copied over it) is named in a WARNING and built again before it is
 dlopened, in the server's own process. A header there that is not a regular file (a FIFO, a socket, a symlink to
 nothing) is refused at once: an #include of a FIFO would hold the compiler,
 and the load, until the compile's time limit.

@@ -902,9 +902,65 @@ def test_an_edit_of_a_header_a_second_source_includes_from_outside_the_model_fol
     assert values("before.so") == (1, 2)
     [record] = (folder / ".cache").glob("lib-*.so.deps")
     assert [name for name, _ in json.loads(record.read_text())["outside_key"]] == [
-        str(folder / "../../shared/a.h"), str(folder / "../../shared/b.h")]  # (named as the compiler read them)
+        "../../shared/a.h", "../../shared/b.h"]  # (relative to the model folder, as a cpp build's)
     (shared / "a.h").write_text("constexpr int A = 5;\n")
     assert values("after.so") == (5, 2)
+
+
+def _factor_model(root: Path, factor: int) -> Path:
+    """``root/repo/m``, whose scale.cpp returns FACTOR from ``root/shared/factor.h`` (``../../shared/factor.h``)."""
+    folder = root / "repo" / "m"
+    folder.mkdir(parents=True)
+    (root / "shared").mkdir()
+    (folder / "scale.cpp").write_text('#include "../../shared/factor.h"\nextern "C" int factor() { return FACTOR; }\n')
+    (root / "shared" / "factor.h").write_text(f"constexpr int FACTOR = {factor};\n")
+    return folder
+
+
+def _factor_of(folder: Path, scratch: Path, copy: Path) -> int:
+    """The FACTOR of the library built (or reused) for ``folder``, through a copy named ``copy`` (dlopen hands back
+    a library of a known name)."""
+    from nereid.backends.cxx.build import build_library
+
+    scratch.mkdir(exist_ok=True)
+    shutil.copy(build_library("m", folder, (folder / "scale.cpp",), scratch), copy)
+    return ctypes.CDLL(str(copy)).factor()
+
+
+def test_a_copied_repository_checks_its_own_copy_of_a_header_included_from_outside_the_model_folder(tmp_path):
+    """Found by an upgrade hunt: with sources: ["$MODEL_FOLDER/scale.cpp"] the compiler names an include by the
+    absolute path it was built at (/build/path/repo/m/../../shared/factor.h), and the record kept that name, so a
+    repository copied with its .cache/ (cp -a) checked the ORIGINAL's header: the copy's own header edited to
+    FACTOR 5 served the library built with 3, with no word. The record names it relative to the model folder."""
+    import json
+
+    folder = _factor_model(tmp_path / "a", 3)
+    assert _factor_of(folder, tmp_path / "scratch", tmp_path / "a.so") == 3
+    shutil.copytree(tmp_path / "a", tmp_path / "b", symlinks=True)  # (its .cache/ along, times kept: as cp -a)
+    (tmp_path / "b" / "shared" / "factor.h").write_text("constexpr int FACTOR = 5;\n")
+    assert _factor_of(tmp_path / "b" / "repo" / "m", tmp_path / "scratch-b", tmp_path / "b.so") == 5
+    assert _factor_of(folder, tmp_path / "scratch", tmp_path / "a-again.so") == 3  # (the original's own, still)
+    for root in ("a", "b"):
+        [record] = (tmp_path / root / "repo" / "m" / ".cache").glob("lib-*.so.deps")
+        assert [name for name, _ in json.loads(record.read_text())["outside_key"]] == ["../../shared/factor.h"]
+
+
+def test_a_repository_moved_from_where_it_was_built_reuses_a_library_including_a_header_outside_its_folder(
+        tmp_path, caplog):
+    """Found by an upgrade hunt: a repository built at one path and shipped elsewhere (read-only, the original
+    path gone) compiled such a model again at every start: its record named the header at the build's path ("...
+    which its build included, has changed; building it again"), then the read-only .cache/ kept no rebuild."""
+    folder = _factor_model(tmp_path / "built-here", 3)
+    assert _factor_of(folder, tmp_path / "scratch", tmp_path / "before.so") == 3
+    (tmp_path / "built-here").rename(tmp_path / "shipped")
+    moved = tmp_path / "shipped" / "repo" / "m"
+    [library] = (moved / ".cache").glob("lib-*.so")
+    before = library.stat()
+    with caplog.at_level("INFO", logger="nereid.backends.cpp.compiler"):
+        assert _factor_of(moved, tmp_path / "scratch-shipped", tmp_path / "after.so") == 3
+    after = library.stat()
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)  # reused, not built again
+    assert not list((tmp_path / "scratch-shipped").rglob("lib-*")) and not caplog.messages, caplog.messages
 
 
 def test_the_compiler_version_probe_runs_in_its_own_process_group(tmp_path):
