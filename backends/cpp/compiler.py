@@ -507,8 +507,9 @@ def _reusable(build: Path, folder: Path, model: str, executable: bool) -> bool:
     write, with its ELF headers whole) crashed the server at every start, and
     a cpp binary swapped for another build's answered wrong with no word. A
     build that does not match is named in a WARNING, with why, and built
-    again; one without a record (an older nereid's, or one being published)
-    is built again with an INFO line.
+    again; one without a record (an older nereid's, or one being published),
+    or written after its record (an older nereid's rebuild under a newer
+    one's record), is built again with an INFO line.
     """
     if not os.path.lexists(build):
         return False  # (nothing cached under this name: the usual first build)
@@ -542,6 +543,11 @@ def _verified_record(build: Path, executable: bool) -> list[tuple[str, str]]:
         other = made.get("name") if isinstance(made, dict) else None
         raise _NotReusable(f"its record {record.name} is the record of another build ({other!r})")
     size, digest = _build_digest(build, executable)
+    if (size != made.get("bytes") or digest != made.get("sha256")) and _written_after(build, record):
+        # An older nereid, which writes no record, built it again under this name (a rollback) and left this one's
+        # record behind (its sweep, lib-*.so, misses lib-*.so.deps): no damage to warn of.
+        raise _NotReusable(f"it was written after its record {record.name} and does not match it (built again by an "
+                           "older nereid, which writes no record, or copied over since)", logging.INFO)
     if size != made.get("bytes"):
         raise _NotReusable(f"it is {size} bytes, and it was {made.get('bytes')} bytes when it was built: cut short, "
                            "damaged or replaced")
@@ -549,6 +555,16 @@ def _verified_record(build: Path, executable: bool) -> list[tuple[str, str]]:
         raise _NotReusable(f"its content is not the one it was built with (sha256 {digest[:16]}..., built "
                            f"{str(made.get('sha256'))[:16]}...): damaged or replaced")
     return entries
+
+
+def _written_after(build: Path, record: Path) -> bool:
+    """Whether ``build`` was last written after its ``record`` (by modification time; False when either cannot be
+    read). This nereid's own builds never are: a build is published before its record, with its compile's time
+    kept, and a torn write or bit-rot leaves that time as it was."""
+    try:
+        return os.stat(build).st_mtime_ns > os.stat(record).st_mtime_ns
+    except OSError:
+        return False
 
 
 def _build_digest(build: Path, executable: bool) -> tuple[int, str]:

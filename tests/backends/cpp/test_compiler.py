@@ -274,6 +274,7 @@ def test_a_cached_build_that_is_not_the_one_built_is_named_and_built_again(tmp_p
     folder = _returning(tmp_path / "m", 2)
     built = cpp_compiler.build_binary(folder, "main.cpp", tmp_path / "scratch", "m")
     record = built.with_name(built.name + cpp_compiler.RECORD_SUFFIX)
+    stamp = built.stat()
     if damage == "code zeroed":
         size = built.stat().st_size
         assert zero_text_section(built) > 0 and built.stat().st_size == size
@@ -289,6 +290,8 @@ def test_a_cached_build_that_is_not_the_one_built_is_named_and_built_again(tmp_p
         if damage == "swapped with its record":
             shutil.copy(other.with_name(other.name + cpp_compiler.RECORD_SUFFIX), record)
             reason = f"its record {record.name} is the record of another build ('{other.name}')"
+    # Bit-rot or a torn write leaves the build's time as it was (written after its record, it is the next test's).
+    os.utime(built, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
     with caplog.at_level("INFO", logger=cpp_compiler.__name__):
         rebuilt = cpp_compiler.build_binary(folder, "main.cpp", tmp_path / "scratch", "m")
     assert rebuilt == built and _exit_status(rebuilt) == 2
@@ -299,6 +302,28 @@ def test_a_cached_build_that_is_not_the_one_built_is_named_and_built_again(tmp_p
     stamp = built.stat().st_mtime_ns, built.stat().st_ino
     assert cpp_compiler.build_binary(folder, "main.cpp", tmp_path / "scratch", "m") == built
     assert (built.stat().st_mtime_ns, built.stat().st_ino) == stamp and not caplog.records
+
+
+def test_a_build_written_after_its_record_that_does_not_match_it_is_built_again_with_an_info_line(tmp_path, caplog):
+    """Found by an upgrade hunt: an older nereid, which writes no record, built the model again under the same name
+    after a rollback (an edit and its revert, an outside header changed meanwhile) and left this nereid's record
+    behind (its sweep, lib-*.so, misses lib-*.so.deps); the next upgrade called that build "damaged or replaced" in
+    a WARNING. A build written after its record is built again with an INFO line that says so."""
+    folder, header = _model_including(tmp_path, 2)
+    built = cpp_compiler.build_binary(folder, "main.cpp", tmp_path / "scratch", "m")
+    record = built.with_name(built.name + cpp_compiler.RECORD_SUFFIX)
+    header.write_text("constexpr int K = 4;\n")  # the older nereid's build, of the header as it is now
+    older = tmp_path / "older"
+    cpp_compiler.compile_to(cpp_compiler.find_compiler(), [*cpp_compiler.CXX_FLAGS, "main.cpp"], older, folder, "m")
+    os.replace(older, built)
+    os.utime(record, ns=(record.stat().st_atime_ns, built.stat().st_mtime_ns - 10**9))  # (a second before it)
+    with caplog.at_level("INFO", logger=cpp_compiler.__name__):
+        rebuilt = cpp_compiler.build_binary(folder, "main.cpp", tmp_path / "scratch", "m")
+    assert rebuilt == built and _exit_status(rebuilt) == 4
+    assert not [r for r in caplog.records if r.levelname == "WARNING"], caplog.text
+    assert (f"model 'm': ignoring its cached build {built}: it was written after its record {record.name} and does "
+            "not match it (built again by an older nereid, which writes no record, or copied over since); building "
+            "it again") in caplog.messages, caplog.messages
 
 
 def test_a_build_and_its_record_are_published_durably(tmp_path, monkeypatch):
