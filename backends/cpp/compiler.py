@@ -472,6 +472,7 @@ def cached_build(compiler: Compiler, arguments: list[str], name: str, stale: str
         return once
     _write_record(fallback, _outside_the_key(dependencies, folder, keyed, model), model)
     _remove_stale(scratch_cache, stale, fallback)
+    older = _left_by_older_nereid(built)  # (asked first: the publish below removes its record, if it can)
     try:
         # The old record gone first, the build then its record: a build found with no record is built again, where
         # one found with the record of an earlier build of its name could be kept for a record it was not built from.
@@ -482,7 +483,7 @@ def cached_build(compiler: Compiler, arguments: list[str], name: str, stale: str
         # (mkdir's EEXIST is about a file of that name, which is no folder: "File exists" would puzzle.)
         why = "it is a file, not a folder" if cache.exists() and not cache.is_dir() else err.strerror or err
         log.warning("model '%s': cannot write the build cache %s (%s); serving the build in the server's scratch "
-                    "folder (built again at the next start)", model, cache, why)
+                    "folder (built again at the next start)%s", model, cache, why, _older_build_advice(older))
         return fallback
     fallback.unlink(missing_ok=True)
     _record_path(fallback).unlink(missing_ok=True)
@@ -490,12 +491,25 @@ def cached_build(compiler: Compiler, arguments: list[str], name: str, stale: str
     return built
 
 
-class _NotReusable(Exception):
-    """Why a cached build is built again, and at which level that is logged (damage: WARNING)."""
+def _older_build_advice(older: bool) -> str:
+    """What the WARNING of an unwritable .cache/ adds when the build it holds is an older nereid's: that build is
+    never reused, so a read-only repository (an image built with an older nereid) compiles at every start."""
+    if not older:
+        return ""
+    return (f": {CACHE_DIR}/ holds a build an older nereid made, without the record this one checks, so it is "
+            f"never reused; build the repository's {CACHE_DIR}/ again with this nereid where it can be written "
+            "(nereid check on a writable copy builds every model) and ship that")
 
-    def __init__(self, reason: str, level: int = logging.WARNING) -> None:
+
+class _NotReusable(Exception):
+    """Why a cached build is built again, and at which level that is logged (damage: WARNING); ``older``: the build
+    is an older nereid's, which writes no record (or one without the build's checksum), or rebuilt it under a newer
+    one's record."""
+
+    def __init__(self, reason: str, level: int = logging.WARNING, older: bool = False) -> None:
         super().__init__(reason)
         self.level = level
+        self.older = older
 
 
 def _reusable(build: Path, folder: Path, model: str, executable: bool) -> bool:
@@ -527,7 +541,7 @@ def _verified_record(build: Path, executable: bool) -> list[tuple[str, str]]:
     record = _record_path(build)
     if not os.path.lexists(record):
         raise _NotReusable(f"it has no record {record.name} beside it (made by an older nereid, or its record is "
-                           "still being written)", logging.INFO)
+                           "still being written)", logging.INFO, older=True)
     try:
         document = json.loads(read_regular_file(record, MAX_RECORD_BYTES))
         made = document.get("build")
@@ -538,7 +552,7 @@ def _verified_record(build: Path, executable: bool) -> list[tuple[str, str]]:
         raise _NotReusable(f"its record {record} is damaged (not the JSON a build's record holds)") from None
     if made is None:
         raise _NotReusable(f"its record {record.name} holds no checksum of it (made by an older nereid)",
-                           logging.INFO)
+                           logging.INFO, older=True)
     if not isinstance(made, dict) or made.get("name") != build.name:
         other = made.get("name") if isinstance(made, dict) else None
         raise _NotReusable(f"its record {record.name} is the record of another build ({other!r})")
@@ -547,7 +561,7 @@ def _verified_record(build: Path, executable: bool) -> list[tuple[str, str]]:
         # An older nereid, which writes no record, built it again under this name (a rollback) and left this one's
         # record behind (its sweep, lib-*.so, misses lib-*.so.deps): no damage to warn of.
         raise _NotReusable(f"it was written after its record {record.name} and does not match it (built again by an "
-                           "older nereid, which writes no record, or copied over since)", logging.INFO)
+                           "older nereid, which writes no record, or copied over since)", logging.INFO, older=True)
     if size != made.get("bytes"):
         raise _NotReusable(f"it is {size} bytes, and it was {made.get('bytes')} bytes when it was built: cut short, "
                            "damaged or replaced")
@@ -565,6 +579,18 @@ def _written_after(build: Path, record: Path) -> bool:
         return os.stat(build).st_mtime_ns > os.stat(record).st_mtime_ns
     except OSError:
         return False
+
+
+def _left_by_older_nereid(build: Path) -> bool:
+    """Whether ``build``, in .cache/, is an older nereid's (see :class:`_NotReusable`): asked before its rebuild
+    is published, which replaces it."""
+    if not os.path.lexists(build):
+        return False
+    try:
+        _verified_record(build, executable=False)
+    except _NotReusable as why:
+        return why.older
+    return False
 
 
 def _build_digest(build: Path, executable: bool) -> tuple[int, str]:

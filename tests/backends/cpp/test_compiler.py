@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -198,8 +199,6 @@ def _model_including(tmp_path: Path, k: int) -> tuple[Path, Path]:
 
 
 def _exit_status(binary: Path) -> int:
-    import subprocess
-
     return subprocess.run([str(binary)], check=False, timeout=60).returncode
 
 
@@ -324,6 +323,55 @@ def test_a_build_written_after_its_record_that_does_not_match_it_is_built_again_
     assert (f"model 'm': ignoring its cached build {built}: it was written after its record {record.name} and does "
             "not match it (built again by an older nereid, which writes no record, or copied over since); building "
             "it again") in caplog.messages, caplog.messages
+
+
+# Loads folder ($1)'s main.cpp with the compiler's log on stderr, printing where its build is served from.
+_LOAD = """import logging, sys
+from pathlib import Path
+from nereid.backends.cpp import compiler
+logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+print(compiler.build_binary(Path(sys.argv[1]), "main.cpp", Path(sys.argv[2]), "m"))
+"""
+
+
+def _load_read_only(repository: Path, folder: Path, scratch: Path) -> subprocess.CompletedProcess:
+    """Load ``folder``'s build with ``repository`` bind-mounted read-only (in a user and mount namespace of the
+    load's own, as a Kubernetes volume is mounted; root ignores permission bits); skipped where none can be made."""
+    import sys
+
+    mount = ["unshare", "-rm", "sh", "-c", 'mount --bind "$0" "$0" && mount -o remount,bind,ro "$0" && exec "$@"',
+             str(repository)]
+    probe = subprocess.run([*mount, "true"], capture_output=True, text=True) if shutil.which("unshare") else None
+    if probe is None or probe.returncode != 0:
+        pytest.skip(f"cannot mount a folder read-only in a namespace here: {probe and probe.stderr.strip()}")
+    return subprocess.run([*mount, sys.executable, "-c", _LOAD, str(folder), str(scratch)], capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_a_read_only_cache_holding_an_older_nereid_s_build_says_to_build_it_again_with_this_one(tmp_path):
+    """Found by an upgrade hunt: an image whose .cache/ an older nereid built (no records) compiled every cpp and cxx
+    model at every start, the rebuild never kept, with a WARNING that said only that .cache/ cannot be written. It
+    says too that the build there is an older nereid's, and what to do."""
+    folder, _ = _model_including(tmp_path, 2)
+    built = cpp_compiler.build_binary(folder, "main.cpp", tmp_path / "scratch", "m")
+    built.with_name(built.name + cpp_compiler.RECORD_SUFFIX).unlink()  # as an older nereid leaves it
+    for start in ("first", "second"):  # (each start alike: nothing is kept)
+        done = _load_read_only(folder.parent, folder, tmp_path / start)
+        assert done.returncode == 0, done.stderr
+        served = Path(done.stdout.strip())
+        assert served.is_relative_to(tmp_path / start) and _exit_status(served) == 2
+        [warning] = [line for line in done.stderr.splitlines() if line.startswith("WARNING")]
+        assert warning == (
+            f"WARNING model 'm': cannot write the build cache {folder / '.cache'} (Read-only file system); serving the "
+            "build in the server's scratch folder (built again at the next start): .cache/ holds a build an older "
+            "nereid made, without the record this one checks, so it is never reused; build the repository's .cache/ "
+            "again with this nereid where it can be written (nereid check on a writable copy builds every model) "
+            "and ship that"), done.stderr
+    shutil.rmtree(folder / ".cache")  # no build of an older nereid there: the WARNING as it was
+    done = _load_read_only(folder.parent, folder, tmp_path / "third")
+    assert [line for line in done.stderr.splitlines() if line.startswith("WARNING")] == [
+        f"WARNING model 'm': cannot write the build cache {folder / '.cache'} (Read-only file system); serving the "
+        "build in the server's scratch folder (built again at the next start)"], done.stderr
 
 
 def test_a_build_and_its_record_are_published_durably(tmp_path, monkeypatch):
