@@ -3,10 +3,13 @@
 A server SIGKILLed (or out of memory) never runs its clean-up: its scratch
 folder (``nereid-<pid>-*`` in the temporary directory) and half-written build
 outputs (``*.<pid>.partial``) stay. The next start removes those whose owner is
-gone. A scratch folder's owner holds an advisory lock on a file in it for its
-whole life (the kernel releases it when the process ends, however it ends): a
-process id says nothing across PID namespaces (two containers sharing a
-temporary directory each have a pid 7), a lock does.
+gone. A scratch folder's owner holds advisory locks on the folder itself and
+on a file in it for its whole life (the kernel releases them when the process
+ends, however it ends): a process id says nothing across PID namespaces (two
+containers sharing a temporary directory each have a pid 7), a lock does. The
+folder's own lock is asked first: a /tmp cleaner's age rule removes the file
+(never touched after it is made), and the file's lock with it; the file stays
+for older nereid versions, which look only at it.
 """
 
 from __future__ import annotations
@@ -31,7 +34,9 @@ _PARTIAL = re.compile(r"\.(\d+)\.partial$")
 OWNER_LOCK = ".owner.lock"  # in a scratch folder: locked by its owner for as long as it runs
 # A folder changed this recently is left alone: its owner may be between creating it and taking its lock.
 SETTLED_S = 60.0
-_held: dict[Path, int] = {}  # this process's scratch folders, each with its lock's file descriptor
+# This process's scratch folders, each with the descriptors it holds locked: OWNER_LOCK's, and the folder's own
+# (absent where the folder cannot be locked: flock on a directory on NFS, say).
+_held: dict[Path, tuple[int, ...]] = {}
 
 
 def scratch_prefix() -> str:
@@ -155,27 +160,53 @@ def make_private_folder(folder: Path) -> None:
 
 
 def _hold_lock(folder: Path) -> None:
-    """Lock ``folder``'s OWNER_LOCK (a new file nobody else has opened: taken at once) as this process's, for
-    its whole life; the lock of a folder of that path made before (and removed since) is let go."""
+    """Lock ``folder`` itself and its OWNER_LOCK (a new file nobody else has opened: taken at once) as this
+    process's, for its whole life; the locks of a folder of that path made before (and removed since) are let go."""
     descriptor = os.open(folder / OWNER_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
     fcntl.flock(descriptor, fcntl.LOCK_EX)
-    old = _held.get(folder)
-    _held[folder] = descriptor
-    if old is not None:
-        os.close(old)  # (the lock of the folder that was removed)
+    itself = _lock_folder_itself(folder)
+    old = _held.get(folder, ())
+    _held[folder] = (descriptor,) if itself is None else (descriptor, itself)
+    for held in old:
+        os.close(held)  # (the locks of the folder that was removed)
+
+
+def _lock_folder_itself(folder: Path) -> int | None:
+    """A descriptor of ``folder`` holding a shared lock on it, or None where it cannot be locked.
+
+    A cleaner that removes files in the folder cannot take this lock away, as
+    it takes OWNER_LOCK's. Shared: a folder opens for reading only, and on NFS
+    flock is a POSIX lock, whose exclusive kind needs a descriptor open for
+    writing; another server's exclusive try conflicts with it all the same.
+    """
+    try:
+        descriptor = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as err:
+        log.debug("cannot open the scratch folder %s to lock it (%s): its OWNER_LOCK alone says it is held",
+                  folder, err)
+        return None
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_SH)
+    except OSError as err:
+        os.close(descriptor)
+        log.debug("cannot lock the scratch folder %s itself (%s): its OWNER_LOCK alone says it is held", folder, err)
+        return None
+    return descriptor
 
 
 def remove_scratch_folder(folder: Path) -> None:
-    """Remove a folder :func:`make_scratch_folder` made, and let its lock go."""
+    """Remove a folder :func:`make_scratch_folder` made, and let its locks go."""
     remove_tree(folder)
-    descriptor = _held.pop(folder, None)
-    if descriptor is not None:
+    for descriptor in _held.pop(folder, ()):
         os.close(descriptor)
 
 
 def _owner_gone(folder: str, pid: int) -> bool:
-    """True when the process that made ``folder`` has ended: its lock is free (or, for a folder without one,
-    made by an older nereid, no process has its id); False when it runs or cannot be told."""
+    """True when the process that made ``folder`` has ended: the folder's own lock and its OWNER_LOCK's are free
+    (or, for a folder without OWNER_LOCK, made by an older nereid or its file removed by a /tmp cleaner, no process
+    has its id); False when it runs or cannot be told."""
+    if _folder_itself_locked(folder):  # held: its owner runs, whatever a cleaner removed inside
+        return False
     try:
         # (Read-write: on NFS, flock is a POSIX lock, whose exclusive kind needs a descriptor open for writing.)
         descriptor = os.open(os.path.join(folder, OWNER_LOCK), os.O_RDWR | os.O_NOFOLLOW)
@@ -190,6 +221,24 @@ def _owner_gone(folder: str, pid: int) -> bool:
     finally:
         os.close(descriptor)  # (the lock goes with it: the folder is removed next, or left to its owner)
     return True
+
+
+def _folder_itself_locked(folder: str) -> bool:
+    """True when a process holds a lock on ``folder`` itself (its owner, in this PID namespace or another); False
+    when it is free or cannot be told (an older nereid's folder has no such lock: OWNER_LOCK tells then)."""
+    try:
+        descriptor = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:  # (not lockable here, as on NFS: OWNER_LOCK tells)
+        return False
+    finally:
+        os.close(descriptor)  # (a lock taken goes with it)
+    return False
 
 
 def remove_stale_scratch(parent: Path) -> int:

@@ -140,6 +140,47 @@ def test_a_folder_whose_owner_runs_stays_whatever_its_process_id_says(tmp_path):
     assert remove_stale_scratch(tmp_path) == 1 and not elsewhere.exists()  # its owner ended: the lock is free
 
 
+def test_a_live_owners_folder_stays_when_a_cleaner_removed_its_lock_file(tmp_path):
+    """Found by a bug hunt: a /tmp cleaner's age rule (systemd-tmpfiles') removed a live server's .owner.lock, never
+    touched after it is made, and a server starting in another container sharing the temporary directory took the
+    folder for a dead one's by its pid (which runs nothing there) and removed it. The folder's own lock tells."""
+    owner = subprocess.Popen([sys.executable, "-c", OWNER], stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "TMPDIR": str(tmp_path)})
+    try:
+        made = Path(owner.stdout.readline().strip())
+        (made / OWNER_LOCK).unlink()  # as the cleaner does
+        elsewhere = settled(made.rename(tmp_path / f"nereid-{dead_pid()}-other"))  # as another namespace names it
+        assert remove_stale_scratch(tmp_path) == 0 and elsewhere.is_dir()
+    finally:
+        owner.kill()
+        owner.wait()
+    assert remove_stale_scratch(tmp_path) == 1 and not elsewhere.exists()  # its owner ended: nothing holds it
+
+
+# A scratch folder as a nereid before the folder's own lock made and held it: its .owner.lock alone locked.
+OLDER_OWNER = """
+import fcntl, os, tempfile, time
+folder = tempfile.mkdtemp(prefix=f"nereid-{os.getpid()}-")
+descriptor = os.open(os.path.join(folder, ".owner.lock"), os.O_RDWR | os.O_CREAT, 0o600)
+fcntl.flock(descriptor, fcntl.LOCK_EX)
+print(folder, flush=True)
+time.sleep(60)
+"""
+
+
+def test_an_older_nereids_folder_is_still_told_by_its_lock_file(tmp_path):
+    owner = subprocess.Popen([sys.executable, "-S", "-c", OLDER_OWNER], stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "TMPDIR": str(tmp_path)})
+    try:
+        made = Path(owner.stdout.readline().strip())
+        elsewhere = settled(made.rename(tmp_path / f"nereid-{dead_pid()}-older"))
+        assert remove_stale_scratch(tmp_path) == 0 and elsewhere.is_dir()
+    finally:
+        owner.kill()
+        owner.wait()
+    assert remove_stale_scratch(tmp_path) == 1 and not elsewhere.exists()
+
+
 def test_a_just_made_folder_stays_and_a_given_back_one_is_gone(tmp_path, monkeypatch):
     fresh = tmp_path / f"nereid-{dead_pid()}-new"  # its owner may not have taken its lock yet
     fresh.mkdir()
@@ -199,6 +240,8 @@ def test_a_scratch_folder_made_again_by_runs_at_once_is_locked_again(tmp_path, m
             assert failures == [] and len(list((root / "model").iterdir())) == 8
             assert root.stat().st_mode & 0o777 == 0o700
             assert not _owner_gone(str(root), dead_pid())  # held again: no other server takes it for a dead one's
+            (root / OWNER_LOCK).unlink()  # (a cleaner's doing): the folder made again is itself held again too
+            assert not _owner_gone(str(root), dead_pid())
     finally:
         remove_scratch_folder(root)
 
