@@ -104,25 +104,30 @@ class XlaModel:
         manifest = layout.manifest
         weight_set = (resolve_weights(remote, manifest.weights_file) if remote is not None
                       else local_weight_set(layout))
-        weight_types = [(w.entry.name, w.program_shape, w.entry.dtype) for w in weight_set.weights] if weight_set else []
-        self._load_hooks(layout)
-        target = resolve_device(context.device, context.name, context.settings_origin)
-        elsewhere = exported_elsewhere(manifest, context.device)
-        if elsewhere is not None:
-            log.warning("model '%s': %s", context.name, elsewhere)
-        cache = ExecutableCache(context.folder / CACHE_DIR, options.executable_cache)
-        weights_name = weight_set.describe() if weight_set else DEFAULT_WEIGHTS_FILE
-        programs = {key: self._program(key, path, layout.manifest, weight_types, weights_name,
-                                       weight_set is not None, target, cache, elsewhere,
-                                       legacy_weights=weight_set is not None and weight_set.legacy)
-                    for key, path in layout.modules.items()}
-        if weight_set is None:
-            arrays = []
-        elif remote is not None:  # streamed from the store into the arrays; no weights file on local disk
-            arrays = remote.read_weights(weight_set, chunk_bytes=options.weights_chunk_bytes,
-                                         concurrency=options.weights_concurrency)
-        else:
-            arrays = read_local_weights(layout.folder, weight_set, threads=options.weights_read_threads)
+        try:  # the weights files stay open from their headers' read to their data's
+            weight_types = ([(w.entry.name, w.program_shape, w.entry.dtype) for w in weight_set.weights]
+                            if weight_set else [])
+            self._load_hooks(layout)
+            target = resolve_device(context.device, context.name, context.settings_origin)
+            elsewhere = exported_elsewhere(manifest, context.device)
+            if elsewhere is not None:
+                log.warning("model '%s': %s", context.name, elsewhere)
+            cache = ExecutableCache(context.folder / CACHE_DIR, options.executable_cache)
+            weights_name = weight_set.describe() if weight_set else DEFAULT_WEIGHTS_FILE
+            programs = {key: self._program(key, path, layout.manifest, weight_types, weights_name,
+                                           weight_set is not None, target, cache, elsewhere,
+                                           legacy_weights=weight_set is not None and weight_set.legacy)
+                        for key, path in layout.modules.items()}
+            if weight_set is None:
+                arrays = []
+            elif remote is not None:  # streamed from the store into the arrays; no weights file on local disk
+                arrays = remote.read_weights(weight_set, chunk_bytes=options.weights_chunk_bytes,
+                                             concurrency=options.weights_concurrency)
+            else:
+                arrays = read_local_weights(layout.folder, weight_set, threads=options.weights_read_threads)
+        finally:
+            if weight_set is not None:
+                weight_set.close()  # (read already, or a program failed: then never)
         transfer = DeviceTransfer(target.device)
         weights = place_weights(transfer, [array for _, array in arrays])
         self._manifest, self._programs, self._weights = manifest, programs, weights

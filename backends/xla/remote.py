@@ -26,7 +26,7 @@ import numpy as np
 
 from nereid.backends.xla.safetensors import (SafetensorsHeader, empty_for, header_length, parse_header_bytes,
                                              to_program_array)
-from nereid.backends.xla.weights import LocalBundleFiles, WeightSet, read_local_into
+from nereid.backends.xla.weights import LocalBundleFiles, OpenWeightFiles, WeightSet, read_local_into
 from nereid.errors import ConfigError
 from nereid.storage import MARKER_FILE, RangeRead, RemoteFolder, StoreURL, open_store, read_marker, read_ranges
 
@@ -74,6 +74,10 @@ class RemoteBundle:
     def read_small(self, name: str, limit: int) -> bytes:
         return self._local.read_small(name, limit)
 
+    @property
+    def opened(self) -> OpenWeightFiles:
+        return self._local.opened  # (the files fetched whole; a streamed one's reads are bound to its ETag)
+
     def header(self, name: str) -> SafetensorsHeader:
         item = self.remote.streamed.get(name)
         if item is None:
@@ -99,18 +103,22 @@ class RemoteBundle:
     def read_weights(self, weight_set: WeightSet, *, chunk_bytes: int,
                      concurrency: int) -> list[tuple[str, np.ndarray]]:
         """Every weight in argument order, streamed with parallel ranged GETs into fresh arrays (those of a file
-        fetched whole read from the local copy)."""
-        arrays = [empty_for(w.entry) for w in weight_set.weights]
-        streamed = [(w, a) for w, a in zip(weight_set.weights, arrays) if w.file in self.remote.streamed]
-        if streamed:
-            etags = {item.key: item.etag for item in self.remote.streamed.values()}
-            reads = plan_reads([(self.remote.streamed[w.file].key, w.entry.start, w.entry.name, a)
-                                for w, a in streamed], chunk_bytes)
-            read_ranges(self.store, self.location, reads, concurrency=concurrency, retries=self.retries,
-                        etags=etags)
-        if len(streamed) < len(arrays):
-            read_local_into(self.folder, [(w, a) for w, a in zip(weight_set.weights, arrays)
-                                          if w.file not in self.remote.streamed])
+        fetched whole read from the local copy, through the descriptor its header was read through); then the
+        set's local files are closed."""
+        try:
+            arrays = [empty_for(w.entry) for w in weight_set.weights]
+            streamed = [(w, a) for w, a in zip(weight_set.weights, arrays) if w.file in self.remote.streamed]
+            if streamed:
+                etags = {item.key: item.etag for item in self.remote.streamed.values()}
+                reads = plan_reads([(self.remote.streamed[w.file].key, w.entry.start, w.entry.name, a)
+                                    for w, a in streamed], chunk_bytes)
+                read_ranges(self.store, self.location, reads, concurrency=concurrency, retries=self.retries,
+                            etags=etags)
+            if len(streamed) < len(arrays):
+                read_local_into(self.folder, [(w, a) for w, a in zip(weight_set.weights, arrays)
+                                              if w.file not in self.remote.streamed], opened=weight_set.opened)
+        finally:
+            weight_set.close()
         return [(w.entry.name, to_program_array(a, w.header.legacy)) for w, a in zip(weight_set.weights, arrays)]
 
     def _read(self, reads: list[RangeRead], key: str) -> None:

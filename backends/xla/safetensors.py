@@ -120,14 +120,24 @@ def read_header(path: Path | str) -> SafetensorsHeader:
     Raises ConfigError naming the file, the key and the value for every problem.
     """
     path = Path(path)
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    except OSError as err:
-        raise ConfigError(f"{path}: cannot read: {err.strerror or err}") from None
+    fd = open_weights_file(path)
     try:
         return read_header_fd(fd, path)
     finally:
         os.close(fd)
+
+
+def open_weights_file(path: Path) -> int:
+    """A read-only descriptor of a weights file (ConfigError ``cannot read`` naming it when it cannot be opened).
+
+    A load reads a file's header and then its data through one descriptor: a file replaced meanwhile (an atomic
+    redeploy, a migration's ``replace``) is read whole as it was, never its header's offsets applied to its
+    successor's bytes.
+    """
+    try:
+        return os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read: {err.strerror or err}") from None
 
 
 def read_header_fd(fd: int, path: Path) -> SafetensorsHeader:
@@ -461,13 +471,25 @@ def load_weights(path: Path | str, *, threads: int = DEFAULT_READ_THREADS,
 
     Both layouts load to identical arrays.
     """
-    header = read_header(path)
-    return read_tensors(header, threads=threads, chunk_bytes=chunk_bytes)
+    path = Path(path)
+    fd = open_weights_file(path)
+    try:
+        header = read_header_fd(fd, path)
+        arrays = [empty_for(entry) for entry in header.tensors]
+        read_entries_into([(path, header.tensors, arrays)], threads=threads, chunk_bytes=chunk_bytes,
+                          opened={path: fd})
+    finally:
+        os.close(fd)
+    return [(entry.name, to_program_array(array, header.legacy)) for entry, array in zip(header.tensors, arrays)]
 
 
 def read_tensors(header: SafetensorsHeader, *, threads: int = DEFAULT_READ_THREADS,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> list[tuple[str, np.ndarray]]:
-    """Read the tensors of a validated header with ``pread`` into fresh arrays, in argument order."""
+    """Read the tensors of a validated header with ``pread`` into fresh arrays, in argument order.
+
+    The file is opened again by its path: one replaced since its header was read would be read at the old
+    header's offsets (a load reads both through one descriptor, as :func:`load_weights` does).
+    """
     arrays = [empty_for(entry) for entry in header.tensors]
     read_into(header, arrays, threads=threads, chunk_bytes=chunk_bytes)
     return [(entry.name, to_program_array(array, header.legacy)) for entry, array in zip(header.tensors, arrays)]
@@ -538,18 +560,25 @@ def chunk_jobs(entries: Sequence[TensorEntry], arrays: Sequence[np.ndarray],
 
 
 def read_entries_into(files: Sequence[tuple[Path, Sequence[TensorEntry], Sequence[np.ndarray]]], *,
-                      threads: int = DEFAULT_READ_THREADS, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
-    """:func:`read_into` for tensors of several files (shards) at once, sharing one pool of readers."""
+                      threads: int = DEFAULT_READ_THREADS, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                      opened: Mapping[Path, int] | None = None) -> None:
+    """:func:`read_into` for tensors of several files (shards) at once, sharing one pool of readers.
+
+    A file in ``opened`` (path -> descriptor: the one its header was read through) is read through that
+    descriptor, which stays open (its owner closes it); any other is opened by its path for the read.
+    """
     jobs: list[tuple[int, Path, memoryview, int]] = []
     fds: list[int] = []
     try:
         for path, entries, arrays in files:
             pieces = chunk_jobs(entries, arrays, chunk_bytes)
-            try:
-                fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-            except OSError as err:
-                raise ConfigError(f"{path}: cannot open: {err.strerror or err}") from None
-            fds.append(fd)
+            fd = (opened or {}).get(path)
+            if fd is None:
+                try:
+                    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                except OSError as err:
+                    raise ConfigError(f"{path}: cannot open: {err.strerror or err}") from None
+                fds.append(fd)
             jobs.extend((fd, path, view, offset) for view, offset in pieces)
         if threads > 1 and len(jobs) > 1:
             with ThreadPoolExecutor(max_workers=min(threads, len(jobs)), thread_name_prefix="nereid-weights") as pool:

@@ -22,6 +22,12 @@ The rules are those the streaming safetensors loaders use for
 ``model.safetensors.index.json`` and ``*.safetensors``. They are written
 against :class:`BundleFiles`, so a bundle in a local folder and one in an
 object store resolve the same way.
+
+A local file's header and its data are read through one descriptor, held by
+the weight set from the header's read until its data is read (one per
+shard), so a file replaced meanwhile (an atomic redeploy, a migration's
+``replace``) is read whole as it was when its header was read (unlinked but
+open): never that header's offsets applied to its successor's bytes.
 """
 
 from __future__ import annotations
@@ -29,7 +35,8 @@ from __future__ import annotations
 import json
 import logging
 from collections import Counter
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol, Sequence
 
@@ -37,8 +44,8 @@ import numpy as np
 
 from nereid.backends.xla.bundle import DEFAULT_WEIGHTS_FILE
 from nereid.backends.xla.safetensors import (DEFAULT_CHUNK_BYTES, DEFAULT_READ_THREADS, SafetensorsHeader,
-                                             TensorEntry, empty_for, read_entries_into, read_header,
-                                             to_program_array)
+                                             TensorEntry, empty_for, open_weights_file, read_entries_into,
+                                             read_header_fd, to_program_array)
 from nereid.errors import ConfigError, cap_message
 from nereid.files import not_regular_reason
 
@@ -48,6 +55,37 @@ INDEX_FILE = "weights.safetensors.index.json"
 WEIGHTS_SUFFIX = ".safetensors"
 # An index lists names and file names; 16 MiB is about 150,000 tensors, as for a header.
 MAX_INDEX_BYTES = 16 * 1024 * 1024
+
+
+class OpenWeightFiles:
+    """The weights files a load read the headers of, each held open (one descriptor) until its data is read.
+
+    Closed by :meth:`close` (what reads the data calls it); one nobody closed (a weight set looked at and
+    dropped) is closed when it is collected, as a Python file object is.
+    """
+
+    def __init__(self) -> None:
+        self._held: dict[str, tuple[int, SafetensorsHeader]] = {}
+
+    def held(self, name: str) -> tuple[int, SafetensorsHeader] | None:
+        """The descriptor of file ``name`` and the header read through it; None when it is not held."""
+        return self._held.get(name)
+
+    def hold(self, name: str, fd: int, header: SafetensorsHeader) -> None:
+        """Keep ``fd`` (now owned here), through which ``header`` was read, for the data of file ``name``."""
+        self._held[name] = (fd, header)
+
+    def close(self) -> None:
+        """Close every held descriptor (again: nothing)."""
+        while self._held:
+            _, (fd, _) = self._held.popitem()
+            os.close(fd)
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # (at interpreter exit os may be gone: the descriptors go with the process)
+            pass
 
 
 class BundleFiles(Protocol):
@@ -66,12 +104,21 @@ class BundleFiles(Protocol):
     def header(self, name: str) -> SafetensorsHeader:
         """The validated safetensors header of a file."""
 
+    @property
+    def opened(self) -> OpenWeightFiles:
+        """The local files :meth:`header` read, held open for their data (see :class:`OpenWeightFiles`)."""
+
 
 class LocalBundleFiles:
     """A bundle in a local folder."""
 
     def __init__(self, folder: Path) -> None:
         self.folder = Path(folder)
+        self._opened = OpenWeightFiles()
+
+    @property
+    def opened(self) -> OpenWeightFiles:
+        return self._opened
 
     def names(self) -> list[str]:
         try:
@@ -96,10 +143,22 @@ class LocalBundleFiles:
         return data
 
     def header(self, name: str) -> SafetensorsHeader:
+        """The header of file ``name``, read through a descriptor that is kept for its data (its header is read
+        once: asked again, the same one)."""
+        held = self._opened.held(name)
+        if held is not None:
+            return held[1]
         path = self.folder / name
         if (reason := not_regular_reason(path)) is not None:
             raise ConfigError(reason)
-        return read_header(path)
+        fd = open_weights_file(path)
+        try:
+            header = read_header_fd(fd, path)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._opened.hold(name, fd, header)
+        return header
 
 
 @dataclass(frozen=True)
@@ -123,6 +182,13 @@ class WeightSet:
     files: tuple[str, ...]
     weights: tuple[Weight, ...]
     index: str | None = None  # the index file, when the weight map came from one
+    # The local files whose headers these are, held open for their data (read_local_into reads through them).
+    opened: OpenWeightFiles | None = field(default=None, compare=False, repr=False)
+
+    def close(self) -> None:
+        """Close the files held open for the data (done once it is read; again: nothing)."""
+        if self.opened is not None:
+            self.opened.close()
 
     @property
     def legacy(self) -> bool:
@@ -151,8 +217,22 @@ def single_file(files: BundleFiles, name: str) -> WeightSet:
 def resolve_weights(files: BundleFiles, weights_file: str | None = None) -> WeightSet | None:
     """A bundle's weights by the rules above (None: the bundle has no weights file at all).
 
-    ``weights_file`` is the manifest's (or the migration's choice): then only that file.
+    ``weights_file`` is the manifest's (or the migration's choice): then only that file. The local files
+    whose headers were read stay open, held by the set, until :func:`read_local_into` (or the set's
+    ``close``) closes them.
     """
+    try:
+        weight_set = _resolve(files, weights_file)
+    except BaseException:
+        files.opened.close()
+        raise
+    if weight_set is None:
+        files.opened.close()
+        return None
+    return replace(weight_set, opened=files.opened)
+
+
+def _resolve(files: BundleFiles, weights_file: str | None) -> WeightSet | None:
     if weights_file is not None:
         return single_file(files, weights_file)
     names = files.names()
@@ -261,19 +341,33 @@ def _checked(files: BundleFiles, weight_set: WeightSet) -> WeightSet:
 
 def read_local_weights(folder: Path, weight_set: WeightSet, *, threads: int = DEFAULT_READ_THREADS,
                        chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> list[tuple[str, np.ndarray]]:
-    """Read every weight of a local bundle with ``pread`` into fresh arrays, in argument order."""
+    """Read every weight of a local bundle with ``pread`` into fresh arrays, in argument order (through the
+    files the set holds open, which are then closed)."""
     arrays = [empty_for(w.entry) for w in weight_set.weights]
-    read_local_into(folder, list(zip(weight_set.weights, arrays)), threads=threads, chunk_bytes=chunk_bytes)
+    try:
+        read_local_into(folder, list(zip(weight_set.weights, arrays)), threads=threads, chunk_bytes=chunk_bytes,
+                        opened=weight_set.opened)
+    finally:
+        weight_set.close()
     return [(w.entry.name, to_program_array(array, w.header.legacy)) for w, array in zip(weight_set.weights, arrays)]
 
 
 def read_local_into(folder: Path, targets: Sequence[tuple[Weight, np.ndarray]], *,
-                    threads: int = DEFAULT_READ_THREADS, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
-    """Read each weight from its file in ``folder`` (``pread``, in parallel) into the array paired with it."""
+                    threads: int = DEFAULT_READ_THREADS, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                    opened: OpenWeightFiles | None = None) -> None:
+    """Read each weight from its file in ``folder`` (``pread``, in parallel) into the array paired with it.
+
+    A file ``opened`` holds is read through the descriptor its header was read through (the weight's header
+    must be that one); any other is opened by its path.
+    """
     by_file: dict[str, tuple[list[TensorEntry], list[np.ndarray]]] = {}
+    fds: dict[Path, int] = {}
     for weight, array in targets:
         entries, arrays = by_file.setdefault(weight.file, ([], []))
         entries.append(weight.entry)
         arrays.append(array)
+        held = opened.held(weight.file) if opened is not None else None
+        if held is not None and held[1] is weight.header:
+            fds[Path(folder) / weight.file] = held[0]
     read_entries_into([(Path(folder) / file, entries, arrays) for file, (entries, arrays) in by_file.items()],
-                      threads=threads, chunk_bytes=chunk_bytes)
+                      threads=threads, chunk_bytes=chunk_bytes, opened=fds)

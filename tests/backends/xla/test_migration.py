@@ -114,6 +114,28 @@ def test_an_interrupted_replace_still_loads_and_is_finished(legacy, tmp_path) ->
     assert np.array_equal(serve_once(legacy, tmp_path), expected)
 
 
+def test_a_load_beside_another_servers_replace_reads_the_legacy_file_whole(legacy, tmp_path, monkeypatch) -> None:
+    """Found by the replicas hunt: server B (migration off) read the legacy file's header, server A's replace
+    swapped the migrated file in, and B read the data at the legacy header's offsets from the new file (a
+    longer header): answers off by ~1e37, served 200 OK until B's next load. The replace runs here at that
+    very point, between B's header read and its data read."""
+    from nereid.backends.xla import model as model_module
+
+    expected = serve_once(legacy, tmp_path)
+    read_local_weights = model_module.read_local_weights
+    outcomes = []
+
+    def after_another_servers_replace(folder, weight_set, **options):
+        outcomes.append(migrate_bundle(legacy, "replace"))
+        return read_local_weights(folder, weight_set, **options)
+
+    monkeypatch.setattr(model_module, "read_local_weights", after_another_servers_replace)
+    served = serve_once(legacy, tmp_path)  # (B's own migration is off)
+    assert [o.changed for o in outcomes] == [True] and not read_header(legacy / "weights.safetensors").legacy
+    assert np.array_equal(served, expected)
+    monkeypatch.undo()
+    assert np.array_equal(serve_once(legacy, tmp_path), expected)  # B's next load: the migrated file, whole
+
 def test_a_stale_copy_is_noticed_and_rebuilt(legacy, tmp_path, caplog) -> None:
     migrate_bundle(legacy, "copy")
     redeployed = [(n, a * 2) for n, a in load_weights(legacy / "weights.safetensors")]

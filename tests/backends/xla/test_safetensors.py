@@ -94,6 +94,30 @@ def test_chunked_parallel_reads_match_sequential_ones(tmp_path) -> None:
         assert np.array_equal(a, c) and np.array_equal(b, c)
 
 
+def test_load_weights_reads_the_data_through_the_open_its_header_was_read_through(tmp_path, monkeypatch) -> None:
+    """A file replaced right after its header was read (an atomic redeploy) is read whole as it was: the data
+    was read through a second open, at the old header's offsets in the new file (the replicas hunt)."""
+    from nereid.backends.xla import safetensors
+
+    path = tmp_path / "w.safetensors"
+    weights = sample_weights()
+    write_safetensors(path, weights, legacy=True)
+    read_header_fd = safetensors.read_header_fd
+
+    def then_replaced(fd: int, where: Path):
+        header = read_header_fd(fd, where)
+        # Another layout and a longer header: every tensor's data lies elsewhere in the new file.
+        write_safetensors(tmp_path / "new.safetensors", [(n, a[..., None]) for n, a in weights],
+                          metadata={"note": "x" * 300})
+        os.replace(tmp_path / "new.safetensors", path)
+        return header
+
+    monkeypatch.setattr(safetensors, "read_header_fd", then_replaced)
+    loaded = load_weights(path, threads=4, chunk_bytes=7)
+    assert [(n, a.shape, a.tobytes()) for n, a in loaded] == [(n, a.shape, a.tobytes()) for n, a in weights]
+    monkeypatch.undo()
+    assert [a.shape for _, a in load_weights(path)] == [a[..., None].shape for _, a in weights]  # the new one
+
 def test_argument_order_comes_from_the_metadata(tmp_path) -> None:
     a, b = np.zeros(2, np.float32), np.ones(3, np.float32)
     header = {"__metadata__": {"argument_order": json.dumps(["b", "a"])},

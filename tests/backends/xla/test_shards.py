@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import safetensors.numpy
 from nereid.backend import ModelContext
 from nereid.backends.xla.model import create_model
 from nereid.backends.xla.safetensors import write_safetensors
-from nereid.backends.xla.weights import INDEX_FILE, LocalBundleFiles, resolve_weights
+from nereid.backends.xla.weights import INDEX_FILE, LocalBundleFiles, read_local_weights, resolve_weights
 from nereid.cli import main
 from nereid.errors import ConfigError
 from nereid.backends.xla.export import bundle_arity_report, examples, read_bundle_weights
@@ -183,3 +184,65 @@ def test_re_exporting_removes_the_other_form(sharded) -> None:
                   batch_sizes=(1, 8), input_names=["input"], output_names=["output"], provenance=False)
     assert sorted(p.name for p in sharded.glob("*.safetensors")) == ["weights.safetensors"]
     assert not (sharded / INDEX_FILE).exists()
+
+
+def _replace_atomically(path: Path, tensors: list[tuple[str, np.ndarray]]) -> None:
+    """Write another file over ``path`` as a deploy (or a migration) does: a temporary name, then one rename.
+    Its longer header moves every tensor's data to other offsets."""
+    temporary = path.with_name(f".{path.name}.deploy")
+    write_safetensors(temporary, tensors, metadata={"note": "redeployed " * 40})
+    os.replace(temporary, path)
+
+
+def _descriptors_into(folder: Path) -> list[str]:
+    """What this process's open descriptors lead to inside ``folder`` (a replaced file: its old path, deleted)."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # (the listing's own descriptor, closed by now)
+            continue
+        if target.startswith(str(folder)):
+            found.append(target)
+    return found
+
+
+def test_a_weights_file_replaced_after_its_header_was_read_is_read_whole_as_it_was(tmp_path) -> None:
+    """Found by the replicas hunt: the header was read through one open of the file and the data through
+    another, so a file replaced between the two (a migration's replace on another server, an atomic redeploy)
+    had the old header's offsets applied to the new bytes: garbage weights, served 200 OK."""
+    bundle = examples.write_mlp(tmp_path, provenance=False)
+    weights = examples.mlp_weights()
+    weight_set = resolve_weights(LocalBundleFiles(bundle))
+    _replace_atomically(bundle / "weights.safetensors", [(n, a * 7 + 1) for n, a in weights.items()])
+    loaded = read_bundle_weights_of(bundle, weight_set)
+    assert {n: a.tobytes() for n, a in loaded} == {n: a.tobytes() for n, a in weights.items()}
+    assert _descriptors_into(bundle) == []  # the old file, unlinked, was held only until its data was read
+    # The next load reads the new file, whole.
+    assert {n: a.tobytes() for n, a in read_bundle_weights(bundle)} == {
+        n: (a * 7 + 1).tobytes() for n, a in weights.items()}
+
+
+def test_shards_replaced_after_their_headers_were_read_are_each_read_whole_as_they_were(sharded) -> None:
+    weights = examples.mlp_weights()
+    weight_set = resolve_weights(LocalBundleFiles(sharded))
+    for shard in SHARDS:
+        names = [w.entry.name for w in weight_set.weights if w.file == shard]
+        _replace_atomically(sharded / shard, [(n, weights[n] - 5) for n in names])
+    loaded = read_bundle_weights_of(sharded, weight_set)
+    assert [n for n, _ in loaded] == ["w1", "b1", "w2", "b2"]
+    assert {n: a.tobytes() for n, a in loaded} == {n: a.tobytes() for n, a in weights.items()}
+    assert _descriptors_into(sharded) == []
+
+
+def test_a_resolution_that_fails_after_reading_headers_leaves_no_file_open(sharded) -> None:
+    weights = examples.mlp_weights()
+    write_safetensors(sharded / SHARDS[2], [("b2", weights["b2"])], legacy=True)
+    with pytest.raises(ConfigError, match="the weight files mix layouts"):
+        resolve_weights(LocalBundleFiles(sharded))
+    assert _descriptors_into(sharded) == []
+
+
+def read_bundle_weights_of(folder: Path, weight_set) -> list[tuple[str, np.ndarray]]:
+    """The weights of a set resolved earlier, read as a load reads them (in parallel, small chunks)."""
+    return read_local_weights(folder, weight_set, threads=4, chunk_bytes=64)
