@@ -121,6 +121,35 @@ def local_weight_set(layout: BundleLayout) -> WeightSet | None:
                            chosen.relative_to(layout.folder).as_posix() if chosen is not None else None)
 
 
+def open_local_bundle(folder: Path, largest_only: bool = False) -> tuple[BundleLayout, WeightSet | None]:
+    """A local bundle's layout and the weights it serves (see :func:`local_weight_set`).
+
+    Read again, once, when the first read fails while ``manifest.yaml`` is replaced or edited: a migration's
+    ``replace`` on another server sharing the folder (or a redeploy) switched ``weights_file`` after the
+    manifest was read, and the file it named is gone.
+    """
+    before = _manifest_stamp(folder)
+    try:
+        layout = open_bundle(folder, largest_only)
+        return layout, local_weight_set(layout)
+    except ConfigError as err:
+        if before is None or _manifest_stamp(folder) == before:
+            raise
+        log.info("%s: %s changed while the bundle was read (%s); reading it again", folder.name, MANIFEST_NAME,
+                 err)
+    layout = open_bundle(folder, largest_only)
+    return layout, local_weight_set(layout)
+
+
+def _manifest_stamp(folder: Path) -> tuple[int, int, int, int] | None:
+    """What changes when manifest.yaml is replaced (its inode) or edited in place; None when it cannot be read."""
+    try:
+        stat = os.stat(folder / MANIFEST_NAME)
+    except OSError:
+        return None
+    return stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns
+
+
 def migrate_for_load(folder: Path, mode: str, model: str) -> bool:
     """Run the migration at load; log instead of raising. True when the bundle's files changed."""
     if mode == "off":

@@ -29,7 +29,7 @@ from nereid.backends.xla.device import PjrtTarget, host_lapack_problem, resolve_
 from nereid.backends.xla.dtype_tokens import token_of
 from nereid.backends.xla.manifest import (EXPORT_PLATFORM, MANIFEST_NAME, DimKind, Manifest, ManifestTensor,
                                           smallest_fitting)
-from nereid.backends.xla.migration import MIGRATED_FILES, local_weight_set, migrate_for_load
+from nereid.backends.xla.migration import MIGRATED_FILES, migrate_for_load, open_local_bundle
 from nereid.backends.xla.options import parse_options
 from nereid.backends.xla.program import parameter_layout_problem, python_callback_problem, read_program
 from nereid.backends.xla.remote import RemoteBundle
@@ -100,10 +100,12 @@ class XlaModel:
         elif options.weights_migration != "off":  # nothing is ever written into the bucket
             log.warning("model '%s': weights_migration does not run for a bundle in object storage (%s)",
                         context.name, remote.location)
-        layout = open_bundle(context.folder, options.largest_batch_only, weights_elsewhere=remote is not None)
+        if remote is not None:
+            layout = open_bundle(context.folder, options.largest_batch_only, weights_elsewhere=True)
+            weight_set = resolve_weights(remote, layout.manifest.weights_file)
+        else:
+            layout, weight_set = open_local_bundle(context.folder, options.largest_batch_only)
         manifest = layout.manifest
-        weight_set = (resolve_weights(remote, manifest.weights_file) if remote is not None
-                      else local_weight_set(layout))
         try:  # the weights files stay open from their headers' read to their data's
             weight_types = ([(w.entry.name, w.program_shape, w.entry.dtype) for w in weight_set.weights]
                             if weight_set else [])

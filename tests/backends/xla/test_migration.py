@@ -21,6 +21,7 @@ from nereid.backends.xla.migration import (COPY_FILE, MigrationError, make_copy,
 from nereid.backends.xla.model import XlaModel
 from nereid.backends.xla.safetensors import load_weights, read_header, write_safetensors
 from nereid.backends.xla.export import examples
+from nereid.errors import ConfigError
 from nereid.settings import ModelSettings
 from nereid.tensors import NamedTensor
 from support import wait_until
@@ -135,6 +136,38 @@ def test_a_load_beside_another_servers_replace_reads_the_legacy_file_whole(legac
     assert np.array_equal(served, expected)
     monkeypatch.undo()
     assert np.array_equal(serve_once(legacy, tmp_path), expected)  # B's next load: the migrated file, whole
+
+def test_a_load_whose_manifest_named_the_copy_a_replace_then_removed_reads_the_manifest_again(
+        legacy, tmp_path, monkeypatch, caplog) -> None:
+    """Server B read the manifest naming weights.T.safetensors (server A's copy step), then A's replace swapped
+    the copy in and removed it: B's load failed ('cannot read: No such file'); now it reads the manifest again."""
+    expected = serve_once(legacy, tmp_path)
+    migrate_bundle(legacy, "copy")
+    weights_to_load_ = migration.weights_to_load
+    outcomes = []
+
+    def after_another_servers_replace(layout):
+        if not outcomes:
+            outcomes.append(migrate_bundle(legacy, "replace"))
+        return weights_to_load_(layout)
+
+    monkeypatch.setattr(migration, "weights_to_load", after_another_servers_replace)
+    with caplog.at_level(logging.INFO, logger="nereid.backends.xla.migration"):
+        served = serve_once(legacy, tmp_path)  # (B's own migration is off)
+    assert outcomes[0].changed and not (legacy / COPY_FILE).exists()
+    assert np.array_equal(served, expected)
+    assert "manifest.yaml changed while the bundle was read" in caplog.text
+
+
+def test_a_load_that_fails_with_its_manifest_unchanged_is_not_tried_again(legacy, tmp_path, monkeypatch) -> None:
+    migrate_bundle(legacy, "copy")
+    (legacy / COPY_FILE).unlink()
+    reads = []
+    open_bundle_ = migration.open_bundle
+    monkeypatch.setattr(migration, "open_bundle", lambda *args: reads.append(args) or open_bundle_(*args))
+    with pytest.raises(ConfigError, match=rf"manifest.yaml: weights_file: no such file .*{COPY_FILE}"):
+        serve_once(legacy, tmp_path)
+    assert len(reads) == 1  # a bundle that is wrong as it stands is read once, as before
 
 def test_a_stale_copy_is_noticed_and_rebuilt(legacy, tmp_path, caplog) -> None:
     migrate_bundle(legacy, "copy")
