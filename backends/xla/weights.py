@@ -34,8 +34,8 @@ from __future__ import annotations
 
 import json
 import logging
-from collections import Counter
 import os
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol, Sequence
