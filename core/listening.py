@@ -141,10 +141,10 @@ def bind_problem(address: str) -> OSError | None:
             return None
         except OSError as err:
             first = first or err
-            if sockaddr[0] == "::" and err.errno not in _ABSENT:
-                # The wildcard taken on IPv6 (another server on [::1] or [::] at this port): gRPC would fall back to
-                # 0.0.0.0 and start on IPv4 alone, saying it listens on [::], while IPv6 clients reach the other
-                # server (the replicas hunt). Refused, as the HTTP listener refuses it; only a host without IPv6
-                # falls back.
+            if host == "::" and err.errno not in _ABSENT:
+                # [::] asked for, its IPv6 side taken (another server on [::1] or [::] at this port): gRPC would fall
+                # back to 0.0.0.0 and start on IPv4 alone, saying it listens on [::], while IPv6 clients reach the
+                # other server (the replicas hunt). Refused, as the HTTP listener refuses it; only a host without
+                # IPv6 falls back. (0.0.0.0 asks for IPv4: its fallback is what was asked for.)
                 return err
     return first
