@@ -18,7 +18,8 @@ Protocol (``CONTROL_FD`` is an AF_UNIX SOCK_SEQPACKET socket to the server):
    one line to the stdout it was started with: ``ready``; ``broken <reason>`` and exit (one
    of main.py's own imports failed: every run would stop there); or ``fallback <reason>``
    and exit (an extra preload failed, imports started Python threads: forking a threaded
-   process is unsafe, or an import initialised CUDA, which a forked child cannot use).
+   process is unsafe, or an import initialised CUDA or a JAX backend, or started an OpenMP
+   thread pool, which a forked child cannot use).
    From the start, descriptor 1 is the parent's stderr: what an import prints (a
    library's banner) goes to the log, and only that line reaches the server.
 2. Each message on the control socket asks for one run: a JSON object
@@ -84,6 +85,9 @@ PR_SET_CHILD_SUBREAPER = 36
 MAX_SWEEPS = 1024
 # What every CUDA driver API call but cuInit returns until cuInit has been called (CUresult 3).
 CUDA_ERROR_NOT_INITIALIZED = 3
+# How long the OpenMP probe's empty parallel region may take before it counts as hanging (see openmp_pool_hangs):
+# one that works ends in a few ms, even on a loaded machine well within this.
+OPENMP_PROBE_S = 2.0
 # How long a preload's child process may take to end before it counts as one the runs would share (a short-lived
 # Popen an import did not wait for is still running a moment later; found by the review of the change).
 SHORT_LIVED_CHILD_S = 0.2
@@ -105,10 +109,11 @@ def preload(imports: list[str], extra: list[str], submodules: tuple[str, ...] | 
 
     One of main.py's own imports that fails is ``broken``: ``python main.py``
     would stop at it on every run. Python threads make forking unsafe (a lock
-    held by one stays held in every child). Native threads do not count
-    (OpenBLAS's pool registers fork handlers; importing torch starts none): an
-    initialised CUDA driver, whose threads are native, is what
-    :func:`cuda_initialised` looks for instead.
+    held by one stays held in every child). Native threads are asked about
+    where they do not survive a fork: an initialised CUDA driver
+    (:func:`cuda_initialised`), an initialised JAX backend (:func:`jax_backends`)
+    and GNU OpenMP's pool (:func:`openmp_pool_hangs`); OpenBLAS's pool
+    registers fork handlers, and importing torch starts none.
     """
     for name in [*imports, *extra, *submodules]:
         try:
@@ -124,6 +129,12 @@ def preload(imports: list[str], extra: list[str], submodules: tuple[str, ...] | 
         if cuda_initialised():
             return (f"fallback preloading '{name}' initialised CUDA, which a forked child cannot use; initialise "
                     "CUDA in the code that runs per batch (main.py's body or a function it calls), not at import")
+        backends = jax_backends()
+        if backends:
+            return (f"fallback preloading '{name}' initialised JAX's backend ({', '.join(backends)}), whose thread "
+                    "pools a forked run cannot use (its next compile or parallel operation hangs); run JAX operations "
+                    "(jit calls, arrays) in the code that runs per batch (main.py's body or a function it calls), not "
+                    "at import (importing jax is fine)")
     extra_threads = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
     if extra_threads:
         return (f"fallback preloading started threads ({', '.join(extra_threads[:5])}); forking a threaded process "
@@ -139,6 +150,14 @@ def preload(imports: list[str], extra: list[str], submodules: tuple[str, ...] | 
     if started:
         return (f"fallback preloading started a process ({', '.join(started[:3])}) that every run would share; "
                 "start it in the code that runs per batch (main.py's body or a function it calls), not at import")
+    # Last: the probe forks, which is safe only once no Python thread runs (found by a bug hunt: a project module
+    # whose warm-up predict ran at import left every forked run that used OpenMP hanging until timeout_s, silently).
+    hanging = openmp_pool_hangs()
+    if hanging is not None:
+        return (f"fallback preloading started an OpenMP thread pool ({hanging}), which a forked run cannot use (GNU "
+                "OpenMP, which torch, scikit-learn, LightGBM and XGBoost use, has no fork handler: the run's first "
+                "parallel operation hangs); run the warm-up (a first predict or forward pass) in the code that runs "
+                "per batch (main.py's body or a function it calls), not at import")
     return None
 
 
@@ -444,7 +463,8 @@ def cuda_initialised() -> bool:
     ran here. A failed one counts too: a child would inherit the parent's
     attempt instead of making its own, as a fresh interpreter does.
     """
-    for path in _mapped_cuda_drivers():
+    # Not libcudart (the runtime, which loads the driver when it needs it: then the driver is mapped too).
+    for path in _mapped_libraries("libcuda.so"):
         try:
             device_count = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LOCAL).cuDeviceGetCount
         except (OSError, AttributeError):
@@ -456,8 +476,9 @@ def cuda_initialised() -> bool:
     return False
 
 
-def _mapped_cuda_drivers() -> list[str]:
-    """The paths of the CUDA driver libraries (``libcuda.so*``) mapped into this process; [] without /proc."""
+def _mapped_libraries(prefix: str) -> list[str]:
+    """The paths of the libraries mapped into this process whose file name starts with ``prefix``; [] without
+    /proc."""
     try:
         with open("/proc/self/maps") as f:
             maps = f.read()
@@ -466,11 +487,94 @@ def _mapped_cuda_drivers() -> list[str]:
     paths: dict[str, None] = {}
     for line in maps.splitlines():
         fields = line.split(maxsplit=5)  # address perms offset dev inode [path]
-        if len(fields) == 6 and fields[5].startswith("/"):
-            # Not libcudart (the runtime, which loads the driver when it needs it: then the driver is mapped too).
-            if os.path.basename(fields[5]).startswith("libcuda.so"):
-                paths[fields[5]] = None
+        if len(fields) == 6 and fields[5].startswith("/") and os.path.basename(fields[5]).startswith(prefix):
+            paths[fields[5]] = None
     return list(paths)
+
+
+def jax_backends() -> list[str]:
+    """The platforms of the JAX backends initialised in this process (``["cpu"]``), found out without importing
+    jax: [] when it is not imported.
+
+    A JAX backend (XLA's client) runs thread pools that a forked child does
+    not have: the child's first compile or parallel operation waits for them
+    forever (jax itself warns that fork "will likely lead to a deadlock").
+    Importing jax initialises none; the first array or jit call does.
+    """
+    bridge = sys.modules.get("jax._src.xla_bridge")
+    try:
+        backends = vars(bridge).get("_backends") if bridge is not None else None
+    except TypeError:  # not a module with a __dict__
+        return []
+    return [str(platform) for platform in backends] if isinstance(backends, dict) else []
+
+
+def openmp_pool_hangs() -> str | None:
+    """The path of a GNU OpenMP library (``libgomp*``) mapped into this process whose parallel region hangs in a
+    forked child, found out by forking one; None when none does (or none is mapped, the common case: then
+    nothing is forked).
+
+    libgomp keeps the threads of its first parallel region for the next ones
+    and registers no fork handler: a child forked after a region ran believes
+    it has them, and its next region waits for them forever. The probe child
+    runs an empty region (libc's ``free(NULL)`` on 2 threads, no Python)
+    through each mapped libgomp, writing a byte after each; one that has not
+    ended within :data:`OPENMP_PROBE_S` is killed, and the library it had
+    reached is the answer. A parent whose pool never started, or only ever ran
+    one thread, takes a few ms (the fork, a thread started in the child).
+    """
+    regions = []
+    for path in _mapped_libraries("libgomp"):
+        try:
+            region = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LOCAL).GOMP_parallel
+        except (OSError, AttributeError):
+            continue  # unloaded since maps was read, or a file so named that is not libgomp
+        region.restype = None
+        region.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint]
+        regions.append((path, region))
+    if not regions:
+        return None
+    free = ctypes.cast(ctypes.CDLL(None).free, ctypes.c_void_p)
+    done, progress = os.pipe()
+    parent = os.getpid()
+    pid = os.fork()
+    if pid == 0:  # the probe: it flushes nothing and runs no exit handlers
+        status = 1
+        try:
+            os.close(done)
+            _die_with_parent(parent)
+            for _, region in regions:
+                region(free, None, 2, 0)
+                os.write(progress, b".")
+            status = 0
+        finally:
+            os._exit(status)
+    os.close(progress)
+    try:
+        reached, ended = _count_until_end(done, time.monotonic() + OPENMP_PROBE_S)
+    finally:
+        os.close(done)
+    if not ended:
+        os.kill(pid, signal.SIGKILL)
+    _, status = os.waitpid(pid, 0)
+    if ended and reached == len(regions) and os.waitstatus_to_exitcode(status) == 0:
+        return None
+    return regions[min(reached, len(regions) - 1)][0]  # (one that crashed the child fails every run's region too)
+
+
+def _count_until_end(fd: int, deadline: float) -> tuple[int, bool]:
+    """The bytes read from ``fd`` until its end or ``deadline``, and whether its end came first."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    count = 0
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0 or not poller.poll(left * 1000):
+            return count, False
+        data = os.read(fd, 64)
+        if not data:
+            return count, True
+        count += len(data)
 
 
 class Runs:

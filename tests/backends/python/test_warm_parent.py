@@ -132,6 +132,38 @@ def test_a_lazy_package_s_getattr_asked_for_a_from_import_is_checked_as_an_impor
         assert json.loads(done.stdout) == [answer]
 
 
+# Preloads, in one warm-parent interpreter, each list of modules in argv[2] (JSON) in turn: what preload() answered
+# (as extra preloads) for each.
+PRELOAD_ANSWERS = """
+import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("warm_parent", sys.argv[1])
+warm_parent = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(warm_parent)
+print(json.dumps([warm_parent.preload([], modules) for modules in json.loads(sys.argv[2])]))
+"""
+
+
+def preload_answers(site, *module_lists: list[str]) -> list:
+    done = subprocess.run([sys.executable, "-c", PRELOAD_ANSWERS, warm_parent.__file__, json.dumps(module_lists)],
+                          env={**os.environ, "PYTHONPATH": str(site)}, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_the_openmp_probe_refuses_a_pool_that_a_fork_leaves_hanging_only(tmp_path):
+    """Defect (found by a bug hunt): a preload whose warm-up started GNU OpenMP's pool left every forked run that
+    entered a parallel region hanging. libgomp loaded, or a region run on one thread (no pool started), is fine."""
+    region = ("import ctypes\nctypes.CDLL('libgomp.so.1').GOMP_parallel(ctypes.cast(ctypes.CDLL(None).free, "
+              "ctypes.c_void_p), None, {threads}, 0)\n")
+    (tmp_path / "loads.py").write_text("import ctypes\nctypes.CDLL('libgomp.so.1')\n")
+    (tmp_path / "one_thread.py").write_text(region.format(threads=1))
+    (tmp_path / "two_threads.py").write_text(region.format(threads=2))
+    answers = preload_answers(tmp_path, ["json"], ["loads"], ["one_thread"], ["two_threads"])
+    assert answers[:3] == [None, None, None]
+    assert answers[3].startswith("fallback preloading started an OpenMP thread pool (/"), answers[3]
+    assert "libgomp" in answers[3] and answers[3].endswith(", not at import"), answers[3]
+
+
 def test_a_module_file_of_any_kind_in_the_folder_hides_the_parent_s_module_of_its_name(tmp_path) -> None:
     """As `python main.py` finds the folder's module first, whatever its kind: a compiled extension and a .pyc
     (found by a bug hunt: only .py files and packages counted, so the child kept the parent's module)."""

@@ -741,6 +741,57 @@ def test_a_preload_that_initialises_cuda_runs_cold_and_one_that_only_loads_it_st
     assert ask(server, "gpu_loaded") == "served"
 
 
+# Runs an empty GNU OpenMP parallel region on 2 threads (libc's free(NULL) in each), as a torch forward pass or a
+# scikit-learn predict does on a batch large enough: the first one starts libgomp's thread pool.
+OPENMP_REGION = ("import ctypes\nctypes.CDLL('libgomp.so.1').GOMP_parallel(ctypes.cast(ctypes.CDLL(None).free, "
+                 "ctypes.c_void_p), None, 2, 0)\n")
+
+
+def test_a_preload_that_started_an_openmp_pool_runs_cold_and_one_that_only_loads_libgomp_stays_warm(
+        repo, serve, user_site, caplog):
+    """Defect (found by a bug hunt of library models): a project module whose warm-up ran at import (a torch
+    forward pass, a scikit-learn HistGradientBoosting predict) started libgomp's thread pool in the warm parent,
+    which has no fork handler: every forked run that entered a parallel region hung until timeout_s, while nereid
+    check said warm_start=on and nothing was logged."""
+    (user_site / "starts_openmp.py").write_text(OPENMP_REGION)
+    (user_site / "loads_openmp.py").write_text("import ctypes\nctypes.CDLL('libgomp.so.1')\n")
+    repo.python("openmp_at_import", textproto=REPORT, main=reply_main('"served"', prelude=OPENMP_REGION))
+    repo.python("openmp_loaded", textproto=REPORT, main=reply_main('"served"', prelude=OPENMP_REGION))
+    # (timeout_s: a run that hangs fails the test instead of holding it.)
+    server = serve(repo.write_config(
+        "- name: openmp_at_import\n  timeout_s: 10\n  runtime: {preload: [starts_openmp]}\n"
+        "- name: openmp_loaded\n  timeout_s: 10\n  runtime: {preload: [loads_openmp]}\n"))
+    assert [ask(server, "openmp_at_import") for _ in range(2)] == ["served"] * 2  # (cold; warm, each hung)
+    summary = backend_of(server, "openmp_at_import").runtime_report().summary
+    assert re.fullmatch(r"warm_start=off \(preloading started an OpenMP thread pool \(/\S*libgomp[^)]*\), which a "
+                        r"forked run cannot use .*, not at import\)", summary), summary
+    assert [r for r in caplog.records if "'openmp_at_import': warm start is off" in r.message
+            and "OpenMP thread pool" in r.message]
+    assert backend_of(server, "openmp_loaded").runtime_report().summary == "warm_start=on"
+    assert [ask(server, "openmp_loaded") for _ in range(2)] == ["served"] * 2
+
+
+def test_a_preload_that_ran_a_jax_operation_runs_cold_and_one_that_only_imports_jax_stays_warm(repo, serve,
+                                                                                              user_site, caplog):
+    """Defect (found by a bug hunt of library models): a project module that ran a jax operation at import (a
+    warm-up jit call) initialised XLA's backend in the warm parent, whose thread pools a fork does not copy: every
+    forked run that compiled a new shape hung until timeout_s, while nereid check said warm_start=on."""
+    (user_site / "runs_jax.py").write_text("import jax.numpy as jnp\nWARMED = float(jnp.ones(3).sum())\n")
+    jax_run = "import jax.numpy as jnp\nsummed = float(jnp.arange(4.0).sum())"
+    repo.python("jax_at_import", textproto=REPORT, main=reply_main("summed", prelude=jax_run))
+    repo.python("jax_imported", textproto=REPORT, main=reply_main("summed", prelude=jax_run))
+    server = serve(repo.write_config("- name: jax_at_import\n  timeout_s: 60\n  runtime: {preload: [runs_jax]}\n"
+                                     "- name: jax_imported\n  timeout_s: 60\n  runtime: {preload: [jax]}\n"))
+    reason = ("preloading 'runs_jax' initialised JAX's backend (cpu), whose thread pools a forked run cannot use (its "
+              "next compile or parallel operation hangs); run JAX operations (jit calls, arrays) in the code that "
+              "runs per batch (main.py's body or a function it calls), not at import (importing jax is fine)")
+    assert backend_of(server, "jax_at_import").runtime_report().summary == f"warm_start=off ({reason})"
+    assert [r for r in caplog.records if "'jax_at_import': warm start is off" in r.message and reason in r.message]
+    assert ask(server, "jax_at_import") == 6.0  # cold
+    assert backend_of(server, "jax_imported").runtime_report().summary == "warm_start=on"
+    assert ask(server, "jax_imported") == 6.0
+
+
 def test_check_reports_warm_start(repo, user_site, capsys):
     repo.python("warm", textproto=REPORT, main=reply_main("1"))
     repo.python("cold", textproto=REPORT, main=reply_main("1"))
