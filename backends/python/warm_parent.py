@@ -115,6 +115,8 @@ def preload(imports: list[str], extra: list[str], submodules: tuple[str, ...] | 
     and GNU OpenMP's pool (:func:`openmp_pool_hangs`); OpenBLAS's pool
     registers fork handlers, and importing torch starts none.
     """
+    # Each thread by the import after which it was first seen running (None: before any), for the reason.
+    thread_starters: dict[threading.Thread, str | None] = dict.fromkeys(threading.enumerate())
     for name in [*imports, *extra, *submodules]:
         try:
             if name not in submodules or _submodule_to_import(name):
@@ -135,10 +137,11 @@ def preload(imports: list[str], extra: list[str], submodules: tuple[str, ...] | 
                     "pools a forked run cannot use (its next compile or parallel operation hangs); run JAX operations "
                     "(jit calls, arrays) in the code that runs per batch (main.py's body or a function it calls), not "
                     "at import (importing jax is fine)")
-    extra_threads = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
+        for thread in threading.enumerate():
+            thread_starters.setdefault(thread, name)
+    extra_threads = [t for t in threading.enumerate() if t is not threading.main_thread()]
     if extra_threads:
-        return (f"fallback preloading started threads ({', '.join(extra_threads[:5])}); forking a threaded process "
-                "is unsafe")
+        return _threads_reason(extra_threads, thread_starters)
     # A process an import started (a helper it talks to through pipes, multiprocessing's resource tracker) would
     # be one process shared by every run at once, where `python main.py` has its own; and each run's end sweeps
     # this parent's other children away (found by a bug hunt: the first run worked, every later one broke).
@@ -159,6 +162,17 @@ def preload(imports: list[str], extra: list[str], submodules: tuple[str, ...] | 
                 "parallel operation hangs); run the warm-up (a first predict or forward pass) in the code that runs "
                 "per batch (main.py's body or a function it calls), not at import")
     return None
+
+
+def _threads_reason(threads: list[threading.Thread], starters: dict[threading.Thread, str | None]) -> str:
+    """The start-up answer for Python threads still running after the preloads, naming the imports that started
+    them (found by a bug hunt: a joblib Parallel at import gave "started threads (ExecutorManagerThread,
+    QueueFeederThread)", which named neither the module nor the library)."""
+    names = ", ".join(thread.name for thread in threads[:5])
+    modules = list(dict.fromkeys(repr(starters[t]) for t in threads if starters.get(t) is not None))
+    by = f" {', '.join(modules)}" if modules else ""
+    return (f"fallback preloading{by} started threads ({names}); forking a threaded process is unsafe; start them in "
+            "the code that runs per batch (main.py's body or a function it calls), not at import")
 
 
 def _live_children() -> list[str]:

@@ -150,6 +150,21 @@ def preload_answers(site, *module_lists: list[str]) -> list:
     return json.loads(done.stdout)
 
 
+def test_threads_a_preload_started_are_said_with_the_imports_that_started_them(tmp_path):
+    """Found by a bug hunt: a joblib Parallel at import gave `preloading started threads (ExecutorManagerThread,
+    QueueFeederThread)`, naming neither the module nor the library; nor did it say what to do."""
+    starts = "import threading, time\nthreading.Thread(target=time.sleep, args=(60,), name={!r}, daemon=True).start()\n"
+    (tmp_path / "busy.py").write_text(starts.format("busy"))
+    (tmp_path / "also_busy.py").write_text(starts.format("more"))
+    (tmp_path / "briefly.py").write_text("import threading\nt = threading.Thread(target=int)\nt.start()\nt.join()\n")
+    advice = ("forking a threaded process is unsafe; start them in the code that runs per batch (main.py's body or a "
+              "function it calls), not at import")
+    assert preload_answers(tmp_path, ["json", "busy", "decimal"]) == [
+        f"fallback preloading 'busy' started threads (busy); {advice}"]
+    assert preload_answers(tmp_path, ["briefly", "busy", "csv", "also_busy"]) == [
+        f"fallback preloading 'busy', 'also_busy' started threads (busy, more); {advice}"]
+
+
 def test_the_openmp_probe_refuses_a_pool_that_a_fork_leaves_hanging_only(tmp_path):
     """Defect (found by a bug hunt): a preload whose warm-up started GNU OpenMP's pool left every forked run that
     entered a parallel region hanging. libgomp loaded, or a region run on one thread (no pool started), is fine."""

@@ -523,7 +523,10 @@ def test_the_parent_compiles_the_main_py_the_server_read_at_load(repo, serve, us
 
 
 @pytest.mark.parametrize("module, reason", [
-    ("starts_a_thread", "preloading started threads (busy); forking a threaded process is unsafe"),
+    # (Found by a bug hunt: the reason named neither the module nor the library that started the threads.)
+    ("starts_a_thread", "preloading 'starts_a_thread' started threads (busy); forking a threaded process is unsafe; "
+                        "start them in the code that runs per batch (main.py's body or a function it calls), not at "
+                        "import"),
     ("fails_on_import", "preloading 'fails_on_import' failed (RuntimeError: cannot import me)"),
     # Found by a bug hunt: the first run after each load worked, every later one broke (the process was swept).
     ("starts_a_process", r"preloading started a process \(sleep \(pid \d+\)\) that every run would share; start it "
@@ -805,7 +808,7 @@ def test_check_reports_warm_start(repo, user_site, capsys):
     lines = {line.split(":")[0]: line for line in capsys.readouterr().out.splitlines()}
     assert " warm_start=on warm_parent_rss=" in lines["warm"] and " warm_start=on warm_parent_rss=" in lines["banner"]
     assert lines["cold"].endswith(" warm_start=off (runtime.warm_start is false)")
-    assert " warm_start=off (preloading started threads (busy)" in lines["unsafe"]
+    assert " warm_start=off (preloading 'starts_a_thread' started threads (busy)" in lines["unsafe"]
 
 
 def test_bad_runtime_options_make_the_model_unavailable(repo, serve):
