@@ -94,8 +94,12 @@ class XlaModel:
         context.warn_timeout_ignored("a bundle's compiled program runs to its end once started (its requests' "
                                      "deadlines still bound their wait in the queue)")
         remote = RemoteBundle.of(context.folder, retries=options.weights_read_retries)
+        # One release for the whole load: the model folder as it resolves now. Through a symlink that is flipped to
+        # another release meanwhile (git-sync, a Kubernetes volume, current -> release-7), a load read the weights of
+        # one release and the programs of the other, served 200 OK until its next load (the last hunt).
+        folder = context.folder if remote is not None else Path(os.path.realpath(context.folder))
         if remote is None:
-            if migrate_for_load(context.folder, options.weights_migration, context.name):
+            if migrate_for_load(folder, options.weights_migration, context.name):
                 context.folder_rewritten(MIGRATED_FILES)  # (in dynamic mode, not a change to load again)
         elif options.weights_migration != "off":  # nothing is ever written into the bucket
             log.warning("model '%s': weights_migration does not run for a bundle in object storage (%s)",
@@ -104,7 +108,7 @@ class XlaModel:
             layout = open_bundle(context.folder, options.largest_batch_only, weights_elsewhere=True)
             weight_set = resolve_weights(remote, layout.manifest.weights_file)
         else:
-            layout, weight_set = open_local_bundle(context.folder, options.largest_batch_only)
+            layout, weight_set = open_local_bundle(folder, options.largest_batch_only)
         manifest = layout.manifest
         try:  # the weights files stay open from their headers' read to their data's
             weight_types = ([(w.entry.name, w.program_shape, w.entry.dtype) for w in weight_set.weights]
@@ -114,7 +118,7 @@ class XlaModel:
             elsewhere = exported_elsewhere(manifest, context.device)
             if elsewhere is not None:
                 log.warning("model '%s': %s", context.name, elsewhere)
-            cache = ExecutableCache(context.folder / CACHE_DIR, options.executable_cache)
+            cache = ExecutableCache(folder / CACHE_DIR, options.executable_cache)
             weights_name = weight_set.describe() if weight_set else DEFAULT_WEIGHTS_FILE
             programs = {key: self._program(key, path, layout.manifest, weight_types, weights_name,
                                            weight_set is not None, target, cache, elsewhere,

@@ -303,3 +303,43 @@ def test_a_bundle_of_several_sizes_without_a_batched_input_warns_that_only_its_f
     assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
         "model 'gen': the manifest lists batch sizes [1, 2], but no input has a batch axis, so no request can "
         "choose among them: only size 1 ever runs (list that one alone)"]
+
+
+def _times(x, w):
+    return x * w
+
+
+def _twice_times(x, w):
+    return 2 * x * w
+
+
+def test_a_load_through_a_symlink_flipped_to_another_release_meanwhile_reads_one_release(tmp_path,
+                                                                                        monkeypatch) -> None:
+    """Found by the hunt of this session's last fixes: a model folder that is a symlink flipped to another release
+    during a load (git-sync, a Kubernetes volume) gave the load one release's weights and the other's programs,
+    served 200 OK until the next load."""
+    from nereid.backends.xla.export import export_bundle
+
+    releases = {}
+    for name, fn, scale in (("release-1", _times, 3.0), ("release-2", _twice_times, 5.0)):
+        releases[name] = export_bundle(fn, [np.zeros((1, 4), np.float32)], {"w": np.full(4, scale, np.float32)},
+                                       directory=tmp_path / name / "m", batch_sizes=[1], provenance=False)
+    link = tmp_path / "ml-backends" / "m"
+    link.parent.mkdir()
+    link.symlink_to(releases["release-1"])
+    real_open = model_module.open_local_bundle
+
+    def flipped_after_the_weights(folder, *args, **kwargs):
+        opened = real_open(folder, *args, **kwargs)
+        flip = tmp_path / "flip"
+        flip.symlink_to(releases["release-2"])
+        flip.replace(link)  # (atomically, as git-sync swaps its link)
+        return opened
+
+    monkeypatch.setattr(model_module, "open_local_bundle", flipped_after_the_weights)
+    model = load(link, tmp_path)
+    try:
+        [output] = model.infer([NamedTensor.from_array("input", np.ones((1, 4), np.float32))])
+        np.testing.assert_array_equal(output.data, np.full((1, 4), 3.0, np.float32))  # release-1's, whole
+    finally:
+        model.unload()
