@@ -443,12 +443,14 @@ def cached_build(compiler: Compiler, arguments: list[str], name: str, stale: str
     """
     cache = folder / CACHE_DIR
     built = cache / name
-    if _reusable(built, folder, model, executable):
+    # (Whether it is an older nereid's is kept for the WARNING of a .cache/ that cannot be written, below.)
+    reusable, older = _reusable(built, folder, model, executable)
+    if reusable:
         return built
     scratch_cache = scratch / SCRATCH_CACHE_DIR
     fallback = scratch_cache / name
     # (An earlier load in this server found .cache/ unwritable.)
-    if _reusable(fallback, folder, model, executable):
+    if _reusable(fallback, folder, model, executable)[0]:
         return fallback
     scratch_cache.mkdir(parents=True, exist_ok=True)
     dependencies = compile_to(compiler, arguments, fallback, folder, what, model, abandoned, sources)
@@ -472,7 +474,6 @@ def cached_build(compiler: Compiler, arguments: list[str], name: str, stale: str
         return once
     _write_record(fallback, _outside_the_key(dependencies, folder, keyed, model), model)
     _remove_stale(scratch_cache, stale, fallback)
-    older = _left_by_older_nereid(built)  # (asked first: the publish below removes its record, if it can)
     try:
         # The old record gone first, the build then its record: a build found with no record is built again, where
         # one found with the record of an earlier build of its name could be kept for a record it was not built from.
@@ -512,9 +513,9 @@ class _NotReusable(Exception):
         self.older = older
 
 
-def _reusable(build: Path, folder: Path, model: str, executable: bool) -> bool:
+def _reusable(build: Path, folder: Path, model: str, executable: bool) -> tuple[bool, bool]:
     """Whether the cached ``build`` is served as it is: its record vouches for its content, and each file it
-    included from outside its key is unchanged.
+    included from outside its key is unchanged; and whether it is an older nereid's (see :class:`_NotReusable`).
 
     Checked before anything runs or dlopens it: a cxx library is mapped into
     the server's own process, where a damaged one (its code zeroed by a torn
@@ -526,13 +527,13 @@ def _reusable(build: Path, folder: Path, model: str, executable: bool) -> bool:
     one's record), is built again with an INFO line.
     """
     if not os.path.lexists(build):
-        return False  # (nothing cached under this name: the usual first build)
+        return False, False  # (nothing cached under this name: the usual first build)
     try:
         entries = _verified_record(build, executable)
     except _NotReusable as why:
         log.log(why.level, "model '%s': ignoring its cached build %s: %s; building it again", model, build, why)
-        return False
-    return _still_current(entries, build, folder, model)
+        return False, why.older
+    return _still_current(entries, build, folder, model), False
 
 
 def _verified_record(build: Path, executable: bool) -> list[tuple[str, str]]:
@@ -579,18 +580,6 @@ def _written_after(build: Path, record: Path) -> bool:
         return os.stat(build).st_mtime_ns > os.stat(record).st_mtime_ns
     except OSError:
         return False
-
-
-def _left_by_older_nereid(build: Path) -> bool:
-    """Whether ``build``, in .cache/, is an older nereid's (see :class:`_NotReusable`): asked before its rebuild
-    is published, which replaces it."""
-    if not os.path.lexists(build):
-        return False
-    try:
-        _verified_record(build, executable=False)
-    except _NotReusable as why:
-        return why.older
-    return False
 
 
 def _build_digest(build: Path, executable: bool) -> tuple[int, str]:
