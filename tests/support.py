@@ -31,14 +31,22 @@ from nereid.collector_pause import collector_paused
 from nereid.server import NereidServer
 from nereid.settings import load_settings
 
-# A main.py that echoes its single input tensor, whatever its datatype and shape.
-ECHO_MAIN = '''
+
+def echo_main(prelude: str = "") -> str:
+    """A main.py that echoes its single input tensor, whatever its datatype and shape, after running ``prelude``
+    (lines of Python, with os and sys imported)."""
+    return f'''
 import os, sys
-data = sys.stdin.buffer.read()
+{prelude}data = sys.stdin.buffer.read()
 with open(os.environ["NEREID_OUTPUT_PATH"], "wb") as out:
     out.write(("%s %s\\n" % (os.environ["NEREID_INPUT_DTYPE"], os.environ["NEREID_INPUT_SHAPE"])).encode())
     out.write(data)
 '''
+
+
+ECHO_MAIN = echo_main()
+# A prelude of echo_main: the run appends a line to calls.txt, in the model folder, so a test counts the runs.
+COUNT_THE_RUN = 'with open("calls.txt", "a") as calls:\n    calls.write("1\\n")\n'
 
 # A main.py that copies its framed inputs to its outputs, one for one (multi-tensor form).
 FRAMED_ECHO_MAIN = '''

@@ -24,7 +24,8 @@ from nereid.settings import DEFAULT_QUEUE_CAPACITY, BatchingSettings
 from nereid.signature import ModelSignature, TensorSpec
 from nereid.stats import ModelStats, RequestTiming
 from nereid.tensors import NamedTensor
-from support import expect_grpc_error, fail_thread_starts, reference_counting_only, scrape
+from support import (COUNT_THE_RUN, echo_main, expect_grpc_error, fail_thread_starts, reference_counting_only,
+                     scrape)
 
 SIGNATURE = ModelSignature((TensorSpec("x", DType.FP32, (2,)),), (TensorSpec("y", DType.FP32, (2,)),), 4)
 
@@ -520,15 +521,7 @@ def test_a_run_no_thread_could_start_for_is_answered_unavailable_and_never_runs(
 
 
 # An echo of one FP32 [4] tensor that counts its runs in calls.txt, in its folder.
-COUNTED_ECHO_MAIN = '''
-import os, sys
-with open("calls.txt", "a") as calls:
-    calls.write("1\\n")
-data = sys.stdin.buffer.read()
-with open(os.environ["NEREID_OUTPUT_PATH"], "wb") as out:
-    out.write(("%s %s\\n" % (os.environ["NEREID_INPUT_DTYPE"], os.environ["NEREID_INPUT_SHAPE"])).encode())
-    out.write(data)
-'''
+COUNTED_ECHO_MAIN = echo_main(COUNT_THE_RUN)
 
 
 def test_a_served_request_no_thread_could_start_for_is_unavailable_and_never_runs(repo, serve, monkeypatch) -> None:

@@ -21,24 +21,15 @@ import tritonclient.grpc as triton
 import tritonclient.http as triton_http
 from tritonclient.utils import InferenceServerException
 
-from support import ModelRepo, expect_grpc_error, fail_thread_starts, scrape, unreadable_chunked_infer, wait_until
+from support import (COUNT_THE_RUN, ModelRepo, echo_main, expect_grpc_error, fail_thread_starts, scrape,
+                     unreadable_chunked_infer, wait_until)
 
 SHIPPED = Path(__file__).resolve().parents[3] / "ml-backends"
 
 # An echo of one FP32 tensor that sleeps SLEEP_S first and counts its runs in calls.txt (its starts in
 # started.txt).
-COUNTING_MAIN = '''
-import os, sys, time
-with open("started.txt", "a") as started:
-    started.write("1\\n")
-time.sleep({sleep_s})
-with open("calls.txt", "a") as calls:
-    calls.write("1\\n")
-data = sys.stdin.buffer.read()
-with open(os.environ["NEREID_OUTPUT_PATH"], "wb") as out:
-    out.write(("%s %s\\n" % (os.environ["NEREID_INPUT_DTYPE"], os.environ["NEREID_INPUT_SHAPE"])).encode())
-    out.write(data)
-'''
+COUNTING_MAIN = echo_main('import time\nwith open("started.txt", "a") as started:\n    started.write("1\\n")\n'
+                          'time.sleep({sleep_s})\n' + COUNT_THE_RUN)
 
 FAILING_MAIN = '''
 import sys
