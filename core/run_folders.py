@@ -8,8 +8,10 @@ holds at most 107 bytes: a TMPDIR that named the model
 of 13 characters or more. So the runs of every model share one folder of the
 server's scratch folder, :data:`RUNS_FOLDER`, each under a 12-hex-digit name:
 ``<TMPDIR>/nereid-<pid>-<8>/.r/<12 hex>``, at most 40 bytes past the server's
-TMPDIR. The server's stop removes it with the scratch folder, a later start
-removes a dead server's.
+TMPDIR. A python model's warm parent has such a folder too, its TMPDIR the
+``tmp`` folder in it (its preloaded imports make sockets as runs do). The
+server's stop removes it with the scratch folder, a later start removes a dead
+server's.
 """
 
 from __future__ import annotations

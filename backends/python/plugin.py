@@ -6,7 +6,6 @@ import json
 import logging
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 from nereid.backend import BackendClaim, ModelContext, RuntimeReport
@@ -21,6 +20,7 @@ from nereid.backends.scratch import scratch_folder_refused
 from nereid.backends.subprocess.model import SubprocessModel
 from nereid.backends.subprocess.runner import ProcessResult, StdinData
 from nereid.hookspecs import hookimpl
+from nereid.run_folders import make_run_folder
 from nereid.runtime_options import LayeredRuntime
 from nereid.signature import TEXTPROTO_NAME
 from nereid.triton_hints import python_model_hint
@@ -149,12 +149,14 @@ class PythonModel(SubprocessModel):
                       cold_for_now: str | None = None) -> WarmParent:
         """A parent that preloads ``modules`` (forking cold runs, without ``warm``), started; with ``cold_for_now``,
         the reason it runs cold until a try at warm start again works (see ``WarmParent.start_cold_for_now``)."""
-        # A folder of its own: while a changed model reloads, two versions' parents run side by side.
-        scratch = self.context.scratch_dir
+        # A folder of its own (while a changed model reloads, two versions' parents run side by side), named as a
+        # run's is and beside them, not after the model: its TMPDIR is where a preloaded import makes AF_UNIX
+        # sockets (multiprocessing's, at most 107 bytes a path), which a folder naming the model left no room for.
+        runs = self.runs_dir()
         try:
-            parent_dir = Path(tempfile.mkdtemp(prefix="warm-parent-", dir=scratch))
+            parent_dir = make_run_folder(runs)
         except OSError as err:
-            raise scratch_folder_refused(self.context.name, "make a folder for its parent process in", scratch,
+            raise scratch_folder_refused(self.context.name, "make a folder for its parent process in", runs,
                                          err) from None
         env = self.base_environment()
         # A folder apart from the parent's own files (its log, main.py's copy): a library that keeps the temporary
@@ -167,7 +169,7 @@ class PythonModel(SubprocessModel):
             try:
                 parent.entry_source.write_bytes(source)
             except OSError as err:  # a full disk: named, where a bare "[Errno 28] No space left" named nothing
-                raise scratch_folder_refused(self.context.name, f"write a copy of its {ENTRY_FILE} into", scratch,
+                raise scratch_folder_refused(self.context.name, f"write a copy of its {ENTRY_FILE} into", parent_dir,
                                              err) from None
             try:
                 if cold_for_now is not None:

@@ -111,3 +111,52 @@ def test_a_run_folder_that_could_not_be_removed_after_its_run_is_removed_at_unlo
                            capture_output=True, text=True, timeout=120)
     assert child.returncode == 0, child.stderr
     assert child.stdout.splitlines() == ["True", "False"], child.stdout
+
+
+# An installed module that, as it is imported, listens on an AF_UNIX socket where multiprocessing makes its own
+# (TMPDIR/pymp-XXXXXXXX/listener-XXXXXXXX), and keeps what that gave: a warm parent imports it once, its runs see it.
+LISTENING_MODULE = '''
+import os, socket, tempfile
+folder = tempfile.mkdtemp(prefix="pymp-")
+listener = socket.socket(socket.AF_UNIX)
+try:
+    listener.bind(os.path.join(folder, "listener-abcdefgh"))
+    BOUND = "bound"
+except OSError as err:
+    BOUND = str(err)
+finally:
+    listener.close()
+'''
+
+LISTENING_MAIN = '''
+import json, os, sys
+import listening
+sys.stdin.buffer.read()
+answer = json.dumps([listening.BOUND, listening.__name__ in sys.modules]).encode()
+with open(os.environ["NEREID_OUTPUT_PATH"], "wb") as out:
+    out.write(b"bytes 1,1\\n" + len(answer).to_bytes(4, "little") + answer)
+'''
+
+
+def test_a_preloaded_import_listening_on_a_socket_in_tmpdir_works_in_a_model_with_a_long_name(repo, serve, no_zombies,
+                                                                                            tmp_path, monkeypatch):
+    """Defect: a warm parent's TMPDIR was <TMPDIR>/nereid-<pid>-<8>/<model name>/warm-parent-<8>/tmp, so a module
+    preloaded by a model named 13 characters or more that listened on a socket there as it was imported (as
+    multiprocessing's Manager() or forkserver do) failed: AF_UNIX path too long. The parent's folder is named as a
+    run's now, beside theirs."""
+    # Installed for the user whose HOME the parent inherits (the folder's own modules are imported by each run).
+    version = f"python{sys.version_info[0]}.{sys.version_info[1]}"
+    installed = tmp_path / "home" / ".local" / "lib" / version / "site-packages"
+    installed.mkdir(parents=True)
+    (installed / "listening.py").write_text(LISTENING_MODULE)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.syspath_prepend(str(installed))  # (the server's look at main.py's imports)
+    repo.python_warm_start = True
+    repo.python(LONG_NAME, textproto=REPORT, main=LISTENING_MAIN)
+    server = serve(repo.write_config(f"- name: {LONG_NAME}\n"))
+    assert server.server.repository.entry(LONG_NAME).loaded.backend.runtime_report().summary == "warm_start=on"
+    tensor = triton.InferInput("input", [1, 1], "BYTES")
+    tensor.set_data_from_numpy(np.array([[b"x"]], dtype=object))
+    assert json.loads(server.client.infer(LONG_NAME, [tensor]).as_numpy("output")[0, 0]) == ["bound", True]
+    parents = [path for path in (server.server.scratch_dir / ".r").iterdir() if (path / "log").exists()]
+    assert len(parents) == 1 and LONG_NAME not in str(parents[0])
