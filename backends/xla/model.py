@@ -30,7 +30,7 @@ from nereid.backends.xla.dtype_tokens import token_of
 from nereid.backends.xla.manifest import (EXPORT_PLATFORM, MANIFEST_NAME, DimKind, Manifest, ManifestTensor,
                                           smallest_fitting)
 from nereid.backends.xla.migration import MIGRATED_FILES, migrate_for_load, open_local_bundle
-from nereid.backends.xla.options import parse_options
+from nereid.backends.xla.options import XlaOptions, parse_options
 from nereid.backends.xla.program import parameter_layout_problem, python_callback_problem, read_program
 from nereid.backends.xla.remote import RemoteBundle
 from nereid.backends.xla.weights import read_local_weights, resolve_weights
@@ -45,6 +45,17 @@ from nereid.tensors import NamedTensor
 log = logging.getLogger(__name__)
 
 PLATFORM = "nereid_xla"
+# How many times a load reads a bundle whose folder was replaced by another while it read it, before it fails.
+SWAPPED_FOLDER_TRIES = 3
+
+
+def _folder_identity(folder: Path) -> tuple[int, int] | None:
+    """Which folder is at ``folder`` now (device, inode); None when none is."""
+    try:
+        status = os.stat(folder)
+    except OSError:
+        return None
+    return status.st_dev, status.st_ino
 
 
 @dataclass(frozen=True)
@@ -87,17 +98,40 @@ class XlaModel:
     # -- Model protocol ---------------------------------------------------------------------------
 
     def load(self) -> None:
-        """Compile (or reuse) every program and place the weights on the device; raise with the reason."""
+        """Compile (or reuse) every program and place the weights on the device; raise with the reason.
+
+        A local bundle is read from one release of its folder: the folder as it
+        resolves when the load starts (a symlink flipped to another release
+        meanwhile is not followed), and read again when that folder was replaced
+        meanwhile (``mv m .m.old && mv .m.new m``), which gave the load one
+        release's programs with the other's weights, served until its next load.
+        """
         started = time.monotonic()
         context = self.context
         options = parse_options(context.settings.runtime, context.settings_origin)
         context.warn_timeout_ignored("a bundle's compiled program runs to its end once started (its requests' "
                                      "deadlines still bound their wait in the queue)")
         remote = RemoteBundle.of(context.folder, retries=options.weights_read_retries)
-        # One release for the whole load: the model folder as it resolves now. Through a symlink that is flipped to
-        # another release meanwhile (git-sync, a Kubernetes volume, current -> release-7), a load read the weights of
-        # one release and the programs of the other, served 200 OK until its next load (the last hunt).
-        folder = context.folder if remote is not None else Path(os.path.realpath(context.folder))
+        if remote is not None:
+            self._load_release(context.folder, remote, options, started)
+            return
+        for _ in range(SWAPPED_FOLDER_TRIES):
+            # Through a symlink flipped to another release during the load (git-sync, a Kubernetes volume,
+            # current -> release-7), a load read the weights of one release and the programs of the other.
+            folder = Path(os.path.realpath(context.folder))
+            before = _folder_identity(folder)
+            self._load_release(folder, None, options, started)
+            if _folder_identity(folder) == before:
+                return
+            self.unload()  # (of two releases, perhaps: read again)
+            log.warning("model '%s': its folder %s was replaced by another during its load (moved away, another "
+                        "moved in); loading it again", context.name, folder)
+        raise ConfigError(f"model '{context.name}': its folder {context.folder} was replaced by another during each "
+                          f"of {SWAPPED_FOLDER_TRIES} loads in a row; load it again once it stays in place")
+
+    def _load_release(self, folder: Path, remote: RemoteBundle | None, options: XlaOptions, started: float) -> None:
+        """The load of one release: the bundle in ``folder`` (the store's, with ``remote``)."""
+        context = self.context
         if remote is None:
             if migrate_for_load(folder, options.weights_migration, context.name):
                 context.folder_rewritten(MIGRATED_FILES)  # (in dynamic mode, not a change to load again)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from nereid.backend import ModelContext, PadsBatches
+from nereid.errors import ConfigError
 from nereid.settings import ModelSettings
 from nereid.tensors import NamedTensor
 
@@ -313,17 +316,29 @@ def _twice_times(x, w):
     return 2 * x * w
 
 
-def test_a_load_through_a_symlink_flipped_to_another_release_meanwhile_reads_one_release(tmp_path,
-                                                                                        monkeypatch) -> None:
-    """Found by the hunt of this session's last fixes: a model folder that is a symlink flipped to another release
-    during a load (git-sync, a Kubernetes volume) gave the load one release's weights and the other's programs,
-    served 200 OK until the next load."""
+def _two_releases(tmp_path: Path) -> dict[str, Path]:
+    """Two releases of bundle m: release-1 answers 3x, release-2 10x (2x by its program, 5x by its weights), so
+    release-1's program with release-2's weights answers 5x and the other way round 6x."""
     from nereid.backends.xla.export import export_bundle
 
     releases = {}
     for name, fn, scale in (("release-1", _times, 3.0), ("release-2", _twice_times, 5.0)):
         releases[name] = export_bundle(fn, [np.zeros((1, 4), np.float32)], {"w": np.full(4, scale, np.float32)},
                                        directory=tmp_path / name / "m", batch_sizes=[1], provenance=False)
+    return releases
+
+
+def _answer(model: XlaModel) -> np.ndarray:
+    [output] = model.infer([NamedTensor.from_array("input", np.ones((1, 4), np.float32))])
+    return output.data
+
+
+def test_a_load_through_a_symlink_flipped_to_another_release_meanwhile_reads_one_release(tmp_path,
+                                                                                        monkeypatch) -> None:
+    """Found by the hunt of this session's last fixes: a model folder that is a symlink flipped to another release
+    during a load (git-sync, a Kubernetes volume) gave the load one release's weights and the other's programs,
+    served 200 OK until the next load."""
+    releases = _two_releases(tmp_path)
     link = tmp_path / "ml-backends" / "m"
     link.parent.mkdir()
     link.symlink_to(releases["release-1"])
@@ -339,7 +354,61 @@ def test_a_load_through_a_symlink_flipped_to_another_release_meanwhile_reads_one
     monkeypatch.setattr(model_module, "open_local_bundle", flipped_after_the_weights)
     model = load(link, tmp_path)
     try:
-        [output] = model.infer([NamedTensor.from_array("input", np.ones((1, 4), np.float32))])
-        np.testing.assert_array_equal(output.data, np.full((1, 4), 3.0, np.float32))  # release-1's, whole
+        np.testing.assert_array_equal(_answer(model), np.full((1, 4), 3.0, np.float32))  # release-1's, whole
     finally:
         model.unload()
+
+
+def _swapped_by_mv(monkeypatch, folder: Path, releases: list[Path]) -> list[Path]:
+    """Make each load's open of ``folder``'s bundle swap the folder, once its weights' header is read, for the next
+    of ``releases`` by two renames (``mv m .m.old && mv .m.new m``); the releases swapped in, in order."""
+    real_open = model_module.open_local_bundle
+    swapped = []
+
+    def swapped_after_the_weights(opened_folder, *args, **kwargs):
+        opened = real_open(opened_folder, *args, **kwargs)
+        if releases:
+            folder.rename(folder.with_name(f".m.old{len(swapped)}"))
+            swapped.append(releases.pop(0))
+            swapped[-1].rename(folder)
+        return opened
+
+    monkeypatch.setattr(model_module, "open_local_bundle", swapped_after_the_weights)
+    return swapped
+
+
+def test_a_load_whose_folder_is_swapped_by_mv_meanwhile_reads_the_new_release_whole(tmp_path, monkeypatch,
+                                                                                  caplog) -> None:
+    """Found by the hunt of the last stop's last fixes: a folder swapped for another release by mv during a load
+    gave the load one release's weights and the other's programs (here 6x), served 200 OK until its next load."""
+    releases = _two_releases(tmp_path)
+    folder = tmp_path / "ml-backends" / "m"
+    folder.parent.mkdir()
+    releases["release-1"].rename(folder)
+    swapped = _swapped_by_mv(monkeypatch, folder, [releases["release-2"]])
+    model = load(folder, tmp_path)
+    try:
+        assert len(swapped) == 1
+        np.testing.assert_array_equal(_answer(model), np.full((1, 4), 10.0, np.float32))  # release-2's, whole
+    finally:
+        model.unload()
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+        f"model 'm': its folder {folder} was replaced by another during its load (moved away, another moved in); "
+        "loading it again"]
+
+
+def test_a_load_whose_folder_is_swapped_during_every_try_fails_saying_so(tmp_path, monkeypatch) -> None:
+    """Three swaps in a row, one in each read: the load fails rather than serve a mix."""
+    releases = _two_releases(tmp_path)
+    folder = tmp_path / "ml-backends" / "m"
+    folder.parent.mkdir()
+    releases["release-1"].rename(folder)
+    copies = [releases["release-2"]]
+    for i in range(2):
+        copies.append(copies[0].with_name(f"m{i}"))
+        shutil.copytree(copies[0], copies[-1])
+    _swapped_by_mv(monkeypatch, folder, copies)
+    with pytest.raises(ConfigError) as caught:
+        load(folder, tmp_path)
+    assert str(caught.value) == (f"model 'm': its folder {folder} was replaced by another during each of 3 loads in "
+                                 "a row; load it again once it stays in place")
