@@ -24,11 +24,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Generic, Mapping, TypeVar
 
-from nereid.files import atomic_write, not_regular_reason
+from nereid.files import atomic_write, locked, not_regular_reason
 
 log = logging.getLogger(__name__)
 
 HASHES_FILE = "mlirhashes.json"
+# Held while the record of hashes is read and written again (see ExecutableCache._record_hash).
+HASHES_LOCK_FILE = "mlirhashes.lock"
 ENTRY_SUFFIX = ".xlaexe"
 _MAGIC = b"NEREID-XLA-EXECUTABLE 1\n"
 _LENGTH = struct.Struct("<Q")
@@ -220,7 +222,23 @@ class ExecutableCache:
         self._record_hash(module_name, key.module_sha256)
 
     def _record_hash(self, module_name: str, sha256: str) -> None:
-        """Note the program's new hash; drop entries compiled from an older version of the file."""
+        """Note the program's new hash; drop entries compiled from an older version of the file.
+
+        The record is read, changed and written again under a lock: two servers
+        sharing the folder (replicas, blue/green) compiling other programs each
+        wrote back what it had read, without the other's note, and the entries of
+        a program whose note was lost were never dropped when it changed.
+        """
+        lock = self.directory / HASHES_LOCK_FILE
+        if not_regular_reason(lock) is not None:
+            lock.unlink()  # (a FIFO put there would block the open for ever: the cache's own file, made again)
+        with locked(lock):
+            previous = self._note_hash(module_name, sha256)
+        if previous and previous != sha256:
+            self._remove_entries(module_name, previous)
+
+    def _note_hash(self, module_name: str, sha256: str) -> str | None:
+        """Write ``sha256`` as ``module_name``'s in the record; the hash the record had for it (None: none)."""
         hashes_path = self.directory / HASHES_FILE
         try:
             if not_regular_reason(hashes_path) is not None:
@@ -234,8 +252,7 @@ class ExecutableCache:
         previous = modules.get(module_name)
         modules[module_name] = sha256
         atomic_write(hashes_path, [json.dumps({"modules": modules}, indent=1, sort_keys=True).encode()])
-        if previous and previous != sha256:
-            self._remove_entries(module_name, previous)
+        return previous if isinstance(previous, str) else None
 
     def _remove_entries(self, module_name: str, sha256: str) -> None:
         for path in self.directory.glob(f"{module_name}.*{ENTRY_SUFFIX}"):

@@ -222,3 +222,45 @@ def test_a_bundle_folder_removed_during_its_compile_is_not_made_again_by_the_cac
     folder.mkdir()  # one that is there gets its .cache
     assert cache.load_or_compile("model.mlir", key, functions) == "executable"
     assert (folder / ".cache" / HASHES_FILE).is_file()
+
+
+# Compiles (stores) programs p<first>..p<first+count-1> of a cache folder, argv: folder first count.
+_COMPILES_PROGRAMS = """
+import sys
+from nereid.backends.xla.cache import CacheKey, CompileFunctions, ExecutableCache
+folder, first, count = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+cache = ExecutableCache(folder)
+functions = CompileFunctions(compile=lambda: b"executable", serialize=bytes, deserialize=bytes)
+for i in range(first, first + count):
+    cache.load_or_compile(f"p{i}", CacheKey(f"{i:064x}", "jaxlib", "cpu", "1", "cpu"), functions)
+"""
+
+
+def test_servers_sharing_a_cache_folder_keep_each_others_notes_of_program_hashes(tmp_path) -> None:
+    """Found by the replicas hunt (read, not reproduced then): the record of the programs' hashes was read, changed
+    and written back without a lock, so two servers sharing the folder compiling other programs lost each other's
+    notes (and the stale entries of a program whose note was lost were never dropped when it changed)."""
+    import subprocess
+    import sys
+
+    folder = tmp_path / ".cache"
+    writers = [subprocess.Popen([sys.executable, "-c", _COMPILES_PROGRAMS, str(folder), str(first), "40"])
+               for first in (0, 40, 80, 120)]
+    assert [writer.wait(timeout=120) for writer in writers] == [0, 0, 0, 0]
+    noted = json.loads((folder / HASHES_FILE).read_text())["modules"]
+    assert sorted(noted) == sorted(f"p{i}" for i in range(160)), f"{160 - len(noted)} notes lost"
+
+
+def test_a_fifo_in_place_of_the_hashes_lock_is_replaced_not_waited_on(tmp_path) -> None:
+    """The lock of the record of hashes is the cache's own file: something else there is made again, where opening
+    a FIFO would block the load for ever."""
+    from nereid.backends.xla.cache import HASHES_LOCK_FILE, CacheKey, CompileFunctions, ExecutableCache
+
+    folder = tmp_path / ".cache"
+    folder.mkdir()
+    os.mkfifo(folder / HASHES_LOCK_FILE)
+    cache = ExecutableCache(folder)
+    functions = CompileFunctions(compile=lambda: b"executable", serialize=bytes, deserialize=bytes)
+    assert cache.load_or_compile("p", CacheKey("0" * 64, "jaxlib", "cpu", "1", "cpu"), functions) == b"executable"
+    assert (folder / HASHES_LOCK_FILE).is_file()
+    assert json.loads((folder / HASHES_FILE).read_text())["modules"] == {"p": "0" * 64}
