@@ -676,6 +676,14 @@ def _prune_released(model_folder: Path, name: str) -> None:
         log.exception("%s: removing the version folders no server holds failed", model_folder / VERSIONS_FOLDER)
 
 
+def _is_folder(path: Path) -> bool:
+    """Whether ``path`` is a folder itself (not a symlink to one)."""
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
 def _prune_versions(folder: Path) -> bool:
     """Remove the version folders of ``folder`` that no server holds (under the folder's lock), and those a
     killed server left half made; returns whether any is still held."""
@@ -686,6 +694,12 @@ def _prune_versions(folder: Path) -> bool:
     for top in _listing(versions):
         if top.name.startswith((VERSION_BUILDING_PREFIX, VERSION_DROPPED_PREFIX)):
             shutil.rmtree(top, ignore_errors=True)
+            continue
+        if not _is_folder(top):
+            # Not a version folder (a file someone put there, a symlink): it kept the prune "busy" for ever, so the
+            # copy of a model gone from the store was never dropped.
+            with contextlib.suppress(OSError):
+                top.unlink()
             continue
         if _held_here(top):
             busy = True

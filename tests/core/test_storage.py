@@ -1894,6 +1894,29 @@ def test_a_held_version_folder_whose_in_use_file_was_deleted_is_kept(s3, tmp_pat
         hold.release()
 
 
+def test_a_file_or_symlink_put_among_the_version_folders_does_not_keep_a_copy_for_ever(s3, tmp_path) -> None:
+    """Carried from a hunt: a file directly in .nereid-versions/ (someone's note, an editor's swap file) made the
+    prune of version folders say "still held" for ever, so the copy of a model gone from the store was never
+    dropped. Such entries are not version folders: removed (a symlink's target is left alone)."""
+    from nereid.storage import drop_mirror_folder, materialize_model_version
+    from nereid.storage.mirror import VERSIONS_FOLDER, _prune_versions
+
+    server = load_settings(_config(tmp_path, s3.url())).server
+    _upload_mix(s3, tmp_path, 1)
+    materialize_model_version(server, "mix").release()
+    versions = server.ml_backends_path / "mix" / VERSIONS_FOLDER
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (versions / "notes.txt").write_text("a file of someone's")
+    (versions / "linked").symlink_to(outside)
+    assert not _prune_versions(server.ml_backends_path / "mix")
+    assert sorted(p.name for p in versions.iterdir()) == [] and outside.is_dir()
+    for key in bucket_state(s3.store, f"{s3.prefix}/mix/"):
+        obstore.delete(s3.store, key)
+    _until(lambda: drop_mirror_folder(server, "mix"), "the copy dropped")
+    assert not (server.ml_backends_path / "mix").exists()
+
+
 def test_a_forgotten_copy_whose_lock_is_held_a_moment_is_removed_without_another_listing(s3, tmp_path) -> None:
     """The prune a released version starts and the removal of a forgotten copy both take the folder's lock
     without waiting: the removal gave up, and the copy stayed until the next listing (a flaky full-suite run of
