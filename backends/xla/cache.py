@@ -19,12 +19,13 @@ import hashlib
 import json
 import logging
 import platform
+import stat
 import struct
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Generic, Mapping, TypeVar
 
-from nereid.files import atomic_write, locked, not_regular_reason
+from nereid.files import atomic_write, kind_of, locked, not_regular_reason, remove_tree
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +155,7 @@ class ExecutableCache:
     def load_or_compile(self, module_name: str, key: CacheKey,
                         functions: CompileFunctions[Executable]) -> Executable:
         """The executable for ``key``: from the cache when a valid entry exists, else compiled and stored."""
-        if not self.enabled:
+        if not self.enabled or self._not_a_folder():
             self.stats.compiled += 1
             return functions.compile()
         path = self.entry_path(module_name, key)
@@ -187,6 +188,22 @@ class ExecutableCache:
             self._write_failed = True
         return executable
 
+    def _not_a_folder(self) -> bool:
+        """Whether the cache's path holds something other than a folder (a file, a FIFO): said once per load, where
+        each program's entry said "Not a directory" and the write "File exists", four WARNINGs for one cause."""
+        try:
+            mode = self.directory.stat().st_mode
+        except OSError:
+            return False  # (absent: made at the first write; another failure is said by the read or the write)
+        if stat.S_ISDIR(mode):
+            return False
+        if not self._write_failed:
+            log.warning("%s: cannot use the executable cache %s (it is %s, not a folder); its programs will be "
+                        "compiled at every load until it is removed", self.directory.parent.name, self.directory,
+                        kind_of(mode))
+        self._write_failed = True
+        return True
+
     def _read_entry(self, path: Path, key: CacheKey) -> tuple[bytes | None, str]:
         """The payload of a valid entry, or None and what is wrong with it ("" when there is none)."""
         if (reason := not_regular_reason(path)) is not None:
@@ -216,6 +233,8 @@ class ExecutableCache:
 
     def _store(self, module_name: str, key: CacheKey, path: Path, payload: bytes) -> None:
         self.directory.mkdir(exist_ok=True)  # (inside the bundle folder, never the folder itself: see above)
+        if path.is_dir() and not path.is_symlink():
+            remove_tree(path)  # (a folder of an entry's name: in its way, which compiled the program at every load)
         header = json.dumps({"key": key.fields(), "module": module_name, "payload_bytes": len(payload),
                              "payload_sha256": hashlib.sha256(payload).hexdigest()}).encode()
         atomic_write(path, [_MAGIC, _LENGTH.pack(len(header)), header, payload])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import struct
 from pathlib import Path
 
@@ -130,7 +131,7 @@ def test_disabled_or_unwritable_cache_still_loads(tmp_path, add_bundle, caplog) 
     (folder / ".cache").write_text("a file where the cache folder should be")
     assert load(folder, tmp_path).report.cache.compiled == 3  # warned, served uncached
     # Once per load, not once per program file (three lines for mlp_bundle's three batch sizes).
-    assert sum("cannot write the executable cache" in r.getMessage() for r in caplog.records) == 1
+    assert sum("cannot use the executable cache" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_a_changed_xla_flags_misses_the_cache_and_a_dump_flag_does_not(tmp_path, add_bundle, monkeypatch) -> None:
@@ -264,3 +265,35 @@ def test_a_fifo_in_place_of_the_hashes_lock_is_replaced_not_waited_on(tmp_path) 
     assert cache.load_or_compile("p", CacheKey("0" * 64, "jaxlib", "cpu", "1", "cpu"), functions) == b"executable"
     assert (folder / HASHES_LOCK_FILE).is_file()
     assert json.loads((folder / HASHES_FILE).read_text())["modules"] == {"p": "0" * 64}
+
+
+@pytest.mark.parametrize("kind", ["file", "fifo"])
+def test_a_cache_path_that_is_no_folder_is_said_once_per_load(tmp_path, add_bundle, caplog, kind) -> None:
+    """Carried from a hunt: a .cache that was a file or a FIFO gave four WARNINGs per load of a three-program
+    bundle (each entry's "Not a directory", the write's "File exists"), one cause."""
+    folder = add_bundle(tmp_path, "mlp_bundle")
+    shutil.rmtree(folder / ".cache", ignore_errors=True)
+    if kind == "file":
+        (folder / ".cache").write_text("not a folder")
+    else:
+        os.mkfifo(folder / ".cache")
+    for _ in range(2):
+        caplog.clear()
+        assert load(folder, tmp_path).report.cache.compiled == 3
+        what = "a regular file" if kind == "file" else "a FIFO"
+        assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+            f"mlp_bundle: cannot use the executable cache {folder / '.cache'} (it is {what}, not a folder); its "
+            "programs will be compiled at every load until it is removed"]
+
+
+def test_a_folder_in_place_of_an_entry_is_replaced_by_the_entry(tmp_path, add_bundle) -> None:
+    """Carried from a hunt: a folder at an entry's path was never replaced (the write failed), so its program was
+    compiled at every load."""
+    folder = add_bundle(tmp_path, "mlp_bundle")
+    load(folder, tmp_path)
+    [first, *_] = sorted((folder / ".cache").glob("*.xlaexe"))
+    first.unlink()
+    (first / "inside").mkdir(parents=True)
+    assert load(folder, tmp_path).report.cache.rebuilt == 1
+    assert first.is_file()
+    assert load(folder, tmp_path).report.cache.hits == 3
