@@ -12,6 +12,7 @@ from typing import Any, Iterable, Mapping, NoReturn
 
 from nereid.config_document import yaml_spelling
 from nereid.errors import ConfigError, cap_message
+from nereid.settings import key_place
 
 
 class LayeredRuntime(dict):
@@ -40,13 +41,17 @@ class RuntimeOptions:
         known = f"allowed: {', '.join(allowed)}" if allowed else "it has no runtime options"
         for key, value in runtime.items():
             if key not in allowed:
-                self.fail(key, f"unknown option of the {backend} backend ({known})", value)
+                place = key_place(key) if isinstance(key, str) else None
+                hint = f"; {key} is {place}, not a runtime: option" if place else ""
+                self.fail(key, f"unknown option of the {backend} backend ({known}{hint})", value)
 
-    def fail(self, key: str, problem: str, value: Any) -> NoReturn:
+    def fail(self, key: Any, problem: str, value: Any) -> NoReturn:
         """Raise ConfigError naming ``runtime.<key>``, the problem and the (capped) value."""
         # (An item's key, ``preload[1]``, is where its option is: a default's said "backends.python.runtime.preload[1]"
         # and was blamed on every model under it; the regression hunt.)
-        where = self.origins.get(key.partition("[")[0], self.where)
+        where = self.origins.get(key.partition("[")[0] if isinstance(key, str) else key, self.where)
+        if not isinstance(key, str):  # (YAML's keys may be numbers: `runtime: {1: 2}` raised AttributeError here)
+            key = yaml_spelling(key)
         raise ConfigError(f"{self.prefix}{where}.{key}: {problem}, got {cap_message(yaml_spelling(value), 200)}")
 
     def get(self, key: str, default: Any) -> Any:

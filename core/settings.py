@@ -89,6 +89,15 @@ def _key_hints(section: str) -> Mapping[str, str]:
     return types.MappingProxyType(hints | yaml_key_hints(section))  # (cached: shared by every read)
 
 
+def key_place(key: str) -> str | None:
+    """Where nereid.yaml takes ``key`` ("a model entry's key", "a server: setting"...), when one of its own sections
+    does; None otherwise. For the refusal of a ``runtime:`` option that is such a key (``runtime: {backend: cpp}``)."""
+    for keys, place, _ in _SECTIONS.values():
+        if key in keys:
+            return place
+    return None
+
+
 def address_problem(address: str) -> str | None:
     """Why ``address`` is not ``host:port`` with a host and a port of 0-65535; None when it is.
 
