@@ -239,7 +239,7 @@ def _maps_errors(handler: Handler) -> Handler:
             except NereidError as err:
                 code, message = status_of(err), self.dataplane.error_text(err)
             except Exception as err:  # a bug, not the client's fault: say so instead of grpc's bare UNKNOWN
-                log.exception("%s failed", handler.__name__)
+                self.fault_log.error("%s failed", handler.__name__, exc_info=err)
                 code, message = grpc.StatusCode.INTERNAL, self.dataplane.error_text(err, handler.__name__)
         # Abort outside the except blocks: an exception raised inside one chains to the caught error,
         # whose traceback holds the frames holding the request, and that reference cycle kept rejected
@@ -261,6 +261,8 @@ class InferenceServicer:
         self._count_refused = count_refused
         # What a client can trigger at will (unreadable messages) is logged at a bounded rate, per server.
         self.client_log = RateLimitedLog(log)
+        # A request's failure that is a bug of nereid's, with its traceback: a client could repeat one at will too.
+        self.fault_log = RateLimitedLog(log)
         # The answer queues of the open ModelStreamInfer calls, and whether they are to end (close_streams).
         self._streams: set[asyncio.Queue] = set()
         self._closing_streams = False
@@ -543,7 +545,8 @@ class InferenceServicer:
                 message = past_grace_message(model)  # answered in the stream, which then ends
             except Exception as err:
                 # Every request gets exactly one answer, even when the failure is a bug.
-                log.exception("ModelStreamInfer: request '%s' failed", cap_message(request_id, 256))
+                self.fault_log.error("ModelStreamInfer: request '%s' failed", cap_message(request_id, 256),
+                                     exc_info=err)
                 message = self.dataplane.error_text(err)
             else:
                 await give(place, wire)

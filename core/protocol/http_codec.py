@@ -210,7 +210,12 @@ def _finite_float(text: str) -> float:
 def _as_orjson_reads_it(text: str) -> int | float:
     """A JSON integer as orjson reads it: an int within 64 bits (signed or not), a float past them."""
     value = int(text)
-    return value if -2 ** 63 <= value < 2 ** 64 else float(value)
+    if -2 ** 63 <= value < 2 ** 64:
+        return value
+    try:
+        return float(value)
+    except OverflowError:  # (309 digits or more: a 500 and a traceback per request once, in a body with a NaN)
+        raise ValueError(f"number {text[:32]} is infinity when parsed as double") from None
 
 
 def _refuse_binary_without_header_length(model: str, body: bytes) -> None:

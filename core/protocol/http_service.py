@@ -40,6 +40,8 @@ EncodedAnswer = tuple[list[bytes | memoryview], int | None]  # (body parts, bina
 # 10 lines per 10 s in all, then a count of those suppressed, as gRPC's client errors are, so one client cannot
 # fill the disk (1,000 requests wrote 1,000 lines).
 client_log = RateLimitedLog(log)
+# A request's failure that is a bug of nereid's, with its traceback: a client that found one could repeat it at will.
+fault_log = RateLimitedLog(log)
 T = TypeVar("T")
 
 STATUS_OF_ERROR: dict[type[NereidError], int] = {
@@ -181,7 +183,7 @@ class HttpSurface:
             body = error_body(f"the server ran out of memory answering {scope['method']} "
                                f"{cap_message(scope['path'], 256)}; try again later")
         except Exception as err:  # a bug, not the client's fault: say so rather than drop the connection
-            log.exception("HTTP %s %s failed", scope["method"], cap_message(scope["path"], 256))
+            fault_log.error("HTTP %s %s failed", scope["method"], cap_message(scope["path"], 256), exc_info=err)
             status, headers = 500, JSON_HEADERS
             body = error_body(self.dataplane.error_text(err))
         except asyncio.CancelledError:
@@ -317,6 +319,10 @@ class HttpSurface:
             error = out_of_memory(model, "decoding", len(body))
             self._refused(model, error)
             raise error from None
+        except Exception:  # a bug of the decoder's, answered 500 (see __call__): still one of the model's failures
+            self.dataplane.count_failure(model, NereidError.reason)
+            self._counted(model, NereidError.reason)
+            raise
         del body
         try:
             # Encoded before the success is counted: an output JSON cannot carry (NaN) fails the request.

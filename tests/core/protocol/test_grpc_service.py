@@ -197,6 +197,27 @@ def test_server_metadata_lists_exactly_the_implemented_extensions(repo, serve):
                                          "model_repository(unload_dependents)", "model_configuration", "statistics"]
 
 
+def test_a_call_failing_by_a_bug_is_internal_and_logged_at_a_bounded_rate(repo, serve, monkeypatch, caplog):
+    """Its traceback at ERROR, as before, but no more than the limit of client-triggered lines: a client that found
+    such a bug (the HTTP clients hunt found one in the HTTP decoder) logged some 40 lines per call at will."""
+    import functools
+
+    from nereid.dataplane import DataPlane
+    from nereid.protocol import grpc_service
+
+    def broken(self):
+        raise RuntimeError("a bug of the server's")
+
+    monkeypatch.setattr(DataPlane, "server_metadata", broken)
+    monkeypatch.setattr(grpc_service, "RateLimitedLog", functools.partial(grpc_service.RateLimitedLog, burst=2))
+    repo.python("m")
+    server = serve(repo.write_config())
+    for _ in range(5):
+        expect_grpc_error("INTERNAL", server.client.get_server_metadata, "RuntimeError: a bug of the server's")
+    failed = [r for r in caplog.records if r.getMessage().startswith("ServerMetadata failed")]
+    assert len(failed) == 2 and all(r.levelname == "ERROR" and r.exc_info for r in failed)
+
+
 def test_extensions_nereid_does_not_implement_are_unimplemented_by_name(repo, serve):
     repo.python("m", textproto=textproto_single("INT8"))
     server = serve(repo.write_config())

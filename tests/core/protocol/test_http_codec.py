@@ -294,6 +294,20 @@ def test_nan_and_infinities_go_both_ways_as_the_literals_triton_reads_and_writes
     np.testing.assert_array_equal(rapidjson.loads(parts[0])["outputs"][0]["data"], sent)
 
 
+@pytest.mark.parametrize("where", ["data", "parameters"])
+def test_an_integer_too_large_for_a_double_beside_a_nan_literal_is_refused_as_without_it(where):
+    """Found by the HTTP clients hunt: an integer of 309 digits or more in a body with a NaN literal raised
+    OverflowError (a 500 and an ERROR traceback per request, counted nowhere), where without the NaN it is a 400."""
+    huge = "1" + "0" * 400
+    data, parameters = (f"[{huge}, NaN]", "{}") if where == "data" else ("[1, NaN]", f'{{"seed": {huge}}}')
+    document = ('{"inputs": [{"name": "x", "datatype": "FP32", "shape": [2], "data": ' + data + '}], "parameters": '
+                + parameters + '}').encode()
+    with pytest.raises(InvalidArgument, match="not valid JSON") as refused:  # (orjson's reason: what it met first)
+        decode_infer("m", document, None)
+    if where == "data":
+        assert "number is infinity when parsed as double" in str(refused.value)
+
+
 @pytest.mark.parametrize("document", [
     b'{"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [nan]}]}',  # not the literal's spelling
     b'{"inputs": [{"name": "\\ud800", "datatype": "FP32", "shape": [1], "data": [NaN]}]}',  # a lone surrogate

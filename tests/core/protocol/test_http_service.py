@@ -1245,6 +1245,34 @@ def test_an_answer_whose_encoding_runs_out_of_memory_is_a_503_counted_once_every
     assert 'nereid_protocol_requests_total{model="echo",outcome="success"' not in samples
 
 
+def test_a_decode_that_fails_by_a_bug_is_a_500_counted_everywhere_and_logged_at_a_bounded_rate(repo, serve,
+                                                                                              monkeypatch, caplog):
+    """Found by the HTTP clients hunt (an integer of 309 digits beside a NaN literal, since fixed, raised OverflowError
+    in the decoder): such a 500 was counted in neither ModelStatistics nor nereid_protocol_requests_total, and each
+    request logged an ERROR with its traceback, about 39 lines, as fast as a client could send them."""
+    from nereid.protocol import http_service
+
+    def broken_decode(model, body, length, declared):
+        raise OverflowError("a bug of the decoder's")
+
+    monkeypatch.setattr(http_service, "decode_infer", broken_decode)
+    monkeypatch.setattr(http_service, "fault_log", http_service.RateLimitedLog(http_service.log, burst=3),
+                        raising=False)
+    repo.python("echo")
+    server = serve(repo.write_config())
+    base = f"127.0.0.1:{server.server.http_port}"
+    body = json.dumps({"inputs": [{"name": "input", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}]})
+    for _ in range(8):
+        status, message = error_of(call(base, "POST", "/v2/models/echo/infer", body.encode()))
+        assert (status, message) == (500, "internal error: OverflowError: a bug of the decoder's")
+    stats = server.server.repository.ready_model("echo").stats
+    assert (stats.success.count, stats.fail.count, stats.failures_by_reason) == (0, 8, {"internal": 8})
+    samples = urllib.request.urlopen(f"http://127.0.0.1:{server.server.metrics_port}/metrics").read().decode()
+    assert 'nereid_protocol_requests_total{model="echo",outcome="internal",protocol="http"} 8.0' in samples
+    failed = [r for r in caplog.records if r.getMessage().startswith("HTTP POST /v2/models/echo/infer failed")]
+    assert len(failed) == 3 and all(r.levelname == "ERROR" and r.exc_info for r in failed)
+
+
 def test_a_compressed_repository_request_is_refused_by_name(served):
     """Found by the HTTP hunt: a gzip-encoded repository index (or load) body was read as JSON and refused as invalid
     JSON. Only infer bodies are decompressed, as Triton decompresses only those."""
