@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 import zlib
 
-from nereid.protocol.http_errors import HttpError
+from nereid.protocol.http_errors import HttpError, header_text
 
 # Either coding is inflated as Triton inflates both: zlib's automatic header detection (a zlib or a gzip header).
 _INFLATE_WBITS = 32 | zlib.MAX_WBITS
@@ -46,7 +46,7 @@ def request_coding(headers: dict[bytes, bytes], who: str) -> str | None:
         return None
     if len(codings) == 1 and codings[0] in _REQUEST_CODINGS:
         return _REQUEST_CODINGS[codings[0]]
-    raise HttpError(400, f"{who}Content-Encoding {given.decode('latin-1')[:64]!r} is not supported: send the body "
+    raise HttpError(400, f"{who}Content-Encoding {header_text(given)!r} is not supported: send the body "
                          "uncompressed, or compressed once, with gzip or deflate", ACCEPTED_CODINGS)
 
 

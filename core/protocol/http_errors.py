@@ -1,4 +1,5 @@
-"""The HTTP layer's own refusal: a status, a message and headers, before any model is involved."""
+"""The HTTP layer's own refusal: a status, a message and headers, before any model is involved; how it quotes what
+a client sent in a header."""
 
 from __future__ import annotations
 
@@ -10,3 +11,9 @@ class HttpError(Exception):
         super().__init__(message)
         self.status = status
         self.headers = headers or []
+
+
+def header_text(value: bytes, limit: int = 64) -> str:
+    """A header's value as a refusal quotes it: its first ``limit`` characters, read as the UTF-8 clients write (as
+    latin-1, ``bücher`` was quoted ``bÃ¼cher``), a byte that is none shown as an escape."""
+    return value.decode("utf-8", "backslashreplace")[:limit]

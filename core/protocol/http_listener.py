@@ -32,6 +32,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from nereid.errors import cap_message
 from nereid.listening import bind_listening_sockets, cannot_listen, host_and_port
 from nereid.log_limit import RateLimitedLog
+from nereid.protocol.http_errors import header_text
 from nereid.protocol.http_service import HttpSurface, client_log, error_body, peer
 
 log = logging.getLogger(__name__)
@@ -219,8 +220,23 @@ def _host_problem(hosts: list[bytes]) -> str | None:
         return (f"an HTTP/1.1 request has exactly one Host header (RFC 9112 3.2); this one has "
                 f"{len(hosts) or 'none'}")
     if not _HOST_VALUE.fullmatch(hosts[0]):
-        return f"its Host header is no host[:port] ({cap_message(hosts[0].decode('latin-1'), 64)!r})"
+        return f"its Host header is no host[:port] ({header_text(hosts[0])!r})"
     return None
+
+
+def _with_a_path(url: bytes) -> bytes:
+    """``url``, a request's target, with the path ``/`` where it is in absolute form without one (what a forward
+    proxy sends for ``http://host`` or ``http://host?x=1``, RFC 9112 3.2.2): uvicorn read no path there and failed
+    with AttributeError ('NoneType' object has no attribute 'decode'), which the 400 quoted."""
+    if url[:1] == b"/" or url == b"*":
+        return url
+    try:
+        parsed = httptools.parse_url(url)
+    except httptools.HttpParserInvalidURLError:
+        return url  # (refused by uvicorn's own read, as before)
+    if parsed.path is not None:
+        return url
+    return b"/" + (b"?" + parsed.query if parsed.query else b"")
 
 
 def _parser_reason(error: BaseException | None) -> str:
@@ -630,6 +646,7 @@ class _BoundedHeadProtocol(HttpToolsProtocol):
             problem = _host_problem([value.strip(b" \t") for name, value in self.headers if name == b"host"])
             if problem is not None:  # (raised before this head counts as ended: answered 400, and closed)
                 raise ValueError(problem)
+        self.url = _with_a_path(self.url)
         super().on_headers_complete()  # (uvicorn refuses a URL it cannot read here: still in the head)
         self._head_left = self._head_since = None
         self._head_begun = False

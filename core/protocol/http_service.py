@@ -28,7 +28,7 @@ from nereid.log_limit import RateLimitedLog
 from nereid.model_info import MODEL_VERSION, ModelConfig
 from nereid.protocol.http_codec import HEADER_LENGTH, OutputChoice, decode_infer, encode_infer, quoted
 from nereid.protocol.http_compression import compressed, decompressed, request_coding, response_coding
-from nereid.protocol.http_errors import HttpError
+from nereid.protocol.http_errors import HttpError, header_text
 from nereid.settings import DEFAULT_HTTP_MAX_JSON_BYTES
 from nereid.stats import ModelStats
 from nereid.tensors import InferResponse
@@ -400,17 +400,17 @@ class HttpSurface:
         header_length = headers.get(HEADER_LENGTH.encode())
         content_type = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
         if content_type not in BODY_TYPES:
-            raise HttpError(400, f"model '{model}': Content-Type {content_type.decode('latin-1')[:64]!r} is not "
+            raise HttpError(400, f"model '{model}': Content-Type {header_text(content_type)!r} is not "
                                  "accepted (application/json, or application/octet-stream)")
         length = None
         if header_length is not None:
             # Digits only, as Content-Length (int() also takes "+148", "1_0", " 12 " and "-5").
             if not header_length.isdigit():
                 raise HttpError(400, f"model '{model}': Inference-Header-Content-Length must be a whole number of "
-                                     f"bytes (digits only), got {header_length.decode('latin-1')[:64]!r}")
+                                     f"bytes (digits only), got {header_text(header_length)!r}")
             if len(header_length) > 20:  # (it said "digits only" of a number made of digits: the HTTP hunt)
                 raise HttpError(400, f"model '{model}': Inference-Header-Content-Length "
-                                     f"{header_length.decode('latin-1')[:64]} has {len(header_length)} digits, more "
+                                     f"{header_text(header_length)} has {len(header_length)} digits, more "
                                      "than any request body's length")
             length = int(header_length)
             if length == 0:
@@ -487,7 +487,7 @@ class HttpSurface:
                 # A web page's request (browsers name its origin): a POST needing no CORS preflight would load or
                 # unload models for any page the server's user opens, through a loopback port that allows it.
                 raise HttpError(403, f"model '{model}': a repository {action} from a web page (Origin: "
-                                     f"{headers[b'origin'].decode('latin-1')[:64]!r}) is refused; send it from a "
+                                     f"{header_text(headers[b'origin'])!r}) is refused; send it from a "
                                      "client that is not a browser")
             _refuse_compressed(headers, f"model '{model}': the {action} request: ")
             body = await self._read_body(headers, receive, model)
@@ -516,7 +516,7 @@ class HttpSurface:
         coding = headers.get(b"transfer-encoding")
         codings = None if coding is None else b"".join(coding.split()).lower()  # (any whitespace: "gzip,\tchunked")
         if codings is not None and codings != b"chunked":
-            shown = coding.decode("latin-1")[:64]
+            shown = header_text(coding)
             if not codings.endswith(b",chunked"):
                 # No chunked last, the body's end cannot be found (RFC 9112, 6.3): a malformed request, as the
                 # HTTP parser answers it, not an extension nereid lacks (it was counted as "unimplemented").
@@ -529,7 +529,7 @@ class HttpSurface:
             # The HTTP parser takes what follows the head of such a request for the new protocol: its body is
             # not read (and the connection is closed after this answer, see http_listener._BoundedHeadProtocol).
             raise HttpError(400, f"{_who(model)}the request asks to switch to "
-                                 f"{headers[b'upgrade'].decode('latin-1')[:32]!r} (Upgrade), which this server "
+                                 f"{header_text(headers[b'upgrade'], 32)!r} (Upgrade), which this server "
                                  "does not speak, so its body was not read; send it as plain HTTP/1.1 "
                                  "(curl: --http1.1)")
         limit = self.max_body_bytes
@@ -678,7 +678,7 @@ def request_headers(scope: Scope, model: str) -> dict[bytes, bytes]:
             value = seen + b", " + value
         elif seen is not None and seen != value and name in _SINGLE_FIELDS:
             raise HttpError(400, f"{_who(model)}the request has {_SINGLE_FIELDS[name]} twice, with different "
-                                 f"values ({seen.decode('latin-1')[:64]!r} and {value.decode('latin-1')[:64]!r}); "
+                                 f"values ({header_text(seen)!r} and {header_text(value)!r}); "
                                  "send it once")
         headers[name] = value
     return headers
@@ -690,7 +690,7 @@ def _refuse_compressed(headers: dict[bytes, bytes], who: str) -> None:
     codings = headers.get(b"content-encoding", b"identity").lower().split(b",")  # (any case; a list)
     if any(coding.strip() not in (b"identity", b"") for coding in codings):
         raise HttpError(400, f"{who}compressed request bodies are taken by infer requests only "
-                             f"(Content-Encoding: {headers[b'content-encoding'].decode('latin-1')[:64]}); "
+                             f"(Content-Encoding: {header_text(headers[b'content-encoding'])}); "
                              "send it uncompressed")
 
 

@@ -970,6 +970,23 @@ def test_http_1_1_requests_need_exactly_one_valid_host_and_http_1_0_ones_none(se
                  b"GET /v2/health/live HTTP/1.1\r\nHost: \r\nConnection: close\r\n\r\n",  # (empty: allowed)
                  b"GET /v2/health/live HTTP/1.0\r\n\r\n"):
         assert _exchange(base, head).startswith(b"HTTP/1.1 200 "), head
+    # Found by the HTTP clients hunt: quoted as latin-1, a UTF-8 Host came back as mojibake ('bÃ¼cher.example').
+    answer = _exchange(base, "GET /v2/health/live HTTP/1.1\r\nHost: bücher.example\r\n\r\n".encode())
+    assert "its Host header is no host[:port] ('bücher.example')".encode() in answer, answer
+    answer = _exchange(base, b"GET /v2/health/live HTTP/1.1\r\nHost: b\xfc\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 400 ") and b"its Host header is no host[:port] ('b\\" in answer, answer
+
+
+def test_a_target_in_absolute_form_without_a_path_is_read_as_the_root(served):
+    """Found by the HTTP clients hunt: what a forward proxy sends for http://host (RFC 9112 3.2.2) was refused with
+    a 400 quoting a Python error ('NoneType' object has no attribute 'decode'); it is the root path, not the API's."""
+    _, base = served
+    for target in (f"http://{base}", f"http://{base}?x=1", f"HTTP://{base}"):
+        answer = _exchange(base, f"GET {target} HTTP/1.1\r\nHost: {base}\r\nConnection: close\r\n\r\n".encode())
+        assert answer.startswith(b"HTTP/1.1 404 ") and b"NoneType" not in answer, (target, answer)
+    answer = _exchange(base, f"GET http://{base}/v2/health/live HTTP/1.1\r\nHost: {base}\r\nConnection: "
+                             "close\r\n\r\n".encode())
+    assert answer.startswith(b"HTTP/1.1 200 "), answer
 
 
 def test_an_http_1_0_client_asking_for_100_continue_gets_only_its_answer(served):
