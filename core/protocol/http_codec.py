@@ -18,7 +18,7 @@ import re
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import ml_dtypes
 import numpy as np
@@ -293,14 +293,18 @@ def _json_array(where: str, dtype: DType, shape: tuple[int, ...], count: int, da
         raise InvalidArgument(f"{where}: 'data' holds {len(flat)} elements, expected {count} for shape {list(shape)}")
     if dtype is DType.BYTES:
         if not all(isinstance(e, str) for e in flat):
-            raise InvalidArgument(f"{where}: BYTES data must be a list of strings")
+            raise InvalidArgument(f"{where}: BYTES data must be a list of strings"
+                                  f"{_first_refused(flat, lambda e: isinstance(e, str))}")
         return bytes_array([e.encode("utf-8") for e in flat], shape)
     if dtype is DType.BOOL:
         if not all(isinstance(e, bool) for e in flat):
-            raise InvalidArgument(f"{where}: BOOL data must be a list of true/false")
+            raise InvalidArgument(f"{where}: BOOL data must be a list of true/false"
+                                  f"{_first_refused(flat, lambda e: isinstance(e, bool))}")
         return np.array(flat, dtype=np.bool_).reshape(shape)
-    if any(isinstance(e, bool) or not isinstance(e, (int, float)) for e in flat):
-        raise InvalidArgument(f"{where}: {dtype.kserve} data must be a list of numbers")
+    if not all(map(_is_number, flat)):
+        # (null is what JavaScript's JSON.stringify writes for a NaN: the element says which.)
+        raise InvalidArgument(f"{where}: {dtype.kserve} data must be a list of numbers"
+                              f"{_first_refused(flat, _is_number)}")
     if dtype.numpy.kind in "iu":
         info = np.iinfo(dtype.numpy)
         not_int = next((e for e in flat if not isinstance(e, int)), None)
@@ -315,7 +319,8 @@ def _json_array(where: str, dtype: DType, shape: tuple[int, ...], count: int, da
                 raise InvalidArgument(f"{where}: {dtype.kserve} data must be integers within {info.min} to "
                                       f"{info.max}; got about {not_int:.6g}, read as a number with a fraction or "
                                       "exponent, or an integer past 64 bits")
-            raise InvalidArgument(f"{where}: {dtype.kserve} data must be integers")
+            raise InvalidArgument(f"{where}: {dtype.kserve} data must be integers"
+                                  f"{_first_refused(flat, lambda e: isinstance(e, int))}")
         bad = next((e for e in flat if e < info.min or e > info.max), None)
         if bad is not None:
             raise InvalidArgument(f"{where}: value {bad} does not fit {dtype.kserve} (range {info.min} to {info.max})")
@@ -331,6 +336,17 @@ def _json_array(where: str, dtype: DType, shape: tuple[int, ...], count: int, da
         raise InvalidArgument(f"{where}: value {bad} does not fit {dtype.kserve} "
                               f"(largest magnitude {float(ml_dtypes.finfo(dtype.numpy).max)})")
     return array
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _first_refused(flat: list[Any], accepted: Callable[[Any], bool]) -> str:
+    """The first element of ``flat`` (a tensor's JSON data, flattened) that ``accepted`` refuses, for a message
+    (with its leading "; "): a message without it named neither the element nor its value."""
+    index, value = next((i, e) for i, e in enumerate(flat) if not accepted(e))
+    return f"; element {index} is {quoted(value)}"
 
 
 def _to_bfloat16(exact: np.ndarray) -> np.ndarray:
