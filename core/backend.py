@@ -244,6 +244,25 @@ class Terminable(Protocol):
 
 
 @runtime_checkable
+class ReturnsFreshOutputs(Protocol):
+    """A model whose ``infer`` returns arrays of its own each call, which nothing writes to afterwards (read from a
+    run's output file, made by the call, a compiled program's results).
+
+    nereid reads a batch's outputs after ``infer`` has returned (answers are
+    encoded on the event loop, large ones on worker threads), when the model's
+    next batch may be running. So the outputs of any other model are copied as
+    ``infer`` returns them, on its worker thread: a model that filled one
+    preallocated buffer per call gave clients the rows of later requests, 200
+    OK, and one returning a ``np.memmap`` of a file it rewrites killed the
+    server (SIGBUS) (the outputs hunt).
+    """
+
+    def returns_fresh_outputs(self) -> bool:
+        """True for such a model (its outputs are used as they are); asked once, after ``load()`` (raising, or
+        answering other than a bool, fails the load)."""
+
+
+@runtime_checkable
 class BoundsItsRuns(Protocol):
     """A model that ends each of its executions itself within a bound (a subprocess model's ``timeout_s``)."""
 

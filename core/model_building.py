@@ -19,8 +19,8 @@ from typing import Any, Callable, Mapping, TypeVar
 
 import numpy as np
 
-from nereid.backend import (BoundsItsRuns, CallsModels, HasBatchSignature, Model, ModelContext, UsesNoDevice,
-                            missing_model_parts)
+from nereid.backend import (BoundsItsRuns, CallsModels, HasBatchSignature, Model, ModelContext, ReturnsFreshOutputs,
+                            UsesNoDevice, missing_model_parts)
 from nereid.batching import BatchPolicy
 from nereid.errors import (ConfigError, MissingModelFile, NereidError, RaisedExit, backend_exit, calling_plugin,
                            describe_exception, plugin_failures, same_kind)
@@ -73,6 +73,7 @@ class BuiltModel:
     # What keeps the version folder it was built from (a model from an object store): released with the model.
     folder_hold: Any = None
     uses_device: bool = True  # False: it runs nothing on a device (see UsesNoDevice), reported on the CPU
+    fresh_outputs: bool = False  # its outputs are used as they are, not copied (see ReturnsFreshOutputs)
     longest_run_s: float | None = None  # the bound it ends each execution at itself (see BoundsItsRuns); None: none
     # What the operator should know of the folder, which does not keep it from serving (Triton's files left in
     # it): a server logs each as a WARNING at the load, nereid check writes them on the model's line.
@@ -85,7 +86,7 @@ class BuiltModel:
 # be ``async def``.
 PLAIN_METHODS = ("load", "unload", "signature", "batch_signature", "preprocess", "postprocess", "padded_rows",
                  "input_check", "terminate_running", "relocate", "runtime_report", "dependencies",
-                 "concurrent_executions", "uses_no_device", "longest_run_s")
+                 "concurrent_executions", "uses_no_device", "returns_fresh_outputs", "longest_run_s")
 
 
 def _is_async_def(backend: object, method: str) -> bool:
@@ -191,6 +192,15 @@ def _build_model(manager: NereidPluginManager, context: ModelContext,
                                   f"{manager.describe(result.backend_name)} returned {brief_description(answer)}, "
                                   "expected True or False")
             uses_device = not bool(answer)
+        fresh_outputs = False
+        if isinstance(backend, ReturnsFreshOutputs):
+            answer = _plugin_step(manager, result.backend_name, context, "returns_fresh_outputs()",
+                                  backend.returns_fresh_outputs)
+            if not isinstance(answer, (bool, np.bool_)):
+                raise ConfigError(f"model '{context.name}': returns_fresh_outputs() of "
+                                  f"{manager.describe(result.backend_name)} returned {brief_description(answer)}, "
+                                  "expected True or False")
+            fresh_outputs = bool(answer)
         longest_run_s = None
         if isinstance(backend, BoundsItsRuns):
             stage.enter("its backend's longest_run_s()")
@@ -207,7 +217,7 @@ def _build_model(manager: NereidPluginManager, context: ModelContext,
                 log.exception("model '%s': unload failed (cleaning up after its load was refused)", context.name)
         raise
     return BuiltModel(result.backend_name, backend, signature, batch_signature, policy, uses_device=uses_device,
-                      longest_run_s=longest_run_s)
+                      fresh_outputs=fresh_outputs, longest_run_s=longest_run_s)
 
 
 def _checked_run_bound(manager: NereidPluginManager, backend_name: str, context: ModelContext,

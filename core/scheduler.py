@@ -13,6 +13,7 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
+import functools
 import inspect
 import logging
 import operator
@@ -21,6 +22,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 from typing import Awaitable, Callable, Iterator
 
+import numpy as np
 
 from nereid.backend import REQUEST_DEADLINE_NS, Model, PadsBatches
 from nereid.batching import (BatchPolicy, batch_key, deadline_passed, request_cost, split_rows, stack_rows, take_batch,
@@ -72,8 +74,11 @@ class ModelScheduler:
     """Queue, batcher and executions of one loaded model. Create it on the server's event loop."""
 
     def __init__(self, name: str, backend: Model, signature: ModelSignature, capacity: int, instances: int,
-                 stats: ModelStats, policy: BatchPolicy | None = None) -> None:
+                 stats: ModelStats, policy: BatchPolicy | None = None, copies_outputs: bool = True) -> None:
+        """``copies_outputs``: the backend's outputs are copied as its ``infer`` returns them, which a model that
+        returns fresh arrays each call spares (see :class:`~nereid.backend.ReturnsFreshOutputs`)."""
         self.name = name
+        self._copies_outputs = copies_outputs
         self.capacity = capacity
         self.policy = policy or BatchPolicy(enabled=False)
         self._instances = instances
@@ -744,14 +749,9 @@ class ModelScheduler:
             def count_when_ended(outputs: list[NamedTensor] | None, error: BaseException | None) -> None:
                 # The callers went away while a worker thread ran the model, which cannot be stopped: the
                 # execution still happened (and kept the model busy), so it counts when and as it ended: as a
-                # success only if its outputs would have been answered.
+                # success only if its outputs would have been answered (they were checked on its thread).
                 succeeded = error is None
-                if succeeded:
-                    try:
-                        self._own_rows(outputs, run_rows, total)
-                    except Exception:  # whatever the outputs raise when read: no answer could have been sent
-                        succeeded = False
-                else:
+                if not succeeded:
                     # Logged as a fault answered to its callers is: a model hanging (killed at timeout_s) or
                     # crashing on every request whose client gives up first left no trace otherwise.
                     self._log_abandoned_fault(error)
@@ -759,7 +759,8 @@ class ModelScheduler:
                                                succeeded)
 
             try:
-                outputs = await self._infer(inputs, count_when_ended)
+                outputs = await self._infer(inputs, count_when_ended,
+                                            functools.partial(self._own_rows, run_rows=run_rows, total=total))
             except asyncio.CancelledError:
                 counted_later = not self._inline  # _infer handed the counting to count_when_ended
                 raise
@@ -769,7 +770,6 @@ class ModelScheduler:
                 not_started = True
                 raise self.thread_refused(err) from None
             infer_ns = time.monotonic_ns() - start
-            outputs = self._own_rows(outputs, run_rows, total)
             results = [outputs] if len(rows) == 1 else split_rows(outputs, rows)
             output_ns = time.monotonic_ns() - start - infer_ns
             succeeded = True
@@ -820,10 +820,19 @@ class ModelScheduler:
 
     def _own_rows(self, outputs: list[NamedTensor], run_rows: int, total: int) -> list[NamedTensor]:
         """An execution's outputs, checked against the signature for the ``run_rows`` rows it was given, without
-        the rows it was padded with (beyond ``total``)."""
+        the rows it was padded with (beyond ``total``), copied unless the model's own each call.
+
+        Called where the model returned them, its instance still taken (on its worker thread, or on the loop
+        for a coroutine infer): its next batch cannot have written to them yet, and a check of many BYTES elements
+        (seconds for 16 million) holds no other client.
+        """
         # Checked before the cut: cut first, 6 rows answered for 8 given passed for the 5 asked for.
         outputs = check_outputs(self.name, self._signature, outputs, run_rows)
-        return _without_padding(outputs, total) if run_rows > total else outputs
+        if run_rows > total:
+            outputs = _without_padding(outputs, total)
+        if self._copies_outputs:
+            outputs = [NamedTensor(t.name, t.dtype, np.array(t.data)) for t in outputs]
+        return outputs
 
     def _log_abandoned_fault(self, error: BaseException) -> None:
         """Log the fault of an execution whose callers had all gone (see :meth:`_run`) as :meth:`log_fault`
@@ -903,8 +912,10 @@ class ModelScheduler:
                                f"expected at least {rows}")
         return padded
 
-    async def _infer(self, inputs: list[NamedTensor], when_abandoned: _Abandoned) -> list[NamedTensor]:
-        """The backend's outputs for ``inputs``: awaited in this task, or run on a worker thread.
+    async def _infer(self, inputs: list[NamedTensor], when_abandoned: _Abandoned,
+                     finish: Callable[[list[NamedTensor]], list[NamedTensor]]) -> list[NamedTensor]:
+        """The backend's outputs for ``inputs``, through ``finish`` where they were made: awaited in this task, or
+        run on a worker thread.
 
         When this task is cancelled while a worker thread runs the model, the
         thread's end is still told to ``when_abandoned`` (with its outputs and
@@ -912,7 +923,7 @@ class ModelScheduler:
         ended.
         """
         if self._inline:
-            return await self._backend.infer(inputs)
+            return finish(await self._backend.infer(inputs))
         loop = asyncio.get_running_loop()
         call = _ThreadCall(loop.create_future())
 
@@ -920,7 +931,8 @@ class ModelScheduler:
             if not loop.is_closed():  # closed: the server is gone and nobody waits
                 loop.call_soon_threadsafe(self._thread_done, call, result, error)
 
-        self._executor.call(self._infer_on_thread, inputs, done)  # (ThreadStartFailed: not queued, never runs)
+        # (ThreadStartFailed: not queued, never runs)
+        self._executor.call(functools.partial(self._infer_on_thread, finish=finish), inputs, done)
         self._threads += 1
         try:
             return await call.waiter
@@ -948,8 +960,10 @@ class ModelScheduler:
                 # (``done``'s too), which kept the failed run's frames, its inputs, until a garbage collection.
                 del call
 
-    def _infer_on_thread(self, inputs: list[NamedTensor]) -> list[NamedTensor]:
-        """The backend's infer, on a worker thread; only an Exception comes out, and never a CancelledError.
+    def _infer_on_thread(self, inputs: list[NamedTensor],
+                         finish: Callable[[list[NamedTensor]], list[NamedTensor]]) -> list[NamedTensor]:
+        """The backend's infer, on a worker thread, its outputs through ``finish``; only an Exception comes out,
+        and never a CancelledError.
 
         The pool hands a call its shutdown dropped unstarted a CancelledError;
         one the model raised itself (it waited on a future that was cancelled)
@@ -958,7 +972,7 @@ class ModelScheduler:
         pass for the server's own.
         """
         try:
-            return self._backend.infer(inputs)
+            return finish(self._backend.infer(inputs))  # (finish reads the outputs: what that raises is the model's)
         except (concurrent.futures.CancelledError, StopIteration) as err:
             # (No future can carry a StopIteration: its caller would wait for ever.)
             raise self.model_fault(err) from err

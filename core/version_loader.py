@@ -213,7 +213,7 @@ class VersionLoader:
                     lambda exit_: backend_exit(name, exit_, "while asked what it calls"), also=(KeyboardInterrupt,))
                 warn_if_settings_ignored(name, entry.settings, instances)
             scheduler = ModelScheduler(name, built.backend, built.batch_signature, entry.settings.queue_capacity,
-                                       instances, stats, built.policy)
+                                       instances, stats, built.policy, copies_outputs=not built.fresh_outputs)
             hook_threads = HookThreads(name)
             return LoadedModel(built.backend_name, built.backend, built.signature, built.batch_signature,
                                scheduler, stats, load_seconds,

@@ -354,6 +354,13 @@ class NoDeviceStrModel(FaultyModel):
         return "yes"
 
 
+class FreshStrModel(FaultyModel):
+    """Its ``returns_fresh_outputs()`` answers a str."""
+
+    def returns_fresh_outputs(self):
+        return "always"
+
+
 class ForwardingModel(FaultyModel):
     """Forwards what it lacks to an object its ``load()`` makes (a wrapper plugin's pattern): before the load, reading
     any method it lacks recurses for ever. Not a fault: it must load."""
@@ -408,7 +415,7 @@ FAULTS = {"signature_none": SignatureNoneModel, "no_platform": NoPlatformModel, 
           "dependencies_and_unload_fail": DependenciesAndUnloadFailModel, "no_device_raises": NoDeviceRaisesModel,
           "async_hooks": AsyncHooksModel, "forwarding": ForwardingModel, "no_device_numpy": NoDeviceNumpyModel,
           "no_device_str": NoDeviceStrModel, "run_bound_negative": RunBoundNegativeModel,
-          "run_bound_raises": RunBoundRaisesModel, "run_bound_huge": RunBoundHugeModel}
+          "run_bound_raises": RunBoundRaisesModel, "run_bound_huge": RunBoundHugeModel, "fresh_str": FreshStrModel}
 
 
 class FaultyToys:

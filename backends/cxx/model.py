@@ -162,6 +162,10 @@ class CxxModel:
                                    "result was discarded")
         return outputs
 
+    def returns_fresh_outputs(self) -> bool:
+        """Each call fills output buffers made for it (see ReturnsFreshOutputs)."""
+        return True
+
     def unload(self) -> None:
         """Call nereid_unload, then dlclose the copy: now, or when the last running call returns.
 

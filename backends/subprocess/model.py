@@ -264,6 +264,10 @@ class SubprocessModel:
         while len(self._folder_fds) > MAX_FOLDER_FDS:
             os.close(self._folder_fds.pop(0))
 
+    def returns_fresh_outputs(self) -> bool:
+        """Each run's outputs are read from its own output file (see ReturnsFreshOutputs)."""
+        return True
+
     def longest_run_s(self) -> float | None:
         """``timeout_s``: a run still going then is killed (a replaced version's drain waits that long)."""
         return self.context.settings.timeout_s

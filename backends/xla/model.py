@@ -247,6 +247,10 @@ class XlaModel:
         """Serve on under a renamed folder: the executables and weights stay resident."""
         self.context = context
 
+    def returns_fresh_outputs(self) -> bool:
+        """Each execution's outputs are its own, copied from the device (see ReturnsFreshOutputs)."""
+        return True
+
     def unload(self) -> None:
         """Free the device buffers and executables."""
         for array in self._weights:

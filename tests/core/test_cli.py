@@ -909,13 +909,15 @@ def test_check_reports_a_failing_unload_on_its_line_and_goes_on(repo, tmp_path, 
                       "expected True or False"),
     ("run_bound_negative", "a_faulty: UNAVAILABLE: model 'a_faulty': longest_run_s() of plugin 'faulty' returned int "
                            "-1, expected None or a number of seconds above 0"),
+    ("fresh_str", "a_faulty: UNAVAILABLE: model 'a_faulty': returns_fresh_outputs() of plugin 'faulty' returned str "
+                  "'always', expected True or False"),
     ("run_bound_raises", "a_faulty: UNAVAILABLE: model 'a_faulty': RuntimeError: no bound today (raised by the "
                          "longest_run_s() of plugin 'faulty')"),
     # The hunt of this session's changes: an int past a float's range failed the load with a bare OverflowError.
     ("run_bound_huge", "a_faulty: UNAVAILABLE: model 'a_faulty': longest_run_s() of plugin 'faulty' returned int "),
 ], ids=["runtime_report", "dependencies", "input_check", "runtime_report and unload", "dependencies and unload",
         "unload exits", "uses_no_device raising", "uses_no_device a str", "longest_run_s negative",
-        "longest_run_s raising", "longest_run_s past a float"])
+        "returns_fresh_outputs a str", "longest_run_s raising", "longest_run_s past a float"])
 def test_check_reports_a_model_failing_after_its_load_on_its_line_and_goes_on(tmp_path, capsys, fault: str,
                                                                                 line: str) -> None:
     from nereid.cli import check

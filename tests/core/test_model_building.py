@@ -81,3 +81,24 @@ def test_only_a_permission_denied_on_a_file_of_the_model_s_folder_is_said_to_be_
     assert not _mode_of_a_model_file(PermissionError(errno.EACCES, "Permission denied", "/srv/models/m2/main.py"),
                                      folder)
     assert not _mode_of_a_model_file(PermissionError(errno.EACCES, "Permission denied"), folder)
+
+
+
+def test_whose_outputs_are_copied_is_asked_of_the_backend_once(tmp_path) -> None:
+    """A plugin's outputs are copied as its infer returns them (see ReturnsFreshOutputs); a python model's are
+    read from each run's own output file (as a cpp model's; a cxx library's and a bundle's are made per call),
+    used as they are."""
+    from support import ECHO_MAIN, textproto_single
+
+    toy = build_model(_manager(), _context(toy_backends.write_toy(tmp_path / "ml-backends", "m"), tmp_path))
+    assert toy.fresh_outputs is False
+    python = tmp_path / "ml-backends" / "echo"
+    python.mkdir()
+    (python / "main.py").write_text(ECHO_MAIN)
+    (python / "model_inference.textproto").write_text(textproto_single())
+    built = build_model(make_plugin_manager(load_entry_points=False),
+                        _context(python, tmp_path, runtime={"warm_start": False}))
+    try:
+        assert built.fresh_outputs is True
+    finally:
+        built.backend.unload()

@@ -1296,3 +1296,96 @@ def test_a_failed_run_s_frames_are_freed_once_its_requests_are_answered_without_
         await scheduler.drain()
     with reference_counting_only():
         run(scenario())
+
+
+class OneBuffer:
+    """An in-process backend that writes every result into the one buffer it keeps, and returns that buffer (or a
+    view of it): a preallocated output, as a C++ author would keep one."""
+
+    platform = "test"
+
+    def __init__(self, view: bool) -> None:
+        self.buffer = np.zeros((1, 2), np.float32)
+        self.view = view
+        self.checked_on: list[str] = []
+
+    def infer(self, inputs: list[NamedTensor]) -> list[NamedTensor]:
+        self.buffer[:] = inputs[0].data
+        return [NamedTensor("y", DType.FP32, self.buffer[:] if self.view else self.buffer)]
+
+
+@pytest.mark.parametrize("view", [False, True], ids=["buffer", "view"])
+def test_outputs_are_copied_as_infer_returns_them_so_a_reused_buffer_answers_each_request_its_own(view) -> None:
+    """Found by the outputs hunt: a model's outputs are read after its infer returned, once its instance is free
+    and its next batch may run, so a backend that filled one buffer per call gave clients later requests' rows,
+    200 OK. Each request here is answered after the other has run: the first got the second's values."""
+    async def scenario() -> None:
+        scheduler = ModelScheduler("m", OneBuffer(view), SIGNATURE, capacity=8, instances=1, stats=ModelStats())
+        answers = await asyncio.gather(*(scheduler.submit(rows(value), 1, 0) for value in (1.0, 2.0, 3.0)))
+        assert [float(answer[0].data[0, 0]) for answer in answers] == [1.0, 2.0, 3.0]
+        await scheduler.drain(5)
+
+    run(scenario())
+
+
+class FreshOneBuffer(OneBuffer):
+    def returns_fresh_outputs(self) -> bool:  # (a false claim: the copy it spares shows)
+        return True
+
+
+def test_a_model_returning_fresh_outputs_has_them_used_as_they_are() -> None:
+    async def scenario() -> None:
+        backend = FreshOneBuffer(view=False)
+        scheduler = ModelScheduler("m", backend, SIGNATURE, capacity=8, instances=1, stats=ModelStats(),
+                                   copies_outputs=False)
+        [answer] = await scheduler.submit(rows(1.0), 1, 0)
+        assert answer.data is backend.buffer
+        await scheduler.drain(5)
+
+    run(scenario())
+
+
+def test_a_memory_mapped_output_is_copied_before_the_file_it_maps_can_change(tmp_path) -> None:
+    """Found by the outputs hunt: a np.memmap output (accepted) was read as the answer was encoded, after the
+    model's next call had truncated its file: the server died of SIGBUS."""
+    class Mapped:
+        platform = "test"
+
+        def infer(self, inputs: list[NamedTensor]) -> list[NamedTensor]:
+            mapped = np.memmap(tmp_path / "out.bin", dtype=np.float32, mode="w+", shape=(1, 2))
+            mapped[:] = inputs[0].data
+            return [NamedTensor("y", DType.FP32, mapped)]
+
+    async def scenario() -> None:
+        scheduler = ModelScheduler("m", Mapped(), SIGNATURE, capacity=8, instances=1, stats=ModelStats())
+        [answer] = await scheduler.submit(rows(4.0), 1, 0)
+        assert type(answer.data) is np.ndarray and answer.data.flags.owndata
+        (tmp_path / "out.bin").write_bytes(b"")  # (truncated: reading a mapping of it now is a SIGBUS)
+        assert answer.data.tolist() == [[4.0, 4.0]]
+        await scheduler.drain(5)
+
+    run(scenario())
+
+
+def test_outputs_are_checked_on_the_worker_thread_not_the_event_loop(monkeypatch) -> None:
+    """Found by the outputs hunt: the check of a plugin's outputs ran on the event loop, and for 16 million BYTES
+    elements (each looked at for text) held every client of the server for 3.6 s."""
+    from nereid import scheduler as scheduler_module
+
+    checked_on = []
+    real_check = scheduler_module.check_outputs
+
+    def recording(*args, **kwargs):
+        checked_on.append(threading.current_thread().name)
+        return real_check(*args, **kwargs)
+
+    monkeypatch.setattr(scheduler_module, "check_outputs", recording)
+
+    async def scenario() -> None:
+        scheduler = ModelScheduler("m", OneBuffer(view=False), SIGNATURE, capacity=8, instances=1,
+                                   stats=ModelStats())
+        await scheduler.submit(rows(1.0), 1, 0)
+        await scheduler.drain(5)
+
+    run(scenario())
+    assert len(checked_on) == 1 and checked_on[0].startswith("nereid-m"), checked_on
