@@ -510,24 +510,35 @@ def _output_bound(taken: int) -> str:
 
 def _overrun_hint(stream: BinaryIO, start: int, before: NamedTensor, name: str, where: str) -> str | None:
     """Why output ``name`` has no valid header where output ``before`` (whose body began at ``start``) ends, when
-    that body was written in a wider dtype than its header says; None when that is not what happened.
+    that body was written in a wider or narrower dtype than its header says; None when that is not what happened.
 
-    Such a body (float64 from numpy under a ``float32`` header) is 2, 4 or 8 times what its header promises: the
-    next header, read from inside it, is binary bytes, which named neither the output at fault nor the cause.
+    Such a body (float64 from numpy under a ``float32`` header) is 2, 4 or 8 times what its header promises, or
+    a half, a quarter or an eighth of it (float16, int16 under a 32-bit header): the next header, read from
+    elsewhere than where it is, named neither the output at fault nor the cause.
     """
     took = before.data.nbytes
     if before.dtype is DType.BYTES or not took:
         return None
+    described = f"output '{before.name}' ({contract_name(before.dtype)} {list(before.shape)}) took {took} bytes"
     for times in (2, 4, 8):
-        stream.seek(start + times * took)
-        try:
-            read_header(stream, where)
-        except ModelFailure:
-            continue
-        return (f"output '{before.name}' ({contract_name(before.dtype)} {list(before.shape)}) took {took} bytes, "
-                f"but the header of output '{name}' comes {(times - 1) * took} bytes after them (was "
-                f"'{before.name}' written as a wider dtype than declared?)")
+        if _header_at(stream, start + times * took, where):
+            return (f"{described}, but the header of output '{name}' comes {(times - 1) * took} bytes after them "
+                    f"(was '{before.name}' written as a wider dtype than declared?)")
+    for part in (2, 4, 8):
+        if took % part == 0 and _header_at(stream, start + took // part, where):
+            return (f"{described}, but the header of output '{name}' starts {took - took // part} bytes before "
+                    f"they end (was '{before.name}' written as a narrower dtype than declared?)")
     return None
+
+
+def _header_at(stream: BinaryIO, offset: int, where: str) -> bool:
+    """Whether a valid output header starts at ``offset`` of ``stream``."""
+    stream.seek(offset)
+    try:
+        read_header(stream, where)
+    except ModelFailure:
+        return False
+    return True
 
 
 def _trailing_data_hint(last: NamedTensor, declared: int, extra: int) -> str:

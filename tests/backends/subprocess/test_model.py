@@ -391,11 +391,16 @@ A_THEN_B = ('output { name: "a" data_type: "FP32" dims: [-1] }\n'
     (r"float32 1\n\0\0\0\0\0\0\360?\0\0\0\0\0\0\0@int8 2\n\1\2",
      "output 'a' (float32 [1]) took 4 bytes, but the header of output 'b' comes 12 bytes after them (was 'a' "
      "written as a wider dtype than declared?)"),
+    # 'a' written as float16 (4 bytes) under its float32 header (8 bytes): 'b' was blamed (the outputs hunt).
+    (r"float32 2\n\0<\0@int8 2\n\1\2",
+     "output 'a' (float32 [2]) took 8 bytes, but the header of output 'b' starts 4 bytes before they end (was 'a' "
+     "written as a narrower dtype than declared?)"),
     # 'a' is right and 'b''s header is wrong: the fault is 'b''s, as it was.
     (r"float32 2\n\0\0\200?\0\0\0@int8 2,\n\1\2",
      "output 'b': header 'int8 2,': dimensions must be comma-separated decimal integers (ASCII digits)"),
-], ids=["twice_as_wide", "four_times_as_wide", "the_next_header_at_fault"])
-def test_a_body_wider_than_its_header_before_another_output_is_named(tmp_path, written, expected) -> None:
+], ids=["twice_as_wide", "four_times_as_wide", "half_as_wide", "the_next_header_at_fault"])
+def test_a_body_wider_or_narrower_than_its_header_before_another_output_is_named(tmp_path, written,
+                                                                                 expected) -> None:
     """Found by a bug hunt: the output after it was blamed, as an 'unknown dtype' quoting binary bytes
     ("output 'b': header '\\x00...@int8 2': unknown dtype ..."); the last output got the hint already."""
     main = f"cat > /dev/null; printf '{written}' > \"$NEREID_OUTPUT_PATH\"\n"  # (printf's octal escapes)
