@@ -169,7 +169,7 @@ class PythonModel(SubprocessModel):
             try:
                 parent.entry_source.write_bytes(source)
             except OSError as err:  # a full disk: named, where a bare "[Errno 28] No space left" named nothing
-                raise scratch_folder_refused(self.context.name, f"write a copy of its {ENTRY_FILE} into", parent_dir,
+                raise scratch_folder_refused(self.context.name, f"write a copy of its {ENTRY_FILE} into", runs,
                                              err) from None
             try:
                 if cold_for_now is not None:
