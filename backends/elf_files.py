@@ -54,20 +54,6 @@ def elf_cut_short(path: str) -> str | None:
         os.close(fd)
 
 
-def whole_elf_file(path: str) -> bool:
-    """Whether ``path`` is a regular ELF file no shorter than its headers say (see :func:`elf_cut_short`)."""
-    fd = _opened(path)
-    if fd is None:
-        return False
-    try:
-        read: Read = lambda offset, count: os.pread(fd, count, offset)  # noqa: E731
-        return _elf_header(read(0, 64)) is not None and _cut_short(read, os.fstat(fd).st_size) is None
-    except (OSError, struct.error, ValueError):
-        return False
-    finally:
-        os.close(fd)
-
-
 def _elf_header(header: bytes) -> tuple[bool, str] | None:
     """(64-bit, struct byte order) of an ELF file whose first 64 bytes are ``header``; None for anything else."""
     if len(header) < 52 or header[:4] != b"\x7fELF" or header[4] not in (1, 2) or header[5] not in (1, 2):

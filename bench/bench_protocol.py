@@ -51,7 +51,7 @@ def main() -> None:
             config = nereid_config(Path(tmp), shape)
             for concurrency in args.concurrency:
                 runs: dict[str, list[dict[str, float]]] = {"bare": [], **{side: [] for side in MODELS}}
-                for _ in range(args.repeat):
+                for round_ in range(args.repeat):
                     address = f"127.0.0.1:{free_port()}"
                     bare = [sys.executable, str(BENCH_DIR / "bare_servicer.py"), address,
                             ",".join(map(str, shape)), str(MAX_BATCH_SIZE)]
@@ -60,7 +60,9 @@ def main() -> None:
                     address = f"127.0.0.1:{free_port()}"
                     nereid = [sys.executable, str(BENCH_DIR / "serve_with_plugin.py"), str(config), address]
                     with running(nereid, address, lambda a: [wait_model_ready(a, m) for m in MODELS.values()]):
-                        for side, model in MODELS.items():
+                        # (The two sides in turn first: the one measured second met a server warmed by the first.)
+                        sides = list(MODELS.items())
+                        for side, model in sides if round_ % 2 == 0 else sides[::-1]:
                             runs[side].append(perf_analyzer(address, model, concurrency))
                 median = {side: {key: statistics.median(r[key] for r in results) for key in results[0]}
                           for side, results in runs.items()}
