@@ -72,12 +72,89 @@ def started_backends() -> tuple[dict[str, Any], str | None]:
 
     global _start_error
     with _start_lock:
+        _check_xla_flags()
         try:
             return jax_backend.backends(), _start_error
         except RuntimeError as err:
             if _start_error is None:
                 _start_error = str(err)
-        return jax_backend.backends(), _start_error
+        except AssertionError:
+            # jax's own assert that some backend started: JAX_PLATFORMS=cuda where it sees no NVIDIA GPU (no
+            # driver, none visible in the container) skips cuda and asserts, which said "AssertionError" alone.
+            if _start_error is None:
+                _start_error = _no_backend_reason()
+        try:
+            return jax_backend.backends(), _start_error
+        except AssertionError:
+            raise RuntimeError(_start_error) from None
+
+
+def _no_backend_reason() -> str:
+    """Why jax started no backend at all, in words."""
+    listed = _jax_platforms()
+    if not listed:
+        return "jax started no backend"
+    return (f"jax started none of the platforms JAX_PLATFORMS={listed!r} lists (cuda is skipped where jax sees no "
+            "NVIDIA GPU: no driver, or none visible to this container); add cpu to it (JAX_PLATFORMS=cuda,cpu) or "
+            "unset it")
+
+
+# XLA_FLAGS as a child process found XLA to take it (None: not tried yet), and what refused it.
+_flags_checked: tuple[str, str | None] | None = None
+# How long the child that starts jax's backends with the server's XLA_FLAGS may take (it imports jax).
+FLAGS_CHECK_TIMEOUT_S = 300
+
+
+def _check_xla_flags() -> None:
+    """RuntimeError naming XLA_FLAGS when XLA aborts on it, found in a child process first.
+
+    XLA reads XLA_FLAGS as its first backend starts, and a flag it does not
+    know (a typo, one a newer jaxlib dropped) or a value that is no file of
+    flags ends the process (its LOG(FATAL)): the server went down at its first
+    bundle's load, every other model with it, saying nothing of its own, and
+    ``nereid check`` with it. A child with the server's environment starts
+    jax's backends once, when XLA_FLAGS is set; if it dies by a signal, every
+    bundle is refused with XLA's last line, and the server never starts them.
+    """
+    global _flags_checked
+    flags = os.environ.get("XLA_FLAGS", "")
+    if not flags.strip():
+        return
+    if _flags_checked is None or _flags_checked[0] != flags:
+        _flags_checked = flags, _xla_refusal(flags)
+    refusal = _flags_checked[1]
+    if refusal is not None:
+        raise RuntimeError(refusal)
+
+
+def _xla_refusal(flags: str) -> str | None:
+    """What XLA said as it aborted on ``flags`` in a child process; None when it started its backends."""
+    import subprocess
+    import sys
+
+    # (No GPU memory taken for good: jax takes most of each GPU's at its start, which the child hands back.)
+    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    try:
+        child = subprocess.run([sys.executable, "-c", "from jax.extend import backend; backend.backends()"],
+                               env=env, stdin=subprocess.DEVNULL, capture_output=True, timeout=FLAGS_CHECK_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        log.warning("XLA_FLAGS could not be checked in a child process (%s); the server starts jax's backends "
+                    "with it as it is", err)
+        return None
+    if child.returncode == 0:
+        return None
+    # XLA's fatal line (glog's "F1205 08:17:37.048898 10067 file.cc:234] ..."), which ends the process (exit status
+    # 1, or an abort); a Python error there is raised in this process too, and told as any start error is.
+    fatal = [line.strip() for line in child.stderr.decode("utf-8", "replace").splitlines()
+             if _FATAL_LINE.match(line)]
+    if not fatal and child.returncode > 0:
+        return None
+    said = fatal[-1] if fatal else f"killed by signal {-child.returncode}"
+    return (f"XLA ends any process that starts it with XLA_FLAGS={flags!r} (a child process that tried died: "
+            f"{said[:400]}); correct or unset XLA_FLAGS in the server's environment")
+
+
+_FATAL_LINE = re.compile(r"F\d{4} \d\d:\d\d:\d\d")
 
 
 def _jax_platforms() -> str:

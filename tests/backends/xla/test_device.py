@@ -141,3 +141,44 @@ def test_cuda_index_picks_the_local_device_and_one_past_them_is_refused(outcomes
     assert got["g"] == "OK cpu:1"  # (the stand-in client's platform is cpu; its device 1 is cuda:1)
     assert got["h"] == ("ConfigError: model 'h': device cuda:2 (nereid.yaml: models[0]): jax sees 2 GPU(s): "
                         "cuda:0 (cpu), cuda:1 (cpu)")
+
+
+# Resolves a cpu device twice (a second model's load) and prints what each got, then that the process lives on.
+RESOLVE_CPU_TWICE = """
+from nereid.backends.xla.device import resolve_device
+from nereid.settings import Device
+for name in ("a", "b"):
+    try:
+        print(resolve_device(Device.parse("cpu"), name, "nereid.yaml: models[0]").platform)
+    except Exception as err:
+        print(f"{type(err).__name__}: {err}")
+print("still here")
+"""
+
+
+def test_an_xla_flags_xla_aborts_on_or_a_jax_platforms_that_starts_nothing_is_each_models_reason(tmp_path) -> None:
+    """Found by the deployment hunt: an XLA_FLAGS with a flag XLA does not know (a typo, one a newer jaxlib
+    dropped) ended the server at its first bundle's load, every model with it (XLA's LOG(FATAL)), and nereid check
+    too; JAX_PLATFORMS=cuda where jax sees no GPU gave every bundle the reason "AssertionError" alone."""
+    if list(Path("/dev").glob("nvidia[0-9]*")):
+        pytest.skip("an NVIDIA GPU is visible here: JAX_PLATFORMS=cuda starts (or fails) otherwise")
+    cases = {"flags": {"XLA_FLAGS": "--xla_no_such_flag_of_nereids=true"}, "platforms": {"JAX_PLATFORMS": "cuda"}}
+    running = {}
+    for case, extra in cases.items():
+        env = {key: value for key, value in os.environ.items() if key not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+        running[case] = subprocess.Popen([sys.executable, "-c", RESOLVE_CPU_TWICE], cwd=tmp_path,
+                                         env={**env, **extra}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                         text=True)
+    got = {case: process.communicate(timeout=300)[0].splitlines() for case, process in running.items()}
+    where = "ConfigError: model '{}': device cpu (nereid.yaml: models[0]): jax could not start any backend: "
+    flags = got["flags"]
+    assert len(flags) == 3 and flags[2] == "still here", flags
+    for name, line in zip("ab", flags):
+        assert line.startswith(where.format(name) + "XLA ends any process that starts it with XLA_FLAGS="
+                               "'--xla_no_such_flag_of_nereids=true' (a child process that tried died: F"), line
+        assert line.endswith("Unknown flag in XLA_FLAGS: --xla_no_such_flag_of_nereids=true); correct or unset "
+                             "XLA_FLAGS in the server's environment"), line
+    assert got["platforms"] == [where.format(name) + "jax started none of the platforms JAX_PLATFORMS='cuda' lists "
+                                "(cuda is skipped where jax sees no NVIDIA GPU: no driver, or none visible to this "
+                                "container); add cpu to it (JAX_PLATFORMS=cuda,cpu) or unset it" for name in "ab"] + [
+                                    "still here"]
