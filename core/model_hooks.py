@@ -26,6 +26,7 @@ import gc
 import hashlib
 import importlib.machinery
 import importlib.util
+import os
 import sys
 import traceback
 from dataclasses import dataclass
@@ -122,7 +123,7 @@ def load_model_hooks(path: Path, model: str, meta: bool = False) -> ModelHooks:
     ``orchestrate``, which only a meta model (``meta``) has.
     """
     path = Path(path)
-    digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
+    digest = hashlib.sha256(os.fsencode(path.resolve())).hexdigest()[:12]  # (fsencode: a name not UTF-8 too)
     # A unique name per file: two bundles' model.py never share a module object.
     module_name = f"nereid_bundle_{digest}"
     spec = importlib.util.spec_from_file_location(module_name, path, loader=_SourceOnlyLoader(module_name, str(path)))

@@ -178,7 +178,7 @@ def source_key(folder: Path, compiler: Compiler, model: str) -> tuple[str, list[
         raise unkeyed_build(model, folder)
     for path in files:
         content = read_code_file(path, f"model '{model}': ", "every C++ source and header in the model folder")
-        digest.update(str(path.relative_to(folder)).encode() + b"\0" + content + b"\0")
+        digest.update(os.fsencode(path.relative_to(folder)) + b"\0" + content + b"\0")
     return digest.hexdigest()[:20], files
 
 

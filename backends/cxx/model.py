@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import math
+import os
 import threading
 from dataclasses import dataclass
 
@@ -92,7 +93,7 @@ class CxxModel:
         try:
             if library.load is not None:
                 error = ctypes.create_string_buffer(ERROR_BUFFER_SIZE)
-                status = library.load(name.encode(), str(folder.resolve()).encode(), ctypes.byref(self._state),
+                status = library.load(name.encode(), os.fsencode(folder.resolve()), ctypes.byref(self._state),
                                       error, ERROR_BUFFER_SIZE - 1)
                 if status != 0:
                     raise ConfigError(f"model '{name}': nereid_load in {path} returned {status}: "

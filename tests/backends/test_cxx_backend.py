@@ -1267,3 +1267,20 @@ def test_a_library_whose_name_is_near_the_file_systems_limit_loads(tmp_path, lib
         assert library.infer is not None
     finally:
         library.close()
+
+
+def test_a_folder_whose_path_is_not_utf8_is_passed_to_nereid_load_as_its_bytes(libs, tmp_path):
+    """Found by the deployment hunt: a repository under a folder named in Latin-1 (an old NFS share's 'rep\\xe8o')
+    failed the load of every cxx model with nereid_load: UnicodeEncodeError, surrogates not allowed."""
+    blocks = "".join(f'input {{ name: "in_{t.lower()}" data_type: "{t}" dims: [3] }}\n'
+                     f'output {{ name: "out_{t.lower()}" data_type: "{t}" dims: [3] }}\n' for t in DTYPES)
+    folder = tmp_path / os.fsdecode(b"rep\xe8o") / "echo_all"
+    folder.mkdir(parents=True)
+    (folder / "model_inference.textproto").write_text(blocks + "max_batch_size: 4\n")
+    settings = ModelSettings("echo_all", runtime={"library": str(libs["multi"])})
+    model = CxxModel(ModelContext("echo_all", folder, settings, tmp_path, "test"))
+    model.load()
+    try:
+        assert (folder / "events.log").read_text() == "load echo_all\n"  # (written where nereid_load was told)
+    finally:
+        model.unload()

@@ -426,3 +426,17 @@ def test_a_link_that_misses_a_library_says_that_only_the_standard_library_is_lin
     assert str(failed.value).endswith(
         "(nothing beyond the C++ standard library is linked into a build: a model that needs another library is a "
         "cxx model with a prebuilt library:, linked as it likes; see the README's cxx backend)")
+
+
+def test_a_source_whose_name_is_not_utf8_is_keyed(tmp_path):
+    """Found by the deployment hunt: a header named in Latin-1 in a cpp model's folder failed its load with
+    UnicodeEncodeError (surrogates not allowed) as its key was computed."""
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "main.cpp").write_text("int main() { return 0; }\n")
+    header = folder / os.fsdecode(b"caf\xe9.h")
+    header.write_text("#define A 1\n")
+    compiler = cpp_compiler.find_compiler()
+    first = cpp_compiler.source_hash(folder, compiler, "m")
+    header.write_text("#define A 2\n")
+    assert cpp_compiler.source_hash(folder, compiler, "m") != first

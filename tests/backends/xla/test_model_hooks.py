@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 
 import numpy as np
@@ -109,3 +110,12 @@ def test_mistakes_name_the_file(tmp_path) -> None:
     path.write_text("x = 1\nraise KeyboardInterrupt('mine')\n")
     with pytest.raises(ConfigError, match=r"model.py:2 failed: KeyboardInterrupt: mine"):
         load_model_hooks(path, "m")
+
+
+def test_a_model_py_under_a_path_that_is_not_utf8_loads(tmp_path) -> None:
+    """Found by the deployment hunt: a repository under a folder named in Latin-1 ('rep\\xe8o') failed every
+    bundle with a model.py and every meta model: UnicodeEncodeError, surrogates not allowed."""
+    folder = tmp_path / os.fsdecode(b"rep\xe8o")
+    folder.mkdir()
+    (folder / "model.py").write_text(DOUBLING)
+    assert load_model_hooks(folder / "model.py", "m").preprocess(tensor())[0].data.tolist() == [2.0, 4.0]
