@@ -115,7 +115,8 @@ def write_examples(root: Path, provenance: Any = True) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> int:
     """Regenerate the example bundles (``python -m nereid.backends.xla.export.examples``)."""
-    parser = argparse.ArgumentParser(prog="python -m nereid.backends.xla.export.examples", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m nereid.backends.xla.export.examples",
+                                     description=(__doc__ or "").split("\n")[0])  # (python -OO: no __doc__)
     parser.add_argument("root", nargs="?", type=Path, default=Path("ml-backends"),
                         help="the model repository to write into (default: ./ml-backends)")
     args = parser.parse_args(argv)

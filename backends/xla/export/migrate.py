@@ -19,7 +19,8 @@ from nereid.backends.xla.migration import failure_reason, migrate_bundle
 
 def main(argv: list[str] | None = None) -> int:
     """Migrate each bundle named on the command line."""
-    parser = argparse.ArgumentParser(prog="python -m nereid.backends.xla.export.migrate", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m nereid.backends.xla.export.migrate",
+                                     description=(__doc__ or "").split("\n")[0])  # (python -OO: no __doc__)
     parser.add_argument("--mode", choices=("copy", "replace"), default="copy",
                         help="copy: add weights.T.safetensors (default); replace: swap it in")
     parser.add_argument("bundles", nargs="+", type=Path, metavar="BUNDLE")
