@@ -39,7 +39,8 @@ from nereid.model_entry import waiting_for_folder
 from nereid.model_runner import checked_input_check
 from nereid.processes import (kill_children, not_ignored, record_early_stops, redeliver_early_stops,
                               release_early_stops, stop_signals)
-from nereid.plugins import NereidPluginManager, add_commands, check_backend_defaults, error_text, make_plugin_manager
+from nereid.plugins import (NereidPluginManager, add_commands, check_backend_defaults, error_text, make_plugin_manager,
+                            streamed_files)
 from nereid.run_folders import runs_folder
 from nereid.storage import StorageError, materialize_model_folder, scan_model_folders
 from nereid.settings import Listeners, Settings, address_problem, load_settings
@@ -669,7 +670,8 @@ def _check_model(settings: Settings, manager: NereidPluginManager, scratch: Path
     context = ModelContext(name, root / name, model_settings, scratch / name, origin, runs_dir=runs_folder(scratch))
     try:
         context.scratch_dir.mkdir(exist_ok=True)
-        materialize_model_folder(settings.server, name)  # from an object store: fetch it first
+        # From an object store: fetch it first, but for the files its backend streams from there.
+        materialize_model_folder(settings.server, name, streamed_files(manager, name, model_settings.backend))
         check_confined(root / name, root, settings.server.follow_symlinks)
         built = build_model(manager, context, settings.backend_defaults, settings.source)
     except model_faults() as err:

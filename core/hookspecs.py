@@ -1,9 +1,10 @@
-"""The plugin hooks: backends claim model folders, give hints, and add their commands to the CLI."""
+"""The plugin hooks: backends claim model folders, give hints, say which files they stream from an object store,
+and add their commands to the CLI."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import pluggy
 
@@ -65,6 +66,44 @@ def nereid_claim_signs() -> str | None:
     that does not implement it is listed as "see its documentation".
 
     :return: a short phrase, or None.
+    """
+
+
+@hookspec
+def nereid_streamed_files(name: str, declared: bool, listing: tuple[str, ...],
+                          read_small: Callable[[str], bytes | None]) -> tuple[str, ...] | None:
+    """Say which files of a model folder in an object store this backend reads from the store itself.
+
+    Asked before the folder is fetched into the local mirror (``server.ml_backends_path``
+    is an ``s3://``, ``gs://`` or ``az://`` URL), before any backend claims it: the
+    files named stay in the store (the ``streamed`` of the folder's
+    ``.nereid-remote.json``, :func:`nereid.storage.read_marker`), every other
+    file is fetched to disk. Core knows no backend's file names: without an
+    answer, every file is fetched. The xla backend answers a bundle's
+    ``*.safetensors`` files, which it reads by ranged GETs.
+
+    Every backend implementing it is asked on its own, unless nereid.yaml names
+    a backend for the model (only that one is asked then). When several
+    answer, a file stays in the store only if each of them names it (a file
+    fetched is still there for a backend that would have streamed it).
+
+    :param name: the model's name (its folder's name in the store).
+    :param declared: True when ``backend:`` in nereid.yaml names this backend for
+        the model (only this backend is asked then).
+    :param listing: the folder's files, as paths relative to it, '/'-separated
+        (``manifest.yaml``, ``sub/part.bin``).
+    :param read_small: ``read_small(path)`` gives the bytes of a listed file, or
+        None when it is not listed or is over 1 MiB, for a backend that decides by
+        a file's content (a manifest's ``meta: true``). Read only what you need:
+        each read not current in the mirror is a request to the store.
+    :return: the listed files to leave in the store (a tuple of paths as
+        ``listing`` gives them; names not listed are ignored), or None when the
+        folder is not this backend's. An empty tuple: the backend's, streaming
+        nothing.
+
+    A hook that raises, or answers anything but a tuple (list, set) of str or
+    None, is logged (once, naming the plugin) and its answer ignored: those
+    files are fetched.
     """
 
 

@@ -31,6 +31,8 @@ from pluggy._hooks import _SubsetHookCaller  # (pluggy's own subset caller; see 
 from nereid import hookspecs
 from nereid.backend import BackendClaim
 from nereid.errors import ConfigError, cap_message, describe_exception, plugin_failures
+from nereid.storage.client import store_failed
+from nereid.storage.mirror import StreamedFiles
 from nereid.triton_hints import folder_hint
 
 log = logging.getLogger(__name__)
@@ -531,6 +533,59 @@ def claim_folder(manager: NereidPluginManager, folder: Path, backend: str | None
     names = ", ".join(sorted(name for name, _ in asked.claims))
     return ClaimResult(None, f"several backends claim the folder {folder} ({names}); "
                              "set backend: in nereid.yaml to choose one")
+
+
+def streamed_files(manager: NereidPluginManager, name: str, backend: str | None = None) -> StreamedFiles:
+    """What the mirror of an object store asks about the model folder ``name`` (a
+    :data:`~nereid.storage.mirror.StreamedFiles`): which of its files stay in the store, as the backends say
+    through ``nereid_streamed_files`` (of the backend ``backend`` alone, when nereid.yaml names one).
+
+    Each backend is asked on its own, so that a wrong answer is its plugin's:
+    one that raises, or answers anything but a tuple (list, set) of str or
+    None, is logged (once, naming it) and ignored. When several answer, a file
+    stays only if each names it: a file fetched serves a backend that would
+    have streamed it, while one left in the store is missing for any other
+    (a meta model's model.py reading its own .safetensors found none). A
+    store failure of ``read_small`` is the store's: raised, never blamed on
+    the plugin.
+    """
+    def decide(listing: tuple[str, ...], read_small: Callable[[str], bytes | None]) -> frozenset[str]:
+        impls = _plain_impls(manager.hook.nereid_streamed_files)
+        answers: list[frozenset[str]] = []
+        for impl in impls:
+            if backend is not None and impl.plugin_name != backend:
+                continue
+            arguments = {"name": name, "declared": backend is not None, "listing": listing, "read_small": read_small}
+            try:
+                got = _answers_alone(manager, "nereid_streamed_files", impl, impls, arguments, about=f"model '{name}'")
+            except plugin_failures() as err:
+                if store_failed(err):
+                    raise
+                manager.hook_failed(impl.plugin_name, "nereid_streamed_files", f"raised {error_text(err)} "
+                                    f"(model '{name}'; every file is fetched)")
+                continue
+            for answer in got:  # (pluggy drops None: not its folder)
+                problem = _not_file_names(answer)
+                if problem is None:
+                    answers.append(frozenset(answer))
+                else:
+                    manager.hook_failed(impl.plugin_name, "nereid_streamed_files",
+                                        f"{problem} (model '{name}'; every file is fetched)")
+        return frozenset.intersection(*answers) if answers else frozenset()
+
+    return decide
+
+
+def _not_file_names(answer: object) -> str | None:
+    """What is wrong with ``answer``, a nereid_streamed_files hook's, as file names; None when it is a tuple (list,
+    set) of str. A str alone is refused: taken as a tuple, its characters would be the names."""
+    if not isinstance(answer, (tuple, list, set, frozenset)):
+        return f"returned {_a(type(answer).__name__)}, not a tuple of file names (str) or None"
+    odd = [item for item in answer if not isinstance(item, str)]
+    if odd:
+        return (f"returned {_a(type(answer).__name__)} holding {_a(type(odd[0]).__name__)}, "
+                "not a tuple of file names (str) or None")
+    return None
 
 
 def _claim_signs(manager: NereidPluginManager) -> str:

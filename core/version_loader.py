@@ -28,6 +28,7 @@ from nereid.leftovers import remove_model_leftovers
 from nereid.model_building import BuildStage, BuiltModel, build_model
 from nereid.model_entry import LoadAbandoned, LoadedModel, ModelEntry
 from nereid.model_runner import HookThreads, make_runner
+from nereid.plugins import streamed_files
 from nereid.run_folders import runs_folder
 from nereid.scheduler import ModelScheduler
 from nereid.settings import DEFAULT_MODEL_LOAD_THREADS, ModelSettings, Settings
@@ -243,7 +244,8 @@ class VersionLoader:
         server = settings.server
         if server.ml_backends_url:
             stage.enter("the fetch of its folder from the object store")
-        hold = materialize_model_version(server, context.name)
+        hold = materialize_model_version(server, context.name,
+                                         streamed_files(self.manager, context.name, context.settings.backend))
         if hold is not None:
             context = replace(context, folder=hold.folder, repository_folder=context.folder)
         try:

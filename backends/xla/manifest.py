@@ -23,7 +23,7 @@ import yaml
 
 from nereid.config_document import KeyedReader, load_yaml, quoting_hint
 from nereid.dtypes import DType
-from nereid.files import read_text_file
+from nereid.files import decode_text, read_text_file
 from nereid.settings import INT32_MAX
 from nereid.signature import MAX_DECLARED_TENSORS, MAX_RANK
 
@@ -284,7 +284,19 @@ def declares_meta(path: Path) -> bool:
     For claiming folders: the backend that claims the folder reports any error in full when it loads.
     """
     try:
-        document = load_yaml(read_text_file(path, MAX_MANIFEST_BYTES), path)
+        text = read_text_file(path, MAX_MANIFEST_BYTES)
+    except Exception:  # reported by whichever backend claims the folder, when it loads it
+        return False
+    return text_declares_meta(text, path)
+
+
+def text_declares_meta(text: str | bytes | None, path: Path | str = MANIFEST_NAME) -> bool:
+    """:func:`declares_meta` of a manifest's ``text`` (UTF-8 bytes too; None, a manifest that could not be read,
+    is no meta model's), read from ``path``: for a manifest in an object store, read before it is fetched."""
+    if text is None:
+        return False
+    try:
+        document = load_yaml(text if isinstance(text, str) else decode_text(text, Path(path)), Path(path))
     except Exception:  # reported by whichever backend claims the folder, when it loads it
         return False
     return isinstance(document, dict) and document.get("meta") is True

@@ -1,17 +1,18 @@
-"""Plugin: claims folders with a ``manifest.yaml`` (StableHLO/XLA bundles)."""
+"""Plugin: claims folders with a ``manifest.yaml`` (StableHLO/XLA bundles), and streams their weights from a store."""
 
 from __future__ import annotations
 
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from nereid.backend import BackendClaim
 from nereid.backends.xla.bundle import not_a_folder_reason
-from nereid.backends.xla.manifest import MANIFEST_NAME, declares_meta
+from nereid.backends.xla.manifest import MANIFEST_NAME, declares_meta, text_declares_meta
 from nereid.backends.xla.model import create_model
 from nereid.backends.xla.options import parse_options
+from nereid.backends.xla.weights import WEIGHTS_SUFFIX
 from nereid.hookspecs import hookimpl
 from nereid.runtime_options import LayeredRuntime
 
@@ -45,6 +46,22 @@ def has_bundle_manifest(folder: Path) -> bool:
     """
     manifest = folder / MANIFEST_NAME
     return os.path.lexists(manifest) and not declares_meta(manifest)
+
+
+@hookimpl
+def nereid_streamed_files(name: str, declared: bool, listing: tuple[str, ...],
+                          read_small: Callable[[str], bytes | None]) -> tuple[str, ...] | None:
+    """A bundle's weights in an object store stay there: every listed ``*.safetensors`` (shards, in subfolders
+    too), read by ranged GETs at load (:class:`~nereid.backends.xla.remote.RemoteBundle`). A weights file named
+    otherwise (``weights_file: weights.bin``) is fetched with the other files, and read as a local one.
+
+    A bundle is a folder whose ``manifest.yaml`` is not a meta model's (``meta: true``: the meta backend's
+    model.py reads its own files from disk), as :func:`has_bundle_manifest` tells a local one; declared or
+    not, the same (a meta manifest declared ``backend: xla`` fails its load, whatever was fetched).
+    """
+    if MANIFEST_NAME not in listing or text_declares_meta(read_small(MANIFEST_NAME)):
+        return None
+    return tuple(path for path in listing if path.endswith(WEIGHTS_SUFFIX))
 
 
 @hookimpl

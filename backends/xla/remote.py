@@ -2,7 +2,8 @@
 
 The repository materialized the bundle's small files (manifest, programs,
 model.py, the shard index) into the local cache; its ``*.safetensors`` objects
-stayed in the store (see :mod:`nereid.storage.mirror`). A weights file named
+stayed in the store, as this backend's ``nereid_streamed_files`` (plugin.py) told
+:mod:`nereid.storage.mirror`. A weights file named
 otherwise (a manifest's ``weights_file: weights.bin``, a shard an index names
 ``part-1.st``) was fetched whole with the other files and is read as a local
 bundle's. Here each streamed weights

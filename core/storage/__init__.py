@@ -8,9 +8,11 @@ The repository asks this module two things, whatever ``server.ml_backends_path``
 
 For a local folder both are what they always were (a directory listing; the
 folder itself). For an object store, the folders are the prefixes one level
-below the URL, and materializing fetches the folder's small files into the
-local cache (see :mod:`nereid.storage.mirror`); its weights stay in the store,
-streamed by the backend at load (:mod:`nereid.storage.client`). The cached
+below the URL, and materializing fetches the folder's files into the
+local cache (see :mod:`nereid.storage.mirror`), but for those the backend that
+claims it reads from the store itself (a bundle's weights), which stay there,
+streamed at load (:mod:`nereid.storage.client`): the caller says which, with a
+:data:`~nereid.storage.mirror.StreamedFiles` built from the backends' hook. The cached
 copies of folders gone from the store are removed
 (:func:`mirror_leftovers`, :func:`drop_mirror_folder`).
 """
@@ -29,7 +31,7 @@ from typing import TYPE_CHECKING
 from nereid.log_limit import OnceLog
 from nereid.storage.client import (StorageError, describe_error, failure_kind, open_store, read_ranges, RangeRead,
                                    store_failed, store_unreachable)
-from nereid.storage.mirror import (MARKER_FILE, RemoteFolder, RemoteObject, VersionHold, materialize,
+from nereid.storage.mirror import (MARKER_FILE, RemoteFolder, RemoteObject, StreamedFiles, VersionHold, materialize,
                                    materialize_version, mirror_root, read_marker)
 from nereid.storage.url import SCHEMES, StoreURL, parse_store_url
 
@@ -45,7 +47,7 @@ __all__ = [
     "mirror_root", "model_folder_exists",
     "open_store", "parse_store_url", "read_marker", "read_ranges", "scan_model_folders", "store_failed",
     "store_unreachable",
-    "store_holds_folder", "VersionHold",
+    "store_holds_folder", "StreamedFiles", "VersionHold",
 ]
 
 # An unknown model name has the store listed at most this often, on a thread of its own (never on the
@@ -329,28 +331,31 @@ def _refresh_listing(location: StoreURL, root: Path) -> None:
             _listings[str(location)].running = False
 
 
-def materialize_model_folder(server: ServerSettings, name: str) -> Path:
+def materialize_model_folder(server: ServerSettings, name: str, streams: StreamedFiles | None = None) -> Path:
     """Make the model folder ``name`` ready to load and return its local path (blocking: call off the loop).
 
-    Local: the folder itself. Store: its small files fetched or refreshed in
-    the mirror, its weights left to stream; StorageError names the URL.
+    Local: the folder itself. Store: its files fetched or refreshed in the
+    mirror, but those ``streams`` leaves in the store (see
+    :func:`nereid.plugins.streamed_files`; None: every file fetched);
+    StorageError names the URL.
     """
     location = _location(server)
     folder = Path(server.ml_backends_path) / name
     if location is None:
         return folder
-    materialize(location, name, folder)
+    materialize(location, name, folder, streams)
     return folder
 
 
-def materialize_model_version(server: ServerSettings, name: str) -> VersionHold | None:
+def materialize_model_version(server: ServerSettings, name: str,
+                              streams: StreamedFiles | None = None) -> VersionHold | None:
     """:func:`materialize_model_folder` for a version about to load: None for a local folder (which the version
     runs from); for a store, the hold of a version folder of its own, which no later fetch changes (blocking:
     call off the loop). Release it with the version (see :class:`~nereid.storage.mirror.VersionHold`)."""
     location = _location(server)
     if location is None:
         return None
-    return materialize_version(location, name, Path(server.ml_backends_path) / name)
+    return materialize_version(location, name, Path(server.ml_backends_path) / name, streams)
 
 
 def _list_remote(location: StoreURL, root: Path) -> list[str]:

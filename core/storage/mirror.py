@@ -2,11 +2,13 @@
 
 The model folders are the prefixes one level below the repository URL, as
 locally. Loading a model *materializes* its folder: every object under it is
-fetched into ``<cache_dir>/repositories/<repository>/<model>/``, except, in a
-bundle (a folder with a ``manifest.yaml``), the weights (``*.safetensors``),
-which stay in the store and are streamed by the bundle's loader. A file is fetched again only when its ETag (or
-version) changed since it was last fetched, or its local copy's size or modification time since it was written;
-the folder's ``.nereid-remote.json`` records them, and the weights the backend must stream. Files are written as
+fetched into ``<cache_dir>/repositories/<repository>/<model>/``, except the files
+the backend that will claim the folder reads from the store itself (a bundle's
+weights: the xla backend streams them), which stay there. Which files those are
+is the caller's to say (a :data:`StreamedFiles`, built from the backends'
+``nereid_streamed_files`` hook): core knows no backend's file names. A file is fetched again only when its ETag
+(or version) changed since it was last fetched, or its local copy's size or modification time since it was
+written; the folder's ``.nereid-remote.json`` records them, and the files the backend must stream. Files are written as
 they arrive (never held whole in memory) under temporary names and renamed
 into place, so a running model never sees a half file, and files gone from
 the store are removed. Nothing is ever written to the store.
@@ -41,7 +43,7 @@ import time
 import uuid
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from nereid.errors import ConfigError
 from nereid.files import atomic_write, kind_of, read_text_file, remove_tree
@@ -53,8 +55,8 @@ from nereid.storage.url import StoreURL
 log = logging.getLogger(__name__)
 
 MARKER_FILE = ".nereid-remote.json"
-STREAMED_SUFFIX = ".safetensors"
-BUNDLE_MARKER = "manifest.yaml"  # a folder holding one is a bundle, whose loader streams its weights
+# The most a backend deciding which files it streams may read of one file (``read_small``): a manifest, not weights.
+SMALL_FILE_BYTES = 1 << 20
 CACHE_SUBFOLDER = ".cache"  # the executable cache: local, never mirrored; removed only with its folder
 # A mirrored folder being removed is first renamed to this prefix and a random suffix (hidden: never listed as
 # a model folder), then deleted: a folder of the name made meanwhile is a new one, never one half deleted.
@@ -392,29 +394,40 @@ def _stamp_name(relative: str) -> str:
     return "<unreadable key " + relative.encode("unicode_escape").decode("ascii").replace("/", "\\x2f") + ">"
 
 
-def materialize(location: StoreURL, name: str, folder: Path) -> RemoteFolder:
+# Which files of a model folder in the store stay there, read by the backend that claims it (streamed), rather than
+# fetched: given the folder's files (paths relative to it, '/'-separated) and ``read_small`` (a listed file's bytes,
+# None when it is over SMALL_FILE_BYTES), the names to leave (names not listed are ignored). Built by the caller
+# from the backends' nereid_streamed_files hook (see nereid.plugins.streamed_files): the mirror knows no backend.
+StreamedFiles = Callable[[tuple[str, ...], Callable[[str], "bytes | None"]], Iterable[str]]
+
+
+def materialize(location: StoreURL, name: str, folder: Path, streams: StreamedFiles | None = None) -> RemoteFolder:
     """Bring ``folder`` up to date with the model folder ``location/name``; returns what it holds.
 
-    Raises StorageError naming the URL when the folder is gone, a key is
-    unsafe, or a fetch fails; ConfigError when it holds only folder objects.
+    ``streams`` says which files stay in the store (see :data:`StreamedFiles`);
+    without it, every file is fetched. Raises StorageError naming the URL when
+    the folder is gone, a key is unsafe, or a fetch fails (a read the
+    ``streams`` decision asked for too); ConfigError when it holds only folder
+    objects.
     """
-    return _materialize(location, name, folder, False)[0]
+    return _materialize(location, name, folder, False, streams)[0]
 
 
-def materialize_version(location: StoreURL, name: str, folder: Path) -> VersionHold:
+def materialize_version(location: StoreURL, name: str, folder: Path,
+                        streams: StreamedFiles | None = None) -> VersionHold:
     """:func:`materialize`, then a version folder of the files fetched, held (release it with the version).
 
     The version folder is made (or the one of the same files reused) under the
     folder's lock, and held before the lock is let go: no fetch or removal by
     any server sharing the cache changes it while it is held.
     """
-    hold = _materialize(location, name, folder, True)[1]
+    hold = _materialize(location, name, folder, True, streams)[1]
     assert hold is not None
     return hold
 
 
-def _materialize(location: StoreURL, name: str, folder: Path,
-                 version: bool) -> tuple[RemoteFolder, VersionHold | None]:
+def _materialize(location: StoreURL, name: str, folder: Path, version: bool,
+                 streams: StreamedFiles | None) -> tuple[RemoteFolder, VersionHold | None]:
     import obstore
 
     folder_url = location.child(name)
@@ -457,24 +470,17 @@ def _materialize(location: StoreURL, name: str, folder: Path,
         fetched: dict[str, RemoteObject] = {}
         streamed: dict[str, RemoteObject] = {}
         stale: list[tuple[str, RemoteObject, Path]] = []  # new or changed: fetched below
-        # Only a bundle's loader streams weights; any other model (a main.py reading its own
-        # .safetensors) gets every file on disk.
-        streams = f"{folder_url.key()}/{BUNDLE_MARKER}" in {o["path"] for o in objects}
-        for meta in objects:
-            relative = meta["path"][len(folder_url.key()) + 1:]
-            parts = relative.split("/")
-            if any(p in ("", ".", "..") for p in parts):
-                raise StorageError(f"{folder_url}: object key {meta['path']!r} is not a safe relative path")
-            if _mirror_internal(parts[0]):
-                continue  # the server's own names (a .cache/ uploaded by mistake); other hidden files are the model's
-            item = RemoteObject(meta["path"], int(meta["size"]), meta.get("e_tag"), meta.get("version"),
-                                modified=_modified(meta))
-            if streams and relative.endswith(STREAMED_SUFFIX):
+        listed = _listed_files(folder_url, objects)
+        # Only what the claiming backend reads from the store itself stays there; any other model (a main.py,
+        # a meta model's model.py reading its own .safetensors) gets every file on disk.
+        left = _streamed_names(streams, _SmallFiles(store, folder_url, folder, listed, previous))
+        for relative, item in listed.items():
+            if relative in left:
                 streamed[relative] = item
                 continue
             old = previous.fetched.get(relative) if previous is not None else None
-            target = folder.joinpath(*parts)
-            if old is not None and old.identity == item.identity and _is_as_written(target, old):
+            target = folder.joinpath(*relative.split("/"))
+            if _is_current(target, item, old):
                 fetched[relative] = old
                 continue
             stale.append((relative, item, target))
@@ -492,9 +498,80 @@ def _materialize(location: StoreURL, name: str, folder: Path,
                                       err) from None
         hold = _held_version(folder, name, result) if version else None
         _prune_versions(folder)
-    log.info("%s: %d file(s) fetched or current in %s, %d weights file(s) left to stream", folder_url, len(fetched),
-             hold.folder if hold is not None else folder, len(streamed))
+    log.info("%s: %d file(s) fetched or current in %s, %d file(s) left in the store to stream", folder_url,
+             len(fetched), hold.folder if hold is not None else folder, len(streamed))
     return result, hold
+
+
+def _listed_files(folder_url: StoreURL, objects: list[dict]) -> dict[str, RemoteObject]:
+    """The model's files among the listed ``objects`` of ``folder_url``, by path relative to it (the server's own
+    names skipped); StorageError for a key that is no safe relative path."""
+    listed: dict[str, RemoteObject] = {}
+    for meta in objects:
+        relative = meta["path"][len(folder_url.key()) + 1:]
+        parts = relative.split("/")
+        if any(p in ("", ".", "..") for p in parts):
+            raise StorageError(f"{folder_url}: object key {meta['path']!r} is not a safe relative path")
+        if _mirror_internal(parts[0]):
+            continue  # the server's own names (a .cache/ uploaded by mistake); other hidden files are the model's
+        listed[relative] = RemoteObject(meta["path"], int(meta["size"]), meta.get("e_tag"), meta.get("version"),
+                                        modified=_modified(meta))
+    return listed
+
+
+def _is_current(target: Path, item: RemoteObject, old: RemoteObject | None) -> bool:
+    """Whether ``target``, the copy of ``item`` recorded as ``old`` (None: none), is current: fetched from the same
+    object (ETag, version, size) and unchanged since it was written."""
+    return old is not None and old.identity == item.identity and _is_as_written(target, old)
+
+
+def _streamed_names(streams: StreamedFiles | None, files: _SmallFiles) -> frozenset[str]:
+    """The files of the folder ``files`` reads that ``streams`` leaves in the store (none without it); the
+    StorageError of a read the decision asked for, which is the store's failure whatever the decision did with it."""
+    if streams is None:
+        return frozenset()
+    try:
+        left = frozenset(streams(tuple(files.listed), files.read))
+    finally:
+        if files.failure is not None:  # (over whatever the decision raised or answered after it)
+            raise files.failure
+    return frozenset(name for name in left if name in files.listed)
+
+
+class _SmallFiles:
+    """A model folder's listed files, and ``read_small`` for a :data:`StreamedFiles` decision about them.
+
+    A file is read from the mirror's copy when that is current (a reload
+    costs no request), else from the store. The first store failure is kept:
+    the caller raises it, since a backend's hook may swallow what it raises.
+    """
+
+    def __init__(self, store: Any, folder_url: StoreURL, folder: Path, listed: Mapping[str, RemoteObject],
+                 previous: RemoteFolder | None) -> None:
+        self.listed = listed
+        self.failure: StorageError | None = None
+        self._store, self._url, self._folder, self._previous = store, folder_url, folder, previous
+
+    def read(self, relative: str) -> bytes | None:
+        """The bytes of the listed file ``relative``; None when it is not listed or over SMALL_FILE_BYTES."""
+        import obstore
+
+        item = self.listed.get(relative)
+        if item is None or item.size > SMALL_FILE_BYTES:
+            return None
+        target = self._folder.joinpath(*relative.split("/"))
+        if _is_current(target, item, self._previous.fetched.get(relative) if self._previous is not None else None):
+            with contextlib.suppress(OSError):  # (gone meanwhile: read from the store)
+                return target.read_bytes()[:SMALL_FILE_BYTES]
+        url = f"{self._url.bucket_url}/{item.key}"
+        options: dict[str, Any] = {"if_match": item.etag} if item.etag else {}  # (the object the listing gave)
+        try:
+            with store_call(self._url.scheme):
+                data = obstore.get(self._store, item.key, options=options).bytes()
+        except Exception as err:
+            self.failure = self.failure or StorageError(f"{url}: cannot fetch: {describe_error(err, self._url.scheme)}")
+            raise self.failure from None
+        return bytes(data)[:SMALL_FILE_BYTES]
 
 
 def _held_version(folder: Path, name: str, result: RemoteFolder) -> VersionHold:

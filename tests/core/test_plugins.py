@@ -19,7 +19,7 @@ import toy_backends
 from nereid import hookspecs
 from nereid.backend import BackendClaim
 from nereid.plugins import (backend_names, check_backend_defaults, claim_folder, hook_problems,
-                            make_plugin_manager, plugin_code)
+                            make_plugin_manager, plugin_code, streamed_files)
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
@@ -677,7 +677,8 @@ def test_a_plugin_implementing_no_nereid_hook_is_left_out_saying_what_to_fix(sit
     finally:
         for *_, module, _source in HOOKLESS_PLUGINS:
             sys.modules.pop(module, None)
-    hooks = "nereid_add_commands, nereid_check_defaults, nereid_claim_model, nereid_claim_signs, nereid_declaration_hint"
+    hooks = ("nereid_add_commands, nereid_check_defaults, nereid_claim_model, nereid_claim_signs, "
+             "nereid_declaration_hint, nereid_streamed_files")
     assert {p.plugin.split(" ")[1]: p.what for p in manager.problems} == {
         "'typo_hook'": f"left out: unknown hook 'nereid_claim_models' (did you mean nereid_claim_model?); "
                        f"nereid's hooks are: {hooks}",
@@ -734,3 +735,64 @@ def test_an_unclaimed_folder_says_what_makes_each_backend_claim_one(installed_ad
         (claimed / file).write_text(text)
         assert claim_folder(manager, claimed).backend_name == backend
     assert claim_folder(manager, folder, "cxx").backend_name == "cxx"
+
+
+class _Streams:
+    """A plugin answering nereid_streamed_files with ``answer`` (raised when it is an exception), counting its calls."""
+
+    def __init__(self, name: str, answer: object) -> None:
+        self.BACKEND_NAME = name
+        self.answer = answer
+        self.asked = 0
+
+    @hookspecs.hookimpl
+    def nereid_streamed_files(self, name: str, declared: bool, listing: tuple[str, ...], read_small) -> object:
+        self.asked += 1
+        if isinstance(self.answer, BaseException):
+            raise self.answer
+        return self.answer
+
+
+# A bundle's folder: the xla backend streams its weights.
+BUNDLE_LISTING = ("manifest.yaml", "model.py", "weights.safetensors", "vocab.bin")
+
+
+def _bundle_file(path: str) -> bytes | None:
+    return b"format_version: '2.1'\n" if path == "manifest.yaml" else None
+
+
+def test_a_streamed_files_answer_of_the_wrong_type_is_refused_naming_the_plugin(caplog) -> None:
+    """Each backend's nereid_streamed_files is asked alone, so that a wrong answer is its plugin's: one that raises,
+    or answers other than a tuple (list, set) of str or None, is logged once at ERROR and ignored (those files are
+    fetched); a file stays in the store only when every backend that answers streams it."""
+    caplog.set_level(logging.ERROR, logger="nereid.plugins")
+    plugins = (_Streams("stringy", "weights.safetensors"), _Streams("mixed", ("weights.safetensors", 3)),
+               _Streams("raising", RuntimeError("no idea")), _Streams("listy", ["vocab.bin", "weights.safetensors"]))
+    manager = make_plugin_manager(load_entry_points=False, extra_plugins=plugins)
+    decide = streamed_files(manager, "m")
+    assert decide(BUNDLE_LISTING, _bundle_file) == {"weights.safetensors"}  # (xla's and listy's answers)
+    assert decide(BUNDLE_LISTING, _bundle_file) == {"weights.safetensors"}  # (logged once only)
+    assert sorted(_errors(caplog)) == [
+        "plugin 'mixed': nereid_streamed_files returned a tuple holding an int, not a tuple of file names (str) or "
+        "None (model 'm'; every file is fetched); its answer is ignored (its later failures are logged at DEBUG)",
+        "plugin 'raising': nereid_streamed_files raised RuntimeError: no idea (model 'm'; every file is fetched); its "
+        "answer is ignored (its later failures are logged at DEBUG)",
+        "plugin 'stringy': nereid_streamed_files returned a str, not a tuple of file names (str) or None (model 'm'; "
+        "every file is fetched); its answer is ignored (its later failures are logged at DEBUG)"]
+    # Declared: only that backend is asked (the python backend streams nothing: every file fetched).
+    assert streamed_files(manager, "m", "listy")(BUNDLE_LISTING, _bundle_file) == {"vocab.bin", "weights.safetensors"}
+    assert streamed_files(manager, "m", "python")(BUNDLE_LISTING, _bundle_file) == frozenset()
+    assert [plugin.asked for plugin in plugins] == [2, 2, 2, 3]
+
+
+def test_a_store_failure_reading_a_file_for_streamed_files_is_the_store_s_not_the_plugin_s(caplog) -> None:
+    from nereid.storage import StorageError
+
+    caplog.set_level(logging.ERROR, logger="nereid.plugins")
+
+    def failing(path: str) -> bytes | None:
+        raise StorageError(f"s3://b/m/{path}: cannot fetch: HTTP 500")
+
+    with pytest.raises(StorageError, match="manifest.yaml: cannot fetch"):
+        streamed_files(make_plugin_manager(load_entry_points=False), "m")(BUNDLE_LISTING, failing)
+    assert _errors(caplog) == []

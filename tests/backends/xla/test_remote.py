@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import struct
 import textwrap
@@ -19,6 +20,7 @@ from nereid.backend import ModelContext
 from nereid.backends.xla.model import create_model
 from nereid.errors import ConfigError
 from nereid.backends.xla.export import examples
+from nereid.plugins import make_plugin_manager, streamed_files
 from nereid.settings import ModelSettings, load_settings
 from nereid.storage import materialize_model_folder
 from nereid.dtypes import DType
@@ -52,8 +54,13 @@ def _uploaded(s3, pristine, *names: str, edit=None) -> None:
         upload_folder(s3.store, source, f"{s3.prefix}/{name}")
 
 
+def _materialized(server, name: str) -> Path:
+    """The model folder ``name`` fetched as a server's load fetches it: but for the files the backends stream."""
+    return materialize_model_folder(server, name, streamed_files(make_plugin_manager(load_entry_points=False), name))
+
+
 def _load(server, name: str, **runtime):
-    folder = materialize_model_folder(server, name)
+    folder = _materialized(server, name)
     model = create_model(ModelContext(name, folder, ModelSettings(name, runtime=runtime), folder.parent))
     model.load()
     return model
@@ -194,7 +201,7 @@ def test_a_file_too_short_for_a_header_is_named_as_on_disk(s3, pristine, tmp_pat
 def test_a_range_that_fails_once_is_retried(s3, pristine, tmp_path) -> None:
     _uploaded(s3, pristine, "mlp_bundle")
     _, server = _settings(tmp_path, s3.url())
-    materialize_model_folder(server, "mlp_bundle")
+    _materialized(server, "mlp_bundle")
     size = bucket_state(s3.store, s3.prefix)[f"{s3.prefix}/mlp_bundle/weights.safetensors"][0]
     data = obstore.get(s3.store, f"{s3.prefix}/mlp_bundle/weights.safetensors").bytes()
     start = 8 + struct.unpack("<Q", bytes(data[:8]))[0]  # w1, the first tensor, starts the data
@@ -210,7 +217,7 @@ def test_a_range_that_fails_once_is_retried(s3, pristine, tmp_path) -> None:
 def test_a_range_that_keeps_failing_fails_the_load_naming_url_range_and_cause(s3, pristine, tmp_path) -> None:
     _uploaded(s3, pristine, "mlp_bundle")
     _, server = _settings(tmp_path, s3.url())
-    materialize_model_folder(server, "mlp_bundle")
+    _materialized(server, "mlp_bundle")
     data = obstore.get(s3.store, f"{s3.prefix}/mlp_bundle/weights.safetensors").bytes()
     start = 8 + struct.unpack("<Q", bytes(data[:8]))[0]
     s3.fail("mlp_bundle/weights.safetensors", f"bytes={start}-{start + 1023}", times=100)
@@ -226,7 +233,7 @@ def test_a_weights_file_replaced_during_the_load_fails_it(s3, pristine, tmp_path
     """Every ranged GET is conditional on the ETag the listing gave: no mix of two versions."""
     _uploaded(s3, pristine, "mlp_bundle")
     _, server = _settings(tmp_path, s3.url())
-    folder = materialize_model_folder(server, "mlp_bundle")
+    folder = _materialized(server, "mlp_bundle")
     key = f"{s3.prefix}/mlp_bundle/weights.safetensors"
     original = obstore.get(s3.store, key).bytes()
     obstore.put(s3.store, key, bytes(original)[:-4] + b"\x00\x00\x80\x3f")  # same size, new ETag
@@ -236,3 +243,44 @@ def test_a_weights_file_replaced_during_the_load_fails_it(s3, pristine, tmp_path
     assert str(caught.value).startswith(f"{s3.url('mlp_bundle', 'weights.safetensors')}: bytes 0-")
     assert "read failed after 1 attempt(s): HTTP 412 Precondition Failed" in str(caught.value)
     assert "the object changed in the store during the load" in str(caught.value)
+
+
+def test_the_xla_backend_streams_a_bundle_s_safetensors_and_none_of_a_meta_model_s() -> None:
+    """Its nereid_streamed_files: every listed *.safetensors of a folder whose manifest.yaml is no meta model's
+    (shards and subfolders too; an index, or weights named otherwise, are fetched), as the mirror did before
+    it asked the backends; nothing of a meta model's folder (meta: true) or one without a manifest."""
+    decide = streamed_files(make_plugin_manager(load_entry_points=False), "m")
+    listing = ("manifest.yaml", "model.py", SHARDS[0], "sub/part.safetensors", "weights.safetensors.index.json",
+               "weights.bin")
+    weights = {SHARDS[0], "sub/part.safetensors"}
+
+    def reading(manifest: bytes | None):
+        return lambda path: manifest if path == "manifest.yaml" else None
+
+    assert decide(listing, reading(b"format_version: '2.1'\n")) == weights
+    assert decide(listing, reading(b"format_version: '2.1'\nmeta: true\n")) == frozenset()
+    assert decide(listing[1:], reading(None)) == frozenset()
+    # One that cannot be read (over 1 MiB, not UTF-8, not YAML) is a bundle's, as locally: its load names why.
+    for unreadable in (None, b"\xff\xfe", b"meta: [true\n"):
+        assert decide(listing, reading(unreadable)) == weights
+
+
+def test_a_reload_reads_the_manifest_in_the_mirror_and_a_failed_read_is_the_store_s(s3, pristine, tmp_path) -> None:
+    """Whether a folder is a bundle is read from its manifest.yaml before the fetch: from the mirror's copy once
+    it is current there (a reload costs no request), and a store failing that read fails the fetch naming the
+    URL, a StorageError (tried again), never blamed on the backend."""
+    from nereid.storage import StorageError
+
+    _uploaded(s3, pristine, "mlp_bundle")
+    _, server = _settings(tmp_path, s3.url())
+    _materialized(server, "mlp_bundle")
+    asked = len(s3.gets("/mlp_bundle/manifest.yaml"))
+    assert asked == 2  # read, then fetched
+    _materialized(server, "mlp_bundle")
+    assert len(s3.gets("/mlp_bundle/manifest.yaml")) == asked
+    key = f"{s3.prefix}/mlp_bundle/manifest.yaml"
+    obstore.put(s3.store, key, bytes(obstore.get(s3.store, key).bytes()) + b"# changed\n")
+    s3.fail("mlp_bundle/manifest.yaml", times=100)  # past the store client's own retries
+    with pytest.raises(StorageError, match=rf"^{re.escape(s3.url('mlp_bundle', 'manifest.yaml'))}: cannot fetch: "
+                                           ".*500"):
+        _materialized(server, "mlp_bundle")
