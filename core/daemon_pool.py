@@ -40,14 +40,27 @@ class ThreadStartFailed(RuntimeError):
         self.cause = cause
 
 
-class DaemonThreadPool(Executor):
-    """An :class:`~concurrent.futures.Executor` of at most ``max_workers`` daemon threads."""
+# How long a worker thread waits idle for a call before it ends (the next call starts another).
+IDLE_THREAD_S = 60.0
 
-    def __init__(self, max_workers: int, thread_name_prefix: str = "nereid-pool") -> None:
+
+class DaemonThreadPool(Executor):
+    """An :class:`~concurrent.futures.Executor` of at most ``max_workers`` daemon threads.
+
+    A thread idle for ``idle_s`` ends: every model has a pool of its own, and a
+    server of hundreds of models, each called once, kept a thread per model and
+    instance for good, which under a container's pids limit left later models'
+    calls no thread to start on (the scale hunt).
+    """
+
+    def __init__(self, max_workers: int, thread_name_prefix: str = "nereid-pool",
+                 idle_s: float = IDLE_THREAD_S) -> None:
         if max_workers < 1:
             raise ValueError("max_workers must be at least 1")
         self._max_workers = max_workers
         self._prefix = thread_name_prefix
+        self._idle_s = idle_s
+        self._started = 0  # threads started so far: names stay unique as threads end and others start
         self._work: queue.SimpleQueue = queue.SimpleQueue()
         self._idle = threading.Semaphore(0)
         self._threads: list[threading.Thread] = []
@@ -90,21 +103,40 @@ class DaemonThreadPool(Executor):
         of them may never return (a hung model), and the idle count would
         promise a thread that never frees, so the pool would run short of one.
         """
-        thread = threading.Thread(target=self._run, name=f"{self._prefix}_{len(self._threads)}", daemon=True)
+        thread = threading.Thread(target=self._run, name=f"{self._prefix}_{self._started}", daemon=True)
         try:
             thread.start()
         except RuntimeError as err:  # (the interpreter's "can't start new thread": EAGAIN from pthread_create)
             raise ThreadStartFailed(err) from err
+        self._started += 1
         self._threads.append(thread)
 
     def _run(self) -> None:
-        while (item := self._work.get()) is not _STOP:
+        while True:
+            try:
+                item = self._work.get(timeout=self._idle_s)
+            except queue.Empty:
+                if self._retired():
+                    return
+                continue
+            if item is _STOP:
+                return
             if item[0] is None:
                 _run_call(*item[1:])
             else:
                 _run_submitted(*item)
             del item  # the call's arguments and result are not kept alive while this thread idles
             self._idle.release()
+
+    def _retired(self) -> bool:
+        """Whether this thread, idle for ``idle_s``, ends now: it takes back an idle thread's count, unless every
+        one was taken by calls queued meanwhile (one of them is for this thread), or the pool is shutting down
+        (the stop queued for each thread is this one's to take)."""
+        with self._lock:
+            if self._shut_down or not self._idle.acquire(blocking=False):
+                return False
+            self._threads.remove(threading.current_thread())
+            return True
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """Refuse new calls; with ``cancel_futures`` drop the queued ones; with ``wait`` join the threads."""

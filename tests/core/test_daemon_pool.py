@@ -145,3 +145,25 @@ def test_the_io_pool_runs_calls_as_to_thread_does_on_daemon_threads_and_lets_a_s
     assert asyncio.run(on_io_thread(lambda: 42)) == 42
     release_io_threads()
 
+
+
+def test_a_thread_idle_past_its_time_ends_and_a_later_call_starts_another() -> None:
+    """Found by the scale hunt: each model's pool kept its threads for good, so a server of hundreds of models,
+    each called once, held a thread per model until a container's pids limit left later calls none to start."""
+    pool = DaemonThreadPool(2, thread_name_prefix="idle-test", idle_s=0.05)
+    try:
+        assert pool.submit(threading.current_thread).result(5).name == "idle-test_0"
+        deadline = time.monotonic() + 10
+        while pool._threads and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert pool._threads == []
+        assert not [t for t in threading.enumerate() if t.name == "idle-test_0"]
+        # Calls queued while threads end are all run: none is left for a thread that is gone.
+        results = [pool.submit(time.sleep, 0.001) for _ in range(50)]
+        for _ in range(20):
+            results.append(pool.submit(threading.current_thread))
+            time.sleep(0.01)
+        assert all(future.result(10) is None or isinstance(future.result(10), threading.Thread) for future in results)
+        assert len(pool._threads) <= 2
+    finally:
+        pool.shutdown(wait=True)
