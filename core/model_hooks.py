@@ -28,6 +28,7 @@ import importlib.machinery
 import importlib.util
 import os
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -46,6 +47,12 @@ Hook = Callable[["list[NamedTensor]"], "list[NamedTensor]"]
 # (with its loop): see collect_released_code_soon.
 _code_loaded = False
 _collection: tuple[asyncio.AbstractEventLoop, asyncio.TimerHandle] | None = None
+# Held while a model.py runs, and while a backend imports what model.py code may import too (jax): two loads
+# importing one library's circular modules for the first time at once fail both (Python's per-module import locks
+# raise ImportError, "partially initialized module"): a meta model's model.py importing jax beside a bundle's first
+# load left both UNAVAILABLE at every start (the hunt of this session's changes). Re-entrant: a model.py may load
+# what takes it again.
+CODE_LOCK = threading.RLock()
 # How long after a retirement the collection runs: the retirements of one reload burst share it.
 COLLECT_AFTER_RETIREMENT_S = 0.2
 # The event loop's share of time the collections may take at most: the next starts no sooner than this many
@@ -142,7 +149,8 @@ def load_model_hooks(path: Path, model: str, meta: bool = False) -> ModelHooks:
     # module up there); removed afterwards so nothing outlives the load.
     sys.modules[module_name] = module
     try:
-        spec.loader.exec_module(module)
+        with CODE_LOCK:
+            spec.loader.exec_module(module)
     except SystemExit as err:
         # Not the server's exit: a model.py that calls sys.exit() while loading is a model that fails to load.
         raise ConfigError(f"model '{model}': {path}{_line_of(err, path)} called sys.exit({err.code!r}) while "

@@ -29,6 +29,7 @@ from typing import Any, Callable, Sequence
 
 from nereid.backend import REQUEST_DEADLINE_NS, ModelContext, RuntimeReport
 from nereid.batching import deadline_passed
+from nereid.backends.xla.device import check_xla_flags
 from nereid.backends.xla.manifest import (MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, load_manifest,
                                           parse_manifest_text)
 from nereid.backends.xla.signatures import batch_mode, build_signature
@@ -230,6 +231,7 @@ class MetaModel:
         if cycle is not None:
             raise DependencyCycle(f"model '{name}': depends_on forms a cycle {describe_cycle(cycle)} "
                                   f"({manifest_path}): a meta model must not reach itself through depends_on", cycle)
+        check_xla_flags(name)  # (its model.py may start jax in this process: XLA_FLAGS XLA ends it on are refused)
         hooks = load_model_hooks(model_py, name, meta=True)
         if hooks.orchestrate is None:
             raise ConfigError(f"model '{name}': {model_py} registered no orchestration: a meta model's "

@@ -19,6 +19,7 @@ import hashlib
 import json
 import logging
 import platform
+import shlex
 import stat
 import struct
 from dataclasses import asdict, dataclass
@@ -51,16 +52,32 @@ OUTPUT_NEUTRAL_XLA_FLAGS = frozenset({
 })
 
 
+# The most of a file of XLA flags (XLA_FLAGS naming one) read for the key.
+MAX_FLAGS_FILE_BYTES = 1 << 20
+
+
 def compilation_flags(environ: Mapping[str, str]) -> str:
     """The flags of ``XLA_FLAGS`` in ``environ`` that change the compiled program, in their order, space-separated.
 
     XLA reads ``XLA_FLAGS`` (``--xla_cpu_*``, ``--xla_gpu_*``, optimisation and
     autotuning switches) when it compiles, so an executable compiled under one
     set is not the program another set would give. The order is kept: of a flag
-    given twice, the last wins.
+    given twice, the last wins. A value that does not start with ``-`` names a
+    file of flags, as XLA reads it: its flags are the key, not its name (keyed by
+    the path, an edit of the file served the executables of the old flags). Values
+    quoted as XLA takes them (``--xla_dump_to="/tmp/a b"``) are one flag.
     """
-    return " ".join(flag for flag in environ.get("XLA_FLAGS", "").split()
-                    if flag.split("=", 1)[0] not in OUTPUT_NEUTRAL_XLA_FLAGS)
+    text = environ.get("XLA_FLAGS", "").strip()
+    if text and not text.startswith("-"):
+        try:
+            text = Path(text).read_bytes()[:MAX_FLAGS_FILE_BYTES].decode("utf-8", "replace")
+        except OSError:
+            return f"<unreadable flags file {text}>"  # (XLA refuses it: no bundle loads; see device.check_xla_flags)
+    try:
+        flags = shlex.split(text)
+    except ValueError:  # (an unbalanced quote: as whitespace parts)
+        flags = text.split()
+    return " ".join(flag for flag in flags if flag.split("=", 1)[0] not in OUTPUT_NEUTRAL_XLA_FLAGS)
 
 
 @functools.cache

@@ -17,6 +17,8 @@ compiled).
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import logging
 import os
 import re
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from nereid.errors import ConfigError
+from nereid.model_hooks import CODE_LOCK
 from nereid.settings import Device
 
 log = logging.getLogger(__name__)
@@ -105,6 +108,48 @@ _flags_checked: tuple[str, str | None] | None = None
 FLAGS_CHECK_TIMEOUT_S = 300
 
 
+# What the xla backend's loads import of jax and jaxlib, imported together under CODE_LOCK first (see import_jax);
+# the first two are needed, the others are imported where this jaxlib has them.
+_JAX_MODULES = ("jax", "jax.extend.backend")
+_JAX_MODULES_IF_ANY = ("jax.sharding", "jax._src.core", "jaxlib.xla_client", "jaxlib.mlir.ir",
+                       "jaxlib.mlir.dialects.stablehlo", "jaxlib.mlir._mlir_libs._jax_mlir_ext")
+
+
+def import_jax() -> None:
+    """Import what a bundle's load uses of jax and jaxlib, while no model.py runs (see
+    :data:`nereid.model_hooks.CODE_LOCK`); ImportError when jax cannot be imported.
+
+    jax's modules import each other in a circle: a bundle's load importing
+    them for the first time while a meta model's model.py imported jax failed
+    both models (``cannot import name 'AbstractValue' from partially
+    initialized module 'jax._src.core'``) at every start of a server that had
+    both. Imported once, later imports find them done.
+    """
+    with CODE_LOCK:
+        for name in _JAX_MODULES:
+            importlib.import_module(name)
+        for name in _JAX_MODULES_IF_ANY:
+            with contextlib.suppress(ImportError):
+                importlib.import_module(name)
+
+
+def check_xla_flags(model: str) -> None:
+    """The XLA_FLAGS check of :func:`started_backends`, for a load about to run model code in the server process
+    that may start jax itself (a meta model's or a bundle's model.py): ConfigError naming ``model`` and XLA_FLAGS
+    when XLA would end the process on them (see :func:`_check_xla_flags`)."""
+    with _start_lock:
+        try:
+            _check_xla_flags()
+        except RuntimeError as err:
+            raise ConfigError(f"model '{model}': {err}") from None
+
+
+def jax_missing(model: str, err: ImportError) -> ConfigError:
+    """The reason of a load that needs jax where it cannot be imported."""
+    return ConfigError(f"model '{model}': the xla backend needs jax, which cannot be imported ({err}); "
+                       "pip install jax (jax[cuda12] for GPUs)")
+
+
 def _check_xla_flags() -> None:
     """RuntimeError naming XLA_FLAGS when XLA aborts on it, found in a child process first.
 
@@ -121,7 +166,10 @@ def _check_xla_flags() -> None:
     if not flags.strip():
         return
     if _flags_checked is None or _flags_checked[0] != flags:
-        _flags_checked = flags, _xla_refusal(flags)
+        refusal = _xla_refusal(flags)
+        if refusal is _UNDECIDED:
+            return  # (the child was ended by something else: tried again at the next load)
+        _flags_checked = flags, refusal
     refusal = _flags_checked[1]
     if refusal is not None:
         raise RuntimeError(refusal)
@@ -147,11 +195,20 @@ def _xla_refusal(flags: str) -> str | None:
     # 1, or an abort); a Python error there is raised in this process too, and told as any start error is.
     fatal = [line.strip() for line in child.stderr.decode("utf-8", "replace").splitlines()
              if _FATAL_LINE.match(line)]
-    if not fatal and child.returncode > 0:
-        return None
-    said = fatal[-1] if fatal else f"killed by signal {-child.returncode}"
-    return (f"XLA ends any process that starts it with XLA_FLAGS={flags!r} (a child process that tried died: "
-            f"{said[:400]}); correct or unset XLA_FLAGS in the server's environment")
+    if fatal:
+        return (f"XLA ends any process that starts it with XLA_FLAGS={flags!r} (a child process that tried died: "
+                f"{fatal[-1][:400]}); correct or unset XLA_FLAGS in the server's environment")
+    if child.returncode < 0:
+        # Killed by another hand (an out-of-memory killer, a signal to the group): no verdict on the flags, which
+        # were refused for the server's life when such a kill was taken for XLA's (the hunt of this session's
+        # changes).
+        log.warning("the child process checking XLA_FLAGS=%r was killed by signal %d before it could tell; "
+                    "checked again at the next load", flags, -child.returncode)
+        return _UNDECIDED
+    return None
+
+
+_UNDECIDED = "undecided"  # (what _xla_refusal says when the child could not tell)
 
 
 _FATAL_LINE = re.compile(r"F\d{4} \d\d:\d\d:\d\d")
@@ -183,10 +240,10 @@ def resolve_device(device: Device, model: str, origin: str) -> PjrtTarget:
     import numpy as np
 
     try:
+        import_jax()
         from jax.extend import backend as jax_backend
     except ImportError as err:
-        raise ConfigError(f"model '{model}': the xla backend needs jax, which cannot be imported ({err}); "
-                          "pip install jax (jax[cuda12] for GPUs)") from None
+        raise jax_missing(model, err) from None
 
     where = f"model '{model}': device {device} ({origin})"
     try:

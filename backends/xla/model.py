@@ -25,7 +25,8 @@ from nereid.backends.xla.bundle import CACHE_DIR, DEFAULT_WEIGHTS_FILE, BundleLa
 from nereid.backends.xla.cache import (CacheKey, CacheStats, CompileFunctions, ExecutableCache, compilation_flags,
                                       file_sha256, host_cpu)
 from nereid.backends.xla.conformance import check_program_types
-from nereid.backends.xla.device import PjrtTarget, host_lapack_problem, resolve_device
+from nereid.backends.xla.device import (PjrtTarget, check_xla_flags, host_lapack_problem, import_jax, jax_missing,
+                                        resolve_device)
 from nereid.backends.xla.dtype_tokens import token_of
 from nereid.backends.xla.manifest import (EXPORT_PLATFORM, MANIFEST_NAME, DimKind, Manifest, ManifestTensor,
                                           smallest_fitting)
@@ -112,6 +113,13 @@ class XlaModel:
         context.warn_timeout_ignored("a bundle's compiled program runs to its end once started (its requests' "
                                      "deadlines still bound their wait in the queue)")
         remote = RemoteBundle.of(context.folder, retries=options.weights_read_retries)
+        # Before model.py runs (it may start jax itself): jax imported while no other load's code runs, and XLA_FLAGS
+        # that would end the server refused.
+        try:
+            import_jax()
+        except ImportError as err:
+            raise jax_missing(context.name, err) from None
+        check_xla_flags(context.name)
         if remote is not None:
             self._load_release(context.folder, remote, options, started)
             return

@@ -15,5 +15,6 @@ class HttpError(Exception):
 
 def header_text(value: bytes, limit: int = 64) -> str:
     """A header's value as a refusal quotes it: its first ``limit`` characters, read as the UTF-8 clients write (as
-    latin-1, ``bücher`` was quoted ``bÃ¼cher``), a byte that is none shown as an escape."""
-    return value.decode("utf-8", "backslashreplace")[:limit]
+    latin-1, ``bücher`` was quoted ``bÃ¼cher``), a byte that is none as U+FFFD (an escape's backslash came back
+    doubled once the message quoted the text)."""
+    return value.decode("utf-8", "replace")[:limit]

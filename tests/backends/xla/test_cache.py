@@ -156,6 +156,21 @@ def test_a_changed_xla_flags_misses_the_cache_and_a_dump_flag_does_not(tmp_path,
     assert compilation_flags({}) == ""
 
 
+def test_xla_flags_naming_a_file_of_flags_is_keyed_by_the_flags_in_it(tmp_path) -> None:
+    """Found by the hunt of this session's changes: XLA reads an XLA_FLAGS that does not start with '-' as a file
+    of flags, and the key took its path: an edit of the file served executables compiled under the old flags."""
+    from nereid.backends.xla.cache import compilation_flags
+
+    flags = tmp_path / "xla.flags"
+    flags.write_text("--xla_cpu_enable_fast_math=false\n--xla_dump_to=/tmp/dumps\n")
+    assert compilation_flags({"XLA_FLAGS": str(flags)}) == "--xla_cpu_enable_fast_math=false"
+    flags.write_text("--xla_cpu_enable_fast_math=true --xla_backend_optimization_level=0")
+    assert compilation_flags({"XLA_FLAGS": str(flags)}) == (
+        "--xla_cpu_enable_fast_math=true --xla_backend_optimization_level=0")
+    # A value quoted as XLA takes it is one flag (its half was a flag of its own).
+    assert compilation_flags({"XLA_FLAGS": '--xla_dump_to="/tmp/a b" --b=1'}) == "--b=1"
+
+
 def test_an_entry_written_before_xla_flags_were_keyed_is_still_found() -> None:
     """Without XLA_FLAGS (the common case) the key, its header and its file name are what they were before the
     flags joined the key: an upgrade does not recompile every bundle's programs or leave their old entries behind."""

@@ -974,7 +974,7 @@ def test_http_1_1_requests_need_exactly_one_valid_host_and_http_1_0_ones_none(se
     answer = _exchange(base, "GET /v2/health/live HTTP/1.1\r\nHost: bücher.example\r\n\r\n".encode())
     assert "its Host header is no host[:port] ('bücher.example')".encode() in answer, answer
     answer = _exchange(base, b"GET /v2/health/live HTTP/1.1\r\nHost: b\xfc\r\n\r\n")
-    assert answer.startswith(b"HTTP/1.1 400 ") and b"its Host header is no host[:port] ('b\\" in answer, answer
+    assert "its Host header is no host[:port] ('b\ufffd')".encode() in answer, answer
 
 
 def test_a_target_in_absolute_form_without_a_path_is_read_as_the_root(served):
