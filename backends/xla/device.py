@@ -189,21 +189,26 @@ def _xla_refusal(flags: str) -> str | None:
         log.warning("XLA_FLAGS could not be checked in a child process (%s); the server starts jax's backends "
                     "with it as it is", err)
         return None
-    if child.returncode == 0:
+    return child_verdict(flags, child.returncode, child.stderr)
+
+
+def child_verdict(flags: str, returncode: int, stderr: bytes) -> str | None:
+    """What the child that started jax's backends with XLA_FLAGS ``flags`` tells of them, by its exit status and
+    standard error: XLA's refusal, None (no refusal), or :data:`_UNDECIDED` (killed by another hand)."""
+    if returncode == 0:
         return None
     # XLA's fatal line (glog's "F1205 08:17:37.048898 10067 file.cc:234] ..."), which ends the process (exit status
     # 1, or an abort); a Python error there is raised in this process too, and told as any start error is.
-    fatal = [line.strip() for line in child.stderr.decode("utf-8", "replace").splitlines()
-             if _FATAL_LINE.match(line)]
+    fatal = [line.strip() for line in stderr.decode("utf-8", "replace").splitlines() if _FATAL_LINE.match(line)]
     if fatal:
         return (f"XLA ends any process that starts it with XLA_FLAGS={flags!r} (a child process that tried died: "
                 f"{fatal[-1][:400]}); correct or unset XLA_FLAGS in the server's environment")
-    if child.returncode < 0:
+    if returncode < 0:
         # Killed by another hand (an out-of-memory killer, a signal to the group): no verdict on the flags, which
         # were refused for the server's life when such a kill was taken for XLA's (the hunt of this session's
         # changes).
         log.warning("the child process checking XLA_FLAGS=%r was killed by signal %d before it could tell; "
-                    "checked again at the next load", flags, -child.returncode)
+                    "checked again at the next load", flags, -returncode)
         return _UNDECIDED
     return None
 

@@ -182,3 +182,17 @@ def test_an_xla_flags_xla_aborts_on_or_a_jax_platforms_that_starts_nothing_is_ea
                                 "(cuda is skipped where jax sees no NVIDIA GPU: no driver, or none visible to this "
                                 "container); add cpu to it (JAX_PLATFORMS=cuda,cpu) or unset it" for name in "ab"] + [
                                     "still here"]
+
+
+def test_a_check_child_killed_by_another_hand_decides_nothing() -> None:
+    """Found by the hunt of this session's changes: a child killed mid-check (an out-of-memory killer) was taken
+    for XLA's refusal of valid flags, kept for the server's life."""
+    from nereid.backends.xla.device import _UNDECIDED, child_verdict
+
+    fatal = b"F1205 08:17:37.048898   10067 parse_flags_from_env.cc:234] Unknown flag in XLA_FLAGS: --x=1\n"
+    assert child_verdict("--x=1", 1, b"W0000 a warning\n" + fatal).endswith(
+        "Unknown flag in XLA_FLAGS: --x=1); correct or unset XLA_FLAGS in the server's environment")
+    assert child_verdict("--x=1", -6, fatal) is not None  # (XLA's abort)
+    assert child_verdict("--xla_cpu_enable_fast_math=false", -9, b"") is _UNDECIDED
+    assert child_verdict("--xla_cpu_enable_fast_math=false", 1, b"Traceback ...\nImportError: x\n") is None
+    assert child_verdict("--xla_cpu_enable_fast_math=false", 0, b"") is None
