@@ -62,7 +62,13 @@ class DaemonThreadPool(Executor):
         self._idle_s = idle_s
         self._started = 0  # threads started so far: names stay unique as threads end and others start
         self._work: queue.SimpleQueue = queue.SimpleQueue()
-        self._idle = threading.Semaphore(0)
+        # Idle threads no queued call is promised to, and queued calls promised to a busy thread (every thread
+        # busy, at max_workers): counted exactly, under the lock. (A busy thread took a call queued for it and
+        # then counted itself idle too: harmless while threads never ended, but once idle ones did, the pool
+        # counted idle threads it no longer had, and later calls waited for them for ever: the hunt of this
+        # session's changes.)
+        self._idle = 0
+        self._owed = 0
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
         self._shut_down = False
@@ -88,8 +94,12 @@ class DaemonThreadPool(Executor):
         with self._lock:
             if self._shut_down:
                 raise RuntimeError("cannot schedule new calls after shutdown")
-            if not self._idle.acquire(blocking=False) and len(self._threads) < self._max_workers:
+            if self._idle:
+                self._idle -= 1
+            elif len(self._threads) < self._max_workers:
                 self._start_thread()
+            else:
+                self._owed += 1  # (the first busy thread to finish takes it)
             self._work.put(item)
 
     def _start_thread(self) -> None:
@@ -126,15 +136,20 @@ class DaemonThreadPool(Executor):
             else:
                 _run_submitted(*item)
             del item  # the call's arguments and result are not kept alive while this thread idles
-            self._idle.release()
+            with self._lock:
+                if self._owed:
+                    self._owed -= 1  # (this thread takes the call queued for a busy one next)
+                else:
+                    self._idle += 1
 
     def _retired(self) -> bool:
         """Whether this thread, idle for ``idle_s``, ends now: it takes back an idle thread's count, unless every
         one was taken by calls queued meanwhile (one of them is for this thread), or the pool is shutting down
         (the stop queued for each thread is this one's to take)."""
         with self._lock:
-            if self._shut_down or not self._idle.acquire(blocking=False):
+            if self._shut_down or not self._idle:
                 return False
+            self._idle -= 1
             self._threads.remove(threading.current_thread())
             return True
 

@@ -167,3 +167,30 @@ def test_a_thread_idle_past_its_time_ends_and_a_later_call_starts_another() -> N
         assert len(pool._threads) <= 2
     finally:
         pool.shutdown(wait=True)
+
+
+def test_calls_queued_behind_busy_threads_leave_no_idle_thread_counted_that_has_ended() -> None:
+    """Found by the hunt of this session's changes: a call queued while every thread was busy was counted as an
+    idle thread by the busy one that took it, so once idle threads ended, the pool counted threads it no longer had
+    and the next calls waited for them for ever (a hook pool after a burst and a minute of quiet)."""
+    pool = DaemonThreadPool(1, thread_name_prefix="owed-test", idle_s=0.05)
+    try:
+        gate = threading.Event()
+        first = pool.submit(gate.wait, 5)
+        second = pool.submit(pow, 2, 3)  # queued behind the busy thread
+        gate.set()
+        assert first.result(5) is True and second.result(5) == 8
+        deadline = time.monotonic() + 10
+        while pool._threads and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert pool._threads == []
+        assert [pool.submit(pow, 3, n).result(5) for n in range(3)] == [1, 3, 9]  # (each hung before)
+        # Bursts past the threads, with quiet between: every call runs, once.
+        ran = []
+        for _ in range(10):
+            futures = [pool.submit(ran.append, n) for n in range(4)]
+            assert [f.result(5) for f in futures] == [None] * 4
+            time.sleep(0.06)
+        assert len(ran) == 40
+    finally:
+        pool.shutdown(wait=True)
