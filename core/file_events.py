@@ -217,7 +217,7 @@ class RepositoryFollower:
                                                  step=EVENT_STEP_MS,
                                                  debounce=max(1600, int(self.settle_ms * MAX_GROUPING_FACTOR)),
                                                  stop_event=follow, recursive=follow.recursive):
-                    health.failure = None  # events arrive: the watch works
+                    self._working_again(what, health)  # events arrive: the watch works
                     await self._look()
                 if self._stop.is_set():
                     return
@@ -235,13 +235,27 @@ class RepositoryFollower:
             await self._look()  # what changed while no events came
 
     async def _catch_up(self, what: Path, health: _WatchHealth, start: int) -> None:
-        """The look a watch's ``start`` schedules, run once the watch is set up or has failed; first, when the
-        watch had failed before and this start did not, say that file events are followed again."""
-        if health.failure is not None and health.failed_start != start:
+        """The look a watch's ``start`` schedules, run once the watch is set up or has failed; then, when the watch
+        had failed before, once this start has stayed up for ``watch_poll_s``, say that file events are followed
+        again.
+
+        Not at once: watchfiles may fail after its first wait (a folder named in
+        no UTF-8 is met by its thread, later), and a watch said to be followed
+        again at each start, then failing, logged an ERROR and an INFO line at
+        every poll, for as long as the folder stayed (the long-life hunt).
+        """
+        await self._look()
+        if health.failure is None or await self._stopped_within(self.poll_s):
+            return
+        if health.starts == start and health.failed_start != start:
+            self._working_again(what, health)
+
+    def _working_again(self, what: Path, health: _WatchHealth) -> None:
+        """Say, once, that the watch of ``what`` works again after it had failed."""
+        if health.failure is not None:
             log.info("dynamic repository: following %s with file events again (they had failed: %s); no longer "
                      "looking at it every %g s", what, health.failure, self.poll_s)
             health.failure = None
-        await self._look()
 
     def _models_paths(self) -> WatchedPaths:
         """ml_backends_path and where its symlinked model folders lead (blocking)."""

@@ -290,3 +290,26 @@ def test_only_inotify_limits_get_a_hint():
                     "OSError: No space left on device (os error 28)"):
         assert "fs.inotify.max_user_watches" in watch_limit_hint(watches)
     assert watch_limit_hint("FileNotFoundError: No path was found.") == ""
+
+
+def test_a_watch_failing_after_it_started_is_said_once_not_at_every_poll(tmp_path, caplog):
+    """Found by the long-life hunt: watchfiles meets a folder named in no UTF-8 after its first wait, on its own
+    thread; each start was said to follow file events again, then failed, so an ERROR and an INFO line came at
+    every poll for as long as the folder stayed (720 an hour at the default poll)."""
+    import os
+
+    caplog.set_level(logging.INFO, logger="nereid.watch")
+    looks: list[str] = []
+
+    async def scenario() -> None:
+        stop = asyncio.Event()
+        events = follower(tmp_path, looks, stop=stop)
+        os.mkdir(os.fsencode(tmp_path / "ml-backends") + b"/odd\xffname")
+        running = asyncio.create_task(events.run())
+        await until(lambda: len(looks) >= 30, "looks every poll_s while the watch cannot run")
+        stop.set()
+        await asyncio.wait_for(running, 10)
+    asyncio.run(scenario())
+    failed = _lines(caplog, "cannot follow")
+    assert len(failed) == 1 and "Unable to decode path" in failed[0], failed
+    assert _lines(caplog, "with file events again") == []
