@@ -290,6 +290,49 @@ class ExecutableCache:
         atomic_write(hashes_path, [json.dumps({"modules": modules}, indent=1, sort_keys=True).encode()])
         return previous if isinstance(previous, str) else None
 
+    def forget_absent(self, folder: Path) -> None:
+        """Remove the entries, and the notes, of program files no longer in ``folder``, the bundle's (under the
+        record's lock); what cannot be read or removed is left.
+
+        Only a changed program's entries were removed: a release that dropped a
+        batch size or renamed a program left its executables in ``.cache/`` for
+        good, tens to hundreds of MB each (the long-life hunt). The folder holds
+        one release, so no server sharing it needs them.
+        """
+        if not self.enabled or not self.directory.is_dir() or self.directory.is_symlink():
+            return
+        try:
+            present = {path.name for path in folder.iterdir()}
+        except OSError:
+            return
+        lock = self.directory / HASHES_LOCK_FILE
+        try:
+            if not_regular_reason(lock) is not None:
+                return
+            with locked(lock):
+                for path in self.directory.glob(f"*{ENTRY_SUFFIX}"):
+                    module = path.name[:-len(ENTRY_SUFFIX)].rpartition(".")[0]
+                    if module and module not in present and not path.is_symlink():
+                        path.unlink(missing_ok=True)
+                self._forget_notes(present)
+        except OSError as err:  # (a read-only bundle: nothing to forget there)
+            log.debug("%s: stale executables not removed: %s", folder.name, err)
+
+    def _forget_notes(self, present: set[str]) -> None:
+        """Drop the record's notes of program files not in ``present`` (under the lock)."""
+        hashes_path = self.directory / HASHES_FILE
+        if not_regular_reason(hashes_path) is not None:
+            return
+        try:
+            document = json.loads(hashes_path.read_text())
+        except (OSError, ValueError, RecursionError):
+            return
+        modules = document.get("modules") if isinstance(document, dict) else None
+        if not isinstance(modules, dict) or all(name in present for name in modules):
+            return
+        kept = {name: sha for name, sha in modules.items() if name in present}
+        atomic_write(hashes_path, [json.dumps({"modules": kept}, indent=1, sort_keys=True).encode()])
+
     def _remove_entries(self, module_name: str, sha256: str) -> None:
         for path in self.directory.glob(f"{module_name}.*{ENTRY_SUFFIX}"):
             if not_regular_reason(path) is not None:

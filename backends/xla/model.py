@@ -166,6 +166,8 @@ class XlaModel:
                                            weight_set is not None, target, cache, elsewhere,
                                            legacy_weights=weight_set is not None and weight_set.legacy)
                         for key, path in layout.modules.items()}
+            if remote is None:  # (a bucket's programs live in its copy's own .cache, kept as its versions are)
+                cache.forget_absent(folder)
             if weight_set is None:
                 arrays = []
             elif remote is not None:  # streamed from the store into the arrays; no weights file on local disk

@@ -312,3 +312,20 @@ def test_a_folder_in_place_of_an_entry_is_replaced_by_the_entry(tmp_path, add_bu
     assert load(folder, tmp_path).report.cache.rebuilt == 1
     assert first.is_file()
     assert load(folder, tmp_path).report.cache.hits == 3
+
+
+def test_entries_of_program_files_no_longer_in_the_bundle_are_removed_at_its_load(tmp_path, add_bundle) -> None:
+    """Found by the long-life hunt: only a changed program's entries were removed, so a release that dropped a
+    batch size or renamed a program left its executables in .cache/ for good (13 entries, 3 used, after six)."""
+    folder = add_bundle(tmp_path, "mlp_bundle")
+    load(folder, tmp_path)
+    cache = folder / ".cache"
+    [kept] = sorted(cache.glob("model.b1.mlir.*.xlaexe"))
+    (cache / "model.b99.mlir.0123456789abcdef01234567.xlaexe").write_bytes(kept.read_bytes())  # a dropped size's
+    notes = json.loads((cache / HASHES_FILE).read_text())
+    notes["modules"]["model.b99.mlir"] = "0" * 64
+    (cache / HASHES_FILE).write_text(json.dumps(notes))
+    assert load(folder, tmp_path).report.cache.hits == 3
+    assert sorted(p.name.split(".")[1] for p in cache.glob("*.xlaexe")) == ["b1", "b32", "b8"]
+    assert sorted(json.loads((cache / HASHES_FILE).read_text())["modules"]) == [
+        "model.b1.mlir", "model.b32.mlir", "model.b8.mlir"]
