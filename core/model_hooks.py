@@ -21,10 +21,12 @@ them free of shared mutable state, or guard it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import gc
 import hashlib
 import importlib.machinery
+import logging
 import importlib.util
 import os
 import sys
@@ -33,12 +35,14 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 from nereid.errors import ConfigError
 
 if TYPE_CHECKING:
     from nereid.tensors import NamedTensor
+
+log = logging.getLogger(__name__)
 
 Hook = Callable[["list[NamedTensor]"], "list[NamedTensor]"]
 
@@ -51,8 +55,26 @@ _collection: tuple[asyncio.AbstractEventLoop, asyncio.TimerHandle] | None = None
 # importing one library's circular modules for the first time at once fail both (Python's per-module import locks
 # raise ImportError, "partially initialized module"): a meta model's model.py importing jax beside a bundle's first
 # load left both UNAVAILABLE at every start (the hunt of this session's changes). Re-entrant: a model.py may load
-# what takes it again.
+# what takes it again. Taken through code_lock().
 CODE_LOCK = threading.RLock()
+# How long a load waits for another's model.py to end before it goes on without the lock: a model.py that never
+# returns (waiting on a network share) must not hold every later load of model code for good.
+CODE_LOCK_WAIT_S = 30.0
+
+
+@contextlib.contextmanager
+def code_lock(model: str) -> Iterator[None]:
+    """:data:`CODE_LOCK`, held for ``model``'s load of code; after :data:`CODE_LOCK_WAIT_S` without it, a WARNING
+    and the load goes on without it."""
+    held = CODE_LOCK.acquire(timeout=CODE_LOCK_WAIT_S)
+    if not held:
+        log.warning("model '%s': another load's model.py (or jax's first import) has run for over %g s; loading "
+                    "this one beside it", model, CODE_LOCK_WAIT_S)
+    try:
+        yield
+    finally:
+        if held:
+            CODE_LOCK.release()
 # How long after a retirement the collection runs: the retirements of one reload burst share it.
 COLLECT_AFTER_RETIREMENT_S = 0.2
 # The event loop's share of time the collections may take at most: the next starts no sooner than this many
@@ -149,7 +171,7 @@ def load_model_hooks(path: Path, model: str, meta: bool = False) -> ModelHooks:
     # module up there); removed afterwards so nothing outlives the load.
     sys.modules[module_name] = module
     try:
-        with CODE_LOCK:
+        with code_lock(model):
             spec.loader.exec_module(module)
     except SystemExit as err:
         # Not the server's exit: a model.py that calls sys.exit() while loading is a model that fails to load.

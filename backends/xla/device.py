@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from nereid.errors import ConfigError
-from nereid.model_hooks import CODE_LOCK
+from nereid.model_hooks import code_lock
 from nereid.settings import Device
 
 log = logging.getLogger(__name__)
@@ -115,7 +115,7 @@ _JAX_MODULES_IF_ANY = ("jax.sharding", "jax._src.core", "jaxlib.xla_client", "ja
                        "jaxlib.mlir.dialects.stablehlo", "jaxlib.mlir._mlir_libs._jax_mlir_ext")
 
 
-def import_jax() -> None:
+def import_jax(model: str) -> None:
     """Import what a bundle's load uses of jax and jaxlib, while no model.py runs (see
     :data:`nereid.model_hooks.CODE_LOCK`); ImportError when jax cannot be imported.
 
@@ -125,7 +125,7 @@ def import_jax() -> None:
     initialized module 'jax._src.core'``) at every start of a server that had
     both. Imported once, later imports find them done.
     """
-    with CODE_LOCK:
+    with code_lock(model):
         for name in _JAX_MODULES:
             importlib.import_module(name)
         for name in _JAX_MODULES_IF_ANY:
@@ -245,7 +245,7 @@ def resolve_device(device: Device, model: str, origin: str) -> PjrtTarget:
     import numpy as np
 
     try:
-        import_jax()
+        import_jax(model)
         from jax.extend import backend as jax_backend
     except ImportError as err:
         raise jax_missing(model, err) from None

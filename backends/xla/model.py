@@ -116,7 +116,7 @@ class XlaModel:
         # Before model.py runs (it may start jax itself): jax imported while no other load's code runs, and XLA_FLAGS
         # that would end the server refused.
         try:
-            import_jax()
+            import_jax(context.name)
         except ImportError as err:
             raise jax_missing(context.name, err) from None
         check_xla_flags(context.name)

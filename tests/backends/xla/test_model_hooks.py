@@ -129,3 +129,30 @@ def test_collections_after_retirements_take_at_most_a_tenth_of_the_loops_time() 
     assert collection_delay(100.0, 0.0, 0.0) == COLLECT_AFTER_RETIREMENT_S  # none before: as soon as ever
     assert collection_delay(100.0, 99.9, 0.06) == pytest.approx(0.5)  # 60 ms, ended 0.1 s ago: 0.6 s after it
     assert collection_delay(100.0, 95.0, 0.06) == COLLECT_AFTER_RETIREMENT_S  # long ago: as soon as ever
+
+
+def test_a_model_py_that_never_returns_holds_other_loads_of_code_a_bounded_time(tmp_path, monkeypatch,
+                                                                                caplog) -> None:
+    """The lock that keeps two loads from importing jax's modules at once (see CODE_LOCK) is given up after
+    CODE_LOCK_WAIT_S: a model.py that never returned would have held every later load of model code for good."""
+    from nereid import model_hooks
+
+    monkeypatch.setattr(model_hooks, "CODE_LOCK_WAIT_S", 0.2)
+    held, release = threading.Event(), threading.Event()
+
+    def hung_load() -> None:  # (as a model.py that waits on a share that never answers holds it)
+        with model_hooks.code_lock("hung"):
+            held.set()
+            release.wait(10)
+
+    hung = threading.Thread(target=hung_load)
+    hung.start()
+    try:
+        assert held.wait(5)
+        (tmp_path / "model.py").write_text(DOUBLING)
+        assert load_model_hooks(tmp_path / "model.py", "m").preprocess(tensor())[0].data.tolist() == [2.0, 4.0]
+    finally:
+        release.set()
+        hung.join(10)
+    assert "model 'm': another load's model.py (or jax's first import) has run for over 0.2 s; loading this one " \
+           "beside it" in caplog.text
