@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import functools
+import logging
 import queue
 import threading
 import time
@@ -21,6 +22,8 @@ from typing import Any, Callable, TypeVar
 from nereid.errors import describe_exception
 
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
 
 _STOP = None
 
@@ -131,10 +134,13 @@ class DaemonThreadPool(Executor):
                 continue
             if item is _STOP:
                 return
-            if item[0] is None:
-                _run_call(*item[1:])
-            else:
-                _run_submitted(*item)
+            try:
+                if item[0] is None:
+                    _run_call(*item[1:])
+                else:
+                    _run_submitted(*item)
+            except BaseException:  # (a call's ``done`` that raised: this thread still serves the pool)
+                log.exception("a %s thread's call raised past its handler", self._prefix)
             del item  # the call's arguments and result are not kept alive while this thread idles
             with self._lock:
                 if self._owed:

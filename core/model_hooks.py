@@ -20,14 +20,16 @@ them free of shared mutable state, or guard it.
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import contextlib
 import contextvars
 import gc
 import hashlib
+import importlib
 import importlib.machinery
-import logging
 import importlib.util
+import logging
 import os
 import sys
 import threading
@@ -51,30 +53,66 @@ Hook = Callable[["list[NamedTensor]"], "list[NamedTensor]"]
 # (with its loop): see collect_released_code_soon.
 _code_loaded = False
 _collection: tuple[asyncio.AbstractEventLoop, asyncio.TimerHandle] | None = None
-# Held while a model.py runs, and while a backend imports what model.py code may import too (jax): two loads
-# importing one library's circular modules for the first time at once fail both (Python's per-module import locks
-# raise ImportError, "partially initialized module"): a meta model's model.py importing jax beside a bundle's first
-# load left both UNAVAILABLE at every start (the hunt of this session's changes). Re-entrant: a model.py may load
-# what takes it again. Taken through code_lock().
+# Held while a load imports, for the first time, what model code imports (a model.py's leading imports; jax, for a
+# bundle): two loads importing one library's circular modules for the first time at once fail both (Python's
+# per-module import locks raise ImportError, "partially initialized module"): a meta model's model.py importing jax
+# beside a bundle's first load left both UNAVAILABLE at every start (the hunt of this session's changes). Only the
+# imports: model.py itself then runs beside other loads (held for whole runs, 24 meta models whose model.py read a
+# table for 2.5 s started in 50 s, not 6). Re-entrant. Taken through code_lock().
 CODE_LOCK = threading.RLock()
-# How long a load waits for another's model.py to end before it goes on without the lock: a model.py that never
-# returns (waiting on a network share) must not hold every later load of model code for good.
+# How long a load waits for others' first imports before it goes on without the lock: an import that never returns
+# (a module reading a network share at import) must not hold every later load for good.
 CODE_LOCK_WAIT_S = 30.0
 
 
 @contextlib.contextmanager
 def code_lock(model: str) -> Iterator[None]:
-    """:data:`CODE_LOCK`, held for ``model``'s load of code; after :data:`CODE_LOCK_WAIT_S` without it, a WARNING
+    """:data:`CODE_LOCK`, held for ``model``'s first imports; after :data:`CODE_LOCK_WAIT_S` without it, a WARNING
     and the load goes on without it."""
     held = CODE_LOCK.acquire(timeout=CODE_LOCK_WAIT_S)
     if not held:
-        log.warning("model '%s': another load's model.py (or jax's first import) has run for over %g s; loading "
-                    "this one beside it", model, CODE_LOCK_WAIT_S)
+        log.warning("model '%s': other loads' first imports of libraries have held the import lock for over %g s; "
+                    "importing this one's beside them", model, CODE_LOCK_WAIT_S)
     try:
         yield
     finally:
         if held:
             CODE_LOCK.release()
+
+
+def leading_imports(source: bytes) -> list[str]:
+    """The modules a model.py imports at its top, before any other statement (its docstring aside): what its run
+    imports first, whatever it does next; [] for source that does not parse (its run says why)."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return []
+    names: list[str] = []
+    for index, node in enumerate(tree.body):
+        if isinstance(node, ast.Import):
+            names.extend(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level == 0 and node.module and node.module != "__future__":
+                names.append(node.module)
+        elif not (index == 0 and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)):
+            break  # (what follows may change what an import finds: sys.path, an environment variable)
+    return names
+
+
+def import_first(model: str, names: list[str]) -> None:
+    """Import the modules ``names`` not imported yet, under :data:`CODE_LOCK`; one that fails is left to the code
+    that imports it next, which says why, with its line."""
+    pending = [name for name in names if name not in sys.modules]
+    if not pending:
+        return
+    with code_lock(model):
+        for name in pending:
+            try:
+                importlib.import_module(name)
+            except Exception:
+                pass
+
+
 # How long after a retirement the collection runs: the retirements of one reload burst share it.
 COLLECT_AFTER_RETIREMENT_S = 0.2
 # The event loop's share of time the collections may take at most: the next starts no sooner than this many
@@ -171,8 +209,8 @@ def load_model_hooks(path: Path, model: str, meta: bool = False) -> ModelHooks:
     # module up there); removed afterwards so nothing outlives the load.
     sys.modules[module_name] = module
     try:
-        with code_lock(model):
-            spec.loader.exec_module(module)
+        import_first(model, leading_imports(path.read_bytes()))
+        spec.loader.exec_module(module)
     except SystemExit as err:
         # Not the server's exit: a model.py that calls sys.exit() while loading is a model that fails to load.
         raise ConfigError(f"model '{model}': {path}{_line_of(err, path)} called sys.exit({err.code!r}) while "

@@ -115,9 +115,13 @@ _JAX_MODULES_IF_ANY = ("jax.sharding", "jax._src.core", "jaxlib.xla_client", "ja
                        "jaxlib.mlir.dialects.stablehlo", "jaxlib.mlir._mlir_libs._jax_mlir_ext")
 
 
+# Whether import_jax has imported them all once.
+_jax_imported = False
+
+
 def import_jax(model: str) -> None:
-    """Import what a bundle's load uses of jax and jaxlib, while no model.py runs (see
-    :data:`nereid.model_hooks.CODE_LOCK`); ImportError when jax cannot be imported.
+    """Import what a bundle's load uses of jax and jaxlib, while no other load imports what model code imports
+    (see :data:`nereid.model_hooks.CODE_LOCK`); ImportError when jax cannot be imported.
 
     jax's modules import each other in a circle: a bundle's load importing
     them for the first time while a meta model's model.py imported jax failed
@@ -125,12 +129,16 @@ def import_jax(model: str) -> None:
     initialized module 'jax._src.core'``) at every start of a server that had
     both. Imported once, later imports find them done.
     """
+    global _jax_imported
+    if _jax_imported:
+        return  # (later loads take no lock)
     with code_lock(model):
         for name in _JAX_MODULES:
             importlib.import_module(name)
         for name in _JAX_MODULES_IF_ANY:
             with contextlib.suppress(ImportError):
                 importlib.import_module(name)
+    _jax_imported = True
 
 
 def check_xla_flags(model: str) -> None:

@@ -194,3 +194,18 @@ def test_calls_queued_behind_busy_threads_leave_no_idle_thread_counted_that_has_
         assert len(ran) == 40
     finally:
         pool.shutdown(wait=True)
+
+
+def test_a_done_callback_that_raises_leaves_its_thread_serving_the_pool(caplog) -> None:
+    """Found by the hunt of the last fixes: the raise ended the worker thread, which the pool still counted, so
+    with every thread lost so, later calls waited for ever."""
+    pool = DaemonThreadPool(1, thread_name_prefix="done-raises")
+    try:
+        def failing_done(result, error):
+            raise RuntimeError("done failed")
+
+        pool.call(abs, -1, failing_done)
+        assert pool.submit(pow, 2, 5).result(5) == 32
+        assert "a done-raises thread's call raised past its handler" in caplog.text
+    finally:
+        pool.shutdown(wait=True)
