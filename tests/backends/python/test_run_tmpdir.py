@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -138,25 +139,41 @@ with open(os.environ["NEREID_OUTPUT_PATH"], "wb") as out:
 '''
 
 
-def test_a_preloaded_import_listening_on_a_socket_in_tmpdir_works_in_a_model_with_a_long_name(repo, serve, no_zombies,
-                                                                                            tmp_path, monkeypatch):
+def test_a_preloaded_import_listening_on_a_socket_in_tmpdir_works_in_a_model_with_a_long_name(repo, tmp_path,
+                                                                                            monkeypatch, no_zombies):
     """Defect: a warm parent's TMPDIR was <TMPDIR>/nereid-<pid>-<8>/<model name>/warm-parent-<8>/tmp, so a module
     preloaded by a model named 13 characters or more that listened on a socket there as it was imported (as
     multiprocessing's Manager() or forkserver do) failed: AF_UNIX path too long. The parent's folder is named as a
     run's now, beside theirs."""
-    # Installed for the user whose HOME the parent inherits (the folder's own modules are imported by each run).
-    version = f"python{sys.version_info[0]}.{sys.version_info[1]}"
-    installed = tmp_path / "home" / ".local" / "lib" / version / "site-packages"
-    installed.mkdir(parents=True)
+    import tempfile
+
+    from nereid.backend import ModelContext
+    from nereid.backends.python.plugin import PythonModel
+    from nereid.dtypes import DType
+    from nereid.settings import ModelSettings
+    from nereid.tensors import NamedTensor
+
+    installed = tmp_path / "site"  # (an installed module: the folder's own are imported by each run)
+    installed.mkdir()
     (installed / "listening.py").write_text(LISTENING_MODULE)
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    monkeypatch.syspath_prepend(str(installed))  # (the server's look at main.py's imports)
-    repo.python_warm_start = True
-    repo.python(LONG_NAME, textproto=REPORT, main=LISTENING_MAIN)
-    server = serve(repo.write_config(f"- name: {LONG_NAME}\n"))
-    assert server.server.repository.entry(LONG_NAME).loaded.backend.runtime_report().summary == "warm_start=on"
-    tensor = triton.InferInput("input", [1, 1], "BYTES")
-    tensor.set_data_from_numpy(np.array([[b"x"]], dtype=object))
-    assert json.loads(server.client.infer(LONG_NAME, [tensor]).as_numpy("output")[0, 0]) == ["bound", True]
-    parents = [path for path in (server.server.scratch_dir / ".r").iterdir() if (path / "log").exists()]
-    assert len(parents) == 1 and LONG_NAME not in str(parents[0])
+    monkeypatch.syspath_prepend(str(installed))  # (the load's look at main.py's imports)
+    folder = repo.python(LONG_NAME, textproto=REPORT, main=LISTENING_MAIN)
+    scratch = Path(tempfile.mkdtemp(prefix="nereid-0-"))  # (as short as a server's scratch folder in /tmp)
+    (scratch / LONG_NAME).mkdir()  # (the model's own, which the server makes)
+    try:
+        context = ModelContext(LONG_NAME, folder, ModelSettings(LONG_NAME, runtime={"warm_start": True}),
+                               scratch / LONG_NAME, "test", runs_dir=scratch / ".r")
+        model = PythonModel(context)
+        base_environment = model.base_environment
+        model.base_environment = lambda: {**base_environment(), "PYTHONPATH": str(installed)}  # (the parent's path)
+        model.load()
+        try:
+            assert model.runtime_report().summary == "warm_start=on"
+            [output] = model.infer([NamedTensor("input", DType.BYTES, np.array([[b"x"]], dtype=object))])
+            assert json.loads(output.data[0, 0]) == ["bound", True]
+            parents = [path for path in (scratch / ".r").iterdir() if (path / "log").exists()]
+            assert len(parents) == 1 and LONG_NAME not in str(parents[0])
+        finally:
+            model.unload()
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
