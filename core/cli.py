@@ -29,7 +29,7 @@ from nereid.backend_calls import bounded_backend_call
 from nereid.daemon_pool import release_io_threads
 from nereid.dependencies import callers_readiness
 from nereid.errors import ConfigError, backend_exit, cap_message, plugin_failures
-from nereid.files import check_confined
+from nereid.files import check_confined, warn_if_file_names_not_utf8
 from nereid.init_process import fork_init_if_pid_1
 from nereid.leftovers import ScratchFolderError, make_scratch_folder, remove_scratch_folder
 from nereid.log_format import one_record_per_line, stderr_handler
@@ -389,6 +389,7 @@ def check(settings: Settings, manager: NereidPluginManager | None = None, *, end
     once it returns: a stop signal from its end on is ignored (see below).
     """
     manager = manager or make_plugin_manager()
+    warn_if_file_names_not_utf8()
     for problem in manager.problems:
         print(one_record_per_line(f"{problem.plugin}: {problem.what}"))
     problems = 0

@@ -41,6 +41,19 @@ def is_model_folder_name(name: str) -> bool:
         return False
 
 
+def warn_if_file_names_not_utf8() -> bool:
+    """Log a WARNING when this process reads file names in another encoding than UTF-8 (an ASCII locale:
+    ``LC_ALL=C`` with ``PYTHONUTF8=0``), where model names and folders in UTF-8 are refused as no folder name or
+    skipped as "not UTF-8" (the deployment hunt); whether it did."""
+    encoding = sys.getfilesystemencoding()
+    if encoding.lower().replace("-", "") == "utf8":
+        return False
+    log.warning("file names are read as %s here (the locale: LANG/LC_ALL), not UTF-8: a model folder or name "
+                "with other than ASCII characters is refused or skipped; run with LANG=C.UTF-8 or PYTHONUTF8=1",
+                encoding)
+    return True
+
+
 # How many entries of a model folder the symlink check looks at before giving up on the folder.
 MAX_FOLDER_ENTRIES = 100_000
 

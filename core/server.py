@@ -16,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from nereid.dataplane import DataPlane
 from nereid.descriptor_watch import DescriptorWatch
+from nereid.files import warn_if_file_names_not_utf8
 from nereid.leftovers import (asked_temporary_directory, make_scratch_folder, remove_scratch_folder,
                               remove_stale_scratch)
 from nereid.listening import bind_problem, cannot_listen, with_port
@@ -131,6 +132,7 @@ class NereidServer:
         remove_stale_scratch(asked_temporary_directory())
         self.scratch_dir = make_scratch_folder()
         warn_if_sockets_cannot_fit(self.scratch_dir)
+        warn_if_file_names_not_utf8()
         self.metrics = ServerMetrics()
         # The server is the models' ModelCaller: a meta model's sub-calls go through the data plane.
         self.repository = ModelRepository(settings, self.manager, self.scratch_dir, events=self.metrics, models=self,

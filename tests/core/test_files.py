@@ -294,3 +294,24 @@ def test_a_folder_that_is_a_mount_point_is_left_as_it_is(tmp_path, monkeypatch):
     monkeypatch.setattr(files.os, "rename", busy)
     assert remove_tree(tree) is False
     assert [p.read_text() for p in tree.rglob("kept")] == ["x"]
+
+
+def test_a_process_reading_file_names_in_another_encoding_than_utf8_is_warned(tmp_path) -> None:
+    """Found by the deployment hunt: under an ASCII locale (LC_ALL=C with PYTHONUTF8=0) a UTF-8 model name was
+    refused as "must be a folder name" and UTF-8 folders were skipped as "not UTF-8", with nothing naming the cause.
+    A real `nereid check` in that locale says it first."""
+    import subprocess
+    import sys
+
+    (tmp_path / "ml-backends").mkdir()
+    (tmp_path / "nereid.yaml").write_text('server:\n  ml_backends_path: "ml-backends"\n')
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("LC_", "LANG", "PYTHONUTF8"))}
+    env.update(LC_ALL="C", PYTHONUTF8="0", PYTHONCOERCECLOCALE="0")
+    checked = subprocess.run([sys.executable, "-m", "nereid", "check", "--config", str(tmp_path / "nereid.yaml")],
+                             capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert ("file names are read as ascii here (the locale: LANG/LC_ALL), not UTF-8: a model folder or name with "
+            "other than ASCII characters is refused or skipped; run with LANG=C.UTF-8 or PYTHONUTF8=1") in \
+        checked.stderr, checked.stderr
+    utf8 = subprocess.run([sys.executable, "-m", "nereid", "check", "--config", str(tmp_path / "nereid.yaml")],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert "file names are read as" not in utf8.stderr
