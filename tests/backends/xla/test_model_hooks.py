@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -158,9 +157,8 @@ def test_model_py_runs_beside_other_loads_and_only_first_imports_take_the_import
         assert held.wait(5)
         (tmp_path / "a").mkdir()
         (tmp_path / "a" / "model.py").write_text(DOUBLING)  # (its imports are imported already: no wait)
-        began = time.monotonic()
         assert load_model_hooks(tmp_path / "a" / "model.py", "a").preprocess(tensor())[0].data.tolist() == [2.0, 4.0]
-        assert time.monotonic() - began < 0.2 and "import lock" not in caplog.text
+        assert "import lock" not in caplog.text  # (it did not wait for the lock: that says so after 0.2 s)
         (tmp_path / "b").mkdir()
         (tmp_path / "b" / "model.py").write_text("import nereid_test_fresh_module\n" + DOUBLING)
         assert load_model_hooks(tmp_path / "b" / "model.py", "b").preprocess(tensor())[0].data.tolist() == [2.0, 4.0]
