@@ -48,7 +48,6 @@ log = logging.getLogger(__name__)
 
 Hook = Callable[["list[NamedTensor]"], "list[NamedTensor]"]
 
-# Set only while one model.py runs: the list its register_model call appends to.
 # Whether any model.py has run in this process, and the garbage collection scheduled after a version's retirement
 # (with its loop): see collect_released_code_soon.
 _code_loaded = False
@@ -121,6 +120,7 @@ COLLECT_SPACING = 10
 # When the last collection ended (time.monotonic()) and how long it took.
 _last_collection: tuple[float, float] = (0.0, 0.0)
 
+# Set only while one model.py runs: the list its register_model call appends to.
 _registrations: contextvars.ContextVar[Optional[list["ModelHooks"]]] = contextvars.ContextVar(
     "nereid_model_registrations", default=None)
 
@@ -184,8 +184,16 @@ class _SourceOnlyLoader(importlib.machinery.SourceFileLoader):
     passes the cache's mtime and size check.
     """
 
+    _source: bytes | None = None
+
+    def source(self) -> bytes:
+        """The file's bytes, read once: what its leading imports are read from is what runs."""
+        if self._source is None:
+            self._source = self.get_data(self.path)
+        return self._source
+
     def get_code(self, fullname: str) -> Any:
-        return self.source_to_code(self.get_data(self.path), self.path)
+        return self.source_to_code(self.source(), self.path)
 
 
 def load_model_hooks(path: Path, model: str, meta: bool = False) -> ModelHooks:
@@ -199,7 +207,8 @@ def load_model_hooks(path: Path, model: str, meta: bool = False) -> ModelHooks:
     digest = hashlib.sha256(os.fsencode(path.resolve())).hexdigest()[:12]  # (fsencode: a name not UTF-8 too)
     # A unique name per file: two bundles' model.py never share a module object.
     module_name = f"nereid_bundle_{digest}"
-    spec = importlib.util.spec_from_file_location(module_name, path, loader=_SourceOnlyLoader(module_name, str(path)))
+    loader = _SourceOnlyLoader(module_name, str(path))
+    spec = importlib.util.spec_from_file_location(module_name, path, loader=loader)
     if spec is None or spec.loader is None:
         raise ConfigError(f"model '{model}': cannot load {path} as a Python module")
     module = importlib.util.module_from_spec(spec)
@@ -209,7 +218,7 @@ def load_model_hooks(path: Path, model: str, meta: bool = False) -> ModelHooks:
     # module up there); removed afterwards so nothing outlives the load.
     sys.modules[module_name] = module
     try:
-        import_first(model, leading_imports(path.read_bytes()))
+        import_first(model, leading_imports(loader.source()))
         spec.loader.exec_module(module)
     except SystemExit as err:
         # Not the server's exit: a model.py that calls sys.exit() while loading is a model that fails to load.

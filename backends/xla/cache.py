@@ -275,20 +275,28 @@ class ExecutableCache:
 
     def _note_hash(self, module_name: str, sha256: str) -> str | None:
         """Write ``sha256`` as ``module_name``'s in the record; the hash the record had for it (None: none)."""
-        hashes_path = self.directory / HASHES_FILE
-        try:
-            if not_regular_reason(hashes_path) is not None:
-                raise ValueError("not a regular file")  # never opened: rewritten below
-            document = json.loads(hashes_path.read_text())
-            modules = document["modules"] if isinstance(document, dict) else {}
-            if not isinstance(modules, dict):
-                modules = {}
-        except (OSError, ValueError, KeyError, RecursionError):
-            modules = {}  # missing or corrupt: rebuilt from this compile on
+        modules = self._read_notes() or {}  # (missing or corrupt: rebuilt from this compile on)
         previous = modules.get(module_name)
         modules[module_name] = sha256
-        atomic_write(hashes_path, [json.dumps({"modules": modules}, indent=1, sort_keys=True).encode()])
+        self._write_notes(modules)
         return previous if isinstance(previous, str) else None
+
+    def _read_notes(self) -> dict | None:
+        """The record's notes, program file name -> hash; None when it is missing, not a regular file (never
+        opened: a FIFO would block), or corrupt."""
+        hashes_path = self.directory / HASHES_FILE
+        if not_regular_reason(hashes_path) is not None:
+            return None
+        try:
+            document = json.loads(hashes_path.read_text())
+        except (OSError, ValueError, RecursionError):
+            return None
+        modules = document.get("modules") if isinstance(document, dict) else None
+        return modules if isinstance(modules, dict) else None
+
+    def _write_notes(self, modules: dict) -> None:
+        document = json.dumps({"modules": modules}, indent=1, sort_keys=True).encode()
+        atomic_write(self.directory / HASHES_FILE, [document])
 
     def forget_absent(self, folder: Path) -> None:
         """Remove the entries, and the notes, of program files no longer in ``folder``, the bundle's (under the
@@ -320,18 +328,10 @@ class ExecutableCache:
 
     def _forget_notes(self, present: set[str]) -> None:
         """Drop the record's notes of program files not in ``present`` (under the lock)."""
-        hashes_path = self.directory / HASHES_FILE
-        if not_regular_reason(hashes_path) is not None:
+        modules = self._read_notes()
+        if modules is None or all(name in present for name in modules):
             return
-        try:
-            document = json.loads(hashes_path.read_text())
-        except (OSError, ValueError, RecursionError):
-            return
-        modules = document.get("modules") if isinstance(document, dict) else None
-        if not isinstance(modules, dict) or all(name in present for name in modules):
-            return
-        kept = {name: sha for name, sha in modules.items() if name in present}
-        atomic_write(hashes_path, [json.dumps({"modules": kept}, indent=1, sort_keys=True).encode()])
+        self._write_notes({name: sha for name, sha in modules.items() if name in present})
 
     def _remove_entries(self, module_name: str, sha256: str) -> None:
         for path in self.directory.glob(f"{module_name}.*{ENTRY_SUFFIX}"):

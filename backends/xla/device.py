@@ -166,8 +166,10 @@ def _check_xla_flags() -> None:
     flags ends the process (its LOG(FATAL)): the server went down at its first
     bundle's load, every other model with it, saying nothing of its own, and
     ``nereid check`` with it. A child with the server's environment starts
-    jax's backends once, when XLA_FLAGS is set; if it dies by a signal, every
-    bundle is refused with XLA's last line, and the server never starts them.
+    jax's backends once, when XLA_FLAGS is set; if XLA ends it (its fatal
+    line), every bundle is refused with that line, and the server never starts
+    them. A child killed by another hand decides nothing: the next load tries
+    again (see :func:`child_verdict`).
     """
     global _flags_checked
     flags = os.environ.get("XLA_FLAGS", "")
@@ -184,7 +186,8 @@ def _check_xla_flags() -> None:
 
 
 def _xla_refusal(flags: str) -> str | None:
-    """What XLA said as it aborted on ``flags`` in a child process; None when it started its backends."""
+    """What XLA said as it aborted on ``flags`` in a child process; None when it started its backends (or could not
+    be asked); :data:`_UNDECIDED` when the child was killed before it could tell."""
     import subprocess
     import sys
 

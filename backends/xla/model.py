@@ -42,21 +42,13 @@ from nereid.model_hooks import ModelHooks, identity, load_model_hooks
 from nereid.settings import Device
 from nereid.signature import ModelSignature
 from nereid.tensors import NamedTensor
+from nereid.watched_paths import identity_of
 
 log = logging.getLogger(__name__)
 
 PLATFORM = "nereid_xla"
 # How many times a load reads a bundle whose folder was replaced by another while it read it, before it fails.
 SWAPPED_FOLDER_TRIES = 3
-
-
-def _folder_identity(folder: Path) -> tuple[int, int] | None:
-    """Which folder is at ``folder`` now (device, inode); None when none is."""
-    try:
-        status = os.stat(folder)
-    except OSError:
-        return None
-    return status.st_dev, status.st_ino
 
 
 @dataclass(frozen=True)
@@ -127,9 +119,9 @@ class XlaModel:
             # Through a symlink flipped to another release during the load (git-sync, a Kubernetes volume,
             # current -> release-7), a load read the weights of one release and the programs of the other.
             folder = Path(os.path.realpath(context.folder))
-            before = _folder_identity(folder)
+            before = identity_of(folder)
             self._load_release(folder, None, options, started)
-            if _folder_identity(folder) == before:
+            if identity_of(folder) == before:
                 return
             self.unload()  # (of two releases, perhaps: read again)
             log.warning("model '%s': its folder %s was replaced by another during its load (moved away, another "
