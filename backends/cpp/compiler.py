@@ -34,7 +34,7 @@ from nereid.leftovers import remove_stale_partials
 from nereid.processes import new_children_stopped
 
 from nereid.backends.subprocess.runner import DEFAULT_PATH, ProcessGroups, run_model_process
-from nereid.backends.xla.cache import host_cpu
+from nereid.backends.host_cpu import host_cpu
 
 # What an #include can reach: sources, headers, and the inline and template files some projects include.
 # (.def: X-macro tables; .cuh: CUDA headers; .txx / .ixx / .cppm: template and module units.)

@@ -13,12 +13,9 @@ safe, and a bundle directory that cannot be written still loads (uncached).
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import hashlib
 import json
 import logging
-import platform
 import shlex
 import stat
 import struct
@@ -78,36 +75,6 @@ def compilation_flags(environ: Mapping[str, str]) -> str:
     except ValueError:  # (an unbalanced quote: as whitespace parts)
         flags = text.split()
     return " ".join(flag for flag in flags if flag.split("=", 1)[0] not in OUTPUT_NEUTRAL_XLA_FLAGS)
-
-
-@functools.cache
-def host_cpu() -> str:
-    """A digest of this machine's CPU as XLA's CPU compiler targets it (the model and its feature flags, from
-    /proc/cpuinfo; the machine and processor elsewhere).
-
-    XLA compiles for the host's own instruction set (AVX-512, AMX, ...) and
-    jaxlib loads an executable built for another without refusing it (it only
-    prints that this "could lead to execution errors such as SIGILL"): an
-    entry made on a more capable machine, in a bundle folder baked into an
-    image or shared over NFS, would end the server at its first request (a
-    bug hunt). Keyed by the CPU, each kind of machine has entries of its own.
-    """
-    described = ""
-    with contextlib.suppress(OSError):
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as info:
-            lines = {}
-            for line in info:
-                key, _, value = line.partition(":")
-                key = key.strip()
-                if key in ("vendor_id", "model name", "flags", "Features", "CPU implementer", "CPU part"):
-                    lines.setdefault(key, " ".join(sorted(value.split())) if key in ("flags", "Features")
-                                     else value.strip())
-                elif not line.strip() and lines:
-                    break  # (the first processor's: the others are the same machine's)
-            described = repr(sorted(lines.items()))
-    if not described:
-        described = f"{platform.machine()} {platform.processor()}"
-    return hashlib.sha256(described.encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True)

@@ -20,10 +20,11 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from nereid.backend import ModelContext
+from nereid.backends.host_cpu import host_cpu
 from nereid.backends.xla.arity import arity_mismatch, donated_weights_problem
 from nereid.backends.xla.bundle import CACHE_DIR, DEFAULT_WEIGHTS_FILE, BundleLayout, ProgramKey, open_bundle
 from nereid.backends.xla.cache import (CacheKey, CacheStats, CompileFunctions, ExecutableCache, compilation_flags,
-                                      file_sha256, host_cpu)
+                                      file_sha256)
 from nereid.backends.xla.conformance import check_program_types
 from nereid.backends.xla.device import (PjrtTarget, check_xla_flags, host_lapack_problem, import_jax, jax_missing,
                                         resolve_device)
