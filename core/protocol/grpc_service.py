@@ -27,6 +27,7 @@ from nereid.memory import TRIM_AFTER_BYTES, release_free_heap
 from nereid.model_info import MODEL_VERSION, ModelConfig
 from nereid.protocol.grpc_codec import (decode_infer_request, mark_final, parse_infer_request,
                                         serialize_infer_response)
+from nereid.protocol.wire import DECODE_OFF_LOOP_BYTES
 from nereid.stats import ModelStats
 from nereid.tensors import InferResponse
 
@@ -116,9 +117,6 @@ def _encoded_size(text: str) -> int:
     return printable + 3 * (len(raw) - printable)
 
 
-# Requests at least this large are decoded on a worker thread, so that splitting many
-# BYTES elements or converting typed contents never stalls the event loop.
-DECODE_OFF_LOOP_BYTES = 256 << 10
 # Answers whose outputs take at least this much are serialized on a worker thread (the one copy of their data
 # costs about a millisecond per 1 MiB here; the hand-off about 50 µs).
 SERIALIZE_OFF_LOOP_BYTES = 4 << 20

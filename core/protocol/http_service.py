@@ -29,6 +29,7 @@ from nereid.model_info import MODEL_VERSION, ModelConfig
 from nereid.protocol.http_codec import HEADER_LENGTH, OutputChoice, decode_infer, encode_infer, quoted
 from nereid.protocol.http_compression import compressed, decompressed, request_coding, response_coding
 from nereid.protocol.http_errors import HttpError, header_text
+from nereid.protocol.wire import DECODE_OFF_LOOP_BYTES
 from nereid.settings import DEFAULT_HTTP_MAX_JSON_BYTES
 from nereid.stats import ModelStats
 from nereid.tensors import InferResponse
@@ -67,11 +68,6 @@ REFUSED_ENDPOINTS: dict[str, str] = {"systemsharedmemory": "system_shared_memory
                                      "cudasharedmemory": "cuda_shared_memory", "trace": "trace",
                                      "logging": "logging"}
 
-# Bodies at least this large are decoded on a worker thread, so the event loop is not held up by the decode's
-# Python-level work (binary tensors' views and BYTES splitting, JSON's checks element by element). It still waits
-# while the decode holds the GIL in one C call (orjson's parse, numpy's conversions): for a JSON part that is up to
-# a few seconds at 64 MiB, which is why server.http_max_json_bytes bounds JSON parts (16 MiB by default).
-DECODE_OFF_LOOP_BYTES = 256 << 10
 # Requests whose JSON part is at least this large are decoded one at a time (see HttpSurface._decode_large):
 # JSON tensors take 6-31x their size in Python objects while decoded, so N of them at once took N times that
 # (four 64 MiB bodies OOM-killed a server in 3 GiB). Binary tensors (views of the body) are not held back.

@@ -17,6 +17,12 @@ from nereid.errors import InvalidArgument
 from nereid.signature import MAX_RANK, brief_repr, expected_byte_size
 from nereid.tensors import bytes_array, split_bytes_elements
 
+# Requests (gRPC) and bodies (HTTP) at least this large are decoded on a worker thread, so that the decode's
+# Python-level work (splitting many BYTES elements, binary tensors' views, JSON's checks element by element,
+# converting typed contents) never stalls the event loop. It still waits while a decode holds the GIL in one C call
+# (orjson's parse, numpy's conversions): for a JSON part that is up to a few seconds at 64 MiB, which is why
+# server.http_max_json_bytes bounds JSON parts (16 MiB by default).
+DECODE_OFF_LOOP_BYTES = 256 << 10
 # The request parameter Triton clients use for a per-request timeout, in microseconds.
 TIMEOUT_PARAMETER = "timeout"
 # The tensor parameter that points Triton at a registered shared-memory region instead of inline data.

@@ -1211,7 +1211,8 @@ def test_a_large_request_whose_call_ends_while_it_is_decoded_is_counted_once(tmp
     import asyncio
 
     import toy_backends
-    from nereid.protocol.grpc_service import DECODE_OFF_LOOP_BYTES, InferenceServicer, Received
+    from nereid.protocol.grpc_service import InferenceServicer, Received
+    from nereid.protocol.wire import DECODE_OFF_LOOP_BYTES
 
     plane = toy_backends.toy_dataplane(tmp_path)
     counted: list[tuple[str, str]] = []
