@@ -147,3 +147,12 @@ def add_bundle(pristine) -> Callable[..., Path]:
         return target
 
     return add
+
+
+@pytest.fixture
+def legacy(tmp_path, add_bundle) -> Path:
+    """A legacy-layout MLP bundle (weights column-major) whose manifest has hand-written notes a migration keeps."""
+    folder = add_bundle(tmp_path, "mlp_legacy")
+    manifest = folder / "manifest.yaml"
+    manifest.write_text("# hand-written note: keep me\n" + manifest.read_text() + "# trailing note\n")
+    return folder

@@ -55,15 +55,6 @@ def test_legacy_layout(tmp_path) -> None:
     assert all(np.array_equal(a, WEIGHTS[n]) for n, a in read_bundle_weights(directory))
 
 
-def test_letters_and_explicit_batch_axis() -> None:
-    spec = IOSpec("image", "f32", (224, 224, 3), batch_axis=0, letters="hwc")
-    assert spec.manifest_entry() == {"name": "image", "dtype": "f32", "shape": "cwhn",
-                                     "dims": {"c": 3, "w": 224, "h": 224}}
-    assert IOSpec("t", "i64", (5,), batch_axis=1).manifest_entry()["shape"] == "na"
-    with pytest.raises(ValueError, match="batch markers"):
-        IOSpec("bad", "f32", (3,), letters="n")
-
-
 def test_refuses_a_program_whose_arity_disagrees(tmp_path) -> None:
     target = tmp_path / "affine"
     with pytest.raises(ExportError) as caught:
