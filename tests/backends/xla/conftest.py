@@ -156,3 +156,9 @@ def legacy(tmp_path, add_bundle) -> Path:
     manifest = folder / "manifest.yaml"
     manifest.write_text("# hand-written note: keep me\n" + manifest.read_text() + "# trailing note\n")
     return folder
+
+
+@pytest.fixture
+def sharded(pristine, tmp_path) -> Path:
+    """A copy of the MLP bundle whose weights are in 3 shards and an index (``mlp_sharded``)."""
+    return shutil.copytree(pristine("mlp_sharded"), tmp_path / "mlp_sharded")

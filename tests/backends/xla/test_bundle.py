@@ -1,4 +1,4 @@
-"""The bundle directory: program files per batch size and variant, the weights file, the plugin's claim."""
+"""The bundle directory: program files per batch size and variant, the weights file, files that are not files."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from nereid.backends.xla.bundle import ProgramKey, open_bundle
 from nereid.backends.xla.model import XlaModel
 from nereid.backends.xla.safetensors import load_weights, write_safetensors
 from nereid.errors import ConfigError
-from nereid.plugins import claim_folder, make_plugin_manager
 from nereid.settings import ModelSettings
 from nereid.tensors import NamedTensor
 
@@ -85,39 +84,6 @@ def test_a_weights_file_in_a_sub_folder_is_the_one_served(tmp_path, add_bundle) 
             model.unload()
         report, problem = check_bundle(folder)  # the check reads the same file (it failed without the other)
         assert report.servable and problem is None, report.line()
-
-
-def test_the_plugin_claims_folders_with_a_manifest(tmp_path, add_bundle) -> None:
-    manager = make_plugin_manager(load_entry_points=False)
-    bundle = add_bundle(tmp_path, "mlp_bundle")
-    assert claim_folder(manager, bundle).backend_name == "xla"
-    other = tmp_path / "other"
-    other.mkdir()
-    (other / "main.py").write_text("")
-    assert claim_folder(manager, other).backend_name == "python"
-    declared = claim_folder(manager, other, "xla")
-    assert declared.backend_name == "xla"
-    with pytest.raises(ConfigError, match="missing manifest.yaml"):
-        open_bundle(other)
-
-
-def test_a_manifest_that_is_not_a_file_is_claimed_and_named(tmp_path, add_bundle) -> None:
-    """A FIFO or folder as manifest.yaml left the folder "unclaimed" ("no backend claims the folder")."""
-    manager = make_plugin_manager(load_entry_points=False)
-    for kind, make in (("a FIFO", os.mkfifo), ("a directory", os.mkdir)):
-        folder = add_bundle(tmp_path, "mlp_bundle", kind.split()[1].lower())
-        (folder / "manifest.yaml").unlink()
-        make(folder / "manifest.yaml")
-        assert claim_folder(manager, folder).backend_name == "xla"
-        with pytest.raises(ConfigError) as info:
-            open_bundle(folder)
-        assert str(info.value) == f"{folder / 'manifest.yaml'}: is {kind}, not a regular file"
-    dangling = add_bundle(tmp_path, "mlp_bundle", "dangling")
-    (dangling / "manifest.yaml").unlink()
-    (dangling / "manifest.yaml").symlink_to("gone.yaml")
-    assert claim_folder(manager, dangling).backend_name == "xla"
-    with pytest.raises(ConfigError, match=r"manifest.yaml: is a symlink to a file that does not exist$"):
-        open_bundle(dangling)
 
 
 def test_a_model_py_or_program_that_is_not_a_file_is_named(tmp_path, add_bundle) -> None:

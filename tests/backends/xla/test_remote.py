@@ -245,26 +245,6 @@ def test_a_weights_file_replaced_during_the_load_fails_it(s3, pristine, tmp_path
     assert "the object changed in the store during the load" in str(caught.value)
 
 
-def test_the_xla_backend_streams_a_bundle_s_safetensors_and_none_of_a_meta_model_s() -> None:
-    """Its nereid_streamed_files: every listed *.safetensors of a folder whose manifest.yaml is no meta model's
-    (shards and subfolders too; an index, or weights named otherwise, are fetched), as the mirror did before
-    it asked the backends; nothing of a meta model's folder (meta: true) or one without a manifest."""
-    decide = streamed_files(make_plugin_manager(load_entry_points=False), "m")
-    listing = ("manifest.yaml", "model.py", SHARDS[0], "sub/part.safetensors", "weights.safetensors.index.json",
-               "weights.bin")
-    weights = {SHARDS[0], "sub/part.safetensors"}
-
-    def reading(manifest: bytes | None):
-        return lambda path: manifest if path == "manifest.yaml" else None
-
-    assert decide(listing, reading(b"format_version: '2.1'\n")) == weights
-    assert decide(listing, reading(b"format_version: '2.1'\nmeta: true\n")) == frozenset()
-    assert decide(listing[1:], reading(None)) == frozenset()
-    # One that cannot be read (over 1 MiB, not UTF-8, not YAML) is a bundle's, as locally: its load names why.
-    for unreadable in (None, b"\xff\xfe", b"meta: [true\n"):
-        assert decide(listing, reading(unreadable)) == weights
-
-
 def test_a_reload_reads_the_manifest_in_the_mirror_and_a_failed_read_is_the_store_s(s3, pristine, tmp_path) -> None:
     """Whether a folder is a bundle is read from its manifest.yaml before the fetch: from the mirror's copy once
     it is current there (a reload costs no request), and a store failing that read fails the fetch naming the

@@ -1,16 +1,20 @@
-"""write_bundle: the manifest it writes, the layouts, and what it refuses to write."""
+"""write_bundle: the manifest it writes, the layouts, weights in shards, and what it refuses to write."""
 
 from __future__ import annotations
+
+import json
 
 import jax
 import numpy as np
 import pytest
+import safetensors.numpy
 import yaml
 from jax import export as jax_export
 
 from nereid.backends.xla.manifest import load_manifest
 from nereid.backends.xla.safetensors import read_header
-from nereid.backends.xla.export import ExportError, IOSpec, read_bundle_weights, write_bundle
+from nereid.backends.xla.weights import INDEX_FILE
+from nereid.backends.xla.export import ExportError, IOSpec, examples, read_bundle_weights, write_bundle
 
 
 def affine(x, w, b):
@@ -26,6 +30,9 @@ def module(batch: int, fn=affine, n_weights: int = 2) -> bytes:
 WEIGHTS = {"w": np.arange(6, dtype=np.float32).reshape(3, 2), "b": np.array([1.0, -1.0], np.float32)}
 INPUTS = [IOSpec("x", "f32", (3,), batch_axis=0)]
 OUTPUTS = [IOSpec("y", "f32", (2,), batch_axis=0)]
+# The shards the exporter writes of the MLP's weights at shard_bytes=600 (the conftest's mlp_sharded).
+SHARDS = ["weights-00001-of-00003.safetensors", "weights-00002-of-00003.safetensors",
+          "weights-00003-of-00003.safetensors"]
 
 
 def test_writes_a_column_major_manifest(tmp_path) -> None:
@@ -225,3 +232,28 @@ def test_weights_that_are_not_arrays_of_a_known_dtype_are_refused_by_name(tmp_pa
         write_bundle(tmp_path / "affine", "affine", INPUTS, OUTPUTS, {1: module(1)}, {"w": WEIGHTS["w"], "b": value})
     assert str(caught.value).startswith(problem), caught.value
     assert not (tmp_path / "affine").exists()
+
+
+def test_the_exporter_writes_shards_and_an_index(sharded) -> None:
+    assert sorted(p.name for p in sharded.glob("*.safetensors")) == SHARDS
+    assert not (sharded / "weights.safetensors").exists()
+    index = json.loads((sharded / INDEX_FILE).read_text())
+    assert index["weight_map"] == {"w1": SHARDS[0], "b1": SHARDS[1], "w2": SHARDS[1], "b2": SHARDS[2]}
+    assert index["metadata"] == {"total_size": 2048 + 128 + 512 + 16, "argument_order": ["w1", "b1", "w2", "b2"]}
+    # Each shard is a plain safetensors file the reference library reads.
+    merged = {}
+    for shard in SHARDS:
+        merged.update(safetensors.numpy.load_file(str(sharded / shard)))
+    assert {n: a.tobytes() for n, a in merged.items()} == {n: a.tobytes() for n, a in examples.mlp_weights().items()}
+    assert [n for n, _ in read_bundle_weights(sharded)] == ["w1", "b1", "w2", "b2"]
+
+
+def test_re_exporting_removes_the_other_form(sharded) -> None:
+    """Shards over a single file, and back: no stale weights are left to be read."""
+    examples_weights = examples.mlp_weights()
+    from nereid.backends.xla.export import export_bundle
+
+    export_bundle(examples.mlp, [np.zeros((1, 16), np.float32)], examples_weights, directory=sharded,
+                  batch_sizes=(1, 8), input_names=["input"], output_names=["output"], provenance=False)
+    assert sorted(p.name for p in sharded.glob("*.safetensors")) == ["weights.safetensors"]
+    assert not (sharded / INDEX_FILE).exists()

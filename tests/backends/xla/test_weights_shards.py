@@ -1,22 +1,20 @@
-"""Sharded weights in a local bundle: the index's weight map, the fallback rules, bundle check, the exporter."""
+"""Sharded weights in a local bundle (weights.py): the index's weight map, the fallback rules, reads that hold
+the files they resolved."""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
-import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
-import safetensors.numpy
 
 from nereid.backend import ModelContext
 from nereid.backends.xla.model import create_model
 from nereid.backends.xla.safetensors import write_safetensors
 from nereid.backends.xla.weights import INDEX_FILE, LocalBundleFiles, read_local_weights, resolve_weights
-from nereid.cli import main
 from nereid.errors import ConfigError
 from nereid.backends.xla.export import bundle_arity_report, examples, read_bundle_weights
 from nereid.settings import ModelSettings
@@ -25,11 +23,6 @@ from nereid.dtypes import DType
 
 SHARDS = ["weights-00001-of-00003.safetensors", "weights-00002-of-00003.safetensors",
           "weights-00003-of-00003.safetensors"]
-
-
-@pytest.fixture
-def sharded(pristine, tmp_path) -> Path:
-    return shutil.copytree(pristine("mlp_sharded"), tmp_path / "mlp_sharded")
 
 
 def _serve_once(folder: Path, rows: int = 3) -> np.ndarray:
@@ -43,35 +36,12 @@ def _serve_once(folder: Path, rows: int = 3) -> np.ndarray:
         model.unload()
 
 
-def test_the_exporter_writes_shards_and_an_index(sharded) -> None:
-    assert sorted(p.name for p in sharded.glob("*.safetensors")) == SHARDS
-    assert not (sharded / "weights.safetensors").exists()
-    index = json.loads((sharded / INDEX_FILE).read_text())
-    assert index["weight_map"] == {"w1": SHARDS[0], "b1": SHARDS[1], "w2": SHARDS[1], "b2": SHARDS[2]}
-    assert index["metadata"] == {"total_size": 2048 + 128 + 512 + 16, "argument_order": ["w1", "b1", "w2", "b2"]}
-    # Each shard is a plain safetensors file the reference library reads.
-    merged = {}
-    for shard in SHARDS:
-        merged.update(safetensors.numpy.load_file(str(sharded / shard)))
-    assert {n: a.tobytes() for n, a in merged.items()} == {n: a.tobytes() for n, a in examples.mlp_weights().items()}
-    assert [n for n, _ in read_bundle_weights(sharded)] == ["w1", "b1", "w2", "b2"]
-
-
 def test_a_sharded_bundle_serves_exactly_as_the_single_file_one(sharded) -> None:
     import jax
 
     x, served = _serve_once(sharded)
     expected = np.asarray(jax.jit(examples.mlp)(x, *examples.mlp_weights().values()))
     np.testing.assert_allclose(served, expected, rtol=1e-6, atol=1e-6)
-
-
-def test_bundle_check_understands_shards(sharded, capsys) -> None:
-    report = bundle_arity_report(sharded)
-    assert report.servable and report.n_weights == 4, report.error
-    assert main(["bundle", "check", str(sharded)]) == 0
-    line = capsys.readouterr().out.splitlines()[0]
-    assert line.startswith(f"{sharded}: servable: 1 input(s) + 4 weight(s) in 3 shard(s) ({INDEX_FILE}) = 5 "
-                           "argument(s)"), line
 
 
 def test_a_tensor_the_map_names_but_its_file_lacks_fails_naming_both(sharded) -> None:
@@ -121,15 +91,6 @@ def test_an_undecodable_index_falls_back_to_the_files_in_name_order(sharded, cap
     _serve_once(sharded)
 
 
-def test_bundle_check_warns_of_an_undecodable_index_once(sharded, caplog, capsys) -> None:
-    """The check read the bundle twice (arity, then types), so it printed the index's warning twice."""
-    (sharded / INDEX_FILE).write_text("{not json")
-    with caplog.at_level(logging.WARNING):
-        assert main(["bundle", "check", str(sharded)]) == 0
-    assert caplog.text.count("reading every *.safetensors file in name order instead") == 1
-    assert capsys.readouterr().out.splitlines()[-1] == "1 bundle(s), 0 unservable"
-
-
 def test_without_an_index_the_first_occurrence_of_a_name_wins(sharded) -> None:
     (sharded / INDEX_FILE).unlink()
     weights = examples.mlp_weights()
@@ -173,17 +134,6 @@ def test_a_single_weights_file_still_wins_over_stray_files_without_an_index(tmp_
     write_safetensors(bundle / "a-stray.safetensors", [("zz", np.zeros(1, np.float32))])
     weight_set = resolve_weights(LocalBundleFiles(bundle))
     assert weight_set.files == ("weights.safetensors",) and weight_set.describe() == "weights.safetensors"
-
-
-def test_re_exporting_removes_the_other_form(sharded) -> None:
-    """Shards over a single file, and back: no stale weights are left to be read."""
-    examples_weights = examples.mlp_weights()
-    from nereid.backends.xla.export import export_bundle
-
-    export_bundle(examples.mlp, [np.zeros((1, 16), np.float32)], examples_weights, directory=sharded,
-                  batch_sizes=(1, 8), input_names=["input"], output_names=["output"], provenance=False)
-    assert sorted(p.name for p in sharded.glob("*.safetensors")) == ["weights.safetensors"]
-    assert not (sharded / INDEX_FILE).exists()
 
 
 def _replace_atomically(path: Path, tensors: list[tuple[str, np.ndarray]]) -> None:

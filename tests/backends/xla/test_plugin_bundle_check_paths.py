@@ -1,4 +1,5 @@
-"""``nereid bundle check PATH``: a path that is no folder is said to be so (exit 2), not reported as a bundle."""
+"""``nereid bundle check PATH`` (the plugin's check_bundles): a path that is no folder is said to be so (exit 2),
+not reported as a bundle."""
 
 from __future__ import annotations
 

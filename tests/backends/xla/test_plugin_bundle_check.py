@@ -1,8 +1,10 @@
-"""``nereid bundle check DIR...``: one arity line per bundle, never raising, non-zero if any is unservable."""
+"""``nereid bundle check DIR...`` (the plugin's check_bundles): one arity line per bundle, never raising, non-zero
+if any is unservable."""
 
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -10,10 +12,11 @@ import numpy as np
 import safetensors.numpy
 
 from nereid.backends.xla.safetensors import load_weights, write_safetensors
+from nereid.backends.xla.weights import INDEX_FILE
 from nereid.cli import main
-from nereid.backends.xla.export import assert_bundle_arity, bundle_arity_report, examples
+from nereid.backends.xla.export import bundle_arity_report, examples
 
-SHIPPED = Path(__file__).resolve().parents[4] / "ml-backends"
+SHIPPED = Path(__file__).resolve().parents[3] / "ml-backends"
 
 
 def test_the_shipped_bundles_are_servable(capsys) -> None:
@@ -61,26 +64,6 @@ def test_triage_of_a_directory_of_bundles(tmp_path, capsys) -> None:
     assert "format_version: unsupported bundle format" in by_bundle[str(garbage)]
     assert "missing manifest.yaml" in by_bundle[str(not_a_bundle)]
     assert ": servable:" in by_bundle[str(good)]
-
-
-def test_report_api(tmp_path) -> None:
-    good = examples.write_mlp(tmp_path, provenance=False)
-    report = assert_bundle_arity(good)
-    assert (report.n_inputs, report.n_weights, report.expected) == (1, 4, 5)
-    assert [m.file for m in report.modules] == ["model.b1.mlir", "model.b8.mlir", "model.b32.mlir"]
-    write_safetensors(good / "weights.safetensors", [*load_weights(good / "weights.safetensors"),
-                                                     ("extra", np.zeros(1, np.float32))])
-    report = bundle_arity_report(good)
-    assert not report.servable and report.n_weights == 5 and report.expected == 5
-    (good / "weights.safetensors").unlink()  # named as missing, not as "0 tensor(s)" and a captured value
-    report = bundle_arity_report(good)
-    assert not report.servable and "no weights (weights.safetensors is missing)" in report.error
-    assert "captured" not in report.error
-    # Each of the three programs named, the shared cause said once, after them (it was repeated, joined by ".;")
-    assert report.error.count("weights.safetensors is missing") == 3 and ".;" not in report.error
-    assert report.error.count("The bundle has no weights file") == 1
-    assert report.error.endswith("is missing). The bundle has no weights file: a program that takes weights needs "
-                                 "its weights.safetensors (or its shards and index) beside it.")
 
 
 def test_bundles_whose_types_the_load_refuses_are_unservable(tmp_path, capsys) -> None:
@@ -181,3 +164,21 @@ def test_a_scanned_folder_holding_a_program_but_no_manifest_is_reported_not_skip
     lines = capsys.readouterr().out.splitlines()
     assert lines[-1] == "2 bundle(s), 1 unservable"
     assert any(line.startswith(f"{lost}: UNSERVABLE") and "missing manifest.yaml" in line for line in lines), lines
+
+
+def test_bundle_check_understands_shards(sharded, capsys) -> None:
+    report = bundle_arity_report(sharded)
+    assert report.servable and report.n_weights == 4, report.error
+    assert main(["bundle", "check", str(sharded)]) == 0
+    line = capsys.readouterr().out.splitlines()[0]
+    assert line.startswith(f"{sharded}: servable: 1 input(s) + 4 weight(s) in 3 shard(s) ({INDEX_FILE}) = 5 "
+                           "argument(s)"), line
+
+
+def test_bundle_check_warns_of_an_undecodable_index_once(sharded, caplog, capsys) -> None:
+    """The check read the bundle twice (arity, then types), so it printed the index's warning twice."""
+    (sharded / INDEX_FILE).write_text("{not json")
+    with caplog.at_level(logging.WARNING):
+        assert main(["bundle", "check", str(sharded)]) == 0
+    assert caplog.text.count("reading every *.safetensors file in name order instead") == 1
+    assert capsys.readouterr().out.splitlines()[-1] == "1 bundle(s), 0 unservable"
