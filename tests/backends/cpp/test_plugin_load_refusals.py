@@ -1,4 +1,5 @@
-"""What a cpp model refuses at load, before any compile: runtime options (it has none), a FIFO for main.cpp.
+"""backends/cpp/plugin.py: what a cpp model refuses at load, before any compile: runtime options (it has
+none), a FIFO for main.cpp.
 
 Run through ``nereid check``, which loads each model as the server does; no compiler is needed.
 """
