@@ -1,4 +1,5 @@
-"""An output a response could never carry, from a python model behind a real server.
+"""backends/subprocess/model.py's bound on a run's outputs: an output a response could never carry, from a python model
+behind a real server.
 
 The gRPC wire is where the defect showed (grpcio's RESOURCE_EXHAUSTED after the
 whole output was read, naming no model, and the request counted a success), so
