@@ -1,4 +1,4 @@
-"""The python backend end to end: real servers, real model processes, tritonclient over gRPC.
+"""backends/python/plugin.py end to end: real servers, real model processes, tritonclient over gRPC.
 
 Covers the subprocess tensor contract (stdin, environment, working directory,
 framed outputs), batching, every kind of model fault (each INTERNAL with the
@@ -37,7 +37,7 @@ from nereid.backends.python.plugin import LOADED_ENTRY_FILE
 
 from support import ECHO_MAIN, FRAMED_ECHO_MAIN, process_alive, textproto_single, zombie_children
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "ml-backends"
+EXAMPLES = Path(__file__).resolve().parents[3] / "ml-backends"
 
 
 # -- helpers ---------------------------------------------------------------
@@ -1210,7 +1210,7 @@ def _locked_model_served_as_non_root(repo, tmp_path, program: str, start_mode: s
     folder = repo.python("locked")
     scratch = tmp_path / "scratch"
     scratch.mkdir()
-    tests = str(Path(__file__).resolve().parents[1])
+    tests = str(Path(__file__).resolve().parents[2])
     return folder, run_as_non_root(["env", f"PYTHONPATH={tests}", sys.executable, "-c", program, str(folder),
                                     str(scratch), start_mode], repo.models_dir)
 
