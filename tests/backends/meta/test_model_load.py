@@ -1,4 +1,4 @@
-"""Meta models without a server: the manifest keys, claims, load refusals, cycles, nereid check."""
+"""backends/meta/model.py without a server: the manifest keys, claims, load refusals, cycles, nereid check."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Meta models over real gRPC: fan-out, the deadline rule, error mapping, depends_on, batching with direct traffic.
+"""backends/meta/model.py over real gRPC: fan-out, the deadline rule, error mapping, depends_on, batching with direct
+traffic.
 
 The sub-models are real python-backend models (a child process per batch)
 that append a line to a counter file in their folder each time they run, so
@@ -662,7 +663,7 @@ def test_an_orchestration_that_catches_its_cancel_issues_no_further_sub_call_and
                                                                                                      serve) -> None:
     """Found by a bug hunt: an async orchestration that caught the CancelledError of its client's going away
     issued every later sub-call, and its request counted as a success. (A first fix read the task's
-    ``cancelling()``, which a TaskGroup also leaves set on Python 3.11: test_meta_load keeps that case.)"""
+    ``cancelling()``, which a TaskGroup also leaves set on Python 3.11: test_model_load.py keeps that case.)"""
     step = add_counting(repo, "step", 0.3)
     add_meta(repo, "stubborn", SWALLOWS_ITS_CANCEL, ["step"])
     server = serve(repo.write_config("- name: stubborn\n- name: step\n"))

@@ -1,4 +1,5 @@
-"""The ctx of a plain-def orchestration (BlockingMetaContext): sub-calls from threads of one orchestration."""
+"""backends/meta/model.py's ctx of a plain-def orchestration (BlockingMetaContext): sub-calls from threads of one
+orchestration."""
 
 from __future__ import annotations
 
