@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import textwrap
-from pathlib import Path
 
 import pytest
 from tritonclient.utils import InferenceServerException
@@ -76,22 +75,15 @@ def _assert_no_secret(text: str) -> None:
     assert USER not in text and PASSWORD not in text, text
 
 
-def _config(tmp_path: Path, url: str) -> Path:
-    config = tmp_path / "nereid.yaml"
-    config.write_text(f'server:\n  bind_addr: "127.0.0.1:0"\n  metrics_addr: ""\n  http_addr: ""\n'
-                      f'  ml_backends_path: "{url}"\n  cache_dir: "{tmp_path / "cache"}"\nmodels:\n  - name: echo\n')
-    return config
-
-
 @pytest.mark.parametrize("variable, value, problem", MALFORMED, ids=IDS)
 def test_no_endpoint_shows_its_password_in_an_error_the_log_or_check(s3, tmp_path, monkeypatch, caplog, capsys,
-                                                                     variable, value, problem) -> None:
+                                                                     variable, value, problem, bucket_config) -> None:
     from nereid.cli import main
     from nereid.storage import StorageError, list_model_folders, scan_model_folders
 
     port = free_port()  # nothing listens there
     monkeypatch.setenv(variable, value.format(port=port))
-    config = _config(tmp_path, s3.url())
+    config = bucket_config(tmp_path, s3.url(), "- name: echo\n")
     with pytest.raises(StorageError) as caught:
         scan_model_folders(load_settings(config).server)
     _assert_no_secret(str(caught.value))
@@ -107,7 +99,7 @@ def test_no_endpoint_shows_its_password_in_an_error_the_log_or_check(s3, tmp_pat
     assert out.startswith(f"echo: UNAVAILABLE: {s3.url()}") and problem.format(port=port) in out, out
 
 
-def test_no_endpoint_shows_its_password_to_a_client(s3, serve, tmp_path, monkeypatch, caplog) -> None:
+def test_no_endpoint_shows_its_password_to_a_client(s3, serve, tmp_path, monkeypatch, caplog, bucket_config) -> None:
     # Over the wire: the load's error and the RepositoryIndex reason, one server for every hostile value (those
     # the store client tries are only tried here: each failed listing takes its retries).
     source = tmp_path / "source" / "echo"
@@ -115,7 +107,7 @@ def test_no_endpoint_shows_its_password_to_a_client(s3, serve, tmp_path, monkeyp
     (source / "model_inference.textproto").write_text(textproto_single())
     (source / "main.py").write_text(textwrap.dedent(ECHO_MAIN))
     upload_folder(s3.store, source.parent, s3.prefix)
-    server = serve(_config(tmp_path, s3.url()))
+    server = serve(bucket_config(tmp_path, s3.url(), "- name: echo\n"))
     assert server.client.is_model_ready("echo")
     port = free_port()
     with caplog.at_level(logging.DEBUG):
@@ -177,3 +169,24 @@ def test_two_spellings_of_the_endpoint_set_to_different_stores_are_refused(monke
     monkeypatch.setenv("AZURE_STORAGE_ENDPOINT", "http://127.0.0.1:10000")
     monkeypatch.setenv("AZURE_ENDPOINT", "http://127.0.0.1:10001")
     assert "AZURE_STORAGE_ENDPOINT 'http://127.0.0.1:10000' and AZURE_ENDPOINT" in endpoint_problem("az")
+
+
+def test_a_password_in_the_endpoint_never_reaches_a_reason(s3, serve, tmp_path, monkeypatch, bucket_config) -> None:
+    import socket
+
+    from nereid.storage.client import redact
+
+    # Bound but never listening: connections are refused (obstore's error quotes the request URL), and no other
+    # test's server can take the port meanwhile, as one could a port found free and let go.
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    port = holder.getsockname()[1]
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://minio:pwLEAK@127.0.0.1:{port}")
+    with holder:
+        server = serve(bucket_config(tmp_path, s3.url(), "- name: echo\n"))
+        (model,) = server.client.get_model_repository_index().models
+    assert model.state == "UNAVAILABLE" and f"http://127.0.0.1:{port}/" in model.reason, model.reason
+    assert "pwLEAK" not in model.reason and "minio:" not in model.reason
+    # Should obstore ever quote a presigned URL, its signature and credential are not shown either.
+    assert redact("GET https://s3.example.com/b/k?X-Amz-Credential=AKIA%2F1&X-Amz-Signature=f00&x=1 failed") == \
+        "GET https://s3.example.com/b/k?X-Amz-Credential=REDACTED&X-Amz-Signature=REDACTED&x=1 failed"
