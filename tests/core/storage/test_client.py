@@ -200,3 +200,129 @@ def test_a_store_whose_certificate_is_refused_is_told_so_and_each_scheme_its_own
                                                       "for http://)")
     assert describe_error(unreachable, "az").endswith("check the endpoint (AZURE_STORAGE_ENDPOINT, and "
                                                       "AZURE_ALLOW_HTTP for http://)")
+
+
+def test_a_failure_is_the_store_s_when_a_storage_error_caused_it_or_was_being_handled() -> None:
+    """What the watcher and the repository tell a store's outage (tried again) from a model's own fault by."""
+    from nereid.errors import ConfigError
+    from nereid.storage.client import StorageError, store_failed
+
+    def raised(make):
+        try:
+            make()
+        except BaseException as err:  # (what the caller would have caught)
+            return err
+        raise AssertionError("nothing raised")
+
+    def wrapped() -> None:  # a backend wrapping its weights stream's failure
+        try:
+            raise StorageError("s3://b/m/w.bin: HTTP 503")
+        except StorageError as err:
+            raise ConfigError("model 'm': cannot read the weights") from err
+
+    def during() -> None:  # raised while handling one, without saying from what
+        try:
+            raise StorageError("s3://b/m: cannot list the model folder")
+        except StorageError:
+            raise ValueError("a cleanup failed too")
+
+    def unrelated() -> None:  # raised while handling one, but said not to come from it
+        try:
+            raise StorageError("s3://b/m: HTTP 500")
+        except StorageError:
+            raise ConfigError("model 'm': main.py is missing") from None
+
+    assert store_failed(StorageError("s3://b/m: HTTP 500"))
+    assert store_failed(raised(wrapped)) and store_failed(raised(during))
+    assert not store_failed(raised(unrelated)) and not store_failed(ConfigError("model 'm': main.py is missing"))
+    looped = ValueError("a cycle of causes")
+    looped.__cause__ = ValueError("its cause")
+    looped.__cause__.__cause__ = looped
+    assert not store_failed(looped)  # (ends)
+
+
+def test_a_panic_of_the_store_client_is_a_storage_error_naming_the_variables_to_check() -> None:
+    """pyo3's PanicException derives from BaseException: uncaught, it would end the server."""
+    from nereid.storage.client import StoreClientPanic, store_call
+
+    class PanicException(BaseException):  # (obstore's, by its name: pyo3 makes the class at run time)
+        pass
+
+    with pytest.raises(StoreClientPanic) as caught:
+        with store_call("gs"):
+            raise PanicException("called `Option::unwrap()` on a `None` value\nat src/client.rs:12")
+    assert str(caught.value) == ("the store client (obstore) failed: called `Option::unwrap()` on a `None` value; "
+                                 "check the store's environment variables (GOOGLE_BASE_URL first)")
+    with pytest.raises(KeyboardInterrupt):  # any other BaseException goes its way
+        with store_call("s3"):
+            raise KeyboardInterrupt
+
+
+def test_a_store_s_error_is_told_in_one_line_by_its_status_code_and_message() -> None:
+    from nereid.storage.client import describe_error
+
+    class GenericError(Exception):
+        pass
+
+    denied = GenericError("Error performing GET http://127.0.0.1:9000/b/k in 3ms - Server returned non-success "
+                          "status code: 403 Forbidden: <Error><Code>AccessDenied</Code><Message>Access Denied."
+                          "</Message></Error>\n\nDebug source:\nGeneric { ... }")
+    assert describe_error(denied, "s3") == (
+        "HTTP 403 Forbidden AccessDenied: Access Denied; the store refused the credentials or their rights: check "
+        "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (and AWS_ENDPOINT_URL, AWS_REGION)")
+    changed = GenericError("Error performing GET: status code: 412 Precondition Failed: <Code>PreconditionFailed"
+                           "</Code>")
+    assert describe_error(changed, "gs") == (
+        "HTTP 412 Precondition Failed PreconditionFailed; the object changed in the store during the load (an upload "
+        "in progress?): load the model again once it is complete")
+    assert describe_error(GenericError("something new\nits details"), "s3") == "GenericError: something new"
+
+
+def test_an_object_is_not_found_by_either_of_the_store_client_s_errors() -> None:
+    from nereid.storage.client import is_not_found
+
+    class NotFoundError(Exception):  # (obstore's, by its name)
+        pass
+
+    assert is_not_found(FileNotFoundError("m/w.bin")) and is_not_found(NotFoundError("m/w.bin"))
+    assert not is_not_found(PermissionError("m/w.bin")) and not is_not_found(KeyError("m/w.bin"))
+
+
+def test_an_endpoint_shown_in_a_message_keeps_only_its_scheme_and_what_follows_its_last_at_sign() -> None:
+    from nereid.storage.client import redact_endpoint
+
+    assert redact_endpoint("http://minio:pw@127.0.0.1:9000") == "http://REDACTED@127.0.0.1:9000"
+    assert redact_endpoint("https://op:a/b@c#d@store.example") == "https://REDACTED@store.example"  # (the last '@')
+    assert redact_endpoint("op:pw@127.0.0.1:9000") == "REDACTED@127.0.0.1:9000"  # (no scheme: all before the '@')
+    assert redact_endpoint("http://127.0.0.1:9000") == "http://127.0.0.1:9000"
+
+
+def test_which_store_a_scheme_reaches_is_the_endpoint_read_without_its_user_case_or_last_slash(monkeypatch) -> None:
+    """What names a bucket's mirror beside its URL (see test_mirror.py: one URL on two stores)."""
+    from nereid.storage.client import ENDPOINT_VARIABLES, endpoint_identity
+
+    for variable in {name for names in ENDPOINT_VARIABLES.values() for name in names}:
+        monkeypatch.delenv(variable, raising=False)
+    for variable in ("AZURE_STORAGE_ACCOUNT_NAME", "AZURE_STORAGE_ACCOUNT"):
+        monkeypatch.delenv(variable, raising=False)
+    assert endpoint_identity("s3") == endpoint_identity("gs") == endpoint_identity("az") == ""  # the provider's
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://op:pw@MinIO:9000/")
+    assert endpoint_identity("s3") == "http://minio:9000"
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://other:9000")  # read first, as obstore does
+    assert endpoint_identity("s3") == "http://other:9000"
+    monkeypatch.setenv("AZURE_STORAGE_ACCOUNT_NAME", "acct")
+    assert endpoint_identity("az") == "acct"
+    monkeypatch.setenv("AZURE_STORAGE_ENDPOINT", "http://azurite:10000")
+    assert endpoint_identity("az") == "http://azurite:10000 acct"
+
+
+def test_a_control_character_inside_a_header_variable_is_named_without_its_value(monkeypatch) -> None:
+    from nereid.storage.client import HEADER_VARIABLES, header_value_problem
+
+    for variable in HEADER_VARIABLES["s3"]:
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s3cr3t\tvalue")
+    problem = header_value_problem("s3")
+    assert problem == ("AWS_SECRET_ACCESS_KEY holds a control character (a tab, a line break), which no request "
+                       "header can carry; remove it")
+    assert header_value_problem("gs") is None  # (no variable of its headers is checked)
