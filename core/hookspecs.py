@@ -1,5 +1,5 @@
 """The plugin hooks: backends claim model folders, give hints, say which files they stream from an object store,
-and add their commands to the CLI."""
+check their defaults and read their models' options, and add their commands to the CLI."""
 
 from __future__ import annotations
 
@@ -139,4 +139,29 @@ def nereid_check_defaults(defaults: Mapping[str, Any], origin: str) -> None:
 
     :param defaults: the backend's defaults, as nereid.yaml gives them.
     :param origin: where they are, for the message (``nereid.yaml: backends.python``).
+    """
+
+
+@hookspec
+def nereid_model_options(name: str, folder: Path, runtime: Mapping[str, Any], origin: str) -> object:
+    """The options a model of this backend loads with, read from ``runtime`` as its ``load()`` reads them.
+
+    Asked when an edit of nereid.yaml changes this backend's defaults
+    (``backends: {<name>: {...}}``), for each loaded model of it, twice: with
+    the defaults it was loaded with under its own ``runtime:``, and with the
+    new ones. A model whose two answers are equal (``==``) is not reloaded: a
+    default written out (``warm_start: true``), or one the model's own
+    ``runtime:`` overrides, changes nothing it runs with. Return a value that is
+    equal exactly when the loads would be the same (a frozen dataclass of the
+    parsed options); raise ConfigError for a mistake (the model is then
+    reloaded, and its load says what is wrong). Optional: without it (or when
+    it answers None), every loaded model of the backend reloads when its
+    defaults change as written.
+
+    :param name: the model's name.
+    :param folder: the model's folder.
+    :param runtime: the model's ``runtime:`` with the backend's defaults under
+        it, as ``load()`` is given it (a :class:`~nereid.runtime_options.LayeredRuntime`).
+    :param origin: where the model's settings are (``nereid.yaml: models[0]``), as
+        ``ModelContext.settings_origin`` says it at load.
     """

@@ -31,6 +31,7 @@ from pluggy._hooks import _SubsetHookCaller  # (pluggy's own subset caller; see 
 from nereid import hookspecs
 from nereid.backend import BackendClaim
 from nereid.errors import ConfigError, cap_message, describe_exception, plugin_failures
+from nereid.runtime_options import layered_runtime
 from nereid.storage.client import store_failed
 from nereid.storage.mirror import StreamedFiles
 from nereid.triton_hints import folder_hint
@@ -419,6 +420,60 @@ def defaults_problem(manager: NereidPluginManager, name: str, values: Mapping[st
     except plugin_failures() as err:
         return f"{origin}: the {manager.describe(name)}'s nereid_check_defaults raised {error_text(err)}"
     return ""
+
+
+@dataclass(frozen=True)
+class OptionsAsked:
+    """One model of ``backend`` whose backend's defaults an edit of nereid.yaml changed: its ``name``, ``folder``,
+    own ``runtime:``, the ``origin`` of its settings, and ``source``, the nereid.yaml the defaults are in."""
+
+    backend: str
+    name: str
+    folder: Path
+    runtime: Mapping[str, Any]
+    origin: str
+    source: object
+
+
+def options_change(manager: NereidPluginManager, asked: OptionsAsked, before: Mapping[str, Any] | None,
+                   after: Mapping[str, Any] | None) -> bool:
+    """Whether the model ``asked`` of would load with other options under its backend's defaults ``after`` than
+    under ``before``, as its backend's ``nereid_model_options`` hook reads them (asked alone, as for
+    :func:`defaults_problem`).
+
+    Only the backend knows its own defaults: ``warm_start: true`` written out,
+    or a key the model's own ``runtime:`` overrides, changes nothing, though the
+    two mappings differ (each such edit reloaded every model of the backend; the
+    scale hunt). True when the mappings differ and the backend cannot tell: no
+    such hook, no answer, or a raise (a ConfigError's mistake is then the
+    reload's reason; a plugin's bug is logged too).
+    """
+    if (before or {}) == (after or {}):
+        return False
+    impls = _plain_impls(manager.hook.nereid_model_options)
+    impl = next((impl for impl in impls if impl.plugin_name == asked.backend), None)
+    if impl is None:
+        return True
+    answers = []
+    for defaults in (before, after):
+        arguments = {"name": asked.name, "folder": asked.folder, "origin": asked.origin,
+                     "runtime": layered_runtime(asked.runtime, defaults, asked.source, asked.backend)}
+        try:
+            answer = _answers_alone(manager, "nereid_model_options", impl, impls, arguments,
+                                    about=f"model '{asked.name}'")
+        except ConfigError:
+            return True
+        except plugin_failures() as err:
+            log.warning("model '%s': the %s's nereid_model_options raised %s; reloading it for the edit of its "
+                        "backends: defaults", asked.name, manager.describe(asked.backend), error_text(err))
+            return True
+        if not answer:  # (None: it cannot tell for this one)
+            return True
+        answers.append(answer[0])
+    try:
+        return bool(answers[0] != answers[1])
+    except Exception:  # (an answer whose == raises cannot tell either)
+        return True
 
 
 def _plain_impls(hook: pluggy.HookCaller) -> list[pluggy.HookImpl]:

@@ -34,7 +34,7 @@ from nereid.model_building import BackendRaised
 from nereid.model_entry import (FOUND_AFTER_START_REASON, NOT_LISTED_REASON, LoadAbandoned, LoadedModel, ModelEntry,
                                 ModelState, RetiringVersion, waiting_for_folder)
 from nereid.model_hooks import collect_released_code_soon
-from nereid.plugins import check_backend_defaults
+from nereid.plugins import OptionsAsked, check_backend_defaults, options_change
 from nereid.settings import Settings
 from nereid.settings_changes import changed_backends, served, settings_step
 from nereid.stats import ModelStats
@@ -679,8 +679,7 @@ class ModelRepository:
         """Whether the running version was built with the entry's settings as they are now and, where the files
         were stamped (a local folder), from the folder's files as they are now."""
         loaded = entry.loaded
-        if (loaded is None or loaded.settings != entry.settings
-                or loaded.backend_defaults != self.settings.backend_defaults.get(loaded.backend_name)):
+        if loaded is None or loaded.settings != entry.settings or self._defaults_change_options(entry, self.settings):
             return False
         if loaded.stamp is None:
             # Files not stamped (a bucket's: their state is the watcher's, not known here): loaded again, as
@@ -689,6 +688,17 @@ class ModelRepository:
             return False
         stamped = await asyncio.to_thread(folder_stamp, entry.folder)
         return stamped is not None and stamped[0] == loaded.stamp
+
+    def _defaults_change_options(self, entry: ModelEntry, settings: Settings) -> bool:
+        """Whether ``entry``'s running version would load with other options under the ``backends:`` defaults of
+        ``settings`` than under those it was loaded with, its own settings as ``settings`` give them: its
+        backend's to say (see :func:`~nereid.plugins.options_change`)."""
+        loaded = entry.loaded
+        assert loaded is not None
+        own, origin = settings.model_or_default(entry.name)
+        asked = OptionsAsked(loaded.backend_name, entry.name, entry.folder, own.runtime, origin, settings.source)
+        return options_change(self.manager, asked, loaded.backend_defaults,  # type: ignore[arg-type]
+                              settings.backend_defaults.get(loaded.backend_name))
 
     async def _load_locked(self, entry: ModelEntry, retrying: str | None) -> ModelEntry:
         """The load of :meth:`load`, the entry held and not loaded."""
@@ -1014,13 +1024,17 @@ class ModelRepository:
         old = self.settings
         self.settings = settings
         backends_changed = changed_backends(old, settings)
+        unchanged: dict[str, int] = {}  # loaded models of a backend whose defaults changed that run as they were
         work = []
         for entry in self.entries():
-            step = settings_step(entry.name, old, settings, entry.settings,
-                                 entry.loaded.backend_name if entry.loaded is not None else None,
-                                 entry.name in self._exposed and entry.folder_seen, backends_changed)
+            loaded_backend = entry.loaded.backend_name if entry.loaded is not None else None
+            options_changed = loaded_backend in backends_changed and self._defaults_change_options(entry, settings)
+            step = settings_step(entry.name, old, settings, entry.settings, loaded_backend,
+                                 entry.name in self._exposed and entry.folder_seen, backends_changed, options_changed)
             entry.settings, entry.settings_origin = settings.model_or_default(entry.name)
             if step is None:
+                if loaded_backend in backends_changed:
+                    unchanged[loaded_backend] = unchanged.get(loaded_backend, 0) + 1
                 continue
             if step.action != "unload" and entry.name in settling:
                 log.info("model '%s'%s; it loads once its folder, which is changing, has settled", entry.name,
@@ -1043,6 +1057,10 @@ class ModelRepository:
                 work.append(self.load(entry.name, counted=False))  # (listed by the edit: counted once it serves)
             else:
                 work.append(self._reload_entry(entry))
+        for backend, count in sorted(unchanged.items()):  # (one line, where each model said "reloading it")
+            log.info("nereid.yaml's backends.%s changed, but not the options of %d loaded model%s of it (a default "
+                     "written out, or a key its own runtime: sets): not reloaded", backend, count,
+                     "" if count == 1 else "s")
         for model in settings.models:  # listed by this edit before its folder is there: one line for it too
             if model.name not in self._entries and old.model(model.name) is None:
                 if model.name in settling:  # (there, new and still changing: "is in ml_backends_path" misled)

@@ -28,6 +28,15 @@ class LayeredRuntime(dict):
         self.origins = {key: defaults_origin for key in defaults if key not in own}
 
 
+def layered_runtime(own: Mapping[str, Any], defaults: Mapping[str, Any] | None, source: object,
+                    backend: str) -> Mapping[str, Any]:
+    """A model's ``runtime`` (``own``) as its backend's ``load()`` is given it: with the backend's ``defaults``
+    (nereid.yaml's ``backends.<backend>``, in the file ``source``) under it, or as it is when there are none."""
+    if not defaults:
+        return own
+    return LayeredRuntime(own, defaults, f"{source}: backends.{backend}" if source else f"backends.{backend}")
+
+
 class RuntimeOptions:
     """The ``runtime`` mapping of one model, with unknown keys already refused."""
 

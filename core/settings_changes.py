@@ -22,7 +22,8 @@ class SettingsStep:
 
 
 def changed_backends(old: Settings, new: Settings) -> set[str]:
-    """The backends whose ``backends:`` defaults differ between ``old`` and ``new``."""
+    """The backends whose ``backends:`` defaults differ between ``old`` and ``new`` as written (whether a model's
+    options differ with them is its backend's to say: see :func:`nereid.plugins.options_change`)."""
     # (An empty section, `python: {}`, is the same as none: it changes no model's options.)
     return {name for name in set(old.backend_defaults) | set(new.backend_defaults)
             if (old.backend_defaults.get(name) or {}) != (new.backend_defaults.get(name) or {})}
@@ -35,13 +36,15 @@ def served(settings: Settings, name: str) -> bool:
 
 
 def settings_step(name: str, old: Settings, new: Settings, before: ModelSettings, loaded_backend: str | None,
-                  asked_for: bool, backends_changed: set[str]) -> SettingsStep | None:
+                  asked_for: bool, backends_changed: set[str], options_changed: bool) -> SettingsStep | None:
     """What the edit from ``old`` to ``new`` asks of the model ``name``, whose settings were ``before``.
 
     ``loaded_backend``: the backend of its running version (None: not loaded; a loaded one always has a backend's
     name). ``asked_for``: the server means
     to serve it (loaded at start, or asked for since) and its folder is there. ``backends_changed``: see
-    :func:`changed_backends`.
+    :func:`changed_backends`. ``options_changed``: its running version would load with other options under the
+    new ``backends:`` defaults of its backend (as the backend reads them, under its own ``runtime:``; see
+    :func:`nereid.plugins.options_change`).
     """
     was_listed, listed = old.model(name) is not None, new.model(name) is not None
     changed = new.model_or_default(name)[0] != before
@@ -66,6 +69,11 @@ def settings_step(name: str, old: Settings, new: Settings, before: ModelSettings
             # (warm_sart corrected to warm_start) may be what it needed.
             return SettingsStep("load", ": nereid.yaml's backends: defaults changed; loading it again")
         return None
-    if changed or loaded_backend in backends_changed:
+    if changed:
         return SettingsStep("reload", ": its settings in nereid.yaml changed; reloading it")
+    if loaded_backend in backends_changed and options_changed:
+        # (Only a change of what it runs with: a default written out, or one its own runtime: overrides, reloaded
+        # every model of the backend, 300 reloads for an edit that changed nothing; the scale hunt.)
+        return SettingsStep("reload", f": nereid.yaml's backends.{loaded_backend} defaults change its options; "
+                                      "reloading it")
     return None

@@ -12,7 +12,7 @@ from typing import Any
 from nereid.backend import BackendClaim
 from nereid.backends.cxx.build import header_path
 from nereid.backends.cxx.model import CxxModel
-from nereid.backends.cxx.options import ALLOWED_KEYS
+from nereid.backends.cxx.options import ALLOWED_KEYS, CxxOptions, parse_options
 from nereid.hookspecs import hookimpl
 from nereid.runtime_options import defaults_options
 from nereid.signature import TEXTPROTO_NAME
@@ -58,3 +58,10 @@ def nereid_check_defaults(defaults: dict, origin: str) -> None:
     """Refuse an unknown key in nereid.yaml's ``backends.cxx``, served model or not (a library or sources there
     are read, against each model's folder, when a model loads)."""
     defaults_options(defaults, origin, BACKEND_NAME, ALLOWED_KEYS)
+
+
+@hookimpl
+def nereid_model_options(name: str, folder: Path, runtime: dict, origin: str) -> CxxOptions:
+    """The library (or sources) a cxx model loads, its paths resolved: an edit of ``backends.cxx`` that a model's
+    own ``library`` or ``sources`` overrides reloads no model."""
+    return parse_options(name, runtime, origin, folder)

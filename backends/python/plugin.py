@@ -266,3 +266,10 @@ def nereid_claim_signs() -> str:
 def nereid_check_defaults(defaults: dict, origin: str) -> None:
     """Refuse a mistake in nereid.yaml's ``backends.python`` (``warm_sart``), served model or not."""
     parse_options(LayeredRuntime({}, defaults, origin), origin)
+
+
+@hookimpl
+def nereid_model_options(name: str, folder: Path, runtime: dict, origin: str) -> PythonOptions:
+    """The options a python model loads with (``warm_start``, ``preload``): an edit of ``backends.python`` that
+    leaves them as they are (``warm_start: true`` written out) reloads no model."""
+    return parse_options(runtime, origin)

@@ -11,7 +11,7 @@ from nereid.backend import BackendClaim
 from nereid.backends.xla.bundle import not_a_folder_reason
 from nereid.backends.xla.manifest import MANIFEST_NAME, declares_meta, text_declares_meta
 from nereid.backends.xla.model import create_model
-from nereid.backends.xla.options import parse_options
+from nereid.backends.xla.options import XlaOptions, parse_options
 from nereid.backends.xla.weights import WEIGHTS_SUFFIX
 from nereid.hookspecs import hookimpl
 from nereid.runtime_options import LayeredRuntime
@@ -146,3 +146,10 @@ def check_bundles(dirs: list[Path]) -> int:
 def nereid_check_defaults(defaults: dict, origin: str) -> None:
     """Refuse a mistake in nereid.yaml's ``backends.xla`` (``batch_sizes: smallest``), served model or not."""
     parse_options(LayeredRuntime({}, defaults, origin), origin)
+
+
+@hookimpl
+def nereid_model_options(name: str, folder: Path, runtime: dict, origin: str) -> XlaOptions:
+    """The options a bundle loads with: an edit of ``backends.xla`` that leaves them as they are
+    (``batch_sizes: all`` written out) reloads no bundle."""
+    return parse_options(runtime, origin)

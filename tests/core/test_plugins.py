@@ -18,8 +18,8 @@ from tritonclient.utils import InferenceServerException
 import toy_backends
 from nereid import hookspecs
 from nereid.backend import BackendClaim
-from nereid.plugins import (backend_names, check_backend_defaults, claim_folder, hook_problems,
-                            make_plugin_manager, plugin_code, streamed_files)
+from nereid.plugins import (OptionsAsked, backend_names, check_backend_defaults, claim_folder, hook_problems,
+                            make_plugin_manager, options_change, plugin_code, streamed_files)
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
@@ -122,6 +122,57 @@ def test_each_backend_checks_its_defaults_with_no_model_of_it_served() -> None:
     good = {"python": {"warm_start": False, "preload": ["numpy"]}, "xla": {"batch_sizes": "largest"},
             "cxx": {"sources": ["a.cpp"]}, "cpp": None, "meta": {}}
     assert check_backend_defaults(manager, good, "n.yaml") == []
+
+
+def asked(backend: str, runtime: dict, folder: Path = Path("/srv/m")) -> OptionsAsked:
+    return OptionsAsked(backend, "m", folder, runtime, "n.yaml: models[0]", "n.yaml")
+
+
+def test_a_backends_edit_changes_a_models_options_only_as_its_backend_reads_them(tmp_path: Path) -> None:
+    """The scale hunt: the defaults were compared as written, so a default written out, or one each model's own
+    runtime: overrides, reloaded every model of the backend."""
+    manager = make_plugin_manager(load_entry_points=False)
+    assert not options_change(manager, asked("python", {}), None, {"warm_start": True, "preload": []})
+    assert options_change(manager, asked("python", {}), None, {"warm_start": False})
+    assert not options_change(manager, asked("python", {"warm_start": True}), {}, {"warm_start": False})
+    assert options_change(manager, asked("python", {}), {"preload": ["json"]}, {"preload": ["json", "csv"]})
+    assert not options_change(manager, asked("xla", {}), {"batch_sizes": "all"}, {"weights_read_threads": 8})
+    assert options_change(manager, asked("xla", {}), {}, {"batch_sizes": "largest"})
+    # A cxx model's own library replaces a default of sources, whatever they are.
+    library = {"library": str(tmp_path / "libm.so")}
+    assert not options_change(manager, asked("cxx", library), {"sources": ["/a.cpp"]}, {"sources": ["/b.cpp"]})
+    assert options_change(manager, asked("cxx", {}), {"sources": ["/a.cpp"]}, {"sources": ["/b.cpp"]})
+    # A mistake is the reload's to report (the model's load refuses it, naming where it is).
+    assert options_change(manager, asked("python", {}), {}, {"warm_sart": True})
+    assert options_change(manager, asked("python", {}), {"warm_sart": True}, {"warm_start": True})
+
+
+class NoOptions:
+    """A backend with defaults of its own and no way to compare them: one that answers nothing."""
+
+    BACKEND_NAME = "silent"
+
+    @hookspecs.hookimpl
+    def nereid_claim_model(self, folder, declared):
+        return None
+
+    @hookspecs.hookimpl
+    def nereid_model_options(self, name, folder, runtime, origin):
+        if runtime.get("broken"):
+            raise RuntimeError("no options today")
+        return None
+
+
+def test_a_backend_that_cannot_compare_its_options_reloads_at_any_change_of_its_defaults(caplog) -> None:
+    """As before nereid_model_options: a third-party backend without it (toy), or whose hook answers nothing or
+    raises, reloads its models whenever its defaults change as written, and at no other edit."""
+    manager = make_plugin_manager(load_entry_points=False, extra_plugins=(toy_backends, NoOptions()))
+    assert options_change(manager, asked("toy", {}), None, {"colour": "blue"})
+    assert not options_change(manager, asked("toy", {}), None, {})  # (an empty section is none)
+    assert options_change(manager, asked("silent", {}), {"a": 1}, {"a": 2})
+    caplog.set_level(logging.WARNING, logger="nereid.plugins")
+    assert options_change(manager, asked("silent", {}), {"broken": True}, {"broken": True, "a": 2})
+    assert "model 'm': the plugin 'silent'" in caplog.text and "RuntimeError: no options today" in caplog.text
 
 
 class FussyDefaults:
@@ -678,7 +729,7 @@ def test_a_plugin_implementing_no_nereid_hook_is_left_out_saying_what_to_fix(sit
         for *_, module, _source in HOOKLESS_PLUGINS:
             sys.modules.pop(module, None)
     hooks = ("nereid_add_commands, nereid_check_defaults, nereid_claim_model, nereid_claim_signs, "
-             "nereid_declaration_hint, nereid_streamed_files")
+             "nereid_declaration_hint, nereid_model_options, nereid_streamed_files")
     assert {p.plugin.split(" ")[1]: p.what for p in manager.problems} == {
         "'typo_hook'": f"left out: unknown hook 'nereid_claim_models' (did you mean nereid_claim_model?); "
                        f"nereid's hooks are: {hooks}",

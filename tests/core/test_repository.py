@@ -1272,3 +1272,56 @@ def test_a_model_listed_while_its_new_folder_settles_is_said_to_wait_for_it_to_s
                     "has settled",
                     "model 'absent' is now listed in nereid.yaml; it loads once its folder 'absent' is in "
                     "ml_backends_path"]
+
+
+PYTHON_ECHO = '''
+import os, sys
+data = sys.stdin.buffer.read()
+with open(os.environ["NEREID_OUTPUT_PATH"], "wb") as out:
+    out.write(("%s %s\\n" % (os.environ["NEREID_INPUT_DTYPE"], os.environ["NEREID_INPUT_SHAPE"])).encode())
+    out.write(data)
+'''
+
+
+def test_an_edit_of_backends_reloads_only_the_models_whose_options_it_changes(tmp_path, root, caplog):
+    """The scale hunt: `backends: {python: {...}}` edited to give no model other options (a default written out,
+    preload: [] added) reloaded every python model, 300 reloads for an edit that changed nothing. Real python
+    models: the backend's own reading of its options decides."""
+    import logging
+
+    for name in ("plain", "own"):
+        (root / name).mkdir()
+        (root / name / "main.py").write_text(PYTHON_ECHO)
+        (root / name / "model_inference.textproto").write_text('input_shape: [4]\noutput_shape: [4]\n'
+                                                               'max_batch_size: 8\ndata_type: "FP32"\n')
+    config = tmp_path / "nereid.yaml"
+    head = 'server:\n  ml_backends_path: "ml-backends"\n  metrics_addr: ""\n  http_addr: ""\n'
+    models = "models:\n  - name: plain\n  - name: own\n    runtime: {warm_start: false}\n"
+    config.write_text(head + "backends:\n  python: {warm_start: false}\n" + models)
+    (tmp_path / "scratch").mkdir()
+    repo = ModelRepository(load_settings(config), make_plugin_manager(load_entry_points=False), tmp_path / "scratch")
+
+    async def edited(backends: str) -> None:
+        config.write_text(head + backends + models)
+        await repo.apply_settings(load_settings(config))
+
+    async def scenario() -> None:
+        for name in ("plain", "own"):
+            assert (await repo.load(name)).state is ModelState.READY
+        caplog.set_level(logging.INFO, logger="nereid.repository")
+        # Nothing either model runs with changes: written out, a preload of nothing.
+        await edited("backends:\n  python: {warm_start: false, preload: []}\n")
+        assert (repo.generation("plain"), repo.generation("own")) == (1, 1)
+        assert "reloading it" not in caplog.text, caplog.text
+        assert ("nereid.yaml's backends.python changed, but not the options of 2 loaded models of it (a default "
+                "written out, or a key its own runtime: sets): not reloaded") in caplog.text
+        # A reload only if anything changed (a file event that changed nothing, in dynamic mode) reloads nothing.
+        assert (await repo.reload("plain", only_if_changed=True)).generation == 1
+        # Warm start by default again: `own` keeps its own warm_start: false, `plain` alone reloads, warm.
+        await edited("")
+        assert (repo.generation("plain"), repo.generation("own")) == (2, 1)
+        assert repo.entry("plain").loaded.backend.options.warm_start is True
+        assert "model 'plain': nereid.yaml's backends.python defaults change its options; reloading it" in caplog.text
+        assert "model 'own'" not in caplog.text, caplog.text
+        await repo.unload_all()
+    asyncio.run(scenario())

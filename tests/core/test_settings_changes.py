@@ -17,9 +17,9 @@ def settings(tmp_path: Path, document: str) -> Settings:
 
 
 def step(name: str, old: Settings, new: Settings, loaded_backend: str | None = None,
-         asked_for: bool = True) -> tuple[str, str] | None:
+         asked_for: bool = True, options_changed: bool = True) -> tuple[str, str] | None:
     found = settings_step(name, old, new, old.model_or_default(name)[0], loaded_backend, asked_for,
-                          changed_backends(old, new))
+                          changed_backends(old, new), options_changed)
     return None if found is None else (found.action, found.why)
 
 
@@ -47,7 +47,8 @@ def test_changed_backend_defaults_reload_that_backends_models_and_retry_failed_o
     before = settings(tmp_path, "models:\n  - name: a\n")
     after = settings(tmp_path, "backends:\n  python:\n    warm_start: false\nmodels:\n  - name: a\n")
     assert changed_backends(before, after) == {"python"}
-    assert step("a", before, after, loaded_backend="python")[0] == "reload"
+    assert step("a", before, after, loaded_backend="python") == (
+        "reload", ": nereid.yaml's backends.python defaults change its options; reloading it")
     assert step("a", before, after, loaded_backend="cpp") is None
     assert step("a", before, after) == ("load", ": nereid.yaml's backends: defaults changed; loading it again")
     assert step("a", before, after, asked_for=False) is None  # unloaded on purpose, or its folder not there
@@ -80,3 +81,19 @@ def test_an_empty_backends_section_changes_no_backend(tmp_path: Path) -> None:
     after = settings(tmp_path, "backends:\n  python: {}\nmodels:\n  - name: a\n")
     assert changed_backends(before, after) == changed_backends(after, before) == set()
     assert step("a", before, after, loaded_backend="python") is None
+
+
+def test_changed_backend_defaults_reload_only_a_model_whose_options_they_change(tmp_path: Path) -> None:
+    """The scale hunt: `backends: {python: {warm_start: true}}` (the default written out) reloaded every python
+    model, 300 reloads for an edit that changed no model's options."""
+    before = settings(tmp_path, "models:\n  - name: a\n")
+    after = settings(tmp_path, "backends:\n  python:\n    warm_start: true\nmodels:\n  - name: a\n")
+    assert step("a", before, after, loaded_backend="python", options_changed=False) is None
+    # (Its own entry changed too: reloaded for that, whatever the defaults do.)
+    edited = settings(tmp_path, "backends:\n  python:\n    warm_start: true\nmodels:\n  - name: a\n"
+                                "    queue_capacity: 7\n")
+    assert step("a", before, edited, loaded_backend="python", options_changed=False) == (
+        "reload", ": its settings in nereid.yaml changed; reloading it")
+    # (One whose last load failed is loaded again, as before: which backend claims it is not known.)
+    assert step("a", before, after, options_changed=False) == (
+        "load", ": nereid.yaml's backends: defaults changed; loading it again")
