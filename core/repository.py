@@ -546,6 +546,12 @@ class ModelRepository:
         entry = self._entries.get(name)
         return entry.loaded if entry is not None else None
 
+    @property
+    def unloads_waiting(self) -> int:
+        """Releases of retired versions (unloads, reloads' old versions, removals) waiting for their turn: at most
+        ``server.model_load_threads`` run at once (see :class:`~nereid.version_loader.UnloadTurns`)."""
+        return self._loader.unload_turns.waiting
+
     def loading(self) -> bool:
         """True while some model is LOADING."""
         return any(entry.state is ModelState.LOADING for entry in self.entries())
@@ -1190,6 +1196,9 @@ class ModelRepository:
         """Unload every loaded model (server shutdown), once the work left in the background is done (old
         versions draining, removals). A load or unload a client asked for and still running is abandoned first: a
         load's reason says the server is stopping, and an unload begun finishes its drain."""
+        # Every release at once from now on: nothing serves any more, and the stop must not wait turns behind
+        # unloads that hang (each waited for BACKEND_CALL_WAIT_S at most).
+        self._loader.unload_turns.open()
         # Not waited for: a backend's load() may take minutes, or never return (its late result is unloaded).
         for task in list(self._accepted):
             task.cancel()
@@ -1263,18 +1272,23 @@ class ModelRepository:
                 self._terminated.add(id(backend))  # (and is not to ask it again: a backend is asked once)
                 await terminate_backend(name, backend)  # never raises: the unload goes on past a failing terminate
 
+        turns = self._loader.unload_turns
         try:
             # Bounded by the grace: an abandoned request's thread must not hold the unload (or the loop).
             await loaded.scheduler.drain(self.settings.server.shutdown_grace_s if grace_s is None else grace_s,
                                          end_running)
-            await unload_backend(name, backend)
+            # In turns, once drained (a turn is for the release's thread, not for requests finishing): each
+            # release at once took a thread, and hundreds of them held liveness for seconds (the scale hunt).
+            async with turns.turn():
+                await unload_backend(name, backend)
         finally:
             loaded.hook_threads.release()
             loaded.release_folder()
             self._retiring.pop(id(loaded), None)
             self._terminated.discard(id(backend))
             collect_released_code_soon()  # (a model.py's module, which only the collector frees)
-        await self._cleanup.drop_scratch(retiring.scratch_names)
+        async with turns.turn():
+            await self._cleanup.drop_scratch(retiring.scratch_names)
 
     def _heard_loaded(self, name: str, loaded: LoadedModel) -> None:
         """Tell ``events`` of a version that serves from now on (``nereid_model_load_duration_seconds``): counted

@@ -33,7 +33,7 @@ DEFAULT_METRICS_ADDR = "127.0.0.1:8002"
 DEFAULT_HTTP_ADDR = "[::1]:8000"
 DEFAULT_WATCH_SETTLE_MS = 1000.0
 DEFAULT_WATCH_POLL_S = 10.0  # how often a watched object store is listed (it sends no events)
-DEFAULT_MODEL_LOAD_THREADS = 4  # model folders loading at once, as Triton's --model-load-thread-count default
+DEFAULT_MODEL_LOAD_THREADS = 4  # models loading (and unloading) at once, as Triton's --model-load-thread-count default
 MAX_MODEL_LOAD_THREADS = 1024
 # Like Triton's default; up to 2 GiB - 1 (gRPC's own ceiling) may be configured.
 # nereid.yaml is written by an operator, but a mistake (a binary file, a FIFO) must still be an error.

@@ -9,6 +9,7 @@ given its scheduler, request runner and hook threads.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import functools
 import logging
@@ -16,11 +17,12 @@ import os
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import AsyncIterator
 
 import pluggy
 
 from nereid.backend import CallsModels, ModelCaller, ModelContext, what_it_calls
-from nereid.backend_calls import await_build, on_daemon_thread, unload_backend, unload_unclaimed
+from nereid.backend_calls import BACKEND_CALL_WAIT_S, await_build, on_daemon_thread, unload_backend, unload_unclaimed
 from nereid.errors import ConfigError, backend_exit, calling_plugin, shown_name
 from nereid.files import check_confined
 from nereid.folder_states import folder_stamp
@@ -75,6 +77,58 @@ async def discard_version(name: str, loaded: LoadedModel) -> None:
         loaded.release_folder()
 
 
+class UnloadTurns:
+    """Turns for the releases of retired versions (a backend's ``unload()``, a scratch folder's removal, each on a
+    thread of its own): at most ``count`` at once, the others waiting, first come first served.
+
+    250 RepositoryModelUnload calls at once started 250 threads, whose GIL
+    kept gRPC's ServerLive waiting up to 2.1 s on two cores (the scale hunt).
+    Apart from the loads' own turns: an unload never waits behind a load of
+    another model (one compiling for minutes), and no load waits for an
+    unload's turn, so neither can hold what the other waits for. A release
+    still running after ``longest_s`` gives its turn up (it runs on), as a long
+    load does: one that never returns keeps no other unload waiting for good.
+    """
+
+    def __init__(self, count: int, longest_s: float = BACKEND_CALL_WAIT_S) -> None:
+        self._slots = asyncio.Semaphore(count)
+        self.longest_s = longest_s
+        self.waiting = 0  # releases waiting for their turn
+        self._open = False
+
+    @contextlib.asynccontextmanager
+    async def turn(self) -> AsyncIterator[None]:
+        """Hold a turn for the body (none once :meth:`open`)."""
+        if self._open:
+            yield
+            return
+        self.waiting += 1
+        try:
+            await self._slots.acquire()
+        finally:
+            self.waiting -= 1
+        given_up = False
+
+        def give_up() -> None:
+            nonlocal given_up
+            if not given_up:
+                given_up = True
+                self._slots.release()
+        timer = asyncio.get_running_loop().call_later(self.longest_s, give_up)
+        try:
+            yield
+        finally:
+            timer.cancel()
+            give_up()
+
+    def open(self) -> None:
+        """Let every release go at once from now on, those waiting too: the server stops (nothing is served any
+        more, and its stop must not wait turns behind releases that hang)."""
+        self._open = True
+        for _ in range(self.waiting):
+            self._slots.release()
+
+
 class VersionLoader:
     """Loads versions of model folders for one repository.
 
@@ -95,6 +149,8 @@ class VersionLoader:
         # build's thread importing and reading at once, kept the event loop from the GIL: liveness went
         # unanswered for 10-30 s on two cores, long enough for a liveness probe to kill the server.
         self._build_slots = asyncio.Semaphore(load_threads)
+        # As many releases of retired versions at once, in turns of their own (see UnloadTurns).
+        self.unload_turns = UnloadTurns(load_threads)
 
     def scratch_for(self, name: str) -> Path:
         """The scratch folder for the model ``name`` (made if it is not there); ConfigError naming the model when

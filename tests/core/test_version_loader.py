@@ -361,3 +361,56 @@ def test_a_folder_that_keeps_triton_s_files_is_warned_of_once_per_load(tmp_path,
                              "(instances are nereid.yaml's instances: and device:) does not apply, and 1/model.py does "
                              "not run (the model is the files at the top of its folder, its one version 1); remove "
                              "them (the README's 'Coming from Triton' maps each part)")
+
+
+
+async def holding_a_turn(turns, until_set: asyncio.Event, inside: list[int] | None = None, index: int = 0) -> None:
+    """Hold a turn of ``turns`` until ``until_set`` is set, listed in ``inside`` meanwhile."""
+    async with turns.turn():
+        inside = inside if inside is not None else []
+        inside.append(index)
+        await until_set.wait()
+        inside.remove(index)
+
+
+def released_event() -> asyncio.Event:
+    event = asyncio.Event()
+    event.set()
+    return event
+
+
+def test_releases_take_turns_and_one_that_hangs_gives_its_turn_up():
+    """The scale hunt: every unload's release took a thread at once (250 of them held liveness for 2.1 s). At most
+    ``count`` at once, the others waiting; one still running after ``longest_s`` lets the next go."""
+    from nereid.version_loader import UnloadTurns
+
+    async def scenario() -> None:
+        turns, go, inside = UnloadTurns(2, longest_s=600), asyncio.Event(), []
+        tasks = [asyncio.ensure_future(holding_a_turn(turns, go, inside, index)) for index in range(5)]
+        await until(lambda: turns.waiting == 3, what="three waiting")
+        assert sorted(inside) == [0, 1]  # (in order: the first two came first)
+        go.set()
+        await asyncio.gather(*tasks)
+        assert turns.waiting == 0 and inside == []
+
+        # One that hangs (its backend's unload never returns) holds its turn for longest_s only.
+        turns, hang = UnloadTurns(1, longest_s=0.05), asyncio.Event()
+        stuck = asyncio.ensure_future(holding_a_turn(turns, hang))
+        await until(lambda: turns.waiting == 0 and not stuck.done(), what="the first holding its turn")
+        await asyncio.wait_for(holding_a_turn(turns, released_event()), 30)
+        assert not stuck.done()
+        hang.set()
+        await stuck
+
+        # The server stopping: those waiting go at once, and later ones never wait.
+        turns, hold = UnloadTurns(1), asyncio.Event()
+        first = asyncio.ensure_future(holding_a_turn(turns, hold))
+        waiting = [asyncio.ensure_future(holding_a_turn(turns, released_event())) for _ in range(3)]
+        await until(lambda: turns.waiting == 3, what="three waiting behind the first")
+        turns.open()
+        await asyncio.wait_for(asyncio.gather(*waiting), 30)
+        await asyncio.wait_for(holding_a_turn(turns, released_event()), 30)
+        assert not first.done()
+        hold.set()
+        await first
+    asyncio.run(scenario())

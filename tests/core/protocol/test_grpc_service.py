@@ -10,6 +10,7 @@ import logging
 import queue
 import threading
 import time
+import urllib.request
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
@@ -22,6 +23,8 @@ from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 import nereid
+from nereid.backend import BackendClaim
+from nereid.hookspecs import hookimpl
 from support import ECHO_MAIN, FRAMED_ECHO_MAIN, expect_grpc_error, scrape, textproto_single, wait_until
 
 NOT_LISTED = "not listed in nereid.yaml"
@@ -1324,3 +1327,90 @@ def test_a_status_message_too_long_for_the_metadata_keeps_its_end_where_the_firs
     count, _, tail = rest.partition(" characters cut] ... ")
     assert head + text[len(head):len(head) + int(count)] + tail == text  # what is said to be cut is what was
     assert status_message("short, ç") == "short, ç"
+
+
+class HeldUnloads:
+    """A backend (``held``, folders holding ``held.txt``) whose models' unload() waits until ``release`` is set,
+    counting the unload() calls running at once (``running``, and the most there were, ``most``)."""
+
+    BACKEND_NAME = "held"
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.lock = threading.Lock()
+        self.running = self.most = self.done = 0
+
+    def unloading(self) -> None:
+        with self.lock:
+            self.running += 1
+            self.most = max(self.most, self.running)
+        try:
+            self.release.wait(60)
+        finally:
+            with self.lock:
+                self.running -= 1
+                self.done += 1
+
+    @hookimpl
+    def nereid_claim_model(self, folder, declared):
+        import toy_backends
+
+        if not (folder / "held.txt").is_file():
+            return None
+        owner = self
+
+        class Held(toy_backends.ToyModel):
+            def unload(self) -> None:
+                owner.unloading()
+        return BackendClaim(Held)
+
+
+def test_unloads_at_once_release_their_versions_in_turns_of_model_load_threads(repo, serve):
+    """The scale hunt: 250 RepositoryModelUnload calls at once (gRPC, or HTTP's unload) started 250 threads (unloads
+    were not bounded by server.model_load_threads, as loads are), and held ServerLive up to 2.1 s on two cores.
+    Each unload is still answered, once, and the server answers while they wait their turn."""
+    import toy_backends
+    from nereid.plugins import make_plugin_manager
+
+    count, bound = 12, 2
+    held = HeldUnloads()
+    for index in range(count):
+        (toy_backends.write_toy(repo.models_dir, f"m{index}") / "held.txt").write_text("")
+    server = serve(repo.write_config(None, server_extra=f"  model_load_threads: {bound}\n"),
+                   manager=make_plugin_manager(extra_plugins=(held,)))
+    repository = server.server.repository
+    answers: queue.Queue = queue.Queue()
+
+    def unload(name: str, over_http: bool) -> None:
+        try:
+            if over_http:  # (HTTP's POST /v2/repository/models/{m}/unload: the same unloads, the same turns)
+                url = f"http://127.0.0.1:{server.server.http_port}/v2/repository/models/{name}/unload"
+                with urllib.request.urlopen(urllib.request.Request(url, b"", method="POST"), timeout=120) as answer:
+                    assert answer.status == 200
+            else:
+                server.client.unload_model(name, client_timeout=120)
+            answers.put((name, None))
+        except Exception as err:  # (any failure is the test's: counted below)
+            answers.put((name, err))
+    callers = [threading.Thread(target=unload, args=(f"m{index}", index % 2 == 1)) for index in range(count)]
+    try:
+        assert all(server.client.is_model_ready(f"m{index}") for index in range(count))
+        for caller in callers:
+            caller.start()
+        # Every unload has come as far as it goes while the first ones hang: each in its backend's unload(), or
+        # (bounded) waiting for its turn. No clock: the counts say when.
+        wait_for(lambda: held.running == count
+                 or (held.running == bound and repository.unloads_waiting == count - bound),
+                 "every unload to run or wait for its turn", timeout=60)
+        assert (held.running, held.most) == (bound, bound)
+        assert server.client.is_server_live()  # (served meanwhile)
+        assert answers.empty()  # (none is answered before its model is unloaded)
+    finally:
+        held.release.set()
+        for caller in callers:
+            caller.join(60)
+    got = [answers.get(timeout=1) for _ in range(count)]
+    assert answers.empty() and sorted(name for name, _ in got) == sorted(f"m{index}" for index in range(count))
+    assert [error for _, error in got if error is not None] == []
+    assert (held.done, held.most, repository.unloads_waiting) == (count, bound, 0)
+    assert {index_of(server, f"m{index}") for index in range(count)} == {("UNAVAILABLE", "unloaded")}
