@@ -67,8 +67,44 @@ def make_scratch_folder(kind: str = "") -> Path:
     TMPDIR is set but cannot be used (see :func:`scratch_parent`).
     """
     folder = Path(tempfile.mkdtemp(prefix=f"{scratch_prefix()}{kind}", dir=scratch_parent()))
+    refusal = _umask_refusal(folder)
+    if refusal is not None:
+        os.rmdir(folder)
+        raise ScratchFolderError(refusal)
     _hold_lock(folder)
     return folder
+
+
+def _umask_refusal(folder: Path) -> str | None:
+    """Why the server's user cannot use ``folder``, just made (mode 0700 less the umask), when the umask took its
+    own read, write or search permission (``umask 0277``); None when it can.
+
+    Everything the server makes (the folder's .owner.lock, every run's folder)
+    would then fail, and the first failure said only ``Permission denied:
+    .../.owner.lock`` (the deployment hunt). Root, whom permission bits do not
+    stop, is never refused.
+    """
+    if os.access(folder, os.R_OK | os.W_OK | os.X_OK):
+        return None
+    mode = folder.stat().st_mode & 0o777
+    umask = _umask_text() or f"one masking {0o700 & ~mode:04o}"
+    return (f"the server's umask ({umask}) takes its own user's permissions from the folders and files it makes: "
+            f"its scratch folder {folder} was made mode {mode:04o}, where it writes its lock file ({OWNER_LOCK}) "
+            "and each model's run folders; start it under a umask that leaves the owner read, write and search "
+            "permission (umask 0077, or 0022)")
+
+
+def _umask_text() -> str | None:
+    """This process's umask as ``0277``, read from /proc (setting it to read it is not safe beside other threads);
+    None where /proc does not say it."""
+    try:
+        with open("/proc/self/status", encoding="ascii", errors="replace") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
 
 
 def scratch_parent() -> Path:

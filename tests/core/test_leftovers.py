@@ -345,3 +345,23 @@ def test_dead_servers_folders_are_looked_for_where_the_operator_asked_whatever_t
     assert asked_temporary_directory() == Path("/tmp")
     monkeypatch.setenv("TMPDIR", "/srv/scratch")
     assert asked_temporary_directory() == Path("/srv/scratch")
+
+
+def test_a_umask_that_takes_the_owner_s_write_permission_is_named_at_start(tmp_path, monkeypatch):
+    """The deployment hunt: a server that is not root, started under `umask 0277`, failed with a bare
+    `Permission denied: .../.owner.lock`, naming neither the umask nor what to do."""
+    from support import run_as_non_root
+
+    (tmp_path / "tmp").mkdir()
+    (tmp_path / "ml").mkdir()
+    (tmp_path / "nereid.yaml").write_text('server:\n  ml_backends_path: "ml"\n')
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    done = run_as_non_root(["sh", "-c", 'umask 0277 && exec "$0" "$@"', sys.executable, "-m", "nereid", "check",
+                            "--config", str(tmp_path / "nereid.yaml")], tmp_path)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert re.fullmatch(
+        r"error: the server's umask \(0277\) takes its own user's permissions from the folders and files it makes: "
+        rf"its scratch folder {re.escape(str(tmp_path / 'tmp'))}/nereid-\d+-check-\w+ was made mode 0500, where it "
+        r"writes its lock file \(\.owner\.lock\) and each model's run folders; start it under a umask that leaves "
+        r"the owner read, write and search permission \(umask 0077, or 0022\)\n", done.stderr), done.stderr
+    assert list((tmp_path / "tmp").iterdir()) == []  # (nothing left behind)
