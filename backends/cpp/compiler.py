@@ -481,6 +481,15 @@ def cached_build(compiler: Compiler, arguments: list[str], name: str, stale: str
         _publish(fallback, built)
         _publish(_record_path(fallback), _record_path(built))
     except OSError as err:
+        unreadable = _unreadable_cache(cache)
+        if unreadable is not None:
+            # Reading it is what fails first (its builds were never found): "cannot write" sent the operator to
+            # the wrong permission (the deployment hunt).
+            log.warning("model '%s': cannot read the build cache %s (%s: made by another user, under umask 077, "
+                        "say), so no build in it is reused or replaced; serving the build in the server's scratch "
+                        "folder (built again at the next start): make %s/ readable, searchable and writable by the "
+                        "server's user, or remove it", model, cache, unreadable, CACHE_DIR)
+            return fallback
         # (mkdir's EEXIST is about a file of that name, which is no folder: "File exists" would puzzle.)
         why = "it is a file, not a folder" if cache.exists() and not cache.is_dir() else err.strerror or err
         log.warning("model '%s': cannot write the build cache %s (%s); serving the build in the server's scratch "
@@ -490,6 +499,18 @@ def cached_build(compiler: Compiler, arguments: list[str], name: str, stale: str
     _record_path(fallback).unlink(missing_ok=True)
     _remove_stale(cache, stale, built)
     return built
+
+
+def _unreadable_cache(cache: Path) -> str | None:
+    """Why the server's user cannot list or search the folder ``cache`` (its mode and owner, and the server's
+    uid), or None when it can, or it is no folder (not there, a file)."""
+    try:
+        status = os.stat(cache)
+    except OSError:
+        return None
+    if not stat.S_ISDIR(status.st_mode) or os.access(cache, os.R_OK | os.X_OK):
+        return None
+    return f"mode {status.st_mode & 0o777:04o}, owned by uid {status.st_uid}; the server runs as uid {os.geteuid()}"
 
 
 def _older_build_advice(older: bool) -> str:

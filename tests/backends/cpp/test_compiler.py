@@ -374,6 +374,37 @@ def test_a_read_only_cache_holding_an_older_nereid_s_build_says_to_build_it_agai
         "build in the server's scratch folder (built again at the next start)"], done.stderr
 
 
+def test_a_cache_another_user_made_under_umask_077_is_said_to_be_unreadable(tmp_path):
+    """The deployment hunt: a .cache/ built by another user under umask 077 (mode 0700) was reported as "cannot write
+    the build cache": its builds were never found, and reading it is what to fix."""
+    import sys
+
+    from support import run_as_non_root
+
+    folder, _ = _model_including(tmp_path, 2)
+    cpp_compiler.build_binary(folder, "main.cpp", tmp_path / "scratch", "m")
+    cache = folder / ".cache"
+    for path in (cache, *cache.iterdir()):
+        os.chown(path, 12345, 12345)
+    cache.chmod(0o700)
+    (tmp_path / "later").mkdir()
+    try:
+        done = run_as_non_root([sys.executable, "-c", _LOAD, str(folder), str(tmp_path / "later")],
+                               writable_after=tmp_path / "later")
+    finally:
+        for path in (cache, *cache.iterdir()):
+            os.chown(path, 0, 0)
+        cache.chmod(0o755)
+    assert done.returncode == 0, done.stderr
+    served = Path(done.stdout.strip())
+    assert served.is_relative_to(tmp_path / "later") and _exit_status(served) == 2
+    assert [line for line in done.stderr.splitlines() if line.startswith("WARNING")] == [
+        f"WARNING model 'm': cannot read the build cache {cache} (mode 0700, owned by uid 12345; the server runs as "
+        "uid 0: made by another user, under umask 077, say), so no build in it is reused or replaced; serving the "
+        "build in the server's scratch folder (built again at the next start): make .cache/ readable, searchable "
+        "and writable by the server's user, or remove it"], done.stderr
+
+
 def test_a_build_and_its_record_are_published_durably(tmp_path, monkeypatch):
     """A build copied into .cache/ and renamed there with no fsync could be found, after a crash or a power loss, as
     its name over blocks never written (zeros under whole headers). Each of the build and its record is fsynced
