@@ -156,7 +156,8 @@ def nereid_model_options(name: str, folder: Path, runtime: Mapping[str, Any], or
     parsed options); raise ConfigError for a mistake (the model is then
     reloaded, and its load says what is wrong). Optional: without it (or when
     it answers None), every loaded model of the backend reloads when its
-    defaults change as written.
+    defaults change as written. Called on the server's event loop: read the
+    options, and nothing more (no load, no slow file access).
 
     :param name: the model's name.
     :param folder: the model's folder.
