@@ -21,6 +21,7 @@ CONTRACT = {
     "nereid_streamed_files": ("name", "declared", "listing", "read_small"),
     "nereid_add_commands": ("commands",),
     "nereid_check_defaults": ("defaults", "origin"),
+    "nereid_model_options": ("name", "folder", "runtime", "origin"),
 }
 
 
