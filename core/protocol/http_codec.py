@@ -275,7 +275,9 @@ def _decode_input(model: str, index: int, raw: Any, binary: memoryview, offset: 
     if size is not None:
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
             raise InvalidArgument(f"{where}: binary_data_size must be a non-negative integer")
-        if "data" in raw:
+        # ("data": null is no data: the KServe SDK writes it beside binary_data_size 0 for a tensor of no
+        # elements, which Triton serves.)
+        if raw.get("data") is not None:
             raise InvalidArgument(f"{where}: data sent both as JSON 'data' and as binary data; send one")
         if offset + size > len(binary):
             raise InvalidArgument(f"{where}: binary_data_size is {size}, but only {len(binary) - offset} bytes "

@@ -87,6 +87,21 @@ def test_binary_inputs_are_views_of_the_body_and_json_mixes_in():
     assert choice.is_binary("y") and not choice.is_binary("z")
 
 
+def test_a_null_data_beside_binary_data_size_is_no_data_as_the_kserve_sdk_sends_an_empty_tensor():
+    """Found by the clients hunt: the KServe SDK's REST client writes "data": null beside binary_data_size 0 for a
+    tensor of no elements (its default, binary), refused as data sent twice, where Triton serves it."""
+    header = body({"name": "x", "shape": [0], "datatype": "FP32", "data": None,
+                   "parameters": {"binary_data_size": 0}},
+                  {"name": "y", "shape": [2], "datatype": "INT32", "data": None,
+                   "parameters": {"binary_data_size": 8}})
+    request, _ = decode_infer("m", header + np.array([3, 4], np.int32).tobytes(), len(header))
+    empty, pair = request.inputs
+    assert empty.data.shape == (0,) and empty.data.dtype == np.float32 and pair.data.tolist() == [3, 4]
+    both = body({"name": "x", "shape": [1], "datatype": "FP32", "data": [1.0], "parameters": {"binary_data_size": 4}})
+    with pytest.raises(InvalidArgument, match="data sent both as JSON 'data' and as binary data"):
+        decode_infer("m", both + b"\0" * 4, len(both))
+
+
 def test_an_empty_inputs_list_is_a_request_without_inputs():
     # What tritonclient.http sends to a model without inputs; the model's signature judges it, as over gRPC.
     request, _ = decode_infer("m", body(), None)
