@@ -74,6 +74,13 @@ class HealthService(health_pb2_grpc.HealthServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, status_message(f"unknown service {request.service!r}"))
         return health_pb2.HealthCheckResponse(status=status)
 
+    async def List(self, request: object, context: grpc.aio.ServicerContext) -> object:
+        """Every service's status, as grpc_health answers it (health.proto's List, grpcio-health-checking 1.70 and
+        later): left to the generated base class, each call raised NotImplementedError, logged by grpcio as an ERROR
+        with its traceback, unbounded (the clients hunt)."""
+        return health_pb2.HealthListResponse(statuses={
+            service: health_pb2.HealthCheckResponse(status=status) for service, status in self._status.items()})
+
     async def Watch(self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext) -> None:
         """Send the service's status now and on each change, as grpc_health does; end once shutting down."""
         def current() -> int:

@@ -86,6 +86,25 @@ def index(server: RunningServer) -> dict[str, tuple[str, str]]:
     return {m.name: (m.state, m.reason) for m in server.client.get_model_repository_index().models}
 
 
+def test_health_list_answers_every_service_s_status_and_logs_nothing(repo, serve, caplog):
+    """Found by the clients hunt: grpc.health.v1.Health/List (health.proto's, in grpcio-health-checking since 1.70)
+    was left to the generated base class, which raises NotImplementedError: each call was UNIMPLEMENTED and an
+    ERROR with a traceback in the log, any client able to fill the disk."""
+    if not hasattr(health_pb2, "HealthListRequest"):
+        pytest.skip("this grpcio-health-checking's health.proto has no List")
+    write_toy(repo.models_dir, "steady")
+    server = serve(repo.write_config("- name: steady\n"), manager=manager())
+    assert agrees(server, True)
+    caplog.set_level(logging.INFO)
+    with grpc.insecure_channel(server.url) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        for _ in range(20):
+            listed = stub.List(health_pb2.HealthListRequest(), timeout=10)
+    assert {service: health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status)
+            for service, answer in listed.statuses.items()} == dict.fromkeys(HEALTH_SERVICES, "SERVING")
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+
+
 def test_health_is_not_serving_while_a_requested_load_runs(repo, serve):
     # The health service was updated only once a RepositoryModelLoad finished: during a slow load it said
     # SERVING while ServerReady was false.
