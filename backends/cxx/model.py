@@ -41,6 +41,9 @@ ERROR_ECHO_CHARS = 1024
 GUARD_BYTE = 0xA5
 MIN_GUARD_BYTES = 64
 MAX_GUARD_BYTES = 65536
+# Read-only inputs up to this size are passed to the library as private copies (see CxxModel._call): the memory
+# of a small bytes object may be shared by the whole interpreter.
+PRIVATE_INPUT_BYTES = 4096
 # The most bytes one output's buffer may take with its batch axis: numpy's limit on an array (a signed 64-bit
 # size), less the guard zones around it. A declared output past it could never be allocated; one below it may
 # still not fit in memory, which a call reports as a failure naming the output.
@@ -137,6 +140,12 @@ class CxxModel:
         for c_tensor, slot, tensor in zip(c_inputs, self._inputs, inputs):
             # Already C-ordered, aligned, native-endian arrays (the usual case) pass as they are.
             data = np.require(tensor.data, slot.spec.dtype.numpy, ("C", "A"))
+            if not data.flags.writeable and data.nbytes <= PRIVATE_INPUT_BYTES:
+                # Inputs are read only (nereid_cxx.h), but a library that writes one anyway must not reach past
+                # its request: a one-byte input gRPC parsed is CPython's shared bytes object of that value, and a
+                # library adding 1 to it changed that byte for every later request, to every model (the
+                # correctness hunt). A small read-only input is copied; a large one is the request's own memory.
+                data = data.copy()
             keep.append(data)
             _describe(c_tensor, slot, data, keep)
         outputs: list[NamedTensor] = []

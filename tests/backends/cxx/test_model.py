@@ -88,6 +88,40 @@ def test_buffers_are_passed_without_copies(repo, libs, tmp_path, caplog):
     assert private_copies(tmp_path) == []  # the private copy went with the unload
 
 
+INCREMENTING_SOURCE = r'''
+#include <cstdint>
+#include "nereid_cxx.h"
+extern "C" int nereid_infer(void*, const nereid_tensor* in, size_t, nereid_tensor* out, size_t, char*, size_t) {
+    uint8_t* value = static_cast<uint8_t*>(in[0].data);  // read only, by the header: written anyway
+    *value += 1;
+    *static_cast<uint8_t*>(out[0].data) = *value;
+    return 0;
+}
+'''
+
+
+def test_a_library_that_writes_a_small_read_only_input_changes_only_its_own_copy(repo, tmp_path):
+    """Found by the correctness hunt: gRPC's one-byte input is CPython's shared bytes object of that value, passed
+    to the library as it was; a library adding 1 to its input answered 6, 7, 8 for the same request, and every
+    later one-byte input of 5, to any model, reached it as 8."""
+    folder = repo.add("inplace", 'input { name: "x" data_type: "UINT8" dims: [1] }\n'
+                                 'output { name: "y" data_type: "UINT8" dims: [1] }\n')
+    (folder / "inplace.cpp").write_text(INCREMENTING_SOURCE)
+    settings = ModelSettings("inplace", runtime={"sources": [str(folder / "inplace.cpp")]})
+    model = CxxModel(ModelContext("inplace", folder, settings, tmp_path, "test"))
+    model.load()
+    try:
+        shared = bytes([5])  # (the interpreter's one bytes object of that value, as a parsed message holds it)
+        answers = [int(model.infer([NamedTensor("x", DType.UINT8, np.frombuffer(shared, np.uint8))])[0].data[0])
+                   for _ in range(3)]
+        assert answers == [6, 6, 6] and bytes([5])[0] == 5 and shared == b"\x05"
+        writable = np.array([5], np.uint8)  # (a request's own array is still passed as it is: no copy)
+        model.infer([NamedTensor("x", DType.UINT8, writable)])
+        assert writable.tolist() == [6]
+    finally:
+        model.unload()
+
+
 def test_an_unload_during_a_running_call_waits_for_it_to_return(repo, libs, tmp_path):
     """A call abandoned past the drain's grace cannot be stopped: its code must stay mapped until it returns."""
     folder = repo.add("slow", 'input { name: "x" data_type: "INT64" dims: [1] }\n'
