@@ -36,6 +36,10 @@ TEXTPROTO_NAME = "model_inference.textproto"
 # once took 85 s to check). Requests are held to the same rank (nereid.protocol.grpc_codec).
 MAX_DECLARED_TENSORS = 4096  # inputs, and outputs, each
 MAX_RANK = 32
+# A request's tensor (or a batch sent to a model) holds one axis more than a model declares, its batch axis:
+# clients were refused a batched request to a model declaring MAX_RANK dims. (numpy 1 holds 32 dims at most, so
+# under it such a model's batches cannot be made at all.)
+MAX_REQUEST_RANK = min(MAX_RANK + 1, 64 if np.lib.NumpyVersion(np.__version__) >= "2.0.0" else 32)
 MAX_TEXTPROTO_BYTES = 1 << 20
 
 # Tensor names of the single-tensor textproto form, which declares no names.

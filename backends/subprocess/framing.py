@@ -17,14 +17,13 @@ import numpy as np
 from nereid.dtypes import DType
 from nereid.backends.subprocess.dtype_names import contract_name, dtype_of_contract_name
 from nereid.errors import ModelFailure
-from nereid.signature import MAX_RANK as SIGNATURE_MAX_RANK
+from nereid.signature import MAX_REQUEST_RANK
 from nereid.tensors import NamedTensor, bytes_array, tensor_buffer, tensor_bytes
 
 MAX_HEADER_BYTES = 4096
 # A declared shape's dims and the batch axis in front of them: a model declaring the most dims a textproto
-# takes was refused, coming back, the [batch, *dims] shape the server itself sent it. (numpy 1 holds 32 dims at
-# most, so under it such a model's batches cannot be made at all.)
-MAX_RANK = min(SIGNATURE_MAX_RANK + 1, 64 if np.lib.NumpyVersion(np.__version__) >= "2.0.0" else 32)
+# takes was refused, coming back, the [batch, *dims] shape the server itself sent it.
+MAX_RANK = MAX_REQUEST_RANK
 _CHUNK_BYTES = 1 << 24  # reads above this size are bounded by what the stream holds
 _MAX_ARRAY_BYTES = int(np.iinfo(np.intp).max)
 _OBJECT_ITEMSIZE = np.dtype(object).itemsize  # a BYTES element is held as an object reference

@@ -14,7 +14,7 @@ import numpy as np
 
 from nereid.dtypes import DType
 from nereid.errors import InvalidArgument
-from nereid.signature import MAX_RANK, brief_repr, expected_byte_size
+from nereid.signature import MAX_REQUEST_RANK, brief_repr, expected_byte_size
 from nereid.tensors import bytes_array, split_bytes_elements
 
 # Requests (gRPC) and bodies (HTTP) at least this large are decoded on a worker thread, so that the decode's
@@ -56,8 +56,9 @@ def wire_shape(where: str, shape: tuple[int, ...]) -> int:
     bounded: numpy cannot represent an empty array whose other dimensions
     multiply past 2**63 bytes.
     """
-    if len(shape) > MAX_RANK:
-        raise InvalidArgument(f"{where}: shape has {len(shape)} dimensions; at most {MAX_RANK} are supported")
+    if len(shape) > MAX_REQUEST_RANK:
+        raise InvalidArgument(f"{where}: shape has {len(shape)} dimensions; at most {MAX_REQUEST_RANK} are "
+                              "supported")
     if shape and min(shape) < 0:
         raise InvalidArgument(f"{where}: shape {list(shape)} has a negative dimension")
     count = math.prod(shape)

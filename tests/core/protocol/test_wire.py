@@ -9,7 +9,7 @@ from nereid.dtypes import DType
 from nereid.errors import InvalidArgument
 from nereid.protocol.wire import (MAX_EMPTY_EXTENT, class_count, decode_raw, refuse_shared_memory,
                                   timeout_deadline_ns, wire_dtype, wire_shape)
-from nereid.signature import MAX_RANK
+from nereid.signature import MAX_RANK, MAX_REQUEST_RANK
 from nereid.tensors import join_bytes_elements
 
 WHERE = "model 'm', input 'x'"
@@ -26,8 +26,25 @@ def test_a_shape_gives_its_element_count_with_empty_dimensions_allowed(shape, co
     assert wire_shape(WHERE, shape) == count
 
 
+def test_a_request_to_a_model_declaring_the_most_dims_may_carry_its_batch_axis():
+    """Found by the correctness hunt: a model declaring MAX_RANK dims with max_batch_size > 0 loaded, and its
+    metadata showed [-1, *dims], but every batched request was refused at the wire as having too many dims."""
+    from nereid.dtypes import DType
+    from nereid.signature import ModelSignature, TensorSpec, validate_inputs
+    from nereid.tensors import NamedTensor
+
+    assert MAX_REQUEST_RANK == MAX_RANK + 1  # (numpy 2: up to 64 dims)
+    shape = (2,) + (1,) * MAX_RANK
+    assert wire_shape(WHERE, shape) == 2
+    signature = ModelSignature((TensorSpec("x", DType.FP32, (-1,) * MAX_RANK),),
+                               (TensorSpec("y", DType.FP32, (1,)),), max_batch_size=4)
+    validated = validate_inputs("m", signature, [NamedTensor("x", DType.FP32, np.zeros(shape, np.float32))])
+    assert validated.batch_size == 2 and not validated.batch_axis_added
+
+
 @pytest.mark.parametrize("shape, message", [
-    ((1,) * (MAX_RANK + 1), f"shape has {MAX_RANK + 1} dimensions; at most {MAX_RANK} are supported"),
+    ((1,) * (MAX_REQUEST_RANK + 1), f"shape has {MAX_REQUEST_RANK + 1} dimensions; at most {MAX_REQUEST_RANK} "
+                                    "are supported"),
     ((2, -1), r"shape \[2, -1\] has a negative dimension"),
     ((0, MAX_EMPTY_EXTENT, 2), "is too large"),
 ])
