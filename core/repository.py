@@ -547,10 +547,16 @@ class ModelRepository:
         return entry.loaded if entry is not None else None
 
     @property
-    def unloads_waiting(self) -> int:
+    def releases_waiting_turns(self) -> int:
         """Releases of retired versions (unloads, reloads' old versions, removals) waiting for their turn: at most
         ``server.model_load_threads`` run at once (see :class:`~nereid.version_loader.UnloadTurns`)."""
         return self._loader.unload_turns.waiting
+
+    def release_without_turns(self) -> None:
+        """From now on every release of a version goes at once, those waiting for a turn too: the server stops, and
+        its drain must not wait turns behind releases that hang (quick unloads waited out the grace, answered
+        UNAVAILABLE; the review hunt)."""
+        self._loader.unload_turns.open()
 
     def loading(self) -> bool:
         """True while some model is LOADING."""
@@ -1039,7 +1045,13 @@ class ModelRepository:
                                  entry.name in self._exposed and entry.folder_seen, backends_changed, options_changed)
             entry.settings, entry.settings_origin = settings.model_or_default(entry.name)
             if step is None:
-                if loaded_backend in backends_changed:
+                if loaded_backend in backends_changed and (entry.holders > 0 or entry.reason):
+                    # Decided once its turn comes, against the version serving then (a reload only if anything
+                    # changed): a reload under way was built with the defaults of before this edit, and an edit
+                    # putting the options back left that reload's options serving for good; and a failed reload's
+                    # reason stayed in RepositoryIndex once its cause was undone (the review hunt).
+                    work.append(self._reload_entry(entry))
+                elif loaded_backend in backends_changed:
                     unchanged[loaded_backend] = unchanged.get(loaded_backend, 0) + 1
                 continue
             if step.action != "unload" and entry.name in settling:
@@ -1196,9 +1208,7 @@ class ModelRepository:
         """Unload every loaded model (server shutdown), once the work left in the background is done (old
         versions draining, removals). A load or unload a client asked for and still running is abandoned first: a
         load's reason says the server is stopping, and an unload begun finishes its drain."""
-        # Every release at once from now on: nothing serves any more, and the stop must not wait turns behind
-        # unloads that hang (each waited for BACKEND_CALL_WAIT_S at most).
-        self._loader.unload_turns.open()
+        self.release_without_turns()  # (nothing serves any more: see there)
         # Not waited for: a backend's load() may take minutes, or never return (its late result is unloaded).
         for task in list(self._accepted):
             task.cancel()
@@ -1272,23 +1282,31 @@ class ModelRepository:
                 self._terminated.add(id(backend))  # (and is not to ask it again: a backend is asked once)
                 await terminate_backend(name, backend)  # never raises: the unload goes on past a failing terminate
 
-        turns = self._loader.unload_turns
-        try:
-            # Bounded by the grace: an abandoned request's thread must not hold the unload (or the loop).
-            await loaded.scheduler.drain(self.settings.server.shutdown_grace_s if grace_s is None else grace_s,
-                                         end_running)
-            # In turns, once drained (a turn is for the release's thread, not for requests finishing): each
-            # release at once took a thread, and hundreds of them held liveness for seconds (the scale hunt).
-            async with turns.turn():
-                await unload_backend(name, backend)
-        finally:
+        def let_go() -> None:
             loaded.hook_threads.release()
             loaded.release_folder()
             self._retiring.pop(id(loaded), None)
             self._terminated.discard(id(backend))
             collect_released_code_soon()  # (a model.py's module, which only the collector frees)
-        async with turns.turn():
-            await self._cleanup.drop_scratch(retiring.scratch_names)
+
+        let_go_done = False
+        try:
+            # Bounded by the grace: an abandoned request's thread must not hold the unload (or the loop).
+            await loaded.scheduler.drain(self.settings.server.shutdown_grace_s if grace_s is None else grace_s,
+                                         end_running)
+            # In turns, once drained (a turn is for the release's threads, not for requests finishing): each
+            # release at once took a thread, and hundreds of them held liveness for seconds (the scale hunt). One
+            # turn for the release and the removal of its scratch folders after it.
+            async with self._loader.unload_turns.turn():
+                try:
+                    await unload_backend(name, backend)
+                finally:
+                    let_go_done = True
+                    let_go()
+                await self._cleanup.drop_scratch(retiring.scratch_names)
+        finally:
+            if not let_go_done:  # (the drain, or the wait for a turn, ended by an error or a cancel)
+                let_go()
 
     def _heard_loaded(self, name: str, loaded: LoadedModel) -> None:
         """Tell ``events`` of a version that serves from now on (``nereid_model_load_duration_seconds``): counted

@@ -394,6 +394,7 @@ class NereidServer:
         # A client's load still running is abandoned now, its client answered: the drain below would wait for its
         # call, as long as the backend's load() takes.
         self.repository.abandon_loads()
+        self.repository.release_without_turns()
         if self._loading_once_listed is not None:  # (its loads are abandoned, as start-up loads are)
             self._loading_once_listed.cancel()
             await asyncio.gather(self._loading_once_listed, return_exceptions=True)

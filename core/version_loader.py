@@ -22,7 +22,7 @@ from typing import AsyncIterator
 import pluggy
 
 from nereid.backend import CallsModels, ModelCaller, ModelContext, what_it_calls
-from nereid.backend_calls import BACKEND_CALL_WAIT_S, await_build, on_daemon_thread, unload_backend, unload_unclaimed
+from nereid.backend_calls import await_build, on_daemon_thread, unload_backend, unload_unclaimed
 from nereid.errors import ConfigError, backend_exit, calling_plugin, shown_name
 from nereid.files import check_confined
 from nereid.folder_states import folder_stamp
@@ -77,6 +77,10 @@ async def discard_version(name: str, loaded: LoadedModel) -> None:
         loaded.release_folder()
 
 
+# How long a release of a retired version holds its turn (see UnloadTurns) before the next one may start beside it.
+UNLOAD_TURN_S = 2.0
+
+
 class UnloadTurns:
     """Turns for the releases of retired versions (a backend's ``unload()``, a scratch folder's removal, each on a
     thread of its own): at most ``count`` at once, the others waiting, first come first served.
@@ -86,13 +90,15 @@ class UnloadTurns:
     Apart from the loads' own turns: an unload never waits behind a load of
     another model (one compiling for minutes), and no load waits for an
     unload's turn, so neither can hold what the other waits for. A release
-    still running after ``longest_s`` gives its turn up (it runs on), as a long
-    load does: one that never returns keeps no other unload waiting for good.
+    still running after ``longest_s`` gives its turn up (it runs on): the turns
+    bound the threads that compete for the GIL, and one blocked in a sleep or
+    in I/O takes none; a turn held for the 30 s a backend call may take kept
+    every other model's unload waiting behind one that hung (the review hunt).
     """
 
-    def __init__(self, count: int, longest_s: float = BACKEND_CALL_WAIT_S) -> None:
+    def __init__(self, count: int, longest_s: float | None = None) -> None:
         self._slots = asyncio.Semaphore(count)
-        self.longest_s = longest_s
+        self.longest_s = UNLOAD_TURN_S if longest_s is None else longest_s
         self.waiting = 0  # releases waiting for their turn
         self._open = False
 
@@ -124,6 +130,8 @@ class UnloadTurns:
     def open(self) -> None:
         """Let every release go at once from now on, those waiting too: the server stops (nothing is served any
         more, and its stop must not wait turns behind releases that hang)."""
+        if self._open:
+            return
         self._open = True
         for _ in range(self.waiting):
             self._slots.release()

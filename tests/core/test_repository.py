@@ -1325,3 +1325,62 @@ def test_an_edit_of_backends_reloads_only_the_models_whose_options_it_changes(tm
         assert "model 'own'" not in caplog.text, caplog.text
         await repo.unload_all()
     asyncio.run(scenario())
+
+
+def _two_python_models(tmp_path: Path, root: Path, backends: str):
+    """A repository of one python model, ``plain`` (PYTHON_ECHO), under ``backends``; and a function that
+    writes nereid.yaml anew with other ``backends:`` and returns its settings."""
+    (root / "plain").mkdir()
+    (root / "plain" / "main.py").write_text(PYTHON_ECHO)
+    (root / "plain" / "model_inference.textproto").write_text('input_shape: [4]\noutput_shape: [4]\n'
+                                                              'max_batch_size: 8\ndata_type: "FP32"\n')
+    config = tmp_path / "nereid.yaml"
+    head = 'server:\n  ml_backends_path: "ml-backends"\n  metrics_addr: ""\n  http_addr: ""\n'
+    models = "models:\n  - name: plain\n"
+    config.write_text(head + backends + models)
+    (tmp_path / "scratch").mkdir()
+    repo = ModelRepository(load_settings(config), make_plugin_manager(load_entry_points=False), tmp_path / "scratch")
+
+    def edited(new_backends: str):
+        config.write_text(head + new_backends + models)
+        return load_settings(config)
+    return repo, edited
+
+
+def test_an_edit_that_puts_the_options_back_during_a_reload_is_applied_once_that_reload_ends(tmp_path, root):
+    """Found by the review hunt: an edit of backends: while a reload for the edit before it ran, putting the
+    options back, was compared with the version serving (the same options): the reload in flight then served its
+    options for good (warm start, with nereid.yaml saying warm_start: false)."""
+    repo, edited = _two_python_models(tmp_path, root, "backends:\n  python: {warm_start: false}\n")
+
+    async def scenario() -> None:
+        assert (await repo.load("plain")).state is ModelState.READY
+        entry = repo.entry("plain")
+        first = repo.start_settings(edited(""))  # warm start by default: a reload
+        for _ in range(1000):  # (its task takes the entry at its first turn; the build takes far longer)
+            if entry.holders > 0:
+                break
+            await asyncio.sleep(0)
+        assert entry.holders > 0 and repo.generation("plain") == 1
+        second = repo.start_settings(edited("backends:\n  python: {warm_start: false}\n"))
+        await asyncio.wait_for(asyncio.gather(first, second), 120)
+        assert repo.entry("plain").loaded.backend.options.warm_start is False
+        assert repo.generation("plain") == 3
+        await repo.unload_all()
+    asyncio.run(scenario())
+
+
+def test_a_mistake_in_backends_undone_takes_its_failed_reload_s_reason_away(tmp_path, root):
+    """Found by the review hunt: `warm_sart: 1` failed the reload (the running version serving on, the reason in
+    RepositoryIndex); written back, the edit changed no model's options and nothing cleared the reason."""
+    repo, edited = _two_python_models(tmp_path, root, "backends:\n  python: {warm_start: false}\n")
+
+    async def scenario() -> None:
+        assert (await repo.load("plain")).state is ModelState.READY
+        await repo.apply_settings(edited("backends:\n  python: {warm_start: false, warm_sart: 1}\n"))
+        entry = repo.entry("plain")
+        assert entry.state is ModelState.READY and "warm_sart" in entry.reason, entry.reason
+        await repo.apply_settings(edited("backends:\n  python: {warm_start: false}\n"))
+        assert (entry.state, entry.reason, repo.generation("plain")) == (ModelState.READY, "", 1)
+        await repo.unload_all()
+    asyncio.run(scenario())

@@ -1335,10 +1335,11 @@ class HeldUnloads:
 
     BACKEND_NAME = "held"
 
-    def __init__(self) -> None:
+    def __init__(self, hanging: frozenset[str] | None = None) -> None:
         self.release = threading.Event()
         self.lock = threading.Lock()
         self.running = self.most = self.done = 0
+        self.hanging = hanging  # the models whose unload() waits (None: every model's)
 
     def unloading(self) -> None:
         with self.lock:
@@ -1361,11 +1362,12 @@ class HeldUnloads:
 
         class Held(toy_backends.ToyModel):
             def unload(self) -> None:
-                owner.unloading()
+                if owner.hanging is None or self.context.name in owner.hanging:
+                    owner.unloading()
         return BackendClaim(Held)
 
 
-def test_unloads_at_once_release_their_versions_in_turns_of_model_load_threads(repo, serve):
+def test_unloads_at_once_release_their_versions_in_turns_of_model_load_threads(repo, serve, monkeypatch):
     """The scale hunt: 250 RepositoryModelUnload calls at once (gRPC, or HTTP's unload) started 250 threads (unloads
     were not bounded by server.model_load_threads, as loads are), and held ServerLive up to 2.1 s on two cores.
     Each unload is still answered, once, and the server answers while they wait their turn."""
@@ -1374,6 +1376,7 @@ def test_unloads_at_once_release_their_versions_in_turns_of_model_load_threads(r
 
     count, bound = 12, 2
     held = HeldUnloads()
+    monkeypatch.setattr(nereid.version_loader, "UNLOAD_TURN_S", 600.0)  # (the hanging ones keep their turns here)
     for index in range(count):
         (toy_backends.write_toy(repo.models_dir, f"m{index}") / "held.txt").write_text("")
     server = serve(repo.write_config(None, server_extra=f"  model_load_threads: {bound}\n"),
@@ -1400,7 +1403,7 @@ def test_unloads_at_once_release_their_versions_in_turns_of_model_load_threads(r
         # Every unload has come as far as it goes while the first ones hang: each in its backend's unload(), or
         # (bounded) waiting for its turn. No clock: the counts say when.
         wait_for(lambda: held.running == count
-                 or (held.running == bound and repository.unloads_waiting == count - bound),
+                 or (held.running == bound and repository.releases_waiting_turns == count - bound),
                  "every unload to run or wait for its turn", timeout=60)
         assert (held.running, held.most) == (bound, bound)
         assert server.client.is_server_live()  # (served meanwhile)
@@ -1412,5 +1415,49 @@ def test_unloads_at_once_release_their_versions_in_turns_of_model_load_threads(r
     got = [answers.get(timeout=1) for _ in range(count)]
     assert answers.empty() and sorted(name for name, _ in got) == sorted(f"m{index}" for index in range(count))
     assert [error for _, error in got if error is not None] == []
-    assert (held.done, held.most, repository.unloads_waiting) == (count, bound, 0)
+    assert (held.done, held.most, repository.releases_waiting_turns) == (count, bound, 0)
     assert {index_of(server, f"m{index}") for index in range(count)} == {("UNAVAILABLE", "unloaded")}
+
+
+def test_an_unload_that_hangs_holds_the_others_turns_briefly_and_a_stop_lets_them_all_go(repo, serve, monkeypatch):
+    """Found by the review hunt: a release held its turn for the 30 s a backend call may take, so with
+    model_load_threads: 1 one hung unload() kept every other model's unload waiting 30 s; and at a stop the turns
+    opened only after the grace, so quick unloads waiting for one were answered UNAVAILABLE."""
+    import asyncio
+
+    import toy_backends
+    from nereid.plugins import make_plugin_manager
+
+    held = HeldUnloads(hanging=frozenset({"m0", "s0"}))
+    for name in ("m0", "m1", "m2", "s0", "s1"):
+        (toy_backends.write_toy(repo.models_dir, name) / "held.txt").write_text("")
+    monkeypatch.setattr(nereid.version_loader, "UNLOAD_TURN_S", 0.2)
+    server = serve(repo.write_config(None, server_extra="  model_load_threads: 1\n  shutdown_grace_s: 60\n"),
+                   manager=make_plugin_manager(extra_plugins=(held,)))
+    repository = server.server.repository
+
+    def unload_in_background(name: str) -> queue.Queue:
+        answers: queue.Queue = queue.Queue()
+        threading.Thread(target=lambda: answers.put(server.client.unload_model(name, client_timeout=120)),
+                         daemon=True).start()
+        return answers
+    try:
+        unload_in_background("m0")
+        wait_for(lambda: held.running == 1, "m0's unload() to hang")
+        for name in ("m1", "m2"):  # each waits for m0's turn a moment, not for m0's unload() (30 s before)
+            server.client.unload_model(name, client_timeout=20)
+            assert index_of(server, name) == ("UNAVAILABLE", "unloaded")
+        assert held.running == 1
+
+        # Turns kept for as long as a release runs: the stop lets the one waiting go at once, not after its grace.
+        repository._loader.unload_turns.longest_s = 600.0
+        unload_in_background("s0")
+        wait_for(lambda: held.running == 2, "s0's unload() to hang")
+        waiting = unload_in_background("s1")
+        wait_for(lambda: repository.releases_waiting_turns == 1, "s1's release to wait for a turn")
+        stopping = asyncio.run_coroutine_threadsafe(server.server.stop(), server.loop)
+        assert waiting.get(timeout=20) is None  # answered OK (an UNAVAILABLE raises), within the grace of 60 s
+    finally:
+        held.release.set()
+    stopping.result(timeout=60)
+
