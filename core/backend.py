@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Protocol, runtime_checkable
 
 from nereid.errors import ConfigError, NereidError, describe_exception
-from nereid.settings import DEFAULT_TIMEOUT_S, INT32_MAX, Device, ModelSettings
+from nereid.settings import DEFAULT_CONFIG_NAME, DEFAULT_TIMEOUT_S, INT32_MAX, Device, ModelSettings
 from nereid.signature import ModelSignature, brief_repr
 from nereid.tensors import InferRequest, InferResponse, NamedTensor
 
@@ -72,6 +72,9 @@ class ModelContext:
     # Where each run's folder is made (a short path: AF_UNIX sockets under a run's TMPDIR must fit); None:
     # scratch_dir (a context made outside a server).
     runs_dir: Path | None = None
+    # The configuration file the server was started with, as messages name it in words ("set backend: in
+    # prod.yaml"): its base name (see Settings.config_name), as the core's own messages say it.
+    config_name: str = DEFAULT_CONFIG_NAME
     # Set when the server gives up on this load while create() or load() still run (an unload or removal of the
     # model came, or the server stops): a long build may stop early (the cpp and cxx backends kill their
     # compilers), since what it builds is unloaded at once if it ever returns.

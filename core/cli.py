@@ -35,7 +35,7 @@ from nereid.leftovers import ScratchFolderError, make_scratch_folder, remove_scr
 from nereid.log_format import one_record_per_line, stderr_handler
 from nereid.log_limit import EndedCallFilter, RateLimitFilter
 from nereid.model_building import build_model
-from nereid.model_entry import waiting_for_folder
+from nereid.model_entry import not_listed_reason, waiting_for_folder
 from nereid.model_runner import checked_input_check
 from nereid.processes import (kill_children, not_ignored, record_early_stops, redeliver_early_stops,
                               release_early_stops, stop_signals)
@@ -43,9 +43,9 @@ from nereid.plugins import (NereidPluginManager, add_commands, check_backend_def
                             streamed_files)
 from nereid.run_folders import runs_folder
 from nereid.storage import StorageError, materialize_model_folder, scan_model_folders
-from nereid.settings import Listeners, Settings, address_problem, load_settings
+from nereid.settings import DEFAULT_CONFIG_NAME, Listeners, Settings, address_problem, load_settings
 
-DEFAULT_CONFIG = Path("nereid.yaml")
+DEFAULT_CONFIG = Path(DEFAULT_CONFIG_NAME)
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
@@ -444,6 +444,7 @@ def check(settings: Settings, manager: NereidPluginManager | None = None, *, end
             names = sorted({*names, *(m.name for m in settings.models)})
         states: dict[str, tuple[str, str]] = {}  # each model as a server would have it at start
         callers: list[_Checked] = []  # loaded fine, and call other models: judged once every model is
+        not_listed = not_listed_reason(settings.config_name)
         for name in names:
             checked = _check_model(settings, manager, scratch, name, signals.model_faults)
             signals.stop_if_came()  # (a model's code may have caught the interrupt and gone on)
@@ -451,7 +452,7 @@ def check(settings: Settings, manager: NereidPluginManager | None = None, *, end
                 problems += 1
                 states[name] = ("UNAVAILABLE", "its check failed")
                 continue
-            states[name] = ("READY", "") if checked.loaded_at_start else ("UNAVAILABLE", NOT_LISTED)
+            states[name] = ("READY", "") if checked.loaded_at_start else ("UNAVAILABLE", not_listed)
             if checked.status == "OK" and checked.depends_on:
                 callers.append(checked)
             else:
@@ -462,7 +463,7 @@ def check(settings: Settings, manager: NereidPluginManager | None = None, *, end
                 states[model.name] = ("UNAVAILABLE", waiting_for_folder(model.name))
                 print(one_record_per_line(f"{model.name}: WAITING: {waiting_for_folder(model.name)} (server.watch "
                                           "loads it when the folder lands; the server is not ready until then)"))
-        problems += _check_callers(callers, states)
+        problems += _check_callers(callers, states, not_listed)
     except KeyboardInterrupt as stop:
         signals.close()  # (a second signal, or a delivery pending, must not interrupt what follows)
         killed = kill_children()
@@ -492,7 +493,6 @@ def check(settings: Settings, manager: NereidPluginManager | None = None, *, end
     return 1 if problems or config_problems or listing_problem or manager.problems else 0
 
 
-NOT_LISTED = "not listed in nereid.yaml"
 # Every thread nereid runs backend code on is named so: model loads, bounded unloads, models' worker pools.
 ABANDONED_THREAD_PREFIX = "nereid-"
 
@@ -629,8 +629,9 @@ class _Checked:
         return one_record_per_line(f"{self.name}: {self.status} {self.details}")
 
 
-def _check_callers(callers: list[_Checked], states: dict[str, tuple[str, str]]) -> int:
+def _check_callers(callers: list[_Checked], states: dict[str, tuple[str, str]], not_listed: str) -> int:
     """Print the lines of models that call other models, judged as a server would; how many have a problem.
+    ``not_listed``: the reason ``states`` gives a model the configuration file does not list.
 
     A meta model that loads fine but calls a model the server would not serve
     (no such folder, one that fails, one not listed in nereid.yaml, a cycle)
@@ -640,7 +641,7 @@ def _check_callers(callers: list[_Checked], states: dict[str, tuple[str, str]]) 
     verdicts = callers_readiness(at_start, states)
     # One not loaded at start is judged as a later load of it would be: the unlisted models it calls that
     # checked fine can be loaded first.
-    loadable = {name: ("READY", "") if state == ("UNAVAILABLE", NOT_LISTED) else state
+    loadable = {name: ("READY", "") if state == ("UNAVAILABLE", not_listed) else state
                 for name, state in states.items()}
     everyone = callers_readiness({c.name: c.depends_on for c in callers}, loadable)
     verdicts.update({name: verdict for name, verdict in everyone.items() if name not in at_start})
@@ -666,14 +667,15 @@ def _check_model(settings: Settings, manager: NereidPluginManager, scratch: Path
     root = settings.server.ml_backends_path
     model_settings, origin = settings.model_or_default(name)
     listed = settings.model(name) is not None
-    suffix = "" if listed or not settings.models_listed else f" ({NOT_LISTED})"
+    suffix = "" if listed or not settings.models_listed else f" ({not_listed_reason(settings.config_name)})"
     # A folder of its own in the scratch folder, as a server gives each model (messages name it alike).
-    context = ModelContext(name, root / name, model_settings, scratch / name, origin, runs_dir=runs_folder(scratch))
+    context = ModelContext(name, root / name, model_settings, scratch / name, origin, runs_dir=runs_folder(scratch),
+                           config_name=settings.config_name)
     try:
         context.scratch_dir.mkdir(exist_ok=True)
         # From an object store: fetch it first, but for the files its backend streams from there.
         materialize_model_folder(settings.server, name, streamed_files(manager, name, model_settings.backend))
-        check_confined(root / name, root, settings.server.follow_symlinks)
+        check_confined(root / name, root, settings.server.follow_symlinks, settings.config_name)
         built = build_model(manager, context, settings.backend_defaults, settings.source)
     except model_faults() as err:
         # (A folder's name or a compiler's message may hold line breaks: one model starts each line.)

@@ -23,7 +23,7 @@ from nereid.classification import check_classifiable, classify
 from nereid.errors import (DeadlineExceeded, InvalidArgument, ModelFailure, ModelRetired, NereidError, NotFound,
                            PermissionDenied, PublicText, Unavailable, Unimplemented, describe_exception,
                            shown_name)
-from nereid.model_entry import FOUND_AFTER_START_REASON, NOT_LISTED_REASON, LoadedModel, ModelState
+from nereid.model_entry import FOUND_AFTER_START_REASON, LoadedModel, ModelState, not_listed_reason
 from nereid.model_info import (MODEL_VERSION, IndexEntry, ModelConfig, ModelMetadata, describe_config,
                                describe_metadata)
 from nereid.repository import ModelRepository
@@ -306,7 +306,8 @@ class DataPlane:
 
     def _index_reason(self, reason: str) -> str:
         """An index entry's reason, with how to load an unlisted folder where this server takes that call."""
-        if reason in (NOT_LISTED_REASON, FOUND_AFTER_START_REASON) and self.repository_control:
+        not_listed = not_listed_reason(self.repository.settings.config_name)
+        if reason in (not_listed, FOUND_AFTER_START_REASON) and self.repository_control:
             return f"{reason}; load it with RepositoryModelLoad"
         return reason
 
@@ -327,17 +328,18 @@ class DataPlane:
         """
         self._check_repository_control(rpc)
         keys = sorted(parameters)
+        config = self.repository.settings.config_name
         unknown = [key for key in keys if key != "config" and not key.startswith("file:")]
         if unknown:  # Triton refuses them too: a misspelt "file:" must not pass for a load of those files
             raise InvalidArgument(PublicText(
                 f"model '{name}': unrecognized load parameter(s) "
                 f"{', '.join(map(shown_name, unknown[:4]))} (Triton's are 'config' and "
                 "'file:<path>', which nereid does not support either: it loads a model only from its folder in "
-                "ml_backends_path and nereid.yaml); load again without parameters"))
+                f"ml_backends_path and {config}); load again without parameters"))
         if keys:
             raise InvalidArgument(PublicText(
                 f"model '{name}': load parameters {', '.join(map(shown_name, keys[:4]))} are "
-                "not supported (nereid loads a model only from its folder in ml_backends_path and nereid.yaml); "
+                f"not supported (nereid loads a model only from its folder in ml_backends_path and {config}); "
                 "change those and load again without parameters"))
         outcome = await self._to_its_end(self._load(name), f"load of model '{name}'",
                                          abandoned=f"model '{name}': load abandoned (the server is stopping); load "

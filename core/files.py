@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import hashlib
 import logging
 import os
@@ -134,11 +135,12 @@ def read_text_file(path: Path, limit: int) -> str:
     return decode_text(read_regular_file(path, limit), path)
 
 
-def escaping_link(folder: Path, root: Path) -> tuple[Path, Path] | None:
+def escaping_link(folder: Path, root: Path, config_name: str = "nereid.yaml") -> tuple[Path, Path] | None:
     """The first symlink in ``folder`` (the folder itself included) that leads outside ``root``.
 
     Returns (the link, where it leads), or None when every link stays inside.
-    Raises ConfigError when the folder has more than :data:`MAX_FOLDER_ENTRIES`.
+    Raises ConfigError when the folder has more than :data:`MAX_FOLDER_ENTRIES`, or a subfolder cannot be listed
+    but can be searched (its refusal names ``config_name``, see :func:`check_confined`).
     A linked folder that stays inside ``root`` is walked too, for a link in it may lead out (the hunt of the
     symlink check: ``v2 -> ../.shared``, ``.shared/w.safetensors -> /elsewhere``, loaded through the two hops);
     each real folder once, so that a link back to a folder walked already ends the walk there.
@@ -155,7 +157,8 @@ def escaping_link(folder: Path, root: Path) -> tuple[Path, Path] | None:
     real_of = {str(folder): os.path.realpath(folder)}  # each folder still to walk: where it really is
     walked = set(real_of.values())
     # os.walk passes over a subfolder it cannot list (see _refuse_unlisted_reachable for those a model can reach).
-    for directory, subdirs, files in os.walk(folder, onerror=_refuse_unlisted_reachable, followlinks=True):
+    refuse = functools.partial(_refuse_unlisted_reachable, config_name=config_name)
+    for directory, subdirs, files in os.walk(folder, onerror=refuse, followlinks=True):
         real_directory = real_of.pop(directory, None) or os.path.realpath(directory)
         links_in = set()  # the names here that are links (inside the root: the others end the walk)
         for name in (*subdirs, *files):
@@ -201,7 +204,7 @@ def _link_target(link: Path) -> Path | None:
         raise
 
 
-def _refuse_unlisted_reachable(error: OSError) -> None:
+def _refuse_unlisted_reachable(error: OSError, config_name: str) -> None:
     """os.walk's ``onerror``: ConfigError for a subfolder the server's user cannot list but can search (mode 311):
     a model opens what it holds by name, a symlink leading out included, which the walk cannot see (the operator
     hunt). One that cannot be searched either holds nothing anyone here can reach, and is passed over."""
@@ -211,7 +214,7 @@ def _refuse_unlisted_reachable(error: OSError) -> None:
         return  # (no search permission: nothing in it can be opened)
     raise ConfigError(f"the folder {error.filename} cannot be listed by the server's user (uid {os.geteuid()}), but "
                       "what it holds can be opened by name: its symlinks cannot be checked (give it read permission, "
-                      "r, or set server.follow_symlinks: true in nereid.yaml)")
+                      f"r, or set server.follow_symlinks: true in {config_name})")
 
 
 def check_readable(folder: Path) -> None:
@@ -247,8 +250,11 @@ def _search_refused(folder: Path | str) -> PermissionError | None:
     return None
 
 
-def check_confined(folder: Path, root: Path, follow_symlinks: bool) -> None:
+def check_confined(folder: Path, root: Path, follow_symlinks: bool, config_name: str = "nereid.yaml") -> None:
     """ConfigError when ``folder`` (or a file in it) is a symlink leading outside ``root``.
+
+    ``config_name``: the configuration file where ``server.follow_symlinks`` is set, as the error names it (the
+    server's Settings.config_name; settings.DEFAULT_CONFIG_NAME by default, which this module cannot import).
 
     ``follow_symlinks`` (``server.follow_symlinks``) turns the check off. A folder the server's user cannot read
     is said to be (:func:`check_readable`) rather than fail the walk with a bare errno naming a file in it.
@@ -256,14 +262,14 @@ def check_confined(folder: Path, root: Path, follow_symlinks: bool) -> None:
     if follow_symlinks:
         return
     check_readable(folder)
-    escape = escaping_link(folder, root)
+    escape = escaping_link(folder, root, config_name)
     if escape is not None:
         link, target = escape
         # The target is for the operator's log only: the error reaches clients (RepositoryIndex, load
         # replies), where only paths relative to ml_backends_path may appear.
         log.info("%s leads to %s, outside ml_backends_path %s", link, target, root)
         raise ConfigError(f"{link} is a symlink to a path outside ml_backends_path; set "
-                          "server.follow_symlinks: true in nereid.yaml to allow it")
+                          f"server.follow_symlinks: true in {config_name} to allow it")
 
 
 def _inside(path: Path, root: Path) -> bool:

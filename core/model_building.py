@@ -138,7 +138,7 @@ def _build_model(manager: NereidPluginManager, context: ModelContext,
                  backend_defaults: Mapping[str, Mapping[str, Any]] | None, defaults_source: Path | str,
                  stage: BuildStage) -> BuiltModel:
     check_readable(context.folder)
-    result = claim_folder(manager, context.folder, context.settings.backend,
+    result = claim_folder(manager, context.folder, context.settings.backend, config_name=context.config_name,
                           asking=lambda name: stage.enter(f"the nereid_claim_model hook of {manager.describe(name)}"))
     if result.claim is None:
         raise ConfigError(result.reason)

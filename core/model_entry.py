@@ -17,12 +17,18 @@ from nereid.backend import Model
 from nereid.errors import Unavailable
 from nereid.model_runner import HookThreads, Runner
 from nereid.scheduler import ModelScheduler
-from nereid.settings import ModelSettings
+from nereid.settings import DEFAULT_CONFIG_NAME, ModelSettings
 from nereid.signature import ModelSignature
 from nereid.stats import ModelStats
 
-# (The data plane adds "; load it with RepositoryModelLoad" where that call is served.)
-NOT_LISTED_REASON = "not listed in nereid.yaml"
+
+def not_listed_reason(config_name: str = DEFAULT_CONFIG_NAME) -> str:
+    """The reason of a folder the configuration file ``config_name`` does not list (see Settings.config_name).
+    (The data plane adds "; load it with RepositoryModelLoad" where that call is served.)"""
+    return f"not listed in {config_name}"
+
+
+NOT_LISTED_REASON = not_listed_reason()  # with the default file's name: an entry made with no reason of its own
 # A folder that appeared after the start of a server with no models: key (every folder loads at start) and no
 # server.watch: "not listed in nereid.yaml" said so of a file that lists nothing (found by a bug hunt).
 FOUND_AFTER_START_REASON = "found after the start (without server.watch, a folder added later is not loaded by itself)"

@@ -385,7 +385,8 @@ class _HookStage:
         # (The whole queue, not queued_past_free_instances: a free instance that holds off for a batching window, or
         # for a full postprocess stage, takes none of it at once, and an admitted request must find its place.)
         if len(self.calls) - late + self.dropped + scheduler.queue_depth >= scheduler.capacity:
-            raise queue_full(scheduler.name, scheduler.capacity, ", requests in its preprocess hook included")
+            raise queue_full(scheduler.name, scheduler.capacity, ", requests in its preprocess hook included",
+                             scheduler.config_name)
 
     def full(self, scheduler: ModelScheduler) -> bool:
         """Whether the stage and the queue hold ``capacity`` requests, the expired and late ones counted: true

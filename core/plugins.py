@@ -32,6 +32,7 @@ from nereid import hookspecs
 from nereid.backend import BackendClaim
 from nereid.errors import ConfigError, cap_message, describe_exception, plugin_failures
 from nereid.runtime_options import layered_runtime
+from nereid.settings import DEFAULT_CONFIG_NAME
 from nereid.storage.client import store_failed
 from nereid.storage.mirror import StreamedFiles
 from nereid.triton_hints import folder_hint
@@ -535,7 +536,7 @@ def _answers_alone(manager: NereidPluginManager, hook: str, impl: pluggy.HookImp
 
 
 def claim_folder(manager: NereidPluginManager, folder: Path, backend: str | None = None,
-                 asking: Callable[[str], None] | None = None) -> ClaimResult:
+                 asking: Callable[[str], None] | None = None, config_name: str = DEFAULT_CONFIG_NAME) -> ClaimResult:
     """Ask the backends about ``folder``; with ``backend`` set, ask only that one.
 
     Each claim is attributed to the plugin that made it, by its registration
@@ -543,13 +544,14 @@ def claim_folder(manager: NereidPluginManager, folder: Path, backend: str | None
     BackendClaim or None, is taken as not claiming the folder; when nobody
     claims it, the reason says what went wrong with that plugin. ``asking`` is
     told the registration name of each plugin just before its hook is asked
-    (the step a model's build waits for: see :class:`~nereid.model_building.BuildStage`).
+    (the step a model's build waits for: see :class:`~nereid.model_building.BuildStage`). ``config_name``: the
+    configuration file, as the reasons name it (``set backend: in prod.yaml``; see Settings.config_name).
     """
     if backend is not None:
         if backend not in backend_names(manager):
             left_out = manager.left_out(backend)
             if left_out:  # installed, but unusable: "not installed" would send its author looking elsewhere
-                return ClaimResult(None, f"backend '{backend}' (from nereid.yaml) cannot be used: {left_out} "
+                return ClaimResult(None, f"backend '{backend}' (from {config_name}) cannot be used: {left_out} "
                                          "(fix the plugin, then restart nereid: plugins are loaded at start-up)")
             installed = backend_names(manager)
             # (Names are case-sensitive: `backend: upper` for an installed UPPER got no hint; the plugin hunt.)
@@ -557,7 +559,7 @@ def claim_folder(manager: NereidPluginManager, folder: Path, backend: str | None
             close = ([by_case[backend.lower()]] if backend.lower() in by_case
                      else difflib.get_close_matches(backend, installed, n=1))
             guess = f" (did you mean '{close[0]}'?)" if close else ""
-            return ClaimResult(None, f"backend '{backend}' (from nereid.yaml) is not installed{guess} (no plugin of "
+            return ClaimResult(None, f"backend '{backend}' (from {config_name}) is not installed{guess} (no plugin of "
                                      "that name claims model folders); "
                                      f"installed backends: {', '.join(installed)}")
         asked = _ask(manager, folder, declared=True, only=backend, asking=asking)
@@ -584,10 +586,10 @@ def claim_folder(manager: NereidPluginManager, folder: Path, backend: str | None
         return ClaimResult(None, f"no backend claims the folder {folder} "
                                  f"(installed backends: {', '.join(backend_names(manager))}); "
                                  f"add the files of the backend you mean ({_claim_signs(manager)}) "
-                                 f"or set backend: in nereid.yaml{unusable}{failures}{hints}")
+                                 f"or set backend: in {config_name}{unusable}{failures}{hints}")
     names = ", ".join(sorted(name for name, _ in asked.claims))
     return ClaimResult(None, f"several backends claim the folder {folder} ({names}); "
-                             "set backend: in nereid.yaml to choose one")
+                             f"set backend: in {config_name} to choose one")
 
 
 def streamed_files(manager: NereidPluginManager, name: str, backend: str | None = None) -> StreamedFiles:

@@ -31,8 +31,8 @@ from nereid.folder_cleanup import FolderCleanup
 from nereid.folder_states import folder_stamp
 from nereid.log_limit import RateLimitedLog
 from nereid.model_building import BackendRaised
-from nereid.model_entry import (FOUND_AFTER_START_REASON, NOT_LISTED_REASON, LoadAbandoned, LoadedModel, ModelEntry,
-                                ModelState, RetiringVersion, waiting_for_folder)
+from nereid.model_entry import (FOUND_AFTER_START_REASON, LoadAbandoned, LoadedModel, ModelEntry, ModelState,
+                                RetiringVersion, not_listed_reason, waiting_for_folder)
 from nereid.model_hooks import collect_released_code_soon
 from nereid.plugins import OptionsAsked, check_backend_defaults, options_change
 from nereid.settings import Settings
@@ -440,7 +440,8 @@ class ModelRepository:
                         f"({server.watch_settle_ms:g} ms)" if server.watch and self._watched
                         # Nothing is listed in nereid.yaml: every folder loads once the store's listing answers.
                         else _WAITING_FOR_LISTING if self._startup_listing is not None
-                        else NOT_LISTED_REASON if self.settings.models_listed else FOUND_AFTER_START_REASON)
+                        else not_listed_reason(self.settings.config_name) if self.settings.models_listed
+                        else FOUND_AFTER_START_REASON)
             settings, origin = self.settings.model_or_default(name)
             self._entries[name] = ModelEntry(name, self.root / name, settings, origin, reason=unlisted)
         self._entries[name].folder_seen = True
@@ -632,7 +633,7 @@ class ModelRepository:
         if requested and entry.loaded is None and missing:
             # Listed, but nothing to load from: the client's mistake, not the model's fault ("failed to load",
             # INTERNAL); and a version still draining keeps showing UNLOADING.
-            raise _listed_without_folder(name, self.settings.server.watch)
+            raise _listed_without_folder(name, self.settings.server.watch, self.settings.config_name)
         if counted:
             self._counted_once_ready.discard(name)
         elif name not in self._exposed:
@@ -858,7 +859,7 @@ class ModelRepository:
             claimed = new not in entry.scratch_names
             entry.scratch_names.add(new)
             context = ModelContext(new, self.root / new, settings, self._loader.scratch_for(new), origin, self.models,
-                                   runs_dir=self._loader.runs_dir)
+                                   runs_dir=self._loader.runs_dir, config_name=self.settings.config_name)
             try:
                 if not isinstance(loaded.backend, Relocatable):
                     raise ConfigError(f"backend '{loaded.backend_name}' cannot move a loaded model")
@@ -1076,17 +1077,17 @@ class ModelRepository:
             else:
                 work.append(self._reload_entry(entry))
         for backend, count in sorted(unchanged.items()):  # (one line, where each model said "reloading it")
-            log.info("nereid.yaml's backends.%s changed, but not the options of %d loaded model%s of it (a default "
-                     "written out, or a key its own runtime: sets): not reloaded", backend, count,
+            log.info("%s's backends.%s changed, but not the options of %d loaded model%s of it (a default "
+                     "written out, or a key its own runtime: sets): not reloaded", settings.config_name, backend, count,
                      "" if count == 1 else "s")
         for model in settings.models:  # listed by this edit before its folder is there: one line for it too
             if model.name not in self._entries and old.model(model.name) is None:
                 if model.name in settling:  # (there, new and still changing: "is in ml_backends_path" misled)
-                    log.info("model '%s' is now listed in nereid.yaml; it loads once its folder, which is changing, "
-                             "has settled", model.name)
+                    log.info("model '%s' is now listed in %s; it loads once its folder, which is changing, "
+                             "has settled", model.name, settings.config_name)
                 else:
-                    log.info("model '%s' is now listed in nereid.yaml; it loads once its folder '%s' is in "
-                             "ml_backends_path", model.name, model.name)
+                    log.info("model '%s' is now listed in %s; it loads once its folder '%s' is in "
+                             "ml_backends_path", model.name, settings.config_name, model.name)
         return self._settled([asyncio.ensure_future(step) for step in work])
 
     def take_deferred_step(self, name: str) -> Awaitable[ModelEntry] | None:
@@ -1098,8 +1099,8 @@ class ModelRepository:
         entry = self._entries.get(name)
         if action is None or entry is None or not self.wanted(name):
             return None
-        log.info("model '%s': its folder has settled (or is as it was); %s it with its settings now in nereid.yaml",
-                 name, "loading" if action == "load" else "reloading")
+        log.info("model '%s': its folder has settled (or is as it was); %s it with its settings now in %s",
+                 name, "loading" if action == "load" else "reloading", self.settings.config_name)
         return self.load(name, counted=False) if action == "load" else self._reload_entry(entry)
 
     def deferred_step(self, name: str) -> str | None:
@@ -1116,7 +1117,7 @@ class ModelRepository:
         start shows, not "unloaded" (which reads as an operator's unload)."""
         entry = await self.unload(name)
         if entry.loaded is None and entry.state is ModelState.UNAVAILABLE and not served(self.settings, name):
-            entry.reason = NOT_LISTED_REASON
+            entry.reason = not_listed_reason(self.settings.config_name)
         return entry
 
     async def _reload_entry(self, entry: ModelEntry) -> ModelEntry:
@@ -1128,9 +1129,9 @@ class ModelRepository:
     async def _settled(self, steps: list[asyncio.Future]) -> None:
         for outcome in await asyncio.gather(*steps, return_exceptions=True):
             if isinstance(outcome, NotFound):  # its folder went meanwhile: that removal is acted on as any other
-                log.info("applying nereid.yaml: %s", outcome)
+                log.info("applying %s: %s", self.settings.config_name, outcome)
             elif isinstance(outcome, Exception):  # (one step's failure stops neither the others nor the refresh)
-                log.error("applying nereid.yaml: %s", describe_exception(outcome))
+                log.error("applying %s: %s", self.settings.config_name, describe_exception(outcome))
         await self.refresh()  # entries only the old nereid.yaml kept (listed, folder never landed) go
 
     def _record(self, name: str, event: str) -> None:
@@ -1412,12 +1413,13 @@ _WAITING_FOR_LISTING = ("waiting to load: the model folders could not be listed 
                         "they are")
 
 
-def _listed_without_folder(name: str, watched: bool) -> NotFound:
-    """The error for a load of ``name``, which nereid.yaml lists, while it has no model folder."""
+def _listed_without_folder(name: str, watched: bool, config_name: str) -> NotFound:
+    """The error for a load of ``name``, which the configuration file ``config_name`` lists, while it has no model
+    folder."""
     then = ("it loads once its folder lands (server.watch)" if watched
             else "put its folder back, then load it again")
     return NotFound(PublicText(f"model '{name}': its folder '{name}' is missing from ml_backends_path, so it cannot "
-                               f"be loaded; nereid.yaml lists it: {then}"))
+                               f"be loaded; {config_name} lists it: {then}"))
 
 
 def _store_cannot_tell(name: str, failure: StorageError, more: str = "") -> Unavailable:

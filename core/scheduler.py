@@ -31,7 +31,7 @@ from nereid.daemon_pool import DaemonThreadPool, ThreadStartFailed
 from nereid.errors import (DeadlineExceeded, LoggedModelFailure, ModelFailure, ModelRetired, NereidError, NotStarted,
                            QueueFull, Unavailable, describe_exception, naming_model, without_model_name)
 from nereid.log_limit import RateLimitedLog
-from nereid.settings import DEFAULT_QUEUE_CAPACITY
+from nereid.settings import DEFAULT_CONFIG_NAME, DEFAULT_QUEUE_CAPACITY
 from nereid.signature import ModelSignature, check_outputs
 from nereid.stats import ModelStats, RequestTiming
 from nereid.tensors import NamedTensor
@@ -74,10 +74,13 @@ class ModelScheduler:
     """Queue, batcher and executions of one loaded model. Create it on the server's event loop."""
 
     def __init__(self, name: str, backend: Model, signature: ModelSignature, capacity: int, instances: int,
-                 stats: ModelStats, policy: BatchPolicy | None = None, copies_outputs: bool = True) -> None:
+                 stats: ModelStats, policy: BatchPolicy | None = None, copies_outputs: bool = True,
+                 config_name: str = DEFAULT_CONFIG_NAME) -> None:
         """``copies_outputs``: the backend's outputs are copied as its ``infer`` returns them, which a model that
-        returns fresh arrays each call spares (see :class:`~nereid.backend.ReturnsFreshOutputs`)."""
+        returns fresh arrays each call spares (see :class:`~nereid.backend.ReturnsFreshOutputs`). ``config_name``:
+        the configuration file that sets ``capacity``, as a full queue's answer names it (Settings.config_name)."""
         self.name = name
+        self.config_name = config_name
         self._copies_outputs = copies_outputs
         self.capacity = capacity
         self.policy = policy or BatchPolicy(enabled=False)
@@ -172,7 +175,7 @@ class ModelScheduler:
             if deadline_passed(deadline_ns, now_ns):  # (a hook's request, say): its deadline is the news, not the queue
                 self._stats.record_submitted()  # (counted as one out of time on arrival at an idle model is)
                 raise not_started(self.name, deadline_ns, now_ns)
-            raise queue_full(self.name, self.capacity)
+            raise queue_full(self.name, self.capacity, config_name=self.config_name)
         arrived_ns = time.monotonic_ns()
         cost = request_cost(self._signature, inputs, rows) if self._variable_axes else rows
         self._stats.record_submitted()
@@ -1031,13 +1034,15 @@ class QueueRefusal(QueueFull):
     meta model's orchestration's, must not make it run twice)."""
 
 
-def queue_full(model: str, capacity: int, counted: str = "") -> QueueRefusal:
+def queue_full(model: str, capacity: int, counted: str = "",
+               config_name: str = DEFAULT_CONFIG_NAME) -> QueueRefusal:
     """The answer of a request refused because ``model``'s queue holds ``capacity`` requests (``counted``: what
-    the count takes in besides). The default is said as such: a Triton user's queue is unbounded by default, and
-    "in nereid.yaml" sent them looking for a value nereid.yaml did not hold (the Triton client hunt)."""
+    the count takes in besides; ``config_name``: the configuration file that sets it). The default is said as
+    such: a Triton user's queue is unbounded by default, and "in nereid.yaml" sent them looking for a value
+    nereid.yaml did not hold (the Triton client hunt)."""
     where = " (the default)" if capacity == DEFAULT_QUEUE_CAPACITY else ""
     return QueueRefusal(f"model '{model}': queue is full (queue_capacity {capacity}{where}, models[].queue_capacity "
-                        f"in nereid.yaml{counted}); retry later")
+                        f"in {config_name}{counted}); retry later")
 
 
 def not_started(model: str, deadline_ns: int, now_ns: int, waited: str = "") -> DeadlineExceeded:

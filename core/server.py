@@ -296,7 +296,8 @@ class NereidServer:
         starting = self.repository.startup_models()
         unlisted = sorted({entry.name for entry in self.repository.entries()} - set(starting))
         if unlisted:  # (their index entries say it too; a folder dropped in under a watch, then a restart)
-            log.info("not listed in nereid.yaml, so not loaded: %s (%s)", ", ".join(f"'{name}'" for name in unlisted),
+            log.info("not listed in %s, so not loaded: %s (%s)", self.settings.config_name,
+                     ", ".join(f"'{name}'" for name in unlisted),
                      "RepositoryModelLoad loads one" if self.repository_control
                      else "list one under models: to serve it; RepositoryModelLoad is off")
         if self.repository.waiting_for_listing() and self._loading_once_listed is None:

@@ -25,6 +25,8 @@ from nereid.storage.url import parse_store_url
 from nereid.tls import TlsFileError, TlsSettings, read_tls_material
 from nereid.triton_hints import yaml_key_hints
 
+# The configuration file read when none is named (``nereid serve --config FILE`` names another).
+DEFAULT_CONFIG_NAME = "nereid.yaml"
 DEFAULT_BIND_ADDR = "[::1]:50051"
 DEFAULT_QUEUE_CAPACITY = 128
 DEFAULT_TIMEOUT_S = 60.0
@@ -343,6 +345,14 @@ def repository_control_allowed(server: ServerSettings, bind_addr: str) -> bool:
     return is_loopback(bind_addr) and (not server.http_addr or is_loopback(server.http_addr))
 
 
+def config_file_name(source: Path | str) -> str:
+    """The configuration file ``source`` as messages name it in words ("not listed in prod.yaml"): its base name,
+    so that one named nereid.yaml, wherever it is, reads as it always did; DEFAULT_CONFIG_NAME when there is none.
+
+    A mistake at a key names the file's path instead (``<path>: models[0].name: ...``), which locates it."""
+    return Path(source).name or DEFAULT_CONFIG_NAME
+
+
 @dataclass(frozen=True)
 class Settings:
     """The whole of ``nereid.yaml``.
@@ -357,6 +367,11 @@ class Settings:
     models_listed: bool = False
     # ``backends: {<backend>: {<runtime option>: value}}``: runtime defaults for every model of a backend.
     backend_defaults: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+
+    @property
+    def config_name(self) -> str:
+        """The file these settings were read from, as messages name it in words (see :func:`config_file_name`)."""
+        return config_file_name(self.source)
 
     def model(self, name: str) -> ModelSettings | None:
         """The listed settings for ``name``, or None when nereid.yaml does not list it."""

@@ -47,33 +47,34 @@ def settings_step(name: str, old: Settings, new: Settings, before: ModelSettings
     :func:`nereid.plugins.options_change`).
     """
     was_listed, listed = old.model(name) is not None, new.model(name) is not None
+    config = new.config_name  # (the file as the operator named it: `--config prod.yaml` said "nereid.yaml")
     changed = new.model_or_default(name)[0] != before
     # (One asked for but not loaded, its load having failed, too: wanted no more, its fixed files must not load.)
     if served(old, name) and not served(new, name) and (was_listed or loaded_backend is not None or asked_for):
         # (Not "unloading it" for one never loaded: listed before its folder landed, or whose load failed.)
         then = "unloading it" if loaded_backend is not None else "no longer served (it was not loaded)"
-        return SettingsStep("unload", f" is no longer listed in nereid.yaml; {then}" if was_listed else
-                            f": nereid.yaml now lists the models to serve (models:), and not this one; {then}")
+        return SettingsStep("unload", f" is no longer listed in {config}; {then}" if was_listed else
+                            f": {config} now lists the models to serve (models:), and not this one; {then}")
     if loaded_backend is None:
         # A model that is not loaded loads when its entry is new or changed: a fix to the entry of one that
         # failed (an unknown backend, a bad runtime option) must not wait for a restart.
         if listed and not was_listed:
-            return SettingsStep("load", " is now listed in nereid.yaml; loading it")
+            return SettingsStep("load", f" is now listed in {config}; loading it")
         if served(new, name) and not served(old, name):
-            return SettingsStep("load", ": nereid.yaml no longer lists the models to serve (no models:), so every "
+            return SettingsStep("load", f": {config} no longer lists the models to serve (no models:), so every "
                                         "folder is served; loading it")
         if listed and changed:
-            return SettingsStep("load", ": its settings in nereid.yaml changed; loading it")
+            return SettingsStep("load", f": its settings in {config} changed; loading it")
         if backends_changed and asked_for:
             # Its last load failed (which backend claims it is not known): a fixed backends: default
             # (warm_sart corrected to warm_start) may be what it needed.
-            return SettingsStep("load", ": nereid.yaml's backends: defaults changed; loading it again")
+            return SettingsStep("load", f": {config}'s backends: defaults changed; loading it again")
         return None
     if changed:
-        return SettingsStep("reload", ": its settings in nereid.yaml changed; reloading it")
+        return SettingsStep("reload", f": its settings in {config} changed; reloading it")
     if loaded_backend in backends_changed and options_changed:
         # (Only a change of what it runs with: a default written out, or one its own runtime: overrides, reloaded
         # every model of the backend, 300 reloads for an edit that changed nothing; the scale hunt.)
-        return SettingsStep("reload", f": nereid.yaml's backends.{loaded_backend} defaults change its options; "
+        return SettingsStep("reload", f": {config}'s backends.{loaded_backend} defaults change its options; "
                                       "reloading it")
     return None

@@ -202,7 +202,7 @@ class VersionLoader:
                 restamped.append(stamped[0])
         context = ModelContext(name, entry.folder, entry.settings, self.scratch_for(name), entry.settings_origin,
                                self.models, on_folder_rewritten=folder_rewritten if stamped_here else None,
-                               runs_dir=self.runs_dir)
+                               runs_dir=self.runs_dir, config_name=settings.config_name)
         if stamped_here:
             stamped = await asyncio.to_thread(folder_stamp, entry.folder)  # before the build reads the files
             stamp = stamped[0] if stamped is not None else None
@@ -278,7 +278,8 @@ class VersionLoader:
                     lambda exit_: backend_exit(name, exit_, "while asked what it calls"), also=(KeyboardInterrupt,))
                 warn_if_settings_ignored(name, entry.settings, instances)
             scheduler = ModelScheduler(name, built.backend, built.batch_signature, entry.settings.queue_capacity,
-                                       instances, stats, built.policy, copies_outputs=not built.fresh_outputs)
+                                       instances, stats, built.policy, copies_outputs=not built.fresh_outputs,
+                                       config_name=context.config_name)
             hook_threads = HookThreads(name)
             return LoadedModel(built.backend_name, built.backend, built.signature, built.batch_signature,
                                scheduler, stats, load_seconds,
@@ -314,7 +315,7 @@ class VersionLoader:
             context = replace(context, folder=hold.folder, repository_folder=context.folder)
         try:
             stage.enter("the check of its folder's files")
-            check_confined(context.folder, server.ml_backends_path, server.follow_symlinks)
+            check_confined(context.folder, server.ml_backends_path, server.follow_symlinks, settings.config_name)
             remove_model_leftovers(context.folder, CACHE_SUBFOLDER)
             built = build_model(self.manager, context, backend_defaults, settings.source, stage)
         except BaseException:

@@ -82,12 +82,14 @@ class CxxModel:
         """Check the textproto and options, build or find the library, dlopen a copy, call nereid_load."""
         name, folder = self.context.name, self.context.folder
         if self.context.device.is_gpu:
+            where = self.context.settings_origin or self.context.config_name
             raise ConfigError(f"model '{name}': the cxx backend runs on the CPU (its ABI passes no device), "
-                              f"got device {self.context.device} in {self.context.settings_origin or 'nereid.yaml'}")
+                              f"got device {self.context.device} in {where}")
         self.context.warn_timeout_ignored("a cxx model's call into its library runs in the server's process and "
                                           "cannot be interrupted")
         signature = self._load_signature()
-        options = parse_options(name, self.context.settings.runtime, self.context.settings_origin, folder)
+        options = parse_options(name, self.context.settings.runtime, self.context.settings_origin, folder,
+                                self.context.config_name)
         if options.library is not None:
             path = options.library
         else:

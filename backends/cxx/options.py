@@ -27,7 +27,7 @@ from typing import Any, Mapping
 from nereid.config_document import quoting_hint
 from nereid.errors import ConfigError
 from nereid.runtime_options import RuntimeOptions
-from nereid.settings import beside_config
+from nereid.settings import DEFAULT_CONFIG_NAME, beside_config
 
 ALLOWED_KEYS = ("library", "sources")
 MODEL_FOLDER = "$MODEL_FOLDER"
@@ -55,19 +55,21 @@ def config_file(origin: str) -> Path | None:
     return Path(match.group("file")) if match else None
 
 
-def parse_options(model: str, runtime: Mapping[str, Any], origin: str, folder: Path | None = None) -> CxxOptions:
+def parse_options(model: str, runtime: Mapping[str, Any], origin: str, folder: Path | None = None,
+                  config_name: str = DEFAULT_CONFIG_NAME) -> CxxOptions:
     """Check ``runtime``; ConfigError names the model, ``<origin>.runtime.<key>`` and the value.
 
-    ``folder`` (the model's folder) is what ``$MODEL_FOLDER/`` at the start of a path stands for.
+    ``folder`` (the model's folder) is what ``$MODEL_FOLDER/`` at the start of a path stands for. ``config_name``:
+    the configuration file, as a refusal names it in words (ModelContext.config_name).
     """
     options = RuntimeOptions(runtime, origin, "cxx", ALLOWED_KEYS, prefix=f"model '{model}': ")
     fail = options.fail
-    chosen = _chosen_alternative(model, runtime, options.origins, origin)
+    chosen = _chosen_alternative(model, runtime, options.origins, origin or config_name)
     config = config_file(origin)
 
     def resolve(key: str, value: Any) -> Path:
         if not isinstance(value, str) or not value:
-            fail(key, f"must be a path (absolute, relative to nereid.yaml, or under {MODEL_FOLDER}/)"
+            fail(key, f"must be a path (absolute, relative to {config_name}, or under {MODEL_FOLDER}/)"
                       f"{quoting_hint(value)}", value)
         if value.startswith(MODEL_FOLDER + "/"):
             if folder is None:
@@ -76,8 +78,8 @@ def parse_options(model: str, runtime: Mapping[str, Any], origin: str, folder: P
         path = Path(value)
         if not path.is_absolute():
             if config is None:
-                fail(key, "is relative, but the model's settings come from no nereid.yaml; use an absolute path",
-                     value)
+                fail(key, f"is relative, but the model's settings come from no {config_name}; use an absolute "
+                          "path", value)
             # As the core's own paths: next to nereid.yaml as named (a ConfigMap's symlink), else its target.
             path = beside_config(config, path)
         return path
@@ -95,9 +97,10 @@ def _chosen_alternative(model: str, runtime: Mapping[str, Any], inherited: Mappi
     from otherwise.
 
     ``inherited`` maps each key taken from a ``backends.cxx`` default to where
-    that default is. The two are alternatives, not independent keys: a model
-    that names its own library under a default of ``sources`` (or the reverse)
-    means its own one, and merging key by key would hand it both.
+    that default is; ``origin`` is where the model's own settings are. The two
+    are alternatives, not independent keys: a model that names its own library
+    under a default of ``sources`` (or the reverse) means its own one, and
+    merging key by key would hand it both.
     """
     given = [key for key in ALLOWED_KEYS if key in runtime]
     own = [key for key in given if key not in inherited]
@@ -105,8 +108,7 @@ def _chosen_alternative(model: str, runtime: Mapping[str, Any], inherited: Mappi
         return given[0]
     if len(given) == 2 and len(own) == 1:
         return own[0]
-    places = " and ".join(dict.fromkeys(inherited.get(key, origin or "nereid.yaml") for key in given)) \
-        or origin or "nereid.yaml"
+    places = " and ".join(dict.fromkeys(inherited.get(key, origin) for key in given)) or origin
     raise ConfigError(
         f"model '{model}': backend cxx needs exactly one of runtime.library (a shared library) or "
         f"runtime.sources (C++ files to build one from) in {places}, e.g. runtime: {{library: build/libmodel.so}}")

@@ -164,7 +164,8 @@ class PythonModel(SubprocessModel):
         env["TMPDIR"] = str(parent_dir / "tmp")
         parent = WarmParent(name=self.context.name, folder=self.context.folder, env=env, modules=modules,
                             log_path=parent_dir / "log", entry_source=parent_dir / LOADED_ENTRY_FILE,
-                            entry_bytes=source, cold_argv=cold_command(), folder_fd=self.folder_fd(), warm=warm)
+                            entry_bytes=source, cold_argv=cold_command(), folder_fd=self.folder_fd(), warm=warm,
+                            config_name=self.context.config_name)
         try:
             try:
                 parent.entry_source.write_bytes(source)

@@ -24,6 +24,7 @@ from typing import Callable, Mapping
 
 from nereid.errors import ModelFailure, ModelKilled, NotStarted, Unavailable
 from nereid.files import descriptor_path
+from nereid.settings import DEFAULT_CONFIG_NAME
 
 from nereid.backends.python.compiled_script import runnable_script
 from nereid.backends.python.preload import Preloads
@@ -180,10 +181,12 @@ class WarmParent:
 
     def __init__(self, *, name: str, folder: Path, env: dict[str, str], modules: Preloads, log_path: Path,
                  entry_source: Path, entry_bytes: bytes, cold_argv: list[str] | None = None,
-                 folder_fd: int | None = None, warm: bool = True) -> None:
+                 folder_fd: int | None = None, warm: bool = True, config_name: str = DEFAULT_CONFIG_NAME) -> None:
         """``warm``: it serves warm runs (False: a cold model's parent, which preloads nothing and execs each run,
-        named only "parent" in messages: its model has warm start off)."""
+        named only "parent" in messages: its model has warm start off). ``config_name``: the configuration file
+        that sets the model's timeout_s, as a timed-out run's error names it (ModelContext.config_name)."""
         self.name = name
+        self.config_name = config_name
         self.warm = warm
         # What a cold run execs, should a restarted parent find it can no longer preload.
         self.cold_argv = cold_argv
@@ -439,7 +442,7 @@ class WarmParent:
             # the next batch's fork request, and is replaced then.
             raise timed_out(self.name, timeout_s, f"its process group was killed, but its {self.called} process "
                                                   f"(pid {parent.pid}) did not report its end within "
-                                                  f"{STOP_GRACE_S:g} s (stopped or wedged?)")
+                                                  f"{STOP_GRACE_S:g} s (stopped or wedged?)", self.config_name)
         if "status" not in ended:
             raise self._died(parent, "it ended while the run was in progress")
         if ended["status"] == FOLDER_NOT_ENTERED_EXIT and exited and not terminated:

@@ -125,9 +125,10 @@ class SubprocessModel:
                     # Killed by terminate_running, not a crash: the version was being retired.
                     raise Unavailable(f"model '{name}' was being unloaded (removed, replaced by a new version, or "
                                       "the server stopping) and this run was still going after shutdown_grace_s "
-                                      "(nereid.yaml): the run was stopped")
+                                      f"({self.context.config_name}): the run was stopped")
                 if result.timed_out:
-                    raise timed_out(name, self.context.settings.timeout_s, "its process group was killed")
+                    raise timed_out(name, self.context.settings.timeout_s, "its process group was killed",
+                                    self.context.config_name)
                 if result.returncode != 0:
                     tail = f"; output tail: {result.output_tail}" if result.output_tail else ""
                     fault = ModelKilled if result.returncode < 0 else ModelFailure
@@ -358,7 +359,8 @@ class SubprocessModel:
         if not device.is_gpu:
             return ""
         gpus = visible_gpus(os.environ, self.proc_root, self.dev_root)
-        where = f"model '{self.context.name}': device {device} ({self.context.settings_origin or 'nereid.yaml'})"
+        origin = self.context.settings_origin or self.context.config_name
+        where = f"model '{self.context.name}': device {device} ({origin})"
         if gpus.count is not None and device.index >= gpus.count:
             advice = "use one of them or set device: cpu" if gpus.count else "set device: cpu"
             raise ConfigError(f"{where}: {gpus.described}; {advice}")

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Iterator, TypeAlias
 
 from nereid.errors import ModelTimedOut
-from nereid.settings import DEFAULT_TIMEOUT_S
+from nereid.settings import DEFAULT_CONFIG_NAME, DEFAULT_TIMEOUT_S
 
 STDERR_TAIL_BYTES = 2000
 # The PATH a model's runs and a compiler get when the server has none (env -i, a bare init).
@@ -69,11 +69,12 @@ class ProcessResult:
         return f"exited with code {self.returncode}"
 
 
-def timed_out(name: str, timeout_s: float, how_it_ended: str) -> ModelTimedOut:
+def timed_out(name: str, timeout_s: float, how_it_ended: str, config_name: str = DEFAULT_CONFIG_NAME) -> ModelTimedOut:
     """The error for a run of model ``name`` still going at its ``timeout_s``: one wording for a cold run and a
-    warm one, ``how_it_ended`` saying what was done about it."""
+    warm one, ``how_it_ended`` saying what was done about it; ``config_name``: the configuration file that sets
+    timeout_s (ModelContext.config_name)."""
     # (Which setting, and its default: a model without one was told of a timeout_s nowhere written.)
-    return ModelTimedOut(f"model '{name}' timed out after {timeout_s:g} s (the model's timeout_s in nereid.yaml, "
+    return ModelTimedOut(f"model '{name}' timed out after {timeout_s:g} s (the model's timeout_s in {config_name}, "
                          f"default {DEFAULT_TIMEOUT_S:g} s); {how_it_ended}")
 
 

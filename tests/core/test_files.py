@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import sys
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from nereid import files
 from nereid.errors import ConfigError
 from nereid.files import (NAME_MAX, atomic_write, check_confined, escaping_link, is_model_folder_name, locked,
                           not_regular_reason, read_regular_file, read_text_file, remove_tree, temporary_name)
@@ -76,6 +78,21 @@ def test_a_symlink_out_of_the_repository_is_found_and_refused_unless_links_are_f
     assert "symlink to a path outside ml_backends_path" in str(caught.value)
     assert str(outside) not in str(caught.value)  # where it leads is for the log only: errors reach clients
     check_confined(root / "m", root, follow_symlinks=True)
+
+
+def test_the_symlink_refusals_name_the_configuration_file_the_server_was_started_with(tmp_path):
+    """`nereid serve --config prod.yaml`: where to set server.follow_symlinks was said to be nereid.yaml."""
+    root = tmp_path / "ml-backends"
+    (root / "m").mkdir(parents=True)
+    (root / "m" / "weights.bin").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(ConfigError, match=r"set server\.follow_symlinks: true in prod\.yaml to allow it$"):
+        check_confined(root / "m", root, False, "prod.yaml")
+    # A subfolder the walk cannot list but a model can search (mode 311): told where to turn the check off too.
+    # (The walk's refusal is made here: run as root, the walk lists every folder; test_cli.py's test of mode 311
+    # runs the check as another user.)
+    unlisted = PermissionError(errno.EACCES, "Permission denied", str(root / "m"))
+    with pytest.raises(ConfigError, match=r"or set server\.follow_symlinks: true in prod\.yaml\)$"):
+        files._refuse_unlisted_reachable(unlisted, "prod.yaml")
 
 
 def test_a_model_folder_that_is_itself_a_symlink_out_is_found(tmp_path):

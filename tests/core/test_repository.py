@@ -1262,7 +1262,7 @@ def test_a_model_listed_while_its_new_folder_settles_is_said_to_wait_for_it_to_s
     (tmp_path / "ml-backends").mkdir()
     repo = repository(tmp_path, server_extra="  watch: true\n")
     write_toy(tmp_path / "ml-backends", "copied")  # (copied in after the repository was listed: no entry yet)
-    edited = tmp_path / "edited.yaml"
+    edited = tmp_path / "nereid.yaml"  # (the file the repository was started from, edited)
     edited.write_text('server:\n  ml_backends_path: "ml-backends"\n  metrics_addr: ""\n  http_addr: ""\n'
                       "  watch: true\nmodels:\n  - name: copied\n  - name: absent\n")
     with caplog.at_level(logging.INFO, logger="nereid.repository"):

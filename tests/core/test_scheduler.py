@@ -106,6 +106,25 @@ def test_a_full_queue_of_the_default_capacity_says_it_is_the_default() -> None:
     assert "default" not in str(queue_full("m", 3))
 
 
+def test_a_full_queue_names_the_configuration_file_the_server_was_started_with() -> None:
+    """`nereid serve --config prod.yaml`: the client was sent to a queue_capacity "in nereid.yaml"."""
+    async def scenario() -> None:
+        backend = GatedDouble()
+        scheduler = ModelScheduler("m", backend, SIGNATURE, capacity=1, instances=1, stats=ModelStats(),
+                                   config_name="prod.yaml")
+        admitted = [asyncio.create_task(scheduler.submit(rows(0), 1, 0))]
+        await until(lambda: scheduler.running_threads == 1)
+        admitted.append(asyncio.create_task(scheduler.submit(rows(1), 1, 0)))
+        await until(lambda: scheduler.queue_depth == 1)
+        with pytest.raises(Unavailable, match=r"^model 'm': queue is full \(queue_capacity 1, "
+                                              r"models\[\]\.queue_capacity in prod\.yaml\); retry later$"):
+            await scheduler.submit(rows(2), 1, 0)
+        backend.gate.set()
+        await asyncio.gather(*admitted)
+        await scheduler.drain()
+    run(scenario())
+
+
 def test_expired_request_is_answered_and_never_runs() -> None:
     async def scenario() -> None:
         backend = GatedDouble()

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from nereid.errors import ConfigError
-from nereid.settings import (DEFAULT_BIND_ADDR, DEFAULT_HTTP_MAX_JSON_BYTES, Device, Listeners, address_problem,
-                             load_settings, repository_control_allowed)
+from nereid.settings import (DEFAULT_BIND_ADDR, DEFAULT_CONFIG_NAME, DEFAULT_HTTP_MAX_JSON_BYTES, Device, Listeners,
+                             Settings, address_problem, config_file_name, load_settings, repository_control_allowed)
 
 
 @pytest.fixture
@@ -30,6 +30,15 @@ def test_defaults_and_relative_backends_path(root: Path) -> None:
     assert settings.server.ml_backends_path == (root / "ml-backends").resolve()
     assert settings.server.strict_readiness is True
     assert settings.models == () and settings.models_listed is False
+
+
+def test_messages_name_the_configuration_file_by_its_base_name(tmp_path: Path) -> None:
+    """`--config /etc/nereid/prod.yaml` is said "prod.yaml" in words (see test_settings_config_name.py), and a file
+    called nereid.yaml anywhere as it always was; a mistake at a key keeps the path, which locates it."""
+    assert config_file_name(Path("/etc/nereid/prod.yaml")) == "prod.yaml"
+    assert config_file_name("cfg/nereid.yaml") == DEFAULT_CONFIG_NAME == "nereid.yaml"
+    assert config_file_name("") == DEFAULT_CONFIG_NAME
+    assert Settings(tmp_path / "prod.yaml").config_name == "prod.yaml"
 
 
 def test_every_model_key(root: Path) -> None:

@@ -10,10 +10,10 @@ from nereid.settings import Settings, parse_settings
 from nereid.settings_changes import changed_backends, settings_step
 
 
-def settings(tmp_path: Path, document: str) -> Settings:
+def settings(tmp_path: Path, document: str, file_name: str = "nereid.yaml") -> Settings:
     for name in ("a", "b"):  # (a listed model's folder must be there without dynamic mode)
         (tmp_path / "ml-backends" / name).mkdir(parents=True, exist_ok=True)
-    return parse_settings(yaml.safe_load(document), tmp_path / "nereid.yaml")
+    return parse_settings(yaml.safe_load(document), tmp_path / file_name)
 
 
 def step(name: str, old: Settings, new: Settings, loaded_backend: str | None = None,
@@ -97,3 +97,26 @@ def test_changed_backend_defaults_reload_only_a_model_whose_options_they_change(
     # (One whose last load failed is loaded again, as before: which backend claims it is not known.)
     assert step("a", before, after, options_changed=False) == (
         "load", ": nereid.yaml's backends: defaults changed; loading it again")
+
+
+def test_each_step_names_the_file_the_server_was_started_with(tmp_path: Path) -> None:
+    """`nereid serve --config prod.yaml`: each line said "nereid.yaml" whatever the file was called."""
+    def prod(document: str) -> Settings:
+        return settings(tmp_path, document, "prod.yaml")
+
+    one, two = prod("models:\n  - name: a\n"), prod("models:\n  - name: a\n  - name: b\n")
+    every_folder = prod("server: {}\n")
+    edited = prod("backends:\n  python:\n    warm_start: false\nmodels:\n  - name: a\n    queue_capacity: 7\n")
+    defaults = prod("backends:\n  python:\n    warm_start: false\nmodels:\n  - name: a\n")
+    assert step("b", one, two) == ("load", " is now listed in prod.yaml; loading it")
+    assert step("b", two, one, loaded_backend="python") == ("unload", " is no longer listed in prod.yaml; unloading it")
+    assert step("b", every_folder, one, loaded_backend="python") == (
+        "unload", ": prod.yaml now lists the models to serve (models:), and not this one; unloading it")
+    assert step("b", one, every_folder) == (
+        "load", ": prod.yaml no longer lists the models to serve (no models:), so every folder is served; loading it")
+    assert step("a", one, edited, loaded_backend="python") == ("reload", ": its settings in prod.yaml changed; "
+                                                                         "reloading it")
+    assert step("a", one, edited) == ("load", ": its settings in prod.yaml changed; loading it")
+    assert step("a", one, defaults, loaded_backend="python") == (
+        "reload", ": prod.yaml's backends.python defaults change its options; reloading it")
+    assert step("a", one, defaults) == ("load", ": prod.yaml's backends: defaults changed; loading it again")

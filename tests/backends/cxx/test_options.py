@@ -117,6 +117,18 @@ def test_options_that_name_no_library_the_load_can_find_are_refused_saying_what_
     assert str(refused.value) == message
 
 
+def test_refusals_name_the_configuration_file_the_server_was_started_with():
+    """`nereid serve --config prod.yaml`: a path was said to be relative to nereid.yaml (ModelContext.config_name)."""
+    from nereid.backends.cxx.options import parse_options
+    from nereid.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"runtime\.library: must be a path \(absolute, relative to prod\.yaml, or "
+                                          r"under \$MODEL_FOLDER/\), got ''$"):
+        parse_options("m", {"library": ""}, "/etc/nereid/prod.yaml: models[0]", config_name="prod.yaml")
+    with pytest.raises(ConfigError, match=r"runtime\.sources \(C\+\+ files to build one from\) in prod\.yaml, "):
+        parse_options("m", {}, "", config_name="prod.yaml")  # (a context with no settings origin)
+
+
 def test_a_library_or_sources_named_in_full_are_taken_as_they_are():
     from nereid.backends.cxx.options import CxxOptions, parse_options
 

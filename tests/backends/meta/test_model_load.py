@@ -202,9 +202,12 @@ def test_nereid_check_shows_meta_models(tmp_path: Path, capsys) -> None:
     assert "loop: UNAVAILABLE: model 'loop': depends_on forms a cycle 'loop' -> 'loop'" in out
 
 
-def test_nereid_check_fails_a_meta_model_a_server_would_keep_unavailable(tmp_path: Path, capsys) -> None:
+@pytest.mark.parametrize("config_name", ["nereid.yaml", "prod.yaml"])
+def test_nereid_check_fails_a_meta_model_a_server_would_keep_unavailable(tmp_path: Path, capsys,
+                                                                         config_name: str) -> None:
     """Defect: a meta model calling a model with no folder, one that fails, or one nereid.yaml does not list
-    passed the check (OK, exit 0), though the server keeps it UNAVAILABLE and ServerReady false."""
+    passed the check (OK, exit 0), though the server keeps it UNAVAILABLE and ServerReady false. The file is
+    named as given (`nereid check --config prod.yaml`), an unlisted model's state matched by that name too."""
     root = tmp_path / "ml-backends"
     root.mkdir()
     meta_folder(root, "a", manifest=META.replace("[a, b]", "[]"))
@@ -216,8 +219,8 @@ def test_nereid_check_fails_a_meta_model_a_server_would_keep_unavailable(tmp_pat
 
     def checked(models: str = "") -> tuple[int, dict[str, str]]:
         """nereid check's exit code with these nereid.yaml models: lines, and its line per model."""
-        (tmp_path / "nereid.yaml").write_text(f'server:\n  ml_backends_path: "ml-backends"\n{models}')
-        code = check(load_settings(tmp_path / "nereid.yaml"))
+        (tmp_path / config_name).write_text(f'server:\n  ml_backends_path: "ml-backends"\n{models}')
+        code = check(load_settings(tmp_path / config_name))
         return code, {line.split(":")[0]: line for line in capsys.readouterr().out.splitlines()}
 
     code, lines = checked()
@@ -227,17 +230,17 @@ def test_nereid_check_fails_a_meta_model_a_server_would_keep_unavailable(tmp_pat
     assert lines["above_loop"].startswith("above_loop: UNAVAILABLE: dependency 'loop' is not ready (UNAVAILABLE: "
                                           "its check failed); loaded as backend=meta ")
     assert lines["fine"].startswith("fine: OK ") and lines["above_fine"].startswith("above_fine: OK ")
-    assert lines[str(tmp_path / "nereid.yaml")].endswith(": 3 model(s) with problems")  # loop, typo, above_loop
+    assert lines[str(tmp_path / config_name)].endswith(": 3 model(s) with problems")  # loop, typo, above_loop
     # With a models: key, a dependency that is not listed is not loaded at start: the caller would wait.
     code, lines = checked("models:\n  - name: fine\n  - name: above_fine\n")
     assert code == 1
     assert lines["fine"].startswith("fine: UNAVAILABLE: dependency 'a' is not ready (UNAVAILABLE: not listed in "
-                                    "nereid.yaml)")
+                                    f"{config_name})")
     assert lines["above_fine"].startswith("above_fine: UNAVAILABLE: dependency 'fine' is not ready (UNAVAILABLE: "
-                                          "dependency 'a' is not ready (UNAVAILABLE: not listed in nereid.yaml))")
+                                          f"dependency 'a' is not ready (UNAVAILABLE: not listed in {config_name}))")
     # Neither listed: a later load of 'a', then of 'fine', serves both; no problem (a regression of the above).
     _, lines = checked("models:\n  - name: above_fine\n")
-    assert lines["fine"].startswith("fine: OK ") and lines["fine"].endswith("(not listed in nereid.yaml)")
+    assert lines["fine"].startswith("fine: OK ") and lines["fine"].endswith(f"(not listed in {config_name})")
     assert lines["typo"].startswith("typo: UNAVAILABLE: dependency 'a_typo' is not a model")  # still a problem
 
 

@@ -276,3 +276,10 @@ def test_closing_descriptors_closes_the_rest_after_one_that_fails():
     with pytest.raises(OSError) as closed:  # (listing /proc/self/fd would open a descriptor of that number)
         os.fstat(read_end)
     assert closed.value.errno == errno.EBADF
+
+
+def test_a_timed_out_run_names_the_configuration_file_that_sets_timeout_s():
+    """`nereid serve --config prod.yaml`: the client was sent to the model's timeout_s "in nereid.yaml"."""
+    assert str(runner.timed_out("m", 1, "its process group was killed", "prod.yaml")) == (
+        "model 'm' timed out after 1 s (the model's timeout_s in prod.yaml, default 60 s); its process group was "
+        "killed")
