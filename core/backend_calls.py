@@ -19,7 +19,7 @@ from nereid.errors import RaisedExit, calling_plugin, loop_safe_call
 from nereid.model_building import LOAD_CALL
 
 if TYPE_CHECKING:
-    from nereid.model_building import BuildStage, BuiltModel
+    from nereid.model_building import BuildStage, BuiltVersion
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ LONG_LOAD_NOTE_S = 60.0  # a build running this long is said in the log, and aga
 
 async def await_build(name: str, building: asyncio.Future, started: float,
                       running_long: Callable[[], None] | None = None,
-                      stage: BuildStage | None = None) -> BuiltModel:
+                      stage: BuildStage | None = None) -> BuiltVersion:
     """Await ``building`` (a model's build on :func:`on_daemon_thread`); every LONG_LOAD_NOTE_S while it runs,
     say so in the log, naming the step ``stage`` says it is in (and call ``running_long`` the first time).
 
@@ -114,7 +114,7 @@ async def await_build(name: str, building: asyncio.Future, started: float,
                     stage.call() if stage is not None else LOAD_CALL)
 
 
-def unload_unclaimed(name: str, built: BuiltModel) -> None:
+def unload_unclaimed(name: str, built: BuiltVersion) -> None:
     """Unload a model whose load finished after its caller abandoned it: what its ``load()`` acquired must not leak."""
     log.info("model '%s': load finished after it was abandoned; unloading it", name)
     try:

@@ -23,7 +23,7 @@ from nereid.classification import check_classifiable, classify
 from nereid.errors import (DeadlineExceeded, InvalidArgument, ModelFailure, ModelRetired, NereidError, NotFound,
                            PermissionDenied, PublicText, Unavailable, Unimplemented, describe_exception,
                            shown_name)
-from nereid.model_entry import FOUND_AFTER_START_REASON, LoadedModel, ModelState, not_listed_reason
+from nereid.model_entry import FOUND_AFTER_START_REASON, LoadedVersion, ModelState, not_listed_reason
 from nereid.model_info import (MODEL_VERSION, IndexEntry, ModelConfig, ModelMetadata, describe_config,
                                describe_metadata)
 from nereid.repository import ModelRepository
@@ -215,7 +215,7 @@ class DataPlane:
         """Name, version and implemented extensions."""
         return SERVER_NAME, __version__, EXTENSIONS
 
-    def model(self, name: str) -> LoadedModel:
+    def model(self, name: str) -> LoadedVersion:
         """The ready model behind ``name`` (NotFound / Unavailable otherwise)."""
         return self.repository.ready_model(name)
 
@@ -246,7 +246,7 @@ class DataPlane:
         # body it could not read rather than this (a waiting model's statistics said "unavailable"; a bug hunt).
         return self.repository.ready_model(name).signature
 
-    def _ready_or_refused(self, name: str) -> LoadedModel:
+    def _ready_or_refused(self, name: str) -> LoadedVersion:
         """The ready model behind ``name``; NotFound, or Unavailable counted against a version loaded but not
         READY (a meta model waiting for a model it calls), whose statistics list it, as its
         nereid_protocol_requests_total does."""
@@ -480,7 +480,7 @@ class DataPlane:
         model.stats.record_success(time.monotonic_ns() - received_ns, validated.batch_size, timing)
         return encoded
 
-    def _count_ended(self, model: LoadedModel, request: InferRequest, received_ns: int) -> None:
+    def _count_ended(self, model: LoadedVersion, request: InferRequest, received_ns: int) -> None:
         """Count a request whose task was cancelled: the client went away (it cancelled, its connection closed,
         or its deadline ended the call before the scheduler could answer DEADLINE_EXCEEDED), still one answer;
         past the grace, the server ended it (answered UNAVAILABLE)."""
@@ -488,12 +488,12 @@ class DataPlane:
         reason = Unavailable.reason if self.grace_passed else cancellation_reason(request.deadline_ns, now)
         model.stats.record_failure(now - received_ns, reason)
 
-    def _serving(self, name: str) -> LoadedModel | None:
+    def _serving(self, name: str) -> LoadedVersion | None:
         """The version of ``name`` serving now; None when none is READY."""
         return self.repository.serving(name)
 
     @staticmethod
-    def _requested_outputs(request: InferRequest, model: LoadedModel) -> set[str] | None:
+    def _requested_outputs(request: InferRequest, model: LoadedVersion) -> set[str] | None:
         """The outputs the request asked for; None when it asked for none, meaning all of them."""
         if not request.requested_outputs:
             return None  # (the codecs classify requested outputs only)
@@ -515,7 +515,7 @@ class DataPlane:
 
 
 
-async def _run_when_room(model: LoadedModel, tensors: list[NamedTensor], batch_size: int, deadline_ns: int,
+async def _run_when_room(model: LoadedVersion, tensors: list[NamedTensor], batch_size: int, deadline_ns: int,
                          timing: RequestTiming, on_wait: Callable[[bool], None]) -> list[NamedTensor]:
     """``model.run``, for a request that waits for room where a full queue would refuse it (see
     :meth:`DataPlane.infer_encoded`): behind the requests waiting already, if any, and again each time the queue

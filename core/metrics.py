@@ -34,7 +34,7 @@ from nereid.daemon_pool import ThreadStartFailed
 from nereid.errors import NotFound, describe_exception, plugin_failures
 from nereid.log_limit import OnceLog
 from nereid.metrics_endpoint import IDLE_TIMEOUT_S, MetricsEndpoint
-from nereid.model_entry import LoadedModel, ModelState
+from nereid.model_entry import LoadedVersion, ModelState
 from nereid.repository import ModelRepository
 from nereid.stats import Histogram as StatsHistogram
 
@@ -335,7 +335,7 @@ class _RepositoryCollector(Collector):
         # included: what waits there is still to be answered. The other figures are the serving version's, or,
         # for a removed folder's model finishing its requests, that version's until it is released (a reload's
         # old version shares the serving one's statistics).
-        versions: dict[str, LoadedModel] = {}
+        versions: dict[str, LoadedVersion] = {}
         waiting: dict[str, int] = {}
         for name, loaded in self._repository.versions():
             versions.setdefault(name, loaded)

@@ -62,8 +62,10 @@ class BuildStage:
 
 
 @dataclass(frozen=True)
-class BuiltModel:
-    """A loaded backend with what the core derived from it."""
+class BuiltVersion:
+    """A version as its build made it, before the core gives it a scheduler (then a
+    :class:`~nereid.model_entry.LoadedVersion`): the backend's loaded :class:`~nereid.backend.Model` and what the
+    core derived from it."""
 
     backend_name: str
     backend: Model
@@ -99,7 +101,7 @@ def _is_async_def(backend: object, method: str) -> bool:
 
 def build_model(manager: NereidPluginManager, context: ModelContext,
                 backend_defaults: Mapping[str, Mapping[str, Any]] | None = None,
-                defaults_source: Path | str = "", stage: BuildStage | None = None) -> BuiltModel:
+                defaults_source: Path | str = "", stage: BuildStage | None = None) -> BuiltVersion:
     """Claim, create and load one model; raise with the reason when it cannot be served.
 
     ``backend_defaults`` (nereid.yaml's ``backends:``, from the file
@@ -136,7 +138,7 @@ def build_model(manager: NereidPluginManager, context: ModelContext,
 
 def _build_model(manager: NereidPluginManager, context: ModelContext,
                  backend_defaults: Mapping[str, Mapping[str, Any]] | None, defaults_source: Path | str,
-                 stage: BuildStage) -> BuiltModel:
+                 stage: BuildStage) -> BuiltVersion:
     check_readable(context.folder)
     result = claim_folder(manager, context.folder, context.settings.backend, config_name=context.config_name,
                           asking=lambda name: stage.enter(f"the nereid_claim_model hook of {manager.describe(name)}"))
@@ -216,7 +218,7 @@ def _build_model(manager: NereidPluginManager, context: ModelContext,
             except Exception:  # logged: the reason the load is refused is the one raised here, not the cleanup's
                 log.exception("model '%s': unload failed (cleaning up after its load was refused)", context.name)
         raise
-    return BuiltModel(result.backend_name, backend, signature, batch_signature, policy, uses_device=uses_device,
+    return BuiltVersion(result.backend_name, backend, signature, batch_signature, policy, uses_device=uses_device,
                       fresh_outputs=fresh_outputs, longest_run_s=longest_run_s)
 
 

@@ -49,8 +49,10 @@ class ModelState(str, enum.Enum):
 
 
 @dataclass
-class LoadedModel:
-    """A model that loaded: its backend, signatures, scheduler and statistics.
+class LoadedVersion:
+    """One version of a model that loaded and serves (or retires): its backend's :class:`~nereid.backend.Model`,
+    signatures, scheduler and statistics. A :class:`ModelEntry` (one per name) holds the version it serves; a
+    :class:`RetiringVersion` one a reload or unload replaced, while it drains.
 
     ``signature`` is client-facing; ``batch_signature`` is what the backend's
     ``infer`` takes and returns (the same unless the backend has hooks).
@@ -99,7 +101,7 @@ class ModelEntry:
     settings_origin: str
     state: ModelState = ModelState.UNAVAILABLE
     reason: str = NOT_LISTED_REASON
-    loaded: LoadedModel | None = None
+    loaded: LoadedVersion | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     generation: int = 0  # versions loaded so far: every load and reload adds one
     holders: int = 0  # operations holding the lock or waiting for it
@@ -174,5 +176,5 @@ class RetiringVersion:
     """A version that serves no more (reloaded, unloaded, removed) and finishes its requests before release."""
 
     name: str  # the name it served under
-    loaded: LoadedModel
+    loaded: LoadedVersion
     scratch_names: frozenset[str]  # its entry's scratch folders: kept while it runs

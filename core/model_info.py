@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from nereid.backend import reported_device
-from nereid.model_entry import LoadedModel
+from nereid.model_entry import LoadedVersion
 from nereid.settings import ModelSettings
 from nereid.signature import TensorSpec
 
@@ -80,7 +80,7 @@ class IndexEntry:
     reason: str
 
 
-def describe_metadata(name: str, model: LoadedModel) -> ModelMetadata:
+def describe_metadata(name: str, model: LoadedVersion) -> ModelMetadata:
     """A loaded model's metadata."""
     batch = (-1,) if model.signature.batches else ()
 
@@ -91,7 +91,7 @@ def describe_metadata(name: str, model: LoadedModel) -> ModelMetadata:
                          tuple(map(info, model.signature.inputs)), tuple(map(info, model.signature.outputs)))
 
 
-def describe_config(name: str, model: LoadedModel, settings: ModelSettings) -> ModelConfig:
+def describe_config(name: str, model: LoadedVersion, settings: ModelSettings) -> ModelConfig:
     """A loaded model's configuration, as its scheduler and settings make it."""
     signature = model.signature
 

@@ -31,7 +31,7 @@ from nereid.folder_cleanup import FolderCleanup
 from nereid.folder_states import folder_stamp
 from nereid.log_limit import RateLimitedLog
 from nereid.model_building import BackendRaised
-from nereid.model_entry import (FOUND_AFTER_START_REASON, LoadAbandoned, LoadedModel, ModelEntry, ModelState,
+from nereid.model_entry import (FOUND_AFTER_START_REASON, LoadAbandoned, LoadedVersion, ModelEntry, ModelState,
                                 RetiringVersion, not_listed_reason, waiting_for_folder)
 from nereid.model_hooks import collect_released_code_soon
 from nereid.plugins import OptionsAsked, check_backend_defaults, options_change
@@ -110,7 +110,7 @@ class ModelRepository:
         # Work that outlives the call that started it: old versions draining after a reload, removals. Awaited
         # by unload_all; the versions draining are also ended by terminate_running.
         self._background: set[asyncio.Task] = set()
-        self._retiring: dict[int, RetiringVersion] = {}  # by id() of its LoadedModel
+        self._retiring: dict[int, RetiringVersion] = {}  # by id() of its LoadedVersion
         self._terminated: set[int] = set()  # id() of the backends the shutdown's terminate_running asked
         self._removing: dict[str, asyncio.Task] = {}  # the latest removal of each name, draining in the background
         # The loads and unloads clients asked for, still running (see accepted): a stop abandons them (unload_all).
@@ -250,7 +250,7 @@ class ModelRepository:
         under that name comes after it). Its old version may drain longer: that holds up nothing."""
         return self._removing.get(name)
 
-    def versions(self) -> list[tuple[str, LoadedModel]]:
+    def versions(self) -> list[tuple[str, LoadedVersion]]:
         """Every version held, each once, with the name it serves or served under: the serving ones first, then
         the old ones still finishing their requests (a reload's, an unload's, a removal's: a name whose folder
         is gone keeps its version until it is released). Safe to call from another thread (the metrics scrape).
@@ -521,7 +521,7 @@ class ModelRepository:
             raise _no_folder(name, self._entries)
         return entry
 
-    def ready_model(self, name: str) -> LoadedModel:
+    def ready_model(self, name: str) -> LoadedVersion:
         """The loaded model behind ``name``; NotFound or Unavailable with the reason otherwise."""
         # Through entry(): an unknown name gets the same NotFound as every other call's (statistics, a version).
         entry = self.entry(name)
@@ -535,14 +535,14 @@ class ModelRepository:
         which gives a folder just found an entry: asked about a name just forgotten, it could bring it back)."""
         return name in self._entries
 
-    def serving(self, name: str) -> LoadedModel | None:
+    def serving(self, name: str) -> LoadedVersion | None:
         """The loaded model behind ``name`` if it is READY, else None; a dict lookup, as :meth:`knows`."""
         entry = self._entries.get(name)
         if entry is None or entry.state is not ModelState.READY:
             return None
         return entry.loaded
 
-    def loaded_version(self, name: str) -> LoadedModel | None:
+    def loaded_version(self, name: str) -> LoadedVersion | None:
         """The version of ``name`` loaded now, READY or not (a model waiting for those it calls); a dict lookup."""
         entry = self._entries.get(name)
         return entry.loaded if entry is not None else None
@@ -1252,7 +1252,7 @@ class ModelRepository:
         entry.state = ModelState.UNAVAILABLE
         log.info("model '%s' unloaded", entry.name)
 
-    def _replaced_version_grace(self, loaded: LoadedModel) -> float:
+    def _replaced_version_grace(self, loaded: LoadedVersion) -> float:
         """How long a version a reload replaced may go on with its queued and running requests: shutdown_grace_s,
         or, for a model that ends its own runs at a bound (a python or cpp model's timeout_s), until that bound.
 
@@ -1263,7 +1263,7 @@ class ModelRepository:
         grace = self.settings.server.shutdown_grace_s
         return grace if loaded.longest_run_s is None else max(grace, loaded.longest_run_s + RUN_END_MARGIN_S)
 
-    def _retiring_version(self, name: str, loaded: LoadedModel, entry: ModelEntry) -> RetiringVersion:
+    def _retiring_version(self, name: str, loaded: LoadedVersion, entry: ModelEntry) -> RetiringVersion:
         """Count ``loaded`` as retiring from now on, before it is taken off its entry: a shutdown ends its
         running work too, its queue stays in the metrics, its scratch folders stay while it runs."""
         retiring = RetiringVersion(name, loaded, frozenset(entry.scratch_names))
@@ -1309,14 +1309,14 @@ class ModelRepository:
             if not let_go_done:  # (the drain, or the wait for a turn, ended by an error or a cancel)
                 let_go()
 
-    def _heard_loaded(self, name: str, loaded: LoadedModel) -> None:
+    def _heard_loaded(self, name: str, loaded: LoadedVersion) -> None:
         """Tell ``events`` of a version that serves from now on (``nereid_model_load_duration_seconds``): counted
         here, not when the loader ends, so that it counts the loads ``nereid_model_version`` counts (a reload's
         version refused by :meth:`_kept_from_serving` counted as a load, and as no version; the accounting hunt)."""
         if self.events is not None:
             self.events.model_loaded(name, loaded.load_seconds)
 
-    def _kept_from_serving(self, entry: ModelEntry, new: LoadedModel) -> str | None:
+    def _kept_from_serving(self, entry: ModelEntry, new: LoadedVersion) -> str | None:
         """Why a reload's ``new`` version must not replace the READY one running: the models it calls leave
         it unable ever to be READY (one missing, failed, or a cycle it closes). None when it may replace it:
         the running version is not READY either, or the new one is READY or waits only on a model LOADING."""

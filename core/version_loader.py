@@ -27,8 +27,8 @@ from nereid.errors import ConfigError, backend_exit, calling_plugin, shown_name
 from nereid.files import check_confined
 from nereid.folder_states import folder_stamp
 from nereid.leftovers import remove_model_leftovers
-from nereid.model_building import BuildStage, BuiltModel, build_model
-from nereid.model_entry import LoadAbandoned, LoadedModel, ModelEntry
+from nereid.model_building import BuildStage, BuiltVersion, build_model
+from nereid.model_entry import LoadAbandoned, LoadedVersion, ModelEntry
 from nereid.model_runner import HookThreads, make_runner
 from nereid.plugins import streamed_files
 from nereid.run_folders import runs_folder
@@ -66,7 +66,7 @@ def warn_if_settings_ignored(name: str, settings: ModelSettings, running: int) -
                     "sub-calls)", name, ", ".join(asked))
 
 
-async def discard_version(name: str, loaded: LoadedModel) -> None:
+async def discard_version(name: str, loaded: LoadedVersion) -> None:
     """Release a version that never served (nothing was ever queued in it): its batcher, its backend and its
     hook threads."""
     try:
@@ -177,8 +177,8 @@ class VersionLoader:
                               f"{err.strerror or err}") from None
         return path
 
-    async def load(self, entry: ModelEntry, stats: ModelStats, settings: Settings) -> LoadedModel:
-        """Build the entry's folder as it is now into a new LoadedModel (raises with the reason), counting its
+    async def load(self, entry: ModelEntry, stats: ModelStats, settings: Settings) -> LoadedVersion:
+        """Build the entry's folder as it is now into a new LoadedVersion (raises with the reason), counting its
         requests in ``stats`` (a reload's new version keeps the old one's).
 
         A model that loaded but then cannot be wired up (its ``dependencies()``
@@ -263,8 +263,8 @@ class VersionLoader:
         entry.generation += 1
         return loaded
 
-    async def _wired(self, entry: ModelEntry, built: BuiltModel, stats: ModelStats, load_seconds: float,
-                     stamp: object, context: ModelContext, backend_defaults: dict) -> LoadedModel:
+    async def _wired(self, entry: ModelEntry, built: BuiltVersion, stats: ModelStats, load_seconds: float,
+                     stamp: object, context: ModelContext, backend_defaults: dict) -> LoadedVersion:
         """The built model given its scheduler, runner and hook threads; unloaded again if that fails."""
         name = entry.name
         scheduler: ModelScheduler | None = None
@@ -281,7 +281,7 @@ class VersionLoader:
                                        instances, stats, built.policy, copies_outputs=not built.fresh_outputs,
                                        config_name=context.config_name)
             hook_threads = HookThreads(name)
-            return LoadedModel(built.backend_name, built.backend, built.signature, built.batch_signature,
+            return LoadedVersion(built.backend_name, built.backend, built.signature, built.batch_signature,
                                scheduler, stats, load_seconds,
                                make_runner(built.backend, built.signature, built.batch_signature, scheduler,
                                            hook_threads),
@@ -297,7 +297,7 @@ class VersionLoader:
             raise
 
     def _build(self, context: ModelContext, backend_defaults: dict, settings: Settings,
-               stage: BuildStage) -> BuiltModel:
+               stage: BuildStage) -> BuiltVersion:
         """Fetch the folder if it is in a store, check it stays inside the repository, then build the model
         (blocking), telling ``stage`` each step as it starts.
 

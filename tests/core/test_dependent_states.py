@@ -6,7 +6,7 @@ import logging
 from pathlib import Path
 
 from nereid.dependent_states import DependentStates
-from nereid.model_entry import LoadedModel, ModelEntry, ModelState
+from nereid.model_entry import LoadedVersion, ModelEntry, ModelState
 from nereid.settings import ModelSettings
 
 
@@ -15,7 +15,7 @@ def entry(name: str, state: ModelState, reason: str = "", calls: tuple[str, ...]
     verdicts read of a version is filled in)."""
     made = ModelEntry(name, Path(name), ModelSettings(name=name), "nereid.yaml", state=state, reason=reason)
     if calls:
-        made.loaded = LoadedModel("meta", None, None, None, None, None, 0.0, None, None, depends_on=calls)
+        made.loaded = LoadedVersion("meta", None, None, None, None, None, 0.0, None, None, depends_on=calls)
     return made
 
 

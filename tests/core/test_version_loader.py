@@ -17,7 +17,7 @@ from nereid.dtypes import DType
 from nereid.errors import ConfigError
 from nereid.folder_states import folder_stamp
 from nereid.hookspecs import hookimpl
-from nereid.model_entry import LoadAbandoned, LoadedModel, ModelEntry
+from nereid.model_entry import LoadAbandoned, LoadedVersion, ModelEntry
 from nereid.plugins import make_plugin_manager
 from nereid.settings import Settings, load_settings
 from nereid.stats import ModelStats
@@ -45,7 +45,7 @@ def entry_for(settings: Settings, name: str) -> ModelEntry:
     return ModelEntry(name, settings.server.ml_backends_path / name, model_settings, origin)
 
 
-async def released(loaded: LoadedModel) -> None:
+async def released(loaded: LoadedVersion) -> None:
     await loaded.scheduler.drain(0)
     loaded.hook_threads.release()
     loaded.backend.unload()
@@ -79,7 +79,7 @@ def test_a_version_keeps_the_stamp_of_the_local_files_it_was_built_from(tmp_path
     loader, settings = setup(tmp_path, "  watch: true\n" if watch else "")
     folder = write_toy(settings.server.ml_backends_path, "adder")
 
-    async def scenario() -> LoadedModel:
+    async def scenario() -> LoadedVersion:
         loaded = await loader.load(entry_for(settings, "adder"), ModelStats(), settings)
         await released(loaded)
         return loaded
