@@ -220,7 +220,8 @@ class ChecksInputs(Protocol):
 
 @runtime_checkable
 class Preprocesses(Protocol):
-    """A model with a per-request hook before queueing."""
+    """A model with a per-request hook before queueing. Read once, after ``load()``: a model whose hook is
+    ``None`` then (a bundle whose model.py registered none) has no such step. The same holds for postprocess."""
 
     def preprocess(self, inputs: list[NamedTensor]) -> list[NamedTensor]:
         """Runs on a worker thread for each request, after validation against ``signature()`` and

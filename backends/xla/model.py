@@ -426,18 +426,28 @@ class HookedXlaModel(XlaModel):
         """The executable's tensors: what ``infer`` takes and returns."""
         return self._loaded_signature()
 
-    def preprocess(self, inputs: list[NamedTensor]) -> list[NamedTensor]:
-        """model.py's preprocess hook (identity when it registered none)."""
+    @property
+    def preprocess(self) -> Callable[[list[NamedTensor]], list[NamedTensor]] | None:
+        """model.py's preprocess hook; None when it registered none, so that requests have no preprocess step (see
+        :class:`~nereid.backend.Preprocesses`): the identity's result went through the check of a hook's result,
+        which blamed a hook that does not exist, INTERNAL, for a client's shape the program refuses (the export
+        hunt), and took every request to a hook thread for nothing."""
         assert self._hooks is not None
-        return self._hooks.preprocess(inputs)
+        return None if self._hooks.preprocess is identity else self._hooks.preprocess
 
-    def postprocess(self, outputs: list[NamedTensor]) -> list[NamedTensor]:
-        """model.py's postprocess hook (identity when it registered none), its outputs in declared order.
+    @property
+    def postprocess(self) -> Callable[[list[NamedTensor]], list[NamedTensor]] | None:
+        """model.py's postprocess hook, its outputs put in declared order (:func:`in_declared_order`); None when
+        it registered none (no postprocess step, as for preprocess)."""
+        assert self._hooks is not None
+        if self._hooks.postprocess is identity:
+            return None
+        return self._postprocess
 
-        Matched by name, as a preprocess result is: hooks exchange named tensors,
-        so a result naming each declared output once, in another order, is put
-        in order rather than failing every request.
-        """
+    def _postprocess(self, outputs: list[NamedTensor]) -> list[NamedTensor]:
+        """The postprocess hook's result in declared order: matched by name, as a preprocess result is (hooks
+        exchange named tensors, so a result naming each declared output once, in another order, is put in order
+        rather than failing every request)."""
         assert self._hooks is not None and self._client_signature is not None
         return in_declared_order(self._hooks.postprocess(outputs), self._client_signature.output_names)
 

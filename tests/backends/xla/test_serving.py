@@ -250,3 +250,35 @@ def test_int64_inputs_and_bf16_weights(repo, serve, add_bundle) -> None:
 
 def embed_reference(ids, table):
     return table[ids].astype("float32")
+
+
+POSTPROCESS_ONLY_MODEL_PY = '''
+import nereid
+from nereid.tensors import NamedTensor
+
+
+def doubled(outputs):
+    (y,) = outputs
+    return [NamedTensor.from_array("y", y.data * 2)]
+
+
+nereid.register_model(postprocess=doubled)
+'''
+
+
+def test_a_bundle_whose_model_py_registers_only_postprocess_refuses_a_client_s_shape_as_the_client_s(
+        repo, serve, add_bundle) -> None:
+    """Found by the export hunt: with a model.py registering only postprocess, the omitted preprocess (the identity)
+    was still a hook step, and its result went through the check of a hook's result: a length no variant was
+    compiled for was INTERNAL, "the preprocess hook returned tensors the program cannot take", where the same bundle
+    without model.py answers INVALID_ARGUMENT naming the compiled shapes."""
+    bundle = add_bundle(repo.models_dir, "variants")
+    (bundle / "model.py").write_text(POSTPROCESS_ONLY_MODEL_PY)
+    server = serve(repo.write_config("- name: variants\n"))
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    np.testing.assert_array_equal(infer(server.client, "variants", "x", x, "FP32").as_numpy("y"), x * 3 * 2)
+    with pytest.raises(InferenceServerException) as refused:
+        infer(server.client, "variants", "x", np.ones((1, 5), np.float32), "FP32")
+    assert refused.value.status() == "StatusCode.INVALID_ARGUMENT", refused.value
+    assert "model 'variants': input 'x' has shape [1, 5]; the bundle is compiled for" in refused.value.message()
+    assert "hook" not in refused.value.message()
