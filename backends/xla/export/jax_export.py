@@ -69,9 +69,10 @@ def export_bundle(fn: Callable[..., Any], example_inputs: Sequence[Any],
     directory = Path(directory)
     name = name or directory.name
     in_names = _names(input_names, len(example_inputs), "input")
-    examples = [_shape_dtype(x, f"example input {i} ({n!r})") for i, (x, n) in enumerate(zip(example_inputs,
-                                                                                            in_names))]
-    weight_items = weight_pairs(weights)
+    session_x64 = bool(jax.config.read("jax_enable_x64"))
+    examples = [_shape_dtype(x, f"example input {i} ({n!r})", session_x64)
+                for i, (x, n) in enumerate(zip(example_inputs, in_names))]
+    weight_items = weight_pairs(_python_values_in_jax_widths(weights, session_x64))
     sizes: list[int | None] = list(batch_sizes) if batch_sizes is not None else [None]
     in_axes = _axes(input_batch_axes, len(examples), batch_sizes is not None, "input_batch_axes")
     _check_input_axes(in_names, examples, in_axes)
@@ -261,7 +262,7 @@ def _check_input_axes(names: Sequence[str], examples: Sequence[tuple[tuple[int, 
                               f"input_batch_axes={suggestion}")
 
 
-def _shape_dtype(value: Any, what: str) -> tuple[tuple[int, ...], Any]:
+def _shape_dtype(value: Any, what: str, session_x64: bool = False) -> tuple[tuple[int, ...], Any]:
     """One example input's static row-major shape and supported dtype; ExportError naming it otherwise.
 
     A symbolic (shape-polymorphic) axis is refused here: jax would fail on it
@@ -275,7 +276,7 @@ def _shape_dtype(value: Any, what: str) -> tuple[tuple[int, ...], Any]:
         shape, dtype = tuple(value.shape), value.dtype
         _refuse_typed_key(dtype, what)
     else:
-        array = np.asarray(value)
+        array = _in_jax_width(np.asarray(value), session_x64)  # (a Python number or list: weakly typed in jax)
         shape, dtype = array.shape, array.dtype
     sizes = [_static_size(d) for d in shape]
     symbolic = [axis for axis, size in enumerate(sizes) if size is None]
@@ -313,6 +314,35 @@ def _static_size(size: Any) -> int | None:
         return operator.index(size)
     except Exception:  # jax raises its own InconclusiveDimensionOperation for a symbolic size
         return None
+
+
+def _in_jax_width(array: np.ndarray, session_x64: bool) -> np.ndarray:
+    """The array of a Python number or list (numpy makes it float64 or int64) in the width jax gives such a value:
+    32 bits unless the session enables x64. Counted as 64-bit, a weight written ``0.5`` made the whole bundle x64,
+    serving FP64 where ``jax.jit`` of the same function gives float32 (the export hunt)."""
+    if session_x64 or array.dtype.itemsize != 8 or array.dtype.kind not in "iuf":
+        return array
+    return array.astype({"f": np.float32, "i": np.int32, "u": np.uint32}[array.dtype.kind])
+
+
+def _python_values_in_jax_widths(weights: Any, session_x64: bool) -> Any:
+    """``weights`` with each Python number or list (a value without a dtype of its own) in jax's width for it (see
+    :func:`_in_jax_width`); anything else as it is, for :func:`weight_pairs` to judge and name."""
+    def narrowed(value: Any) -> Any:
+        if hasattr(value, "dtype") or isinstance(value, bool) or not isinstance(value, (int, float, list, tuple)):
+            return value
+        try:
+            array = np.asarray(value)
+        except (TypeError, ValueError):  # (a ragged list: refused naming the weight)
+            return value
+        return value if array.dtype.kind in "OSUV" else _in_jax_width(array, session_x64)
+
+    if isinstance(weights, Mapping):
+        return {name: narrowed(value) for name, value in weights.items()}
+    if isinstance(weights, (list, tuple)):
+        return [(item[0], narrowed(item[1])) if isinstance(item, (tuple, list)) and len(item) == 2 else item
+                for item in weights]
+    return weights
 
 
 def _default_x64(jax: Any, dtypes: Sequence[Any]) -> bool:

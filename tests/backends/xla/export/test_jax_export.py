@@ -95,6 +95,32 @@ def _wide_sum(x):
     return ((wide + 1e8) - 1e8).astype(jnp.float32), wide
 
 
+def _scaled_shift(x, s, n):
+    return x * s + n
+
+
+def test_python_numbers_and_lists_take_jax_s_width_and_make_no_x64_bundle(tmp_path) -> None:
+    """Found by the export hunt: numpy makes 0.5 a float64, so a weight written as a Python number (or a list as
+    an example input) made the whole bundle x64, serving FP64 where jax.jit of the same function gives float32."""
+    x = np.array([[1.0, 2.0]], np.float32)
+    expected = np.asarray(jax.jit(_scaled_shift)(x, 0.5, 2))
+    assert expected.dtype == np.float32
+    directory = export_bundle(_scaled_shift, [[[0.0, 0.0]]], {"s": 0.5, "n": 2}, directory=tmp_path / "py",
+                              batch_sizes=[1], provenance=False)
+    manifest = load_manifest(directory / "manifest.yaml")
+    assert [t.dtype.numpy for t in (*manifest.executable_inputs, *manifest.executable_outputs)] == [np.float32] * 2
+    out, = serve_once(directory, [NamedTensor.from_array("input", x)])
+    assert out.data.dtype == np.float32 and out.data.tolist() == expected.tolist() == [[2.5, 3.0]]
+    # A numpy float64 still says what it is (x64), as does a session with x64 on for Python numbers.
+    wide = export_bundle(_scaled_shift, [np.zeros((1, 2), np.float32)], {"s": np.float64(0.5), "n": 2},
+                         directory=tmp_path / "np", batch_sizes=[1], provenance=False)
+    assert load_manifest(wide / "manifest.yaml").executable_outputs[0].dtype.numpy == np.float64
+    with jax.enable_x64(True):
+        session = export_bundle(_scaled_shift, [np.zeros((1, 2), np.float32)], [("s", 0.5), ("n", 2)],
+                                directory=tmp_path / "session", batch_sizes=[1], provenance=False)
+    assert load_manifest(session / "manifest.yaml").executable_outputs[0].dtype.numpy == np.float64
+
+
 def test_a_session_with_x64_on_gets_an_x64_bundle(tmp_path) -> None:
     """Found by a bug hunt: with float32 examples the default x64 was False, and ``jax.enable_x64(False)`` turned
     the session's own setting off, so the float64 accumulator was traced in 32 bits (0.0 served where jax gives
