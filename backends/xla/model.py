@@ -187,7 +187,7 @@ class XlaModel:
         self._output_axes = tuple(t.row_major_batch_axis for t in manifest.executable_outputs)
         if (self._mode is BatchMode.EXACT and len(self._sizes) > 1
                 and all(axes.batch is None for axes in self._axes)):
-            # (The exporter never makes one: without a batched input, each size traces the same program.)
+            # (Hand-made: without a batched input the exporter traces one program per size, all the same.)
             log.warning("model '%s': the manifest lists batch sizes %s, but no input has a batch axis, so no "
                         "request can choose among them: only size %d ever runs (list that one alone)",
                         context.name, list(self._sizes), self._sizes[0])

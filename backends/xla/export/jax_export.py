@@ -289,6 +289,8 @@ def _shape_dtype(value: Any, what: str, session_x64: bool = False) -> tuple[tupl
                           "batch_sizes=[...] (a variable non-batch axis needs one program per size: write_bundle's "
                           "input_shapes)")
     supported_dtype(dtype, what)
+    if isinstance(dtype, np.dtype) and not dtype.isnative:  # (a big-endian example: jax traces native types)
+        dtype = dtype.newbyteorder("=")
     return tuple(int(size) for size in sizes), dtype
 
 
@@ -399,6 +401,11 @@ def _axes(axes: Sequence[int | None] | None, count: int, batched: bool, what: st
         raise ExportError(f"{what} has {len(axes)} entries for {count} tensor(s)")
     if not batched and any(a is not None for a in axes):
         raise ExportError(f"{what} is given but batch_sizes is not")
+    for index, axis in enumerate(axes):
+        if axis is not None and (isinstance(axis, bool) or not isinstance(axis, int) or axis < 0):
+            # (-1 for the last axis went through Python's indexing to a garbled shape, or a suggestion of None.)
+            raise ExportError(f"{what}[{index}] is {axis!r}: a batch axis is an int counted from 0 (the last axis "
+                              "of a rank-2 tensor is 1), or None for a tensor without one")
     return axes
 
 

@@ -146,7 +146,7 @@ def supported_dtype(dtype: Any, what: str) -> DType:
     dtype and the supported ones otherwise (int4, complex64, str and object arrays)."""
     try:
         dtype = np.dtype(dtype)
-        found = as_dtype(dtype)
+        found = as_dtype(dtype.newbyteorder("="))  # (either byte order is the type: the bundle stores it little-endian)
     except (TypeError, ValueError):
         found = None
     if found is None or found not in SUPPORTED_DTYPES:
@@ -177,7 +177,9 @@ def _weight_array(index: int, name: str, value: Any) -> np.ndarray:
     if not _is_array(value) and array.dtype.kind in "OSUV":  # numpy wrapped an arbitrary object
         raise ExportError(f"{what} is {described}, not an array")
     supported_dtype(array.dtype, what)
-    return array
+    # Native byte order for jax, which traces the program with the weights' dtypes (a big-endian float32 was
+    # refused as no supported dtype; the export hunt).
+    return array if array.dtype.isnative else array.astype(array.dtype.newbyteorder("="))
 
 
 _WEIGHTS_FORM = "weights must be a mapping of names to arrays or a list of (name, array) pairs"

@@ -520,3 +520,20 @@ def test_a_cuda_export_that_carries_shardy_attributes_is_written_and_read(tmp_pa
     signature = read_program((directory / "model.mlir").read_bytes(), "model.mlir")
     assert [p.describe() for p in signature.parameters] == ["tensor<4x4xf32>"]
     assert [r.describe() for r in signature.results] == ["tensor<4x4xf32>"]
+
+
+def test_negative_batch_axes_are_refused_naming_the_entry_and_big_endian_arrays_are_their_type(tmp_path) -> None:
+    """Found by the export hunt: an output batch axis of -1 went through Python's negative indexing to a garbled
+    shape in the row check's message, an input's was told to be None; and a big-endian float32 weight or example
+    was refused as no supported dtype, float32 listed among those supported."""
+    def f(x, w):
+        return (x * w).T
+
+    for axes in ({"input_batch_axes": [-1]}, {"output_batch_axes": [-1]}):
+        with pytest.raises(ExportError, match=r"_batch_axes\[0\] is -1: a batch axis is an int counted from 0"):
+            export_bundle(f, [np.zeros((2, 3), np.float32)], {"w": np.ones(3, np.float32)},
+                          directory=tmp_path / "neg", batch_sizes=[2], provenance=False, **axes)
+    directory = export_bundle(lambda x, w: x * w, [np.zeros((1, 3), ">f4")], {"w": np.arange(3, dtype=">f4")},
+                              directory=tmp_path / "big", batch_sizes=[1], provenance=False)
+    out, = serve_once(directory, [NamedTensor.from_array("input", np.ones((1, 3), np.float32))])
+    assert out.data.dtype == np.float32 and out.data.tolist() == [[0.0, 1.0, 2.0]]
