@@ -210,10 +210,13 @@ def preload_as_script(folder: str, imports: list[str], extra: list[str],
     sys.path.insert(0, folder)
     sys.modules["__main__"] = stand_in
     watch = SeedWatch()
+    register = atexit.register
+    atexit.register = _recording_exit_function(register)  # type: ignore[assignment]
     try:
         with watch:
             return preload(imports, extra, submodules)
     finally:
+        atexit.register = register  # type: ignore[assignment]
         _keep_seeded_states(watch.seeded)
         _keep_fresh_generators(watch)
         sys.argv, sys.orig_argv = argv, orig_argv
@@ -223,6 +226,51 @@ def preload_as_script(folder: str, imports: list[str], extra: list[str],
             pass
         if main_module is not None:
             sys.modules["__main__"] = main_module
+
+
+ExitFunction = collections.abc.Callable[..., object]
+# The functions the preloaded imports registered with atexit (see keep_parent_files_at_exit).
+_preload_exit_functions: list[ExitFunction] = []
+
+
+def _recording_exit_function(register: ExitFunction) -> ExitFunction:
+    """``atexit.register`` that also notes each function in :data:`_preload_exit_functions` (a module that took
+    this one as its own, ``from atexit import register``, keeps both doing their work)."""
+    @functools.wraps(register)
+    def recording(func: ExitFunction, *args: object, **kwargs: object) -> object:
+        _preload_exit_functions.append(func)
+        return register(func, *args, **kwargs)
+    return recording
+
+
+def keep_parent_files_at_exit() -> None:
+    """Keep a run's exit from removing the files the preloaded imports made in this parent, which every later
+    run shares: an installed package unpacking its weights into a ``tempfile.TemporaryDirectory`` at import
+    (removed at exit by its ``weakref.finalize``), or matplotlib's ``mkdtemp`` folder with
+    ``atexit.register(shutil.rmtree, ...)``. The first run's exit removed them, and every later run failed for as
+    long as the version served, where ``python main.py`` removes them once, at its own end (the python-models
+    hunt). The parent's finalizers are all left out of a run's exit (they are the parent's objects; a run's own
+    stay), and of its atexit functions those that remove files."""
+    weakref = sys.modules.get("weakref")
+    if weakref is not None:
+        for finalizer in list(getattr(weakref.finalize, "_registry", ())):  # (no public list of them)
+            finalizer.atexit = False
+    for func in _preload_exit_functions:
+        if _removes_files(func):
+            atexit.unregister(func)
+
+
+def _removes_files(func: object) -> bool:
+    """Whether the exit function ``func`` (or the function a ``functools.partial`` or bound method holds) is one
+    of the standard library's that remove files or folders."""
+    target = getattr(func, "func", func)
+    target = getattr(target, "__func__", target)
+    removers: list[object] = [os.remove, os.unlink, os.rmdir, os.removedirs]
+    if "shutil" in sys.modules:
+        removers.append(sys.modules["shutil"].rmtree)
+    if "tempfile" in sys.modules:
+        removers.append(sys.modules["tempfile"].TemporaryDirectory.cleanup)
+    return any(target is remover for remover in removers)
 
 
 # The functions that set a module's global random state, by module: a seed() with a seed that is not None seeds
@@ -917,6 +965,7 @@ def run_child(env: dict[str, str], cwd: str, stdin_fd: int, output_fd: int,
     if _preload_sigchld is not None:  # what a preloaded import made of SIGCHLD, as importing it in main.py would
         signal.signal(signal.SIGCHLD, _preload_sigchld)
     reseed_random_state()
+    keep_parent_files_at_exit()
     return run_main(os.path.join(cwd, ENTRY_FILE))
 
 

@@ -522,6 +522,27 @@ def test_the_parent_compiles_the_main_py_the_server_read_at_load(repo, serve, us
     assert ask(server, "raced") == "as read"
 
 
+def test_files_a_preloaded_import_made_for_its_process_outlive_each_run(repo, serve, user_site):
+    """Found by the python-models hunt: an installed package that unpacks its weights into a TemporaryDirectory at
+    import (removed at exit by its weakref.finalize), or matplotlib's mkdtemp folder with atexit.register(
+    shutil.rmtree, ...), lost them at the first run's exit, the folder being the parent's, shared by every fork:
+    each later run failed for as long as the version served, where python main.py serves every run."""
+    (user_site / "unpacks_its_weights.py").write_text(
+        "import os, tempfile\nunpacked = tempfile.TemporaryDirectory(prefix='weights-')\n"
+        "path = os.path.join(unpacked.name, 'w.txt')\nopen(path, 'w').write('41')\n")
+    (user_site / "removes_its_folder_at_exit.py").write_text(
+        "import atexit, functools, os, shutil, tempfile\nfolder = tempfile.mkdtemp(prefix='config-')\n"
+        "path = os.path.join(folder, 'c.txt')\nopen(path, 'w').write('1')\n"
+        "atexit.register(shutil.rmtree, folder)\natexit.register(functools.partial(os.remove, path))\n")
+    prelude = "import unpacks_its_weights, removes_its_folder_at_exit\n"
+    repo.python("unpacked", textproto=REPORT, main=reply_main(
+        "int(open(unpacks_its_weights.path).read()) + int(open(removes_its_folder_at_exit.path).read())",
+        prelude=prelude))
+    server = serve(repo.write_config("- name: unpacked\n"))
+    assert backend_of(server, "unpacked").runtime_report().summary == "warm_start=on"
+    assert [ask(server, "unpacked") for _ in range(3)] == [42, 42, 42]
+
+
 @pytest.mark.parametrize("module, reason", [
     # (Found by a bug hunt: the reason named neither the module nor the library that started the threads.)
     ("starts_a_thread", "preloading 'starts_a_thread' started threads (busy); forking a threaded process is unsafe; "
