@@ -26,6 +26,9 @@ class ClientPaths:
             (f"{ml_backends_path.resolve()}{os.sep}", ""), (f"{ml_backends_path}{os.sep}", ""),
             (f"{scratch_dir}{os.sep}", "<scratch>/"),
             (f"{Path(settings_source).resolve().parent}{os.sep}", ""),
+            # And as named: settings' origins say the file so (`<folder>/prod.yaml: models[0]`), and a ConfigMap's
+            # file is a link into `..data/`, elsewhere once resolved (its folder's absolute path reached clients).
+            (f"{Path(os.path.abspath(settings_source)).parent}{os.sep}", ""),
             # Where nereid itself is installed (a traceback through a backend names its files).
             (f"{Path(nereid.__file__).resolve().parent}{os.sep}", "<nereid>/"),
             (f"{_backends_folder()}{os.sep}", "<nereid.backends>/"),

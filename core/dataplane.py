@@ -305,11 +305,13 @@ class DataPlane:
                 for entry in self.repository.entries() if not ready_only or entry.state is ModelState.READY]
 
     def _index_reason(self, reason: str) -> str:
-        """An index entry's reason, with how to load an unlisted folder where this server takes that call."""
+        """An index entry's reason, with how to load an unlisted folder where this server takes that call; lone
+        surrogates escaped (a file name, or the configuration file's, that is not UTF-8: one such reason failed
+        RepositoryIndex for the whole server, over gRPC and HTTP alike; the review hunt)."""
         not_listed = not_listed_reason(self.repository.settings.config_name)
         if reason in (not_listed, FOUND_AFTER_START_REASON) and self.repository_control:
-            return f"{reason}; load it with RepositoryModelLoad"
-        return reason
+            return _encodable(f"{reason}; load it with RepositoryModelLoad")
+        return _encodable(reason)
 
     async def load(self, name: str, parameters: Iterable[str] = (), rpc: str = "RepositoryModelLoad") -> None:
         """(Re)load a model; ModelFailure with the reason when it does not become READY.

@@ -42,7 +42,7 @@ def nereid_claim_model(folder: Path, declared: bool) -> BackendClaim | None:
 
 
 @hookspec
-def nereid_declaration_hint(folder: Path) -> str | None:
+def nereid_declaration_hint(folder: Path, config_name: str) -> str | None:
     """Say how to declare a folder that no backend claimed, when it looks like this backend's.
 
     Asked only when no backend claimed ``folder`` and nereid.yaml names no
@@ -53,6 +53,8 @@ def nereid_declaration_hint(folder: Path) -> str | None:
     becomes part of the model's UNAVAILABLE reason.
 
     :param folder: the model folder; look only at its files.
+    :param config_name: the configuration file, as the sentence names it (``nereid.yaml``, or the file
+        ``--config`` named: ``prod.yaml``); take it or leave it out of the signature, as any hook argument.
     :return: one sentence, or None when the folder is not this backend's kind.
     """
 

@@ -579,7 +579,8 @@ def claim_folder(manager: NereidPluginManager, folder: Path, backend: str | None
         failures = "".join(f"; {manager.describe(name)} is taken as not claiming it: its nereid_claim_model {what}"
                            for name, what in asked.failures)
         triton = folder_hint(folder)
-        hints = "".join(f"; {hint}" for hint in [*_hints(manager, folder), *([triton] if triton else [])])
+        hints = "".join(f"; {hint}" for hint in [*_hints(manager, folder, config_name),
+                                                  *([triton] if triton else [])])
         left_out = manager.left_out_names()
         unusable = (f"; plugin(s) left out at start-up (the log and nereid check say why): {', '.join(left_out)}"
                     if left_out else "")
@@ -699,9 +700,10 @@ def _a(noun: str) -> str:
     return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
 
 
-def _hints(manager: NereidPluginManager, folder: Path) -> list[str]:
+def _hints(manager: NereidPluginManager, folder: Path, config_name: str) -> list[str]:
     """The backends' sentences on how to declare ``folder``; a hint hook that fails is logged and skipped."""
-    return [text for _, text in _sentences(manager, "nereid_declaration_hint", folder=folder)]
+    return [text for _, text in _sentences(manager, "nereid_declaration_hint", folder=folder,
+                                           config_name=config_name)]
 
 
 def _sentences(manager: NereidPluginManager, hook: str, **arguments: object) -> list[tuple[str, str]]:

@@ -33,7 +33,7 @@ def nereid_claim_signs() -> str:
 
 
 @hookimpl
-def nereid_declaration_hint(folder: Path) -> str | None:
+def nereid_declaration_hint(folder: Path, config_name: str) -> str | None:
     """A folder holding a textproto and nothing else a backend recognises looks like a cxx model."""
     try:
         visible = [p.name for p in folder.iterdir() if not p.name.startswith(".")]
@@ -42,7 +42,7 @@ def nereid_declaration_hint(folder: Path) -> str | None:
     if visible == [TEXTPROTO_NAME]:
         # Only "may be": a python or cpp model whose main file is not written yet looks the same.
         return (f"if it is a cxx model (a folder holding only {TEXTPROTO_NAME} may be one), declare it in "
-                "nereid.yaml with backend: cxx and runtime: {library: PATH} (or runtime: {sources: [...]})")
+                f"{config_name} with backend: cxx and runtime: {{library: PATH}} (or runtime: {{sources: [...]}})")
     return None
 
 

@@ -64,3 +64,17 @@ def test_a_version_folder_of_a_model_from_a_store_reads_as_the_models_folder(tmp
     assert paths.public_text(f'File "{version}/main.py", line 3') == 'File "m/main.py", line 3'
     assert paths.public_text(f"{version} has no manifest.yaml") == "m has no manifest.yaml"
     assert paths.public_text(f"{root}/m/main.py") == "m/main.py"
+
+
+def test_a_configuration_file_linked_the_configmap_way_is_named_relative_as_its_folder_names_it(tmp_path):
+    """Found by the review hunt: with prod.yaml -> ..data/prod.yaml and ..data -> ..v1 (a Kubernetes ConfigMap),
+    only the resolved folder (..v1) was made relative, and settings' origins name the file as linked: a reason
+    showed the config folder's absolute path to clients."""
+    config = tmp_path / "configmap"
+    (config / "..v1").mkdir(parents=True)
+    (config / "..v1" / "prod.yaml").write_text("")
+    (config / "..data").symlink_to("..v1")
+    (config / "prod.yaml").symlink_to("..data/prod.yaml")
+    clients = ClientPaths(tmp_path / "ml-backends", tmp_path / "scratch", config / "prod.yaml")
+    origin = f"{config / 'prod.yaml'}: models[0].runtime.warm_startt: unknown option"
+    assert clients.public_text(origin) == "prod.yaml: models[0].runtime.warm_startt: unknown option"

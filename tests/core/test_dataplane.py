@@ -51,6 +51,20 @@ def test_infer_metadata_config_statistics_and_index(tmp_path):
     asyncio.run(scenario())
 
 
+def test_an_index_reason_naming_a_file_that_is_not_utf8_is_escaped(tmp_path):
+    """Found by the review hunt: a reason naming a file (or the configuration file) whose name is not UTF-8 held a
+    lone surrogate, which neither gRPC nor HTTP can encode: RepositoryIndex failed for every model (INTERNAL, 500)."""
+    plane = toy_dataplane(tmp_path)
+
+    async def scenario():
+        plane.repository.entry("spare").reason = "cannot follow the symlink lnk\udce9"
+        reasons = {e.name: e.reason for e in await plane.repository_index()}
+        assert reasons["spare"] == "cannot follow the symlink lnk\\udce9"
+        for reason in reasons.values():
+            reason.encode("utf-8")  # (raises for a lone surrogate)
+    asyncio.run(scenario())
+
+
 def test_versions_are_read_as_triton_reads_them(tmp_path):
     """'+1' and '1abc' were NOT_FOUND and 'abc' or '-1' NOT_FOUND (not ready for ModelReady); Triton reads a
     version with std::stol, and answers INVALID_ARGUMENT on every call for one it cannot read."""

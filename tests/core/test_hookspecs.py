@@ -16,7 +16,7 @@ from nereid.hookspecs import PROJECT_NAME, hookimpl
 # Each hook and the arguments it is called with: a plugin's implementation may take any of them, by these names.
 CONTRACT = {
     "nereid_claim_model": ("folder", "declared"),
-    "nereid_declaration_hint": ("folder",),
+    "nereid_declaration_hint": ("folder", "config_name"),
     "nereid_claim_signs": (),
     "nereid_streamed_files": ("name", "declared", "listing", "read_small"),
     "nereid_add_commands": ("commands",),

@@ -46,12 +46,14 @@ def test_check_names_the_file_given_with_config(repo, capsys) -> None:
     write_toy(repo.models_dir, "extra")  # not listed
     (repo.models_dir / "unclaimed").mkdir()  # no backend's files
     (repo.models_dir / "unclaimed" / "notes.txt").write_text("")
+    (repo.models_dir / "lonely").mkdir()  # a textproto alone: the cxx backend's hint to declare it (review hunt)
+    (repo.models_dir / "lonely" / "model_inference.textproto").write_text("input_shape: [4]\noutput_shape: [4]\n")
     write_toy(repo.models_dir, "misspelt")
     outside = repo.root / "outside.bin"
     outside.write_text("")
     (write_toy(repo.models_dir, "linked") / "weights.bin").symlink_to(outside)
     config = prod_yaml(repo, "- name: steady\n- name: unclaimed\n- name: misspelt\n  backend: toyy\n"
-                             "- name: linked\n")
+                             "- name: linked\n- name: lonely\n")
     assert main(["check", "--config", str(config)], extra_plugins=(toy_backends,)) == 1
     out = capsys.readouterr().out
     lines = {line.split(":", 1)[0]: line for line in out.splitlines()}
@@ -59,6 +61,7 @@ def test_check_names_the_file_given_with_config(repo, capsys) -> None:
     assert "or set backend: in prod.yaml" in lines["unclaimed"], out
     assert "backend 'toyy' (from prod.yaml) is not installed (did you mean 'toy'?)" in lines["misspelt"], out
     assert "set server.follow_symlinks: true in prod.yaml to allow it" in lines["linked"], out
+    assert "declare it in prod.yaml with backend: cxx" in lines["lonely"], out
     assert "nereid.yaml" not in out, out
 
 

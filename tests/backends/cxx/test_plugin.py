@@ -48,14 +48,14 @@ def test_a_folder_holding_only_a_textproto_gets_the_hint_to_declare_it(tmp_path)
     from nereid.backends.cxx import plugin
 
     folder = tmp_path / "m"
-    assert plugin.nereid_declaration_hint(folder) is None  # (gone meanwhile: the load says what is wrong)
+    assert plugin.nereid_declaration_hint(folder, "nereid.yaml") is None  # (gone meanwhile: the load says so)
     folder.mkdir()
     (folder / "model_inference.textproto").write_text(SCALE_TEXTPROTO)
     (folder / ".cache").mkdir()  # hidden entries are not the model's own files
-    hint = plugin.nereid_declaration_hint(folder)
+    hint = plugin.nereid_declaration_hint(folder, "nereid.yaml")
     assert hint is not None and "declare it in nereid.yaml with backend: cxx and runtime: {library: PATH}" in hint
     (folder / "main.py").write_text("")  # something another backend recognises: no cxx hint
-    assert plugin.nereid_declaration_hint(folder) is None
+    assert plugin.nereid_declaration_hint(folder, "nereid.yaml") is None
 
 
 def test_an_unknown_key_of_backends_cxx_is_refused_naming_where_it_is():
