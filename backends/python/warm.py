@@ -33,6 +33,7 @@ from nereid.backends.subprocess.runner import (FolderNotEntered, ProcessGroups, 
                                                open_pipes, timed_out, wait_for_exit)
 
 log = logging.getLogger(__name__)
+_PY_WARNINGS = logging.getLogger("py.warnings")  # (where logging.captureWarnings logs Python's own)
 
 WARM_PARENT_SCRIPT = Path(__file__).with_name("warm_parent.py")
 START_TIMEOUT_S = 300.0   # preloading torch on a slow disk takes seconds, never minutes
@@ -282,6 +283,7 @@ class WarmParent:
         assert process.stdout is not None
         line = _read_line(process.stdout.fileno(), time.monotonic() + START_TIMEOUT_S)
         process.stdout.close()
+        line, warned = _startup_warnings(line)
         if line != "ready":
             ours.close()
             if started is not None:
@@ -301,6 +303,9 @@ class WarmParent:
                 raise WarmParentDied(f"the {called} {how} while starting{tail}", how,
                                      killed=process.returncode < 0, timed_out=False)
             raise WarmStartUnavailable(f"the {called} did not start ({line}){tail}")
+        for text in warned:
+            # (As nereid serve and nereid check log every Python warning: once, where the parent emitted it.)
+            _PY_WARNINGS.warning("model '%s': %s (as its warm parent imported main.py's modules)", self.name, text)
         return process, ours
 
     def _log_tail(self) -> str:
@@ -913,6 +918,18 @@ def _run_channels() -> tuple[int, int, int, int, socket.socket, socket.socket]:
         close_descriptors(*opened)
         raise
     return stdin_read, stdin_write, output_read, output_write, reply, theirs
+
+
+def _startup_warnings(line: str | None) -> tuple[str | None, list[str]]:
+    """A parent's start-up answer without what follows ``ready`` (``ready {"warnings": [...]}``), and those
+    warnings: what its preloaded imports warned, each as Python shows it."""
+    if line is None or not line.startswith("ready "):
+        return line, []
+    try:
+        told = json.loads(line.removeprefix("ready "))["warnings"]
+    except (ValueError, KeyError, TypeError):
+        return "ready", []
+    return "ready", [str(text) for text in told] if isinstance(told, list) else []
 
 
 def _read_line(fd: int, deadline: float) -> str | None:

@@ -15,7 +15,8 @@ Protocol (``CONTROL_FD`` is an AF_UNIX SOCK_SEQPACKET socket to the server):
    folder first on ``sys.path``, ``sys.argv == ["main.py"]``, a ``__main__`` named by ``main.py``:
    see :func:`preload_as_script`), and compile ``SOURCE`` as the folder's ``main.py`` by its
    physical path (each run executes that code, not the file as it is then), then write
-   one line to the stdout it was started with: ``ready``; ``broken <reason>`` and exit (one
+   one line to the stdout it was started with: ``ready`` (then, when the imports warned, a space and
+   ``{"warnings": [TEXT, ...]}``); ``broken <reason>`` and exit (one
    of main.py's own imports failed: every run would stop there); or ``fallback <reason>``
    and exit (an extra preload failed, imports started Python threads: forking a threaded
    process is unsafe, or an import initialised CUDA or a JAX backend, or started an OpenMP
@@ -212,10 +213,22 @@ def preload_as_script(folder: str, imports: list[str], extra: list[str],
     watch = SeedWatch()
     register = atexit.register
     atexit.register = _recording_exit_function(register)  # type: ignore[assignment]
+    import warnings  # (the interpreter's own, which python main.py's imports warn through)
+
+    # Only how a warning is shown changes while they import: not catch_warnings, which puts the filters back after,
+    # undoing a library's own filterwarnings("ignore", ...) for every run.
+    shown, caught = warnings.showwarning, []
+
+    def recording(message, category, filename, lineno, file=None, line=None):  # type: ignore[no-untyped-def]
+        caught.append(warnings.formatwarning(message, category, filename, lineno, line))
+    warnings.showwarning = recording
     try:
         with watch:
             return preload(imports, extra, submodules)
     finally:
+        if warnings.showwarning is recording:  # (an import may have put its own in place: it stays)
+            warnings.showwarning = shown
+        _tell_warnings(caught)
         atexit.register = register  # type: ignore[assignment]
         _keep_seeded_states(watch.seeded)
         _keep_fresh_generators(watch)
@@ -226,6 +239,23 @@ def preload_as_script(folder: str, imports: list[str], extra: list[str],
             pass
         if main_module is not None:
             sys.modules["__main__"] = main_module
+
+
+# What the preloaded imports warned, as Python shows a warning, for the server's log (the start-up answer's):
+# emitted once, in this parent, they reached only its own log, which no operator reads (the python-models hunt).
+_preload_warnings: list[str] = []
+# At most this many of them, each at most this long, are told.
+MAX_TOLD_WARNINGS = 20
+MAX_WARNING_CHARS = 2000
+
+
+def _tell_warnings(caught: list[str]) -> None:
+    """Write each warning the imports raised (``caught``, as Python shows one) to the log, as Python would have,
+    and keep it for the start-up answer."""
+    for text in caught:
+        sys.stderr.write(text)
+        if len(_preload_warnings) < MAX_TOLD_WARNINGS:
+            _preload_warnings.append(text.rstrip()[:MAX_WARNING_CHARS])
 
 
 ExitFunction = collections.abc.Callable[..., object]
@@ -1812,7 +1842,7 @@ def main() -> int:
         return 0
     compile_entry(os.path.join(folder, ENTRY_FILE), sys.argv[4])  # named as each run names it (enter_loaded_folder)
     gc.freeze()  # the preloaded objects stay out of the collector's reach, so children share their pages
-    _answer(answer, "ready")
+    _answer(answer, "ready" + (f" {json.dumps({'warnings': _preload_warnings})}" if _preload_warnings else ""))
     serve(control)
     return 0
 

@@ -522,6 +522,27 @@ def test_the_parent_compiles_the_main_py_the_server_read_at_load(repo, serve, us
     assert ask(server, "raced") == "as read"
 
 
+def test_a_warning_a_preloaded_import_raises_is_logged_by_the_server_and_its_filters_stay(repo, serve, user_site,
+                                                                                         caplog):
+    """Found by the python-models hunt: a preloaded import's warning (scikit-learn's "unpickle estimator from
+    version X ... might lead to invalid results") was emitted once, in the warm parent, and reached only the
+    parent's own log: neither nereid serve's log nor nereid check showed it."""
+    (user_site / "warns_on_import.py").write_text(
+        "import warnings\nwarnings.warn('estimator unpickled from version 0.9', UserWarning)\n"
+        "warnings.filterwarnings('ignore', message='noisy')  # (a library silencing what it knows is harmless)\n")
+    main = reply_main("sorted(str(w.message) for w in caught)", prelude=(
+        "import warnings, warns_on_import\nwith warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.warn('noisy')\n    warnings.warn('kept')\n"))
+    repo.python("warned", textproto=REPORT, main=main)
+    caplog.set_level(logging.WARNING, logger="py.warnings")
+    server = serve(repo.write_config("- name: warned\n"))
+    assert backend_of(server, "warned").runtime_report().summary == "warm_start=on"
+    logged = [r.getMessage() for r in caplog.records if r.name == "py.warnings"]
+    assert len(logged) == 1 and logged[0].startswith("model 'warned': ") and (
+        "UserWarning: estimator unpickled from version 0.9" in logged[0]), logged
+    assert ask(server, "warned") == ["kept"]  # (the import's filter holds in each run, as under python main.py)
+
+
 def test_files_a_preloaded_import_made_for_its_process_outlive_each_run(repo, serve, user_site):
     """Found by the python-models hunt: an installed package that unpacks its weights into a TemporaryDirectory at
     import (removed at exit by its weakref.finalize), or matplotlib's mkdtemp folder with atexit.register(
