@@ -13,7 +13,8 @@ from nereid.errors import ConfigError
 from nereid.files import remove_tree
 from nereid.backends.python.compiled_script import runnable_script
 from nereid.backends.python.options import PythonOptions, parse_options
-from nereid.backends.python.preload import Preloads, lives_in_folder, modules_to_preload, triton_python_model
+from nereid.backends.python.preload import (Preloads, lives_in_folder, modules_to_preload, server_pythonpath_entry,
+                                           triton_python_model)
 from nereid.backends.python.warm import (EntryImportFailed, WarmParent, WarmParentBlocked, WarmParentDied,
                                         WarmStartUnavailable, max_request_bytes, run_request)
 from nereid.backends.scratch import scratch_folder_refused
@@ -84,6 +85,11 @@ class PythonModel(SubprocessModel):
             except EntryImportFailed as err:
                 # Like a SyntaxError: `python main.py` would stop there on every run, so the model is not READY.
                 hint = f" ({python_model_hint()})" if self._triton_sign is not None else ""
+                entry = server_pythonpath_entry(str(err))
+                if entry is not None:
+                    hint += (f" (the server's PYTHONPATH holds it, in {entry}, but model runs do not inherit "
+                             "PYTHONPATH: install the package into the interpreter nereid runs under, or list its "
+                             "folder in a .pth file of that interpreter's site-packages)")
                 raise ConfigError(f"model '{self.context.name}': {err}; every run would stop there{hint}") from None
             except WarmStartUnavailable as err:
                 if isinstance(err, WarmParentDied) and not err.timed_out:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import importlib.machinery
 import os
+import re
 import sys
 import threading
 from dataclasses import dataclass
@@ -199,6 +200,25 @@ def lives_in_folder(module: str, folder: Path) -> bool:
     # A regular package (its __init__ of any kind import takes) comes first on sys.path, as the folder does.
     regular = any((package / f"__init__{suffix}").is_file() for suffix in MODULE_SUFFIXES)
     return regular or not _provided_elsewhere(top, folder)
+
+
+def server_pythonpath_entry(failure: str) -> str | None:
+    """The entry of the server's own ``PYTHONPATH`` that holds the module a ``ModuleNotFoundError`` in ``failure``
+    names, or None: model runs do not inherit ``PYTHONPATH`` (the interpreter is started with ``-P`` and without
+    it), so a module the server itself imports from there is missing in the runs, with nothing saying why (the
+    python-models hunt: an image's ``ENV PYTHONPATH=/app``)."""
+    missing = re.search(r"No module named '([^']+)'", failure)
+    entries = [entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
+    if missing is None or not entries:
+        return None
+    top = missing.group(1).partition(".")[0]
+    for entry in entries:
+        try:
+            if importlib.machinery.PathFinder.find_spec(top, [entry]) is not None:
+                return entry
+        except (ImportError, ValueError, OSError):
+            continue
+    return None
 
 
 def _provided_elsewhere(top: str, folder: Path) -> bool:

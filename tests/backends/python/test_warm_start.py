@@ -543,6 +543,24 @@ def test_a_warning_a_preloaded_import_raises_is_logged_by_the_server_and_its_fil
     assert ask(server, "warned") == ["kept"]  # (the import's filter holds in each run, as under python main.py)
 
 
+def test_a_module_only_the_server_s_pythonpath_holds_is_named_as_such(repo, serve, tmp_path, monkeypatch):
+    """Found by the python-models hunt: a Docker image's ENV PYTHONPATH=/app lets the server import a module that
+    model runs cannot (they do not inherit PYTHONPATH), and the load said only "No module named 'zoo2'"."""
+    on_path = tmp_path / "app"
+    on_path.mkdir()
+    (on_path / "zoo_only_on_pythonpath.py").write_text("VALUE = 1\n")
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path / 'elsewhere'}{os.pathsep}{on_path}")
+    repo.python("pp", textproto=REPORT, main=reply_main("1", prelude="import zoo_only_on_pythonpath"))
+    repo.python("absent", textproto=REPORT, main=reply_main("1", prelude="import nereid_no_such_module"))
+    server = serve(repo.write_config("- name: pp\n- name: absent\n"))
+    reasons = {m.name: m.reason for m in server.client.get_model_repository_index().models}
+    assert reasons["pp"].endswith(
+        "every run would stop there (the server's PYTHONPATH holds it, in app, but model runs do not inherit "
+        "PYTHONPATH: install the package into the interpreter nereid runs under, or list its folder in a .pth file "
+        "of that interpreter's site-packages)"), reasons["pp"]
+    assert reasons["absent"].endswith("every run would stop there"), reasons["absent"]
+
+
 def test_files_a_preloaded_import_made_for_its_process_outlive_each_run(repo, serve, user_site):
     """Found by the python-models hunt: an installed package that unpacks its weights into a TemporaryDirectory at
     import (removed at exit by its weakref.finalize), or matplotlib's mkdtemp folder with atexit.register(
