@@ -253,13 +253,20 @@ def _export(jax_export: Any, jitted: Any, platform: str, structs: Sequence[Any],
 
 def _check_input_axes(names: Sequence[str], examples: Sequence[tuple[tuple[int, ...], Any]],
                       axes: Sequence[int | None]) -> None:
-    """ExportError naming the first input whose batch axis is not one of its axes (a scalar, by default)."""
+    """ExportError naming the first input whose batch axis is not one of its axes (a scalar, by default), or that
+    has an empty axis besides its batch axis (which a bundle's shapes cannot declare)."""
     for index, (name, (shape, _), axis) in enumerate(zip(names, examples, axes)):
         if axis is not None and not 0 <= axis < len(shape):
             suggestion = [None if i == index else a for i, a in enumerate(axes)]
             raise ExportError(f"example input {index} ({name!r}) has shape {shape}: its batch axis {axis} is outside "
                               f"it; an input without a batch axis (a scalar) takes None in input_batch_axes, e.g. "
                               f"input_batch_axes={suggestion}")
+        empty = [position for position, size in enumerate(shape) if size == 0 and position != axis]
+        if empty:
+            # (It was IOSpec's bare ValueError, after tracing, naming no example; the export hunt.)
+            raise ExportError(f"example input {index} ({name!r}) has shape {shape}: axis {empty[0]} is empty, and a "
+                              "bundle's tensors declare sizes of 1 or more besides the batch axis: give an example "
+                              "of the size the program takes")
 
 
 def _shape_dtype(value: Any, what: str, session_x64: bool = False) -> tuple[tuple[int, ...], Any]:

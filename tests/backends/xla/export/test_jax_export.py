@@ -537,3 +537,15 @@ def test_negative_batch_axes_are_refused_naming_the_entry_and_big_endian_arrays_
                               directory=tmp_path / "big", batch_sizes=[1], provenance=False)
     out, = serve_once(directory, [NamedTensor.from_array("input", np.ones((1, 3), np.float32))])
     assert out.data.dtype == np.float32 and out.data.tolist() == [[0.0, 1.0, 2.0]]
+
+
+def test_an_example_with_an_empty_axis_besides_the_batch_axis_is_refused_naming_it(tmp_path) -> None:
+    """Found by the export hunt: an example of shape (1, 0) failed after tracing with IOSpec's bare ValueError,
+    naming no example input."""
+    with pytest.raises(ExportError, match=r"^example input 0 \('input'\) has shape \(1, 0\): axis 1 is empty"):
+        export_bundle(lambda x: x * 2, [np.zeros((1, 0), np.float32)], {}, directory=tmp_path / "empty",
+                      batch_sizes=[1], provenance=False)
+    directory = export_bundle(lambda x: x * 2, [np.zeros((0, 3), np.float32)], {}, directory=tmp_path / "rows",
+                              batch_sizes=[2], provenance=False)  # (an empty batch axis is resized: fine)
+    out, = serve_once(directory, [NamedTensor.from_array("input", np.ones((2, 3), np.float32))])
+    assert out.data.tolist() == [[2.0] * 3] * 2
