@@ -268,6 +268,8 @@ class InferenceServicer:
         # end_at_grace cancelled: only those are answered as ended at the grace (any other cancellation is a
         # client gone or gRPC's own).
         self._running: set[asyncio.Task] = set()
+        # RepositoryModelLoad / Unload calls running: ended at the grace too, answered as HTTP's are.
+        self._repository_calls: set[asyncio.Task] = set()
         self._ended_at_grace: weakref.WeakSet[asyncio.Task] = weakref.WeakSet()
         # Of those, how many were answered only once gRPC's stop had cut their call off, and which.
         self._cut_off_at_grace = 0
@@ -309,7 +311,7 @@ class InferenceServicer:
         running = list(self._running)
         self._cut_expected_at = time.monotonic() + cut_in_s
         loop = asyncio.get_running_loop()
-        for task in running:
+        for task in [*running, *self._repository_calls]:
             # Cancelled from the next turn of the loop: a task created in this one has then taken its first
             # step, into the code that answers (a task cancelled before it starts runs none of its code).
             loop.call_soon(self._end, task)
@@ -646,15 +648,36 @@ class InferenceServicer:
     async def RepositoryModelLoad(self, request: pb.RepositoryModelLoadRequest,
                                   context) -> pb.RepositoryModelLoadResponse:
         _one_repository(request.repository_name)
-        await self.dataplane.load(request.model_name, request.parameters.keys())
+        await self._repository_call(request.model_name, self.dataplane.load(request.model_name,
+                                                                            request.parameters.keys()))
         return pb.RepositoryModelLoadResponse()
 
     @_maps_errors
     async def RepositoryModelUnload(self, request: pb.RepositoryModelUnloadRequest,
                                     context) -> pb.RepositoryModelUnloadResponse:
         _one_repository(request.repository_name)
-        await self.dataplane.unload(request.model_name, _unload_dependents(request))
+        await self._repository_call(request.model_name,
+                                    self.dataplane.unload(request.model_name, _unload_dependents(request)))
         return pb.RepositoryModelUnloadResponse()
+
+    async def _repository_call(self, model: str, work: Awaitable[None]) -> None:
+        """Await ``work``, a load or unload, as a call :meth:`end_at_grace` answers: one still running when the stop's
+        grace has passed (an unload() that hangs) is answered UNAVAILABLE saying its outcome is lost, as over HTTP,
+        where gRPC's own stop cut it off a second later with "Cancelling all calls" (the review hunt). The work
+        itself runs on (an accepted load or unload runs to its end)."""
+        task = asyncio.current_task()
+        assert task is not None
+        self._repository_calls.add(task)
+        try:
+            await work
+        except asyncio.CancelledError:
+            if not self._answered_at_grace():
+                raise
+            raise Unavailable(PublicText(f"model '{model}': the server is shutting down, and "
+                                         "shutdown_grace_s passed while this request ran; it may have taken effect, "
+                                         "and its outcome is lost")) from None
+        finally:
+            self._repository_calls.discard(task)
 
 
     def refusal(self, extension: str) -> Handler:

@@ -18,6 +18,7 @@ import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as triton
+from tritonclient.utils import InferenceServerException
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
@@ -1461,3 +1462,35 @@ def test_an_unload_that_hangs_holds_the_others_turns_briefly_and_a_stop_lets_the
         held.release.set()
     stopping.result(timeout=60)
 
+
+
+def test_an_unload_still_running_at_the_stop_s_grace_is_answered_as_over_http(repo, serve) -> None:
+    """Found by the review hunt: at a stop, a RepositoryModelUnload whose unload() still ran when the grace passed
+    got gRPC's own "Cancelling all calls" a second later, where HTTP answers 503 saying its outcome is lost."""
+    import asyncio
+
+    import toy_backends
+    from nereid.plugins import make_plugin_manager
+
+    held = HeldUnloads()
+    (toy_backends.write_toy(repo.models_dir, "m") / "held.txt").write_text("")
+    server = serve(repo.write_config(None), manager=make_plugin_manager(extra_plugins=(held,)))
+    answers: queue.Queue = queue.Queue()
+
+    def unload() -> None:
+        try:
+            server.client.unload_model("m", client_timeout=60)
+            answers.put(None)
+        except Exception as err:  # (the answer under test)
+            answers.put(err)
+    threading.Thread(target=unload, daemon=True).start()
+    try:
+        wait_for(lambda: held.running == 1, "m's unload() to hang")
+        stopping = asyncio.run_coroutine_threadsafe(server.server.stop(grace_s=0.5), server.loop)
+        answer = answers.get(timeout=30)
+    finally:
+        held.release.set()
+    stopping.result(timeout=60)
+    assert isinstance(answer, InferenceServerException) and answer.status() == "StatusCode.UNAVAILABLE", answer
+    assert answer.message() == ("model 'm': the server is shutting down, and shutdown_grace_s passed while this "
+                                "request ran; it may have taken effect, and its outcome is lost"), answer.message()
