@@ -419,6 +419,7 @@ def check_outputs(model: str, signature: ModelSignature, outputs: Sequence[Named
         names = [getattr(t, "name", None) for t in islice(outputs, BRIEF_LIMIT)]
         raise ModelFailure(f"model '{model}' returned outputs {brief_repr(names)}, "
                            f"expected {signature.output_names}")
+    copied = False
     for index, (tensor, spec) in enumerate(zip(outputs, expected)):
         if not isinstance(tensor, NamedTensor):  # (named right, it passed, and failed on the wire: a bug hunt)
             raise ModelFailure(f"model '{model}' returned a list whose item {index} is {brief_description(tensor)}, "
@@ -427,6 +428,13 @@ def check_outputs(model: str, signature: ModelSignature, outputs: Sequence[Named
             raise ModelFailure(f"model '{model}' returned output '{spec.name}' as "
                                f"{_tag(tensor.dtype)}, expected {spec.dtype.kserve}")
         data = tensor.data
+        if isinstance(data, np.generic):
+            # A numpy scalar (np.sum's result for a scalar output): the 0-d array it is, as a meta model's sub-call
+            # takes it as an input; refused, a model returning one failed every request.
+            data = np.asarray(data)
+            if not copied:  # (the model's own list stays as it returned it)
+                outputs, copied = list(outputs), True
+            outputs[index] = tensor = NamedTensor(tensor.name, tensor.dtype, data)
         if type(data) is not np.ndarray and isinstance(data, np.ndarray) and not isinstance(data, np.memmap):
             # A subclass reshapes and views as its own rules say (np.matrix stays 2-D, a masked array carries a
             # mask the wire has no room for): encoded as an ndarray, its answer was corrupt, yet counted a success

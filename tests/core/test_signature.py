@@ -188,6 +188,21 @@ def test_a_numpy_scalar_is_taken_as_the_0_d_array_it_is() -> None:
     assert isinstance(data, np.ndarray) and data.shape == () and data.dtype == np.float32 and float(data) == 2.5
 
 
+def test_a_numpy_scalar_output_is_taken_as_the_0_d_array_it_is_and_the_model_s_list_is_left_alone() -> None:
+    """Found by the outputs hunt: a model returning np.sum's result (a numpy scalar) for a scalar output failed
+    every request, where a meta model's sub-call takes the same value as an input."""
+    from nereid.signature import check_outputs
+
+    scalar = ModelSignature((TensorSpec("x", DType.FP32, ()),), (TensorSpec("y", DType.FP32, ()),), 0)
+    returned = [NamedTensor("y", DType.FP32, np.float32(2.5))]
+    checked = check_outputs("m", scalar, returned, 1)
+    data = checked[0].data
+    assert isinstance(data, np.ndarray) and data.shape == () and data.dtype == np.float32 and float(data) == 2.5
+    assert isinstance(returned[0].data, np.float32)  # (the model's own list, as it returned it)
+    with pytest.raises(ModelFailure, match=r"returned output 'y' tagged FP32 holding .*int64"):
+        check_outputs("m", scalar, [NamedTensor("y", DType.FP32, np.int64(2))], 1)
+
+
 def test_batched_request_within_cap() -> None:
     result = validate_inputs("m", BATCHED, [tensor("x", (5, 4, 7))])
     assert result.batch_size == 5 and not result.batch_axis_added
