@@ -125,6 +125,23 @@ class _NoHookThread(Exception):
         self.error = error
 
 
+def _in_program_order(signature: ModelSignature, batch_signature: ModelSignature
+                      ) -> Callable[[list[NamedTensor]], list[NamedTensor]] | None:
+    """Where no preprocess step runs, what puts a request's inputs (validated: in ``signature``'s order) in the
+    order ``infer`` takes them (``batch_signature``'s), when both name the same tensors in other orders; None
+    when the orders agree (or the names differ: the program's checks refuse what it cannot take).
+
+    A bundle whose model.py registers no preprocess may list its client_inputs in another order than its
+    executable_inputs; its program takes them by position, and took them swapped: wrong answers, OK (the review
+    hunt of 51cacdf, which made an omitted preprocess no step).
+    """
+    client, program = signature.input_names, batch_signature.input_names
+    if client == program or sorted(client) != sorted(program):
+        return None
+    positions = [client.index(name) for name in program]
+    return lambda inputs: [inputs[position] for position in positions]
+
+
 def make_runner(backend: Model, signature: ModelSignature, batch_signature: ModelSignature,
                 scheduler: ModelScheduler, hook_threads: HookThreads) -> Runner:
     """The request path of one loaded model; its hooks run on ``hook_threads``."""
@@ -133,13 +150,17 @@ def make_runner(backend: Model, signature: ModelSignature, batch_signature: Mode
     # Refused before queueing: a request no execution could run must not wait for one, nor fail the batch it joins.
     check_inputs = _input_check(backend, scheduler) if isinstance(backend, ChecksInputs) else None
     scheduler.postprocessed = postprocess is not None
+    to_program = _in_program_order(signature, batch_signature) if preprocess is None else None
     if preprocess is None and postprocess is None:
-        if check_inputs is None:
+        if check_inputs is None and to_program is None:
             return scheduler.submit
 
         async def checked(inputs: list[NamedTensor], batch_size: int, deadline_ns: int,
                           timing: RequestTiming | None = None) -> list[NamedTensor]:
-            check_inputs(inputs)
+            if to_program is not None:
+                inputs = to_program(inputs)
+            if check_inputs is not None:
+                check_inputs(inputs)
             return await scheduler.submit(inputs, batch_size, deadline_ns, timing)
         return checked
 
@@ -177,8 +198,11 @@ def make_runner(backend: Model, signature: ModelSignature, batch_signature: Mode
             if batch_signature.batches and inputs:
                 # A hook may tile, crop or split rows: the program runs its rows, the client gets its own.
                 program_rows = inputs[0].shape[0]
-        elif check_inputs is not None:  # (a model with a postprocess hook only: the client's inputs are checked)
-            check_inputs(inputs)
+        else:  # (a model with a postprocess hook only: the client's inputs go to the program, checked)
+            if to_program is not None:
+                inputs = to_program(inputs)
+            if check_inputs is not None:
+                check_inputs(inputs)
         try:
             # (Logs its own faults.)
             outputs = await scheduler.submit(inputs, program_rows, deadline_ns, timing, admitted=True)

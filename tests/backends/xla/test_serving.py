@@ -282,3 +282,33 @@ def test_a_bundle_whose_model_py_registers_only_postprocess_refuses_a_client_s_s
     assert refused.value.status() == "StatusCode.INVALID_ARGUMENT", refused.value
     assert "model 'variants': input 'x' has shape [1, 5]; the bundle is compiled for" in refused.value.message()
     assert "hook" not in refused.value.message()
+
+
+def _difference(a, b):
+    return a - b
+
+
+def test_client_inputs_listed_in_another_order_reach_the_program_by_name_without_a_preprocess_hook(
+        repo, serve, tmp_path) -> None:
+    """Found by the review hunt of 51cacdf: with no preprocess step, a bundle whose client_inputs list the
+    executable's inputs in another order (allowed: "in any order") had them sent to the program by position,
+    swapped: a - b served as b - a, OK."""
+    from nereid.backends.xla.export import IOSpec, export_bundle
+
+    for name, model_py in (("post_only", POSTPROCESS_ONLY_MODEL_PY.replace('"y"', '"d"')),
+                           ("no_hooks", "import nereid\nnereid.register_model()\n")):
+        export_bundle(_difference, [np.zeros((1, 2), np.float32)] * 2, {}, directory=repo.models_dir / name,
+                      batch_sizes=[1, 4], input_names=["a", "b"], output_names=["d"],
+                      client_inputs=[IOSpec("b", "f32", (2,), batch_axis=0), IOSpec("a", "f32", (2,), batch_axis=0)],
+                      client_outputs=[IOSpec("d", "f32", (2,), batch_axis=0)], model_py=model_py,
+                      provenance=False)
+    server = serve(repo.write_config("- name: post_only\n- name: no_hooks\n"))
+    a, b = np.array([[1.0, 2.0]], np.float32), np.array([[100.0, 200.0]], np.float32)
+    for name, factor in (("post_only", 2), ("no_hooks", 1)):
+        inputs = []
+        for input_name, array in (("a", a), ("b", b)):
+            tensor = triton.InferInput(input_name, list(array.shape), "FP32")
+            tensor.set_data_from_numpy(array)
+            inputs.append(tensor)
+        served = server.client.infer(name, inputs).as_numpy("d")
+        np.testing.assert_array_equal(served, (a - b) * factor)
