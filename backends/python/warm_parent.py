@@ -217,19 +217,26 @@ def preload_as_script(folder: str, imports: list[str], extra: list[str],
 
     # Only how a warning is shown changes while they import: not catch_warnings, which puts the filters back after,
     # undoing a library's own filterwarnings("ignore", ...) for every run.
-    shown, caught = warnings.showwarning, []
+    shown, caught, importing = warnings.showwarning, [], [True]
 
     def recording(message, category, filename, lineno, file=None, line=None):  # type: ignore[no-untyped-def]
+        if not importing[0]:
+            # (An import that kept this one, to pass on what it does not silence, or logging.captureWarnings,
+            # which puts it back: a run's warnings go where they always went; the review hunt.)
+            return shown(message, category, filename, lineno, file, line)
         caught.append(warnings.formatwarning(message, category, filename, lineno, line))
     warnings.showwarning = recording
+    recording_exits = atexit.register
     try:
         with watch:
             return preload(imports, extra, submodules)
     finally:
+        importing[0] = False
         if warnings.showwarning is recording:  # (an import may have put its own in place: it stays)
             warnings.showwarning = shown
         _tell_warnings(caught)
-        atexit.register = register  # type: ignore[assignment]
+        if atexit.register is recording_exits:  # (likewise)
+            atexit.register = register  # type: ignore[assignment]
         _keep_seeded_states(watch.seeded)
         _keep_fresh_generators(watch)
         sys.argv, sys.orig_argv = argv, orig_argv
@@ -290,17 +297,44 @@ def keep_parent_files_at_exit() -> None:
             atexit.unregister(func)
 
 
+# Names whose call in an exit function's code (its own, or a function it defines) says it removes files: a library's
+# clean-up of what it made at import, written as a function of its own (a lambda or def around shutil.rmtree, a
+# context's __exit__ that deletes a file extracted from a zipped package, as certifi's exit_cacert_ctx).
+REMOVING_NAMES = frozenset({"rmtree", "remove", "unlink", "rmdir", "removedirs", "cleanup", "__exit__"})
+
+
 def _removes_files(func: object) -> bool:
-    """Whether the exit function ``func`` (or the function a ``functools.partial`` or bound method holds) is one
-    of the standard library's that remove files or folders."""
+    """Whether the exit function ``func`` (or the function a ``functools.partial`` or bound method holds) removes
+    files or folders: one of the standard library's removers, a temporary file's, folder's or exit stack's method,
+    a path's ``unlink`` or ``rmdir``, or code that calls one of :data:`REMOVING_NAMES`.
+
+    Recognised by what it is, not run: a library's exit function that only flushes what its process recorded
+    (sentry's, a profiler's) must still run at each run's end, as at ``python main.py``'s."""
     target = getattr(func, "func", func)
+    owner = getattr(target, "__self__", None)
     target = getattr(target, "__func__", target)
     removers: list[object] = [os.remove, os.unlink, os.rmdir, os.removedirs]
+    owners: list[type] = []
     if "shutil" in sys.modules:
         removers.append(sys.modules["shutil"].rmtree)
     if "tempfile" in sys.modules:
-        removers.append(sys.modules["tempfile"].TemporaryDirectory.cleanup)
-    return any(target is remover for remover in removers)
+        tempfile = sys.modules["tempfile"]
+        owners += [tempfile.TemporaryDirectory, getattr(tempfile, "_TemporaryFileWrapper", tempfile.TemporaryDirectory)]
+    if "contextlib" in sys.modules:
+        owners.append(sys.modules["contextlib"].ExitStack)
+    if any(target is remover for remover in removers) or (owner is not None and isinstance(owner, tuple(owners))):
+        return True
+    if "pathlib" in sys.modules and isinstance(owner, sys.modules["pathlib"].PurePath):
+        return getattr(target, "__name__", "") in ("unlink", "rmdir")
+    code = getattr(target, "__code__", None)
+    return isinstance(code, types.CodeType) and _calls_a_removal(code)
+
+
+def _calls_a_removal(code: types.CodeType) -> bool:
+    """Whether ``code``, or a function defined in it, names one of :data:`REMOVING_NAMES`."""
+    if REMOVING_NAMES.intersection(code.co_names):
+        return True
+    return any(_calls_a_removal(const) for const in code.co_consts if isinstance(const, types.CodeType))
 
 
 # The functions that set a module's global random state, by module: a seed() with a seed that is not None seeds

@@ -543,6 +543,28 @@ def test_a_warning_a_preloaded_import_raises_is_logged_by_the_server_and_its_fil
     assert ask(server, "warned") == ["kept"]  # (the import's filter holds in each run, as under python main.py)
 
 
+def test_a_run_s_warnings_reach_its_stderr_when_a_preloaded_import_kept_showwarning(repo, serve, user_site):
+    """Found by the review hunt of 8af5155: a library that keeps warnings.showwarning to pass on what it does not
+    silence (or logging.captureWarnings, which puts it back) kept the preload's recorder, and every warning of
+    every run went into a list nobody read. Its replacement of atexit.register stays too."""
+    (user_site / "keeps_showwarning.py").write_text(
+        "import atexit, warnings\n_shown = warnings.showwarning\n"
+        "def _quiet(message, category, *args, **kwargs):\n"
+        "    if 'noise' not in str(message):\n        _shown(message, category, *args, **kwargs)\n"
+        "warnings.showwarning = _quiet\n"
+        "_register = atexit.register\ndef taken(func, *args, **kwargs):\n    return _register(func, *args, **kwargs)\n"
+        "atexit.register = taken\n")
+    main = reply_main("['UserWarning: real problem' in captured.getvalue(), 'noise' in captured.getvalue(), "
+                      "atexit.register is keeps_showwarning.taken]",
+                      prelude=("import atexit, io, warnings, keeps_showwarning\ncaptured = io.StringIO()\n"
+                               "sys.stderr = captured\nwarnings.warn('noise')\nwarnings.warn('real problem')\n"
+                               "sys.stderr = sys.__stderr__\n"))
+    repo.python("kept", textproto=REPORT, main=main)
+    server = serve(repo.write_config("- name: kept\n"))
+    assert backend_of(server, "kept").runtime_report().summary == "warm_start=on"
+    assert ask(server, "kept") == [True, False, True]
+
+
 def test_a_module_only_the_server_s_pythonpath_holds_is_named_as_such(repo, serve, tmp_path, monkeypatch):
     """Found by the python-models hunt: a Docker image's ENV PYTHONPATH=/app lets the server import a module that
     model runs cannot (they do not inherit PYTHONPATH), and the load said only "No module named 'zoo2'"."""
@@ -573,13 +595,29 @@ def test_files_a_preloaded_import_made_for_its_process_outlive_each_run(repo, se
         "import atexit, functools, os, shutil, tempfile\nfolder = tempfile.mkdtemp(prefix='config-')\n"
         "path = os.path.join(folder, 'c.txt')\nopen(path, 'w').write('1')\n"
         "atexit.register(shutil.rmtree, folder)\natexit.register(functools.partial(os.remove, path))\n")
-    prelude = "import unpacks_its_weights, removes_its_folder_at_exit\n"
+    # (The review hunt: exit functions of a library's own, around the removal, removed them all the same.)
+    (user_site / "wraps_its_removals.py").write_text(
+        "import atexit, contextlib, os, pathlib, shutil, tempfile\n"
+        "made = [tempfile.mkdtemp() for _ in range(2)]\n"
+        "atexit.register(lambda: shutil.rmtree(made[0]))\n"
+        "@atexit.register\ndef _clean_up():\n    shutil.rmtree(made[1])\n"
+        "kept = tempfile.NamedTemporaryFile(delete=True)\natexit.register(kept.close)\n"
+        "stack = contextlib.ExitStack()\nheld = stack.enter_context(tempfile.TemporaryDirectory())\n"
+        "atexit.register(stack.close)\n"
+        "marker = pathlib.Path(made[0]) / 'marker'\nmarker.write_text('1')\natexit.register(marker.unlink)\n"
+        "paths = [*made, kept.name, held, str(marker)]\n"
+        f"def _flush():  # a library's exit function that only flushes what its process recorded: still run\n"
+        f"    with open({str(user_site / 'flushed.log')!r}, 'a') as log:\n        log.write('run\\n')\n"
+        "atexit.register(_flush)\n")
+    prelude = "import os, unpacks_its_weights, removes_its_folder_at_exit, wraps_its_removals\n"
     repo.python("unpacked", textproto=REPORT, main=reply_main(
-        "int(open(unpacks_its_weights.path).read()) + int(open(removes_its_folder_at_exit.path).read())",
-        prelude=prelude))
+        "int(open(unpacks_its_weights.path).read()) + int(open(removes_its_folder_at_exit.path).read()) "
+        "+ sum(os.path.exists(path) for path in wraps_its_removals.paths)", prelude=prelude))
     server = serve(repo.write_config("- name: unpacked\n"))
     assert backend_of(server, "unpacked").runtime_report().summary == "warm_start=on"
-    assert [ask(server, "unpacked") for _ in range(3)] == [42, 42, 42]
+    assert [ask(server, "unpacked") for _ in range(3)] == [47, 47, 47]
+    assert wait_until(lambda: (user_site / "flushed.log").is_file()
+                      and (user_site / "flushed.log").read_text() == "run\n" * 3)
 
 
 @pytest.mark.parametrize("module, reason", [
