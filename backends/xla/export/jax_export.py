@@ -69,10 +69,11 @@ def export_bundle(fn: Callable[..., Any], example_inputs: Sequence[Any],
     directory = Path(directory)
     name = name or directory.name
     in_names = _names(input_names, len(example_inputs), "input")
-    session_x64 = bool(jax.config.read("jax_enable_x64"))
-    examples = [_shape_dtype(x, f"example input {i} ({n!r})", session_x64)
+    # The width of a Python number or list: jax's for it, 64 bits where x64 is asked for or the session's.
+    wide = bool(jax.config.read("jax_enable_x64")) if x64 is None else x64
+    examples = [_shape_dtype(x, f"example input {i} ({n!r})", wide)
                 for i, (x, n) in enumerate(zip(example_inputs, in_names))]
-    weight_items = weight_pairs(_python_values_in_jax_widths(weights, session_x64))
+    weight_items = weight_pairs(_python_values_in_jax_widths(weights, wide))
     sizes: list[int | None] = list(batch_sizes) if batch_sizes is not None else [None]
     in_axes = _axes(input_batch_axes, len(examples), batch_sizes is not None, "input_batch_axes")
     _check_input_axes(in_names, examples, in_axes)
@@ -269,7 +270,7 @@ def _check_input_axes(names: Sequence[str], examples: Sequence[tuple[tuple[int, 
                               "of the size the program takes")
 
 
-def _shape_dtype(value: Any, what: str, session_x64: bool = False) -> tuple[tuple[int, ...], Any]:
+def _shape_dtype(value: Any, what: str, wide: bool = False) -> tuple[tuple[int, ...], Any]:
     """One example input's static row-major shape and supported dtype; ExportError naming it otherwise.
 
     A symbolic (shape-polymorphic) axis is refused here: jax would fail on it
@@ -283,7 +284,7 @@ def _shape_dtype(value: Any, what: str, session_x64: bool = False) -> tuple[tupl
         shape, dtype = tuple(value.shape), value.dtype
         _refuse_typed_key(dtype, what)
     else:
-        array = _in_jax_width(np.asarray(value), session_x64)  # (a Python number or list: weakly typed in jax)
+        array = _in_jax_width(np.asarray(value), wide, what)  # (a Python number or list: weakly typed in jax)
         shape, dtype = array.shape, array.dtype
     sizes = [_static_size(d) for d in shape]
     symbolic = [axis for axis, size in enumerate(sizes) if size is None]
@@ -325,31 +326,37 @@ def _static_size(size: Any) -> int | None:
         return None
 
 
-def _in_jax_width(array: np.ndarray, session_x64: bool) -> np.ndarray:
+def _in_jax_width(array: np.ndarray, wide: bool, what: str) -> np.ndarray:
     """The array of a Python number or list (numpy makes it float64 or int64) in the width jax gives such a value:
-    32 bits unless the session enables x64. Counted as 64-bit, a weight written ``0.5`` made the whole bundle x64,
-    serving FP64 where ``jax.jit`` of the same function gives float32 (the export hunt)."""
-    if session_x64 or array.dtype.itemsize != 8 or array.dtype.kind not in "iuf":
+    32 bits unless ``wide`` (x64 asked for, or the session's). Counted as 64-bit, a weight written ``0.5`` made the
+    whole bundle x64, serving FP64 where ``jax.jit`` of the same function gives float32 (the export hunt). An
+    integer 32 bits cannot hold is refused naming ``what``, as jax refuses it (it was stored wrapped around)."""
+    if wide or array.dtype.itemsize != 8 or array.dtype.kind not in "iuf":
         return array
-    return array.astype({"f": np.float32, "i": np.int32, "u": np.uint32}[array.dtype.kind])
+    narrow = array.astype({"f": np.float32, "i": np.int32, "u": np.uint32}[array.dtype.kind])
+    if array.dtype.kind in "iu" and not np.array_equal(narrow, array):
+        raise ExportError(f"{what} holds an integer that 32 bits cannot hold ({array.min()} to {array.max()}), "
+                          "where a Python number takes jax's 32-bit width: pass np.int64(...) and export with "
+                          "x64=True (or in a session with jax_enable_x64)")
+    return narrow
 
 
-def _python_values_in_jax_widths(weights: Any, session_x64: bool) -> Any:
+def _python_values_in_jax_widths(weights: Any, wide: bool) -> Any:
     """``weights`` with each Python number or list (a value without a dtype of its own) in jax's width for it (see
     :func:`_in_jax_width`); anything else as it is, for :func:`weight_pairs` to judge and name."""
-    def narrowed(value: Any) -> Any:
+    def narrowed(name: object, value: Any) -> Any:
         if hasattr(value, "dtype") or isinstance(value, bool) or not isinstance(value, (int, float, list, tuple)):
             return value
         try:
             array = np.asarray(value)
-        except (TypeError, ValueError):  # (a ragged list: refused naming the weight)
+        except (TypeError, ValueError, OverflowError):  # (a ragged list: refused naming the weight)
             return value
-        return value if array.dtype.kind in "OSUV" else _in_jax_width(array, session_x64)
+        return value if array.dtype.kind in "OSUV" else _in_jax_width(array, wide, f"weights: weight {name!r}")
 
     if isinstance(weights, Mapping):
-        return {name: narrowed(value) for name, value in weights.items()}
+        return {name: narrowed(name, value) for name, value in weights.items()}
     if isinstance(weights, (list, tuple)):
-        return [(item[0], narrowed(item[1])) if isinstance(item, (tuple, list)) and len(item) == 2 else item
+        return [(item[0], narrowed(item[0], item[1])) if isinstance(item, (tuple, list)) and len(item) == 2 else item
                 for item in weights]
     return weights
 

@@ -119,6 +119,14 @@ def test_python_numbers_and_lists_take_jax_s_width_and_make_no_x64_bundle(tmp_pa
         session = export_bundle(_scaled_shift, [np.zeros((1, 2), np.float32)], [("s", 0.5), ("n", 2)],
                                 directory=tmp_path / "session", batch_sizes=[1], provenance=False)
     assert load_manifest(session / "manifest.yaml").executable_outputs[0].dtype.numpy == np.float64
+    # (The review hunt: x64=True asked for explicitly is jax's x64 width too; and an int 32 bits cannot hold was
+    # stored wrapped around, -1294967296, where jax.jit refuses it.)
+    asked = export_bundle(_scaled_shift, [np.zeros((1, 2), np.float32)], {"s": 0.5, "n": 2},
+                          directory=tmp_path / "asked", batch_sizes=[1], provenance=False, x64=True)
+    assert load_manifest(asked / "manifest.yaml").executable_outputs[0].dtype.numpy == np.float64
+    with pytest.raises(ExportError, match=r"^weights: weight 'n' holds an integer that 32 bits cannot hold"):
+        export_bundle(_scaled_shift, [np.zeros((1, 2), np.float32)], {"s": 0.5, "n": 3_000_000_000},
+                      directory=tmp_path / "big", batch_sizes=[1], provenance=False)
 
 
 def test_a_session_with_x64_on_gets_an_x64_bundle(tmp_path) -> None:
