@@ -13,6 +13,7 @@ import asyncio
 import contextvars
 import functools
 import logging
+import os
 import queue
 import threading
 import time
@@ -230,6 +231,31 @@ async def on_io_thread(fn: Callable[..., T], /, *args: Any) -> T:
         pool = _io_pool
     context = contextvars.copy_context()
     return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(context.run, fn, *args))
+
+
+# The server's own CPU work off the event loop: large decodes, encodes and their compression, classification,
+# folder stamps, reads of nereid.yaml. Not asyncio's default executor either: that one is model code's
+# (asyncio.to_thread in a meta model's orchestration), whose blocking calls could take every thread of it, and
+# every other model's large requests, and loads, then waited behind them (the pipelines hunt).
+_WORK_THREADS = min(32, (os.cpu_count() or 1) + 4)  # (as many as asyncio's default executor has)
+_work_pool: DaemonThreadPool | None = None
+
+
+def work_pool() -> DaemonThreadPool:
+    """The process's pool for the server's own CPU work off the event loop (see :func:`on_work_thread`)."""
+    global _work_pool
+    with _io_lock:
+        if _work_pool is None:
+            _work_pool = DaemonThreadPool(_WORK_THREADS, thread_name_prefix="nereid-work")
+        return _work_pool
+
+
+async def on_work_thread(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+    """``fn(*args, **kwargs)`` awaited on a thread of :func:`work_pool`, in this task's context, as
+    ``asyncio.to_thread`` runs it: the server's own work never waits for model code's threads."""
+    context = contextvars.copy_context()
+    return await asyncio.get_running_loop().run_in_executor(
+        work_pool(), functools.partial(context.run, fn, *args, **kwargs))
 
 
 def release_io_threads(wait_s: float = 0.1) -> None:

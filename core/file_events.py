@@ -19,6 +19,7 @@ from typing import Awaitable, Callable
 
 import watchfiles
 
+from nereid.daemon_pool import on_work_thread
 from nereid.folder_states import ignored_name
 from nereid.settling import MAX_GROUPING_FACTOR
 from nereid.storage import StoreURL
@@ -146,7 +147,7 @@ class RepositoryFollower:
         above ml_backends_path (or above a symlinked model folder's target) renamed, a release folder swapped
         with ``mv``, sends no event to any watch (found by a hunt: the old tree served on, for good)."""
         while not await self._stopped_within(self.poll_s):
-            wanted = await asyncio.to_thread(self.wanted_now)
+            wanted = await on_work_thread(self.wanted_now)
             if any(follow.current is not None and paths != follow.current for follow, paths in wanted):
                 await self._look()  # (which restarts those watches: see restart_moved)
 
@@ -204,7 +205,7 @@ class RepositoryFollower:
             follow.restart = False
             health.starts += 1
             # What it resolves to is taken before the watch starts: a swap in between then shows as a change.
-            current = follow.current = await asyncio.to_thread(follow.wanted)
+            current = follow.current = await on_work_thread(follow.wanted)
             if follow is self._models:
                 self._targets = tuple(path for path in current.paths if path != self.root)
             # This task runs at the watch's first wait, when watchfiles has set up its watches (synchronously, as

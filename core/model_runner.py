@@ -21,7 +21,7 @@ import numpy as np
 
 from nereid.backend import ChecksInputs, Model, Postprocesses, Preprocesses
 from nereid.batching import deadline_passed
-from nereid.daemon_pool import DaemonThreadPool, ThreadStartFailed
+from nereid.daemon_pool import DaemonThreadPool, ThreadStartFailed, on_work_thread
 from nereid.errors import (ConfigError, DeadlineExceeded, InvalidArgument, ModelFailure, NereidError,
                            describe_exception, loop_safe_call, naming_model, without_model_name)
 from nereid.scheduler import (REQUEST_STARTED, ModelScheduler, UnloadedBeforeStart, not_started, queue_full,
@@ -345,7 +345,7 @@ async def _same_tensors(made: list[NamedTensor], sent: list[NamedTensor]) -> boo
         return all(a.data is b.data or np.array_equal(a.data, b.data, equal_nan=a.data.dtype.kind in "fc")
                    for a, b in zip(made, sent))
     if sum(a.data.nbytes for a in made) >= COMPARE_OFF_LOOP_BYTES:
-        return await asyncio.to_thread(equal)
+        return await on_work_thread(equal)
     return equal()
 
 

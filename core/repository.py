@@ -21,7 +21,7 @@ import pluggy
 from nereid.backend import ModelCaller, ModelContext, Relocatable
 from nereid.backend_calls import on_daemon_thread, terminate_backend, unload_backend
 from nereid.client_paths import ClientPaths
-from nereid.daemon_pool import on_io_thread
+from nereid.daemon_pool import on_io_thread, on_work_thread
 from nereid.dependencies import DependencyCycle
 from nereid.dependent_states import DependentStates, log_unavailable
 from nereid.errors import (ConfigError, NereidError, NotFound, PublicText, Unavailable, backend_exit, calling_plugin,
@@ -699,7 +699,7 @@ class ModelRepository:
             # asked. A client's load that waited behind another was answered OK with the objects the first had
             # fetched, though they were replaced before it asked (the hunt of the fixes).
             return False
-        stamped = await asyncio.to_thread(folder_stamp, entry.folder)
+        stamped = await on_work_thread(folder_stamp, entry.folder)
         return stamped is not None and stamped[0] == loaded.stamp
 
     def _defaults_change_options(self, entry: ModelEntry, settings: Settings) -> bool:
@@ -865,7 +865,7 @@ class ModelRepository:
                     raise ConfigError(f"backend '{loaded.backend_name}' cannot move a loaded model")
                 # Plugin code: a sys.exit() or KeyboardInterrupt of its own is its failure (the move is not made),
                 # never the server's end (it ended the server, exit status the plugin's, nothing logged).
-                await asyncio.to_thread(calling_plugin,
+                await on_work_thread(calling_plugin,
                                         functools.partial(loop_safe_call, loaded.backend.relocate, context),
                                         lambda exit_: backend_exit(old, exit_, "while moving it"))
                 # (Looked at again after each wait: a request may have loaded the new name meanwhile, whose model

@@ -21,6 +21,7 @@ from typing import AsyncIterator
 
 import pluggy
 
+from nereid.daemon_pool import on_work_thread
 from nereid.backend import CallsModels, ModelCaller, ModelContext, what_it_calls
 from nereid.backend_calls import await_build, on_daemon_thread, unload_backend, unload_unclaimed
 from nereid.errors import ConfigError, backend_exit, calling_plugin, shown_name
@@ -204,7 +205,7 @@ class VersionLoader:
                                self.models, on_folder_rewritten=folder_rewritten if stamped_here else None,
                                runs_dir=self.runs_dir, config_name=settings.config_name)
         if stamped_here:
-            stamped = await asyncio.to_thread(folder_stamp, entry.folder)  # before the build reads the files
+            stamped = await on_work_thread(folder_stamp, entry.folder)  # before the build reads the files
             stamp = stamped[0] if stamped is not None else None
         # Waited for as a task the entry holds as its build: an unload or removal coming meanwhile cancels it
         # (held_for_unload), and is not kept waiting behind every other folder's build.

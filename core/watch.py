@@ -47,7 +47,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Awaitable, Callable
 
-from nereid.daemon_pool import on_io_thread
+from nereid.daemon_pool import on_io_thread, on_work_thread
 from nereid.errors import ConfigError, NotFound, Unavailable
 from nereid.file_events import Follow, RepositoryFollower
 from nereid.files import read_regular_file
@@ -620,7 +620,7 @@ class RepositoryWatcher:
         The new settings are in force on return; the loads, reloads and unloads they call for are started, and
         returned (None: nothing was applied).
         """
-        look = await asyncio.to_thread(look_at_config, self.config_path)  # never read a file on the loop
+        look = await on_work_thread(look_at_config, self.config_path)  # never read a file on the loop
         if look.digest == self._config_digest:
             self._config_pending = None  # (back as it was)
             if self._config_refused is not None:
@@ -634,7 +634,7 @@ class RepositoryWatcher:
             return None  # (the scan that apply schedules comes back for it)
         self._config_pending = None
         try:
-            new = await asyncio.to_thread(_settings_from, look, self.config_path)
+            new = await on_work_thread(_settings_from, look, self.config_path)
             # The settings served: a server: section changed needs a restart. Checked as served, so that the
             # repository knows them checked already when they are applied (an edit adding a bad backends: option
             # logged its WARNING twice; a bug hunt).
@@ -682,7 +682,7 @@ class RepositoryWatcher:
         if not names or pending is None:
             return set()
         if self._config_ahead is None or self._config_ahead[0] != pending[0].digest:
-            self._config_ahead = (pending[0].digest, await asyncio.to_thread(self._settings_of, pending[0]))
+            self._config_ahead = (pending[0].digest, await on_work_thread(self._settings_of, pending[0]))
         new, running = self._config_ahead[1], self.settings
         if new is None:
             return set()

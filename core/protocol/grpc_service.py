@@ -16,6 +16,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 import grpc
 
+from nereid.daemon_pool import on_work_thread, work_pool
 from nereid._proto import grpc_service_pb2 as pb
 from nereid._proto import model_config_pb2 as mc
 from nereid.dataplane import DataPlane, cancellation_reason, past_grace_message
@@ -210,7 +211,7 @@ async def _serialized(response: InferResponse, streamed: bool) -> bytes:
     loop when large (a 1 GB answer held it for a second), and refused as the model's fault past what one gRPC
     message carries (grpcio's own refusal named no model, after the request was counted a success)."""
     if sum(tensor.data.nbytes for tensor in response.outputs) >= SERIALIZE_OFF_LOOP_BYTES:
-        wire = await asyncio.to_thread(serialize_infer_response, response, streamed=streamed)
+        wire = await on_work_thread(serialize_infer_response, response, streamed=streamed)
     else:
         wire = serialize_infer_response(response, streamed=streamed)
     if len(wire) > MAX_SEND_MESSAGE_BYTES:
@@ -413,7 +414,7 @@ class InferenceServicer:
         request = received.message
         if received.size >= TRIM_AFTER_BYTES:
             # gRPC's copies of this message are freed by now: give their pages back, off the loop.
-            asyncio.get_running_loop().run_in_executor(None, release_free_heap)
+            asyncio.get_running_loop().run_in_executor(work_pool(), release_free_heap)
         model_name = request.model_name
         # The gRPC deadline, read with the instant it was read: a large request's decode must not move it.
         sampled_ns, remaining_s = time.monotonic_ns(), context.time_remaining()
@@ -421,7 +422,7 @@ class InferenceServicer:
             self.dataplane.admit(model_name)
             declared = self.dataplane.check_target(model_name, request.model_version).input_datatypes
             if received.size >= DECODE_OFF_LOOP_BYTES:
-                decoded = await asyncio.to_thread(decode_infer_request, request, remaining_s, received.raws,
+                decoded = await on_work_thread(decode_infer_request, request, remaining_s, received.raws,
                                                   sampled_ns, declared)
             else:
                 decoded = decode_infer_request(request, remaining_s, received.raws, sampled_ns, declared)

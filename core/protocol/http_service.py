@@ -19,6 +19,7 @@ from urllib.parse import quote, unquote
 
 import orjson
 
+from nereid.daemon_pool import on_work_thread, work_pool
 from nereid.collector_pause import collector_paused
 from nereid.dataplane import DataPlane, cancellation_reason, past_grace_message
 from nereid.dtypes import DType
@@ -303,7 +304,7 @@ class HttpSurface:
             if json_size >= SERIAL_DECODE_JSON_BYTES:
                 request, choice = await self._decode_large(model, body, length, declared)
             elif len(body) >= DECODE_OFF_LOOP_BYTES:
-                request, choice = await asyncio.to_thread(decode_infer, model, body, length, declared)
+                request, choice = await on_work_thread(decode_infer, model, body, length, declared)
             else:
                 request, choice = decode_infer(model, body, length, declared)
         except NereidError as err:
@@ -369,7 +370,7 @@ class HttpSurface:
         handler cancelled, its client gone, leaves the work running: the next must not start beside it)."""
         await turn.acquire()
         try:
-            future = asyncio.get_running_loop().run_in_executor(None, function, *args)
+            future = asyncio.get_running_loop().run_in_executor(work_pool(), function, *args)
         except BaseException:
             turn.release()
             raise
@@ -698,7 +699,7 @@ async def _compressed_answer(parts: list[bytes | memoryview], headers: list,
         if sum(len(part) for part in parts) < COMPRESS_OFF_LOOP_BYTES:
             body = compressed(parts, coding)
         else:
-            body = await asyncio.to_thread(compressed, parts, coding)
+            body = await on_work_thread(compressed, parts, coding)
     except MemoryError:
         return parts, headers
     return [body], [*headers, (b"content-encoding", coding.encode())]
@@ -718,7 +719,7 @@ def encoded_answer(response: InferResponse, choice: OutputChoice) -> EncodedAnsw
         size += tensor.data.nbytes
         elements += tensor.data.size
     if size >= ENCODE_OFF_LOOP_BYTES or elements >= ENCODE_OFF_LOOP_ELEMENTS:
-        return asyncio.to_thread(encode_infer, response, choice)
+        return on_work_thread(encode_infer, response, choice)
     return encode_infer(response, choice)
 
 

@@ -1302,3 +1302,23 @@ def test_a_compressed_repository_request_is_refused_by_name(served):
         assert error_of(call(base, "POST", path, body, {"Content-Encoding": "gzip"})) == (
             400, f"{who}compressed request bodies are taken by infer requests only (Content-Encoding: gzip); send it "
                  "uncompressed")
+
+
+def test_the_server_s_own_work_off_the_loop_never_waits_for_model_code_s_threads(served):
+    """Found by the pipelines hunt: nereid decoded large requests (and encoded, compressed, classified, stamped
+    folders) on asyncio's default executor, which is model code's too (asyncio.to_thread in a meta model): 8 meta
+    requests blocking in it held every other model's large requests, and loads, until they ended."""
+    server, base = served
+    gate = threading.Event()
+
+    async def occupy_the_default_executor() -> list[asyncio.Future]:
+        loop = asyncio.get_running_loop()
+        return [loop.run_in_executor(None, gate.wait, 120) for _ in range(64)]
+    asyncio.run_coroutine_threadsafe(occupy_the_default_executor(), server.loop).result(10)
+    try:
+        big = "x" * 300_000  # (a body past DECODE_OFF_LOOP_BYTES: decoded, and its answer encoded, off the loop)
+        body = json.dumps({"inputs": [{"name": "input", "shape": [2], "datatype": "BYTES", "data": [big, big]}]})
+        status, answer, _ = call(base, "POST", "/v2/models/words/infer", body.encode())  # (a 30 s timeout)
+        assert status == 200 and json.loads(answer)["outputs"][0]["data"] == [big, big]
+    finally:
+        gate.set()
