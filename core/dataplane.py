@@ -62,6 +62,10 @@ def _as_is(response: InferResponse) -> InferResponse:
     return response
 
 
+def _no_note(waiting: bool) -> None:
+    """A request that waits for room with no stream to pause (a meta model's sub-call)."""
+
+
 def past_grace_message(model: str) -> PublicText:
     """The answer of a request still running when ``shutdown_grace_s`` has passed, over either protocol (the
     model's name as the client sent it): called in the request's task, once it was cancelled. It says whether
@@ -414,9 +418,10 @@ class DataPlane:
                         "is not loopback")
             raise PermissionDenied(f"{rpc} is turned off on this server ({why})")
 
-    async def infer(self, request: InferRequest) -> InferResponse:
-        """Run one request; every accepted request gets exactly one answer, success or error."""
-        return await self.infer_encoded(request, _as_is)
+    async def infer(self, request: InferRequest, *, wait_for_room: bool = False) -> InferResponse:
+        """Run one request; every accepted request gets exactly one answer, success or error. ``wait_for_room``:
+        a full queue does not refuse it; it waits for room, as a stream's request does (see :meth:`infer_encoded`)."""
+        return await self.infer_encoded(request, _as_is, on_room_wait=_no_note if wait_for_room else None)
 
     async def infer_encoded(self, request: InferRequest,
                             encode: Callable[[InferResponse], Encoded | Awaitable[Encoded]], *,

@@ -169,8 +169,11 @@ class NereidServer:
         self._descriptor_watch = DescriptorWatch()  # (gRPC's core, silenced, says nothing of a refusing port)
 
     async def infer(self, request: InferRequest) -> InferResponse:
-        """Run a request from inside the server (a meta model's sub-call), exactly as a client's would run."""
-        return await self.dataplane.infer(request)
+        """Run a request from inside the server (a meta model's sub-call), exactly as a client's would run, but
+        for a full queue: the sub-call waits for room, bounded by its deadline, as a gRPC stream's request does.
+        Refused at once, a fan-out wider than a sub-model's queue_capacity failed every request, on an idle
+        server, "retry later" (the pipelines hunt); Triton's BLS and ensemble sub-requests queue."""
+        return await self.dataplane.infer(request, wait_for_room=True)
 
     async def start(self) -> int:
         """Bind the port and start serving; returns the bound port. Models load in :meth:`load_models`.
