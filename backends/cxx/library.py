@@ -49,6 +49,8 @@ UNLOAD_FUNCTION = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 
 _RTLD_NOW = getattr(os, "RTLD_NOW", 2)
 _RTLD_LOCAL = getattr(os, "RTLD_LOCAL", 0)  # each model's symbols stay its own
+_RTLD_NOLOAD = getattr(os, "RTLD_NOLOAD", 4)
+_RTLD_NODELETE = getattr(os, "RTLD_NODELETE", 0x1000)
 
 
 @functools.cache
@@ -283,6 +285,7 @@ class NativeLibrary:
             shutil.rmtree(self._folder, ignore_errors=True)
             raise ConfigError(f"model '{model}': cannot load shared library {path} (dlopened from its copy in "
                               f"{scratch_dir}): {message}")
+        self._keep_system_libraries(path)
         try:
             self._check_api_version(model, path)
             infer = self._symbol("nereid_infer")
@@ -296,6 +299,25 @@ class NativeLibrary:
         except BaseException:
             self.close()
             raise
+
+    def _keep_system_libraries(self, path: Path) -> None:
+        """Keep the libraries the copy needs from outside its own folder (the system's: libgomp, libstdc++)
+        loaded for the server's life, as if the server itself were linked against them.
+
+        Unloaded with the copy when nothing else held them, they left threads of theirs running unmapped code:
+        OpenMP's pool (libgomp has no call to stop it, and its threads spin in its code a while after each
+        parallel region) crashed the server with SIGSEGV at an unload, and ``nereid check`` at every run (the
+        native-models hunt). The libraries shipped beside the model's own still unload with it.
+        """
+        shipped = _shipped_dependencies(path)
+        needed: set[str] = set()
+        for name in [path.name, *shipped]:
+            copy = self._folder / name
+            if copy.is_file() and not copy.is_symlink():
+                needed.update(needed_libraries(str(copy)))
+        for name in sorted(needed - shipped):
+            # (Already loaded, as a dependency: NOLOAD finds it, NODELETE marks it never to be unloaded.)
+            self._libc.dlopen(name.encode(), _RTLD_NOW | _RTLD_NOLOAD | _RTLD_NODELETE)
 
     def _check_api_version(self, model: str, path: Path) -> None:
         """ConfigError when the library was built against another version of nereid_cxx.h's ABI: its functions'

@@ -298,3 +298,51 @@ def test_a_library_whose_name_is_near_the_file_systems_limit_loads(tmp_path, lib
         assert library.infer is not None
     finally:
         library.close()
+
+
+OPENMP_LIBRARY = r'''
+#include <omp.h>
+#include "nereid_cxx.h"
+extern "C" int nereid_load(const char*, const char*, void**, char*, size_t) {
+    int threads = 0;
+    #pragma omp parallel
+    {
+        #pragma omp atomic
+        threads += 1;
+    }
+    return threads > 0 ? 0 : 1;
+}
+extern "C" int nereid_infer(void*, const nereid_tensor*, size_t, nereid_tensor*, size_t, char*, size_t) {
+    return 0;
+}
+'''
+
+MAPPED_AFTER_CLOSE = '''
+import ctypes, sys
+from pathlib import Path
+from nereid.backends.cxx.library import NativeLibrary
+
+library = NativeLibrary("omp", Path(sys.argv[1]), Path(sys.argv[2]))
+assert library.load(b"omp", b".", ctypes.byref(ctypes.c_void_p()), ctypes.create_string_buffer(64), 63) == 0
+library.close()
+print("libgomp" in Path("/proc/self/maps").read_text())
+'''
+
+
+def test_the_system_libraries_a_model_needs_stay_loaded_after_its_unload(tmp_path) -> None:
+    """Found by the native-models hunt: a library built with -fopenmp, unloaded, took libgomp with it (nothing else
+    held it), while libgomp's pool threads still ran its code: the server died with SIGSEGV at an unload under
+    traffic, and nereid check at every run whose model ran a parallel region in nereid_load. The system libraries
+    a model pulls in are kept for the server's life; its own copy still goes (run in a process of its own: the
+    tests' process may hold libgomp already)."""
+    source = tmp_path / "omp.cpp"
+    source.write_text(OPENMP_LIBRARY)
+    built = subprocess.run([CXX, "-O1", "-shared", "-fPIC", "-fopenmp", f"-I{header_dir()}", "-std=c++17", "-o",
+                            str(tmp_path / "libomp_model.so"), str(source)], capture_output=True, text=True)
+    if built.returncode != 0:
+        pytest.skip(f"no OpenMP for this compiler: {built.stderr[-300:]}")
+    (tmp_path / "scratch").mkdir()
+    ran = subprocess.run([sys.executable, "-c", MAPPED_AFTER_CLOSE, str(tmp_path / "libomp_model.so"),
+                          str(tmp_path / "scratch")], capture_output=True, text=True, timeout=60)
+    assert ran.returncode == 0 and ran.stdout.strip() == "True", (ran.returncode, ran.stdout, ran.stderr[-2000:])
+    assert list((tmp_path / "scratch").iterdir()) == []  # (the model's own copy went)
