@@ -94,7 +94,17 @@ class CxxModel:
             path = options.library
         else:
             path = build_library(name, folder, options.sources, self.context.scratch_dir, self.context.abandoned)
-        library = NativeLibrary(name, path, self.context.scratch_dir)
+        try:
+            library = NativeLibrary(name, path, self.context.scratch_dir)
+        except ConfigError as err:
+            if options.library is None and "undefined symbol" in str(err):
+                # (A source build links nothing but the C++ standard library: an OpenMP call or another
+                # library's symbol is left for the loader, which names only the symbol; the native-models hunt.)
+                raise ConfigError(f"{err} (a library built from runtime.sources is compiled with $CXX -O2 "
+                                  "-std=c++17 -shared -fPIC, nothing else linked: a model that needs -fopenmp or "
+                                  "another library takes a prebuilt library: built as it likes, or the server a CXX "
+                                  "that adds the flag, as CXX=\"c++ -fopenmp\")") from None
+            raise
         try:
             if library.load is not None:
                 error = ctypes.create_string_buffer(ERROR_BUFFER_SIZE)

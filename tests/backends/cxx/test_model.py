@@ -420,3 +420,27 @@ def test_a_folder_whose_path_is_not_utf8_is_passed_to_nereid_load_as_its_bytes(l
         assert (folder / "events.log").read_text() == "load echo_all\n"  # (written where nereid_load was told)
     finally:
         model.unload()
+
+
+OPENMP_CALL_SOURCE = r'''
+#include <omp.h>
+#include "nereid_cxx.h"
+extern "C" int nereid_infer(void*, const nereid_tensor*, size_t, nereid_tensor* out, size_t, char*, size_t) {
+    *static_cast<int64_t*>(out[0].data) = omp_get_num_threads();
+    return 0;
+}
+'''
+
+
+def test_a_source_build_missing_a_library_says_what_a_source_build_links(repo, tmp_path):
+    """Found by the native-models hunt: runtime.sources calling OpenMP (or another library) built, then failed to
+    load naming only the symbol (`undefined symbol: omp_get_num_threads`), where a cpp build's link says what is
+    linked and what to do."""
+    folder = repo.add("omp_src", 'output { name: "threads" data_type: "INT64" dims: [1] }\n')
+    (folder / "omp.cpp").write_text(OPENMP_CALL_SOURCE)
+    settings = ModelSettings("omp_src", runtime={"sources": [str(folder / "omp.cpp")]})
+    model = CxxModel(ModelContext("omp_src", folder, settings, tmp_path, "test"))
+    with pytest.raises(ConfigError) as refused:
+        model.load()
+    assert "undefined symbol: omp_get_num_threads" in str(refused.value)
+    assert str(refused.value).endswith("as CXX=\"c++ -fopenmp\")"), str(refused.value)
