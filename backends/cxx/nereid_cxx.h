@@ -112,7 +112,8 @@ NEREID_EXPORT int nereid_infer(void *state,
                                char *error, size_t error_size);
 
 /* Optional. Prepare the model; store anything calls need in *state. 0: success.
- * model_folder is the absolute path of <ml_backends_path>/<model_name>. */
+ * model_folder is the absolute path of <ml_backends_path>/<model_name>, symbolic links resolved (a folder
+ * reached through a link is named where it is; under a ConfigMap-style link swap, read what you need here). */
 NEREID_EXPORT int nereid_load(const char *model_name, const char *model_folder, void **state,
                               char *error, size_t error_size);
 
