@@ -218,7 +218,8 @@ class MetaModel:
         if program_files:
             raise ConfigError(f"model '{name}': {manifest_path} says meta: true, but the folder holds program or "
                               f"weights files ({', '.join(program_files)}): a meta model runs no program of its "
-                              "own. Remove them, or remove meta: true to serve the folder as a bundle")
+                              "own. Remove them, or remove meta: true to serve the folder as a bundle (weights "
+                              "model.py reads itself may sit in a subfolder: weights/proj.safetensors)")
         model_py = folder / MODEL_PY
         if (reason := not_regular_reason(model_py)) is not None:
             raise ConfigError(reason)
