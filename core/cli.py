@@ -26,7 +26,7 @@ import nereid.backend_calls
 from nereid.backend import (CallsModels, ChecksInputs, ModelContext, ReportsRuntime, reported_device,
                             runtime_report_problem, what_it_calls)
 from nereid.backend_calls import bounded_backend_call
-from nereid.daemon_pool import release_io_threads
+from nereid.daemon_pool import release_server_pools
 from nereid.dependencies import callers_readiness
 from nereid.errors import ConfigError, backend_exit, cap_message, plugin_failures
 from nereid.files import check_confined, warn_if_file_names_not_utf8
@@ -353,7 +353,7 @@ def run_to_the_end(main: Coroutine[Any, Any, None], left_tasks_wait_s: float = L
             asyncio.set_event_loop(None)
             if ended:
                 loop.close()
-            release_io_threads()  # (a listing still waiting on a store is left to the process's end, see below)
+            release_server_pools()  # (a listing still waiting on a store is left to the process's end, see below)
     return ended
 
 

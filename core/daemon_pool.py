@@ -258,15 +258,19 @@ async def on_work_thread(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> 
         work_pool(), functools.partial(context.run, fn, *args, **kwargs))
 
 
-def release_io_threads(wait_s: float = 0.1) -> None:
-    """End the I/O pool's idle threads (waiting up to ``wait_s`` in all); a busy one is left to the process's end.
-    The next :func:`on_io_thread` starts a new pool."""
-    global _io_pool
+def release_server_pools(wait_s: float = 0.1) -> None:
+    """End the idle threads of the I/O and work pools (waiting up to ``wait_s`` in all); a busy one is left to the
+    process's end. The next :func:`on_io_thread` or :func:`on_work_thread` starts a new pool.
+
+    At a stop's end: an idle thread of them still alive passed for one the server abandoned (a call past the
+    grace), and the process then ended at once, skipping what an embedder runs after ``nereid serve``."""
+    global _io_pool, _work_pool
     with _io_lock:
-        pool, _io_pool = _io_pool, None
-    if pool is None:
-        return
-    pool.shutdown(wait=False)
+        pools = [pool for pool in (_io_pool, _work_pool) if pool is not None]
+        _io_pool = _work_pool = None
+    for pool in pools:
+        pool.shutdown(wait=False)
     deadline = time.monotonic() + wait_s
-    for thread in list(pool._threads):
-        thread.join(max(0.0, deadline - time.monotonic()))
+    for pool in pools:
+        for thread in list(pool._threads):
+            thread.join(max(0.0, deadline - time.monotonic()))

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from nereid.daemon_pool import DaemonThreadPool, ThreadStartFailed, on_io_thread, release_io_threads
+from nereid.daemon_pool import DaemonThreadPool, ThreadStartFailed, on_io_thread, release_server_pools
 from support import fail_thread_starts
 
 
@@ -136,14 +136,14 @@ def test_the_io_pool_runs_calls_as_to_thread_does_on_daemon_threads_and_lets_a_s
     try:
         asyncio.run(scenario())
         started = time.monotonic()
-        release_io_threads(wait_s=0.2)
+        release_server_pools(wait_s=0.2)
         assert time.monotonic() - started < 1  # the stuck call is not waited for
         assert any(t.name.startswith("nereid-io") and t.daemon for t in threading.enumerate())
     finally:
         stuck.set()
     # A later call gets a pool of its own.
     assert asyncio.run(on_io_thread(lambda: 42)) == 42
-    release_io_threads()
+    release_server_pools()
 
 
 
