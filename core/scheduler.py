@@ -27,7 +27,7 @@ import numpy as np
 from nereid.backend import REQUEST_DEADLINE_NS, Model, PadsBatches
 from nereid.batching import (BatchPolicy, batch_key, deadline_passed, request_cost, split_rows, stack_rows, take_batch,
                              will_not_run)
-from nereid.daemon_pool import DaemonThreadPool, ThreadStartFailed
+from nereid.daemon_pool import DaemonThreadPool, ThreadStartFailed, on_work_thread
 from nereid.errors import (DeadlineExceeded, LoggedModelFailure, ModelFailure, ModelRetired, NereidError, NotStarted,
                            QueueFull, Unavailable, describe_exception, naming_model, without_model_name)
 from nereid.log_limit import RateLimitedLog
@@ -68,6 +68,29 @@ class Work:
 
     def abandoned(self) -> bool:
         return self.future.cancelled()
+
+
+# Outputs past this many bytes, or BYTES outputs past this many elements, are checked (and copied) off the loop
+# when the model made them on it (see costly_to_check).
+CHECK_OFF_LOOP_BYTES = 4 << 20
+CHECK_OFF_LOOP_ELEMENTS = 1 << 16
+
+
+def costly_to_check(outputs: object) -> bool:
+    """Whether a coroutine model's ``outputs`` are worth checking off the event loop: arrays of at least
+    CHECK_OFF_LOOP_BYTES in all, or a BYTES (object) array of at least CHECK_OFF_LOOP_ELEMENTS elements, whose
+    check looks at each one. Anything that is no list of NamedTensor holding arrays is cheap to refuse."""
+    if not isinstance(outputs, (list, tuple)):
+        return False
+    total = 0
+    for tensor in outputs:
+        data = getattr(tensor, "data", None) if isinstance(tensor, NamedTensor) else None
+        if not isinstance(data, np.ndarray):
+            continue
+        if data.dtype == object and data.size >= CHECK_OFF_LOOP_ELEMENTS:
+            return True
+        total += data.nbytes
+    return total >= CHECK_OFF_LOOP_BYTES
 
 
 class ModelScheduler:
@@ -934,7 +957,16 @@ class ModelScheduler:
         ended.
         """
         if self._inline:
-            return finish(await self._backend.infer(inputs))
+            outputs = await self._backend.infer(inputs)
+            if costly_to_check(outputs):
+                # A coroutine model's large outputs (a meta model's): their check and copy held the loop, a
+                # millisecond per 4 MiB and seconds for millions of BYTES elements, where a plugin's run on its
+                # own thread. The instance stays taken meanwhile, as it does there.
+                try:
+                    return await on_work_thread(finish, outputs)
+                except ThreadStartFailed:
+                    pass  # (no thread to be had: checked here, as before)
+            return finish(outputs)
         loop = asyncio.get_running_loop()
         call = _ThreadCall(loop.create_future())
 

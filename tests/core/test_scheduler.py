@@ -1434,3 +1434,71 @@ def test_the_outputs_check_and_copy_count_as_the_executions_output_time(monkeypa
 
     _, infer_ns, output_ns = run(scenario()).compute_ns
     assert output_ns >= 500_000_000 > infer_ns, (infer_ns, output_ns)
+
+
+def test_a_coroutine_model_s_large_outputs_are_checked_off_the_loop() -> None:
+    """Found by the outputs hunt (carried): a meta model's outputs were checked, and copied, on the event loop, a
+    millisecond per 4 MiB and seconds for millions of BYTES elements, holding every other client meanwhile."""
+    from nereid.scheduler import CHECK_OFF_LOOP_BYTES, CHECK_OFF_LOOP_ELEMENTS, costly_to_check
+
+    small = NamedTensor("y", DType.FP32, np.zeros(16, np.float32))
+    large = NamedTensor("y", DType.FP32, np.zeros(CHECK_OFF_LOOP_BYTES // 4, np.float32))
+    texts = NamedTensor("t", DType.BYTES, np.array([b"x"] * CHECK_OFF_LOOP_ELEMENTS, dtype=object))
+    assert not costly_to_check([small]) and costly_to_check([small, large]) and costly_to_check((texts,))
+    halves = [NamedTensor("a", DType.FP32, np.zeros(CHECK_OFF_LOOP_BYTES // 8, np.float32))] * 2
+    assert costly_to_check(halves)  # (in all)
+    # What the check refuses anyway is cheap to refuse where it is.
+    assert not costly_to_check(None) and not costly_to_check([np.zeros(CHECK_OFF_LOOP_BYTES)])
+    assert not costly_to_check({"y": large})
+
+
+class AsyncLargeOutputs:
+    """An ``async def infer`` whose one output is large: BYTES elements, str ones, or (``wrong``) int64 data
+    tagged FP32... its checks run off the loop, their answer or refusal the same."""
+
+    def __init__(self, wrong: bool = False) -> None:
+        self.wrong = wrong
+        self.threads: list[str] = []
+
+    def load(self) -> None:
+        pass
+
+    def signature(self) -> ModelSignature:
+        return ModelSignature((TensorSpec("x", DType.FP32, (2,)),), (TensorSpec("t", DType.BYTES, (-1,)),), 4)
+
+    async def infer(self, inputs: list[NamedTensor]) -> list[NamedTensor]:
+        import threading
+
+        rows = inputs[0].data.shape[0]
+
+        class Recording(str):
+            """A str element that notes where the check encodes it (the check of a str element does)."""
+
+            def encode(inner, *args, **kwargs):  # noqa: N805 - the element itself
+                self.threads.append(threading.current_thread().name)
+                return str.encode(inner, *args, **kwargs)
+        texts = np.empty((rows, 1 << 16), dtype=object)
+        texts[:] = "x"
+        texts[0, 0] = Recording("first é")  # (non-ASCII: the check encodes it)
+        if self.wrong:
+            texts[0, 1] = 7
+        return [NamedTensor("t", DType.BYTES, texts)]
+
+    def unload(self) -> None:
+        pass
+
+
+def test_a_coroutine_model_s_many_bytes_elements_are_checked_on_a_server_thread_and_refused_alike() -> None:
+    async def scenario() -> None:
+        backend = AsyncLargeOutputs()
+        scheduler = ModelScheduler("m", backend, backend.signature(), capacity=4, instances=1, stats=ModelStats())
+        [texts] = await asyncio.wait_for(scheduler.submit(rows(1), 1, 0), 30)
+        assert texts.data.shape == (1, 1 << 16) and texts.data[0, 0] == "first é"
+        assert backend.threads and all(name.startswith("nereid-work") for name in backend.threads), backend.threads
+        wrong = AsyncLargeOutputs(wrong=True)
+        refusing = ModelScheduler("w", wrong, wrong.signature(), capacity=4, instances=1, stats=ModelStats())
+        with pytest.raises(ModelFailure, match=r"^model 'w' returned output 't' tagged BYTES holding element 1 of "
+                                               r"type int"):
+            await asyncio.wait_for(refusing.submit(rows(1), 1, 0), 30)
+        await asyncio.wait_for(scheduler.drain(), 5)
+    run(scenario())
