@@ -13,8 +13,8 @@ from nereid.errors import ConfigError
 from nereid.files import remove_tree
 from nereid.backends.python.compiled_script import runnable_script
 from nereid.backends.python.options import PythonOptions, parse_options
-from nereid.backends.python.preload import (Preloads, lives_in_folder, modules_to_preload, server_pythonpath_entry,
-                                           triton_python_model)
+from nereid.backends.python.preload import (Preloads, lives_in_folder, modules_to_preload, only_on_server_pythonpath,
+                                           pythonpath_hint, server_pythonpath_entry, triton_python_model)
 from nereid.backends.python.warm import (EntryImportFailed, WarmParent, WarmParentBlocked, WarmParentDied,
                                         WarmStartUnavailable, max_request_bytes, run_request)
 from nereid.backends.scratch import scratch_folder_refused
@@ -74,6 +74,11 @@ class PythonModel(SubprocessModel):
                         "each run imports it fresh, so an edit takes effect on the next batch", self.context.name,
                         ", ".join(f"'{name}'" for name in own))
         if not self.options.warm_start:
+            missing = only_on_server_pythonpath(modules.imports, self.context.folder)
+            if missing is not None:
+                # (As a warm load says it: every run would stop there, where the model loaded READY; the review hunt.)
+                raise ConfigError(f"model '{self.context.name}': {ENTRY_FILE} imports '{missing[0]}', which model "
+                                  f"runs cannot import; every run would stop there{pythonpath_hint(missing[1])}")
             # Named where it was set: the model's runtime, or nereid.yaml's backends: defaults under it.
             origin = getattr(self.context.settings.runtime, "origins", {}).get("warm_start")
             self._cold_reason = f"{origin.rpartition(': ')[2] if origin else 'runtime'}.warm_start is false"
@@ -87,9 +92,7 @@ class PythonModel(SubprocessModel):
                 hint = f" ({python_model_hint()})" if self._triton_sign is not None else ""
                 entry = server_pythonpath_entry(str(err))
                 if entry is not None:
-                    hint += (f" (the server's PYTHONPATH holds it, in {entry}, but model runs do not inherit "
-                             "PYTHONPATH: install the package into the interpreter nereid runs under, or list its "
-                             "folder in a .pth file of that interpreter's site-packages)")
+                    hint += pythonpath_hint(entry)
                 raise ConfigError(f"model '{self.context.name}': {err}; every run would stop there{hint}") from None
             except WarmStartUnavailable as err:
                 if isinstance(err, WarmParentDied) and not err.timed_out:

@@ -221,6 +221,28 @@ def server_pythonpath_entry(failure: str) -> str | None:
     return None
 
 
+def pythonpath_hint(entry: str) -> str:
+    """What to say of a module only the server's ``PYTHONPATH`` entry ``entry`` holds (see
+    :func:`server_pythonpath_entry`)."""
+    return (f" (the server's PYTHONPATH holds it, in {entry}, but model runs do not inherit PYTHONPATH: install the "
+            "package into the interpreter nereid runs under, or list its folder in a .pth file of that interpreter's "
+            "site-packages)")
+
+
+def only_on_server_pythonpath(imports: tuple[str, ...], folder: Path) -> tuple[str, str] | None:
+    """The first of main.py's top-level ``imports`` that model runs cannot import, the model folder not holding it
+    and the interpreter's own path not finding it, but that the server's ``PYTHONPATH`` holds, with that entry;
+    None when there is none. For a cold model, whose load imports nothing: every run would fail on it."""
+    for name in imports:
+        top = name.partition(".")[0]
+        if lives_in_folder(top, folder) or _provided_elsewhere(top, folder):
+            continue
+        entry = server_pythonpath_entry(f"No module named '{top}'")
+        if entry is not None:
+            return top, entry
+    return None
+
+
 def _provided_elsewhere(top: str, folder: Path) -> bool:
     """Whether ``import top`` finds a module or regular package outside ``folder``: built in, frozen, or on the
     ``sys.path`` the runs have (the server's interpreter started with ``-P`` and without ``PYTHONPATH``)."""

@@ -574,8 +574,15 @@ def test_a_module_only_the_server_s_pythonpath_holds_is_named_as_such(repo, serv
     monkeypatch.setenv("PYTHONPATH", f"{tmp_path / 'elsewhere'}{os.pathsep}{on_path}")
     repo.python("pp", textproto=REPORT, main=reply_main("1", prelude="import zoo_only_on_pythonpath"))
     repo.python("absent", textproto=REPORT, main=reply_main("1", prelude="import nereid_no_such_module"))
-    server = serve(repo.write_config("- name: pp\n- name: absent\n"))
+    repo.python("pp_cold", textproto=REPORT, main=reply_main("1", prelude="import zoo_only_on_pythonpath"))
+    server = serve(repo.write_config("- name: pp\n- name: absent\n- name: pp_cold\n  runtime: {warm_start: false}\n"))
     reasons = {m.name: m.reason for m in server.client.get_model_repository_index().models}
+    # (The review hunt: a cold model, whose load imports nothing, loaded READY and failed every run.)
+    assert reasons["pp_cold"] == (
+        "model 'pp_cold': main.py imports 'zoo_only_on_pythonpath', which model runs cannot import; every run would "
+        "stop there (the server's PYTHONPATH holds it, in app, but model runs do not inherit PYTHONPATH: install the "
+        "package into the interpreter nereid runs under, or list its folder in a .pth file of that interpreter's "
+        "site-packages)"), reasons["pp_cold"]
     assert reasons["pp"].endswith(
         "every run would stop there (the server's PYTHONPATH holds it, in app, but model runs do not inherit "
         "PYTHONPATH: install the package into the interpreter nereid runs under, or list its folder in a .pth file "
