@@ -908,3 +908,34 @@ def test_a_request_s_hook_time_is_its_compute_time_and_its_wait_for_a_hook_threa
     assert held.compute_ns[phase] >= held_ns  # (was the execution's own, a few microseconds)
     assert waiting.queue_ns >= held_ns  # it waited for the one thread all that while
     assert waiting.compute_ns[phase] < held_ns  # and its own hook, the gate open by then, took next to nothing
+
+
+def test_a_postprocess_hook_s_large_result_is_checked_on_a_server_thread() -> None:
+    """As a coroutine model's large outputs (the outputs hunt, carried): a postprocess hook's result of millions of
+    BYTES elements was checked on the event loop, for seconds; and the list checked is the one answered."""
+    from nereid.signature import ModelSignature, TensorSpec
+
+    where: list[str] = []
+
+    class Recording(str):
+        def encode(self, *args, **kwargs):  # (the check encodes each non-ASCII str element)
+            where.append(threading.current_thread().name)
+            return str.encode(self, *args, **kwargs)
+
+    def texts(outputs: list[NamedTensor]) -> list[NamedTensor]:
+        data = np.empty((outputs[0].data.shape[0], 1 << 16), dtype=object)
+        data[:] = "x"
+        data[0, 0] = Recording("é")
+        return [NamedTensor("t", DType.BYTES, data)]
+
+    client = ModelSignature((TensorSpec("x", DType.FP32, (2,)),), (TensorSpec("t", DType.BYTES, (-1,)),), 4)
+
+    async def scenario() -> None:
+        backend = PostprocessOnly(texts)
+        scheduler = ModelScheduler("m", backend, SIGNATURE, capacity=4, instances=1, stats=ModelStats())
+        run = make_runner(backend, client, SIGNATURE, scheduler, HookThreads("m"))
+        [answer] = await run(rows(1), 1, 0)
+        assert answer.data.shape == (1, 1 << 16) and answer.data[0, 0] == "é"
+        assert where and all(name.startswith("nereid-work") for name in where), where
+        await scheduler.drain()
+    asyncio.run(asyncio.wait_for(scenario(), 30))
