@@ -224,6 +224,20 @@ def _host_problem(hosts: list[bytes]) -> str | None:
     return None
 
 
+def _scheme_problem(url: bytes) -> str | None:
+    """Why a request's target in absolute form is refused: a scheme other than http or https (``ftp://x/v2/...``
+    was served as its path, 200); None for any other target."""
+    if url[:1] == b"/" or url == b"*":
+        return None
+    try:
+        scheme = httptools.parse_url(url).schema
+    except httptools.HttpParserInvalidURLError:
+        return None  # (refused by uvicorn's own read)
+    if scheme is None or scheme.lower() in (b"http", b"https"):
+        return None
+    return f"its target's scheme is {header_text(scheme)!r}; an absolute-form target is http:// or https://"
+
+
 def _with_a_path(url: bytes) -> bytes:
     """``url``, a request's target, with the path ``/`` where it is in absolute form without one (what a forward
     proxy sends for ``http://host`` or ``http://host?x=1``, RFC 9112 3.2.2): uvicorn read no path there and failed
@@ -646,6 +660,9 @@ class _BoundedHeadProtocol(HttpToolsProtocol):
             problem = _host_problem([value.strip(b" \t") for name, value in self.headers if name == b"host"])
             if problem is not None:  # (raised before this head counts as ended: answered 400, and closed)
                 raise ValueError(problem)
+        problem = _scheme_problem(self.url)
+        if problem is not None:
+            raise ValueError(problem)
         self.url = _with_a_path(self.url)
         super().on_headers_complete()  # (uvicorn refuses a URL it cannot read here: still in the head)
         self._head_left = self._head_since = None

@@ -987,6 +987,10 @@ def test_a_target_in_absolute_form_without_a_path_is_read_as_the_root(served):
     answer = _exchange(base, f"GET http://{base}/v2/health/live HTTP/1.1\r\nHost: {base}\r\nConnection: "
                              "close\r\n\r\n".encode())
     assert answer.startswith(b"HTTP/1.1 200 "), answer
+    # (An HTTP hunt: any scheme was served as its path, ftp://x/v2/health/live answering 200.)
+    answer = _exchange(base, f"GET ftp://{base}/v2/health/live HTTP/1.1\r\nHost: {base}\r\nConnection: "
+                             "close\r\n\r\n".encode())
+    assert answer.startswith(b"HTTP/1.1 400 ") and b"its target's scheme is 'ftp'" in answer, answer
 
 
 def test_an_http_1_0_client_asking_for_100_continue_gets_only_its_answer(served):
