@@ -152,6 +152,17 @@ def check_xla_flags(model: str) -> None:
             raise ConfigError(f"model '{model}': {err}") from None
 
 
+def xla_flags_problem() -> str | None:
+    """Why XLA refuses this process's XLA_FLAGS (it would end a process that starts its backends), found in a
+    child process as a load finds it; None when it does not, or XLA_FLAGS is not set."""
+    with _start_lock:
+        try:
+            _check_xla_flags()
+        except RuntimeError as err:
+            return str(err)
+    return None
+
+
 def jax_missing(model: str, err: ImportError) -> ConfigError:
     """The reason of a load that needs jax where it cannot be imported."""
     return ConfigError(f"model '{model}': the xla backend needs jax, which cannot be imported ({err}); "

@@ -130,9 +130,13 @@ def check_bundles(dirs: list[Path]) -> int:
         else:
             bundles.append(directory)
     unservable = 0
+    # (A bundle servable elsewhere loads nowhere under XLA_FLAGS XLA refuses: the server refuses every one so.)
+    environment = _xla_flags_problem() if bundles else None
     for path in bundles:
         report, problem = check_bundle(path)
         problem = problem or (_hooks_problem(path) if report.servable else None)
+        if report.servable and problem is None and environment is not None:
+            problem = f"not here: {environment}"  # (the bundle itself is right)
         unservable += not report.servable or problem is not None
         line = report.line() if problem is None else f"{path}: UNSERVABLE: {problem}"
         if report.servable and problem is None and os.path.lexists(path / HOOKS_FILE):  # (said of servable ones only)
@@ -140,6 +144,16 @@ def check_bundles(dirs: list[Path]) -> int:
         print(line)
     print(f"{len(bundles)} bundle(s), {unservable} unservable")
     return 2 if not_folders else 1 if unservable else 0
+
+
+def _xla_flags_problem() -> str | None:
+    """Why XLA refuses this environment's XLA_FLAGS, as a server's load would say it; None when it does not (or
+    jax is not installed: nothing here starts it then)."""
+    try:
+        from nereid.backends.xla.device import xla_flags_problem
+    except ImportError:
+        return None
+    return xla_flags_problem()
 
 
 @hookimpl

@@ -27,6 +27,17 @@ def test_the_shipped_bundles_are_servable(capsys) -> None:
                for line in lines)
 
 
+def test_a_bundle_is_unservable_here_under_xla_flags_xla_refuses(capsys, monkeypatch) -> None:
+    """Found by the deployment hunt (carried): with an XLA_FLAGS XLA refuses, nereid bundle check called every
+    bundle servable, where the server refuses each at its load naming XLA's line."""
+    monkeypatch.setenv("XLA_FLAGS", "--xla_no_such_flag_of_nereids_bundle_check=true")
+    assert main(["bundle", "check", str(SHIPPED / "mlp_bundle")]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith(f"{SHIPPED / 'mlp_bundle'}: UNSERVABLE: not here: XLA ends any process that starts it "
+                          "with XLA_FLAGS="), out
+    assert "Unknown flag in XLA_FLAGS: --xla_no_such_flag_of_nereids_bundle_check=true" in out, out
+
+
 def test_a_meta_model_named_on_its_own_is_skipped_not_unservable(capsys) -> None:
     """Named on its own, the shipped meta model counted as one unservable bundle and the command exited 1."""
     meta = SHIPPED / "circle_score"
