@@ -772,7 +772,7 @@ class Runs:
         self.owned.update(fds)
         reply = socket.socket(fileno=reply_fd)
         try:
-            pid, pidfd = self._assign(message, [stdin_fd, output_fd, *folder_fd])
+            pid, pidfd, assignments = self._assign(message, [stdin_fd, output_fd, *folder_fd])
         except OSError as err:
             # No child could be forked: this run fails, saying why; the parent serves on (it used to
             # exit here, and take the runs in progress with it).
@@ -788,6 +788,16 @@ class Runs:
         self.by_reply[reply_fd] = pid
         self.poller.register(reply_fd, select.POLLIN)
         _send(reply, {"pid": pid})
+        # Only now may the child run it: the server knows the run started. Killed between the two, the parent
+        # had a child running the batch that the server, never told, sent again to the next parent: the batch ran
+        # twice (a full-suite run under load). A child that gets no go ends without running it.
+        self.owned.discard(assignments.fileno())
+        try:
+            assignments.send(GO)
+        except OSError:
+            pass  # (the child died meanwhile: its end is reported as any run's)
+        finally:
+            assignments.close()
         self.try_fork_spare()  # while the run goes on
         return True
 
@@ -803,22 +813,22 @@ class Runs:
         else:
             self.spare_failure = None
 
-    def _assign(self, message: bytes, fds: list[int]) -> tuple[int, int]:
-        """Give the run to the spare (forking one if there is none or it died); its pid and pidfd."""
+    def _assign(self, message: bytes, fds: list[int]) -> tuple[int, int, socket.socket]:
+        """Give the run to the spare (forking one if there is none or it died); its pid, pidfd and the socket its
+        go is sent on (see :data:`GO`)."""
         for _ in range(2):
             if self.spare is None:
                 self.fork_spare()
             assert self.spare is not None
             pid, pidfd, assignments = self.spare
             self.spare = None
-            self.owned.discard(assignments.fileno())
             try:
                 socket.send_fds(assignments, [message], fds)
-                return pid, pidfd
+                return pid, pidfd, assignments
             except OSError:
-                self.retire(pid, pidfd)  # the spare died (killed from outside): fork another
-            finally:
+                self.owned.discard(assignments.fileno())
                 assignments.close()
+                self.retire(pid, pidfd)  # the spare died (killed from outside): fork another
         raise OSError("the children forked for it died before it could be handed over")
 
     def retire(self, pid: int, pidfd: int) -> None:
@@ -952,6 +962,10 @@ def serve(control: socket.socket) -> None:
         runs.end_all()
 
 
+# What the parent sends a spare that has its run once the server knows the run started (see Runs.start).
+GO = b"g"
+
+
 def run_spare(assignments: socket.socket, parent_fds: set[int], parent: int) -> None:
     """In a forked spare: become a session leader, wait for a run, then run it; never returns."""
     code = 1
@@ -968,6 +982,8 @@ def run_spare(assignments: socket.socket, parent_fds: set[int], parent: int) -> 
         message, fds = _receive_fds(assignments, 3)
         if not message or len(fds) not in (2, 3):
             os._exit(0)  # retired before it got a run
+        if assignments.recv(len(GO)) != GO:
+            os._exit(0)  # the parent died before it told the server the run started: the server sends it again
         assignments.close()
         request = json.loads(message)
         stdin_fd, output_fd, *folder_fd = fds

@@ -254,3 +254,37 @@ def test_a_child_that_cannot_enter_the_folder_says_so_in_the_form_the_server_rea
     assert (refused.error.errno, refused.error.strerror) == (errno.EACCES, "Permission denied")
     assert warm.folder_not_entered("Traceback (most recent call last):\nPermissionError: denied") is None
     assert warm.folder_not_entered(f"{warm.FOLDER_NOT_ENTERED_LINE}x y") is None
+
+
+SPARE_WITHOUT_GO = '''
+import json, os, socket, sys
+from nereid.backends.python import warm_parent
+
+folder = sys.argv[1]
+warm_parent.compile_entry(os.path.join(folder, "main.py"), os.path.join(folder, "main.py"))
+ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+pid = os.fork()
+if pid == 0:
+    ours.close()
+    warm_parent.run_spare(theirs, set(), os.getppid())
+theirs.close()
+stdin_read, stdin_write = os.pipe()
+os.close(stdin_write)
+output = os.open(os.path.join(folder, "output"), os.O_WRONLY | os.O_CREAT, 0o600)
+request = {"env": {"PATH": "/usr/bin:/bin", "NEREID_OUTPUT_PATH": os.path.join(folder, "out")}, "cwd": folder}
+socket.send_fds(ours, [json.dumps(request).encode()], [stdin_read, output])
+ours.close()  # (the parent dies here, as it were: no go)
+_, status = os.waitpid(pid, 0)
+print(os.waitstatus_to_exitcode(status), os.path.exists(os.path.join(folder, "ran")))
+'''
+
+
+def test_a_spare_handed_a_run_without_the_go_ends_without_running_it(tmp_path) -> None:
+    """Found by a full-suite run under load: a warm parent killed after it handed a run to its spare but before
+    it told the server the run had started left the child running the batch, which the server, never told, sent
+    again to the next parent: the batch ran twice. The spare now runs it only once the parent says go, which it
+    says once the server knows."""
+    (tmp_path / "main.py").write_text("open('ran', 'w').write('1')\n")
+    done = subprocess.run([sys.executable, "-c", SPARE_WITHOUT_GO, str(tmp_path)], capture_output=True, text=True,
+                          timeout=60)
+    assert done.stdout.split() == ["0", "False"], (done.stdout, done.stderr[-2000:])
