@@ -31,6 +31,7 @@ from nereid.protocol.http_listener import HttpListener
 from nereid.protocol.http_service import HttpSurface
 from nereid.repository import ModelRepository
 from nereid.run_folders import warn_if_sockets_cannot_fit
+from nereid.scheduler import REQUEST_STARTED
 from nereid.processes import kill_children, release_early_stops, stop_new_children, stop_signals
 from nereid.settings import Listeners, ServerSettings, Settings, repository_control_allowed
 from nereid.tensors import InferRequest, InferResponse
@@ -173,7 +174,17 @@ class NereidServer:
         for a full queue: the sub-call waits for room, bounded by its deadline, as a gRPC stream's request does.
         Refused at once, a fan-out wider than a sub-model's queue_capacity failed every request, on an idle
         server, "retry later" (the pipelines hunt); Triton's BLS and ensemble sub-requests queue."""
-        return await self.dataplane.infer(request, wait_for_room=True)
+        # Each sub-call its own "has the model's code run for it" (a context variable): the orchestration's task
+        # carried the first hooked sub-call's True into every later one, which then took a full queue for a
+        # refusal after a hook had run, and was refused at once (the review hunt). What ran stays known to it.
+        token = REQUEST_STARTED.set(False)
+        try:
+            return await self.dataplane.infer(request, wait_for_room=True)
+        finally:
+            ran = REQUEST_STARTED.get()
+            REQUEST_STARTED.reset(token)
+            if ran:
+                REQUEST_STARTED.set(True)
 
     async def start(self) -> int:
         """Bind the port and start serving; returns the bound port. Models load in :meth:`load_models`.

@@ -79,3 +79,25 @@ def test_circle_score_end_to_end(repo, serve) -> None:
     port = server.server.metrics_port
     metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     assert 'model="circle_score"' in metrics
+
+
+def test_circle_score_s_sub_calls_wait_for_room_after_its_hooked_sub_call(repo, serve) -> None:
+    """Found by the review hunt of 2c73ad2: circle_score calls circle_select (a bundle with a postprocess hook),
+    whose hook marked the orchestration's own task as one whose model code had run, so its later sub-calls to a
+    full mlp_bundle queue were refused at once (2,244 of 3,843 requests UNAVAILABLE), where they wait for room."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    add_shipped(repo, "circle_select", "mlp_bundle", "circle_score")
+    server = serve(repo.write_config("""
+        - {name: circle_select}
+        - {name: mlp_bundle, queue_capacity: 1, batching: {enabled: false}}
+        - {name: circle_score, queue_capacity: 64}
+    """))
+    points = np.random.default_rng(3).uniform(-0.3, 0.3, (64, 2)).astype(np.float32)  # two MLP calls each
+
+    def score(_: int) -> np.ndarray:
+        client = triton.InferenceServerClient(server.url)
+        return infer(client, "circle_score", "points", points).as_numpy("selected")
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(score, range(32)))
+    assert len(answers) == 32 and all(answer.shape == (64, 2) for answer in answers)
