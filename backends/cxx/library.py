@@ -51,6 +51,10 @@ _RTLD_NOW = getattr(os, "RTLD_NOW", 2)
 _RTLD_LOCAL = getattr(os, "RTLD_LOCAL", 0)  # each model's symbols stay its own
 _RTLD_NOLOAD = getattr(os, "RTLD_NOLOAD", 4)
 _RTLD_NODELETE = getattr(os, "RTLD_NODELETE", 0x1000)
+_RTLD_DI_LINKMAP = 2  # dlinfo's request for an object's struct link_map
+# Runtimes whose pool threads outlive every call into them, spinning in their code: never unloaded (see
+# NativeLibrary._keep_system_libraries). GNU and LLVM OpenMP, Intel's, TBB; a wheel's vendored copy carries a hash.
+_THREAD_POOL_RUNTIME = re.compile(r"lib(gomp|omp|iomp5|tbb)([-.].*)?\.so")
 
 
 @functools.cache
@@ -61,6 +65,8 @@ def _loader() -> ctypes.CDLL:
     libc.dlsym.argtypes, libc.dlsym.restype = [ctypes.c_void_p, ctypes.c_char_p], ctypes.c_void_p
     libc.dlclose.argtypes, libc.dlclose.restype = [ctypes.c_void_p], ctypes.c_int
     libc.dlerror.argtypes, libc.dlerror.restype = [], ctypes.c_char_p
+    libc.dlinfo.argtypes, libc.dlinfo.restype = [ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(ctypes.c_void_p)], \
+        ctypes.c_int
     return libc
 
 
@@ -245,8 +251,9 @@ class NativeLibrary:
     rewriting the original in place harmless to the running copy).
     """
 
-    def __init__(self, model: str, path: Path, scratch_dir: Path) -> None:
+    def __init__(self, model: str, path: Path, scratch_dir: Path, model_folder: Path | None = None) -> None:
         self.path = path
+        self._model_folder = model_folder
         if (reason := not_regular_reason(path)) is not None:  # a folder, a FIFO: named as such
             raise ConfigError(f"model '{model}': shared library {reason}")
         if not path.is_file():
@@ -301,13 +308,16 @@ class NativeLibrary:
             raise
 
     def _keep_system_libraries(self, path: Path) -> None:
-        """Keep the libraries the copy needs from outside its own folder (the system's: libgomp, libstdc++)
-        loaded for the server's life, as if the server itself were linked against them.
+        """Keep the libraries the copy needs from outside the model's folder (the system's: libgomp, libstdc++),
+        and any thread-pool runtime it needs (OpenMP's, TBB's, even one shipped with the model), loaded for the
+        server's life, as if the server itself were linked against them.
 
         Unloaded with the copy when nothing else held them, they left threads of theirs running unmapped code:
         OpenMP's pool (libgomp has no call to stop it, and its threads spin in its code a while after each
         parallel region) crashed the server with SIGSEGV at an unload, and ``nereid check`` at every run (the
-        native-models hunt). The libraries shipped beside the model's own still unload with it.
+        native-models hunt; a libgomp shipped beside the library, as wheels vendor it, the review hunt). The
+        model's other libraries, beside its own or elsewhere in its folder, still unload with it, and a reload
+        reads them again.
         """
         shipped = _shipped_dependencies(path)
         needed: set[str] = set()
@@ -315,9 +325,33 @@ class NativeLibrary:
             copy = self._folder / name
             if copy.is_file() and not copy.is_symlink():
                 needed.update(needed_libraries(str(copy)))
-        for name in sorted(needed - shipped):
-            # (Already loaded, as a dependency: NOLOAD finds it, NODELETE marks it never to be unloaded.)
-            self._libc.dlopen(name.encode(), _RTLD_NOW | _RTLD_NOLOAD | _RTLD_NODELETE)
+        model_folders = [str(folder) for folder in (self._folder, self._model_folder) if folder is not None]
+        for name in sorted(needed):
+            loaded = self._loaded_path(name)
+            if loaded is None:
+                continue
+            resolved = os.path.realpath(loaded)
+            inside = any(os.path.commonpath([resolved, os.path.realpath(folder)]) == os.path.realpath(folder)
+                         for folder in model_folders)
+            if not inside or _THREAD_POOL_RUNTIME.match(os.path.basename(name)):
+                # (Already loaded, as a dependency: NOLOAD finds it, NODELETE marks it never to be unloaded.)
+                self._libc.dlopen(name.encode(), _RTLD_NOW | _RTLD_NOLOAD | _RTLD_NODELETE)
+
+    def _loaded_path(self, name: str) -> str | None:
+        """Where the loader found the library ``name`` the copy needs (the path it mapped), or None when it is not
+        loaded (or its path cannot be told)."""
+        handle = self._libc.dlopen(name.encode(), _RTLD_NOW | _RTLD_NOLOAD)
+        if not handle:
+            return None
+        try:
+            entry = ctypes.c_void_p()
+            if self._libc.dlinfo(handle, _RTLD_DI_LINKMAP, ctypes.byref(entry)) != 0 or not entry.value:
+                return None
+            # struct link_map { ElfW(Addr) l_addr; char *l_name; ... }: its name, the second field.
+            named = ctypes.c_char_p.from_address(entry.value + ctypes.sizeof(ctypes.c_void_p)).value
+            return os.fsdecode(named) if named else None
+        finally:
+            self._libc.dlclose(handle)  # (the NOLOAD open's own reference)
 
     def _check_api_version(self, model: str, path: Path) -> None:
         """ConfigError when the library was built against another version of nereid_cxx.h's ABI: its functions'

@@ -95,7 +95,7 @@ class CxxModel:
         else:
             path = build_library(name, folder, options.sources, self.context.scratch_dir, self.context.abandoned)
         try:
-            library = NativeLibrary(name, path, self.context.scratch_dir)
+            library = NativeLibrary(name, path, self.context.scratch_dir, folder)
         except ConfigError as err:
             if options.library is None and "undefined symbol" in str(err):
                 # (A source build links nothing but the C++ standard library: an OpenMP call or another

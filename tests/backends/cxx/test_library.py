@@ -4,12 +4,14 @@ and dlopened; every fault of the copy or the loader names the model and the file
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
 import logging
 import os
 import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -346,3 +348,64 @@ def test_the_system_libraries_a_model_needs_stay_loaded_after_its_unload(tmp_pat
                           str(tmp_path / "scratch")], capture_output=True, text=True, timeout=60)
     assert ran.returncode == 0 and ran.stdout.strip() == "True", (ran.returncode, ran.stdout, ran.stderr[-2000:])
     assert list((tmp_path / "scratch").iterdir()) == []  # (the model's own copy went)
+
+
+MAPPED_NAMES_AFTER_CLOSE = '''
+import ctypes, sys
+from pathlib import Path
+from nereid.backends.cxx.library import NativeLibrary
+
+library = NativeLibrary("m", Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]))
+if library.load is not None:
+    assert library.load(b"m", b".", ctypes.byref(ctypes.c_void_p()), ctypes.create_string_buffer(64), 63) == 0
+library.close()
+maps = Path("/proc/self/maps").read_text()
+print(" ".join(name for name in sys.argv[4:] if name in maps) or "-")
+'''
+
+
+def _mapped_after_close(library: Path, scratch: Path, model_folder: Path, *names: str) -> list[str]:
+    scratch.mkdir(exist_ok=True)
+    ran = subprocess.run([sys.executable, "-c", MAPPED_NAMES_AFTER_CLOSE, str(library), str(scratch),
+                          str(model_folder), *names], capture_output=True, text=True, timeout=60)
+    assert ran.returncode == 0, (ran.returncode, ran.stdout, ran.stderr[-2000:])
+    return [name for name in ran.stdout.split() if name != "-"]
+
+
+def test_an_openmp_runtime_shipped_beside_the_library_stays_loaded_and_the_model_s_other_libraries_go(tmp_path):
+    """The review hunt of 99c6f43: a libgomp shipped beside the model's library (as wheels vendor it) was unloaded
+    with it, still crashing the server; and a library of the model's own folder that is not beside it (found
+    through an absolute RUNPATH) was kept for the server's life, so a rebuilt one was never read again."""
+    gomp = Path(ctypes.util.find_library("gomp") or "")
+    system_gomp = next((Path(p) for p in ("/usr/lib/x86_64-linux-gnu/libgomp.so.1", "/usr/lib64/libgomp.so.1",
+                                           "/usr/lib/aarch64-linux-gnu/libgomp.so.1") if Path(p).is_file()), None)
+    if system_gomp is None or not gomp.name:
+        pytest.skip("no libgomp.so.1 to ship")
+    shipped = tmp_path / "omp_model" / "build"
+    shipped.mkdir(parents=True)
+    source = tmp_path / "omp.cpp"
+    source.write_text(OPENMP_LIBRARY)
+    built = subprocess.run([CXX, "-O1", "-shared", "-fPIC", "-fopenmp", f"-I{header_dir()}", "-std=c++17",
+                            "-Wl,-rpath,$ORIGIN", "-o", str(shipped / "libomp_model.so"), str(source)],
+                           capture_output=True, text=True)
+    if built.returncode != 0:
+        pytest.skip(f"no OpenMP for this compiler: {built.stderr[-300:]}")
+    shutil.copy(system_gomp, shipped / "libgomp.so.1")
+    kept = _mapped_after_close(shipped / "libomp_model.so", tmp_path / "scratch", tmp_path / "omp_model",
+                               "libgomp.so.1")
+    assert kept == ["libgomp.so.1"]
+
+    model = tmp_path / "dep_model"
+    (model / "lib").mkdir(parents=True)
+    (model / "build").mkdir()
+    (tmp_path / "dep.cpp").write_text('extern "C" int nereid_dep_value_xyz() { return 7; }\n')
+    (tmp_path / "uses.cpp").write_text('#include "nereid_cxx.h"\nextern "C" int nereid_dep_value_xyz();\n'
+                                       'extern "C" int nereid_infer(void*, const nereid_tensor*, size_t, '
+                                       'nereid_tensor*, size_t, char*, size_t) {\n'
+                                       '    return nereid_dep_value_xyz() - 7;\n}\n')
+    for argv in ([CXX, "-shared", "-fPIC", "-o", str(model / "lib" / "libnereiddepxyz.so"), str(tmp_path / "dep.cpp")],
+                 [CXX, "-shared", "-fPIC", f"-I{header_dir()}", f"-L{model / 'lib'}", f"-Wl,-rpath,{model / 'lib'}",
+                  "-o", str(model / "build" / "libuses.so"), str(tmp_path / "uses.cpp"), "-lnereiddepxyz"]):
+        assert subprocess.run(argv, capture_output=True).returncode == 0, argv
+    assert _mapped_after_close(model / "build" / "libuses.so", tmp_path / "scratch2", model,
+                               "libnereiddepxyz.so") == []
