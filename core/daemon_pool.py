@@ -20,7 +20,7 @@ import time
 from concurrent.futures import CancelledError, Executor, Future
 from typing import Any, Callable, TypeVar
 
-from nereid.errors import describe_exception
+from nereid.errors import Unavailable, describe_exception
 
 T = TypeVar("T")
 
@@ -29,13 +29,15 @@ log = logging.getLogger(__name__)
 _STOP = None
 
 
-class ThreadStartFailed(RuntimeError):
+class ThreadStartFailed(Unavailable, RuntimeError):
     """A call the pool could not start a worker thread for; it was not queued, and never runs.
 
     The process cannot start another thread now: a process or thread limit
     (``ulimit -u``, a container's pids limit) is reached, as a rule. A
-    condition of the process that passes, not a fault of what was called.
-    ``cause`` is what the thread's start raised.
+    condition of the process that passes, not a fault of what was called:
+    UNAVAILABLE (HTTP 503) where it reaches a client (the server's own work off
+    the loop, a large request's decode: it was a 500 and a bug's traceback; the
+    review hunt). ``cause`` is what the thread's start raised.
     """
 
     def __init__(self, cause: RuntimeError) -> None:

@@ -7,6 +7,7 @@ protocol-neutral errors mapped to gRPC status codes in one place.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import functools
 import logging
@@ -16,7 +17,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 import grpc
 
-from nereid.daemon_pool import on_work_thread, work_pool
+from nereid.daemon_pool import ThreadStartFailed, on_work_thread, work_pool
 from nereid._proto import grpc_service_pb2 as pb
 from nereid._proto import model_config_pb2 as mc
 from nereid.dataplane import DataPlane, cancellation_reason, past_grace_message
@@ -414,7 +415,8 @@ class InferenceServicer:
         request = received.message
         if received.size >= TRIM_AFTER_BYTES:
             # gRPC's copies of this message are freed by now: give their pages back, off the loop.
-            asyncio.get_running_loop().run_in_executor(work_pool(), release_free_heap)
+            with contextlib.suppress(ThreadStartFailed):  # (no thread now: the next large request trims)
+                asyncio.get_running_loop().run_in_executor(work_pool(), release_free_heap)
         model_name = request.model_name
         # The gRPC deadline, read with the instant it was read: a large request's decode must not move it.
         sampled_ns, remaining_s = time.monotonic_ns(), context.time_remaining()

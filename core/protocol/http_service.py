@@ -19,7 +19,7 @@ from urllib.parse import quote, unquote
 
 import orjson
 
-from nereid.daemon_pool import on_work_thread, work_pool
+from nereid.daemon_pool import ThreadStartFailed, on_work_thread, work_pool
 from nereid.collector_pause import collector_paused
 from nereid.dataplane import DataPlane, cancellation_reason, past_grace_message
 from nereid.dtypes import DType
@@ -700,7 +700,7 @@ async def _compressed_answer(parts: list[bytes | memoryview], headers: list,
             body = compressed(parts, coding)
         else:
             body = await on_work_thread(compressed, parts, coding)
-    except MemoryError:
+    except (MemoryError, ThreadStartFailed):  # (no thread to compress on: the answer goes as it is)
         return parts, headers
     return [body], [*headers, (b"content-encoding", coding.encode())]
 

@@ -1326,3 +1326,23 @@ def test_the_server_s_own_work_off_the_loop_never_waits_for_model_code_s_threads
         assert status == 200 and json.loads(answer)["outputs"][0]["data"] == [big, big]
     finally:
         gate.set()
+
+
+def test_no_thread_for_the_server_s_own_work_is_a_503_not_a_bug(served, monkeypatch):
+    """Found by the review hunt of 1483f15: at a pids limit, a large request whose decode could get no thread was
+    a 500 "internal error" with a traceback logged as a bug of nereid's; the same condition of a model's own
+    thread was already UNAVAILABLE. A compression that gets none sends the answer uncompressed."""
+    import nereid.daemon_pool as daemon_pool
+
+    server, base = served
+
+    class NoThreads:
+        def submit(self, *args, **kwargs):
+            raise daemon_pool.ThreadStartFailed(RuntimeError("can't start new thread"))
+
+    monkeypatch.setattr(daemon_pool, "work_pool", NoThreads)
+    big = "x" * 300_000
+    body = json.dumps({"inputs": [{"name": "input", "shape": [2], "datatype": "BYTES", "data": [big, big]}]})
+    status, error = error_of(call(base, "POST", "/v2/models/words/infer", body.encode()))
+    assert status == 503 and "can't start new thread: a process or thread limit" in error, (status, error)
+    assert call(base, "GET", "/v2/health/ready")[0] == 200
