@@ -300,7 +300,10 @@ def keep_parent_files_at_exit() -> None:
 # Names whose call in an exit function's code (its own, or a function it defines) says it removes files: a library's
 # clean-up of what it made at import, written as a function of its own (a lambda or def around shutil.rmtree, a
 # context's __exit__ that deletes a file extracted from a zipped package, as certifi's exit_cacert_ctx).
-REMOVING_NAMES = frozenset({"rmtree", "remove", "unlink", "rmdir", "removedirs", "cleanup", "__exit__"})
+REMOVING_NAMES = frozenset({"rmtree", "unlink", "rmdir", "removedirs", "cleanup", "__exit__"})
+# ``remove`` only beside ``os`` (``os.remove(path)``): alone it is as often a list's (a flusher draining its queue
+# with ``pending.remove(item)`` was skipped, and each run's data lost; the review hunt).
+REMOVE_WITH = frozenset({"os"})
 
 
 def _removes_files(func: object) -> bool:
@@ -332,7 +335,7 @@ def _removes_files(func: object) -> bool:
 
 def _calls_a_removal(code: types.CodeType) -> bool:
     """Whether ``code``, or a function defined in it, names one of :data:`REMOVING_NAMES`."""
-    if REMOVING_NAMES.intersection(code.co_names):
+    if REMOVING_NAMES.intersection(code.co_names) or ("remove" in code.co_names and REMOVE_WITH & set(code.co_names)):
         return True
     return any(_calls_a_removal(const) for const in code.co_consts if isinstance(const, types.CodeType))
 
