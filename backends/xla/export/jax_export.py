@@ -74,12 +74,14 @@ def export_bundle(fn: Callable[..., Any], example_inputs: Sequence[Any],
     examples = [_shape_dtype(x, f"example input {i} ({n!r})", wide)
                 for i, (x, n) in enumerate(zip(example_inputs, in_names))]
     weight_items = weight_pairs(_python_values_in_jax_widths(weights, wide))
+    # A Python number is weakly typed in jax: it takes the other operand's type (0.5 * a bfloat16 stays bfloat16).
+    weak = _python_scalar_names(weights)
     sizes: list[int | None] = list(batch_sizes) if batch_sizes is not None else [None]
     in_axes = _axes(input_batch_axes, len(examples), batch_sizes is not None, "input_batch_axes")
     _check_input_axes(in_names, examples, in_axes)
     if x64 is None:
         x64 = _default_x64(jax, [d for _, d in examples] + [a.dtype for _, a in weight_items])
-    weight_structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for _, a in weight_items]
+    weight_structs = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=name in weak) for name, a in weight_items]
     jitted = jax.jit(fn, keep_unused=True)
     modules: dict[int | None, bytes] = {}
     out_avals_by_size: dict[int | None, Sequence[Any]] = {}
@@ -339,6 +341,17 @@ def _in_jax_width(array: np.ndarray, wide: bool, what: str) -> np.ndarray:
                           "where a Python number takes jax's 32-bit width: pass np.int64(...) and export with "
                           "x64=True (or in a session with jax_enable_x64)")
     return narrow
+
+
+def _python_scalar_names(weights: Any) -> set[str]:
+    """The names of the weights given as Python numbers (int or float, not bool), which jax types weakly: traced
+    so, a bundle's output has the type ``jax.jit`` of the same function gives (a float weight times a bfloat16
+    input made float32, or float64 under x64; the review hunt)."""
+    items = weights.items() if isinstance(weights, Mapping) else (
+        [item for item in weights if isinstance(item, (tuple, list)) and len(item) == 2]
+        if isinstance(weights, (list, tuple)) else [])
+    # (type, not isinstance: numpy's float64 is a float, and typed strongly.)
+    return {name for name, value in items if isinstance(name, str) and type(value) in (int, float)}
 
 
 def _python_values_in_jax_widths(weights: Any, wide: bool) -> Any:

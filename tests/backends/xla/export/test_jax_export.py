@@ -115,15 +115,17 @@ def test_python_numbers_and_lists_take_jax_s_width_and_make_no_x64_bundle(tmp_pa
     wide = export_bundle(_scaled_shift, [np.zeros((1, 2), np.float32)], {"s": np.float64(0.5), "n": 2},
                          directory=tmp_path / "np", batch_sizes=[1], provenance=False)
     assert load_manifest(wide / "manifest.yaml").executable_outputs[0].dtype.numpy == np.float64
+    # Under x64 (the session's, or asked for) the numbers are 64-bit, and weakly typed as in jax: a float32
+    # input's answer stays float32, as jax.jit's does (the review hunts).
     with jax.enable_x64(True):
         session = export_bundle(_scaled_shift, [np.zeros((1, 2), np.float32)], [("s", 0.5), ("n", 2)],
                                 directory=tmp_path / "session", batch_sizes=[1], provenance=False)
-    assert load_manifest(session / "manifest.yaml").executable_outputs[0].dtype.numpy == np.float64
-    # (The review hunt: x64=True asked for explicitly is jax's x64 width too; and an int 32 bits cannot hold was
-    # stored wrapped around, -1294967296, where jax.jit refuses it.)
+        assert np.asarray(jax.jit(_scaled_shift)(x, 0.5, 2)).dtype == np.float32
+    assert load_manifest(session / "manifest.yaml").executable_outputs[0].dtype.numpy == np.float32
+    # (An int 32 bits cannot hold was stored wrapped around, -1294967296, where jax.jit refuses it.)
     asked = export_bundle(_scaled_shift, [np.zeros((1, 2), np.float32)], {"s": 0.5, "n": 2},
                           directory=tmp_path / "asked", batch_sizes=[1], provenance=False, x64=True)
-    assert load_manifest(asked / "manifest.yaml").executable_outputs[0].dtype.numpy == np.float64
+    assert load_manifest(asked / "manifest.yaml").executable_outputs[0].dtype.numpy == np.float32
     with pytest.raises(ExportError, match=r"^weights: weight 'n' holds an integer that 32 bits cannot hold"):
         export_bundle(_scaled_shift, [np.zeros((1, 2), np.float32)], {"s": 0.5, "n": 3_000_000_000},
                       directory=tmp_path / "big", batch_sizes=[1], provenance=False)
@@ -557,3 +559,23 @@ def test_an_example_with_an_empty_axis_besides_the_batch_axis_is_refused_naming_
                               batch_sizes=[2], provenance=False)  # (an empty batch axis is resized: fine)
     out, = serve_once(directory, [NamedTensor.from_array("input", np.ones((2, 3), np.float32))])
     assert out.data.tolist() == [[2.0] * 3] * 2
+
+
+def _times(x, w):
+    return x * w
+
+
+def test_a_python_number_weight_is_weakly_typed_as_in_jax(tmp_path) -> None:
+    """The review hunt of e975660: a float weight was traced as a float32 (float64 under x64) parameter, so a
+    bfloat16 input's answer was float32, and a float32 input's float64 under x64, where jax.jit keeps the
+    input's type (a Python number is weakly typed)."""
+    x = np.array([[1.0, 2.0]], dtype=jnp.bfloat16)
+    directory = export_bundle(_times, [np.zeros((1, 2), jnp.bfloat16)], {"w": 0.5}, directory=tmp_path / "bf16",
+                              batch_sizes=[1], provenance=False)
+    out, = serve_once(directory, [NamedTensor.from_array("input", x)])
+    expected = np.asarray(jax.jit(_times)(x, 0.5))
+    assert out.data.dtype == expected.dtype == jnp.bfloat16 and out.data.tolist() == expected.tolist()
+    with jax.enable_x64(True):
+        wide = export_bundle(_times, [np.zeros((1, 2), np.float32)], {"w": 0.5}, directory=tmp_path / "x64",
+                             batch_sizes=[1], provenance=False)
+    assert load_manifest(wide / "manifest.yaml").executable_outputs[0].dtype.numpy == np.float32
