@@ -270,15 +270,16 @@ class MetaModel:
                 result = await self._run_blocking(orchestrate, inputs, deadline_ns)
         except _NotInDependsOn as err:  # (with the line of model.py that made the call)
             raise ModelFailure(f"{err}{self._line_of(err).replace(' at ', '; called at ')}") from None
+        except ThreadStartFailed:
+            # No thread could start for a plain def orchestration (a process limit): it did not run, and never
+            # will; its scheduler answers it UNAVAILABLE, as it does for a model's own worker thread. (Before the
+            # NereidError it is too: not named as the orchestration's.)
+            raise
         except NereidError as err:
             answered = self._as_answered(err)
             if answered is err:
                 raise
             raise answered from err
-        except ThreadStartFailed:
-            # No thread could start for a plain def orchestration (a process limit): it did not run, and never
-            # will; its scheduler answers it UNAVAILABLE, as it does for a model's own worker thread.
-            raise
         except BaseException as err:
             # A TaskGroup's failure (Python 3.11's fan-out): its sub-calls' errors in a group, which said only
             # "ExceptionGroup: unhandled errors in a TaskGroup", INTERNAL, logged again (the native hunt).
