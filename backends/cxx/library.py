@@ -254,6 +254,7 @@ class NativeLibrary:
     def __init__(self, model: str, path: Path, scratch_dir: Path, model_folder: Path | None = None) -> None:
         self.path = path
         self._model_folder = model_folder
+        self._scratch_dir = scratch_dir
         if (reason := not_regular_reason(path)) is not None:  # a folder, a FIFO: named as such
             raise ConfigError(f"model '{model}': shared library {reason}")
         if not path.is_file():
@@ -325,7 +326,9 @@ class NativeLibrary:
             copy = self._folder / name
             if copy.is_file() and not copy.is_symlink():
                 needed.update(needed_libraries(str(copy)))
-        model_folders = [str(folder) for folder in (self._folder, self._model_folder) if folder is not None]
+        # (Any model's private copies count as a model's own: a name another model ships, loaded first, is that
+        # model's, and unloads with it; pinned, a rebuilt one was never read again; the review hunt.)
+        model_folders = [str(folder) for folder in (self._scratch_dir, self._model_folder) if folder is not None]
         for name in sorted(needed):
             loaded = self._loaded_path(name)
             if loaded is None:
@@ -333,7 +336,7 @@ class NativeLibrary:
             resolved = os.path.realpath(loaded)
             inside = any(os.path.commonpath([resolved, os.path.realpath(folder)]) == os.path.realpath(folder)
                          for folder in model_folders)
-            if not inside or _THREAD_POOL_RUNTIME.match(os.path.basename(name)):
+            if (name not in shipped and not inside) or _THREAD_POOL_RUNTIME.match(os.path.basename(name)):
                 # (Already loaded, as a dependency: NOLOAD finds it, NODELETE marks it never to be unloaded.)
                 self._libc.dlopen(name.encode(), _RTLD_NOW | _RTLD_NOLOAD | _RTLD_NODELETE)
 

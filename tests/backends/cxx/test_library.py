@@ -409,3 +409,39 @@ def test_an_openmp_runtime_shipped_beside_the_library_stays_loaded_and_the_model
         assert subprocess.run(argv, capture_output=True).returncode == 0, argv
     assert _mapped_after_close(model / "build" / "libuses.so", tmp_path / "scratch2", model,
                                "libnereiddepxyz.so") == []
+
+
+TWO_MODELS_MAPPED_AFTER_CLOSE = '''
+import sys
+from pathlib import Path
+from nereid.backends.cxx.library import NativeLibrary
+
+first = NativeLibrary("a", Path(sys.argv[1]), Path(sys.argv[3]), Path(sys.argv[1]).parent)
+second = NativeLibrary("b", Path(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[2]).parent)
+first.close()
+second.close()
+print(sys.argv[4] in Path("/proc/self/maps").read_text())
+'''
+
+
+def test_a_dependency_two_models_ship_under_one_name_unloads_with_them(tmp_path) -> None:
+    """The review hunt of 47003a0: the second model's look-up of its shipped libdep.so found the first model's copy,
+    outside its own folders, and kept it for the server's life: a rebuilt one was never read again."""
+    (tmp_path / "dep.cpp").write_text('extern "C" int nereid_dep_value_abc() { return 1; }\n')
+    (tmp_path / "uses.cpp").write_text('#include "nereid_cxx.h"\nextern "C" int nereid_dep_value_abc();\n'
+                                       'extern "C" int nereid_infer(void*, const nereid_tensor*, size_t, '
+                                       'nereid_tensor*, size_t, char*, size_t) {\n'
+                                       '    return nereid_dep_value_abc() - 1;\n}\n')
+    for model in ("a", "b"):
+        folder = tmp_path / model
+        folder.mkdir()
+        for argv in ([CXX, "-shared", "-fPIC", "-Wl,-soname,libnereidsharedabc.so", "-o",
+                      str(folder / "libnereidsharedabc.so"), str(tmp_path / "dep.cpp")],
+                     [CXX, "-shared", "-fPIC", f"-I{header_dir()}", f"-L{folder}", "-Wl,-rpath,$ORIGIN", "-o",
+                      str(folder / "libuses.so"), str(tmp_path / "uses.cpp"), "-lnereidsharedabc"]):
+            assert subprocess.run(argv, capture_output=True).returncode == 0, argv
+    (tmp_path / "scratch").mkdir()
+    ran = subprocess.run([sys.executable, "-c", TWO_MODELS_MAPPED_AFTER_CLOSE, str(tmp_path / "a" / "libuses.so"),
+                          str(tmp_path / "b" / "libuses.so"), str(tmp_path / "scratch"), "libnereidsharedabc.so"],
+                         capture_output=True, text=True, timeout=60)
+    assert (ran.returncode, ran.stdout.strip()) == (0, "False"), (ran.stdout, ran.stderr[-2000:])
