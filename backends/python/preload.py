@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.machinery
+import json
 import os
 import re
+import subprocess
 import sys
 import threading
 from dataclasses import dataclass
@@ -238,9 +241,36 @@ def only_on_server_pythonpath(imports: tuple[str, ...], folder: Path) -> tuple[s
         if lives_in_folder(top, folder) or _provided_elsewhere(top, folder):
             continue
         entry = server_pythonpath_entry(f"No module named '{top}'")
-        if entry is not None:
+        if entry is not None and not _runs_find(top):
             return top, entry
     return None
+
+
+def _runs_find(top: str) -> bool:
+    """Whether a model run's interpreter finds ``top`` on its own path, asked of that path itself: an entry of the
+    server's PYTHONPATH that runs have too (site-packages, a .pth file's folder) is in the server's sys.path once,
+    as PYTHONPATH's, and a cold numpy model was refused though its runs import numpy (the review hunt). True when
+    the runs' path cannot be told (refused only when sure)."""
+    path = _runs_sys_path()
+    if path is None:
+        return True
+    try:
+        return importlib.machinery.PathFinder.find_spec(top, list(path)) is not None
+    except (ImportError, ValueError, OSError):
+        return True
+
+
+@functools.cache
+def _runs_sys_path() -> tuple[str, ...] | None:
+    """The ``sys.path`` of an interpreter started as model runs are (``-P``, no PYTHONPATH), asked once; None when
+    it cannot be asked."""
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    try:
+        asked = subprocess.run([sys.executable, "-P", "-c", "import json, sys; print(json.dumps(sys.path))"],
+                               env=env, capture_output=True, text=True, timeout=60)
+        return tuple(json.loads(asked.stdout)) if asked.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
 
 
 def _provided_elsewhere(top: str, folder: Path) -> bool:

@@ -571,11 +571,17 @@ def test_a_module_only_the_server_s_pythonpath_holds_is_named_as_such(repo, serv
     on_path = tmp_path / "app"
     on_path.mkdir()
     (on_path / "zoo_only_on_pythonpath.py").write_text("VALUE = 1\n")
-    monkeypatch.setenv("PYTHONPATH", f"{tmp_path / 'elsewhere'}{os.pathsep}{on_path}")
+    # (The interpreter's own site-packages on PYTHONPATH too, as a Dockerfile's ENV may put it: runs have it all the
+    # same, so a cold model importing numpy loads; the review hunt.)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path / "elsewhere"), str(on_path),
+                                                      sysconfig.get_paths()["purelib"]]))
+    repo.python("np_cold", textproto=REPORT, main=reply_main("1", prelude="import numpy"))
     repo.python("pp", textproto=REPORT, main=reply_main("1", prelude="import zoo_only_on_pythonpath"))
     repo.python("absent", textproto=REPORT, main=reply_main("1", prelude="import nereid_no_such_module"))
     repo.python("pp_cold", textproto=REPORT, main=reply_main("1", prelude="import zoo_only_on_pythonpath"))
-    server = serve(repo.write_config("- name: pp\n- name: absent\n- name: pp_cold\n  runtime: {warm_start: false}\n"))
+    server = serve(repo.write_config("- name: pp\n- name: absent\n- name: pp_cold\n  runtime: {warm_start: false}\n"
+                                     "- name: np_cold\n  runtime: {warm_start: false}\n"))
+    assert ask(server, "np_cold") == 1
     reasons = {m.name: m.reason for m in server.client.get_model_repository_index().models}
     # (The review hunt: a cold model, whose load imports nothing, loaded READY and failed every run.)
     assert reasons["pp_cold"] == (
