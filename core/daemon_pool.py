@@ -260,6 +260,15 @@ async def on_work_thread(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> 
         work_pool(), functools.partial(context.run, fn, *args, **kwargs))
 
 
+async def on_work_thread_or_here(fn: Callable[..., T], /, *args: Any) -> T:
+    """:func:`on_work_thread`, or ``fn(*args)`` here, on the loop, when no thread can be started now: for work
+    whose refusal would be wrong (a request whose model has run already; the review hunt)."""
+    try:
+        return await on_work_thread(fn, *args)
+    except ThreadStartFailed:
+        return fn(*args)
+
+
 def release_server_pools(wait_s: float = 0.1) -> None:
     """End the idle threads of the I/O and work pools (waiting up to ``wait_s`` in all); a busy one is left to the
     process's end. The next :func:`on_io_thread` or :func:`on_work_thread` starts a new pool.

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Awaitable, Callable, Coroutine, Iterable, NoReturn, TypeVar
 
 from nereid import __version__
-from nereid.daemon_pool import on_work_thread
+from nereid.daemon_pool import on_work_thread_or_here
 from nereid.classification import check_classifiable, classify
 from nereid.errors import (DeadlineExceeded, InvalidArgument, ModelFailure, ModelRetired, NereidError, NotFound,
                            PermissionDenied, PublicText, Unavailable, Unimplemented, describe_exception,
@@ -580,7 +580,7 @@ async def _classified(outputs: list[NamedTensor], counts: dict[str, int], batche
         return [classify(t, counts[t.name], batched) if t.name in counts else t for t in outputs]
 
     if sum(t.data.size for t in outputs if t.name in counts) > CLASSIFY_ON_LOOP_ELEMENTS:
-        return await on_work_thread(classified)
+        return await on_work_thread_or_here(classified)
     return classified()
 
 

@@ -15,11 +15,11 @@ import asyncio
 import logging
 import os
 from pathlib import Path
-from typing import Awaitable, Callable, TypeVar
+from typing import Awaitable, Callable
 
 import watchfiles
 
-from nereid.daemon_pool import ThreadStartFailed, on_work_thread
+from nereid.daemon_pool import on_work_thread_or_here
 from nereid.folder_states import ignored_name
 from nereid.settling import MAX_GROUPING_FACTOR
 from nereid.storage import StoreURL
@@ -27,7 +27,6 @@ from nereid.watched_paths import (WatchedPaths, awaited_targets, identity_of, li
                                   symlinked_folders)
 
 # The watcher's logger: operators follow dynamic mode's lines in one place.
-T = TypeVar("T")
 log = logging.getLogger("nereid.watch")
 
 EVENT_STEP_MS = 20  # events are grouped this long before a look; the settle time is applied per folder
@@ -148,7 +147,7 @@ class RepositoryFollower:
         above ml_backends_path (or above a symlinked model folder's target) renamed, a release folder swapped
         with ``mv``, sends no event to any watch (found by a hunt: the old tree served on, for good)."""
         while not await self._stopped_within(self.poll_s):
-            wanted = await _off_loop_if_possible(self.wanted_now)
+            wanted = await on_work_thread_or_here(self.wanted_now)
             if any(follow.current is not None and paths != follow.current for follow, paths in wanted):
                 await self._look()  # (which restarts those watches: see restart_moved)
 
@@ -206,7 +205,7 @@ class RepositoryFollower:
             follow.restart = False
             health.starts += 1
             # What it resolves to is taken before the watch starts: a swap in between then shows as a change.
-            current = follow.current = await _off_loop_if_possible(follow.wanted)
+            current = follow.current = await on_work_thread_or_here(follow.wanted)
             if follow is self._models:
                 self._targets = tuple(path for path in current.paths if path != self.root)
             # This task runs at the watch's first wait, when watchfiles has set up its watches (synchronously, as
@@ -328,11 +327,3 @@ class RepositoryFollower:
         return path in links_on_the_way(self.config_path) or (
             self.location is None and path in links_on_the_way(self.root))
 
-
-async def _off_loop_if_possible(look: Callable[[], T]) -> T:
-    """``look()`` on a thread of the server's, or here when no thread can be started now (a pids limit): one
-    refusal stopped the dynamic repository from following its folder until a restart (the review hunt)."""
-    try:
-        return await on_work_thread(look)
-    except ThreadStartFailed:
-        return look()

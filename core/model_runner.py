@@ -21,7 +21,7 @@ import numpy as np
 
 from nereid.backend import ChecksInputs, Model, Postprocesses, Preprocesses
 from nereid.batching import deadline_passed
-from nereid.daemon_pool import DaemonThreadPool, ThreadStartFailed, on_work_thread
+from nereid.daemon_pool import DaemonThreadPool, ThreadStartFailed, on_work_thread_or_here
 from nereid.errors import (ConfigError, DeadlineExceeded, InvalidArgument, ModelFailure, NereidError,
                            describe_exception, loop_safe_call, naming_model, without_model_name)
 from nereid.scheduler import (REQUEST_STARTED, ModelScheduler, UnloadedBeforeStart, costly_to_check, not_started,
@@ -235,7 +235,7 @@ def make_runner(backend: Model, signature: ModelSignature, batch_signature: Mode
                         # (The list checked: a numpy scalar is the 0-d array it is. Large results, as a coroutine
                         # model's outputs, are checked on a thread of the server's, not on the loop.)
                         if costly_to_check(outputs):
-                            outputs = await on_work_thread(check_outputs, name, signature, outputs, batch_size)
+                            outputs = await on_work_thread_or_here(check_outputs, name, signature, outputs, batch_size)
                         else:
                             outputs = check_outputs(name, signature, outputs, batch_size)
                     except ModelFailure as err:  # (named as the hook's: the program's outputs were checked already)
@@ -350,7 +350,7 @@ async def _same_tensors(made: list[NamedTensor], sent: list[NamedTensor]) -> boo
         return all(a.data is b.data or np.array_equal(a.data, b.data, equal_nan=a.data.dtype.kind in "fc")
                    for a, b in zip(made, sent))
     if sum(a.data.nbytes for a in made) >= COMPARE_OFF_LOOP_BYTES:
-        return await on_work_thread(equal)
+        return await on_work_thread_or_here(equal)
     return equal()
 
 

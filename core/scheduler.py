@@ -27,7 +27,7 @@ import numpy as np
 from nereid.backend import REQUEST_DEADLINE_NS, Model, PadsBatches
 from nereid.batching import (BatchPolicy, batch_key, deadline_passed, request_cost, split_rows, stack_rows, take_batch,
                              will_not_run)
-from nereid.daemon_pool import DaemonThreadPool, ThreadStartFailed, on_work_thread
+from nereid.daemon_pool import DaemonThreadPool, ThreadStartFailed, on_work_thread_or_here
 from nereid.errors import (DeadlineExceeded, LoggedModelFailure, ModelFailure, ModelRetired, NereidError, NotStarted,
                            QueueFull, Unavailable, describe_exception, naming_model, without_model_name)
 from nereid.log_limit import RateLimitedLog
@@ -962,10 +962,7 @@ class ModelScheduler:
                 # A coroutine model's large outputs (a meta model's): their check and copy held the loop, a
                 # millisecond per 4 MiB and seconds for millions of BYTES elements, where a plugin's run on its
                 # own thread. The instance stays taken meanwhile, as it does there.
-                try:
-                    return await on_work_thread(finish, outputs)
-                except ThreadStartFailed:
-                    pass  # (no thread to be had: checked here, as before)
+                return await on_work_thread_or_here(finish, outputs)
             return finish(outputs)
         loop = asyncio.get_running_loop()
         call = _ThreadCall(loop.create_future())

@@ -209,3 +209,22 @@ def test_a_done_callback_that_raises_leaves_its_thread_serving_the_pool(caplog) 
         assert "a done-raises thread's call raised past its handler" in caplog.text
     finally:
         pool.shutdown(wait=True)
+
+
+def test_work_that_must_not_be_refused_runs_on_the_loop_when_no_thread_can_start(monkeypatch) -> None:
+    """The review hunt: a check of outputs whose model had run already, a comparison, a classification and the
+    repository follower's look were refused at a thread limit (UNAVAILABLE, or the follower stopping for good);
+    they run here instead."""
+    import nereid.daemon_pool as daemon_pool
+
+    class NoThreads:
+        def submit(self, *args, **kwargs):
+            raise ThreadStartFailed(RuntimeError("can't start new thread"))
+
+    monkeypatch.setattr(daemon_pool, "work_pool", NoThreads)
+
+    async def scenario() -> None:
+        assert await daemon_pool.on_work_thread_or_here(lambda a, b: a + b, 2, 3) == 5
+        with pytest.raises(ThreadStartFailed):
+            await daemon_pool.on_work_thread(lambda: 1)
+    asyncio.run(scenario())
