@@ -214,7 +214,24 @@ def _run_submitted(future: Future, fn: Callable[..., Any], args: tuple, kwargs: 
 # The server's own work off the event loop that may wait on the network: a bucket's listing, a store's answer.
 _IO_THREADS = 16
 _io_pool: DaemonThreadPool | None = None
-_io_lock = threading.Lock()
+_pools_lock = threading.Lock()  # (the I/O pool's and the work pool's: made once, released together)
+
+
+async def _awaited_on(pool: DaemonThreadPool, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+    """``fn(*args, **kwargs)`` awaited on a thread of ``pool``, in this task's context, as ``asyncio.to_thread``
+    runs it."""
+    context = contextvars.copy_context()
+    return await asyncio.get_running_loop().run_in_executor(
+        pool, functools.partial(context.run, fn, *args, **kwargs))
+
+
+def io_pool() -> DaemonThreadPool:
+    """The process's pool for the server's own work that may wait on the network (see :func:`on_io_thread`)."""
+    global _io_pool
+    with _pools_lock:
+        if _io_pool is None:
+            _io_pool = DaemonThreadPool(_IO_THREADS, thread_name_prefix="nereid-io")
+        return _io_pool
 
 
 async def on_io_thread(fn: Callable[..., T], /, *args: Any) -> T:
@@ -226,13 +243,7 @@ async def on_io_thread(fn: Callable[..., T], /, *args: Any) -> T:
     server's exit for up to the store client's 30 s timeout, after "nereid
     stopped" (found by a bug hunt).
     """
-    global _io_pool
-    with _io_lock:
-        if _io_pool is None:
-            _io_pool = DaemonThreadPool(_IO_THREADS, thread_name_prefix="nereid-io")
-        pool = _io_pool
-    context = contextvars.copy_context()
-    return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(context.run, fn, *args))
+    return await _awaited_on(io_pool(), fn, *args)
 
 
 # The server's own CPU work off the event loop: large decodes, encodes and their compression, classification,
@@ -246,7 +257,7 @@ _work_pool: DaemonThreadPool | None = None
 def work_pool() -> DaemonThreadPool:
     """The process's pool for the server's own CPU work off the event loop (see :func:`on_work_thread`)."""
     global _work_pool
-    with _io_lock:
+    with _pools_lock:
         if _work_pool is None:
             _work_pool = DaemonThreadPool(_WORK_THREADS, thread_name_prefix="nereid-work")
         return _work_pool
@@ -255,9 +266,7 @@ def work_pool() -> DaemonThreadPool:
 async def on_work_thread(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
     """``fn(*args, **kwargs)`` awaited on a thread of :func:`work_pool`, in this task's context, as
     ``asyncio.to_thread`` runs it: the server's own work never waits for model code's threads."""
-    context = contextvars.copy_context()
-    return await asyncio.get_running_loop().run_in_executor(
-        work_pool(), functools.partial(context.run, fn, *args, **kwargs))
+    return await _awaited_on(work_pool(), fn, *args, **kwargs)
 
 
 async def on_work_thread_or_here(fn: Callable[..., T], /, *args: Any) -> T:
@@ -276,7 +285,7 @@ def release_server_pools(wait_s: float = 0.1) -> None:
     At a stop's end: an idle thread of them still alive passed for one the server abandoned (a call past the
     grace), and the process then ended at once, skipping what an embedder runs after ``nereid serve``."""
     global _io_pool, _work_pool
-    with _io_lock:
+    with _pools_lock:
         pools = [pool for pool in (_io_pool, _work_pool) if pool is not None]
         _io_pool = _work_pool = None
     for pool in pools:
