@@ -20,7 +20,7 @@ import operator
 import time
 from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
-from typing import Awaitable, Callable, Iterator
+from typing import Awaitable, Callable, Iterator, TypeVar
 
 import numpy as np
 
@@ -70,6 +70,8 @@ class Work:
         return self.future.cancelled()
 
 
+T = TypeVar("T")
+
 # Outputs past this many bytes, or BYTES outputs past this many elements, are checked (and copied) off the loop
 # when the model made them on it (see costly_to_check).
 CHECK_OFF_LOOP_BYTES = 4 << 20
@@ -91,6 +93,15 @@ def costly_to_check(outputs: object) -> bool:
             return True
         total += data.nbytes
     return total >= CHECK_OFF_LOOP_BYTES
+
+
+async def checked_where_cheap(outputs: list[NamedTensor], check: Callable[[list[NamedTensor]], T]) -> T:
+    """``check(outputs)``, the check (and copy) of outputs made on the event loop: on a thread of the server's
+    when they are costly to check (see :func:`costly_to_check`), else here; here too when no thread can start
+    (the model has run: its outputs must not be refused for that)."""
+    if costly_to_check(outputs):
+        return await on_work_thread_or_here(check, outputs)
+    return check(outputs)
 
 
 class ModelScheduler:
@@ -957,13 +968,10 @@ class ModelScheduler:
         ended.
         """
         if self._inline:
-            outputs = await self._backend.infer(inputs)
-            if costly_to_check(outputs):
-                # A coroutine model's large outputs (a meta model's): their check and copy held the loop, a
-                # millisecond per 4 MiB and seconds for millions of BYTES elements, where a plugin's run on its
-                # own thread. The instance stays taken meanwhile, as it does there.
-                return await on_work_thread_or_here(finish, outputs)
-            return finish(outputs)
+            # A coroutine model's large outputs (a meta model's): their check and copy held the loop, a millisecond
+            # per 4 MiB and seconds for millions of BYTES elements, where a plugin's run on its own thread. The
+            # instance stays taken meanwhile, as it does there.
+            return await checked_where_cheap(await self._backend.infer(inputs), finish)
         loop = asyncio.get_running_loop()
         call = _ThreadCall(loop.create_future())
 
