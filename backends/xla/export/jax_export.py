@@ -73,9 +73,9 @@ def export_bundle(fn: Callable[..., Any], example_inputs: Sequence[Any],
     wide = bool(jax.config.read("jax_enable_x64")) if x64 is None else x64
     examples = [_shape_dtype(x, f"example input {i} ({n!r})", wide)
                 for i, (x, n) in enumerate(zip(example_inputs, in_names))]
-    weight_items = weight_pairs(_python_values_in_jax_widths(weights, wide))
-    # A Python number is weakly typed in jax: it takes the other operand's type (0.5 * a bfloat16 stays bfloat16).
-    weak = _python_scalar_names(weights)
+    # A Python number is weakly typed in jax too: it takes the other operand's type (0.5 * a bfloat16 stays one).
+    typed_weights, weak = _python_values_as_jax_types(weights, wide)
+    weight_items = weight_pairs(typed_weights)
     sizes: list[int | None] = list(batch_sizes) if batch_sizes is not None else [None]
     in_axes = _axes(input_batch_axes, len(examples), batch_sizes is not None, "input_batch_axes")
     _check_input_axes(in_names, examples, in_axes)
@@ -343,21 +343,17 @@ def _in_jax_width(array: np.ndarray, wide: bool, what: str) -> np.ndarray:
     return narrow
 
 
-def _python_scalar_names(weights: Any) -> set[str]:
-    """The names of the weights given as Python numbers (int or float, not bool), which jax types weakly: traced
-    so, a bundle's output has the type ``jax.jit`` of the same function gives (a float weight times a bfloat16
-    input made float32, or float64 under x64; the review hunt)."""
-    items = weights.items() if isinstance(weights, Mapping) else (
-        [item for item in weights if isinstance(item, (tuple, list)) and len(item) == 2]
-        if isinstance(weights, (list, tuple)) else [])
-    # (type, not isinstance: numpy's float64 is a float, and typed strongly.)
-    return {name for name, value in items if isinstance(name, str) and type(value) in (int, float)}
-
-
-def _python_values_in_jax_widths(weights: Any, wide: bool) -> Any:
+def _python_values_as_jax_types(weights: Any, wide: bool) -> tuple[Any, set[str]]:
     """``weights`` with each Python number or list (a value without a dtype of its own) in jax's width for it (see
-    :func:`_in_jax_width`); anything else as it is, for :func:`weight_pairs` to judge and name."""
+    :func:`_in_jax_width`), anything else as it is, for :func:`weight_pairs` to judge and name; and the names of
+    those given as Python numbers (int or float, not bool), which jax types weakly: traced so, a bundle's output
+    has the type ``jax.jit`` of the same function gives (a float weight times a bfloat16 input made float32, or
+    float64 under x64; the review hunt)."""
+    weak: set[str] = set()
+
     def narrowed(name: object, value: Any) -> Any:
+        if type(value) in (int, float) and isinstance(name, str):  # (type: numpy's float64 is a float, typed strongly)
+            weak.add(name)
         if hasattr(value, "dtype") or isinstance(value, bool) or not isinstance(value, (int, float, list, tuple)):
             return value
         try:
@@ -367,11 +363,11 @@ def _python_values_in_jax_widths(weights: Any, wide: bool) -> Any:
         return value if array.dtype.kind in "OSUV" else _in_jax_width(array, wide, f"weights: weight {name!r}")
 
     if isinstance(weights, Mapping):
-        return {name: narrowed(name, value) for name, value in weights.items()}
+        return {name: narrowed(name, value) for name, value in weights.items()}, weak
     if isinstance(weights, (list, tuple)):
         return [(item[0], narrowed(item[0], item[1])) if isinstance(item, (tuple, list)) and len(item) == 2 else item
-                for item in weights]
-    return weights
+                for item in weights], weak
+    return weights, weak
 
 
 def _default_x64(jax: Any, dtypes: Sequence[Any]) -> bool:
