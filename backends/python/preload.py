@@ -211,11 +211,12 @@ def server_pythonpath_entry(failure: str) -> str | None:
     it), so a module the server itself imports from there is missing in the runs, with nothing saying why (the
     python-models hunt: an image's ``ENV PYTHONPATH=/app``)."""
     missing = re.search(r"No module named '([^']+)'", failure)
-    entries = [entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
-    if missing is None or not entries:
-        return None
-    top = missing.group(1).partition(".")[0]
-    for entry in entries:
+    return None if missing is None else _pythonpath_entry_holding(missing.group(1).partition(".")[0])
+
+
+def _pythonpath_entry_holding(top: str) -> str | None:
+    """The first entry of the server's own ``PYTHONPATH`` where ``import top`` finds it; None when none does."""
+    for entry in (entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry):
         try:
             if importlib.machinery.PathFinder.find_spec(top, [entry]) is not None:
                 return entry
@@ -240,7 +241,7 @@ def only_on_server_pythonpath(imports: tuple[str, ...], folder: Path) -> tuple[s
         top = name.partition(".")[0]
         if lives_in_folder(top, folder) or _provided_elsewhere(top, folder):
             continue
-        entry = server_pythonpath_entry(f"No module named '{top}'")
+        entry = _pythonpath_entry_holding(top)
         if entry is not None and not _runs_find(top):
             return top, entry
     return None
