@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from typing import Awaitable, Callable, Coroutine, Iterable, NoReturn, TypeVar
 
 from nereid import __version__
-from nereid.daemon_pool import on_work_thread_or_here
 from nereid.classification import check_classifiable, classify
+from nereid.daemon_pool import on_work_thread_or_here
 from nereid.errors import (DeadlineExceeded, InvalidArgument, ModelFailure, ModelRetired, NereidError, NotFound,
                            PermissionDenied, PublicText, Unavailable, Unimplemented, describe_exception,
                            shown_name)

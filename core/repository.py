@@ -866,8 +866,8 @@ class ModelRepository:
                 # Plugin code: a sys.exit() or KeyboardInterrupt of its own is its failure (the move is not made),
                 # never the server's end (it ended the server, exit status the plugin's, nothing logged).
                 await on_work_thread(calling_plugin,
-                                        functools.partial(loop_safe_call, loaded.backend.relocate, context),
-                                        lambda exit_: backend_exit(old, exit_, "while moving it"))
+                                     functools.partial(loop_safe_call, loaded.backend.relocate, context),
+                                     lambda exit_: backend_exit(old, exit_, "while moving it"))
                 # (Looked at again after each wait: a request may have loaded the new name meanwhile, whose model
                 # this one must not replace unseen: it would never be unloaded.)
                 if self._taken(new, entry):
@@ -1046,14 +1046,15 @@ class ModelRepository:
                                  entry.name in self._exposed and entry.folder_seen, backends_changed, options_changed)
             entry.settings, entry.settings_origin = settings.model_or_default(entry.name)
             if step is None:
-                if loaded_backend in backends_changed and (entry.holders > 0 or entry.reason):
-                    # Decided once its turn comes, against the version serving then (a reload only if anything
-                    # changed): a reload under way was built with the defaults of before this edit, and an edit
-                    # putting the options back left that reload's options serving for good; and a failed reload's
-                    # reason stayed in RepositoryIndex once its cause was undone (the review hunt).
-                    work.append(self._reload_entry(entry))
-                elif loaded_backend in backends_changed:
-                    unchanged[loaded_backend] = unchanged.get(loaded_backend, 0) + 1
+                if loaded_backend in backends_changed:
+                    if entry.holders > 0 or entry.reason:
+                        # Decided once its turn comes, against the version serving then (a reload only if anything
+                        # changed): a reload under way was built with the defaults of before this edit, and an edit
+                        # putting the options back left that reload's options serving for good; and a failed
+                        # reload's reason stayed in RepositoryIndex once its cause was undone (the review hunt).
+                        work.append(self._reload_entry(entry))
+                    else:
+                        unchanged[loaded_backend] = unchanged.get(loaded_backend, 0) + 1
                 continue
             if step.action != "unload" and entry.name in settling:
                 log.info("model '%s'%s; it loads once its folder, which is changing, has settled", entry.name,

@@ -21,9 +21,9 @@ from typing import AsyncIterator
 
 import pluggy
 
-from nereid.daemon_pool import on_work_thread
 from nereid.backend import CallsModels, ModelCaller, ModelContext, what_it_calls
 from nereid.backend_calls import await_build, on_daemon_thread, unload_backend, unload_unclaimed
+from nereid.daemon_pool import on_work_thread
 from nereid.errors import ConfigError, backend_exit, calling_plugin, shown_name
 from nereid.files import check_confined
 from nereid.folder_states import folder_stamp

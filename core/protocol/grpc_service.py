@@ -425,7 +425,7 @@ class InferenceServicer:
             declared = self.dataplane.check_target(model_name, request.model_version).input_datatypes
             if received.size >= DECODE_OFF_LOOP_BYTES:
                 decoded = await on_work_thread(decode_infer_request, request, remaining_s, received.raws,
-                                                  sampled_ns, declared)
+                                               sampled_ns, declared)
             else:
                 decoded = decode_infer_request(request, remaining_s, received.raws, sampled_ns, declared)
         except NereidError as err:  # refused before the data plane: counted like its own refusals
