@@ -224,30 +224,21 @@ def _host_problem(hosts: list[bytes]) -> str | None:
     return None
 
 
-def _scheme_problem(url: bytes) -> str | None:
-    """Why a request's target in absolute form is refused: a scheme other than http or https (``ftp://x/v2/...``
-    was served as its path, 200); None for any other target."""
-    if url[:1] == b"/" or url == b"*":
-        return None
-    try:
-        scheme = httptools.parse_url(url).schema
-    except httptools.HttpParserInvalidURLError:
-        return None  # (refused by uvicorn's own read)
-    if scheme is None or scheme.lower() in (b"http", b"https"):
-        return None
-    return f"its target's scheme is {header_text(scheme)!r}; an absolute-form target is http:// or https://"
-
-
-def _with_a_path(url: bytes) -> bytes:
-    """``url``, a request's target, with the path ``/`` where it is in absolute form without one (what a forward
-    proxy sends for ``http://host`` or ``http://host?x=1``, RFC 9112 3.2.2): uvicorn read no path there and failed
-    with AttributeError ('NoneType' object has no attribute 'decode'), which the 400 quoted."""
+def _served_target(url: bytes) -> bytes:
+    """``url``, a request's target, as it is served: in absolute form, refused (ValueError, a 400) with a scheme
+    other than http or https (``ftp://x/v2/...`` was served as its path, 200), and given the path ``/`` where it
+    has none (what a forward proxy sends for ``http://host`` or ``http://host?x=1``, RFC 9112 3.2.2: uvicorn read
+    no path there and failed with AttributeError ('NoneType' object has no attribute 'decode'), which the 400
+    quoted)."""
     if url[:1] == b"/" or url == b"*":
         return url
     try:
         parsed = httptools.parse_url(url)
     except httptools.HttpParserInvalidURLError:
         return url  # (refused by uvicorn's own read, as before)
+    if parsed.schema is not None and parsed.schema.lower() not in (b"http", b"https"):
+        raise ValueError(f"its target's scheme is {header_text(parsed.schema)!r}; an absolute-form target is "
+                         "http:// or https://")
     if parsed.path is not None:
         return url
     return b"/" + (b"?" + parsed.query if parsed.query else b"")
@@ -660,10 +651,7 @@ class _BoundedHeadProtocol(HttpToolsProtocol):
             problem = _host_problem([value.strip(b" \t") for name, value in self.headers if name == b"host"])
             if problem is not None:  # (raised before this head counts as ended: answered 400, and closed)
                 raise ValueError(problem)
-        problem = _scheme_problem(self.url)
-        if problem is not None:
-            raise ValueError(problem)
-        self.url = _with_a_path(self.url)
+        self.url = _served_target(self.url)  # (a ValueError raised here is answered 400, as the Host's above)
         super().on_headers_complete()  # (uvicorn refuses a URL it cannot read here: still in the head)
         self._head_left = self._head_since = None
         self._head_begun = False
