@@ -26,7 +26,7 @@ from nereid.errors import (ConfigError, MissingModelFile, NereidError, RaisedExi
                            describe_exception, plugin_failures, same_kind)
 from nereid.files import check_readable
 from nereid.plugins import NereidPluginManager, claim_folder
-from nereid.runtime_options import LayeredRuntime
+from nereid.runtime_options import layered_runtime
 from nereid.signature import ModelSignature, brief_description, brief_repr
 from nereid.triton_hints import folder_hint, leftovers_note
 
@@ -146,9 +146,7 @@ def _build_model(manager: NereidPluginManager, context: ModelContext,
         raise ConfigError(result.reason)
     defaults = (backend_defaults or {}).get(result.backend_name)
     if defaults:
-        runtime = LayeredRuntime(context.settings.runtime, defaults,
-                                 f"{defaults_source}: backends.{result.backend_name}" if defaults_source
-                                 else f"backends.{result.backend_name}")
+        runtime = layered_runtime(context.settings.runtime, defaults, defaults_source, result.backend_name)
         context = replace(context, settings=replace(context.settings, runtime=runtime))
     stage.enter(f"the create() of {manager.describe(result.backend_name)}")
     backend = _plugin_step(manager, result.backend_name, context, "create()",
