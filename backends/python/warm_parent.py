@@ -266,8 +266,10 @@ def _tell_warnings(caught: list[str]) -> None:
 
 
 ExitFunction = collections.abc.Callable[..., object]
-# The functions the preloaded imports registered with atexit (see keep_parent_files_at_exit).
+# The functions the preloaded imports registered with atexit, and of those the ones that remove files, told apart
+# once, after the preloads, not at each run (see keep_parent_files_at_exit).
 _preload_exit_functions: list[ExitFunction] = []
+_preload_removers: list[ExitFunction] = []
 
 
 def _recording_exit_function(register: ExitFunction) -> ExitFunction:
@@ -292,9 +294,14 @@ def keep_parent_files_at_exit() -> None:
     if weakref is not None:
         for finalizer in list(getattr(weakref.finalize, "_registry", ())):  # (no public list of them)
             finalizer.atexit = False
-    for func in _preload_exit_functions:
-        if _removes_files(func):
-            atexit.unregister(func)
+    for func in _preload_removers:
+        atexit.unregister(func)
+
+
+def note_preload_removers() -> None:
+    """Tell apart, once the preloads are done, their exit functions that remove files (see :func:`_removes_files`,
+    which reads code objects): each run then only unregisters them."""
+    _preload_removers[:] = [func for func in _preload_exit_functions if _removes_files(func)]
 
 
 # Names whose call in an exit function's code (its own, or a function it defines) says it removes files: a library's
@@ -1894,6 +1901,7 @@ def main() -> int:
         _answer(answer, refusal)
         return 0
     compile_entry(os.path.join(folder, ENTRY_FILE), sys.argv[4])  # named as each run names it (enter_loaded_folder)
+    note_preload_removers()
     gc.freeze()  # the preloaded objects stay out of the collector's reach, so children share their pages
     _answer(answer, "ready" + (f" {json.dumps({'warnings': _preload_warnings})}" if _preload_warnings else ""))
     serve(control)
