@@ -145,11 +145,9 @@ def check_xla_flags(model: str) -> None:
     """The XLA_FLAGS check of :func:`started_backends`, for a load about to run model code in the server process
     that may start jax itself (a meta model's or a bundle's model.py): ConfigError naming ``model`` and XLA_FLAGS
     when XLA would end the process on them (see :func:`_check_xla_flags`)."""
-    with _start_lock:
-        try:
-            _check_xla_flags()
-        except RuntimeError as err:
-            raise ConfigError(f"model '{model}': {err}") from None
+    problem = xla_flags_problem()
+    if problem is not None:
+        raise ConfigError(f"model '{model}': {problem}")
 
 
 def xla_flags_problem() -> str | None:
