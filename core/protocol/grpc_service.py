@@ -17,7 +17,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 import grpc
 
-from nereid.daemon_pool import ThreadStartFailed, on_work_thread, work_pool
+from nereid.daemon_pool import ThreadStartFailed, on_work_thread, on_work_thread_or_here, work_pool
 from nereid._proto import grpc_service_pb2 as pb
 from nereid._proto import model_config_pb2 as mc
 from nereid.dataplane import DataPlane, cancellation_reason, past_grace_message
@@ -212,7 +212,8 @@ async def _serialized(response: InferResponse, streamed: bool) -> bytes:
     loop when large (a 1 GB answer held it for a second), and refused as the model's fault past what one gRPC
     message carries (grpcio's own refusal named no model, after the request was counted a success)."""
     if sum(tensor.data.nbytes for tensor in response.outputs) >= SERIALIZE_OFF_LOOP_BYTES:
-        wire = await on_work_thread(serialize_infer_response, response, streamed=streamed)
+        # (on the loop when no thread can start: the model has run, and its answer must not be refused now)
+        wire = await on_work_thread_or_here(functools.partial(serialize_infer_response, streamed=streamed), response)
     else:
         wire = serialize_infer_response(response, streamed=streamed)
     if len(wire) > MAX_SEND_MESSAGE_BYTES:

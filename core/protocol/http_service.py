@@ -19,7 +19,7 @@ from urllib.parse import quote, unquote
 
 import orjson
 
-from nereid.daemon_pool import ThreadStartFailed, on_work_thread, work_pool
+from nereid.daemon_pool import ThreadStartFailed, on_work_thread, on_work_thread_or_here, work_pool
 from nereid.collector_pause import collector_paused
 from nereid.dataplane import DataPlane, cancellation_reason, past_grace_message
 from nereid.dtypes import DType
@@ -719,7 +719,7 @@ def encoded_answer(response: InferResponse, choice: OutputChoice) -> EncodedAnsw
         size += tensor.data.nbytes
         elements += tensor.data.size
     if size >= ENCODE_OFF_LOOP_BYTES or elements >= ENCODE_OFF_LOOP_ELEMENTS:
-        return on_work_thread(encode_infer, response, choice)
+        return on_work_thread_or_here(encode_infer, response, choice)  # (the model has run: never refused now)
     return encode_infer(response, choice)
 
 

@@ -1315,6 +1315,29 @@ def test_an_answer_past_one_grpc_message_is_the_models_fault_and_a_large_one_is_
         asyncio.run(grpc_service._serialized(response, False))
 
 
+def test_an_answer_serialized_when_no_thread_can_start_is_serialized_here_not_refused(monkeypatch):
+    """Found by the review hunt of 3447a9f: at a pids limit a large answer, its model run already, was refused
+    UNAVAILABLE as its serialization could get no thread: a client's retry ran the model again."""
+    import asyncio
+
+    import nereid.daemon_pool as daemon_pool
+    from nereid.dtypes import DType
+    from nereid.protocol import grpc_service
+    from nereid.protocol.grpc_codec import serialize_infer_response
+    from nereid.tensors import InferResponse, NamedTensor
+
+    class NoThreads:
+        def submit(self, *args, **kwargs):
+            raise daemon_pool.ThreadStartFailed(RuntimeError("can't start new thread"))
+
+    monkeypatch.setattr(daemon_pool, "work_pool", NoThreads)
+    monkeypatch.setattr(grpc_service, "SERIALIZE_OFF_LOOP_BYTES", 16)
+    response = InferResponse("m", [NamedTensor("y", DType.FP32, np.arange(64, dtype=np.float32))], "r1")
+    for streamed in (False, True):
+        assert asyncio.run(grpc_service._serialized(response, streamed)) == serialize_infer_response(
+            response, streamed=streamed)
+
+
 @pytest.mark.parametrize("start", ["入力の検証に失敗しました。", "ошибка проверки ", "100% ", "ascii "])
 def test_a_status_message_too_long_for_the_metadata_keeps_its_end_where_the_first_cause_is(start) -> None:
     """Found by a bug hunt: a long non-ASCII message (a model's error in Japanese, passed up a meta chain) was cut

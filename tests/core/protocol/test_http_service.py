@@ -1346,3 +1346,22 @@ def test_no_thread_for_the_server_s_own_work_is_a_503_not_a_bug(served, monkeypa
     status, error = error_of(call(base, "POST", "/v2/models/words/infer", body.encode()))
     assert status == 503 and "can't start new thread: a process or thread limit" in error, (status, error)
     assert call(base, "GET", "/v2/health/ready")[0] == 200
+
+
+def test_an_answer_encoded_when_no_thread_can_start_is_encoded_here_not_refused(served, monkeypatch):
+    """Found by the review hunt of 3447a9f: at a pids limit a large answer, its model run already, was refused
+    503 (UNAVAILABLE over gRPC) as its encode could get no thread: a client's retry ran the model again."""
+    import nereid.daemon_pool as daemon_pool
+    from nereid.protocol import http_service
+
+    server, base = served
+
+    class NoThreads:
+        def submit(self, *args, **kwargs):
+            raise daemon_pool.ThreadStartFailed(RuntimeError("can't start new thread"))
+
+    monkeypatch.setattr(http_service, "ENCODE_OFF_LOOP_BYTES", 16)  # (this small answer is encoded off the loop)
+    monkeypatch.setattr(daemon_pool, "work_pool", NoThreads)
+    body = json.dumps({"inputs": [{"name": "input", "shape": [1, 4], "datatype": "FP32", "data": [0.5] * 4}]})
+    status, answer, _ = call(base, "POST", "/v2/models/echo/infer", body.encode())
+    assert status == 200 and json.loads(answer)["outputs"][0]["data"] == [0.5] * 4, (status, answer)
