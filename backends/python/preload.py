@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import ast
-import functools
 import importlib.machinery
-import json
 import os
 import re
 import subprocess
@@ -14,6 +12,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from nereid.backends.subprocess.model import INHERITED_ENV
+from nereid.backends.subprocess.runner import DEFAULT_PATH
 from nereid.errors import ConfigError
 
 
@@ -247,31 +247,26 @@ def only_on_server_pythonpath(imports: tuple[str, ...], folder: Path) -> tuple[s
     return None
 
 
+# What a run's interpreter is asked: whether its own import system (sys.path and sys.meta_path: an editable
+# install's finder, a .pth file's folder) finds the module named; exit 0 yes, 3 no.
+_RUNS_FIND_PROGRAM = "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec(sys.argv[1]) else 3)"
+
+
 def _runs_find(top: str) -> bool:
-    """Whether a model run's interpreter finds ``top`` on its own path, asked of that path itself: an entry of the
-    server's PYTHONPATH that runs have too (site-packages, a .pth file's folder) is in the server's sys.path once,
-    as PYTHONPATH's, and a cold numpy model was refused though its runs import numpy (the review hunt). True when
-    the runs' path cannot be told (refused only when sure)."""
-    path = _runs_sys_path()
-    if path is None:
-        return True
+    """Whether a model run's interpreter finds ``top``, asked of an interpreter started as runs are (``-P``, only
+    the variables runs inherit), at each ask: an entry of the server's PYTHONPATH that runs have too
+    (site-packages, a .pth file's folder) is in the server's sys.path once, as PYTHONPATH's, and a cold numpy
+    model was refused though its runs import numpy (the review hunt); a package an editable install's finder
+    serves is on no path at all, and a .pth file written after the refusal, as its hint says, was never looked
+    at again until a restart (the next review hunt). True when it cannot be asked (refused only when sure)."""
+    env = {key: os.environ[key] for key in INHERITED_ENV if key in os.environ}
+    env.setdefault("PATH", DEFAULT_PATH)
     try:
-        return importlib.machinery.PathFinder.find_spec(top, list(path)) is not None
-    except (ImportError, ValueError, OSError):
+        asked = subprocess.run([sys.executable, "-P", "-c", _RUNS_FIND_PROGRAM, top], env=env,
+                               stdin=subprocess.DEVNULL, capture_output=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
         return True
-
-
-@functools.cache
-def _runs_sys_path() -> tuple[str, ...] | None:
-    """The ``sys.path`` of an interpreter started as model runs are (``-P``, no PYTHONPATH), asked once; None when
-    it cannot be asked."""
-    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
-    try:
-        asked = subprocess.run([sys.executable, "-P", "-c", "import json, sys; print(json.dumps(sys.path))"],
-                               env=env, capture_output=True, text=True, timeout=60)
-        return tuple(json.loads(asked.stdout)) if asked.returncode == 0 else None
-    except (OSError, subprocess.SubprocessError, ValueError):
-        return None
+    return asked.returncode != 3
 
 
 def _provided_elsewhere(top: str, folder: Path) -> bool:

@@ -596,6 +596,42 @@ def test_a_module_only_the_server_s_pythonpath_holds_is_named_as_such(repo, serv
     assert reasons["absent"].endswith("every run would stop there"), reasons["absent"]
 
 
+def test_a_cold_model_s_import_is_asked_of_the_runs_own_import_system_at_each_load(repo, serve, tmp_path,
+                                                                                    monkeypatch):
+    """Found by the review hunt of 23203aa: the runs' path was asked once for the server's life, so a .pth file
+    written as the refusal's hint says left the model refused until a restart; and a package an editable
+    install's finder serves (setuptools' `pip install -e`), on the server's PYTHONPATH too, was refused though
+    every run imports it."""
+    late, src = tmp_path / "late", tmp_path / "src"
+    (src / "zoo_editable").mkdir(parents=True)
+    (src / "zoo_editable" / "__init__.py").write_text("VALUE = 2\n")
+    late.mkdir()
+    (late / "zoo_late.py").write_text("VALUE = 3\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(src), str(late)]))
+    purelib = Path(sysconfig.get_paths()["purelib"])
+    finder, pth = (purelib / f"nereid-test-{uuid.uuid4().hex}.pth" for _ in range(2))
+    # (An editable install's finder: on no sys.path entry, it maps its package's name to its source folder.)
+    finder.write_text(
+        "import sys, importlib.machinery; sys.meta_path.append(type('Finder', (), {'find_spec': classmethod("
+        "lambda cls, name, path=None, target=None: sys.modules['importlib.machinery'].PathFinder.find_spec("
+        f"name, [{str(src)!r}]) "
+        "if name == 'zoo_editable' else None)}))\n")
+    try:
+        repo.python("edit", textproto=REPORT, main=reply_main("zoo_editable.VALUE", prelude="import zoo_editable"))
+        repo.python("late", textproto=REPORT, main=reply_main("zoo_late.VALUE", prelude="import zoo_late"))
+        server = serve(repo.write_config("- name: edit\n  runtime: {warm_start: false}\n"
+                                         "- name: late\n  runtime: {warm_start: false}\n"))
+        assert ask(server, "edit") == 2
+        reasons = {m.name: m.reason for m in server.client.get_model_repository_index().models}
+        assert "'zoo_late', which model runs cannot import" in reasons["late"], reasons["late"]
+        pth.write_text(f"{late}\n")  # (as the hint says: no restart)
+        server.client.load_model("late")
+        assert ask(server, "late") == 3
+    finally:
+        finder.unlink(missing_ok=True)
+        pth.unlink(missing_ok=True)
+
+
 def test_files_a_preloaded_import_made_for_its_process_outlive_each_run(repo, serve, user_site):
     """Found by the python-models hunt: an installed package that unpacks its weights into a TemporaryDirectory at
     import (removed at exit by its weakref.finalize), or matplotlib's mkdtemp folder with atexit.register(
