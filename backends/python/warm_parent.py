@@ -59,6 +59,7 @@ INTERPRETER_MODULES = frozenset(sys.modules)
 import atexit  # noqa: E402 - after the snapshot above
 import collections.abc
 import ctypes
+import dis
 import functools
 import gc
 import importlib
@@ -308,9 +309,11 @@ def note_preload_removers() -> None:
 # clean-up of what it made at import, written as a function of its own (a lambda or def around shutil.rmtree, a
 # context's __exit__ that deletes a file extracted from a zipped package, as certifi's exit_cacert_ctx).
 REMOVING_NAMES = frozenset({"rmtree", "unlink", "rmdir", "removedirs", "cleanup", "__exit__"})
-# ``remove`` only beside ``os`` (``os.remove(path)``): alone it is as often a list's (a flusher draining its queue
-# with ``pending.remove(item)`` was skipped, and each run's data lost; the review hunt).
-REMOVE_WITH = frozenset({"os"})
+# ``remove`` only as an attribute of these names (``os.remove(path)``, ``_os.remove``) or a bare name (``from os
+# import remove``): otherwise it is as often a list's (a flusher draining its queue with ``pending.remove(item)`` was
+# skipped, and each run's data lost; the review hunt), and ``os`` used beside a list's remove (``os.fsync``) says
+# nothing of it (the next review hunt).
+REMOVE_FROM = frozenset({"os", "_os"})
 
 
 def _removes_files(func: object) -> bool:
@@ -341,10 +344,24 @@ def _removes_files(func: object) -> bool:
 
 
 def _calls_a_removal(code: types.CodeType) -> bool:
-    """Whether ``code``, or a function defined in it, names one of :data:`REMOVING_NAMES`."""
-    if REMOVING_NAMES.intersection(code.co_names) or ("remove" in code.co_names and REMOVE_WITH & set(code.co_names)):
+    """Whether ``code``, or a function defined in it, names one of :data:`REMOVING_NAMES` or ``os``'s ``remove``."""
+    if REMOVING_NAMES.intersection(code.co_names) or ("remove" in code.co_names and _loads_os_remove(code)):
         return True
     return any(_calls_a_removal(const) for const in code.co_consts if isinstance(const, types.CodeType))
+
+
+def _loads_os_remove(code: types.CodeType) -> bool:
+    """Whether ``code`` itself loads ``remove`` as an attribute of one of :data:`REMOVE_FROM` or as a bare name."""
+    previous = None
+    for instruction in dis.get_instructions(code):
+        if instruction.argval == "remove":
+            if instruction.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
+                return True
+            if (instruction.opname in ("LOAD_ATTR", "LOAD_METHOD") and previous is not None
+                    and previous.opname.startswith("LOAD_") and previous.argval in REMOVE_FROM):
+                return True
+        previous = instruction
+    return False
 
 
 # The functions that set a module's global random state, by module: a seed() with a seed that is not None seeds

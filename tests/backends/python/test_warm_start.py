@@ -654,7 +654,9 @@ def test_files_a_preloaded_import_made_for_its_process_outlive_each_run(repo, se
         "stack = contextlib.ExitStack()\nheld = stack.enter_context(tempfile.TemporaryDirectory())\n"
         "atexit.register(stack.close)\n"
         "marker = pathlib.Path(made[0]) / 'marker'\nmarker.write_text('1')\natexit.register(marker.unlink)\n"
-        "paths = [*made, kept.name, held, str(marker)]\n"
+        "import os as _os\nother = _os.path.join(made[1], 'other')\nopen(other, 'w').close()\n"
+        "atexit.register(lambda: _os.remove(other))\n"
+        "paths = [*made, kept.name, held, str(marker), other]\n"
         "_pending = []\n"
         f"def _flush():  # a library's exit function that only flushes what its process recorded: still run\n"
         "    _pending.append('run')\n"
@@ -662,6 +664,7 @@ def test_files_a_preloaded_import_made_for_its_process_outlive_each_run(repo, se
         "        for item in list(_pending):\n"
         "            log.write(item + '\\n')\n"
         "            _pending.remove(item)  # (a list's remove: no file removed; the review hunt)\n"
+        "        os.fsync(log.fileno())  # (os beside a list's remove: no file removed either; the next review hunt)\n"
         "atexit.register(_flush)\n")
     prelude = "import os, unpacks_its_weights, removes_its_folder_at_exit, wraps_its_removals\n"
     repo.python("unpacked", textproto=REPORT, main=reply_main(
@@ -669,7 +672,7 @@ def test_files_a_preloaded_import_made_for_its_process_outlive_each_run(repo, se
         "+ sum(os.path.exists(path) for path in wraps_its_removals.paths)", prelude=prelude))
     server = serve(repo.write_config("- name: unpacked\n"))
     assert backend_of(server, "unpacked").runtime_report().summary == "warm_start=on"
-    assert [ask(server, "unpacked") for _ in range(3)] == [47, 47, 47]
+    assert [ask(server, "unpacked") for _ in range(3)] == [48, 48, 48]
     assert wait_until(lambda: (user_site / "flushed.log").is_file()
                       and (user_site / "flushed.log").read_text() == "run\n" * 3)
 
