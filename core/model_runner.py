@@ -99,9 +99,9 @@ class HookThreads:
 
 async def _on_thread(loop: asyncio.AbstractEventLoop, pool: DaemonThreadPool, call: Callable[[], T],
                      scheduler: ModelScheduler | None) -> T:
-    """``call()`` on ``pool``, awaited; ``scheduler`` (if any) counts it from now until it has ended on its thread
-    (one cancelled before a thread took it ends then), whether or not its caller still waits. _NoHookThread when
-    no thread could be started for it (it was not queued, and never runs)."""
+    """``call()`` on ``pool``, awaited; ``scheduler`` (if any) counts it from now until it has ended on its thread,
+    whether or not its caller still waits. _NoHookThread when no thread could be started for it (it was not
+    queued, and never runs)."""
     try:
         future = pool.submit(call)
     except ThreadStartFailed as err:
@@ -113,7 +113,10 @@ async def _on_thread(loop: asyncio.AbstractEventLoop, pool: DaemonThreadPool, ca
             with contextlib.suppress(RuntimeError):  # (the loop closed: nothing is left to tell)
                 loop.call_soon_threadsafe(scheduler.hook_call_ended)
         future.add_done_callback(ended)
-    return await asyncio.wrap_future(future, loop=loop)
+    # Shielded: a caller's cancellation (its deadline, its client gone) must not cancel the call in the pool's
+    # queue, which a thread then never takes; a call given up there is taken and skipped (see _HookStart.begin),
+    # which frees its place in the preprocess stage (the read hunt: each such call held one for good).
+    return await asyncio.shield(asyncio.wrap_future(future, loop=loop))
 
 
 class _NoHookThread(Exception):

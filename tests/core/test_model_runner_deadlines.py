@@ -284,6 +284,11 @@ def test_requests_given_up_while_waiting_for_a_hung_hook_still_count_until_a_thr
         await until(lambda: len(backend.hooks_ended) == HOOK_THREADS)
         assert (await run(rows(3), 1, 0))[0].data.tolist() == [[6, 6]]
         assert backend.hooks_begun.count(1) == HOOK_THREADS  # the given-up calls never ran
+        # Every place is free again: as many requests at once as the model takes are all admitted (the read
+        # hunt: the caller's deadline cancelled its call in the pool's queue, so no thread took and skipped it,
+        # and each given-up call held its place for good; the model, idle, refused every request).
+        answers = await asyncio.gather(*(run(rows(1), 1, 0) for _ in range(scheduler.capacity)))
+        assert [answer[0].data.tolist() for answer in answers] == [[[2, 2]]] * scheduler.capacity
         await scheduler.drain()
         hooks.release()
     asyncio.run(asyncio.wait_for(scenario(), 30))
