@@ -79,7 +79,8 @@ CHECK_OFF_LOOP_ELEMENTS = 1 << 16
 
 
 def costly_to_check(outputs: object) -> bool:
-    """Whether a coroutine model's ``outputs`` are worth checking off the event loop: arrays of at least
+    """Whether ``outputs`` (a coroutine model's, or a batch's rows to stack) are worth checking, or copying, off the
+    event loop: arrays of at least
     CHECK_OFF_LOOP_BYTES in all, or a BYTES (object) array of at least CHECK_OFF_LOOP_ELEMENTS elements, whose
     check looks at each one. Anything that is no list of NamedTensor holding arrays is cheap to refuse."""
     if not isinstance(outputs, (list, tuple)):
@@ -778,7 +779,11 @@ class ModelScheduler:
         input_ns = infer_ns = output_ns = 0
         succeeded = counted_later = not_started = False
         try:
-            inputs, run_rows = self._assemble(requests, total)
+            try:
+                inputs, run_rows = await self._assemble(requests, total)
+            except asyncio.CancelledError:
+                not_started = True  # (stopped while its rows were stacked off the loop: no execution ran)
+                raise
             start = time.monotonic_ns()
             if assembly_start_ns:
                 input_ns = start - assembly_start_ns
@@ -938,12 +943,15 @@ class ModelScheduler:
         return LoggedModelFailure(f"model '{self.name}' failed: {during + ': ' if during else ''}"
                                    f"{describe_exception(error)}")
 
-    def _assemble(self, requests: list[list[NamedTensor]], total: int) -> tuple[list[NamedTensor], int]:
+    async def _assemble(self, requests: list[list[NamedTensor]], total: int) -> tuple[list[NamedTensor], int]:
         """An execution's inputs: a lone request's own, or the requests' rows stacked; and their rows, padding
-        included."""
+        included. Stacked on a thread of the server's when the rows are costly to copy (see
+        :func:`costly_to_check`): 32 requests of 8 MiB held the event loop for over a second (the read hunt)."""
         if len(requests) == 1:
             return requests[0], total  # a lone request: the model pads it itself if it must
         run_rows = self._padded_rows(total) if self._pads else total
+        if costly_to_check([tensor for tensors in requests for tensor in tensors]):
+            return await on_work_thread_or_here(stack_rows, requests, run_rows), run_rows
         return stack_rows(requests, run_rows), run_rows
 
     def _padded_rows(self, rows: int) -> int:

@@ -87,6 +87,37 @@ def test_queued_requests_are_coalesced_up_to_the_cap_and_split_back_by_rows() ->
     run(scenario())
 
 
+def test_large_requests_are_stacked_into_their_batch_off_the_event_loop(monkeypatch) -> None:
+    """Found by the read hunt: a batch of 32 requests of 8 MiB was stacked on the event loop, holding it for over a
+    second, where each request's decode, and its outputs' check, were made off it."""
+    import nereid.scheduler as scheduler_module
+
+    stacked_on: list[str] = []
+    real = scheduler_module.stack_rows
+
+    def stack_rows(requests, rows):
+        stacked_on.append(threading.current_thread().name)
+        return real(requests, rows)
+
+    monkeypatch.setattr(scheduler_module, "stack_rows", stack_rows)
+    monkeypatch.setattr(scheduler_module, "CHECK_OFF_LOOP_BYTES", 16)  # (two rows of 2 x FP32 pass it)
+
+    async def scenario() -> None:
+        backend = RecordingBackend()
+        scheduler = ModelScheduler("m", backend, FIXED, 64, 1, ModelStats(), policy(max_batch_size=6))
+        blocker = await start_blocked(scheduler, backend)
+        tasks = [asyncio.create_task(scheduler.submit(request(i, 2), 2, 0)) for i in (1, 2)]
+        await asyncio.sleep(0.05)
+        backend.gate.set()
+        await blocker
+        results = await asyncio.gather(*tasks)
+        assert [result[0].data.tolist() for result in results] == [[[2, 2]] * 2, [[4, 4]] * 2]
+        assert backend.batches[-1] == [1, 1, 2, 2]
+        await scheduler.drain()
+    run(scenario())
+    assert stacked_on and threading.main_thread().name not in stacked_on, stacked_on
+
+
 def test_requests_with_different_non_batch_shapes_are_never_mixed() -> None:
     async def scenario() -> None:
         backend = RecordingBackend()
