@@ -35,7 +35,7 @@ from nereid.model_entry import (FOUND_AFTER_START_REASON, LoadAbandoned, LoadedV
                                 RetiringVersion, not_listed_reason, waiting_for_folder)
 from nereid.model_hooks import collect_released_code_soon
 from nereid.plugins import OptionsAsked, check_backend_defaults, options_change
-from nereid.settings import Settings
+from nereid.settings import ModelSettings, Settings
 from nereid.settings_changes import changed_backends, served, settings_step
 from nereid.stats import ModelStats
 from nereid.store_retries import StartupListing
@@ -854,68 +854,79 @@ class ModelRepository:
             await self.load(new, counted=False)
             return False
         async with entry.held():
-            # Claimed before the move (which waits on a thread): a removal finishing meanwhile must not delete
-            # the scratch folder the moved model is given.
-            claimed = new not in entry.scratch_names
-            entry.scratch_names.add(new)
-            context = ModelContext(new, self.root / new, settings, self._loader.scratch_for(new), origin, self.models,
-                                   runs_dir=self._loader.runs_dir, config_name=self.settings.config_name)
-            try:
-                if not isinstance(loaded.backend, Relocatable):
-                    raise ConfigError(f"backend '{loaded.backend_name}' cannot move a loaded model")
-                # Plugin code: a sys.exit() or KeyboardInterrupt of its own is its failure (the move is not made),
-                # never the server's end (it ended the server, exit status the plugin's, nothing logged).
-                await on_work_thread(calling_plugin,
-                                     functools.partial(loop_safe_call, loaded.backend.relocate, context),
-                                     lambda exit_: backend_exit(old, exit_, "while moving it"))
-                # (Looked at again after each wait: a request may have loaded the new name meanwhile, whose model
-                # this one must not replace unseen: it would never be unloaded.)
-                if self._taken(new, entry):
-                    raise ConfigError(f"'{new}' has a model of its own, loaded or loading")
-            except Exception as err:
-                # (A plugin's own exception is named with its type and the backend: its bare message named neither;
-                # the plugin hunt.)
-                why = _reason(err) if isinstance(err, NereidError) else \
-                    f"relocate() of backend '{loaded.backend_name}' raised {describe_exception(err, one_line=True)}"
-                # A backend that never moves models (meta) is loaded anew as it always is: no news, not a WARNING
-                # at every rename (the races hunt). A move tried and failed is.
-                level = logging.WARNING if isinstance(loaded.backend, Relocatable) else logging.INFO
-                log.log(level, "model '%s': cannot be renamed in place (%s); loading '%s' anew", old,
-                        cap_message(why), new)
-                moved = False
-            else:
-                moved = True
-            if not moved and claimed:
-                entry.scratch_names.discard(new)
-            if moved:
-                del self._entries[old]
-                entry.name, entry.folder, entry.settings, entry.settings_origin = new, context.folder, settings, origin
-                loaded.settings = settings  # (moved in place only with the same settings, its name apart)
-                self._entries[new] = entry  # replaces an entry a rescan may have made for the new folder
-                if self.events is not None:  # its loads, requests and events follow it, as its version does
-                    self.events.model_renamed(old, new)
-                self._forgotten(old)  # (nothing is left under the old name: the model's figures are the new one's)
-                exposed = old in self._exposed
-                if exposed:
-                    self._exposed.discard(old)
-                    self._exposed.add(new)
-                    if old in self._counted_once_ready:
-                        self._counted_once_ready.discard(old)
-                        self._counted_once_ready.add(new)
-                if self.settings.model(old) is not None:
-                    # Listed in nereid.yaml: it waits for its folder, as a listed model whose folder was removed
-                    # (it answered NOT_FOUND, "no folder", and left the counts of ServerReady and /metrics).
-                    self._entries[old] = self._listed_entry(old)
-                    self._entries[old].awaiting_folder = exposed
-                loaded.scheduler.name = new
-                self._record(new, "rename")
-                self._refresh_dependents()  # models calling the old name wait for it again
-                log.info("model '%s' renamed to '%s' in place (load %d, nothing reloaded)", old, new,
-                         entry.generation)
-                self._cleanup.drop_empty_scratch(old)  # left empty by the move: nothing kept there
+            # (Looked at again under the lock: an unload, reload or move that ran while this waited for it left
+            # another version serving, or none: the retired one was moved, or an unloaded one given a folder
+            # descriptor that no unload closes; the read hunt.)
+            moved = (entry.loaded is loaded and self._entries.get(old) is entry
+                     and await self._moved_in_place(entry, loaded, old, new, settings, origin))
         if not moved:
             self.remove_in_background(old)  # the new folder loads at once; the old model finishes its requests
             await self.load(new, counted=False)
+        return moved
+
+    async def _moved_in_place(self, entry: ModelEntry, loaded: LoadedVersion, old: str, new: str,
+                              settings: ModelSettings, origin: str) -> bool:
+        """Move ``entry``'s serving version ``loaded`` from ``old`` to ``new`` (see :meth:`rename`), its lock held;
+        whether it moved (False: the backend could not, or the new name was taken meanwhile)."""
+        # Claimed before the move (which waits on a thread): a removal finishing meanwhile must not delete
+        # the scratch folder the moved model is given.
+        claimed = new not in entry.scratch_names
+        entry.scratch_names.add(new)
+        context = ModelContext(new, self.root / new, settings, self._loader.scratch_for(new), origin, self.models,
+                               runs_dir=self._loader.runs_dir, config_name=self.settings.config_name)
+        try:
+            if not isinstance(loaded.backend, Relocatable):
+                raise ConfigError(f"backend '{loaded.backend_name}' cannot move a loaded model")
+            # Plugin code: a sys.exit() or KeyboardInterrupt of its own is its failure (the move is not made),
+            # never the server's end (it ended the server, exit status the plugin's, nothing logged).
+            await on_work_thread(calling_plugin,
+                                 functools.partial(loop_safe_call, loaded.backend.relocate, context),
+                                 lambda exit_: backend_exit(old, exit_, "while moving it"))
+            # (Looked at again after each wait: a request may have loaded the new name meanwhile, whose model
+            # this one must not replace unseen: it would never be unloaded.)
+            if self._taken(new, entry):
+                raise ConfigError(f"'{new}' has a model of its own, loaded or loading")
+        except Exception as err:
+            # (A plugin's own exception is named with its type and the backend: its bare message named neither;
+            # the plugin hunt.)
+            why = _reason(err) if isinstance(err, NereidError) else \
+                f"relocate() of backend '{loaded.backend_name}' raised {describe_exception(err, one_line=True)}"
+            # A backend that never moves models (meta) is loaded anew as it always is: no news, not a WARNING
+            # at every rename (the races hunt). A move tried and failed is.
+            level = logging.WARNING if isinstance(loaded.backend, Relocatable) else logging.INFO
+            log.log(level, "model '%s': cannot be renamed in place (%s); loading '%s' anew", old,
+                    cap_message(why), new)
+            moved = False
+        else:
+            moved = True
+        if not moved and claimed:
+            entry.scratch_names.discard(new)
+        if moved:
+            del self._entries[old]
+            entry.name, entry.folder, entry.settings, entry.settings_origin = new, context.folder, settings, origin
+            loaded.settings = settings  # (moved in place only with the same settings, its name apart)
+            self._entries[new] = entry  # replaces an entry a rescan may have made for the new folder
+            if self.events is not None:  # its loads, requests and events follow it, as its version does
+                self.events.model_renamed(old, new)
+            self._forgotten(old)  # (nothing is left under the old name: the model's figures are the new one's)
+            exposed = old in self._exposed
+            if exposed:
+                self._exposed.discard(old)
+                self._exposed.add(new)
+                if old in self._counted_once_ready:
+                    self._counted_once_ready.discard(old)
+                    self._counted_once_ready.add(new)
+            if self.settings.model(old) is not None:
+                # Listed in nereid.yaml: it waits for its folder, as a listed model whose folder was removed
+                # (it answered NOT_FOUND, "no folder", and left the counts of ServerReady and /metrics).
+                self._entries[old] = self._listed_entry(old)
+                self._entries[old].awaiting_folder = exposed
+            loaded.scheduler.name = new
+            self._record(new, "rename")
+            self._refresh_dependents()  # models calling the old name wait for it again
+            log.info("model '%s' renamed to '%s' in place (load %d, nothing reloaded)", old, new,
+                     entry.generation)
+            self._cleanup.drop_empty_scratch(old)  # left empty by the move: nothing kept there
         return moved
 
     def _taken(self, name: str, moving: ModelEntry) -> bool:

@@ -268,6 +268,40 @@ def test_a_rename_onto_a_name_a_request_loaded_first_reloads_it_and_leaks_no_ver
     assert sorted(unloaded) == ["first", "moved"]
 
 
+def test_a_rename_that_waited_for_an_unload_never_moves_the_unloaded_version(tmp_path, root):
+    """Found by the repository read hunt: a rename looked at the serving version before it waited for the model's
+    lock, held by an unload; it then moved the unloaded version, whose backend opened a folder descriptor that no
+    unload would close, and said the model was renamed in place."""
+    import threading
+
+    write_toy(root, "before")
+    repo = repository(tmp_path)
+    unloading, release = threading.Event(), threading.Event()
+    moved_after_unload: list[str] = []
+
+    async def scenario():
+        await repo.load("before")
+        backend = repo.ready_model("before").backend
+
+        def unload() -> None:  # (a thread of the server's: the unload holds the model's lock meanwhile)
+            unloading.set()
+            release.wait(10)
+        backend.unload = unload
+        backend.relocate = lambda context: moved_after_unload.append(context.name)
+        unloaded = asyncio.create_task(repo.unload("before"))
+        await until(unloading.is_set)
+        (root / "before").rename(root / "after")
+        renamed = asyncio.create_task(repo.rename("before", "after"))  # looks, then waits for the lock
+        await asyncio.sleep(0.05)
+        release.set()
+        await unloaded
+        assert await renamed is False  # nothing was serving to move: 'after' is loaded as a new folder
+        assert moved_after_unload == []
+        assert repo.ready_model("after").backend is not backend
+        await repo.unload_all()
+    asyncio.run(scenario())
+
+
 def test_remove_unloads_and_forgets_a_vanished_folder(tmp_path, root):
     folder = write_toy(root, "gone")
     repo = repository(tmp_path)
