@@ -535,6 +535,11 @@ def _answers_alone(manager: NereidPluginManager, hook: str, impl: pluggy.HookImp
     return answers if current else ask(kept)
 
 
+def gone_while_loading(folder: Path) -> str:
+    """The reason of a load whose ``folder`` was deleted or moved while it was being loaded."""
+    return f"the folder {folder} is gone (deleted or moved while it was being loaded)"
+
+
 def claim_folder(manager: NereidPluginManager, folder: Path, backend: str | None = None,
                  asking: Callable[[str], None] | None = None, config_name: str = DEFAULT_CONFIG_NAME) -> ClaimResult:
     """Ask the backends about ``folder``; with ``backend`` set, ask only that one.
@@ -575,7 +580,7 @@ def claim_folder(manager: NereidPluginManager, folder: Path, backend: str | None
         return ClaimResult(claim, backend_name=name)
     if not asked.claims:
         if not folder.is_dir():  # deleted while it was being claimed: that is the reason, not the backends
-            return ClaimResult(None, f"the folder {folder} is gone (deleted or moved while it was being loaded)")
+            return ClaimResult(None, gone_while_loading(folder))
         failures = "".join(f"; {manager.describe(name)} is taken as not claiming it: its nereid_claim_model {what}"
                            for name, what in asked.failures)
         triton = folder_hint(folder)

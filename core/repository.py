@@ -34,7 +34,7 @@ from nereid.model_building import BackendRaised
 from nereid.model_entry import (FOUND_AFTER_START_REASON, LoadAbandoned, LoadedVersion, ModelEntry, ModelState,
                                 RetiringVersion, not_listed_reason, waiting_for_folder)
 from nereid.model_hooks import collect_released_code_soon
-from nereid.plugins import OptionsAsked, check_backend_defaults, options_change
+from nereid.plugins import OptionsAsked, check_backend_defaults, gone_while_loading, options_change
 from nereid.settings import ModelSettings, Settings
 from nereid.settings_changes import changed_backends, served, settings_step
 from nereid.stats import ModelStats
@@ -739,7 +739,7 @@ class ModelRepository:
                 # Moved (or deleted) while its backend read it, a folder renamed during its first load: that is
                 # the reason, not the file the backend then missed, and no fault to log at ERROR (the soak hunt:
                 # "missing manifest.yaml" of a bundle only renamed).
-                reason = f"the folder {entry.folder} is gone (deleted or moved while it was being loaded)"
+                reason = gone_while_loading(entry.folder)
                 level = logging.WARNING
             log.log(logging.DEBUG if repeated else level, "model '%s' is UNAVAILABLE: %s", name, reason,
                     exc_info=None if moved else _plugin_traceback(err))
@@ -800,7 +800,7 @@ class ModelRepository:
                 # not the file the backend then missed, at ERROR (the dynamic-repository hunt).
                 moved = self.settings.server.ml_backends_url is None and not entry.folder.is_dir()
                 if moved:
-                    reason = f"the folder {entry.folder} is gone (deleted or moved while it was being loaded)"
+                    reason = gone_while_loading(entry.folder)
                 # (The running version's number: "(load N+1)" here was the number the next reload that succeeds
                 # is logged READY with.)
                 log.log(logging.DEBUG if _repeats(reason, retrying) else logging.WARNING if moved else logging.ERROR,
@@ -902,6 +902,10 @@ class ModelRepository:
         if not moved and claimed:
             entry.scratch_names.discard(new)
         if moved:
+            if entry.reason.endswith(self.public_text(gone_while_loading(entry.folder))):
+                # A reload that failed as this very move took its folder: the version moved has what the folder
+                # holds (or the watcher reloads it next), and that reason named a folder there is no more.
+                entry.reason = ""
             del self._entries[old]
             entry.name, entry.folder, entry.settings, entry.settings_origin = new, context.folder, settings, origin
             loaded.settings = settings  # (moved in place only with the same settings, its name apart)

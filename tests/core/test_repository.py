@@ -302,6 +302,30 @@ def test_a_rename_that_waited_for_an_unload_never_moves_the_unloaded_version(tmp
     asyncio.run(scenario())
 
 
+def test_a_reload_failed_as_its_folder_was_renamed_leaves_no_reason_once_the_model_moved(tmp_path, root):
+    """Found by the repository read hunt: a reload that failed as its folder was renamed ("the folder c is
+    gone") kept that reason beside READY under the new name, after the rename moved the running version there."""
+    folder = write_toy(root, "c")
+    release = tmp_path / "release"
+    release.touch()
+    (folder / "gate.txt").write_text(str(release))
+    repo = repository(tmp_path)
+
+    async def scenario():
+        await repo.load("c")
+        release.unlink()
+        reloading = asyncio.create_task(repo.reload("c"))
+        await until(lambda: repo.entry("c").building is not None)
+        folder.rename(root / "c2")
+        release.touch()
+        await reloading
+        assert "is gone (deleted or moved while it was being loaded)" in repo.entry("c").reason
+        assert await repo.rename("c", "c2") is True
+        assert repo.entry("c2").state is ModelState.READY and repo.entry("c2").reason == ""
+        await repo.unload_all()
+    asyncio.run(scenario())
+
+
 def test_remove_unloads_and_forgets_a_vanished_folder(tmp_path, root):
     folder = write_toy(root, "gone")
     repo = repository(tmp_path)
