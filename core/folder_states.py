@@ -18,8 +18,12 @@ import stat
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from nereid.storage import StoreURL, local_model_folders
+
+if TYPE_CHECKING:
+    from nereid.storage.mirror import RemoteFolder
 
 SAMPLE_BYTES = 64 * 1024  # hashed from each end of a file for the content identity
 # What a transfer's temporary file is named: rsync's ``.name.XXXXXX`` (six random letters and digits).
@@ -234,6 +238,16 @@ def scan_store(location: StoreURL) -> dict[str, FolderState]:
         stamp = tuple(sorted(files))
         states[name] = FolderState(stamp, hashlib.sha256(repr(stamp).encode()).hexdigest())
     return states
+
+
+def loaded_store_stamp(remote: RemoteFolder) -> tuple:
+    """The stamp :func:`scan_store` gives a store's folder, of the objects a load of it fetched or left in the store
+    to stream: equal to the watcher's when the folder holds the very objects that load read (a RepositoryModelLoad
+    of a folder just uploaded, which the watcher then loaded again; the repository read hunt)."""
+    files = [(relative, item.size, item.etag or item.modified or "")
+             for relative, item in (*remote.fetched.items(), *remote.streamed.items())
+             if not any(ignored_name(part) for part in relative.split("/"))]
+    return tuple(sorted(files))
 
 
 @dataclass(frozen=True)

@@ -694,8 +694,8 @@ class ModelRepository:
         loaded = entry.loaded
         if loaded is None or loaded.settings != entry.settings or self._defaults_change_options(entry, self.settings):
             return False
-        if loaded.stamp is None:
-            # Files not stamped (a bucket's: their state is the watcher's, not known here): loaded again, as
+        if loaded.stamp is None or self.settings.server.ml_backends_url is not None:
+            # Files not stamped, or a bucket's (their state is the watcher's, not known here): loaded again, as
             # asked. A client's load that waited behind another was answered OK with the objects the first had
             # fetched, though they were replaced before it asked (the hunt of the fixes).
             return False

@@ -26,7 +26,7 @@ from nereid.backend_calls import await_build, on_daemon_thread, unload_backend, 
 from nereid.daemon_pool import on_work_thread
 from nereid.errors import ConfigError, backend_exit, calling_plugin, shown_name
 from nereid.files import check_confined
-from nereid.folder_states import folder_stamp
+from nereid.folder_states import folder_stamp, loaded_store_stamp
 from nereid.leftovers import remove_model_leftovers
 from nereid.model_building import BuildStage, BuiltVersion, build_model
 from nereid.model_entry import LoadAbandoned, LoadedVersion, ModelEntry
@@ -260,6 +260,8 @@ class VersionLoader:
         load_seconds = time.monotonic() - started
         if restamped:
             stamp = restamped[-1]
+        elif built.folder_hold is not None and built.folder_hold.remote is not None:
+            stamp = loaded_store_stamp(built.folder_hold.remote)  # (a store's folder: the watcher's stamp of it)
         loaded = await self._wired(entry, built, stats, load_seconds, stamp, context, backend_defaults)
         entry.generation += 1
         return loaded

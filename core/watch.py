@@ -379,9 +379,9 @@ class RepositoryWatcher:
                 log.info("dynamic repository: folder '%s' changed; it is not served (not listed, unloaded or "
                          "no longer listed), so nothing is loaded", name)
                 continue
-            if self.location is None and repository.loaded_stamp(name) == current[name].stamp and not deferred:
-                # Loaded already from these very files (a RepositoryModelLoad of a folder just copied, or an edit
-                # undone after its reload failed: that failure's reason, of files no longer there, goes).
+            if repository.loaded_stamp(name) == current[name].stamp and not deferred:
+                # Loaded already from these very files (a RepositoryModelLoad of a folder just copied, or uploaded,
+                # or an edit undone after its reload failed: that failure's reason, of files no longer there, goes).
                 log.info("dynamic repository: folder '%s' is loaded already as it is now", name)
                 repository.forget_failed_reload(name)
                 continue

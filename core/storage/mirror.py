@@ -497,6 +497,8 @@ def _materialize(location: StoreURL, name: str, folder: Path, version: bool,
             raise _cache_write_failed(str(folder_url), "record what it fetched in", folder / MARKER_FILE,
                                       err) from None
         hold = _held_version(folder, name, result) if version else None
+        if hold is not None:
+            hold.remote = result
         _prune_versions(folder)
     log.info("%s: %d file(s) fetched or current in %s, %d file(s) left in the store to stream", folder_url,
              len(fetched), hold.folder if hold is not None else folder, len(streamed))
@@ -667,6 +669,7 @@ class VersionHold:
 
     def __init__(self, folder: Path, key: _HeldKey) -> None:
         self.folder = folder  # <model>/.nereid-versions/<id>/<model>: what the version runs from
+        self.remote: RemoteFolder | None = None  # the objects it was made of (see folder_states.loaded_store_stamp)
         self._key = key
         self._released = False
 

@@ -777,6 +777,41 @@ def test_a_bucket_folder_changed_while_a_requested_load_runs_is_loaded_as_change
     asyncio.run(scenario())
 
 
+def test_a_bucket_folder_a_client_loaded_as_it_is_is_not_loaded_again_by_the_watcher(s3, tmp_path, caplog):
+    """Found by the repository read hunt: a RepositoryModelLoad of a folder just uploaded to a watched bucket (or
+    just edited there) was followed by the watcher's own load of the same objects: every weight fetched again
+    and two versions in memory for a swap, as a local folder's is not (a store's version had no stamp)."""
+    import asyncio
+    import logging
+
+    from nereid.model_entry import ModelState
+
+    store = WatchedBucket(s3, tmp_path)
+    caplog.set_level(logging.INFO, logger="nereid")
+
+    async def scenario() -> None:
+        repository, watcher = await store.watched()
+        store.upload("b")
+        await repository.load("b")  # the client's, before the watcher looks
+        for _ in range(3):
+            await watcher._apply_serialized()
+            while watcher._changes:
+                await asyncio.gather(*watcher._changes)
+        entry = _entry(repository, "b")
+        assert entry.state is ModelState.READY and repository.generation("b") == 1
+        # Now changed in the bucket, and not loaded: reloaded.
+        store.client.put_object(Bucket=store.bucket, Key=f"{store.prefix}/b/extra.txt", Body=b"an edit")
+        for _ in range(3):
+            await watcher._apply_serialized()
+            while watcher._changes:
+                await asyncio.gather(*watcher._changes)
+        assert repository.generation("b") == 2
+        watcher.stop()
+        await repository.unload_all()
+    asyncio.run(scenario())
+    assert "dynamic repository: folder 'b' is loaded already as it is now" in caplog.text
+
+
 def test_a_load_failed_by_a_store_that_serves_again_when_the_watcher_looks_is_tried_again(s3, tmp_path, caplog):
     """A fetch that failed every try (HTTP 500) then succeeds at once: the repository recorded the store's
     error as the load's cause, and the watcher tries it again."""
