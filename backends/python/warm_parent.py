@@ -759,8 +759,7 @@ class Runs:
         limit reached, no memory): the caller decides what that costs.
         """
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        sys.stdout.flush()
-        sys.stderr.flush()
+        _flush_io()  # (a preload's sys.stdout may be None, or closed, as python main.py allows)
         parent = os.getpid()
         try:
             pid = os.fork()
@@ -913,23 +912,7 @@ class Runs:
         known = {pid for pid, _ in self.by_pidfd.values()} | {pid for pid, _, _ in self.reported.values()}
         if self.spare is not None:
             known.add(self.spare[0])
-        for _ in range(MAX_SWEEPS):
-            orphans = [pid for pid in _children() if pid not in known]
-            if not orphans:
-                return
-            # With their descendants: a chain of detached processes (each setsid, then fork) would otherwise
-            # come here one generation a round as each parent dies.
-            for pid in [*orphans, *(d for orphan in orphans for d in _descendants(orphan))]:
-                _kill_group(pid)
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            for pid in orphans:
-                try:
-                    os.waitpid(pid, 0)
-                except ChildProcessError:
-                    pass
+        _end_children(but=known)
 
     def abandoned(self, reply_fd: int) -> None:
         """The server closed a reply socket before the child ended (its timeout): kill the group."""
@@ -962,10 +945,10 @@ class Runs:
             self.poller.unregister(reply.fileno())
 
 
-def serve(control: socket.socket) -> None:
-    """Hand each request to a fresh child until the server goes away."""
+def serve(control: socket.socket, lifeline: int) -> None:
+    """Hand each request to a fresh child until the server goes away (``lifeline``: a descriptor of the pipe the
+    server holds open while it wants this parent)."""
     poller = select.poll()
-    lifeline = sys.stdin.fileno()
     poller.register(lifeline, select.POLLIN)
     poller.register(control.fileno(), select.POLLIN)
     runs = Runs(poller, {lifeline, control.fileno()})
@@ -1029,6 +1012,7 @@ def _exit(code: int) -> None:
     if code < 0:
         signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
+        os._exit(128 - code)  # (the signal blocked: CPython's own fallback status, 130 for SIGINT)
     os._exit(code & 0xFF)
 
 
@@ -1808,6 +1792,27 @@ def _children() -> list[int]:
         return []
 
 
+def _end_children(but: collections.abc.Collection[int] = ()) -> None:
+    """Kill and reap every child of this process but those in ``but``, with their descendants."""
+    for _ in range(MAX_SWEEPS):
+        orphans = [pid for pid in _children() if pid not in but]
+        if not orphans:
+            return
+        # With their descendants: a chain of detached processes (each setsid, then fork) would otherwise
+        # come here one generation a round as each parent dies.
+        for pid in [*orphans, *(d for orphan in orphans for d in _descendants(orphan))]:
+            _kill_group(pid)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for pid in orphans:
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:
+                pass
+
+
 def _descendants(pid: int) -> list[int]:
     """Every descendant of ``pid`` (children of each of its threads, and theirs), from /proc; [] where it cannot tell."""
     found: list[int] = []
@@ -1894,6 +1899,9 @@ def main() -> int:
     # to a private copy of the pipe (not inheritable, and closed before any child is forked).
     answer = os.dup(sys.stdout.fileno())
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    # The server's end of stdin, a private copy: a preloaded import that replaces or closes sys.stdin (as
+    # python main.py allows) left the lifeline at end of file (or unreadable), and every run failed, READY.
+    lifeline = os.dup(sys.stdin.fileno())
     # The folder's physical path, as python main.py computes sys.path[0] and __file__ (a symlinked folder is
     # named by what it leads to); the path the server named it by if the working directory has none.
     try:
@@ -1915,13 +1923,16 @@ def main() -> int:
     if _fflush is not None:
         _fflush(None)
     if refusal is not None:
+        # A process a preloaded import started (the reason to fall back, or left by a failed import) ends with
+        # this parent: it outlived the fallback, the unload and the server, one more at each try (the read hunt).
+        _end_children()
         _answer(answer, refusal)
         return 0
     compile_entry(os.path.join(folder, ENTRY_FILE), sys.argv[4])  # named as each run names it (enter_loaded_folder)
     note_preload_removers()
     gc.freeze()  # the preloaded objects stay out of the collector's reach, so children share their pages
     _answer(answer, "ready" + (f" {json.dumps({'warnings': _preload_warnings})}" if _preload_warnings else ""))
-    serve(control)
+    serve(control, lifeline)
     return 0
 
 

@@ -825,6 +825,10 @@ elif mode == 2:  # printf'd by C code, then a failure: the tail shows it
     sys.exit(3)
 elif mode == 4:  # an uncaught KeyboardInterrupt: CPython dies of SIGINT
     raise KeyboardInterrupt
+elif mode == 9:  # the same with SIGINT blocked: CPython exits 130 (128 + SIGINT); the read hunt saw 254
+    import signal
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
+    raise KeyboardInterrupt
 elif mode == 5:  # the traceback starts in main.py
     raise ValueError("raised in main.py")
 elif mode == 6:  # the folder's json.py, not the json module the warm parent imported for itself
@@ -860,6 +864,7 @@ def test_a_run_ends_as_python_main_py_ends(repo, serve):
     assert infer(server, "like_python", row(1)).as_numpy("output").tolist() == row(1).tolist()
     assert "said-by-printf" in expect_error(server, "like_python", row(2))
     assert "killed by signal SIGINT" in expect_error(server, "like_python", row(4))
+    assert "exited with code 130" in expect_error(server, "like_python", row(9))
     tail = expect_error(server, "like_python", row(5))
     assert "ValueError: raised in main.py" in tail and "warm_parent" not in tail
     assert infer(server, "like_python", row(6)).as_numpy("output")[0, 0] == 42.0

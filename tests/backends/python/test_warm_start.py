@@ -500,7 +500,8 @@ def user_site(tmp_path) -> Path:
         "import threading, time\nthreading.Thread(target=time.sleep, args=(60,), name='busy', daemon=True).start()\n")
     (site / "fails_on_import.py").write_text("raise RuntimeError('cannot import me')\n")
     (site / "starts_a_process.py").write_text(
-        "import subprocess\nhelper = subprocess.Popen(['sleep', '60'])\n")
+        "import subprocess\nhelper = subprocess.Popen(['sleep', '60'])\n"
+        f"open({str(site / 'helper.pid')!r}, 'w').write(str(helper.pid))\n")
     (site / "ran_a_process.py").write_text("import subprocess\nsubprocess.run(['true'], check=True)\n"
                                            "left = subprocess.Popen(['sleep', '0.05'])\n")  # (not waited for)
     # Imported by a warm parent (whose working directory is the model folder) before it compiles main.py.
@@ -691,11 +692,32 @@ def test_unsafe_preload_falls_back_to_cold_starts(repo, serve, user_site, caplog
     repo.python("fallback", textproto=REPORT, main=reply_main('{"ok": True}'))
     config = repo.write_config(f"- name: fallback\n  runtime: {{preload: [{module}]}}\n")
     server = serve(config)
+    if module == "starts_a_process":
+        # (The read hunt: the process the preload started outlived the fallback, the unload and the server.)
+        helper = int((user_site / "helper.pid").read_text())
+        assert wait_until(lambda: not process_alive(helper))
     assert re.fullmatch(rf"warm_start=off \({reason if module == 'starts_a_process' else re.escape(reason)}\)",
                         backend_of(server, "fallback").runtime_report().summary)
     assert backend_of(server, "fallback").runtime_report().warm_parent_resident_bytes is None
     assert [r.message for r in caplog.records if "warm start is off" in r.message] != []
     assert ask(server, "fallback") == {"ok": True}  # served, cold
+
+
+@pytest.mark.parametrize("module, code", [
+    ("replaces_stdin", "import os, sys\nsys.stdin = open(os.devnull)\n"),
+    ("closes_stdin", "import sys\nsys.stdin.close()\n"),
+    ("drops_stdout", "import sys\nsys.stdout = None\n"),
+])
+def test_a_preload_that_replaces_or_closes_a_standard_stream_serves_warm(repo, serve, user_site, module, code):
+    """Found by the read hunt: the warm parent read the server's lifeline from sys.stdin and flushed sys.stdout
+    before each fork after the preloads, so an import that replaced or closed them (as python main.py allows)
+    left the model READY with every run failing and three parents started per request."""
+    (user_site / f"{module}.py").write_text(code)
+    main = reply_main("41", prelude=f"import {module}").replace("sys.stdin.buffer.read()\n", "")
+    repo.python("streams", textproto=REPORT, main=main)
+    server = serve(repo.write_config("- name: streams\n"))
+    assert backend_of(server, "streams").runtime_report().summary == "warm_start=on"
+    assert [ask(server, "streams") for _ in range(3)] == [41, 41, 41]
 
 
 def test_a_preload_that_ran_a_process_to_its_end_keeps_warm_start_on(repo, serve, user_site):
