@@ -46,6 +46,30 @@ class ThreadStartFailed(Unavailable, RuntimeError):
         self.cause = cause
 
 
+def make_room_for_threads(count: int) -> None:
+    """Start ``count`` threads that wait, then end them; ThreadStartFailed when they could not all start.
+
+    Asked before native code that aborts the whole process when it cannot start
+    its own threads (XLA's CPU client and compiler pools, an absl CHECK): at a
+    process or thread limit the work is refused, where the server died (the
+    exhaustion hunt). Others may take the room between this and that code:
+    it makes the abort unlikely, not impossible."""
+    release = threading.Event()
+    started: list[threading.Thread] = []
+    try:
+        for _ in range(count):
+            thread = threading.Thread(target=release.wait, name="nereid-thread-room", daemon=True)
+            try:
+                thread.start()
+            except RuntimeError as err:
+                raise ThreadStartFailed(err) from None
+            started.append(thread)
+    finally:
+        release.set()
+        for thread in started:
+            thread.join()
+
+
 # How long a worker thread waits idle for a call before it ends (the next call starts another).
 IDLE_THREAD_S = 60.0
 

@@ -26,6 +26,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from nereid.daemon_pool import make_room_for_threads
 from nereid.errors import ConfigError
 from nereid.model_hooks import code_lock
 from nereid.settings import Device
@@ -60,6 +61,13 @@ class PjrtTarget:
 _start_error: str | None = None
 # Concurrent loads: the one whose start fails records the error before another reads the backends.
 _start_lock = threading.Lock()
+_started = False  # jax's backends were asked for once, and answered (their thread pools run)
+
+
+def client_threads() -> int:
+    """About how many threads jax's CPU client starts with itself (measured with jaxlib 0.10: 7 and 3 per CPU it
+    may run on, its pools' sizes), and a margin: the room asked for before it starts (see make_room_for_threads)."""
+    return 11 + 3 * len(os.sched_getaffinity(0))
 
 
 def started_backends() -> tuple[dict[str, Any], str | None]:
@@ -73,11 +81,16 @@ def started_backends() -> tuple[dict[str, Any], str | None]:
     """
     from jax.extend import backend as jax_backend
 
-    global _start_error
+    global _start_error, _started
     with _start_lock:
         _check_xla_flags()
+        if not _started:
+            # Its pools abort the process when a thread cannot start: refused here, at a process limit, instead.
+            make_room_for_threads(client_threads())
         try:
-            return jax_backend.backends(), _start_error
+            backends = jax_backend.backends()
+            _started = True
+            return backends, _start_error
         except RuntimeError as err:
             if _start_error is None:
                 _start_error = str(err)

@@ -38,6 +38,7 @@ from nereid.backends.xla.remote import RemoteBundle
 from nereid.backends.xla.weights import read_local_weights, resolve_weights
 from nereid.backends.xla.signatures import BatchMode, batch_mode, build_signature, client_axis
 from nereid.backends.xla.transfer import DeviceTransfer
+from nereid.daemon_pool import make_room_for_threads
 from nereid.errors import ConfigError, InvalidArgument, ModelFailure
 from nereid.model_hooks import ModelHooks, identity, load_model_hooks
 from nereid.settings import Device
@@ -50,6 +51,8 @@ log = logging.getLogger(__name__)
 PLATFORM = "nereid_xla"
 # How many times a load reads a bundle whose folder was replaced by another while it read it, before it fails.
 SWAPPED_FOLDER_TRIES = 3
+# The threads XLA's compile of a program may start (measured with jaxlib 0.10: 3 at the first), and a margin.
+COMPILE_THREADS = 4
 
 
 @dataclass(frozen=True)
@@ -307,6 +310,8 @@ class XlaModel:
         client, devices, options = target.client, [target.device], target.compile_options
 
         def compile_program() -> Any:
+            # (XLA's compile starts threads of its own, and aborts the process if it cannot: refused here instead.)
+            make_room_for_threads(COMPILE_THREADS)
             try:
                 return client.compile_and_load(data, devices, options)
             except Exception as err:

@@ -163,6 +163,9 @@ def read_program(module: bytes | str, where: str) -> ProgramSignature:
     except ValueError as err:
         raise ConfigError(f"{where}: {err}") from None
     context = ir.Context()  # one per call: MLIR contexts are not shared across threads
+    # Reading needs none of its thread pool, whose start at a process limit aborted the server ("LLVM ERROR:
+    # pthread_create failed"; the exhaustion hunt).
+    context.enable_multithreading(False)
     stablehlo.register_dialect(context)
     _register_jax_dialects(context)
     # The reader's own reasons ("attempting to parse 130 bytes when only 5 remain") go into the

@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from nereid.daemon_pool import DaemonThreadPool, ThreadStartFailed, on_io_thread, release_server_pools
+from nereid.daemon_pool import (DaemonThreadPool, ThreadStartFailed, make_room_for_threads, on_io_thread,
+                                release_server_pools)
 from support import fail_thread_starts
 
 
@@ -228,3 +229,17 @@ def test_work_that_must_not_be_refused_runs_on_the_loop_when_no_thread_can_start
         with pytest.raises(ThreadStartFailed):
             await daemon_pool.on_work_thread(lambda: 1)
     asyncio.run(scenario())
+
+
+def test_room_for_threads_is_asked_by_starting_them_and_none_is_left_running(monkeypatch) -> None:
+    """Asked before native code that aborts the process when it cannot start its threads (the exhaustion hunt:
+    a bundle's load at a pids limit killed the server)."""
+    def room_threads() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name == "nereid-thread-room"]
+
+    make_room_for_threads(8)
+    assert room_threads() == []
+    refused = fail_thread_starts(monkeypatch, "nereid-thread-room", times=1)
+    with pytest.raises(ThreadStartFailed, match=r"^RuntimeError: can't start new thread: a process or thread limit"):
+        make_room_for_threads(8)
+    assert refused == ["nereid-thread-room"] and room_threads() == []

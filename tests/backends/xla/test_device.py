@@ -196,3 +196,39 @@ def test_a_check_child_killed_by_another_hand_decides_nothing() -> None:
     assert child_verdict("--xla_cpu_enable_fast_math=false", -9, b"") is _UNDECIDED
     assert child_verdict("--xla_cpu_enable_fast_math=false", 1, b"Traceback ...\nImportError: x\n") is None
     assert child_verdict("--xla_cpu_enable_fast_math=false", 0, b"") is None
+
+
+# Threads named nereid-thread-room cannot start while `refuse` is set; resolve a cpu model, lift it, resolve again.
+NO_ROOM_FOR_THE_CLIENT = """
+import threading
+from nereid.backends.xla.device import resolve_device
+from nereid.settings import Device
+
+refuse, real = True, threading.Thread.start
+
+def start(self):
+    if refuse and self.name == "nereid-thread-room":
+        raise RuntimeError("can't start new thread")
+    real(self)
+
+threading.Thread.start = start
+try:
+    resolve_device(Device.parse("cpu"), "a", "nereid.yaml: models[0]")
+except Exception as err:
+    print(f"{type(err).__name__}: {err}")
+refuse = False
+print("then", resolve_device(Device.parse("cpu"), "a", "nereid.yaml: models[0]").platform)
+"""
+
+
+def test_jax_s_client_is_not_started_without_room_for_its_threads() -> None:
+    """Found by the exhaustion hunt: at a pids limit, the first bundle's load started jax's CPU client, whose
+    thread pools could not start their threads, and an absl CHECK aborted the whole server. The load is refused
+    now, naming the limit, and a later one starts the client once there is room."""
+    done = subprocess.run([sys.executable, "-c", NO_ROOM_FOR_THE_CLIENT], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    refused, then = done.stdout.splitlines()
+    assert refused == ("ConfigError: model 'a': device cpu (nereid.yaml: models[0]): jax could not start any backend: "
+                       "RuntimeError: can't start new thread: a process or thread limit, such as ulimit -u or a "
+                       "container's pids limit, is reached"), refused
+    assert then == "then cpu"

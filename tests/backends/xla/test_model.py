@@ -40,6 +40,24 @@ def test_padded_rows_name_the_compiled_size_and_a_prepadded_batch_gives_the_same
         model.unload()
 
 
+def test_a_compile_with_no_room_for_xla_s_threads_is_refused_not_aborted(tmp_path, add_bundle, monkeypatch) -> None:
+    """Found by the exhaustion hunt: at a pids limit, XLA's compile could not start its threads and aborted the
+    whole server (an absl CHECK); the load is refused now, naming the limit, and nothing is compiled."""
+    from nereid.daemon_pool import ThreadStartFailed
+
+    asked: list[int] = []
+
+    def no_room(count: int) -> None:
+        asked.append(count)
+        raise ThreadStartFailed(RuntimeError("can't start new thread"))
+
+    monkeypatch.setattr(model_module, "make_room_for_threads", no_room)
+    folder = add_bundle(tmp_path, "mlp_bundle")
+    with pytest.raises(ThreadStartFailed, match="a process or thread limit, such as ulimit -u or a container's pids"):
+        load(folder, tmp_path)
+    assert asked == [model_module.COMPILE_THREADS]
+
+
 def test_a_loaded_bundles_weights_are_the_host_arrays_it_read_made_read_only(tmp_path, add_bundle,
                                                                              monkeypatch) -> None:
     # On CPU the device buffer is the array read from the file (no second copy of the weights): nothing may

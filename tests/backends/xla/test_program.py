@@ -34,6 +34,24 @@ def test_reads_parameters_and_results() -> None:
     assert program.parameters[0].describe() == "tensor<8x3xf32>" and program.results[1].describe() == "tensor<i32>"
 
 
+def test_a_program_is_read_without_starting_mlir_s_thread_pool(monkeypatch) -> None:
+    """Found by the exhaustion hunt: the MLIR context a load reads its program in started a thread pool, and at a
+    process limit LLVM aborted the whole server ("LLVM ERROR: pthread_create failed")."""
+    from jaxlib.mlir import ir
+
+    told: list[bool] = []
+    real = ir.Context.enable_multithreading
+
+    def enable_multithreading(context, enabled: bool) -> None:
+        real(context, enabled)
+        told.append(enabled)
+
+    monkeypatch.setattr(ir.Context, "enable_multithreading", enable_multithreading)
+    assert read_program(exported_artifact(), "model.mlir").arity == 3
+    # (jaxlib's Context() turns it on, its pool's threads started at the first parallel work: turned off before.)
+    assert told == [True, False]
+
+
 def test_text_modules_are_read_and_converted() -> None:
     text = """
     func.func @main(%arg0: tensor<2xf32>, %arg1: tensor<2xui64>) -> tensor<2xf32> {
