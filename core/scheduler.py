@@ -29,7 +29,7 @@ from nereid.batching import (BatchPolicy, batch_key, deadline_passed, request_co
                              will_not_run)
 from nereid.daemon_pool import DaemonThreadPool, ThreadStartFailed, on_work_thread_or_here
 from nereid.errors import (DeadlineExceeded, LoggedModelFailure, ModelFailure, ModelRetired, NereidError, NotStarted,
-                           QueueFull, Unavailable, describe_exception, naming_model, without_model_name)
+                           OutOfMemory, QueueFull, Unavailable, describe_exception, naming_model, without_model_name)
 from nereid.log_limit import RateLimitedLog
 from nereid.settings import DEFAULT_CONFIG_NAME, DEFAULT_QUEUE_CAPACITY
 from nereid.signature import ModelSignature, check_outputs
@@ -781,8 +781,8 @@ class ModelScheduler:
         try:
             try:
                 inputs, run_rows = await self._assemble(requests, total)
-            except asyncio.CancelledError:
-                not_started = True  # (stopped while its rows were stacked off the loop: no execution ran)
+            except (asyncio.CancelledError, OutOfMemory):
+                not_started = True  # (stopped while its rows were stacked, or no memory to stack them: no execution)
                 raise
             start = time.monotonic_ns()
             if assembly_start_ns:
@@ -950,9 +950,19 @@ class ModelScheduler:
         if len(requests) == 1:
             return requests[0], total  # a lone request: the model pads it itself if it must
         run_rows = self._padded_rows(total) if self._pads else total
-        if costly_to_check([tensor for tensors in requests for tensor in tensors]):
-            return await on_work_thread_or_here(stack_rows, requests, run_rows), run_rows
-        return stack_rows(requests, run_rows), run_rows
+        tensors = [tensor for request in requests for tensor in request]
+        try:
+            if costly_to_check(tensors):
+                return await on_work_thread_or_here(stack_rows, requests, run_rows), run_rows
+            return stack_rows(requests, run_rows), run_rows
+        except MemoryError:
+            # The server's condition, not the model's fault (it was an ERROR with a traceback, "model 'm' failed:
+            # MemoryError", counted as the model's; the exhaustion hunt): each request may well pass later.
+            size = sum(tensor.data.nbytes for tensor in tensors) * run_rows // max(1, total)
+            message = (f"model '{self.name}': the server ran out of memory stacking a batch of {len(requests)} "
+                       f"requests ({size} bytes); try again later")
+            self._fault_log.warning("%s", message)
+            raise OutOfMemory(message) from None
 
     def _padded_rows(self, rows: int) -> int:
         """The backend's run size for a batch of ``rows`` rows, held to being at least ``rows``."""

@@ -15,6 +15,7 @@ there is a load error (see :func:`~nereid.backends.subprocess.gpus.visible_gpus`
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import re
 import stat
@@ -24,7 +25,8 @@ from typing import BinaryIO
 
 from nereid.backend import ModelContext
 from nereid.dtypes import DType
-from nereid.errors import ConfigError, MissingModelFile, ModelFailure, ModelKilled, Unavailable, cap_message
+from nereid.errors import (ConfigError, MissingModelFile, ModelFailure, ModelKilled, OutOfMemory, Unavailable,
+                           cap_message)
 from nereid.files import descriptor_path, not_regular_reason, remove_tree
 from nereid.run_folders import longest_run_folder, make_run_folder
 from nereid.runtime_options import RuntimeOptions
@@ -37,6 +39,8 @@ from nereid.backends.subprocess.framing import (MAX_BYTES_ELEMENTS, MAX_BYTES_RO
 from nereid.backends.subprocess.gpus import visible_gpus
 from nereid.backends.subprocess.runner import (DEFAULT_PATH, FolderNotEntered, ProcessGroups, ProcessResult,
                                                StdinData, run_model_process, timed_out)
+
+log = logging.getLogger(__name__)
 
 # Descriptors of the model folder kept across renames (the oldest is closed past this).
 MAX_FOLDER_FDS = 8
@@ -421,8 +425,16 @@ class SubprocessModel:
                                        f"expected {contract_name(spec.dtype)}")
                 shape = self._check_shape(where, spec, shape, batch)
                 start = stream.tell()
-                data = read_body(stream, dtype, shape, where, MAX_OUTPUT_BYTES - taken, _output_bound(taken),
-                                 MAX_BYTES_ELEMENTS * min(max(1, batch), MAX_BYTES_ROWS))
+                try:
+                    data = read_body(stream, dtype, shape, where, MAX_OUTPUT_BYTES - taken, _output_bound(taken),
+                                     MAX_BYTES_ELEMENTS * min(max(1, batch), MAX_BYTES_ROWS))
+                except MemoryError:
+                    # The server's condition, not the model's fault (it was "model 'm' failed: MemoryError", an
+                    # ERROR with a traceback; the exhaustion hunt): the same run may well be read later.
+                    message = (f"{where}: the server ran out of memory reading it (shape {list(shape)}, "
+                               f"{contract_name(dtype)}); try again later")
+                    log.warning("%s", message)
+                    raise OutOfMemory(message) from None
                 taken += stream.tell() - start
                 outputs.append(NamedTensor(spec.name, dtype, data))
             if stream.read(1):

@@ -118,6 +118,36 @@ def test_large_requests_are_stacked_into_their_batch_off_the_event_loop(monkeypa
     assert stacked_on and threading.main_thread().name not in stacked_on, stacked_on
 
 
+def test_no_memory_to_stack_a_batch_is_the_server_s_condition_and_no_execution(monkeypatch) -> None:
+    """Found by the exhaustion hunt: requests that each fit, merged into a batch the server had no memory for,
+    were all "model 'm' failed: MemoryError", an ERROR counted as the model's fault and as an execution."""
+    import nereid.scheduler as scheduler_module
+    from nereid.errors import OutOfMemory
+
+    def no_memory(requests, rows):
+        raise MemoryError()
+
+    monkeypatch.setattr(scheduler_module, "stack_rows", no_memory)
+
+    async def scenario() -> None:
+        backend = RecordingBackend()
+        stats = ModelStats()
+        scheduler = ModelScheduler("m", backend, FIXED, 64, 1, stats, policy(max_batch_size=6))
+        blocker = await start_blocked(scheduler, backend)
+        tasks = [asyncio.create_task(scheduler.submit(request(i), 1, 0)) for i in (1, 2)]
+        await asyncio.sleep(0.05)
+        backend.gate.set()
+        await blocker
+        for task in tasks:
+            with pytest.raises(OutOfMemory, match=r"^model 'm': the server ran out of memory stacking a batch of 2 "
+                                                  r"requests \(16 bytes\); try again later$"):
+                await task
+        assert backend.batches == [[-1]]  # only the blocker ran
+        assert stats.snapshot().execution_count == 1
+        await scheduler.drain()
+    run(scenario())
+
+
 def test_requests_with_different_non_batch_shapes_are_never_mixed() -> None:
     async def scenario() -> None:
         backend = RecordingBackend()

@@ -82,6 +82,26 @@ def test_runs_start_in_the_model_folder(tmp_path) -> None:
         model.unload()
 
 
+def test_no_memory_to_read_an_output_is_the_server_s_condition_not_the_model_s_fault(tmp_path, monkeypatch) -> None:
+    """Found by the exhaustion hunt: a 900 MB output the server had no memory to read was "model 'm' failed:
+    MemoryError", an ERROR counted as the model's fault; the same run may well be read later."""
+    from nereid.errors import OutOfMemory
+
+    def no_memory(*args, **kwargs):
+        raise MemoryError()
+
+    model = loaded(tmp_path)
+    try:
+        monkeypatch.setattr(model_module, "read_body", no_memory)
+        with pytest.raises(OutOfMemory, match=r"^model 'shell': output 'output': the server ran out of memory "
+                                              r"reading it \(shape \[1, 4\], float32\); try again later$"):
+            echo(model)
+        monkeypatch.undo()
+        echo(model)
+    finally:
+        model.unload()
+
+
 @pytest.mark.skipif(np.lib.NumpyVersion(np.__version__) < "2.0.0", reason="numpy 1 holds 32 dims at most")
 def test_a_model_declaring_the_most_dims_answers_with_its_batch_axis_in_front(tmp_path) -> None:
     """Found by a bug hunt: the frame reader took at most 32 dims, the batch axis included, so a batching model
