@@ -290,6 +290,23 @@ def atomic_write(path: Path, parts: Iterable[bytes | memoryview], *, durable: bo
     for that temporary name (over 230 bytes or so) has a hash of it in its
     place.
     """
+    temporary = staged_write(path, parts, durable=durable, mode=mode)
+    try:
+        if check is not None:
+            check(temporary)
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+    if durable:
+        fsync_folder(path.parent)
+
+
+def staged_write(path: Path, parts: Iterable[bytes | memoryview], *, durable: bool = False,
+                 mode: int | None = None) -> Path:
+    """Write ``parts`` to a temporary file beside ``path``, named as :func:`atomic_write` names it, and return
+    it, for the caller to rename over ``path`` (or remove): several files replaced together once all are
+    written (a bundle's export). Nothing is left when writing fails."""
     temporary = path.parent / temporary_name(path.name)
     fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
     try:
@@ -301,14 +318,10 @@ def atomic_write(path: Path, parts: Iterable[bytes | memoryview], *, durable: bo
                 os.fsync(f.fileno())
         if mode is not None:
             os.chmod(temporary, mode)
-        if check is not None:
-            check(temporary)
-        os.replace(temporary, path)
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise
-    if durable:
-        fsync_folder(path.parent)
+    return temporary
 
 
 def temporary_name(name: str) -> str:

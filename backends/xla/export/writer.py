@@ -32,7 +32,7 @@ from nereid.dtypes import DType
 from nereid.errors import ConfigError
 from nereid.backends.xla.export.iospec import IOSpec, as_dtype
 from nereid.backends.xla.export.provenance import PATCH_FILE, Provenance
-from nereid.files import atomic_write
+from nereid.files import staged_write, temporary_name
 
 Module = Union[bytes, str]
 Modules = Union[Module, Mapping[int, Module]]
@@ -368,42 +368,43 @@ def _read(artifact: bytes, file_name: str):
 def _write_files(directory: Path, files: Mapping[str, bytes], weights: list[tuple[str, np.ndarray]], layout: str,
                  model_py: str | None, provenance: Provenance | Mapping[str, Any] | None,
                  manifest_text: str, shard_bytes: int | None = None) -> None:
-    """Write a checked bundle: the weights first to temporary files (the step most likely to fail, on a full
-    disk), and only then replace the earlier export's files; the manifest goes last."""
+    """Write a checked bundle: every file to a temporary name first (the weights, the step most likely to fail on
+    a full disk, then the programs, index, model.py, patch and manifest), and only once all are written replace
+    the earlier export's files, the manifest last. A write that fails leaves the earlier export as it was, and
+    no temporary file: it left a manifest of the earlier export beside programs of the new one, which no load
+    takes, and its weights' temporary file filling the disk (the exhaustion hunt)."""
     directory.mkdir(parents=True, exist_ok=True)
     shards = _shards(weights, shard_bytes) if shard_bytes is not None else {DEFAULT_WEIGHTS_FILE: weights}
-    partials = {file_name: directory / f".{file_name}.{os.getpid()}.partial" for file_name in shards}
-    try:
-        for file_name, part in shards.items():
-            write_safetensors(partials[file_name], part, legacy=layout == "legacy")
-    except BaseException:
-        for temporary in partials.values():
-            temporary.unlink(missing_ok=True)
-        raise
-    # Program files and the patch of an earlier export would otherwise linger
-    # beside the new ones and be served or misread.
-    for stale in [*directory.glob("model*.mlir"), directory / PATCH_FILE]:
-        if stale.name not in files:
-            stale.unlink(missing_ok=True)
-    for file_name, artifact in files.items():
-        atomic_write(directory / file_name, [artifact])
-    # Weights of an earlier export (one file, or other shards) would otherwise be read with the new ones.
-    for stale in [*directory.glob("*.safetensors"), directory / INDEX_FILE]:
-        if stale.name not in shards:
-            stale.unlink(missing_ok=True)
-    for file_name, temporary in partials.items():
-        os.replace(temporary, directory / file_name)
+    others = dict(files)
     if shard_bytes is not None:
         index = {"metadata": {"total_size": sum(a.nbytes for _, a in weights),
                               "argument_order": [n for n, _ in weights]},
                  "weight_map": {n: file_name for file_name, part in shards.items() for n, _ in part}}
-        atomic_write(directory / INDEX_FILE, [(json.dumps(index, indent=1) + "\n").encode()])
+        others[INDEX_FILE] = (json.dumps(index, indent=1) + "\n").encode()
     if model_py is not None:
-        atomic_write(directory / MODEL_PY, [model_py.encode()])
+        others[MODEL_PY] = model_py.encode()
     if isinstance(provenance, Provenance) and provenance.patch:
-        atomic_write(directory / PATCH_FILE, [provenance.patch])
-    # The manifest goes last: a bundle interrupted mid-write has no new manifest.
-    atomic_write(directory / MANIFEST_NAME, [manifest_text.encode()])
+        others[PATCH_FILE] = provenance.patch
+    others[MANIFEST_NAME] = manifest_text.encode()  # (last: a bundle interrupted mid-rename has no new manifest)
+    staged: dict[str, Path] = {}
+    try:
+        for file_name, part in shards.items():
+            staged[file_name] = directory / temporary_name(file_name)
+            write_safetensors(staged[file_name], part, legacy=layout == "legacy")
+        for file_name, data in others.items():
+            staged[file_name] = staged_write(directory / file_name, [data])
+    except BaseException:
+        for temporary in staged.values():
+            temporary.unlink(missing_ok=True)
+        raise
+    # Program files, weights (one file, or other shards), the index and the patch of an earlier export would
+    # otherwise linger beside the new ones and be served or misread.
+    for stale in [*directory.glob("model*.mlir"), *directory.glob("*.safetensors"), directory / INDEX_FILE,
+                  directory / PATCH_FILE]:
+        if stale.name not in staged:
+            stale.unlink(missing_ok=True)
+    for file_name, temporary in staged.items():
+        os.replace(temporary, directory / file_name)
 
 
 def _manifest_text(document: dict[str, Any]) -> str:

@@ -167,6 +167,30 @@ def test_weights_that_fail_to_write_leave_the_bundle_as_it_was(tmp_path, monkeyp
     assert snapshot(directory) == before  # the partial file is gone too
 
 
+@pytest.mark.parametrize("failing", ["model.b4.mlir", "model.py", "manifest.yaml"])
+def test_any_file_that_fails_to_write_leaves_the_bundle_as_it_was(tmp_path, monkeypatch, failing) -> None:
+    """Found by the exhaustion hunt: a disk that filled after the weights were written left the earlier export's
+    manifest beside the new export's programs and weights (a bundle no load takes), and the weights' temporary
+    file filling the disk."""
+    from nereid.backends.xla.export import writer
+
+    directory = write_bundle(tmp_path / "affine", "affine", INPUTS, OUTPUTS, {1: module(1), 2: module(2)}, WEIGHTS)
+    before = snapshot(directory)
+    real = writer.staged_write
+
+    def disk_full(path, parts, **kwargs):
+        if path.name == failing:
+            raise OSError(28, "No space left on device")
+        return real(path, parts, **kwargs)
+
+    monkeypatch.setattr(writer, "staged_write", disk_full)
+    other = {name: array + 1 for name, array in WEIGHTS.items()}
+    with pytest.raises(OSError, match="No space left"):
+        write_bundle(directory, "affine", INPUTS, OUTPUTS, {1: module(1), 4: module(4)}, other,
+                     model_py="def preprocess(inputs):\n    return inputs\n")
+    assert snapshot(directory) == before
+
+
 def test_a_weight_named_metadata_is_refused(tmp_path) -> None:
     weights = {"__metadata__": WEIGHTS["w"], "b": WEIGHTS["b"]}
     with pytest.raises(ExportError, match=r"weights: weight 0 is named '__metadata__', the key safetensors reserves"):
