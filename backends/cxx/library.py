@@ -139,6 +139,15 @@ def _foreign_machine(path: Path) -> str | None:
 _COPY_CHUNK = 1 << 20  # bytes read and written at a time by a library's copy
 
 
+def _needed_or_none(path: str) -> list[str]:
+    """The DT_NEEDED names of the ELF file at ``path``; none when it cannot be read as one (it is loaded: the
+    loader read it)."""
+    try:
+        return list(needed_libraries(path))
+    except (OSError, ValueError, OverflowError, MemoryError):
+        return []
+
+
 def _shipped_dependencies(path: Path) -> set[str]:
     """The names of the entries beside ``path`` that it needs, directly or through each other: each DT_NEEDED
     name found there, and the neighbours its links lead to (``libdep.so.1 -> libdep.so.1.2``)."""
@@ -328,17 +337,27 @@ class NativeLibrary:
                 needed.update(needed_libraries(str(copy)))
         # (Any model's private copies count as a model's own: a name another model ships, loaded first, is that
         # model's, and unloads with it; pinned, a rebuilt one was never read again; the review hunt.)
-        model_folders = [str(folder) for folder in (self._scratch_dir, self._model_folder) if folder is not None]
-        for name in sorted(needed):
+        model_folders = [os.path.realpath(folder) for folder in (self._scratch_dir, self._model_folder)
+                         if folder is not None]
+        pending, seen = sorted(needed, reverse=True), set(needed)
+        while pending:
+            name = pending.pop()
             loaded = self._loaded_path(name)
             if loaded is None:
                 continue
             resolved = os.path.realpath(loaded)
-            inside = any(os.path.commonpath([resolved, os.path.realpath(folder)]) == os.path.realpath(folder)
-                         for folder in model_folders)
+            inside = any(os.path.commonpath([resolved, folder]) == folder for folder in model_folders)
             if (name not in shipped and not inside) or _THREAD_POOL_RUNTIME.match(os.path.basename(name)):
                 # (Already loaded, as a dependency: NOLOAD finds it, NODELETE marks it never to be unloaded.)
                 self._libc.dlopen(name.encode(), _RTLD_NOW | _RTLD_NOLOAD | _RTLD_NODELETE)
+            elif inside:
+                # A library of the model's own, elsewhere in its folder (lib/, under a RUNPATH $ORIGIN/lib, as SDKs
+                # lay them out): what it needs is looked at too, a libgomp only it needs unloaded with the model
+                # and crashed the server (the read hunt). (What a kept library needs stays with it.)
+                for dependency in _needed_or_none(resolved):
+                    if dependency not in seen:
+                        seen.add(dependency)
+                        pending.append(dependency)
 
     def _loaded_path(self, name: str) -> str | None:
         """Where the loader found the library ``name`` the copy needs (the path it mapped), or None when it is not

@@ -411,6 +411,34 @@ def test_an_openmp_runtime_shipped_beside_the_library_stays_loaded_and_the_model
                                "libnereiddepxyz.so") == []
 
 
+def test_an_openmp_runtime_a_library_in_a_subfolder_of_the_model_needs_stays_loaded(tmp_path) -> None:
+    """Found by the cxx read hunt: a model's library under RUNPATH $ORIGIN/lib whose lib/libkern.so was built with
+    -fopenmp (an SDK's layout): libgomp, needed by neither the model's library nor one beside it, was unloaded
+    with the model while its pool's threads ran its code, and the server died with SIGSEGV."""
+    model = tmp_path / "sub_model"
+    (model / "lib").mkdir(parents=True)
+    (tmp_path / "kern.cpp").write_text(
+        'extern "C" int nereid_kern_threads_xyz() {\n    int threads = 0;\n    #pragma omp parallel\n    {\n'
+        '        #pragma omp atomic\n        threads += 1;\n    }\n    return threads;\n}\n')
+    (tmp_path / "model.cpp").write_text(
+        '#include "nereid_cxx.h"\nextern "C" int nereid_kern_threads_xyz();\n'
+        'extern "C" int nereid_load(const char*, const char*, void**, char*, size_t) {\n'
+        '    return nereid_kern_threads_xyz() > 0 ? 0 : 1;\n}\n'
+        'extern "C" int nereid_infer(void*, const nereid_tensor*, size_t, nereid_tensor*, size_t, char*, size_t) '
+        '{\n    return 0;\n}\n')
+    kern = subprocess.run([CXX, "-O1", "-shared", "-fPIC", "-fopenmp", "-o", str(model / "lib" / "libkernxyz.so"),
+                           str(tmp_path / "kern.cpp")], capture_output=True, text=True)
+    if kern.returncode != 0:
+        pytest.skip(f"no OpenMP for this compiler: {kern.stderr[-300:]}")
+    built = subprocess.run([CXX, "-O1", "-shared", "-fPIC", f"-I{header_dir()}", f"-L{model / 'lib'}",
+                            "-Wl,-rpath,$ORIGIN/lib", "-o", str(model / "libmodel.so"), str(tmp_path / "model.cpp"),
+                            "-lkernxyz"], capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr
+    # (The model's own library in its subfolder unloads with it: only the system's libgomp stays.)
+    assert _mapped_after_close(model / "libmodel.so", tmp_path / "scratch", model,
+                               "libgomp", "libkernxyz.so") == ["libgomp"]
+
+
 TWO_MODELS_MAPPED_AFTER_CLOSE = '''
 import sys
 from pathlib import Path
