@@ -26,6 +26,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from nereid.backends.xla.cache import compilation_flags
 from nereid.daemon_pool import make_room_for_threads
 from nereid.errors import ConfigError
 from nereid.model_hooks import code_lock
@@ -62,6 +63,18 @@ _start_error: str | None = None
 # Concurrent loads: the one whose start fails records the error before another reads the backends.
 _start_lock = threading.Lock()
 _started = False  # jax's backends were asked for once, and answered (their thread pools run)
+# compilation_flags() of XLA_FLAGS as XLA read it, when its first backend started (None: not started yet).
+_flags_at_start: str | None = None
+
+
+def flags_in_force() -> str:
+    """:func:`~nereid.backends.xla.cache.compilation_flags` of XLA_FLAGS as XLA read them, once, as its first
+    backend started in this process (as they are now, before): what every program this process compiles is
+    compiled with. A flags file edited while the server runs (a ConfigMap's), or a model.py setting XLA_FLAGS,
+    changes nothing XLA compiles, and keyed by the flags read again at each load, a reload cached programs of
+    the old flags under the new ones, for every server sharing the folder (the XLA read hunt)."""
+    with _start_lock:
+        return _flags_at_start if _flags_at_start is not None else compilation_flags(os.environ)
 
 
 def client_threads() -> int:
@@ -81,15 +94,17 @@ def started_backends() -> tuple[dict[str, Any], str | None]:
     """
     from jax.extend import backend as jax_backend
 
-    global _start_error, _started
+    global _start_error, _started, _flags_at_start
     with _start_lock:
         _check_xla_flags()
         if not _started:
             # Its pools abort the process when a thread cannot start: refused here, at a process limit, instead.
             make_room_for_threads(client_threads())
+            flags = compilation_flags(os.environ)
         try:
             backends = jax_backend.backends()
-            _started = True
+            if not _started:
+                _started, _flags_at_start = True, flags
             return backends, _start_error
         except RuntimeError as err:
             if _start_error is None:

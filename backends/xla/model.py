@@ -23,11 +23,10 @@ from nereid.backend import ModelContext
 from nereid.backends.host_cpu import host_cpu
 from nereid.backends.xla.arity import arity_mismatch, donated_weights_problem
 from nereid.backends.xla.bundle import CACHE_DIR, DEFAULT_WEIGHTS_FILE, BundleLayout, ProgramKey, open_bundle
-from nereid.backends.xla.cache import (CacheKey, CacheStats, CompileFunctions, ExecutableCache, compilation_flags,
-                                      file_sha256)
+from nereid.backends.xla.cache import CacheKey, CacheStats, CompileFunctions, ExecutableCache, file_sha256
 from nereid.backends.xla.conformance import check_program_types
-from nereid.backends.xla.device import (PjrtTarget, check_xla_flags, host_lapack_problem, import_jax, jax_missing,
-                                        resolve_device)
+from nereid.backends.xla.device import (PjrtTarget, check_xla_flags, flags_in_force, host_lapack_problem, import_jax,
+                                        jax_missing, resolve_device)
 from nereid.backends.xla.dtype_tokens import token_of
 from nereid.backends.xla.manifest import (EXPORT_PLATFORM, MANIFEST_NAME, DimKind, Manifest, ManifestTensor,
                                           smallest_fitting)
@@ -306,7 +305,7 @@ class XlaModel:
             raise ConfigError(f"{path.name}: {problem}")
         key_fields = CacheKey(file_sha256(data), jaxlib.__version__, target.platform,
                               target.client.platform_version, target.device.device_kind,
-                              compilation_flags(os.environ), host_cpu() if target.platform == "cpu" else "")
+                              flags_in_force(), host_cpu() if target.platform == "cpu" else "")
         client, devices, options = target.client, [target.device], target.compile_options
 
         def compile_program() -> Any:

@@ -232,3 +232,29 @@ def test_jax_s_client_is_not_started_without_room_for_its_threads() -> None:
                        "RuntimeError: can't start new thread: a process or thread limit, such as ulimit -u or a "
                        "container's pids limit, is reached"), refused
     assert then == "then cpu"
+
+
+# argv[1]: the file XLA_FLAGS names. Prints the flags in force before jax starts, then after the file is edited.
+FLAGS_READ_ONCE = """
+import sys
+from pathlib import Path
+from nereid.backends.xla.device import flags_in_force, resolve_device
+from nereid.settings import Device
+
+print(flags_in_force())
+resolve_device(Device.parse("cpu"), "a", "nereid.yaml: models[0]")
+Path(sys.argv[1]).write_text("--xla_cpu_max_isa=AVX2\\n")
+print(flags_in_force())
+"""
+
+
+def test_the_compile_cache_is_keyed_by_the_flags_xla_read_when_it_started(tmp_path) -> None:
+    """Found by the XLA read hunt: XLA reads XLA_FLAGS once, as its first backend starts, but the cache key read
+    the flags file again at each load: after an edit of it (a ConfigMap's), a reload cached programs compiled
+    with the old flags under the new ones, and a fresh server with the new flags served them."""
+    flags = tmp_path / "flags"
+    flags.write_text("--xla_cpu_max_isa=SSE4_2\n")
+    done = subprocess.run([sys.executable, "-c", FLAGS_READ_ONCE, str(flags)], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "XLA_FLAGS": str(flags)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == ["--xla_cpu_max_isa=SSE4_2", "--xla_cpu_max_isa=SSE4_2"], done.stdout
