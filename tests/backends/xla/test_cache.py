@@ -136,20 +136,25 @@ def test_disabled_or_unwritable_cache_still_loads(tmp_path, add_bundle, caplog) 
 
 def test_a_changed_xla_flags_misses_the_cache_and_a_dump_flag_does_not(tmp_path, add_bundle, monkeypatch) -> None:
     """Defect: the key left XLA_FLAGS out, so an executable compiled under one set of flags (say
-    --xla_cpu_enable_fast_math=true) was reused by a server started with others."""
+    --xla_cpu_enable_fast_math=true) was reused by a server started with others. (The flags in force are those
+    XLA read as it started in the process: each server's here is as if it had started with them.)"""
+    from nereid.backends.xla import device
     from nereid.backends.xla.cache import compilation_flags
 
-    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    def started_with(flags: str) -> None:
+        monkeypatch.setattr(device, "_flags_at_start", compilation_flags({"XLA_FLAGS": flags}))
+
+    started_with("")
     folder = add_bundle(tmp_path, "mlp_bundle")
     assert load(folder, tmp_path).report.cache.compiled == 3
-    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=true")
+    started_with("--xla_cpu_enable_fast_math=true")
     flagged = load(folder, tmp_path).report.cache
     assert (flagged.hits, flagged.compiled, flagged.rebuilt) == (0, 3, 0)
     assert len(entries(folder)) == 6  # one entry per program and flag set; the unflagged ones are kept
     # Where XLA writes its dumps is no part of the program: such flags leave the key (and the cache hit) alone.
-    monkeypatch.setenv("XLA_FLAGS", f"--xla_dump_to={tmp_path / 'dumps'} --xla_cpu_enable_fast_math=true")
+    started_with(f"--xla_dump_to={tmp_path / 'dumps'} --xla_cpu_enable_fast_math=true")
     assert load(folder, tmp_path).report.cache.hits == 3
-    monkeypatch.delenv("XLA_FLAGS")
+    started_with("")
     assert load(folder, tmp_path).report.cache.hits == 3
     assert compilation_flags({"XLA_FLAGS": " --xla_gpu_autotune_level=0  --xla_dump_hlo_as_text --b=1 --b=2"}) == \
         "--xla_gpu_autotune_level=0 --b=1 --b=2"
