@@ -430,3 +430,33 @@ def test_a_load_whose_folder_is_swapped_during_every_try_fails_saying_so(tmp_pat
         load(folder, tmp_path)
     assert str(caught.value) == (f"model 'm': its folder {folder} was replaced by another during each of 3 loads in "
                                  "a row; load it again once it stays in place")
+
+
+def _matmul(x, w):
+    return x @ w
+
+
+def test_a_format_2_1_bundle_whose_weights_file_has_no_axis_order_is_refused_not_read_transposed(tmp_path) -> None:
+    """Found by the XLA read hunt: a 2.1 bundle's weights rewritten with the safetensors package (no axis_order)
+    were read in the legacy layout: a square weight passed every check transposed, and the model answered
+    x @ w.T, OK. (The same file with axis_order: xla loads, and answers x @ w.)"""
+    import safetensors.numpy
+
+    from nereid.backends.xla.export import export_bundle
+
+    w = np.arange(9, dtype=np.float32).reshape(3, 3)
+    folder = export_bundle(_matmul, [np.zeros((1, 3), np.float32)], {"w": w}, directory=tmp_path / "mm",
+                           batch_sizes=[1], provenance=False)
+    safetensors.numpy.save_file({"w": w}, str(folder / "weights.safetensors"))
+    with pytest.raises(ConfigError, match=r"^weights\.safetensors: no axis_order in its metadata, so it would be "
+                                          r"read in the legacy layout .* manifest\.yaml says format_version "
+                                          r"\"2\.1\""):
+        load(folder, tmp_path)
+    safetensors.numpy.save_file({"w": w}, str(folder / "weights.safetensors"), metadata={"axis_order": "xla"})
+    model = load(folder, tmp_path)
+    try:
+        x = np.array([[1, 0, 0]], np.float32)
+        [output] = model.infer([NamedTensor.from_array("input", x)])
+        np.testing.assert_array_equal(output.data, x @ w)
+    finally:
+        model.unload()
