@@ -19,7 +19,7 @@ from nereid.backends.xla.conformance import check_program_types
 from nereid.backends.xla.manifest import MANIFEST_NAME, declares_meta
 from nereid.backends.xla.program import ProgramSignature, python_callback_problem, read_program
 from nereid.backends.xla.migration import local_weight_set
-from nereid.backends.xla.weights import WeightSet
+from nereid.backends.xla.weights import WeightSet, format_layout_problem
 from nereid.errors import ConfigError
 
 _SHOWN_PARAMETERS = 6
@@ -233,6 +233,9 @@ def _report(folder: Path, bundle: _OpenedBundle) -> BundleArity:
 def _type_problem(bundle: _OpenedBundle) -> str | None:
     """:func:`bundle_type_problem` of an opened bundle (raising what it turns into the reason)."""
     layout = bundle.layout
+    problem = format_layout_problem(layout.manifest, bundle.weight_set)
+    if problem is not None:
+        return problem
     weights = bundle.weight_set.weights if bundle.weight_set else ()
     weight_types = [(w.entry.name, w.program_shape, w.entry.dtype) for w in weights]
     for key, path in layout.modules.items():

@@ -28,13 +28,13 @@ from nereid.backends.xla.conformance import check_program_types
 from nereid.backends.xla.device import (PjrtTarget, check_xla_flags, flags_in_force, host_lapack_problem, import_jax,
                                         jax_missing, resolve_device)
 from nereid.backends.xla.dtype_tokens import token_of
-from nereid.backends.xla.manifest import (CURRENT_FORMAT_VERSION, EXPORT_PLATFORM, MANIFEST_NAME, DimKind, Manifest,
-                                          ManifestTensor, smallest_fitting)
+from nereid.backends.xla.manifest import (EXPORT_PLATFORM, MANIFEST_NAME, DimKind, Manifest, ManifestTensor,
+                                          smallest_fitting)
 from nereid.backends.xla.migration import MIGRATED_FILES, migrate_for_load, open_local_bundle
 from nereid.backends.xla.options import XlaOptions, parse_options
 from nereid.backends.xla.program import parameter_layout_problem, python_callback_problem, read_program
 from nereid.backends.xla.remote import RemoteBundle
-from nereid.backends.xla.weights import WeightSet, read_local_weights, resolve_weights
+from nereid.backends.xla.weights import format_layout_problem, read_local_weights, resolve_weights
 from nereid.backends.xla.signatures import BatchMode, batch_mode, build_signature, client_axis
 from nereid.backends.xla.transfer import DeviceTransfer
 from nereid.daemon_pool import make_room_for_threads
@@ -148,7 +148,9 @@ class XlaModel:
             layout, weight_set = open_local_bundle(folder, options.largest_batch_only)
         manifest = layout.manifest
         try:  # the weights files stay open from their headers' read to their data's
-            _check_layout_of_format(manifest, weight_set)
+            problem = format_layout_problem(manifest, weight_set)
+            if problem is not None:
+                raise ConfigError(problem)
             weight_types = ([(w.entry.name, w.program_shape, w.entry.dtype) for w in weight_set.weights]
                             if weight_set else [])
             self._load_hooks(layout)
@@ -554,25 +556,6 @@ def exported_elsewhere(manifest: Manifest, device: Device) -> str | None:
 
 
 # jax's names for one platform (jax.export takes cuda; "gpu" is its older generic name).
-def _check_layout_of_format(manifest: Manifest, weight_set: WeightSet | None) -> None:
-    """ConfigError when a format 2.1 manifest's own weights are in the legacy layout (no ``axis_order``).
-
-    2.1 says its weights are in program order (what the exporter and the migration write); a file written by
-    another tool (the safetensors package, torch) has no ``axis_order`` and was read in the legacy layout: a
-    square weight (any d x d layer) passed every shape check transposed, and the model answered wrong numbers,
-    OK (the XLA read hunt). A migrated bundle falling back to its original legacy file (its copy stale) is
-    the migration's rule, and loads.
-    """
-    if (manifest.format_version == CURRENT_FORMAT_VERSION and manifest.weights_file is None
-            and weight_set is not None and weight_set.legacy):
-        raise ConfigError(
-            f"{weight_set.describe()}: no axis_order in its metadata, so it would be read in the legacy layout "
-            f"(column-major shapes), but {MANIFEST_NAME} says format_version \"{CURRENT_FORMAT_VERSION}\", whose "
-            "weights are in the program's order: add {\"axis_order\": \"xla\"} to its metadata if its shapes are "
-            "the program's (safetensors' save_file(..., metadata=...)), or write it with "
-            "nereid.backends.xla.export.write_safetensors")
-
-
 _PLATFORM_ALIASES = {"gpu": "cuda"}
 
 

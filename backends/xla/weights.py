@@ -43,6 +43,7 @@ from typing import Protocol, Sequence
 import numpy as np
 
 from nereid.backends.xla.bundle import DEFAULT_WEIGHTS_FILE
+from nereid.backends.xla.manifest import CURRENT_FORMAT_VERSION, MANIFEST_NAME, Manifest
 from nereid.backends.xla.safetensors import (DEFAULT_CHUNK_BYTES, DEFAULT_READ_THREADS, SafetensorsHeader,
                                              TensorEntry, empty_for, open_weights_file, read_entries_into,
                                              read_header_fd, to_program_array)
@@ -212,6 +213,26 @@ def single_file(files: BundleFiles, name: str) -> WeightSet:
     """The weights of one file."""
     header = files.header(name)
     return WeightSet((name,), tuple(Weight(name, header, e) for e in header.tensors))
+
+
+def format_layout_problem(manifest: Manifest, weight_set: WeightSet | None) -> str | None:
+    """Why a format 2.1 manifest's own weights in the legacy layout (no ``axis_order``) are refused; None when
+    they are not such.
+
+    2.1 says its weights are in program order (what the exporter and the migration write); a file written by
+    another tool (the safetensors package, torch) has no ``axis_order`` and was read in the legacy layout: a
+    square weight (any d x d layer) passed every shape check transposed, and the model answered wrong numbers,
+    OK (the XLA read hunt). A migrated bundle falling back to its original legacy file (its copy stale) is the
+    migration's rule, and loads.
+    """
+    if (manifest.format_version != CURRENT_FORMAT_VERSION or manifest.weights_file is not None
+            or weight_set is None or not weight_set.legacy):
+        return None
+    return (f"{weight_set.describe()}: no axis_order in its metadata, so it would be read in the legacy layout "
+            f"(column-major shapes), but {MANIFEST_NAME} says format_version \"{CURRENT_FORMAT_VERSION}\", whose "
+            "weights are in the program's order: add {\"axis_order\": \"xla\"} to its metadata if its shapes are "
+            "the program's (safetensors' save_file(..., metadata=...)), or write it with "
+            "nereid.backends.xla.export.write_safetensors")
 
 
 def resolve_weights(files: BundleFiles, weights_file: str | None = None) -> WeightSet | None:

@@ -452,6 +452,8 @@ def test_a_format_2_1_bundle_whose_weights_file_has_no_axis_order_is_refused_not
                                           r"read in the legacy layout .* manifest\.yaml says format_version "
                                           r"\"2\.1\""):
         load(folder, tmp_path)
+    from nereid.backends.xla.arity import check_bundle  # (nereid bundle check says so too)
+    assert "no axis_order in its metadata" in check_bundle(folder)[1]
     safetensors.numpy.save_file({"w": w}, str(folder / "weights.safetensors"), metadata={"axis_order": "xla"})
     model = load(folder, tmp_path)
     try:
