@@ -447,6 +447,8 @@ class MetaModel:
         submitted = pool.submit(loop_safe_call, self._start_blocking, orchestrate, inputs, context)
         future = asyncio.wrap_future(submitted)
         try:
+            if deadline_ns:
+                await self._thread_or_deadline(future, submitted, deadline_ns)
             return await asyncio.shield(future)
         except asyncio.CancelledError:
             # Not started yet (every thread busy): it never starts. Started: a thread cannot be stopped;
@@ -462,6 +464,21 @@ class MetaModel:
             # Both futures keep its exception, whose traceback holds this frame: no cycle through them (as in
             # _run_async).
             del future, submitted
+
+    async def _thread_or_deadline(self, future: asyncio.Future, submitted: concurrent.futures.Future,
+                                  deadline_ns: int) -> None:
+        """Wait until a thread takes the orchestration (or it ends), or until ``deadline_ns``: then, when no thread
+        has taken it yet, it never runs, and the request is answered DEADLINE_EXCEEDED at its deadline, as a
+        request in the scheduler's queue is. It was answered only once a thread freed, seconds late, and never
+        while every thread ran an orchestration that hung (the meta read hunt)."""
+        waited_from = time.monotonic_ns()
+        # (A little after the deadline, as the scheduler's expiry timer allows for a timer run early.)
+        await asyncio.wait((future,), timeout=max(0, deadline_ns - waited_from) / 1e9 + 0.001)
+        if not future.done() and submitted.cancel():
+            now = time.monotonic_ns()
+            raise DeadlineExceeded(f"meta model '{self.context.name}': the request's deadline passed while it waited "
+                                   f"{(now - waited_from) / 1e6:.1f} ms for a thread to start its orchestration, "
+                                   "which did not run (every thread ran one)")
 
     def _start_blocking(self, orchestrate: Callable[..., Any], inputs: list[NamedTensor],
                         context: BlockingMetaContext) -> Any:

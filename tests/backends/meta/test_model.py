@@ -950,6 +950,29 @@ def test_a_plain_def_orchestration_whose_client_left_drops_its_sub_call_and_a_wa
     np.testing.assert_array_equal(infer(client, "hold", np.zeros(4, np.float32)), np.zeros(4))  # it serves on
 
 
+def test_a_request_waiting_for_a_busy_orchestration_thread_is_answered_at_its_deadline(repo, serve) -> None:
+    """Found by the meta read hunt: a request whose deadline passed while every orchestration thread was busy was
+    answered only once one freed, seconds late (never, behind an orchestration that hung), where a request in the
+    scheduler's queue is answered at its deadline."""
+    add_counting(repo, "step")
+    meta = add_meta(repo, "hold", HOLD_THEN_STEP, ["step"])
+    server = serve(repo.write_config("- name: hold\n  queue_capacity: 1\n- name: step\n"))  # one thread
+    tensor = triton.InferInput("input", [4], "FP32")
+    tensor.set_data_from_numpy(np.array([3, 0, 0, 0], np.float32))
+    holding = server.client.async_infer("hold", [tensor], lambda result, error: None)  # the only thread, 3 s
+    assert wait_until(lambda: (meta / "started.txt").is_file())
+    holding.cancel()  # its slot in the scheduler is free once its client has gone: the thread is not
+    http = triton_http.InferenceServerClient(f"127.0.0.1:{server.server.http_port}")
+    waiting = triton_http.InferInput("input", [4], "FP32")
+    waiting.set_data_from_numpy(np.zeros(4, np.float32))
+    began = time.monotonic()
+    with pytest.raises(InferenceServerException) as late:
+        http.infer("hold", [waiting], timeout=300_000)  # (microseconds: 0.3 s)
+    assert time.monotonic() - began < 2.0, "answered once the thread freed, not at its deadline"
+    assert "for a thread to start its orchestration, which did not run" in late.value.message(), late.value
+    assert len((meta / "started.txt").read_text().splitlines()) == 1
+
+
 def test_a_fault_met_through_a_meta_model_is_logged_once_where_it_happened(repo, serve, caplog) -> None:
     """Defect: a sub-model's fault was logged twice, once for the sub-model and again for the meta model that
     called it; an orchestration's own exception was too (its traceback, then the scheduler's line). One fault
