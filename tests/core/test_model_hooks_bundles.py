@@ -56,6 +56,27 @@ def test_each_bundle_keeps_its_own_hooks(tmp_path) -> None:
         nereid.register_model(preprocess=identity)
 
 
+def test_two_loads_of_one_model_py_at_once_each_run_in_their_own_module(tmp_path) -> None:
+    """Found by the meta read hunt: two models served from one symlinked folder loaded at once under one module
+    name; the first load's end removed the second's module from sys.modules as it ran, and its dataclass (which
+    looks its module up there) failed the load: "AttributeError: 'NoneType' object has no attribute '__dict__'"."""
+    import concurrent.futures
+    import time
+
+    (tmp_path / "model.py").write_text(
+        "from __future__ import annotations\nimport dataclasses, time\nimport nereid\ntime.sleep(0.3)\n"
+        "@dataclasses.dataclass\nclass Settings:\n    scale: int = 2\n"
+        "nereid.register_model(preprocess=lambda inputs: inputs)\n")
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        first = pool.submit(load_model_hooks, tmp_path / "model.py", "a")
+        time.sleep(0.1)
+        second = pool.submit(load_model_hooks, tmp_path / "model.py", "b")
+        assert first.result(30).preprocess is not identity and second.result(30).preprocess is not identity
+    import sys
+
+    assert not [name for name in sys.modules if name.startswith("nereid_bundle_")]
+
+
 def test_model_py_runs_from_its_source_and_leaves_no_bytecode_in_its_folder(tmp_path, monkeypatch) -> None:
     """Defect: loading model.py wrote __pycache__ into the model folder (a bucket's mirror then no longer
     matched the bucket), and a cached copy would run in place of a same-size model.py replaced in its second."""
