@@ -92,6 +92,10 @@ class MetaContext:
         # Set once the request's own task is cancelled (its client went away, or the server stops): no further
         # sub-call is issued, whatever the orchestration does with the CancelledError it was sent.
         self.request_cancelled = False
+        # Set once the orchestration has ended: a sub-call asked for later (a loop callback's task, which the
+        # orchestration's end could not take with it) is refused, as the blocking context refuses it (the meta
+        # read hunt: it ran after the request was answered).
+        self.ended = False
 
     def time_remaining(self) -> float | None:
         """Seconds left before the request's deadline (negative once past; None: no deadline)."""
@@ -112,6 +116,9 @@ class MetaContext:
             # BaseException`) and went on: its client has gone, so nothing more is run for it (a bug hunt).
             raise asyncio.CancelledError(f"meta model '{self.model_name}': the request was cancelled; the sub-call "
                                          f"to '{model_name}' was not issued")
+        if self.ended:
+            raise Unavailable(f"meta model '{self.model_name}': its orchestration had ended; the sub-call to "
+                              f"'{model_name}' was not issued")
         request = self._model.sub_request(model_name, inputs, outputs, self.deadline_ns)
         return await self._model.call(request)
 
@@ -357,6 +364,7 @@ class MetaModel:
             except _Escaped as escaped:
                 raise escaped.error from None
         finally:
+            ctx.ended = True
             orchestration.end()
             # The task keeps its exception, whose traceback holds this frame: a cycle through this local that only
             # a garbage collection freed, with the orchestration's frame and every input and intermediate it held

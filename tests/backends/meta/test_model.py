@@ -973,6 +973,35 @@ def test_a_request_waiting_for_a_busy_orchestration_thread_is_answered_at_its_de
     assert len((meta / "started.txt").read_text().splitlines()) == 1
 
 
+LATE_SUB_CALL = '''
+import asyncio
+
+import nereid
+from nereid.tensors import NamedTensor
+
+async def orchestrate(inputs, ctx):
+    loop = asyncio.get_running_loop()
+    # A sub-call a loop callback asks for after the orchestration has returned (fire and forget, done late).
+    loop.call_later(0.2, lambda: loop.create_task(ctx.infer("step", inputs)).add_done_callback(
+        lambda task: task.exception()))
+    return [NamedTensor.from_array("output", inputs[0].data)]
+
+nereid.register_model(orchestrate=orchestrate)
+'''
+
+
+def test_a_sub_call_asked_for_after_the_orchestration_ended_is_not_issued(repo, serve) -> None:
+    """Found by the meta read hunt: a sub-call an async orchestration's loop callback asked for after it returned
+    ran after its request was answered (the end takes only the tasks made before it), where the blocking ctx
+    refuses one."""
+    step = add_counting(repo, "step")
+    add_meta(repo, "late", LATE_SUB_CALL, ["step"])
+    client = serve(repo.write_config()).client
+    np.testing.assert_array_equal(infer(client, "late", X), X)
+    time.sleep(0.6)
+    assert calls(step) == 0, "a sub-call was issued after the orchestration had ended"
+
+
 def test_a_fault_met_through_a_meta_model_is_logged_once_where_it_happened(repo, serve, caplog) -> None:
     """Defect: a sub-model's fault was logged twice, once for the sub-model and again for the meta model that
     called it; an orchestration's own exception was too (its traceback, then the scheduler's line). One fault
