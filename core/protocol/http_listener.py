@@ -672,6 +672,12 @@ class _BoundedHeadProtocol(HttpToolsProtocol):
     def on_message_complete(self) -> None:
         self._head_left = MAX_HEAD_BYTES
         super().on_message_complete()
+        if self.flow.read_paused:
+            # A body past uvicorn's high-water mark paused the reading, and its handler's last receive() resumes
+            # it only before it waits: the body complete, it stays paused while the request runs, and a client
+            # that leaves goes unseen (its queued request ran, a success; the HTTP read hunt). Its close is looked
+            # for instead, as for a pipelined request's.
+            self._check_idle_in(PAUSED_PEER_CHECK_S)
 
     def on_response_complete(self) -> None:
         # The keep-alive time between requests runs from here (see _check_idle), as uvicorn's own timer does.
