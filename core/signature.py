@@ -311,7 +311,7 @@ def validate_inputs(model: str, signature: ModelSignature, tensors: list[NamedTe
     for spec, tensor in zip(specs, in_order):
         if tensor is None:
             raise _refusal(
-                f"model '{model}': missing input '{spec.name}' (expected inputs: {_names(specs)}; "
+                f"model '{model}': missing input '{spec.name}' (expected inputs: {_names([s.name for s in specs])}; "
                 f"received: {', '.join(repr(t.name) for t in tensors) or 'none'})"
             )
         check_datatype(model, spec.name, tensor.dtype, spec.dtype)
@@ -676,23 +676,26 @@ def _refusal(message: str) -> InvalidArgument:
 
 
 def _index_by_name(model: str, signature: ModelSignature, tensors: list[NamedTensor]) -> dict[str, NamedTensor]:
-    by_name: dict[str, NamedTensor] = {}
-    for tensor in tensors:
-        if tensor.name in by_name:
-            raise _refusal(f"model '{model}': input '{tensor.name}' is given more than once")
-        by_name[tensor.name] = tensor
-    declared = {spec.name for spec in signature.inputs}
-    unexpected = sorted(set(by_name) - declared)
+    check_input_names(model, [tensor.name for tensor in tensors], [spec.name for spec in signature.inputs])
+    return {tensor.name: tensor for tensor in tensors}
+
+
+def check_input_names(model: str, names: list[str], declared: list[str]) -> None:
+    """InvalidArgument when a request's input ``names`` repeat one, or name one the model does not ``declared``
+    (in its declared order): the refusal of the signature check, for a protocol to make before it builds the
+    tensors (see grpc_codec)."""
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            raise _refusal(f"model '{model}': input '{name}' is given more than once")
+        seen.add(name)
+    unexpected = sorted(seen - set(declared))
     if unexpected:
-        raise _refusal(
-            f"model '{model}': unexpected input '{unexpected[0]}' "
-            f"(expected inputs: {_names(signature.inputs)})"
-        )
-    return by_name
+        raise _refusal(f"model '{model}': unexpected input '{unexpected[0]}' (expected inputs: {_names(declared)})")
 
 
-def _names(specs: tuple[TensorSpec, ...]) -> str:
-    return ", ".join(f"'{spec.name}'" for spec in specs) or "none"
+def _names(names: list[str]) -> str:
+    return ", ".join(f"'{name}'" for name in names) or "none"
 
 
 def _shape_text(dims: tuple[int, ...], *, batched: bool) -> str:
