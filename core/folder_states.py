@@ -193,12 +193,17 @@ def scan_repository(root: Path) -> dict[str, FolderState]:
     """Every model folder under ``root`` and its state (StorageError when ``root`` cannot be listed).
 
     Hidden folders are skipped, and so are folders whose names are not UTF-8
-    (logged once): they cannot be model names.
+    (logged once): they cannot be model names. So is a folder of no file but
+    ignored ones (nereid's ``.cache/``, ``__pycache__``, an editor's): one a
+    ``git checkout`` or an ``rm -rf m/*`` emptied of its model's files, keeping
+    the ``.cache/`` git ignores, is the model's removal, not an edit (a failed
+    reload that left the removed model serving; the storm hunt), and an empty
+    folder just made is a folder once its first file lands.
     """
     states = {}
     for name in local_model_folders(root):
         state = scan_folder(root / name)
-        if state is not None:
+        if state is not None and state.stamp:
             states[name] = state
     prefix = os.path.join(os.fspath(root), "")
     found = {os.fspath(root / name) for name in states}

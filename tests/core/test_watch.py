@@ -227,6 +227,29 @@ def test_deleted_folder_finishes_its_requests_then_is_gone(repo, serve):
     assert caught.value.status() == "StatusCode.NOT_FOUND"
 
 
+def test_a_folder_emptied_of_its_model_s_files_is_its_removal_and_its_files_back_load_it(repo, serve):
+    """Found by the storm hunt: a `git checkout` (or an `rm -rf m/*`) that removed a model's files left its folder
+    holding the .cache/ nereid wrote (git ignores it); taken for an edit, its reload failed, and the removed model
+    served on. Its model is unloaded now (the folder still there: its name stays, unloaded); its files back, the
+    folder is new again to the watcher, and loads."""
+    folder = repo.models_dir / "emptied"
+    write_model(folder, "1")
+    server = serve(repo.write_config(server_extra=SETTLE))
+    assert ask(server.client, "emptied")["version"] == "1"
+    (folder / ".cache").mkdir(exist_ok=True)
+    (folder / ".cache" / "built").write_text("what a backend kept")
+    for name in ("main.py", "model_inference.textproto"):
+        (folder / name).unlink()
+    wait_for(lambda: index(server).get("emptied") == ("UNAVAILABLE", "unloaded"))
+    with pytest.raises(InferenceServerException) as caught:
+        ask(server.client, "emptied")
+    assert caught.value.status() == "StatusCode.UNAVAILABLE", caught.value.message()
+    (folder / "model_inference.textproto").write_text(REPORT)
+    (folder / "main.py").write_text(version_main("2"))
+    wait_for(lambda: index(server).get("emptied", ("", ""))[0] == "READY")
+    assert ask(server.client, "emptied")["version"] == "2"
+
+
 def test_a_listed_models_deleted_folder_leaves_it_waiting_for_its_folder(repo, serve):
     """Found by a README walkthrough: once its removal finished, the listed model was forgotten (NOT_FOUND, and
     its callers said it was no model of this server) until a RepositoryIndex made its entry anew."""
