@@ -182,7 +182,7 @@ class XlaModel:
         self._transfer = transfer
         self._sizes = layout.batch_sizes
         self._variants = {v: i + 1 for i, v in enumerate(manifest.input_shapes or ())}
-        self._mode = batch_mode(manifest.executable_inputs + manifest.executable_outputs, bool(self._sizes))
+        self._mode = batch_mode(manifest.executable_inputs, manifest.executable_outputs, bool(self._sizes))
         # Variable axes where the request has them: moved one on when the batch axis moved in front of them.
         self._axes = tuple(_InputAxes(t.row_major_batch_axis,
                                       tuple(client_axis(len(t.shape) - 1 - a, t.row_major_batch_axis)
@@ -420,7 +420,7 @@ class HookedXlaModel(XlaModel):
         assert manifest is not None
         inputs = manifest.client_inputs if manifest.client_inputs is not None else manifest.executable_inputs
         outputs = manifest.client_outputs if manifest.client_outputs is not None else manifest.executable_outputs
-        mode = batch_mode(inputs + outputs, bool(self._sizes))
+        mode = batch_mode(inputs, outputs, bool(self._sizes))
         self._client_signature = build_signature(inputs, outputs, mode, self._sizes[-1] if self._sizes else 0)
 
     def signature(self) -> ModelSignature:

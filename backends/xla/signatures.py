@@ -35,10 +35,15 @@ class BatchMode(enum.Enum):
         return self in (BatchMode.LEADING, BatchMode.MOVED)
 
 
-def batch_mode(tensors: Sequence[ManifestTensor], batched: bool) -> BatchMode:
-    """The mode of a set of tensors (``batched``: the manifest lists compiled sizes)."""
+def batch_mode(inputs: Sequence[ManifestTensor], outputs: Sequence[ManifestTensor], batched: bool) -> BatchMode:
+    """The mode of a model's tensors (``batched``: the manifest lists compiled sizes). With no input batched, nothing
+    in a request chooses a size: EXACT, its smallest serving (no inputs at all too, where LEADING coalesced and
+    padded requests of none to a size whose rows came back as each one's; the XLA read hunt)."""
     if not batched:
         return BatchMode.NONE
+    tensors = (*inputs, *outputs)
+    if all(t.row_major_batch_axis is None for t in inputs):
+        return BatchMode.EXACT
     if all(t.row_major_batch_axis == 0 for t in tensors):
         return BatchMode.LEADING
     if all(t.row_major_batch_axis is not None for t in tensors):

@@ -29,15 +29,18 @@ TOTAL = tensor("total", fixed(10, "k"))                                      # "
 TOKENS = tensor("tokens", VARIABLE, BATCH, dtype=DType.INT64)                # "tn": [n, -1]
 
 
-@pytest.mark.parametrize("tensors, batched, mode", [
-    ((IMAGE, LOGITS), False, BatchMode.NONE),
-    ((IMAGE, LOGITS, TOKENS), True, BatchMode.LEADING),
-    ((IMAGE, CHANNELS_FIRST), True, BatchMode.MOVED),
-    ((IMAGE, CHANNELS_FIRST, TOTAL), True, BatchMode.EXACT),
-    ((IMAGE, TOTAL), True, BatchMode.EXACT),
-], ids=["not-batched", "all-leading", "one-moved", "moved-and-unbatched", "one-unbatched"])
-def test_the_batch_mode_of_a_set_of_tensors(tensors, batched, mode) -> None:
-    assert batch_mode(tensors, batched) is mode
+@pytest.mark.parametrize("inputs, outputs, batched, mode", [
+    ((IMAGE,), (LOGITS,), False, BatchMode.NONE),
+    ((IMAGE, TOKENS), (LOGITS,), True, BatchMode.LEADING),
+    ((IMAGE,), (CHANNELS_FIRST,), True, BatchMode.MOVED),
+    ((IMAGE, CHANNELS_FIRST), (TOTAL,), True, BatchMode.EXACT),
+    ((IMAGE,), (TOTAL,), True, BatchMode.EXACT),
+    ((TOTAL,), (LOGITS,), True, BatchMode.EXACT),  # only outputs batched: the smallest size runs
+    ((), (LOGITS,), True, BatchMode.EXACT),  # (the XLA read hunt: no inputs was LEADING, every request refused)
+], ids=["not-batched", "all-leading", "one-moved", "moved-and-unbatched", "one-unbatched", "only-outputs",
+        "no-inputs"])
+def test_the_batch_mode_of_a_model_s_tensors(inputs, outputs, batched, mode) -> None:
+    assert batch_mode(inputs, outputs, batched) is mode
 
 
 def test_only_leading_and_moved_batches_are_coalesced() -> None:
