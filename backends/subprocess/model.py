@@ -42,6 +42,9 @@ from nereid.backends.subprocess.runner import (DEFAULT_PATH, FolderNotEntered, P
 
 log = logging.getLogger(__name__)
 
+# What starting a run meets at a limit of the server's process (descriptors, processes, memory): no model's fault.
+_SERVER_LIMITS = frozenset({errno.EMFILE, errno.ENFILE, errno.EAGAIN, errno.ENOMEM})
+
 # Descriptors of the model folder kept across renames (the oldest is closed past this).
 MAX_FOLDER_FDS = 8
 
@@ -160,6 +163,15 @@ class SubprocessModel:
         cold, warm and cpp."""
         try:
             result = self.launch(env=env, stdin=stdin)
+        except OSError as err:
+            if err.errno not in _SERVER_LIMITS:
+                raise
+            # The server's passing condition, not the model's fault (it was "model 'm' failed: OSError: [Errno 24]
+            # Too many open files", an ERROR with nereid's traceback; the exhaustion hunt): UNAVAILABLE, as a run
+            # no thread could start for is, and the next request tries again.
+            raise Unavailable(f"model '{self.context.name}': the server could not start a run "
+                              f"({errno.errorcode.get(err.errno, err.errno)}: {err.strerror}: a limit of the server's "
+                              "process is reached: open files, processes or memory); try again later") from None
         except FolderNotEntered as err:
             # Told by the launcher, whatever the folder's mode is by now (a mode put back a moment later let the
             # run's traceback through as the answer).

@@ -82,6 +82,31 @@ def test_runs_start_in_the_model_folder(tmp_path) -> None:
         model.unload()
 
 
+@pytest.mark.parametrize("code", ["EMFILE", "EAGAIN"])
+def test_a_run_a_limit_of_the_server_s_keeps_from_starting_is_unavailable(tmp_path, code) -> None:
+    """Found by the exhaustion hunt: out of descriptors (or processes) as a run started, the request was "model 'm'
+    failed: OSError: [Errno 24] Too many open files", an ERROR with nereid's traceback counted as the model's
+    fault, where a run no thread could start for is UNAVAILABLE, try again later."""
+    import errno
+
+    model = loaded(tmp_path)
+    try:
+        real = model.launch
+
+        def at_a_limit(**kwargs):
+            raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)))
+
+        model.launch = at_a_limit
+        with pytest.raises(Unavailable, match=rf"^model 'shell': the server could not start a run \({code}: .*a limit "
+                                              r"of the server's process is reached: open files, processes or "
+                                              r"memory\); try again later$"):
+            echo(model)
+        model.launch = real
+        echo(model)
+    finally:
+        model.unload()
+
+
 def test_no_memory_to_read_an_output_is_the_server_s_condition_not_the_model_s_fault(tmp_path, monkeypatch) -> None:
     """Found by the exhaustion hunt: a 900 MB output the server had no memory to read was "model 'm' failed:
     MemoryError", an ERROR counted as the model's fault; the same run may well be read later."""
