@@ -24,6 +24,7 @@ import shutil
 import stat
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Callable, Collection, Iterator
 
@@ -453,12 +454,17 @@ def cached_build(compiler: Compiler, arguments: list[str], name: str, stale: str
     if _reusable(fallback, folder, model, executable)[0]:
         return fallback
     scratch_cache.mkdir(parents=True, exist_ok=True)
+    started_ns = time.time_ns()
     dependencies = compile_to(compiler, arguments, fallback, folder, what, model, abandoned, sources)
     try:
         name_changed = name_now is not None and name_now() != name
     except BaseException:  # a source gone since (read again to name it): no build of those sources is kept
         fallback.unlink(missing_ok=True)
         raise
+    # A file of its record (outside the key) changed while it was compiled: the record would hash the edited file
+    # for a build of the earlier one, served as current for good (the cxx read hunt). Served once, as above.
+    name_changed = name_changed or (dependencies is not None
+                                    and _changed_since(dependencies, folder, keyed, started_ns))
     # The one-off builds of earlier loads (their versions run from links or copies of their own, and loads of one
     # model take turns): they piled up in the scratch folder for the server's life (the native hunt).
     _remove_stale(scratch_cache, f".{EDITED_PREFIX}*", fallback)
@@ -647,6 +653,24 @@ def _outside_the_key(dependencies: list[str], folder: Path, keyed: Collection[Pa
         log.info("model '%s': its build includes files outside its build key, checked for edits at each load: %s",
                  model, ", ".join(record))
     return [[name, digest] for name, digest in sorted(record.items())]
+
+
+def _changed_since(dependencies: list[str], folder: Path, keyed: Collection[Path], since_ns: int) -> bool:
+    """Whether a file the build read outside its key was modified (or replaced) after ``since_ns`` (the wall clock,
+    which a file's timestamp, the kernel's coarse clock, never passes: a file written before it is never taken
+    for one written after; one written in the tick after it may be missed); a file gone since counts."""
+    covered = {os.path.realpath(path) for path in keyed}
+    for name in dependencies:
+        path = folder / name
+        if os.path.realpath(path) in covered:
+            continue
+        try:
+            stat_result = os.stat(path)
+        except OSError:
+            return True
+        if max(stat_result.st_mtime_ns, stat_result.st_ctime_ns) > since_ns:
+            return True
+    return False
 
 
 def _record_name(name: str, folder: Path) -> str:

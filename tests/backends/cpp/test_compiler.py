@@ -249,6 +249,23 @@ def test_a_compiler_that_lists_no_included_files_gives_a_build_served_once_not_c
         "outside the model folder could not be noticed; this build is not cached"]
 
 
+def test_a_header_from_outside_the_model_folder_edited_while_it_compiles_gives_a_build_served_once(tmp_path,
+                                                                                                  monkeypatch):
+    """Found by the cxx read hunt: the record hashed an outside header after the compile; edited meanwhile, the
+    record held the new header's hash for a build of the old one, served as current at every load and restart."""
+    folder, header = _model_including(tmp_path, 1)
+    script = tmp_path / "cc-then-edit"  # compiles, then the header is edited (as during a long compile)
+    script.write_text(f'#!/bin/sh\nc++ "$@" || exit $?\ncase " $* " in *" -o "*) '
+                      f'echo "constexpr int K = 2;" > {header} ;; esac\n')  # (not at the key's --version)
+    script.chmod(0o755)
+    monkeypatch.setenv("CXX", str(script))
+    built = cpp_compiler.build_binary(folder, "main.cpp", tmp_path / "scratch", "m")
+    assert _exit_status(built) == 1 and not built.is_relative_to(folder)  # served once: not cached
+    monkeypatch.delenv("CXX")
+    rebuilt = cpp_compiler.build_binary(folder, "main.cpp", tmp_path / "scratch", "m")
+    assert _exit_status(rebuilt) == 2 and rebuilt.parent == folder / ".cache"
+
+
 def test_make_prerequisites_reads_every_rule_unescaped():
     text = "a.o: a.cpp sp\\ ace/c$$h\\#.h \\\n ../x.h\nb.o: b.cpp \\\n  a.cpp\nlonely.o:\n"
     assert cpp_compiler.make_prerequisites(text) == ["a.cpp", "sp ace/c$h#.h", "../x.h", "b.cpp"]
