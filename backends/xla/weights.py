@@ -223,11 +223,14 @@ def format_layout_problem(manifest: Manifest, weight_set: WeightSet | None) -> s
     another tool (the safetensors package, torch) has no ``axis_order`` and was read in the legacy layout: a
     square weight (any d x d layer) passed every shape check transposed, and the model answered wrong numbers,
     OK (the XLA read hunt). A migrated bundle falling back to its original legacy file (its copy stale) is the
-    migration's rule, and loads.
+    migration's rule, and loads: the file loaded is then another than the ``weights_file`` the manifest names
+    (the review hunt: any ``weights_file`` was exempt, ``v2/weights.safetensors`` written by the safetensors
+    package too, and answered transposed).
     """
-    if (manifest.format_version != CURRENT_FORMAT_VERSION or manifest.weights_file is not None
-            or weight_set is None or not weight_set.legacy):
+    if manifest.format_version != CURRENT_FORMAT_VERSION or weight_set is None or not weight_set.legacy:
         return None
+    if manifest.weights_file is not None and weight_set.files != (manifest.weights_file,):
+        return None  # (the migration's fallback to the original: see migration.weights_to_load)
     return (f"{weight_set.describe()}: no axis_order in its metadata, so it would be read in the legacy layout "
             f"(column-major shapes), but {MANIFEST_NAME} says format_version \"{CURRENT_FORMAT_VERSION}\", whose "
             "weights are in the program's order: add {\"axis_order\": \"xla\"} to its metadata if its shapes are "

@@ -454,6 +454,14 @@ def test_a_format_2_1_bundle_whose_weights_file_has_no_axis_order_is_refused_not
         load(folder, tmp_path)
     from nereid.backends.xla.arity import check_bundle  # (nereid bundle check says so too)
     assert "no axis_order in its metadata" in check_bundle(folder)[1]
+    # (Nor when the manifest names the file, as weights_file: v2/weights.safetensors; the review hunt.)
+    (folder / "v2").mkdir()
+    safetensors.numpy.save_file({"w": w}, str(folder / "v2" / "weights.safetensors"))
+    manifest = (folder / "manifest.yaml").read_text()
+    (folder / "manifest.yaml").write_text(manifest + "weights_file: v2/weights.safetensors\n")
+    with pytest.raises(ConfigError, match=r"^v2/weights\.safetensors: no axis_order in its metadata"):
+        load(folder, tmp_path)
+    (folder / "manifest.yaml").write_text(manifest)
     safetensors.numpy.save_file({"w": w}, str(folder / "weights.safetensors"), metadata={"axis_order": "xla"})
     model = load(folder, tmp_path)
     try:
