@@ -703,6 +703,27 @@ def test_unsafe_preload_falls_back_to_cold_starts(repo, serve, user_site, caplog
     assert ask(server, "fallback") == {"ok": True}  # served, cold
 
 
+def test_a_process_a_preloaded_import_s_thread_started_ends_with_the_parent_that_falls_back(repo, serve, user_site):
+    """The review hunt of f8cf00a: Linux lists a process's children per thread that forked them, so the parent's
+    end missed one a preloaded import's thread started (the usual case: threads are why it falls back), and it
+    outlived the fallback, every reload and the server."""
+    (user_site / "thread_starts_a_process.py").write_text(
+        "import subprocess, threading, time\n"
+        "def spawn():\n"
+        "    helper = subprocess.Popen(['sleep', '60'], start_new_session=True)\n"
+        f"    open({str(user_site / 'thread_helper.pid')!r}, 'w').write(str(helper.pid))\n"
+        "    time.sleep(60)\n"
+        "threading.Thread(target=spawn, daemon=True).start()\n"
+        "while True:\n"
+        f"    try:\n        open({str(user_site / 'thread_helper.pid')!r}).read() or 1/0\n        break\n"
+        "    except Exception:\n        time.sleep(0.01)\n")
+    repo.python("spawner", textproto=REPORT, main=reply_main('"ok"'))
+    server = serve(repo.write_config("- name: spawner\n  runtime: {preload: [thread_starts_a_process]}\n"))
+    assert backend_of(server, "spawner").runtime_report().summary.startswith("warm_start=off")
+    helper = int((user_site / "thread_helper.pid").read_text())
+    assert wait_until(lambda: not process_alive(helper))
+
+
 @pytest.mark.parametrize("module, code", [
     ("replaces_stdin", "import os, sys\nsys.stdin = open(os.devnull)\n"),
     ("closes_stdin", "import sys\nsys.stdin.close()\n"),
