@@ -247,7 +247,7 @@ class MetaModel:
                               "[async] def fn(inputs, ctx) -> list[NamedTensor]")
         _check_arity(name, model_py, hooks.orchestrate)
         inputs, outputs = manifest.client_inputs or (), manifest.client_outputs or ()
-        mode = batch_mode(inputs + outputs, manifest.batching is not None)
+        mode = batch_mode(inputs, outputs, manifest.batching is not None)
         self._signature = build_signature(inputs, outputs, mode,
                                           manifest.batching.largest if manifest.batching else 0)
         self._manifest, self._model_py, self._orchestrate = manifest, model_py, hooks.orchestrate
