@@ -69,8 +69,12 @@ def export_bundle(fn: Callable[..., Any], example_inputs: Sequence[Any],
     directory = Path(directory)
     name = name or directory.name
     in_names = _names(input_names, len(example_inputs), "input")
-    # The width of a Python number or list: jax's for it, 64 bits where x64 is asked for or the session's.
-    wide = bool(jax.config.read("jax_enable_x64")) if x64 is None else x64
+    if x64 is None:
+        # Decided first, from the values that carry a dtype of their own: a Python number narrowed to jax's 32 bits
+        # before a 64-bit example turned x64 on served numbers no jax run gives (the exporter hunt).
+        x64 = _default_x64(jax, _carried_dtypes(example_inputs, weights))
+    # The width of a Python number or list: jax's for it, 64 bits under x64.
+    wide = x64
     examples = [_shape_dtype(x, f"example input {i} ({n!r})", wide)
                 for i, (x, n) in enumerate(zip(example_inputs, in_names))]
     # A Python number is weakly typed in jax too: it takes the other operand's type (0.5 * a bfloat16 stays one).
@@ -79,8 +83,6 @@ def export_bundle(fn: Callable[..., Any], example_inputs: Sequence[Any],
     sizes: list[int | None] = list(batch_sizes) if batch_sizes is not None else [None]
     in_axes = _axes(input_batch_axes, len(examples), batch_sizes is not None, "input_batch_axes")
     _check_input_axes(in_names, examples, in_axes)
-    if x64 is None:
-        x64 = _default_x64(jax, [d for _, d in examples] + [a.dtype for _, a in weight_items])
     weight_structs = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=name in weak) for name, a in weight_items]
     jitted = jax.jit(fn, keep_unused=True)
     modules: dict[int | None, bytes] = {}
@@ -352,7 +354,9 @@ def _python_values_as_jax_types(weights: Any, wide: bool) -> tuple[Any, set[str]
     weak: set[str] = set()
 
     def narrowed(name: object, value: Any) -> Any:
-        if type(value) in (int, float) and isinstance(name, str):  # (type: numpy's float64 is a float, typed strongly)
+        # (type: numpy's float64 is a float, typed strongly; a jax array of a number, jnp.array(0.5), is weak too:
+        # the exporter hunt.)
+        if (type(value) in (int, float) or getattr(value, "weak_type", False) is True) and isinstance(name, str):
             weak.add(name)
         if hasattr(value, "dtype") or isinstance(value, bool) or not isinstance(value, (int, float, list, tuple)):
             return value
@@ -368,6 +372,24 @@ def _python_values_as_jax_types(weights: Any, wide: bool) -> tuple[Any, set[str]
         return [(item[0], narrowed(item[0], item[1])) if isinstance(item, (tuple, list)) and len(item) == 2 else item
                 for item in weights], weak
     return weights, weak
+
+
+def _carried_dtypes(example_inputs: Sequence[Any], weights: Any) -> list[Any]:
+    """The dtypes of the example inputs and weights that carry one (arrays; not Python numbers or lists, whose
+    width follows x64), for :func:`_default_x64`."""
+    values = list(example_inputs)
+    if isinstance(weights, Mapping):
+        values += list(weights.values())
+    elif isinstance(weights, (list, tuple)):
+        values += [item[1] for item in weights if isinstance(item, (tuple, list)) and len(item) == 2]
+    dtypes = []
+    for value in values:
+        dtype = getattr(value, "dtype", None)
+        try:
+            dtypes.append(np.dtype(dtype)) if dtype is not None else None
+        except TypeError:  # (a dtype numpy does not know, a typed key: refused later, naming it)
+            continue
+    return dtypes
 
 
 def _default_x64(jax: Any, dtypes: Sequence[Any]) -> bool:

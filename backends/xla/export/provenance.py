@@ -24,6 +24,7 @@ import os
 import platform
 import stat
 import subprocess
+import urllib.parse
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -76,6 +77,8 @@ def collect_provenance(repo_dir: Path | str | None = None, *, include_patch: boo
             value = _git(root, *args)
             if value is not None and value.strip():
                 fields[name] = value.decode(errors="replace").strip()
+        if "git_remote" in fields:
+            fields["git_remote"] = _without_credentials(fields["git_remote"])
         status = _git(root, "status", "--porcelain", "--", *pathspec)
         if status is not None:
             fields["git_dirty"] = bool(status.strip())
@@ -115,6 +118,23 @@ def _excluding(root: Path, folders: Iterable[Path | str]) -> list[str]:
     return specs
 
 
+# What makes `git diff` write a patch `git apply` takes, whatever the user's git config says (diff.noprefix,
+# color.ui=always, diff.external, a textconv driver, diff.relative): each made a patch that did not apply (the
+# exporter hunt).
+_PLAIN_DIFF = ("--no-color", "--no-ext-diff", "--no-textconv", "--no-relative", "--src-prefix=a/",
+               "--dst-prefix=b/")
+
+
+def _without_credentials(remote: str) -> str:
+    """``remote`` without the user and password of a URL (``https://oauth2:TOKEN@host/repo.git``, a CI checkout's):
+    the token went into every bundle (the exporter hunt). An scp-like ``git@host:repo`` has none, and stays."""
+    parts = urllib.parse.urlsplit(remote)
+    if not parts.scheme or "@" not in parts.netloc:
+        return remote
+    host = parts.netloc.rpartition("@")[2]
+    return urllib.parse.urlunsplit(parts._replace(netloc=host))
+
+
 # (name, size in bytes) of each untracked file left out of the patch.
 LeftOut = list[tuple[str, int]]
 
@@ -122,7 +142,7 @@ LeftOut = list[tuple[str, int]]
 def _working_tree_patch(root: Path, pathspec: list[str], max_binary_bytes: int) -> tuple[bytes | None, LeftOut]:
     """Tracked changes against HEAD plus the untracked, non-ignored files, as one binary patch, restricted to
     ``pathspec``; and the untracked binary files over ``max_binary_bytes`` left out of it, with their sizes."""
-    tracked = _git(root, "diff", "--binary", "HEAD", "--", *pathspec)
+    tracked = _git(root, "diff", *_PLAIN_DIFF, "--binary", "HEAD", "--", *pathspec)
     if tracked is None:
         return None, []
     parts = [tracked]
@@ -137,7 +157,7 @@ def _working_tree_patch(root: Path, pathspec: list[str], max_binary_bytes: int) 
             left_out.append((name.decode(errors="replace"), size))
             continue
         # --no-index exits 1 when the files differ, which they always do here.
-        diff = _git(root, "diff", "--binary", "--no-index", "--", "/dev/null", os.fsdecode(name),
+        diff = _git(root, "diff", *_PLAIN_DIFF, "--binary", "--no-index", "--", "/dev/null", os.fsdecode(name),
                     ok_codes=(0, 1))
         if diff:
             parts.append(diff)

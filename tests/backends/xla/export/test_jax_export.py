@@ -579,3 +579,32 @@ def test_a_python_number_weight_is_weakly_typed_as_in_jax(tmp_path) -> None:
         wide = export_bundle(_times, [np.zeros((1, 2), np.float32)], {"w": 0.5}, directory=tmp_path / "x64",
                              batch_sizes=[1], provenance=False)
     assert load_manifest(wide / "manifest.yaml").executable_outputs[0].dtype.numpy == np.float32
+
+
+def test_a_jax_array_weight_of_a_number_is_weakly_typed_as_in_jax(tmp_path) -> None:
+    """Found by the exporter hunt: jnp.array(0.5) (jnp.asarray, jax.device_put of a number) is weakly typed in jax,
+    as a Python number is, but was exported strongly: a bfloat16 input's answer was float32 where jax.jit keeps
+    bfloat16."""
+    x = np.array([[1.0, 2.0]], dtype=jnp.bfloat16)
+    w = jnp.array(0.5)
+    assert w.weak_type
+    directory = export_bundle(_times, [np.zeros((1, 2), jnp.bfloat16)], {"w": w}, directory=tmp_path / "bf16",
+                              batch_sizes=[1], provenance=False)
+    out, = serve_once(directory, [NamedTensor.from_array("input", x)])
+    expected = np.asarray(jax.jit(_times)(x, w))
+    assert out.data.dtype == expected.dtype == jnp.bfloat16 and out.data.tolist() == expected.tolist()
+
+
+def test_a_python_number_weight_beside_a_64_bit_example_is_exported_64_bit(tmp_path) -> None:
+    """Found by the exporter hunt: a 64-bit example turns the export x64, but a Python number weight had already
+    been narrowed to float32: the FP64 bundle served numbers no jax run gives (0.1 as float32, widened)."""
+    from nereid.backends.xla.export import read_bundle_weights
+
+    x = np.array([[1.0, 3.0]], np.float64)
+    directory = export_bundle(_times, [np.zeros((1, 2), np.float64)], {"w": 0.1}, directory=tmp_path / "x64",
+                              batch_sizes=[1], provenance=False)
+    assert [(name, array.dtype) for name, array in read_bundle_weights(directory)] == [("w", np.float64)]
+    out, = serve_once(directory, [NamedTensor.from_array("input", x)])
+    with jax.enable_x64(True):
+        expected = np.asarray(jax.jit(_times)(x, 0.1))
+    assert out.data.dtype == np.float64 and out.data.tolist() == expected.tolist()

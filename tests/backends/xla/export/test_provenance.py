@@ -122,3 +122,27 @@ def test_regenerating_the_examples_twice_is_not_dirty(project, capsys) -> None:
         for name in ("mlp_bundle", "circle_select"):
             provenance = yaml.safe_load((root / name / "manifest.yaml").read_text())["provenance"]
             assert provenance["git_dirty"] is False, name
+
+
+def test_a_remote_url_s_credentials_are_left_out(project) -> None:
+    """Found by the exporter hunt: a CI checkout's https://oauth2:TOKEN@host/... remote went into every bundle."""
+    git(project, "remote", "set-url", "origin", "https://oauth2:glpat-SECRET@gitlab.example.com/team/model.git")
+    assert collect_provenance(project).fields["git_remote"] == "https://gitlab.example.com/team/model.git"
+    git(project, "remote", "set-url", "origin", "git@github.com:team/model.git")  # (scp-like: no credentials)
+    assert collect_provenance(project).fields["git_remote"] == "git@github.com:team/model.git"
+
+
+def test_the_patch_applies_whatever_the_user_s_git_config_says(project, tmp_path) -> None:
+    """Found by the exporter hunt: diff.noprefix, color.ui=always or diff.external in the user's git config made a
+    working_tree.patch that `git apply` refused."""
+    for key, value in (("diff.noprefix", "true"), ("color.ui", "always"), ("diff.external", "false")):
+        git(project, "config", key, value)
+    (project / "train.py").write_text("lr = 0.02\n")
+    (project / "extra.py").write_text("depth = 3\n")
+    bundle = export_bundle(lambda x, w: x * w, [np.zeros(2, np.float32)], {"w": np.ones(2, np.float32)},
+                           directory=tmp_path / "bundles" / "mul", provenance=collect_provenance(project))
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", str(project), str(clone)], check=True)
+    git(clone, "apply", "--binary", str(bundle / "working_tree.patch"))
+    for name in ("train.py", "extra.py"):
+        assert (clone / name).read_bytes() == (project / name).read_bytes(), name
