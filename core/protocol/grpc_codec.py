@@ -17,17 +17,17 @@ from nereid.protocol.wire import (SCHEDULING_PARAMETERS, SEQUENCE_ID_PARAMETER, 
                                   TIMEOUT_PARAMETER, check_scheduling_parameters, class_count,
                                   decode_raw, refuse_shared_memory, wire_dtype, wire_shape)
 from nereid.errors import PublicText
-from nereid.signature import MAX_DECLARED_TENSORS, brief_repr, check_datatype, check_input_names
+from nereid.signature import brief_repr, check_datatype, check_input_names
 from nereid.tensors import InferRequest, InferResponse, NamedTensor, bytes_array, tensor_buffer, tensor_bytes
 
 
 # ModelInferRequest.raw_input_contents: field 7, length-delimited.
 _RAW_FIELD = 7
-# ModelInferRequest.inputs: field 5. A request of more inputs than any model declares is refused as it is read.
-_INPUTS_FIELD = 5
 _LENGTH_DELIMITED = 2
-# A request has a handful of top-level fields per input; past this many the Python-level scan stops and protobuf
-# parses the whole message (it is valid: whether a request is accepted must not depend on its size).
+# The most top-level fields a request may have, whatever its size: a request to a model of the most inputs and
+# outputs (4,096 each, see signature.MAX_DECLARED_TENSORS) has about 12,300 (an input, its raw contents and an
+# output each, and parameters). 4 million empty inputs in 64 MiB took 18 s of the server's CPU and 2.4 GiB, the
+# event loop held while protobuf parsed them, before any model refused them (the gRPC read hunt).
 MAX_TOP_LEVEL_FIELDS = 16384
 # Below this size a request is parsed whole by protobuf (copies are cheaper than the scan).
 ZERO_COPY_MIN_BYTES = 64 << 10
@@ -52,18 +52,14 @@ def parse_infer_request(data: bytes, zero_copy_min_bytes: int = ZERO_COPY_MIN_BY
     view = memoryview(data)
     raws: list[memoryview] = []
     rest: list[memoryview] = []
-    position, end, fields, inputs = 0, len(data), 0, 0
+    position, end, fields = 0, len(data), 0
     while position < end:
         fields += 1
         if fields > MAX_TOP_LEVEL_FIELDS:
-            return _parse_whole(data)
+            raise ValueError(_too_many_fields())
         start = position
         key, position = _varint(data, position)
         wire = key & 7
-        if key >> 3 == _INPUTS_FIELD:
-            inputs += 1
-            if inputs > MAX_DECLARED_TENSORS:
-                raise ValueError(_too_many_inputs())
         if wire == 0:
             _, position = _varint(data, position)
         elif wire == 1:
@@ -76,9 +72,12 @@ def parse_infer_request(data: bytes, zero_copy_min_bytes: int = ZERO_COPY_MIN_BY
             if position <= end and key >> 3 == _RAW_FIELD:
                 raws.append(view[value_start:position])
                 continue
-        else:
-            # Groups (wire types 3 and 4; no client sends them) or an invalid wire type: let
-            # protobuf judge the whole message, as it would have without this scan.
+        elif wire == 3:
+            # A group (no client sends one; protobuf keeps it as an unknown field): skipped to its end, its fields
+            # counted. Handing the message to protobuf whole instead parsed any number of fields after it on the
+            # event loop (the review hunt).
+            position, fields = _skip_group(data, position, key >> 3, fields)
+        else:  # (an end-group without its start, or an invalid wire type: protobuf's own refusal)
             return _parse_whole(data)
         if position > end:
             raise ValueError(f"field at byte {start} runs past the end of the message")
@@ -95,16 +94,48 @@ def _parse_whole(data: bytes) -> tuple[pb.ModelInferRequest, list[bytes | memory
         message = pb.ModelInferRequest.FromString(data)
     except DecodeError as err:
         raise ValueError(str(err) or "not a valid ModelInferRequest") from None
-    if len(message.inputs) > MAX_DECLARED_TENSORS:  # (as the scan refuses it: whatever the request's size)
-        raise ValueError(_too_many_inputs())
+    fields = (len(message.inputs) + len(message.outputs) + len(message.raw_input_contents) + len(message.parameters)
+              + 4)  # (as the scan counts them: its model, version, id and other scalars at most)
+    if fields > MAX_TOP_LEVEL_FIELDS:  # (as the scan refuses it: whatever the request's size)
+        raise ValueError(_too_many_fields())
     return message, list(message.raw_input_contents)
 
 
-def _too_many_inputs() -> str:
-    """Why a request of more inputs than any model declares is refused as it is read: 4 million empty inputs in
-    64 MiB took 18 s of the server's CPU and 2.4 GiB, the event loop held, before any model refused them (the
-    gRPC read hunt)."""
-    return f"it carries more than {MAX_DECLARED_TENSORS} inputs, more than any model declares"
+def _too_many_fields() -> str:
+    return (f"it has more than {MAX_TOP_LEVEL_FIELDS} top-level fields (inputs, outputs, raw contents and "
+            "parameters), more than a request to any model needs")
+
+
+def _skip_group(data: bytes, position: int, number: int, fields: int) -> tuple[int, int]:
+    """The position after the group of field ``number`` starting at ``position`` (nested groups within), and
+    ``fields`` with the fields read in it; ValueError when it does not end, or holds too many fields."""
+    depth = 1
+    while position < len(data):
+        fields += 1
+        if fields > MAX_TOP_LEVEL_FIELDS:
+            raise ValueError(_too_many_fields())
+        key, position = _varint(data, position)
+        wire = key & 7
+        if wire == 0:
+            _, position = _varint(data, position)
+        elif wire == 1:
+            position += 8
+        elif wire == 5:
+            position += 4
+        elif wire == _LENGTH_DELIMITED:
+            length, position = _varint(data, position)
+            position += length
+        elif wire == 3:
+            depth += 1
+        elif wire == 4:
+            depth -= 1
+            if depth == 0:
+                if key >> 3 != number:
+                    raise ValueError(f"a group of field {number} ends as field {key >> 3}")
+                return position, fields
+        else:
+            raise ValueError(f"invalid wire type {wire} in a group of field {number}")
+    raise ValueError(f"a group of field {number} runs past the end of the message")
 
 
 def _varint(data: bytes, position: int) -> tuple[int, int]:
