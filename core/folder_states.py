@@ -232,6 +232,8 @@ def scan_store(location: StoreURL) -> dict[str, FolderState]:
             continue
         if not rest:
             lone[name] = str(etag)
+        elif rest.endswith("/") and size == 0:
+            objects.setdefault(name, [])  # a folder object inside it: no file, as a load fetches none
         elif not any(ignored_name(part) for part in rest.split("/")):
             objects.setdefault(name, []).append((rest, size, etag))
         else:

@@ -155,6 +155,9 @@ class RepositoryWatcher:
         self.settle_ms = settings.server.watch_settle_ms
         self.poll_s = settings.server.watch_poll_s
         self._folders: dict[str, FolderState] = {}
+        # A store's folders emptied of their files (only folder objects or ignored files left) since the watcher
+        # knew them with files: gone, until files come again (see _scan).
+        self._emptied: set[str] = set()
         # The running nereid.yaml's digest (see ConfigLook): what each later look is compared with.
         self._config_digest = look_at_config(self.config_path).digest
         # nereid.yaml's new look, not yet applied, and since when it has held it: a file is applied once it has
@@ -239,7 +242,21 @@ class RepositoryWatcher:
                                 for name in served))
 
     def _scan(self) -> dict[str, FolderState]:
-        return scan_repository(self.root) if self.location is None else scan_store(self.location)
+        if self.location is None:
+            return scan_repository(self.root)  # (a folder of no file but ignored ones is none: see there)
+        states = scan_store(self.location)
+        self._emptied &= set(states)  # (a folder gone altogether is no longer one emptied)
+        # A bucket's folder emptied of its files keeps its folder object (the console's delete leaves it), and
+        # was taken for an edit: its reload of nothing failed, and the removed model served on (the review hunt;
+        # a local folder's is no folder at all). One new with no files yet still loads, and says why it cannot.
+        for name, state in list(states.items()):
+            known = self._folders.get(name)
+            if state.stamp:
+                self._emptied.discard(name)
+            elif name in self._emptied or (known is not None and (known.stamp or known is _LOADED_UNSEEN)):
+                self._emptied.add(name)
+                del states[name]
+        return states
 
     def _look(self) -> tuple[dict[str, FolderState], list[tuple[Follow, WatchedPaths]]]:
         """Scan, and work out what each watch should follow now (blocking)."""

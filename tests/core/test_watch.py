@@ -835,6 +835,44 @@ def test_a_bucket_folder_a_client_loaded_as_it_is_is_not_loaded_again_by_the_wat
     assert "dynamic repository: folder 'b' is loaded already as it is now" in caplog.text
 
 
+def test_a_bucket_folder_emptied_but_for_its_folder_objects_unloads_its_model(s3, tmp_path) -> None:
+    """The review hunt of a60f3c7: a bucket's folder emptied of its files keeps its folder object (a console's
+    delete leaves it, as a nested one), and was taken for an edit: the reload of nothing failed, and the removed
+    model served on. Its files back, it loads again; a folder object inside a folder is no file of its stamp."""
+    import asyncio
+
+    from nereid.model_entry import ModelState
+
+    store = WatchedBucket(s3, tmp_path)
+
+    async def settle(watcher) -> None:
+        for _ in range(3):
+            await watcher._apply_serialized()
+            while watcher._changes:
+                await asyncio.gather(*watcher._changes)
+
+    async def scenario() -> None:
+        repository, watcher = await store.watched()
+        store.upload("b")
+        store.client.put_object(Bucket=store.bucket, Key=f"{store.prefix}/b/sub/", Body=b"")
+        await settle(watcher)
+        assert _entry(repository, "b").state is ModelState.READY and repository.generation("b") == 1
+        listed = store.client.list_objects_v2(Bucket=store.bucket, Prefix=f"{store.prefix}/b/")["Contents"]
+        for item in listed:
+            store.client.delete_object(Bucket=store.bucket, Key=item["Key"])
+        store.client.put_object(Bucket=store.bucket, Key=f"{store.prefix}/b/", Body=b"")  # (the console's)
+        await settle(watcher)
+        entry = _entry(repository, "b")
+        assert entry is None or entry.loaded is None, entry
+        for path in (tmp_path / "source" / "b" / "b").iterdir():  # (its files, uploaded again)
+            store.client.put_object(Bucket=store.bucket, Key=f"{store.prefix}/b/{path.name}", Body=path.read_bytes())
+        await settle(watcher)
+        assert _entry(repository, "b").state is ModelState.READY
+        watcher.stop()
+        await repository.unload_all()
+    asyncio.run(scenario())
+
+
 def test_a_load_failed_by_a_store_that_serves_again_when_the_watcher_looks_is_tried_again(s3, tmp_path, caplog):
     """A fetch that failed every try (HTTP 500) then succeeds at once: the repository recorded the store's
     error as the load's cause, and the watcher tries it again."""
