@@ -29,7 +29,6 @@ import hashlib
 import importlib
 import importlib.machinery
 import importlib.util
-import itertools
 import logging
 import os
 import sys
@@ -52,7 +51,6 @@ Hook = Callable[["list[NamedTensor]"], "list[NamedTensor]"]
 # Whether any model.py has run in this process, and the garbage collection scheduled after a version's retirement
 # (with its loop): see collect_released_code_soon.
 _code_loaded = False
-_load_numbers = itertools.count(1)  # (see load_model_hooks: each load's module name its own)
 _collection: tuple[asyncio.AbstractEventLoop, asyncio.TimerHandle] | None = None
 # Held while a load imports, for the first time, what model code imports (a model.py's leading imports; jax, for a
 # bundle): two loads importing one library's circular modules for the first time at once fail both (Python's
@@ -206,11 +204,13 @@ def load_model_hooks(path: Path, model: str, meta: bool = False) -> ModelHooks:
     ``orchestrate``, which only a meta model (``meta``) has.
     """
     path = Path(path)
-    digest = hashlib.sha256(os.fsencode(path.resolve())).hexdigest()[:12]  # (fsencode: a name not UTF-8 too)
-    # A unique name per load: two loads never share a module object, nor its entry in sys.modules, not even of
-    # one file (two models served from one symlinked folder, loading at once: one's removal of its entry took
-    # the other's as it ran, whose dataclass then failed; the meta read hunt).
-    module_name = f"nereid_bundle_{digest}_{next(_load_numbers)}"
+    # A name per file and model: two models' loads never share a module object, nor its entry in sys.modules, not
+    # even of one file (two models served from one symlinked folder, loading at once: one's removal of its entry
+    # took the other's as it ran, whose dataclass then failed; the meta read hunt); one model's loads take turns,
+    # and keep its name (a name per load left a logging.Logger, and a FileHandler's descriptor, per reload of a
+    # model.py that makes one for __name__; the review hunt). (fsencode: a name not UTF-8 too.)
+    digest = hashlib.sha256(os.fsencode(path.resolve()) + b"\0" + model.encode("utf-8", "surrogateescape"))
+    module_name = f"nereid_bundle_{digest.hexdigest()[:12]}"
     loader = _SourceOnlyLoader(module_name, str(path))
     spec = importlib.util.spec_from_file_location(module_name, path, loader=loader)
     if spec is None or spec.loader is None:

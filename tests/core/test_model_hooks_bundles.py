@@ -77,6 +77,20 @@ def test_two_loads_of_one_model_py_at_once_each_run_in_their_own_module(tmp_path
     assert not [name for name in sys.modules if name.startswith("nereid_bundle_")]
 
 
+def test_reloads_of_one_model_run_its_model_py_under_one_name(tmp_path) -> None:
+    """The review hunt of 631678a: a module name per load left a logging.Logger (and a FileHandler's descriptor,
+    for a model.py that adds one to its __name__ logger once) per reload."""
+    import logging
+
+    (tmp_path / "model.py").write_text("import logging\nimport nereid\nlog = logging.getLogger(__name__)\n"
+                                       "nereid.register_model(preprocess=lambda inputs: inputs)\n")
+    before = {name for name in logging.Logger.manager.loggerDict if name.startswith("nereid_bundle_")}
+    for _ in range(3):
+        load_model_hooks(tmp_path / "model.py", "a")
+    made = {name for name in logging.Logger.manager.loggerDict if name.startswith("nereid_bundle_")} - before
+    assert len(made) == 1, made
+
+
 def test_model_py_runs_from_its_source_and_leaves_no_bytecode_in_its_folder(tmp_path, monkeypatch) -> None:
     """Defect: loading model.py wrote __pycache__ into the model folder (a bucket's mirror then no longer
     matched the bucket), and a cached copy would run in place of a same-size model.py replaced in its second."""
