@@ -22,6 +22,7 @@ import importlib
 import logging
 import os
 import re
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -63,8 +64,26 @@ _start_error: str | None = None
 # Concurrent loads: the one whose start fails records the error before another reads the backends.
 _start_lock = threading.Lock()
 _started = False  # jax's backends were asked for once, and answered (their thread pools run)
-# compilation_flags() of XLA_FLAGS as XLA read it, when its first backend started (None: not started yet).
+# compilation_flags() of XLA_FLAGS as XLA read it, when its first backend started (None: not started yet); and as
+# they were the last time nereid looked before jax had started (a model.py may start it: see _note_flags).
 _flags_at_start: str | None = None
+_flags_before_start: str | None = None
+
+
+def _jax_started() -> bool:
+    """Whether jax has started its backends in this process (by nereid, or by a model.py's code), read from jax's
+    private record of them without starting anything."""
+    bridge = sys.modules.get("jax._src.xla_bridge")
+    return bool(vars(bridge).get("_backends")) if bridge is not None else False
+
+
+def _note_flags() -> None:
+    """Keep the flags as they are now, while jax has not started: the last look before a model's code may start it
+    is what XLA read then (the review hunt: a model.py started jax, then the flags file was edited, and the flags
+    of nereid's own first start were taken for XLA's)."""
+    global _flags_before_start
+    if not _jax_started():
+        _flags_before_start = compilation_flags(os.environ)
 
 
 def flags_in_force() -> str:
@@ -74,7 +93,10 @@ def flags_in_force() -> str:
     changes nothing XLA compiles, and keyed by the flags read again at each load, a reload cached programs of
     the old flags under the new ones, for every server sharing the folder (the XLA read hunt)."""
     with _start_lock:
-        return _flags_at_start if _flags_at_start is not None else compilation_flags(os.environ)
+        if _flags_at_start is not None:
+            return _flags_at_start
+        return _flags_before_start if _jax_started() and _flags_before_start is not None else compilation_flags(
+            os.environ)
 
 
 def client_threads() -> int:
@@ -100,11 +122,11 @@ def started_backends() -> tuple[dict[str, Any], str | None]:
         if not _started:
             # Its pools abort the process when a thread cannot start: refused here, at a process limit, instead.
             make_room_for_threads(client_threads())
-            flags = compilation_flags(os.environ)
+            _note_flags()
         try:
             backends = jax_backend.backends()
             if not _started:
-                _started, _flags_at_start = True, flags
+                _started, _flags_at_start = True, _flags_before_start
             return backends, _start_error
         except RuntimeError as err:
             if _start_error is None:
@@ -182,6 +204,7 @@ def xla_flags_problem() -> str | None:
     """Why XLA refuses this process's XLA_FLAGS (it would end a process that starts its backends), found in a
     child process as a load finds it; None when it does not, or XLA_FLAGS is not set."""
     with _start_lock:
+        _note_flags()  # (asked before a model's code runs, which may start jax)
         try:
             _check_xla_flags()
         except RuntimeError as err:

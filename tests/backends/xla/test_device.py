@@ -258,3 +258,30 @@ def test_the_compile_cache_is_keyed_by_the_flags_xla_read_when_it_started(tmp_pa
                           timeout=120, env={**os.environ, "XLA_FLAGS": str(flags)})
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.splitlines() == ["--xla_cpu_max_isa=SSE4_2", "--xla_cpu_max_isa=SSE4_2"], done.stdout
+
+
+# As FLAGS_READ_ONCE, jax started first by a model's own code (a meta model's model.py), after nereid's check.
+FLAGS_READ_BY_MODEL_CODE = """
+import sys
+from pathlib import Path
+import jax
+from nereid.backends.xla.device import flags_in_force, resolve_device, xla_flags_problem
+from nereid.settings import Device
+
+assert xla_flags_problem() is None  # (a load checks before a model.py runs)
+jax.devices()  # the model's code starts jax, with the flags as they are
+Path(sys.argv[1]).write_text("--xla_cpu_max_isa=AVX2\\n")
+resolve_device(Device.parse("cpu"), "a", "nereid.yaml: models[0]")
+print(flags_in_force())
+"""
+
+
+def test_the_flags_in_force_are_those_before_a_model_s_code_started_jax(tmp_path) -> None:
+    """The review hunt of 76e78e7: jax started by a model.py, then the flags file edited: the flags of nereid's own
+    first start, later, were taken for those XLA had read."""
+    flags = tmp_path / "flags"
+    flags.write_text("--xla_cpu_max_isa=SSE4_2\n")
+    done = subprocess.run([sys.executable, "-c", FLAGS_READ_BY_MODEL_CODE, str(flags)], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "XLA_FLAGS": str(flags)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == ["--xla_cpu_max_isa=SSE4_2"], done.stdout
