@@ -211,11 +211,19 @@ async def _serialized(response: InferResponse, streamed: bool) -> bytes:
     """``response``'s wire bytes, with one copy of the outputs (see serialize_infer_response): made off the event
     loop when large (a 1 GB answer held it for a second), and refused as the model's fault past what one gRPC
     message carries (grpcio's own refusal named no model, after the request was counted a success)."""
-    if sum(tensor.data.nbytes for tensor in response.outputs) >= SERIALIZE_OFF_LOOP_BYTES:
-        # (on the loop when no thread can start: the model has run, and its answer must not be refused now)
-        wire = await on_work_thread_or_here(functools.partial(serialize_infer_response, streamed=streamed), response)
-    else:
-        wire = serialize_infer_response(response, streamed=streamed)
+    size = sum(tensor.data.nbytes for tensor in response.outputs)
+    try:
+        if size >= SERIALIZE_OFF_LOOP_BYTES:
+            # (on the loop when no thread can start: the model has run, and its answer must not be refused now)
+            wire = await on_work_thread_or_here(functools.partial(serialize_infer_response, streamed=streamed),
+                                                response)
+        else:
+            wire = serialize_infer_response(response, streamed=streamed)
+    except MemoryError:
+        # The server's passing condition, UNAVAILABLE as HTTP's 503 for it, where it was INTERNAL "internal error"
+        # with a traceback and no count of the protocol's (the statistics hunt).
+        raise OutOfMemory(PublicText(f"model '{response.model_name}': the server ran out of memory serializing its "
+                                     f"{size}-byte answer; try again later")) from None
     if len(wire) > MAX_SEND_MESSAGE_BYTES:
         raise ModelFailure(f"model '{response.model_name}': its answer takes {len(wire)} bytes, more than one gRPC "
                            f"message carries ({MAX_SEND_MESSAGE_BYTES}); ask for fewer outputs, or call it over HTTP")
@@ -459,6 +467,9 @@ class InferenceServicer:
             raise
         except asyncio.CancelledError:  # the client cancelled, gRPC ended the call at its deadline, or the grace
             count(decoded.model_name, self._ended_reason(decoded.deadline_ns))
+            raise
+        except Exception:  # (a bug of the server's, answered INTERNAL: counted all the same, as HTTP counts it)
+            count(decoded.model_name, NereidError.reason)
             raise
         count(decoded.model_name, "success")
         return wire

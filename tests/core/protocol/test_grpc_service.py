@@ -1315,6 +1315,26 @@ def test_an_answer_past_one_grpc_message_is_the_models_fault_and_a_large_one_is_
         asyncio.run(grpc_service._serialized(response, False))
 
 
+def test_no_memory_to_serialize_an_answer_is_unavailable_naming_the_model(monkeypatch):
+    """Found by the statistics hunt: a MemoryError serializing an answer was INTERNAL "internal error" with a
+    traceback, uncounted by the protocol's counter, where HTTP answers 503."""
+    import asyncio
+
+    from nereid.dtypes import DType
+    from nereid.errors import OutOfMemory
+    from nereid.protocol import grpc_service
+    from nereid.tensors import InferResponse, NamedTensor
+
+    def no_memory(*args, **kwargs):
+        raise MemoryError()
+
+    monkeypatch.setattr(grpc_service, "serialize_infer_response", no_memory)
+    response = InferResponse("m", [NamedTensor("y", DType.FP32, np.arange(4, dtype=np.float32))], "r1")
+    with pytest.raises(OutOfMemory, match=r"^model 'm': the server ran out of memory serializing its 16-byte "
+                                          r"answer; try again later$"):
+        asyncio.run(grpc_service._serialized(response, False))
+
+
 def test_an_answer_serialized_when_no_thread_can_start_is_serialized_here_not_refused(monkeypatch):
     """Found by the review hunt of 3447a9f: at a pids limit a large answer, its model run already, was refused
     UNAVAILABLE as its serialization could get no thread: a client's retry ran the model again."""
