@@ -126,16 +126,30 @@ class NereidPluginManager(pluggy.PluginManager):
         say) is reported instead of silently dropped.
         """
         for dist in importlib.metadata.distributions():
-            for entry_point in dist.entry_points:
-                if entry_point.group == group and not self.is_blocked(entry_point.name):
+            try:
+                entry_points = [point for point in dist.entry_points if point.group == group]
+            except Exception as err:  # noqa: BLE001 - one unreadable installed package costs only itself
+                # A malformed or non-UTF-8 entry_points.txt of any installed package (not even a plugin) was a
+                # traceback of every nereid command (the CLI read hunt); it may hold a nereid plugin: said.
+                log.warning("plugins: cannot read the entry points of %s (%s); any nereid plugin it holds is left "
+                            "out", getattr(dist, "_path", "an installed distribution"),
+                            describe_exception(err, one_line=True))
+                continue
+            for entry_point in entry_points:
+                if not self.is_blocked(entry_point.name):
                     self._load_entry_point(dist, entry_point)
 
     def _load_entry_point(self, dist: importlib.metadata.Distribution,
                           entry_point: importlib.metadata.EntryPoint) -> None:
         name = entry_point.name
-        # (A dist-info without METADATA has no name: described as such, never a crash of every command.)
-        named = dist.metadata["Name"] or "(no name)"
-        origin = f"distribution {named} {dist.version}, entry point {name} = {entry_point.value}"
+        try:
+            # (A dist-info without METADATA has no name: described as such, never a crash of every command; nor
+            # is one whose METADATA is no UTF-8: the CLI read hunt.)
+            named = dist.metadata["Name"] or "(no name)"
+            version = dist.version
+        except Exception:  # noqa: BLE001 - described without them
+            named, version = "(unreadable metadata)", "?"
+        origin = f"distribution {named} {version}, entry point {name} = {entry_point.value}"
         distribution = _normalized(named)
         if self.has_plugin(name):
             if self._distributions.get(name) == distribution:

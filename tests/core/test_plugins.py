@@ -597,6 +597,20 @@ def test_a_plugin_distribution_without_a_name_is_loaded_not_a_crash(site, caplog
     assert manager.describe("nameless").startswith("plugin 'nameless' (distribution (no name) ")
 
 
+@pytest.mark.parametrize("entry_points", [b"[console_scripts]\nbroken\n", b"[nereid.backends]\ncaf\xe9 = x\n"])
+def test_an_installed_package_whose_entry_points_cannot_be_read_costs_only_itself(site, caplog, entry_points):
+    """Found by the CLI read hunt: one installed package's malformed (or non-UTF-8) entry_points.txt, not even a
+    nereid plugin's, ended every nereid command in a traceback."""
+    info = site / "broken_ep-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-ep\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_bytes(entry_points)
+    manager = make_plugin_manager()
+    assert manager.has_plugin("python")  # (the built-in backends, and every other plugin, are there)
+    assert [r.getMessage() for r in caplog.records if "cannot read the entry points" in r.getMessage()], \
+        caplog.text
+
+
 EXITING_PLUGINS = (
     ("exit-import", "exit_import", "exit_import_plugin", "import sys\nsys.exit('not today')\n"),
     ("exit-hooks", "exit_hooks", "exit_hooks_plugin",
