@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import difflib
 import io
@@ -18,6 +19,21 @@ from typing import AbstractSet, Any, Mapping
 import yaml
 
 from nereid.errors import ConfigError, cap_message
+
+
+def same_values(a: Any, b: Any) -> bool:
+    """Whether two configuration values are the same, their types included, however deep: YAML's ``1`` and
+    ``true`` (or ``4`` and ``4.0``) are equal to Python, and an edit fixing ``warm_start: 1`` to ``true`` was
+    taken for no change, its model left failing until a restart (the CLI read hunt). Mappings compare by their
+    items (a layered runtime as a dict), sequences item by item, dataclasses field by field."""
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        return a.keys() == b.keys() and all(same_values(a[key], b[key]) for key in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(same_values(x, y) for x, y in zip(a, b))
+    if dataclasses.is_dataclass(a) and not isinstance(a, type):
+        return type(a) is type(b) and all(same_values(getattr(a, field.name), getattr(b, field.name))
+                                          for field in dataclasses.fields(a) if field.compare)
+    return type(a) is type(b) and a == b
 
 
 class _StrictLoader(yaml.SafeLoader):

@@ -30,6 +30,7 @@ from pluggy._hooks import _SubsetHookCaller  # (pluggy's own subset caller; see 
 
 from nereid import hookspecs
 from nereid.backend import BackendClaim
+from nereid.config_document import same_values
 from nereid.errors import ConfigError, cap_message, describe_exception, plugin_failures
 from nereid.runtime_options import layered_runtime
 from nereid.settings import DEFAULT_CONFIG_NAME
@@ -463,7 +464,7 @@ def options_change(manager: NereidPluginManager, asked: OptionsAsked, before: Ma
     such hook, no answer, or a raise (a ConfigError's mistake is then the
     reload's reason; a plugin's bug is logged too).
     """
-    if (before or {}) == (after or {}):
+    if same_values(before or {}, after or {}):  # (types too: `0` fixed to `false` is a change)
         return False
     impls = _plain_impls(manager.hook.nereid_model_options)
     impl = next((impl for impl in impls if impl.plugin_name == asked.backend), None)

@@ -21,6 +21,7 @@ import pluggy
 from nereid.backend import ModelCaller, ModelContext, Relocatable
 from nereid.backend_calls import on_daemon_thread, terminate_backend, unload_backend
 from nereid.client_paths import ClientPaths
+from nereid.config_document import same_values
 from nereid.daemon_pool import on_io_thread, on_work_thread
 from nereid.dependencies import DependencyCycle
 from nereid.dependent_states import DependentStates, log_unavailable
@@ -692,7 +693,8 @@ class ModelRepository:
         """Whether the running version was built with the entry's settings as they are now and, where the files
         were stamped (a local folder), from the folder's files as they are now."""
         loaded = entry.loaded
-        if loaded is None or loaded.settings != entry.settings or self._defaults_change_options(entry, self.settings):
+        if (loaded is None or not same_values(loaded.settings, entry.settings)
+                or self._defaults_change_options(entry, self.settings)):
             return False
         if loaded.stamp is None or self.settings.server.ml_backends_url is not None:
             # Files not stamped, or a bucket's (their state is the watcher's, not known here): loaded again, as

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from nereid.config_document import same_values
 from nereid.settings import ModelSettings, Settings
 
 
@@ -26,7 +27,7 @@ def changed_backends(old: Settings, new: Settings) -> set[str]:
     options differ with them is its backend's to say: see :func:`nereid.plugins.options_change`)."""
     # (An empty section, `python: {}`, is the same as none: it changes no model's options.)
     return {name for name in set(old.backend_defaults) | set(new.backend_defaults)
-            if (old.backend_defaults.get(name) or {}) != (new.backend_defaults.get(name) or {})}
+            if not same_values(old.backend_defaults.get(name) or {}, new.backend_defaults.get(name) or {})}
 
 
 def served(settings: Settings, name: str) -> bool:
@@ -48,7 +49,7 @@ def settings_step(name: str, old: Settings, new: Settings, before: ModelSettings
     """
     was_listed, listed = old.model(name) is not None, new.model(name) is not None
     config = new.config_name  # (the file as the operator named it: `--config prod.yaml` said "nereid.yaml")
-    changed = new.model_or_default(name)[0] != before
+    changed = not same_values(new.model_or_default(name)[0], before)  # (types too: `1` fixed to `true` is a change)
     # (One asked for but not loaded, its load having failed, too: wanted no more, its fixed files must not load.)
     if served(old, name) and not served(new, name) and (was_listed or loaded_backend is not None or asked_for):
         # (Not "unloading it" for one never loaded: listed before its folder landed, or whose load failed.)

@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Awaitable, Callable
 
 from nereid.daemon_pool import on_io_thread, on_work_thread
+from nereid.config_document import same_values
 from nereid.errors import ConfigError, NotFound, Unavailable
 from nereid.file_events import Follow, RepositoryFollower
 from nereid.files import read_regular_file
@@ -703,9 +704,11 @@ class RepositoryWatcher:
         new, running = self._config_ahead[1], self.settings
         if new is None:
             return set()
-        if new.models_listed != running.models_listed or new.backend_defaults != running.backend_defaults:
+        if new.models_listed != running.models_listed or not same_values(new.backend_defaults,
+                                                                          running.backend_defaults):
             return set(names)
-        return {name for name in names if new.model_or_default(name)[0] != running.model_or_default(name)[0]}
+        return {name for name in names
+                if not same_values(new.model_or_default(name)[0], running.model_or_default(name)[0])}
 
     def _settings_of(self, look: ConfigLook) -> Settings | None:
         """The settings nereid.yaml's ``look`` gives, None when it does not read (blocking)."""

@@ -120,3 +120,17 @@ def test_each_step_names_the_file_the_server_was_started_with(tmp_path: Path) ->
     assert step("a", one, defaults, loaded_backend="python") == (
         "reload", ": prod.yaml's backends.python defaults change its options; reloading it")
     assert step("a", one, defaults) == ("load", ": prod.yaml's backends: defaults changed; loading it again")
+
+
+def test_a_value_fixed_to_another_type_that_python_calls_equal_is_a_change(tmp_path: Path) -> None:
+    """Found by the CLI read hunt: `warm_start: 1` fixed to `true` (or `0` to `false`, `4.0` to `4`) was no change
+    to Python (1 == True), so the model that failed on it stayed failing until a restart, and a READY one edited
+    the other way served on, to fail at the next start."""
+    broken = settings(tmp_path, "models:\n  - name: a\n    runtime: {warm_start: 1}\n")
+    fixed = settings(tmp_path, "models:\n  - name: a\n    runtime: {warm_start: true}\n")
+    assert step("a", broken, fixed)[0] == "load"
+    assert step("a", fixed, broken, loaded_backend="python")[0] == "reload"
+    zero = settings(tmp_path, "backends:\n  python: {warm_start: 0}\n")
+    false = settings(tmp_path, "backends:\n  python: {warm_start: false}\n")
+    assert changed_backends(zero, false) == {"python"}
+    assert step("a", fixed, fixed) is None  # (the same, as written)
