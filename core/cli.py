@@ -96,20 +96,26 @@ def main(argv: list[str] | None = None, extra_plugins: tuple[object, ...] = ()) 
     # One manager for the whole command, so that a plugin left out is logged once.
     manager = make_plugin_manager(extra_plugins=extra_plugins)
     add_commands(manager, commands)  # backends' own tooling
+    # What runs is told by the command's own parser, not by ``command``: a plugin command's subparsers, with
+    # argparse's usual dest="command", overwrote it and took over the dispatch (`nereid mytool check` ran
+    # nereid's check, and failed in it; the CLI read hunt).
+    for name, command in commands.choices.items():
+        command.set_defaults(nereid_command=name)
     args = parser.parse_args(argv)
-    serving = args.command == "serve"
-    if not serving and args.command != "check":  # (the console script recorded stop signals from its start: see
+    serving = args.nereid_command == "serve"
+    if not serving and args.nereid_command != "check":  # (the console script recorded stop signals from its start: see
         redeliver_early_stops()                  # nereid.entry; check and serve hand them over themselves)
-    if "run" in args and args.command not in ("serve", "check"):
+    if "run" in args and args.nereid_command not in ("serve", "check"):
         # (Never for the built-in commands: a plugin's set_defaults(run=...) on their parsers took them over;
         # found by a plugin hunt.)
-        return _plugin_command_status(args.command, _reading_stopped_quietly(lambda: _ran(args.run, args)))
+        return _plugin_command_status(args.nereid_command, _reading_stopped_quietly(lambda: _ran(args.run, args)))
 
-    if not serving and args.command != "check":
+    if not serving and args.nereid_command != "check":
         # A plugin's command that set no run function ran `nereid check` in its place, or failed in it with a
         # traceback (found by a plugin hunt): the plugin's mistake, said as such.
-        print(one_record_per_line(f"error: the command '{args.command}' (a plugin's) sets no function to run: its "
-                                  "nereid_add_commands hook must call set_defaults(run=FUNCTION) on its parser"),
+        print(one_record_per_line(f"error: the command '{args.nereid_command}' (a plugin's) sets no function to "
+                                  "run: its nereid_add_commands hook must call set_defaults(run=FUNCTION) on its "
+                                  "parser"),
               file=sys.stderr)
         return 2
     if not serving:

@@ -1507,6 +1507,28 @@ def test_a_plugin_command_that_sets_no_function_to_run_is_told_as_the_plugin_s_m
         "set_defaults(run=FUNCTION) on its parser")
 
 
+def test_a_plugin_command_with_subcommands_of_its_own_runs_whatever_their_dest(capsys) -> None:
+    """Found by the CLI read hunt: a plugin's own subparsers with argparse's usual dest="command" overwrote nereid's
+    dispatch: `nereid mytool check DIR` ran nereid's check in its place, and failed in it."""
+    from nereid.cli import main
+    from nereid.hookspecs import hookimpl
+
+    ran: list[tuple[str, str]] = []
+
+    class Tool:
+        @hookimpl
+        def nereid_add_commands(self, commands):
+            tool = commands.add_parser("mytool")
+            tool.set_defaults(run=lambda args: ran.append((args.command, args.folder)))
+            inner = tool.add_subparsers(dest="command", required=True)
+            for name in ("check", "serve", "lint"):
+                inner.add_parser(name).add_argument("folder")
+
+    for name in ("check", "serve", "lint"):
+        assert main(["mytool", name, "d"], extra_plugins=(Tool(),)) == 0
+    assert ran == [("check", "d"), ("serve", "d"), ("lint", "d")]
+
+
 @pytest.mark.parametrize("returned, status, said", [
     (None, 0, ""), (0, 0, ""), (3, 3, ""), (255, 255, ""),
     (300, 2, "returned 300"), (-1, 2, "returned -1"), ("bad", 2, "returned 'bad'"),
