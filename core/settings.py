@@ -399,20 +399,22 @@ def load_settings(path: Path) -> Settings:
     return settings_from_bytes(read_regular_file(path, MAX_CONFIG_BYTES), path)
 
 
-def settings_from_bytes(data: bytes, path: Path) -> Settings:
+def settings_from_bytes(data: bytes, path: Path, read_tls: bool = True) -> Settings:
     """Check nereid.yaml's bytes ``data`` (already read) as if read from ``path``: bytes that are not UTF-8 are
-    explained with the offset of the first bad one."""
+    explained with the offset of the first bad one. ``read_tls``: see :func:`parse_settings`."""
     document = load_yaml(decode_text(data, path), path)
-    return parse_settings(document if document is not None else {}, path)
+    return parse_settings(document if document is not None else {}, path, read_tls)
 
 
-def parse_settings(document: Any, path: Path) -> Settings:
-    """Check an already-loaded YAML document as if it came from ``path``."""
+def parse_settings(document: Any, path: Path, read_tls: bool = True) -> Settings:
+    """Check an already-loaded YAML document as if it came from ``path``. ``read_tls`` False leaves the TLS files
+    unread: a running server's edit of the file, whose ``server:`` keys wait for a restart (a certificate that
+    expired while it served refused every edit of the models; the CLI read hunt)."""
     reader = KeyedReader(path)
     top = reader.mapping(document, "", _TOP_KEYS, _key_hints("top"))
     raw_server = top.get("server", {})
     # (A section left empty, its keys commented out, is YAML's null: no server keys, as for models: and backends:.)
-    server = _parse_server(reader, {} if raw_server is None else raw_server, path)
+    server = _parse_server(reader, {} if raw_server is None else raw_server, path, read_tls)
     models: list[ModelSettings] = []
     raw_models = top.get("models")
     if "models" in top:
@@ -445,7 +447,7 @@ def parse_settings(document: Any, path: Path) -> Settings:
     return Settings(path, server, tuple(models), models_listed="models" in top, backend_defaults=backend_defaults)
 
 
-def _parse_server(reader: KeyedReader, raw: Any, path: Path) -> ServerSettings:
+def _parse_server(reader: KeyedReader, raw: Any, path: Path, read_tls: bool = True) -> ServerSettings:
     section = reader.mapping(raw, "server", _SERVER_KEYS, _key_hints("server"))
     bind_addr = _address(reader, section, "server.bind_addr", DEFAULT_BIND_ADDR, off=None)
     backends_text = reader.string(section, "server.ml_backends_path", "ml-backends")
@@ -492,7 +494,8 @@ def _parse_server(reader: KeyedReader, raw: Any, path: Path) -> ServerSettings:
                     "must be true or false (unset: true when bind_addr and http_addr are loopback)", control)
     # (tls: with its keys commented out is a section with no keys, as every other: told what it lacks, where it
     # was told it "must be a mapping, got null"; found by the README walkthrough.)
-    tls = _parse_tls(reader, {} if section.get("tls") is None else section["tls"], path) if "tls" in section else None
+    tls = (_parse_tls(reader, {} if section.get("tls") is None else section["tls"], path, read_tls)
+           if "tls" in section else None)
     watch = section.get("watch", False)
     if not isinstance(watch, bool):
         reader.fail("server.watch", "must be true or false", watch)
@@ -566,7 +569,7 @@ def beside_config(config: Path, relative: Path) -> Path:
     return config.resolve().parent / relative
 
 
-def _parse_tls(reader: KeyedReader, raw: Any, path: Path) -> TlsSettings:
+def _parse_tls(reader: KeyedReader, raw: Any, path: Path, read: bool = True) -> TlsSettings:
     section = reader.mapping(raw, "server.tls", _TLS_KEYS, _key_hints("tls"))
     files: dict[str, Path | None] = {}
     for key in ("cert", "key", "client_ca"):
@@ -582,7 +585,8 @@ def _parse_tls(reader: KeyedReader, raw: Any, path: Path) -> TlsSettings:
         files[key] = file if file.is_absolute() else beside_config(path, file)
     tls = TlsSettings(files["cert"], files["key"], files["client_ca"])
     try:
-        read_tls_material(tls)
+        if read:
+            read_tls_material(tls)
     except TlsFileError as err:
         reader.fail(f"server.tls.{err.key}", str(err), section.get(err.key))
     return tls

@@ -125,7 +125,7 @@ def _settings_from(look: ConfigLook, path: Path) -> Settings:
     settled are the ones applied."""
     if look.data is None:
         raise ConfigError(look.refusal or f"{path}: cannot read")
-    return settings_from_bytes(look.data, path)
+    return settings_from_bytes(look.data, path, read_tls=False)  # (server: keys wait for a restart)
 
 
 @dataclass(frozen=True)

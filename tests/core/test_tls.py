@@ -641,3 +641,22 @@ def test_a_server_key_too_weak_for_the_http_listener_is_refused_as_weak_not_as_a
         "level), which refuses to serve with it; use a 2048-bit RSA key or more, or an EC key, signed with "
         "SHA-256 or better")
     assert refused.value.key == "key"
+
+
+def test_a_running_server_s_edit_of_nereid_yaml_reads_no_tls_file(folder):
+    """Found by the CLI read hunt: a certificate that expired while the server served it (serving on, as it does)
+    made every later edit of nereid.yaml refused, a model listed never loaded; server: keys wait for a restart,
+    so an edit's check reads no TLS file (a start still refuses the expired one)."""
+    from nereid.errors import ConfigError
+    from nereid.settings import settings_from_bytes
+
+    cert, key = Issuer(folder, "ca").leaf("expired", valid_from=NOW - 10 * DAY, valid_to=NOW - DAY)
+    config = folder / "nereid.yaml"
+    (folder / "ml-backends" / "m").mkdir(parents=True)
+    data = f'server:\n  tls:\n    cert: "{cert}"\n    key: "{key}"\nmodels:\n  - name: m\n'.encode()
+    with pytest.raises(ConfigError, match="server.tls.cert: .* expired at"):
+        settings_from_bytes(data, config)
+    assert [m.name for m in settings_from_bytes(data, config, read_tls=False).models] == ["m"]
+    from nereid.watch import ConfigLook, _settings_from  # (what the watcher applies an edit with)
+
+    assert [m.name for m in _settings_from(ConfigLook("digest", data), config).models] == ["m"]
