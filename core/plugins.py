@@ -352,7 +352,7 @@ def hook_problems(manager: pluggy.PluginManager, plugin: object) -> list[str]:
     specs = sorted(name for name, caller in vars(manager.hook).items()
                    if isinstance(caller, pluggy.HookCaller) and caller.has_spec())
     listed = ", ".join(specs)
-    callers = manager.get_hookcallers(plugin) or []
+    callers = list({id(caller): caller for caller in manager.get_hookcallers(plugin) or []}.values())  # (one per impl)
     problems: list[str] = []
     for caller in callers:
         impls = [impl for impl in caller.get_hookimpls() if impl.plugin is plugin]
@@ -360,6 +360,12 @@ def hook_problems(manager: pluggy.PluginManager, plugin: object) -> list[str]:
             close = difflib.get_close_matches(caller.name, specs, n=1)
             guess = f" (did you mean {close[0]}?)" if close else ""
             problems.append(f"unknown hook '{caller.name}'{guess}; nereid's hooks are: {listed}")
+        if len(impls) > 1 and caller.has_spec():
+            # (pluggy takes a second function for a hook, @hookimpl(specname=...): each of nereid's questions asks
+            # a backend alone, by its plugin, and such a plugin was asked nothing; the CLI read hunt.)
+            problems.append(f"it implements {caller.name} {len(impls)} times ("
+                            f"{', '.join(sorted(impl.function.__name__ for impl in impls))}); one function per "
+                            "hook")
         for impl in impls:
             # pluggy calls it and takes the coroutine it returns for the answer: a check that never ran passed,
             # commands were never added, a warning named nereid's own file (the config hunt).

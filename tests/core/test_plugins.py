@@ -722,6 +722,10 @@ HOOKLESS_PLUGINS = (  # (distribution, entry point, module, source): registered 
     ("async-hook", "async_hook", "async_hook_plugin",
      "from nereid.hookspecs import hookimpl\n@hookimpl\ndef nereid_claim_model(folder, declared):\n    return None\n"
      "@hookimpl\nasync def nereid_check_defaults(defaults, origin):\n    raise ValueError(defaults)\n"),
+    # (The CLI read hunt: a second function for one hook, pluggy's specname=, left the plugin asked nothing.)
+    ("twice-hook", "twice_hook", "twice_hook_plugin",
+     "from nereid.hookspecs import hookimpl\n@hookimpl\ndef nereid_claim_model(folder, declared):\n    return None\n"
+     "@hookimpl(specname='nereid_claim_model')\ndef claim_more(folder, declared):\n    return None\n"),
     # Usable, and kept: a hook pluggy may leave unspecified (optionalhook), and a plugin adding only commands.
     ("optional-hook", "optional_hook", "optional_hook_plugin",
      "from nereid.hookspecs import hookimpl\n@hookimpl(optionalhook=True)\ndef nereid_future_hook():\n    pass\n"
@@ -754,17 +758,20 @@ def test_a_plugin_implementing_no_nereid_hook_is_left_out_saying_what_to_fix(sit
                       "(from nereid.hookspecs import hookimpl)",
         "'async_hook'": "left out: its nereid_check_defaults is an async def: nereid calls its hooks as plain "
                         "functions (make it a plain def)",
+        "'twice_hook'": "left out: it implements nereid_claim_model 2 times (claim_more, nereid_claim_model); one "
+                        "function per hook",
     }
     errors = sorted(_errors(caplog))  # one ERROR line each, naming distribution and entry point
-    assert len(errors) == 4 and errors[2].startswith(
+    assert len(errors) == 5 and errors[3].startswith(
         "plugin 'typo_hook' (distribution typo-hook 1.0, entry point typo_hook = typo_hook_plugin): left out: "
         "unknown hook 'nereid_claim_models'")
-    assert not any(manager.has_plugin(name) for name in ("typo_hook", "unmarked_hook", "no_hooks", "async_hook"))
+    assert not any(manager.has_plugin(name) for name in ("typo_hook", "unmarked_hook", "no_hooks", "async_hook",
+                                                         "twice_hook"))
     assert manager.has_plugin("optional_hook") and manager.has_plugin("tooling_only")
     assert backend_names(manager) == ["cpp", "cxx", "meta", "optional_hook", "python", "xla"]
     reason = claim_folder(manager, repo.add("theirs", None)).reason
-    assert "; plugin(s) left out at start-up (the log and nereid check say why): async_hook, no_hooks, typo_hook, " \
-           "unmarked_hook" in reason
+    assert "; plugin(s) left out at start-up (the log and nereid check say why): async_hook, no_hooks, twice_hook, " \
+           "typo_hook, unmarked_hook" in reason
 
 
 def test_core_bench_and_test_plugins_have_no_hook_problems() -> None:
