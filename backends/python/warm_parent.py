@@ -309,11 +309,10 @@ def note_preload_removers() -> None:
 # clean-up of what it made at import, written as a function of its own (a lambda or def around shutil.rmtree, a
 # context's __exit__ that deletes a file extracted from a zipped package, as certifi's exit_cacert_ctx).
 REMOVING_NAMES = frozenset({"rmtree", "unlink", "rmdir", "removedirs", "cleanup", "__exit__"})
-# ``remove`` only as an attribute of these names (``os.remove(path)``, ``_os.remove``) or a bare name (``from os
-# import remove``): otherwise it is as often a list's (a flusher draining its queue with ``pending.remove(item)`` was
-# skipped, and each run's data lost; the review hunt), and ``os`` used beside a list's remove (``os.fsync``) says
-# nothing of it (the next review hunt).
-REMOVE_FROM = frozenset({"os", "_os"})
+# ``remove`` only as ``os``'s: an attribute of a global that is the os module (``os.remove(path)``, ``import os as
+# o; o.remove``), or a global that is os.remove or os.unlink (``from os import remove as rm``), told by the function's
+# globals. A list's (a flusher draining its queue with ``pending.remove(item)``) was taken for one, and each run's
+# data lost (the review hunt); so was a user's own global function named remove (the next one).
 
 
 def _removes_files(func: object) -> bool:
@@ -340,26 +339,31 @@ def _removes_files(func: object) -> bool:
     if "pathlib" in sys.modules and isinstance(owner, sys.modules["pathlib"].PurePath):
         return getattr(target, "__name__", "") in ("unlink", "rmdir")
     code = getattr(target, "__code__", None)
-    return isinstance(code, types.CodeType) and _calls_a_removal(code)
+    names = getattr(target, "__globals__", None)
+    return isinstance(code, types.CodeType) and _calls_a_removal(code, names if isinstance(names, dict) else {})
 
 
-def _calls_a_removal(code: types.CodeType) -> bool:
-    """Whether ``code``, or a function defined in it, names one of :data:`REMOVING_NAMES` or ``os``'s ``remove``."""
-    if REMOVING_NAMES.intersection(code.co_names) or ("remove" in code.co_names and _loads_os_remove(code)):
+def _calls_a_removal(code: types.CodeType, names: dict[str, object]) -> bool:
+    """Whether ``code``, or a function defined in it, names one of :data:`REMOVING_NAMES` or loads ``os``'s
+    ``remove`` (``names``: the function's globals)."""
+    if REMOVING_NAMES.intersection(code.co_names) or _loads_os_remove(code, names):
         return True
-    return any(_calls_a_removal(const) for const in code.co_consts if isinstance(const, types.CodeType))
+    return any(_calls_a_removal(const, names) for const in code.co_consts if isinstance(const, types.CodeType))
 
 
-def _loads_os_remove(code: types.CodeType) -> bool:
-    """Whether ``code`` itself loads ``remove`` as an attribute of one of :data:`REMOVE_FROM` or as a bare name."""
+def _loads_os_remove(code: types.CodeType, names: dict[str, object]) -> bool:
+    """Whether ``code`` itself loads a global that is ``os.remove`` (or ``os.unlink``), or the attribute ``remove``
+    of a global that is the os module (its globals ``names`` tell)."""
+    removers = (os.remove, os.unlink)
     previous = None
     for instruction in dis.get_instructions(code):
-        if instruction.argval == "remove":
-            if instruction.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
+        if instruction.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
+            if any(names.get(instruction.argval) is remover for remover in removers):
                 return True
-            if (instruction.opname in ("LOAD_ATTR", "LOAD_METHOD") and previous is not None
-                    and previous.opname.startswith("LOAD_") and previous.argval in REMOVE_FROM):
-                return True
+        elif (instruction.opname in ("LOAD_ATTR", "LOAD_METHOD") and instruction.argval == "remove"
+              and previous is not None and previous.opname in ("LOAD_GLOBAL", "LOAD_NAME")
+              and names.get(previous.argval) is os):
+            return True
         previous = instruction
     return False
 

@@ -657,7 +657,14 @@ def test_files_a_preloaded_import_made_for_its_process_outlive_each_run(repo, se
         "marker = pathlib.Path(made[0]) / 'marker'\nmarker.write_text('1')\natexit.register(marker.unlink)\n"
         "import os as _os\nother = _os.path.join(made[1], 'other')\nopen(other, 'w').close()\n"
         "atexit.register(lambda: _os.remove(other))\n"
-        "paths = [*made, kept.name, held, str(marker), other]\n"
+        "from os import remove as _rm\nthird = _os.path.join(made[1], 'third')\nopen(third, 'w').close()\n"
+        "atexit.register(lambda: _rm(third))\n"
+        "paths = [*made, kept.name, held, str(marker), other, third]\n"
+        "def remove(items, item):  # a helper of its own named remove: no file removed (the review hunt)\n"
+        "    items.remove(item)\n"
+        "def _flush_helped():\n    noted = ['run']\n    remove(noted, 'run')\n"
+        f"    open({str(user_site / 'helped.log')!r}, 'a').write('run\\n')\n"
+        "atexit.register(_flush_helped)\n"
         "_pending = []\n"
         f"def _flush():  # a library's exit function that only flushes what its process recorded: still run\n"
         "    _pending.append('run')\n"
@@ -673,7 +680,9 @@ def test_files_a_preloaded_import_made_for_its_process_outlive_each_run(repo, se
         "+ sum(os.path.exists(path) for path in wraps_its_removals.paths)", prelude=prelude))
     server = serve(repo.write_config("- name: unpacked\n"))
     assert backend_of(server, "unpacked").runtime_report().summary == "warm_start=on"
-    assert [ask(server, "unpacked") for _ in range(3)] == [48, 48, 48]
+    assert [ask(server, "unpacked") for _ in range(3)] == [49, 49, 49]
+    assert wait_until(lambda: (user_site / "helped.log").is_file()
+                      and (user_site / "helped.log").read_text() == "run\n" * 3)
     assert wait_until(lambda: (user_site / "flushed.log").is_file()
                       and (user_site / "flushed.log").read_text() == "run\n" * 3)
 
