@@ -657,7 +657,8 @@ def peer(client: tuple[str, int] | None) -> str:
 
 
 # Header fields whose repeated lines make one comma-separated list (RFC 9110, 5.3), read as one.
-_LIST_FIELDS = frozenset((b"content-encoding", b"transfer-encoding", b"connection", b"upgrade"))
+_LIST_FIELDS = frozenset((b"content-encoding", b"transfer-encoding", b"connection", b"upgrade",
+                          b"accept-encoding"))  # (Accept-Encoding's lines: the last alone was read; the HTTP read hunt)
 # Header fields that hold one value: repeated with another value, which one counts is not known (a proxy in front
 # may read the first where the last won here: an Inference-Header-Content-Length splitting the body elsewhere).
 _SINGLE_FIELDS = {b"content-type": "Content-Type", b"content-length": "Content-Length", b"origin": "Origin",

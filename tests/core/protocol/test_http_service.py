@@ -1143,6 +1143,12 @@ def test_repeated_header_lines_are_read_as_one_field_or_refused(served):
     status, text = answer(f"Content-Length: {len(body)}", "Content-Type: application/json",
                           "Content-Type: application/json")
     assert status == 200 and json.loads(text)["outputs"][0]["data"] == [1, 2, 3, 4]
+    # Accept-Encoding's lines are one list (the HTTP read hunt: the last line alone was read, and gzip, asked for
+    # on the first, was not used).
+    head = ("POST /v2/models/echo/infer HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+            f"Content-Length: {len(body)}\r\nAccept-Encoding: gzip\r\nAccept-Encoding: br\r\n\r\n")
+    raw = _exchange(base, head.encode() + body)
+    assert b"\r\ncontent-encoding: gzip\r\n" in raw.partition(b"\r\n\r\n")[0].lower(), raw[:300]
 
 
 @pytest.mark.parametrize("elements, datatype, off_loop", [
