@@ -293,7 +293,10 @@ def make_copy(original: Path, copy: Path) -> None:
                 yield memoryview(program.reshape(-1).view(np.uint8))
 
         # Proved against the original before it takes its name: a wrong copy never appears.
-        atomic_write(copy, parts(), durable=True, check=lambda temporary: prove_copy(fd, original, temporary))
+        # (With the original's mode: under a umask of 027 the offline tool, run as root, wrote one a server of
+        # another user could not read; the exporter hunt.)
+        atomic_write(copy, parts(), durable=True, mode=os.fstat(fd).st_mode & 0o7777,
+                     check=lambda temporary: prove_copy(fd, original, temporary))
     finally:
         os.close(fd)
 
@@ -439,7 +442,7 @@ def _restore(fd: int, original: Path) -> None:
             yield chunk
             offset += len(chunk)
 
-    atomic_write(original, chunks(), durable=True)
+    atomic_write(original, chunks(), durable=True, mode=os.fstat(fd).st_mode & 0o7777)  # (the original's mode)
 
 
 def _edit_manifest(path: Path, *, weights_file: object = _KEEP, format_version: object = _KEEP) -> None:
@@ -451,6 +454,10 @@ def _edit_manifest(path: Path, *, weights_file: object = _KEEP, format_version: 
     right after the format_version line, indented like the top-level keys.
     """
     text = path.read_text(encoding="utf-8")
+    # A byte-order mark (Windows Notepad's) hid the first line from the edits, and the migration never finished
+    # (the exporter hunt): kept aside, and written back.
+    bom = "\ufeff" if text.startswith("\ufeff") else ""
+    text = text[len(bom):]
     try:
         before = parse_manifest_text(text, path)
     except ConfigError as err:
@@ -473,7 +480,7 @@ def _edit_manifest(path: Path, *, weights_file: object = _KEEP, format_version: 
             problem = f"does not parse: {err}"
             continue
         if after == wanted:
-            atomic_write(path, [candidate.encode("utf-8")], durable=True, mode=path.stat().st_mode & 0o7777)
+            atomic_write(path, [(bom + candidate).encode("utf-8")], durable=True, mode=path.stat().st_mode & 0o7777)
             return
     raise MigrationError(f"{path}: could not change only the weights_file / format_version lines: the edited "
                          f"manifest {problem}")

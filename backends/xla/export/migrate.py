@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from nereid.backends.xla.migration import failure_reason, migrate_bundle
+from nereid.leftovers import remove_model_leftovers
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,6 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     failures = 0
     for bundle in args.bundles:
         try:
+            # A migrate killed earlier left a weights-sized temporary file, which only a server's load removed: a
+            # bundle migrated ahead of a deploy shipped it (the exporter hunt). Removed as a load removes it.
+            remove_model_leftovers(bundle)
             outcome = migrate_bundle(bundle, args.mode)
         except Exception as err:  # an unforeseen failure too is this bundle's line: the bundles after it still run
             failures += 1

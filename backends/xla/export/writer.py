@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import numbers
 import os
+import re
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence, Union
 
@@ -365,6 +366,10 @@ def _read(artifact: bytes, file_name: str):
         raise ExportError(str(err)) from None
 
 
+# The program and weights files an export writes (see bundle.py and _shards), and a migration's copy.
+_EXPORTED_NAMES = re.compile(r"model(\.v\d+)?(\.b\d+)?\.mlir|weights(\.T|-\d{5}-of-\d{5})?\.safetensors")
+
+
 def _write_files(directory: Path, files: Mapping[str, bytes], weights: list[tuple[str, np.ndarray]], layout: str,
                  model_py: str | None, provenance: Provenance | Mapping[str, Any] | None,
                  manifest_text: str, shard_bytes: int | None = None) -> None:
@@ -398,10 +403,11 @@ def _write_files(directory: Path, files: Mapping[str, bytes], weights: list[tupl
             temporary.unlink(missing_ok=True)
         raise
     # Program files, weights (one file, or other shards), the index and the patch of an earlier export would
-    # otherwise linger beside the new ones and be served or misread.
-    for stale in [*directory.glob("model*.mlir"), *directory.glob("*.safetensors"), directory / INDEX_FILE,
-                  directory / PATCH_FILE]:
-        if stale.name not in staged:
+    # otherwise linger beside the new ones and be served or misread. Only names an export writes: a hand-written
+    # model.py's own labels.safetensors, or a model_reference.mlir, were removed with them (the exporter hunt).
+    for stale in [*directory.iterdir(), directory / INDEX_FILE, directory / PATCH_FILE]:
+        if stale.name not in staged and (_EXPORTED_NAMES.fullmatch(stale.name) or stale.name in (INDEX_FILE,
+                                                                                                  PATCH_FILE)):
             stale.unlink(missing_ok=True)
     for file_name, temporary in staged.items():
         os.replace(temporary, directory / file_name)

@@ -69,6 +69,24 @@ def test_replace_mode_swaps_the_copy_in(legacy, tmp_path) -> None:
     assert not [p for p in legacy.iterdir() if p.name.startswith(".") and p.name != ".cache"]  # no temporaries
 
 
+def test_a_replace_keeps_the_weights_file_s_mode_and_a_manifest_s_byte_order_mark(legacy, tmp_path) -> None:
+    """Found by the exporter hunt: the swapped-in weights file took the migrator's umask (027: a server of another
+    user could not read it), and a manifest saved with a byte-order mark never finished its replace."""
+    weights, manifest = legacy / "weights.safetensors", legacy / "manifest.yaml"
+    weights.chmod(0o644)
+    manifest.write_bytes(b"\xef\xbb\xbf" + manifest.read_bytes())
+    previous = os.umask(0o027)
+    try:
+        outcome = migrate_bundle(legacy, "replace")
+    finally:
+        os.umask(previous)
+    assert outcome.changed, outcome
+    assert weights.stat().st_mode & 0o777 == 0o644
+    text = manifest.read_bytes()
+    assert text.startswith(b"\xef\xbb\xbf") and b'format_version: "2.1"' in text and b"weights_file" not in text
+    assert not read_header(weights).legacy
+
+
 def test_a_sharded_bundle_is_left_alone_even_beside_a_legacy_weights_file(legacy, tmp_path) -> None:
     # The index picks the shards; a leftover legacy weights.safetensors (zeros here) must not be
     # migrated, since the copy's weights_file line would then win over the index.

@@ -79,3 +79,19 @@ def test_offline_tool_reports_any_failure_on_its_line_and_goes_on(legacy, tmp_pa
     assert migrate.main([str(legacy), str(after)]) == 1
     assert capsys.readouterr().out.splitlines() == [f"{legacy}: FAILED: ValueError: unforeseen across lines",
                                                     f"{after}: wrote {COPY_FILE}"]
+
+
+def test_offline_tool_removes_a_killed_migration_s_temporary_file(legacy, capsys) -> None:
+    """Found by the exporter hunt: a migrate killed mid-copy left its weights-sized temporary file, which only a
+    server's load removed: a bundle migrated ahead of a deploy shipped it."""
+    import os
+    import time
+
+    from nereid.backends.xla.export.migrate import main
+
+    left = legacy / f".{COPY_FILE}.0a1b2c3d.{2**22 + 12345}.partial"  # (a pid no process has)
+    left.write_bytes(b"x" * 1024)
+    old = time.time() - 3600
+    os.utime(left, (old, old))
+    assert main([str(legacy)]) == 0
+    assert not left.exists()

@@ -99,8 +99,12 @@ def test_identity_and_model_py_rules(tmp_path) -> None:
 
 def test_rewriting_removes_stale_program_files(tmp_path) -> None:
     directory = write_bundle(tmp_path / "affine", "affine", INPUTS, OUTPUTS, {1: module(1), 4: module(4)}, WEIGHTS)
+    # (Found by the exporter hunt: files of the bundle's own, not an export's, went too.)
+    (directory / "labels.safetensors").write_bytes(b"a hand-written model.py's data")
+    (directory / "model_reference.mlir").write_text("a reference kept beside it")
     write_bundle(directory, "affine", INPUTS, OUTPUTS, {2: module(2)}, WEIGHTS)
-    assert sorted(p.name for p in directory.glob("model*.mlir")) == ["model.mlir"]
+    assert sorted(p.name for p in directory.glob("model*.mlir")) == ["model.mlir", "model_reference.mlir"]
+    assert (directory / "labels.safetensors").is_file()
 
 
 def test_text_modules_are_stored_as_portable_artifacts(tmp_path) -> None:
