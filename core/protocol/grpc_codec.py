@@ -313,6 +313,10 @@ def _check_typed_size(model: str, tensors: Iterable[pb.ModelInferRequest.InferIn
 def _decode_contents(where: str, dtype: DType, shape: tuple[int, ...], count: int,
                      contents: pb.InferTensorContents) -> np.ndarray:
     field = dtype.contents_field
+    if field is None and count == 0 and not contents.ListFields():
+        # An empty FP16 / BF16 tensor carries no data: nothing to send in a field it has none of (every typed
+        # request to a model with such an input was refused for it; the gRPC read hunt).
+        return np.empty(shape, dtype.numpy)
     if field is None:
         raise InvalidArgument(f"{where}: {dtype.kserve} data must be sent in raw_input_contents "
                               "(the typed contents message has no field for it)")
