@@ -103,6 +103,11 @@ def compiler_environment(**extra: str) -> dict[str, str]:
     return env
 
 
+# Environment variables the compiler driver reads as include and library paths or its own programs' places.
+COMPILER_VARIABLES = ("CPATH", "C_INCLUDE_PATH", "CPLUS_INCLUDE_PATH", "OBJC_INCLUDE_PATH", "LIBRARY_PATH",
+                      "GCC_EXEC_PREFIX", "COMPILER_PATH")
+
+
 def compiler_key(compiler: Compiler) -> bytes:
     """The compiler as a build key's part: its command, the file that runs and what ``--version`` says, and this
     machine's CPU when the command targets it (``CXX="g++ -march=native"``, see :data:`NATIVE_FLAGS`).
@@ -114,6 +119,9 @@ def compiler_key(compiler: Compiler) -> bytes:
     (a cxx library: in the server's process, taking every model down), so each CPU gets builds of its own.
     """
     parts = (*compiler, os.path.realpath(compiler[0]), compiler_version(compiler))
+    # The variables GCC and clang read as flags: a CPATH naming other headers built the same sources otherwise,
+    # and the build kept under the old name was served (the cxx read hunt).
+    parts += tuple(f"{name}={os.environ[name]}" for name in COMPILER_VARIABLES if os.environ.get(name))
     if any(word.startswith(NATIVE_FLAGS) for word in compiler[1:]):
         parts += (f"host cpu {host_cpu()}",)  # (as XLA's CPU executables are keyed: the model and feature flags)
     return "\0".join(parts).encode()

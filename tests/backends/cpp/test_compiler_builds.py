@@ -257,6 +257,21 @@ def test_a_compiler_upgraded_behind_a_launcher_is_asked_its_version_again(tmp_pa
     assert compiler.compiler_key(command) != first
 
 
+def test_the_compiler_s_include_path_variables_are_part_of_its_key(monkeypatch):
+    """Found by the cxx read hunt: CPATH (or CPLUS_INCLUDE_PATH) naming other headers built the same sources, and
+    the build kept under the old name was served with the old headers."""
+    command = ("c++",)
+    for name in compiler.COMPILER_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    plain = compiler.compiler_key(command)
+    monkeypatch.setenv("CPATH", "/opt/dep-v1/include")
+    v1 = compiler.compiler_key(command)
+    monkeypatch.setenv("CPATH", "/opt/dep-v2/include")
+    assert len({plain, v1, compiler.compiler_key(command)}) == 3
+    monkeypatch.setenv("CPATH", "")  # (empty: as unset)
+    assert compiler.compiler_key(command) == plain
+
+
 def test_a_build_whose_sources_cannot_be_read_again_after_it_is_not_kept(tmp_path):
     # A source deleted during the compile: asking the name again raises, and the build must not stay where a
     # later load with the same sources would take it unchecked.
