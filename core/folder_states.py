@@ -217,29 +217,44 @@ def scan_store(location: StoreURL) -> dict[str, FolderState]:
     """Every model folder under ``location`` and its state, from one listing (StorageError on failure).
 
     A folder's stamp is its objects' names, sizes and ETags (no mtimes: a store
-    has none worth comparing), and that is also its identity. The folders are
-    those the repository's listing has: one holding only ignored files, or
-    only its own folder object (a console's "Create folder"), is there with
-    nothing in its stamp, as an empty local folder is.
+    has none worth comparing), and that is also its identity; the folder
+    objects inside it (zero-byte keys ending in ``/``, which a load does not
+    fetch) are none of them, as in the stamp of what a load fetched (see
+    :func:`loaded_store_stamp`). The folders are those the repository's listing
+    has: one holding only ignored files, or only folder objects (a console's
+    "Create folder"), is there with nothing in its stamp, as an empty local
+    folder is.
     """
     from nereid.storage.mirror import folder_objects, list_objects
 
     objects: dict[str, list[tuple[str, int, int | str]]] = {}
     lone: dict[str, str] = {}  # objects directly under location: a file, or a folder's own object "<name>/"
-    for relative, size, etag in list_objects(location):
+    listed = [entry for entry in list_objects(location) if not entry[0].startswith(".")]
+    # The listing drops a key's trailing "/": a folder object shows as a zero-byte object named like its folder.
+    # One with keys below it is one (as the mirror drops it); one without is asked of the store, once per ETag.
+    parents = {relative.rpartition("/")[0] for relative, _, _ in listed}
+    parents |= {parent.rpartition("/")[0] for parent in set(parents) for _ in range(parent.count("/"))}
+    empty_leaves: dict[str, str] = {}
+    for relative, size, etag in listed:
         name, _, rest = relative.partition("/")
-        if name.startswith("."):
-            continue
         if not rest:
             lone[name] = str(etag)
-        elif rest.endswith("/") and size == 0:
-            objects.setdefault(name, [])  # a folder object inside it: no file, as a load fetches none
+        elif size == 0 and relative in parents:
+            objects.setdefault(name, [])  # a folder object of a folder with keys below it: no file
         elif not any(ignored_name(part) for part in rest.split("/")):
+            if size == 0:
+                empty_leaves[relative] = str(etag)
             objects.setdefault(name, []).append((rest, size, etag))
         else:
             objects.setdefault(name, [])
-    for name in folder_objects(location, {name: etag for name, etag in lone.items() if name not in objects}):
-        objects[name] = []
+    asked = {name: etag for name, etag in lone.items() if name not in objects} | empty_leaves
+    markers = folder_objects(location, asked)
+    for name in markers:
+        folder, _, rest = name.partition("/")
+        if not rest:
+            objects[folder] = []
+        else:  # (a folder object inside a folder, with nothing below it: no file of it either)
+            objects[folder] = [file for file in objects[folder] if file[0] != rest]
     states = {}
     for name, files in sorted(objects.items()):
         stamp = tuple(sorted(files))
