@@ -100,7 +100,8 @@ def main(argv: list[str] | None = None, extra_plugins: tuple[object, ...] = ()) 
     # argparse's usual dest="command", overwrote it and took over the dispatch (`nereid mytool check` ran
     # nereid's check, and failed in it; the CLI read hunt).
     for name, command in commands.choices.items():
-        command.set_defaults(nereid_command=name)
+        if command.get_default("nereid_command") is None:  # (its name, not its last alias: choices holds both)
+            command.set_defaults(nereid_command=name)
     args = parser.parse_args(argv)
     serving = args.nereid_command == "serve"
     if not serving and args.nereid_command != "check":  # (the console script recorded stop signals from its start: see

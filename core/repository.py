@@ -850,7 +850,7 @@ class ModelRepository:
         entry = self._entries.get(old)
         settings, origin = self.settings.model_or_default(new)
         loaded = entry.loaded if entry is not None else None
-        if (entry is None or loaded is None or settings != replace(entry.settings, name=new)
+        if (entry is None or loaded is None or not same_values(settings, replace(entry.settings, name=new))
                 or self._taken(new, entry)):
             self.remove_in_background(old)  # the old model finishes its requests meanwhile
             await self.load(new, counted=False)

@@ -670,13 +670,14 @@ class RepositoryWatcher:
             return None
         self._config_digest = look.digest
         old = self.settings
-        if new.server != old.server and new.server != self._server_ignored:
+        server_changed = not same_values(new.server, old.server)  # (types too: strict_readiness: 1 to true)
+        if server_changed and (self._server_ignored is None or not same_values(new.server, self._server_ignored)):
             changed = [key for key in new.server.__dataclass_fields__
-                       if getattr(new.server, key) != getattr(old.server, key)]
+                       if not same_values(getattr(new.server, key), getattr(old.server, key))]
             log.warning("dynamic repository: %s changed server.%s: needs a restart; ignored",
                         self.config_path.name, ", server.".join(changed))
         # Said once per server: section as edited, not again at each later edit of the models that leaves it be.
-        self._server_ignored = new.server if new.server != old.server else None
+        self._server_ignored = new.server if server_changed else None
         new = served
         if self._stop.is_set():
             return None  # (stop() came while the file was read: its work would start after it)

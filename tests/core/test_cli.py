@@ -1518,15 +1518,15 @@ def test_a_plugin_command_with_subcommands_of_its_own_runs_whatever_their_dest(c
     class Tool:
         @hookimpl
         def nereid_add_commands(self, commands):
-            tool = commands.add_parser("mytool")
-            tool.set_defaults(run=lambda args: ran.append((args.command, args.folder)))
+            tool = commands.add_parser("mytool", aliases=["mt"])  # (named mytool, not mt: the review hunt)
+            tool.set_defaults(run=lambda args: ran.append((args.command, args.folder, args.nereid_command)))
             inner = tool.add_subparsers(dest="command", required=True)
             for name in ("check", "serve", "lint"):
                 inner.add_parser(name).add_argument("folder")
 
     for name in ("check", "serve", "lint"):
         assert main(["mytool", name, "d"], extra_plugins=(Tool(),)) == 0
-    assert ran == [("check", "d"), ("serve", "d"), ("lint", "d")]
+    assert ran == [("check", "d", "mytool"), ("serve", "d", "mytool"), ("lint", "d", "mytool")]
 
 
 @pytest.mark.parametrize("returned, status, said", [

@@ -244,6 +244,23 @@ def test_a_backend_that_never_moves_models_is_loaded_anew_at_a_rename_without_a_
                        "model); loading 'after' anew")]
 
 
+def test_a_rename_onto_an_entry_whose_settings_differ_only_in_type_loads_it_anew(tmp_path, root):
+    """The review hunt of 4c89b46: a rename compared settings with ==, so a folder moved onto an entry whose
+    runtime said warm_start: 1 (the old one's: true) was moved in place, serving under settings the next start
+    refuses."""
+    write_toy(root, "before")
+    repo = repository(tmp_path, "  - name: before\n    runtime: {flag: true}\n"
+                                "  - name: after\n    runtime: {flag: 1}\n", server_extra="  watch: true\n")
+
+    async def scenario():
+        await repo.load("before")
+        (root / "before").rename(root / "after")
+        assert await repo.rename("before", "after") is False  # loaded anew, with its own settings
+        assert repo.ready_model("after").settings.runtime == {"flag": 1}
+        await repo.unload_all()
+    asyncio.run(scenario())
+
+
 def test_a_rename_onto_a_name_a_request_loaded_first_reloads_it_and_leaks_no_version(tmp_path, root):
     """Defect (found by the repository's state tests): `mv before after`, then a RepositoryModelLoad of 'after'
     before the watcher's rename: the rename replaced the loaded 'after' in place, and that version was never
