@@ -117,8 +117,11 @@ def local_weight_set(layout: BundleLayout) -> WeightSet | None:
     chosen = weights_to_load(layout) if layout.manifest.weights_file is not None else None
     # Its path in the bundle, not its name: a weights_file in a sub-folder (v2/weights.safetensors) read the
     # top-level file of that name (found by a bug hunt: another version's weights, served without a word).
-    return resolve_weights(LocalBundleFiles(layout.folder),
-                           chosen.relative_to(layout.folder).as_posix() if chosen is not None else None)
+    weight_set = resolve_weights(LocalBundleFiles(layout.folder),
+                                 chosen.relative_to(layout.folder).as_posix() if chosen is not None else None)
+    if weight_set is not None and chosen is not None and chosen != layout.weights_path:
+        weight_set = replace(weight_set, fallback=True)  # (the original, its copy stale)
+    return weight_set
 
 
 def open_local_bundle(folder: Path, largest_only: bool = False) -> tuple[BundleLayout, WeightSet | None]:

@@ -185,6 +185,8 @@ class WeightSet:
     index: str | None = None  # the index file, when the weight map came from one
     # The local files whose headers these are, held open for their data (read_local_into reads through them).
     opened: OpenWeightFiles | None = field(default=None, compare=False, repr=False)
+    # The original weights file a migrated bundle falls back to, its copy stale (see migration.weights_to_load).
+    fallback: bool = False
 
     def close(self) -> None:
         """Close the files held open for the data (done once it is read; again: nothing)."""
@@ -227,10 +229,9 @@ def format_layout_problem(manifest: Manifest, weight_set: WeightSet | None) -> s
     (the review hunt: any ``weights_file`` was exempt, ``v2/weights.safetensors`` written by the safetensors
     package too, and answered transposed).
     """
-    if manifest.format_version != CURRENT_FORMAT_VERSION or weight_set is None or not weight_set.legacy:
+    if (manifest.format_version != CURRENT_FORMAT_VERSION or weight_set is None or not weight_set.legacy
+            or weight_set.fallback):  # (told by the fallback itself: ./weights.safetensors named no other file)
         return None
-    if manifest.weights_file is not None and weight_set.files != (manifest.weights_file,):
-        return None  # (the migration's fallback to the original: see migration.weights_to_load)
     return (f"{weight_set.describe()}: no axis_order in its metadata, so it would be read in the legacy layout "
             f"(column-major shapes), but {MANIFEST_NAME} says format_version \"{CURRENT_FORMAT_VERSION}\", whose "
             "weights are in the program's order: add {\"axis_order\": \"xla\"} to its metadata if its shapes are "
