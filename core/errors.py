@@ -36,6 +36,12 @@ class Unavailable(NereidError):
     reason = "unavailable"
 
 
+class RunNotStarted(Unavailable):
+    """A backend's run that a limit of the server's process kept from starting (out of descriptors, processes or
+    memory): none of the model's code ran, so no execution is counted, and the batch is not sent again (the limit
+    is likely still there): UNAVAILABLE, try again later."""
+
+
 class OutOfMemory(Unavailable):
     """The server ran out of memory reading or decoding a request (or answering one): UNAVAILABLE (HTTP 503), as
     other passing conditions of the server are. Counted as a server-side failure (``internal``, as a model fault

@@ -29,7 +29,8 @@ from nereid.batching import (BatchPolicy, batch_key, deadline_passed, request_co
                              will_not_run)
 from nereid.daemon_pool import DaemonThreadPool, ThreadStartFailed, on_work_thread_or_here
 from nereid.errors import (DeadlineExceeded, LoggedModelFailure, ModelFailure, ModelRetired, NereidError, NotStarted,
-                           OutOfMemory, QueueFull, Unavailable, describe_exception, naming_model, without_model_name)
+                           OutOfMemory, QueueFull, RunNotStarted, Unavailable, describe_exception, naming_model,
+                           without_model_name)
 from nereid.log_limit import RateLimitedLog
 from nereid.settings import DEFAULT_CONFIG_NAME, DEFAULT_QUEUE_CAPACITY
 from nereid.signature import ModelSignature, check_outputs
@@ -834,6 +835,10 @@ class ModelScheduler:
             if isinstance(err, NotStarted) and not resent:
                 not_started = True
                 raise  # no fault yet: the caller sends the batch once more
+            if isinstance(err, RunNotStarted):
+                # (A limit of the server's kept it from starting: no execution, no batch, as a thread's that cannot
+                # start; not sent again, the limit likely still there; the review hunt.)
+                not_started = True
             failure = err.failure if isinstance(err, NotStarted) else err
             named = naming_model(self.name, failure)
             try:

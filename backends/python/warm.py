@@ -28,9 +28,9 @@ from nereid.settings import DEFAULT_CONFIG_NAME
 
 from nereid.backends.python.compiled_script import runnable_script
 from nereid.backends.python.preload import Preloads
-from nereid.backends.subprocess.runner import (FolderNotEntered, ProcessGroups, ProcessResult, StdinData,
-                                               close_descriptors, entering_failed, feed_and_wait, kill_group,
-                                               open_pipes, timed_out, wait_for_exit)
+from nereid.backends.subprocess.runner import (SERVER_LIMITS, FolderNotEntered, ProcessGroups, ProcessResult,
+                                               StdinData, close_descriptors, entering_failed, feed_and_wait,
+                                               kill_group, open_pipes, run_not_started, timed_out, wait_for_exit)
 
 log = logging.getLogger(__name__)
 _PY_WARNINGS = logging.getLogger("py.warnings")  # (where logging.captureWarnings logs Python's own)
@@ -498,6 +498,8 @@ class WarmParent:
             reply.settimeout(REPLY_TIMEOUT_S)
             started = _receive(reply)
             if "error" in started:  # the parent is fine, but could not start this run (a fork failed)
+                if started.get("errno") in SERVER_LIMITS:  # (a process limit: the server's, as a cpp run's is)
+                    raise run_not_started(self.name, started["errno"], str(started.get("strerror", "")))
                 raise ModelFailure(f"model '{self.name}': its {self.called} could not start the run: "
                                    f"{started['error']}")
             if started.get("silent"):  # alive (stopped, wedged): killed, and the batch not sent again

@@ -806,7 +806,8 @@ class Runs:
         except OSError as err:
             # No child could be forked: this run fails, saying why; the parent serves on (it used to
             # exit here, and take the runs in progress with it).
-            _send(reply, {"error": f"no child could be forked for the run: {err}"})
+            _send(reply, {"error": f"no child could be forked for the run: {err}", "errno": err.errno,
+                          "strerror": err.strerror or str(err)})
             reply.close()
             self.owned.discard(reply_fd)
             return True

@@ -37,13 +37,11 @@ from nereid.backends.subprocess.dtype_names import CONTRACT_NAMES, contract_name
 from nereid.backends.subprocess.framing import (MAX_BYTES_ELEMENTS, MAX_BYTES_ROWS, frame_buffers, read_body,
                                                read_header)
 from nereid.backends.subprocess.gpus import visible_gpus
-from nereid.backends.subprocess.runner import (DEFAULT_PATH, FolderNotEntered, ProcessGroups, ProcessResult,
-                                               StdinData, run_model_process, timed_out)
+from nereid.backends.subprocess.runner import (DEFAULT_PATH, SERVER_LIMITS, FolderNotEntered, ProcessGroups,
+                                               ProcessResult, StdinData, run_model_process, run_not_started,
+                                               timed_out)
 
 log = logging.getLogger(__name__)
-
-# What starting a run meets at a limit of the server's process (descriptors, processes, memory): no model's fault.
-_SERVER_LIMITS = frozenset({errno.EMFILE, errno.ENFILE, errno.EAGAIN, errno.ENOMEM})
 
 # Descriptors of the model folder kept across renames (the oldest is closed past this).
 MAX_FOLDER_FDS = 8
@@ -164,14 +162,11 @@ class SubprocessModel:
         try:
             result = self.launch(env=env, stdin=stdin)
         except OSError as err:
-            if err.errno not in _SERVER_LIMITS:
+            if err.errno not in SERVER_LIMITS:
                 raise
-            # The server's passing condition, not the model's fault (it was "model 'm' failed: OSError: [Errno 24]
-            # Too many open files", an ERROR with nereid's traceback; the exhaustion hunt): UNAVAILABLE, as a run
-            # no thread could start for is, and the next request tries again.
-            raise Unavailable(f"model '{self.context.name}': the server could not start a run "
-                              f"({errno.errorcode.get(err.errno, err.errno)}: {err.strerror}: a limit of the server's "
-                              "process is reached: open files, processes or memory); try again later") from None
+            # The server's passing condition, not the model's fault: UNAVAILABLE, as a run no thread could start
+            # for is, and the next request tries again.
+            raise run_not_started(self.context.name, err.errno, err.strerror or str(err)) from None
         except FolderNotEntered as err:
             # Told by the launcher, whatever the folder's mode is by now (a mode put back a moment later let the
             # run's traceback through as the answer).

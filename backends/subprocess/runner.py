@@ -10,6 +10,7 @@ deadline: the wait ends the moment the child exits or the timeout passes.
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import select
@@ -25,7 +26,7 @@ from itertools import islice
 from pathlib import Path
 from typing import Iterator, TypeAlias
 
-from nereid.errors import ModelTimedOut
+from nereid.errors import ModelTimedOut, RunNotStarted
 from nereid.settings import DEFAULT_CONFIG_NAME, DEFAULT_TIMEOUT_S
 
 STDERR_TAIL_BYTES = 2000
@@ -37,6 +38,17 @@ DRAIN_MAX_READS = 64  # after the exit: at most 4 MiB more, so a chatty leftover
 MAX_POLL_MS = 2**31 - 1
 # Buffers handed to one writev: far under Linux's IOV_MAX (1024), and plenty for a request's frames.
 WRITEV_MAX_BUFFERS = 64
+# What starting a run meets at a limit of the server's process (descriptors, processes, memory): no model's fault.
+SERVER_LIMITS = frozenset({errno.EMFILE, errno.ENFILE, errno.EAGAIN, errno.ENOMEM})
+
+
+def run_not_started(model: str, error_number: int, strerror: str) -> RunNotStarted:
+    """The error of a run of ``model`` that a limit of the server's process kept from starting (``error_number``,
+    one of :data:`SERVER_LIMITS`): it was "model 'm' failed: OSError: [Errno 24] Too many open files", an ERROR
+    with nereid's traceback counted as the model's fault (the exhaustion hunt)."""
+    code = errno.errorcode.get(error_number, error_number)
+    return RunNotStarted(f"model '{model}': the server could not start a run ({code}: {strerror}: a limit of the "
+                         "server's process is reached: open files, processes or memory); try again later")
 
 # What a run writes to its program's stdin: one buffer, or several written one after the other as if joined (a
 # multi-tensor model's frames: each header's bytes, then a view of its tensor's data), so that no tensor is

@@ -1259,6 +1259,48 @@ def test_a_cpp_run_at_the_process_limit_fails_and_the_server_serves_on(repo, pid
         assert np.array_equal(client.infer("cpp_scale", [tensor]).as_numpy("output"), np.full((1, 8), 2.0))
 
 
+def test_a_python_run_at_the_process_limit_is_unavailable_and_no_execution(repo, pids_cgroup) -> None:
+    """The review hunt of a9bf35e: a python model's run forks in its warm parent, which said only "no child could
+    be forked ... [Errno 11]": INTERNAL, an ERROR counted as the model's fault, where a cpp run's is UNAVAILABLE.
+    And such a run, never started, was counted as an execution and a batch."""
+    shutil.copytree(REPO_ROOT / "ml-backends" / "python_rowsum", repo.models_dir / "python_rowsum")
+    tensor = triton.InferInput("input", [1, 16], "FP32")
+    tensor.set_data_from_numpy(np.ones((1, 16), dtype=np.float32))
+    with nereid_serve(repo.write_config(metrics_addr="")) as (process, client):
+        client.infer("python_rowsum", [tensor])
+        (pids_cgroup / "cgroup.procs").write_text(str(process.pid))  # the server's tasks (not its parents')
+        for child in _descendants(process.pid):
+            (pids_cgroup / "cgroup.procs").write_text(str(child))  # its warm parent and spare too
+        (pids_cgroup / "pids.max").write_text("1")
+        refused = None
+        for _ in range(4):  # (the spare forked ahead runs one: the fork for the next is refused)
+            try:
+                client.infer("python_rowsum", [tensor], client_timeout=30)
+            except InferenceServerException as err:
+                refused = err
+                break
+        assert refused is not None and refused.status() == "StatusCode.UNAVAILABLE", refused
+        assert refused.message().startswith("model 'python_rowsum': the server could not start a run (EAGAIN: ")
+        stats = client.get_inference_statistics("python_rowsum").model_stats[0]
+        assert stats.execution_count == stats.inference_stats.success.count  # (the refused run is no execution)
+        (pids_cgroup / "pids.max").write_text("max")
+        assert client.infer("python_rowsum", [tensor]).as_numpy("output") is not None
+
+
+def _descendants(pid: int) -> list[int]:
+    found, parents = [], [pid]
+    while parents:
+        parent = parents.pop()
+        for task in os.listdir(f"/proc/{parent}/task"):
+            try:
+                children = [int(c) for c in open(f"/proc/{parent}/task/{task}/children").read().split()]
+            except OSError:
+                continue
+            found += children
+            parents += children
+    return found
+
+
 def test_grpc_fork_support_is_off_under_the_command_unless_the_environment_sets_it(monkeypatch) -> None:
     from nereid.cli import main
 

@@ -33,7 +33,8 @@ def test_a_run_whose_child_cannot_be_forked_fails_saying_why_and_the_parent_serv
                         [stdin_read, output_write, reply_for_parent.fileno()])
         assert runs.start(control) is True  # it serves on
         answer = json.loads(reply.recv(4096))
-        assert answer == {"error": "no child could be forked for the run: [Errno 11] Resource temporarily unavailable"}
+        assert answer == {"error": "no child could be forked for the run: [Errno 11] Resource temporarily unavailable",
+                          "errno": errno.EAGAIN, "strerror": "Resource temporarily unavailable"}  # (told apart)
     finally:
         for fd in (stdin_read, stdin_write, output_read, output_write):
             os.close(fd)
