@@ -60,16 +60,10 @@ def parse_infer_request(data: bytes, zero_copy_min_bytes: int = ZERO_COPY_MIN_BY
         start = position
         key, position = _varint(data, position)
         wire = key & 7
-        if wire == 0:
-            _, position = _varint(data, position)
-        elif wire == 1:
-            position += 8
-        elif wire == 5:
-            position += 4
-        elif wire == _LENGTH_DELIMITED:
+        if wire == _LENGTH_DELIMITED and key >> 3 == _RAW_FIELD:
             length, position = _varint(data, position)
             value_start, position = position, position + length
-            if position <= end and key >> 3 == _RAW_FIELD:
+            if position <= end:
                 raws.append(view[value_start:position])
                 continue
         elif wire == 3:
@@ -77,8 +71,11 @@ def parse_infer_request(data: bytes, zero_copy_min_bytes: int = ZERO_COPY_MIN_BY
             # counted. Handing the message to protobuf whole instead parsed any number of fields after it on the
             # event loop (the review hunt).
             position, fields = _skip_group(data, position, key >> 3, fields)
-        else:  # (an end-group without its start, or an invalid wire type: protobuf's own refusal)
-            return _parse_whole(data)
+        else:
+            after = _past_value(data, position, wire)
+            if after is None:  # (an end-group without its start, or an invalid wire type: protobuf's own refusal)
+                return _parse_whole(data)
+            position = after
         if position > end:
             raise ValueError(f"field at byte {start} runs past the end of the message")
         rest.append(view[start:position])
@@ -116,16 +113,7 @@ def _skip_group(data: bytes, position: int, number: int, fields: int) -> tuple[i
             raise ValueError(_too_many_fields())
         key, position = _varint(data, position)
         wire = key & 7
-        if wire == 0:
-            _, position = _varint(data, position)
-        elif wire == 1:
-            position += 8
-        elif wire == 5:
-            position += 4
-        elif wire == _LENGTH_DELIMITED:
-            length, position = _varint(data, position)
-            position += length
-        elif wire == 3:
+        if wire == 3:
             depth += 1
         elif wire == 4:
             depth -= 1
@@ -134,8 +122,26 @@ def _skip_group(data: bytes, position: int, number: int, fields: int) -> tuple[i
                     raise ValueError(f"a group of field {number} ends as field {key >> 3}")
                 return position, fields
         else:
-            raise ValueError(f"invalid wire type {wire} in a group of field {number}")
+            after = _past_value(data, position, wire)
+            if after is None:
+                raise ValueError(f"invalid wire type {wire} in a group of field {number}")
+            position = after
     raise ValueError(f"a group of field {number} runs past the end of the message")
+
+
+def _past_value(data: bytes, position: int, wire: int) -> int | None:
+    """The position after a field's value of wire type ``wire`` starting at ``position`` (a varint, 8 bytes, a
+    length-delimited value or 4 bytes); None for a group's start or end or an invalid wire type."""
+    if wire == 0:
+        return _varint(data, position)[1]
+    if wire == 1:
+        return position + 8
+    if wire == 5:
+        return position + 4
+    if wire == _LENGTH_DELIMITED:
+        length, position = _varint(data, position)
+        return position + length
+    return None
 
 
 def _varint(data: bytes, position: int) -> tuple[int, int]:
