@@ -360,11 +360,12 @@ def hook_problems(manager: pluggy.PluginManager, plugin: object) -> list[str]:
             close = difflib.get_close_matches(caller.name, specs, n=1)
             guess = f" (did you mean {close[0]}?)" if close else ""
             problems.append(f"unknown hook '{caller.name}'{guess}; nereid's hooks are: {listed}")
-        if len(impls) > 1 and caller.has_spec():
+        plain = [impl for impl in impls if not (impl.wrapper or impl.hookwrapper)]  # (a wrapper beside one is fine)
+        if len(plain) > 1 and caller.has_spec():
             # (pluggy takes a second function for a hook, @hookimpl(specname=...): each of nereid's questions asks
             # a backend alone, by its plugin, and such a plugin was asked nothing; the CLI read hunt.)
-            problems.append(f"it implements {caller.name} {len(impls)} times ("
-                            f"{', '.join(sorted(impl.function.__name__ for impl in impls))}); one function per "
+            problems.append(f"it implements {caller.name} {len(plain)} times ("
+                            f"{', '.join(sorted(impl.function.__name__ for impl in plain))}); one function per "
                             "hook")
         for impl in impls:
             # pluggy calls it and takes the coroutine it returns for the answer: a check that never ran passed,

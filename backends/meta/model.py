@@ -36,8 +36,8 @@ from nereid.backends.xla.signatures import batch_mode, build_signature
 from nereid.daemon_pool import DaemonThreadPool, ThreadStartFailed
 from nereid.dependencies import DependencyCycle, describe_cycle, find_cycle
 from nereid.errors import (ConfigError, DeadlineExceeded, LoggedModelFailure, MissingModelFile, ModelFailure,
-                           NereidError, NotFound, QueueFull, Unavailable, describe_exception, loop_safe_call,
-                           same_kind)
+                           NereidError, NotFound, QueueFull, RunNotStarted, Unavailable, describe_exception,
+                           loop_safe_call, same_kind)
 from nereid.files import not_regular_reason, read_text_file
 from nereid.model_hooks import load_model_hooks
 from nereid.runtime_options import RuntimeOptions
@@ -434,6 +434,10 @@ class MetaModel:
             # then treats its URL as wrong), where a model it calls is gone, as requests a moment later are told;
             # and counted as this model's queue_full, a full sub-model queue would send an operator to this
             # model's queue_capacity, which was not the one full.
+            raise Unavailable(f"meta model '{name}': sub-call to '{sub}' failed: {err}") from err
+        except RunNotStarted as err:
+            # The sub-model's run did not start; this model's orchestration did, and is an execution all the same
+            # (its own scheduler would take the kept kind for one of its own: the review hunt).
             raise Unavailable(f"meta model '{name}': sub-call to '{sub}' failed: {err}") from err
         except NereidError as err:
             raise same_kind(err, f"meta model '{name}': sub-call to '{sub}' failed: {err}") from err

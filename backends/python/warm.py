@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping
 
-from nereid.errors import ModelFailure, ModelKilled, NotStarted, Unavailable
+from nereid.errors import ModelFailure, ModelKilled, NereidError, NotStarted, Unavailable
 from nereid.files import descriptor_path
 from nereid.settings import DEFAULT_CONFIG_NAME
 
@@ -123,9 +123,10 @@ class WarmParentBlocked(WarmStartUnavailable):
     a run's (FolderNotEntered); None for any other reason.
     """
 
-    def __init__(self, message: str, folder_error: OSError | None = None) -> None:
+    def __init__(self, message: str, folder_error: OSError | None = None, cause: OSError | None = None) -> None:
         super().__init__(message)
         self.folder_error = folder_error
+        self.cause = cause  # (what refused it: one of the server's limits is no fault of the model's)
 
 
 class WarmParentDied(WarmStartUnavailable):
@@ -260,7 +261,7 @@ class WarmParent:
         try:
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         except OSError as err:  # EMFILE, ENFILE, ENOMEM: the server's limits, not the model's
-            raise WarmParentBlocked(f"no socket for it: {err.strerror or err}") from None
+            raise WarmParentBlocked(f"no socket for it: {err.strerror or err}", cause=err) from None
         cwd = self._folder_path()
         try:
             with open(self.log_path, "ab") as log_file:
@@ -272,7 +273,7 @@ class WarmParent:
         except OSError as err:  # its log (a full disk), the fork (EAGAIN, ENOMEM), the descriptors of its pipes
             ours.close()
             raise WarmParentBlocked(f"its process could not be started: {err.strerror or err}",
-                                    err if entering_failed(err, cwd) else None) from None
+                                    err if entering_failed(err, cwd) else None, cause=err) from None
         except BaseException:
             ours.close()
             raise
@@ -749,7 +750,7 @@ class WarmParent:
         retry = self._retry
         return retry.describe() if retry is not None else None
 
-    def _blocked_failure(self, err: WarmParentBlocked) -> ModelFailure | FolderNotEntered:
+    def _blocked_failure(self, err: WarmParentBlocked) -> NereidError | FolderNotEntered:
         """The failure of a batch whose restart could not start a parent, for ``err``; logged once until a parent
         starts again. Under the lock. A parent that could not enter the model folder is a run refused by it:
         FolderNotEntered, which the model names as such (not logged here: each batch's failure is)."""
@@ -759,6 +760,9 @@ class WarmParent:
             log.warning("model '%s': its %s process could not be restarted (%s); batches fail until one "
                         "can be, each trying again", self.name, self.called, err)
         self._blocked = str(err)
+        if err.cause is not None and err.cause.errno in SERVER_LIMITS:
+            # A limit of the server's, as a run's child not forked (the review hunt: INTERNAL, a model's fault).
+            return run_not_started(self.name, err.cause.errno, err.cause.strerror or str(err.cause))
         return ModelFailure(f"model '{self.name}': its {self.called} process could not be restarted: {err}; the "
                             "batch was not run, and the next batch tries again")
 

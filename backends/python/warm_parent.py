@@ -312,7 +312,9 @@ REMOVING_NAMES = frozenset({"rmtree", "unlink", "rmdir", "removedirs", "cleanup"
 # ``remove`` only as ``os``'s: an attribute of a global that is the os module (``os.remove(path)``, ``import os as
 # o; o.remove``), or a global that is os.remove or os.unlink (``from os import remove as rm``), told by the function's
 # globals. A list's (a flusher draining its queue with ``pending.remove(item)``) was taken for one, and each run's
-# data lost (the review hunt); so was a user's own global function named remove (the next one).
+# data lost (the review hunt); so was a user's own global function named remove (the next one). A local or cell
+# (an ``import os`` inside the function) is told by these names.
+LOCAL_OS_NAMES = frozenset({"os", "_os"})
 
 
 def _removes_files(func: object) -> bool:
@@ -361,8 +363,11 @@ def _loads_os_remove(code: types.CodeType, names: dict[str, object]) -> bool:
             if any(names.get(instruction.argval) is remover for remover in removers):
                 return True
         elif (instruction.opname in ("LOAD_ATTR", "LOAD_METHOD") and instruction.argval == "remove"
-              and previous is not None and previous.opname in ("LOAD_GLOBAL", "LOAD_NAME")
-              and names.get(previous.argval) is os):
+              and previous is not None and (names.get(previous.argval) is os if previous.opname in (
+                  "LOAD_GLOBAL", "LOAD_NAME") else previous.opname.startswith("LOAD_")
+                  and previous.argval in LOCAL_OS_NAMES)):
+            # (A local or a cell, `import os` inside the function, a default `_os=os`, an enclosing function's
+            # import: no global of the library's own, told by its name; the review hunt.)
             return True
         previous = instruction
     return False

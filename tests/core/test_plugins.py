@@ -730,6 +730,11 @@ HOOKLESS_PLUGINS = (  # (distribution, entry point, module, source): registered 
     ("optional-hook", "optional_hook", "optional_hook_plugin",
      "from nereid.hookspecs import hookimpl\n@hookimpl(optionalhook=True)\ndef nereid_future_hook():\n    pass\n"
      "@hookimpl\ndef nereid_claim_model(folder, declared):\n    return None\n"),
+    # (The review hunt: a wrapper of a hook beside its one implementation is no second implementation.)
+    ("wraps-too", "wraps_too", "wraps_too_plugin",
+     "from nereid.hookspecs import hookimpl\n@hookimpl(wrapper=True)\ndef nereid_claim_model(folder, declared):\n"
+     "    return (yield)\n@hookimpl(specname='nereid_claim_model')\ndef claim_mine(folder, declared):\n"
+     "    return None\n"),
     ("tooling-only", "tooling_only", "tooling_only_plugin",
      "from nereid.hookspecs import hookimpl\ndef nereid_helper():\n    pass\n"
      "@hookimpl\ndef nereid_add_commands(commands):\n    pass\n"),
@@ -768,7 +773,8 @@ def test_a_plugin_implementing_no_nereid_hook_is_left_out_saying_what_to_fix(sit
     assert not any(manager.has_plugin(name) for name in ("typo_hook", "unmarked_hook", "no_hooks", "async_hook",
                                                          "twice_hook"))
     assert manager.has_plugin("optional_hook") and manager.has_plugin("tooling_only")
-    assert backend_names(manager) == ["cpp", "cxx", "meta", "optional_hook", "python", "xla"]
+    assert manager.has_plugin("wraps_too")
+    assert backend_names(manager) == ["cpp", "cxx", "meta", "optional_hook", "python", "wraps_too", "xla"]
     reason = claim_folder(manager, repo.add("theirs", None)).reason
     assert "; plugin(s) left out at start-up (the log and nereid check say why): async_hook, no_hooks, twice_hook, " \
            "typo_hook, unmarked_hook" in reason

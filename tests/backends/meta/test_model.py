@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import errno
 import logging
 import shutil
 import textwrap
@@ -971,6 +972,28 @@ def test_a_request_waiting_for_a_busy_orchestration_thread_is_answered_at_its_de
     assert time.monotonic() - began < 2.0, "answered once the thread freed, not at its deadline"
     assert "for a thread to start its orchestration, which did not run" in late.value.message(), late.value
     assert len((meta / "started.txt").read_text().splitlines()) == 1
+
+
+def test_a_sub_call_whose_run_could_not_start_leaves_the_meta_model_s_own_run_counted(repo, serve) -> None:
+    """The review hunt of 2aabc24: a sub-model's run that a server limit kept from starting (RunNotStarted) kept its
+    kind through the sub-call, so the meta model's own scheduler counted its orchestration, which ran, as no
+    execution."""
+    from nereid.backends.subprocess.runner import run_not_started
+
+    repo.python("echo")
+    add_meta(repo, "relay", RELAY.format(target="echo"), ["echo"])
+    server = serve(repo.write_config())
+    backend = server.server.repository.ready_model("echo").backend
+
+    def at_a_limit(inputs):
+        raise run_not_started("echo", errno.EAGAIN, "Resource temporarily unavailable")
+
+    backend.infer = at_a_limit
+    expect_grpc_error("UNAVAILABLE", lambda: infer(server.client, "relay", X),
+                      "meta model 'relay': sub-call to 'echo' failed: model 'echo': the server could not start a run")
+    samples = scrape(server.server.metrics_port)  # (failed executions count there, as batches)
+    assert samples[("nereid_batch_size_count", (("model", "relay"),))] == 1  # its orchestration ran
+    assert samples.get(("nereid_batch_size_count", (("model", "echo"),)), 0) == 0  # the sub-model's run did not
 
 
 LATE_SUB_CALL = '''

@@ -289,3 +289,20 @@ def test_a_spare_handed_a_run_without_the_go_ends_without_running_it(tmp_path) -
     done = subprocess.run([sys.executable, "-c", SPARE_WITHOUT_GO, str(tmp_path)], capture_output=True, text=True,
                           timeout=60)
     assert done.stdout.split() == ["0", "False"], (done.stdout, done.stderr[-2000:])
+
+
+def test_a_parent_that_cannot_be_restarted_at_a_server_limit_fails_its_batch_unavailable() -> None:
+    """The review hunt of 2aabc24: a warm parent that could not be restarted at a process limit (EAGAIN) failed
+    its batch INTERNAL, a model's fault counted as a batch, where a run's child not forked is UNAVAILABLE."""
+    from nereid.backends.python.warm import WarmParent, WarmParentBlocked
+    from nereid.errors import ModelFailure, RunNotStarted
+
+    parent = object.__new__(WarmParent)  # (only what the failure reads: its name, and its blocked state)
+    parent.name, parent.warm, parent.cold_reason, parent._blocked = "m", True, None, None
+    limited = parent._blocked_failure(WarmParentBlocked(
+        "its process could not be started: Resource temporarily unavailable",
+        cause=OSError(errno.EAGAIN, "Resource temporarily unavailable")))
+    assert isinstance(limited, RunNotStarted) and str(limited).startswith(
+        "model 'm': the server could not start a run (EAGAIN: Resource temporarily unavailable")
+    other = parent._blocked_failure(WarmParentBlocked("cannot prepare its folder /x: read-only file system"))
+    assert type(other) is ModelFailure
