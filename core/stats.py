@@ -258,6 +258,7 @@ def _copied(value):
     if kind is Histogram:
         clone = object.__new__(Histogram)
         clone.bounds, clone.counts, clone.sum = value.bounds, value.counts.copy(), value.sum
+        clone.created = value.created  # (every field: a reader of the snapshot's found it missing; the stats hunt)
         return clone
     if kind is BatchStats:
         return dataclasses.replace(value)  # numbers only

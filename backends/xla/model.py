@@ -176,6 +176,7 @@ class XlaModel:
         finally:
             if weight_set is not None:
                 weight_set.close()  # (read already, or a program failed: then never)
+        _check_bool_weights(arrays, weight_set.describe() if weight_set else DEFAULT_WEIGHTS_FILE)
         transfer = DeviceTransfer(target.device)
         weights = place_weights(transfer, [array for _, array in arrays])
         self._manifest, self._programs, self._weights = manifest, programs, weights
@@ -557,6 +558,19 @@ def exported_elsewhere(manifest: Manifest, device: Device) -> str | None:
 
 # jax's names for one platform (jax.export takes cuda; "gpu" is its older generic name).
 _PLATFORM_ALIASES = {"gpu": "cuda"}
+
+
+def _check_bool_weights(arrays: Sequence[tuple[str, np.ndarray]], where: str) -> None:
+    """ConfigError naming the weight when a BOOL weight holds a byte other than 0 or 1: XLA read such a byte as
+    true for one operation and false for another (and, select), and the model answered contradictions, OK (the
+    XLA read hunt); a client's BOOL input is refused alike."""
+    for name, array in arrays:
+        if array.dtype == np.bool_ and array.size:
+            raw = array.view(np.uint8)
+            if raw.max() > 1:
+                index = int(np.argmax(raw.reshape(-1) > 1))
+                raise ConfigError(f"{where}: BOOL weight '{name}' holds byte {int(raw.reshape(-1)[index])} at element "
+                                  f"{index}; each element must be 0 (false) or 1 (true)")
 
 
 def place_weights(transfer: DeviceTransfer, arrays: Sequence[np.ndarray]) -> list[Any]:

@@ -117,3 +117,19 @@ def test_concurrent_recording_loses_nothing():
     for thread in threads:
         thread.join()
     assert stats.success.count == stats.inference_count == 8000
+
+
+def test_a_snapshot_s_histograms_have_every_field_of_the_live_ones():
+    """Found by the statistics hunt: a snapshot's Histogram left out ``created``, so a reader of it met an
+    AttributeError."""
+    from nereid.stats import Histogram
+
+    stats = ModelStats()
+    stats.execution_started()
+    stats.execution_finished(3, 3, 2, 1, 2, 3, True)
+    snapshot = stats.snapshot()
+    histograms = [(name, value) for name, value in vars(stats).items() if isinstance(value, Histogram)]
+    assert histograms
+    for name, value in histograms:
+        assert set(vars(getattr(snapshot, name))) == set(vars(value)), name
+        assert getattr(snapshot, name).created == value.created

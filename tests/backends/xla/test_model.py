@@ -472,3 +472,28 @@ def test_a_format_2_1_bundle_whose_weights_file_has_no_axis_order_is_refused_not
         np.testing.assert_array_equal(output.data, x @ w)
     finally:
         model.unload()
+
+
+def _masked(x, mask):
+    import jax.numpy as jnp
+
+    return jnp.where(mask, x, 0.0)
+
+
+def test_a_bool_weight_holding_a_byte_other_than_0_or_1_is_refused_naming_it(tmp_path) -> None:
+    """Found by the XLA read hunt: a BOOL weight of bytes [2, 1, 0, 255] was taken, and XLA read byte 2 as true for
+    logical_and and false for select: contradictory answers, OK."""
+    from nereid.backends.xla.export import export_bundle
+    from nereid.backends.xla.safetensors import read_header
+
+    folder = export_bundle(_masked, [np.zeros((1, 4), np.float32)], {"mask": np.array([1, 1, 0, 1], bool)},
+                           directory=tmp_path / "masked", batch_sizes=[1], provenance=False)
+    weights = folder / "weights.safetensors"
+    header = read_header(weights)
+    entry = header.tensors[0]
+    data = bytearray(weights.read_bytes())
+    data[entry.start:entry.end] = bytes([2, 1, 0, 255])  # (file offsets)
+    weights.write_bytes(bytes(data))
+    with pytest.raises(ConfigError, match=r"^weights\.safetensors: BOOL weight 'mask' holds byte 2 at element 0; each "
+                                          r"element must be 0 \(false\) or 1 \(true\)$"):
+        load(folder, tmp_path)
