@@ -663,10 +663,17 @@ def _outside_the_key(dependencies: list[str], folder: Path, keyed: Collection[Pa
     return [[name, digest] for name, digest in sorted(record.items())]
 
 
+# How far past now a file's time may read and still be an edit made now (the clocks' granularity).
+_FUTURE_SLACK_NS = 1_000_000_000
+
+
 def _changed_since(dependencies: list[str], folder: Path, keyed: Collection[Path], since_ns: int) -> bool:
     """Whether a file the build read outside its key was modified (or replaced) after ``since_ns`` (the wall clock,
     which a file's timestamp, the kernel's coarse clock, never passes: a file written before it is never taken
-    for one written after; one written in the tick after it may be missed); a file gone since counts."""
+    for one written after; one written in the tick after it may be missed); a file gone since counts. A time
+    past now (a clock skewed, a `tar -x` of an archive made ahead) says nothing: it rebuilt the model at every
+    load (the review hunt); edited, the file has the time of its edit."""
+    now_ns = time.time_ns() + _FUTURE_SLACK_NS
     covered = {os.path.realpath(path) for path in keyed}
     for name in dependencies:
         path = folder / name
@@ -676,7 +683,7 @@ def _changed_since(dependencies: list[str], folder: Path, keyed: Collection[Path
             stat_result = os.stat(path)
         except OSError:
             return True
-        if max(stat_result.st_mtime_ns, stat_result.st_ctime_ns) > since_ns:
+        if any(since_ns < stamp <= now_ns for stamp in (stat_result.st_mtime_ns, stat_result.st_ctime_ns)):
             return True
     return False
 

@@ -6,6 +6,7 @@ import os
 import re
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -264,6 +265,16 @@ def test_a_header_from_outside_the_model_folder_edited_while_it_compiles_gives_a
     monkeypatch.delenv("CXX")
     rebuilt = cpp_compiler.build_binary(folder, "main.cpp", tmp_path / "scratch", "m")
     assert _exit_status(rebuilt) == 2 and rebuilt.parent == folder / ".cache"
+
+
+def test_a_header_from_outside_with_a_time_in_the_future_is_no_edit_during_the_compile(tmp_path):
+    """The review hunt of 6697234: a header whose time is in the future (a tar of an archive made ahead, a skewed
+    clock) was taken for one edited during every compile: the model was built again at every load."""
+    folder, header = _model_including(tmp_path, 5)
+    ahead = time.time() + 86400
+    os.utime(header, (ahead, ahead))
+    built = cpp_compiler.build_binary(folder, "main.cpp", tmp_path / "scratch", "m")
+    assert built.parent == folder / ".cache" and _exit_status(built) == 5  # cached, not served once
 
 
 def test_make_prerequisites_reads_every_rule_unescaped():
