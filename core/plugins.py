@@ -360,13 +360,16 @@ def hook_problems(manager: pluggy.PluginManager, plugin: object) -> list[str]:
             close = difflib.get_close_matches(caller.name, specs, n=1)
             guess = f" (did you mean {close[0]}?)" if close else ""
             problems.append(f"unknown hook '{caller.name}'{guess}; nereid's hooks are: {listed}")
-        plain = [impl for impl in impls if not (impl.wrapper or impl.hookwrapper)]  # (a wrapper beside one is fine)
-        if len(plain) > 1 and caller.has_spec():
+        plain = [impl for impl in impls if not (impl.wrapper or impl.hookwrapper)]
+        if len(impls) > 1 and caller.has_spec():
             # (pluggy takes a second function for a hook, @hookimpl(specname=...): each of nereid's questions asks
-            # a backend alone, by its plugin, and such a plugin was asked nothing; the CLI read hunt.)
-            problems.append(f"it implements {caller.name} {len(plain)} times ("
-                            f"{', '.join(sorted(impl.function.__name__ for impl in plain))}); one function per "
-                            "hook")
+            # a backend alone, leaving the others out by their plugin, so such a plugin was asked nothing (the CLI
+            # read hunt); a wrapper beside the plugin's own implementation wrapped only its own answers, and once
+            # it raised, the plugin's backend claimed nothing more (the review hunt).)
+            wrapping = " (a wrapper goes in a plugin of its own)" if len(plain) < len(impls) else ""
+            problems.append(f"it implements {caller.name} {len(impls)} times ("
+                            f"{', '.join(sorted(impl.function.__name__ for impl in impls))}); one function per "
+                            f"hook{wrapping}")
         for impl in impls:
             # pluggy calls it and takes the coroutine it returns for the answer: a check that never ran passed,
             # commands were never added, a warning named nereid's own file (the config hunt).
