@@ -309,14 +309,12 @@ def note_preload_removers() -> None:
 # clean-up of what it made at import, written as a function of its own (a lambda or def around shutil.rmtree, a
 # context's __exit__ that deletes a file extracted from a zipped package, as certifi's exit_cacert_ctx).
 REMOVING_NAMES = frozenset({"rmtree", "unlink", "rmdir", "removedirs", "cleanup", "__exit__"})
-# ``remove`` only as ``os``'s: an attribute of a global that is the os module (``os.remove(path)``, ``import os as
-# o; o.remove``), or a global that is os.remove or os.unlink (``from os import remove as rm``), told by the function's
-# globals. A list's (a flusher draining its queue with ``pending.remove(item)``) was taken for one, and each run's
-# data lost (the review hunt); so was a user's own global function named remove (the next one). A local or cell
-# (an ``import os`` inside the function) is told by these names.
-LOCAL_OS_NAMES = frozenset({"os", "_os"})
-
-
+# ``remove`` only as ``os``'s: an attribute of what holds the os module, or a name that holds os.remove (or unlink),
+# told by what each name holds: a global by the function's globals (``os.remove``, ``import os as o``, ``from os import
+# remove as rm``), a local or cell by the import that bound it in the code (``import os`` inside the function), a
+# default or a closure's cell by its value. A list's ``pending.remove(item)``, a user's own global named remove, or a
+# parameter named os that is a list, is none (each was taken for one, and the flusher around it skipped, its data
+# lost; the review hunts).
 def _removes_files(func: object) -> bool:
     """Whether the exit function ``func`` (or the function a ``functools.partial`` or bound method holds) removes
     files or folders: one of the standard library's removers, a temporary file's, folder's or exit stack's method,
@@ -341,33 +339,91 @@ def _removes_files(func: object) -> bool:
     if "pathlib" in sys.modules and isinstance(owner, sys.modules["pathlib"].PurePath):
         return getattr(target, "__name__", "") in ("unlink", "rmdir")
     code = getattr(target, "__code__", None)
+    if not isinstance(code, types.CodeType):
+        return False
     names = getattr(target, "__globals__", None)
-    return isinstance(code, types.CodeType) and _calls_a_removal(code, names if isinstance(names, dict) else {})
+    bound = _OsBindings()
+    bound.add_values(_values_of_locals(target, code))
+    return _calls_a_removal(code, names if isinstance(names, dict) else {}, bound)
 
 
-def _calls_a_removal(code: types.CodeType, names: dict[str, object]) -> bool:
+class _OsBindings:
+    """The local and cell names known to hold the os module, or os.remove / os.unlink."""
+
+    def __init__(self) -> None:
+        self.modules: set[str] = set()
+        self.removers: set[str] = set()
+
+    def add_values(self, values: dict[str, object]) -> None:
+        """Names bound to these values (defaults, closure cells): each told by what it is."""
+        for name, value in values.items():
+            if value is os:
+                self.modules.add(name)
+            elif value is os.remove or value is os.unlink:
+                self.removers.add(name)
+
+    def with_imports_of(self, code: types.CodeType) -> "_OsBindings":
+        """These, and the names ``code``'s own import statements bind to os (``import os as o``) or to its
+        remove or unlink (``from os import remove as rm``)."""
+        bound = _OsBindings()
+        bound.modules, bound.removers = set(self.modules), set(self.removers)
+        instructions = list(dis.get_instructions(code))
+        for index, instruction in enumerate(instructions):
+            if instruction.opname != "IMPORT_NAME" or instruction.argval.partition(".")[0] != "os":
+                continue
+            following = instructions[index + 1:index + 2]
+            if following and following[0].opname.startswith("STORE_"):
+                bound.modules.add(following[0].argval)  # (import os, import os as o, import os.path: os)
+            step = index + 1
+            while step + 1 < len(instructions) and instructions[step].opname == "IMPORT_FROM":
+                if instructions[step].argval in ("remove", "unlink") and \
+                        instructions[step + 1].opname.startswith("STORE_"):
+                    bound.removers.add(instructions[step + 1].argval)
+                step += 2
+        return bound
+
+
+def _values_of_locals(function: object, code: types.CodeType) -> dict[str, object]:
+    """What a function's defaults and closure cells hold, by the local or free name they bind."""
+    values: dict[str, object] = {}
+    defaults = getattr(function, "__defaults__", None) or ()
+    positional = code.co_varnames[:code.co_argcount]
+    values.update(zip(positional[len(positional) - len(defaults):], defaults))
+    values.update(getattr(function, "__kwdefaults__", None) or {})
+    for name, cell in zip(code.co_freevars, getattr(function, "__closure__", None) or ()):
+        try:
+            values[name] = cell.cell_contents
+        except ValueError:  # (an empty cell)
+            continue
+    return values
+
+
+def _calls_a_removal(code: types.CodeType, names: dict[str, object], bound: _OsBindings) -> bool:
     """Whether ``code``, or a function defined in it, names one of :data:`REMOVING_NAMES` or loads ``os``'s
-    ``remove`` (``names``: the function's globals)."""
-    if REMOVING_NAMES.intersection(code.co_names) or _loads_os_remove(code, names):
+    ``remove`` (``names``: the function's globals; ``bound``: its locals and cells known to hold os or its
+    removers, to which the code's own imports are added)."""
+    bound = bound.with_imports_of(code)
+    if REMOVING_NAMES.intersection(code.co_names) or _loads_os_remove(code, names, bound):
         return True
-    return any(_calls_a_removal(const, names) for const in code.co_consts if isinstance(const, types.CodeType))
+    return any(_calls_a_removal(const, names, bound) for const in code.co_consts if isinstance(const, types.CodeType))
 
 
-def _loads_os_remove(code: types.CodeType, names: dict[str, object]) -> bool:
-    """Whether ``code`` itself loads a global that is ``os.remove`` (or ``os.unlink``), or the attribute ``remove``
-    of a global that is the os module (its globals ``names`` tell)."""
+def _loads_os_remove(code: types.CodeType, names: dict[str, object], bound: _OsBindings) -> bool:
+    """Whether ``code`` itself loads os.remove (or os.unlink): a name that holds it, or the attribute ``remove`` of a
+    name that holds the os module (a global told by ``names``, a local or cell by ``bound``)."""
     removers = (os.remove, os.unlink)
+    local = ("LOAD_FAST", "LOAD_DEREF", "LOAD_CLOSURE")
     previous = None
     for instruction in dis.get_instructions(code):
         if instruction.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
             if any(names.get(instruction.argval) is remover for remover in removers):
                 return True
+        elif instruction.opname in local and instruction.argval in bound.removers:
+            return True
         elif (instruction.opname in ("LOAD_ATTR", "LOAD_METHOD") and instruction.argval == "remove"
-              and previous is not None and (names.get(previous.argval) is os if previous.opname in (
-                  "LOAD_GLOBAL", "LOAD_NAME") else previous.opname.startswith("LOAD_")
-                  and previous.argval in LOCAL_OS_NAMES)):
-            # (A local or a cell, `import os` inside the function, a default `_os=os`, an enclosing function's
-            # import: no global of the library's own, told by its name; the review hunt.)
+              and previous is not None
+              and (names.get(previous.argval) is os if previous.opname in ("LOAD_GLOBAL", "LOAD_NAME")
+                   else previous.opname in local and previous.argval in bound.modules)):
             return True
         previous = instruction
     return False

@@ -663,7 +663,15 @@ def test_files_a_preloaded_import_made_for_its_process_outlive_each_run(repo, se
         "def _local_clean():  # (os imported in the function: a local, no global; the review hunt)\n"
         "    import os\n    os.remove(fourth)\n"
         "atexit.register(_local_clean)\n"
-        "paths = [*made, kept.name, held, str(marker), other, third, fourth]\n"
+        "fifth = _os.path.join(made[1], 'fifth')\nopen(fifth, 'w').close()\n"
+        "def _local_from():  # (a local bound to os.remove by its import: the review hunt)\n"
+        "    from os import remove as rm\n    rm(fifth)\n"
+        "atexit.register(_local_from)\n"
+        "def _flush_param(os=[]):  # a parameter named os, a list: no removal (the review hunt)\n"
+        "    os.append('x')\n    os.remove('x')\n"
+        f"    open({str(user_site / 'param.log')!r}, 'a').write('run\\n')\n"
+        "atexit.register(_flush_param)\n"
+        "paths = [*made, kept.name, held, str(marker), other, third, fourth, fifth]\n"
         "def remove(items, item):  # a helper of its own named remove: no file removed (the review hunt)\n"
         "    items.remove(item)\n"
         "def _flush_helped():\n    noted = ['run']\n    remove(noted, 'run')\n"
@@ -684,7 +692,9 @@ def test_files_a_preloaded_import_made_for_its_process_outlive_each_run(repo, se
         "+ sum(os.path.exists(path) for path in wraps_its_removals.paths)", prelude=prelude))
     server = serve(repo.write_config("- name: unpacked\n"))
     assert backend_of(server, "unpacked").runtime_report().summary == "warm_start=on"
-    assert [ask(server, "unpacked") for _ in range(3)] == [50, 50, 50]
+    assert [ask(server, "unpacked") for _ in range(3)] == [51, 51, 51]
+    assert wait_until(lambda: (user_site / "param.log").is_file()
+                      and (user_site / "param.log").read_text() == "run\n" * 3)
     assert wait_until(lambda: (user_site / "helped.log").is_file()
                       and (user_site / "helped.log").read_text() == "run\n" * 3)
     assert wait_until(lambda: (user_site / "flushed.log").is_file()
