@@ -69,6 +69,10 @@ Handler = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
 
 # Requests of one ModelStreamInfer call that may be read but not yet answered on the wire.
 STREAM_IN_FLIGHT = 256
+# And their bytes, as received: past them reading pauses until earlier answers are sent (one request alone always
+# reads). A count alone let one stream hold 256 requests of max_message_bytes each, and their answers, behind one
+# slow request: 32 GiB with the defaults (the gRPC read hunt).
+STREAM_BYTES_IN_FLIGHT = 256 << 20
 
 # What a ModelStreamInfer stream ended at shutdown says (as its UNAVAILABLE status): only requests it had sent
 # before then were read, and each of those has had its answer.
@@ -504,6 +508,9 @@ class InferenceServicer:
         # Requests read but not yet answered on the wire. At the cap, reading pauses until the client
         # takes answers, so a client that sends without reading cannot pile up answers in memory.
         in_flight = asyncio.Semaphore(STREAM_IN_FLIGHT)
+        held_bytes = 0  # the received sizes of the requests read and not yet answered on the wire
+        sizes: dict[int, int] = {}  # by place
+        bytes_freed = asyncio.Event()
         # A request that meets its model's full queue waits for room there, as Triton's unbounded queue would take it
         # (a burst of perf_analyzer --streaming past queue_capacity was refused); reading pauses meanwhile, so that
         # gRPC's flow control holds the client back.
@@ -573,12 +580,18 @@ class InferenceServicer:
             await give(place, pb.ModelStreamInferResponse(error_message=cap_message(message), infer_response=stub))
 
         async def read() -> None:
-            nonlocal unanswered
+            nonlocal unanswered, held_bytes
             read_count = 0
             try:
                 async for received in requests:
                     unanswered += 1
                     await in_flight.acquire()
+                    size = received.size if isinstance(received, Received) else 0
+                    while held_bytes and held_bytes + size > STREAM_BYTES_IN_FLIGHT:
+                        bytes_freed.clear()
+                        await bytes_freed.wait()
+                    held_bytes += size
+                    sizes[read_count] = size
                     task = asyncio.create_task(answer(read_count, received))
                     read_count += 1
                     pending.add(task)
@@ -619,6 +632,8 @@ class InferenceServicer:
                         self._stream_answers_unsent -= 1
                     if (sent := outcomes.pop(next_place, None)) is not None:
                         self._counted(*sent)
+                    held_bytes -= sizes.pop(next_place, 0)
+                    bytes_freed.set()
                     next_place += 1
                     unanswered -= 1
                     in_flight.release()

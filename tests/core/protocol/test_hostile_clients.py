@@ -241,6 +241,25 @@ def test_a_stream_with_more_requests_than_the_in_flight_cap_answers_them_all(ech
     assert all(a.infer_response.raw_output_contents[0] == bytes([i % 128] * 4) for i, a in enumerate(answers))
 
 
+def test_a_stream_s_requests_in_flight_are_bounded_by_their_bytes_too(echo_server, monkeypatch):
+    """Found by the gRPC read hunt: the in-flight cap counted requests, so one stream could hold 256 of
+    max_message_bytes each, and their answers, behind one slow request (32 GiB with the defaults). With a budget
+    of one byte, each request is read only once the one before it is answered: none is batched with another, and
+    none is lost."""
+    from nereid.protocol import grpc_service
+
+    monkeypatch.setattr(grpc_service, "STREAM_BYTES_IN_FLIGHT", 1)
+    count = 24
+    requests = [infer_request("echo", "input", "INT8", [4], bytes([i] * 4), request_id=str(i)) for i in range(count)]
+    with raw_channel(echo_server) as channel:
+        answers = [service_pb2.ModelStreamInferResponse.FromString(answer)
+                   for answer in channel.stream_stream(MODEL_STREAM_INFER)(iter(requests), timeout=60)]
+    assert [a.infer_response.id for a in answers] == [str(i) for i in range(count)]
+    assert all(a.infer_response.raw_output_contents[0] == bytes([i] * 4) for i, a in enumerate(answers))
+    stats = echo_server.client.get_inference_statistics("echo").model_stats[0]
+    assert stats.execution_count == stats.inference_count == count  # one at a time: never two in one batch
+
+
 def test_made_up_model_names_are_not_found_without_rescanning_the_repository(echo_server):
     """Every unknown name listed the whole repository on the event loop."""
     repository = echo_server.server.repository
