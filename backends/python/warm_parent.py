@@ -1850,18 +1850,23 @@ def _find_fflush():
 
 
 def _children() -> list[int]:
-    """This process's children, forked by any of its threads (Linux lists them per thread: a preloaded import's
-    thread that started a process left it out, and it outlived the fallback; the review hunt), from /proc; []
-    where /proc cannot tell."""
+    """This process's children, forked by any of its threads (a preloaded import's thread that started a process
+    was left out, and it outlived the fallback; the review hunt): see :func:`_children_of`."""
+    return _children_of(os.getpid())
+
+
+def _children_of(pid: int) -> list[int]:
+    """The children of ``pid``, forked by any of its threads (Linux lists them per thread), from /proc; [] where
+    /proc cannot tell (``pid`` gone)."""
     children: list[int] = []
     try:
-        threads = os.listdir("/proc/self/task")
+        threads = os.listdir(f"/proc/{pid}/task")
     except OSError:
         return []
     for thread in threads:
         try:
-            with open(f"/proc/self/task/{thread}/children") as f:
-                children.extend(int(pid) for pid in f.read().split())
+            with open(f"/proc/{pid}/task/{thread}/children") as f:
+                children.extend(int(child) for child in f.read().split())
         except OSError:  # (a thread gone since the listing)
             continue
     return children
@@ -1893,19 +1898,9 @@ def _descendants(pid: int) -> list[int]:
     found: list[int] = []
     parents = [pid]
     while parents:
-        parent = parents.pop()
-        try:
-            threads = os.listdir(f"/proc/{parent}/task")
-        except OSError:  # gone already
-            continue
-        for thread in threads:
-            try:
-                with open(f"/proc/{parent}/task/{thread}/children") as f:
-                    children = [int(child) for child in f.read().split()]
-            except OSError:
-                continue
-            found.extend(children)
-            parents.extend(children)
+        children = _children_of(parents.pop())
+        found.extend(children)
+        parents.extend(children)
     return found
 
 
