@@ -309,12 +309,8 @@ def note_preload_removers() -> None:
 # clean-up of what it made at import, written as a function of its own (a lambda or def around shutil.rmtree, a
 # context's __exit__ that deletes a file extracted from a zipped package, as certifi's exit_cacert_ctx).
 REMOVING_NAMES = frozenset({"rmtree", "unlink", "rmdir", "removedirs", "cleanup", "__exit__"})
-# ``remove`` only as ``os``'s: an attribute of what holds the os module, or a name that holds os.remove (or unlink),
-# told by what each name holds: a global by the function's globals (``os.remove``, ``import os as o``, ``from os import
-# remove as rm``), a local or cell by the import that bound it in the code (``import os`` inside the function), a
-# default or a closure's cell by its value. A list's ``pending.remove(item)``, a user's own global named remove, or a
-# parameter named os that is a list, is none (each was taken for one, and the flusher around it skipped, its data
-# lost; the review hunts).
+
+
 def _removes_files(func: object) -> bool:
     """Whether the exit function ``func`` (or the function a ``functools.partial`` or bound method holds) removes
     files or folders: one of the standard library's removers, a temporary file's, folder's or exit stack's method,
@@ -347,6 +343,12 @@ def _removes_files(func: object) -> bool:
     return _calls_a_removal(code, names if isinstance(names, dict) else {}, bound)
 
 
+# ``remove`` only as ``os``'s: an attribute of what holds the os module, or a name that holds os.remove (or unlink),
+# told by what each name holds: a global by the function's globals (``os.remove``, ``import os as o``, ``from os import
+# remove as rm``), a local or cell by the import that bound it in the code (``import os`` inside the function), a
+# default or a closure's cell by its value. A list's ``pending.remove(item)``, a user's own global named remove, or a
+# parameter named os that is a list, is none (each was taken for one, and the flusher around it skipped, its data
+# lost; the review hunts).
 class _OsBindings:
     """The local and cell names known to hold the os module, or os.remove / os.unlink."""
 
