@@ -24,8 +24,8 @@ from nereid.batching import deadline_passed
 from nereid.daemon_pool import DaemonThreadPool, ThreadStartFailed, on_work_thread_or_here
 from nereid.errors import (ConfigError, DeadlineExceeded, InvalidArgument, ModelFailure, NereidError,
                            describe_exception, loop_safe_call, naming_model, without_model_name)
-from nereid.scheduler import (REQUEST_STARTED, ModelScheduler, UnloadedBeforeStart, checked_where_cheap,
-                              not_started, queue_full, unloaded_before_start)
+from nereid.scheduler import (REQUEST_STARTED, ModelScheduler, UnloadedBeforeStart, not_started, queue_full,
+                              unloaded_before_start, where_cheap)
 from nereid.signature import ModelSignature, brief_description, check_outputs, validate_inputs
 from nereid.stats import RequestTiming
 from nereid.tensors import NamedTensor
@@ -237,7 +237,7 @@ def make_runner(backend: Model, signature: ModelSignature, batch_signature: Mode
                     try:
                         # (The list checked: a numpy scalar is the 0-d array it is. Large results, as a coroutine
                         # model's outputs, are checked on a thread of the server's, not on the loop.)
-                        outputs = await checked_where_cheap(
+                        outputs = await where_cheap(
                             outputs, lambda made: check_outputs(name, signature, made, batch_size))
                     except ModelFailure as err:  # (named as the hook's: the program's outputs were checked already)
                         # (A preprocess that changed the rows is named too: the postprocess hook turns the program's

@@ -97,13 +97,14 @@ def costly_to_check(outputs: object) -> bool:
     return total >= CHECK_OFF_LOOP_BYTES
 
 
-async def checked_where_cheap(outputs: list[NamedTensor], check: Callable[[list[NamedTensor]], T]) -> T:
-    """``check(outputs)``, the check (and copy) of outputs made on the event loop: on a thread of the server's
-    when they are costly to check (see :func:`costly_to_check`), else here; here too when no thread can start
-    (the model has run: its outputs must not be refused for that)."""
-    if costly_to_check(outputs):
-        return await on_work_thread_or_here(check, outputs)
-    return check(outputs)
+async def where_cheap(tensors: list[NamedTensor], work: Callable[[list[NamedTensor]], T]) -> T:
+    """``work(tensors)``, work that goes over every tensor (the check and copy of outputs made on the event loop,
+    the stacking of a batch's rows): on a thread of the server's when they are costly to go over (see
+    :func:`costly_to_check`), else here; here too when no thread can start (the model has run, or its batch is
+    formed: its requests must not be refused for that)."""
+    if costly_to_check(tensors):
+        return await on_work_thread_or_here(work, tensors)
+    return work(tensors)
 
 
 class ModelScheduler:
@@ -957,9 +958,7 @@ class ModelScheduler:
         run_rows = self._padded_rows(total) if self._pads else total
         tensors = [tensor for request in requests for tensor in request]
         try:
-            if costly_to_check(tensors):
-                return await on_work_thread_or_here(stack_rows, requests, run_rows), run_rows
-            return stack_rows(requests, run_rows), run_rows
+            return await where_cheap(tensors, lambda _: stack_rows(requests, run_rows)), run_rows
         except MemoryError:
             # The server's condition, not the model's fault (it was an ERROR with a traceback, "model 'm' failed:
             # MemoryError", counted as the model's; the exhaustion hunt): each request may well pass later.
@@ -994,7 +993,7 @@ class ModelScheduler:
             # A coroutine model's large outputs (a meta model's): their check and copy held the loop, a millisecond
             # per 4 MiB and seconds for millions of BYTES elements, where a plugin's run on its own thread. The
             # instance stays taken meanwhile, as it does there.
-            return await checked_where_cheap(await self._backend.infer(inputs), finish)
+            return await where_cheap(await self._backend.infer(inputs), finish)
         loop = asyncio.get_running_loop()
         call = _ThreadCall(loop.create_future())
 
