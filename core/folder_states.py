@@ -225,15 +225,14 @@ def scan_store(location: StoreURL) -> dict[str, FolderState]:
     "Create folder"), is there with nothing in its stamp, as an empty local
     folder is.
     """
-    from nereid.storage.mirror import folder_objects, list_objects
+    from nereid.storage.mirror import ancestor_paths, folder_objects, list_objects
 
     objects: dict[str, list[tuple[str, int, int | str]]] = {}
     lone: dict[str, str] = {}  # objects directly under location: a file, or a folder's own object "<name>/"
     listed = [entry for entry in list_objects(location) if not entry[0].startswith(".")]
     # The listing drops a key's trailing "/": a folder object shows as a zero-byte object named like its folder.
     # One with keys below it is one (as the mirror drops it); one without is asked of the store, once per ETag.
-    parents = {relative.rpartition("/")[0] for relative, _, _ in listed}
-    parents |= {parent.rpartition("/")[0] for parent in set(parents) for _ in range(parent.count("/"))}
+    parents = ancestor_paths(relative for relative, _, _ in listed)
     empty_leaves: dict[str, str] = {}
     for relative, size, etag in listed:
         name, _, rest = relative.partition("/")

@@ -1104,6 +1104,12 @@ def leftover_names(root: Path, present: Iterable[str]) -> list[str]:
     return sorted(name for name in names if name and not name.startswith("."))
 
 
+def ancestor_paths(paths: Iterable[str]) -> set[str]:
+    """Every folder above each of the ``/``-separated ``paths`` (``a`` and ``a/b`` for ``a/b/c``): the keys that are
+    folders of other keys, as a listing without trailing slashes shows them."""
+    return {"/".join(parts[:depth]) for parts in (path.split("/") for path in paths) for depth in range(1, len(parts))}
+
+
 def _without_folder_markers(store: Any, folder_url: StoreURL, objects: list[dict]) -> list[dict]:
     """The listing without the folder markers it can recognise: the zero-byte objects a console's "Create folder" makes.
 
@@ -1115,10 +1121,8 @@ def _without_folder_markers(store: Any, folder_url: StoreURL, objects: list[dict
     apart (the key without the ``/`` does not exist).
     """
     folder_key = folder_url.key()
-    folders = {folder_key}
-    for meta in objects:
-        parts = meta["path"][len(folder_key) + 1:].split("/")
-        folders.update(f"{folder_key}/{'/'.join(parts[:depth])}" for depth in range(1, len(parts)))
+    folders = {folder_key, *(f"{folder_key}/{path}"
+                             for path in ancestor_paths(meta["path"][len(folder_key) + 1:] for meta in objects))}
     sized = {meta["path"] for meta in objects if int(meta["size"])}
     kept = []
     for meta in objects:

@@ -185,3 +185,12 @@ def test_a_listing_that_started_before_a_name_was_forgotten_does_not_bring_it_ba
     # One started after the forget tells the truth, whatever it is: uploaded again, the folder is back.
     _record_listing(location, frozenset({"first", "second"}), time.monotonic())
     assert model_folder_exists(server, "second")
+
+
+def test_ancestor_paths_are_every_folder_above_each_key_at_any_depth() -> None:
+    # The watcher's scan and the mirror both tell a folder object from a file by it: a folder object two levels
+    # above the deepest key is a folder too, not an empty file to ask the store about.
+    from nereid.storage.mirror import ancestor_paths
+
+    assert ancestor_paths(["m/a/b/c/x.txt", "m/main.py", "top"]) == {"m", "m/a", "m/a/b", "m/a/b/c"}
+    assert ancestor_paths([]) == set()
