@@ -336,7 +336,7 @@ def validate_inputs(model: str, signature: ModelSignature, tensors: list[NamedTe
                 tensor = NamedTensor(tensor.name, tensor.dtype, tensor.data.astype(held.newbyteorder("=")))
         if spec.dtype is DType.BYTES:
             tensor = _as_bytes_elements(model, spec.name, tensor)
-        elif spec.dtype is DType.BOOL and (problem := _bool_problem(tensor.data)) is not None:
+        elif spec.dtype is DType.BOOL and (problem := bool_bytes_problem(tensor.data)) is not None:
             # (A client's are refused by the decoders already; a meta model's sub-call or a hook's come here.)
             raise _refusal(f"model '{model}': input '{spec.name}' is tagged BOOL but holds {problem}")
         shape = tensor.data.shape
@@ -451,7 +451,7 @@ def check_outputs(model: str, signature: ModelSignature, outputs: Sequence[Named
         if spec.dtype is DType.BYTES and (problem := _text_problem(data)) is not None:
             raise ModelFailure(f"model '{model}' returned output '{spec.name}' tagged {spec.dtype.kserve} "
                                f"holding {problem}")
-        if spec.dtype is DType.BOOL and (problem := _bool_problem(data)) is not None:
+        if spec.dtype is DType.BOOL and (problem := bool_bytes_problem(data)) is not None:
             raise ModelFailure(f"model '{model}' returned output '{spec.name}' tagged BOOL holding {problem}")
         shape = data.shape
         if signature.batches:
@@ -614,12 +614,13 @@ def _as_bytes_elements(model: str, name: str, tensor: NamedTensor) -> NamedTenso
     return NamedTensor(tensor.name, tensor.dtype, encoded)
 
 
-def _bool_problem(data: np.ndarray) -> str | None:
+def bool_bytes_problem(data: np.ndarray) -> str | None:
     """What is wrong with a BOOL array's bytes (after "holding"); None when each is 0 or 1.
 
     numpy makes bools of any byte it is handed (a native library's buffer, a framed tensor read back): such a
     byte is no bool. The decoders refuse it in a request; an output must not send clients what nereid itself
-    would refuse, nor hand it to the next model of a pipeline (reading it as a C++ bool is undefined).
+    would refuse, nor hand it to the next model of a pipeline (reading it as a C++ bool is undefined); nor may a
+    bundle's weight hold one (XLA read it as true for one operation and false for another).
     """
     octets = data.view(np.uint8)  # (one byte each: a view of any strides)
     if not octets.size or octets.max() <= 1:

@@ -41,7 +41,7 @@ from nereid.daemon_pool import make_room_for_threads
 from nereid.errors import ConfigError, InvalidArgument, ModelFailure
 from nereid.model_hooks import ModelHooks, identity, load_model_hooks
 from nereid.settings import Device
-from nereid.signature import ModelSignature
+from nereid.signature import ModelSignature, bool_bytes_problem
 from nereid.tensors import NamedTensor
 from nereid.watched_paths import identity_of
 
@@ -565,12 +565,8 @@ def _check_bool_weights(arrays: Sequence[tuple[str, np.ndarray]], where: str) ->
     true for one operation and false for another (and, select), and the model answered contradictions, OK (the
     XLA read hunt); a client's BOOL input is refused alike."""
     for name, array in arrays:
-        if array.dtype == np.bool_ and array.size:
-            raw = array.view(np.uint8)
-            if raw.max() > 1:
-                index = int(np.argmax(raw.reshape(-1) > 1))
-                raise ConfigError(f"{where}: BOOL weight '{name}' holds byte {int(raw.reshape(-1)[index])} at element "
-                                  f"{index}; each element must be 0 (false) or 1 (true)")
+        if array.dtype == np.bool_ and (problem := bool_bytes_problem(array)) is not None:
+            raise ConfigError(f"{where}: BOOL weight '{name}' holds {problem}")
 
 
 def place_weights(transfer: DeviceTransfer, arrays: Sequence[np.ndarray]) -> list[Any]:

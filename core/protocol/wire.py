@@ -14,7 +14,7 @@ import numpy as np
 
 from nereid.dtypes import DType
 from nereid.errors import InvalidArgument
-from nereid.signature import MAX_REQUEST_RANK, brief_repr, expected_byte_size
+from nereid.signature import MAX_REQUEST_RANK, bool_bytes_problem, brief_repr, expected_byte_size
 from nereid.tensors import bytes_array, split_bytes_elements
 
 # Requests (gRPC) and bodies (HTTP) at least this large are decoded on a worker thread, so that the decode's
@@ -90,11 +90,9 @@ def decode_raw(where: str, dtype: DType, shape: tuple[int, ...], raw: bytes | me
     if dtype is DType.BOOL:
         # One byte each, 0 or 1: any other byte is no bool (numpy compares it unequal to True, and a
         # C++ model reading it as bool is undefined behaviour).
-        octets = np.frombuffer(raw, dtype=np.uint8)
-        if count and octets.max() > 1:
-            index = int(np.argmax(octets > 1))
-            raise InvalidArgument(f"{where}: BOOL raw contents hold byte {int(octets[index])} at element {index}; "
-                                  "each element must be 0 (false) or 1 (true)")
+        problem = bool_bytes_problem(np.frombuffer(raw, dtype=np.uint8))
+        if problem is not None:
+            raise InvalidArgument(f"{where}: BOOL raw contents hold {problem}")
     return np.frombuffer(raw, dtype=dtype.little_endian).reshape(shape)
 
 
