@@ -429,15 +429,13 @@ class MetaModel:
             # The sub-model's scheduler logged this fault of its run (with the traceback, if any): the same
             # status and message for the client, but no second line in the log for this model.
             raise LoggedModelFailure(f"meta model '{name}': sub-call to '{sub}' failed: {err}") from err
-        except (NotFound, QueueFull) as err:
+        except (NotFound, QueueFull, RunNotStarted) as err:
             # UNAVAILABLE, whatever the sub-model's own: NOT_FOUND would say the meta model is unknown (a router
             # then treats its URL as wrong), where a model it calls is gone, as requests a moment later are told;
-            # and counted as this model's queue_full, a full sub-model queue would send an operator to this
-            # model's queue_capacity, which was not the one full.
-            raise Unavailable(f"meta model '{name}': sub-call to '{sub}' failed: {err}") from err
-        except RunNotStarted as err:
-            # The sub-model's run did not start; this model's orchestration did, and is an execution all the same
-            # (its own scheduler would take the kept kind for one of its own: the review hunt).
+            # counted as this model's queue_full, a full sub-model queue would send an operator to this model's
+            # queue_capacity, which was not the one full; and a sub-model's run that did not start is no
+            # RunNotStarted of this model, whose orchestration did run (its own scheduler would take the kept kind
+            # for one of its own: the review hunt).
             raise Unavailable(f"meta model '{name}': sub-call to '{sub}' failed: {err}") from err
         except NereidError as err:
             raise same_kind(err, f"meta model '{name}': sub-call to '{sub}' failed: {err}") from err
