@@ -73,12 +73,11 @@ def export_bundle(fn: Callable[..., Any], example_inputs: Sequence[Any],
         # Decided first, from the values that carry a dtype of their own: a Python number narrowed to jax's 32 bits
         # before a 64-bit example turned x64 on served numbers no jax run gives (the exporter hunt).
         x64 = _default_x64(jax, _carried_dtypes(example_inputs, weights))
-    # The width of a Python number or list: jax's for it, 64 bits under x64.
-    wide = x64
-    examples = [_shape_dtype(x, f"example input {i} ({n!r})", wide)
+    # A Python number or list takes jax's width for it: 64 bits under x64.
+    examples = [_shape_dtype(x, f"example input {i} ({n!r})", x64)
                 for i, (x, n) in enumerate(zip(example_inputs, in_names))]
     # A Python number is weakly typed in jax too: it takes the other operand's type (0.5 * a bfloat16 stays one).
-    typed_weights, weak = _python_values_as_jax_types(weights, wide)
+    typed_weights, weak = _python_values_as_jax_types(weights, x64)
     weight_items = weight_pairs(typed_weights)
     sizes: list[int | None] = list(batch_sizes) if batch_sizes is not None else [None]
     in_axes = _axes(input_batch_axes, len(examples), batch_sizes is not None, "input_batch_axes")
